@@ -1,0 +1,38 @@
+# The two commands: `make train` and `make test`. Each installs what is missing, configures and
+# builds, then does its job. Other targets are conveniences for developers.
+BUILD_DIR ?= build
+BUILD_TYPE ?= Release
+CMAKE_ARGS ?=
+JOBS ?= $(shell nproc)
+
+.PHONY: all deps configure build test train bench clean
+
+all: build
+
+deps:
+	@bash scripts/install-deps.sh
+
+configure: deps
+	@if [ ! -f $(BUILD_DIR)/build.ninja ]; then \
+	  cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS); \
+	fi
+
+build: configure
+	@cmake --build $(BUILD_DIR) -j $(JOBS)
+
+test: build
+	@cd $(BUILD_DIR) && ctest -j $(JOBS) --output-on-failure --timeout 900
+
+train: build
+	@if [ ! -x $(BUILD_DIR)/examples/fashion_mnist ]; then \
+	  echo "make train: the Fashion-MNIST training example does not exist yet (see issue 8)."; \
+	  exit 1; \
+	fi
+	@$(BUILD_DIR)/launcher/emberrun --nproc-per-node 2 $(BUILD_DIR)/examples/fashion_mnist \
+	  --model cnn --epochs 3
+
+bench: build
+	@python3 benchmarks/run_tensor_bench.py --build $(BUILD_DIR)
+
+clean:
+	rm -rf $(BUILD_DIR)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs every Debian package Ember's build, tests and benchmarks need. Idempotent: when
+# nothing is missing it prints nothing and touches nothing. Needs root (or sudo) to install.
+set -euo pipefail
+pkgs=(
+  cmake ninja-build ccache g++ make pkg-config file
+  libopenblas-dev libdnnl-dev ocl-icd-opencl-dev
+  libgloo-dev libopenmpi-dev openmpi-bin
+  libboost-dev libboost-system-dev libcli11-dev libspdlog-dev nlohmann-json3-dev zlib1g-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  dataset-fashion-mnist
+  python3-torch libtorch-dev
+  iproute2
+)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+echo "install-deps: installing ${missing[*]}"
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+echo "install-deps: done"

@@ -1,0 +1,90 @@
+// CUDA runtime: devices, streams and events. Safe to call on a machine without a GPU or driver:
+// device_count() is then 0 and is_available() false; anything needing a device throws
+// NotImplementedError/CudaError saying why. In a build without CUDA every call reports that.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "tensor/device.h"
+
+namespace ember::cuda {
+
+/// Number of usable CUDA devices (0 when no driver, no device or a CPU-only build).
+int device_count();
+bool is_available();
+/// True when Ember was compiled with CUDA support.
+bool is_built();
+/// Why no device is usable ("built without CUDA", "no CUDA driver", ...); empty if one is.
+const char* unavailable_reason();
+int current_device();
+void set_device(int index);
+/// Waits for all work on the device (default: the current one).
+void synchronize(int device = -1);
+
+/// A CUDA stream handle. Copyable; the default-constructed value is the legacy default stream
+/// of device 0. Streams made by Stream::create live for the whole process (as PyTorch's pool).
+class Stream {
+ public:
+  Stream() = default;
+  Stream(void* handle, int device) : handle_(handle), device_(device) {}
+  /// A new non-blocking stream on `device` (priority: lower is more urgent, 0 default).
+  static Stream create(int device = -1, int priority = 0);
+  void* handle() const { return handle_; }
+  int device() const { return device_; }
+  void synchronize() const;
+  /// True when all work queued on the stream has finished.
+  bool query() const;
+  bool operator==(const Stream& o) const { return handle_ == o.handle_ && device_ == o.device_; }
+
+ private:
+  void* handle_ = nullptr;
+  int device_ = 0;
+};
+
+/// The stream ops on `device` are queued on (per thread, like PyTorch's current stream).
+Stream current_stream(int device = -1);
+void set_current_stream(const Stream& s);
+Stream default_stream(int device = -1);
+
+/// Makes `s` current for its device while alive; restores the previous stream after.
+class StreamGuard {
+ public:
+  explicit StreamGuard(const Stream& s);
+  ~StreamGuard();
+  StreamGuard(const StreamGuard&) = delete;
+  StreamGuard& operator=(const StreamGuard&) = delete;
+
+ private:
+  Stream prev_;
+};
+
+/// A CUDA event for ordering streams and timing. Created lazily on first record.
+class Event {
+ public:
+  explicit Event(bool enable_timing = false) : timing_(enable_timing) {}
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  void record(const Stream& s);
+  void record() { record(current_stream()); }
+  /// Makes future work on `s` wait for this event.
+  void block(const Stream& s) const;
+  void synchronize() const;
+  bool query() const;
+  /// Milliseconds between two recorded timing events.
+  float elapsed_ms(const Event& end) const;
+
+ private:
+  void* handle_ = nullptr;
+  int device_ = 0;
+  bool timing_;
+};
+
+/// Marks that `ptr` (from the CUDA caching allocator) is in use on stream s, so the allocator
+/// waits for s before reusing it after it is freed (torch's record_stream).
+void record_stream(void* ptr, const Stream& s);
+/// Releases unused cached device memory back to CUDA.
+void empty_cache();
+
+}  // namespace ember::cuda

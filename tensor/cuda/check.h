@@ -1,0 +1,42 @@
+// Error checking for CUDA runtime calls (internal to tensor/cuda/).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "tensor/error.h"
+
+#define EMBER_CUDA_CHECK(expr)                                                            \
+  do {                                                                                    \
+    cudaError_t ember_err_ = (expr);                                                      \
+    if (ember_err_ != cudaSuccess) {                                                      \
+      (void)cudaGetLastError();                                                           \
+      if (ember_err_ == cudaErrorMemoryAllocation) {                                      \
+        throw ::ember::OutOfMemoryError(::ember::detail::str_cat(                         \
+            "CUDA out of memory in ", #expr, ": ", cudaGetErrorString(ember_err_)));      \
+      }                                                                                   \
+      throw ::ember::CudaError(::ember::detail::str_cat("CUDA error in ", #expr, " at ", \
+                                                        __FILE__, ":", __LINE__, ": ",    \
+                                                        cudaGetErrorString(ember_err_))); \
+    }                                                                                     \
+  } while (0)
+
+namespace ember::cuda::detail {
+/// Sets the device for the scope and restores the previous one after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    EMBER_CUDA_CHECK(cudaGetDevice(&prev_));
+    if (device != prev_) EMBER_CUDA_CHECK(cudaSetDevice(device));
+    cur_ = device;
+  }
+  ~DeviceGuard() {
+    if (cur_ != prev_) cudaSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0, cur_ = 0;
+};
+inline cudaStream_t raw(void* h) { return static_cast<cudaStream_t>(h); }
+}  // namespace ember::cuda::detail

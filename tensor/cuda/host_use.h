@@ -1,0 +1,9 @@
+#pragma once
+
+#include "tensor/cuda.h"
+
+namespace ember::detail {
+/// Tells the pinned allocator that an asynchronous copy on s reads or writes host_ptr, so the
+/// block is not reused before the copy has finished.
+void record_host_use(void* host_ptr, const cuda::Stream& s);
+}  // namespace ember::detail

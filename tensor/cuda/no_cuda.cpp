@@ -1,0 +1,51 @@
+// Linked instead of tensor/cuda/*.cpp|cu when Ember is built with EMBER_WITH_CUDA=OFF: every
+// entry point exists and says why it cannot work.
+#include "tensor/allocator.h"
+#include "tensor/cuda.h"
+#include "tensor/detail/copy.h"
+#include "tensor/error.h"
+
+namespace ember {
+
+namespace {
+constexpr const char* kReason = "CUDA is not available: Ember was built with EMBER_WITH_CUDA=OFF";
+[[noreturn]] void no_cuda(const char* what) {
+  throw NotImplementedError(detail::str_cat("[", what, "] ", kReason));
+}
+}  // namespace
+
+Allocator* cuda_allocator(int) { no_cuda("cuda_allocator"); }
+Allocator* pinned_allocator() { no_cuda("pin_memory"); }
+
+namespace detail {
+void copy_cuda(const Tensor&, const Tensor&, bool) { no_cuda("copy_"); }
+void fill_cuda(const Tensor&, const Scalar&) { no_cuda("fill_"); }
+}  // namespace detail
+
+namespace cuda {
+int device_count() { return 0; }
+bool is_available() { return false; }
+bool is_built() { return false; }
+const char* unavailable_reason() { return kReason; }
+int current_device() { return 0; }
+void set_device(int) { no_cuda("set_device"); }
+void synchronize(int) { no_cuda("synchronize"); }
+Stream Stream::create(int, int) { no_cuda("Stream::create"); }
+void Stream::synchronize() const { no_cuda("Stream::synchronize"); }
+bool Stream::query() const { no_cuda("Stream::query"); }
+Stream current_stream(int device) { return Stream(nullptr, device < 0 ? 0 : device); }
+void set_current_stream(const Stream&) { no_cuda("set_current_stream"); }
+Stream default_stream(int device) { return Stream(nullptr, device < 0 ? 0 : device); }
+StreamGuard::StreamGuard(const Stream&) { no_cuda("StreamGuard"); }
+StreamGuard::~StreamGuard() = default;
+Event::~Event() = default;
+void Event::record(const Stream&) { no_cuda("Event::record"); }
+void Event::block(const Stream&) const { no_cuda("Event::block"); }
+void Event::synchronize() const { no_cuda("Event::synchronize"); }
+bool Event::query() const { no_cuda("Event::query"); }
+float Event::elapsed_ms(const Event&) const { no_cuda("Event::elapsed_ms"); }
+void record_stream(void*, const Stream&) { no_cuda("record_stream"); }
+void empty_cache() {}
+}  // namespace cuda
+
+}  // namespace ember
