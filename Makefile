@@ -32,7 +32,8 @@ train: build
 	  --model cnn --epochs 3
 
 bench: build
-	@python3 benchmarks/run_tensor_bench.py --build $(BUILD_DIR)
+	@cmake --build $(BUILD_DIR) --target ref_libtorch -j $(JOBS)
+	@/usr/bin/python3 benchmarks/run_tensor_bench.py --build $(BUILD_DIR)
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -21,7 +21,14 @@ class IntList {
  public:
   constexpr IntList() = default;
   constexpr IntList(const int64_t* data, int64_t size) : data_(data), size_(size) {}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winit-list-lifetime"  // a view by design: see the class comment
+#endif
   constexpr IntList(std::initializer_list<int64_t> l) : data_(l.begin()), size_(l.size()) {}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
   IntList(const std::vector<int64_t>& v) : data_(v.data()), size_(v.size()) {}  // NOLINT
   constexpr const int64_t* begin() const { return data_; }
   constexpr const int64_t* end() const { return data_ + size_; }

@@ -1,0 +1,120 @@
+// The same benchmark cases as Ember's bench_* programs, run through libtorch's C++ API
+// (Debian's libtorch-dev, PyTorch 1.13): the fair reference for per-op overhead and kernels,
+// since it pays no Python cost. Case names match Ember's; run_tensor_bench.py interleaves them.
+// Threads: torch::set_num_threads(EMBER_NUM_THREADS or 1).
+#include <torch/torch.h>
+
+#include <cstdlib>
+
+#include "bench_util.h"
+
+namespace F = torch::nn::functional;
+
+int main(int argc, char** argv) {
+  bench::Options o = bench::parse(argc, argv);
+  const char* nt = std::getenv("EMBER_NUM_THREADS");
+  torch::set_num_threads(nt ? std::atoi(nt) : 1);
+  torch::manual_seed(0);
+  torch::NoGradGuard no_grad_default;
+  const int64_t M16 = 16 << 20;
+
+  for (int64_t n : {512, 1024, 2048}) {
+    const std::string name = "matmul_" + std::to_string(n) + "_f32";
+    if (!bench::selected(o, name)) continue;
+    auto a = torch::randn({n, n}), b = torch::randn({n, n});
+    auto c = torch::empty({n, n});
+    bench::run(o, name, [&] { at::mm_out(c, a, b); }, 2.0 * n * n * n);
+  }
+  {
+    auto x = torch::randn({64, 32, 28, 28}), w = torch::randn({64, 32, 3, 3}) * 0.1,
+         bias = torch::randn({64});
+    if (bench::selected(o, "conv2d_fwd_b64_c32_64_k3_28")) {
+      bench::run(o, "conv2d_fwd_b64_c32_64_k3_28", [&] {
+        auto y = F::conv2d(x, w, F::Conv2dFuncOptions().bias(bias).padding(1));
+        bench::do_not_optimize(y.data_ptr());
+      }, 2.0 * 64 * 64 * 28 * 28 * 32 * 9);
+    }
+    if (bench::selected(o, "conv2d_fwdbwd_b64_c32_64_k3_28")) {
+      torch::AutoGradMode grad(true);
+      auto xg = x.clone().requires_grad_(true), wg = w.clone().requires_grad_(true),
+           bg = bias.clone().requires_grad_(true);
+      bench::run(o, "conv2d_fwdbwd_b64_c32_64_k3_28", [&] {
+        auto y = F::conv2d(xg, wg, F::Conv2dFuncOptions().bias(bg).padding(1));
+        y.backward(torch::ones_like(y));
+        xg.mutable_grad() = torch::Tensor();
+        wg.mutable_grad() = torch::Tensor();
+        bg.mutable_grad() = torch::Tensor();
+      }, 3 * 2.0 * 64 * 64 * 28 * 28 * 32 * 9);
+    }
+    if (bench::selected(o, "maxpool2d_b64_c32_28")) {
+      bench::run(o, "maxpool2d_b64_c32_28", [&] {
+        auto y = F::max_pool2d(x, F::MaxPool2dFuncOptions(2));
+        bench::do_not_optimize(y.data_ptr());
+      }, 0, 4.0 * x.numel() * 1.25);
+    }
+  }
+  {
+    auto a = torch::rand({M16}), b = torch::rand({M16}), c = torch::empty({M16});
+    if (bench::selected(o, "add_16M_f32_out"))
+      bench::run(o, "add_16M_f32_out", [&] { at::add_out(c, a, b); }, 0, 12.0 * M16);
+    if (bench::selected(o, "add_16M_f32_fresh"))
+      bench::run(o, "add_16M_f32_fresh", [&] {
+        auto r = a + b;
+        bench::do_not_optimize(r.data_ptr());
+      }, 0, 12.0 * M16);
+    if (bench::selected(o, "mul_scalar_16M_f32_out"))
+      bench::run(o, "mul_scalar_16M_f32_out", [&] { at::mul_out(c, a, torch::scalar_tensor(2.5)); },
+                 0, 8.0 * M16);
+    if (bench::selected(o, "sum_16M_f32"))
+      bench::run(o, "sum_16M_f32", [&] {
+        auto s = a.sum();
+        bench::do_not_optimize(s.data_ptr());
+      }, 0, 4.0 * M16);
+    if (bench::selected(o, "rand_16M_f32"))
+      bench::run(o, "rand_16M_f32", [&] { c.uniform_(); }, 0, 4.0 * M16);
+    if (bench::selected(o, "randn_16M_f32"))
+      bench::run(o, "randn_16M_f32", [&] { c.normal_(); }, 0, 4.0 * M16);
+    if (bench::selected(o, "cat_2x8M_f32")) {
+      auto h1 = torch::rand({M16 / 2}), h2 = torch::rand({M16 / 2});
+      bench::run(o, "cat_2x8M_f32", [&] {
+        auto r = torch::cat({h1, h2});
+        bench::do_not_optimize(r.data_ptr());
+      }, 0, 8.0 * M16);
+    }
+  }
+  {
+    auto m = torch::rand({4096, 4096});
+    if (bench::selected(o, "sum_dim0_4096x4096_f32"))
+      bench::run(o, "sum_dim0_4096x4096_f32", [&] {
+        auto s = m.sum(0);
+        bench::do_not_optimize(s.data_ptr());
+      }, 0, 4.0 * m.numel());
+    if (bench::selected(o, "sum_dim1_4096x4096_f32"))
+      bench::run(o, "sum_dim1_4096x4096_f32", [&] {
+        auto s = m.sum(1);
+        bench::do_not_optimize(s.data_ptr());
+      }, 0, 4.0 * m.numel());
+    auto s2 = torch::randn({4096, 1024});
+    if (bench::selected(o, "softmax_4096x1024_f32"))
+      bench::run(o, "softmax_4096x1024_f32", [&] {
+        auto s = torch::softmax(s2, 1);
+        bench::do_not_optimize(s.data_ptr());
+      }, 0, 8.0 * s2.numel());
+    if (bench::selected(o, "argmax_4096x1024_f32"))
+      bench::run(o, "argmax_4096x1024_f32", [&] {
+        auto s = s2.argmax(1);
+        bench::do_not_optimize(s.data_ptr());
+      }, 0, 4.0 * s2.numel());
+  }
+  {
+    auto a = torch::rand({1}), b = torch::rand({1});
+    if (bench::selected(o, "add_1_f32"))
+      bench::run(o, "add_1_f32", [&] {
+        auto r = a + b;
+        bench::do_not_optimize(r.data_ptr());
+      });
+    if (bench::selected(o, "add_1_f32_inplace"))
+      bench::run(o, "add_1_f32_inplace", [&] { a.add_(b); });
+  }
+  return 0;
+}

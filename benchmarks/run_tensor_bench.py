@@ -1,0 +1,270 @@
+#!/usr/bin/python3
+"""Runs Ember's tensor benchmarks beside PyTorch in the same run and prints the ratios.
+
+Three contenders per case, interleaved round by round (the machine is noisy, +-25% run to run,
+so each round runs every contender once and the table shows medians over rounds):
+  ember     build/benchmarks/bench_*       (Ember, C++)
+  libtorch  build/benchmarks/ref_libtorch  (PyTorch 1.13 through its C++ API; `make bench`
+                                            builds it from Debian's libtorch-dev)
+  pytorch   this script's torch cases       (PyTorch 1.13 from Python, Debian's python3-torch)
+Ratios are reference time / Ember time: above 1 means Ember is faster.
+All run with one thread unless --threads says otherwise.
+
+Usage: benchmarks/run_tensor_bench.py [--build build] [--rounds 3] [--filter S] [--threads 1]
+       [--markdown FILE]
+"""
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+EMBER_BENCHES = ["bench_memory", "bench_matmul", "bench_conv", "bench_elementwise", "bench_reduce",
+                 "bench_indexing"]
+LINE = re.compile(r"BENCH name=(\S+) sec=(\S+) flops=(\S+) bytes=(\S+)")
+
+
+def parse(out):
+    res = {}
+    for m in LINE.finditer(out):
+        res[m.group(1)] = (float(m.group(2)), float(m.group(3)), float(m.group(4)))
+    return res
+
+
+def run_exe(path, args, env):
+    p = subprocess.run([path] + args, capture_output=True, text=True, env=env, timeout=1800)
+    if p.returncode != 0:
+        sys.stderr.write(f"{path} failed ({p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-2000:]}\n")
+        return {}
+    return parse(p.stdout)
+
+
+# ---- PyTorch (Python) side: same case names, same timing method as bench_util.h --------------
+def torch_cases():
+    import torch
+    import torch.nn.functional as F
+    M16 = 16 << 20
+    cases = {}
+
+    def case(name, flops=0.0, nbytes=0.0):
+        def deco(make):
+            cases[name] = (make, flops, nbytes)
+            return make
+        return deco
+
+    for n in (512, 1024, 2048):
+        def make(n=n):
+            a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+            return lambda: torch.mm(a, b, out=c)
+        case(f"matmul_{n}_f32", 2.0 * n ** 3)(make)
+
+    conv_flops = 2.0 * 64 * 64 * 28 * 28 * 32 * 9
+
+    @case("conv2d_fwd_b64_c32_64_k3_28", conv_flops)
+    def _():
+        x, w, b = torch.randn(64, 32, 28, 28), torch.randn(64, 32, 3, 3) * 0.1, torch.randn(64)
+        return lambda: F.conv2d(x, w, b, padding=1)
+
+    @case("conv2d_fwdbwd_b64_c32_64_k3_28", 3 * conv_flops)
+    def _():
+        x = torch.randn(64, 32, 28, 28, requires_grad=True)
+        w = (torch.randn(64, 32, 3, 3) * 0.1).requires_grad_()
+        b = torch.randn(64, requires_grad=True)
+
+        def f():
+            y = F.conv2d(x, w, b, padding=1)
+            y.backward(torch.ones_like(y))
+            x.grad = w.grad = b.grad = None
+        return f
+
+    @case("maxpool2d_b64_c32_28", 0, 4.0 * 64 * 32 * 28 * 28 * 1.25)
+    def _():
+        x = torch.randn(64, 32, 28, 28)
+        return lambda: F.max_pool2d(x, 2)
+
+    @case("add_16M_f32_out", 0, 12.0 * M16)
+    def _():
+        a, b, c = torch.rand(M16), torch.rand(M16), torch.empty(M16)
+        return lambda: torch.add(a, b, out=c)
+
+    @case("add_16M_f32_fresh", 0, 12.0 * M16)
+    def _():
+        a, b = torch.rand(M16), torch.rand(M16)
+        return lambda: a + b
+
+    @case("mul_scalar_16M_f32_out", 0, 8.0 * M16)
+    def _():
+        a, c = torch.rand(M16), torch.empty(M16)
+        return lambda: torch.mul(a, 2.5, out=c)
+
+    @case("sum_16M_f32", 0, 4.0 * M16)
+    def _():
+        a = torch.rand(M16)
+        return lambda: a.sum()
+
+    @case("sum_dim0_4096x4096_f32", 0, 4.0 * 4096 * 4096)
+    def _():
+        m = torch.rand(4096, 4096)
+        return lambda: m.sum(0)
+
+    @case("sum_dim1_4096x4096_f32", 0, 4.0 * 4096 * 4096)
+    def _():
+        m = torch.rand(4096, 4096)
+        return lambda: m.sum(1)
+
+    @case("softmax_4096x1024_f32", 0, 8.0 * 4096 * 1024)
+    def _():
+        s = torch.randn(4096, 1024)
+        return lambda: torch.softmax(s, 1)
+
+    @case("argmax_4096x1024_f32", 0, 4.0 * 4096 * 1024)
+    def _():
+        s = torch.randn(4096, 1024)
+        return lambda: s.argmax(1)
+
+    @case("rand_16M_f32", 0, 4.0 * M16)
+    def _():
+        c = torch.empty(M16)
+        return lambda: c.uniform_()
+
+    @case("randn_16M_f32", 0, 4.0 * M16)
+    def _():
+        c = torch.empty(M16)
+        return lambda: c.normal_()
+
+    @case("cat_2x8M_f32", 0, 8.0 * M16)
+    def _():
+        h1, h2 = torch.rand(M16 // 2), torch.rand(M16 // 2)
+        return lambda: torch.cat([h1, h2])
+
+    @case("add_1_f32")
+    def _():
+        a, b = torch.rand(1), torch.rand(1)
+        return lambda: a + b
+
+    @case("add_1_f32_inplace")
+    def _():
+        a, b = torch.rand(1), torch.rand(1)
+        return lambda: a.add_(b)
+
+    return cases
+
+
+def torch_worker(filt, samples, min_time, threads):
+    import torch
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    for name, (make, flops, nbytes) in torch_cases().items():
+        if filt and filt not in name:
+            continue
+        grad = "fwdbwd" in name
+        with torch.set_grad_enabled(grad):
+            fn = make()
+            fn()
+            calls = 1
+            while True:
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                dt = time.perf_counter() - t0
+                if dt >= min_time / 4:
+                    calls = max(1, int(calls * min_time / max(dt, 1e-9)))
+                    break
+                calls *= 4
+            per = []
+            for _ in range(samples):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                per.append((time.perf_counter() - t0) / calls)
+        per.sort()
+        print(f"BENCH name={name} sec={per[len(per) // 2]:.9g} flops={flops:.6g} bytes={nbytes:.6g}",
+              flush=True)
+
+
+def fmt_time(s):
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    if s >= 1e-6:
+        return f"{s * 1e6:.2f} us"
+    return f"{s * 1e9:.0f} ns"
+
+
+def rate(sec, flops, nbytes):
+    if flops:
+        return f"{flops / sec / 1e9:.1f} GFLOP/s"
+    if nbytes:
+        return f"{nbytes / sec / 1e9:.2f} GB/s"
+    return ""
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--filter", default="")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument("--min-time", type=float, default=0.2)
+    ap.add_argument("--markdown", help="also write the table as Markdown to this file")
+    ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.torch_worker:
+        torch_worker(a.filter, a.samples, a.min_time, a.threads)
+        return
+
+    env = dict(os.environ, EMBER_NUM_THREADS=str(a.threads), OMP_NUM_THREADS=str(a.threads),
+               OPENBLAS_NUM_THREADS=str(a.threads))
+    bdir = os.path.join(a.build, "benchmarks")
+    common = ["--samples", str(a.samples), "--min-time", str(a.min_time)] + (
+        ["--filter", a.filter] if a.filter else [])
+    ember_exes = [os.path.join(bdir, b) for b in EMBER_BENCHES if os.path.exists(os.path.join(bdir, b))]
+    ref = os.path.join(bdir, "ref_libtorch")
+    have_ref = os.path.exists(ref)
+    if not have_ref:
+        print(f"note: {ref} not built (make bench builds it); libtorch column left empty")
+    results = {"ember": {}, "libtorch": {}, "pytorch": {}}
+    meta = {}
+    for r in range(a.rounds):
+        print(f"round {r + 1}/{a.rounds} ...", flush=True)
+        got = {}
+        for exe in ember_exes:
+            got.update(run_exe(exe, common, env))
+        contenders = [("ember", got)]
+        if have_ref:
+            contenders.append(("libtorch", run_exe(ref, common, env)))
+        contenders.append(("pytorch", run_exe(sys.executable, [os.path.abspath(__file__), "--torch-worker",
+                                                               "--threads", str(a.threads)] + common, env)))
+        for who, res in contenders:
+            for name, (sec, flops, nbytes) in res.items():
+                results[who].setdefault(name, []).append(sec)
+                meta.setdefault(name, (flops, nbytes))
+
+    names = list(dict.fromkeys(list(results["ember"]) + list(results["pytorch"]) + list(results["libtorch"])))
+    rows = []
+    hdr = ["case", "Ember", "libtorch C++", "PyTorch (Python)", "Ember rate", "vs libtorch", "vs PyTorch"]
+    for n in names:
+        flops, nbytes = meta[n]
+        med = {w: statistics.median(results[w][n]) if n in results[w] else None for w in results}
+        e = med["ember"]
+        row = [n, fmt_time(e) if e else "-", fmt_time(med["libtorch"]) if med["libtorch"] else "-",
+               fmt_time(med["pytorch"]) if med["pytorch"] else "-", rate(e, flops, nbytes) if e else "",
+               f"{med['libtorch'] / e:.2f}x" if e and med["libtorch"] else "-",
+               f"{med['pytorch'] / e:.2f}x" if e and med["pytorch"] else "-"]
+        rows.append(row)
+    widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]
+    print()
+    print(f"threads={a.threads} rounds={a.rounds} (medians; ratio = reference time / Ember time)")
+    for row in [hdr] + rows:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write("| " + " | ".join(hdr) + " |\n|" + "---|" * len(hdr) + "\n")
+            for row in rows:
+                f.write("| " + " | ".join(row) + " |\n")
+
+
+if __name__ == "__main__":
+    main()
