@@ -21,7 +21,8 @@ namespace ember {
 class Allocator {
  public:
   virtual ~Allocator() = default;
-  /// Returns memory for nbytes (64-byte aligned on the host; nullptr for 0 bytes). Throws
+  /// Returns memory for nbytes (on the host 64-byte aligned from 1 KiB up, 16-byte below;
+  /// nullptr for 0 bytes). Throws
   /// OutOfMemoryError naming the size when the device has none left.
   virtual void* allocate(size_t nbytes) = 0;
   /// Returns memory got from allocate(); ptr may be nullptr.

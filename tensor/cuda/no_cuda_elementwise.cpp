@@ -1,0 +1,29 @@
+// Linked instead of the element-wise CUDA kernels when Ember is built with EMBER_WITH_CUDA=OFF.
+#include "tensor/detail/elementwise_kernels.h"
+#include "tensor/error.h"
+
+namespace ember::detail {
+
+namespace {
+[[noreturn]] void no_cuda(const char* what) {
+  throw NotImplementedError(str_cat(
+      "[", what, "] CUDA is not available: Ember was built with EMBER_WITH_CUDA=OFF"));
+}
+}  // namespace
+
+void unary_cuda(UnaryOp, const Tensor&, const Tensor&) { no_cuda("unary_cuda"); }
+void binary_cuda(BinaryOp, const Tensor&, const Tensor&, const Tensor&, const Scalar&) {
+  no_cuda("binary_cuda");
+}
+void binary_scalar_cuda(BinaryOp, const Tensor&, const Tensor&, const Scalar&, bool) {
+  no_cuda("binary_scalar_cuda");
+}
+void where_cuda(const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  no_cuda("where_cuda");
+}
+void clamp_cuda(const Tensor&, const Tensor&, const std::optional<Scalar>&,
+                const std::optional<Scalar>&) {
+  no_cuda("clamp_cuda");
+}
+
+}  // namespace ember::detail

@@ -1,0 +1,316 @@
+// Element-wise math, written once for the CPU loops and the CUDA kernels (internal).
+//
+// Note [Functors compute in acc_t]
+// Every functor's operator() takes and returns the *compute* type A = acc_t<T> of the storage
+// type T (float for Half/BFloat16, T otherwise); the adapters at the bottom load T, convert to
+// A, call the functor and convert the result to the output type. So half-precision math runs
+// in float (as PyTorch's opmath), and a scalar operand is kept in A rather than rounded to T
+// first (PyTorch keeps `half_tensor * 1.0001` in float the same way). Comparison and logical
+// functors return bool. Transcendental functors are only instantiated for float and double:
+// the front end promotes integer inputs to float32 before they get here.
+#pragma once
+
+#include <math.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "tensor/half.h"
+
+namespace ember::detail::fn {
+
+// ---- math on float and double, callable from host and device ---------------------------------
+EMBER_HD inline float m_exp(float x) { return ::expf(x); }
+EMBER_HD inline double m_exp(double x) { return ::exp(x); }
+EMBER_HD inline float m_log(float x) { return ::logf(x); }
+EMBER_HD inline double m_log(double x) { return ::log(x); }
+EMBER_HD inline float m_log1p(float x) { return ::log1pf(x); }
+EMBER_HD inline double m_log1p(double x) { return ::log1p(x); }
+EMBER_HD inline float m_sqrt(float x) { return ::sqrtf(x); }
+EMBER_HD inline double m_sqrt(double x) { return ::sqrt(x); }
+EMBER_HD inline float m_sin(float x) { return ::sinf(x); }
+EMBER_HD inline double m_sin(double x) { return ::sin(x); }
+EMBER_HD inline float m_cos(float x) { return ::cosf(x); }
+EMBER_HD inline double m_cos(double x) { return ::cos(x); }
+EMBER_HD inline float m_tanh(float x) { return ::tanhf(x); }
+EMBER_HD inline double m_tanh(double x) { return ::tanh(x); }
+EMBER_HD inline float m_erf(float x) { return ::erff(x); }
+EMBER_HD inline double m_erf(double x) { return ::erf(x); }
+EMBER_HD inline float m_pow(float x, float y) { return ::powf(x, y); }
+EMBER_HD inline double m_pow(double x, double y) { return ::pow(x, y); }
+EMBER_HD inline float m_fabs(float x) { return ::fabsf(x); }
+EMBER_HD inline double m_fabs(double x) { return ::fabs(x); }
+
+template <typename A>
+inline constexpr bool is_fp_v = std::is_floating_point_v<A>;
+
+template <typename A>
+EMBER_HD inline bool nonzero(A a) {
+  return a != A(0);
+}
+
+// ---- unary ------------------------------------------------------------------------------------
+struct Neg {
+  template <typename A> EMBER_HD A operator()(A a) const { return static_cast<A>(-a); }
+};
+struct Abs {
+  template <typename A> EMBER_HD A operator()(A a) const {
+    if constexpr (is_fp_v<A>) {
+      return m_fabs(a);
+    } else if constexpr (std::is_unsigned_v<A>) {
+      return a;
+    } else {
+      return a < 0 ? static_cast<A>(-a) : a;
+    }
+  }
+};
+/// -1, 0 or 1; NaN gives 0 (as PyTorch 1.13); bool is unchanged.
+struct Sign {
+  template <typename A> EMBER_HD A operator()(A a) const {
+    if constexpr (std::is_same_v<A, bool> || std::is_unsigned_v<A>) {
+      return static_cast<A>(a > A(0));
+    } else {
+      return static_cast<A>((A(0) < a) - (a < A(0)));
+    }
+  }
+};
+struct Exp {
+  template <typename A> EMBER_HD A operator()(A a) const { return m_exp(a); }
+};
+struct Log {
+  template <typename A> EMBER_HD A operator()(A a) const { return m_log(a); }
+};
+struct Log1p {
+  template <typename A> EMBER_HD A operator()(A a) const { return m_log1p(a); }
+};
+struct Sqrt {
+  template <typename A> EMBER_HD A operator()(A a) const { return m_sqrt(a); }
+};
+struct Rsqrt {
+  template <typename A> EMBER_HD A operator()(A a) const { return A(1) / m_sqrt(a); }
+};
+struct Reciprocal {
+  template <typename A> EMBER_HD A operator()(A a) const { return A(1) / a; }
+};
+struct Square {
+  template <typename A> EMBER_HD A operator()(A a) const { return static_cast<A>(a * a); }
+};
+struct Sin {
+  template <typename A> EMBER_HD A operator()(A a) const { return m_sin(a); }
+};
+struct Cos {
+  template <typename A> EMBER_HD A operator()(A a) const { return m_cos(a); }
+};
+struct Tanh {
+  template <typename A> EMBER_HD A operator()(A a) const { return m_tanh(a); }
+};
+/// 1 / (1 + e^-x), evaluated so that exp never overflows: for x < 0 as e^x / (1 + e^x).
+struct Sigmoid {
+  template <typename A> EMBER_HD A operator()(A a) const {
+    if (a >= A(0)) return A(1) / (A(1) + m_exp(-a));
+    const A e = m_exp(a);
+    return e / (A(1) + e);
+  }
+};
+/// max(x, 0); NaN stays NaN (PyTorch's relu is clamp_min(x, 0)).
+struct Relu {
+  template <typename A> EMBER_HD A operator()(A a) const {
+    if constexpr (std::is_unsigned_v<A>) {
+      return a;
+    } else {
+      return a < A(0) ? A(0) : a;
+    }
+  }
+};
+/// x * Phi(x) with the exact normal CDF: 0.5 x (1 + erf(x / sqrt(2))).
+struct GeluErf {
+  template <typename A> EMBER_HD A operator()(A a) const {
+    constexpr A kSqrt1_2 = A(0.70710678118654752440);
+    return A(0.5) * a * (A(1) + m_erf(a * kSqrt1_2));
+  }
+};
+/// The tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+struct GeluTanh {
+  template <typename A> EMBER_HD A operator()(A a) const {
+    constexpr A kBeta = A(0.79788456080286535588);  // sqrt(2 / pi)
+    constexpr A kKappa = A(0.044715);
+    const A inner = kBeta * (a + kKappa * a * a * a);
+    return A(0.5) * a * (A(1) + m_tanh(inner));
+  }
+};
+/// x * sigmoid(x) = x / (1 + e^-x); for very negative x, e^-x = inf gives -0, not NaN.
+struct Silu {
+  template <typename A> EMBER_HD A operator()(A a) const { return a / (A(1) + m_exp(-a)); }
+};
+struct LogicalNot {
+  template <typename A> EMBER_HD bool operator()(A a) const { return !nonzero(a); }
+};
+
+// ---- binary arithmetic ------------------------------------------------------------------------
+struct Add {
+  template <typename A> EMBER_HD A operator()(A a, A b) const {
+    if constexpr (std::is_same_v<A, bool>) {
+      return a || b;
+    } else {
+      return static_cast<A>(a + b);
+    }
+  }
+};
+/// a + alpha * b (sub with alpha uses -alpha).
+template <typename A>
+struct AddAlpha {
+  A alpha;
+  EMBER_HD A operator()(A a, A b) const {
+    if constexpr (std::is_same_v<A, bool>) {
+      return a || (alpha && b);
+    } else {
+      return static_cast<A>(a + alpha * b);
+    }
+  }
+};
+struct Sub {
+  template <typename A> EMBER_HD A operator()(A a, A b) const { return static_cast<A>(a - b); }
+};
+struct Mul {
+  template <typename A> EMBER_HD A operator()(A a, A b) const {
+    if constexpr (std::is_same_v<A, bool>) {
+      return a && b;
+    } else {
+      return static_cast<A>(a * b);
+    }
+  }
+};
+struct Div {
+  template <typename A> EMBER_HD A operator()(A a, A b) const { return a / b; }
+};
+
+/// Integer power by squaring (in unsigned arithmetic, so overflow wraps instead of being UB).
+/// Negative exponents give 1 / base^-e truncated: 1 for base 1, +-1 for base -1, else 0.
+template <typename A>
+EMBER_HD inline A int_pow(A base, A e) {
+  if constexpr (std::is_signed_v<A>) {
+    if (e < 0) {
+      if (base == 1) return 1;
+      if (base == -1) return (e & 1) ? A(-1) : A(1);
+      return 0;
+    }
+  }
+  using U = std::make_unsigned_t<A>;
+  U r = 1, b = static_cast<U>(base);
+  for (U n = static_cast<U>(e); n != 0; n >>= 1) {
+    if (n & 1) r = static_cast<U>(r * b);
+    b = static_cast<U>(b * b);
+  }
+  return static_cast<A>(r);
+}
+
+struct Pow {
+  template <typename A> EMBER_HD A operator()(A a, A b) const {
+    if constexpr (is_fp_v<A>) {
+      return m_pow(a, b);
+    } else {
+      return int_pow(a, b);
+    }
+  }
+};
+/// Element-wise max/min; a NaN on either side gives NaN (torch.maximum).
+struct Maximum {
+  template <typename A> EMBER_HD A operator()(A a, A b) const {
+    if constexpr (is_fp_v<A>) {
+      if (a != a) return a;
+      if (b != b) return b;
+    }
+    return a > b ? a : b;
+  }
+};
+struct Minimum {
+  template <typename A> EMBER_HD A operator()(A a, A b) const {
+    if constexpr (is_fp_v<A>) {
+      if (a != a) return a;
+      if (b != b) return b;
+    }
+    return a < b ? a : b;
+  }
+};
+
+// ---- comparisons and logic (bool results) -----------------------------------------------------
+struct Eq {
+  template <typename A> EMBER_HD bool operator()(A a, A b) const { return a == b; }
+};
+struct Ne {
+  template <typename A> EMBER_HD bool operator()(A a, A b) const { return a != b; }
+};
+struct Lt {
+  template <typename A> EMBER_HD bool operator()(A a, A b) const { return a < b; }
+};
+struct Le {
+  template <typename A> EMBER_HD bool operator()(A a, A b) const { return a <= b; }
+};
+struct Gt {
+  template <typename A> EMBER_HD bool operator()(A a, A b) const { return a > b; }
+};
+struct Ge {
+  template <typename A> EMBER_HD bool operator()(A a, A b) const { return a >= b; }
+};
+struct LogicalAnd {
+  template <typename A> EMBER_HD bool operator()(A a, A b) const {
+    return nonzero(a) && nonzero(b);
+  }
+};
+struct LogicalOr {
+  template <typename A> EMBER_HD bool operator()(A a, A b) const {
+    return nonzero(a) || nonzero(b);
+  }
+};
+struct LogicalXor {
+  template <typename A> EMBER_HD bool operator()(A a, A b) const {
+    return nonzero(a) != nonzero(b);
+  }
+};
+
+// ---- ternary ----------------------------------------------------------------------------------
+/// cond ? a : b on the storage type (no arithmetic, so no conversion).
+template <typename T>
+struct Where {
+  EMBER_HD T operator()(bool c, T a, T b) const { return c ? a : b; }
+};
+/// min(max(x, lo), hi): NaN stays NaN, and lo > hi gives hi (torch.clamp). Absent bounds are
+/// passed as -inf/+inf (floating) or the type's limits (integral).
+template <typename A>
+struct Clamp {
+  A lo, hi;
+  EMBER_HD A operator()(A a) const {
+    if constexpr (is_fp_v<A>) {
+      if (a != a) return a;
+    }
+    const A m = a < lo ? lo : a;
+    return m > hi ? hi : m;
+  }
+};
+
+// ---- adapters: storage type in, compute type through the functor, output type out ------------
+template <typename Out, typename T, typename F>
+struct UnaryAdapter {
+  F f;
+  EMBER_HD Out operator()(T a) const { return Out(f(acc_t<T>(a))); }
+};
+template <typename Out, typename T, typename F>
+struct BinaryAdapter {
+  F f;
+  EMBER_HD Out operator()(T a, T b) const { return Out(f(acc_t<T>(a), acc_t<T>(b))); }
+};
+/// One tensor operand and a scalar held in the compute type; Reverse puts the scalar first.
+template <typename Out, typename T, typename F, bool Reverse>
+struct ScalarAdapter {
+  F f;
+  acc_t<T> s;
+  EMBER_HD Out operator()(T a) const {
+    if constexpr (Reverse) {
+      return Out(f(s, acc_t<T>(a)));
+    } else {
+      return Out(f(acc_t<T>(a), s));
+    }
+  }
+};
+
+}  // namespace ember::detail::fn
