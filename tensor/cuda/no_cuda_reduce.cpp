@@ -1,0 +1,26 @@
+// Linked instead of tensor/cuda/reduce.cu and softmax.cu when Ember is built with
+// EMBER_WITH_CUDA=OFF.
+#include "tensor/detail/reduce_kernels.h"
+#include "tensor/error.h"
+
+namespace ember::detail {
+
+namespace {
+[[noreturn]] void no_cuda(const char* what) {
+  throw NotImplementedError(str_cat("[", what,
+                                    "] CUDA is not available: Ember was built with "
+                                    "EMBER_WITH_CUDA=OFF"));
+}
+}  // namespace
+
+void reduce_cuda(ReduceKind, const Tensor&, const Tensor&, uint32_t, const ReduceParams&) {
+  no_cuda("reduce");
+}
+void arg_reduce_cuda(const Tensor&, const Tensor&, const Tensor&, int64_t, bool is_max) {
+  no_cuda(is_max ? "argmax" : "argmin");
+}
+void softmax_cuda(const Tensor&, const Tensor&, int64_t, bool log) {
+  no_cuda(log ? "log_softmax" : "softmax");
+}
+
+}  // namespace ember::detail

@@ -1,0 +1,420 @@
+// CUDA reductions (Note [Reduction geometry], Note [Reduction functors] in
+// detail/reduce_kernels.h): the same functors as the CPU, folded by
+//   inner: blocks over dense rows; each thread strides over its row piece, then warp shuffles
+//          and shared memory combine the block. Long rows with few outputs are split over
+//          several blocks whose partial results a second launch combines.
+//   outer: threads over the dense kept dim (coalesced loads), blockDim.y threads splitting the
+//          reduced rows, combined through shared memory.
+// Any other layout is first copied to (kept..., reduced...) order on the device.
+#include <algorithm>
+#include <vector>
+
+#include "tensor/cuda/check.h"
+#include "tensor/cuda/loops.cuh"
+#include "tensor/detail/reduce_kernels.h"
+
+namespace ember::detail {
+
+namespace {
+
+using cuda::detail::DeviceGuard;
+using cuda_loops::stream_of;
+
+constexpr int kMaxBlock = 256;
+constexpr int kMaxGrid = 65535 * 8;
+
+template <typename A>
+__device__ A shfl_down(A v, int off) {
+  if constexpr (sizeof(A) < 4) {
+    return static_cast<A>(__shfl_down_sync(0xffffffffu, static_cast<int>(v), off));
+  } else if constexpr (std::is_same_v<A, int64_t>) {
+    return static_cast<int64_t>(
+        __shfl_down_sync(0xffffffffu, static_cast<long long>(v), off));
+  } else {
+    return __shfl_down_sync(0xffffffffu, v, off);
+  }
+}
+
+// Combines v over the block (blockDim.x a multiple of 32, at most 1024); the result is valid in
+// thread 0. `smem` holds 32 values.
+template <typename Red>
+__device__ typename Red::acc block_reduce(typename Red::acc v, const Red& r,
+                                          typename Red::acc* smem) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int off = 16; off > 0; off /= 2) v = r.combine(v, shfl_down(v, off));
+  if (blockDim.x <= 32) return v;
+  __syncthreads();  // smem may still be read from a previous call
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < static_cast<int>(blockDim.x / 32) ? smem[lane] : r.identity();
+    for (int off = 16; off > 0; off /= 2) v = r.combine(v, shfl_down(v, off));
+  }
+  return v;
+}
+
+// Work item w = (row, piece): piece `piece` of row `row` (cpr pieces per row of `plen`).
+template <typename T, typename O, typename Red>
+__global__ void reduce_inner_kernel(ReduceGeom g, const T* in, O* out,
+                                    typename Red::acc* partial, Red r,
+                                    const typename Red::acc* ctx, int64_t cpr, int64_t plen) {
+  using A = typename Red::acc;
+  __shared__ A smem[32];
+  const int64_t R = g.red_numel;
+  const int64_t items = g.num_out * cpr;
+  for (int64_t w = blockIdx.x; w < items; w += gridDim.x) {
+    const int64_t row = w / cpr, piece = w % cpr;
+    const T* x = in + g.keep_offset(row);
+    const A c = ctx ? ctx[row] : A{};
+    const int64_t b = piece * plen, e = min(R, b + plen);
+    A v = r.identity();
+    for (int64_t i = b + threadIdx.x; i < e; i += blockDim.x) v = r.combine(v, r.map(x[i], c));
+    v = block_reduce(v, r, smem);
+    if (threadIdx.x == 0) {
+      if (cpr == 1) {
+        out[row] = r.template project<O>(v, c);
+      } else {
+        partial[w] = v;
+      }
+    }
+  }
+}
+
+// Combines the cpr partial values of each row.
+template <typename O, typename Red>
+__global__ void reduce_partials_kernel(int64_t rows, const typename Red::acc* partial, O* out,
+                                       Red r, const typename Red::acc* ctx, int64_t cpr) {
+  using A = typename Red::acc;
+  __shared__ A smem[32];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    A v = r.identity();
+    for (int64_t i = threadIdx.x; i < cpr; i += blockDim.x) v = r.combine(v, partial[row * cpr + i]);
+    v = block_reduce(v, r, smem);
+    if (threadIdx.x == 0) out[row] = r.template project<O>(v, ctx ? ctx[row] : A{});
+  }
+}
+
+constexpr int kOuterX = 32, kOuterY = 8;
+
+// blockDim (32, 8): x over the dense kept dim, y splitting the reduced rows.
+template <typename T, typename O, typename Red>
+__global__ void reduce_outer_kernel(ReduceGeom g, const T* in, O* out, Red r,
+                                    const typename Red::acc* ctx) {
+  using A = typename Red::acc;
+  __shared__ A smem[kOuterY][kOuterX];
+  const int64_t K = g.keep_sizes[g.nkeep - 1];
+  const int64_t outer = g.num_out / K;
+  const int64_t ktiles = (K + kOuterX - 1) / kOuterX;
+  ReduceGeom og = g;
+  og.nkeep -= 1;
+  for (int64_t blk = blockIdx.x; blk < outer * ktiles; blk += gridDim.x) {
+    const int64_t ob = blk / ktiles;
+    const int64_t k = (blk % ktiles) * kOuterX + threadIdx.x;
+    const int64_t o = ob * K + k;
+    A v = r.identity();
+    A c{};
+    if (k < K) {
+      c = ctx ? ctx[o] : A{};
+      const T* x = in + og.keep_offset(ob) + k;
+      for (int64_t row = threadIdx.y; row < g.red_numel; row += kOuterY) {
+        v = r.combine(v, r.map(x[g.red_offset(row)], c));
+      }
+    }
+    smem[threadIdx.y][threadIdx.x] = v;
+    __syncthreads();
+    if (threadIdx.y == 0 && k < K) {
+      for (int y = 1; y < kOuterY; ++y) v = r.combine(v, smem[y][threadIdx.x]);
+      out[o] = r.template project<O>(v, c);
+    }
+    __syncthreads();
+  }
+}
+
+int grid_for(int64_t items) { return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, kMaxGrid))); }
+
+int block_for(int64_t n) {
+  int b = 32;
+  while (b < kMaxBlock && b < n) b *= 2;
+  return b;
+}
+
+template <typename T, typename O, typename Red>
+void run_reduce(const ReduceGeom& g, const T* in, O* out, const Red& r, Device dev,
+                const typename Red::acc* ctx = nullptr) {
+  using A = typename Red::acc;
+  if (g.num_out == 0) return;
+  cudaStream_t s = stream_of(dev);
+  if (g.inner()) {
+    const int64_t R = g.red_numel;
+    // Split long rows when there are too few rows to fill the GPU.
+    int64_t cpr = 1;
+    if (g.num_out < 1024 && R > 16 * kMaxBlock) {
+      cpr = std::min<int64_t>((R + 4 * kMaxBlock - 1) / (4 * kMaxBlock), std::max<int64_t>(1, 2048 / g.num_out));
+    }
+    const int64_t plen = (R + cpr - 1) / cpr;
+    const int threads = block_for(plen);
+    Tensor partial;
+    A* pp = nullptr;
+    if (cpr > 1) {
+      partial = make_empty({g.num_out * cpr * static_cast<int64_t>(sizeof(A))}, kUInt8, dev);
+      pp = static_cast<A*>(partial.data_ptr());
+    }
+    reduce_inner_kernel<<<grid_for(g.num_out * cpr), threads, 0, s>>>(g, in, out, pp, r, ctx, cpr,
+                                                                      plen);
+    EMBER_CUDA_CHECK(cudaGetLastError());
+    if (cpr > 1) {
+      reduce_partials_kernel<<<grid_for(g.num_out), block_for(cpr), 0, s>>>(g.num_out, pp, out, r,
+                                                                           ctx, cpr);
+      EMBER_CUDA_CHECK(cudaGetLastError());
+    }
+    return;
+  }
+  EMBER_INTERNAL_ASSERT(g.outer(), "reduction geometry is neither inner nor outer");
+  const int64_t K = g.keep_sizes[g.nkeep - 1];
+  const int64_t blocks = (g.num_out / K) * ((K + kOuterX - 1) / kOuterX);
+  reduce_outer_kernel<<<grid_for(blocks), dim3(kOuterX, kOuterY), 0, s>>>(g, in, out, r, ctx);
+  EMBER_CUDA_CHECK(cudaGetLastError());
+}
+
+struct Prepared {
+  Tensor src;
+  ReduceGeom g;
+};
+Prepared prepare(const Tensor& in, uint32_t mask) {
+  Prepared p{in, make_reduce_geom(in, mask)};
+  if (p.g.inner() || p.g.outer()) return p;
+  std::vector<int64_t> perm;
+  for (int64_t d = 0; d < in.dim(); ++d) {
+    if (!(mask >> d & 1u)) perm.push_back(d);
+  }
+  uint32_t new_mask = 0;
+  for (int64_t d = 0; d < in.dim(); ++d) {
+    if (mask >> d & 1u) {
+      new_mask |= 1u << perm.size();
+      perm.push_back(d);
+    }
+  }
+  p.src = in.permute(perm).contiguous();
+  p.g = make_reduce_geom(p.src, new_mask);
+  return p;
+}
+
+template <typename T>
+using sum_out_t = std::conditional_t<std::is_integral_v<T>, int64_t, T>;
+
+// A device scratch tensor of n values of the accumulation type A.
+template <typename A>
+Tensor scratch(int64_t n, Device dev) {
+  return make_empty({n}, dtype_of<A>, dev);
+}
+
+template <typename T>
+void reduce_floating(ReduceKind kind, const Tensor& out, const ReduceGeom& g, const T* x,
+                     const ReduceParams& params, Device dev) {
+  using A = acc_t<T>;
+  T* o = out.data<T>();
+  const int64_t M = g.num_out, R = g.red_numel;
+  switch (kind) {
+    case ReduceKind::Mean: {
+      MeanOp<T> r;
+      r.n = A(R);
+      run_reduce(g, x, o, r, dev);
+      return;
+    }
+    case ReduceKind::Norm: {
+      const double p = params.p;
+      if (p == 2.0) {
+        run_reduce(g, x, o, Norm2Op<T>{}, dev);
+      } else if (p == 1.0) {
+        run_reduce(g, x, o, Norm1Op<T>{}, dev);
+      } else if (p == 0.0) {
+        run_reduce(g, x, o, Norm0Op<T>{}, dev);
+      } else if (std::isinf(p)) {
+        if (p > 0) {
+          run_reduce(g, x, o, NormInfOp<T>{}, dev);
+        } else {
+          run_reduce(g, x, o, NormNegInfOp<T>{}, dev);
+        }
+      } else {
+        NormPOp<T> r;
+        r.p = A(p);
+        run_reduce(g, x, o, r, dev);
+      }
+      return;
+    }
+    case ReduceKind::Var: {
+      Tensor mean = scratch<A>(M, dev);
+      MeanOp<T> m;
+      m.n = A(R);
+      run_reduce(g, x, mean.data<A>(), m, dev);
+      VarOp<T> v;
+      v.divisor = A(std::max<int64_t>(0, R - params.correction));
+      v.take_sqrt = params.take_sqrt;
+      run_reduce(g, x, o, v, dev, mean.data<A>());
+      return;
+    }
+    case ReduceKind::LogSumExp: {
+      Tensor m = scratch<A>(M, dev);
+      run_reduce(g, x, m.data<A>(), LseMaxOp<T>{}, dev);
+      run_reduce(g, x, o, LseSumOp<T>{}, dev, m.data<A>());
+      return;
+    }
+    default:
+      EMBER_INTERNAL_ASSERT(false, "not a floating-only reduction");
+  }
+}
+
+}  // namespace
+
+void reduce_cuda(ReduceKind kind, const Tensor& out, const Tensor& in, uint32_t mask,
+                 const ReduceParams& params) {
+  DeviceGuard guard(in.device().index);
+  const Prepared p = prepare(in, mask);
+  const ReduceGeom& g = p.g;
+  const Device dev = in.device();
+  const void* data = p.src.data_ptr();
+  EMBER_DISPATCH_ALL(in.dtype(), "reduce", [&]<typename T>() {
+    const T* x = static_cast<const T*>(data);
+    switch (kind) {
+      case ReduceKind::Sum:
+        run_reduce(g, x, out.data<sum_out_t<T>>(), SumOp<T>{}, dev);
+        return;
+      case ReduceKind::Prod:
+        run_reduce(g, x, out.data<sum_out_t<T>>(), ProdOp<T>{}, dev);
+        return;
+      case ReduceKind::Max:
+        run_reduce(g, x, out.data<T>(), MaxOp<T>{}, dev);
+        return;
+      case ReduceKind::Min:
+        run_reduce(g, x, out.data<T>(), MinOp<T>{}, dev);
+        return;
+      case ReduceKind::Any:
+        run_reduce(g, x, out.data<bool>(), AnyOp<T>{}, dev);
+        return;
+      case ReduceKind::All:
+        run_reduce(g, x, out.data<bool>(), AllOp<T>{}, dev);
+        return;
+      default:
+        if constexpr (std::is_floating_point_v<T> || is_reduced_float_v<T>) {
+          reduce_floating(kind, out, g, x, params, dev);
+        } else {
+          EMBER_INTERNAL_ASSERT(false, "floating-only reduction on ", in.dtype());
+        }
+    }
+  });
+}
+
+// ---- argmax / argmin -------------------------------------------------------------------------
+
+namespace {
+
+template <bool kMax, typename T>
+__global__ void arg_inner_kernel(ReduceGeom g, const T* in, T* values, int64_t* indices) {
+  using A = acc_t<T>;
+  __shared__ A sv[32];
+  __shared__ int64_t si[32];
+  const int64_t R = g.red_numel;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int64_t row = blockIdx.x; row < g.num_out; row += gridDim.x) {
+    const T* x = in + g.keep_offset(row);
+    A bv = convert<A>(x[0]);
+    int64_t bi = 0;
+    for (int64_t i = threadIdx.x; i < R; i += blockDim.x) {
+      const A v = convert<A>(x[i]);
+      if (arg_better<kMax>(v, bv)) {
+        bv = v;
+        bi = i;
+      }
+    }
+    for (int off = 16; off > 0; off /= 2) {
+      const A ov = shfl_down(bv, off);
+      const int64_t oi = shfl_down(bi, off);
+      if (arg_merge<kMax>(ov, oi, bv, bi)) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    if (blockDim.x > 32) {
+      __syncthreads();
+      if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+      }
+      __syncthreads();
+      if (warp == 0) {
+        const int nw = blockDim.x / 32;
+        bv = sv[lane < nw ? lane : 0];
+        bi = si[lane < nw ? lane : 0];
+        for (int off = 16; off > 0; off /= 2) {
+          const A ov = shfl_down(bv, off);
+          const int64_t oi = shfl_down(bi, off);
+          if (arg_merge<kMax>(ov, oi, bv, bi)) {
+            bv = ov;
+            bi = oi;
+          }
+        }
+      }
+    }
+    if (threadIdx.x == 0) {
+      if (values) values[row] = convert<T>(bv);
+      indices[row] = bi;
+    }
+  }
+}
+
+template <bool kMax, typename T>
+__global__ void arg_outer_kernel(ReduceGeom g, const T* in, T* values, int64_t* indices) {
+  using A = acc_t<T>;
+  const int64_t K = g.keep_sizes[g.nkeep - 1];
+  const int64_t rs = g.red_strides[0];
+  ReduceGeom og = g;
+  og.nkeep -= 1;
+  for (int64_t o = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; o < g.num_out;
+       o += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const T* x = in + og.keep_offset(o / K) + o % K;
+    A bv = convert<A>(x[0]);
+    int64_t bi = 0;
+    for (int64_t r = 1; r < g.red_numel; ++r) {
+      const A v = convert<A>(x[r * rs]);
+      if (arg_better<kMax>(v, bv)) {
+        bv = v;
+        bi = r;
+      }
+    }
+    if (values) values[o] = convert<T>(bv);
+    indices[o] = bi;
+  }
+}
+
+}  // namespace
+
+void arg_reduce_cuda(const Tensor& values, const Tensor& indices, const Tensor& in, int64_t dim,
+                     bool is_max) {
+  DeviceGuard guard(in.device().index);
+  const Prepared p = prepare(in, 1u << dim);
+  const ReduceGeom& g = p.g;
+  cudaStream_t s = stream_of(in.device());
+  const void* data = p.src.data_ptr();
+  EMBER_DISPATCH_ALL(in.dtype(), is_max ? "argmax" : "argmin", [&]<typename T>() {
+    const T* x = static_cast<const T*>(data);
+    T* v = values.defined() ? values.data<T>() : nullptr;
+    int64_t* idx = indices.data<int64_t>();
+    auto go = [&]<bool kMax>() {
+      if (g.inner()) {
+        arg_inner_kernel<kMax, T>
+            <<<grid_for(g.num_out), block_for(g.red_numel), 0, s>>>(g, x, v, idx);
+      } else {
+        arg_outer_kernel<kMax, T>
+            <<<grid_for((g.num_out + kMaxBlock - 1) / kMaxBlock), kMaxBlock, 0, s>>>(g, x, v, idx);
+      }
+      EMBER_CUDA_CHECK(cudaGetLastError());
+    };
+    if (is_max) {
+      go.template operator()<true>();
+    } else {
+      go.template operator()<false>();
+    }
+  });
+}
+
+}  // namespace ember::detail

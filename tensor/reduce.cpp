@@ -1,0 +1,298 @@
+// Reductions: validation, output shape/dtype inference and device dispatch. The kernels are in
+// cpu/reduce.cpp and cuda/reduce.cu (Note [Reduction geometry] in detail/reduce_kernels.h).
+#include "tensor/reduce.h"
+
+#include <algorithm>
+
+#include "tensor/detail/reduce_kernels.h"
+
+namespace ember {
+
+namespace detail {
+
+ReduceGeom make_reduce_geom(const Tensor& in, uint32_t mask) {
+  ReduceGeom g;
+  const int nd = static_cast<int>(in.dim());
+  int keep[kMaxDims], red[kMaxDims];
+  int nk = 0, nr = 0;
+  bool any_zero = false;
+  for (int d = 0; d < nd; ++d) {
+    const int64_t s = in.size(d);
+    if (s == 0) any_zero = true;
+    if (mask >> d & 1u) {
+      g.red_numel *= s;
+      if (s != 1) red[nr++] = d;
+    } else {
+      g.num_out *= s;
+      if (s != 1) keep[nk++] = d;
+    }
+  }
+  if (any_zero) {
+    // Nothing to read: either no outputs, or every output reduces nothing.
+    g.nkeep = 1;
+    g.keep_sizes[0] = g.num_out;
+    g.keep_strides[0] = 0;
+    g.nred = 1;
+    g.red_sizes[0] = g.red_numel;
+    g.red_strides[0] = 1;
+    return g;
+  }
+  // Kept dims: output order; merge neighbours whose input strides line up.
+  for (int i = 0; i < nk; ++i) {
+    const int64_t sz = in.size(keep[i]), st = in.stride(keep[i]);
+    if (g.nkeep > 0 && g.keep_strides[g.nkeep - 1] == st * sz) {
+      g.keep_sizes[g.nkeep - 1] *= sz;
+      g.keep_strides[g.nkeep - 1] = st;
+    } else {
+      g.keep_sizes[g.nkeep] = sz;
+      g.keep_strides[g.nkeep] = st;
+      ++g.nkeep;
+    }
+  }
+  // Reduced dims: any order works, so sort by decreasing stride, then merge.
+  std::stable_sort(red, red + nr, [&](int a, int b) { return in.stride(a) > in.stride(b); });
+  for (int i = 0; i < nr; ++i) {
+    const int64_t sz = in.size(red[i]), st = in.stride(red[i]);
+    if (g.nred > 0 && g.red_strides[g.nred - 1] == st * sz) {
+      g.red_sizes[g.nred - 1] *= sz;
+      g.red_strides[g.nred - 1] = st;
+    } else {
+      g.red_sizes[g.nred] = sz;
+      g.red_strides[g.nred] = st;
+      ++g.nred;
+    }
+  }
+  if (g.nred == 0) {  // every output reads one element
+    g.nred = 1;
+    g.red_sizes[0] = 1;
+    g.red_strides[0] = 1;
+  }
+  return g;
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::ReduceKind;
+using detail::ReduceParams;
+
+// Bit d set for every reduced dim; an empty list means all dims. Duplicates are an error.
+uint32_t dims_mask(const char* op, const Tensor& t, IntList dims) {
+  const int64_t nd = t.dim();
+  if (dims.empty()) return nd == 0 ? 0u : static_cast<uint32_t>((uint64_t{1} << nd) - 1);
+  uint32_t mask = 0;
+  for (int64_t d : dims) {
+    const int64_t w = wrap_dim(op, d, nd);
+    EMBER_CHECK(!(mask >> w & 1u), "[", op, "] dim ", w,
+                " appears multiple times in the list of dims ", dims);
+    mask |= 1u << w;
+  }
+  if (nd == 0) return 0u;
+  return mask;
+}
+
+Shape keepdim_shape(const Tensor& t, uint32_t mask) {
+  Shape s = t.shape();
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (mask >> d & 1u) s[d] = 1;
+  }
+  return s;
+}
+
+Shape result_shape(const Tensor& t, uint32_t mask, bool keepdim) {
+  if (keepdim) return keepdim_shape(t, mask);
+  Shape s;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (!(mask >> d & 1u)) s.push_back(t.size(d));
+  }
+  return s;
+}
+
+void check_floating(const char* op, const Tensor& t) {
+  EMBER_CHECK_TYPE(TypeError, t.is_floating_point(), "[", op,
+                   "] expected a floating-point input (float16, bfloat16, float32 or float64), "
+                   "got ",
+                   t.dtype());
+}
+
+// Max-like ops have no identity: every reduced dim must be non-empty.
+void check_nonempty_dims(const char* op, const Tensor& t, uint32_t mask) {
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    EMBER_CHECK_TYPE(IndexError, !(mask >> d & 1u) || t.size(d) != 0, "[", op,
+                     "] expected reduction dim ", d, " to have non-zero size, got shape ",
+                     t.shape());
+  }
+}
+
+void dispatch_reduce(ReduceKind kind, const Tensor& out, const Tensor& in, uint32_t mask,
+                     const ReduceParams& params) {
+  if (out.numel() == 0) return;
+  if (in.is_cuda()) {
+    detail::reduce_cuda(kind, out, in, mask, params);
+  } else {
+    detail::reduce_cpu(kind, out, in, mask, params);
+  }
+}
+
+Tensor reduce(const char* op, ReduceKind kind, const Tensor& t, IntList dims, bool keepdim,
+              Dtype out_dtype, const ReduceParams& params = {}) {
+  const uint32_t mask = dims_mask(op, t, dims);
+  Tensor out = detail::make_empty(keepdim_shape(t, mask), out_dtype, t.device());
+  dispatch_reduce(kind, out, t, mask, params);
+  return keepdim ? out : out.view(result_shape(t, mask, keepdim));
+}
+
+Dtype sum_dtype(Dtype t) { return is_floating(t) ? t : kInt64; }
+
+std::pair<Tensor, Tensor> arg_reduce(const char* op, const Tensor& t, int64_t dim, bool keepdim,
+                                     bool is_max, bool want_values) {
+  const int64_t d = wrap_dim(op, dim, t.dim());
+  const uint32_t mask = t.dim() == 0 ? 0u : 1u << d;
+  check_nonempty_dims(op, t, mask);
+  const Shape ks = keepdim_shape(t, mask);
+  Tensor values = want_values ? detail::make_empty(ks, t.dtype(), t.device()) : Tensor();
+  Tensor indices = detail::make_empty(ks, kInt64, t.device());
+  if (indices.numel() > 0) {
+    const int64_t kdim = t.dim() == 0 ? 0 : d;
+    const Tensor in = t.dim() == 0 ? t.view({1}) : t;
+    if (t.is_cuda()) {
+      detail::arg_reduce_cuda(values, indices, in, kdim, is_max);
+    } else {
+      detail::arg_reduce_cpu(values, indices, in, kdim, is_max);
+    }
+  }
+  if (!keepdim) {
+    const Shape rs = result_shape(t, mask, false);
+    if (want_values) values = values.view(rs);
+    indices = indices.view(rs);
+  }
+  return {values, indices};
+}
+
+Tensor all_extreme(const char* op, const Tensor& t, ReduceKind kind) {
+  detail::check_defined(op, t, "input");
+  EMBER_CHECK_TYPE(IndexError, t.numel() > 0, "[", op,
+                   "] expected a non-empty tensor to reduce over all elements, got shape ",
+                   t.shape(), "; specify a dim to reduce over");
+  return reduce(op, kind, t, {}, false, t.dtype());
+}
+
+Tensor flat_arg(const char* op, const Tensor& t, std::optional<int64_t> dim, bool keepdim,
+                bool is_max) {
+  detail::check_defined(op, t, "input");
+  if (dim) return arg_reduce(op, t, *dim, keepdim, is_max, false).second;
+  EMBER_CHECK_TYPE(IndexError, t.numel() > 0, "[", op,
+                   "] expected a non-empty tensor when no dim is given, got shape ", t.shape());
+  Tensor idx = arg_reduce(op, t.reshape({-1}), 0, false, is_max, false).second;
+  if (keepdim) return idx.view(Shape::filled(t.dim(), 1));
+  return idx;
+}
+
+}  // namespace
+
+Tensor sum(const Tensor& t, IntList dims, bool keepdim, std::optional<Dtype> dtype) {
+  detail::check_defined("sum", t, "input");
+  if (dtype) {
+    // PyTorch casts the input to `dtype` first and returns that dtype.
+    Tensor r = sum(t.to(*dtype), dims, keepdim);
+    return r.dtype() == *dtype ? r : r.to(*dtype);
+  }
+  return reduce("sum", ReduceKind::Sum, t, dims, keepdim, sum_dtype(t.dtype()));
+}
+
+Tensor mean(const Tensor& t, IntList dims, bool keepdim) {
+  detail::check_defined("mean", t, "input");
+  check_floating("mean", t);
+  return reduce("mean", ReduceKind::Mean, t, dims, keepdim, t.dtype());
+}
+
+Tensor prod(const Tensor& t, IntList dims, bool keepdim) {
+  detail::check_defined("prod", t, "input");
+  return reduce("prod", ReduceKind::Prod, t, dims, keepdim, sum_dtype(t.dtype()));
+}
+
+Tensor max(const Tensor& t) { return all_extreme("max", t, ReduceKind::Max); }
+Tensor min(const Tensor& t) { return all_extreme("min", t, ReduceKind::Min); }
+
+std::pair<Tensor, Tensor> max(const Tensor& t, int64_t dim, bool keepdim) {
+  detail::check_defined("max", t, "input");
+  return arg_reduce("max", t, dim, keepdim, true, true);
+}
+std::pair<Tensor, Tensor> min(const Tensor& t, int64_t dim, bool keepdim) {
+  detail::check_defined("min", t, "input");
+  return arg_reduce("min", t, dim, keepdim, false, true);
+}
+
+Tensor amax(const Tensor& t, IntList dims, bool keepdim) {
+  detail::check_defined("amax", t, "input");
+  check_nonempty_dims("amax", t, dims_mask("amax", t, dims));
+  return reduce("amax", ReduceKind::Max, t, dims, keepdim, t.dtype());
+}
+Tensor amin(const Tensor& t, IntList dims, bool keepdim) {
+  detail::check_defined("amin", t, "input");
+  check_nonempty_dims("amin", t, dims_mask("amin", t, dims));
+  return reduce("amin", ReduceKind::Min, t, dims, keepdim, t.dtype());
+}
+
+Tensor argmax(const Tensor& t, std::optional<int64_t> dim, bool keepdim) {
+  return flat_arg("argmax", t, dim, keepdim, true);
+}
+Tensor argmin(const Tensor& t, std::optional<int64_t> dim, bool keepdim) {
+  return flat_arg("argmin", t, dim, keepdim, false);
+}
+
+Tensor var(const Tensor& t, IntList dims, int64_t correction, bool keepdim) {
+  detail::check_defined("var", t, "input");
+  check_floating("var", t);
+  ReduceParams p;
+  p.correction = correction;
+  return reduce("var", ReduceKind::Var, t, dims, keepdim, t.dtype(), p);
+}
+
+Tensor std(const Tensor& t, IntList dims, int64_t correction, bool keepdim) {
+  detail::check_defined("std", t, "input");
+  check_floating("std", t);
+  ReduceParams p;
+  p.correction = correction;
+  p.take_sqrt = true;
+  return reduce("std", ReduceKind::Var, t, dims, keepdim, t.dtype(), p);
+}
+
+Tensor norm(const Tensor& t, double p, IntList dims, bool keepdim) {
+  detail::check_defined("norm", t, "input");
+  check_floating("norm", t);
+  ReduceParams params;
+  params.p = p;
+  return reduce("norm", ReduceKind::Norm, t, dims, keepdim, t.dtype(), params);
+}
+
+Tensor any(const Tensor& t) {
+  detail::check_defined("any", t, "input");
+  return reduce("any", ReduceKind::Any, t, {}, false, kBool);
+}
+Tensor all(const Tensor& t) {
+  detail::check_defined("all", t, "input");
+  return reduce("all", ReduceKind::All, t, {}, false, kBool);
+}
+
+// logsumexp lives here rather than in softmax.cpp: it is a reduction over a dims list.
+Tensor logsumexp(const Tensor& t, IntList dims, bool keepdim) {
+  detail::check_defined("logsumexp", t, "input");
+  check_floating("logsumexp", t);
+  return reduce("logsumexp", ReduceKind::LogSumExp, t, dims, keepdim, t.dtype());
+}
+
+// ---- Tensor methods --------------------------------------------------------------------------
+
+Tensor Tensor::sum() const { return ember::sum(*this); }
+Tensor Tensor::sum(IntList dims, bool keepdim) const { return ember::sum(*this, dims, keepdim); }
+Tensor Tensor::mean() const { return ember::mean(*this); }
+Tensor Tensor::mean(IntList dims, bool keepdim) const { return ember::mean(*this, dims, keepdim); }
+Tensor Tensor::max() const { return ember::max(*this); }
+Tensor Tensor::min() const { return ember::min(*this); }
+Tensor Tensor::argmax(std::optional<int64_t> dim, bool keepdim) const {
+  return ember::argmax(*this, dim, keepdim);
+}
+
+}  // namespace ember

@@ -1,0 +1,37 @@
+// softmax / log_softmax front end; kernels in cpu/softmax.cpp and cuda/softmax.cu.
+#include "tensor/detail/reduce_kernels.h"
+#include "tensor/reduce.h"
+
+namespace ember {
+
+namespace {
+
+Tensor softmax_impl(const char* op, const Tensor& t, int64_t dim, bool log) {
+  detail::check_defined(op, t, "input");
+  EMBER_CHECK_TYPE(TypeError, t.is_floating_point(), "[", op,
+                   "] expected a floating-point input (float16, bfloat16, float32 or float64), "
+                   "got ",
+                   t.dtype());
+  const int64_t d = wrap_dim(op, dim, t.dim());
+  // Kernels see contiguous tensors with at least one dim.
+  Tensor in = t.contiguous();
+  if (in.dim() == 0) in = in.view({1});
+  Tensor out = detail::make_empty(in.shape(), in.dtype(), in.device());
+  if (out.numel() > 0) {
+    if (in.is_cuda()) {
+      detail::softmax_cuda(out, in, d, log);
+    } else {
+      detail::softmax_cpu(out, in, d, log);
+    }
+  }
+  return t.dim() == 0 ? out.view({}) : out;
+}
+
+}  // namespace
+
+Tensor softmax(const Tensor& t, int64_t dim) { return softmax_impl("softmax", t, dim, false); }
+Tensor log_softmax(const Tensor& t, int64_t dim) {
+  return softmax_impl("log_softmax", t, dim, true);
+}
+
+}  // namespace ember
