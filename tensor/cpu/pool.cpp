@@ -1,0 +1,158 @@
+// Pooling on the CPU: the per-element math of detail/conv_kernels.h, run over rows of the output
+// (or of the input, for the gathering backward passes) on the thread pool.
+#include <algorithm>
+
+#include "tensor/detail/conv_kernels.h"
+#include "tensor/threading.h"
+
+namespace ember::detail {
+
+namespace {
+
+// Runs fn(plane, row) for every row of `rows_per_plane` rows in every plane, in parallel chunks
+// of about kGrainSize units of work (a row costs `row_cost`).
+template <typename Fn>
+void for_each_row(int64_t planes, int64_t rows_per_plane, int64_t row_cost, Fn&& fn) {
+  const int64_t grain = std::max<int64_t>(1, kGrainSize / std::max<int64_t>(row_cost, 1));
+  parallel_for(0, planes * rows_per_plane, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) fn(r / rows_per_plane, r % rows_per_plane);
+  });
+}
+
+// One output row of 2x2 / stride 2 max pooling, written with selects instead of branches so it
+// vectorises: same comparisons in the same order as pool::max_at (NaN wins, first max kept).
+template <typename T, bool kIndices>
+void max_pool_2x2_row(const T* r0, int64_t w, int64_t ow_n, int64_t base, T* out, int64_t* idx) {
+  using A = acc_t<T>;
+  const T* r1 = r0 + w;
+  const int32_t w32 = static_cast<int32_t>(w);  // the caller keeps w below 2^31
+  for (int64_t ow = 0; ow < ow_n; ++ow) {
+    const A a = static_cast<A>(r0[2 * ow]), b = static_cast<A>(r0[2 * ow + 1]);
+    const A c = static_cast<A>(r1[2 * ow]), d = static_cast<A>(r1[2 * ow + 1]);
+    bool t = b > a || b != b;
+    A m = t ? b : a;
+    int32_t k = t ? 1 : 0;  // 32-bit like the float compares, so the selects vectorise
+    t = c > m || c != c;
+    m = t ? c : m;
+    k = t ? w32 : k;
+    t = d > m || d != d;
+    m = t ? d : m;
+    k = t ? w32 + 1 : k;
+    out[ow] = T(m);
+    if constexpr (kIndices) idx[ow] = base + 2 * ow + k;
+  }
+}
+
+template <typename T>
+void max_pool_typed(const Tensor& out, const Tensor& indices, const Tensor& input,
+                    const PoolGeom& g) {
+  const T* in = input.data<T>();
+  T* o = out.data<T>();
+  int64_t* idx = indices.defined() ? indices.data<int64_t>() : nullptr;
+  const int64_t in_plane = g.h * g.w, out_plane = g.oh * g.ow;
+  // The common case (2x2 windows, stride 2, no padding or dilation, every window inside the
+  // input) gets a branch-light loop.
+  const bool fast = g.kh == 2 && g.kw == 2 && g.sh == 2 && g.sw == 2 && g.ph == 0 && g.pw == 0 &&
+                    g.dh == 1 && g.dw == 1 && 2 * g.oh <= g.h && 2 * g.ow <= g.w &&
+                    g.w < (int64_t{1} << 30);
+  for_each_row(g.planes, g.oh, g.ow * g.kh * g.kw, [&](int64_t p, int64_t oh) {
+    const T* plane = in + p * in_plane;
+    T* orow = o + p * out_plane + oh * g.ow;
+    int64_t* irow = idx ? idx + p * out_plane + oh * g.ow : nullptr;
+    if (fast) {
+      if (irow) {
+        max_pool_2x2_row<T, true>(plane + 2 * oh * g.w, g.w, g.ow, 2 * oh * g.w, orow, irow);
+      } else {
+        max_pool_2x2_row<T, false>(plane + 2 * oh * g.w, g.w, g.ow, 2 * oh * g.w, orow, irow);
+      }
+      return;
+    }
+    for (int64_t ow = 0; ow < g.ow; ++ow) {
+      pool::max_at(plane, g, oh, ow, orow + ow, irow ? irow + ow : nullptr);
+    }
+  });
+}
+
+}  // namespace
+
+void max_pool2d_cpu(const Tensor& out, const Tensor& indices, const Tensor& input,
+                    const PoolGeom& g) {
+  EMBER_DISPATCH_FLOATING(input.dtype(), "max_pool2d", [&]<typename T>() {
+    max_pool_typed<T>(out, indices, input, g);
+  });
+}
+
+void max_pool2d_backward_cpu(const Tensor& grad_input, const Tensor& grad_output,
+                             const Tensor& indices, const PoolGeom& g) {
+  EMBER_DISPATCH_FLOATING(grad_output.dtype(), "max_pool2d_backward", [&]<typename T>() {
+    const T* go = grad_output.data<T>();
+    const int64_t* idx = indices.data<int64_t>();
+    T* gi = grad_input.data<T>();
+    const int64_t in_plane = g.h * g.w, out_plane = g.oh * g.ow;
+    for_each_row(g.planes, g.h, g.w * 4, [&](int64_t p, int64_t ih) {
+      T* row = gi + p * in_plane + ih * g.w;
+      for (int64_t iw = 0; iw < g.w; ++iw) {
+        row[iw] = pool::max_backward_at(go + p * out_plane, idx + p * out_plane, g, ih, iw);
+      }
+    });
+  });
+}
+
+void avg_pool2d_cpu(const Tensor& out, const Tensor& input, const PoolGeom& g) {
+  EMBER_DISPATCH_FLOATING(input.dtype(), "avg_pool2d", [&]<typename T>() {
+    const T* in = input.data<T>();
+    T* o = out.data<T>();
+    const int64_t in_plane = g.h * g.w, out_plane = g.oh * g.ow;
+    for_each_row(g.planes, g.oh, g.ow * g.kh * g.kw, [&](int64_t p, int64_t oh) {
+      T* row = o + p * out_plane + oh * g.ow;
+      for (int64_t ow = 0; ow < g.ow; ++ow) row[ow] = pool::avg_at(in + p * in_plane, g, oh, ow);
+    });
+  });
+}
+
+void avg_pool2d_backward_cpu(const Tensor& grad_input, const Tensor& grad_output,
+                             const PoolGeom& g) {
+  EMBER_DISPATCH_FLOATING(grad_output.dtype(), "avg_pool2d_backward", [&]<typename T>() {
+    const T* go = grad_output.data<T>();
+    T* gi = grad_input.data<T>();
+    const int64_t in_plane = g.h * g.w, out_plane = g.oh * g.ow;
+    for_each_row(g.planes, g.h, g.w * 4, [&](int64_t p, int64_t ih) {
+      T* row = gi + p * in_plane + ih * g.w;
+      for (int64_t iw = 0; iw < g.w; ++iw) {
+        row[iw] = pool::avg_backward_at(go + p * out_plane, g, ih, iw);
+      }
+    });
+  });
+}
+
+void adaptive_avg_pool2d_cpu(const Tensor& out, const Tensor& input, const PoolGeom& g) {
+  EMBER_DISPATCH_FLOATING(input.dtype(), "adaptive_avg_pool2d", [&]<typename T>() {
+    const T* in = input.data<T>();
+    T* o = out.data<T>();
+    const int64_t in_plane = g.h * g.w, out_plane = g.oh * g.ow;
+    const int64_t window = ((g.h + g.oh - 1) / g.oh + 1) * ((g.w + g.ow - 1) / g.ow + 1);
+    for_each_row(g.planes, g.oh, g.ow * window, [&](int64_t p, int64_t oh) {
+      T* row = o + p * out_plane + oh * g.ow;
+      for (int64_t ow = 0; ow < g.ow; ++ow) {
+        row[ow] = pool::adaptive_avg_at(in + p * in_plane, g, oh, ow);
+      }
+    });
+  });
+}
+
+void adaptive_avg_pool2d_backward_cpu(const Tensor& grad_input, const Tensor& grad_output,
+                                      const PoolGeom& g) {
+  EMBER_DISPATCH_FLOATING(grad_output.dtype(), "adaptive_avg_pool2d_backward", [&]<typename T>() {
+    const T* go = grad_output.data<T>();
+    T* gi = grad_input.data<T>();
+    const int64_t in_plane = g.h * g.w, out_plane = g.oh * g.ow;
+    for_each_row(g.planes, g.h, g.w * 4, [&](int64_t p, int64_t ih) {
+      T* row = gi + p * in_plane + ih * g.w;
+      for (int64_t iw = 0; iw < g.w; ++iw) {
+        row[iw] = pool::adaptive_avg_backward_at(go + p * out_plane, g, ih, iw);
+      }
+    });
+  });
+}
+
+}  // namespace ember::detail
