@@ -15,10 +15,17 @@ class Generator {
  public:
   explicit Generator(uint64_t seed = 67280421310721ULL) : seed_(seed) {}
   void manual_seed(uint64_t seed);
-  uint64_t seed() const { return seed_; }
+  uint64_t seed() const;
   /// Reserves `n` counter values and returns the first: each op draws from its own range,
   /// so results do not depend on how the work is split across threads or GPU blocks.
   uint64_t advance(uint64_t n);
+  /// The seed and the first of `n` reserved counter values, read together under the lock so a
+  /// concurrent manual_seed() cannot pair a new seed with an old offset.
+  struct Draw {
+    uint64_t seed;
+    uint64_t offset;
+  };
+  Draw reserve(uint64_t n);
   /// Counter position (for checkpointing a generator).
   uint64_t offset() const;
   void set_offset(uint64_t offset);

@@ -1,0 +1,18 @@
+// CPU-only builds (EMBER_WITH_CUDA=OFF): the CUDA side of the indexing and random families.
+#include "tensor/detail/indexing_kernels.h"
+#include "tensor/detail/random_kernels.h"
+
+namespace ember::detail {
+
+namespace {
+[[noreturn]] void no_cuda(const char* what) {
+  throw NotImplementedError(
+      str_cat("[", what, "] CUDA is not available: Ember was built with EMBER_WITH_CUDA=OFF"));
+}
+}  // namespace
+
+void gather_cuda(const GatherArgs& a) { no_cuda(a.bound.op); }
+void scatter_add_cuda(const ScatterArgs& a) { no_cuda(a.bound.op); }
+void random_fill_cuda(const Tensor&, const RandomSpec&, uint64_t, uint64_t) { no_cuda("random"); }
+
+}  // namespace ember::detail

@@ -1,0 +1,59 @@
+// CUDA random fills: one thread per Philox block, running the same functors as the CPU loop
+// (Note [Random streams]), so a seed gives the same tensor on either device.
+#include "tensor/cuda/loops.cuh"
+#include "tensor/detail/random_kernels.h"
+
+namespace ember::detail {
+
+namespace {
+
+template <typename T, typename Op>
+__global__ void random_kernel(T* out, int64_t numel, int64_t blocks, uint64_t seed, uint64_t base,
+                              Op op) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < blocks;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const Philox4 w = philox_block(seed, base + j);
+    const int64_t first = j * Op::kPerBlock;
+    const int64_t left = numel - first;
+    op(w, out + first, left < Op::kPerBlock ? static_cast<int>(left) : Op::kPerBlock);
+  }
+}
+
+template <typename T>
+void fill_typed(const Tensor& t, const RandomSpec& spec, uint64_t seed, uint64_t base) {
+  T* out = static_cast<T*>(t.data_ptr());
+  const int64_t numel = t.numel();
+  cudaStream_t s = cuda_loops::stream_of(t.device());
+  with_random_op<T>(spec, [&](const auto& op) {
+    using Op = std::remove_cvref_t<decltype(op)>;
+    const int64_t blocks = (numel + Op::kPerBlock - 1) / Op::kPerBlock;
+    random_kernel<T, Op><<<cuda_loops::blocks_for(blocks), cuda_loops::kThreads, 0, s>>>(
+        out, numel, blocks, seed, base, op);
+  });
+  EMBER_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void random_fill_cuda(const Tensor& out, const RandomSpec& spec, uint64_t seed, uint64_t base) {
+  if (out.numel() == 0) return;
+  EMBER_INTERNAL_ASSERT(out.is_contiguous());
+  cuda::detail::DeviceGuard guard(out.device().index);
+  switch (spec.kind) {
+    case RandomSpec::kUniform:
+    case RandomSpec::kNormal:
+      return EMBER_DISPATCH_FLOATING(out.dtype(), "random", [&]<typename T>() {
+        fill_typed<T>(out, spec, seed, base);
+      });
+    case RandomSpec::kBernoulli:
+      return EMBER_DISPATCH_ALL(out.dtype(), "bernoulli_", [&]<typename T>() {
+        fill_typed<T>(out, spec, seed, base);
+      });
+    case RandomSpec::kRandint:
+      return EMBER_DISPATCH_NUMERIC(out.dtype(), "randint", [&]<typename T>() {
+        fill_typed<T>(out, spec, seed, base);
+      });
+  }
+}
+
+}  // namespace ember::detail
