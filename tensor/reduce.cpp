@@ -70,6 +70,26 @@ ReduceGeom make_reduce_geom(const Tensor& in, uint32_t mask) {
   return g;
 }
 
+ReduceInput prepare_reduce(const Tensor& in, uint32_t mask) {
+  ReduceInput p{in, make_reduce_geom(in, mask)};
+  if (p.g.inner() || p.g.outer()) return p;
+  std::vector<int64_t> perm;
+  for (int64_t d = 0; d < in.dim(); ++d) {
+    if (!(mask >> d & 1u)) perm.push_back(d);
+  }
+  uint32_t new_mask = 0;
+  for (int64_t d = 0; d < in.dim(); ++d) {
+    if (mask >> d & 1u) {
+      new_mask |= 1u << perm.size();
+      perm.push_back(d);
+    }
+  }
+  p.src = in.permute(perm).contiguous();
+  p.g = make_reduce_geom(p.src, new_mask);
+  EMBER_INTERNAL_ASSERT(p.g.inner(), "a contiguous permuted copy must reduce dense runs");
+  return p;
+}
+
 }  // namespace detail
 
 namespace {

@@ -162,15 +162,18 @@ void scalar_loop(const Tensor& out, const Tensor& a, acc_t<T> s, const F& f) {
   });
 }
 
-/// Calls scalar_loop with Reverse chosen at run time.
-template <typename Out, typename T, typename F>
-void scalar_loop(const Tensor& out, const Tensor& a, acc_t<T> s, bool reverse, const F& f) {
-  if (reverse) {
-    scalar_loop<Out, T, true>(out, a, s, f);
-  } else {
-    scalar_loop<Out, T, false>(out, a, s, f);
-  }
-}
+/// The CPU `Run` of Note [One op table for both devices]: out = f(a) / f(a, b) / f(a, s).
+struct CpuRun {
+  const Tensor& out;
+  const Tensor& a;
+  const Tensor& b;
+  template <typename Out, typename T, typename F>
+  void unary(const F& f) { unary_loop<Out, T>(out, a, f); }
+  template <typename Out, typename T, typename F>
+  void binary(const F& f) { binary_loop<Out, T>(out, a, b, f); }
+  template <typename Out, typename T, bool Reverse, typename F>
+  void scalar(acc_t<T> s, const F& f) { scalar_loop<Out, T, Reverse>(out, a, s, f); }
+};
 
 // Comparisons and logical ops live in compare.cpp; binary.cpp forwards to them.
 void compare_cpu(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b);

@@ -161,21 +161,7 @@ void fill_typed(const Tensor& t, const RandomSpec& spec, uint64_t seed, uint64_t
 void random_fill_cpu(const Tensor& out, const RandomSpec& spec, uint64_t seed, uint64_t base) {
   if (out.numel() == 0) return;
   EMBER_INTERNAL_ASSERT(out.is_contiguous());
-  switch (spec.kind) {
-    case RandomSpec::kUniform:
-    case RandomSpec::kNormal:
-      return EMBER_DISPATCH_FLOATING(out.dtype(), "random", [&]<typename T>() {
-        fill_typed<T>(out, spec, seed, base);
-      });
-    case RandomSpec::kBernoulli:
-      return EMBER_DISPATCH_ALL(out.dtype(), "bernoulli_", [&]<typename T>() {
-        fill_typed<T>(out, spec, seed, base);
-      });
-    case RandomSpec::kRandint:
-      return EMBER_DISPATCH_NUMERIC(out.dtype(), "randint", [&]<typename T>() {
-        fill_typed<T>(out, spec, seed, base);
-      });
-  }
+  dispatch_random(out, spec, [&]<typename T>() { fill_typed<T>(out, spec, seed, base); });
 }
 
 }  // namespace ember::detail

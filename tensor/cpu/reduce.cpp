@@ -219,32 +219,6 @@ void run_reduce(const ReduceGeom& g, const T* in, O* out, const Red& r,
   }
 }
 
-// The input (and geometry) to reduce: a copy in (kept..., reduced...) order when neither fast
-// layout applies to the original strides.
-struct Prepared {
-  Tensor src;
-  ReduceGeom g;
-};
-Prepared prepare(const Tensor& in, uint32_t mask) {
-  Prepared p{in, make_reduce_geom(in, mask)};
-  if (p.g.inner() || p.g.outer()) return p;
-  std::vector<int64_t> perm;
-  for (int64_t d = 0; d < in.dim(); ++d) {
-    if (!(mask >> d & 1u)) perm.push_back(d);
-  }
-  uint32_t new_mask = 0;
-  for (int64_t d = 0; d < in.dim(); ++d) {
-    if (mask >> d & 1u) {
-      new_mask |= 1u << perm.size();
-      perm.push_back(d);
-    }
-  }
-  p.src = in.permute(perm).contiguous();
-  p.g = make_reduce_geom(p.src, new_mask);
-  EMBER_INTERNAL_ASSERT(p.g.inner(), "a contiguous permuted copy must reduce dense runs");
-  return p;
-}
-
 const char* kind_name(ReduceKind k) {
   switch (k) {
     case ReduceKind::Sum: return "sum";
@@ -324,7 +298,7 @@ void reduce_floating(ReduceKind kind, const Tensor& out, const ReduceGeom& g, co
 
 void reduce_cpu(ReduceKind kind, const Tensor& out, const Tensor& in, uint32_t mask,
                 const ReduceParams& params) {
-  const Prepared p = prepare(in, mask);
+  const ReduceInput p = prepare_reduce(in, mask);
   const ReduceGeom& g = p.g;
   EMBER_INTERNAL_ASSERT(out.is_contiguous() && out.numel() == g.num_out, "bad reduce output");
   const void* data = p.src.data_ptr();
@@ -476,7 +450,7 @@ void arg_outer(const ReduceGeom& g, const T* in, T* values, int64_t* indices) {
 
 void arg_reduce_cpu(const Tensor& values, const Tensor& indices, const Tensor& in, int64_t dim,
                     bool is_max) {
-  const Prepared p = prepare(in, 1u << dim);
+  const ReduceInput p = prepare_reduce(in, 1u << dim);
   const ReduceGeom& g = p.g;
   EMBER_INTERNAL_ASSERT(g.nred == 1 && g.red_numel > 0, "arg reduction over one non-empty dim");
   const void* data = p.src.data_ptr();

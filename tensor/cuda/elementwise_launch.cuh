@@ -37,14 +37,18 @@ void scalar(const Tensor& out, const Tensor& a, acc_t<T> s, const F& f) {
   cuda_elementwise<Out, T>(g, fn::ScalarAdapter<Out, T, F, Reverse>{f, s}, stream_of(out.device()));
 }
 
-template <typename Out, typename T, typename F>
-void scalar(const Tensor& out, const Tensor& a, acc_t<T> s, bool reverse, const F& f) {
-  if (reverse) {
-    scalar<Out, T, true>(out, a, s, f);
-  } else {
-    scalar<Out, T, false>(out, a, s, f);
-  }
-}
+/// The CUDA `Run` of Note [One op table for both devices].
+struct CudaRun {
+  const Tensor& out;
+  const Tensor& a;
+  const Tensor& b;
+  template <typename Out, typename T, typename F>
+  void unary(const F& f) { cuda_ew::unary<Out, T>(out, a, f); }
+  template <typename Out, typename T, typename F>
+  void binary(const F& f) { cuda_ew::binary<Out, T>(out, a, b, f); }
+  template <typename Out, typename T, bool Reverse, typename F>
+  void scalar(acc_t<T> s, const F& f) { cuda_ew::scalar<Out, T, Reverse>(out, a, s, f); }
+};
 
 void compare(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b);
 void compare_scalar(BinaryOp op, const Tensor& out, const Tensor& a, const Scalar& s);

@@ -39,21 +39,7 @@ void random_fill_cuda(const Tensor& out, const RandomSpec& spec, uint64_t seed, 
   if (out.numel() == 0) return;
   EMBER_INTERNAL_ASSERT(out.is_contiguous());
   cuda::detail::DeviceGuard guard(out.device().index);
-  switch (spec.kind) {
-    case RandomSpec::kUniform:
-    case RandomSpec::kNormal:
-      return EMBER_DISPATCH_FLOATING(out.dtype(), "random", [&]<typename T>() {
-        fill_typed<T>(out, spec, seed, base);
-      });
-    case RandomSpec::kBernoulli:
-      return EMBER_DISPATCH_ALL(out.dtype(), "bernoulli_", [&]<typename T>() {
-        fill_typed<T>(out, spec, seed, base);
-      });
-    case RandomSpec::kRandint:
-      return EMBER_DISPATCH_NUMERIC(out.dtype(), "randint", [&]<typename T>() {
-        fill_typed<T>(out, spec, seed, base);
-      });
-  }
+  dispatch_random(out, spec, [&]<typename T>() { fill_typed<T>(out, spec, seed, base); });
 }
 
 }  // namespace ember::detail

@@ -176,28 +176,6 @@ void run_reduce(const ReduceGeom& g, const T* in, O* out, const Red& r, Device d
   EMBER_CUDA_CHECK(cudaGetLastError());
 }
 
-struct Prepared {
-  Tensor src;
-  ReduceGeom g;
-};
-Prepared prepare(const Tensor& in, uint32_t mask) {
-  Prepared p{in, make_reduce_geom(in, mask)};
-  if (p.g.inner() || p.g.outer()) return p;
-  std::vector<int64_t> perm;
-  for (int64_t d = 0; d < in.dim(); ++d) {
-    if (!(mask >> d & 1u)) perm.push_back(d);
-  }
-  uint32_t new_mask = 0;
-  for (int64_t d = 0; d < in.dim(); ++d) {
-    if (mask >> d & 1u) {
-      new_mask |= 1u << perm.size();
-      perm.push_back(d);
-    }
-  }
-  p.src = in.permute(perm).contiguous();
-  p.g = make_reduce_geom(p.src, new_mask);
-  return p;
-}
 
 template <typename T>
 using sum_out_t = std::conditional_t<std::is_integral_v<T>, int64_t, T>;
@@ -269,7 +247,7 @@ void reduce_floating(ReduceKind kind, const Tensor& out, const ReduceGeom& g, co
 void reduce_cuda(ReduceKind kind, const Tensor& out, const Tensor& in, uint32_t mask,
                  const ReduceParams& params) {
   DeviceGuard guard(in.device().index);
-  const Prepared p = prepare(in, mask);
+  const ReduceInput p = prepare_reduce(in, mask);
   const ReduceGeom& g = p.g;
   const Device dev = in.device();
   const void* data = p.src.data_ptr();
@@ -391,7 +369,7 @@ __global__ void arg_outer_kernel(ReduceGeom g, const T* in, T* values, int64_t* 
 void arg_reduce_cuda(const Tensor& values, const Tensor& indices, const Tensor& in, int64_t dim,
                      bool is_max) {
   DeviceGuard guard(in.device().index);
-  const Prepared p = prepare(in, 1u << dim);
+  const ReduceInput p = prepare_reduce(in, 1u << dim);
   const ReduceGeom& g = p.g;
   cudaStream_t s = stream_of(in.device());
   const void* data = p.src.data_ptr();

@@ -94,6 +94,21 @@ struct RandomSpec {
 /// Elements one Philox block fills for this spec and dtype (so blocks = ceil(numel / this)).
 int64_t random_per_block(const RandomSpec& spec, Dtype dtype);
 
+/// Calls fill.template operator()<T>() with T the C++ type of out's dtype, restricted to the
+/// dtypes spec's kind supports (shared by the CPU and CUDA fills).
+template <typename Fill>
+void dispatch_random(const Tensor& out, const RandomSpec& spec, Fill&& fill) {
+  switch (spec.kind) {
+    case RandomSpec::kUniform:
+    case RandomSpec::kNormal:
+      return EMBER_DISPATCH_FLOATING(out.dtype(), "random", fill);
+    case RandomSpec::kBernoulli:
+      return EMBER_DISPATCH_ALL(out.dtype(), "bernoulli_", fill);
+    case RandomSpec::kRandint:
+      return EMBER_DISPATCH_NUMERIC(out.dtype(), "randint", fill);
+  }
+}
+
 /// Fills the contiguous tensor `out` from the stream (seed, base); CPU and CUDA write the same
 /// values. Dtypes: uniform/normal floating; bernoulli all; randint numeric.
 void random_fill_cpu(const Tensor& out, const RandomSpec& spec, uint64_t seed, uint64_t base);

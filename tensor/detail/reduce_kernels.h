@@ -322,6 +322,14 @@ struct ReduceParams {
 /// Geometry of reducing the dims in `mask` (bit d = dim d) of `in`.
 ReduceGeom make_reduce_geom(const Tensor& in, uint32_t mask);
 
+/// The input (and geometry) a kernel reduces: `in` itself when its strides give dense reduced
+/// runs (inner) or a dense kept dim (outer), else a copy in (kept..., reduced...) order.
+struct ReduceInput {
+  Tensor src;
+  ReduceGeom g;
+};
+ReduceInput prepare_reduce(const Tensor& in, uint32_t mask);
+
 /// out[kept] = reduction of in over the dims in mask. out is contiguous with numel equal to the
 /// number of kept positions and has the dtype the front end chose: int64 for integer/bool
 /// Sum/Prod, bool for Any/All, in's dtype otherwise. in has any strides, same device.

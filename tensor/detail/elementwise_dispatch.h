@@ -1,0 +1,162 @@
+// Note [One op table for both devices]
+// The CPU and CUDA element-wise kernels differ only in how a functor is run over the operands.
+// Which functor serves which op, and for which dtypes, is written once here: each dispatcher
+// takes a `Run` object with template members
+//   unary<Out, In>(f)                      out = f(in)
+//   binary<Out, In>(f)                     out = f(a, b)
+//   scalar<Out, In, Reverse>(s, f)         out = f(a, s), or f(s, a) when Reverse
+// that cpu/elementwise_loops.h and cuda/elementwise_launch.cuh provide (CpuRun, CudaRun).
+#pragma once
+
+#include <limits>
+#include <optional>
+#include <type_traits>
+
+#include "tensor/detail/elementwise_kernels.h"
+#include "tensor/detail/functors.h"
+
+namespace ember::detail {
+
+inline bool is_one(const Scalar& s) {
+  return s.is_floating() ? s.to_double() == 1.0 : s.to_int() == 1;
+}
+
+template <typename Run>
+void dispatch_unary(UnaryOp op, Dtype dt, Run& run) {
+// Floating-only ops (the front end promotes integer inputs to float32 first).
+#define EMBER_UNARY_FLOAT_(OP, NAME)                                                        \
+  case UnaryOp::OP:                                                                         \
+    EMBER_DISPATCH_FLOATING(dt, NAME, [&]<typename T>() { run.template unary<T, T>(fn::OP{}); }); \
+    return;
+  switch (op) {
+    case UnaryOp::Neg:
+      EMBER_DISPATCH_NUMERIC(dt, "neg", [&]<typename T>() { run.template unary<T, T>(fn::Neg{}); });
+      return;
+    case UnaryOp::Abs:
+      EMBER_DISPATCH_NUMERIC(dt, "abs", [&]<typename T>() { run.template unary<T, T>(fn::Abs{}); });
+      return;
+    case UnaryOp::Sign:
+      EMBER_DISPATCH_ALL(dt, "sign", [&]<typename T>() { run.template unary<T, T>(fn::Sign{}); });
+      return;
+    case UnaryOp::Square:
+      EMBER_DISPATCH_NUMERIC(dt, "square", [&]<typename T>() { run.template unary<T, T>(fn::Square{}); });
+      return;
+    case UnaryOp::Relu:
+      EMBER_DISPATCH_NUMERIC(dt, "relu", [&]<typename T>() { run.template unary<T, T>(fn::Relu{}); });
+      return;
+    case UnaryOp::LogicalNot:
+      EMBER_DISPATCH_ALL(dt, "logical_not", [&]<typename T>() {
+        run.template unary<bool, T>(fn::LogicalNot{});
+      });
+      return;
+    EMBER_UNARY_FLOAT_(Exp, "exp")
+    EMBER_UNARY_FLOAT_(Log, "log")
+    EMBER_UNARY_FLOAT_(Log1p, "log1p")
+    EMBER_UNARY_FLOAT_(Sqrt, "sqrt")
+    EMBER_UNARY_FLOAT_(Rsqrt, "rsqrt")
+    EMBER_UNARY_FLOAT_(Reciprocal, "reciprocal")
+    EMBER_UNARY_FLOAT_(Sin, "sin")
+    EMBER_UNARY_FLOAT_(Cos, "cos")
+    EMBER_UNARY_FLOAT_(Tanh, "tanh")
+    EMBER_UNARY_FLOAT_(Sigmoid, "sigmoid")
+    EMBER_UNARY_FLOAT_(GeluErf, "gelu")
+    EMBER_UNARY_FLOAT_(GeluTanh, "gelu")
+    EMBER_UNARY_FLOAT_(Silu, "silu")
+  }
+#undef EMBER_UNARY_FLOAT_
+}
+
+template <typename Run>
+void dispatch_clamp(Dtype dt, const std::optional<Scalar>& lo, const std::optional<Scalar>& hi,
+                    Run& run) {
+  EMBER_DISPATCH_ALL(dt, "clamp", [&]<typename T>() {
+    using A = acc_t<T>;
+    using L = std::numeric_limits<A>;
+    const A lo_v = lo ? lo->to<A>() : (L::has_infinity ? -L::infinity() : L::lowest());
+    const A hi_v = hi ? hi->to<A>() : (L::has_infinity ? L::infinity() : L::max());
+    run.template unary<T, T>(fn::Clamp<A>{lo_v, hi_v});
+  });
+}
+
+/// Arithmetic ops only; returns false for comparisons and logical ops.
+template <typename Run>
+bool dispatch_binary(BinaryOp op, Dtype dt, const Scalar& alpha, Run& run) {
+  switch (op) {
+    case BinaryOp::Add:
+    case BinaryOp::Sub:
+      if (is_one(alpha)) {
+        if (op == BinaryOp::Add) {
+          EMBER_DISPATCH_ALL(dt, "add", [&]<typename T>() { run.template binary<T, T>(fn::Add{}); });
+        } else {
+          EMBER_DISPATCH_NUMERIC(dt, "sub", [&]<typename T>() { run.template binary<T, T>(fn::Sub{}); });
+        }
+      } else {
+        EMBER_DISPATCH_ALL(dt, "add", [&]<typename T>() {
+          using A = acc_t<T>;
+          A al = alpha.to<A>();
+          if constexpr (!std::is_same_v<A, bool>) {
+            if (op == BinaryOp::Sub) al = static_cast<A>(-al);
+          }
+          run.template binary<T, T>(fn::AddAlpha<A>{al});
+        });
+      }
+      return true;
+    case BinaryOp::Mul:
+      EMBER_DISPATCH_ALL(dt, "mul", [&]<typename T>() { run.template binary<T, T>(fn::Mul{}); });
+      return true;
+    case BinaryOp::Div:
+      EMBER_DISPATCH_FLOATING(dt, "div", [&]<typename T>() { run.template binary<T, T>(fn::Div{}); });
+      return true;
+    case BinaryOp::Pow:
+      EMBER_DISPATCH_NUMERIC(dt, "pow", [&]<typename T>() { run.template binary<T, T>(fn::Pow{}); });
+      return true;
+    case BinaryOp::Maximum:
+      EMBER_DISPATCH_ALL(dt, "maximum", [&]<typename T>() { run.template binary<T, T>(fn::Maximum{}); });
+      return true;
+    case BinaryOp::Minimum:
+      EMBER_DISPATCH_ALL(dt, "minimum", [&]<typename T>() { run.template binary<T, T>(fn::Minimum{}); });
+      return true;
+    default:
+      return false;
+  }
+}
+
+/// Tensor-scalar arithmetic (s on the right, or on the left when reverse); returns false for
+/// comparisons and logical ops.
+template <typename Run>
+bool dispatch_binary_scalar(BinaryOp op, Dtype dt, const Scalar& s, bool reverse, Run& run) {
+  switch (op) {
+    case BinaryOp::Add:
+      EMBER_DISPATCH_ALL(dt, "add", [&]<typename T>() {
+        run.template scalar<T, T, false>(s.to<acc_t<T>>(), fn::Add{});
+      });
+      return true;
+    case BinaryOp::Sub:
+      EMBER_DISPATCH_NUMERIC(dt, "sub", [&]<typename T>() {
+        reverse ? run.template scalar<T, T, true>(s.to<acc_t<T>>(), fn::Sub{})
+                : run.template scalar<T, T, false>(s.to<acc_t<T>>(), fn::Sub{});
+      });
+      return true;
+    case BinaryOp::Mul:
+      EMBER_DISPATCH_ALL(dt, "mul", [&]<typename T>() {
+        run.template scalar<T, T, false>(s.to<acc_t<T>>(), fn::Mul{});
+      });
+      return true;
+    case BinaryOp::Div:
+      EMBER_DISPATCH_FLOATING(dt, "div", [&]<typename T>() {
+        reverse ? run.template scalar<T, T, true>(s.to<acc_t<T>>(), fn::Div{})
+                : run.template scalar<T, T, false>(s.to<acc_t<T>>(), fn::Div{});
+      });
+      return true;
+    case BinaryOp::Pow:
+      EMBER_DISPATCH_NUMERIC(dt, "pow", [&]<typename T>() {
+        reverse ? run.template scalar<T, T, true>(s.to<acc_t<T>>(), fn::Pow{})
+                : run.template scalar<T, T, false>(s.to<acc_t<T>>(), fn::Pow{});
+      });
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace ember::detail
