@@ -46,6 +46,12 @@ int main(int argc, char** argv) {
         bg.mutable_grad() = torch::Tensor();
       }, 3 * 2.0 * 64 * 64 * 28 * 28 * 32 * 9);
     }
+    if (bench::selected(o, "maxpool2d_idx_b64_c32_28")) {
+      bench::run(o, "maxpool2d_idx_b64_c32_28", [&] {
+        auto y = F::max_pool2d_with_indices(x, F::MaxPool2dFuncOptions(2));
+        bench::do_not_optimize(std::get<0>(y).data_ptr());
+      });
+    }
     if (bench::selected(o, "maxpool2d_b64_c32_28")) {
       bench::run(o, "maxpool2d_b64_c32_28", [&] {
         auto y = F::max_pool2d(x, F::MaxPool2dFuncOptions(2));
@@ -65,6 +71,11 @@ int main(int argc, char** argv) {
     if (bench::selected(o, "mul_scalar_16M_f32_out"))
       bench::run(o, "mul_scalar_16M_f32_out", [&] { at::mul_out(c, a, torch::scalar_tensor(2.5)); },
                  0, 8.0 * M16);
+    if (bench::selected(o, "exp_16M_f32_fresh"))
+      bench::run(o, "exp_16M_f32_fresh", [&] {
+        auto r = a.exp();
+        bench::do_not_optimize(r.data_ptr());
+      }, 0, 8.0 * M16);
     if (bench::selected(o, "sum_16M_f32"))
       bench::run(o, "sum_16M_f32", [&] {
         auto s = a.sum();
@@ -105,6 +116,22 @@ int main(int argc, char** argv) {
         auto s = s2.argmax(1);
         bench::do_not_optimize(s.data_ptr());
       }, 0, 4.0 * s2.numel());
+  }
+  if (bench::selected(o, "index_select_rows_1Mx64_f32")) {
+    auto table = torch::rand({65536, 64});
+    auto idx = torch::randint(0, 65536, {65536}, torch::kLong);
+    bench::run(o, "index_select_rows_1Mx64_f32", [&] {
+      auto r = table.index_select(0, idx);
+      bench::do_not_optimize(r.data_ptr());
+    });
+  }
+  if (bench::selected(o, "embedding_b64x128_d256")) {
+    auto table = torch::rand({32768, 256});
+    auto ids = torch::randint(0, 32768, {64, 128}, torch::kLong);
+    bench::run(o, "embedding_b64x128_d256", [&] {
+      auto r = F::embedding(ids, table);
+      bench::do_not_optimize(r.data_ptr());
+    });
   }
   {
     auto a = torch::rand({1}), b = torch::rand({1});

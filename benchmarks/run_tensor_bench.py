@@ -84,6 +84,26 @@ def torch_cases():
         x = torch.randn(64, 32, 28, 28)
         return lambda: F.max_pool2d(x, 2)
 
+    @case("maxpool2d_idx_b64_c32_28")
+    def _():
+        x = torch.randn(64, 32, 28, 28)
+        return lambda: F.max_pool2d(x, 2, return_indices=True)
+
+    @case("exp_16M_f32_fresh", 0, 8.0 * M16)
+    def _():
+        a = torch.rand(M16)
+        return lambda: torch.exp(a)
+
+    @case("index_select_rows_1Mx64_f32")
+    def _():
+        table, idx = torch.rand(65536, 64), torch.randint(0, 65536, (65536,))
+        return lambda: table.index_select(0, idx)
+
+    @case("embedding_b64x128_d256")
+    def _():
+        table, ids = torch.rand(32768, 256), torch.randint(0, 32768, (64, 128))
+        return lambda: F.embedding(ids, table)
+
     @case("add_16M_f32_out", 0, 12.0 * M16)
     def _():
         a, b, c = torch.rand(M16), torch.rand(M16), torch.empty(M16)
