@@ -61,6 +61,7 @@ Tensor& Tensor::fill_(const Scalar& v) {
 
 Tensor& Tensor::zero_() {
   detail::check_defined("zero_", *this, "self");
+  if (numel() == 0) return *this;  // also keeps a null data pointer away from memset
   if (is_cpu() && is_contiguous()) {
     std::memset(data_ptr(), 0, nbytes());
     bump_version();
