@@ -25,7 +25,9 @@ namespace ember::detail {
 
 namespace {
 
-constexpr int64_t kPairwiseBlock = 2048;
+// Leaves this long amortise the lane set-up and fold (measured: 2048 cost ~5% on sums); each
+// lane still adds only 8192 / kLanes values sequentially.
+constexpr int64_t kPairwiseBlock = 8192;
 constexpr int64_t kChunk = 1 << 16;
 constexpr int64_t kColTile = 1024;
 constexpr int64_t kRowBlock = 8;
