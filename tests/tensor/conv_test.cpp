@@ -10,6 +10,10 @@
 #include <vector>
 
 #include "tensor/ops.h"
+#include "test_util.h"
+
+using ember::test::expect_close;
+using ember::test::expect_error;
 
 using namespace ember;
 
@@ -28,27 +32,6 @@ std::vector<double> lcg_values(int64_t n, uint64_t seed) {
 Tensor rand_t(IntList shape, Dtype dtype, uint64_t seed) {
   Shape s(shape);
   return from_vector(lcg_values(s.numel(), seed)).reshape(shape).to(dtype);
-}
-
-void expect_close(const Tensor& got, const std::vector<double>& want, double tol,
-                  const std::string& what) {
-  std::vector<double> g = got.to_vector<double>();
-  ASSERT_EQ(g.size(), want.size()) << what;
-  for (size_t i = 0; i < g.size(); ++i) {
-    ASSERT_NEAR(g[i], want[i], tol * (1 + std::fabs(want[i])))
-        << what << ": index " << i << " got " << g[i] << " want " << want[i];
-  }
-}
-
-template <typename Fn>
-void expect_error_contains(Fn&& fn, std::initializer_list<const char*> parts) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected an error";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const char* p : parts) EXPECT_NE(msg.find(p), std::string::npos) << msg << " lacks " << p;
-  }
 }
 
 double tol_for(Dtype t) {
@@ -271,67 +254,67 @@ TEST(Conv2d, ZeroSizedTensors) {
 
 TEST(Conv2d, ErrorsFollowPyTorch) {
   Tensor x = zeros({1, 3, 28, 28});
-  expect_error_contains(
+  expect_error(
       [&] {
         conv2d(x, zeros({8, 4, 3, 3}));
       },
       {"[conv2d]", "expected input[1, 3, 28, 28] to have 4 channels", "got 3 channels",
        "[8, 4, 3, 3]"});
-  expect_error_contains(
+  expect_error(
       [&] {
         conv2d(zeros({3, 28, 28}), zeros({8, 3, 3, 3}));
       },
       {"[conv2d]", "4-d", "[3, 28, 28]"});
-  expect_error_contains([&] { conv2d(x, zeros({8, 3, 3})); }, {"[conv2d]", "weight", "[8, 3, 3]"});
-  expect_error_contains(
+  expect_error([&] { conv2d(x, zeros({8, 3, 3})); }, {"[conv2d]", "weight", "[8, 3, 3]"});
+  expect_error(
       [&] {
         conv2d(zeros({1, 4, 8, 8}), zeros({3, 2, 3, 3}), Tensor(),
                params({1, 1}, {0, 0}, {1, 1}, 2));
       },
       {"[conv2d]", "groups=2", "divisible by 2", "[3, 2, 3, 3]"});
-  expect_error_contains(
+  expect_error(
       [&] {
         conv2d(zeros({1, 3, 2, 2}), zeros({8, 3, 3, 3}));
       },
       {"[conv2d]", "Kernel size", "(2 x 2)", "(3 x 3)"});
-  expect_error_contains(
+  expect_error(
       [&] {
         conv2d(x, zeros({8, 3, 3, 3}), zeros({4}));
       },
       {"[conv2d]", "bias", "8 elements", "[4]"});
-  expect_error_contains(
+  expect_error(
       [&] {
         conv2d(x, zeros({8, 3, 3, 3}), Tensor(), params({0, 1}, {0, 0}, {1, 1}, 1));
       },
       {"[conv2d]", "stride", "[0, 1]"});
-  expect_error_contains(
+  expect_error(
       [&] {
         conv2d(x, zeros({8, 3, 3, 3}), Tensor(), params({1, 1}, {-1, 0}, {1, 1}, 1));
       },
       {"[conv2d]", "padding", "[-1, 0]"});
-  expect_error_contains(
+  expect_error(
       [&] {
         conv2d(x, zeros({8, 3, 3, 3}), Tensor(), params({1, 1}, {0, 0}, {1, 1}, 0));
       },
       {"[conv2d]", "groups", "0"});
   EXPECT_THROW(conv2d(x, zeros({8, 3, 3, 3}, kFloat64)), TypeError);
-  expect_error_contains(
+  expect_error(
       [&] {
         conv2d(x, zeros({8, 3, 3, 3}, kFloat64));
       },
       {"[conv2d]", "float32", "float64"});
   EXPECT_THROW(conv2d(zeros({1, 3, 4, 4}, kInt64), zeros({8, 3, 3, 3}, kInt64)), TypeError);
-  expect_error_contains(
+  expect_error(
       [&] {
         conv2d_backward_input(zeros({1, 8, 25, 25}), {1, 3, 28, 28}, zeros({8, 3, 3, 3}));
       },
       {"[conv2d_backward_input]", "[1, 8, 26, 26]", "[1, 8, 25, 25]"});
-  expect_error_contains(
+  expect_error(
       [&] {
         conv2d_backward_weight(zeros({1, 8, 26, 26}), x, {8, 4, 3, 3});
       },
       {"[conv2d_backward_weight]", "4 channels"});
-  expect_error_contains([&] { conv2d(Tensor(), zeros({8, 3, 3, 3})); }, {"[conv2d]", "'input'"});
+  expect_error([&] { conv2d(Tensor(), zeros({8, 3, 3, 3})); }, {"[conv2d]", "'input'"});
 }
 
 // ---- pooling -----------------------------------------------------------------------------
@@ -538,22 +521,22 @@ TEST(Pool2d, ZeroSizedBatchAndErrors) {
   EXPECT_EQ(avg_pool2d(empty({2, 0, 4, 4}), p).shape(), Shape({2, 0, 2, 2}));
   EXPECT_EQ(adaptive_avg_pool2d(empty({0, 3, 4, 4}), {2, 2}).shape(), Shape({0, 3, 2, 2}));
 
-  expect_error_contains(
+  expect_error(
       [&] {
         max_pool2d(zeros({3, 4, 4}), p);
       },
       {"[max_pool2d]", "4-d", "[3, 4, 4]"});
-  expect_error_contains(
+  expect_error(
       [&] {
         max_pool2d(zeros({1, 1, 4, 4}), pool_params({2, 2}, std::nullopt, {2, 0}, {1, 1}, false));
       },
       {"[max_pool2d]", "pad", "half"});
-  expect_error_contains(
+  expect_error(
       [&] {
         avg_pool2d(zeros({1, 1, 1, 1}), p);
       },
       {"[avg_pool2d]", "too small", "[1, 1, 1, 1]"});
-  expect_error_contains(
+  expect_error(
       [&] {
         max_pool2d(zeros({1, 1, 4, 4}), pool_params({2, 2}, Pair{0, 1}, {0, 0}, {1, 1}, false));
       },
@@ -561,14 +544,14 @@ TEST(Pool2d, ZeroSizedBatchAndErrors) {
   EXPECT_THROW(max_pool2d(zeros({1, 1, 4, 4}, kInt64), p), TypeError);
   Tensor x = zeros({1, 1, 4, 4});
   auto [y, idx] = max_pool2d_with_indices(x, p);
-  expect_error_contains(
+  expect_error(
       [&] {
         max_pool2d_backward(zeros({1, 1, 3, 3}), x, idx, p);
       },
       {"[max_pool2d_backward]", "[1, 1, 2, 2]", "[1, 1, 3, 3]"});
-  expect_error_contains([&] { max_pool2d_backward(y, x, idx.to(kInt32), p); },
+  expect_error([&] { max_pool2d_backward(y, x, idx.to(kInt32), p); },
                         {"[max_pool2d_backward]", "int64", "int32"});
-  expect_error_contains(
+  expect_error(
       [&] {
         adaptive_avg_pool2d(x, {0, 2});
       },
@@ -599,7 +582,7 @@ TEST(ConvCuda, MatchesCpu) {
                    case_name(k, dt) + " cuda bwd weight");
     }
   }
-  expect_error_contains(
+  expect_error(
       [&] {
         conv2d(zeros({1, 3, 8, 8}), zeros({4, 3, 3, 3}).cuda());
       },

@@ -10,6 +10,9 @@
 #include <vector>
 
 #include "tensor/ops.h"
+#include "test_util.h"
+
+using ember::test::expect_error;
 
 using namespace ember;
 
@@ -43,19 +46,6 @@ Tensor make(IntList shape, const std::function<double(int64_t)>& f, Dtype dt = k
 }
 
 /// Asserts that fn throws E whose message contains every piece.
-template <typename E>
-void expect_error(const std::function<void()>& fn, std::vector<std::string> pieces) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected an exception mentioning " << pieces[0];
-  } catch (const E& e) {
-    const std::string msg = e.what();
-    for (const auto& p : pieces) {
-      EXPECT_NE(msg.find(p), std::string::npos) << "message lacks '" << p << "': " << msg;
-    }
-  }
-}
-
 const Dtype kAllDtypes[] = {kBool,    kUInt8,     kInt32,   kInt64,
                             kFloat16, kBFloat16, kFloat32, kFloat64};
 

@@ -10,6 +10,9 @@
 #include <vector>
 
 #include "tensor/ops.h"
+#include "test_util.h"
+
+using ember::test::expect_error;
 
 using namespace ember;
 
@@ -47,17 +50,6 @@ void expect_same(const Tensor& got, const Tensor& want, const std::string& what)
   ASSERT_EQ(got.shape(), want.shape()) << what;
   EXPECT_EQ(got.dtype(), want.dtype()) << what;
   expect_same(got, want.to_vector<double>(), what);
-}
-
-template <typename E, typename F>
-void expect_error(F&& f, std::initializer_list<const char*> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an exception";
-  } catch (const E& e) {
-    const std::string msg = e.what();
-    for (const char* p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
-  }
 }
 
 // Row-major flat offset of a multi-index.

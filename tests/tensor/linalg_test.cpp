@@ -9,6 +9,10 @@
 #include <vector>
 
 #include "tensor/ops.h"
+#include "test_util.h"
+
+using ember::test::expect_close;
+using ember::test::expect_error;
 
 using namespace ember;
 
@@ -57,27 +61,6 @@ double tol_for(Dtype t, int64_t k) {
       return 2e-2 * (k + 1);
     default:
       return 2e-3 * (k + 1);
-  }
-}
-
-void expect_close(const Tensor& got, const std::vector<double>& want, double tol,
-                  const std::string& what) {
-  std::vector<double> g = got.to_vector<double>();
-  ASSERT_EQ(g.size(), want.size()) << what;
-  for (size_t i = 0; i < g.size(); ++i) {
-    ASSERT_NEAR(g[i], want[i], tol * (1 + std::fabs(want[i])))
-        << what << ": index " << i << " got " << g[i] << " want " << want[i];
-  }
-}
-
-template <typename Fn>
-void expect_error_contains(Fn&& fn, std::initializer_list<const char*> parts) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected an error";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const char* p : parts) EXPECT_NE(msg.find(p), std::string::npos) << msg << " lacks " << p;
   }
 }
 
@@ -295,50 +278,50 @@ TEST(MmOut, WritesIntoExistingTensors) {
 
 TEST(Linalg, ErrorsNameOpAndShapes) {
   Tensor a = zeros({2, 3}), b = zeros({4, 5});
-  expect_error_contains([&] { mm(a, b); }, {"[mm]", "[2, 3]", "[4, 5]"});
-  expect_error_contains([&] { matmul(a, b); }, {"[matmul]", "[2, 3]", "[4, 5]"});
-  expect_error_contains([&] { matmul(zeros({3}), zeros({4})); }, {"[matmul]", "[3]", "[4]"});
-  expect_error_contains([&] { matmul(scalar_tensor(1.0), a); }, {"[matmul]", "0-d"});
-  expect_error_contains([&] { mm(zeros({2, 3, 1}), b); }, {"[mm]", "2-d", "[2, 3, 1]"});
-  expect_error_contains(
+  expect_error([&] { mm(a, b); }, {"[mm]", "[2, 3]", "[4, 5]"});
+  expect_error([&] { matmul(a, b); }, {"[matmul]", "[2, 3]", "[4, 5]"});
+  expect_error([&] { matmul(zeros({3}), zeros({4})); }, {"[matmul]", "[3]", "[4]"});
+  expect_error([&] { matmul(scalar_tensor(1.0), a); }, {"[matmul]", "0-d"});
+  expect_error([&] { mm(zeros({2, 3, 1}), b); }, {"[mm]", "2-d", "[2, 3, 1]"});
+  expect_error(
       [&] {
         bmm(zeros({2, 3, 4}), zeros({3, 4, 5}));
       },
       {"[bmm]", "batch", "[2, 3, 4]", "[3, 4, 5]"});
-  expect_error_contains(
+  expect_error(
       [&] {
         matmul(zeros({2, 3, 4}), zeros({3, 4, 5}));
       },
       {"matmul", "[2]", "[3]"});
   EXPECT_THROW(mm(zeros({2, 2}, kInt64), zeros({2, 2}, kInt64)), TypeError);
-  expect_error_contains(
+  expect_error(
       [&] {
         mm(zeros({2, 2}, kInt64), zeros({2, 2}, kInt64));
       },
       {"[mm]", "int64"});
   EXPECT_THROW(mm(zeros({2, 2}), zeros({2, 2}, kFloat64)), TypeError);
-  expect_error_contains(
+  expect_error(
       [&] {
         mm(zeros({2, 2}), zeros({2, 2}, kFloat64));
       },
       {"[mm]", "float32", "float64"});
-  expect_error_contains(
+  expect_error(
       [&] {
         addmm(zeros({3}), a, zeros({3, 4}));
       },
       {"[addmm]", "bias", "[3]", "[2, 4]"});
-  expect_error_contains(
+  expect_error(
       [&] {
         addmm(zeros({4}, kFloat64), a, zeros({3, 4}));
       },
       {"[addmm]", "float64", "float32"});
   Tensor bad_out = zeros({3, 3});
-  expect_error_contains(
+  expect_error(
       [&] {
         mm_out(bad_out, a, zeros({3, 4}));
       },
       {"[mm_out]", "[2, 4]", "[3, 3]"});
-  expect_error_contains([&] { mm(Tensor(), a); }, {"[mm]", "'a'"});
+  expect_error([&] { mm(Tensor(), a); }, {"[mm]", "'a'"});
   // Mixed devices need a CUDA tensor: checked by LinalgCuda.MatchesCpu where a GPU exists.
 }
 
@@ -365,7 +348,7 @@ TEST(LinalgCuda, MatchesCpu) {
     expect_close(addmm(kb.cuda(), empty({3, 0}, dt).cuda(), empty({0, 4}, dt).cuda(), 0.5, 1).cpu(),
                  half_bias, 1e-2, "addmm k = 0");
   }
-  expect_error_contains(
+  expect_error(
       [&] {
         mm(zeros({2, 2}), zeros({2, 2}).cuda());
       },

@@ -11,6 +11,9 @@
 
 #include "tensor/detail/philox.h"
 #include "tensor/ops.h"
+#include "test_util.h"
+
+using ember::test::expect_error;
 
 using namespace ember;
 
@@ -43,17 +46,6 @@ Moments moments(const Tensor& t) {
 }
 
 constexpr double kZ = 6.0;
-
-template <typename E, typename F>
-void expect_error(F&& f, std::initializer_list<const char*> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an exception";
-  } catch (const E& e) {
-    const std::string msg = e.what();
-    for (const char* p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
-  }
-}
 
 }  // namespace
 

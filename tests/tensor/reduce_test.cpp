@@ -12,6 +12,9 @@
 #include <vector>
 
 #include "tensor/ops.h"
+#include "test_util.h"
+
+using ember::test::expect_error;
 
 using namespace ember;
 
@@ -78,17 +81,6 @@ void expect_close(const Tensor& got, const std::vector<double>& want, double rto
       EXPECT_NEAR(g[i], want[i], atol + rtol * std::fabs(want[i]))
           << what << " at " << i << ": got " << g[i] << ", want " << want[i];
     }
-  }
-}
-
-template <typename E, typename F>
-void expect_error(F f, const std::vector<std::string>& parts) {
-  try {
-    f();
-    FAIL() << "expected an exception mentioning " << parts[0];
-  } catch (const E& e) {
-    const std::string msg = e.what();
-    for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << msg;
   }
 }
 
