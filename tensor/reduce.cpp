@@ -10,6 +10,22 @@ namespace ember {
 
 namespace detail {
 
+namespace {
+// Appends a dim (size, stride) to sizes/strides[0..n), merging it into the last one when that
+// continues it (last stride == stride * size).
+template <typename N>
+void append_merged(int64_t* sizes, int64_t* strides, N& n, int64_t size, int64_t stride) {
+  if (n > 0 && strides[n - 1] == stride * size) {
+    sizes[n - 1] *= size;
+    strides[n - 1] = stride;
+  } else {
+    sizes[n] = size;
+    strides[n] = stride;
+    ++n;
+  }
+}
+}  // namespace
+
 ReduceGeom make_reduce_geom(const Tensor& in, uint32_t mask) {
   ReduceGeom g;
   const int nd = static_cast<int>(in.dim());
@@ -39,28 +55,12 @@ ReduceGeom make_reduce_geom(const Tensor& in, uint32_t mask) {
   }
   // Kept dims: output order; merge neighbours whose input strides line up.
   for (int i = 0; i < nk; ++i) {
-    const int64_t sz = in.size(keep[i]), st = in.stride(keep[i]);
-    if (g.nkeep > 0 && g.keep_strides[g.nkeep - 1] == st * sz) {
-      g.keep_sizes[g.nkeep - 1] *= sz;
-      g.keep_strides[g.nkeep - 1] = st;
-    } else {
-      g.keep_sizes[g.nkeep] = sz;
-      g.keep_strides[g.nkeep] = st;
-      ++g.nkeep;
-    }
+    append_merged(g.keep_sizes, g.keep_strides, g.nkeep, in.size(keep[i]), in.stride(keep[i]));
   }
   // Reduced dims: any order works, so sort by decreasing stride, then merge.
   std::stable_sort(red, red + nr, [&](int a, int b) { return in.stride(a) > in.stride(b); });
   for (int i = 0; i < nr; ++i) {
-    const int64_t sz = in.size(red[i]), st = in.stride(red[i]);
-    if (g.nred > 0 && g.red_strides[g.nred - 1] == st * sz) {
-      g.red_sizes[g.nred - 1] *= sz;
-      g.red_strides[g.nred - 1] = st;
-    } else {
-      g.red_sizes[g.nred] = sz;
-      g.red_strides[g.nred] = st;
-      ++g.nred;
-    }
+    append_merged(g.red_sizes, g.red_strides, g.nred, in.size(red[i]), in.stride(red[i]));
   }
   if (g.nred == 0) {  // every output reads one element
     g.nred = 1;

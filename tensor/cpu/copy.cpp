@@ -5,13 +5,18 @@
 
 namespace ember::detail {
 
+namespace {
+// Dense copies below this many bytes stay on one thread (splitting costs more than it saves).
+constexpr int64_t kParallelCopyBytes = int64_t{1} << 19;
+}  // namespace
+
 void copy_cpu(const Tensor& dst, const Tensor& src) {
   if (dst.numel() == 0) return;
   if (dst.dtype() == src.dtype() && dst.is_contiguous() && src.is_contiguous()) {
     const int64_t n = dst.nbytes();
     char* d = static_cast<char*>(dst.data_ptr());
     const char* s = static_cast<const char*>(src.data_ptr());
-    if (n < 4 * kGrainSize * 4) {
+    if (n < kParallelCopyBytes) {
       std::memmove(d, s, n);
     } else {
       parallel_for(0, n, 1 << 20, [&](int64_t b, int64_t e) { std::memmove(d + b, s + b, e - b); });

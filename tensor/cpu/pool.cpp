@@ -19,6 +19,16 @@ void for_each_row(int64_t planes, int64_t rows_per_plane, int64_t row_cost, Fn&&
   });
 }
 
+// dst[p][r][c] = at(p, r, c) over a dense [planes, rows, cols] destination, rows in parallel
+// (each element costs about `cost`).
+template <typename T, typename At>
+void fill_rows(T* dst, int64_t planes, int64_t rows, int64_t cols, int64_t cost, At&& at) {
+  for_each_row(planes, rows, cols * cost, [&](int64_t p, int64_t r) {
+    T* row = dst + (p * rows + r) * cols;
+    for (int64_t c = 0; c < cols; ++c) row[c] = at(p, r, c);
+  });
+}
+
 // One output row of 2x2 / stride 2 max pooling, written with selects instead of branches so it
 // vectorises: same comparisons in the same order as pool::max_at (NaN wins, first max kept).
 template <typename T, bool kIndices>
@@ -87,13 +97,9 @@ void max_pool2d_backward_cpu(const Tensor& grad_input, const Tensor& grad_output
   EMBER_DISPATCH_FLOATING(grad_output.dtype(), "max_pool2d_backward", [&]<typename T>() {
     const T* go = grad_output.data<T>();
     const int64_t* idx = indices.data<int64_t>();
-    T* gi = grad_input.data<T>();
-    const int64_t in_plane = g.h * g.w, out_plane = g.oh * g.ow;
-    for_each_row(g.planes, g.h, g.w * 4, [&](int64_t p, int64_t ih) {
-      T* row = gi + p * in_plane + ih * g.w;
-      for (int64_t iw = 0; iw < g.w; ++iw) {
-        row[iw] = pool::max_backward_at(go + p * out_plane, idx + p * out_plane, g, ih, iw);
-      }
+    const int64_t out_plane = g.oh * g.ow;
+    fill_rows(grad_input.data<T>(), g.planes, g.h, g.w, 4, [&](int64_t p, int64_t ih, int64_t iw) {
+      return pool::max_backward_at(go + p * out_plane, idx + p * out_plane, g, ih, iw);
     });
   });
 }
@@ -101,12 +107,11 @@ void max_pool2d_backward_cpu(const Tensor& grad_input, const Tensor& grad_output
 void avg_pool2d_cpu(const Tensor& out, const Tensor& input, const PoolGeom& g) {
   EMBER_DISPATCH_FLOATING(input.dtype(), "avg_pool2d", [&]<typename T>() {
     const T* in = input.data<T>();
-    T* o = out.data<T>();
-    const int64_t in_plane = g.h * g.w, out_plane = g.oh * g.ow;
-    for_each_row(g.planes, g.oh, g.ow * g.kh * g.kw, [&](int64_t p, int64_t oh) {
-      T* row = o + p * out_plane + oh * g.ow;
-      for (int64_t ow = 0; ow < g.ow; ++ow) row[ow] = pool::avg_at(in + p * in_plane, g, oh, ow);
-    });
+    const int64_t in_plane = g.h * g.w;
+    fill_rows(out.data<T>(), g.planes, g.oh, g.ow, g.kh * g.kw,
+              [&](int64_t p, int64_t oh, int64_t ow) {
+                return pool::avg_at(in + p * in_plane, g, oh, ow);
+              });
   });
 }
 
@@ -114,13 +119,9 @@ void avg_pool2d_backward_cpu(const Tensor& grad_input, const Tensor& grad_output
                              const PoolGeom& g) {
   EMBER_DISPATCH_FLOATING(grad_output.dtype(), "avg_pool2d_backward", [&]<typename T>() {
     const T* go = grad_output.data<T>();
-    T* gi = grad_input.data<T>();
-    const int64_t in_plane = g.h * g.w, out_plane = g.oh * g.ow;
-    for_each_row(g.planes, g.h, g.w * 4, [&](int64_t p, int64_t ih) {
-      T* row = gi + p * in_plane + ih * g.w;
-      for (int64_t iw = 0; iw < g.w; ++iw) {
-        row[iw] = pool::avg_backward_at(go + p * out_plane, g, ih, iw);
-      }
+    const int64_t out_plane = g.oh * g.ow;
+    fill_rows(grad_input.data<T>(), g.planes, g.h, g.w, 4, [&](int64_t p, int64_t ih, int64_t iw) {
+      return pool::avg_backward_at(go + p * out_plane, g, ih, iw);
     });
   });
 }
@@ -128,14 +129,10 @@ void avg_pool2d_backward_cpu(const Tensor& grad_input, const Tensor& grad_output
 void adaptive_avg_pool2d_cpu(const Tensor& out, const Tensor& input, const PoolGeom& g) {
   EMBER_DISPATCH_FLOATING(input.dtype(), "adaptive_avg_pool2d", [&]<typename T>() {
     const T* in = input.data<T>();
-    T* o = out.data<T>();
-    const int64_t in_plane = g.h * g.w, out_plane = g.oh * g.ow;
+    const int64_t in_plane = g.h * g.w;
     const int64_t window = ((g.h + g.oh - 1) / g.oh + 1) * ((g.w + g.ow - 1) / g.ow + 1);
-    for_each_row(g.planes, g.oh, g.ow * window, [&](int64_t p, int64_t oh) {
-      T* row = o + p * out_plane + oh * g.ow;
-      for (int64_t ow = 0; ow < g.ow; ++ow) {
-        row[ow] = pool::adaptive_avg_at(in + p * in_plane, g, oh, ow);
-      }
+    fill_rows(out.data<T>(), g.planes, g.oh, g.ow, window, [&](int64_t p, int64_t oh, int64_t ow) {
+      return pool::adaptive_avg_at(in + p * in_plane, g, oh, ow);
     });
   });
 }
@@ -144,13 +141,9 @@ void adaptive_avg_pool2d_backward_cpu(const Tensor& grad_input, const Tensor& gr
                                       const PoolGeom& g) {
   EMBER_DISPATCH_FLOATING(grad_output.dtype(), "adaptive_avg_pool2d_backward", [&]<typename T>() {
     const T* go = grad_output.data<T>();
-    T* gi = grad_input.data<T>();
-    const int64_t in_plane = g.h * g.w, out_plane = g.oh * g.ow;
-    for_each_row(g.planes, g.h, g.w * 4, [&](int64_t p, int64_t ih) {
-      T* row = gi + p * in_plane + ih * g.w;
-      for (int64_t iw = 0; iw < g.w; ++iw) {
-        row[iw] = pool::adaptive_avg_backward_at(go + p * out_plane, g, ih, iw);
-      }
+    const int64_t out_plane = g.oh * g.ow;
+    fill_rows(grad_input.data<T>(), g.planes, g.h, g.w, 4, [&](int64_t p, int64_t ih, int64_t iw) {
+      return pool::adaptive_avg_backward_at(go + p * out_plane, g, ih, iw);
     });
   });
 }

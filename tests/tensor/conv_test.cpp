@@ -14,25 +14,12 @@
 
 using ember::test::expect_close;
 using ember::test::expect_error;
+using ember::test::lcg_values;
+using ember::test::rand_t;
 
 using namespace ember;
 
 namespace {
-
-std::vector<double> lcg_values(int64_t n, uint64_t seed) {
-  std::vector<double> v(n);
-  uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
-  for (auto& x : v) {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    x = static_cast<double>((s >> 11) & ((1ull << 20) - 1)) / (1 << 19) - 1.0;
-  }
-  return v;
-}
-
-Tensor rand_t(IntList shape, Dtype dtype, uint64_t seed) {
-  Shape s(shape);
-  return from_vector(lcg_values(s.numel(), seed)).reshape(shape).to(dtype);
-}
 
 double tol_for(Dtype t) {
   switch (t) {

@@ -40,4 +40,21 @@ inline void expect_close(const Tensor& got, const std::vector<double>& want, dou
   }
 }
 
+/// Deterministic values in [-1, 1), multiples of 2^-19, independent of Ember's own generator.
+inline std::vector<double> lcg_values(int64_t n, uint64_t seed) {
+  std::vector<double> v(n);
+  uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
+  for (auto& x : v) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    x = static_cast<double>((s >> 11) & ((1ull << 20) - 1)) / (1 << 19) - 1.0;
+  }
+  return v;
+}
+
+/// A tensor of `shape` and `dtype` filled with lcg_values.
+inline Tensor rand_t(IntList shape, Dtype dtype, uint64_t seed) {
+  Shape s(shape);
+  return from_vector(lcg_values(s.numel(), seed)).reshape(shape).to(dtype);
+}
+
 }  // namespace ember::test
