@@ -12,6 +12,7 @@
 
 #include "tensor/creation.h"
 #include "tensor/detail/elementwise_kernels.h"
+#include "tensor/detail/record.h"
 
 namespace ember {
 
@@ -202,6 +203,63 @@ inline void run_where(const Tensor& out, const Tensor& c, const Tensor& a, const
   }
 }
 
+// ---- autograd ---------------------------------------------------------------------------------
+
+/// The OpId recorded for a differentiable op (kCount for ops with bool results).
+constexpr OpId binary_opid(BinaryOp op) {
+  switch (op) {
+    case BinaryOp::Add: return OpId::Add;
+    case BinaryOp::Sub: return OpId::Sub;
+    case BinaryOp::Mul: return OpId::Mul;
+    case BinaryOp::Div: return OpId::Div;
+    case BinaryOp::Pow: return OpId::Pow;
+    case BinaryOp::Maximum: return OpId::Maximum;
+    case BinaryOp::Minimum: return OpId::Minimum;
+    default: return OpId::kCount;
+  }
+}
+
+constexpr OpId scalar_opid(BinaryOp op, bool reverse) {
+  switch (op) {
+    case BinaryOp::Add: return OpId::AddScalar;
+    case BinaryOp::Sub: return reverse ? OpId::RSubScalar : OpId::AddScalar;
+    case BinaryOp::Mul: return OpId::MulScalar;
+    case BinaryOp::Div: return reverse ? OpId::RDivScalar : OpId::DivScalar;
+    case BinaryOp::Pow: return reverse ? OpId::RPowScalar : OpId::PowScalar;
+    default: return OpId::kCount;
+  }
+}
+
+constexpr OpId unary_opid(UnaryOp op) {
+  switch (op) {
+    case UnaryOp::Neg: return OpId::Neg;
+    case UnaryOp::Abs: return OpId::Abs;
+    case UnaryOp::Sign: return OpId::Sign;
+    case UnaryOp::Exp: return OpId::Exp;
+    case UnaryOp::Log: return OpId::Log;
+    case UnaryOp::Log1p: return OpId::Log1p;
+    case UnaryOp::Sqrt: return OpId::Sqrt;
+    case UnaryOp::Rsqrt: return OpId::Rsqrt;
+    case UnaryOp::Reciprocal: return OpId::Reciprocal;
+    case UnaryOp::Square: return OpId::Square;
+    case UnaryOp::Sin: return OpId::Sin;
+    case UnaryOp::Cos: return OpId::Cos;
+    case UnaryOp::Tanh: return OpId::Tanh;
+    case UnaryOp::Sigmoid: return OpId::Sigmoid;
+    case UnaryOp::Relu: return OpId::Relu;
+    case UnaryOp::GeluErf:
+    case UnaryOp::GeluTanh: return OpId::Gelu;
+    case UnaryOp::Silu: return OpId::Silu;
+    default: return OpId::kCount;
+  }
+}
+
+/// PyTorch refuses out= variants on inputs that require grad; so does Ember.
+void check_out_not_recorded(const char* name, const Tensor& a, const Tensor& b) {
+  EMBER_CHECK(!detail::should_record(a, b), "[", name, "] out= variants don't support automatic "
+              "differentiation, but one of the arguments requires grad; use the out-of-place op");
+}
+
 // ---- binary: tensor-tensor --------------------------------------------------------------------
 
 constexpr bool takes_alpha(BinaryOp op) { return op == BinaryOp::Add || op == BinaryOp::Sub; }
@@ -218,6 +276,11 @@ Tensor binary(const char* name, BinaryOp op, const Tensor& a, const Tensor& b,
   const Tensor& cb = prep(b, compute, dev, hb);
   Tensor out = make_empty(out_shape(name, a, b), output_dtype(op, compute), dev);
   run_binary(op, out, ca, cb, alpha);
+  if (detail::should_record(a, b) && binary_opid(op) != OpId::kCount) {
+    OpAttrs attrs;
+    attrs.scalar = alpha;
+    detail::record(binary_opid(op), {&a, &b}, {&out}, attrs);
+  }
   return out;
 }
 
@@ -234,6 +297,11 @@ Tensor& binary_(const char* name, BinaryOp op, Tensor& self, const Tensor& b,
   check_cast(name, output_dtype(op, compute), self.dtype());
   check_inplace_shape(name, self, b);
   check_writable(name, self);
+  if (detail::should_record(self, b)) {
+    return detail::record_inplace(name, self, [&](const Tensor& s) {
+      return binary(name, op, s, b, alpha);
+    });
+  }
   Tensor hb;
   const Tensor& cb = prep(b, compute, dev, hb);
   if (self.dtype() == compute) {
@@ -257,6 +325,7 @@ Tensor& binary_out(const char* name, BinaryOp op, Tensor& out, const Tensor& a,
   const Device dev = common_device(name, a, b);
   const Shape shape = out_shape(name, a, b);
   const Dtype rdt = output_dtype(op, compute);
+  check_out_not_recorded(name, a, b);
   prepare_out(name, out, shape, rdt, dev);
   Tensor ha, hb;
   const Tensor& ca = prep(a, compute, dev, ha);
@@ -282,6 +351,11 @@ Tensor binary_scalar(const char* name, BinaryOp op, const Tensor& a, const Scala
   const Tensor& ca = prep(a, compute, a.device(), ha);
   Tensor out = make_empty(a.shape(), output_dtype(op, compute), a.device());
   run_scalar(op, out, ca, s, reverse);
+  if (detail::should_record(a) && scalar_opid(op, reverse) != OpId::kCount) {
+    OpAttrs attrs;
+    attrs.scalar = s;
+    detail::record(scalar_opid(op, reverse), {&a}, {&out}, attrs);
+  }
   return out;
 }
 
@@ -290,6 +364,11 @@ Tensor& binary_scalar_(const char* name, BinaryOp op, Tensor& self, const Scalar
   const Dtype compute = compute_dtype(name, op, promote_with_scalar(self.dtype(), s.kind()));
   check_cast(name, output_dtype(op, compute), self.dtype());
   check_writable(name, self);
+  if (detail::should_record(self)) {
+    return detail::record_inplace(name, self, [&](const Tensor& x) {
+      return binary_scalar(name, op, x, s);
+    });
+  }
   if (self.dtype() == compute) {
     run_scalar(op, self, self, s, false);
   } else {
@@ -336,6 +415,11 @@ Tensor unary(const char* name, UnaryOp op, Domain dom, const Tensor& t) {
   const Tensor& ct = prep(t, compute, t.device(), h);
   Tensor out = make_empty(t.shape(), op == UnaryOp::LogicalNot ? kBool : compute, t.device());
   run_unary(op, out, ct);
+  if (detail::should_record(t) && unary_opid(op) != OpId::kCount) {
+    OpAttrs attrs;
+    attrs.flag = op == UnaryOp::GeluTanh;
+    detail::record(unary_opid(op), {&t}, {&out}, attrs);
+  }
   return out;
 }
 
@@ -343,6 +427,9 @@ Tensor& unary_(const char* name, UnaryOp op, Domain dom, Tensor& t) {
   check_defined(name, t, "self");
   check_cast(name, unary_dtype(name, dom, t.dtype()), t.dtype());
   check_writable(name, t);
+  if (detail::should_record(t)) {
+    return detail::record_inplace(name, t, [&](const Tensor& x) { return unary(name, op, dom, x); });
+  }
   run_unary(op, t, t);
   t.bump_version();
   return t;

@@ -5,6 +5,7 @@
 #include "tensor/creation.h"
 #include "tensor/cuda.h"
 #include "tensor/elementwise.h"
+#include "tensor/grad_mode.h"
 #include "tensor/indexing.h"
 #include "tensor/linalg.h"
 #include "tensor/random.h"

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "tensor/detail/record.h"
 #include "tensor/detail/reduce_kernels.h"
 
 namespace ember {
@@ -218,7 +219,14 @@ Tensor sum(const Tensor& t, IntList dims, bool keepdim, std::optional<Dtype> dty
     Tensor r = sum(t.to(*dtype), dims, keepdim);
     return r.dtype() == *dtype ? r : r.to(*dtype);
   }
-  return reduce("sum", ReduceKind::Sum, t, dims, keepdim, sum_dtype(t.dtype()));
+  Tensor out = reduce("sum", ReduceKind::Sum, t, dims, keepdim, sum_dtype(t.dtype()));
+  if (detail::should_record(t)) {
+    OpAttrs attrs;
+    attrs.dims = Shape(dims);
+    attrs.keepdim = keepdim;
+    detail::record(OpId::Sum, {&t}, {&out}, attrs);
+  }
+  return out;
 }
 
 Tensor mean(const Tensor& t, IntList dims, bool keepdim) {

@@ -5,6 +5,7 @@
 #include "tensor/creation.h"
 #include "tensor/cuda.h"
 #include "tensor/detail/copy.h"
+#include "tensor/detail/record.h"
 
 namespace ember {
 
@@ -90,6 +91,25 @@ void check_defined(const char* op, const Tensor& t, const char* name) {
 using detail::check_defined;
 using detail::make_view;
 
+namespace {
+
+/// Records `op` from self to out when self requires grad; `fill(attrs)` sets the op's attrs.
+template <typename F>
+Tensor recorded(const Tensor& self, Tensor out, OpId op, F&& fill) {
+  if (detail::should_record(self)) {
+    OpAttrs attrs;
+    fill(attrs);
+    detail::record(op, {&self}, {&out}, attrs);
+  }
+  return out;
+}
+
+Tensor recorded(const Tensor& self, Tensor out, OpId op) {
+  return recorded(self, std::move(out), op, [](OpAttrs&) {});
+}
+
+}  // namespace
+
 void Tensor::check_dtype_for_data(Dtype t) const {
   check_defined("data", *this, "self");
   EMBER_CHECK_TYPE(TypeError, t == dtype(), "[data] requested element type ", t,
@@ -170,7 +190,7 @@ Tensor Tensor::view(IntList shape) const {
               "[view] size ", sizes, " is not compatible with input of shape ", this->shape(),
               " and strides ", this->strides(),
               " (at least one dimension spans across two contiguous subspaces); use reshape()");
-  return make_view(*this, sizes, strides, impl_->offset);
+  return recorded(*this, make_view(*this, sizes, strides, impl_->offset), OpId::ViewAs);
 }
 
 Tensor Tensor::reshape(IntList shape) const {
@@ -178,7 +198,7 @@ Tensor Tensor::reshape(IntList shape) const {
   Shape sizes = infer_shape("reshape", shape, numel(), this->shape());
   Shape strides;
   if (view_strides(impl_->sizes, impl_->strides, sizes, &strides)) {
-    return make_view(*this, sizes, strides, impl_->offset);
+    return recorded(*this, make_view(*this, sizes, strides, impl_->offset), OpId::ViewAs);
   }
   return clone().view(sizes);
 }
@@ -212,7 +232,12 @@ Tensor Tensor::permute(IntList dims) const {
     sizes.push_back(size(d));
     strides.push_back(stride(d));
   }
-  return make_view(*this, sizes, strides, impl_->offset);
+  return recorded(*this, make_view(*this, sizes, strides, impl_->offset), OpId::Permute,
+                  [&](OpAttrs& a) {
+                    for (int64_t i = 0; i < dims.size(); ++i) {
+                      a.dims.push_back(wrap_dim("permute", dims[i], dim()));
+                    }
+                  });
 }
 
 Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
@@ -223,7 +248,11 @@ Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
   Shape sizes = impl_->sizes, strides = impl_->strides;
   std::swap(sizes[d0], sizes[d1]);
   std::swap(strides[d0], strides[d1]);
-  return make_view(*this, sizes, strides, impl_->offset);
+  return recorded(*this, make_view(*this, sizes, strides, impl_->offset), OpId::Permute,
+                  [&](OpAttrs& a) {
+                    for (int64_t i = 0; i < dim(); ++i) a.dims.push_back(i);
+                    std::swap(a.dims[d0], a.dims[d1]);
+                  });
 }
 
 Tensor Tensor::t() const {
@@ -243,7 +272,13 @@ Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
                    start, ") + length (", length, ") exceeds dimension size (", n, ") of dim ", d);
   Shape sizes = impl_->sizes;
   sizes[d] = length;
-  return make_view(*this, sizes, impl_->strides, impl_->offset + start * stride(d));
+  return recorded(*this, make_view(*this, sizes, impl_->strides, impl_->offset + start * stride(d)),
+                  OpId::Slice, [&](OpAttrs& a) {
+                    a.dim = d;
+                    a.i0 = start;
+                    a.i1 = start + length;
+                    a.i2 = 1;
+                  });
 }
 
 Tensor Tensor::slice(int64_t d, std::optional<int64_t> start, std::optional<int64_t> end,
@@ -262,7 +297,13 @@ Tensor Tensor::slice(int64_t d, std::optional<int64_t> start, std::optional<int6
   Shape sizes = impl_->sizes, strides = impl_->strides;
   sizes[d] = (e - s + step - 1) / step;
   strides[d] *= step;
-  return make_view(*this, sizes, strides, impl_->offset + s * stride(d));
+  return recorded(*this, make_view(*this, sizes, strides, impl_->offset + s * stride(d)),
+                  OpId::Slice, [&](OpAttrs& a) {
+                    a.dim = d;
+                    a.i0 = s;
+                    a.i1 = e;
+                    a.i2 = step;
+                  });
 }
 
 Tensor Tensor::select(int64_t d, int64_t index) const {
@@ -276,7 +317,11 @@ Tensor Tensor::select(int64_t d, int64_t index) const {
   Shape sizes = impl_->sizes, strides = impl_->strides;
   sizes.erase(d);
   strides.erase(d);
-  return make_view(*this, sizes, strides, impl_->offset + index * stride(d));
+  return recorded(*this, make_view(*this, sizes, strides, impl_->offset + index * stride(d)),
+                  OpId::Select, [&](OpAttrs& a) {
+                    a.dim = d;
+                    a.i0 = index;
+                  });
 }
 
 Tensor Tensor::expand(IntList shape) const {
@@ -304,7 +349,7 @@ Tensor Tensor::expand(IntList shape) const {
     sizes.push_back(want);
     strides.push_back(have == want ? stride(td) : 0);
   }
-  return make_view(*this, sizes, strides, impl_->offset);
+  return recorded(*this, make_view(*this, sizes, strides, impl_->offset), OpId::Expand);
 }
 
 Tensor Tensor::squeeze() const {
@@ -316,7 +361,7 @@ Tensor Tensor::squeeze() const {
       strides.push_back(stride(d));
     }
   }
-  return make_view(*this, sizes, strides, impl_->offset);
+  return recorded(*this, make_view(*this, sizes, strides, impl_->offset), OpId::ViewAs);
 }
 
 Tensor Tensor::squeeze(int64_t d) const {
@@ -327,7 +372,7 @@ Tensor Tensor::squeeze(int64_t d) const {
   Shape sizes = impl_->sizes, strides = impl_->strides;
   sizes.erase(d);
   strides.erase(d);
-  return make_view(*this, sizes, strides, impl_->offset);
+  return recorded(*this, make_view(*this, sizes, strides, impl_->offset), OpId::ViewAs);
 }
 
 Tensor Tensor::unsqueeze(int64_t d) const {
@@ -337,7 +382,7 @@ Tensor Tensor::unsqueeze(int64_t d) const {
   const int64_t st = d < dim() ? size(d) * stride(d) : 1;
   sizes.insert(d, 1);
   strides.insert(d, st);
-  return make_view(*this, sizes, strides, impl_->offset);
+  return recorded(*this, make_view(*this, sizes, strides, impl_->offset), OpId::ViewAs);
 }
 
 Tensor Tensor::as_strided(IntList size, IntList stride, std::optional<int64_t> offset) const {
@@ -358,7 +403,7 @@ Tensor Tensor::as_strided(IntList size, IntList stride, std::optional<int64_t> o
   EMBER_CHECK(empty || max_index < capacity, "[as_strided] size ", size, " stride ", stride,
               " offset ", off, " needs ", max_index + 1, " elements but the storage has ",
               capacity);
-  return make_view(*this, Shape(size), Shape(stride), off);
+  return recorded(*this, make_view(*this, Shape(size), Shape(stride), off), OpId::AsStrided);
 }
 
 Tensor Tensor::contiguous() const {
@@ -377,6 +422,16 @@ Tensor& Tensor::copy_(const Tensor& src) {
     EMBER_CHECK(src.dim() <= dim(), "[copy_] src of shape ", src.shape(),
                 " cannot be broadcast to self of shape ", shape());
     s = src.expand(shape());
+  }
+  if (detail::should_record(*this, src)) {
+    detail::check_inplace(*this, "copy_");
+    {
+      NoGradGuard no_grad;
+      copy_(src);
+    }
+    // self's old values are overwritten: its gradient flows only to src.
+    detail::record(OpId::CopyInto, {&src}, {this});
+    return *this;
   }
   if (numel() == 0) return *this;
   if (is_cpu() && s.is_cpu()) {
@@ -398,7 +453,7 @@ Tensor Tensor::clone() const {
       detail::copy_cuda(out, *this, false);
     }
   }
-  return out;
+  return recorded(*this, std::move(out), OpId::Clone);
 }
 
 Tensor Tensor::to(Device d, Dtype t, bool non_blocking, bool copy) const {
@@ -411,13 +466,14 @@ Tensor Tensor::to(Device d, Dtype t, bool non_blocking, bool copy) const {
                 cuda::device_count(), " CUDA device(s)");
   }
   Tensor out = detail::make_empty(shape(), t, d);
-  if (numel() == 0) return out;
-  if (d.is_cpu() && is_cpu()) {
-    detail::copy_cpu(out, *this);
-  } else {
-    detail::copy_cuda(out, *this, non_blocking);
+  if (numel() > 0) {
+    if (d.is_cpu() && is_cpu()) {
+      detail::copy_cpu(out, *this);
+    } else {
+      detail::copy_cuda(out, *this, non_blocking);
+    }
   }
-  return out;
+  return recorded(*this, std::move(out), OpId::ToCopy);
 }
 
 Tensor Tensor::to(Device d, bool non_blocking, bool copy) const {

@@ -62,10 +62,16 @@ class Storage {
   std::atomic<uint32_t> version_{0};
 };
 
-/// Autograd's per-tensor state. Defined by the autograd layer; the tensor layer only holds it.
+namespace autograd {
+class Node;
+}  // namespace autograd
+
+/// Autograd's per-tensor state. The autograd layer derives from it (autograd/meta.h) and keeps
+/// `requires_grad` true for a leaf that requires grad and for any tensor with a grad_fn, so the
+/// tensor layer's "should this op record?" test is one inline load.
 struct AutogradMetaBase {
   virtual ~AutogradMetaBase() = default;
-  virtual bool requires_grad() const = 0;
+  bool requires_grad = false;
 };
 
 /// The shared state behind a Tensor handle. Invariant: numel/contiguous match sizes/strides
@@ -148,8 +154,41 @@ class Tensor {
   /// All elements in row-major order as std::vector<T> (converting the dtype if needed).
   template <typename T> std::vector<T> to_vector() const;
 
-  // ---- autograd state (managed by the autograd layer) ----
-  bool requires_grad() const { return impl_->autograd && impl_->autograd->requires_grad(); }
+  // ---- autograd state ----
+  // requires_grad() is answered here; everything else in this block is defined by the autograd
+  // library (autograd/tensor_methods.cpp): link ember_autograd to use it.
+  bool requires_grad() const { return impl_->autograd && impl_->autograd->requires_grad; }
+  /// Makes this leaf tensor (not) require grad; only floating-point leaves may.
+  Tensor& requires_grad_(bool requires_grad = true);
+  /// True for tensors not produced by a recorded op (including all that do not require grad).
+  bool is_leaf() const;
+  /// The accumulated gradient (undefined until a backward pass reaches this tensor).
+  Tensor grad() const;
+  /// Replaces the gradient (an undefined tensor clears it); checks shape, dtype and device.
+  void set_grad(const Tensor& grad) const;
+  /// The node that computes this tensor's gradient's contribution to its inputs; null for leaves.
+  std::shared_ptr<autograd::Node> grad_fn() const;
+  /// Which output of grad_fn() this tensor is.
+  uint32_t output_nr() const;
+  /// Computes gradients of this tensor with respect to graph leaves (see autograd::backward).
+  /// `gradient` may be omitted only for a one-element tensor. retain_graph defaults to
+  /// create_graph.
+  void backward(const Tensor& gradient = {}, std::optional<bool> retain_graph = {},
+                bool create_graph = false, const std::vector<Tensor>& inputs = {}) const;
+  /// Makes backward fill grad() of this non-leaf tensor too.
+  void retain_grad() const;
+  bool retains_grad() const;
+  /// A hook that sees this tensor's gradient when it is computed and may replace it (return an
+  /// undefined tensor to keep it). Returns a handle for remove_hook.
+  unsigned register_hook(std::function<Tensor(const Tensor&)> hook) const;
+  void remove_hook(unsigned handle) const;
+  /// A hook on a leaf that runs after its gradient was accumulated into grad().
+  unsigned register_post_accumulate_grad_hook(std::function<void(const Tensor&)> hook) const;
+  /// The same data without autograd history (shares storage and version counter).
+  Tensor detach() const;
+  /// Drops this tensor's autograd history in place, making it a leaf that does not require grad.
+  Tensor& detach_();
+
   uint32_t version() const { return impl_->storage->version(); }
   void bump_version() const { impl_->storage->bump_version(); }
 

@@ -1,0 +1,338 @@
+// The backward engine.
+//
+// Note [How a backward pass runs]
+// 1. Discover: walk next_edges from the roots once, counting for every node how many edges
+//    point at it (deps_). The per-pass state lives in the nodes themselves (task_id_, deps_,
+//    buffer_), stamped with the pass's id, so discovery allocates nothing per node beyond the
+//    gradient buffer; a node already owned by a pass still running on this thread (a backward
+//    started from inside a hook) is reported instead of silently sharing state.
+// 2. Filter (only for grad() and backward(inputs=...)): a node runs only if one of the wanted
+//    inputs lies below it. Next nodes are always older than the node that points at them
+//    (an op's inputs exist before it runs), so one pass in creation order settles this.
+// 3. Execute: ready nodes (all incoming gradients summed into buffer_) run newest first,
+//    AccumulateGrad before anything else, so leaf gradients (and the post-accumulate hooks
+//    DistributedDataParallel hangs its communication on) come as early as possible. Each
+//    gradient a node returns is checked against what the next node expects: dtype converted,
+//    broadcast dims summed away, anything else an error naming the node.
+// 4. Finish: run callbacks queued during the pass, then clear every node's buffer. Without
+//    retain_graph each node frees its saved tensors right after it ran.
+#include "autograd/engine.h"
+
+#include <algorithm>
+#include <atomic>
+#include <queue>
+
+#include "autograd/functions.h"
+#include "tensor/detail/record.h"
+#include "tensor/ops.h"
+
+namespace ember::autograd {
+
+struct GraphTask {
+  uint64_t id = 0;
+  bool retain_graph = false;
+  bool create_graph = false;
+  bool filtered = false;
+  std::vector<Node*> nodes;
+  std::vector<std::function<void()>> callbacks;
+  struct Capture {
+    Node* node;
+    uint32_t input_nr;
+    size_t index;
+  };
+  std::vector<Capture> captures;
+  std::vector<Tensor> captured;
+};
+
+namespace {
+std::atomic<uint64_t> g_next_task_id{1};
+thread_local std::vector<GraphTask*> t_tasks;
+
+/// True if `shape` broadcasts to `target` (so a gradient of shape target sums down to it).
+bool expandable_to(const Shape& shape, const Shape& target) {
+  const int64_t lead = static_cast<int64_t>(target.size()) - static_cast<int64_t>(shape.size());
+  if (lead < 0) return false;
+  for (int64_t d = 0; d < static_cast<int64_t>(shape.size()); ++d) {
+    if (shape[d] != 1 && shape[d] != target[lead + d]) return false;
+  }
+  return true;
+}
+}  // namespace
+
+class Engine {
+ public:
+  static void execute(GraphTask& task, const std::vector<Edge>& roots,
+                      std::vector<Tensor> root_grads, const std::vector<Edge>& exec_targets);
+
+ private:
+  static bool claim(GraphTask& task, Node* n);
+  static void discover(GraphTask& task, const std::vector<Edge>& roots);
+  static void filter(GraphTask& task, const std::vector<Edge>& exec_targets);
+  static Tensor validate(Tensor g, const Node& from, size_t index, const Node& to, uint32_t slot);
+  static void run(GraphTask& task, Node* n,
+                  std::priority_queue<Node*, std::vector<Node*>, bool (*)(Node*, Node*)>& ready);
+};
+
+bool Engine::claim(GraphTask& task, Node* n) {
+  if (n->task_id_ == task.id) return false;
+  for (const GraphTask* t : t_tasks) {
+    if (t != &task && n->task_id_ == t->id) {
+      throw AutogradError(detail::str_cat(
+          "[backward] ", n->name(), " is part of a backward pass that is still running on this "
+          "thread; a backward started from inside a hook or node must not share its graph"));
+    }
+  }
+  n->task_id_ = task.id;
+  n->deps_ = 0;
+  n->buffer_.assign(n->num_inputs(), Tensor());
+  n->exec_ = n->reach_ = !task.filtered;
+  n->capture_ = false;
+  task.nodes.push_back(n);
+  return true;
+}
+
+void Engine::discover(GraphTask& task, const std::vector<Edge>& roots) {
+  std::vector<Node*> stack;
+  for (const Edge& e : roots) {
+    if (claim(task, e.fn.get())) stack.push_back(e.fn.get());
+  }
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    for (const Edge& e : n->next_edges_) {
+      Node* c = e.fn.get();
+      if (c == nullptr) continue;
+      if (claim(task, c)) stack.push_back(c);
+      ++c->deps_;
+    }
+  }
+}
+
+void Engine::filter(GraphTask& task, const std::vector<Edge>& exec_targets) {
+  for (const Edge& e : exec_targets) {
+    if (e.fn->task_id_ == task.id) e.fn->exec_ = true;
+  }
+  for (const GraphTask::Capture& c : task.captures) c.node->capture_ = true;
+  // Accumulators (and other nodes without next edges) are settled by the marks alone; they
+  // sort last by sequence number, so settle them before the pass.
+  for (Node* n : task.nodes) n->reach_ = n->exec_ || n->capture_;
+  std::vector<Node*> order = task.nodes;
+  std::sort(order.begin(), order.end(),
+            [](Node* a, Node* b) { return a->sequence_nr_ < b->sequence_nr_; });
+  for (Node* n : order) {
+    if (!n->exec_) {
+      for (const Edge& e : n->next_edges_) {
+        if (e.fn && e.fn->reach_) {
+          n->exec_ = true;
+          break;
+        }
+      }
+    }
+    n->reach_ = n->exec_ || n->capture_;
+  }
+}
+
+Tensor Engine::validate(Tensor g, const Node& from, size_t index, const Node& to, uint32_t slot) {
+  const GradMeta& m = to.grad_meta()[slot];
+  if (g.device() != m.device) {
+    throw AutogradError(detail::str_cat("[backward] ", from.name(),
+                                        " returned a gradient on the wrong device at index ",
+                                        index, ": expected ", m.device, ", got ", g.device()));
+  }
+  if (!(g.shape() == m.shape)) {
+    if (!expandable_to(m.shape, g.shape())) {
+      throw AutogradError(detail::str_cat(
+          "[backward] ", from.name(), " returned an invalid gradient at index ", index,
+          ": got shape ", g.shape(), " but expected shape compatible with ", m.shape));
+    }
+    g = sum_to(g, m.shape);
+  }
+  if (g.dtype() != m.dtype) g = g.to(m.dtype);
+  return g;
+}
+
+void Engine::run(GraphTask& task, Node* n,
+                 std::priority_queue<Node*, std::vector<Node*>, bool (*)(Node*, Node*)>& ready) {
+  TensorList grads = std::move(n->buffer_);
+  n->buffer_.clear();
+  n->call_pre_hooks(grads);
+  if (n->capture_) {
+    for (const GraphTask::Capture& c : task.captures) {
+      if (c.node == n) task.captured[c.index] = grads[c.input_nr];
+    }
+  }
+  TensorList outs;
+  bool any = false;
+  for (const Tensor& g : grads) any = any || g.defined();
+  if (n->exec_ && any) {
+    const auto& gm = n->grad_meta();
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (!grads[i].defined()) grads[i] = zeros(gm[i].shape, TensorOptions(gm[i].dtype).device(gm[i].device));
+    }
+    outs = n->apply(std::move(grads));
+    if (!task.retain_graph) n->release_variables();
+    EMBER_INTERNAL_ASSERT(outs.empty() || outs.size() == n->next_edges_.size(), n->name(),
+                          " returned ", outs.size(), " gradients for ", n->next_edges_.size(),
+                          " inputs");
+  }
+  for (size_t i = 0; i < n->next_edges_.size(); ++i) {
+    const Edge& e = n->next_edges_[i];
+    Node* c = e.fn.get();
+    if (c == nullptr) continue;
+    if (i < outs.size() && outs[i].defined()) {
+      Tensor g = validate(std::move(outs[i]), *n, i, *c, e.input_nr);
+      Tensor& slot = c->buffer_[e.input_nr];
+      slot = slot.defined() ? slot + g : std::move(g);
+    }
+    if (--c->deps_ == 0) ready.push(c);
+  }
+}
+
+void Engine::execute(GraphTask& task, const std::vector<Edge>& roots,
+                     std::vector<Tensor> root_grads, const std::vector<Edge>& exec_targets) {
+  task.id = g_next_task_id.fetch_add(1, std::memory_order_relaxed);
+  t_tasks.push_back(&task);
+  struct Cleanup {
+    GraphTask& task;
+    ~Cleanup() {
+      for (Node* n : task.nodes) {
+        n->buffer_.clear();
+        n->task_id_ = 0;
+      }
+      t_tasks.pop_back();
+    }
+  } cleanup{task};
+
+  discover(task, roots);
+  if (task.filtered) filter(task, exec_targets);
+  for (size_t i = 0; i < roots.size(); ++i) {
+    Tensor& slot = roots[i].fn->buffer_[roots[i].input_nr];
+    Tensor g = validate(std::move(root_grads[i]), *roots[i].fn, i, *roots[i].fn, roots[i].input_nr);
+    slot = slot.defined() ? slot + g : std::move(g);
+  }
+  std::priority_queue<Node*, std::vector<Node*>, bool (*)(Node*, Node*)> ready(
+      [](Node* a, Node* b) { return a->sequence_nr_ < b->sequence_nr_; });
+  for (const Edge& e : roots) {
+    if (e.fn->deps_ == 0) {
+      e.fn->deps_ = -1;  // queued once even if several roots share it
+      ready.push(e.fn.get());
+    }
+  }
+  GradModeGuard grad_mode(task.create_graph);
+  while (!ready.empty()) {
+    Node* n = ready.top();
+    ready.pop();
+    run(task, n, ready);
+  }
+  // Callbacks may queue further callbacks.
+  for (size_t i = 0; i < task.callbacks.size(); ++i) {
+    auto cb = std::move(task.callbacks[i]);
+    cb();
+  }
+}
+
+// ---- public entry points ----------------------------------------------------------------------
+
+namespace {
+
+void make_roots(const char* op, const std::vector<Tensor>& tensors,
+                const std::vector<Tensor>& grads, std::vector<Edge>& roots,
+                std::vector<Tensor>& root_grads) {
+  EMBER_CHECK(!tensors.empty(), "[", op, "] expected at least one output tensor, got none");
+  EMBER_CHECK(grads.empty() || grads.size() == tensors.size(), "[", op, "] got ", grads.size(),
+              " gradients for ", tensors.size(), " outputs");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i];
+    detail::check_defined(op, t, "tensors");
+    Edge e = gradient_edge(t);
+    if (!e.valid()) {
+      throw AutogradError(detail::str_cat("[", op, "] element ", i,
+                                          " of tensors does not require grad and does not have "
+                                          "a grad_fn"));
+    }
+    Tensor g = grads.empty() ? Tensor() : grads[i];
+    if (!g.defined()) {
+      if (t.numel() != 1) {
+        throw AutogradError(detail::str_cat(
+            "[", op, "] grad can be implicitly created only for one-element outputs; output ", i,
+            " has shape ", t.shape(), ": pass a gradient of that shape"));
+      }
+      g = ones(t.shape(), t.options());
+    } else {
+      EMBER_CHECK(g.shape() == t.shape(), "[", op, "] mismatch in shape: gradient ", i,
+                  " has shape ", g.shape(), " and output ", i, " has shape ", t.shape());
+      EMBER_CHECK(g.device() == t.device(), "[", op, "] gradient ", i, " is on ", g.device(),
+                  " but output ", i, " is on ", t.device());
+    }
+    roots.push_back(std::move(e));
+    root_grads.push_back(std::move(g));
+  }
+}
+
+}  // namespace
+
+void backward(const std::vector<Tensor>& tensors, const std::vector<Tensor>& grad_tensors,
+              std::optional<bool> retain_graph, bool create_graph,
+              const std::vector<Tensor>& inputs) {
+  GraphTask task;
+  task.retain_graph = retain_graph.value_or(create_graph);
+  task.create_graph = create_graph;
+  std::vector<Edge> roots, targets;
+  std::vector<Tensor> root_grads;
+  make_roots("backward", tensors, grad_tensors, roots, root_grads);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    Edge e = gradient_edge(inputs[i]);
+    EMBER_CHECK(e.valid() && inputs[i].is_leaf(), "[backward] inputs[", i,
+                "] must be a leaf tensor that requires grad");
+    targets.push_back(std::move(e));
+  }
+  task.filtered = !targets.empty();
+  Engine::execute(task, roots, std::move(root_grads), targets);
+}
+
+std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                         const std::vector<Tensor>& grad_outputs,
+                         std::optional<bool> retain_graph, bool create_graph,
+                         bool allow_unused) {
+  EMBER_CHECK(!inputs.empty(), "[grad] expected at least one input, got none");
+  GraphTask task;
+  task.retain_graph = retain_graph.value_or(create_graph);
+  task.create_graph = create_graph;
+  task.filtered = true;
+  std::vector<Edge> roots;
+  std::vector<Tensor> root_grads;
+  make_roots("grad", outputs, grad_outputs, roots, root_grads);
+  std::vector<Edge> keep;  // holds accumulators created here alive for the pass
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    detail::check_defined("grad", inputs[i], "inputs");
+    Edge e = gradient_edge(inputs[i]);
+    if (!e.valid()) {
+      throw AutogradError(detail::str_cat("[grad] inputs[", i,
+                                          "] does not require grad; every input must"));
+    }
+    task.captures.push_back({e.fn.get(), e.input_nr, i});
+    keep.push_back(std::move(e));
+  }
+  task.captured.resize(inputs.size());
+  Engine::execute(task, roots, std::move(root_grads), {});
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!task.captured[i].defined() && !allow_unused) {
+      throw AutogradError(detail::str_cat(
+          "[grad] inputs[", i, "] ", describe(inputs[i]),
+          " was not used to compute the outputs (or no gradient reached it); pass "
+          "allow_unused=true to get an undefined gradient for it"));
+    }
+  }
+  return std::move(task.captured);
+}
+
+void queue_callback(std::function<void()> callback) {
+  EMBER_CHECK(!t_tasks.empty(),
+              "[queue_callback] can only be called during a backward pass (from a hook or a "
+              "node's backward)");
+  t_tasks.back()->callbacks.push_back(std::move(callback));
+}
+
+bool in_backward() { return !t_tasks.empty(); }
+
+}  // namespace ember::autograd

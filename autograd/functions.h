@@ -1,0 +1,66 @@
+// What the backward-rule files (autograd/functions_*.cpp) share: the record arguments, the
+// factory table, and helpers to build a node for a recorded op.
+//
+// A family file defines one Node subclass per op (or per group of ops with one rule) and a
+// `register_<family>(FactoryTable&)` that maps each OpId to a factory. A factory:
+//
+//   void record_mul(const RecordArgs& r) {
+//     auto n = new_node<MulBackward>(r);          // next edges from r's inputs
+//     if (n->needs_input_grad(0)) n->other = SavedTensor(r.in(1), false);
+//     if (n->needs_input_grad(1)) n->self = SavedTensor(r.in(0), false);
+//     commit(n, r);                               // outputs now point at n
+//   }
+//
+// Save inputs before commit() (an in-place op's output is also its input). Backward rules are
+// written with tensor ops only, so they run on every device; they run with grad mode off
+// unless create_graph, and then they are recorded like any forward op.
+#pragma once
+
+#include <array>
+#include <memory>
+
+#include "autograd/node.h"
+#include "tensor/detail/record.h"
+
+namespace ember::autograd {
+
+struct RecordArgs {
+  OpId op;
+  const Tensor* const* inputs;
+  size_t n_inputs;
+  Tensor* const* outputs;
+  size_t n_outputs;
+  const OpAttrs& attrs;
+
+  const Tensor& in(size_t i) const { return *inputs[i]; }
+  Tensor& out(size_t i) const { return *outputs[i]; }
+  template <typename P> const P& params() const { return *static_cast<const P*>(attrs.params); }
+};
+
+using NodeFactory = void (*)(const RecordArgs&);
+using FactoryTable = std::array<NodeFactory, static_cast<size_t>(OpId::kCount)>;
+
+inline NodeFactory& slot(FactoryTable& t, OpId op) { return t[static_cast<size_t>(op)]; }
+
+// One per family file.
+void register_elementwise(FactoryTable& t);
+void register_reduce(FactoryTable& t);
+void register_linalg(FactoryTable& t);
+void register_indexing(FactoryTable& t);
+void register_views(FactoryTable& t);
+
+template <typename N, typename... Args>
+std::shared_ptr<N> new_node(const RecordArgs& r, Args&&... args) {
+  auto n = std::make_shared<N>(std::forward<Args>(args)...);
+  collect_next_edges(*n, r.inputs, r.n_inputs);
+  return n;
+}
+
+inline void commit(const std::shared_ptr<Node>& n, const RecordArgs& r) {
+  set_history(n, r.outputs, r.n_outputs);
+}
+
+/// The inverse of broadcasting: sums `g` down to `shape`.
+Tensor sum_to(const Tensor& g, const Shape& shape);
+
+}  // namespace ember::autograd

@@ -1,0 +1,48 @@
+// The tensor side of the autograd seam (tensor/detail/record.h): grad mode and the installed
+// recording functions.
+#include "tensor/detail/record.h"
+
+#include <vector>
+
+#include "tensor/error.h"
+
+namespace ember {
+namespace detail {
+
+__thread bool t_grad_disabled = false;
+
+namespace {
+const AutogradHooks* g_hooks = nullptr;
+
+[[noreturn]] void not_linked() {
+  throw NotImplementedError(
+      "[autograd] a tensor requires grad but the autograd library is not loaded; link "
+      "ember_autograd");
+}
+}  // namespace
+
+void install_autograd_hooks(const AutogradHooks* hooks) { g_hooks = hooks; }
+const AutogradHooks* autograd_hooks() { return g_hooks; }
+
+void record(OpId op, std::initializer_list<const Tensor*> inputs,
+            std::initializer_list<Tensor*> outputs, const OpAttrs& attrs) {
+  if (g_hooks == nullptr) not_linked();
+  g_hooks->record(op, inputs.begin(), inputs.size(), outputs.begin(), outputs.size(), attrs);
+}
+
+void record_list(OpId op, const std::vector<Tensor>& inputs,
+                 std::initializer_list<Tensor*> outputs, const OpAttrs& attrs) {
+  if (g_hooks == nullptr) not_linked();
+  std::vector<const Tensor*> ptrs;
+  ptrs.reserve(inputs.size());
+  for (const Tensor& t : inputs) ptrs.push_back(&t);
+  g_hooks->record(op, ptrs.data(), ptrs.size(), outputs.begin(), outputs.size(), attrs);
+}
+
+void check_inplace(const Tensor& self, const char* op) {
+  if (g_hooks == nullptr) not_linked();
+  g_hooks->check_inplace(self, op);
+}
+
+}  // namespace detail
+}  // namespace ember

@@ -1,0 +1,497 @@
+// The backward engine, leaves, grad modes, hooks, callbacks, custom functions and gradcheck.
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "tests/autograd/grad_util.h"
+
+namespace ember {
+namespace {
+
+using test::expect_close;
+using test::expect_error;
+using test::leaf;
+
+TEST(Engine, LinearChainAccumulatesIntoLeaves) {
+  Tensor x = tensor({1.0, 2.0, 3.0});
+  Tensor w = leaf({3}, 1);
+  Tensor b = leaf({}, 2);
+  Tensor loss = (x * w + b).sum();
+  EXPECT_TRUE(loss.requires_grad());
+  EXPECT_FALSE(loss.is_leaf());
+  ASSERT_NE(loss.grad_fn(), nullptr);
+  EXPECT_STREQ(loss.grad_fn()->name(), "SumBackward");
+  loss.backward();
+  expect_close(w.grad(), {1, 2, 3}, 0, "dloss/dw");
+  expect_close(b.grad(), {3}, 0, "dloss/db (summed over the broadcast)");
+  EXPECT_FALSE(x.grad().defined());
+  EXPECT_TRUE(w.is_leaf());
+}
+
+TEST(Engine, BroadcastGradientsAreSummedBackToInputShape) {
+  Tensor a = leaf({3, 1}, 3);
+  Tensor b = leaf({4}, 4);
+  (a + b).sum().backward();
+  EXPECT_EQ(a.grad().shape(), Shape({3, 1}));
+  expect_close(a.grad(), {4, 4, 4}, 0, "a");
+  expect_close(b.grad(), {3, 3, 3, 3}, 0, "b");
+}
+
+TEST(Engine, GradientsAccumulateAcrossBackwardCalls) {
+  Tensor w = leaf({2}, 5);
+  (w * 3.0).sum().backward();
+  (w * 3.0).sum().backward();
+  expect_close(w.grad(), {6, 6}, 0, "two passes");
+  w.set_grad({});
+  EXPECT_FALSE(w.grad().defined());
+}
+
+TEST(Engine, NonScalarBackwardNeedsAGradient) {
+  Tensor w = leaf({2}, 6);
+  Tensor y = w * 2.0;
+  expect_error<autograd::AutogradError>([&] { y.backward(); },
+                                        {"implicitly created", "one-element", "[2]"});
+  y.backward(tensor({1.0, 10.0}, kFloat64));
+  expect_close(w.grad(), {2, 20}, 0, "explicit gradient");
+  expect_error([&] { (w * 2.0).backward(ones({3}, kFloat64)); }, {"shape", "[3]", "[2]"});
+}
+
+TEST(Engine, BackwardOnTensorWithoutGradFnFails) {
+  Tensor x = ones({1});
+  expect_error<autograd::AutogradError>([&] { x.backward(); },
+                                        {"does not require grad", "grad_fn"});
+}
+
+TEST(Engine, SecondBackwardThroughFreedGraphFails) {
+  Tensor x = leaf({3}, 7);
+  Tensor loss = x.tanh().sum();
+  loss.backward();
+  expect_error<autograd::AutogradError>([&] { loss.backward(); },
+                                        {"second time", "TanhBackward", "retain_graph"});
+}
+
+TEST(Engine, RetainGraphAllowsASecondPass) {
+  Tensor x = leaf({3}, 8);
+  Tensor loss = x.tanh().sum();
+  loss.backward({}, /*retain_graph=*/true);
+  const std::vector<double> once = x.grad().to_vector<double>();
+  loss.backward();
+  const std::vector<double> twice = x.grad().to_vector<double>();
+  for (size_t i = 0; i < once.size(); ++i) EXPECT_NEAR(twice[i], 2 * once[i], 1e-12);
+}
+
+TEST(Engine, SavedTensorsAreFreedAfterBackward) {
+  for (bool retain : {false, true}) {
+    Tensor x = leaf({1000}, 9);
+    std::weak_ptr<Storage> saved;
+    Tensor loss;
+    {
+      Tensor h = (x * 2.0).tanh();  // TanhBackward saves its output h
+      saved = h.storage();
+      loss = h.sum();
+    }
+    ASSERT_FALSE(saved.expired()) << "the graph should hold the saved output";
+    loss.backward({}, retain);
+    EXPECT_EQ(saved.expired(), !retain) << "retain_graph=" << retain;
+  }
+}
+
+TEST(Engine, GraphIsFreedWithItsOutput) {
+  Tensor x = leaf({10}, 10);
+  std::weak_ptr<autograd::Node> node;
+  {
+    Tensor y = x.tanh();
+    node = y.grad_fn();
+    ASSERT_FALSE(node.expired());
+  }
+  EXPECT_TRUE(node.expired());
+}
+
+TEST(Engine, MultipleRootsWithGradients) {
+  Tensor x = leaf({2}, 11);
+  Tensor y1 = x * 2.0;
+  Tensor y2 = x * 3.0;
+  autograd::backward({y1, y2}, {ones({2}, kFloat64), full({2}, 10.0, kFloat64)});
+  expect_close(x.grad(), {32, 32}, 0, "2*1 + 3*10");
+}
+
+TEST(Engine, RootThatIsAnAncestorOfAnotherRoot) {
+  Tensor x = leaf({}, 12);
+  Tensor y = x * 2.0;
+  Tensor z = y * 3.0;
+  autograd::backward({y, z});
+  expect_close(x.grad(), {8}, 0, "dy/dx + dz/dx");
+}
+
+TEST(Engine, GradReturnsWithoutTouchingDotGrad) {
+  Tensor x = leaf({3}, 13);
+  Tensor w = leaf({3}, 14);
+  Tensor y = (x * w).sum();
+  auto g = autograd::grad({y}, {x});
+  ASSERT_EQ(g.size(), 1u);
+  expect_close(g[0], w.to_vector<double>(), 0, "dy/dx");
+  EXPECT_FALSE(x.grad().defined());
+  EXPECT_FALSE(w.grad().defined());
+}
+
+TEST(Engine, GradWithRespectToIntermediate) {
+  Tensor x = leaf({2}, 15);
+  Tensor h = x * 3.0;
+  Tensor y = (h * h).sum();
+  auto g = autograd::grad({y}, {h, x});
+  expect_close(g[0], (h * 2.0).to_vector<double>(), 1e-12, "dy/dh");
+  expect_close(g[1], (h * 6.0).to_vector<double>(), 1e-12, "dy/dx");
+}
+
+TEST(Engine, GradOfUnusedInput) {
+  Tensor x = leaf({2}, 16);
+  Tensor unused = leaf({2}, 17);
+  Tensor y = (x * 2.0).sum();
+  expect_error<autograd::AutogradError>(
+      [&] { autograd::grad({y}, {x, unused}, {}, true); }, {"inputs[1]", "allow_unused"});
+  auto g = autograd::grad({y}, {x, unused}, {}, std::nullopt, false, /*allow_unused=*/true);
+  EXPECT_TRUE(g[0].defined());
+  EXPECT_FALSE(g[1].defined());
+}
+
+TEST(Engine, BackwardWithInputsAccumulatesOnlyThere) {
+  Tensor a = leaf({2}, 18);
+  Tensor b = leaf({2}, 19);
+  (a * b).sum().backward({}, {}, false, {a});
+  EXPECT_TRUE(a.grad().defined());
+  EXPECT_FALSE(b.grad().defined());
+}
+
+TEST(Engine, CreateGraphGivesSecondDerivatives) {
+  Tensor x = leaf({3}, 20);
+  Tensor y = (x * x * x).sum();
+  auto g = autograd::grad({y}, {x}, {}, std::nullopt, /*create_graph=*/true);
+  ASSERT_TRUE(g[0].requires_grad());
+  expect_close(g[0], (x * x * 3.0).to_vector<double>(), 1e-12, "3x^2");
+  auto gg = autograd::grad({g[0].sum()}, {x});
+  expect_close(gg[0], (x * 6.0).to_vector<double>(), 1e-12, "6x");
+}
+
+TEST(Engine, SecondDerivativeThroughSavedOutput) {
+  Tensor x = leaf({3}, 21);
+  Tensor y = x.tanh().sum();
+  auto g = autograd::grad({y}, {x}, {}, std::nullopt, true);  // 1 - tanh^2
+  auto gg = autograd::grad({g[0].sum()}, {x});                // -2 tanh (1 - tanh^2)
+  const std::vector<double> xs = x.to_vector<double>();
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const double t = std::tanh(xs[i]);
+    EXPECT_NEAR(gg[0].to_vector<double>()[i], -2 * t * (1 - t * t), 1e-12);
+  }
+}
+
+// ---- grad mode, detach ------------------------------------------------------------------------
+
+TEST(GradMode, NoGradGuardRecordsNothing) {
+  Tensor w = leaf({2}, 22);
+  {
+    NoGradGuard no_grad;
+    EXPECT_FALSE(GradMode::is_enabled());
+    Tensor y = w * 2.0;
+    EXPECT_FALSE(y.requires_grad());
+    EXPECT_EQ(y.grad_fn(), nullptr);
+    {
+      EnableGradGuard enable;
+      EXPECT_TRUE((w * 2.0).requires_grad());
+    }
+    EXPECT_FALSE((w * 2.0).requires_grad());
+  }
+  EXPECT_TRUE(GradMode::is_enabled());
+  {
+    InferenceMode inference;
+    EXPECT_FALSE((w * 2.0).requires_grad());
+  }
+  EXPECT_TRUE((w * 2.0).requires_grad());
+}
+
+TEST(GradMode, IsPerThread) {
+  NoGradGuard no_grad;
+  bool other_thread_enabled = false;
+  std::thread t([&] { other_thread_enabled = GradMode::is_enabled(); });
+  t.join();
+  EXPECT_TRUE(other_thread_enabled);
+}
+
+TEST(GradMode, DetachSharesDataButNotHistory) {
+  Tensor w = leaf({2}, 23);
+  Tensor y = w * 2.0;
+  Tensor d = y.detach();
+  EXPECT_FALSE(d.requires_grad());
+  EXPECT_EQ(d.data_ptr(), y.data_ptr());
+  EXPECT_TRUE(y.requires_grad());
+  y.detach_();
+  EXPECT_FALSE(y.requires_grad());
+  EXPECT_TRUE(y.is_leaf());
+}
+
+TEST(GradMode, RequiresGradRules) {
+  expect_error<TypeError>([] { zeros({2}, kInt64).requires_grad_(); },
+                          {"floating point", "int64"});
+  Tensor w = leaf({2}, 24);
+  Tensor y = w * 2.0;
+  expect_error<autograd::AutogradError>([&] { y.requires_grad_(false); },
+                                        {"leaf", "MulBackward"});
+  w.requires_grad_(false);
+  EXPECT_FALSE((w * 2.0).requires_grad());
+}
+
+TEST(GradMode, IntegerResultsDoNotRequireGrad) {
+  Tensor w = leaf({3}, 25);
+  EXPECT_FALSE(gt(w, 0.0).requires_grad());
+}
+
+// ---- in-place ops -----------------------------------------------------------------------------
+
+TEST(InPlace, LeafThatRequiresGradCannotBeModified) {
+  Tensor w = leaf({2}, 26);
+  expect_error<autograd::AutogradError>([&] { w.add_(1.0); }, {"add_", "leaf", "NoGradGuard"});
+  {
+    NoGradGuard no_grad;
+    w.add_(1.0);  // how optimizers update parameters
+  }
+  EXPECT_EQ(w.version(), 1u);
+}
+
+TEST(InPlace, ModifiedSavedTensorIsReported) {
+  Tensor x = leaf({3}, 27);
+  Tensor y = x.tanh();  // saves y
+  Tensor loss = y.sum();
+  y.mul_(2.0);
+  expect_error<autograd::AutogradError>(
+      [&] { loss.backward(); },
+      {"modified by an in-place operation", "output 0 of TanhBackward", "version"});
+}
+
+TEST(InPlace, OnNonLeafIsDifferentiated) {
+  Tensor x = leaf({2}, 28);
+  Tensor y = x * 2.0;
+  y.mul_(3.0);
+  y.add_(x);
+  y.sum().backward();
+  expect_close(x.grad(), {7, 7}, 0, "d(6x + x)/dx");
+}
+
+TEST(InPlace, TensorThatDidNotRequireGradJoinsTheGraph) {
+  Tensor w = leaf({2}, 29);
+  Tensor acc = zeros({2}, kFloat64);
+  acc.add_(w * 2.0);
+  EXPECT_TRUE(acc.requires_grad());
+  acc.sum().backward();
+  expect_close(w.grad(), {2, 2}, 0, "through add_");
+}
+
+TEST(InPlace, CopyIntoSendsGradientToSource) {
+  Tensor w = leaf({3}, 30);
+  Tensor buf = zeros({2, 3}, kFloat64);
+  buf.copy_(w);  // broadcast copy
+  (buf * 2.0).sum().backward();
+  expect_close(w.grad(), {4, 4, 4}, 0, "two rows, times 2");
+}
+
+// ---- hooks and callbacks ----------------------------------------------------------------------
+
+TEST(Hooks, LeafHookReplacesGradientBeforeAccumulation) {
+  Tensor w = leaf({2}, 31);
+  Tensor seen;
+  w.register_hook([&](const Tensor& g) {
+    seen = g;
+    return g * 10.0;
+  });
+  (w * 3.0).sum().backward();
+  expect_close(seen, {3, 3}, 0, "hook input");
+  expect_close(w.grad(), {30, 30}, 0, "replaced gradient");
+}
+
+TEST(Hooks, NonLeafHookAndRemoval) {
+  Tensor w = leaf({2}, 32);
+  Tensor h = w * 2.0;
+  int calls = 0;
+  const unsigned id = h.register_hook([&](const Tensor& g) {
+    ++calls;
+    return g * 0.5;
+  });
+  h.sum().backward({}, true);
+  expect_close(w.grad(), {1, 1}, 0, "halved");
+  EXPECT_EQ(calls, 1);
+  h.remove_hook(id);
+  w.set_grad({});
+  h.sum().backward();
+  expect_close(w.grad(), {2, 2}, 0, "hook removed");
+  EXPECT_EQ(calls, 1);
+}
+
+TEST(Hooks, RetainGradOnIntermediate) {
+  Tensor w = leaf({2}, 33);
+  Tensor h = w * 2.0;
+  h.retain_grad();
+  EXPECT_TRUE(h.retains_grad());
+  h.register_hook([](const Tensor& g) { return g * 3.0; });
+  (h * 5.0).sum().backward();
+  expect_close(h.grad(), {15, 15}, 0, "retained grad sees the hooked value");
+  expect_close(w.grad(), {30, 30}, 0, "leaf");
+}
+
+TEST(Hooks, PostAccumulateGradHookSeesAccumulatedGrad) {
+  Tensor w = leaf({2}, 34);
+  std::vector<double> seen;
+  int calls = 0;
+  w.register_post_accumulate_grad_hook([&](const Tensor& p) {
+    ++calls;
+    seen = p.grad().to_vector<double>();
+  });
+  (w * 4.0).sum().backward();
+  (w * 4.0).sum().backward();
+  EXPECT_EQ(calls, 2);
+  EXPECT_EQ(seen, (std::vector<double>{8, 8}));
+  Tensor h = w * 2.0;
+  expect_error([&] { h.register_post_accumulate_grad_hook([](const Tensor&) {}); },
+               {"leaf tensors"});
+}
+
+TEST(Hooks, QueuedCallbackRunsAfterAllGradientsAreAccumulated) {
+  Tensor a = leaf({2}, 35);
+  Tensor b = leaf({2}, 36);
+  std::vector<std::string> events;
+  bool both_ready = false;
+  a.register_post_accumulate_grad_hook([&](const Tensor&) {
+    events.push_back("a");
+    autograd::queue_callback([&] {
+      events.push_back("callback");
+      both_ready = a.grad().defined() && b.grad().defined();
+    });
+  });
+  b.register_post_accumulate_grad_hook([&](const Tensor&) { events.push_back("b"); });
+  Tensor h = (a * b).tanh();
+  (h * a).sum().backward();
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events.back(), "callback");
+  EXPECT_TRUE(both_ready);
+  expect_error([] { autograd::queue_callback([] {}); }, {"during a backward pass"});
+}
+
+TEST(Hooks, LeafGradientsAccumulateAsSoonAsReady) {
+  // w1 is used first in the forward pass, so its gradient is ready last; w2's accumulator
+  // must run before the remaining graph above w1 (DDP relies on this ordering).
+  Tensor w1 = leaf({2}, 37);
+  Tensor w2 = leaf({2}, 38);
+  std::vector<std::string> order;
+  Tensor h = (w1 * 2.0).tanh();
+  h.register_hook([&](const Tensor& g) {
+    order.push_back("h");
+    return Tensor();
+  });
+  w2.register_post_accumulate_grad_hook([&](const Tensor&) { order.push_back("w2"); });
+  w1.register_post_accumulate_grad_hook([&](const Tensor&) { order.push_back("w1"); });
+  (h * w2).sum().backward();
+  EXPECT_EQ(order, (std::vector<std::string>{"w2", "h", "w1"}));
+}
+
+// ---- custom functions -------------------------------------------------------------------------
+
+struct Cube : autograd::Function<Cube> {
+  static Tensor forward(autograd::Context* ctx, const Tensor& x, double scale) {
+    ctx->save_for_backward({x});
+    ctx->saved_data["scale"] = scale;
+    return x * x * x * scale;
+  }
+  static autograd::TensorList backward(autograd::Context* ctx, autograd::TensorList g) {
+    const Tensor x = ctx->saved()[0];
+    const double scale = std::any_cast<double>(ctx->saved_data["scale"]);
+    return {g[0] * x * x * (3.0 * scale)};
+  }
+};
+
+struct WrongCube : autograd::Function<WrongCube> {
+  static Tensor forward(autograd::Context* ctx, const Tensor& x) {
+    ctx->save_for_backward({x});
+    return x * x * x;
+  }
+  static autograd::TensorList backward(autograd::Context* ctx, autograd::TensorList g) {
+    const Tensor x = ctx->saved()[0];
+    return {g[0] * x * x * 2.0};  // should be 3
+  }
+};
+
+struct TwoGrads : autograd::Function<TwoGrads> {
+  static Tensor forward(autograd::Context*, const Tensor& x) { return x * 2.0; }
+  static autograd::TensorList backward(autograd::Context*, autograd::TensorList g) {
+    return {g[0], g[0]};
+  }
+};
+
+struct SplitHalves : autograd::Function<SplitHalves> {
+  static std::vector<Tensor> forward(autograd::Context*, const Tensor& x) {
+    return {x.narrow(0, 0, 1).clone(), x.narrow(0, 1, 1).clone()};
+  }
+  static autograd::TensorList backward(autograd::Context*, autograd::TensorList g) {
+    return {cat({g[0], g[1]})};
+  }
+};
+
+TEST(CustomFunction, ForwardBackwardAndGradcheck) {
+  Tensor x = leaf({4}, 39);
+  Tensor y = Cube::apply(x, 2.0);
+  ASSERT_NE(y.grad_fn(), nullptr);
+  EXPECT_NE(std::string(y.grad_fn()->name()).find("CubeBackward"), std::string::npos);
+  y.sum().backward();
+  const auto xs = x.to_vector<double>();
+  for (size_t i = 0; i < xs.size(); ++i) EXPECT_NEAR(x.grad().to_vector<double>()[i], 6 * xs[i] * xs[i], 1e-12);
+  test::expect_gradcheck([](const std::vector<Tensor>& in) { return Cube::apply(in[0], 0.5); },
+                         {leaf({3}, 40)});
+}
+
+TEST(CustomFunction, GradcheckCatchesAWrongBackward) {
+  const auto r = autograd::gradcheck(
+      [](const std::vector<Tensor>& in) { return WrongCube::apply(in[0]); }, {leaf({3}, 41)});
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.message.find("Jacobian mismatch"), std::string::npos) << r.message;
+}
+
+TEST(CustomFunction, WrongNumberOfGradientsIsAnError) {
+  Tensor x = leaf({2}, 42);
+  expect_error<autograd::AutogradError>([&] { TwoGrads::apply(x).sum().backward(); },
+                                        {"TwoGradsBackward", "returned 2 gradients", "1 Tensor"});
+}
+
+TEST(CustomFunction, MultipleOutputsGetZerosForMissingGradients) {
+  Tensor x = leaf({2}, 43);
+  auto outs = SplitHalves::apply(x);
+  ASSERT_EQ(outs.size(), 2u);
+  (outs[1] * 5.0).sum().backward();
+  expect_close(x.grad(), {0, 5}, 0, "second half only");
+}
+
+TEST(CustomFunction, NoRecordingWithoutGradInputs) {
+  Tensor y = Cube::apply(ones({2}, kFloat64), 1.0);
+  EXPECT_FALSE(y.requires_grad());
+}
+
+TEST(CustomFunction, ModifiedSavedInputIsReported) {
+  Tensor w = leaf({2}, 44);
+  Tensor x = w * 1.0;
+  Tensor y = Cube::apply(x, 1.0);
+  x.add_(1.0);
+  expect_error<autograd::AutogradError>([&] { y.sum().backward(); },
+                                        {"modified by an in-place operation", "CubeBackward"});
+}
+
+// ---- gradcheck itself -------------------------------------------------------------------------
+
+TEST(Gradcheck, RejectsNonFloat64Inputs) {
+  Tensor x = leaf({2}, 45, kFloat32);
+  expect_error<TypeError>([&] { autograd::gradcheck([](const std::vector<Tensor>& in) { return in[0] * 2.0; }, {x}); },
+                          {"float64", "float32"});
+}
+
+TEST(Gradcheck, NonContiguousInput) {
+  Tensor x = test::noncontig_leaf({3, 4}, 46);
+  ASSERT_FALSE(x.is_contiguous());
+  test::expect_gradcheck([](const std::vector<Tensor>& in) { return in[0].tanh() * in[0]; }, {x});
+}
+
+}  // namespace
+}  // namespace ember
