@@ -43,6 +43,88 @@ struct ExpandBackward final : Node {
   TensorList apply(TensorList&& g) override { return {sum_to(g[0], in_shape)}; }
 };
 
+/// permute / transpose: the inverse permutation.
+struct PermuteBackward final : Node {
+  Shape inverse;
+  const char* name() const override { return "PermuteBackward"; }
+  TensorList apply(TensorList&& g) override { return {g[0].permute(inverse)}; }
+};
+
+/// The gradient of x.slice(dim, start, end, step) for x of shape in_shape: g placed at the
+/// sliced positions of a zero tensor. Under create_graph it is built from differentiable ops
+/// (cat and views) instead of a copy into a zero tensor, so it can be differentiated again.
+Tensor slice_backward(const Tensor& g, const Shape& in_shape, int64_t dim, int64_t start,
+                      int64_t end, int64_t step) {
+  if (!GradMode::is_enabled()) {
+    Tensor z = zeros(in_shape, g.options());
+    z.slice(dim, start, end, step).copy_(g);
+    return z;
+  }
+  auto zeros_with = [&](int64_t d, int64_t n, const Shape& like) {
+    Shape s = like;
+    s[d] = n;
+    return zeros(s, g.options());
+  };
+  Tensor spread = g;
+  if (step > 1) {
+    // Interleave step-1 zero rows after every row, then trim to end - start rows.
+    Tensor u = g.unsqueeze(dim + 1);
+    spread = cat({u, zeros_with(dim + 1, step - 1, u.shape())}, dim + 1);
+    Shape flat = g.shape();
+    flat[dim] = g.size(dim) * step;
+    spread = spread.reshape(flat).narrow(dim, 0, end - start);
+  }
+  std::vector<Tensor> parts;
+  if (start > 0) parts.push_back(zeros_with(dim, start, spread.shape()));
+  parts.push_back(spread);
+  if (end < in_shape[dim]) parts.push_back(zeros_with(dim, in_shape[dim] - end, spread.shape()));
+  return parts.size() == 1 ? spread : cat(parts, dim);
+}
+
+struct SliceBackward final : Node {
+  Shape in_shape;
+  int64_t dim = 0, start = 0, end = 0, step = 1;
+  const char* name() const override { return "SliceBackward"; }
+  TensorList apply(TensorList&& g) override {
+    return {slice_backward(g[0], in_shape, dim, start, end, step)};
+  }
+};
+
+struct SelectBackward final : Node {
+  Shape in_shape;
+  int64_t dim = 0, index = 0;
+  const char* name() const override { return "SelectBackward"; }
+  TensorList apply(TensorList&& g) override {
+    return {slice_backward(g[0].unsqueeze(dim), in_shape, dim, index, index + 1, 1)};
+  }
+};
+
+void record_permute(const RecordArgs& r) {
+  auto n = new_node<PermuteBackward>(r);
+  const Shape& p = r.attrs.dims;
+  n->inverse = p;
+  for (int64_t i = 0; i < static_cast<int64_t>(p.size()); ++i) n->inverse[p[i]] = i;
+  commit(n, r);
+}
+
+void record_slice(const RecordArgs& r) {
+  auto n = new_node<SliceBackward>(r);
+  n->in_shape = r.in(0).shape();
+  n->dim = r.attrs.dim;
+  n->start = r.attrs.i0;
+  n->end = r.attrs.i1;
+  n->step = r.attrs.i2;
+  commit(n, r);
+}
+
+void record_select(const RecordArgs& r) {
+  auto n = new_node<SelectBackward>(r);
+  n->in_shape = r.in(0).shape();
+  n->dim = r.attrs.dim;
+  n->index = r.attrs.i0;
+  commit(n, r);
+}
+
 void record_view(const RecordArgs& r) {
   auto n = new_node<ViewBackward>(r);
   n->in_shape = r.in(0).shape();
@@ -76,6 +158,9 @@ void register_views(FactoryTable& t) {
   slot(t, OpId::ToCopy) = record_to;
   slot(t, OpId::ViewAs) = record_view;
   slot(t, OpId::Expand) = record_expand;
+  slot(t, OpId::Permute) = record_permute;
+  slot(t, OpId::Slice) = record_slice;
+  slot(t, OpId::Select) = record_select;
 }
 
 }  // namespace ember::autograd
