@@ -1,9 +1,216 @@
-// Backward rules of the linalg ops.
+// Backward rules of the matrix products (tensor/linalg.h), convolution and pooling
+// (tensor/conv.h).
+//
+// The matrix-product rules are written with mm / matmul, so they are recorded under
+// create_graph and can be differentiated again. Convolution and pooling use the dedicated
+// backward kernels of tensor/conv.h, which record nothing: under create_graph, a rule whose
+// result would need history (an input of the backward computation requires grad) throws
+// instead of returning a gradient that silently lacks it.
 #include "autograd/functions.h"
 #include "tensor/ops.h"
 
 namespace ember::autograd {
+namespace {
 
-void register_linalg(FactoryTable& t) { (void)t; }
+// ---- matrix products --------------------------------------------------------------------------
+
+/// a [n, k] @ b [k, m]: grad_a = g @ b^T, grad_b = a^T @ g.
+struct MmBackward final : Node {
+  SavedTensor a, b;
+  const char* name() const override { return "MmBackward"; }
+  TensorList apply(TensorList&& g) override {
+    TensorList r(2);
+    if (needs_input_grad(0)) r[0] = mm(g[0], b.unpack(*this).t());
+    if (needs_input_grad(1)) r[1] = mm(a.unpack(*this).t(), g[0]);
+    return r;
+  }
+  void release_variables() override {
+    a.release();
+    b.release();
+  }
+};
+
+/// a [..., n, k] @ b [..., k, m] with equal batch dims: bmm's [B, n, k] @ [B, k, m], and
+/// matmul's broadcast case, which records its operands as expanded views (their Expand nodes
+/// sum the gradients back over the broadcast batch dims).
+struct BmmBackward final : Node {
+  SavedTensor a, b;
+  const char* name() const override { return "BmmBackward"; }
+  TensorList apply(TensorList&& g) override {
+    TensorList r(2);
+    if (needs_input_grad(0)) r[0] = matmul(g[0], b.unpack(*this).transpose(-1, -2));
+    if (needs_input_grad(1)) r[1] = matmul(a.unpack(*this).transpose(-1, -2), g[0]);
+    return r;
+  }
+  void release_variables() override {
+    a.release();
+    b.release();
+  }
+};
+
+template <typename N>
+void record_product(const RecordArgs& r) {
+  auto n = new_node<N>(r);
+  if (n->needs_input_grad(0)) n->b = SavedTensor(r.in(1), false);
+  if (n->needs_input_grad(1)) n->a = SavedTensor(r.in(0), false);
+  commit(n, r);
+}
+
+/// beta * bias + alpha * (a @ b): grad_bias = beta * g (summed back to bias's shape by the
+/// engine), grad_a = alpha * g @ b^T, grad_b = alpha * a^T @ g.
+struct AddmmBackward final : Node {
+  SavedTensor a, b;
+  Scalar alpha{1}, beta{1};
+  const char* name() const override { return "AddmmBackward"; }
+  TensorList apply(TensorList&& g) override {
+    auto scaled = [](Tensor t, const Scalar& s) {
+      return s.to_double() == 1.0 ? t : mul(t, s);
+    };
+    TensorList r(3);
+    if (needs_input_grad(0)) r[0] = scaled(g[0], beta);
+    if (needs_input_grad(1)) r[1] = scaled(mm(g[0], b.unpack(*this).t()), alpha);
+    if (needs_input_grad(2)) r[2] = scaled(mm(a.unpack(*this).t(), g[0]), alpha);
+    return r;
+  }
+  void release_variables() override {
+    a.release();
+    b.release();
+  }
+};
+
+void record_addmm(const RecordArgs& r) {
+  auto n = new_node<AddmmBackward>(r);
+  n->alpha = r.attrs.scalar;
+  n->beta = r.attrs.scalar2;
+  if (n->needs_input_grad(1)) n->b = SavedTensor(r.in(2), false);
+  if (n->needs_input_grad(2)) n->a = SavedTensor(r.in(1), false);
+  commit(n, r);
+}
+
+// ---- convolution and pooling ------------------------------------------------------------------
+
+/// Throws when the backward kernel about to run would have to record its result (create_graph
+/// and one of the kernel's tensor arguments requires grad): the kernels are not differentiable.
+void check_not_double_backward(const Node& n, std::initializer_list<const Tensor*> args) {
+  if (!GradMode::is_enabled()) return;
+  for (const Tensor* t : args) {
+    EMBER_CHECK_TYPE(NotImplementedError, !detail::requires_grad(*t), "[backward] double backward "
+                     "through ", n.name(), " is not supported: its backward kernel is not "
+                     "differentiable (create_graph=true, and ", describe(*t),
+                     " requires grad)");
+  }
+}
+
+/// A tensor of `shape` standing in for the pooling input in the backward calls: the pooling
+/// backward kernels read only the input's shape, dtype and device (see detail/conv_kernels.h),
+/// so the node keeps a one-element broadcast view instead of the whole input alive.
+Tensor shape_stand_in(const Shape& shape, const Tensor& like) {
+  return zeros({}, like.options()).expand(shape);
+}
+
+/// conv2d(input [N, C, H, W], weight [O, C/groups, kH, kW], bias [O]).
+struct ConvolutionBackward final : Node {
+  SavedTensor input, weight;
+  Shape input_shape, weight_shape;
+  Conv2dParams params;
+  const char* name() const override { return "ConvolutionBackward"; }
+  TensorList apply(TensorList&& g) override {
+    // g: [N, O, H', W']
+    TensorList r(3);
+    if (needs_input_grad(0)) {
+      const Tensor w = weight.unpack(*this);
+      check_not_double_backward(*this, {&g[0], &w});
+      r[0] = conv2d_backward_input(g[0], input_shape, w, params);
+    }
+    if (needs_input_grad(1)) {
+      const Tensor x = input.unpack(*this);
+      check_not_double_backward(*this, {&g[0], &x});
+      r[1] = conv2d_backward_weight(g[0], x, weight_shape, params);
+    }
+    if (needs_input_grad(2)) r[2] = sum(g[0], {0, 2, 3});
+    return r;
+  }
+  void release_variables() override {
+    input.release();
+    weight.release();
+  }
+};
+
+void record_conv2d(const RecordArgs& r) {
+  auto n = new_node<ConvolutionBackward>(r);
+  n->params = r.params<Conv2dParams>();
+  n->input_shape = r.in(0).shape();
+  n->weight_shape = r.in(1).shape();
+  if (n->needs_input_grad(0)) n->weight = SavedTensor(r.in(1), false);
+  if (n->needs_input_grad(1)) n->input = SavedTensor(r.in(0), false);
+  commit(n, r);
+}
+
+/// max_pool2d: the gradient goes to each window's maximum (the saved indices, as in PyTorch).
+struct MaxPool2DWithIndicesBackward final : Node {
+  SavedTensor indices;  // int64, without history: no reference cycle with this node
+  Shape input_shape;
+  Pool2dParams params;
+  const char* name() const override { return "MaxPool2DWithIndicesBackward"; }
+  TensorList apply(TensorList&& g) override {
+    check_not_double_backward(*this, {&g[0]});
+    return {max_pool2d_backward(g[0], shape_stand_in(input_shape, g[0]), indices.unpack(*this),
+                                params)};
+  }
+  void release_variables() override { indices.release(); }
+};
+
+void record_max_pool2d(const RecordArgs& r) {
+  auto n = new_node<MaxPool2DWithIndicesBackward>(r);
+  n->params = r.params<Pool2dParams>();
+  n->input_shape = r.in(0).shape();
+  n->indices = SavedTensor(r.out(1), false);
+  commit(n, r);
+}
+
+struct AvgPool2DBackward final : Node {
+  Shape input_shape;
+  Pool2dParams params;
+  const char* name() const override { return "AvgPool2DBackward"; }
+  TensorList apply(TensorList&& g) override {
+    check_not_double_backward(*this, {&g[0]});
+    return {avg_pool2d_backward(g[0], shape_stand_in(input_shape, g[0]), params)};
+  }
+};
+
+void record_avg_pool2d(const RecordArgs& r) {
+  auto n = new_node<AvgPool2DBackward>(r);
+  n->params = r.params<Pool2dParams>();
+  n->input_shape = r.in(0).shape();
+  commit(n, r);
+}
+
+/// The output size is g's spatial size.
+struct AdaptiveAvgPool2DBackward final : Node {
+  Shape input_shape;
+  const char* name() const override { return "AdaptiveAvgPool2DBackward"; }
+  TensorList apply(TensorList&& g) override {
+    check_not_double_backward(*this, {&g[0]});
+    return {adaptive_avg_pool2d_backward(g[0], shape_stand_in(input_shape, g[0]))};
+  }
+};
+
+void record_adaptive_avg_pool2d(const RecordArgs& r) {
+  auto n = new_node<AdaptiveAvgPool2DBackward>(r);
+  n->input_shape = r.in(0).shape();
+  commit(n, r);
+}
+
+}  // namespace
+
+void register_linalg(FactoryTable& t) {
+  slot(t, OpId::Mm) = record_product<MmBackward>;
+  slot(t, OpId::Bmm) = record_product<BmmBackward>;
+  slot(t, OpId::Addmm) = record_addmm;
+  slot(t, OpId::Conv2d) = record_conv2d;
+  slot(t, OpId::MaxPool2d) = record_max_pool2d;
+  slot(t, OpId::AvgPool2d) = record_avg_pool2d;
+  slot(t, OpId::AdaptiveAvgPool2d) = record_adaptive_avg_pool2d;
+}
 
 }  // namespace ember::autograd

@@ -80,7 +80,29 @@ void SavedTensor::release() {
 
 Node::Node() : sequence_nr_(g_next_sequence_nr.fetch_add(1, std::memory_order_relaxed)) {}
 Node::Node(uint64_t sequence_nr) : sequence_nr_(sequence_nr) {}
-Node::~Node() = default;
+// Note [Iterative graph teardown]
+// A node owns its next nodes, so dropping the last reference to a long chain (an RNN unrolled
+// over 100k steps) would destroy it recursively, one stack frame per node, and overflow the
+// stack. Instead, a dying node hands next nodes that it alone keeps alive to a per-thread list,
+// and the outermost destructor releases them one at a time.
+namespace {
+thread_local std::vector<std::shared_ptr<Node>> t_graveyard;
+thread_local bool t_draining = false;
+}  // namespace
+
+Node::~Node() {
+  for (Edge& e : next_edges_) {
+    if (e.fn && e.fn.use_count() == 1) t_graveyard.push_back(std::move(e.fn));
+  }
+  if (t_draining) return;
+  t_draining = true;
+  while (!t_graveyard.empty()) {
+    std::shared_ptr<Node> n = std::move(t_graveyard.back());
+    t_graveyard.pop_back();
+    n.reset();
+  }
+  t_draining = false;
+}
 
 unsigned Node::add_pre_hook(uint32_t input_nr, GradHook hook) {
   const unsigned h = next_hook_handle_++;

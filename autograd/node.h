@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "autograd/small_vec.h"
 #include "tensor/error.h"
 #include "tensor/tensor.h"
 
@@ -86,15 +87,17 @@ class Node : public std::enable_shared_from_this<Node> {
   /// Frees saved tensors (called after backward unless retain_graph).
   virtual void release_variables() {}
 
-  const std::vector<Edge>& next_edges() const { return next_edges_; }
-  std::vector<Edge>& mutable_next_edges() { return next_edges_; }
+  using EdgeList = SmallVec<Edge, 2>;
+  using GradMetaList = SmallVec<GradMeta, 1>;
+  const EdgeList& next_edges() const { return next_edges_; }
+  EdgeList& mutable_next_edges() { return next_edges_; }
   const Edge& next_edge(size_t i) const { return next_edges_[i]; }
   size_t num_outputs() const { return next_edges_.size(); }
   /// True when the gradient for next edge i is wanted.
   bool needs_input_grad(size_t i) const { return i < next_edges_.size() && next_edges_[i].valid(); }
 
-  const std::vector<GradMeta>& grad_meta() const { return grad_meta_; }
-  std::vector<GradMeta>& mutable_grad_meta() { return grad_meta_; }
+  const GradMetaList& grad_meta() const { return grad_meta_; }
+  GradMetaList& mutable_grad_meta() { return grad_meta_; }
   size_t num_inputs() const { return grad_meta_.size(); }
 
   /// Order of creation; the engine runs ready nodes newest first.
@@ -115,8 +118,8 @@ class Node : public std::enable_shared_from_this<Node> {
  private:
   friend class Engine;
   friend struct GraphTask;
-  std::vector<Edge> next_edges_;
-  std::vector<GradMeta> grad_meta_;
+  EdgeList next_edges_;
+  GradMetaList grad_meta_;
   uint64_t sequence_nr_;
   struct PreHook {
     unsigned handle;

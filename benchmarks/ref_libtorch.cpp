@@ -143,5 +143,49 @@ int main(int argc, char** argv) {
     if (bench::selected(o, "add_1_f32_inplace"))
       bench::run(o, "add_1_f32_inplace", [&] { a.add_(b); });
   }
+  // ---- autograd overhead (bench_autograd.cpp) ----
+  if (bench::selected(o, "autograd_chain100_fwdbwd")) {
+    torch::AutoGradMode grad(true);
+    auto x = torch::randn({16}).requires_grad_(true), w = torch::randn({16}).requires_grad_(true);
+    auto chain = [&] {
+      torch::Tensor h = x;
+      for (int i = 0; i < 100; ++i) {
+        switch (i % 4) {
+          case 0: h = h * w; break;
+          case 1: h = h + w; break;
+          case 2: h = h.tanh(); break;
+          default: h = h * 0.5; break;
+        }
+      }
+      return h.sum();
+    };
+    bench::run(o, "autograd_chain100_fwdbwd", [&] {
+      chain().backward();
+      x.mutable_grad() = torch::Tensor();
+      w.mutable_grad() = torch::Tensor();
+    });
+  }
+  if (bench::selected(o, "autograd_mlp_b64_fwdbwd")) {
+    torch::AutoGradMode grad(true);
+    std::vector<torch::Tensor> p = {torch::randn({784, 256}) * 0.05, torch::zeros({256}),
+                                    torch::randn({256, 128}) * 0.05, torch::zeros({128}),
+                                    torch::randn({128, 10}) * 0.05, torch::zeros({10})};
+    for (auto& t : p) t.requires_grad_(true);
+    auto x = torch::randn({64, 784});
+    auto y = torch::randint(0, 10, {64});
+    const double flops = 3 * 2.0 * 64 * (784 * 256 + 256 * 128 + 128 * 10);
+    bench::run(o, "autograd_mlp_b64_fwdbwd", [&] {
+      auto h1 = torch::relu(torch::addmm(p[1], x, p[0]));
+      auto h2 = torch::relu(torch::addmm(p[3], h1, p[2]));
+      auto logits = torch::addmm(p[5], h2, p[4]);
+      auto loss = -torch::log_softmax(logits, 1).gather(1, y.unsqueeze(1)).mean();
+      loss.backward();
+      torch::NoGradGuard ng;
+      for (auto& t : p) {
+        t.add_(t.grad(), -1e-4);
+        t.mutable_grad() = torch::Tensor();
+      }
+    }, flops);
+  }
   return 0;
 }

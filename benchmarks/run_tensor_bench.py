@@ -22,7 +22,7 @@ import sys
 import time
 
 EMBER_BENCHES = ["bench_memory", "bench_matmul", "bench_conv", "bench_elementwise", "bench_reduce",
-                 "bench_indexing"]
+                 "bench_indexing", "bench_autograd"]
 LINE = re.compile(r"BENCH name=(\S+) sec=(\S+) flops=(\S+) bytes=(\S+)")
 
 
@@ -168,6 +168,50 @@ def torch_cases():
     def _():
         a, b = torch.rand(1), torch.rand(1)
         return lambda: a.add_(b)
+
+    # ---- autograd overhead (bench_autograd.cpp) ----
+    @case("autograd_chain100_fwdbwd")
+    def _():
+        x = torch.randn(16, requires_grad=True)
+        w = torch.randn(16, requires_grad=True)
+
+        def f():
+            h = x
+            for i in range(100):
+                k = i % 4
+                if k == 0:
+                    h = h * w
+                elif k == 1:
+                    h = h + w
+                elif k == 2:
+                    h = h.tanh()
+                else:
+                    h = h * 0.5
+            h.sum().backward()
+            x.grad = None
+            w.grad = None
+        return f
+
+    @case("autograd_mlp_b64_fwdbwd", 3 * 2.0 * 64 * (784 * 256 + 256 * 128 + 128 * 10))
+    def _():
+        p = [torch.randn(784, 256) * 0.05, torch.zeros(256), torch.randn(256, 128) * 0.05,
+             torch.zeros(128), torch.randn(128, 10) * 0.05, torch.zeros(10)]
+        for t in p:
+            t.requires_grad_(True)
+        x = torch.randn(64, 784)
+        y = torch.randint(0, 10, (64,))
+
+        def f():
+            h1 = torch.relu(torch.addmm(p[1], x, p[0]))
+            h2 = torch.relu(torch.addmm(p[3], h1, p[2]))
+            logits = torch.addmm(p[5], h2, p[4])
+            loss = -torch.log_softmax(logits, 1).gather(1, y.unsqueeze(1)).mean()
+            loss.backward()
+            with torch.no_grad():
+                for t in p:
+                    t.add_(t.grad, alpha=-1e-4)
+                    t.grad = None
+        return f
 
     return cases
 

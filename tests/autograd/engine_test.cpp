@@ -495,3 +495,29 @@ TEST(Gradcheck, NonContiguousInput) {
 
 }  // namespace
 }  // namespace ember
+
+namespace ember {
+namespace {
+
+TEST(Engine, LongChainIsBuiltRunAndFreedWithoutDeepRecursion) {
+  // 200k nodes: recursive destruction or traversal would overflow an 8 MiB stack.
+  Tensor x = test::leaf({1}, 47);
+  std::weak_ptr<autograd::Node> first;
+  {
+    Tensor h = x;
+    for (int i = 0; i < 200000; ++i) {
+      h = h * 1.0;
+      if (i == 0) first = h.grad_fn();
+    }
+    h.sum().backward();
+    test::expect_close(x.grad(), {1}, 0, "gradient through the chain");
+  }
+  EXPECT_TRUE(first.expired());
+  {
+    Tensor h = x;
+    for (int i = 0; i < 200000; ++i) h = h * 1.0;
+  }  // dropped without backward: the whole graph dies here
+}
+
+}  // namespace
+}  // namespace ember
