@@ -2,14 +2,16 @@
 //
 // Note [How a backward pass runs]
 // 1. Discover: walk next_edges from the roots once, counting for every node how many edges
-//    point at it (deps_). The per-pass state lives in the nodes themselves (task_id_, deps_,
-//    buffer_), stamped with the pass's id, so discovery allocates nothing per node beyond the
-//    gradient buffer; a node already owned by a pass still running on this thread (a backward
-//    started from inside a hook) is reported instead of silently sharing state.
+//    point at it. The per-pass state (dependency count, gradient buffer, filter flags) lives
+//    in the node itself when the node is free, claimed with one compare-and-swap of its
+//    task_id_, so discovery allocates nothing per node beyond the gradient buffer. A node
+//    another pass owns at the same time (a parameter's accumulator shared by backward passes
+//    on two threads, or a reentrant backward from inside a hook) gets its state in this pass's
+//    own map instead.
 // 2. Filter (only for grad() and backward(inputs=...)): a node runs only if one of the wanted
 //    inputs lies below it. Next nodes are always older than the node that points at them
 //    (an op's inputs exist before it runs), so one pass in creation order settles this.
-// 3. Execute: ready nodes (all incoming gradients summed into buffer_) run newest first,
+// 3. Execute: ready nodes (all incoming gradients summed into their buffer) run newest first,
 //    AccumulateGrad before anything else, so leaf gradients (and the post-accumulate hooks
 //    DistributedDataParallel hangs its communication on) come as early as possible. Each
 //    gradient a node returns is checked against what the next node expects: dtype converted,
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <queue>
+#include <unordered_map>
 
 #include "autograd/functions.h"
 #include "tensor/detail/record.h"
@@ -42,6 +45,14 @@ struct GraphTask {
   };
   std::vector<Capture> captures;
   std::vector<Tensor> captured;
+  std::unordered_map<Node*, Node::TaskState> shared;  ///< nodes owned by another pass
+
+  bool contains(Node* n) const {
+    return n->task_id_.load(std::memory_order_relaxed) == id || shared.count(n) != 0;
+  }
+  Node::TaskState& state(Node* n) {
+    return n->task_id_.load(std::memory_order_relaxed) == id ? n->state_ : shared.at(n);
+  }
 };
 
 namespace {
@@ -74,19 +85,18 @@ class Engine {
 };
 
 bool Engine::claim(GraphTask& task, Node* n) {
-  if (n->task_id_ == task.id) return false;
-  for (const GraphTask* t : t_tasks) {
-    if (t != &task && n->task_id_ == t->id) {
-      throw AutogradError(detail::str_cat(
-          "[backward] ", n->name(), " is part of a backward pass that is still running on this "
-          "thread; a backward started from inside a hook or node must not share its graph"));
-    }
+  uint64_t owner = 0;
+  Node::TaskState* st = &n->state_;
+  if (!n->task_id_.compare_exchange_strong(owner, task.id, std::memory_order_acq_rel)) {
+    if (owner == task.id) return false;
+    auto [it, fresh] = task.shared.try_emplace(n);
+    if (!fresh) return false;
+    st = &it->second;
   }
-  n->task_id_ = task.id;
-  n->deps_ = 0;
-  n->buffer_.assign(n->num_inputs(), Tensor());
-  n->exec_ = n->reach_ = !task.filtered;
-  n->capture_ = false;
+  st->deps = 0;
+  st->buffer.assign(n->num_inputs(), Tensor());
+  st->exec = st->reach = !task.filtered;
+  st->capture = false;
   task.nodes.push_back(n);
   return true;
 }
@@ -103,32 +113,38 @@ void Engine::discover(GraphTask& task, const std::vector<Edge>& roots) {
       Node* c = e.fn.get();
       if (c == nullptr) continue;
       if (claim(task, c)) stack.push_back(c);
-      ++c->deps_;
+      ++task.state(c).deps;
     }
   }
 }
 
 void Engine::filter(GraphTask& task, const std::vector<Edge>& exec_targets) {
   for (const Edge& e : exec_targets) {
-    if (e.fn->task_id_ == task.id) e.fn->exec_ = true;
+    if (task.contains(e.fn.get())) task.state(e.fn.get()).exec = true;
   }
-  for (const GraphTask::Capture& c : task.captures) c.node->capture_ = true;
+  for (const GraphTask::Capture& c : task.captures) {
+    if (task.contains(c.node)) task.state(c.node).capture = true;
+  }
   // Accumulators (and other nodes without next edges) are settled by the marks alone; they
   // sort last by sequence number, so settle them before the pass.
-  for (Node* n : task.nodes) n->reach_ = n->exec_ || n->capture_;
+  for (Node* n : task.nodes) {
+    Node::TaskState& st = task.state(n);
+    st.reach = st.exec || st.capture;
+  }
   std::vector<Node*> order = task.nodes;
   std::sort(order.begin(), order.end(),
             [](Node* a, Node* b) { return a->sequence_nr_ < b->sequence_nr_; });
   for (Node* n : order) {
-    if (!n->exec_) {
+    Node::TaskState& st = task.state(n);
+    if (!st.exec) {
       for (const Edge& e : n->next_edges_) {
-        if (e.fn && e.fn->reach_) {
-          n->exec_ = true;
+        if (e.fn && task.state(e.fn.get()).reach) {
+          st.exec = true;
           break;
         }
       }
     }
-    n->reach_ = n->exec_ || n->capture_;
+    st.reach = st.exec || st.capture;
   }
 }
 
@@ -153,10 +169,11 @@ Tensor Engine::validate(Tensor g, const Node& from, size_t index, const Node& to
 
 void Engine::run(GraphTask& task, Node* n,
                  std::priority_queue<Node*, std::vector<Node*>, bool (*)(Node*, Node*)>& ready) {
-  TensorList grads = std::move(n->buffer_);
-  n->buffer_.clear();
+  Node::TaskState& st = task.state(n);
+  TensorList grads = std::move(st.buffer);
+  st.buffer.clear();
   n->call_pre_hooks(grads);
-  if (n->capture_) {
+  if (st.capture) {
     for (const GraphTask::Capture& c : task.captures) {
       if (c.node == n) task.captured[c.index] = grads[c.input_nr];
     }
@@ -164,7 +181,7 @@ void Engine::run(GraphTask& task, Node* n,
   TensorList outs;
   bool any = false;
   for (const Tensor& g : grads) any = any || g.defined();
-  if (n->exec_ && any) {
+  if (st.exec && any) {
     const auto& gm = n->grad_meta();
     for (size_t i = 0; i < grads.size(); ++i) {
       if (!grads[i].defined()) grads[i] = zeros(gm[i].shape, TensorOptions(gm[i].dtype).device(gm[i].device));
@@ -179,12 +196,13 @@ void Engine::run(GraphTask& task, Node* n,
     const Edge& e = n->next_edges_[i];
     Node* c = e.fn.get();
     if (c == nullptr) continue;
+    Node::TaskState& cs = task.state(c);
     if (i < outs.size() && outs[i].defined()) {
       Tensor g = validate(std::move(outs[i]), *n, i, *c, e.input_nr);
-      Tensor& slot = c->buffer_[e.input_nr];
+      Tensor& slot = cs.buffer[e.input_nr];
       slot = slot.defined() ? slot + g : std::move(g);
     }
-    if (--c->deps_ == 0) ready.push(c);
+    if (--cs.deps == 0) ready.push(c);
   }
 }
 
@@ -196,8 +214,10 @@ void Engine::execute(GraphTask& task, const std::vector<Edge>& roots,
     GraphTask& task;
     ~Cleanup() {
       for (Node* n : task.nodes) {
-        n->buffer_.clear();
-        n->task_id_ = 0;
+        if (n->task_id_.load(std::memory_order_relaxed) == task.id) {
+          n->state_.buffer.clear();
+          n->task_id_.store(0, std::memory_order_release);
+        }
       }
       t_tasks.pop_back();
     }
@@ -206,15 +226,16 @@ void Engine::execute(GraphTask& task, const std::vector<Edge>& roots,
   discover(task, roots);
   if (task.filtered) filter(task, exec_targets);
   for (size_t i = 0; i < roots.size(); ++i) {
-    Tensor& slot = roots[i].fn->buffer_[roots[i].input_nr];
+    Tensor& slot = task.state(roots[i].fn.get()).buffer[roots[i].input_nr];
     Tensor g = validate(std::move(root_grads[i]), *roots[i].fn, i, *roots[i].fn, roots[i].input_nr);
     slot = slot.defined() ? slot + g : std::move(g);
   }
   std::priority_queue<Node*, std::vector<Node*>, bool (*)(Node*, Node*)> ready(
       [](Node* a, Node* b) { return a->sequence_nr_ < b->sequence_nr_; });
   for (const Edge& e : roots) {
-    if (e.fn->deps_ == 0) {
-      e.fn->deps_ = -1;  // queued once even if several roots share it
+    Node::TaskState& st = task.state(e.fn.get());
+    if (st.deps == 0) {
+      st.deps = -1;  // queued once even if several roots share it
       ready.push(e.fn.get());
     }
   }

@@ -1,4 +1,8 @@
 // Backward rules of the view and copy ops (tensor/tensor.h methods).
+#include <algorithm>
+#include <utility>
+#include <vector>
+
 #include "autograd/functions.h"
 #include "tensor/ops.h"
 
@@ -99,6 +103,88 @@ struct SelectBackward final : Node {
   }
 };
 
+/// Whether a strided geometry may address one storage element from two positions: with size-1
+/// dims dropped and the rest sorted by stride, each stride must exceed the span of the smaller
+/// ones (PyTorch's _maybe_overlapping_memory test; a "maybe" only errs on the safe side).
+bool maybe_overlapping(const Shape& sizes, const Shape& strides) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int64_t d = 0; d < static_cast<int64_t>(sizes.size()); ++d) {
+    if (sizes[d] == 0) return false;
+    if (sizes[d] > 1) dims.emplace_back(strides[d], sizes[d]);
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 0;  // the largest offset the dims so far reach
+  for (const auto& [stride, size] : dims) {
+    if (stride <= span) return true;
+    span += (size - 1) * stride;
+  }
+  return false;
+}
+
+/// Storage elements a non-empty geometry needs from offset 0: offset + 1 + its span.
+int64_t extent(const Shape& sizes, const Shape& strides, int64_t offset) {
+  int64_t n = offset + 1;
+  for (int64_t d = 0; d < static_cast<int64_t>(sizes.size()); ++d) n += (sizes[d] - 1) * strides[d];
+  return n;
+}
+
+/// x.as_strided(sizes, strides, offset). Both geometries address the same storage, so the rule
+/// works on a flat buffer covering both (PyTorch's as_strided_backward): the output's gradient
+/// is added at each output element's storage position (index_add_, so positions the output
+/// reaches more than once, e.g. through stride 0, sum their gradients), and the input's gradient
+/// is the buffer read back through the input's geometry. Positions the input reaches more than
+/// once (x itself overlapping, e.g. an expanded tensor) share their gradient evenly, so that
+/// summing back through x's own history counts it once.
+struct AsStridedBackward final : Node {
+  Shape in_sizes, in_strides, out_sizes, out_strides;
+  int64_t in_offset = 0, out_offset = 0;
+  const char* name() const override { return "AsStridedBackward"; }
+  TensorList apply(TensorList&& g) override {
+    const Tensor& grad = g[0];
+    if (in_sizes.numel() == 0 || grad.numel() == 0) return {zeros(in_sizes, grad.options())};
+    const int64_t base = std::min(in_offset, out_offset);
+    const int64_t in_off = in_offset - base, out_off = out_offset - base;
+    const int64_t n = std::max(extent(in_sizes, in_strides, in_off),
+                               extent(out_sizes, out_strides, out_off));
+    Tensor buffer = zeros({n}, grad.options());
+    const bool out_overlap = maybe_overlapping(out_sizes, out_strides);
+    const bool in_overlap = maybe_overlapping(in_sizes, in_strides);
+    Tensor positions;  // storage position of every buffer element
+    if (out_overlap || in_overlap || GradMode::is_enabled()) {
+      positions = arange(0, n, 1, TensorOptions(kInt64).device(grad.device()));
+    }
+    if (!out_overlap && !GradMode::is_enabled()) {
+      buffer.as_strided(out_sizes, out_strides, out_off).copy_(grad);
+    } else {
+      // Recorded under create_graph (the in-place scatter into a fresh buffer records itself).
+      const Tensor at = positions.as_strided(out_sizes, out_strides, out_off).reshape({-1});
+      index_add_(buffer, 0, at, grad.reshape({-1}));
+    }
+    if (in_overlap) {
+      const Tensor at = positions.as_strided(in_sizes, in_strides, in_off).reshape({-1});
+      Tensor count = zeros({n}, grad.options());
+      index_add_(count, 0, at, ones({at.numel()}, grad.options()));
+      // Positions the input does not reach count 0; 1 keeps them finite (they are never read,
+      // but a nan there would leak into a double backward).
+      buffer = div(buffer, clamp_min(count, 1));
+    }
+    return {buffer.as_strided(in_sizes, in_strides, in_off)};
+  }
+};
+
+void record_as_strided(const RecordArgs& r) {
+  auto n = new_node<AsStridedBackward>(r);
+  const Tensor& in = r.in(0);
+  const Tensor& out = r.out(0);
+  n->in_sizes = in.shape();
+  n->in_strides = in.strides();
+  n->in_offset = in.storage_offset();
+  n->out_sizes = out.shape();
+  n->out_strides = out.strides();
+  n->out_offset = out.storage_offset();
+  commit(n, r);
+}
+
 void record_permute(const RecordArgs& r) {
   auto n = new_node<PermuteBackward>(r);
   const Shape& p = r.attrs.dims;
@@ -161,6 +247,7 @@ void register_views(FactoryTable& t) {
   slot(t, OpId::Permute) = record_permute;
   slot(t, OpId::Slice) = record_slice;
   slot(t, OpId::Select) = record_select;
+  slot(t, OpId::AsStrided) = record_as_strided;
 }
 
 }  // namespace ember::autograd

@@ -157,9 +157,10 @@ void AccumulateGrad::call_pre_hooks(TensorList& grads) {
 
 TensorList AccumulateGrad::apply(TensorList&& grads) {
   Tensor g = std::move(grads[0]);
-  const Tensor leaf(leaf_);
-  AutogradMeta& m = ensure_meta(leaf);
   if (!g.defined()) return {};
+  const Tensor leaf(leaf_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  AutogradMeta& m = ensure_meta(leaf);
   if (!m.grad.defined()) {
     if (GradMode::is_enabled()) {
       m.grad = g;  // create_graph: keep the gradient's own history

@@ -7,9 +7,11 @@
 // tensors are freed by release_variables() after a backward pass without retain_graph.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -130,13 +132,18 @@ class Node : public std::enable_shared_from_this<Node> {
   std::vector<std::pair<uint32_t, std::function<void(const Tensor&)>>> retain_hooks_;
   unsigned next_hook_handle_ = 0;
 
-  // Engine state for the backward pass that is running over this node (see engine.cpp).
-  uint64_t task_id_ = 0;
-  int64_t deps_ = 0;
-  bool exec_ = true;
-  bool reach_ = true;
-  bool capture_ = false;
-  TensorList buffer_;
+  // State of the backward pass running over this node (Note [How a backward pass runs] in
+  // engine.cpp). task_id_ names the pass that owns state_ (0: none); a second pass reaching
+  // the node at the same time keeps its state in a map of its own.
+  struct TaskState {
+    int64_t deps = 0;
+    bool exec = true;
+    bool reach = true;
+    bool capture = false;
+    TensorList buffer;
+  };
+  std::atomic<uint64_t> task_id_{0};
+  TaskState state_;
 };
 
 /// Per-tensor autograd state (TensorImpl::autograd).
@@ -163,6 +170,8 @@ inline AutogradMeta* meta_of(const Tensor& t) {
 AutogradMeta& ensure_meta(const Tensor& t);
 
 /// Accumulates incoming gradients into a leaf's grad() and runs its hooks.
+/// Accumulation is serialised per leaf, so backward passes on several threads may share
+/// parameters.
 class AccumulateGrad final : public Node {
  public:
   explicit AccumulateGrad(std::shared_ptr<TensorImpl> leaf);
@@ -173,6 +182,7 @@ class AccumulateGrad final : public Node {
 
  private:
   std::shared_ptr<TensorImpl> leaf_;
+  std::mutex mutex_;
 };
 
 /// The edge along which a gradient for `t` travels: its grad_fn, or its leaf accumulator

@@ -521,3 +521,38 @@ TEST(Engine, LongChainIsBuiltRunAndFreedWithoutDeepRecursion) {
 
 }  // namespace
 }  // namespace ember
+
+namespace ember {
+namespace {
+
+TEST(Engine, ConcurrentBackwardPassesShareAParameter) {
+  Tensor w = test::leaf({4}, 48);
+  constexpr int kPasses = 200;
+  auto work = [&] {
+    for (int i = 0; i < kPasses; ++i) (w * 2.0).tanh().sum().backward();
+  };
+  std::thread t1(work), t2(work);
+  t1.join();
+  t2.join();
+  const auto ws = w.to_vector<double>();
+  const auto gs = w.grad().to_vector<double>();
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const double t = std::tanh(2 * ws[i]);
+    EXPECT_NEAR(gs[i], 2 * kPasses * 2 * (1 - t * t), 1e-9) << "index " << i;
+  }
+}
+
+TEST(Engine, ReentrantBackwardFromAHookSharesTheParameter) {
+  Tensor w = test::leaf({2}, 49);
+  Tensor h = w * 3.0;
+  h.register_hook([&](const Tensor&) {
+    EnableGradGuard grad;        // backward runs hooks with grad mode off, as PyTorch does
+    (w * 5.0).sum().backward();  // a second pass reaching w's accumulator mid-pass
+    return Tensor();
+  });
+  h.sum().backward();
+  test::expect_close(w.grad(), {8, 8}, 0, "3 + 5");
+}
+
+}  // namespace
+}  // namespace ember
