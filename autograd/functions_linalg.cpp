@@ -63,9 +63,7 @@ struct AddmmBackward final : Node {
   Scalar alpha{1}, beta{1};
   const char* name() const override { return "AddmmBackward"; }
   TensorList apply(TensorList&& g) override {
-    auto scaled = [](Tensor t, const Scalar& s) {
-      return s.to_double() == 1.0 ? t : mul(t, s);
-    };
+    auto scaled = [](Tensor t, const Scalar& s) { return s.to_double() == 1.0 ? t : mul(t, s); };
     TensorList r(3);
     if (needs_input_grad(0)) r[0] = scaled(g[0], beta);
     if (needs_input_grad(1)) r[1] = scaled(mm(g[0], b.unpack(*this).t()), alpha);
@@ -94,10 +92,11 @@ void record_addmm(const RecordArgs& r) {
 void check_not_double_backward(const Node& n, std::initializer_list<const Tensor*> args) {
   if (!GradMode::is_enabled()) return;
   for (const Tensor* t : args) {
-    EMBER_CHECK_TYPE(NotImplementedError, !detail::requires_grad(*t), "[backward] double backward "
-                     "through ", n.name(), " is not supported: its backward kernel is not "
-                     "differentiable (create_graph=true, and ", describe(*t),
-                     " requires grad)");
+    EMBER_CHECK_TYPE(NotImplementedError, !detail::requires_grad(*t),
+                     "[backward] double backward through ", n.name(),
+                     " is not supported: its backward kernel is not differentiable "
+                     "(create_graph=true, and ",
+                     describe(*t), " requires grad)");
   }
 }
 

@@ -4,6 +4,7 @@
 #include "tensor/conv.h"
 
 #include "tensor/detail/conv_kernels.h"
+#include "tensor/detail/record.h"
 
 namespace ember {
 
@@ -91,21 +92,28 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias,
                 " elements, but got bias of size ", bias.shape(), " instead");
   }
   Tensor out = detail::make_empty(out_shape(g), input.dtype(), input.device());
-  if (out.numel() == 0) return out;
-  if (input.numel() == 0 || weight.numel() == 0) {  // an empty sum: just the bias
-    if (bias.defined()) {
-      out.copy_(bias.view({1, g.o, 1, 1}).expand(out.shape()));
+  if (out.numel() > 0) {
+    NoGradGuard no_grad;  // contiguous() and the bias copy belong to this op's node
+    if (input.numel() == 0 || weight.numel() == 0) {  // an empty sum: just the bias
+      if (bias.defined()) {
+        out.copy_(bias.view({1, g.o, 1, 1}).expand(out.shape()));
+      } else {
+        out.zero_();
+      }
     } else {
-      out.zero_();
+      const Tensor x = input.contiguous(), w = weight.contiguous();
+      const Tensor b = bias.defined() ? bias.contiguous() : bias;
+      if (out.is_cuda()) {
+        detail::conv2d_cuda(out, x, w, b, g);
+      } else {
+        detail::conv2d_cpu(out, x, w, b, g);
+      }
     }
-    return out;
   }
-  const Tensor x = input.contiguous(), w = weight.contiguous();
-  const Tensor b = bias.defined() ? bias.contiguous() : bias;
-  if (out.is_cuda()) {
-    detail::conv2d_cuda(out, x, w, b, g);
-  } else {
-    detail::conv2d_cpu(out, x, w, b, g);
+  if (detail::should_record(input, weight, bias)) {
+    OpAttrs at;
+    at.params = &p;
+    detail::record(OpId::Conv2d, {&input, &weight, &bias}, {&out}, at);
   }
   return out;
 }
@@ -122,6 +130,7 @@ Tensor conv2d_backward_input(const Tensor& grad_output, IntList input_shape, con
   Tensor grad_input = detail::make_empty(input_shape, grad_output.dtype(), grad_output.device());
   if (grad_input.numel() == 0) return grad_input;
   if (grad_output.numel() == 0 || weight.numel() == 0) return grad_input.zero_();
+  NoGradGuard no_grad;  // backward kernels record nothing
   const Tensor go = grad_output.contiguous(), w = weight.contiguous();
   if (go.is_cuda()) {
     detail::conv2d_backward_input_cuda(grad_input, go, w, g);
@@ -143,6 +152,7 @@ Tensor conv2d_backward_weight(const Tensor& grad_output, const Tensor& input, In
   Tensor grad_weight = detail::make_empty(weight_shape, grad_output.dtype(), grad_output.device());
   if (grad_weight.numel() == 0) return grad_weight;
   if (grad_output.numel() == 0 || input.numel() == 0) return grad_weight.zero_();
+  NoGradGuard no_grad;  // backward kernels record nothing
   const Tensor go = grad_output.contiguous(), x = input.contiguous();
   if (go.is_cuda()) {
     detail::conv2d_backward_weight_cuda(grad_weight, go, x, g);
@@ -221,17 +231,26 @@ std::pair<Tensor, Tensor> max_pool2d_with_indices(const Tensor& input, const Poo
   const PoolGeom g = pool_geom(op, input, p, true);
   Tensor out = detail::make_empty(pool_out_shape(input, g), input.dtype(), input.device());
   Tensor idx = detail::make_empty(pool_out_shape(input, g), kInt64, input.device());
-  if (out.numel() == 0) return {out, idx};
-  const Tensor x = input.contiguous();
-  if (x.is_cuda()) {
-    detail::max_pool2d_cuda(out, idx, x, g);
-  } else {
-    detail::max_pool2d_cpu(out, idx, x, g);
+  if (out.numel() > 0) {
+    NoGradGuard no_grad;  // the contiguous copy belongs to this op's node
+    const Tensor x = input.contiguous();
+    if (x.is_cuda()) {
+      detail::max_pool2d_cuda(out, idx, x, g);
+    } else {
+      detail::max_pool2d_cpu(out, idx, x, g);
+    }
+  }
+  if (detail::should_record(input)) {
+    OpAttrs at;
+    at.params = &p;
+    detail::record(OpId::MaxPool2d, {&input}, {&out, &idx}, at);
   }
   return {out, idx};
 }
 
 Tensor max_pool2d(const Tensor& input, const Pool2dParams& p) {
+  // Under recording the backward pass needs the indices: the recorded variant.
+  if (detail::should_record(input)) return max_pool2d_with_indices(input, p).first;
   const char* op = "max_pool2d";
   check_pool_input(op, input);
   const PoolGeom g = pool_geom(op, input, p, true);
@@ -262,6 +281,7 @@ Tensor max_pool2d_backward(const Tensor& grad_output, const Tensor& input, const
               grad_output.shape(), ", got ", indices.shape());
   Tensor grad_input = detail::make_empty(input.shape(), input.dtype(), input.device());
   if (grad_input.numel() == 0) return grad_input;
+  NoGradGuard no_grad;  // backward kernels record nothing
   const Tensor go = grad_output.contiguous(), idx = indices.contiguous();
   if (go.is_cuda()) {
     detail::max_pool2d_backward_cuda(grad_input, go, idx, g);
@@ -276,12 +296,19 @@ Tensor avg_pool2d(const Tensor& input, const Pool2dParams& p) {
   check_pool_input(op, input);
   const PoolGeom g = pool_geom(op, input, p, false);
   Tensor out = detail::make_empty(pool_out_shape(input, g), input.dtype(), input.device());
-  if (out.numel() == 0) return out;
-  const Tensor x = input.contiguous();
-  if (x.is_cuda()) {
-    detail::avg_pool2d_cuda(out, x, g);
-  } else {
-    detail::avg_pool2d_cpu(out, x, g);
+  if (out.numel() > 0) {
+    NoGradGuard no_grad;  // the contiguous copy belongs to this op's node
+    const Tensor x = input.contiguous();
+    if (x.is_cuda()) {
+      detail::avg_pool2d_cuda(out, x, g);
+    } else {
+      detail::avg_pool2d_cpu(out, x, g);
+    }
+  }
+  if (detail::should_record(input)) {
+    OpAttrs at;
+    at.params = &p;
+    detail::record(OpId::AvgPool2d, {&input}, {&out}, at);
   }
   return out;
 }
@@ -293,6 +320,7 @@ Tensor avg_pool2d_backward(const Tensor& grad_output, const Tensor& input, const
   check_pool_backward(op, grad_output, input, g);
   Tensor grad_input = detail::make_empty(input.shape(), input.dtype(), input.device());
   if (grad_input.numel() == 0) return grad_input;
+  NoGradGuard no_grad;  // backward kernels record nothing
   const Tensor go = grad_output.contiguous();
   if (go.is_cuda()) {
     detail::avg_pool2d_backward_cuda(grad_input, go, g);
@@ -324,13 +352,16 @@ Tensor adaptive_avg_pool2d(const Tensor& input, Pair output_size) {
   check_pool_input(op, input);
   const PoolGeom g = adaptive_geom(op, input, output_size);
   Tensor out = detail::make_empty(pool_out_shape(input, g), input.dtype(), input.device());
-  if (out.numel() == 0) return out;
-  const Tensor x = input.contiguous();
-  if (x.is_cuda()) {
-    detail::adaptive_avg_pool2d_cuda(out, x, g);
-  } else {
-    detail::adaptive_avg_pool2d_cpu(out, x, g);
+  if (out.numel() > 0) {
+    NoGradGuard no_grad;  // the contiguous copy belongs to this op's node
+    const Tensor x = input.contiguous();
+    if (x.is_cuda()) {
+      detail::adaptive_avg_pool2d_cuda(out, x, g);
+    } else {
+      detail::adaptive_avg_pool2d_cpu(out, x, g);
+    }
   }
+  if (detail::should_record(input)) detail::record(OpId::AdaptiveAvgPool2d, {&input}, {&out});
   return out;
 }
 
@@ -343,6 +374,7 @@ Tensor adaptive_avg_pool2d_backward(const Tensor& grad_output, const Tensor& inp
   check_pool_backward(op, grad_output, input, g);
   Tensor grad_input = detail::make_empty(input.shape(), input.dtype(), input.device());
   if (grad_input.numel() == 0) return grad_input;
+  NoGradGuard no_grad;  // backward kernels record nothing
   const Tensor go = grad_output.contiguous();
   if (go.is_cuda()) {
     detail::adaptive_avg_pool2d_backward_cuda(grad_input, go, g);

@@ -3,6 +3,7 @@
 #include "tensor/linalg.h"
 
 #include "tensor/detail/linalg_kernels.h"
+#include "tensor/detail/record.h"
 
 namespace ember {
 
@@ -30,6 +31,17 @@ void run_gemm(const Tensor& out, const Tensor& a, const Tensor& b, double alpha,
   }
 }
 
+// out = a @ b by one GEMM, recorded when a or b requires grad: Mm for 2-d operands, Bmm for
+// batched ones (equal batch dims; matmul passes broadcast operands as expanded views). matmul
+// records its reshapes, unsqueezes and expands as views around this, so its gradient composes.
+Tensor gemm_recorded(Tensor out, const Tensor& a, const Tensor& b) {
+  run_gemm(out, a, b, 1.0, 0.0);
+  if (detail::should_record(a, b)) {
+    detail::record(a.dim() == 2 ? OpId::Mm : OpId::Bmm, {&a, &b}, {&out});
+  }
+  return out;
+}
+
 void check_mm_shapes(const char* op, const Tensor& a, const Tensor& b) {
   EMBER_CHECK(a.dim() == 2 && b.dim() == 2, "[", op, "] expected 2-d tensors, got a of shape ",
               a.shape(), " and b of shape ", b.shape());
@@ -55,9 +67,7 @@ bool leading_dims_merge(const Tensor& t) {
 Tensor mm(const Tensor& a, const Tensor& b) {
   check_pair("mm", a, b);
   check_mm_shapes("mm", a, b);
-  Tensor out = detail::make_empty({a.size(0), b.size(1)}, a.dtype(), a.device());
-  run_gemm(out, a, b, 1.0, 0.0);
-  return out;
+  return gemm_recorded(detail::make_empty({a.size(0), b.size(1)}, a.dtype(), a.device()), a, b);
 }
 
 Tensor bmm(const Tensor& a, const Tensor& b) {
@@ -69,8 +79,7 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
   EMBER_CHECK(a.size(2) == b.size(1), "[bmm] last dim of a (shape ", a.shape(),
               ") must equal dim 1 of b (shape ", b.shape(), ")");
   Tensor out = detail::make_empty({a.size(0), a.size(1), b.size(2)}, a.dtype(), a.device());
-  run_gemm(out, a, b, 1.0, 0.0);
-  return out;
+  return gemm_recorded(std::move(out), a, b);
 }
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
@@ -88,8 +97,8 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   if (da <= 2 && db <= 2) {
     Tensor a2 = da == 1 ? a.unsqueeze(0) : a;
     Tensor b2 = db == 1 ? b.unsqueeze(1) : b;
-    Tensor out = detail::make_empty({a2.size(0), b2.size(1)}, a.dtype(), a.device());
-    run_gemm(out, a2, b2, 1.0, 0.0);
+    Tensor out =
+        gemm_recorded(detail::make_empty({a2.size(0), b2.size(1)}, a.dtype(), a.device()), a2, b2);
     if (da == 1 && db == 1) return out.view({});
     if (da == 1) return out.view({b2.size(1)});
     if (db == 1) return out.view({a2.size(0)});
@@ -102,8 +111,8 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
     int64_t rows = 1;
     for (int64_t d = 0; d + 1 < da; ++d) rows *= a.size(d);
     Tensor a2 = a.reshape({rows, k_a});
-    Tensor out = detail::make_empty({a2.size(0), b2.size(1)}, a.dtype(), a.device());
-    run_gemm(out, a2, b2, 1.0, 0.0);
+    Tensor out =
+        gemm_recorded(detail::make_empty({a2.size(0), b2.size(1)}, a.dtype(), a.device()), a2, b2);
     Shape shape(a.shape());
     if (db == 1) {
       shape.pop_back();
@@ -136,8 +145,8 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   sb.push_back(m);
   so.push_back(n);
   so.push_back(m);
-  Tensor out = detail::make_empty(so, a.dtype(), a.device());
-  run_gemm(out, a2.expand(sa), b2.expand(sb), 1.0, 0.0);
+  Tensor out =
+      gemm_recorded(detail::make_empty(so, a.dtype(), a.device()), a2.expand(sa), b2.expand(sb));
   if (da == 1 || db == 1) {
     Shape shape(batch);
     if (da != 1) shape.push_back(n);
@@ -167,8 +176,17 @@ Tensor addmm(const Tensor& bias, const Tensor& a, const Tensor& b, const Scalar&
               "shape [", n, ", ", m, "]");
   Tensor out = detail::make_empty({n, m}, a.dtype(), a.device());
   const double be = beta.to_double();
-  if (be != 0.0) out.copy_(bias.expand({n, m}));
+  if (be != 0.0) {
+    NoGradGuard no_grad;  // the copy is part of addmm's own node
+    out.copy_(bias.expand({n, m}));
+  }
   run_gemm(out, a, b, alpha.to_double(), be);
+  if (detail::should_record(bias, a, b)) {
+    OpAttrs at;
+    at.scalar = alpha;
+    at.scalar2 = beta;
+    detail::record(OpId::Addmm, {&bias, &a, &b}, {&out}, at);
+  }
   return out;
 }
 
@@ -183,6 +201,9 @@ Tensor& mm_out(Tensor& out, const Tensor& a, const Tensor& b) {
   const int64_t n = a.size(0), m = b.size(1);
   EMBER_CHECK(out.dim() == 2 && out.size(0) == n && out.size(1) == m,
               "[mm_out] expected out of shape [", n, ", ", m, "], got ", out.shape());
+  EMBER_CHECK(!detail::should_record(a, b, out),
+              "[mm_out] out= variants don't support automatic differentiation, but one of the "
+              "arguments requires grad; use mm");
   const bool aliases = out.storage() == a.storage() || out.storage() == b.storage();
   if (out.is_contiguous() && !aliases) {
     run_gemm(out, a, b, 1.0, 0.0);
