@@ -1,0 +1,285 @@
+#include "nn/module.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "autograd/node.h"
+
+namespace ember::nn {
+
+Tensor Module::forward(const Tensor&) {
+  throw NotImplementedError(detail::str_cat("[", name(), "] has no forward(Tensor); call its own "
+                                            "methods, or override forward to use it in a "
+                                            "Sequential"));
+}
+
+// ---- registration -----------------------------------------------------------------------------
+
+namespace {
+void check_name(const char* what, const std::string& name) {
+  EMBER_CHECK(!name.empty() && name.find('.') == std::string::npos, "[register_", what, "] ",
+              what, " name must be non-empty and contain no '.', got '", name, "'");
+}
+}  // namespace
+
+Tensor& Module::register_parameter(const std::string& name, Tensor t, bool requires_grad) {
+  check_name("parameter", name);
+  for (const Slot& s : params_) {
+    EMBER_CHECK(s.name != name, "[register_parameter] ", this->name(), " already has a parameter '",
+                name, "'");
+  }
+  if (t.defined() && requires_grad) t.requires_grad_();
+  params_.push_back({name, std::move(t), true});
+  return params_.back().tensor;
+}
+
+Tensor& Module::register_buffer(const std::string& name, Tensor t, bool persistent) {
+  check_name("buffer", name);
+  for (const Slot& s : buffers_) {
+    EMBER_CHECK(s.name != name, "[register_buffer] ", this->name(), " already has a buffer '",
+                name, "'");
+  }
+  buffers_.push_back({name, std::move(t), persistent});
+  return buffers_.back().tensor;
+}
+
+void Module::add_child(const std::string& name, std::shared_ptr<Module> m) {
+  check_name("module", name);
+  EMBER_CHECK(m != nullptr, "[register_module] module '", name, "' is null");
+  for (const auto& [n, c] : children_) {
+    EMBER_CHECK(n != name, "[register_module] ", this->name(), " already has a submodule '", name,
+                "'");
+  }
+  children_.emplace_back(name, std::move(m));
+}
+
+// ---- access -----------------------------------------------------------------------------------
+
+void Module::collect(const std::string& prefix, bool recurse, bool params, NamedTensors& out,
+                     std::vector<const TensorImpl*>& seen) const {
+  for (const Slot& s : params ? params_ : buffers_) {
+    if (!s.tensor.defined()) continue;
+    if (std::find(seen.begin(), seen.end(), s.tensor.impl()) != seen.end()) continue;
+    seen.push_back(s.tensor.impl());
+    out.emplace_back(prefix + s.name, s.tensor);
+  }
+  if (!recurse) return;
+  for (const auto& [n, c] : children_) c->collect(prefix + n + ".", true, params, out, seen);
+}
+
+NamedTensors Module::named_parameters(bool recurse) const {
+  NamedTensors out;
+  std::vector<const TensorImpl*> seen;
+  collect("", recurse, true, out, seen);
+  return out;
+}
+
+std::vector<Tensor> Module::parameters(bool recurse) const {
+  std::vector<Tensor> out;
+  for (auto& [n, t] : named_parameters(recurse)) out.push_back(t);
+  return out;
+}
+
+NamedTensors Module::named_buffers(bool recurse) const {
+  NamedTensors out;
+  std::vector<const TensorImpl*> seen;
+  collect("", recurse, false, out, seen);
+  return out;
+}
+
+std::vector<Tensor> Module::buffers(bool recurse) const {
+  std::vector<Tensor> out;
+  for (auto& [n, t] : named_buffers(recurse)) out.push_back(t);
+  return out;
+}
+
+std::vector<std::shared_ptr<Module>> Module::children() const {
+  std::vector<std::shared_ptr<Module>> out;
+  for (const auto& [n, c] : children_) out.push_back(c);
+  return out;
+}
+
+std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::named_children() const {
+  return children_;
+}
+
+std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::named_modules() {
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> out;
+  out.emplace_back("", shared_from_this());
+  for (const auto& [n, c] : children_) {
+    for (auto& [sub, m] : c->named_modules()) out.emplace_back(sub.empty() ? n : n + "." + sub, m);
+  }
+  return out;
+}
+
+std::vector<std::shared_ptr<Module>> Module::modules() {
+  std::vector<std::shared_ptr<Module>> out;
+  for (auto& [n, m] : named_modules()) out.push_back(m);
+  return out;
+}
+
+Tensor& Module::tensor(const std::string& name) {
+  for (Slot& s : params_) {
+    if (s.name == name) return s.tensor;
+  }
+  for (Slot& s : buffers_) {
+    if (s.name == name) return s.tensor;
+  }
+  throw ValueError(detail::str_cat("[Module::tensor] ", this->name(),
+                                   " has no parameter or buffer '", name, "'"));
+}
+
+void Module::apply(const std::function<void(Module&)>& fn) {
+  for (const auto& [n, c] : children_) c->apply(fn);
+  fn(*this);
+}
+
+void Module::train(bool on) {
+  training_ = on;
+  for (const auto& [n, c] : children_) c->train(on);
+}
+
+// ---- conversion -------------------------------------------------------------------------------
+
+namespace {
+/// Makes `t`'s own TensorImpl hold `v`'s data (same handle, new storage/dtype/device).
+void assign_in_place(const Tensor& t, const Tensor& v) {
+  TensorImpl* impl = t.impl();
+  impl->storage = v.storage();
+  impl->sizes = v.shape();
+  impl->strides = v.strides();
+  impl->offset = v.storage_offset();
+  impl->dtype = v.dtype();
+  impl->refresh();
+}
+}  // namespace
+
+void Module::convert(const std::function<Tensor(const Tensor&)>& f, bool floating_only) {
+  NoGradGuard no_grad;
+  auto one = [&](const Tensor& t) {
+    if (!t.defined()) return;
+    if (floating_only && !t.is_floating_point()) return;
+    const Tensor v = f(t);
+    if (v.is_same(t)) return;
+    assign_in_place(t, v);
+    if (auto* m = autograd::meta_of(t)) {
+      if (m->grad.defined()) m->grad = f(m->grad);
+      m->grad_accumulator.reset();  // its recorded shape/dtype/device are stale
+    }
+  };
+  for (auto& m : modules()) {
+    for (Slot& s : m->params_) one(s.tensor);
+    for (Slot& s : m->buffers_) one(s.tensor);
+  }
+}
+
+void Module::to(Device device) {
+  convert([&](const Tensor& t) { return t.to(device); }, false);
+}
+void Module::to(Dtype dtype) {
+  EMBER_CHECK_TYPE(TypeError, is_floating(dtype), "[Module::to] expected a floating dtype, got ",
+                   dtype);
+  convert([&](const Tensor& t) { return t.to(dtype); }, true);
+}
+void Module::to(Device device, Dtype dtype) {
+  to(device);
+  to(dtype);
+}
+
+void Module::zero_grad(bool set_to_none) {
+  for (const Tensor& p : parameters()) {
+    const Tensor g = p.grad();
+    if (!g.defined()) continue;
+    if (set_to_none) {
+      p.set_grad({});
+    } else {
+      NoGradGuard no_grad;
+      Tensor(g).zero_();
+    }
+  }
+}
+
+// ---- state ------------------------------------------------------------------------------------
+
+NamedTensors Module::state_dict() const {
+  // PyTorch's order: each module's parameters, then its persistent buffers, then its children.
+  // A tensor shared by two modules appears under both names.
+  NamedTensors out;
+  std::function<void(const Module&, const std::string&)> walk = [&](const Module& m,
+                                                                     const std::string& prefix) {
+    for (const Slot& s : m.params_) {
+      if (s.tensor.defined()) out.emplace_back(prefix + s.name, s.tensor.detach());
+    }
+    for (const Slot& s : m.buffers_) {
+      if (s.tensor.defined() && s.persistent) out.emplace_back(prefix + s.name, s.tensor.detach());
+    }
+    for (const auto& [n, c] : m.children_) walk(*c, prefix + n + ".");
+  };
+  walk(*this, "");
+  return out;
+}
+
+void Module::load_state_dict(const NamedTensors& state, bool strict) {
+  NamedTensors own = state_dict();
+  std::vector<std::string> missing, unexpected, mismatched;
+  std::vector<std::pair<Tensor, const Tensor*>> copies;
+  for (const auto& [name, dst] : own) {
+    auto it = std::find_if(state.begin(), state.end(), [&](const auto& p) { return p.first == name; });
+    if (it == state.end()) {
+      missing.push_back(name);
+      continue;
+    }
+    if (!(it->second.shape() == dst.shape())) {
+      mismatched.push_back(detail::str_cat(name, ": checkpoint has shape ", it->second.shape(),
+                                           ", the module has ", dst.shape()));
+      continue;
+    }
+    copies.emplace_back(dst, &it->second);
+  }
+  for (const auto& [name, t] : state) {
+    if (std::none_of(own.begin(), own.end(), [&](const auto& p) { return p.first == name; })) {
+      unexpected.push_back(name);
+    }
+  }
+  auto join = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (const auto& x : v) s += (s.empty() ? "\"" : ", \"") + x + "\"";
+    return s;
+  };
+  std::string err;
+  if (strict && !missing.empty()) err += "\n  missing keys: " + join(missing);
+  if (strict && !unexpected.empty()) err += "\n  unexpected keys: " + join(unexpected);
+  for (const auto& m : mismatched) err += "\n  size mismatch for " + m;
+  if (!err.empty()) {
+    throw ValueError(detail::str_cat("[load_state_dict] error(s) loading the state dict into ",
+                                     name(), ":", err));
+  }
+  NoGradGuard no_grad;
+  for (auto& [dst, src] : copies) Tensor(dst).copy_(*src);
+}
+
+// ---- printing ---------------------------------------------------------------------------------
+
+void Module::print(std::ostream& os, int indent) const {
+  os << name() << "(" << extra_repr();
+  if (!children_.empty()) {
+    os << "\n";
+    for (const auto& [n, c] : children_) {
+      os << std::string(indent + 2, ' ') << "(" << n << "): ";
+      c->print(os, indent + 2);
+      os << "\n";
+    }
+    os << std::string(indent, ' ');
+  }
+  os << ")";
+}
+
+std::string Module::str() const {
+  std::ostringstream os;
+  print(os, 0);
+  return os.str();
+}
+
+std::ostream& operator<<(std::ostream& os, const Module& m) { return os << m.str(); }
+
+}  // namespace ember::nn

@@ -1,0 +1,128 @@
+// Module: the base of every layer and model.
+//
+// A module owns named parameters (tensors that require grad and that optimizers update),
+// named buffers (state that is saved but not trained, e.g. BatchNorm's running mean) and named
+// submodules, each kept in registration order, so names and orders are stable:
+// `named_parameters()` of a model always lists "0.weight", "0.bias", "2.weight", ... in the
+// same order on every rank (DistributedDataParallel relies on that).
+//
+// Ownership: modules are held by std::shared_ptr (create them with std::make_shared); a parent
+// holds its children. Parameters are Tensor handles: the optimizer, the module and the user all
+// share the same tensor, and `to()` converts it in place, so handles taken before stay valid.
+//
+// Threads: a module may be used by one thread at a time.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "autograd/autograd.h"
+
+namespace ember::nn {
+
+/// Named tensors in a fixed order, e.g. a state dict.
+using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+
+class Module : public std::enable_shared_from_this<Module> {
+ public:
+  Module() = default;
+  virtual ~Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  /// The module's type name for printing, e.g. "Linear".
+  virtual std::string name() const { return "Module"; }
+  /// Extra text shown in parentheses when printing, e.g. "in_features=784, out_features=10".
+  virtual std::string extra_repr() const { return ""; }
+
+  /// The module's computation for modules that map one tensor to one tensor (all layers in
+  /// nn/ do; Sequential needs it). Modules with other signatures add their own methods; calling
+  /// this on them throws NotImplementedError.
+  virtual Tensor forward(const Tensor& input);
+  Tensor operator()(const Tensor& input) { return forward(input); }
+
+  // ---- registration (call from the subclass's constructor) ----
+  /// Adds a parameter; it is made to require grad (unless requires_grad is false). An undefined
+  /// tensor registers an empty slot (e.g. a Linear without bias), skipped by parameters().
+  Tensor& register_parameter(const std::string& name, Tensor t, bool requires_grad = true);
+  /// Adds a buffer; non-persistent buffers are left out of state_dict().
+  Tensor& register_buffer(const std::string& name, Tensor t, bool persistent = true);
+  template <typename M>
+  std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> m) {
+    add_child(name, m);
+    return m;
+  }
+
+  // ---- access ----
+  /// Parameters of this module and (if recurse) all submodules, depth first in registration
+  /// order, each tensor once even if shared by two submodules.
+  std::vector<Tensor> parameters(bool recurse = true) const;
+  NamedTensors named_parameters(bool recurse = true) const;
+  std::vector<Tensor> buffers(bool recurse = true) const;
+  NamedTensors named_buffers(bool recurse = true) const;
+  std::vector<std::shared_ptr<Module>> children() const;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_children() const;
+  /// This module and every submodule, depth first (this one first).
+  std::vector<std::shared_ptr<Module>> modules();
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_modules();
+  /// The parameter or buffer of this module called `name` (no dots); throws if missing.
+  Tensor& tensor(const std::string& name);
+
+  /// Calls fn on every submodule (children first, recursively) and then on this module.
+  void apply(const std::function<void(Module&)>& fn);
+
+  // ---- modes ----
+  /// Training mode (Dropout drops, BatchNorm uses batch statistics) for this module and all
+  /// submodules.
+  virtual void train(bool on = true);
+  void eval() { train(false); }
+  bool is_training() const { return training_; }
+
+  // ---- conversion and gradients ----
+  /// Converts every parameter, gradient and buffer in place (the same tensor handles now hold
+  /// data on `device` / of `dtype`). Integral buffers keep their dtype.
+  void to(Device device);
+  void to(Dtype dtype);
+  void to(Device device, Dtype dtype);
+  /// Clears every parameter's gradient (set_to_none), or fills it with zeros.
+  void zero_grad(bool set_to_none = true);
+
+  // ---- state ----
+  /// Parameters and persistent buffers by dotted name ("features.0.weight"), in order.
+  NamedTensors state_dict() const;
+  /// Copies the values from `state` into this module's parameters and buffers (converting
+  /// dtype and device; shapes must match). strict: every key must match both ways; otherwise
+  /// missing and unexpected keys are ignored. Throws ValueError listing all missing and
+  /// unexpected keys and every shape mismatch.
+  void load_state_dict(const NamedTensors& state, bool strict = true);
+
+  /// PyTorch-style multi-line description of the module tree.
+  std::string str() const;
+
+ protected:
+  void add_child(const std::string& name, std::shared_ptr<Module> m);
+
+ private:
+  void collect(const std::string& prefix, bool recurse, bool params, NamedTensors& out,
+               std::vector<const TensorImpl*>& seen) const;
+  void print(std::ostream& os, int indent) const;
+  void convert(const std::function<Tensor(const Tensor&)>& f, bool floating_only);
+
+  struct Slot {
+    std::string name;
+    Tensor tensor;
+    bool persistent = true;
+  };
+  std::vector<Slot> params_;
+  std::vector<Slot> buffers_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  bool training_ = true;
+};
+
+std::ostream& operator<<(std::ostream& os, const Module& m);
+
+}  // namespace ember::nn

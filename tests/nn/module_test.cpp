@@ -1,0 +1,137 @@
+// Module: registration order, naming, modes, conversion, zero_grad, state dicts.
+#include <gtest/gtest.h>
+
+#include "nn/module.h"
+#include "tests/tensor/test_util.h"
+
+namespace ember::nn {
+namespace {
+
+using test::expect_error;
+
+struct Affine : Module {
+  Affine(int64_t in, int64_t out, bool bias = true) {
+    weight = register_parameter("weight", ones({out, in}));
+    this->bias = register_parameter("bias", bias ? zeros({out}) : Tensor());
+    register_buffer("calls", zeros({}, kInt64));
+    register_buffer("scratch", zeros({2}), /*persistent=*/false);
+  }
+  std::string name() const override { return "Affine"; }
+  Tensor forward(const Tensor& x) override {
+    Tensor y = matmul(x, weight.t());
+    return bias.defined() ? y + bias : y;
+  }
+  Tensor weight, bias;
+};
+
+struct Net : Module {
+  Net() {
+    a = register_module("a", std::make_shared<Affine>(3, 4));
+    b = register_module("b", std::make_shared<Affine>(4, 2, false));
+    register_parameter("scale", ones({}));
+  }
+  std::string name() const override { return "Net"; }
+  Tensor forward(const Tensor& x) override { return (*b)((*a)(x)) * tensor("scale"); }
+  std::shared_ptr<Affine> a, b;
+};
+
+std::vector<std::string> names(const NamedTensors& v) {
+  std::vector<std::string> r;
+  for (const auto& [n, t] : v) r.push_back(n);
+  return r;
+}
+
+TEST(Module, NamesAndOrder) {
+  auto net = std::make_shared<Net>();
+  EXPECT_EQ(names(net->named_parameters()),
+            (std::vector<std::string>{"scale", "a.weight", "a.bias", "b.weight"}));
+  EXPECT_EQ(names(net->named_parameters(false)), (std::vector<std::string>{"scale"}));
+  EXPECT_EQ(names(net->named_buffers()),
+            (std::vector<std::string>{"a.calls", "a.scratch", "b.calls", "b.scratch"}));
+  EXPECT_EQ(names(net->state_dict()),
+            (std::vector<std::string>{"scale", "a.weight", "a.bias", "a.calls", "b.weight",
+                                      "b.calls"}));
+  EXPECT_EQ(net->children().size(), 2u);
+  std::vector<std::string> mods;
+  for (auto& [n, m] : net->named_modules()) mods.push_back(n);
+  EXPECT_EQ(mods, (std::vector<std::string>{"", "a", "b"}));
+  for (const Tensor& p : net->parameters()) EXPECT_TRUE(p.requires_grad());
+}
+
+TEST(Module, RegistrationErrors) {
+  Affine m(2, 2);
+  expect_error([&] { m.register_parameter("weight", ones({1})); }, {"already has", "weight"});
+  expect_error([&] { m.register_parameter("a.b", ones({1})); }, {"no '.'", "a.b"});
+  expect_error([&] { m.tensor("nope"); }, {"Affine", "nope"});
+  expect_error<NotImplementedError>([] { Module().forward(ones({1})); }, {"forward"});
+}
+
+TEST(Module, TrainEvalApplyAndPrint) {
+  auto net = std::make_shared<Net>();
+  EXPECT_TRUE(net->a->is_training());
+  net->eval();
+  EXPECT_FALSE(net->a->is_training());
+  EXPECT_FALSE(net->is_training());
+  std::vector<std::string> order;
+  net->apply([&](Module& m) { order.push_back(m.name()); });
+  EXPECT_EQ(order, (std::vector<std::string>{"Affine", "Affine", "Net"}));
+  EXPECT_EQ(net->str(), "Net(\n  (a): Affine()\n  (b): Affine()\n)");
+}
+
+TEST(Module, ForwardBackwardZeroGrad) {
+  auto net = std::make_shared<Net>();
+  net->forward(ones({5, 3})).sum().backward();
+  for (const Tensor& p : net->parameters()) EXPECT_TRUE(p.grad().defined());
+  net->zero_grad(/*set_to_none=*/false);
+  for (const Tensor& p : net->parameters()) EXPECT_EQ(p.grad().sum().item<float>(), 0.0f);
+  net->zero_grad();
+  for (const Tensor& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
+}
+
+TEST(Module, ToDtypeKeepsHandles) {
+  auto net = std::make_shared<Net>();
+  Tensor w = net->a->weight;  // e.g. held by an optimizer
+  net->forward(ones({1, 3})).sum().backward();
+  net->to(kFloat64);
+  EXPECT_EQ(w.dtype(), kFloat64);
+  EXPECT_EQ(w.grad().dtype(), kFloat64);
+  EXPECT_TRUE(w.requires_grad());
+  EXPECT_EQ(net->a->tensor("calls").dtype(), kInt64) << "integral buffers keep their dtype";
+  net->zero_grad();
+  net->forward(ones({1, 3}, kFloat64)).sum().backward();
+  EXPECT_EQ(w.grad().dtype(), kFloat64);
+  expect_error<TypeError>([&] { net->to(kInt32); }, {"floating", "int32"});
+}
+
+TEST(Module, StateDictRoundTrip) {
+  auto src = std::make_shared<Net>();
+  {
+    NoGradGuard no_grad;
+    src->a->weight.copy_(arange(0, 12).reshape({4, 3}));
+    src->tensor("scale").fill_(3);
+  }
+  auto dst = std::make_shared<Net>();
+  void* before = dst->a->weight.data_ptr();
+  dst->load_state_dict(src->state_dict());
+  EXPECT_TRUE(equal(dst->a->weight, src->a->weight));
+  EXPECT_EQ(dst->tensor("scale").item<float>(), 3.0f);
+  EXPECT_EQ(dst->a->weight.data_ptr(), before) << "loaded in place, not replaced";
+  EXPECT_FALSE(src->a->weight.is_same(dst->a->weight));
+}
+
+TEST(Module, LoadStateDictReportsEveryProblem) {
+  auto net = std::make_shared<Net>();
+  NamedTensors sd = net->state_dict();
+  sd.erase(sd.begin());                        // drop "scale"
+  sd.emplace_back("c.weight", ones({1}));      // unexpected
+  sd[0].second = ones({7});                    // "a.weight" with the wrong shape
+  expect_error([&] { net->load_state_dict(sd); },
+               {"Net", "missing keys: \"scale\"", "unexpected keys: \"c.weight\"",
+                "size mismatch for a.weight", "[7]", "[4, 3]"});
+  sd[0].second = ones({4, 3});
+  net->load_state_dict(sd, /*strict=*/false);  // missing/unexpected ignored
+  EXPECT_EQ(net->a->weight.sum().item<float>(), 12.0f);
+}
+
+}  // namespace
+}  // namespace ember::nn
