@@ -10,9 +10,11 @@
 namespace ember::autograd {
 namespace {
 
-/// The reduced dims, wrapped; empty `dims` means every dim.
+/// The reduced dims, wrapped; empty `dims` means every dim. A 0-d input has none (its dim 0
+/// or -1 names the tensor itself).
 Shape reduced_dims(const Shape& dims, int64_t in_dim) {
   Shape r;
+  if (in_dim == 0) return r;
   if (dims.size() == 0) {
     for (int64_t d = 0; d < in_dim; ++d) r.push_back(d);
   } else {

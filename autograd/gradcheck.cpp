@@ -61,14 +61,16 @@ GradcheckResult gradcheck(const GradcheckFn& fn, const std::vector<Tensor>& inpu
   std::vector<Tensor> wrt_tensors;
   for (size_t i : wrt) wrt_tensors.push_back(inputs[i]);
 
+  // Analytical Jacobians first, for every output: the finite differences below perturb the
+  // inputs in place, which bumps their version and would invalidate tensors the graph saved.
+  // analytic[k][w][l][j] = d out_k[l] / d in_w[j].
+  std::vector<std::vector<std::vector<std::vector<double>>>> analytic(outputs.size());
   for (size_t k = 0; k < outputs.size(); ++k) {
     const Tensor& out = outputs[k];
     if (!out.defined() || !out.is_floating_point()) continue;
-    const int64_t m = out.numel();
-    // Analytical Jacobian rows: one vector-Jacobian product per output element.
-    std::vector<std::vector<std::vector<double>>> analytic(wrt.size());  // [input][row][col]
-    for (int64_t l = 0; l < m; ++l) {
-      std::vector<Tensor> grads;
+    analytic[k].resize(wrt.size());
+    for (int64_t l = 0; l < out.numel(); ++l) {
+      std::vector<Tensor> grads(wrt.size());
       if (out.requires_grad()) {
         Tensor go = zeros(out.shape(), out.options());
         {
@@ -77,46 +79,47 @@ GradcheckResult gradcheck(const GradcheckFn& fn, const std::vector<Tensor>& inpu
         }
         grads = grad({out}, wrt_tensors, {go}, /*retain_graph=*/true, false,
                      /*allow_unused=*/true);
-      } else {
-        grads.resize(wrt.size());
       }
       for (size_t w = 0; w < wrt.size(); ++w) {
         const Tensor& x = inputs[wrt[w]];
         const Tensor& g = grads[w];
-        if (g.defined()) {
-          if (!(g.shape() == x.shape()) || g.dtype() != x.dtype()) {
-            return {false, detail::str_cat("gradient for input ", wrt[w], " has shape ", g.shape(),
-                                           " and dtype ", g.dtype(), "; expected shape ",
-                                           x.shape(), " and dtype ", x.dtype())};
-          }
-          analytic[w].push_back(g.to_vector<double>());
-        } else {
-          analytic[w].emplace_back(x.numel(), 0.0);
+        if (!g.defined()) {
+          analytic[k][w].emplace_back(x.numel(), 0.0);
+          continue;
         }
+        if (!(g.shape() == x.shape()) || g.dtype() != x.dtype()) {
+          return {false, detail::str_cat("gradient for input ", wrt[w], " has shape ", g.shape(),
+                                         " and dtype ", g.dtype(), "; expected shape ", x.shape(),
+                                         " and dtype ", x.dtype())};
+        }
+        analytic[k][w].push_back(g.to_vector<double>());
       }
     }
-    // Numerical Jacobian columns, compared as they are made.
-    for (size_t w = 0; w < wrt.size(); ++w) {
-      const Tensor& x = inputs[wrt[w]];
-      for (int64_t j = 0; j < x.numel(); ++j) {
-        Tensor e = x.detach().as_strided({}, {}, element_offset(x, j));
-        const Tensor orig = e.clone();
-        std::vector<std::vector<double>> plus, minus;
-        {
-          NoGradGuard no_grad;
-          e.add_(opts.eps);
-          plus = evaluate(fn, inputs);
-          e.copy_(orig);
-          e.add_(-opts.eps);
-          minus = evaluate(fn, inputs);
-          e.copy_(orig);
-        }
-        for (int64_t l = 0; l < m; ++l) {
+  }
+  // Numerical Jacobians, one input element at a time, compared as they are made.
+  for (size_t w = 0; w < wrt.size(); ++w) {
+    const Tensor& x = inputs[wrt[w]];
+    for (int64_t j = 0; j < x.numel(); ++j) {
+      Tensor e = x.detach().as_strided({}, {}, element_offset(x, j));
+      const Tensor orig = e.clone();
+      std::vector<std::vector<double>> plus, minus;
+      {
+        NoGradGuard no_grad;
+        e.add_(opts.eps);
+        plus = evaluate(fn, inputs);
+        e.copy_(orig);
+        e.add_(-opts.eps);
+        minus = evaluate(fn, inputs);
+        e.copy_(orig);
+      }
+      for (size_t k = 0; k < outputs.size(); ++k) {
+        if (analytic[k].empty()) continue;
+        for (int64_t l = 0; l < outputs[k].numel(); ++l) {
           const double num = (plus[k][l] - minus[k][l]) / (2 * opts.eps);
-          const double ana = analytic[w][l][j];
+          const double ana = analytic[k][w][l][j];
           if (!(std::fabs(ana - num) <= opts.atol + opts.rtol * std::fabs(num))) {
             return {false, detail::str_cat("Jacobian mismatch for output ", k, " (shape ",
-                                           out.shape(), ") with respect to input ", wrt[w],
+                                           outputs[k].shape(), ") with respect to input ", wrt[w],
                                            " (shape ", x.shape(), "): d out[", l, "] / d in[", j,
                                            "] is ", ana, " from autograd but ", num,
                                            " from finite differences")};

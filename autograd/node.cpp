@@ -190,7 +190,15 @@ AutogradMeta& ensure_meta(const Tensor& t) {
 Edge gradient_edge(const Tensor& t) {
   AutogradMeta* m = meta_of(t);
   if (m == nullptr) return {};
-  if (m->grad_fn) return {m->grad_fn, m->output_nr};
+  if (m->grad_fn) {
+    if (m->is_view && t.version() != m->view_version) {
+      throw NotImplementedError(detail::str_cat(
+          "[autograd] ", describe(t), " is a view (made by ", m->grad_fn->name(),
+          ") whose data was modified in place after the view was taken; its recorded history "
+          "no longer describes its values. Take the view again after the in-place operation"));
+    }
+    return {m->grad_fn, m->output_nr};
+  }
   if (!m->leaf_requires_grad) return {};
   std::shared_ptr<Node> acc = m->grad_accumulator.lock();
   if (!acc) {

@@ -154,7 +154,8 @@ struct AutogradMeta : AutogradMetaBase {
   uint32_t output_nr = 0;
   bool leaf_requires_grad = false;
   bool retains_grad = false;
-  bool is_view = false;            ///< output of a view op of a tensor that requires grad
+  bool is_view = false;            ///< output of a recorded view op
+  uint32_t view_version = 0;       ///< storage version when the view was made
   std::vector<std::pair<unsigned, GradHook>> hooks;  ///< leaf tensor hooks
   std::vector<std::pair<unsigned, std::function<void(const Tensor&)>>> post_accumulate_hooks;
   unsigned next_hook_handle = 0;

@@ -50,25 +50,33 @@ void record(OpId op, const Tensor* const* inputs, size_t n_inputs, Tensor* const
   f(RecordArgs{op, inputs, n_inputs, outputs, n_outputs, attrs});
   if (is_view_op(op)) {
     for (size_t i = 0; i < n_outputs; ++i) {
-      if (AutogradMeta* m = meta_of(*outputs[i])) m->is_view = true;
+      if (AutogradMeta* m = meta_of(*outputs[i])) {
+        m->is_view = true;
+        m->view_version = outputs[i]->version();
+      }
     }
   }
 }
 
 void check_inplace(const Tensor& self, const char* op) {
   const AutogradMeta* m = meta_of(self);
-  if (m == nullptr) return;
-  if (m->leaf_requires_grad && !m->grad_fn) {
+  if (m != nullptr && m->leaf_requires_grad && !m->grad_fn) {
     throw AutogradError(detail::str_cat(
         "[", op, "] a leaf tensor that requires grad ", describe(self),
         " is being used in an in-place operation; wrap the update in NoGradGuard (as optimizers "
         "do) or work on a clone()"));
   }
-  if (m->is_view) {
+  if (self.impl()->is_view && self.storage().use_count() > 1) {
+    // Note [In-place ops on views]: PyTorch rewrites the base's history (CopySlices) so that
+    // the base, and every other view of it, sees the change. Ember does not track bases yet;
+    // recording the op on the view alone would silently give the base no gradient, so refuse.
+    // A view whose storage nobody else holds (an op's output reshaped internally, or a view
+    // of a temporary) has no base to lose, and is allowed.
     throw NotImplementedError(detail::str_cat(
-        "[", op, "] in-place operations on a view of a tensor that requires grad are not "
-        "supported yet (", describe(self), " is a view); use the out-of-place op, or clone() "
-        "the view first"));
+        "[", op, "] in-place operations on a view are not supported when autograd records "
+        "them: ", describe(self), " is a view of another tensor, which would not get the "
+        "gradient. Build the result out of place (cat, stack, where, index_add), or clone() the "
+        "view first"));
   }
 }
 

@@ -139,7 +139,9 @@ unsigned Tensor::register_post_accumulate_grad_hook(std::function<void(const Ten
 
 Tensor Tensor::detach() const {
   detail::check_defined("detach", *this, "self");
-  return detail::make_view(*this, shape(), strides(), storage_offset());
+  Tensor d = detail::make_view(*this, shape(), strides(), storage_offset());
+  d.impl()->is_view = impl()->is_view;  // a detached view is still a view of its base
+  return d;
 }
 
 Tensor& Tensor::detach_() {

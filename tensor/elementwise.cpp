@@ -644,6 +644,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   const Tensor& cb = prep(b, dt, dev, hb);
   Tensor out = make_empty(shape, dt, dev);
   run_where(out, cc, ca, cb);
+  if (detail::should_record(a, b)) detail::record(OpId::Where, {&cond, &a, &b}, {&out});
   return out;
 }
 
@@ -660,6 +661,14 @@ Tensor clamp(const Tensor& t, std::optional<Scalar> min, std::optional<Scalar> m
   const Tensor& ct = prep(t, dt, t.device(), h);
   Tensor out = make_empty(t.shape(), dt, t.device());
   run_clamp(out, ct, min, max);
+  if (detail::should_record(t)) {
+    OpAttrs attrs;
+    attrs.has_lo = min.has_value();
+    attrs.has_hi = max.has_value();
+    if (min) attrs.opt_lo = *min;
+    if (max) attrs.opt_hi = *max;
+    detail::record(OpId::Clamp, {&t}, {&out}, attrs);
+  }
   return out;
 }
 
@@ -667,6 +676,9 @@ Tensor& clamp_(Tensor& t, std::optional<Scalar> min, std::optional<Scalar> max) 
   check_defined("clamp_", t, "self");
   check_cast("clamp_", clamp_dtype("clamp_", t, min, max), t.dtype());
   check_writable("clamp_", t);
+  if (detail::should_record(t)) {
+    return detail::record_inplace("clamp_", t, [&](const Tensor& x) { return clamp(x, min, max); });
+  }
   run_clamp(t, t, min, max);
   t.bump_version();
   return t;
@@ -690,6 +702,7 @@ Tensor masked_fill(const Tensor& t, const Tensor& mask, const Scalar& value) {
   Tensor v = scalar_tensor(value, TensorOptions(t.dtype()).device(dev));
   Tensor out = make_empty(t.shape(), t.dtype(), dev);
   run_where(out, cm, v, t);
+  if (detail::should_record(t)) detail::record(OpId::MaskedFill, {&t, &mask}, {&out});
   return out;
 }
 

@@ -6,6 +6,7 @@
 
 #include "tensor/creation.h"
 #include "tensor/detail/indexing_kernels.h"
+#include "tensor/detail/record.h"
 
 namespace ember {
 
@@ -83,9 +84,10 @@ Tensor index_select_impl(const char* op, const Tensor& t0, int64_t dim, const Te
   return out;
 }
 
-// self[index] += alpha * src along dim with a 1-d (or 0-d) index.
-void index_add_impl(const char* op, Tensor& self0, int64_t dim, const Tensor& index,
-                    const Tensor& src0, const Scalar& alpha) {
+// Validates self[index] += alpha * src along dim with a 1-d (or 0-d) index and describes it as
+// a scatter (run it with run_scatter).
+ScatterArgs index_add_args(const char* op, const Tensor& self0, int64_t dim, const Tensor& index,
+                           const Tensor& src0, const Scalar& alpha) {
   check_defined(op, self0, "self");
   check_index(op, self0, index);
   check_src(op, self0, src0);
@@ -109,13 +111,14 @@ void index_add_impl(const char* op, Tensor& self0, int64_t dim, const Tensor& in
   const Shape loop = src.shape();
   Shape istrides = Shape::filled(loop.size(), 0);
   istrides[dim] = idx.stride(0);
-  run_scatter(ScatterArgs{restride(self, loop, dim), src,
-                          make_view(idx, loop, istrides, idx.storage_offset()), dim,
-                          self.stride(dim), alpha, IndexBound{op, dim, self.size(dim)}});
+  return ScatterArgs{restride(self, loop, dim), src,
+                     make_view(idx, loop, istrides, idx.storage_offset()), dim, self.stride(dim),
+                     alpha, IndexBound{op, dim, self.size(dim)}};
 }
 
-void scatter_add_impl(const char* op, Tensor& self0, int64_t dim, const Tensor& index0,
-                      const Tensor& src0) {
+// Validates self[index[p]] += src[p] along dim (torch.scatter_add_) and describes it as a scatter.
+ScatterArgs scatter_add_args(const char* op, const Tensor& self0, int64_t dim,
+                             const Tensor& index0, const Tensor& src0) {
   check_defined(op, self0, "self");
   check_index(op, self0, index0);
   check_src(op, self0, src0);
@@ -133,10 +136,23 @@ void scatter_add_impl(const char* op, Tensor& self0, int64_t dim, const Tensor& 
                 self.shape(), ") in every dim but ", dim, "; dim ", d, " differs");
   }
   const Shape loop = index.shape();
-  run_scatter(ScatterArgs{restride(self, loop, dim), make_view(src, loop, src.strides(),
-                                                               src.storage_offset()),
-                          index, dim, self.stride(dim), Scalar(1),
-                          IndexBound{op, dim, self.size(dim)}});
+  return ScatterArgs{restride(self, loop, dim),
+                     make_view(src, loop, src.strides(), src.storage_offset()), index, dim,
+                     self.stride(dim), Scalar(1), IndexBound{op, dim, self.size(dim)}};
+}
+
+// The recorded form of an in-place scatter (scatter_add_, index_add_), for record_inplace: `s`
+// is record_inplace's fresh copy of self, which nothing else sees, so the scatter runs in it
+// directly (no second copy) and s becomes the op's output, recorded from {s, index, src}.
+Tensor scatter_into_copy(OpId op, const Tensor& s, const ScatterArgs& args, const Tensor& index,
+                         const Tensor& src, int64_t dim, const Scalar& alpha) {
+  run_scatter(args);
+  Tensor out = s;
+  OpAttrs attrs;
+  attrs.dim = dim;
+  attrs.scalar = alpha;
+  detail::record(op, {&s, &index, &src}, {&out}, attrs);
+  return out;
 }
 
 }  // namespace
@@ -147,7 +163,13 @@ Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index) {
                 "element, got index of shape ", index.shape());
   }
   Tensor out = index_select_impl("index_select", t, dim, index);
-  return t.dim() == 0 ? out.view(IntList{}) : out;  // as PyTorch: a 0-d self gives a 0-d result
+  if (t.dim() == 0) out = out.view(IntList{});  // as PyTorch: a 0-d self gives a 0-d result
+  if (detail::should_record(t)) {
+    OpAttrs attrs;
+    attrs.dim = dim;
+    detail::record(OpId::IndexSelect, {&t, &index}, {&out}, attrs);
+  }
+  return out;
 }
 
 Tensor gather(const Tensor& t0, int64_t dim, const Tensor& index0) {
@@ -166,25 +188,56 @@ Tensor gather(const Tensor& t0, int64_t dim, const Tensor& index0) {
   Tensor out = detail::make_empty(index.shape(), t.dtype(), t.device());
   run_gather(GatherArgs{out, restride(t, index.shape(), dim), index, t.stride(dim),
                         IndexBound{"gather", dim, t.size(dim)}});
-  return index0.dim() == 0 ? out.view(IntList{}) : out;
+  if (index0.dim() == 0) out = out.view(IntList{});
+  if (detail::should_record(t0)) {
+    OpAttrs attrs;
+    attrs.dim = dim;
+    detail::record(OpId::Gather, {&t0, &index0}, {&out}, attrs);
+  }
+  return out;
 }
 
 Tensor scatter_add(const Tensor& self, int64_t dim, const Tensor& index, const Tensor& src) {
   check_defined("scatter_add", self, "self");
-  Tensor out = self.clone();
-  scatter_add_impl("scatter_add", out, dim, index, src);
+  Tensor out;
+  {
+    NoGradGuard no_grad;  // the copy is part of this op, not a recorded clone
+    out = self.clone();
+  }
+  run_scatter(scatter_add_args("scatter_add", out, dim, index, src));
+  if (detail::should_record(self, src)) {
+    OpAttrs attrs;
+    attrs.dim = dim;
+    detail::record(OpId::ScatterAdd, {&self, &index, &src}, {&out}, attrs);
+  }
   return out;
 }
 
 Tensor& scatter_add_(Tensor& self, int64_t dim, const Tensor& index, const Tensor& src) {
-  scatter_add_impl("scatter_add_", self, dim, index, src);
+  const ScatterArgs args = scatter_add_args("scatter_add_", self, dim, index, src);
+  if (detail::should_record(self, src)) {
+    return detail::record_inplace("scatter_add_", self, [&](const Tensor& s) {
+      return scatter_into_copy(OpId::ScatterAdd, s,
+                               scatter_add_args("scatter_add_", s, dim, index, src), index, src,
+                               dim, 1);
+    });
+  }
+  run_scatter(args);
   self.bump_version();
   return self;
 }
 
 Tensor& index_add_(Tensor& self, int64_t dim, const Tensor& index, const Tensor& src,
                    const Scalar& alpha) {
-  index_add_impl("index_add_", self, dim, index, src, alpha);
+  const ScatterArgs args = index_add_args("index_add_", self, dim, index, src, alpha);
+  if (detail::should_record(self, src)) {
+    return detail::record_inplace("index_add_", self, [&](const Tensor& s) {
+      return scatter_into_copy(OpId::IndexAdd, s,
+                               index_add_args("index_add_", s, dim, index, src, alpha), index,
+                               src, dim, alpha);
+    });
+  }
+  run_scatter(args);
   self.bump_version();
   return self;
 }
@@ -197,7 +250,9 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
   Tensor out = index_select_impl("embedding", weight, 0, indices.reshape({-1}));
   Shape shape = indices.shape();
   shape.push_back(weight.size(1));
-  return out.view(shape);
+  out = out.view(shape);
+  if (detail::should_record(weight)) detail::record(OpId::Embedding, {&weight, &indices}, {&out});
+  return out;
 }
 
 Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num_weights) {
@@ -215,7 +270,15 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num
   }
   const int64_t dim = grad.size(-1);
   Tensor out = zeros({num_weights, dim}, grad.options());
-  index_add_impl(op, out, 0, indices.reshape({-1}), grad.reshape({indices.numel(), dim}), 1);
+  const Tensor idx = indices.reshape({-1});
+  const Tensor src = grad.reshape({indices.numel(), dim});
+  const ScatterArgs args = index_add_args(op, out, 0, idx, src, 1);
+  // Differentiable (it is embedding's backward rule, so double backward goes through it): out
+  // is fresh, so the scatter is recorded as an index_add into it.
+  if (detail::should_record(grad)) {
+    return scatter_into_copy(OpId::IndexAdd, out, args, idx, src, 0, 1);
+  }
+  run_scatter(args);
   return out;
 }
 
@@ -241,7 +304,7 @@ Tensor one_hot(const Tensor& t, int64_t num_classes) {
   if (t.numel() == 0) return out;
   const Tensor index = t.unsqueeze(-1);
   const Tensor ones = full({1}, 1, TensorOptions(kInt64).device(t.device())).expand(index.shape());
-  scatter_add_impl("one_hot", out, -1, index, ones);
+  run_scatter(scatter_add_args("one_hot", out, -1, index, ones));
   return out;
 }
 

@@ -1,8 +1,12 @@
 // Joining (cat, stack) and splitting (split, split_with_sizes, chunk). cat copies each input
 // into a narrow() view of the output with copy_, which already handles dtype conversion,
 // strided layouts, threads and devices; the splits return views.
+//
+// Autograd: cat records one node (its gradient is a narrow of the output's gradient per
+// input); stack records through unsqueeze and cat, and the splits through narrow.
 #include <vector>
 
+#include "tensor/detail/record.h"
 #include "tensor/indexing.h"
 
 namespace ember {
@@ -14,6 +18,16 @@ namespace {
 bool legacy_empty(const Tensor& t) { return t.dim() == 1 && t.size(0) == 0; }
 
 std::string position(const char* list, size_t i) { return detail::str_cat(list, "[", i, "]"); }
+
+// Records cat from `tensors` to `out` when any of them requires grad.
+Tensor recorded_cat(const std::vector<Tensor>& tensors, Tensor out, int64_t dim) {
+  if (detail::should_record_list(tensors)) {
+    OpAttrs attrs;
+    attrs.dim = dim;
+    detail::record_list(OpId::Cat, tensors, {&out}, attrs);
+  }
+  return out;
+}
 }  // namespace
 
 Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
@@ -31,7 +45,7 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
     dtype = promote_types(dtype, t.dtype());  // skipped tensors still promote, as in PyTorch
     if (ref < 0 && !legacy_empty(t)) ref = static_cast<int64_t>(i);
   }
-  if (ref < 0) return detail::make_empty({0}, dtype, device);
+  if (ref < 0) return recorded_cat(tensors, detail::make_empty({0}, dtype, device), 0);
   const Tensor& r = tensors[ref];
   EMBER_CHECK(r.dim() > 0, "[cat] zero-dimensional tensor (tensor ", ref,
               ") cannot be concatenated");
@@ -52,15 +66,17 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
   Shape shape = r.shape();
   shape[dim] = total;
   Tensor out = detail::make_empty(shape, dtype, device);
-  if (out.numel() == 0) return out;
-  int64_t offset = 0;
-  for (const Tensor& t : tensors) {
-    if (legacy_empty(t)) continue;
-    const int64_t n = t.size(dim);
-    if (n > 0) out.narrow(dim, offset, n).copy_(t);
-    offset += n;
+  if (out.numel() > 0) {
+    NoGradGuard no_grad;  // the copies are this op's kernel; cat records itself below
+    int64_t offset = 0;
+    for (const Tensor& t : tensors) {
+      if (legacy_empty(t)) continue;
+      const int64_t n = t.size(dim);
+      if (n > 0) out.narrow(dim, offset, n).copy_(t);
+      offset += n;
+    }
   }
-  return out;
+  return recorded_cat(tensors, std::move(out), dim);
 }
 
 Tensor stack(const std::vector<Tensor>& tensors, int64_t dim) {

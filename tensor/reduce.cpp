@@ -3,6 +3,7 @@
 #include "tensor/reduce.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "tensor/detail/record.h"
 #include "tensor/detail/reduce_kernels.h"
@@ -156,12 +157,27 @@ void dispatch_reduce(ReduceKind kind, const Tensor& out, const Tensor& in, uint3
   }
 }
 
+// Note [Reductions record once]: kernels may permute or copy their input (prepare_reduce,
+// contiguous()); when the input would be recorded, that runs with grad mode off so those
+// internal ops record nothing, and the front end records the reduction as one node.
 Tensor reduce(const char* op, ReduceKind kind, const Tensor& t, IntList dims, bool keepdim,
               Dtype out_dtype, const ReduceParams& params = {}) {
   const uint32_t mask = dims_mask(op, t, dims);
   Tensor out = detail::make_empty(keepdim_shape(t, mask), out_dtype, t.device());
-  dispatch_reduce(kind, out, t, mask, params);
+  {
+    std::optional<NoGradGuard> no_grad;
+    if (detail::should_record(t)) no_grad.emplace();
+    dispatch_reduce(kind, out, t, mask, params);
+  }
   return keepdim ? out : out.view(result_shape(t, mask, keepdim));
+}
+
+// Records a reduction over `dims`: sets dims and keepdim in `attrs` (which may carry more).
+void record_reduce(OpId op, const Tensor& t, Tensor& out, IntList dims, bool keepdim,
+                   OpAttrs attrs = {}) {
+  attrs.dims = Shape(dims);
+  attrs.keepdim = keepdim;
+  detail::record(op, {&t}, {&out}, attrs);
 }
 
 Dtype sum_dtype(Dtype t) { return is_floating(t) ? t : kInt64; }
@@ -171,6 +187,8 @@ std::pair<Tensor, Tensor> arg_reduce(const char* op, const Tensor& t, int64_t di
   const int64_t d = wrap_dim(op, dim, t.dim());
   const uint32_t mask = t.dim() == 0 ? 0u : 1u << d;
   check_nonempty_dims(op, t, mask);
+  std::optional<NoGradGuard> no_grad;  // Note [Reductions record once]
+  if (detail::should_record(t)) no_grad.emplace();
   const Shape ks = keepdim_shape(t, mask);
   Tensor values = want_values ? detail::make_empty(ks, t.dtype(), t.device()) : Tensor();
   Tensor indices = detail::make_empty(ks, kInt64, t.device());
@@ -202,6 +220,8 @@ Tensor all_extreme(const char* op, const Tensor& t, ReduceKind kind) {
 Tensor flat_arg(const char* op, const Tensor& t, std::optional<int64_t> dim, bool keepdim,
                 bool is_max) {
   detail::check_defined(op, t, "input");
+  std::optional<NoGradGuard> no_grad;  // the reshape below must not record (indices only)
+  if (detail::should_record(t)) no_grad.emplace();
   if (dim) return arg_reduce(op, t, *dim, keepdim, is_max, false).second;
   EMBER_CHECK_TYPE(IndexError, t.numel() > 0, "[", op,
                    "] expected a non-empty tensor when no dim is given, got shape ", t.shape());
@@ -220,47 +240,72 @@ Tensor sum(const Tensor& t, IntList dims, bool keepdim, std::optional<Dtype> dty
     return r.dtype() == *dtype ? r : r.to(*dtype);
   }
   Tensor out = reduce("sum", ReduceKind::Sum, t, dims, keepdim, sum_dtype(t.dtype()));
-  if (detail::should_record(t)) {
-    OpAttrs attrs;
-    attrs.dims = Shape(dims);
-    attrs.keepdim = keepdim;
-    detail::record(OpId::Sum, {&t}, {&out}, attrs);
-  }
+  if (detail::should_record(t)) record_reduce(OpId::Sum, t, out, dims, keepdim);
   return out;
 }
 
 Tensor mean(const Tensor& t, IntList dims, bool keepdim) {
   detail::check_defined("mean", t, "input");
   check_floating("mean", t);
-  return reduce("mean", ReduceKind::Mean, t, dims, keepdim, t.dtype());
+  Tensor out = reduce("mean", ReduceKind::Mean, t, dims, keepdim, t.dtype());
+  if (detail::should_record(t)) record_reduce(OpId::Mean, t, out, dims, keepdim);
+  return out;
 }
 
 Tensor prod(const Tensor& t, IntList dims, bool keepdim) {
   detail::check_defined("prod", t, "input");
-  return reduce("prod", ReduceKind::Prod, t, dims, keepdim, sum_dtype(t.dtype()));
+  Tensor out = reduce("prod", ReduceKind::Prod, t, dims, keepdim, sum_dtype(t.dtype()));
+  if (detail::should_record(t)) record_reduce(OpId::Prod, t, out, dims, keepdim);
+  return out;
 }
 
-Tensor max(const Tensor& t) { return all_extreme("max", t, ReduceKind::Max); }
-Tensor min(const Tensor& t) { return all_extreme("min", t, ReduceKind::Min); }
+Tensor max(const Tensor& t) {
+  Tensor out = all_extreme("max", t, ReduceKind::Max);
+  if (detail::should_record(t)) detail::record(OpId::MaxAll, {&t}, {&out});
+  return out;
+}
+Tensor min(const Tensor& t) {
+  Tensor out = all_extreme("min", t, ReduceKind::Min);
+  if (detail::should_record(t)) detail::record(OpId::MinAll, {&t}, {&out});
+  return out;
+}
 
 std::pair<Tensor, Tensor> max(const Tensor& t, int64_t dim, bool keepdim) {
   detail::check_defined("max", t, "input");
-  return arg_reduce("max", t, dim, keepdim, true, true);
+  auto r = arg_reduce("max", t, dim, keepdim, true, true);
+  if (detail::should_record(t)) {
+    OpAttrs attrs;
+    attrs.dim = wrap_dim("max", dim, t.dim());
+    attrs.keepdim = keepdim;
+    detail::record(OpId::MaxDim, {&t}, {&r.first, &r.second}, attrs);
+  }
+  return r;
 }
 std::pair<Tensor, Tensor> min(const Tensor& t, int64_t dim, bool keepdim) {
   detail::check_defined("min", t, "input");
-  return arg_reduce("min", t, dim, keepdim, false, true);
+  auto r = arg_reduce("min", t, dim, keepdim, false, true);
+  if (detail::should_record(t)) {
+    OpAttrs attrs;
+    attrs.dim = wrap_dim("min", dim, t.dim());
+    attrs.keepdim = keepdim;
+    detail::record(OpId::MinDim, {&t}, {&r.first, &r.second}, attrs);
+  }
+  return r;
 }
 
 Tensor amax(const Tensor& t, IntList dims, bool keepdim) {
   detail::check_defined("amax", t, "input");
   check_nonempty_dims("amax", t, dims_mask("amax", t, dims));
-  return reduce("amax", ReduceKind::Max, t, dims, keepdim, t.dtype());
+  Tensor out = reduce("amax", ReduceKind::Max, t, dims, keepdim, t.dtype());
+  if (detail::should_record(t)) record_reduce(OpId::Amax, t, out, dims, keepdim);
+  return out;
 }
 Tensor amin(const Tensor& t, IntList dims, bool keepdim) {
   detail::check_defined("amin", t, "input");
   check_nonempty_dims("amin", t, dims_mask("amin", t, dims));
-  return reduce("amin", ReduceKind::Min, t, dims, keepdim, t.dtype());
+  Tensor out = reduce("amin", ReduceKind::Min, t, dims, keepdim, t.dtype());
+  if (detail::should_record(t)) record_reduce(OpId::Amin, t, out, dims, keepdim);
+  return out;
 }
 
 Tensor argmax(const Tensor& t, std::optional<int64_t> dim, bool keepdim) {
@@ -275,7 +320,13 @@ Tensor var(const Tensor& t, IntList dims, int64_t correction, bool keepdim) {
   check_floating("var", t);
   ReduceParams p;
   p.correction = correction;
-  return reduce("var", ReduceKind::Var, t, dims, keepdim, t.dtype(), p);
+  Tensor out = reduce("var", ReduceKind::Var, t, dims, keepdim, t.dtype(), p);
+  if (detail::should_record(t)) {
+    OpAttrs attrs;
+    attrs.i0 = correction;
+    record_reduce(OpId::Var, t, out, dims, keepdim, attrs);
+  }
+  return out;
 }
 
 Tensor std(const Tensor& t, IntList dims, int64_t correction, bool keepdim) {
@@ -284,7 +335,13 @@ Tensor std(const Tensor& t, IntList dims, int64_t correction, bool keepdim) {
   ReduceParams p;
   p.correction = correction;
   p.take_sqrt = true;
-  return reduce("std", ReduceKind::Var, t, dims, keepdim, t.dtype(), p);
+  Tensor out = reduce("std", ReduceKind::Var, t, dims, keepdim, t.dtype(), p);
+  if (detail::should_record(t)) {
+    OpAttrs attrs;
+    attrs.i0 = correction;
+    record_reduce(OpId::Std, t, out, dims, keepdim, attrs);
+  }
+  return out;
 }
 
 Tensor norm(const Tensor& t, double p, IntList dims, bool keepdim) {
@@ -292,7 +349,13 @@ Tensor norm(const Tensor& t, double p, IntList dims, bool keepdim) {
   check_floating("norm", t);
   ReduceParams params;
   params.p = p;
-  return reduce("norm", ReduceKind::Norm, t, dims, keepdim, t.dtype(), params);
+  Tensor out = reduce("norm", ReduceKind::Norm, t, dims, keepdim, t.dtype(), params);
+  if (detail::should_record(t)) {
+    OpAttrs attrs;
+    attrs.scalar = Scalar(p);
+    record_reduce(OpId::Norm, t, out, dims, keepdim, attrs);
+  }
+  return out;
 }
 
 Tensor any(const Tensor& t) {
@@ -308,7 +371,9 @@ Tensor all(const Tensor& t) {
 Tensor logsumexp(const Tensor& t, IntList dims, bool keepdim) {
   detail::check_defined("logsumexp", t, "input");
   check_floating("logsumexp", t);
-  return reduce("logsumexp", ReduceKind::LogSumExp, t, dims, keepdim, t.dtype());
+  Tensor out = reduce("logsumexp", ReduceKind::LogSumExp, t, dims, keepdim, t.dtype());
+  if (detail::should_record(t)) record_reduce(OpId::Logsumexp, t, out, dims, keepdim);
+  return out;
 }
 
 // ---- Tensor methods --------------------------------------------------------------------------

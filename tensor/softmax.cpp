@@ -1,4 +1,5 @@
 // softmax / log_softmax front end; kernels in cpu/softmax.cpp and cuda/softmax.cu.
+#include "tensor/detail/record.h"
 #include "tensor/detail/reduce_kernels.h"
 #include "tensor/reduce.h"
 
@@ -27,11 +28,26 @@ Tensor softmax_impl(const char* op, const Tensor& t, int64_t dim, bool log) {
   return t.dim() == 0 ? out.view({}) : out;
 }
 
+// Records one node with `t` as input: the internal contiguous() and views run with grad mode
+// off so they record nothing (Note [Reductions record once] in reduce.cpp).
+Tensor softmax_recorded(const char* op, const Tensor& t, int64_t dim, bool log) {
+  if (!detail::should_record(t)) return softmax_impl(op, t, dim, log);
+  Tensor out;
+  {
+    NoGradGuard no_grad;
+    out = softmax_impl(op, t, dim, log);
+  }
+  OpAttrs attrs;
+  attrs.dim = wrap_dim(op, dim, t.dim());
+  detail::record(log ? OpId::LogSoftmax : OpId::Softmax, {&t}, {&out}, attrs);
+  return out;
+}
+
 }  // namespace
 
-Tensor softmax(const Tensor& t, int64_t dim) { return softmax_impl("softmax", t, dim, false); }
+Tensor softmax(const Tensor& t, int64_t dim) { return softmax_recorded("softmax", t, dim, false); }
 Tensor log_softmax(const Tensor& t, int64_t dim) {
-  return softmax_impl("log_softmax", t, dim, true);
+  return softmax_recorded("log_softmax", t, dim, true);
 }
 
 }  // namespace ember

@@ -77,6 +77,7 @@ Tensor make_view(const Tensor& base, const Shape& sizes, const Shape& strides, i
   impl->strides = strides;
   impl->offset = offset;
   impl->dtype = base.dtype();
+  impl->is_view = true;
   impl->refresh();
   return Tensor(std::move(impl));
 }
@@ -416,12 +417,10 @@ Tensor Tensor::contiguous() const {
 Tensor& Tensor::copy_(const Tensor& src) {
   check_defined("copy_", *this, "self");
   check_defined("copy_", src, "src");
-  Tensor s = src;
   if (!(src.shape() == shape())) {
     broadcast_shapes("copy_", shape(), src.shape());  // throws with both shapes if impossible
     EMBER_CHECK(src.dim() <= dim(), "[copy_] src of shape ", src.shape(),
                 " cannot be broadcast to self of shape ", shape());
-    s = src.expand(shape());
   }
   if (detail::should_record(*this, src)) {
     detail::check_inplace(*this, "copy_");
@@ -433,6 +432,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
     detail::record(OpId::CopyInto, {&src}, {this});
     return *this;
   }
+  const Tensor s = src.shape() == shape() ? src : src.expand(shape());
   if (numel() == 0) return *this;
   if (is_cpu() && s.is_cpu()) {
     detail::copy_cpu(*this, s);

@@ -84,6 +84,7 @@ struct TensorImpl {
   int64_t numel = 0;
   Dtype dtype = kFloat32;
   bool contiguous = true;  ///< row-major contiguous (size-1 dims may have any stride)
+  bool is_view = false;    ///< made by a view op (shares another tensor's storage)
   std::shared_ptr<AutogradMetaBase> autograd;
 
   void refresh();

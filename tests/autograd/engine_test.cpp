@@ -556,3 +556,19 @@ TEST(Engine, ReentrantBackwardFromAHookSharesTheParameter) {
 
 }  // namespace
 }  // namespace ember
+
+namespace ember {
+namespace {
+
+TEST(Gradcheck, SeveralOutputsWhoseGraphSavesTheInputs) {
+  // Perturbing inputs for finite differences must not break the saved inputs of the graph
+  // whose Jacobian is still being read.
+  test::expect_gradcheck(
+      autograd::GradcheckFn([](const std::vector<Tensor>& in) {
+        return std::vector<Tensor>{in[0] * in[1], (in[0] * in[0]).sum()};
+      }),
+      {test::leaf({3}, 50), test::leaf({3}, 51)});
+}
+
+}  // namespace
+}  // namespace ember
