@@ -105,7 +105,10 @@ std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::named_child
 
 std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::named_modules() {
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> out;
-  out.emplace_back("", shared_from_this());
+  std::shared_ptr<Module> self = weak_from_this().lock();
+  EMBER_CHECK(self != nullptr, "[named_modules] ", name(), " is not owned by a std::shared_ptr; "
+              "create modules with std::make_shared to list them as shared pointers");
+  out.emplace_back("", std::move(self));
   for (const auto& [n, c] : children_) {
     for (auto& [sub, m] : c->named_modules()) out.emplace_back(sub.empty() ? n : n + "." + sub, m);
   }
@@ -167,10 +170,12 @@ void Module::convert(const std::function<Tensor(const Tensor&)>& f, bool floatin
       m->grad_accumulator.reset();  // its recorded shape/dtype/device are stale
     }
   };
-  for (auto& m : modules()) {
-    for (Slot& s : m->params_) one(s.tensor);
-    for (Slot& s : m->buffers_) one(s.tensor);
-  }
+  std::function<void(Module&)> walk = [&](Module& m) {
+    for (Slot& s : m.params_) one(s.tensor);
+    for (Slot& s : m.buffers_) one(s.tensor);
+    for (auto& [n, c] : m.children_) walk(*c);
+  };
+  walk(*this);
 }
 
 void Module::to(Device device) {

@@ -103,6 +103,13 @@ TEST(Module, ToDtypeKeepsHandles) {
   expect_error<TypeError>([&] { net->to(kInt32); }, {"floating", "int32"});
 }
 
+TEST(Module, ModuleOnTheStack) {
+  Affine m(2, 2);
+  m.to(kFloat64);  // needs no shared_ptr
+  EXPECT_EQ(m.weight.dtype(), kFloat64);
+  expect_error([&] { m.modules(); }, {"named_modules", "make_shared"});
+}
+
 TEST(Module, StateDictRoundTrip) {
   auto src = std::make_shared<Net>();
   {

@@ -1,0 +1,7 @@
+// Data loading in one include: datasets, samplers, the DataLoader and MNIST.
+#pragma once
+
+#include "nn/data/dataloader.h"
+#include "nn/data/dataset.h"
+#include "nn/data/mnist.h"
+#include "nn/data/sampler.h"

@@ -1,0 +1,352 @@
+// Losses: values and gradients against PyTorch 1.13 (tests/nn/nn_reference.h, made by
+// tests/nn/make_reference.py) in float32 and float64, for every reduction and for weight,
+// ignore_index and label smoothing and their combinations; gradcheck; modules; errors.
+#include "nn/loss.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tests/autograd/grad_util.h"
+#include "tests/nn/nn_reference.h"
+
+namespace ember::nn {
+namespace {
+
+using test::expect_close;
+using test::expect_error;
+using test::rand_t;
+namespace F = functional;
+using LossFn = std::function<Tensor(const std::vector<Tensor>&)>;
+
+class LossRef : public ::testing::TestWithParam<Dtype> {
+ protected:
+  Dtype dt() const { return GetParam(); }
+  double tol() const { return dt() == kFloat64 ? 1e-10 : 3e-5; }
+  Tensor in(IntList shape, uint64_t seed, double scale = 1.0) const {
+    return rand_t(shape, dt(), seed) * scale;
+  }
+  /// The make_reference.py loss_case: out = fn(inputs); backward with no gradient for a scalar
+  /// and the lcg gradient `gseed` otherwise; checks out against want and each input's grad
+  /// against want_grads.
+  void check(const std::string& what, const LossFn& fn, std::vector<Tensor> inputs,
+             const std::vector<double>& want, const std::vector<std::vector<double>>& want_grads,
+             uint64_t gseed = 0) {
+    SCOPED_TRACE(what);
+    for (Tensor& t : inputs) {
+      t = t.detach().clone();
+      t.requires_grad_();
+    }
+    const Tensor out = fn(inputs);
+    EXPECT_EQ(out.dtype(), dt());
+    if (out.dim() == 0) {
+      out.backward();
+    } else {
+      out.backward(rand_t(out.shape(), dt(), gseed));
+    }
+    expect_close(out, want, tol(), what);
+    for (size_t i = 0; i < want_grads.size(); ++i) {
+      expect_close(inputs[i].grad(), want_grads[i], tol(), what + " grad " + std::to_string(i));
+    }
+  }
+  Tensor x() const { return in({5, 4}, 91, 2.0); }
+  Tensor w() const { return tensor({0.5, 1.0, 2.0, 1.5}).to(dt()); }
+};
+
+const Tensor kT = tensor({1, 0, 3, 3, 2});
+const Tensor kTIgn = tensor({1, 0, -100, 3, 2});
+
+TEST_P(LossRef, CrossEntropyReductionsWeightIgnore) {
+  using namespace test::ref;
+  const auto ce = [](F::CrossEntropyOptions o, Tensor t = kT) {
+    return [o, t](const std::vector<Tensor>& v) { return F::cross_entropy(v[0], t, o); };
+  };
+  check("mean", ce({}), {x()}, kCeMean, {kCeMeanD0});
+  check("sum", ce({.reduction = "sum"}), {x()}, kCeSum, {kCeSumD0});
+  check("none", ce({.reduction = "none"}), {x()}, kCeNone, {kCeNoneD0}, 101);
+  check("weight", ce({.weight = w()}), {x()}, kCeWeight, {kCeWeightD0});
+  check("ignore -100", ce({}, kTIgn), {x()}, kCeIgnore, {kCeIgnoreD0});
+  check("ignore_index 3", ce({.ignore_index = 3}), {x()}, kCeIgnore0, {kCeIgnore0D0});
+  check("label smoothing", ce({.label_smoothing = 0.1}), {x()}, kCeSmooth, {kCeSmoothD0});
+}
+
+TEST_P(LossRef, CrossEntropyLabelSmoothingWithWeightAndIgnore) {
+  using namespace test::ref;
+  // PyTorch's exact combination: the smoothing term is weighted per class, zero at ignored
+  // targets, and "mean" divides it by the summed weights of the counted targets.
+  const std::vector<
+      std::pair<const char*, std::pair<const std::vector<double>*, const std::vector<double>*>>>
+      cases = {{"mean", {&kCeAllMean, &kCeAllMeanD0}},
+               {"sum", {&kCeAllSum, &kCeAllSumD0}},
+               {"none", {&kCeAllNone, &kCeAllNoneD0}}};
+  for (const auto& [red, want] : cases) {
+    const F::CrossEntropyOptions o{
+        .weight = w(), .ignore_index = -100, .reduction = red, .label_smoothing = 0.2};
+    check(
+        std::string("all options, ") + red,
+        [&](const std::vector<Tensor>& v) { return F::cross_entropy(v[0], kTIgn, o); }, {x()},
+        *want.first, {*want.second}, 102);
+  }
+}
+
+TEST_P(LossRef, CrossEntropyShapes) {
+  using namespace test::ref;
+  const Tensor tk = tensor({0, 2, 1, -100, 2, 2, 0, 1}).reshape({2, 2, 2});
+  const Tensor wk = tensor({1.0, 0.25, 3.0}).to(dt());
+  check("[N, C, d1, d2] with weight, smoothing, ignore",
+        [&](const std::vector<Tensor>& v) {
+          return F::cross_entropy(v[0], tk, {.weight = wk, .label_smoothing = 0.1});
+        },
+        {in({2, 3, 2, 2}, 92, 2.0)}, kCeKdim, {kCeKdimD0});
+  check(
+      "[N, C, d1, d2] none",
+      [&](const std::vector<Tensor>& v) {
+        return F::cross_entropy(v[0], tk, {.reduction = "none"});
+      },
+      {in({2, 3, 2, 2}, 92, 2.0)}, kCeKdimNone, {kCeKdimNoneD0}, 103);
+  check("unbatched [C]",
+        [&](const std::vector<Tensor>& v) {
+          return F::cross_entropy(v[0], scalar_tensor(2, kInt64), {.label_smoothing = 0.3});
+        },
+        {in({4}, 93)}, kCeUnbatched, {kCeUnbatchedD0});
+}
+
+TEST_P(LossRef, CrossEntropyProbabilities) {
+  using namespace test::ref;
+  const Tensor probs = softmax(in({5, 4}, 94, 2.0), 1);
+  check("probabilities with weight and smoothing",
+        [&](const std::vector<Tensor>& v) {
+          return F::cross_entropy(v[0], v[1], {.weight = w(), .label_smoothing = 0.1});
+        },
+        {x(), probs}, kCeProb, {kCeProbD0, kCeProbD1});
+  check(
+      "probabilities none",
+      [&](const std::vector<Tensor>& v) {
+        return F::cross_entropy(v[0], v[1], {.reduction = "none"});
+      },
+      {x(), probs}, kCeProbNone, {kCeProbNoneD0, kCeProbNoneD1}, 104);
+}
+
+TEST_P(LossRef, NllLoss) {
+  using namespace test::ref;
+  const Tensor logp = log_softmax(x(), 1);
+  const auto nll = [&](F::NLLLossOptions o, Tensor t) {
+    return [o, t](const std::vector<Tensor>& v) { return F::nll_loss(v[0], t, o); };
+  };
+  check("weighted mean", nll({.weight = w()}, kTIgn), {logp}, kNllMean, {kNllMeanD0});
+  check("weighted sum", nll({.weight = w(), .reduction = "sum"}, kTIgn), {logp}, kNllSum,
+        {kNllSumD0});
+  check("weighted none", nll({.weight = w(), .reduction = "none"}, kTIgn), {logp}, kNllNone,
+        {kNllNoneD0}, 105);
+  check("plain", nll({}, kT), {logp}, kNllPlain, {kNllPlainD0});
+}
+
+TEST_P(LossRef, MseLoss) {
+  using namespace test::ref;
+  const std::vector<Tensor> ab = {in({3, 4}, 95), in({3, 4}, 96)};
+  check("mean", [](const auto& v) { return F::mse_loss(v[0], v[1]); }, ab, kMseMean,
+        {kMseMeanD0, kMseMeanD1});
+  check("sum", [](const auto& v) { return F::mse_loss(v[0], v[1], "sum"); }, ab, kMseSum,
+        {kMseSumD0, kMseSumD1});
+  check(
+      "none", [](const auto& v) { return F::mse_loss(v[0], v[1], "none"); }, ab, kMseNone,
+      {kMseNoneD0, kMseNoneD1}, 106);
+}
+
+TEST_P(LossRef, BceWithLogits) {
+  using namespace test::ref;
+  // Logits of +-100 and 0 among them: the loss stays finite and the gradients exact.
+  Tensor xb = in({3, 4}, 97, 4.0);
+  {
+    NoGradGuard no_grad;
+    xb[0][0].fill_(100.0);
+    xb[0][1].fill_(-100.0);
+    xb[1][2].fill_(0.0);
+  }
+  const Tensor tb = (in({3, 4}, 98) + 1) / 2;
+  const Tensor wb = in({4}, 99).abs() + 0.5;
+  const Tensor pw = tensor({0.5, 1.0, 2.0, 3.0}).to(dt());
+  check("plain mean", [](const auto& v) { return F::binary_cross_entropy_with_logits(v[0], v[1]); },
+        {xb, tb}, kBceMean, {kBceMeanD0, kBceMeanD1});
+  const std::vector<std::pair<const char*, std::vector<const std::vector<double>*>>> cases = {
+      {"mean", {&kBceAllMean, &kBceAllMeanD0, &kBceAllMeanD1}},
+      {"sum", {&kBceAllSum, &kBceAllSumD0, &kBceAllSumD1}},
+      {"none", {&kBceAllNone, &kBceAllNoneD0, &kBceAllNoneD1}}};
+  for (const auto& [red, want] : cases) {
+    check(
+        std::string("weight and pos_weight, ") + red,
+        [&](const auto& v) {
+          return F::binary_cross_entropy_with_logits(
+              v[0], v[1], {.weight = wb, .pos_weight = pw, .reduction = red});
+        },
+        {xb, tb}, *want[0], {*want[1], *want[2]}, 107);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, LossRef, ::testing::Values(kFloat32, kFloat64),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+// ---- semantics not covered by the reference values ---------------------------------------------
+
+TEST(Loss, AllIgnoredMeanIsNaN) {
+  // PyTorch 1.13: 0 / 0.
+  const Tensor x = rand_t({2, 3}, kFloat32, 1);
+  const Tensor t = tensor({-100, -100});
+  EXPECT_TRUE(std::isnan(F::cross_entropy(x, t).item<float>()));
+  EXPECT_EQ(F::cross_entropy(x, t, {.reduction = "sum"}).item<float>(), 0.0f);
+  EXPECT_TRUE(std::isnan(F::nll_loss(x, t).item<float>()));
+}
+
+TEST(Loss, IgnoredPositionsPassNoGradientEvenWithInfiniteLogits) {
+  Tensor x = tensor({1.0f, 2.0f, 3.0f, -INFINITY, 0.0f, 0.0f}).reshape({2, 3});
+  x.requires_grad_();
+  // Row 1's target is ignored; its -inf at class 0 (where ignored targets are read) must not
+  // turn into NaN.
+  const Tensor loss = F::nll_loss(x, tensor({2, -100}), {.reduction = "sum"});
+  loss.backward();
+  EXPECT_EQ(loss.item<float>(), -3.0f);
+  expect_close(x.grad(), {0, 0, -1, 0, 0, 0}, 0, "nll grad");
+}
+
+TEST(Loss, Gradcheck) {
+  using test::expect_gradcheck;
+  using test::leaf;
+  const Tensor t = tensor({1, 0, -100, 3, 2});
+  const Tensor w = tensor({0.5, 1.0, 2.0, 1.5});
+  for (const char* red : {"mean", "sum", "none"}) {
+    SCOPED_TRACE(red);
+    expect_gradcheck(
+        [&](const auto& v) {
+          return F::cross_entropy(v[0], t,
+                                  {.weight = w, .reduction = red, .label_smoothing = 0.15});
+        },
+        {leaf({5, 4}, 1)});
+    expect_gradcheck(
+        [&](const auto& v) { return F::nll_loss(v[0], t, {.weight = w, .reduction = red}); },
+        {leaf({5, 4}, 2)});
+    expect_gradcheck([&](const auto& v) { return F::mse_loss(v[0], v[1], red); },
+                     {leaf({3, 2}, 3), leaf({3, 2}, 4)});
+    expect_gradcheck(
+        [&](const auto& v) {
+          return F::binary_cross_entropy_with_logits(
+              v[0], v[1], {.weight = v[2], .pos_weight = v[3], .reduction = red});
+        },
+        {leaf({3, 4}, 5), leaf({3, 4}, 6), leaf({4}, 7), leaf({4}, 8)});
+  }
+  SCOPED_TRACE("probability targets with smoothing");
+  expect_gradcheck(
+      [&](const auto& v) {
+        return F::cross_entropy(v[0], softmax(v[1], 1), {.weight = w, .label_smoothing = 0.2});
+      },
+      {leaf({5, 4}, 9), leaf({5, 4}, 10)});
+}
+
+TEST(Loss, CrossEntropyDoubleBackward) {
+  // Second derivatives (Hessian-vector products) flow through the composite loss.
+  const Tensor t = tensor({1, 0, 2});
+  test::expect_gradcheck(
+      [&](const std::vector<Tensor>& v) {
+        EnableGradGuard grad;
+        const Tensor l = F::cross_entropy(v[0], t, {.label_smoothing = 0.1});
+        return autograd::grad({l}, {v[0]}, {}, std::nullopt, true)[0];
+      },
+      {test::leaf({3, 4}, 11)});
+}
+
+TEST(Loss, Modules) {
+  auto ce = std::make_shared<CrossEntropyLoss>(
+      F::CrossEntropyOptions{.weight = tensor({1.0f, 2.0f, 3.0f}), .label_smoothing = 0.1});
+  EXPECT_EQ(ce->str(), "CrossEntropyLoss()");
+  ASSERT_EQ(ce->state_dict().size(), 1u);
+  EXPECT_EQ(ce->state_dict()[0].first, "weight");
+  const Tensor x = rand_t({4, 3}, kFloat32, 1);
+  const Tensor t = tensor({0, 2, 1, 1});
+  EXPECT_TRUE(equal((*ce)(x, t), F::cross_entropy(x, t, ce->options)));
+  ce->to(kFloat64);
+  EXPECT_EQ(ce->options.weight.dtype(), kFloat64) << "the weight buffer follows to()";
+  EXPECT_EQ((*ce)(x.to(kFloat64), t).dtype(), kFloat64);
+  expect_error<NotImplementedError>([&] { static_cast<Module&>(*ce).forward(x); },
+                                    {"CrossEntropyLoss"});
+
+  NLLLoss nll({.reduction = "sum"});
+  EXPECT_TRUE(nll.state_dict().empty());
+  EXPECT_TRUE(equal(nll(x, t), F::nll_loss(x, t, {.reduction = "sum"})));
+  MSELoss mse("none");
+  EXPECT_EQ(mse(x, x * 2).shape(), Shape({4, 3}));
+  BCEWithLogitsLoss bce({.pos_weight = tensor({1.0f, 2.0f, 3.0f})});
+  EXPECT_EQ(bce.state_dict()[0].first, "pos_weight");
+  EXPECT_TRUE(equal(
+      bce(x, sigmoid(x)),
+      F::binary_cross_entropy_with_logits(x, sigmoid(x), {.pos_weight = bce.options.pos_weight})));
+  expect_error([] { MSELoss("avg"); }, {"[MSELoss]", "'avg'"});
+  expect_error([] { CrossEntropyLoss({.reduction = "Mean"}); }, {"[CrossEntropyLoss]", "Mean"});
+}
+
+TEST(Loss, Errors) {
+  const Tensor x = rand_t({3, 4}, kFloat32, 1);
+  expect_error<TypeError>(
+      [&] {
+        F::cross_entropy(x, tensor({1, 2, 3}).to(kInt32));
+      },
+      {"[cross_entropy]", "int64", "int32"});
+  expect_error(
+      [&] {
+        F::cross_entropy(x, tensor({1, 2}));
+      },
+      {"[cross_entropy]", "target of shape [3]", "[3, 4]", "got [2]"});
+  expect_error<IndexError>(
+      [&] {
+        F::cross_entropy(x, tensor({1, 4, 0}));
+      },
+      {"[cross_entropy]", "target 4", "flat index 1", "[0, 4)"});
+  expect_error<IndexError>(
+      [&] {
+        F::nll_loss(x, tensor({-1, 0, 0}));
+      },
+      {"[nll_loss]", "target -1", "ignore_index (-100)"});
+  expect_error(
+      [&] {
+        F::cross_entropy(x, tensor({1, 2, 3}), {.weight = ones({3})});
+      },
+      {"[cross_entropy]", "weight", "[4]", "[3]"});
+  expect_error(
+      [&] {
+        F::cross_entropy(x, tensor({1, 2, 3}), {.reduction = "avg"});
+      },
+      {"[cross_entropy]", "'avg'"});
+  expect_error(
+      [&] {
+        F::cross_entropy(x, tensor({1, 2, 3}), {.label_smoothing = 1.5});
+      },
+      {"[cross_entropy]", "label_smoothing", "1.5"});
+  expect_error(
+      [&] {
+        F::cross_entropy(x, ones({3, 3}));
+      },
+      {"[cross_entropy]", "probabilities", "[3, 4]", "[3, 3]"});
+  expect_error(
+      [&] {
+        F::cross_entropy(x, ones({3, 4}), {.ignore_index = 0});
+      },
+      {"[cross_entropy]", "ignore_index", "0"});
+  expect_error<TypeError>(
+      [&] {
+        F::cross_entropy(tensor({1, 2}), tensor({0}));
+      },
+      {"[cross_entropy]", "floating", "int64"});
+  expect_error([&] { F::mse_loss(x, ones({4})); }, {"[mse_loss]", "[3, 4]", "[4]"});
+  expect_error([&] { F::binary_cross_entropy_with_logits(x, ones({3})); },
+               {"[binary_cross_entropy_with_logits]", "[3]", "[3, 4]"});
+  expect_error<TypeError>(
+      [&] {
+        F::binary_cross_entropy_with_logits(x, zeros({3, 4}, kInt64));
+      },
+      {"[binary_cross_entropy_with_logits]", "target", "int64"});
+}
+
+}  // namespace
+}  // namespace ember::nn
