@@ -1,0 +1,34 @@
+// Checkpoints of a training state: a model's state dict, optionally an optimizer's state, and
+// string metadata, in one safetensors file written atomically.
+//
+// Layout: the model's tensors under their state-dict names ("0.weight", "1.running_mean"),
+// the optimizer's under "optim." + its names ("optim.state.0.exp_avg"); metadata holds the
+// user's keys plus "optim.optimizer" and "optim.param_groups" when an optimizer is saved. A
+// file without an optimizer is a plain safetensors state dict, which PyTorch's
+// safetensors.torch.load_file reads as is.
+#pragma once
+
+#include <map>
+#include <string>
+
+#include "nn/module.h"
+#include "nn/optim/optimizer.h"
+
+namespace ember::nn {
+
+/// Saves model (and optimizer, if given) with `metadata` to `path` atomically: an existing file
+/// is replaced only by a complete new one. Metadata keys starting with "optim." are reserved.
+void save_checkpoint(const std::string& path, const Module& model,
+                     const optim::Optimizer* optimizer = nullptr,
+                     const std::map<std::string, std::string>& metadata = {});
+
+/// Loads a checkpoint written by save_checkpoint into model (strict key and shape checking)
+/// and, if given, optimizer (which must be of the type saved); returns the user's metadata.
+/// Throws ValueError for a file without optimizer state when an optimizer is given, and
+/// whatever load_safetensors / load_state_dict throw for bad or mismatched files (a bad model
+/// state leaves model and optimizer untouched; a bad optimizer state is found after the model
+/// was loaded).
+std::map<std::string, std::string> load_checkpoint(const std::string& path, Module& model,
+                                                   optim::Optimizer* optimizer = nullptr);
+
+}  // namespace ember::nn

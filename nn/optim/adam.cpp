@@ -1,0 +1,127 @@
+#include "nn/optim/adam.h"
+
+#include <cmath>
+
+namespace ember::nn::optim {
+
+namespace {
+GroupOptions adam_defaults(const AdamOptions& o) {
+  return {{"lr", o.lr},
+          {"beta1", o.betas.first},
+          {"beta2", o.betas.second},
+          {"eps", o.eps},
+          {"weight_decay", o.weight_decay},
+          {"amsgrad", o.amsgrad ? 1.0 : 0.0},
+          {"maximize", o.maximize ? 1.0 : 0.0}};
+}
+
+AdamOptions from_adamw(const AdamWOptions& o) {
+  return {o.lr, o.betas, o.eps, o.weight_decay, o.amsgrad, o.maximize};
+}
+}  // namespace
+
+Adam::Adam(std::vector<ParamGroup> groups, const AdamOptions& options)
+    : Adam(std::move(groups), options, /*decoupled=*/false) {}
+
+Adam::Adam(std::vector<ParamGroup> groups, const AdamOptions& options, bool decoupled)
+    : Optimizer(adam_defaults(options), {"amsgrad", "maximize"}), decoupled_(decoupled) {
+  check_options(defaults(), 0);
+  add_param_groups(std::move(groups));
+}
+
+AdamW::AdamW(std::vector<ParamGroup> groups, const AdamWOptions& options)
+    : Adam(std::move(groups), from_adamw(options), /*decoupled=*/true) {}
+
+void Adam::check_options(const GroupOptions& o, size_t gi) const {
+  const std::string op = detail::str_cat("[", name(), "] ");
+  const double lr = o.at("lr"), eps = o.at("eps"), wd = o.at("weight_decay");
+  const double beta1 = o.at("beta1"), beta2 = o.at("beta2");
+  EMBER_CHECK(lr >= 0, op, "invalid learning rate in parameter group ", gi, ": ", lr,
+              " (expected lr >= 0)");
+  EMBER_CHECK(eps >= 0, op, "invalid epsilon value in parameter group ", gi, ": ", eps,
+              " (expected eps >= 0)");
+  EMBER_CHECK(beta1 >= 0 && beta1 < 1, op, "invalid beta parameter at index 0 in parameter group ",
+              gi, ": ", beta1, " (expected 0 <= beta1 < 1)");
+  EMBER_CHECK(beta2 >= 0 && beta2 < 1, op, "invalid beta parameter at index 1 in parameter group ",
+              gi, ": ", beta2, " (expected 0 <= beta2 < 1)");
+  EMBER_CHECK(wd >= 0, op, "invalid weight_decay value in parameter group ", gi, ": ", wd,
+              " (expected weight_decay >= 0)");
+}
+
+void Adam::step() {
+  NoGradGuard no_grad;
+  for (ParamGroup& group : param_groups()) {
+    const GroupOptions& o = group.options;
+    const double lr = o.at("lr"), beta1 = o.at("beta1"), beta2 = o.at("beta2");
+    const double eps = o.at("eps"), wd = o.at("weight_decay");
+    const bool amsgrad = o.at("amsgrad") != 0, maximize = o.at("maximize") != 0;
+    for (Tensor& p : group.params) {
+      const Tensor grad_in = p.grad();
+      if (!grad_in.defined()) continue;
+      NamedTensors& state = mutable_state(p);
+      if (state.empty()) {
+        state.emplace_back("step", zeros({}, kFloat32));
+        state.emplace_back("exp_avg", zeros_like(p));
+        state.emplace_back("exp_avg_sq", zeros_like(p));
+      }
+      Tensor* step_t = find(state, "step");
+      Tensor* exp_avg = find(state, "exp_avg");
+      Tensor* exp_avg_sq = find(state, "exp_avg_sq");
+      EMBER_CHECK(step_t && exp_avg && exp_avg_sq, "[", name(), "] the state of a parameter ",
+                  "(shape ", p.shape(), ") lacks step, exp_avg or exp_avg_sq");
+      Tensor* max_sq = nullptr;
+      if (amsgrad) {
+        max_sq = find(state, "max_exp_avg_sq");
+        if (max_sq == nullptr) {  // amsgrad switched on after the first steps
+          state.emplace_back("max_exp_avg_sq", zeros_like(p));
+          max_sq = &state.back().second;
+          // emplace_back may have moved the others.
+          step_t = find(state, "step");
+          exp_avg = find(state, "exp_avg");
+          exp_avg_sq = find(state, "exp_avg_sq");
+        }
+      }
+
+      // The count is a float32 scalar, incremented in float32 and read back as a double
+      // (PyTorch: step_t += 1; step = step_t.item()).
+      float* count = step_t->data<float>();
+      *count += 1.0f;
+      const double step = *count;
+
+      Tensor grad = maximize ? neg(grad_in) : grad_in;
+      if (decoupled_) {
+        p.mul_(1 - lr * wd);
+      } else if (wd != 0) {
+        grad = add(grad, p, wd);
+      }
+
+      exp_avg->mul_(beta1).add_(grad, 1 - beta1);
+      {
+        // addcmul_(grad, grad, value=1-beta2) computes v + ((1-beta2) * g) * g; so does this.
+        Tensor g2 = mul(grad, 1 - beta2);
+        g2.mul_(grad);
+        exp_avg_sq->mul_(beta2).add_(g2);
+      }
+
+      const double bias_correction1 = 1 - std::pow(beta1, step);
+      const double bias_correction2 = 1 - std::pow(beta2, step);
+      const double step_size = lr / bias_correction1;
+      const double bias_correction2_sqrt = std::sqrt(bias_correction2);
+
+      Tensor denom;
+      if (amsgrad) {
+        max_sq->copy_(maximum(*max_sq, *exp_avg_sq));
+        denom = sqrt(*max_sq);
+      } else {
+        denom = sqrt(*exp_avg_sq);
+      }
+      denom.div_(bias_correction2_sqrt).add_(eps);
+      // addcdiv_(m, denom, value=-step_size) computes p + ((-step_size) * m) / denom.
+      Tensor update = mul(*exp_avg, -step_size);
+      update.div_(denom);
+      p.add_(update);
+    }
+  }
+}
+
+}  // namespace ember::nn::optim
