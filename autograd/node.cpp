@@ -200,6 +200,7 @@ Edge gradient_edge(const Tensor& t) {
     return {m->grad_fn, m->output_nr};
   }
   if (!m->leaf_requires_grad) return {};
+  std::lock_guard<std::mutex> lock(m->accumulator_mutex);
   std::shared_ptr<Node> acc = m->grad_accumulator.lock();
   if (!acc) {
     acc = std::make_shared<AccumulateGrad>(t.impl_ptr());

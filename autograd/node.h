@@ -151,6 +151,7 @@ struct AutogradMeta : AutogradMetaBase {
   Tensor grad;
   std::shared_ptr<Node> grad_fn;
   std::weak_ptr<Node> grad_accumulator;  ///< leaves only; created on first use
+  std::mutex accumulator_mutex;           ///< guards grad_accumulator (ops on several threads)
   uint32_t output_nr = 0;
   bool leaf_requires_grad = false;
   bool retains_grad = false;

@@ -167,6 +167,7 @@ void Module::convert(const std::function<Tensor(const Tensor&)>& f, bool floatin
     assign_in_place(t, v);
     if (auto* m = autograd::meta_of(t)) {
       if (m->grad.defined()) m->grad = f(m->grad);
+      std::lock_guard<std::mutex> lock(m->accumulator_mutex);
       m->grad_accumulator.reset();  // its recorded shape/dtype/device are stale
     }
   };
