@@ -1,0 +1,150 @@
+// Collectives a backend does not provide natively, built from the ones every backend has
+// (allreduce, broadcast, allgather_into_tensor). Backends override these with native versions
+// where they have them; these keep the semantics and the error reporting of the parts.
+#include "distributed/process_group.h"
+
+#include "tensor/ops.h"
+
+namespace ember::dist {
+
+namespace {
+
+/// A Work that completes when `inner` does, with finish()'s outputs (or inner's error).
+WorkPtr chain(const WorkPtr& inner, const char* name, std::function<std::vector<Tensor>()> finish) {
+  auto w = std::make_shared<Work>(detail::str_cat(inner->describe(), " (for ", name, ")"),
+                                  inner->timeout());
+  inner->future()->add_done_callback([w, finish = std::move(finish)](Future& f) {
+    if (std::exception_ptr e = f.exception()) {
+      w->finish_with_error(e);
+      return;
+    }
+    try {
+      w->finish(finish());
+    } catch (...) {
+      w->finish_with_error(std::current_exception());
+    }
+  });
+  return w;
+}
+
+void check_list(const char* op, const std::vector<Tensor>& list, size_t n, const Tensor& like,
+                const char* what) {
+  EMBER_CHECK(list.size() == n, "[", op, "] expected ", n, " ", what, " tensors (one per rank), got ",
+              list.size());
+  for (size_t i = 0; i < list.size(); ++i) {
+    EMBER_CHECK(list[i].defined() && list[i].shape() == like.shape() &&
+                    list[i].dtype() == like.dtype() && list[i].device() == like.device(),
+                "[", op, "] ", what, "[", i, "] must match the input (shape ", like.shape(), ", ",
+                like.dtype(), ", ", like.device(), ")");
+  }
+}
+
+/// The tensors of `list` concatenated (flattened) into one contiguous buffer.
+Tensor pack(const std::vector<Tensor>& list) {
+  std::vector<Tensor> flat;
+  flat.reserve(list.size());
+  for (const Tensor& t : list) flat.push_back(t.reshape({-1}));
+  return cat(flat, 0);
+}
+
+}  // namespace
+
+WorkPtr ProcessGroup::reduce(Tensor& tensor, const ReduceOptions& opts) {
+  EMBER_CHECK(opts.root >= 0 && opts.root < size_, "[reduce] root ", opts.root,
+              " is not a rank of this group of size ", size_);
+  // Every rank gets the result; c10d leaves non-root tensors unspecified, so this is valid.
+  return allreduce(tensor, AllreduceOptions{opts.op, opts.timeout});
+}
+
+WorkPtr ProcessGroup::allgather(std::vector<Tensor>& outputs, const Tensor& input,
+                                const CollectiveOptions& opts) {
+  check_list("allgather", outputs, size_, input, "outputs");
+  Shape flat_shape = input.shape();
+  flat_shape.insert(0, size_);
+  auto flat = std::make_shared<Tensor>(empty(flat_shape, input.options()));
+  WorkPtr inner = allgather_into_tensor(*flat, input, opts);
+  return chain(inner, "allgather", [flat, outputs]() mutable {
+    for (size_t r = 0; r < outputs.size(); ++r) outputs[r].copy_((*flat)[r]);
+    return outputs;
+  });
+}
+
+WorkPtr ProcessGroup::gather(std::vector<Tensor>& outputs, const Tensor& input,
+                             const GatherOptions& opts) {
+  EMBER_CHECK(opts.root >= 0 && opts.root < size_, "[gather] root ", opts.root,
+              " is not a rank of this group of size ", size_);
+  if (rank_ == opts.root) {
+    check_list("gather", outputs, size_, input, "outputs");
+  } else {
+    EMBER_CHECK(outputs.empty(), "[gather] only the root (rank ", opts.root,
+                ") passes output tensors; rank ", rank_, " got ", outputs.size());
+  }
+  Shape flat_shape = input.shape();
+  flat_shape.insert(0, size_);
+  auto flat = std::make_shared<Tensor>(empty(flat_shape, input.options()));
+  WorkPtr inner = allgather_into_tensor(*flat, input, CollectiveOptions{opts.timeout});
+  return chain(inner, "gather", [flat, outputs]() mutable {
+    for (size_t r = 0; r < outputs.size(); ++r) outputs[r].copy_((*flat)[r]);
+    return outputs;
+  });
+}
+
+WorkPtr ProcessGroup::scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                              const ScatterOptions& opts) {
+  EMBER_CHECK(opts.root >= 0 && opts.root < size_, "[scatter] root ", opts.root,
+              " is not a rank of this group of size ", size_);
+  Shape flat_shape = output.shape();
+  flat_shape.insert(0, size_);
+  auto flat = std::make_shared<Tensor>();
+  if (rank_ == opts.root) {
+    check_list("scatter", inputs, size_, output, "inputs");
+    *flat = pack(inputs).view(flat_shape);
+  } else {
+    EMBER_CHECK(inputs.empty(), "[scatter] only the root (rank ", opts.root,
+                ") passes input tensors; rank ", rank_, " got ", inputs.size());
+    *flat = empty(flat_shape, output.options());
+  }
+  WorkPtr inner = broadcast(*flat, BroadcastOptions{opts.root, opts.timeout});
+  const int r = rank_;
+  return chain(inner, "scatter", [flat, output, r]() mutable {
+    output.copy_((*flat)[r]);
+    return std::vector<Tensor>{output};
+  });
+}
+
+WorkPtr ProcessGroup::reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                                     const ReduceScatterOptions& opts) {
+  check_list("reduce_scatter", inputs, size_, output, "inputs");
+  Shape flat_shape = output.shape();
+  flat_shape.insert(0, size_);
+  auto flat = std::make_shared<Tensor>(pack(inputs).view(flat_shape));
+  WorkPtr inner = allreduce(*flat, AllreduceOptions{opts.op, opts.timeout});
+  const int r = rank_;
+  return chain(inner, "reduce_scatter", [flat, output, r]() mutable {
+    output.copy_((*flat)[r]);
+    return std::vector<Tensor>{output};
+  });
+}
+
+WorkPtr ProcessGroup::alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                               const CollectiveOptions& opts) {
+  EMBER_CHECK(!inputs.empty(), "[alltoall] expected ", size_, " input tensors, got none");
+  check_list("alltoall", inputs, size_, inputs[0], "inputs");
+  check_list("alltoall", outputs, size_, inputs[0], "outputs");
+  // Every rank gathers every rank's whole input list, then keeps the parts meant for it: simple
+  // and correct, size() times the traffic of a native alltoall.
+  Shape in_shape = inputs[0].shape();
+  in_shape.insert(0, size_);
+  const Tensor mine = pack(inputs).view(in_shape);
+  Shape all_shape = in_shape;
+  all_shape.insert(0, size_);
+  auto all = std::make_shared<Tensor>(empty(all_shape, inputs[0].options()));
+  WorkPtr inner = allgather_into_tensor(*all, mine, opts);
+  const int me = rank_;
+  return chain(inner, "alltoall", [all, outputs, me, mine]() mutable {
+    for (size_t r = 0; r < outputs.size(); ++r) outputs[r].copy_((*all)[r][me]);
+    return outputs;
+  });
+}
+
+}  // namespace ember::dist

@@ -1,0 +1,210 @@
+// ProcessGroup: collectives among the ranks of a group (torch.distributed's c10d ProcessGroup).
+//
+// Every collective is asynchronous: it returns a Work handle at once, and the operation runs
+// on the backend's own threads (gloo, MPI) or stream (NCCL). Work::wait() blocks until it is
+// done or its timeout passes; Work::future() gives a Future whose then() callbacks run when it
+// completes (DistributedDataParallel's communication hooks chain on it).
+//
+// Tensors passed to a collective must stay alive and unmodified until its Work completes;
+// results are written into the given output tensors (in place for allreduce and broadcast).
+// Each collective gets a sequence number per group, so errors name it: "[gloo] allreduce #12
+// on rank 3 of 4 timed out after 30000 ms".
+//
+// Threads: collectives must be issued in the same order on every rank; issuing from several
+// threads at once is not supported (as in c10d).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "distributed/errors.h"
+#include "distributed/store.h"
+#include "tensor/tensor.h"
+
+namespace ember::dist {
+
+enum class ReduceOp { Sum, Avg, Product, Min, Max };
+const char* to_string(ReduceOp op);
+
+/// A value (a list of tensors) that becomes available later, or an error.
+class Future : public std::enable_shared_from_this<Future> {
+ public:
+  Future() = default;
+  Future(const Future&) = delete;
+  Future& operator=(const Future&) = delete;
+
+  bool completed() const;
+  /// Blocks until completed (or timeout: DistTimeoutError naming `what`); rethrows the error.
+  void wait(std::optional<Duration> timeout = {});
+  /// The value, after wait(); rethrows the error.
+  const std::vector<Tensor>& value();
+  /// The error, or null (only meaningful once completed).
+  std::exception_ptr exception() const;
+
+  /// Runs `callback(*this)` once this future completes (at once if it has), on the thread that
+  /// completes it; returns a future completed with the callback's result, or with the
+  /// exception it throws (or this future's, which the callback sees when it calls value()).
+  std::shared_ptr<Future> then(std::function<std::vector<Tensor>(Future&)> callback);
+  /// Runs callback(*this) when completed; exceptions it throws are swallowed after logging.
+  void add_done_callback(std::function<void(Future&)> callback);
+
+  // For backends: complete the future (exactly once).
+  void set_value(std::vector<Tensor> value);
+  void set_exception(std::exception_ptr error);
+  /// A short description used in timeout errors (e.g. "allreduce #3 on rank 1 (gloo)").
+  void set_description(std::string what);
+
+ private:
+  void complete(std::unique_lock<std::mutex>& lock);
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  bool completed_ = false;
+  std::vector<Tensor> value_;
+  std::exception_ptr error_;
+  std::string what_;
+  std::vector<std::function<void(Future&)>> callbacks_;
+};
+
+/// A future already completed with `value`.
+std::shared_ptr<Future> completed_future(std::vector<Tensor> value);
+
+/// The handle of one collective.
+class Work {
+ public:
+  /// `what` describes the collective for errors; `timeout` is its default wait timeout.
+  Work(std::string what, Duration timeout);
+  virtual ~Work() = default;
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+
+  bool is_completed() const { return future_->completed(); }
+  bool is_success() const { return is_completed() && !future_->exception(); }
+  std::exception_ptr exception() const { return future_->exception(); }
+  /// Blocks until done; throws the collective's error, or DistTimeoutError (naming backend,
+  /// collective, sequence number, rank and timeout) if it does not finish within `timeout`
+  /// (default: the group's or the call's timeout). Returns true on success.
+  virtual bool wait(std::optional<Duration> timeout = {});
+  /// Completes with the collective's output tensors.
+  std::shared_ptr<Future> future() const { return future_; }
+  /// The output tensors (after wait()).
+  const std::vector<Tensor>& result() { return future_->value(); }
+  const std::string& describe() const { return what_; }
+  Duration timeout() const { return timeout_; }
+
+  // For backends.
+  void finish(std::vector<Tensor> outputs) { future_->set_value(std::move(outputs)); }
+  void finish_with_error(std::exception_ptr e) { future_->set_exception(e); }
+
+ protected:
+  std::string what_;
+  Duration timeout_;
+  std::shared_ptr<Future> future_ = std::make_shared<Future>();
+};
+
+using WorkPtr = std::shared_ptr<Work>;
+
+/// torch.distributed's default collective timeout.
+constexpr Duration kDefaultCollectiveTimeout = std::chrono::minutes(30);
+
+struct AllreduceOptions {
+  ReduceOp op = ReduceOp::Sum;
+  std::optional<Duration> timeout;
+};
+struct BroadcastOptions {
+  int root = 0;
+  std::optional<Duration> timeout;
+};
+struct ReduceOptions {
+  int root = 0;
+  ReduceOp op = ReduceOp::Sum;
+  std::optional<Duration> timeout;
+};
+struct GatherOptions {
+  int root = 0;
+  std::optional<Duration> timeout;
+};
+struct ScatterOptions {
+  int root = 0;
+  std::optional<Duration> timeout;
+};
+struct ReduceScatterOptions {
+  ReduceOp op = ReduceOp::Sum;
+  std::optional<Duration> timeout;
+};
+struct CollectiveOptions {
+  std::optional<Duration> timeout;
+};
+
+/// Group ranks are 0..size-1. `global_ranks()[r]` is group rank r's rank in the default
+/// (world) group.
+class ProcessGroup {
+ public:
+  struct Options {
+    Duration timeout = kDefaultCollectiveTimeout;
+  };
+  ProcessGroup(int rank, int size, Options options);
+  virtual ~ProcessGroup() = default;
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  Duration timeout() const { return options_.timeout; }
+  /// "gloo", "mpi" or "nccl".
+  virtual std::string backend_name() const = 0;
+  /// The next collective's sequence number (counts collectives issued by this rank).
+  uint64_t sequence_number() const { return seq_; }
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  void set_global_ranks(std::vector<int> ranks) { global_ranks_ = std::move(ranks); }
+
+  // ---- collectives: see torch.distributed for semantics ----
+  /// In place: every rank ends with the reduction of all ranks' `tensor`.
+  virtual WorkPtr allreduce(Tensor& tensor, const AllreduceOptions& opts = {}) = 0;
+  /// In place: every rank ends with root's `tensor`.
+  virtual WorkPtr broadcast(Tensor& tensor, const BroadcastOptions& opts = {}) = 0;
+  /// Root's `tensor` ends with the reduction; other ranks' are left unspecified (as in c10d).
+  virtual WorkPtr reduce(Tensor& tensor, const ReduceOptions& opts = {});
+  /// outputs[r] (size() tensors shaped like input) receives rank r's input.
+  virtual WorkPtr allgather(std::vector<Tensor>& outputs, const Tensor& input,
+                            const CollectiveOptions& opts = {});
+  /// The single-tensor form: output (size() * input.numel() elements, ranks concatenated along
+  /// dim 0) receives every rank's input.
+  virtual WorkPtr allgather_into_tensor(Tensor& output, const Tensor& input,
+                                        const CollectiveOptions& opts = {}) = 0;
+  /// On root, outputs[r] receives rank r's input; other ranks pass an empty outputs list.
+  virtual WorkPtr gather(std::vector<Tensor>& outputs, const Tensor& input,
+                         const GatherOptions& opts = {});
+  /// output receives root's inputs[rank()]; only root passes inputs.
+  virtual WorkPtr scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                          const ScatterOptions& opts = {});
+  /// output receives the reduction over ranks of inputs[rank()].
+  virtual WorkPtr reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                                 const ReduceScatterOptions& opts = {});
+  /// outputs[r] receives rank r's inputs[rank()].
+  virtual WorkPtr alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                           const CollectiveOptions& opts = {});
+  virtual WorkPtr barrier(const CollectiveOptions& opts = {}) = 0;
+  virtual WorkPtr send(const Tensor& tensor, int dst, int tag = 0) = 0;
+  virtual WorkPtr recv(Tensor& tensor, int src, int tag = 0) = 0;
+
+ protected:
+  /// "[gloo] allreduce #12 on rank 3 of 4": takes the next sequence number.
+  std::string next_op(const char* collective);
+  Duration timeout_of(const std::optional<Duration>& t) const { return t.value_or(options_.timeout); }
+
+  int rank_;
+  int size_;
+  Options options_;
+  uint64_t seq_ = 0;
+  std::vector<int> global_ranks_;
+};
+
+}  // namespace ember::dist

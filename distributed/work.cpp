@@ -1,0 +1,140 @@
+// Future and Work: completion, callbacks and timeouts shared by every backend.
+#include <cstdio>
+
+#include "distributed/process_group.h"
+
+namespace ember::dist {
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Avg: return "avg";
+    case ReduceOp::Product: return "product";
+    case ReduceOp::Min: return "min";
+    case ReduceOp::Max: return "max";
+  }
+  return "?";
+}
+
+// ---- Future -----------------------------------------------------------------------------------
+
+bool Future::completed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return completed_;
+}
+
+void Future::wait(std::optional<Duration> timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (timeout) {
+    if (!cv_.wait_for(lock, *timeout, [&] { return completed_; })) {
+      throw DistTimeoutError(detail::str_cat(what_.empty() ? "[future]" : what_,
+                                             " timed out after ", timeout->count(), " ms"));
+    }
+  } else {
+    cv_.wait(lock, [&] { return completed_; });
+  }
+  if (error_) std::rethrow_exception(error_);
+}
+
+const std::vector<Tensor>& Future::value() {
+  wait();
+  return value_;
+}
+
+std::exception_ptr Future::exception() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return error_;
+}
+
+void Future::set_description(std::string what) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  what_ = std::move(what);
+}
+
+void Future::complete(std::unique_lock<std::mutex>& lock) {
+  EMBER_INTERNAL_ASSERT(!completed_, "Future completed twice: ", what_);
+  completed_ = true;
+  std::vector<std::function<void(Future&)>> callbacks = std::move(callbacks_);
+  callbacks_.clear();
+  lock.unlock();
+  cv_.notify_all();
+  for (auto& cb : callbacks) cb(*this);
+}
+
+void Future::set_value(std::vector<Tensor> value) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  value_ = std::move(value);
+  complete(lock);
+}
+
+void Future::set_exception(std::exception_ptr error) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  error_ = std::move(error);
+  complete(lock);
+}
+
+void Future::add_done_callback(std::function<void(Future&)> callback) {
+  auto safe = [cb = std::move(callback)](Future& f) {
+    try {
+      cb(f);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "ember: exception in a Future callback was ignored: %s\n", e.what());
+    }
+  };
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!completed_) {
+    callbacks_.push_back(std::move(safe));
+    return;
+  }
+  lock.unlock();
+  safe(*this);
+}
+
+std::shared_ptr<Future> Future::then(std::function<std::vector<Tensor>(Future&)> callback) {
+  auto next = std::make_shared<Future>();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    next->what_ = what_;
+  }
+  add_done_callback([next, cb = std::move(callback)](Future& f) {
+    try {
+      next->set_value(cb(f));
+    } catch (...) {
+      next->set_exception(std::current_exception());
+    }
+  });
+  return next;
+}
+
+std::shared_ptr<Future> completed_future(std::vector<Tensor> value) {
+  auto f = std::make_shared<Future>();
+  f->set_value(std::move(value));
+  return f;
+}
+
+// ---- Work -------------------------------------------------------------------------------------
+
+Work::Work(std::string what, Duration timeout) : what_(std::move(what)), timeout_(timeout) {
+  future_->set_description(what_);
+}
+
+bool Work::wait(std::optional<Duration> timeout) {
+  future_->wait(timeout.value_or(timeout_));
+  return true;
+}
+
+// ---- ProcessGroup -----------------------------------------------------------------------------
+
+ProcessGroup::ProcessGroup(int rank, int size, Options options)
+    : rank_(rank), size_(size), options_(options) {
+  EMBER_CHECK(size >= 1 && rank >= 0 && rank < size, "[ProcessGroup] expected 0 <= rank < size, "
+              "got rank ", rank, " and size ", size);
+  for (int r = 0; r < size; ++r) global_ranks_.push_back(r);
+}
+
+std::string ProcessGroup::next_op(const char* collective) {
+  return detail::str_cat("[", backend_name(), "] ", collective, " #", seq_++, " on rank ", rank_,
+                         " of ", size_);
+}
+
+}  // namespace ember::dist
