@@ -187,5 +187,64 @@ int main(int argc, char** argv) {
       }
     }, flops);
   }
+  // ---- nn building blocks (bench_nn.cpp) ----
+  {
+    torch::AutoGradMode grad(true);
+    if (bench::selected(o, "cross_entropy_b256_c1000_fwdbwd")) {
+      auto x = torch::randn({256, 1000}).requires_grad_(true);
+      auto y = torch::randint(0, 1000, {256});
+      bench::run(o, "cross_entropy_b256_c1000_fwdbwd", [&] {
+        F::cross_entropy(x, y).backward();
+        x.mutable_grad() = torch::Tensor();
+      });
+    }
+    if (bench::selected(o, "batch_norm2d_b32_c64_28_fwdbwd")) {
+      auto x = torch::randn({32, 64, 28, 28}).requires_grad_(true);
+      auto w = torch::ones({64}).requires_grad_(true), b = torch::zeros({64}).requires_grad_(true);
+      auto rm = torch::zeros({64}), rv = torch::ones({64});
+      bench::run(o, "batch_norm2d_b32_c64_28_fwdbwd", [&] {
+        F::batch_norm(x, rm, rv, F::BatchNormFuncOptions().weight(w).bias(b).training(true))
+            .sum()
+            .backward();
+        x.mutable_grad() = torch::Tensor();
+        w.mutable_grad() = torch::Tensor();
+        b.mutable_grad() = torch::Tensor();
+      });
+    }
+    if (bench::selected(o, "layer_norm_b64x128_d512_fwdbwd")) {
+      auto x = torch::randn({64, 128, 512}).requires_grad_(true);
+      auto w = torch::ones({512}).requires_grad_(true), b = torch::zeros({512}).requires_grad_(true);
+      bench::run(o, "layer_norm_b64x128_d512_fwdbwd", [&] {
+        F::layer_norm(x, F::LayerNormFuncOptions({512}).weight(w).bias(b)).sum().backward();
+        x.mutable_grad() = torch::Tensor();
+        w.mutable_grad() = torch::Tensor();
+        b.mutable_grad() = torch::Tensor();
+      });
+    }
+    if (bench::selected(o, "cnn_step_b64_28_fwdbwd")) {
+      torch::nn::Sequential model(
+          torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 16, 3).padding(1)),
+          torch::nn::BatchNorm2d(16), torch::nn::ReLU(), torch::nn::MaxPool2d(2),
+          torch::nn::Flatten(), torch::nn::Linear(16 * 14 * 14, 10));
+      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+      auto x = torch::randn({64, 1, 28, 28});
+      auto y = torch::randint(0, 10, {64});
+      bench::run(o, "cnn_step_b64_28_fwdbwd", [&] {
+        opt.zero_grad();
+        F::cross_entropy(model->forward(x), y).backward();
+        opt.step();
+      });
+    }
+    if (bench::selected(o, "adam_step_1M")) {
+      std::vector<torch::Tensor> ps;
+      for (int i = 0; i < 16; ++i) {
+        auto p = torch::randn({256, 256}).requires_grad_(true);
+        p.mutable_grad() = torch::randn({256, 256});
+        ps.push_back(p);
+      }
+      torch::optim::Adam opt(ps, torch::optim::AdamOptions(1e-3));
+      bench::run(o, "adam_step_1M", [&] { opt.step(); }, 0, 16.0 * 65536 * 4 * 7);
+    }
+  }
   return 0;
 }

@@ -22,7 +22,7 @@ import sys
 import time
 
 EMBER_BENCHES = ["bench_memory", "bench_matmul", "bench_conv", "bench_elementwise", "bench_reduce",
-                 "bench_indexing", "bench_autograd"]
+                 "bench_indexing", "bench_autograd", "bench_nn"]
 LINE = re.compile(r"BENCH name=(\S+) sec=(\S+) flops=(\S+) bytes=(\S+)")
 
 
@@ -212,6 +212,65 @@ def torch_cases():
                     t.add_(t.grad, alpha=-1e-4)
                     t.grad = None
         return f
+
+    # ---- nn building blocks (bench_nn.cpp) ----
+    @case("cross_entropy_b256_c1000_fwdbwd")
+    def _():
+        x = torch.randn(256, 1000, requires_grad=True)
+        y = torch.randint(0, 1000, (256,))
+
+        def f():
+            F.cross_entropy(x, y).backward()
+            x.grad = None
+        return f
+
+    @case("batch_norm2d_b32_c64_28_fwdbwd")
+    def _():
+        x = torch.randn(32, 64, 28, 28, requires_grad=True)
+        w = torch.ones(64, requires_grad=True)
+        b = torch.zeros(64, requires_grad=True)
+        rm, rv = torch.zeros(64), torch.ones(64)
+
+        def f():
+            F.batch_norm(x, rm, rv, w, b, training=True).sum().backward()
+            x.grad = w.grad = b.grad = None
+        return f
+
+    @case("layer_norm_b64x128_d512_fwdbwd")
+    def _():
+        x = torch.randn(64, 128, 512, requires_grad=True)
+        w = torch.ones(512, requires_grad=True)
+        b = torch.zeros(512, requires_grad=True)
+
+        def f():
+            F.layer_norm(x, (512,), w, b).sum().backward()
+            x.grad = w.grad = b.grad = None
+        return f
+
+    @case("cnn_step_b64_28_fwdbwd")
+    def _():
+        model = torch.nn.Sequential(torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.BatchNorm2d(16),
+                                    torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+                                    torch.nn.Linear(16 * 14 * 14, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        x = torch.randn(64, 1, 28, 28)
+        y = torch.randint(0, 10, (64,))
+
+        def f():
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        return f
+
+    @case("adam_step_1M", 0, 16.0 * 65536 * 4 * 7)
+    def _():
+        ps = []
+        for _ in range(16):
+            p = torch.randn(256, 256, requires_grad=True)
+            p.grad = torch.randn(256, 256)
+            ps.append(p)
+        opt = torch.optim.Adam(ps, lr=1e-3, foreach=False)
+        return opt.step
 
     return cases
 
