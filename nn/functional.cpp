@@ -292,8 +292,10 @@ void check_class_weight(const char* op, const Tensor& weight, const Tensor& inpu
                    weight.device(), " but input is on ", input.device());
 }
 
-NllParts nll_parts(const char* op, const Tensor& input, const Tensor& target, const Tensor& weight,
-                   int64_t ignore_index) {
+// Validates a class-index target against input (whose class dim holds `classes`) and returns
+// the ignore mask; throws IndexError for a class index outside [0, C) that is not ignored.
+Tensor check_class_target(const char* op, const Tensor& input, const Tensor& target,
+                          const Tensor& weight, int64_t ignore_index) {
   check_floating(op, input, "input");
   detail::check_defined(op, target, "target");
   EMBER_CHECK(input.dim() >= 1, "[", op,
@@ -310,12 +312,11 @@ NllParts nll_parts(const char* op, const Tensor& input, const Tensor& target, co
               " for input of shape ", input.shape(), ", got ", target.shape());
   check_class_weight(op, weight, input, classes);
 
-  NllParts p;
-  p.ignored = eq(target, ignore_index);
+  const Tensor ignored = eq(target, ignore_index);
   // Class indices must lie in [0, C) unless ignored. Checked with tensor ops (one read back),
   // so the check also runs for CUDA targets.
   const Tensor bad =
-      logical_and(logical_not(p.ignored), logical_or(lt(target, 0), ge(target, classes)));
+      logical_and(logical_not(ignored), logical_or(lt(target, 0), ge(target, classes)));
   if (target.numel() > 0 && any(bad).item<bool>()) {
     const int64_t i = argmax(bad.flatten()).item<int64_t>();
     const int64_t value = target.flatten()[i].item<int64_t>();
@@ -323,6 +324,16 @@ NllParts nll_parts(const char* op, const Tensor& input, const Tensor& target, co
                                      " is out of bounds: expected a class index in [0, ", classes,
                                      ") or ignore_index (", ignore_index, ")"));
   }
+  return ignored;
+}
+
+NllParts nll_parts(const char* op, const Tensor& input, const Tensor& target, const Tensor& weight,
+                   int64_t ignore_index) {
+  NllParts p;
+  p.ignored = check_class_target(op, input, target, weight, ignore_index);
+  const int64_t cdim = class_dim_of(input);
+  Shape want = input.shape();
+  want.erase(cdim);
   const Tensor safe = masked_fill(target, p.ignored, 0);
   const Tensor picked = gather(input, cdim, safe.unsqueeze(cdim)).squeeze(cdim);
   if (weight.defined()) {
@@ -335,6 +346,94 @@ NllParts nll_parts(const char* op, const Tensor& input, const Tensor& target, co
   }
   return p;
 }
+
+// Note [Fused cross_entropy]: for a 2-d input [N, C] and class-index targets, one function
+// instead of log_softmax + gather + masking: forward computes p = softmax(x) (the only
+// exponentials) and takes log p only where needed, through lse = max - log(p[argmax]) (p at the
+// row's max is 1 / sum, never underflows), so logp[t] = x[t] - lse and, for label smoothing,
+// sum_c w_c logp_c = sum_c w_c x_c - lse * sum_c w_c. With s_i the per-row scale of the
+// reduction (0 where ignored) and K_i = (1 - ls) w[t_i] + ls / C * sum_c w_c, backward is
+//   dx[i, c] = s_i * (K_i * p[i, c] - ls / C * w_c - (1 - ls) w[t_i] [c == t_i])
+// in one pass over [N, C] plus a scatter into the target column. Under create_graph, backward
+// recomputes p = softmax(x) from the saved input with recorded ops, so double backward is exact.
+struct CrossEntropyFunction : autograd::Function<CrossEntropyFunction> {
+  // x: [N, C]; target: [N] int64, already validated; weight: [C] or undefined (no grad);
+  // ignored: [N] bool.
+  static Tensor forward(autograd::Context* ctx, const Tensor& x, const Tensor& target,
+                        const Tensor& weight, const Tensor& ignored, int64_t reduction,
+                        double ls) {
+    const int64_t classes = x.size(1);
+    const Tensor w = weight.defined() ? weight.to(x.dtype()) : Tensor();
+    const Tensor safe = masked_fill(target, ignored, 0).unsqueeze(1);  // [N, 1]
+    const Tensor valid = logical_not(ignored).to(x.dtype());            // [N]
+    const Tensor wt = w.defined() ? index_select(w, 0, safe.view({-1})) * valid : valid;  // [N]
+    const Tensor p = softmax(x, 1);
+    const Tensor amax = argmax(x, 1, /*keepdim=*/true);
+    const Tensor lse = (gather(x, 1, amax) - log(gather(p, 1, amax))).view({-1});  // [N]
+    const Tensor logpt = gather(x, 1, safe).view({-1}) - lse;
+    Tensor loss = masked_fill(-(logpt * wt), ignored, 0);  // [N]
+    if (ls > 0) {
+      const double wsum = w.defined() ? w.sum().item<double>() : static_cast<double>(classes);
+      const Tensor wx = w.defined() ? matmul(x, w) : x.sum({1});  // [N]
+      const Tensor smooth = masked_fill(lse * wsum - wx, ignored, 0);  // -sum_c w_c logp_c
+      loss = loss * (1.0 - ls) + smooth * (ls / static_cast<double>(classes));
+      ctx->saved_data["wsum"] = wsum;
+    }
+    std::vector<Tensor> save{x, p, safe, wt, valid};
+    if (w.defined()) save.push_back(w);
+    ctx->save_for_backward(std::move(save));
+    ctx->saved_data["reduction"] = reduction;
+    ctx->saved_data["ls"] = ls;
+    switch (static_cast<Reduction>(reduction)) {
+      case Reduction::kNone:
+        return loss;
+      case Reduction::kSum:
+        return loss.sum();
+      case Reduction::kMean:
+        return loss.sum() / wt.sum();
+    }
+    return loss;
+  }
+
+  static autograd::TensorList backward(autograd::Context* ctx, autograd::TensorList grads) {
+    const autograd::TensorList saved = ctx->saved();
+    const Tensor& x = saved[0];
+    const Tensor& safe = saved[2];
+    const Tensor& wt = saved[3];
+    const Tensor& valid = saved[4];
+    const Tensor w = saved.size() > 5 ? saved[5] : Tensor();
+    const auto r = static_cast<Reduction>(std::any_cast<int64_t>(ctx->saved_data["reduction"]));
+    const double ls = std::any_cast<double>(ctx->saved_data["ls"]);
+    const int64_t classes = x.size(1);
+    if (!ctx->needs_input_grad(0)) return {Tensor(), Tensor(), Tensor(), Tensor()};
+    const bool create_graph = GradMode::is_enabled();
+    const Tensor& g = grads[0];  // [] for mean/sum, [N] for none
+    Tensor sv;                   // [N]: the reduction's scale per row, 0 where ignored
+    switch (r) {
+      case Reduction::kNone:
+        sv = g * valid;
+        break;
+      case Reduction::kSum:
+        sv = valid * g;
+        break;
+      case Reduction::kMean:
+        sv = valid * (g / wt.sum());
+        break;
+    }
+    Tensor k = wt * (1.0 - ls);
+    if (ls > 0) k = k + std::any_cast<double>(ctx->saved_data["wsum"]) * ls / classes;
+    const Tensor p = create_graph ? softmax(x, 1) : saved[1];
+    Tensor dx = p * (sv * k).unsqueeze(1);  // [N, C]
+    if (ls > 0) {
+      const Tensor row = (sv * (ls / static_cast<double>(classes))).unsqueeze(1);  // [N, 1]
+      const Tensor smooth = w.defined() ? row * w.view({1, classes}) : row;
+      dx = create_graph ? dx - smooth : dx.sub_(smooth);
+    }
+    const Tensor at_target = (sv * wt * (ls - 1.0)).unsqueeze(1);  // [N, 1]
+    dx = create_graph ? scatter_add(dx, 1, safe, at_target) : scatter_add_(dx, 1, safe, at_target);
+    return {dx, Tensor(), Tensor(), Tensor()};
+  }
+};
 
 }  // namespace
 
@@ -365,6 +464,12 @@ Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntro
       "[cross_entropy] expected input of shape [N, C], [N, C, d1, ...] or [C], got a 0-d tensor");
   const int64_t cdim = class_dim_of(input);
   const int64_t classes = input.size(cdim);
+  if (input.dim() == 2 && !target.is_floating_point() &&
+      !(opts.weight.defined() && opts.weight.requires_grad() && GradMode::is_enabled())) {
+    const Tensor ignored = check_class_target(op, input, target, opts.weight, opts.ignore_index);
+    return CrossEntropyFunction::apply(input, target, opts.weight, ignored,
+                                       static_cast<int64_t>(r), ls);
+  }
   const Tensor logp = log_softmax(input, cdim);
   const Shape wshape = channel_shape(input.dim(), classes, cdim);
 

@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "tensor/optim.h"
+
 namespace ember::nn::optim {
 
 namespace {
@@ -88,38 +90,20 @@ void Adam::step() {
       *count += 1.0f;
       const double step = *count;
 
-      Tensor grad = maximize ? neg(grad_in) : grad_in;
-      if (decoupled_) {
-        p.mul_(1 - lr * wd);
-      } else if (wd != 0) {
-        grad = add(grad, p, wd);
-      }
-
-      exp_avg->mul_(beta1).add_(grad, 1 - beta1);
-      {
-        // addcmul_(grad, grad, value=1-beta2) computes v + ((1-beta2) * g) * g; so does this.
-        Tensor g2 = mul(grad, 1 - beta2);
-        g2.mul_(grad);
-        exp_avg_sq->mul_(beta2).add_(g2);
-      }
-
-      const double bias_correction1 = 1 - std::pow(beta1, step);
-      const double bias_correction2 = 1 - std::pow(beta2, step);
-      const double step_size = lr / bias_correction1;
-      const double bias_correction2_sqrt = std::sqrt(bias_correction2);
-
-      Tensor denom;
-      if (amsgrad) {
-        max_sq->copy_(maximum(*max_sq, *exp_avg_sq));
-        denom = sqrt(*max_sq);
-      } else {
-        denom = sqrt(*exp_avg_sq);
-      }
-      denom.div_(bias_correction2_sqrt).add_(eps);
-      // addcdiv_(m, denom, value=-step_size) computes p + ((-step_size) * m) / denom.
-      Tensor update = mul(*exp_avg, -step_size);
-      update.div_(denom);
-      p.add_(update);
+      ember::detail::AdamStepArgs args;
+      args.lr = lr;
+      args.beta1 = beta1;
+      args.beta2 = beta2;
+      args.eps = eps;
+      args.weight_decay = wd;
+      args.step = step;
+      args.amsgrad = amsgrad;
+      args.maximize = maximize;
+      args.decoupled = decoupled_;
+      // One fused pass over p, g and the moments (tensor/optim.h); the same values as the
+      // op chain of PyTorch's single-tensor Adam.
+      ember::detail::adam_update_(p, grad_in, *exp_avg, *exp_avg_sq,
+                                  max_sq ? *max_sq : Tensor(), args);
     }
   }
 }

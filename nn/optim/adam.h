@@ -38,9 +38,9 @@ struct AdamWOptions {
 ///   denom = sqrt(v) / sqrt(1 - beta2^t) + eps
 ///   p -= lr / (1 - beta1^t) * m / denom
 /// State per parameter: "step" (a float32 scalar on the CPU), "exp_avg", "exp_avg_sq" and,
-/// with amsgrad, "max_exp_avg_sq". Each step allocates two parameter-sized temporaries per
-/// parameter (the denominator and the update), three with weight decay or maximize, as
-/// PyTorch's single-tensor path does; the moments are updated in place.
+/// with amsgrad, "max_exp_avg_sq". A step is one fused pass per parameter (tensor/optim.h:
+/// reads the parameter, gradient and moments once, writes them once, allocates nothing) when
+/// they are contiguous and of one dtype, else a chain of in-place tensor ops.
 class Adam : public Optimizer {
  public:
   /// Throws ValueError for lr, eps or weight_decay < 0, a beta outside [0, 1), and for bad

@@ -1,5 +1,7 @@
 #include "nn/optim/sgd.h"
 
+#include "tensor/optim.h"
+
 namespace ember::nn::optim {
 
 namespace {
@@ -46,21 +48,27 @@ void SGD::step() {
     for (Tensor& p : group.params) {
       const Tensor grad = p.grad();
       if (!grad.defined()) continue;
-      // d_p aliases the gradient until an op needs a new tensor; the gradient is never written.
-      Tensor d_p = maximize ? neg(grad) : grad;
-      if (wd != 0) d_p = add(d_p, p, wd);
+      ember::detail::SgdStepArgs args;
+      args.lr = lr;
+      args.momentum = momentum;
+      args.dampening = dampening;
+      args.weight_decay = wd;
+      args.nesterov = nesterov;
+      args.maximize = maximize;
+      Tensor buf;
       if (momentum != 0) {
         NamedTensors& state = mutable_state(p);
-        Tensor* buf = find(state, "momentum_buffer");
-        if (buf == nullptr) {
-          state.emplace_back("momentum_buffer", d_p.detach().clone());
-          buf = &state.back().second;
-        } else {
-          buf->mul_(momentum).add_(d_p, 1 - dampening);
+        Tensor* found = find(state, "momentum_buffer");
+        if (found == nullptr) {
+          // PyTorch's first step clones d_p into the buffer; the kernel writes it.
+          state.emplace_back("momentum_buffer", empty_like(p));
+          found = &state.back().second;
+          args.init_buffer = true;
         }
-        d_p = nesterov ? add(d_p, *buf, momentum) : *buf;
+        buf = *found;
       }
-      p.add_(d_p, -lr);
+      // One fused pass over p, g and the buffer (tensor/optim.h).
+      ember::detail::sgd_update_(p, grad, buf, args);
     }
   }
 }

@@ -350,3 +350,42 @@ TEST(Loss, Errors) {
 
 }  // namespace
 }  // namespace ember::nn
+
+namespace ember::nn {
+namespace {
+
+// The fused 2-d cross_entropy (Note [Fused cross_entropy]) against the composite path, which a
+// 3-d input [N, C, 1] takes: values, gradients and double backward (create_graph).
+TEST(Loss, FusedCrossEntropyMatchesComposite) {
+  namespace F = functional;
+  const Tensor t = tensor({1, 0, -100, 3, 2});
+  const Tensor w = tensor({0.5, 1.0, 2.0, 1.5}).to(kFloat64);
+  for (const char* red : {"mean", "sum", "none"}) {
+    for (double ls : {0.0, 0.2}) {
+      for (bool weighted : {false, true}) {
+        const std::string what = std::string(red) + " ls=" + std::to_string(ls) +
+                                 (weighted ? " weighted" : "");
+        F::CrossEntropyOptions o{.weight = weighted ? w : Tensor(), .ignore_index = -100,
+                                 .reduction = red, .label_smoothing = ls};
+        auto run = [&](bool fused) {
+          Tensor x = test::rand_t({5, 4}, kFloat64, 7).mul_(3.0).requires_grad_();
+          Tensor in = fused ? x : x.unsqueeze(2);
+          Tensor tt = fused ? t : t.unsqueeze(1);
+          Tensor loss = F::cross_entropy(in, tt, o).sum();
+          Tensor g = autograd::grad({loss}, {x}, {}, /*retain_graph=*/true,
+                                    /*create_graph=*/true)[0];
+          (g * g).sum().backward();
+          return std::vector<Tensor>{loss.detach(), g.detach(), x.grad()};
+        };
+        const auto a = run(true), b = run(false);
+        const char* names[] = {"loss", "grad", "double backward"};
+        for (int k = 0; k < 3; ++k) {
+          test::expect_close(a[k], b[k].to_vector<double>(), 1e-10, what + " " + names[k]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ember::nn
