@@ -1,0 +1,122 @@
+// init_process_group and the default (world) group (torch.distributed's module-level API).
+//
+//   dist::init_process_group({.backend = "gloo"});            // env:// from RANK, WORLD_SIZE, ...
+//   auto& pg = *dist::default_group();
+//   pg.allreduce(t)->wait();
+//   auto sub = dist::new_group({0, 2});                        // every rank calls it
+//   dist::destroy_process_group();
+//
+// The default group is process-wide state guarded by a mutex; the functions here may be
+// called from any thread, but collectives follow ProcessGroup's threading rules.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "distributed/process_group.h"
+#include "distributed/store.h"
+
+namespace ember::dist {
+
+/// Arguments of init_process_group (torch.distributed.init_process_group's).
+struct InitOptions {
+  /// "gloo" (built in) or any backend added with register_backend ("mpi", "nccl").
+  std::string backend = "gloo";
+  /// "env://" (the default when empty and no store is given), "tcp://host:port" or
+  /// "file:///path". tcp:// and file:// take rank and world_size from the fields below, from
+  /// "?rank=R&world_size=N" in the URL, or from the environment, in that order.
+  std::string init_method;
+  /// A ready store instead of init_method (then rank and world_size must be given).
+  std::shared_ptr<Store> store;
+  /// -1: from the URL or the environment.
+  int rank = -1;
+  int world_size = -1;
+  /// Collective timeout of the default group (and of the rendezvous).
+  Duration timeout = kDefaultCollectiveTimeout;
+};
+
+/// What a backend factory gets to create one group.
+struct BackendArgs {
+  std::shared_ptr<Store> store;  // private to this group (a PrefixStore)
+  int rank = 0;                  // group rank
+  int size = 1;                  // group size
+  Duration timeout = kDefaultCollectiveTimeout;
+  std::string master_addr;  // rank 0's address when known ("" otherwise): a hint for
+                            // which interface to use (loopback stays on loopback)
+  /// The group's members as world ranks, sorted (empty: the whole world). Factories are called
+  /// on every process, members or not (MPI creates communicators collectively); on a
+  /// non-member `rank` is -1 and the factory returns nullptr.
+  std::vector<int> global_ranks;
+};
+/// Creates a process group; registered per backend name.
+using BackendFactory = std::function<std::shared_ptr<ProcessGroup>(const BackendArgs&)>;
+
+/// Makes `name` usable in init_process_group and new_group (replacing an earlier factory).
+void register_backend(const std::string& name, BackendFactory factory);
+
+/// Rendezvous with the other ranks and create the default group. Throws ValueError naming
+/// what it found if a variable or argument is missing or contradictory, ValueError if a group
+/// is already initialized, and the store's or backend's error (DistTimeoutError,
+/// DistNetworkError, DistBackendError) if the rendezvous fails.
+std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});
+
+/// True between init_process_group and destroy_process_group.
+bool is_initialized();
+
+/// The default group; throws ValueError if none is initialized.
+std::shared_ptr<ProcessGroup> default_group();
+
+/// The store behind the default group (unprefixed); throws ValueError if none.
+std::shared_ptr<Store> default_store();
+
+/// The rank of this process in `group` (default: the world). -1 if it is not a member
+/// (group is null and no default group: throws ValueError).
+int get_rank(const std::shared_ptr<ProcessGroup>& group = nullptr);
+/// The size of `group` (default: the world).
+int get_world_size(const std::shared_ptr<ProcessGroup>& group = nullptr);
+
+/// A group of the given world ranks (sorted, distinct, each < world size), with the default
+/// group's backend unless `backend` names another. Every rank of the world must call it with
+/// the same arguments in the same order (as torch); returns null on ranks outside the group.
+/// Group rank r is global rank ranks[r] (see ProcessGroup::global_ranks()). Empty `ranks`
+/// means the whole world.
+std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks,
+                                        std::optional<Duration> timeout = {},
+                                        const std::string& backend = "");
+
+/// The global rank of `group`'s rank `group_rank`; ValueError if out of range.
+int get_global_rank(const ProcessGroup& group, int group_rank);
+/// `global_rank`'s rank in `group`, or ValueError if it is not a member.
+int get_group_rank(const ProcessGroup& group, int global_rank);
+
+/// Forgets the default group and every group made by new_group (they are destroyed when the
+/// last reference goes). A no-op if none is initialized.
+void destroy_process_group();
+
+/// What env:// found: the rank, the world size, rank 0's address and the store's port, and
+/// which variables they came from.
+struct EnvRendezvous {
+  int rank = -1;
+  int world_size = -1;
+  std::string master_addr;
+  int master_port = -1;
+  std::string source;  // e.g. "RANK/WORLD_SIZE", "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE"
+};
+
+/// Parses env:// variables from `env` (a snapshot of the environment): RANK and WORLD_SIZE,
+/// else OMPI_COMM_WORLD_RANK/_SIZE, else PMI_RANK/PMI_SIZE, else SLURM_PROCID/SLURM_NTASKS;
+/// MASTER_ADDR, else the first host of SLURM_JOB_NODELIST (or SLURM_NODELIST); MASTER_PORT.
+/// `rank`/`world_size` >= 0 override the environment and must agree with it if it has them.
+/// Throws ValueError echoing the variables found when something is missing, not an integer,
+/// out of range or contradictory.
+EnvRendezvous parse_env_rendezvous(const std::map<std::string, std::string>& env, int rank = -1,
+                                   int world_size = -1);
+
+/// The first host of a Slurm node list: "node[03-05,9],gpu1" -> "node03".
+std::string first_slurm_host(const std::string& nodelist);
+
+}  // namespace ember::dist

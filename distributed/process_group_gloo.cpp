@@ -1,0 +1,718 @@
+// ProcessGroupGloo over Gloo's TCP transport. Built only when gloo is found
+// (distributed/CMakeLists.txt); no_gloo.cpp stands in otherwise.
+#include "distributed/process_group_gloo.h"
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/alltoall.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/gather.h>
+#include <gloo/reduce.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/scatter.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
+#include <netdb.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <deque>
+#include <thread>
+
+#include "tensor/ops.h"
+
+namespace ember::dist {
+
+bool gloo_available() { return true; }
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// c10d's slot prefix for send/recv; the collectives use 0x01..0x08 (gloo/types.h).
+constexpr uint8_t kSendRecvSlotPrefix = 0x09;
+
+/// Gloo's rendezvous store over an Ember store: Gloo publishes and reads the ranks' addresses.
+class GlooStoreAdapter : public gloo::rendezvous::Store {
+ public:
+  GlooStoreAdapter(std::shared_ptr<dist::Store> store, Duration timeout)
+      : store_(std::move(store)), timeout_(timeout) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_->set(key, Bytes(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    const Bytes b = store_->get(key, timeout_);
+    return std::vector<char>(b.begin(), b.end());
+  }
+  void wait(const std::vector<std::string>& keys) override { store_->wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& t) override {
+    store_->wait(keys, t);
+  }
+
+ private:
+  std::shared_ptr<dist::Store> store_;
+  Duration timeout_;
+};
+
+// ---- reductions ---------------------------------------------------------------------------------
+
+struct SumF {
+  template <typename A>
+  A operator()(A a, A b) const {
+    return a + b;
+  }
+};
+struct ProdF {
+  template <typename A>
+  A operator()(A a, A b) const {
+    return a * b;
+  }
+};
+struct MinF {
+  template <typename A>
+  A operator()(A a, A b) const {
+    return b < a ? b : a;
+  }
+};
+struct MaxF {
+  template <typename A>
+  A operator()(A a, A b) const {
+    return a < b ? b : a;
+  }
+};
+
+// c[i] = f(a[i], b[i]); float16/bfloat16 compute in float32 and round once per step.
+template <typename T, typename F>
+void reduce_kernel(void* c, const void* a, const void* b, size_t n) {
+  T* C = static_cast<T*>(c);
+  const T* A = static_cast<const T*>(a);
+  const T* B = static_cast<const T*>(b);
+  if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
+    for (size_t i = 0; i < n; ++i)
+      C[i] = T(F{}(static_cast<float>(A[i]), static_cast<float>(B[i])));
+  } else {
+    for (size_t i = 0; i < n; ++i) C[i] = static_cast<T>(F{}(A[i], B[i]));
+  }
+}
+
+using ReduceFn = void (*)(void*, const void*, const void*, size_t);
+
+template <typename T>
+ReduceFn reduce_fn(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg:
+      return &reduce_kernel<T, SumF>;
+    case ReduceOp::Product:
+      return &reduce_kernel<T, ProdF>;
+    case ReduceOp::Min:
+      return &reduce_kernel<T, MinF>;
+    case ReduceOp::Max:
+      return &reduce_kernel<T, MaxF>;
+  }
+  return nullptr;
+}
+
+// In place: t /= n (floating: in float32/float64; integers: truncating, like C).
+void divide_in_place(const Tensor& t, int n) {
+  EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] avg", [&]<typename T>() {
+    T* p = t.template data<T>();
+    const int64_t k = t.numel();
+    if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
+      for (int64_t i = 0; i < k; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
+    } else {
+      for (int64_t i = 0; i < k; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(n));
+    }
+  });
+}
+
+// Note [small allreduce]: Gloo's ring allreduce takes 2(n-1) dependent steps, each a network
+// round trip; below this size latency dominates, so every rank instead gathers every rank's
+// buffer (an allgather: n-1 steps, one for n = 2) and reduces locally in rank order 0..n-1,
+// which gives every rank bitwise the same result.
+constexpr size_t kSmallAllreduceBytes = 64 * 1024;
+
+template <typename T>
+void small_allreduce(const std::shared_ptr<gloo::Context>& ctx, T* data, size_t count, ReduceOp op,
+                     uint32_t tag, std::chrono::milliseconds timeout) {
+  const size_t n = static_cast<size_t>(ctx->size);
+  std::vector<T> all(n * count);
+  gloo::AllgatherOptions o(ctx);
+  o.setInput<T>(data, count);
+  o.setOutput<T>(all.data(), all.size());
+  o.setTag(tag);
+  o.setTimeout(timeout);
+  gloo::allgather(o);
+  const ReduceFn fn = reduce_fn<T>(op);
+  std::copy(all.begin(), all.begin() + count, data);
+  for (size_t r = 1; r < n; ++r) fn(data, data, all.data() + r * count, count);
+}
+
+bool is_supported(Dtype d) { return d != Dtype::Bool; }
+
+void check_tensor(const char* op, const Tensor& t, const char* what = "tensor") {
+  EMBER_CHECK(t.defined(), "[gloo] ", op, ": ", what, " is undefined");
+  EMBER_CHECK(t.device().is_cpu(), "[gloo] ", op, " expects CPU tensors, got ", what, " on ",
+              t.device());
+  EMBER_CHECK(t.is_contiguous(), "[gloo] ", op, " expects contiguous tensors, got a ",
+              "non-contiguous ", what, " (shape ", t.shape(), ")");
+  EMBER_CHECK_TYPE(TypeError, is_supported(t.dtype()), "[gloo] ", op,
+                   " supports float32, float64, float16, bfloat16, int32, int64 and uint8, got ",
+                   what, " of dtype ", t.dtype());
+}
+
+void check_root(const char* op, int root, int size) {
+  EMBER_CHECK(root >= 0 && root < size, "[gloo] ", op, ": root ", root,
+              " is not a rank of this group of size ", size);
+}
+
+void check_list(const char* op, const std::vector<Tensor>& list, int n, const Tensor& like,
+                const char* what) {
+  EMBER_CHECK(static_cast<int>(list.size()) == n, "[gloo] ", op, " expected ", n, " ", what,
+              " tensors (one per rank), got ", list.size());
+  for (size_t i = 0; i < list.size(); ++i) {
+    EMBER_CHECK(list[i].defined() && list[i].shape() == like.shape() &&
+                    list[i].dtype() == like.dtype() && list[i].device().is_cpu(),
+                "[gloo] ", op, ": ", what, "[", i, "] must be a CPU tensor of shape ", like.shape(),
+                " and dtype ", like.dtype());
+  }
+}
+
+/// A Work whose default wait outlasts the worker's own deadline a little, so that the
+/// worker's error (which says what Gloo saw) reaches the caller rather than a bare timeout.
+class GlooWork : public Work {
+ public:
+  using Work::Work;
+  bool wait(std::optional<Duration> timeout = {}) override {
+    if (timeout) return Work::wait(timeout);
+    try {
+      future_->wait(timeout_ + std::chrono::seconds(2));
+    } catch (const DistTimeoutError&) {
+      if (future_->completed()) throw;
+      throw DistTimeoutError(detail::str_cat(what_, " timed out after ", timeout_.count(), " ms"));
+    }
+    return true;
+  }
+};
+
+std::string hostname_of_machine() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0) return {};
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(buf, nullptr, &hints, &res) != 0) return {};
+  ::freeaddrinfo(res);
+  return buf;
+}
+
+// Gloo writes to sockets with writev(), which raises SIGPIPE when a peer died; its default
+// action would kill this process instead of letting the collective report the dead peer.
+// Ignored here only if nobody installed a handler (as Python does for every torch program).
+void ignore_sigpipe() {
+  struct sigaction old {};
+  if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) {
+    ::signal(SIGPIPE, SIG_IGN);
+  }
+}
+
+}  // namespace
+
+// ---- Impl ---------------------------------------------------------------------------------------
+
+class ProcessGroupGloo::Impl {
+ public:
+  struct Job {
+    std::shared_ptr<Work> work;
+    Clock::time_point deadline;
+    std::function<std::vector<Tensor>(std::chrono::milliseconds)> run;
+  };
+
+  Impl(const ProcessGroupGloo& pg, std::shared_ptr<Store> store, const GlooOptions& opts)
+      : rank_(pg.rank()), size_(pg.size()) {
+    if (size_ == 1) return;  // world size 1: no network, everything completes inline
+    ignore_sigpipe();
+    gloo::transport::tcp::attr attr;
+    bool guessed = false;
+    if (!opts.hostname.empty()) {
+      attr.hostname = opts.hostname;
+    } else if (const char* h = std::getenv("EMBER_GLOO_HOSTNAME"); h && *h) {
+      attr.hostname = h;
+    } else if (const char* i = std::getenv("GLOO_SOCKET_IFNAME"); i && *i) {
+      attr.iface = i;
+    } else {
+      attr.hostname = hostname_of_machine();
+      guessed = true;
+      if (attr.hostname.empty()) attr.hostname = "127.0.0.1";
+    }
+    try {
+      device_ = gloo::transport::tcp::CreateDevice(attr);
+    } catch (const std::exception& e) {
+      if (!guessed) {
+        throw DistBackendError(
+            detail::str_cat("[gloo] rank ", rank_, " of ", size_, ": cannot listen on '",
+                            attr.iface.empty() ? attr.hostname : attr.iface, "': ", e.what()));
+      }
+      attr.hostname = "127.0.0.1";
+      device_ = gloo::transport::tcp::CreateDevice(attr);
+    }
+    auto ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
+    ctx->setTimeout(opts.timeout);
+    GlooStoreAdapter adapter(std::move(store), opts.timeout);
+    try {
+      ctx->connectFullMesh(adapter, device_);
+    } catch (const DistTimeoutError& e) {
+      throw DistTimeoutError(detail::str_cat("[gloo] rank ", rank_, " of ", size_,
+                                             ": not every peer joined within ",
+                                             opts.timeout.count(), " ms: ", e.what()));
+    } catch (const DistError&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw DistBackendError(detail::str_cat("[gloo] rank ", rank_, " of ", size_,
+                                             " could not connect to its peers (timeout ",
+                                             opts.timeout.count(), " ms): ", e.what()));
+    }
+    context_ = ctx;
+    worker_ = std::thread([this] { loop(queue_, true); });
+    p2p_ = std::thread([this] { loop(p2p_queue_, false); });
+  }
+
+  ~Impl() {
+    std::deque<Job> dropped;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      for (auto* q : {&queue_, &p2p_queue_}) {
+        for (auto& j : *q) dropped.push_back(std::move(j));
+        q->clear();
+      }
+    }
+    cv_.notify_all();
+    for (auto& j : dropped) {
+      j.work->finish_with_error(std::make_exception_ptr(DistBackendError(
+          detail::str_cat(j.work->describe(), " failed: the process group was destroyed"))));
+    }
+    if (worker_.joinable()) worker_.join();
+    if (p2p_.joinable()) p2p_.join();
+    if (context_) context_->closeConnections();
+  }
+
+  /// Queues an operation (p2p: on the send/recv thread); for world size 1, runs it now.
+  WorkPtr submit(const std::string& what, Duration timeout,
+                 std::function<std::vector<Tensor>(std::chrono::milliseconds)> run,
+                 bool p2p = false) {
+    auto work = std::make_shared<GlooWork>(what, timeout);
+    Job job{work, Clock::now() + timeout, std::move(run)};
+    if (!context_) {
+      execute(job);
+      return work;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      EMBER_CHECK(!stop_, what, ": the process group is being destroyed");
+      (p2p ? p2p_queue_ : queue_).push_back(std::move(job));
+    }
+    cv_.notify_all();
+    return work;
+  }
+
+  const std::shared_ptr<gloo::Context>& context() const { return context_; }
+
+ private:
+  void loop(std::deque<Job>& queue, bool collectives) {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !queue.empty(); });
+        if (queue.empty()) return;  // stopping
+        job = std::move(queue.front());
+        queue.pop_front();
+      }
+      execute(job, collectives);
+    }
+  }
+
+  void execute(Job& job, bool mark_broken = true) {
+    const std::string& what = job.work->describe();
+    const auto timeout = job.work->timeout();
+    std::string broken;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      broken = broken_;
+    }
+    if (!broken.empty()) {
+      job.work->finish_with_error(std::make_exception_ptr(
+          DistBackendError(detail::str_cat(what, " (timeout ", timeout.count(),
+                                           " ms) failed: the group is unusable after an "
+                                           "earlier failure: ",
+                                           broken))));
+      return;
+    }
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(job.deadline - Clock::now());
+    if (left.count() <= 0) {
+      fail(job,
+           DistTimeoutError(detail::str_cat(what, " timed out after ", timeout.count(),
+                                            " ms (waiting behind earlier operations)")),
+           mark_broken);
+      return;
+    }
+    std::vector<Tensor> out;
+    try {
+      out = job.run(left);
+    } catch (const ValueError&) {
+      job.work->finish_with_error(std::current_exception());
+      return;
+    } catch (const std::exception& e) {
+      const std::string msg = e.what();
+      const bool timed_out =
+          msg.find("imed out") != std::string::npos || msg.find("imeout") != std::string::npos;
+      const bool peer_gone = msg.find("losed") != std::string::npos ||
+                             msg.find("reset") != std::string::npos ||
+                             msg.find("Broken pipe") != std::string::npos;
+      if (timed_out) {
+        fail(job,
+             DistTimeoutError(
+                 detail::str_cat(what, " timed out after ", timeout.count(), " ms: ", msg)),
+             mark_broken);
+      } else {
+        fail(job,
+             DistBackendError(detail::str_cat(
+                 what, " (timeout ", timeout.count(), " ms) failed: ",
+                 peer_gone ? "a peer closed its connection (did a rank exit or die?): " : "", msg)),
+             mark_broken);
+      }
+      return;
+    }
+    job.work->finish(std::move(out));
+  }
+
+  // Fails job with err; a failed collective leaves the ranks out of step, so the group is
+  // marked broken and its connections closed, which wakes peers blocked on this rank.
+  template <typename E>
+  void fail(Job& job, const E& err, bool mark_broken) {
+    if (mark_broken && context_) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (broken_.empty()) broken_ = err.what();
+      }
+      context_->closeConnections();
+    }
+    job.work->finish_with_error(std::make_exception_ptr(err));
+  }
+
+  int rank_;
+  int size_;
+  std::shared_ptr<gloo::transport::Device> device_;
+  std::shared_ptr<gloo::Context> context_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::string broken_;
+  std::deque<Job> queue_;
+  std::deque<Job> p2p_queue_;
+  std::thread worker_;
+  std::thread p2p_;
+};
+
+// ---- ProcessGroupGloo ---------------------------------------------------------------------------
+
+ProcessGroupGloo::ProcessGroupGloo(std::shared_ptr<Store> store, int rank, int size,
+                                   GlooOptions options)
+    : ProcessGroup(rank, size, Options{options.timeout}) {
+  EMBER_CHECK(store != nullptr || size == 1, "[gloo] ProcessGroupGloo needs a store for ", size,
+              " ranks");
+  EMBER_CHECK(options.timeout.count() > 0, "[gloo] timeout must be positive, got ",
+              options.timeout.count(), " ms");
+  impl_ = std::make_unique<Impl>(*this, std::move(store), options);
+}
+
+ProcessGroupGloo::~ProcessGroupGloo() = default;
+
+WorkPtr ProcessGroupGloo::allreduce(Tensor& tensor, const AllreduceOptions& opts) {
+  check_tensor("allreduce", tensor);
+  const uint32_t tag = static_cast<uint32_t>(seq_);
+  const int n = size_;
+  auto ctx = impl_->context();
+  Tensor t = tensor;
+  const ReduceOp op = opts.op;
+  return impl_->submit(next_op("allreduce"), timeout_of(opts.timeout),
+                       [=](std::chrono::milliseconds left) {
+                         if (ctx && t.numel() > 0) {
+                           EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] allreduce", [&]<typename T>() {
+                             const size_t count = static_cast<size_t>(t.numel());
+                             T* data = t.template data<T>();
+                             if (static_cast<size_t>(t.nbytes()) <= kSmallAllreduceBytes) {
+                               small_allreduce<T>(ctx, data, count, op, tag, left);
+                               return;
+                             }
+                             gloo::AllreduceOptions o(ctx);
+                             o.setOutput<T>(data, count);
+                             o.setReduceFunction(reduce_fn<T>(op));
+                             o.setTag(tag);
+                             o.setTimeout(left);
+                             gloo::allreduce(o);
+                           });
+                         }
+                         if (op == ReduceOp::Avg && n > 1) divide_in_place(t, n);
+                         return std::vector<Tensor>{t};
+                       });
+}
+
+WorkPtr ProcessGroupGloo::reduce(Tensor& tensor, const ReduceOptions& opts) {
+  check_tensor("reduce", tensor);
+  check_root("reduce", opts.root, size_);
+  const uint32_t tag = static_cast<uint32_t>(seq_);
+  const int n = size_, me = rank_, root = opts.root;
+  auto ctx = impl_->context();
+  Tensor t = tensor;
+  const ReduceOp op = opts.op;
+  return impl_->submit(next_op("reduce"), timeout_of(opts.timeout),
+                       [=](std::chrono::milliseconds left) {
+                         if (ctx && t.numel() > 0) {
+                           EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] reduce", [&]<typename T>() {
+                             gloo::ReduceOptions o(ctx);
+                             o.setOutput<T>(t.template data<T>(), static_cast<size_t>(t.numel()));
+                             o.setRoot(root);
+                             o.setReduceFunction(reduce_fn<T>(op));
+                             o.setTag(tag);
+                             o.setTimeout(left);
+                             gloo::reduce(o);
+                           });
+                         }
+                         if (op == ReduceOp::Avg && n > 1 && me == root) divide_in_place(t, n);
+                         return std::vector<Tensor>{t};
+                       });
+}
+
+WorkPtr ProcessGroupGloo::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
+  check_tensor("broadcast", tensor);
+  check_root("broadcast", opts.root, size_);
+  const uint32_t tag = static_cast<uint32_t>(seq_);
+  const int me = rank_, root = opts.root;
+  auto ctx = impl_->context();
+  Tensor t = tensor;
+  return impl_->submit(next_op("broadcast"), timeout_of(opts.timeout),
+                       [=](std::chrono::milliseconds left) {
+                         if (ctx && t.numel() > 0) {
+                           gloo::BroadcastOptions o(ctx);
+                           auto* p = static_cast<uint8_t*>(t.data_ptr());
+                           const size_t nb = static_cast<size_t>(t.nbytes());
+                           if (me == root) o.setInput<uint8_t>(p, nb);
+                           o.setOutput<uint8_t>(p, nb);
+                           o.setRoot(root);
+                           o.setTag(tag);
+                           o.setTimeout(left);
+                           gloo::broadcast(o);
+                         }
+                         return std::vector<Tensor>{t};
+                       });
+}
+
+WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& input,
+                                                const CollectiveOptions& opts) {
+  check_tensor("allgather_into_tensor", input, "input");
+  check_tensor("allgather_into_tensor", output, "output");
+  EMBER_CHECK(output.dtype() == input.dtype() && output.numel() == input.numel() * size_,
+              "[gloo] allgather_into_tensor: output must hold ", size_, " x ", input.numel(),
+              " elements of ", input.dtype(), ", got ", output.numel(), " of ", output.dtype());
+  const uint32_t tag = static_cast<uint32_t>(seq_);
+  auto ctx = impl_->context();
+  Tensor in = input, out = output;
+  return impl_->submit(next_op("allgather_into_tensor"), timeout_of(opts.timeout),
+                       [=](std::chrono::milliseconds left) mutable {
+                         if (!ctx) {
+                           out.view(in.shape()).copy_(in);
+                         } else if (in.numel() > 0) {
+                           gloo::AllgatherOptions o(ctx);
+                           o.setInput<uint8_t>(static_cast<uint8_t*>(in.data_ptr()),
+                                               static_cast<size_t>(in.nbytes()));
+                           o.setOutput<uint8_t>(static_cast<uint8_t*>(out.data_ptr()),
+                                                static_cast<size_t>(out.nbytes()));
+                           o.setTag(tag);
+                           o.setTimeout(left);
+                           gloo::allgather(o);
+                         }
+                         return std::vector<Tensor>{out};
+                       });
+}
+
+WorkPtr ProcessGroupGloo::gather(std::vector<Tensor>& outputs, const Tensor& input,
+                                 const GatherOptions& opts) {
+  check_tensor("gather", input, "input");
+  check_root("gather", opts.root, size_);
+  const int me = rank_, root = opts.root, n = size_;
+  if (me == root) {
+    check_list("gather", outputs, n, input, "outputs");
+  } else {
+    EMBER_CHECK(outputs.empty(), "[gloo] gather: only the root (rank ", root,
+                ") passes output tensors; rank ", me, " got ", outputs.size());
+  }
+  const uint32_t tag = static_cast<uint32_t>(seq_);
+  auto ctx = impl_->context();
+  Tensor in = input;
+  std::vector<Tensor> outs = outputs;
+  return impl_->submit(
+      next_op("gather"), timeout_of(opts.timeout), [=](std::chrono::milliseconds left) mutable {
+        if (!ctx) {
+          outs[0].copy_(in);
+          return outs;
+        }
+        if (in.numel() == 0) return outs;
+        Tensor flat;
+        gloo::GatherOptions o(ctx);
+        o.setInput<uint8_t>(static_cast<uint8_t*>(in.data_ptr()), static_cast<size_t>(in.nbytes()));
+        if (me == root) {
+          flat = empty({static_cast<int64_t>(n) * in.numel()}, in.options());
+          o.setOutput<uint8_t>(static_cast<uint8_t*>(flat.data_ptr()),
+                               static_cast<size_t>(flat.nbytes()));
+        }
+        o.setRoot(root);
+        o.setTag(tag);
+        o.setTimeout(left);
+        gloo::gather(o);
+        for (int r = 0; r < static_cast<int>(outs.size()); ++r) {
+          outs[r].copy_(flat.narrow(0, r * in.numel(), in.numel()).view(in.shape()));
+        }
+        return outs;
+      });
+}
+
+WorkPtr ProcessGroupGloo::scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                                  const ScatterOptions& opts) {
+  check_tensor("scatter", output, "output");
+  check_root("scatter", opts.root, size_);
+  const int me = rank_, root = opts.root, n = size_;
+  std::vector<Tensor> ins;
+  if (me == root) {
+    check_list("scatter", inputs, n, output, "inputs");
+    for (const Tensor& t : inputs) ins.push_back(t.contiguous());
+  } else {
+    EMBER_CHECK(inputs.empty(), "[gloo] scatter: only the root (rank ", root,
+                ") passes input tensors; rank ", me, " got ", inputs.size());
+  }
+  const uint32_t tag = static_cast<uint32_t>(seq_);
+  auto ctx = impl_->context();
+  Tensor out = output;
+  return impl_->submit(next_op("scatter"), timeout_of(opts.timeout),
+                       [=](std::chrono::milliseconds left) mutable {
+                         if (!ctx) {
+                           out.copy_(ins[0]);
+                         } else if (out.numel() > 0) {
+                           gloo::ScatterOptions o(ctx);
+                           const size_t nb = static_cast<size_t>(out.nbytes());
+                           if (me == root) {
+                             std::vector<uint8_t*> ptrs;
+                             for (Tensor& t : ins)
+                               ptrs.push_back(static_cast<uint8_t*>(t.data_ptr()));
+                             o.setInputs<uint8_t>(ptrs, nb);
+                           }
+                           o.setOutput<uint8_t>(static_cast<uint8_t*>(out.data_ptr()), nb);
+                           o.setRoot(root);
+                           o.setTag(tag);
+                           o.setTimeout(left);
+                           gloo::scatter(o);
+                         }
+                         return std::vector<Tensor>{out};
+                       });
+}
+
+WorkPtr ProcessGroupGloo::alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                                   const CollectiveOptions& opts) {
+  EMBER_CHECK(!inputs.empty(), "[gloo] alltoall expected ", size_, " input tensors, got none");
+  check_tensor("alltoall", inputs[0], "inputs[0]");
+  check_list("alltoall", inputs, size_, inputs[0], "inputs");
+  check_list("alltoall", outputs, size_, inputs[0], "outputs");
+  std::vector<Tensor> flat_in;
+  for (const Tensor& t : inputs) flat_in.push_back(t.reshape({-1}));
+  Tensor in = cat(flat_in, 0);
+  const uint32_t tag = static_cast<uint32_t>(seq_);
+  auto ctx = impl_->context();
+  std::vector<Tensor> outs = outputs;
+  return impl_->submit(
+      next_op("alltoall"), timeout_of(opts.timeout), [=](std::chrono::milliseconds left) mutable {
+        if (!ctx) {
+          outs[0].copy_(in.view(outs[0].shape()));
+          return outs;
+        }
+        if (in.numel() == 0) return outs;
+        Tensor out = empty_like(in);
+        gloo::AlltoallOptions o(ctx);
+        o.setInput<uint8_t>(static_cast<uint8_t*>(in.data_ptr()), static_cast<size_t>(in.nbytes()));
+        o.setOutput<uint8_t>(static_cast<uint8_t*>(out.data_ptr()),
+                             static_cast<size_t>(out.nbytes()));
+        o.setTag(tag);
+        o.setTimeout(left);
+        gloo::alltoall(o);
+        const int64_t k = in.numel() / static_cast<int64_t>(outs.size());
+        for (size_t r = 0; r < outs.size(); ++r) {
+          outs[r].copy_(out.narrow(0, static_cast<int64_t>(r) * k, k).view(outs[r].shape()));
+        }
+        return outs;
+      });
+}
+
+WorkPtr ProcessGroupGloo::barrier(const CollectiveOptions& opts) {
+  const uint32_t tag = static_cast<uint32_t>(seq_);
+  auto ctx = impl_->context();
+  return impl_->submit(next_op("barrier"), timeout_of(opts.timeout),
+                       [=](std::chrono::milliseconds left) {
+                         if (ctx) {
+                           gloo::BarrierOptions o(ctx);
+                           o.setTag(tag);
+                           o.setTimeout(left);
+                           gloo::barrier(o);
+                         }
+                         return std::vector<Tensor>{};
+                       });
+}
+
+WorkPtr ProcessGroupGloo::send(const Tensor& tensor, int dst, int tag) {
+  check_tensor("send", tensor);
+  EMBER_CHECK(dst >= 0 && dst < size_ && dst != rank_, "[gloo] send: dst ", dst,
+              " must be another rank of this group of size ", size_, " (this is rank ", rank_, ")");
+  EMBER_CHECK(tag >= 0, "[gloo] send: tag must be >= 0, got ", tag);
+  Tensor t = tensor;
+  std::shared_ptr<gloo::transport::UnboundBuffer> buf;
+  if (t.numel() > 0) {  // both sides skip empty messages
+    buf = impl_->context()->createUnboundBuffer(t.data_ptr(), static_cast<size_t>(t.nbytes()));
+    buf->send(dst, gloo::Slot::build(kSendRecvSlotPrefix, static_cast<uint32_t>(tag)));
+  }
+  return impl_->submit(
+      detail::str_cat(next_op("send"), " to rank ", dst, " tag ", tag), timeout(),
+      [t, buf](std::chrono::milliseconds left) {
+        if (buf) buf->waitSend(left);
+        return std::vector<Tensor>{t};
+      },
+      /*p2p=*/true);
+}
+
+WorkPtr ProcessGroupGloo::recv(Tensor& tensor, int src, int tag) {
+  check_tensor("recv", tensor);
+  EMBER_CHECK(src >= 0 && src < size_ && src != rank_, "[gloo] recv: src ", src,
+              " must be another rank of this group of size ", size_, " (this is rank ", rank_, ")");
+  EMBER_CHECK(tag >= 0, "[gloo] recv: tag must be >= 0, got ", tag);
+  Tensor t = tensor;
+  std::shared_ptr<gloo::transport::UnboundBuffer> buf;
+  if (t.numel() > 0) {
+    buf = impl_->context()->createUnboundBuffer(t.data_ptr(), static_cast<size_t>(t.nbytes()));
+    buf->recv(src, gloo::Slot::build(kSendRecvSlotPrefix, static_cast<uint32_t>(tag)));
+  }
+  return impl_->submit(
+      detail::str_cat(next_op("recv"), " from rank ", src, " tag ", tag), timeout(),
+      [t, buf](std::chrono::milliseconds left) {
+        if (buf) buf->waitRecv(left);
+        return std::vector<Tensor>{t};
+      },
+      /*p2p=*/true);
+}
+
+}  // namespace ember::dist

@@ -1,0 +1,88 @@
+// ProcessGroupGloo: collectives over Gloo's TCP transport, on CPU tensors
+// (torch.distributed's ProcessGroupGloo).
+//
+// Ranks rendezvous through a Store (each publishes its address; Gloo connects a full mesh).
+// Collectives run one after another, in issue order, on the group's worker thread; send and
+// recv are posted at once from the calling thread and completed by a second thread, so a rank
+// may send and receive concurrently without deadlock (that thread reports completions in the
+// order the operations were posted). Every operation carries a deadline (the
+// group's timeout or the call's): a collective that cannot finish, or whose peer died (its
+// connection closed), fails with an error naming "[gloo]", the collective, its sequence
+// number, this rank and the timeout. After a failure the group closes its connections, so
+// peers blocked on this rank fail at once rather than at their timeout, and the group cannot
+// be used again (as in c10d: recreate it).
+//
+// Dtypes: float32, float64, float16, bfloat16, int32, int64, uint8; tensors must be contiguous
+// CPU tensors. float16/bfloat16 reductions compute each pairwise step in float32 and round
+// back. ReduceOp::Avg is sum then division by the group size (integers: truncating division).
+//
+// SIGPIPE: a group of more than one rank sets SIGPIPE to SIG_IGN if it still has its default
+// action, so that writing to a dead peer's socket reports the peer instead of killing this
+// process (as Python does for every torch program).
+//
+// World size 1 never touches the network: every collective completes inline.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "distributed/process_group.h"
+#include "distributed/store.h"
+
+namespace ember::dist {
+
+/// True if this build has the gloo backend (EMBER_WITH_GLOO=ON and libgloo found).
+bool gloo_available();
+
+class ProcessGroupGloo : public ProcessGroup {
+ public:
+  struct GlooOptions {
+    /// Default timeout of every operation, and the limit on the rendezvous.
+    Duration timeout = kDefaultCollectiveTimeout;
+    /// Address (host name or IP) this rank listens on for its peers. Empty: the environment's
+    /// EMBER_GLOO_HOSTNAME, else the interface named by GLOO_SOCKET_IFNAME, else this
+    /// machine's host name (as c10d).
+    std::string hostname;
+  };
+
+  /// Rendezvous with the other size-1 ranks through `store` (which should be private to this
+  /// group, e.g. a PrefixStore) and connect. Throws ValueError for a bad rank/size,
+  /// DistTimeoutError if the peers do not show up within options.timeout, DistBackendError
+  /// (naming the address) if Gloo cannot listen or connect, or, in builds without gloo,
+  /// NotImplementedError "gloo is not available: built with EMBER_WITH_GLOO=OFF".
+  ProcessGroupGloo(std::shared_ptr<Store> store, int rank, int size, GlooOptions options);
+  ProcessGroupGloo(std::shared_ptr<Store> store, int rank, int size)
+      : ProcessGroupGloo(std::move(store), rank, size, GlooOptions{}) {}
+  /// Fails every queued operation (DistBackendError "process group destroyed"), waits for the
+  /// running one to end (bounded by its timeout) and closes the connections.
+  ~ProcessGroupGloo() override;
+
+  /// Same as gloo_available().
+  static bool is_available() { return gloo_available(); }
+
+  std::string backend_name() const override { return "gloo"; }
+
+  WorkPtr allreduce(Tensor& tensor, const AllreduceOptions& opts = {}) override;
+  WorkPtr broadcast(Tensor& tensor, const BroadcastOptions& opts = {}) override;
+  WorkPtr reduce(Tensor& tensor, const ReduceOptions& opts = {}) override;
+  WorkPtr allgather_into_tensor(Tensor& output, const Tensor& input,
+                                const CollectiveOptions& opts = {}) override;
+  WorkPtr gather(std::vector<Tensor>& outputs, const Tensor& input,
+                 const GatherOptions& opts = {}) override;
+  WorkPtr scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                  const ScatterOptions& opts = {}) override;
+  WorkPtr alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                   const CollectiveOptions& opts = {}) override;
+  WorkPtr barrier(const CollectiveOptions& opts = {}) override;
+  /// Posts the send at once; the Work completes when the data has left (the receiver posted
+  /// its recv). Times out after the group's timeout. `tag` must match the receiver's.
+  WorkPtr send(const Tensor& tensor, int dst, int tag = 0) override;
+  WorkPtr recv(Tensor& tensor, int src, int tag = 0) override;
+
+  class Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ember::dist

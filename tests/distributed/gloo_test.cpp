@@ -1,0 +1,486 @@
+// ProcessGroupGloo: real multi-process groups on 127.0.0.1 (world sizes 1-4), every collective,
+// dtype and reduce op against closed-form values; async Work/Future; argument errors; a rank
+// that dies or stalls mid-collective.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
+#include <cmath>
+
+#include "distributed/hash_store.h"
+#include "distributed/prefix_store.h"
+#include "distributed/process_group_gloo.h"
+#include "distributed/tcp_store.h"
+#include "tests/distributed/store_test_util.h"
+
+namespace ember::dist {
+namespace {
+
+// Builds without gloo (EMBER_WITH_GLOO=OFF) skip what needs it.
+#define EMBER_REQUIRE_GLOO() \
+  if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)"
+
+using namespace std::chrono_literals;
+using test::require;
+
+// Option structs without -Wmissing-field-initializers noise.
+AllreduceOptions ar(ReduceOp op) {
+  AllreduceOptions o;
+  o.op = op;
+  return o;
+}
+BroadcastOptions bc(int root) {
+  BroadcastOptions o;
+  o.root = root;
+  return o;
+}
+ReduceOptions rd(int root, ReduceOp op) {
+  ReduceOptions o;
+  o.root = root;
+  o.op = op;
+  return o;
+}
+GatherOptions ga(int root) {
+  GatherOptions o;
+  o.root = root;
+  return o;
+}
+ScatterOptions sc(int root) {
+  ScatterOptions o;
+  o.root = root;
+  return o;
+}
+std::shared_ptr<TCPStore> client(const std::string& port) {
+  TCPStoreOptions o;
+  o.timeout = std::chrono::seconds(60);
+  return std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), o);
+}
+TCPStoreServerOptions loopback_server() {
+  TCPStoreServerOptions o;
+  o.host = "127.0.0.1";
+  return o;
+}
+
+const Dtype kDtypes[] = {kFloat32, kFloat64, kFloat16, kBFloat16, kInt32, kInt64, kUInt8};
+
+Tensor make(const std::vector<double>& v, Dtype d) {
+  if (v.empty()) return empty({0}, d);
+  return from_vector(v).to(d);
+}
+
+std::vector<double> values(const Tensor& t) {
+  if (t.numel() == 0) return {};
+  return t.to(kFloat64).reshape({-1}).to_vector<double>();
+}
+
+// Throws (in a child) naming the case, the first differing index and both values.
+void require_values(const std::string& what, const Tensor& got, const std::vector<double>& want) {
+  const std::vector<double> g = values(got);
+  require(g.size() == want.size(), what + ": got " + std::to_string(g.size()) + " elements, want " +
+                                       std::to_string(want.size()));
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (std::fabs(g[i] - want[i]) > 1e-6 * (1 + std::fabs(want[i]))) {
+      throw std::runtime_error(what + ": index " + std::to_string(i) + " got " +
+                               std::to_string(g[i]) + " want " + std::to_string(want[i]));
+    }
+  }
+}
+
+std::string name(const char* op, Dtype d, int rank, const std::string& extra = "") {
+  return detail::str_cat(op, " ", d, " on rank ", rank, extra);
+}
+
+/// Runs body(pg, rank, store) in n forked ranks connected through a TCPStoreServer on an
+/// OS-picked port in this process; every rank's failures are reported here.
+void run_group(int n, const std::function<void(ProcessGroupGloo&, int, Store&)>& body,
+               Duration timeout = 60s) {
+  test::Children kids(n, [&](int rank, const std::string& port) {
+    auto store = client(port);
+    ProcessGroupGloo pg(std::make_shared<PrefixStore>("pg", store), rank, n,
+                        ProcessGroupGloo::GlooOptions{timeout, "127.0.0.1"});
+    body(pg, rank, *store);
+  });
+  TCPStoreServer server(loopback_server());
+  kids.go(std::to_string(server.port()));
+  test::expect_children_ok(kids.join());
+}
+
+// ---- closed forms: rank r's allreduce input at index i is r + 1 + i % 2 ----------------------
+
+double input(int r, int64_t i) { return r + 1 + static_cast<double>(i % 2); }
+
+double expected(ReduceOp op, int n, int64_t i, Dtype d) {
+  const double k = static_cast<double>(i % 2);
+  switch (op) {
+    case ReduceOp::Sum:
+      return n * (n + 1) / 2.0 + n * k;
+    case ReduceOp::Avg: {
+      const double s = n * (n + 1) / 2.0 + n * k;
+      return is_floating(d) ? s / n : std::floor(s / n);  // integers: truncating division
+    }
+    case ReduceOp::Product: {
+      double p = 1;
+      for (int r = 0; r < n; ++r) p *= r + 1 + k;
+      return p;
+    }
+    case ReduceOp::Min:
+      return 1 + k;
+    case ReduceOp::Max:
+      return n + k;
+  }
+  return 0;
+}
+
+class GlooWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(GlooWorld, AllreduceEveryDtypeOpAndSize) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam();
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    require(pg.backend_name() == "gloo" && pg.rank() == rank && pg.size() == n, "identity");
+    for (Dtype d : kDtypes) {
+      for (ReduceOp op :
+           {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max}) {
+        // 70000 elements exceed the small-message path (Note [small allreduce]) for every dtype.
+        for (int64_t len : {0, 5, 1003, 70000}) {
+          std::vector<double> in(len), want(len);
+          for (int64_t i = 0; i < len; ++i) {
+            in[i] = input(rank, i);
+            want[i] = expected(op, n, i, d);
+          }
+          Tensor t = make(in, d);
+          WorkPtr w = pg.allreduce(t, ar(op));
+          require(w->wait(), "wait");
+          require_values(
+              name("allreduce", d, rank, detail::str_cat(" op ", to_string(op), " len ", len)), t,
+              want);
+        }
+      }
+    }
+  });
+}
+
+TEST_P(GlooWorld, BroadcastAllgatherReduceEveryDtype) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam();
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    for (Dtype d : kDtypes) {
+      // broadcast from the last rank: rank r holds r*10 + i%7.
+      for (int root : {0, n - 1}) {
+        std::vector<double> in(1003), want(1003);
+        for (int i = 0; i < 1003; ++i) {
+          in[i] = rank * 10 + i % 7;
+          want[i] = root * 10 + i % 7;
+        }
+        Tensor t = make(in, d);
+        pg.broadcast(t, bc(root))->wait();
+        require_values(name("broadcast", d, rank, " root " + std::to_string(root)), t, want);
+      }
+      // allgather_into_tensor: rank r contributes input(r, i), 5 elements.
+      {
+        std::vector<double> in(5), want;
+        for (int i = 0; i < 5; ++i) in[i] = input(rank, i);
+        for (int r = 0; r < n; ++r) {
+          for (int i = 0; i < 5; ++i) want.push_back(input(r, i));
+        }
+        Tensor out = empty({n * 5}, d);
+        Tensor in_t = make(in, d);
+        pg.allgather_into_tensor(out, in_t)->wait();
+        require_values(name("allgather_into_tensor", d, rank), out, want);
+      }
+      // allgather (list form), shape [2, 3].
+      {
+        std::vector<Tensor> outs;
+        for (int r = 0; r < n; ++r) outs.push_back(empty({2, 3}, d));
+        Tensor in = full({2, 3}, rank + 3, d);
+        pg.allgather(outs, in)->wait();
+        for (int r = 0; r < n; ++r) {
+          require_values(name("allgather", d, rank, " output " + std::to_string(r)), outs[r],
+                         std::vector<double>(6, r + 3));
+        }
+      }
+      // reduce (sum and max) to root n-1.
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg}) {
+        std::vector<double> in(7), want(7);
+        for (int i = 0; i < 7; ++i) {
+          in[i] = input(rank, i);
+          want[i] = expected(op, n, i, d);
+        }
+        Tensor t = make(in, d);
+        pg.reduce(t, rd(n - 1, op))->wait();
+        if (rank == n - 1) {
+          require_values(name("reduce", d, rank, std::string(" op ") + to_string(op)), t, want);
+        }
+      }
+    }
+  });
+}
+
+TEST_P(GlooWorld, GatherScatterReduceScatterAlltoallEveryDtype) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam();
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    for (Dtype d : kDtypes) {
+      // gather to root n-1: rank r sends [r, r+1, r+2].
+      {
+        std::vector<Tensor> outs;
+        if (rank == n - 1) {
+          for (int r = 0; r < n; ++r) outs.push_back(empty({3}, d));
+        }
+        Tensor in = make({double(rank), rank + 1.0, rank + 2.0}, d);
+        pg.gather(outs, in, ga(n - 1))->wait();
+        for (int r = 0; r < static_cast<int>(outs.size()); ++r) {
+          require_values(name("gather", d, rank, " from " + std::to_string(r)), outs[r],
+                         {double(r), r + 1.0, r + 2.0});
+        }
+      }
+      // scatter from root 0: inputs[r] = [3r, 3r+1].
+      {
+        std::vector<Tensor> ins;
+        if (rank == 0) {
+          for (int r = 0; r < n; ++r) ins.push_back(make({3.0 * r, 3.0 * r + 1}, d));
+        }
+        Tensor out = empty({2}, d);
+        pg.scatter(out, ins, sc(0))->wait();
+        require_values(name("scatter", d, rank), out, {3.0 * rank, 3.0 * rank + 1});
+      }
+      // reduce_scatter (sum): rank r's inputs[j][i] = r + j + i%2; rank me gets
+      // sum_r (r + me + i%2) = n(n-1)/2 + n*(me + i%2).
+      {
+        std::vector<Tensor> ins;
+        for (int j = 0; j < n; ++j) {
+          std::vector<double> v(5);
+          for (int i = 0; i < 5; ++i) v[i] = rank + j + i % 2;
+          ins.push_back(make(v, d));
+        }
+        Tensor out = empty({5}, d);
+        pg.reduce_scatter(out, ins)->wait();
+        std::vector<double> want(5);
+        for (int i = 0; i < 5; ++i) want[i] = n * (n - 1) / 2.0 + n * (rank + i % 2);
+        require_values(name("reduce_scatter", d, rank), out, want);
+      }
+      // alltoall: rank r's inputs[j][i] = 10r + j + i; rank me's outputs[j][i] = 10j + me + i.
+      {
+        std::vector<Tensor> ins, outs;
+        for (int j = 0; j < n; ++j) {
+          ins.push_back(make({10.0 * rank + j, 10.0 * rank + j + 1, 10.0 * rank + j + 2}, d));
+          outs.push_back(empty({3}, d));
+        }
+        pg.alltoall(outs, ins)->wait();
+        for (int j = 0; j < n; ++j) {
+          require_values(name("alltoall", d, rank, " from " + std::to_string(j)), outs[j],
+                         {10.0 * j + rank, 10.0 * j + rank + 1, 10.0 * j + rank + 2});
+        }
+      }
+    }
+    pg.barrier()->wait();
+  });
+}
+
+TEST_P(GlooWorld, SendRecvRingEveryDtype) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam();
+  if (n == 1) GTEST_SKIP() << "send/recv needs a peer";
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    const int next = (rank + 1) % n, prev = (rank + n - 1) % n;
+    for (Dtype d : kDtypes) {
+      std::vector<double> v(7), want(7);
+      for (int i = 0; i < 7; ++i) {
+        v[i] = rank * 10 + i;
+        want[i] = prev * 10 + i;
+      }
+      Tensor out = make(v, d);
+      Tensor in = empty({7}, d);
+      // Both posted before either is waited on: no rank orders them, so no deadlock.
+      WorkPtr s = pg.send(out, next, /*tag=*/3);
+      WorkPtr r = pg.recv(in, prev, /*tag=*/3);
+      r->wait();
+      s->wait();
+      require_values(name("recv", d, rank), in, want);
+    }
+    // Two messages on different tags, received in the opposite order.
+    if (n == 2) {
+      Tensor a = full({4}, rank + 1.0, kFloat32), b = full({4}, rank + 5.0, kFloat32);
+      Tensor ra = empty({4}, kFloat32), rb = empty({4}, kFloat32);
+      WorkPtr s1 = pg.send(a, next, 1), s2 = pg.send(b, next, 2);
+      WorkPtr r2 = pg.recv(rb, prev, 2), r1 = pg.recv(ra, prev, 1);
+      for (auto& w : {s1, s2, r2, r1}) w->wait();
+      require_values("tagged recv 1", ra, std::vector<double>(4, prev + 1.0));
+      require_values("tagged recv 2", rb, std::vector<double>(4, prev + 5.0));
+    }
+  });
+}
+
+TEST_P(GlooWorld, AsyncWorkAndFutures) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam();
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    const uint64_t seq0 = pg.sequence_number();
+    std::vector<Tensor> ts;
+    std::vector<WorkPtr> works;
+    for (int k = 0; k < 16; ++k) ts.push_back(full({1000}, rank + k, kFloat32));
+    for (int k = 0; k < 16; ++k) works.push_back(pg.allreduce(ts[k]));
+    require(pg.sequence_number() == seq0 + 16, "sequence numbers count collectives");
+    require(works[5]->describe() ==
+                detail::str_cat("[gloo] allreduce #", seq0 + 5, " on rank ", rank, " of ", n),
+            "describe(): " + works[5]->describe());
+    // A then() chain on the last one: doubles the result.
+    auto doubled = works.back()->future()->then(
+        [](Future& f) { return std::vector<Tensor>{f.value()[0].mul(full({1}, 2.0, kFloat32))}; });
+    for (int k = 15; k >= 0; --k) {
+      works[k]->wait();
+      require(works[k]->is_completed() && works[k]->is_success() && !works[k]->exception(),
+              "completed");
+      require_values("async allreduce " + std::to_string(k), ts[k],
+                     std::vector<double>(1000, n * (n - 1) / 2.0 + n * k));
+      require(works[k]->result().size() == 1, "result holds the tensor");
+    }
+    doubled->wait(10s);
+    require_values("then()", doubled->value()[0],
+                   std::vector<double>(1000, 2 * (n * (n - 1) / 2.0 + n * 15)));
+    // Per-call timeout is accepted and used as the Work's timeout.
+    Tensor t = full({3}, 1.0, kFloat64);
+    WorkPtr w = pg.allreduce(t, AllreduceOptions{ReduceOp::Sum, 20s});
+    require(w->timeout() == 20s, "per-call timeout");
+    w->wait();
+    require_values("timed allreduce", t, std::vector<double>(3, n));
+    pg.barrier(CollectiveOptions{5s})->wait();
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooWorld, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
+
+// ---- argument errors (world size 1: no network) ------------------------------------------------
+
+std::shared_ptr<ProcessGroupGloo> solo() {
+  return std::make_shared<ProcessGroupGloo>(nullptr, 0, 1,
+                                            ProcessGroupGloo::GlooOptions{5s, "127.0.0.1"});
+}
+
+TEST(GlooErrors, BadArgumentsNameTheOpAndValues) {
+  EMBER_REQUIRE_GLOO();
+  auto pg = solo();
+  Tensor nc = zeros({4, 3}, kFloat32).t();
+  test::expect_error([&] { pg->allreduce(nc); }, {"[gloo] allreduce", "non-contiguous", "[3, 4]"});
+  Tensor b = zeros({3}, kBool);
+  test::expect_error<TypeError>([&] { pg->allreduce(b); }, {"[gloo] allreduce", "bool"});
+  Tensor t = zeros({3}, kFloat32);
+  test::expect_error([&] { pg->broadcast(t, bc(1)); }, {"[gloo] broadcast", "root 1", "size 1"});
+  test::expect_error([&] { pg->send(t, 0); }, {"[gloo] send", "dst 0", "rank 0"});
+  test::expect_error([&] { pg->recv(t, 2); }, {"[gloo] recv", "src 2"});
+  Tensor out = zeros({5}, kFloat32);
+  test::expect_error([&] { pg->allgather_into_tensor(out, t); },
+                     {"[gloo] allgather_into_tensor", "1 x 3", "got 5"});
+  std::vector<Tensor> outs{zeros({3}, kFloat32), zeros({3}, kFloat32)};
+  test::expect_error([&] { pg->gather(outs, t); }, {"[gloo] gather", "expected 1", "got 2"});
+  test::expect_error([&] { ProcessGroupGloo(nullptr, 0, 2); }, {"[gloo]", "store", "2 ranks"});
+  test::expect_error([&] { ProcessGroupGloo(nullptr, 2, 2); }, {"rank 2", "size 2"});
+}
+
+TEST(GlooErrors, WorldSizeOneCompletesInline) {
+  EMBER_REQUIRE_GLOO();
+  auto pg = solo();
+  Tensor t = full({4}, 3.0, kInt64);
+  WorkPtr w = pg->allreduce(t, ar(ReduceOp::Avg));
+  EXPECT_TRUE(w->is_completed());
+  test::expect_close(t, {3, 3, 3, 3}, 0, "avg over one rank");
+  EXPECT_TRUE(pg->barrier()->is_completed());
+}
+
+TEST(GlooErrors, RendezvousTimesOutWhenAPeerNeverJoins) {
+  EMBER_REQUIRE_GLOO();
+  const auto start = std::chrono::steady_clock::now();
+  test::expect_error<DistTimeoutError>(
+      [] {
+        ProcessGroupGloo(std::make_shared<HashStore>(), 0, 2,
+                         ProcessGroupGloo::GlooOptions{500ms, "127.0.0.1"});
+      },
+      {"[gloo] rank 0 of 2", "not every peer joined within 500 ms"});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+}
+
+TEST(GlooStub, ThrowsWhenBuiltWithoutGloo) {
+  if (ProcessGroupGloo::is_available()) GTEST_SKIP() << "this build has gloo";
+  test::expect_error<NotImplementedError>([] { ProcessGroupGloo(nullptr, 0, 1); },
+                                          {"gloo is not available", "EMBER_WITH_GLOO=OFF"});
+}
+
+// ---- failures: a rank dies or stalls mid-collective
+// ------------------------------------------------
+
+// Ranks 0..n-2 run allreduce #0 with the victim, then #1, which the victim never joins: it is
+// killed (SIGKILL) or stalls. The others must fail within the timeout with an error naming the
+// backend, the collective, its sequence number, their rank and the timeout.
+void victim_test(int n, bool kill_victim) {
+  constexpr auto kTimeout = 3000ms;
+  const int victim = n - 1;
+  test::Children kids(n, [&](int rank, const std::string& port) {
+    auto store = client(port);
+    ProcessGroupGloo pg(std::make_shared<PrefixStore>("pg", store), rank, n,
+                        ProcessGroupGloo::GlooOptions{kTimeout, "127.0.0.1"});
+    Tensor t = full({1 << 16}, 1.0, kFloat32);
+    pg.allreduce(t)->wait();
+    if (rank == victim) {
+      if (kill_victim) ::kill(::getpid(), SIGKILL);
+      // Stall: wait for every survivor to have seen its error, then leave quietly.
+      for (int r = 0; r < n - 1; ++r) store->get("seen_" + std::to_string(r), 60s);
+      return;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    WorkPtr w = pg.allreduce(t);
+    std::string msg;
+    try {
+      w->wait();
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    const auto took = std::chrono::steady_clock::now() - start;
+    store->set("seen_" + std::to_string(rank), std::string("1"));
+    require(!msg.empty(), "rank " + std::to_string(rank) + ": allreduce #1 did not fail");
+    const std::string want =
+        "[gloo] allreduce #1 on rank " + std::to_string(rank) + " of " + std::to_string(n);
+    require(msg.find(want) != std::string::npos, "message lacks '" + want + "': " + msg);
+    require(msg.find("3000 ms") != std::string::npos, "message lacks the timeout: " + msg);
+    require(
+        took < kTimeout + 2s,
+        "took " +
+            std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()) +
+            " ms");
+    require(w->is_completed() && !w->is_success() && w->exception(), "Work records the error");
+    // The group is unusable afterwards, and says so.
+    std::string again;
+    try {
+      pg.barrier()->wait();
+    } catch (const DistError& e) {
+      again = e.what();
+    }
+    require(again.find("[gloo] barrier #2") != std::string::npos, "after failure: " + again);
+  });
+  TCPStoreServer server(loopback_server());
+  kids.go(std::to_string(server.port()));
+  std::vector<std::string> errors = kids.join(120000);
+  if (kill_victim) {
+    ASSERT_FALSE(errors.empty()) << "the victim should have died without a report";
+    EXPECT_NE(errors.back().find("child " + std::to_string(victim) + ": died"), std::string::npos)
+        << errors.back();
+    errors.pop_back();
+  }
+  test::expect_children_ok(errors);
+}
+
+TEST(GlooFailure, KilledRankFailsThePeers2) {
+  EMBER_REQUIRE_GLOO();
+  victim_test(2, true);
+}
+TEST(GlooFailure, KilledRankFailsThePeers4) {
+  EMBER_REQUIRE_GLOO();
+  victim_test(4, true);
+}
+TEST(GlooFailure, StalledRankTimesOutThePeers3) {
+  EMBER_REQUIRE_GLOO();
+  victim_test(3, false);
+}
+
+}  // namespace
+}  // namespace ember::dist

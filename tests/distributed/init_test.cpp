@@ -1,0 +1,342 @@
+// init_process_group (env://, tcp://, file://, a given store), the default group, new_group and
+// destroy_process_group; env:// parsing of torch's, Open MPI's, PMI's and Slurm's variables.
+#include "distributed/init.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "distributed/hash_store.h"
+#include "distributed/process_group_gloo.h"
+#include "distributed/tcp_store.h"
+#include "tests/distributed/store_test_util.h"
+
+namespace ember::dist {
+namespace {
+
+// Builds without gloo (EMBER_WITH_GLOO=OFF) skip what needs it.
+#define EMBER_REQUIRE_GLOO() \
+  if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)"
+
+using namespace std::chrono_literals;
+using test::expect_error;
+using test::require;
+using Env = std::map<std::string, std::string>;
+
+// ---- env:// parsing
+// ------------------------------------------------------------------------------
+
+TEST(ParseEnv, TorchVariables) {
+  const EnvRendezvous r = parse_env_rendezvous(Env{
+      {"RANK", "2"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}});
+  EXPECT_EQ(r.rank, 2);
+  EXPECT_EQ(r.world_size, 4);
+  EXPECT_EQ(r.master_addr, "10.0.0.1");
+  EXPECT_EQ(r.master_port, 29500);
+  EXPECT_EQ(r.source, "RANK/WORLD_SIZE");
+}
+
+TEST(ParseEnv, OpenMpiPmiAndSlurmFallbacks) {
+  EnvRendezvous r = parse_env_rendezvous(Env{{"OMPI_COMM_WORLD_RANK", "3"},
+                                             {"OMPI_COMM_WORLD_SIZE", "5"},
+                                             {"MASTER_ADDR", "h"},
+                                             {"MASTER_PORT", "1234"}});
+  EXPECT_EQ(r.rank, 3);
+  EXPECT_EQ(r.world_size, 5);
+  EXPECT_EQ(r.source, "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE");
+  r = parse_env_rendezvous(
+      Env{{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1234"}});
+  EXPECT_EQ(r.rank, 1);
+  EXPECT_EQ(r.source, "PMI_RANK/PMI_SIZE");
+  // Slurm without MASTER_ADDR: rank 0's host is the first of the job's node list.
+  r = parse_env_rendezvous(Env{{"SLURM_PROCID", "6"},
+                               {"SLURM_NTASKS", "8"},
+                               {"SLURM_JOB_NODELIST", "gpu[07-09,12],cpu1"},
+                               {"MASTER_PORT", "29500"}});
+  EXPECT_EQ(r.rank, 6);
+  EXPECT_EQ(r.world_size, 8);
+  EXPECT_EQ(r.master_addr, "gpu07");
+  EXPECT_EQ(r.source, "SLURM_PROCID/SLURM_NTASKS");
+  // torch's variables win over the scheduler's (torchrun inside an allocation).
+  r = parse_env_rendezvous(Env{{"RANK", "0"},
+                               {"WORLD_SIZE", "2"},
+                               {"SLURM_PROCID", "5"},
+                               {"SLURM_NTASKS", "8"},
+                               {"MASTER_ADDR", "a"},
+                               {"MASTER_PORT", "1"}});
+  EXPECT_EQ(r.rank, 0);
+  EXPECT_EQ(r.world_size, 2);
+  // Arguments alone (no rank variables).
+  r = parse_env_rendezvous(Env{{"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}}, 1, 3);
+  EXPECT_EQ(r.rank, 1);
+  EXPECT_EQ(r.world_size, 3);
+  EXPECT_EQ(r.source, "arguments");
+}
+
+TEST(ParseEnv, FirstSlurmHost) {
+  EXPECT_EQ(first_slurm_host("node1"), "node1");
+  EXPECT_EQ(first_slurm_host("host1,host2"), "host1");
+  EXPECT_EQ(first_slurm_host("a[1-3]"), "a1");
+  EXPECT_EQ(first_slurm_host("n[003-005,9]x,b[1-2]"), "n003x");
+  EXPECT_EQ(first_slurm_host("c[5,7]"), "c5");
+}
+
+TEST(ParseEnv, MissingOrContradictoryVariablesEchoWhatWasFound) {
+  expect_error(
+      [] {
+        parse_env_rendezvous(Env{{"RANK", "1"}, {"MASTER_PORT", "1"}});
+      },
+      {"[init_process_group]", "found RANK but not WORLD_SIZE", "RANK=1", "MASTER_PORT=1"});
+  expect_error([] { parse_env_rendezvous(Env{}); }, {"RANK and WORLD_SIZE", "found none of"});
+  expect_error(
+      [] {
+        parse_env_rendezvous(Env{{"RANK", "abc"}, {"WORLD_SIZE", "2"}});
+      },
+      {"RANK='abc' is not an integer", "WORLD_SIZE=2"});
+  expect_error(
+      [] {
+        parse_env_rendezvous(Env{{"RANK", "4"}, {"WORLD_SIZE", "4"}});
+      },
+      {"rank must be in [0, 4), got 4", "RANK=4"});
+  expect_error(
+      [] {
+        parse_env_rendezvous(Env{{"RANK", "0"}, {"WORLD_SIZE", "0"}});
+      },
+      {"WORLD_SIZE=0 is out of range"});
+  expect_error(
+      [] {
+        parse_env_rendezvous(
+            Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}}, 1);
+      },
+      {"rank 1 contradicts", "RANK/WORLD_SIZE rank 0"});
+  expect_error(
+      [] {
+        parse_env_rendezvous(
+            Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}}, -1,
+            3);
+      },
+      {"world_size 3 contradicts", "size 2"});
+  expect_error(
+      [] {
+        parse_env_rendezvous(Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}});
+      },
+      {"needs MASTER_PORT", "MASTER_ADDR=h"});
+  expect_error(
+      [] {
+        parse_env_rendezvous(Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "5"}});
+      },
+      {"needs MASTER_ADDR", "MASTER_PORT=5"});
+  expect_error(
+      [] {
+        parse_env_rendezvous(Env{
+            {"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}});
+      },
+      {"MASTER_PORT=70000 is out of range"});
+  expect_error([] { first_slurm_host("n[1-3"); }, {"Slurm node list 'n[1-3'"});
+}
+
+// ---- the default group in one process ----------------------------------------------------------
+
+InitOptions with_store(std::shared_ptr<Store> store, int rank, int size) {
+  InitOptions o;
+  o.store = std::move(store);
+  o.rank = rank;
+  o.world_size = size;
+  return o;
+}
+
+TEST(DefaultGroup, LifecycleAndErrors) {
+  EMBER_REQUIRE_GLOO();
+  destroy_process_group();  // a no-op when none
+  EXPECT_FALSE(is_initialized());
+  expect_error([] { default_group(); }, {"[default_group]", "not initialized"});
+  expect_error([] { get_rank(); }, {"not initialized"});
+  expect_error([] { new_group({0}); }, {"[new_group]", "not initialized"});
+
+  InitOptions bad = with_store(std::make_shared<HashStore>(), 0, 1);
+  bad.backend = "nope";
+  expect_error([&] { init_process_group(bad); }, {"unknown backend 'nope'", "gloo"});
+  InitOptions url;
+  url.init_method = "foo://x";
+  url.rank = 0;
+  url.world_size = 1;
+  expect_error([&] { init_process_group(url); }, {"unsupported init_method 'foo://x'"});
+  url.init_method = "tcp://nohostport";
+  expect_error([&] { init_process_group(url); }, {"expected tcp://host:port", "nohostport"});
+  expect_error([] { init_process_group(with_store(std::make_shared<HashStore>(), -1, 1)); },
+               {"rank must be in [0, 1), got -1"});
+  InitOptions both = with_store(std::make_shared<HashStore>(), 0, 1);
+  both.init_method = "env://";
+  expect_error([&] { init_process_group(both); }, {"either a store or an init_method"});
+  EXPECT_FALSE(is_initialized());
+
+  auto pg = init_process_group(with_store(std::make_shared<HashStore>(), 0, 1));
+  EXPECT_TRUE(is_initialized());
+  EXPECT_EQ(default_group(), pg);
+  EXPECT_EQ(get_rank(), 0);
+  EXPECT_EQ(get_world_size(), 1);
+  EXPECT_EQ(pg->backend_name(), "gloo");
+  Tensor t = full({3}, 2.0, kFloat32);
+  pg->allreduce(t)->wait();
+  test::expect_close(t, {2, 2, 2}, 0, "allreduce over one rank");
+  expect_error([] { init_process_group(with_store(std::make_shared<HashStore>(), 0, 1)); },
+               {"already initialized"});
+  auto sub = new_group({0});
+  ASSERT_NE(sub, nullptr);
+  EXPECT_EQ(get_world_size(sub), 1);
+  expect_error([] { new_group({0, 0}); }, {"[new_group] ranks must be distinct", "[0, 0]"});
+  expect_error([] { new_group({1}); }, {"[new_group] ranks must be in [0, 1)", "got 1..1"});
+  expect_error([&] { get_group_rank(*sub, 3); }, {"global rank 3 is not a member"});
+  expect_error([&] { get_global_rank(*sub, 1); }, {"group rank 1 is not in a group of size 1"});
+  destroy_process_group();
+  EXPECT_FALSE(is_initialized());
+  // Re-initializing after destroy works.
+  init_process_group(with_store(std::make_shared<HashStore>(), 0, 1));
+  EXPECT_TRUE(is_initialized());
+  destroy_process_group();
+}
+
+// ---- real multi-process rendezvous ------------------------------------------------------------
+
+// The checks every rank runs once its default group is up: world allreduce, a subgroup of the
+// even ranks, the whole world as a group, and destroy.
+void exercise_world(int n, int rank) {
+  require(is_initialized() && get_rank() == rank && get_world_size() == n,
+          "rank/size after init: " + std::to_string(get_rank()) + "/" +
+              std::to_string(get_world_size()));
+  Tensor t = full({5}, rank + 1.0, kFloat64);
+  default_group()->allreduce(t)->wait();
+  require(t.to_vector<double>()[4] == n * (n + 1) / 2.0, "world allreduce");
+
+  std::vector<int> evens;
+  for (int r = 0; r < n; r += 2) evens.push_back(r);
+  auto sub = new_group(evens);
+  if (rank % 2 == 1) {
+    require(sub == nullptr, "a non-member gets no group");
+  } else {
+    require(
+        sub != nullptr && sub->size() == static_cast<int>(evens.size()) && sub->rank() == rank / 2,
+        "subgroup rank");
+    require(get_global_rank(*sub, sub->rank()) == rank && get_group_rank(*sub, rank) == rank / 2,
+            "rank mapping");
+    Tensor s = full({3}, static_cast<double>(rank), kInt64);
+    sub->allreduce(s)->wait();
+    double want = 0;
+    for (int r : evens) want += r;
+    require(s.to_vector<int64_t>()[0] == static_cast<int64_t>(want), "subgroup allreduce");
+  }
+  auto all = new_group({});
+  require(all && all->size() == n && all->rank() == rank, "new_group({}) is the world");
+  Tensor m = full({2}, static_cast<double>(rank), kInt32);
+  all->allreduce(m,
+                 [] {
+                   AllreduceOptions o;
+                   o.op = ReduceOp::Max;
+                   return o;
+                 }())
+      ->wait();
+  require(m.to_vector<int32_t>()[0] == n - 1, "allreduce max over new_group({})");
+  default_group()->barrier()->wait();
+  destroy_process_group();
+  require(!is_initialized(), "destroyed");
+}
+
+void run(int n, const std::function<void(int rank, const std::string& msg)>& body,
+         const std::string& message) {
+  test::Children kids(n, body);
+  kids.go(message);
+  test::expect_children_ok(kids.join());
+}
+
+TEST(InitProcessGroup, EnvTorchVariables) {
+  EMBER_REQUIRE_GLOO();
+  const int n = 3;
+  run(
+      n,
+      [](int rank, const std::string& port) {
+        ::setenv("RANK", std::to_string(rank).c_str(), 1);
+        ::setenv("WORLD_SIZE", "3", 1);
+        ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+        ::setenv("MASTER_PORT", port.c_str(), 1);
+        InitOptions o;
+        o.timeout = 60s;
+        init_process_group(o);  // env:// by default
+        exercise_world(3, rank);
+      },
+      std::to_string(test::unused_port()));
+}
+
+TEST(InitProcessGroup, EnvOpenMpiVariables) {
+  EMBER_REQUIRE_GLOO();
+  run(
+      2,
+      [](int rank, const std::string& port) {
+        for (const char* v : {"RANK", "WORLD_SIZE"}) ::unsetenv(v);
+        ::setenv("OMPI_COMM_WORLD_RANK", std::to_string(rank).c_str(), 1);
+        ::setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
+        ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+        ::setenv("MASTER_PORT", port.c_str(), 1);
+        InitOptions o;
+        o.init_method = "env://";
+        o.timeout = 60s;
+        init_process_group(o);
+        exercise_world(2, rank);
+      },
+      std::to_string(test::unused_port()));
+}
+
+TEST(InitProcessGroup, TcpUrl) {
+  EMBER_REQUIRE_GLOO();
+  run(
+      4,
+      [](int rank, const std::string& port) {
+        InitOptions o;
+        o.init_method = "tcp://127.0.0.1:" + port + "?world_size=4";
+        o.rank = rank;
+        o.timeout = 60s;
+        init_process_group(o);
+        exercise_world(4, rank);
+      },
+      std::to_string(test::unused_port()));
+}
+
+TEST(InitProcessGroup, FileUrl) {
+  EMBER_REQUIRE_GLOO();
+  test::TempDir dir;
+  run(
+      3,
+      [](int rank, const std::string& path) {
+        ::setenv("EMBER_GLOO_HOSTNAME", "127.0.0.1", 1);
+        InitOptions o;
+        o.init_method = "file://" + path + "?rank=" + std::to_string(rank) + "&world_size=3";
+        o.timeout = 60s;
+        init_process_group(o);
+        exercise_world(3, rank);
+      },
+      dir.file("store"));
+}
+
+TEST(InitProcessGroup, GivenStore) {
+  EMBER_REQUIRE_GLOO();
+  const int n = 2;
+  test::Children kids(n, [](int rank, const std::string& port) {
+    ::setenv("EMBER_GLOO_HOSTNAME", "127.0.0.1", 1);
+    TCPStoreOptions so;
+    so.timeout = 60s;
+    auto store =
+        std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
+    InitOptions o = with_store(store, rank, 2);
+    o.timeout = 60s;
+    init_process_group(o);
+    require(default_store() == store, "default_store() is the given store");
+    exercise_world(2, rank);
+  });
+  TCPStoreServerOptions so;
+  so.host = "127.0.0.1";
+  TCPStoreServer server(so);
+  kids.go(std::to_string(server.port()));
+  test::expect_children_ok(kids.join());
+}
+
+}  // namespace
+}  // namespace ember::dist
