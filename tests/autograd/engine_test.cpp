@@ -572,3 +572,22 @@ TEST(Gradcheck, SeveralOutputsWhoseGraphSavesTheInputs) {
 
 }  // namespace
 }  // namespace ember
+
+namespace ember {
+namespace {
+
+TEST(Hooks, InBackwardIsTrueOnlyDuringAPass) {
+  Tensor w = test::leaf({2}, 52);
+  bool inside = false;
+  w.register_hook([&](const Tensor&) {
+    inside = autograd::in_backward();
+    return Tensor();
+  });
+  EXPECT_FALSE(autograd::in_backward());
+  (w * 2.0).sum().backward();
+  EXPECT_TRUE(inside);
+  EXPECT_FALSE(autograd::in_backward());
+}
+
+}  // namespace
+}  // namespace ember
