@@ -1,6 +1,7 @@
 // Pooling on the CPU: the per-element math of detail/conv_kernels.h, run over rows of the output
 // (or of the input, for the gathering backward passes) on the thread pool.
 #include <algorithm>
+#include <type_traits>
 
 #include "tensor/detail/conv_kernels.h"
 #include "tensor/threading.h"
@@ -97,10 +98,30 @@ void max_pool2d_backward_cpu(const Tensor& grad_input, const Tensor& grad_output
   EMBER_DISPATCH_FLOATING(grad_output.dtype(), "max_pool2d_backward", [&]<typename T>() {
     const T* go = grad_output.data<T>();
     const int64_t* idx = indices.data<int64_t>();
-    const int64_t out_plane = g.oh * g.ow;
-    fill_rows(grad_input.data<T>(), g.planes, g.h, g.w, 4, [&](int64_t p, int64_t ih, int64_t iw) {
-      return pool::max_backward_at(go + p * out_plane, idx + p * out_plane, g, ih, iw);
-    });
+    const int64_t out_plane = g.oh * g.ow, in_plane = g.h * g.w;
+    T* gi = grad_input.data<T>();
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+      // Scatter, one plane per task: zero the plane, then add each output's gradient at its
+      // argmax. One pass over the output, no per-element window search (which costs four
+      // integer divisions per input element); planes never share elements, so no races.
+      // Sums follow output order, as the gather below does.
+      const int64_t grain = std::max<int64_t>(1, kGrainSize / std::max<int64_t>(in_plane, 1));
+      parallel_for(0, g.planes, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t p = begin; p < end; ++p) {
+          T* plane = gi + p * in_plane;
+          std::fill(plane, plane + in_plane, T(0));
+          const T* gp = go + p * out_plane;
+          const int64_t* ip = idx + p * out_plane;
+          for (int64_t o = 0; o < out_plane; ++o) plane[ip[o]] += gp[o];
+        }
+      });
+    } else {
+      // float16 / bfloat16: gather, summing each input's contributions in float32 before one
+      // rounding (the GPU kernel does the same).
+      fill_rows(gi, g.planes, g.h, g.w, 4, [&](int64_t p, int64_t ih, int64_t iw) {
+        return pool::max_backward_at(go + p * out_plane, idx + p * out_plane, g, ih, iw);
+      });
+    }
   });
 }
 
