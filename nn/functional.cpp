@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "autograd/function.h"
+#include "tensor/detail/norm_kernels.h"
 
 namespace ember::nn::functional {
 
@@ -156,14 +157,14 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
 namespace {
 
 // Note [LayerNorm as a custom function]: the composite form (mean, var, sub, mul, ...) saves
-// three input-sized tensors for backward (x for var, the centred x, the normalised x); this
-// function saves only x and weight and writes the textbook backward
-//   dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = dy * weight
-// with tensor ops, recomputing mean and rstd from x. Time is the same as the composite's (both
-// ~3x PyTorch's fused kernel on the CPU: each op is one pass over memory; a fused layer_norm
-// kernel in tensor/ would close that gap). Because backward is built from the saved inputs with
-// ordinary ops, it is recorded under create_graph and double backward stays exact (saving the
-// forward's no-grad mean and rstd instead would silently cut that dependence).
+// three input-sized tensors for backward and makes one pass over memory per op. This function
+// saves only x, weight and the per-row mean and rstd. On the CPU, for contiguous float32/float64
+// tensors, forward and backward run fused row kernels (tensor/detail/norm_kernels.h: two passes
+// each). Elsewhere (CUDA, other dtypes) both are built from tensor ops, with the textbook
+//   dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = dy * weight.
+// Under create_graph, backward always takes the tensor-op path, recomputing mean and rstd from
+// the saved x with recorded ops, so double backward stays exact (the forward's no-grad
+// statistics would silently cut that dependence).
 struct LayerNormFunction : autograd::Function<LayerNormFunction> {
   struct Stats {
     Tensor xhat, rstd;
@@ -179,24 +180,69 @@ struct LayerNormFunction : autograd::Function<LayerNormFunction> {
     return {(x - mean) * rstd, rstd};
   }
 
+  /// The fused CPU kernels apply: contiguous float32/float64 CPU tensors of one dtype.
+  static bool fusable(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+    auto ok = [&](const Tensor& t) {
+      return !t.defined() || (t.is_cpu() && t.is_contiguous() && t.dtype() == x.dtype());
+    };
+    return x.is_cpu() && x.is_contiguous() && (x.dtype() == kFloat32 || x.dtype() == kFloat64) &&
+           x.numel() > 0 && ok(weight) && ok(bias);
+  }
+
   static Tensor forward(autograd::Context* ctx, const Tensor& x, const Tensor& weight,
                         const Tensor& bias, int64_t k, double eps) {
+    ctx->saved_data["k"] = k;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["has_weight"] = weight.defined();
+    if (fusable(x, weight, bias)) {
+      int64_t row = 1;
+      for (int64_t d = x.dim() - k; d < x.dim(); ++d) row *= x.size(d);
+      const int64_t rows = x.numel() / row;
+      Tensor y = empty(x.shape(), x.options());
+      Tensor mean = empty({rows}, x.options()), rstd = empty({rows}, x.options());
+      detail::layer_norm_forward_cpu(x.view({rows, row}),
+                                     weight.defined() ? weight.view({row}) : Tensor(),
+                                     bias.defined() ? bias.view({row}) : Tensor(), eps,
+                                     y.view({rows, row}), mean, rstd);
+      ctx->save_for_backward(weight.defined() ? std::vector<Tensor>{x, mean, rstd, weight}
+                                              : std::vector<Tensor>{x, mean, rstd});
+      ctx->saved_data["fused"] = true;
+      return y;
+    }
     Tensor y = normalize(x, last_dims(x.dim(), k), eps).xhat;
     if (weight.defined()) y.mul_(weight);
     if (bias.defined()) y.add_(bias);
     ctx->save_for_backward(weight.defined() ? std::vector<Tensor>{x, weight}
                                             : std::vector<Tensor>{x});
-    ctx->saved_data["k"] = k;
-    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["fused"] = false;
     return y;
   }
 
   static autograd::TensorList backward(autograd::Context* ctx, autograd::TensorList grads) {
     const autograd::TensorList saved = ctx->saved();
+    const bool fused = std::any_cast<bool>(ctx->saved_data["fused"]);
+    const bool has_weight = std::any_cast<bool>(ctx->saved_data["has_weight"]);
     const Tensor& x = saved[0];
-    const Tensor weight = saved.size() > 1 ? saved[1] : Tensor();
+    const Tensor weight = has_weight ? saved.back() : Tensor();
     const int64_t k = std::any_cast<int64_t>(ctx->saved_data["k"]);
     const double eps = std::any_cast<double>(ctx->saved_data["eps"]);
+    if (fused && !GradMode::is_enabled()) {
+      const Tensor &mean = saved[1], &rstd = saved[2];
+      const int64_t rows = mean.numel(), row = x.numel() / rows;
+      const Tensor dy = grads[0].contiguous();
+      Shape normalized;  // the last k dims, the shape of weight and bias
+      for (int64_t d = x.dim() - k; d < x.dim(); ++d) normalized.push_back(x.size(d));
+      Tensor dx = ctx->needs_input_grad(0) ? empty(x.shape(), x.options()) : Tensor();
+      Tensor dweight =
+          has_weight && ctx->needs_input_grad(1) ? empty(normalized, x.options()) : Tensor();
+      Tensor dbias = ctx->needs_input_grad(2) ? empty(normalized, x.options()) : Tensor();
+      detail::layer_norm_backward_cpu(
+          dy.view({rows, row}), x.view({rows, row}), mean, rstd,
+          has_weight ? weight.view({row}) : Tensor(), dx.defined() ? dx.view({rows, row}) : dx,
+          dweight.defined() ? dweight.view({row}) : dweight,
+          dbias.defined() ? dbias.view({row}) : dbias);
+      return {dx, dweight, dbias};
+    }
     const std::vector<int64_t> dims = last_dims(x.dim(), k);
     std::vector<int64_t> lead;  // the dims weight and bias are broadcast over
     for (int64_t d = 0; d < x.dim() - k; ++d) lead.push_back(d);

@@ -607,3 +607,35 @@ TEST(Layers, Errors) {
 
 }  // namespace
 }  // namespace ember::nn
+
+namespace ember::nn {
+namespace {
+
+TEST(LayerNormPaths, FusedCpuKernelsMatchTheTensorOpPath) {
+  // A contiguous float input takes the fused kernels; the same values in a non-contiguous
+  // tensor take the tensor-op path. Outputs and all gradients must agree.
+  for (Dtype dt : {kFloat32, kFloat64}) {
+    const Tensor base = test::rand_t({6, 8, 16}, dt, 71);
+    Tensor w = test::rand_t({8, 16}, dt, 72).requires_grad_();
+    Tensor b = test::rand_t({8, 16}, dt, 73).requires_grad_();
+    Tensor x1 = base.clone().requires_grad_();
+    Tensor x2 = base.transpose(0, 2).contiguous().transpose(0, 2).requires_grad_();
+    ASSERT_FALSE(x2.is_contiguous());
+    const Tensor g = test::rand_t({6, 8, 16}, dt, 74);
+    const Tensor y1 = functional::layer_norm(x1, {8, 16}, w, b);
+    (y1 * g).sum().backward();
+    const Tensor gw1 = w.grad(), gb1 = b.grad();
+    w.set_grad({});
+    b.set_grad({});
+    const Tensor y2 = functional::layer_norm(x2, {8, 16}, w, b);
+    (y2 * g).sum().backward();
+    const double tol = dt == kFloat32 ? 1e-5 : 1e-12;
+    EXPECT_TRUE(allclose(y1, y2, tol, tol)) << dt;
+    EXPECT_TRUE(allclose(x1.grad(), x2.grad(), tol, tol)) << dt;
+    EXPECT_TRUE(allclose(gw1, w.grad(), tol, tol)) << dt;
+    EXPECT_TRUE(allclose(gb1, b.grad(), tol, tol)) << dt;
+  }
+}
+
+}  // namespace
+}  // namespace ember::nn

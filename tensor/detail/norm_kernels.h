@@ -1,0 +1,24 @@
+// Fused layer-norm kernels over rows (internal; used by nn::functional::layer_norm on the CPU).
+//
+// x is viewed as [rows, n] (contiguous); weight and bias are [n] or undefined. Statistics are
+// accumulated in double, so float32 results match a float64 reference to float rounding.
+#pragma once
+
+#include "tensor/tensor.h"
+
+namespace ember::detail {
+
+/// y = (x - mean) * rstd * weight + bias per row; mean and rstd ([rows], x's dtype) are
+/// written for backward. float32 and float64 CPU tensors only.
+void layer_norm_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                            const Tensor& y, const Tensor& mean, const Tensor& rstd);
+
+/// With xhat = (x - mean) * rstd and dxhat = dy * weight:
+///   dx = rstd * (dxhat - mean_row(dxhat) - xhat * mean_row(dxhat * xhat)),
+///   dweight = sum_rows(dy * xhat), dbias = sum_rows(dy).
+/// Outputs that are undefined are not computed.
+void layer_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& mean,
+                             const Tensor& rstd, const Tensor& weight, const Tensor& dx,
+                             const Tensor& dweight, const Tensor& dbias);
+
+}  // namespace ember::detail
