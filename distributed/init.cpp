@@ -336,7 +336,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
   }
 
   std::shared_ptr<ProcessGroup> pg = factory(BackendArgs{
-      std::make_shared<PrefixStore>("default_pg", store), rank, size, o.timeout, master_addr});
+      std::make_shared<PrefixStore>("default_pg", store), rank, size, o.timeout, master_addr,
+      /*global_ranks=*/{}});
 
   lock.lock();
   EMBER_CHECK(!s.world,

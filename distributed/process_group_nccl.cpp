@@ -1,0 +1,726 @@
+// ProcessGroupNccl over NCCL. Built only with CUDA and NCCL (distributed/CMakeLists.txt);
+// no_nccl.cpp stands in otherwise. This file also registers the "nccl" backend with
+// init_process_group (a static initializer at the end).
+#include "distributed/process_group_nccl.h"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <optional>
+#include <thread>
+
+#include "distributed/init.h"
+#include "tensor/cuda/check.h"
+#include "tensor/ops.h"
+
+namespace ember::dist {
+
+bool nccl_available() { return true; }
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+// How often the watchdog looks at the end events while work is pending. Work::wait and
+// Future callbacks see completion up to this late.
+constexpr auto kPollInterval = 200us;
+// The destructor waits at most this long for queued work and for ncclCommFinalize.
+constexpr Duration kDestroyLimit = 60s;
+// Key of rank 0's ncclUniqueId in the group's (private) store.
+constexpr const char* kUniqueIdKey = "nccl_unique_id";
+
+bool supported(Dtype d) {
+  switch (d) {
+    case Dtype::Float32:
+    case Dtype::Float64:
+    case Dtype::Float16:
+    case Dtype::BFloat16:
+    case Dtype::Int32:
+    case Dtype::Int64:
+    case Dtype::UInt8:
+      return true;
+    default:
+      return false;
+  }
+}
+
+ncclDataType_t nccl_dtype(Dtype d) {
+  switch (d) {
+    case Dtype::Float32:
+      return ncclFloat32;
+    case Dtype::Float64:
+      return ncclFloat64;
+    case Dtype::Float16:
+      return ncclFloat16;
+    case Dtype::BFloat16:
+      return ncclBfloat16;
+    case Dtype::Int32:
+      return ncclInt32;
+    case Dtype::Int64:
+      return ncclInt64;
+    case Dtype::UInt8:
+      return ncclUint8;
+    default:
+      break;
+  }
+  EMBER_INTERNAL_ASSERT(false, "[nccl] unsupported dtype ", d, " passed validation");
+  return ncclFloat32;
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+      return ncclSum;
+    case ReduceOp::Avg:
+      return ncclAvg;  // integers: truncating division (NCCL's SumPostDiv)
+    case ReduceOp::Product:
+      return ncclProd;
+    case ReduceOp::Min:
+      return ncclMin;
+    case ReduceOp::Max:
+      return ncclMax;
+  }
+  return ncclSum;
+}
+
+/// NCCL's name for r, plus the communicator's last error message when there is one.
+std::string nccl_error(ncclResult_t r, ncclComm_t comm) {
+  std::string s = ncclGetErrorString(r);
+  if (comm != nullptr) {
+    const char* last = ncclGetLastError(comm);
+    if (last != nullptr && *last) s += detail::str_cat(" (", last, ")");
+  }
+  return s;
+}
+
+/// A non-blocking communicator answers ncclInProgress while an operation is still being set up
+/// (creation, group end, finalize); this polls until it settles or the deadline passes (then
+/// ncclInProgress). Spins briefly, then backs off to 1 ms: creation may wait minutes for peers.
+ncclResult_t settle(ncclComm_t comm, ncclResult_t r, Clock::time_point deadline) {
+  for (int spins = 0; r == ncclInProgress; ++spins) {
+    if (Clock::now() >= deadline) return ncclInProgress;
+    if (spins < 1000) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(1ms);
+    }
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+    r = q != ncclSuccess ? q : state;
+  }
+  return r;
+}
+
+void check_tensor(const char* op, const Tensor& t, int device, const char* what = "tensor") {
+  EMBER_CHECK(t.defined(), "[nccl] ", op, ": ", what, " is undefined");
+  EMBER_CHECK(t.device() == cuda_device(device), "[nccl] ", op, " expects CUDA tensors on ",
+              cuda_device(device), " (the group's device), got ", what, " on ", t.device());
+  EMBER_CHECK(t.is_contiguous(), "[nccl] ", op, " expects contiguous tensors, got a ",
+              "non-contiguous ", what, " (shape ", t.shape(), ")");
+  EMBER_CHECK_TYPE(TypeError, supported(t.dtype()), "[nccl] ", op,
+                   " supports float32, float64, float16, bfloat16, int32, int64 and uint8, got ",
+                   what, " of dtype ", t.dtype());
+}
+
+void check_root(const char* op, int root, int size) {
+  EMBER_CHECK(root >= 0 && root < size, "[nccl] ", op, ": root ", root,
+              " is not a rank of this group of size ", size);
+}
+
+/// Tells the caching allocator that t's memory is in use on s (see cuda::record_stream).
+void mark_used(const Tensor& t, const cuda::Stream& s) {
+  if (!t.defined() || t.numel() == 0 || t.storage()->data() == nullptr) return;
+  try {
+    cuda::record_stream(t.storage()->data(), s);
+  } catch (const ValueError&) {
+    // Memory from from_blob: not the allocator's; its owner keeps it alive (documented there).
+  }
+}
+
+int choose_device(const ProcessGroupNccl::NcclOptions& o, int rank, int count) {
+  if (o.device >= 0) {
+    EMBER_CHECK(o.device < count, "[nccl] rank ", rank, ": device ", o.device,
+                " does not exist (this machine has ", count, " CUDA devices)");
+    return o.device;
+  }
+  EMBER_CHECK(o.device == -1, "[nccl] rank ", rank, ": device must be >= 0, or -1 to choose, got ",
+              o.device);
+  if (const char* lr = std::getenv("LOCAL_RANK"); lr != nullptr && *lr) {
+    char* end = nullptr;
+    const long v = std::strtol(lr, &end, 10);
+    EMBER_CHECK(*end == '\0' && v >= 0, "[nccl] rank ", rank,
+                ": LOCAL_RANK must be a non-negative integer, got '", lr, "'");
+    return static_cast<int>(v % count);
+  }
+  return rank % count;
+}
+
+/// The Work of one NCCL operation: wait() blocks the CPU until the watchdog completes it, then
+/// orders the caller's current stream after the operation's end event (as c10d).
+class NcclWork : public Work {
+ public:
+  NcclWork(std::string what, Duration timeout, std::shared_ptr<cuda::Event> end, int device)
+      : Work(std::move(what), timeout), end_(std::move(end)), device_(device) {}
+
+  bool wait(std::optional<Duration> timeout = {}) override {
+    if (timeout) {
+      future_->wait(*timeout);
+    } else {
+      // A little longer than the watchdog's own deadline, so that its error (which says the
+      // communicator was aborted) reaches the caller rather than a bare timeout.
+      try {
+        future_->wait(timeout_ + 2s);
+      } catch (const DistTimeoutError&) {
+        if (future_->completed()) throw;
+        throw DistTimeoutError(
+            detail::str_cat(what_, " timed out after ", timeout_.count(), " ms"));
+      }
+    }
+    end_->block(cuda::current_stream(device_));
+    return true;
+  }
+
+ private:
+  std::shared_ptr<cuda::Event> end_;
+  int device_;
+};
+
+struct Pending {
+  std::shared_ptr<NcclWork> work;
+  std::shared_ptr<cuda::Event> end;
+  Clock::time_point deadline;
+  std::vector<Tensor> outputs;  // the Future's value
+  std::vector<Tensor> keep;     // kept alive until the operation ends (inputs, packed buffers)
+};
+
+}  // namespace
+
+// ---- Impl ---------------------------------------------------------------------------------------
+
+class ProcessGroupNccl::Impl {
+ public:
+  using Enqueue = std::function<ncclResult_t(ncclComm_t, cudaStream_t)>;
+
+  Impl(int rank, int size, std::shared_ptr<Store> store, const NcclOptions& o)
+      : rank_(rank), size_(size), timeout_(o.timeout) {
+    EMBER_CHECK(store != nullptr, "[nccl] rank ", rank,
+                ": needs a store to exchange the "
+                "ncclUniqueId, got null");
+    const int count = cuda::device_count();
+    if (count == 0) {
+      throw NotImplementedError(detail::str_cat("[nccl] rank ", rank, " of ", size,
+                                                ": no CUDA device: ", cuda::unavailable_reason()));
+    }
+    device_ = choose_device(o, rank, count);
+    cuda::detail::DeviceGuard guard(device_);
+    stream_ = cuda::Stream::create(device_);
+
+    ncclUniqueId id;
+    if (rank == 0) {
+      check_init(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId");
+      const auto* b = reinterpret_cast<const uint8_t*>(&id);
+      store->set(kUniqueIdKey, Bytes(b, b + sizeof(id)));
+    } else {
+      Bytes b;
+      try {
+        b = store->get(kUniqueIdKey, timeout_);
+      } catch (const DistTimeoutError& e) {
+        throw DistTimeoutError(detail::str_cat("[nccl] rank ", rank, " of ", size,
+                                               ": rank 0 did not publish its ncclUniqueId within ",
+                                               timeout_.count(), " ms: ", e.what()));
+      }
+      if (b.size() != sizeof(id)) {
+        throw DistBackendError(detail::str_cat(
+            "[nccl] rank ", rank, " of ", size, ": the store's '", kUniqueIdKey, "' holds ",
+            b.size(), " bytes, expected an ncclUniqueId of ", sizeof(id)));
+      }
+      std::memcpy(&id, b.data(), sizeof(id));
+    }
+
+    // Non-blocking, so that creation (which waits for every rank) is bounded by the timeout.
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t comm = nullptr;
+    ncclResult_t r = ncclCommInitRankConfig(&comm, size, id, rank, &config);
+    if (comm != nullptr) r = settle(comm, r, Clock::now() + timeout_);
+    if (r == ncclInProgress) {
+      ncclCommAbort(comm);
+      throw DistTimeoutError(
+          detail::str_cat("[nccl] rank ", rank, " of ", size, ": creating the communicator on ",
+                          cuda_device(device_), " did not complete within ", timeout_.count(),
+                          " ms (did every rank create the group?)"));
+    }
+    if (r != ncclSuccess) {
+      const std::string msg = nccl_error(r, comm);
+      if (comm != nullptr) ncclCommAbort(comm);
+      throw DistBackendError(detail::str_cat("[nccl] rank ", rank, " of ", size,
+                                             ": creating the communicator on ",
+                                             cuda_device(device_), " failed: ", msg));
+    }
+    comm_ = comm;
+    watchdog_ = std::thread([this] { watch(); });
+  }
+
+  ~Impl() {
+    // The last reference to the group may be dropped by a Future callback, on the watchdog
+    // itself: it cannot wait for itself, and must not touch this object once it returns.
+    const bool on_watchdog = watchdog_.get_id() == std::this_thread::get_id();
+    if (on_watchdog) tl_destroyed_ = true;
+    const auto limit = Clock::now() + std::min<Duration>(timeout_, kDestroyLimit);
+    std::deque<std::shared_ptr<Pending>> left;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (!on_watchdog) cv_.wait_until(lock, limit, [&] { return pending_.empty(); });
+      stop_ = true;
+      left.swap(pending_);
+    }
+    cv_.notify_all();
+    if (watchdog_.joinable()) {
+      if (on_watchdog) {
+        watchdog_.detach();
+      } else {
+        watchdog_.join();
+      }
+    }
+    {
+      std::lock_guard<std::mutex> cl(comm_mu_);
+      if (comm_ != nullptr) {
+        std::optional<cuda::detail::DeviceGuard> guard;
+        try {
+          guard.emplace(device_);
+        } catch (...) {  // the device is gone: still release NCCL's resources
+        }
+        if (left.empty() && settle(comm_, ncclCommFinalize(comm_), limit) == ncclSuccess) {
+          ncclCommDestroy(comm_);
+        } else {
+          ncclCommAbort(comm_);  // work still running, or a peer no longer answers
+        }
+        comm_ = nullptr;
+      }
+    }
+    for (auto& p : left) {
+      p->work->finish_with_error(std::make_exception_ptr(DistBackendError(
+          detail::str_cat(p->work->describe(), " failed: the process group was destroyed"))));
+    }
+  }
+
+  int device() const { return device_; }
+  const cuda::Stream& stream() const { return stream_; }
+
+  /// Runs enqueue on the group's stream after the caller's current stream's queued work; the
+  /// Work completes with `outputs` once the operation has finished on the device.
+  WorkPtr launch(const std::string& what, Duration timeout, std::vector<Tensor> outputs,
+                 std::vector<Tensor> keep, const Enqueue& enqueue) {
+    auto end = std::make_shared<cuda::Event>();
+    auto work = std::make_shared<NcclWork>(what, timeout, end, device_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      EMBER_CHECK(!stop_, what, ": the process group is being destroyed");
+      if (!broken_.empty()) {
+        work->finish_with_error(std::make_exception_ptr(DistBackendError(detail::str_cat(
+            what, " failed: the group is unusable after an earlier failure: ", broken_))));
+        return work;
+      }
+    }
+    cuda::detail::DeviceGuard guard(device_);
+    {
+      cuda::Event start;
+      start.record(cuda::current_stream(device_));
+      start.block(stream_);
+    }
+    {
+      std::unique_lock<std::mutex> cl(comm_mu_);
+      if (comm_ == nullptr) {
+        cl.unlock();
+        std::lock_guard<std::mutex> lock(mu_);
+        work->finish_with_error(std::make_exception_ptr(DistBackendError(detail::str_cat(
+            what, " failed: the group is unusable after an earlier failure: ", broken_))));
+        return work;
+      }
+      const ncclResult_t r = settle(comm_, enqueue(comm_, cuda::detail::raw(stream_.handle())),
+                                    Clock::now() + timeout);
+      if (r != ncclSuccess) {
+        const std::string reason =
+            r == ncclInProgress
+                ? detail::str_cat(what, " timed out after ", timeout.count(),
+                                  " ms while NCCL set it up; the communicator was aborted")
+                : detail::str_cat(what, " (timeout ", timeout.count(),
+                                  " ms) failed: ", nccl_error(r, comm_),
+                                  "; the communicator was aborted");
+        cl.unlock();
+        std::exception_ptr e = r == ncclInProgress
+                                   ? std::make_exception_ptr(DistTimeoutError(reason))
+                                   : std::make_exception_ptr(DistBackendError(reason));
+        abort_all(reason);
+        work->finish_with_error(e);
+        return work;
+      }
+    }
+    end->record(stream_);
+    for (const Tensor& t : outputs) mark_used(t, stream_);
+    for (const Tensor& t : keep) mark_used(t, stream_);
+    auto p = std::make_shared<Pending>(
+        Pending{work, end, Clock::now() + timeout, std::move(outputs), std::move(keep)});
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_.push_back(std::move(p));
+    }
+    cv_.notify_all();
+    return work;
+  }
+
+ private:
+  void check_init(ncclResult_t r, ncclComm_t comm, const char* call) const {
+    if (r != ncclSuccess) {
+      throw DistBackendError(detail::str_cat("[nccl] rank ", rank_, " of ", size_, ": ", call,
+                                             " failed: ", nccl_error(r, comm)));
+    }
+  }
+
+  // Aborts the communicator (wakes kernels stuck waiting for peers) and fails every pending
+  // operation; later calls fail with `reason`.
+  void abort_all(const std::string& reason, const Pending* culprit = nullptr,
+                 std::exception_ptr culprit_error = nullptr) {
+    {
+      std::lock_guard<std::mutex> cl(comm_mu_);
+      if (comm_ != nullptr) {
+        ncclCommAbort(comm_);
+        comm_ = nullptr;
+      }
+    }
+    std::deque<std::shared_ptr<Pending>> failed;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (broken_.empty()) broken_ = reason;
+      failed.swap(pending_);
+    }
+    cv_.notify_all();
+    for (auto& p : failed) {
+      if (p.get() == culprit) {
+        p->work->finish_with_error(culprit_error);
+      } else {
+        p->work->finish_with_error(std::make_exception_ptr(DistBackendError(detail::str_cat(
+            p->work->describe(), " failed: the communicator was aborted: ", reason))));
+      }
+    }
+  }
+
+  // The watchdog: completes operations whose end event has passed, and aborts on a timeout or
+  // an asynchronous NCCL error. CUDA and NCCL are queried without holding mu_.
+  void watch() {
+    try {
+      cuda::set_device(device_);
+    } catch (...) {
+    }
+    for (;;) {
+      if (tl_destroyed_) return;  // a callback destroyed the group (see ~Impl)
+      std::vector<std::shared_ptr<Pending>> snapshot;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (pending_.empty()) cv_.wait(lock, [&] { return stop_ || !pending_.empty(); });
+        if (stop_) return;
+        cv_.wait_for(lock, kPollInterval, [&] { return stop_; });
+        if (stop_) return;
+        snapshot.assign(pending_.begin(), pending_.end());
+      }
+      if (snapshot.empty()) continue;
+
+      // An asynchronous error (a peer failed, a network error) dooms every pending operation.
+      ncclResult_t async = ncclSuccess;
+      {
+        std::unique_lock<std::mutex> cl(comm_mu_, std::try_to_lock);
+        if (cl.owns_lock() && comm_ != nullptr) {
+          ncclResult_t state = ncclSuccess;
+          const ncclResult_t q = ncclCommGetAsyncError(comm_, &state);
+          async = q != ncclSuccess ? q : state;
+          if (async == ncclInProgress) async = ncclSuccess;
+          if (async != ncclSuccess) {
+            const std::string reason = detail::str_cat(
+                "[nccl] rank ", rank_, " of ", size_,
+                ": NCCL reported an asynchronous error: ", nccl_error(async, comm_));
+            cl.unlock();
+            abort_all(reason);
+            continue;
+          }
+        }
+      }
+
+      std::vector<std::shared_ptr<Pending>> done;
+      const auto now = Clock::now();
+      for (auto& p : snapshot) {
+        bool finished = false;
+        try {
+          finished = p->end->query();
+        } catch (const std::exception& e) {
+          const std::string reason =
+              detail::str_cat(p->work->describe(), " failed on the device: ", e.what(),
+                              "; the communicator was aborted");
+          abort_all(reason, p.get(), std::make_exception_ptr(DistBackendError(reason)));
+          done.clear();
+          break;
+        }
+        if (finished) {
+          done.push_back(p);
+        } else if (now >= p->deadline) {
+          const std::string reason =
+              detail::str_cat(p->work->describe(), " timed out after ", p->work->timeout().count(),
+                              " ms; the communicator was aborted");
+          // Complete what finished before the timed-out one first: its results are valid.
+          finish(done);
+          if (tl_destroyed_) return;
+          abort_all(reason, p.get(), std::make_exception_ptr(DistTimeoutError(reason)));
+          done.clear();
+          break;
+        }
+      }
+      finish(done);
+    }
+  }
+
+  // Removes `done` from the queue and completes their Works (outside the lock: callbacks may
+  // issue new operations).
+  void finish(std::vector<std::shared_ptr<Pending>>& done) {
+    if (done.empty()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& p : done) {
+        auto it = std::find(pending_.begin(), pending_.end(), p);
+        if (it != pending_.end()) {
+          pending_.erase(it);
+        } else {
+          p = nullptr;  // already failed by abort_all
+        }
+      }
+    }
+    cv_.notify_all();
+    for (auto& p : done) {
+      if (p == nullptr) continue;
+      std::vector<Tensor> out = std::move(p->outputs);
+      p->keep.clear();
+      p->work->finish(std::move(out));
+    }
+    done.clear();
+  }
+
+  const int rank_;
+  const int size_;
+  const Duration timeout_;
+  int device_ = 0;
+  cuda::Stream stream_;
+
+  std::mutex comm_mu_;  // guards comm_ (NCCL calls on it, abort, destroy)
+  ncclComm_t comm_ = nullptr;
+
+  std::mutex mu_;  // guards pending_, stop_, broken_
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Pending>> pending_;
+  bool stop_ = false;
+  std::string broken_;  // the first failure; non-empty once the communicator is aborted
+  std::thread watchdog_;
+  static thread_local bool tl_destroyed_;  // set on the watchdog by ~Impl
+};
+
+thread_local bool ProcessGroupNccl::Impl::tl_destroyed_ = false;
+
+// ---- ProcessGroupNccl -------------------------------------------------------------------------
+
+ProcessGroupNccl::ProcessGroupNccl(std::shared_ptr<Store> store, int rank, int size,
+                                   NcclOptions options)
+    : ProcessGroup(rank, size, Options{options.timeout}),
+      impl_(std::make_unique<Impl>(rank, size, std::move(store), options)) {}
+
+ProcessGroupNccl::~ProcessGroupNccl() = default;
+
+int ProcessGroupNccl::device() const { return impl_->device(); }
+cuda::Stream ProcessGroupNccl::stream() const { return impl_->stream(); }
+
+WorkPtr ProcessGroupNccl::allreduce(Tensor& tensor, const AllreduceOptions& opts) {
+  check_tensor("allreduce", tensor, device());
+  void* p = tensor.data_ptr();
+  const size_t n = static_cast<size_t>(tensor.numel());
+  const ncclDataType_t dt = nccl_dtype(tensor.dtype());
+  const ncclRedOp_t op = nccl_op(opts.op);
+  return impl_->launch(next_op("allreduce"), timeout_of(opts.timeout), {tensor}, {},
+                       [=](ncclComm_t c, cudaStream_t s) {
+                         return n == 0 ? ncclSuccess : ncclAllReduce(p, p, n, dt, op, c, s);
+                       });
+}
+
+WorkPtr ProcessGroupNccl::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
+  check_tensor("broadcast", tensor, device());
+  check_root("broadcast", opts.root, size_);
+  void* p = tensor.data_ptr();
+  const size_t n = static_cast<size_t>(tensor.numel());
+  const ncclDataType_t dt = nccl_dtype(tensor.dtype());
+  const int root = opts.root;
+  return impl_->launch(next_op("broadcast"), timeout_of(opts.timeout), {tensor}, {},
+                       [=](ncclComm_t c, cudaStream_t s) {
+                         return n == 0 ? ncclSuccess : ncclBroadcast(p, p, n, dt, root, c, s);
+                       });
+}
+
+WorkPtr ProcessGroupNccl::reduce(Tensor& tensor, const ReduceOptions& opts) {
+  check_tensor("reduce", tensor, device());
+  check_root("reduce", opts.root, size_);
+  void* p = tensor.data_ptr();
+  const size_t n = static_cast<size_t>(tensor.numel());
+  const ncclDataType_t dt = nccl_dtype(tensor.dtype());
+  const ncclRedOp_t op = nccl_op(opts.op);
+  const int root = opts.root;
+  return impl_->launch(next_op("reduce"), timeout_of(opts.timeout), {tensor}, {},
+                       [=](ncclComm_t c, cudaStream_t s) {
+                         return n == 0 ? ncclSuccess : ncclReduce(p, p, n, dt, op, root, c, s);
+                       });
+}
+
+WorkPtr ProcessGroupNccl::allgather_into_tensor(Tensor& output, const Tensor& input,
+                                                const CollectiveOptions& opts) {
+  check_tensor("allgather_into_tensor", input, device(), "input");
+  check_tensor("allgather_into_tensor", output, device(), "output");
+  EMBER_CHECK(output.dtype() == input.dtype() && output.numel() == size_ * input.numel(),
+              "[nccl] allgather_into_tensor expects an output of ", size_, " x ", input.numel(),
+              " = ", size_ * input.numel(), " elements of dtype ", input.dtype(), ", got ",
+              output.numel(), " elements (shape ", output.shape(), ") of dtype ", output.dtype());
+  const void* in = input.data_ptr();
+  void* out = output.data_ptr();
+  const size_t n = static_cast<size_t>(input.numel());
+  const ncclDataType_t dt = nccl_dtype(input.dtype());
+  return impl_->launch(next_op("allgather_into_tensor"), timeout_of(opts.timeout), {output},
+                       {input}, [=](ncclComm_t c, cudaStream_t s) {
+                         return n == 0 ? ncclSuccess : ncclAllGather(in, out, n, dt, c, s);
+                       });
+}
+
+WorkPtr ProcessGroupNccl::reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                                         const ReduceScatterOptions& opts) {
+  check_tensor("reduce_scatter", output, device(), "output");
+  EMBER_CHECK(static_cast<int>(inputs.size()) == size_, "[nccl] reduce_scatter expected ", size_,
+              " input tensors (one per rank), got ", inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    EMBER_CHECK(inputs[i].defined() && inputs[i].shape() == output.shape() &&
+                    inputs[i].dtype() == output.dtype() && inputs[i].device() == output.device(),
+                "[nccl] reduce_scatter: inputs[", i, "] must match the output (shape ",
+                output.shape(), ", ", output.dtype(), ", ", output.device(), ")");
+  }
+  // NCCL's reduce-scatter takes one buffer of size() consecutive chunks. The packing copies run
+  // on the caller's stream, which the collective waits for.
+  std::vector<Tensor> flat;
+  flat.reserve(inputs.size());
+  for (const Tensor& t : inputs) flat.push_back(t.reshape({-1}));
+  const Tensor packed = cat(flat, 0);
+  const void* in = packed.data_ptr();
+  void* out = output.data_ptr();
+  const size_t n = static_cast<size_t>(output.numel());
+  const ncclDataType_t dt = nccl_dtype(output.dtype());
+  const ncclRedOp_t op = nccl_op(opts.op);
+  return impl_->launch(next_op("reduce_scatter"), timeout_of(opts.timeout), {output}, {packed},
+                       [=](ncclComm_t c, cudaStream_t s) {
+                         return n == 0 ? ncclSuccess : ncclReduceScatter(in, out, n, dt, op, c, s);
+                       });
+}
+
+WorkPtr ProcessGroupNccl::alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                                   const CollectiveOptions& opts) {
+  EMBER_CHECK(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
+              "[nccl] alltoall expected ", size_, " input and ", size_,
+              " output tensors (one per rank), got ", inputs.size(), " and ", outputs.size());
+  struct Part {
+    void* ptr;
+    size_t count;
+  };
+  std::vector<Part> sends, recvs;
+  for (int r = 0; r < size_; ++r) {
+    check_tensor("alltoall", inputs[r], device(), "input");
+    check_tensor("alltoall", outputs[r], device(), "output");
+    EMBER_CHECK(inputs[r].dtype() == inputs[0].dtype() && outputs[r].dtype() == inputs[0].dtype(),
+                "[nccl] alltoall expects one dtype (", inputs[0].dtype(), "), got inputs[", r,
+                "] of ", inputs[r].dtype(), " and outputs[", r, "] of ", outputs[r].dtype());
+    sends.push_back({inputs[r].data_ptr(), static_cast<size_t>(inputs[r].numel())});
+    recvs.push_back({outputs[r].data_ptr(), static_cast<size_t>(outputs[r].numel())});
+  }
+  const ncclDataType_t dt = nccl_dtype(inputs[0].dtype());
+  // Zero-sized parts are skipped on both sides (rank a's send to b has b's receive's size).
+  return impl_->launch(next_op("alltoall"), timeout_of(opts.timeout), outputs, inputs,
+                       [=](ncclComm_t c, cudaStream_t s) {
+                         ncclResult_t r = ncclGroupStart();
+                         if (r != ncclSuccess) return r;
+                         ncclResult_t first = ncclSuccess;
+                         auto note = [&](ncclResult_t x) {
+                           if (first == ncclSuccess && x != ncclSuccess && x != ncclInProgress) {
+                             first = x;
+                           }
+                         };
+                         for (int peer = 0; peer < static_cast<int>(sends.size()); ++peer) {
+                           if (sends[peer].count > 0) {
+                             note(ncclSend(sends[peer].ptr, sends[peer].count, dt, peer, c, s));
+                           }
+                           if (recvs[peer].count > 0) {
+                             note(ncclRecv(recvs[peer].ptr, recvs[peer].count, dt, peer, c, s));
+                           }
+                         }
+                         const ncclResult_t e = ncclGroupEnd();
+                         return first != ncclSuccess ? first : e;
+                       });
+}
+
+WorkPtr ProcessGroupNccl::barrier(const CollectiveOptions& opts) {
+  Tensor one = zeros({1}, TensorOptions(kFloat32).device(cuda_device(device())));
+  void* p = one.data_ptr();
+  return impl_->launch(next_op("barrier"), timeout_of(opts.timeout), {}, {one},
+                       [=](ncclComm_t c, cudaStream_t s) {
+                         return ncclAllReduce(p, p, 1, ncclFloat32, ncclSum, c, s);
+                       });
+}
+
+WorkPtr ProcessGroupNccl::send(const Tensor& tensor, int dst, int /*tag*/) {
+  check_tensor("send", tensor, device());
+  EMBER_CHECK(dst >= 0 && dst < size_ && dst != rank_, "[nccl] send: dst ", dst,
+              " must be another rank of this group of size ", size_, " (this is rank ", rank_, ")");
+  const void* p = tensor.data_ptr();
+  const size_t n = static_cast<size_t>(tensor.numel());
+  const ncclDataType_t dt = nccl_dtype(tensor.dtype());
+  return impl_->launch(next_op("send"), timeout_of({}), {tensor}, {},
+                       [=](ncclComm_t c, cudaStream_t s) {
+                         return n == 0 ? ncclSuccess : ncclSend(p, n, dt, dst, c, s);
+                       });
+}
+
+WorkPtr ProcessGroupNccl::recv(Tensor& tensor, int src, int /*tag*/) {
+  check_tensor("recv", tensor, device());
+  EMBER_CHECK(src >= 0 && src < size_ && src != rank_, "[nccl] recv: src ", src,
+              " must be another rank of this group of size ", size_, " (this is rank ", rank_, ")");
+  void* p = tensor.data_ptr();
+  const size_t n = static_cast<size_t>(tensor.numel());
+  const ncclDataType_t dt = nccl_dtype(tensor.dtype());
+  return impl_->launch(next_op("recv"), timeout_of({}), {tensor}, {},
+                       [=](ncclComm_t c, cudaStream_t s) {
+                         return n == 0 ? ncclSuccess : ncclRecv(p, n, dt, src, c, s);
+                       });
+}
+
+// ---- registration -------------------------------------------------------------------------------
+
+namespace {
+
+std::shared_ptr<ProcessGroup> make_nccl(const BackendArgs& a) {
+  if (a.rank < 0) return nullptr;  // not a member of this group
+  ProcessGroupNccl::NcclOptions o;
+  o.timeout = a.timeout;
+  return std::make_shared<ProcessGroupNccl>(a.store, a.rank, a.size, o);
+}
+
+// init.cpp's registry is a function-local static, so registering from a static initializer is
+// safe whatever the order in which this library's initializers run.
+const bool kNcclRegistered = [] {
+  register_backend("nccl", make_nccl);
+  return true;
+}();
+
+}  // namespace
+
+}  // namespace ember::dist

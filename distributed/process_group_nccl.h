@@ -1,0 +1,102 @@
+// ProcessGroupNccl: collectives on CUDA tensors over NCCL (torch.distributed's
+// ProcessGroupNCCL).
+//
+// One group drives one device (NcclOptions::device) through one NCCL communicator, created at
+// construction: rank 0 makes an ncclUniqueId and publishes it in the group's Store, the others
+// read it, and every rank joins within the group's timeout (a non-blocking communicator, so a
+// rank that never joins gives DistTimeoutError instead of a hang).
+//
+// Streams (as c10d): the group has its own CUDA stream. A collective first makes that stream
+// wait for the caller's current stream (an event), so it sees every write queued before the
+// call, then runs there and records an end event. The calling thread never blocks on the GPU;
+// tensors are marked used on the group's stream (cuda::record_stream), so freeing them early
+// does not let the caching allocator hand their memory out before the collective is done.
+// Work::wait() makes the caller's current stream wait for the end event and also blocks the
+// CPU until the collective completes (or its timeout passes). A watchdog thread polls the end
+// events and the communicator's asynchronous error, completes the Work and its Future (then()
+// callbacks run on that thread), and on a timeout or an NCCL error aborts the communicator
+// (ncclCommAbort) and fails the Work with an error naming "[nccl]", the collective, its
+// sequence number, the rank and the timeout; every later call then fails with that error
+// (recreate the group, as in c10d).
+//
+// Every operation is queued on the one stream in issue order, send and recv included: a pair
+// of ranks that both send before they receive can deadlock for large messages (as in NCCL);
+// order them, or use alltoall (one grouped NCCL call). `tag` is ignored (NCCL has no tags).
+//
+// Tensors: contiguous CUDA tensors on the group's device; float32, float64, float16,
+// bfloat16, int32, int64, uint8. ReduceOp::Avg is ncclAvg (integers: truncating division).
+// reduce_scatter packs its inputs into one buffer and runs ncclReduceScatter; alltoall is
+// one ncclGroupStart/End of sends and receives (per-rank sizes may differ).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "distributed/process_group.h"
+#include "distributed/store.h"
+#include "tensor/cuda.h"
+
+namespace ember::dist {
+
+/// True if this build has the nccl backend (EMBER_WITH_NCCL=ON with CUDA, NCCL found). Says
+/// nothing about devices: see cuda::is_available().
+bool nccl_available();
+
+class ProcessGroupNccl : public ProcessGroup {
+ public:
+  struct NcclOptions {
+    /// Default timeout of every operation, and the limit on creating the communicator.
+    Duration timeout = kDefaultCollectiveTimeout;
+    /// The CUDA device of this rank. -1: LOCAL_RANK from the environment if set, else the
+    /// group rank, modulo the number of devices (torch's guess).
+    int device = -1;
+  };
+
+  /// Creates the communicator with the other size-1 ranks through `store` (private to this
+  /// group, e.g. a PrefixStore). Throws ValueError for a bad rank/size or device,
+  /// NotImplementedError naming why when no CUDA device is usable, DistTimeoutError if the
+  /// peers do not join within options.timeout, DistBackendError with NCCL's message if NCCL
+  /// fails, or, in builds without NCCL, NotImplementedError "nccl is not available: built
+  /// with EMBER_WITH_NCCL=OFF".
+  ProcessGroupNccl(std::shared_ptr<Store> store, int rank, int size, NcclOptions options);
+  ProcessGroupNccl(std::shared_ptr<Store> store, int rank, int size)
+      : ProcessGroupNccl(std::move(store), rank, size, NcclOptions{}) {}
+  /// Waits (up to the timeout, at most 60 s) for queued work, then destroys the communicator;
+  /// aborts it instead if work is still running or the group failed. Work still pending is
+  /// failed with DistBackendError "the process group was destroyed".
+  ~ProcessGroupNccl() override;
+
+  /// Same as nccl_available().
+  static bool is_available() { return nccl_available(); }
+
+  std::string backend_name() const override { return "nccl"; }
+  /// This rank's CUDA device.
+  int device() const;
+  /// The stream the group's operations run on.
+  cuda::Stream stream() const;
+
+  WorkPtr allreduce(Tensor& tensor, const AllreduceOptions& opts = {}) override;
+  WorkPtr broadcast(Tensor& tensor, const BroadcastOptions& opts = {}) override;
+  /// Native ncclReduce: only root's tensor is written.
+  WorkPtr reduce(Tensor& tensor, const ReduceOptions& opts = {}) override;
+  WorkPtr allgather_into_tensor(Tensor& output, const Tensor& input,
+                                const CollectiveOptions& opts = {}) override;
+  WorkPtr reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                         const ReduceScatterOptions& opts = {}) override;
+  /// outputs[r] receives rank r's inputs[rank()]; sizes may differ per rank (dtypes may not).
+  WorkPtr alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                   const CollectiveOptions& opts = {}) override;
+  /// An allreduce of one element; its Work's wait() also blocks the CPU until done.
+  WorkPtr barrier(const CollectiveOptions& opts = {}) override;
+  /// ncclSend to dst (not this rank); completes when the data has left. `tag` is ignored.
+  WorkPtr send(const Tensor& tensor, int dst, int tag = 0) override;
+  /// ncclRecv from src (not this rank). `tag` is ignored.
+  WorkPtr recv(Tensor& tensor, int src, int tag = 0) override;
+
+  class Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ember::dist

@@ -1,0 +1,523 @@
+// ProcessGroupNccl: world size 1 in this process (every collective, dtype and reduce op,
+// streams, Futures, argument errors, a rendezvous nobody joins), and two real processes on two
+// devices (every collective against closed-form values, send/recv, a stalled rank timing out).
+// Without NCCL or without a CUDA device the tests skip, saying why; what can run without a
+// device (the stub, "no CUDA device" errors, the backend registration) does.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+#include "distributed/file_store.h"
+#include "distributed/hash_store.h"
+#include "distributed/init.h"
+#include "distributed/prefix_store.h"
+#include "distributed/process_group_nccl.h"
+#include "tensor/cuda.h"
+#include "tests/distributed/store_test_util.h"
+
+namespace ember::dist {
+namespace {
+
+using namespace std::chrono_literals;
+
+#define EMBER_REQUIRE_NCCL_DEVICE()                                                  \
+  if (!nccl_available()) GTEST_SKIP() << "built without nccl (EMBER_WITH_NCCL=OFF)"; \
+  if (!ember::cuda::is_available())                                                  \
+  GTEST_SKIP() << "no CUDA device: " << ember::cuda::unavailable_reason()
+
+const Dtype kDtypes[] = {kFloat32, kFloat64, kFloat16, kBFloat16, kInt32, kInt64, kUInt8};
+const ReduceOp kOps[] = {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, ReduceOp::Min,
+                         ReduceOp::Max};
+
+AllreduceOptions ar(ReduceOp op) {
+  AllreduceOptions o;
+  o.op = op;
+  return o;
+}
+BroadcastOptions bc(int root) {
+  BroadcastOptions o;
+  o.root = root;
+  return o;
+}
+ReduceOptions rd(int root, ReduceOp op) {
+  ReduceOptions o;
+  o.root = root;
+  o.op = op;
+  return o;
+}
+ReduceScatterOptions rs(ReduceOp op) {
+  ReduceScatterOptions o;
+  o.op = op;
+  return o;
+}
+
+/// values on cuda:device as dtype d.
+Tensor make(const std::vector<double>& v, Dtype d, int device) {
+  if (v.empty()) return empty({0}, TensorOptions(d).device(cuda_device(device)));
+  return from_vector(v).to(cuda_device(device), d);
+}
+
+std::vector<double> values(const Tensor& t) {
+  if (t.numel() == 0) return {};
+  return t.cpu().to(kFloat64).reshape({-1}).to_vector<double>();
+}
+
+/// "" if got holds want, else what differed (first index, both values).
+std::string differs(const Tensor& got, const std::vector<double>& want) {
+  const std::vector<double> g = values(got);
+  if (g.size() != want.size()) {
+    return "got " + std::to_string(g.size()) + " elements, want " + std::to_string(want.size());
+  }
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (g[i] != want[i]) {
+      return "index " + std::to_string(i) + ": got " + std::to_string(g[i]) + ", want " +
+             std::to_string(want[i]);
+    }
+  }
+  return "";
+}
+
+/// base + (i mod 64) for i < n: small integers, exact in every dtype (uint8 and bfloat16
+/// included) as long as base < 128.
+std::vector<double> seq(int n, double base) {
+  std::vector<double> v(n);
+  for (int i = 0; i < n; ++i) v[i] = base + i % 64;
+  return v;
+}
+
+std::shared_ptr<ProcessGroupNccl> world_of_one(Duration timeout = 60s) {
+  ProcessGroupNccl::NcclOptions o;
+  o.timeout = timeout;
+  o.device = 0;
+  return std::make_shared<ProcessGroupNccl>(std::make_shared<HashStore>(), 0, 1, o);
+}
+
+// ---- without NCCL or without a device ----------------------------------------------------------
+
+TEST(NcclStub, ThrowsWhenBuiltWithoutNccl) {
+  if (nccl_available()) GTEST_SKIP() << "this build has nccl";
+  EXPECT_THROW(
+      {
+        try {
+          ProcessGroupNccl pg(std::make_shared<HashStore>(), 0, 1);
+        } catch (const NotImplementedError& e) {
+          EXPECT_NE(std::string(e.what()).find("nccl is not available: built with "
+                                               "EMBER_WITH_NCCL=OFF"),
+                    std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      NotImplementedError);
+}
+
+TEST(NcclNoDevice, ConstructorSaysWhy) {
+  if (!nccl_available()) GTEST_SKIP() << "built without nccl (EMBER_WITH_NCCL=OFF)";
+  if (cuda::is_available()) GTEST_SKIP() << "a CUDA device is present";
+  try {
+    ProcessGroupNccl pg(std::make_shared<HashStore>(), 0, 1);
+    ADD_FAILURE() << "expected NotImplementedError";
+  } catch (const NotImplementedError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("[nccl] rank 0 of 1: no CUDA device"), std::string::npos) << m;
+    EXPECT_NE(m.find(cuda::unavailable_reason()), std::string::npos) << m;
+  }
+}
+
+// The backend registers itself (a static initializer in process_group_nccl.cpp): without a
+// device, init_process_group reaches the constructor's error rather than "unknown backend".
+TEST(NcclNoDevice, InitProcessGroupFindsTheBackend) {
+  if (!nccl_available()) GTEST_SKIP() << "built without nccl (EMBER_WITH_NCCL=OFF)";
+  if (cuda::is_available()) GTEST_SKIP() << "a CUDA device is present";
+  InitOptions o;
+  o.backend = "nccl";
+  o.store = std::make_shared<HashStore>();
+  o.rank = 0;
+  o.world_size = 1;
+  o.timeout = 10s;
+  try {
+    init_process_group(o);
+    destroy_process_group();
+    ADD_FAILURE() << "expected NotImplementedError";
+  } catch (const NotImplementedError& e) {
+    EXPECT_NE(std::string(e.what()).find("no CUDA device"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(is_initialized());
+}
+
+// ---- world size 1 --------------------------------------------------------------------------
+
+TEST(NcclWorldOne, EveryCollectiveEveryDtype) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  auto pg = world_of_one();
+  EXPECT_EQ(pg->backend_name(), "nccl");
+  EXPECT_EQ(pg->device(), 0);
+  for (Dtype d : kDtypes) {
+    for (int n : {0, 1, 7, 1000}) {
+      const std::string where = "dtype " + std::string(dtype_name(d)) + ", n " + std::to_string(n);
+      const std::vector<double> x = seq(n, 3);
+      for (ReduceOp op : kOps) {
+        Tensor t = make(x, d, 0);
+        pg->allreduce(t, ar(op))->wait();
+        EXPECT_EQ(differs(t, x), "") << "allreduce " << to_string(op) << ", " << where;
+        Tensor r = make(x, d, 0);
+        pg->reduce(r, rd(0, op))->wait();
+        EXPECT_EQ(differs(r, x), "") << "reduce " << to_string(op) << ", " << where;
+        Tensor out = make(seq(n, 0), d, 0);
+        std::vector<Tensor> ins{make(x, d, 0)};
+        pg->reduce_scatter(out, ins, rs(op))->wait();
+        EXPECT_EQ(differs(out, x), "") << "reduce_scatter " << to_string(op) << ", " << where;
+      }
+      Tensor b = make(x, d, 0);
+      pg->broadcast(b, bc(0))->wait();
+      EXPECT_EQ(differs(b, x), "") << "broadcast, " << where;
+
+      Tensor in = make(x, d, 0);
+      Tensor gathered = make(seq(n, 50), d, 0);
+      pg->allgather_into_tensor(gathered, in)->wait();
+      EXPECT_EQ(differs(gathered, x), "") << "allgather_into_tensor, " << where;
+
+      std::vector<Tensor> list{make(seq(n, 50), d, 0)};
+      pg->allgather(list, in)->wait();
+      EXPECT_EQ(differs(list[0], x), "") << "allgather, " << where;
+
+      std::vector<Tensor> outs{make(seq(n, 9), d, 0)};
+      std::vector<Tensor> ins{make(x, d, 0)};
+      pg->alltoall(outs, ins)->wait();
+      EXPECT_EQ(differs(outs[0], x), "") << "alltoall, " << where;
+    }
+  }
+  pg->barrier()->wait();
+}
+
+TEST(NcclWorldOne, WorkFutureAndSequenceNumbers) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  auto pg = world_of_one();
+  const uint64_t seq0 = pg->sequence_number();
+  Tensor t = make(seq(4, 1), kFloat32, 0);
+  WorkPtr w = pg->allreduce(t);
+  EXPECT_EQ(pg->sequence_number(), seq0 + 1);
+  EXPECT_NE(w->describe().find("[nccl] allreduce #" + std::to_string(seq0) + " on rank 0 of 1"),
+            std::string::npos)
+      << w->describe();
+  auto doubled = w->future()->then([](Future& f) {
+    std::vector<Tensor> v = f.value();
+    return std::vector<Tensor>{v.at(0) * 2};
+  });
+  EXPECT_TRUE(w->wait());
+  EXPECT_TRUE(w->is_success());
+  ASSERT_EQ(w->result().size(), 1u);
+  EXPECT_TRUE(w->result()[0].is_same(t));
+  doubled->wait(60s);
+  EXPECT_EQ(differs(doubled->value().at(0), {2, 4, 6, 8}), "");
+  WorkPtr bar = pg->barrier();
+  EXPECT_NE(bar->describe().find("barrier #" + std::to_string(seq0 + 1)), std::string::npos);
+  bar->wait();
+  EXPECT_TRUE(bar->is_completed());
+}
+
+// A Future callback may drop the last reference to the group (it then runs on the watchdog
+// thread, which must neither join itself nor touch the destroyed group).
+TEST(NcclWorldOne, CallbackMayDropTheLastReference) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  auto holder = std::make_shared<std::shared_ptr<ProcessGroupNccl>>(world_of_one());
+  Tensor t = make(seq(8, 1), kFloat32, 0);
+  WorkPtr w = (*holder)->allreduce(t);
+  auto dropped = std::make_shared<std::atomic<bool>>(false);
+  w->future()->add_done_callback([holder, dropped](Future&) {
+    holder->reset();
+    *dropped = true;
+  });
+  holder.reset();  // the callback now holds the only reference
+  w->wait();
+  EXPECT_TRUE(test::eventually([&] { return dropped->load(); }));
+  EXPECT_EQ(differs(t, seq(8, 1)), "");
+}
+
+// Writes queued on the caller's stream before the call are seen by the collective, and
+// Work::wait orders later work on the caller's stream after it.
+TEST(NcclWorldOne, OrdersWithTheCallersStream) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  auto pg = world_of_one();
+  cuda::Stream side = cuda::Stream::create(0);
+  cuda::StreamGuard guard(side);
+  Tensor t = zeros({1 << 20}, TensorOptions(kFloat32).device(cuda_device(0)));
+  t.fill_(5.0);  // queued on `side`
+  std::vector<Tensor> outs{empty({1 << 20}, TensorOptions(kFloat32).device(cuda_device(0)))};
+  std::vector<Tensor> ins{t};
+  pg->alltoall(outs, ins)->wait();
+  outs[0].add_(1.0);  // on `side`, after the wait
+  const std::vector<double> v = values(outs[0]);
+  ASSERT_EQ(v.size(), size_t{1} << 20);
+  EXPECT_EQ(v.front(), 6.0);
+  EXPECT_EQ(v.back(), 6.0);
+}
+
+TEST(NcclWorldOne, BadArgumentsNameTheOpAndValues) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  auto pg = world_of_one();
+  Tensor cpu = ones({3});
+  test::expect_error<ValueError>([&] { pg->allreduce(cpu); }, {"[nccl] allreduce expects CUDA "
+                                                               "tensors on cuda:0"});
+  Tensor nc = zeros({4, 4}, TensorOptions(kFloat32).device(cuda_device(0))).t();
+  test::expect_error<ValueError>([&] { pg->broadcast(nc); }, {"non-contiguous"});
+  Tensor b = zeros({2}, TensorOptions(kBool).device(cuda_device(0)));
+  test::expect_error<TypeError>([&] { pg->allreduce(b); }, {"got tensor of dtype bool"});
+  Tensor f = zeros({2}, TensorOptions(kFloat32).device(cuda_device(0)));
+  test::expect_error<ValueError>([&] { pg->broadcast(f, bc(1)); }, {"root 1 is not a rank"});
+  test::expect_error<ValueError>([&] { pg->send(f, 0); }, {"dst 0 must be another rank"});
+  test::expect_error<ValueError>([&] { pg->recv(f, 3); }, {"src 3 must be another rank"});
+  Tensor wrong = zeros({3}, TensorOptions(kFloat32).device(cuda_device(0)));
+  test::expect_error<ValueError>([&] { pg->allgather_into_tensor(wrong, f); },
+                                 {"expects an output of 1 x 2 = 2 elements"});
+  std::vector<Tensor> none;
+  test::expect_error<ValueError>([&] { pg->reduce_scatter(f, none); },
+                                 {"expected 1 input tensors (one per rank), got 0"});
+  // Failed validation uses no sequence number.
+  const uint64_t s = pg->sequence_number();
+  test::expect_error<ValueError>([&] { pg->allreduce(cpu); }, {"[nccl] allreduce"});
+  EXPECT_EQ(pg->sequence_number(), s);
+}
+
+// Rank 0 of 2 whose peer never comes: creating the communicator times out, naming the rank.
+TEST(NcclWorldOne, CreationTimesOutWhenAPeerNeverJoins) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  ProcessGroupNccl::NcclOptions o;
+  o.timeout = 3s;
+  o.device = 0;
+  const auto start = std::chrono::steady_clock::now();
+  test::expect_error<DistTimeoutError>(
+      [&] { ProcessGroupNccl pg(std::make_shared<HashStore>(), 0, 2, o); },
+      {"[nccl] rank 0 of 2: creating the communicator on cuda:0 did not complete within 3000 ms"});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 60s);
+  // Rank 1 waits for rank 0's ncclUniqueId first.
+  test::expect_error<DistTimeoutError>(
+      [&] { ProcessGroupNccl pg(std::make_shared<HashStore>(), 1, 2, o); },
+      {"[nccl] rank 1 of 2: rank 0 did not publish its ncclUniqueId within 3000 ms"});
+}
+
+TEST(NcclWorldOne, InitProcessGroupUsesTheBackend) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  InitOptions o;
+  o.backend = "nccl";
+  o.store = std::make_shared<HashStore>();
+  o.rank = 0;
+  o.world_size = 1;
+  o.timeout = 60s;
+  auto pg = init_process_group(o);
+  EXPECT_EQ(pg->backend_name(), "nccl");
+  Tensor t = make({1, 2}, kFloat32, 0);
+  pg->allreduce(t)->wait();
+  EXPECT_EQ(differs(t, {1, 2}), "");
+  destroy_process_group();
+}
+
+// ---- two processes -------------------------------------------------------------------------
+//
+// The parent re-runs this binary twice (fork + exec, so the children start with a fresh CUDA
+// context whatever this process has done) with --gtest_filter naming NcclTwoRanks.Child and the
+// rank, case and store path in the environment; each child exits 0 when its test passed.
+
+constexpr const char* kChildRank = "EMBER_NCCL_TEST_RANK";
+constexpr const char* kChildStore = "EMBER_NCCL_TEST_STORE";
+constexpr const char* kChildCase = "EMBER_NCCL_TEST_CASE";
+
+/// Runs the child test in 2 processes; returns one line per child that failed.
+std::vector<std::string> run_children(const std::string& which, const std::string& store_path,
+                                      int timeout_s) {
+  std::vector<pid_t> pids;
+  for (int r = 0; r < 2; ++r) {
+    const pid_t pid = ::fork();
+    if (pid < 0) return {"fork failed"};
+    if (pid == 0) {
+      ::setenv(kChildRank, std::to_string(r).c_str(), 1);
+      ::setenv(kChildStore, store_path.c_str(), 1);
+      ::setenv(kChildCase, which.c_str(), 1);
+      ::execl("/proc/self/exe", "nccl_test_child", "--gtest_filter=NcclTwoRanks.Child",
+              static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    pids.push_back(pid);
+  }
+  std::vector<std::string> errors;
+  std::vector<int> status(pids.size(), -1);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
+  const bool all_exited = test::eventually(
+      [&] {
+        bool all = true;
+        for (size_t i = 0; i < pids.size(); ++i) {
+          if (status[i] != -1) continue;
+          int st = 0;
+          if (::waitpid(pids[i], &st, WNOHANG) == pids[i]) {
+            status[i] = st;
+          } else {
+            all = false;
+          }
+        }
+        return all;
+      },
+      static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                           deadline - std::chrono::steady_clock::now())
+                           .count()));
+  for (size_t i = 0; i < pids.size(); ++i) {
+    if (status[i] == -1) {
+      ::kill(pids[i], SIGKILL);
+      ::waitpid(pids[i], nullptr, 0);
+      errors.push_back("rank " + std::to_string(i) + ": still running after " +
+                       std::to_string(timeout_s) + " s (killed)");
+    } else if (!WIFEXITED(status[i]) || WEXITSTATUS(status[i]) != 0) {
+      errors.push_back("rank " + std::to_string(i) + ": exited with status " +
+                       std::to_string(status[i]) + " (its gtest output is above)");
+    }
+  }
+  (void)all_exited;
+  return errors;
+}
+
+void two_rank_test(const std::string& which) {
+  if (!nccl_available()) GTEST_SKIP() << "built without nccl (EMBER_WITH_NCCL=OFF)";
+  if (cuda::device_count() < 2) {
+    GTEST_SKIP() << "needs 2 CUDA devices, found " << cuda::device_count()
+                 << (cuda::is_available() ? "" : std::string(": ") + cuda::unavailable_reason());
+  }
+  test::TempDir dir;
+  for (const std::string& e : run_children(which, dir.file("store"), 300)) ADD_FAILURE() << e;
+}
+
+TEST(NcclTwoRanks, EveryCollectiveEveryDtype) { two_rank_test("collectives"); }
+TEST(NcclTwoRanks, StalledRankTimesOutAndAborts) { two_rank_test("timeout"); }
+
+// rank r's input: (r + 1) + i.
+void child_collectives(ProcessGroupNccl& pg, int rank) {
+  const int n = 6;
+  auto in = [&](int r) { return seq(n, r + 1); };
+  for (Dtype d : kDtypes) {
+    const std::string where = "rank " + std::to_string(rank) + ", " + std::string(dtype_name(d));
+    const bool integral = d == kInt32 || d == kInt64 || d == kUInt8;
+    for (ReduceOp op : kOps) {
+      std::vector<double> want(n);
+      for (int i = 0; i < n; ++i) {
+        const double a = 1 + i, b = 2 + i;
+        switch (op) {
+          case ReduceOp::Sum:
+            want[i] = a + b;
+            break;
+          case ReduceOp::Avg:
+            want[i] = integral ? std::trunc((a + b) / 2) : (a + b) / 2;
+            break;
+          case ReduceOp::Product:
+            want[i] = a * b;
+            break;
+          case ReduceOp::Min:
+            want[i] = a;
+            break;
+          case ReduceOp::Max:
+            want[i] = b;
+            break;
+        }
+      }
+      Tensor t = make(in(rank), d, pg.device());
+      pg.allreduce(t, ar(op))->wait();
+      EXPECT_EQ(differs(t, want), "") << "allreduce " << to_string(op) << ", " << where;
+      Tensor r = make(in(rank), d, pg.device());
+      pg.reduce(r, rd(1, op))->wait();
+      if (rank == 1) {
+        EXPECT_EQ(differs(r, want), "") << "reduce " << to_string(op) << ", " << where;
+      }
+    }
+    // reduce_scatter: rank r's inputs[j] = r + j + i; rank j gets sum_r = 1 + 2j + 2i.
+    Tensor out = make(seq(n, 0), d, pg.device());
+    std::vector<Tensor> ins{make(seq(n, rank + 0), d, pg.device()),
+                            make(seq(n, rank + 1), d, pg.device())};
+    pg.reduce_scatter(out, ins, rs(ReduceOp::Sum))->wait();
+    std::vector<double> want_rs(n);
+    for (int i = 0; i < n; ++i) want_rs[i] = 1 + 2 * rank + 2 * i;
+    EXPECT_EQ(differs(out, want_rs), "") << "reduce_scatter, " << where;
+
+    Tensor b = make(in(rank), d, pg.device());
+    pg.broadcast(b, bc(1))->wait();
+    EXPECT_EQ(differs(b, in(1)), "") << "broadcast, " << where;
+
+    Tensor g = make(seq(2 * n, 0), d, pg.device());
+    pg.allgather_into_tensor(g, make(in(rank), d, pg.device()))->wait();
+    std::vector<double> want_g = in(0);
+    for (double v : in(1)) want_g.push_back(v);
+    EXPECT_EQ(differs(g, want_g), "") << "allgather_into_tensor, " << where;
+
+    // alltoall: rank r's inputs[j] = 10r + j + i (sizes differ per peer: n + j);
+    // rank r's outputs[q] = 10q + r + i.
+    std::vector<Tensor> a_in, a_out;
+    for (int j = 0; j < 2; ++j) {
+      a_in.push_back(make(seq(n + j, 10 * rank + j), d, pg.device()));
+      a_out.push_back(make(seq(n + rank, 0), d, pg.device()));
+    }
+    pg.alltoall(a_out, a_in)->wait();
+    for (int q = 0; q < 2; ++q) {
+      EXPECT_EQ(differs(a_out[q], seq(n + rank, 10 * q + rank)), "")
+          << "alltoall from rank " << q << ", " << where;
+    }
+
+    Tensor p2p = make(rank == 0 ? seq(n, 7) : seq(n, 0), d, pg.device());
+    if (rank == 0) {
+      pg.send(p2p, 1)->wait();
+    } else {
+      pg.recv(p2p, 0)->wait();
+      EXPECT_EQ(differs(p2p, seq(n, 7)), "") << "send/recv, " << where;
+    }
+  }
+  pg.barrier()->wait();
+}
+
+// Rank 1 stops issuing collectives; rank 0's allreduce times out, the communicator is
+// aborted, and later calls fail with that first error.
+void child_timeout(ProcessGroupNccl& pg, int rank, Store& store) {
+  Tensor t = make({1, 2, 3}, kFloat32, pg.device());
+  pg.allreduce(t)->wait();  // both ranks: the communicator works
+  if (rank == 1) {
+    // Stalled, not dead: alive (its communicator too) until rank 0 has seen the timeout.
+    store.get("rank0_done", 120s);
+    return;
+  }
+  AllreduceOptions o;
+  o.timeout = 2s;
+  WorkPtr w = pg.allreduce(t, o);
+  test::expect_error<DistTimeoutError>(
+      [&] { w->wait(); }, {"[nccl] allreduce #1 on rank 0 of 2 timed out after 2000 ms; the "
+                           "communicator was aborted"});
+  WorkPtr later = pg.allreduce(t);
+  test::expect_error<DistBackendError>([&] { later->wait(); },
+                                       {"unusable after an earlier failure: [nccl] allreduce #1"});
+  store.set("rank0_done", Bytes{1});
+}
+
+TEST(NcclTwoRanks, Child) {
+  const char* r = std::getenv(kChildRank);
+  const char* path = std::getenv(kChildStore);
+  const char* which = std::getenv(kChildCase);
+  if (r == nullptr || path == nullptr || which == nullptr) {
+    GTEST_SKIP() << "runs only as a child process of the other NcclTwoRanks tests";
+  }
+  const int rank = std::atoi(r);
+  ProcessGroupNccl::NcclOptions o;
+  o.timeout = 120s;
+  o.device = rank;
+  auto store = std::make_shared<FileStore>(path, 2);
+  ProcessGroupNccl pg(std::make_shared<PrefixStore>("nccl", store), rank, 2, o);
+  EXPECT_EQ(pg.device(), rank);
+  if (std::string(which) == "collectives") {
+    child_collectives(pg, rank);
+  } else {
+    child_timeout(pg, rank, *store);
+  }
+}
+
+}  // namespace
+}  // namespace ember::dist
