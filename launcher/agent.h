@@ -1,0 +1,58 @@
+// The local agent: runs one node's worker group, pumps its output, restarts it on failure.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "launcher/config.h"
+
+namespace ember::launcher {
+
+/// How one worker ended (or, for the group, the first failure observed).
+struct WorkerFailure {
+  int rank = -1;         // global rank
+  int local_rank = -1;
+  int pid = -1;
+  int exit_code = 0;     // exit status when it exited, else 0
+  int signal = 0;        // the signal that killed it, else 0
+  std::string time;      // when the agent noticed, local time "YYYY-MM-DD HH:MM:SS"
+  std::string error_file;        // the path given to the worker
+  std::string error_message;     // from the error file, "" if none was written
+  std::string error_where;       // from the error file
+  std::vector<std::string> log_tail;  // the worker's last output lines (both streams)
+};
+
+/// Reads a worker's error file. Accepts Ember's {"message": "...", "where": "..."} and
+/// torch's {"message": {"message": "...", "extraInfo": {"py_callstack": "..."}}}. Returns
+/// false (leaving the fields alone) when the file is missing or unreadable as JSON.
+bool read_error_file(const std::string& path, std::string* message, std::string* where);
+
+/// The multi-line summary printed when the group fails for good: the first failed rank, its
+/// exit code or signal, the error file's message and where, and its log tail; then the other
+/// ranks that failed on their own.
+std::string format_failure_summary(const std::string& program,
+                                   const std::vector<WorkerFailure>& failures);
+
+/// Spawns config.nproc_per_node workers of config.program and supervises them.
+///
+/// Workers get RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK,
+/// ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, EMBER_RESTART_COUNT,
+/// TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, TORCHELASTIC_ERROR_FILE / EMBER_ERROR_FILE,
+/// and OMP_NUM_THREADS / EMBER_NUM_THREADS (cores / nproc_per_node unless the user set one).
+/// Each worker leads its own process group; stopping a worker signals the whole group.
+class LocalAgent {
+ public:
+  explicit LocalAgent(LaunchConfig config);
+  /// Runs the group to completion; returns the process exit status emberrun should use: 0
+  /// when every worker exited 0; 1 when the group failed with no restarts left (the summary
+  /// was printed on stderr); 128 + signal when emberrun was interrupted by SIGINT/SIGTERM/
+  /// SIGHUP (the signal was forwarded, then escalated to SIGKILL after the grace period).
+  /// Installs signal handlers for SIGINT, SIGTERM, SIGHUP and SIGCHLD for its duration.
+  /// Call once.
+  int run();
+
+ private:
+  LaunchConfig config_;
+};
+
+}  // namespace ember::launcher

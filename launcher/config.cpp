@@ -1,0 +1,245 @@
+#include "launcher/config.h"
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <netinet/in.h>
+#include <sched.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cerrno>
+#include <algorithm>
+#include <charconv>
+#include <cstring>
+#include <sstream>
+
+namespace ember::launcher {
+namespace {
+
+// A whole-string integer in [lo, hi]; UsageError naming the option otherwise.
+int parse_int(const std::string& option, const std::string& value, int lo, int hi) {
+  int v = 0;
+  auto [p, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
+  if (value.empty() || ec != std::errc() || p != value.data() + value.size() || v < lo ||
+      v > hi) {
+    throw UsageError(option + ": expected an integer in [" + std::to_string(lo) + ", " +
+                     std::to_string(hi) + "], got '" + value + "'");
+  }
+  return v;
+}
+
+int count_gpus() {
+  int n = 0;
+  if (DIR* d = opendir("/dev")) {
+    while (dirent* e = readdir(d)) {
+      const char* name = e->d_name;
+      if (std::strncmp(name, "nvidia", 6) == 0 && name[6] >= '0' && name[6] <= '9') ++n;
+    }
+    closedir(d);
+  }
+  return n;
+}
+
+std::vector<std::string> split(const std::string& s, const std::string& seps) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (char c : s) {
+    if (seps.find(c) != std::string::npos) {
+      if (!cur.empty()) out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  if (!cur.empty()) out.push_back(cur);
+  return out;
+}
+
+}  // namespace
+
+int available_cpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+int pick_free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw std::runtime_error(std::string("[emberrun] socket: ") + std::strerror(errno));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    int e = errno;
+    close(fd);
+    throw std::runtime_error(std::string("[emberrun] could not pick a free port: ") +
+                             std::strerror(e));
+  }
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::vector<StreamMask> parse_std_spec(const std::string& option, const std::string& value,
+                                       int nproc) {
+  auto mask = [&](const std::string& v) {
+    int m = parse_int(option, v, 0, 3);
+    return StreamMask{(m & 1) != 0, (m & 2) != 0};
+  };
+  std::vector<StreamMask> out(nproc);
+  if (value.find(':') == std::string::npos) {
+    StreamMask m = mask(value);
+    for (auto& o : out) o = m;
+    return out;
+  }
+  for (const auto& item : split(value, ",")) {
+    auto colon = item.find(':');
+    if (colon == std::string::npos) {
+      throw UsageError(option + ": expected LOCAL_RANK:MODE pairs such as '0:3,1:1', got '" +
+                       value + "'");
+    }
+    int r = parse_int(option, item.substr(0, colon), 0, 1 << 20);
+    if (r >= nproc) {
+      throw UsageError(option + ": local rank " + std::to_string(r) + " in '" + value +
+                       "' is not below --nproc-per-node " + std::to_string(nproc));
+    }
+    out[r] = mask(item.substr(colon + 1));
+  }
+  return out;
+}
+
+LaunchConfig parse_args(const std::vector<std::string>& args) {
+  CLI::App app{
+      "emberrun: launch PROGRAM as a group of ranks (torchrun's interface for programs).\n"
+      "Every option can also be set through its EMBER_* variable; the command line wins.",
+      "emberrun"};
+  app.prefix_command();  // everything from PROGRAM on belongs to the program
+  app.set_help_flag("-h,--help", "Print this help and exit");
+
+  std::string nnodes = "1", nproc = "1", redirects = "0", tee = "0", filter;
+  std::optional<int> master_port;
+  int node_rank = 0, max_restarts = 0;
+  LaunchConfig c;
+  auto opt = [&](const std::string& names, auto& var, const std::string& env,
+                 const std::string& help) {
+    return app.add_option(names, var, help)->envname(env);
+  };
+  opt("--nnodes", nnodes, "EMBER_NNODES", "Number of nodes, N or MIN:MAX (only 1 for now)");
+  opt("--nproc-per-node,--nproc_per_node", nproc, "EMBER_NPROC_PER_NODE",
+      "Ranks on this node: an integer, cpu, gpu or auto");
+  opt("--node-rank,--node_rank", node_rank, "EMBER_NODE_RANK", "This node's rank");
+  opt("--master-addr,--master_addr", c.master_addr, "EMBER_MASTER_ADDR",
+      "Address of rank 0's store (MASTER_ADDR)");
+  opt("--master-port,--master_port", master_port, "EMBER_MASTER_PORT",
+      "Port of rank 0's store (MASTER_PORT), default 29500");
+  opt("--rdzv-endpoint,--rdzv_endpoint", c.rdzv_endpoint, "EMBER_RDZV_ENDPOINT",
+      "Rendezvous host[:port] (multi-node)");
+  opt("--rdzv-id,--rdzv_id", c.rdzv_id, "EMBER_RDZV_ID", "Run id (names the log folder)");
+  opt("--rdzv-backend,--rdzv_backend", c.rdzv_backend, "EMBER_RDZV_BACKEND",
+      "Rendezvous backend: static or c10d");
+  opt("--local-addr,--local_addr", c.local_addr, "EMBER_LOCAL_ADDR",
+      "This node's address (multi-node)");
+  app.add_flag("--standalone", c.standalone, "Single node, free port picked automatically")
+      ->envname("EMBER_STANDALONE");
+  opt("--max-restarts,--max_restarts", max_restarts, "EMBER_MAX_RESTARTS",
+      "Restarts of the worker group before failing");
+  opt("--monitor-interval,--monitor_interval", c.monitor_interval_s, "EMBER_MONITOR_INTERVAL",
+      "Seconds between worker checks");
+  opt("--grace-period,--grace_period", c.grace_period_s, "EMBER_GRACE_PERIOD",
+      "Seconds between SIGTERM and SIGKILL when stopping workers (Ember extension)");
+  opt("--log-dir,--log_dir", c.log_dir, "EMBER_LOG_DIR", "Folder for per-rank log files");
+  opt("-r,--redirects", redirects, "EMBER_REDIRECTS",
+      "Streams sent to the log file only: 0 none, 1 stdout, 2 stderr, 3 both, or 0:3,1:1");
+  opt("-t,--tee", tee, "EMBER_TEE", "Streams sent to console and log file (same format)");
+  opt("--local-ranks-filter,--local_ranks_filter", filter, "EMBER_LOCAL_RANKS_FILTER",
+      "Console shows only these local ranks, e.g. 0 or 0,2");
+
+  std::vector<std::string> rev(args.rbegin(), args.rend());
+  try {
+    app.parse(rev);
+  } catch (const CLI::CallForHelp&) {
+    throw HelpRequested(app.help());
+  } catch (const CLI::ParseError& e) {
+    throw UsageError(e.what());
+  }
+
+  std::vector<std::string> rest = app.remaining();
+  if (!rest.empty() && rest.front() == "--") rest.erase(rest.begin());
+  if (rest.empty()) throw UsageError("missing PROGRAM: emberrun [OPTIONS] PROGRAM [ARGS...]");
+  bool after_dashes = std::find(args.begin(), args.end(), "--") != args.end();
+  if (rest.front().size() > 1 && rest.front()[0] == '-' && !after_dashes) {
+    throw UsageError("unknown option '" + rest.front() + "'");
+  }
+  c.program = rest.front();
+  c.args.assign(rest.begin() + 1, rest.end());
+
+  // --nnodes N or MIN:MAX
+  auto colon = nnodes.find(':');
+  if (colon == std::string::npos) {
+    c.min_nodes = c.max_nodes = parse_int("--nnodes", nnodes, 1, 1 << 16);
+  } else {
+    c.min_nodes = parse_int("--nnodes", nnodes.substr(0, colon), 1, 1 << 16);
+    c.max_nodes = parse_int("--nnodes", nnodes.substr(colon + 1), 1, 1 << 16);
+    if (c.min_nodes > c.max_nodes) {
+      throw UsageError("--nnodes: MIN must not exceed MAX, got '" + nnodes + "'");
+    }
+  }
+  if (c.max_nodes > 1) {
+    throw UsageError("--nnodes " + nnodes +
+                     ": more than one node is not supported yet (single-node emberrun)");
+  }
+  if (nproc == "cpu") {
+    c.nproc_per_node = available_cpus();
+  } else if (nproc == "gpu" || nproc == "auto") {
+    int g = count_gpus();
+    if (nproc == "gpu" && g == 0) {
+      throw UsageError("--nproc-per-node gpu: no GPU found (/dev/nvidia<N>)");
+    }
+    c.nproc_per_node = g > 0 ? g : available_cpus();
+  } else {
+    c.nproc_per_node = parse_int("--nproc-per-node", nproc, 1, 1 << 16);
+  }
+  if (node_rank < 0 || node_rank >= c.max_nodes) {
+    throw UsageError("--node-rank: expected a value in [0, " + std::to_string(c.max_nodes) +
+                     "), got " + std::to_string(node_rank));
+  }
+  c.node_rank = node_rank;
+  if (max_restarts < 0) {
+    throw UsageError("--max-restarts: expected >= 0, got " + std::to_string(max_restarts));
+  }
+  c.max_restarts = max_restarts;
+  if (!(c.monitor_interval_s > 0) || c.monitor_interval_s > 3600) {
+    throw UsageError("--monitor-interval: expected seconds in (0, 3600], got " +
+                     std::to_string(c.monitor_interval_s));
+  }
+  if (!(c.grace_period_s >= 0) || c.grace_period_s > 3600) {
+    throw UsageError("--grace-period: expected seconds in [0, 3600], got " +
+                     std::to_string(c.grace_period_s));
+  }
+  if (c.rdzv_backend != "static" && c.rdzv_backend != "c10d") {
+    throw UsageError("--rdzv-backend: expected static or c10d, got '" + c.rdzv_backend + "'");
+  }
+  if (master_port) {
+    c.master_port = parse_int("--master-port", std::to_string(*master_port), 1, 65535);
+  } else if (c.standalone) {
+    c.master_port = pick_free_port();
+  }
+  if (c.master_addr.empty()) throw UsageError("--master-addr: must not be empty");
+  c.redirects = parse_std_spec("--redirects", redirects, c.nproc_per_node);
+  c.tee = parse_std_spec("--tee", tee, c.nproc_per_node);
+  if (!filter.empty()) {
+    std::vector<int> ranks;
+    for (const auto& s : split(filter, ", ")) {
+      int r = parse_int("--local-ranks-filter", s, 0, c.nproc_per_node - 1);
+      ranks.push_back(r);
+    }
+    c.local_ranks_filter = ranks;
+  }
+  return c;
+}
+
+}  // namespace ember::launcher

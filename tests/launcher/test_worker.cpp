@@ -1,0 +1,117 @@
+// A worker program for the launcher tests (built as build/launcher/test_workers/test_worker).
+// Usage: test_worker MODE DIR [ARGS...], with rank and restart count from emberrun's env.
+//   env DIR            write DIR/env_<RANK>.txt (the launcher's variables), print a line on
+//                      stdout and one on stderr, exit 0
+//   exit DIR R CODE    rank R exits CODE at once; the others write DIR/ready_<RANK> and wait
+//                      to be stopped
+//   error DIR R        rank R writes a structured error file, then exits 1; the others wait
+//   block DIR [ignore] write DIR/pid_<RANK> (its pid), then wait to be stopped; with
+//                      "ignore", ignore SIGTERM (so only SIGKILL ends it)
+//   ckpt DIR STEPS K   each rank counts STEPS steps, saving the next step in DIR/ckpt_<RANK>
+//                      after each; on the first attempt rank 1 kills itself with SIGKILL after
+//                      step K. At the end it writes DIR/done_<RANK> with
+//                      "steps=<N> restarts=<count> resumed_from=<first step of this attempt>"
+// Waiting workers give up after 60 s (alarm) so a broken launcher cannot leave them forever.
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace {
+
+int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::atoi(v) : -1;
+}
+
+// Written to a temp name, then renamed: readers never see a partial file.
+void write_file(const std::string& path, const std::string& text) {
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << text;
+  }
+  std::rename(tmp.c_str(), path.c_str());
+}
+
+[[noreturn]] void wait_forever() {
+  alarm(60);
+  for (;;) pause();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: test_worker MODE DIR [ARGS...]\n");
+    return 2;
+  }
+  const std::string mode = argv[1], dir = argv[2];
+  const int rank = env_int("RANK");
+  const std::string r = std::to_string(rank);
+
+  if (mode == "env") {
+    std::ostringstream os;
+    for (const char* k :
+         {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+          "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "EMBER_RESTART_COUNT", "OMP_NUM_THREADS",
+          "EMBER_NUM_THREADS", "TORCHELASTIC_ERROR_FILE", "EMBER_ERROR_FILE"}) {
+      const char* v = std::getenv(k);
+      os << k << "=" << (v ? v : "<unset>") << "\n";
+    }
+    for (int i = 3; i < argc; ++i) os << "ARG=" << argv[i] << "\n";
+    write_file(dir + "/env_" + r + ".txt", os.str());
+    std::printf("hello from rank %d\n", rank);
+    std::fflush(stdout);
+    std::fprintf(stderr, "warning from rank %d\n", rank);
+    return 0;
+  }
+  if (mode == "exit" || mode == "error") {
+    if (argc < 4) return 2;
+    if (rank == std::atoi(argv[3])) {
+      std::printf("rank %d giving up\n", rank);
+      std::fflush(stdout);
+      if (mode == "error") {
+        const char* path = std::getenv("EMBER_ERROR_FILE");
+        if (path) {
+          write_file(path,
+                     "{\"message\": \"ValueError: [train] loss is NaN at step 7\", "
+                     "\"where\": \"test_worker.cpp:main\", \"timestamp\": 1}");
+        }
+        return 1;
+      }
+      return argc > 4 ? std::atoi(argv[4]) : 1;
+    }
+    write_file(dir + "/ready_" + r, "");
+    wait_forever();
+  }
+  if (mode == "block") {
+    if (argc > 3 && std::string(argv[3]) == "ignore") signal(SIGTERM, SIG_IGN);
+    write_file(dir + "/pid_" + r, std::to_string(getpid()));
+    wait_forever();
+  }
+  if (mode == "ckpt") {
+    if (argc < 5) return 2;
+    const int steps = std::atoi(argv[3]), kill_at = std::atoi(argv[4]);
+    const int restarts = env_int("EMBER_RESTART_COUNT");
+    const std::string ckpt = dir + "/ckpt_" + r;
+    int step = 0;
+    if (std::ifstream in(ckpt); in) in >> step;
+    const int first = step;
+    for (; step < steps; ++step) {
+      write_file(ckpt, std::to_string(step + 1));
+      if (restarts == 0 && rank == 1 && step + 1 == kill_at) raise(SIGKILL);
+    }
+    write_file(dir + "/done_" + r, "steps=" + std::to_string(step) + " restarts=" +
+                                       std::to_string(restarts) +
+                                       " resumed_from=" + std::to_string(first));
+    return 0;
+  }
+  std::fprintf(stderr, "test_worker: unknown mode '%s'\n", mode.c_str());
+  return 2;
+}
