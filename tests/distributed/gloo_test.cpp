@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "tests/distributed/collective_options.h"
 #include "distributed/hash_store.h"
 #include "distributed/prefix_store.h"
 #include "distributed/process_group_gloo.h"
@@ -23,33 +24,12 @@ namespace {
 using namespace std::chrono_literals;
 using test::require;
 
-// Option structs without -Wmissing-field-initializers noise.
-AllreduceOptions ar(ReduceOp op) {
-  AllreduceOptions o;
-  o.op = op;
-  return o;
-}
-BroadcastOptions bc(int root) {
-  BroadcastOptions o;
-  o.root = root;
-  return o;
-}
-ReduceOptions rd(int root, ReduceOp op) {
-  ReduceOptions o;
-  o.root = root;
-  o.op = op;
-  return o;
-}
-GatherOptions ga(int root) {
-  GatherOptions o;
-  o.root = root;
-  return o;
-}
-ScatterOptions sc(int root) {
-  ScatterOptions o;
-  o.root = root;
-  return o;
-}
+using test::ar;
+using test::bc;
+using test::rd;
+using test::ga;
+using test::sc;
+using test::rs;
 std::shared_ptr<TCPStore> client(const std::string& port) {
   TCPStoreOptions o;
   o.timeout = std::chrono::seconds(60);

@@ -23,6 +23,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "tests/distributed/collective_options.h"
 #include "distributed/process_group_mpi.h"
 #include "tensor/ops.h"
 #include "tests/tensor/test_util.h"
@@ -171,39 +172,12 @@ TEST(MpiWorld, Np3ThreadSerialized) { run_world(3, "serialized"); }
 
 // ---- checks run by every rank ----------------------------------------------------------------
 
-// Options, spelled out (designated initializers warn about the omitted timeout).
-AllreduceOptions ar(ReduceOp op, std::optional<Duration> timeout = {}) {
-  AllreduceOptions o;
-  o.op = op;
-  o.timeout = timeout;
-  return o;
-}
-BroadcastOptions bc(int root) {
-  BroadcastOptions o;
-  o.root = root;
-  return o;
-}
-ReduceOptions rd(int root, ReduceOp op) {
-  ReduceOptions o;
-  o.root = root;
-  o.op = op;
-  return o;
-}
-GatherOptions ga(int root) {
-  GatherOptions o;
-  o.root = root;
-  return o;
-}
-ScatterOptions sc(int root) {
-  ScatterOptions o;
-  o.root = root;
-  return o;
-}
-ReduceScatterOptions rs(ReduceOp op) {
-  ReduceScatterOptions o;
-  o.op = op;
-  return o;
-}
+using test::ar;
+using test::bc;
+using test::rd;
+using test::ga;
+using test::sc;
+using test::rs;
 
 /// The world group of this process, shared by the MpiRanks cases.
 ProcessGroupMpi& world() {

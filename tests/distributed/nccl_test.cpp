@@ -15,6 +15,7 @@
 #include <string>
 #include <thread>
 
+#include "tests/distributed/collective_options.h"
 #include "distributed/file_store.h"
 #include "distributed/hash_store.h"
 #include "distributed/init.h"
@@ -37,27 +38,12 @@ const Dtype kDtypes[] = {kFloat32, kFloat64, kFloat16, kBFloat16, kInt32, kInt64
 const ReduceOp kOps[] = {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, ReduceOp::Min,
                          ReduceOp::Max};
 
-AllreduceOptions ar(ReduceOp op) {
-  AllreduceOptions o;
-  o.op = op;
-  return o;
-}
-BroadcastOptions bc(int root) {
-  BroadcastOptions o;
-  o.root = root;
-  return o;
-}
-ReduceOptions rd(int root, ReduceOp op) {
-  ReduceOptions o;
-  o.root = root;
-  o.op = op;
-  return o;
-}
-ReduceScatterOptions rs(ReduceOp op) {
-  ReduceScatterOptions o;
-  o.op = op;
-  return o;
-}
+using test::ar;
+using test::bc;
+using test::rd;
+using test::ga;
+using test::sc;
+using test::rs;
 
 /// values on cuda:device as dtype d.
 Tensor make(const std::vector<double>& v, Dtype d, int device) {
