@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "distributed/file_store.h"
+#include "distributed/hash_store.h"
 #include "distributed/prefix_store.h"
 #include "distributed/process_group_gloo.h"
 #include "distributed/process_group_mpi.h"
@@ -294,10 +295,21 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
   lock.unlock();  // the rendezvous may take a while; the state is only set at the end
 
   std::shared_ptr<Store> store;
+  std::shared_ptr<ProcessGroup> pg;
   int rank = -1, size = -1;
   std::string master_addr;
   const std::string method = o.init_method.empty() && !o.store ? "env://" : o.init_method;
-  if (o.store) {
+  if (o.backend == "mpi" && method.rfind("env://", 0) == 0 && !std::getenv("MASTER_ADDR")) {
+    // Under mpirun, MPI finds the peers itself: no rendezvous and no TCP store are needed.
+    // Groups made later get prefixes of this process-local store, which MPI never reads.
+    pg = ProcessGroupMpi::create({}, {o.timeout});
+    EMBER_CHECK((o.rank < 0 || o.rank == pg->rank()) &&
+                    (o.world_size < 0 || o.world_size == pg->size()),
+                "[init_process_group] backend mpi: MPI gives rank ", pg->rank(), " of ",
+                pg->size(), " but rank ", o.rank, " and world_size ", o.world_size,
+                " were passed");
+    store = std::make_shared<HashStore>();
+  } else if (o.store) {
     EMBER_CHECK(o.init_method.empty(),
                 "[init_process_group] pass either a store or an "
                 "init_method, not both (init_method '",
@@ -335,9 +347,10 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
                                      "' (expected env://, tcp://host:port or file:///path)"));
   }
 
-  std::shared_ptr<ProcessGroup> pg = factory(BackendArgs{
-      std::make_shared<PrefixStore>("default_pg", store), rank, size, o.timeout, master_addr,
-      /*global_ranks=*/{}});
+  if (!pg) {
+    pg = factory(BackendArgs{std::make_shared<PrefixStore>("default_pg", store), rank, size,
+                             o.timeout, master_addr, /*global_ranks=*/{}});
+  }
 
   lock.lock();
   EMBER_CHECK(!s.world,

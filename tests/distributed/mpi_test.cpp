@@ -24,6 +24,7 @@
 #include <sstream>
 
 #include "tests/distributed/collective_options.h"
+#include "distributed/init.h"
 #include "distributed/process_group_mpi.h"
 #include "tensor/ops.h"
 #include "tests/tensor/test_util.h"
@@ -577,6 +578,25 @@ TEST(MpiRanks, Subgroups) {
   expect_values(a, {1.0 * n, 1.0 * n}, 0, "second world group");
   sub.reset();
   other.reset();
+  world().barrier()->wait(60s);
+}
+
+TEST(MpiRanks, InitProcessGroupWithoutAStore) {
+  SKIP_UNLESS_UNDER_MPIRUN();
+  // Plain `mpirun -np N prog`: no MASTER_ADDR, so no TCP store; MPI's own ranks are used.
+  ASSERT_EQ(std::getenv("MASTER_ADDR"), nullptr) << "the launcher must not set MASTER_ADDR";
+  InitOptions opts;
+  opts.backend = "mpi";
+  std::shared_ptr<ProcessGroup> pg = init_process_group(opts);
+  EXPECT_EQ(get_rank(), world().rank());
+  EXPECT_EQ(get_world_size(), world().size());
+  Tensor t = full({4}, 1.0, kFloat32);
+  pg->allreduce(t)->wait(60s);
+  expect_values(t, std::vector<double>(4, world().size()), 0, "allreduce on the default group");
+  std::shared_ptr<ProcessGroup> all = new_group({0});
+  EXPECT_EQ(all != nullptr, world().rank() == 0);
+  all.reset();
+  destroy_process_group();
   world().barrier()->wait(60s);
 }
 
