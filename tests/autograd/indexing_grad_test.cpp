@@ -17,13 +17,6 @@ using test::leaf;
 using test::noncontig_leaf;
 using TL = std::vector<Tensor>;
 
-/// A float64 leaf holding `values` (row-major) in `shape`.
-Tensor leaf_of(const std::vector<double>& values, IntList shape) {
-  Tensor t = from_vector(values).reshape(shape).clone();
-  t.requires_grad_();
-  return t;
-}
-
 /// arange(1, n + 1) as float64 in `shape`: a gradient whose entries are all distinct.
 Tensor ramp(IntList shape) {
   const Shape s(shape);
