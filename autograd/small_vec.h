@@ -5,7 +5,6 @@
 
 #include <array>
 #include <cstddef>
-#include <initializer_list>
 #include <utility>
 #include <vector>
 
@@ -15,11 +14,6 @@ template <typename T, size_t N>
 class SmallVec {
  public:
   SmallVec() = default;
-  explicit SmallVec(size_t n) { resize(n); }
-  SmallVec(std::initializer_list<T> l) {
-    reserve(l.size());
-    for (const T& v : l) push_back(v);
-  }
 
   size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
@@ -44,11 +38,6 @@ class SmallVec {
     if (!on_heap()) spill(size_ + 1);
     heap_.push_back(std::move(v));
     ++size_;
-  }
-  template <typename... Args>
-  T& emplace_back(Args&&... args) {
-    push_back(T{std::forward<Args>(args)...});
-    return back();
   }
   void resize(size_t n) {
     if (n > N && !on_heap()) spill(n);

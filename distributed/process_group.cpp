@@ -56,17 +56,26 @@ WorkPtr ProcessGroup::reduce(Tensor& tensor, const ReduceOptions& opts) {
   return allreduce(tensor, AllreduceOptions{opts.op, opts.timeout});
 }
 
-WorkPtr ProcessGroup::allgather(std::vector<Tensor>& outputs, const Tensor& input,
-                                const CollectiveOptions& opts) {
-  check_list("allgather", outputs, size_, input, "outputs");
+namespace {
+/// Every rank's input gathered into one [size, *input] buffer, then copied into `outputs`
+/// (empty on ranks that want nothing back).
+WorkPtr gather_via_allgather(ProcessGroup& pg, const char* name, std::vector<Tensor>& outputs,
+                             const Tensor& input, const CollectiveOptions& opts) {
   Shape flat_shape = input.shape();
-  flat_shape.insert(0, size_);
+  flat_shape.insert(0, pg.size());
   auto flat = std::make_shared<Tensor>(empty(flat_shape, input.options()));
-  WorkPtr inner = allgather_into_tensor(*flat, input, opts);
-  return chain(inner, "allgather", [flat, outputs]() mutable {
+  WorkPtr inner = pg.allgather_into_tensor(*flat, input, opts);
+  return chain(inner, name, [flat, outputs]() mutable {
     for (size_t r = 0; r < outputs.size(); ++r) outputs[r].copy_((*flat)[r]);
     return outputs;
   });
+}
+}  // namespace
+
+WorkPtr ProcessGroup::allgather(std::vector<Tensor>& outputs, const Tensor& input,
+                                const CollectiveOptions& opts) {
+  check_list("allgather", outputs, size_, input, "outputs");
+  return gather_via_allgather(*this, "allgather", outputs, input, opts);
 }
 
 WorkPtr ProcessGroup::gather(std::vector<Tensor>& outputs, const Tensor& input,
@@ -79,14 +88,7 @@ WorkPtr ProcessGroup::gather(std::vector<Tensor>& outputs, const Tensor& input,
     EMBER_CHECK(outputs.empty(), "[gather] only the root (rank ", opts.root,
                 ") passes output tensors; rank ", rank_, " got ", outputs.size());
   }
-  Shape flat_shape = input.shape();
-  flat_shape.insert(0, size_);
-  auto flat = std::make_shared<Tensor>(empty(flat_shape, input.options()));
-  WorkPtr inner = allgather_into_tensor(*flat, input, CollectiveOptions{opts.timeout});
-  return chain(inner, "gather", [flat, outputs]() mutable {
-    for (size_t r = 0; r < outputs.size(); ++r) outputs[r].copy_((*flat)[r]);
-    return outputs;
-  });
+  return gather_via_allgather(*this, "gather", outputs, input, CollectiveOptions{opts.timeout});
 }
 
 WorkPtr ProcessGroup::scatter(Tensor& output, const std::vector<Tensor>& inputs,

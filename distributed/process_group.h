@@ -73,9 +73,6 @@ class Future : public std::enable_shared_from_this<Future> {
   std::vector<std::function<void(Future&)>> callbacks_;
 };
 
-/// A future already completed with `value`.
-std::shared_ptr<Future> completed_future(std::vector<Tensor> value);
-
 /// The handle of one collective.
 class Work {
  public:

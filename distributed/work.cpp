@@ -106,12 +106,6 @@ std::shared_ptr<Future> Future::then(std::function<std::vector<Tensor>(Future&)>
   return next;
 }
 
-std::shared_ptr<Future> completed_future(std::vector<Tensor> value) {
-  auto f = std::make_shared<Future>();
-  f->set_value(std::move(value));
-  return f;
-}
-
 // ---- Work -------------------------------------------------------------------------------------
 
 Work::Work(std::string what, Duration timeout) : what_(std::move(what)), timeout_(timeout) {

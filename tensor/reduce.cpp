@@ -315,33 +315,31 @@ Tensor argmin(const Tensor& t, std::optional<int64_t> dim, bool keepdim) {
   return flat_arg("argmin", t, dim, keepdim, false);
 }
 
-Tensor var(const Tensor& t, IntList dims, int64_t correction, bool keepdim) {
-  detail::check_defined("var", t, "input");
-  check_floating("var", t);
+namespace {
+/// var and std: one kernel (std takes the square root), recorded as `id`.
+Tensor var_or_std(const char* op, OpId id, bool take_sqrt, const Tensor& t, IntList dims,
+                  int64_t correction, bool keepdim) {
+  detail::check_defined(op, t, "input");
+  check_floating(op, t);
   ReduceParams p;
   p.correction = correction;
-  Tensor out = reduce("var", ReduceKind::Var, t, dims, keepdim, t.dtype(), p);
+  p.take_sqrt = take_sqrt;
+  Tensor out = reduce(op, ReduceKind::Var, t, dims, keepdim, t.dtype(), p);
   if (detail::should_record(t)) {
     OpAttrs attrs;
     attrs.i0 = correction;
-    record_reduce(OpId::Var, t, out, dims, keepdim, attrs);
+    record_reduce(id, t, out, dims, keepdim, attrs);
   }
   return out;
 }
+}  // namespace
+
+Tensor var(const Tensor& t, IntList dims, int64_t correction, bool keepdim) {
+  return var_or_std("var", OpId::Var, false, t, dims, correction, keepdim);
+}
 
 Tensor std(const Tensor& t, IntList dims, int64_t correction, bool keepdim) {
-  detail::check_defined("std", t, "input");
-  check_floating("std", t);
-  ReduceParams p;
-  p.correction = correction;
-  p.take_sqrt = true;
-  Tensor out = reduce("std", ReduceKind::Var, t, dims, keepdim, t.dtype(), p);
-  if (detail::should_record(t)) {
-    OpAttrs attrs;
-    attrs.i0 = correction;
-    record_reduce(OpId::Std, t, out, dims, keepdim, attrs);
-  }
-  return out;
+  return var_or_std("std", OpId::Std, true, t, dims, correction, keepdim);
 }
 
 Tensor norm(const Tensor& t, double p, IntList dims, bool keepdim) {
