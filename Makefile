@@ -23,11 +23,8 @@ build: configure
 test: build
 	@cd $(BUILD_DIR) && ctest -j $(JOBS) --output-on-failure --timeout 900
 
-train: build
-	@if [ ! -x $(BUILD_DIR)/examples/fashion_mnist ]; then \
-	  echo "make train: the Fashion-MNIST training example does not exist yet (see issue 8)."; \
-	  exit 1; \
-	fi
+train: configure
+	@cmake --build $(BUILD_DIR) -j $(JOBS) --target fashion_mnist emberrun
 	@$(BUILD_DIR)/launcher/emberrun --nproc-per-node 2 $(BUILD_DIR)/examples/fashion_mnist \
 	  --model cnn --epochs 3
 

@@ -1,0 +1,188 @@
+// End-to-end tests of examples/fashion_mnist as a user runs it: alone, under emberrun with two
+// ranks, resumed after a rank is killed, and with bad options. They train on the real
+// Fashion-MNIST files (Debian's dataset-fashion-mnist) for a few dozen steps.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "nn/serialize.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kData = "/usr/share/datasets/fashion-mnist";
+std::string example() { return std::string(EMBER_BINARY_DIR) + "/examples/fashion_mnist"; }
+std::string emberrun() { return std::string(EMBER_BINARY_DIR) + "/launcher/emberrun"; }
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    std::string t = (fs::temp_directory_path() / "fashion_mnist_test_XXXXXX").string();
+    EXPECT_NE(mkdtemp(t.data()), nullptr) << std::strerror(errno);
+    path = t;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+struct Result {
+  int status = -1;  // exit status, or 128 + signal
+  std::string output;  // stdout and stderr together
+};
+
+// Runs a shell command line with a time limit (coreutils timeout kills it and its children's
+// process group leader after `limit_s`; emberrun then stops its workers).
+Result run(const std::string& cmd, int limit_s = 300) {
+  Result r;
+  const std::string full = "timeout -k 10 " + std::to_string(limit_s) + " " + cmd + " 2>&1";
+  FILE* p = popen(full.c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  const int st = pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return r;
+}
+
+double final_accuracy(const std::string& out) {
+  std::smatch m;
+  static const std::regex re(R"(test_accuracy=([0-9.]+))");
+  if (!std::regex_search(out, m, re)) return -1;
+  return std::stod(m[1]);
+}
+
+class FashionMnist : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!fs::exists(kData + "/train-images-idx3-ubyte.gz")) {
+      GTEST_SKIP() << "no Fashion-MNIST at " << kData << " (install dataset-fashion-mnist)";
+    }
+    ASSERT_TRUE(fs::exists(example())) << example();
+  }
+  TempDir tmp;
+};
+
+TEST_F(FashionMnist, SingleProcessWithoutLauncher) {
+  Result r = run(example() + " --max-steps 20 --log-every 10 --batch-size 32");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("fashion_mnist: world size 1, backend gloo, device cpu, model cnn"),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("epoch 1/3 ["), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("10/1875"), std::string::npos) << r.output;
+  EXPECT_GT(final_accuracy(r.output), 0.2) << r.output;  // chance is 0.1
+}
+
+// Two ranks through emberrun: progress on rank 0 only, an epoch summary, the final line, and a
+// metrics file whose lines parse and say what the console said.
+TEST_F(FashionMnist, TwoRanksUnderEmberrunWithMetrics) {
+  const std::string metrics = tmp.path + "/metrics.jsonl";
+  const std::string weights = tmp.path + "/w.safetensors";
+  Result r = run(emberrun() + " --nproc-per-node 2 " + example() +
+                 " --model mlp --max-steps 30 --log-every 10 --metrics " + metrics +
+                 " --save-weights " + weights);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 0]: fashion_mnist: world size 2"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("[rank 1]: epoch"), std::string::npos) << "only rank 0 reports\n" << r.output;
+  EXPECT_NE(r.output.find("[rank 0]: epoch 1/3 [#"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("30/469"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 0]: epoch 1/3: train loss"), std::string::npos) << r.output;
+  const double acc = final_accuracy(r.output);
+  EXPECT_GT(acc, 0.5) << r.output;
+
+  std::ifstream in(metrics);
+  std::string line;
+  std::vector<nlohmann::json> steps, epochs;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    (j["kind"] == "step" ? steps : epochs).push_back(j);
+  }
+  ASSERT_EQ(steps.size(), 3u);
+  EXPECT_EQ(steps[0]["global_step"], 10);
+  EXPECT_EQ(steps[2]["global_step"], 30);
+  EXPECT_GT(steps[0]["loss"].get<double>(), steps[2]["loss"].get<double>());
+  EXPECT_GT(steps[2]["images_per_s"].get<double>(), 0);
+  ASSERT_EQ(epochs.size(), 1u);
+  EXPECT_NEAR(epochs[0]["test_accuracy"].get<double>(), acc, 1e-4);
+  EXPECT_EQ(epochs[0]["complete"], false);
+
+  auto saved = ember::nn::load_safetensors(weights);
+  EXPECT_EQ(saved.size(), 6u);  // three Linear layers' weight and bias
+  EXPECT_TRUE(saved.contains("1.weight"));
+  EXPECT_EQ(saved.metadata().at("global_step"), "30");
+}
+
+// Rank 1 is killed at step 30; emberrun restarts the job, which resumes from the step-20
+// checkpoint and ends with exactly the weights of a run that was never interrupted.
+TEST_F(FashionMnist, ResumesAfterAKillWithIdenticalWeights) {
+  const std::string common = " --model mlp --max-steps 40 --log-every 10 --batch-size 32";
+  const std::string clean = tmp.path + "/clean.safetensors";
+  Result a = run(emberrun() + " --nproc-per-node 2 " + example() + common + " --save-weights " + clean);
+  ASSERT_EQ(a.status, 0) << a.output;
+
+  const std::string resumed = tmp.path + "/resumed.safetensors";
+  const std::string ckpt = tmp.path + "/ckpt";
+  Result b = run(emberrun() + " --nproc-per-node 2 --max-restarts 1 " + example() + common +
+                 " --checkpoint-dir " + ckpt + " --checkpoint-every 20 --resume --fail-at-step 30" +
+                 " --save-weights " + resumed);
+  ASSERT_EQ(b.status, 0) << b.output;
+  EXPECT_NE(b.output.find("rank 1 kills itself"), std::string::npos) << b.output;
+  EXPECT_NE(b.output.find("resume: "), std::string::npos) << b.output;
+  EXPECT_NE(b.output.find("global step 20)"), std::string::npos) << b.output;
+  EXPECT_EQ(final_accuracy(a.output), final_accuracy(b.output)) << a.output << b.output;
+
+  auto wa = ember::nn::load_safetensors(clean);
+  auto wb = ember::nn::load_safetensors(resumed);
+  ASSERT_EQ(wa.size(), wb.size());
+  for (const auto& [name, t] : wa.tensors()) {
+    const auto va = t.to_vector<float>();
+    const auto vb = wb.at(name).to_vector<float>();
+    ASSERT_EQ(va.size(), vb.size()) << name;
+    for (size_t i = 0; i < va.size(); ++i) {
+      ASSERT_EQ(va[i], vb[i]) << name << " differs at " << i;
+    }
+  }
+  // The checkpoint left behind says where the job ended.
+  auto ck = ember::nn::load_safetensors(ckpt + "/checkpoint.safetensors");
+  EXPECT_EQ(ck.metadata().at("global_step"), "40");
+}
+
+TEST_F(FashionMnist, ResumeRefusesAnotherWorldSize) {
+  const std::string ckpt = tmp.path + "/ckpt";
+  Result a = run(example() + " --model mlp --max-steps 5 --checkpoint-dir " + ckpt);
+  ASSERT_EQ(a.status, 0) << a.output;
+  Result b = run(emberrun() + " --nproc-per-node 2 " + example() +
+                 " --model mlp --max-steps 10 --resume --checkpoint-dir " + ckpt);
+  EXPECT_NE(b.status, 0) << b.output;
+  EXPECT_NE(b.output.find("saved with world_size 1, but this run has 2"), std::string::npos) << b.output;
+}
+
+TEST_F(FashionMnist, BadOptionsAreUsageErrors) {
+  Result r = run(example() + " --model resnet");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--model"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("resnet"), std::string::npos) << r.output;
+
+  r = run(example() + " --resume");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--resume needs --checkpoint-dir"), std::string::npos) << r.output;
+
+  r = run(example() + " --data " + tmp.path + "/nowhere --max-steps 1");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find(tmp.path + "/nowhere/train-images-idx3-ubyte"), std::string::npos) << r.output;
+}
+
+}  // namespace
