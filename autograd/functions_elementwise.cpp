@@ -71,6 +71,10 @@ const UnarySpec kSigmoid{"SigmoidBackward", Saves::Output,  // y (1 - y)
                          }};
 const UnarySpec kRelu{"ReluBackward", Saves::Output,  // relu'(0) = 0 (threshold_backward)
                       [](const Tensor& g, const Tensor& y) {
+                        // One fused pass, unless create_graph needs a differentiable result.
+                        if (!GradMode::is_enabled() && is_floating(g.dtype()) && g.dtype() == y.dtype()) {
+                          return relu_backward(g, y);
+                        }
                         return masked_fill(g, le(y, 0), 0);
                       }};
 const UnarySpec kSilu{"SiluBackward", Saves::Input,  // s (1 + x (1 - s)), s = sigmoid(x)

@@ -14,14 +14,35 @@ namespace {
 
 // ---- matrix products --------------------------------------------------------------------------
 
+// Whether a 2-d tensor is a column-major matrix (the transpose of a contiguous one, as
+// linear's weight.t()).
+bool column_major(const Tensor& t) {
+  return t.dim() == 2 && t.size(0) > 1 && t.size(1) > 1 && t.stride(0) == 1 &&
+         t.stride(1) == t.size(0);
+}
+
+// The gradients of a @ b given g, laid out like the operand they belong to (PyTorch's
+// mm_mat1_backward / mm_mat2_backward): for linear's weight.t() the gradient is computed
+// transposed, so that after TBackward the weight's gradient is contiguous and AccumulateGrad
+// can take it without a copy.
+Tensor mat1_grad(const Tensor& g, const Tensor& b, bool a_column_major) {
+  if (a_column_major) return mm(b, g.t()).t();
+  return mm(g, b.t());
+}
+Tensor mat2_grad(const Tensor& g, const Tensor& a, bool b_column_major) {
+  if (b_column_major) return mm(g.t(), a).t();
+  return mm(a.t(), g);
+}
+
 /// a [n, k] @ b [k, m]: grad_a = g @ b^T, grad_b = a^T @ g.
 struct MmBackward final : Node {
   SavedTensor a, b;
+  bool a_column_major = false, b_column_major = false;
   const char* name() const override { return "MmBackward"; }
   TensorList apply(TensorList&& g) override {
     TensorList r(2);
-    if (needs_input_grad(0)) r[0] = mm(g[0], b.unpack(*this).t());
-    if (needs_input_grad(1)) r[1] = mm(a.unpack(*this).t(), g[0]);
+    if (needs_input_grad(0)) r[0] = mat1_grad(g[0], b.unpack(*this), a_column_major);
+    if (needs_input_grad(1)) r[1] = mat2_grad(g[0], a.unpack(*this), b_column_major);
     return r;
   }
   void release_variables() override {
@@ -48,6 +69,15 @@ struct BmmBackward final : Node {
   }
 };
 
+void record_mm(const RecordArgs& r) {
+  auto n = new_node<MmBackward>(r);
+  if (n->needs_input_grad(0)) n->b = SavedTensor(r.in(1), false);
+  if (n->needs_input_grad(1)) n->a = SavedTensor(r.in(0), false);
+  n->a_column_major = column_major(r.in(0));
+  n->b_column_major = column_major(r.in(1));
+  commit(n, r);
+}
+
 template <typename N>
 void record_product(const RecordArgs& r) {
   auto n = new_node<N>(r);
@@ -60,14 +90,15 @@ void record_product(const RecordArgs& r) {
 /// engine), grad_a = alpha * g @ b^T, grad_b = alpha * a^T @ g.
 struct AddmmBackward final : Node {
   SavedTensor a, b;
+  bool a_column_major = false, b_column_major = false;
   Scalar alpha{1}, beta{1};
   const char* name() const override { return "AddmmBackward"; }
   TensorList apply(TensorList&& g) override {
     auto scaled = [](Tensor t, const Scalar& s) { return s.to_double() == 1.0 ? t : mul(t, s); };
     TensorList r(3);
     if (needs_input_grad(0)) r[0] = scaled(g[0], beta);
-    if (needs_input_grad(1)) r[1] = scaled(mm(g[0], b.unpack(*this).t()), alpha);
-    if (needs_input_grad(2)) r[2] = scaled(mm(a.unpack(*this).t(), g[0]), alpha);
+    if (needs_input_grad(1)) r[1] = scaled(mat1_grad(g[0], b.unpack(*this), a_column_major), alpha);
+    if (needs_input_grad(2)) r[2] = scaled(mat2_grad(g[0], a.unpack(*this), b_column_major), alpha);
     return r;
   }
   void release_variables() override {
@@ -82,6 +113,8 @@ void record_addmm(const RecordArgs& r) {
   n->beta = r.attrs.scalar2;
   if (n->needs_input_grad(1)) n->b = SavedTensor(r.in(2), false);
   if (n->needs_input_grad(2)) n->a = SavedTensor(r.in(1), false);
+  n->a_column_major = column_major(r.in(1));
+  n->b_column_major = column_major(r.in(2));
   commit(n, r);
 }
 
@@ -126,7 +159,12 @@ struct ConvolutionBackward final : Node {
       check_not_double_backward(*this, {&g[0], &x});
       r[1] = conv2d_backward_weight(g[0], x, weight_shape, params);
     }
-    if (needs_input_grad(2)) r[2] = sum(g[0], {0, 2, 3});
+    if (needs_input_grad(2)) {  // per-channel sums: [N, C, H*W] -> [N, C] -> [C], no copy
+      const Tensor& go = g[0];
+      r[2] = go.is_contiguous()
+                 ? sum(sum(go.view({go.size(0), go.size(1), go.size(2) * go.size(3)}), {2}), {0})
+                 : sum(go, {0, 2, 3});
+    }
     return r;
   }
   void release_variables() override {
@@ -203,7 +241,7 @@ void record_adaptive_avg_pool2d(const RecordArgs& r) {
 }  // namespace
 
 void register_linalg(FactoryTable& t) {
-  slot(t, OpId::Mm) = record_product<MmBackward>;
+  slot(t, OpId::Mm) = record_mm;
   slot(t, OpId::Bmm) = record_product<BmmBackward>;
   slot(t, OpId::Addmm) = record_addmm;
   slot(t, OpId::Conv2d) = record_conv2d;

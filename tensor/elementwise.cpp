@@ -567,6 +567,9 @@ Tensor maximum(const Tensor& a, const Tensor& b) {
 Tensor minimum(const Tensor& a, const Tensor& b) {
   return binary("minimum", BinaryOp::Minimum, a, b);
 }
+Tensor relu_backward(const Tensor& grad, const Tensor& output) {
+  return binary("relu_backward", BinaryOp::ReluGrad, grad, output);
+}
 
 Tensor& add_(Tensor& a, const Tensor& b, const Scalar& alpha) {
   return binary_("add_", BinaryOp::Add, a, b, alpha);

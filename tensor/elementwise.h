@@ -63,6 +63,10 @@ Tensor pow(const Tensor& a, const Scalar& b);
 Tensor pow(const Scalar& a, const Tensor& b);
 Tensor maximum(const Tensor& a, const Tensor& b);
 Tensor minimum(const Tensor& a, const Tensor& b);
+/// relu's gradient given its output: grad where output > 0, else 0, in one pass (what autograd's
+/// ReluBackward runs; torch's threshold_backward(grad, output, 0)). Floating dtypes; not recorded
+/// by autograd.
+Tensor relu_backward(const Tensor& grad, const Tensor& output);
 
 Tensor& add_(Tensor& a, const Tensor& b, const Scalar& alpha = 1);
 Tensor& add_(Tensor& a, const Scalar& b);

@@ -116,6 +116,9 @@ bool dispatch_binary(BinaryOp op, Dtype dt, const Scalar& alpha, Run& run) {
     case BinaryOp::Minimum:
       EMBER_DISPATCH_ALL(dt, "minimum", [&]<typename T>() { run.template binary<T, T>(fn::Minimum{}); });
       return true;
+    case BinaryOp::ReluGrad:
+      EMBER_DISPATCH_FLOATING(dt, "relu_backward", [&]<typename T>() { run.template binary<T, T>(fn::ReluGrad{}); });
+      return true;
     default:
       return false;
   }

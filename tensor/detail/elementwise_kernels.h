@@ -23,6 +23,7 @@ enum class BinaryOp : uint8_t {
   Add,  ///< a + alpha * b
   Sub,  ///< a - alpha * b
   Mul, Div, Pow, Maximum, Minimum,
+  ReluGrad,  ///< b > 0 ? a : 0 (relu's gradient a given its output b); floating only
   // bool results:
   Eq, Ne, Lt, Le, Gt, Ge, LogicalAnd, LogicalOr, LogicalXor,
 };

@@ -213,6 +213,11 @@ struct Pow {
     }
   }
 };
+/// relu's gradient from its output: g where y > 0, else 0 (torch's threshold_backward at 0;
+/// a NaN output passes no gradient).
+struct ReluGrad {
+  template <typename A> EMBER_HD A operator()(A g, A y) const { return y > A(0) ? g : A(0); }
+};
 /// Element-wise max/min; a NaN on either side gives NaN (torch.maximum).
 struct Maximum {
   template <typename A> EMBER_HD A operator()(A a, A b) const {

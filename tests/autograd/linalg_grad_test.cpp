@@ -130,6 +130,28 @@ TEST(AddmmGrad, RecordsOneNodeAndZeroBetaGivesZeroBiasGrad) {
   expect_close(nan_bias.grad(), {0, 0, 0, 0}, 0, "addmm beta=0 bias grad");
 }
 
+// linear's weight enters as weight.t() (column-major): its gradient is computed transposed so
+// that it comes out contiguous like the weight (PyTorch's layout contract), for mm and addmm,
+// and its values are those of the plain formula a^T @ g.
+TEST(MmGrad, TransposedOperandGetsAGradientInItsOwnLayout) {
+  for (bool with_bias : {false, true}) {
+    Tensor x = leaf({5, 3}, 1), w = leaf({4, 3}, 2), bias = leaf({4}, 3);
+    Tensor y = with_bias ? addmm(bias, x, w.t()) : mm(x, w.t());
+    Tensor g = rand_t({5, 4}, kFloat64, 4);
+    y.backward(g);
+    ASSERT_TRUE(w.grad().is_contiguous()) << "with_bias " << with_bias;
+    expect_close(w.grad(), mm(g.t(), x.detach()).to_vector<double>(), 1e-12, "weight grad");
+    expect_close(x.grad(), mm(g, w.detach()).to_vector<double>(), 1e-12, "input grad");
+    // And a column-major first operand: (w x^T) with w.t() on the left.
+    Tensor a = leaf({3, 4}, 5), b = leaf({3, 2}, 6);
+    Tensor z = mm(a.t(), b);
+    Tensor gz = rand_t({4, 2}, kFloat64, 7);
+    z.backward(gz);
+    ASSERT_TRUE(a.grad().is_contiguous());
+    expect_close(a.grad(), mm(b.detach(), gz.t()).to_vector<double>(), 1e-12, "first operand grad");
+  }
+}
+
 TEST(AddmmGrad, MatchesPyTorchFloat32) {
   // /usr/bin/python3 (torch 1.13): bias, a, b = lcg leaves [3] seed 14, [2, 4] seed 15,
   // [4, 3] seed 16 (float32); y = torch.addmm(bias, a, b, beta=0.5, alpha=2.0);

@@ -233,6 +233,16 @@ TEST(Binary, MaximumMinimumPropagateNaN) {
   expect_values(maximum(tensor({3, -7}), tensor({-2, 5})), {3, 5});
 }
 
+TEST(Binary, ReluBackwardPassesGradientWhereOutputIsPositive) {
+  Tensor g = tensor({1.5, -2.0, 3.0, 4.0, 5.0}), y = tensor({0.5, 2.0, 0.0, -0.0, kNaN});
+  expect_values(relu_backward(g, y), {1.5, -2.0, 0, 0, 0});  // relu'(0) = 0, as torch
+  Tensor gf = tensor({1.f, 2.f, 3.f, 4.f, 5.f, 6.f}).view({2, 3}).t();  // non-contiguous
+  Tensor yf = tensor({1.f, -1.f, 2.f});                                  // broadcast over rows
+  expect_values(relu_backward(gf.contiguous(), yf.view({3, 1})), {1, 4, 0, 0, 3, 6});
+  expect_values(relu_backward(gf, yf.view({3, 1})), {1, 4, 0, 0, 3, 6});
+  expect_error([] { relu_backward(tensor({1, 2}), tensor({1, 2})); }, {"relu_backward", "int64"});
+}
+
 TEST(Binary, ScalarOperandsOnEitherSide) {
   Tensor a = tensor({1.f, 2.f, 4.f});
   expect_values(a + 1, {2, 3, 5});
@@ -749,6 +759,7 @@ TEST(Cuda, BinaryOpsMatchCpu) {
     expect_cuda_matches_cpu([](auto& p, auto&) { return 2 / (abs(p) + 1); }, x, y, tol);
     expect_cuda_matches_cpu([](auto& p, auto&) { return ge(p, 0.5); }, x, y, 0);
     expect_cuda_matches_cpu([](auto& p, auto& q) { return where(gt(p, 0), p, q); }, x, y, 0);
+    expect_cuda_matches_cpu([](auto& p, auto& q) { return relu_backward(q, p); }, x, y, 0);
   }
   for (Dtype dt : {kInt32, kInt64, kUInt8, kBool}) {
     SCOPED_TRACE(::testing::Message() << "dtype " << dt);
