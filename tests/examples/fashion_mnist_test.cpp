@@ -170,6 +170,17 @@ TEST_F(FashionMnist, ResumeRefusesAnotherWorldSize) {
   EXPECT_NE(b.output.find("saved with world_size 1, but this run has 2"), std::string::npos) << b.output;
 }
 
+// docs/quickstart.md's loop, as printed there, trains with two ranks and saves its weights.
+TEST_F(FashionMnist, QuickstartLoopTrainsAndSaves) {
+  const std::string minimal = std::string(EMBER_BINARY_DIR) + "/examples/minimal_ddp";
+  Result r = run("sh -c 'cd " + tmp.path + " && exec " + emberrun() + " --nproc-per-node 2 " +
+                 minimal + " 1'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  auto saved = ember::nn::load_safetensors(tmp.path + "/model.safetensors");
+  EXPECT_EQ(saved.size(), 4u);
+  EXPECT_EQ(saved.at("1.weight").shape(), (ember::Shape{512, 784}));
+}
+
 TEST_F(FashionMnist, BadOptionsAreUsageErrors) {
   Result r = run(example() + " --model resnet");
   EXPECT_EQ(r.status, 2) << r.output;

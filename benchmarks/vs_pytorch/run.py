@@ -1,0 +1,123 @@
+#!/usr/bin/python3
+"""Ember's Fashion-MNIST job beside PyTorch's, in one benchmark run (issue 8's table).
+
+For each row (model, ranks, communication hook) it runs examples/fashion_mnist (through emberrun
+for 2 ranks) and fashion_mnist_torch.py alternately, `--repeats` times each, every run training
+`--steps` steps per rank, and reports the median images/s of both and their ratio. Threads per
+rank are cores / ranks for both. With --accuracy it also trains each framework for `--epochs`
+epochs on the CNN with 2 ranks and reports test accuracy per epoch and the time to 90%.
+
+    /usr/bin/python3 benchmarks/vs_pytorch/run.py --build build [--repeats 5] [--accuracy]
+
+The machine is noisy: compare medians of interleaved runs, never single runs.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EPOCH_RE = re.compile(r"epoch (\d+)/\d+: train loss ([0-9.]+), test loss ([0-9.]+), "
+                      r"test accuracy ([0-9.]+)%, ([0-9.]+) s, ([0-9.]+) img/s")
+
+
+def ember_cmd(build, nproc, model, hook, extra):
+    prog = [os.path.join(build, "examples", "fashion_mnist"), "--model", model] + extra
+    if hook != "none":
+        prog += ["--comm-hook", hook]
+    if nproc == 1:
+        return prog
+    return [os.path.join(build, "launcher", "emberrun"), "--nproc-per-node", str(nproc)] + prog
+
+
+def torch_cmd(nproc, model, hook, extra):
+    cmd = ["/usr/bin/python3", os.path.join(HERE, "fashion_mnist_torch.py"), "--nproc", str(nproc),
+           "--model", model] + extra
+    if hook != "none":
+        cmd += ["--comm-hook", hook]
+    return cmd
+
+
+def run(cmd, env=None):
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                       timeout=3600)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        sys.exit(f"run.py: {' '.join(cmd)} failed with status {p.returncode}:\n{p.stdout[-3000:]}")
+    epochs = [dict(epoch=int(m[1]), train_loss=float(m[2]), test_loss=float(m[3]),
+                   accuracy=float(m[4]) / 100, seconds=float(m[5]), ips=float(m[6]))
+              for m in EPOCH_RE.finditer(p.stdout)]
+    if not epochs:
+        sys.exit(f"run.py: no epoch line in the output of {' '.join(cmd)}:\n{p.stdout[-3000:]}")
+    return epochs, wall
+
+
+def time_to(epochs, target):
+    t = 0.0
+    for e in epochs:
+        t += e["seconds"]
+        if e["accuracy"] >= target:
+            return t
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=300, help="steps per rank per throughput run")
+    ap.add_argument("--rows", default="cnn:1:none,cnn:2:none,cnn:2:fp16,cnn:2:powersgd,"
+                                      "mlp:1:none,mlp:2:none,mlp:2:fp16,mlp:2:powersgd",
+                    help="model:ranks:hook,...")
+    ap.add_argument("--accuracy", action="store_true", help="also the time-to-90%% runs")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--json", default="", help="write the results here too")
+    args = ap.parse_args()
+    env = dict(os.environ)
+    for k in ("OMP_NUM_THREADS", "EMBER_NUM_THREADS"):
+        env.pop(k, None)
+    cores = len(os.sched_getaffinity(0))
+
+    results = []
+    print(f"# Fashion-MNIST, Ember vs PyTorch {subprocess.run(['/usr/bin/python3', '-c', 'import torch; print(torch.__version__)'], capture_output=True, text=True).stdout.strip()}, "
+          f"{cores} cores, {args.steps} steps per rank per run, medians of {args.repeats} interleaved runs")
+    print("| model | ranks | hook | Ember img/s | PyTorch img/s | ratio |")
+    print("|---|---|---|---|---|---|")
+    for row in args.rows.split(","):
+        model, nproc, hook = row.split(":")
+        nproc = int(nproc)
+        extra = ["--epochs", "1", "--max-steps", str(args.steps)]
+        e_ips, t_ips = [], []
+        for _ in range(args.repeats):
+            e_ips.append(run(ember_cmd(args.build, nproc, model, hook, extra), env)[0][0]["ips"])
+            t_ips.append(run(torch_cmd(nproc, model, hook, extra), env)[0][0]["ips"])
+        e, t = statistics.median(e_ips), statistics.median(t_ips)
+        results.append(dict(model=model, ranks=nproc, hook=hook, ember_ips=e_ips, torch_ips=t_ips))
+        print(f"| {model} | {nproc} | {hook} | {e:.0f} | {t:.0f} | {e / t:.2f}x |", flush=True)
+
+    if args.accuracy:
+        print(f"\n# CNN, 2 ranks, {args.epochs} epochs: test accuracy after each epoch, time to 90%")
+        print("| framework | " + " | ".join(f"epoch {i + 1}" for i in range(args.epochs)) +
+              " | time to 90% (training s) |")
+        print("|---|" + "---|" * args.epochs + "---|")
+        extra = ["--epochs", str(args.epochs)]
+        for name, cmd in (("Ember", ember_cmd(args.build, 2, "cnn", "none", extra)),
+                          ("PyTorch", torch_cmd(2, "cnn", "none", extra))):
+            epochs, _ = run(cmd, env)
+            t90 = time_to(epochs, 0.90)
+            results.append(dict(framework=name, epochs=epochs, time_to_90=t90))
+            print(f"| {name} | " + " | ".join(f"{100 * e['accuracy']:.2f}%" for e in epochs) +
+                  f" | {'not reached' if t90 is None else f'{t90:.1f}'} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+// The smallest data-parallel training loop: docs/quickstart.md walks through it.
+//   emberrun --nproc-per-node 2 build/examples/minimal_ddp
+#include <cstdlib>
+
+#include "distributed/ddp.h"
+#include "distributed/init.h"
+#include "nn/nn.h"
+#include "tensor/random.h"
+
+namespace nn = ember::nn;
+namespace dist = ember::dist;
+
+int main(int argc, char** argv) {
+  const int epochs = argc > 1 ? std::atoi(argv[1]) : 3;
+  // 1. Join the job: rank, world size and rank 0's address come from emberrun (RANK,
+  //    WORLD_SIZE, MASTER_ADDR, MASTER_PORT), mpirun or Slurm.
+  auto pg = dist::init_process_group({.backend = "gloo"});
+
+  // 2. The same model on every rank (DDP copies rank 0's weights to the others anyway).
+  ember::manual_seed(0);
+  auto model = std::make_shared<nn::Sequential>(
+      std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(784, 512),
+      std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(512, 10));
+
+  // 3. Each rank reads its own share of every epoch.
+  auto train = std::make_shared<nn::data::MNIST>();  // Fashion-MNIST from Debian's package
+  auto sampler = std::make_shared<nn::data::DistributedSampler>(train->size(), pg->size(),
+                                                                pg->rank(), /*shuffle=*/true);
+  nn::data::DataLoader loader(train, {.batch_size = 64, .sampler = sampler});
+
+  // 4. Wrap the model; optimise the wrapper's parameters (they are the model's).
+  dist::DistributedDataParallel ddp(model, pg);
+  nn::optim::SGD opt(ddp.parameters(), {.lr = 0.05, .momentum = 0.9});
+
+  for (int epoch = 0; epoch < epochs; ++epoch) {
+    loader.set_epoch(epoch);  // a new order each epoch, the same on every rank
+    for (const auto& batch : loader) {
+      opt.zero_grad();
+      auto loss = nn::functional::cross_entropy(ddp.forward(batch.data), batch.target);
+      loss.backward();  // gradients are averaged across ranks while backward runs
+      opt.step();       // every rank applies the same update
+    }
+  }
+  if (pg->rank() == 0) nn::save_safetensors("model.safetensors", model->state_dict());
+  dist::destroy_process_group();
+}
