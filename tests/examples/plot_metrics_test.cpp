@@ -1,0 +1,450 @@
+// Tests of examples/plot_metrics as a user runs it: write a metrics file, run the tool, then
+// decode the PNG here (chunk CRCs, zlib, row filters) and look at where the curve colours land.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string tool() { return std::string(EMBER_BINARY_DIR) + "/examples/plot_metrics"; }
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    std::string t = (fs::temp_directory_path() / "plot_metrics_test_XXXXXX").string();
+    EXPECT_NE(mkdtemp(t.data()), nullptr) << std::strerror(errno);
+    path = t;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::string operator/(const std::string& name) const { return path + "/" + name; }
+  std::vector<std::string> list() const {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(path))
+      names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+};
+
+struct Result {
+  int status = -1;     // exit status, or 128 + signal
+  std::string output;  // stdout and stderr together
+};
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+// Runs plot_metrics with `args` (already quoted) under a time limit.
+Result run(const std::string& args) {
+  Result r;
+  const std::string cmd = "timeout -k 5 60 " + quote(tool()) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  const int st = pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return r;
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary) << text;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+std::string step(long gs, double loss) {
+  std::ostringstream os;
+  os.precision(17);
+  os << R"({"kind":"step","epoch":1,"step":)" << gs << R"(,"global_step":)" << gs << R"(,"loss":)"
+     << loss << R"(,"images_per_s":3100.5,"lr":0.05,"time_s":12.3})"
+     << "\n";
+  return os.str();
+}
+
+std::string epoch(int e, long gs, double train_loss, double accuracy) {
+  std::ostringstream os;
+  os.precision(17);
+  os << R"({"kind":"epoch","epoch":)" << e << R"(,"global_step":)" << gs << R"(,"train_loss":)"
+     << train_loss << R"(,"test_loss":0.4,"test_accuracy":)" << accuracy
+     << R"(,"time_s":20.1,"images_per_s":3000.2,"complete":true})"
+     << "\n";
+  return os.str();
+}
+
+// ---- a PNG decoder for 8-bit RGB, independent of the encoder under test --------------------
+
+struct Rgb {
+  uint8_t r, g, b;
+  bool operator==(const Rgb& o) const { return r == o.r && g == o.g && b == o.b; }
+};
+constexpr Rgb kLoss{31, 119, 180};
+constexpr Rgb kEpochLoss{255, 127, 14};
+constexpr Rgb kAccuracy{44, 160, 44};
+
+struct Png {
+  std::string error;  // empty when the file decoded
+  uint32_t width = 0, height = 0;
+  int depth = 0, color_type = 0, interlace = 0;
+  int idat_chunks = 0;
+  std::vector<uint8_t> rgb;
+  Rgb at(int x, int y) const {
+    const uint8_t* p = &rgb[(static_cast<size_t>(y) * width + x) * 3];
+    return {p[0], p[1], p[2]};
+  }
+};
+
+uint32_t be32(const std::string& s, size_t at) {
+  return (uint32_t(uint8_t(s[at])) << 24) | (uint32_t(uint8_t(s[at + 1])) << 16) |
+         (uint32_t(uint8_t(s[at + 2])) << 8) | uint32_t(uint8_t(s[at + 3]));
+}
+
+int paeth(int a, int b, int c) {
+  const int p = a + b - c, pa = std::abs(p - a), pb = std::abs(p - b), pc = std::abs(p - c);
+  return pa <= pb && pa <= pc ? a : pb <= pc ? b : c;
+}
+
+Png decode_png(const std::string& path) {
+  Png png;
+  const std::string s = read_file(path);
+  if (s.size() < 8 || s.compare(0, 8, std::string("\x89PNG\r\n\x1a\n", 8)) != 0) {
+    png.error = "bad signature";
+    return png;
+  }
+  std::string idat;
+  bool seen_iend = false;
+  for (size_t at = 8; at < s.size();) {
+    if (seen_iend) return png.error = "data after IEND", png;
+    if (at + 12 > s.size()) return png.error = "truncated chunk header", png;
+    const uint32_t len = be32(s, at);
+    if (at + 12 + len > s.size()) return png.error = "truncated chunk", png;
+    const std::string type = s.substr(at + 4, 4);
+    const uLong crc =
+        crc32(0L, reinterpret_cast<const Bytef*>(s.data() + at + 4), static_cast<uInt>(len + 4));
+    if (crc != be32(s, at + 8 + len)) return png.error = "bad CRC in chunk " + type, png;
+    const std::string data = s.substr(at + 8, len);
+    if (at == 8 && type != "IHDR") return png.error = "first chunk is " + type, png;
+    if (type == "IHDR") {
+      png.width = be32(data, 0);
+      png.height = be32(data, 4);
+      png.depth = uint8_t(data[8]);
+      png.color_type = uint8_t(data[9]);
+      png.interlace = uint8_t(data[12]);
+    } else if (type == "IDAT") {
+      idat += data;
+      ++png.idat_chunks;
+    } else if (type == "IEND") {
+      seen_iend = true;
+    }
+    at += 12 + len;
+  }
+  if (!seen_iend) return png.error = "no IEND", png;
+  if (png.depth != 8 || png.color_type != 2 || png.interlace != 0)
+    return png.error = "not 8-bit RGB non-interlaced", png;
+  const size_t stride = png.width * 3;
+  std::vector<uint8_t> raw((stride + 1) * png.height);
+  uLongf n = raw.size();
+  if (uncompress(raw.data(), &n, reinterpret_cast<const Bytef*>(idat.data()), idat.size()) !=
+          Z_OK ||
+      n != raw.size())
+    return png.error = "zlib stream does not inflate to height * (1 + 3 * width) bytes", png;
+  png.rgb.resize(stride * png.height);
+  for (uint32_t y = 0; y < png.height; ++y) {
+    const int filter = raw[y * (stride + 1)];
+    const uint8_t* in = &raw[y * (stride + 1) + 1];
+    uint8_t* out = &png.rgb[y * stride];
+    const uint8_t* up = y ? out - stride : nullptr;
+    for (size_t i = 0; i < stride; ++i) {
+      const int a = i >= 3 ? out[i - 3] : 0, b = up ? up[i] : 0, c = up && i >= 3 ? up[i - 3] : 0;
+      int pred = 0;
+      switch (filter) {
+        case 0:
+          pred = 0;
+          break;
+        case 1:
+          pred = a;
+          break;
+        case 2:
+          pred = b;
+          break;
+        case 3:
+          pred = (a + b) / 2;
+          break;
+        case 4:
+          pred = paeth(a, b, c);
+          break;
+        default:
+          return png.error = "bad filter type " + std::to_string(filter), png;
+      }
+      out[i] = static_cast<uint8_t>(in[i] + pred);
+    }
+  }
+  return png;
+}
+
+// Pixels of colour `c` in columns [x0, x1).
+struct Pixels {
+  std::vector<std::pair<int, int>> xy;
+  size_t count() const { return xy.size(); }
+  int min_x() const {
+    int m = INT32_MAX;
+    for (auto [x, y] : xy) m = std::min(m, x);
+    return m;
+  }
+  int max_x() const {
+    int m = -1;
+    for (auto [x, y] : xy) m = std::max(m, x);
+    return m;
+  }
+  int min_y() const {
+    int m = INT32_MAX;
+    for (auto [x, y] : xy) m = std::min(m, y);
+    return m;
+  }
+  int max_y() const {
+    int m = -1;
+    for (auto [x, y] : xy) m = std::max(m, y);
+    return m;
+  }
+  // Mean row of the pixels in columns [x0, x1].
+  double mean_y(int x0, int x1) const {
+    double sum = 0;
+    int n = 0;
+    for (auto [x, y] : xy)
+      if (x >= x0 && x <= x1) sum += y, ++n;
+    return n ? sum / n : NAN;
+  }
+};
+
+Pixels find(const Png& png, Rgb c, int x0, int x1) {
+  Pixels p;
+  for (int y = 0; y < static_cast<int>(png.height); ++y)
+    for (int x = x0; x < x1; ++x)
+      if (png.at(x, y) == c) p.xy.emplace_back(x, y);
+  return p;
+}
+
+// Three epochs of 100 steps, loss logged every 10 steps and falling, accuracy rising.
+std::string three_epochs() {
+  std::string m;
+  for (int e = 1; e <= 3; ++e) {
+    for (long gs = (e - 1) * 100 + 10; gs <= e * 100; gs += 10)
+      m += step(gs, 0.2 + 2 * std::exp(-gs / 80.0));
+    m += epoch(e, e * 100, 0.3 + 1.0 / e, 0.6 + 0.1 * e);
+  }
+  return m;
+}
+
+TEST(PlotMetrics, DrawsLossOnTheLeftAndAccuracyOnTheRight) {
+  TempDir dir;
+  write_file(dir / "m.jsonl", three_epochs());
+  const Result r = run(quote(dir / "m.jsonl") + " " + quote(dir / "out.png") +
+                       " --width 800 --height 360 --title 'run 1: cnn'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("out.png"), std::string::npos) << r.output;
+  const Png png = decode_png(dir / "out.png");
+  ASSERT_EQ(png.error, "");
+  EXPECT_EQ(png.width, 800u);
+  EXPECT_EQ(png.height, 360u);
+  EXPECT_GE(png.idat_chunks, 1);
+
+  const int mid = 400;
+  const Pixels loss_left = find(png, kLoss, 0, mid), loss_right = find(png, kLoss, mid, 800);
+  const Pixels dots_left = find(png, kEpochLoss, 0, mid),
+               dots_right = find(png, kEpochLoss, mid, 800);
+  const Pixels acc_left = find(png, kAccuracy, 0, mid), acc_right = find(png, kAccuracy, mid, 800);
+  EXPECT_GT(loss_left.count(), 100u);
+  EXPECT_EQ(loss_right.count(), 0u);
+  EXPECT_GE(dots_left.count(), 3u * 20);  // three dots of radius 3
+  EXPECT_EQ(dots_right.count(), 0u);
+  EXPECT_GT(acc_right.count(), 50u);
+  EXPECT_EQ(acc_left.count(), 0u);
+
+  // Image rows grow downwards: a falling loss starts high (small y) and ends low (large y).
+  const int w = loss_left.max_x() - loss_left.min_x();
+  ASSERT_GT(w, 200) << "the step-loss line should span most of the left panel";
+  const double loss_start = loss_left.mean_y(loss_left.min_x(), loss_left.min_x() + w / 10);
+  const double loss_end = loss_left.mean_y(loss_left.max_x() - w / 10, loss_left.max_x());
+  EXPECT_LT(loss_start + 100, loss_end) << "a falling loss must be drawn from high to low";
+  // The first dot (train loss 1.3) sits above the last (0.63).
+  const int dw = dots_left.max_x() - dots_left.min_x();
+  EXPECT_LT(dots_left.mean_y(dots_left.min_x(), dots_left.min_x() + 6),
+            dots_left.mean_y(dots_left.max_x() - 6, dots_left.max_x()) - 20)
+      << dw;
+  // Rising accuracy ends higher than it starts.
+  const int aw = acc_right.max_x() - acc_right.min_x();
+  ASSERT_GT(aw, 200);
+  EXPECT_GT(acc_right.mean_y(acc_right.min_x(), acc_right.min_x() + 6),
+            acc_right.mean_y(acc_right.max_x() - 6, acc_right.max_x()) + 50);
+}
+
+TEST(PlotMetrics, DefaultSizeAndNoEpochsYet) {
+  TempDir dir;
+  write_file(dir / "m.jsonl", step(1, 2.3) + step(2, 2.1));  // a run still in its first epoch
+  const Result r = run(quote(dir / "m.jsonl") + " " + quote(dir / "out.png"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const Png png = decode_png(dir / "out.png");
+  ASSERT_EQ(png.error, "");
+  EXPECT_EQ(png.width, 1000u);
+  EXPECT_EQ(png.height, 420u);
+  EXPECT_GT(find(png, kLoss, 0, 500).count(), 10u);
+  EXPECT_EQ(find(png, kAccuracy, 0, 1000).count(), 0u);
+  EXPECT_EQ(find(png, kEpochLoss, 0, 1000).count(), 0u);
+}
+
+// A resumed run appends to the same file and repeats steps 110..150 and epoch 1: the lines
+// written after the resume replace the stale ones, so constant data draws flat lines.
+TEST(PlotMetrics, ResumedRunKeepsTheLastLineOfEachStepAndEpoch) {
+  TempDir dir;
+  std::string m;
+  for (long gs = 10; gs <= 150; gs += 10) m += step(gs, gs <= 100 ? 1.0 : 3.0);  // diverged
+  m += epoch(1, 150, 1.0, 0.5);                                 // partial epoch 1 of the first run
+  for (long gs = 110; gs <= 300; gs += 10) m += step(gs, 1.0);  // resumed from step 100
+  m += epoch(1, 200, 1.0, 0.9);
+  m += epoch(2, 300, 1.0, 0.9);
+  write_file(dir / "m.jsonl", m);
+  const Result r = run(quote(dir / "m.jsonl") + " " + quote(dir / "out.png"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("30 steps, 2 epochs"), std::string::npos) << r.output;
+  const Png png = decode_png(dir / "out.png");
+  ASSERT_EQ(png.error, "");
+  const Pixels loss = find(png, kLoss, 0, 500);
+  ASSERT_GT(loss.count(), 100u);
+  EXPECT_EQ(loss.max_y(), loss.min_y()) << "constant loss 1.0 must draw one horizontal line";
+  const Pixels acc = find(png, kAccuracy, 500, 1000);
+  ASSERT_GT(acc.count(), 50u);
+  EXPECT_LE(acc.max_y() - acc.min_y(), 8) << "constant accuracy: a flat line with dots of radius 3";
+}
+
+TEST(PlotMetrics, IgnoresOtherKindsAndKeysAndAnUnfinishedLastLine) {
+  TempDir dir;
+  write_file(dir / "m.jsonl",
+             "\n"
+             R"({"kind":"note","text":"started"})"
+             "\n"
+             R"({"no_kind":1})"
+             "\n" +
+                 step(5, 1.5) + "   \n" + step(10, 1.2) +
+                 R"({"kind":"step","epoch":1,"step":15,"glo)");
+  const Result r = run(quote(dir / "m.jsonl") + " " + quote(dir / "out.png"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("m.jsonl:7"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("unfinished last line"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("2 steps"), std::string::npos) << r.output;
+  EXPECT_EQ(decode_png(dir / "out.png").error, "");
+}
+
+TEST(PlotMetrics, BadLineIsReportedWithItsNumberAndLeavesTheOldPng) {
+  TempDir dir;
+  write_file(dir / "out.png", "previous plot");
+  const std::string bad = R"({"kind":"step","global_step":30,"loss":})";
+  write_file(dir / "m.jsonl", step(10, 1.0) + step(20, 0.9) + bad + "\n" + step(40, 0.8));
+  const Result r = run(quote(dir / "m.jsonl") + " " + quote(dir / "out.png"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("m.jsonl:3: not valid JSON"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(bad), std::string::npos) << r.output;
+  EXPECT_EQ(read_file(dir / "out.png"), "previous plot");
+  EXPECT_EQ(dir.list(), (std::vector<std::string>{"m.jsonl", "out.png"})) << "no temporary left";
+}
+
+TEST(PlotMetrics, StepLineWithoutANumericLossOrStepIsAnError) {
+  TempDir dir;
+  write_file(dir / "a.jsonl", step(10, 1.0) + R"({"kind":"step","global_step":20})"
+                                              "\n");
+  Result r = run(quote(dir / "a.jsonl") + " " + quote(dir / "out.png"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("a.jsonl:2:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("\"loss\""), std::string::npos) << r.output;
+
+  write_file(dir / "b.jsonl", R"({"kind":"step","global_step":"ten","loss":1.0})"
+                              "\n");
+  r = run(quote(dir / "b.jsonl") + " " + quote(dir / "out.png"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("b.jsonl:1:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("global_step"), std::string::npos) << r.output;
+
+  write_file(dir / "c.jsonl", "[1, 2]\n");
+  r = run(quote(dir / "c.jsonl") + " " + quote(dir / "out.png"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("c.jsonl:1: expected a JSON object"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir / "out.png"));
+}
+
+TEST(PlotMetrics, NoStepLinesIsAnError) {
+  TempDir dir;
+  write_file(dir / "epochs.jsonl", epoch(1, 100, 0.5, 0.8));
+  write_file(dir / "empty.jsonl", "");
+  for (const char* name : {"epochs.jsonl", "empty.jsonl"}) {
+    const Result r = run(quote(dir / name) + " " + quote(dir / "out.png"));
+    EXPECT_EQ(r.status, 1) << name << ": " << r.output;
+    EXPECT_NE(r.output.find("no step lines"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(name), std::string::npos) << r.output;
+  }
+  EXPECT_FALSE(fs::exists(dir / "out.png"));
+}
+
+TEST(PlotMetrics, MissingInputOrOutputDirectoryIsAnError) {
+  TempDir dir;
+  Result r = run(quote(dir / "nope.jsonl") + " " + quote(dir / "out.png"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("cannot open metrics file"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(dir / "nope.jsonl"), std::string::npos) << r.output;
+
+  write_file(dir / "m.jsonl", step(1, 1.0));
+  r = run(quote(dir / "m.jsonl") + " " + quote(dir / "no/such/dir/out.png"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("no/such/dir/out.png"), std::string::npos) << r.output;
+  EXPECT_EQ(dir.list(), std::vector<std::string>{"m.jsonl"});
+}
+
+TEST(PlotMetrics, BadUsageExits2WithUsage) {
+  TempDir dir;
+  write_file(dir / "m.jsonl", step(1, 1.0));
+  const std::string in = quote(dir / "m.jsonl"), out = quote(dir / "out.png");
+  for (const std::string& args :
+       {std::string(), in, in + " " + out + " extra", in + " " + out + " --width abc",
+        in + " " + out + " --width 10", in + " " + out + " --height=99999",
+        in + " " + out + " --width 12x", in + " " + out + " --height",
+        in + " " + out + " --dpi 3"}) {
+    const Result r = run(args);
+    EXPECT_EQ(r.status, 2) << "args: " << args << "\n" << r.output;
+    EXPECT_NE(r.output.find("usage: plot_metrics"), std::string::npos) << r.output;
+  }
+  EXPECT_FALSE(fs::exists(dir / "out.png"));
+  const Result help = run("--help");
+  EXPECT_EQ(help.status, 0) << help.output;
+  EXPECT_NE(help.output.find("usage: plot_metrics"), std::string::npos);
+  // --opt=value works as well as --opt value.
+  const Result ok = run(in + " " + out + " --width=640 --height 240");
+  ASSERT_EQ(ok.status, 0) << ok.output;
+  const Png png = decode_png(dir / "out.png");
+  ASSERT_EQ(png.error, "");
+  EXPECT_EQ(png.width, 640u);
+  EXPECT_EQ(png.height, 240u);
+}
+
+}  // namespace
