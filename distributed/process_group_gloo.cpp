@@ -280,8 +280,8 @@ class ProcessGroupGloo::Impl {
                                              opts.timeout.count(), " ms): ", e.what()));
     }
     context_ = ctx;
-    worker_ = std::thread([this] { loop(queue_, true); });
-    p2p_ = std::thread([this] { loop(p2p_queue_, false); });
+    worker_ = std::thread([this] { loop(queue_, cv_, true); });
+    p2p_ = std::thread([this] { loop(p2p_queue_, p2p_cv_, false); });
   }
 
   ~Impl() {
@@ -295,6 +295,7 @@ class ProcessGroupGloo::Impl {
       }
     }
     cv_.notify_all();
+    p2p_cv_.notify_all();
     for (auto& j : dropped) {
       j.work->finish_with_error(std::make_exception_ptr(DistBackendError(
           detail::str_cat(j.work->describe(), " failed: the process group was destroyed"))));
@@ -319,19 +320,19 @@ class ProcessGroupGloo::Impl {
       EMBER_CHECK(!stop_, what, ": the process group is being destroyed");
       (p2p ? p2p_queue_ : queue_).push_back(std::move(job));
     }
-    cv_.notify_all();
+    (p2p ? p2p_cv_ : cv_).notify_one();  // wake only the thread that serves this queue
     return work;
   }
 
   const std::shared_ptr<gloo::Context>& context() const { return context_; }
 
  private:
-  void loop(std::deque<Job>& queue, bool collectives) {
+  void loop(std::deque<Job>& queue, std::condition_variable& cv, bool collectives) {
     for (;;) {
       Job job;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !queue.empty(); });
+        cv.wait(lock, [&] { return stop_ || !queue.empty(); });
         if (queue.empty()) return;  // stopping
         job = std::move(queue.front());
         queue.pop_front();
@@ -414,7 +415,8 @@ class ProcessGroupGloo::Impl {
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;      // collectives' queue
+  std::condition_variable p2p_cv_;  // send/recv queue
   bool stop_ = false;
   std::string broken_;
   std::deque<Job> queue_;
