@@ -52,6 +52,7 @@ struct Args {
   int64_t batch_size = 64;
   double lr = 0.05;
   double momentum = 0.9;
+  std::string lr_schedule = "cosine";
   uint64_t seed = 0;
   std::string backend = "gloo";
   std::string device = "cpu";
@@ -271,7 +272,7 @@ int run(const Args& a) {
 
   if (leader) {
     std::printf("fashion_mnist: world size %d, backend %s, device %s, model %s, %lld parameters, "
-                "batch %lld per rank, %lld steps per epoch, %d threads per rank\n",
+                "batch %lld per rank, %lld steps per epoch, SGD lr %g (%s) momentum %g, %d threads per rank\n",
                 world, pg->backend_name().c_str(), device.str().c_str(), a.model.c_str(),
                 static_cast<long long>([&] {
                   int64_t n = 0;
@@ -279,9 +280,18 @@ int run(const Args& a) {
                   return n;
                 }()),
                 static_cast<long long>(a.batch_size), static_cast<long long>(steps_per_epoch),
-                ember::get_num_threads());
+                a.lr, a.lr_schedule.c_str(), a.momentum, ember::get_num_threads());
     std::fflush(stdout);
   }
+
+  // The learning rate at a global step: constant, or cosine-annealed from lr to 0 over the run
+  // (a function of the step alone, so a resumed run follows the same curve).
+  const int64_t total_steps = a.max_steps > 0 ? std::min<int64_t>(a.max_steps, a.epochs * steps_per_epoch)
+                                              : a.epochs * steps_per_epoch;
+  auto lr_at = [&](int64_t step) {
+    if (a.lr_schedule == "constant") return a.lr;
+    return 0.5 * a.lr * (1 + std::cos(M_PI * static_cast<double>(step) / static_cast<double>(total_steps)));
+  };
 
   const int64_t log_every = a.log_every > 0 ? a.log_every : std::max<int64_t>(1, steps_per_epoch / 10);
   const bool first_run = std::getenv("EMBER_RESTART_COUNT") == nullptr ||
@@ -304,6 +314,8 @@ int run(const Args& a) {
         continue;
       }
       Tensor x = batch.data.to(device), y = batch.target.to(device);
+      const double lr = lr_at(pos.global_step);
+      for (auto& group : opt.param_groups()) group.set_lr(lr);
       opt.zero_grad();
       Tensor loss = nn::functional::cross_entropy(ddp.forward(x), y);
       loss.backward();
@@ -331,7 +343,7 @@ int run(const Args& a) {
                        loss_acc / loss_n, ips, eta, tty);
         metrics.write({{"kind", "step"}, {"epoch", epoch + 1}, {"step", step},
                        {"global_step", pos.global_step}, {"loss", loss_acc / loss_n},
-                       {"images_per_s", ips}, {"lr", a.lr},
+                       {"images_per_s", ips}, {"lr", lr_at(pos.global_step - 1)},
                        {"time_s", std::chrono::duration<double>(now - t_start).count()}});
         loss_acc = 0;
         loss_n = 0;
@@ -396,6 +408,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-steps", a.max_steps, "stop after this many steps in all (0: no limit)")->check(CLI::NonNegativeNumber);
   app.add_option("--batch-size", a.batch_size, "examples per rank per step")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--lr", a.lr, "SGD learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--lr-schedule", a.lr_schedule, "constant, or cosine from --lr to 0 over the run")
+      ->check(CLI::IsMember({"constant", "cosine"}))->capture_default_str();
   app.add_option("--momentum", a.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str();
   app.add_option("--seed", a.seed, "weights and data order")->capture_default_str();
   app.add_option("--backend", a.backend, "gloo, mpi or nccl")->check(CLI::IsMember({"gloo", "mpi", "nccl"}))->capture_default_str();

@@ -13,6 +13,7 @@ It starts its own ranks (one process each, gloo on 127.0.0.1 with a free port).
 import argparse
 import gzip
 import json
+import math
 import os
 import socket
 import sys
@@ -103,6 +104,14 @@ def worker(rank, world, port, args):
     if rank == 0:
         print(f"fashion_mnist_torch: world size {world}, model {args.model}, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads per rank", flush=True)
+    steps_per_epoch = len(loader)
+    total_steps = min(args.max_steps, args.epochs * steps_per_epoch) if args.max_steps else args.epochs * steps_per_epoch
+
+    def lr_at(step):  # the same schedule as the Ember program
+        if args.lr_schedule == "constant":
+            return args.lr
+        return 0.5 * args.lr * (1 + math.cos(math.pi * step / total_steps))
+
     step_total = 0
     acc = 0.0
     for epoch in range(args.epochs):
@@ -111,6 +120,8 @@ def worker(rank, world, port, args):
         losses = []
         steps = 0
         for xb, yb in loader:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step_total)
             opt.zero_grad()
             loss = F.cross_entropy(model(xb), yb)
             loss.backward()
@@ -150,6 +161,7 @@ def main():
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--lr-schedule", default="cosine", choices=["constant", "cosine"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="per rank; 0: cores / nproc")
     p.add_argument("--comm-hook", default="none", choices=["none", "fp16", "powersgd"])
