@@ -73,7 +73,51 @@ std::string name(const char* op, Dtype d, int rank, const std::string& extra = "
 /// Runs body(pg, rank, store) in n forked ranks connected through a TCPStoreServer on an
 /// OS-picked port in this process; every rank's failures are reported here.
 void run_group(int n, const std::function<void(ProcessGroupGloo&, int, Store&)>& body,
-               Duration timeout = 60s) {
+               Duration timeout = 60s);
+
+/// A group that has only what every backend must provide (allreduce, broadcast,
+/// allgather_into_tensor, barrier, send, recv: gloo's), so reduce, allgather, gather, scatter,
+/// reduce_scatter and alltoall run ProcessGroup's composite versions built from them.
+class CompositeOnly final : public ProcessGroup {
+ public:
+  explicit CompositeOnly(ProcessGroup& inner)
+      : ProcessGroup(inner.rank(), inner.size(), Options{inner.timeout()}), inner_(inner) {}
+  std::string backend_name() const override { return "composite"; }
+  WorkPtr allreduce(Tensor& t, const AllreduceOptions& o) override { return inner_.allreduce(t, o); }
+  WorkPtr broadcast(Tensor& t, const BroadcastOptions& o) override { return inner_.broadcast(t, o); }
+  WorkPtr allgather_into_tensor(Tensor& out, const Tensor& in, const CollectiveOptions& o) override {
+    return inner_.allgather_into_tensor(out, in, o);
+  }
+  WorkPtr barrier(const CollectiveOptions& o) override { return inner_.barrier(o); }
+  WorkPtr send(const Tensor& t, int dst, int tag) override { return inner_.send(t, dst, tag); }
+  WorkPtr recv(Tensor& t, int src, int tag) override { return inner_.recv(t, src, tag); }
+
+ private:
+  ProcessGroup& inner_;
+};
+
+/// What a collective test checks, given any group: gloo's own, or CompositeOnly over it.
+using Checks = std::function<void(ProcessGroup&, int rank, int n)>;
+struct WorldCase {
+  int n;
+  bool composite;
+};
+std::string case_name(const ::testing::TestParamInfo<WorldCase>& info) {
+  return "n" + std::to_string(info.param.n) + (info.param.composite ? "_composite" : "");
+}
+void run_checks(const WorldCase& c, const Checks& checks) {
+  run_group(c.n, [&](ProcessGroupGloo& pg, int rank, Store&) {
+    if (c.composite) {
+      CompositeOnly composite(pg);
+      checks(composite, rank, c.n);
+    } else {
+      checks(pg, rank, c.n);
+    }
+  });
+}
+
+void run_group(int n, const std::function<void(ProcessGroupGloo&, int, Store&)>& body,
+               Duration timeout) {
   test::Children kids(n, [&](int rank, const std::string& port) {
     auto store = client(port);
     ProcessGroupGloo pg(std::make_shared<PrefixStore>("pg", store), rank, n,
@@ -140,10 +184,11 @@ TEST_P(GlooWorld, AllreduceEveryDtypeOpAndSize) {
   });
 }
 
-TEST_P(GlooWorld, BroadcastAllgatherReduceEveryDtype) {
+class GlooCollectives : public ::testing::TestWithParam<WorldCase> {};
+
+TEST_P(GlooCollectives, BroadcastAllgatherReduceEveryDtype) {
   EMBER_REQUIRE_GLOO();
-  const int n = GetParam();
-  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+  run_checks(GetParam(), [](ProcessGroup& pg, int rank, int n) {
     for (Dtype d : kDtypes) {
       // broadcast from the last rank: rank r holds r*10 + i%7.
       for (int root : {0, n - 1}) {
@@ -196,10 +241,9 @@ TEST_P(GlooWorld, BroadcastAllgatherReduceEveryDtype) {
   });
 }
 
-TEST_P(GlooWorld, GatherScatterReduceScatterAlltoallEveryDtype) {
+TEST_P(GlooCollectives, GatherScatterReduceScatterAlltoallEveryDtype) {
   EMBER_REQUIRE_GLOO();
-  const int n = GetParam();
-  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+  run_checks(GetParam(), [](ProcessGroup& pg, int rank, int n) {
     for (Dtype d : kDtypes) {
       // gather to root n-1: rank r sends [r, r+1, r+2].
       {
@@ -330,6 +374,14 @@ TEST_P(GlooWorld, AsyncWorkAndFutures) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooWorld, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "n" + std::to_string(info.param); });
+// Each collective through gloo's native implementation, and through ProcessGroup's composites
+// (what a backend without a native version gets).
+INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooCollectives,
+                         ::testing::Values(WorldCase{1, false}, WorldCase{2, false},
+                                           WorldCase{3, false}, WorldCase{4, false},
+                                           WorldCase{1, true}, WorldCase{2, true},
+                                           WorldCase{3, true}, WorldCase{4, true}),
+                         case_name);
 
 // ---- argument errors (world size 1: no network) ------------------------------------------------
 
