@@ -9,12 +9,14 @@
 //
 // Construction checks that every rank has the same parameters (count, shapes, dtypes) and
 // copies rank 0's parameters and buffers to every rank. Parameters that require grad are packed,
-// in reverse registration order, into buckets of about bucket_cap_mb each (one flat buffer per
-// bucket, per dtype and device). During backward each parameter's post-accumulate-grad hook
-// copies its gradient into its bucket; a full bucket is all-reduced (average) asynchronously
-// while backward goes on, buckets always in the same order on every rank. When the backward
-// pass ends, a queued autograd callback waits for every bucket and writes the averages back
-// into the parameters' grad(). See docs/ddp.md.
+// in reverse registration order, into buckets (one flat buffer per bucket, per dtype and device;
+// the first up to first_bucket_cap_mb, the others up to bucket_cap_mb), rebuilt once after the
+// first iteration in the order rank 0's gradients became ready. During backward each
+// parameter's post-accumulate-grad hook copies its gradient into its bucket; a full bucket is
+// all-reduced (average) asynchronously, or handed to the communication hook, while backward
+// goes on, buckets always in the same order on every rank. When the backward pass ends, a
+// queued autograd callback runs the hooks' deferred steps, waits for every bucket and writes the
+// averages back into the parameters' grad(). See docs/ddp.md.
 //
 // Threads: like any Module, one thread at a time; backward must run on the thread that owns the
 // process group's collectives (collectives are issued from the backward pass).
@@ -24,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "distributed/comm_hooks.h"
 #include "distributed/process_group.h"
 #include "nn/module.h"
 
@@ -33,6 +36,9 @@ namespace ember::dist {
 struct DDPOptions {
   /// Bucket size in MiB (a bucket closes once it holds at least this much).
   double bucket_cap_mb = 25;
+  /// Size in MiB of the first bucket of each dtype and device (reduced first, so communication
+  /// starts early); capped at bucket_cap_mb. torch's dist._DEFAULT_FIRST_BUCKET_BYTES.
+  double first_bucket_cap_mb = 1;
   /// Copy rank 0's buffers to every rank at the start of each training-mode forward.
   bool broadcast_buffers = true;
   /// After the first reduction, grad() of each parameter is a view into its bucket's flat
@@ -87,8 +93,29 @@ class DistributedDataParallel : public nn::Module {
   const std::shared_ptr<ProcessGroup>& process_group() const { return group_; }
   const DDPOptions& options() const { return options_; }
   /// The buckets as indices into the module's parameters() (those requiring grad counted too),
-  /// in reduction order: for tests and debugging.
+  /// in reduction order: for tests and debugging. Changes once, at the first forward after the
+  /// first synchronised backward pass (see buckets_rebuilt()).
   std::vector<std::vector<size_t>> bucket_indices() const;
+  /// Whether the one-time bucket rebuild has happened (the buckets now follow the order in which
+  /// rank 0's gradients became ready in the first synchronised backward pass; every rank uses
+  /// rank 0's order). Not done with find_unused_parameters (as in torch).
+  bool buckets_rebuilt() const;
+
+  /// Replaces the averaging all-reduce of each bucket by `hook` (see distributed/comm_hooks.h):
+  /// it runs on the backward thread when the bucket is launched (strictly in bucket order) and
+  /// its Future's value()[0] becomes the bucket's reduced gradients. Every rank must register
+  /// the same hook. Throws ValueError if `hook` is null, a hook is already registered, or a
+  /// backward pass has already run.
+  void register_comm_hook(CommHook hook);
+  /// torch's register_comm_hook(state, hook): `hook(*state, bucket)` with `hook` any callable
+  /// taking (State&, GradBucket&), e.g. register_comm_hook(powersgd_state, powersgd_hook).
+  /// DDP keeps `state` alive.
+  template <typename State, typename Hook>
+  void register_comm_hook(std::shared_ptr<State> state, Hook hook) {
+    EMBER_CHECK(state != nullptr, "[DistributedDataParallel] register_comm_hook expects a state, "
+                "got null (pass a CommHook alone for a stateless hook)");
+    register_comm_hook(bind_hook(std::move(state), std::move(hook)));
+  }
 
  private:
   std::shared_ptr<nn::Module> module_;
