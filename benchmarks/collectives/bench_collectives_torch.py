@@ -56,9 +56,13 @@ def worker(rank, args, port):
             issue(args.op, b).wait()
         dist.barrier()
         t0 = time.perf_counter()
-        works = [issue(args.op, b) for _ in range(args.iters)]
-        for w in works:
-            w.wait()
+        if args.mode == "latency":
+            for _ in range(args.iters):
+                issue(args.op, b).wait()
+        else:
+            works = [issue(args.op, b) for _ in range(args.iters)]
+            for w in works:
+                w.wait()
         us = (time.perf_counter() - t0) / args.iters * 1e6
         if rank == 0:
             print(count * 4, f"{us:.1f}", flush=True)
@@ -74,6 +78,7 @@ def main():
     p.add_argument("--max-bytes", type=int, default=16 << 20)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--mode", default="pipelined", choices=["pipelined", "latency"])
     args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
