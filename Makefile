@@ -25,7 +25,7 @@ test: build
 
 train: configure
 	@cmake --build $(BUILD_DIR) -j $(JOBS) --target fashion_mnist emberrun
-	@$(BUILD_DIR)/launcher/emberrun --nproc-per-node 2 $(BUILD_DIR)/examples/fashion_mnist \
+	@$(BUILD_DIR)/launcher/emberrun --standalone --nproc-per-node 2 $(BUILD_DIR)/examples/fashion_mnist \
 	  --model cnn --epochs 3
 
 bench: build

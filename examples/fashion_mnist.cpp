@@ -26,9 +26,11 @@
 #include <string>
 #include <vector>
 
+#include "distributed/comm_hooks.h"
 #include "distributed/ddp.h"
 #include "distributed/hash_store.h"
 #include "distributed/init.h"
+#include "distributed/powersgd.h"
 #include "nn/nn.h"
 #include "tensor/creation.h"
 #include "tensor/cuda.h"
@@ -57,6 +59,8 @@ struct Args {
   std::string backend = "gloo";
   std::string device = "cpu";
   std::string comm_hook = "none";
+  int64_t powersgd_rank = 2;
+  int64_t powersgd_start = 10;
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;  // steps; 0: at the end of each epoch only
   bool resume = false;
@@ -194,8 +198,32 @@ struct Position {
 
 std::string checkpoint_path(const std::string& dir) { return dir + "/checkpoint.safetensors"; }
 
+// The communication hook's state is per rank (PowerSGD's error feedback differs between ranks):
+// rank 0 gathers every rank's tensors into the checkpoint as "hook.rank<r>.<name>". Collective
+// when there is a hook state; returns what rank 0 saves.
+nn::NamedTensors gather_hook_state(const dist::PowerSGDState* state, dist::ProcessGroup& pg) {
+  nn::NamedTensors out;
+  if (state == nullptr) return out;
+  for (const auto& [name, t] : state->state_dict()) {
+    Tensor local = t.to(ember::kCPU).contiguous();
+    std::vector<Tensor> all;
+    if (pg.rank() == 0) {
+      for (int r = 0; r < pg.size(); ++r) all.push_back(ember::empty_like(local));
+    }
+    pg.gather(all, local, dist::GatherOptions{})->wait();
+    for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+      out.emplace_back("hook.rank" + std::to_string(r) + "." + name, all[r]);
+    }
+  }
+  return out;
+}
+
+// Every rank calls it at the same step (the hook state is gathered); rank 0 writes the file.
 void save_checkpoint(const Args& a, const nn::Module& model, const nn::optim::Optimizer& opt,
-                     const Position& pos, int world_size) {
+                     const Position& pos, dist::ProcessGroup& pg, const dist::PowerSGDState* hook) {
+  const nn::NamedTensors extra = gather_hook_state(hook, pg);
+  if (pg.rank() != 0) return;
+  const int world_size = pg.size();
   std::filesystem::create_directories(a.checkpoint_dir);
   nn::save_checkpoint(checkpoint_path(a.checkpoint_dir), model, &opt,
                       {{"epoch", std::to_string(pos.epoch)},
@@ -204,19 +232,22 @@ void save_checkpoint(const Args& a, const nn::Module& model, const nn::optim::Op
                        {"model", a.model},
                        {"world_size", std::to_string(world_size)},
                        {"batch_size", std::to_string(a.batch_size)},
-                       {"seed", std::to_string(a.seed)}});
+                       {"seed", std::to_string(a.seed)},
+                       {"comm_hook", a.comm_hook}},
+                      extra);
 }
 
 // Loads the checkpoint if there is one; returns where to continue.
 Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& opt, int world_size,
-                      bool verbose) {
+                      int rank, dist::PowerSGDState* hook, bool verbose) {
   if (!a.resume || a.checkpoint_dir.empty()) return {};
   const std::string path = checkpoint_path(a.checkpoint_dir);
   if (!std::filesystem::exists(path)) {
     if (verbose) std::printf("resume: no checkpoint at %s; starting from scratch\n", path.c_str());
     return {};
   }
-  const std::map<std::string, std::string> meta = nn::load_checkpoint(path, model, &opt);
+  nn::NamedTensors extra;
+  const std::map<std::string, std::string> meta = nn::load_checkpoint(path, model, &opt, &extra);
   auto get = [&](const char* key) -> std::string {
     auto it = meta.find(key);
     if (it == meta.end()) throw std::runtime_error(path + ": checkpoint metadata lacks '" + key + "'");
@@ -232,6 +263,15 @@ Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& op
   must_match("world_size", std::to_string(world_size));
   must_match("batch_size", std::to_string(a.batch_size));
   must_match("seed", std::to_string(a.seed));
+  must_match("comm_hook", a.comm_hook);
+  if (hook != nullptr) {  // this rank's share of the hook state
+    const std::string prefix = "hook.rank" + std::to_string(rank) + ".";
+    nn::NamedTensors mine;
+    for (auto& [name, t] : extra) {
+      if (name.rfind(prefix, 0) == 0) mine.emplace_back(name.substr(prefix.size()), t);
+    }
+    hook->load_state_dict(mine);
+  }
   Position p{std::stoll(get("epoch")), std::stoll(get("step_in_epoch")), std::stoll(get("global_step"))};
   if (verbose) {
     std::printf("resume: %s at epoch %lld, step %lld of the epoch (global step %lld)\n",
@@ -266,14 +306,30 @@ int run(const Args& a) {
   const int64_t steps_per_epoch = loader.size();
 
   dist::DistributedDataParallel ddp(model, pg);
+  std::shared_ptr<dist::PowerSGDState> powersgd;
+  if (a.comm_hook == "allreduce") {
+    ddp.register_comm_hook(dist::allreduce_hook);
+  } else if (a.comm_hook == "fp16") {
+    ddp.register_comm_hook(dist::fp16_compress_hook);
+  } else if (a.comm_hook == "bf16") {
+    ddp.register_comm_hook(dist::bf16_compress_hook);
+  } else if (a.comm_hook == "powersgd" || a.comm_hook == "batched_powersgd") {
+    powersgd = std::make_shared<dist::PowerSGDState>(dist::PowerSGDOptions{
+        .matrix_approximation_rank = a.powersgd_rank, .start_powerSGD_iter = a.powersgd_start});
+    if (a.comm_hook == "powersgd") {
+      ddp.register_comm_hook(powersgd, dist::powersgd_hook);
+    } else {
+      ddp.register_comm_hook(powersgd, dist::batched_powersgd_hook);
+    }
+  }
   nn::optim::SGD opt(ddp.parameters(), {.lr = a.lr, .momentum = a.momentum});
-  Position pos = maybe_resume(a, *model, opt, world, leader);
+  Position pos = maybe_resume(a, *model, opt, world, rank, powersgd.get(), leader);
   Metrics metrics(leader ? a.metrics : "", pos.global_step > 0);
 
   if (leader) {
-    std::printf("fashion_mnist: world size %d, backend %s, device %s, model %s, %lld parameters, "
+    std::printf("fashion_mnist: world size %d, backend %s, comm hook %s, device %s, model %s, %lld parameters, "
                 "batch %lld per rank, %lld steps per epoch, SGD lr %g (%s) momentum %g, %d threads per rank\n",
-                world, pg->backend_name().c_str(), device.str().c_str(), a.model.c_str(),
+                world, pg->backend_name().c_str(), a.comm_hook.c_str(), device.str().c_str(), a.model.c_str(),
                 static_cast<long long>([&] {
                   int64_t n = 0;
                   for (const Tensor& p : model->parameters()) n += p.numel();
@@ -350,8 +406,8 @@ int run(const Args& a) {
         t_log = now;
       }
       if (a.checkpoint_every > 0 && !a.checkpoint_dir.empty() &&
-          pos.global_step % a.checkpoint_every == 0 && step < steps_per_epoch && leader) {
-        save_checkpoint(a, *model, opt, {epoch, step, pos.global_step}, world);
+          pos.global_step % a.checkpoint_every == 0 && step < steps_per_epoch) {
+        save_checkpoint(a, *model, opt, {epoch, step, pos.global_step}, *pg, powersgd.get());
       }
       if (pos.global_step == a.max_steps) {
         stop = true;
@@ -374,16 +430,22 @@ int run(const Args& a) {
                      {"train_loss", epoch_n ? epoch_loss / epoch_n : 0.0}, {"test_loss", last.loss},
                      {"test_accuracy", last.accuracy}, {"time_s", epoch_s}, {"images_per_s", ips},
                      {"complete", step == steps_per_epoch}});
-      if (!a.checkpoint_dir.empty()) {
-        const bool complete = step == steps_per_epoch;
-        save_checkpoint(a, *model, opt,
-                        complete ? Position{epoch + 1, 0, pos.global_step}
-                                 : Position{epoch, step, pos.global_step},
-                        world);
-      }
+    }
+    if (!a.checkpoint_dir.empty()) {
+      const bool complete = step == steps_per_epoch;
+      save_checkpoint(a, *model, opt,
+                      complete ? Position{epoch + 1, 0, pos.global_step}
+                               : Position{epoch, step, pos.global_step},
+                      *pg, powersgd.get());
     }
   }
   if (!evaluated) last = evaluate(*model, test_set, *pg, device);
+  if (leader && powersgd && pos.global_step > a.powersgd_start) {
+    const auto stats = powersgd->compression_stats();
+    std::printf("powersgd: rank %lld, %lld of %lld gradient elements all-reduced (%.1fx fewer)\n",
+                static_cast<long long>(a.powersgd_rank), static_cast<long long>(stats.numel_after),
+                static_cast<long long>(stats.numel_before), stats.rate);
+  }
   if (leader) {
     if (!a.save_weights.empty()) {
       nn::save_safetensors(a.save_weights, model->state_dict(),
@@ -414,7 +476,13 @@ int main(int argc, char** argv) {
   app.add_option("--seed", a.seed, "weights and data order")->capture_default_str();
   app.add_option("--backend", a.backend, "gloo, mpi or nccl")->check(CLI::IsMember({"gloo", "mpi", "nccl"}))->capture_default_str();
   app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
-  app.add_option("--comm-hook", a.comm_hook, "gradient communication")->check(CLI::IsMember({"none"}))->capture_default_str();
+  app.add_option("--comm-hook", a.comm_hook, "gradient communication (see docs/ddp.md)")
+      ->check(CLI::IsMember({"none", "allreduce", "fp16", "bf16", "powersgd", "batched_powersgd"}))
+      ->capture_default_str();
+  app.add_option("--powersgd-rank", a.powersgd_rank, "PowerSGD's matrix approximation rank")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--powersgd-start", a.powersgd_start, "plain all-reduce for this many steps first")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
   app.add_option("--checkpoint-dir", a.checkpoint_dir, "write checkpoint.safetensors here after each epoch");
   app.add_option("--checkpoint-every", a.checkpoint_every, "also every N steps")->check(CLI::NonNegativeNumber);
   app.add_flag("--resume", a.resume, "continue from the checkpoint in --checkpoint-dir if there is one");

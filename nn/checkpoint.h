@@ -2,8 +2,9 @@
 // string metadata, in one safetensors file written atomically.
 //
 // Layout: the model's tensors under their state-dict names ("0.weight", "1.running_mean"),
-// the optimizer's under "optim." + its names ("optim.state.0.exp_avg"); metadata holds the
-// user's keys plus "optim.optimizer" and "optim.param_groups" when an optimizer is saved. A
+// the optimizer's under "optim." + its names ("optim.state.0.exp_avg"), extra tensors under
+// "extra." + theirs; metadata holds the user's keys plus "optim.optimizer" and
+// "optim.param_groups" when an optimizer is saved. A
 // file without an optimizer is a plain safetensors state dict, which PyTorch's
 // safetensors.torch.load_file reads as is.
 #pragma once
@@ -18,9 +19,11 @@ namespace ember::nn {
 
 /// Saves model (and optimizer, if given) with `metadata` to `path` atomically: an existing file
 /// is replaced only by a complete new one. Metadata keys starting with "optim." are reserved.
+/// `extra` tensors (e.g. a communication hook's state) are stored under "extra." + their name.
 void save_checkpoint(const std::string& path, const Module& model,
                      const optim::Optimizer* optimizer = nullptr,
-                     const std::map<std::string, std::string>& metadata = {});
+                     const std::map<std::string, std::string>& metadata = {},
+                     const NamedTensors& extra = {});
 
 /// Loads a checkpoint written by save_checkpoint into model (strict key and shape checking)
 /// and, if given, optimizer (which must be of the type saved); returns the user's metadata.
@@ -28,7 +31,10 @@ void save_checkpoint(const std::string& path, const Module& model,
 /// whatever load_safetensors / load_state_dict throw for bad or mismatched files (a bad model
 /// state leaves model and optimizer untouched; a bad optimizer state is found after the model
 /// was loaded).
+/// `extra`, if given, receives the extra tensors saved with the checkpoint (names without the
+/// "extra." prefix; empty if there were none); without it they are ignored.
 std::map<std::string, std::string> load_checkpoint(const std::string& path, Module& model,
-                                                   optim::Optimizer* optimizer = nullptr);
+                                                   optim::Optimizer* optimizer = nullptr,
+                                                   NamedTensors* extra = nullptr);
 
 }  // namespace ember::nn

@@ -77,9 +77,10 @@ class FashionMnist : public ::testing::Test {
 };
 
 TEST_F(FashionMnist, SingleProcessWithoutLauncher) {
-  Result r = run(example() + " --max-steps 20 --log-every 10 --batch-size 32");
+  // One thread: on a loaded 2-core machine, two threads per process can crawl.
+  Result r = run("env EMBER_NUM_THREADS=1 " + example() + " --max-steps 20 --log-every 10 --batch-size 32");
   ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("fashion_mnist: world size 1, backend gloo, device cpu, model cnn"),
+  EXPECT_NE(r.output.find("fashion_mnist: world size 1, backend gloo, comm hook none, device cpu, model cnn"),
             std::string::npos) << r.output;
   EXPECT_NE(r.output.find("epoch 1/3 ["), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("10/1875"), std::string::npos) << r.output;
@@ -91,7 +92,7 @@ TEST_F(FashionMnist, SingleProcessWithoutLauncher) {
 TEST_F(FashionMnist, TwoRanksUnderEmberrunWithMetrics) {
   const std::string metrics = tmp.path + "/metrics.jsonl";
   const std::string weights = tmp.path + "/w.safetensors";
-  Result r = run(emberrun() + " --nproc-per-node 2 " + example() +
+  Result r = run(emberrun() + " --standalone --nproc-per-node 2 " + example() +
                  " --model mlp --max-steps 30 --log-every 10 --metrics " + metrics +
                  " --save-weights " + weights);
   ASSERT_EQ(r.status, 0) << r.output;
@@ -130,12 +131,12 @@ TEST_F(FashionMnist, TwoRanksUnderEmberrunWithMetrics) {
 TEST_F(FashionMnist, ResumesAfterAKillWithIdenticalWeights) {
   const std::string common = " --model mlp --max-steps 40 --log-every 10 --batch-size 32";
   const std::string clean = tmp.path + "/clean.safetensors";
-  Result a = run(emberrun() + " --nproc-per-node 2 " + example() + common + " --save-weights " + clean);
+  Result a = run(emberrun() + " --standalone --nproc-per-node 2 " + example() + common + " --save-weights " + clean);
   ASSERT_EQ(a.status, 0) << a.output;
 
   const std::string resumed = tmp.path + "/resumed.safetensors";
   const std::string ckpt = tmp.path + "/ckpt";
-  Result b = run(emberrun() + " --nproc-per-node 2 --max-restarts 1 " + example() + common +
+  Result b = run(emberrun() + " --standalone --nproc-per-node 2 --max-restarts 1 " + example() + common +
                  " --checkpoint-dir " + ckpt + " --checkpoint-every 20 --resume --fail-at-step 30" +
                  " --save-weights " + resumed);
   ASSERT_EQ(b.status, 0) << b.output;
@@ -160,11 +161,40 @@ TEST_F(FashionMnist, ResumesAfterAKillWithIdenticalWeights) {
   EXPECT_EQ(ck.metadata().at("global_step"), "40");
 }
 
+// The same with PowerSGD: each rank's error feedback and Qs travel in the checkpoint (gathered
+// to rank 0), so the resumed run still matches the uninterrupted one bit for bit.
+TEST_F(FashionMnist, ResumesWithPowerSgdStateWithIdenticalWeights) {
+  const std::string common = " --model mlp --max-steps 40 --log-every 10 --batch-size 32"
+                             " --comm-hook powersgd --powersgd-start 5";
+  const std::string clean = tmp.path + "/clean.safetensors";
+  Result a = run(emberrun() + " --standalone --nproc-per-node 2 " + example() + common + " --save-weights " + clean);
+  ASSERT_EQ(a.status, 0) << a.output;
+  EXPECT_NE(a.output.find("comm hook powersgd"), std::string::npos) << a.output;
+  EXPECT_NE(a.output.find("x fewer)"), std::string::npos) << a.output;
+
+  const std::string resumed = tmp.path + "/resumed.safetensors";
+  const std::string ckpt = tmp.path + "/ckpt";
+  Result b = run(emberrun() + " --standalone --nproc-per-node 2 --max-restarts 1 " + example() + common +
+                 " --checkpoint-dir " + ckpt + " --checkpoint-every 20 --resume --fail-at-step 30" +
+                 " --save-weights " + resumed);
+  ASSERT_EQ(b.status, 0) << b.output;
+  EXPECT_NE(b.output.find("global step 20)"), std::string::npos) << b.output;
+  auto ck = ember::nn::load_safetensors(ckpt + "/checkpoint.safetensors");
+  EXPECT_TRUE(ck.contains("extra.hook.rank1.iteration")) << "rank 1's hook state is saved";
+  auto wa = ember::nn::load_safetensors(clean);
+  auto wb = ember::nn::load_safetensors(resumed);
+  for (const auto& [name, t] : wa.tensors()) {
+    const auto va = t.to_vector<float>();
+    const auto vb = wb.at(name).to_vector<float>();
+    ASSERT_EQ(va, vb) << name << " differs after resuming with PowerSGD state";
+  }
+}
+
 TEST_F(FashionMnist, ResumeRefusesAnotherWorldSize) {
   const std::string ckpt = tmp.path + "/ckpt";
   Result a = run(example() + " --model mlp --max-steps 5 --checkpoint-dir " + ckpt);
   ASSERT_EQ(a.status, 0) << a.output;
-  Result b = run(emberrun() + " --nproc-per-node 2 " + example() +
+  Result b = run(emberrun() + " --standalone --nproc-per-node 2 " + example() +
                  " --model mlp --max-steps 10 --resume --checkpoint-dir " + ckpt);
   EXPECT_NE(b.status, 0) << b.output;
   EXPECT_NE(b.output.find("saved with world_size 1, but this run has 2"), std::string::npos) << b.output;
@@ -173,7 +203,7 @@ TEST_F(FashionMnist, ResumeRefusesAnotherWorldSize) {
 // docs/quickstart.md's loop, as printed there, trains with two ranks and saves its weights.
 TEST_F(FashionMnist, QuickstartLoopTrainsAndSaves) {
   const std::string minimal = std::string(EMBER_BINARY_DIR) + "/examples/minimal_ddp";
-  Result r = run("sh -c 'cd " + tmp.path + " && exec " + emberrun() + " --nproc-per-node 2 " +
+  Result r = run("sh -c 'cd " + tmp.path + " && exec " + emberrun() + " --standalone --nproc-per-node 2 " +
                  minimal + " 1'");
   ASSERT_EQ(r.status, 0) << r.output;
   auto saved = ember::nn::load_safetensors(tmp.path + "/model.safetensors");

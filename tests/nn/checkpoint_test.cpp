@@ -87,6 +87,32 @@ TEST(Checkpoint, ModelOnlyFileIsAPlainStateDict) {
   EXPECT_TRUE(equal(other->state_dict()[0].second, m->state_dict()[0].second));
 }
 
+// Extra tensors (a communication hook's state) travel in the same file under "extra.", come
+// back by name, and stay out of the model's state.
+TEST(Checkpoint, ExtraTensorsRoundTrip) {
+  TempDir dir;
+  auto m = make_model();
+  optim::SGD opt(m->parameters(), {.lr = 0.1, .momentum = 0.9});
+  train_steps(*m, opt, 2, 7);
+  const Tensor e = test::rand_t({3, 4}, kFloat32, 11);
+  save_checkpoint(dir.file("c.safetensors"), *m, &opt, {{"step", "2"}},
+                  {{"hook.error.0", e}, {"hook.iteration", full({1}, 5.0, kFloat64)}});
+  EXPECT_TRUE(load_safetensors(dir.file("c.safetensors")).contains("extra.hook.error.0"));
+  auto other = make_model();
+  optim::SGD opt2(other->parameters(), {.lr = 0.1, .momentum = 0.9});
+  NamedTensors extra;
+  const auto meta = load_checkpoint(dir.file("c.safetensors"), *other, &opt2, &extra);
+  EXPECT_EQ(meta.at("step"), "2");
+  ASSERT_EQ(extra.size(), 2u);
+  EXPECT_EQ(extra[0].first, "hook.error.0");
+  EXPECT_TRUE(equal(extra[0].second, e));
+  EXPECT_EQ(extra[1].second.to_vector<double>(), std::vector<double>{5.0});
+  // Without the out-parameter they are ignored (and never reach load_state_dict).
+  auto third = make_model();
+  load_checkpoint(dir.file("c.safetensors"), *third, nullptr);
+  EXPECT_TRUE(equal(third->state_dict()[0].second, m->state_dict()[0].second));
+}
+
 TEST(Checkpoint, Errors) {
   TempDir dir;
   auto m = make_model();
