@@ -1,6 +1,11 @@
 // init_process_group, the default group and new_group.
 #include "distributed/init.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
@@ -22,13 +27,45 @@ bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
 }
 
+// This machine's address on the route to `host` ("" if there is none): a UDP socket
+// connected to it (connect sends nothing) is bound by the kernel to the outgoing interface.
+std::string local_address_towards(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), "9", &hints, &res) != 0 || res == nullptr) return {};
+  std::string out;
+  const int fd = ::socket(res->ai_family, SOCK_DGRAM, 0);
+  if (fd >= 0 && ::connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+    sockaddr_storage local{};
+    socklen_t len = sizeof(local);
+    char buf[INET6_ADDRSTRLEN] = {};
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+      const void* a = local.ss_family == AF_INET
+                          ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+                          : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+      if (::inet_ntop(local.ss_family, a, buf, sizeof(buf)) != nullptr) out = buf;
+    }
+  }
+  if (fd >= 0) ::close(fd);
+  ::freeaddrinfo(res);
+  return out;
+}
+
+// Which address gloo listens on, unless EMBER_GLOO_HOSTNAME or GLOO_SOCKET_IFNAME says: loopback
+// when rank 0 is on this machine's loopback; otherwise the address of the interface that
+// reaches rank 0 (torch resolves the machine's hostname instead, which on many machines, and
+// in network namespaces, gives 127.0.1.1 or the wrong interface and makes peers fail to connect).
 std::shared_ptr<ProcessGroup> make_gloo(const BackendArgs& a) {
   if (a.rank < 0) return nullptr;  // not a member of this group
   ProcessGroupGloo::GlooOptions o;
   o.timeout = a.timeout;
-  if (is_loopback(a.master_addr) && !std::getenv("EMBER_GLOO_HOSTNAME") &&
-      !std::getenv("GLOO_SOCKET_IFNAME")) {
-    o.hostname = "127.0.0.1";  // every rank is on this machine: stay on loopback
+  if (!std::getenv("EMBER_GLOO_HOSTNAME") && !std::getenv("GLOO_SOCKET_IFNAME")) {
+    if (is_loopback(a.master_addr)) {
+      o.hostname = "127.0.0.1";  // every rank is on this machine: stay on loopback
+    } else if (!a.master_addr.empty()) {
+      o.hostname = local_address_towards(a.master_addr);  // "" keeps gloo's hostname default
+    }
   }
   return std::make_shared<ProcessGroupGloo>(a.store, a.rank, a.size, o);
 }

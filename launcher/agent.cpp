@@ -16,9 +16,12 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
+
+#include "launcher/rendezvous.h"
 
 extern char** environ;
 
@@ -105,6 +108,17 @@ struct Worker {
   std::string error_file;
 };
 
+// Where this node's workers sit in the job: from the command line on one node, from the
+// rendezvous across nodes.
+struct GroupSpec {
+  int node_rank = 0;
+  int nnodes = 1;
+  int rank_base = 0;   // global rank of local rank 0
+  int world_size = 1;
+  std::string master_addr;
+  int master_port = 0;
+};
+
 class Group {
  public:
   Group(const LaunchConfig& c, std::string program_path, std::string run_dir, bool keep_logs)
@@ -113,10 +127,11 @@ class Group {
   ~Group() { kill_all_groups(); close_all(); }
 
   // Spawns every worker of attempt `attempt`. Returns "" or an error message.
-  std::string spawn(int attempt, int master_port);
-  enum class Outcome { kSucceeded, kFailed, kInterrupted };
-  // Pumps output and reaps workers until all succeeded, one failed, or a signal arrived.
-  Outcome monitor();
+  std::string spawn(int attempt, const GroupSpec& spec);
+  enum class Outcome { kSucceeded, kFailed, kInterrupted, kPeer };
+  // Pumps output and reaps workers until all succeeded, one failed, a signal arrived, or
+  // `peer_check` (called at most once per monitor interval) returned true.
+  Outcome monitor(const std::function<bool()>& peer_check = nullptr);
   // SIGTERM (or `sig`) to every worker's group, SIGKILL after the grace period; reaps all.
   void stop(int sig);
   // Drains output left in pipes (bounded) and closes everything; kills leftover groups.
@@ -143,7 +158,7 @@ class Group {
   int interrupt_signal_ = 0;
 };
 
-std::string Group::spawn(int attempt, int master_port) {
+std::string Group::spawn(int attempt, const GroupSpec& spec) {
   close_all();
   workers_.clear();
   failures_.clear();
@@ -166,11 +181,11 @@ std::string Group::spawn(int attempt, int master_port) {
     base.emplace("OMP_NUM_THREADS", threads);  // emplace: keeps a value the user set
     base.emplace("EMBER_NUM_THREADS", threads);
   }
-  const int world = c_.world_size();
+  const int world = spec.world_size;
   for (int lr = 0; lr < n; ++lr) {
     Worker w;
     w.local_rank = lr;
-    w.rank = c_.node_rank * n + lr;
+    w.rank = spec.rank_base + lr;
     const std::string dir = attempt_dir + "/" + std::to_string(w.rank);
     std::error_code ec;
     fs::create_directories(dir, ec);
@@ -182,13 +197,13 @@ std::string Group::spawn(int attempt, int master_port) {
     env["LOCAL_RANK"] = std::to_string(lr);
     env["WORLD_SIZE"] = std::to_string(world);
     env["LOCAL_WORLD_SIZE"] = std::to_string(n);
-    env["GROUP_RANK"] = std::to_string(c_.node_rank);
-    env["GROUP_WORLD_SIZE"] = std::to_string(c_.max_nodes);
+    env["GROUP_RANK"] = std::to_string(spec.node_rank);
+    env["GROUP_WORLD_SIZE"] = std::to_string(spec.nnodes);
     env["ROLE_RANK"] = std::to_string(w.rank);
     env["ROLE_WORLD_SIZE"] = std::to_string(world);
     env["ROLE_NAME"] = "default";
-    env["MASTER_ADDR"] = c_.master_addr;
-    env["MASTER_PORT"] = std::to_string(master_port);
+    env["MASTER_ADDR"] = spec.master_addr;
+    env["MASTER_PORT"] = std::to_string(spec.master_port);
     env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt);
     env["EMBER_RESTART_COUNT"] = std::to_string(attempt);
     env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(c_.max_restarts);
@@ -367,8 +382,10 @@ void Group::record_failure(Worker& w) {
   failures_.push_back(std::move(f));
 }
 
-Group::Outcome Group::monitor() {
+Group::Outcome Group::monitor(const std::function<bool()>& peer_check) {
   const int interval_ms = std::max(1, static_cast<int>(c_.monitor_interval_s * 1000));
+  const auto interval = std::chrono::milliseconds(interval_ms);
+  auto next_check = Clock::now() + interval;
   for (;;) {
     bool sig = false;
     reap(false);
@@ -381,6 +398,10 @@ Group::Outcome Group::monitor() {
     if (!failures_.empty()) return Outcome::kFailed;
     if (std::all_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.reaped; }))
       return Outcome::kSucceeded;
+    if (peer_check && Clock::now() >= next_check) {
+      if (peer_check()) return Outcome::kPeer;
+      next_check = Clock::now() + interval;
+    }
     pump(interval_ms, &sig);
     if (sig) return Outcome::kInterrupted;
   }
@@ -444,6 +465,195 @@ void Group::close_all() {
       if (s.log_fd >= 0) close(s.log_fd);
       s.fd = s.log_fd = -1;
     }
+}
+
+// A signal (other than SIGCHLD) waiting in the self-pipe, without blocking: how the rendezvous
+// notices Ctrl-C while no group is running. 0 if none.
+int take_pending_signal() {
+  unsigned char b[64];
+  int sig = 0;
+  ssize_t n;
+  while ((n = read(g_signal_pipe[0], b, sizeof(b))) > 0)
+    for (ssize_t i = 0; i < n; ++i)
+      if (b[i] != SIGCHLD) sig = b[i];
+  return sig;
+}
+
+std::string describe_exit(const WorkerFailure& f) {
+  return "rank " + std::to_string(f.rank) + " " +
+         (f.signal ? "was killed by " + signal_name(f.signal)
+                   : "exited with code " + std::to_string(f.exit_code));
+}
+
+// Node 0 keeps hosting the store until the other nodes have read what they need.
+constexpr auto kExitWait = std::chrono::seconds(30);
+
+// The agent's loop across nodes: rendezvous, run the group, watch the other nodes; on a
+// failure anywhere every node stops its workers and, while restarts remain, joins the next
+// round. See docs/launcher.md (Multi-node).
+int run_multi_node(const LaunchConfig& c, Group& group) {
+  int pending = 0;
+  auto interrupted = [&] {
+    if (int sig = take_pending_signal()) pending = sig;
+    return pending != 0;
+  };
+  std::unique_ptr<Rendezvous> rdzv;
+  try {
+    rdzv = std::make_unique<Rendezvous>(c, interrupted);
+  } catch (const RendezvousInterrupted&) {
+    log_line("received " + signal_name(pending) + " while connecting to the rendezvous store");
+    return 128 + pending;
+  } catch (const RendezvousError& e) {
+    log_line(e.what());
+    return 1;
+  }
+  // Leaves for good: node 0 waits (bounded) until the others have seen the outcome.
+  auto leave = [&](int round, int rc) {
+    if (rdzv->is_host()) {
+      if (!rdzv->wait_for_exits(round, kExitWait, false))
+        log_line("not every node acknowledged the end of the run; stopping the rendezvous store");
+    } else {
+      rdzv->report_exit(round);
+    }
+    return rc;
+  };
+  for (int round = 0;; ++round) {
+    RoundInfo info;
+    try {
+      info = rdzv->join(round);
+    } catch (const RendezvousInterrupted&) {
+      log_line("received " + signal_name(pending) + " during the rendezvous");
+      rdzv->close(rdzv->describe_self() + " received " + signal_name(pending) +
+                  " during the rendezvous");
+      return 128 + pending;
+    } catch (const RendezvousError& e) {
+      log_line(e.what());
+      return 1;
+    }
+    if (round == 0) {
+      log_line(rdzv->describe_self() + " of " + std::to_string(info.nnodes) + ": ranks " +
+               std::to_string(info.rank_base) + ".." +
+               std::to_string(info.rank_base + c.nproc_per_node - 1) + " of " +
+               std::to_string(info.world_size) + ", MASTER_ADDR=" + info.master_addr +
+               ":" + std::to_string(info.master_port) + " (rendezvous " + rdzv->endpoint() + ")");
+    }
+    GroupSpec spec{info.node_rank, info.nnodes, info.rank_base, info.world_size,
+                   info.master_addr, info.master_port};
+    if (std::string err = group.spawn(round, spec); !err.empty()) {
+      log_line(err);
+      group.stop(SIGKILL);
+      group.finish();
+      try {
+        rdzv->report_failure(round, rdzv->describe_self() + ": " + err);
+      } catch (const RendezvousError&) {
+      }
+      rdzv->close(rdzv->describe_self() + ": " + err);
+      return leave(round, 1);
+    }
+    std::optional<RoundFailure> peer;
+    std::string lost;
+    auto outcome = group.monitor([&] {
+      try {
+        peer = rdzv->poll_failure(round);
+      } catch (const RendezvousError& e) {
+        lost = e.what();
+        return true;
+      }
+      return peer.has_value();
+    });
+    if (outcome == Group::Outcome::kSucceeded) {
+      group.finish();
+      if (!rdzv->is_host()) {
+        rdzv->report_exit(round);
+        return 0;
+      }
+      // Node 0 hosts the store: it stays until every node is done, or one fails.
+      if (rdzv->wait_for_exits(round, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                          std::chrono::duration<double>(c.rdzv_timeout_s)),
+                               true))
+        return 0;
+      if (pending) {
+        log_line("received " + signal_name(pending) + " while waiting for the other nodes");
+        rdzv->close(rdzv->describe_self() + " received " + signal_name(pending));
+        return 128 + pending;
+      }
+      std::optional<RoundFailure> f;
+      try {
+        f = rdzv->poll_failure(round);
+      } catch (const RendezvousError& e) {
+        log_line(e.what());
+        return 1;
+      }
+      if (f) {
+        const std::string why = "node " + std::to_string(f->node_rank) + " failed after node 0's "
+                                "workers had finished (no restart possible): " + f->what;
+        log_line(why);
+        rdzv->close(why);
+        return leave(round, 1);
+      }
+      log_line("the other nodes did not report their end within --rdzv-timeout");
+      return 1;
+    }
+    if (outcome == Group::Outcome::kInterrupted) {
+      const int sig = group.interrupt_signal();
+      log_line("received " + signal_name(sig) + ": forwarding it to the workers and stopping "
+               "every node");
+      const std::string why = rdzv->describe_self() + " received " + signal_name(sig);
+      rdzv->close(why);
+      try {
+        rdzv->report_failure(round, why);
+      } catch (const RendezvousError&) {
+      }
+      group.stop(sig);
+      group.finish();
+      return leave(round, 128 + sig);
+    }
+    if (outcome == Group::Outcome::kPeer && !lost.empty()) {
+      log_line(lost + "; stopping this node's workers");
+      group.stop(SIGTERM);
+      group.finish();
+      return 1;
+    }
+    // A failure here (recorded unless another node's came first) or on another node.
+    bool root = false;
+    if (outcome == Group::Outcome::kFailed) {
+      const std::string what =
+          rdzv->describe_self() + ": " + describe_exit(group.failures().front());
+      try {
+        peer = rdzv->report_failure(round, what);
+        root = peer->node_rank == info.node_rank;
+      } catch (const RendezvousError& e) {
+        log_line(e.what());
+        root = true;
+      }
+    } else {
+      log_line("node " + std::to_string(peer->node_rank) + " failed (" + peer->what +
+               "): stopping this node's workers");
+    }
+    group.stop(SIGTERM);
+    group.finish();
+    if (int sig = group.interrupt_signal()) {
+      log_line("received " + signal_name(sig) + " while stopping the workers");
+      rdzv->close(rdzv->describe_self() + " received " + signal_name(sig));
+      if (root) write_all(STDERR_FILENO, format_failure_summary(c.program, group.failures()));
+      return leave(round, 128 + sig);
+    }
+    if (round < c.max_restarts) {
+      log_line((root ? rdzv->describe_self() + ": " + describe_exit(group.failures().front())
+                     : "node " + std::to_string(peer->node_rank) + " failed") +
+               "; restarting the group on every node (" + std::to_string(round + 1) + "/" +
+               std::to_string(c.max_restarts) + ")");
+      continue;
+    }
+    if (root) {
+      write_all(STDERR_FILENO, format_failure_summary(c.program, group.failures()));
+    } else {
+      log_line("the run failed on node " + std::to_string(peer->node_rank) + " (" + peer->what +
+               "); no restarts left");
+    }
+    rdzv->close("no restarts left after: " + (peer ? peer->what : std::string("a failure")));
+    return leave(round, 1);
+  }
 }
 
 std::string make_temp_dir() {
@@ -558,12 +768,17 @@ int LocalAgent::run() {
   sigaction(SIGPIPE, &ign, &old[4]);
 
   int rc = 1;
-  {
+  if (config_.multi_node()) {
+    Group group(config_, program_path, run_dir, keep_logs);
+    rc = run_multi_node(config_, group);
+  } else {
     Group group(config_, program_path, run_dir, keep_logs);
     for (int attempt = 0;; ++attempt) {
       int port = config_.master_port;
       if (attempt > 0 && config_.standalone) port = pick_free_port();  // fresh rendezvous
-      std::string err = group.spawn(attempt, port);
+      GroupSpec spec{config_.node_rank, 1, config_.node_rank * config_.nproc_per_node,
+                     config_.world_size(), config_.master_addr, port};
+      std::string err = group.spawn(attempt, spec);
       if (!err.empty()) {
         log_line(err);
         group.stop(SIGKILL);
@@ -593,11 +808,8 @@ int LocalAgent::run() {
         rc = 128 + sig;
         break;
       }
-      const auto& f = group.failures().front();
-      std::string what = f.signal ? "was killed by " + signal_name(f.signal)
-                                  : "exited with code " + std::to_string(f.exit_code);
       if (attempt < config_.max_restarts) {
-        log_line("rank " + std::to_string(f.rank) + " " + what + "; restarting the group (" +
+        log_line(describe_exit(group.failures().front()) + "; restarting the group (" +
                  std::to_string(attempt + 1) + "/" + std::to_string(config_.max_restarts) + ")");
         continue;
       }

@@ -33,7 +33,11 @@ bool read_error_file(const std::string& path, std::string* message, std::string*
 std::string format_failure_summary(const std::string& program,
                                    const std::vector<WorkerFailure>& failures);
 
-/// Spawns config.nproc_per_node workers of config.program and supervises them.
+/// Spawns config.nproc_per_node workers of config.program and supervises them. With
+/// --nnodes > 1 it first joins the other nodes' agents through the rendezvous store
+/// (launcher/rendezvous.h), which gives it its node rank, its ranks and MASTER_ADDR/PORT; a
+/// failure on any node stops the workers on every node, and restarts (a new rendezvous round)
+/// or ends the run everywhere.
 ///
 /// Workers get RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK,
 /// ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, EMBER_RESTART_COUNT,
@@ -45,7 +49,7 @@ class LocalAgent {
   explicit LocalAgent(LaunchConfig config);
   /// Runs the group to completion; returns the process exit status emberrun should use: 0
   /// when every worker exited 0; 1 when the group failed with no restarts left (the summary
-  /// was printed on stderr); 128 + signal when emberrun was interrupted by SIGINT/SIGTERM/
+  /// was printed on stderr by the node where it failed), or the rendezvous failed; 128 + signal when emberrun was interrupted by SIGINT/SIGTERM/
   /// SIGHUP (the signal was forwarded, then escalated to SIGKILL after the grace period).
   /// Installs signal handlers for SIGINT, SIGTERM, SIGHUP and SIGCHLD for its duration.
   /// Call once.

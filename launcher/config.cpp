@@ -65,12 +65,12 @@ int available_cpus() {
   return n > 0 ? static_cast<int>(n) : 1;
 }
 
-int pick_free_port() {
+int pick_free_port(bool any_address) {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) throw std::runtime_error(std::string("[emberrun] socket: ") + std::strerror(errno));
   sockaddr_in a{};
   a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_addr.s_addr = htonl(any_address ? INADDR_ANY : INADDR_LOOPBACK);
   a.sin_port = 0;
   socklen_t len = sizeof(a);
   if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
@@ -82,6 +82,34 @@ int pick_free_port() {
   }
   close(fd);
   return ntohs(a.sin_port);
+}
+
+std::pair<std::string, int> split_host_port(const std::string& option, const std::string& value,
+                                            int default_port) {
+  std::string host = value, port;
+  if (!value.empty() && value[0] == '[') {  // [v6] or [v6]:port
+    auto close = value.find(']');
+    if (close == std::string::npos) throw UsageError(option + ": unclosed '[' in '" + value + "'");
+    host = value.substr(1, close - 1);
+    if (close + 1 < value.size()) {
+      if (value[close + 1] != ':') {
+        throw UsageError(option + ": expected [HOST]:PORT, got '" + value + "'");
+      }
+      port = value.substr(close + 2);
+    }
+  } else if (std::count(value.begin(), value.end(), ':') == 1) {
+    auto colon = value.find(':');
+    host = value.substr(0, colon);
+    port = value.substr(colon + 1);
+  }
+  if (host.empty()) throw UsageError(option + ": expected HOST[:PORT], got '" + value + "'");
+  int p = port.empty() ? default_port : parse_int(option + " port", port, 1, 65535);
+  return {host, p};
+}
+
+std::pair<std::string, int> LaunchConfig::rdzv_host_port() const {
+  if (!rdzv_endpoint.empty()) return split_host_port("--rdzv-endpoint", rdzv_endpoint, 29400);
+  return {master_addr, master_port};
 }
 
 std::vector<StreamMask> parse_std_spec(const std::string& option, const std::string& value,
@@ -122,27 +150,34 @@ LaunchConfig parse_args(const std::vector<std::string>& args) {
 
   std::string nnodes = "1", nproc = "1", redirects = "0", tee = "0", filter;
   std::optional<int> master_port;
-  int node_rank = 0, max_restarts = 0;
+  std::optional<int> node_rank;
+  int max_restarts = 0;
   LaunchConfig c;
   auto opt = [&](const std::string& names, auto& var, const std::string& env,
                  const std::string& help) {
     return app.add_option(names, var, help)->envname(env);
   };
-  opt("--nnodes", nnodes, "EMBER_NNODES", "Number of nodes, N or MIN:MAX (only 1 for now)");
+  opt("--nnodes", nnodes, "EMBER_NNODES", "Number of nodes, N or MIN:MAX");
   opt("--nproc-per-node,--nproc_per_node", nproc, "EMBER_NPROC_PER_NODE",
       "Ranks on this node: an integer, cpu, gpu or auto");
-  opt("--node-rank,--node_rank", node_rank, "EMBER_NODE_RANK", "This node's rank");
+  opt("--node-rank,--node_rank", node_rank, "EMBER_NODE_RANK",
+      "This node's rank (multi-node: omitted = assigned by arrival, the store's host is 0)");
   opt("--master-addr,--master_addr", c.master_addr, "EMBER_MASTER_ADDR",
       "Address of rank 0's store (MASTER_ADDR)");
   opt("--master-port,--master_port", master_port, "EMBER_MASTER_PORT",
       "Port of rank 0's store (MASTER_PORT), default 29500");
   opt("--rdzv-endpoint,--rdzv_endpoint", c.rdzv_endpoint, "EMBER_RDZV_ENDPOINT",
-      "Rendezvous host[:port] (multi-node)");
+      "Rendezvous store host[:port] (multi-node; port 29400 if omitted; default: "
+      "--master-addr:--master-port)");
   opt("--rdzv-id,--rdzv_id", c.rdzv_id, "EMBER_RDZV_ID", "Run id (names the log folder)");
   opt("--rdzv-backend,--rdzv_backend", c.rdzv_backend, "EMBER_RDZV_BACKEND",
       "Rendezvous backend: static or c10d");
   opt("--local-addr,--local_addr", c.local_addr, "EMBER_LOCAL_ADDR",
-      "This node's address (multi-node)");
+      "This node's address, given to the workers as MASTER_ADDR when it is node 0");
+  opt("--rdzv-timeout,--rdzv_timeout,--join-timeout,--join_timeout", c.rdzv_timeout_s,
+      "EMBER_RDZV_TIMEOUT", "Seconds the nodes may take to join a rendezvous round (900)");
+  opt("--rdzv-last-call,--rdzv_last_call", c.last_call_s, "EMBER_RDZV_LAST_CALL",
+      "With --nnodes MIN:MAX: seconds to wait for more nodes once MIN joined (30)");
   app.add_flag("--standalone", c.standalone, "Single node, free port picked automatically")
       ->envname("EMBER_STANDALONE");
   opt("--max-restarts,--max_restarts", max_restarts, "EMBER_MAX_RESTARTS",
@@ -188,10 +223,6 @@ LaunchConfig parse_args(const std::vector<std::string>& args) {
       throw UsageError("--nnodes: MIN must not exceed MAX, got '" + nnodes + "'");
     }
   }
-  if (c.max_nodes > 1) {
-    throw UsageError("--nnodes " + nnodes +
-                     ": more than one node is not supported yet (single-node emberrun)");
-  }
   if (nproc == "cpu") {
     c.nproc_per_node = available_cpus();
   } else if (nproc == "gpu" || nproc == "auto") {
@@ -203,11 +234,30 @@ LaunchConfig parse_args(const std::vector<std::string>& args) {
   } else {
     c.nproc_per_node = parse_int("--nproc-per-node", nproc, 1, 1 << 16);
   }
-  if (node_rank < 0 || node_rank >= c.max_nodes) {
-    throw UsageError("--node-rank: expected a value in [0, " + std::to_string(c.max_nodes) +
-                     "), got " + std::to_string(node_rank));
+  if (node_rank) {
+    if (*node_rank < 0 || *node_rank >= c.max_nodes) {
+      throw UsageError("--node-rank: expected a value in [0, " + std::to_string(c.max_nodes) +
+                       "), got " + std::to_string(*node_rank));
+    }
+    if (c.min_nodes != c.max_nodes) {
+      throw UsageError("--node-rank " + std::to_string(*node_rank) +
+                       " needs a fixed --nnodes, got '" + nnodes +
+                       "' (omit --node-rank to have ranks assigned by arrival)");
+    }
+    c.node_rank = *node_rank;
+    c.node_rank_given = true;
   }
-  c.node_rank = node_rank;
+  if (c.multi_node() && c.standalone) {
+    throw UsageError("--standalone is single-node, but --nnodes is '" + nnodes + "'");
+  }
+  if (!(c.rdzv_timeout_s > 0) || c.rdzv_timeout_s > 1e6) {
+    throw UsageError("--rdzv-timeout: expected seconds in (0, 1e6], got " +
+                     std::to_string(c.rdzv_timeout_s));
+  }
+  if (!(c.last_call_s >= 0) || c.last_call_s > 1e6) {
+    throw UsageError("--rdzv-last-call: expected seconds in [0, 1e6], got " +
+                     std::to_string(c.last_call_s));
+  }
   if (max_restarts < 0) {
     throw UsageError("--max-restarts: expected >= 0, got " + std::to_string(max_restarts));
   }
@@ -229,6 +279,7 @@ LaunchConfig parse_args(const std::vector<std::string>& args) {
     c.master_port = pick_free_port();
   }
   if (c.master_addr.empty()) throw UsageError("--master-addr: must not be empty");
+  if (c.multi_node()) (void)c.rdzv_host_port();  // a bad --rdzv-endpoint is a usage error
   c.redirects = parse_std_spec("--redirects", redirects, c.nproc_per_node);
   c.tee = parse_std_spec("--tee", tee, c.nproc_per_node);
   if (!filter.empty()) {

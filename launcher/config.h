@@ -4,6 +4,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ember::launcher {
@@ -33,13 +34,16 @@ struct LaunchConfig {
   int max_nodes = 1;
   int nproc_per_node = 1;           // --nproc-per-node (int, "cpu", "gpu" or "auto")
   int node_rank = 0;                // --node-rank
+  bool node_rank_given = false;     // --node-rank (or EMBER_NODE_RANK) was set: static ranks
   std::string master_addr = "127.0.0.1";  // --master-addr
   int master_port = 29500;          // --master-port; --standalone picks a free one
   bool standalone = false;          // --standalone
-  std::string rdzv_endpoint;        // --rdzv-endpoint host[:port] (multi-node, later)
+  std::string rdzv_endpoint;        // --rdzv-endpoint host[:port] (multi-node)
   std::string rdzv_id = "none";     // --rdzv-id: the run id (names the log folder)
   std::string rdzv_backend = "static";  // --rdzv-backend (accepted: static, c10d)
-  std::string local_addr;           // --local-addr (multi-node, later)
+  std::string local_addr;           // --local-addr: node 0's address for MASTER_ADDR
+  double rdzv_timeout_s = 900.0;    // --rdzv-timeout / --join-timeout: node join limit, seconds
+  double last_call_s = 30.0;        // --nnodes MIN:MAX: wait after MIN nodes joined, seconds
   int max_restarts = 0;             // --max-restarts
   double monitor_interval_s = 0.1;  // --monitor-interval, seconds
   double grace_period_s = 30.0;     // --grace-period: SIGTERM -> SIGKILL delay, seconds
@@ -50,8 +54,14 @@ struct LaunchConfig {
   std::string program;              // PROGRAM (resolved through PATH by the agent)
   std::vector<std::string> args;    // ARGS
 
-  /// Total number of ranks (nodes * nproc_per_node).
+  /// Total number of ranks on a single node (nproc_per_node); multi-node runs get theirs from
+  /// the rendezvous.
   int world_size() const { return max_nodes * nproc_per_node; }
+  /// More than one node: the agents rendezvous through a store (launcher/rendezvous.h).
+  bool multi_node() const { return max_nodes > 1; }
+  /// The rendezvous store's host and port: --rdzv-endpoint (port 29400 when it names none),
+  /// else --master-addr:--master-port.
+  std::pair<std::string, int> rdzv_host_port() const;
 };
 
 /// Parses emberrun's command line (argv[0] excluded). An option not on the command line is
@@ -67,8 +77,14 @@ std::vector<StreamMask> parse_std_spec(const std::string& option, const std::str
 /// The number of CPUs this process may run on (sched_getaffinity), at least 1.
 int available_cpus();
 
-/// A TCP port on which nothing listens now (bound with port 0 on 127.0.0.1 and released):
-/// what --standalone uses. Racy by nature, as torch's. Throws std::runtime_error on failure.
-int pick_free_port();
+/// A TCP port on which nothing listens now (bound with port 0 and released): what --standalone
+/// uses (on 127.0.0.1) and what node 0 picks for MASTER_PORT across nodes (any_address: on
+/// every interface). Racy by nature, as torch's. Throws std::runtime_error on failure.
+int pick_free_port(bool any_address = false);
+
+/// Splits "host", "host:port", "[v6]:port" or "[v6]"; port is `default_port` when absent.
+/// Throws UsageError naming `option` for an empty host or a bad port.
+std::pair<std::string, int> split_host_port(const std::string& option, const std::string& value,
+                                            int default_port);
 
 }  // namespace ember::launcher

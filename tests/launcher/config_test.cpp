@@ -62,13 +62,54 @@ TEST(Config, EnvironmentIsTheFallback) {
   unsetenv("EMBER_MASTER_PORT");
 }
 
+TEST(Config, MultiNodeOptions) {
+  unsetenv("EMBER_RDZV_TIMEOUT");
+  LaunchConfig c = parse_args({"--nnodes", "2", "--rdzv-endpoint", "node0", "prog"});
+  EXPECT_TRUE(c.multi_node());
+  EXPECT_FALSE(c.node_rank_given);
+  EXPECT_EQ(c.rdzv_host_port(), (std::pair<std::string, int>{"node0", 29400}));
+  EXPECT_EQ(c.rdzv_timeout_s, 900.0);
+  c = parse_args({"--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.2.3",
+                  "--master-port", "1234", "--join-timeout", "5", "prog"});
+  EXPECT_TRUE(c.node_rank_given);
+  EXPECT_EQ(c.node_rank, 1);
+  EXPECT_EQ(c.rdzv_timeout_s, 5.0);
+  EXPECT_EQ(c.rdzv_host_port(), (std::pair<std::string, int>{"10.1.2.3", 1234}));
+  c = parse_args({"--nnodes", "2:4", "--rdzv-endpoint", "[::1]:7", "prog"});
+  EXPECT_EQ(c.min_nodes, 2);
+  EXPECT_EQ(c.max_nodes, 4);
+  EXPECT_EQ(c.rdzv_host_port(), (std::pair<std::string, int>{"::1", 7}));
+  setenv("EMBER_RDZV_TIMEOUT", "7.5", 1);
+  EXPECT_EQ(parse_args({"--nnodes", "2", "prog"}).rdzv_timeout_s, 7.5);
+  unsetenv("EMBER_RDZV_TIMEOUT");
+  // One node: nothing of the rendezvous is used; --node-rank 0 stays the single-node default.
+  c = parse_args({"--node-rank", "0", "prog"});
+  EXPECT_FALSE(c.multi_node());
+}
+
+TEST(Config, SplitHostPort) {
+  EXPECT_EQ(split_host_port("--x", "h", 1), (std::pair<std::string, int>{"h", 1}));
+  EXPECT_EQ(split_host_port("--x", "h:80", 1), (std::pair<std::string, int>{"h", 80}));
+  EXPECT_EQ(split_host_port("--x", "[fe80::1]", 1), (std::pair<std::string, int>{"fe80::1", 1}));
+  EXPECT_EQ(split_host_port("--x", "fe80::1", 1), (std::pair<std::string, int>{"fe80::1", 1}));
+  for (const char* bad : {"", ":80", "h:0", "h:x", "[::1", "[::1]x"}) {
+    try {
+      split_host_port("--x", bad, 1);
+      ADD_FAILURE() << "'" << bad << "' was accepted";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("--x"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Config, HelpListsTheOptions) {
   try {
     parse_args({"--help"});
     ADD_FAILURE() << "--help did not throw HelpRequested";
   } catch (const HelpRequested& h) {
     std::string text = h.what();
-    for (const char* opt : {"--nproc-per-node", "--max-restarts", "--log-dir", "--standalone"})
+    for (const char* opt : {"--nproc-per-node", "--max-restarts", "--log-dir", "--standalone",
+                            "--rdzv-endpoint", "--rdzv-timeout", "--join-timeout"})
       EXPECT_NE(text.find(opt), std::string::npos) << opt << " missing from:\n" << text;
   }
 }

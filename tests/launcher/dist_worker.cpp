@@ -1,7 +1,12 @@
 // A worker that uses emberrun's environment for real: init_process_group (env://, rank 0 hosts
 // the store at MASTER_ADDR:MASTER_PORT), one allreduce, then writes DIR/sum_<RANK> with the
 // result. Built as build/launcher/test_workers/dist_worker when ember_distributed exists.
-// Usage: dist_worker DIR
+// Also prints "rank R of W: allreduce(rank+1) = S" so a multi-node test (whose nodes may not
+// share DIR) can check every rank took part from emberrun's or mpirun's output.
+// It also writes DIR/init_<RANK>: the wall-clock time (ns) init_process_group returned.
+// Usage: dist_worker DIR [BACKEND]   (BACKEND: gloo, the default, or mpi under mpirun)
+#include <time.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -15,8 +20,14 @@ int main(int argc, char** argv) {
   namespace dist = ember::dist;
   try {
     dist::InitOptions options;
-    options.backend = "gloo";
+    options.backend = argc > 2 ? argv[2] : "gloo";
     auto pg = dist::init_process_group(options);
+    {  // when init finished (ns since the epoch): what benchmarks/launch/ measures
+      timespec ts{};
+      clock_gettime(CLOCK_REALTIME, &ts);
+      std::ofstream(std::string(argv[1]) + "/init_" + std::to_string(pg->rank()))
+          << (static_cast<long long>(ts.tv_sec) * 1000000000LL + ts.tv_nsec);
+    }
     ember::Tensor t = ember::full({1}, static_cast<double>(pg->rank() + 1));
     pg->allreduce(t)->wait();
     std::string path = std::string(argv[1]) + "/sum_" + std::to_string(pg->rank());
@@ -25,6 +36,8 @@ int main(int argc, char** argv) {
       out << t.item<float>() << " " << pg->size();
     }
     std::rename((path + ".tmp").c_str(), path.c_str());
+    std::printf("rank %d of %d: allreduce(rank+1) = %g\n", pg->rank(), pg->size(),
+                static_cast<double>(t.item<float>()));
     dist::destroy_process_group();
     std::printf("rank %d done\n", pg->rank());
     return 0;

@@ -20,217 +20,12 @@
 #include <thread>
 #include <vector>
 
+#include "emberrun_harness.h"
+
 namespace {
 
+using namespace emberrun_test;
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
-constexpr auto kTimeout = std::chrono::seconds(60);
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::string build_dir() {
-  char buf[PATH_MAX];
-  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  buf[n > 0 ? n : 0] = 0;
-  return fs::path(buf).parent_path().parent_path().string();  // build/tests/x -> build
-}
-std::string emberrun() { return build_dir() + "/launcher/emberrun"; }
-std::string worker() { return build_dir() + "/launcher/test_workers/test_worker"; }
-
-
-// Whether pid is a live process (a zombie waiting for init to reap it counts as gone: a
-// container's init may never reap it).
-bool process_exists(pid_t pid) {
-  std::string stat = read_file("/proc/" + std::to_string(pid) + "/stat");
-  if (stat.empty()) return false;
-  auto paren = stat.rfind(')');
-  return paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] != 'Z';
-}
-
-// Waits (bounded) until pid is gone; true if it is.
-bool wait_until_gone(pid_t pid) {
-  auto deadline = Clock::now() + kTimeout;
-  while (process_exists(pid)) {
-    if (Clock::now() > deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return true;
-}
-
-int available_cpus() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return std::max(1u, std::thread::hardware_concurrency());
-}
-
-// A unique temp folder, removed at the end even when the test fails.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string t = (fs::temp_directory_path() / "emberrun_test_XXXXXX").string();
-    EXPECT_NE(mkdtemp(t.data()), nullptr) << std::strerror(errno);
-    path = t;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
-// Waits (with a deadline, checking every few ms) until `path` exists.
-bool wait_for_file(const std::string& path, std::chrono::seconds limit = kTimeout) {
-  auto deadline = Clock::now() + limit;
-  while (Clock::now() < deadline) {
-    if (fs::exists(path)) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return false;
-}
-
-struct Result {
-  int exit_code = -1;  // -1 when killed by a signal or timed out
-  std::string out, err;
-  bool timed_out = false;
-};
-
-// emberrun as a child process in its own process group, its stdout and stderr captured. The
-// destructor kills it and every worker pid registered with track() and reaps emberrun, so a
-// failing test leaves nothing behind.
-class Emberrun {
- public:
-  Emberrun(const std::vector<std::string>& args, const std::vector<std::string>& env = {}) {
-    int out[2], err[2];
-    EXPECT_EQ(pipe2(out, O_CLOEXEC), 0);
-    EXPECT_EQ(pipe2(err, O_CLOEXEC), 0);
-    std::vector<std::string> argv_s{emberrun()};
-    argv_s.insert(argv_s.end(), args.begin(), args.end());
-    std::vector<char*> argv;
-    for (auto& s : argv_s) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    std::vector<std::string> env_s;
-    for (char** e = environ; *e; ++e) {
-      std::string kv(*e);
-      if (kv.rfind("EMBER_", 0) == 0 || kv.rfind("OMP_NUM_THREADS=", 0) == 0) continue;
-      env_s.push_back(kv);
-    }
-    env_s.insert(env_s.end(), env.begin(), env.end());
-    std::vector<char*> envp;
-    for (auto& s : env_s) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    pid_ = fork();
-    if (pid_ == 0) {
-      setpgid(0, 0);
-      dup2(out[1], 1);
-      dup2(err[1], 2);
-      execve(argv[0], argv.data(), envp.data());
-      _exit(126);
-    }
-    setpgid(pid_, pid_);
-    close(out[1]);
-    close(err[1]);
-    fds_[0] = out[0];
-    fds_[1] = err[0];
-  }
-  ~Emberrun() {
-    for (pid_t p : tracked_) kill(p, SIGKILL);
-    if (pid_ > 0 && !reaped_) {
-      kill(-pid_, SIGKILL);
-      int st;
-      waitpid(pid_, &st, 0);
-    }
-    for (int fd : fds_)
-      if (fd >= 0) close(fd);
-  }
-  pid_t pid() const { return pid_; }
-  void track(pid_t p) { tracked_.push_back(p); }
-
-  // Reads its output until it exits (or kTimeout passes: then it is killed).
-  Result wait() {
-    Result r;
-    std::string* bufs[2] = {&r.out, &r.err};
-    auto deadline = Clock::now() + kTimeout;
-    while (fds_[0] >= 0 || fds_[1] >= 0) {
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      if (left.count() <= 0) {
-        r.timed_out = true;
-        kill(-pid_, SIGKILL);
-        break;
-      }
-      pollfd p[2] = {{fds_[0], POLLIN, 0}, {fds_[1], POLLIN, 0}};
-      poll(p, 2, static_cast<int>(left.count()));
-      for (int i = 0; i < 2; ++i) {
-        if (fds_[i] < 0 || !p[i].revents) continue;
-        char buf[4096];
-        ssize_t n = read(fds_[i], buf, sizeof(buf));
-        if (n > 0) {
-          bufs[i]->append(buf, n);
-        } else if (n == 0 || errno != EINTR) {
-          close(fds_[i]);
-          fds_[i] = -1;
-        }
-      }
-    }
-    int st = 0;
-    // Both pipes closed: emberrun is exiting; a bounded wait for it.
-    while (!reaped_) {
-      pid_t w = waitpid(pid_, &st, WNOHANG);
-      if (w == pid_) {
-        reaped_ = true;
-        break;
-      }
-      if (Clock::now() > deadline) {
-        r.timed_out = true;
-        kill(-pid_, SIGKILL);
-        waitpid(pid_, &st, 0);
-        reaped_ = true;
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    if (WIFEXITED(st)) r.exit_code = WEXITSTATUS(st);
-    return r;
-  }
-
- private:
-  pid_t pid_ = -1;
-  bool reaped_ = false;
-  int fds_[2] = {-1, -1};
-  std::vector<pid_t> tracked_;
-};
-
-Result run(const std::vector<std::string>& args, const std::vector<std::string>& env = {}) {
-  Emberrun e(args, env);
-  return e.wait();
-}
-
-std::string describe(const Result& r) {
-  return "exit " + std::to_string(r.exit_code) + (r.timed_out ? " (TIMED OUT)" : "") +
-         "\n--- stdout ---\n" + r.out + "--- stderr ---\n" + r.err;
-}
-
-bool contains(const std::string& s, const std::string& sub) {
-  return s.find(sub) != std::string::npos;
-}
-
-// Reads worker pids from DIR/pid_<rank> files as the workers start; registers them with `e`.
-std::vector<pid_t> wait_for_pids(Emberrun& e, const std::string& dir, int n) {
-  std::vector<pid_t> pids;
-  for (int r = 0; r < n; ++r) {
-    std::string f = dir + "/pid_" + std::to_string(r);
-    EXPECT_TRUE(wait_for_file(f)) << "worker " << r << " never wrote " << f;
-    pid_t p = std::atoi(read_file(f).c_str());
-    if (p > 0) {
-      e.track(p);
-      pids.push_back(p);
-    }
-  }
-  return pids;
-}
 
 class EnvTest : public ::testing::TestWithParam<int> {};
 
@@ -439,7 +234,12 @@ TEST(Emberrun, BadOptionsAreUsageErrors) {
       {{"--bogus", "prog"}, "--bogus"},
       {{"--nproc-per-node", "0", "prog"}, "--nproc-per-node"},
       {{"--nproc-per-node", "x", "prog"}, "'x'"},
-      {{"--nnodes", "2", "prog"}, "--nnodes 2"},
+      {{"--nnodes", "2", "--node-rank", "2", "prog"}, "--node-rank"},
+      {{"--nnodes", "1:2", "--node-rank", "0", "prog"}, "needs a fixed --nnodes"},
+      {{"--nnodes", "2", "--standalone", "prog"}, "--standalone"},
+      {{"--nnodes", "2", "--rdzv-endpoint", ":29400", "prog"}, "--rdzv-endpoint"},
+      {{"--nnodes", "2", "--rdzv-endpoint", "h:99999", "prog"}, "--rdzv-endpoint port"},
+      {{"--rdzv-timeout", "0", "prog"}, "--rdzv-timeout"},
       {{"--nnodes", "3:1", "prog"}, "--nnodes"},
       {{"--redirects", "5", "prog"}, "--redirects"},
       {{"--tee", "0:1,7:2", "prog"}, "local rank 7"},

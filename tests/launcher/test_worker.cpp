@@ -2,8 +2,11 @@
 // Usage: test_worker MODE DIR [ARGS...], with rank and restart count from emberrun's env.
 //   env DIR            write DIR/env_<RANK>.txt (the launcher's variables), print a line on
 //                      stdout and one on stderr, exit 0
-//   exit DIR R CODE    rank R exits CODE at once; the others write DIR/ready_<RANK> and wait
-//                      to be stopped
+//   exit DIR R CODE    rank R exits CODE at once; the others write DIR/ready_<RANK> (their
+//                      pid) and wait to be stopped
+//   flaky DIR R        first attempt: like exit (rank R exits 3); later attempts: every rank
+//                      writes DIR/done_<RANK> with "restarts=<count> world=<WORLD_SIZE>
+//                      group=<GROUP_RANK>/<GROUP_WORLD_SIZE>" and exits 0
 //   error DIR R        rank R writes a structured error file, then exits 1; the others wait
 //   block DIR [ignore] write DIR/pid_<RANK> (its pid), then wait to be stopped; with
 //                      "ignore", ignore SIGTERM (so only SIGKILL ends it)
@@ -71,7 +74,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "warning from rank %d\n", rank);
     return 0;
   }
-  if (mode == "exit" || mode == "error") {
+  if (mode == "flaky" && env_int("EMBER_RESTART_COUNT") > 0) {
+    const char* gw = std::getenv("GROUP_WORLD_SIZE");
+    write_file(dir + "/done_" + r, "restarts=" + std::to_string(env_int("EMBER_RESTART_COUNT")) +
+                                       " world=" + std::to_string(env_int("WORLD_SIZE")) +
+                                       " group=" + std::to_string(env_int("GROUP_RANK")) + "/" +
+                                       (gw ? gw : "?"));
+    return 0;
+  }
+  if (mode == "exit" || mode == "error" || mode == "flaky") {
     if (argc < 4) return 2;
     if (rank == std::atoi(argv[3])) {
       std::printf("rank %d giving up\n", rank);
@@ -85,9 +96,10 @@ int main(int argc, char** argv) {
         }
         return 1;
       }
+      if (mode == "flaky") return 3;
       return argc > 4 ? std::atoi(argv[4]) : 1;
     }
-    write_file(dir + "/ready_" + r, "");
+    write_file(dir + "/ready_" + r, std::to_string(getpid()));
     wait_forever();
   }
   if (mode == "block") {

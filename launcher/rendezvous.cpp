@@ -1,0 +1,359 @@
+#include "launcher/rendezvous.h"
+
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "distributed/tcp_store.h"
+
+namespace ember::launcher {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+// Note [Rendezvous keys]
+// Every key lives under "emberrun/<rdzv-id>/", so runs sharing a store do not meet. Round R
+// (the restart count) uses "r<R>/...": a restart is a fresh rendezvous and nothing of an
+// earlier round is read again.
+//   r<R>/master          "addr:port" node 0 picked for the job's store (MASTER_ADDR/PORT)
+//   r<R>/next            arrival counter handing out node ranks 1, 2, ... (no --node-rank)
+//   r<R>/node/<k>        "<nproc_per_node> <description>" of node k (compare_set: one owner)
+//   r<R>/nnodes          set by node 0 when the round is complete: the number of nodes
+//   r<R>/failed          "<k> <what>": the first failure of the round (compare_set)
+//   r<R>/exit/<k>        node k left for good; node 0 stops hosting once all left
+//   closed               why the run is over; a node about to join a new round gives up
+constexpr milliseconds kPollChunk{200};         // waits are cut in chunks to notice signals
+constexpr milliseconds kRequestTimeout{10000};  // one quick request (set, add, check, ...)
+// The monitor's poll: when node 0's agent dies its port refuses connections, and the client
+// retries refused connections until the request timeout; this bounds how long that takes.
+constexpr milliseconds kPollTimeout{3000};
+
+std::string to_s(const dist::Bytes& b) { return std::string(b.begin(), b.end()); }
+dist::Bytes to_b(const std::string& s) { return dist::Bytes(s.begin(), s.end()); }
+
+milliseconds to_ms(double seconds) {
+  return milliseconds(static_cast<int64_t>(seconds * 1000.0 + 0.5));
+}
+
+// Whether `host` names an address of this machine (network namespace): one of its addresses
+// can be bound.
+bool is_local_address(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return false;
+  bool local = false;
+  for (addrinfo* a = res; a && !local; a = a->ai_next) {
+    int fd = socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    local = bind(fd, a->ai_addr, a->ai_addrlen) == 0;  // port 0 from getaddrinfo
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return local;
+}
+
+std::string this_host(const LaunchConfig& c) {
+  if (!c.local_addr.empty()) return c.local_addr;
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "?";
+  return buf;
+}
+
+std::string seconds_str(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g s", s);
+  return buf;
+}
+
+}  // namespace
+
+Rendezvous::Rendezvous(const LaunchConfig& config, std::function<bool()> interrupted)
+    : config_(config), interrupted_(std::move(interrupted)) {
+  auto [host, port] = config_.rdzv_host_port();
+  host_ = host;
+  port_ = port;
+  self_ = this_host(config_) + " pid " + std::to_string(getpid());
+  const bool want_host = config_.node_rank_given ? config_.node_rank == 0 : is_local_address(host_);
+  if (want_host) {
+    dist::TCPStoreServerOptions o;
+    o.host = "";  // every interface: the endpoint's name may resolve to any of them
+    o.port = static_cast<uint16_t>(port_);
+    try {
+      server_ = std::make_unique<dist::TCPStoreServer>(o);
+    } catch (const std::exception& e) {
+      // Without --node-rank another agent on this machine may have won the port: join it.
+      if (config_.node_rank_given) {
+        throw RendezvousError("node 0 could not host the rendezvous store on port " +
+                              std::to_string(port_) + ": " + e.what());
+      }
+    }
+  }
+  const auto deadline = Clock::now() + to_ms(config_.rdzv_timeout_s);
+  std::string last;
+  for (;;) {
+    // Short connection attempts, so a signal is noticed while node 0 is not up yet.
+    dist::TCPStoreOptions o;
+    o.timeout = std::max(
+        milliseconds(1),
+        std::min<milliseconds>(milliseconds(1000),
+                               std::chrono::duration_cast<milliseconds>(deadline - Clock::now())));
+    try {
+      store_ = std::make_unique<dist::TCPStore>(host_, static_cast<uint16_t>(port_), o);
+      store_->set_timeout(kRequestTimeout);
+      break;
+    } catch (const dist::DistNetworkError& e) {
+      last = e.what();
+    } catch (const std::exception& e) {  // a wrong secret, a bad address: no use retrying
+      throw RendezvousError("cannot use the rendezvous store at " + endpoint() + ": " + e.what());
+    }
+    if (interrupted_ && interrupted_()) {
+      throw RendezvousInterrupted("interrupted while connecting to " + endpoint());
+    }
+    if (Clock::now() >= deadline) {
+      throw RendezvousError(
+          "could not reach the rendezvous store at " + endpoint() + " within " +
+          seconds_str(config_.rdzv_timeout_s) +
+          " (--rdzv-timeout): is node 0's agent running? It hosts the store when started with "
+          "--node-rank 0, or without --node-rank on the machine that owns that address. Last "
+          "error: " +
+          last);
+    }
+  }
+}
+
+Rendezvous::~Rendezvous() {
+  store_.reset();
+  if (server_) server_->stop();
+}
+
+std::string Rendezvous::endpoint() const {
+  return (host_.find(':') != std::string::npos ? "[" + host_ + "]" : host_) + ":" +
+         std::to_string(port_);
+}
+
+std::string Rendezvous::key(const std::string& k) const {
+  std::string out = "emberrun/";
+  out.append(config_.rdzv_id).append("/").append(k);
+  return out;
+}
+std::string Rendezvous::round_key(int round, const std::string& k) const {
+  // Appended piecewise: GCC 12 warns (-Wrestrict, falsely) on "r" + to_string(...) + "/".
+  std::string out = "r";
+  out.append(std::to_string(round)).append("/").append(k);
+  return key(out);
+}
+
+std::string Rendezvous::describe_self() const {
+  return "node " + (node_rank_ < 0 ? std::string("?") : std::to_string(node_rank_)) + " (" +
+         self_ + ")";
+}
+
+void Rendezvous::lost(const std::string& op, const std::exception& e) const {
+  throw RendezvousError("lost the rendezvous store at " + endpoint() + " while " + op +
+                        " (node 0's agent gone?): " + e.what());
+}
+
+void Rendezvous::throw_if_closed() {
+  const std::string k = key("closed");
+  if (store_->check({k})) {
+    throw RendezvousError("the run was closed by another node: " +
+                          to_s(store_->get(k, kRequestTimeout)));
+  }
+}
+
+bool Rendezvous::wait_keys(const std::vector<std::string>& keys, Clock::time_point deadline,
+                           bool watch_closed) {
+  for (;;) {
+    auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return store_->check(keys);
+    try {
+      store_->wait(keys, std::clamp(left, milliseconds(1), kPollChunk));
+      return true;
+    } catch (const dist::DistTimeoutError&) {
+    }
+    if (interrupted_ && interrupted_()) {
+      throw RendezvousInterrupted("interrupted during the rendezvous");
+    }
+    if (watch_closed) throw_if_closed();
+  }
+}
+
+RoundInfo Rendezvous::join(int round) {
+  RoundInfo info;
+  info.round = round;
+  const int max_nodes = config_.max_nodes;
+  try {
+    throw_if_closed();
+    if (is_host()) {
+      // Node 0 picks where the job's rank 0 will host its store, fresh for every round.
+      const std::string addr = config_.local_addr.empty() ? host_ : config_.local_addr;
+      store_->set(round_key(round, "master"), addr + ":" + std::to_string(pick_free_port(true)));
+    }
+    int k;
+    if (config_.node_rank_given) {
+      k = config_.node_rank;
+    } else if (is_host()) {
+      k = 0;
+    } else {
+      k = static_cast<int>(store_->add(round_key(round, "next"), 1));
+      if (k >= max_nodes) {
+        throw RendezvousError("rendezvous round " + std::to_string(round) + " at " + endpoint() +
+                              " already has --nnodes " + std::to_string(max_nodes) + " nodes; " +
+                              self_ + " is one too many");
+      }
+    }
+    const std::string mine = std::to_string(config_.nproc_per_node) + " " + self_;
+    const std::string node_key = round_key(round, "node/" + std::to_string(k));
+    const std::string owner = to_s(store_->compare_set(node_key, {}, to_b(mine)));
+    if (owner != mine) {
+      throw RendezvousError("node rank " + std::to_string(k) + " of round " +
+                            std::to_string(round) + " is already taken by " +
+                            owner.substr(owner.find(' ') + 1) + " (two agents given --node-rank " +
+                            std::to_string(k) + "?)");
+    }
+    node_rank_ = k;
+
+    const auto join_deadline = Clock::now() + to_ms(config_.rdzv_timeout_s);
+    auto node_keys = [&](int from, int to) {
+      std::vector<std::string> keys;
+      for (int i = from; i < to; ++i) keys.push_back(round_key(round, "node/" + std::to_string(i)));
+      return keys;
+    };
+    int n = 0;
+    if (is_host()) {
+      const auto required = node_keys(0, config_.min_nodes);
+      if (!wait_keys(required, join_deadline, false)) {
+        std::string missing, joined;
+        for (int i = 0; i < config_.min_nodes; ++i) {
+          const std::string ki = round_key(round, "node/" + std::to_string(i));
+          if (store_->check({ki})) {
+            std::string v = to_s(store_->get(ki, kRequestTimeout));
+            joined += (joined.empty() ? "" : ", ") + std::to_string(i) + " (" +
+                      v.substr(v.find(' ') + 1) + ")";
+          } else {
+            missing += (missing.empty() ? "" : ", ") + std::to_string(i);
+          }
+        }
+        std::string msg = "rendezvous round " + std::to_string(round) + " at " + endpoint() +
+                          " timed out after " + seconds_str(config_.rdzv_timeout_s) +
+                          " (--rdzv-timeout): nodes " + missing + " never arrived (expected " +
+                          std::to_string(config_.min_nodes) + "; joined: " + joined + ")" +
+                          (config_.node_rank_given ? "" : "; node ranks are given out by arrival");
+        close(msg);
+        throw RendezvousError(msg);
+      }
+      n = config_.min_nodes;
+      // MIN:MAX: more nodes may still come during the last call.
+      const auto last_call = Clock::now() + to_ms(config_.last_call_s);
+      while (n < max_nodes && wait_keys(node_keys(n, n + 1), last_call, false)) ++n;
+      store_->set(round_key(round, "nnodes"), std::to_string(n));
+    } else {
+      const std::string nn = round_key(round, "nnodes");
+      const auto deadline = join_deadline + to_ms(config_.last_call_s) + milliseconds(5000);
+      if (!wait_keys({nn}, deadline, true)) {
+        throw RendezvousError("rendezvous round " + std::to_string(round) + " at " + endpoint() +
+                              ": node 0 did not complete the round within " +
+                              seconds_str(config_.rdzv_timeout_s) +
+                              " (--rdzv-timeout); this node is " + describe_self());
+      }
+      n = std::stoi(to_s(store_->get(nn, kRequestTimeout)));
+      if (k >= n) {
+        throw RendezvousError("" + describe_self() + " arrived after rendezvous round " +
+                              std::to_string(round) + " closed with " + std::to_string(n) +
+                              " nodes (--nnodes " + std::to_string(config_.min_nodes) + ":" +
+                              std::to_string(max_nodes) + ", --rdzv-last-call)");
+      }
+    }
+    nnodes_ = n;
+    info.node_rank = k;
+    info.nnodes = n;
+    info.world_size = 0;
+    for (int i = 0; i < n; ++i) {
+      const std::string v =
+          to_s(store_->get(round_key(round, "node/" + std::to_string(i)), kRequestTimeout));
+      const int nproc = std::stoi(v);
+      if (i < k) info.rank_base += nproc;
+      info.world_size += nproc;
+    }
+    const std::string master = to_s(store_->get(round_key(round, "master"), kRequestTimeout));
+    const auto colon = master.rfind(':');
+    info.master_addr = master.substr(0, colon);
+    info.master_port = std::stoi(master.substr(colon + 1));
+  } catch (const RendezvousError&) {
+    throw;
+  } catch (const dist::DistError& e) {
+    lost("joining round " + std::to_string(round), e);
+  }
+  return info;
+}
+
+RoundFailure Rendezvous::report_failure(int round, const std::string& what) {
+  const std::string mine = std::to_string(node_rank_) + " " + what;
+  try {
+    const std::string first = to_s(store_->compare_set(round_key(round, "failed"), {}, to_b(mine)));
+    const auto sp = first.find(' ');
+    return {std::stoi(first.substr(0, sp)), first.substr(sp + 1)};
+  } catch (const dist::DistError& e) {
+    lost("reporting a failure", e);
+  }
+}
+
+std::optional<RoundFailure> Rendezvous::poll_failure(int round) {
+  const std::string k = round_key(round, "failed");
+  try {
+    store_->set_timeout(kPollTimeout);
+    const bool failed = store_->check({k});
+    store_->set_timeout(kRequestTimeout);
+    if (!failed) return std::nullopt;
+    const std::string first = to_s(store_->get(k, kRequestTimeout));
+    const auto sp = first.find(' ');
+    return RoundFailure{std::stoi(first.substr(0, sp)), first.substr(sp + 1)};
+  } catch (const dist::DistError& e) {
+    lost("watching the other nodes", e);
+  }
+}
+
+void Rendezvous::close(const std::string& reason) {
+  try {
+    store_->compare_set(key("closed"), {}, to_b(reason));
+  } catch (const dist::DistError&) {
+  }
+}
+
+void Rendezvous::report_exit(int round) {
+  try {
+    store_->set(round_key(round, "exit/" + std::to_string(node_rank_)), std::string("1"));
+  } catch (const dist::DistError&) {
+  }
+}
+
+bool Rendezvous::wait_for_exits(int round, milliseconds timeout, bool stop_on_failure) {
+  std::vector<std::string> keys;
+  for (int i = 0; i < nnodes_; ++i)
+    if (i != node_rank_) keys.push_back(round_key(round, "exit/" + std::to_string(i)));
+  const auto deadline = Clock::now() + timeout;
+  const std::string failed = round_key(round, "failed");
+  try {
+    for (;;) {
+      auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0) return store_->check(keys);
+      try {
+        store_->wait(keys, std::clamp(left, milliseconds(1), kPollChunk));
+        return true;
+      } catch (const dist::DistTimeoutError&) {
+      }
+      if (interrupted_ && interrupted_()) return false;
+      if (stop_on_failure && store_->check({failed})) return false;
+    }
+  } catch (const dist::DistError&) {
+    return false;
+  }
+}
+
+}  // namespace ember::launcher

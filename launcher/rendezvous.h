@@ -1,0 +1,116 @@
+// The agents' rendezvous across nodes: one TCPStoreServer hosted by node 0's agent, one
+// TCPStore client per agent. See docs/launcher.md (Multi-node) and Note [Rendezvous keys].
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "launcher/config.h"
+
+namespace ember::dist {
+class TCPStore;
+class TCPStoreServer;
+}  // namespace ember::dist
+
+namespace ember::launcher {
+
+/// The rendezvous failed for good: a node never arrived, the run was closed by another node,
+/// the store could not be reached or was lost. what() is the message emberrun prints.
+class RendezvousError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// A wait in the rendezvous was cut short because `interrupted` returned true (a signal).
+class RendezvousInterrupted : public RendezvousError {
+ public:
+  using RendezvousError::RendezvousError;
+};
+
+/// What one round of the rendezvous gave this node.
+struct RoundInfo {
+  int round = 0;
+  int node_rank = 0;
+  int nnodes = 1;
+  int rank_base = 0;        // global rank of this node's local rank 0
+  int world_size = 1;       // sum of every node's nproc_per_node
+  std::string master_addr;  // where the job's rank 0 hosts its store (MASTER_ADDR)
+  int master_port = 0;
+};
+
+/// A peer's report that a round failed: the node that failed first and what happened.
+struct RoundFailure {
+  int node_rank = -1;
+  std::string what;  // "node 1 (host pid 42): rank 3 exited with code 1"
+};
+
+/// One agent's side of the rendezvous. Not thread-safe; used by the agent's loop only.
+class Rendezvous {
+ public:
+  /// Hosts the store when this agent is node 0 (--node-rank 0, or without --node-rank the
+  /// agent on the machine that owns the endpoint's address and wins its port), then connects
+  /// to it, retrying until --rdzv-timeout. `interrupted` is polled during every wait (every
+  /// 200 ms at most); when it returns true the wait throws RendezvousInterrupted. Throws
+  /// RendezvousError naming the endpoint when the store cannot be hosted or reached.
+  Rendezvous(const LaunchConfig& config, std::function<bool()> interrupted);
+  ~Rendezvous();
+  Rendezvous(const Rendezvous&) = delete;
+  Rendezvous& operator=(const Rendezvous&) = delete;
+
+  /// Whether this agent hosts the store (and so must outlive the others' use of it).
+  bool is_host() const { return server_ != nullptr; }
+  /// "host:port" of the store.
+  std::string endpoint() const;
+
+  /// Joins round `round`: registers this node, waits until --nnodes nodes joined (MIN:MAX:
+  /// MIN, then up to --rdzv-last-call for more), and returns the ranks. Throws RendezvousError
+  /// listing the nodes that never arrived after --rdzv-timeout, or the reason another node
+  /// closed the run; RendezvousInterrupted on a signal.
+  RoundInfo join(int round);
+
+  /// Records that `round` failed on this node (`what` says how) unless another node's failure
+  /// was recorded first; returns the failure recorded first. Throws RendezvousError when the
+  /// store is lost.
+  RoundFailure report_failure(int round, const std::string& what);
+  /// The failure recorded for `round`, if any (one request; does not wait). Throws
+  /// RendezvousError when the store is lost.
+  std::optional<RoundFailure> poll_failure(int round);
+  /// Marks the whole run as over (no more rounds): later joins throw RendezvousError(reason).
+  /// Best effort: a lost store is ignored.
+  void close(const std::string& reason);
+  /// Tells node 0 that this agent leaves for good (it stops hosting once all left). Best effort.
+  void report_exit(int round);
+  /// Host only: waits until every other node of `round` reported its exit, for at most
+  /// `timeout`; with stop_on_failure, returns early when `round` fails. Returns whether all
+  /// left. A signal ends the wait early (returns false).
+  bool wait_for_exits(int round, std::chrono::milliseconds timeout, bool stop_on_failure);
+
+  /// This node's description in messages: "node 1 (host pid 42)".
+  std::string describe_self() const;
+
+ private:
+  std::string key(const std::string& k) const;
+  std::string round_key(int round, const std::string& k) const;
+  // Waits for `keys` until `deadline`, polling `interrupted_` and the run's closed key.
+  // Returns false on the deadline; throws RendezvousInterrupted or RendezvousError(closed).
+  bool wait_keys(const std::vector<std::string>& keys,
+                 std::chrono::steady_clock::time_point deadline, bool watch_closed);
+  void throw_if_closed();
+  [[noreturn]] void lost(const std::string& op, const std::exception& e) const;
+
+  const LaunchConfig& config_;
+  std::function<bool()> interrupted_;
+  std::string host_;
+  int port_ = 0;
+  std::unique_ptr<dist::TCPStoreServer> server_;
+  std::unique_ptr<dist::TCPStore> store_;
+  std::string self_;    // "host pid N" (local address or host name)
+  int node_rank_ = -1;  // this round's
+  int nnodes_ = 0;      // this round's
+};
+
+}  // namespace ember::launcher

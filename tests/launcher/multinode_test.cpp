@@ -1,0 +1,359 @@
+// Multi-node emberrun: several agents rendezvous through the store node 0's agent hosts.
+//
+// MultiNodeLoopback: the agents run side by side on 127.0.0.1 (always possible): rendezvous,
+// ranks, restarts, failures on one node stopping the others, join timeouts, a lost store.
+// MultiNodeNetns: two network namespaces joined by a veth pair (tests/launcher/netns.h) are two
+// nodes with their own addresses; one emberrun per namespace, and mpirun across both. Skipped,
+// with the reason, where namespaces cannot be created (not root).
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "distributed/tcp_store.h"
+#include "emberrun_harness.h"
+#include "netns.h"
+
+namespace {
+
+using namespace emberrun_test;
+namespace fs = std::filesystem;
+
+std::string dist_worker() { return build_dir() + "/launcher/test_workers/dist_worker"; }
+
+// A port nothing listens on now (racy, as every such pick).
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Options every agent of a loopback job shares.
+std::vector<std::string> loopback(int port, int nproc = 1) {
+  return {"--master-addr",    "127.0.0.1",           "--master-port",  std::to_string(port),
+          "--nproc-per-node", std::to_string(nproc), "--grace-period", "5"};
+}
+
+std::vector<std::string> cat(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// "rank R of W: allreduce(rank+1) = S" from dist_worker, for every rank, in `out`.
+void expect_allreduce_lines(const std::string& out, int world) {
+  const int sum = world * (world + 1) / 2;
+  for (int r = 0; r < world; ++r) {
+    const std::string line = "[rank " + std::to_string(r) + "]: rank " + std::to_string(r) +
+                             " of " + std::to_string(world) +
+                             ": allreduce(rank+1) = " + std::to_string(sum) + "\n";
+    EXPECT_TRUE(contains(out, line)) << "missing: " << line << "in:\n" << out;
+  }
+}
+
+TEST(MultiNodeLoopback, TwoAgentsWithStaticNodeRanksRunOneJob) {
+  if (!fs::exists(dist_worker())) GTEST_SKIP() << dist_worker() << " not built";
+  TempDir d;
+  const int port = free_port();
+  const auto common = cat(loopback(port, 2), {"--nnodes", "2"});
+  Emberrun n1(cat(common, {"--node-rank", "1", dist_worker(), d.path}));  // before node 0
+  Emberrun n0(cat(common, {"--node-rank", "0", dist_worker(), d.path}));
+  Result r0 = n0.wait(), r1 = n1.wait();
+  ASSERT_EQ(r0.exit_code, 0) << describe(r0);
+  ASSERT_EQ(r1.exit_code, 0) << describe(r1);
+  expect_allreduce_lines(r0.out + r1.out, 4);  // 1+2+3+4 = 10 on every rank
+  EXPECT_TRUE(contains(r1.out, "[rank 2]:") && contains(r1.out, "[rank 3]:")) << describe(r1);
+  for (int i = 0; i < 4; ++i)
+    EXPECT_EQ(read_file(d.path + "/sum_" + std::to_string(i)), "10 4") << "rank " << i;
+  EXPECT_TRUE(contains(r0.err, "node 0 (")) << describe(r0);
+  EXPECT_TRUE(contains(r1.err, "node 1 (")) << describe(r1);
+}
+
+TEST(MultiNodeLoopback, RanksByArrivalWithMinMaxAndUnevenNproc) {
+  // No --node-rank: the agent that wins the endpoint's port hosts the store and is node 0; the
+  // other gets node rank 1 by arrival. 1:2 nodes with a long last call: the round closes as soon
+  // as the second node arrives. Node 1 runs 3 ranks, node 0 one: ranks follow the nodes.
+  TempDir d;
+  const int port = free_port();
+  const std::vector<std::string> common = {
+      "--nnodes",  "1:2",    "--rdzv-endpoint",  "127.0.0.1:" + std::to_string(port),
+      "--rdzv-id", "arrive", "--rdzv-last-call", "60"};
+  Emberrun a(cat(common, {"--nproc-per-node", "1", worker(), "env", d.path}));
+  Emberrun b(cat(common, {"--nproc-per-node", "3", worker(), "env", d.path}));
+  Result ra = a.wait(), rb = b.wait();
+  ASSERT_EQ(ra.exit_code, 0) << describe(ra);
+  ASSERT_EQ(rb.exit_code, 0) << describe(rb);
+  // Which agent became node 0 depends on who bound the port first: read it from the output.
+  const bool a_first = contains(ra.err, "node 0 (");
+  const Result& first = a_first ? ra : rb;
+  const Result& second = a_first ? rb : ra;
+  const int n0 = a_first ? 1 : 3;
+  EXPECT_TRUE(contains(second.err, "node 1 (")) << describe(second);
+  for (int rank = 0; rank < 4; ++rank) {
+    const std::string env = read_file(d.path + "/env_" + std::to_string(rank) + ".txt");
+    EXPECT_TRUE(contains(env, "WORLD_SIZE=4\n")) << "rank " << rank << "\n" << env;
+    const int group = rank < n0 ? 0 : 1;
+    EXPECT_TRUE(contains(env, "GROUP_RANK=" + std::to_string(group) + "\n")) << rank << env;
+    EXPECT_TRUE(contains(env, "LOCAL_RANK=" + std::to_string(rank - (group ? n0 : 0)) + "\n"))
+        << rank << env;
+    EXPECT_TRUE(contains((group ? second : first).out, "hello from rank " + std::to_string(rank)))
+        << describe(group ? second : first);
+  }
+}
+
+TEST(MultiNodeLoopback, FailureOnOneNodeRestartsEveryNode) {
+  TempDir d;
+  const int port = free_port();
+  const auto common = cat(loopback(port), {"--nnodes", "2", "--max-restarts", "1"});
+  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "flaky", d.path, "1"}));
+  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "flaky", d.path, "1"}));
+  Result r0 = n0.wait(), r1 = n1.wait();
+  ASSERT_EQ(r0.exit_code, 0) << describe(r0);
+  ASSERT_EQ(r1.exit_code, 0) << describe(r1);
+  EXPECT_TRUE(contains(r1.err,
+                       "rank 1 exited with code 3; restarting the group on every node "
+                       "(1/1)"))
+      << describe(r1);
+  EXPECT_TRUE(contains(r0.err, "node 1 failed (node 1 (")) << describe(r0);
+  EXPECT_EQ(read_file(d.path + "/done_0"), "restarts=1 world=2 group=0/2");
+  EXPECT_EQ(read_file(d.path + "/done_1"), "restarts=1 world=2 group=1/2");
+  // Rank 0's first-attempt worker (which waited to be stopped) is gone.
+  pid_t p = std::atoi(read_file(d.path + "/ready_0").c_str());
+  ASSERT_GT(p, 0);
+  EXPECT_FALSE(process_exists(p)) << "rank 0's stopped worker outlived its agent";
+}
+
+TEST(MultiNodeLoopback, FailureWithoutRestartsStopsEveryNode) {
+  TempDir d;
+  const int port = free_port();
+  const auto common = cat(loopback(port, 2), {"--nnodes", "2"});
+  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "exit", d.path, "3", "5"}));
+  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "exit", d.path, "3", "5"}));
+  Result r0 = n0.wait(), r1 = n1.wait();
+  EXPECT_EQ(r1.exit_code, 1) << describe(r1);
+  EXPECT_TRUE(contains(r1.err, "FAILED")) << describe(r1);
+  EXPECT_TRUE(contains(r1.err, "rank       : 3 (local_rank: 1)")) << describe(r1);
+  EXPECT_TRUE(contains(r1.err, "exitcode   : 5")) << describe(r1);
+  EXPECT_EQ(r0.exit_code, 1) << describe(r0);
+  EXPECT_FALSE(contains(r0.err, "FAILED")) << "only the failing node prints the summary\n"
+                                           << describe(r0);
+  EXPECT_TRUE(contains(r0.err, "the run failed on node 1 (node 1 (")) << describe(r0);
+  EXPECT_TRUE(contains(r0.err, "rank 3 exited with code 5")) << describe(r0);
+  for (int rank : {0, 1, 2}) {
+    const std::string f = d.path + "/ready_" + std::to_string(rank);
+    if (!fs::exists(f)) continue;  // stopped before it started
+    pid_t p = std::atoi(read_file(f).c_str());
+    EXPECT_FALSE(p > 0 && process_exists(p)) << "rank " << rank << " outlived its agent";
+  }
+}
+
+TEST(MultiNodeLoopback, JoinTimeoutNamesTheNodesThatNeverArrived) {
+  const int port = free_port();
+  Result r = run(cat(loopback(port), {"--nnodes", "3", "--node-rank", "0", "--rdzv-timeout", "0.5",
+                                      worker(), "env", "/nonexistent"}));
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_TRUE(contains(r.err, "nodes 1, 2 never arrived")) << describe(r);
+  EXPECT_TRUE(contains(r.err, "--rdzv-timeout")) << describe(r);
+  EXPECT_TRUE(contains(r.err, "127.0.0.1:" + std::to_string(port))) << describe(r);
+}
+
+TEST(MultiNodeLoopback, SignalDuringTheRendezvousEndsItAtOnce) {
+  const int port = free_port();
+  Emberrun n0(cat(loopback(port), {"--nnodes", "2", "--node-rank", "0", "--rdzv-id", "sig",
+                                   worker(), "env", "/nonexistent"}));
+  {  // node 0 has registered: it is waiting for node 1 (for up to 900 s)
+    ember::dist::TCPStoreOptions o;
+    o.timeout = std::chrono::seconds(60);
+    ember::dist::TCPStore store("127.0.0.1", static_cast<uint16_t>(port), o);
+    store.wait({"emberrun/sig/r0/node/0"}, std::chrono::seconds(60));
+  }
+  kill(n0.pid(), SIGINT);
+  Result r = n0.wait();
+  EXPECT_EQ(r.exit_code, 128 + SIGINT) << describe(r);
+  EXPECT_TRUE(contains(r.err, "received SIGINT during the rendezvous")) << describe(r);
+}
+
+TEST(MultiNodeLoopback, UnreachableStoreIsAClearError) {
+  const int port = free_port();
+  Result r = run(cat(loopback(port), {"--nnodes", "2", "--node-rank", "1", "--join-timeout", "0.5",
+                                      worker(), "env", "/nonexistent"}));
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_TRUE(
+      contains(r.err, "could not reach the rendezvous store at 127.0.0.1:" + std::to_string(port)))
+      << describe(r);
+}
+
+TEST(MultiNodeLoopback, DuplicateNodeRankIsRefused) {
+  // Node 1 has registered (seen in the store itself) before a second agent claims node rank 1:
+  // the second is refused with the first's name; then node 2 arrives and the job runs.
+  TempDir d;
+  const int port = free_port();
+  const auto common = cat(loopback(port), {"--nnodes", "3", "--rdzv-id", "dup"});
+  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "env", d.path}));
+  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "env", d.path}));
+  {
+    ember::dist::TCPStoreOptions o;
+    o.timeout = std::chrono::seconds(60);
+    ember::dist::TCPStore store("127.0.0.1", static_cast<uint16_t>(port), o);
+    store.wait({"emberrun/dup/r0/node/1"}, std::chrono::seconds(60));
+  }
+  Result rd = run(cat(common, {"--node-rank", "1", worker(), "env", d.path}));
+  EXPECT_EQ(rd.exit_code, 1) << describe(rd);
+  EXPECT_TRUE(contains(rd.err, "node rank 1 of round 0 is already taken by ")) << describe(rd);
+  EXPECT_TRUE(contains(rd.err, "pid " + std::to_string(n1.pid()))) << describe(rd);
+  Result r2 = run(cat(common, {"--node-rank", "2", worker(), "env", d.path}));
+  Result r0 = n0.wait(), r1 = n1.wait();
+  for (const Result* r : {&r0, &r1, &r2}) EXPECT_EQ(r->exit_code, 0) << describe(*r);
+}
+
+TEST(MultiNodeLoopback, LostStoreStopsTheOtherNodes) {
+  TempDir d;
+  const int port = free_port();
+  const auto common = cat(loopback(port), {"--nnodes", "2"});
+  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "block", d.path}), {"TMPDIR=" + d.path});
+  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "block", d.path}));
+  auto pids0 = wait_for_pids(n0, d.path, 1);
+  std::vector<pid_t> pids1;
+  {
+    const std::string f = d.path + "/pid_1";
+    ASSERT_TRUE(wait_for_file(f));
+    pids1.push_back(std::atoi(read_file(f).c_str()));
+    n1.track(pids1[0]);
+  }
+  ASSERT_EQ(pids0.size(), 1u);
+  kill(n0.pid(), SIGKILL);  // node 0's agent and its store vanish
+  Result r1 = n1.wait();
+  EXPECT_EQ(r1.exit_code, 1) << describe(r1);
+  EXPECT_TRUE(contains(r1.err, "lost the rendezvous store at 127.0.0.1:" + std::to_string(port)))
+      << describe(r1);
+  EXPECT_TRUE(wait_until_gone(pids1[0])) << "node 1's worker outlived its agent";
+  EXPECT_TRUE(wait_until_gone(pids0[0])) << "node 0's worker outlived its agent";
+  n0.wait();
+}
+
+TEST(MultiNodeLoopback, SignalOnOneNodeEndsTheRunOnEveryNode) {
+  TempDir d;
+  const int port = free_port();
+  // Restarts remain, but an interrupted node closes the run: node 0 must not wait for it.
+  const auto common = cat(loopback(port), {"--nnodes", "2", "--max-restarts", "3"});
+  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "block", d.path}));
+  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "block", d.path}));
+  auto p0 = wait_for_pids(n0, d.path, 1);
+  ASSERT_TRUE(wait_for_file(d.path + "/pid_1"));
+  pid_t p1 = std::atoi(read_file(d.path + "/pid_1").c_str());
+  n1.track(p1);
+  kill(n1.pid(), SIGTERM);
+  Result r1 = n1.wait(), r0 = n0.wait();
+  EXPECT_EQ(r1.exit_code, 128 + SIGTERM) << describe(r1);
+  EXPECT_EQ(r0.exit_code, 1) << describe(r0);
+  EXPECT_TRUE(contains(r0.err, "closed by another node: node 1 (")) << describe(r0);
+  EXPECT_TRUE(contains(r0.err, "received SIGTERM")) << describe(r0);
+  for (pid_t p : {p0.at(0), p1}) EXPECT_FALSE(process_exists(p)) << "worker " << p << " left";
+}
+
+// ---- across network namespaces ----------------------------------------------------------
+
+class MultiNodeNetns : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    net_ = NetnsPair::create(&why);
+    if (!net_) GTEST_SKIP() << why;
+  }
+  void TearDown() override { net_.reset(); }  // kills leftovers, deletes the namespaces
+
+  // No EMBER_GLOO_HOSTNAME: gloo finds the veth address itself (the interface that reaches
+  // MASTER_ADDR), although the machine's host name resolves to 127.0.0.1 in both namespaces.
+  std::vector<std::string> env(int) const { return {}; }
+  std::unique_ptr<NetnsPair> net_;
+};
+
+TEST_F(MultiNodeNetns, GlooAllreduceAcrossTwoNamespaces) {
+  if (!fs::exists(dist_worker())) GTEST_SKIP() << dist_worker() << " not built";
+  TempDir d;
+  const std::vector<std::string> common = {
+      "--nnodes",      "2",           "--nproc-per-node", "2",
+      "--master-addr", net_->addr[0], "--master-port",    "29400"};
+  Emberrun n1(cat(common, {"--node-rank", "1", dist_worker(), d.path}), env(1),
+              net_->exec_prefix(1));
+  Emberrun n0(cat(common, {"--node-rank", "0", dist_worker(), d.path}), env(0),
+              net_->exec_prefix(0));
+  Result r0 = n0.wait(), r1 = n1.wait();
+  ASSERT_EQ(r0.exit_code, 0) << describe(r0);
+  ASSERT_EQ(r1.exit_code, 0) << describe(r1);
+  expect_allreduce_lines(r0.out + r1.out, 4);
+  EXPECT_TRUE(contains(r1.err, "MASTER_ADDR=" + net_->addr[0] + ":")) << describe(r1);
+}
+
+TEST_F(MultiNodeNetns, RanksByArrivalThroughTheEndpoint) {
+  // No --node-rank: the agent in the namespace owning the endpoint's address hosts the store
+  // and is node 0, although the other one starts first.
+  if (!fs::exists(dist_worker())) GTEST_SKIP() << dist_worker() << " not built";
+  TempDir d;
+  const std::vector<std::string> common = {
+      "--nnodes",  "2",        "--nproc-per-node", "2", "--rdzv-endpoint", net_->addr[0] + ":29500",
+      "--rdzv-id", "netns-job"};
+  Emberrun b(cat(common, {dist_worker(), d.path}), env(1), net_->exec_prefix(1));
+  Emberrun a(cat(common, {dist_worker(), d.path}), env(0), net_->exec_prefix(0));
+  Result ra = a.wait(), rb = b.wait();
+  ASSERT_EQ(ra.exit_code, 0) << describe(ra);
+  ASSERT_EQ(rb.exit_code, 0) << describe(rb);
+  EXPECT_TRUE(contains(ra.err, "node 0 (")) << describe(ra);
+  EXPECT_TRUE(contains(rb.err, "node 1 (")) << describe(rb);
+  expect_allreduce_lines(ra.out + rb.out, 4);
+}
+
+TEST_F(MultiNodeNetns, MpirunAcrossTwoNamespaces) {
+  if (!fs::exists(dist_worker())) GTEST_SKIP() << dist_worker() << " not built";
+  std::string mpirun;
+  if (shell("sh -c \"command -v mpirun\"", &mpirun) != 0)
+    GTEST_SKIP() << "mpirun not found on PATH";
+  TempDir d;
+  // mpirun starts its remote daemons through an rsh agent ("AGENT HOST COMMAND..."); ours runs
+  // the command in the namespace that owns HOST instead of over ssh.
+  const std::string agent = d.path + "/netns_rsh.sh";
+  {
+    std::ofstream out(agent);
+    out << "#!/bin/sh\nhost=$1; shift\ncase \"$host\" in\n"
+        << "  " << net_->addr[0] << ") ns=" << net_->ns[0] << ";;\n"
+        << "  " << net_->addr[1] << ") ns=" << net_->ns[1] << ";;\n"
+        << "  *) echo \"netns_rsh.sh: unknown host $host\" >&2; exit 1;;\nesac\n"
+        << "exec ip netns exec \"$ns\" /bin/sh -c \"$*\"\n";
+  }
+  fs::permissions(agent, fs::perms::owner_all);
+  const std::string hosts = d.path + "/hosts";
+  std::ofstream(hosts) << net_->addr[0] << " slots=2\n" << net_->addr[1] << " slots=2\n";
+  std::vector<std::string> args = {"mpirun", "-np", "4", "--hostfile", hosts};
+  if (geteuid() == 0) args.push_back("--allow-run-as-root");
+  for (std::string a :
+       {std::string("--bind-to"), std::string("none"), std::string("--mca"),
+        std::string("plm_rsh_agent"), agent, std::string("--mca"), std::string("btl"),
+        std::string("self,tcp"), std::string("--mca"), std::string("btl_tcp_if_include"),
+        net_->subnet, std::string("--mca"), std::string("oob_tcp_if_include"), net_->subnet,
+        std::string("--mca"), std::string("pml"), std::string("ob1")})
+    args.push_back(a);
+  args.push_back(dist_worker());
+  args.push_back(d.path);
+  args.push_back("mpi");
+  Emberrun job(args, {}, net_->exec_prefix(0), /*raw=*/true);
+  Result r = job.wait();
+  if (contains(r.err + r.out, "built with EMBER_WITH_MPI=OFF"))
+    GTEST_SKIP() << "Ember built without MPI";
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  for (int rank = 0; rank < 4; ++rank) {
+    const std::string line = "rank " + std::to_string(rank) + " of 4: allreduce(rank+1) = 10\n";
+    EXPECT_TRUE(contains(r.out, line)) << "missing: " << line << describe(r);
+    EXPECT_EQ(read_file(d.path + "/sum_" + std::to_string(rank)), "10 4") << "rank " << rank;
+  }
+}
+
+}  // namespace
