@@ -134,25 +134,35 @@ void divide_in_place(const Tensor& t, int n) {
 }
 
 // Note [small allreduce]: Gloo's ring allreduce takes 2(n-1) dependent steps, each a network
-// round trip; below this size latency dominates, so every rank instead gathers every rank's
-// buffer (an allgather: n-1 steps, one for n = 2) and reduces locally in rank order 0..n-1,
-// which gives every rank bitwise the same result.
+// round trip; below this size latency dominates, so every rank instead sends its buffer straight
+// to every peer and receives theirs (one round, all transfers in flight at once) and reduces
+// locally in rank order 0..n-1, which gives every rank bitwise the same result. (Gloo's own
+// allgather is a ring of n-1 steps and measured ~10x slower here than this exchange for 4 KiB
+// between 2 processes, slower even than its ring allreduce.)
 constexpr size_t kSmallAllreduceBytes = 64 * 1024;
+constexpr uint8_t kSmallAllreduceSlotPrefix = 0x0a;  // after send/recv's 0x09
 
 template <typename T>
 void small_allreduce(const std::shared_ptr<gloo::Context>& ctx, T* data, size_t count, ReduceOp op,
                      uint32_t tag, std::chrono::milliseconds timeout) {
-  const size_t n = static_cast<size_t>(ctx->size);
-  std::vector<T> all(n * count);
-  gloo::AllgatherOptions o(ctx);
-  o.setInput<T>(data, count);
-  o.setOutput<T>(all.data(), all.size());
-  o.setTag(tag);
-  o.setTimeout(timeout);
-  gloo::allgather(o);
+  const int n = ctx->size, me = ctx->rank;
+  const size_t bytes = count * sizeof(T);
+  std::vector<T> all(static_cast<size_t>(n) * count);
+  const uint64_t slot = gloo::Slot::build(kSmallAllreduceSlotPrefix, tag);
+  auto in = ctx->createUnboundBuffer(all.data(), all.size() * sizeof(T));
+  auto out = ctx->createUnboundBuffer(data, bytes);
+  for (int r = 0; r < n; ++r) {
+    if (r != me) in->recv(r, slot, static_cast<size_t>(r) * bytes, bytes);
+  }
+  for (int r = 0; r < n; ++r) {
+    if (r != me) out->send(r, slot);
+  }
+  for (int k = 0; k < n - 1; ++k) in->waitRecv(timeout);
+  for (int k = 0; k < n - 1; ++k) out->waitSend(timeout);
+  std::copy(data, data + count, all.data() + static_cast<size_t>(me) * count);
   const ReduceFn fn = reduce_fn<T>(op);
   std::copy(all.begin(), all.begin() + count, data);
-  for (size_t r = 1; r < n; ++r) fn(data, data, all.data() + r * count, count);
+  for (int r = 1; r < n; ++r) fn(data, data, all.data() + static_cast<size_t>(r) * count, count);
 }
 
 bool is_supported(Dtype d) { return d != Dtype::Bool; }
