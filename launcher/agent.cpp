@@ -180,6 +180,10 @@ std::string Group::spawn(int attempt, const GroupSpec& spec) {
     else threads = std::to_string(std::max(1, available_cpus() / n));
     base.emplace("OMP_NUM_THREADS", threads);  // emplace: keeps a value the user set
     base.emplace("EMBER_NUM_THREADS", threads);
+    // OpenMP threads that finish a parallel region sleep instead of spinning (libgomp spins by
+    // default): the ranks' communication threads (gloo's, the collective worker) and the other
+    // ranks need those cores. On the 2-core VM a 2-thread process ran 1.75x faster this way.
+    base.emplace("OMP_WAIT_POLICY", "PASSIVE");
   }
   const int world = spec.world_size;
   for (int lr = 0; lr < n; ++lr) {

@@ -44,7 +44,8 @@ TEST_P(EnvTest, WorkersSeeTheirEnvironmentAndOutputIsPrefixed) {
           std::string("GROUP_RANK=0"), std::string("MASTER_ADDR=127.0.0.1"),
           std::string("MASTER_PORT=29613"), std::string("TORCHELASTIC_RESTART_COUNT=0"),
           std::string("EMBER_RESTART_COUNT=0"), "OMP_NUM_THREADS=" + std::to_string(threads),
-          "EMBER_NUM_THREADS=" + std::to_string(threads), std::string("ARG=a b"),
+          "EMBER_NUM_THREADS=" + std::to_string(threads), std::string("OMP_WAIT_POLICY=PASSIVE"),
+          std::string("ARG=a b"),
           std::string("ARG=--c")}) {
       EXPECT_TRUE(contains(env, kv + "\n")) << "rank " << i << " lacks " << kv << ":\n" << env;
     }
@@ -73,11 +74,13 @@ INSTANTIATE_TEST_SUITE_P(Emberrun, DistTest, ::testing::Values(2, 4));
 
 TEST(Emberrun, UserThreadCountIsKept) {
   TempDir d;
-  Result r = run({"--nproc-per-node", "2", worker(), "env", d.path}, {"OMP_NUM_THREADS=3"});
+  Result r = run({"--nproc-per-node", "2", worker(), "env", d.path},
+                 {"OMP_NUM_THREADS=3", "OMP_WAIT_POLICY=ACTIVE"});
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   std::string env = read_file(d.path + "/env_1.txt");
   EXPECT_TRUE(contains(env, "OMP_NUM_THREADS=3\n")) << env;
   EXPECT_TRUE(contains(env, "EMBER_NUM_THREADS=3\n")) << env;
+  EXPECT_TRUE(contains(env, "OMP_WAIT_POLICY=ACTIVE\n")) << env;
 }
 
 TEST(Emberrun, EnvironmentSettingsAndCommandLineWins) {

@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
     for (const char* k :
          {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
           "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "EMBER_RESTART_COUNT", "OMP_NUM_THREADS",
-          "EMBER_NUM_THREADS", "TORCHELASTIC_ERROR_FILE", "EMBER_ERROR_FILE"}) {
+          "EMBER_NUM_THREADS", "OMP_WAIT_POLICY", "TORCHELASTIC_ERROR_FILE", "EMBER_ERROR_FILE"}) {
       const char* v = std::getenv(k);
       os << k << "=" << (v ? v : "<unset>") << "\n";
     }
