@@ -18,10 +18,15 @@
 // queued autograd callback runs the hooks' deferred steps, waits for every bucket and writes the
 // averages back into the parameters' grad(). See docs/ddp.md.
 //
+// Uneven inputs: ddp.join([&] { training loop }) lets a rank that runs out of data shadow the
+// others' collectives until every rank has finished. Debugging: EMBER_DISTRIBUTED_DEBUG=INFO logs
+// the bucket layout and timings, DETAIL checks every collective across ranks (distributed/debug.h).
+//
 // Threads: like any Module, one thread at a time; backward must run on the thread that owns the
 // process group's collectives (collectives are issued from the backward pass).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -47,6 +52,28 @@ struct DDPOptions {
   /// Parameters that get no gradient in an iteration contribute zeros instead of raising an
   /// error; a parameter that no rank used keeps its grad() untouched.
   bool find_unused_parameters = false;
+  /// The model uses the same parameters in every iteration. The first synchronised iteration
+  /// finds the parameters that get no gradient (like find_unused_parameters, whose value is then
+  /// ignored); later iterations mark those ready at the first gradient, so their buckets launch
+  /// during backward, and skip the extra all-reduce. A later iteration whose set of parameters
+  /// with gradients differs throws ValueError naming them. Buckets are rebuilt (unlike with
+  /// find_unused_parameters alone).
+  bool static_graph = false;
+};
+
+/// Options of DistributedDataParallel::join (torch's DistributedDataParallel.join arguments).
+struct JoinOptions {
+  /// While some ranks have joined, divide the summed gradients by the initial world size (true,
+  /// torch's default: every sample weighs the same) or by the number of ranks that still have
+  /// data (false: like training on fewer ranks). Ignored with a communication hook (the hook
+  /// divides as it likes, as in torch).
+  bool divide_by_initial_world_size = true;
+  /// false: join() just runs the body (the inputs are known to be even; no extra all-reduce).
+  bool enable = true;
+  /// Throw DistError on every rank at the first iteration in which some rank has run out of
+  /// data, instead of carrying on with fewer ranks (needed when the loop runs collectives DDP
+  /// does not know about, e.g. SyncBatchNorm).
+  bool throw_on_early_termination = false;
 };
 
 namespace detail {
@@ -69,6 +96,9 @@ class DistributedDataParallel : public nn::Module {
   /// Broadcasts buffers from rank 0 (training mode, broadcast_buffers), runs the module's
   /// forward, and (when grad mode is on and not under no_sync) arms gradient synchronisation
   /// for the next backward pass (a forward whose backward never ran is simply superseded).
+  /// Throws ValueError if the previous synchronised backward pass started but never finished
+  /// (it threw), naming the parameters that got no gradient; the state is reset, so the next
+  /// call runs normally.
   Tensor forward(const Tensor& input) override;
 
   /// RAII guard: while alive, forward passes do not arm synchronisation, so backward passes
@@ -88,9 +118,26 @@ class DistributedDataParallel : public nn::Module {
   /// torch's `with ddp.no_sync():` as `{ auto guard = ddp.no_sync(); ... }`.
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
+  /// Training with uneven inputs (torch's `with ddp.join():`). Collective: every rank calls
+  ///   ddp.join([&] { for (auto& batch : my_batches) { ...forward, backward, step... } });
+  /// with its own number of batches. Each DDP forward inside `body` first takes part in one
+  /// small all-reduce that counts the ranks that still have data; once `body` returns, this rank
+  /// shadows the others' iterations (their buffer broadcasts and bucket all-reduces, with zero
+  /// gradients) until every rank has returned from `body`, then every rank takes the parameters
+  /// and buffers of the highest rank among the last to finish, so all replicas end identical.
+  /// Inside `body`, each synchronised forward must be followed by its backward pass, and the
+  /// loop must not run other collectives (unless throw_on_early_termination). If `body` throws,
+  /// join() rethrows at once (the other ranks then fail with the group's timeout). Throws
+  /// ValueError for a nested join() or if the ranks disagree (some under no_sync(), some not),
+  /// and DistError with throw_on_early_termination.
+  void join(const std::function<void()>& body, JoinOptions options = {});
+
   /// The wrapped module.
   const std::shared_ptr<nn::Module>& module() const { return module_; }
   const std::shared_ptr<ProcessGroup>& process_group() const { return group_; }
+  /// The group DDP issues its collectives on: process_group(), or under
+  /// EMBER_DISTRIBUTED_DEBUG=DETAIL a CheckedProcessGroup wrapping it.
+  const std::shared_ptr<ProcessGroup>& comm_group() const { return comm_; }
   const DDPOptions& options() const { return options_; }
   /// The buckets as indices into the module's parameters() (those requiring grad counted too),
   /// in reduction order: for tests and debugging. Changes once, at the first forward after the
@@ -112,7 +159,8 @@ class DistributedDataParallel : public nn::Module {
   /// DDP keeps `state` alive.
   template <typename State, typename Hook>
   void register_comm_hook(std::shared_ptr<State> state, Hook hook) {
-    EMBER_CHECK(state != nullptr, "[DistributedDataParallel] register_comm_hook expects a state, "
+    EMBER_CHECK(state != nullptr,
+                "[DistributedDataParallel] register_comm_hook expects a state, "
                 "got null (pass a CommHook alone for a stateless hook)");
     register_comm_hook(bind_hook(std::move(state), std::move(hook)));
   }
@@ -120,9 +168,16 @@ class DistributedDataParallel : public nn::Module {
  private:
   std::shared_ptr<nn::Module> module_;
   std::shared_ptr<ProcessGroup> group_;
+  std::shared_ptr<ProcessGroup> comm_;
   DDPOptions options_;
   bool require_sync_ = true;
   std::shared_ptr<detail::Reducer> reducer_;
+  struct JoinState {
+    JoinOptions options;
+    std::vector<char> last_with_data;  // per rank, from the last join round anyone had data in
+  };
+  std::unique_ptr<JoinState> join_;  // set while inside join()
+  std::string early_termination_message(const std::vector<char>& has_data) const;
 };
 
 }  // namespace ember::dist

@@ -1,0 +1,190 @@
+#include "distributed/debug.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <sstream>
+
+#include "tensor/creation.h"
+
+namespace ember::dist {
+
+DebugLevel debug_level() {
+  const char* env = std::getenv("EMBER_DISTRIBUTED_DEBUG");
+  if (env == nullptr) return DebugLevel::Off;
+  std::string v(env);
+  std::transform(v.begin(), v.end(), v.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+  if (v.empty() || v == "OFF") return DebugLevel::Off;
+  if (v == "INFO") return DebugLevel::Info;
+  if (v == "DETAIL") return DebugLevel::Detail;
+  throw ValueError(
+      detail::str_cat("[EMBER_DISTRIBUTED_DEBUG] expected OFF, INFO or DETAIL, got '", env, "'"));
+}
+
+namespace {
+
+// The fingerprint of one collective: fixed length, so the check itself can never mismatch.
+enum Slot { kSeq, kKind, kDtype, kNumel, kRoot, kOp, kNdim, kDims, kLen = kDims + 8 };
+constexpr int kMaxDims = 8;  // more dims: the last slot holds a hash of the rest
+
+enum Kind {
+  kAllreduce,
+  kBroadcast,
+  kReduce,
+  kAllgather,
+  kAllgatherIntoTensor,
+  kGather,
+  kScatter,
+  kReduceScatter,
+  kAlltoall,
+  kBarrier
+};
+const char* kind_name(int64_t k) {
+  static const char* names[] = {
+      "allreduce", "broadcast", "reduce",         "allgather", "allgather_into_tensor",
+      "gather",    "scatter",   "reduce_scatter", "alltoall",  "barrier"};
+  return k >= 0 && k <= kBarrier ? names[k] : "?";
+}
+
+std::string describe(const int64_t* f) {
+  std::ostringstream os;
+  os << kind_name(f[kKind]) << "(";
+  if (f[kDtype] >= 0) {
+    os << static_cast<Dtype>(f[kDtype]) << " [";
+    const int64_t nd = f[kNdim];
+    for (int64_t d = 0; d < std::min<int64_t>(nd, kMaxDims); ++d) {
+      os << (d ? ", " : "") << (d == kMaxDims - 1 && nd > kMaxDims ? "#" : "") << f[kDims + d];
+    }
+    os << "]";
+  }
+  if (f[kRoot] >= 0) os << ", root " << f[kRoot];
+  if (f[kOp] >= 0) os << ", " << to_string(static_cast<ReduceOp>(f[kOp]));
+  os << ")";
+  return os.str();
+}
+
+ProcessGroup::Options options_of(const ProcessGroup& g) {
+  ProcessGroup::Options o;
+  o.timeout = g.timeout();
+  return o;
+}
+
+}  // namespace
+
+CheckedProcessGroup::CheckedProcessGroup(std::shared_ptr<ProcessGroup> inner)
+    : ProcessGroup(inner ? inner->rank() : 0, inner ? inner->size() : 1,
+                   inner ? options_of(*inner) : Options{}),
+      inner_(std::move(inner)) {
+  EMBER_CHECK(inner_ != nullptr, "[CheckedProcessGroup] expected a process group, got null");
+  set_global_ranks(inner_->global_ranks());
+}
+
+void CheckedProcessGroup::check(int kind, const Tensor& t, int root, int op) {
+  const uint64_t seq = seq_++;
+  std::vector<int64_t> f(kLen, -1);
+  f[kSeq] = static_cast<int64_t>(seq);
+  f[kKind] = kind;
+  f[kRoot] = root;
+  f[kOp] = op;
+  if (t.defined()) {
+    f[kDtype] = static_cast<int64_t>(t.dtype());
+    f[kNumel] = t.numel();
+    f[kNdim] = t.dim();
+    uint64_t rest = 1469598103934665603ull;  // FNV-1a over the dims that do not fit
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      if (d < kMaxDims - 1 || t.dim() <= kMaxDims) {
+        f[kDims + d] = t.size(d);
+      } else {
+        rest = (rest ^ static_cast<uint64_t>(t.size(d))) * 1099511628211ull;
+        f[kDims + kMaxDims - 1] = static_cast<int64_t>(rest >> 1);
+      }
+    }
+  }
+  if (size_ == 1) return;
+  const Device device = t.defined() ? t.device() : kCPU;
+  Tensor mine = from_vector(f);
+  if (!device.is_cpu()) mine = mine.to(device);
+  Tensor all = zeros({static_cast<int64_t>(size_) * kLen}, kInt64);
+  if (!device.is_cpu()) all = all.to(device);
+  inner_->allgather_into_tensor(all, mine)->wait();
+  const std::vector<int64_t> v = all.cpu().to_vector<int64_t>();
+  // The first rank that differs from rank 0 (every rank finds the same pair).
+  for (int r = 1; r < size_; ++r) {
+    if (std::equal(v.begin(), v.begin() + kLen, v.begin() + r * kLen)) continue;
+    const int64_t* a = v.data();
+    const int64_t* b = v.data() + r * kLen;
+    std::string hint;
+    if (a[kSeq] != b[kSeq]) {
+      hint =
+          " (they have issued different numbers of collectives: one rank issued a collective "
+          "the other did not)";
+    } else if (a[kKind] == b[kKind] && a[kDtype] == b[kDtype]) {
+      hint =
+          " (same collective, different tensors: check that every rank wraps the same model "
+          "with the same options, e.g. bucket_cap_mb, and feeds tensors of the same shape)";
+    }
+    throw DistError(detail::str_cat(
+        "[CheckedProcessGroup] collective #", a[kSeq], " on rank ", rank_, " of ", size_,
+        " differs across ranks: rank 0 called ", describe(a), " (its collective #", a[kSeq],
+        ") but rank ", r, " called ", describe(b), " (its collective #", b[kSeq], ")", hint,
+        "; every rank must issue the same collectives in the same order "
+        "(EMBER_DISTRIBUTED_DEBUG=DETAIL check)"));
+  }
+}
+
+WorkPtr CheckedProcessGroup::allreduce(Tensor& tensor, const AllreduceOptions& opts) {
+  check(kAllreduce, tensor, -1, static_cast<int>(opts.op));
+  return inner_->allreduce(tensor, opts);
+}
+WorkPtr CheckedProcessGroup::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
+  check(kBroadcast, tensor, opts.root, -1);
+  return inner_->broadcast(tensor, opts);
+}
+WorkPtr CheckedProcessGroup::reduce(Tensor& tensor, const ReduceOptions& opts) {
+  check(kReduce, tensor, opts.root, static_cast<int>(opts.op));
+  return inner_->reduce(tensor, opts);
+}
+WorkPtr CheckedProcessGroup::allgather(std::vector<Tensor>& outputs, const Tensor& input,
+                                       const CollectiveOptions& opts) {
+  check(kAllgather, input, -1, -1);
+  return inner_->allgather(outputs, input, opts);
+}
+WorkPtr CheckedProcessGroup::allgather_into_tensor(Tensor& output, const Tensor& input,
+                                                   const CollectiveOptions& opts) {
+  check(kAllgatherIntoTensor, input, -1, -1);
+  return inner_->allgather_into_tensor(output, input, opts);
+}
+WorkPtr CheckedProcessGroup::gather(std::vector<Tensor>& outputs, const Tensor& input,
+                                    const GatherOptions& opts) {
+  check(kGather, input, opts.root, -1);
+  return inner_->gather(outputs, input, opts);
+}
+WorkPtr CheckedProcessGroup::scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                                     const ScatterOptions& opts) {
+  check(kScatter, output, opts.root, -1);  // only root passes inputs: fingerprint the output
+  return inner_->scatter(output, inputs, opts);
+}
+WorkPtr CheckedProcessGroup::reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                                            const ReduceScatterOptions& opts) {
+  check(kReduceScatter, output, -1, static_cast<int>(opts.op));
+  return inner_->reduce_scatter(output, inputs, opts);
+}
+WorkPtr CheckedProcessGroup::alltoall(std::vector<Tensor>& outputs,
+                                      const std::vector<Tensor>& inputs,
+                                      const CollectiveOptions& opts) {
+  check(kAlltoall, inputs.empty() ? Tensor() : inputs[0], -1, -1);
+  return inner_->alltoall(outputs, inputs, opts);
+}
+WorkPtr CheckedProcessGroup::barrier(const CollectiveOptions& opts) {
+  check(kBarrier, Tensor(), -1, -1);
+  return inner_->barrier(opts);
+}
+WorkPtr CheckedProcessGroup::send(const Tensor& tensor, int dst, int tag) {
+  return inner_->send(tensor, dst, tag);
+}
+WorkPtr CheckedProcessGroup::recv(Tensor& tensor, int src, int tag) {
+  return inner_->recv(tensor, src, tag);
+}
+
+}  // namespace ember::dist
