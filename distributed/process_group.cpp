@@ -7,10 +7,8 @@
 
 namespace ember::dist {
 
-namespace {
-
-/// A Work that completes when `inner` does, with finish()'s outputs (or inner's error).
-WorkPtr chain(const WorkPtr& inner, const char* name, std::function<std::vector<Tensor>()> finish) {
+WorkPtr chain_work(const WorkPtr& inner, const char* name,
+                   std::function<std::vector<Tensor>()> finish) {
   auto w = std::make_shared<Work>(detail::str_cat(inner->describe(), " (for ", name, ")"),
                                   inner->timeout());
   inner->future()->add_done_callback([w, finish = std::move(finish)](Future& f) {
@@ -25,6 +23,12 @@ WorkPtr chain(const WorkPtr& inner, const char* name, std::function<std::vector<
     }
   });
   return w;
+}
+
+namespace {
+
+WorkPtr chain(const WorkPtr& inner, const char* name, std::function<std::vector<Tensor>()> finish) {
+  return chain_work(inner, name, std::move(finish));
 }
 
 void check_list(const char* op, const std::vector<Tensor>& list, size_t n, const Tensor& like,

@@ -108,6 +108,12 @@ class Work {
 
 using WorkPtr = std::shared_ptr<Work>;
 
+/// For backends: a Work that completes when `inner` does, with finish()'s outputs (finish runs
+/// on the thread that completes inner; its exception, or inner's error, fails the returned
+/// Work). `name` describes the outer operation in errors.
+WorkPtr chain_work(const WorkPtr& inner, const char* name,
+                   std::function<std::vector<Tensor>()> finish);
+
 /// torch.distributed's default collective timeout.
 constexpr Duration kDefaultCollectiveTimeout = std::chrono::minutes(30);
 

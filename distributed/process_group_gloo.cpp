@@ -167,10 +167,27 @@ void small_allreduce(const std::shared_ptr<gloo::Context>& ctx, T* data, size_t 
 
 bool is_supported(Dtype d) { return d != Dtype::Bool; }
 
+// Note [CUDA tensors over gloo]: allreduce, broadcast and allgather_into_tensor accept CUDA
+// tensors by staging them through host memory (as c10d's gloo backend does): the device data
+// is copied to a host tensor on the caller's thread (which waits for the caller's current
+// stream, so the values are final), the collective runs on the host copy, and the result is
+// copied back to the device (a synchronous copy) before the Work completes. Slow, but it lets
+// several ranks share one GPU in tests and run DDP on CUDA tensors without NCCL.
+template <typename Run>
+WorkPtr staged(const char* name, const Tensor& device_out, const Tensor& host_out, Run run) {
+  WorkPtr inner = run();
+  Tensor dev = device_out, host = host_out;
+  return chain_work(inner, name, [dev, host]() mutable {
+    dev.copy_(host);
+    return std::vector<Tensor>{dev};
+  });
+}
+
 void check_tensor(const char* op, const Tensor& t, const char* what = "tensor") {
   EMBER_CHECK(t.defined(), "[gloo] ", op, ": ", what, " is undefined");
   EMBER_CHECK(t.device().is_cpu(), "[gloo] ", op, " expects CPU tensors, got ", what, " on ",
-              t.device());
+              t.device(), " (allreduce, broadcast and allgather_into_tensor also take CUDA "
+              "tensors, staged through host memory; use nccl for the others)");
   EMBER_CHECK(t.is_contiguous(), "[gloo] ", op, " expects contiguous tensors, got a ",
               "non-contiguous ", what, " (shape ", t.shape(), ")");
   EMBER_CHECK_TYPE(TypeError, is_supported(t.dtype()), "[gloo] ", op,
@@ -450,6 +467,10 @@ ProcessGroupGloo::ProcessGroupGloo(std::shared_ptr<Store> store, int rank, int s
 ProcessGroupGloo::~ProcessGroupGloo() = default;
 
 WorkPtr ProcessGroupGloo::allreduce(Tensor& tensor, const AllreduceOptions& opts) {
+  if (tensor.defined() && tensor.is_cuda()) {  // Note [CUDA tensors over gloo]
+    Tensor host = tensor.contiguous().to(kCPU);
+    return staged("allreduce of a CUDA tensor", tensor, host, [&] { return allreduce(host, opts); });
+  }
   check_tensor("allreduce", tensor);
   const uint32_t tag = static_cast<uint32_t>(seq_);
   const int n = size_;
@@ -506,6 +527,10 @@ WorkPtr ProcessGroupGloo::reduce(Tensor& tensor, const ReduceOptions& opts) {
 }
 
 WorkPtr ProcessGroupGloo::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
+  if (tensor.defined() && tensor.is_cuda()) {  // Note [CUDA tensors over gloo]
+    Tensor host = tensor.contiguous().to(kCPU);
+    return staged("broadcast of a CUDA tensor", tensor, host, [&] { return broadcast(host, opts); });
+  }
   check_tensor("broadcast", tensor);
   check_root("broadcast", opts.root, size_);
   const uint32_t tag = static_cast<uint32_t>(seq_);
@@ -531,6 +556,12 @@ WorkPtr ProcessGroupGloo::broadcast(Tensor& tensor, const BroadcastOptions& opts
 
 WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& input,
                                                 const CollectiveOptions& opts) {
+  if (output.defined() && input.defined() && output.is_cuda() && input.is_cuda()) {
+    Tensor host_in = input.contiguous().to(kCPU);  // Note [CUDA tensors over gloo]
+    Tensor host_out = empty(output.shape(), output.dtype());
+    return staged("allgather_into_tensor of CUDA tensors", output, host_out,
+                  [&] { return allgather_into_tensor(host_out, host_in, opts); });
+  }
   check_tensor("allgather_into_tensor", input, "input");
   check_tensor("allgather_into_tensor", output, "output");
   EMBER_CHECK(output.dtype() == input.dtype() && output.numel() == input.numel() * size_,

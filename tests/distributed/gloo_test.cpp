@@ -13,6 +13,9 @@
 #include "distributed/process_group_gloo.h"
 #include "distributed/tcp_store.h"
 #include "tests/distributed/store_test_util.h"
+#include "distributed/ddp.h"
+#include "nn/nn.h"
+#include "tensor/cuda.h"
 
 namespace ember::dist {
 namespace {
@@ -67,7 +70,7 @@ void require_values(const std::string& what, const Tensor& got, const std::vecto
 }
 
 std::string name(const char* op, Dtype d, int rank, const std::string& extra = "") {
-  return detail::str_cat(op, " ", d, " on rank ", rank, extra);
+  return ember::detail::str_cat(op, " ", d, " on rank ", rank, extra);
 }
 
 /// Runs body(pg, rank, store) in n forked ranks connected through a TCPStoreServer on an
@@ -176,7 +179,7 @@ TEST_P(GlooWorld, AllreduceEveryDtypeOpAndSize) {
           WorkPtr w = pg.allreduce(t, ar(op));
           require(w->wait(), "wait");
           require_values(
-              name("allreduce", d, rank, detail::str_cat(" op ", to_string(op), " len ", len)), t,
+              name("allreduce", d, rank, ember::detail::str_cat(" op ", to_string(op), " len ", len)), t,
               want);
         }
       }
@@ -346,7 +349,7 @@ TEST_P(GlooWorld, AsyncWorkAndFutures) {
     for (int k = 0; k < 16; ++k) works.push_back(pg.allreduce(ts[k]));
     require(pg.sequence_number() == seq0 + 16, "sequence numbers count collectives");
     require(works[5]->describe() ==
-                detail::str_cat("[gloo] allreduce #", seq0 + 5, " on rank ", rank, " of ", n),
+                ember::detail::str_cat("[gloo] allreduce #", seq0 + 5, " on rank ", rank, " of ", n),
             "describe(): " + works[5]->describe());
     // A then() chain on the last one: doubles the result.
     auto doubled = works.back()->future()->then(
@@ -388,6 +391,49 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooCollectives,
 std::shared_ptr<ProcessGroupGloo> solo() {
   return std::make_shared<ProcessGroupGloo>(nullptr, 0, 1,
                                             ProcessGroupGloo::GlooOptions{5s, "127.0.0.1"});
+}
+
+// Note [CUDA tensors over gloo]: allreduce, broadcast and allgather_into_tensor stage CUDA
+// tensors through host memory, so ranks sharing one GPU can run DDP over gloo.
+TEST_P(GlooWorld, CudaTensorsAreStagedThroughHostMemory) {
+  EMBER_REQUIRE_GLOO();
+  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+  const int n = GetParam();
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    const Device gpu("cuda");
+    for (Dtype d : {kFloat32, kFloat64, kFloat16, kInt64}) {
+      std::vector<double> in(9), want(9);
+      for (int i = 0; i < 9; ++i) {
+        in[i] = input(rank, i);
+        want[i] = expected(ReduceOp::Sum, n, i, d);
+      }
+      Tensor t = make(in, d).to(gpu);
+      pg.allreduce(t)->wait();
+      require(t.is_cuda(), "allreduce result stays on the GPU");
+      require_values(name("cuda allreduce", d, rank), t.to(kCPU), want);
+      Tensor b = full({5}, rank + 1.0, d).to(gpu);
+      pg.broadcast(b, bc(n - 1))->wait();
+      require_values(name("cuda broadcast", d, rank), b.to(kCPU), std::vector<double>(5, n));
+      Tensor out = empty({n * 2}, d).to(gpu);
+      Tensor mine = full({2}, double(rank), d).to(gpu);
+      pg.allgather_into_tensor(out, mine)->wait();
+      std::vector<double> all;
+      for (int r = 0; r < n; ++r) all.insert(all.end(), {double(r), double(r)});
+      require_values(name("cuda allgather_into_tensor", d, rank), out.to(kCPU), all);
+    }
+    // DDP on CUDA parameters over gloo: every rank ends with the average gradient.
+    auto model = std::make_shared<nn::Linear>(3, 2);
+    model->to(gpu);
+    auto shared = std::shared_ptr<ProcessGroup>(&pg, [](ProcessGroup*) {});
+    dist::DistributedDataParallel ddp(model, shared);
+    Tensor x = full({4, 3}, rank + 1.0, kFloat32).to(gpu);
+    ddp.forward(x).sum().backward();
+    // d(sum(W x + b))/dW[j][k] = sum over the batch of x[k] = 4 (rank + 1); averaged: 2 (n + 1).
+    require_values(name("cuda ddp weight grad", kFloat32, rank), model->weight.grad().to(kCPU),
+                   std::vector<double>(6, 2.0 * (n + 1)));
+    require_values(name("cuda ddp bias grad", kFloat32, rank), model->bias.grad().to(kCPU),
+                   std::vector<double>(2, 4.0));
+  });
 }
 
 TEST(GlooErrors, BadArgumentsNameTheOpAndValues) {
