@@ -82,14 +82,21 @@ def worker(rank, world, port, args):
     torch.manual_seed(args.seed)
     model = make_model(args.model)
     if world > 1:
-        model = nn.parallel.DistributedDataParallel(model)
+        kwargs = {}
+        if args.comm_hook == "powersgd":
+            # torch 1.13's PowerSGD over gloo crashes with more than one bucket ("op.preamble.length
+            # <= op.nbytes": ranks issue the hook's allreduces in different orders); the workaround
+            # is one bucket for the whole model, first bucket included.
+            dist._DEFAULT_FIRST_BUCKET_BYTES = 1 << 30
+            kwargs["bucket_cap_mb"] = 1024
+        model = nn.parallel.DistributedDataParallel(model, **kwargs)
         if args.comm_hook != "none":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
             if args.comm_hook == "fp16":
                 model.register_comm_hook(None, default_hooks.fp16_compress_hook)
             elif args.comm_hook == "powersgd":
-                state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
-                                                    start_powerSGD_iter=2)
+                state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                                    start_powerSGD_iter=10)
                 model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
             else:
                 raise SystemExit("--comm-hook: expected none, fp16 or powersgd")

@@ -30,6 +30,8 @@ def ember_cmd(build, nproc, model, hook, extra):
     prog = [os.path.join(build, "examples", "fashion_mnist"), "--model", model] + extra
     if hook != "none":
         prog += ["--comm-hook", hook]
+    if hook == "powersgd":
+        prog += ["--powersgd-rank", "2", "--powersgd-start", "10"]  # as the torch script
     if nproc == 1:
         return prog
     return [os.path.join(build, "launcher", "emberrun"), "--nproc-per-node", str(nproc)] + prog
@@ -82,6 +84,9 @@ def main():
     env = dict(os.environ)
     for k in ("OMP_NUM_THREADS", "EMBER_NUM_THREADS"):
         env.pop(k, None)
+    # Both frameworks' OpenMP threads sleep between parallel regions (emberrun's default for its
+    # workers; without it libgomp's spinning makes 2-thread runs crawl on a busy 2-core VM).
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     cores = len(os.sched_getaffinity(0))
 
     results = []

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "nn/serialize.h"
+#include "tests/examples/example_test_util.h"
 
 namespace {
 
@@ -25,38 +26,8 @@ const std::string kData = "/usr/share/datasets/fashion-mnist";
 std::string example() { return std::string(EMBER_BINARY_DIR) + "/examples/fashion_mnist"; }
 std::string emberrun() { return std::string(EMBER_BINARY_DIR) + "/launcher/emberrun"; }
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string t = (fs::temp_directory_path() / "fashion_mnist_test_XXXXXX").string();
-    EXPECT_NE(mkdtemp(t.data()), nullptr) << std::strerror(errno);
-    path = t;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
-struct Result {
-  int status = -1;  // exit status, or 128 + signal
-  std::string output;  // stdout and stderr together
-};
-
-// Runs a shell command line with a time limit (coreutils timeout kills it and its children's
-// process group leader after `limit_s`; emberrun then stops its workers).
-Result run(const std::string& cmd, int limit_s = 300) {
-  Result r;
-  const std::string full = "timeout -k 10 " + std::to_string(limit_s) + " " + cmd + " 2>&1";
-  FILE* p = popen(full.c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int st = pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  return r;
-}
+using Result = ember::test::CommandResult;
+Result run(const std::string& cmd, int limit_s = 300) { return ember::test::run_command(cmd, limit_s); }
 
 double final_accuracy(const std::string& out) {
   std::smatch m;
@@ -73,7 +44,7 @@ class FashionMnist : public ::testing::Test {
     }
     ASSERT_TRUE(fs::exists(example())) << example();
   }
-  TempDir tmp;
+  ember::test::TempDir tmp{"fashion_mnist_test"};
 };
 
 TEST_F(FashionMnist, SingleProcessWithoutLauncher) {
@@ -126,68 +97,55 @@ TEST_F(FashionMnist, TwoRanksUnderEmberrunWithMetrics) {
   EXPECT_EQ(saved.metadata().at("global_step"), "30");
 }
 
-// Rank 1 is killed at step 30; emberrun restarts the job, which resumes from the step-20
-// checkpoint and ends with exactly the weights of a run that was never interrupted.
-TEST_F(FashionMnist, ResumesAfterAKillWithIdenticalWeights) {
-  const std::string common = " --model mlp --max-steps 40 --log-every 10 --batch-size 32";
-  const std::string clean = tmp.path + "/clean.safetensors";
-  Result a = run(emberrun() + " --standalone --nproc-per-node 2 " + example() + common + " --save-weights " + clean);
-  ASSERT_EQ(a.status, 0) << a.output;
-
-  const std::string resumed = tmp.path + "/resumed.safetensors";
-  const std::string ckpt = tmp.path + "/ckpt";
-  Result b = run(emberrun() + " --standalone --nproc-per-node 2 --max-restarts 1 " + example() + common +
-                 " --checkpoint-dir " + ckpt + " --checkpoint-every 20 --resume --fail-at-step 30" +
-                 " --save-weights " + resumed);
-  ASSERT_EQ(b.status, 0) << b.output;
+// Runs the job with `options` twice through emberrun with 2 ranks: once straight through, once
+// with rank 1 killed at step 30 and emberrun restarting the job, which resumes from the step-20
+// checkpoint. Both must end with exactly the same weights; returns the two runs' outputs.
+std::pair<Result, Result> run_clean_and_resumed(const std::string& dir, const std::string& options) {
+  const std::string clean = dir + "/clean.safetensors", resumed = dir + "/resumed.safetensors";
+  const std::string launcher = emberrun() + " --standalone --nproc-per-node 2 ";
+  Result a = run(launcher + example() + options + " --save-weights " + clean);
+  EXPECT_EQ(a.status, 0) << a.output;
+  Result b = run(launcher + "--max-restarts 1 " + example() + options + " --checkpoint-dir " + dir +
+                 "/ckpt --checkpoint-every 20 --resume --fail-at-step 30 --save-weights " + resumed);
+  EXPECT_EQ(b.status, 0) << b.output;
   EXPECT_NE(b.output.find("rank 1 kills itself"), std::string::npos) << b.output;
   EXPECT_NE(b.output.find("resume: "), std::string::npos) << b.output;
   EXPECT_NE(b.output.find("global step 20)"), std::string::npos) << b.output;
-  EXPECT_EQ(final_accuracy(a.output), final_accuracy(b.output)) << a.output << b.output;
-
+  if (a.status != 0 || b.status != 0) return {a, b};
   auto wa = ember::nn::load_safetensors(clean);
   auto wb = ember::nn::load_safetensors(resumed);
-  ASSERT_EQ(wa.size(), wb.size());
+  EXPECT_EQ(wa.size(), wb.size());
   for (const auto& [name, t] : wa.tensors()) {
     const auto va = t.to_vector<float>();
     const auto vb = wb.at(name).to_vector<float>();
-    ASSERT_EQ(va.size(), vb.size()) << name;
-    for (size_t i = 0; i < va.size(); ++i) {
-      ASSERT_EQ(va[i], vb[i]) << name << " differs at " << i;
+    EXPECT_EQ(va.size(), vb.size()) << name;
+    for (size_t i = 0; i < std::min(va.size(), vb.size()); ++i) {
+      if (va[i] != vb[i]) {
+        ADD_FAILURE() << name << " differs at " << i << ": " << va[i] << " vs " << vb[i];
+        break;
+      }
     }
   }
+  return {a, b};
+}
+
+TEST_F(FashionMnist, ResumesAfterAKillWithIdenticalWeights) {
+  auto [a, b] = run_clean_and_resumed(tmp.path, " --model mlp --max-steps 40 --log-every 10 --batch-size 32");
+  EXPECT_EQ(final_accuracy(a.output), final_accuracy(b.output)) << a.output << b.output;
   // The checkpoint left behind says where the job ended.
-  auto ck = ember::nn::load_safetensors(ckpt + "/checkpoint.safetensors");
+  auto ck = ember::nn::load_safetensors(tmp.path + "/ckpt/checkpoint.safetensors");
   EXPECT_EQ(ck.metadata().at("global_step"), "40");
 }
 
 // The same with PowerSGD: each rank's error feedback and Qs travel in the checkpoint (gathered
 // to rank 0), so the resumed run still matches the uninterrupted one bit for bit.
 TEST_F(FashionMnist, ResumesWithPowerSgdStateWithIdenticalWeights) {
-  const std::string common = " --model mlp --max-steps 40 --log-every 10 --batch-size 32"
-                             " --comm-hook powersgd --powersgd-start 5";
-  const std::string clean = tmp.path + "/clean.safetensors";
-  Result a = run(emberrun() + " --standalone --nproc-per-node 2 " + example() + common + " --save-weights " + clean);
-  ASSERT_EQ(a.status, 0) << a.output;
+  auto [a, b] = run_clean_and_resumed(tmp.path, " --model mlp --max-steps 40 --log-every 10 --batch-size 32"
+                                                " --comm-hook powersgd --powersgd-start 5");
   EXPECT_NE(a.output.find("comm hook powersgd"), std::string::npos) << a.output;
   EXPECT_NE(a.output.find("x fewer)"), std::string::npos) << a.output;
-
-  const std::string resumed = tmp.path + "/resumed.safetensors";
-  const std::string ckpt = tmp.path + "/ckpt";
-  Result b = run(emberrun() + " --standalone --nproc-per-node 2 --max-restarts 1 " + example() + common +
-                 " --checkpoint-dir " + ckpt + " --checkpoint-every 20 --resume --fail-at-step 30" +
-                 " --save-weights " + resumed);
-  ASSERT_EQ(b.status, 0) << b.output;
-  EXPECT_NE(b.output.find("global step 20)"), std::string::npos) << b.output;
-  auto ck = ember::nn::load_safetensors(ckpt + "/checkpoint.safetensors");
+  auto ck = ember::nn::load_safetensors(tmp.path + "/ckpt/checkpoint.safetensors");
   EXPECT_TRUE(ck.contains("extra.hook.rank1.iteration")) << "rank 1's hook state is saved";
-  auto wa = ember::nn::load_safetensors(clean);
-  auto wb = ember::nn::load_safetensors(resumed);
-  for (const auto& [name, t] : wa.tensors()) {
-    const auto va = t.to_vector<float>();
-    const auto vb = wb.at(name).to_vector<float>();
-    ASSERT_EQ(va, vb) << name << " differs after resuming with PowerSGD state";
-  }
 }
 
 TEST_F(FashionMnist, ResumeRefusesAnotherWorldSize) {

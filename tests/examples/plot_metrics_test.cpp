@@ -16,37 +16,16 @@
 #include <string>
 #include <vector>
 
+#include "tests/examples/example_test_util.h"
+
 namespace {
 
 namespace fs = std::filesystem;
 
 std::string tool() { return std::string(EMBER_BINARY_DIR) + "/examples/plot_metrics"; }
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string t = (fs::temp_directory_path() / "plot_metrics_test_XXXXXX").string();
-    EXPECT_NE(mkdtemp(t.data()), nullptr) << std::strerror(errno);
-    path = t;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return path + "/" + name; }
-  std::vector<std::string> list() const {
-    std::vector<std::string> names;
-    for (const auto& e : fs::directory_iterator(path))
-      names.push_back(e.path().filename().string());
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-};
-
-struct Result {
-  int status = -1;     // exit status, or 128 + signal
-  std::string output;  // stdout and stderr together
-};
+using ember::test::TempDir;
+using Result = ember::test::CommandResult;
 
 std::string quote(const std::string& s) {
   std::string q = "'";
@@ -55,18 +34,7 @@ std::string quote(const std::string& s) {
 }
 
 // Runs plot_metrics with `args` (already quoted) under a time limit.
-Result run(const std::string& args) {
-  Result r;
-  const std::string cmd = "timeout -k 5 60 " + quote(tool()) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int st = pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  return r;
-}
+Result run(const std::string& args) { return ember::test::run_command(quote(tool()) + " " + args, 60); }
 
 void write_file(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::binary) << text;
