@@ -27,6 +27,7 @@
 #include "nn/optim/sgd.h"
 #include "tensor/creation.h"
 #include "tensor/random.h"
+#include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {
@@ -37,6 +38,11 @@ namespace {
 
 using namespace std::chrono_literals;
 using test::require;
+using test::require_close;
+using test::require_same_on_all_ranks;
+using test::Batch;
+using test::slice;
+using test::loss_of;
 
 constexpr int64_t kIn = 5;
 constexpr int64_t kOut = 3;
@@ -44,21 +50,7 @@ constexpr int64_t kRows = 4;  // rows per batch
 
 // Forks n ranks, each with a gloo group (60 s timeout) over a TCPStore on an OS-picked port.
 void run_group(int n, const std::function<void(std::shared_ptr<ProcessGroup>, int)>& body) {
-  test::Children kids(n, [&](int rank, const std::string& port) {
-    TCPStoreOptions so;
-    so.timeout = 60s;
-    auto store =
-        std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
-    auto pg =
-        std::make_shared<ProcessGroupGloo>(std::make_shared<PrefixStore>("pg", store), rank, n,
-                                           ProcessGroupGloo::GlooOptions{60s, "127.0.0.1"});
-    body(pg, rank);
-  });
-  TCPStoreServerOptions o;
-  o.host = "127.0.0.1";
-  TCPStoreServer server(o);
-  kids.go(std::to_string(server.port()));
-  test::expect_children_ok(kids.join());
+  test::run_gloo_ranks(n, [&](std::shared_ptr<ProcessGroupGloo> pg, int rank) { body(pg, rank); });
 }
 
 // A small MLP with a buffer counting training-mode forwards (like BatchNorm's
@@ -82,9 +74,6 @@ struct Counted : nn::Module {
   std::shared_ptr<nn::Sequential> net;
 };
 
-struct Batch {
-  Tensor x, y;
-};
 // Rank r's batch t: the same on every process.
 Batch batch_of(int rank, int t) {
   manual_seed(1000 + 37 * rank + t);
@@ -93,38 +82,8 @@ Batch batch_of(int rank, int t) {
 
 Tensor mse(nn::Module& m, const Batch& b) { return nn::functional::mse_loss(m.forward(b.x), b.y); }
 
-void require_close(const std::string& what, const Tensor& got, const Tensor& want,
-                   double tol = 1e-5) {
-  require(got.defined(), what + ": undefined");
-  require(got.shape() == want.shape(), what + ": shape differs");
-  const auto g = got.to(kFloat64).reshape({-1}).to_vector<double>();
-  const auto w = want.to(kFloat64).reshape({-1}).to_vector<double>();
-  for (size_t i = 0; i < g.size(); ++i) {
-    if (std::fabs(g[i] - w[i]) > tol * (1 + std::fabs(w[i]))) {
-      throw std::runtime_error(what + ": index " + std::to_string(i) + " got " +
-                               std::to_string(g[i]) + " want " + std::to_string(w[i]));
-    }
-  }
-}
 
 // Throws unless every rank holds bitwise the same parameters and buffers.
-void require_same_on_all_ranks(ProcessGroup& pg, const nn::Module& m) {
-  std::vector<Tensor> flat;
-  for (const Tensor& p : m.parameters()) flat.push_back(p.detach().reshape({-1}));
-  for (const Tensor& b : m.buffers()) flat.push_back(b.detach().reshape({-1}));
-  Tensor mine = cat(flat, 0).contiguous();
-  Tensor all = zeros({pg.size() * mine.numel()}, kFloat32);
-  pg.allgather_into_tensor(all, mine)->wait();
-  const auto v = all.to_vector<float>();
-  const int64_t k = mine.numel();
-  for (int r = 1; r < pg.size(); ++r) {
-    for (int64_t i = 0; i < k; ++i) {
-      require(v[r * k + i] == v[i], "element " + std::to_string(i) + " differs: rank 0 " +
-                                        std::to_string(v[i]) + ", rank " + std::to_string(r) + " " +
-                                        std::to_string(v[r * k + i]));
-    }
-  }
-}
 
 std::string message_of(const std::function<void()>& f) {
   try {
@@ -205,7 +164,7 @@ TEST_P(DDPJoin, UnevenInputsFinishWithTheReferenceParameters) {
       (loss / (c.divide_by_initial_world_size ? n : active)).backward();
       ref_opt.step();
     }
-    require_same_on_all_ranks(*pg, *model);
+    require_same_on_all_ranks(*pg, *model, /*buffers=*/true);
     const auto a = model->named_parameters();
     const auto b = ref->named_parameters();
     for (size_t i = 0; i < a.size(); ++i) {
@@ -231,7 +190,7 @@ TEST_P(DDPJoin, UnevenInputsFinishWithTheReferenceParameters) {
       ref_opt.step();
     }
     require(ddp->buckets_rebuilt(), "buckets not rebuilt");
-    require_same_on_all_ranks(*pg, *model);
+    require_same_on_all_ranks(*pg, *model, /*buffers=*/true);
     const auto a2 = model->named_parameters();
     const auto b2 = ref->named_parameters();
     for (size_t i = 0; i < a2.size(); ++i) {

@@ -18,6 +18,7 @@
 #include "nn/optim/sgd.h"
 #include "tensor/creation.h"
 #include "tensor/random.h"
+#include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {
@@ -28,27 +29,18 @@ namespace {
 
 using namespace std::chrono_literals;
 using test::require;
+using test::require_close;
+using test::require_same_on_all_ranks;
+using test::Batch;
+using test::slice;
+using test::loss_of;
 
 constexpr int64_t kBatch = 12;  // divisible by 1, 2 and 3 ranks
 constexpr int64_t kIn = 5;
 constexpr int64_t kOut = 3;
 
 void run_group(int n, const std::function<void(std::shared_ptr<ProcessGroup>, int)>& body) {
-  test::Children kids(n, [&](int rank, const std::string& port) {
-    TCPStoreOptions so;
-    so.timeout = 60s;
-    auto store =
-        std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
-    auto pg =
-        std::make_shared<ProcessGroupGloo>(std::make_shared<PrefixStore>("pg", store), rank, n,
-                                           ProcessGroupGloo::GlooOptions{60s, "127.0.0.1"});
-    body(pg, rank);
-  });
-  TCPStoreServerOptions o;
-  o.host = "127.0.0.1";
-  TCPStoreServer server(o);
-  kids.go(std::to_string(server.port()));
-  test::expect_children_ok(kids.join());
+  test::run_gloo_ranks(n, [&](std::shared_ptr<ProcessGroupGloo> pg, int rank) { body(pg, rank); });
 }
 
 // A small MLP; its initial weights depend on the seed.
@@ -67,36 +59,12 @@ std::shared_ptr<nn::Sequential> clone_model(const nn::Module& m, int64_t hidden 
   return c;
 }
 
-struct Batch {
-  Tensor x, y;
-};
 Batch fixed_batch(uint64_t seed, int64_t rows = kBatch) {
   manual_seed(seed);
   return {randn({rows, kIn}), randn({rows, kOut})};
 }
-Batch slice(const Batch& b, int rank, int n) {
-  const int64_t per = b.x.size(0) / n;
-  return {b.x.narrow(0, rank * per, per), b.y.narrow(0, rank * per, per)};
-}
 
-Tensor loss_of(nn::Module& m, const Batch& b) {
-  return nn::functional::mse_loss(m.forward(b.x), b.y);
-}
 
-// Throws naming the tensor, the index and both values unless |got - want| <= tol*(1+|want|).
-void require_close(const std::string& what, const Tensor& got, const Tensor& want,
-                   double tol = 1e-5) {
-  require(got.defined(), what + ": undefined");
-  require(got.shape() == want.shape(), what + ": shape differs");
-  const auto g = got.to(kFloat64).reshape({-1}).to_vector<double>();
-  const auto w = want.to(kFloat64).reshape({-1}).to_vector<double>();
-  for (size_t i = 0; i < g.size(); ++i) {
-    if (std::fabs(g[i] - w[i]) > tol * (1 + std::fabs(w[i]))) {
-      throw std::runtime_error(what + ": index " + std::to_string(i) + " got " +
-                               std::to_string(g[i]) + " want " + std::to_string(w[i]));
-    }
-  }
-}
 
 void require_grads_match(const std::string& what, const nn::Module& got, const nn::Module& ref) {
   const auto a = got.named_parameters();
@@ -108,22 +76,6 @@ void require_grads_match(const std::string& what, const nn::Module& got, const n
 }
 
 // Every rank's flattened parameters, gathered; throws unless all ranks hold identical bits.
-void require_same_on_all_ranks(ProcessGroup& pg, const nn::Module& m) {
-  std::vector<Tensor> flat;
-  for (const Tensor& p : m.parameters()) flat.push_back(p.detach().reshape({-1}));
-  Tensor mine = cat(flat, 0).contiguous();
-  Tensor all = zeros({pg.size() * mine.numel()}, kFloat32);
-  pg.allgather_into_tensor(all, mine)->wait();
-  const auto v = all.to_vector<float>();
-  const int64_t k = mine.numel();
-  for (int r = 1; r < pg.size(); ++r) {
-    for (int64_t i = 0; i < k; ++i) {
-      require(v[r * k + i] == v[i], "parameter element " + std::to_string(i) + " differs: rank 0 " +
-                                        std::to_string(v[i]) + ", rank " + std::to_string(r) + " " +
-                                        std::to_string(v[r * k + i]));
-    }
-  }
-}
 
 class DDPWorld : public ::testing::TestWithParam<int> {};
 

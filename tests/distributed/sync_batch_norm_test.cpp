@@ -24,6 +24,7 @@
 #include "nn/optim/sgd.h"
 #include "tensor/creation.h"
 #include "tensor/random.h"
+#include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {
@@ -34,38 +35,16 @@ namespace {
 
 using namespace std::chrono_literals;
 using test::require;
+using test::require_close;
+using test::require_same_on_all_ranks;
+using test::Batch;
+using test::slice;
+using test::loss_of;
 
 void run_group(int n, const std::function<void(std::shared_ptr<ProcessGroup>, int)>& body) {
-  test::Children kids(n, [&](int rank, const std::string& port) {
-    TCPStoreOptions so;
-    so.timeout = 60s;
-    auto store =
-        std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
-    auto pg =
-        std::make_shared<ProcessGroupGloo>(std::make_shared<PrefixStore>("pg", store), rank, n,
-                                           ProcessGroupGloo::GlooOptions{60s, "127.0.0.1"});
-    body(pg, rank);
-  });
-  TCPStoreServerOptions o;
-  o.host = "127.0.0.1";
-  TCPStoreServer server(o);
-  kids.go(std::to_string(server.port()));
-  test::expect_children_ok(kids.join());
+  test::run_gloo_ranks(n, [&](std::shared_ptr<ProcessGroupGloo> pg, int rank) { body(pg, rank); });
 }
 
-// Throws naming the tensor, the index and both values unless |got - want| <= tol*(1+|want|).
-void require_close(const std::string& what, const Tensor& got, const Tensor& want, double tol) {
-  require(got.defined(), what + ": undefined");
-  require(got.shape() == want.shape(), what + ": shape differs");
-  const auto g = got.to(kFloat64).reshape({-1}).to_vector<double>();
-  const auto w = want.to(kFloat64).reshape({-1}).to_vector<double>();
-  for (size_t i = 0; i < g.size(); ++i) {
-    if (!(std::fabs(g[i] - w[i]) <= tol * (1 + std::fabs(w[i])))) {
-      throw std::runtime_error(what + ": index " + std::to_string(i) + " got " +
-                               std::to_string(g[i]) + " want " + std::to_string(w[i]));
-    }
-  }
-}
 
 // The single-process reference: BatchNorm with any input rank >= 2 (BatchNorm1d/2d only take
 // 2-3 and 4 dims; the arithmetic is the same).
