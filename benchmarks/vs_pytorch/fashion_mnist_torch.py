@@ -105,7 +105,23 @@ def worker(rank, world, port, args):
     dataset = torch.utils.data.TensorDataset(x, y)
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=world, rank=rank,
                                                               shuffle=True, seed=args.seed)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+    # Batches gathered with one index per batch (x[idx]), as Ember's in-memory dataset does: the
+    # stock DataLoader over a TensorDataset indexes and collates sample by sample in Python,
+    # which would cost PyTorch more than its training step does here.
+    def batches():
+        idx = torch.tensor(list(iter(sampler)), dtype=torch.int64)
+        for i in range(0, len(idx), args.batch_size):
+            j = idx[i:i + args.batch_size]
+            yield x[j], y[j]
+
+    class Loader:
+        def __iter__(self):
+            return batches()
+
+        def __len__(self):
+            return (len(sampler) + args.batch_size - 1) // args.batch_size
+
+    loader = Loader()
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     metrics = open(args.metrics, "w") if args.metrics and rank == 0 else None
     if rank == 0:

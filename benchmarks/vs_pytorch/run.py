@@ -45,10 +45,18 @@ def torch_cmd(nproc, model, hook, extra):
     return cmd
 
 
-def run(cmd, env=None):
+def run(cmd, env=None, attempts=2):
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                       timeout=3600)
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                           timeout=300)
+    except subprocess.TimeoutExpired:
+        # torch 1.13's gloo job has been seen to hang at exit with one rank spinning; say so, retry
+        print(f"# run.py: {' '.join(cmd)} hung for 300 s; killed" + (", retrying" if attempts > 1 else ""),
+              flush=True)
+        if attempts > 1:
+            return run(cmd, env, attempts - 1)
+        raise
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         sys.exit(f"run.py: {' '.join(cmd)} failed with status {p.returncode}:\n{p.stdout[-3000:]}")
