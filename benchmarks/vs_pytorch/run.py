@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,10 +48,16 @@ def torch_cmd(nproc, model, hook, extra):
 
 def run(cmd, env=None, attempts=2):
     t0 = time.perf_counter()
+    # Own session, so that a hung run is killed with all its ranks (killing the launcher alone
+    # left a torch rank spinning).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
     try:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                           timeout=300)
+        out, _ = proc.communicate(timeout=300)
+        p = subprocess.CompletedProcess(cmd, proc.returncode, out)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         # torch 1.13's gloo job has been seen to hang at exit with one rank spinning; say so, retry
         print(f"# run.py: {' '.join(cmd)} hung for 300 s; killed" + (", retrying" if attempts > 1 else ""),
               flush=True)
