@@ -27,10 +27,6 @@ WorkPtr chain_work(const WorkPtr& inner, const char* name,
 
 namespace {
 
-WorkPtr chain(const WorkPtr& inner, const char* name, std::function<std::vector<Tensor>()> finish) {
-  return chain_work(inner, name, std::move(finish));
-}
-
 void check_list(const char* op, const std::vector<Tensor>& list, size_t n, const Tensor& like,
                 const char* what) {
   EMBER_CHECK(list.size() == n, "[", op, "] expected ", n, " ", what, " tensors (one per rank), got ",
@@ -69,7 +65,7 @@ WorkPtr gather_via_allgather(ProcessGroup& pg, const char* name, std::vector<Ten
   flat_shape.insert(0, pg.size());
   auto flat = std::make_shared<Tensor>(empty(flat_shape, input.options()));
   WorkPtr inner = pg.allgather_into_tensor(*flat, input, opts);
-  return chain(inner, name, [flat, outputs]() mutable {
+  return chain_work(inner, name, [flat, outputs]() mutable {
     for (size_t r = 0; r < outputs.size(); ++r) outputs[r].copy_((*flat)[r]);
     return outputs;
   });
@@ -112,7 +108,7 @@ WorkPtr ProcessGroup::scatter(Tensor& output, const std::vector<Tensor>& inputs,
   }
   WorkPtr inner = broadcast(*flat, BroadcastOptions{opts.root, opts.timeout});
   const int r = rank_;
-  return chain(inner, "scatter", [flat, output, r]() mutable {
+  return chain_work(inner, "scatter", [flat, output, r]() mutable {
     output.copy_((*flat)[r]);
     return std::vector<Tensor>{output};
   });
@@ -126,7 +122,7 @@ WorkPtr ProcessGroup::reduce_scatter(Tensor& output, const std::vector<Tensor>& 
   auto flat = std::make_shared<Tensor>(pack(inputs).view(flat_shape));
   WorkPtr inner = allreduce(*flat, AllreduceOptions{opts.op, opts.timeout});
   const int r = rank_;
-  return chain(inner, "reduce_scatter", [flat, output, r]() mutable {
+  return chain_work(inner, "reduce_scatter", [flat, output, r]() mutable {
     output.copy_((*flat)[r]);
     return std::vector<Tensor>{output};
   });
@@ -147,7 +143,7 @@ WorkPtr ProcessGroup::alltoall(std::vector<Tensor>& outputs, const std::vector<T
   auto all = std::make_shared<Tensor>(empty(all_shape, inputs[0].options()));
   WorkPtr inner = allgather_into_tensor(*all, mine, opts);
   const int me = rank_;
-  return chain(inner, "alltoall", [all, outputs, me, mine]() mutable {
+  return chain_work(inner, "alltoall", [all, outputs, me, mine]() mutable {
     for (size_t r = 0; r < outputs.size(); ++r) outputs[r].copy_((*all)[r][me]);
     return outputs;
   });
