@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <sys/wait.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -87,6 +88,11 @@ TEST_F(FashionMnist, TwoRanksUnderEmberrunWithMetrics) {
   EXPECT_EQ(steps[2]["global_step"], 30);
   EXPECT_GT(steps[0]["loss"].get<double>(), steps[2]["loss"].get<double>());
   EXPECT_GT(steps[2]["images_per_s"].get<double>(), 0);
+  // The cosine schedule over the 30 steps: the rate used by the step that was logged (step 10
+  // and step 30 ran at global steps 9 and 29, counted from 0).
+  const double pi = std::acos(-1.0);
+  EXPECT_NEAR(steps[0]["lr"].get<double>(), 0.5 * 0.05 * (1 + std::cos(pi * 9 / 30)), 1e-12);
+  EXPECT_NEAR(steps[2]["lr"].get<double>(), 0.5 * 0.05 * (1 + std::cos(pi * 29 / 30)), 1e-12);
   ASSERT_EQ(epochs.size(), 1u);
   EXPECT_NEAR(epochs[0]["test_accuracy"].get<double>(), acc, 1e-4);
   EXPECT_EQ(epochs[0]["complete"], false);
