@@ -250,7 +250,7 @@ struct Reducer {
     arrival.clear();
     arrival.shrink_to_fit();
     if (group->size() > 1) {
-      Tensor t = from_vector(msg);
+      Tensor t = from_vector(msg).to(group->default_device());
       group->broadcast(t, BroadcastOptions{})->wait();
       msg = t.to_vector<int64_t>();
     }
@@ -416,7 +416,7 @@ struct Reducer {
   // static_graph iteration): counts the ranks that used each parameter.
   WorkPtr allreduce_used_map(const std::vector<char>& locally_used, Tensor& out) {
     std::vector<float> used(locally_used.begin(), locally_used.end());
-    out = used.empty() ? zeros({0}, kFloat32) : from_vector(used);
+    out = (used.empty() ? zeros({0}, kFloat32) : from_vector(used)).to(group->default_device());
     return group->allreduce(out, AllreduceOptions{});
   }
 
@@ -642,7 +642,7 @@ struct Reducer {
       v[n + kBuffers] = buffers;
       v[n + kUsedMap] = used_map;
     }
-    Tensor t = from_vector(v);
+    Tensor t = from_vector(v).to(group->default_device());
     group->allreduce(t, AllreduceOptions{})->wait();
     v = t.to_vector<float>();
     JoinRound r;
@@ -767,14 +767,15 @@ void check_same_parameters(ProcessGroup& pg, const nn::NamedTensors& named) {
     for (int64_t d : t.shape()) sig.push_back(d);
   }
   const int n = pg.size();
-  Tensor len = from_vector(std::vector<int64_t>{static_cast<int64_t>(sig.size())});
-  Tensor lens = zeros({n}, kInt64);
+  const Device dev = pg.default_device();
+  Tensor len = from_vector(std::vector<int64_t>{static_cast<int64_t>(sig.size())}).to(dev);
+  Tensor lens = zeros({n}, TensorOptions(kInt64).device(dev));
   pg.allgather_into_tensor(lens, len)->wait();
   int64_t max_len = 0;
   for (int64_t l : lens.to_vector<int64_t>()) max_len = std::max(max_len, l);
   sig.resize(max_len, -1);
-  Tensor mine = from_vector(sig);
-  Tensor all = zeros({n * max_len}, kInt64);
+  Tensor mine = from_vector(sig).to(dev);
+  Tensor all = zeros({n * max_len}, TensorOptions(kInt64).device(dev));
   pg.allgather_into_tensor(all, mine)->wait();
   const std::vector<int64_t> v = all.to_vector<int64_t>();
   std::vector<std::vector<ParamSig>> sigs;

@@ -102,7 +102,7 @@ void CheckedProcessGroup::check(int kind, const Tensor& t, int root, int op) {
     }
   }
   if (size_ == 1) return;
-  const Device device = t.defined() ? t.device() : kCPU;
+  const Device device = t.defined() ? t.device() : inner_->default_device();
   Tensor mine = from_vector(f);
   if (!device.is_cpu()) mine = mine.to(device);
   Tensor all = zeros({static_cast<int64_t>(size_) * kLen}, kInt64);

@@ -163,6 +163,10 @@ class ProcessGroup {
   Duration timeout() const { return options_.timeout; }
   /// "gloo", "mpi" or "nccl".
   virtual std::string backend_name() const = 0;
+  /// Where the group's own small exchanges (DDP's parameter check, bucket rebuild and unused-
+  /// parameter map, the debug mode's checks) put their tensors: the CPU, or the group's GPU for
+  /// a backend that takes CUDA tensors only (torch's _get_pg_default_device).
+  virtual Device default_device() const { return kCPU; }
   /// The next collective's sequence number (counts collectives issued by this rank).
   uint64_t sequence_number() const { return seq_; }
   const std::vector<int>& global_ranks() const { return global_ranks_; }

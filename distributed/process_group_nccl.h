@@ -70,6 +70,7 @@ class ProcessGroupNccl : public ProcessGroup {
   static bool is_available() { return nccl_available(); }
 
   std::string backend_name() const override { return "nccl"; }
+  Device default_device() const override { return cuda_device(device()); }
   /// This rank's CUDA device.
   int device() const;
   /// The stream the group's operations run on.

@@ -362,5 +362,43 @@ TEST(DDP, MismatchedParameterShapesNameParameterAndRank) {
   });
 }
 
+// DDP on CUDA parameters over gloo (staged through host memory), two ranks sharing one GPU:
+// SGD steps with one bucket per parameter and gradient_as_bucket_view end where one process on
+// the CPU ends after the same steps on the whole batch (to TF32 tolerance: cuDNN may use it).
+TEST(DDPCuda, TwoRanksOverGlooTrainLikeOneProcess) {
+  EMBER_REQUIRE_GLOO();
+  const std::string no_cuda = test::cuda_unusable_in_children();
+  if (!no_cuda.empty()) GTEST_SKIP() << "no CUDA device in a child process: " << no_cuda;
+  constexpr int n = 2;
+  run_group(n, [](std::shared_ptr<ProcessGroup> pg, int rank) {
+    const Device gpu = cuda_device(0);
+    auto model = test::make_cnn(300 + rank);  // DDP broadcasts rank 0's
+    model->to(gpu);
+    DDPOptions o;
+    o.bucket_cap_mb = o.first_bucket_cap_mb = 1e-4;
+    o.gradient_as_bucket_view = true;
+    auto ddp = std::make_shared<DistributedDataParallel>(model, pg, o);
+    auto ref = test::make_cnn(300);  // rank 0's initial weights, on the CPU
+    nn::optim::SGD opt(ddp->parameters(), {.lr = 0.05, .momentum = 0.9});
+    nn::optim::SGD ref_opt(ref->parameters(), {.lr = 0.05, .momentum = 0.9});
+    for (int step = 0; step < 4; ++step) {
+      const Batch b = test::cnn_batch(60 + step, 8);
+      opt.zero_grad();
+      ref_opt.zero_grad();
+      loss_of(*ddp, test::to_device(slice(b, rank, n), gpu)).backward();
+      loss_of(*ref, b).backward();
+      opt.step();
+      ref_opt.step();
+    }
+    const auto a = model->named_parameters();
+    const auto r = ref->named_parameters();
+    for (size_t i = 0; i < a.size(); ++i) {
+      require(a[i].second.is_cuda(), a[i].first + " left the GPU");
+      require_close("trained " + a[i].first, a[i].second, r[i].second, 2e-3);
+    }
+    require_same_on_all_ranks(*pg, *model);
+  });
+}
+
 }  // namespace
 }  // namespace ember::dist

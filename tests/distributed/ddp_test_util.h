@@ -12,9 +12,16 @@
 #include "distributed/prefix_store.h"
 #include "distributed/process_group_gloo.h"
 #include "distributed/tcp_store.h"
+#include "nn/activation.h"
+#include "nn/container.h"
+#include "nn/conv.h"
+#include "nn/flatten.h"
 #include "nn/functional.h"
+#include "nn/linear.h"
 #include "nn/module.h"
+#include "nn/pooling.h"
 #include "tensor/ops.h"
+#include "tensor/random.h"
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::test {
@@ -61,9 +68,9 @@ inline void require_close(const std::string& what, const Tensor& got, const Tens
 inline void require_same_on_all_ranks(dist::ProcessGroup& pg, const nn::Module& m,
                                       bool buffers = false) {
   std::vector<Tensor> flat;
-  for (const Tensor& p : m.parameters()) flat.push_back(p.detach().reshape({-1}).to(kFloat32));
+  for (const Tensor& p : m.parameters()) flat.push_back(p.detach().cpu().reshape({-1}).to(kFloat32));
   if (buffers) {
-    for (const Tensor& b : m.buffers()) flat.push_back(b.detach().reshape({-1}).to(kFloat32));
+    for (const Tensor& b : m.buffers()) flat.push_back(b.detach().cpu().reshape({-1}).to(kFloat32));
   }
   Tensor mine = cat(flat, 0).contiguous();
   Tensor all = zeros({pg.size() * mine.numel()}, kFloat32);
@@ -87,6 +94,23 @@ inline Batch slice(const Batch& b, int rank, int n) {
   const int64_t per = b.x.size(0) / n;
   return {b.x.narrow(0, rank * per, per), b.y.narrow(0, rank * per, per)};
 }
+inline Batch to_device(const Batch& b, Device d) { return {b.x.to(d), b.y.to(d)}; }
+
+/// A small CNN (conv, ReLU, max-pool, flatten, linear) with seeded initial weights, on the CPU:
+/// inputs [N, 1, 8, 8], outputs [N, 3]. With a tiny bucket cap each parameter gets its own bucket.
+inline std::shared_ptr<nn::Sequential> make_cnn(uint64_t seed) {
+  manual_seed(seed);
+  return std::make_shared<nn::Sequential>(
+      std::make_shared<nn::Conv2d>(1, 4, 3, nn::Conv2dOptions{.padding = 1}),
+      std::make_shared<nn::ReLU>(), std::make_shared<nn::MaxPool2d>(2),
+      std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(4 * 4 * 4, 3));
+}
+/// A regression batch for make_cnn, on the CPU.
+inline Batch cnn_batch(uint64_t seed, int64_t rows) {
+  manual_seed(seed);
+  return {randn({rows, 1, 8, 8}), randn({rows, 3})};
+}
+
 inline Tensor loss_of(nn::Module& m, const Batch& b) {
   return nn::functional::mse_loss(m.forward(b.x), b.y);
 }

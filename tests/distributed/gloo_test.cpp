@@ -397,7 +397,8 @@ std::shared_ptr<ProcessGroupGloo> solo() {
 // tensors through host memory, so ranks sharing one GPU can run DDP over gloo.
 TEST_P(GlooWorld, CudaTensorsAreStagedThroughHostMemory) {
   EMBER_REQUIRE_GLOO();
-  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+  const std::string no_cuda = test::cuda_unusable_in_children();
+  if (!no_cuda.empty()) GTEST_SKIP() << "no CUDA device in a child process: " << no_cuda;
   const int n = GetParam();
   run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
     const Device gpu("cuda");

@@ -16,12 +16,15 @@
 #include <thread>
 
 #include "tests/distributed/collective_options.h"
+#include "distributed/ddp.h"
 #include "distributed/file_store.h"
 #include "distributed/hash_store.h"
 #include "distributed/init.h"
 #include "distributed/prefix_store.h"
 #include "distributed/process_group_nccl.h"
 #include "tensor/cuda.h"
+#include "nn/optim/sgd.h"
+#include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {
@@ -288,6 +291,46 @@ TEST(NcclWorldOne, CreationTimesOutWhenAPeerNeverJoins) {
   test::expect_error<DistTimeoutError>(
       [&] { ProcessGroupNccl pg(std::make_shared<HashStore>(), 1, 2, o); },
       {"[nccl] rank 1 of 2: rank 0 did not publish its ncclUniqueId within 3000 ms"});
+}
+
+// DDP over NCCL at world size 1: a CNN on the GPU, one bucket per parameter, trains as the same
+// model does without DDP (with and without gradient_as_bucket_view), and its parameters and
+// gradients stay on the GPU.
+TEST(NcclWorldOne, DdpTrainsAsWithoutDdp) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  const Device gpu = cuda_device(0);
+  for (bool view : {false, true}) {
+    SCOPED_TRACE(view ? "gradient_as_bucket_view" : "gradients copied");
+    auto model = test::make_cnn(5);
+    model->to(gpu);
+    auto ref = test::make_cnn(5);
+    ref->to(gpu);
+    DDPOptions o;
+    o.bucket_cap_mb = o.first_bucket_cap_mb = 1e-4;
+    o.gradient_as_bucket_view = view;
+    auto ddp = std::make_shared<DistributedDataParallel>(model, world_of_one(), o);
+    nn::optim::SGD opt(ddp->parameters(), {.lr = 0.05, .momentum = 0.9});
+    nn::optim::SGD ref_opt(ref->parameters(), {.lr = 0.05, .momentum = 0.9});
+    for (int step = 0; step < 4; ++step) {
+      const test::Batch b = test::to_device(test::cnn_batch(70 + step, 6), gpu);
+      opt.zero_grad();
+      ref_opt.zero_grad();
+      test::loss_of(*ddp, b).backward();
+      test::loss_of(*ref, b).backward();
+      opt.step();
+      ref_opt.step();
+    }
+    const auto a = model->named_parameters();
+    const auto r = ref->named_parameters();
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(a[i].second.is_cuda() && a[i].second.grad().is_cuda()) << a[i].first;
+      try {
+        test::require_close(a[i].first, a[i].second, r[i].second, 1e-5);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << e.what();
+      }
+    }
+  }
 }
 
 TEST(NcclWorldOne, InitProcessGroupUsesTheBackend) {

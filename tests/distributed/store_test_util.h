@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "distributed/store.h"
+#include "tensor/cuda.h"
 #include "tests/tensor/test_util.h"
 
 namespace ember::test {
@@ -218,6 +219,21 @@ class Children {
 
   std::vector<Kid> kids_;
 };
+
+/// "" when children forked by Children can use a CUDA device, else why not. Asked once, in a
+/// child of its own, so that this process never initialises CUDA: the driver's threads would trip
+/// Children's fork check, and a process forked after its parent initialised CUDA cannot use it.
+inline std::string cuda_unusable_in_children() {
+  static const std::string why = [] {
+    Children probe(1, [](int, const std::string&) {
+      if (!cuda::is_available()) throw std::runtime_error(cuda::unavailable_reason());
+    });
+    probe.go("");
+    const std::vector<std::string> errors = probe.join(120000);
+    return errors.empty() ? std::string() : errors[0];
+  }();
+  return why;
+}
 
 /// Expects no child errors, printing each.
 inline void expect_children_ok(const std::vector<std::string>& errors) {
