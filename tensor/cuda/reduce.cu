@@ -22,6 +22,9 @@ using cuda_loops::stream_of;
 
 constexpr int kMaxBlock = 256;
 constexpr int kMaxGrid = 65535 * 8;
+// Blocks that keep every SM of a large GPU busy (an H100 has 132 SMs, each holding up to
+// 8 blocks of 256 threads).
+constexpr int64_t kOuterFillBlocks = 1024;
 
 template <typename A>
 __device__ A shfl_down(A v, int off) {
@@ -53,6 +56,32 @@ __device__ typename Red::acc block_reduce(typename Red::acc v, const Red& r,
   return v;
 }
 
+// Combines r.map(x[at(i)], c) for i = b, b + step, ... < e, four loads in flight per thread
+// (independent accumulators, combined at the end: a bandwidth-bound loop needs the parallelism).
+template <typename T, typename Red, typename At>
+__device__ typename Red::acc fold(const T* x, int64_t b, int64_t e, int64_t step, const Red& r,
+                                  typename Red::acc c, At at) {
+  using A = typename Red::acc;
+  A v0 = r.identity(), v1 = r.identity(), v2 = r.identity(), v3 = r.identity();
+  int64_t i = b;
+  for (; i + 3 * step < e; i += 4 * step) {
+    const T x0 = x[at(i)], x1 = x[at(i + step)], x2 = x[at(i + 2 * step)],
+            x3 = x[at(i + 3 * step)];
+    v0 = r.combine(v0, r.map(x0, c));
+    v1 = r.combine(v1, r.map(x1, c));
+    v2 = r.combine(v2, r.map(x2, c));
+    v3 = r.combine(v3, r.map(x3, c));
+  }
+  for (; i < e; i += step) v0 = r.combine(v0, r.map(x[at(i)], c));
+  return r.combine(r.combine(v0, v1), r.combine(v2, v3));
+}
+
+template <typename T, typename Red>
+__device__ typename Red::acc fold(const T* x, int64_t b, int64_t e, int64_t step, const Red& r,
+                                  typename Red::acc c) {
+  return fold(x, b, e, step, r, c, [](int64_t i) { return i; });
+}
+
 // Work item w = (row, piece): piece `piece` of row `row` (cpr pieces per row of `plen`).
 template <typename T, typename O, typename Red>
 __global__ void reduce_inner_kernel(ReduceGeom g, const T* in, O* out,
@@ -67,8 +96,7 @@ __global__ void reduce_inner_kernel(ReduceGeom g, const T* in, O* out,
     const T* x = in + g.keep_offset(row);
     const A c = ctx ? ctx[row] : A{};
     const int64_t b = piece * plen, e = min(R, b + plen);
-    A v = r.identity();
-    for (int64_t i = b + threadIdx.x; i < e; i += blockDim.x) v = r.combine(v, r.map(x[i], c));
+    A v = fold(x, b + threadIdx.x, e, blockDim.x, r, c);
     v = block_reduce(v, r, smem);
     if (threadIdx.x == 0) {
       if (cpr == 1) {
@@ -96,37 +124,60 @@ __global__ void reduce_partials_kernel(int64_t rows, const typename Red::acc* pa
 
 constexpr int kOuterX = 32, kOuterY = 8;
 
-// blockDim (32, 8): x over the dense kept dim, y splitting the reduced rows.
+// blockDim (32, 8): x over the dense kept dim, y splitting the reduced rows. With rsplit > 1 the
+// reduced rows are also split over rsplit blocks (when there are too few column tiles to fill
+// the GPU); each writes its un-projected value to partial[chunk * num_out + o], and
+// reduce_outer_partials_kernel finishes.
 template <typename T, typename O, typename Red>
-__global__ void reduce_outer_kernel(ReduceGeom g, const T* in, O* out, Red r,
-                                    const typename Red::acc* ctx) {
+__global__ void reduce_outer_kernel(ReduceGeom g, const T* in, O* out, typename Red::acc* partial,
+                                    Red r, const typename Red::acc* ctx, int64_t rsplit) {
   using A = typename Red::acc;
   __shared__ A smem[kOuterY][kOuterX];
   const int64_t K = g.keep_sizes[g.nkeep - 1];
   const int64_t outer = g.num_out / K;
   const int64_t ktiles = (K + kOuterX - 1) / kOuterX;
+  const int64_t rlen = (g.red_numel + rsplit - 1) / rsplit;
   ReduceGeom og = g;
   og.nkeep -= 1;
-  for (int64_t blk = blockIdx.x; blk < outer * ktiles; blk += gridDim.x) {
-    const int64_t ob = blk / ktiles;
-    const int64_t k = (blk % ktiles) * kOuterX + threadIdx.x;
+  for (int64_t blk = blockIdx.x; blk < outer * ktiles * rsplit; blk += gridDim.x) {
+    const int64_t chunk = blk / (outer * ktiles), tile = blk % (outer * ktiles);
+    const int64_t ob = tile / ktiles;
+    const int64_t k = (tile % ktiles) * kOuterX + threadIdx.x;
     const int64_t o = ob * K + k;
     A v = r.identity();
     A c{};
     if (k < K) {
       c = ctx ? ctx[o] : A{};
       const T* x = in + og.keep_offset(ob) + k;
-      for (int64_t row = threadIdx.y; row < g.red_numel; row += kOuterY) {
-        v = r.combine(v, r.map(x[g.red_offset(row)], c));
-      }
+      const int64_t e = min(g.red_numel, (chunk + 1) * rlen);
+      v = fold(x, chunk * rlen + threadIdx.y, e, kOuterY, r, c,
+               [&g](int64_t row) { return g.red_offset(row); });
     }
     smem[threadIdx.y][threadIdx.x] = v;
     __syncthreads();
     if (threadIdx.y == 0 && k < K) {
       for (int y = 1; y < kOuterY; ++y) v = r.combine(v, smem[y][threadIdx.x]);
-      out[o] = r.template project<O>(v, c);
+      if (rsplit == 1) {
+        out[o] = r.template project<O>(v, c);
+      } else {
+        partial[chunk * g.num_out + o] = v;
+      }
     }
     __syncthreads();
+  }
+}
+
+// Output o combines partial[0 * num_out + o], partial[1 * num_out + o], ... (coalesced over o).
+template <typename O, typename Red>
+__global__ void reduce_outer_partials_kernel(int64_t num_out, const typename Red::acc* partial,
+                                             O* out, Red r, const typename Red::acc* ctx,
+                                             int64_t rsplit) {
+  using A = typename Red::acc;
+  for (int64_t o = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; o < num_out;
+       o += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    A v = partial[o];
+    for (int64_t c = 1; c < rsplit; ++c) v = r.combine(v, partial[c * num_out + o]);
+    out[o] = r.template project<O>(v, ctx ? ctx[o] : A{});
   }
 }
 
@@ -171,9 +222,28 @@ void run_reduce(const ReduceGeom& g, const T* in, O* out, const Red& r, Device d
   }
   EMBER_INTERNAL_ASSERT(g.outer(), "reduction geometry is neither inner nor outer");
   const int64_t K = g.keep_sizes[g.nkeep - 1];
-  const int64_t blocks = (g.num_out / K) * ((K + kOuterX - 1) / kOuterX);
-  reduce_outer_kernel<<<grid_for(blocks), dim3(kOuterX, kOuterY), 0, s>>>(g, in, out, r, ctx);
+  const int64_t tiles = (g.num_out / K) * ((K + kOuterX - 1) / kOuterX);
+  // Too few column tiles to fill the GPU (e.g. a [8192, 8192] sum over dim 0 has 256): split
+  // the reduced rows too, keeping at least 64 rows per thread row.
+  int64_t rsplit = 1;
+  if (tiles < kOuterFillBlocks) {
+    rsplit = std::max<int64_t>(1, std::min<int64_t>((kOuterFillBlocks + tiles - 1) / tiles,
+                                                    g.red_numel / (64 * kOuterY)));
+  }
+  Tensor partial;
+  A* pp = nullptr;
+  if (rsplit > 1) {
+    partial = make_empty({rsplit * g.num_out * static_cast<int64_t>(sizeof(A))}, kUInt8, dev);
+    pp = static_cast<A*>(partial.data_ptr());
+  }
+  reduce_outer_kernel<<<grid_for(tiles * rsplit), dim3(kOuterX, kOuterY), 0, s>>>(g, in, out, pp,
+                                                                                 r, ctx, rsplit);
   EMBER_CUDA_CHECK(cudaGetLastError());
+  if (rsplit > 1) {
+    reduce_outer_partials_kernel<<<grid_for((g.num_out + 255) / 256), 256, 0, s>>>(
+        g.num_out, pp, out, r, ctx, rsplit);
+    EMBER_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 

@@ -38,12 +38,23 @@ __global__ void softmax_inner_kernel(const T* x, T* y, int64_t rows, int64_t D, 
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * D;
     T* yr = y + row * D;
-    A m = lowest_v<A>();
-    for (int64_t i = threadIdx.x; i < D; i += blockDim.x) m = max_nan(m, convert<A>(xr[i]));
-    m = block_all_reduce(m, mx, smem);
-    A s = 0;
-    for (int64_t i = threadIdx.x; i < D; i += blockDim.x) s += exp_v(convert<A>(xr[i]) - m);
-    s = block_all_reduce(s, add, smem);
+    // One pass for the row's max and sum of exp (online: the sum is rescaled when the max
+    // grows), so x is read twice instead of three times.
+    A m = lowest_v<A>(), s = 0;
+    for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+      const A v = convert<A>(xr[i]);
+      if (v > m) {
+        s = s * exp_v(m - v) + A(1);
+        m = v;
+      } else {
+        // v == m: 1 even for -inf (scaled to 0 below unless the whole row is -inf, whose
+        // result is NaN as in the three-pass form); a NaN v makes s NaN, as it should.
+        s += v == m ? A(1) : exp_v(v - m);
+      }
+    }
+    const A row_max = block_all_reduce(m, mx, smem);
+    s = block_all_reduce(s == A(0) ? A(0) : s * exp_v(m - row_max), add, smem);
+    m = row_max;
     if (log) {
       const A lse = log_v(s);
       for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {

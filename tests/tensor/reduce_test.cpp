@@ -758,6 +758,33 @@ TEST(ReduceCuda, LargeAndEdgeCases) {
   expect_same(argmax(m, 1), argmax(g, 1), 0, "argmax dim1");
   expect_same(argmax(m, 0), argmax(g, 0), 0, "argmax dim0");
   expect_same(softmax(m, 1), softmax(g, 1), 1e-5, "softmax");
+  // Tall and narrow: few column tiles, so the reduced rows are split over blocks (two passes).
+  Tensor tall = grid_tensor({6000, 37}, kFloat32, 3);
+  Tensor tg = tall.cuda();
+  expect_same(sum(tall, {0}), sum(tg, {0}), 1e-4, "sum dim0 of tall");
+  expect_same(mean(tall, {0}), mean(tg, {0}), 1e-5, "mean dim0 of tall");
+  expect_same(amax(tall, {0}), amax(tg, {0}), 0, "amax dim0 of tall");
+  expect_same(var(tall, {0}), var(tg, {0}), 1e-4, "var dim0 of tall");
+  expect_same(argmax(tall, 0), argmax(tg, 0), 0, "argmax dim0 of tall");
+  // Softmax rows longer than a block: -inf entries (some threads see only -inf), a row of -inf
+  // only and a row with a NaN (both all NaN, as in torch).
+  const float inf = std::numeric_limits<float>::infinity();
+  Tensor rows = grid_tensor({4, 3000}, kFloat32, 5);
+  rows.select(0, 0).narrow(0, 0, 2000).fill_(-inf);
+  rows.select(0, 1).fill_(-inf);
+  rows.select(0, 2).narrow(0, 1234, 1).fill_(std::nanf(""));
+  for (bool log : {false, true}) {
+    const Tensor want = log ? log_softmax(rows, 1) : softmax(rows, 1);
+    const Tensor got = (log ? log_softmax(rows.cuda(), 1) : softmax(rows.cuda(), 1)).cpu();
+    const std::string what = log ? "log_softmax" : "softmax";
+    expect_close(got.select(0, 0), want.select(0, 0).to_vector<double>(), 1e-5, 1e-5, what + " row 0");
+    expect_close(got.select(0, 3), want.select(0, 3).to_vector<double>(), 1e-5, 1e-5, what + " row 3");
+    for (int r : {1, 2}) {
+      for (float v : got.select(0, r).to_vector<float>()) {
+        ASSERT_TRUE(std::isnan(v)) << what << " row " << r << " got " << v;
+      }
+    }
+  }
   expect_same(sum(empty({2, 0}), {1}), sum(empty({2, 0}).cuda(), {1}), 0, "empty sum");
   expect_same(sum(scalar_tensor(2.5f)), sum(scalar_tensor(2.5f).cuda()), 0, "0-dim sum");
   expect_error<IndexError>([] { max(empty({0}).cuda()); }, {"[max]"});
