@@ -16,6 +16,7 @@
 namespace ember::detail::cuda_loops {
 
 inline constexpr int kThreads = 256;
+inline constexpr int kRun = 4;  ///< consecutive elements per thread in strided loops
 
 inline int blocks_for(int64_t n) {
   const int64_t b = (n + kThreads - 1) / kThreads;
@@ -27,8 +28,10 @@ inline int blocks_for(int64_t n) {
 // 16 / the widest operand's size elements at a time, e.g. 4 float32 or 8 bfloat16: fewer, wider
 // memory transactions); a misaligned operand or the last n % N elements take the scalar path in
 // the same kernel, so each op instantiates one dense kernel. Strided loops (broadcasts,
-// transposes) turn the linear index into per-operand offsets with 32-bit divisions whenever the
-// loop has fewer than 2^31 elements (64-bit division is emulated, several times slower).
+// transposes) give each thread runs of kRun consecutive elements: the linear index of the first
+// becomes per-operand offsets through divisions (32-bit whenever the loop has fewer than 2^31
+// elements: 64-bit division is emulated, several times slower), the next ones add the innermost
+// strides.
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Packet {
@@ -66,20 +69,45 @@ struct TypeList {
         apply<Out, N>(f, reinterpret_cast<const Packet<In, N>*>(g.data[I + 1])[p]...);
   }
 
-  template <typename Out, typename Index, typename F, size_t... I>
-  __device__ static void strided_at(Index i, const Geometry& g, const F& f,
-                                    std::index_sequence<I...>) {
-    int64_t off[kN + 1] = {};
-    Index rem = i;
+  // Fills off[] with each operand's byte offset of element i; returns i's innermost index.
+  template <typename Index>
+  __device__ static Index offsets_of(Index i, const Geometry& g, int64_t* off) {
+#pragma unroll
+    for (int k = 0; k < kN + 1; ++k) off[k] = 0;
+    Index inner = 0;
     for (int d = g.ndim - 1; d >= 0; --d) {
       const Index size = static_cast<Index>(g.sizes[d]);
-      const Index idx = rem % size;
-      rem /= size;
+      const Index idx = i % size;
+      i /= size;
+      if (d == g.ndim - 1) inner = idx;
 #pragma unroll
       for (int k = 0; k < kN + 1; ++k) off[k] += static_cast<int64_t>(idx) * g.strides[k][d];
     }
-    *reinterpret_cast<Out*>(g.data[0] + off[0]) =
-        f(*reinterpret_cast<const In*>(g.data[I + 1] + off[I + 1])...);
+    return inner;
+  }
+
+  // Elements i .. i + kRun - 1 (those below n): the offsets of the first come from divisions,
+  // the next ones step along the innermost dim while they stay in its row.
+  template <typename Out, typename Index, typename F, size_t... I>
+  __device__ static void strided_run(Index i, Index n, const Geometry& g, const F& f,
+                                     std::index_sequence<I...>) {
+    int64_t off[kN + 1];
+    Index inner = offsets_of(i, g, off);
+    const Index inner_size = static_cast<Index>(g.sizes[g.ndim - 1]);
+#pragma unroll
+    for (int j = 0; j < kRun; ++j) {
+      if (i + j >= n) return;
+      if (j > 0) {
+        if (++inner == inner_size) {
+          inner = offsets_of(static_cast<Index>(i + j), g, off);  // the next row
+        } else {
+#pragma unroll
+          for (int k = 0; k < kN + 1; ++k) off[k] += g.strides[k][g.ndim - 1];
+        }
+      }
+      *reinterpret_cast<Out*>(g.data[0] + off[0]) =
+          f(*reinterpret_cast<const In*>(g.data[I + 1] + off[I + 1])...);
+    }
   }
 };
 
@@ -96,19 +124,20 @@ __global__ void dense_kernel(int64_t n, int64_t packets, Geometry g, F f) {
   }
 }
 
+// Each thread takes runs of kRun consecutive elements.
 template <typename Out, typename Types, typename F>
 __global__ void strided_kernel(int64_t n, Geometry g, F f) {
   const auto seq = std::make_index_sequence<Types::kN>{};
-  if (n <= INT32_MAX) {  // uniform across the grid: no divergence
-    const uint32_t stride = gridDim.x * blockDim.x;
-    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-      Types::template strided_at<Out, uint32_t>(i, g, f, seq);  // i + stride < 2^32
+  if (n <= INT32_MAX - kRun) {  // uniform across the grid: no divergence
+    const uint32_t stride = gridDim.x * blockDim.x * kRun;
+    for (uint32_t i = (blockIdx.x * blockDim.x + threadIdx.x) * kRun; i < n; i += stride) {
+      Types::template strided_run<Out, uint32_t>(i, static_cast<uint32_t>(n), g, f, seq);
     }
     return;
   }
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    Types::template strided_at<Out, int64_t>(i, g, f, seq);
+  for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * kRun; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x * kRun) {
+    Types::template strided_run<Out, int64_t>(i, n, g, f, seq);
   }
 }
 
@@ -125,7 +154,8 @@ void cuda_elementwise(const Geometry& g, F f, cudaStream_t stream) {
     const int blocks = blocks_for(packets > 0 ? packets : g.numel);
     dense_kernel<Out, TypeList<In...>, N><<<blocks, kThreads, 0, stream>>>(g.numel, packets, g, f);
   } else {
-    strided_kernel<Out, TypeList<In...>><<<blocks_for(g.numel), kThreads, 0, stream>>>(g.numel, g, f);
+    strided_kernel<Out, TypeList<In...>>
+        <<<blocks_for((g.numel + kRun - 1) / kRun), kThreads, 0, stream>>>(g.numel, g, f);
   }
   EMBER_CUDA_CHECK(cudaGetLastError());
 }

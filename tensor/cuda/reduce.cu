@@ -150,8 +150,13 @@ __global__ void reduce_outer_kernel(ReduceGeom g, const T* in, O* out, typename 
       c = ctx ? ctx[o] : A{};
       const T* x = in + og.keep_offset(ob) + k;
       const int64_t e = min(g.red_numel, (chunk + 1) * rlen);
-      v = fold(x, chunk * rlen + threadIdx.y, e, kOuterY, r, c,
-               [&g](int64_t row) { return g.red_offset(row); });
+      const int64_t b = chunk * rlen + threadIdx.y;
+      if (g.nred == 1) {  // one reduced dim (the common case): no 64-bit division per row
+        const int64_t st = g.red_strides[0];
+        v = fold(x, b, e, kOuterY, r, c, [st](int64_t row) { return row * st; });
+      } else {
+        v = fold(x, b, e, kOuterY, r, c, [&g](int64_t row) { return g.red_offset(row); });
+      }
     }
     smem[threadIdx.y][threadIdx.x] = v;
     __syncthreads();
