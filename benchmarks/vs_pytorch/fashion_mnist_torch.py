@@ -56,7 +56,7 @@ def make_model(name):
                          nn.Linear(512, 10))
 
 
-def evaluate(model, x, y, rank, world):
+def evaluate(model, x, y, rank, world, dev):
     model.eval()
     n = x.shape[0]
     begin, end = n * rank // world, n * (rank + 1) // world
@@ -64,9 +64,10 @@ def evaluate(model, x, y, rank, world):
     with torch.no_grad():
         for i in range(begin, end, 1000):
             j = min(i + 1000, end)
-            logits = model(x[i:j])
-            loss_sum += F.cross_entropy(logits, y[i:j], reduction="sum").item()
-            correct += (logits.argmax(1) == y[i:j]).sum().item()
+            xb, yb = x[i:j].to(dev), y[i:j].to(dev)
+            logits = model(xb)
+            loss_sum += F.cross_entropy(logits, yb, reduction="sum").item()
+            correct += (logits.argmax(1) == yb).sum().item()
     t = torch.tensor([loss_sum, correct, float(end - begin)], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(t)
@@ -80,7 +81,8 @@ def worker(rank, world, port, args):
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(args.seed)
-    model = make_model(args.model)
+    dev = torch.device(args.device)
+    model = make_model(args.model).to(dev)
     if world > 1:
         kwargs = {}
         if args.comm_hook == "powersgd":
@@ -143,6 +145,7 @@ def worker(rank, world, port, args):
         losses = []
         steps = 0
         for xb, yb in loader:
+            xb, yb = xb.to(dev), yb.to(dev)  # per batch from host memory, as the Ember program
             for group in opt.param_groups:
                 group["lr"] = lr_at(step_total)
             opt.zero_grad()
@@ -155,7 +158,7 @@ def worker(rank, world, port, args):
             if args.max_steps and step_total >= args.max_steps:
                 break
         dt = time.perf_counter() - t0
-        test_loss, acc = evaluate(model, tx, ty, rank, world)
+        test_loss, acc = evaluate(model, tx, ty, rank, world, dev)
         ips = steps * args.batch_size * world / dt
         if rank == 0:
             print(f"epoch {epoch + 1}/{args.epochs}: train loss {sum(losses) / len(losses):.4f}, "
@@ -189,6 +192,7 @@ def main():
     p.add_argument("--threads", type=int, default=0, help="per rank; 0: cores / nproc")
     p.add_argument("--comm-hook", default="none", choices=["none", "fp16", "powersgd"])
     p.add_argument("--metrics", default="")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args()
     if args.threads <= 0:
         args.threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)

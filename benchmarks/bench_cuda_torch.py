@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""The PyTorch side of bench_cuda: the same cases on the same GPU, timed the same way as
+bench_util.h (warm-up, batches calibrated to --min-time, median of --samples batches, a device
+synchronize inside each timed batch), printing the same BENCH lines.
+
+    python3 bench_cuda_torch.py [--filter S] [--samples N] [--min-time SEC]
+
+PyTorch's defaults are kept: float32 matmul without TF32, cuDNN allowed TF32 (as Ember).
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+M = 1 << 20
+
+
+def timed(args, name, fn, flops=0.0, nbytes=0.0):
+    if args.filter and args.filter not in name:
+        return
+    sync = torch.cuda.synchronize
+    fn()
+    sync()
+    calls = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        dt = time.perf_counter() - t0
+        if dt >= args.min_time / 4 or calls >= 1 << 30:
+            calls = max(1, int(calls * args.min_time / max(dt, 1e-9)))
+            break
+        calls *= 4
+    per_call = []
+    for _ in range(args.samples):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        per_call.append((time.perf_counter() - t0) / calls)
+    per_call.sort()
+    print(f"BENCH name={name} sec={per_call[len(per_call) // 2]:.9g} flops={flops:.6g} "
+          f"bytes={nbytes:.6g}", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--filter", default="")
+    p.add_argument("--samples", type=int, default=5)
+    p.add_argument("--min-time", type=float, default=0.2)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+    def g(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device=dev).to(dtype)
+
+    a, b = g(64 * M), torch.empty(64 * M, device=dev)
+    timed(args, "copy_f32_64M", lambda: b.copy_(a), 0, 2.0 * 4 * 64 * M)
+    for d in (torch.float32, torch.bfloat16):
+        x, y = g(16 * M, dtype=d), g(16 * M, dtype=d)
+        timed(args, f"add_{names[d]}_16M", lambda: torch.add(x, y), 16.0 * M,
+              3.0 * x.element_size() * 16 * M)
+    x, y = g(4096, 4096), g(4096)
+    timed(args, "add_bcast_f32_4096x4096", lambda: torch.add(x, y), 16.0 * M, 2.0 * 4 * 16 * M)
+    x = g(64 * M)
+    timed(args, "sum_f32_64M", lambda: x.sum(), 64.0 * M, 4.0 * 64 * M)
+    x = g(8192, 8192)
+    timed(args, "sum_dim1_f32_8192x8192", lambda: x.sum(1), 64.0 * M, 4.0 * 64 * M)
+    timed(args, "sum_dim0_f32_8192x8192", lambda: x.sum(0), 64.0 * M, 4.0 * 64 * M)
+    x = g(8192, 4096)
+    timed(args, "softmax_f32_8192x4096", lambda: torch.softmax(x, 1), 0, 2.0 * 4 * 32 * M)
+    del a, b, x, y
+    for d, n in ((torch.float32, 4096), (torch.bfloat16, 8192), (torch.float16, 8192)):
+        x, y = g(n, n, dtype=d), g(n, n, dtype=d)
+        timed(args, f"matmul_{names[d]}_{n}", lambda: torch.mm(x, y), 2.0 * n ** 3,
+              3.0 * x.element_size() * n * n)
+    x, w = g(64, 128, 28, 28), g(128, 128, 3, 3)
+    timed(args, "conv3x3_f32_n64_c128_28", lambda: F.conv2d(x, w, padding=1),
+          2.0 * 64 * 128 * 28 * 28 * 128 * 9, 0)
+    for batch in (64, 1024):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Flatten(), nn.Linear(64 * 7 * 7, 128), nn.ReLU(),
+                              nn.Linear(128, 10)).to(dev)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        x = g(batch, 1, 28, 28)
+        y = torch.randint(0, 10, (batch,), device=dev)
+
+        def step():
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        timed(args, f"cnn_train_step_b{batch}", step)
+
+
+if __name__ == "__main__":
+    main()

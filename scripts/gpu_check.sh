@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# gpu_check.sh BUNDLE OUTDIR [tests|bench|train]... — what only a GPU machine can show, run from a
+# bundle made by ../shared/gpu/bundle.sh (build/tests, build/benchmarks, build/examples,
+# build/launcher) on the GPU machine:
+#   tests  every test case whose name says CUDA or NCCL, each in its own process (as ctest runs
+#          them: a process that initialised CUDA cannot fork ranks that use it); summary and the
+#          failures' output in OUTDIR/tests.log
+#   bench  benchmarks/run_cuda_bench.py: bench_cuda beside PyTorch on the same GPU
+#   train  examples/fashion_mnist --device cuda, 1 rank and 2 ranks sharing the GPU (gloo,
+#          staged through host memory), beside benchmarks/vs_pytorch/fashion_mnist_torch.py
+# Each writes OUTDIR/<step>.log.
+set -uo pipefail
+bundle=$1 out=$2; shift 2
+root=$(cd "$(dirname "$0")/.." && pwd)
+b=/tmp/ember_gpu_bundle
+rm -rf "$b" && mkdir -p "$b" && tar xf "$bundle" -C "$b"
+nvidia-smi -L | tee "$out/device.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$out/device.txt"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' >> "$out/device.txt" 2>&1
+
+run_tests() {
+  local log=$out/tests.log pass=0 fail=0 skip=0
+  : > "$log"
+  for exe in "$b"/bin/build/tests/*; do
+    [ -x "$exe" ] || continue
+    for t in $("$b/run.sh" "$exe" --gtest_list_tests --gtest_filter='*Cuda*:*CUDA*:*Nccl*' |
+               awk '/^[^ ]/{s=$1} /^  /{print s $1}'); do
+      res=$(timeout 300 "$b/run.sh" "$exe" --gtest_filter="$t" 2>&1)
+      rc=$?
+      if [ $rc -ne 0 ]; then
+        fail=$((fail + 1)); echo "FAIL $(basename "$exe") $t (rc $rc)" >> "$log"
+        echo "$res" | tail -40 >> "$log"
+      elif echo "$res" | grep -q '\[  SKIPPED \]'; then
+        skip=$((skip + 1)); echo "SKIP $(basename "$exe") $t: $(echo "$res" | grep -m1 -i 'skipped\|no cuda\|needs' | head -c 200)" >> "$log"
+      else
+        pass=$((pass + 1)); echo "PASS $(basename "$exe") $t" >> "$log"
+      fi
+    done
+  done
+  echo "tests: $pass passed, $fail failed, $skip skipped" | tee -a "$log"
+}
+
+run_bench() {
+  python3 "$root/benchmarks/run_cuda_bench.py" --bench "$b/run.sh bin/build/benchmarks/bench_cuda" --rounds 3 \
+    --markdown "$out/bench_cuda.md" 2>&1 | tee "$out/bench.log"
+}
+
+run_train() {
+  local data=$root/.gpu/fashion-mnist fm=$b/bin/build/examples/fashion_mnist
+  {
+    echo "== ember, 1 rank, cuda"
+    "$b/run.sh" "$fm" --device cuda --model cnn --epochs 2 --data "$data" 2>&1 | grep -v '\[#'
+    echo "== ember, 2 ranks sharing the GPU, cuda (gloo)"
+    "$b/run.sh" "$b/bin/build/launcher/emberrun" --standalone --nproc-per-node 2 "$fm" --device cuda \
+      --model cnn --epochs 2 --data "$data" 2>&1 | grep -v '\[#'
+    echo "== torch, 1 rank, cuda"
+    python3 "$root/benchmarks/vs_pytorch/fashion_mnist_torch.py" --device cuda --nproc 1 --model cnn \
+      --epochs 2 --data "$data" 2>&1
+    echo "== torch, 2 ranks sharing the GPU, cuda (gloo)"
+    timeout 300 python3 "$root/benchmarks/vs_pytorch/fashion_mnist_torch.py" --device cuda --nproc 2 \
+      --model cnn --epochs 2 --data "$data" 2>&1
+  } | tee "$out/train.log"
+}
+
+for step in "$@"; do
+  case $step in
+    tests) run_tests ;;
+    bench) run_bench ;;
+    train) run_train ;;
+    *) echo "unknown step $step" >&2 ;;
+  esac
+done
