@@ -94,6 +94,16 @@ inline double run(const Options& o, const std::string& name, const std::function
   return med;
 }
 
+/// "<python> <source dir>/<script>" for a benchmark's PyTorch side: $EMBER_PYTHON (default
+/// Debian's /usr/bin/python3) and $EMBER_SOURCE_DIR (default the tree this was built from), so a
+/// build carried to another machine finds that machine's torch and its copy of the scripts.
+inline std::string python_script(const std::string& built_source_dir, const std::string& script) {
+  const char* py = std::getenv("EMBER_PYTHON");
+  const char* src = std::getenv("EMBER_SOURCE_DIR");
+  return std::string(py && *py ? py : "/usr/bin/python3") + " " +
+         (src && *src ? std::string(src) : built_source_dir) + "/" + script;
+}
+
 /// Keeps the compiler from discarding a computed value.
 template <typename T>
 inline void do_not_optimize(const T& v) {

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/bench_util.h"
 #include "distributed/init.h"
 #include "distributed/tcp_store.h"
 #include "tensor/ops.h"
@@ -200,10 +201,9 @@ std::vector<Row> run_rank(const Args& a) {
 
 // torch's time per size (µs), from bench_collectives_torch.py's "bytes us" lines.
 std::map<int64_t, double> run_torch(const Args& a, int n) {
-  std::string script =
-      std::string(EMBER_SOURCE_DIR) + "/benchmarks/collectives/bench_collectives_torch.py";
   std::ostringstream cmd;
-  cmd << "/usr/bin/python3 " << script << " --np " << n << " --op " << a.op << " --min-bytes "
+  cmd << bench::python_script(EMBER_SOURCE_DIR, "benchmarks/collectives/bench_collectives_torch.py")
+      << " --np " << n << " --op " << a.op << " --min-bytes "
       << a.min_bytes << " --max-bytes " << a.max_bytes << " --iters " << a.iters << " --warmup "
       << a.warmup << " --mode " << a.mode;
   std::map<int64_t, double> out;
@@ -247,7 +247,7 @@ void print(const Args& a, int n, const std::vector<Row>& rows,
   std::fflush(stdout);
 }
 
-int bench(const Args& a) {
+int rank_main(const Args& a) {
   InitOptions o;
   o.backend = a.backend;
   init_process_group(o);
@@ -291,7 +291,7 @@ int bench(const Args& a) {
 int main(int argc, char** argv) {
   const Args a = parse(argc, argv);
   try {
-    if (a.np <= 0) return bench(a);
+    if (a.np <= 0) return rank_main(a);
     // --np: fork the ranks here, rendezvous on a free port of 127.0.0.1.
     TCPStoreServerOptions so;
     so.host = "127.0.0.1";
@@ -309,7 +309,7 @@ int main(int argc, char** argv) {
         ::setenv("MASTER_ADDR", "127.0.0.1", 1);
         ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
         try {
-          ::_exit(bench(a));
+          ::_exit(rank_main(a));
         } catch (const std::exception& e) {
           std::fprintf(stderr, "rank %d: %s\n", r, e.what());
           ::_exit(1);

@@ -40,6 +40,7 @@
 #include <thread>
 #include <vector>
 
+#include "benchmarks/bench_util.h"
 #include "distributed/ddp.h"
 #include "distributed/hash_store.h"
 #include "distributed/init.h"
@@ -291,8 +292,8 @@ class RankBench {
 // One block of bench_ddp_torch.py, whose rank 0 prints "RESULT step_ms compute_ms allreduce_ms".
 TorchResult run_torch_block(const Args& a, const std::string& model, int world, int threads) {
   std::ostringstream cmd;
-  cmd << "timeout 1800 /usr/bin/python3 " << EMBER_SOURCE_DIR
-      << "/benchmarks/ddp/bench_ddp_torch.py --np " << world << " --model " << model << " --batch "
+  cmd << "timeout 1800 " << bench::python_script(EMBER_SOURCE_DIR, "benchmarks/ddp/bench_ddp_torch.py")
+      << " --np " << world << " --model " << model << " --batch "
       << a.batch << " --steps " << a.steps << " --warmup " << a.warmup << " --threads " << threads;
   TorchResult r;
   FILE* p = ::popen(cmd.str().c_str(), "r");

@@ -375,7 +375,7 @@ TEST(DDPCuda, TwoRanksOverGlooTrainLikeOneProcess) {
     auto model = test::make_cnn(300 + rank);  // DDP broadcasts rank 0's
     model->to(gpu);
     DDPOptions o;
-    o.bucket_cap_mb = o.first_bucket_cap_mb = 1e-4;
+    o.bucket_cap_mb = o.first_bucket_cap_mb = 1e-6;
     o.gradient_as_bucket_view = true;
     auto ddp = std::make_shared<DistributedDataParallel>(model, pg, o);
     auto ref = test::make_cnn(300);  // rank 0's initial weights, on the CPU

@@ -97,7 +97,7 @@ inline Batch slice(const Batch& b, int rank, int n) {
 inline Batch to_device(const Batch& b, Device d) { return {b.x.to(d), b.y.to(d)}; }
 
 /// A small CNN (conv, ReLU, max-pool, flatten, linear) with seeded initial weights, on the CPU:
-/// inputs [N, 1, 8, 8], outputs [N, 3]. With a tiny bucket cap each parameter gets its own bucket.
+/// inputs [N, 1, 8, 8], outputs [N, 3]. With a bucket cap under 12 bytes each parameter gets its own bucket.
 inline std::shared_ptr<nn::Sequential> make_cnn(uint64_t seed) {
   manual_seed(seed);
   return std::make_shared<nn::Sequential>(

@@ -306,7 +306,7 @@ TEST(NcclWorldOne, DdpTrainsAsWithoutDdp) {
     auto ref = test::make_cnn(5);
     ref->to(gpu);
     DDPOptions o;
-    o.bucket_cap_mb = o.first_bucket_cap_mb = 1e-4;
+    o.bucket_cap_mb = o.first_bucket_cap_mb = 1e-6;
     o.gradient_as_bucket_view = view;
     auto ddp = std::make_shared<DistributedDataParallel>(model, world_of_one(), o);
     nn::optim::SGD opt(ddp->parameters(), {.lr = 0.05, .momentum = 0.9});
