@@ -140,12 +140,13 @@ void divide_in_place(const Tensor& t, int n) {
 // allgather is a ring of n-1 steps and measured ~10x slower here than this exchange for 4 KiB
 // between 2 processes, slower even than its ring allreduce.)
 // With 2 ranks the exchange moves the same bytes as the ring (each sends its whole buffer once)
-// in one step instead of two, and measured faster up to 1 MiB and even at 2 MiB (2026-11-22,
-// 2-core VM, pipelined: 0.8 ms against 2.1 ms at 256-512 KiB, 2.4 against 3.8 ms at 1 MiB);
-// at 4 MiB the ring's halved reduction work wins (4.2 against 7.4 ms). With more ranks the
+// in one step instead of two. Pipelined, it beat torch's ring up to 512 KiB on a quiet 16-core
+// machine (2026-11-24: 0.37 against 0.50 ms at 512 KiB) but not at 1-2 MiB (0.88 against
+// 0.49 ms at 1 MiB), where the ring's halved reduction work, spread over both ranks, wins;
+// on the loaded 2-core VM the exchange still led at 1-2 MiB (2026-11-22). With more ranks the
 // exchange sends (n-1) times the buffer, so it is kept for small ones.
 constexpr size_t kSmallAllreduceBytes = 64 * 1024;
-constexpr size_t kTwoRankExchangeBytes = 2 * 1024 * 1024;
+constexpr size_t kTwoRankExchangeBytes = 512 * 1024;
 constexpr uint8_t kSmallAllreduceSlotPrefix = 0x0a;  // after send/recv's 0x09
 
 template <typename T>

@@ -8,6 +8,9 @@
 #   bench  benchmarks/run_cuda_bench.py: bench_cuda beside PyTorch on the same GPU
 #   train  examples/fashion_mnist --device cuda, 1 rank and 2 ranks sharing the GPU (gloo,
 #          staged through host memory), beside benchmarks/vs_pytorch/fashion_mnist_torch.py
+#   cpu    the CPU benchmarks that need a quiet machine with cores to spare: bench_collectives
+#          (allreduce, 2 and 4 ranks, pipelined; 2 ranks, latency) and bench_ddp (CNN and MLP,
+#          1, 2 and 4 ranks), each beside the machine's PyTorch over gloo
 # Each writes OUTDIR/<step>.log.
 set -uo pipefail
 bundle=$1 out=$2; shift 2
@@ -62,11 +65,25 @@ run_train() {
   } | tee "$out/train.log"
 }
 
+run_cpu() {
+  local bb=$b/bin/build/benchmarks
+  export EMBER_PYTHON=$(command -v python3) EMBER_SOURCE_DIR=$root
+  nproc > "$out/cpu.log"
+  for np in 2 4; do
+    timeout 120 "$b/run.sh" "$bb/bench_collectives" --np $np --op allreduce --rounds 2 --torch \
+      2>&1 | tee -a "$out/cpu.log"
+  done
+  timeout 60 "$b/run.sh" "$bb/bench_collectives" --np 2 --op allreduce --rounds 2 --torch \
+    --mode latency --max-bytes 65536 2>&1 | tee -a "$out/cpu.log"
+  timeout 200 "$b/run.sh" "$bb/ddp/bench_ddp" --np 1,2,4 --model cnn,mlp --torch --repeats 2 2>&1 | tee -a "$out/cpu.log"
+}
+
 for step in "$@"; do
   case $step in
     tests) run_tests ;;
     bench) run_bench ;;
     train) run_train ;;
+    cpu) run_cpu ;;
     *) echo "unknown step $step" >&2 ;;
   esac
 done
