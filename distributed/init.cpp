@@ -60,6 +60,14 @@ std::shared_ptr<ProcessGroup> make_gloo(const BackendArgs& a) {
   if (a.rank < 0) return nullptr;  // not a member of this group
   ProcessGroupGloo::GlooOptions o;
   o.timeout = a.timeout;
+  if (const char* t = std::getenv("EMBER_GLOO_THREADS"); t && *t) {
+    char* end = nullptr;
+    const long n = std::strtol(t, &end, 10);
+    EMBER_CHECK(*end == '\0' && n >= 1 && n <= 64,
+                "[init_process_group] EMBER_GLOO_THREADS must be a number from 1 to 64, got '", t,
+                "'");
+    o.threads = static_cast<int>(n);
+  }
   if (!std::getenv("EMBER_GLOO_HOSTNAME") && !std::getenv("GLOO_SOCKET_IFNAME")) {
     if (is_loopback(a.master_addr)) {
       o.hostname = "127.0.0.1";  // every rank is on this machine: stay on loopback

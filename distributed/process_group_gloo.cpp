@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <deque>
 #include <thread>
+#include <vector>
 
 #include "tensor/ops.h"
 
@@ -314,7 +315,9 @@ class ProcessGroupGloo::Impl {
                                              opts.timeout.count(), " ms): ", e.what()));
     }
     context_ = ctx;
-    worker_ = std::thread([this] { loop(queue_, cv_, true); });
+    for (int i = 0; i < opts.threads; ++i) {
+      workers_.emplace_back([this] { loop(queue_, cv_, true); });
+    }
     p2p_ = std::thread([this] { loop(p2p_queue_, p2p_cv_, false); });
   }
 
@@ -334,7 +337,9 @@ class ProcessGroupGloo::Impl {
       j.work->finish_with_error(std::make_exception_ptr(DistBackendError(
           detail::str_cat(j.work->describe(), " failed: the process group was destroyed"))));
     }
-    if (worker_.joinable()) worker_.join();
+    for (auto& w : workers_) {
+      if (w.joinable()) w.join();
+    }
     if (p2p_.joinable()) p2p_.join();
     if (context_) context_->closeConnections();
   }
@@ -455,7 +460,7 @@ class ProcessGroupGloo::Impl {
   std::string broken_;
   std::deque<Job> queue_;
   std::deque<Job> p2p_queue_;
-  std::thread worker_;
+  std::vector<std::thread> workers_;  // collectives
   std::thread p2p_;
 };
 
@@ -468,6 +473,8 @@ ProcessGroupGloo::ProcessGroupGloo(std::shared_ptr<Store> store, int rank, int s
               " ranks");
   EMBER_CHECK(options.timeout.count() > 0, "[gloo] timeout must be positive, got ",
               options.timeout.count(), " ms");
+  EMBER_CHECK(options.threads >= 1, "[gloo] GlooOptions::threads must be at least 1, got ",
+              options.threads);
   impl_ = std::make_unique<Impl>(*this, std::move(store), options);
 }
 

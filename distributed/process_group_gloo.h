@@ -2,10 +2,12 @@
 // (torch.distributed's ProcessGroupGloo).
 //
 // Ranks rendezvous through a Store (each publishes its address; Gloo connects a full mesh).
-// Collectives run one after another, in issue order, on the group's worker thread; send and
-// recv are posted at once from the calling thread and completed by a second thread, so a rank
-// may send and receive concurrently without deadlock (that thread reports completions in the
-// order the operations were posted). Every operation carries a deadline (the
+// Collectives start in issue order on the group's worker threads (two by default, as c10d's
+// gloo backend: while one waits on the network the next collective already moves data; each
+// carries its own Gloo tag, its sequence number, so concurrent ones never mix); send and recv
+// are posted at once from the calling thread and completed by another thread, so a rank may
+// send and receive concurrently without deadlock (that thread reports completions in the order
+// the operations were posted). Every operation carries a deadline (the
 // group's timeout or the call's): a collective that cannot finish, or whose peer died (its
 // connection closed), fails with an error naming "[gloo]", the collective, its sequence
 // number, this rank and the timeout. After a failure the group closes its connections, so
@@ -43,6 +45,10 @@ class ProcessGroupGloo : public ProcessGroup {
     /// EMBER_GLOO_HOSTNAME, else the interface named by GLOO_SOCKET_IFNAME, else this
     /// machine's host name (as c10d).
     std::string hostname;
+    /// Threads that run collectives (c10d's ProcessGroupGloo::Options::threads, also 2). With
+    /// more than one, a collective may start before the previous one has finished, so two
+    /// collectives in flight must not write the same tensor (wait for the first).
+    int threads = 2;
   };
 
   /// Rendezvous with the other size-1 ranks through `store` (which should be private to this
