@@ -375,6 +375,45 @@ TEST_P(GlooWorld, AsyncWorkAndFutures) {
   });
 }
 
+// Collectives of every path (direct exchange, Gloo's ring, broadcast, allgather) in flight at
+// once on the group's two worker threads, waited for in reverse order: each ends with its own
+// closed-form values (each runs under its own tag, so concurrent ones never mix).
+TEST_P(GlooWorld, MixedCollectivesInFlight) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam();
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    const std::vector<int64_t> sizes = {1000, 300000, 50, int64_t{1} << 20, 20000};
+    std::vector<Tensor> ts;
+    std::vector<WorkPtr> works;
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      ts.push_back(full({sizes[k]}, rank + 1.0 + k, kFloat32));
+      works.push_back(pg.allreduce(ts.back()));
+    }
+    Tensor b = full({100000}, rank == n - 1 ? 7.0 : 0.0, kFloat32);
+    works.push_back(pg.broadcast(b, bc(n - 1)));
+    Tensor mine = full({3000}, double(rank), kFloat32);
+    Tensor all = empty({n * 3000}, kFloat32);
+    works.push_back(pg.allgather_into_tensor(all, mine));
+    for (auto it = works.rbegin(); it != works.rend(); ++it) (*it)->wait();
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      require_values("allreduce of " + std::to_string(sizes[k]), ts[k],
+                     std::vector<double>(sizes[k], n * (n + 1) / 2.0 + n * double(k)));
+    }
+    require_values("broadcast", b, std::vector<double>(100000, 7.0));
+    std::vector<double> want;
+    for (int r = 0; r < n; ++r) want.insert(want.end(), 3000, double(r));
+    require_values("allgather_into_tensor", all, want);
+  });
+}
+
+TEST(GlooErrors, ThreadsMustBePositive) {
+  EMBER_REQUIRE_GLOO();
+  ProcessGroupGloo::GlooOptions o{5s, "127.0.0.1"};
+  o.threads = 0;
+  test::expect_error([&] { ProcessGroupGloo(nullptr, 0, 1, o); },
+                     {"[gloo]", "threads must be at least 1", "got 0"});
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooWorld, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "n" + std::to_string(info.param); });
 // Each collective through gloo's native implementation, and through ProcessGroup's composites
