@@ -7,14 +7,9 @@
 #include <memory>
 
 #include "bench_util.h"
-#include "nn/activation.h"
-#include "nn/container.h"
-#include "nn/conv.h"
-#include "nn/flatten.h"
+#include "fashion_cnn.h"
 #include "nn/functional.h"
-#include "nn/linear.h"
 #include "nn/optim/sgd.h"
-#include "nn/pooling.h"
 #include "tensor/conv.h"
 #include "tensor/cuda.h"
 #include "tensor/ops.h"
@@ -89,13 +84,7 @@ void run_cases(const bench::Options& o) {
     const std::string name = "cnn_train_step_b" + std::to_string(batch);
     if (!bench::selected(o, name)) continue;
     manual_seed(0);
-    auto model = std::make_shared<nn::Sequential>(
-        std::make_shared<nn::Conv2d>(1, 32, 3, nn::Conv2dOptions{.padding = 1}),
-        std::make_shared<nn::ReLU>(), std::make_shared<nn::MaxPool2d>(2),
-        std::make_shared<nn::Conv2d>(32, 64, 3, nn::Conv2dOptions{.padding = 1}),
-        std::make_shared<nn::ReLU>(), std::make_shared<nn::MaxPool2d>(2),
-        std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(64 * 7 * 7, 128),
-        std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(128, 10));
+    auto model = bench::fashion_cnn();
     model->to(gpu);
     nn::optim::SGD opt(model->parameters(), {.lr = 0.01, .momentum = 0.9});
     Tensor x = on_gpu({batch, 1, 28, 28}, kFloat32);

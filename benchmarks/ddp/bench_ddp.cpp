@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "benchmarks/bench_util.h"
+#include "benchmarks/fashion_cnn.h"
 #include "distributed/ddp.h"
 #include "distributed/hash_store.h"
 #include "distributed/init.h"
@@ -150,15 +151,7 @@ int threads_per_rank(const Args& a, int world) {
 // The models of examples/fashion_mnist.cpp ("cnn") and a ~10M-parameter MLP whose gradients
 // take long enough to reduce that overlapping them with backward matters.
 std::shared_ptr<nn::Module> make_model(const std::string& name) {
-  if (name == "cnn") {
-    return std::make_shared<nn::Sequential>(
-        std::make_shared<nn::Conv2d>(1, 32, 3, nn::Conv2dOptions{.padding = 1}),
-        std::make_shared<nn::ReLU>(), std::make_shared<nn::MaxPool2d>(2),
-        std::make_shared<nn::Conv2d>(32, 64, 3, nn::Conv2dOptions{.padding = 1}),
-        std::make_shared<nn::ReLU>(), std::make_shared<nn::MaxPool2d>(2),
-        std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(64 * 7 * 7, 128),
-        std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(128, 10));
-  }
+  if (name == "cnn") return bench::fashion_cnn();
   return std::make_shared<nn::Sequential>(
       std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(784, 2048),
       std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(2048, 2048),
