@@ -357,6 +357,13 @@ class ProcessGroupGloo::Impl {
     {
       std::lock_guard<std::mutex> lock(mu_);
       EMBER_CHECK(!stop_, what, ": the process group is being destroyed");
+      if (!p2p) {
+        std::erase_if(issued_, [](const std::weak_ptr<Work>& w) {
+          auto p = w.lock();
+          return !p || p->is_completed();
+        });
+        issued_.push_back(work);
+      }
       (p2p ? p2p_queue_ : queue_).push_back(std::move(job));
     }
     (p2p ? p2p_cv_ : cv_).notify_one();  // wake only the thread that serves this queue
@@ -364,6 +371,16 @@ class ProcessGroupGloo::Impl {
   }
 
   const std::shared_ptr<gloo::Context>& context() const { return context_; }
+
+  /// The collectives issued so far that have not completed (Note [barrier and two workers]).
+  std::vector<WorkPtr> unfinished_collectives() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<WorkPtr> out;
+    for (const auto& w : issued_) {
+      if (auto p = w.lock(); p && !p->is_completed()) out.push_back(std::move(p));
+    }
+    return out;
+  }
 
  private:
   void loop(std::deque<Job>& queue, std::condition_variable& cv, bool collectives) {
@@ -460,6 +477,7 @@ class ProcessGroupGloo::Impl {
   std::string broken_;
   std::deque<Job> queue_;
   std::deque<Job> p2p_queue_;
+  std::vector<std::weak_ptr<Work>> issued_;  // collectives, for barrier
   std::vector<std::thread> workers_;  // collectives
   std::thread p2p_;
 };
@@ -718,19 +736,42 @@ WorkPtr ProcessGroupGloo::alltoall(std::vector<Tensor>& outputs, const std::vect
       });
 }
 
+// Note [barrier and two workers]: with two worker threads a barrier could finish while a
+// collective issued before it still runs on the other worker. As in c10d's gloo backend, the
+// barrier first waits for every earlier collective of this rank (they started before it, so
+// none of them waits on it), then runs Gloo's barrier: once it completes, every rank's earlier
+// collectives have completed.
 WorkPtr ProcessGroupGloo::barrier(const CollectiveOptions& opts) {
   const uint32_t tag = static_cast<uint32_t>(seq_);
   auto ctx = impl_->context();
-  return impl_->submit(next_op("barrier"), timeout_of(opts.timeout),
-                       [=](std::chrono::milliseconds left) {
-                         if (ctx) {
-                           gloo::BarrierOptions o(ctx);
-                           o.setTag(tag);
-                           o.setTimeout(left);
-                           gloo::barrier(o);
-                         }
-                         return std::vector<Tensor>{};
-                       });
+  std::vector<WorkPtr> prior = impl_->unfinished_collectives();
+  return impl_->submit(
+      next_op("barrier"), timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
+        const auto deadline = Clock::now() + left;
+        for (const WorkPtr& w : prior) {
+          const auto rest =
+              std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+          try {
+            if (rest.count() > 0) w->future()->wait(rest);
+          } catch (...) {
+            // An earlier collective that failed reports its own error (and the group is then
+            // broken, so Gloo's barrier below fails too); one still running is a timeout here.
+          }
+          if (!w->is_completed()) {
+            throw DistTimeoutError(detail::str_cat("timed out waiting for ", w->describe(),
+                                                   ", issued before the barrier"));
+          }
+        }
+        if (ctx) {
+          gloo::BarrierOptions o(ctx);
+          o.setTag(tag);
+          o.setTimeout(std::max(std::chrono::milliseconds(1),
+                                std::chrono::duration_cast<std::chrono::milliseconds>(
+                                    deadline - Clock::now())));
+          gloo::barrier(o);
+        }
+        return std::vector<Tensor>{};
+      });
 }
 
 WorkPtr ProcessGroupGloo::send(const Tensor& tensor, int dst, int tag) {

@@ -406,6 +406,29 @@ TEST_P(GlooWorld, MixedCollectivesInFlight) {
   });
 }
 
+// Note [barrier and two workers]: a barrier completes only after every collective issued before
+// it on this rank (they may still run on the other worker thread when the barrier is issued).
+TEST_P(GlooWorld, BarrierWaitsForEarlierCollectives) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam();
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    std::vector<Tensor> ts;
+    std::vector<WorkPtr> works;
+    for (int k = 0; k < 4; ++k) {
+      ts.push_back(full({int64_t{1} << 21}, rank + 1.0, kFloat32));  // 8 MiB: Gloo's ring
+      works.push_back(pg.allreduce(ts.back()));
+    }
+    pg.barrier()->wait();
+    for (int k = 0; k < 4; ++k) {
+      require(works[k]->is_completed(),
+              "allreduce " + std::to_string(k) + " still running after the barrier");
+      require(works[k]->is_success(), "allreduce " + std::to_string(k) + " failed");
+    }
+    require_values("allreduce before the barrier", ts[3],
+                   std::vector<double>(int64_t{1} << 21, n * (n + 1) / 2.0));
+  });
+}
+
 TEST(GlooErrors, ThreadsMustBePositive) {
   EMBER_REQUIRE_GLOO();
   ProcessGroupGloo::GlooOptions o{5s, "127.0.0.1"};
