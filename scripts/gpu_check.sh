@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# gpu_check.sh BUNDLE OUTDIR [tests|bench|train]... — what only a GPU machine can show, run from a
-# bundle made by ../shared/gpu/bundle.sh (build/tests, build/benchmarks, build/examples,
-# build/launcher) on the GPU machine:
+# gpu_check.sh BUNDLE OUTDIR [tests|bench|train|cpu]... — what only a GPU machine can show, run
+# on the GPU machine from a bundle made here by scripts/gpu_bundle.sh (a CUDA build in build/):
+#   device call: bash scripts/gpu_check.sh .gpu/bundle.txz $OUT tests bench   (carry: .gpu)
 #   tests  every test case whose name says CUDA or NCCL, each in its own process (as ctest runs
 #          them: a process that initialised CUDA cannot fork ranks that use it); summary and the
 #          failures' output in OUTDIR/tests.log
 #   bench  benchmarks/run_cuda_bench.py: bench_cuda beside PyTorch on the same GPU
 #   train  examples/fashion_mnist --device cuda, 1 rank and 2 ranks sharing the GPU (gloo,
-#          staged through host memory), beside benchmarks/vs_pytorch/fashion_mnist_torch.py
+#          staged through host memory), beside benchmarks/vs_pytorch/fashion_mnist_torch.py;
+#          the IDX files from $FASHION_MNIST, else /usr/share/datasets/fashion-mnist, else
+#          .gpu/fashion-mnist (a GPU machine lacks Debian's package: carry a copy there)
 #   cpu    the CPU benchmarks that need a quiet machine with cores to spare: bench_collectives
 #          (allreduce, 2 and 4 ranks, pipelined; 2 ranks, latency) and bench_ddp (CNN and MLP,
 #          1, 2 and 4 ranks), each beside the machine's PyTorch over gloo
@@ -49,7 +51,8 @@ run_bench() {
 }
 
 run_train() {
-  local data=$root/.gpu/fashion-mnist fm=$b/bin/build/examples/fashion_mnist
+  local data=${FASHION_MNIST:-/usr/share/datasets/fashion-mnist} fm=$b/bin/build/examples/fashion_mnist
+  [ -d "$data" ] || data=$root/.gpu/fashion-mnist
   {
     echo "== ember, 1 rank, cuda"
     "$b/run.sh" "$fm" --device cuda --model cnn --epochs 2 --data "$data" 2>&1 | grep -v '\[#'
