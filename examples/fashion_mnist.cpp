@@ -286,10 +286,19 @@ int run(const Args& a) {
   const int rank = pg->rank(), world = pg->size();
   const bool leader = rank == 0;
   const bool tty = leader && isatty(STDOUT_FILENO);
-  const ember::Device device(a.device);
+  ember::Device device(a.device);
   if (device.is_cuda()) {
     EMBER_CHECK(ember::cuda::is_available(), "[fashion_mnist] --device cuda: ",
                 ember::cuda::unavailable_reason());
+    // One GPU per rank: the group's own with nccl, else LOCAL_RANK's (modulo the GPUs there
+    // are, so ranks may share one), as a torch script's torch.cuda.set_device(local_rank).
+    if (pg->default_device().is_cuda()) {
+      device = pg->default_device();
+    } else {
+      const char* local = std::getenv("LOCAL_RANK");
+      device = ember::cuda_device((local ? std::atoi(local) : 0) % ember::cuda::device_count());
+    }
+    ember::cuda::set_device(device.index);
   }
 
   // Same seed everywhere: identical initial weights (DDP broadcasts rank 0's anyway).
