@@ -8,12 +8,15 @@ synchronize inside each timed batch), printing the same BENCH lines.
 PyTorch's defaults are kept: float32 matmul without TF32, cuDNN allowed TF32 (as Ember).
 """
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_tensor_bench import median_seconds  # noqa: E402
 
 M = 1 << 20
 
@@ -21,30 +24,8 @@ M = 1 << 20
 def timed(args, name, fn, flops=0.0, nbytes=0.0):
     if args.filter and args.filter not in name:
         return
-    sync = torch.cuda.synchronize
-    fn()
-    sync()
-    calls = 1
-    while True:
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        dt = time.perf_counter() - t0
-        if dt >= args.min_time / 4 or calls >= 1 << 30:
-            calls = max(1, int(calls * args.min_time / max(dt, 1e-9)))
-            break
-        calls *= 4
-    per_call = []
-    for _ in range(args.samples):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        per_call.append((time.perf_counter() - t0) / calls)
-    per_call.sort()
-    print(f"BENCH name={name} sec={per_call[len(per_call) // 2]:.9g} flops={flops:.6g} "
-          f"bytes={nbytes:.6g}", flush=True)
+    sec = median_seconds(fn, args.samples, args.min_time, torch.cuda.synchronize)
+    print(f"BENCH name={name} sec={sec:.9g} flops={flops:.6g} bytes={nbytes:.6g}", flush=True)
 
 
 def main():

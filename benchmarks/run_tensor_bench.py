@@ -275,6 +275,33 @@ def torch_cases():
     return cases
 
 
+def median_seconds(fn, samples, min_time, sync=lambda: None):
+    """bench_util.h's timing for a Python callable: a warm-up call, batches calibrated to last
+    about min_time, the median per-call time of `samples` batches; `sync` ends each batch."""
+    fn()
+    sync()
+    calls = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        dt = time.perf_counter() - t0
+        if dt >= min_time / 4 or calls >= 1 << 30:
+            calls = max(1, int(calls * min_time / max(dt, 1e-9)))
+            break
+        calls *= 4
+    per = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        per.append((time.perf_counter() - t0) / calls)
+    per.sort()
+    return per[len(per) // 2]
+
+
 def torch_worker(filt, samples, min_time, threads):
     import torch
     torch.set_num_threads(threads)
@@ -284,27 +311,8 @@ def torch_worker(filt, samples, min_time, threads):
             continue
         grad = "fwdbwd" in name
         with torch.set_grad_enabled(grad):
-            fn = make()
-            fn()
-            calls = 1
-            while True:
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                dt = time.perf_counter() - t0
-                if dt >= min_time / 4:
-                    calls = max(1, int(calls * min_time / max(dt, 1e-9)))
-                    break
-                calls *= 4
-            per = []
-            for _ in range(samples):
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                per.append((time.perf_counter() - t0) / calls)
-        per.sort()
-        print(f"BENCH name={name} sec={per[len(per) // 2]:.9g} flops={flops:.6g} bytes={nbytes:.6g}",
-              flush=True)
+            sec = median_seconds(make(), samples, min_time)
+        print(f"BENCH name={name} sec={sec:.9g} flops={flops:.6g} bytes={nbytes:.6g}", flush=True)
 
 
 def fmt_time(s):

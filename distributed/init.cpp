@@ -52,6 +52,23 @@ std::string local_address_towards(const std::string& host) {
   return out;
 }
 
+int parse_int(const std::string& name, const std::string& value, int lo, int hi,
+              const std::string& found) {
+  size_t used = 0;
+  long long v = 0;
+  bool ok = !value.empty();
+  try {
+    v = std::stoll(value, &used);
+  } catch (const std::exception&) {
+    ok = false;
+  }
+  EMBER_CHECK(ok && used == value.size(), "[init_process_group] ", name, "='", value,
+              "' is not an integer (", found, ")");
+  EMBER_CHECK(v >= lo && v <= hi, "[init_process_group] ", name, "=", v, " is out of range [", lo,
+              ", ", hi, "] (", found, ")");
+  return static_cast<int>(v);
+}
+
 // Which address gloo listens on, unless EMBER_GLOO_HOSTNAME or GLOO_SOCKET_IFNAME says: loopback
 // when rank 0 is on this machine's loopback; otherwise the address of the interface that
 // reaches rank 0 (torch resolves the machine's hostname instead, which on many machines, and
@@ -61,12 +78,7 @@ std::shared_ptr<ProcessGroup> make_gloo(const BackendArgs& a) {
   ProcessGroupGloo::GlooOptions o;
   o.timeout = a.timeout;
   if (const char* t = std::getenv("EMBER_GLOO_THREADS"); t && *t) {
-    char* end = nullptr;
-    const long n = std::strtol(t, &end, 10);
-    EMBER_CHECK(*end == '\0' && n >= 1 && n <= 64,
-                "[init_process_group] EMBER_GLOO_THREADS must be a number from 1 to 64, got '", t,
-                "'");
-    o.threads = static_cast<int>(n);
+    o.threads = parse_int("EMBER_GLOO_THREADS", t, 1, 64, "the gloo worker threads");
   }
   if (!std::getenv("EMBER_GLOO_HOSTNAME") && !std::getenv("GLOO_SOCKET_IFNAME")) {
     if (is_loopback(a.master_addr)) {
@@ -123,23 +135,6 @@ std::string echo(const std::map<std::string, std::string>& env) {
   return out.empty() ? "found none of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, "
                        "OMPI_COMM_WORLD_*, PMI_*, SLURM_*"
                      : "found " + out;
-}
-
-int parse_int(const std::string& name, const std::string& value, int lo, int hi,
-              const std::string& found) {
-  size_t used = 0;
-  long long v = 0;
-  bool ok = !value.empty();
-  try {
-    v = std::stoll(value, &used);
-  } catch (const std::exception&) {
-    ok = false;
-  }
-  EMBER_CHECK(ok && used == value.size(), "[init_process_group] ", name, "='", value,
-              "' is not an integer (", found, ")");
-  EMBER_CHECK(v >= lo && v <= hi, "[init_process_group] ", name, "=", v, " is out of range [", lo,
-              ", ", hi, "] (", found, ")");
-  return static_cast<int>(v);
 }
 
 std::map<std::string, std::string> environment() {
