@@ -38,13 +38,15 @@ enum Kind {
   kScatter,
   kReduceScatter,
   kAlltoall,
-  kBarrier
+  kBarrier,
+  kAllreduceCoalesced
 };
 const char* kind_name(int64_t k) {
   static const char* names[] = {
       "allreduce", "broadcast", "reduce",         "allgather", "allgather_into_tensor",
-      "gather",    "scatter",   "reduce_scatter", "alltoall",  "barrier"};
-  return k >= 0 && k <= kBarrier ? names[k] : "?";
+      "gather",    "scatter",   "reduce_scatter", "alltoall",  "barrier",
+      "allreduce_coalesced"};
+  return k >= 0 && k <= kAllreduceCoalesced ? names[k] : "?";
 }
 
 std::string describe(const int64_t* f) {
@@ -136,6 +138,16 @@ void CheckedProcessGroup::check(int kind, const Tensor& t, int root, int op) {
 WorkPtr CheckedProcessGroup::allreduce(Tensor& tensor, const AllreduceOptions& opts) {
   check(kAllreduce, tensor, -1, static_cast<int>(opts.op));
   return inner_->allreduce(tensor, opts);
+}
+WorkPtr CheckedProcessGroup::allreduce_coalesced(std::vector<Tensor>& tensors,
+                                                 const AllreduceOptions& opts) {
+  check_coalesced(backend_name().c_str(), tensors);
+  int64_t total = 0;
+  for (const Tensor& t : tensors) total += t.numel();
+  // The fingerprint of the concatenation: one element expanded (no copy) to the total.
+  check(kAllreduceCoalesced, empty({1}, tensors[0].options()).expand({total}), -1,
+        static_cast<int>(opts.op));
+  return inner_->allreduce_coalesced(tensors, opts);
 }
 WorkPtr CheckedProcessGroup::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
   check(kBroadcast, tensor, opts.root, -1);

@@ -80,6 +80,10 @@ std::shared_ptr<ProcessGroup> make_gloo(const BackendArgs& a) {
   if (const char* t = std::getenv("EMBER_GLOO_THREADS"); t && *t) {
     o.threads = parse_int("EMBER_GLOO_THREADS", t, 1, 64, "the gloo worker threads");
   }
+  if (const char* t = std::getenv("EMBER_GLOO_SHM"); t && *t) {
+    o.shared_memory = parse_int("EMBER_GLOO_SHM", t, 0, 1, "1: allreduce through shared "
+                                "memory among ranks on one machine, 0: always over TCP") == 1;
+  }
   if (!std::getenv("EMBER_GLOO_HOSTNAME") && !std::getenv("GLOO_SOCKET_IFNAME")) {
     if (is_loopback(a.master_addr)) {
       o.hostname = "127.0.0.1";  // every rank is on this machine: stay on loopback

@@ -19,8 +19,12 @@ ProcessGroupGloo::ProcessGroupGloo(std::shared_ptr<Store>, int rank, int size, G
   unavailable();
 }
 ProcessGroupGloo::~ProcessGroupGloo() = default;
+bool ProcessGroupGloo::uses_shared_memory() const { return false; }
 
 WorkPtr ProcessGroupGloo::allreduce(Tensor&, const AllreduceOptions&) { unavailable(); }
+WorkPtr ProcessGroupGloo::allreduce_coalesced(std::vector<Tensor>&, const AllreduceOptions&) {
+  unavailable();
+}
 WorkPtr ProcessGroupGloo::broadcast(Tensor&, const BroadcastOptions&) { unavailable(); }
 WorkPtr ProcessGroupGloo::reduce(Tensor&, const ReduceOptions&) { unavailable(); }
 WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor&, const Tensor&, const CollectiveOptions&) {

@@ -49,6 +49,35 @@ Tensor pack(const std::vector<Tensor>& list) {
 
 }  // namespace
 
+void check_coalesced(const char* backend, const std::vector<Tensor>& tensors) {
+  EMBER_CHECK(!tensors.empty(), "[", backend, "] allreduce_coalesced expects at least one tensor");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    EMBER_CHECK(tensors[i].defined(), "[", backend, "] allreduce_coalesced: tensors[", i,
+                "] is undefined");
+    EMBER_CHECK(tensors[i].dtype() == tensors[0].dtype() &&
+                    tensors[i].device() == tensors[0].device(),
+                "[", backend, "] allreduce_coalesced expects one dtype and device, but tensors[0] "
+                "is ", tensors[0].dtype(), " on ", tensors[0].device(), " and tensors[", i, "] is ",
+                tensors[i].dtype(), " on ", tensors[i].device());
+  }
+}
+
+WorkPtr ProcessGroup::allreduce_coalesced(std::vector<Tensor>& tensors,
+                                          const AllreduceOptions& opts) {
+  check_coalesced(backend_name().c_str(), tensors);
+  auto flat = std::make_shared<Tensor>(pack(tensors));
+  WorkPtr inner = allreduce(*flat, opts);
+  std::vector<Tensor> outs = tensors;
+  return chain_work(inner, "allreduce_coalesced", [flat, outs]() mutable {
+    int64_t at = 0;
+    for (Tensor& t : outs) {
+      t.copy_(flat->narrow(0, at, t.numel()).view(t.shape()));
+      at += t.numel();
+    }
+    return outs;
+  });
+}
+
 WorkPtr ProcessGroup::reduce(Tensor& tensor, const ReduceOptions& opts) {
   EMBER_CHECK(opts.root >= 0 && opts.root < size_, "[reduce] root ", opts.root,
               " is not a rank of this group of size ", size_);

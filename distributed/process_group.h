@@ -114,6 +114,10 @@ using WorkPtr = std::shared_ptr<Work>;
 WorkPtr chain_work(const WorkPtr& inner, const char* name,
                    std::function<std::vector<Tensor>()> finish);
 
+/// For backends: checks allreduce_coalesced's list (not empty, one dtype and device); errors
+/// name `backend`.
+void check_coalesced(const char* backend, const std::vector<Tensor>& tensors);
+
 /// torch.distributed's default collective timeout.
 constexpr Duration kDefaultCollectiveTimeout = std::chrono::minutes(30);
 
@@ -175,6 +179,17 @@ class ProcessGroup {
   // ---- collectives: see torch.distributed for semantics ----
   /// In place: every rank ends with the reduction of all ranks' `tensor`.
   virtual WorkPtr allreduce(Tensor& tensor, const AllreduceOptions& opts = {}) = 0;
+  /// In place: allreduces every tensor of `tensors` (one dtype and device, any shapes) as one
+  /// collective, as if they were concatenated (c10d's allreduce_coalesced). The default packs
+  /// them into one buffer, allreduces it and copies the result back; a backend may reduce them
+  /// where they lie (coalesced_without_copies()). Throws ValueError for an empty list or mixed
+  /// dtypes or devices.
+  virtual WorkPtr allreduce_coalesced(std::vector<Tensor>& tensors,
+                                      const AllreduceOptions& opts = {});
+  /// True if allreduce_coalesced reads and writes the tensors in place, without packing copies
+  /// (DistributedDataParallel then all-reduces gradients where they lie instead of copying them
+  /// into its buckets and back).
+  virtual bool coalesced_without_copies() const { return false; }
   /// In place: every rank ends with root's `tensor`.
   virtual WorkPtr broadcast(Tensor& tensor, const BroadcastOptions& opts = {}) = 0;
   /// Root's `tensor` ends with the reduction; other ranks' are left unspecified (as in c10d).

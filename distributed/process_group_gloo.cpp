@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "distributed/detail/shm_allreduce.h"
 #include "tensor/ops.h"
 
 namespace ember::dist {
@@ -121,16 +122,20 @@ ReduceFn reduce_fn(ReduceOp op) {
   return nullptr;
 }
 
-// In place: t /= n (floating: in float32/float64; integers: truncating, like C).
+// In place: x[i] /= n (floating: in float32/float64; integers: truncating, like C).
+template <typename T>
+void divide_span(void* x, size_t k, int n) {
+  T* p = static_cast<T*>(x);
+  if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
+    for (size_t i = 0; i < k; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
+  } else {
+    for (size_t i = 0; i < k; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(n));
+  }
+}
+
 void divide_in_place(const Tensor& t, int n) {
   EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] avg", [&]<typename T>() {
-    T* p = t.template data<T>();
-    const int64_t k = t.numel();
-    if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
-      for (int64_t i = 0; i < k; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
-    } else {
-      for (int64_t i = 0; i < k; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(n));
-    }
+    divide_span<T>(t.data_ptr(), static_cast<size_t>(t.numel()), n);
   });
 }
 
@@ -300,7 +305,7 @@ class ProcessGroupGloo::Impl {
     }
     auto ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
     ctx->setTimeout(opts.timeout);
-    GlooStoreAdapter adapter(std::move(store), opts.timeout);
+    GlooStoreAdapter adapter(store, opts.timeout);
     try {
       ctx->connectFullMesh(adapter, device_);
     } catch (const DistTimeoutError& e) {
@@ -315,6 +320,10 @@ class ProcessGroupGloo::Impl {
                                              opts.timeout.count(), " ms): ", e.what()));
     }
     context_ = ctx;
+    if (opts.shared_memory) {
+      shm_ = ember::detail::ShmAllreduce::create(*store, rank_, size_, opts.threads, opts.timeout,
+                                          &shm_why_not_);
+    }
     for (int i = 0; i < opts.threads; ++i) {
       workers_.emplace_back([this] { loop(queue_, cv_, true); });
     }
@@ -371,6 +380,8 @@ class ProcessGroupGloo::Impl {
   }
 
   const std::shared_ptr<gloo::Context>& context() const { return context_; }
+  /// The shared-memory allreduce, or null (world size 1, turned off, or a rank elsewhere).
+  ember::detail::ShmAllreduce* shm() const { return shm_.get(); }
 
   /// The collectives issued so far that have not completed (Note [barrier and two workers]).
   std::vector<WorkPtr> unfinished_collectives() {
@@ -462,6 +473,7 @@ class ProcessGroupGloo::Impl {
         if (broken_.empty()) broken_ = err.what();
       }
       context_->closeConnections();
+      if (shm_) shm_->abort(detail::str_cat("rank ", rank_, ": ", err.what()));
     }
     job.work->finish_with_error(std::make_exception_ptr(err));
   }
@@ -470,6 +482,8 @@ class ProcessGroupGloo::Impl {
   int size_;
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;
+  std::unique_ptr<ember::detail::ShmAllreduce> shm_;  // outlives the workers (joined in ~Impl)
+  std::string shm_why_not_;
   std::mutex mu_;
   std::condition_variable cv_;      // collectives' queue
   std::condition_variable p2p_cv_;  // send/recv queue
@@ -498,6 +512,8 @@ ProcessGroupGloo::ProcessGroupGloo(std::shared_ptr<Store> store, int rank, int s
 
 ProcessGroupGloo::~ProcessGroupGloo() = default;
 
+bool ProcessGroupGloo::uses_shared_memory() const { return impl_->shm() != nullptr; }
+
 WorkPtr ProcessGroupGloo::allreduce(Tensor& tensor, const AllreduceOptions& opts) {
   if (tensor.defined() && tensor.is_cuda()) {  // Note [CUDA tensors over gloo]
     Tensor host = tensor.contiguous().to(kCPU);
@@ -507,30 +523,65 @@ WorkPtr ProcessGroupGloo::allreduce(Tensor& tensor, const AllreduceOptions& opts
   const uint32_t tag = static_cast<uint32_t>(seq_);
   const int n = size_;
   auto ctx = impl_->context();
+  ember::detail::ShmAllreduce* shm = ctx && tensor.numel() > 0 ? impl_->shm() : nullptr;
+  const uint64_t ticket = shm ? shm->next_ticket() : 0;  // in issue order, as on every rank
   Tensor t = tensor;
   const ReduceOp op = opts.op;
-  return impl_->submit(next_op("allreduce"), timeout_of(opts.timeout),
-                       [=](std::chrono::milliseconds left) {
-                         if (ctx && t.numel() > 0) {
-                           EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] allreduce", [&]<typename T>() {
-                             const size_t count = static_cast<size_t>(t.numel());
-                             T* data = t.template data<T>();
-                             if (static_cast<size_t>(t.nbytes()) <=
-                                 (n == 2 ? kTwoRankExchangeBytes : kSmallAllreduceBytes)) {
-                               small_allreduce<T>(ctx, data, count, op, tag, left);
-                               return;
-                             }
-                             gloo::AllreduceOptions o(ctx);
-                             o.setOutput<T>(data, count);
-                             o.setReduceFunction(reduce_fn<T>(op));
-                             o.setTag(tag);
-                             o.setTimeout(left);
-                             gloo::allreduce(o);
-                           });
-                         }
-                         if (op == ReduceOp::Avg && n > 1) divide_in_place(t, n);
-                         return std::vector<Tensor>{t};
-                       });
+  return impl_->submit(
+      next_op("allreduce"), timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
+        bool divided = false;
+        if (ctx && t.numel() > 0) {
+          EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] allreduce", [&]<typename T>() {
+            const size_t count = static_cast<size_t>(t.numel());
+            T* data = t.template data<T>();
+            if (shm) {
+              const bool avg = op == ReduceOp::Avg;
+              shm->run(ticket, data, count, t.dtype(), op, reduce_fn<T>(op),
+                       avg ? &divide_span<T> : nullptr, Clock::now() + left);
+              divided = avg;
+            } else if (static_cast<size_t>(t.nbytes()) <=
+                       (n == 2 ? kTwoRankExchangeBytes : kSmallAllreduceBytes)) {
+              small_allreduce<T>(ctx, data, count, op, tag, left);
+            } else {
+              gloo::AllreduceOptions o(ctx);
+              o.setOutput<T>(data, count);
+              o.setReduceFunction(reduce_fn<T>(op));
+              o.setTag(tag);
+              o.setTimeout(left);
+              gloo::allreduce(o);
+            }
+          });
+        }
+        if (op == ReduceOp::Avg && n > 1 && !divided) divide_in_place(t, n);
+        return std::vector<Tensor>{t};
+      });
+}
+
+WorkPtr ProcessGroupGloo::allreduce_coalesced(std::vector<Tensor>& tensors,
+                                              const AllreduceOptions& opts) {
+  check_coalesced("gloo", tensors);
+  ember::detail::ShmAllreduce* shm = impl_->shm();
+  if (!shm || !tensors[0].device().is_cpu()) return ProcessGroup::allreduce_coalesced(tensors, opts);
+  int64_t total = 0;
+  for (const Tensor& t : tensors) {
+    check_tensor("allreduce_coalesced", t);
+    total += t.numel();
+  }
+  const uint64_t ticket = total > 0 ? shm->next_ticket() : 0;  // in issue order
+  std::vector<Tensor> ts = tensors;
+  const ReduceOp op = opts.op;
+  return impl_->submit(
+      next_op("allreduce_coalesced"), timeout_of(opts.timeout),
+      [=](std::chrono::milliseconds left) {
+        if (total == 0) return ts;
+        EMBER_DISPATCH_NUMERIC(ts[0].dtype(), "[gloo] allreduce_coalesced", [&]<typename T>() {
+          std::vector<ember::detail::ShmAllreduce::Span> spans;
+          for (const Tensor& t : ts) spans.push_back({t.data_ptr(), static_cast<size_t>(t.numel())});
+          shm->run(ticket, spans, ts[0].dtype(), op, reduce_fn<T>(op),
+                   op == ReduceOp::Avg ? &divide_span<T> : nullptr, Clock::now() + left);
+        });
+        return ts;
+      });
 }
 
 WorkPtr ProcessGroupGloo::reduce(Tensor& tensor, const ReduceOptions& opts) {

@@ -22,6 +22,10 @@
 // action, so that writing to a dead peer's socket reports the peer instead of killing this
 // process (as Python does for every torch program).
 //
+// Ranks on one machine: allreduce goes through shared memory rather than loopback TCP
+// (GlooOptions::shared_memory); every rank gets bitwise the same result, and errors read as
+// they do over TCP (a dead peer is named, with its pid).
+//
 // World size 1 never touches the network: every collective completes inline.
 #pragma once
 
@@ -49,6 +53,12 @@ class ProcessGroupGloo : public ProcessGroup {
     /// more than one, a collective may start before the previous one has finished, so two
     /// collectives in flight must not write the same tensor (wait for the first).
     int threads = 2;
+    /// When every rank of the group runs on this machine, allreduce moves data through one
+    /// shared-memory segment instead of loopback TCP (Note [shared-memory allreduce]); the
+    /// other collectives still use Gloo. Off, or when a rank is elsewhere (another host or
+    /// network namespace), everything goes through Gloo. EMBER_GLOO_SHM=0 turns it off for
+    /// groups made by init_process_group.
+    bool shared_memory = true;
   };
 
   /// Rendezvous with the other size-1 ranks through `store` (which should be private to this
@@ -68,7 +78,16 @@ class ProcessGroupGloo : public ProcessGroup {
 
   std::string backend_name() const override { return "gloo"; }
 
+  /// True if allreduce goes through shared memory (GlooOptions::shared_memory was on and every
+  /// rank runs on this machine); false at world size 1.
+  bool uses_shared_memory() const;
+
   WorkPtr allreduce(Tensor& tensor, const AllreduceOptions& opts = {}) override;
+  /// Over shared memory: reduces the tensors where they lie, one collective; otherwise packs
+  /// them (ProcessGroup's default).
+  WorkPtr allreduce_coalesced(std::vector<Tensor>& tensors,
+                              const AllreduceOptions& opts = {}) override;
+  bool coalesced_without_copies() const override { return uses_shared_memory(); }
   WorkPtr broadcast(Tensor& tensor, const BroadcastOptions& opts = {}) override;
   WorkPtr reduce(Tensor& tensor, const ReduceOptions& opts = {}) override;
   WorkPtr allgather_into_tensor(Tensor& output, const Tensor& input,

@@ -6,6 +6,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <filesystem>
 
 #include "tests/distributed/collective_options.h"
 #include "distributed/hash_store.h"
@@ -75,8 +77,9 @@ std::string name(const char* op, Dtype d, int rank, const std::string& extra = "
 
 /// Runs body(pg, rank, store) in n forked ranks connected through a TCPStoreServer on an
 /// OS-picked port in this process; every rank's failures are reported here.
+/// `shm`: GlooOptions::shared_memory; the group must then use it (every rank is local).
 void run_group(int n, const std::function<void(ProcessGroupGloo&, int, Store&)>& body,
-               Duration timeout = 60s);
+               Duration timeout = 60s, bool shm = true);
 
 /// A group that has only what every backend must provide (allreduce, broadcast,
 /// allgather_into_tensor, barrier, send, recv: gloo's), so reduce, allgather, gather, scatter,
@@ -120,11 +123,15 @@ void run_checks(const WorldCase& c, const Checks& checks) {
 }
 
 void run_group(int n, const std::function<void(ProcessGroupGloo&, int, Store&)>& body,
-               Duration timeout) {
+               Duration timeout, bool shm) {
   test::Children kids(n, [&](int rank, const std::string& port) {
     auto store = client(port);
-    ProcessGroupGloo pg(std::make_shared<PrefixStore>("pg", store), rank, n,
-                        ProcessGroupGloo::GlooOptions{timeout, "127.0.0.1"});
+    ProcessGroupGloo::GlooOptions o{timeout, "127.0.0.1"};
+    o.shared_memory = shm;
+    ProcessGroupGloo pg(std::make_shared<PrefixStore>("pg", store), rank, n, o);
+    require(pg.uses_shared_memory() == (shm && n > 1),
+            "rank " + std::to_string(rank) + ": uses_shared_memory() is " +
+                (pg.uses_shared_memory() ? "true" : "false"));
     body(pg, rank, *store);
   });
   TCPStoreServer server(loopback_server());
@@ -158,18 +165,28 @@ double expected(ReduceOp op, int n, int64_t i, Dtype d) {
   return 0;
 }
 
-class GlooWorld : public ::testing::TestWithParam<int> {};
+/// World size, and whether allreduce goes through shared memory or Gloo's TCP paths.
+struct GlooCase {
+  int n;
+  bool shm;
+};
+void PrintTo(const GlooCase& c, std::ostream* os) {
+  *os << c.n << (c.n == 1 ? " rank" : " ranks, ") << (c.n == 1 ? "" : c.shm ? "shared memory" : "tcp");
+}
+class GlooWorld : public ::testing::TestWithParam<GlooCase> {};
 
 TEST_P(GlooWorld, AllreduceEveryDtypeOpAndSize) {
   EMBER_REQUIRE_GLOO();
-  const int n = GetParam();
+  const int n = GetParam().n;
+  const bool shm = GetParam().shm;
   run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
     require(pg.backend_name() == "gloo" && pg.rank() == rank && pg.size() == n, "identity");
     for (Dtype d : kDtypes) {
       for (ReduceOp op :
            {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max}) {
-        // 70000 elements exceed the small-message path (Note [small allreduce]) for every dtype.
-        for (int64_t len : {0, 5, 1003, 70000}) {
+        // 70000 elements exceed the small-message path (Note [small allreduce]) for every dtype;
+        // 300001 span several shared-memory chunks for the wider dtypes.
+        for (int64_t len : {0, 5, 1003, 70000, 300001}) {
           std::vector<double> in(len), want(len);
           for (int64_t i = 0; i < len; ++i) {
             in[i] = input(rank, i);
@@ -184,7 +201,67 @@ TEST_P(GlooWorld, AllreduceEveryDtypeOpAndSize) {
         }
       }
     }
-  });
+  }, 60s, shm);
+}
+
+// allreduce_coalesced: tensors of several shapes (an empty one among them) reduced as one
+// buffer, over shared memory in place and over TCP packed, and through ProcessGroup's default
+// (CompositeOnly); the element at position i of the concatenation follows the closed form.
+TEST_P(GlooWorld, AllreduceCoalescedEveryDtype) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam().n;
+  const bool shm = GetParam().shm;
+  run_group(n, [n, shm](ProcessGroupGloo& pg, int rank, Store&) {
+    require(pg.coalesced_without_copies() == (shm && n > 1), "coalesced_without_copies()");
+    CompositeOnly composite(pg);
+    for (ProcessGroup* g : {static_cast<ProcessGroup*>(&pg), static_cast<ProcessGroup*>(&composite)}) {
+      for (Dtype d : {kFloat32, kBFloat16, kInt64}) {
+        for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max}) {
+          const std::vector<Shape> shapes = {{3, 4}, {0}, {7}, {300001}, {2, 5}};
+          std::vector<Tensor> ts;
+          std::vector<std::vector<double>> want;
+          int64_t at = 0;
+          for (const Shape& s : shapes) {
+            int64_t k = 1;
+            for (int64_t x : s) k *= x;
+            std::vector<double> in(k), w(k);
+            for (int64_t i = 0; i < k; ++i) {
+              in[i] = input(rank, at + i);
+              w[i] = expected(op, n, at + i, d);
+            }
+            at += k;
+            ts.push_back(k == 0 ? empty(s, d) : make(in, d).view(s));
+            want.push_back(w);
+          }
+          std::vector<void*> where;
+          for (const Tensor& t : ts) where.push_back(t.data_ptr());
+          g->allreduce_coalesced(ts, ar(op))->wait();
+          for (size_t j = 0; j < ts.size(); ++j) {
+            require(ts[j].data_ptr() == where[j], "tensor " + std::to_string(j) + " moved");
+            require_values(name("allreduce_coalesced", d, rank,
+                                ember::detail::str_cat(" on ", g->backend_name(), " op ",
+                                                       to_string(op), " tensor ", j)),
+                           ts[j], want[j]);
+          }
+        }
+      }
+    }
+    // Errors name the op and what differs (before anything is issued: no rank waits).
+    auto error_of = [&](std::vector<Tensor> list) {
+      try {
+        pg.allreduce_coalesced(list);
+      } catch (const ValueError& e) {
+        return std::string(e.what());
+      }
+      return std::string("no error");
+    };
+    const std::string none = error_of({});
+    require(none.find("[gloo] allreduce_coalesced expects at least one tensor") !=
+                std::string::npos, "empty list: " + none);
+    const std::string mixed = error_of({zeros({2}, kFloat32), zeros({2}, kInt64)});
+    require(mixed.find("one dtype and device") != std::string::npos &&
+                mixed.find("tensors[1] is int64") != std::string::npos, "mixed dtypes: " + mixed);
+  }, 60s, shm);
 }
 
 class GlooCollectives : public ::testing::TestWithParam<WorldCase> {};
@@ -306,7 +383,8 @@ TEST_P(GlooCollectives, GatherScatterReduceScatterAlltoallEveryDtype) {
 
 TEST_P(GlooWorld, SendRecvRingEveryDtype) {
   EMBER_REQUIRE_GLOO();
-  const int n = GetParam();
+  const int n = GetParam().n;
+  const bool shm = GetParam().shm;
   if (n == 1) GTEST_SKIP() << "send/recv needs a peer";
   run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
     const int next = (rank + 1) % n, prev = (rank + n - 1) % n;
@@ -335,12 +413,13 @@ TEST_P(GlooWorld, SendRecvRingEveryDtype) {
       require_values("tagged recv 1", ra, std::vector<double>(4, prev + 1.0));
       require_values("tagged recv 2", rb, std::vector<double>(4, prev + 5.0));
     }
-  });
+  }, 60s, shm);
 }
 
 TEST_P(GlooWorld, AsyncWorkAndFutures) {
   EMBER_REQUIRE_GLOO();
-  const int n = GetParam();
+  const int n = GetParam().n;
+  const bool shm = GetParam().shm;
   run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
     const uint64_t seq0 = pg.sequence_number();
     std::vector<Tensor> ts;
@@ -372,7 +451,7 @@ TEST_P(GlooWorld, AsyncWorkAndFutures) {
     w->wait();
     require_values("timed allreduce", t, std::vector<double>(3, n));
     pg.barrier(CollectiveOptions{5s})->wait();
-  });
+  }, 60s, shm);
 }
 
 // Collectives of every path (direct exchange, Gloo's ring, broadcast, allgather) in flight at
@@ -380,7 +459,8 @@ TEST_P(GlooWorld, AsyncWorkAndFutures) {
 // closed-form values (each runs under its own tag, so concurrent ones never mix).
 TEST_P(GlooWorld, MixedCollectivesInFlight) {
   EMBER_REQUIRE_GLOO();
-  const int n = GetParam();
+  const int n = GetParam().n;
+  const bool shm = GetParam().shm;
   run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
     const std::vector<int64_t> sizes = {1000, 300000, 50, int64_t{1} << 20, 20000};
     std::vector<Tensor> ts;
@@ -403,14 +483,15 @@ TEST_P(GlooWorld, MixedCollectivesInFlight) {
     std::vector<double> want;
     for (int r = 0; r < n; ++r) want.insert(want.end(), 3000, double(r));
     require_values("allgather_into_tensor", all, want);
-  });
+  }, 60s, shm);
 }
 
 // Note [barrier and two workers]: a barrier completes only after every collective issued before
 // it on this rank (they may still run on the other worker thread when the barrier is issued).
 TEST_P(GlooWorld, BarrierWaitsForEarlierCollectives) {
   EMBER_REQUIRE_GLOO();
-  const int n = GetParam();
+  const int n = GetParam().n;
+  const bool shm = GetParam().shm;
   run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
     std::vector<Tensor> ts;
     std::vector<WorkPtr> works;
@@ -426,7 +507,7 @@ TEST_P(GlooWorld, BarrierWaitsForEarlierCollectives) {
     }
     require_values("allreduce before the barrier", ts[3],
                    std::vector<double>(int64_t{1} << 21, n * (n + 1) / 2.0));
-  });
+  }, 60s, shm);
 }
 
 TEST(GlooErrors, ThreadsMustBePositive) {
@@ -437,8 +518,14 @@ TEST(GlooErrors, ThreadsMustBePositive) {
                      {"[gloo]", "threads must be at least 1", "got 0"});
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooWorld, ::testing::Values(1, 2, 3, 4),
-                         [](const auto& info) { return "n" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooWorld,
+                         ::testing::Values(GlooCase{1, true}, GlooCase{2, true}, GlooCase{3, true},
+                                           GlooCase{4, true}, GlooCase{2, false},
+                                           GlooCase{3, false}, GlooCase{4, false}),
+                         [](const auto& info) {
+                           return "n" + std::to_string(info.param.n) +
+                                  (info.param.n == 1 ? "" : info.param.shm ? "_shm" : "_tcp");
+                         });
 // Each collective through gloo's native implementation, and through ProcessGroup's composites
 // (what a backend without a native version gets).
 INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooCollectives,
@@ -461,7 +548,8 @@ TEST_P(GlooWorld, CudaTensorsAreStagedThroughHostMemory) {
   EMBER_REQUIRE_GLOO();
   const std::string no_cuda = test::cuda_unusable_in_children();
   if (!no_cuda.empty()) GTEST_SKIP() << "no CUDA device in a child process: " << no_cuda;
-  const int n = GetParam();
+  const int n = GetParam().n;
+  const bool shm = GetParam().shm;
   run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
     const Device gpu("cuda");
     for (Dtype d : {kFloat32, kFloat64, kFloat16, kInt64}) {
@@ -496,7 +584,7 @@ TEST_P(GlooWorld, CudaTensorsAreStagedThroughHostMemory) {
                    std::vector<double>(6, 2.0 * (n + 1)));
     require_values(name("cuda ddp bias grad", kFloat32, rank), model->bias.grad().to(kCPU),
                    std::vector<double>(2, 4.0));
-  });
+  }, 60s, shm);
 }
 
 TEST(GlooErrors, BadArgumentsNameTheOpAndValues) {
@@ -553,13 +641,16 @@ TEST(GlooStub, ThrowsWhenBuiltWithoutGloo) {
 // Ranks 0..n-2 run allreduce #0 with the victim, then #1, which the victim never joins: it is
 // killed (SIGKILL) or stalls. The others must fail within the timeout with an error naming the
 // backend, the collective, its sequence number, their rank and the timeout.
-void victim_test(int n, bool kill_victim) {
+// Over shared memory a killed victim is noticed by its exit (its pid), not by a closed socket.
+void victim_test(int n, bool kill_victim, bool shm) {
   constexpr auto kTimeout = 3000ms;
   const int victim = n - 1;
   test::Children kids(n, [&](int rank, const std::string& port) {
     auto store = client(port);
-    ProcessGroupGloo pg(std::make_shared<PrefixStore>("pg", store), rank, n,
-                        ProcessGroupGloo::GlooOptions{kTimeout, "127.0.0.1"});
+    ProcessGroupGloo::GlooOptions o{kTimeout, "127.0.0.1"};
+    o.shared_memory = shm;
+    ProcessGroupGloo pg(std::make_shared<PrefixStore>("pg", store), rank, n, o);
+    require(pg.uses_shared_memory() == shm, "uses_shared_memory()");
     Tensor t = full({1 << 16}, 1.0, kFloat32);
     pg.allreduce(t)->wait();
     if (rank == victim) {
@@ -583,6 +674,16 @@ void victim_test(int n, bool kill_victim) {
         "[gloo] allreduce #1 on rank " + std::to_string(rank) + " of " + std::to_string(n);
     require(msg.find(want) != std::string::npos, "message lacks '" + want + "': " + msg);
     require(msg.find("3000 ms") != std::string::npos, "message lacks the timeout: " + msg);
+    if (shm && kill_victim) {
+      // Named by this rank, or by a survivor that saw it first and made the group give up.
+      const std::string named = "rank " + std::to_string(victim) + " (pid ";
+      require(msg.find(named) != std::string::npos || msg.find("gave up") != std::string::npos,
+              "message names neither the dead rank nor the survivor that gave up: " + msg);
+    } else if (shm) {
+      require(msg.find("shared-memory allreduce") != std::string::npos ||
+                  msg.find("gave up") != std::string::npos,
+              "message lacks what was awaited: " + msg);
+    }
     require(
         took < kTimeout + 2s,
         "took " +
@@ -610,18 +711,103 @@ void victim_test(int n, bool kill_victim) {
   test::expect_children_ok(errors);
 }
 
-TEST(GlooFailure, KilledRankFailsThePeers2) {
-  EMBER_REQUIRE_GLOO();
-  victim_test(2, true);
+// n ranks; the victim is killed or stalls; over shared memory or TCP.
+struct VictimCase {
+  int n;
+  bool kill;
+  bool shm;
+};
+void PrintTo(const VictimCase& c, std::ostream* os) {
+  *os << c.n << " ranks, victim " << (c.kill ? "killed" : "stalls") << ", "
+      << (c.shm ? "shared memory" : "tcp");
 }
-TEST(GlooFailure, KilledRankFailsThePeers4) {
+class GlooFailure : public ::testing::TestWithParam<VictimCase> {};
+TEST_P(GlooFailure, PeersFailNamingTheCollective) {
   EMBER_REQUIRE_GLOO();
-  victim_test(4, true);
+  victim_test(GetParam().n, GetParam().kill, GetParam().shm);
 }
-TEST(GlooFailure, StalledRankTimesOutThePeers3) {
+INSTANTIATE_TEST_SUITE_P(
+    Victims, GlooFailure,
+    ::testing::Values(VictimCase{2, true, true}, VictimCase{4, true, true},
+                      VictimCase{3, false, true}, VictimCase{2, true, false},
+                      VictimCase{4, true, false}, VictimCase{3, false, false}),
+    [](const auto& info) {
+      const VictimCase& c = info.param;
+      return std::string(c.kill ? "Killed" : "Stalled") + "RankOf" + std::to_string(c.n) +
+             (c.shm ? "_shm" : "_tcp");
+    });
+
+// ---- the shared-memory allreduce (Note [shared-memory allreduce]) ------------------------------
+
+class GlooShm : public ::testing::TestWithParam<int> {};
+
+// Rounding differs with the order of a sum, so bitwise agreement shows that each element was
+// reduced once, by one rank, for everybody; 2.5M floats cross ten 1 MiB chunks, and the
+// odd count leaves uneven shares and a short last chunk.
+TEST_P(GlooShm, EveryRankGetsBitwiseTheSameResultAcrossChunks) {
   EMBER_REQUIRE_GLOO();
-  victim_test(3, false);
+  const int n = GetParam();
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    constexpr int64_t kLen = 2500003;
+    std::vector<float> v(kLen);
+    for (int64_t i = 0; i < kLen; ++i) v[i] = 0.1f * float(rank + 1) * float(i % 977) + 1e-3f * i;
+    Tensor t = from_vector(v);
+    pg.allreduce(t)->wait();
+    const std::vector<float> got = t.to_vector<float>();
+    for (int64_t i = 0; i < kLen; i += 997) {
+      double want = 0;
+      for (int r = 0; r < n; ++r) want += 0.1 * (r + 1) * double(i % 977) + 1e-3 * double(i);
+      require(std::fabs(got[i] - want) <= 1e-5 * (1 + std::fabs(want)),
+              "index " + std::to_string(i) + " got " + std::to_string(got[i]) + " want " +
+                  std::to_string(want));
+    }
+    Tensor all = empty({n * kLen}, kFloat32);
+    pg.allgather_into_tensor(all, t)->wait();
+    const std::vector<float> every = all.to_vector<float>();
+    for (int r = 0; r < n; ++r) {
+      require(std::memcmp(every.data() + r * kLen, got.data(), kLen * sizeof(float)) == 0,
+              "rank " + std::to_string(rank) + " and rank " + std::to_string(r) + " differ");
+    }
+  });
 }
+
+// The segment's name is gone once the group exists: nothing is left in /dev/shm, even if the
+// ranks are killed later. Rank 0 created it under a name holding its pid.
+TEST_P(GlooShm, SegmentIsUnlinkedOnceEveryRankHasIt) {
+  EMBER_REQUIRE_GLOO();
+  run_group(GetParam(), [](ProcessGroupGloo& pg, int rank, Store&) {
+    if (rank != 0) return;
+    const std::string prefix = "ember-" + std::to_string(::getpid()) + "-";
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+      require(e.path().filename().string().rfind(prefix, 0) != 0,
+              "left in /dev/shm: " + e.path().string());
+    }
+  });
+}
+
+// Ranks that pass different element counts fail on every rank, and the message says what each
+// passed, instead of hanging or reading past a buffer.
+TEST_P(GlooShm, DisagreeingCountsFailOnEveryRank) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam();
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    Tensor t = full({1000 + rank}, 1.0, kFloat32);
+    std::string msg;
+    try {
+      pg.allreduce(t)->wait();
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    require(msg.find("ranks disagree") != std::string::npos, "rank " + std::to_string(rank) +
+                                                                 ": no disagreement error: " + msg);
+    require(msg.find(std::to_string(1000 + rank) + " elements of float32") != std::string::npos,
+            "message lacks this rank's count: " + msg);
+    (void)n;
+  }, 10s);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooShm, ::testing::Values(2, 3, 4),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
 
 }  // namespace
 }  // namespace ember::dist

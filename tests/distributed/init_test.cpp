@@ -340,7 +340,7 @@ TEST(InitProcessGroup, GivenStore) {
 
 // EMBER_GLOO_THREADS: the gloo group's collective worker threads (2 by default); one thread
 // works, and a bad value is an error naming the variable and what was wrong.
-TEST(InitProcessGroup, GlooThreadsFromTheEnvironment) {
+TEST(InitProcessGroup, GlooThreadsAndSharedMemoryFromTheEnvironment) {
   EMBER_REQUIRE_GLOO();
   auto init_alone = [] { init_process_group(with_store(std::make_shared<HashStore>(), 0, 1)); };
   ::setenv("EMBER_GLOO_THREADS", "0", 1);
@@ -348,24 +348,33 @@ TEST(InitProcessGroup, GlooThreadsFromTheEnvironment) {
   ::setenv("EMBER_GLOO_THREADS", "two", 1);
   expect_error(init_alone, {"EMBER_GLOO_THREADS='two'", "not an integer"});
   ::unsetenv("EMBER_GLOO_THREADS");
+  ::setenv("EMBER_GLOO_SHM", "2", 1);
+  expect_error(init_alone, {"EMBER_GLOO_SHM=2", "out of range [0, 1]", "shared memory"});
+  ::unsetenv("EMBER_GLOO_SHM");
   EXPECT_FALSE(is_initialized());
-  test::Children kids(2, [](int rank, const std::string& port) {
-    ::setenv("EMBER_GLOO_HOSTNAME", "127.0.0.1", 1);
-    ::setenv("EMBER_GLOO_THREADS", "1", 1);
-    TCPStoreOptions so;
-    so.timeout = 60s;
-    auto store =
-        std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
-    InitOptions o = with_store(store, rank, 2);
-    o.timeout = 60s;
-    init_process_group(o);
-    exercise_world(2, rank);
-  });
-  TCPStoreServerOptions so;
-  so.host = "127.0.0.1";
-  TCPStoreServer server(so);
-  kids.go(std::to_string(server.port()));
-  test::expect_children_ok(kids.join());
+  // Two ranks with one worker thread each; EMBER_GLOO_SHM=0, then unset (shared memory).
+  for (const char* shm : {"0", ""}) {
+    test::Children kids(2, [shm](int rank, const std::string& port) {
+      ::setenv("EMBER_GLOO_HOSTNAME", "127.0.0.1", 1);
+      ::setenv("EMBER_GLOO_THREADS", "1", 1);
+      if (*shm) ::setenv("EMBER_GLOO_SHM", shm, 1);
+      TCPStoreOptions so;
+      so.timeout = 60s;
+      auto store =
+          std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
+      InitOptions o = with_store(store, rank, 2);
+      o.timeout = 60s;
+      auto pg = std::dynamic_pointer_cast<ProcessGroupGloo>(init_process_group(o));
+      test::require(pg && pg->uses_shared_memory() == !*shm,
+                    std::string("EMBER_GLOO_SHM='") + shm + "': uses_shared_memory()");
+      exercise_world(2, rank);
+    });
+    TCPStoreServerOptions so;
+    so.host = "127.0.0.1";
+    TCPStoreServer server(so);
+    kids.go(std::to_string(server.port()));
+    test::expect_children_ok(kids.join());
+  }
 }
 
 }  // namespace

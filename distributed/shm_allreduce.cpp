@@ -1,0 +1,609 @@
+// Note [shared-memory allreduce]
+// Ranks on one machine need not talk through loopback TCP: Gloo's transport copies every byte
+// from user space into the kernel and out again, with a system call per message, and measured
+// 1.2-2.5 GB/s bus bandwidth on the 2-core VM. When every rank of a gloo group runs on this
+// machine, allreduce instead goes through one shared-memory segment (torch's gloo backend has
+// no such path: its ranks on one host still exchange over TCP).
+//
+// Layout: a header page (magic, nonce, the ranks' pids, the abort word), then one channel per
+// worker thread, each with a control page (a doorbell, a waiter count, and per rank a 64-byte
+// line with its two progress counters and its call's element count, dtype and op) and
+// size + 1 buffers of `chunk` bytes: one slot per rank and one result.
+//
+// A buffer moves in chunks. For each chunk, every rank r:
+//   1. copies the parts of its chunk that the other ranks will reduce into its slot (its own
+//      share stays in its buffer), then raises arrive[r] to the step number;
+//   2. waits until every arrive[] has reached the step, then reduces its share (1/size of the
+//      chunk) over the ranks in rank order 0..size-1, reading its own part from its buffer
+//      and the others' from their slots, into the result buffer; raises reduced[r];
+//   3. waits until every reduced[] has reached the step, and copies the other ranks' reduced
+//      shares into its buffer (its own went there in step 2, straight from its cache).
+// Each share is reduced by one rank, so all ranks get bitwise the same values. Reuse is safe
+// without more flags: a rank writes its slot for the next chunk only after every reduced[]
+// said that all reads of the slots are over, and writes the result for the next chunk only
+// after every arrive[] of that chunk, which each rank raises after copying the last result out.
+// A rank moves about twice the bytes that one memcpy of its buffer would, with two
+// synchronisations per chunk and no system call unless it has to sleep.
+//
+// Waiting spins briefly, then sleeps on the channel's doorbell (a futex on the shared page:
+// posters bump it and wake sleepers only when the waiter count says there are any). A sleeper
+// wakes at least every 100 ms to check its deadline, the abort word (a rank that failed any
+// collective sets it, so the others fail at once instead of at their timeout) and whether the
+// ranks it waits for are still alive (their pids, the ranks sharing a PID namespace).
+//
+// The segment is unlinked as soon as every rank has mapped it, so nothing is left in /dev/shm
+// however the processes end.
+#include "distributed/detail/shm_allreduce.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "distributed/errors.h"
+
+namespace ember::detail {
+namespace {
+
+constexpr uint64_t kMagic = 0x454d42525348414dULL;  // "EMBRSHAM"
+constexpr size_t kPage = 4096;
+constexpr size_t kLine = 64;
+constexpr size_t kHeaderFixed = 512;  // SegmentHeader, then the pids
+constexpr size_t kWhyBytes = 256;
+// The segment stays under this, shrinking the chunk with more ranks or channels.
+constexpr size_t kMaxSegmentBytes = size_t{64} << 20;
+constexpr size_t kMaxChunk = size_t{1} << 20;
+constexpr size_t kMinChunk = size_t{64} << 10;
+constexpr int kSpins = 512;
+constexpr auto kSleepSlice = std::chrono::milliseconds(100);
+
+struct SegmentHeader {
+  uint64_t magic;
+  uint64_t nonce;
+  int32_t size;
+  int32_t channels;
+  uint64_t chunk;
+  uint32_t abort_claim;  // the first rank to abort takes it (then writes why, then aborted)
+  uint32_t aborted;      // 0, or the aborting rank + 1
+  char why[kWhyBytes];
+};
+static_assert(sizeof(SegmentHeader) <= kHeaderFixed);
+
+struct ChannelControl {
+  uint32_t bell;
+  uint32_t waiters;
+};
+
+struct RankLine {
+  uint32_t arrive;
+  uint32_t reduced;
+  uint64_t count;
+  uint32_t dtype;
+  uint32_t op;
+};
+static_assert(sizeof(RankLine) <= kLine);
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+template <typename T>
+std::atomic_ref<T> atom(T& x) {
+  return std::atomic_ref<T>(x);
+}
+
+long futex(uint32_t* addr, int op, uint32_t val, const timespec* ts) {
+  return ::syscall(SYS_futex, addr, op, val, ts, nullptr, 0);
+}
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+std::string read_first_line(const char* path) {
+  std::ifstream f(path);
+  std::string s;
+  std::getline(f, s);
+  return s;
+}
+
+std::string link_target(const char* path) {
+  char buf[256] = {};
+  const ssize_t n = ::readlink(path, buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+}
+
+// Ranks with equal keys share the machine's memory and their pids mean the same processes.
+// Different network namespaces count as different machines: Ember's multi-node tests are
+// namespaces on one host, and there the network is what is under test.
+std::string machine_key() {
+  const std::string boot = read_first_line("/proc/sys/kernel/random/boot_id");
+  const std::string net = link_target("/proc/self/ns/net");
+  const std::string pid = link_target("/proc/self/ns/pid");
+  if (boot.empty() || net.empty() || pid.empty()) return {};
+  return boot + "|" + net + "|" + pid;
+}
+
+// True once `pid` has exited, a zombie included (a killed rank whose parent has not reaped it
+// yet still answers kill(pid, 0)).
+bool process_gone(int pid) {
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return true;
+  const std::string stat = read_first_line(("/proc/" + std::to_string(pid) + "/stat").c_str());
+  if (stat.empty()) return false;  // unreadable: assume alive, the deadline still applies
+  const size_t paren = stat.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= stat.size()) return false;
+  const char state = stat[paren + 2];
+  return state == 'Z' || state == 'X';
+}
+
+using dist::Bytes;
+
+std::string to_str(const Bytes& b) { return std::string(b.begin(), b.end()); }
+Bytes to_bytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
+
+struct Layout {
+  size_t header;   // header page(s): SegmentHeader and the pids
+  size_t control;  // per channel: ChannelControl line, then one RankLine per rank
+  size_t channel;  // per channel: control + (size + 1) chunks
+  size_t total;
+};
+
+Layout layout(int size, int channels, size_t chunk) {
+  Layout l{};
+  l.header = round_up(kHeaderFixed + sizeof(int32_t) * static_cast<size_t>(size), kPage);
+  l.control = round_up(kLine * (1 + static_cast<size_t>(size)), kPage);
+  l.channel = l.control + chunk * (static_cast<size_t>(size) + 1);
+  l.total = l.header + l.channel * static_cast<size_t>(channels);
+  return l;
+}
+
+size_t chunk_for(int size, int channels) {
+  const size_t per = kMaxSegmentBytes / (static_cast<size_t>(channels) * (size + 1));
+  return std::clamp(per / kPage * kPage, kMinChunk, kMaxChunk);
+}
+
+SegmentHeader& header_of(void* base) { return *static_cast<SegmentHeader*>(base); }
+int32_t* pids_of(void* base) {
+  return reinterpret_cast<int32_t*>(static_cast<char*>(base) + kHeaderFixed);
+}
+
+struct Mapping {
+  void* base = MAP_FAILED;
+  size_t bytes = 0;
+  ~Mapping() {
+    if (base != MAP_FAILED) ::munmap(base, bytes);
+  }
+  void* release() {
+    void* b = base;
+    base = MAP_FAILED;
+    return b;
+  }
+};
+
+// Maps the segment `name` (creating it with `bytes` when create), or says why not.
+bool map_segment(const std::string& name, size_t bytes, bool create, Mapping& m,
+                 std::string* why) {
+  const int fd = create ? ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600)
+                        : ::shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    *why = "shm_open(" + name + "): " + std::strerror(errno);
+    return false;
+  }
+  bool ok = true;
+  if (create) {
+    // fallocate reserves the pages now: on a full /dev/shm a later first touch would SIGBUS.
+    if (const int e = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); e != 0) {
+      *why = "reserving " + std::to_string(bytes) + " bytes in /dev/shm: " + std::strerror(e);
+      ok = false;
+    }
+  } else {
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
+      *why = "segment " + name + " has the wrong size";
+      ok = false;
+    }
+  }
+  if (ok) {
+    m.base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    m.bytes = bytes;
+    if (m.base == MAP_FAILED) {
+      *why = std::string("mmap: ") + std::strerror(errno);
+      ok = false;
+    }
+  }
+  ::close(fd);
+  return ok;
+}
+
+}  // namespace
+
+// ---- set-up -------------------------------------------------------------------------------------
+
+std::unique_ptr<ShmAllreduce> ShmAllreduce::create(Store& store, int rank, int size, int channels,
+                                                   Duration timeout, std::string* why_not) {
+  const std::string key = machine_key();
+  store.set("ember_shm/key/" + std::to_string(rank), to_bytes(key.empty() ? "?" : key));
+  const size_t chunk = chunk_for(size, channels);
+  const Layout l = layout(size, channels, chunk);
+  std::string why;
+  std::string name;
+  Mapping m;
+  if (rank == 0) {
+    bool local = !key.empty();
+    for (int r = 1; r < size && local; ++r) {
+      if (to_str(store.get("ember_shm/key/" + std::to_string(r), timeout)) != key) {
+        local = false;
+        why = "rank " + std::to_string(r) + " runs on another machine or namespace";
+      }
+    }
+    if (key.empty()) why = "this machine's boot id or namespaces cannot be read";
+    uint64_t nonce = 0;
+    if (local) {
+      std::random_device rd;
+      nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(::getpid());
+      std::ostringstream n;
+      n << "/ember-" << ::getpid() << "-" << std::hex << nonce;
+      name = n.str();
+      if (map_segment(name, l.total, true, m, &why)) {
+        SegmentHeader& h = header_of(m.base);
+        h.magic = kMagic;
+        h.nonce = nonce;
+        h.size = size;
+        h.channels = channels;
+        h.chunk = chunk;
+        pids_of(m.base)[0] = static_cast<int32_t>(::getpid());
+      } else if (why.rfind("shm_open", 0) == 0) {
+        name.clear();  // nothing was created
+      }
+    }
+    // Whatever happens next, the name goes once every rank has answered.
+    struct Unlink {
+      std::string n;
+      ~Unlink() {
+        if (!n.empty()) ::shm_unlink(n.c_str());
+      }
+    } unlink{name};
+    const bool offered = m.base != MAP_FAILED;
+    std::ostringstream offer;
+    if (offered) offer << name << " " << std::hex << nonce;
+    store.set("ember_shm/name", to_bytes(offer.str()));
+    bool all = offered;
+    for (int r = 1; r < size; ++r) {
+      const std::string ok = to_str(store.get("ember_shm/ok/" + std::to_string(r), timeout));
+      if (all && ok != "1") {
+        all = false;
+        why = "rank " + std::to_string(r) + " could not map the segment: " + ok;
+      }
+    }
+    store.set("ember_shm/use", to_bytes(all ? "1" : "0"));
+    if (!all) {
+      if (why_not) *why_not = why;
+      return nullptr;
+    }
+  } else {
+    const std::string offer = to_str(store.get("ember_shm/name", timeout));
+    bool ok = false;
+    if (offer.empty()) {
+      why = "rank 0 made no segment";
+    } else {
+      std::istringstream in(offer);
+      uint64_t nonce = 0;
+      in >> name >> std::hex >> nonce;
+      if (map_segment(name, l.total, false, m, &why)) {
+        const SegmentHeader& h = header_of(m.base);
+        ok = h.magic == kMagic && h.nonce == nonce && h.size == size &&
+             h.channels == channels && h.chunk == chunk;
+        if (ok) {
+          pids_of(m.base)[rank] = static_cast<int32_t>(::getpid());
+        } else {
+          why = "segment " + name + " holds another group";
+        }
+      }
+    }
+    store.set("ember_shm/ok/" + std::to_string(rank), to_bytes(ok ? "1" : why));
+    if (to_str(store.get("ember_shm/use", timeout)) != "1") {
+      if (why_not) *why_not = ok ? "another rank could not map the segment" : why;
+      return nullptr;
+    }
+  }
+  return std::unique_ptr<ShmAllreduce>(
+      new ShmAllreduce(rank, size, channels, chunk, m.release(), l.total));
+}
+
+ShmAllreduce::ShmAllreduce(int rank, int size, int channels, size_t chunk, void* base,
+                           size_t bytes)
+    : rank_(rank),
+      size_(size),
+      channels_(channels),
+      chunk_(chunk),
+      base_(base),
+      bytes_(bytes),
+      turn_(static_cast<size_t>(channels), 0),
+      step_(static_cast<size_t>(channels), 0) {}
+
+ShmAllreduce::~ShmAllreduce() { ::munmap(base_, bytes_); }
+
+// ---- channels -----------------------------------------------------------------------------------
+
+uint64_t ShmAllreduce::next_ticket() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return tickets_++;
+}
+
+// Allreduces of one channel run in ticket order on this rank (as on every rank), one at a time.
+void ShmAllreduce::wait_turn(uint64_t ticket, Clock::time_point deadline) {
+  const size_t c = ticket % static_cast<size_t>(channels_);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_until(lock, deadline,
+                      [&] { return aborted_ || turn_[c] == ticket / channels_; })) {
+    throw std::runtime_error(
+        "timed out waiting for this rank's earlier allreduce on the same shared-memory channel");
+  }
+  if (aborted_) throw std::runtime_error("the group failed an earlier collective");
+}
+
+void ShmAllreduce::end_turn(uint64_t ticket) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++turn_[ticket % static_cast<size_t>(channels_)];
+  }
+  cv_.notify_all();
+}
+
+void ShmAllreduce::abort(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_ = true;
+  }
+  cv_.notify_all();
+  SegmentHeader& h = header_of(base_);
+  uint32_t unclaimed = 0;
+  if (atom(h.abort_claim).compare_exchange_strong(unclaimed, 1)) {
+    const size_t n = std::min(why.size(), kWhyBytes - 1);
+    std::memcpy(h.why, why.data(), n);
+    h.why[n] = '\0';
+    atom(h.aborted).store(static_cast<uint32_t>(rank_ + 1));
+  }
+  const Layout l = layout(size_, channels_, chunk_);
+  for (int c = 0; c < channels_; ++c) {
+    auto* ctl = reinterpret_cast<ChannelControl*>(static_cast<char*>(base_) + l.header +
+                                                  l.channel * static_cast<size_t>(c));
+    atom(ctl->bell).fetch_add(1);
+    futex(&ctl->bell, FUTEX_WAKE, INT_MAX, nullptr);
+  }
+}
+
+// ---- the allreduce ------------------------------------------------------------------------------
+
+namespace {
+
+// One channel's shared state, as this rank sees it.
+struct Channel {
+  SegmentHeader* header;
+  const int32_t* pids;
+  ChannelControl* ctl;
+  RankLine* lines;  // [size]
+  char* slots;      // [size][chunk]
+  char* result;     // [chunk]
+  int rank;
+  int size;
+  size_t chunk;
+
+  char* slot(int r) const { return slots + chunk * static_cast<size_t>(r); }
+
+  void check_abort() const {
+    const uint32_t a = atom(header->aborted).load(std::memory_order_acquire);
+    if (a != 0) {
+      throw std::runtime_error(str_cat("rank ", a - 1, " gave up after an error (",
+                                               std::string(header->why), ")"));
+    }
+  }
+
+  void post(uint32_t RankLine::*field, uint32_t step) const {
+    atom(lines[rank].*field).store(step);
+    atom(ctl->bell).fetch_add(1);
+    if (atom(ctl->waiters).load() > 0) futex(&ctl->bell, FUTEX_WAKE, INT_MAX, nullptr);
+  }
+
+  // The first rank whose `field` has not reached `step`, or -1.
+  int lagging(uint32_t RankLine::*field, uint32_t step) const {
+    for (int r = 0; r < size; ++r) {
+      if (static_cast<int32_t>(atom(lines[r].*field).load(std::memory_order_acquire) - step) < 0)
+        return r;
+    }
+    return -1;
+  }
+
+  void wait_all(uint32_t RankLine::*field, uint32_t step,
+                ShmAllreduce::Clock::time_point deadline, const char* doing, size_t chunk_no,
+                size_t chunks) const {
+    for (int i = 0; i < kSpins; ++i) {
+      if (lagging(field, step) < 0) return;
+      cpu_relax();
+    }
+    auto next_check = ShmAllreduce::Clock::now() + kSleepSlice;
+    for (;;) {
+      atom(ctl->waiters).fetch_add(1);
+      const uint32_t bell = atom(ctl->bell).load();
+      const int late = lagging(field, step);
+      if (late < 0) {
+        atom(ctl->waiters).fetch_sub(1);
+        return;
+      }
+      if (atom(header->aborted).load() != 0) {  // only once it is clear the wait is not over
+        atom(ctl->waiters).fetch_sub(1);
+        check_abort();
+      }
+      const auto now = ShmAllreduce::Clock::now();
+      if (now >= deadline) {
+        atom(ctl->waiters).fetch_sub(1);
+        throw std::runtime_error(str_cat(
+            "timed out waiting for rank ", late, " to ", doing, " chunk ", chunk_no + 1, " of ",
+            chunks, " (shared-memory allreduce)"));
+      }
+      const auto slice = std::min<ShmAllreduce::Clock::duration>(deadline - now, kSleepSlice);
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(slice).count();
+      const timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+      futex(&ctl->bell, FUTEX_WAIT, bell, &ts);
+      atom(ctl->waiters).fetch_sub(1);
+      if (ShmAllreduce::Clock::now() >= next_check) {
+        next_check = ShmAllreduce::Clock::now() + kSleepSlice;
+        const int r = lagging(field, step);
+        if (r >= 0 && process_gone(pids[r])) {
+          throw std::runtime_error(str_cat(
+              "rank ", r, " (pid ", pids[r], ") exited while this rank waited for it to ", doing,
+              " chunk ", chunk_no + 1, " of ", chunks, " (shared-memory allreduce)"));
+        }
+      }
+    }
+  }
+};
+
+}  // namespace
+
+void ShmAllreduce::run(uint64_t ticket, void* data, size_t count, Dtype dtype, ReduceOp op,
+                       ReduceFn fn, DivideFn divide, Clock::time_point deadline) {
+  run(ticket, std::vector<Span>{{data, count}}, dtype, op, fn, divide, deadline);
+}
+
+namespace {
+
+// Spans of elements taken as one buffer, the concatenation of the spans.
+class Segments {
+ public:
+  Segments(const std::vector<ShmAllreduce::Span>& spans, size_t elem) : spans_(spans), elem_(elem) {
+    starts_.reserve(spans.size());
+    for (const auto& s : spans) {
+      starts_.push_back(count_);
+      count_ += s.count;
+    }
+  }
+  size_t count() const { return count_; }
+
+  // f(pointer, position, n) for each piece of elements [a, b) that lies in one span, in order;
+  // `position` is the piece's first element in the concatenation.
+  template <typename F>
+  void for_each(size_t a, size_t b, F&& f) const {
+    if (a >= b) return;
+    size_t i = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), a) -
+                                   starts_.begin()) - 1;
+    while (a < b) {
+      const size_t end = std::min(b, starts_[i] + spans_[i].count);
+      if (end > a) f(static_cast<char*>(spans_[i].data) + (a - starts_[i]) * elem_, a, end - a);
+      a = std::max(a, end);
+      ++i;
+    }
+  }
+
+ private:
+  const std::vector<ShmAllreduce::Span>& spans_;
+  size_t elem_;
+  std::vector<size_t> starts_;
+  size_t count_ = 0;
+};
+
+}  // namespace
+
+void ShmAllreduce::run(uint64_t ticket, const std::vector<Span>& spans, Dtype dtype, ReduceOp op,
+                       ReduceFn fn, DivideFn divide, Clock::time_point deadline) {
+  wait_turn(ticket, deadline);
+  struct EndTurn {
+    ShmAllreduce* self;
+    uint64_t ticket;
+    ~EndTurn() { self->end_turn(ticket); }
+  } end{this, ticket};
+
+  const size_t c = ticket % static_cast<size_t>(channels_);
+  const Layout l = layout(size_, channels_, chunk_);
+  char* base = static_cast<char*>(base_) + l.header + l.channel * c;
+  const Channel ch{&header_of(base_),
+                   pids_of(base_),
+                   reinterpret_cast<ChannelControl*>(base),
+                   reinterpret_cast<RankLine*>(base + kLine),
+                   base + l.control,
+                   base + l.control + chunk_ * static_cast<size_t>(size_),
+                   rank_,
+                   size_,
+                   chunk_};
+  ch.check_abort();
+
+  const size_t elem = static_cast<size_t>(itemsize(dtype));
+  const Segments data(spans, elem);
+  const size_t count = data.count();
+  const size_t per_chunk = chunk_ / elem;
+  const size_t chunks = (count + per_chunk - 1) / per_chunk;
+  std::vector<const void*> srcs(static_cast<size_t>(size_));
+  RankLine& mine = ch.lines[rank_];
+  for (size_t k = 0; k < chunks; ++k) {
+    const size_t first = k * per_chunk;
+    const size_t n = std::min(per_chunk, count - first);
+    // Rank r's share of this chunk: elements [first + share_begin(r), first + share_begin(r+1)).
+    auto share_begin = [&](int r) { return first + n * static_cast<size_t>(r) / size_; };
+    auto at = [&](char* buffer, size_t pos) { return buffer + (pos - first) * elem; };
+    const uint32_t step = ++step_[c];
+
+    // 1. Publish the other ranks' shares of this chunk.
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      data.for_each(share_begin(r), share_begin(r + 1), [&](char* p, size_t pos, size_t m) {
+        std::memcpy(at(ch.slot(rank_), pos), p, m * elem);
+      });
+    }
+    if (k == 0) {
+      mine.count = count;
+      mine.dtype = static_cast<uint32_t>(dtype);
+      mine.op = static_cast<uint32_t>(op);
+    }
+    ch.post(&RankLine::arrive, step);
+    ch.wait_all(&RankLine::arrive, step, deadline, "write its part of", k, chunks);
+    if (k == 0) {
+      for (int r = 0; r < size_; ++r) {
+        const RankLine& o = ch.lines[r];
+        if (o.count != count || o.dtype != mine.dtype || o.op != mine.op) {
+          throw std::runtime_error(str_cat(
+              "ranks disagree: rank ", rank_, " passed ", count, " elements of ", dtype, " (",
+              to_string(op), ") but rank ", r, " passed ", o.count, " elements of ",
+              static_cast<Dtype>(o.dtype), " (", to_string(static_cast<ReduceOp>(o.op)), ")"));
+        }
+      }
+    }
+
+    // 2. Reduce this rank's share over all ranks, in rank order, and keep it.
+    data.for_each(share_begin(rank_), share_begin(rank_ + 1), [&](char* p, size_t pos, size_t m) {
+      for (int r = 0; r < size_; ++r) {
+        srcs[static_cast<size_t>(r)] = r == rank_ ? p : at(ch.slot(r), pos);
+      }
+      char* out = at(ch.result, pos);
+      fn(out, srcs[0], srcs[1], m);
+      for (int r = 2; r < size_; ++r) fn(out, out, srcs[static_cast<size_t>(r)], m);
+      if (divide) divide(out, m, size_);
+      std::memcpy(p, out, m * elem);  // still in this core's cache
+    });
+    ch.post(&RankLine::reduced, step);
+    ch.wait_all(&RankLine::reduced, step, deadline, "reduce its share of", k, chunks);
+
+    // 3. Take the other ranks' reduced shares.
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      data.for_each(share_begin(r), share_begin(r + 1), [&](char* p, size_t pos, size_t m) {
+        std::memcpy(p, at(ch.result, pos), m * elem);
+      });
+    }
+  }
+}
+
+}  // namespace ember::detail
