@@ -52,6 +52,7 @@ struct Reducer {
     size_t bucket = 0;
     int64_t offset = 0;  // in elements, into the bucket's flat buffer
     bool ready = false;
+    bool in_place = false;  // this iteration's gradient was left in grad(), not copied (below)
   };
   struct Bucket {
     Tensor flat;
@@ -62,6 +63,7 @@ struct Reducer {
     size_t pending = 0;
     std::shared_ptr<Future> future;  // the all-reduce's or the hook's
     bool launched = false;
+    bool in_place = false;  // all-reduced where the gradients lie (Note [DDP in place])
   };
 
   std::shared_ptr<ProcessGroup> group;  // DDP's communication group (checked under DETAIL)
@@ -112,6 +114,22 @@ struct Reducer {
     return group->size() == 1 && !hook && !options.gradient_as_bucket_view;
   }
 
+  // Note [DDP in place]: when the group all-reduces a list of tensors where they lie
+  // (coalesced_without_copies(): gloo with every rank on one machine, over shared memory), a
+  // bucket without a hook skips its flat buffer: the gradients stay in grad() as they arrive,
+  // the bucket all-reduces them with allreduce_coalesced, and finalize has nothing to copy back.
+  // That saves two passes over every gradient (into the bucket, and back), 10 ms of a 68 ms
+  // step for a 10M-parameter MLP on the 2-core VM. A bucket falls back to the flat buffer
+  // (copying what it kept in place) if any of its gradients is missing or unusable (an unused
+  // parameter, a non-contiguous gradient) or join() divides by the ranks with data.
+  // grad() of a parameter whose bucket has launched is then being averaged during the rest of
+  // backward (torch: it holds the local gradient until backward ends); after backward, both
+  // hold the average.
+  bool in_place_possible() const {
+    return !hook && !options.gradient_as_bucket_view && group->size() > 1 &&
+           group->coalesced_without_copies();
+  }
+
   // Whether the coming finalize all-reduces the map of locally used parameters.
   bool uses_used_map() const {
     return options.static_graph ? !static_known : options.find_unused_parameters;
@@ -127,12 +145,16 @@ struct Reducer {
     next_launch = 0;
     launched_any = false;
     violations.clear();
-    for (auto& p : params) p.ready = false;
+    for (auto& p : params) {
+      p.ready = false;
+      p.in_place = false;
+    }
     for (auto& b : buckets) {
       b.pending = b.params.size();
       b.future.reset();
       b.shadow = Tensor();
       b.launched = false;
+      b.in_place = false;
     }
   }
 
@@ -306,6 +328,21 @@ struct Reducer {
     if (group->size() == 1) return;  // the average of one rank is its own gradient
     AllreduceOptions o;
     o.op = divisor > 0 ? ReduceOp::Sum : ReduceOp::Avg;
+    if (!shadow) {  // Note [DDP in place]
+      bool all = divisor == 0;
+      for (size_t k : b.params) all = all && params[k].in_place;
+      if (all) {
+        std::vector<Tensor> grads;
+        for (size_t k : b.params) grads.push_back(params[k].tensor.grad());
+        b.in_place = true;
+        b.future = group->allreduce_coalesced(grads, o)->future();
+        return;
+      }
+      NoGradGuard no_grad;
+      for (size_t k : b.params) {
+        if (params[k].in_place) slot(params[k]).copy_(params[k].tensor.grad());
+      }
+    }
     b.future = group->allreduce(buffer, o)->future();
   }
 
@@ -375,7 +412,12 @@ struct Reducer {
     if (!g.defined()) {
       s.zero_();
     } else if (g.data_ptr() != s.data_ptr() && !local_only()) {  // a bucket view: in place
-      s.copy_(g);
+      if (in_place_possible() && g.is_contiguous() && g.dtype() == s.dtype() &&
+          g.device() == s.device()) {
+        p.in_place = true;  // Note [DDP in place]
+      } else {
+        s.copy_(g);
+      }
     }
     p.ready = true;
     if (--buckets[p.bucket].pending == 0) launch_ready();
@@ -575,7 +617,9 @@ struct Reducer {
     NoGradGuard no_grad;
     const bool local = local_only();
     if (divisor > 0 && !hook && !local) {
-      for (auto& b : buckets) b.flat.div_(divisor);
+      for (auto& b : buckets) {
+        if (!b.in_place) b.flat.div_(divisor);
+      }
     }
     for (size_t i = 0; i < params.size(); ++i) {
       Param& p = params[i];
@@ -585,7 +629,7 @@ struct Reducer {
       if (options.gradient_as_bucket_view) {
         if (!g.defined() || g.data_ptr() != s.data_ptr()) p.tensor.set_grad(s);
       } else if (g.defined()) {
-        if (local) continue;  // already the average
+        if (local || buckets[p.bucket].in_place) continue;  // already the average
         Tensor dst = g;
         dst.copy_(s);
       } else {

@@ -39,8 +39,24 @@ constexpr int64_t kBatch = 12;  // divisible by 1, 2 and 3 ranks
 constexpr int64_t kIn = 5;
 constexpr int64_t kOut = 3;
 
-void run_group(int n, const std::function<void(std::shared_ptr<ProcessGroup>, int)>& body) {
-  test::run_gloo_ranks(n, [&](std::shared_ptr<ProcessGroupGloo> pg, int rank) { body(pg, rank); });
+void run_group(int n, const std::function<void(std::shared_ptr<ProcessGroup>, int)>& body,
+               bool shm = true) {
+  test::run_gloo_ranks(
+      n, [&](std::shared_ptr<ProcessGroupGloo> pg, int rank) { body(pg, rank); }, shm);
+}
+
+/// World size, and whether gloo runs over shared memory (DDP then all-reduces gradients where
+/// they lie, Note [DDP in place]) or TCP (DDP's flat buckets).
+struct DDPCase {
+  int n;
+  bool shm;
+};
+void PrintTo(const DDPCase& c, std::ostream* os) {
+  *os << c.n << (c.n == 1 ? " rank" : " ranks") << (c.shm ? ", shared memory" : ", tcp");
+}
+void run_group(const DDPCase& c,
+               const std::function<void(std::shared_ptr<ProcessGroup>, int)>& body) {
+  run_group(c.n, body, c.shm);
 }
 
 // A small MLP; its initial weights depend on the seed.
@@ -77,13 +93,13 @@ void require_grads_match(const std::string& what, const nn::Module& got, const n
 
 // Every rank's flattened parameters, gathered; throws unless all ranks hold identical bits.
 
-class DDPWorld : public ::testing::TestWithParam<int> {};
+class DDPWorld : public ::testing::TestWithParam<DDPCase> {};
 
 // (a) one step: every rank's grads equal the full-batch gradient of one process.
 TEST_P(DDPWorld, GradientsEqualFullBatchGradient) {
   EMBER_REQUIRE_GLOO();
-  const int n = GetParam();
-  run_group(n, [n](std::shared_ptr<ProcessGroup> pg, int rank) {
+  const int n = GetParam().n;
+  run_group(GetParam(), [n](std::shared_ptr<ProcessGroup> pg, int rank) {
     auto model = make_model(100 + rank);  // different on every rank: DDP broadcasts rank 0's
     DistributedDataParallel ddp(model, pg);
     auto ref = clone_model(*model);
@@ -104,8 +120,8 @@ TEST_P(DDPWorld, GradientsEqualFullBatchGradient) {
 // single-process training on the full batch.
 TEST_P(DDPWorld, SgdStepsKeepRanksIdentical) {
   EMBER_REQUIRE_GLOO();
-  const int n = GetParam();
-  run_group(n, [n](std::shared_ptr<ProcessGroup> pg, int rank) {
+  const int n = GetParam().n;
+  run_group(GetParam(), [n](std::shared_ptr<ProcessGroup> pg, int rank) {
     auto model = make_model(200 + rank);
     auto ddp = std::make_shared<DistributedDataParallel>(model, pg);
     auto ref = clone_model(*model);
@@ -131,8 +147,8 @@ TEST_P(DDPWorld, SgdStepsKeepRanksIdentical) {
 // (c) a tiny bucket cap gives one bucket per parameter (in reverse order) and the same grads.
 TEST_P(DDPWorld, SmallBucketsGiveSameGradients) {
   EMBER_REQUIRE_GLOO();
-  const int n = GetParam();
-  run_group(n, [n](std::shared_ptr<ProcessGroup> pg, int rank) {
+  const int n = GetParam().n;
+  run_group(GetParam(), [n](std::shared_ptr<ProcessGroup> pg, int rank) {
     auto model = make_model(300 + rank, 40);
     // Reverse order with a 50-byte cap: [4.bias 12 B, 4.weight 48 B], [2.bias 16 B,
     // 2.weight 640 B], [0.bias 160 B], [0.weight 800 B].
@@ -161,8 +177,8 @@ TEST_P(DDPWorld, SmallBucketsGiveSameGradients) {
 // (d) no_sync accumulates locally; the next synced backward averages the accumulated grads.
 TEST_P(DDPWorld, NoSyncThenSyncEqualsCombinedBatches) {
   EMBER_REQUIRE_GLOO();
-  const int n = GetParam();
-  run_group(n, [n](std::shared_ptr<ProcessGroup> pg, int rank) {
+  const int n = GetParam().n;
+  run_group(GetParam(), [n](std::shared_ptr<ProcessGroup> pg, int rank) {
     auto model = make_model(400 + rank);
     DistributedDataParallel ddp(model, pg);
     auto ref = clone_model(*model);
@@ -188,9 +204,9 @@ TEST_P(DDPWorld, NoSyncThenSyncEqualsCombinedBatches) {
 // ready, the first three buckets have been launched, before the end-of-backward callback.
 TEST_P(DDPWorld, BucketsLaunchDuringBackward) {
   EMBER_REQUIRE_GLOO();
-  const int n = GetParam();
+  const int n = GetParam().n;
   if (n == 1) GTEST_SKIP() << "world size 1 launches no collectives";
-  run_group(n, [n](std::shared_ptr<ProcessGroup> pg, int rank) {
+  run_group(GetParam(), [n](std::shared_ptr<ProcessGroup> pg, int rank) {
     auto model = make_model(500 + rank, 40);
     DDPOptions o;
     o.bucket_cap_mb = 50.0 / (1024 * 1024);  // buckets as in SmallBucketsGiveSameGradients
@@ -218,8 +234,8 @@ TEST_P(DDPWorld, BucketsLaunchDuringBackward) {
 // correct across iterations with zero_grad(set_to_none = false) and an optimizer step.
 TEST_P(DDPWorld, GradientAsBucketView) {
   EMBER_REQUIRE_GLOO();
-  const int n = GetParam();
-  run_group(n, [n](std::shared_ptr<ProcessGroup> pg, int rank) {
+  const int n = GetParam().n;
+  run_group(GetParam(), [n](std::shared_ptr<ProcessGroup> pg, int rank) {
     auto model = make_model(600 + rank);
     DDPOptions o;
     o.gradient_as_bucket_view = true;
@@ -258,8 +274,8 @@ struct Scaled : nn::Module {
 
 TEST_P(DDPWorld, BroadcastBuffersFromRankZeroEachForward) {
   EMBER_REQUIRE_GLOO();
-  const int n = GetParam();
-  run_group(n, [n](std::shared_ptr<ProcessGroup> pg, int rank) {
+  const int n = GetParam().n;
+  run_group(GetParam(), [n](std::shared_ptr<ProcessGroup> pg, int rank) {
     manual_seed(3);
     auto model = std::make_shared<Scaled>();
     DistributedDataParallel ddp(model, pg);
@@ -289,8 +305,8 @@ struct WithUnused : nn::Module {
 // (e) a parameter without a gradient is an error naming it, unless find_unused_parameters.
 TEST_P(DDPWorld, UnusedParameterErrorNamesIt) {
   EMBER_REQUIRE_GLOO();
-  const int n = GetParam();
-  run_group(n, [n](std::shared_ptr<ProcessGroup> pg, int rank) {
+  const int n = GetParam().n;
+  run_group(GetParam(), [n](std::shared_ptr<ProcessGroup> pg, int rank) {
     manual_seed(1);
     auto model = std::make_shared<WithUnused>();
     DistributedDataParallel ddp(model, pg);
@@ -320,8 +336,8 @@ TEST_P(DDPWorld, UnusedParameterErrorNamesIt) {
 
 TEST_P(DDPWorld, FindUnusedParametersAveragesUsedOnesOnly) {
   EMBER_REQUIRE_GLOO();
-  const int n = GetParam();
-  run_group(n, [n](std::shared_ptr<ProcessGroup> pg, int rank) {
+  const int n = GetParam().n;
+  run_group(GetParam(), [n](std::shared_ptr<ProcessGroup> pg, int rank) {
     manual_seed(2 + rank);
     auto model = std::make_shared<WithUnused>();
     DDPOptions o;
@@ -342,8 +358,101 @@ TEST_P(DDPWorld, FindUnusedParametersAveragesUsedOnesOnly) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, DDPWorld, ::testing::Values(1, 2, 3),
-                         [](const auto& info) { return "world" + std::to_string(info.param); });
+// Counts the collectives DDP issues and forwards them to gloo.
+class Counting final : public ProcessGroup {
+ public:
+  explicit Counting(std::shared_ptr<ProcessGroup> inner)
+      : ProcessGroup(inner->rank(), inner->size(), Options{inner->timeout()}),
+        inner_(std::move(inner)) {}
+  std::string backend_name() const override { return inner_->backend_name(); }
+  bool coalesced_without_copies() const override { return inner_->coalesced_without_copies(); }
+  WorkPtr allreduce(Tensor& t, const AllreduceOptions& o) override {
+    ++allreduces;
+    return inner_->allreduce(t, o);
+  }
+  WorkPtr allreduce_coalesced(std::vector<Tensor>& ts, const AllreduceOptions& o) override {
+    ++coalesced;
+    return inner_->allreduce_coalesced(ts, o);
+  }
+  WorkPtr broadcast(Tensor& t, const BroadcastOptions& o) override { return inner_->broadcast(t, o); }
+  WorkPtr allgather_into_tensor(Tensor& out, const Tensor& in, const CollectiveOptions& o) override {
+    return inner_->allgather_into_tensor(out, in, o);
+  }
+  WorkPtr barrier(const CollectiveOptions& o) override { return inner_->barrier(o); }
+  WorkPtr send(const Tensor& t, int dst, int tag) override { return inner_->send(t, dst, tag); }
+  WorkPtr recv(Tensor& t, int src, int tag) override { return inner_->recv(t, src, tag); }
+  int allreduces = 0;
+  int coalesced = 0;
+
+ private:
+  std::shared_ptr<ProcessGroup> inner_;
+};
+
+// Note [DDP in place]: over shared memory every bucket all-reduces the gradients where they lie
+// (allreduce_coalesced, no flat buffer); over TCP every bucket uses its flat buffer; an unused
+// parameter (find_unused_parameters) sends its bucket back to the flat buffer. The gradients
+// equal the full-batch ones either way, through several steps and a bucket rebuild.
+TEST_P(DDPWorld, GradientsAllReducedWhereTheyLieOverSharedMemory) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam().n;
+  const bool shm = GetParam().shm;
+  if (n == 1) GTEST_SKIP() << "world size 1 launches no collectives";
+  run_group(GetParam(), [n, shm](std::shared_ptr<ProcessGroup> gloo, int rank) {
+    auto pg = std::make_shared<Counting>(gloo);
+    require(pg->coalesced_without_copies() == shm, "coalesced_without_copies()");
+    auto model = make_model(800 + rank, 40);
+    DDPOptions o;
+    o.bucket_cap_mb = 50.0 / (1024 * 1024);  // several buckets
+    auto ddp = std::make_shared<DistributedDataParallel>(model, pg, o);
+    auto ref = clone_model(*model, 40);
+    nn::optim::SGD opt(ddp->parameters(), {.lr = 0.1, .momentum = 0.9});
+    nn::optim::SGD ref_opt(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+    int buckets = 0;
+    for (int step = 0; step < 3; ++step) {
+      const Batch b = fixed_batch(60 + step);
+      opt.zero_grad();
+      ref_opt.zero_grad();
+      pg->allreduces = pg->coalesced = 0;
+      loss_of(*ddp, slice(b, rank, n)).backward();
+      loss_of(*ref, b).backward();
+      require_grads_match("step " + std::to_string(step), *model, *ref);
+      if (step == 0) buckets = pg->allreduces + pg->coalesced;
+      require(buckets > 1 && pg->allreduces + pg->coalesced == buckets, "several buckets");
+      require(shm ? pg->coalesced == buckets : pg->allreduces == buckets,
+              "step " + std::to_string(step) + ": " + std::to_string(pg->coalesced) +
+                  " buckets all-reduced in place, " + std::to_string(pg->allreduces) + " flat");
+      opt.step();
+      ref_opt.step();
+    }
+    require_same_on_all_ranks(*pg, *model);
+
+    // A parameter unused on this iteration: its bucket falls back to the flat buffer, whose
+    // slot for it is zero.
+    manual_seed(2 + rank);
+    auto partly = std::make_shared<WithUnused>();
+    DDPOptions u;
+    u.find_unused_parameters = true;
+    DistributedDataParallel ddp2(partly, pg, u);
+    auto used_ref = std::make_shared<nn::Linear>(kIn, kOut);
+    used_ref->load_state_dict(partly->used->state_dict());
+    const Batch b = fixed_batch(4);
+    pg->allreduces = pg->coalesced = 0;
+    loss_of(ddp2, slice(b, rank, n)).backward();
+    loss_of(*used_ref, b).backward();
+    require_close("used.weight grad", partly->used->tensor("weight").grad(),
+                  used_ref->tensor("weight").grad());
+    require(!partly->unused->tensor("weight").grad().defined(), "unused grad must stay undefined");
+    require(pg->coalesced == 0, "a bucket with an unused parameter was all-reduced in place");
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, DDPWorld,
+                         ::testing::Values(DDPCase{1, true}, DDPCase{2, true}, DDPCase{3, true},
+                                           DDPCase{2, false}, DDPCase{3, false}),
+                         [](const auto& info) {
+                           return "world" + std::to_string(info.param.n) +
+                                  (info.param.n == 1 ? "" : info.param.shm ? "_shm" : "_tcp");
+                         });
 
 TEST(DDP, MismatchedParameterShapesNameParameterAndRank) {
   EMBER_REQUIRE_GLOO();

@@ -28,17 +28,21 @@ namespace ember::test {
 
 /// Runs body(pg, rank) in n forked ranks joined into a gloo group through a TCPStoreServer on
 /// an OS-picked port of 127.0.0.1; every rank's failure is reported here.
+/// `shm`: GlooOptions::shared_memory (then DDP's buckets all-reduce gradients in place).
 inline void run_gloo_ranks(
-    int n, const std::function<void(std::shared_ptr<dist::ProcessGroupGloo>, int)>& body) {
+    int n, const std::function<void(std::shared_ptr<dist::ProcessGroupGloo>, int)>& body,
+    bool shm = true) {
   using namespace std::chrono_literals;
   Children kids(n, [&](int rank, const std::string& port) {
     dist::TCPStoreOptions so;
     so.timeout = 60s;
     auto store =
         std::make_shared<dist::TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
+    dist::ProcessGroupGloo::GlooOptions go{60s, "127.0.0.1"};
+    go.shared_memory = shm;
     auto pg = std::make_shared<dist::ProcessGroupGloo>(
-        std::make_shared<dist::PrefixStore>("pg", store), rank, n,
-        dist::ProcessGroupGloo::GlooOptions{60s, "127.0.0.1"});
+        std::make_shared<dist::PrefixStore>("pg", store), rank, n, go);
+    require(pg->uses_shared_memory() == (shm && n > 1), "uses_shared_memory()");
     body(pg, rank);
   });
   dist::TCPStoreServerOptions o;
