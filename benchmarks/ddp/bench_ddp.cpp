@@ -16,7 +16,8 @@
 //            backward; 0%: none of it, or DDP's own work (bucket copies) outweighs what was hidden)
 // A block is `--warmup` untimed steps of each kind, then `--steps` timed steps of each kind;
 // every row runs `--repeats` blocks, and with --torch each Ember block is followed by a block of
-// benchmarks/ddp/bench_ddp_torch.py (same model, batch, threads, ranks and measurement) while the
+// benchmarks/ddp/bench_ddp_torch.py (same model, batch, threads, ranks and measurement; with
+// OMP_WAIT_POLICY=PASSIVE unless set, as emberrun gives Ember's workers) while the
 // Ember ranks wait. The row shows the median over blocks of each block's median (averaged over
 // ranks), steps/s of both frameworks and Ember's speed-up (target: 1.3x).
 // At the end every rank's DDP parameters are compared with rank 0's: "params agree: yes".
@@ -285,7 +286,12 @@ class RankBench {
 // One block of bench_ddp_torch.py, whose rank 0 prints "RESULT step_ms compute_ms allreduce_ms".
 TorchResult run_torch_block(const Args& a, const std::string& model, int world, int threads) {
   std::ostringstream cmd;
-  cmd << "timeout 1800 " << bench::python_script(EMBER_SOURCE_DIR, "benchmarks/ddp/bench_ddp_torch.py")
+  // As emberrun gives Ember's workers (and vs_pytorch/run.py both sides): torch 1.13's
+  // OpenMP threads otherwise spin against Debian's pthread OpenBLAS pool (the MLP at 1 rank x
+  // 2 threads: 125 ms per step instead of 52 on the 2-core VM).
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  cmd << "OMP_WAIT_POLICY=" << (policy && *policy ? policy : "PASSIVE") << " timeout 1800 "
+      << bench::python_script(EMBER_SOURCE_DIR, "benchmarks/ddp/bench_ddp_torch.py")
       << " --np " << world << " --model " << model << " --batch "
       << a.batch << " --steps " << a.steps << " --warmup " << a.warmup << " --threads " << threads;
   TorchResult r;
