@@ -115,7 +115,7 @@ struct Reducer {
   }
 
   // Note [DDP in place]: when the group all-reduces a list of tensors where they lie
-  // (coalesced_without_copies(): gloo with every rank on one machine, over shared memory), a
+  // (coalesced_without_copies(): CPU tensors over gloo with every rank on one machine), a
   // bucket without a hook skips its flat buffer: the gradients stay in grad() as they arrive,
   // the bucket all-reduces them with allreduce_coalesced, and finalize has nothing to copy back.
   // That saves two passes over every gradient (into the bucket, and back), 10 ms of a 68 ms
@@ -125,9 +125,9 @@ struct Reducer {
   // grad() of a parameter whose bucket has launched is then being averaged during the rest of
   // backward (torch: it holds the local gradient until backward ends); after backward, both
   // hold the average.
-  bool in_place_possible() const {
+  bool in_place_possible(const Device& device) const {
     return !hook && !options.gradient_as_bucket_view && group->size() > 1 &&
-           group->coalesced_without_copies();
+           group->coalesced_without_copies(device);
   }
 
   // Whether the coming finalize all-reduces the map of locally used parameters.
@@ -412,7 +412,7 @@ struct Reducer {
     if (!g.defined()) {
       s.zero_();
     } else if (g.data_ptr() != s.data_ptr() && !local_only()) {  // a bucket view: in place
-      if (in_place_possible() && g.is_contiguous() && g.dtype() == s.dtype() &&
+      if (in_place_possible(s.device()) && g.is_contiguous() && g.dtype() == s.dtype() &&
           g.device() == s.device()) {
         p.in_place = true;  // Note [DDP in place]
       } else {

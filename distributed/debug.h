@@ -46,7 +46,9 @@ class CheckedProcessGroup : public ProcessGroup {
   WorkPtr allreduce(Tensor& tensor, const AllreduceOptions& opts = {}) override;
   WorkPtr allreduce_coalesced(std::vector<Tensor>& tensors,
                               const AllreduceOptions& opts = {}) override;
-  bool coalesced_without_copies() const override { return inner_->coalesced_without_copies(); }
+  bool coalesced_without_copies(const Device& device) const override {
+    return inner_->coalesced_without_copies(device);
+  }
   WorkPtr broadcast(Tensor& tensor, const BroadcastOptions& opts = {}) override;
   WorkPtr reduce(Tensor& tensor, const ReduceOptions& opts = {}) override;
   WorkPtr allgather(std::vector<Tensor>& outputs, const Tensor& input,

@@ -186,10 +186,10 @@ class ProcessGroup {
   /// dtypes or devices.
   virtual WorkPtr allreduce_coalesced(std::vector<Tensor>& tensors,
                                       const AllreduceOptions& opts = {});
-  /// True if allreduce_coalesced reads and writes the tensors in place, without packing copies
-  /// (DistributedDataParallel then all-reduces gradients where they lie instead of copying them
-  /// into its buckets and back).
-  virtual bool coalesced_without_copies() const { return false; }
+  /// True if allreduce_coalesced reads and writes tensors on `device` in place, without packing
+  /// copies (DistributedDataParallel then all-reduces gradients where they lie instead of
+  /// copying them into its buckets and back).
+  virtual bool coalesced_without_copies(const Device& device) const { return false; }
   /// In place: every rank ends with root's `tensor`.
   virtual WorkPtr broadcast(Tensor& tensor, const BroadcastOptions& opts = {}) = 0;
   /// Root's `tensor` ends with the reduction; other ranks' are left unspecified (as in c10d).

@@ -83,11 +83,13 @@ class ProcessGroupGloo : public ProcessGroup {
   bool uses_shared_memory() const;
 
   WorkPtr allreduce(Tensor& tensor, const AllreduceOptions& opts = {}) override;
-  /// Over shared memory: reduces the tensors where they lie, one collective; otherwise packs
+  /// Over shared memory: reduces CPU tensors where they lie, one collective; otherwise packs
   /// them (ProcessGroup's default).
   WorkPtr allreduce_coalesced(std::vector<Tensor>& tensors,
                               const AllreduceOptions& opts = {}) override;
-  bool coalesced_without_copies() const override { return uses_shared_memory(); }
+  bool coalesced_without_copies(const Device& device) const override {
+    return device.is_cpu() && uses_shared_memory();
+  }
   WorkPtr broadcast(Tensor& tensor, const BroadcastOptions& opts = {}) override;
   WorkPtr reduce(Tensor& tensor, const ReduceOptions& opts = {}) override;
   WorkPtr allgather_into_tensor(Tensor& output, const Tensor& input,

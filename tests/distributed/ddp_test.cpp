@@ -365,7 +365,9 @@ class Counting final : public ProcessGroup {
       : ProcessGroup(inner->rank(), inner->size(), Options{inner->timeout()}),
         inner_(std::move(inner)) {}
   std::string backend_name() const override { return inner_->backend_name(); }
-  bool coalesced_without_copies() const override { return inner_->coalesced_without_copies(); }
+  bool coalesced_without_copies(const Device& d) const override {
+    return inner_->coalesced_without_copies(d);
+  }
   WorkPtr allreduce(Tensor& t, const AllreduceOptions& o) override {
     ++allreduces;
     return inner_->allreduce(t, o);
@@ -399,7 +401,7 @@ TEST_P(DDPWorld, GradientsAllReducedWhereTheyLieOverSharedMemory) {
   if (n == 1) GTEST_SKIP() << "world size 1 launches no collectives";
   run_group(GetParam(), [n, shm](std::shared_ptr<ProcessGroup> gloo, int rank) {
     auto pg = std::make_shared<Counting>(gloo);
-    require(pg->coalesced_without_copies() == shm, "coalesced_without_copies()");
+    require(pg->coalesced_without_copies(kCPU) == shm, "coalesced_without_copies()");
     auto model = make_model(800 + rank, 40);
     DDPOptions o;
     o.bucket_cap_mb = 50.0 / (1024 * 1024);  // several buckets

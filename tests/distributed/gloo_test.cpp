@@ -212,7 +212,7 @@ TEST_P(GlooWorld, AllreduceCoalescedEveryDtype) {
   const int n = GetParam().n;
   const bool shm = GetParam().shm;
   run_group(n, [n, shm](ProcessGroupGloo& pg, int rank, Store&) {
-    require(pg.coalesced_without_copies() == (shm && n > 1), "coalesced_without_copies()");
+    require(pg.coalesced_without_copies(kCPU) == (shm && n > 1), "coalesced_without_copies()");
     CompositeOnly composite(pg);
     for (ProcessGroup* g : {static_cast<ProcessGroup*>(&pg), static_cast<ProcessGroup*>(&composite)}) {
       for (Dtype d : {kFloat32, kBFloat16, kInt64}) {
