@@ -316,10 +316,10 @@ TEST(InitProcessGroup, FileUrl) {
       dir.file("store"));
 }
 
-TEST(InitProcessGroup, GivenStore) {
-  EMBER_REQUIRE_GLOO();
-  const int n = 2;
-  test::Children kids(n, [](int rank, const std::string& port) {
+// Forks 2 ranks; each calls init(rank, options) with options carrying a client of a
+// TCPStoreServer on an OS-picked port of this process (60 s timeouts), then exercises the world.
+void run_with_store(const std::function<void(int, const InitOptions&)>& init) {
+  test::Children kids(2, [&](int rank, const std::string& port) {
     ::setenv("EMBER_GLOO_HOSTNAME", "127.0.0.1", 1);
     TCPStoreOptions so;
     so.timeout = 60s;
@@ -327,8 +327,7 @@ TEST(InitProcessGroup, GivenStore) {
         std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
     InitOptions o = with_store(store, rank, 2);
     o.timeout = 60s;
-    init_process_group(o);
-    require(default_store() == store, "default_store() is the given store");
+    init(rank, o);
     exercise_world(2, rank);
   });
   TCPStoreServerOptions so;
@@ -338,8 +337,17 @@ TEST(InitProcessGroup, GivenStore) {
   test::expect_children_ok(kids.join());
 }
 
-// EMBER_GLOO_THREADS: the gloo group's collective worker threads (2 by default); one thread
-// works, and a bad value is an error naming the variable and what was wrong.
+TEST(InitProcessGroup, GivenStore) {
+  EMBER_REQUIRE_GLOO();
+  run_with_store([](int, const InitOptions& o) {
+    init_process_group(o);
+    require(default_store() == o.store, "default_store() is the given store");
+  });
+}
+
+// EMBER_GLOO_THREADS (the gloo group's collective worker threads, 2 by default) and
+// EMBER_GLOO_SHM (allreduce through shared memory, 1 by default): one thread works, 0 turns
+// shared memory off, and a bad value is an error naming the variable and what was wrong.
 TEST(InitProcessGroup, GlooThreadsAndSharedMemoryFromTheEnvironment) {
   EMBER_REQUIRE_GLOO();
   auto init_alone = [] { init_process_group(with_store(std::make_shared<HashStore>(), 0, 1)); };
@@ -354,26 +362,13 @@ TEST(InitProcessGroup, GlooThreadsAndSharedMemoryFromTheEnvironment) {
   EXPECT_FALSE(is_initialized());
   // Two ranks with one worker thread each; EMBER_GLOO_SHM=0, then unset (shared memory).
   for (const char* shm : {"0", ""}) {
-    test::Children kids(2, [shm](int rank, const std::string& port) {
-      ::setenv("EMBER_GLOO_HOSTNAME", "127.0.0.1", 1);
+    run_with_store([shm](int, const InitOptions& o) {
       ::setenv("EMBER_GLOO_THREADS", "1", 1);
       if (*shm) ::setenv("EMBER_GLOO_SHM", shm, 1);
-      TCPStoreOptions so;
-      so.timeout = 60s;
-      auto store =
-          std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
-      InitOptions o = with_store(store, rank, 2);
-      o.timeout = 60s;
       auto pg = std::dynamic_pointer_cast<ProcessGroupGloo>(init_process_group(o));
       test::require(pg && pg->uses_shared_memory() == !*shm,
                     std::string("EMBER_GLOO_SHM='") + shm + "': uses_shared_memory()");
-      exercise_world(2, rank);
     });
-    TCPStoreServerOptions so;
-    so.host = "127.0.0.1";
-    TCPStoreServer server(so);
-    kids.go(std::to_string(server.port()));
-    test::expect_children_ok(kids.join());
   }
 }
 
