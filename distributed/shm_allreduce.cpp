@@ -32,7 +32,10 @@
 // ranks it waits for are still alive (their pids, the ranks sharing a PID namespace).
 //
 // The segment is unlinked as soon as every rank has mapped it, so nothing is left in /dev/shm
-// however the processes end.
+// however the processes end after the group's set-up.
+//
+// allreduce_coalesced runs the same steps over several buffers taken as one (Segments below):
+// a chunk may span buffers, and nothing is packed.
 #include "distributed/detail/shm_allreduce.h"
 
 #include <fcntl.h>
