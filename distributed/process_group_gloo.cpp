@@ -139,6 +139,18 @@ void divide_in_place(const Tensor& t, int n) {
   });
 }
 
+// Note [shared-memory allreduce]: the tensors (contiguous CPU, one dtype) reduced in place as
+// one buffer, Avg's division included.
+void shm_allreduce(ember::detail::ShmAllreduce& shm, uint64_t ticket,
+                   const std::vector<Tensor>& ts, ReduceOp op, std::chrono::milliseconds left) {
+  std::vector<ember::detail::ShmAllreduce::Span> spans;
+  for (const Tensor& t : ts) spans.push_back({t.data_ptr(), static_cast<size_t>(t.numel())});
+  EMBER_DISPATCH_NUMERIC(ts[0].dtype(), "[gloo] allreduce", [&]<typename T>() {
+    shm.run(ticket, spans, ts[0].dtype(), op, reduce_fn<T>(op),
+            op == ReduceOp::Avg ? &divide_span<T> : nullptr, Clock::now() + left);
+  });
+}
+
 // Note [small allreduce]: Gloo's ring allreduce takes 2(n-1) dependent steps, each a network
 // round trip; below this size latency dominates, so every rank instead sends its buffer straight
 // to every peer and receives theirs (one round, all transfers in flight at once) and reduces
@@ -321,8 +333,7 @@ class ProcessGroupGloo::Impl {
     }
     context_ = ctx;
     if (opts.shared_memory) {
-      shm_ = ember::detail::ShmAllreduce::create(*store, rank_, size_, opts.threads, opts.timeout,
-                                          &shm_why_not_);
+      shm_ = ember::detail::ShmAllreduce::create(*store, rank_, size_, opts.threads, opts.timeout);
     }
     for (int i = 0; i < opts.threads; ++i) {
       workers_.emplace_back([this] { loop(queue_, cv_, true); });
@@ -483,7 +494,6 @@ class ProcessGroupGloo::Impl {
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;
   std::unique_ptr<ember::detail::ShmAllreduce> shm_;  // outlives the workers (joined in ~Impl)
-  std::string shm_why_not_;
   std::mutex mu_;
   std::condition_variable cv_;      // collectives' queue
   std::condition_variable p2p_cv_;  // send/recv queue
@@ -529,18 +539,16 @@ WorkPtr ProcessGroupGloo::allreduce(Tensor& tensor, const AllreduceOptions& opts
   const ReduceOp op = opts.op;
   return impl_->submit(
       next_op("allreduce"), timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
-        bool divided = false;
+        if (shm) {
+          shm_allreduce(*shm, ticket, {t}, op, left);
+          return std::vector<Tensor>{t};
+        }
         if (ctx && t.numel() > 0) {
           EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] allreduce", [&]<typename T>() {
             const size_t count = static_cast<size_t>(t.numel());
             T* data = t.template data<T>();
-            if (shm) {
-              const bool avg = op == ReduceOp::Avg;
-              shm->run(ticket, data, count, t.dtype(), op, reduce_fn<T>(op),
-                       avg ? &divide_span<T> : nullptr, Clock::now() + left);
-              divided = avg;
-            } else if (static_cast<size_t>(t.nbytes()) <=
-                       (n == 2 ? kTwoRankExchangeBytes : kSmallAllreduceBytes)) {
+            if (static_cast<size_t>(t.nbytes()) <=
+                (n == 2 ? kTwoRankExchangeBytes : kSmallAllreduceBytes)) {
               small_allreduce<T>(ctx, data, count, op, tag, left);
             } else {
               gloo::AllreduceOptions o(ctx);
@@ -552,7 +560,7 @@ WorkPtr ProcessGroupGloo::allreduce(Tensor& tensor, const AllreduceOptions& opts
             }
           });
         }
-        if (op == ReduceOp::Avg && n > 1 && !divided) divide_in_place(t, n);
+        if (op == ReduceOp::Avg && n > 1) divide_in_place(t, n);
         return std::vector<Tensor>{t};
       });
 }
@@ -573,13 +581,7 @@ WorkPtr ProcessGroupGloo::allreduce_coalesced(std::vector<Tensor>& tensors,
   return impl_->submit(
       next_op("allreduce_coalesced"), timeout_of(opts.timeout),
       [=](std::chrono::milliseconds left) {
-        if (total == 0) return ts;
-        EMBER_DISPATCH_NUMERIC(ts[0].dtype(), "[gloo] allreduce_coalesced", [&]<typename T>() {
-          std::vector<ember::detail::ShmAllreduce::Span> spans;
-          for (const Tensor& t : ts) spans.push_back({t.data_ptr(), static_cast<size_t>(t.numel())});
-          shm->run(ticket, spans, ts[0].dtype(), op, reduce_fn<T>(op),
-                   op == ReduceOp::Avg ? &divide_span<T> : nullptr, Clock::now() + left);
-        });
+        if (total > 0) shm_allreduce(*shm, ticket, ts, op, left);
         return ts;
       });
 }

@@ -153,11 +153,6 @@ bool process_gone(int pid) {
   return state == 'Z' || state == 'X';
 }
 
-using dist::Bytes;
-
-std::string to_str(const Bytes& b) { return std::string(b.begin(), b.end()); }
-Bytes to_bytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
-
 struct Layout {
   size_t header;   // header page(s): SegmentHeader and the pids
   size_t control;  // per channel: ChannelControl line, then one RankLine per rank
@@ -197,39 +192,23 @@ struct Mapping {
   }
 };
 
-// Maps the segment `name` (creating it with `bytes` when create), or says why not.
-bool map_segment(const std::string& name, size_t bytes, bool create, Mapping& m,
-                 std::string* why) {
+// Maps the segment `name` (creating it with `bytes` when create); false if it cannot. *created
+// says whether this call made the name (which must then be unlinked).
+bool map_segment(const std::string& name, size_t bytes, bool create, Mapping& m, bool* created) {
   const int fd = create ? ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600)
                         : ::shm_open(name.c_str(), O_RDWR, 0);
-  if (fd < 0) {
-    *why = "shm_open(" + name + "): " + std::strerror(errno);
-    return false;
-  }
-  bool ok = true;
-  if (create) {
-    // fallocate reserves the pages now: on a full /dev/shm a later first touch would SIGBUS.
-    if (const int e = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); e != 0) {
-      *why = "reserving " + std::to_string(bytes) + " bytes in /dev/shm: " + std::strerror(e);
-      ok = false;
-    }
-  } else {
-    struct stat st {};
-    if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
-      *why = "segment " + name + " has the wrong size";
-      ok = false;
-    }
-  }
-  if (ok) {
+  if (created) *created = create && fd >= 0;
+  if (fd < 0) return false;
+  struct stat st {};
+  // fallocate reserves the pages now: on a full /dev/shm a later first touch would SIGBUS.
+  const bool sized = create ? ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0
+                            : ::fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes;
+  if (sized) {
     m.base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     m.bytes = bytes;
-    if (m.base == MAP_FAILED) {
-      *why = std::string("mmap: ") + std::strerror(errno);
-      ok = false;
-    }
   }
   ::close(fd);
-  return ok;
+  return m.base != MAP_FAILED;
 }
 
 }  // namespace
@@ -237,31 +216,27 @@ bool map_segment(const std::string& name, size_t bytes, bool create, Mapping& m,
 // ---- set-up -------------------------------------------------------------------------------------
 
 std::unique_ptr<ShmAllreduce> ShmAllreduce::create(Store& store, int rank, int size, int channels,
-                                                   Duration timeout, std::string* why_not) {
+                                                   Duration timeout) {
   const std::string key = machine_key();
-  store.set("ember_shm/key/" + std::to_string(rank), to_bytes(key.empty() ? "?" : key));
+  store.set("ember_shm/key/" + std::to_string(rank), key.empty() ? std::string("?") : key);
   const size_t chunk = chunk_for(size, channels);
   const Layout l = layout(size, channels, chunk);
-  std::string why;
-  std::string name;
   Mapping m;
   if (rank == 0) {
     bool local = !key.empty();
     for (int r = 1; r < size && local; ++r) {
-      if (to_str(store.get("ember_shm/key/" + std::to_string(r), timeout)) != key) {
-        local = false;
-        why = "rank " + std::to_string(r) + " runs on another machine or namespace";
-      }
+      local = store.get_string("ember_shm/key/" + std::to_string(r), timeout) == key;
     }
-    if (key.empty()) why = "this machine's boot id or namespaces cannot be read";
     uint64_t nonce = 0;
+    std::string name;
+    bool created = false;
     if (local) {
       std::random_device rd;
       nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(::getpid());
       std::ostringstream n;
       n << "/ember-" << ::getpid() << "-" << std::hex << nonce;
       name = n.str();
-      if (map_segment(name, l.total, true, m, &why)) {
+      if (map_segment(name, l.total, true, m, &created)) {
         SegmentHeader& h = header_of(m.base);
         h.magic = kMagic;
         h.nonce = nonce;
@@ -269,8 +244,6 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::create(Store& store, int rank, int s
         h.channels = channels;
         h.chunk = chunk;
         pids_of(m.base)[0] = static_cast<int32_t>(::getpid());
-      } else if (why.rfind("shm_open", 0) == 0) {
-        name.clear();  // nothing was created
       }
     }
     // Whatever happens next, the name goes once every rank has answered.
@@ -279,49 +252,33 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::create(Store& store, int rank, int s
       ~Unlink() {
         if (!n.empty()) ::shm_unlink(n.c_str());
       }
-    } unlink{name};
-    const bool offered = m.base != MAP_FAILED;
+    } unlink{created ? name : std::string()};
     std::ostringstream offer;
-    if (offered) offer << name << " " << std::hex << nonce;
-    store.set("ember_shm/name", to_bytes(offer.str()));
-    bool all = offered;
+    if (m.base != MAP_FAILED) offer << name << " " << std::hex << nonce;
+    store.set("ember_shm/name", offer.str());
+    bool all = m.base != MAP_FAILED;
     for (int r = 1; r < size; ++r) {
-      const std::string ok = to_str(store.get("ember_shm/ok/" + std::to_string(r), timeout));
-      if (all && ok != "1") {
-        all = false;
-        why = "rank " + std::to_string(r) + " could not map the segment: " + ok;
-      }
+      all = store.get_string("ember_shm/ok/" + std::to_string(r), timeout) == "1" && all;
     }
-    store.set("ember_shm/use", to_bytes(all ? "1" : "0"));
-    if (!all) {
-      if (why_not) *why_not = why;
-      return nullptr;
-    }
+    store.set("ember_shm/use", std::string(all ? "1" : "0"));
+    if (!all) return nullptr;
   } else {
-    const std::string offer = to_str(store.get("ember_shm/name", timeout));
+    const std::string offer = store.get_string("ember_shm/name", timeout);
     bool ok = false;
-    if (offer.empty()) {
-      why = "rank 0 made no segment";
-    } else {
+    if (!offer.empty()) {
       std::istringstream in(offer);
+      std::string name;
       uint64_t nonce = 0;
       in >> name >> std::hex >> nonce;
-      if (map_segment(name, l.total, false, m, &why)) {
+      if (map_segment(name, l.total, false, m, nullptr)) {
         const SegmentHeader& h = header_of(m.base);
         ok = h.magic == kMagic && h.nonce == nonce && h.size == size &&
              h.channels == channels && h.chunk == chunk;
-        if (ok) {
-          pids_of(m.base)[rank] = static_cast<int32_t>(::getpid());
-        } else {
-          why = "segment " + name + " holds another group";
-        }
+        if (ok) pids_of(m.base)[rank] = static_cast<int32_t>(::getpid());
       }
     }
-    store.set("ember_shm/ok/" + std::to_string(rank), to_bytes(ok ? "1" : why));
-    if (to_str(store.get("ember_shm/use", timeout)) != "1") {
-      if (why_not) *why_not = ok ? "another rank could not map the segment" : why;
-      return nullptr;
-    }
+    store.set("ember_shm/ok/" + std::to_string(rank), std::string(ok ? "1" : "0"));
+    if (store.get_string("ember_shm/use", timeout) != "1") return nullptr;
   }
   return std::unique_ptr<ShmAllreduce>(
       new ShmAllreduce(rank, size, channels, chunk, m.release(), l.total));
@@ -477,11 +434,6 @@ struct Channel {
 };
 
 }  // namespace
-
-void ShmAllreduce::run(uint64_t ticket, void* data, size_t count, Dtype dtype, ReduceOp op,
-                       ReduceFn fn, DivideFn divide, Clock::time_point deadline) {
-  run(ticket, std::vector<Span>{{data, count}}, dtype, op, fn, divide, deadline);
-}
 
 namespace {
 

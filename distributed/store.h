@@ -60,8 +60,9 @@ class Store {
   void set(const std::string& key, const std::string& value) {
     set(key, Bytes(value.begin(), value.end()));
   }
-  std::string get_string(const std::string& key) {
-    const Bytes b = get(key);
+  std::string get_string(const std::string& key) { return get_string(key, timeout_); }
+  std::string get_string(const std::string& key, Duration timeout) {
+    const Bytes b = get(key, timeout);
     return std::string(b.begin(), b.end());
   }
 

@@ -33,12 +33,12 @@ class ShmAllreduce {
 
   /// Collective: every rank of the group calls it once, right after the group has connected.
   /// Returns a channel set shared by all `size` ranks when they all run on this machine (same
-  /// boot, network and PID namespaces, and the segment opens on every rank); otherwise null,
-  /// with the reason in *why_not. `channels` is how many allreduces may run at once on a rank
+  /// boot, network and PID namespaces, and the segment opens on every rank); otherwise null.
+  /// `channels` is how many allreduces may run at once on a rank
   /// (the group's worker threads). Keys are written under "ember_shm/" in `store`, which must
   /// be private to the group. Throws DistTimeoutError if a rank does not take part in time.
   static std::unique_ptr<ShmAllreduce> create(Store& store, int rank, int size, int channels,
-                                              Duration timeout, std::string* why_not);
+                                              Duration timeout);
   ~ShmAllreduce();
   ShmAllreduce(const ShmAllreduce&) = delete;
   ShmAllreduce& operator=(const ShmAllreduce&) = delete;
@@ -47,34 +47,25 @@ class ShmAllreduce {
   /// so the k-th allreduce of every rank meets the others' on the same channel.
   uint64_t next_ticket();
 
-  /// Allreduces `count` elements of `dtype` at `data` in place with every rank's allreduce of
-  /// the same ticket; every rank ends with bitwise the same values. Blocks until done. Throws
-  /// std::runtime_error saying "timed out" at `deadline` (naming the ranks still awaited), or
-  /// naming a rank that died, a rank that gave up (abort()), or ranks that passed a different
-  /// element count, dtype or op. `fn` combines two ranks' values (Avg: the sum); `divide`,
-  /// if given, divides each reduced share by the group size before the ranks copy it.
-  void run(uint64_t ticket, void* data, size_t count, Dtype dtype, ReduceOp op, ReduceFn fn,
-           DivideFn divide, Clock::time_point deadline);
-
   /// `count` elements at `data`.
   struct Span {
     void* data;
     size_t count;
   };
-  /// The same over several buffers of one dtype, reduced as if they were one concatenated
-  /// buffer (allreduce_coalesced without flattening copies); every rank's spans may be cut
-  /// differently as long as the totals agree.
+  /// Allreduces the spans (one dtype, taken as one concatenated buffer: allreduce_coalesced
+  /// without packing copies; every rank's spans may be cut differently as long as the totals
+  /// agree) in place with every rank's allreduce of the same ticket; every rank ends with
+  /// bitwise the same values. Blocks until done. Throws std::runtime_error saying "timed out"
+  /// at `deadline` (naming the rank still awaited), or naming a rank that died, a rank that
+  /// gave up (abort()), or ranks that passed a different element count, dtype or op. `fn`
+  /// combines two ranks' values (Avg: the sum); `divide`, if given, divides each reduced share
+  /// by the group size before the ranks copy it.
   void run(uint64_t ticket, const std::vector<Span>& spans, Dtype dtype, ReduceOp op,
            ReduceFn fn, DivideFn divide, Clock::time_point deadline);
 
   /// This rank failed a collective: every rank's allreduce that is waiting now or starts later
   /// fails at once, naming this rank and `why`.
   void abort(const std::string& why);
-
-  /// Bytes of the segment (for logs and tests).
-  size_t segment_bytes() const { return bytes_; }
-  /// Bytes of one rank's slot: the chunk each step moves.
-  size_t chunk_bytes() const { return chunk_; }
 
  private:
   ShmAllreduce(int rank, int size, int channels, size_t chunk, void* base, size_t bytes);

@@ -30,6 +30,7 @@
 #include "tensor/linalg.h"
 #include "tensor/random.h"
 #include "tests/distributed/ddp_test_util.h"
+#include "tests/distributed/forwarding_group.h"
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {
@@ -51,11 +52,9 @@ constexpr int64_t kIn = 24;
 constexpr int64_t kOut = 4;
 
 // Counts what the wrapped group all-reduces and which thread issued each collective.
-class CountingGroup : public ProcessGroup {
+class CountingGroup : public test::ForwardingGroup {
  public:
-  explicit CountingGroup(std::shared_ptr<ProcessGroup> inner)
-      : ProcessGroup(inner->rank(), inner->size(), options_of(*inner)), inner_(std::move(inner)) {}
-  std::string backend_name() const override { return inner_->backend_name(); }
+  using ForwardingGroup::ForwardingGroup;
   WorkPtr allreduce(Tensor& t, const AllreduceOptions& o) override {
     note(t.numel(), t.nbytes());
     return inner_->allreduce(t, o);
@@ -69,9 +68,6 @@ class CountingGroup : public ProcessGroup {
     note(-2, 0);
     return inner_->allgather_into_tensor(out, in, o);
   }
-  WorkPtr barrier(const CollectiveOptions& o) override { return inner_->barrier(o); }
-  WorkPtr send(const Tensor& t, int dst, int tag) override { return inner_->send(t, dst, tag); }
-  WorkPtr recv(Tensor& t, int src, int tag) override { return inner_->recv(t, src, tag); }
 
   /// All-reduced element counts since the last take(); throws if a collective came from
   /// another thread than `owner`.
@@ -93,18 +89,12 @@ class CountingGroup : public ProcessGroup {
   }
 
  private:
-  static Options options_of(const ProcessGroup& g) {
-    Options o;
-    o.timeout = g.timeout();
-    return o;
-  }
   void note(int64_t n, int64_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     log_.push_back(n);
     bytes_ += bytes;
     threads_.push_back(std::this_thread::get_id());
   }
-  std::shared_ptr<ProcessGroup> inner_;
   std::mutex mu_;
   std::vector<int64_t> log_;
   std::vector<std::thread::id> threads_;

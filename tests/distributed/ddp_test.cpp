@@ -19,6 +19,7 @@
 #include "tensor/creation.h"
 #include "tensor/random.h"
 #include "tests/distributed/ddp_test_util.h"
+#include "tests/distributed/forwarding_group.h"
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {
@@ -359,12 +360,9 @@ TEST_P(DDPWorld, FindUnusedParametersAveragesUsedOnesOnly) {
 }
 
 // Counts the collectives DDP issues and forwards them to gloo.
-class Counting final : public ProcessGroup {
+class Counting final : public test::ForwardingGroup {
  public:
-  explicit Counting(std::shared_ptr<ProcessGroup> inner)
-      : ProcessGroup(inner->rank(), inner->size(), Options{inner->timeout()}),
-        inner_(std::move(inner)) {}
-  std::string backend_name() const override { return inner_->backend_name(); }
+  using ForwardingGroup::ForwardingGroup;
   bool coalesced_without_copies(const Device& d) const override {
     return inner_->coalesced_without_copies(d);
   }
@@ -376,18 +374,8 @@ class Counting final : public ProcessGroup {
     ++coalesced;
     return inner_->allreduce_coalesced(ts, o);
   }
-  WorkPtr broadcast(Tensor& t, const BroadcastOptions& o) override { return inner_->broadcast(t, o); }
-  WorkPtr allgather_into_tensor(Tensor& out, const Tensor& in, const CollectiveOptions& o) override {
-    return inner_->allgather_into_tensor(out, in, o);
-  }
-  WorkPtr barrier(const CollectiveOptions& o) override { return inner_->barrier(o); }
-  WorkPtr send(const Tensor& t, int dst, int tag) override { return inner_->send(t, dst, tag); }
-  WorkPtr recv(Tensor& t, int src, int tag) override { return inner_->recv(t, src, tag); }
   int allreduces = 0;
   int coalesced = 0;
-
- private:
-  std::shared_ptr<ProcessGroup> inner_;
 };
 
 // Note [DDP in place]: over shared memory every bucket all-reduces the gradients where they lie

@@ -10,6 +10,7 @@
 #include <filesystem>
 
 #include "tests/distributed/collective_options.h"
+#include "tests/distributed/forwarding_group.h"
 #include "distributed/hash_store.h"
 #include "distributed/prefix_store.h"
 #include "distributed/process_group_gloo.h"
@@ -84,22 +85,10 @@ void run_group(int n, const std::function<void(ProcessGroupGloo&, int, Store&)>&
 /// A group that has only what every backend must provide (allreduce, broadcast,
 /// allgather_into_tensor, barrier, send, recv: gloo's), so reduce, allgather, gather, scatter,
 /// reduce_scatter and alltoall run ProcessGroup's composite versions built from them.
-class CompositeOnly final : public ProcessGroup {
+class CompositeOnly final : public test::ForwardingGroup {
  public:
-  explicit CompositeOnly(ProcessGroup& inner)
-      : ProcessGroup(inner.rank(), inner.size(), Options{inner.timeout()}), inner_(inner) {}
+  explicit CompositeOnly(ProcessGroup& inner) : ForwardingGroup(inner) {}
   std::string backend_name() const override { return "composite"; }
-  WorkPtr allreduce(Tensor& t, const AllreduceOptions& o) override { return inner_.allreduce(t, o); }
-  WorkPtr broadcast(Tensor& t, const BroadcastOptions& o) override { return inner_.broadcast(t, o); }
-  WorkPtr allgather_into_tensor(Tensor& out, const Tensor& in, const CollectiveOptions& o) override {
-    return inner_.allgather_into_tensor(out, in, o);
-  }
-  WorkPtr barrier(const CollectiveOptions& o) override { return inner_.barrier(o); }
-  WorkPtr send(const Tensor& t, int dst, int tag) override { return inner_.send(t, dst, tag); }
-  WorkPtr recv(Tensor& t, int src, int tag) override { return inner_.recv(t, src, tag); }
-
- private:
-  ProcessGroup& inner_;
 };
 
 /// What a collective test checks, given any group: gloo's own, or CompositeOnly over it.
