@@ -250,6 +250,9 @@ TEST_P(GlooWorld, AllreduceCoalescedEveryDtype) {
     const std::string mixed = error_of({zeros({2}, kFloat32), zeros({2}, kInt64)});
     require(mixed.find("one dtype and device") != std::string::npos &&
                 mixed.find("tensors[1] is int64") != std::string::npos, "mixed dtypes: " + mixed);
+    const std::string undefined = error_of({zeros({2}, kFloat32), Tensor()});
+    require(undefined.find("allreduce_coalesced: tensors[1] is undefined") != std::string::npos,
+            "undefined tensor: " + undefined);
   }, 60s, shm);
 }
 

@@ -3,7 +3,9 @@
 // result. Built as build/launcher/test_workers/dist_worker when ember_distributed exists.
 // Also prints "rank R of W: allreduce(rank+1) = S" so a multi-node test (whose nodes may not
 // share DIR) can check every rank took part from emberrun's or mpirun's output.
-// It also writes DIR/init_<RANK>: the wall-clock time (ns) init_process_group returned.
+// It also writes DIR/init_<RANK>: the wall-clock time (ns) init_process_group returned, and
+// for gloo prints "rank R: allreduce over shared memory" (every rank on one machine) or "...
+// over tcp".
 // Usage: dist_worker DIR [BACKEND]   (BACKEND: gloo, the default, or mpi under mpirun)
 #include <time.h>
 
@@ -13,6 +15,7 @@
 #include <string>
 
 #include "distributed/init.h"
+#include "distributed/process_group_gloo.h"
 #include "tensor/creation.h"
 
 int main(int argc, char** argv) {
@@ -38,6 +41,10 @@ int main(int argc, char** argv) {
     std::rename((path + ".tmp").c_str(), path.c_str());
     std::printf("rank %d of %d: allreduce(rank+1) = %g\n", pg->rank(), pg->size(),
                 static_cast<double>(t.item<float>()));
+    if (auto* gloo = dynamic_cast<dist::ProcessGroupGloo*>(pg.get())) {
+      std::printf("rank %d: allreduce over %s\n", pg->rank(),
+                  gloo->uses_shared_memory() ? "shared memory" : "tcp");
+    }
     dist::destroy_process_group();
     std::printf("rank %d done\n", pg->rank());
     return 0;

@@ -60,6 +60,15 @@ void expect_allreduce_lines(const std::string& out, int world) {
   }
 }
 
+// dist_worker's "rank R: allreduce over <how>" for every rank (gloo groups).
+void expect_transport(const std::string& out, int world, const std::string& how) {
+  for (int r = 0; r < world; ++r) {
+    const std::string line = "[rank " + std::to_string(r) + "]: rank " + std::to_string(r) +
+                             ": allreduce over " + how + "\n";
+    EXPECT_TRUE(contains(out, line)) << "missing: " << line << "in:\n" << out;
+  }
+}
+
 TEST(MultiNodeLoopback, TwoAgentsWithStaticNodeRanksRunOneJob) {
   if (!fs::exists(dist_worker())) GTEST_SKIP() << dist_worker() << " not built";
   TempDir d;
@@ -71,6 +80,8 @@ TEST(MultiNodeLoopback, TwoAgentsWithStaticNodeRanksRunOneJob) {
   ASSERT_EQ(r0.exit_code, 0) << describe(r0);
   ASSERT_EQ(r1.exit_code, 0) << describe(r1);
   expect_allreduce_lines(r0.out + r1.out, 4);  // 1+2+3+4 = 10 on every rank
+  // Two "nodes" on one machine in one network namespace: shared memory.
+  expect_transport(r0.out + r1.out, 4, "shared memory");
   EXPECT_TRUE(contains(r1.out, "[rank 2]:") && contains(r1.out, "[rank 3]:")) << describe(r1);
   for (int i = 0; i < 4; ++i)
     EXPECT_EQ(read_file(d.path + "/sum_" + std::to_string(i)), "10 4") << "rank " << i;
@@ -291,6 +302,8 @@ TEST_F(MultiNodeNetns, GlooAllreduceAcrossTwoNamespaces) {
   ASSERT_EQ(r0.exit_code, 0) << describe(r0);
   ASSERT_EQ(r1.exit_code, 0) << describe(r1);
   expect_allreduce_lines(r0.out + r1.out, 4);
+  // Network namespaces count as machines: the group stays on TCP.
+  expect_transport(r0.out + r1.out, 4, "tcp");
   EXPECT_TRUE(contains(r1.err, "MASTER_ADDR=" + net_->addr[0] + ":")) << describe(r1);
 }
 
