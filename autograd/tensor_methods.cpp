@@ -123,7 +123,9 @@ void Tensor::remove_hook(unsigned handle) const {
     m->grad_fn->remove_pre_hook(handle);
     return;
   }
+  // A leaf's gradient hooks and post-accumulate-grad hooks draw their handles from one counter.
   std::erase_if(m->hooks, [&](const auto& p) { return p.first == handle; });
+  std::erase_if(m->post_accumulate_hooks, [&](const auto& p) { return p.first == handle; });
 }
 
 unsigned Tensor::register_post_accumulate_grad_hook(std::function<void(const Tensor&)> hook) const {

@@ -352,6 +352,33 @@ TEST(Hooks, PostAccumulateGradHookSeesAccumulatedGrad) {
                {"leaf tensors"});
 }
 
+TEST(Hooks, RemovedPostAccumulateGradHookNoLongerRunsAndIsReleased) {
+  Tensor w = leaf({2}, 39);
+  auto token = std::make_shared<int>(0);  // owned by the removed hook's closure too
+  int removed_calls = 0;
+  int kept_calls = 0;
+  int pre_calls = 0;
+  const unsigned removed =
+      w.register_post_accumulate_grad_hook([&removed_calls, token](const Tensor&) {
+        ++removed_calls;
+      });
+  w.register_post_accumulate_grad_hook([&](const Tensor&) { ++kept_calls; });
+  w.register_hook([&](const Tensor&) {
+    ++pre_calls;
+    return Tensor();
+  });
+  (w * 4.0).sum().backward();
+  EXPECT_EQ(removed_calls, 1);
+  EXPECT_EQ(token.use_count(), 2);
+  w.remove_hook(removed);
+  EXPECT_EQ(token.use_count(), 1) << "remove_hook must drop the hook, not just skip it";
+  (w * 4.0).sum().backward();
+  EXPECT_EQ(removed_calls, 1) << "a removed post-accumulate-grad hook ran";
+  EXPECT_EQ(kept_calls, 2) << "removing one hook removed another";
+  EXPECT_EQ(pre_calls, 2) << "removing a post-accumulate-grad hook removed a gradient hook";
+  expect_close(w.grad(), {8, 8}, 0, "accumulated");
+}
+
 TEST(Hooks, QueuedCallbackRunsAfterAllGradientsAreAccumulated) {
   Tensor a = leaf({2}, 35);
   Tensor b = leaf({2}, 36);
