@@ -1,9 +1,9 @@
 // Note [shared-memory allreduce]
 // Ranks on one machine need not talk through loopback TCP: Gloo's transport copies every byte
-// from user space into the kernel and out again, with a system call per message, and measured
-// 1.2-2.5 GB/s bus bandwidth on the 2-core VM. When every rank of a gloo group runs on this
-// machine, allreduce instead goes through one shared-memory segment (torch's gloo backend has
-// no such path: its ranks on one host still exchange over TCP).
+// from user space into the kernel and out again, with a system call per message. When every
+// rank of a gloo group runs on this machine, allreduce instead goes through one shared-memory
+// segment (torch's gloo backend has no such path: its ranks on one host still exchange over
+// TCP).
 //
 // Layout: a header page (magic, nonce, the ranks' pids, the abort word), then one channel per
 // worker thread, each with a control page (a doorbell, a waiter count, and per rank a 64-byte
