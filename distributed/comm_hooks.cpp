@@ -97,7 +97,7 @@ CommHook compress_wrapper(CommHook hook, Dtype dtype) {
 GradBucket::GradBucket(size_t index, size_t num_buckets, Tensor buffer,
                        std::vector<Tensor> parameters, std::vector<size_t> parameter_indices,
                        std::shared_ptr<ProcessGroup> group,
-                       std::shared_ptr<detail::DeferredSteps> deferred)
+                       std::shared_ptr<ember::detail::DeferredSteps> deferred)
     : index_(index),
       num_buckets_(num_buckets),
       buffer_(std::move(buffer)),
@@ -191,15 +191,21 @@ CommHook bf16_compress_wrapper(CommHook hook) {
 
 std::shared_ptr<Future> noop_hook(GradBucket& bucket) { return completed_future({bucket.buffer()}); }
 
+}  // namespace ember::dist
+
 // ---- DeferredSteps ----------------------------------------------------------------------------
 
-namespace detail {
+namespace ember::detail {
 
-DeferredSteps::DeferredSteps(size_t num_buckets, Duration timeout)
+using dist::forward_to;
+using dist::run_step;
+
+DeferredSteps::DeferredSteps(size_t num_buckets, dist::Duration timeout)
     : queues_(num_buckets), timeout_(timeout) {}
 
-void DeferredSteps::push(size_t bucket, std::shared_ptr<Future> after,
-                         GradBucket::DeferredStep step, std::shared_ptr<Future> result) {
+void DeferredSteps::push(size_t bucket, std::shared_ptr<dist::Future> after,
+                         dist::GradBucket::DeferredStep step,
+                         std::shared_ptr<dist::Future> result) {
   EMBER_INTERNAL_ASSERT(bucket < queues_.size(), "deferred step for bucket ", bucket, " of ",
                         queues_.size());
   queues_[bucket].push_back(Item{std::move(after), std::move(step), std::move(result)});
@@ -239,6 +245,4 @@ bool DeferredSteps::empty() const {
   return std::all_of(queues_.begin(), queues_.end(), [](const auto& q) { return q.empty(); });
 }
 
-}  // namespace detail
-
-}  // namespace ember::dist
+}  // namespace ember::detail

@@ -31,11 +31,11 @@
 
 #include "distributed/process_group.h"
 
-namespace ember::dist {
-
-namespace detail {
+namespace ember::detail {
 class DeferredSteps;
-}
+}  // namespace ember::detail
+
+namespace ember::dist {
 
 /// What a communication hook sees: one bucket of gradients. Cheap to copy (tensors are handles
 /// sharing memory), so deferred steps may capture it by value.
@@ -51,7 +51,7 @@ class GradBucket {
   /// sizes do not add up to the buffer's.
   GradBucket(size_t index, size_t num_buckets, Tensor buffer, std::vector<Tensor> parameters,
              std::vector<size_t> parameter_indices, std::shared_ptr<ProcessGroup> group,
-             std::shared_ptr<detail::DeferredSteps> deferred = nullptr);
+             std::shared_ptr<ember::detail::DeferredSteps> deferred = nullptr);
 
   /// Position in the launch order (0 is launched first).
   size_t index() const { return index_; }
@@ -91,7 +91,7 @@ class GradBucket {
   std::vector<Tensor> parameters_;
   std::vector<size_t> parameter_indices_;
   std::shared_ptr<ProcessGroup> group_;
-  std::shared_ptr<detail::DeferredSteps> deferred_;
+  std::shared_ptr<ember::detail::DeferredSteps> deferred_;
 };
 
 /// A communication hook: returns a Future whose value()[0] is the averaged bucket (same number
@@ -128,16 +128,19 @@ CommHook bf16_compress_wrapper(CommHook hook);
 /// For measuring how much of an iteration communication costs, never for training.
 std::shared_ptr<Future> noop_hook(GradBucket& bucket);
 
-namespace detail {
+}  // namespace ember::dist
+
+// In ember::detail, not ember::dist::detail (distributed/detail/store_util.h says why).
+namespace ember::detail {
 
 /// DDP's queue of deferred hook steps (GradBucket::defer), one FIFO per bucket. Used by DDP
 /// and by GradBucket only; all methods are called from DDP's thread.
 class DeferredSteps {
  public:
   /// `timeout`: how long to wait for a step's `after` future.
-  DeferredSteps(size_t num_buckets, Duration timeout);
-  void push(size_t bucket, std::shared_ptr<Future> after, GradBucket::DeferredStep step,
-            std::shared_ptr<Future> result);
+  DeferredSteps(size_t num_buckets, dist::Duration timeout);
+  void push(size_t bucket, std::shared_ptr<dist::Future> after,
+            dist::GradBucket::DeferredStep step, std::shared_ptr<dist::Future> result);
   /// Runs every queued step (and those they queue) in rounds: each bucket's oldest step, in
   /// bucket order, then the next round. Errors go to the steps' result futures.
   void run_all();
@@ -147,16 +150,14 @@ class DeferredSteps {
 
  private:
   struct Item {
-    std::shared_ptr<Future> after;
-    GradBucket::DeferredStep step;
-    std::shared_ptr<Future> result;
+    std::shared_ptr<dist::Future> after;
+    dist::GradBucket::DeferredStep step;
+    std::shared_ptr<dist::Future> result;
   };
   /// Waits for item.after and runs the step, passing the outcome to item.result.
   void run(Item& item);
   std::vector<std::deque<Item>> queues_;
-  Duration timeout_;
+  dist::Duration timeout_;
 };
 
-}  // namespace detail
-
-}  // namespace ember::dist
+}  // namespace ember::detail

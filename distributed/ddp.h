@@ -16,7 +16,8 @@
 // all-reduced (average) asynchronously, or handed to the communication hook, while backward
 // goes on, buckets always in the same order on every rank. When the backward pass ends, a
 // queued autograd callback runs the hooks' deferred steps, waits for every bucket and writes the
-// averages back into the parameters' grad(). See docs/ddp.md.
+// averages back into the parameters' grad() (the reducer, distributed/reducer.h). Destroying
+// the DDP object removes its hooks. See docs/ddp.md.
 //
 // Uneven inputs: ddp.join([&] { training loop }) lets a rank that runs out of data shadow the
 // others' collectives until every rank has finished. Debugging: EMBER_DISTRIBUTED_DEBUG=INFO logs
@@ -34,6 +35,11 @@
 #include "distributed/comm_hooks.h"
 #include "distributed/process_group.h"
 #include "nn/module.h"
+
+namespace ember::detail {
+class Reducer;
+class JoinContext;
+}  // namespace ember::detail
 
 namespace ember::dist {
 
@@ -76,10 +82,6 @@ struct JoinOptions {
   bool throw_on_early_termination = false;
 };
 
-namespace detail {
-struct Reducer;
-}
-
 class DistributedDataParallel : public nn::Module {
  public:
   /// Wraps `module` (registered as submodule "module", so parameter names get the "module."
@@ -89,6 +91,9 @@ class DistributedDataParallel : public nn::Module {
   explicit DistributedDataParallel(std::shared_ptr<nn::Module> module,
                                    std::shared_ptr<ProcessGroup> group = nullptr,
                                    DDPOptions options = {});
+  /// Removes the post-accumulate-grad hooks it registered on the module's parameters (the
+  /// module can then be trained alone or wrapped again) and waits, bounded by the group's
+  /// timeout, for reductions a failed backward pass left running.
   ~DistributedDataParallel() override;
 
   std::string name() const override { return "DistributedDataParallel"; }
@@ -170,14 +175,8 @@ class DistributedDataParallel : public nn::Module {
   std::shared_ptr<ProcessGroup> group_;
   std::shared_ptr<ProcessGroup> comm_;
   DDPOptions options_;
-  bool require_sync_ = true;
-  std::shared_ptr<detail::Reducer> reducer_;
-  struct JoinState {
-    JoinOptions options;
-    std::vector<char> last_with_data;  // per rank, from the last join round anyone had data in
-  };
-  std::unique_ptr<JoinState> join_;  // set while inside join()
-  std::string early_termination_message(const std::vector<char>& has_data) const;
+  std::shared_ptr<ember::detail::Reducer> reducer_;   // reducer.h
+  std::unique_ptr<ember::detail::JoinContext> join_;  // set while inside join(); ddp_join.h
 };
 
 }  // namespace ember::dist

@@ -444,6 +444,38 @@ INSTANTIATE_TEST_SUITE_P(Ranks, DDPWorld,
                                   (info.param.n == 1 ? "" : info.param.shm ? "_shm" : "_tcp");
                          });
 
+// A destroyed DDP removes its hooks: the module it wrapped then trains alone (each rank on its
+// own batch, no collective, local gradients, also in a second step), and nothing holds on to
+// DDP's group any more.
+TEST(DDP, DestroyedDDPLeavesTheModuleToTrainAlone) {
+  EMBER_REQUIRE_GLOO();
+  constexpr int n = 2;
+  run_group(n, [](std::shared_ptr<ProcessGroup> gloo, int rank) {
+    auto pg = std::make_shared<Counting>(gloo);
+    const std::weak_ptr<ProcessGroup> weak_pg = pg;
+    auto model = make_model(900 + rank);
+    {
+      DistributedDataParallel ddp(model, pg);
+      loss_of(ddp, slice(fixed_batch(3), rank, n)).backward();
+      require(pg->allreduces + pg->coalesced > 0, "DDP all-reduced nothing");
+    }
+    const int collectives = pg->allreduces + pg->coalesced;
+    auto ref = clone_model(*model);
+    for (int step = 0; step < 2; ++step) {
+      model->zero_grad();
+      ref->zero_grad();
+      const Batch mine = fixed_batch(40 + 10 * rank + step);  // differs across ranks
+      loss_of(*model, mine).backward();
+      loss_of(*ref, mine).backward();
+      require(pg->allreduces + pg->coalesced == collectives,
+              "the unwrapped module issued a collective in step " + std::to_string(step));
+      require_grads_match("alone, step " + std::to_string(step), *model, *ref);
+    }
+    pg.reset();
+    require(weak_pg.expired(), "the destroyed DDP's hooks still hold its group");
+  });
+}
+
 TEST(DDP, MismatchedParameterShapesNameParameterAndRank) {
   EMBER_REQUIRE_GLOO();
   run_group(2, [](std::shared_ptr<ProcessGroup> pg, int rank) {
