@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -99,6 +100,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void rebuild();
   /// Whether a synchronised backward would all-reduce the used-parameter map at its end.
   bool uses_used_map() const;
+  /// How this iteration's buckets are averaged (join() sets it per iteration).
   void set_averaging(Averaging averaging) { averaging_ = averaging; }
   /// Marks the start of the module's forward (timings).
   void forward_started();
