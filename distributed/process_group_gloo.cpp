@@ -155,14 +155,12 @@ void shm_allreduce(ember::detail::ShmAllreduce& shm, uint64_t ticket,
 // round trip; below this size latency dominates, so every rank instead sends its buffer straight
 // to every peer and receives theirs (one round, all transfers in flight at once) and reduces
 // locally in rank order 0..n-1, which gives every rank bitwise the same result. (Gloo's own
-// allgather is a ring of n-1 steps and measured ~10x slower here than this exchange for 4 KiB
-// between 2 processes, slower even than its ring allreduce.)
+// allgather is a ring of n-1 steps: slower for small buffers than this exchange, and slower even
+// than its ring allreduce.)
 // With 2 ranks the exchange moves the same bytes as the ring (each sends its whole buffer once)
-// in one step instead of two. Pipelined, it beat torch's ring up to 512 KiB on a quiet 16-core
-// machine (2026-11-24: 0.37 against 0.50 ms at 512 KiB) but not at 1-2 MiB (0.88 against
-// 0.49 ms at 1 MiB), where the ring's halved reduction work, spread over both ranks, wins;
-// on the loaded 2-core VM the exchange still led at 1-2 MiB (2026-11-22). With more ranks the
-// exchange sends (n-1) times the buffer, so it is kept for small ones.
+// in one step instead of two, so it pays up to a larger size; above kTwoRankExchangeBytes the
+// ring's halved reduction work, spread over both ranks, wins (docs/benchmarks.md). With more
+// ranks the exchange sends (n-1) times the buffer, so it is kept for small ones.
 constexpr size_t kSmallAllreduceBytes = 64 * 1024;
 constexpr size_t kTwoRankExchangeBytes = 512 * 1024;
 constexpr uint8_t kSmallAllreduceSlotPrefix = 0x0a;  // after send/recv's 0x09
