@@ -87,26 +87,30 @@ bool PayloadReader::take(size_t n, const uint8_t** out) {
   return true;
 }
 
-bool PayloadReader::blob(size_t max_len, std::string* out) {
+bool PayloadReader::take_blob(size_t max_len, const uint8_t** out, size_t* n) {
   const uint8_t* p = nullptr;
   if (!take(4, &p)) return false;
-  const uint64_t n = get_le(p, 4);
-  if (n > max_len || !take(n, &p)) {
+  const uint64_t len = get_le(p, 4);
+  if (len > max_len || !take(len, out)) {
     ok_ = false;
     return false;
   }
+  *n = len;
+  return true;
+}
+
+bool PayloadReader::blob(size_t max_len, std::string* out) {
+  const uint8_t* p = nullptr;
+  size_t n = 0;
+  if (!take_blob(max_len, &p, &n)) return false;
   out->assign(reinterpret_cast<const char*>(p), n);
   return true;
 }
 
 bool PayloadReader::blob(size_t max_len, Bytes* out) {
   const uint8_t* p = nullptr;
-  if (!take(4, &p)) return false;
-  const uint64_t n = get_le(p, 4);
-  if (n > max_len || !take(n, &p)) {
-    ok_ = false;
-    return false;
-  }
+  size_t n = 0;
+  if (!take_blob(max_len, &p, &n)) return false;
   out->assign(p, p + n);
   return true;
 }
