@@ -36,11 +36,12 @@ void put_u32(uint8_t* p, size_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
 }
 
-// Writes all n bytes at offset; false with errno set on failure.
-bool write_at(int fd, const void* data, size_t n, uint64_t offset) {
-  const auto* p = static_cast<const uint8_t*>(data);
+// Moves all n bytes at offset with pread or pwrite (`io`), resuming after short transfers and
+// EINTR; false with errno set on failure (EIO for an early end of file).
+template <typename Io, typename Byte>
+bool transfer_at(Io io, int fd, Byte* p, size_t n, uint64_t offset) {
   while (n) {
-    const ssize_t k = ::pwrite(fd, p, n, static_cast<off_t>(offset));
+    const ssize_t k = io(fd, p, n, static_cast<off_t>(offset));
     if (k < 0 && errno == EINTR) continue;
     if (k <= 0) {
       if (k == 0) errno = EIO;
@@ -53,21 +54,12 @@ bool write_at(int fd, const void* data, size_t n, uint64_t offset) {
   return true;
 }
 
-// Reads exactly n bytes at offset; false with errno set on failure or early end of file.
+bool write_at(int fd, const void* data, size_t n, uint64_t offset) {
+  return transfer_at(::pwrite, fd, static_cast<const uint8_t*>(data), n, offset);
+}
+
 bool read_at(int fd, void* data, size_t n, uint64_t offset) {
-  auto* p = static_cast<uint8_t*>(data);
-  while (n) {
-    const ssize_t k = ::pread(fd, p, n, static_cast<off_t>(offset));
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) {
-      if (k == 0) errno = EIO;
-      return false;
-    }
-    p += k;
-    n -= static_cast<size_t>(k);
-    offset += static_cast<uint64_t>(k);
-  }
-  return true;
+  return transfer_at(::pread, fd, static_cast<uint8_t*>(data), n, offset);
 }
 
 }  // namespace

@@ -225,6 +225,16 @@ void rank_size_for_url(const InitOptions& o, const Url& u, const std::string& ur
   check_rank_size(*rank, *size, url);
 }
 
+// The TCPStore of an env:// or tcp:// rendezvous: rank 0 serves it, every rank connects.
+std::shared_ptr<Store> rendezvous_tcp_store(const std::string& host, int port, int rank, int size,
+                                            Duration timeout) {
+  TCPStoreOptions so;
+  so.is_server = rank == 0;
+  so.world_size = size;
+  so.timeout = timeout;
+  return std::make_shared<TCPStore>(host, static_cast<uint16_t>(port), so);
+}
+
 }  // namespace
 
 // ---- env:// -------------------------------------------------------------------------------------
@@ -367,20 +377,12 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
     rank = r.rank;
     size = r.world_size;
     master_addr = r.master_addr;
-    TCPStoreOptions so;
-    so.is_server = rank == 0;
-    so.world_size = size;
-    so.timeout = o.timeout;
-    store = std::make_shared<TCPStore>(r.master_addr, static_cast<uint16_t>(r.master_port), so);
+    store = rendezvous_tcp_store(r.master_addr, r.master_port, rank, size, o.timeout);
   } else if (method.rfind("tcp://", 0) == 0) {
     const Url u = parse_url(method, "tcp://");
     rank_size_for_url(o, u, method, &rank, &size);
     master_addr = u.host;
-    TCPStoreOptions so;
-    so.is_server = rank == 0;
-    so.world_size = size;
-    so.timeout = o.timeout;
-    store = std::make_shared<TCPStore>(u.host, static_cast<uint16_t>(u.port), so);
+    store = rendezvous_tcp_store(u.host, u.port, rank, size, o.timeout);
   } else if (method.rfind("file://", 0) == 0) {
     const Url u = parse_url(method, "file://");
     EMBER_CHECK(!u.path.empty(), "[init_process_group] file:// needs a path, got '", method, "'");

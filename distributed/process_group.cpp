@@ -39,15 +39,14 @@ void check_list(const char* op, const std::vector<Tensor>& list, size_t n, const
   }
 }
 
-/// The tensors of `list` concatenated (flattened) into one contiguous buffer.
-Tensor pack(const std::vector<Tensor>& list) {
+}  // namespace
+
+Tensor ProcessGroup::pack(const std::vector<Tensor>& list) {
   std::vector<Tensor> flat;
   flat.reserve(list.size());
   for (const Tensor& t : list) flat.push_back(t.reshape({-1}));
   return cat(flat, 0);
 }
-
-}  // namespace
 
 void check_coalesced(const char* backend, const std::vector<Tensor>& tensors) {
   EMBER_CHECK(!tensors.empty(), "[", backend, "] allreduce_coalesced expects at least one tensor");
@@ -79,8 +78,7 @@ WorkPtr ProcessGroup::allreduce_coalesced(std::vector<Tensor>& tensors,
 }
 
 WorkPtr ProcessGroup::reduce(Tensor& tensor, const ReduceOptions& opts) {
-  EMBER_CHECK(opts.root >= 0 && opts.root < size_, "[reduce] root ", opts.root,
-              " is not a rank of this group of size ", size_);
+  check_root("reduce", opts.root);
   // Every rank gets the result; c10d leaves non-root tensors unspecified, so this is valid.
   return allreduce(tensor, AllreduceOptions{opts.op, opts.timeout});
 }
@@ -109,21 +107,18 @@ WorkPtr ProcessGroup::allgather(std::vector<Tensor>& outputs, const Tensor& inpu
 
 WorkPtr ProcessGroup::gather(std::vector<Tensor>& outputs, const Tensor& input,
                              const GatherOptions& opts) {
-  EMBER_CHECK(opts.root >= 0 && opts.root < size_, "[gather] root ", opts.root,
-              " is not a rank of this group of size ", size_);
+  check_root("gather", opts.root);
   if (rank_ == opts.root) {
     check_list("gather", outputs, size_, input, "outputs");
   } else {
-    EMBER_CHECK(outputs.empty(), "[gather] only the root (rank ", opts.root,
-                ") passes output tensors; rank ", rank_, " got ", outputs.size());
+    check_only_root_passes("gather", opts.root, outputs.size(), "output");
   }
   return gather_via_allgather(*this, "gather", outputs, input, CollectiveOptions{opts.timeout});
 }
 
 WorkPtr ProcessGroup::scatter(Tensor& output, const std::vector<Tensor>& inputs,
                               const ScatterOptions& opts) {
-  EMBER_CHECK(opts.root >= 0 && opts.root < size_, "[scatter] root ", opts.root,
-              " is not a rank of this group of size ", size_);
+  check_root("scatter", opts.root);
   Shape flat_shape = output.shape();
   flat_shape.insert(0, size_);
   auto flat = std::make_shared<Tensor>();
@@ -131,8 +126,7 @@ WorkPtr ProcessGroup::scatter(Tensor& output, const std::vector<Tensor>& inputs,
     check_list("scatter", inputs, size_, output, "inputs");
     *flat = pack(inputs).view(flat_shape);
   } else {
-    EMBER_CHECK(inputs.empty(), "[scatter] only the root (rank ", opts.root,
-                ") passes input tensors; rank ", rank_, " got ", inputs.size());
+    check_only_root_passes("scatter", opts.root, inputs.size(), "input");
     *flat = empty(flat_shape, output.options());
   }
   WorkPtr inner = broadcast(*flat, BroadcastOptions{opts.root, opts.timeout});

@@ -218,8 +218,17 @@ class ProcessGroup {
   virtual WorkPtr recv(Tensor& tensor, int src, int tag = 0) = 0;
 
  protected:
-  /// "[gloo] allreduce #12 on rank 3 of 4": takes the next sequence number.
-  std::string next_op(const char* collective);
+  /// The label of the collective being issued, "[gloo] allreduce #12 on rank 3 of 4", for its
+  /// Work and errors; takes the next sequence number.
+  std::string next_op_label(const char* collective);
+  /// Throws ValueError ("[gloo] reduce: root 5 is not a rank of this group of size 4") unless
+  /// 0 <= root < size().
+  void check_root(const char* op, int root) const;
+  /// On a rank other than root, throws ValueError unless `count` (the number of `what` tensors
+  /// passed: "output", "input") is 0: gather and scatter take lists on the root only.
+  void check_only_root_passes(const char* op, int root, size_t count, const char* what) const;
+  /// The tensors of `list` flattened and concatenated into one new contiguous buffer.
+  static Tensor pack(const std::vector<Tensor>& list);
   Duration timeout_of(const std::optional<Duration>& t) const { return t.value_or(options_.timeout); }
 
   int rank_;

@@ -155,14 +155,12 @@ void shm_allreduce(ember::detail::ShmAllreduce& shm, uint64_t ticket,
 // round trip; below this size latency dominates, so every rank instead sends its buffer straight
 // to every peer and receives theirs (one round, all transfers in flight at once) and reduces
 // locally in rank order 0..n-1, which gives every rank bitwise the same result. (Gloo's own
-// allgather is a ring of n-1 steps and measured ~10x slower here than this exchange for 4 KiB
-// between 2 processes, slower even than its ring allreduce.)
+// allgather is a ring of n-1 steps: slower for small buffers than this exchange, and slower even
+// than its ring allreduce.)
 // With 2 ranks the exchange moves the same bytes as the ring (each sends its whole buffer once)
-// in one step instead of two. Pipelined, it beat torch's ring up to 512 KiB on a quiet 16-core
-// machine (2026-11-24: 0.37 against 0.50 ms at 512 KiB) but not at 1-2 MiB (0.88 against
-// 0.49 ms at 1 MiB), where the ring's halved reduction work, spread over both ranks, wins;
-// on the loaded 2-core VM the exchange still led at 1-2 MiB (2026-11-22). With more ranks the
-// exchange sends (n-1) times the buffer, so it is kept for small ones.
+// in one step instead of two, so it pays up to a larger size; above kTwoRankExchangeBytes the
+// ring's halved reduction work, spread over both ranks, wins (docs/benchmarks.md). With more
+// ranks the exchange sends (n-1) times the buffer, so it is kept for small ones.
 constexpr size_t kSmallAllreduceBytes = 64 * 1024;
 constexpr size_t kTwoRankExchangeBytes = 512 * 1024;
 constexpr uint8_t kSmallAllreduceSlotPrefix = 0x0a;  // after send/recv's 0x09
@@ -218,11 +216,6 @@ void check_tensor(const char* op, const Tensor& t, const char* what = "tensor") 
   EMBER_CHECK_TYPE(TypeError, is_supported(t.dtype()), "[gloo] ", op,
                    " supports float32, float64, float16, bfloat16, int32, int64 and uint8, got ",
                    what, " of dtype ", t.dtype());
-}
-
-void check_root(const char* op, int root, int size) {
-  EMBER_CHECK(root >= 0 && root < size, "[gloo] ", op, ": root ", root,
-              " is not a rank of this group of size ", size);
 }
 
 void check_list(const char* op, const std::vector<Tensor>& list, int n, const Tensor& like,
@@ -538,7 +531,7 @@ WorkPtr ProcessGroupGloo::allreduce(Tensor& tensor, const AllreduceOptions& opts
   Tensor t = tensor;
   const ReduceOp op = opts.op;
   return impl_->submit(
-      next_op("allreduce"), timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
+      next_op_label("allreduce"), timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
         if (shm) {
           shm_allreduce(*shm, ticket, {t}, op, left);
           return std::vector<Tensor>{t};
@@ -579,7 +572,7 @@ WorkPtr ProcessGroupGloo::allreduce_coalesced(std::vector<Tensor>& tensors,
   std::vector<Tensor> ts = tensors;
   const ReduceOp op = opts.op;
   return impl_->submit(
-      next_op("allreduce_coalesced"), timeout_of(opts.timeout),
+      next_op_label("allreduce_coalesced"), timeout_of(opts.timeout),
       [=](std::chrono::milliseconds left) {
         if (total > 0) shm_allreduce(*shm, ticket, ts, op, left);
         return ts;
@@ -588,13 +581,13 @@ WorkPtr ProcessGroupGloo::allreduce_coalesced(std::vector<Tensor>& tensors,
 
 WorkPtr ProcessGroupGloo::reduce(Tensor& tensor, const ReduceOptions& opts) {
   check_tensor("reduce", tensor);
-  check_root("reduce", opts.root, size_);
+  check_root("reduce", opts.root);
   const uint32_t tag = static_cast<uint32_t>(seq_);
   const int n = size_, me = rank_, root = opts.root;
   auto ctx = impl_->context();
   Tensor t = tensor;
   const ReduceOp op = opts.op;
-  return impl_->submit(next_op("reduce"), timeout_of(opts.timeout),
+  return impl_->submit(next_op_label("reduce"), timeout_of(opts.timeout),
                        [=](std::chrono::milliseconds left) {
                          if (ctx && t.numel() > 0) {
                            EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] reduce", [&]<typename T>() {
@@ -618,12 +611,12 @@ WorkPtr ProcessGroupGloo::broadcast(Tensor& tensor, const BroadcastOptions& opts
     return staged("broadcast of a CUDA tensor", tensor, host, [&] { return broadcast(host, opts); });
   }
   check_tensor("broadcast", tensor);
-  check_root("broadcast", opts.root, size_);
+  check_root("broadcast", opts.root);
   const uint32_t tag = static_cast<uint32_t>(seq_);
   const int me = rank_, root = opts.root;
   auto ctx = impl_->context();
   Tensor t = tensor;
-  return impl_->submit(next_op("broadcast"), timeout_of(opts.timeout),
+  return impl_->submit(next_op_label("broadcast"), timeout_of(opts.timeout),
                        [=](std::chrono::milliseconds left) {
                          if (ctx && t.numel() > 0) {
                            gloo::BroadcastOptions o(ctx);
@@ -656,7 +649,7 @@ WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& in
   const uint32_t tag = static_cast<uint32_t>(seq_);
   auto ctx = impl_->context();
   Tensor in = input, out = output;
-  return impl_->submit(next_op("allgather_into_tensor"), timeout_of(opts.timeout),
+  return impl_->submit(next_op_label("allgather_into_tensor"), timeout_of(opts.timeout),
                        [=](std::chrono::milliseconds left) mutable {
                          if (!ctx) {
                            out.view(in.shape()).copy_(in);
@@ -677,20 +670,20 @@ WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& in
 WorkPtr ProcessGroupGloo::gather(std::vector<Tensor>& outputs, const Tensor& input,
                                  const GatherOptions& opts) {
   check_tensor("gather", input, "input");
-  check_root("gather", opts.root, size_);
+  check_root("gather", opts.root);
   const int me = rank_, root = opts.root, n = size_;
   if (me == root) {
     check_list("gather", outputs, n, input, "outputs");
   } else {
-    EMBER_CHECK(outputs.empty(), "[gloo] gather: only the root (rank ", root,
-                ") passes output tensors; rank ", me, " got ", outputs.size());
+    check_only_root_passes("gather", root, outputs.size(), "output");
   }
   const uint32_t tag = static_cast<uint32_t>(seq_);
   auto ctx = impl_->context();
   Tensor in = input;
   std::vector<Tensor> outs = outputs;
   return impl_->submit(
-      next_op("gather"), timeout_of(opts.timeout), [=](std::chrono::milliseconds left) mutable {
+      next_op_label("gather"), timeout_of(opts.timeout),
+      [=](std::chrono::milliseconds left) mutable {
         if (!ctx) {
           outs[0].copy_(in);
           return outs;
@@ -718,20 +711,19 @@ WorkPtr ProcessGroupGloo::gather(std::vector<Tensor>& outputs, const Tensor& inp
 WorkPtr ProcessGroupGloo::scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                   const ScatterOptions& opts) {
   check_tensor("scatter", output, "output");
-  check_root("scatter", opts.root, size_);
+  check_root("scatter", opts.root);
   const int me = rank_, root = opts.root, n = size_;
   std::vector<Tensor> ins;
   if (me == root) {
     check_list("scatter", inputs, n, output, "inputs");
     for (const Tensor& t : inputs) ins.push_back(t.contiguous());
   } else {
-    EMBER_CHECK(inputs.empty(), "[gloo] scatter: only the root (rank ", root,
-                ") passes input tensors; rank ", me, " got ", inputs.size());
+    check_only_root_passes("scatter", root, inputs.size(), "input");
   }
   const uint32_t tag = static_cast<uint32_t>(seq_);
   auto ctx = impl_->context();
   Tensor out = output;
-  return impl_->submit(next_op("scatter"), timeout_of(opts.timeout),
+  return impl_->submit(next_op_label("scatter"), timeout_of(opts.timeout),
                        [=](std::chrono::milliseconds left) mutable {
                          if (!ctx) {
                            out.copy_(ins[0]);
@@ -767,7 +759,8 @@ WorkPtr ProcessGroupGloo::alltoall(std::vector<Tensor>& outputs, const std::vect
   auto ctx = impl_->context();
   std::vector<Tensor> outs = outputs;
   return impl_->submit(
-      next_op("alltoall"), timeout_of(opts.timeout), [=](std::chrono::milliseconds left) mutable {
+      next_op_label("alltoall"), timeout_of(opts.timeout),
+      [=](std::chrono::milliseconds left) mutable {
         if (!ctx) {
           outs[0].copy_(in.view(outs[0].shape()));
           return outs;
@@ -799,7 +792,7 @@ WorkPtr ProcessGroupGloo::barrier(const CollectiveOptions& opts) {
   auto ctx = impl_->context();
   std::vector<WorkPtr> prior = impl_->unfinished_collectives();
   return impl_->submit(
-      next_op("barrier"), timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
+      next_op_label("barrier"), timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
         const auto deadline = Clock::now() + left;
         for (const WorkPtr& w : prior) {
           const auto rest =
@@ -828,40 +821,37 @@ WorkPtr ProcessGroupGloo::barrier(const CollectiveOptions& opts) {
 }
 
 WorkPtr ProcessGroupGloo::send(const Tensor& tensor, int dst, int tag) {
-  check_tensor("send", tensor);
-  EMBER_CHECK(dst >= 0 && dst < size_ && dst != rank_, "[gloo] send: dst ", dst,
-              " must be another rank of this group of size ", size_, " (this is rank ", rank_, ")");
-  EMBER_CHECK(tag >= 0, "[gloo] send: tag must be >= 0, got ", tag);
+  return point_to_point(/*is_send=*/true, tensor, dst, tag);
+}
+
+WorkPtr ProcessGroupGloo::recv(Tensor& tensor, int src, int tag) {
+  return point_to_point(/*is_send=*/false, tensor, src, tag);
+}
+
+WorkPtr ProcessGroupGloo::point_to_point(bool is_send, const Tensor& tensor, int peer, int tag) {
+  const char* op = is_send ? "send" : "recv";
+  check_tensor(op, tensor);
+  EMBER_CHECK(peer >= 0 && peer < size_ && peer != rank_, "[gloo] ", op, ": ",
+              is_send ? "dst " : "src ", peer, " must be another rank of this group of size ",
+              size_, " (this is rank ", rank_, ")");
+  EMBER_CHECK(tag >= 0, "[gloo] ", op, ": tag must be >= 0, got ", tag);
   Tensor t = tensor;
   std::shared_ptr<gloo::transport::UnboundBuffer> buf;
   if (t.numel() > 0) {  // both sides skip empty messages
     buf = impl_->context()->createUnboundBuffer(t.data_ptr(), static_cast<size_t>(t.nbytes()));
-    buf->send(dst, gloo::Slot::build(kSendRecvSlotPrefix, static_cast<uint32_t>(tag)));
+    const uint64_t slot = gloo::Slot::build(kSendRecvSlotPrefix, static_cast<uint32_t>(tag));
+    if (is_send) {
+      buf->send(peer, slot);
+    } else {
+      buf->recv(peer, slot);
+    }
   }
   return impl_->submit(
-      detail::str_cat(next_op("send"), " to rank ", dst, " tag ", tag), timeout(),
-      [t, buf](std::chrono::milliseconds left) {
-        if (buf) buf->waitSend(left);
-        return std::vector<Tensor>{t};
-      },
-      /*p2p=*/true);
-}
-
-WorkPtr ProcessGroupGloo::recv(Tensor& tensor, int src, int tag) {
-  check_tensor("recv", tensor);
-  EMBER_CHECK(src >= 0 && src < size_ && src != rank_, "[gloo] recv: src ", src,
-              " must be another rank of this group of size ", size_, " (this is rank ", rank_, ")");
-  EMBER_CHECK(tag >= 0, "[gloo] recv: tag must be >= 0, got ", tag);
-  Tensor t = tensor;
-  std::shared_ptr<gloo::transport::UnboundBuffer> buf;
-  if (t.numel() > 0) {
-    buf = impl_->context()->createUnboundBuffer(t.data_ptr(), static_cast<size_t>(t.nbytes()));
-    buf->recv(src, gloo::Slot::build(kSendRecvSlotPrefix, static_cast<uint32_t>(tag)));
-  }
-  return impl_->submit(
-      detail::str_cat(next_op("recv"), " from rank ", src, " tag ", tag), timeout(),
-      [t, buf](std::chrono::milliseconds left) {
-        if (buf) buf->waitRecv(left);
+      detail::str_cat(next_op_label(op), is_send ? " to rank " : " from rank ", peer, " tag ", tag),
+      timeout(),
+      [t, buf, is_send](std::chrono::milliseconds left) {
+        if (buf && is_send) buf->waitSend(left);
+        if (buf && !is_send) buf->waitRecv(left);
         return std::vector<Tensor>{t};
       },
       /*p2p=*/true);

@@ -109,6 +109,9 @@ class ProcessGroupGloo : public ProcessGroup {
   class Impl;
 
  private:
+  /// send (is_send) or recv of `tensor` with `peer`: checks, posts and submits the wait.
+  WorkPtr point_to_point(bool is_send, const Tensor& tensor, int peer, int tag);
+
   std::unique_ptr<Impl> impl_;
 };
 

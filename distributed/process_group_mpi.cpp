@@ -295,24 +295,11 @@ void check_like(const char* op, const std::vector<Tensor>& list, int n, const Te
   }
 }
 
-void check_root(const char* op, int root, int size) {
-  EMBER_CHECK(root >= 0 && root < size, "[mpi] ", op, ": root ", root,
-              " is not a rank of this group of size ", size);
-}
-
 Tensor contig(const Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
 void write_back(Tensor& dst, const Tensor& buf) {
   if (!buf.is_same(dst)) dst.copy_(buf);
 }
 int count(const Tensor& t) { return static_cast<int>(t.numel()); }
-
-/// The tensors of `list` flattened and concatenated into one contiguous buffer.
-Tensor pack(const std::vector<Tensor>& list) {
-  std::vector<Tensor> flat;
-  flat.reserve(list.size());
-  for (const Tensor& t : list) flat.push_back(t.reshape({-1}));
-  return cat(flat, 0);
-}
 
 /// An empty contiguous [n, *like.shape] tensor.
 Tensor stacked(int n, const Tensor& like) {
@@ -552,7 +539,7 @@ WorkPtr ProcessGroupMpi::allreduce(Tensor& tensor, const AllreduceOptions& opts)
   check_reducible("allreduce", tensor, opts.op);
   const int n = size_;
   return impl_->enqueue(
-      next_op("allreduce"), timeout_of(opts.timeout),
+      next_op_label("allreduce"), timeout_of(opts.timeout),
       [tensor, op = opts.op, n](Impl& im,
                                 const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
         Tensor buf = contig(tensor);
@@ -570,9 +557,9 @@ WorkPtr ProcessGroupMpi::allreduce(Tensor& tensor, const AllreduceOptions& opts)
 
 WorkPtr ProcessGroupMpi::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
   check_tensor("broadcast", tensor, "tensor");
-  check_root("broadcast", opts.root, size_);
+  check_root("broadcast", opts.root);
   return impl_->enqueue(
-      next_op("broadcast"), timeout_of(opts.timeout),
+      next_op_label("broadcast"), timeout_of(opts.timeout),
       [tensor, root = opts.root](Impl& im,
                                  const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
         Tensor buf = contig(tensor);
@@ -589,11 +576,11 @@ WorkPtr ProcessGroupMpi::broadcast(Tensor& tensor, const BroadcastOptions& opts)
 WorkPtr ProcessGroupMpi::reduce(Tensor& tensor, const ReduceOptions& opts) {
   check_tensor("reduce", tensor, "tensor");
   check_reducible("reduce", tensor, opts.op);
-  check_root("reduce", opts.root, size_);
+  check_root("reduce", opts.root);
   const bool is_root = rank_ == opts.root;
   const int n = size_;
   return impl_->enqueue(
-      next_op("reduce"), timeout_of(opts.timeout),
+      next_op_label("reduce"), timeout_of(opts.timeout),
       [tensor, op = opts.op, root = opts.root, is_root, n](
           Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
         Tensor buf = contig(tensor);
@@ -620,7 +607,7 @@ WorkPtr ProcessGroupMpi::allgather_into_tensor(Tensor& output, const Tensor& inp
               "[mpi] allgather_into_tensor: output (shape ", output.shape(), ", ", output.dtype(),
               ") must hold ", size_, " x ", input.numel(), " elements of ", input.dtype());
   return impl_->enqueue(
-      next_op("allgather_into_tensor"), timeout_of(opts.timeout),
+      next_op_label("allgather_into_tensor"), timeout_of(opts.timeout),
       [output, input](Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
         const Tensor in = contig(input);
         Tensor out = contig(output);
@@ -642,7 +629,7 @@ WorkPtr ProcessGroupMpi::allgather(std::vector<Tensor>& outputs, const Tensor& i
   check_like("allgather", outputs, size_, input, "outputs");
   const int n = size_;
   return impl_->enqueue(
-      next_op("allgather"), timeout_of(opts.timeout),
+      next_op_label("allgather"), timeout_of(opts.timeout),
       [outputs, input, n](Impl& im,
                           const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
         const Tensor in = contig(input);
@@ -662,17 +649,16 @@ WorkPtr ProcessGroupMpi::allgather(std::vector<Tensor>& outputs, const Tensor& i
 WorkPtr ProcessGroupMpi::gather(std::vector<Tensor>& outputs, const Tensor& input,
                                 const GatherOptions& opts) {
   check_tensor("gather", input, "input");
-  check_root("gather", opts.root, size_);
+  check_root("gather", opts.root);
   const bool is_root = rank_ == opts.root;
   if (is_root) {
     check_like("gather", outputs, size_, input, "outputs");
   } else {
-    EMBER_CHECK(outputs.empty(), "[mpi] gather: only the root (rank ", opts.root,
-                ") passes output tensors; rank ", rank_, " got ", outputs.size());
+    check_only_root_passes("gather", opts.root, outputs.size(), "output");
   }
   const int n = size_;
   return impl_->enqueue(
-      next_op("gather"), timeout_of(opts.timeout),
+      next_op_label("gather"), timeout_of(opts.timeout),
       [outputs, input, n, is_root, root = opts.root](
           Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
         const Tensor in = contig(input);
@@ -692,16 +678,15 @@ WorkPtr ProcessGroupMpi::gather(std::vector<Tensor>& outputs, const Tensor& inpu
 WorkPtr ProcessGroupMpi::scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                  const ScatterOptions& opts) {
   check_tensor("scatter", output, "output");
-  check_root("scatter", opts.root, size_);
+  check_root("scatter", opts.root);
   const bool is_root = rank_ == opts.root;
   if (is_root) {
     check_like("scatter", inputs, size_, output, "inputs");
   } else {
-    EMBER_CHECK(inputs.empty(), "[mpi] scatter: only the root (rank ", opts.root,
-                ") passes input tensors; rank ", rank_, " got ", inputs.size());
+    check_only_root_passes("scatter", opts.root, inputs.size(), "input");
   }
   return impl_->enqueue(
-      next_op("scatter"), timeout_of(opts.timeout),
+      next_op_label("scatter"), timeout_of(opts.timeout),
       [output, inputs, is_root, root = opts.root](
           Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
         const Tensor packed = is_root ? pack(inputs) : Tensor();
@@ -725,7 +710,7 @@ WorkPtr ProcessGroupMpi::reduce_scatter(Tensor& output, const std::vector<Tensor
   check_like("reduce_scatter", inputs, size_, output, "inputs");
   const int n = size_;
   return impl_->enqueue(
-      next_op("reduce_scatter"), timeout_of(opts.timeout),
+      next_op_label("reduce_scatter"), timeout_of(opts.timeout),
       [output, inputs, op = opts.op, n](
           Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
         const Tensor packed = pack(inputs);
@@ -750,7 +735,7 @@ WorkPtr ProcessGroupMpi::alltoall(std::vector<Tensor>& outputs, const std::vecto
   check_like("alltoall", outputs, size_, inputs[0], "outputs");
   const int n = size_;
   return impl_->enqueue(
-      next_op("alltoall"), timeout_of(opts.timeout),
+      next_op_label("alltoall"), timeout_of(opts.timeout),
       [outputs, inputs, n](Impl& im,
                            const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
         const Tensor packed = pack(inputs);
@@ -768,7 +753,7 @@ WorkPtr ProcessGroupMpi::alltoall(std::vector<Tensor>& outputs, const std::vecto
 }
 
 WorkPtr ProcessGroupMpi::barrier(const CollectiveOptions& opts) {
-  return impl_->enqueue(next_op("barrier"), timeout_of(opts.timeout),
+  return impl_->enqueue(next_op_label("barrier"), timeout_of(opts.timeout),
                         [](Impl& im, const WorkPtr& w) -> std::optional<std::vector<Tensor>> {
                           MpiLock lock;
                           check_mpi(MPI_Barrier(im.comm), w->describe(), "MPI_Barrier");
@@ -787,41 +772,39 @@ void check_peer(const char* op, int peer, int rank, int size, int tag) {
 }  // namespace
 
 WorkPtr ProcessGroupMpi::send(const Tensor& tensor, int dst, int tag) {
-  check_tensor("send", tensor, "tensor");
-  check_peer("send", dst, rank_, size_, tag);
-  return impl_->enqueue(
-      next_op("send"), options_.timeout,
-      [tensor, dst, tag](Impl& im, const WorkPtr& w) -> std::optional<std::vector<Tensor>> {
-        const Tensor buf = contig(tensor);
-        MPI_Request request = MPI_REQUEST_NULL;
-        {
-          MpiLock lock;
-          check_mpi(MPI_Isend(buf.data_ptr(), count(buf), mpi_type(buf.dtype()), dst, tag, im.comm,
-                              &request),
-                    w->describe(), "MPI_Isend");
-        }
-        im.add_pending(w, request, [tensor, buf] { return std::vector<Tensor>{tensor}; });
-        return std::nullopt;
-      });
+  return point_to_point(/*is_send=*/true, tensor, dst, tag);
 }
 
 WorkPtr ProcessGroupMpi::recv(Tensor& tensor, int src, int tag) {
-  check_tensor("recv", tensor, "tensor");
-  check_peer("recv", src, rank_, size_, tag);
+  return point_to_point(/*is_send=*/false, tensor, src, tag);
+}
+
+WorkPtr ProcessGroupMpi::point_to_point(bool is_send, const Tensor& tensor, int peer, int tag) {
+  const char* op = is_send ? "send" : "recv";
+  check_tensor(op, tensor, "tensor");
+  check_peer(op, peer, rank_, size_, tag);
   return impl_->enqueue(
-      next_op("recv"), options_.timeout,
-      [tensor, src, tag](Impl& im, const WorkPtr& w) -> std::optional<std::vector<Tensor>> {
+      next_op_label(op), options_.timeout,
+      [=](Impl& im, const WorkPtr& w) -> std::optional<std::vector<Tensor>> {
         const Tensor buf = contig(tensor);
         MPI_Request request = MPI_REQUEST_NULL;
         {
           MpiLock lock;
-          check_mpi(MPI_Irecv(buf.data_ptr(), count(buf), mpi_type(buf.dtype()), src, tag, im.comm,
-                              &request),
-                    w->describe(), "MPI_Irecv");
+          if (is_send) {
+            check_mpi(MPI_Isend(buf.data_ptr(), count(buf), mpi_type(buf.dtype()), peer, tag,
+                                im.comm, &request),
+                      w->describe(), "MPI_Isend");
+          } else {
+            check_mpi(MPI_Irecv(buf.data_ptr(), count(buf), mpi_type(buf.dtype()), peer, tag,
+                                im.comm, &request),
+                      w->describe(), "MPI_Irecv");
+          }
         }
-        im.add_pending(w, request, [tensor, buf]() mutable {
+        // buf stays captured until MPI is done with it; a received contiguous copy is written
+        // back to the caller's tensor.
+        im.add_pending(w, request, [tensor, buf, is_send]() mutable {
           Tensor t = tensor;
-          write_back(t, buf);
+          if (!is_send) write_back(t, buf);
           return std::vector<Tensor>{tensor};
         });
         return std::nullopt;

@@ -67,6 +67,8 @@ class ProcessGroupMpi : public ProcessGroup {
 
  private:
   ProcessGroupMpi(int rank, int size, Options options, std::shared_ptr<Impl> impl);
+  /// send (is_send) or recv of `tensor` with `peer`: checks and queues the request.
+  WorkPtr point_to_point(bool is_send, const Tensor& tensor, int peer, int tag);
   std::shared_ptr<Impl> impl_;
 };
 

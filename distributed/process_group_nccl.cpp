@@ -127,11 +127,6 @@ void check_tensor(const char* op, const Tensor& t, int device, const char* what 
                    what, " of dtype ", t.dtype());
 }
 
-void check_root(const char* op, int root, int size) {
-  EMBER_CHECK(root >= 0 && root < size, "[nccl] ", op, ": root ", root,
-              " is not a rank of this group of size ", size);
-}
-
 /// Tells the caching allocator that t's memory is in use on s (see cuda::record_stream).
 void mark_used(const Tensor& t, const cuda::Stream& s) {
   if (!t.defined() || t.numel() == 0 || t.storage()->data() == nullptr) return;
@@ -545,7 +540,7 @@ WorkPtr ProcessGroupNccl::allreduce(Tensor& tensor, const AllreduceOptions& opts
   const size_t n = static_cast<size_t>(tensor.numel());
   const ncclDataType_t dt = nccl_dtype(tensor.dtype());
   const ncclRedOp_t op = nccl_op(opts.op);
-  return impl_->launch(next_op("allreduce"), timeout_of(opts.timeout), {tensor}, {},
+  return impl_->launch(next_op_label("allreduce"), timeout_of(opts.timeout), {tensor}, {},
                        [=](ncclComm_t c, cudaStream_t s) {
                          return n == 0 ? ncclSuccess : ncclAllReduce(p, p, n, dt, op, c, s);
                        });
@@ -553,12 +548,12 @@ WorkPtr ProcessGroupNccl::allreduce(Tensor& tensor, const AllreduceOptions& opts
 
 WorkPtr ProcessGroupNccl::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
   check_tensor("broadcast", tensor, device());
-  check_root("broadcast", opts.root, size_);
+  check_root("broadcast", opts.root);
   void* p = tensor.data_ptr();
   const size_t n = static_cast<size_t>(tensor.numel());
   const ncclDataType_t dt = nccl_dtype(tensor.dtype());
   const int root = opts.root;
-  return impl_->launch(next_op("broadcast"), timeout_of(opts.timeout), {tensor}, {},
+  return impl_->launch(next_op_label("broadcast"), timeout_of(opts.timeout), {tensor}, {},
                        [=](ncclComm_t c, cudaStream_t s) {
                          return n == 0 ? ncclSuccess : ncclBroadcast(p, p, n, dt, root, c, s);
                        });
@@ -566,13 +561,13 @@ WorkPtr ProcessGroupNccl::broadcast(Tensor& tensor, const BroadcastOptions& opts
 
 WorkPtr ProcessGroupNccl::reduce(Tensor& tensor, const ReduceOptions& opts) {
   check_tensor("reduce", tensor, device());
-  check_root("reduce", opts.root, size_);
+  check_root("reduce", opts.root);
   void* p = tensor.data_ptr();
   const size_t n = static_cast<size_t>(tensor.numel());
   const ncclDataType_t dt = nccl_dtype(tensor.dtype());
   const ncclRedOp_t op = nccl_op(opts.op);
   const int root = opts.root;
-  return impl_->launch(next_op("reduce"), timeout_of(opts.timeout), {tensor}, {},
+  return impl_->launch(next_op_label("reduce"), timeout_of(opts.timeout), {tensor}, {},
                        [=](ncclComm_t c, cudaStream_t s) {
                          return n == 0 ? ncclSuccess : ncclReduce(p, p, n, dt, op, root, c, s);
                        });
@@ -590,7 +585,7 @@ WorkPtr ProcessGroupNccl::allgather_into_tensor(Tensor& output, const Tensor& in
   void* out = output.data_ptr();
   const size_t n = static_cast<size_t>(input.numel());
   const ncclDataType_t dt = nccl_dtype(input.dtype());
-  return impl_->launch(next_op("allgather_into_tensor"), timeout_of(opts.timeout), {output},
+  return impl_->launch(next_op_label("allgather_into_tensor"), timeout_of(opts.timeout), {output},
                        {input}, [=](ncclComm_t c, cudaStream_t s) {
                          return n == 0 ? ncclSuccess : ncclAllGather(in, out, n, dt, c, s);
                        });
@@ -618,8 +613,8 @@ WorkPtr ProcessGroupNccl::reduce_scatter(Tensor& output, const std::vector<Tenso
   const size_t n = static_cast<size_t>(output.numel());
   const ncclDataType_t dt = nccl_dtype(output.dtype());
   const ncclRedOp_t op = nccl_op(opts.op);
-  return impl_->launch(next_op("reduce_scatter"), timeout_of(opts.timeout), {output}, {packed},
-                       [=](ncclComm_t c, cudaStream_t s) {
+  return impl_->launch(next_op_label("reduce_scatter"), timeout_of(opts.timeout), {output},
+                       {packed}, [=](ncclComm_t c, cudaStream_t s) {
                          return n == 0 ? ncclSuccess : ncclReduceScatter(in, out, n, dt, op, c, s);
                        });
 }
@@ -645,7 +640,7 @@ WorkPtr ProcessGroupNccl::alltoall(std::vector<Tensor>& outputs, const std::vect
   }
   const ncclDataType_t dt = nccl_dtype(inputs[0].dtype());
   // Zero-sized parts are skipped on both sides (rank a's send to b has b's receive's size).
-  return impl_->launch(next_op("alltoall"), timeout_of(opts.timeout), outputs, inputs,
+  return impl_->launch(next_op_label("alltoall"), timeout_of(opts.timeout), outputs, inputs,
                        [=](ncclComm_t c, cudaStream_t s) {
                          ncclResult_t r = ncclGroupStart();
                          if (r != ncclSuccess) return r;
@@ -671,7 +666,7 @@ WorkPtr ProcessGroupNccl::alltoall(std::vector<Tensor>& outputs, const std::vect
 WorkPtr ProcessGroupNccl::barrier(const CollectiveOptions& opts) {
   Tensor one = zeros({1}, TensorOptions(kFloat32).device(cuda_device(device())));
   void* p = one.data_ptr();
-  return impl_->launch(next_op("barrier"), timeout_of(opts.timeout), {}, {one},
+  return impl_->launch(next_op_label("barrier"), timeout_of(opts.timeout), {}, {one},
                        [=](ncclComm_t c, cudaStream_t s) {
                          return ncclAllReduce(p, p, 1, ncclFloat32, ncclSum, c, s);
                        });
@@ -684,7 +679,7 @@ WorkPtr ProcessGroupNccl::send(const Tensor& tensor, int dst, int /*tag*/) {
   const void* p = tensor.data_ptr();
   const size_t n = static_cast<size_t>(tensor.numel());
   const ncclDataType_t dt = nccl_dtype(tensor.dtype());
-  return impl_->launch(next_op("send"), timeout_of({}), {tensor}, {},
+  return impl_->launch(next_op_label("send"), timeout_of({}), {tensor}, {},
                        [=](ncclComm_t c, cudaStream_t s) {
                          return n == 0 ? ncclSuccess : ncclSend(p, n, dt, dst, c, s);
                        });
@@ -697,7 +692,7 @@ WorkPtr ProcessGroupNccl::recv(Tensor& tensor, int src, int /*tag*/) {
   void* p = tensor.data_ptr();
   const size_t n = static_cast<size_t>(tensor.numel());
   const ncclDataType_t dt = nccl_dtype(tensor.dtype());
-  return impl_->launch(next_op("recv"), timeout_of({}), {tensor}, {},
+  return impl_->launch(next_op_label("recv"), timeout_of({}), {tensor}, {},
                        [=](ncclComm_t c, cudaStream_t s) {
                          return n == 0 ? ncclSuccess : ncclRecv(p, n, dt, src, c, s);
                        });

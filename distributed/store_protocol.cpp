@@ -4,7 +4,6 @@
 #include <cstring>
 
 #include "distributed/tcp_store.h"
-#include "tensor/error.h"
 
 namespace ember::detail::store_wire {
 
@@ -49,8 +48,12 @@ FrameWriter::FrameWriter(Type type) : buf_(kHeaderSize) {
   buf_[5] = static_cast<uint8_t>(type);
 }
 
+// Callers keep fields far below 4 GiB (kMaxValueSize), so the size checks here only catch a bug;
+// they throw DistStoreError rather than use EMBER_INTERNAL_ASSERT, whose reporter is part of
+// ember_tensor, which the store library does not link (distributed/CMakeLists.txt).
 FrameWriter& FrameWriter::blob(const void* data, size_t n) {
-  EMBER_INTERNAL_ASSERT(n <= UINT32_MAX, "blob of ", n, " bytes");
+  EMBER_CHECK_TYPE(dist::DistStoreError, n <= UINT32_MAX, "[TCPStore] a blob of ", n,
+                   " bytes does not fit the protocol's 32-bit length field");
   const size_t at = buf_.size();
   buf_.resize(at + 4 + n);
   put_le(buf_.data() + at, n, 4);
@@ -67,7 +70,8 @@ FrameWriter& FrameWriter::u64(uint64_t v) {
 
 Bytes FrameWriter::finish() {
   const size_t len = buf_.size() - kHeaderSize;
-  EMBER_INTERNAL_ASSERT(len <= UINT32_MAX, "frame of ", len, " bytes");
+  EMBER_CHECK_TYPE(dist::DistStoreError, len <= UINT32_MAX, "[TCPStore] a frame of ", len,
+                   " bytes does not fit the protocol's 32-bit length field");
   put_le(buf_.data() + 8, len, 4);
   return std::move(buf_);
 }
@@ -83,26 +87,30 @@ bool PayloadReader::take(size_t n, const uint8_t** out) {
   return true;
 }
 
-bool PayloadReader::blob(size_t max_len, std::string* out) {
+bool PayloadReader::take_blob(size_t max_len, const uint8_t** out, size_t* n) {
   const uint8_t* p = nullptr;
   if (!take(4, &p)) return false;
-  const uint64_t n = get_le(p, 4);
-  if (n > max_len || !take(n, &p)) {
+  const uint64_t len = get_le(p, 4);
+  if (len > max_len || !take(len, out)) {
     ok_ = false;
     return false;
   }
+  *n = len;
+  return true;
+}
+
+bool PayloadReader::blob(size_t max_len, std::string* out) {
+  const uint8_t* p = nullptr;
+  size_t n = 0;
+  if (!take_blob(max_len, &p, &n)) return false;
   out->assign(reinterpret_cast<const char*>(p), n);
   return true;
 }
 
 bool PayloadReader::blob(size_t max_len, Bytes* out) {
   const uint8_t* p = nullptr;
-  if (!take(4, &p)) return false;
-  const uint64_t n = get_le(p, 4);
-  if (n > max_len || !take(n, &p)) {
-    ok_ = false;
-    return false;
-  }
+  size_t n = 0;
+  if (!take_blob(max_len, &p, &n)) return false;
   out->assign(p, p + n);
   return true;
 }

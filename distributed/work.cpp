@@ -126,9 +126,20 @@ ProcessGroup::ProcessGroup(int rank, int size, Options options)
   for (int r = 0; r < size; ++r) global_ranks_.push_back(r);
 }
 
-std::string ProcessGroup::next_op(const char* collective) {
+std::string ProcessGroup::next_op_label(const char* collective) {
   return detail::str_cat("[", backend_name(), "] ", collective, " #", seq_++, " on rank ", rank_,
                          " of ", size_);
+}
+
+void ProcessGroup::check_root(const char* op, int root) const {
+  EMBER_CHECK(root >= 0 && root < size_, "[", backend_name(), "] ", op, ": root ", root,
+              " is not a rank of this group of size ", size_);
+}
+
+void ProcessGroup::check_only_root_passes(const char* op, int root, size_t count,
+                                          const char* what) const {
+  EMBER_CHECK(rank_ == root || count == 0, "[", backend_name(), "] ", op, ": only the root (rank ",
+              root, ") passes ", what, " tensors; rank ", rank_, " got ", count);
 }
 
 }  // namespace ember::dist

@@ -110,6 +110,8 @@ class PayloadReader {
 
  private:
   bool take(size_t n, const uint8_t** out);
+  /// A blob's length field, then its bytes (at most max_len): *out points into the payload.
+  bool take_blob(size_t max_len, const uint8_t** out, size_t* n);
   const uint8_t* p_;
   size_t left_;
   bool ok_ = true;
