@@ -67,7 +67,7 @@ struct Args {
   bool resume = false;
   std::string save_weights;
   std::string metrics;
-  int64_t log_every = 0;  // steps; 0: ten progress lines per epoch
+  int64_t log_every = 0;      // steps; 0: ten progress lines per epoch
   int64_t fail_at_step = -1;  // testing aid: SIGKILL rank 1 at this global step, first run only
 };
 
@@ -132,9 +132,12 @@ std::string format_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
   const long t = std::lround(s);
   std::ostringstream os;
-  if (t >= 3600) os << t / 3600 << "h" << (t % 3600) / 60 << "m";
-  else if (t >= 60) os << t / 60 << "m" << t % 60 << "s";
-  else os << t << "s";
+  if (t >= 3600)
+    os << t / 3600 << "h" << (t % 3600) / 60 << "m";
+  else if (t >= 60)
+    os << t / 60 << "m" << t % 60 << "s";
+  else
+    os << t << "s";
   return os.str();
 }
 
@@ -145,12 +148,11 @@ void print_progress(int epoch, int epochs, int64_t step, int64_t steps, double l
   constexpr int kWidth = 20;
   const int filled = steps > 0 ? static_cast<int>(kWidth * step / steps) : kWidth;
   char buf[256];
-  std::snprintf(buf, sizeof buf, "epoch %d/%d [%s%s] %3d%%  %lld/%lld  loss %.4f  %.0f img/s  ETA %s",
-                epoch, epochs, std::string(filled, '#').c_str(),
-                std::string(kWidth - filled, '-').c_str(),
-                steps > 0 ? static_cast<int>(100 * step / steps) : 100,
-                static_cast<long long>(step), static_cast<long long>(steps), loss, images_per_s,
-                format_duration(eta_s).c_str());
+  std::snprintf(
+      buf, sizeof buf, "epoch %d/%d [%s%s] %3d%%  %lld/%lld  loss %.4f  %.0f img/s  ETA %s", epoch,
+      epochs, std::string(filled, '#').c_str(), std::string(kWidth - filled, '-').c_str(),
+      steps > 0 ? static_cast<int>(100 * step / steps) : 100, static_cast<long long>(step),
+      static_cast<long long>(steps), loss, images_per_s, format_duration(eta_s).c_str());
   if (tty) {
     std::printf("\r%s\x1b[K", buf);
   } else {
@@ -182,8 +184,8 @@ Evaluation evaluate(nn::Module& model, const nn::data::MNIST& test, dist::Proces
     loss_sum += nn::functional::cross_entropy(logits, y, {.reduction = "sum"}).item<float>();
     correct += static_cast<double>(ember::eq(logits.argmax(1), y).sum().item<int64_t>());
   }
-  Tensor totals = ember::from_vector(std::vector<double>{loss_sum, correct,
-                                                         static_cast<double>(end - begin)});
+  Tensor totals =
+      ember::from_vector(std::vector<double>{loss_sum, correct, static_cast<double>(end - begin)});
   pg.allreduce(totals)->wait();
   const std::vector<double> t = totals.to_vector<double>();
   model.train();
@@ -324,8 +326,8 @@ Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& op
 ember::Device pick_device(const std::string& name, const dist::ProcessGroup& pg) {
   ember::Device device(name);
   if (!device.is_cuda()) return device;
-  EMBER_CHECK(ember::cuda::is_available(), "[fashion_mnist] --device cuda: ",
-              ember::cuda::unavailable_reason());
+  EMBER_CHECK(ember::cuda::is_available(),
+              "[fashion_mnist] --device cuda: ", ember::cuda::unavailable_reason());
   if (pg.default_device().is_cuda()) {
     device = pg.default_device();
   } else {
@@ -345,8 +347,8 @@ std::shared_ptr<dist::PowerSGDState> register_comm_hook(dist::DistributedDataPar
   if (a.comm_hook != "powersgd" && a.comm_hook != "batched_powersgd") return nullptr;
   auto state = std::make_shared<dist::PowerSGDState>(dist::PowerSGDOptions{
       .matrix_approximation_rank = a.powersgd_rank, .start_powerSGD_iter = a.powersgd_start});
-  ddp.register_comm_hook(state, a.comm_hook == "powersgd" ? dist::powersgd_hook
-                                                          : dist::batched_powersgd_hook);
+  ddp.register_comm_hook(
+      state, a.comm_hook == "powersgd" ? dist::powersgd_hook : dist::batched_powersgd_hook);
   return state;
 }
 
@@ -421,9 +423,9 @@ class Trainer {
   std::shared_ptr<dist::PowerSGDState> powersgd_;
   nn::optim::SGD opt_;
   std::unique_ptr<nn::optim::CosineAnnealingLR> schedule_;
-  const Position start_;      // where this run started (a resumed one: the checkpoint's)
-  int64_t global_step_;       // steps trained, this run's and before
-  double last_lr_ = 0;        // the lr of the last step trained
+  const Position start_;  // where this run started (a resumed one: the checkpoint's)
+  int64_t global_step_;   // steps trained, this run's and before
+  double last_lr_ = 0;    // the lr of the last step trained
   Metrics metrics_;
   const Clock::time_point t_start_ = Clock::now();
 };
@@ -462,13 +464,14 @@ Trainer::Trainer(const Args& a)
 }
 
 void Trainer::print_banner() const {
-  std::printf("fashion_mnist: world size %d, backend %s, comm hook %s, device %s, model %s, "
-              "%lld parameters, batch %lld per rank, %lld steps per epoch, SGD lr %g (%s) "
-              "momentum %g, %d threads per rank\n",
-              world_, pg_->backend_name().c_str(), a_.comm_hook.c_str(), device_.str().c_str(),
-              a_.model.c_str(), static_cast<long long>(count_parameters(*model_)),
-              static_cast<long long>(a_.batch_size), static_cast<long long>(steps_per_epoch_),
-              a_.lr, a_.lr_schedule.c_str(), a_.momentum, ember::get_num_threads());
+  std::printf(
+      "fashion_mnist: world size %d, backend %s, comm hook %s, device %s, model %s, "
+      "%lld parameters, batch %lld per rank, %lld steps per epoch, SGD lr %g (%s) "
+      "momentum %g, %d threads per rank\n",
+      world_, pg_->backend_name().c_str(), a_.comm_hook.c_str(), device_.str().c_str(),
+      a_.model.c_str(), static_cast<long long>(count_parameters(*model_)),
+      static_cast<long long>(a_.batch_size), static_cast<long long>(steps_per_epoch_), a_.lr,
+      a_.lr_schedule.c_str(), a_.momentum, ember::get_num_threads());
   std::fflush(stdout);
 }
 
@@ -550,8 +553,12 @@ void Trainer::log_progress(int64_t epoch, int64_t step, LogWindow& window) {
   const double loss = window.loss_sum / static_cast<double>(window.steps);
   print_progress(static_cast<int>(epoch + 1), a_.epochs, step, steps_per_epoch_, loss, ips, eta,
                  tty_);
-  metrics_.write({{"kind", "step"}, {"epoch", epoch + 1}, {"step", step},
-                  {"global_step", global_step_}, {"loss", loss}, {"images_per_s", ips},
+  metrics_.write({{"kind", "step"},
+                  {"epoch", epoch + 1},
+                  {"step", step},
+                  {"global_step", global_step_},
+                  {"loss", loss},
+                  {"images_per_s", ips},
                   {"lr", last_lr_},
                   {"time_s", std::chrono::duration<double>(now - t_start_).count()}});
   window.reset(now);
@@ -561,26 +568,31 @@ void Trainer::log_progress(int64_t epoch, int64_t step, LogWindow& window) {
 void Trainer::finish_epoch(int64_t epoch, const EpochStats& e, const Evaluation& eval) {
   const bool complete = e.step == steps_per_epoch_;
   if (leader_) {
-    const double ips = e.seconds > 0
-                           ? static_cast<double>(e.step - e.skipped) *
-                                 static_cast<double>(a_.batch_size * world_) / e.seconds
-                           : 0;
+    const double ips = e.seconds > 0 ? static_cast<double>(e.step - e.skipped) *
+                                           static_cast<double>(a_.batch_size * world_) / e.seconds
+                                     : 0;
     const double train_loss = e.trained ? e.loss_sum / static_cast<double>(e.trained) : 0.0;
-    std::printf("epoch %lld/%d: train loss %.4f, test loss %.4f, test accuracy %.2f%%, %.1f s, "
-                "%.0f img/s\n",
-                static_cast<long long>(epoch + 1), a_.epochs, train_loss, eval.loss,
-                100 * eval.accuracy, e.seconds, ips);
+    std::printf(
+        "epoch %lld/%d: train loss %.4f, test loss %.4f, test accuracy %.2f%%, %.1f s, "
+        "%.0f img/s\n",
+        static_cast<long long>(epoch + 1), a_.epochs, train_loss, eval.loss, 100 * eval.accuracy,
+        e.seconds, ips);
     std::fflush(stdout);
-    metrics_.write({{"kind", "epoch"}, {"epoch", epoch + 1}, {"global_step", global_step_},
-                    {"train_loss", train_loss}, {"test_loss", eval.loss},
-                    {"test_accuracy", eval.accuracy}, {"time_s", e.seconds},
-                    {"images_per_s", ips}, {"complete", complete}});
+    metrics_.write({{"kind", "epoch"},
+                    {"epoch", epoch + 1},
+                    {"global_step", global_step_},
+                    {"train_loss", train_loss},
+                    {"test_loss", eval.loss},
+                    {"test_accuracy", eval.accuracy},
+                    {"time_s", e.seconds},
+                    {"images_per_s", ips},
+                    {"complete", complete}});
   }
   if (!a_.checkpoint_dir.empty()) {
-    save_checkpoint(a_, state(),
-                    complete ? Position{epoch + 1, 0, global_step_}
-                             : Position{epoch, e.step, global_step_},
-                    *pg_);
+    save_checkpoint(
+        a_, state(),
+        complete ? Position{epoch + 1, 0, global_step_} : Position{epoch, e.step, global_step_},
+        *pg_);
   }
 }
 
@@ -613,34 +625,60 @@ int run(const Args& a) {
 
 int main(int argc, char** argv) {
   Args a;
-  CLI::App app{"Fashion-MNIST trained data-parallel with Ember's DistributedDataParallel.\n"
-               "Run it under emberrun (emberrun --nproc-per-node 2 fashion_mnist ...), mpirun, or alone."};
+  CLI::App app{
+      "Fashion-MNIST trained data-parallel with Ember's DistributedDataParallel.\n"
+      "Run it under emberrun (emberrun --nproc-per-node 2 fashion_mnist ...), mpirun, or alone."};
   app.add_option("--data", a.data, "folder with the IDX files (.gz or not)")->capture_default_str();
-  app.add_option("--model", a.model, "cnn or mlp")->check(CLI::IsMember({"cnn", "mlp"}))->capture_default_str();
-  app.add_option("--epochs", a.epochs, "passes over the training set")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--max-steps", a.max_steps, "stop after this many steps in all (0: no limit)")->check(CLI::NonNegativeNumber);
-  app.add_option("--batch-size", a.batch_size, "examples per rank per step")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--lr", a.lr, "SGD learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--model", a.model, "cnn or mlp")
+      ->check(CLI::IsMember({"cnn", "mlp"}))
+      ->capture_default_str();
+  app.add_option("--epochs", a.epochs, "passes over the training set")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-steps", a.max_steps, "stop after this many steps in all (0: no limit)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--batch-size", a.batch_size, "examples per rank per step")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--lr", a.lr, "SGD learning rate")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--lr-schedule", a.lr_schedule, "constant, or cosine from --lr to 0 over the run")
-      ->check(CLI::IsMember({"constant", "cosine"}))->capture_default_str();
-  app.add_option("--momentum", a.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str();
+      ->check(CLI::IsMember({"constant", "cosine"}))
+      ->capture_default_str();
+  app.add_option("--momentum", a.momentum, "SGD momentum")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   app.add_option("--seed", a.seed, "weights and data order")->capture_default_str();
-  app.add_option("--backend", a.backend, "gloo, mpi or nccl")->check(CLI::IsMember({"gloo", "mpi", "nccl"}))->capture_default_str();
-  app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  app.add_option("--backend", a.backend, "gloo, mpi or nccl")
+      ->check(CLI::IsMember({"gloo", "mpi", "nccl"}))
+      ->capture_default_str();
+  app.add_option("--device", a.device, "cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   app.add_option("--comm-hook", a.comm_hook, "gradient communication (see docs/ddp.md)")
       ->check(CLI::IsMember({"none", "allreduce", "fp16", "bf16", "powersgd", "batched_powersgd"}))
       ->capture_default_str();
   app.add_option("--powersgd-rank", a.powersgd_rank, "PowerSGD's matrix approximation rank")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--powersgd-start", a.powersgd_start, "plain all-reduce for this many steps first")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--checkpoint-dir", a.checkpoint_dir, "write checkpoint.safetensors here after each epoch");
-  app.add_option("--checkpoint-every", a.checkpoint_every, "also every N steps")->check(CLI::NonNegativeNumber);
-  app.add_flag("--resume", a.resume, "continue from the checkpoint in --checkpoint-dir if there is one");
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--checkpoint-dir", a.checkpoint_dir,
+                 "write checkpoint.safetensors here after each epoch");
+  app.add_option("--checkpoint-every", a.checkpoint_every, "also every N steps")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--resume", a.resume,
+               "continue from the checkpoint in --checkpoint-dir if there is one");
   app.add_option("--save-weights", a.save_weights, "write the final weights to FILE.safetensors");
-  app.add_option("--metrics", a.metrics, "append one JSON line per logged step and per epoch to FILE.jsonl");
-  app.add_option("--log-every", a.log_every, "steps between progress lines (0: ten per epoch)")->check(CLI::NonNegativeNumber);
-  app.add_option("--fail-at-step", a.fail_at_step, "testing aid: rank 1 kills itself at this step in the first run")->group("");
+  app.add_option("--metrics", a.metrics,
+                 "append one JSON line per logged step and per epoch to FILE.jsonl");
+  app.add_option("--log-every", a.log_every, "steps between progress lines (0: ten per epoch)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--fail-at-step", a.fail_at_step,
+                 "testing aid: rank 1 kills itself at this step in the first run")
+      ->group("");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -32,7 +32,7 @@ std::string resolve_program(const std::string& program) {
   std::string dir;
   while (std::getline(ss, dir, ':')) {
     std::string p = (dir.empty() ? "." : dir) + "/" + program;
-    struct stat st{};
+    struct stat st {};
     if (stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode) && access(p.c_str(), X_OK) == 0) {
       return p;
     }
@@ -64,7 +64,9 @@ class MultiNodeRun {
                                 std::optional<RoundFailure> peer);
   // Leaves for good: node 0 waits (bounded) until the others have seen the outcome.
   int leave(int round, int rc);
-  std::string received(int sig) const { return rdzv_->describe_self() + " received " + signal_name(sig); }
+  std::string received(int sig) const {
+    return rdzv_->describe_self() + " received " + signal_name(sig);
+  }
 
   const LaunchConfig& c_;
   WorkerGroup& group_;
@@ -155,8 +157,9 @@ int MultiNodeRun::on_success(int round) {
     return 0;
   }
   // Node 0 hosts the store: it stays until every node is done, or one fails.
-  if (rdzv_->wait_for_exits(round, std::chrono::duration_cast<std::chrono::milliseconds>(
-                                       std::chrono::duration<double>(c_.rdzv_timeout_s)),
+  if (rdzv_->wait_for_exits(round,
+                            std::chrono::duration_cast<std::chrono::milliseconds>(
+                                std::chrono::duration<double>(c_.rdzv_timeout_s)),
                             true))
     return 0;
   if (pending_) {
@@ -255,7 +258,7 @@ int run_single_node(const LaunchConfig& c, WorkerGroup& group) {
   for (int attempt = 0;; ++attempt) {
     int port = c.master_port;
     if (attempt > 0 && c.standalone) port = pick_free_port();  // fresh rendezvous
-    const GroupSpec spec{c.node_rank,      1, c.node_rank * c.nproc_per_node, c.world_size(),
+    const GroupSpec spec{c.node_rank,   1,   c.node_rank * c.nproc_per_node, c.world_size(),
                          c.master_addr, port};
     if (std::string err = group.spawn(attempt, spec); !err.empty()) {
       log_line(err);
@@ -346,7 +349,9 @@ bool read_error_file(const std::string& path, std::string* message, std::string*
   if (!in) return false;
   nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return false;
-  auto text = [](const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); };
+  auto text = [](const nlohmann::json& v) {
+    return v.is_string() ? v.get<std::string>() : v.dump();
+  };
   if (j.contains("message") && j["message"].is_object()) {  // torch's layout
     const auto& m = j["message"];
     if (m.contains("message")) *message = text(m["message"]);

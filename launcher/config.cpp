@@ -21,8 +21,7 @@ namespace {
 int parse_int(const std::string& option, const std::string& value, int lo, int hi) {
   int v = 0;
   auto [p, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
-  if (value.empty() || ec != std::errc() || p != value.data() + value.size() || v < lo ||
-      v > hi) {
+  if (value.empty() || ec != std::errc() || p != value.data() + value.size() || v < lo || v > hi) {
     throw UsageError(option + ": expected an integer in [" + std::to_string(lo) + ", " +
                      std::to_string(hi) + "], got '" + value + "'");
   }

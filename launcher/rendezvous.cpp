@@ -156,8 +156,8 @@ std::string Rendezvous::round_key(int round, const std::string& k) const {
 }
 
 std::string Rendezvous::describe_self() const {
-  return "node " + (node_rank_ < 0 ? std::string("?") : std::to_string(node_rank_)) + " (" +
-         self_ + ")";
+  return "node " + (node_rank_ < 0 ? std::string("?") : std::to_string(node_rank_)) + " (" + self_ +
+         ")";
 }
 
 void Rendezvous::lost(const std::string& op, const std::exception& e) const {
@@ -211,10 +211,9 @@ int Rendezvous::claim_node_rank(int round) {
   const std::string mine = std::to_string(config_.nproc_per_node) + " " + self_;
   const std::string owner = to_s(store_->compare_set(node_key(round, k), {}, to_b(mine)));
   if (owner != mine) {
-    throw RendezvousError("node rank " + std::to_string(k) + " of round " +
-                          std::to_string(round) + " is already taken by " +
-                          owner.substr(owner.find(' ') + 1) + " (two agents given --node-rank " +
-                          std::to_string(k) + "?)");
+    throw RendezvousError("node rank " + std::to_string(k) + " of round " + std::to_string(round) +
+                          " is already taken by " + owner.substr(owner.find(' ') + 1) +
+                          " (two agents given --node-rank " + std::to_string(k) + "?)");
   }
   return k;
 }
@@ -241,8 +240,8 @@ std::string Rendezvous::round_timeout_message(int round) {
     const std::string ki = node_key(round, i);
     if (store_->check({ki})) {
       std::string v = to_s(store_->get(ki, kRequestTimeout));
-      joined += (joined.empty() ? "" : ", ") + std::to_string(i) + " (" +
-                v.substr(v.find(' ') + 1) + ")";
+      joined +=
+          (joined.empty() ? "" : ", ") + std::to_string(i) + " (" + v.substr(v.find(' ') + 1) + ")";
     } else {
       missing += (missing.empty() ? "" : ", ") + std::to_string(i);
     }
@@ -256,8 +255,8 @@ std::string Rendezvous::round_timeout_message(int round) {
 int Rendezvous::await_round(int round, int k) {
   const std::string nn = round_key(round, "nnodes");
   // Node 0 may take the whole join timeout and then the last call.
-  const auto deadline = Clock::now() + to_ms(config_.rdzv_timeout_s) +
-                        to_ms(config_.last_call_s) + milliseconds(5000);
+  const auto deadline = Clock::now() + to_ms(config_.rdzv_timeout_s) + to_ms(config_.last_call_s) +
+                        milliseconds(5000);
   if (!wait_keys({nn}, deadline, true)) {
     throw RendezvousError("rendezvous round " + std::to_string(round) + " at " + endpoint() +
                           ": node 0 did not complete the round within " +

@@ -22,8 +22,8 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-constexpr size_t kTailLines = 20;        // lines of a failed worker's output in the summary
-constexpr size_t kMaxLine = 64 * 1024;   // a longer line without '\n' is cut
+constexpr size_t kTailLines = 20;       // lines of a failed worker's output in the summary
+constexpr size_t kMaxLine = 64 * 1024;  // a longer line without '\n' is cut
 constexpr auto kDrainLimit = std::chrono::seconds(2);  // output left after the group ended
 constexpr int kCaughtSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD};
 
@@ -55,9 +55,12 @@ std::map<std::string, std::string> base_environment(int nproc_per_node) {
   }
   auto omp = base.find("OMP_NUM_THREADS"), emb = base.find("EMBER_NUM_THREADS");
   std::string threads;
-  if (emb != base.end()) threads = emb->second;
-  else if (omp != base.end()) threads = omp->second;
-  else threads = std::to_string(std::max(1, available_cpus() / nproc_per_node));
+  if (emb != base.end())
+    threads = emb->second;
+  else if (omp != base.end())
+    threads = omp->second;
+  else
+    threads = std::to_string(std::max(1, available_cpus() / nproc_per_node));
   base.emplace("OMP_NUM_THREADS", threads);  // emplace: keeps a value the user set
   base.emplace("EMBER_NUM_THREADS", threads);
   // OpenMP threads that finish a parallel region sleep instead of spinning (libgomp spins by
@@ -109,7 +112,7 @@ std::vector<char*> pointers(std::vector<std::string>& strs) {
   setpgid(0, 0);  // own process group, so stopping a worker reaches its children too
   prctl(PR_SET_PDEATHSIG, SIGKILL);  // backstop: die with the agent
   if (getppid() != parent) _exit(127);
-  struct sigaction dfl{};
+  struct sigaction dfl {};
   dfl.sa_handler = SIG_DFL;
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE}) sigaction(sig, &dfl, nullptr);
   sigset_t none;
@@ -134,12 +137,12 @@ SignalCapture::SignalCapture() {
     error_ = std::string("pipe: ") + std::strerror(errno);
     return;
   }
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_handler = on_signal;
   sa.sa_flags = SA_RESTART;
   sigemptyset(&sa.sa_mask);
   for (int i = 0; i < 4; ++i) sigaction(kCaughtSignals[i], &sa, &old_[i]);
-  struct sigaction ign{};
+  struct sigaction ign {};
   ign.sa_handler = SIG_IGN;
   sigaction(SIGPIPE, &ign, &old_[4]);
 }
@@ -190,7 +193,9 @@ std::string describe_exit(const WorkerFailure& f) {
 
 WorkerGroup::WorkerGroup(const LaunchConfig& c, std::string program_path, std::string run_dir,
                          bool keep_logs)
-    : c_(c), program_path_(std::move(program_path)), run_dir_(std::move(run_dir)),
+    : c_(c),
+      program_path_(std::move(program_path)),
+      run_dir_(std::move(run_dir)),
       keep_logs_(keep_logs) {}
 
 WorkerGroup::~WorkerGroup() {
@@ -214,8 +219,8 @@ std::string WorkerGroup::spawn(int attempt, const GroupSpec& spec) {
     if (ec) return "could not create " + dir + ": " + ec.message();
     w.error_file = dir + "/error.json";
     fs::remove(w.error_file, ec);  // a stale one from an earlier run is no root cause
-    std::string err = spawn_worker(
-        w, dir, worker_environment(base, c_, spec, attempt, w.rank, lr, w.error_file));
+    std::string err =
+        spawn_worker(w, dir, worker_environment(base, c_, spec, attempt, w.rank, lr, w.error_file));
     if (!err.empty()) return err;
   }
   return "";
@@ -224,9 +229,9 @@ std::string WorkerGroup::spawn(int attempt, const GroupSpec& spec) {
 // Pipes for the worker's stdout and stderr (read ends kept in `w`), and its log files.
 std::string WorkerGroup::open_streams(Worker& w, const std::string& dir, int pipes[2][2]) {
   const bool redirect[2] = {c_.redirects[w.local_rank].out, c_.redirects[w.local_rank].err};
-  const bool shown = !c_.local_ranks_filter ||
-                     std::count(c_.local_ranks_filter->begin(), c_.local_ranks_filter->end(),
-                                w.local_rank) > 0;
+  const bool shown =
+      !c_.local_ranks_filter ||
+      std::count(c_.local_ranks_filter->begin(), c_.local_ranks_filter->end(), w.local_rank) > 0;
   for (int s = 0; s < 2; ++s) {
     if (pipe2(pipes[s], O_CLOEXEC) != 0) return std::string("pipe: ") + std::strerror(errno);
     fcntl(pipes[s][0], F_SETFL, O_NONBLOCK);
@@ -288,7 +293,8 @@ bool WorkerGroup::all_reaped() const {
 
 void WorkerGroup::emit(Worker& w, int which, const std::string& line) {
   Stream& s = w.streams[which];
-  if (s.console_fd >= 0) write_all(s.console_fd, "[rank " + std::to_string(w.rank) + "]: " + line + "\n");
+  if (s.console_fd >= 0)
+    write_all(s.console_fd, "[rank " + std::to_string(w.rank) + "]: " + line + "\n");
   if (s.log_fd >= 0) write_all(s.log_fd, line + "\n");
   w.tail.push_back(line);
   if (w.tail.size() > kTailLines) w.tail.pop_front();

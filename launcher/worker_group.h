@@ -61,8 +61,7 @@ class WorkerGroup {
  public:
   /// `program_path` is the resolved PROGRAM; per-attempt folders (error files, logs when
   /// `keep_logs`) go under `run_dir`. `c` must outlive the group.
-  WorkerGroup(const LaunchConfig& c, std::string program_path, std::string run_dir,
-              bool keep_logs);
+  WorkerGroup(const LaunchConfig& c, std::string program_path, std::string run_dir, bool keep_logs);
   ~WorkerGroup();
   WorkerGroup(const WorkerGroup&) = delete;
   WorkerGroup& operator=(const WorkerGroup&) = delete;
