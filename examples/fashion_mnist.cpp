@@ -18,10 +18,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <iostream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -66,7 +66,7 @@ struct Args {
   bool resume = false;
   std::string save_weights;
   std::string metrics;
-  int64_t log_every = 0;  // steps; 0: ten progress lines per epoch
+  int64_t log_every = 0;      // steps; 0: ten progress lines per epoch
   int64_t fail_at_step = -1;  // testing aid: SIGKILL rank 1 at this global step, first run only
 };
 
@@ -131,9 +131,12 @@ std::string format_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
   const long t = std::lround(s);
   std::ostringstream os;
-  if (t >= 3600) os << t / 3600 << "h" << (t % 3600) / 60 << "m";
-  else if (t >= 60) os << t / 60 << "m" << t % 60 << "s";
-  else os << t << "s";
+  if (t >= 3600)
+    os << t / 3600 << "h" << (t % 3600) / 60 << "m";
+  else if (t >= 60)
+    os << t / 60 << "m" << t % 60 << "s";
+  else
+    os << t << "s";
   return os.str();
 }
 
@@ -144,12 +147,11 @@ void print_progress(int epoch, int epochs, int64_t step, int64_t steps, double l
   constexpr int kWidth = 20;
   const int filled = steps > 0 ? static_cast<int>(kWidth * step / steps) : kWidth;
   char buf[256];
-  std::snprintf(buf, sizeof buf, "epoch %d/%d [%s%s] %3d%%  %lld/%lld  loss %.4f  %.0f img/s  ETA %s",
-                epoch, epochs, std::string(filled, '#').c_str(),
-                std::string(kWidth - filled, '-').c_str(),
-                steps > 0 ? static_cast<int>(100 * step / steps) : 100,
-                static_cast<long long>(step), static_cast<long long>(steps), loss, images_per_s,
-                format_duration(eta_s).c_str());
+  std::snprintf(
+      buf, sizeof buf, "epoch %d/%d [%s%s] %3d%%  %lld/%lld  loss %.4f  %.0f img/s  ETA %s", epoch,
+      epochs, std::string(filled, '#').c_str(), std::string(kWidth - filled, '-').c_str(),
+      steps > 0 ? static_cast<int>(100 * step / steps) : 100, static_cast<long long>(step),
+      static_cast<long long>(steps), loss, images_per_s, format_duration(eta_s).c_str());
   if (tty) {
     std::printf("\r%s\x1b[K", buf);
   } else {
@@ -181,8 +183,8 @@ Evaluation evaluate(nn::Module& model, const nn::data::MNIST& test, dist::Proces
     loss_sum += nn::functional::cross_entropy(logits, y, {.reduction = "sum"}).item<float>();
     correct += static_cast<double>(ember::eq(logits.argmax(1), y).sum().item<int64_t>());
   }
-  Tensor totals = ember::from_vector(std::vector<double>{loss_sum, correct,
-                                                         static_cast<double>(end - begin)});
+  Tensor totals =
+      ember::from_vector(std::vector<double>{loss_sum, correct, static_cast<double>(end - begin)});
   pg.allreduce(totals)->wait();
   const std::vector<double> t = totals.to_vector<double>();
   model.train();
@@ -218,61 +220,97 @@ nn::NamedTensors gather_hook_state(const dist::PowerSGDState* state, dist::Proce
   return out;
 }
 
+// What a checkpoint holds besides the tensors. A resumed run must match the settings the data
+// order depends on; the schedule's state carries the learning rate across a restart.
+struct TrainingState {
+  const nn::Module& model;
+  const nn::optim::Optimizer& opt;
+  const nn::optim::LRScheduler* schedule;  // null: constant learning rate
+  const dist::PowerSGDState* hook;         // null: no hook state
+};
+
 // Every rank calls it at the same step (the hook state is gathered); rank 0 writes the file.
-void save_checkpoint(const Args& a, const nn::Module& model, const nn::optim::Optimizer& opt,
-                     const Position& pos, dist::ProcessGroup& pg, const dist::PowerSGDState* hook) {
-  const nn::NamedTensors extra = gather_hook_state(hook, pg);
+void save_checkpoint(const Args& a, const TrainingState& s, const Position& pos,
+                     dist::ProcessGroup& pg) {
+  const nn::NamedTensors extra = gather_hook_state(s.hook, pg);
   if (pg.rank() != 0) return;
-  const int world_size = pg.size();
+  std::map<std::string, std::string> meta{{"epoch", std::to_string(pos.epoch)},
+                                          {"step_in_epoch", std::to_string(pos.step_in_epoch)},
+                                          {"global_step", std::to_string(pos.global_step)},
+                                          {"model", a.model},
+                                          {"world_size", std::to_string(pg.size())},
+                                          {"batch_size", std::to_string(a.batch_size)},
+                                          {"seed", std::to_string(a.seed)},
+                                          {"comm_hook", a.comm_hook}};
+  if (s.schedule != nullptr) meta["lr_scheduler"] = s.schedule->state_dict();
   std::filesystem::create_directories(a.checkpoint_dir);
-  nn::save_checkpoint(checkpoint_path(a.checkpoint_dir), model, &opt,
-                      {{"epoch", std::to_string(pos.epoch)},
-                       {"step_in_epoch", std::to_string(pos.step_in_epoch)},
-                       {"global_step", std::to_string(pos.global_step)},
-                       {"model", a.model},
-                       {"world_size", std::to_string(world_size)},
-                       {"batch_size", std::to_string(a.batch_size)},
-                       {"seed", std::to_string(a.seed)},
-                       {"comm_hook", a.comm_hook}},
-                      extra);
+  nn::save_checkpoint(checkpoint_path(a.checkpoint_dir), s.model, &s.opt, meta, extra);
+}
+
+// The metadata of a checkpoint being resumed, checked against this run's settings.
+class CheckpointMeta {
+ public:
+  CheckpointMeta(std::string path, std::map<std::string, std::string> meta)
+      : path_(std::move(path)), meta_(std::move(meta)) {}
+  const std::string& get(const char* key) const {
+    auto it = meta_.find(key);
+    if (it == meta_.end()) {
+      throw std::runtime_error(path_ + ": checkpoint metadata lacks '" + key + "'");
+    }
+    return it->second;
+  }
+  int64_t get_int(const char* key) const { return std::stoll(get(key)); }
+  void must_match(const char* key, const std::string& now) const {
+    if (get(key) != now) {
+      throw std::runtime_error(path_ + ": saved with " + key + " " + get(key) +
+                               ", but this run has " + now +
+                               "; resume with the same settings (the data order depends on them)");
+    }
+  }
+
+ private:
+  std::string path_;
+  std::map<std::string, std::string> meta_;
+};
+
+// This rank's share of the hook state saved by gather_hook_state.
+nn::NamedTensors hook_state_of_rank(const nn::NamedTensors& saved, int rank) {
+  const std::string prefix = "hook.rank" + std::to_string(rank) + ".";
+  nn::NamedTensors mine;
+  for (const auto& [name, t] : saved) {
+    if (name.rfind(prefix, 0) == 0) mine.emplace_back(name.substr(prefix.size()), t);
+  }
+  return mine;
 }
 
 // Loads the checkpoint if there is one; returns where to continue.
-Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& opt, int world_size,
-                      int rank, dist::PowerSGDState* hook, bool verbose) {
+Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& opt,
+                      nn::optim::LRScheduler* schedule, dist::PowerSGDState* hook,
+                      const dist::ProcessGroup& pg) {
   if (!a.resume || a.checkpoint_dir.empty()) return {};
+  const bool verbose = pg.rank() == 0;
   const std::string path = checkpoint_path(a.checkpoint_dir);
   if (!std::filesystem::exists(path)) {
     if (verbose) std::printf("resume: no checkpoint at %s; starting from scratch\n", path.c_str());
     return {};
   }
   nn::NamedTensors extra;
-  const std::map<std::string, std::string> meta = nn::load_checkpoint(path, model, &opt, &extra);
-  auto get = [&](const char* key) -> std::string {
-    auto it = meta.find(key);
-    if (it == meta.end()) throw std::runtime_error(path + ": checkpoint metadata lacks '" + key + "'");
-    return it->second;
-  };
-  auto must_match = [&](const char* key, const std::string& now) {
-    if (get(key) != now) {
-      throw std::runtime_error(path + ": saved with " + key + " " + get(key) + ", but this run has " +
-                               now + "; resume with the same settings (the data order depends on them)");
-    }
-  };
-  must_match("model", a.model);
-  must_match("world_size", std::to_string(world_size));
-  must_match("batch_size", std::to_string(a.batch_size));
-  must_match("seed", std::to_string(a.seed));
-  must_match("comm_hook", a.comm_hook);
-  if (hook != nullptr) {  // this rank's share of the hook state
-    const std::string prefix = "hook.rank" + std::to_string(rank) + ".";
-    nn::NamedTensors mine;
-    for (auto& [name, t] : extra) {
-      if (name.rfind(prefix, 0) == 0) mine.emplace_back(name.substr(prefix.size()), t);
-    }
-    hook->load_state_dict(mine);
+  const CheckpointMeta meta(path, nn::load_checkpoint(path, model, &opt, &extra));
+  meta.must_match("model", a.model);
+  meta.must_match("world_size", std::to_string(pg.size()));
+  meta.must_match("batch_size", std::to_string(a.batch_size));
+  meta.must_match("seed", std::to_string(a.seed));
+  meta.must_match("comm_hook", a.comm_hook);
+  // The optimizer's state restored each group's lr: the cosine schedule continues from it; a
+  // constant one runs at this run's --lr.
+  if (schedule != nullptr) {
+    schedule->load_state_dict(meta.get("lr_scheduler"));
+  } else {
+    for (auto& group : opt.param_groups()) group.set_lr(a.lr);
   }
-  Position p{std::stoll(get("epoch")), std::stoll(get("step_in_epoch")), std::stoll(get("global_step"))};
+  if (hook != nullptr) hook->load_state_dict(hook_state_of_rank(extra, pg.rank()));
+  const Position p{meta.get_int("epoch"), meta.get_int("step_in_epoch"),
+                   meta.get_int("global_step")};
   if (verbose) {
     std::printf("resume: %s at epoch %lld, step %lld of the epoch (global step %lld)\n",
                 path.c_str(), static_cast<long long>(p.epoch + 1),
@@ -281,187 +319,302 @@ Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& op
   return p;
 }
 
-int run(const Args& a) {
-  auto pg = init_distributed(a.backend);
-  const int rank = pg->rank(), world = pg->size();
-  const bool leader = rank == 0;
-  const bool tty = leader && isatty(STDOUT_FILENO);
-  ember::Device device(a.device);
-  if (device.is_cuda()) {
-    EMBER_CHECK(ember::cuda::is_available(), "[fashion_mnist] --device cuda: ",
-                ember::cuda::unavailable_reason());
-    // One GPU per rank: the group's own with nccl, else LOCAL_RANK's (modulo the GPUs there
-    // are, so ranks may share one), as a torch script's torch.cuda.set_device(local_rank).
-    if (pg->default_device().is_cuda()) {
-      device = pg->default_device();
-    } else {
-      const char* local = std::getenv("LOCAL_RANK");
-      device = ember::cuda_device((local ? std::atoi(local) : 0) % ember::cuda::device_count());
-    }
-    ember::cuda::set_device(device.index);
+// The device this rank trains on. With cuda: one GPU per rank, the group's own with nccl, else
+// LOCAL_RANK's (modulo the GPUs there are, so ranks may share one), as a torch script's
+// torch.cuda.set_device(local_rank).
+ember::Device pick_device(const std::string& name, const dist::ProcessGroup& pg) {
+  ember::Device device(name);
+  if (!device.is_cuda()) return device;
+  EMBER_CHECK(ember::cuda::is_available(),
+              "[fashion_mnist] --device cuda: ", ember::cuda::unavailable_reason());
+  if (pg.default_device().is_cuda()) {
+    device = pg.default_device();
+  } else {
+    const char* local = std::getenv("LOCAL_RANK");
+    device = ember::cuda_device((local ? std::atoi(local) : 0) % ember::cuda::device_count());
   }
+  ember::cuda::set_device(device.index);
+  return device;
+}
 
-  // Same seed everywhere: identical initial weights (DDP broadcasts rank 0's anyway).
+// Registers --comm-hook on `ddp`; returns PowerSGD's state when the hook has one.
+std::shared_ptr<dist::PowerSGDState> register_comm_hook(dist::DistributedDataParallel& ddp,
+                                                        const Args& a) {
+  if (a.comm_hook == "allreduce") ddp.register_comm_hook(dist::allreduce_hook);
+  if (a.comm_hook == "fp16") ddp.register_comm_hook(dist::fp16_compress_hook);
+  if (a.comm_hook == "bf16") ddp.register_comm_hook(dist::bf16_compress_hook);
+  if (a.comm_hook != "powersgd" && a.comm_hook != "batched_powersgd") return nullptr;
+  auto state = std::make_shared<dist::PowerSGDState>(dist::PowerSGDOptions{
+      .matrix_approximation_rank = a.powersgd_rank, .start_powerSGD_iter = a.powersgd_start});
+  ddp.register_comm_hook(
+      state, a.comm_hook == "powersgd" ? dist::powersgd_hook : dist::batched_powersgd_hook);
+  return state;
+}
+
+// The same seed everywhere gives identical initial weights (DDP broadcasts rank 0's anyway).
+std::shared_ptr<nn::Module> seeded_model(const Args& a, ember::Device device) {
   ember::manual_seed(a.seed);
   auto model = make_model(a.model);
   model->to(device);
+  return model;
+}
 
-  const nn::data::Normalization norm{kMean, kStd};
-  auto train_set = std::make_shared<nn::data::MNIST>(a.data, true, norm);
-  const nn::data::MNIST test_set(a.data, false, norm);
-  auto sampler = std::make_shared<nn::data::DistributedSampler>(train_set->size(), world, rank,
-                                                                /*shuffle=*/true, a.seed);
-  nn::data::DataLoader loader(train_set, {.batch_size = a.batch_size, .sampler = sampler});
-  const int64_t steps_per_epoch = loader.size();
+int64_t count_parameters(const nn::Module& model) {
+  int64_t n = 0;
+  for (const Tensor& p : model.parameters()) n += p.numel();
+  return n;
+}
 
-  dist::DistributedDataParallel ddp(model, pg);
-  std::shared_ptr<dist::PowerSGDState> powersgd;
-  if (a.comm_hook == "allreduce") {
-    ddp.register_comm_hook(dist::allreduce_hook);
-  } else if (a.comm_hook == "fp16") {
-    ddp.register_comm_hook(dist::fp16_compress_hook);
-  } else if (a.comm_hook == "bf16") {
-    ddp.register_comm_hook(dist::bf16_compress_hook);
-  } else if (a.comm_hook == "powersgd" || a.comm_hook == "batched_powersgd") {
-    powersgd = std::make_shared<dist::PowerSGDState>(dist::PowerSGDOptions{
-        .matrix_approximation_rank = a.powersgd_rank, .start_powerSGD_iter = a.powersgd_start});
-    if (a.comm_hook == "powersgd") {
-      ddp.register_comm_hook(powersgd, dist::powersgd_hook);
-    } else {
-      ddp.register_comm_hook(powersgd, dist::batched_powersgd_hook);
+// Loss averages and throughput between two progress lines.
+struct LogWindow {
+  double loss_sum = 0;
+  int64_t steps = 0;
+  Clock::time_point since = Clock::now();
+  void add(double loss) {
+    loss_sum += loss;
+    ++steps;
+  }
+  void reset(Clock::time_point now) { *this = {0, 0, now}; }
+};
+
+// What one epoch's pass did.
+struct EpochStats {
+  int64_t step = 0;     // batches of the epoch passed (skipped ones included)
+  int64_t skipped = 0;  // batches trained on before a resume
+  double loss_sum = 0;  // over the batches trained on in this run
+  int64_t trained = 0;
+  double seconds = 0;
+  bool stop = false;  // --max-steps reached
+};
+
+// One rank's training run: the model, its DDP wrapper, data, optimizer and schedule, and where
+// training stands. Rank 0 also prints progress, writes metrics and checkpoints.
+class Trainer {
+ public:
+  explicit Trainer(const Args& a);
+  // Trains to the end (or --max-steps), evaluating after each epoch; returns the last
+  // evaluation.
+  Evaluation train();
+  // Rank 0 prints PowerSGD's statistics, saves the weights and prints the final accuracy.
+  void report(const Evaluation& last) const;
+
+ private:
+  EpochStats train_epoch(int64_t epoch);
+  double train_step(const nn::data::Batch& batch);
+  void log_progress(int64_t epoch, int64_t step, LogWindow& window);
+  void finish_epoch(int64_t epoch, const EpochStats& e, const Evaluation& eval);
+  void fail_if_asked() const;
+  void print_banner() const;
+  TrainingState state() const { return {*model_, opt_, schedule_.get(), powersgd_.get()}; }
+  double lr() const { return opt_.param_groups().front().lr(); }
+
+  const Args& a_;
+  std::shared_ptr<dist::ProcessGroup> pg_;
+  const int rank_, world_;
+  const bool leader_, tty_;
+  const ember::Device device_;
+  std::shared_ptr<nn::Module> model_;
+  std::shared_ptr<nn::data::FashionMNIST> train_set_;
+  const nn::data::FashionMNIST test_set_;
+  nn::data::DataLoader loader_;
+  const int64_t steps_per_epoch_, total_steps_, log_every_;
+  dist::DistributedDataParallel ddp_;
+  std::shared_ptr<dist::PowerSGDState> powersgd_;
+  nn::optim::SGD opt_;
+  std::unique_ptr<nn::optim::CosineAnnealingLR> schedule_;
+  const Position start_;  // where this run started (a resumed one: the checkpoint's)
+  int64_t global_step_;   // steps trained, this run's and before
+  double last_lr_ = 0;    // the lr of the last step trained
+  Metrics metrics_;
+  const Clock::time_point t_start_ = Clock::now();
+};
+
+constexpr nn::data::Normalization kNorm{kMean, kStd};
+
+Trainer::Trainer(const Args& a)
+    : a_(a),
+      pg_(init_distributed(a.backend)),
+      rank_(pg_->rank()),
+      world_(pg_->size()),
+      leader_(rank_ == 0),
+      tty_(leader_ && isatty(STDOUT_FILENO)),
+      device_(pick_device(a.device, *pg_)),
+      model_(seeded_model(a, device_)),
+      train_set_(std::make_shared<nn::data::FashionMNIST>(a.data, true, kNorm)),
+      test_set_(a.data, false, kNorm),
+      loader_(train_set_, {.batch_size = a.batch_size,
+                           .sampler = std::make_shared<nn::data::DistributedSampler>(
+                               train_set_->size(), world_, rank_, /*shuffle=*/true, a.seed)}),
+      steps_per_epoch_(loader_.size()),
+      total_steps_(a.max_steps > 0 ? std::min<int64_t>(a.max_steps, a.epochs * steps_per_epoch_)
+                                   : a.epochs * steps_per_epoch_),
+      log_every_(a.log_every > 0 ? a.log_every : std::max<int64_t>(1, steps_per_epoch_ / 10)),
+      ddp_(model_, pg_),
+      powersgd_(register_comm_hook(ddp_, a)),
+      opt_(ddp_.parameters(), {.lr = a.lr, .momentum = a.momentum}),
+      // Cosine from lr to 0 over the run, one scheduler step per training step.
+      schedule_(a.lr_schedule == "cosine" ? std::make_unique<nn::optim::CosineAnnealingLR>(
+                                                opt_, std::max<int64_t>(1, total_steps_))
+                                          : nullptr),
+      start_(maybe_resume(a, *model_, opt_, schedule_.get(), powersgd_.get(), *pg_)),
+      global_step_(start_.global_step),
+      metrics_(leader_ ? a.metrics : "", start_.global_step > 0) {
+  if (leader_) print_banner();
+}
+
+void Trainer::print_banner() const {
+  std::printf(
+      "fashion_mnist: world size %d, backend %s, comm hook %s, device %s, model %s, "
+      "%lld parameters, batch %lld per rank, %lld steps per epoch, SGD lr %g (%s) "
+      "momentum %g, %d threads per rank\n",
+      world_, pg_->backend_name().c_str(), a_.comm_hook.c_str(), device_.str().c_str(),
+      a_.model.c_str(), static_cast<long long>(count_parameters(*model_)),
+      static_cast<long long>(a_.batch_size), static_cast<long long>(steps_per_epoch_), a_.lr,
+      a_.lr_schedule.c_str(), a_.momentum, ember::get_num_threads());
+  std::fflush(stdout);
+}
+
+Evaluation Trainer::train() {
+  std::optional<Evaluation> last;
+  for (int64_t epoch = start_.epoch; epoch < a_.epochs; ++epoch) {
+    const EpochStats e = train_epoch(epoch);
+    last = evaluate(*model_, test_set_, *pg_, device_);
+    finish_epoch(epoch, e, *last);
+    if (e.stop) break;
+  }
+  return last ? *last : evaluate(*model_, test_set_, *pg_, device_);
+}
+
+EpochStats Trainer::train_epoch(int64_t epoch) {
+  loader_.set_epoch(epoch);
+  EpochStats e;
+  e.skipped = epoch == start_.epoch ? start_.step_in_epoch : 0;
+  const auto t_epoch = Clock::now();
+  LogWindow window;
+  for (const nn::data::Batch& batch : loader_) {
+    if (e.step < e.skipped) {  // resuming mid-epoch: these batches were trained on before
+      ++e.step;
+      window.reset(Clock::now());
+      continue;
+    }
+    const double loss = train_step(batch);
+    ++e.step;
+    e.loss_sum += loss;
+    ++e.trained;
+    window.add(loss);
+    fail_if_asked();
+    const bool last_step = e.step == steps_per_epoch_ || global_step_ == a_.max_steps;
+    if (leader_ && (e.step % log_every_ == 0 || last_step)) log_progress(epoch, e.step, window);
+    if (a_.checkpoint_every > 0 && !a_.checkpoint_dir.empty() &&
+        global_step_ % a_.checkpoint_every == 0 && e.step < steps_per_epoch_) {
+      save_checkpoint(a_, state(), {epoch, e.step, global_step_}, *pg_);
+    }
+    if (global_step_ == a_.max_steps) {
+      e.stop = true;
+      break;
     }
   }
-  nn::optim::SGD opt(ddp.parameters(), {.lr = a.lr, .momentum = a.momentum});
-  Position pos = maybe_resume(a, *model, opt, world, rank, powersgd.get(), leader);
-  Metrics metrics(leader ? a.metrics : "", pos.global_step > 0);
+  if (tty_) std::printf("\n");
+  e.seconds = std::chrono::duration<double>(Clock::now() - t_epoch).count();
+  return e;
+}
 
-  if (leader) {
-    std::printf("fashion_mnist: world size %d, backend %s, comm hook %s, device %s, model %s, %lld parameters, "
-                "batch %lld per rank, %lld steps per epoch, SGD lr %g (%s) momentum %g, %d threads per rank\n",
-                world, pg->backend_name().c_str(), a.comm_hook.c_str(), device.str().c_str(), a.model.c_str(),
-                static_cast<long long>([&] {
-                  int64_t n = 0;
-                  for (const Tensor& p : model->parameters()) n += p.numel();
-                  return n;
-                }()),
-                static_cast<long long>(a.batch_size), static_cast<long long>(steps_per_epoch),
-                a.lr, a.lr_schedule.c_str(), a.momentum, ember::get_num_threads());
+// One optimizer step on `batch`; returns its loss.
+double Trainer::train_step(const nn::data::Batch& batch) {
+  Tensor x = batch.data.to(device_), y = batch.target.to(device_);
+  last_lr_ = lr();
+  opt_.zero_grad();
+  Tensor loss = nn::functional::cross_entropy(ddp_.forward(x), y);
+  loss.backward();
+  opt_.step();
+  if (schedule_) schedule_->step();
+  ++global_step_;
+  return loss.item<float>();
+}
+
+// --fail-at-step: rank 1 (rank 0 alone) dies at that step of the first run, as a crash would.
+void Trainer::fail_if_asked() const {
+  const char* restarts = std::getenv("EMBER_RESTART_COUNT");
+  const bool first_run = restarts == nullptr || std::string(restarts) == "0";
+  if (a_.fail_at_step != global_step_ || rank_ != std::min(1, world_ - 1) || !first_run) return;
+  std::fprintf(stderr, "fashion_mnist: --fail-at-step %lld: rank %d kills itself\n",
+               static_cast<long long>(a_.fail_at_step), rank_);
+  std::fflush(stderr);
+  std::raise(SIGKILL);
+}
+
+void Trainer::log_progress(int64_t epoch, int64_t step, LogWindow& window) {
+  const auto now = Clock::now();
+  const double dt = std::chrono::duration<double>(now - window.since).count();
+  const double images = static_cast<double>(a_.batch_size * world_);
+  const double ips = dt > 0 ? static_cast<double>(window.steps) * images / dt : 0;
+  const double eta = ips > 0 ? static_cast<double>(steps_per_epoch_ - step) * images / ips : 0;
+  const double loss = window.loss_sum / static_cast<double>(window.steps);
+  print_progress(static_cast<int>(epoch + 1), a_.epochs, step, steps_per_epoch_, loss, ips, eta,
+                 tty_);
+  metrics_.write({{"kind", "step"},
+                  {"epoch", epoch + 1},
+                  {"step", step},
+                  {"global_step", global_step_},
+                  {"loss", loss},
+                  {"images_per_s", ips},
+                  {"lr", last_lr_},
+                  {"time_s", std::chrono::duration<double>(now - t_start_).count()}});
+  window.reset(now);
+}
+
+// Rank 0 prints and records the epoch's results; every rank takes part in the checkpoint.
+void Trainer::finish_epoch(int64_t epoch, const EpochStats& e, const Evaluation& eval) {
+  const bool complete = e.step == steps_per_epoch_;
+  if (leader_) {
+    const double ips = e.seconds > 0 ? static_cast<double>(e.step - e.skipped) *
+                                           static_cast<double>(a_.batch_size * world_) / e.seconds
+                                     : 0;
+    const double train_loss = e.trained ? e.loss_sum / static_cast<double>(e.trained) : 0.0;
+    std::printf(
+        "epoch %lld/%d: train loss %.4f, test loss %.4f, test accuracy %.2f%%, %.1f s, "
+        "%.0f img/s\n",
+        static_cast<long long>(epoch + 1), a_.epochs, train_loss, eval.loss, 100 * eval.accuracy,
+        e.seconds, ips);
     std::fflush(stdout);
+    metrics_.write({{"kind", "epoch"},
+                    {"epoch", epoch + 1},
+                    {"global_step", global_step_},
+                    {"train_loss", train_loss},
+                    {"test_loss", eval.loss},
+                    {"test_accuracy", eval.accuracy},
+                    {"time_s", e.seconds},
+                    {"images_per_s", ips},
+                    {"complete", complete}});
   }
-
-  // The learning rate at a global step: constant, or cosine-annealed from lr to 0 over the run
-  // (a function of the step alone, so a resumed run follows the same curve).
-  const int64_t total_steps = a.max_steps > 0 ? std::min<int64_t>(a.max_steps, a.epochs * steps_per_epoch)
-                                              : a.epochs * steps_per_epoch;
-  auto lr_at = [&](int64_t step) {
-    if (a.lr_schedule == "constant") return a.lr;
-    return 0.5 * a.lr * (1 + std::cos(M_PI * static_cast<double>(step) / static_cast<double>(total_steps)));
-  };
-
-  const int64_t log_every = a.log_every > 0 ? a.log_every : std::max<int64_t>(1, steps_per_epoch / 10);
-  const bool first_run = std::getenv("EMBER_RESTART_COUNT") == nullptr ||
-                         std::string(std::getenv("EMBER_RESTART_COUNT")) == "0";
-  bool stop = false;
-  Evaluation last{};
-  bool evaluated = false;
-  const auto t_start = Clock::now();
-  for (int64_t epoch = pos.epoch; epoch < a.epochs && !stop; ++epoch) {
-    loader.set_epoch(epoch);
-    const int64_t skip = epoch == pos.epoch ? pos.step_in_epoch : 0;
-    const auto t_epoch = Clock::now();
-    auto t_log = t_epoch;
-    double loss_acc = 0, epoch_loss = 0;
-    int64_t loss_n = 0, epoch_n = 0, step = 0;
-    for (const nn::data::Batch& batch : loader) {
-      if (step < skip) {  // resuming mid-epoch: these batches were trained on before
-        ++step;
-        t_log = Clock::now();
-        continue;
-      }
-      Tensor x = batch.data.to(device), y = batch.target.to(device);
-      const double lr = lr_at(pos.global_step);
-      for (auto& group : opt.param_groups()) group.set_lr(lr);
-      opt.zero_grad();
-      Tensor loss = nn::functional::cross_entropy(ddp.forward(x), y);
-      loss.backward();
-      opt.step();
-      ++step;
-      ++pos.global_step;
-      const double l = loss.item<float>();
-      loss_acc += l;
-      epoch_loss += l;
-      ++loss_n;
-      ++epoch_n;
-      if (a.fail_at_step == pos.global_step && rank == std::min(1, world - 1) && first_run) {
-        std::fprintf(stderr, "fashion_mnist: --fail-at-step %lld: rank %d kills itself\n",
-                     static_cast<long long>(a.fail_at_step), rank);
-        std::fflush(stderr);
-        std::raise(SIGKILL);
-      }
-      const bool last_step = step == steps_per_epoch || pos.global_step == a.max_steps;
-      if (leader && (step % log_every == 0 || last_step)) {
-        const auto now = Clock::now();
-        const double dt = std::chrono::duration<double>(now - t_log).count();
-        const double ips = dt > 0 ? static_cast<double>(loss_n * a.batch_size * world) / dt : 0;
-        const double eta = ips > 0 ? static_cast<double>((steps_per_epoch - step) * a.batch_size * world) / ips : 0;
-        print_progress(static_cast<int>(epoch + 1), a.epochs, step, steps_per_epoch,
-                       loss_acc / loss_n, ips, eta, tty);
-        metrics.write({{"kind", "step"}, {"epoch", epoch + 1}, {"step", step},
-                       {"global_step", pos.global_step}, {"loss", loss_acc / loss_n},
-                       {"images_per_s", ips}, {"lr", lr_at(pos.global_step - 1)},
-                       {"time_s", std::chrono::duration<double>(now - t_start).count()}});
-        loss_acc = 0;
-        loss_n = 0;
-        t_log = now;
-      }
-      if (a.checkpoint_every > 0 && !a.checkpoint_dir.empty() &&
-          pos.global_step % a.checkpoint_every == 0 && step < steps_per_epoch) {
-        save_checkpoint(a, *model, opt, {epoch, step, pos.global_step}, *pg, powersgd.get());
-      }
-      if (pos.global_step == a.max_steps) {
-        stop = true;
-        break;
-      }
-    }
-    if (tty) std::printf("\n");
-    const double epoch_s = std::chrono::duration<double>(Clock::now() - t_epoch).count();
-    last = evaluate(*model, test_set, *pg, device);
-    evaluated = true;
-    const int64_t trained = step - skip;
-    if (leader) {
-      const double ips = epoch_s > 0 ? static_cast<double>(trained * a.batch_size * world) / epoch_s : 0;
-      std::printf("epoch %lld/%d: train loss %.4f, test loss %.4f, test accuracy %.2f%%, %.1f s, "
-                  "%.0f img/s\n",
-                  static_cast<long long>(epoch + 1), a.epochs, epoch_n ? epoch_loss / epoch_n : 0.0,
-                  last.loss, 100 * last.accuracy, epoch_s, ips);
-      std::fflush(stdout);
-      metrics.write({{"kind", "epoch"}, {"epoch", epoch + 1}, {"global_step", pos.global_step},
-                     {"train_loss", epoch_n ? epoch_loss / epoch_n : 0.0}, {"test_loss", last.loss},
-                     {"test_accuracy", last.accuracy}, {"time_s", epoch_s}, {"images_per_s", ips},
-                     {"complete", step == steps_per_epoch}});
-    }
-    if (!a.checkpoint_dir.empty()) {
-      const bool complete = step == steps_per_epoch;
-      save_checkpoint(a, *model, opt,
-                      complete ? Position{epoch + 1, 0, pos.global_step}
-                               : Position{epoch, step, pos.global_step},
-                      *pg, powersgd.get());
-    }
+  if (!a_.checkpoint_dir.empty()) {
+    save_checkpoint(
+        a_, state(),
+        complete ? Position{epoch + 1, 0, global_step_} : Position{epoch, e.step, global_step_},
+        *pg_);
   }
-  if (!evaluated) last = evaluate(*model, test_set, *pg, device);
-  if (leader && powersgd && pos.global_step > a.powersgd_start) {
-    const auto stats = powersgd->compression_stats();
+}
+
+void Trainer::report(const Evaluation& last) const {
+  if (!leader_) return;
+  if (powersgd_ && global_step_ > a_.powersgd_start) {
+    const auto stats = powersgd_->compression_stats();
     std::printf("powersgd: rank %lld, %lld of %lld gradient elements all-reduced (%.1fx fewer)\n",
-                static_cast<long long>(a.powersgd_rank), static_cast<long long>(stats.numel_after),
+                static_cast<long long>(a_.powersgd_rank), static_cast<long long>(stats.numel_after),
                 static_cast<long long>(stats.numel_before), stats.rate);
   }
-  if (leader) {
-    if (!a.save_weights.empty()) {
-      nn::save_safetensors(a.save_weights, model->state_dict(),
-                           {{"model", a.model}, {"global_step", std::to_string(pos.global_step)}});
-    }
-    std::printf("test_accuracy=%.4f\n", last.accuracy);
-    std::fflush(stdout);
+  if (!a_.save_weights.empty()) {
+    nn::save_safetensors(a_.save_weights, model_->state_dict(),
+                         {{"model", a_.model}, {"global_step", std::to_string(global_step_)}});
+  }
+  std::printf("test_accuracy=%.4f\n", last.accuracy);
+  std::fflush(stdout);
+}
+
+int run(const Args& a) {
+  {
+    Trainer trainer(a);
+    trainer.report(trainer.train());
   }
   dist::destroy_process_group();
   return 0;
@@ -471,34 +624,60 @@ int run(const Args& a) {
 
 int main(int argc, char** argv) {
   Args a;
-  CLI::App app{"Fashion-MNIST trained data-parallel with Ember's DistributedDataParallel.\n"
-               "Run it under emberrun (emberrun --nproc-per-node 2 fashion_mnist ...), mpirun, or alone."};
+  CLI::App app{
+      "Fashion-MNIST trained data-parallel with Ember's DistributedDataParallel.\n"
+      "Run it under emberrun (emberrun --nproc-per-node 2 fashion_mnist ...), mpirun, or alone."};
   app.add_option("--data", a.data, "folder with the IDX files (.gz or not)")->capture_default_str();
-  app.add_option("--model", a.model, "cnn or mlp")->check(CLI::IsMember({"cnn", "mlp"}))->capture_default_str();
-  app.add_option("--epochs", a.epochs, "passes over the training set")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--max-steps", a.max_steps, "stop after this many steps in all (0: no limit)")->check(CLI::NonNegativeNumber);
-  app.add_option("--batch-size", a.batch_size, "examples per rank per step")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--lr", a.lr, "SGD learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--model", a.model, "cnn or mlp")
+      ->check(CLI::IsMember({"cnn", "mlp"}))
+      ->capture_default_str();
+  app.add_option("--epochs", a.epochs, "passes over the training set")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-steps", a.max_steps, "stop after this many steps in all (0: no limit)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--batch-size", a.batch_size, "examples per rank per step")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--lr", a.lr, "SGD learning rate")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--lr-schedule", a.lr_schedule, "constant, or cosine from --lr to 0 over the run")
-      ->check(CLI::IsMember({"constant", "cosine"}))->capture_default_str();
-  app.add_option("--momentum", a.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str();
+      ->check(CLI::IsMember({"constant", "cosine"}))
+      ->capture_default_str();
+  app.add_option("--momentum", a.momentum, "SGD momentum")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   app.add_option("--seed", a.seed, "weights and data order")->capture_default_str();
-  app.add_option("--backend", a.backend, "gloo, mpi or nccl")->check(CLI::IsMember({"gloo", "mpi", "nccl"}))->capture_default_str();
-  app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  app.add_option("--backend", a.backend, "gloo, mpi or nccl")
+      ->check(CLI::IsMember({"gloo", "mpi", "nccl"}))
+      ->capture_default_str();
+  app.add_option("--device", a.device, "cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   app.add_option("--comm-hook", a.comm_hook, "gradient communication (see docs/ddp.md)")
       ->check(CLI::IsMember({"none", "allreduce", "fp16", "bf16", "powersgd", "batched_powersgd"}))
       ->capture_default_str();
   app.add_option("--powersgd-rank", a.powersgd_rank, "PowerSGD's matrix approximation rank")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--powersgd-start", a.powersgd_start, "plain all-reduce for this many steps first")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--checkpoint-dir", a.checkpoint_dir, "write checkpoint.safetensors here after each epoch");
-  app.add_option("--checkpoint-every", a.checkpoint_every, "also every N steps")->check(CLI::NonNegativeNumber);
-  app.add_flag("--resume", a.resume, "continue from the checkpoint in --checkpoint-dir if there is one");
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--checkpoint-dir", a.checkpoint_dir,
+                 "write checkpoint.safetensors here after each epoch");
+  app.add_option("--checkpoint-every", a.checkpoint_every, "also every N steps")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--resume", a.resume,
+               "continue from the checkpoint in --checkpoint-dir if there is one");
   app.add_option("--save-weights", a.save_weights, "write the final weights to FILE.safetensors");
-  app.add_option("--metrics", a.metrics, "append one JSON line per logged step and per epoch to FILE.jsonl");
-  app.add_option("--log-every", a.log_every, "steps between progress lines (0: ten per epoch)")->check(CLI::NonNegativeNumber);
-  app.add_option("--fail-at-step", a.fail_at_step, "testing aid: rank 1 kills itself at this step in the first run")->group("");
+  app.add_option("--metrics", a.metrics,
+                 "append one JSON line per logged step and per epoch to FILE.jsonl");
+  app.add_option("--log-every", a.log_every, "steps between progress lines (0: ten per epoch)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--fail-at-step", a.fail_at_step,
+                 "testing aid: rank 1 kills itself at this step in the first run")
+      ->group("");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -23,7 +23,7 @@ int main(int argc, char** argv) {
       std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(512, 10));
 
   // 3. Each rank reads its own share of every epoch.
-  auto train = std::make_shared<nn::data::MNIST>();  // Fashion-MNIST from Debian's package
+  auto train = std::make_shared<nn::data::FashionMNIST>();  // from Debian's package
   auto sampler = std::make_shared<nn::data::DistributedSampler>(train->size(), pg->size(),
                                                                 pg->rank(), /*shuffle=*/true);
   nn::data::DataLoader loader(train, {.batch_size = 64, .sampler = sampler});

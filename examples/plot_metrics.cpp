@@ -18,9 +18,6 @@
 // (255,127,14), test accuracy line and dots (44,160,44), on white.
 //
 // Exit status: 0 written; 1 bad or empty input, or the PNG could not be written; 2 bad usage.
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -31,7 +28,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -39,6 +35,9 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "nn/atomic_file.h"
+#include "tensor/error.h"
 
 namespace {
 
@@ -318,51 +317,6 @@ std::string encode_png(const Canvas& cv) {
     put_chunk(out, "IDAT", z.data() + at, std::min(kIdatChunk, static_cast<size_t>(zlen) - at));
   put_chunk(out, "IEND", nullptr, 0);
   return out;
-}
-
-// Writes `bytes` to `path` so that readers see the old file or the whole new one, never a
-// partial one: a temporary file in the same directory, fsync, rename over `path`, fsync the
-// directory.
-void write_atomically(const std::string& path, const std::string& bytes) {
-  std::string tmp = path + ".tmp.XXXXXX";
-  const int fd = mkstemp(tmp.data());
-  if (fd < 0)
-    throw InputError("cannot create a temporary file next to '" + path +
-                     "': " + std::strerror(errno));
-  auto fail = [&](const std::string& what) {
-    const int e = errno;
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw InputError(what + " '" + tmp + "': " + std::strerror(e));
-  };
-  // mkstemp creates 0600; give the PNG the usual 0666 & ~umask.
-  const mode_t mask = ::umask(0);
-  ::umask(mask);
-  if (::fchmod(fd, 0666 & ~mask) != 0) fail("cannot set the mode of");
-  for (size_t done = 0; done < bytes.size();) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) fail("cannot write");
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) fail("cannot fsync");
-  if (::close(fd) != 0) {
-    const int e = errno;
-    ::unlink(tmp.c_str());
-    throw InputError("cannot close '" + tmp + "': " + std::strerror(e));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int e = errno;
-    ::unlink(tmp.c_str());
-    throw InputError("cannot rename '" + tmp + "' to '" + path + "': " + std::strerror(e));
-  }
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (dfd >= 0) {  // best effort: the file is complete either way
-    ::fsync(dfd);
-    ::close(dfd);
-  }
 }
 
 // ---- metrics file --------------------------------------------------------------------------
@@ -777,10 +731,14 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "plot_metrics: warning: skipped %d step line(s) with a non-finite loss\n",
                    m.skipped_non_finite);
-    write_atomically(a.out, encode_png(render(m, a.width, a.height, a.title)));
+    // Readers (an image viewer refreshing while training runs) see the old PNG or the new one.
+    ember::nn::write_file_atomic(a.out, encode_png(render(m, a.width, a.height, a.title)));
     std::printf("plot_metrics: wrote %s (%dx%d; %zu steps, %zu epochs)\n", a.out.c_str(), a.width,
                 a.height, m.step_loss.size(), m.epochs.size());
   } catch (const InputError& e) {
+    std::fprintf(stderr, "plot_metrics: %s\n", e.what());
+    return 1;
+  } catch (const ember::Error& e) {  // the PNG could not be written
     std::fprintf(stderr, "plot_metrics: %s\n", e.what());
     return 1;
   } catch (const std::exception& e) {

@@ -8,8 +8,8 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cstring>
 #include <sstream>
@@ -21,8 +21,7 @@ namespace {
 int parse_int(const std::string& option, const std::string& value, int lo, int hi) {
   int v = 0;
   auto [p, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
-  if (value.empty() || ec != std::errc() || p != value.data() + value.size() || v < lo ||
-      v > hi) {
+  if (value.empty() || ec != std::errc() || p != value.data() + value.size() || v < lo || v > hi) {
     throw UsageError(option + ": expected an integer in [" + std::to_string(lo) + ", " +
                      std::to_string(hi) + "], got '" + value + "'");
   }
@@ -140,31 +139,30 @@ std::vector<StreamMask> parse_std_spec(const std::string& option, const std::str
   return out;
 }
 
-LaunchConfig parse_args(const std::vector<std::string>& args) {
-  CLI::App app{
-      "emberrun: launch PROGRAM as a group of ranks (torchrun's interface for programs).\n"
-      "Every option can also be set through its EMBER_* variable; the command line wins.",
-      "emberrun"};
-  app.prefix_command();  // everything from PROGRAM on belongs to the program
-  app.set_help_flag("-h,--help", "Print this help and exit");
+namespace {
 
+// The options given as text or checked after parsing; everything else CLI11 writes straight
+// into the LaunchConfig.
+struct RawOptions {
   std::string nnodes = "1", nproc = "1", redirects = "0", tee = "0", filter;
   std::optional<int> master_port;
   std::optional<int> node_rank;
   int max_restarts = 0;
-  LaunchConfig c;
+};
+
+void add_options(CLI::App& app, RawOptions& raw, LaunchConfig& c) {
   auto opt = [&](const std::string& names, auto& var, const std::string& env,
                  const std::string& help) {
     return app.add_option(names, var, help)->envname(env);
   };
-  opt("--nnodes", nnodes, "EMBER_NNODES", "Number of nodes, N or MIN:MAX");
-  opt("--nproc-per-node,--nproc_per_node", nproc, "EMBER_NPROC_PER_NODE",
+  opt("--nnodes", raw.nnodes, "EMBER_NNODES", "Number of nodes, N or MIN:MAX");
+  opt("--nproc-per-node,--nproc_per_node", raw.nproc, "EMBER_NPROC_PER_NODE",
       "Ranks on this node: an integer, cpu, gpu or auto");
-  opt("--node-rank,--node_rank", node_rank, "EMBER_NODE_RANK",
+  opt("--node-rank,--node_rank", raw.node_rank, "EMBER_NODE_RANK",
       "This node's rank (multi-node: omitted = assigned by arrival, the store's host is 0)");
   opt("--master-addr,--master_addr", c.master_addr, "EMBER_MASTER_ADDR",
       "Address of rank 0's store (MASTER_ADDR)");
-  opt("--master-port,--master_port", master_port, "EMBER_MASTER_PORT",
+  opt("--master-port,--master_port", raw.master_port, "EMBER_MASTER_PORT",
       "Port of rank 0's store (MASTER_PORT), default 29500");
   opt("--rdzv-endpoint,--rdzv_endpoint", c.rdzv_endpoint, "EMBER_RDZV_ENDPOINT",
       "Rendezvous store host[:port] (multi-node; port 29400 if omitted; default: "
@@ -180,28 +178,22 @@ LaunchConfig parse_args(const std::vector<std::string>& args) {
       "With --nnodes MIN:MAX: seconds to wait for more nodes once MIN joined (30)");
   app.add_flag("--standalone", c.standalone, "Single node, free port picked automatically")
       ->envname("EMBER_STANDALONE");
-  opt("--max-restarts,--max_restarts", max_restarts, "EMBER_MAX_RESTARTS",
+  opt("--max-restarts,--max_restarts", raw.max_restarts, "EMBER_MAX_RESTARTS",
       "Restarts of the worker group before failing");
   opt("--monitor-interval,--monitor_interval", c.monitor_interval_s, "EMBER_MONITOR_INTERVAL",
       "Seconds between worker checks");
   opt("--grace-period,--grace_period", c.grace_period_s, "EMBER_GRACE_PERIOD",
       "Seconds between SIGTERM and SIGKILL when stopping workers (Ember extension)");
   opt("--log-dir,--log_dir", c.log_dir, "EMBER_LOG_DIR", "Folder for per-rank log files");
-  opt("-r,--redirects", redirects, "EMBER_REDIRECTS",
+  opt("-r,--redirects", raw.redirects, "EMBER_REDIRECTS",
       "Streams sent to the log file only: 0 none, 1 stdout, 2 stderr, 3 both, or 0:3,1:1");
-  opt("-t,--tee", tee, "EMBER_TEE", "Streams sent to console and log file (same format)");
-  opt("--local-ranks-filter,--local_ranks_filter", filter, "EMBER_LOCAL_RANKS_FILTER",
+  opt("-t,--tee", raw.tee, "EMBER_TEE", "Streams sent to console and log file (same format)");
+  opt("--local-ranks-filter,--local_ranks_filter", raw.filter, "EMBER_LOCAL_RANKS_FILTER",
       "Console shows only these local ranks, e.g. 0 or 0,2");
+}
 
-  std::vector<std::string> rev(args.rbegin(), args.rend());
-  try {
-    app.parse(rev);
-  } catch (const CLI::CallForHelp&) {
-    throw HelpRequested(app.help());
-  } catch (const CLI::ParseError& e) {
-    throw UsageError(e.what());
-  }
-
+// PROGRAM and its ARGS: what CLI11 left after emberrun's options.
+void take_program(const CLI::App& app, const std::vector<std::string>& args, LaunchConfig& c) {
   std::vector<std::string> rest = app.remaining();
   if (!rest.empty() && rest.front() == "--") rest.erase(rest.begin());
   if (rest.empty()) throw UsageError("missing PROGRAM: emberrun [OPTIONS] PROGRAM [ARGS...]");
@@ -211,8 +203,11 @@ LaunchConfig parse_args(const std::vector<std::string>& args) {
   }
   c.program = rest.front();
   c.args.assign(rest.begin() + 1, rest.end());
+}
 
-  // --nnodes N or MIN:MAX
+// --nnodes N or MIN:MAX, --nproc-per-node and --node-rank.
+void resolve_topology(const RawOptions& raw, LaunchConfig& c) {
+  const std::string& nnodes = raw.nnodes;
   auto colon = nnodes.find(':');
   if (colon == std::string::npos) {
     c.min_nodes = c.max_nodes = parse_int("--nnodes", nnodes, 1, 1 << 16);
@@ -223,33 +218,37 @@ LaunchConfig parse_args(const std::vector<std::string>& args) {
       throw UsageError("--nnodes: MIN must not exceed MAX, got '" + nnodes + "'");
     }
   }
-  if (nproc == "cpu") {
+  if (raw.nproc == "cpu") {
     c.nproc_per_node = available_cpus();
-  } else if (nproc == "gpu" || nproc == "auto") {
+  } else if (raw.nproc == "gpu" || raw.nproc == "auto") {
     int g = count_gpus();
-    if (nproc == "gpu" && g == 0) {
+    if (raw.nproc == "gpu" && g == 0) {
       throw UsageError("--nproc-per-node gpu: no GPU found (/dev/nvidia<N>)");
     }
     c.nproc_per_node = g > 0 ? g : available_cpus();
   } else {
-    c.nproc_per_node = parse_int("--nproc-per-node", nproc, 1, 1 << 16);
+    c.nproc_per_node = parse_int("--nproc-per-node", raw.nproc, 1, 1 << 16);
   }
-  if (node_rank) {
-    if (*node_rank < 0 || *node_rank >= c.max_nodes) {
+  if (raw.node_rank) {
+    const int r = *raw.node_rank;
+    if (r < 0 || r >= c.max_nodes) {
       throw UsageError("--node-rank: expected a value in [0, " + std::to_string(c.max_nodes) +
-                       "), got " + std::to_string(*node_rank));
+                       "), got " + std::to_string(r));
     }
     if (c.min_nodes != c.max_nodes) {
-      throw UsageError("--node-rank " + std::to_string(*node_rank) +
-                       " needs a fixed --nnodes, got '" + nnodes +
-                       "' (omit --node-rank to have ranks assigned by arrival)");
+      throw UsageError("--node-rank " + std::to_string(r) + " needs a fixed --nnodes, got '" +
+                       nnodes + "' (omit --node-rank to have ranks assigned by arrival)");
     }
-    c.node_rank = *node_rank;
+    c.node_rank = r;
     c.node_rank_given = true;
   }
   if (c.multi_node() && c.standalone) {
     throw UsageError("--standalone is single-node, but --nnodes is '" + nnodes + "'");
   }
+}
+
+// The timing options and the restart count.
+void check_limits(const RawOptions& raw, LaunchConfig& c) {
   if (!(c.rdzv_timeout_s > 0) || c.rdzv_timeout_s > 1e6) {
     throw UsageError("--rdzv-timeout: expected seconds in (0, 1e6], got " +
                      std::to_string(c.rdzv_timeout_s));
@@ -258,10 +257,10 @@ LaunchConfig parse_args(const std::vector<std::string>& args) {
     throw UsageError("--rdzv-last-call: expected seconds in [0, 1e6], got " +
                      std::to_string(c.last_call_s));
   }
-  if (max_restarts < 0) {
-    throw UsageError("--max-restarts: expected >= 0, got " + std::to_string(max_restarts));
+  if (raw.max_restarts < 0) {
+    throw UsageError("--max-restarts: expected >= 0, got " + std::to_string(raw.max_restarts));
   }
-  c.max_restarts = max_restarts;
+  c.max_restarts = raw.max_restarts;
   if (!(c.monitor_interval_s > 0) || c.monitor_interval_s > 3600) {
     throw UsageError("--monitor-interval: expected seconds in (0, 3600], got " +
                      std::to_string(c.monitor_interval_s));
@@ -270,26 +269,55 @@ LaunchConfig parse_args(const std::vector<std::string>& args) {
     throw UsageError("--grace-period: expected seconds in [0, 3600], got " +
                      std::to_string(c.grace_period_s));
   }
+}
+
+// The rendezvous backend, rank 0's address and port, and the output routing.
+void resolve_addresses_and_output(const RawOptions& raw, LaunchConfig& c) {
   if (c.rdzv_backend != "static" && c.rdzv_backend != "c10d") {
     throw UsageError("--rdzv-backend: expected static or c10d, got '" + c.rdzv_backend + "'");
   }
-  if (master_port) {
-    c.master_port = parse_int("--master-port", std::to_string(*master_port), 1, 65535);
+  if (raw.master_port) {
+    c.master_port = parse_int("--master-port", std::to_string(*raw.master_port), 1, 65535);
   } else if (c.standalone) {
     c.master_port = pick_free_port();
   }
   if (c.master_addr.empty()) throw UsageError("--master-addr: must not be empty");
   if (c.multi_node()) (void)c.rdzv_host_port();  // a bad --rdzv-endpoint is a usage error
-  c.redirects = parse_std_spec("--redirects", redirects, c.nproc_per_node);
-  c.tee = parse_std_spec("--tee", tee, c.nproc_per_node);
-  if (!filter.empty()) {
+  c.redirects = parse_std_spec("--redirects", raw.redirects, c.nproc_per_node);
+  c.tee = parse_std_spec("--tee", raw.tee, c.nproc_per_node);
+  if (!raw.filter.empty()) {
     std::vector<int> ranks;
-    for (const auto& s : split(filter, ", ")) {
-      int r = parse_int("--local-ranks-filter", s, 0, c.nproc_per_node - 1);
-      ranks.push_back(r);
+    for (const auto& s : split(raw.filter, ", ")) {
+      ranks.push_back(parse_int("--local-ranks-filter", s, 0, c.nproc_per_node - 1));
     }
     c.local_ranks_filter = ranks;
   }
+}
+
+}  // namespace
+
+LaunchConfig parse_args(const std::vector<std::string>& args) {
+  CLI::App app{
+      "emberrun: launch PROGRAM as a group of ranks (torchrun's interface for programs).\n"
+      "Every option can also be set through its EMBER_* variable; the command line wins.",
+      "emberrun"};
+  app.prefix_command();  // everything from PROGRAM on belongs to the program
+  app.set_help_flag("-h,--help", "Print this help and exit");
+  RawOptions raw;
+  LaunchConfig c;
+  add_options(app, raw, c);
+  std::vector<std::string> rev(args.rbegin(), args.rend());
+  try {
+    app.parse(rev);
+  } catch (const CLI::CallForHelp&) {
+    throw HelpRequested(app.help());
+  } catch (const CLI::ParseError& e) {
+    throw UsageError(e.what());
+  }
+  take_program(app, args, c);
+  resolve_topology(raw, c);
+  check_limits(raw, c);
+  resolve_addresses_and_output(raw, c);
   return c;
 }
 

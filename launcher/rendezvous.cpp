@@ -65,6 +65,12 @@ std::string this_host(const LaunchConfig& c) {
   return buf;
 }
 
+// "<k> <what>", as the failed key holds it.
+RoundFailure parse_failure(const std::string& v) {
+  const auto sp = v.find(' ');
+  return {std::stoi(v.substr(0, sp)), v.substr(sp + 1)};
+}
+
 std::string seconds_str(double s) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%g s", s);
@@ -150,8 +156,8 @@ std::string Rendezvous::round_key(int round, const std::string& k) const {
 }
 
 std::string Rendezvous::describe_self() const {
-  return "node " + (node_rank_ < 0 ? std::string("?") : std::to_string(node_rank_)) + " (" +
-         self_ + ")";
+  return "node " + (node_rank_ < 0 ? std::string("?") : std::to_string(node_rank_)) + " (" + self_ +
+         ")";
 }
 
 void Rendezvous::lost(const std::string& op, const std::exception& e) const {
@@ -184,10 +190,108 @@ bool Rendezvous::wait_keys(const std::vector<std::string>& keys, Clock::time_poi
   }
 }
 
-RoundInfo Rendezvous::join(int round) {
+std::string Rendezvous::node_key(int round, int node) const {
+  return round_key(round, "node/" + std::to_string(node));
+}
+
+int Rendezvous::claim_node_rank(int round) {
+  int k;
+  if (config_.node_rank_given) {
+    k = config_.node_rank;
+  } else if (is_host()) {
+    k = 0;
+  } else {
+    k = static_cast<int>(store_->add(round_key(round, "next"), 1));
+    if (k >= config_.max_nodes) {
+      throw RendezvousError("rendezvous round " + std::to_string(round) + " at " + endpoint() +
+                            " already has --nnodes " + std::to_string(config_.max_nodes) +
+                            " nodes; " + self_ + " is one too many");
+    }
+  }
+  const std::string mine = std::to_string(config_.nproc_per_node) + " " + self_;
+  const std::string owner = to_s(store_->compare_set(node_key(round, k), {}, to_b(mine)));
+  if (owner != mine) {
+    throw RendezvousError("node rank " + std::to_string(k) + " of round " + std::to_string(round) +
+                          " is already taken by " + owner.substr(owner.find(' ') + 1) +
+                          " (two agents given --node-rank " + std::to_string(k) + "?)");
+  }
+  return k;
+}
+
+int Rendezvous::complete_round(int round) {
+  std::vector<std::string> required;
+  for (int i = 0; i < config_.min_nodes; ++i) required.push_back(node_key(round, i));
+  if (!wait_keys(required, Clock::now() + to_ms(config_.rdzv_timeout_s), false)) {
+    const std::string msg = round_timeout_message(round);
+    close(msg);
+    throw RendezvousError(msg);
+  }
+  int n = config_.min_nodes;
+  // MIN:MAX: more nodes may still come during the last call.
+  const auto last_call = Clock::now() + to_ms(config_.last_call_s);
+  while (n < config_.max_nodes && wait_keys({node_key(round, n)}, last_call, false)) ++n;
+  store_->set(round_key(round, "nnodes"), std::to_string(n));
+  return n;
+}
+
+std::string Rendezvous::round_timeout_message(int round) {
+  std::string missing, joined;
+  for (int i = 0; i < config_.min_nodes; ++i) {
+    const std::string ki = node_key(round, i);
+    if (store_->check({ki})) {
+      std::string v = to_s(store_->get(ki, kRequestTimeout));
+      joined +=
+          (joined.empty() ? "" : ", ") + std::to_string(i) + " (" + v.substr(v.find(' ') + 1) + ")";
+    } else {
+      missing += (missing.empty() ? "" : ", ") + std::to_string(i);
+    }
+  }
+  return "rendezvous round " + std::to_string(round) + " at " + endpoint() + " timed out after " +
+         seconds_str(config_.rdzv_timeout_s) + " (--rdzv-timeout): nodes " + missing +
+         " never arrived (expected " + std::to_string(config_.min_nodes) + "; joined: " + joined +
+         ")" + (config_.node_rank_given ? "" : "; node ranks are given out by arrival");
+}
+
+int Rendezvous::await_round(int round, int k) {
+  const std::string nn = round_key(round, "nnodes");
+  // Node 0 may take the whole join timeout and then the last call.
+  const auto deadline = Clock::now() + to_ms(config_.rdzv_timeout_s) + to_ms(config_.last_call_s) +
+                        milliseconds(5000);
+  if (!wait_keys({nn}, deadline, true)) {
+    throw RendezvousError("rendezvous round " + std::to_string(round) + " at " + endpoint() +
+                          ": node 0 did not complete the round within " +
+                          seconds_str(config_.rdzv_timeout_s) + " (--rdzv-timeout); this node is " +
+                          describe_self());
+  }
+  const int n = std::stoi(to_s(store_->get(nn, kRequestTimeout)));
+  if (k >= n) {
+    throw RendezvousError(describe_self() + " arrived after rendezvous round " +
+                          std::to_string(round) + " closed with " + std::to_string(n) +
+                          " nodes (--nnodes " + std::to_string(config_.min_nodes) + ":" +
+                          std::to_string(config_.max_nodes) + ", --rdzv-last-call)");
+  }
+  return n;
+}
+
+RoundInfo Rendezvous::read_round(int round, int k, int n) {
   RoundInfo info;
   info.round = round;
-  const int max_nodes = config_.max_nodes;
+  info.node_rank = k;
+  info.nnodes = n;
+  info.world_size = 0;
+  for (int i = 0; i < n; ++i) {
+    const int nproc = std::stoi(to_s(store_->get(node_key(round, i), kRequestTimeout)));
+    if (i < k) info.rank_base += nproc;
+    info.world_size += nproc;
+  }
+  const std::string master = to_s(store_->get(round_key(round, "master"), kRequestTimeout));
+  const auto colon = master.rfind(':');
+  info.master_addr = master.substr(0, colon);
+  info.master_port = std::stoi(master.substr(colon + 1));
+  return info;
+}
+
+RoundInfo Rendezvous::join(int round) {
   try {
     throw_if_closed();
     if (is_host()) {
@@ -195,110 +299,21 @@ RoundInfo Rendezvous::join(int round) {
       const std::string addr = config_.local_addr.empty() ? host_ : config_.local_addr;
       store_->set(round_key(round, "master"), addr + ":" + std::to_string(pick_free_port(true)));
     }
-    int k;
-    if (config_.node_rank_given) {
-      k = config_.node_rank;
-    } else if (is_host()) {
-      k = 0;
-    } else {
-      k = static_cast<int>(store_->add(round_key(round, "next"), 1));
-      if (k >= max_nodes) {
-        throw RendezvousError("rendezvous round " + std::to_string(round) + " at " + endpoint() +
-                              " already has --nnodes " + std::to_string(max_nodes) + " nodes; " +
-                              self_ + " is one too many");
-      }
-    }
-    const std::string mine = std::to_string(config_.nproc_per_node) + " " + self_;
-    const std::string node_key = round_key(round, "node/" + std::to_string(k));
-    const std::string owner = to_s(store_->compare_set(node_key, {}, to_b(mine)));
-    if (owner != mine) {
-      throw RendezvousError("node rank " + std::to_string(k) + " of round " +
-                            std::to_string(round) + " is already taken by " +
-                            owner.substr(owner.find(' ') + 1) + " (two agents given --node-rank " +
-                            std::to_string(k) + "?)");
-    }
+    const int k = claim_node_rank(round);
     node_rank_ = k;
-
-    const auto join_deadline = Clock::now() + to_ms(config_.rdzv_timeout_s);
-    auto node_keys = [&](int from, int to) {
-      std::vector<std::string> keys;
-      for (int i = from; i < to; ++i) keys.push_back(round_key(round, "node/" + std::to_string(i)));
-      return keys;
-    };
-    int n = 0;
-    if (is_host()) {
-      const auto required = node_keys(0, config_.min_nodes);
-      if (!wait_keys(required, join_deadline, false)) {
-        std::string missing, joined;
-        for (int i = 0; i < config_.min_nodes; ++i) {
-          const std::string ki = round_key(round, "node/" + std::to_string(i));
-          if (store_->check({ki})) {
-            std::string v = to_s(store_->get(ki, kRequestTimeout));
-            joined += (joined.empty() ? "" : ", ") + std::to_string(i) + " (" +
-                      v.substr(v.find(' ') + 1) + ")";
-          } else {
-            missing += (missing.empty() ? "" : ", ") + std::to_string(i);
-          }
-        }
-        std::string msg = "rendezvous round " + std::to_string(round) + " at " + endpoint() +
-                          " timed out after " + seconds_str(config_.rdzv_timeout_s) +
-                          " (--rdzv-timeout): nodes " + missing + " never arrived (expected " +
-                          std::to_string(config_.min_nodes) + "; joined: " + joined + ")" +
-                          (config_.node_rank_given ? "" : "; node ranks are given out by arrival");
-        close(msg);
-        throw RendezvousError(msg);
-      }
-      n = config_.min_nodes;
-      // MIN:MAX: more nodes may still come during the last call.
-      const auto last_call = Clock::now() + to_ms(config_.last_call_s);
-      while (n < max_nodes && wait_keys(node_keys(n, n + 1), last_call, false)) ++n;
-      store_->set(round_key(round, "nnodes"), std::to_string(n));
-    } else {
-      const std::string nn = round_key(round, "nnodes");
-      const auto deadline = join_deadline + to_ms(config_.last_call_s) + milliseconds(5000);
-      if (!wait_keys({nn}, deadline, true)) {
-        throw RendezvousError("rendezvous round " + std::to_string(round) + " at " + endpoint() +
-                              ": node 0 did not complete the round within " +
-                              seconds_str(config_.rdzv_timeout_s) +
-                              " (--rdzv-timeout); this node is " + describe_self());
-      }
-      n = std::stoi(to_s(store_->get(nn, kRequestTimeout)));
-      if (k >= n) {
-        throw RendezvousError("" + describe_self() + " arrived after rendezvous round " +
-                              std::to_string(round) + " closed with " + std::to_string(n) +
-                              " nodes (--nnodes " + std::to_string(config_.min_nodes) + ":" +
-                              std::to_string(max_nodes) + ", --rdzv-last-call)");
-      }
-    }
-    nnodes_ = n;
-    info.node_rank = k;
-    info.nnodes = n;
-    info.world_size = 0;
-    for (int i = 0; i < n; ++i) {
-      const std::string v =
-          to_s(store_->get(round_key(round, "node/" + std::to_string(i)), kRequestTimeout));
-      const int nproc = std::stoi(v);
-      if (i < k) info.rank_base += nproc;
-      info.world_size += nproc;
-    }
-    const std::string master = to_s(store_->get(round_key(round, "master"), kRequestTimeout));
-    const auto colon = master.rfind(':');
-    info.master_addr = master.substr(0, colon);
-    info.master_port = std::stoi(master.substr(colon + 1));
+    nnodes_ = is_host() ? complete_round(round) : await_round(round, k);
+    return read_round(round, k, nnodes_);
   } catch (const RendezvousError&) {
     throw;
   } catch (const dist::DistError& e) {
     lost("joining round " + std::to_string(round), e);
   }
-  return info;
 }
 
 RoundFailure Rendezvous::report_failure(int round, const std::string& what) {
   const std::string mine = std::to_string(node_rank_) + " " + what;
   try {
-    const std::string first = to_s(store_->compare_set(round_key(round, "failed"), {}, to_b(mine)));
-    const auto sp = first.find(' ');
-    return {std::stoi(first.substr(0, sp)), first.substr(sp + 1)};
+    return parse_failure(to_s(store_->compare_set(round_key(round, "failed"), {}, to_b(mine))));
   } catch (const dist::DistError& e) {
     lost("reporting a failure", e);
   }
@@ -311,9 +326,7 @@ std::optional<RoundFailure> Rendezvous::poll_failure(int round) {
     const bool failed = store_->check({k});
     store_->set_timeout(kRequestTimeout);
     if (!failed) return std::nullopt;
-    const std::string first = to_s(store_->get(k, kRequestTimeout));
-    const auto sp = first.find(' ');
-    return RoundFailure{std::stoi(first.substr(0, sp)), first.substr(sp + 1)};
+    return parse_failure(to_s(store_->get(k, kRequestTimeout)));
   } catch (const dist::DistError& e) {
     lost("watching the other nodes", e);
   }

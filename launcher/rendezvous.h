@@ -95,6 +95,15 @@ class Rendezvous {
  private:
   std::string key(const std::string& k) const;
   std::string round_key(int round, const std::string& k) const;
+  std::string node_key(int round, int node) const;  // "r<R>/node/<k>"
+  // The steps of join: registers this node under its rank (given, 0 for the host, else by
+  // arrival) and returns it; on the host, waits for the nodes and publishes their number; on
+  // the others, waits for that number; then reads the round's ranks and rank 0's address.
+  int claim_node_rank(int round);
+  int complete_round(int round);
+  std::string round_timeout_message(int round);
+  int await_round(int round, int k);
+  RoundInfo read_round(int round, int k, int n);
   // Waits for `keys` until `deadline`, polling `interrupted_` and the run's closed key.
   // Returns false on the deadline; throws RendezvousInterrupted or RendezvousError(closed).
   bool wait_keys(const std::vector<std::string>& keys,

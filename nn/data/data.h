@@ -1,4 +1,4 @@
-// Data loading in one include: datasets, samplers, the DataLoader and MNIST.
+// Data loading in one include: datasets, samplers, the DataLoader and (Fashion-)MNIST.
 #pragma once
 
 #include "nn/data/dataloader.h"

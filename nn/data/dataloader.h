@@ -1,7 +1,7 @@
 // DataLoader: batches of a Dataset in sampler order, optionally assembled ahead of time by
 // background threads (torch.utils.data.DataLoader with thread workers).
 //
-//   auto train = std::make_shared<MNIST>();
+//   auto train = std::make_shared<FashionMNIST>();
 //   DataLoader loader(train, {.batch_size = 64, .shuffle = true, .seed = 0, .num_workers = 2});
 //   for (int64_t epoch = 0; epoch < 10; ++epoch) {
 //     loader.set_epoch(epoch);

@@ -12,8 +12,6 @@
 
 namespace ember::nn::data {
 
-namespace detail {
-
 namespace {
 
 bool ends_with(const std::string& s, const char* suffix) {
@@ -41,8 +39,8 @@ size_t gzip_size_hint(const std::string& path) {
   return std::min<size_t>(isize, size_t{1} << 30);
 }
 
-}  // namespace
-
+// The bytes of `path`, gunzipped when it ends in ".gz" (throws ValueError naming the file when
+// it cannot be opened, is not gzip, or its gzip stream is truncated or corrupt).
 std::string read_maybe_gzip(const std::string& path) {
   if (!ends_with(path, ".gz")) return read_plain(path);
   errno = 0;
@@ -77,10 +75,6 @@ std::string read_maybe_gzip(const std::string& path) {
               ": the gzip stream ends early (zlib error ", closed, ")");
   return out;
 }
-
-}  // namespace detail
-
-namespace {
 
 constexpr uint32_t kImagesMagic = 0x00000803;  // IDX: unsigned bytes, 3 dims
 constexpr uint32_t kLabelsMagic = 0x00000801;  // IDX: unsigned bytes, 1 dim
@@ -140,7 +134,7 @@ MNIST::MNIST(const std::string& root, bool train, std::optional<Normalization> n
   const std::string images_path = find_file(root, prefix + "-images-idx3-ubyte");
   const std::string labels_path = find_file(root, prefix + "-labels-idx1-ubyte");
 
-  const std::string images = detail::read_maybe_gzip(images_path);
+  const std::string images = read_maybe_gzip(images_path);
   if (images.size() >= 16 && be32(images, 0) == kImagesMagic) {
     const uint32_t rows = be32(images, 8);
     const uint32_t cols = be32(images, 12);
@@ -148,7 +142,7 @@ MNIST::MNIST(const std::string& root, bool train, std::optional<Normalization> n
                 "x", cols, ", expected 28x28");
   }
   const int64_t n = check_idx(images, images_path, kImagesMagic, 16, kSide * kSide, "images");
-  const std::string labels = detail::read_maybe_gzip(labels_path);
+  const std::string labels = read_maybe_gzip(labels_path);
   const int64_t n_labels = check_idx(labels, labels_path, kLabelsMagic, 8, 1, "labels");
   EMBER_CHECK(n == n_labels, "[MNIST] image/label count mismatch: ", images_path, " holds ", n,
               " images but ", labels_path, " holds ", n_labels, " labels");

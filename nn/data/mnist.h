@@ -19,8 +19,9 @@ struct Normalization {
   double std = 1.0;
 };
 
-/// The whole split in memory: data() is float32 [N, 1, 28, 28] (pixel / 255, bit-identical to
-/// ToTensor), targets() int64 [N]. get_batch gathers rows with index_select.
+/// A split of any data set in MNIST's IDX layout (MNIST, Fashion-MNIST, KMNIST, ...), whole in
+/// memory: data() is float32 [N, 1, 28, 28] (pixel / 255, bit-identical to ToTensor), targets()
+/// int64 [N]. get_batch gathers rows with index_select.
 class MNIST : public TensorDataset {
  public:
   /// Reads `root`/train-images-idx3-ubyte.gz and train-labels-idx1-ubyte.gz (t10k-* when
@@ -29,7 +30,7 @@ class MNIST : public TensorDataset {
   /// is truncated (gzip stream or payload), has trailing bytes, a bad magic number (images:
   /// 0x00000803, labels: 0x00000801), images that are not 28x28, or when the image and label
   /// counts differ; and for a normalisation std of 0.
-  explicit MNIST(const std::string& root = kFashionMnistRoot, bool train = true,
+  explicit MNIST(const std::string& root, bool train = true,
                  std::optional<Normalization> normalize = std::nullopt);
   bool train() const { return train_; }
 
@@ -37,10 +38,13 @@ class MNIST : public TensorDataset {
   bool train_;
 };
 
-namespace detail {
-/// The bytes of `path`, gunzipped when it ends in ".gz" (throws ValueError naming the file when
-/// it cannot be opened, is not gzip, or its gzip stream is truncated or corrupt).
-std::string read_maybe_gzip(const std::string& path);
-}  // namespace detail
+/// Fashion-MNIST (torchvision.datasets.FashionMNIST): MNIST's reader with this machine's copy of
+/// Fashion-MNIST as the default root. Throws as MNIST does.
+class FashionMNIST : public MNIST {
+ public:
+  explicit FashionMNIST(const std::string& root = kFashionMnistRoot, bool train = true,
+                        std::optional<Normalization> normalize = std::nullopt)
+      : MNIST(root, train, normalize) {}
+};
 
 }  // namespace ember::nn::data

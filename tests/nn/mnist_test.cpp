@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "nn/data/data.h"
@@ -18,6 +19,12 @@ namespace {
 
 using ember::test::expect_error;
 namespace fs = std::filesystem;
+
+// MNIST reads any IDX folder, so it names none by default; FashionMNIST defaults to this
+// machine's copy.
+static_assert(!std::is_default_constructible_v<MNIST>);
+static_assert(std::is_default_constructible_v<FashionMNIST>);
+static_assert(std::is_base_of_v<MNIST, FashionMNIST>);
 
 bool have_fashion_mnist() {
   return fs::exists(fs::path(kFashionMnistRoot) / "train-images-idx3-ubyte.gz");
@@ -36,7 +43,7 @@ int pixel(const Tensor& data, int64_t i, int64_t r, int64_t c) {
 TEST(MNIST, ReadsFashionMnistTrain) {
   if (!have_fashion_mnist()) GTEST_SKIP() << "no Fashion-MNIST under " << kFashionMnistRoot;
   const auto t0 = std::chrono::steady_clock::now();
-  MNIST ds;  // default root, train split
+  FashionMNIST ds;  // default root, train split
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("[ MNIST    ] loaded 60000 training images in %.3f s\n", seconds);
@@ -118,7 +125,7 @@ TEST(MNIST, Normalization) {
 
 TEST(MNIST, DataLoaderEpoch) {
   if (!have_fashion_mnist()) GTEST_SKIP() << "no Fashion-MNIST under " << kFashionMnistRoot;
-  auto ds = std::make_shared<MNIST>();
+  auto ds = std::make_shared<FashionMNIST>();
   DataLoader loader(ds, {.batch_size = 64, .shuffle = true, .seed = 1, .num_workers = 2});
   EXPECT_EQ(loader.size(), 938);
   const auto t0 = std::chrono::steady_clock::now();
