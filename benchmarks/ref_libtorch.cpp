@@ -10,14 +10,13 @@
 
 namespace F = torch::nn::functional;
 
-int main(int argc, char** argv) {
-  bench::Options o = bench::parse(argc, argv);
-  const char* nt = std::getenv("EMBER_NUM_THREADS");
-  torch::set_num_threads(nt ? std::atoi(nt) : 1);
-  torch::manual_seed(0);
-  torch::NoGradGuard no_grad_default;
-  const int64_t M16 = 16 << 20;
+namespace {
 
+constexpr int64_t M16 = 16 << 20;
+
+// ---- kernels (bench_tensor.cpp) ----
+
+void matmul_and_conv(const bench::Options& o) {
   for (int64_t n : {512, 1024, 2048}) {
     const std::string name = "matmul_" + std::to_string(n) + "_f32";
     if (!bench::selected(o, name)) continue;
@@ -59,6 +58,9 @@ int main(int argc, char** argv) {
       }, 0, 4.0 * x.numel() * 1.25);
     }
   }
+}
+
+void elementwise(const bench::Options& o) {
   {
     auto a = torch::rand({M16}), b = torch::rand({M16}), c = torch::empty({M16});
     if (bench::selected(o, "add_16M_f32_out"))
@@ -93,6 +95,9 @@ int main(int argc, char** argv) {
       }, 0, 8.0 * M16);
     }
   }
+}
+
+void reductions_and_indexing(const bench::Options& o) {
   {
     auto m = torch::rand({4096, 4096});
     if (bench::selected(o, "sum_dim0_4096x4096_f32"))
@@ -133,17 +138,22 @@ int main(int argc, char** argv) {
       bench::do_not_optimize(r.data_ptr());
     });
   }
-  {
-    auto a = torch::rand({1}), b = torch::rand({1});
-    if (bench::selected(o, "add_1_f32"))
-      bench::run(o, "add_1_f32", [&] {
-        auto r = a + b;
-        bench::do_not_optimize(r.data_ptr());
-      });
-    if (bench::selected(o, "add_1_f32_inplace"))
-      bench::run(o, "add_1_f32_inplace", [&] { a.add_(b); });
-  }
-  // ---- autograd overhead (bench_autograd.cpp) ----
+}
+
+void per_op_overhead(const bench::Options& o) {
+  auto a = torch::rand({1}), b = torch::rand({1});
+  if (bench::selected(o, "add_1_f32"))
+    bench::run(o, "add_1_f32", [&] {
+      auto r = a + b;
+      bench::do_not_optimize(r.data_ptr());
+    });
+  if (bench::selected(o, "add_1_f32_inplace"))
+    bench::run(o, "add_1_f32_inplace", [&] { a.add_(b); });
+}
+
+// ---- autograd overhead (bench_autograd.cpp) ----
+
+void autograd_overhead(const bench::Options& o) {
   if (bench::selected(o, "autograd_chain100_fwdbwd")) {
     torch::AutoGradMode grad(true);
     auto x = torch::randn({16}).requires_grad_(true), w = torch::randn({16}).requires_grad_(true);
@@ -187,9 +197,13 @@ int main(int argc, char** argv) {
       }
     }, flops);
   }
-  // ---- nn building blocks (bench_nn.cpp) ----
+}
+
+// ---- nn building blocks (bench_nn.cpp) ----
+
+void nn_blocks(const bench::Options& o) {
+  torch::AutoGradMode grad(true);
   {
-    torch::AutoGradMode grad(true);
     if (bench::selected(o, "cross_entropy_b256_c1000_fwdbwd")) {
       auto x = torch::randn({256, 1000}).requires_grad_(true);
       auto y = torch::randint(0, 1000, {256});
@@ -246,5 +260,21 @@ int main(int argc, char** argv) {
       bench::run(o, "adam_step_1M", [&] { opt.step(); }, 0, 16.0 * 65536 * 4 * 7);
     }
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bench::Options o = bench::parse(argc, argv);
+  const char* nt = std::getenv("EMBER_NUM_THREADS");
+  torch::set_num_threads(nt ? std::atoi(nt) : 1);
+  torch::manual_seed(0);
+  torch::NoGradGuard no_grad_default;
+  matmul_and_conv(o);
+  elementwise(o);
+  reductions_and_indexing(o);
+  per_op_overhead(o);
+  autograd_overhead(o);
+  nn_blocks(o);
   return 0;
 }

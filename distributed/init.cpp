@@ -235,6 +235,14 @@ std::shared_ptr<Store> rendezvous_tcp_store(const std::string& host, int port, i
   return std::make_shared<TCPStore>(host, static_cast<uint16_t>(port), so);
 }
 
+// The variables that carry the rank and the world size, in the order they are looked for:
+// emberrun/torchrun, Open MPI, MPICH/Intel MPI (PMI), Slurm.
+constexpr std::pair<const char*, const char*> kRankFamilies[] = {
+    {"RANK", "WORLD_SIZE"},
+    {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
+    {"PMI_RANK", "PMI_SIZE"},
+    {"SLURM_PROCID", "SLURM_NTASKS"}};
+
 }  // namespace
 
 // ---- env:// -------------------------------------------------------------------------------------
@@ -265,13 +273,8 @@ std::string first_slurm_host(const std::string& nodelist) {
 EnvRendezvous parse_env_rendezvous(const std::map<std::string, std::string>& env, int rank,
                                    int world_size) {
   const std::string found = echo(env);
-  static const std::pair<const char*, const char*> kFamilies[] = {
-      {"RANK", "WORLD_SIZE"},
-      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
-      {"PMI_RANK", "PMI_SIZE"},
-      {"SLURM_PROCID", "SLURM_NTASKS"}};
   EnvRendezvous r;
-  for (const auto& [rname, sname] : kFamilies) {
+  for (const auto& [rname, sname] : kRankFamilies) {
     const bool has_r = env.count(rname) > 0, has_s = env.count(sname) > 0;
     if (!has_r && !has_s) continue;
     EMBER_CHECK(has_r && has_s, "[init_process_group] env:// found ", has_r ? rname : sname,
@@ -318,6 +321,27 @@ EnvRendezvous parse_env_rendezvous(const std::map<std::string, std::string>& env
   r.master_port = parse_int("MASTER_PORT", port->second, 1, 65535, found);
   return r;
 }
+
+bool launched_as_rank(const std::map<std::string, std::string>& env) {
+  for (const auto& family : kRankFamilies) {
+    if (env.count(family.first) > 0) return true;
+  }
+  return false;
+}
+
+bool launched_as_rank() { return launched_as_rank(environment()); }
+
+std::optional<int> local_rank(const std::map<std::string, std::string>& env) {
+  for (const char* name :
+       {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
+    if (auto it = env.find(name); it != env.end()) {
+      return parse_int(name, it->second, 0, 1 << 30, "the local rank");
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<int> local_rank() { return local_rank(environment()); }
 
 // ---- the default group
 // ---------------------------------------------------------------------------

@@ -116,6 +116,21 @@ struct EnvRendezvous {
 EnvRendezvous parse_env_rendezvous(const std::map<std::string, std::string>& env, int rank = -1,
                                    int world_size = -1);
 
+/// Whether a launcher started this process as one rank of a job: one of the rank variables
+/// parse_env_rendezvous reads (RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID) is set in
+/// `env`. A program run on its own can then make itself a world of one.
+bool launched_as_rank(const std::map<std::string, std::string>& env);
+/// The same, of this process's environment.
+bool launched_as_rank();
+
+/// This process's rank among the ranks of its node: LOCAL_RANK (emberrun, torchrun), else
+/// OMPI_COMM_WORLD_LOCAL_RANK (Open MPI), MPI_LOCALRANKID (MPICH, Intel MPI), SLURM_LOCALID
+/// (srun); nullopt when none is set. Throws ValueError naming the variable when its value is
+/// not a non-negative integer.
+std::optional<int> local_rank(const std::map<std::string, std::string>& env);
+/// The same, of this process's environment.
+std::optional<int> local_rank();
+
 /// The first host of a Slurm node list: "node[03-05,9],gpu1" -> "node03".
 std::string first_slurm_host(const std::string& nodelist);
 

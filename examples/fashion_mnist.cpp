@@ -96,11 +96,9 @@ std::shared_ptr<nn::Module> make_model(const std::string& name) {
 // init_process_group from the launcher's (or mpirun's, or Slurm's) variables; a plain run
 // without any of them is a world of one.
 std::shared_ptr<dist::ProcessGroup> init_distributed(const std::string& backend) {
-  const bool launched = std::getenv("RANK") || std::getenv("OMPI_COMM_WORLD_RANK") ||
-                        std::getenv("PMI_RANK") || std::getenv("SLURM_PROCID");
   dist::InitOptions o;
   o.backend = backend;
-  if (!launched && backend != "mpi") {
+  if (!dist::launched_as_rank() && backend != "mpi") {
     o.store = std::make_shared<dist::HashStore>();
     o.rank = 0;
     o.world_size = 1;
@@ -320,7 +318,7 @@ Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& op
 }
 
 // The device this rank trains on. With cuda: one GPU per rank, the group's own with nccl, else
-// LOCAL_RANK's (modulo the GPUs there are, so ranks may share one), as a torch script's
+// the local rank's (modulo the GPUs there are, so ranks may share one), as a torch script's
 // torch.cuda.set_device(local_rank).
 ember::Device pick_device(const std::string& name, const dist::ProcessGroup& pg) {
   ember::Device device(name);
@@ -330,8 +328,7 @@ ember::Device pick_device(const std::string& name, const dist::ProcessGroup& pg)
   if (pg.default_device().is_cuda()) {
     device = pg.default_device();
   } else {
-    const char* local = std::getenv("LOCAL_RANK");
-    device = ember::cuda_device((local ? std::atoi(local) : 0) % ember::cuda::device_count());
+    device = ember::cuda_device(dist::local_rank().value_or(0) % ember::cuda::device_count());
   }
   ember::cuda::set_device(device.index);
   return device;

@@ -73,6 +73,29 @@ TEST(ParseEnv, OpenMpiPmiAndSlurmFallbacks) {
   EXPECT_EQ(r.source, "arguments");
 }
 
+TEST(ParseEnv, LaunchedAsRankByAnyLauncher) {
+  EXPECT_FALSE(launched_as_rank(Env{}));
+  EXPECT_FALSE(launched_as_rank(Env{{"MASTER_ADDR", "a"}, {"LOCAL_RANK", "0"}}));
+  for (const char* name : {"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}) {
+    EXPECT_TRUE(launched_as_rank(Env{{name, "0"}})) << name;
+  }
+}
+
+TEST(ParseEnv, LocalRankFromEachLauncherInOrder) {
+  EXPECT_EQ(local_rank(Env{{"RANK", "3"}}), std::nullopt);
+  EXPECT_EQ(local_rank(Env{{"LOCAL_RANK", "2"}}), 2);
+  EXPECT_EQ(local_rank(Env{{"OMPI_COMM_WORLD_LOCAL_RANK", "5"}}), 5);
+  EXPECT_EQ(local_rank(Env{{"MPI_LOCALRANKID", "1"}}), 1);
+  EXPECT_EQ(local_rank(Env{{"SLURM_LOCALID", "7"}}), 7);
+  // emberrun/torchrun's variable wins over the scheduler's (torchrun inside an allocation).
+  EXPECT_EQ(local_rank(Env{{"SLURM_LOCALID", "7"}, {"LOCAL_RANK", "0"}}), 0);
+  EXPECT_EQ(local_rank(Env{{"SLURM_LOCALID", "3"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}}), 1);
+  expect_error([] { local_rank(Env{{"LOCAL_RANK", "x"}}); },
+               {"LOCAL_RANK='x' is not an integer"});
+  expect_error([] { local_rank(Env{{"SLURM_LOCALID", "-1"}}); },
+               {"SLURM_LOCALID=-1 is out of range"});
+}
+
 TEST(ParseEnv, FirstSlurmHost) {
   EXPECT_EQ(first_slurm_host("node1"), "node1");
   EXPECT_EQ(first_slurm_host("host1,host2"), "host1");
