@@ -9,15 +9,10 @@
 #include <cstdint>
 #include <optional>
 
+#include "tensor/detail/unary_ops.h"
 #include "tensor/tensor.h"
 
 namespace ember::detail {
-
-enum class UnaryOp : uint8_t {
-  Neg, Abs, Sign, Exp, Log, Log1p, Sqrt, Rsqrt, Reciprocal, Square, Sin, Cos, Tanh, Sigmoid,
-  Relu, GeluErf, GeluTanh, Silu,
-  LogicalNot,  ///< any input dtype, bool output
-};
 
 enum class BinaryOp : uint8_t {
   Add,  ///< a + alpha * b

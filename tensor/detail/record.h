@@ -18,6 +18,7 @@
 #include <initializer_list>
 #include <utility>
 
+#include "tensor/detail/unary_ops.h"
 #include "tensor/grad_mode.h"
 #include "tensor/tensor.h"
 
@@ -27,9 +28,11 @@ namespace ember {
 /// records (in order) and which OpAttrs fields it sets. Inputs that are not tensors of a
 /// floating dtype never receive gradients; outputs of integral dtype are never recorded.
 enum class OpId : uint16_t {
-  // ---- element-wise unary: inputs {x} ----
-  Neg, Abs, Sign, Exp, Log, Log1p, Sqrt, Rsqrt, Reciprocal, Square, Sin, Cos, Tanh, Sigmoid,
-  Relu, Silu,
+  // ---- element-wise unary: inputs {x}; the table in tensor/detail/unary_ops.h, first so
+  // that OpId::X and detail::UnaryOp::X share their value ----
+#define EMBER_OPID_ENUM_(Op, ...) Op,
+  EMBER_UNARY_OPS(EMBER_OPID_ENUM_)
+#undef EMBER_OPID_ENUM_
   Gelu,          ///< flag = approximate "tanh"
   PowScalar,     ///< x ** scalar (scalar = exponent)
   RPowScalar,    ///< scalar ** x (scalar = base)
@@ -84,6 +87,20 @@ enum class OpId : uint16_t {
   CopyInto,      ///< self.copy_(src): inputs {src}, outputs {self}
   kCount
 };
+
+namespace detail {
+/// The op a unary kernel computes; kCount for the kernel-only entries that are no op of the
+/// table (gelu's two forms share OpId::Gelu and are mapped by its front end).
+constexpr OpId opid_of(UnaryOp op) {
+  return static_cast<int>(op) < kNumUnaryOps ? static_cast<OpId>(op) : OpId::kCount;
+}
+#define EMBER_OPID_CHECK_(Op, ...)                                                   \
+  static_assert(static_cast<int>(OpId::Op) == static_cast<int>(UnaryOp::Op) &&      \
+                    opid_of(UnaryOp::Op) == OpId::Op,                                \
+                "OpId and UnaryOp must list the unary table in the same order");
+EMBER_UNARY_OPS(EMBER_OPID_CHECK_)
+#undef EMBER_OPID_CHECK_
+}  // namespace detail
 
 /// Non-tensor arguments of a recorded op; which fields mean what is listed on each OpId.
 /// Only read while `record` runs (params points at the caller's struct).
