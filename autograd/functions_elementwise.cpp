@@ -67,7 +67,7 @@ struct GeluBackward final : Node {
 
 void record_gelu(const RecordArgs& r) {
   auto n = new_node<GeluBackward>(r);
-  n->tanh_approx = r.attrs.flag;
+  n->tanh_approx = r.attrs<OpId::Gelu>().tanh_approx;
   n->self = SavedTensor(r.in(0), false);
   commit(n, r);
 }
@@ -89,7 +89,7 @@ struct PowScalarBackward final : Node {
 
 void record_pow_scalar(const RecordArgs& r) {
   auto n = new_node<PowScalarBackward>(r);
-  n->exponent = r.attrs.scalar;
+  n->exponent = r.attrs<OpId::PowScalar>().scalar;
   if (n->exponent.to_double() != 0.0) n->self = SavedTensor(r.in(0), false);
   commit(n, r);
 }
@@ -114,7 +114,7 @@ struct RPowScalarBackward final : Node {
 
 void record_rpow_scalar(const RecordArgs& r) {
   auto n = new_node<RPowScalarBackward>(r);
-  n->base = r.attrs.scalar;
+  n->base = r.attrs<OpId::RPowScalar>().scalar;
   n->result = SavedTensor(r.out(0), true);
   if (n->base.to_double() == 0.0) n->self = SavedTensor(r.in(0), false);
   commit(n, r);
@@ -137,8 +137,8 @@ struct ClampBackward final : Node {
 
 void record_clamp(const RecordArgs& r) {
   auto n = new_node<ClampBackward>(r);
-  if (r.attrs.has_lo) n->lo = r.attrs.opt_lo;
-  if (r.attrs.has_hi) n->hi = r.attrs.opt_hi;
+  n->lo = r.attrs<OpId::Clamp>().lo;
+  n->hi = r.attrs<OpId::Clamp>().hi;
   n->self = SavedTensor(r.in(0), false);
   commit(n, r);
 }
@@ -160,7 +160,8 @@ struct AddBackward final : Node {
 
 void record_add(const RecordArgs& r) {
   auto n = new_node<AddBackward>(r);
-  n->alpha = r.op == OpId::Sub ? negated(r.attrs.scalar) : r.attrs.scalar;
+  const Scalar& alpha = r.attrs<OpId::Add>().scalar;  // Add and Sub
+  n->alpha = r.op == OpId::Sub ? negated(alpha) : alpha;
   commit(n, r);
 }
 
@@ -288,7 +289,7 @@ struct MulScalarBackward final : Node {
 
 void record_mul_scalar(const RecordArgs& r) {
   auto n = new_node<MulScalarBackward>(r);
-  n->s = r.attrs.scalar;
+  n->s = r.attrs<OpId::MulScalar>().scalar;
   commit(n, r);
 }
 
@@ -300,7 +301,7 @@ struct DivScalarBackward final : Node {
 
 void record_div_scalar(const RecordArgs& r) {
   auto n = new_node<DivScalarBackward>(r);
-  n->s = r.attrs.scalar;
+  n->s = r.attrs<OpId::DivScalar>().scalar;
   commit(n, r);
 }
 
@@ -323,7 +324,7 @@ struct RDivScalarBackward final : Node {
 
 void record_rdiv_scalar(const RecordArgs& r) {
   auto n = new_node<RDivScalarBackward>(r);
-  n->s = r.attrs.scalar;
+  n->s = r.attrs<OpId::RDivScalar>().scalar;
   n->self = SavedTensor(r.in(0), false);
   commit(n, r);
 }

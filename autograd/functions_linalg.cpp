@@ -109,8 +109,8 @@ struct AddmmBackward final : Node {
 
 void record_addmm(const RecordArgs& r) {
   auto n = new_node<AddmmBackward>(r);
-  n->alpha = r.attrs.scalar;
-  n->beta = r.attrs.scalar2;
+  n->alpha = r.attrs<OpId::Addmm>().alpha;
+  n->beta = r.attrs<OpId::Addmm>().beta;
   if (n->needs_input_grad(1)) n->b = SavedTensor(r.in(2), false);
   if (n->needs_input_grad(2)) n->a = SavedTensor(r.in(1), false);
   n->a_column_major = column_major(r.in(1));
@@ -175,7 +175,7 @@ struct ConvolutionBackward final : Node {
 
 void record_conv2d(const RecordArgs& r) {
   auto n = new_node<ConvolutionBackward>(r);
-  n->params = r.params<Conv2dParams>();
+  n->params = r.attrs<OpId::Conv2d>();
   n->input_shape = r.in(0).shape();
   n->weight_shape = r.in(1).shape();
   if (n->needs_input_grad(0)) n->weight = SavedTensor(r.in(1), false);
@@ -199,7 +199,7 @@ struct MaxPool2DWithIndicesBackward final : Node {
 
 void record_max_pool2d(const RecordArgs& r) {
   auto n = new_node<MaxPool2DWithIndicesBackward>(r);
-  n->params = r.params<Pool2dParams>();
+  n->params = r.attrs<OpId::MaxPool2d>();
   n->input_shape = r.in(0).shape();
   n->indices = SavedTensor(r.out(1), false);
   commit(n, r);
@@ -217,7 +217,7 @@ struct AvgPool2DBackward final : Node {
 
 void record_avg_pool2d(const RecordArgs& r) {
   auto n = new_node<AvgPool2DBackward>(r);
-  n->params = r.params<Pool2dParams>();
+  n->params = r.attrs<OpId::AvgPool2d>();
   n->input_shape = r.in(0).shape();
   commit(n, r);
 }

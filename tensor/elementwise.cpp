@@ -254,9 +254,8 @@ Tensor binary(const char* name, BinaryOp op, const Tensor& a, const Tensor& b,
   Tensor out = make_empty(out_shape(name, a, b), output_dtype(op, compute), dev);
   run_binary(op, out, ca, cb, alpha);
   if (detail::should_record(a, b) && binary_opid(op) != OpId::kCount) {
-    OpAttrs attrs;
-    attrs.scalar = alpha;
-    detail::record(binary_opid(op), {&a, &b}, {&out}, attrs);
+    detail::record(binary_opid(op), {&a, &b}, {&out},
+                   takes_alpha(op) ? OpAttrs(ScalarAttrs{alpha}) : OpAttrs(NoAttrs{}));
   }
   return out;
 }
@@ -329,9 +328,7 @@ Tensor binary_scalar(const char* name, BinaryOp op, const Tensor& a, const Scala
   Tensor out = make_empty(a.shape(), output_dtype(op, compute), a.device());
   run_scalar(op, out, ca, s, reverse);
   if (detail::should_record(a) && scalar_opid(op, reverse) != OpId::kCount) {
-    OpAttrs attrs;
-    attrs.scalar = s;
-    detail::record(scalar_opid(op, reverse), {&a}, {&out}, attrs);
+    detail::record(scalar_opid(op, reverse), {&a}, {&out}, ScalarAttrs{s});
   }
   return out;
 }
@@ -453,9 +450,7 @@ Tensor gelu(const Tensor& t, const char* approximate) {
               "'");
   Tensor out = unary_kernel("gelu", a == "none" ? UnaryOp::GeluErf : UnaryOp::GeluTanh, t);
   if (detail::should_record(t)) {
-    OpAttrs attrs;
-    attrs.flag = a == "tanh";
-    detail::record(OpId::Gelu, {&t}, {&out}, attrs);
+    detail::record<OpId::Gelu>({&t}, {&out}, {.tanh_approx = a == "tanh"});
   }
   return out;
 }
@@ -637,12 +632,7 @@ Tensor clamp(const Tensor& t, std::optional<Scalar> min, std::optional<Scalar> m
   Tensor out = make_empty(t.shape(), dt, t.device());
   run_clamp(out, ct, min, max);
   if (detail::should_record(t)) {
-    OpAttrs attrs;
-    attrs.has_lo = min.has_value();
-    attrs.has_hi = max.has_value();
-    if (min) attrs.opt_lo = *min;
-    if (max) attrs.opt_hi = *max;
-    detail::record(OpId::Clamp, {&t}, {&out}, attrs);
+    detail::record<OpId::Clamp>({&t}, {&out}, {min, max});
   }
   return out;
 }
