@@ -206,31 +206,6 @@ inline void run_where(const Tensor& out, const Tensor& c, const Tensor& a, const
 
 // ---- autograd ---------------------------------------------------------------------------------
 
-/// The OpId recorded for a differentiable op (kCount for ops with bool results).
-constexpr OpId binary_opid(BinaryOp op) {
-  switch (op) {
-    case BinaryOp::Add: return OpId::Add;
-    case BinaryOp::Sub: return OpId::Sub;
-    case BinaryOp::Mul: return OpId::Mul;
-    case BinaryOp::Div: return OpId::Div;
-    case BinaryOp::Pow: return OpId::Pow;
-    case BinaryOp::Maximum: return OpId::Maximum;
-    case BinaryOp::Minimum: return OpId::Minimum;
-    default: return OpId::kCount;
-  }
-}
-
-constexpr OpId scalar_opid(BinaryOp op, bool reverse) {
-  switch (op) {
-    case BinaryOp::Add: return OpId::AddScalar;
-    case BinaryOp::Sub: return reverse ? OpId::RSubScalar : OpId::AddScalar;
-    case BinaryOp::Mul: return OpId::MulScalar;
-    case BinaryOp::Div: return reverse ? OpId::RDivScalar : OpId::DivScalar;
-    case BinaryOp::Pow: return reverse ? OpId::RPowScalar : OpId::PowScalar;
-    default: return OpId::kCount;
-  }
-}
-
 /// PyTorch refuses out= variants on inputs that require grad; so does Ember.
 void check_out_not_recorded(const char* name, const Tensor& a, const Tensor& b) {
   EMBER_CHECK(!detail::should_record(a, b), "[", name, "] out= variants don't support automatic "
@@ -253,8 +228,8 @@ Tensor binary(const char* name, BinaryOp op, const Tensor& a, const Tensor& b,
   const Tensor& cb = prep(b, compute, dev, hb);
   Tensor out = make_empty(out_shape(name, a, b), output_dtype(op, compute), dev);
   run_binary(op, out, ca, cb, alpha);
-  if (detail::should_record(a, b) && binary_opid(op) != OpId::kCount) {
-    detail::record(binary_opid(op), {&a, &b}, {&out},
+  if (detail::should_record(a, b) && detail::opid_of(op) != OpId::kCount) {
+    detail::record(detail::opid_of(op), {&a, &b}, {&out},
                    takes_alpha(op) ? OpAttrs(ScalarAttrs{alpha}) : OpAttrs(NoAttrs{}));
   }
   return out;
@@ -327,8 +302,8 @@ Tensor binary_scalar(const char* name, BinaryOp op, const Tensor& a, const Scala
   const Tensor& ca = prep(a, compute, a.device(), ha);
   Tensor out = make_empty(a.shape(), output_dtype(op, compute), a.device());
   run_scalar(op, out, ca, s, reverse);
-  if (detail::should_record(a) && scalar_opid(op, reverse) != OpId::kCount) {
-    detail::record(scalar_opid(op, reverse), {&a}, {&out}, ScalarAttrs{s});
+  if (detail::should_record(a) && detail::scalar_opid_of(op, reverse) != OpId::kCount) {
+    detail::record(detail::scalar_opid_of(op, reverse), {&a}, {&out}, ScalarAttrs{s});
   }
   return out;
 }

@@ -22,7 +22,7 @@
 #include <variant>
 
 #include "tensor/conv.h"
-#include "tensor/detail/unary_ops.h"
+#include "tensor/detail/elementwise_kernels.h"
 #include "tensor/grad_mode.h"
 #include "tensor/tensor.h"
 
@@ -42,10 +42,11 @@ enum class OpId : uint16_t {
   PowScalar,     ///< x ** scalar; ScalarAttrs (the exponent)
   RPowScalar,    ///< scalar ** x; ScalarAttrs (the base)
   Clamp,         ///< ClampAttrs
-  // ---- element-wise binary: inputs {a, b}, broadcast; the engine sums grads back ----
-  Add,           ///< a + alpha * b; ScalarAttrs (alpha)
-  Sub,           ///< a - alpha * b; ScalarAttrs (alpha)
-  Mul, Div, Pow, Maximum, Minimum,
+  // ---- element-wise binary: inputs {a, b}, broadcast; the engine sums grads back. The table
+  // in tensor/detail/elementwise_kernels.h; Add and Sub: ScalarAttrs (alpha) ----
+#define EMBER_OPID_ENUM_(Op, ...) Op,
+  EMBER_BINARY_OPS(EMBER_OPID_ENUM_)
+#undef EMBER_OPID_ENUM_
   // ---- tensor op scalar: inputs {x}; ScalarAttrs ----
   AddScalar,     ///< x + s (also x - s): gradient passes through
   MulScalar,     ///< x * scalar
@@ -106,6 +107,31 @@ constexpr OpId opid_of(UnaryOp op) {
                 "OpId and UnaryOp must list the unary table in the same order");
 EMBER_UNARY_OPS(EMBER_OPID_CHECK_)
 #undef EMBER_OPID_CHECK_
+
+/// The op a binary kernel computes (kCount for kernels that are no recorded op), and the op
+/// its tensor-scalar form records (x op s, or s op x when reverse).
+constexpr OpId opid_of(BinaryOp op) {
+  switch (op) {
+#define EMBER_BINARY_OPID_(Op, ...) \
+  case BinaryOp::Op:                \
+    return OpId::Op;
+    EMBER_BINARY_OPS(EMBER_BINARY_OPID_)
+#undef EMBER_BINARY_OPID_
+    default:
+      return OpId::kCount;
+  }
+}
+constexpr OpId scalar_opid_of(BinaryOp op, bool reverse) {
+  switch (op) {
+#define EMBER_BINARY_SCALAR_OPID_(Op, ScalarOp, RScalarOp) \
+  case BinaryOp::Op:                                       \
+    return reverse ? OpId::RScalarOp : OpId::ScalarOp;
+    EMBER_BINARY_OPS(EMBER_BINARY_SCALAR_OPID_)
+#undef EMBER_BINARY_SCALAR_OPID_
+    default:
+      return OpId::kCount;
+  }
+}
 }  // namespace detail
 
 // ---- typed attributes ---------------------------------------------------------------------------
