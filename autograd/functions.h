@@ -56,6 +56,7 @@ inline NodeFactory& slot(FactoryTable& t, OpId op) { return t[static_cast<size_t
 void register_elementwise(FactoryTable& t);
 void register_reduce(FactoryTable& t);
 void register_linalg(FactoryTable& t);
+void register_conv(FactoryTable& t);
 void register_indexing(FactoryTable& t);
 void register_views(FactoryTable& t);
 
