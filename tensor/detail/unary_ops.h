@@ -53,7 +53,8 @@ enum class Saves : uint8_t { Nothing, Input, Output };
   X(Tanh, tanh, Real, Output, Plain)               \
   X(Sigmoid, sigmoid, Real, Output, Plain)         \
   X(Relu, relu, Numeric, Output, Plain)            \
-  X(Silu, silu, Real, Input, Plain)
+  X(Silu, silu, Real, Input, Plain)                \
+  X(Erf, erf, Real, Input, Plain)
 
 // Kernels that are not an op of the table above: the two forms of gelu (one op, OpId::Gelu,
 // whose attribute picks the kernel) and logical_not (bool result, not differentiable).
@@ -199,6 +200,16 @@ struct Silu {
   static Tensor vjp(const Tensor& g, const Tensor& x) {
     const Tensor s = sigmoid(x);
     return mul(g, mul(s, add(mul(x, rsub(s, 1)), 1)));
+  }
+};
+
+/// The error function, 2/sqrt(pi) times the integral of e^(-t^2) from 0 to x.
+struct Erf {
+  template <typename A> EMBER_HD A operator()(A a) const { return m_erf(a); }
+  // 2/sqrt(pi) e^(-x^2)
+  static Tensor vjp(const Tensor& g, const Tensor& x) {
+    constexpr double k2OverSqrtPi = 1.12837916709551257390;
+    return mul(g, mul(exp(neg(square(x))), k2OverSqrtPi));
   }
 };
 
