@@ -221,18 +221,12 @@ struct GeluErf {
     constexpr A kSqrt1_2 = A(0.70710678118654752440);
     return A(0.5) * a * (A(1) + m_erf(a * kSqrt1_2));
   }
-  /// d/dx x Phi(x) = Phi(x) + x phi(x), with the normal CDF Phi and density phi.
-  ///
-  /// There is no erf op, so Phi comes from the forward kernel: Phi(x) = gelu(x) / x. That is
-  /// accurate (a few ulp) wherever x is a normal number, but 0/0 at x = 0 and inexact for
-  /// subnormal x; for |x| < 1e-6 we use Phi(x) = 1/2 + x phi(0) instead, whose error (x^3 / 15)
-  /// is below double rounding there. The division uses x with those entries replaced by 1, so
-  /// under create_graph no 0/0 reaches the second derivative either.
+  /// d/dx x Phi(x) = Phi(x) + x phi(x), with the normal CDF Phi(x) = (1 + erf(x / sqrt 2)) / 2
+  /// and density phi (PyTorch's GeluBackward).
   static Tensor vjp(const Tensor& g, const Tensor& x) {
+    constexpr double kSqrt1_2 = 0.70710678118654752440;
     constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1 / sqrt(2 pi)
-    const Tensor small = lt(abs(x), 1e-6);
-    const Tensor cdf = where(small, add(mul(x, kInvSqrt2Pi), 0.5),
-                             div(gelu(x, "none"), masked_fill(x, small, 1)));
+    const Tensor cdf = mul(add(erf(mul(x, kSqrt1_2)), 1), 0.5);
     const Tensor pdf = mul(exp(mul(square(x), -0.5)), kInvSqrt2Pi);
     return mul(g, add(cdf, mul(x, pdf)));
   }
