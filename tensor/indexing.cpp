@@ -148,8 +148,9 @@ Tensor scatter_into_copy(OpId op, const Tensor& s, const ScatterArgs& args, cons
                          const Tensor& src, int64_t dim, const Scalar& alpha) {
   run_scatter(args);
   Tensor out = s;
-  detail::record(op, {&s, &index, &src}, {&out},
-                 op == OpId::IndexAdd ? OpAttrs(IndexAddAttrs{dim, alpha}) : OpAttrs(DimAttrs{dim}));
+  const OpAttrs attrs =
+      op == OpId::IndexAdd ? OpAttrs(IndexAddAttrs{dim, alpha}) : OpAttrs(DimAttrs{dim});
+  detail::record(op, {&s, &index, &src}, {&out}, attrs);
   return out;
 }
 

@@ -293,8 +293,9 @@ Tensor Tensor::slice(int64_t d, std::optional<int64_t> start, std::optional<int6
   Shape sizes = impl_->sizes, strides = impl_->strides;
   sizes[d] = (e - s + step - 1) / step;
   strides[d] *= step;
-  return recorded<OpId::Slice>(*this, make_view(*this, sizes, strides, impl_->offset + s * stride(d)),
-                               {.dim = d, .start = s, .end = e, .step = step});
+  return recorded<OpId::Slice>(
+      *this, make_view(*this, sizes, strides, impl_->offset + s * stride(d)),
+      {.dim = d, .start = s, .end = e, .step = step});
 }
 
 Tensor Tensor::select(int64_t d, int64_t index) const {
