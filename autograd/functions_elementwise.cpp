@@ -1,4 +1,5 @@
-// Backward rules of the element-wise ops (tensor/elementwise.h).
+// Backward nodes of the element-wise ops (tensor/elementwise.h). The unary ops' rules sit beside
+// their forward functors in tensor/detail/unary_ops.h; the rest are here.
 //
 // The formulas and subgradient choices follow PyTorch's tools/autograd/derivatives.yaml, and
 // so does the choice of what to save (input or output): it decides which later in-place
