@@ -11,6 +11,9 @@
 //     commit(n, r);                               // outputs now point at n
 //   }
 //
+// Attributes are typed per op (OpAttrsOf, tensor/detail/record.h): read them as
+// r.attrs<OpId::X>().
+//
 // Save inputs before commit() (an in-place op's output is also its input). Backward rules are
 // written with tensor ops only, so they run on every device; they run with grad mode off
 // unless create_graph, and then they are recorded like any forward op.
@@ -30,11 +33,18 @@ struct RecordArgs {
   size_t n_inputs;
   Tensor* const* outputs;
   size_t n_outputs;
-  const OpAttrs& attrs;
+  const OpAttrs& attrs_variant;
 
   const Tensor& in(size_t i) const { return *inputs[i]; }
   Tensor& out(size_t i) const { return *outputs[i]; }
-  template <typename P> const P& params() const { return *static_cast<const P*>(attrs.params); }
+  /// The recorded op's attributes, typed as OpAttrsOf<Op>. A factory shared by several ops
+  /// may name any op whose attributes have the same type as the recorded one's.
+  template <OpId Op>
+  const OpAttrsOf<Op>& attrs() const {
+    EMBER_INTERNAL_ASSERT(detail::attrs_index(op) == detail::attrs_index(Op), "op #",
+                          static_cast<int>(op), " read as op #", static_cast<int>(Op));
+    return std::get<OpAttrsOf<Op>>(attrs_variant);
+  }
 };
 
 using NodeFactory = void (*)(const RecordArgs&);
@@ -46,6 +56,7 @@ inline NodeFactory& slot(FactoryTable& t, OpId op) { return t[static_cast<size_t
 void register_elementwise(FactoryTable& t);
 void register_reduce(FactoryTable& t);
 void register_linalg(FactoryTable& t);
+void register_conv(FactoryTable& t);
 void register_indexing(FactoryTable& t);
 void register_views(FactoryTable& t);
 

@@ -1,4 +1,5 @@
-// Backward rules of the element-wise ops (tensor/elementwise.h).
+// Backward nodes of the element-wise ops (tensor/elementwise.h). The unary ops' rules sit beside
+// their forward functors in tensor/detail/unary_ops.h; the rest are here.
 //
 // The formulas and subgradient choices follow PyTorch's tools/autograd/derivatives.yaml, and
 // so does the choice of what to save (input or output): it decides which later in-place
@@ -12,159 +13,62 @@
 namespace ember::autograd {
 namespace {
 
-constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1 / sqrt(2 pi)
-
 Scalar negated(const Scalar& s) {
   return s.is_floating() ? Scalar(-s.to_double()) : Scalar(-s.to_int());
 }
 
 // ---- unary ------------------------------------------------------------------------------------
+// The ops of the unary table (tensor/detail/unary_ops.h): one node type, told by a spec which
+// tensor to save and which functor's vjp to run.
 
-/// The gradient of a unary op from the incoming gradient and one saved tensor (the op's input
-/// or output, see UnarySpec; undefined when the rule needs neither).
-using UnaryRule = Tensor (*)(const Tensor& g, const Tensor& saved);
-
-enum class Saves : uint8_t { Nothing, Input, Output };
+using detail::Saves;
 
 struct UnarySpec {
   const char* name;
   Saves saves;
-  UnaryRule rule;
+  /// The gradient from the incoming one and the saved tensor (undefined for Saves::Nothing).
+  Tensor (*vjp)(const Tensor& g, const Tensor& saved);
 };
 
-// g: the output's shape (= the input's shape); `x` is the saved input, `y` the saved output.
-const UnarySpec kNeg{"NegBackward", Saves::Nothing,
-                     [](const Tensor& g, const Tensor&) { return neg(g); }};
-const UnarySpec kAbs{"AbsBackward", Saves::Input,  // abs'(0) = sign(0) = 0
-                     [](const Tensor& g, const Tensor& x) { return mul(g, sign(x)); }};
-const UnarySpec kSign{"SignBackward", Saves::Nothing,
-                      [](const Tensor& g, const Tensor&) { return zeros_like(g); }};
-const UnarySpec kExp{"ExpBackward", Saves::Output,
-                     [](const Tensor& g, const Tensor& y) { return mul(g, y); }};
-const UnarySpec kLog{"LogBackward", Saves::Input,
-                     [](const Tensor& g, const Tensor& x) { return div(g, x); }};
-const UnarySpec kLog1p{"Log1pBackward", Saves::Input,
-                       [](const Tensor& g, const Tensor& x) { return div(g, add(x, 1)); }};
-const UnarySpec kSqrt{"SqrtBackward", Saves::Output,
-                      [](const Tensor& g, const Tensor& y) { return div(g, mul(y, 2)); }};
-const UnarySpec kRsqrt{"RsqrtBackward", Saves::Output,  // -1/2 x^-3/2 = -y^3 / 2
-                       [](const Tensor& g, const Tensor& y) {
-                         return mul(g, mul(pow(y, 3), -0.5));
-                       }};
-const UnarySpec kReciprocal{"ReciprocalBackward", Saves::Output,  // -1/x^2 = -y^2
-                            [](const Tensor& g, const Tensor& y) {
-                              return mul(neg(g), square(y));
-                            }};
-const UnarySpec kSquare{"SquareBackward", Saves::Input,
-                        [](const Tensor& g, const Tensor& x) { return mul(g, mul(x, 2)); }};
-const UnarySpec kSin{"SinBackward", Saves::Input,
-                     [](const Tensor& g, const Tensor& x) { return mul(g, cos(x)); }};
-const UnarySpec kCos{"CosBackward", Saves::Input,
-                     [](const Tensor& g, const Tensor& x) { return neg(mul(g, sin(x))); }};
-const UnarySpec kTanh{"TanhBackward", Saves::Output,  // 1 - y^2
-                      [](const Tensor& g, const Tensor& y) {
-                        return mul(g, rsub(mul(y, y), 1));
-                      }};
-const UnarySpec kSigmoid{"SigmoidBackward", Saves::Output,  // y (1 - y)
-                         [](const Tensor& g, const Tensor& y) {
-                           return mul(g, mul(y, rsub(y, 1)));
-                         }};
-const UnarySpec kRelu{"ReluBackward", Saves::Output,  // relu'(0) = 0 (threshold_backward)
-                      [](const Tensor& g, const Tensor& y) {
-                        // One fused pass, unless create_graph needs a differentiable result.
-                        if (!GradMode::is_enabled() && is_floating(g.dtype()) && g.dtype() == y.dtype()) {
-                          return relu_backward(g, y);
-                        }
-                        return masked_fill(g, le(y, 0), 0);
-                      }};
-const UnarySpec kSilu{"SiluBackward", Saves::Input,  // s (1 + x (1 - s)), s = sigmoid(x)
-                      [](const Tensor& g, const Tensor& x) {
-                        const Tensor s = sigmoid(x);
-                        return mul(g, mul(s, add(mul(x, rsub(s, 1)), 1)));
-                      }};
-
-const UnarySpec* unary_spec(OpId op) {
-  switch (op) {
-    case OpId::Neg: return &kNeg;
-    case OpId::Abs: return &kAbs;
-    case OpId::Sign: return &kSign;
-    case OpId::Exp: return &kExp;
-    case OpId::Log: return &kLog;
-    case OpId::Log1p: return &kLog1p;
-    case OpId::Sqrt: return &kSqrt;
-    case OpId::Rsqrt: return &kRsqrt;
-    case OpId::Reciprocal: return &kReciprocal;
-    case OpId::Square: return &kSquare;
-    case OpId::Sin: return &kSin;
-    case OpId::Cos: return &kCos;
-    case OpId::Tanh: return &kTanh;
-    case OpId::Sigmoid: return &kSigmoid;
-    case OpId::Relu: return &kRelu;
-    case OpId::Silu: return &kSilu;
-    default: return nullptr;
-  }
-}
+#define EMBER_UNARY_SPEC_(Op, name, dom, saves, ...) \
+  UnarySpec{#Op "Backward", Saves::saves, &detail::fn::Op::vjp},
+/// Indexed by OpId: the table's ops come first in OpId (checked in tensor/detail/record.h).
+constexpr UnarySpec kUnarySpecs[] = {EMBER_UNARY_OPS(EMBER_UNARY_SPEC_)};
+#undef EMBER_UNARY_SPEC_
 
 struct UnaryBackward final : Node {
   const UnarySpec* spec = nullptr;
   SavedTensor saved;
   const char* name() const override { return spec->name; }
   TensorList apply(TensorList&& g) override {
-    return {spec->rule(g[0], saved.defined() ? saved.unpack(*this) : Tensor())};
+    return {spec->vjp(g[0], saved.defined() ? saved.unpack(*this) : Tensor())};
   }
   void release_variables() override { saved.release(); }
 };
 
 void record_unary(const RecordArgs& r) {
   auto n = new_node<UnaryBackward>(r);
-  n->spec = unary_spec(r.op);
-  EMBER_INTERNAL_ASSERT(n->spec != nullptr, "no unary rule for op #", static_cast<int>(r.op));
+  n->spec = &kUnarySpecs[static_cast<size_t>(r.op)];
   if (n->spec->saves == Saves::Input) n->saved = SavedTensor(r.in(0), false);
   if (n->spec->saves == Saves::Output) n->saved = SavedTensor(r.out(0), true);
   commit(n, r);
 }
 
-/// d/dx x Phi(x) = Phi(x) + x phi(x), with the normal CDF Phi and density phi.
-///
-/// There is no erf op, so Phi comes from the forward kernel: Phi(x) = gelu(x) / x. That is
-/// accurate (a few ulp) wherever x is a normal number, but 0/0 at x = 0 and inexact for
-/// subnormal x; for |x| < 1e-6 we use Phi(x) = 1/2 + x phi(0) instead, whose error (x^3 / 15)
-/// is below double rounding there. The division uses x with those entries replaced by 1, so
-/// under create_graph no 0/0 reaches the second derivative either.
-Tensor gelu_erf_derivative(const Tensor& x) {
-  const Tensor small = lt(abs(x), 1e-6);
-  const Tensor cdf = where(small, add(mul(x, kInvSqrt2Pi), 0.5),
-                           div(gelu(x, "none"), masked_fill(x, small, 1)));
-  const Tensor pdf = mul(exp(mul(square(x), -0.5)), kInvSqrt2Pi);
-  return add(cdf, mul(x, pdf));
-}
-
-/// The derivative of 0.5 x (1 + tanh(k (x + c x^3))), written as PyTorch's GeluBackward does.
-Tensor gelu_tanh_derivative(const Tensor& x) {
-  constexpr double kBeta = 0.79788456080286535588;  // sqrt(2 / pi)
-  constexpr double kKappa = 0.044715;
-  const Tensor x_sq = square(x);
-  const Tensor t = tanh(mul(add(mul(mul(x_sq, x), kKappa), x), kBeta));
-  const Tensor left_derivative = mul(add(t, 1), 0.5);
-  const Tensor dinner = mul(add(mul(x_sq, 3 * kKappa), 1), kBeta);
-  const Tensor right_derivative = mul(mul(mul(x, 0.5), rsub(square(t), 1)), dinner);
-  return add(left_derivative, right_derivative);
-}
-
+/// gelu: one op whose attribute picks the form; each form's rule sits beside its kernel.
 struct GeluBackward final : Node {
   bool tanh_approx = false;
   SavedTensor self;
   const char* name() const override { return "GeluBackward"; }
   TensorList apply(TensorList&& g) override {
     const Tensor x = self.unpack(*this);
-    return {mul(g[0], tanh_approx ? gelu_tanh_derivative(x) : gelu_erf_derivative(x))};
+    return {tanh_approx ? detail::fn::GeluTanh::vjp(g[0], x) : detail::fn::GeluErf::vjp(g[0], x)};
   }
   void release_variables() override { self.release(); }
 };
 
 void record_gelu(const RecordArgs& r) {
   auto n = new_node<GeluBackward>(r);
-  n->tanh_approx = r.attrs.flag;
+  n->tanh_approx = r.attrs<OpId::Gelu>().tanh_approx;
   n->self = SavedTensor(r.in(0), false);
   commit(n, r);
 }
@@ -186,7 +90,7 @@ struct PowScalarBackward final : Node {
 
 void record_pow_scalar(const RecordArgs& r) {
   auto n = new_node<PowScalarBackward>(r);
-  n->exponent = r.attrs.scalar;
+  n->exponent = r.attrs<OpId::PowScalar>().scalar;
   if (n->exponent.to_double() != 0.0) n->self = SavedTensor(r.in(0), false);
   commit(n, r);
 }
@@ -211,7 +115,7 @@ struct RPowScalarBackward final : Node {
 
 void record_rpow_scalar(const RecordArgs& r) {
   auto n = new_node<RPowScalarBackward>(r);
-  n->base = r.attrs.scalar;
+  n->base = r.attrs<OpId::RPowScalar>().scalar;
   n->result = SavedTensor(r.out(0), true);
   if (n->base.to_double() == 0.0) n->self = SavedTensor(r.in(0), false);
   commit(n, r);
@@ -234,8 +138,8 @@ struct ClampBackward final : Node {
 
 void record_clamp(const RecordArgs& r) {
   auto n = new_node<ClampBackward>(r);
-  if (r.attrs.has_lo) n->lo = r.attrs.opt_lo;
-  if (r.attrs.has_hi) n->hi = r.attrs.opt_hi;
+  n->lo = r.attrs<OpId::Clamp>().lo;
+  n->hi = r.attrs<OpId::Clamp>().hi;
   n->self = SavedTensor(r.in(0), false);
   commit(n, r);
 }
@@ -257,7 +161,8 @@ struct AddBackward final : Node {
 
 void record_add(const RecordArgs& r) {
   auto n = new_node<AddBackward>(r);
-  n->alpha = r.op == OpId::Sub ? negated(r.attrs.scalar) : r.attrs.scalar;
+  const Scalar& alpha = r.attrs<OpId::Add>().scalar;  // Add and Sub
+  n->alpha = r.op == OpId::Sub ? negated(alpha) : alpha;
   commit(n, r);
 }
 
@@ -385,7 +290,7 @@ struct MulScalarBackward final : Node {
 
 void record_mul_scalar(const RecordArgs& r) {
   auto n = new_node<MulScalarBackward>(r);
-  n->s = r.attrs.scalar;
+  n->s = r.attrs<OpId::MulScalar>().scalar;
   commit(n, r);
 }
 
@@ -397,7 +302,7 @@ struct DivScalarBackward final : Node {
 
 void record_div_scalar(const RecordArgs& r) {
   auto n = new_node<DivScalarBackward>(r);
-  n->s = r.attrs.scalar;
+  n->s = r.attrs<OpId::DivScalar>().scalar;
   commit(n, r);
 }
 
@@ -420,7 +325,7 @@ struct RDivScalarBackward final : Node {
 
 void record_rdiv_scalar(const RecordArgs& r) {
   auto n = new_node<RDivScalarBackward>(r);
-  n->s = r.attrs.scalar;
+  n->s = r.attrs<OpId::RDivScalar>().scalar;
   n->self = SavedTensor(r.in(0), false);
   commit(n, r);
 }
@@ -471,11 +376,9 @@ void record_plain(const RecordArgs& r) {
 }  // namespace
 
 void register_elementwise(FactoryTable& t) {
-  for (OpId op : {OpId::Neg, OpId::Abs, OpId::Sign, OpId::Exp, OpId::Log, OpId::Log1p,
-                  OpId::Sqrt, OpId::Rsqrt, OpId::Reciprocal, OpId::Square, OpId::Sin, OpId::Cos,
-                  OpId::Tanh, OpId::Sigmoid, OpId::Relu, OpId::Silu}) {
-    slot(t, op) = record_unary;
-  }
+#define EMBER_UNARY_SLOT_(Op, ...) slot(t, OpId::Op) = record_unary;
+  EMBER_UNARY_OPS(EMBER_UNARY_SLOT_)
+#undef EMBER_UNARY_SLOT_
   slot(t, OpId::Gelu) = record_gelu;
   slot(t, OpId::PowScalar) = record_pow_scalar;
   slot(t, OpId::RPowScalar) = record_rpow_scalar;

@@ -48,7 +48,7 @@ void record_index_select(const RecordArgs& r) {
   auto n = new_node<IndexSelectBackward>(r);
   n->index = SavedTensor(r.in(1), false);
   n->in_shape = r.in(0).shape();
-  n->dim = r.attrs.dim;
+  n->dim = r.attrs<OpId::IndexSelect>().dim;
   commit(n, r);
 }
 
@@ -70,7 +70,7 @@ void record_gather(const RecordArgs& r) {
   auto n = new_node<GatherBackward>(r);
   n->index = SavedTensor(r.in(1), false);
   n->in_shape = r.in(0).shape();
-  n->dim = r.attrs.dim;
+  n->dim = r.attrs<OpId::Gather>().dim;
   commit(n, r);
 }
 
@@ -115,7 +115,7 @@ void record_scatter_add(const RecordArgs& r) {
   auto n = new_node<ScatterAddBackward>(r);
   if (n->needs_input_grad(2)) n->index = SavedTensor(r.in(1), false);
   n->src_shape = r.in(2).shape();
-  n->dim = r.attrs.dim;
+  n->dim = r.attrs<OpId::ScatterAdd>().dim;
   commit(n, r);
 }
 
@@ -144,8 +144,8 @@ void record_index_add(const RecordArgs& r) {
   auto n = new_node<IndexAddBackward>(r);
   if (n->needs_input_grad(2)) n->index = SavedTensor(r.in(1), false);
   n->src_shape = r.in(2).shape();
-  n->dim = r.attrs.dim;
-  n->alpha = r.attrs.scalar;
+  n->dim = r.attrs<OpId::IndexAdd>().dim;
+  n->alpha = r.attrs<OpId::IndexAdd>().alpha;
   commit(n, r);
 }
 
@@ -171,7 +171,7 @@ struct CatBackward final : Node {
 
 void record_cat(const RecordArgs& r) {
   auto n = new_node<CatBackward>(r);
-  n->dim = r.attrs.dim;
+  n->dim = r.attrs<OpId::Cat>().dim;
   n->sizes.reserve(r.n_inputs);
   for (size_t i = 0; i < r.n_inputs; ++i) {
     const Tensor& t = r.in(i);

@@ -55,10 +55,10 @@ struct ReduceNode : Node {
 };
 
 template <typename N>
-std::shared_ptr<N> new_reduce_node(const RecordArgs& r) {
+std::shared_ptr<N> new_reduce_node(const RecordArgs& r, const ReduceAttrs& a) {
   auto n = new_node<N>(r);
-  n->dims = r.attrs.dims;
-  n->keepdim = r.attrs.keepdim;
+  n->dims = a.dims;
+  n->keepdim = a.keepdim;
   n->in_shape = r.in(0).shape();
   return n;
 }
@@ -150,7 +150,7 @@ struct ProdBackward final : ReduceNode {
 };
 
 void record_prod(const RecordArgs& r) {
-  auto n = new_reduce_node<ProdBackward>(r);
+  auto n = new_reduce_node<ProdBackward>(r, r.attrs<OpId::Prod>());
   n->self = SavedTensor(r.in(0), false);
   n->result = SavedTensor(r.out(0), true);
   commit(n, r);
@@ -192,8 +192,9 @@ void record_extremum(const RecordArgs& r) {
   auto n = new_node<ExtremumBackward>(r, extremum_name(r.op));
   n->in_shape = r.in(0).shape();
   if (r.op == OpId::Amax || r.op == OpId::Amin) {
-    n->dims = r.attrs.dims;
-    n->keepdim = r.attrs.keepdim;
+    const ReduceAttrs& a = r.attrs<OpId::Amax>();  // Amax and Amin
+    n->dims = a.dims;
+    n->keepdim = a.keepdim;
   }
   n->self = SavedTensor(r.in(0), false);
   n->result = SavedTensor(r.out(0), true);
@@ -223,8 +224,9 @@ struct SelectedIndexBackward final : Node {
 void record_extremum_dim(const RecordArgs& r) {
   auto n = new_node<SelectedIndexBackward>(r, r.op == OpId::MaxDim ? "MaxBackward" : "MinBackward");
   n->in_shape = r.in(0).shape();
-  n->dim = r.attrs.dim;
-  n->keepdim = r.attrs.keepdim;
+  const DimAttrs& a = r.attrs<OpId::MaxDim>();  // MaxDim and MinDim
+  n->dim = a.dim;
+  n->keepdim = a.keepdim;
   n->indices = SavedTensor(r.out(1), false);
   commit(n, r);
 }
@@ -260,8 +262,9 @@ struct VarBackward final : ReduceNode {
 };
 
 void record_var(const RecordArgs& r) {
-  auto n = new_reduce_node<VarBackward>(r);
-  n->correction = r.attrs.i0;
+  const VarAttrs& a = r.attrs<OpId::Var>();  // Var and Std
+  auto n = new_reduce_node<VarBackward>(r, a.reduce);
+  n->correction = a.correction;
   n->is_std = r.op == OpId::Std;
   n->self = SavedTensor(r.in(0), false);
   if (n->is_std) n->result = SavedTensor(r.out(0), true);
@@ -305,8 +308,9 @@ struct NormBackward final : ReduceNode {
 };
 
 void record_norm(const RecordArgs& r) {
-  auto n = new_reduce_node<NormBackward>(r);
-  n->p = r.attrs.scalar.to_double();
+  const NormAttrs& a = r.attrs<OpId::Norm>();
+  auto n = new_reduce_node<NormBackward>(r, a.reduce);
+  n->p = a.p;
   n->self = SavedTensor(r.in(0), false);
   if (n->p != 0.0 && n->p != 1.0) n->result = SavedTensor(r.out(0), true);
   commit(n, r);
@@ -329,7 +333,7 @@ struct LogsumexpBackward final : ReduceNode {
 };
 
 void record_logsumexp(const RecordArgs& r) {
-  auto n = new_reduce_node<LogsumexpBackward>(r);
+  auto n = new_reduce_node<LogsumexpBackward>(r, r.attrs<OpId::Logsumexp>());
   n->self = SavedTensor(r.in(0), false);
   n->result = SavedTensor(r.out(0), true);
   commit(n, r);
@@ -351,7 +355,7 @@ struct SoftmaxBackward final : Node {
 
 void record_softmax(const RecordArgs& r) {
   auto n = new_node<SoftmaxBackward>(r);
-  n->dim = r.attrs.dim;
+  n->dim = r.attrs<OpId::Softmax>().dim;  // Softmax and LogSoftmax
   n->log = r.op == OpId::LogSoftmax;
   n->result = SavedTensor(r.out(0), true);
   commit(n, r);
@@ -359,7 +363,7 @@ void record_softmax(const RecordArgs& r) {
 
 template <typename N>
 void record_plain_reduce(const RecordArgs& r) {
-  commit(new_reduce_node<N>(r), r);
+  commit(new_reduce_node<N>(r, r.attrs<OpId::Sum>()), r);  // Sum and Mean
 }
 
 }  // namespace

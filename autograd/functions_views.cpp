@@ -187,7 +187,7 @@ void record_as_strided(const RecordArgs& r) {
 
 void record_permute(const RecordArgs& r) {
   auto n = new_node<PermuteBackward>(r);
-  const Shape& p = r.attrs.dims;
+  const Shape& p = r.attrs<OpId::Permute>().dims;
   n->inverse = p;
   for (int64_t i = 0; i < static_cast<int64_t>(p.size()); ++i) n->inverse[p[i]] = i;
   commit(n, r);
@@ -196,18 +196,19 @@ void record_permute(const RecordArgs& r) {
 void record_slice(const RecordArgs& r) {
   auto n = new_node<SliceBackward>(r);
   n->in_shape = r.in(0).shape();
-  n->dim = r.attrs.dim;
-  n->start = r.attrs.i0;
-  n->end = r.attrs.i1;
-  n->step = r.attrs.i2;
+  const SliceAttrs& a = r.attrs<OpId::Slice>();
+  n->dim = a.dim;
+  n->start = a.start;
+  n->end = a.end;
+  n->step = a.step;
   commit(n, r);
 }
 
 void record_select(const RecordArgs& r) {
   auto n = new_node<SelectBackward>(r);
   n->in_shape = r.in(0).shape();
-  n->dim = r.attrs.dim;
-  n->index = r.attrs.i0;
+  n->dim = r.attrs<OpId::Select>().dim;
+  n->index = r.attrs<OpId::Select>().index;
   commit(n, r);
 }
 

@@ -13,6 +13,7 @@ FactoryTable make_table() {
   register_elementwise(t);
   register_reduce(t);
   register_linalg(t);
+  register_conv(t);
   register_indexing(t);
   register_views(t);
   return t;

@@ -2,7 +2,7 @@
 //
 // Note [Caching allocators]
 // Fresh large allocations are slow on both devices: on the host every new page faults on first
-// touch (PyTorch's `a + b` on 16M floats is 5x slower than adding into an existing tensor), and
+// touch (so a large fresh `a + b` is much slower than adding into an existing tensor), and
 // cudaMalloc synchronizes the device. Both allocators therefore keep freed blocks and hand them
 // out again. The CPU allocator caches blocks of 128 KiB and more (smaller requests go to malloc,
 // which is fast there); the CUDA allocator caches every block, per stream: a block freed on

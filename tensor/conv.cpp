@@ -111,9 +111,7 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias,
     }
   }
   if (detail::should_record(input, weight, bias)) {
-    OpAttrs at;
-    at.params = &p;
-    detail::record(OpId::Conv2d, {&input, &weight, &bias}, {&out}, at);
+    detail::record<OpId::Conv2d>({&input, &weight, &bias}, {&out}, p);
   }
   return out;
 }
@@ -241,9 +239,7 @@ std::pair<Tensor, Tensor> max_pool2d_with_indices(const Tensor& input, const Poo
     }
   }
   if (detail::should_record(input)) {
-    OpAttrs at;
-    at.params = &p;
-    detail::record(OpId::MaxPool2d, {&input}, {&out, &idx}, at);
+    detail::record<OpId::MaxPool2d>({&input}, {&out, &idx}, p);
   }
   return {out, idx};
 }
@@ -306,9 +302,7 @@ Tensor avg_pool2d(const Tensor& input, const Pool2dParams& p) {
     }
   }
   if (detail::should_record(input)) {
-    OpAttrs at;
-    at.params = &p;
-    detail::record(OpId::AvgPool2d, {&input}, {&out}, at);
+    detail::record<OpId::AvgPool2d>({&input}, {&out}, p);
   }
   return out;
 }

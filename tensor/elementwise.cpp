@@ -18,6 +18,7 @@ namespace ember {
 
 using detail::BinaryOp;
 using detail::check_defined;
+using detail::Domain;
 using detail::make_empty;
 using detail::UnaryOp;
 
@@ -205,55 +206,6 @@ inline void run_where(const Tensor& out, const Tensor& c, const Tensor& a, const
 
 // ---- autograd ---------------------------------------------------------------------------------
 
-/// The OpId recorded for a differentiable op (kCount for ops with bool results).
-constexpr OpId binary_opid(BinaryOp op) {
-  switch (op) {
-    case BinaryOp::Add: return OpId::Add;
-    case BinaryOp::Sub: return OpId::Sub;
-    case BinaryOp::Mul: return OpId::Mul;
-    case BinaryOp::Div: return OpId::Div;
-    case BinaryOp::Pow: return OpId::Pow;
-    case BinaryOp::Maximum: return OpId::Maximum;
-    case BinaryOp::Minimum: return OpId::Minimum;
-    default: return OpId::kCount;
-  }
-}
-
-constexpr OpId scalar_opid(BinaryOp op, bool reverse) {
-  switch (op) {
-    case BinaryOp::Add: return OpId::AddScalar;
-    case BinaryOp::Sub: return reverse ? OpId::RSubScalar : OpId::AddScalar;
-    case BinaryOp::Mul: return OpId::MulScalar;
-    case BinaryOp::Div: return reverse ? OpId::RDivScalar : OpId::DivScalar;
-    case BinaryOp::Pow: return reverse ? OpId::RPowScalar : OpId::PowScalar;
-    default: return OpId::kCount;
-  }
-}
-
-constexpr OpId unary_opid(UnaryOp op) {
-  switch (op) {
-    case UnaryOp::Neg: return OpId::Neg;
-    case UnaryOp::Abs: return OpId::Abs;
-    case UnaryOp::Sign: return OpId::Sign;
-    case UnaryOp::Exp: return OpId::Exp;
-    case UnaryOp::Log: return OpId::Log;
-    case UnaryOp::Log1p: return OpId::Log1p;
-    case UnaryOp::Sqrt: return OpId::Sqrt;
-    case UnaryOp::Rsqrt: return OpId::Rsqrt;
-    case UnaryOp::Reciprocal: return OpId::Reciprocal;
-    case UnaryOp::Square: return OpId::Square;
-    case UnaryOp::Sin: return OpId::Sin;
-    case UnaryOp::Cos: return OpId::Cos;
-    case UnaryOp::Tanh: return OpId::Tanh;
-    case UnaryOp::Sigmoid: return OpId::Sigmoid;
-    case UnaryOp::Relu: return OpId::Relu;
-    case UnaryOp::GeluErf:
-    case UnaryOp::GeluTanh: return OpId::Gelu;
-    case UnaryOp::Silu: return OpId::Silu;
-    default: return OpId::kCount;
-  }
-}
-
 /// PyTorch refuses out= variants on inputs that require grad; so does Ember.
 void check_out_not_recorded(const char* name, const Tensor& a, const Tensor& b) {
   EMBER_CHECK(!detail::should_record(a, b), "[", name, "] out= variants don't support automatic "
@@ -276,10 +228,9 @@ Tensor binary(const char* name, BinaryOp op, const Tensor& a, const Tensor& b,
   const Tensor& cb = prep(b, compute, dev, hb);
   Tensor out = make_empty(out_shape(name, a, b), output_dtype(op, compute), dev);
   run_binary(op, out, ca, cb, alpha);
-  if (detail::should_record(a, b) && binary_opid(op) != OpId::kCount) {
-    OpAttrs attrs;
-    attrs.scalar = alpha;
-    detail::record(binary_opid(op), {&a, &b}, {&out}, attrs);
+  if (detail::should_record(a, b) && detail::opid_of(op) != OpId::kCount) {
+    detail::record(detail::opid_of(op), {&a, &b}, {&out},
+                   takes_alpha(op) ? OpAttrs(ScalarAttrs{alpha}) : OpAttrs(NoAttrs{}));
   }
   return out;
 }
@@ -351,10 +302,8 @@ Tensor binary_scalar(const char* name, BinaryOp op, const Tensor& a, const Scala
   const Tensor& ca = prep(a, compute, a.device(), ha);
   Tensor out = make_empty(a.shape(), output_dtype(op, compute), a.device());
   run_scalar(op, out, ca, s, reverse);
-  if (detail::should_record(a) && scalar_opid(op, reverse) != OpId::kCount) {
-    OpAttrs attrs;
-    attrs.scalar = s;
-    detail::record(scalar_opid(op, reverse), {&a}, {&out}, attrs);
+  if (detail::should_record(a) && detail::scalar_opid_of(op, reverse) != OpId::kCount) {
+    detail::record(detail::scalar_opid_of(op, reverse), {&a}, {&out}, ScalarAttrs{s});
   }
   return out;
 }
@@ -388,12 +337,6 @@ void check_int_pow_exponent(const char* name, Dtype compute, const Scalar& e) {
 
 // ---- unary ------------------------------------------------------------------------------------
 
-enum class Domain : uint8_t {
-  Real,     ///< floating only: integer and bool inputs compute in float32
-  Numeric,  ///< any dtype but bool
-  Any,
-};
-
 Dtype unary_dtype(const char* name, Domain dom, Dtype in) {
   switch (dom) {
     case Domain::Real:
@@ -408,27 +351,30 @@ Dtype unary_dtype(const char* name, Domain dom, Dtype in) {
   return in;
 }
 
-Tensor unary(const char* name, UnaryOp op, Domain dom, const Tensor& t) {
+/// Runs a unary kernel; the caller records the op.
+Tensor unary_kernel(const char* name, UnaryOp op, const Tensor& t) {
   check_defined(name, t, "self");
-  const Dtype compute = unary_dtype(name, dom, t.dtype());
+  const Dtype compute = unary_dtype(name, detail::domain_of(op), t.dtype());
   Tensor h;
   const Tensor& ct = prep(t, compute, t.device(), h);
   Tensor out = make_empty(t.shape(), op == UnaryOp::LogicalNot ? kBool : compute, t.device());
   run_unary(op, out, ct);
-  if (detail::should_record(t) && unary_opid(op) != OpId::kCount) {
-    OpAttrs attrs;
-    attrs.flag = op == UnaryOp::GeluTanh;
-    detail::record(unary_opid(op), {&t}, {&out}, attrs);
-  }
   return out;
 }
 
-Tensor& unary_(const char* name, UnaryOp op, Domain dom, Tensor& t) {
+/// An op of the unary table (tensor/detail/unary_ops.h).
+Tensor unary(const char* name, UnaryOp op, const Tensor& t) {
+  Tensor out = unary_kernel(name, op, t);
+  if (detail::should_record(t)) detail::record(detail::opid_of(op), {&t}, {&out});
+  return out;
+}
+
+Tensor& unary_(const char* name, UnaryOp op, Tensor& t) {
   check_defined(name, t, "self");
-  check_cast(name, unary_dtype(name, dom, t.dtype()), t.dtype());
+  check_cast(name, unary_dtype(name, detail::domain_of(op), t.dtype()), t.dtype());
   check_writable(name, t);
   if (detail::should_record(t)) {
-    return detail::record_inplace(name, t, [&](const Tensor& x) { return unary(name, op, dom, x); });
+    return detail::record_inplace(name, t, [&](const Tensor& x) { return unary(name, op, x); });
   }
   run_unary(op, t, t);
   t.bump_version();
@@ -466,38 +412,34 @@ Tensor neg(const Tensor& t) {
                      "[neg] negation of a bool tensor is not supported; got dtype bool (use "
                      "logical_not() to invert a mask)");
   }
-  return unary("neg", UnaryOp::Neg, Domain::Numeric, t);
-}
-Tensor abs(const Tensor& t) { return unary("abs", UnaryOp::Abs, Domain::Numeric, t); }
-Tensor sign(const Tensor& t) { return unary("sign", UnaryOp::Sign, Domain::Any, t); }
-Tensor exp(const Tensor& t) { return unary("exp", UnaryOp::Exp, Domain::Real, t); }
-Tensor log(const Tensor& t) { return unary("log", UnaryOp::Log, Domain::Real, t); }
-Tensor log1p(const Tensor& t) { return unary("log1p", UnaryOp::Log1p, Domain::Real, t); }
-Tensor sqrt(const Tensor& t) { return unary("sqrt", UnaryOp::Sqrt, Domain::Real, t); }
-Tensor rsqrt(const Tensor& t) { return unary("rsqrt", UnaryOp::Rsqrt, Domain::Real, t); }
-Tensor reciprocal(const Tensor& t) {
-  return unary("reciprocal", UnaryOp::Reciprocal, Domain::Real, t);
+  return unary("neg", UnaryOp::Neg, t);
 }
 Tensor square(const Tensor& t) {
   // square(x) is pow(x, 2): a bool tensor with an int scalar promotes to int64.
-  if (t.defined() && t.dtype() == kBool) return unary("square", UnaryOp::Square, Domain::Numeric, t.to(kInt64));
-  return unary("square", UnaryOp::Square, Domain::Numeric, t);
+  if (t.defined() && t.dtype() == kBool) return unary("square", UnaryOp::Square, t.to(kInt64));
+  return unary("square", UnaryOp::Square, t);
 }
-Tensor sin(const Tensor& t) { return unary("sin", UnaryOp::Sin, Domain::Real, t); }
-Tensor cos(const Tensor& t) { return unary("cos", UnaryOp::Cos, Domain::Real, t); }
-Tensor tanh(const Tensor& t) { return unary("tanh", UnaryOp::Tanh, Domain::Real, t); }
-Tensor sigmoid(const Tensor& t) { return unary("sigmoid", UnaryOp::Sigmoid, Domain::Real, t); }
-Tensor relu(const Tensor& t) { return unary("relu", UnaryOp::Relu, Domain::Numeric, t); }
 Tensor gelu(const Tensor& t, const char* approximate) {
   const std::string_view a = approximate ? approximate : "none";
   EMBER_CHECK(a == "none" || a == "tanh", "[gelu] approximate must be 'none' or 'tanh', got '", a,
               "'");
-  return unary("gelu", a == "none" ? UnaryOp::GeluErf : UnaryOp::GeluTanh, Domain::Real, t);
+  Tensor out = unary_kernel("gelu", a == "none" ? UnaryOp::GeluErf : UnaryOp::GeluTanh, t);
+  if (detail::should_record(t)) {
+    detail::record<OpId::Gelu>({&t}, {&out}, {.tanh_approx = a == "tanh"});
+  }
+  return out;
 }
-Tensor silu(const Tensor& t) { return unary("silu", UnaryOp::Silu, Domain::Real, t); }
-Tensor logical_not(const Tensor& t) {
-  return unary("logical_not", UnaryOp::LogicalNot, Domain::Any, t);
-}
+Tensor logical_not(const Tensor& t) { return unary_kernel("logical_not", UnaryOp::LogicalNot, t); }
+
+// The rest of the unary table.
+#define EMBER_UNARY_FRONT_Custom(Op, name)
+#define EMBER_UNARY_FRONT_Plain(Op, name) \
+  Tensor name(const Tensor& t) { return unary(#name, UnaryOp::Op, t); }
+#define EMBER_UNARY_FRONT_(Op, name, dom, saves, front) EMBER_UNARY_FRONT_##front(Op, name)
+EMBER_UNARY_OPS(EMBER_UNARY_FRONT_)
+#undef EMBER_UNARY_FRONT_
+#undef EMBER_UNARY_FRONT_Plain
+#undef EMBER_UNARY_FRONT_Custom
 
 Tensor& neg_(Tensor& t) {
   if (t.defined()) {
@@ -505,16 +447,16 @@ Tensor& neg_(Tensor& t) {
                      "[neg_] negation of a bool tensor is not supported; got dtype bool (use "
                      "logical_not() to invert a mask)");
   }
-  return unary_("neg_", UnaryOp::Neg, Domain::Numeric, t);
+  return unary_("neg_", UnaryOp::Neg, t);
 }
-Tensor& abs_(Tensor& t) { return unary_("abs_", UnaryOp::Abs, Domain::Numeric, t); }
-Tensor& exp_(Tensor& t) { return unary_("exp_", UnaryOp::Exp, Domain::Real, t); }
-Tensor& log_(Tensor& t) { return unary_("log_", UnaryOp::Log, Domain::Real, t); }
-Tensor& sqrt_(Tensor& t) { return unary_("sqrt_", UnaryOp::Sqrt, Domain::Real, t); }
-Tensor& rsqrt_(Tensor& t) { return unary_("rsqrt_", UnaryOp::Rsqrt, Domain::Real, t); }
-Tensor& tanh_(Tensor& t) { return unary_("tanh_", UnaryOp::Tanh, Domain::Real, t); }
-Tensor& sigmoid_(Tensor& t) { return unary_("sigmoid_", UnaryOp::Sigmoid, Domain::Real, t); }
-Tensor& relu_(Tensor& t) { return unary_("relu_", UnaryOp::Relu, Domain::Numeric, t); }
+Tensor& abs_(Tensor& t) { return unary_("abs_", UnaryOp::Abs, t); }
+Tensor& exp_(Tensor& t) { return unary_("exp_", UnaryOp::Exp, t); }
+Tensor& log_(Tensor& t) { return unary_("log_", UnaryOp::Log, t); }
+Tensor& sqrt_(Tensor& t) { return unary_("sqrt_", UnaryOp::Sqrt, t); }
+Tensor& rsqrt_(Tensor& t) { return unary_("rsqrt_", UnaryOp::Rsqrt, t); }
+Tensor& tanh_(Tensor& t) { return unary_("tanh_", UnaryOp::Tanh, t); }
+Tensor& sigmoid_(Tensor& t) { return unary_("sigmoid_", UnaryOp::Sigmoid, t); }
+Tensor& relu_(Tensor& t) { return unary_("relu_", UnaryOp::Relu, t); }
 
 // ---- binary arithmetic ------------------------------------------------------------------------
 
@@ -665,12 +607,7 @@ Tensor clamp(const Tensor& t, std::optional<Scalar> min, std::optional<Scalar> m
   Tensor out = make_empty(t.shape(), dt, t.device());
   run_clamp(out, ct, min, max);
   if (detail::should_record(t)) {
-    OpAttrs attrs;
-    attrs.has_lo = min.has_value();
-    attrs.has_hi = max.has_value();
-    if (min) attrs.opt_lo = *min;
-    if (max) attrs.opt_hi = *max;
-    detail::record(OpId::Clamp, {&t}, {&out}, attrs);
+    detail::record<OpId::Clamp>({&t}, {&out}, {min, max});
   }
   return out;
 }

@@ -32,6 +32,9 @@ Tensor relu(const Tensor& t);
 /// approximate: "none" (erf form) or "tanh", as torch.nn.functional.gelu.
 Tensor gelu(const Tensor& t, const char* approximate = "none");
 Tensor silu(const Tensor& t);
+/// The error function erf(x) = 2/sqrt(pi) * integral of e^(-t^2) dt from 0 to x (torch.erf);
+/// integer and bool inputs compute in float32.
+Tensor erf(const Tensor& t);
 Tensor logical_not(const Tensor& t);
 
 Tensor& neg_(Tensor& t);

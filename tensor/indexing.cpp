@@ -148,9 +148,8 @@ Tensor scatter_into_copy(OpId op, const Tensor& s, const ScatterArgs& args, cons
                          const Tensor& src, int64_t dim, const Scalar& alpha) {
   run_scatter(args);
   Tensor out = s;
-  OpAttrs attrs;
-  attrs.dim = dim;
-  attrs.scalar = alpha;
+  const OpAttrs attrs =
+      op == OpId::IndexAdd ? OpAttrs(IndexAddAttrs{dim, alpha}) : OpAttrs(DimAttrs{dim});
   detail::record(op, {&s, &index, &src}, {&out}, attrs);
   return out;
 }
@@ -165,9 +164,7 @@ Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index) {
   Tensor out = index_select_impl("index_select", t, dim, index);
   if (t.dim() == 0) out = out.view(IntList{});  // as PyTorch: a 0-d self gives a 0-d result
   if (detail::should_record(t)) {
-    OpAttrs attrs;
-    attrs.dim = dim;
-    detail::record(OpId::IndexSelect, {&t, &index}, {&out}, attrs);
+    detail::record<OpId::IndexSelect>({&t, &index}, {&out}, {.dim = dim});
   }
   return out;
 }
@@ -190,9 +187,7 @@ Tensor gather(const Tensor& t0, int64_t dim, const Tensor& index0) {
                         IndexBound{"gather", dim, t.size(dim)}});
   if (index0.dim() == 0) out = out.view(IntList{});
   if (detail::should_record(t0)) {
-    OpAttrs attrs;
-    attrs.dim = dim;
-    detail::record(OpId::Gather, {&t0, &index0}, {&out}, attrs);
+    detail::record<OpId::Gather>({&t0, &index0}, {&out}, {.dim = dim});
   }
   return out;
 }
@@ -206,9 +201,7 @@ Tensor scatter_add(const Tensor& self, int64_t dim, const Tensor& index, const T
   }
   run_scatter(scatter_add_args("scatter_add", out, dim, index, src));
   if (detail::should_record(self, src)) {
-    OpAttrs attrs;
-    attrs.dim = dim;
-    detail::record(OpId::ScatterAdd, {&self, &index, &src}, {&out}, attrs);
+    detail::record<OpId::ScatterAdd>({&self, &index, &src}, {&out}, {.dim = dim});
   }
   return out;
 }

@@ -22,9 +22,7 @@ std::string position(const char* list, size_t i) { return detail::str_cat(list, 
 // Records cat from `tensors` to `out` when any of them requires grad.
 Tensor recorded_cat(const std::vector<Tensor>& tensors, Tensor out, int64_t dim) {
   if (detail::should_record_list(tensors)) {
-    OpAttrs attrs;
-    attrs.dim = dim;
-    detail::record_list(OpId::Cat, tensors, {&out}, attrs);
+    detail::record_list<OpId::Cat>(tensors, {&out}, {.dim = dim});
   }
   return out;
 }

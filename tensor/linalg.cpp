@@ -182,10 +182,7 @@ Tensor addmm(const Tensor& bias, const Tensor& a, const Tensor& b, const Scalar&
   }
   run_gemm(out, a, b, alpha.to_double(), be);
   if (detail::should_record(bias, a, b)) {
-    OpAttrs at;
-    at.scalar = alpha;
-    at.scalar2 = beta;
-    detail::record(OpId::Addmm, {&bias, &a, &b}, {&out}, at);
+    detail::record<OpId::Addmm>({&bias, &a, &b}, {&out}, {.alpha = alpha, .beta = beta});
   }
   return out;
 }

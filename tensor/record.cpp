@@ -19,20 +19,27 @@ const AutogradHooks* g_hooks = nullptr;
       "[autograd] a tensor requires grad but the autograd library is not loaded; link "
       "ember_autograd");
 }
+void check_attrs(OpId op, const OpAttrs& attrs) {
+  EMBER_INTERNAL_ASSERT(attrs.index() == attrs_index(op), "op #", static_cast<int>(op),
+                        " recorded with attribute type #", attrs.index(), ", expected #",
+                        attrs_index(op));
+}
 }  // namespace
 
 void install_autograd_hooks(const AutogradHooks* hooks) { g_hooks = hooks; }
 const AutogradHooks* autograd_hooks() { return g_hooks; }
 
 void record(OpId op, std::initializer_list<const Tensor*> inputs,
-            std::initializer_list<Tensor*> outputs, const OpAttrs& attrs) {
+            std::initializer_list<Tensor*> outputs, OpAttrs attrs) {
   if (g_hooks == nullptr) not_linked();
+  check_attrs(op, attrs);
   g_hooks->record(op, inputs.begin(), inputs.size(), outputs.begin(), outputs.size(), attrs);
 }
 
 void record_list(OpId op, const std::vector<Tensor>& inputs,
-                 std::initializer_list<Tensor*> outputs, const OpAttrs& attrs) {
+                 std::initializer_list<Tensor*> outputs, OpAttrs attrs) {
   if (g_hooks == nullptr) not_linked();
+  check_attrs(op, attrs);
   std::vector<const Tensor*> ptrs;
   ptrs.reserve(inputs.size());
   for (const Tensor& t : inputs) ptrs.push_back(&t);

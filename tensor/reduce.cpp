@@ -172,12 +172,9 @@ Tensor reduce(const char* op, ReduceKind kind, const Tensor& t, IntList dims, bo
   return keepdim ? out : out.view(result_shape(t, mask, keepdim));
 }
 
-// Records a reduction over `dims`: sets dims and keepdim in `attrs` (which may carry more).
-void record_reduce(OpId op, const Tensor& t, Tensor& out, IntList dims, bool keepdim,
-                   OpAttrs attrs = {}) {
-  attrs.dims = Shape(dims);
-  attrs.keepdim = keepdim;
-  detail::record(op, {&t}, {&out}, attrs);
+// Records a reduction over `dims` whose attributes are ReduceAttrs.
+void record_reduce(OpId op, const Tensor& t, Tensor& out, IntList dims, bool keepdim) {
+  detail::record(op, {&t}, {&out}, ReduceAttrs{Shape(dims), keepdim});
 }
 
 Dtype sum_dtype(Dtype t) { return is_floating(t) ? t : kInt64; }
@@ -274,10 +271,8 @@ std::pair<Tensor, Tensor> max(const Tensor& t, int64_t dim, bool keepdim) {
   detail::check_defined("max", t, "input");
   auto r = arg_reduce("max", t, dim, keepdim, true, true);
   if (detail::should_record(t)) {
-    OpAttrs attrs;
-    attrs.dim = wrap_dim("max", dim, t.dim());
-    attrs.keepdim = keepdim;
-    detail::record(OpId::MaxDim, {&t}, {&r.first, &r.second}, attrs);
+    detail::record<OpId::MaxDim>({&t}, {&r.first, &r.second},
+                                 {.dim = wrap_dim("max", dim, t.dim()), .keepdim = keepdim});
   }
   return r;
 }
@@ -285,10 +280,8 @@ std::pair<Tensor, Tensor> min(const Tensor& t, int64_t dim, bool keepdim) {
   detail::check_defined("min", t, "input");
   auto r = arg_reduce("min", t, dim, keepdim, false, true);
   if (detail::should_record(t)) {
-    OpAttrs attrs;
-    attrs.dim = wrap_dim("min", dim, t.dim());
-    attrs.keepdim = keepdim;
-    detail::record(OpId::MinDim, {&t}, {&r.first, &r.second}, attrs);
+    detail::record<OpId::MinDim>({&t}, {&r.first, &r.second},
+                                 {.dim = wrap_dim("min", dim, t.dim()), .keepdim = keepdim});
   }
   return r;
 }
@@ -326,9 +319,7 @@ Tensor var_or_std(const char* op, OpId id, bool take_sqrt, const Tensor& t, IntL
   p.take_sqrt = take_sqrt;
   Tensor out = reduce(op, ReduceKind::Var, t, dims, keepdim, t.dtype(), p);
   if (detail::should_record(t)) {
-    OpAttrs attrs;
-    attrs.i0 = correction;
-    record_reduce(id, t, out, dims, keepdim, attrs);
+    detail::record(id, {&t}, {&out}, VarAttrs{{Shape(dims), keepdim}, correction});
   }
   return out;
 }
@@ -349,9 +340,7 @@ Tensor norm(const Tensor& t, double p, IntList dims, bool keepdim) {
   params.p = p;
   Tensor out = reduce("norm", ReduceKind::Norm, t, dims, keepdim, t.dtype(), params);
   if (detail::should_record(t)) {
-    OpAttrs attrs;
-    attrs.scalar = Scalar(p);
-    record_reduce(OpId::Norm, t, out, dims, keepdim, attrs);
+    detail::record<OpId::Norm>({&t}, {&out}, {{Shape(dims), keepdim}, p});
   }
   return out;
 }

@@ -37,9 +37,8 @@ Tensor softmax_recorded(const char* op, const Tensor& t, int64_t dim, bool log) 
     NoGradGuard no_grad;
     out = softmax_impl(op, t, dim, log);
   }
-  OpAttrs attrs;
-  attrs.dim = wrap_dim(op, dim, t.dim());
-  detail::record(log ? OpId::LogSoftmax : OpId::Softmax, {&t}, {&out}, attrs);
+  detail::record(log ? OpId::LogSoftmax : OpId::Softmax, {&t}, {&out},
+                 DimAttrs{.dim = wrap_dim(op, dim, t.dim())});
   return out;
 }
 

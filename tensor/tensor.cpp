@@ -94,19 +94,18 @@ using detail::make_view;
 
 namespace {
 
-/// Records `op` from self to out when self requires grad; `fill(attrs)` sets the op's attrs.
-template <typename F>
-Tensor recorded(const Tensor& self, Tensor out, OpId op, F&& fill) {
-  if (detail::should_record(self)) {
-    OpAttrs attrs;
-    fill(attrs);
-    detail::record(op, {&self}, {&out}, attrs);
-  }
+/// Records `op` from self to out when self requires grad.
+template <OpId op>
+Tensor recorded(const Tensor& self, Tensor out, OpAttrsOf<op> attrs = {}) {
+  if (detail::should_record(self)) detail::record<op>({&self}, {&out}, std::move(attrs));
   return out;
 }
 
-Tensor recorded(const Tensor& self, Tensor out, OpId op) {
-  return recorded(self, std::move(out), op, [](OpAttrs&) {});
+/// The same, with attributes built only when recording (`make_attrs()` returns them).
+template <OpId op, typename F>
+Tensor recorded_with(const Tensor& self, Tensor out, F&& make_attrs) {
+  if (detail::should_record(self)) detail::record<op>({&self}, {&out}, make_attrs());
+  return out;
 }
 
 }  // namespace
@@ -191,7 +190,7 @@ Tensor Tensor::view(IntList shape) const {
               "[view] size ", sizes, " is not compatible with input of shape ", this->shape(),
               " and strides ", this->strides(),
               " (at least one dimension spans across two contiguous subspaces); use reshape()");
-  return recorded(*this, make_view(*this, sizes, strides, impl_->offset), OpId::ViewAs);
+  return recorded<OpId::ViewAs>(*this, make_view(*this, sizes, strides, impl_->offset));
 }
 
 Tensor Tensor::reshape(IntList shape) const {
@@ -199,7 +198,7 @@ Tensor Tensor::reshape(IntList shape) const {
   Shape sizes = infer_shape("reshape", shape, numel(), this->shape());
   Shape strides;
   if (view_strides(impl_->sizes, impl_->strides, sizes, &strides)) {
-    return recorded(*this, make_view(*this, sizes, strides, impl_->offset), OpId::ViewAs);
+    return recorded<OpId::ViewAs>(*this, make_view(*this, sizes, strides, impl_->offset));
   }
   return clone().view(sizes);
 }
@@ -233,12 +232,11 @@ Tensor Tensor::permute(IntList dims) const {
     sizes.push_back(size(d));
     strides.push_back(stride(d));
   }
-  return recorded(*this, make_view(*this, sizes, strides, impl_->offset), OpId::Permute,
-                  [&](OpAttrs& a) {
-                    for (int64_t i = 0; i < dims.size(); ++i) {
-                      a.dims.push_back(wrap_dim("permute", dims[i], dim()));
-                    }
-                  });
+  return recorded_with<OpId::Permute>(*this, make_view(*this, sizes, strides, impl_->offset), [&] {
+    PermuteAttrs a;
+    for (int64_t i = 0; i < dims.size(); ++i) a.dims.push_back(wrap_dim("permute", dims[i], dim()));
+    return a;
+  });
 }
 
 Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
@@ -249,11 +247,12 @@ Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
   Shape sizes = impl_->sizes, strides = impl_->strides;
   std::swap(sizes[d0], sizes[d1]);
   std::swap(strides[d0], strides[d1]);
-  return recorded(*this, make_view(*this, sizes, strides, impl_->offset), OpId::Permute,
-                  [&](OpAttrs& a) {
-                    for (int64_t i = 0; i < dim(); ++i) a.dims.push_back(i);
-                    std::swap(a.dims[d0], a.dims[d1]);
-                  });
+  return recorded_with<OpId::Permute>(*this, make_view(*this, sizes, strides, impl_->offset), [&] {
+    PermuteAttrs a;
+    for (int64_t i = 0; i < dim(); ++i) a.dims.push_back(i);
+    std::swap(a.dims[d0], a.dims[d1]);
+    return a;
+  });
 }
 
 Tensor Tensor::t() const {
@@ -273,13 +272,9 @@ Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
                    start, ") + length (", length, ") exceeds dimension size (", n, ") of dim ", d);
   Shape sizes = impl_->sizes;
   sizes[d] = length;
-  return recorded(*this, make_view(*this, sizes, impl_->strides, impl_->offset + start * stride(d)),
-                  OpId::Slice, [&](OpAttrs& a) {
-                    a.dim = d;
-                    a.i0 = start;
-                    a.i1 = start + length;
-                    a.i2 = 1;
-                  });
+  return recorded<OpId::Slice>(
+      *this, make_view(*this, sizes, impl_->strides, impl_->offset + start * stride(d)),
+      {.dim = d, .start = start, .end = start + length, .step = 1});
 }
 
 Tensor Tensor::slice(int64_t d, std::optional<int64_t> start, std::optional<int64_t> end,
@@ -298,13 +293,9 @@ Tensor Tensor::slice(int64_t d, std::optional<int64_t> start, std::optional<int6
   Shape sizes = impl_->sizes, strides = impl_->strides;
   sizes[d] = (e - s + step - 1) / step;
   strides[d] *= step;
-  return recorded(*this, make_view(*this, sizes, strides, impl_->offset + s * stride(d)),
-                  OpId::Slice, [&](OpAttrs& a) {
-                    a.dim = d;
-                    a.i0 = s;
-                    a.i1 = e;
-                    a.i2 = step;
-                  });
+  return recorded<OpId::Slice>(
+      *this, make_view(*this, sizes, strides, impl_->offset + s * stride(d)),
+      {.dim = d, .start = s, .end = e, .step = step});
 }
 
 Tensor Tensor::select(int64_t d, int64_t index) const {
@@ -318,11 +309,9 @@ Tensor Tensor::select(int64_t d, int64_t index) const {
   Shape sizes = impl_->sizes, strides = impl_->strides;
   sizes.erase(d);
   strides.erase(d);
-  return recorded(*this, make_view(*this, sizes, strides, impl_->offset + index * stride(d)),
-                  OpId::Select, [&](OpAttrs& a) {
-                    a.dim = d;
-                    a.i0 = index;
-                  });
+  return recorded<OpId::Select>(
+      *this, make_view(*this, sizes, strides, impl_->offset + index * stride(d)),
+      {.dim = d, .index = index});
 }
 
 Tensor Tensor::expand(IntList shape) const {
@@ -350,7 +339,7 @@ Tensor Tensor::expand(IntList shape) const {
     sizes.push_back(want);
     strides.push_back(have == want ? stride(td) : 0);
   }
-  return recorded(*this, make_view(*this, sizes, strides, impl_->offset), OpId::Expand);
+  return recorded<OpId::Expand>(*this, make_view(*this, sizes, strides, impl_->offset));
 }
 
 Tensor Tensor::squeeze() const {
@@ -362,7 +351,7 @@ Tensor Tensor::squeeze() const {
       strides.push_back(stride(d));
     }
   }
-  return recorded(*this, make_view(*this, sizes, strides, impl_->offset), OpId::ViewAs);
+  return recorded<OpId::ViewAs>(*this, make_view(*this, sizes, strides, impl_->offset));
 }
 
 Tensor Tensor::squeeze(int64_t d) const {
@@ -373,7 +362,7 @@ Tensor Tensor::squeeze(int64_t d) const {
   Shape sizes = impl_->sizes, strides = impl_->strides;
   sizes.erase(d);
   strides.erase(d);
-  return recorded(*this, make_view(*this, sizes, strides, impl_->offset), OpId::ViewAs);
+  return recorded<OpId::ViewAs>(*this, make_view(*this, sizes, strides, impl_->offset));
 }
 
 Tensor Tensor::unsqueeze(int64_t d) const {
@@ -383,7 +372,7 @@ Tensor Tensor::unsqueeze(int64_t d) const {
   const int64_t st = d < dim() ? size(d) * stride(d) : 1;
   sizes.insert(d, 1);
   strides.insert(d, st);
-  return recorded(*this, make_view(*this, sizes, strides, impl_->offset), OpId::ViewAs);
+  return recorded<OpId::ViewAs>(*this, make_view(*this, sizes, strides, impl_->offset));
 }
 
 Tensor Tensor::as_strided(IntList size, IntList stride, std::optional<int64_t> offset) const {
@@ -404,7 +393,7 @@ Tensor Tensor::as_strided(IntList size, IntList stride, std::optional<int64_t> o
   EMBER_CHECK(empty || max_index < capacity, "[as_strided] size ", size, " stride ", stride,
               " offset ", off, " needs ", max_index + 1, " elements but the storage has ",
               capacity);
-  return recorded(*this, make_view(*this, Shape(size), Shape(stride), off), OpId::AsStrided);
+  return recorded<OpId::AsStrided>(*this, make_view(*this, Shape(size), Shape(stride), off));
 }
 
 Tensor Tensor::contiguous() const {
@@ -453,7 +442,7 @@ Tensor Tensor::clone() const {
       detail::copy_cuda(out, *this, false);
     }
   }
-  return recorded(*this, std::move(out), OpId::Clone);
+  return recorded<OpId::Clone>(*this, std::move(out));
 }
 
 Tensor Tensor::to(Device d, Dtype t, bool non_blocking, bool copy) const {
@@ -473,7 +462,7 @@ Tensor Tensor::to(Device d, Dtype t, bool non_blocking, bool copy) const {
       detail::copy_cuda(out, *this, non_blocking);
     }
   }
-  return recorded(*this, std::move(out), OpId::ToCopy);
+  return recorded<OpId::ToCopy>(*this, std::move(out));
 }
 
 Tensor Tensor::to(Device d, bool non_blocking, bool copy) const {

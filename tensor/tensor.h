@@ -66,9 +66,10 @@ namespace autograd {
 class Node;
 }  // namespace autograd
 
-/// Autograd's per-tensor state. The autograd layer derives from it (autograd/meta.h) and keeps
-/// `requires_grad` true for a leaf that requires grad and for any tensor with a grad_fn, so the
-/// tensor layer's "should this op record?" test is one inline load.
+/// Autograd's per-tensor state. The autograd layer derives from it (AutogradMeta in
+/// autograd/node.h) and keeps `requires_grad` true for a leaf that requires grad and for any
+/// tensor with a grad_fn, so the tensor layer's "should this op record?" test is one inline
+/// load.
 struct AutogradMetaBase {
   virtual ~AutogradMetaBase() = default;
   bool requires_grad = false;

@@ -44,8 +44,8 @@ enum class Pass : int64_t { kForward, kBackwardData, kBackwardWeights };
 // (from 32 for 1x1 kernels, which are plain GEMMs where the reorders weigh more), and for
 // depthwise convolutions (oneDNN's jit dw kernels). With 1-2
 // input channels (a network's first layer) the forward pass still gains from oneDNN's kernel
-// for plain input and blocked output, but the plain backward passes are 3-5x faster.
-// (Measured with EMBER_DNNL_LAYOUT=plain|blocked on AVX2, oneDNN 2.6, one thread.)
+// for plain input and blocked output, but the plain backward passes are clearly faster
+// (compare with EMBER_DNNL_LAYOUT=plain|blocked).
 bool use_blocked(Pass pass, const ConvGeom& g) {
   static const int forced = [] {
     const char* v = std::getenv("EMBER_DNNL_LAYOUT");

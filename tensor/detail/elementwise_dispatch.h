@@ -21,49 +21,29 @@ inline bool is_one(const Scalar& s) {
   return s.is_floating() ? s.to_double() == 1.0 : s.to_int() == 1;
 }
 
+// The dispatch macro of each Domain.
+#define EMBER_DISPATCH_DOMAIN_Real EMBER_DISPATCH_FLOATING
+#define EMBER_DISPATCH_DOMAIN_Numeric EMBER_DISPATCH_NUMERIC
+#define EMBER_DISPATCH_DOMAIN_Any EMBER_DISPATCH_ALL
+
 template <typename Run>
 void dispatch_unary(UnaryOp op, Dtype dt, Run& run) {
-// Floating-only ops (the front end promotes integer inputs to float32 first).
-#define EMBER_UNARY_FLOAT_(OP, NAME)                                                        \
-  case UnaryOp::OP:                                                                         \
-    EMBER_DISPATCH_FLOATING(dt, NAME, [&]<typename T>() { run.template unary<T, T>(fn::OP{}); }); \
+#define EMBER_UNARY_CASE_(Op, name, dom, ...)                                              \
+  case UnaryOp::Op:                                                                        \
+    EMBER_DISPATCH_DOMAIN_##dom(dt, #name,                                                 \
+                                [&]<typename T>() { run.template unary<T, T>(fn::Op{}); }); \
     return;
   switch (op) {
-    case UnaryOp::Neg:
-      EMBER_DISPATCH_NUMERIC(dt, "neg", [&]<typename T>() { run.template unary<T, T>(fn::Neg{}); });
-      return;
-    case UnaryOp::Abs:
-      EMBER_DISPATCH_NUMERIC(dt, "abs", [&]<typename T>() { run.template unary<T, T>(fn::Abs{}); });
-      return;
-    case UnaryOp::Sign:
-      EMBER_DISPATCH_ALL(dt, "sign", [&]<typename T>() { run.template unary<T, T>(fn::Sign{}); });
-      return;
-    case UnaryOp::Square:
-      EMBER_DISPATCH_NUMERIC(dt, "square", [&]<typename T>() { run.template unary<T, T>(fn::Square{}); });
-      return;
-    case UnaryOp::Relu:
-      EMBER_DISPATCH_NUMERIC(dt, "relu", [&]<typename T>() { run.template unary<T, T>(fn::Relu{}); });
-      return;
+    EMBER_UNARY_OPS(EMBER_UNARY_CASE_)
+    EMBER_UNARY_CASE_(GeluErf, gelu, Real)
+    EMBER_UNARY_CASE_(GeluTanh, gelu, Real)
     case UnaryOp::LogicalNot:
       EMBER_DISPATCH_ALL(dt, "logical_not", [&]<typename T>() {
         run.template unary<bool, T>(fn::LogicalNot{});
       });
       return;
-    EMBER_UNARY_FLOAT_(Exp, "exp")
-    EMBER_UNARY_FLOAT_(Log, "log")
-    EMBER_UNARY_FLOAT_(Log1p, "log1p")
-    EMBER_UNARY_FLOAT_(Sqrt, "sqrt")
-    EMBER_UNARY_FLOAT_(Rsqrt, "rsqrt")
-    EMBER_UNARY_FLOAT_(Reciprocal, "reciprocal")
-    EMBER_UNARY_FLOAT_(Sin, "sin")
-    EMBER_UNARY_FLOAT_(Cos, "cos")
-    EMBER_UNARY_FLOAT_(Tanh, "tanh")
-    EMBER_UNARY_FLOAT_(Sigmoid, "sigmoid")
-    EMBER_UNARY_FLOAT_(GeluErf, "gelu")
-    EMBER_UNARY_FLOAT_(GeluTanh, "gelu")
-    EMBER_UNARY_FLOAT_(Silu, "silu")
   }
-#undef EMBER_UNARY_FLOAT_
+#undef EMBER_UNARY_CASE_
 }
 
 template <typename Run>

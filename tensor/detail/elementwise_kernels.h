@@ -9,20 +9,30 @@
 #include <cstdint>
 #include <optional>
 
+#include "tensor/detail/unary_ops.h"
 #include "tensor/tensor.h"
 
 namespace ember::detail {
 
-enum class UnaryOp : uint8_t {
-  Neg, Abs, Sign, Exp, Log, Log1p, Sqrt, Rsqrt, Reciprocal, Square, Sin, Cos, Tanh, Sigmoid,
-  Relu, GeluErf, GeluTanh, Silu,
-  LogicalNot,  ///< any input dtype, bool output
-};
+// X(Op, ScalarOp, RScalarOp): the differentiable binary ops. Op names fn::Op (the forward
+// functor, tensor/detail/functors.h), BinaryOp::Op and OpId::Op (whose node is in
+// autograd/functions_elementwise.cpp); ScalarOp and RScalarOp are the OpIds recorded for the
+// tensor-scalar forms x op s and s op x (kCount: no such form). Add and Sub take alpha
+// (a + alpha * b, a - alpha * b).
+#define EMBER_BINARY_OPS(X)                 \
+  X(Add, AddScalar, AddScalar)              \
+  X(Sub, AddScalar, RSubScalar)             \
+  X(Mul, MulScalar, MulScalar)              \
+  X(Div, DivScalar, RDivScalar)             \
+  X(Pow, PowScalar, RPowScalar)             \
+  X(Maximum, kCount, kCount)                \
+  X(Minimum, kCount, kCount)
 
+#define EMBER_BINARY_ENUM_(Op, ...) Op,
+/// The binary kernels: the ops of the table above, then kernels that are no recorded op.
 enum class BinaryOp : uint8_t {
-  Add,  ///< a + alpha * b
-  Sub,  ///< a - alpha * b
-  Mul, Div, Pow, Maximum, Minimum,
+  EMBER_BINARY_OPS(EMBER_BINARY_ENUM_)
+#undef EMBER_BINARY_ENUM_
   ReluGrad,  ///< b > 0 ? a : 0 (relu's gradient a given its output b); floating only
   // bool results:
   Eq, Ne, Lt, Le, Gt, Ge, LogicalAnd, LogicalOr, LogicalXor,

@@ -16,29 +16,38 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
+#include <type_traits>
 #include <utility>
+#include <variant>
 
+#include "tensor/conv.h"
+#include "tensor/detail/elementwise_kernels.h"
 #include "tensor/grad_mode.h"
 #include "tensor/tensor.h"
 
 namespace ember {
 
 /// Every op autograd knows how to differentiate. The comment says which inputs the op
-/// records (in order) and which OpAttrs fields it sets. Inputs that are not tensors of a
-/// floating dtype never receive gradients; outputs of integral dtype are never recorded.
+/// records (in order) and, where it has any, its attribute type (EMBER_OP_ATTRS below).
+/// Inputs that are not tensors of a floating dtype never receive gradients; outputs of
+/// integral dtype are never recorded.
 enum class OpId : uint16_t {
-  // ---- element-wise unary: inputs {x} ----
-  Neg, Abs, Sign, Exp, Log, Log1p, Sqrt, Rsqrt, Reciprocal, Square, Sin, Cos, Tanh, Sigmoid,
-  Relu, Silu,
-  Gelu,          ///< flag = approximate "tanh"
-  PowScalar,     ///< x ** scalar (scalar = exponent)
-  RPowScalar,    ///< scalar ** x (scalar = base)
-  Clamp,         ///< min/max in opt_lo/opt_hi (has_lo/has_hi say which are set)
-  // ---- element-wise binary: inputs {a, b}, broadcast; the engine sums grads back ----
-  Add,           ///< a + alpha * b (scalar = alpha)
-  Sub,           ///< a - alpha * b (scalar = alpha)
-  Mul, Div, Pow, Maximum, Minimum,
-  // ---- tensor op scalar: inputs {x} ----
+  // ---- element-wise unary: inputs {x}; the table in tensor/detail/unary_ops.h, first so
+  // that OpId::X and detail::UnaryOp::X share their value ----
+#define EMBER_OPID_ENUM_(Op, ...) Op,
+  EMBER_UNARY_OPS(EMBER_OPID_ENUM_)
+#undef EMBER_OPID_ENUM_
+  Gelu,          ///< GeluAttrs
+  PowScalar,     ///< x ** scalar; ScalarAttrs (the exponent)
+  RPowScalar,    ///< scalar ** x; ScalarAttrs (the base)
+  Clamp,         ///< ClampAttrs
+  // ---- element-wise binary: inputs {a, b}, broadcast; the engine sums grads back. The table
+  // in tensor/detail/elementwise_kernels.h; Add and Sub: ScalarAttrs (alpha) ----
+#define EMBER_OPID_ENUM_(Op, ...) Op,
+  EMBER_BINARY_OPS(EMBER_OPID_ENUM_)
+#undef EMBER_OPID_ENUM_
+  // ---- tensor op scalar: inputs {x}; ScalarAttrs ----
   AddScalar,     ///< x + s (also x - s): gradient passes through
   MulScalar,     ///< x * scalar
   DivScalar,     ///< x / scalar
@@ -48,35 +57,36 @@ enum class OpId : uint16_t {
   Where,         ///< inputs {cond, a, b}
   MaskedFill,    ///< inputs {x, mask}
   // ---- reductions: inputs {x} ----
-  Sum,           ///< dims, keepdim (empty dims = all)
-  Mean,          ///< dims, keepdim
-  Prod,          ///< dims, keepdim
+  Sum,           ///< ReduceAttrs (empty dims = all)
+  Mean,          ///< ReduceAttrs
+  Prod,          ///< ReduceAttrs
   MaxAll, MinAll,             ///< full reduction; ties share the gradient evenly
-  MaxDim, MinDim,             ///< outputs {values, indices}; dim, keepdim
-  Amax, Amin,                 ///< dims, keepdim; ties share the gradient evenly
-  Var, Std,                   ///< dims, keepdim, i0 = correction
-  Norm,                       ///< dims, keepdim, scalar = p
-  Logsumexp,                  ///< dims, keepdim
-  Softmax, LogSoftmax,        ///< dim
+  MaxDim, MinDim,             ///< outputs {values, indices}; DimAttrs
+  Amax, Amin,                 ///< ReduceAttrs; ties share the gradient evenly
+  Var, Std,                   ///< VarAttrs
+  Norm,                       ///< NormAttrs
+  Logsumexp,                  ///< ReduceAttrs
+  Softmax, LogSoftmax,        ///< DimAttrs
   // ---- linear algebra: ----
   Mm, Bmm,       ///< inputs {a, b}
-  Addmm,         ///< inputs {bias, a, b}; scalar = alpha, scalar2 = beta
-  Conv2d,        ///< inputs {input, weight, bias (may be undefined)}; params = Conv2dParams*
-  MaxPool2d,     ///< inputs {x}, outputs {y, indices}; params = Pool2dParams*
-  AvgPool2d,     ///< inputs {x}; params = Pool2dParams*
+  Addmm,         ///< inputs {bias, a, b}; AddmmAttrs
+  // ---- convolution and pooling (autograd/functions_conv.cpp): ----
+  Conv2d,        ///< inputs {input, weight, bias (may be undefined)}; Conv2dParams
+  MaxPool2d,     ///< inputs {x}, outputs {y, indices}; Pool2dParams
+  AvgPool2d,     ///< inputs {x}; Pool2dParams
   AdaptiveAvgPool2d,  ///< inputs {x}
   // ---- indexing and joining: ----
-  IndexSelect,   ///< inputs {x, index}; dim
-  Gather,        ///< inputs {x, index}; dim
-  ScatterAdd,    ///< inputs {self, index, src}; dim
-  IndexAdd,      ///< inputs {self, index, src}; dim, scalar = alpha
+  IndexSelect,   ///< inputs {x, index}; DimAttrs
+  Gather,        ///< inputs {x, index}; DimAttrs
+  ScatterAdd,    ///< inputs {self, index, src}; DimAttrs
+  IndexAdd,      ///< inputs {self, index, src}; IndexAddAttrs
   Embedding,     ///< inputs {weight, indices}
-  Cat,           ///< inputs: every tensor; dim
+  Cat,           ///< inputs: every tensor; DimAttrs
   // ---- views and copies: inputs {x} ----
   ViewAs,        ///< view/reshape/squeeze/unsqueeze: output is x's data in another shape
-  Permute,       ///< dims = the permutation
-  Slice,         ///< dim, i0 = start, i1 = end (exclusive, already clamped), i2 = step
-  Select,        ///< dim, i0 = index (non-negative)
+  Permute,       ///< PermuteAttrs
+  Slice,         ///< SliceAttrs
+  Select,        ///< SelectAttrs
   Expand,        ///< output is x broadcast to its shape
   AsStrided,     ///< output geometry is the output's own (sizes, strides, offset)
   Clone,         ///< clone() / contiguous(): identity gradient
@@ -85,20 +95,154 @@ enum class OpId : uint16_t {
   kCount
 };
 
-/// Non-tensor arguments of a recorded op; which fields mean what is listed on each OpId.
-/// Only read while `record` runs (params points at the caller's struct).
-struct OpAttrs {
+namespace detail {
+/// The op a unary kernel computes; kCount for the kernel-only entries that are no op of the
+/// table (gelu's two forms share OpId::Gelu and are mapped by its front end).
+constexpr OpId opid_of(UnaryOp op) {
+  return static_cast<int>(op) < kNumUnaryOps ? static_cast<OpId>(op) : OpId::kCount;
+}
+#define EMBER_OPID_CHECK_(Op, ...)                                                   \
+  static_assert(static_cast<int>(OpId::Op) == static_cast<int>(UnaryOp::Op) &&      \
+                    opid_of(UnaryOp::Op) == OpId::Op,                                \
+                "OpId and UnaryOp must list the unary table in the same order");
+EMBER_UNARY_OPS(EMBER_OPID_CHECK_)
+#undef EMBER_OPID_CHECK_
+
+/// The op a binary kernel computes (kCount for kernels that are no recorded op), and the op
+/// its tensor-scalar form records (x op s, or s op x when reverse).
+constexpr OpId opid_of(BinaryOp op) {
+  switch (op) {
+#define EMBER_BINARY_OPID_(Op, ...) \
+  case BinaryOp::Op:                \
+    return OpId::Op;
+    EMBER_BINARY_OPS(EMBER_BINARY_OPID_)
+#undef EMBER_BINARY_OPID_
+    default:
+      return OpId::kCount;
+  }
+}
+constexpr OpId scalar_opid_of(BinaryOp op, bool reverse) {
+  switch (op) {
+#define EMBER_BINARY_SCALAR_OPID_(Op, ScalarOp, RScalarOp) \
+  case BinaryOp::Op:                                       \
+    return reverse ? OpId::RScalarOp : OpId::ScalarOp;
+    EMBER_BINARY_OPS(EMBER_BINARY_SCALAR_OPID_)
+#undef EMBER_BINARY_SCALAR_OPID_
+    default:
+      return OpId::kCount;
+  }
+}
+}  // namespace detail
+
+// ---- typed attributes ---------------------------------------------------------------------------
+// What a backward rule needs of an op besides tensors. Each op has one attribute type,
+// OpAttrsOf<op> (NoAttrs unless EMBER_OP_ATTRS lists it): a front end records with
+// record<OpId::X>(..., OpAttrsOf<X>{...}) and the factory reads r.attrs<OpId::X>(), so both
+// sides name the same type at compile time; an op chosen at run time is checked when recorded.
+
+struct NoAttrs {};
+/// Add/Sub: alpha; the tensor-scalar ops: the scalar (PowScalar: the exponent, RPowScalar: the
+/// base).
+struct ScalarAttrs {
   Scalar scalar{1};
-  Scalar scalar2{1};
-  Shape dims;
-  int64_t dim = 0;
-  int64_t i0 = 0, i1 = 0, i2 = 0;
-  bool keepdim = false;
-  bool flag = false;
-  bool has_lo = false, has_hi = false;
-  Scalar opt_lo{0}, opt_hi{0};
-  const void* params = nullptr;
 };
+struct GeluAttrs {
+  bool tanh_approx = false;  ///< approximate == "tanh"
+};
+struct ClampAttrs {
+  std::optional<Scalar> lo, hi;  ///< at least one is set
+};
+/// A reduction over dims (empty = all).
+struct ReduceAttrs {
+  Shape dims;
+  bool keepdim = false;
+};
+struct VarAttrs {
+  ReduceAttrs reduce;
+  int64_t correction = 1;
+};
+struct NormAttrs {
+  ReduceAttrs reduce;
+  double p = 2;
+};
+/// One dimension (MaxDim/MinDim also use keepdim).
+struct DimAttrs {
+  int64_t dim = 0;
+  bool keepdim = false;
+};
+struct IndexAddAttrs {
+  int64_t dim = 0;
+  Scalar alpha{1};
+};
+struct AddmmAttrs {
+  Scalar alpha{1}, beta{1};
+};
+struct PermuteAttrs {
+  Shape dims;  ///< the permutation
+};
+struct SliceAttrs {
+  int64_t dim = 0, start = 0, end = 0, step = 1;  ///< end exclusive, already clamped
+};
+struct SelectAttrs {
+  int64_t dim = 0, index = 0;  ///< index non-negative
+};
+
+/// X(Op, Attrs): every op whose attributes are not NoAttrs.
+#define EMBER_OP_ATTRS(X)                                                                     \
+  X(Gelu, GeluAttrs) X(PowScalar, ScalarAttrs) X(RPowScalar, ScalarAttrs) X(Clamp, ClampAttrs) \
+  X(Add, ScalarAttrs) X(Sub, ScalarAttrs) X(AddScalar, ScalarAttrs) X(MulScalar, ScalarAttrs)  \
+  X(DivScalar, ScalarAttrs) X(RSubScalar, ScalarAttrs) X(RDivScalar, ScalarAttrs)              \
+  X(Sum, ReduceAttrs) X(Mean, ReduceAttrs) X(Prod, ReduceAttrs) X(Amax, ReduceAttrs)           \
+  X(Amin, ReduceAttrs) X(Logsumexp, ReduceAttrs) X(Var, VarAttrs) X(Std, VarAttrs)             \
+  X(Norm, NormAttrs) X(MaxDim, DimAttrs) X(MinDim, DimAttrs) X(Softmax, DimAttrs)              \
+  X(LogSoftmax, DimAttrs) X(Addmm, AddmmAttrs) X(Conv2d, Conv2dParams)                         \
+  X(MaxPool2d, Pool2dParams) X(AvgPool2d, Pool2dParams) X(IndexSelect, DimAttrs)               \
+  X(Gather, DimAttrs) X(ScatterAdd, DimAttrs) X(IndexAdd, IndexAddAttrs) X(Cat, DimAttrs)      \
+  X(Permute, PermuteAttrs) X(Slice, SliceAttrs) X(Select, SelectAttrs)
+
+/// The attributes of one recorded op, whichever type it has.
+using OpAttrs = std::variant<NoAttrs, ScalarAttrs, GeluAttrs, ClampAttrs, ReduceAttrs, VarAttrs,
+                             NormAttrs, DimAttrs, IndexAddAttrs, AddmmAttrs, PermuteAttrs,
+                             SliceAttrs, SelectAttrs, Conv2dParams, Pool2dParams>;
+
+template <OpId op>
+struct OpAttrsOfT {
+  using type = NoAttrs;
+};
+#define EMBER_OP_ATTRS_OF_(Op, Attrs) \
+  template <>                         \
+  struct OpAttrsOfT<OpId::Op> {       \
+    using type = Attrs;               \
+  };
+EMBER_OP_ATTRS(EMBER_OP_ATTRS_OF_)
+#undef EMBER_OP_ATTRS_OF_
+/// The attribute type of `op`.
+template <OpId op>
+using OpAttrsOf = typename OpAttrsOfT<op>::type;
+
+namespace detail {
+template <typename T, size_t I = 0>
+constexpr size_t attrs_index() {
+  static_assert(I < std::variant_size_v<OpAttrs>, "an attribute type is missing from OpAttrs");
+  if constexpr (std::is_same_v<std::variant_alternative_t<I, OpAttrs>, T>) {
+    return I;
+  } else {
+    return attrs_index<T, I + 1>();
+  }
+}
+/// The OpAttrs alternative `op` records with.
+constexpr size_t attrs_index(OpId op) {
+  switch (op) {
+#define EMBER_OP_ATTRS_CASE_(Op, Attrs) \
+  case OpId::Op:                        \
+    return attrs_index<Attrs>();
+    EMBER_OP_ATTRS(EMBER_OP_ATTRS_CASE_)
+#undef EMBER_OP_ATTRS_CASE_
+    default:
+      return attrs_index<NoAttrs>();
+  }
+}
+}  // namespace detail
 
 namespace detail {
 
@@ -129,10 +273,23 @@ struct AutogradHooks {
 void install_autograd_hooks(const AutogradHooks* hooks);
 const AutogradHooks* autograd_hooks();
 
+/// Records `op` (known only at run time); `attrs` must hold OpAttrsOf<op>, which is asserted.
 void record(OpId op, std::initializer_list<const Tensor*> inputs,
-            std::initializer_list<Tensor*> outputs, const OpAttrs& attrs = OpAttrs{});
+            std::initializer_list<Tensor*> outputs, OpAttrs attrs = NoAttrs{});
 void record_list(OpId op, const std::vector<Tensor>& inputs, std::initializer_list<Tensor*> outputs,
-                 const OpAttrs& attrs = OpAttrs{});
+                 OpAttrs attrs = NoAttrs{});
+
+/// Records `op` with its attributes, their type checked at compile time.
+template <OpId op>
+void record(std::initializer_list<const Tensor*> inputs, std::initializer_list<Tensor*> outputs,
+            OpAttrsOf<op> attrs = {}) {
+  record(op, inputs, outputs, OpAttrs(std::move(attrs)));
+}
+template <OpId op>
+void record_list(const std::vector<Tensor>& inputs, std::initializer_list<Tensor*> outputs,
+                 OpAttrsOf<op> attrs = {}) {
+  record_list(op, inputs, outputs, OpAttrs(std::move(attrs)));
+}
 void check_inplace(const Tensor& self, const char* op);
 
 /// An in-place op under recording: `out_of_place(clone_of_self)` computes (and records) the

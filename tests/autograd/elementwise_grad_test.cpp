@@ -98,6 +98,7 @@ std::vector<UnaryCase> unary_cases() {
       {"sigmoid", [](const Tensor& x) { return sigmoid(x); }, -4, 4},
       {"relu", [](const Tensor& x) { return relu(x); }, -1, 1, {0}},
       {"silu", [](const Tensor& x) { return silu(x); }, -5, 5},
+      {"erf", [](const Tensor& x) { return erf(x); }, -2, 2},
       {"gelu", [](const Tensor& x) { return gelu(x); }, -5, 5},
       {"gelu_tanh", [](const Tensor& x) { return gelu(x, "tanh"); }, -5, 5},
       {"pow_3", [](const Tensor& x) { return pow(x, 3); }, -2, 2},
@@ -294,13 +295,32 @@ TEST(ElementwiseGrad, GeluMatchesPyTorch) {
                {-0.011584166630969648, -0.08296408384578252, 0.5, 0.8673699035346424,
                 1.0860992566236183},
                1e-14, "gelu(tanh)'(x)");
-  // The small-|x| branch and the gelu(x) / x branch meet smoothly at |x| = 1e-6.
+  // Near and at zero (subnormal x included) the rule stays finite and smooth.
   g = grads_of([](const auto& v) { return gelu(v[0]); }, {{-1.0001e-6, -0.9999e-6, 0.9999e-6,
                                                            1.0001e-6, 1e-300, -1e-310}});
   const double k = 2 * 0.3989422804014327;  // gelu'(x) = 1/2 + 2 phi(0) x + O(x^3)
   expect_close(g[0], {0.5 - k * 1.0001e-6, 0.5 - k * 0.9999e-6, 0.5 + k * 0.9999e-6,
                       0.5 + k * 1.0001e-6, 0.5, 0.5},
                1e-15, "gelu'(x) near 0");
+}
+
+// Values from the closed forms: erf(x) and erf'(x) = 2/sqrt(pi) e^(-x^2) (math.erf, math.exp).
+TEST(ElementwiseGrad, ErfMatchesClosedForm) {
+  const std::vector<double> xs = {-2, -0.5, 0, 1, 3};
+  Tensor x = from_vector(xs).to(kFloat64).requires_grad_();
+  Tensor y = erf(x);
+  expect_close(y, {-0.9953222650189527, -0.5204998778130465, 0, 0.8427007929497149,
+                   0.9999779095030014},
+               1e-15, "erf(x)");
+  EXPECT_STREQ(y.grad_fn()->name(), "ErfBackward");
+  y.sum().backward();
+  expect_close(x.grad(), {0.020666985354092053, 0.8787825789354448, 1.1283791670955126,
+                          0.4151074974205947, 0.00013925305194674786},
+               1e-15, "erf'(x)");
+  // Integer inputs compute in float32, as torch.erf.
+  Tensor yi = erf(from_vector(std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(yi.dtype(), kFloat32);
+  expect_close(yi, {0, 0.8427007929497149}, 1e-7, "erf of int64");
 }
 
 TEST(ElementwiseGrad, GeluSecondDerivativeAtAndNearZero) {
@@ -319,7 +339,7 @@ TEST(ElementwiseGrad, GeluSecondDerivativeAtAndNearZero) {
     auto g = autograd::grad({gelu(x, mode).sum()}, {x}, {}, std::nullopt, true);
     auto gg = autograd::grad({g[0].sum()}, {x});
     expect_close(gg[0], want, 1e-12, std::string("gelu''(x), approximate=") + mode);
-    // Finite differences straddle the |x| = 1e-6 switch of the exact rule: it must be smooth.
+    // Double backward through the rule (erf, exp) agrees with finite differences.
     expect_gradcheck(first_derivative([m = mode](const auto& v) { return gelu(v[0], m); }),
                      {x});
   }

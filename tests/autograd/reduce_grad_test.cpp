@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "tensor/detail/record.h"
 #include "tests/autograd/grad_util.h"
 
 namespace ember {
@@ -73,6 +74,24 @@ const double kNaN = std::numeric_limits<double>::quiet_NaN();
 const std::vector<double> kM = {1, -3, 2, 2, 0, -1};  // shape [2, 3]
 
 // ---- sum, mean --------------------------------------------------------------------------------
+
+// Each op records one attribute type (OpAttrsOf). Recording an op chosen at run time with
+// attributes of another type is a bug in Ember, caught when it is recorded instead of being
+// read back as the wrong type.
+TEST(RecordAttrs, WrongAttributeTypeIsCaughtWhenRecorded) {
+  Tensor x = leaf({2, 3}, 1);
+  Tensor out = x.detach().sum();
+  try {
+    detail::record(OpId::Sum, {&x}, {&out}, DimAttrs{.dim = 0});
+    ADD_FAILURE() << "recording Sum with DimAttrs did not throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("internal assert failed"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(out.requires_grad());
+  detail::record(OpId::Sum, {&x}, {&out}, ReduceAttrs{});
+  ASSERT_TRUE(out.requires_grad());
+  EXPECT_STREQ(out.grad_fn()->name(), "SumBackward");
+}
 
 TEST(SumMeanGrad, Gradcheck) {
   for (const char* op : {"sum", "mean"}) {

@@ -119,7 +119,7 @@ TEST(Promotion, TensorScalar) {
 TEST(Promotion, RealOnlyOpsPromoteIntegersToFloat32) {
   Tensor i = tensor({1, 4}), b = tensor({true, false});
   for (const Tensor& r : {exp(i), log(i), log1p(i), sqrt(i), rsqrt(i), reciprocal(i), sin(i),
-                          cos(i), tanh(i), sigmoid(i), gelu(i), silu(i), exp(b), i / i,
+                          cos(i), tanh(i), sigmoid(i), gelu(i), silu(i), erf(i), exp(b), i / i,
                           div(i, 2), rdiv(i, 2)}) {
     EXPECT_EQ(r.dtype(), kFloat32);
   }
@@ -791,7 +791,8 @@ TEST(Cuda, UnaryClampAndInPlaceMatchCpu) {
                     +[](const Tensor& t) { return cos(t); }, +[](const Tensor& t) { return tanh(t); },
                     +[](const Tensor& t) { return sigmoid(t); }, +[](const Tensor& t) { return relu(t); },
                     +[](const Tensor& t) { return gelu(t); }, +[](const Tensor& t) { return gelu(t, "tanh"); },
-                    +[](const Tensor& t) { return silu(t); }, +[](const Tensor& t) { return neg(t); },
+                    +[](const Tensor& t) { return silu(t); }, +[](const Tensor& t) { return erf(t); },
+                    +[](const Tensor& t) { return neg(t); },
                     +[](const Tensor& t) { return sign(t); }, +[](const Tensor& t) { return logical_not(t); },
                     +[](const Tensor& t) { return clamp(t, -1, 2); },
                     +[](const Tensor& t) { return masked_fill(t, gt(t, 0), 9); }}) {
