@@ -175,7 +175,11 @@ TensorList AccumulateGrad::apply(TensorList&& grads) {
   } else {
     m.grad.add_(g);
   }
-  for (const auto& [handle, fn] : m.post_accumulate_hooks) fn(leaf);
+  if (!m.post_accumulate_hooks.empty()) {
+    // A hook may remove hooks of this tensor (itself included): run a snapshot of the list.
+    const auto hooks = m.post_accumulate_hooks;
+    for (const auto& [handle, fn] : hooks) fn(leaf);
+  }
   return {};
 }
 

@@ -184,7 +184,7 @@ class Tensor {
   /// undefined tensor to keep it). Returns a handle for remove_hook.
   unsigned register_hook(std::function<Tensor(const Tensor&)> hook) const;
   void remove_hook(unsigned handle) const;
-  /// A hook on a leaf that runs after its gradient was accumulated into grad().
+  /// A leaf's hook, run after grad() accumulated its gradient; returns a handle for remove_hook.
   unsigned register_post_accumulate_grad_hook(std::function<void(const Tensor&)> hook) const;
   /// The same data without autograd history (shares storage and version counter).
   Tensor detach() const;

@@ -287,8 +287,8 @@ class RankBench {
 TorchResult run_torch_block(const Args& a, const std::string& model, int world, int threads) {
   std::ostringstream cmd;
   // As emberrun gives Ember's workers (and vs_pytorch/run.py both sides): torch 1.13's
-  // OpenMP threads otherwise spin against Debian's pthread OpenBLAS pool (the MLP at 1 rank x
-  // 2 threads: 125 ms per step instead of 52 on the 2-core VM).
+  // OpenMP threads otherwise spin against Debian's pthread OpenBLAS pool and the comparison
+  // would measure that contention (docs/benchmarks.md has the numbers).
   const char* policy = std::getenv("OMP_WAIT_POLICY");
   cmd << "OMP_WAIT_POLICY=" << (policy && *policy ? policy : "PASSIVE") << " timeout 1800 "
       << bench::python_script(EMBER_SOURCE_DIR, "benchmarks/ddp/bench_ddp_torch.py")

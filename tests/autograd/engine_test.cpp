@@ -379,6 +379,26 @@ TEST(Hooks, RemovedPostAccumulateGradHookNoLongerRunsAndIsReleased) {
   expect_close(w.grad(), {8, 8}, 0, "accumulated");
 }
 
+TEST(Hooks, PostAccumulateGradHookMayRemoveHooksWhileRunning) {
+  Tensor w = leaf({2}, 41);
+  int first_calls = 0, second_calls = 0;
+  unsigned first = 0, second = 0;
+  // The first hook removes itself and the one after it; both still run in this pass.
+  first = w.register_post_accumulate_grad_hook([&](const Tensor&) {
+    ++first_calls;
+    w.remove_hook(first);
+    w.remove_hook(second);
+  });
+  second = w.register_post_accumulate_grad_hook([&](const Tensor&) { ++second_calls; });
+  (w * 2.0).sum().backward();
+  EXPECT_EQ(first_calls, 1);
+  EXPECT_EQ(second_calls, 1);
+  (w * 2.0).sum().backward();
+  EXPECT_EQ(first_calls, 1) << "a hook that removed itself ran again";
+  EXPECT_EQ(second_calls, 1) << "a hook removed during the pass ran again";
+  expect_close(w.grad(), {4, 4}, 0, "accumulated");
+}
+
 TEST(Hooks, QueuedCallbackRunsAfterAllGradientsAreAccumulated) {
   Tensor a = leaf({2}, 35);
   Tensor b = leaf({2}, 36);
