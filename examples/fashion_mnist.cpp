@@ -11,6 +11,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -18,6 +19,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -67,6 +69,7 @@ struct Args {
   std::string save_weights;
   std::string metrics;
   int64_t log_every = 0;      // steps; 0: ten progress lines per epoch
+  bool continue_on_nan = false;  // keep training when a step's loss is not finite
   int64_t fail_at_step = -1;  // testing aid: SIGKILL rank 1 at this global step, first run only
 };
 
@@ -257,7 +260,19 @@ class CheckpointMeta {
     }
     return it->second;
   }
-  int64_t get_int(const char* key) const { return std::stoll(get(key)); }
+  // The integer under `key`, which must lie in [lo, hi]: a damaged or hand-edited checkpoint is
+  // refused by name rather than resumed from a nonsense position.
+  int64_t get_int(const char* key, int64_t lo, int64_t hi) const {
+    const std::string& text = get(key);
+    int64_t v = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+    if (ec != std::errc() || end != text.data() + text.size() || v < lo || v > hi) {
+      throw std::runtime_error(path_ + ": checkpoint metadata '" + key + "' must be an integer in [" +
+                               std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + text +
+                               "'");
+    }
+    return v;
+  }
   void must_match(const char* key, const std::string& now) const {
     if (get(key) != now) {
       throw std::runtime_error(path_ + ": saved with " + key + " " + get(key) +
@@ -284,7 +299,7 @@ nn::NamedTensors hook_state_of_rank(const nn::NamedTensors& saved, int rank) {
 // Loads the checkpoint if there is one; returns where to continue.
 Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& opt,
                       nn::optim::LRScheduler* schedule, dist::PowerSGDState* hook,
-                      const dist::ProcessGroup& pg) {
+                      const dist::ProcessGroup& pg, int64_t steps_per_epoch) {
   if (!a.resume || a.checkpoint_dir.empty()) return {};
   const bool verbose = pg.rank() == 0;
   const std::string path = checkpoint_path(a.checkpoint_dir);
@@ -307,8 +322,17 @@ Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& op
     for (auto& group : opt.param_groups()) group.set_lr(a.lr);
   }
   if (hook != nullptr) hook->load_state_dict(hook_state_of_rank(extra, pg.rank()));
-  const Position p{meta.get_int("epoch"), meta.get_int("step_in_epoch"),
-                   meta.get_int("global_step")};
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  const Position p{meta.get_int("epoch", 0, kMax),
+                   meta.get_int("step_in_epoch", 0, steps_per_epoch),
+                   meta.get_int("global_step", 0, kMax * steps_per_epoch)};
+  // World size and batch size match (checked above), so the steps per epoch are the saved run's.
+  if (p.global_step != p.epoch * steps_per_epoch + p.step_in_epoch) {
+    throw std::runtime_error(path + ": checkpoint metadata disagree: global_step " +
+                             std::to_string(p.global_step) + " is not epoch " +
+                             std::to_string(p.epoch) + " x " + std::to_string(steps_per_epoch) +
+                             " steps + step_in_epoch " + std::to_string(p.step_in_epoch));
+  }
   if (verbose) {
     std::printf("resume: %s at epoch %lld, step %lld of the epoch (global step %lld)\n",
                 path.c_str(), static_cast<long long>(p.epoch + 1),
@@ -404,6 +428,8 @@ class Trainer {
   void print_banner() const;
   TrainingState state() const { return {*model_, opt_, schedule_.get(), powersgd_.get()}; }
   double lr() const { return opt_.param_groups().front().lr(); }
+  // --max-steps reached (or passed: a checkpoint may be further on than this run's limit).
+  bool reached_max_steps() const { return a_.max_steps > 0 && global_step_ >= a_.max_steps; }
 
   const Args& a_;
   std::shared_ptr<dist::ProcessGroup> pg_;
@@ -453,7 +479,8 @@ Trainer::Trainer(const Args& a)
       schedule_(a.lr_schedule == "cosine" ? std::make_unique<nn::optim::CosineAnnealingLR>(
                                                 opt_, std::max<int64_t>(1, total_steps_))
                                           : nullptr),
-      start_(maybe_resume(a, *model_, opt_, schedule_.get(), powersgd_.get(), *pg_)),
+      start_(maybe_resume(a, *model_, opt_, schedule_.get(), powersgd_.get(), *pg_,
+                          steps_per_epoch_)),
       global_step_(start_.global_step),
       metrics_(leader_ ? a.metrics : "", start_.global_step > 0) {
   if (leader_) print_banner();
@@ -472,6 +499,14 @@ void Trainer::print_banner() const {
 }
 
 Evaluation Trainer::train() {
+  if (reached_max_steps()) {
+    if (leader_) {
+      std::printf("resume: the checkpoint is at global step %lld, at or past --max-steps %lld: "
+                  "nothing to train\n",
+                  static_cast<long long>(global_step_), static_cast<long long>(a_.max_steps));
+    }
+    return evaluate(*model_, test_set_, *pg_, device_);
+  }
   std::optional<Evaluation> last;
   for (int64_t epoch = start_.epoch; epoch < a_.epochs; ++epoch) {
     const EpochStats e = train_epoch(epoch);
@@ -500,13 +535,13 @@ EpochStats Trainer::train_epoch(int64_t epoch) {
     ++e.trained;
     window.add(loss);
     fail_if_asked();
-    const bool last_step = e.step == steps_per_epoch_ || global_step_ == a_.max_steps;
+    const bool last_step = e.step == steps_per_epoch_ || reached_max_steps();
     if (leader_ && (e.step % log_every_ == 0 || last_step)) log_progress(epoch, e.step, window);
     if (a_.checkpoint_every > 0 && !a_.checkpoint_dir.empty() &&
         global_step_ % a_.checkpoint_every == 0 && e.step < steps_per_epoch_) {
       save_checkpoint(a_, state(), {epoch, e.step, global_step_}, *pg_);
     }
-    if (global_step_ == a_.max_steps) {
+    if (reached_max_steps()) {
       e.stop = true;
       break;
     }
@@ -526,7 +561,14 @@ double Trainer::train_step(const nn::data::Batch& batch) {
   opt_.step();
   if (schedule_) schedule_->step();
   ++global_step_;
-  return loss.item<float>();
+  const float value = loss.item<float>();
+  // A diverged run stops at once, naming the step, instead of training on garbage and exiting 0.
+  if (!std::isfinite(value) && !a_.continue_on_nan) {
+    throw std::runtime_error("the loss is " + std::to_string(value) + " at global step " +
+                             std::to_string(global_step_) + " on rank " + std::to_string(rank_) +
+                             " (pass --continue-on-nan to keep training)");
+  }
+  return value;
 }
 
 // --fail-at-step: rank 1 (rank 0 alone) dies at that step of the first run, as a crash would.
@@ -661,6 +703,8 @@ int main(int argc, char** argv) {
   app.add_option("--powersgd-start", a.powersgd_start, "plain all-reduce for this many steps first")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_flag("--continue-on-nan", a.continue_on_nan,
+               "keep training when the loss is NaN or infinite (default: stop with an error)");
   app.add_option("--checkpoint-dir", a.checkpoint_dir,
                  "write checkpoint.safetensors here after each epoch");
   app.add_option("--checkpoint-every", a.checkpoint_every, "also every N steps")

@@ -164,6 +164,61 @@ TEST_F(FashionMnist, ResumeRefusesAnotherWorldSize) {
   EXPECT_NE(b.output.find("saved with world_size 1, but this run has 2"), std::string::npos) << b.output;
 }
 
+// A checkpoint further on than this run's --max-steps: nothing is trained (the run used to go
+// through every remaining step of the job), the model is still evaluated, the checkpoint kept.
+TEST_F(FashionMnist, ResumePastMaxStepsTrainsNothing) {
+  const std::string ckpt = tmp.path + "/ckpt";
+  Result a = run(example() + " --model mlp --max-steps 12 --checkpoint-dir " + ckpt);
+  ASSERT_EQ(a.status, 0) << a.output;
+  Result b = run(example() + " --model mlp --max-steps 10 --resume --checkpoint-dir " + ckpt);
+  ASSERT_EQ(b.status, 0) << b.output;
+  EXPECT_NE(b.output.find("at global step 12, at or past --max-steps 10: nothing to train"),
+            std::string::npos) << b.output;
+  EXPECT_EQ(b.output.find("img/s"), std::string::npos) << "it trained:\n" << b.output;
+  EXPECT_NE(b.output.find("test_accuracy="), std::string::npos) << b.output;
+  EXPECT_EQ(ember::nn::load_safetensors(ckpt + "/checkpoint.safetensors").metadata().at("global_step"),
+            "12");
+}
+
+// Each position key of a checkpoint is parsed and range-checked, and a bad one is named.
+TEST_F(FashionMnist, BadCheckpointPositionIsRefusedByName) {
+  const std::string ckpt = tmp.path + "/ckpt", file = ckpt + "/checkpoint.safetensors";
+  Result a = run(example() + " --model mlp --max-steps 5 --checkpoint-dir " + ckpt);
+  ASSERT_EQ(a.status, 0) << a.output;
+  const ember::nn::SafetensorsFile good = ember::nn::load_safetensors(file);
+  const struct {
+    const char* key;
+    const char* value;
+    const char* expected;
+  } cases[] = {
+      {"global_step", "abc", "'global_step' must be an integer in [0, "},
+      {"global_step", "5x", "'global_step' must be an integer in [0, "},
+      {"step_in_epoch", "-7", "'step_in_epoch' must be an integer in [0, 938], got '-7'"},
+      {"epoch", "-1", "'epoch' must be an integer in [0, "},
+      {"global_step", "4", "global_step 4 is not epoch 0 x 938 steps + step_in_epoch 5"},
+  };
+  for (const auto& c : cases) {
+    auto meta = good.metadata();
+    meta[c.key] = c.value;
+    ember::nn::save_safetensors(file, good.tensors(), meta);
+    Result b = run(example() + " --model mlp --max-steps 10 --resume --checkpoint-dir " + ckpt);
+    EXPECT_EQ(b.status, 1) << c.key << "=" << c.value << "\n" << b.output;
+    EXPECT_NE(b.output.find(c.expected), std::string::npos) << c.key << "=" << c.value << "\n"
+                                                            << b.output;
+  }
+}
+
+// A run whose loss stops being finite fails at once, naming the step, unless told to go on.
+TEST_F(FashionMnist, NonFiniteLossStopsTheRunNamingTheStep) {
+  const std::string options = " --model mlp --max-steps 30 --lr 1e30";
+  Result a = run(example() + options);
+  EXPECT_EQ(a.status, 1) << a.output;
+  EXPECT_NE(a.output.find("at global step"), std::string::npos) << a.output;
+  EXPECT_NE(a.output.find("--continue-on-nan"), std::string::npos) << a.output;
+  Result b = run(example() + options + " --continue-on-nan");
+  EXPECT_EQ(b.status, 0) << b.output;
+}
+
 // docs/quickstart.md's loop, as printed there, trains with two ranks and saves its weights.
 TEST_F(FashionMnist, QuickstartLoopTrainsAndSaves) {
   const std::string minimal = std::string(EMBER_BINARY_DIR) + "/examples/minimal_ddp";
