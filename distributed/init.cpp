@@ -69,6 +69,15 @@ int parse_int(const std::string& name, const std::string& value, int lo, int hi,
   return static_cast<int>(v);
 }
 
+// EMBER_PG_TIMEOUT: the default group's collective timeout in seconds, for programs that do not
+// set one (so a job can be told to give up on a hung rank sooner than after 30 minutes).
+Duration default_timeout() {
+  const char* t = std::getenv("EMBER_PG_TIMEOUT");
+  if (t == nullptr || *t == '\0') return kDefaultCollectiveTimeout;
+  return std::chrono::seconds(
+      parse_int("EMBER_PG_TIMEOUT", t, 1, 7 * 24 * 3600, "the collective timeout in seconds"));
+}
+
 // Which address gloo listens on, unless EMBER_GLOO_HOSTNAME or GLOO_SOCKET_IFNAME says: loopback
 // when rank 0 is on this machine's loopback; otherwise the address of the interface that
 // reaches rank 0 (torch resolves the machine's hostname instead, which on many machines, and
@@ -367,8 +376,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
     throw ValueError(detail::str_cat("[init_process_group] unknown backend '", o.backend,
                                      "' (available: ", known, ")"));
   }
-  EMBER_CHECK(o.timeout.count() > 0, "[init_process_group] timeout must be positive, got ",
-              o.timeout.count(), " ms");
+  const Duration timeout = o.timeout ? *o.timeout : default_timeout();
+  EMBER_CHECK(timeout.count() > 0, "[init_process_group] timeout must be positive, got ",
+              timeout.count(), " ms");
   BackendFactory factory = backend->second;
   lock.unlock();  // the rendezvous may take a while; the state is only set at the end
 
@@ -380,7 +390,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
   if (o.backend == "mpi" && method.rfind("env://", 0) == 0 && !std::getenv("MASTER_ADDR")) {
     // Under mpirun, MPI finds the peers itself: no rendezvous and no TCP store are needed.
     // Groups made later get prefixes of this process-local store, which MPI never reads.
-    pg = ProcessGroupMpi::create({}, {o.timeout});
+    pg = ProcessGroupMpi::create({}, {timeout});
     EMBER_CHECK((o.rank < 0 || o.rank == pg->rank()) &&
                     (o.world_size < 0 || o.world_size == pg->size()),
                 "[init_process_group] backend mpi: MPI gives rank ", pg->rank(), " of ",
@@ -401,17 +411,17 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
     rank = r.rank;
     size = r.world_size;
     master_addr = r.master_addr;
-    store = rendezvous_tcp_store(r.master_addr, r.master_port, rank, size, o.timeout);
+    store = rendezvous_tcp_store(r.master_addr, r.master_port, rank, size, timeout);
   } else if (method.rfind("tcp://", 0) == 0) {
     const Url u = parse_url(method, "tcp://");
     rank_size_for_url(o, u, method, &rank, &size);
     master_addr = u.host;
-    store = rendezvous_tcp_store(u.host, u.port, rank, size, o.timeout);
+    store = rendezvous_tcp_store(u.host, u.port, rank, size, timeout);
   } else if (method.rfind("file://", 0) == 0) {
     const Url u = parse_url(method, "file://");
     EMBER_CHECK(!u.path.empty(), "[init_process_group] file:// needs a path, got '", method, "'");
     rank_size_for_url(o, u, method, &rank, &size);
-    store = std::make_shared<FileStore>(u.path, size, o.timeout);
+    store = std::make_shared<FileStore>(u.path, size, timeout);
   } else {
     throw ValueError(detail::str_cat("[init_process_group] unsupported init_method '", method,
                                      "' (expected env://, tcp://host:port or file:///path)"));
@@ -419,7 +429,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
 
   if (!pg) {
     pg = factory(BackendArgs{std::make_shared<PrefixStore>("default_pg", store), rank, size,
-                             o.timeout, master_addr, /*global_ranks=*/{}});
+                             timeout, master_addr, /*global_ranks=*/{}});
   }
 
   lock.lock();

@@ -35,8 +35,9 @@ struct InitOptions {
   /// -1: from the URL or the environment.
   int rank = -1;
   int world_size = -1;
-  /// Collective timeout of the default group (and of the rendezvous).
-  Duration timeout = kDefaultCollectiveTimeout;
+  /// Collective timeout of the default group (and of the rendezvous). Unset: EMBER_PG_TIMEOUT
+  /// (whole seconds) when the environment has it, else kDefaultCollectiveTimeout (30 minutes).
+  std::optional<Duration> timeout;
 };
 
 /// What a backend factory gets to create one group.

@@ -26,6 +26,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "distributed/comm_hooks.h"
@@ -71,6 +72,8 @@ struct Args {
   int64_t log_every = 0;      // steps; 0: ten progress lines per epoch
   bool continue_on_nan = false;  // keep training when a step's loss is not finite
   int64_t fail_at_step = -1;  // testing aid: SIGKILL rank 1 at this global step, first run only
+  int64_t hang_at_step = -1;  // testing aid: SIGSTOP rank 1 at this global step, first run only
+  int timeout_s = 0;          // collective timeout in seconds; 0: EMBER_PG_TIMEOUT or 30 minutes
 };
 
 // Fashion-MNIST's training-set pixel mean and standard deviation (after scaling to [0, 1]).
@@ -98,9 +101,10 @@ std::shared_ptr<nn::Module> make_model(const std::string& name) {
 
 // init_process_group from the launcher's (or mpirun's, or Slurm's) variables; a plain run
 // without any of them is a world of one.
-std::shared_ptr<dist::ProcessGroup> init_distributed(const std::string& backend) {
+std::shared_ptr<dist::ProcessGroup> init_distributed(const std::string& backend, int timeout_s) {
   dist::InitOptions o;
   o.backend = backend;
+  if (timeout_s > 0) o.timeout = std::chrono::seconds(timeout_s);
   if (!dist::launched_as_rank() && backend != "mpi") {
     o.store = std::make_shared<dist::HashStore>();
     o.rank = 0;
@@ -456,7 +460,7 @@ constexpr nn::data::Normalization kNorm{kMean, kStd};
 
 Trainer::Trainer(const Args& a)
     : a_(a),
-      pg_(init_distributed(a.backend)),
+      pg_(init_distributed(a.backend, a.timeout_s)),
       rank_(pg_->rank()),
       world_(pg_->size()),
       leader_(rank_ == 0),
@@ -571,15 +575,21 @@ double Trainer::train_step(const nn::data::Batch& batch) {
   return value;
 }
 
-// --fail-at-step: rank 1 (rank 0 alone) dies at that step of the first run, as a crash would.
+// --fail-at-step / --hang-at-step: rank 1 (rank 0 alone) dies, or stops as a hung rank would,
+// at that step of the first run.
 void Trainer::fail_if_asked() const {
   const char* restarts = std::getenv("EMBER_RESTART_COUNT");
   const bool first_run = restarts == nullptr || std::string(restarts) == "0";
-  if (a_.fail_at_step != global_step_ || rank_ != std::min(1, world_ - 1) || !first_run) return;
-  std::fprintf(stderr, "fashion_mnist: --fail-at-step %lld: rank %d kills itself\n",
-               static_cast<long long>(a_.fail_at_step), rank_);
-  std::fflush(stderr);
-  std::raise(SIGKILL);
+  if (rank_ != std::min(1, world_ - 1) || !first_run) return;
+  for (const auto& [step, option, what, signal] :
+       {std::tuple{a_.fail_at_step, "--fail-at-step", "kills", SIGKILL},
+        std::tuple{a_.hang_at_step, "--hang-at-step", "stops", SIGSTOP}}) {
+    if (step != global_step_) continue;
+    std::fprintf(stderr, "fashion_mnist: %s %lld: rank %d %s itself\n", option,
+                 static_cast<long long>(step), rank_, what);
+    std::fflush(stderr);
+    std::raise(signal);
+  }
 }
 
 void Trainer::log_progress(int64_t epoch, int64_t step, LogWindow& window) {
@@ -716,8 +726,15 @@ int main(int argc, char** argv) {
                  "append one JSON line per logged step and per epoch to FILE.jsonl");
   app.add_option("--log-every", a.log_every, "steps between progress lines (0: ten per epoch)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--timeout", a.timeout_s,
+                 "seconds a collective may wait for the other ranks before the job fails "
+                 "(0: EMBER_PG_TIMEOUT, else 30 minutes)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--fail-at-step", a.fail_at_step,
                  "testing aid: rank 1 kills itself at this step in the first run")
+      ->group("");
+  app.add_option("--hang-at-step", a.hang_at_step,
+                 "testing aid: rank 1 stops itself (SIGSTOP) at this step in the first run")
       ->group("");
   try {
     app.parse(argc, argv);

@@ -408,8 +408,13 @@ WorkerGroup::Outcome WorkerGroup::monitor(const std::function<bool()>& peer_chec
 }
 
 void WorkerGroup::stop(int sig) {
-  for (auto& w : workers_)
-    if (!w.reaped) kill(-w.pid, sig);
+  for (auto& w : workers_) {
+    if (w.reaped) continue;
+    kill(-w.pid, sig);
+    // A stopped worker (SIGSTOP, a debugger's SIGTSTP) would hold the signal pending until the
+    // grace period ran out: wake it so that it acts on the signal now.
+    kill(-w.pid, SIGCONT);
+  }
   auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                      std::chrono::duration<double>(c_.grace_period_s));
   for (;;) {

@@ -368,6 +368,30 @@ TEST(InitProcessGroup, GivenStore) {
   });
 }
 
+// EMBER_PG_TIMEOUT (seconds) is the default group's collective timeout when the program sets
+// none; one the program sets wins; a bad value is an error naming the variable.
+TEST(InitProcessGroup, CollectiveTimeoutFromTheEnvironment) {
+  EMBER_REQUIRE_GLOO();
+  auto timeout_of = [](std::optional<Duration> set) {
+    InitOptions o = with_store(std::make_shared<HashStore>(), 0, 1);
+    o.timeout = set;
+    const Duration t = init_process_group(o)->timeout();
+    destroy_process_group();
+    return t;
+  };
+  ::unsetenv("EMBER_PG_TIMEOUT");
+  EXPECT_EQ(timeout_of({}), kDefaultCollectiveTimeout);
+  ::setenv("EMBER_PG_TIMEOUT", "7", 1);
+  EXPECT_EQ(timeout_of({}), Duration(7000));
+  EXPECT_EQ(timeout_of(Duration(1500)), Duration(1500));
+  ::setenv("EMBER_PG_TIMEOUT", "0", 1);
+  expect_error([&] { timeout_of({}); }, {"EMBER_PG_TIMEOUT=0", "out of range"});
+  ::setenv("EMBER_PG_TIMEOUT", "5m", 1);
+  expect_error([&] { timeout_of({}); }, {"EMBER_PG_TIMEOUT='5m'", "not an integer"});
+  ::unsetenv("EMBER_PG_TIMEOUT");
+  EXPECT_FALSE(is_initialized());
+}
+
 // EMBER_GLOO_THREADS (the gloo group's collective worker threads, 2 by default) and
 // EMBER_GLOO_SHM (allreduce through shared memory, 1 by default): one thread works, 0 turns
 // shared memory off, and a bad value is an error naming the variable and what was wrong.

@@ -219,6 +219,26 @@ TEST_F(FashionMnist, NonFiniteLossStopsTheRunNamingTheStep) {
   EXPECT_EQ(b.status, 0) << b.output;
 }
 
+// A hung rank (stopped, not dead: its sockets and shared memory stay open) ends the job within
+// --timeout, with an error naming the collective that timed out, instead of after 30 minutes.
+TEST_F(FashionMnist, HungRankEndsTheJobWithinTheTimeout) {
+  for (const char* shm : {"1", "0"}) {
+    Result r = run(std::string("env EMBER_GLOO_SHM=") + shm + " " + emberrun() +
+                       " --standalone --nproc-per-node 2 " + example() +
+                       " --model mlp --max-steps 50 --hang-at-step 5 --timeout 5",
+                   240);
+    EXPECT_NE(r.status, 0) << "EMBER_GLOO_SHM=" << shm << "\n" << r.output;
+    EXPECT_NE(r.status, 124) << "the job hung past the test's limit\n" << r.output;
+    EXPECT_NE(r.output.find("rank 1 stops itself"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("timed out"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("allreduce"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("on rank 0 of 2 timed out after 5000 ms"), std::string::npos)
+        << r.output;
+    // emberrun wakes the stopped rank with its SIGTERM instead of waiting out the grace period.
+    EXPECT_EQ(r.output.find("after the grace period"), std::string::npos) << r.output;
+  }
+}
+
 // docs/quickstart.md's loop, as printed there, trains with two ranks and saves its weights.
 TEST_F(FashionMnist, QuickstartLoopTrainsAndSaves) {
   const std::string minimal = std::string(EMBER_BINARY_DIR) + "/examples/minimal_ddp";
