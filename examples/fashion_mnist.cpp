@@ -458,6 +458,15 @@ class Trainer {
 
 constexpr nn::data::Normalization kNorm{kMean, kStd};
 
+// A split with no examples would "train" zero steps and report success: refuse it by name.
+std::shared_ptr<nn::data::FashionMNIST> non_empty(std::shared_ptr<nn::data::FashionMNIST> split,
+                                                  const std::string& dir, const char* which) {
+  if (split->size() == 0) {
+    throw std::runtime_error("--data " + dir + ": the " + which + " split holds no images");
+  }
+  return split;
+}
+
 Trainer::Trainer(const Args& a)
     : a_(a),
       pg_(init_distributed(a.backend, a.timeout_s)),
@@ -467,8 +476,10 @@ Trainer::Trainer(const Args& a)
       tty_(leader_ && isatty(STDOUT_FILENO)),
       device_(pick_device(a.device, *pg_)),
       model_(seeded_model(a, device_)),
-      train_set_(std::make_shared<nn::data::FashionMNIST>(a.data, true, kNorm)),
-      test_set_(a.data, false, kNorm),
+      train_set_(non_empty(std::make_shared<nn::data::FashionMNIST>(a.data, true, kNorm), a.data,
+                           "training")),
+      test_set_(*non_empty(std::make_shared<nn::data::FashionMNIST>(a.data, false, kNorm), a.data,
+                           "test")),
       loader_(train_set_, {.batch_size = a.batch_size,
                            .sampler = std::make_shared<nn::data::DistributedSampler>(
                                train_set_->size(), world_, rank_, /*shuffle=*/true, a.seed)}),

@@ -7,8 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
+#include <functional>
 
 namespace ember::nn::data {
 
@@ -19,62 +18,100 @@ bool ends_with(const std::string& s, const char* suffix) {
   return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
 }
 
-std::string read_plain(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  EMBER_CHECK(in, "[MNIST] cannot open ", path, ": ", std::strerror(errno));
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  EMBER_CHECK(!in.bad(), "[MNIST] error reading ", path, ": ", std::strerror(errno));
-  return bytes;
-}
-
-// The uncompressed size a gzip file declares in its trailer (ISIZE, modulo 2^32): only a hint
-// for reserving memory, 0 when unknown.
-size_t gzip_size_hint(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in || in.tellg() < 18) return 0;
-  in.seekg(-4, std::ios::end);
-  std::array<unsigned char, 4> b{};
-  if (!in.read(reinterpret_cast<char*>(b.data()), 4)) return 0;
-  const size_t isize = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<size_t>(b[3]) << 24);
-  return std::min<size_t>(isize, size_t{1} << 30);
-}
-
-// The bytes of `path`, gunzipped when it ends in ".gz" (throws ValueError naming the file when
-// it cannot be opened, is not gzip, or its gzip stream is truncated or corrupt).
-std::string read_maybe_gzip(const std::string& path) {
-  if (!ends_with(path, ".gz")) return read_plain(path);
-  errno = 0;
-  gzFile f = gzopen(path.c_str(), "rb");
-  EMBER_CHECK(f != nullptr, "[MNIST] cannot open ", path, ": ",
-              errno ? std::strerror(errno) : "out of memory");
-  std::string out;
-  out.reserve(gzip_size_hint(path));
-  gzbuffer(f, 1 << 20);
-  constexpr unsigned kChunk = 1u << 22;
-  std::string error;
-  for (;;) {
-    const size_t old = out.size();
-    out.resize(old + kChunk);
-    const int got = gzread(f, out.data() + old, kChunk);
-    if (got < 0) {
-      int code = 0;
-      error = gzerror(f, &code);
-      out.resize(old);
-      break;
+// The bytes of one data file, read in order: gunzipped when the name ends in ".gz". Only a
+// regular file is read (a directory, a FIFO or a symlink to /dev/zero is refused by name), so
+// reading ends; how much is read is the caller's choice (read_idx reads what the header
+// declares).
+class ByteReader {
+ public:
+  explicit ByteReader(std::string path) : path_(std::move(path)) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const fs::file_status st = fs::status(path_, ec);  // follows symlinks
+    EMBER_CHECK(!ec, "[MNIST] cannot open ", path_, ": ", ec.message());
+    EMBER_CHECK(!fs::is_directory(st), "[MNIST] ", path_, " is a directory, expected a file");
+    EMBER_CHECK(fs::is_regular_file(st), "[MNIST] ", path_,
+                " is not a regular file (a device, FIFO or socket cannot be a data set)");
+    size_ = fs::file_size(path_, ec);
+    errno = 0;
+    if (ends_with(path_, ".gz")) {
+      gz_ = gzopen(path_.c_str(), "rb");
+      EMBER_CHECK(gz_ != nullptr, "[MNIST] cannot open ", path_, ": ",
+                  errno ? std::strerror(errno) : "out of memory");
+      gzbuffer(gz_, 1 << 20);
+    } else {
+      plain_ = std::fopen(path_.c_str(), "rb");
+      EMBER_CHECK(plain_ != nullptr, "[MNIST] cannot open ", path_, ": ", std::strerror(errno));
     }
-    out.resize(old + static_cast<size_t>(got));
-    if (got == 0) break;
   }
-  // zlib reads a file without a gzip header "transparently", as plain bytes: refuse that, so a
-  // wrong file is reported rather than parsed.
-  const bool direct = gzdirect(f) == 1;
-  const int closed = gzclose(f);
-  EMBER_CHECK(error.empty(), "[MNIST] corrupt or truncated gzip file ", path, ": ", error);
-  EMBER_CHECK(!direct, "[MNIST] ", path, " is not a gzip file (no gzip header)");
-  EMBER_CHECK(closed == Z_OK, "[MNIST] corrupt or truncated gzip file ", path,
-              ": the gzip stream ends early (zlib error ", closed, ")");
-  return out;
-}
+  ~ByteReader() {
+    if (gz_ != nullptr) gzclose(gz_);
+    if (plain_ != nullptr) std::fclose(plain_);
+  }
+  ByteReader(const ByteReader&) = delete;
+  ByteReader& operator=(const ByteReader&) = delete;
+
+  // Reads up to n bytes into dst; fewer only at the end of the data. Throws ValueError naming
+  // the file when it is not gzip (under a .gz name), or its stream is corrupt or truncated.
+  size_t read(char* dst, size_t n) {
+    size_t done = 0;
+    while (done < n) {
+      const size_t want = std::min<size_t>(n - done, 1u << 30);
+      size_t got = 0;
+      if (gz_ != nullptr) {
+        const int r = gzread(gz_, dst + done, static_cast<unsigned>(want));
+        if (r < 0) {
+          int code = 0;
+          throw ValueError(detail::str_cat("[MNIST] corrupt or truncated gzip file ", path_, ": ",
+                                           gzerror(gz_, &code)));
+        }
+        // zlib reads a file without a gzip header "transparently", as plain bytes: refuse
+        // that, so a wrong file is reported rather than parsed.
+        EMBER_CHECK(gzdirect(gz_) == 0, "[MNIST] ", path_, " is not a gzip file (no gzip header)");
+        got = static_cast<size_t>(r);
+      } else {
+        got = std::fread(dst + done, 1, want, plain_);
+        EMBER_CHECK(!std::ferror(plain_), "[MNIST] error reading ", path_, ": ",
+                    std::strerror(errno));
+      }
+      if (got == 0) break;
+      done += got;
+    }
+    return done;
+  }
+
+  // Reads on, keeping nothing, up to `limit` bytes; returns how many there were (limit + 1: more
+  // than limit).
+  uint64_t skip(uint64_t limit) {
+    std::array<char, 1 << 12> scratch;
+    uint64_t n = 0;
+    while (n <= limit) {
+      const size_t got = read(scratch.data(), scratch.size());
+      if (got == 0) break;
+      n += got;
+    }
+    return std::min(n, limit + 1);
+  }
+
+  // The most bytes the file can yield: its size, or for gzip the size times deflate's largest
+  // expansion (1032:1, zlib's technical notes), so an impossible header is caught unread.
+  uint64_t most_bytes() const { return gz_ != nullptr ? size_ * 1032 + 1024 : size_; }
+
+  // Ends a gzip stream: its trailer (CRC, length) is checked here.
+  void close() {
+    if (gz_ == nullptr) return;
+    const int closed = gzclose(gz_);
+    gz_ = nullptr;
+    EMBER_CHECK(closed == Z_OK, "[MNIST] corrupt or truncated gzip file ", path_,
+                ": the gzip stream ends early (zlib error ", closed, ")");
+  }
+
+ private:
+  std::string path_;
+  uint64_t size_ = 0;
+  gzFile gz_ = nullptr;
+  std::FILE* plain_ = nullptr;
+};
 
 constexpr uint32_t kImagesMagic = 0x00000803;  // IDX: unsigned bytes, 3 dims
 constexpr uint32_t kLabelsMagic = 0x00000801;  // IDX: unsigned bytes, 1 dim
@@ -104,22 +141,50 @@ std::string find_file(const std::string& root, const std::string& name) {
   return {};
 }
 
-// Checks the header and length of an IDX file holding `count` items of `item_bytes` each.
-// `header` is the header length; returns the item count.
-int64_t check_idx(const std::string& b, const std::string& path, uint32_t magic, size_t header,
-                  uint64_t item_bytes, const char* items) {
+// Reads an IDX file of `items` of `item_bytes` each behind a `header`-byte header, checking the
+// header before the payload and then reading only what the header declares (and the length of
+// anything after it): a header that claims more than the file holds cannot make the reader
+// allocate more than the bytes really there. `check_header` sees the header first.
+std::string read_idx(const std::string& path, uint32_t magic, size_t header, uint64_t item_bytes,
+                     const char* items, const std::function<void(const std::string&)>& check_header,
+                     int64_t* count) {
+  ByteReader in(path);
+  std::string b(header, '\0');
+  b.resize(in.read(b.data(), header));
+  if (b.size() < header) in.close();  // a broken gzip stream says so before "truncated"
   EMBER_CHECK(b.size() >= header, "[MNIST] ", path, " is truncated: it holds ", b.size(),
               " bytes, less than the ", header, "-byte IDX header");
   const uint32_t got = be32(b, 0);
   EMBER_CHECK(got == magic, "[MNIST] ", path, " has magic number ", hex32(got), ", expected ",
               hex32(magic), " (IDX unsigned bytes, ", magic & 0xff, " dims)");
-  const uint64_t count = be32(b, 4);
-  const uint64_t want = header + count * item_bytes;
-  EMBER_CHECK(b.size() >= want, "[MNIST] ", path, " is truncated: its header declares ", count, " ",
+  check_header(b);
+  const uint64_t n = be32(b, 4);
+  const uint64_t want = header + n * item_bytes;
+  EMBER_CHECK(want <= in.most_bytes(), "[MNIST] ", path, " is truncated: its header declares ", n,
+              " ", items, " (", want, " bytes) but the file can hold at most ", in.most_bytes(),
+              " bytes");
+  // Grow with the data actually read, never to the declared size up front.
+  constexpr size_t kChunk = size_t{4} << 20;
+  while (b.size() < want) {
+    const size_t old = b.size();
+    const size_t step = static_cast<size_t>(std::min<uint64_t>(kChunk, want - old));
+    b.resize(old + step);
+    const size_t read = in.read(b.data() + old, step);
+    b.resize(old + read);
+    if (read < step) break;
+  }
+  // Past the declared payload, count a little (for the message), never decompress a bomb.
+  constexpr uint64_t kTrailingShown = 1 << 16;
+  const uint64_t trailing = b.size() == want ? in.skip(kTrailingShown) : 0;
+  if (trailing <= kTrailingShown) in.close();  // else the stream's end was never reached
+  EMBER_CHECK(b.size() == want, "[MNIST] ", path, " is truncated: its header declares ", n, " ",
               items, " (", want, " bytes) but it holds ", b.size(), " bytes");
-  EMBER_CHECK(b.size() == want, "[MNIST] ", path, " has ", b.size() - want,
-              " unexpected trailing bytes after its ", count, " ", items);
-  return static_cast<int64_t>(count);
+  EMBER_CHECK(trailing == 0, "[MNIST] ", path, " has ",
+              trailing > kTrailingShown ? detail::str_cat("more than ", kTrailingShown)
+                                        : std::to_string(trailing),
+              " unexpected trailing bytes after its ", n, " ", items);
+  *count = static_cast<int64_t>(n);
+  return b;
 }
 
 }  // namespace
@@ -134,16 +199,17 @@ MNIST::MNIST(const std::string& root, bool train, std::optional<Normalization> n
   const std::string images_path = find_file(root, prefix + "-images-idx3-ubyte");
   const std::string labels_path = find_file(root, prefix + "-labels-idx1-ubyte");
 
-  const std::string images = read_maybe_gzip(images_path);
-  if (images.size() >= 16 && be32(images, 0) == kImagesMagic) {
-    const uint32_t rows = be32(images, 8);
-    const uint32_t cols = be32(images, 12);
-    EMBER_CHECK(rows == kSide && cols == kSide, "[MNIST] ", images_path, " holds images of ", rows,
-                "x", cols, ", expected 28x28");
-  }
-  const int64_t n = check_idx(images, images_path, kImagesMagic, 16, kSide * kSide, "images");
-  const std::string labels = read_maybe_gzip(labels_path);
-  const int64_t n_labels = check_idx(labels, labels_path, kLabelsMagic, 8, 1, "labels");
+  int64_t n = 0, n_labels = 0;
+  const std::string images =
+      read_idx(images_path, kImagesMagic, 16, kSide * kSide, "images",
+               [&](const std::string& h) {
+                 const uint32_t rows = be32(h, 8), cols = be32(h, 12);
+                 EMBER_CHECK(rows == kSide && cols == kSide, "[MNIST] ", images_path,
+                             " holds images of ", rows, "x", cols, ", expected 28x28");
+               },
+               &n);
+  const std::string labels =
+      read_idx(labels_path, kLabelsMagic, 8, 1, "labels", [](const std::string&) {}, &n_labels);
   EMBER_CHECK(n == n_labels, "[MNIST] image/label count mismatch: ", images_path, " holds ", n,
               " images but ", labels_path, " holds ", n_labels, " labels");
 

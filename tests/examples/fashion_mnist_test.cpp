@@ -239,6 +239,23 @@ TEST_F(FashionMnist, HungRankEndsTheJobWithinTheTimeout) {
   }
 }
 
+// An empty data set is an error, not a run that trains nothing and exits 0.
+TEST_F(FashionMnist, EmptyDataSetIsAnError) {
+  auto be32 = [](uint32_t v) {
+    return std::string{static_cast<char>(v >> 24), static_cast<char>(v >> 16),
+                       static_cast<char>(v >> 8), static_cast<char>(v)};
+  };
+  for (const char* split : {"train", "t10k"}) {
+    std::ofstream(tmp.path + "/" + split + "-images-idx3-ubyte", std::ios::binary)
+        << be32(0x803) << be32(0) << be32(28) << be32(28);
+    std::ofstream(tmp.path + "/" + split + "-labels-idx1-ubyte", std::ios::binary)
+        << be32(0x801) << be32(0);
+  }
+  Result r = run(example() + " --model mlp --data " + tmp.path);
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("the training split holds no images"), std::string::npos) << r.output;
+}
+
 // docs/quickstart.md's loop, as printed there, trains with two ranks and saves its weights.
 TEST_F(FashionMnist, QuickstartLoopTrainsAndSaves) {
   const std::string minimal = std::string(EMBER_BINARY_DIR) + "/examples/minimal_ddp";

@@ -343,6 +343,45 @@ TEST(MNISTFiles, TruncatedPayloadAndTrailingBytes) {
                {"[MNIST]", dir.file("train-labels-idx1-ubyte.gz"), "3 unexpected trailing"});
 }
 
+// A header that claims more than the file could ever hold is refused before anything is read
+// or allocated for it (it once made the reader decompress and hold gigabytes).
+TEST(MNISTFiles, HeaderClaimingMoreThanTheFileCanHoldIsRefusedUnread) {
+  TempDir dir;
+  write_split(dir, "train", idx_images(1000000000, 28, 28, 0x803, 2 * 784), idx_labels(2));
+  expect_error([&] { MNIST(dir.path()); },
+               {"[MNIST]", dir.file("train-images-idx3-ubyte.gz"), "1000000000 images",
+                "784000000016 bytes", "can hold at most"});
+  // Uncompressed: no more than the file's size.
+  write_split(dir, "train", idx_images(2), idx_labels(2));
+  std::filesystem::remove(dir.file("train-labels-idx1-ubyte.gz"));
+  write_file(dir.file("train-labels-idx1-ubyte"), idx_labels(100000).substr(0, 8) + "xy");
+  expect_error([&] { MNIST(dir.path()); },
+               {"[MNIST]", dir.file("train-labels-idx1-ubyte"), "100000 labels", "at most 10 bytes"});
+}
+
+// Trailing data is counted only up to a bound: a payload followed by a decompression bomb fails
+// without inflating it.
+TEST(MNISTFiles, TrailingDataIsNotReadToTheEnd) {
+  TempDir dir;
+  write_split(dir, "train", idx_images(2), idx_labels(2) + std::string(200000, '\0'));
+  expect_error([&] { MNIST(dir.path()); },
+               {"[MNIST]", dir.file("train-labels-idx1-ubyte.gz"),
+                "more than 65536 unexpected trailing bytes after its 2 labels"});
+}
+
+// Only regular files are read: a directory or a device in a file's place is named.
+TEST(MNISTFiles, DirectoriesAndDevicesAreRefusedByName) {
+  TempDir dir;
+  write_split(dir, "train", idx_images(2), idx_labels(2));
+  const std::string labels = dir.file("train-labels-idx1-ubyte.gz");
+  std::filesystem::remove(labels);
+  std::filesystem::create_directory(labels);
+  expect_error([&] { MNIST(dir.path()); }, {"[MNIST]", labels, "is a directory"});
+  std::filesystem::remove(labels);
+  std::filesystem::create_symlink("/dev/zero", labels);
+  expect_error([&] { MNIST(dir.path()); }, {"[MNIST]", labels, "not a regular file"});
+}
+
 TEST(MNISTFiles, WrongDims) {
   TempDir dir;
   write_split(dir, "train", idx_images(2, 32, 32), idx_labels(2));
