@@ -682,6 +682,23 @@ int run(const Args& a) {
 
 }  // namespace
 
+// CLI11's PositiveNumber and NonNegativeNumber print their upper bound, DBL_MAX, in all of its
+// 309 digits: these say what was expected instead.
+CLI::Validator number_at_least(double lo, bool inclusive) {
+  const std::string want = std::string(inclusive ? ">= " : "> ") + (lo == 0 ? "0" : std::to_string(lo));
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        double v = 0;
+        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+        const bool ok = ec == std::errc() && end == text.data() + text.size() &&
+                        (inclusive ? v >= lo : v > lo);
+        return ok ? std::string() : "expected a number " + want + ", got " + text;
+      },
+      "NUMBER " + want);
+}
+const CLI::Validator kPositive = number_at_least(0, false);
+const CLI::Validator kNonNegative = number_at_least(0, true);
+
 int main(int argc, char** argv) {
   Args a;
   CLI::App app{
@@ -692,15 +709,15 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cnn", "mlp"}))
       ->capture_default_str();
   app.add_option("--epochs", a.epochs, "passes over the training set")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->capture_default_str();
   app.add_option("--max-steps", a.max_steps, "stop after this many steps in all (0: no limit)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   app.add_option("--batch-size", a.batch_size, "examples per rank per step")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->capture_default_str();
   app.add_option("--lr", a.lr, "SGD learning rate")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->capture_default_str();
   app.add_option("--lr-schedule", a.lr_schedule, "constant, or cosine from --lr to 0 over the run")
       ->check(CLI::IsMember({"constant", "cosine"}))
@@ -719,28 +736,28 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "allreduce", "fp16", "bf16", "powersgd", "batched_powersgd"}))
       ->capture_default_str();
   app.add_option("--powersgd-rank", a.powersgd_rank, "PowerSGD's matrix approximation rank")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->capture_default_str();
   app.add_option("--powersgd-start", a.powersgd_start, "plain all-reduce for this many steps first")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kNonNegative)
       ->capture_default_str();
   app.add_flag("--continue-on-nan", a.continue_on_nan,
                "keep training when the loss is NaN or infinite (default: stop with an error)");
   app.add_option("--checkpoint-dir", a.checkpoint_dir,
                  "write checkpoint.safetensors here after each epoch");
   app.add_option("--checkpoint-every", a.checkpoint_every, "also every N steps")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   app.add_flag("--resume", a.resume,
                "continue from the checkpoint in --checkpoint-dir if there is one");
   app.add_option("--save-weights", a.save_weights, "write the final weights to FILE.safetensors");
   app.add_option("--metrics", a.metrics,
                  "append one JSON line per logged step and per epoch to FILE.jsonl");
   app.add_option("--log-every", a.log_every, "steps between progress lines (0: ten per epoch)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   app.add_option("--timeout", a.timeout_s,
                  "seconds a collective may wait for the other ranks before the job fails "
                  "(0: EMBER_PG_TIMEOUT, else 30 minutes)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   app.add_option("--fail-at-step", a.fail_at_step,
                  "testing aid: rank 1 kills itself at this step in the first run")
       ->group("");

@@ -273,6 +273,16 @@ TEST_F(FashionMnist, BadOptionsAreUsageErrors) {
   EXPECT_NE(r.output.find("--model"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("resnet"), std::string::npos) << r.output;
 
+  // Range errors say what was expected, without DBL_MAX's 309 digits.
+  r = run(example() + " --lr -1");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--lr: expected a number > 0, got -1"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("17976931348623157"), std::string::npos) << r.output;
+  r = run(example() + " --timeout -5");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--timeout: expected a number >= 0, got -5"), std::string::npos)
+      << r.output;
+
   r = run(example() + " --resume");
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("--resume needs --checkpoint-dir"), std::string::npos) << r.output;
