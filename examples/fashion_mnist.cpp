@@ -459,9 +459,9 @@ class Trainer {
 constexpr nn::data::Normalization kNorm{kMean, kStd};
 
 // A split with no examples would "train" zero steps and report success: refuse it by name.
-std::shared_ptr<nn::data::FashionMNIST> non_empty(std::shared_ptr<nn::data::FashionMNIST> split,
-                                                  const std::string& dir, const char* which) {
-  if (split->size() == 0) {
+nn::data::FashionMNIST non_empty(nn::data::FashionMNIST split, const std::string& dir,
+                                 const char* which) {
+  if (split.size() == 0) {
     throw std::runtime_error("--data " + dir + ": the " + which + " split holds no images");
   }
   return split;
@@ -476,10 +476,9 @@ Trainer::Trainer(const Args& a)
       tty_(leader_ && isatty(STDOUT_FILENO)),
       device_(pick_device(a.device, *pg_)),
       model_(seeded_model(a, device_)),
-      train_set_(non_empty(std::make_shared<nn::data::FashionMNIST>(a.data, true, kNorm), a.data,
-                           "training")),
-      test_set_(*non_empty(std::make_shared<nn::data::FashionMNIST>(a.data, false, kNorm), a.data,
-                           "test")),
+      train_set_(std::make_shared<nn::data::FashionMNIST>(
+          non_empty(nn::data::FashionMNIST(a.data, true, kNorm), a.data, "training"))),
+      test_set_(non_empty(nn::data::FashionMNIST(a.data, false, kNorm), a.data, "test")),
       loader_(train_set_, {.batch_size = a.batch_size,
                            .sampler = std::make_shared<nn::data::DistributedSampler>(
                                train_set_->size(), world_, rank_, /*shuffle=*/true, a.seed)}),
@@ -684,20 +683,20 @@ int run(const Args& a) {
 
 // CLI11's PositiveNumber and NonNegativeNumber print their upper bound, DBL_MAX, in all of its
 // 309 digits: these say what was expected instead.
-CLI::Validator number_at_least(double lo, bool inclusive) {
-  const std::string want = std::string(inclusive ? ">= " : "> ") + (lo == 0 ? "0" : std::to_string(lo));
+CLI::Validator number_above_zero(bool zero_ok) {
+  const std::string want = zero_ok ? ">= 0" : "> 0";
   return CLI::Validator(
       [=](std::string& text) -> std::string {
         double v = 0;
         const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-        const bool ok = ec == std::errc() && end == text.data() + text.size() &&
-                        (inclusive ? v >= lo : v > lo);
+        const bool ok =
+            ec == std::errc() && end == text.data() + text.size() && (zero_ok ? v >= 0 : v > 0);
         return ok ? std::string() : "expected a number " + want + ", got " + text;
       },
       "NUMBER " + want);
 }
-const CLI::Validator kPositive = number_at_least(0, false);
-const CLI::Validator kNonNegative = number_at_least(0, true);
+const CLI::Validator kPositive = number_above_zero(false);
+const CLI::Validator kNonNegative = number_above_zero(true);
 
 int main(int argc, char** argv) {
   Args a;

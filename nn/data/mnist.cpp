@@ -7,7 +7,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <functional>
+#include <string>
+#include <vector>
 
 namespace ember::nn::data {
 
@@ -113,9 +114,7 @@ class ByteReader {
   std::FILE* plain_ = nullptr;
 };
 
-constexpr uint32_t kImagesMagic = 0x00000803;  // IDX: unsigned bytes, 3 dims
-constexpr uint32_t kLabelsMagic = 0x00000801;  // IDX: unsigned bytes, 1 dim
-constexpr int64_t kSide = 28;
+constexpr uint32_t kSide = 28;
 
 uint32_t be32(const std::string& b, size_t at) {
   const auto* p = reinterpret_cast<const unsigned char*>(b.data() + at);
@@ -141,13 +140,33 @@ std::string find_file(const std::string& root, const std::string& name) {
   return {};
 }
 
-// Reads an IDX file of `items` of `item_bytes` each behind a `header`-byte header, checking the
-// header before the payload and then reading only what the header declares (and the length of
-// anything after it): a header that claims more than the file holds cannot make the reader
-// allocate more than the bytes really there. `check_header` sees the header first.
-std::string read_idx(const std::string& path, uint32_t magic, size_t header, uint64_t item_bytes,
-                     const char* items, const std::function<void(const std::string&)>& check_header,
-                     int64_t* count) {
+// One IDX file of unsigned bytes: its item count and its bytes, the header included.
+struct Idx {
+  std::string bytes;
+  int64_t count = 0;
+  size_t header = 0;  // where the payload starts
+};
+
+std::string dims_text(const std::vector<uint32_t>& dims) {
+  std::string out;
+  for (uint32_t d : dims) {
+    if (!out.empty()) out += 'x';
+    out += std::to_string(d);
+  }
+  return out;
+}
+
+// Reads an IDX file of unsigned-byte `items`, each of the sizes `item_dims` (28x28 images;
+// labels have none). The header (magic, count, sizes) is checked before the payload, and then
+// only what the header declares is read (and the length of anything after it, up to a bound):
+// a header that claims more than the file holds cannot make the reader allocate more than the
+// bytes really there.
+Idx read_idx(const std::string& path, const std::vector<uint32_t>& item_dims, const char* items) {
+  const size_t header = 8 + 4 * item_dims.size();
+  const uint32_t magic = 0x800 | static_cast<uint32_t>(1 + item_dims.size());
+  uint64_t item_bytes = 1;
+  for (uint32_t d : item_dims) item_bytes *= d;
+
   ByteReader in(path);
   std::string b(header, '\0');
   b.resize(in.read(b.data(), header));
@@ -157,7 +176,10 @@ std::string read_idx(const std::string& path, uint32_t magic, size_t header, uin
   const uint32_t got = be32(b, 0);
   EMBER_CHECK(got == magic, "[MNIST] ", path, " has magic number ", hex32(got), ", expected ",
               hex32(magic), " (IDX unsigned bytes, ", magic & 0xff, " dims)");
-  check_header(b);
+  std::vector<uint32_t> dims;
+  for (size_t k = 0; k < item_dims.size(); ++k) dims.push_back(be32(b, 8 + 4 * k));
+  EMBER_CHECK(dims == item_dims, "[MNIST] ", path, " holds ", items, " of ", dims_text(dims),
+              ", expected ", dims_text(item_dims));
   const uint64_t n = be32(b, 4);
   const uint64_t want = header + n * item_bytes;
   EMBER_CHECK(want <= in.most_bytes(), "[MNIST] ", path, " is truncated: its header declares ", n,
@@ -183,8 +205,7 @@ std::string read_idx(const std::string& path, uint32_t magic, size_t header, uin
               trailing > kTrailingShown ? detail::str_cat("more than ", kTrailingShown)
                                         : std::to_string(trailing),
               " unexpected trailing bytes after its ", n, " ", items);
-  *count = static_cast<int64_t>(n);
-  return b;
+  return {std::move(b), static_cast<int64_t>(n), header};
 }
 
 }  // namespace
@@ -199,19 +220,11 @@ MNIST::MNIST(const std::string& root, bool train, std::optional<Normalization> n
   const std::string images_path = find_file(root, prefix + "-images-idx3-ubyte");
   const std::string labels_path = find_file(root, prefix + "-labels-idx1-ubyte");
 
-  int64_t n = 0, n_labels = 0;
-  const std::string images =
-      read_idx(images_path, kImagesMagic, 16, kSide * kSide, "images",
-               [&](const std::string& h) {
-                 const uint32_t rows = be32(h, 8), cols = be32(h, 12);
-                 EMBER_CHECK(rows == kSide && cols == kSide, "[MNIST] ", images_path,
-                             " holds images of ", rows, "x", cols, ", expected 28x28");
-               },
-               &n);
-  const std::string labels =
-      read_idx(labels_path, kLabelsMagic, 8, 1, "labels", [](const std::string&) {}, &n_labels);
-  EMBER_CHECK(n == n_labels, "[MNIST] image/label count mismatch: ", images_path, " holds ", n,
-              " images but ", labels_path, " holds ", n_labels, " labels");
+  const Idx images = read_idx(images_path, {kSide, kSide}, "images");
+  const Idx labels = read_idx(labels_path, {}, "labels");
+  const int64_t n = images.count;
+  EMBER_CHECK(n == labels.count, "[MNIST] image/label count mismatch: ", images_path, " holds ", n,
+              " images but ", labels_path, " holds ", labels.count, " labels");
 
   // ToTensor computes float(pixel) / 255 in float32, and Normalize then (x - mean) / std with
   // float32 mean and std; a 256-entry table gives the same bits for every pixel.
@@ -223,15 +236,15 @@ MNIST::MNIST(const std::string& root, bool train, std::optional<Normalization> n
     }
     table[v] = x;
   }
-  Tensor data = empty({n, 1, kSide, kSide}, kFloat32);
+  Tensor data = empty({n, 1, int64_t{kSide}, int64_t{kSide}}, kFloat32);
   float* out = data.data<float>();
-  const auto* px = reinterpret_cast<const unsigned char*>(images.data() + 16);
+  const auto* px = reinterpret_cast<const unsigned char*>(images.bytes.data() + images.header);
   const int64_t numel = data.numel();
   for (int64_t i = 0; i < numel; ++i) out[i] = table[px[i]];
 
   Tensor targets = empty({n}, kInt64);
   int64_t* t = targets.data<int64_t>();
-  const auto* lb = reinterpret_cast<const unsigned char*>(labels.data() + 8);
+  const auto* lb = reinterpret_cast<const unsigned char*>(labels.bytes.data() + labels.header);
   for (int64_t i = 0; i < n; ++i) t[i] = lb[i];
   set_tensors("MNIST", std::move(data), std::move(targets));
 }
