@@ -72,6 +72,24 @@ TEST_P(DistTest, InitProcessGroupRendezvousesThroughTheEnvironment) {
 }
 INSTANTIATE_TEST_SUITE_P(Emberrun, DistTest, ::testing::Values(2, 4));
 
+// emberrun links the store library only: it never loads the tensor library, BLAS, oneDNN or
+// CUDA (a regression to linking ember_distributed would bring them all back).
+TEST(Emberrun, LoadsNoTensorLibrary) {
+  std::string libs;
+  {
+    FILE* ldd = ::popen(("ldd " + emberrun() + " 2>&1").c_str(), "r");
+    ASSERT_NE(ldd, nullptr);
+    char buf[512];
+    while (std::fgets(buf, sizeof buf, ldd) != nullptr) libs += buf;
+    ASSERT_EQ(::pclose(ldd), 0) << libs;
+  }
+  EXPECT_TRUE(contains(libs, "libember_store")) << libs;
+  for (const char* lib : {"libember_tensor", "libember_distributed", "libdnnl", "libopenblas",
+                          "libcudart", "libgloo"}) {
+    EXPECT_FALSE(contains(libs, lib)) << "emberrun loads " << lib << ":\n" << libs;
+  }
+}
+
 TEST(Emberrun, UserThreadCountIsKept) {
   TempDir d;
   Result r = run({"--nproc-per-node", "2", worker(), "env", d.path},
