@@ -177,8 +177,9 @@ TensorList AccumulateGrad::apply(TensorList&& grads) {
   }
   if (!m.post_accumulate_hooks.empty()) {
     // A hook may remove hooks of this tensor (itself included): run a snapshot of the list.
-    const auto hooks = m.post_accumulate_hooks;
-    for (const auto& [handle, fn] : hooks) fn(leaf);
+    SmallVec<std::shared_ptr<const std::function<void(const Tensor&)>>, 2> hooks;
+    for (const auto& entry : m.post_accumulate_hooks) hooks.push_back(entry.second);
+    for (const auto& fn : hooks) (*fn)(leaf);
   }
   return {};
 }

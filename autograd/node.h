@@ -158,7 +158,10 @@ struct AutogradMeta : AutogradMetaBase {
   bool is_view = false;            ///< output of a recorded view op
   uint32_t view_version = 0;       ///< storage version when the view was made
   std::vector<std::pair<unsigned, GradHook>> hooks;  ///< leaf tensor hooks
-  std::vector<std::pair<unsigned, std::function<void(const Tensor&)>>> post_accumulate_hooks;
+  /// Shared so that a pass runs a snapshot of the list without copying the functions (a hook
+  /// may remove hooks while it runs).
+  std::vector<std::pair<unsigned, std::shared_ptr<const std::function<void(const Tensor&)>>>>
+      post_accumulate_hooks;
   unsigned next_hook_handle = 0;
 
   void refresh() { requires_grad = leaf_requires_grad || grad_fn != nullptr; }

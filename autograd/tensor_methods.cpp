@@ -135,7 +135,8 @@ unsigned Tensor::register_post_accumulate_grad_hook(std::function<void(const Ten
               "[register_post_accumulate_grad_hook] post-accumulate-grad hooks can only be "
               "registered on leaf tensors that require grad");
   const unsigned h = m->next_hook_handle++;
-  m->post_accumulate_hooks.emplace_back(h, std::move(hook));
+  m->post_accumulate_hooks.emplace_back(
+      h, std::make_shared<const std::function<void(const Tensor&)>>(std::move(hook)));
   return h;
 }
 
