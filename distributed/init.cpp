@@ -16,6 +16,7 @@
 #include "distributed/process_group_gloo.h"
 #include "distributed/process_group_mpi.h"
 #include "distributed/tcp_store.h"
+#include "tensor/cuda.h"
 
 extern char** environ;
 
@@ -340,17 +341,43 @@ bool launched_as_rank(const std::map<std::string, std::string>& env) {
 
 bool launched_as_rank() { return launched_as_rank(environment()); }
 
-std::optional<int> local_rank(const std::map<std::string, std::string>& env) {
+namespace {
+/// The first local-rank variable set in env, or null.
+const char* local_rank_variable(const std::map<std::string, std::string>& env) {
   for (const char* name :
        {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
-    if (auto it = env.find(name); it != env.end()) {
-      return parse_int(name, it->second, 0, 1 << 30, "the local rank");
-    }
+    if (env.count(name) > 0) return name;
   }
-  return std::nullopt;
+  return nullptr;
+}
+}  // namespace
+
+std::optional<int> local_rank(const std::map<std::string, std::string>& env) {
+  const char* name = local_rank_variable(env);
+  if (name == nullptr) return std::nullopt;
+  return parse_int(name, env.at(name), 0, 1 << 30, "the local rank");
 }
 
 std::optional<int> local_rank() { return local_rank(environment()); }
+
+int local_cuda_device(const std::map<std::string, std::string>& env, int device_count) {
+  const char* name = local_rank_variable(env);
+  const auto visible = env.find("CUDA_VISIBLE_DEVICES");
+  const std::string seen =
+      visible == env.end() ? "" : detail::str_cat(" (CUDA_VISIBLE_DEVICES=", visible->second, ")");
+  EMBER_CHECK_TYPE(NotImplementedError, device_count > 0, "[local_cuda_device] no CUDA device is ",
+                   "visible to this process", seen);
+  if (name == nullptr) return 0;
+  const int lr = *local_rank(env);
+  // A modulo here would put two ranks on one GPU, which NCCL refuses much later ("Duplicate
+  // GPU"); a launcher that starts more ranks than devices is the mistake to name.
+  EMBER_CHECK(lr < device_count, "[local_cuda_device] ", name, "=", lr, " but this process sees ",
+              device_count, " CUDA device", device_count == 1 ? "" : "s", seen,
+              ": one GPU per rank needs at most ", device_count, " ranks per node");
+  return lr;
+}
+
+int local_cuda_device() { return local_cuda_device(environment(), cuda::device_count()); }
 
 // ---- the default group
 // ---------------------------------------------------------------------------

@@ -132,6 +132,14 @@ std::optional<int> local_rank(const std::map<std::string, std::string>& env);
 /// The same, of this process's environment.
 std::optional<int> local_rank();
 
+/// The CUDA device of this rank when each rank of a node takes one GPU: its local_rank(env),
+/// or 0 when no launcher set one. Throws ValueError naming the variable, its value and
+/// `device_count` (and CUDA_VISIBLE_DEVICES when set) if the local rank is not below
+/// device_count, and NotImplementedError if device_count is 0.
+int local_cuda_device(const std::map<std::string, std::string>& env, int device_count);
+/// The same, of this process's environment and cuda::device_count().
+int local_cuda_device();
+
 /// The first host of a Slurm node list: "node[03-05,9],gpu1" -> "node03".
 std::string first_slurm_host(const std::string& nodelist);
 

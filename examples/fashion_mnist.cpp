@@ -346,8 +346,8 @@ Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& op
 }
 
 // The device this rank trains on. With cuda: one GPU per rank, the group's own with nccl, else
-// the local rank's (modulo the GPUs there are, so ranks may share one), as a torch script's
-// torch.cuda.set_device(local_rank).
+// the local rank's (an error when there are more ranks on the node than GPUs), as a torch
+// script's torch.cuda.set_device(local_rank).
 ember::Device pick_device(const std::string& name, const dist::ProcessGroup& pg) {
   ember::Device device(name);
   if (!device.is_cuda()) return device;
@@ -356,7 +356,7 @@ ember::Device pick_device(const std::string& name, const dist::ProcessGroup& pg)
   if (pg.default_device().is_cuda()) {
     device = pg.default_device();
   } else {
-    device = ember::cuda_device(dist::local_rank().value_or(0) % ember::cuda::device_count());
+    device = ember::cuda_device(dist::local_cuda_device());
   }
   ember::cuda::set_device(device.index);
   return device;

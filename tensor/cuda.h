@@ -87,4 +87,10 @@ void record_stream(void* ptr, const Stream& s);
 /// Releases unused cached device memory back to CUDA.
 void empty_cache();
 
+/// Queues a kernel on `s` that spins for about `cycles` GPU clock cycles and does nothing else
+/// (torch.cuda._sleep): tests use it to hold a stream busy and show that later work really
+/// waits for it (a missing stream wait then gives a wrong result instead of passing by luck).
+void spin(int64_t cycles, const Stream& s);
+void spin(int64_t cycles);
+
 }  // namespace ember::cuda

@@ -46,6 +46,8 @@ bool Event::query() const { no_cuda("Event::query"); }
 float Event::elapsed_ms(const Event&) const { no_cuda("Event::elapsed_ms"); }
 void record_stream(void*, const Stream&) { no_cuda("record_stream"); }
 void empty_cache() {}
+void spin(int64_t, const Stream&) { no_cuda("spin"); }
+void spin(int64_t) { no_cuda("spin"); }
 }  // namespace cuda
 
 }  // namespace ember

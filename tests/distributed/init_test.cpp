@@ -96,6 +96,21 @@ TEST(ParseEnv, LocalRankFromEachLauncherInOrder) {
                {"SLURM_LOCALID=-1 is out of range"});
 }
 
+TEST(ParseEnv, LocalCudaDeviceIsTheLocalRankAndRefusesMoreRanksThanDevices) {
+  EXPECT_EQ(local_cuda_device(Env{}, 1), 0);
+  EXPECT_EQ(local_cuda_device(Env{{"OMPI_COMM_WORLD_LOCAL_RANK", "3"}}, 8), 3);
+  EXPECT_EQ(local_cuda_device(Env{{"SLURM_LOCALID", "7"}}, 8), 7);
+  // Under mpirun every rank would otherwise take GPU 0; past the count no modulo shares one.
+  expect_error([] { local_cuda_device(Env{{"OMPI_COMM_WORLD_LOCAL_RANK", "2"}}, 2); },
+               {"OMPI_COMM_WORLD_LOCAL_RANK=2", "sees 2 CUDA devices", "at most 2 ranks per node"});
+  expect_error(
+      [] {
+        local_cuda_device(Env{{"LOCAL_RANK", "1"}, {"CUDA_VISIBLE_DEVICES", "3"}}, 1);
+      },
+      {"LOCAL_RANK=1", "sees 1 CUDA device (CUDA_VISIBLE_DEVICES=3)"});
+  EXPECT_THROW(local_cuda_device(Env{{"LOCAL_RANK", "0"}}, 0), NotImplementedError);
+}
+
 TEST(ParseEnv, FirstSlurmHost) {
   EXPECT_EQ(first_slurm_host("node1"), "node1");
   EXPECT_EQ(first_slurm_host("host1,host2"), "host1");
