@@ -29,12 +29,23 @@
 #include "distributed/store.h"
 #include "tensor/tensor.h"
 
+namespace ember::cuda {
+class Event;
+}
+
 namespace ember::dist {
 
 enum class ReduceOp { Sum, Avg, Product, Min, Max };
 const char* to_string(ReduceOp op);
 
 /// A value (a list of tensors) that becomes available later, or an error.
+///
+/// CUDA values are stream-ordered (as c10d's CUDA futures): a backend may complete a future as
+/// soon as the work producing the value is queued on a stream, with CUDA events that mark when
+/// the value is ready on the device. Then wait() and value() make the calling thread's current
+/// stream wait for those events instead of blocking the CPU, and a then() callback runs with
+/// its current streams already waiting for them; the future it returns is ready after what the
+/// callback queued on those streams. CPU values carry no events.
 class Future : public std::enable_shared_from_this<Future> {
  public:
   Future() = default;
@@ -43,9 +54,14 @@ class Future : public std::enable_shared_from_this<Future> {
 
   bool completed() const;
   /// Blocks until completed (or timeout: DistTimeoutError naming `what`); rethrows the error.
+  /// Then makes the current stream of each ready event's device wait for it.
   void wait(std::optional<Duration> timeout = {});
+  /// Blocks until completed, like wait(), but leaves the streams alone.
+  void wait_host(std::optional<Duration> timeout = {});
   /// The value, after wait(); rethrows the error.
   const std::vector<Tensor>& value();
+  /// The CUDA events the value is ready after (empty: ready when completed).
+  std::vector<std::shared_ptr<cuda::Event>> ready_events() const;
   /// The error, or null (only meaningful once completed).
   std::exception_ptr exception() const;
 
@@ -56,8 +72,10 @@ class Future : public std::enable_shared_from_this<Future> {
   /// Runs callback(*this) when completed; exceptions it throws are swallowed after logging.
   void add_done_callback(std::function<void(Future&)> callback);
 
-  // For backends: complete the future (exactly once).
-  void set_value(std::vector<Tensor> value);
+  // For backends: complete the future (exactly once). `ready`: CUDA events recorded after the
+  // work that produces `value` was queued (see above).
+  void set_value(std::vector<Tensor> value,
+                 std::vector<std::shared_ptr<cuda::Event>> ready = {});
   void set_exception(std::exception_ptr error);
   /// A short description used in timeout errors (e.g. "allreduce #3 on rank 1 (gloo)").
   void set_description(std::string what);
@@ -68,6 +86,7 @@ class Future : public std::enable_shared_from_this<Future> {
   std::condition_variable cv_;
   bool completed_ = false;
   std::vector<Tensor> value_;
+  std::vector<std::shared_ptr<cuda::Event>> ready_;
   std::exception_ptr error_;
   std::string what_;
   std::vector<std::function<void(Future&)>> callbacks_;

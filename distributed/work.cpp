@@ -1,7 +1,10 @@
 // Future and Work: completion, callbacks and timeouts shared by every backend.
+#include <algorithm>
 #include <cstdio>
 
 #include "distributed/process_group.h"
+
+#include "tensor/cuda.h"
 
 namespace ember::dist {
 
@@ -23,7 +26,35 @@ bool Future::completed() const {
   return completed_;
 }
 
+namespace {
+using Events = std::vector<std::shared_ptr<cuda::Event>>;
+
+void block_current_streams(const Events& ready) {
+  for (const auto& e : ready) e->block(cuda::current_stream(e->device()));
+}
+
+/// Events recorded on the current streams of the devices of `after`: what a callback queued
+/// there, ordered after `after`, is done when they pass.
+Events record_current_streams(const Events& after) {
+  Events out;
+  std::vector<int> seen;
+  for (const auto& e : after) {
+    if (std::find(seen.begin(), seen.end(), e->device()) != seen.end()) continue;
+    seen.push_back(e->device());
+    auto next = std::make_shared<cuda::Event>();
+    next->record(cuda::current_stream(e->device()));
+    out.push_back(std::move(next));
+  }
+  return out;
+}
+}  // namespace
+
 void Future::wait(std::optional<Duration> timeout) {
+  wait_host(timeout);
+  block_current_streams(ready_events());
+}
+
+void Future::wait_host(std::optional<Duration> timeout) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (timeout) {
     if (!cv_.wait_for(lock, *timeout, [&] { return completed_; })) {
@@ -39,6 +70,11 @@ void Future::wait(std::optional<Duration> timeout) {
 const std::vector<Tensor>& Future::value() {
   wait();
   return value_;
+}
+
+Events Future::ready_events() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return ready_;
 }
 
 std::exception_ptr Future::exception() const {
@@ -61,9 +97,10 @@ void Future::complete(std::unique_lock<std::mutex>& lock) {
   for (auto& cb : callbacks) cb(*this);
 }
 
-void Future::set_value(std::vector<Tensor> value) {
+void Future::set_value(std::vector<Tensor> value, Events ready) {
   std::unique_lock<std::mutex> lock(mutex_);
   value_ = std::move(value);
+  ready_ = std::move(ready);
   complete(lock);
 }
 
@@ -98,7 +135,10 @@ std::shared_ptr<Future> Future::then(std::function<std::vector<Tensor>(Future&)>
   }
   add_done_callback([next, cb = std::move(callback)](Future& f) {
     try {
-      next->set_value(cb(f));
+      const Events ready = f.ready_events();
+      block_current_streams(ready);
+      std::vector<Tensor> out = cb(f);
+      next->set_value(std::move(out), record_current_streams(ready));
     } catch (...) {
       next->set_exception(std::current_exception());
     }

@@ -74,6 +74,8 @@ class Event {
   bool query() const;
   /// Milliseconds between two recorded timing events.
   float elapsed_ms(const Event& end) const;
+  /// The device of the stream it was last recorded on.
+  int device() const { return device_; }
 
  private:
   void* handle_ = nullptr;
