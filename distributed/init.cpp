@@ -1,9 +1,6 @@
 // init_process_group, the default group and new_group.
 #include "distributed/init.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +9,7 @@
 
 #include "distributed/file_store.h"
 #include "distributed/hash_store.h"
+#include "distributed/net.h"
 #include "distributed/prefix_store.h"
 #include "distributed/process_group_gloo.h"
 #include "distributed/process_group_mpi.h"
@@ -24,34 +22,8 @@ namespace ember::dist {
 
 namespace {
 
-bool is_loopback(const std::string& host) {
-  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
-}
-
-// This machine's address on the route to `host` ("" if there is none): a UDP socket
-// connected to it (connect sends nothing) is bound by the kernel to the outgoing interface.
-std::string local_address_towards(const std::string& host) {
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* res = nullptr;
-  if (::getaddrinfo(host.c_str(), "9", &hints, &res) != 0 || res == nullptr) return {};
-  std::string out;
-  const int fd = ::socket(res->ai_family, SOCK_DGRAM, 0);
-  if (fd >= 0 && ::connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
-    sockaddr_storage local{};
-    socklen_t len = sizeof(local);
-    char buf[INET6_ADDRSTRLEN] = {};
-    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
-      const void* a = local.ss_family == AF_INET
-                          ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
-                          : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
-      if (::inet_ntop(local.ss_family, a, buf, sizeof(buf)) != nullptr) out = buf;
-    }
-  }
-  if (fd >= 0) ::close(fd);
-  ::freeaddrinfo(res);
-  return out;
-}
+using net::is_loopback;
+using net::local_address_towards;
 
 int parse_int(const std::string& name, const std::string& value, int lo, int hi,
               const std::string& found) {

@@ -14,6 +14,8 @@
 #include <thread>
 
 #include "distributed/init.h"
+#include "distributed/net.h"
+#include "distributed/debug.h"
 #include "tensor/cuda/check.h"
 #include "tensor/ops.h"
 
@@ -140,19 +142,44 @@ void mark_used(const Tensor& t, const cuda::Stream& s) {
 int choose_device(const ProcessGroupNccl::NcclOptions& o, int rank, int count) {
   if (o.device >= 0) {
     EMBER_CHECK(o.device < count, "[nccl] rank ", rank, ": device ", o.device,
-                " does not exist (this machine has ", count, " CUDA devices)");
+                " does not exist (this process sees ", count, " CUDA devices)");
     return o.device;
   }
   EMBER_CHECK(o.device == -1, "[nccl] rank ", rank, ": device must be >= 0, or -1 to choose, got ",
               o.device);
-  if (const char* lr = std::getenv("LOCAL_RANK"); lr != nullptr && *lr) {
+  if (local_rank().has_value()) return local_cuda_device();
+  // No launcher said which rank of the node this is: one process per GPU on one node.
+  EMBER_CHECK(rank < count, "[nccl] rank ", rank, ": no local rank in the environment (LOCAL_RANK, "
+              "OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID) and group rank ", rank,
+              " is not below the ", count, " CUDA devices this process sees; pass "
+              "NcclOptions::device or launch with emberrun, mpirun or srun");
+  return rank;
+}
+
+Duration init_timeout_of(const ProcessGroupNccl::NcclOptions& o) {
+  if (o.init_timeout) return *o.init_timeout;
+  if (const char* t = std::getenv("EMBER_NCCL_INIT_TIMEOUT"); t != nullptr && *t) {
     char* end = nullptr;
-    const long v = std::strtol(lr, &end, 10);
-    EMBER_CHECK(*end == '\0' && v >= 0, "[nccl] rank ", rank,
-                ": LOCAL_RANK must be a non-negative integer, got '", lr, "'");
-    return static_cast<int>(v % count);
+    const long v = std::strtol(t, &end, 10);
+    EMBER_CHECK(*end == '\0' && v >= 1 && v <= 7 * 24 * 3600, "[nccl] EMBER_NCCL_INIT_TIMEOUT='",
+                t, "' is not a whole number of seconds in [1, 604800]");
+    return std::chrono::seconds(v);
   }
-  return rank % count;
+  return std::min<Duration>(o.timeout, std::chrono::minutes(5));
+}
+
+/// The network NCCL was told to use, for errors and the debug log: "NCCL_SOCKET_IFNAME=eth0
+/// (10.1.2.3), MASTER_ADDR=10.1.2.1".
+std::string network_summary() {
+  const char* ifname = std::getenv("NCCL_SOCKET_IFNAME");
+  const char* master = std::getenv("MASTER_ADDR");
+  std::string s = ifname != nullptr && *ifname
+                      ? detail::str_cat("NCCL_SOCKET_IFNAME=", ifname, " (",
+                                        net::addresses_of(ifname[0] == '=' ? ifname + 1 : ifname),
+                                        ")")
+                      : std::string("NCCL_SOCKET_IFNAME unset (NCCL picks an interface)");
+  if (master != nullptr && *master) s += detail::str_cat(", MASTER_ADDR=", master);
+  return s;
 }
 
 /// The Work of one NCCL operation: wait() blocks the CPU until the watchdog completes it, then
@@ -212,8 +239,18 @@ class ProcessGroupNccl::Impl {
                                                 ": no CUDA device: ", cuda::unavailable_reason()));
     }
     device_ = choose_device(o, rank, count);
-    cuda::detail::DeviceGuard guard(device_);
+    // As torch.cuda.set_device in a training script: the tensors this rank makes without naming
+    // a device land on the group's GPU, and no context is created on any other.
+    cuda::set_device(device_);
     stream_ = cuda::Stream::create(device_);
+    const Duration init_timeout = init_timeout_of(o);
+    if (debug_level() != DebugLevel::Off) {
+      int version = 0;
+      ncclGetVersion(&version);
+      std::fprintf(stderr, "[nccl] rank %d of %d: NCCL %d.%d.%d on %s, %s\n", rank, size,
+                   version / 10000, version / 100 % 100, version % 100,
+                   cuda_device(device_).str().c_str(), network_summary().c_str());
+    }
 
     ncclUniqueId id;
     if (rank == 0) {
@@ -223,11 +260,11 @@ class ProcessGroupNccl::Impl {
     } else {
       Bytes b;
       try {
-        b = store->get(kUniqueIdKey, timeout_);
+        b = store->get(kUniqueIdKey, init_timeout);
       } catch (const DistTimeoutError& e) {
         throw DistTimeoutError(detail::str_cat("[nccl] rank ", rank, " of ", size,
                                                ": rank 0 did not publish its ncclUniqueId within ",
-                                               timeout_.count(), " ms: ", e.what()));
+                                               init_timeout.count(), " ms: ", e.what()));
       }
       if (b.size() != sizeof(id)) {
         throw DistBackendError(detail::str_cat(
@@ -242,20 +279,22 @@ class ProcessGroupNccl::Impl {
     config.blocking = 0;
     ncclComm_t comm = nullptr;
     ncclResult_t r = ncclCommInitRankConfig(&comm, size, id, rank, &config);
-    if (comm != nullptr) r = settle(comm, r, Clock::now() + timeout_);
+    if (comm != nullptr) r = settle(comm, r, Clock::now() + init_timeout);
     if (r == ncclInProgress) {
       ncclCommAbort(comm);
-      throw DistTimeoutError(
-          detail::str_cat("[nccl] rank ", rank, " of ", size, ": creating the communicator on ",
-                          cuda_device(device_), " did not complete within ", timeout_.count(),
-                          " ms (did every rank create the group?)"));
+      throw DistTimeoutError(detail::str_cat(
+          "[nccl] rank ", rank, " of ", size, ": creating the communicator on ",
+          cuda_device(device_), " did not complete within ", init_timeout.count(),
+          " ms (EMBER_NCCL_INIT_TIMEOUT); did every rank create the group, and can they reach "
+          "each other? ", network_summary()));
     }
     if (r != ncclSuccess) {
       const std::string msg = nccl_error(r, comm);
       if (comm != nullptr) ncclCommAbort(comm);
       throw DistBackendError(detail::str_cat("[nccl] rank ", rank, " of ", size,
                                              ": creating the communicator on ",
-                                             cuda_device(device_), " failed: ", msg));
+                                             cuda_device(device_), " failed: ", msg, "; ",
+                                             network_summary()));
     }
     comm_ = comm;
     watchdog_ = std::thread([this] { watch(); });
@@ -704,6 +743,12 @@ namespace {
 
 std::shared_ptr<ProcessGroup> make_nccl(const BackendArgs& a) {
   if (a.rank < 0) return nullptr;  // not a member of this group
+  // As gloo's set-up: unless the user chose, NCCL's sockets (its bootstrap, and its data when
+  // there is no InfiniBand) use the interface that reaches rank 0, not whichever NCCL guesses
+  // first (often a container bridge that the other nodes cannot reach). Set before rank 0
+  // makes its ncclUniqueId, which carries its bootstrap address.
+  const std::string ifname = net::nccl_socket_ifname(a.master_addr);
+  if (!ifname.empty()) ::setenv("NCCL_SOCKET_IFNAME", ifname.c_str(), 0);
   ProcessGroupNccl::NcclOptions o;
   o.timeout = a.timeout;
   return std::make_shared<ProcessGroupNccl>(a.store, a.rank, a.size, o);

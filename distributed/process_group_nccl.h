@@ -30,6 +30,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "distributed/process_group.h"
@@ -45,10 +46,18 @@ bool nccl_available();
 class ProcessGroupNccl : public ProcessGroup {
  public:
   struct NcclOptions {
-    /// Default timeout of every operation, and the limit on creating the communicator.
+    /// Default timeout of every operation.
     Duration timeout = kDefaultCollectiveTimeout;
-    /// The CUDA device of this rank. -1: LOCAL_RANK from the environment if set, else the
-    /// group rank, modulo the number of devices (torch's guess).
+    /// The limit on creating the communicator (rank 0's ncclUniqueId reaching every rank, and
+    /// every rank joining). Shorter than `timeout` by default: the rendezvous has already seen
+    /// every rank, so a creation that takes long means the ranks cannot reach each other over
+    /// the network NCCL chose, and the error names it. Unset: EMBER_NCCL_INIT_TIMEOUT (whole
+    /// seconds) when set, else the smaller of `timeout` and 5 minutes.
+    std::optional<Duration> init_timeout;
+    /// The CUDA device of this rank. -1: the local rank (dist::local_cuda_device(): LOCAL_RANK,
+    /// OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID or SLURM_LOCALID) when a launcher set one,
+    /// else the group rank; either way an error, not a shared GPU, when it is not below the
+    /// number of visible devices. The constructing thread's current device becomes it.
     int device = -1;
   };
 

@@ -1,7 +1,7 @@
 #include "launcher/config.h"
 
 #include <arpa/inet.h>
-#include <dirent.h>
+#include <dlfcn.h>
 #include <netinet/in.h>
 #include <sched.h>
 #include <sys/socket.h>
@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -28,15 +29,37 @@ int parse_int(const std::string& option, const std::string& value, int lo, int h
   return v;
 }
 
-int count_gpus() {
-  int n = 0;
-  if (DIR* d = opendir("/dev")) {
-    while (dirent* e = readdir(d)) {
-      const char* name = e->d_name;
-      if (std::strncmp(name, "nvidia", 6) == 0 && name[6] >= '0' && name[6] <= '9') ++n;
-    }
-    closedir(d);
+// The CUDA devices the workers will see (CUDA_VISIBLE_DEVICES honoured), counted by the driver
+// itself; 0, with the reason in *why, when there is none. The driver is loaded at run time so
+// that emberrun links no CUDA library (it also runs on login and CPU-only nodes). cuInit
+// creates no context, and the workers are new programs (exec), so they start CUDA afresh.
+int count_gpus(std::string* why) {
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* e = dlerror();
+    *why = std::string("no CUDA driver (") + (e != nullptr ? e : "libcuda.so.1 not found") + ")";
+    return 0;
   }
+  using Init = int (*)(unsigned);
+  using Count = int (*)(int*);
+  using Name = int (*)(int, const char**);
+  auto init = reinterpret_cast<Init>(dlsym(lib, "cuInit"));
+  auto count = reinterpret_cast<Count>(dlsym(lib, "cuDeviceGetCount"));
+  auto name = reinterpret_cast<Name>(dlsym(lib, "cuGetErrorName"));
+  if (init == nullptr || count == nullptr) {
+    *why = "libcuda.so.1 has no cuInit or cuDeviceGetCount";
+    return 0;
+  }
+  int n = 0;
+  int r = init(0);
+  if (r == 0) r = count(&n);
+  if (r != 0) {
+    const char* text = nullptr;
+    if (name == nullptr || name(r, &text) != 0 || text == nullptr) text = "unknown error";
+    *why = "the CUDA driver reports " + std::string(text) + " (" + std::to_string(r) + ")";
+    return 0;
+  }
+  if (n == 0) *why = "the CUDA driver sees no device";
   return n;
 }
 
@@ -221,9 +244,13 @@ void resolve_topology(const RawOptions& raw, LaunchConfig& c) {
   if (raw.nproc == "cpu") {
     c.nproc_per_node = available_cpus();
   } else if (raw.nproc == "gpu" || raw.nproc == "auto") {
-    int g = count_gpus();
+    std::string why;
+    const int g = count_gpus(&why);
     if (raw.nproc == "gpu" && g == 0) {
-      throw UsageError("--nproc-per-node gpu: no GPU found (/dev/nvidia<N>)");
+      const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+      throw UsageError("--nproc-per-node gpu: no GPU visible to this process: " + why +
+                       (visible != nullptr ? std::string(" (CUDA_VISIBLE_DEVICES=") + visible + ")"
+                                           : std::string()));
     }
     c.nproc_per_node = g > 0 ? g : available_cpus();
   } else {

@@ -19,6 +19,10 @@ bool is_built();
 const char* unavailable_reason();
 int current_device();
 void set_device(int index);
+/// Whether `device` has an active primary context (this process has used it), without creating
+/// one; false without a device. Device guards restore only such a device, as PyTorch's do, so a
+/// rank never makes a context (hundreds of MiB) on a GPU it does not use.
+bool has_context(int device);
 /// Waits for all work on the device (default: the current one).
 void synchronize(int device = -1);
 

@@ -20,8 +20,15 @@
     }                                                                                     \
   } while (0)
 
+namespace ember::cuda {
+bool has_context(int device);
+}
+
 namespace ember::cuda::detail {
-/// Sets the device for the scope and restores the previous one after.
+/// Sets the device for the scope and restores the previous one after, unless the previous one
+/// has no context yet: since CUDA 12 cudaSetDevice creates the primary context, so restoring
+/// device 0 in a rank that only ever used device 3 would cost every rank a context on GPU 0
+/// (PyTorch's guards skip it the same way). Work after the scope then stays on `device`.
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
@@ -30,7 +37,7 @@ class DeviceGuard {
     cur_ = device;
   }
   ~DeviceGuard() {
-    if (cur_ != prev_) cudaSetDevice(prev_);
+    if (cur_ != prev_ && has_context(prev_)) cudaSetDevice(prev_);
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;

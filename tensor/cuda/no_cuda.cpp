@@ -29,6 +29,7 @@ bool is_built() { return false; }
 const char* unavailable_reason() { return kReason; }
 int current_device() { return 0; }
 void set_device(int) { no_cuda("set_device"); }
+bool has_context(int) { return false; }
 void synchronize(int) { no_cuda("synchronize"); }
 Stream Stream::create(int, int) { no_cuda("Stream::create"); }
 void Stream::synchronize() const { no_cuda("Stream::synchronize"); }

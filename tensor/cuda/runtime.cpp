@@ -1,3 +1,4 @@
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <mutex>
@@ -49,6 +50,28 @@ int device_count() { return probe().count; }
 bool is_available() { return probe().count > 0; }
 bool is_built() { return true; }
 const char* unavailable_reason() { return probe().reason.c_str(); }
+
+bool has_context(int device) {
+  if (device < 0 || device >= device_count()) return false;
+  // Through the runtime's driver entry point, so that Ember links no driver library.
+  using GetState = CUresult (*)(CUdevice, unsigned int*, int*);
+  static const GetState get_state = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &fn, 12000,
+                                         cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return static_cast<GetState>(nullptr);
+    }
+    return reinterpret_cast<GetState>(fn);
+  }();
+  if (get_state == nullptr) return true;  // cannot tell: restore, as before CUDA 12
+  unsigned int flags = 0;
+  int active = 0;
+  if (get_state(static_cast<CUdevice>(device), &flags, &active) != CUDA_SUCCESS) return true;
+  return active != 0;
+}
 
 int current_device() {
   if (!is_available()) return 0;

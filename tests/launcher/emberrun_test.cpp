@@ -285,6 +285,16 @@ TEST(Emberrun, BadOptionsAreUsageErrors) {
   EXPECT_TRUE(contains(r.err, "max-restarts")) << describe(r);
 }
 
+// The GPUs are counted by the driver as the workers will see them, so hidden devices do not
+// count (a count of /dev/nvidia* would start a worker per GPU of the machine).
+TEST(Emberrun, GpuCountHonoursCudaVisibleDevices) {
+  Result r = run({"--nproc-per-node", "gpu", "prog"}, {"CUDA_VISIBLE_DEVICES="});
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_TRUE(contains(r.err, "--nproc-per-node gpu: no GPU visible to this process"))
+      << describe(r);
+  EXPECT_TRUE(contains(r.err, "CUDA_VISIBLE_DEVICES=)")) << describe(r);
+}
+
 TEST(Emberrun, MissingProgramAndHelp) {
   Result r = run({"/nonexistent/emberrun_test_program"});
   EXPECT_EQ(r.exit_code, 127) << describe(r);
