@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <future>
 #include <map>
 #include <numeric>
 #include <mutex>
@@ -774,6 +775,62 @@ TEST_P(Hooks, TopKUserHookExample) {
     }
     require(topk->error.size() >= 3, "one error per bucket");
     require_same_on_all_ranks(*pg, *model);
+  });
+}
+
+// Note [comm hook ordering]: a collective issued from a Future callback (then() or
+// add_done_callback()) is refused on every backend (ProcessGroup::next_op_label), naming the
+// backend, the collective and the rank and pointing at GradBucket::defer. It takes no sequence
+// number (nor a shared-memory ticket), so the ranks stay in step and the group keeps working.
+TEST_P(Hooks, CollectiveFromACallbackIsRefused) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam();
+  run_group(n, [n](std::shared_ptr<CountingGroup> pg, int rank) {
+    const std::string want = "[gloo] allreduce on rank " + std::to_string(rank) + " of " +
+                             std::to_string(n) +
+                             ": collectives cannot be issued from a Future callback";
+    auto check = [&](const std::string& where, const std::string& msg) {
+      require(msg.find(want) != std::string::npos &&
+                  msg.find("GradBucket::defer") != std::string::npos,
+              where + ": expected a refusal, got '" + msg + "'");
+    };
+    auto allreduce_from_callback = [pg] {
+      Tensor u = ones({3});
+      pg->allreduce(u, AllreduceOptions{});
+    };
+    Tensor t = ones({4});
+    auto next = pg->allreduce(t, AllreduceOptions{})->future()->then([=](Future&) {
+      allreduce_from_callback();
+      return std::vector<Tensor>{};
+    });
+    try {
+      next->wait(60s);
+      require(false, "then(): the collective was issued");
+    } catch (const ValueError& e) {
+      check("then()", e.what());
+    }
+    // add_done_callback swallows what a callback throws: this one reports what it caught.
+    auto caught = std::make_shared<std::promise<std::string>>();
+    WorkPtr second = pg->allreduce(t, AllreduceOptions{});
+    second->future()->add_done_callback([=](Future&) {
+      try {
+        allreduce_from_callback();
+        caught->set_value("(issued)");
+      } catch (const ValueError& e) {
+        caught->set_value(e.what());
+      }
+    });
+    std::future<std::string> got = caught->get_future();
+    require(got.wait_for(60s) == std::future_status::ready, "add_done_callback's callback never ran");
+    check("add_done_callback()", got.get());
+    second->wait();
+    // The group still works, and the refused calls took no place in its order.
+    pg->allreduce(t, AllreduceOptions{})->wait();
+    const double want_value = std::pow(static_cast<double>(n), 3);
+    for (double v : t.to_vector<float>()) {
+      require(v == want_value, "after the refusals: got " + std::to_string(v) + ", want " +
+                                   std::to_string(want_value));
+    }
   });
 }
 
