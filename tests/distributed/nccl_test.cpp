@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -21,6 +22,7 @@
 #include "distributed/file_store.h"
 #include "distributed/hash_store.h"
 #include "distributed/init.h"
+#include "distributed/powersgd.h"
 #include "distributed/prefix_store.h"
 #include "distributed/process_group_nccl.h"
 #include "tensor/cuda.h"
@@ -298,37 +300,41 @@ TEST(NcclWorldOne, CollectiveFromACallbackIsRefused) {
 }
 
 // The DDP check: at world size 1 a comm hook forces DDP through its communication path
-// (reducer.cpp: no hook and no bucket views skip it), and the last bucket's hook spins the
-// stream before its all-reduce. backward() must return while the spin still runs (nothing in
-// the step blocks the host on communication), with the right gradients once the device is done.
-TEST(NcclWorldOne, DdpBackwardDoesNotWaitForTheDevice) {
-  EMBER_REQUIRE_NCCL_DEVICE();
+// (reducer.cpp: without a hook or bucket views it skips it), and at step 2 the last bucket's
+// hook spins the stream before it communicates. backward() must return while the spin still
+// runs (nothing in the step, the hook's deferred rounds included, blocks the host on
+// communication), and the gradients must equal those of the same DDP and hook without the spin
+// (a missing stream wait would read them before the delayed collective wrote them).
+void expect_backward_does_not_wait(const std::function<CommHook()>& make_hook) {
   const Device gpu = cuda_device(0);
-  auto model = test::make_cnn(5);
-  model->to(gpu);
-  auto ref = test::make_cnn(5);
-  ref->to(gpu);
-  DDPOptions o;
-  o.bucket_cap_mb = o.first_bucket_cap_mb = 1e-6;  // one bucket per parameter
-  auto ddp = std::make_shared<DistributedDataParallel>(model, world_of_one(), o);
   struct Delay {
     bool on = false;
     std::shared_ptr<cuda::Event> spun;
   };
   auto delay = std::make_shared<Delay>();
-  ddp->register_comm_hook([delay](GradBucket& b) {
-    if (delay->on && b.is_last()) {
-      cuda::spin(kSpinCycles);
-      delay->spun = std::make_shared<cuda::Event>();
-      delay->spun->record();
-    }
-    return allreduce_hook(b);
-  });
+  auto make = [&](bool delayed) {
+    auto model = test::make_cnn(5);
+    model->to(gpu);
+    DDPOptions o;
+    o.bucket_cap_mb = o.first_bucket_cap_mb = 1e-6;  // one bucket per parameter
+    auto ddp = std::make_shared<DistributedDataParallel>(model, world_of_one(), o);
+    ddp->register_comm_hook([delay, delayed, hook = make_hook()](GradBucket& b) {
+      if (delayed && delay->on && b.is_last()) {
+        cuda::spin(kSpinCycles);
+        delay->spun = std::make_shared<cuda::Event>();
+        delay->spun->record();
+      }
+      return hook(b);
+    });
+    return std::make_pair(model, ddp);
+  };
+  auto [model, ddp] = make(true);
+  auto [ref_model, ref] = make(false);
   for (int step = 0; step < 3; ++step) {  // the buckets are rebuilt before step 1
     SCOPED_TRACE("step " + std::to_string(step));
     const test::Batch b = test::to_device(test::cnn_batch(70 + step, 6), gpu);
     model->zero_grad();
-    ref->zero_grad();
+    ref_model->zero_grad();
     cuda::synchronize(0);
     delay->on = step == 2;
     test::loss_of(*ddp, b).backward();
@@ -340,16 +346,31 @@ TEST(NcclWorldOne, DdpBackwardDoesNotWaitForTheDevice) {
     }
     test::loss_of(*ref, b).backward();
     cuda::synchronize(0);
-    const auto a = model->named_parameters();
-    const auto r = ref->named_parameters();
-    for (size_t i = 0; i < a.size(); ++i) {
+    const auto got = model->named_parameters();
+    const auto want = ref_model->named_parameters();
+    for (size_t i = 0; i < got.size(); ++i) {
       try {
-        test::require_close(a[i].first, a[i].second.grad(), r[i].second.grad(), 1e-5);
+        test::require_close(got[i].first, got[i].second.grad(), want[i].second.grad(), 1e-6);
       } catch (const std::exception& e) {
         ADD_FAILURE() << e.what();
       }
     }
   }
+}
+
+TEST(NcclWorldOne, DdpBackwardDoesNotWaitForTheDevice) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  expect_backward_does_not_wait([] { return CommHook(allreduce_hook); });
+}
+
+// PowerSGD's rounds (GradBucket::defer) chain on the stream: no round blocks the host.
+TEST(NcclWorldOne, DdpPowerSGDBackwardDoesNotWaitForTheDevice) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  expect_backward_does_not_wait([] {
+    PowerSGDOptions o;
+    o.start_powerSGD_iter = 0;  // compress from the first step
+    return bind_hook(std::make_shared<PowerSGDState>(o), powersgd_hook);
+  });
 }
 
 // Writes queued on the caller's stream before the call are seen by the collective, and
