@@ -114,13 +114,15 @@ struct PendingCheck {
   std::shared_ptr<cuda::Event> copied;
 };
 
+// Never destroyed: at exit, checks still queued would free pinned memory and events after the
+// allocator and the CUDA runtime are gone.
 std::mutex& pending_mutex() {
-  static std::mutex mu;
-  return mu;
+  static auto* mu = new std::mutex;
+  return *mu;
 }
 std::deque<PendingCheck>& pending_checks() {
-  static std::deque<PendingCheck> checks;
-  return checks;
+  static auto* checks = new std::deque<PendingCheck>;
+  return *checks;
 }
 
 // Reads every slot whose copy has completed, without waiting for the others; throws the first
