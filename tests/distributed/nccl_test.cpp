@@ -279,6 +279,34 @@ TEST(NcclWorldOne, ThenCallbackIsOrderedAfterTheCollective) {
   EXPECT_TRUE(w->is_success());
 }
 
+// The two waits that block the host until the device is done: wait(timeout) given an explicit
+// timeout (DistTimeoutError when it passes first, the collective staying queued) and barrier()'s.
+TEST(NcclWorldOne, ExplicitTimeoutAndBarrierWaitOnTheHost) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  auto pg = world_of_one();
+  Tensor t = make(seq(4, 1), kFloat32, 0);
+  cuda::synchronize(0);
+  cuda::spin(kSpinCycles);
+  cuda::Event spun;
+  spun.record();
+  WorkPtr w = pg->allreduce(t);
+  test::expect_error<DistTimeoutError>(
+      [&] { w->wait(1ms); },
+      {"[nccl] allreduce #0 on rank 0 of 1 timed out after 1 ms (still running on the device)"});
+  EXPECT_FALSE(w->is_completed());
+  EXPECT_TRUE(w->wait(120s));
+  EXPECT_TRUE(spun.query()) << "wait(timeout) returned before the device got there";
+  EXPECT_TRUE(w->is_completed());
+  EXPECT_TRUE(w->is_success());
+  EXPECT_EQ(differs(t, seq(4, 1)), "");
+
+  cuda::spin(kSpinCycles);
+  cuda::Event spun_again;
+  spun_again.record();
+  pg->barrier()->wait();
+  EXPECT_TRUE(spun_again.query()) << "barrier()'s wait() returned before the device got there";
+}
+
 // Note [comm hook ordering]: a collective issued from a Future callback is refused (without
 // taking a sequence number), naming the backend, collective and rank.
 TEST(NcclWorldOne, CollectiveFromACallbackIsRefused) {
