@@ -358,9 +358,9 @@ class ProcessGroupNccl::Impl {
     watchdog_ = std::thread([this] { watch(); });
   }
 
-  // The watchdog runs no user code and holds no reference to the group (Future callbacks run
-  // on the threads that issue collectives), so this never runs on it.
   ~Impl() {
+    // The watchdog runs no user code and holds no reference to the group (Future callbacks run
+    // on the threads that issue collectives), so this never runs on it.
     const auto limit = Clock::now() + std::min<Duration>(timeout_, kDestroyLimit);
     std::deque<std::shared_ptr<Pending>> left;
     {
@@ -372,10 +372,11 @@ class ProcessGroupNccl::Impl {
     cv_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
     if (!left.empty()) {
-      failure_->record(detail::str_cat("[nccl] rank ", rank_, " of ", size_,
-                                       ": the process group was destroyed while ", left.front()->what,
-                                       " was still running (the communicator was aborted)"),
-                       "", nullptr);
+      failure_->record(
+          detail::str_cat("[nccl] rank ", rank_, " of ", size_,
+                          ": the process group was destroyed while ", left.front()->what,
+                          " was still running (the communicator was aborted)"),
+          "", nullptr);
     }
     {
       std::lock_guard<std::mutex> cl(comm_mu_);

@@ -827,7 +827,8 @@ TEST_P(Hooks, CollectiveFromACallbackIsRefused) {
       }
     });
     std::future<std::string> got = caught->get_future();
-    require(got.wait_for(60s) == std::future_status::ready, "add_done_callback's callback never ran");
+    require(got.wait_for(60s) == std::future_status::ready,
+            "add_done_callback's callback never ran");
     check("add_done_callback()", got.get());
     second->wait();
     // The group still works, and the refused calls took no place in its order.

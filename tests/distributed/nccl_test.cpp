@@ -259,7 +259,8 @@ TEST(NcclWorldOne, ThenCallbackIsOrderedAfterTheCollective) {
     spun->record();
     w = pg->allgather_into_tensor(out, in);
   }
-  EXPECT_TRUE(w->future()->completed()) << "the Future should complete once the collective is queued";
+  EXPECT_TRUE(w->future()->completed())
+      << "the Future should complete once the collective is queued";
   EXPECT_FALSE(spun->query()) << "the spin finished before the host got here: lengthen it";
   EXPECT_FALSE(w->is_completed()) << "is_completed() is completion on the device";
   std::shared_ptr<Future> doubled;
@@ -700,7 +701,8 @@ void child_timeout(ProcessGroupNccl& pg, int rank, Store& store) {
   test::expect_error<DistBackendError>([&] { pg.allreduce(t); },
                                        {"[nccl] allreduce #2 on rank 0 of 2 failed: the group is "
                                         "unusable after an earlier failure: ", timed_out});
-  test::expect_error<DistBackendError>([&] { pg.barrier(); }, {"unusable after an earlier failure"});
+  test::expect_error<DistBackendError>([&] { pg.barrier(); },
+                                       {"unusable after an earlier failure"});
   store.set("rank0_done", Bytes{1});
 }
 

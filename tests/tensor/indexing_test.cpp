@@ -594,7 +594,9 @@ TEST(IndexingCuda, MatchesCpu) {
 // gather and scatter_add (cross_entropy's forward and backward) queue their bounds checks
 // instead of waiting for the device: they return while a spin queued before them still runs.
 TEST(IndexingCuda, BoundsChecksDoNotWaitForTheDevice) {
-  if (!ember::cuda::is_available()) GTEST_SKIP() << "no CUDA device: " << ember::cuda::unavailable_reason();
+  if (!ember::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device: " << ember::cuda::unavailable_reason();
+  }
   const Device dev("cuda");
   const Tensor src = arange(6).to(kFloat32).to(dev);
   const Tensor idx = tensor({5, 0, 2}).to(dev);
