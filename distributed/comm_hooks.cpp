@@ -24,7 +24,7 @@ void forward_to(const std::shared_ptr<Future>& from, std::shared_ptr<Future> res
     if (auto e = f.exception()) {
       result->set_exception(e);
     } else {
-      result->set_value(f.value());
+      result->set_value(f.value(), f.ready_events());  // still stream-ordered
     }
   });
 }

@@ -11,22 +11,50 @@
 #include "distributed/reducer.h"
 #include "tensor/creation.h"
 #include "tensor/grad_mode.h"
+#include "tensor/ops.h"
 
 namespace ember::detail {
 
+// Note [coalesced broadcast]: DDP's parameters at construction and its buffers before every
+// training forward go out as one broadcast per (dtype, device), packed into one flat buffer
+// (c10d's _sync_module_states broadcasts coalesced buckets too), not one broadcast and one
+// wait per tensor. Every rank groups the same way: the model is the same on every rank. The
+// waits are the backend's: NCCL's only order the current stream after the broadcast, so the
+// copies back are queued without the host waiting; gloo's block the CPU, as copying back from a
+// CPU buffer needs anyway.
 void broadcast_tensors(dist::ProcessGroup& pg, const std::vector<Tensor>& tensors, int root) {
   if (pg.size() == 1) return;
   NoGradGuard no_grad;
+  std::vector<std::vector<Tensor>> groups;  // by (dtype, device), in order of first appearance
+  for (const Tensor& t : tensors) {
+    if (t.numel() == 0) continue;
+    auto same = [&](const std::vector<Tensor>& g) {
+      return g.front().dtype() == t.dtype() && g.front().device() == t.device();
+    };
+    auto it = std::find_if(groups.begin(), groups.end(), same);
+    if (it == groups.end()) {
+      groups.push_back({t.detach()});
+    } else {
+      it->push_back(t.detach());
+    }
+  }
   dist::BroadcastOptions o;
   o.root = root;
-  for (const Tensor& t : tensors) {
-    Tensor d = t.detach();
-    if (d.is_contiguous()) {
-      pg.broadcast(d, o)->wait();
-    } else {
-      Tensor c = d.contiguous();
-      pg.broadcast(c, o)->wait();
-      d.copy_(c);
+  std::vector<Tensor> flats;
+  std::vector<dist::WorkPtr> works;
+  for (const auto& g : groups) {
+    std::vector<Tensor> parts;
+    for (const Tensor& t : g) parts.push_back(t.reshape({-1}));
+    flats.push_back(cat(parts, 0));
+    works.push_back(pg.broadcast(flats.back(), o));
+  }
+  for (size_t i = 0; i < groups.size(); ++i) {
+    works[i]->wait();
+    if (pg.rank() == root) continue;  // its tensors already hold the values
+    int64_t at = 0;
+    for (Tensor& t : groups[i]) {
+      t.copy_(flats[i].narrow(0, at, t.numel()).view(t.shape()));
+      at += t.numel();
     }
   }
 }

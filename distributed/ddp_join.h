@@ -10,8 +10,9 @@
 
 namespace ember::detail {
 
-/// Broadcasts `tensors` from `root` in place (non-contiguous ones through a copy); nothing at
-/// world size 1. DDP's construction and join() use it.
+/// Broadcasts `tensors` from `root` in place, one broadcast per (dtype, device) with the
+/// tensors packed together (Note [coalesced broadcast] in ddp.cpp); nothing at world size 1.
+/// DDP's construction, its buffer sync before a training forward, and join() use it.
 void broadcast_tensors(dist::ProcessGroup& pg, const std::vector<Tensor>& tensors, int root = 0);
 
 /// One round of join()'s all-reduce: who still has data, and what their iteration does.

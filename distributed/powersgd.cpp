@@ -8,6 +8,9 @@
 //      each P, Q = M^T P, all-reduce the Qs;
 //   3. deferred (next round): M = P Q^T / world, error = M_in - M, keep Q for the warm start.
 // Stage 3 issues no collective but mutates the state, so it stays on DDP's thread too.
+// Over NCCL the stages are chained on the stream (Note [NCCL stream-ordered work]): a deferred
+// step's wait for the previous all-reduce orders DDP's current stream after it, and nothing in
+// the stages reads a value back to the host, so no round blocks the CPU.
 #include "distributed/powersgd.h"
 
 #include <algorithm>
@@ -72,7 +75,10 @@ void orthogonalize(Tensor m, double eps) {
 Tensor random_q(int64_t rows, int64_t rank, const Tensor& like, uint64_t seed, uint64_t key,
                 uint64_t iteration) {
   Generator gen(splitmix64(seed ^ splitmix64(key ^ splitmix64(iteration))));
-  return randn({rows, rank}, TensorOptions(kFloat32), &gen).to(like.device()).to(like.dtype());
+  // Drawn on like's device (CPU and CUDA draw the same values for a seed): a copy from the host
+  // would block the CPU until the stream reaches it.
+  return randn({rows, rank}, TensorOptions(kFloat32).device(like.device()), &gen)
+      .to(like.dtype());
 }
 
 // `map[key]` converted to `like`'s dtype and device if it has `shape`, else undefined.

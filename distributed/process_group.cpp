@@ -3,26 +3,55 @@
 // where they have them; these keep the semantics and the error reporting of the parts.
 #include "distributed/process_group.h"
 
+#include "tensor/cuda.h"
 #include "tensor/ops.h"
 
 namespace ember::dist {
 
+namespace {
+
+// chain_work's Work: its future is a then() of inner's, so the copy-backs are stream-ordered
+// after inner's CUDA work, and wait() orders the caller after the copy-backs. Completion and
+// errors also come from inner, whose backend may learn of a failure after its future completed
+// (NCCL completes futures when the collective is queued).
+class ChainedWork : public Work {
+ public:
+  ChainedWork(const WorkPtr& inner, const char* name, std::function<std::vector<Tensor>()> finish)
+      : Work(detail::str_cat(inner->describe(), " (for ", name, ")"), inner->timeout()),
+        inner_(inner) {
+    future_ = inner->future()->then([finish = std::move(finish)](Future& f) {
+      if (std::exception_ptr e = f.exception()) std::rethrow_exception(e);
+      return finish();
+    });
+    future_->set_description(what_);
+  }
+
+  bool wait(std::optional<Duration> timeout) override {
+    inner_->wait(timeout);
+    future_->wait(timeout.value_or(timeout_));
+    return true;
+  }
+  bool is_completed() const override {
+    if (!inner_->is_completed() || !future_->completed()) return false;
+    for (const auto& e : future_->ready_events()) {
+      if (!e->query()) return false;
+    }
+    return true;
+  }
+  std::exception_ptr exception() const override {
+    if (std::exception_ptr e = inner_->exception()) return e;
+    return future_->exception();
+  }
+
+ private:
+  WorkPtr inner_;
+};
+
+}  // namespace
+
 WorkPtr chain_work(const WorkPtr& inner, const char* name,
                    std::function<std::vector<Tensor>()> finish) {
-  auto w = std::make_shared<Work>(detail::str_cat(inner->describe(), " (for ", name, ")"),
-                                  inner->timeout());
-  inner->future()->add_done_callback([w, finish = std::move(finish)](Future& f) {
-    if (std::exception_ptr e = f.exception()) {
-      w->finish_with_error(e);
-      return;
-    }
-    try {
-      w->finish(finish());
-    } catch (...) {
-      w->finish_with_error(std::current_exception());
-    }
-  });
-  return w;
+  return std::make_shared<ChainedWork>(inner, name, std::move(finish));
 }
 
 namespace {

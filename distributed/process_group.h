@@ -1,9 +1,11 @@
 // ProcessGroup: collectives among the ranks of a group (torch.distributed's c10d ProcessGroup).
 //
 // Every collective is asynchronous: it returns a Work handle at once, and the operation runs
-// on the backend's own threads (gloo, MPI) or stream (NCCL). Work::wait() blocks until it is
-// done or its timeout passes; Work::future() gives a Future whose then() callbacks run when it
-// completes (DistributedDataParallel's communication hooks chain on it).
+// on the backend's own threads (gloo, MPI) or stream (NCCL). Work::wait() waits until it is
+// done or its timeout passes (on the CPU for gloo and MPI; NCCL orders the caller's current
+// stream after it instead, see process_group_nccl.h); Work::future() gives a Future whose
+// then() callbacks run when it completes (DistributedDataParallel's communication hooks chain
+// on it).
 //
 // Tensors passed to a collective must stay alive and unmodified until its Work completes;
 // results are written into the given output tensors (in place for allreduce and broadcast).
@@ -11,7 +13,11 @@
 // on rank 3 of 4 timed out after 30000 ms".
 //
 // Threads: collectives must be issued in the same order on every rank; issuing from several
-// threads at once is not supported (as in c10d).
+// threads at once is not supported (as in c10d). Issuing one from inside a Future callback
+// (then(), add_done_callback()) is refused with ValueError: a callback runs on whichever thread
+// completes the future, at a time that differs between ranks, so the ranks' collective orders
+// could differ (a hang or wrong results). A communication hook that needs a second collective
+// uses GradBucket::defer, which runs it on the thread that issues DDP's collectives.
 #pragma once
 
 #include <chrono>
@@ -68,6 +74,7 @@ class Future : public std::enable_shared_from_this<Future> {
   /// Runs `callback(*this)` once this future completes (at once if it has), on the thread that
   /// completes it; returns a future completed with the callback's result, or with the
   /// exception it throws (or this future's, which the callback sees when it calls value()).
+  /// Callbacks must not issue collectives (see the file comment; ProcessGroup refuses them).
   std::shared_ptr<Future> then(std::function<std::vector<Tensor>(Future&)> callback);
   /// Runs callback(*this) when completed; exceptions it throws are swallowed after logging.
   void add_done_callback(std::function<void(Future&)> callback);
@@ -101,12 +108,16 @@ class Work {
   Work(const Work&) = delete;
   Work& operator=(const Work&) = delete;
 
-  bool is_completed() const { return future_->completed(); }
-  bool is_success() const { return is_completed() && !future_->exception(); }
-  std::exception_ptr exception() const { return future_->exception(); }
-  /// Blocks until done; throws the collective's error, or DistTimeoutError (naming backend,
+  /// Whether the collective is done (NCCL: on the device, as c10d's isCompleted), or failed.
+  virtual bool is_completed() const { return future_->completed(); }
+  bool is_success() const { return is_completed() && !exception(); }
+  /// The collective's error, or null (NCCL: also the group's failure, see
+  /// process_group_nccl.h).
+  virtual std::exception_ptr exception() const { return future_->exception(); }
+  /// Waits until done; throws the collective's error, or DistTimeoutError (naming backend,
   /// collective, sequence number, rank and timeout) if it does not finish within `timeout`
-  /// (default: the group's or the call's timeout). Returns true on success.
+  /// (default: the group's or the call's timeout). Returns true on success. gloo and MPI block
+  /// the CPU; NCCL makes the caller's current stream wait instead (process_group_nccl.h).
   virtual bool wait(std::optional<Duration> timeout = {});
   /// Completes with the collective's output tensors.
   std::shared_ptr<Future> future() const { return future_; }
@@ -127,9 +138,11 @@ class Work {
 
 using WorkPtr = std::shared_ptr<Work>;
 
-/// For backends: a Work that completes when `inner` does, with finish()'s outputs (finish runs
-/// on the thread that completes inner; its exception, or inner's error, fails the returned
-/// Work). `name` describes the outer operation in errors.
+/// For backends: a Work that completes when `inner` does, with finish()'s outputs. finish runs
+/// as a then() callback of inner's future: on the thread that completes it, with the current
+/// streams ordered after inner's CUDA work, so its copies are too (the returned Work's wait()
+/// orders the caller after them). Its exception, or inner's error, fails the returned Work;
+/// is_completed() and exception() also reflect inner's. `name` describes the outer operation.
 WorkPtr chain_work(const WorkPtr& inner, const char* name,
                    std::function<std::vector<Tensor>()> finish);
 
@@ -238,7 +251,9 @@ class ProcessGroup {
 
  protected:
   /// The label of the collective being issued, "[gloo] allreduce #12 on rank 3 of 4", for its
-  /// Work and errors; takes the next sequence number.
+  /// Work and errors; takes the next sequence number. Throws ValueError (naming the backend,
+  /// the collective and the rank; no sequence number taken) when called from inside a Future
+  /// callback: every collective passes here, so this refuses them for every backend.
   std::string next_op_label(const char* collective);
   /// Throws ValueError ("[gloo] reduce: root 5 is not a rank of this group of size 4") unless
   /// 0 <= root < size().

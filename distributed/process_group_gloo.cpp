@@ -524,6 +524,8 @@ WorkPtr ProcessGroupGloo::allreduce(Tensor& tensor, const AllreduceOptions& opts
   }
   check_tensor("allreduce", tensor);
   const uint32_t tag = static_cast<uint32_t>(seq_);
+  // Before the ticket: a refused collective (issued from a callback) must not take one.
+  std::string label = next_op_label("allreduce");
   const int n = size_;
   auto ctx = impl_->context();
   ember::detail::ShmAllreduce* shm = ctx && tensor.numel() > 0 ? impl_->shm() : nullptr;
@@ -531,7 +533,7 @@ WorkPtr ProcessGroupGloo::allreduce(Tensor& tensor, const AllreduceOptions& opts
   Tensor t = tensor;
   const ReduceOp op = opts.op;
   return impl_->submit(
-      next_op_label("allreduce"), timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
+      label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
         if (shm) {
           shm_allreduce(*shm, ticket, {t}, op, left);
           return std::vector<Tensor>{t};
@@ -568,11 +570,12 @@ WorkPtr ProcessGroupGloo::allreduce_coalesced(std::vector<Tensor>& tensors,
     check_tensor("allreduce_coalesced", t);
     total += t.numel();
   }
+  std::string label = next_op_label("allreduce_coalesced");  // before the ticket, as allreduce
   const uint64_t ticket = total > 0 ? shm->next_ticket() : 0;  // in issue order
   std::vector<Tensor> ts = tensors;
   const ReduceOp op = opts.op;
   return impl_->submit(
-      next_op_label("allreduce_coalesced"), timeout_of(opts.timeout),
+      label, timeout_of(opts.timeout),
       [=](std::chrono::milliseconds left) {
         if (total > 0) shm_allreduce(*shm, ticket, ts, op, left);
         return ts;

@@ -28,9 +28,15 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
-// How often the watchdog looks at the end events while work is pending. Work::wait and
-// Future callbacks see completion up to this late.
+// How often the watchdog looks at the end events while work is pending: how late it notices a
+// timeout or an asynchronous error. Works and Futures do not wait for it (see NcclWork).
 constexpr auto kPollInterval = 200us;
+// A blocking wait (barrier, or wait with an explicit timeout) polls the end event this often
+// once past its first spins: cudaEventSynchronize has no timeout.
+constexpr auto kHostPollInterval = 50us;
+// A barrier's wait() blocks this much longer than the group's deadline, so that the watchdog's
+// error (which says the communicator was aborted) reaches the caller rather than a bare timeout.
+constexpr Duration kBlockingGrace = 2s;
 // The destructor waits at most this long for queued work and for ncclCommFinalize.
 constexpr Duration kDestroyLimit = 60s;
 // Key of rank 0's ncclUniqueId in the group's (private) store.
@@ -182,42 +188,133 @@ std::string network_summary() {
   return s;
 }
 
-/// The Work of one NCCL operation: wait() blocks the CPU until the watchdog completes it, then
-/// orders the caller's current stream after the operation's end event (as c10d).
+/// The group's first failure (a timeout, an NCCL error, destruction with work queued), shared
+/// with its Works, which outlive the group: once recorded, every later collective and every
+/// Work's wait() throws it (Note [NCCL stream-ordered work]).
+class GroupFailure {
+ public:
+  /// Keeps the first failure only. `culprit`: the label of the collective that failed, whose
+  /// Work reports `error` itself; every other Work reports the reason.
+  void record(const std::string& reason, const std::string& culprit, std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!reason_.empty()) return;
+    reason_ = reason;
+    culprit_ = culprit;
+    error_ = std::move(error);
+  }
+  bool failed() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !reason_.empty();
+  }
+  /// The error a wait() of the collective labelled `what` (or a new one) throws; null if none.
+  std::exception_ptr error_for(const std::string& what) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (reason_.empty()) return nullptr;
+    if (what == culprit_ && error_) return error_;
+    return std::make_exception_ptr(DistBackendError(detail::str_cat(
+        what, " failed: the group is unusable after an earlier failure: ", reason_)));
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::string reason_;
+  std::string culprit_;
+  std::exception_ptr error_;
+};
+
+// Note [NCCL stream-ordered work]: as c10d's CUDA futures, a collective's Future is completed
+// as soon as the collective is queued, with its end event as the ready event: wait(), value()
+// and then() order the caller's current stream after the collective instead of blocking the
+// CPU, so DDP's backward, its buffer broadcast, SyncBatchNorm and PowerSGD never wait on the
+// host for communication. The watchdog only polls end events for timeouts and asynchronous
+// NCCL errors, aborts the communicator then, and records the failure (GroupFailure); errors
+// reach the user at the next collective or Work::wait(), which throw it. Work::is_completed()
+// is device completion (the end event has passed, c10d's isCompleted) or failure. Only
+// barrier() and a wait() given an explicit timeout block the CPU (until device completion).
+
+/// The Work of one NCCL operation (Note [NCCL stream-ordered work]).
 class NcclWork : public Work {
  public:
-  NcclWork(std::string what, Duration timeout, std::shared_ptr<cuda::Event> end, int device)
-      : Work(std::move(what), timeout), end_(std::move(end)), device_(device) {}
+  NcclWork(std::string what, Duration timeout, std::shared_ptr<cuda::Event> end, int device,
+           std::shared_ptr<const GroupFailure> failure, bool blocking)
+      : Work(std::move(what), timeout),
+        end_(std::move(end)),
+        device_(device),
+        failure_(std::move(failure)),
+        blocking_(blocking) {}
+
+  /// Called once the operation and its end event are queued: completes the Future.
+  void queued(std::vector<Tensor> outputs) { future_->set_value(std::move(outputs), {end_}); }
 
   bool wait(std::optional<Duration> timeout = {}) override {
     if (timeout) {
-      future_->wait(*timeout);
-    } else {
-      // A little longer than the watchdog's own deadline, so that its error (which says the
-      // communicator was aborted) reaches the caller rather than a bare timeout.
-      try {
-        future_->wait(timeout_ + 2s);
-      } catch (const DistTimeoutError&) {
-        if (future_->completed()) throw;
-        throw DistTimeoutError(
-            detail::str_cat(what_, " timed out after ", timeout_.count(), " ms"));
-      }
+      block_host(*timeout, *timeout);
+    } else if (blocking_) {
+      block_host(timeout_ + kBlockingGrace, timeout_);
     }
+    throw_if_failed();
     end_->block(cuda::current_stream(device_));
     return true;
   }
 
+  bool is_completed() const override {
+    if (failure_->failed()) return true;
+    try {
+      return end_->query();
+    } catch (const std::exception&) {
+      return true;  // failed on the device: exception() says how
+    }
+  }
+
+  std::exception_ptr exception() const override {
+    if (std::exception_ptr e = failure_->error_for(what_)) return e;
+    try {
+      (void)end_->query();
+    } catch (const std::exception& e) {
+      return std::make_exception_ptr(
+          DistBackendError(detail::str_cat(what_, " failed on the device: ", e.what())));
+    }
+    return nullptr;
+  }
+
  private:
+  void throw_if_failed() const {
+    if (std::exception_ptr e = exception()) std::rethrow_exception(e);
+  }
+
+  // Blocks the CPU until the operation has finished on the device or the group failed (then
+  // throws), or `limit` passes: DistTimeoutError saying `shown`. The collective stays queued:
+  // the watchdog aborts it at its own deadline.
+  void block_host(Duration limit, Duration shown) const {
+    const auto deadline = Clock::now() + limit;
+    for (int spins = 0;; ++spins) {
+      throw_if_failed();
+      if (end_->query()) return;
+      if (Clock::now() >= deadline) {
+        throw DistTimeoutError(detail::str_cat(what_, " timed out after ", shown.count(),
+                                               " ms (still running on the device)"));
+      }
+      if (spins < 100) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(kHostPollInterval);
+      }
+    }
+  }
+
   std::shared_ptr<cuda::Event> end_;
   int device_;
+  std::shared_ptr<const GroupFailure> failure_;
+  bool blocking_;
 };
 
+/// What the watchdog tracks of a queued operation until its end event passes.
 struct Pending {
-  std::shared_ptr<NcclWork> work;
+  std::string what;
+  Duration timeout;
   std::shared_ptr<cuda::Event> end;
   Clock::time_point deadline;
-  std::vector<Tensor> outputs;  // the Future's value
-  std::vector<Tensor> keep;     // kept alive until the operation ends (inputs, packed buffers)
+  std::vector<Tensor> keep;  // alive until the operation ends (outputs, inputs, packed buffers)
 };
 
 }  // namespace
@@ -301,25 +398,24 @@ class ProcessGroupNccl::Impl {
   }
 
   ~Impl() {
-    // The last reference to the group may be dropped by a Future callback, on the watchdog
-    // itself: it cannot wait for itself, and must not touch this object once it returns.
-    const bool on_watchdog = watchdog_.get_id() == std::this_thread::get_id();
-    if (on_watchdog) tl_destroyed_ = true;
+    // The watchdog runs no user code and holds no reference to the group (Future callbacks run
+    // on the threads that issue collectives), so this never runs on it.
     const auto limit = Clock::now() + std::min<Duration>(timeout_, kDestroyLimit);
     std::deque<std::shared_ptr<Pending>> left;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      if (!on_watchdog) cv_.wait_until(lock, limit, [&] { return pending_.empty(); });
+      cv_.wait_until(lock, limit, [&] { return pending_.empty(); });
       stop_ = true;
       left.swap(pending_);
     }
     cv_.notify_all();
-    if (watchdog_.joinable()) {
-      if (on_watchdog) {
-        watchdog_.detach();
-      } else {
-        watchdog_.join();
-      }
+    if (watchdog_.joinable()) watchdog_.join();
+    if (!left.empty()) {
+      failure_->record(
+          detail::str_cat("[nccl] rank ", rank_, " of ", size_,
+                          ": the process group was destroyed while ", left.front()->what,
+                          " was still running (the communicator was aborted)"),
+          "", nullptr);
     }
     {
       std::lock_guard<std::mutex> cl(comm_mu_);
@@ -337,30 +433,26 @@ class ProcessGroupNccl::Impl {
         comm_ = nullptr;
       }
     }
-    for (auto& p : left) {
-      p->work->finish_with_error(std::make_exception_ptr(DistBackendError(
-          detail::str_cat(p->work->describe(), " failed: the process group was destroyed"))));
-    }
+    // Dropped only now: the operations still queued were aborted with the communicator.
+    left.clear();
   }
 
   int device() const { return device_; }
   const cuda::Stream& stream() const { return stream_; }
 
   /// Runs enqueue on the group's stream after the caller's current stream's queued work; the
-  /// Work completes with `outputs` once the operation has finished on the device.
+  /// Work's Future completes with `outputs` once it is queued (Note [NCCL stream-ordered
+  /// work]). `blocking`: wait() also blocks the CPU until the device is done (barrier). Throws
+  /// the group's failure if it failed earlier, or this operation's if NCCL refuses it.
   WorkPtr launch(const std::string& what, Duration timeout, std::vector<Tensor> outputs,
-                 std::vector<Tensor> keep, const Enqueue& enqueue) {
-    auto end = std::make_shared<cuda::Event>();
-    auto work = std::make_shared<NcclWork>(what, timeout, end, device_);
+                 std::vector<Tensor> keep, const Enqueue& enqueue, bool blocking = false) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       EMBER_CHECK(!stop_, what, ": the process group is being destroyed");
-      if (!broken_.empty()) {
-        work->finish_with_error(std::make_exception_ptr(DistBackendError(detail::str_cat(
-            what, " failed: the group is unusable after an earlier failure: ", broken_))));
-        return work;
-      }
     }
+    if (std::exception_ptr e = failure_->error_for(what)) std::rethrow_exception(e);
+    auto end = std::make_shared<cuda::Event>();
+    auto work = std::make_shared<NcclWork>(what, timeout, end, device_, failure_, blocking);
     cuda::detail::DeviceGuard guard(device_);
     {
       cuda::Event start;
@@ -369,12 +461,9 @@ class ProcessGroupNccl::Impl {
     }
     {
       std::unique_lock<std::mutex> cl(comm_mu_);
-      if (comm_ == nullptr) {
+      if (comm_ == nullptr) {  // aborted since the check above
         cl.unlock();
-        std::lock_guard<std::mutex> lock(mu_);
-        work->finish_with_error(std::make_exception_ptr(DistBackendError(detail::str_cat(
-            what, " failed: the group is unusable after an earlier failure: ", broken_))));
-        return work;
+        std::rethrow_exception(failure_->error_for(what));
       }
       const ncclResult_t r = settle(comm_, enqueue(comm_, cuda::detail::raw(stream_.handle())),
                                     Clock::now() + timeout);
@@ -390,21 +479,23 @@ class ProcessGroupNccl::Impl {
         std::exception_ptr e = r == ncclInProgress
                                    ? std::make_exception_ptr(DistTimeoutError(reason))
                                    : std::make_exception_ptr(DistBackendError(reason));
-        abort_all(reason);
-        work->finish_with_error(e);
-        return work;
+        abort_all(reason, what, e);
+        std::rethrow_exception(e);
       }
     }
     end->record(stream_);
+    // Before the Work is returned: once the caller has it, it may drop the tensors at once.
     for (const Tensor& t : outputs) mark_used(t, stream_);
     for (const Tensor& t : keep) mark_used(t, stream_);
+    keep.insert(keep.end(), outputs.begin(), outputs.end());
     auto p = std::make_shared<Pending>(
-        Pending{work, end, Clock::now() + timeout, std::move(outputs), std::move(keep)});
+        Pending{what, timeout, end, Clock::now() + timeout, std::move(keep)});
     {
       std::lock_guard<std::mutex> lock(mu_);
       pending_.push_back(std::move(p));
     }
     cv_.notify_all();
+    work->queued(std::move(outputs));
     return work;
   }
 
@@ -416,10 +507,11 @@ class ProcessGroupNccl::Impl {
     }
   }
 
-  // Aborts the communicator (wakes kernels stuck waiting for peers) and fails every pending
-  // operation; later calls fail with `reason`.
-  void abort_all(const std::string& reason, const Pending* culprit = nullptr,
-                 std::exception_ptr culprit_error = nullptr) {
+  // Aborts the communicator (wakes kernels stuck waiting for peers), records the failure, which
+  // every later call and Work::wait() throws (the operation labelled `culprit` reports `error`),
+  // and forgets the pending operations: the abort stopped them.
+  void abort_all(const std::string& reason, const std::string& culprit = "",
+                 std::exception_ptr error = nullptr) {
     {
       std::lock_guard<std::mutex> cl(comm_mu_);
       if (comm_ != nullptr) {
@@ -427,32 +519,24 @@ class ProcessGroupNccl::Impl {
         comm_ = nullptr;
       }
     }
+    failure_->record(reason, culprit, std::move(error));
     std::deque<std::shared_ptr<Pending>> failed;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (broken_.empty()) broken_ = reason;
       failed.swap(pending_);
     }
     cv_.notify_all();
-    for (auto& p : failed) {
-      if (p.get() == culprit) {
-        p->work->finish_with_error(culprit_error);
-      } else {
-        p->work->finish_with_error(std::make_exception_ptr(DistBackendError(detail::str_cat(
-            p->work->describe(), " failed: the communicator was aborted: ", reason))));
-      }
-    }
   }
 
-  // The watchdog: completes operations whose end event has passed, and aborts on a timeout or
-  // an asynchronous NCCL error. CUDA and NCCL are queried without holding mu_.
+  // The watchdog: forgets operations whose end event has passed, and aborts on a timeout or an
+  // asynchronous NCCL error. It runs no user code (Note [NCCL stream-ordered work]). CUDA and
+  // NCCL are queried without holding mu_.
   void watch() {
     try {
       cuda::set_device(device_);
     } catch (...) {
     }
     for (;;) {
-      if (tl_destroyed_) return;  // a callback destroyed the group (see ~Impl)
       std::vector<std::shared_ptr<Pending>> snapshot;
       {
         std::unique_lock<std::mutex> lock(mu_);
@@ -463,27 +547,7 @@ class ProcessGroupNccl::Impl {
         snapshot.assign(pending_.begin(), pending_.end());
       }
       if (snapshot.empty()) continue;
-
-      // An asynchronous error (a peer failed, a network error) dooms every pending operation.
-      ncclResult_t async = ncclSuccess;
-      {
-        std::unique_lock<std::mutex> cl(comm_mu_, std::try_to_lock);
-        if (cl.owns_lock() && comm_ != nullptr) {
-          ncclResult_t state = ncclSuccess;
-          const ncclResult_t q = ncclCommGetAsyncError(comm_, &state);
-          async = q != ncclSuccess ? q : state;
-          if (async == ncclInProgress) async = ncclSuccess;
-          if (async != ncclSuccess) {
-            const std::string reason = detail::str_cat(
-                "[nccl] rank ", rank_, " of ", size_,
-                ": NCCL reported an asynchronous error: ", nccl_error(async, comm_));
-            cl.unlock();
-            abort_all(reason);
-            continue;
-          }
-        }
-      }
-
+      if (check_async_error()) continue;
       std::vector<std::shared_ptr<Pending>> done;
       const auto now = Clock::now();
       for (auto& p : snapshot) {
@@ -491,54 +555,55 @@ class ProcessGroupNccl::Impl {
         try {
           finished = p->end->query();
         } catch (const std::exception& e) {
-          const std::string reason =
-              detail::str_cat(p->work->describe(), " failed on the device: ", e.what(),
-                              "; the communicator was aborted");
-          abort_all(reason, p.get(), std::make_exception_ptr(DistBackendError(reason)));
+          const std::string reason = detail::str_cat(p->what, " failed on the device: ", e.what(),
+                                                     "; the communicator was aborted");
+          abort_all(reason, p->what, std::make_exception_ptr(DistBackendError(reason)));
           done.clear();
           break;
         }
         if (finished) {
           done.push_back(p);
         } else if (now >= p->deadline) {
-          const std::string reason =
-              detail::str_cat(p->work->describe(), " timed out after ", p->work->timeout().count(),
-                              " ms; the communicator was aborted");
-          // Complete what finished before the timed-out one first: its results are valid.
-          finish(done);
-          if (tl_destroyed_) return;
-          abort_all(reason, p.get(), std::make_exception_ptr(DistTimeoutError(reason)));
+          const std::string reason = detail::str_cat(p->what, " timed out after ",
+                                                     p->timeout.count(),
+                                                     " ms; the communicator was aborted");
+          abort_all(reason, p->what, std::make_exception_ptr(DistTimeoutError(reason)));
           done.clear();
           break;
         }
       }
-      finish(done);
+      retire(done);
     }
   }
 
-  // Removes `done` from the queue and completes their Works (outside the lock: callbacks may
-  // issue new operations).
-  void finish(std::vector<std::shared_ptr<Pending>>& done) {
+  // An asynchronous error (a peer failed, a network error) dooms every pending operation: aborts
+  // and returns true.
+  bool check_async_error() {
+    std::unique_lock<std::mutex> cl(comm_mu_, std::try_to_lock);
+    if (!cl.owns_lock() || comm_ == nullptr) return false;
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t q = ncclCommGetAsyncError(comm_, &state);
+    const ncclResult_t async = q != ncclSuccess ? q : state;
+    if (async == ncclSuccess || async == ncclInProgress) return false;
+    const std::string reason =
+        detail::str_cat("[nccl] rank ", rank_, " of ", size_,
+                        ": NCCL reported an asynchronous error: ", nccl_error(async, comm_));
+    cl.unlock();
+    abort_all(reason);
+    return true;
+  }
+
+  // Forgets operations that have finished on the device (their tensors may be freed now).
+  void retire(const std::vector<std::shared_ptr<Pending>>& done) {
     if (done.empty()) return;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto& p : done) {
+      for (const auto& p : done) {
         auto it = std::find(pending_.begin(), pending_.end(), p);
-        if (it != pending_.end()) {
-          pending_.erase(it);
-        } else {
-          p = nullptr;  // already failed by abort_all
-        }
+        if (it != pending_.end()) pending_.erase(it);
       }
     }
     cv_.notify_all();
-    for (auto& p : done) {
-      if (p == nullptr) continue;
-      std::vector<Tensor> out = std::move(p->outputs);
-      p->keep.clear();
-      p->work->finish(std::move(out));
-    }
-    done.clear();
   }
 
   const int rank_;
@@ -550,16 +615,14 @@ class ProcessGroupNccl::Impl {
   std::mutex comm_mu_;  // guards comm_ (NCCL calls on it, abort, destroy)
   ncclComm_t comm_ = nullptr;
 
-  std::mutex mu_;  // guards pending_, stop_, broken_
+  std::mutex mu_;  // guards pending_, stop_
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Pending>> pending_;
   bool stop_ = false;
-  std::string broken_;  // the first failure; non-empty once the communicator is aborted
+  // The first failure; set once the communicator is aborted. Shared with the Works.
+  const std::shared_ptr<GroupFailure> failure_ = std::make_shared<GroupFailure>();
   std::thread watchdog_;
-  static thread_local bool tl_destroyed_;  // set on the watchdog by ~Impl
 };
-
-thread_local bool ProcessGroupNccl::Impl::tl_destroyed_ = false;
 
 // ---- ProcessGroupNccl -------------------------------------------------------------------------
 
@@ -708,7 +771,8 @@ WorkPtr ProcessGroupNccl::barrier(const CollectiveOptions& opts) {
   return impl_->launch(next_op_label("barrier"), timeout_of(opts.timeout), {}, {one},
                        [=](ncclComm_t c, cudaStream_t s) {
                          return ncclAllReduce(p, p, 1, ncclFloat32, ncclSum, c, s);
-                       });
+                       },
+                       /*blocking=*/true);
 }
 
 WorkPtr ProcessGroupNccl::send(const Tensor& tensor, int dst, int /*tag*/) {

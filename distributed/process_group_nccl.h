@@ -8,16 +8,31 @@
 //
 // Streams (as c10d): the group has its own CUDA stream. A collective first makes that stream
 // wait for the caller's current stream (an event), so it sees every write queued before the
-// call, then runs there and records an end event. The calling thread never blocks on the GPU;
-// tensors are marked used on the group's stream (cuda::record_stream), so freeing them early
-// does not let the caching allocator hand their memory out before the collective is done.
-// Work::wait() makes the caller's current stream wait for the end event and also blocks the
-// CPU until the collective completes (or its timeout passes). A watchdog thread polls the end
-// events and the communicator's asynchronous error, completes the Work and its Future (then()
-// callbacks run on that thread), and on a timeout or an NCCL error aborts the communicator
-// (ncclCommAbort) and fails the Work with an error naming "[nccl]", the collective, its
-// sequence number, the rank and the timeout; every later call then fails with that error
-// (recreate the group, as in c10d).
+// call, then runs there and records an end event. Tensors are marked used on the group's
+// stream (cuda::record_stream), so freeing them early does not let the caching allocator hand
+// their memory out before the collective is done.
+//
+// Work and Future are stream-ordered (c10d's CUDA futures; Note [NCCL stream-ordered work] in
+// the .cpp): the Future completes as soon as the collective is queued, with the end event as
+// its ready event, so nothing waits on the host. Work::wait() (and Future::wait(), value())
+// makes the caller's current stream wait for the end event and returns at once; then()
+// callbacks run on the calling thread with their current stream ordered after the collective.
+// Work::is_completed() is completion on the device (or failure). Two calls block the CPU until
+// the device is done: barrier()'s wait(), and wait(timeout) given an explicit timeout, which
+// throws DistTimeoutError when it passes (the collective stays queued; the watchdog aborts it
+// at its own deadline).
+//
+// Failures: a watchdog thread polls the end events and the communicator's asynchronous error;
+// on a timeout (the group's or the call's), an NCCL error or a device error it aborts the
+// communicator (ncclCommAbort) and records the failure. From then on every collective throws it
+// when called, and every Work's wait() (whether issued before or after) throws it too: the
+// timed-out collective's own Work a DistTimeoutError naming "[nccl]", the collective, its
+// sequence number, the rank and the timeout, every other one DistBackendError("... the group
+// is unusable after an earlier failure: <that error>"). Recreate the group, as in c10d. Errors
+// thus reach the caller at its next collective or wait(), not at the one that failed.
+//
+// Collectives must be issued from the thread that owns the group's order, never from a Future
+// callback (refused, see process_group.h).
 //
 // Every operation is queued on the one stream in issue order, send and recv included: a pair
 // of ranks that both send before they receive can deadlock for large messages (as in NCCL);
@@ -71,8 +86,9 @@ class ProcessGroupNccl : public ProcessGroup {
   ProcessGroupNccl(std::shared_ptr<Store> store, int rank, int size)
       : ProcessGroupNccl(std::move(store), rank, size, NcclOptions{}) {}
   /// Waits (up to the timeout, at most 60 s) for queued work, then destroys the communicator;
-  /// aborts it instead if work is still running or the group failed. Work still pending is
-  /// failed with DistBackendError "the process group was destroyed".
+  /// aborts it instead if work is still running or the group failed. If work was still
+  /// running, every Work's wait() then throws DistBackendError ("... the process group was
+  /// destroyed while ... was still running").
   ~ProcessGroupNccl() override;
 
   /// Same as nccl_available().
@@ -96,7 +112,8 @@ class ProcessGroupNccl : public ProcessGroup {
   /// outputs[r] receives rank r's inputs[rank()]; sizes may differ per rank (dtypes may not).
   WorkPtr alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                    const CollectiveOptions& opts = {}) override;
-  /// An allreduce of one element; its Work's wait() also blocks the CPU until done.
+  /// An allreduce of one element; its Work's wait() also blocks the CPU until the device is
+  /// done (up to the group's timeout).
   WorkPtr barrier(const CollectiveOptions& opts = {}) override;
   /// ncclSend to dst (not this rank); completes when the data has left. `tag` is ignored.
   WorkPtr send(const Tensor& tensor, int dst, int tag = 0) override;

@@ -33,15 +33,41 @@ Shape channel_shape(const Tensor& x) {
 struct SyncConfig {
   std::shared_ptr<ProcessGroup> group;
   Tensor running_mean, running_var;  // undefined: not tracking
-  double momentum;
+  double momentum;                   // the averaging factor, unless `batches` is defined
+  Tensor batches;  // num_batches_tracked for a cumulative average: factor 1 / batches
   double eps;
 };
 
-// Global per-channel statistics of the batch all ranks hold together.
+// Global per-channel statistics of the batch all ranks hold together. On the input's device:
+// Note [SyncBatchNorm without host waits].
 struct GlobalStats {
   Tensor mean, invstd;  // float64 [C]
-  double count;         // values per channel over all ranks
+  Tensor count;         // float64 [1]: values per channel over all ranks
 };
+
+// Note [SyncBatchNorm without host waits]: nothing reads a statistic back to the host (the
+// global count and the cumulative-average factor stay tensors), so over NCCL, whose waits only
+// order the stream, a training step never blocks the CPU here. The one check that needs the
+// global count (more than one value per channel) is made only where reading it is free: on CPU
+// tensors. On CUDA, as PyTorch's SyncBatchNorm (which checks only the local batch), a global
+// count of 1 or 0 is not detected: the statistics come out inf or NaN.
+void check_count(const Tensor& total, const Tensor& x, int world) {
+  if (!total.is_cpu()) return;
+  const double n = total.item<double>();
+  // Every rank sees the same total, so all of them throw (after the collective: none hangs).
+  EMBER_CHECK(n > 1, "[SyncBatchNorm] expected more than 1 value per channel when training, got ",
+              n, " over the ", world, " ranks of the group (local input shape ", x.shape(), ")");
+}
+
+// running = (1 - factor) * running + factor * batch, factor a number or a 0-d tensor.
+void blend(Tensor running, const Tensor& batch, const SyncConfig& cfg) {
+  if (cfg.batches.defined()) {
+    const Tensor f = reciprocal(cfg.batches.to(kFloat64)).to(running.dtype());
+    running.copy_(running * (1.0 - f) + batch.to(running.dtype()) * f);
+  } else {
+    running.copy_(running * (1.0 - cfg.momentum) + batch.to(running.dtype()) * cfg.momentum);
+  }
+}
 
 // Note [SyncBatchNorm statistics]: ranks may hold different batch sizes (some none), so a plain
 // allreduce of means would be wrong and one of sums of squares loses precision (var = E[x^2] -
@@ -68,22 +94,17 @@ GlobalStats gather_stats(const Tensor& x, const SyncConfig& cfg) {
   const Tensor counts = all.narrow(1, 0, 1);                 // [W, 1]
   const Tensor means = all.narrow(1, 1, channels);           // [W, C]
   const Tensor m2s = all.narrow(1, 1 + channels, channels);  // [W, C]
-  const double total = counts.sum().item<double>();
-  // Every rank sees the same total, so all of them throw (after the collective: none hangs).
-  EMBER_CHECK(total > 1,
-              "[SyncBatchNorm] expected more than 1 value per channel when training, got ", total,
-              " over the ", world, " ranks of the group (local input shape ", x.shape(), ")");
+  const Tensor total = counts.sum({0});                      // [1]
+  check_count(total, x, world);
   GlobalStats s;
   s.count = total;
   s.mean = (means * counts).sum({0}) / total;
   const Tensor m2 = m2s.sum({0}) + (counts * square(means - s.mean)).sum({0});
   s.invstd = rsqrt(m2 / total + cfg.eps);
   if (cfg.running_mean.defined()) {
-    // As BatchNorm: running = (1 - momentum) * running + momentum * batch, unbiased variance.
-    Tensor rm = cfg.running_mean, rv = cfg.running_var;
-    const double m = cfg.momentum;
-    rm.copy_(rm * (1.0 - m) + s.mean.to(rm.dtype()) * m);
-    rv.copy_(rv * (1.0 - m) + (m2 / (total - 1)).to(rv.dtype()) * m);
+    // As BatchNorm, with the unbiased variance.
+    blend(cfg.running_mean, s.mean, cfg);
+    blend(cfg.running_var, m2 / (total - 1.0), cfg);
   }
   return s;
 }
@@ -121,7 +142,7 @@ struct SyncBatchNormFunction : autograd::Function<SyncBatchNormFunction> {
     const Tensor weight = saved.size() > 1 ? saved[1] : Tensor();
     const Tensor mean = std::any_cast<Tensor>(ctx->saved_data["mean"]);
     const Tensor invstd = std::any_cast<Tensor>(ctx->saved_data["invstd"]);
-    const double count = std::any_cast<double>(ctx->saved_data["count"]);
+    const Tensor count = std::any_cast<Tensor>(ctx->saved_data["count"]);  // [1]
     const auto group = std::any_cast<std::shared_ptr<ProcessGroup>>(ctx->saved_data["group"]);
     const Dtype bias_dtype = std::any_cast<Dtype>(ctx->saved_data["bias_dtype"]);
 
@@ -252,19 +273,18 @@ Tensor SyncBatchNorm::forward(const Tensor& input) {
   EMBER_CHECK_TYPE(TypeError, input.is_floating_point(),
                    "[SyncBatchNorm] expected a floating-point input, got ", input.dtype());
 
-  // BatchNorm's averaging factor: momentum, or 1 / num_batches_tracked for a cumulative average.
-  double factor = options.momentum.value_or(0.0);
+  // BatchNorm's averaging factor: momentum, or 1 / num_batches_tracked for a cumulative average
+  // (a tensor: Note [SyncBatchNorm without host waits]).
+  Tensor batches;
   if (options.track_running_stats) {
-    {
-      NoGradGuard no_grad;
-      num_batches_tracked.add_(1);
-    }
-    if (!options.momentum) {
-      factor = 1.0 / static_cast<double>(num_batches_tracked.item<int64_t>());
-    }
+    NoGradGuard no_grad;
+    num_batches_tracked.add_(1);
+    if (!options.momentum) batches = num_batches_tracked;
   }
-  return SyncBatchNormFunction::apply(
-      input, weight, bias, SyncConfig{group, running_mean, running_var, factor, options.eps});
+  return SyncBatchNormFunction::apply(input, weight, bias,
+                                      SyncConfig{group, running_mean, running_var,
+                                                 options.momentum.value_or(0.0), batches,
+                                                 options.eps});
 }
 
 std::shared_ptr<nn::Module> convert_sync_batchnorm(std::shared_ptr<nn::Module> module,

@@ -29,6 +29,18 @@ bool Future::completed() const {
 namespace {
 using Events = std::vector<std::shared_ptr<cuda::Event>>;
 
+// How many Future callbacks are running on this thread (a callback may complete another future
+// and so run its callbacks inside). ProcessGroup::next_op_label refuses collectives while it is
+// not zero (see process_group.h, "Threads").
+thread_local int tl_callback_depth = 0;
+
+struct InCallback {
+  InCallback() { ++tl_callback_depth; }
+  ~InCallback() { --tl_callback_depth; }
+  InCallback(const InCallback&) = delete;
+  InCallback& operator=(const InCallback&) = delete;
+};
+
 void block_current_streams(const Events& ready) {
   for (const auto& e : ready) e->block(cuda::current_stream(e->device()));
 }
@@ -112,6 +124,7 @@ void Future::set_exception(std::exception_ptr error) {
 
 void Future::add_done_callback(std::function<void(Future&)> callback) {
   auto safe = [cb = std::move(callback)](Future& f) {
+    InCallback in_callback;
     try {
       cb(f);
     } catch (const std::exception& e) {
@@ -167,6 +180,12 @@ ProcessGroup::ProcessGroup(int rank, int size, Options options)
 }
 
 std::string ProcessGroup::next_op_label(const char* collective) {
+  EMBER_CHECK(tl_callback_depth == 0, "[", backend_name(), "] ", collective, " on rank ", rank_,
+              " of ", size_, ": collectives cannot be issued from a Future callback (then() or "
+              "add_done_callback()): a callback runs on whichever thread completes the future, at "
+              "a moment that differs between ranks, so the ranks could issue collectives in "
+              "different orders. Issue it from the thread that issues the group's collectives; in "
+              "a communication hook, chain it with GradBucket::defer");
   return detail::str_cat("[", backend_name(), "] ", collective, " #", seq_++, " on rank ", rank_,
                          " of ", size_);
 }

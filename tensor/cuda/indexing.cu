@@ -1,9 +1,27 @@
 // CUDA kernels for gather-like and scatter-like index loops (see tensor/detail/indexing_kernels.h).
-// Bounds are checked on the device: the first bad index is recorded in a two-word slot
-// {flag, value} that the host reads back after the kernel, raising the same IndexError as the CPU.
+//
+// Note [CUDA index checks]: bounds are checked on the device without the host waiting for them
+// (gather and scatter_add run in every cross_entropy, forward and backward: a read-back per call
+// would stall the CPU on the whole queued stream, several times per training step). A kernel
+// skips a bad index (so no memory outside the tensors is touched; the op's result is then
+// unspecified) and records the first one in a two-word slot {flag, value}, which is copied into
+// pinned host memory on the same stream. The flag is read once that copy has completed: at the
+// start of every later gather/scatter call on CUDA (polling, never waiting), which then raises
+// the same IndexError as the CPU, naming the op that had the bad index. So an error surfaces at
+// the next index op after the device has got there (e.g. after cuda::synchronize()), not at
+// the call itself. PyTorch instead makes a bad index a device-side assert, which leaves the
+// CUDA context unusable; here the context stays usable.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "tensor/creation.h"
+#include "tensor/cuda.h"
 #include "tensor/cuda/loops.cuh"
 #include "tensor/detail/indexing_kernels.h"
 
@@ -87,7 +105,53 @@ __global__ void scatter_add_kernel(Geometry g, int64_t self_dim_stride, int64_t 
   }
 }
 
-// The {flag, value} slot for one op; check() synchronises the stream and throws if set.
+// A slot's copy on the host, read once `copied` has passed (Note [CUDA index checks]).
+struct PendingCheck {
+  std::string op;
+  int64_t dim;
+  int64_t size;
+  Tensor host;  // pinned int64 {flag, value}
+  std::shared_ptr<cuda::Event> copied;
+};
+
+// Never destroyed: at exit, checks still queued would free pinned memory and events after the
+// allocator and the CUDA runtime are gone.
+std::mutex& pending_mutex() {
+  static auto* mu = new std::mutex;
+  return *mu;
+}
+std::deque<PendingCheck>& pending_checks() {
+  static auto* checks = new std::deque<PendingCheck>;
+  return *checks;
+}
+
+// Reads every slot whose copy has completed, without waiting for the others; throws the first
+// bad index found (the others' slots are dropped: the first error is the one to fix).
+void report_bad_indices() {
+  std::optional<PendingCheck> bad;
+  {
+    std::lock_guard<std::mutex> lock(pending_mutex());
+    auto& checks = pending_checks();
+    for (auto it = checks.begin(); it != checks.end();) {
+      if (!it->copied->query()) {
+        ++it;
+        continue;
+      }
+      if (!bad && it->host.data<int64_t>()[0] != 0) bad = std::move(*it);
+      it = checks.erase(it);
+    }
+  }
+  if (!bad) return;
+  try {
+    throw_index_out_of_bounds(IndexBound{bad->op.c_str(), bad->dim, bad->size},
+                              bad->host.data<int64_t>()[1]);
+  } catch (const IndexError& e) {
+    throw IndexError(str_cat(e.what(), " (checked on the device; reported at the next index op "
+                                       "on CUDA, see Note [CUDA index checks])"));
+  }
+}
+
+// The {flag, value} slot for one op; queue_check() copies it to the host for a later check.
 class BadIndexSlot {
  public:
   BadIndexSlot(Device d, cudaStream_t s) : stream_(s) {
@@ -95,11 +159,14 @@ class BadIndexSlot {
     EMBER_CUDA_CHECK(cudaMemsetAsync(buf_.data_ptr(), 0, 2 * sizeof(int64_t), s));
   }
   unsigned long long* ptr() const { return static_cast<unsigned long long*>(buf_.data_ptr()); }
-  void check(const IndexBound& b) const {
-    int64_t h[2] = {0, 0};
-    EMBER_CUDA_CHECK(cudaMemcpyAsync(h, buf_.data_ptr(), sizeof(h), cudaMemcpyDeviceToHost, stream_));
-    EMBER_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    if (h[0] != 0) throw_index_out_of_bounds(b, h[1]);
+  void queue_check(const IndexBound& b) const {
+    PendingCheck check{b.op, b.dim, b.size, empty({2}, TensorOptions(kInt64).pinned_memory()),
+                       std::make_shared<cuda::Event>()};
+    EMBER_CUDA_CHECK(cudaMemcpyAsync(check.host.data_ptr(), buf_.data_ptr(), 2 * sizeof(int64_t),
+                                     cudaMemcpyDeviceToHost, stream_));
+    check.copied->record(cuda::current_stream(buf_.device().index));
+    std::lock_guard<std::mutex> lock(pending_mutex());
+    pending_checks().push_back(std::move(check));
   }
 
  private:
@@ -117,6 +184,7 @@ void dispatch_index(Dtype t, const char* op, Fn&& fn) {
 }  // namespace
 
 void gather_cuda(const GatherArgs& a) {
+  report_bad_indices();
   if (a.out.numel() == 0) return;
   DeviceGuard guard(a.out.device().index);
   cudaStream_t s = stream_of(a.out.device());
@@ -137,10 +205,11 @@ void gather_cuda(const GatherArgs& a) {
     default: launch.template operator()<uint64_t>(); break;
   }
   EMBER_CUDA_CHECK(cudaGetLastError());
-  slot.check(a.bound);
+  slot.queue_check(a.bound);
 }
 
 void scatter_add_cuda(const ScatterArgs& a) {
+  report_bad_indices();
   if (a.index.numel() == 0) return;
   DeviceGuard guard(a.self_r.device().index);
   cudaStream_t s = stream_of(a.self_r.device());
@@ -159,7 +228,7 @@ void scatter_add_cuda(const ScatterArgs& a) {
     });
   });
   EMBER_CUDA_CHECK(cudaGetLastError());
-  slot.check(a.bound);
+  slot.queue_check(a.bound);
 }
 
 }  // namespace ember::detail

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <future>
 #include <map>
 #include <numeric>
 #include <mutex>
@@ -22,6 +23,7 @@
 #include "nn/container.h"
 #include "nn/functional.h"
 #include "nn/linear.h"
+#include "nn/norm.h"
 #include "nn/optim/sgd.h"
 #include "nn/serialize.h"
 #include "tensor/creation.h"
@@ -81,6 +83,11 @@ class CountingGroup : public test::ForwardingGroup {
     log_.clear();
     bytes_ = 0;
     return out;
+  }
+  /// Broadcasts since the last take() (without clearing the log).
+  int64_t broadcasts() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::count(log_.begin(), log_.end(), int64_t{-1});
   }
   /// Bytes all-reduced since the last take().
   int64_t bytes() {
@@ -774,6 +781,107 @@ TEST_P(Hooks, TopKUserHookExample) {
     }
     require(topk->error.size() >= 3, "one error per bucket");
     require_same_on_all_ranks(*pg, *model);
+  });
+}
+
+// Note [comm hook ordering]: a collective issued from a Future callback (then() or
+// add_done_callback()) is refused on every backend (ProcessGroup::next_op_label), naming the
+// backend, the collective and the rank and pointing at GradBucket::defer. It takes no sequence
+// number (nor a shared-memory ticket), so the ranks stay in step and the group keeps working.
+TEST_P(Hooks, CollectiveFromACallbackIsRefused) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam();
+  run_group(n, [n](std::shared_ptr<CountingGroup> pg, int rank) {
+    const std::string want = "[gloo] allreduce on rank " + std::to_string(rank) + " of " +
+                             std::to_string(n) +
+                             ": collectives cannot be issued from a Future callback";
+    auto check = [&](const std::string& where, const std::string& msg) {
+      require(msg.find(want) != std::string::npos &&
+                  msg.find("GradBucket::defer") != std::string::npos,
+              where + ": expected a refusal, got '" + msg + "'");
+    };
+    auto allreduce_from_callback = [pg] {
+      Tensor u = ones({3});
+      pg->allreduce(u, AllreduceOptions{});
+    };
+    Tensor t = ones({4});
+    auto next = pg->allreduce(t, AllreduceOptions{})->future()->then([=](Future&) {
+      allreduce_from_callback();
+      return std::vector<Tensor>{};
+    });
+    try {
+      next->wait(60s);
+      require(false, "then(): the collective was issued");
+    } catch (const ValueError& e) {
+      check("then()", e.what());
+    }
+    // add_done_callback swallows what a callback throws: this one reports what it caught.
+    auto caught = std::make_shared<std::promise<std::string>>();
+    WorkPtr second = pg->allreduce(t, AllreduceOptions{});
+    second->future()->add_done_callback([=](Future&) {
+      try {
+        allreduce_from_callback();
+        caught->set_value("(issued)");
+      } catch (const ValueError& e) {
+        caught->set_value(e.what());
+      }
+    });
+    std::future<std::string> got = caught->get_future();
+    require(got.wait_for(60s) == std::future_status::ready,
+            "add_done_callback's callback never ran");
+    check("add_done_callback()", got.get());
+    second->wait();
+    // The group still works, and the refused calls took no place in its order.
+    pg->allreduce(t, AllreduceOptions{})->wait();
+    const double want_value = std::pow(static_cast<double>(n), 3);
+    for (double v : t.to_vector<float>()) {
+      require(v == want_value, "after the refusals: got " + std::to_string(v) + ", want " +
+                                   std::to_string(want_value));
+    }
+  });
+}
+
+// Note [coalesced broadcast]: DDP sends its buffers before a training forward as one broadcast
+// per dtype (BatchNorm's float32 running statistics together, its int64 batch count apart), not
+// one per buffer, and every rank ends with rank 0's. Momentum 0 keeps the running statistics at
+// the broadcast values through the forward.
+TEST_P(Hooks, BuffersAreBroadcastCoalesced) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam();
+  run_group(n, [n](std::shared_ptr<CountingGroup> pg, int rank) {
+    manual_seed(3);
+    auto bn = std::make_shared<nn::BatchNorm1d>(8, nn::BatchNormOptions{.momentum = 0.0});
+    auto model = std::make_shared<nn::Sequential>(std::make_shared<nn::Linear>(kIn, 8), bn,
+                                                  std::make_shared<nn::Linear>(8, kOut));
+    auto differ = [&] {  // every rank's buffers differ; rank 0's are (1, 2, 5)
+      NoGradGuard no_grad;
+      bn->running_mean.fill_(rank + 1.0);
+      bn->running_var.fill_(rank + 2.0);
+      bn->num_batches_tracked.fill_(rank + 5);
+    };
+    auto require_rank0s = [&](const std::string& when, int64_t batches) {
+      for (float v : bn->running_mean.to_vector<float>())
+        require(v == 1.0f, when + ": running_mean " + std::to_string(v) + ", want rank 0's 1");
+      for (float v : bn->running_var.to_vector<float>())
+        require(v == 2.0f, when + ": running_var " + std::to_string(v) + ", want rank 0's 2");
+      const int64_t got = bn->num_batches_tracked.item<int64_t>();
+      require(got == batches, when + ": num_batches_tracked " + std::to_string(got) + ", want " +
+                                  std::to_string(batches));
+    };
+    differ();
+    DistributedDataParallel ddp(model, pg, DDPOptions{});
+    require_rank0s("after construction", 5);
+    (void)pg->take(std::this_thread::get_id());
+    differ();
+    {
+      NoGradGuard no_grad;  // training mode still broadcasts the buffers
+      (void)ddp.forward(fixed_batch(4).x);
+    }
+    const int64_t want = n > 1 ? 2 : 0;  // float32 and int64; none at world size 1
+    require(pg->broadcasts() == want, "broadcasts before a training forward: " +
+                                          std::to_string(pg->broadcasts()) + ", want " +
+                                          std::to_string(want));
+    if (n > 1) require_rank0s("after a training forward", 6);
   });
 }
 

@@ -12,14 +12,17 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <thread>
 
 #include "tests/distributed/collective_options.h"
+#include "distributed/comm_hooks.h"
 #include "distributed/ddp.h"
 #include "distributed/file_store.h"
 #include "distributed/hash_store.h"
 #include "distributed/init.h"
+#include "distributed/powersgd.h"
 #include "distributed/prefix_store.h"
 #include "distributed/process_group_nccl.h"
 #include "tensor/cuda.h"
@@ -213,8 +216,8 @@ TEST(NcclWorldOne, WorkFutureAndSequenceNumbers) {
   EXPECT_TRUE(bar->is_completed());
 }
 
-// A Future callback may drop the last reference to the group (it then runs on the watchdog
-// thread, which must neither join itself nor touch the destroyed group).
+// A Future callback may drop the last reference to the group (it runs on the issuing thread:
+// the Future completes when the collective is queued), and the Work outlives the group.
 TEST(NcclWorldOne, CallbackMayDropTheLastReference) {
   EMBER_REQUIRE_NCCL_DEVICE();
   auto holder = std::make_shared<std::shared_ptr<ProcessGroupNccl>>(world_of_one());
@@ -229,6 +232,174 @@ TEST(NcclWorldOne, CallbackMayDropTheLastReference) {
   w->wait();
   EXPECT_TRUE(test::eventually([&] { return dropped->load(); }));
   EXPECT_EQ(differs(t, seq(8, 1)), "");
+}
+
+// About 2 s of cuda::spin on a 2 GHz GPU: far longer than the host needs to get past the calls
+// a test makes while it runs, so "still running" is not a race the host can lose.
+constexpr int64_t kSpinCycles = 4'000'000'000;
+
+// Note [NCCL stream-ordered work]: the Future completes when the collective is queued (while a
+// spin the collective waits for still runs), and a then() callback, run on another current
+// stream, still sees the collective's result; so does the caller, through value().
+TEST(NcclWorldOne, ThenCallbackIsOrderedAfterTheCollective) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  auto pg = world_of_one();
+  const int64_t n = 1 << 20;
+  const TensorOptions f32 = TensorOptions(kFloat32).device(cuda_device(0));
+  Tensor in = full({n}, 3.0, f32);
+  Tensor out = zeros({n}, f32);
+  cuda::synchronize(0);
+  cuda::Stream issuing = cuda::Stream::create(0);
+  cuda::Stream later = cuda::Stream::create(0);
+  WorkPtr w;
+  auto spun = std::make_shared<cuda::Event>();
+  {
+    cuda::StreamGuard guard(issuing);
+    cuda::spin(kSpinCycles);  // the collective waits for it
+    spun->record();
+    w = pg->allgather_into_tensor(out, in);
+  }
+  EXPECT_TRUE(w->future()->completed())
+      << "the Future should complete once the collective is queued";
+  EXPECT_FALSE(spun->query()) << "the spin finished before the host got here: lengthen it";
+  EXPECT_FALSE(w->is_completed()) << "is_completed() is completion on the device";
+  std::shared_ptr<Future> doubled;
+  {
+    // `later` has nothing queued: unless then() orders it after the collective, the callback's
+    // product runs at once and reads zeros.
+    cuda::StreamGuard guard(later);
+    doubled = w->future()->then([](Future& f) {
+      return std::vector<Tensor>{f.value().at(0) * 2};
+    });
+  }
+  EXPECT_EQ(differs(doubled->value().at(0), std::vector<double>(n, 6.0)), "");
+  EXPECT_EQ(differs(out, std::vector<double>(n, 3.0)), "");
+  w->wait();
+  cuda::synchronize(0);
+  EXPECT_TRUE(w->is_completed());
+  EXPECT_TRUE(w->is_success());
+}
+
+// The two waits that block the host until the device is done: wait(timeout) given an explicit
+// timeout (DistTimeoutError when it passes first, the collective staying queued) and barrier()'s.
+TEST(NcclWorldOne, ExplicitTimeoutAndBarrierWaitOnTheHost) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  auto pg = world_of_one();
+  Tensor t = make(seq(4, 1), kFloat32, 0);
+  cuda::synchronize(0);
+  cuda::spin(kSpinCycles);
+  cuda::Event spun;
+  spun.record();
+  WorkPtr w = pg->allreduce(t);
+  test::expect_error<DistTimeoutError>(
+      [&] { w->wait(1ms); },
+      {"[nccl] allreduce #0 on rank 0 of 1 timed out after 1 ms (still running on the device)"});
+  EXPECT_FALSE(w->is_completed());
+  EXPECT_TRUE(w->wait(120s));
+  EXPECT_TRUE(spun.query()) << "wait(timeout) returned before the device got there";
+  EXPECT_TRUE(w->is_completed());
+  EXPECT_TRUE(w->is_success());
+  EXPECT_EQ(differs(t, seq(4, 1)), "");
+
+  cuda::spin(kSpinCycles);
+  cuda::Event spun_again;
+  spun_again.record();
+  pg->barrier()->wait();
+  EXPECT_TRUE(spun_again.query()) << "barrier()'s wait() returned before the device got there";
+}
+
+// Note [comm hook ordering]: a collective issued from a Future callback is refused (without
+// taking a sequence number), naming the backend, collective and rank.
+TEST(NcclWorldOne, CollectiveFromACallbackIsRefused) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  auto pg = world_of_one();
+  Tensor t = make(seq(4, 1), kFloat32, 0);
+  const uint64_t seq0 = pg->sequence_number();
+  auto next = pg->allreduce(t)->future()->then([pg, t](Future&) mutable {
+    pg->broadcast(t);
+    return std::vector<Tensor>{t};
+  });
+  test::expect_error<ValueError>(
+      [&] { next->wait(60s); },
+      {"[nccl] broadcast on rank 0 of 1: collectives cannot be issued from a Future callback",
+       "GradBucket::defer"});
+  EXPECT_EQ(pg->sequence_number(), seq0 + 1);
+  pg->allreduce(t)->wait();  // the group still works
+  EXPECT_EQ(differs(t, seq(4, 1)), "");
+}
+
+// The DDP check: at world size 1 a comm hook forces DDP through its communication path
+// (reducer.cpp: without a hook or bucket views it skips it), and at step 2 the last bucket's
+// hook spins the stream before it communicates. backward() must return while the spin still
+// runs (nothing in the step, the hook's deferred rounds included, blocks the host on
+// communication), and the gradients must equal those of the same DDP and hook without the spin
+// (a missing stream wait would read them before the delayed collective wrote them).
+void expect_backward_does_not_wait(const std::function<CommHook()>& make_hook) {
+  const Device gpu = cuda_device(0);
+  struct Delay {
+    bool on = false;
+    std::shared_ptr<cuda::Event> spun;
+  };
+  auto delay = std::make_shared<Delay>();
+  auto make = [&](bool delayed) {
+    auto model = test::make_cnn(5);
+    model->to(gpu);
+    DDPOptions o;
+    o.bucket_cap_mb = o.first_bucket_cap_mb = 1e-6;  // one bucket per parameter
+    auto ddp = std::make_shared<DistributedDataParallel>(model, world_of_one(), o);
+    ddp->register_comm_hook([delay, delayed, hook = make_hook()](GradBucket& b) {
+      if (delayed && delay->on && b.is_last()) {
+        cuda::spin(kSpinCycles);
+        delay->spun = std::make_shared<cuda::Event>();
+        delay->spun->record();
+      }
+      return hook(b);
+    });
+    return std::make_pair(model, ddp);
+  };
+  auto [model, ddp] = make(true);
+  auto [ref_model, ref] = make(false);
+  for (int step = 0; step < 3; ++step) {  // the buckets are rebuilt before step 1
+    SCOPED_TRACE("step " + std::to_string(step));
+    const test::Batch b = test::to_device(test::cnn_batch(70 + step, 6), gpu);
+    model->zero_grad();
+    ref_model->zero_grad();
+    cuda::synchronize(0);
+    delay->on = step == 2;
+    test::loss_of(*ddp, b).backward();
+    if (delay->on) {
+      ASSERT_NE(delay->spun, nullptr) << "the last bucket's hook did not run";
+      EXPECT_FALSE(delay->spun->query())
+          << "backward() returned only after the device finished: something in DDP's step "
+             "blocked the host on the collective";
+    }
+    test::loss_of(*ref, b).backward();
+    cuda::synchronize(0);
+    const auto got = model->named_parameters();
+    const auto want = ref_model->named_parameters();
+    for (size_t i = 0; i < got.size(); ++i) {
+      try {
+        test::require_close(got[i].first, got[i].second.grad(), want[i].second.grad(), 1e-6);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << e.what();
+      }
+    }
+  }
+}
+
+TEST(NcclWorldOne, DdpBackwardDoesNotWaitForTheDevice) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  expect_backward_does_not_wait([] { return CommHook(allreduce_hook); });
+}
+
+// PowerSGD's rounds (GradBucket::defer) chain on the stream: no round blocks the host.
+TEST(NcclWorldOne, DdpPowerSGDBackwardDoesNotWaitForTheDevice) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  expect_backward_does_not_wait([] {
+    PowerSGDOptions o;
+    o.start_powerSGD_iter = 0;  // compress from the first step
+    return bind_hook(std::make_shared<PowerSGDState>(o), powersgd_hook);
+  });
 }
 
 // Writes queued on the caller's stream before the call are seen by the collective, and
@@ -518,12 +689,20 @@ void child_timeout(ProcessGroupNccl& pg, int rank, Store& store) {
   AllreduceOptions o;
   o.timeout = 2s;
   WorkPtr w = pg.allreduce(t, o);
-  test::expect_error<DistTimeoutError>(
-      [&] { w->wait(); }, {"[nccl] allreduce #1 on rank 0 of 2 timed out after 2000 ms; the "
-                           "communicator was aborted"});
-  WorkPtr later = pg.allreduce(t);
-  test::expect_error<DistBackendError>([&] { later->wait(); },
-                                       {"unusable after an earlier failure: [nccl] allreduce #1"});
+  // Stream-ordered: wait() returns at once; the watchdog finds the timeout and aborts, and the
+  // error reaches the caller at its next wait() or collective.
+  w->wait();
+  ASSERT_TRUE(test::eventually([&] { return w->is_completed(); }, 60000))
+      << "the watchdog did not abort within 60 s";
+  EXPECT_FALSE(w->is_success());
+  const std::string timed_out =
+      "[nccl] allreduce #1 on rank 0 of 2 timed out after 2000 ms; the communicator was aborted";
+  test::expect_error<DistTimeoutError>([&] { w->wait(); }, {timed_out});
+  test::expect_error<DistBackendError>([&] { pg.allreduce(t); },
+                                       {"[nccl] allreduce #2 on rank 0 of 2 failed: the group is "
+                                        "unusable after an earlier failure: ", timed_out});
+  test::expect_error<DistBackendError>([&] { pg.barrier(); },
+                                       {"unusable after an earlier failure"});
   store.set("rank0_done", Bytes{1});
 }
 

@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "tensor/cuda.h"
 #include "tensor/ops.h"
 #include "test_util.h"
 
@@ -569,12 +571,43 @@ TEST(IndexingCuda, MatchesCpu) {
   index_add_(sd, 0, tensor({1, 1, 9}).to(dev), ones({3, 16}, kFloat64).to(dev), 2);
   expect_same(sd, s, "index_add_");
   expect_same(cat({w.to(dev), w.to(dev).to(kFloat64)}, 1), cat({w, w.to(kFloat64)}, 1), "cat");
-  // Bounds checked on the device, reported like the CPU.
-  expect_error<IndexError>([&] { gather(arange(3).to(dev), 0, tensor({1, 5}).to(dev)); },
+  // Bounds checked on the device, reported like the CPU by the next index op once the device
+  // got there (Note [CUDA index checks]).
+  const Tensor good = arange(3).to(dev);
+  auto then_next = [&](const std::function<void()>& bad) {
+    return [&, bad] {
+      bad();
+      ember::cuda::synchronize();
+      gather(good, 0, tensor({0}).to(dev));
+    };
+  };
+  expect_error<IndexError>(then_next([&] { gather(good, 0, tensor({1, 5}).to(dev)); }),
                            {"[gather]", "index 5 is out of bounds for dimension 0 with size 3"});
   Tensor z = zeros({3}).to(dev);
-  expect_error<IndexError>([&] { scatter_add_(z, 0, tensor({-1}).to(dev), ones({1}).to(dev)); },
-                           {"[scatter_add_]", "index -1", "size 3"});
-  expect_error<IndexError>([&] { embedding(w.to(dev), tensor({10}).to(dev)); },
+  expect_error<IndexError>(
+      then_next([&] { scatter_add_(z, 0, tensor({-1}).to(dev), ones({1}).to(dev)); }),
+      {"[scatter_add_]", "index -1", "size 3"});
+  expect_error<IndexError>(then_next([&] { embedding(w.to(dev), tensor({10}).to(dev)); }),
                            {"[embedding]", "index 10", "size 10"});
+}
+
+// gather and scatter_add (cross_entropy's forward and backward) queue their bounds checks
+// instead of waiting for the device: they return while a spin queued before them still runs.
+TEST(IndexingCuda, BoundsChecksDoNotWaitForTheDevice) {
+  if (!ember::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device: " << ember::cuda::unavailable_reason();
+  }
+  const Device dev("cuda");
+  const Tensor src = arange(6).to(kFloat32).to(dev);
+  const Tensor idx = tensor({5, 0, 2}).to(dev);
+  Tensor acc = zeros({6}).to(dev);
+  ember::cuda::synchronize();
+  ember::cuda::spin(4'000'000'000);  // about 2 s on a 2 GHz GPU
+  ember::cuda::Event spun;
+  spun.record();
+  const Tensor picked = gather(src, 0, idx);
+  scatter_add_(acc, 0, idx, picked);
+  EXPECT_FALSE(spun.query()) << "gather or scatter_add_ waited for the device";
+  EXPECT_EQ(picked.cpu().to_vector<float>(), (std::vector<float>{5, 0, 2}));
+  EXPECT_EQ(acc.cpu().to_vector<float>(), (std::vector<float>{0, 0, 2, 0, 0, 5}));
 }
