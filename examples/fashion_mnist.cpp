@@ -347,7 +347,8 @@ Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& op
 
 // The device this rank trains on. With cuda: one GPU per rank, the group's own with nccl, else
 // the local rank's (an error when there are more ranks on the node than GPUs), as a torch
-// script's torch.cuda.set_device(local_rank).
+// script's torch.cuda.set_device(local_rank). cuda:N puts every rank on GPU N (ranks sharing
+// one GPU over gloo, e.g. to test on a machine with one).
 ember::Device pick_device(const std::string& name, const dist::ProcessGroup& pg) {
   ember::Device device(name);
   if (!device.is_cuda()) return device;
@@ -355,6 +356,9 @@ ember::Device pick_device(const std::string& name, const dist::ProcessGroup& pg)
               "[fashion_mnist] --device cuda: ", ember::cuda::unavailable_reason());
   if (pg.default_device().is_cuda()) {
     device = pg.default_device();
+  } else if (name.find(':') != std::string::npos) {
+    EMBER_CHECK(device.index < ember::cuda::device_count(), "[fashion_mnist] --device ", name,
+                ": this process sees ", ember::cuda::device_count(), " CUDA devices");
   } else {
     device = ember::cuda_device(dist::local_cuda_device());
   }
@@ -728,7 +732,8 @@ int main(int argc, char** argv) {
   app.add_option("--backend", a.backend, "gloo, mpi or nccl")
       ->check(CLI::IsMember({"gloo", "mpi", "nccl"}))
       ->capture_default_str();
-  app.add_option("--device", a.device, "cpu or cuda")
+  app.add_option("--device", a.device,
+                 "cpu, cuda (one GPU per rank: the local rank's) or cuda:N (every rank on GPU N)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   app.add_option("--comm-hook", a.comm_hook, "gradient communication (see docs/ddp.md)")

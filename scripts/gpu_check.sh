@@ -2,7 +2,7 @@
 # gpu_check.sh BUNDLE OUTDIR [tests|bench|train|cpu]... — what only a GPU machine can show, run
 # on the GPU machine from a bundle made here by scripts/gpu_bundle.sh (a CUDA build in build/):
 #   device call: bash scripts/gpu_check.sh .gpu/bundle.txz $OUT tests bench   (carry: .gpu)
-#   tests  every test case whose name says CUDA or NCCL, each in its own process (as ctest runs
+#   tests  every test case whose name says CUDA, cuda or NCCL, each in its own process (as ctest runs
 #          them: a process that initialised CUDA cannot fork ranks that use it); summary and the
 #          failures' output in OUTDIR/tests.log
 #   bench  benchmarks/run_cuda_bench.py: bench_cuda beside PyTorch on the same GPU
@@ -28,7 +28,7 @@ run_tests() {
   : > "$log"
   for exe in "$b"/bin/build/tests/*; do
     [ -x "$exe" ] || continue
-    for t in $("$b/run.sh" "$exe" --gtest_list_tests --gtest_filter='*Cuda*:*CUDA*:*Nccl*' |
+    for t in $("$b/run.sh" "$exe" --gtest_list_tests --gtest_filter='*Cuda*:*CUDA*:*Nccl*:*_cuda*' |
                awk '/^[^ ]/{s=$1} /^  /{print s $1}'); do
       res=$(timeout 300 "$b/run.sh" "$exe" --gtest_filter="$t" 2>&1)
       rc=$?
@@ -57,7 +57,7 @@ run_train() {
     echo "== ember, 1 rank, cuda"
     "$b/run.sh" "$fm" --device cuda --model cnn --epochs 2 --data "$data" 2>&1 | grep -v '\[#'
     echo "== ember, 2 ranks sharing the GPU, cuda (gloo)"
-    "$b/run.sh" "$b/bin/build/launcher/emberrun" --standalone --nproc-per-node 2 "$fm" --device cuda \
+    "$b/run.sh" "$b/bin/build/launcher/emberrun" --standalone --nproc-per-node 2 "$fm" --device cuda:0 \
       --model cnn --epochs 2 --data "$data" 2>&1 | grep -v '\[#'
     echo "== torch, 1 rank, cuda"
     python3 "$root/benchmarks/vs_pytorch/fashion_mnist_torch.py" --device cuda --nproc 1 --model cnn \
