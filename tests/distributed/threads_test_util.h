@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 
+#include "distributed/delaying_group.h"
 #include "distributed/process_group_threads.h"
 #include "tensor/cuda.h"
 #include "tests/distributed/store_test_util.h"
@@ -41,24 +42,31 @@ inline std::string describe(const ThreadsSetup& s) {
   return d;
 }
 
-/// Runs body(group, rank) on s.n threads of a fresh world and rethrows the first failure
-/// (run_rank_threads) as a gtest failure naming the setup.
+/// Runs body(group, rank) on s.n threads of a fresh world; throws dist::RankThreadError with
+/// the first failure (run_rank_threads).
+inline void run_threads_or_throw(
+    const ThreadsSetup& s,
+    const std::function<void(std::shared_ptr<dist::ProcessGroup>, int)>& body) {
+  auto world = dist::ThreadWorld::create(s.n);
+  dist::run_rank_threads(world, [&](int rank) {
+    std::optional<cuda::StreamGuard> own_stream;
+    if (s.device.is_cuda()) {
+      cuda::set_device(s.device.index);
+      own_stream.emplace(cuda::Stream::create(s.device.index));
+    }
+    std::shared_ptr<dist::ProcessGroup> pg = std::make_shared<dist::ProcessGroupThreads>(
+        world, rank, dist::ProcessGroup::Options{s.timeout}, s.in_place_coalesced);
+    if (s.delay) pg = std::make_shared<dist::DelayingGroup>(pg, *s.delay);
+    body(pg, rank);
+    if (s.device.is_cuda()) cuda::current_stream(s.device.index).synchronize();
+  });
+}
+
+/// run_threads_or_throw, its failure reported as a gtest failure naming the setup.
 inline void run_threads(const ThreadsSetup& s,
                         const std::function<void(std::shared_ptr<dist::ProcessGroup>, int)>& body) {
-  auto world = dist::ThreadWorld::create(s.n);
   try {
-    dist::run_rank_threads(world, [&](int rank) {
-      std::optional<cuda::StreamGuard> own_stream;
-      if (s.device.is_cuda()) {
-        cuda::set_device(s.device.index);
-        own_stream.emplace(cuda::Stream::create(s.device.index));
-      }
-      std::shared_ptr<dist::ProcessGroup> pg = std::make_shared<dist::ProcessGroupThreads>(
-          world, rank, dist::ProcessGroup::Options{s.timeout}, s.in_place_coalesced);
-      if (s.delay) pg = std::make_shared<dist::DelayingGroup>(pg, *s.delay);
-      body(pg, rank);
-      if (s.device.is_cuda()) cuda::current_stream(s.device.index).synchronize();
-    });
+    run_threads_or_throw(s, body);
   } catch (const dist::RankThreadError& e) {
     FAIL() << describe(s) << ": " << e.what();
   }
