@@ -86,7 +86,10 @@ WorkPtr DelayingGroup::after(const WorkPtr& inner, std::vector<Tensor> outputs,
       Tensor out = outputs[i];
       out.copy_(staged[i]);
       if (o.scale != 1.0 && is_floating(out.dtype())) out.mul_(o.scale);
-      if (d) mark_used(staged[i], cuda::current_stream(*d));
+      if (d) {
+        mark_used(staged[i], cuda::current_stream(*d));
+        mark_used(out, cuda::current_stream(*d));
+      }
     }
     return outputs.empty() ? value : outputs;
   });

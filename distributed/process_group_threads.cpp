@@ -636,12 +636,6 @@ ProcessGroupThreads::ProcessGroupThreads(std::shared_ptr<ThreadWorld> world, int
 WorkPtr ProcessGroupThreads::issue(Call c) {
   auto work = std::make_shared<ThreadsWork>(c.label, c.timeout);
   c.future = work->future();
-  for (const auto* list : {&c.in, &c.out}) {
-    for (const Tensor& t : *list) {
-      EMBER_CHECK(t.device().is_cpu() || t.device().is_cuda(), c.label,
-                  ": expects CPU or CUDA tensors, got ", t.device());
-    }
-  }
   std::optional<Device> dev;
   if (!c.in.empty()) dev = c.in[0].device();
   if (!dev && !c.out.empty()) dev = c.out[0].device();
@@ -812,30 +806,27 @@ WorkPtr ProcessGroupThreads::barrier(const CollectiveOptions& opts) {
 }
 
 WorkPtr ProcessGroupThreads::send(const Tensor& tensor, int dst, int tag) {
-  check_tensor("send", tensor, "tensor");
-  EMBER_CHECK(dst >= 0 && dst < size_ && dst != rank_, "[threads] send on rank ", rank_, " of ",
-              size_, ": destination ", dst, " must be another rank of the group");
-  // Not a collective: no sequence number (the other ranks' numbers must stay in step).
-  Call c = make_call(ThreadOp::Send, "send",
-                     str_cat("[threads] send to rank ", dst, " (tag ", tag, ") on rank ", rank_,
-                             " of ", size_),
-                     options_.timeout);
-  c.in = c.value = {tensor};
-  c.peer = dst;
-  c.tag = tag;
-  return issue(std::move(c));
+  return point_to_point(true, tensor, dst, tag);
 }
 
 WorkPtr ProcessGroupThreads::recv(Tensor& tensor, int src, int tag) {
-  check_tensor("recv", tensor, "tensor");
-  EMBER_CHECK(src >= 0 && src < size_ && src != rank_, "[threads] recv on rank ", rank_, " of ",
-              size_, ": source ", src, " must be another rank of the group");
-  Call c = make_call(ThreadOp::Recv, "recv",
-                     str_cat("[threads] recv from rank ", src, " (tag ", tag, ") on rank ", rank_,
-                             " of ", size_),
+  return point_to_point(false, tensor, src, tag);
+}
+
+WorkPtr ProcessGroupThreads::point_to_point(bool send, const Tensor& tensor, int peer, int tag) {
+  const char* op = send ? "send" : "recv";
+  check_tensor(op, tensor, "tensor");
+  EMBER_CHECK(peer >= 0 && peer < size_ && peer != rank_, "[threads] ", op, " on rank ", rank_,
+              " of ", size_, ": ", send ? "destination " : "source ", peer,
+              " must be another rank of the group");
+  // Not a collective: no sequence number (the other ranks' numbers must stay in step).
+  Call c = make_call(send ? ThreadOp::Send : ThreadOp::Recv, op,
+                     str_cat("[threads] ", op, send ? " to" : " from", " rank ", peer, " (tag ",
+                             tag, ") on rank ", rank_, " of ", size_),
                      options_.timeout);
-  c.out = c.value = {tensor};
-  c.peer = src;
+  (send ? c.in : c.out) = {tensor};
+  c.value = {tensor};
+  c.peer = peer;
   c.tag = tag;
   return issue(std::move(c));
 }

@@ -145,6 +145,7 @@ class ProcessGroupThreads : public ProcessGroup {
 
  private:
   WorkPtr issue(Call call);
+  WorkPtr point_to_point(bool send, const Tensor& tensor, int peer, int tag);
   std::shared_ptr<ThreadWorld> world_;
   int index_;  // this group's position among the groups its rank made on the world
   bool in_place_coalesced_;
