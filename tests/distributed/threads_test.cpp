@@ -11,6 +11,7 @@
 
 #include "tensor/creation.h"
 #include "tensor/ops.h"
+#include "tests/distributed/allreduce_closed_forms.h"
 #include "tests/distributed/collective_options.h"
 #include "tests/distributed/threads_test_util.h"
 
@@ -60,29 +61,8 @@ void require_values(const std::string& what, const Tensor& got,
 
 // ---- closed forms: rank r's allreduce input at index i is r + 1 + i % 2 ----------------------
 
-double input(int r, int64_t i) { return r + 1 + static_cast<double>(i % 2); }
-
-double expected(ReduceOp op, int n, int64_t i, Dtype d) {
-  const double k = static_cast<double>(i % 2);
-  switch (op) {
-    case ReduceOp::Sum:
-      return n * (n + 1) / 2.0 + n * k;
-    case ReduceOp::Avg: {
-      const double s = n * (n + 1) / 2.0 + n * k;
-      return is_floating(d) ? s / n : std::floor(s / n);  // integers: truncating division
-    }
-    case ReduceOp::Product: {
-      double p = 1;
-      for (int r = 0; r < n; ++r) p *= r + 1 + k;
-      return p;
-    }
-    case ReduceOp::Min:
-      return 1 + k;
-    case ReduceOp::Max:
-      return n + k;
-  }
-  return 0;
-}
+using test::expected;
+using test::input;
 
 using Checks = std::function<void(ProcessGroup&, int rank, int n, Device dev)>;
 
@@ -288,14 +268,7 @@ TEST(Threads, TwoGroupsOnOneWorldAreIndependent) {
 
 // ---- failures ---------------------------------------------------------------------------------
 
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::message_of;
 
 TEST(Threads, ARankThatNeverCallsTimesTheOthersOut) {
   auto world = ThreadWorld::create(3);
