@@ -670,44 +670,41 @@ ProcessGroupThreads::Call make_call(ThreadOp kind, const char* name, std::string
 }
 }  // namespace
 
+WorkPtr ProcessGroupThreads::collective(ThreadOp kind, const char* name,
+                                        const std::optional<Duration>& timeout,
+                                        std::vector<Tensor> in, std::vector<Tensor> out,
+                                        int root, ReduceOp op) {
+  Call c = make_call(kind, name, next_op_label(name), timeout_of(timeout));
+  c.value = out.empty() ? in : out;
+  c.in = std::move(in);
+  c.out = std::move(out);
+  c.root = root;
+  c.op = op;
+  return issue(std::move(c));
+}
+
 WorkPtr ProcessGroupThreads::allreduce(Tensor& tensor, const AllreduceOptions& opts) {
   check_tensor("allreduce", tensor, "tensor");
-  Call c = make_call(ThreadOp::Allreduce, "allreduce", next_op_label("allreduce"),
-                     timeout_of(opts.timeout));
-  c.in = c.value = {tensor};
-  c.op = opts.op;
-  return issue(std::move(c));
+  return collective(ThreadOp::Allreduce, "allreduce", opts.timeout, {tensor}, {}, 0, opts.op);
 }
 
 WorkPtr ProcessGroupThreads::allreduce_coalesced(std::vector<Tensor>& tensors,
                                                  const AllreduceOptions& opts) {
   check_coalesced("threads", tensors);
-  Call c = make_call(ThreadOp::Allreduce, "allreduce_coalesced",
-                     next_op_label("allreduce_coalesced"), timeout_of(opts.timeout));
-  c.in = c.value = tensors;
-  c.op = opts.op;
-  return issue(std::move(c));
+  return collective(ThreadOp::Allreduce, "allreduce_coalesced", opts.timeout, tensors, {}, 0,
+                    opts.op);
 }
 
 WorkPtr ProcessGroupThreads::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
   check_tensor("broadcast", tensor, "tensor");
   check_root("broadcast", opts.root);
-  Call c = make_call(ThreadOp::Broadcast, "broadcast", next_op_label("broadcast"),
-                     timeout_of(opts.timeout));
-  c.in = c.value = {tensor};
-  c.root = opts.root;
-  return issue(std::move(c));
+  return collective(ThreadOp::Broadcast, "broadcast", opts.timeout, {tensor}, {}, opts.root);
 }
 
 WorkPtr ProcessGroupThreads::reduce(Tensor& tensor, const ReduceOptions& opts) {
   check_tensor("reduce", tensor, "tensor");
   check_root("reduce", opts.root);
-  Call c = make_call(ThreadOp::Reduce, "reduce", next_op_label("reduce"),
-                     timeout_of(opts.timeout));
-  c.in = c.value = {tensor};
-  c.root = opts.root;
-  c.op = opts.op;
-  return issue(std::move(c));
+  return collective(ThreadOp::Reduce, "reduce", opts.timeout, {tensor}, {}, opts.root, opts.op);
 }
 
 WorkPtr ProcessGroupThreads::allgather_into_tensor(Tensor& output, const Tensor& input,
@@ -720,22 +717,15 @@ WorkPtr ProcessGroupThreads::allgather_into_tensor(Tensor& output, const Tensor&
               " output on ", input.device(), " of ", size_, " x ", input.numel(),
               " elements, got ", describe({output}), " on ", output.device(),
               output.is_contiguous() ? "" : " (not contiguous)");
-  Call c = make_call(ThreadOp::AllgatherInto, "allgather_into_tensor",
-                     next_op_label("allgather_into_tensor"), timeout_of(opts.timeout));
-  c.in = {input};
-  c.out = c.value = {output};
-  return issue(std::move(c));
+  return collective(ThreadOp::AllgatherInto, "allgather_into_tensor", opts.timeout, {input},
+                    {output});
 }
 
 WorkPtr ProcessGroupThreads::allgather(std::vector<Tensor>& outputs, const Tensor& input,
                                        const CollectiveOptions& opts) {
   check_tensor("allgather", input, "input");
   check_like("allgather", outputs, size_, input, "outputs");
-  Call c = make_call(ThreadOp::Allgather, "allgather", next_op_label("allgather"),
-                     timeout_of(opts.timeout));
-  c.in = {input};
-  c.out = c.value = outputs;
-  return issue(std::move(c));
+  return collective(ThreadOp::Allgather, "allgather", opts.timeout, {input}, outputs);
 }
 
 WorkPtr ProcessGroupThreads::gather(std::vector<Tensor>& outputs, const Tensor& input,
@@ -747,12 +737,7 @@ WorkPtr ProcessGroupThreads::gather(std::vector<Tensor>& outputs, const Tensor& 
   } else {
     check_only_root_passes("gather", opts.root, outputs.size(), "output");
   }
-  Call c = make_call(ThreadOp::Gather, "gather", next_op_label("gather"),
-                     timeout_of(opts.timeout));
-  c.in = {input};
-  c.out = c.value = outputs;
-  c.root = opts.root;
-  return issue(std::move(c));
+  return collective(ThreadOp::Gather, "gather", opts.timeout, {input}, outputs, opts.root);
 }
 
 WorkPtr ProcessGroupThreads::scatter(Tensor& output, const std::vector<Tensor>& inputs,
@@ -764,24 +749,15 @@ WorkPtr ProcessGroupThreads::scatter(Tensor& output, const std::vector<Tensor>& 
   } else {
     check_only_root_passes("scatter", opts.root, inputs.size(), "input");
   }
-  Call c = make_call(ThreadOp::Scatter, "scatter", next_op_label("scatter"),
-                     timeout_of(opts.timeout));
-  c.in = inputs;
-  c.out = c.value = {output};
-  c.root = opts.root;
-  return issue(std::move(c));
+  return collective(ThreadOp::Scatter, "scatter", opts.timeout, inputs, {output}, opts.root);
 }
 
 WorkPtr ProcessGroupThreads::reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                             const ReduceScatterOptions& opts) {
   check_tensor("reduce_scatter", output, "output");
   check_like("reduce_scatter", inputs, size_, output, "inputs");
-  Call c = make_call(ThreadOp::ReduceScatter, "reduce_scatter", next_op_label("reduce_scatter"),
-                     timeout_of(opts.timeout));
-  c.in = inputs;
-  c.out = c.value = {output};
-  c.op = opts.op;
-  return issue(std::move(c));
+  return collective(ThreadOp::ReduceScatter, "reduce_scatter", opts.timeout, inputs, {output}, 0,
+                    opts.op);
 }
 
 WorkPtr ProcessGroupThreads::alltoall(std::vector<Tensor>& outputs,
@@ -793,16 +769,11 @@ WorkPtr ProcessGroupThreads::alltoall(std::vector<Tensor>& outputs,
               inputs.size(), " and ", outputs.size());
   for (const Tensor& t : inputs) check_tensor("alltoall", t, "an input");
   for (const Tensor& t : outputs) check_tensor("alltoall", t, "an output");
-  Call c = make_call(ThreadOp::Alltoall, "alltoall", next_op_label("alltoall"),
-                     timeout_of(opts.timeout));
-  c.in = inputs;
-  c.out = c.value = outputs;
-  return issue(std::move(c));
+  return collective(ThreadOp::Alltoall, "alltoall", opts.timeout, inputs, outputs);
 }
 
 WorkPtr ProcessGroupThreads::barrier(const CollectiveOptions& opts) {
-  return issue(make_call(ThreadOp::Barrier, "barrier", next_op_label("barrier"),
-                         timeout_of(opts.timeout)));
+  return collective(ThreadOp::Barrier, "barrier", opts.timeout, {}, {});
 }
 
 WorkPtr ProcessGroupThreads::send(const Tensor& tensor, int dst, int tag) {

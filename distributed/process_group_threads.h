@@ -49,6 +49,7 @@
 
 namespace ember::detail {
 class ThreadWorldState;
+enum class ThreadOp;
 }  // namespace ember::detail
 
 namespace ember::dist {
@@ -145,6 +146,11 @@ class ProcessGroupThreads : public ProcessGroup {
 
  private:
   WorkPtr issue(Call call);
+  /// Labels a collective with the next sequence number and issues it; the Future's value is
+  /// `out`, or `in` when there are no outputs (in-place collectives).
+  WorkPtr collective(ember::detail::ThreadOp kind, const char* name,
+                     const std::optional<Duration>& timeout, std::vector<Tensor> in,
+                     std::vector<Tensor> out, int root = 0, ReduceOp op = ReduceOp::Sum);
   WorkPtr point_to_point(bool send, const Tensor& tensor, int peer, int tag);
   std::shared_ptr<ThreadWorld> world_;
   int index_;  // this group's position among the groups its rank made on the world
