@@ -453,35 +453,26 @@ class ThreadWorldState {
       return;
     }
     const std::optional<Device> dev = device_of(calls);
+    const bool on_cuda = dev && dev->is_cuda();
+    std::optional<cuda::StreamGuard> guard;  // kept while the Futures complete
+    std::vector<std::shared_ptr<cuda::Event>> ready;
     std::exception_ptr error;
-    if (!dev || dev->is_cpu()) {
-      try {
-        run_op(calls);
-      } catch (...) {
-        error = std::current_exception();
-      }
-      for (Call& c : calls) {
-        if (error) {
-          c.future->set_exception(error);
-        } else {
-          c.future->set_value(std::move(c.value));
-        }
-      }
-      return;
-    }
-    std::shared_ptr<cuda::Event> ready;
-    std::optional<cuda::StreamGuard> guard;
     try {
-      cuda::set_device(dev->index);
-      const cuda::Stream s = stream_for(dev->index);
-      guard.emplace(s);
-      for (Call& c : calls) c.input_ready->block(s);
+      std::optional<cuda::Stream> s;
+      if (on_cuda) {
+        cuda::set_device(dev->index);
+        s = stream_for(dev->index);
+        guard.emplace(*s);
+        for (Call& c : calls) c.input_ready->block(*s);
+      }
       run_op(calls);
-      ready = std::make_shared<cuda::Event>();
-      ready->record(s);
-      for (Call& c : calls) {
-        for (const auto* list : {&c.in, &c.out}) {
-          for (const Tensor& t : *list) mark_used(t, s);
+      if (on_cuda) {
+        ready.push_back(std::make_shared<cuda::Event>());
+        ready.back()->record(*s);
+        for (Call& c : calls) {
+          for (const auto* list : {&c.in, &c.out}) {
+            for (const Tensor& t : *list) mark_used(t, *s);
+          }
         }
       }
     } catch (...) {
@@ -491,7 +482,7 @@ class ThreadWorldState {
       if (error) {
         c.future->set_exception(error);
       } else {
-        c.future->set_value(std::move(c.value), {ready});
+        c.future->set_value(std::move(c.value), ready);
       }
     }
   }
