@@ -1,9 +1,16 @@
 // DelayingGroup: see the header. Results go through staging copies so that the caller's
 // tensors change only at the delayed write-back: a collective that finishes early (the CPU
 // worker of ProcessGroupThreads reduces as soon as the last rank arrives) still cannot make a
-// missing wait pass.
+// missing wait pass. The write-back never runs on the caller's thread or stream, even when the
+// inner collective has completed before the wrapper attached its callback (then a callback
+// would run at once on the caller): on the CPU it runs on the group's own delay thread, on
+// CUDA it is queued on the group's own stream, after the collective's ready events.
 #include "distributed/delaying_group.h"
 
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -43,11 +50,96 @@ void mark_used(const Tensor& t, const cuda::Stream& s) {
 
 }  // namespace
 
+/// The delay thread (CPU write-backs, in order, each at its due time) and the write-back
+/// streams (CUDA, one per device). The thread owns a reference, so the Delayer outlives a
+/// DelayingGroup destroyed from one of its own callbacks.
+class DelayingGroup::Delayer {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  static std::shared_ptr<Delayer> start() {
+    auto d = std::make_shared<Delayer>();
+    d->thread_ = std::thread([d] { d->loop(); });
+    return d;
+  }
+
+  /// Runs `job` on the delay thread at `due` (at once on this thread after stop()).
+  void post(Clock::time_point due, std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!stop_) {
+        jobs_.push_back({due, std::move(job)});
+        cv_.notify_all();
+        return;
+      }
+    }
+    std::this_thread::sleep_until(due);
+    job();
+  }
+
+  cuda::Stream stream(int device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = streams_.find(device);
+    if (it == streams_.end()) it = streams_.emplace(device, cuda::Stream::create(device)).first;
+    return it->second;
+  }
+
+  /// Lets the queued jobs run, then ends the thread (detached when called on it).
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.get_id() == std::this_thread::get_id()) {
+      thread_.detach();
+    } else if (thread_.joinable()) {
+      thread_.join();
+    }
+  }
+
+ private:
+  struct Job {
+    Clock::time_point due;
+    std::function<void()> run;
+  };
+
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      if (jobs_.empty()) {
+        if (stop_) return;
+        cv_.wait(lock);
+        continue;
+      }
+      if (Clock::now() < jobs_.front().due) {
+        cv_.wait_until(lock, jobs_.front().due);
+        continue;
+      }
+      Job job = std::move(jobs_.front());
+      jobs_.pop_front();
+      lock.unlock();
+      job.run();
+      lock.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;  // due times in order: every job waits the same cpu_delay
+  std::map<int, cuda::Stream> streams_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+DelayingGroup::~DelayingGroup() { delayer_->stop(); }
+
 DelayingGroup::DelayingGroup(std::shared_ptr<ProcessGroup> inner, DelayOptions options)
     : ProcessGroup(inner ? inner->rank() : 0, inner ? inner->size() : 1,
                    Options{inner ? inner->timeout() : kDefaultCollectiveTimeout}),
       inner_(std::move(inner)),
-      options_(options) {
+      options_(options),
+      delayer_(Delayer::start()) {
   EMBER_CHECK(inner_ != nullptr, "[DelayingGroup] needs a group to wrap, got null");
   set_global_ranks(inner_->global_ranks());
 }
@@ -65,36 +157,57 @@ std::vector<Tensor> DelayingGroup::stage(const std::vector<Tensor>& outputs) con
   return staged;
 }
 
-// then() runs the callback with the current stream (of the completing thread) already waiting
-// for the collective, and records the returned future's events after it: the spin and the
-// write-back are queued behind the collective, and whoever waits for the returned Work waits
-// for them too.
 WorkPtr DelayingGroup::after(const WorkPtr& inner, std::vector<Tensor> outputs,
                              std::vector<Tensor> staged) const {
+  auto outer = std::make_shared<Future>();
   const DelayOptions o = options_;
-  auto delayed = inner->future()->then([outputs, staged, o](Future& done) {
-    std::vector<Tensor> value = done.value();
-    const std::optional<int> d = cuda_index(outputs);
-    if (d) {
-      cuda::spin(o.cycles, cuda::current_stream(*d));
-    } else {
-      // A delay that widens the window of a missing wait, not synchronisation.
-      std::this_thread::sleep_for(o.cpu_delay);
-    }
+  auto write_back = [outputs, staged, o] {
     NoGradGuard no_grad;
     for (size_t i = 0; i < outputs.size(); ++i) {
       Tensor out = outputs[i];
       out.copy_(staged[i]);
       if (o.scale != 1.0 && is_floating(out.dtype())) out.mul_(o.scale);
-      if (d) {
-        mark_used(staged[i], cuda::current_stream(*d));
-        mark_used(out, cuda::current_stream(*d));
-      }
     }
-    return outputs.empty() ? value : outputs;
+  };
+  inner->future()->add_done_callback([d = delayer_, outputs, staged, o, outer,
+                                      write_back](Future& done) {
+    if (std::exception_ptr e = done.exception()) {
+      outer->set_exception(e);
+      return;
+    }
+    const std::optional<int> dev = cuda_index(outputs);
+    if (!dev) {
+      // A delay that widens the window of a missing wait, not synchronisation.
+      d->post(Delayer::Clock::now() + o.cpu_delay, [outputs, outer, write_back] {
+        try {
+          write_back();
+          outer->set_value(outputs);
+        } catch (...) {
+          outer->set_exception(std::current_exception());
+        }
+      });
+      return;
+    }
+    try {
+      cuda::set_device(*dev);
+      const cuda::Stream s = d->stream(*dev);
+      for (const auto& e : done.ready_events()) e->block(s);
+      cuda::StreamGuard guard(s);  // outer's callbacks, too, queue their work after it
+      cuda::spin(o.cycles, s);
+      write_back();
+      for (size_t i = 0; i < outputs.size(); ++i) {
+        mark_used(staged[i], s);
+        mark_used(outputs[i], s);
+      }
+      auto ready = std::make_shared<cuda::Event>();
+      ready->record(s);
+      outer->set_value(outputs, {ready});
+    } catch (...) {
+      outer->set_exception(std::current_exception());
+    }
   });
   return std::make_shared<FutureWork>(inner->describe() + " (delayed)", inner->timeout(),
-                                      std::move(delayed));
+                                      std::move(outer));
 }
 
 WorkPtr DelayingGroup::allreduce(Tensor& tensor, const AllreduceOptions& opts) {

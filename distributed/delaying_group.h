@@ -27,16 +27,18 @@ struct DelayOptions {
 /// Forwards every collective to `inner` on staging copies of the output tensors, and writes
 /// the results into the caller's tensors only after a delay, scaled: on CUDA a cuda::spin on
 /// the caller's current stream before the collective, then a spin and the write-back on the
-/// stream the collective completes on (Future::then); on the CPU the write-back waits
-/// cpu_delay on the completing thread. Until then the caller's tensors keep their old values,
+/// group's own stream after the collective's ready events; on the CPU the write-back runs on
+/// the group's delay thread cpu_delay after the collective completed. Until then the caller's tensors keep their old values,
 /// so a read without the wait sees them even when the collective itself has finished. The
 /// returned Work's Future completes (with the caller's tensors, ready events recorded after
 /// the write-back) once they hold the result. send's tensor is left alone; integer results are
 /// delayed, not scaled. Same threading rules as the wrapped group.
 class DelayingGroup : public ProcessGroup {
  public:
-  /// Throws ValueError if `inner` is null.
+  /// Throws ValueError if `inner` is null. Starts the delay thread.
   DelayingGroup(std::shared_ptr<ProcessGroup> inner, DelayOptions options = {});
+  /// Lets the pending write-backs finish, then stops the delay thread.
+  ~DelayingGroup() override;
 
   std::string backend_name() const override { return inner_->backend_name(); }
   Device default_device() const override { return inner_->default_device(); }
@@ -74,8 +76,10 @@ class DelayingGroup : public ProcessGroup {
   /// The Work of `inner`, delayed, writing `staged` back into `outputs`, scaled.
   WorkPtr after(const WorkPtr& inner, std::vector<Tensor> outputs,
                 std::vector<Tensor> staged) const;
+  class Delayer;
   std::shared_ptr<ProcessGroup> inner_;
   DelayOptions options_;
+  std::shared_ptr<Delayer> delayer_;
 };
 
 }  // namespace ember::dist

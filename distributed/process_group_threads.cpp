@@ -278,13 +278,15 @@ class ThreadWorldState {
     return groups_[rank]++;
   }
 
-  /// The number of earlier messages from src to dst with this tag on this side (see Note).
+  /// The number of earlier messages from src to dst with this tag on this side (Note [thread
+  /// rendezvous]).
   uint64_t next_message(int group, int src, int dst, int tag, bool send) {
     std::lock_guard<std::mutex> lock(mu_);
     return messages_[{group, src, dst, tag, send}]++;
   }
 
-  /// Places `call` at `position` of the slot `key` (one of `expected` parts); see the Note.
+  /// Places `call` at `position` of the slot `key` (one of `expected` parts; Note [thread
+  /// rendezvous]).
   void arrive(const std::tuple<int, int, int, int, int, uint64_t>& key, size_t position,
               size_t expected, Call call) {
     std::unique_lock<std::mutex> lock(mu_);
@@ -408,8 +410,9 @@ class ThreadWorldState {
                           p2p ? "the matching send/recv" : "it");
       for (auto& c : slot.calls) {
         if (!c) continue;
-        out.emplace_back(std::move(*c), str_cat(c->label, " timed out after ",
-                                                c->timeout.count(), " ms: ", slot.dead));
+        std::string why =
+            str_cat(c->label, " timed out after ", c->timeout.count(), " ms: ", slot.dead);
+        out.emplace_back(std::move(*c), std::move(why));
         c.reset();
       }
     }
