@@ -177,11 +177,14 @@ WorkPtr DelayingGroup::after(const WorkPtr& inner, std::vector<Tensor> outputs,
     }
     const std::optional<int> dev = cuda_index(outputs);
     if (!dev) {
-      // A delay that widens the window of a missing wait, not synchronisation.
-      d->post(Delayer::Clock::now() + o.cpu_delay, [outputs, outer, write_back] {
+      // A delay that widens the window of a missing wait, not synchronisation. The events
+      // (CUDA inputs with nothing to write back: send, barrier) still order the caller after
+      // the collective.
+      d->post(Delayer::Clock::now() + o.cpu_delay,
+              [outputs, outer, write_back, ready = done.ready_events()] {
         try {
           write_back();
-          outer->set_value(outputs);
+          outer->set_value(outputs, ready);
         } catch (...) {
           outer->set_exception(std::current_exception());
         }

@@ -24,7 +24,8 @@
 //    (cuda::record_stream), so freeing them early is safe.
 // Every rendezvous is bounded by the group's timeout (or the call's): when a rank never calls,
 // the others fail with DistTimeoutError "[threads] allreduce #k on rank r of N timed out after
-// T ms: rank(s) 2 did not call it". ThreadWorld::abort() fails every pending and later
+// T ms: rank(s) 2 did not call it" (Work::wait() without a timeout allows 2 s more, so that
+// this error, rather than a bare timeout, reaches the caller). ThreadWorld::abort() fails every pending and later
 // collective at once (run_rank_threads does it when a rank throws, so no rank hangs).
 // Mismatched collectives, roots, ops, dtypes or shapes across ranks fail every rank's Work with
 // ValueError naming the collective and both ranks' tensors.
