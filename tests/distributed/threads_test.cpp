@@ -330,6 +330,22 @@ TEST(Threads, RunRankThreadsRethrowsTheTimeoutWithItsType) {
   }
 }
 
+// Destroying the world (with its last group) fails what is still pending instead of leaving it
+// to time out.
+TEST(Threads, DestroyingTheWorldFailsPendingCollectives) {
+  WorkPtr w;
+  {
+    auto world = ThreadWorld::create(2);
+    ProcessGroupThreads pg(world, 0);
+    Tensor t = full({2}, 1.0);
+    w = pg.allreduce(t);  // rank 1 never comes
+  }
+  const std::string msg = message_of([&] { w->wait(5s); });
+  EXPECT_NE(msg.find("[threads] allreduce #0 on rank 0 of 2 failed: the world was destroyed"),
+            std::string::npos) << msg;
+  EXPECT_THROW(w->wait(5s), DistBackendError);
+}
+
 TEST(Threads, MismatchesNameTheCollectiveAndBothRanks) {
   auto world = ThreadWorld::create(2);
   run_rank_threads(world, [&](int rank) {
