@@ -85,14 +85,7 @@ Tensor mse(nn::Module& m, const Batch& b) { return nn::functional::mse_loss(m.fo
 
 // Throws unless every rank holds bitwise the same parameters and buffers.
 
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::message_of;
 
 bool has(const std::string& msg, const std::string& part) {
   return msg.find(part) != std::string::npos;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "tests/distributed/allreduce_closed_forms.h"
 #include "tests/distributed/collective_options.h"
 #include "tests/distributed/forwarding_group.h"
 #include "distributed/hash_store.h"
@@ -130,29 +131,8 @@ void run_group(int n, const std::function<void(ProcessGroupGloo&, int, Store&)>&
 
 // ---- closed forms: rank r's allreduce input at index i is r + 1 + i % 2 ----------------------
 
-double input(int r, int64_t i) { return r + 1 + static_cast<double>(i % 2); }
-
-double expected(ReduceOp op, int n, int64_t i, Dtype d) {
-  const double k = static_cast<double>(i % 2);
-  switch (op) {
-    case ReduceOp::Sum:
-      return n * (n + 1) / 2.0 + n * k;
-    case ReduceOp::Avg: {
-      const double s = n * (n + 1) / 2.0 + n * k;
-      return is_floating(d) ? s / n : std::floor(s / n);  // integers: truncating division
-    }
-    case ReduceOp::Product: {
-      double p = 1;
-      for (int r = 0; r < n; ++r) p *= r + 1 + k;
-      return p;
-    }
-    case ReduceOp::Min:
-      return 1 + k;
-    case ReduceOp::Max:
-      return n + k;
-  }
-  return 0;
-}
+using test::expected;
+using test::input;
 
 /// World size, and whether allreduce goes through shared memory or Gloo's TCP paths.
 struct GlooCase {

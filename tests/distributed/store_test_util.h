@@ -35,6 +35,16 @@ inline void require(bool cond, const std::string& what) {
   if (!cond) throw std::runtime_error(what);
 }
 
+/// What f() throws (its what()), or "" if it returns.
+inline std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 /// A fresh directory under /tmp, removed with everything in it on destruction.
 class TempDir {
  public:
