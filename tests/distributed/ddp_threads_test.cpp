@@ -152,10 +152,10 @@ class DDPThreads : public ::testing::TestWithParam<DdpCase> {
 };
 
 TEST_P(DDPThreads, BucketsTrainLikeOneProcess) {
-  train_like_one_process(GetParam(), {"flat buckets", small_buckets()});
-  train_like_one_process(GetParam(), {"bucket views", small_buckets(true)});
-  train_like_one_process(GetParam(), {"in place", small_buckets(), true});
-  train_like_one_process(GetParam(), {"one bucket", DDPOptions{}});
+  train_like_one_process(GetParam(), {"flat buckets", small_buckets(), false, nullptr});
+  train_like_one_process(GetParam(), {"bucket views", small_buckets(true), false, nullptr});
+  train_like_one_process(GetParam(), {"in place", small_buckets(), true, nullptr});
+  train_like_one_process(GetParam(), {"one bucket", DDPOptions{}, false, nullptr});
 }
 
 TEST_P(DDPThreads, EveryBuiltInHookTrainsLikeOneProcess) {
