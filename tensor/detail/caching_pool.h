@@ -93,8 +93,8 @@ class CachingPool {
   PoolStats stats() const;
   /// Sets the peaks to the current values.
   void reset_peak_stats();
-  /// The segment-relative layout, for tests: the block sizes of the segment holding ptr, in
-  /// address order, with free blocks negative.
+  /// For tests: the block sizes of the segment holding address ptr, in address order, free
+  /// blocks negative (blocks waiting on events count as used); empty when no segment holds it.
   std::vector<int64_t> segment_layout(void* ptr) const;
 
   static constexpr size_t kMinBlockSize = 512;
