@@ -1,10 +1,12 @@
 // GPU throughput of Ember's CUDA paths: device copies, elementwise ops, reductions, softmax,
-// cuBLAS matmul, cuDNN convolution and one training step of the Fashion-MNIST CNN (forward,
-// cross-entropy, backward, SGD). Prints BENCH lines (bench_util.h); benchmarks/run_cuda_bench.py
-// runs it beside the same cases in PyTorch on the same GPU (bench_cuda_torch.py) and prints the
-// ratios. Without a CUDA device it says why and exits 0 having run nothing.
+// cuBLAS matmul, cuDNN convolution, caching-allocator churn and one training step of the
+// Fashion-MNIST CNN (forward, cross-entropy, backward, SGD). Prints BENCH lines (bench_util.h);
+// benchmarks/run_cuda_bench.py runs it beside the same cases in PyTorch on the same GPU
+// (bench_cuda_torch.py) and prints the ratios. Without a CUDA device it says why and exits 0
+// having run nothing.
 #include <cstdio>
 #include <memory>
+#include <vector>
 
 #include "bench_util.h"
 #include "fashion_cnn.h"
@@ -79,6 +81,21 @@ void run_cases(const bench::Options& o) {
     p.padding = {1, 1};
     bench::run(o, "conv3x3_f32_n64_c128_28", [&] { bench::do_not_optimize(conv2d(x, w, {}, p)); },
                2.0 * 64 * 128 * 28 * 28 * 128 * 9, 0, sync);
+  }
+  // Caching-allocator churn: 64 byte tensors of mixed sizes (4 KiB to 32 MiB, not powers of
+  // two), each replacing the oldest of 8 live ones, as a training step's temporaries come and go.
+  if (bench::selected(o, "alloc_churn_mixed_64")) {
+    std::vector<int64_t> sizes;
+    for (int64_t i = 0; i < 64; ++i) {
+      sizes.push_back((int64_t{4096} << (i * 7 % 14)) + i * 37 % 11 * 512);
+    }
+    std::vector<Tensor> live(8);
+    auto churn = [&] {
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        live[i % live.size()] = empty({sizes[i]}, TensorOptions(kUInt8).device(gpu));
+      }
+    };
+    bench::run(o, "alloc_churn_mixed_64", churn, 0, 0, sync);
   }
   for (int64_t batch : {64, 1024}) {
     const std::string name = "cnn_train_step_b" + std::to_string(batch);

@@ -63,6 +63,14 @@ def main():
     x, w = g(64, 128, 28, 28), g(128, 128, 3, 3)
     timed(args, "conv3x3_f32_n64_c128_28", lambda: F.conv2d(x, w, padding=1),
           2.0 * 64 * 128 * 28 * 28 * 128 * 9, 0)
+    sizes = [(4096 << (i * 7 % 14)) + i * 37 % 11 * 512 for i in range(64)]
+    live = [None] * 8
+
+    def churn():
+        for i, n in enumerate(sizes):
+            live[i % len(live)] = torch.empty(n, dtype=torch.uint8, device=dev)
+    timed(args, "alloc_churn_mixed_64", churn)
+    del live
     for batch in (64, 1024):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),

@@ -5,9 +5,9 @@
 // touch (so a large fresh `a + b` is much slower than adding into an existing tensor), and
 // cudaMalloc synchronizes the device. Both allocators therefore keep freed blocks and hand them
 // out again. The CPU allocator caches blocks of 128 KiB and more (smaller requests go to malloc,
-// which is fast there); the CUDA allocator caches every block, per stream: a block freed on
-// stream S is reused at once on S (stream order makes that safe), and is only reused elsewhere
-// after the events recorded by record_stream() have completed.
+// which is fast there); the CUDA allocator splits and merges blocks per stream (Note [CUDA caching
+// pool]): a block freed on stream S is reused at once on S (stream order makes that safe), and is
+// only reused elsewhere after the events recorded by record_stream() have completed.
 #pragma once
 
 #include <cstddef>

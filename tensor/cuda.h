@@ -90,8 +90,28 @@ class Event {
 /// Marks that `ptr` (from the CUDA caching allocator) is in use on stream s, so the allocator
 /// waits for s before reusing it after it is freed (torch's record_stream).
 void record_stream(void* ptr, const Stream& s);
-/// Releases unused cached device memory back to CUDA.
+/// Releases the cached segments with no block in use back to CUDA (a segment holding a live
+/// block stays), after waiting for the device if blocks freed after record_stream still wait on
+/// their events. Touches only devices this process has allocated on.
 void empty_cache();
+
+/// Memory statistics of the caching allocator of `device` (-1: the current one), in bytes, as
+/// torch.cuda's. "Allocated" is the memory in blocks handed out and not yet freed, counted in
+/// block sizes as PyTorch counts them: a request rounds up to a multiple of 512 bytes, and a
+/// block taken from the cache keeps a rest of up to 1 MiB that was not worth splitting off, so
+/// it is at least the sum of the tensors' sizes. A block counts as freed when its tensor is,
+/// even while it waits for record_stream events. "Reserved" is the memory got from cudaMalloc
+/// and not yet released (allocated plus cached). All are 0 where CUDA is unavailable and for a
+/// device that has not allocated; an index not below device_count() is a ValueError.
+int64_t memory_allocated(int device = -1);
+/// The highest memory_allocated since the program started or reset_peak_memory_stats.
+int64_t max_memory_allocated(int device = -1);
+int64_t memory_reserved(int device = -1);
+/// The highest memory_reserved since the program started or reset_peak_memory_stats.
+int64_t max_memory_reserved(int device = -1);
+/// Sets the peaks of `device` (-1: the current one) to the current values; a no-op where CUDA
+/// is unavailable.
+void reset_peak_memory_stats(int device = -1);
 
 /// Queues a kernel on `s` that spins for about `cycles` GPU clock cycles and does nothing else
 /// (torch.cuda._sleep): tests use it to hold a stream busy and show that later work really

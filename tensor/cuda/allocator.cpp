@@ -1,4 +1,7 @@
-// CUDA caching allocator and pinned host allocator (Note [Caching allocators]).
+// CUDA caching allocator (Note [CUDA caching pool]) and pinned host allocator (Note [Caching
+// allocators]).
+#include "tensor/allocator.h"
+
 #include <cuda_runtime_api.h>
 
 #include <map>
@@ -8,161 +11,129 @@
 #include <unordered_map>
 #include <vector>
 
-#include "tensor/allocator.h"
 #include "tensor/cuda.h"
 #include "tensor/cuda/check.h"
 #include "tensor/cuda/host_use.h"
+#include "tensor/detail/caching_pool.h"
 
 namespace ember {
 
 namespace {
 
-constexpr size_t kRound = 512;
+// The raw memory and events of one device for its CachingPool (Note [CUDA caching pool]).
+// Every call sets the device first: the pool is used from whichever thread allocates.
+class CudaMemory final : public detail::PoolBackend {
+ public:
+  explicit CudaMemory(int device) : device_(device) {}
 
-struct Block {
-  void* ptr = nullptr;
-  size_t size = 0;
-  cudaStream_t stream = nullptr;     // the stream it was allocated on
-  std::set<cudaStream_t> used_on;    // other streams (record_stream)
-  std::vector<cudaEvent_t> pending;  // must complete before reuse
+  void* raw_alloc(size_t bytes) override {
+    cuda::detail::DeviceGuard g(device_);
+    void* p = nullptr;
+    const cudaError_t err = cudaMalloc(&p, bytes);
+    if (err == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();  // not sticky; clear it so later calls do not report it
+      return nullptr;
+    }
+    EMBER_CUDA_CHECK(err);
+    return p;
+  }
+  void raw_free(void* ptr) override {
+    cuda::detail::DeviceGuard g(device_);
+    EMBER_CUDA_CHECK(cudaFree(ptr));
+  }
+  void* record_event(void* stream) override {
+    cuda::detail::DeviceGuard g(device_);
+    cudaEvent_t e = nullptr;
+    EMBER_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    const cudaError_t err = cudaEventRecord(e, static_cast<cudaStream_t>(stream));
+    if (err != cudaSuccess) cudaEventDestroy(e);
+    EMBER_CUDA_CHECK(err);
+    return e;
+  }
+  bool event_done(void* event) override {
+    const cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(event));
+    if (q == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    EMBER_CUDA_CHECK(q);
+    return true;
+  }
+  void destroy_event(void* event) override {
+    EMBER_CUDA_CHECK(cudaEventDestroy(static_cast<cudaEvent_t>(event)));
+  }
+  void synchronize() override {
+    cuda::detail::DeviceGuard g(device_);
+    EMBER_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  void mem_info(size_t* free, size_t* total) override {
+    cuda::detail::DeviceGuard g(device_);
+    EMBER_CUDA_CHECK(cudaMemGetInfo(free, total));
+  }
+  std::string name() const override { return detail::str_cat("GPU ", device_); }
+
+ private:
+  const int device_;
 };
 
+// Blocks belong to the stream that is current on the allocating thread (Note [CUDA caching
+// pool]); the pool does the rest and its own locking.
 class CudaCachingAllocator final : public Allocator {
  public:
-  explicit CudaCachingAllocator(int device) : device_(device) {}
+  explicit CudaCachingAllocator(int device)
+      : device_(device), pool_(std::make_unique<CudaMemory>(device)) {}
 
   void* allocate(size_t nbytes) override {
     if (nbytes == 0) return nullptr;
-    const size_t size = (nbytes + kRound - 1) / kRound * kRound;
-    cudaStream_t stream = static_cast<cudaStream_t>(cuda::current_stream(device_).handle());
-    std::lock_guard<std::mutex> lock(mu_);
-    cuda::detail::DeviceGuard g(device_);
-    process_pending();
-    if (void* p = take_free(stream, size)) return p;
-    void* p = nullptr;
-    cudaError_t err = cudaMalloc(&p, size);
-    if (err == cudaErrorMemoryAllocation) {
-      (void)cudaGetLastError();
-      release_free();  // give the cache back and try once more
-      err = cudaMalloc(&p, size);
-    }
-    if (err == cudaErrorMemoryAllocation) {
-      (void)cudaGetLastError();
-      throw OutOfMemoryError(detail::str_cat("[cuda_allocator] CUDA out of memory on device ",
-                                             device_, ": tried to allocate ", nbytes,
-                                             " bytes; ", live_bytes_, " bytes are in use"));
-    }
-    EMBER_CUDA_CHECK(err);
-    auto b = std::make_unique<Block>();
-    b->ptr = p;
-    b->size = size;
-    b->stream = stream;
-    live_bytes_ += size;
-    live_.emplace(p, std::move(b));
-    return p;
+    return pool_.allocate(nbytes, cuda::current_stream(device_).handle());
   }
-
-  void deallocate(void* p, size_t) override {
-    if (!p) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = live_.find(p);
-    EMBER_INTERNAL_ASSERT(it != live_.end(), "freeing a CUDA block the allocator does not own");
-    std::unique_ptr<Block> b = std::move(it->second);
-    live_.erase(it);
-    live_bytes_ -= b->size;
-    if (b->used_on.empty()) {
-      insert_free(std::move(b));
-      return;
-    }
-    // Used on other streams: reuse only after their work queued so far has finished.
-    cuda::detail::DeviceGuard g(device_);
-    for (cudaStream_t s : b->used_on) {
-      cudaEvent_t e;
-      EMBER_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-      EMBER_CUDA_CHECK(cudaEventRecord(e, s));
-      b->pending.push_back(e);
-    }
-    b->used_on.clear();
-    pending_.push_back(std::move(b));
-  }
-
+  void deallocate(void* p, size_t) override { pool_.free(p); }
   Device device() const override { return cuda_device(device_); }
-
-  void record_stream(void* p, cudaStream_t s) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = live_.find(p);
-    EMBER_CHECK(it != live_.end(), "[record_stream] pointer was not allocated by Ember's CUDA "
-                "allocator on device ", device_);
-    if (s != it->second->stream) it->second->used_on.insert(s);
-  }
-
-  void empty_cache() {
-    std::lock_guard<std::mutex> lock(mu_);
-    cuda::detail::DeviceGuard g(device_);
-    process_pending();
-    release_free();
-  }
+  detail::CachingPool& pool() { return pool_; }
 
  private:
-  void* take_free(cudaStream_t stream, size_t size) {
-    auto& bins = free_[stream];
-    auto it = bins.lower_bound(size);
-    if (it == bins.end() || it->first > 2 * size) return nullptr;
-    std::unique_ptr<Block> b = std::move(it->second);
-    bins.erase(it);
-    void* p = b->ptr;
-    live_bytes_ += b->size;
-    live_.emplace(p, std::move(b));
-    return p;
-  }
-  void insert_free(std::unique_ptr<Block> b) {
-    const size_t size = b->size;
-    free_[b->stream].emplace(size, std::move(b));
-  }
-  void process_pending() {
-    for (size_t i = 0; i < pending_.size();) {
-      Block& b = *pending_[i];
-      bool done = true;
-      for (cudaEvent_t e : b.pending) {
-        cudaError_t q = cudaEventQuery(e);
-        if (q == cudaErrorNotReady) {
-          (void)cudaGetLastError();
-          done = false;
-          break;
-        }
-      }
-      if (!done) {
-        ++i;
-        continue;
-      }
-      for (cudaEvent_t e : b.pending) cudaEventDestroy(e);
-      b.pending.clear();
-      insert_free(std::move(pending_[i]));
-      pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
-    }
-  }
-  void release_free() {
-    for (auto& [stream, bins] : free_) {
-      for (auto& [size, b] : bins) cudaFree(b->ptr);
-      bins.clear();
-    }
-  }
-
   const int device_;
-  std::mutex mu_;
-  std::unordered_map<void*, std::unique_ptr<Block>> live_;
-  std::unordered_map<cudaStream_t, std::multimap<size_t, std::unique_ptr<Block>>> free_;
-  std::vector<std::unique_ptr<Block>> pending_;
-  size_t live_bytes_ = 0;
+  detail::CachingPool pool_;
 };
 
-CudaCachingAllocator& device_allocator(int index) {
+std::mutex& registry_mutex() {
   static std::mutex mu;
-  static std::unordered_map<int, CudaCachingAllocator*> all;  // leaked: outlives static tensors
-  std::lock_guard<std::mutex> lock(mu);
-  auto& a = all[index];
+  return mu;
+}
+// Leaked: tensors in static storage may free their blocks after static destructors ran.
+std::unordered_map<int, CudaCachingAllocator*>& registry() {
+  static auto* all = new std::unordered_map<int, CudaCachingAllocator*>();
+  return *all;
+}
+
+CudaCachingAllocator& device_allocator(int index) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto& a = registry()[index];
   if (!a) a = new CudaCachingAllocator(index);
   return *a;
+}
+
+// The allocator of a device that has allocated before, else nullptr: statistics and
+// empty_cache must not touch (and create a context on) a device the process does not use.
+CudaCachingAllocator* existing_allocator(int index) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto it = registry().find(index);
+  return it == registry().end() ? nullptr : it->second;
+}
+
+// The allocator whose statistics `op` reads, as torch.cuda picks it: the current device for a
+// negative index; nullptr (all zeros) where CUDA is unusable or the device never allocated.
+CudaCachingAllocator* stats_allocator(const char* op, int device) {
+  if (!cuda::is_available()) return nullptr;
+  const int d = device < 0 ? cuda::current_device() : device;
+  EMBER_CHECK(d < cuda::device_count(), "[", op, "] CUDA device ", d,
+              " does not exist; this machine has ", cuda::device_count(), " CUDA device(s)");
+  return existing_allocator(d);
+}
+
+detail::PoolStats device_stats(const char* op, int device) {
+  CudaCachingAllocator* a = stats_allocator(op, device);
+  return a ? a->pool().stats() : detail::PoolStats{};
 }
 
 // Page-locked host blocks, cached by size. A block used by an asynchronous copy is reused only
@@ -171,8 +142,9 @@ class PinnedAllocator final : public Allocator {
  public:
   void* allocate(size_t nbytes) override {
     if (nbytes == 0) return nullptr;
-    EMBER_CHECK_TYPE(NotImplementedError, cuda::is_available(),
-                     "[pin_memory] pinned memory needs a CUDA device: ", cuda::unavailable_reason());
+    EMBER_CHECK_TYPE(
+        NotImplementedError, cuda::is_available(),
+        "[pin_memory] pinned memory needs a CUDA device: ", cuda::unavailable_reason());
     std::lock_guard<std::mutex> lock(mu_);
     reap();
     auto it = free_.lower_bound(nbytes);
@@ -246,8 +218,8 @@ PinnedAllocator& pinned() {
 }  // namespace
 
 Allocator* cuda_allocator(int index) {
-  EMBER_CHECK_TYPE(NotImplementedError, cuda::is_available(), "[cuda] cannot allocate on cuda:",
-                   index, ": ", cuda::unavailable_reason());
+  EMBER_CHECK_TYPE(NotImplementedError, cuda::is_available(),
+                   "[cuda] cannot allocate on cuda:", index, ": ", cuda::unavailable_reason());
   EMBER_CHECK(index >= 0 && index < cuda::device_count(), "[cuda] device cuda:", index,
               " does not exist; this machine has ", cuda::device_count(), " CUDA device(s)");
   return &device_allocator(index);
@@ -257,10 +229,25 @@ Allocator* pinned_allocator() { return &pinned(); }
 
 namespace cuda {
 void record_stream(void* ptr, const Stream& s) {
-  device_allocator(s.device()).record_stream(ptr, static_cast<cudaStream_t>(s.handle()));
+  device_allocator(s.device()).pool().record_stream(ptr, s.handle());
 }
 void empty_cache() {
-  for (int d = 0; d < device_count(); ++d) device_allocator(d).empty_cache();
+  for (int d = 0; d < device_count(); ++d) {
+    if (CudaCachingAllocator* a = existing_allocator(d)) a->pool().empty_cache();
+  }
+}
+int64_t memory_allocated(int device) { return device_stats("memory_allocated", device).allocated; }
+int64_t max_memory_allocated(int device) {
+  return device_stats("max_memory_allocated", device).max_allocated;
+}
+int64_t memory_reserved(int device) { return device_stats("memory_reserved", device).reserved; }
+int64_t max_memory_reserved(int device) {
+  return device_stats("max_memory_reserved", device).max_reserved;
+}
+void reset_peak_memory_stats(int device) {
+  if (CudaCachingAllocator* a = stats_allocator("reset_peak_memory_stats", device)) {
+    a->pool().reset_peak_stats();
+  }
 }
 }  // namespace cuda
 

@@ -47,6 +47,12 @@ bool Event::query() const { no_cuda("Event::query"); }
 float Event::elapsed_ms(const Event&) const { no_cuda("Event::elapsed_ms"); }
 void record_stream(void*, const Stream&) { no_cuda("record_stream"); }
 void empty_cache() {}
+// As torch.cuda's statistics without CUDA: nothing is allocated, so there is nothing to count.
+int64_t memory_allocated(int) { return 0; }
+int64_t max_memory_allocated(int) { return 0; }
+int64_t memory_reserved(int) { return 0; }
+int64_t max_memory_reserved(int) { return 0; }
+void reset_peak_memory_stats(int) {}
 void spin(int64_t, const Stream&) { no_cuda("spin"); }
 void spin(int64_t) { no_cuda("spin"); }
 }  // namespace cuda

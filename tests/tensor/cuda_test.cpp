@@ -2,6 +2,10 @@
 // Every test needs a GPU and skips with the reason where there is none.
 #include <gtest/gtest.h>
 
+#include <string>
+#include <vector>
+
+#include "tensor/cuda.h"
 #include "tensor/ops.h"
 
 using namespace ember;
@@ -111,4 +115,134 @@ TEST(CudaCore, BadDeviceIndexIsAnError) {
   REQUIRE_CUDA();
   const int n = cuda::device_count();
   EXPECT_THROW(zeros({1}).to(cuda_device(n)), ValueError);
+}
+
+// The caching allocator on a real device. Each test allocates on a stream of its own: blocks
+// belong to their stream, so blocks cached by earlier tests cannot serve these requests and
+// the addresses below are those of fresh segments.
+namespace {
+constexpr int64_t kMiB = int64_t{1} << 20;
+char* data(const Tensor& t) { return static_cast<char*>(t.storage()->data()); }
+Tensor mib_tensor(int64_t mib) { return empty({mib * kMiB / 4}, Device("cuda")); }
+}  // namespace
+
+TEST(CudaAllocator, StatsAreZeroWithoutADevice) {
+  if (cuda::is_available()) GTEST_SKIP() << "a CUDA device is present (this checks the stubs)";
+  EXPECT_EQ(cuda::memory_allocated(), 0);
+  EXPECT_EQ(cuda::max_memory_allocated(0), 0);
+  EXPECT_EQ(cuda::memory_reserved(), 0);
+  EXPECT_EQ(cuda::max_memory_reserved(-1), 0);
+  EXPECT_NO_THROW(cuda::reset_peak_memory_stats());
+  EXPECT_NO_THROW(cuda::empty_cache());
+}
+
+TEST(CudaAllocator, StatsCountRoundedBlocksAndPeaks) {
+  REQUIRE_CUDA();
+  cuda::StreamGuard g(cuda::Stream::create());
+  cuda::reset_peak_memory_stats();
+  const int64_t base = cuda::memory_allocated();
+  const int64_t reserved = cuda::memory_reserved();
+  EXPECT_EQ(cuda::max_memory_allocated(), base);
+  EXPECT_EQ(cuda::max_memory_reserved(), reserved);
+  {
+    Tensor t = empty({1000}, Device("cuda"));  // 4000 bytes: a 4096-byte block
+    EXPECT_EQ(cuda::memory_allocated() - base, 4096);
+    EXPECT_EQ(cuda::memory_reserved() - reserved, 2 * kMiB);              // a new small segment
+    Tensor u = empty({1}, TensorOptions(kUInt8).device(Device("cuda")));  // 512 bytes
+    EXPECT_EQ(cuda::memory_allocated() - base, 4096 + 512);
+    EXPECT_EQ(cuda::memory_reserved() - reserved, 2 * kMiB);  // same segment
+  }
+  EXPECT_EQ(cuda::memory_allocated(), base);
+  EXPECT_EQ(cuda::max_memory_allocated(), base + 4096 + 512);
+  EXPECT_EQ(cuda::max_memory_reserved(), reserved + 2 * kMiB);
+  EXPECT_EQ(cuda::memory_allocated(cuda::current_device()), cuda::memory_allocated());
+  cuda::empty_cache();
+  cuda::reset_peak_memory_stats();
+  EXPECT_EQ(cuda::max_memory_allocated(), cuda::memory_allocated());
+  EXPECT_EQ(cuda::max_memory_reserved(), cuda::memory_reserved());
+  EXPECT_LE(cuda::memory_reserved(), reserved);
+  EXPECT_THROW(cuda::memory_allocated(cuda::device_count()), ValueError);
+}
+
+TEST(CudaAllocator, SplitsASegmentAndMergesFreedNeighbours) {
+  REQUIRE_CUDA();
+  cuda::StreamGuard g(cuda::Stream::create());
+  const int64_t reserved = cuda::memory_reserved();
+  Tensor a = mib_tensor(4), b = mib_tensor(4), c = mib_tensor(4);  // one 20 MiB segment
+  EXPECT_EQ(data(b), data(a) + 4 * kMiB);
+  EXPECT_EQ(data(c), data(a) + 8 * kMiB);
+  EXPECT_EQ(cuda::memory_reserved() - reserved, 20 * kMiB);
+  char* base = data(a);
+  a = Tensor();
+  b = Tensor();
+  // a and b merged into one 8 MiB block; it ties with the 8 MiB after c and has the lower address.
+  Tensor ab = mib_tensor(8);
+  EXPECT_EQ(data(ab), base);
+  // Blocks carved from one segment hold their own values.
+  ab.fill_(1.0);
+  c.fill_(2.0);
+  EXPECT_EQ(ab.sum().item<float>(), static_cast<float>(2 * kMiB));
+  EXPECT_EQ(c.sum().item<float>(), static_cast<float>(2 * kMiB));
+  ab = Tensor();
+  c = Tensor();
+  Tensor whole = mib_tensor(20);  // the segment is one block again
+  EXPECT_EQ(data(whole), base);
+  EXPECT_EQ(cuda::memory_reserved() - reserved, 20 * kMiB);
+}
+
+TEST(CudaAllocator, BlockUsedOnAnotherStreamWaitsForIt) {
+  REQUIRE_CUDA();
+  cuda::Stream mine = cuda::Stream::create(), other = cuda::Stream::create();
+  cuda::StreamGuard g(mine);
+  char* p;
+  {
+    Tensor t = mib_tensor(4);
+    p = data(t);
+    cuda::spin(int64_t{1} << 31, other);  // about a second: long past the next allocation
+    cuda::record_stream(p, other);
+  }
+  Tensor u = mib_tensor(4);
+  EXPECT_NE(data(u), p) << "reused while the stream it was recorded on was still running";
+  other.synchronize();
+  Tensor v = mib_tensor(4);
+  EXPECT_EQ(data(v), p);
+}
+
+TEST(CudaAllocator, OutOfMemoryReleasesCachedSegmentsAndRetries) {
+  REQUIRE_CUDA();
+  cuda::StreamGuard g(cuda::Stream::create());
+  // Fill the device with 1 GiB segments, then cache them all: only giving the cache back lets a
+  // 2 GiB request (which no 1 GiB block can hold) fit.
+  std::vector<Tensor> held;
+  try {
+    for (;;) held.push_back(mib_tensor(1024));
+  } catch (const OutOfMemoryError&) {
+  }
+  ASSERT_GE(held.size(), 3u) << "the device has too little memory for this test";
+  held.clear();
+  Tensor big = mib_tensor(2048);
+  EXPECT_EQ(big.numel(), 512 * kMiB);
+  big = Tensor();
+  cuda::empty_cache();
+}
+
+TEST(CudaAllocator, OutOfMemoryErrorGivesTheSizesAndTheDevice) {
+  REQUIRE_CUDA();
+  try {
+    Tensor t = empty({int64_t{1} << 38}, Device("cuda"));  // 1 TiB
+    FAIL() << "allocating 1 TiB succeeded";
+  } catch (const OutOfMemoryError& e) {
+    const std::string m = e.what();
+    const std::string gpu = "GPU " + std::to_string(cuda::current_device());
+    for (const std::string& part :
+         {std::string("CUDA out of memory. Tried to allocate 1024.00 GiB."),
+          gpu + " has a total capacity of ", std::string(" is free."),
+          std::string(" is allocated by Ember"), std::string(" is reserved by Ember"),
+          std::string("requested 1099511627776"), std::string("allocated "),
+          std::string("reserved "), std::string("free "), std::string("total ")}) {
+      EXPECT_NE(m.find(part), std::string::npos) << "missing \"" << part << "\" in: " << m;
+    }
+  }
+  // The allocator still works.
+  EXPECT_EQ(full({4}, 1.0, Device("cuda")).sum().item<float>(), 4.0f);
 }
