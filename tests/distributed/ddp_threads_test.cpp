@@ -43,6 +43,10 @@ struct DdpCase {
   int n;
   bool cuda;
 };
+// gtest would otherwise print the struct's bytes, padding included, into ctest's test names.
+void PrintTo(const DdpCase& c, std::ostream* os) {
+  *os << c.n << " ranks on " << (c.cuda ? "cuda" : "cpu");
+}
 std::string case_name(const ::testing::TestParamInfo<DdpCase>& info) {
   return "n" + std::to_string(info.param.n) + (info.param.cuda ? "_cuda" : "_cpu");
 }

@@ -189,6 +189,10 @@ struct Case {
   int n;
   bool delayed;
 };
+// gtest would otherwise print the struct's bytes, padding included, into ctest's test names.
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.n << " ranks" << (c.delayed ? ", delayed" : "");
+}
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   return "n" + std::to_string(info.param.n) + (info.param.delayed ? "_delayed" : "");
 }
