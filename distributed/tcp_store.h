@@ -110,7 +110,10 @@ struct TCPStoreOptions {
   /// Shared secret, both to prove (client) and to require (own server). nullopt reads
   /// EMBER_STORE_SECRET.
   std::optional<std::string> secret;
-  /// With is_server: the address the server listens on ("" = every interface).
+  /// With is_server: the address the server listens on. "" = the client's host when that is
+  /// a loopback address literal (127.x.x.x, ::1: e.g. MASTER_ADDR of a single-node or
+  /// `emberrun --standalone` job), so that other machines cannot reach the store; otherwise
+  /// every interface. "0.0.0.0" or "::" listens on every interface whatever the host.
   std::string listen_host;
 };
 

@@ -3,6 +3,7 @@
 // Every server binds 127.0.0.1 on a port the OS picks.
 #include "distributed/tcp_store.h"
 
+#include <arpa/inet.h>
 #include <netinet/tcp.h>
 
 #include <array>
@@ -720,6 +721,34 @@ TEST(TCPStore, RefusalsAreLoggedAtAFewLinesASecond) {
   EXPECT_GE(lines, 1);
   EXPECT_LE(lines, 5 * (seconds + 2)) << kPeers << " peers in about " << seconds << " s:\n" << log;
   EXPECT_EQ(server.stats().protocol_errors, kPeers);
+}
+
+// True if a TCP connection to ip:port is accepted.
+bool connects(const char* ip, uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  ::inet_pton(AF_INET, ip, &a.sin_addr);
+  const bool ok = fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  if (fd >= 0) ::close(fd);
+  return ok;
+}
+
+// Linux routes all of 127.0.0.0/8 to the loopback device, so a server on every interface is
+// reached through 127.0.0.2 and one bound to 127.0.0.1 is not.
+TEST(TCPStore, AServerRankOnALoopbackHostListensOnlyThere) {
+  TCPStoreOptions o = client_options();
+  o.is_server = true;
+  TCPStore store("127.0.0.1", 0, o);
+  EXPECT_TRUE(connects("127.0.0.1", store.port()));
+  EXPECT_FALSE(connects("127.0.0.2", store.port()))
+      << "a store for a loopback MASTER_ADDR listens on other addresses too";
+  o.listen_host = "0.0.0.0";
+  TCPStore everywhere("127.0.0.1", 0, o);
+  EXPECT_TRUE(connects("127.0.0.2", everywhere.port())) << "an explicit listen_host is kept";
+  store.set("k", std::string("v"));
+  EXPECT_EQ(store.get_string("k"), "v");
 }
 
 // ---- blocking calls ----
