@@ -198,8 +198,8 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     handshake_timer_.async_wait(
         [self = shared_from_this(), limit](const boost::system::error_code& e) {
           if (e || self->authenticated_ || self->closed_) return;
-          self->srv_.log_peer(self->peer_, str_cat("bad handshake: none completed within ",
-                                                   limit.count(), " ms"));
+          self->srv_.log_peer(
+              self->peer_, str_cat("bad handshake: none completed within ", limit.count(), " ms"));
           self->close();
         });
     read_more();
@@ -258,12 +258,12 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     const auto buf = in_payload_
                          ? asio::buffer(payload_.data() + got_, payload_.size() - got_)
                          : asio::buffer(header_.data() + header_got_, header_.size() - header_got_);
-    sock_.async_read_some(buf, [self = shared_from_this()](const boost::system::error_code& ec,
-                                                           size_t n) {
-      if (self->closed_) return;
-      if (ec) return self->close();  // EOF or reset: the client went away
-      self->on_read(n);
-    });
+    sock_.async_read_some(
+        buf, [self = shared_from_this()](const boost::system::error_code& ec, size_t n) {
+          if (self->closed_) return;
+          if (ec) return self->close();  // EOF or reset: the client went away
+          self->on_read(n);
+        });
   }
 
   // Makes room for the next payload bytes: twice what has arrived (at least kFirstChunk more),
@@ -335,9 +335,7 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
           "partial frame timed out: ",
           self->in_payload_ ? self->got_ + wire::kHeaderSize : self->header_got_, " of ",
           self->in_payload_ ? str_cat(self->length_ + wire::kHeaderSize) : std::string("?"),
-          " bytes arrived, then nothing for ",
-          limit.count(),
-          " ms (partial_frame_timeout)"));
+          " bytes arrived, then nothing for ", limit.count(), " ms (partial_frame_timeout)"));
     });
   }
 
@@ -349,8 +347,8 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     const bool ok_type =
         authenticated_ ? wire::is_request(type_) : type_ == static_cast<uint8_t>(wire::Type::kAuth);
     if (!ok_type) {
-      return drop(str_cat(authenticated_ ? "" : "bad handshake: ", "unexpected frame type ",
-                          int(type_)));
+      return drop(
+          str_cat(authenticated_ ? "" : "bad handshake: ", "unexpected frame type ", int(type_)));
     }
     const size_t limit = authenticated_ ? wire::kMaxPayload : wire::kMaxHandshakePayload;
     if (h->length > limit) {
