@@ -2,6 +2,7 @@
 // against a deadline. (The server is in tcp_store_server.cpp.)
 #include "distributed/tcp_store.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -211,6 +212,17 @@ void check_keys(const std::string& op, const std::vector<std::string>& keys) {
 
 }  // namespace
 
+namespace {
+// 127.0.0.0/8 or ::1 written as an address. Names such as "localhost" are left out: they may
+// resolve differently for the server and its clients.
+bool is_loopback_literal(const std::string& host) {
+  in_addr v4{};
+  if (::inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  return ::inet_pton(AF_INET6, host.c_str(), &v6) == 1 && IN6_IS_ADDR_LOOPBACK(&v6);
+}
+}  // namespace
+
 TCPStore::TCPStore(std::string host, uint16_t port, TCPStoreOptions options)
     : Store(options.timeout),
       host_(std::move(host)),
@@ -221,7 +233,8 @@ TCPStore::TCPStore(std::string host, uint16_t port, TCPStoreOptions options)
               "[TCPStore] world_size must be at least 1, got ", options.world_size.value_or(0));
   if (options.is_server) {
     TCPStoreServerOptions so;
-    so.host = options.listen_host;
+    so.host =
+        options.listen_host.empty() && is_loopback_literal(host_) ? host_ : options.listen_host;
     so.port = port;
     so.secret = secret_;
     server_ = std::make_unique<TCPStoreServer>(std::move(so));

@@ -41,6 +41,14 @@ struct TCPStoreServerOptions {
   Duration handshake_timeout = std::chrono::seconds(60);
   /// Connections beyond this many are closed on accept.
   size_t max_connections = 16384;
+  /// A frame that has begun to arrive but then receives no byte for this long is dropped
+  /// together with its connection, so a sender that stalls mid-frame cannot hold a buffer.
+  Duration partial_frame_timeout = std::chrono::seconds(30);
+  /// The most receive-buffer memory the server holds across all connections. A connection
+  /// whose frame would take the total beyond it is dropped ("server buffer full"); buffers
+  /// grow as bytes arrive, so one connection holds at most about twice what it has sent (and
+  /// never more than a frame's maximum, kMaxPayload: two 64 MiB values plus keys).
+  size_t max_buffered_bytes = size_t{1} << 30;
 };
 
 /// The store's server: owns the keys and answers clients until stopped or destroyed.
@@ -77,6 +85,9 @@ class TCPStoreServer {
     int64_t auth_failures = 0;    // wrong or missing secret
     int64_t protocol_errors = 0;  // connections dropped for malformed or oversized frames
     int64_t waiting = 0;          // get/wait requests parked now
+    int64_t frame_timeouts = 0;   // connections dropped for a partial frame that stalled
+    int64_t buffer_refusals = 0;  // connections dropped because the server's buffers were full
+    int64_t buffered_bytes = 0;   // receive-buffer memory held now, all connections together
   };
   Stats stats() const;
 
@@ -99,7 +110,10 @@ struct TCPStoreOptions {
   /// Shared secret, both to prove (client) and to require (own server). nullopt reads
   /// EMBER_STORE_SECRET.
   std::optional<std::string> secret;
-  /// With is_server: the address the server listens on ("" = every interface).
+  /// With is_server: the address the server listens on. "" = the client's host when that is
+  /// a loopback address literal (127.x.x.x, ::1: e.g. MASTER_ADDR of a single-node or
+  /// `emberrun --standalone` job), so that other machines cannot reach the store; otherwise
+  /// every interface. "0.0.0.0" or "::" listens on every interface whatever the host.
   std::string listen_host;
 };
 

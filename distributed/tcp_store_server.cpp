@@ -42,6 +42,33 @@ void set_cloexec(int fd) {
   if (flags >= 0) ::fcntl(fd, F_SETFD, flags | FD_CLOEXEC);
 }
 
+// At most kLines log lines per second, so a flood of hostile connections cannot flood the log
+// (or the disk behind it); how many were left out is said on the next line that is written.
+class LogLimiter {
+ public:
+  static constexpr int kLines = 5;
+  // True if a line may be written now; *suppressed is then the number left out before it.
+  bool allow(int64_t* suppressed) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - window_start_ >= std::chrono::seconds(1)) {
+      window_start_ = now;
+      lines_ = 0;
+    }
+    if (lines_ >= kLines) {
+      ++suppressed_;
+      return false;
+    }
+    ++lines_;
+    *suppressed = std::exchange(suppressed_, 0);
+    return true;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point window_start_{};
+  int lines_ = 0;
+  int64_t suppressed_ = 0;
+};
+
 std::chrono::milliseconds clamp_ms(uint64_t ms) {
   return std::chrono::milliseconds(
       std::min<uint64_t>(ms, static_cast<uint64_t>(ember::detail::kMaxStoreTimeout.count())));
@@ -71,6 +98,9 @@ class TCPStoreServer::Impl {
     s.auth_failures = auth_failures_.load();
     s.protocol_errors = protocol_errors_.load();
     s.waiting = static_cast<int64_t>(waiting_.load());
+    s.frame_timeouts = frame_timeouts_.load();
+    s.buffer_refusals = buffer_refusals_.load();
+    s.buffered_bytes = buffered_.load();
     return s;
   }
 
@@ -97,6 +127,7 @@ class TCPStoreServer::Impl {
   void unregister(uint64_t id, const Waiter& w);
   void cancel_waiter(uint64_t id);
   wire::Bytes new_nonce();
+  void log_peer(const std::string& peer, const std::string& why);
 
   // Declared first so it is destroyed last: sockets and timers below belong to it.
   asio::io_context io_;
@@ -117,6 +148,7 @@ class TCPStoreServer::Impl {
   std::unordered_map<std::string, std::vector<uint64_t>> waiting_on_;  // missing key -> waiters
   uint64_t next_waiter_ = 1;
   std::random_device random_;
+  LogLimiter log_limiter_;
 
   // Shared with wait_for_workers callers.
   mutable std::mutex mu_;
@@ -125,16 +157,30 @@ class TCPStoreServer::Impl {
   bool stopped_ = false;
 
   std::atomic<int64_t> accepted_{0}, active_{0}, authenticated_{0}, auth_failures_{0},
-      protocol_errors_{0};
+      protocol_errors_{0}, frame_timeouts_{0}, buffer_refusals_{0};
+  // Receive-buffer bytes held by all sessions; changed only on the io thread.
+  std::atomic<int64_t> buffered_{0};
   std::atomic<size_t> waiting_{0};  // waiters_.size(), readable from other threads
 };
 
 // One client connection. Reads frames forever (so a client that goes away is noticed even
 // while its request is parked), answers each request, and closes on anything malformed.
+//
+// A frame's payload buffer grows with the bytes that arrive (doubling from kFirstChunk, and
+// never beyond the length the header claims), so a header that claims a huge payload costs
+// nothing until the payload is really sent, and every growth is charged against the server's
+// max_buffered_bytes. A frame whose bytes stop arriving for partial_frame_timeout is dropped.
 class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Session> {
  public:
   Session(Impl& server, tcp::socket socket)
-      : srv_(server), sock_(std::move(socket)), handshake_timer_(server.io_) {}
+      : srv_(server),
+        sock_(std::move(socket)),
+        handshake_timer_(server.io_),
+        frame_timer_(server.io_) {
+    boost::system::error_code ec;
+    const auto peer = sock_.remote_endpoint(ec);
+    peer_ = ec ? std::string("an unknown peer") : str_cat(peer);
+  }
 
   void start() {
     srv_.sessions_.insert(shared_from_this());
@@ -147,12 +193,16 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
              .blob(nonce_)
              .u64(srv_.secret_.empty() ? 0 : 1)
              .finish());
-    handshake_timer_.expires_after(
-        std::min(srv_.opts_.handshake_timeout, ember::detail::kMaxStoreTimeout));
-    handshake_timer_.async_wait([self = shared_from_this()](const boost::system::error_code& e) {
-      if (!e && !self->authenticated_) self->close();
-    });
-    read_header();
+    const auto limit = std::min(srv_.opts_.handshake_timeout, ember::detail::kMaxStoreTimeout);
+    handshake_timer_.expires_after(limit);
+    handshake_timer_.async_wait(
+        [self = shared_from_this(), limit](const boost::system::error_code& e) {
+          if (e || self->authenticated_ || self->closed_) return;
+          self->srv_.log_peer(
+              self->peer_, str_cat("bad handshake: none completed within ", limit.count(), " ms"));
+          self->close();
+        });
+    read_more();
   }
 
   void send(wire::Bytes frame) {
@@ -167,55 +217,153 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     const auto self = shared_from_this();  // sessions_ may hold the last reference
     // Bookkeeping first, so that stats() is current by the time the peer sees the close.
     if (waiter_) srv_.cancel_waiter(std::exchange(waiter_, 0));
+    srv_.buffered_ -= static_cast<int64_t>(std::exchange(accounted_, 0));
     --srv_.active_;
     srv_.sessions_.erase(self);
     handshake_timer_.cancel();
+    frame_timer_.cancel();
     boost::system::error_code ec;
     sock_.shutdown(tcp::socket::shutdown_both, ec);
-    sock_.close(ec);
+    sock_.close(ec);  // cancels a pending read, so its buffer may go now
+    payload_ = wire::Bytes();
   }
 
   // The parked request of this session, 0 if none.
   uint64_t waiter_ = 0;
 
  private:
+  // The first growth of a payload buffer; also what a buffer may keep between frames.
+  static constexpr size_t kFirstChunk = size_t{64} << 10;
+  using Clock = std::chrono::steady_clock;
+
+  // Logged (rate-limited) and counted before closing, so that a test or monitor that sees
+  // the close also sees the line and the count.
   void drop(const std::string& why) {
-    (void)why;  // kept for a debugger; the server does not log
+    srv_.log_peer(peer_, why);
     ++srv_.protocol_errors_;
     close();
   }
 
-  void read_header() {
-    asio::async_read(sock_, asio::buffer(header_),
-                     [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
-                       if (self->closed_) return;
-                       if (ec) return self->close();  // EOF or reset: the client went away
-                       self->on_header();
-                     });
+  // Charges the payload buffer's current capacity to the server's total.
+  void account() {
+    if (closed_) return;  // close() has taken the buffer off the total
+    const size_t cap = payload_.capacity();
+    srv_.buffered_ += static_cast<int64_t>(cap) - static_cast<int64_t>(accounted_);
+    accounted_ = cap;
+  }
+
+  // One read: the rest of the header, or as much of the payload as the buffer has room for.
+  void read_more() {
+    if (in_payload_ && got_ == payload_.size() && !grow()) return;
+    const auto buf = in_payload_
+                         ? asio::buffer(payload_.data() + got_, payload_.size() - got_)
+                         : asio::buffer(header_.data() + header_got_, header_.size() - header_got_);
+    sock_.async_read_some(
+        buf, [self = shared_from_this()](const boost::system::error_code& ec, size_t n) {
+          if (self->closed_) return;
+          if (ec) return self->close();  // EOF or reset: the client went away
+          self->on_read(n);
+        });
+  }
+
+  // Makes room for the next payload bytes: twice what has arrived (at least kFirstChunk more),
+  // at most the claimed length, within the server's total. False if the connection was dropped.
+  bool grow() {
+    const size_t want = std::min<size_t>(length_, std::max(got_ + kFirstChunk, 2 * got_));
+    if (want > payload_.capacity()) {
+      const size_t extra = want - payload_.capacity();
+      const int64_t total = srv_.buffered_.load();
+      if (static_cast<size_t>(total) + extra > srv_.opts_.max_buffered_bytes) {
+        ++srv_.buffer_refusals_;
+        drop(str_cat("server buffer full: a frame of ", length_, " bytes needs ", extra,
+                     " more while all connections hold ", total, " of max_buffered_bytes ",
+                     srv_.opts_.max_buffered_bytes));
+        return false;
+      }
+      try {
+        payload_.reserve(want);
+      } catch (const std::bad_alloc&) {
+        drop(str_cat("out of memory for a frame of ", length_, " bytes"));
+        return false;
+      }
+      account();
+    }
+    payload_.resize(want);
+    return true;
+  }
+
+  void on_read(size_t n) {
+    last_progress_ = Clock::now();
+    if (!in_payload_) {
+      if (header_got_ == 0 && n > 0) begin_frame();
+      header_got_ += n;
+      if (header_got_ < header_.size()) return read_more();
+      header_got_ = 0;
+      return on_header();
+    }
+    got_ += n;
+    if (got_ < length_) return read_more();
+    end_frame();
+    on_payload();
+  }
+
+  // The partial-frame timer runs from a frame's first byte to its last; it is re-armed from
+  // the last progress rather than reset on every read, which would cost a timer per read.
+  void begin_frame() {
+    frame_active_ = true;
+    if (!frame_timer_armed_) arm_frame_timer();
+  }
+  void end_frame() {
+    frame_active_ = false;
+    in_payload_ = false;
+  }
+
+  Duration frame_limit() const {
+    return std::min(srv_.opts_.partial_frame_timeout, ember::detail::kMaxStoreTimeout);
+  }
+
+  void arm_frame_timer() {
+    frame_timer_armed_ = true;
+    frame_timer_.expires_at(last_progress_ + frame_limit());
+    frame_timer_.async_wait([self = shared_from_this()](const boost::system::error_code& e) {
+      self->frame_timer_armed_ = false;
+      if (e || self->closed_ || !self->frame_active_) return;
+      const auto limit = self->frame_limit();
+      if (Clock::now() - self->last_progress_ < limit) return self->arm_frame_timer();
+      ++self->srv_.frame_timeouts_;
+      self->drop(str_cat(
+          "partial frame timed out: ",
+          self->in_payload_ ? self->got_ + wire::kHeaderSize : self->header_got_, " of ",
+          self->in_payload_ ? str_cat(self->length_ + wire::kHeaderSize) : std::string("?"),
+          " bytes arrived, then nothing for ", limit.count(), " ms (partial_frame_timeout)"));
+    });
   }
 
   void on_header() {
     std::string why;
     const auto h = wire::parse_header(header_.data(), &why);
-    if (!h) return drop(why);
+    if (!h) return drop(authenticated_ ? why : str_cat("bad handshake: ", why));
     type_ = h->type;
     const bool ok_type =
         authenticated_ ? wire::is_request(type_) : type_ == static_cast<uint8_t>(wire::Type::kAuth);
-    if (!ok_type) return drop(str_cat("unexpected frame type ", int(type_)));
-    const size_t limit = authenticated_ ? wire::kMaxPayload : wire::kMaxHandshakePayload;
-    if (h->length > limit) return drop(str_cat("payload of ", h->length, " bytes"));
-    try {
-      payload_.resize(h->length);
-    } catch (const std::bad_alloc&) {
-      return drop("out of memory");
+    if (!ok_type) {
+      return drop(
+          str_cat(authenticated_ ? "" : "bad handshake: ", "unexpected frame type ", int(type_)));
     }
-    if (payload_.empty()) return on_payload();
-    asio::async_read(sock_, asio::buffer(payload_),
-                     [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
-                       if (self->closed_) return;
-                       if (ec) return self->close();
-                       self->on_payload();
-                     });
+    const size_t limit = authenticated_ ? wire::kMaxPayload : wire::kMaxHandshakePayload;
+    if (h->length > limit) {
+      return drop(str_cat("oversized frame: payload of ", h->length, " bytes, at most ", limit,
+                          authenticated_ ? "" : " before authenticating"));
+    }
+    length_ = h->length;
+    got_ = 0;
+    payload_.clear();
+    if (length_ == 0) {
+      end_frame();
+      return on_payload();
+    }
+    in_payload_ = true;
+    read_more();
   }
 
   void on_payload() {
@@ -230,17 +378,24 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     } catch (const std::exception& e) {  // bad_alloc and the like: this connection only
       return drop(e.what());
     }
-    if (payload_.capacity() > (size_t{1} << 20)) payload_ = wire::Bytes();
-    if (!closed_) read_header();
+    if (closed_) return;
+    // An idle connection keeps at most a small buffer, so idle clients cost little of the
+    // server's max_buffered_bytes.
+    if (payload_.capacity() > kFirstChunk) {
+      payload_ = wire::Bytes();
+      account();
+    }
+    read_more();
   }
 
   void on_auth() {
     wire::PayloadReader r(payload_.data(), payload_.size());
     wire::Bytes proof;
-    if (!r.blob(64, &proof) || !r.done()) return drop("malformed auth frame");
+    if (!r.blob(64, &proof) || !r.done()) return drop("bad handshake: malformed auth frame");
     if (!srv_.secret_.empty() &&
         !wire::constant_time_equal(proof, wire::auth_proof(srv_.secret_, nonce_))) {
       ++srv_.auth_failures_;
+      srv_.log_peer(peer_, "bad handshake: wrong or missing secret");
       close_after_write_ = true;
       send(wire::FrameWriter(wire::Type::kAuthFailed).finish());
       return;  // no further reads: the connection closes once the refusal is written
@@ -249,7 +404,7 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     ++srv_.authenticated_;
     handshake_timer_.cancel();
     send(wire::FrameWriter(wire::Type::kOk).finish());
-    read_header();
+    read_more();
   }
 
   void do_write() {
@@ -269,13 +424,24 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
   Impl& srv_;
   tcp::socket sock_;
   asio::steady_timer handshake_timer_;
+  asio::steady_timer frame_timer_;
+  std::string peer_;  // host:port, for the log
   wire::Bytes nonce_;
   bool authenticated_ = false;
   bool closed_ = false;
   bool close_after_write_ = false;
+  // The frame being read: its header, then its payload.
   std::array<uint8_t, wire::kHeaderSize> header_{};
+  size_t header_got_ = 0;
+  bool in_payload_ = false;
   uint8_t type_ = 0;
-  wire::Bytes payload_;
+  uint32_t length_ = 0;  // the payload's length, from the header
+  size_t got_ = 0;       // payload bytes received
+  wire::Bytes payload_;  // size() = room made so far; capacity() is charged to the server
+  size_t accounted_ = 0;
+  bool frame_active_ = false;  // a frame's first byte has arrived, its last not yet
+  bool frame_timer_armed_ = false;
+  Clock::time_point last_progress_;
   std::deque<wire::Bytes> out_;
 };
 
@@ -358,8 +524,11 @@ void TCPStoreServer::Impl::do_accept() {
     }
     ++accepted_;
     if (sessions_.size() >= opts_.max_connections) {
-      boost::system::error_code ignored;
-      socket.close(ignored);
+      boost::system::error_code ec;
+      const auto peer = socket.remote_endpoint(ec);
+      log_peer(ec ? std::string("an unknown peer") : str_cat(peer),
+               str_cat("refused: ", opts_.max_connections, " connections open (max_connections)"));
+      socket.close(ec);
     } else {
       std::make_shared<Session>(*this, std::move(socket))->start();
     }
@@ -415,6 +584,15 @@ wire::Bytes TCPStoreServer::Impl::new_nonce() {
     for (size_t j = 0; j < 4 && i + j < nonce.size(); ++j) nonce[i + j] = uint8_t(r >> (8 * j));
   }
   return nonce;
+}
+
+void TCPStoreServer::Impl::log_peer(const std::string& peer, const std::string& why) {
+  int64_t suppressed = 0;
+  if (!log_limiter_.allow(&suppressed)) return;
+  const std::string more =
+      suppressed ? str_cat(" (", suppressed, " similar lines suppressed before this one)") : "";
+  std::fprintf(stderr, "[TCPStoreServer] port %u: dropped %s: %s%s\n", unsigned(port_),
+               peer.c_str(), why.c_str(), more.c_str());
 }
 
 namespace {

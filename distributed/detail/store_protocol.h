@@ -19,7 +19,10 @@
 // Anything malformed (bad magic, version, type, flags, length over the limit, fields that do
 // not parse, a request before authentication) makes the server drop that connection, and only
 // that one. Before authentication a frame may carry at most kMaxHandshakePayload bytes, so a
-// stranger cannot make the server allocate large buffers.
+// stranger cannot make the server allocate large buffers. Without a secret anyone
+// authenticates, so the server never allocates what a header claims: its buffer grows with the
+// bytes that arrive, within a total for all connections, and a frame that stops arriving is
+// dropped (TCPStoreServerOptions::max_buffered_bytes, partial_frame_timeout).
 #pragma once
 
 #include <array>

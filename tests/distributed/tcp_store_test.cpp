@@ -3,6 +3,7 @@
 // Every server binds 127.0.0.1 on a port the OS picks.
 #include "distributed/tcp_store.h"
 
+#include <arpa/inet.h>
 #include <netinet/tcp.h>
 
 #include <array>
@@ -69,6 +70,14 @@ class Raw {
     }
   }
   void send(const Bytes& b) { send(b.data(), b.size()); }
+
+  // "127.0.0.1:port" of this end, as the server names it in its log.
+  std::string address() const {
+    sockaddr_in a{};
+    socklen_t len = sizeof(a);
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    return "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+  }
   void send(const std::string& s) { send(s.data(), s.size()); }
 
   // Reads one frame; throws if the connection ends or nothing comes within 60 s.
@@ -593,6 +602,196 @@ TEST(TCPStore, AConnectionThatNeverAuthenticatesIsClosed) {
   Raw idle(server.port());
   EXPECT_TRUE(idle.closed_by_server()) << "idle unauthenticated connection kept open";
   expect_serving(server.port(), "after_idle");
+}
+
+// ---- hostile peers: memory, stalls and the log ----
+
+// The attack of issue 22: a header claiming the largest payload, one byte of it, then
+// nothing. The server must not allocate what the header claims.
+TEST(TCPStore, HeadersClaimingTheLargestPayloadCostOnlyWhatArrives) {
+  TCPStoreServer server(local());
+  std::vector<std::unique_ptr<Raw>> raws;
+  for (int i = 0; i < 8; ++i) {
+    raws.push_back(std::make_unique<Raw>(server.port()));
+    raws.back()->authenticate();
+    const int64_t before = server.stats().buffered_bytes;
+    Bytes attack = header(uint8_t(wire::Type::kSet), uint32_t(wire::kMaxPayload));
+    attack.push_back('x');  // 13 bytes in all
+    raws.back()->send(attack);
+    ASSERT_TRUE(test::eventually([&] { return server.stats().buffered_bytes > before; }))
+        << "the server never made room for connection " << i << "'s payload";
+  }
+  const int64_t held = server.stats().buffered_bytes;
+  EXPECT_LE(held, int64_t{8} << 20) << "8 headers claiming " << wire::kMaxPayload
+                                    << " bytes each, with one byte sent, hold " << held;
+  expect_serving(server.port(), "during_large_claims");
+  raws.clear();
+  EXPECT_TRUE(test::eventually([&] { return server.stats().active == 0; }));
+  EXPECT_EQ(server.stats().buffered_bytes, 0) << "buffers of closed connections still counted";
+}
+
+TEST(TCPStore, AStalledPartialFrameIsDroppedAndLoggedWithThePeer) {
+  TCPStoreServerOptions so = local();
+  so.partial_frame_timeout = 200ms;
+  TCPStoreServer server(so);
+  TCPStore legit("127.0.0.1", server.port(), client_options());
+  legit.set("before", std::string("1"));  // its pooled connection then idles past the timeout
+
+  testing::internal::CaptureStderr();
+  Raw payload_stall(server.port());
+  payload_stall.authenticate();
+  Bytes partial = header(uint8_t(wire::Type::kSet), 1000);
+  partial.resize(partial.size() + 10, 'x');
+  payload_stall.send(partial);
+  const bool payload_closed = payload_stall.closed_by_server(20000);
+  Raw header_stall(server.port());
+  header_stall.authenticate();
+  header_stall.send(header(uint8_t(wire::Type::kSet), 50).data(), 6);  // half a header
+  const bool header_closed = header_stall.closed_by_server(20000);
+  const std::string log = testing::internal::GetCapturedStderr();
+
+  EXPECT_TRUE(payload_closed) << "a payload that stopped arriving kept its connection open";
+  EXPECT_TRUE(header_closed) << "a header that stopped arriving kept its connection open";
+  EXPECT_EQ(server.stats().frame_timeouts, 2);
+  EXPECT_NE(log.find("dropped " + payload_stall.address() +
+                     ": partial frame timed out: 22 of "
+                     "1012 bytes"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("dropped " + header_stall.address() + ": partial frame timed out"),
+            std::string::npos)
+      << log;
+  legit.set("after", std::string("2"));  // an idle connection is not a partial frame
+  EXPECT_EQ(legit.get_string("before"), "1");
+}
+
+TEST(TCPStore, OversizedFramesAndAFullServerBufferAreRefusedWhileOthersAreServed) {
+  TCPStoreServerOptions so = local();
+  so.max_buffered_bytes = size_t{256} << 10;
+  TCPStoreServer server(so);
+  TCPStore legit("127.0.0.1", server.port(), client_options());
+  legit.set("k0", std::string("v0"));
+
+  testing::internal::CaptureStderr();
+  Raw oversized(server.port());
+  oversized.authenticate();
+  oversized.send(header(uint8_t(wire::Type::kSet), uint32_t(wire::kMaxPayload + 1)));
+  const bool oversized_closed = oversized.closed_by_server(20000);
+  legit.set("k1", std::string("v1"));
+  // 300 KB of a 1 MiB frame: more than all connections together may buffer.
+  Raw hog(server.port());
+  hog.authenticate();
+  Bytes frame = header(uint8_t(wire::Type::kSet), uint32_t{1} << 20);
+  frame.resize(frame.size() + 300000, 'x');
+  hog.send(frame);
+  const bool hog_closed = hog.closed_by_server(20000);
+  const std::string log = testing::internal::GetCapturedStderr();
+
+  EXPECT_TRUE(oversized_closed);
+  EXPECT_TRUE(hog_closed) << "a frame beyond max_buffered_bytes kept its connection open";
+  EXPECT_EQ(server.stats().buffer_refusals, 1);
+  EXPECT_LE(server.stats().buffered_bytes, int64_t{64} << 10);
+  EXPECT_NE(log.find("dropped " + oversized.address() + ": oversized frame: payload of " +
+                     std::to_string(wire::kMaxPayload + 1) + " bytes"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("dropped " + hog.address() + ": server buffer full"), std::string::npos)
+      << log;
+  legit.set("k2", std::string("v2"));
+  EXPECT_EQ(legit.get_string("k0") + legit.get_string("k1") + legit.get_string("k2"), "v0v1v2");
+}
+
+// Sends garbage from a fresh connection and waits until the server drops it.
+void bad_peer(uint16_t port) {
+  Raw raw(port);
+  raw.send(std::string("GET / HTTP/1.1\r\n\r\n"));
+  EXPECT_TRUE(raw.closed_by_server());
+}
+
+// Sends this process's stderr to a file while alive; text() reads what was written so far
+// (gtest's CaptureStderr gives nothing until the capture ends, too late for polling).
+class StderrFile {
+ public:
+  StderrFile() : file_(std::tmpfile()) {
+    std::fflush(stderr);
+    saved_ = ::dup(2);
+    ::dup2(::fileno(file_), 2);
+  }
+  ~StderrFile() {
+    std::fflush(stderr);
+    ::dup2(saved_, 2);
+    ::close(saved_);
+    std::fclose(file_);
+  }
+  std::string text() const {
+    std::string out;
+    char buf[4096];
+    ssize_t n = 0;
+    for (off_t at = 0; (n = ::pread(::fileno(file_), buf, sizeof(buf), at)) > 0; at += n) {
+      out.append(buf, static_cast<size_t>(n));
+    }
+    return out;
+  }
+
+ private:
+  std::FILE* file_;
+  int saved_ = -1;
+};
+
+// A flood of bad peers writes a few lines a second, not one per peer, and a later line says
+// how many were left out. The bound allows for however long the flood took, so a slow machine
+// cannot make it fail.
+TEST(TCPStore, RefusalsAreLoggedAtAFewLinesASecond) {
+  TCPStoreServer server(local());
+  constexpr int kPeers = 40;
+  StderrFile err;
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < kPeers; ++i) bad_peer(server.port());
+  const auto seconds =
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - start)
+          .count();
+  const std::string log = err.text();
+  int64_t lines = 0;
+  for (size_t at = 0; (at = log.find("[TCPStoreServer]", at)) != std::string::npos; ++at) ++lines;
+  EXPECT_GE(lines, 1);
+  EXPECT_LE(lines, 5 * (seconds + 2)) << kPeers << " peers in about " << seconds << " s:\n" << log;
+  EXPECT_EQ(server.stats().protocol_errors, kPeers);
+  // Once the second is over, the next refusal is logged with the count of those left out.
+  EXPECT_TRUE(test::eventually(
+      [&] {
+        bad_peer(server.port());
+        return err.text().find("similar lines suppressed before this one") != std::string::npos;
+      },
+      20000))
+      << err.text();
+}
+
+// True if a TCP connection to ip:port is accepted.
+bool connects(const char* ip, uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  ::inet_pton(AF_INET, ip, &a.sin_addr);
+  const bool ok = fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  if (fd >= 0) ::close(fd);
+  return ok;
+}
+
+// Linux routes all of 127.0.0.0/8 to the loopback device, so a server on every interface is
+// reached through 127.0.0.2 and one bound to 127.0.0.1 is not.
+TEST(TCPStore, AServerRankOnALoopbackHostListensOnlyThere) {
+  TCPStoreOptions o = client_options();
+  o.is_server = true;
+  TCPStore store("127.0.0.1", 0, o);
+  EXPECT_TRUE(connects("127.0.0.1", store.port()));
+  EXPECT_FALSE(connects("127.0.0.2", store.port()))
+      << "a store for a loopback MASTER_ADDR listens on other addresses too";
+  o.listen_host = "0.0.0.0";
+  TCPStore everywhere("127.0.0.1", 0, o);
+  EXPECT_TRUE(connects("127.0.0.2", everywhere.port())) << "an explicit listen_host is kept";
+  store.set("k", std::string("v"));
+  EXPECT_EQ(store.get_string("k"), "v");
 }
 
 // ---- blocking calls ----
