@@ -10,7 +10,10 @@
 // the operations were posted). Every operation carries a deadline (the
 // group's timeout or the call's): a collective that cannot finish, or whose peer died (its
 // connection closed), fails with an error naming "[gloo]", the collective, its sequence
-// number, this rank and the timeout. After a failure the group closes its connections, so
+// number, this rank and the timeout; a dead peer is named by its rank (Gloo names only an
+// address). Ranks that issue a collective with different sizes, dtypes, ops or roots fail on
+// every rank naming the peer and what each issued, over shared memory and over TCP, where Gloo
+// itself would abort the process (Note [ranks that disagree over TCP]). After a failure the group closes its connections, so
 // peers blocked on this rank fail at once rather than at their timeout, and the group cannot
 // be used again (as in c10d: recreate it).
 //
