@@ -287,7 +287,13 @@ class ProcessGroupGloo::Impl {
                             attr.iface.empty() ? attr.hostname : attr.iface, "': ", e.what()));
       }
       attr.hostname = "127.0.0.1";
-      device_ = gloo::transport::tcp::CreateDevice(attr);
+      try {
+        device_ = gloo::transport::tcp::CreateDevice(attr);
+      } catch (const std::exception& e2) {
+        throw DistBackendError(detail::str_cat("[gloo] rank ", rank_, " of ", size_,
+                                               ": cannot listen on this machine's host name (",
+                                               e.what(), ") nor on 127.0.0.1: ", e2.what()));
+      }
     }
     auto ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
     ctx->setTimeout(opts.timeout);

@@ -126,19 +126,28 @@ inline void exchange_and_check(const std::shared_ptr<gloo::Context>& ctx, uint32
   }
 }
 
+/// The exchange's buffers, kept per worker thread (one set whatever the dtype: a small
+/// allreduce's receive is up to 512 KiB per peer).
+struct AgreementBuffers {
+  std::vector<char> in, out;
+};
+inline AgreementBuffers& agreement_buffers() {
+  thread_local AgreementBuffers b;
+  return b;
+}
+
 /// Note [ranks that disagree over TCP] for the collectives other than allreduce.
 inline void agree(const std::shared_ptr<gloo::Context>& ctx, uint32_t tag, const GlooOpDesc& mine,
                   std::chrono::milliseconds timeout) {
-  thread_local std::vector<char> in, out;
+  auto& [in, out] = agreement_buffers();
   exchange_and_check(ctx, tag, mine, nullptr, 0, 0, in, out, timeout);
 }
 
 /// Allreduce over TCP of `count` elements at `data`, reduced pairwise by `fn`: the ranks'
 /// descriptions are exchanged first (Note [ranks that disagree over TCP]), and when the data
 /// is at most `small_bytes` it goes in the same messages (Note [small allreduce] in
-/// process_group_gloo.cpp); a larger one then runs Gloo's ring. The receive buffers are kept
-/// per worker thread, as large as the largest small allreduce, so that a peer's message always
-/// fits.
+/// process_group_gloo.cpp); a larger one then runs Gloo's ring. The receive holds the largest
+/// small allreduce, so that a peer's message always fits.
 template <typename T>
 void tcp_allreduce(const std::shared_ptr<gloo::Context>& ctx, Dtype dtype, T* data, size_t count,
                    dist::ReduceOp op, void (*fn)(void*, const void*, const void*, size_t),
@@ -147,7 +156,7 @@ void tcp_allreduce(const std::shared_ptr<gloo::Context>& ctx, Dtype dtype, T* da
   const int n = ctx->size, me = ctx->rank;
   const size_t bytes = count * sizeof(T);
   const bool small = bytes <= small_bytes;
-  thread_local std::vector<char> in, out;
+  auto& [in, out] = agreement_buffers();
   exchange_and_check(ctx, tag, make_desc(GlooKind::Allreduce, dtype, static_cast<int64_t>(count),
                                          -1, op),
                      data, small ? bytes : 0, small_bytes, in, out, timeout);
