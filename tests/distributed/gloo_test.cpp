@@ -17,6 +17,7 @@
 #include "distributed/process_group_gloo.h"
 #include "distributed/tcp_store.h"
 #include "tests/distributed/store_test_util.h"
+#include "distributed/comm_hooks.h"
 #include "distributed/ddp.h"
 #include "nn/nn.h"
 #include "tensor/cuda.h"
@@ -771,6 +772,29 @@ INSTANTIATE_TEST_SUITE_P(
         Disagreement{"SameBytesOtherDtype", {1000, 1000}, {kInt32, kFloat32}},
         Disagreement{"RingFp16BesidePlain", {300000, 300000}, {kFloat16, kFloat32}}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// The case that was seen aborting: DDP with the fp16 compression hook on rank 0 beside a plain
+// rank 1, over TCP. Backward fails on both ranks naming the dtypes instead.
+TEST(GlooTcp, Fp16HookRankBesidePlainRankFailsInsteadOfAborting) {
+  EMBER_REQUIRE_GLOO();
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store&) {
+    auto model = std::make_shared<nn::Linear>(3, 2);
+    auto shared = std::shared_ptr<ProcessGroup>(&pg, [](ProcessGroup*) {});
+    dist::DistributedDataParallel ddp(model, shared);
+    if (rank == 0) ddp.register_comm_hook(dist::fp16_compress_hook);
+    std::string msg;
+    try {
+      Tensor x = full({4, 3}, rank + 1.0, kFloat32);
+      ddp.forward(x).sum().backward();
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+    require(msg.find("[gloo] allreduce") != std::string::npos &&
+                msg.find("ranks disagree") != std::string::npos &&
+                msg.find("float16") != std::string::npos && msg.find("float32") != std::string::npos,
+            "rank " + std::to_string(rank) + ": " + msg);
+  }, 20s, /*shm=*/false);
+}
 
 // The other collectives check too: a broadcast whose sizes differ fails on both ranks.
 TEST(GlooTcp, DisagreeingBroadcastFailsOnEveryRank) {
