@@ -15,19 +15,19 @@
 // collectives pay one small exchange.
 #pragma once
 
+#include <dirent.h>
 #include <gloo/allreduce.h>
 #include <gloo/context.h>
-#include <dirent.h>
 #include <gloo/transport/tcp/address.h>
 #include <gloo/transport/unbound_buffer.h>
-#include <sys/socket.h>
 #include <gloo/types.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <cctype>
-#include <cstdlib>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -44,8 +44,15 @@ namespace ember::detail {
 // c10d's slot prefix for send/recv is 0x09; the collectives use 0x01..0x08 (gloo/types.h).
 constexpr uint8_t kAgreementSlotPrefix = 0x0a;
 
-enum class GlooKind : uint8_t { Allreduce = 1, Reduce, Broadcast, Allgather, Gather, Scatter,
-                                Alltoall };
+enum class GlooKind : uint8_t {
+  Allreduce = 1,
+  Reduce,
+  Broadcast,
+  Allgather,
+  Gather,
+  Scatter,
+  Alltoall
+};
 
 /// What one rank issued, as sent to its peers (fixed size: the receive never overflows).
 struct GlooOpDesc {
@@ -72,8 +79,8 @@ inline GlooOpDesc make_desc(GlooKind kind, Dtype dtype, int64_t numel, int root 
 }
 
 inline std::string describe(const GlooOpDesc& d) {
-  static const char* const kNames[] = {"?",      "allreduce", "reduce",  "broadcast",
-                                       "allgather", "gather",  "scatter", "alltoall"};
+  static const char* const kNames[] = {"?",         "allreduce", "reduce",  "broadcast",
+                                       "allgather", "gather",    "scatter", "alltoall"};
   const auto kind = static_cast<GlooKind>(d.kind);
   const char* name = d.kind < std::size(kNames) ? kNames[d.kind] : "?";
   std::string s = str_cat(name);
@@ -118,10 +125,11 @@ inline void exchange_and_check(const std::shared_ptr<gloo::Context>& ctx, uint32
     GlooOpDesc theirs;
     std::memcpy(&theirs, in.data() + static_cast<size_t>(r) * stride, sizeof(theirs));
     if (!(theirs == mine)) {
-      throw dist::DistBackendError(str_cat(
-          "ranks disagree: rank ", r, " issued ", describe(theirs), " but rank ", me, " issued ",
-          describe(mine), " (every rank must issue the same collectives in the same order, "
-          "with tensors of the same size and dtype)"));
+      throw dist::DistBackendError(
+          str_cat("ranks disagree: rank ", r, " issued ", describe(theirs), " but rank ", me,
+                  " issued ", describe(mine),
+                  " (every rank must issue the same collectives in the same order, "
+                  "with tensors of the same size and dtype)"));
     }
   }
 }
@@ -157,8 +165,8 @@ void tcp_allreduce(const std::shared_ptr<gloo::Context>& ctx, Dtype dtype, T* da
   const size_t bytes = count * sizeof(T);
   const bool small = bytes <= small_bytes;
   auto& [in, out] = agreement_buffers();
-  exchange_and_check(ctx, tag, make_desc(GlooKind::Allreduce, dtype, static_cast<int64_t>(count),
-                                         -1, op),
+  exchange_and_check(ctx, tag,
+                     make_desc(GlooKind::Allreduce, dtype, static_cast<int64_t>(count), -1, op),
                      data, small ? bytes : 0, small_bytes, in, out, timeout);
   if (count == 0) return;
   if (!small) {
@@ -224,7 +232,7 @@ inline std::vector<std::vector<std::string>> peer_addresses(dist::Store& store, 
     if (store.check({key})) {
       const dist::Bytes all = store.get(key, timeout);
       const size_t at = static_cast<size_t>(rank < r ? rank : rank - 1) * one.size();
-        if (all.size() == static_cast<size_t>(size - 1) * one.size()) {
+      if (all.size() == static_cast<size_t>(size - 1) * one.size()) {
         const std::vector<char> bytes(all.begin() + at, all.begin() + at + one.size());
         out[static_cast<size_t>(r)].push_back(gloo::transport::tcp::Address(bytes).str());
       }
@@ -251,19 +259,19 @@ inline std::string name_peers_by_rank(const std::vector<std::vector<std::string>
   for (size_t r = 0; r < addresses.size(); ++r) {
     bool found = false;
     for (const std::string& addr : addresses[r]) {
-    if (std::find(done.begin(), done.end(), addr) != done.end()) continue;
-    done.push_back(addr);
-    const std::string with_rank = str_cat("rank ", r, " (", addr, ")");
-    for (size_t at = msg.find(addr); at != std::string::npos;) {
-      const size_t end = at + addr.size();
-      if (end < msg.size() && std::isdigit(static_cast<unsigned char>(msg[end]))) {
-        at = msg.find(addr, end);  // another address that only starts like this one
-        continue;
+      if (std::find(done.begin(), done.end(), addr) != done.end()) continue;
+      done.push_back(addr);
+      const std::string with_rank = str_cat("rank ", r, " (", addr, ")");
+      for (size_t at = msg.find(addr); at != std::string::npos;) {
+        const size_t end = at + addr.size();
+        if (end < msg.size() && std::isdigit(static_cast<unsigned char>(msg[end]))) {
+          at = msg.find(addr, end);  // another address that only starts like this one
+          continue;
+        }
+        msg.replace(at, addr.size(), with_rank);
+        found = true;
+        at = msg.find(addr, at + with_rank.size());
       }
-      msg.replace(at, addr.size(), with_rank);
-      found = true;
-      at = msg.find(addr, at + with_rank.size());
-    }
     }
     if (found && named) named->push_back(static_cast<int>(r));
   }

@@ -791,7 +791,8 @@ TEST(GlooTcp, Fp16HookRankBesidePlainRankFailsInsteadOfAborting) {
     }
     require(msg.find("[gloo] allreduce") != std::string::npos &&
                 msg.find("ranks disagree") != std::string::npos &&
-                msg.find("float16") != std::string::npos && msg.find("float32") != std::string::npos,
+                msg.find("float16") != std::string::npos &&
+                msg.find("float32") != std::string::npos,
             "rank " + std::to_string(rank) + ": " + msg);
   }, 20s, /*shm=*/false);
 }
