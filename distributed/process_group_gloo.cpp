@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "distributed/detail/gloo_agreement.h"
 #include "distributed/detail/shm_allreduce.h"
 #include "tensor/ops.h"
 
@@ -163,30 +164,10 @@ void shm_allreduce(ember::detail::ShmAllreduce& shm, uint64_t ticket,
 // ranks the exchange sends (n-1) times the buffer, so it is kept for small ones.
 constexpr size_t kSmallAllreduceBytes = 64 * 1024;
 constexpr size_t kTwoRankExchangeBytes = 512 * 1024;
-constexpr uint8_t kSmallAllreduceSlotPrefix = 0x0a;  // after send/recv's 0x09
 
-template <typename T>
-void small_allreduce(const std::shared_ptr<gloo::Context>& ctx, T* data, size_t count, ReduceOp op,
-                     uint32_t tag, std::chrono::milliseconds timeout) {
-  const int n = ctx->size, me = ctx->rank;
-  const size_t bytes = count * sizeof(T);
-  std::vector<T> all(static_cast<size_t>(n) * count);
-  const uint64_t slot = gloo::Slot::build(kSmallAllreduceSlotPrefix, tag);
-  auto in = ctx->createUnboundBuffer(all.data(), all.size() * sizeof(T));
-  auto out = ctx->createUnboundBuffer(data, bytes);
-  for (int r = 0; r < n; ++r) {
-    if (r != me) in->recv(r, slot, static_cast<size_t>(r) * bytes, bytes);
-  }
-  for (int r = 0; r < n; ++r) {
-    if (r != me) out->send(r, slot);
-  }
-  for (int k = 0; k < n - 1; ++k) in->waitRecv(timeout);
-  for (int k = 0; k < n - 1; ++k) out->waitSend(timeout);
-  std::copy(data, data + count, all.data() + static_cast<size_t>(me) * count);
-  const ReduceFn fn = reduce_fn<T>(op);
-  std::copy(all.begin(), all.begin() + count, data);
-  for (int r = 1; r < n; ++r) fn(data, data, all.data() + static_cast<size_t>(r) * count, count);
-}
+using ember::detail::GlooKind;
+using ember::detail::agree;
+using ember::detail::make_desc;
 
 bool is_supported(Dtype d) { return d != Dtype::Bool; }
 
@@ -306,7 +287,13 @@ class ProcessGroupGloo::Impl {
                             attr.iface.empty() ? attr.hostname : attr.iface, "': ", e.what()));
       }
       attr.hostname = "127.0.0.1";
-      device_ = gloo::transport::tcp::CreateDevice(attr);
+      try {
+        device_ = gloo::transport::tcp::CreateDevice(attr);
+      } catch (const std::exception& e2) {
+        throw DistBackendError(detail::str_cat("[gloo] rank ", rank_, " of ", size_,
+                                               ": cannot listen on this machine's host name (",
+                                               e.what(), ") nor on 127.0.0.1: ", e2.what()));
+      }
     }
     auto ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
     ctx->setTimeout(opts.timeout);
@@ -324,6 +311,7 @@ class ProcessGroupGloo::Impl {
                                              " could not connect to its peers (timeout ",
                                              opts.timeout.count(), " ms): ", e.what()));
     }
+    peer_addresses_ = ember::detail::peer_addresses(*store, *ctx, opts.timeout);
     context_ = ctx;
     if (opts.shared_memory) {
       shm_ = ember::detail::ShmAllreduce::create(*store, rank_, size_, opts.threads, opts.timeout);
@@ -384,6 +372,10 @@ class ProcessGroupGloo::Impl {
   }
 
   const std::shared_ptr<gloo::Context>& context() const { return context_; }
+  /// A Gloo error with each peer's address written as "rank r (address)".
+  std::string name_peers(const std::string& msg) const {
+    return ember::detail::name_peers_by_rank(peer_addresses_, msg, nullptr);
+  }
   /// The shared-memory allreduce, or null (world size 1, turned off, or a rank elsewhere).
   ember::detail::ShmAllreduce* shm() const { return shm_.get(); }
 
@@ -444,7 +436,9 @@ class ProcessGroupGloo::Impl {
       job.work->finish_with_error(std::current_exception());
       return;
     } catch (const std::exception& e) {
-      const std::string msg = e.what();
+      std::vector<int> peers;  // the ranks whose addresses Gloo's message names
+      const std::string msg =
+          ember::detail::name_peers_by_rank(peer_addresses_, e.what(), &peers);
       const bool timed_out =
           msg.find("imed out") != std::string::npos || msg.find("imeout") != std::string::npos;
       const bool peer_gone = msg.find("losed") != std::string::npos ||
@@ -459,7 +453,7 @@ class ProcessGroupGloo::Impl {
         fail(job,
              DistBackendError(detail::str_cat(
                  what, " (timeout ", timeout.count(), " ms) failed: ",
-                 peer_gone ? "a peer closed its connection (did a rank exit or die?): " : "", msg)),
+                 peer_gone ? ember::detail::closed_by(peers) : "", msg)),
              mark_broken);
       }
       return;
@@ -486,6 +480,7 @@ class ProcessGroupGloo::Impl {
   int size_;
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;
+  std::vector<std::vector<std::string>> peer_addresses_;  // Note [naming peers by rank]
   std::unique_ptr<ember::detail::ShmAllreduce> shm_;  // outlives the workers (joined in ~Impl)
   std::mutex mu_;
   std::condition_variable cv_;      // collectives' queue
@@ -538,21 +533,11 @@ WorkPtr ProcessGroupGloo::allreduce(Tensor& tensor, const AllreduceOptions& opts
           shm_allreduce(*shm, ticket, {t}, op, left);
           return std::vector<Tensor>{t};
         }
-        if (ctx && t.numel() > 0) {
+        if (ctx) {
           EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] allreduce", [&]<typename T>() {
-            const size_t count = static_cast<size_t>(t.numel());
-            T* data = t.template data<T>();
-            if (static_cast<size_t>(t.nbytes()) <=
-                (n == 2 ? kTwoRankExchangeBytes : kSmallAllreduceBytes)) {
-              small_allreduce<T>(ctx, data, count, op, tag, left);
-            } else {
-              gloo::AllreduceOptions o(ctx);
-              o.setOutput<T>(data, count);
-              o.setReduceFunction(reduce_fn<T>(op));
-              o.setTag(tag);
-              o.setTimeout(left);
-              gloo::allreduce(o);
-            }
+            ember::detail::tcp_allreduce<T>(
+                ctx, t.dtype(), t.template data<T>(), static_cast<size_t>(t.numel()), op,
+                reduce_fn<T>(op), n == 2 ? kTwoRankExchangeBytes : kSmallAllreduceBytes, tag, left);
           });
         }
         if (op == ReduceOp::Avg && n > 1) divide_in_place(t, n);
@@ -592,6 +577,10 @@ WorkPtr ProcessGroupGloo::reduce(Tensor& tensor, const ReduceOptions& opts) {
   const ReduceOp op = opts.op;
   return impl_->submit(next_op_label("reduce"), timeout_of(opts.timeout),
                        [=](std::chrono::milliseconds left) {
+                         if (ctx) {
+                           agree(ctx, tag, make_desc(GlooKind::Reduce, t.dtype(), t.numel(),
+                                                     root, op), left);
+                         }
                          if (ctx && t.numel() > 0) {
                            EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] reduce", [&]<typename T>() {
                              gloo::ReduceOptions o(ctx);
@@ -621,6 +610,10 @@ WorkPtr ProcessGroupGloo::broadcast(Tensor& tensor, const BroadcastOptions& opts
   Tensor t = tensor;
   return impl_->submit(next_op_label("broadcast"), timeout_of(opts.timeout),
                        [=](std::chrono::milliseconds left) {
+                         if (ctx) {
+                           agree(ctx, tag, make_desc(GlooKind::Broadcast, t.dtype(), t.numel(),
+                                                     root), left);
+                         }
                          if (ctx && t.numel() > 0) {
                            gloo::BroadcastOptions o(ctx);
                            auto* p = static_cast<uint8_t*>(t.data_ptr());
@@ -656,7 +649,11 @@ WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& in
                        [=](std::chrono::milliseconds left) mutable {
                          if (!ctx) {
                            out.view(in.shape()).copy_(in);
-                         } else if (in.numel() > 0) {
+                           return std::vector<Tensor>{out};
+                         }
+                         agree(ctx, tag, make_desc(GlooKind::Allgather, in.dtype(), in.numel()),
+                               left);
+                         if (in.numel() > 0) {
                            gloo::AllgatherOptions o(ctx);
                            o.setInput<uint8_t>(static_cast<uint8_t*>(in.data_ptr()),
                                                static_cast<size_t>(in.nbytes()));
@@ -691,6 +688,7 @@ WorkPtr ProcessGroupGloo::gather(std::vector<Tensor>& outputs, const Tensor& inp
           outs[0].copy_(in);
           return outs;
         }
+        agree(ctx, tag, make_desc(GlooKind::Gather, in.dtype(), in.numel(), root), left);
         if (in.numel() == 0) return outs;
         Tensor flat;
         gloo::GatherOptions o(ctx);
@@ -730,7 +728,11 @@ WorkPtr ProcessGroupGloo::scatter(Tensor& output, const std::vector<Tensor>& inp
                        [=](std::chrono::milliseconds left) mutable {
                          if (!ctx) {
                            out.copy_(ins[0]);
-                         } else if (out.numel() > 0) {
+                           return std::vector<Tensor>{out};
+                         }
+                         agree(ctx, tag, make_desc(GlooKind::Scatter, out.dtype(), out.numel(),
+                                                   root), left);
+                         if (out.numel() > 0) {
                            gloo::ScatterOptions o(ctx);
                            const size_t nb = static_cast<size_t>(out.nbytes());
                            if (me == root) {
@@ -768,6 +770,7 @@ WorkPtr ProcessGroupGloo::alltoall(std::vector<Tensor>& outputs, const std::vect
           outs[0].copy_(in.view(outs[0].shape()));
           return outs;
         }
+        agree(ctx, tag, make_desc(GlooKind::Alltoall, in.dtype(), in.numel()), left);
         if (in.numel() == 0) return outs;
         Tensor out = empty_like(in);
         gloo::AlltoallOptions o(ctx);
@@ -843,10 +846,17 @@ WorkPtr ProcessGroupGloo::point_to_point(bool is_send, const Tensor& tensor, int
   if (t.numel() > 0) {  // both sides skip empty messages
     buf = impl_->context()->createUnboundBuffer(t.data_ptr(), static_cast<size_t>(t.nbytes()));
     const uint64_t slot = gloo::Slot::build(kSendRecvSlotPrefix, static_cast<uint32_t>(tag));
-    if (is_send) {
-      buf->send(peer, slot);
-    } else {
-      buf->recv(peer, slot);
+    try {
+      if (is_send) {
+        buf->send(peer, slot);
+      } else {
+        buf->recv(peer, slot);
+      }
+    } catch (const std::exception& e) {  // Gloo's: the connection is already broken
+      throw DistBackendError(detail::str_cat(
+          "[gloo] ", op, " #", seq_, " on rank ", rank_, " of ", size_, is_send ? " to" : " from",
+          " rank ", peer, " tag ", tag, " failed: ",
+          impl_->name_peers(e.what())));
     }
   }
   return impl_->submit(

@@ -10,9 +10,13 @@
 // the operations were posted). Every operation carries a deadline (the
 // group's timeout or the call's): a collective that cannot finish, or whose peer died (its
 // connection closed), fails with an error naming "[gloo]", the collective, its sequence
-// number, this rank and the timeout. After a failure the group closes its connections, so
-// peers blocked on this rank fail at once rather than at their timeout, and the group cannot
-// be used again (as in c10d: recreate it).
+// number, this rank and the timeout; a dead peer is named by its rank (Gloo names only an
+// address). Ranks that issue a collective with different sizes, dtypes, ops or roots fail on
+// every rank naming the peer and what each issued, over shared memory and over TCP, where Gloo
+// itself would abort the process (Note [ranks that disagree over TCP]; not send/recv: a recv
+// must be as large as its send). After a failure the group closes its connections, so peers
+// blocked on this rank fail at once rather than at their timeout, and the group cannot be
+// used again (as in c10d: recreate it).
 //
 // Dtypes: float32, float64, float16, bfloat16, int32, int64, uint8; tensors must be contiguous
 // CPU tensors. float16/bfloat16 reductions compute each pairwise step in float32 and round

@@ -17,6 +17,7 @@
 #include "distributed/process_group_gloo.h"
 #include "distributed/tcp_store.h"
 #include "tests/distributed/store_test_util.h"
+#include "distributed/comm_hooks.h"
 #include "distributed/ddp.h"
 #include "nn/nn.h"
 #include "tensor/cuda.h"
@@ -651,6 +652,19 @@ void victim_test(int n, bool kill_victim, bool shm) {
       const std::string named = "rank " + std::to_string(victim) + " (pid ";
       require(msg.find(named) != std::string::npos || msg.find("gave up") != std::string::npos,
               "message names neither the dead rank nor the survivor that gave up: " + msg);
+    } else if (kill_victim) {
+      // Over TCP Gloo names the peer by its socket's address; the error names its rank (the
+      // victim, or with more ranks possibly a survivor that gave up first and closed its
+      // connections).
+      bool named = false;
+      for (int k = 0; k < n; ++k) {
+        const bool may_close = k == victim || n > 2;
+        named |= k != rank && may_close &&
+                 msg.find("rank " + std::to_string(k) + " closed the connection") !=
+                     std::string::npos &&
+                 msg.find("rank " + std::to_string(k) + " (") != std::string::npos;
+      }
+      require(named, "message does not name the rank that closed the connection: " + msg);
     } else if (shm) {
       require(msg.find("shared-memory allreduce") != std::string::npos ||
                   msg.find("gave up") != std::string::npos,
@@ -708,6 +722,97 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(c.kill ? "Killed" : "Stalled") + "RankOf" + std::to_string(c.n) +
              (c.shm ? "_shm" : "_tcp");
     });
+
+// ---- ranks that disagree over TCP (Note [ranks that disagree over TCP]) -------------------------
+
+// Each rank's tensor for one allreduce: rank 0 and rank 1 pass different sizes or dtypes. Over
+// TCP a peer's message longer than this rank's receive used to fail an enforcement on Gloo's
+// event-loop thread, which aborted the process (std::terminate).
+struct Disagreement {
+  const char* name;
+  int64_t numel[2];
+  Dtype dtype[2];
+};
+void PrintTo(const Disagreement& d, std::ostream* os) { *os << d.name; }
+class GlooTcpDisagreement : public ::testing::TestWithParam<Disagreement> {};
+
+// Both ranks fail (no abort) naming the collective, its sequence number, the peer and what each
+// passed; a collective that both pass alike first shows the group worked.
+TEST_P(GlooTcpDisagreement, EveryRankFailsNamingTheCollectiveAndPeer) {
+  EMBER_REQUIRE_GLOO();
+  const Disagreement d = GetParam();
+  run_group(2, [d](ProcessGroupGloo& pg, int rank, Store&) {
+    Tensor same = full({3}, 1.0, kFloat32);
+    pg.allreduce(same)->wait();
+    Tensor t = full({d.numel[rank]}, 1.0, d.dtype[rank]);
+    std::string msg;
+    try {
+      pg.allreduce(t)->wait();
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    const std::string me = std::to_string(rank), peer = std::to_string(1 - rank);
+    require(!msg.empty(), "rank " + me + ": the disagreeing allreduce did not fail");
+    const std::string label = "[gloo] allreduce #1 on rank " + me + " of 2";
+    require(msg.find(label) != std::string::npos, "message lacks '" + label + "': " + msg);
+    require(msg.find("ranks disagree: rank " + peer + " issued allreduce (sum) of " +
+                     std::to_string(d.numel[1 - rank]) + " elements of " +
+                     ember::detail::str_cat(d.dtype[1 - rank])) != std::string::npos,
+            "message lacks what the peer passed: " + msg);
+  }, 20s, /*shm=*/false);
+}
+INSTANTIATE_TEST_SUITE_P(
+    Cases, GlooTcpDisagreement,
+    ::testing::Values(
+        Disagreement{"SmallSizes", {1000, 1001}, {kFloat32, kFloat32}},
+        Disagreement{"RingSizes", {300000, 300001}, {kFloat32, kFloat32}},
+        Disagreement{"SmallAndRing", {1000, 300000}, {kFloat32, kFloat32}},
+        Disagreement{"EmptyAndNot", {0, 1000}, {kFloat32, kFloat32}},
+        Disagreement{"Fp16HookBesidePlain", {1000, 1000}, {kFloat16, kFloat32}},
+        Disagreement{"SameBytesOtherDtype", {1000, 1000}, {kInt32, kFloat32}},
+        Disagreement{"RingFp16BesidePlain", {300000, 300000}, {kFloat16, kFloat32}}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// The case that was seen aborting: DDP with the fp16 compression hook on rank 0 beside a plain
+// rank 1, over TCP. Backward fails on both ranks naming the dtypes instead.
+TEST(GlooTcp, Fp16HookRankBesidePlainRankFailsInsteadOfAborting) {
+  EMBER_REQUIRE_GLOO();
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store&) {
+    auto model = std::make_shared<nn::Linear>(3, 2);
+    auto shared = std::shared_ptr<ProcessGroup>(&pg, [](ProcessGroup*) {});
+    dist::DistributedDataParallel ddp(model, shared);
+    if (rank == 0) ddp.register_comm_hook(dist::fp16_compress_hook);
+    std::string msg;
+    try {
+      Tensor x = full({4, 3}, rank + 1.0, kFloat32);
+      ddp.forward(x).sum().backward();
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+    require(msg.find("[gloo] allreduce") != std::string::npos &&
+                msg.find("ranks disagree") != std::string::npos &&
+                msg.find("float16") != std::string::npos &&
+                msg.find("float32") != std::string::npos,
+            "rank " + std::to_string(rank) + ": " + msg);
+  }, 20s, /*shm=*/false);
+}
+
+// The other collectives check too: a broadcast whose sizes differ fails on both ranks.
+TEST(GlooTcp, DisagreeingBroadcastFailsOnEveryRank) {
+  EMBER_REQUIRE_GLOO();
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store&) {
+    Tensor t = full({100 + 50 * rank}, 1.0, kFloat32);
+    std::string msg;
+    try {
+      pg.broadcast(t)->wait();
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    require(msg.find("[gloo] broadcast #0 on rank " + std::to_string(rank)) != std::string::npos &&
+                msg.find("ranks disagree: rank " + std::to_string(1 - rank)) != std::string::npos,
+            "rank " + std::to_string(rank) + ": " + msg);
+  }, 20s, /*shm=*/false);
+}
 
 // ---- the shared-memory allreduce (Note [shared-memory allreduce]) ------------------------------
 

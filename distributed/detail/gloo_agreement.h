@@ -1,0 +1,289 @@
+// ProcessGroupGloo's checks that the ranks agree on a collective before Gloo moves its data,
+// and the naming of peers by rank in Gloo's errors. Internal to process_group_gloo.cpp: not
+// installed, not part of the public API.
+//
+// Note [ranks that disagree over TCP]: Gloo's TCP pair reads a peer's message on Gloo's own
+// event-loop thread, and a message longer than the receive this rank posted fails an
+// enforcement there; an exception on that thread reaches std::terminate, so ranks that disagree
+// on a collective's size (an fp16 hook on one rank, float32 on another) would abort the process
+// instead of failing the collective. Ember cannot catch it, so it never lets that happen: before
+// Gloo's transfers, every rank sends each peer a fixed-size description of the collective
+// (kind, dtype, element count, reduce op, root) and receives each peer's into a buffer large
+// enough for any of them, then compares. A mismatch fails the collective on every rank, naming
+// the peer and what each issued. The small allreduce sends its data in the same message (the
+// receive buffer holds the largest small allreduce), so it costs no extra round trip; the other
+// collectives pay one small exchange.
+#pragma once
+
+#include <dirent.h>
+#include <gloo/allreduce.h>
+#include <gloo/context.h>
+#include <gloo/transport/tcp/address.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "distributed/errors.h"
+#include "distributed/process_group.h"
+#include "distributed/store.h"
+#include "tensor/dtype.h"
+
+// In ember::detail, not ember::dist::detail (store_util.h says why).
+namespace ember::detail {
+
+// c10d's slot prefix for send/recv is 0x09; the collectives use 0x01..0x08 (gloo/types.h).
+constexpr uint8_t kAgreementSlotPrefix = 0x0a;
+
+enum class GlooKind : uint8_t {
+  Allreduce = 1,
+  Reduce,
+  Broadcast,
+  Allgather,
+  Gather,
+  Scatter,
+  Alltoall
+};
+
+/// What one rank issued, as sent to its peers (fixed size: the receive never overflows).
+struct GlooOpDesc {
+  uint8_t kind = 0;
+  uint8_t dtype = 0;
+  uint8_t op = 0;  // ReduceOp, for the reductions
+  uint8_t pad = 0;
+  int32_t root = -1;  // for the rooted collectives
+  uint64_t numel = 0;
+  bool operator==(const GlooOpDesc&) const = default;
+};
+static_assert(sizeof(GlooOpDesc) == 16, "GlooOpDesc goes over the wire as is");
+
+inline GlooOpDesc make_desc(GlooKind kind, Dtype dtype, int64_t numel, int root = -1,
+                            dist::ReduceOp op = dist::ReduceOp::Sum) {
+  GlooOpDesc d;
+  d.kind = static_cast<uint8_t>(kind);
+  d.dtype = static_cast<uint8_t>(dtype);
+  const bool reduces = kind == GlooKind::Allreduce || kind == GlooKind::Reduce;
+  d.op = reduces ? static_cast<uint8_t>(op) : 0;
+  d.root = root;
+  d.numel = static_cast<uint64_t>(numel);
+  return d;
+}
+
+inline std::string describe(const GlooOpDesc& d) {
+  static const char* const kNames[] = {"?",         "allreduce", "reduce",  "broadcast",
+                                       "allgather", "gather",    "scatter", "alltoall"};
+  const auto kind = static_cast<GlooKind>(d.kind);
+  const char* name = d.kind < std::size(kNames) ? kNames[d.kind] : "?";
+  std::string s = str_cat(name);
+  if (kind == GlooKind::Allreduce || kind == GlooKind::Reduce) {
+    s += str_cat(" (", dist::to_string(static_cast<dist::ReduceOp>(d.op)), ")");
+  }
+  s += str_cat(" of ", d.numel, " elements of ", static_cast<Dtype>(d.dtype));
+  if (d.root >= 0) s += str_cat(" with root ", d.root);
+  return s;
+}
+
+/// Byte offset of peer r's message in the receive buffer of exchange_and_check.
+inline size_t agreement_stride(size_t capacity) { return sizeof(GlooOpDesc) + capacity; }
+
+/// Note [ranks that disagree over TCP]: sends `mine` followed by `payload_bytes` of `payload`
+/// (at most `capacity`) to every peer, receives each peer's message into `in` (peer r's at
+/// r * agreement_stride(capacity), its payload after the description), and throws
+/// DistBackendError naming the first peer whose description differs from `mine`.
+inline void exchange_and_check(const std::shared_ptr<gloo::Context>& ctx, uint32_t tag,
+                               const GlooOpDesc& mine, const void* payload, size_t payload_bytes,
+                               size_t capacity, std::vector<char>& in, std::vector<char>& out,
+                               std::chrono::milliseconds timeout) {
+  const int n = ctx->size, me = ctx->rank;
+  const size_t stride = agreement_stride(capacity);
+  if (in.size() < stride * static_cast<size_t>(n)) in.resize(stride * static_cast<size_t>(n));
+  if (out.size() < sizeof(mine) + payload_bytes) out.resize(sizeof(mine) + payload_bytes);
+  std::memcpy(out.data(), &mine, sizeof(mine));
+  if (payload_bytes > 0) std::memcpy(out.data() + sizeof(mine), payload, payload_bytes);
+  const uint64_t slot = gloo::Slot::build(kAgreementSlotPrefix, tag);
+  auto rx = ctx->createUnboundBuffer(in.data(), stride * static_cast<size_t>(n));
+  auto tx = ctx->createUnboundBuffer(out.data(), sizeof(mine) + payload_bytes);
+  for (int r = 0; r < n; ++r) {
+    if (r != me) rx->recv(r, slot, static_cast<size_t>(r) * stride, stride);
+  }
+  for (int r = 0; r < n; ++r) {
+    if (r != me) tx->send(r, slot);
+  }
+  for (int k = 0; k < n - 1; ++k) rx->waitRecv(timeout);
+  for (int k = 0; k < n - 1; ++k) tx->waitSend(timeout);
+  for (int r = 0; r < n; ++r) {
+    if (r == me) continue;
+    GlooOpDesc theirs;
+    std::memcpy(&theirs, in.data() + static_cast<size_t>(r) * stride, sizeof(theirs));
+    if (!(theirs == mine)) {
+      throw dist::DistBackendError(
+          str_cat("ranks disagree: rank ", r, " issued ", describe(theirs), " but rank ", me,
+                  " issued ", describe(mine),
+                  " (every rank must issue the same collectives in the same order, "
+                  "with tensors of the same size and dtype)"));
+    }
+  }
+}
+
+/// The exchange's buffers, kept per worker thread (one set whatever the dtype: a small
+/// allreduce's receive is up to 512 KiB per peer).
+struct AgreementBuffers {
+  std::vector<char> in, out;
+};
+inline AgreementBuffers& agreement_buffers() {
+  thread_local AgreementBuffers b;
+  return b;
+}
+
+/// Note [ranks that disagree over TCP] for the collectives other than allreduce.
+inline void agree(const std::shared_ptr<gloo::Context>& ctx, uint32_t tag, const GlooOpDesc& mine,
+                  std::chrono::milliseconds timeout) {
+  auto& [in, out] = agreement_buffers();
+  exchange_and_check(ctx, tag, mine, nullptr, 0, 0, in, out, timeout);
+}
+
+/// Allreduce over TCP of `count` elements at `data`, reduced pairwise by `fn`: the ranks'
+/// descriptions are exchanged first (Note [ranks that disagree over TCP]), and when the data
+/// is at most `small_bytes` it goes in the same messages (Note [small allreduce] in
+/// process_group_gloo.cpp); a larger one then runs Gloo's ring. The receive holds the largest
+/// small allreduce, so that a peer's message always fits.
+template <typename T>
+void tcp_allreduce(const std::shared_ptr<gloo::Context>& ctx, Dtype dtype, T* data, size_t count,
+                   dist::ReduceOp op, void (*fn)(void*, const void*, const void*, size_t),
+                   size_t small_bytes, uint32_t tag, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const int n = ctx->size, me = ctx->rank;
+  const size_t bytes = count * sizeof(T);
+  const bool small = bytes <= small_bytes;
+  auto& [in, out] = agreement_buffers();
+  exchange_and_check(ctx, tag,
+                     make_desc(GlooKind::Allreduce, dtype, static_cast<int64_t>(count), -1, op),
+                     data, small ? bytes : 0, small_bytes, in, out, timeout);
+  if (count == 0) return;
+  if (!small) {
+    gloo::AllreduceOptions o(ctx);
+    o.setOutput<T>(data, count);
+    o.setReduceFunction(fn);
+    o.setTag(tag);
+    o.setTimeout(std::max(std::chrono::milliseconds(1),
+                          std::chrono::duration_cast<std::chrono::milliseconds>(
+                              deadline - std::chrono::steady_clock::now())));
+    gloo::allreduce(o);
+    return;
+  }
+  // Every rank reduces the same buffers in rank order 0..n-1 (this rank's own is the copy in
+  // `out`), so every rank gets bitwise the same result.
+  const size_t stride = agreement_stride(small_bytes);
+  auto part = [&](int r) {
+    const char* p = r == me ? out.data() : in.data() + static_cast<size_t>(r) * stride;
+    return reinterpret_cast<const T*>(p + sizeof(GlooOpDesc));
+  };
+  std::memcpy(data, part(0), bytes);
+  for (int r = 1; r < n; ++r) fn(data, data, part(r), count);
+}
+
+/// Note [naming peers by rank]: Gloo names a peer in its errors only by its socket's address,
+/// and on the side that accepted a connection that is the peer's ephemeral port, which Gloo
+/// does not expose. So once connected, every rank publishes the local address of each of its
+/// TCP sockets (read from /proc/self/fd, written as Gloo writes addresses) and of its pairs,
+/// and a rank's error
+/// finds its peers among them. Returns, for each rank, its addresses (none for this rank).
+inline std::vector<std::vector<std::string>> peer_addresses(dist::Store& store, gloo::Context& ctx,
+                                                            dist::Duration timeout) {
+  const int rank = ctx.rank, size = ctx.size;
+  std::string mine;
+  if (DIR* dir = ::opendir("/proc/self/fd")) {
+    while (const dirent* e = ::readdir(dir)) {
+      const int fd = std::atoi(e->d_name);
+      sockaddr_storage ss{};
+      socklen_t len = sizeof(ss);
+      int type = 0;
+      socklen_t type_len = sizeof(type);
+      if (e->d_name[0] == '.' || ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0 ||
+          (ss.ss_family != AF_INET && ss.ss_family != AF_INET6) ||
+          ::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &type_len) != 0 || type != SOCK_STREAM) {
+        continue;
+      }
+      mine += gloo::transport::tcp::Address(ss).str() + '\n';
+    }
+    ::closedir(dir);
+  }
+  for (int r = 0; r < size; ++r) {  // what some Gloo versions call this rank's end of a pair
+    if (r != rank) mine += ctx.getPair(r)->address().str() + '\n';
+  }
+  store.set(str_cat("ember_socket_addresses_", rank), dist::Bytes(mine.begin(), mine.end()));
+  std::vector<std::vector<std::string>> out(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) {
+    if (r == rank) continue;
+    // Some Gloo versions name the peer by the address it listened on in the rendezvous (Gloo's
+    // key "<r>": r's pairs' addresses, for each rank but r in order), closed on the side that
+    // connected. Skipped if this Gloo stores something else there.
+    const std::vector<char> one = ctx.getPair(r)->address().bytes();
+    const std::string key = str_cat(r);
+    if (store.check({key})) {
+      const dist::Bytes all = store.get(key, timeout);
+      const size_t at = static_cast<size_t>(rank < r ? rank : rank - 1) * one.size();
+      if (all.size() == static_cast<size_t>(size - 1) * one.size()) {
+        const std::vector<char> bytes(all.begin() + at, all.begin() + at + one.size());
+        out[static_cast<size_t>(r)].push_back(gloo::transport::tcp::Address(bytes).str());
+      }
+    }
+    const dist::Bytes b = store.get(str_cat("ember_socket_addresses_", r), timeout);
+    std::string line;
+    for (const uint8_t c : b) {
+      if (c != '\n') {
+        line += static_cast<char>(c);
+      } else if (!line.empty()) {
+        out[static_cast<size_t>(r)].push_back(std::move(line));
+        line.clear();
+      }
+    }
+  }
+  return out;
+}
+
+/// `msg` (a Gloo error) with every peer's address written as "rank r (address)"; `named` gets
+/// the ranks found (Note [naming peers by rank]).
+inline std::string name_peers_by_rank(const std::vector<std::vector<std::string>>& addresses,
+                                      std::string msg, std::vector<int>* named) {
+  std::vector<std::string> done;  // an address two ranks published is named once
+  for (size_t r = 0; r < addresses.size(); ++r) {
+    bool found = false;
+    for (const std::string& addr : addresses[r]) {
+      if (std::find(done.begin(), done.end(), addr) != done.end()) continue;
+      done.push_back(addr);
+      const std::string with_rank = str_cat("rank ", r, " (", addr, ")");
+      for (size_t at = msg.find(addr); at != std::string::npos;) {
+        const size_t end = at + addr.size();
+        if (end < msg.size() && std::isdigit(static_cast<unsigned char>(msg[end]))) {
+          at = msg.find(addr, end);  // another address that only starts like this one
+          continue;
+        }
+        msg.replace(at, addr.size(), with_rank);
+        found = true;
+        at = msg.find(addr, at + with_rank.size());
+      }
+    }
+    if (found && named) named->push_back(static_cast<int>(r));
+  }
+  return msg;
+}
+
+/// "rank 1 closed the connection (...): " for the peers a lost connection's error names.
+inline std::string closed_by(const std::vector<int>& peers) {
+  if (peers.empty()) return "a peer closed its connection (did a rank exit or die?): ";
+  std::string who = str_cat("rank ", peers[0]);
+  for (size_t i = 1; i < peers.size(); ++i) who += str_cat(", rank ", peers[i]);
+  return str_cat(who, " closed the connection (did it exit or die?): ");
+}
+
+}  // namespace ember::detail
