@@ -6,6 +6,7 @@
 // `samples` batches of enough calls to last `min_time`, and the median batch is reported.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -24,30 +25,20 @@ struct Options {
   bool list = false;
 };
 
+/// Parses the options above; --help prints them and exits 0, a bad option exits 2 naming it.
 inline Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> const char* {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (a == "--filter") {
-      o.filter = next();
-    } else if (a == "--samples") {
-      o.samples = std::max(1, std::atoi(next()));
-    } else if (a == "--min-time") {
-      o.min_time = std::atof(next());
-    } else if (a == "--list") {
-      o.list = true;
-    } else {
-      std::fprintf(stderr, "usage: %s [--filter S] [--samples N] [--min-time SEC] [--list]\n",
-                   argv[0]);
-      std::exit(2);
-    }
+  CLI::App app{"Ember benchmark: prints BENCH lines (see benchmarks/run_tensor_bench.py)"};
+  app.add_option("--filter", o.filter, "run only the cases whose name contains this");
+  app.add_option("--samples", o.samples, "timed batches per case; the median is reported")
+      ->check(CLI::Range(1, 1 << 30));
+  app.add_option("--min-time", o.min_time, "seconds each timed batch lasts at least")
+      ->check(CLI::Range(0.001, 3600.0));
+  app.add_flag("--list", o.list, "print the case names and exit");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e) == 0 ? 0 : 2);
   }
   return o;
 }

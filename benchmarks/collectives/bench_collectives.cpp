@@ -18,6 +18,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -57,45 +58,27 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "bench_collectives: %s needs a value\n", k.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (k == "--backend")
-      a.backend = next();
-    else if (k == "--op")
-      a.op = next();
-    else if (k == "--min-bytes")
-      a.min_bytes = std::stoll(next());
-    else if (k == "--max-bytes")
-      a.max_bytes = std::stoll(next());
-    else if (k == "--iters")
-      a.iters = std::stoi(next());
-    else if (k == "--warmup")
-      a.warmup = std::stoi(next());
-    else if (k == "--np")
-      a.np = std::stoi(next());
-    else if (k == "--torch")
-      a.torch = true;
-    else if (k == "--rounds")
-      a.rounds = std::max(1, std::stoi(next()));
-    else if (k == "--mode") {
-      a.mode = next();
-      if (a.mode != "pipelined" && a.mode != "latency") {
-        std::fprintf(stderr, "bench_collectives: --mode: expected pipelined or latency, got %s\n",
-                     a.mode.c_str());
-        std::exit(2);
-      }
-    }
-    else {
-      std::fprintf(stderr, "bench_collectives: unknown option %s\n", k.c_str());
-      std::exit(2);
-    }
+  CLI::App app{"bench_collectives: collective bandwidth in the style of nccl-tests"};
+  app.add_option("--backend", a.backend, "process group backend")
+      ->check(CLI::IsMember({"gloo", "mpi", "nccl"}));
+  app.add_option("--op", a.op, "the collective")
+      ->check(CLI::IsMember({"allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall"}));
+  app.add_option("--min-bytes", a.min_bytes, "smallest size")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--max-bytes", a.max_bytes, "largest size (doubling)")
+      ->check(CLI::Range(1, 1 << 30));
+  app.add_option("--iters", a.iters, "timed calls per size")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--warmup", a.warmup, "untimed calls per size")->check(CLI::Range(0, 1 << 30));
+  app.add_option("--np", a.np, "fork this many local ranks instead of reading RANK/WORLD_SIZE")
+      ->check(CLI::Range(0, 1 << 30));
+  app.add_flag("--torch", a.torch, "also run torch.distributed's gloo and print the ratio");
+  app.add_option("--rounds", a.rounds, "alternate Ember's and torch's passes this many times")
+      ->check(CLI::Range(1, 1 << 30));
+  app.add_option("--mode", a.mode, "pipelined (nccl-tests) or latency (wait for each call)")
+      ->check(CLI::IsMember({"pipelined", "latency"}));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e) == 0 ? 0 : 2);
   }
   return a;
 }
@@ -203,9 +186,8 @@ std::vector<Row> run_rank(const Args& a) {
 std::map<int64_t, double> run_torch(const Args& a, int n) {
   std::ostringstream cmd;
   cmd << bench::python_script(EMBER_SOURCE_DIR, "benchmarks/collectives/bench_collectives_torch.py")
-      << " --np " << n << " --op " << a.op << " --min-bytes "
-      << a.min_bytes << " --max-bytes " << a.max_bytes << " --iters " << a.iters << " --warmup "
-      << a.warmup << " --mode " << a.mode;
+      << " --np " << n << " --op " << a.op << " --min-bytes " << a.min_bytes << " --max-bytes "
+      << a.max_bytes << " --iters " << a.iters << " --warmup " << a.warmup << " --mode " << a.mode;
   std::map<int64_t, double> out;
   FILE* p = ::popen(cmd.str().c_str(), "r");
   if (!p) return out;
@@ -221,9 +203,11 @@ std::map<int64_t, double> run_torch(const Args& a, int n) {
 
 void print(const Args& a, int n, const std::vector<Row>& rows,
            const std::map<int64_t, double>& torch) {
-  std::printf("# bench_collectives: %s, backend %s, %d ranks, float32, %d iters, %s, median of %d "
-              "rounds%s\n", a.op.c_str(), a.backend.c_str(), n, a.iters, a.mode.c_str(), a.rounds,
-              a.torch ? " (Ember's and torch's rounds alternate)" : "");
+  std::printf(
+      "# bench_collectives: %s, backend %s, %d ranks, float32, %d iters, %s, median of %d "
+      "rounds%s\n",
+      a.op.c_str(), a.backend.c_str(), n, a.iters, a.mode.c_str(), a.rounds,
+      a.torch ? " (Ember's and torch's rounds alternate)" : "");
   std::printf("%12s %12s %10s %9s %9s %7s", "bytes", "count", "time(us)", "algbw", "busbw",
               "#wrong");
   if (a.torch) std::printf(" %14s %9s %8s", "torch time(us)", "tbusbw", "speedup");

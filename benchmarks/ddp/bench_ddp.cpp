@@ -30,6 +30,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -77,65 +78,28 @@ struct Args {
   bool torch = false;
 };
 
-[[noreturn]] void usage_error(const std::string& what) {
-  std::fprintf(stderr, "bench_ddp: %s\n", what.c_str());
-  std::exit(2);
-}
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
-
-int positive(const std::string& opt, const std::string& v) {
-  char* end = nullptr;
-  const long n = std::strtol(v.c_str(), &end, 10);
-  if (end == v.c_str() || *end != '\0' || n < 1) {
-    usage_error(opt + ": expected a positive integer, got '" + v + "'");
-  }
-  return static_cast<int>(n);
-}
-
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) usage_error(k + " needs a value");
-      return argv[++i];
-    };
-    if (k == "--np") {
-      a.np.clear();
-      for (const std::string& v : split(next())) a.np.push_back(positive(k, v));
-    } else if (k == "--model") {
-      a.models = split(next());
-      for (const std::string& m : a.models) {
-        if (m != "cnn" && m != "mlp") usage_error("--model: expected cnn or mlp, got '" + m + "'");
-      }
-    } else if (k == "--batch") {
-      a.batch = positive(k, next());
-    } else if (k == "--steps") {
-      a.steps = positive(k, next());
-    } else if (k == "--warmup") {
-      a.warmup = std::max(0, std::stoi(next()));
-    } else if (k == "--repeats") {
-      a.repeats = positive(k, next());
-    } else if (k == "--threads") {
-      a.threads = positive(k, next());
-    } else if (k == "--torch") {
-      a.torch = true;
-    } else {
-      usage_error("unknown option " + k +
-                  " (options: --np LIST --model LIST --batch N --steps N --warmup N --repeats N "
-                  "--threads N --torch)");
-    }
+  CLI::App app{"bench_ddp: DDP step time, compute against exposed communication"};
+  app.add_option("--np", a.np, "fork these rank counts, e.g. 1,2,4 (default: the launcher's)")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 1 << 30));
+  app.add_option("--model", a.models, "cnn, mlp or both (cnn,mlp)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"cnn", "mlp"}));
+  app.add_option("--batch", a.batch, "batch per rank")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--steps", a.steps, "timed steps per repeat")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--warmup", a.warmup, "untimed steps first")->check(CLI::Range(0, 1 << 30));
+  app.add_option("--repeats", a.repeats, "timed repeats; the median is reported")
+      ->check(CLI::Range(1, 1 << 30));
+  app.add_option("--threads", a.threads, "threads per rank (default: cores / ranks)")
+      ->check(CLI::Range(1, 1 << 30));
+  app.add_flag("--torch", a.torch, "also run torch's DDP and print the ratio");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e) == 0 ? 0 : 2);
   }
-  if (a.models.empty()) usage_error("--model: expected cnn, mlp or both");
   return a;
 }
 
@@ -291,9 +255,9 @@ TorchResult run_torch_block(const Args& a, const std::string& model, int world, 
   // would measure that contention (docs/benchmarks.md has the numbers).
   const char* policy = std::getenv("OMP_WAIT_POLICY");
   cmd << "OMP_WAIT_POLICY=" << (policy && *policy ? policy : "PASSIVE") << " timeout 1800 "
-      << bench::python_script(EMBER_SOURCE_DIR, "benchmarks/ddp/bench_ddp_torch.py")
-      << " --np " << world << " --model " << model << " --batch "
-      << a.batch << " --steps " << a.steps << " --warmup " << a.warmup << " --threads " << threads;
+      << bench::python_script(EMBER_SOURCE_DIR, "benchmarks/ddp/bench_ddp_torch.py") << " --np "
+      << world << " --model " << model << " --batch " << a.batch << " --steps " << a.steps
+      << " --warmup " << a.warmup << " --threads " << threads;
   TorchResult r;
   FILE* p = ::popen(cmd.str().c_str(), "r");
   if (!p) return r;
