@@ -20,6 +20,7 @@
 // Exit status: 0 written; 1 bad or empty input, or the PNG could not be written; 2 bad usage.
 #include <zlib.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
 #include <cerrno>
@@ -45,10 +46,6 @@ namespace {
 
 // Bad input or an I/O failure: main prints "plot_metrics: <what>" and exits 1.
 struct InputError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-// Bad command line: main prints the message and the usage, and exits 2.
-struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
@@ -659,69 +656,29 @@ struct Args {
   int width = 1000, height = 420;
 };
 
-int parse_size(const std::string& opt, const std::string& s, int lo, int hi) {
-  size_t used = 0;
-  long v = 0;
-  try {
-    v = std::stol(s, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != s.size() || v < lo || v > hi)
-    throw UsageError(opt + " expects an integer in [" + std::to_string(lo) + ", " +
-                     std::to_string(hi) + "], got '" + s + "'");
-  return static_cast<int>(v);
-}
-
+// Throws CLI::ParseError (CLI::CallForHelp for -h/--help) on a bad command line.
 Args parse_args(int argc, char** argv) {
   Args a;
-  std::vector<std::string> positional;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    std::string value;
-    bool has_value = false;
-    if (arg.rfind("--", 0) == 0 && arg.find('=') != std::string::npos) {
-      value = arg.substr(arg.find('=') + 1);
-      arg = arg.substr(0, arg.find('='));
-      has_value = true;
-    }
-    auto next = [&]() -> std::string {
-      if (has_value) return value;
-      if (i + 1 >= argc) throw UsageError(arg + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--width")
-      a.width = parse_size(arg, next(), 320, 8192);
-    else if (arg == "--height")
-      a.height = parse_size(arg, next(), 200, 8192);
-    else if (arg == "--title")
-      a.title = next();
-    else if (arg.size() > 1 && arg[0] == '-')
-      throw UsageError("unknown option '" + arg + "'");
-    else
-      positional.push_back(arg);
-  }
-  if (positional.size() != 2)
-    throw UsageError("expected METRICS.jsonl and OUT.png, got " +
-                     std::to_string(positional.size()) + " positional argument(s)");
-  a.metrics = positional[0];
-  a.out = positional[1];
+  CLI::App app{"plot_metrics"};
+  app.add_option("METRICS.jsonl", a.metrics, "the --metrics file of fashion_mnist")->required();
+  app.add_option("OUT.png", a.out, "the PNG to write")->required();
+  app.add_option("--width", a.width, "image width in pixels")->check(CLI::Range(320, 8192));
+  app.add_option("--height", a.height, "image height in pixels")->check(CLI::Range(200, 8192));
+  app.add_option("--title", a.title, "a title above both panels");
+  app.parse(argc, argv);
   return a;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "-h") == 0 || std::strcmp(argv[i], "--help") == 0) {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-  }
   Args a;
   try {
     a = parse_args(argc, argv);
-  } catch (const UsageError& e) {
+  } catch (const CLI::CallForHelp&) {
+    std::fputs(kUsage, stdout);
+    return 0;
+  } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "plot_metrics: %s\n%s", e.what(), kUsage);
     return 2;
   }
