@@ -45,10 +45,7 @@ int parse_int(const std::string& name, const std::string& value, int lo, int hi,
 // EMBER_PG_TIMEOUT: the default group's collective timeout in seconds, for programs that do not
 // set one (so a job can be told to give up on a hung rank sooner than after 30 minutes).
 Duration default_timeout() {
-  const char* t = std::getenv("EMBER_PG_TIMEOUT");
-  if (t == nullptr || *t == '\0') return kDefaultCollectiveTimeout;
-  return std::chrono::seconds(
-      parse_int("EMBER_PG_TIMEOUT", t, 1, 7 * 24 * 3600, "the collective timeout in seconds"));
+  return timeout_from_env("EMBER_PG_TIMEOUT").value_or(kDefaultCollectiveTimeout);
 }
 
 // Which address gloo listens on, unless EMBER_GLOO_HOSTNAME or GLOO_SOCKET_IFNAME says: loopback
@@ -331,6 +328,12 @@ std::optional<int> local_rank(const std::map<std::string, std::string>& env) {
 }
 
 std::optional<int> local_rank() { return local_rank(environment()); }
+
+std::optional<Duration> timeout_from_env(const char* name) {
+  const char* t = std::getenv(name);
+  if (t == nullptr || *t == '\0') return std::nullopt;
+  return std::chrono::seconds(parse_int(name, t, 1, 7 * 24 * 3600, "a timeout in whole seconds"));
+}
 
 int local_cuda_device(const std::map<std::string, std::string>& env, int device_count) {
   const char* name = local_rank_variable(env);

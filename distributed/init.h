@@ -140,6 +140,11 @@ int local_cuda_device(const std::map<std::string, std::string>& env, int device_
 /// The same, of this process's environment and cuda::device_count().
 int local_cuda_device();
 
+/// A timeout in whole seconds, 1 to 604800, from the environment variable `name`
+/// (EMBER_PG_TIMEOUT, EMBER_NCCL_INIT_TIMEOUT); nullopt when it is unset or empty. Throws
+/// ValueError naming the variable when it is not such a number.
+std::optional<Duration> timeout_from_env(const char* name);
+
 /// The first host of a Slurm node list: "node[03-05,9],gpu1" -> "node03".
 std::string first_slurm_host(const std::string& nodelist);
 

@@ -164,14 +164,8 @@ int choose_device(const ProcessGroupNccl::NcclOptions& o, int rank, int count) {
 
 Duration init_timeout_of(const ProcessGroupNccl::NcclOptions& o) {
   if (o.init_timeout) return *o.init_timeout;
-  if (const char* t = std::getenv("EMBER_NCCL_INIT_TIMEOUT"); t != nullptr && *t) {
-    char* end = nullptr;
-    const long v = std::strtol(t, &end, 10);
-    EMBER_CHECK(*end == '\0' && v >= 1 && v <= 7 * 24 * 3600, "[nccl] EMBER_NCCL_INIT_TIMEOUT='",
-                t, "' is not a whole number of seconds in [1, 604800]");
-    return std::chrono::seconds(v);
-  }
-  return std::min<Duration>(o.timeout, std::chrono::minutes(5));
+  return timeout_from_env("EMBER_NCCL_INIT_TIMEOUT")
+      .value_or(std::min<Duration>(o.timeout, std::chrono::minutes(5)));
 }
 
 /// The network NCCL was told to use, for errors and the debug log: "NCCL_SOCKET_IFNAME=eth0

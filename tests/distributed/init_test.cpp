@@ -407,6 +407,19 @@ TEST(InitProcessGroup, CollectiveTimeoutFromTheEnvironment) {
   EXPECT_FALSE(is_initialized());
 }
 
+// The same reading serves EMBER_NCCL_INIT_TIMEOUT (the nccl group's creation limit).
+TEST(ParseEnv, TimeoutFromTheEnvironment) {
+  ::setenv("EMBER_NCCL_INIT_TIMEOUT", "", 1);
+  EXPECT_EQ(timeout_from_env("EMBER_NCCL_INIT_TIMEOUT"), std::nullopt);
+  ::setenv("EMBER_NCCL_INIT_TIMEOUT", "90", 1);
+  EXPECT_EQ(timeout_from_env("EMBER_NCCL_INIT_TIMEOUT"), Duration(90000));
+  ::setenv("EMBER_NCCL_INIT_TIMEOUT", "1.5", 1);
+  expect_error([] { timeout_from_env("EMBER_NCCL_INIT_TIMEOUT"); },
+               {"EMBER_NCCL_INIT_TIMEOUT='1.5'", "not an integer"});
+  ::unsetenv("EMBER_NCCL_INIT_TIMEOUT");
+  EXPECT_EQ(timeout_from_env("EMBER_NCCL_INIT_TIMEOUT"), std::nullopt);
+}
+
 // EMBER_GLOO_THREADS (the gloo group's collective worker threads, 2 by default) and
 // EMBER_GLOO_SHM (allreduce through shared memory, 1 by default): one thread works, 0 turns
 // shared memory off, and a bad value is an error naming the variable and what was wrong.
