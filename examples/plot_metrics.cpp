@@ -1,7 +1,6 @@
 // plot_metrics: turns the metrics file that examples/fashion_mnist writes (--metrics FILE.jsonl)
 // into a PNG with two panels: training loss against the global step, and test accuracy per
-// epoch. No plotting library: a small rasteriser, a built-in 5x7 bitmap font and a PNG encoder
-// over zlib are all in this file.
+// epoch, drawn with Cairo (antialiased lines, the system's sans-serif font, Cairo's PNG writer).
 //
 //   build/examples/plot_metrics metrics.jsonl curves.png
 //   build/examples/plot_metrics metrics.jsonl curves.png --width 1200 --height 500 --title "cnn"
@@ -15,10 +14,11 @@
 // bad line is an error.
 //
 // Colours (tests look for them): step loss line (31,119,180), epoch train-loss dots
-// (255,127,14), test accuracy line and dots (44,160,44), on white.
+// (255,127,14), test accuracy line and dots (44,160,44), on white; data lines are 2 px wide so
+// that their cores keep the exact colour under antialiasing.
 //
 // Exit status: 0 written; 1 bad or empty input, or the PNG could not be written; 2 bad usage.
-#include <zlib.h>
+#include <cairo.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -49,7 +49,7 @@ struct InputError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// ---- canvas and rasteriser ---------------------------------------------------------------
+// ---- drawing ----------------------------------------------------------------------------
 
 struct Rgb {
   uint8_t r, g, b;
@@ -64,257 +64,114 @@ constexpr Rgb kLossColor{31, 119, 180};
 constexpr Rgb kEpochLossColor{255, 127, 14};
 constexpr Rgb kAccuracyColor{44, 160, 44};
 
+constexpr double kSmallText = 11;  // tick labels, subtitles, axis names (px)
+constexpr double kLargeText = 16;  // titles
+
 struct Rect {
-  int x0, y0, x1, y1;  // inclusive
-  bool contains(int x, int y) const { return x >= x0 && x <= x1 && y >= y0 && y <= y1; }
+  double x0, y0, x1, y1;
 };
 
-// An 8-bit RGB image, row-major, top row first. Every drawing call clips to the image and to
-// an optional clip rectangle, so callers never index out of range.
-class Canvas {
+// An RGB image surface and its Cairo context. Coordinates are pixels, y growing downwards;
+// a 1-px line at integer coordinates is drawn on the pixel centres (x + 0.5) so it stays sharp.
+class Painter {
  public:
-  Canvas(int w, int h) : w_(w), h_(h), px_(static_cast<size_t>(w) * h * 3, 255) {}
-  int width() const { return w_; }
-  int height() const { return h_; }
-  const std::vector<uint8_t>& pixels() const { return px_; }
-  void set_clip(Rect r) { clip_ = r; }
-  void clear_clip() { clip_ = Rect{0, 0, w_ - 1, h_ - 1}; }
+  Painter(int w, int h)
+      : surface_(cairo_image_surface_create(CAIRO_FORMAT_RGB24, w, h)),
+        cr_(cairo_create(surface_)) {
+    if (cairo_surface_status(surface_) != CAIRO_STATUS_SUCCESS || cairo_status(cr_) != CAIRO_STATUS_SUCCESS)
+      throw InputError("cairo cannot make a " + std::to_string(w) + "x" + std::to_string(h) +
+                       " image: " + cairo_status_to_string(cairo_status(cr_)));
+    cairo_select_font_face(cr_, "sans-serif", CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_NORMAL);
+    fill({0, 0, double(w), double(h)}, kWhite);
+  }
+  ~Painter() {
+    cairo_destroy(cr_);
+    cairo_surface_destroy(surface_);
+  }
+  Painter(const Painter&) = delete;
+  Painter& operator=(const Painter&) = delete;
 
-  void set(int x, int y, Rgb c) {
-    if (x < 0 || y < 0 || x >= w_ || y >= h_ || !clip_.contains(x, y)) return;
-    uint8_t* p = &px_[(static_cast<size_t>(y) * w_ + x) * 3];
-    p[0] = c.r;
-    p[1] = c.g;
-    p[2] = c.b;
-  }
+  void color(Rgb c) { cairo_set_source_rgb(cr_, c.r / 255.0, c.g / 255.0, c.b / 255.0); }
   void fill(Rect r, Rgb c) {
-    for (int y = r.y0; y <= r.y1; ++y)
-      for (int x = r.x0; x <= r.x1; ++x) set(x, y, c);
+    color(c);
+    cairo_rectangle(cr_, r.x0, r.y0, r.x1 - r.x0, r.y1 - r.y0);
+    cairo_fill(cr_);
   }
-  void hline(int x0, int x1, int y, Rgb c) { fill({std::min(x0, x1), y, std::max(x0, x1), y}, c); }
-  void vline(int x, int y0, int y1, Rgb c) { fill({x, std::min(y0, y1), x, std::max(y0, y1)}, c); }
+  // A sharp 1-px horizontal or vertical line between pixel centres.
+  void hline(double x0, double x1, double y, Rgb c) { segment(x0, y + 0.5, x1 + 1, y + 0.5, c, 1); }
+  void vline(double x, double y0, double y1, Rgb c) { segment(x + 0.5, y0, x + 0.5, y1 + 1, c, 1); }
   void frame(Rect r, Rgb c) {
-    hline(r.x0, r.x1, r.y0, c);
-    hline(r.x0, r.x1, r.y1, c);
-    vline(r.x0, r.y0, r.y1, c);
-    vline(r.x1, r.y0, r.y1, c);
+    color(c);
+    cairo_set_line_width(cr_, 1);
+    cairo_rectangle(cr_, r.x0 + 0.5, r.y0 + 0.5, r.x1 - r.x0, r.y1 - r.y0);
+    cairo_stroke(cr_);
   }
-  // Bresenham; `thickness` 2 stamps a 2x2 brush at every step.
-  void line(int x0, int y0, int x1, int y1, Rgb c, int thickness) {
-    const int dx = std::abs(x1 - x0), sx = x0 < x1 ? 1 : -1;
-    const int dy = -std::abs(y1 - y0), sy = y0 < y1 ? 1 : -1;
-    int err = dx + dy;
-    for (;;) {
-      for (int by = 0; by < thickness; ++by)
-        for (int bx = 0; bx < thickness; ++bx) set(x0 + bx, y0 + by, c);
-      if (x0 == x1 && y0 == y1) break;
-      const int e2 = 2 * err;
-      if (e2 >= dy) {
-        err += dy;
-        x0 += sx;
-      }
-      if (e2 <= dx) {
-        err += dx;
-        y0 += sy;
-      }
-    }
+  void segment(double x0, double y0, double x1, double y1, Rgb c, double width) {
+    color(c);
+    cairo_set_line_width(cr_, width);
+    cairo_move_to(cr_, x0, y0);
+    cairo_line_to(cr_, x1, y1);
+    cairo_stroke(cr_);
   }
-  void dot(int cx, int cy, int radius, Rgb c) {
-    for (int y = -radius; y <= radius; ++y)
-      for (int x = -radius; x <= radius; ++x)
-        if (x * x + y * y <= radius * radius + radius) set(cx + x, cy + y, c);
+  // A polyline through `pts`, joined smoothly.
+  void polyline(const std::vector<std::pair<double, double>>& pts, Rgb c, double width) {
+    if (pts.empty()) return;
+    color(c);
+    cairo_set_line_width(cr_, width);
+    cairo_set_line_join(cr_, CAIRO_LINE_JOIN_ROUND);
+    cairo_set_line_cap(cr_, CAIRO_LINE_CAP_ROUND);
+    cairo_move_to(cr_, pts[0].first, pts[0].second);
+    for (size_t i = 1; i < pts.size(); ++i) cairo_line_to(cr_, pts[i].first, pts[i].second);
+    if (pts.size() == 1) cairo_line_to(cr_, pts[0].first, pts[0].second);  // a round dot
+    cairo_stroke(cr_);
+  }
+  void dot(double cx, double cy, double radius, Rgb c) {
+    color(c);
+    cairo_arc(cr_, cx, cy, radius, 0, 2 * M_PI);
+    cairo_fill(cr_);
+  }
+  double text_width(const std::string& s, double size) {
+    cairo_set_font_size(cr_, size);
+    cairo_text_extents_t e;
+    cairo_text_extents(cr_, s.c_str(), &e);
+    return e.x_advance;
+  }
+  // `s` with its top-left corner at (x, y): the baseline is one ascent below y.
+  void text(double x, double y, const std::string& s, Rgb c, double size = kSmallText) {
+    cairo_set_font_size(cr_, size);
+    cairo_font_extents_t fe;
+    cairo_font_extents(cr_, &fe);
+    color(c);
+    cairo_move_to(cr_, x, y + fe.ascent);
+    cairo_show_text(cr_, s.c_str());
+  }
+  void clip(Rect r) {
+    cairo_save(cr_);
+    cairo_rectangle(cr_, r.x0, r.y0, r.x1 - r.x0 + 1, r.y1 - r.y0 + 1);
+    cairo_clip(cr_);
+  }
+  void unclip() { cairo_restore(cr_); }
+
+  // The image as PNG bytes (Cairo's writer, over libpng).
+  std::string png() {
+    cairo_surface_flush(surface_);
+    std::string out;
+    const cairo_status_t st = cairo_surface_write_to_png_stream(
+        surface_,
+        [](void* closure, const unsigned char* data, unsigned int n) {
+          static_cast<std::string*>(closure)->append(reinterpret_cast<const char*>(data), n);
+          return CAIRO_STATUS_SUCCESS;
+        },
+        &out);
+    if (st != CAIRO_STATUS_SUCCESS)
+      throw InputError(std::string("cairo cannot encode the PNG: ") + cairo_status_to_string(st));
+    return out;
   }
 
  private:
-  int w_, h_;
-  std::vector<uint8_t> px_;
-  Rect clip_{0, 0, w_ - 1, h_ - 1};
+  cairo_surface_t* surface_;
+  cairo_t* cr_;
 };
-
-// ---- bitmap font ---------------------------------------------------------------------------
-
-// 5x7 glyphs in the style of the HD44780 character ROM, plus an eighth row for descenders
-// (g j p q y ,). Rows are drawn top to bottom; '#' is ink. Missing rows are blank.
-struct Glyph {
-  char c;
-  std::array<const char*, 8> rows;
-};
-
-// clang-format off
-const Glyph kGlyphs[] = {
-  {' ', {}},
-  {'0', {" ### ", "#   #", "#  ##", "# # #", "##  #", "#   #", " ### "}},
-  {'1', {"  #  ", " ##  ", "  #  ", "  #  ", "  #  ", "  #  ", " ### "}},
-  {'2', {" ### ", "#   #", "    #", "   # ", "  #  ", " #   ", "#####"}},
-  {'3', {"#####", "   # ", "  #  ", "   # ", "    #", "#   #", " ### "}},
-  {'4', {"   # ", "  ## ", " # # ", "#  # ", "#####", "   # ", "   # "}},
-  {'5', {"#####", "#    ", "#### ", "    #", "    #", "#   #", " ### "}},
-  {'6', {"  ## ", " #   ", "#    ", "#### ", "#   #", "#   #", " ### "}},
-  {'7', {"#####", "    #", "   # ", "  #  ", " #   ", " #   ", " #   "}},
-  {'8', {" ### ", "#   #", "#   #", " ### ", "#   #", "#   #", " ### "}},
-  {'9', {" ### ", "#   #", "#   #", " ####", "    #", "   # ", " ##  "}},
-  {'A', {" ### ", "#   #", "#   #", "#####", "#   #", "#   #", "#   #"}},
-  {'B', {"#### ", "#   #", "#   #", "#### ", "#   #", "#   #", "#### "}},
-  {'C', {" ### ", "#   #", "#    ", "#    ", "#    ", "#   #", " ### "}},
-  {'D', {"###  ", "#  # ", "#   #", "#   #", "#   #", "#  # ", "###  "}},
-  {'E', {"#####", "#    ", "#    ", "#### ", "#    ", "#    ", "#####"}},
-  {'F', {"#####", "#    ", "#    ", "#### ", "#    ", "#    ", "#    "}},
-  {'G', {" ### ", "#   #", "#    ", "# ###", "#   #", "#   #", " ####"}},
-  {'H', {"#   #", "#   #", "#   #", "#####", "#   #", "#   #", "#   #"}},
-  {'I', {" ### ", "  #  ", "  #  ", "  #  ", "  #  ", "  #  ", " ### "}},
-  {'J', {"  ###", "   # ", "   # ", "   # ", "   # ", "#  # ", " ##  "}},
-  {'K', {"#   #", "#  # ", "# #  ", "##   ", "# #  ", "#  # ", "#   #"}},
-  {'L', {"#    ", "#    ", "#    ", "#    ", "#    ", "#    ", "#####"}},
-  {'M', {"#   #", "## ##", "# # #", "# # #", "#   #", "#   #", "#   #"}},
-  {'N', {"#   #", "#   #", "##  #", "# # #", "#  ##", "#   #", "#   #"}},
-  {'O', {" ### ", "#   #", "#   #", "#   #", "#   #", "#   #", " ### "}},
-  {'P', {"#### ", "#   #", "#   #", "#### ", "#    ", "#    ", "#    "}},
-  {'Q', {" ### ", "#   #", "#   #", "#   #", "# # #", "#  # ", " ## #"}},
-  {'R', {"#### ", "#   #", "#   #", "#### ", "# #  ", "#  # ", "#   #"}},
-  {'S', {" ####", "#    ", "#    ", " ### ", "    #", "    #", "#### "}},
-  {'T', {"#####", "  #  ", "  #  ", "  #  ", "  #  ", "  #  ", "  #  "}},
-  {'U', {"#   #", "#   #", "#   #", "#   #", "#   #", "#   #", " ### "}},
-  {'V', {"#   #", "#   #", "#   #", "#   #", "#   #", " # # ", "  #  "}},
-  {'W', {"#   #", "#   #", "#   #", "# # #", "# # #", "# # #", " # # "}},
-  {'X', {"#   #", "#   #", " # # ", "  #  ", " # # ", "#   #", "#   #"}},
-  {'Y', {"#   #", "#   #", " # # ", "  #  ", "  #  ", "  #  ", "  #  "}},
-  {'Z', {"#####", "    #", "   # ", "  #  ", " #   ", "#    ", "#####"}},
-  {'a', {"     ", "     ", " ### ", "    #", " ####", "#   #", " ####"}},
-  {'b', {"#    ", "#    ", "# ## ", "##  #", "#   #", "#   #", "#### "}},
-  {'c', {"     ", "     ", " ### ", "#    ", "#    ", "#   #", " ### "}},
-  {'d', {"    #", "    #", " ## #", "#  ##", "#   #", "#   #", " ####"}},
-  {'e', {"     ", "     ", " ### ", "#   #", "#####", "#    ", " ### "}},
-  {'f', {"  ## ", " #  #", " #   ", "###  ", " #   ", " #   ", " #   "}},
-  {'g', {"     ", "     ", " ####", "#   #", "#   #", " ####", "    #", " ### "}},
-  {'h', {"#    ", "#    ", "# ## ", "##  #", "#   #", "#   #", "#   #"}},
-  {'i', {"  #  ", "     ", " ##  ", "  #  ", "  #  ", "  #  ", " ### "}},
-  {'j', {"   # ", "     ", "  ## ", "   # ", "   # ", "   # ", "#  # ", " ##  "}},
-  {'k', {"#    ", "#    ", "#  # ", "# #  ", "##   ", "# #  ", "#  # "}},
-  {'l', {" ##  ", "  #  ", "  #  ", "  #  ", "  #  ", "  #  ", " ### "}},
-  {'m', {"     ", "     ", "## # ", "# # #", "# # #", "#   #", "#   #"}},
-  {'n', {"     ", "     ", "# ## ", "##  #", "#   #", "#   #", "#   #"}},
-  {'o', {"     ", "     ", " ### ", "#   #", "#   #", "#   #", " ### "}},
-  {'p', {"     ", "     ", "#### ", "#   #", "#   #", "#### ", "#    ", "#    "}},
-  {'q', {"     ", "     ", " ####", "#   #", "#   #", " ####", "    #", "    #"}},
-  {'r', {"     ", "     ", "# ## ", "##  #", "#    ", "#    ", "#    "}},
-  {'s', {"     ", "     ", " ####", "#    ", " ### ", "    #", "#### "}},
-  {'t', {" #   ", " #   ", "###  ", " #   ", " #   ", " #  #", "  ## "}},
-  {'u', {"     ", "     ", "#   #", "#   #", "#   #", "#  ##", " ## #"}},
-  {'v', {"     ", "     ", "#   #", "#   #", "#   #", " # # ", "  #  "}},
-  {'w', {"     ", "     ", "#   #", "#   #", "# # #", "# # #", " # # "}},
-  {'x', {"     ", "     ", "#   #", " # # ", "  #  ", " # # ", "#   #"}},
-  {'y', {"     ", "     ", "#   #", "#   #", "#   #", " ####", "    #", " ### "}},
-  {'z', {"     ", "     ", "#####", "   # ", "  #  ", " #   ", "#####"}},
-  {'.', {"     ", "     ", "     ", "     ", "     ", " ##  ", " ##  "}},
-  {',', {"     ", "     ", "     ", "     ", "     ", " ##  ", "  #  ", " #   "}},
-  {'-', {"     ", "     ", "     ", "#####", "     ", "     ", "     "}},
-  {'+', {"     ", "  #  ", "  #  ", "#####", "  #  ", "  #  ", "     "}},
-  {'=', {"     ", "     ", "#####", "     ", "#####", "     ", "     "}},
-  {'%', {"##   ", "##  #", "   # ", "  #  ", " #   ", "#  ##", "   ##"}},
-  {':', {"     ", " ##  ", " ##  ", "     ", " ##  ", " ##  ", "     "}},
-  {';', {"     ", " ##  ", " ##  ", "     ", " ##  ", "  #  ", " #   "}},
-  {'/', {"     ", "    #", "   # ", "  #  ", " #   ", "#    ", "     "}},
-  {'(', {"   # ", "  #  ", " #   ", " #   ", " #   ", "  #  ", "   # "}},
-  {')', {" #   ", "  #  ", "   # ", "   # ", "   # ", "  #  ", " #   "}},
-  {'[', {" ### ", " #   ", " #   ", " #   ", " #   ", " #   ", " ### "}},
-  {']', {" ### ", "   # ", "   # ", "   # ", "   # ", "   # ", " ### "}},
-  {'_', {"     ", "     ", "     ", "     ", "     ", "     ", "#####"}},
-  {'#', {" # # ", " # # ", "#####", " # # ", "#####", " # # ", " # # "}},
-  {'!', {"  #  ", "  #  ", "  #  ", "  #  ", "  #  ", "     ", "  #  "}},
-  {'?', {" ### ", "#   #", "    #", "   # ", "  #  ", "     ", "  #  "}},
-  {'\'', {"  #  ", "  #  ", " #   "}},
-  {'"', {" # # ", " # # "}},
-  {'<', {"   # ", "  #  ", " #   ", "#    ", " #   ", "  #  ", "   # "}},
-  {'>', {" #   ", "  #  ", "   # ", "    #", "   # ", "  #  ", " #   "}},
-  {'*', {"     ", "  #  ", "# # #", " ### ", "# # #", "  #  ", "     "}},
-};
-// clang-format on
-
-constexpr int kCellW = 6;   // 5 columns of ink and one of space
-constexpr int kCellH = 10;  // 7 rows, a descender row and two of space
-
-const Glyph& glyph(char c) {
-  static const std::array<const Glyph*, 128> table = [] {
-    std::array<const Glyph*, 128> t{};
-    for (const Glyph& g : kGlyphs) t[static_cast<unsigned char>(g.c)] = &g;
-    return t;
-  }();
-  const auto u = static_cast<unsigned char>(c);
-  if (u < 128 && table[u]) return *table[u];
-  if (c >= 'a' && c <= 'z') return *table['A' + (c - 'a')];
-  return *table['?'];
-}
-
-int text_width(const std::string& s, int scale) {
-  return s.empty() ? 0 : (static_cast<int>(s.size()) * kCellW - 1) * scale;
-}
-
-// Draws `s` with its top-left corner at (x, y), each font pixel a scale x scale square.
-void draw_text(Canvas& cv, int x, int y, const std::string& s, Rgb c, int scale = 1) {
-  for (char ch : s) {
-    const Glyph& g = glyph(ch);
-    for (int row = 0; row < 8; ++row) {
-      const char* bits = g.rows[row];
-      if (!bits) continue;
-      for (int col = 0; col < 5 && bits[col]; ++col)
-        if (bits[col] == '#')
-          cv.fill({x + col * scale, y + row * scale, x + (col + 1) * scale - 1,
-                   y + (row + 1) * scale - 1},
-                  c);
-    }
-    x += kCellW * scale;
-  }
-}
-
-// ---- PNG encoder ---------------------------------------------------------------------------
-
-void put_u32(std::string& out, uint32_t v) {
-  out.push_back(static_cast<char>(v >> 24));
-  out.push_back(static_cast<char>(v >> 16));
-  out.push_back(static_cast<char>(v >> 8));
-  out.push_back(static_cast<char>(v));
-}
-
-// A chunk is length, type, data, and the CRC-32 of type and data.
-void put_chunk(std::string& out, const char type[4], const uint8_t* data, size_t n) {
-  put_u32(out, static_cast<uint32_t>(n));
-  const size_t type_at = out.size();
-  out.append(type, 4);
-  out.append(reinterpret_cast<const char*>(data), n);
-  const uLong crc =
-      crc32(0L, reinterpret_cast<const Bytef*>(out.data() + type_at), static_cast<uInt>(n + 4));
-  put_u32(out, static_cast<uint32_t>(crc));
-}
-
-// Encodes the canvas as an 8-bit RGB PNG: filter type 0 on every row, zlib level 9, IDAT split
-// into 32 KiB chunks as most encoders do.
-std::string encode_png(const Canvas& cv) {
-  const int w = cv.width(), h = cv.height();
-  const size_t stride = static_cast<size_t>(w) * 3;
-  std::vector<uint8_t> raw;
-  raw.reserve((stride + 1) * h);
-  for (int y = 0; y < h; ++y) {
-    raw.push_back(0);
-    const uint8_t* row = cv.pixels().data() + y * stride;
-    raw.insert(raw.end(), row, row + stride);
-  }
-  uLongf zlen = compressBound(static_cast<uLong>(raw.size()));
-  std::vector<uint8_t> z(zlen);
-  const int rc = compress2(z.data(), &zlen, raw.data(), static_cast<uLong>(raw.size()), 9);
-  if (rc != Z_OK) throw InputError("zlib compress2 failed with code " + std::to_string(rc));
-
-  std::string out("\x89PNG\r\n\x1a\n", 8);
-  std::string ihdr;
-  put_u32(ihdr, static_cast<uint32_t>(w));
-  put_u32(ihdr, static_cast<uint32_t>(h));
-  ihdr += std::string("\x08\x02\x00\x00\x00", 5);  // depth 8, RGB, deflate, filter 0, no interlace
-  put_chunk(out, "IHDR", reinterpret_cast<const uint8_t*>(ihdr.data()), ihdr.size());
-  constexpr size_t kIdatChunk = 32768;
-  for (size_t at = 0; at < zlen; at += kIdatChunk)
-    put_chunk(out, "IDAT", z.data() + at, std::min(kIdatChunk, static_cast<size_t>(zlen) - at));
-  put_chunk(out, "IEND", nullptr, 0);
-  return out;
-}
 
 // ---- metrics file --------------------------------------------------------------------------
 
@@ -443,20 +300,17 @@ struct Axis {
   bool percent = false;
 };
 
-// Maps data to pixels inside `plot`, keeping kPad pixels clear so dots on the edge stay whole.
+// Maps data to pixels inside `plot` (whole pixels, so gridlines stay sharp), keeping kPad
+// pixels clear so dots on the edge stay whole.
 struct Transform {
   Rect plot;
   Axis x, y;
-  static constexpr int kPad = 5;
-  int px(double v) const {
-    return plot.x0 + kPad +
-           static_cast<int>(
-               std::lround((v - x.lo) / (x.hi - x.lo) * (plot.x1 - plot.x0 - 2 * kPad)));
+  static constexpr double kPad = 6;
+  double px(double v) const {
+    return std::round(plot.x0 + kPad + (v - x.lo) / (x.hi - x.lo) * (plot.x1 - plot.x0 - 2 * kPad));
   }
-  int py(double v) const {
-    return plot.y1 - kPad -
-           static_cast<int>(
-               std::lround((v - y.lo) / (y.hi - y.lo) * (plot.y1 - plot.y0 - 2 * kPad)));
+  double py(double v) const {
+    return std::round(plot.y1 - kPad - (v - y.lo) / (y.hi - y.lo) * (plot.y1 - plot.y0 - 2 * kPad));
   }
 };
 
@@ -492,45 +346,67 @@ Axis integer_axis(double lo, double hi) {
 }
 
 // Gridlines, frame, ticks and tick labels of one panel.
-void draw_axes(Canvas& cv, const Transform& t, const std::string& x_label) {
+void draw_axes(Painter& pt, const Transform& t, const std::string& x_label) {
   const Rect& p = t.plot;
-  for (double v : ticks(t.y)) cv.hline(p.x0 + 1, p.x1 - 1, t.py(v), kGrid);
-  for (double v : ticks(t.x)) cv.vline(t.px(v), p.y0 + 1, p.y1 - 1, kGrid);
-  cv.frame(p, kFrame);
+  for (double v : ticks(t.y)) pt.hline(p.x0 + 1, p.x1 - 1, t.py(v), kGrid);
+  for (double v : ticks(t.x)) pt.vline(t.px(v), p.y0 + 1, p.y1 - 1, kGrid);
+  pt.frame(p, kFrame);
   for (double v : ticks(t.y)) {
-    const int y = t.py(v);
-    cv.hline(p.x0 - 4, p.x0 - 1, y, kFrame);
+    const double y = t.py(v);
+    pt.hline(p.x0 - 4, p.x0 - 1, y, kFrame);
     const std::string s = format_tick(v, t.y.tick, t.y.percent);
-    draw_text(cv, p.x0 - 7 - text_width(s, 1), y - 3, s, kText);
+    pt.text(p.x0 - 7 - pt.text_width(s, kSmallText), y - kSmallText / 2 - 1, s, kText);
   }
-  int last_label_end = -1000000;
+  double last_label_end = -1e9;
   for (double v : ticks(t.x)) {
-    const int x = t.px(v);
-    cv.vline(x, p.y1 + 1, p.y1 + 4, kFrame);
+    const double x = t.px(v);
+    pt.vline(x, p.y1 + 1, p.y1 + 4, kFrame);
     const std::string s = format_tick(v, t.x.tick, false);
-    const int w = text_width(s, 1);
+    const double w = pt.text_width(s, kSmallText);
     if (x - w / 2 < last_label_end + 6) continue;  // labels never overlap
-    draw_text(cv, x - w / 2, p.y1 + 8, s, kText);
-    last_label_end = x - w / 2 + w;
+    pt.text(x - w / 2, p.y1 + 7, s, kText);
+    last_label_end = x + w / 2;
   }
-  draw_text(cv, (p.x0 + p.x1 - text_width(x_label, 1)) / 2, p.y1 + 22, x_label, kMuted);
+  pt.text((p.x0 + p.x1 - pt.text_width(x_label, kSmallText)) / 2, p.y1 + 22, x_label, kMuted);
 }
 
 // The plot rectangle of a panel: room above for the titles, left for the y labels, below for
 // the x labels and axis name.
-Rect plot_rect(Rect panel, const Axis& y) {
-  int label_w = 0;
+Rect plot_rect(Painter& pt, Rect panel, const Axis& y) {
+  double label_w = 0;
   for (double v : ticks(y))
-    label_w = std::max(label_w, text_width(format_tick(v, y.tick, y.percent), 1));
-  return Rect{panel.x0 + 12 + label_w + 8, panel.y0 + 46, panel.x1 - 18, panel.y1 - 36};
+    label_w = std::max(label_w, pt.text_width(format_tick(v, y.tick, y.percent), kSmallText));
+  return Rect{std::round(panel.x0 + 12 + label_w + 8), panel.y0 + 50, panel.x1 - 18,
+              panel.y1 - 40};
 }
 
-void draw_titles(Canvas& cv, Rect panel, int plot_x0, const std::string& title,
+void draw_titles(Painter& pt, Rect panel, double plot_x0, const std::string& title,
                  const std::string& subtitle) {
-  cv.set_clip(panel);
-  draw_text(cv, plot_x0, panel.y0 + 8, title, kText, 2);
-  draw_text(cv, plot_x0, panel.y0 + 30, subtitle, kMuted);
-  cv.clear_clip();
+  pt.clip(panel);
+  pt.text(plot_x0, panel.y0 + 8, title, kText, kLargeText);
+  pt.text(plot_x0, panel.y0 + 31, subtitle, kMuted);
+  pt.unclip();
+}
+
+// A legend entry per series, right-aligned above the plot: a short sample of its mark, then
+// its name.
+struct LegendEntry {
+  std::string name;
+  Rgb color;
+  bool line, dot;
+};
+
+void draw_legend(Painter& pt, const Rect& plot, const std::vector<LegendEntry>& entries) {
+  double x = plot.x1;
+  const double y = plot.y0 - 14;
+  for (auto it = entries.rbegin(); it != entries.rend(); ++it) {
+    x -= pt.text_width(it->name, kSmallText);
+    pt.text(x, y - kSmallText / 2 - 1, it->name, kMuted);
+    x -= 22;
+    if (it->line) pt.segment(x, y, x + 16, y, it->color, 2);
+    if (it->dot) pt.dot(x + 8, y, 3, it->color);
+    x -= 14;
+  }
 }
 
 std::string fixed(double v, int decimals) {
@@ -539,7 +415,7 @@ std::string fixed(double v, int decimals) {
   return buf;
 }
 
-void draw_loss_panel(Canvas& cv, Rect panel, const Metrics& m) {
+void draw_loss_panel(Painter& pt, Rect panel, const Metrics& m) {
   double lo = INFINITY, hi = -INFINITY;
   for (auto [gs, loss] : m.step_loss) {
     lo = std::min(lo, loss);
@@ -557,30 +433,23 @@ void draw_loss_panel(Canvas& cv, Rect panel, const Metrics& m) {
     x_hi = std::max(x_hi, e.global_step);
   }
   const Axis y = value_axis(lo, hi);
-  const Transform t{plot_rect(panel, y), integer_axis(x_lo, x_hi), y};
-  draw_titles(
-      cv, panel, t.plot.x0, "train loss",
-      "line: logged steps, dots: epoch means; last " + fixed(m.step_loss.rbegin()->second, 4));
-  draw_axes(cv, t, "global step");
+  const Transform t{plot_rect(pt, panel, y), integer_axis(x_lo, x_hi), y};
+  draw_titles(pt, panel, t.plot.x0, "train loss",
+              "last " + fixed(m.step_loss.rbegin()->second, 4));
+  draw_axes(pt, t, "global step");
+  std::vector<LegendEntry> legend{{"logged steps", kLossColor, true, false}};
+  if (!dots.empty()) legend.push_back({"epoch mean", kEpochLossColor, false, true});
+  draw_legend(pt, t.plot, legend);
 
-  cv.set_clip(t.plot);
-  int px = 0, py = 0;
-  bool first = true;
-  for (auto [gs, loss] : m.step_loss) {
-    const int x = t.px(static_cast<double>(gs)), yv = t.py(loss);
-    if (first)
-      cv.set(x, yv, kLossColor);
-    else
-      cv.line(px, py, x, yv, kLossColor, 1);
-    px = x;
-    py = yv;
-    first = false;
-  }
-  for (auto [gs, loss] : dots) cv.dot(t.px(gs), t.py(loss), 3, kEpochLossColor);
-  cv.clear_clip();
+  pt.clip(t.plot);
+  std::vector<std::pair<double, double>> line;
+  for (auto [gs, loss] : m.step_loss) line.emplace_back(t.px(static_cast<double>(gs)), t.py(loss));
+  pt.polyline(line, kLossColor, 2);
+  for (auto [gs, loss] : dots) pt.dot(t.px(gs), t.py(loss), 4, kEpochLossColor);
+  pt.unclip();
 }
 
-void draw_accuracy_panel(Canvas& cv, Rect panel, const Metrics& m) {
+void draw_accuracy_panel(Painter& pt, Rect panel, const Metrics& m) {
   std::vector<std::pair<double, double>> pts;
   for (const auto& [epoch, e] : m.epochs)
     if (std::isfinite(e.test_accuracy))
@@ -588,9 +457,9 @@ void draw_accuracy_panel(Canvas& cv, Rect panel, const Metrics& m) {
 
   if (pts.empty()) {
     Axis y{0, 1, 0.2, true};
-    const Transform t{plot_rect(panel, y), integer_axis(1, 1), y};
-    draw_titles(cv, panel, t.plot.x0, "test accuracy", "no epoch lines with test_accuracy yet");
-    draw_axes(cv, t, "epoch");
+    const Transform t{plot_rect(pt, panel, y), integer_axis(1, 1), y};
+    draw_titles(pt, panel, t.plot.x0, "test accuracy", "no epoch lines with test_accuracy yet");
+    draw_axes(pt, t, "epoch");
     return;
   }
   double lo = INFINITY, hi = -INFINITY;
@@ -610,35 +479,37 @@ void draw_accuracy_panel(Canvas& cv, Rect panel, const Metrics& m) {
   } else {
     y = value_axis(lo, hi);
   }
-  const Transform t{plot_rect(panel, y), integer_axis(pts.front().first, pts.back().first), y};
+  const Transform t{plot_rect(pt, panel, y), integer_axis(pts.front().first, pts.back().first), y};
   const int d = y.percent ? 2 : 4;
   const double k = y.percent ? 100 : 1;
   const std::string pct = y.percent ? "%" : "";
-  draw_titles(cv, panel, t.plot.x0, "test accuracy",
+  draw_titles(pt, panel, t.plot.x0, "test accuracy",
               "last " + fixed(k * pts.back().second, d) + pct + ", best " +
                   fixed(k * pts[best].second, d) + pct + " (epoch " +
                   std::to_string(static_cast<int64_t>(pts[best].first)) + ")");
-  draw_axes(cv, t, "epoch");
+  draw_axes(pt, t, "epoch");
+  draw_legend(pt, t.plot, {{"per epoch", kAccuracyColor, true, true}});
 
-  cv.set_clip(t.plot);
-  for (size_t i = 1; i < pts.size(); ++i)
-    cv.line(t.px(pts[i - 1].first), t.py(pts[i - 1].second), t.px(pts[i].first),
-            t.py(pts[i].second), kAccuracyColor, 2);
-  for (auto [epoch, acc] : pts) cv.dot(t.px(epoch), t.py(acc), 3, kAccuracyColor);
-  cv.clear_clip();
+  pt.clip(t.plot);
+  std::vector<std::pair<double, double>> line;
+  for (auto [epoch, acc] : pts) line.emplace_back(t.px(epoch), t.py(acc));
+  pt.polyline(line, kAccuracyColor, 2);
+  for (auto [x, yv] : line) pt.dot(x, yv, 4, kAccuracyColor);
+  pt.unclip();
 }
 
-Canvas render(const Metrics& m, int w, int h, const std::string& title) {
-  Canvas cv(w, h);
-  int top = 0;
+// The PNG of both panels side by side, under an optional title.
+std::string render_png(const Metrics& m, int w, int h, const std::string& title) {
+  Painter pt(w, h);
+  double top = 0;
   if (!title.empty()) {
-    draw_text(cv, std::max(4, (w - text_width(title, 2)) / 2), 10, title, kText, 2);
+    pt.text(std::max(4.0, (w - pt.text_width(title, kLargeText)) / 2), 8, title, kText, kLargeText);
     top = 34;
   }
-  const int mid = w / 2;
-  draw_loss_panel(cv, Rect{0, top, mid - 1, h - 1}, m);
-  draw_accuracy_panel(cv, Rect{mid, top, w - 1, h - 1}, m);
-  return cv;
+  const double mid = std::floor(w / 2.0);
+  draw_loss_panel(pt, Rect{0, top, mid - 1, double(h - 1)}, m);
+  draw_accuracy_panel(pt, Rect{mid, top, double(w - 1), double(h - 1)}, m);
+  return pt.png();
 }
 
 // ---- command line --------------------------------------------------------------------------
@@ -689,7 +560,7 @@ int main(int argc, char** argv) {
                    "plot_metrics: warning: skipped %d step line(s) with a non-finite loss\n",
                    m.skipped_non_finite);
     // Readers (an image viewer refreshing while training runs) see the old PNG or the new one.
-    ember::nn::write_file_atomic(a.out, encode_png(render(m, a.width, a.height, a.title)));
+    ember::nn::write_file_atomic(a.out, render_png(m, a.width, a.height, a.title));
     std::printf("plot_metrics: wrote %s (%dx%d; %zu steps, %zu epochs)\n", a.out.c_str(), a.width,
                 a.height, m.step_loss.size(), m.epochs.size());
   } catch (const InputError& e) {

@@ -8,6 +8,7 @@ pkgs=(
   libgloo-dev libopenmpi-dev openmpi-bin
   libboost-dev libboost-system-dev libcli11-dev libspdlog-dev nlohmann-json3-dev zlib1g-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  libcairo2-dev fonts-dejavu-core
   dataset-fashion-mnist
   python3-torch libtorch-dev
   iproute2

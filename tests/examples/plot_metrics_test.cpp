@@ -1,9 +1,10 @@
 // Tests of examples/plot_metrics as a user runs it: write a metrics file, run the tool, then
-// decode the PNG here (chunk CRCs, zlib, row filters) and look at where the curve colours land.
+// decode the PNG here (with Cairo's PNG reader, over libpng) and look at where the curve colours
+// land: the data lines are 2 px wide, so antialiasing leaves their cores in the exact colour.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/wait.h>
-#include <zlib.h>
+#include <cairo.h>
 
 #include <algorithm>
 #include <climits>
@@ -64,7 +65,7 @@ std::string epoch(int e, long gs, double train_loss, double accuracy) {
   return os.str();
 }
 
-// ---- a PNG decoder for 8-bit RGB, independent of the encoder under test --------------------
+// ---- the PNG read back ----------------------------------------------------------------
 
 struct Rgb {
   uint8_t r, g, b;
@@ -77,24 +78,12 @@ constexpr Rgb kAccuracy{44, 160, 44};
 struct Png {
   std::string error;  // empty when the file decoded
   uint32_t width = 0, height = 0;
-  int depth = 0, color_type = 0, interlace = 0;
-  int idat_chunks = 0;
   std::vector<uint8_t> rgb;
   Rgb at(int x, int y) const {
     const uint8_t* p = &rgb[(static_cast<size_t>(y) * width + x) * 3];
     return {p[0], p[1], p[2]};
   }
 };
-
-uint32_t be32(const std::string& s, size_t at) {
-  return (uint32_t(uint8_t(s[at])) << 24) | (uint32_t(uint8_t(s[at + 1])) << 16) |
-         (uint32_t(uint8_t(s[at + 2])) << 8) | uint32_t(uint8_t(s[at + 3]));
-}
-
-int paeth(int a, int b, int c) {
-  const int p = a + b - c, pa = std::abs(p - a), pb = std::abs(p - b), pc = std::abs(p - c);
-  return pa <= pb && pa <= pc ? a : pb <= pc ? b : c;
-}
 
 Png decode_png(const std::string& path) {
   Png png;
@@ -103,78 +92,37 @@ Png decode_png(const std::string& path) {
     png.error = "bad signature";
     return png;
   }
-  std::string idat;
-  bool seen_iend = false;
-  for (size_t at = 8; at < s.size();) {
-    if (seen_iend) return png.error = "data after IEND", png;
-    if (at + 12 > s.size()) return png.error = "truncated chunk header", png;
-    const uint32_t len = be32(s, at);
-    if (at + 12 + len > s.size()) return png.error = "truncated chunk", png;
-    const std::string type = s.substr(at + 4, 4);
-    const uLong crc =
-        crc32(0L, reinterpret_cast<const Bytef*>(s.data() + at + 4), static_cast<uInt>(len + 4));
-    if (crc != be32(s, at + 8 + len)) return png.error = "bad CRC in chunk " + type, png;
-    const std::string data = s.substr(at + 8, len);
-    if (at == 8 && type != "IHDR") return png.error = "first chunk is " + type, png;
-    if (type == "IHDR") {
-      png.width = be32(data, 0);
-      png.height = be32(data, 4);
-      png.depth = uint8_t(data[8]);
-      png.color_type = uint8_t(data[9]);
-      png.interlace = uint8_t(data[12]);
-    } else if (type == "IDAT") {
-      idat += data;
-      ++png.idat_chunks;
-    } else if (type == "IEND") {
-      seen_iend = true;
-    }
-    at += 12 + len;
+  cairo_surface_t* img = cairo_image_surface_create_from_png(path.c_str());
+  if (cairo_surface_status(img) != CAIRO_STATUS_SUCCESS) {
+    png.error = cairo_status_to_string(cairo_surface_status(img));
+    cairo_surface_destroy(img);
+    return png;
   }
-  if (!seen_iend) return png.error = "no IEND", png;
-  if (png.depth != 8 || png.color_type != 2 || png.interlace != 0)
-    return png.error = "not 8-bit RGB non-interlaced", png;
-  const size_t stride = png.width * 3;
-  std::vector<uint8_t> raw((stride + 1) * png.height);
-  uLongf n = raw.size();
-  if (uncompress(raw.data(), &n, reinterpret_cast<const Bytef*>(idat.data()), idat.size()) !=
-          Z_OK ||
-      n != raw.size())
-    return png.error = "zlib stream does not inflate to height * (1 + 3 * width) bytes", png;
-  png.rgb.resize(stride * png.height);
+  const cairo_format_t format = cairo_image_surface_get_format(img);
+  if (format != CAIRO_FORMAT_RGB24 && format != CAIRO_FORMAT_ARGB32) {
+    cairo_surface_destroy(img);
+    return png.error = "not an RGB image", png;
+  }
+  png.width = cairo_image_surface_get_width(img);
+  png.height = cairo_image_surface_get_height(img);
+  const int stride = cairo_image_surface_get_stride(img);
+  const unsigned char* data = cairo_image_surface_get_data(img);
+  png.rgb.resize(size_t{png.width} * png.height * 3);
   for (uint32_t y = 0; y < png.height; ++y) {
-    const int filter = raw[y * (stride + 1)];
-    const uint8_t* in = &raw[y * (stride + 1) + 1];
-    uint8_t* out = &png.rgb[y * stride];
-    const uint8_t* up = y ? out - stride : nullptr;
-    for (size_t i = 0; i < stride; ++i) {
-      const int a = i >= 3 ? out[i - 3] : 0, b = up ? up[i] : 0, c = up && i >= 3 ? up[i - 3] : 0;
-      int pred = 0;
-      switch (filter) {
-        case 0:
-          pred = 0;
-          break;
-        case 1:
-          pred = a;
-          break;
-        case 2:
-          pred = b;
-          break;
-        case 3:
-          pred = (a + b) / 2;
-          break;
-        case 4:
-          pred = paeth(a, b, c);
-          break;
-        default:
-          return png.error = "bad filter type " + std::to_string(filter), png;
-      }
-      out[i] = static_cast<uint8_t>(in[i] + pred);
+    for (uint32_t x = 0; x < png.width; ++x) {
+      uint32_t px;  // native-endian 0xAARRGGBB
+      std::memcpy(&px, data + size_t{y} * stride + x * 4, 4);
+      uint8_t* out = &png.rgb[(size_t{y} * png.width + x) * 3];
+      out[0] = uint8_t(px >> 16);
+      out[1] = uint8_t(px >> 8);
+      out[2] = uint8_t(px);
     }
   }
+  cairo_surface_destroy(img);
   return png;
 }
 
-// Pixels of colour `c` in columns [x0, x1).
+// Pixels of colour `c` in columns [x0, x1) and rows from y0 down.
 struct Pixels {
   std::vector<std::pair<int, int>> xy;
   size_t count() const { return xy.size(); }
@@ -208,9 +156,9 @@ struct Pixels {
   }
 };
 
-Pixels find(const Png& png, Rgb c, int x0, int x1) {
+Pixels find(const Png& png, Rgb c, int x0, int x1, int y0 = 0) {
   Pixels p;
-  for (int y = 0; y < static_cast<int>(png.height); ++y)
+  for (int y = y0; y < static_cast<int>(png.height); ++y)
     for (int x = x0; x < x1; ++x)
       if (png.at(x, y) == c) p.xy.emplace_back(x, y);
   return p;
@@ -238,7 +186,6 @@ TEST(PlotMetrics, DrawsLossOnTheLeftAndAccuracyOnTheRight) {
   ASSERT_EQ(png.error, "");
   EXPECT_EQ(png.width, 800u);
   EXPECT_EQ(png.height, 360u);
-  EXPECT_GE(png.idat_chunks, 1);
 
   const int mid = 400;
   const Pixels loss_left = find(png, kLoss, 0, mid), loss_right = find(png, kLoss, mid, 800);
@@ -247,7 +194,7 @@ TEST(PlotMetrics, DrawsLossOnTheLeftAndAccuracyOnTheRight) {
   const Pixels acc_left = find(png, kAccuracy, 0, mid), acc_right = find(png, kAccuracy, mid, 800);
   EXPECT_GT(loss_left.count(), 100u);
   EXPECT_EQ(loss_right.count(), 0u);
-  EXPECT_GE(dots_left.count(), 3u * 20);  // three dots of radius 3
+  EXPECT_GE(dots_left.count(), 3u * 20);  // three dots of radius 4
   EXPECT_EQ(dots_right.count(), 0u);
   EXPECT_GT(acc_right.count(), 50u);
   EXPECT_EQ(acc_left.count(), 0u);
@@ -300,12 +247,14 @@ TEST(PlotMetrics, ResumedRunKeepsTheLastLineOfEachStepAndEpoch) {
   EXPECT_NE(r.output.find("30 steps, 2 epochs"), std::string::npos) << r.output;
   const Png png = decode_png(dir / "out.png");
   ASSERT_EQ(png.error, "");
-  const Pixels loss = find(png, kLoss, 0, 500);
+  // Below the legends (drawn above the plots in the same colours).
+  const int plot_top = 48;
+  const Pixels loss = find(png, kLoss, 0, 500, plot_top);
   ASSERT_GT(loss.count(), 100u);
-  EXPECT_EQ(loss.max_y(), loss.min_y()) << "constant loss 1.0 must draw one horizontal line";
-  const Pixels acc = find(png, kAccuracy, 500, 1000);
+  EXPECT_LE(loss.max_y() - loss.min_y(), 1) << "constant loss 1.0 must draw one horizontal line";
+  const Pixels acc = find(png, kAccuracy, 500, 1000, plot_top);
   ASSERT_GT(acc.count(), 50u);
-  EXPECT_LE(acc.max_y() - acc.min_y(), 8) << "constant accuracy: a flat line with dots of radius 3";
+  EXPECT_LE(acc.max_y() - acc.min_y(), 8) << "constant accuracy: a flat line with dots of radius 4";
 }
 
 TEST(PlotMetrics, IgnoresOtherKindsAndKeysAndAnUnfinishedLastLine) {
