@@ -230,9 +230,39 @@ std::vector<std::vector<size_t>> DistributedDataParallel::bucket_indices() const
   return reducer_->bucket_indices();
 }
 
-void DistributedDataParallel::register_comm_hook(CommHook hook) {
+namespace {
+
+// The name stats() reports for a hook registered without one.
+std::string builtin_hook_name(const CommHook& hook) {
+  using Fn = std::shared_ptr<Future> (*)(GradBucket&);
+  const Fn* fn = hook.target<Fn>();
+  if (fn == nullptr) return "custom";
+  if (*fn == &allreduce_hook) return "allreduce";
+  if (*fn == &fp16_compress_hook) return "fp16_compress";
+  if (*fn == &bf16_compress_hook) return "bf16_compress";
+  if (*fn == &noop_hook) return "noop";
+  return "custom";
+}
+
+}  // namespace
+
+void DistributedDataParallel::register_comm_hook(CommHook hook, std::string name) {
   EMBER_CHECK(hook != nullptr, kOp, " register_comm_hook expects a hook, got null");
-  reducer_->set_comm_hook(std::move(hook));
+  if (name.empty()) name = builtin_hook_name(hook);
+  reducer_->set_comm_hook(std::move(hook), std::move(name));
+}
+
+DDPStats DistributedDataParallel::stats() const {
+  DDPStats s;
+  s.world_size = group_->size();
+  s.rank = group_->rank();
+  s.backend = group_->backend_name();
+  s.bucket_cap_mb = options_.bucket_cap_mb;
+  s.find_unused_parameters = options_.find_unused_parameters;
+  s.static_graph = options_.static_graph;
+  s.gradient_as_bucket_view = options_.gradient_as_bucket_view;
+  reducer_->fill_stats(s);
+  return s;
 }
 
 }  // namespace ember::dist

@@ -82,6 +82,38 @@ struct JoinOptions {
   bool throw_on_early_termination = false;
 };
 
+/// What one DistributedDataParallel did (torch's DDP logging data,
+/// `ddp._get_ddp_logging_data()`), from DistributedDataParallel::stats(): its configuration,
+/// bucket layout and per-iteration timings, on this rank.
+struct DDPStats {
+  /// A phase's time in one synchronised iteration, in milliseconds.
+  struct Timing {
+    double last_ms = 0;  ///< in the last synchronised iteration
+    double mean_ms = 0;  ///< over every synchronised iteration so far
+  };
+  int world_size = 0;
+  int rank = 0;
+  std::string backend;
+  /// The registered communication hook's name ("allreduce", "fp16_compress", "bf16_compress",
+  /// "noop", the name given to register_comm_hook, or "custom"); empty without a hook.
+  std::string comm_hook;
+  double bucket_cap_mb = 0;
+  bool find_unused_parameters = false;
+  bool static_graph = false;
+  bool gradient_as_bucket_view = false;
+  int64_t parameters = 0;  ///< parameters synchronised (those requiring grad)
+  int64_t bucket_count = 0;
+  std::vector<int64_t> bucket_bytes;  ///< each bucket's flat buffer, in reduction order
+  int64_t rebuilds = 0;               ///< bucket rebuilds so far (at most one)
+  int64_t unused_parameters = 0;      ///< no rank used them in the last synchronised iteration
+  int64_t iterations = 0;             ///< synchronised iterations timed
+  /// Forward: the module's forward. Backward: from the end of forward to the end of the
+  /// autograd pass. Communication: from the first bucket's launch until every bucket was
+  /// reduced; overlapped_communication: its part before backward ended; exposed_communication:
+  /// the time the end of backward waited for it (what communication added to the step).
+  Timing forward, backward, communication, overlapped_communication, exposed_communication;
+};
+
 class DistributedDataParallel : public nn::Module {
  public:
   /// Wraps `module` (registered as submodule "module", so parameter names get the "module."
@@ -158,17 +190,22 @@ class DistributedDataParallel : public nn::Module {
   /// its Future's value()[0] becomes the bucket's reduced gradients. Every rank must register
   /// the same hook. Throws ValueError if `hook` is null, a hook is already registered, or a
   /// backward pass has already run.
-  void register_comm_hook(CommHook hook);
+  /// `name` is what stats() reports; empty: the built-in hook's name, or "custom".
+  void register_comm_hook(CommHook hook, std::string name = {});
   /// torch's register_comm_hook(state, hook): `hook(*state, bucket)` with `hook` any callable
-  /// taking (State&, GradBucket&), e.g. register_comm_hook(powersgd_state, powersgd_hook).
-  /// DDP keeps `state` alive.
+  /// taking (State&, GradBucket&), e.g. register_comm_hook(powersgd_state, powersgd_hook,
+  /// "powersgd"). DDP keeps `state` alive.
   template <typename State, typename Hook>
-  void register_comm_hook(std::shared_ptr<State> state, Hook hook) {
+  void register_comm_hook(std::shared_ptr<State> state, Hook hook, std::string name = "custom") {
     EMBER_CHECK(state != nullptr,
                 "[DistributedDataParallel] register_comm_hook expects a state, "
                 "got null (pass a CommHook alone for a stateless hook)");
-    register_comm_hook(bind_hook(std::move(state), std::move(hook)));
+    register_comm_hook(bind_hook(std::move(state), std::move(hook)), std::move(name));
   }
+
+  /// This rank's statistics: configuration, buckets and timings (see DDPStats). Cheap: the
+  /// timings are kept whatever EMBER_DISTRIBUTED_DEBUG says.
+  DDPStats stats() const;
 
  private:
   std::shared_ptr<nn::Module> module_;

@@ -125,16 +125,14 @@ void Reducer::prepare_for_forward() {
                                                       : IterationState::Idle);
 }
 
-void Reducer::forward_started() {
-  if (info_) timings_.forward_start = Clock::now();
-}
+void Reducer::forward_started() { timings_.forward_start = Clock::now(); }
 
 void Reducer::prepare_for_backward(bool sync) {
-  if (info_) timings_.forward_end = Clock::now();
+  timings_.forward_end = Clock::now();
   state_ = sync ? IterationState::Armed : IterationState::Idle;
 }
 
-void Reducer::set_comm_hook(dist::CommHook hook) {
+void Reducer::set_comm_hook(dist::CommHook hook, std::string name) {
   EMBER_CHECK(!hook_, kOp,
               " a communication hook is already registered; register_comm_hook can be called "
               "only once");
@@ -142,6 +140,7 @@ void Reducer::set_comm_hook(dist::CommHook hook) {
               " register_comm_hook must be called before the first backward pass, got a call "
               "after one had run");
   hook_ = std::move(hook);
+  hook_name_ = std::move(name);
 }
 
 // ---- backward ---------------------------------------------------------------------------------
@@ -245,7 +244,7 @@ BucketReduction Reducer::choose_reduction(const Bucket& b, bool shadow) const {
 
 void Reducer::launch(size_t index, bool shadow) {
   Bucket& b = buckets_[index];
-  if (info_ && !timings_.launched_any) timings_.first_launch = Clock::now();
+  if (!timings_.launched_any) timings_.first_launch = Clock::now();
   timings_.launched_any = true;
   const BucketReduction how = choose_reduction(b, shadow);
   b.reduction = how;
@@ -320,7 +319,7 @@ std::exception_ptr Reducer::wait_all() {
 
 void Reducer::finalize() {
   if (state_ != IterationState::Reducing) return;
-  const Clock::time_point backward_end = info_ ? Clock::now() : Clock::time_point{};
+  const Clock::time_point backward_end = Clock::now();
   ++finalized_;
   // Whatever happens, the iteration ends here and the next forward starts clean.
   struct End {
@@ -331,7 +330,8 @@ void Reducer::finalize() {
   const std::vector<char> used_anywhere = wait_for_reductions(locally_used);
   check_static_graph(locally_used, used_anywhere);
   write_back(used_anywhere);
-  if (info_) record_timings(backward_end, Clock::now());
+  unused_last_ = std::count(used_anywhere.begin(), used_anywhere.end(), 0);
+  record_timings(backward_end, Clock::now());
 }
 
 // Stage 1: parameters that got no gradient. An error unless tolerated; otherwise each
@@ -482,28 +482,62 @@ void Reducer::write_back(const std::vector<char>& used_anywhere) {
 // the end of the autograd pass (includes computing the loss); communication = from the first
 // bucket launch to the moment every bucket is reduced (as seen by finalize); overlap = the
 // part of it before the end of the autograd pass; wait = the time finalize blocks.
+Reducer::Phases& Reducer::Phases::operator+=(const Phases& o) {
+  forward += o.forward;
+  backward += o.backward;
+  comm += o.comm;
+  wait += o.wait;
+  overlap += o.overlap;
+  return *this;
+}
+
 void Reducer::record_timings(Clock::time_point backward_end, Clock::time_point done) {
   auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
   Timings& t = timings_;
-  t.forward += ms(t.forward_end - t.forward_start);
-  t.backward += ms(backward_end - t.forward_end);
+  Phases p;
+  p.forward = ms(t.forward_end - t.forward_start);
+  p.backward = ms(backward_end - t.forward_end);
   if (t.launched_any) {
-    t.comm += ms(done - t.first_launch);
-    t.overlap += std::max(0.0, ms(backward_end - t.first_launch));
+    p.comm = ms(done - t.first_launch);
+    p.overlap = std::max(0.0, ms(backward_end - t.first_launch));
   }
-  t.wait += ms(done - backward_end);
-  if (++t.iterations < log_every_) return;
-  const double n = static_cast<double>(t.iterations);
+  p.wait = ms(done - backward_end);
+  t.last = p;
+  t.total += p;
+  ++t.iterations;
+  if (!info_) return;
+  t.window += p;
+  if (++t.window_iterations < log_every_) return;
+  const double n = static_cast<double>(t.window_iterations);
+  const Phases& w = t.window;
   std::ostringstream os;
   os.setf(std::ios::fixed);
   os.precision(3);
-  os << "iterations " << finalized_ - t.iterations + 1 << "-" << finalized_ << " average: forward "
-     << t.forward / n << " ms, backward " << t.backward / n << " ms, communication " << t.comm / n
-     << " ms (overlapped with backward " << t.overlap / n << " ms), waited at the end of backward "
-     << t.wait / n << " ms";
+  os << "iterations " << finalized_ - t.window_iterations + 1 << "-" << finalized_
+     << " average: forward " << w.forward / n << " ms, backward " << w.backward / n
+     << " ms, communication " << w.comm / n << " ms (overlapped with backward " << w.overlap / n
+     << " ms), waited at the end of backward " << w.wait / n << " ms";
   log(os.str());
-  t.forward = t.backward = t.comm = t.wait = t.overlap = 0;
-  t.iterations = 0;
+  t.window = Phases{};
+  t.window_iterations = 0;
+}
+
+void Reducer::fill_stats(dist::DDPStats& s) const {
+  s.parameters = static_cast<int64_t>(params_.size());
+  s.bucket_bytes.clear();
+  for (const Bucket& b : buckets_) s.bucket_bytes.push_back(b.flat.nbytes());
+  s.bucket_count = static_cast<int64_t>(buckets_.size());
+  s.rebuilds = rebuild_done_ ? 1 : 0;
+  s.unused_parameters = unused_last_;
+  s.comm_hook = hook_ ? hook_name_ : "";
+  s.iterations = timings_.iterations;
+  const double n = std::max<double>(1, static_cast<double>(timings_.iterations));
+  const Phases &last = timings_.last, &total = timings_.total;
+  s.forward = {last.forward, total.forward / n};
+  s.backward = {last.backward, total.backward / n};
+  s.communication = {last.comm, total.comm / n};
+  s.overlapped_communication = {last.overlap, total.overlap / n};
+  s.exposed_communication = {last.wait, total.wait / n};
 }
 
 // forward() found the previous synchronised backward started but not finished (it threw, so

@@ -110,8 +110,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   /// no_sync(): whether forwards synchronise.
   bool sync_enabled() const { return sync_enabled_; }
   void set_sync_enabled(bool enabled) { sync_enabled_ = enabled; }
-  /// Throws ValueError if a hook is already set or a backward pass has run.
-  void set_comm_hook(dist::CommHook hook);
+  /// Throws ValueError if a hook is already set or a backward pass has run. `name` is what
+  /// stats() reports.
+  void set_comm_hook(dist::CommHook hook, std::string name);
 
   // ---- after backward --------------------------------------------------------------------------
 
@@ -126,6 +127,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   /// The buckets as indices into the module's parameters(), in reduction order.
   std::vector<std::vector<size_t>> bucket_indices() const;
   bool buckets_rebuilt() const { return rebuild_done_; }
+  /// DistributedDataParallel::stats()'s reducer part: buckets, rebuilds, unused parameters,
+  /// timings (Note [DDP timings]).
+  void fill_stats(dist::DDPStats& s) const;
 
  private:
   struct Param {
@@ -159,10 +163,18 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     dist::WorkPtr work;
     std::vector<char> wait() const;  // used by some rank, per parameter
   };
-  // EMBER_DISTRIBUTED_DEBUG=INFO statistics (Note [DDP timings]).
-  struct Timings {
+  // One synchronised iteration's phases in ms (Note [DDP timings]).
+  struct Phases {
     double forward = 0, backward = 0, comm = 0, wait = 0, overlap = 0;
-    int64_t iterations = 0;
+    Phases& operator+=(const Phases& o);
+  };
+  // Note [DDP timings]: always kept (four clock reads per iteration), logged under
+  // EMBER_DISTRIBUTED_DEBUG=INFO.
+  struct Timings {
+    Phases window;  // since the last INFO line
+    int64_t window_iterations = 0;
+    Phases last, total;
+    int64_t iterations = 0;  // timed, since construction
     Clock::time_point forward_start, forward_end, first_launch;
     bool launched_any = false;
   };
@@ -209,6 +221,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<Param> params_;  // requiring grad, in registration order
   std::vector<Bucket> buckets_;
   dist::CommHook hook_;
+  std::string hook_name_;
   std::shared_ptr<DeferredSteps> deferred_;
 
   IterationState state_ = IterationState::Idle;
@@ -222,6 +235,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<size_t> arrival_;  // into params_, in the order gradients became ready
   bool rebuild_done_ = false;
   std::optional<StaticGraph> static_graph_;
+  int64_t unused_last_ = 0;  // parameters no rank used in the last finalized iteration
 
   bool info_ = false;
   int64_t log_every_ = 100;

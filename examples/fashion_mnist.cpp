@@ -31,6 +31,7 @@
 
 #include "distributed/comm_hooks.h"
 #include "distributed/ddp.h"
+#include "distributed/stragglers.h"
 #include "distributed/hash_store.h"
 #include "distributed/init.h"
 #include "distributed/powersgd.h"
@@ -376,7 +377,8 @@ std::shared_ptr<dist::PowerSGDState> register_comm_hook(dist::DistributedDataPar
   auto state = std::make_shared<dist::PowerSGDState>(dist::PowerSGDOptions{
       .matrix_approximation_rank = a.powersgd_rank, .start_powerSGD_iter = a.powersgd_start});
   ddp.register_comm_hook(
-      state, a.comm_hook == "powersgd" ? dist::powersgd_hook : dist::batched_powersgd_hook);
+      state, a.comm_hook == "powersgd" ? dist::powersgd_hook : dist::batched_powersgd_hook,
+      a.comm_hook);
   return state;
 }
 
@@ -394,16 +396,45 @@ int64_t count_parameters(const nn::Module& model) {
   return n;
 }
 
-// Loss averages and throughput between two progress lines.
+// DistributedDataParallel's statistics for the metrics file.
+nlohmann::json ddp_json(const dist::DDPStats& s) {
+  auto timing = [](const dist::DDPStats::Timing& t) {
+    return nlohmann::json{{"last_ms", t.last_ms}, {"mean_ms", t.mean_ms}};
+  };
+  return {{"world_size", s.world_size},
+          {"backend", s.backend},
+          {"comm_hook", s.comm_hook},
+          {"parameters", s.parameters},
+          {"bucket_count", s.bucket_count},
+          {"bucket_bytes", s.bucket_bytes},
+          {"rebuilds", s.rebuilds},
+          {"unused_parameters", s.unused_parameters},
+          {"iterations", s.iterations},
+          {"forward", timing(s.forward)},
+          {"backward", timing(s.backward)},
+          {"communication", timing(s.communication)},
+          {"overlapped_communication", timing(s.overlapped_communication)},
+          {"exposed_communication", timing(s.exposed_communication)}};
+}
+
+// Loss averages, throughput and where this rank's time went between two progress lines.
 struct LogWindow {
   double loss_sum = 0;
   int64_t steps = 0;
   Clock::time_point since = Clock::now();
+  double data_ms = 0;       // waiting for batches
+  double comm_wait_ms = 0;  // the end of backward waiting for DDP's communication
   void add(double loss) {
     loss_sum += loss;
     ++steps;
   }
   void reset(Clock::time_point now) { *this = {0, 0, now}; }
+  // Means per step, for the straggler report.
+  dist::StepTimes times(Clock::time_point now) const {
+    const double n = static_cast<double>(std::max<int64_t>(steps, 1));
+    return {std::chrono::duration<double, std::milli>(now - since).count() / n, data_ms / n,
+            comm_wait_ms / n};
+  }
 };
 
 // What one epoch's pass did.
@@ -430,7 +461,8 @@ class Trainer {
  private:
   EpochStats train_epoch(int64_t epoch);
   double train_step(const nn::data::Batch& batch);
-  void log_progress(int64_t epoch, int64_t step, LogWindow& window);
+  void log_progress(int64_t epoch, int64_t step, LogWindow& window, bool last_step);
+  void report_stragglers();
   void finish_epoch(int64_t epoch, const EpochStats& e, const Evaluation& eval);
   void fail_if_asked() const;
   void print_banner() const;
@@ -456,6 +488,8 @@ class Trainer {
   const Position start_;  // where this run started (a resumed one: the checkpoint's)
   int64_t global_step_;   // steps trained, this run's and before
   double last_lr_ = 0;    // the lr of the last step trained
+  dist::StepTimes run_times_;  // this run's totals over the logged windows (ms)
+  int64_t run_steps_ = 0;
   Metrics metrics_;
   const Clock::time_point t_start_ = Clock::now();
 };
@@ -532,7 +566,21 @@ Evaluation Trainer::train() {
     finish_epoch(epoch, e, *last);
     if (e.stop) break;
   }
+  report_stragglers();
   return last ? *last : evaluate(*model_, test_set_, *pg_, device_);
+}
+
+// Collective: rank 0 prints the spread of step time over the whole run and where the slowest
+// rank's time went.
+void Trainer::report_stragglers() {
+  if (world_ == 1 || run_steps_ == 0) return;
+  const double n = static_cast<double>(run_steps_);
+  const auto ranks = dist::gather_step_times(
+      *pg_, {run_times_.step_ms / n, run_times_.data_ms / n, run_times_.comm_wait_ms / n});
+  if (leader_) {
+    std::printf("whole run: %s\n", dist::straggler_report(ranks).c_str());
+    std::fflush(stdout);
+  }
 }
 
 EpochStats Trainer::train_epoch(int64_t epoch) {
@@ -541,20 +589,25 @@ EpochStats Trainer::train_epoch(int64_t epoch) {
   e.skipped = epoch == start_.epoch ? start_.step_in_epoch : 0;
   const auto t_epoch = Clock::now();
   LogWindow window;
+  auto fetch_start = Clock::now();
   for (const nn::data::Batch& batch : loader_) {
     if (e.step < e.skipped) {  // resuming mid-epoch: these batches were trained on before
       ++e.step;
       window.reset(Clock::now());
+      fetch_start = Clock::now();
       continue;
     }
+    window.data_ms += std::chrono::duration<double, std::milli>(Clock::now() - fetch_start).count();
     const double loss = train_step(batch);
+    window.comm_wait_ms += ddp_.stats().exposed_communication.last_ms;
     ++e.step;
     e.loss_sum += loss;
     ++e.trained;
     window.add(loss);
     fail_if_asked();
     const bool last_step = e.step == steps_per_epoch_ || reached_max_steps();
-    if (leader_ && (e.step % log_every_ == 0 || last_step)) log_progress(epoch, e.step, window);
+    // Every rank takes part in the straggler report's collective at the same steps.
+    if (e.step % log_every_ == 0 || last_step) log_progress(epoch, e.step, window, last_step);
     if (a_.checkpoint_every > 0 && !a_.checkpoint_dir.empty() &&
         global_step_ % a_.checkpoint_every == 0 && e.step < steps_per_epoch_) {
       save_checkpoint(a_, state(), {epoch, e.step, global_step_}, *pg_);
@@ -563,8 +616,8 @@ EpochStats Trainer::train_epoch(int64_t epoch) {
       e.stop = true;
       break;
     }
+    fetch_start = Clock::now();
   }
-  if (tty_) std::printf("\n");
   e.seconds = std::chrono::duration<double>(Clock::now() - t_epoch).count();
   return e;
 }
@@ -606,8 +659,21 @@ void Trainer::fail_if_asked() const {
   }
 }
 
-void Trainer::log_progress(int64_t epoch, int64_t step, LogWindow& window) {
+// Collective (the straggler report's gather); rank 0 prints the progress line and the report
+// (on a terminal, whose progress line redraws in place, the report only at the epoch's end).
+void Trainer::log_progress(int64_t epoch, int64_t step, LogWindow& window, bool last_step) {
   const auto now = Clock::now();
+  const dist::StepTimes mine = window.times(now);
+  const std::vector<dist::StepTimes> ranks = dist::gather_step_times(*pg_, mine);
+  const double n = static_cast<double>(window.steps);
+  run_times_.step_ms += mine.step_ms * n;
+  run_times_.data_ms += mine.data_ms * n;
+  run_times_.comm_wait_ms += mine.comm_wait_ms * n;
+  run_steps_ += window.steps;
+  if (!leader_) {
+    window.reset(now);
+    return;
+  }
   const double dt = std::chrono::duration<double>(now - window.since).count();
   const double images = static_cast<double>(a_.batch_size * world_);
   const double ips = dt > 0 ? static_cast<double>(window.steps) * images / dt : 0;
@@ -615,6 +681,12 @@ void Trainer::log_progress(int64_t epoch, int64_t step, LogWindow& window) {
   const double loss = window.loss_sum / static_cast<double>(window.steps);
   print_progress(static_cast<int>(epoch + 1), a_.epochs, step, steps_per_epoch_, loss, ips, eta,
                  tty_);
+  if (tty_ && last_step) std::printf("\n");
+  if (world_ > 1 && (!tty_ || last_step)) {
+    std::printf("  %s\n", dist::straggler_report(ranks).c_str());
+    std::fflush(stdout);
+  }
+  const int slowest = dist::slowest_rank(ranks);
   metrics_.write({{"kind", "step"},
                   {"epoch", epoch + 1},
                   {"step", step},
@@ -622,7 +694,11 @@ void Trainer::log_progress(int64_t epoch, int64_t step, LogWindow& window) {
                   {"loss", loss},
                   {"images_per_s", ips},
                   {"lr", last_lr_},
-                  {"time_s", std::chrono::duration<double>(now - t_start_).count()}});
+                  {"time_s", std::chrono::duration<double>(now - t_start_).count()},
+                  {"slowest_rank", slowest},
+                  {"step_ms", ranks[static_cast<size_t>(slowest)].step_ms},
+                  {"data_ms", mine.data_ms},
+                  {"comm_wait_ms", mine.comm_wait_ms}});
   window.reset(now);
 }
 
@@ -648,7 +724,8 @@ void Trainer::finish_epoch(int64_t epoch, const EpochStats& e, const Evaluation&
                     {"test_accuracy", eval.accuracy},
                     {"time_s", e.seconds},
                     {"images_per_s", ips},
-                    {"complete", complete}});
+                    {"complete", complete},
+                    {"ddp", ddp_json(ddp_.stats())}});
   }
   if (!a_.checkpoint_dir.empty()) {
     save_checkpoint(

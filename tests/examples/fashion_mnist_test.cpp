@@ -75,6 +75,12 @@ TEST_F(FashionMnist, TwoRanksUnderEmberrunWithMetrics) {
   EXPECT_NE(r.output.find("[rank 0]: epoch 1/3: train loss"), std::string::npos) << r.output;
   const double acc = final_accuracy(r.output);
   EXPECT_GT(acc, 0.5) << r.output;
+  // The straggler report after each progress line and over the whole run.
+  EXPECT_NE(r.output.find("[rank 0]:   step time over 2 ranks: min "), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("[rank 0]: whole run: step time over 2 ranks"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find(", waiting on communication "), std::string::npos) << r.output;
 
   std::ifstream in(metrics);
   std::string line;
@@ -96,6 +102,21 @@ TEST_F(FashionMnist, TwoRanksUnderEmberrunWithMetrics) {
   ASSERT_EQ(epochs.size(), 1u);
   EXPECT_NEAR(epochs[0]["test_accuracy"].get<double>(), acc, 1e-4);
   EXPECT_EQ(epochs[0]["complete"], false);
+  // Where the time went, per logged window, and DDP's statistics per epoch.
+  EXPECT_GE(steps[2]["slowest_rank"].get<int>(), 0);
+  EXPECT_LE(steps[2]["slowest_rank"].get<int>(), 1);
+  EXPECT_GT(steps[2]["step_ms"].get<double>(), 0);
+  const nlohmann::json& ddp = epochs[0]["ddp"];
+  EXPECT_EQ(ddp["world_size"], 2);
+  EXPECT_EQ(ddp["backend"], "gloo");
+  EXPECT_EQ(ddp["comm_hook"], "");
+  EXPECT_EQ(ddp["iterations"], 30);
+  EXPECT_EQ(ddp["parameters"], 6);
+  EXPECT_GE(ddp["bucket_count"].get<int>(), 1);
+  EXPECT_EQ(ddp["rebuilds"], 1);
+  EXPECT_GT(ddp["backward"]["mean_ms"].get<double>(), 0);
+  EXPECT_GE(ddp["communication"]["mean_ms"].get<double>(),
+            ddp["exposed_communication"]["mean_ms"].get<double>());
 
   auto saved = ember::nn::load_safetensors(weights);
   EXPECT_EQ(saved.size(), 6u);  // three Linear layers' weight and bias
