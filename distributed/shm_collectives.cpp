@@ -46,6 +46,12 @@ const char* at(const void* p, size_t elems, size_t elem) {
   return static_cast<const char*>(p) + elems * elem;
 }
 
+// memcpy, but a buffer that is its own destination (an in-place allgather's input, which is
+// this rank's block of the output) is left as it is: memcpy must not overlap.
+void copy(void* dst, const void* src, size_t bytes) {
+  if (dst != src) std::memcpy(dst, src, bytes);
+}
+
 }  // namespace
 
 void ShmAllreduce::broadcast(uint64_t ticket, void* data, size_t count, Dtype dtype, int root,
@@ -81,7 +87,7 @@ void ShmAllreduce::gather(uint64_t ticket, const void* in, const std::vector<voi
               } else if (phase == Phase::Combine && collects) {
                 for (int r = 0; r < size_; ++r) {
                   const void* src = r == rank_ ? at(in, p.first, elem) : area.slot(r);
-                  std::memcpy(at(outs[static_cast<size_t>(r)], p.first, elem), src, p.n * elem);
+                  copy(at(outs[static_cast<size_t>(r)], p.first, elem), src, p.n * elem);
                 }
               }
             });
@@ -101,7 +107,7 @@ void ShmAllreduce::scatter(uint64_t ticket, const std::vector<const void*>& ins,
               if (phase == Phase::Publish && rank_ == root) {
                 for (int r = 0; r < size_; ++r) {
                   void* dst = r == rank_ ? at(out, p.first, elem) : area.slot(r);
-                  std::memcpy(dst, at(ins[static_cast<size_t>(r)], p.first, elem), p.n * elem);
+                  copy(dst, at(ins[static_cast<size_t>(r)], p.first, elem), p.n * elem);
                 }
               } else if (phase == Phase::Combine && rank_ != root) {
                 std::memcpy(at(out, p.first, elem), area.slot(rank_), p.n * elem);
@@ -164,7 +170,7 @@ void ShmAllreduce::alltoall(uint64_t ticket, const std::vector<const void*>& ins
                 if (phase == Phase::Publish) {
                   void* dst = j == rank_ ? at(outs[J], p.first, elem)
                                          : at(area.slot(rank_), per * J, elem);
-                  std::memcpy(dst, at(ins[J], p.first, elem), p.n * elem);
+                  copy(dst, at(ins[J], p.first, elem), p.n * elem);
                 } else if (phase == Phase::Combine && j != rank_) {
                   std::memcpy(at(outs[J], p.first, elem),
                               at(area.slot(j), per * static_cast<size_t>(rank_), elem),

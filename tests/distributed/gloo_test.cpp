@@ -962,6 +962,13 @@ const std::vector<NamedIssue>& every_collective() {
          pg.allgather_into_tensor(out, in)->wait();
          return std::vector<Tensor>{out};
        }},
+      {"allgather_into_tensor in place", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+         Tensor out = empty({n * m}, d);
+         Tensor in = out.narrow(0, rank * m, m);  // as FSDP does
+         in.copy_(pattern(m, rank, 0, d));
+         pg.allgather_into_tensor(out, in)->wait();
+         return std::vector<Tensor>{out};
+       }},
       {"allgather into non-contiguous outputs",
        [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
          const int64_t k = m / 2;
