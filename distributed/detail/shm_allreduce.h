@@ -82,7 +82,7 @@ class ShmAllreduce {
   void reduce(uint64_t ticket, void* data, size_t count, Dtype dtype, const Reduction& r,
               int root, Clock::time_point deadline);
   /// out = the reduction over ranks of their blocks[rank] (blocks: one pointer per rank; out
-  /// may overlap this rank's blocks).
+  /// may be blocks[rank] itself, but must not overlap the other blocks).
   void reduce_scatter(uint64_t ticket, const std::vector<const void*>& blocks, void* out,
                       size_t count, Dtype dtype, const Reduction& r, Clock::time_point deadline);
   /// Every rank's `data` ends with root's.
@@ -132,9 +132,9 @@ class ShmAllreduce {
     size_t chunk;
     char* slot(int r) const { return slots + chunk * static_cast<size_t>(r); }
   };
-  /// The phases of one step (Note [shared-memory collectives]): Publish writes only slots,
-  /// Combine (after every rank published) reads slots and writes only this rank's part of the
-  /// result, Collect (after every rank combined) reads only the result.
+  /// The phases of one step (Note [shared-memory collectives]). Of the shared memory, Publish
+  /// writes only slots, Combine (after every rank published) reads slots and writes only this
+  /// rank's part of the result, Collect (after every rank combined) reads only the result.
   enum class Phase { Publish, Combine, Collect };
   using StepFn = std::function<void(Phase phase, size_t step, const Area& area)>;
   /// Runs `steps` steps (at least one, for the check that the ranks agree on `desc`) of the
