@@ -30,6 +30,18 @@ WorkPtr ProcessGroupGloo::reduce(Tensor&, const ReduceOptions&) { unavailable();
 WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor&, const Tensor&, const CollectiveOptions&) {
   unavailable();
 }
+WorkPtr ProcessGroupGloo::allgather(std::vector<Tensor>&, const Tensor&,
+                                    const CollectiveOptions&) {
+  unavailable();
+}
+WorkPtr ProcessGroupGloo::reduce_scatter(Tensor&, const std::vector<Tensor>&,
+                                         const ReduceScatterOptions&) {
+  unavailable();
+}
+WorkPtr ProcessGroupGloo::reduce_scatter_tensor(Tensor&, const Tensor&,
+                                                const ReduceScatterOptions&) {
+  unavailable();
+}
 WorkPtr ProcessGroupGloo::gather(std::vector<Tensor>&, const Tensor&, const GatherOptions&) {
   unavailable();
 }

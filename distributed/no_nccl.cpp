@@ -33,6 +33,10 @@ WorkPtr ProcessGroupNccl::reduce_scatter(Tensor&, const std::vector<Tensor>&,
                                          const ReduceScatterOptions&) {
   unavailable();
 }
+WorkPtr ProcessGroupNccl::reduce_scatter_tensor(Tensor&, const Tensor&,
+                                                const ReduceScatterOptions&) {
+  unavailable();
+}
 WorkPtr ProcessGroupNccl::alltoall(std::vector<Tensor>&, const std::vector<Tensor>&,
                                    const CollectiveOptions&) {
   unavailable();

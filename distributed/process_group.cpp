@@ -180,6 +180,28 @@ WorkPtr ProcessGroup::reduce_scatter(Tensor& output, const std::vector<Tensor>& 
   });
 }
 
+void ProcessGroup::check_reduce_scatter_tensor(const Tensor& output, const Tensor& input) const {
+  EMBER_CHECK(output.defined() && input.defined(), "[", backend_name(),
+              "] reduce_scatter_tensor: output and input must be defined");
+  EMBER_CHECK(input.dtype() == output.dtype() && input.device() == output.device() &&
+                  input.numel() == size_ * output.numel(),
+              "[", backend_name(), "] reduce_scatter_tensor: input must hold ", size_, " x ",
+              output.numel(), " = ", size_ * output.numel(), " elements of ", output.dtype(),
+              " on ", output.device(), " (one block per rank), got ", input.numel(), " (shape ",
+              input.shape(), ") of ", input.dtype(), " on ", input.device());
+}
+
+WorkPtr ProcessGroup::reduce_scatter_tensor(Tensor& output, const Tensor& input,
+                                            const ReduceScatterOptions& opts) {
+  check_reduce_scatter_tensor(output, input);
+  const Tensor flat = input.reshape({-1});
+  const int64_t m = output.numel();
+  std::vector<Tensor> blocks;
+  blocks.reserve(static_cast<size_t>(size_));
+  for (int r = 0; r < size_; ++r) blocks.push_back(flat.narrow(0, r * m, m).view(output.shape()));
+  return reduce_scatter(output, blocks, opts);
+}
+
 WorkPtr ProcessGroup::alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                                const CollectiveOptions& opts) {
   EMBER_CHECK(!inputs.empty(), "[alltoall] expected ", size_, " input tensors, got none");

@@ -242,6 +242,13 @@ class ProcessGroup {
   /// output receives the reduction over ranks of inputs[rank()].
   virtual WorkPtr reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                  const ReduceScatterOptions& opts = {});
+  /// The single-tensor form (torch's reduce_scatter_tensor): input holds size() blocks of
+  /// output.numel() elements, ranks' blocks concatenated along dim 0; output receives the
+  /// reduction over ranks of block rank(). Throws ValueError naming both sizes unless input
+  /// has size() * output.numel() elements of output's dtype. The default views input as the
+  /// list of blocks and calls reduce_scatter.
+  virtual WorkPtr reduce_scatter_tensor(Tensor& output, const Tensor& input,
+                                        const ReduceScatterOptions& opts = {});
   /// outputs[r] receives rank r's inputs[rank()].
   virtual WorkPtr alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                            const CollectiveOptions& opts = {});
@@ -261,6 +268,9 @@ class ProcessGroup {
   /// On a rank other than root, throws ValueError unless `count` (the number of `what` tensors
   /// passed: "output", "input") is 0: gather and scatter take lists on the root only.
   void check_only_root_passes(const char* op, int root, size_t count, const char* what) const;
+  /// Throws ValueError (naming the backend) unless `input` holds size() * output.numel()
+  /// elements of output's dtype on output's device (reduce_scatter_tensor's shapes).
+  void check_reduce_scatter_tensor(const Tensor& output, const Tensor& input) const;
   /// The tensors of `list` flattened and concatenated into one new contiguous buffer.
   static Tensor pack(const std::vector<Tensor>& list);
   Duration timeout_of(const std::optional<Duration>& t) const { return t.value_or(options_.timeout); }

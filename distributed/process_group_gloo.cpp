@@ -29,6 +29,7 @@
 
 #include "distributed/detail/gloo_agreement.h"
 #include "distributed/detail/shm_allreduce.h"
+#include "distributed/detail/shm_kernels.h"
 #include "tensor/ops.h"
 
 namespace ember::dist {
@@ -38,6 +39,13 @@ bool gloo_available() { return true; }
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+using ember::detail::ShmAllreduce;
+using ember::detail::pg_gloo::ShmList;
+using ember::detail::pg_gloo::divide_in_place;
+using ember::detail::pg_gloo::divide_span;
+using ember::detail::pg_gloo::reduce_fn;
+using ember::detail::pg_gloo::shm_reduction;
 
 // c10d's slot prefix for send/recv; the collectives use 0x01..0x08 (gloo/types.h).
 constexpr uint8_t kSendRecvSlotPrefix = 0x09;
@@ -63,82 +71,6 @@ class GlooStoreAdapter : public gloo::rendezvous::Store {
   std::shared_ptr<dist::Store> store_;
   Duration timeout_;
 };
-
-// ---- reductions ---------------------------------------------------------------------------------
-
-struct SumF {
-  template <typename A>
-  A operator()(A a, A b) const {
-    return a + b;
-  }
-};
-struct ProdF {
-  template <typename A>
-  A operator()(A a, A b) const {
-    return a * b;
-  }
-};
-struct MinF {
-  template <typename A>
-  A operator()(A a, A b) const {
-    return b < a ? b : a;
-  }
-};
-struct MaxF {
-  template <typename A>
-  A operator()(A a, A b) const {
-    return a < b ? b : a;
-  }
-};
-
-// c[i] = f(a[i], b[i]); float16/bfloat16 compute in float32 and round once per step.
-template <typename T, typename F>
-void reduce_kernel(void* c, const void* a, const void* b, size_t n) {
-  T* C = static_cast<T*>(c);
-  const T* A = static_cast<const T*>(a);
-  const T* B = static_cast<const T*>(b);
-  if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
-    for (size_t i = 0; i < n; ++i)
-      C[i] = T(F{}(static_cast<float>(A[i]), static_cast<float>(B[i])));
-  } else {
-    for (size_t i = 0; i < n; ++i) C[i] = static_cast<T>(F{}(A[i], B[i]));
-  }
-}
-
-using ReduceFn = void (*)(void*, const void*, const void*, size_t);
-
-template <typename T>
-ReduceFn reduce_fn(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum:
-    case ReduceOp::Avg:
-      return &reduce_kernel<T, SumF>;
-    case ReduceOp::Product:
-      return &reduce_kernel<T, ProdF>;
-    case ReduceOp::Min:
-      return &reduce_kernel<T, MinF>;
-    case ReduceOp::Max:
-      return &reduce_kernel<T, MaxF>;
-  }
-  return nullptr;
-}
-
-// In place: x[i] /= n (floating: in float32/float64; integers: truncating, like C).
-template <typename T>
-void divide_span(void* x, size_t k, int n) {
-  T* p = static_cast<T*>(x);
-  if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
-    for (size_t i = 0; i < k; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
-  } else {
-    for (size_t i = 0; i < k; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(n));
-  }
-}
-
-void divide_in_place(const Tensor& t, int n) {
-  EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] avg", [&]<typename T>() {
-    divide_span<T>(t.data_ptr(), static_cast<size_t>(t.numel()), n);
-  });
-}
 
 // Note [shared-memory allreduce]: the tensors (contiguous CPU, one dtype) reduced in place as
 // one buffer, Avg's division included.
@@ -496,6 +428,23 @@ class ProcessGroupGloo::Impl {
 
 // ---- ProcessGroupGloo ---------------------------------------------------------------------------
 
+/// A collective's label and, when it goes through shared memory, its ticket (taken after the
+/// label: a collective refused from a callback must not take one).
+struct ProcessGroupGloo::ShmTicket {
+  std::string label;
+  ShmAllreduce* shm = nullptr;
+  uint64_t ticket = 0;
+  explicit operator bool() const { return shm != nullptr; }
+};
+
+ProcessGroupGloo::ShmTicket ProcessGroupGloo::take_ticket(const char* collective) {
+  ShmTicket t;
+  t.label = next_op_label(collective);
+  t.shm = impl_->shm();
+  if (t.shm) t.ticket = t.shm->next_ticket();  // in issue order, as on every rank
+  return t;
+}
+
 ProcessGroupGloo::ProcessGroupGloo(std::shared_ptr<Store> store, int rank, int size,
                                    GlooOptions options)
     : ProcessGroup(rank, size, Options{options.timeout}) {
@@ -573,28 +522,30 @@ WorkPtr ProcessGroupGloo::reduce(Tensor& tensor, const ReduceOptions& opts) {
   const uint32_t tag = static_cast<uint32_t>(seq_);
   const int n = size_, me = rank_, root = opts.root;
   auto ctx = impl_->context();
+  const ShmTicket shm = take_ticket("reduce");
   Tensor t = tensor;
   const ReduceOp op = opts.op;
-  return impl_->submit(next_op_label("reduce"), timeout_of(opts.timeout),
-                       [=](std::chrono::milliseconds left) {
-                         if (ctx) {
-                           agree(ctx, tag, make_desc(GlooKind::Reduce, t.dtype(), t.numel(),
-                                                     root, op), left);
-                         }
-                         if (ctx && t.numel() > 0) {
-                           EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] reduce", [&]<typename T>() {
-                             gloo::ReduceOptions o(ctx);
-                             o.setOutput<T>(t.template data<T>(), static_cast<size_t>(t.numel()));
-                             o.setRoot(root);
-                             o.setReduceFunction(reduce_fn<T>(op));
-                             o.setTag(tag);
-                             o.setTimeout(left);
-                             gloo::reduce(o);
-                           });
-                         }
-                         if (op == ReduceOp::Avg && n > 1 && me == root) divide_in_place(t, n);
-                         return std::vector<Tensor>{t};
-                       });
+  return impl_->submit(shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
+    if (shm) {
+      shm.shm->reduce(shm.ticket, t.data_ptr(), static_cast<size_t>(t.numel()), t.dtype(),
+                      shm_reduction(t.dtype(), op), root, Clock::now() + left);
+      return std::vector<Tensor>{t};
+    }
+    if (ctx) agree(ctx, tag, make_desc(GlooKind::Reduce, t.dtype(), t.numel(), root, op), left);
+    if (ctx && t.numel() > 0) {
+      EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] reduce", [&]<typename T>() {
+        gloo::ReduceOptions o(ctx);
+        o.setOutput<T>(t.template data<T>(), static_cast<size_t>(t.numel()));
+        o.setRoot(root);
+        o.setReduceFunction(reduce_fn<T>(op));
+        o.setTag(tag);
+        o.setTimeout(left);
+        gloo::reduce(o);
+      });
+    }
+    if (op == ReduceOp::Avg && n > 1 && me == root) divide_in_place(t, n);
+    return std::vector<Tensor>{t};
+  });
 }
 
 WorkPtr ProcessGroupGloo::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
@@ -607,26 +558,28 @@ WorkPtr ProcessGroupGloo::broadcast(Tensor& tensor, const BroadcastOptions& opts
   const uint32_t tag = static_cast<uint32_t>(seq_);
   const int me = rank_, root = opts.root;
   auto ctx = impl_->context();
+  const ShmTicket shm = take_ticket("broadcast");
   Tensor t = tensor;
-  return impl_->submit(next_op_label("broadcast"), timeout_of(opts.timeout),
-                       [=](std::chrono::milliseconds left) {
-                         if (ctx) {
-                           agree(ctx, tag, make_desc(GlooKind::Broadcast, t.dtype(), t.numel(),
-                                                     root), left);
-                         }
-                         if (ctx && t.numel() > 0) {
-                           gloo::BroadcastOptions o(ctx);
-                           auto* p = static_cast<uint8_t*>(t.data_ptr());
-                           const size_t nb = static_cast<size_t>(t.nbytes());
-                           if (me == root) o.setInput<uint8_t>(p, nb);
-                           o.setOutput<uint8_t>(p, nb);
-                           o.setRoot(root);
-                           o.setTag(tag);
-                           o.setTimeout(left);
-                           gloo::broadcast(o);
-                         }
-                         return std::vector<Tensor>{t};
-                       });
+  return impl_->submit(shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
+    if (shm) {
+      shm.shm->broadcast(shm.ticket, t.data_ptr(), static_cast<size_t>(t.numel()), t.dtype(),
+                         root, Clock::now() + left);
+      return std::vector<Tensor>{t};
+    }
+    if (ctx) agree(ctx, tag, make_desc(GlooKind::Broadcast, t.dtype(), t.numel(), root), left);
+    if (ctx && t.numel() > 0) {
+      gloo::BroadcastOptions o(ctx);
+      auto* p = static_cast<uint8_t*>(t.data_ptr());
+      const size_t nb = static_cast<size_t>(t.nbytes());
+      if (me == root) o.setInput<uint8_t>(p, nb);
+      o.setOutput<uint8_t>(p, nb);
+      o.setRoot(root);
+      o.setTag(tag);
+      o.setTimeout(left);
+      gloo::broadcast(o);
+    }
+    return std::vector<Tensor>{t};
+  });
 }
 
 WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& input,
@@ -644,27 +597,53 @@ WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& in
               " elements of ", input.dtype(), ", got ", output.numel(), " of ", output.dtype());
   const uint32_t tag = static_cast<uint32_t>(seq_);
   auto ctx = impl_->context();
+  const ShmTicket shm = take_ticket("allgather_into_tensor");
+  const int n = size_;
   Tensor in = input, out = output;
-  return impl_->submit(next_op_label("allgather_into_tensor"), timeout_of(opts.timeout),
-                       [=](std::chrono::milliseconds left) mutable {
-                         if (!ctx) {
-                           out.view(in.shape()).copy_(in);
-                           return std::vector<Tensor>{out};
-                         }
-                         agree(ctx, tag, make_desc(GlooKind::Allgather, in.dtype(), in.numel()),
-                               left);
-                         if (in.numel() > 0) {
-                           gloo::AllgatherOptions o(ctx);
-                           o.setInput<uint8_t>(static_cast<uint8_t*>(in.data_ptr()),
-                                               static_cast<size_t>(in.nbytes()));
-                           o.setOutput<uint8_t>(static_cast<uint8_t*>(out.data_ptr()),
-                                                static_cast<size_t>(out.nbytes()));
-                           o.setTag(tag);
-                           o.setTimeout(left);
-                           gloo::allgather(o);
-                         }
-                         return std::vector<Tensor>{out};
-                       });
+  return impl_->submit(shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
+    if (shm) {
+      std::vector<void*> slots;
+      for (int r = 0; r < n; ++r) {
+        slots.push_back(static_cast<char*>(out.data_ptr()) + static_cast<size_t>(r) *
+                                                                 static_cast<size_t>(in.nbytes()));
+      }
+      shm.shm->gather(shm.ticket, in.data_ptr(), slots, static_cast<size_t>(in.numel()),
+                      in.dtype(), /*root=*/-1, Clock::now() + left);
+      return std::vector<Tensor>{out};
+    }
+    if (!ctx) {
+      out.view(in.shape()).copy_(in);
+      return std::vector<Tensor>{out};
+    }
+    agree(ctx, tag, make_desc(GlooKind::Allgather, in.dtype(), in.numel()), left);
+    if (in.numel() > 0) {
+      gloo::AllgatherOptions o(ctx);
+      o.setInput<uint8_t>(static_cast<uint8_t*>(in.data_ptr()), static_cast<size_t>(in.nbytes()));
+      o.setOutput<uint8_t>(static_cast<uint8_t*>(out.data_ptr()),
+                           static_cast<size_t>(out.nbytes()));
+      o.setTag(tag);
+      o.setTimeout(left);
+      gloo::allgather(o);
+    }
+    return std::vector<Tensor>{out};
+  });
+}
+
+WorkPtr ProcessGroupGloo::allgather(std::vector<Tensor>& outputs, const Tensor& input,
+                                    const CollectiveOptions& opts) {
+  if (!impl_->shm() || !input.defined() || !input.device().is_cpu()) {
+    return ProcessGroup::allgather(outputs, input, opts);
+  }
+  check_tensor("allgather", input, "input");
+  check_list("allgather", outputs, size_, input, "outputs");
+  const ShmTicket shm = take_ticket("allgather");
+  Tensor in = input;
+  const ShmList outs = ShmList::outputs(outputs);
+  return impl_->submit(shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
+    shm.shm->gather(shm.ticket, in.data_ptr(), outs.writes(), static_cast<size_t>(in.numel()),
+                    in.dtype(), /*root=*/-1, Clock::now() + left);
+    return outs.finish();
+  });
 }
 
 WorkPtr ProcessGroupGloo::gather(std::vector<Tensor>& outputs, const Tensor& input,
@@ -679,11 +658,17 @@ WorkPtr ProcessGroupGloo::gather(std::vector<Tensor>& outputs, const Tensor& inp
   }
   const uint32_t tag = static_cast<uint32_t>(seq_);
   auto ctx = impl_->context();
+  const ShmTicket shm = take_ticket("gather");
   Tensor in = input;
   std::vector<Tensor> outs = outputs;
+  const ShmList shm_outs = ShmList::outputs(shm ? outputs : std::vector<Tensor>{});
   return impl_->submit(
-      next_op_label("gather"), timeout_of(opts.timeout),
-      [=](std::chrono::milliseconds left) mutable {
+      shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) mutable {
+        if (shm) {
+          shm.shm->gather(shm.ticket, in.data_ptr(), shm_outs.writes(),
+                          static_cast<size_t>(in.numel()), in.dtype(), root, Clock::now() + left);
+          return shm_outs.finish();
+        }
         if (!ctx) {
           outs[0].copy_(in);
           return outs;
@@ -723,30 +708,80 @@ WorkPtr ProcessGroupGloo::scatter(Tensor& output, const std::vector<Tensor>& inp
   }
   const uint32_t tag = static_cast<uint32_t>(seq_);
   auto ctx = impl_->context();
+  const ShmTicket shm = take_ticket("scatter");
   Tensor out = output;
-  return impl_->submit(next_op_label("scatter"), timeout_of(opts.timeout),
-                       [=](std::chrono::milliseconds left) mutable {
-                         if (!ctx) {
-                           out.copy_(ins[0]);
-                           return std::vector<Tensor>{out};
-                         }
-                         agree(ctx, tag, make_desc(GlooKind::Scatter, out.dtype(), out.numel(),
-                                                   root), left);
-                         if (out.numel() > 0) {
-                           gloo::ScatterOptions o(ctx);
-                           const size_t nb = static_cast<size_t>(out.nbytes());
-                           if (me == root) {
-                             std::vector<uint8_t*> ptrs;
-                             for (Tensor& t : ins)
-                               ptrs.push_back(static_cast<uint8_t*>(t.data_ptr()));
-                             o.setInputs<uint8_t>(ptrs, nb);
-                           }
-                           o.setOutput<uint8_t>(static_cast<uint8_t*>(out.data_ptr()), nb);
-                           o.setRoot(root);
-                           o.setTag(tag);
-                           o.setTimeout(left);
-                           gloo::scatter(o);
-                         }
+  return impl_->submit(
+      shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) mutable {
+        if (shm) {
+          shm.shm->scatter(shm.ticket, ShmList::inputs(ins).reads(), out.data_ptr(),
+                           static_cast<size_t>(out.numel()), out.dtype(), root,
+                           Clock::now() + left);
+          return std::vector<Tensor>{out};
+        }
+        if (!ctx) {
+          out.copy_(ins[0]);
+          return std::vector<Tensor>{out};
+        }
+        agree(ctx, tag, make_desc(GlooKind::Scatter, out.dtype(), out.numel(), root), left);
+        if (out.numel() > 0) {
+          gloo::ScatterOptions o(ctx);
+          const size_t nb = static_cast<size_t>(out.nbytes());
+          if (me == root) {
+            std::vector<uint8_t*> ptrs;
+            for (Tensor& t : ins) ptrs.push_back(static_cast<uint8_t*>(t.data_ptr()));
+            o.setInputs<uint8_t>(ptrs, nb);
+          }
+          o.setOutput<uint8_t>(static_cast<uint8_t*>(out.data_ptr()), nb);
+          o.setRoot(root);
+          o.setTag(tag);
+          o.setTimeout(left);
+          gloo::scatter(o);
+        }
+        return std::vector<Tensor>{out};
+      });
+}
+
+WorkPtr ProcessGroupGloo::reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                                         const ReduceScatterOptions& opts) {
+  if (!impl_->shm() || !output.defined() || !output.device().is_cpu()) {
+    return ProcessGroup::reduce_scatter(output, inputs, opts);
+  }
+  check_tensor("reduce_scatter", output, "output");
+  check_list("reduce_scatter", inputs, size_, output, "inputs");
+  const ShmList ins = ShmList::inputs(inputs);
+  return shm_reduce_scatter("reduce_scatter", output, ins.tensors(), ins.reads(), opts);
+}
+
+WorkPtr ProcessGroupGloo::reduce_scatter_tensor(Tensor& output, const Tensor& input,
+                                                const ReduceScatterOptions& opts) {
+  if (!impl_->shm() || !output.defined() || !output.device().is_cpu()) {
+    return ProcessGroup::reduce_scatter_tensor(output, input, opts);
+  }
+  check_tensor("reduce_scatter_tensor", output, "output");
+  check_tensor("reduce_scatter_tensor", input, "input");
+  check_reduce_scatter_tensor(output, input);
+  std::vector<const void*> blocks;
+  for (int r = 0; r < size_; ++r) {
+    blocks.push_back(static_cast<const char*>(input.data_ptr()) +
+                     static_cast<size_t>(r) * static_cast<size_t>(output.nbytes()));
+  }
+  return shm_reduce_scatter("reduce_scatter_tensor", output, {input}, blocks, opts);
+}
+
+WorkPtr ProcessGroupGloo::shm_reduce_scatter(const char* name, Tensor& output,
+                                             std::vector<Tensor> inputs,
+                                             std::vector<const void*> blocks,
+                                             const ReduceScatterOptions& opts) {
+  const ShmTicket shm = take_ticket(name);
+  Tensor out = output;
+  const ReduceOp op = opts.op;
+  return impl_->submit(shm.label, timeout_of(opts.timeout),
+                       [=, keep = std::move(inputs)](std::chrono::milliseconds left) {
+                         (void)keep;  // the inputs stay alive until the collective ends
+                         shm.shm->reduce_scatter(shm.ticket, blocks, out.data_ptr(),
+                                                 static_cast<size_t>(out.numel()), out.dtype(),
+                                                 shm_reduction(out.dtype(), op),
+                                                 Clock::now() + left);
                          return std::vector<Tensor>{out};
                        });
 }
@@ -757,6 +792,16 @@ WorkPtr ProcessGroupGloo::alltoall(std::vector<Tensor>& outputs, const std::vect
   check_tensor("alltoall", inputs[0], "inputs[0]");
   check_list("alltoall", inputs, size_, inputs[0], "inputs");
   check_list("alltoall", outputs, size_, inputs[0], "outputs");
+  if (impl_->shm()) {
+    const ShmTicket shm = take_ticket("alltoall");
+    const ShmList ins = ShmList::inputs(inputs), outs = ShmList::outputs(outputs);
+    const Tensor like = inputs[0];
+    return impl_->submit(shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
+      shm.shm->alltoall(shm.ticket, ins.reads(), outs.writes(), static_cast<size_t>(like.numel()),
+                        like.dtype(), Clock::now() + left);
+      return outs.finish();
+    });
+  }
   std::vector<Tensor> flat_in;
   for (const Tensor& t : inputs) flat_in.push_back(t.reshape({-1}));
   Tensor in = cat(flat_in, 0);

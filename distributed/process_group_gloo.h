@@ -26,9 +26,9 @@
 // action, so that writing to a dead peer's socket reports the peer instead of killing this
 // process (as Python does for every torch program).
 //
-// Ranks on one machine: allreduce goes through shared memory rather than loopback TCP
-// (GlooOptions::shared_memory); every rank gets bitwise the same result, and errors read as
-// they do over TCP (a dead peer is named, with its pid).
+// Ranks on one machine: every collective but barrier (and send/recv) goes through shared
+// memory rather than loopback TCP (GlooOptions::shared_memory); every rank gets bitwise the
+// same result, and errors read as they do over TCP (a dead peer is named, with its pid).
 //
 // World size 1 never touches the network: every collective completes inline.
 #pragma once
@@ -57,10 +57,10 @@ class ProcessGroupGloo : public ProcessGroup {
     /// more than one, a collective may start before the previous one has finished, so two
     /// collectives in flight must not write the same tensor (wait for the first).
     int threads = 2;
-    /// When every rank of the group runs on this machine, allreduce moves data through one
-    /// shared-memory segment instead of loopback TCP (Note [shared-memory allreduce]); the
-    /// other collectives still use Gloo. Off, or when a rank is elsewhere (another host or
-    /// network namespace), everything goes through Gloo. EMBER_GLOO_SHM=0 turns it off for
+    /// When every rank of the group runs on this machine, the collectives (not barrier,
+    /// send or recv) move data through one shared-memory segment instead of loopback TCP
+    /// (Note [shared-memory allreduce], Note [shared-memory collectives]). Off, or when a
+    /// rank is elsewhere (another host or network namespace), everything goes through Gloo. EMBER_GLOO_SHM=0 turns it off for
     /// groups made by init_process_group.
     bool shared_memory = true;
   };
@@ -82,8 +82,8 @@ class ProcessGroupGloo : public ProcessGroup {
 
   std::string backend_name() const override { return "gloo"; }
 
-  /// True if allreduce goes through shared memory (GlooOptions::shared_memory was on and every
-  /// rank runs on this machine); false at world size 1.
+  /// True if the collectives go through shared memory (GlooOptions::shared_memory was on and
+  /// every rank runs on this machine); false at world size 1.
   bool uses_shared_memory() const;
 
   WorkPtr allreduce(Tensor& tensor, const AllreduceOptions& opts = {}) override;
@@ -98,6 +98,15 @@ class ProcessGroupGloo : public ProcessGroup {
   WorkPtr reduce(Tensor& tensor, const ReduceOptions& opts = {}) override;
   WorkPtr allgather_into_tensor(Tensor& output, const Tensor& input,
                                 const CollectiveOptions& opts = {}) override;
+  /// Over shared memory: straight into the outputs; otherwise ProcessGroup's default.
+  WorkPtr allgather(std::vector<Tensor>& outputs, const Tensor& input,
+                    const CollectiveOptions& opts = {}) override;
+  /// Over shared memory: each rank reduces its own block, no allreduce of the whole list;
+  /// otherwise ProcessGroup's default (an allreduce of the packed inputs).
+  WorkPtr reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                         const ReduceScatterOptions& opts = {}) override;
+  WorkPtr reduce_scatter_tensor(Tensor& output, const Tensor& input,
+                                const ReduceScatterOptions& opts = {}) override;
   WorkPtr gather(std::vector<Tensor>& outputs, const Tensor& input,
                  const GatherOptions& opts = {}) override;
   WorkPtr scatter(Tensor& output, const std::vector<Tensor>& inputs,
@@ -115,6 +124,12 @@ class ProcessGroupGloo : public ProcessGroup {
  private:
   /// send (is_send) or recv of `tensor` with `peer`: checks, posts and submits the wait.
   WorkPtr point_to_point(bool is_send, const Tensor& tensor, int peer, int tag);
+  struct ShmTicket;
+  /// The next collective's label, and its shared-memory ticket if the group has the segment.
+  ShmTicket take_ticket(const char* collective);
+  /// reduce_scatter over shared memory: `blocks` (one per rank, in `inputs`) into output.
+  WorkPtr shm_reduce_scatter(const char* name, Tensor& output, std::vector<Tensor> inputs,
+                             std::vector<const void*> blocks, const ReduceScatterOptions& opts);
 
   std::unique_ptr<Impl> impl_;
 };

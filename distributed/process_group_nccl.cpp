@@ -715,6 +715,22 @@ WorkPtr ProcessGroupNccl::reduce_scatter(Tensor& output, const std::vector<Tenso
                        });
 }
 
+WorkPtr ProcessGroupNccl::reduce_scatter_tensor(Tensor& output, const Tensor& input,
+                                                const ReduceScatterOptions& opts) {
+  check_tensor("reduce_scatter_tensor", output, device(), "output");
+  check_tensor("reduce_scatter_tensor", input, device(), "input");
+  check_reduce_scatter_tensor(output, input);
+  const void* in = input.data_ptr();
+  void* out = output.data_ptr();
+  const size_t n = static_cast<size_t>(output.numel());
+  const ncclDataType_t dt = nccl_dtype(output.dtype());
+  const ncclRedOp_t op = nccl_op(opts.op);
+  return impl_->launch(next_op_label("reduce_scatter_tensor"), timeout_of(opts.timeout),
+                       {output}, {input}, [=](ncclComm_t c, cudaStream_t s) {
+                         return n == 0 ? ncclSuccess : ncclReduceScatter(in, out, n, dt, op, c, s);
+                       });
+}
+
 WorkPtr ProcessGroupNccl::alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                                    const CollectiveOptions& opts) {
   EMBER_CHECK(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,

@@ -40,7 +40,8 @@
 //
 // Tensors: contiguous CUDA tensors on the group's device; float32, float64, float16,
 // bfloat16, int32, int64, uint8. ReduceOp::Avg is ncclAvg (integers: truncating division).
-// reduce_scatter packs its inputs into one buffer and runs ncclReduceScatter; alltoall is
+// reduce_scatter packs its inputs into one buffer and runs ncclReduceScatter
+// (reduce_scatter_tensor runs it on its input as it lies); alltoall is
 // one ncclGroupStart/End of sends and receives (per-rank sizes may differ).
 #pragma once
 
@@ -109,6 +110,9 @@ class ProcessGroupNccl : public ProcessGroup {
                                 const CollectiveOptions& opts = {}) override;
   WorkPtr reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
                          const ReduceScatterOptions& opts = {}) override;
+  /// Native ncclReduceScatter on `input` where it lies (no packing copy).
+  WorkPtr reduce_scatter_tensor(Tensor& output, const Tensor& input,
+                                const ReduceScatterOptions& opts = {}) override;
   /// outputs[r] receives rank r's inputs[rank()]; sizes may differ per rank (dtypes may not).
   WorkPtr alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                    const CollectiveOptions& opts = {}) override;

@@ -7,8 +7,8 @@
 //
 // Layout: a header page (magic, nonce, the ranks' pids, the abort word), then one channel per
 // worker thread, each with a control page (a doorbell, a waiter count, and per rank a 64-byte
-// line with its two progress counters and its call's element count, dtype and op) and
-// size + 1 buffers of `chunk` bytes: one slot per rank and one result.
+// line with its two progress counters and its call's kind, element count, dtype, op and root)
+// and size + 1 buffers of `chunk` bytes: one slot per rank and one result.
 //
 // A buffer moves in chunks. For each chunk, every rank r:
 //   1. copies the parts of its chunk that the other ranks will reduce into its slot (its own
@@ -35,7 +35,9 @@
 // however the processes end after the group's set-up.
 //
 // allreduce_coalesced runs the same steps over several buffers taken as one (Segments below):
-// a chunk may span buffers, and nothing is packed.
+// a chunk may span buffers, and nothing is packed. The other collectives run in the same steps
+// (run_steps below; Note [shared-memory collectives] in shm_collectives.cpp), and at the first
+// step of every collective each rank checks that all ranks passed the same description.
 #include "distributed/detail/shm_allreduce.h"
 
 #include <fcntl.h>
@@ -92,9 +94,11 @@ struct ChannelControl {
 struct RankLine {
   uint32_t arrive;
   uint32_t reduced;
-  uint64_t count;
+  uint64_t count;  // the collective this rank runs (ShmAllreduce::Desc), written at its first step
   uint32_t dtype;
   uint32_t op;
+  uint32_t kind;
+  int32_t root;
 };
 static_assert(sizeof(RankLine) <= kLine);
 
@@ -311,7 +315,7 @@ void ShmAllreduce::wait_turn(uint64_t ticket, Clock::time_point deadline) {
   if (!cv_.wait_until(lock, deadline,
                       [&] { return aborted_ || turn_[c] == ticket / channels_; })) {
     throw std::runtime_error(
-        "timed out waiting for this rank's earlier allreduce on the same shared-memory channel");
+        "timed out waiting for this rank's earlier collective on the same shared-memory channel");
   }
   if (aborted_) throw std::runtime_error("the group failed an earlier collective");
 }
@@ -347,9 +351,31 @@ void ShmAllreduce::abort(const std::string& why) {
   }
 }
 
-// ---- the allreduce ------------------------------------------------------------------------------
+// ---- steps ------------------------------------------------------------------------------------
 
 namespace {
+
+const char* kind_name(ShmAllreduce::Kind k) {
+  static const char* const kNames[] = {"?",      "allreduce", "reduce",         "broadcast",
+                                       "allgather", "gather",  "scatter", "reduce_scatter",
+                                       "alltoall"};
+  const auto i = static_cast<size_t>(k);
+  return i < std::size(kNames) ? kNames[i] : "?";
+}
+
+bool reduces(ShmAllreduce::Kind k) {
+  return k == ShmAllreduce::Kind::Allreduce || k == ShmAllreduce::Kind::Reduce ||
+         k == ShmAllreduce::Kind::ReduceScatter;
+}
+
+// "reduce_scatter (sum) of 1000 elements of float32", "+ with root 1" for the rooted ones.
+std::string describe(const ShmAllreduce::Desc& d) {
+  std::string s = kind_name(d.kind);
+  if (reduces(d.kind)) s += str_cat(" (", to_string(d.op), ")");
+  s += str_cat(" of ", d.count, " elements of ", d.dtype);
+  if (d.root >= 0) s += str_cat(" with root ", d.root);
+  return s;
+}
 
 // One channel's shared state, as this rank sees it.
 struct Channel {
@@ -357,13 +383,9 @@ struct Channel {
   const int32_t* pids;
   ChannelControl* ctl;
   RankLine* lines;  // [size]
-  char* slots;      // [size][chunk]
-  char* result;     // [chunk]
   int rank;
   int size;
-  size_t chunk;
-
-  char* slot(int r) const { return slots + chunk * static_cast<size_t>(r); }
+  const char* kind;  // for errors: "allreduce"
 
   void check_abort() const {
     const uint32_t a = atom(header->aborted).load(std::memory_order_acquire);
@@ -413,7 +435,7 @@ struct Channel {
         atom(ctl->waiters).fetch_sub(1);
         throw std::runtime_error(str_cat(
             "timed out waiting for rank ", late, " to ", doing, " chunk ", chunk_no + 1, " of ",
-            chunks, " (shared-memory allreduce)"));
+            chunks, " (shared-memory ", kind, ")"));
       }
       const auto slice = std::min<ShmAllreduce::Clock::duration>(deadline - now, kSleepSlice);
       const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(slice).count();
@@ -426,14 +448,91 @@ struct Channel {
         if (r >= 0 && process_gone(pids[r])) {
           throw std::runtime_error(str_cat(
               "rank ", r, " (pid ", pids[r], ") exited while this rank waited for it to ", doing,
-              " chunk ", chunk_no + 1, " of ", chunks, " (shared-memory allreduce)"));
+              " chunk ", chunk_no + 1, " of ", chunks, " (shared-memory ", kind, ")"));
         }
+      }
+    }
+  }
+
+  void publish(const ShmAllreduce::Desc& d) const {
+    RankLine& mine = lines[rank];
+    mine.count = d.count;
+    mine.dtype = static_cast<uint32_t>(d.dtype);
+    mine.op = static_cast<uint32_t>(d.op);
+    mine.kind = static_cast<uint32_t>(d.kind);
+    mine.root = d.root;
+  }
+
+  // After every rank published its description: throws naming the first rank that differs.
+  void check_agreement(const ShmAllreduce::Desc& d) const {
+    for (int r = 0; r < size; ++r) {
+      const RankLine& o = lines[r];
+      const ShmAllreduce::Desc theirs{static_cast<ShmAllreduce::Kind>(o.kind),
+                                      static_cast<Dtype>(o.dtype), o.count,
+                                      static_cast<ReduceOp>(o.op), o.root};
+      if (theirs.kind != d.kind || theirs.dtype != d.dtype || theirs.count != d.count ||
+          theirs.op != d.op || theirs.root != d.root) {
+        throw std::runtime_error(str_cat("ranks disagree: rank ", rank, " passed ", describe(d),
+                                         " but rank ", r, " passed ", describe(theirs)));
       }
     }
   }
 };
 
 }  // namespace
+
+// Each step: Publish, every rank's arrive; Combine, every rank's reduced; Collect. A rank
+// writes slots only before an arrive wait and the result only after one, reads slots only
+// between the two waits and the result only after the reduced wait, so one step's writes never
+// race another rank's reads of the step before (Note [shared-memory allreduce]).
+void ShmAllreduce::run_steps(uint64_t ticket, const Desc& desc, size_t steps,
+                             Clock::time_point deadline, const StepFn& body) {
+  wait_turn(ticket, deadline);
+  struct EndTurn {
+    ShmAllreduce* self;
+    uint64_t ticket;
+    ~EndTurn() { self->end_turn(ticket); }
+  } end{this, ticket};
+
+  const size_t c = ticket % static_cast<size_t>(channels_);
+  const Layout l = layout(size_, channels_, chunk_);
+  char* base = static_cast<char*>(base_) + l.header + l.channel * c;
+  const Channel ch{&header_of(base_),
+                   pids_of(base_),
+                   reinterpret_cast<ChannelControl*>(base),
+                   reinterpret_cast<RankLine*>(base + kLine),
+                   rank_,
+                   size_,
+                   kind_name(desc.kind)};
+  const Area area{base + l.control, base + l.control + chunk_ * static_cast<size_t>(size_),
+                  chunk_};
+  ch.check_abort();
+  const bool empty = steps == 0;  // one step all the same, to check that the ranks agree
+  steps = std::max<size_t>(steps, 1);
+  const bool reduction = reduces(desc.kind);
+  for (size_t k = 0; k < steps; ++k) {
+    const uint32_t step = ++step_[c];
+    if (!empty) body(Phase::Publish, k, area);
+    if (k == 0) ch.publish(desc);
+    ch.post(&RankLine::arrive, step);
+    ch.wait_all(&RankLine::arrive, step, deadline, "write its part of", k, steps);
+    if (k == 0) ch.check_agreement(desc);
+    if (!empty) body(Phase::Combine, k, area);
+    ch.post(&RankLine::reduced, step);
+    ch.wait_all(&RankLine::reduced, step, deadline,
+                reduction ? "reduce its share of" : "read its part of", k, steps);
+    if (!empty) body(Phase::Collect, k, area);
+  }
+}
+
+void ShmAllreduce::combine(char* out, const std::vector<const void*>& srcs, size_t n,
+                           const Reduction& r) const {
+  r.fn(out, srcs[0], srcs[1], n);
+  for (int k = 2; k < size_; ++k) r.fn(out, out, srcs[static_cast<size_t>(k)], n);
+  if (r.divide) r.divide(out, n, size_);
+}
+
+// ---- the allreduce ------------------------------------------------------------------------------
 
 namespace {
 
@@ -473,92 +572,63 @@ class Segments {
 
 }  // namespace
 
-void ShmAllreduce::run(uint64_t ticket, const std::vector<Span>& spans, Dtype dtype, ReduceOp op,
-                       ReduceFn fn, DivideFn divide, Clock::time_point deadline) {
-  wait_turn(ticket, deadline);
-  struct EndTurn {
-    ShmAllreduce* self;
-    uint64_t ticket;
-    ~EndTurn() { self->end_turn(ticket); }
-  } end{this, ticket};
-
-  const size_t c = ticket % static_cast<size_t>(channels_);
-  const Layout l = layout(size_, channels_, chunk_);
-  char* base = static_cast<char*>(base_) + l.header + l.channel * c;
-  const Channel ch{&header_of(base_),
-                   pids_of(base_),
-                   reinterpret_cast<ChannelControl*>(base),
-                   reinterpret_cast<RankLine*>(base + kLine),
-                   base + l.control,
-                   base + l.control + chunk_ * static_cast<size_t>(size_),
-                   rank_,
-                   size_,
-                   chunk_};
-  ch.check_abort();
-
-  const size_t elem = static_cast<size_t>(itemsize(dtype));
+// The steps of Note [shared-memory allreduce]; a reduce (desc.root >= 0) runs the same steps,
+// but only its root keeps the reduced shares.
+void ShmAllreduce::reduce_spans(uint64_t ticket, const std::vector<Span>& spans, const Desc& desc,
+                                const Reduction& red, Clock::time_point deadline) {
+  const size_t elem = static_cast<size_t>(itemsize(desc.dtype));
   const Segments data(spans, elem);
   const size_t count = data.count();
   const size_t per_chunk = chunk_ / elem;
   const size_t chunks = (count + per_chunk - 1) / per_chunk;
+  const bool keep = desc.root < 0 || desc.root == rank_;
   std::vector<const void*> srcs(static_cast<size_t>(size_));
-  RankLine& mine = ch.lines[rank_];
-  for (size_t k = 0; k < chunks; ++k) {
+  run_steps(ticket, desc, chunks, deadline, [&](Phase phase, size_t k, const Area& area) {
     const size_t first = k * per_chunk;
-    const size_t n = std::min(per_chunk, count - first);
+    const size_t n = std::min(per_chunk, count - std::min(count, first));
     // Rank r's share of this chunk: elements [first + share_begin(r), first + share_begin(r+1)).
     auto share_begin = [&](int r) { return first + n * static_cast<size_t>(r) / size_; };
     auto at = [&](char* buffer, size_t pos) { return buffer + (pos - first) * elem; };
-    const uint32_t step = ++step_[c];
-
-    // 1. Publish the other ranks' shares of this chunk.
-    for (int r = 0; r < size_; ++r) {
-      if (r == rank_) continue;
-      data.for_each(share_begin(r), share_begin(r + 1), [&](char* p, size_t pos, size_t m) {
-        std::memcpy(at(ch.slot(rank_), pos), p, m * elem);
-      });
-    }
-    if (k == 0) {
-      mine.count = count;
-      mine.dtype = static_cast<uint32_t>(dtype);
-      mine.op = static_cast<uint32_t>(op);
-    }
-    ch.post(&RankLine::arrive, step);
-    ch.wait_all(&RankLine::arrive, step, deadline, "write its part of", k, chunks);
-    if (k == 0) {
+    if (phase == Phase::Publish) {  // 1. the other ranks' shares of this chunk into the slot
       for (int r = 0; r < size_; ++r) {
-        const RankLine& o = ch.lines[r];
-        if (o.count != count || o.dtype != mine.dtype || o.op != mine.op) {
-          throw std::runtime_error(str_cat(
-              "ranks disagree: rank ", rank_, " passed ", count, " elements of ", dtype, " (",
-              to_string(op), ") but rank ", r, " passed ", o.count, " elements of ",
-              static_cast<Dtype>(o.dtype), " (", to_string(static_cast<ReduceOp>(o.op)), ")"));
+        if (r == rank_) continue;
+        data.for_each(share_begin(r), share_begin(r + 1), [&](char* p, size_t pos, size_t m) {
+          std::memcpy(at(area.slot(rank_), pos), p, m * elem);
+        });
+      }
+    } else if (phase == Phase::Combine) {  // 2. reduce this rank's share, in rank order
+      data.for_each(share_begin(rank_), share_begin(rank_ + 1), [&](char* p, size_t pos,
+                                                                    size_t m) {
+        for (int r = 0; r < size_; ++r) {
+          srcs[static_cast<size_t>(r)] = r == rank_ ? p : at(area.slot(r), pos);
         }
-      }
-    }
-
-    // 2. Reduce this rank's share over all ranks, in rank order, and keep it.
-    data.for_each(share_begin(rank_), share_begin(rank_ + 1), [&](char* p, size_t pos, size_t m) {
-      for (int r = 0; r < size_; ++r) {
-        srcs[static_cast<size_t>(r)] = r == rank_ ? p : at(ch.slot(r), pos);
-      }
-      char* out = at(ch.result, pos);
-      fn(out, srcs[0], srcs[1], m);
-      for (int r = 2; r < size_; ++r) fn(out, out, srcs[static_cast<size_t>(r)], m);
-      if (divide) divide(out, m, size_);
-      std::memcpy(p, out, m * elem);  // still in this core's cache
-    });
-    ch.post(&RankLine::reduced, step);
-    ch.wait_all(&RankLine::reduced, step, deadline, "reduce its share of", k, chunks);
-
-    // 3. Take the other ranks' reduced shares.
-    for (int r = 0; r < size_; ++r) {
-      if (r == rank_) continue;
-      data.for_each(share_begin(r), share_begin(r + 1), [&](char* p, size_t pos, size_t m) {
-        std::memcpy(p, at(ch.result, pos), m * elem);
+        char* out = at(area.result, pos);
+        combine(out, srcs, m, red);
+        if (keep) std::memcpy(p, out, m * elem);  // still in this core's cache
       });
+    } else if (keep) {  // 3. the other ranks' reduced shares
+      for (int r = 0; r < size_; ++r) {
+        if (r == rank_) continue;
+        data.for_each(share_begin(r), share_begin(r + 1), [&](char* p, size_t pos, size_t m) {
+          std::memcpy(p, at(area.result, pos), m * elem);
+        });
+      }
     }
-  }
+  });
+}
+
+void ShmAllreduce::run(uint64_t ticket, const std::vector<Span>& spans, Dtype dtype, ReduceOp op,
+                       ReduceFn fn, DivideFn divide, Clock::time_point deadline) {
+  size_t count = 0;
+  for (const Span& s : spans) count += s.count;
+  reduce_spans(ticket, spans, Desc{Kind::Allreduce, dtype, count, op, -1}, {op, fn, divide},
+               deadline);
+}
+
+void ShmAllreduce::reduce(uint64_t ticket, void* data, size_t count, Dtype dtype,
+                          const Reduction& r, int root, Clock::time_point deadline) {
+  reduce_spans(ticket, {Span{data, count}}, Desc{Kind::Reduce, dtype, count, r.op, root}, r,
+               deadline);
 }
 
 }  // namespace ember::detail

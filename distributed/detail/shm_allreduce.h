@@ -1,5 +1,6 @@
-// The shared-memory allreduce that ProcessGroupGloo uses when every rank of the group runs on
-// this machine (Note [shared-memory allreduce] in shm_allreduce.cpp). Internal: not installed,
+// The shared-memory collectives that ProcessGroupGloo uses when every rank of the group runs on
+// this machine (Note [shared-memory allreduce] in shm_allreduce.cpp, Note [shared-memory
+// collectives] in shm_collectives.cpp). Internal: not installed,
 // not part of the public API.
 #pragma once
 
@@ -7,6 +8,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -34,7 +36,7 @@ class ShmAllreduce {
   /// Collective: every rank of the group calls it once, right after the group has connected.
   /// Returns a channel set shared by all `size` ranks when they all run on this machine (same
   /// boot, network and PID namespaces, and the segment opens on every rank); otherwise null.
-  /// `channels` is how many allreduces may run at once on a rank
+  /// `channels` is how many collectives may run at once on a rank
   /// (the group's worker threads). Keys are written under "ember_shm/" in `store`, which must
   /// be private to the group. Throws DistTimeoutError if a rank does not take part in time.
   static std::unique_ptr<ShmAllreduce> create(Store& store, int rank, int size, int channels,
@@ -43,8 +45,8 @@ class ShmAllreduce {
   ShmAllreduce(const ShmAllreduce&) = delete;
   ShmAllreduce& operator=(const ShmAllreduce&) = delete;
 
-  /// The ticket of the next allreduce. Called in issue order, which is the same on every rank,
-  /// so the k-th allreduce of every rank meets the others' on the same channel.
+  /// The ticket of the next collective. Called in issue order, which is the same on every
+  /// rank, so the k-th collective of every rank meets the others' on the same channel.
   uint64_t next_ticket();
 
   /// `count` elements at `data`.
@@ -52,22 +54,102 @@ class ShmAllreduce {
     void* data;
     size_t count;
   };
+  /// How two ranks' values combine: `fn` (Avg: the sum), then `divide`, if given, divides each
+  /// reduced element by the group size.
+  struct Reduction {
+    ReduceOp op;
+    ReduceFn fn;
+    DivideFn divide;
+  };
   /// Allreduces the spans (one dtype, taken as one concatenated buffer: allreduce_coalesced
   /// without packing copies; every rank's spans may be cut differently as long as the totals
   /// agree) in place with every rank's allreduce of the same ticket; every rank ends with
   /// bitwise the same values. Blocks until done. Throws std::runtime_error saying "timed out"
   /// at `deadline` (naming the rank still awaited), or naming a rank that died, a rank that
-  /// gave up (abort()), or ranks that passed a different element count, dtype or op. `fn`
-  /// combines two ranks' values (Avg: the sum); `divide`, if given, divides each reduced share
-  /// by the group size before the ranks copy it.
+  /// gave up (abort()), or ranks that passed a different collective, element count, dtype, op
+  /// or root (every collective below throws the same errors). `fn` combines two ranks' values
+  /// (Avg: the sum); `divide`, if given, divides each reduced share by the group size before
+  /// the ranks copy it.
   void run(uint64_t ticket, const std::vector<Span>& spans, Dtype dtype, ReduceOp op,
            ReduceFn fn, DivideFn divide, Clock::time_point deadline);
 
-  /// This rank failed a collective: every rank's allreduce that is waiting now or starts later
-  /// fails at once, naming this rank and `why`.
+  // The other collectives (Note [shared-memory collectives] in shm_collectives.cpp). Each takes
+  // the next ticket in issue order as run() does; `count` is the element count of one rank's
+  // block, and every buffer is contiguous and holds `count` elements of `dtype`.
+
+  /// The allreduce's steps, but only `root` copies the result into `data`; the other ranks'
+  /// `data` is left as it was.
+  void reduce(uint64_t ticket, void* data, size_t count, Dtype dtype, const Reduction& r,
+              int root, Clock::time_point deadline);
+  /// out = the reduction over ranks of their blocks[rank] (blocks: one pointer per rank; out
+  /// may be blocks[rank] itself, but must not overlap the other blocks).
+  void reduce_scatter(uint64_t ticket, const std::vector<const void*>& blocks, void* out,
+                      size_t count, Dtype dtype, const Reduction& r, Clock::time_point deadline);
+  /// Every rank's `data` ends with root's.
+  void broadcast(uint64_t ticket, void* data, size_t count, Dtype dtype, int root,
+                 Clock::time_point deadline);
+  /// outs[r] (one per rank) receives rank r's `in`; with root >= 0 (gather) only root passes
+  /// outs, the other ranks an empty list; root < 0 is allgather.
+  void gather(uint64_t ticket, const void* in, const std::vector<void*>& outs, size_t count,
+              Dtype dtype, int root, Clock::time_point deadline);
+  /// out receives root's ins[rank] (only root passes ins, one per rank).
+  void scatter(uint64_t ticket, const std::vector<const void*>& ins, void* out, size_t count,
+               Dtype dtype, int root, Clock::time_point deadline);
+  /// outs[r] receives rank r's ins[rank] (both one per rank).
+  void alltoall(uint64_t ticket, const std::vector<const void*>& ins,
+                const std::vector<void*>& outs, size_t count, Dtype dtype,
+                Clock::time_point deadline);
+
+  /// This rank failed a collective: every rank's collective that is waiting now or starts
+  /// later fails at once, naming this rank and `why`.
   void abort(const std::string& why);
 
+  /// What a rank passed to a collective; ranks that differ fail naming both.
+  enum class Kind : uint32_t {
+    Allreduce = 1,
+    Reduce,
+    Broadcast,
+    Allgather,
+    Gather,
+    Scatter,
+    ReduceScatter,
+    Alltoall
+  };
+  struct Desc {
+    Kind kind;
+    Dtype dtype;
+    uint64_t count;
+    ReduceOp op = ReduceOp::Sum;  // for the reductions
+    int32_t root = -1;            // for the rooted collectives
+  };
+
  private:
+  /// A channel's data area as this rank sees it: `size` slots of `chunk` bytes, then the
+  /// result buffer of `chunk` bytes (contiguous: the slots may be taken as one buffer).
+  struct Area {
+    char* slots;
+    char* result;
+    size_t chunk;
+    char* slot(int r) const { return slots + chunk * static_cast<size_t>(r); }
+  };
+  /// The phases of one step (Note [shared-memory collectives]). Of the shared memory, Publish
+  /// writes only slots, Combine (after every rank published) reads slots and writes only this
+  /// rank's part of the result, Collect (after every rank combined) reads only the result.
+  enum class Phase { Publish, Combine, Collect };
+  using StepFn = std::function<void(Phase phase, size_t step, const Area& area)>;
+  /// Runs `steps` steps (at least one, for the check that the ranks agree on `desc`) of the
+  /// collective `ticket` on its channel, calling `body` for each phase of each step.
+  void run_steps(uint64_t ticket, const Desc& desc, size_t steps, Clock::time_point deadline,
+                 const StepFn& body);
+  /// out = the reduction of srcs[0..size) in rank order (then divided, for Avg); n elements.
+  void combine(char* out, const std::vector<const void*>& srcs, size_t n,
+               const Reduction& r) const;
+  /// Elements of each block that one step of reduce_scatter or alltoall moves.
+  size_t block_piece(Dtype dtype) const;
+  /// The allreduce (root < 0) or the reduce to root, over `spans`.
+  void reduce_spans(uint64_t ticket, const std::vector<Span>& spans, const Desc& desc,
+                    const Reduction& r, Clock::time_point deadline);
+
   ShmAllreduce(int rank, int size, int channels, size_t chunk, void* base, size_t bytes);
   void wait_turn(uint64_t ticket, Clock::time_point deadline);
   void end_turn(uint64_t ticket);

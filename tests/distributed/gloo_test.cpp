@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 
 #include "tests/distributed/allreduce_closed_forms.h"
 #include "tests/distributed/collective_options.h"
@@ -95,12 +96,17 @@ class CompositeOnly final : public test::ForwardingGroup {
 
 /// What a collective test checks, given any group: gloo's own, or CompositeOnly over it.
 using Checks = std::function<void(ProcessGroup&, int rank, int n)>;
+/// World size, whether through CompositeOnly, and whether the group uses shared memory (every
+/// collective over shared memory, Note [shared-memory collectives]) or Gloo's TCP.
 struct WorldCase {
   int n;
   bool composite;
+  bool shm = true;
 };
 std::string case_name(const ::testing::TestParamInfo<WorldCase>& info) {
-  return "n" + std::to_string(info.param.n) + (info.param.composite ? "_composite" : "");
+  const WorldCase& c = info.param;
+  return "n" + std::to_string(c.n) + (c.composite ? "_composite" : "") +
+         (c.n == 1 ? "" : c.shm ? "_shm" : "_tcp");
 }
 void run_checks(const WorldCase& c, const Checks& checks) {
   run_group(c.n, [&](ProcessGroupGloo& pg, int rank, Store&) {
@@ -110,7 +116,7 @@ void run_checks(const WorldCase& c, const Checks& checks) {
     } else {
       checks(pg, rank, c.n);
     }
-  });
+  }, 60s, c.shm);
 }
 
 void run_group(int n, const std::function<void(ProcessGroupGloo&, int, Store&)>& body,
@@ -335,6 +341,11 @@ TEST_P(GlooCollectives, GatherScatterReduceScatterAlltoallEveryDtype) {
         std::vector<double> want(5);
         for (int i = 0; i < 5; ++i) want[i] = n * (n - 1) / 2.0 + n * (rank + i % 2);
         require_values(name("reduce_scatter", d, rank), out, want);
+        // reduce_scatter_tensor: the same blocks concatenated, as a [n * 5] tensor.
+        Tensor out_t = empty({5}, d);
+        Tensor in_t = cat(ins, 0);
+        pg.reduce_scatter_tensor(out_t, in_t)->wait();
+        require_values(name("reduce_scatter_tensor", d, rank), out_t, want);
       }
       // alltoall: rank r's inputs[j][i] = 10r + j + i; rank me's outputs[j][i] = 10j + me + i.
       {
@@ -501,12 +512,15 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooWorld,
                          });
 // Each collective through gloo's native implementation, and through ProcessGroup's composites
 // (what a backend without a native version gets).
-INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooCollectives,
-                         ::testing::Values(WorldCase{1, false}, WorldCase{2, false},
-                                           WorldCase{3, false}, WorldCase{4, false},
-                                           WorldCase{1, true}, WorldCase{2, true},
-                                           WorldCase{3, true}, WorldCase{4, true}),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(
+    WorldSizes, GlooCollectives,
+    ::testing::Values(WorldCase{1, false}, WorldCase{2, false, true}, WorldCase{3, false, true},
+                      WorldCase{4, false, true}, WorldCase{2, false, false},
+                      WorldCase{3, false, false}, WorldCase{4, false, false}, WorldCase{1, true},
+                      WorldCase{2, true, true}, WorldCase{3, true, true}, WorldCase{4, true, true},
+                      WorldCase{2, true, false}, WorldCase{3, true, false},
+                      WorldCase{4, true, false}),
+    case_name);
 
 // ---- argument errors (world size 1: no network) ------------------------------------------------
 
@@ -881,6 +895,311 @@ TEST_P(GlooShm, DisagreeingCountsFailOnEveryRank) {
             "message lacks this rank's count: " + msg);
     (void)n;
   }, 10s);
+}
+
+// ---- every collective over shared memory (Note [shared-memory collectives]) -------------------
+
+/// Runs body(shm, tcp, rank) in n forked ranks, each with two groups: one over shared memory,
+/// one over Gloo's TCP.
+void run_shm_and_tcp(int n,
+                     const std::function<void(ProcessGroupGloo&, ProcessGroupGloo&, int)>& body) {
+  test::Children kids(n, [&](int rank, const std::string& port) {
+    auto store = client(port);
+    ProcessGroupGloo::GlooOptions o{60s, "127.0.0.1"};
+    ProcessGroupGloo shm(std::make_shared<PrefixStore>("shm", store), rank, n, o);
+    o.shared_memory = false;
+    ProcessGroupGloo tcp(std::make_shared<PrefixStore>("tcp", store), rank, n, o);
+    require(shm.uses_shared_memory() && !tcp.uses_shared_memory(), "uses_shared_memory()");
+    body(shm, tcp, rank);
+  });
+  TCPStoreServer server(loopback_server());
+  kids.go(std::to_string(server.port()));
+  test::expect_children_ok(kids.join());
+}
+
+/// Rank r's `numel` values for part `salt`: small integers, so that every sum is exact and any
+/// reduction order gives bitwise the same result.
+Tensor pattern(int64_t numel, int rank, int salt, Dtype d) {
+  std::vector<double> v(static_cast<size_t>(numel));
+  for (int64_t i = 0; i < numel; ++i) v[static_cast<size_t>(i)] = double((i * 7 + rank * 3 + salt) % 11);
+  return make(v, d);
+}
+
+/// One collective of `numel` elements per block on `pg`; returns the tensors it defined.
+using Issue = std::function<std::vector<Tensor>(ProcessGroup& pg, int rank, int n,
+                                                int64_t numel, Dtype d)>;
+struct NamedIssue {
+  const char* name;
+  Issue issue;
+};
+
+std::vector<Tensor> parts(int n, int rank, int64_t numel, Dtype d) {
+  std::vector<Tensor> v;
+  for (int j = 0; j < n; ++j) v.push_back(pattern(numel, rank, j, d));
+  return v;
+}
+std::vector<Tensor> empties(int n, int64_t numel, Dtype d) {
+  std::vector<Tensor> v;
+  for (int j = 0; j < n; ++j) v.push_back(empty({numel}, d));
+  return v;
+}
+
+const std::vector<NamedIssue>& every_collective() {
+  static const std::vector<NamedIssue> ops = {
+      {"broadcast", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+         Tensor t = pattern(m, rank, 0, d);
+         pg.broadcast(t, bc(n - 1))->wait();
+         return std::vector<Tensor>{t};
+       }},
+      {"reduce avg", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+         Tensor t = pattern(m, rank, 0, d);
+         pg.reduce(t, rd(1 % n, ReduceOp::Avg))->wait();
+         return rank == 1 % n ? std::vector<Tensor>{t} : std::vector<Tensor>{};
+       }},
+      {"allgather_into_tensor", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+         Tensor out = empty({n * m}, d);
+         Tensor in = pattern(m, rank, 0, d);
+         pg.allgather_into_tensor(out, in)->wait();
+         return std::vector<Tensor>{out};
+       }},
+      {"allgather_into_tensor in place", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+         Tensor out = empty({n * m}, d);
+         Tensor in = out.narrow(0, rank * m, m);  // as FSDP does
+         in.copy_(pattern(m, rank, 0, d));
+         pg.allgather_into_tensor(out, in)->wait();
+         return std::vector<Tensor>{out};
+       }},
+      {"allgather into non-contiguous outputs",
+       [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+         const int64_t k = m / 2;
+         std::vector<Tensor> outs;
+         for (int r = 0; r < n; ++r) outs.push_back(empty({2, k}, d).t());
+         Tensor in = pattern(2 * k, rank, 0, d).view({k, 2});
+         pg.allgather(outs, in)->wait();
+         return outs;
+       }},
+      {"reduce_scatter max", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+         std::vector<Tensor> ins = parts(n, rank, m, d);
+         Tensor out = empty({m}, d);
+         pg.reduce_scatter(out, ins, rs(ReduceOp::Max))->wait();
+         return std::vector<Tensor>{out};
+       }},
+      {"reduce_scatter_tensor sum", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+         Tensor in = pattern(n * m, rank, 0, d);
+         Tensor out = empty({m}, d);
+         pg.reduce_scatter_tensor(out, in)->wait();
+         return std::vector<Tensor>{out};
+       }},
+      {"reduce_scatter_tensor avg, in place",
+       [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+         Tensor in = pattern(n * m, rank, 0, d);
+         Tensor out = in.narrow(0, rank * m, m);  // as FSDP does
+         pg.reduce_scatter_tensor(out, in, rs(ReduceOp::Avg))->wait();
+         return std::vector<Tensor>{out.clone()};
+       }},
+      {"gather", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+         std::vector<Tensor> outs = rank == 0 ? empties(n, m, d) : std::vector<Tensor>{};
+         pg.gather(outs, pattern(m, rank, 0, d), ga(0))->wait();
+         return outs;
+       }},
+      {"scatter", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+         std::vector<Tensor> ins = rank == n - 1 ? parts(n, rank, m, d) : std::vector<Tensor>{};
+         Tensor out = empty({m}, d);
+         pg.scatter(out, ins, sc(n - 1))->wait();
+         return std::vector<Tensor>{out};
+       }},
+      {"alltoall", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+         std::vector<Tensor> ins = parts(n, rank, m, d), outs = empties(n, m, d);
+         pg.alltoall(outs, ins)->wait();
+         return outs;
+       }},
+  };
+  return ops;
+}
+
+void require_same_bytes(const std::string& what, const std::vector<Tensor>& a,
+                        const std::vector<Tensor>& b) {
+  require(a.size() == b.size(), what + ": different numbers of outputs");
+  for (size_t i = 0; i < a.size(); ++i) {
+    const Tensor x = a[i].contiguous(), y = b[i].contiguous();
+    require(x.nbytes() == y.nbytes() &&
+                (x.nbytes() == 0 || std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0),
+            what + ": output " + std::to_string(i) + " differs between shared memory and tcp");
+  }
+}
+
+// Each collective gives over shared memory bitwise what it gives over TCP: empty, tiny, sizes
+// that divide neither by the group size nor by the chunk, and blocks larger than a 1 MiB chunk
+// (and for broadcast, than all slots together) so that they move in several steps.
+TEST_P(GlooShm, EveryCollectiveMatchesTcpAcrossSizesAndChunks) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam();
+  run_shm_and_tcp(n, [n](ProcessGroupGloo& shm, ProcessGroupGloo& tcp, int rank) {
+    struct Case {
+      Dtype d;
+      int64_t numel;
+    };
+    const Case cases[] = {{kFloat32, 0},       {kFloat32, 1},      {kFloat32, 1001},
+                          {kFloat32, 300007},  {kFloat16, 300007}, {kInt64, 1001},
+                          {kUInt8, 1100003}};
+    for (const NamedIssue& op : every_collective()) {
+      for (const Case& c : cases) {
+        const std::string what = name(op.name, c.d, rank, " of " + std::to_string(c.numel));
+        require_same_bytes(what, op.issue(shm, rank, n, c.numel, c.d),
+                           op.issue(tcp, rank, n, c.numel, c.d));
+      }
+    }
+    const std::string big = name("broadcast", kFloat32, rank, " of 1100003");
+    require_same_bytes(big, every_collective()[0].issue(shm, rank, n, 1100003, kFloat32),
+                       every_collective()[0].issue(tcp, rank, n, 1100003, kFloat32));
+  });
+}
+
+// Ranks that disagree on a collective's kind, element count, dtype, reduce op or root fail on
+// every rank, and the message says what each rank passed.
+struct ShmMismatch {
+  const char* name;
+  std::function<WorkPtr(ProcessGroup&, int rank)> issue;
+  const char* label[2];  // each rank's collective
+  const char* passed[2];  // what each rank passed, as the error says
+};
+void PrintTo(const ShmMismatch& m, std::ostream* os) { *os << m.name; }
+class GlooShmMismatch : public ::testing::TestWithParam<ShmMismatch> {};
+TEST_P(GlooShmMismatch, EveryRankFailsNamingWhatEachPassed) {
+  EMBER_REQUIRE_GLOO();
+  const ShmMismatch m = GetParam();
+  run_group(2, [&m](ProcessGroupGloo& pg, int rank, Store&) {
+    std::string msg;
+    try {
+      m.issue(pg, rank)->wait();
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    const std::string me = std::to_string(rank);
+    require(msg.find(std::string("[gloo] ") + m.label[rank] + " #0 on rank " + me) !=
+                    std::string::npos &&
+                msg.find("ranks disagree") != std::string::npos,
+            "rank " + me + ": " + msg);
+    for (int r = 0; r < 2; ++r) {
+      require(msg.find(std::string("rank ") + std::to_string(r) + " passed " + m.passed[r]) !=
+                  std::string::npos,
+              "rank " + me + ": message lacks what rank " + std::to_string(r) + " passed (" +
+                  m.passed[r] + "): " + msg);
+    }
+  }, 20s);
+}
+INSTANTIATE_TEST_SUITE_P(
+    Cases, GlooShmMismatch,
+    ::testing::Values(
+        ShmMismatch{"Count",
+                    [](ProcessGroup& pg, int rank) {
+                      Tensor out = empty({100 + rank}, kFloat32);
+                      Tensor in = zeros({2 * (100 + rank)}, kFloat32);
+                      return pg.reduce_scatter_tensor(out, in);
+                    },
+                    {"reduce_scatter_tensor", "reduce_scatter_tensor"},
+                    {"reduce_scatter (sum) of 100 elements of float32",
+                     "reduce_scatter (sum) of 101 elements of float32"}},
+        ShmMismatch{"Root",
+                    [](ProcessGroup& pg, int rank) {
+                      Tensor t = zeros({10}, kFloat32);
+                      return pg.broadcast(t, bc(rank));
+                    },
+                    {"broadcast", "broadcast"},
+                    {"broadcast of 10 elements of float32 with root 0",
+                     "broadcast of 10 elements of float32 with root 1"}},
+        ShmMismatch{"ReduceOp",
+                    [](ProcessGroup& pg, int rank) {
+                      Tensor t = zeros({10}, kFloat32);
+                      return pg.reduce(t, rd(0, rank == 0 ? ReduceOp::Sum : ReduceOp::Max));
+                    },
+                    {"reduce", "reduce"},
+                    {"reduce (sum) of 10 elements of float32 with root 0",
+                     "reduce (max) of 10 elements of float32 with root 0"}},
+        ShmMismatch{"Kind",
+                    [](ProcessGroup& pg, int rank) {
+                      Tensor t = zeros({10}, kFloat32);
+                      if (rank == 1) return pg.broadcast(t, bc(0));
+                      Tensor out = empty({20}, kFloat32);
+                      return pg.allgather_into_tensor(out, t);
+                    },
+                    {"allgather_into_tensor", "broadcast"},
+                    {"allgather of 10 elements of float32",
+                     "broadcast of 10 elements of float32 with root 0"}},
+        ShmMismatch{"Dtype",
+                    [](ProcessGroup& pg, int rank) {
+                      const Dtype d = rank == 0 ? kFloat32 : kInt32;
+                      std::vector<Tensor> ins = {zeros({3}, d), zeros({3}, d)};
+                      std::vector<Tensor> outs = {empty({3}, d), empty({3}, d)};
+                      return pg.alltoall(outs, ins);
+                    },
+                    {"alltoall", "alltoall"},
+                    {"alltoall of 3 elements of float32", "alltoall of 3 elements of int32"}}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// A rank killed while the others run a collective over shared memory is named by them (its pid
+// is gone) or they report the survivor that gave up first: not a timeout. The victim issues the
+// collective and dies at once; the survivors issue it twice, so the second fails even if the
+// first could finish.
+class GlooShmVictim : public ::testing::TestWithParam<size_t> {};
+TEST_P(GlooShmVictim, KilledRankIsNamed) {
+  EMBER_REQUIRE_GLOO();
+  constexpr int n = 3, victim = 2;
+  const NamedIssue& op = every_collective()[GetParam()];
+  test::Children kids(n, [&](int rank, const std::string& port) {
+    auto store = client(port);
+    ProcessGroupGloo pg(std::make_shared<PrefixStore>("pg", store), rank, n,
+                        ProcessGroupGloo::GlooOptions{60s, "127.0.0.1"});
+    require(pg.uses_shared_memory(), "uses_shared_memory()");
+    if (rank == victim) {
+      std::thread([&] { op.issue(pg, rank, n, 1 << 20, kFloat32); }).detach();
+      store->get("go", 60s);  // every survivor has issued its first
+      ::kill(::getpid(), SIGKILL);
+    }
+    std::string msg;
+    for (int k = 0; k < 2 && msg.empty(); ++k) {
+      if (k == 0 && store->add("issued", 1) == n - 1) store->set("go", std::string("1"));
+      try {
+        op.issue(pg, rank, n, 1 << 20, kFloat32);
+      } catch (const DistError& e) {
+        msg = e.what();
+      }
+    }
+    require(!msg.empty(), "rank " + std::to_string(rank) + ": " + op.name + " did not fail");
+    require(msg.find("rank 2 (pid ") != std::string::npos || msg.find("gave up") != std::string::npos,
+            "message names neither the dead rank nor a survivor that gave up: " + msg);
+  });
+  TCPStoreServer server(loopback_server());
+  kids.go(std::to_string(server.port()));
+  std::vector<std::string> errors = kids.join(120000);
+  ASSERT_FALSE(errors.empty()) << "the victim should have died without a report";
+  EXPECT_NE(errors.back().find("child 2: died"), std::string::npos) << errors.back();
+  errors.pop_back();
+  test::expect_children_ok(errors);
+}
+INSTANTIATE_TEST_SUITE_P(Collectives, GlooShmVictim,
+                         ::testing::Range(size_t{0}, every_collective().size()),
+                         [](const auto& info) {
+                           std::string s = every_collective()[info.param].name;
+                           for (char& c : s) {
+                             if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+                           }
+                           return s;
+                         });
+
+// reduce_scatter_tensor's input must hold one block of output's size per rank, of its dtype.
+TEST(GlooErrors, ReduceScatterTensorNamesBothShapes) {
+  EMBER_REQUIRE_GLOO();
+  auto pg = solo();
+  Tensor out = empty({4}, kFloat32), in = zeros({5}, kFloat32);
+  test::expect_error([&] { pg->reduce_scatter_tensor(out, in); },
+                     {"[gloo] reduce_scatter_tensor", "1 x 4 = 4 elements of float32", "got 5"});
+  run_group(2, [](ProcessGroupGloo& pg, int, Store&) {
+    Tensor out = empty({4}, kFloat32), in = zeros({8}, kInt32);
+    test::expect_error([&] { pg.reduce_scatter_tensor(out, in); },
+                       {"[gloo] reduce_scatter_tensor", "2 x 4 = 8 elements of float32",
+                        "got 8", "int32"});
+  }, 20s);
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooShm, ::testing::Values(2, 3, 4),

@@ -167,6 +167,10 @@ TEST(NcclWorldOne, EveryCollectiveEveryDtype) {
         std::vector<Tensor> ins{make(x, d, 0)};
         pg->reduce_scatter(out, ins, rs(op))->wait();
         EXPECT_EQ(differs(out, x), "") << "reduce_scatter " << to_string(op) << ", " << where;
+        Tensor out_t = make(seq(n, 0), d, 0);
+        pg->reduce_scatter_tensor(out_t, make(x, d, 0), rs(op))->wait();
+        EXPECT_EQ(differs(out_t, x), "") << "reduce_scatter_tensor " << to_string(op) << ", "
+                                         << where;
       }
       Tensor b = make(x, d, 0);
       pg->broadcast(b, bc(0))->wait();
@@ -641,6 +645,12 @@ void child_collectives(ProcessGroupNccl& pg, int rank) {
     std::vector<double> want_rs(n);
     for (int i = 0; i < n; ++i) want_rs[i] = 1 + 2 * rank + 2 * i;
     EXPECT_EQ(differs(out, want_rs), "") << "reduce_scatter, " << where;
+    // reduce_scatter_tensor: the same two blocks, concatenated in one input.
+    std::vector<double> both = seq(n, rank + 0), second = seq(n, rank + 1);
+    both.insert(both.end(), second.begin(), second.end());
+    Tensor out_t = make(seq(n, 0), d, pg.device());
+    pg.reduce_scatter_tensor(out_t, make(both, d, pg.device()), rs(ReduceOp::Sum))->wait();
+    EXPECT_EQ(differs(out_t, want_rs), "") << "reduce_scatter_tensor, " << where;
 
     Tensor b = make(in(rank), d, pg.device());
     pg.broadcast(b, bc(1))->wait();
