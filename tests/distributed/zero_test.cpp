@@ -1,0 +1,266 @@
+// ZeroRedundancyOptimizer as a training loop uses it: DDP averages the gradients, ZeRO's Adam
+// updates each rank's partition and all-gathers the parameters. Ranks are threads of this
+// process (ProcessGroupThreads); models and batches are made on the main thread (the default
+// random generator is shared by the threads).
+#include <gtest/gtest.h>
+
+#include <map>
+#include <mutex>
+
+#include "distributed/ddp.h"
+#include "distributed/process_group_gloo.h"
+#include "distributed/zero.h"
+#include "nn/activation.h"
+#include "nn/container.h"
+#include "nn/linear.h"
+#include "nn/optim/adam.h"
+#include "nn/optim/sgd.h"
+#include "tests/distributed/ddp_test_util.h"
+#include "tests/distributed/store_test_util.h"
+#include "tests/distributed/threads_test_util.h"
+
+namespace ember::dist {
+namespace {
+
+using nn::optim::Adam;
+using nn::optim::AdamOptions;
+using nn::optim::OptimizerState;
+using nn::optim::ParamGroup;
+using test::Batch;
+using test::loss_of;
+using test::require;
+using test::require_close;
+
+constexpr int64_t kBatch = 24, kIn = 6, kOut = 3;
+constexpr int kSteps = 20;
+
+std::shared_ptr<nn::Sequential> make_model() {
+  manual_seed(11);
+  return std::make_shared<nn::Sequential>(
+      std::make_shared<nn::Linear>(kIn, 32), std::make_shared<nn::Tanh>(),
+      std::make_shared<nn::Linear>(32, 16), std::make_shared<nn::Tanh>(),
+      std::make_shared<nn::Linear>(16, kOut));
+}
+
+std::vector<Batch> make_batches(int n, uint64_t seed) {
+  std::vector<Batch> out;
+  manual_seed(seed);
+  for (int i = 0; i < n; ++i) out.push_back({randn({kBatch, kIn}), randn({kBatch, kOut})});
+  return out;
+}
+
+AdamOptions adam_options() { return {.lr = 1e-2, .weight_decay = 1e-3}; }
+
+ZeroRedundancyOptimizer::OptimizerFactory adam_factory() {
+  return [](std::vector<ParamGroup> g) {
+    return std::make_unique<Adam>(std::move(g), adam_options());
+  };
+}
+
+// One process training on the whole batches with plain Adam: what every ZeRO rank must match.
+struct Reference {
+  std::shared_ptr<nn::Sequential> model = make_model();
+  Adam opt{model->parameters(), adam_options()};
+  void train(const std::vector<Batch>& batches) {
+    for (const Batch& b : batches) {
+      opt.zero_grad();
+      loss_of(*model, b).backward();
+      opt.step();
+    }
+  }
+};
+
+void require_params(const std::string& what, const nn::Module& m, const nn::Module& want) {
+  const auto got = m.named_parameters(), ref = want.named_parameters();
+  require(got.size() == ref.size(), what + ": parameter count");
+  for (size_t i = 0; i < got.size(); ++i) {
+    require_close(what + " " + got[i].first, got[i].second.detach(), ref[i].second.detach(), 2e-5);
+  }
+}
+
+test::ThreadsSetup ranks(int n) {
+  test::ThreadsSetup s;
+  s.n = n;
+  return s;
+}
+
+class Zero : public ::testing::TestWithParam<int> {};
+
+TEST_P(Zero, TrainsLikeOneProcessWithAdamAndShardsTheState) {
+  const int n = GetParam();
+  const std::vector<Batch> batches = make_batches(kSteps, 5);
+  Reference ref;
+  ref.train(batches);
+  std::vector<std::shared_ptr<nn::Sequential>> models;
+  for (int r = 0; r < n; ++r) models.push_back(make_model());
+  std::mutex mu;
+  std::map<int, int64_t> state_bytes;
+  test::run_threads(ranks(n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto ddp = std::make_shared<DistributedDataParallel>(models[rank], pg);
+    ZeroRedundancyOptimizer opt(ddp->parameters(), adam_factory(), pg);
+    for (const Batch& b : batches) {
+      opt.zero_grad();
+      loss_of(*ddp, test::slice(b, rank, n)).backward();
+      opt.step();
+    }
+    require_params("rank " + std::to_string(rank), *models[rank], *ref.model);
+    int64_t bytes = 0;
+    for (const auto& [name, t] : opt.optimizer().state_dict().state) bytes += t.nbytes();
+    std::lock_guard<std::mutex> lock(mu);
+    state_bytes[rank] = bytes;
+  });
+  int64_t full = 0, total = 0, most = 0;
+  for (const auto& [name, t] : ref.opt.state_dict().state) full += t.nbytes();
+  for (const auto& [rank, b] : state_bytes) {
+    total += b;
+    most = std::max(most, b);
+  }
+  EXPECT_EQ(total, full) << "every parameter's state is held exactly once";
+  // The partition balances bytes: no rank holds much more than its 1/n (the largest weight
+  // matrix alone is over a third of the model).
+  EXPECT_LE(most, full / n + full / 2) << n << " ranks";
+  if (n == 2) {
+    EXPECT_LT(most, full * 3 / 4);
+  }
+}
+
+// The same over gloo between processes, through shared memory and over TCP.
+TEST(ZeroGloo, TrainsLikeOneProcessOverSharedMemoryAndTcp) {
+  if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)";
+  for (bool shm : {true, false}) {
+    test::run_gloo_ranks(
+        2,
+        [&](std::shared_ptr<ProcessGroupGloo> pg, int rank) {
+          const std::vector<Batch> batches = make_batches(kSteps, 5);
+          Reference ref;
+          ref.train(batches);
+          auto model = make_model();
+          auto ddp = std::make_shared<DistributedDataParallel>(model, pg);
+          ZeroRedundancyOptimizer opt(ddp->parameters(), adam_factory(), pg);
+          for (const Batch& b : batches) {
+            opt.zero_grad();
+            loss_of(*ddp, test::slice(b, rank, 2)).backward();
+            opt.step();
+          }
+          require_params(std::string(shm ? "shm" : "tcp") + " rank " + std::to_string(rank),
+                         *model, *ref.model);
+        },
+        shm);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Zero, ::testing::Values(2, 4),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
+
+// Trains 10 steps on 4 ranks, consolidates, and continues from that state on 2 ranks and on a
+// plain Adam: both end where 20 uninterrupted steps of one process end.
+TEST(ZeroCheckpoint, ConsolidatedStateReshardsToAnotherWorldSizeAndToAPlainOptimizer) {
+  const std::vector<Batch> batches = make_batches(kSteps, 6);
+  const std::vector<Batch> first(batches.begin(), batches.begin() + kSteps / 2);
+  const std::vector<Batch> rest(batches.begin() + kSteps / 2, batches.end());
+  Reference ref;
+  ref.train(batches);
+
+  std::vector<std::shared_ptr<nn::Sequential>> models4;
+  for (int r = 0; r < 4; ++r) models4.push_back(make_model());
+  OptimizerState saved;
+  nn::NamedTensors saved_params;
+  test::run_threads(ranks(4), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto ddp = std::make_shared<DistributedDataParallel>(models4[rank], pg);
+    ZeroRedundancyOptimizer opt(ddp->parameters(), adam_factory(), pg);
+    for (const Batch& b : first) {
+      opt.zero_grad();
+      loss_of(*ddp, test::slice(b, rank, 4)).backward();
+      opt.step();
+    }
+    try {
+      (void)opt.state_dict();
+      require(false, "state_dict before consolidate_state_dict must throw");
+    } catch (const ValueError& e) {
+      require(std::string(e.what()).find("consolidate_state_dict") != std::string::npos,
+              e.what());
+    }
+    opt.consolidate_state_dict(1);
+    if (rank == 1) {
+      saved = opt.state_dict();
+      for (auto& [name, t] : saved.state) t = t.clone();
+      saved_params = models4[rank]->named_parameters();
+      for (auto& [name, t] : saved_params) t = t.detach().clone();
+    } else {
+      try {
+        (void)opt.state_dict();
+        require(false, "state_dict on a rank other than `to` must throw");
+      } catch (const ValueError&) {
+      }
+    }
+  });
+  ASSERT_EQ(saved.type, "Adam");
+
+  auto load_params = [&](nn::Module& m) {
+    NoGradGuard no_grad;
+    const auto params = m.named_parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      Tensor p = params[i].second;
+      p.copy_(saved_params[i].second);
+    }
+  };
+  // A plain Adam over the whole model takes the consolidated state as it is.
+  {
+    auto model = make_model();
+    load_params(*model);
+    Adam plain(model->parameters(), adam_options());
+    plain.load_state_dict(saved);
+    for (const Batch& b : rest) {
+      plain.zero_grad();
+      loss_of(*model, b).backward();
+      plain.step();
+    }
+    require_params("plain Adam resumed", *model, *ref.model);
+  }
+  // Two ranks each take their part.
+  std::vector<std::shared_ptr<nn::Sequential>> models2{make_model(), make_model()};
+  for (auto& m : models2) load_params(*m);
+  test::run_threads(ranks(2), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto ddp = std::make_shared<DistributedDataParallel>(models2[rank], pg);
+    ZeroRedundancyOptimizer opt(ddp->parameters(), adam_factory(), pg);
+    opt.load_state_dict(saved);
+    for (const Batch& b : rest) {
+      opt.zero_grad();
+      loss_of(*ddp, test::slice(b, rank, 2)).backward();
+      opt.step();
+    }
+    require_params("2 ranks resumed, rank " + std::to_string(rank), *models2[rank], *ref.model);
+  });
+}
+
+TEST(ZeroErrors, TooFewParametersForTheRanksAndBadStates) {
+  test::run_threads(ranks(4), [&](std::shared_ptr<ProcessGroup> pg, int) {
+    manual_seed(1);
+    Tensor a = randn({3}).requires_grad_(true), b = randn({2}).requires_grad_(true);
+    try {
+      ZeroRedundancyOptimizer opt(std::vector<Tensor>{a, b}, adam_factory(), pg);
+      require(false, "2 parameters over 4 ranks must be refused");
+    } catch (const ValueError& e) {
+      require(std::string(e.what()).find("would get none") != std::string::npos, e.what());
+    }
+  });
+  test::run_threads(ranks(2), [&](std::shared_ptr<ProcessGroup> pg, int) {
+    auto model = make_model();
+    ZeroRedundancyOptimizer opt(model->parameters(), adam_factory(), pg);
+    OptimizerState sgd = nn::optim::SGD(model->parameters(), {.lr = 0.1}).state_dict();
+    try {
+      opt.load_state_dict(sgd);
+      require(false, "an SGD state must not load into Adam");
+    } catch (const ValueError& e) {
+      require(std::string(e.what()).find("SGD") != std::string::npos, e.what());
+    }
+    try {
+      opt.consolidate_state_dict(2);
+      require(false, "rank 2 is not in a group of 2");
+    } catch (const ValueError&) {
+    }
+  });
+}
+
+}  // namespace
+}  // namespace ember::dist
