@@ -79,6 +79,14 @@ struct NoRankEnv {
       d{"SLURM_PROCID", nullptr};
 };
 
+// A writer in `dir` that logs one scalar and is destroyed without flush(); returns its file.
+std::string write_one_scalar(const std::string& dir, const std::string& tag, double value,
+                             int64_t step) {
+  SummaryWriter w(dir, {.rank = 0});
+  w.add_scalar(tag, value, step);
+  return w.file_path();
+}
+
 std::string expect_throws_message(const std::function<void()>& fn) {
   try {
     fn();
@@ -254,12 +262,7 @@ TEST(SummaryWriter, HistogramOfEqualValuesAndBadInput) {
 TEST(SummaryWriter, CorruptedBytesAreDetectedByTheReader) {
   EMBER_REQUIRE_TFEVENTS_READER();
   TempDir tmp("summary_writer_test");
-  std::string path;
-  {
-    SummaryWriter w(tmp.path, {.rank = 0});
-    path = w.file_path();
-    w.add_scalar("x", 1.5, 3);
-  }
+  const std::string path = write_one_scalar(tmp.path, "x", 1.5, 3);
   std::string bytes;
   {
     std::ifstream in(path, std::ios::binary);
@@ -410,12 +413,7 @@ TEST(SummaryWriter, EventsWaitForFlushUnlessFlushSecsIsZero) {
 TEST(SummaryWriter, DestructorFlushesAndCloseIsFinal) {
   EMBER_REQUIRE_TFEVENTS_READER();
   TempDir tmp("summary_writer_test");
-  std::string path;
-  {
-    SummaryWriter w(tmp.path, {.rank = 0});
-    path = w.file_path();
-    w.add_scalar("kept", 3, 1);
-  }  // no flush(): the destructor writes it
+  const std::string path = write_one_scalar(tmp.path, "kept", 3, 1);  // the destructor writes it
   EXPECT_EQ(events_of(path).size(), 2u);
 
   SummaryWriter w(tmp / "c", {.rank = 0});
