@@ -110,9 +110,8 @@ class SummaryWriter {
   /// Flushes and closes the files; later add_* calls throw ValueError. Idempotent.
   void close();
 
-  struct Impl;
-
  private:
+  struct Impl;
   std::unique_ptr<Impl> impl_;  // null on a rank that does not write
 };
 

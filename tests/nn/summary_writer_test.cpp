@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "tensor/creation.h"
+#include "tensor/cuda.h"
 #include "tensor/error.h"
 #include "tests/examples/example_test_util.h"
 #include "tests/nn/tfevents_test_util.h"
@@ -240,6 +241,26 @@ TEST(SummaryWriter, HistogramWithTensorFlowBuckets) {
   EXPECT_EQ(counts, want);
   EXPECT_EQ(h["min"], -3.0);
   EXPECT_EQ(h["max"], 1e5);
+}
+
+// A CUDA tensor (here a transposed, non-contiguous view) is copied to the CPU first: its
+// histogram is the CPU tensor's.
+TEST(SummaryWriter, HistogramOfACudaTensor) {
+  if (!cuda::is_available()) GTEST_SKIP() << cuda::unavailable_reason();
+  EMBER_REQUIRE_TFEVENTS_READER();
+  TempDir tmp("summary_writer_test");
+  const Tensor cpu = from_vector(std::vector<float>{-1, 0.5f, 2, 2, 3, 7}, {2, 3});
+  std::string path;
+  {
+    SummaryWriter w(tmp.path, {.rank = 0});
+    path = w.file_path();
+    w.add_histogram("cpu", cpu.t(), 1, 5);
+    w.add_histogram("cuda", cpu.cuda().t(), 1, 5);
+  }
+  const json ev = events_of(path);
+  ASSERT_EQ(ev.size(), 3u);
+  EXPECT_EQ(ev[1]["values"][0]["histo"], ev[2]["values"][0]["histo"]);
+  EXPECT_EQ(ev[2]["values"][0]["histo"]["sum"], 13.5);
 }
 
 TEST(SummaryWriter, HistogramOfEqualValuesAndBadInput) {
