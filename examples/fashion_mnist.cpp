@@ -70,6 +70,7 @@ struct Args {
   bool resume = false;
   std::string save_weights;
   std::string metrics;
+  std::string tensorboard;  // --tensorboard DIR: the metrics as TensorBoard scalars too
   int64_t log_every = 0;      // steps; 0: ten progress lines per epoch
   bool continue_on_nan = false;  // keep training when a step's loss is not finite
   int64_t fail_at_step = -1;  // testing aid: SIGKILL rank 1 at this global step, first run only
@@ -114,16 +115,37 @@ std::shared_ptr<dist::ProcessGroup> init_distributed(const std::string& backend,
   return dist::init_process_group(o);
 }
 
+// --tensorboard: every number of a metrics record becomes the scalar "<kind>/<key>" (nested
+// objects "<kind>/<key>/<field>") at the record's global step, written at once, as the JSON
+// lines are; where in the run the record stands (epoch, step) is the x axis, not a series.
+void log_to_tensorboard(nn::SummaryWriter& tb, const std::string& prefix, const nlohmann::json& j,
+                        int64_t step) {
+  for (const auto& [key, v] : j.items()) {
+    if (v.is_number()) tb.add_scalar(prefix + "/" + key, v.get<double>(), step);
+    if (v.is_object()) log_to_tensorboard(tb, prefix + "/" + key, v, step);
+  }
+}
+
 // Rank 0's metrics file: one JSON object per line, appended and flushed line by line, so a
-// crash loses at most the line being written.
+// crash loses at most the line being written. With --tensorboard, the same records go to an
+// event file in that folder too.
 class Metrics {
  public:
-  Metrics(const std::string& path, bool append) {
+  Metrics(const std::string& path, const std::string& tensorboard_dir, bool append) {
+    if (!tensorboard_dir.empty()) {
+      tensorboard_.emplace(tensorboard_dir, nn::SummaryWriter::Options{.flush_secs = 0, .rank = 0});
+    }
     if (path.empty()) return;
     out_.open(path, append ? std::ios::app : std::ios::trunc);
     if (!out_) throw std::runtime_error("--metrics: cannot open '" + path + "' for writing");
   }
   void write(const nlohmann::json& j) {
+    if (tensorboard_) {
+      nlohmann::json values = j;
+      for (const char* position : {"kind", "epoch", "step", "global_step"}) values.erase(position);
+      log_to_tensorboard(*tensorboard_, j.value("kind", "metrics"), values,
+                         j.value("global_step", int64_t{0}));
+    }
     if (!out_.is_open()) return;
     out_ << j.dump() << '\n';
     out_.flush();
@@ -131,6 +153,7 @@ class Metrics {
 
  private:
   std::ofstream out_;
+  std::optional<nn::SummaryWriter> tensorboard_;
 };
 
 std::string format_duration(double s) {
@@ -534,7 +557,7 @@ Trainer::Trainer(const Args& a)
       start_(maybe_resume(a, *model_, opt_, schedule_.get(), powersgd_.get(), *pg_,
                           steps_per_epoch_)),
       global_step_(start_.global_step),
-      metrics_(leader_ ? a.metrics : "", start_.global_step > 0) {
+      metrics_(leader_ ? a.metrics : "", leader_ ? a.tensorboard : "", start_.global_step > 0) {
   if (leader_) print_banner();
 }
 
@@ -833,6 +856,8 @@ int main(int argc, char** argv) {
   app.add_option("--save-weights", a.save_weights, "write the final weights to FILE.safetensors");
   app.add_option("--metrics", a.metrics,
                  "append one JSON line per logged step and per epoch to FILE.jsonl");
+  app.add_option("--tensorboard", a.tensorboard,
+                 "also write the metrics as TensorBoard scalars into event files in DIR");
   app.add_option("--log-every", a.log_every, "steps between progress lines (0: ten per epoch)")
       ->check(kNonNegative);
   app.add_option("--timeout", a.timeout_s,

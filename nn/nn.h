@@ -15,3 +15,4 @@
 #include "nn/optim/optimizer.h"
 #include "nn/optim/sgd.h"
 #include "nn/serialize.h"
+#include "nn/summary_writer.h"

@@ -11,6 +11,7 @@ pkgs=(
   libcairo2-dev fonts-dejavu-core
   dataset-fashion-mnist
   python3-torch libtorch-dev
+  protobuf-compiler python3-protobuf python3-crc32c
   iproute2
 )
 missing=()
