@@ -169,13 +169,14 @@ constexpr size_t kTwoRankExchangeBytes = 512 * 1024;
 // it is done costs two thread wake-ups, many times what a small collective over shared memory
 // takes by itself. So when the group has shared memory, a collective of at most kInlineBytes
 // per rank that is issued while none of this rank's collectives is queued or running runs on
-// the calling thread, and the call returns its Work already completed. Nothing else changes:
-// errors, timeouts and a broken group reach the caller through the Work exactly as from a
-// worker (execute() below does both), then() callbacks run at once on the calling thread, and
-// the order is kept (the shared-memory tickets are taken in issue order, and with nothing in
-// flight no earlier collective can still be waiting to start). Larger collectives stay on the
-// workers, so that the caller overlaps them with its own work (DDP's backward pass) and two of
-// them move data at once on the two channels.
+// the calling thread (through the same execute() as on a worker), and the call returns its Work
+// already completed. The call then blocks until every rank has joined the collective, as a
+// blocking one would; the Work is the same: errors, timeouts and a broken group reach the
+// caller through it rather than as exceptions from the call, and then() callbacks run at once
+// on the calling thread. The order is kept: the shared-memory tickets are taken in issue order,
+// and with nothing in flight no earlier collective can still be waiting to start. Larger
+// collectives stay on the workers, so that the caller overlaps them with its own work (DDP's
+// backward pass) and two of them move data at once on the two channels.
 constexpr size_t kInlineBytes = 64 * 1024;
 
 using ember::detail::GlooKind;
