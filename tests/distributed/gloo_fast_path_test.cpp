@@ -35,7 +35,8 @@ std::vector<std::string> run_ranks(int n, Duration timeout, const Body& body) {
   test::Children kids(n, [&](int rank, const std::string& port) {
     TCPStoreOptions so;
     so.timeout = 60s;
-    auto store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
+    auto store =
+        std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
     ProcessGroupGloo pg(std::make_shared<PrefixStore>("pg", store), rank, n,
                         ProcessGroupGloo::GlooOptions{timeout, "127.0.0.1"});
     require(pg.uses_shared_memory(), "rank " + std::to_string(rank) + ": no shared memory");
@@ -135,7 +136,8 @@ TEST_P(GlooFastPath, BarrierOverSharedMemoryWaitsForEveryRank) {
       WorkPtr w = pg.barrier();
       require(error_of(w).empty(), "barrier failed");
       std::vector<std::string> keys;
-      for (int r = 0; r < n; ++r) keys.push_back("before/" + std::to_string(k) + "/" + std::to_string(r));
+      for (int r = 0; r < n; ++r)
+        keys.push_back("before/" + std::to_string(k) + "/" + std::to_string(r));
       require(store.check(keys), "rank " + std::to_string(rank) + " passed barrier " +
                                      std::to_string(k) + " before every rank reached it");
     }
@@ -182,10 +184,11 @@ TEST_P(GlooFastPath, MismatchedCountsFailTheWorkNamingTheRanks) {
     WorkPtr w = pg.allreduce(t);
     const std::string msg = error_of(w);
     require(!w->is_success() && w->exception(), "the Work does not record the error");
-    for (const std::string& part :
-         {std::string("[gloo] allreduce #0 on rank ") + std::to_string(rank), std::string("ranks disagree"),
-          "rank " + std::to_string(rank) + " passed " + std::to_string(100 + rank) + " elements",
-          std::string(" but rank ")}) {
+    const std::vector<std::string> parts = {
+        "[gloo] allreduce #0 on rank " + std::to_string(rank), "ranks disagree",
+        "rank " + std::to_string(rank) + " passed ", " " + std::to_string(100 + rank) + " elements",
+        " but rank "};
+    for (const std::string& part : parts) {
       require(msg.find(part) != std::string::npos, "message lacks '" + part + "': " + msg);
     }
     const std::string again = error_of(pg.barrier());
@@ -208,9 +211,9 @@ TEST_P(GlooFastPath, DeadPeerIsNamedInTheWork) {
         if (rank == victim) ::kill(::getpid(), SIGKILL);
         const std::string msg = error_of(pg.allreduce(t));
         const std::string named = "rank " + std::to_string(victim) + " (pid ";
-        require(msg.find("[gloo] allreduce #1 on rank " + std::to_string(rank)) !=
-                    std::string::npos,
-                "message lacks the collective: " + msg);
+        require(
+            msg.find("[gloo] allreduce #1 on rank " + std::to_string(rank)) != std::string::npos,
+            "message lacks the collective: " + msg);
         // Named by this rank, or by a survivor that saw it first and made the group give up.
         require(msg.find(named) != std::string::npos || msg.find("gave up") != std::string::npos,
                 "message names neither the dead rank nor the survivor that gave up: " + msg);
