@@ -28,10 +28,12 @@
 //
 // Ranks on one machine: allreduce goes through shared memory rather than loopback TCP
 // (GlooOptions::shared_memory); every rank gets bitwise the same result, and errors read as
-// they do over TCP (a dead peer is named, with its pid). There, a small allreduce,
-// allreduce_coalesced or barrier issued while none of this rank's collectives is in flight
-// runs on the calling thread: the call returns once every rank has joined it, with its Work
-// already completed (or failed), which saves the hand-off to a worker thread.
+// they do over TCP (a dead peer is named, with its pid).
+//
+// Over shared memory, a small allreduce, allreduce_coalesced or barrier issued while none of
+// this rank's collectives is in flight runs on the calling thread: the call returns once every
+// rank has joined it, with its Work already completed (or failed), which saves the hand-off to
+// a worker thread.
 //
 // World size 1 never touches the network: every collective completes inline.
 #pragma once

@@ -47,6 +47,10 @@ class ShmAllreduce {
   /// so the k-th allreduce of every rank meets the others' on the same channel.
   uint64_t next_ticket();
 
+  /// A barrier among the ranks as the `ticket`-th operation (a ticket from next_ticket(), like an
+  /// allreduce's): returns once every rank has reached this ticket. Throws as run() does.
+  void barrier(uint64_t ticket, Clock::time_point deadline);
+
   /// `count` elements at `data`.
   struct Span {
     void* data;
@@ -62,10 +66,6 @@ class ShmAllreduce {
   /// by the group size before the ranks copy it.
   void run(uint64_t ticket, const std::vector<Span>& spans, Dtype dtype, ReduceOp op,
            ReduceFn fn, DivideFn divide, Clock::time_point deadline);
-
-  /// A barrier among the ranks as the `ticket`-th operation (a ticket from next_ticket(), like an
-  /// allreduce's): returns once every rank has reached this ticket. Throws as run() does.
-  void barrier(uint64_t ticket, Clock::time_point deadline);
 
   /// This rank failed a collective: every rank's allreduce that is waiting now or starts later
   /// fails at once, naming this rank and `why`.
