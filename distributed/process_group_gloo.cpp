@@ -97,6 +97,20 @@ void shm_allreduce(ember::detail::ShmAllreduce& shm, uint64_t ticket,
 constexpr size_t kSmallAllreduceBytes = 64 * 1024;
 constexpr size_t kTwoRankExchangeBytes = 512 * 1024;
 
+// Note [inline collectives]: handing a collective to a worker thread and waking the caller when
+// it is done costs two thread wake-ups, many times what a small collective over shared memory
+// takes by itself. So when the group has shared memory, a collective of at most kInlineBytes
+// per rank that is issued while none of this rank's collectives is queued or running runs on
+// the calling thread (through the same execute() as on a worker), and the call returns its Work
+// already completed. The call then blocks until every rank has joined the collective, as a
+// blocking one would; the Work is the same: errors, timeouts and a broken group reach the
+// caller through it rather than as exceptions from the call, and then() callbacks run at once
+// on the calling thread. The order is kept: the shared-memory tickets are taken in issue order,
+// and with nothing in flight no earlier collective can still be waiting to start. Larger
+// collectives stay on the workers, so that the caller overlaps them with its own work (DDP's
+// backward pass) and two of them move data at once on the two channels.
+constexpr size_t kInlineBytes = 64 * 1024;
+
 using ember::detail::GlooKind;
 using ember::detail::agree;
 using ember::detail::make_desc;
@@ -277,25 +291,43 @@ class ProcessGroupGloo::Impl {
     if (context_) context_->closeConnections();
   }
 
-  /// Queues an operation (p2p: on the send/recv thread); for world size 1, runs it now.
+  /// Where submit() runs an operation: a collective on the workers (Worker), or on the calling
+  /// thread when the group is idle (InlineIfIdle, Note [inline collectives]); send and recv on
+  /// the send/recv thread (P2p).
+  enum class Route { Worker, InlineIfIdle, P2p };
+
+  /// The route of a collective that moves `bytes` per rank (Note [inline collectives]): over
+  /// shared memory a small one may run on the calling thread.
+  Route route_for(size_t bytes) const {
+    return shm_ && bytes <= kInlineBytes ? Route::InlineIfIdle : Route::Worker;
+  }
+
+  /// Queues an operation on its route's thread; for world size 1, runs it now.
   WorkPtr submit(const std::string& what, Duration timeout,
                  std::function<std::vector<Tensor>(std::chrono::milliseconds)> run,
-                 bool p2p = false) {
+                 Route route = Route::Worker) {
     auto work = std::make_shared<GlooWork>(what, timeout);
     Job job{work, Clock::now() + timeout, std::move(run)};
     if (!context_) {
       execute(job);
       return work;
     }
+    const bool p2p = route == Route::P2p;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
       EMBER_CHECK(!stop_, what, ": the process group is being destroyed");
+      if (route == Route::InlineIfIdle && in_flight_ == 0) {
+        lock.unlock();
+        execute(job);
+        return work;
+      }
       if (!p2p) {
         std::erase_if(issued_, [](const std::weak_ptr<Work>& w) {
           auto p = w.lock();
           return !p || p->is_completed();
         });
         issued_.push_back(work);
+        ++in_flight_;
       }
       (p2p ? p2p_queue_ : queue_).push_back(std::move(job));
     }
@@ -333,6 +365,10 @@ class ProcessGroupGloo::Impl {
         queue.pop_front();
       }
       execute(job, collectives);
+      if (collectives) {
+        std::lock_guard<std::mutex> lock(mu_);
+        --in_flight_;
+      }
     }
   }
 
@@ -422,6 +458,9 @@ class ProcessGroupGloo::Impl {
   std::deque<Job> queue_;
   std::deque<Job> p2p_queue_;
   std::vector<std::weak_ptr<Work>> issued_;  // collectives, for barrier
+  // Collectives queued or running on the workers; 0: the group is idle (Note [inline
+  // collectives]).
+  size_t in_flight_ = 0;
   std::vector<std::thread> workers_;  // collectives
   std::thread p2p_;
 };
@@ -476,6 +515,8 @@ WorkPtr ProcessGroupGloo::allreduce(Tensor& tensor, const AllreduceOptions& opts
   const uint64_t ticket = shm ? shm->next_ticket() : 0;  // in issue order, as on every rank
   Tensor t = tensor;
   const ReduceOp op = opts.op;
+  const auto route =
+      shm ? impl_->route_for(static_cast<size_t>(t.nbytes())) : Impl::Route::Worker;
   return impl_->submit(
       label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
         if (shm) {
@@ -491,7 +532,8 @@ WorkPtr ProcessGroupGloo::allreduce(Tensor& tensor, const AllreduceOptions& opts
         }
         if (op == ReduceOp::Avg && n > 1) divide_in_place(t, n);
         return std::vector<Tensor>{t};
-      });
+      },
+      route);
 }
 
 WorkPtr ProcessGroupGloo::allreduce_coalesced(std::vector<Tensor>& tensors,
@@ -508,12 +550,14 @@ WorkPtr ProcessGroupGloo::allreduce_coalesced(std::vector<Tensor>& tensors,
   const uint64_t ticket = total > 0 ? shm->next_ticket() : 0;  // in issue order
   std::vector<Tensor> ts = tensors;
   const ReduceOp op = opts.op;
+  const size_t bytes = static_cast<size_t>(total) * static_cast<size_t>(tensors[0].element_size());
   return impl_->submit(
       label, timeout_of(opts.timeout),
       [=](std::chrono::milliseconds left) {
         if (total > 0) shm_allreduce(*shm, ticket, ts, op, left);
         return ts;
-      });
+      },
+      impl_->route_for(bytes));
 }
 
 WorkPtr ProcessGroupGloo::reduce(Tensor& tensor, const ReduceOptions& opts) {
@@ -836,30 +880,44 @@ WorkPtr ProcessGroupGloo::alltoall(std::vector<Tensor>& outputs, const std::vect
 // Note [barrier and two workers]: with two worker threads a barrier could finish while a
 // collective issued before it still runs on the other worker. As in c10d's gloo backend, the
 // barrier first waits for every earlier collective of this rank (they started before it, so
-// none of them waits on it), then runs Gloo's barrier: once it completes, every rank's earlier
-// collectives have completed.
+// none of them waits on it), then meets the other ranks: once it completes, every rank's
+// earlier collectives have completed. It meets them through shared memory when the group has
+// it (on the calling thread when nothing is in flight, Note [inline collectives]; there is
+// then nothing to wait for), else through Gloo's barrier.
+namespace {
+void wait_for_earlier(const std::vector<WorkPtr>& prior, Clock::time_point deadline) {
+  for (const WorkPtr& w : prior) {
+    const auto rest =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    try {
+      if (rest.count() > 0) w->future()->wait(rest);
+    } catch (...) {
+      // An earlier collective that failed reports its own error (and the group is then
+      // broken, so the barrier itself fails too); one still running is a timeout here.
+    }
+    if (!w->is_completed()) {
+      throw DistTimeoutError(detail::str_cat("timed out waiting for ", w->describe(),
+                                             ", issued before the barrier"));
+    }
+  }
+}
+}  // namespace
+
 WorkPtr ProcessGroupGloo::barrier(const CollectiveOptions& opts) {
   const uint32_t tag = static_cast<uint32_t>(seq_);
   auto ctx = impl_->context();
   std::vector<WorkPtr> prior = impl_->unfinished_collectives();
+  std::string label = next_op_label("barrier");  // before the ticket, as allreduce
+  ember::detail::ShmAllreduce* shm = impl_->shm();
+  const uint64_t ticket = shm ? shm->next_ticket() : 0;  // in issue order, as on every rank
   return impl_->submit(
-      next_op_label("barrier"), timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
+      label, timeout_of(opts.timeout),
+      [=](std::chrono::milliseconds left) {
         const auto deadline = Clock::now() + left;
-        for (const WorkPtr& w : prior) {
-          const auto rest =
-              std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-          try {
-            if (rest.count() > 0) w->future()->wait(rest);
-          } catch (...) {
-            // An earlier collective that failed reports its own error (and the group is then
-            // broken, so Gloo's barrier below fails too); one still running is a timeout here.
-          }
-          if (!w->is_completed()) {
-            throw DistTimeoutError(detail::str_cat("timed out waiting for ", w->describe(),
-                                                   ", issued before the barrier"));
-          }
-        }
-        if (ctx) {
+        wait_for_earlier(prior, deadline);
+        if (shm) {
+          shm->barrier(ticket, deadline);
+        } else if (ctx) {
           gloo::BarrierOptions o(ctx);
           o.setTag(tag);
           o.setTimeout(std::max(std::chrono::milliseconds(1),
@@ -868,7 +926,8 @@ WorkPtr ProcessGroupGloo::barrier(const CollectiveOptions& opts) {
           gloo::barrier(o);
         }
         return std::vector<Tensor>{};
-      });
+      },
+      impl_->route_for(0));
 }
 
 WorkPtr ProcessGroupGloo::send(const Tensor& tensor, int dst, int tag) {
@@ -912,7 +971,7 @@ WorkPtr ProcessGroupGloo::point_to_point(bool is_send, const Tensor& tensor, int
         if (buf && !is_send) buf->waitRecv(left);
         return std::vector<Tensor>{t};
       },
-      /*p2p=*/true);
+      Impl::Route::P2p);
 }
 
 }  // namespace ember::dist

@@ -30,6 +30,11 @@
 // memory rather than loopback TCP (GlooOptions::shared_memory); every rank gets bitwise the
 // same result, and errors read as they do over TCP (a dead peer is named, with its pid).
 //
+// Over shared memory, a small allreduce, allreduce_coalesced or barrier issued while none of
+// this rank's collectives is in flight runs on the calling thread: the call returns once every
+// rank has joined it, with its Work already completed (or failed), which saves the hand-off to
+// a worker thread.
+//
 // World size 1 never touches the network: every collective completes inline.
 #pragma once
 

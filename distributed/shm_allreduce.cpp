@@ -25,11 +25,12 @@
 // A rank moves about twice the bytes that one memcpy of its buffer would, with two
 // synchronisations per chunk and no system call unless it has to sleep.
 //
-// Waiting spins briefly, then sleeps on the channel's doorbell (a futex on the shared page:
-// posters bump it and wake sleepers only when the waiter count says there are any). A sleeper
-// wakes at least every 100 ms to check its deadline, the abort word (a rank that failed any
-// collective sets it, so the others fail at once instead of at their timeout) and whether the
-// ranks it waits for are still alive (their pids, the ranks sharing a PID namespace).
+// Waiting polls briefly (pausing, then yielding the core), then sleeps on the channel's doorbell
+// (a futex on the shared page: posters bump it and wake sleepers only when the waiter count
+// says there are any). A sleeper wakes at least every 100 ms to check its deadline, the abort
+// word (a rank that failed any collective sets it, so the others fail at once instead of at
+// their timeout) and whether the ranks it waits for are still alive (their pids, the ranks
+// sharing a PID namespace).
 //
 // The segment is unlinked as soon as every rank has mapped it, so nothing is left in /dev/shm
 // however the processes end after the group's set-up.
@@ -43,6 +44,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -71,7 +73,12 @@ constexpr size_t kWhyBytes = 256;
 constexpr size_t kMaxSegmentBytes = size_t{64} << 20;
 constexpr size_t kMaxChunk = size_t{1} << 20;
 constexpr size_t kMinChunk = size_t{64} << 10;
-constexpr int kSpins = 512;
+// Waiting first polls with a pause instruction (the other ranks of a small collective are
+// usually a fraction of a microsecond behind, and a futex sleep and wake-up costs several
+// microseconds), then polls with sched_yield (on a machine with more ranks than cores the rank
+// awaited may need this core to get there), then sleeps on the doorbell.
+constexpr auto kPauseFor = std::chrono::microseconds(2);
+constexpr auto kYieldFor = std::chrono::microseconds(100);
 constexpr auto kSleepSlice = std::chrono::milliseconds(100);
 
 struct SegmentHeader {
@@ -413,9 +420,20 @@ struct Channel {
   void wait_all(uint32_t RankLine::*field, uint32_t step,
                 ShmAllreduce::Clock::time_point deadline, const char* doing, size_t chunk_no,
                 size_t chunks) const {
-    for (int i = 0; i < kSpins; ++i) {
+    const auto start = ShmAllreduce::Clock::now();
+    bool yielding = false;
+    for (int i = 1;; ++i) {
       if (lagging(field, step) < 0) return;
-      cpu_relax();
+      if (yielding) {
+        ::sched_yield();
+      } else {
+        cpu_relax();
+      }
+      if (yielding || i % 16 == 0) {
+        const auto spent = ShmAllreduce::Clock::now() - start;
+        if (spent >= kPauseFor + kYieldFor) break;
+        yielding = spent >= kPauseFor;
+      }
     }
     auto next_check = ShmAllreduce::Clock::now() + kSleepSlice;
     for (;;) {
@@ -629,6 +647,23 @@ void ShmAllreduce::reduce(uint64_t ticket, void* data, size_t count, Dtype dtype
                           const Reduction& r, int root, Clock::time_point deadline) {
   reduce_spans(ticket, {Span{data, count}}, Desc{Kind::Reduce, dtype, count, r.op, root}, r,
                deadline);
+}
+
+namespace {
+void max_byte(void* c, const void* a, const void* b, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    static_cast<uint8_t*>(c)[i] =
+        std::max(static_cast<const uint8_t*>(a)[i], static_cast<const uint8_t*>(b)[i]);
+  }
+}
+}  // namespace
+
+// A barrier is an allreduce of one byte: its two rounds (every rank's arrive, then every rank's
+// reduced) are what a barrier needs, and its agreement check fails a rank that meets another
+// collective at the same ticket instead of mixing the two.
+void ShmAllreduce::barrier(uint64_t ticket, Clock::time_point deadline) {
+  uint8_t token = 0;
+  run(ticket, {Span{&token, 1}}, Dtype::UInt8, ReduceOp::Max, &max_byte, nullptr, deadline);
 }
 
 }  // namespace ember::detail

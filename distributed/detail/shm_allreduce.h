@@ -49,6 +49,10 @@ class ShmAllreduce {
   /// rank, so the k-th collective of every rank meets the others' on the same channel.
   uint64_t next_ticket();
 
+  /// A barrier among the ranks as the `ticket`-th operation (a ticket from next_ticket(), like an
+  /// allreduce's): returns once every rank has reached this ticket. Throws as run() does.
+  void barrier(uint64_t ticket, Clock::time_point deadline);
+
   /// `count` elements at `data`.
   struct Span {
     void* data;
