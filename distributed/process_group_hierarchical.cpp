@@ -4,14 +4,15 @@
 // An allreduce of a large buffer goes in P pieces. For piece k, the node's ranks all-reduce it
 // in their local group (L k), the leaders all-reduce the node sums over TCP (X k) and each leader
 // broadcasts the result to its node (B k). The leader issues
-//   L0, then for each k: wait L k, issue X k, issue L k+1, wait X k, issue B k
-// so the local reduction of the next piece and the broadcast of the previous one run on the
-// local group's worker threads while the network moves piece k. The other ranks of the node
-// issue L0, then for each k: L k+1, wait L k, B k: the local group sees the same order on every
-// rank (a collective order that differed between ranks would pair different pieces), and B k
-// (which writes piece k) never starts while this rank's L k may still write it. The leaders'
-// transfers stay one after another: they share the link, so running two at once would not
-// finish sooner.
+//   L0, then for k = 0..P: [k < P] wait L k, issue X k, issue L k+1;
+//                          [k > 0] wait X k-1, issue B k-1
+// so that two leaders' transfers are in flight at once (the link never idles between pieces
+// while a piece's round trips start) and the local reduction of the next piece and the
+// broadcast of the previous one run on the local group's worker threads meanwhile. The other
+// ranks of the node issue L0, then for k = 0..P: [k+1 < P] issue L k+1; [k > 0] wait L k-1,
+// issue B k-1: the local group sees the same order on every rank (a collective order that
+// differed between ranks would pair different pieces), and B k-1 (which writes piece k-1) never
+// starts while this rank's L k-1 may still write it.
 #include "distributed/process_group_hierarchical.h"
 
 #include <unistd.h>
@@ -364,20 +365,22 @@ void ProcessGroupHierarchical::Impl::allreduce_pieces_leader(const std::vector<T
                                                              Clock::time_point deadline) {
   const size_t n = pieces.size();
   const ReduceOp sum_op = op == ReduceOp::Avg ? ReduceOp::Sum : op;
-  std::vector<WorkPtr> local(n), bcast(n);
-  auto issue_local = [&](size_t k) {
-    Tensor p = pieces[k];
-    local[k] = local_->allreduce(p, AllreduceOptions{sum_op, left(deadline)});
-  };
-  if (local_) issue_local(0);
-  for (size_t k = 0; k < n; ++k) {
-    if (local_) await(local[k], local_step("allreduce", k, n), deadline);
-    Tensor p = pieces[k];
-    WorkPtr x = leaders_->allreduce(p, AllreduceOptions{sum_op, left(deadline)});
-    if (local_ && k + 1 < n) issue_local(k + 1);
-    await(x, leaders_step("allreduce", k, n), deadline);
-    if (op == ReduceOp::Avg) divide(p, size_);
-    if (local_) bcast[k] = local_->broadcast(p, BroadcastOptions{0, left(deadline)});
+  std::vector<WorkPtr> local(n), cross(n), bcast(n);
+  std::vector<Tensor> ps = pieces;
+  if (local_) local[0] = local_->allreduce(ps[0], AllreduceOptions{sum_op, left(deadline)});
+  for (size_t k = 0; k <= n; ++k) {
+    if (k < n) {
+      if (local_) await(local[k], local_step("allreduce", k, n), deadline);
+      cross[k] = leaders_->allreduce(ps[k], AllreduceOptions{sum_op, left(deadline)});
+      if (local_ && k + 1 < n) {
+        local[k + 1] = local_->allreduce(ps[k + 1], AllreduceOptions{sum_op, left(deadline)});
+      }
+    }
+    if (k >= 1) {
+      await(cross[k - 1], leaders_step("allreduce", k - 1, n), deadline);
+      if (op == ReduceOp::Avg) divide(ps[k - 1], size_);
+      if (local_) bcast[k - 1] = local_->broadcast(ps[k - 1], BroadcastOptions{0, left(deadline)});
+    }
   }
   if (!local_) return;
   for (size_t k = 0; k < n; ++k) await(bcast[k], local_step("broadcast", k, n), deadline);
@@ -389,16 +392,17 @@ void ProcessGroupHierarchical::Impl::allreduce_pieces_member(const std::vector<T
   // ReduceOp::Avg: a sum here; the leader divides before its broadcast.
   const ReduceOp sum_op = op == ReduceOp::Avg ? ReduceOp::Sum : op;
   const size_t n = pieces.size();
-  std::vector<WorkPtr> bcast(n);
+  std::vector<WorkPtr> local(n), bcast(n);
   std::vector<Tensor> ps = pieces;
-  WorkPtr next = local_->allreduce(ps[0], AllreduceOptions{sum_op, left(deadline)});
-  for (size_t k = 0; k < n; ++k) {
-    WorkPtr current = next;
+  local[0] = local_->allreduce(ps[0], AllreduceOptions{sum_op, left(deadline)});
+  for (size_t k = 0; k <= n; ++k) {
     if (k + 1 < n) {
-      next = local_->allreduce(ps[k + 1], AllreduceOptions{sum_op, left(deadline)});
+      local[k + 1] = local_->allreduce(ps[k + 1], AllreduceOptions{sum_op, left(deadline)});
     }
-    await(current, local_step("allreduce", k, n), deadline);
-    bcast[k] = local_->broadcast(ps[k], BroadcastOptions{0, left(deadline)});
+    if (k >= 1) {
+      await(local[k - 1], local_step("allreduce", k - 1, n), deadline);
+      bcast[k - 1] = local_->broadcast(ps[k - 1], BroadcastOptions{0, left(deadline)});
+    }
   }
   for (size_t k = 0; k < n; ++k) await(bcast[k], local_step("broadcast", k, n), deadline);
 }

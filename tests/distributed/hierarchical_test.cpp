@@ -378,6 +378,7 @@ class HierarchicalNetns : public ::testing::Test {
       o.timeout = 60s;
       auto pg = init_process_group(o);
       body(*pg, *default_store(), rank, n);
+      pg->barrier()->wait();  // rank 0 serves the store: it leaves after every rank is done
       destroy_process_group();
     });
     kids.go("");
