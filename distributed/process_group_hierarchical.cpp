@@ -592,10 +592,12 @@ WorkPtr ProcessGroupHierarchical::barrier(const CollectiveOptions& opts) {
 }
 
 WorkPtr ProcessGroupHierarchical::send(const Tensor& tensor, int dst, int tag) {
+  next_op_label("send");
   return impl_->flat().send(tensor, dst, tag);
 }
 
 WorkPtr ProcessGroupHierarchical::recv(Tensor& tensor, int src, int tag) {
+  next_op_label("recv");
   return impl_->flat().recv(tensor, src, tag);
 }
 

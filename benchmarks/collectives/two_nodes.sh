@@ -7,10 +7,12 @@
 # as init_process_group chooses (the hierarchical group: shared memory inside each node, TCP
 # between the two node leaders) and once with EMBER_GLOO_HIERARCHICAL=0 (gloo's flat ring of 4
 # over TCP, whose two crossing edges each carry 1.5 times the buffer). With --torch, also
-# torch.distributed's gloo (/usr/bin/python3) in the same layout.
+# torch.distributed's gloo (/usr/bin/python3) in the same layout; with --ddp, also bench_ddp's
+# MLP (DDP step time) both ways.
 #
 #   sudo benchmarks/collectives/two_nodes.sh [--rates "1gbit 10gbit"] [--min-bytes 16777216]
 #        [--max-bytes 67108864] [--iters 5] [--warmup 1] [--rounds 3] [--build build] [--torch]
+#        [--ddp]
 #
 # Needs root (namespaces, tc) and the ip and tc tools; bench_collectives and emberrun built in
 # --build. The namespaces (and every process left in them) are removed on exit, also on error
@@ -25,6 +27,7 @@ warmup=1
 rounds=3
 build=build
 torch=0
+ddp=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --rates) rates="$2"; shift 2 ;;
@@ -35,7 +38,8 @@ while [[ $# -gt 0 ]]; do
     --rounds) rounds="$2"; shift 2 ;;
     --build) build="$2"; shift 2 ;;
     --torch) torch=1; shift ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --ddp) ddp=1; shift ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "two_nodes.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -43,8 +47,14 @@ done
 here="$(cd "$(dirname "$0")" && pwd)"
 emberrun="$build/launcher/emberrun"
 bench="$build/benchmarks/bench_collectives"
-for f in "$emberrun" "$bench"; do
-  [[ -x "$f" ]] || { echo "two_nodes.sh: $f not built (cmake --build $build --target emberrun bench_collectives)" >&2; exit 2; }
+bench_ddp="$build/benchmarks/bench_ddp"
+needed=("$emberrun" "$bench")
+[[ $ddp -eq 0 ]] || needed+=("$bench_ddp")
+for f in "${needed[@]}"; do
+  if [[ ! -x "$f" ]]; then
+    echo "two_nodes.sh: $f not built (cmake --build $build --target $(basename "$f"))" >&2
+    exit 2
+  fi
 done
 [[ $(id -u) -eq 0 ]] || { echo "two_nodes.sh: needs root (network namespaces, tc)" >&2; exit 2; }
 
@@ -75,29 +85,30 @@ for i in 0 1; do
 done
 
 port=29611
-# Runs bench_collectives on both nodes (node 0 prints the table); $1: EMBER_GLOO_HIERARCHICAL.
+# Runs PROGRAM ARGS... as 2 ranks on each node (node 0's rank 0 prints); $1:
+# EMBER_GLOO_HIERARCHICAL, $2: the store's port (one per run).
 run_ember() {
-  local common=(--nnodes 2 --nproc-per-node 2 --master-addr "${addr[0]}" --master-port "$port"
+  local switch="$1" at="$2"
+  shift 2
+  local common=(--nnodes 2 --nproc-per-node 2 --master-addr "${addr[0]}" --master-port "$at"
                 --local-ranks-filter 0)
-  local args=(--op allreduce --min-bytes "$min_bytes" --max-bytes "$max_bytes" --iters "$iters"
-              --warmup "$warmup" --rounds "$rounds")
-  port=$((port + 1))
-  ip netns exec "${ns[1]}" env EMBER_GLOO_HIERARCHICAL="$1" \
-    "$emberrun" "${common[@]}" --node-rank 1 "$bench" "${args[@]}" > /dev/null &
+  ip netns exec "${ns[1]}" env EMBER_GLOO_HIERARCHICAL="$switch" \
+    "$emberrun" "${common[@]}" --node-rank 1 "$@" > /dev/null &
   local other=$!
-  ip netns exec "${ns[0]}" env EMBER_GLOO_HIERARCHICAL="$1" \
-    "$emberrun" "${common[@]}" --node-rank 0 "$bench" "${args[@]}"
+  ip netns exec "${ns[0]}" env EMBER_GLOO_HIERARCHICAL="$switch" \
+    "$emberrun" "${common[@]}" --node-rank 0 "$@"
   wait "$other"
 }
+allreduce_args=(--op allreduce --min-bytes "$min_bytes" --max-bytes "$max_bytes" --iters "$iters"
+                --warmup "$warmup" --rounds "$rounds")
 
 # torch.distributed's gloo, 2 ranks per namespace: rank 0 prints "bytes time_us" per size.
 run_torch() {
   local procs=() i node
-  port=$((port + 1))
   for i in 3 2 1 0; do
     node=$((i / 2))
     ip netns exec "${ns[$node]}" env RANK=$i WORLD_SIZE=4 MASTER_ADDR="${addr[0]}" \
-      MASTER_PORT="$port" GLOO_SOCKET_IFNAME="${dev[$node]}" /usr/bin/python3 - \
+      MASTER_PORT="$1" GLOO_SOCKET_IFNAME="${dev[$node]}" /usr/bin/python3 - \
       "$min_bytes" "$max_bytes" "$iters" "$warmup" <<'EOF' &
 import sys, time, torch, torch.distributed as dist
 lo, hi, iters, warmup = map(int, sys.argv[1:5])
@@ -128,15 +139,15 @@ for rate in $rates; do
       burst 256kb latency 10ms
   done
   echo "=== $rate link, 2 namespaces x 2 ranks: hierarchical (the default) ==="
-  hier="$(run_ember 1)"
+  hier="$(run_ember 1 $((port++)) "$bench" "${allreduce_args[@]}")"
   echo "$hier"
   echo "=== $rate link, 2 namespaces x 2 ranks: flat ring (EMBER_GLOO_HIERARCHICAL=0) ==="
-  flat="$(run_ember 0)"
+  flat="$(run_ember 0 $((port++)) "$bench" "${allreduce_args[@]}")"
   echo "$flat"
   tor=""
   if [[ $torch -eq 1 ]]; then
     echo "=== $rate link, 2 namespaces x 2 ranks: torch.distributed gloo ==="
-    tor="$(run_torch)"
+    tor="$(run_torch $((port++)))"
     echo "$tor"
   fi
   echo "=== $rate summary: time per allreduce (ms) and speedup of the hierarchical group ==="
@@ -152,4 +163,10 @@ for rate in $rates; do
       printf "%12d %10.1f %10.1f %8.2fx %s\n", b, ht[b] / 1000, ft[b] / 1000, ft[b] / ht[b], tm
     }
   }' | sort -n
+  if [[ $ddp -eq 1 ]]; then
+    for sw in 1 0; do
+      echo "=== $rate link: bench_ddp --model mlp, EMBER_GLOO_HIERARCHICAL=$sw ==="
+      run_ember "$sw" $((port++)) "$bench_ddp" --model mlp --threads 1 | grep -v '^emberrun' || true
+    done
+  fi
 done

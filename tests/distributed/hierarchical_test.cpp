@@ -343,7 +343,7 @@ TEST(HierarchicalForcedFailure, KilledLeaderFailsTheOthers) {
   victim_test(loopback_placement(), 2);
 }
 
-// ---- two network namespaces ----------------------------------------------------------------------
+// ---- two network namespaces ---------------------------------------------------------------------
 
 class HierarchicalNetns : public ::testing::Test {
  protected:
