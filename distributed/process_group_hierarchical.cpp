@@ -1,9 +1,10 @@
 // Hierarchical gloo collectives: local groups, node leaders and a flat group (see the header).
 //
 // Note [hierarchical pipeline]
-// An allreduce of a large buffer goes in P pieces. For piece k, the node's ranks all-reduce it
-// in their local group (L k), the leaders all-reduce the node sums over TCP (X k) and each leader
-// broadcasts the result to its node (B k). The leader issues
+// An allreduce goes in P pieces (a quarter of the buffer each, within [kMinPieceBytes,
+// pipeline_bytes]). For piece k, the node's ranks all-reduce it in their local group (L k), the
+// leaders all-reduce the node sums over TCP (X k) and each leader broadcasts the result to its
+// node (B k). The leader issues
 //   L0, then for k = 0..P: [k < P] wait L k, issue X k, issue L k+1;
 //                          [k > 0] wait X k-1, issue B k-1
 // so that two leaders' transfers are in flight at once (the link never idles between pieces
@@ -34,6 +35,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
+
+// The smallest piece worth its own round of steps (Note [hierarchical pipeline]).
+constexpr int64_t kMinPieceBytes = 256 << 10;
 
 std::string first_line(const char* path) {
   std::ifstream f(path);
@@ -133,7 +137,8 @@ class ProcessGroupHierarchical::Impl {
         rank_(pg.rank()),
         size_(pg.size()),
         node_(layout.node_of(pg.rank())),
-        pipeline_bytes_(o.pipeline_bytes) {
+        pipeline_bytes_(o.pipeline_bytes),
+        flat_below_bytes_(o.flat_below_bytes) {
     const std::vector<int>& mine = layout.members(node_);
     local_rank_ = static_cast<int>(std::find(mine.begin(), mine.end(), rank_) - mine.begin());
     flat_ = std::make_unique<ProcessGroupGloo>(std::make_shared<PrefixStore>("flat", store), rank_,
@@ -187,6 +192,10 @@ class ProcessGroupHierarchical::Impl {
   int node() const { return node_; }
   bool local_shm() const { return local_shm_; }
   ProcessGroupGloo& flat() { return *flat_; }
+  /// Whether a collective on `t` goes through the flat group (HierarchicalOptions).
+  bool small(const Tensor& t) const {
+    return static_cast<size_t>(t.nbytes()) <= flat_below_bytes_;
+  }
 
  private:
   /// A Work whose default wait outlasts the group's own deadline a little, so that the step's
@@ -233,6 +242,7 @@ class ProcessGroupHierarchical::Impl {
   int node_;
   int local_rank_ = 0;
   size_t pipeline_bytes_;
+  size_t flat_below_bytes_;
   bool local_shm_ = false;
   std::unique_ptr<ProcessGroupGloo> flat_;
   std::unique_ptr<ProcessGroupGloo> local_;    // null on a node of one rank
@@ -417,12 +427,14 @@ std::vector<Tensor> ProcessGroupHierarchical::Impl::allreduce(Tensor t, ReduceOp
   // Every rank cuts the same pieces: they depend only on the element count and dtype, which
   // the ranks' calls must agree on anyway.
   const Tensor flat = t.reshape({-1});
-  const int64_t numel = flat.numel();
-  const int64_t per = pipeline_bytes_ == 0
-                          ? numel
-                          : std::max<int64_t>(1, static_cast<int64_t>(pipeline_bytes_) /
-                                                     itemsize(t.dtype()));
-  const int64_t count = numel > 2 * per ? (numel + per - 1) / per : 1;
+  const int64_t numel = flat.numel(), item = itemsize(t.dtype());
+  int64_t count = 1;
+  if (pipeline_bytes_ > 0) {
+    const int64_t most = static_cast<int64_t>(pipeline_bytes_);
+    const int64_t least = std::min<int64_t>(kMinPieceBytes, most);
+    const int64_t per = std::max<int64_t>(1, std::clamp(numel * item / 4, least, most) / item);
+    count = (numel + per - 1) / per;
+  }
   std::vector<Tensor> pieces;
   for (int64_t k = 0; k < count; ++k) {
     const int64_t start = numel * k / count, end = numel * (k + 1) / count;
@@ -520,6 +532,10 @@ WorkPtr ProcessGroupHierarchical::allreduce(Tensor& tensor, const AllreduceOptio
                     [&](Tensor& host) { return allreduce(host, opts); });
   }
   check_cpu_tensor("allreduce", tensor);
+  if (impl_->small(tensor)) {
+    next_op_label("allreduce");
+    return impl_->flat().allreduce(tensor, opts);
+  }
   Tensor t = tensor;
   const ReduceOp op = opts.op;
   Impl* impl = impl_.get();
@@ -536,6 +552,10 @@ WorkPtr ProcessGroupHierarchical::broadcast(Tensor& tensor, const BroadcastOptio
   }
   check_cpu_tensor("broadcast", tensor);
   check_root("broadcast", opts.root);
+  if (impl_->small(tensor)) {
+    next_op_label("broadcast");
+    return impl_->flat().broadcast(tensor, opts);
+  }
   Tensor t = tensor;
   const int root = opts.root;
   Impl* impl = impl_.get();

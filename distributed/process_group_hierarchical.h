@@ -12,8 +12,9 @@
 // Three ProcessGroupGloo groups do the moving: the ranks of this node ("local"), the node
 // leaders ("leaders", TCP only; other ranks are not members) and every rank ("flat"). allreduce
 // (and so allreduce_coalesced, reduce and reduce_scatter, which ProcessGroup builds on it) and
-// broadcast take the hierarchical path; allgather, gather, scatter, alltoall, barrier and
-// send/recv go through the flat group, where a hierarchy would not pay.
+// broadcast take the hierarchical path (unless small: HierarchicalOptions::flat_below_bytes);
+// allgather, gather, scatter, alltoall, barrier and send/recv go through the flat group, where a
+// hierarchy would not pay.
 //
 // Results: every rank gets bitwise the same values (the leaders' allreduce gives every leader
 // the same bits, the broadcast copies them). ReduceOp::Avg is a sum, divided once by the world
@@ -96,9 +97,13 @@ class ProcessGroupHierarchical : public ProcessGroup {
     /// the local groups; the leaders' group always uses TCP: its members are on different
     /// nodes). gloo.timeout is also this group's default timeout.
     ProcessGroupGloo::GlooOptions gloo;
-    /// Allreduces larger than twice this many bytes move in pieces of about this size (Note
-    /// [hierarchical pipeline]); 0: in one piece.
+    /// The largest piece an allreduce moves in (Note [hierarchical pipeline]): a buffer goes
+    /// in pieces of a quarter of it, at least 256 KiB (or this, when smaller) and at most this.
+    /// 0: in one piece.
     size_t pipeline_bytes = size_t{4} << 20;
+    /// allreduce and broadcast of at most this many bytes go through the flat group: their
+    /// time is the hand-offs between three steps, not bytes on the network.
+    size_t flat_below_bytes = size_t{64} << 10;
   };
 
   /// Builds the inner groups over prefixes of `store` (private to this group): `layout` must be

@@ -97,9 +97,9 @@ void check_allreduce(ProcessGroup& pg, Store& store, int rank, int n) {
 /// The collectives other than allreduce, on any layout.
 void check_others(ProcessGroup& pg, int rank, int n) {
   for (int root = 0; root < n; ++root) {
-    Tensor b = full({1001}, rank == root ? 5.0 + root : -1.0, kFloat32);
+    Tensor b = full({20001}, rank == root ? 5.0 + root : -1.0, kFloat32);
     pg.broadcast(b, {root})->wait();
-    require(b.to(kFloat64).to_vector<double>() == std::vector<double>(1001, 5.0 + root),
+    require(b.to(kFloat64).to_vector<double>() == std::vector<double>(20001, 5.0 + root),
             "broadcast from " + std::to_string(root) + " on rank " + std::to_string(rank));
   }
   std::vector<Tensor> parts = {full({3}, 1.0 * rank, kInt64), full({5}, 2.0 * rank, kInt64)};
@@ -130,6 +130,7 @@ void run_forced(const std::vector<int>& per_node, size_t pipeline_bytes) {
     o.gloo.timeout = 60s;
     o.gloo.hostname = "127.0.0.1";
     o.pipeline_bytes = pipeline_bytes;
+    o.flat_below_bytes = 0;  // small collectives take the hierarchical path too
     ProcessGroupHierarchical pg(std::make_shared<PrefixStore>("pg", store), rank, n,
                                 NodeLayout(keys), o);
     require(pg.layout().nodes() == static_cast<int>(per_node.size()), pg.layout().describe());
