@@ -47,7 +47,7 @@ done
 here="$(cd "$(dirname "$0")" && pwd)"
 emberrun="$build/launcher/emberrun"
 bench="$build/benchmarks/bench_collectives"
-bench_ddp="$build/benchmarks/bench_ddp"
+bench_ddp="$build/benchmarks/ddp/bench_ddp"
 needed=("$emberrun" "$bench")
 [[ $ddp -eq 0 ]] || needed+=("$bench_ddp")
 for f in "${needed[@]}"; do
