@@ -6,8 +6,8 @@
 // allreduce instead reduces inside each node (over shared memory when the node's ranks share a
 // machine: ProcessGroupGloo's shared-memory allreduce), all-reduces between one leader per node
 // (the node's lowest rank) over TCP, where each leader sends the buffer about once, and
-// broadcasts the result back inside each node. Large buffers go in pieces, so that one piece's
-// local steps overlap the next piece's network transfer (Note [hierarchical pipeline]).
+// broadcasts the result back inside each node. Buffers go in pieces, so that one piece's local
+// steps overlap the next piece's network transfer (Note [hierarchical pipeline]).
 //
 // Three ProcessGroupGloo groups do the moving: the ranks of this node ("local"), the node
 // leaders ("leaders", TCP only; other ranks are not members) and every rank ("flat"). allreduce
@@ -28,12 +28,12 @@
 //
 // Errors: a step that fails or times out fails the collective with the inner group's error,
 // prefixed by this group's label ("[gloo] allreduce #3 on rank 2 of 4") and the step, naming the
-// inner group's members as global ranks (inner errors name ranks of the inner group). Every step
-// waits at most until the collective's deadline (the group's or the call's timeout). After a
-// failure the group closes its local and leaders' groups, so that peers blocked on this rank fail
-// at once (they see this rank close its connections) rather than at their timeout, and every
-// later hierarchical collective fails naming the first error (as ProcessGroupGloo: recreate the
-// group).
+// inner group's members by their ranks in this group (inner errors name ranks of the inner
+// group). Every step waits at most until the collective's deadline (the group's or the call's
+// timeout). After a failure the group fails its local and leaders' groups too (they close their
+// connections and give up their shared-memory waits), so that peers blocked on this rank fail at
+// once rather than at their timeout, and every later hierarchical collective fails naming the
+// first error (as ProcessGroupGloo: recreate the group).
 //
 // Nodes: ranks with equal node keys (NodeLayout) form a node. init_process_group's gloo backend
 // builds this group by itself when the ranks span at least two nodes and one node has at least
