@@ -1,7 +1,7 @@
 // Hierarchical gloo collectives: local groups, node leaders and a flat group (see the header).
 //
 // Note [hierarchical pipeline]
-// An allreduce goes in P pieces (a quarter of the buffer each, within [kMinPieceBytes,
+// An allreduce goes in P pieces (an eighth of the buffer each, within [kMinPieceBytes,
 // pipeline_bytes]). For piece k, the node's ranks all-reduce it in their local group (L k), the
 // leaders all-reduce the node sums over TCP (X k) and each leader broadcasts the result to its
 // node (B k). The leader issues
@@ -432,7 +432,7 @@ std::vector<Tensor> ProcessGroupHierarchical::Impl::allreduce(Tensor t, ReduceOp
   if (pipeline_bytes_ > 0) {
     const int64_t most = static_cast<int64_t>(pipeline_bytes_);
     const int64_t least = std::min<int64_t>(kMinPieceBytes, most);
-    const int64_t per = std::max<int64_t>(1, std::clamp(numel * item / 4, least, most) / item);
+    const int64_t per = std::max<int64_t>(1, std::clamp(numel * item / 8, least, most) / item);
     count = (numel + per - 1) / per;
   }
   std::vector<Tensor> pieces;

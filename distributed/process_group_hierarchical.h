@@ -98,7 +98,7 @@ class ProcessGroupHierarchical : public ProcessGroup {
     /// nodes). gloo.timeout is also this group's default timeout.
     ProcessGroupGloo::GlooOptions gloo;
     /// The largest piece an allreduce moves in (Note [hierarchical pipeline]): a buffer goes
-    /// in pieces of a quarter of it, at least 256 KiB (or this, when smaller) and at most this.
+    /// in pieces of an eighth of it, at least 256 KiB (or this, when smaller) and at most this.
     /// 0: in one piece.
     size_t pipeline_bytes = size_t{4} << 20;
     /// allreduce and broadcast of at most this many bytes go through the flat group: their
