@@ -526,43 +526,44 @@ WorkPtr via_host(const char* name, Tensor& tensor, Run run) {
 }
 }  // namespace
 
-WorkPtr ProcessGroupHierarchical::allreduce(Tensor& tensor, const AllreduceOptions& opts) {
+WorkPtr ProcessGroupHierarchical::issue(const char* name, Tensor& tensor,
+                                        std::optional<Duration> timeout, const FlatOp& flat,
+                                        const StepsOp& steps) {
   if (tensor.defined() && tensor.is_cuda()) {
-    return via_host("allreduce of a CUDA tensor", tensor,
-                    [&](Tensor& host) { return allreduce(host, opts); });
+    const std::string what = detail::str_cat(name, " of a CUDA tensor");
+    return via_host(what.c_str(), tensor,
+                    [&](Tensor& host) { return issue(name, host, timeout, flat, steps); });
   }
-  check_cpu_tensor("allreduce", tensor);
+  check_cpu_tensor(name, tensor);
   if (impl_->small(tensor)) {
-    next_op_label("allreduce");
-    return impl_->flat().allreduce(tensor, opts);
+    next_op_label(name);
+    return flat(impl_->flat(), tensor);
   }
   Tensor t = tensor;
-  const ReduceOp op = opts.op;
   Impl* impl = impl_.get();
-  return impl_->submit(next_op_label("allreduce"), timeout_of(opts.timeout),
-                       [impl, t, op](Clock::time_point deadline) {
-                         return impl->allreduce(t, op, deadline);
+  return impl_->submit(next_op_label(name), timeout_of(timeout),
+                       [impl, t, steps](Clock::time_point deadline) {
+                         return steps(*impl, t, deadline);
                        });
 }
 
+WorkPtr ProcessGroupHierarchical::allreduce(Tensor& tensor, const AllreduceOptions& opts) {
+  return issue(
+      "allreduce", tensor, opts.timeout,
+      [&](ProcessGroup& flat, Tensor& t) { return flat.allreduce(t, opts); },
+      [op = opts.op](Impl& impl, const Tensor& t, Clock::time_point deadline) {
+        return impl.allreduce(t, op, deadline);
+      });
+}
+
 WorkPtr ProcessGroupHierarchical::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
-  if (tensor.defined() && tensor.is_cuda()) {
-    return via_host("broadcast of a CUDA tensor", tensor,
-                    [&](Tensor& host) { return broadcast(host, opts); });
-  }
-  check_cpu_tensor("broadcast", tensor);
   check_root("broadcast", opts.root);
-  if (impl_->small(tensor)) {
-    next_op_label("broadcast");
-    return impl_->flat().broadcast(tensor, opts);
-  }
-  Tensor t = tensor;
-  const int root = opts.root;
-  Impl* impl = impl_.get();
-  return impl_->submit(next_op_label("broadcast"), timeout_of(opts.timeout),
-                       [impl, t, root](Clock::time_point deadline) {
-                         return impl->broadcast(t, root, deadline);
-                       });
+  return issue(
+      "broadcast", tensor, opts.timeout,
+      [&](ProcessGroup& flat, Tensor& t) { return flat.broadcast(t, opts); },
+      [root = opts.root](Impl& impl, const Tensor& t, Clock::time_point deadline) {
+        return impl.broadcast(t, root, deadline);
+      });
 }
 
 // The flat group's collectives: next_op_label keeps this group's sequence numbers counting

@@ -40,6 +40,8 @@
 // two ranks, unless EMBER_GLOO_HIERARCHICAL=0 (docs/distributed.md).
 #pragma once
 
+#include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -150,6 +152,14 @@ class ProcessGroupHierarchical : public ProcessGroup {
   class Impl;
 
  private:
+  using FlatOp = std::function<WorkPtr(ProcessGroup& flat, Tensor& tensor)>;
+  using StepsOp = std::function<std::vector<Tensor>(
+      Impl&, const Tensor& tensor, std::chrono::steady_clock::time_point deadline)>;
+  /// allreduce's and broadcast's common part: a CUDA tensor goes through a host copy; a small
+  /// one through flat(); others through steps() on the group's thread.
+  WorkPtr issue(const char* name, Tensor& tensor, std::optional<Duration> timeout,
+                const FlatOp& flat, const StepsOp& steps);
+
   std::unique_ptr<Impl> impl_;
 };
 

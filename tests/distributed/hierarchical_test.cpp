@@ -121,7 +121,15 @@ void check_others(ProcessGroup& pg, int rank, int n) {
   pg.barrier()->wait();
 }
 
-void run_forced(const std::vector<int>& per_node, size_t pipeline_bytes) {
+using Body = std::function<void(ProcessGroupHierarchical&, Store&, int rank, int n)>;
+
+void check_all(ProcessGroupHierarchical& pg, Store& store, int rank, int n) {
+  check_allreduce(pg, store, rank, n);
+  check_others(pg, rank, n);
+}
+
+void run_forced(const std::vector<int>& per_node, size_t pipeline_bytes,
+                const Body& body = check_all) {
   const std::vector<std::string> keys = keys_for(per_node);
   const int n = static_cast<int>(keys.size());
   test::Children kids(n, [&](int rank, const std::string& port) {
@@ -138,8 +146,7 @@ void run_forced(const std::vector<int>& per_node, size_t pipeline_bytes) {
     require(pg.node() == node, "node()");
     require(pg.local_uses_shared_memory() == (per_node[node] > 1),
             "rank " + std::to_string(rank) + ": local_uses_shared_memory() is wrong");
-    check_allreduce(pg, *store, rank, n);
-    check_others(pg, rank, n);
+    body(pg, *store, rank, n);
   });
   TCPStoreServerOptions so;
   so.host = "127.0.0.1";
@@ -161,6 +168,31 @@ TEST(HierarchicalForced, UnevenThreePlusOne) {
 TEST(HierarchicalForced, ThreeNodesInOnePieceEach) {
   EMBER_REQUIRE_GLOO();
   run_forced({1, 2, 1}, 0);
+}
+
+// CUDA tensors go through a host copy (as over ProcessGroupGloo), in and out of every step.
+TEST(HierarchicalForced, CudaTensorsAreStagedThroughHostMemory) {
+  EMBER_REQUIRE_GLOO();
+  const std::string no_cuda = test::cuda_unusable_in_children();
+  if (!no_cuda.empty()) GTEST_SKIP() << "no CUDA device in a child process: " << no_cuda;
+  run_forced({2, 2}, 64 << 10, [](ProcessGroupHierarchical& pg, Store&, int rank, int n) {
+    const Device gpu("cuda");
+    for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max}) {
+      Tensor t = full({100003}, 0.0, kFloat32);
+      for (int64_t i = 0; i < 2; ++i) t[i].fill_(test::input(rank, i));
+      t = t.to(gpu);
+      pg.allreduce(t, {op})->wait();
+      require(t.is_cuda(), "allreduce result stays on the GPU");
+      const Tensor host = t.to(kCPU);
+      for (int64_t i = 0; i < 2; ++i) {
+        require(host[i].item<float>() == test::expected(op, n, i, kFloat32),
+                detail::str_cat("cuda allreduce ", to_string(op), " on rank ", rank, " index ", i));
+      }
+    }
+    Tensor b = full({30000}, rank + 1.0, kFloat32).to(gpu);
+    pg.broadcast(b, {n - 1})->wait();
+    require(b.is_cuda() && b.to(kCPU)[29999].item<float>() == n, "cuda broadcast");
+  });
 }
 
 TEST(HierarchicalForced, NodeLayoutOrdersNodesByLowestRank) {
