@@ -100,29 +100,47 @@ std::string local_node_key() {
 NodeLayout exchange_node_keys(Store& store, int rank, int size, const std::string& key, bool flag,
                               bool* all_flags, Duration timeout) {
   // A rank whose key cannot be read gets one of its own: a node of one rank never shares memory
-  // by mistake.
-  const std::string mine = key.empty() ? "?rank" + std::to_string(rank) : key;
+  // by mistake. Lines of the combined list are "<flag><key>", so a key holds no newline.
+  std::string mine = key.empty() ? "?rank" + std::to_string(rank) : key;
+  std::replace(mine.begin(), mine.end(), '\n', ' ');
   store.set("ember_node/" + std::to_string(rank), std::string(flag ? "1" : "0") + mine);
-  std::vector<std::string> keys(static_cast<size_t>(size));
-  bool all = true;
+  // Rank 0 gathers the keys and publishes them as one value: 2 * size store requests in all,
+  // not size * size.
   const auto deadline = Clock::now() + timeout;
-  for (int r = 0; r < size; ++r) {
-    std::string v;
-    try {
-      const auto left = std::max(Duration(1), std::chrono::duration_cast<Duration>(
-                                                  deadline - Clock::now()));
-      v = r == rank ? "1" + mine : store.get_string("ember_node/" + std::to_string(r), left);
-    } catch (const DistTimeoutError& e) {
-      throw DistTimeoutError(detail::str_cat("[gloo] finding the nodes of a group of ", size,
-                                             " on rank ", rank, ": rank ", r, " did not publish its"
-                                             " node key within ", timeout.count(), " ms: ",
-                                             e.what()));
+  auto left = [&] {
+    return std::max(Duration(1), std::chrono::duration_cast<Duration>(deadline - Clock::now()));
+  };
+  int awaited = 0;
+  try {
+    if (rank == 0) {
+      std::string list;
+      for (awaited = 0; awaited < size; ++awaited) {
+        list += store.get_string("ember_node/" + std::to_string(awaited), left()) + "\n";
+      }
+      store.set("ember_node/all", list);
     }
-    all = all && !v.empty() && v[0] == '1';
-    keys[static_cast<size_t>(r)] = v.empty() ? std::string() : v.substr(1);
+    awaited = 0;
+    const std::string list = store.get_string("ember_node/all", left());
+    std::vector<std::string> keys;
+    bool all = true;
+    for (size_t at = 0; at < list.size();) {
+      const size_t end = list.find('\n', at);
+      const std::string line = list.substr(at, end - at);
+      all = all && !line.empty() && line[0] == '1';
+      keys.push_back(line.empty() ? std::string() : line.substr(1));
+      at = end == std::string::npos ? list.size() : end + 1;
+    }
+    EMBER_INTERNAL_ASSERT(static_cast<int>(keys.size()) == size, "[gloo] node list of ",
+                          keys.size(), " ranks for a group of ", size);
+    if (all_flags) *all_flags = all && flag;
+    return NodeLayout(keys);
+  } catch (const DistTimeoutError& e) {
+    throw DistTimeoutError(detail::str_cat("[gloo] finding the nodes of a group of ", size,
+                                           " on rank ", rank, ": rank ", awaited,
+                                           awaited == 0 && rank != 0 ? " did not publish the"
+                                           " ranks' node keys" : " did not publish its node key",
+                                           " within ", timeout.count(), " ms: ", e.what()));
   }
-  if (all_flags) *all_flags = all && flag;
-  return NodeLayout(keys);
 }
 
 // ---- Impl ---------------------------------------------------------------------------------------

@@ -208,6 +208,25 @@ TEST(HierarchicalForced, NodeLayoutOrdersNodesByLowestRank) {
   EXPECT_FALSE(NodeLayout({"a", "b", "c"}).pays());  // a node per rank: a flat ring already
 }
 
+TEST(HierarchicalForced, NodeKeyExchangeNamesTheMissingRank) {
+  HashStore store;
+  std::string msg = test::message_of(
+      [&] { exchange_node_keys(store, 0, 3, "a", true, nullptr, Duration(50)); });
+  EXPECT_NE(msg.find("on rank 0: rank 1 did not publish its node key within 50 ms"),
+            std::string::npos) << msg;
+  HashStore other;
+  msg = test::message_of(
+      [&] { exchange_node_keys(other, 2, 3, "a", true, nullptr, Duration(50)); });
+  EXPECT_NE(msg.find("on rank 2: rank 0 did not publish the ranks' node keys"), std::string::npos)
+      << msg;
+  // A lone rank (world of one) gets its own key back, and the switch.
+  HashStore solo;
+  bool all = false;
+  const NodeLayout l = exchange_node_keys(solo, 0, 1, "", true, &all, Duration(50));
+  EXPECT_EQ(l.nodes(), 1);
+  EXPECT_TRUE(all);
+}
+
 // init_process_group's gloo backend picks the group from the node keys and the switch.
 struct InitCase {
   const char* name;
