@@ -12,6 +12,7 @@
 #include "distributed/net.h"
 #include "distributed/prefix_store.h"
 #include "distributed/process_group_gloo.h"
+#include "distributed/process_group_hierarchical.h"
 #include "distributed/process_group_mpi.h"
 #include "distributed/tcp_store.h"
 #include "tensor/cuda.h"
@@ -48,6 +49,26 @@ Duration default_timeout() {
   return timeout_from_env("EMBER_PG_TIMEOUT").value_or(kDefaultCollectiveTimeout);
 }
 
+// A hierarchical group (process_group_hierarchical.h) when the ranks span several nodes and
+// one node has several ranks, unless EMBER_GLOO_HIERARCHICAL=0; null otherwise. Every rank
+// publishes its node key and its switch, so all take the same branch even when their
+// environments differ (one rank's 0 turns it off for all).
+std::shared_ptr<ProcessGroup> make_gloo_hierarchical(const BackendArgs& a,
+                                                     const ProcessGroupGloo::GlooOptions& o) {
+  bool wanted = true;
+  if (const char* h = std::getenv("EMBER_GLOO_HIERARCHICAL"); h && *h) {
+    wanted = parse_int("EMBER_GLOO_HIERARCHICAL", h, 0, 1, "1: reduce inside each node, then "
+                       "between node leaders, 0: one flat ring of all ranks") == 1;
+  }
+  bool all_want = false;
+  const NodeLayout layout =
+      exchange_node_keys(*a.store, a.rank, a.size, local_node_key(), wanted, &all_want, a.timeout);
+  if (!all_want || !layout.pays()) return nullptr;
+  ProcessGroupHierarchical::HierarchicalOptions ho;
+  ho.gloo = o;
+  return std::make_shared<ProcessGroupHierarchical>(a.store, a.rank, a.size, layout, ho);
+}
+
 // Which address gloo listens on, unless EMBER_GLOO_HOSTNAME or GLOO_SOCKET_IFNAME says: loopback
 // when rank 0 is on this machine's loopback; otherwise the address of the interface that
 // reaches rank 0 (torch resolves the machine's hostname instead, which on many machines, and
@@ -69,6 +90,9 @@ std::shared_ptr<ProcessGroup> make_gloo(const BackendArgs& a) {
     } else if (!a.master_addr.empty()) {
       o.hostname = local_address_towards(a.master_addr);  // "" keeps gloo's hostname default
     }
+  }
+  if (a.size > 1) {
+    if (auto pg = make_gloo_hierarchical(a, o)) return pg;
   }
   return std::make_shared<ProcessGroupGloo>(a.store, a.rank, a.size, o);
 }

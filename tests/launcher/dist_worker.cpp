@@ -4,8 +4,9 @@
 // Also prints "rank R of W: allreduce(rank+1) = S" so a multi-node test (whose nodes may not
 // share DIR) can check every rank took part from emberrun's or mpirun's output.
 // It also writes DIR/init_<RANK>: the wall-clock time (ns) init_process_group returned, and
-// for gloo prints "rank R: allreduce over shared memory" (every rank on one machine) or "...
-// over tcp".
+// for gloo prints "rank R: allreduce over shared memory" (every rank on one machine), "...
+// over tcp", or, for a hierarchical group, "... over shared memory within the node, tcp between
+// N nodes".
 // Usage: dist_worker DIR [BACKEND]   (BACKEND: gloo, the default, or mpi under mpirun)
 #include <time.h>
 
@@ -16,6 +17,7 @@
 
 #include "distributed/init.h"
 #include "distributed/process_group_gloo.h"
+#include "distributed/process_group_hierarchical.h"
 #include "tensor/creation.h"
 
 int main(int argc, char** argv) {
@@ -44,6 +46,10 @@ int main(int argc, char** argv) {
     if (auto* gloo = dynamic_cast<dist::ProcessGroupGloo*>(pg.get())) {
       std::printf("rank %d: allreduce over %s\n", pg->rank(),
                   gloo->uses_shared_memory() ? "shared memory" : "tcp");
+    } else if (auto* h = dynamic_cast<dist::ProcessGroupHierarchical*>(pg.get())) {
+      std::printf("rank %d: allreduce over %s within the node, tcp between %d nodes\n",
+                  pg->rank(), h->local_uses_shared_memory() ? "shared memory" : "tcp",
+                  h->layout().nodes());
     }
     dist::destroy_process_group();
     std::printf("rank %d done\n", pg->rank());

@@ -302,8 +302,9 @@ TEST_F(MultiNodeNetns, GlooAllreduceAcrossTwoNamespaces) {
   ASSERT_EQ(r0.exit_code, 0) << describe(r0);
   ASSERT_EQ(r1.exit_code, 0) << describe(r1);
   expect_allreduce_lines(r0.out + r1.out, 4);
-  // Network namespaces count as machines: the group stays on TCP.
-  expect_transport(r0.out + r1.out, 4, "tcp");
+  // Network namespaces count as machines: each node reduces over shared memory, the two node
+  // leaders over TCP (process_group_hierarchical.h).
+  expect_transport(r0.out + r1.out, 4, "shared memory within the node, tcp between 2 nodes");
   EXPECT_TRUE(contains(r1.err, "MASTER_ADDR=" + net_->addr[0] + ":")) << describe(r1);
 }
 
