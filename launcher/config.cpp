@@ -490,10 +490,15 @@ std::vector<std::string> environment_args(const std::vector<std::string>& args,
       sources[o.var] = Source::kCommandLine;
       continue;
     }
-    const char* v = std::getenv(("EMBER_" + o.var).c_str());
+    // An empty variable counts as unset, as CLI11's envname() treats it.
+    auto get = [](const std::string& name) {
+      const char* v = std::getenv(name.c_str());
+      return v != nullptr && *v != '\0' ? v : nullptr;
+    };
+    const char* v = get("EMBER_" + o.var);
     Source s = Source::kEmberEnv;
     if (v == nullptr && o.torch) {
-      v = std::getenv(("PET_" + o.var).c_str());
+      v = get("PET_" + o.var);
       s = Source::kTorchEnv;
     }
     if (v == nullptr) continue;

@@ -197,7 +197,8 @@ TEST(Config, TorchrunVariablesComeAfterEmberOnes) {
   setenv("PET_MASTER_ADDR", "10.0.0.9", 1);
   setenv("PET_STANDALONE", "1", 1);
   setenv("PET_ROLE", "reader", 1);
-  setenv("PET_RDZV_TIMEOUT", "3", 1);  // not a torchrun option: ignored
+  setenv("PET_RDZV_TIMEOUT", "3", 1);   // not a torchrun option: ignored
+  setenv("EMBER_NPROC_PER_NODE", "", 1);  // empty: as if unset
   LaunchConfig c = parse_args({"prog"});
   EXPECT_EQ(c.nproc_per_node, 2);
   EXPECT_EQ(c.master_addr, "10.0.0.9");
