@@ -13,6 +13,7 @@
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <sstream>
 
 namespace ember::launcher {
@@ -171,48 +172,76 @@ struct RawOptions {
   std::optional<int> master_port;
   std::optional<int> node_rank;
   int max_restarts = 0;
+  std::string rdzv_conf, start_method;
+  bool no_python = false, module = false, run_path = false;
 };
 
-void add_options(CLI::App& app, RawOptions& raw, LaunchConfig& c) {
+// Where an option's value came from; a lower value is the stronger source.
+enum class Source { kCommandLine, kEmberEnv, kTorchEnv, kDefault };
+
+// One option and the suffix of its variables (EMBER_<var>, and PET_<var> when torchrun has it).
+struct EnvOption {
+  CLI::Option* option;
+  std::string var;
+  bool torch;
+};
+
+std::vector<EnvOption> add_options(CLI::App& app, RawOptions& raw, LaunchConfig& c) {
+  std::vector<EnvOption> out;
   auto opt = [&](const std::string& names, auto& var, const std::string& env,
-                 const std::string& help) {
-    return app.add_option(names, var, help)->envname(env);
+                 const std::string& help, bool torch = true) {
+    out.push_back({app.add_option(names, var, help), env, torch});
   };
-  opt("--nnodes", raw.nnodes, "EMBER_NNODES", "Number of nodes, N or MIN:MAX");
-  opt("--nproc-per-node,--nproc_per_node", raw.nproc, "EMBER_NPROC_PER_NODE",
+  auto flag = [&](const std::string& names, bool& var, const std::string& env,
+                  const std::string& help) {
+    out.push_back({app.add_flag(names, var, help), env, true});
+  };
+  opt("--nnodes", raw.nnodes, "NNODES", "Number of nodes, N or MIN:MAX");
+  opt("--nproc-per-node,--nproc_per_node", raw.nproc, "NPROC_PER_NODE",
       "Ranks on this node: an integer, cpu, gpu or auto");
-  opt("--node-rank,--node_rank", raw.node_rank, "EMBER_NODE_RANK",
+  opt("--node-rank,--node_rank", raw.node_rank, "NODE_RANK",
       "This node's rank (multi-node: omitted = assigned by arrival, the store's host is 0)");
-  opt("--master-addr,--master_addr", c.master_addr, "EMBER_MASTER_ADDR",
+  opt("--master-addr,--master_addr", c.master_addr, "MASTER_ADDR",
       "Address of rank 0's store (MASTER_ADDR)");
-  opt("--master-port,--master_port", raw.master_port, "EMBER_MASTER_PORT",
+  opt("--master-port,--master_port", raw.master_port, "MASTER_PORT",
       "Port of rank 0's store (MASTER_PORT), default 29500");
-  opt("--rdzv-endpoint,--rdzv_endpoint", c.rdzv_endpoint, "EMBER_RDZV_ENDPOINT",
+  opt("--rdzv-endpoint,--rdzv_endpoint", c.rdzv_endpoint, "RDZV_ENDPOINT",
       "Rendezvous store host[:port] (multi-node; port 29400 if omitted; default: "
       "--master-addr:--master-port)");
-  opt("--rdzv-id,--rdzv_id", c.rdzv_id, "EMBER_RDZV_ID", "Run id (names the log folder)");
-  opt("--rdzv-backend,--rdzv_backend", c.rdzv_backend, "EMBER_RDZV_BACKEND",
+  opt("--rdzv-id,--rdzv_id", c.rdzv_id, "RDZV_ID", "Run id (names the log folder)");
+  opt("--rdzv-backend,--rdzv_backend", c.rdzv_backend, "RDZV_BACKEND",
       "Rendezvous backend: static or c10d");
-  opt("--local-addr,--local_addr", c.local_addr, "EMBER_LOCAL_ADDR",
+  opt("--rdzv-conf,--rdzv_conf", raw.rdzv_conf, "RDZV_CONF",
+      "Rendezvous settings key=value,...: join_timeout, timeout (both --rdzv-timeout), "
+      "last_call_timeout (--rdzv-last-call), read_timeout (one store request, 10 s)");
+  opt("--local-addr,--local_addr", c.local_addr, "LOCAL_ADDR",
       "This node's address, given to the workers as MASTER_ADDR when it is node 0");
   opt("--rdzv-timeout,--rdzv_timeout,--join-timeout,--join_timeout", c.rdzv_timeout_s,
-      "EMBER_RDZV_TIMEOUT", "Seconds the nodes may take to join a rendezvous round (900)");
-  opt("--rdzv-last-call,--rdzv_last_call", c.last_call_s, "EMBER_RDZV_LAST_CALL",
-      "With --nnodes MIN:MAX: seconds to wait for more nodes once MIN joined (30)");
-  app.add_flag("--standalone", c.standalone, "Single node, free port picked automatically")
-      ->envname("EMBER_STANDALONE");
-  opt("--max-restarts,--max_restarts", raw.max_restarts, "EMBER_MAX_RESTARTS",
+      "RDZV_TIMEOUT", "Seconds the nodes may take to join a rendezvous round (900)", false);
+  opt("--rdzv-last-call,--rdzv_last_call", c.last_call_s, "RDZV_LAST_CALL",
+      "With --nnodes MIN:MAX: seconds to wait for more nodes once MIN joined (30)", false);
+  flag("--standalone", c.standalone, "STANDALONE", "Single node, free port picked automatically");
+  opt("--max-restarts,--max_restarts", raw.max_restarts, "MAX_RESTARTS",
       "Restarts of the worker group before failing");
-  opt("--monitor-interval,--monitor_interval", c.monitor_interval_s, "EMBER_MONITOR_INTERVAL",
+  opt("--monitor-interval,--monitor_interval", c.monitor_interval_s, "MONITOR_INTERVAL",
       "Seconds between worker checks");
-  opt("--grace-period,--grace_period", c.grace_period_s, "EMBER_GRACE_PERIOD",
-      "Seconds between SIGTERM and SIGKILL when stopping workers (Ember extension)");
-  opt("--log-dir,--log_dir", c.log_dir, "EMBER_LOG_DIR", "Folder for per-rank log files");
-  opt("-r,--redirects", raw.redirects, "EMBER_REDIRECTS",
+  opt("--grace-period,--grace_period", c.grace_period_s, "GRACE_PERIOD",
+      "Seconds between SIGTERM and SIGKILL when stopping workers (Ember extension)", false);
+  opt("--log-dir,--log_dir", c.log_dir, "LOG_DIR", "Folder for per-rank log files");
+  opt("-r,--redirects", raw.redirects, "REDIRECTS",
       "Streams sent to the log file only: 0 none, 1 stdout, 2 stderr, 3 both, or 0:3,1:1");
-  opt("-t,--tee", raw.tee, "EMBER_TEE", "Streams sent to console and log file (same format)");
-  opt("--local-ranks-filter,--local_ranks_filter", raw.filter, "EMBER_LOCAL_RANKS_FILTER",
+  opt("-t,--tee", raw.tee, "TEE", "Streams sent to console and log file (same format)");
+  opt("--local-ranks-filter,--local_ranks_filter", raw.filter, "LOCAL_RANKS_FILTER",
       "Console shows only these local ranks, e.g. 0 or 0,2");
+  opt("--role", c.role, "ROLE", "The workers' ROLE_NAME (default: default)");
+  opt("--start-method,--start_method", raw.start_method, "START_METHOD",
+      "torchrun's spawn, fork or forkserver: accepted, no effect (workers are programs)");
+  flag("--no-python,--no_python", raw.no_python, "NO_PYTHON",
+       "torchrun's flag: accepted, no effect (workers are always programs)");
+  flag("-m,--module", raw.module, "MODULE", "torchrun's flag: refused (emberrun runs programs)");
+  flag("--run-path,--run_path", raw.run_path, "RUN_PATH",
+       "torchrun's flag: refused (emberrun runs programs)");
+  return out;
 }
 
 // PROGRAM and its ARGS: what CLI11 left after emberrun's options.
@@ -284,6 +313,10 @@ void check_limits(const RawOptions& raw, LaunchConfig& c) {
     throw UsageError("--rdzv-last-call: expected seconds in [0, 1e6], got " +
                      std::to_string(c.last_call_s));
   }
+  if (c.rdzv_read_timeout_s > 1e6) {
+    throw UsageError("--rdzv-conf read_timeout: expected seconds in (0, 1e6], got " +
+                     std::to_string(c.rdzv_read_timeout_s));
+  }
   if (raw.max_restarts < 0) {
     throw UsageError("--max-restarts: expected >= 0, got " + std::to_string(raw.max_restarts));
   }
@@ -321,18 +354,105 @@ void resolve_addresses_and_output(const RawOptions& raw, LaunchConfig& c) {
   }
 }
 
-}  // namespace
+// An option's value in seconds from --rdzv-conf; UsageError quoting the pair otherwise.
+double conf_seconds(const std::string& key, const std::string& value) {
+  double v = 0;
+  auto [p, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
+  if (value.empty() || ec != std::errc() || p != value.data() + value.size() || !(v > 0)) {
+    throw UsageError("--rdzv-conf: " + key + " expects seconds > 0, got '" + value + "'");
+  }
+  return v;
+}
 
-LaunchConfig parse_args(const std::vector<std::string>& args) {
-  CLI::App app{
-      "emberrun: launch PROGRAM as a group of ranks (torchrun's interface for programs).\n"
-      "Every option can also be set through its EMBER_* variable; the command line wins.",
-      "emberrun"};
-  app.prefix_command();  // everything from PROGRAM on belongs to the program
-  app.set_help_flag("-h,--help", "Print this help and exit");
-  RawOptions raw;
-  LaunchConfig c;
-  add_options(app, raw, c);
+// "key=value,..." into its pairs, refusing malformed pairs and unknown keys.
+std::vector<std::pair<std::string, std::string>> parse_rdzv_conf(const std::string& text) {
+  static const std::vector<std::string> known = {"join_timeout", "last_call_timeout", "timeout",
+                                                 "read_timeout"};
+  std::vector<std::pair<std::string, std::string>> pairs;
+  for (const auto& item : split(text, ",")) {
+    const auto eq = item.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == item.size()) {
+      throw UsageError("--rdzv-conf: malformed pair '" + item + "' in '" + text +
+                       "' (expected key=value,...)");
+    }
+    std::string key = item.substr(0, eq);
+    if (std::find(known.begin(), known.end(), key) == known.end()) {
+      std::string names;
+      for (const auto& k : known) names += (names.empty() ? "" : ", ") + k;
+      throw UsageError("--rdzv-conf: unknown key '" + key + "' (known: " + names + ")");
+    }
+    pairs.emplace_back(std::move(key), item.substr(eq + 1));
+  }
+  return pairs;
+}
+
+// Sets `target` (the value of `option`, from `option_src`) to a --rdzv-conf key's value (from
+// `conf_src`) unless the option's source is stronger; the same source disagreeing is an error.
+void merge_conf_value(const std::string& pair, double value, Source conf_src,
+                      const std::string& option, Source option_src, double& target) {
+  if (option_src < conf_src) return;
+  if (option_src == conf_src && target != value) {
+    std::ostringstream os;
+    os << "--rdzv-conf " << pair << " contradicts " << option << " " << target
+       << " (give one of them)";
+    throw UsageError(os.str());
+  }
+  target = value;
+}
+
+// --rdzv-conf onto the options it maps to (see parse_args' contract for the precedence).
+void apply_rdzv_conf(const std::string& text, const std::map<std::string, Source>& sources,
+                     LaunchConfig& c) {
+  auto source = [&](const std::string& var) {
+    auto it = sources.find(var);
+    return it == sources.end() ? Source::kDefault : it->second;
+  };
+  const Source conf_src = source("RDZV_CONF");
+  std::optional<std::pair<std::string, double>> join;  // join_timeout or timeout
+  for (const auto& [key, value] : parse_rdzv_conf(text)) {
+    const double v = conf_seconds(key, value);
+    const std::string pair = key + "=" + value;
+    if (key == "read_timeout") {
+      c.rdzv_read_timeout_s = v;
+    } else if (key == "last_call_timeout") {
+      merge_conf_value(pair, v, conf_src, "--rdzv-last-call", source("RDZV_LAST_CALL"),
+                       c.last_call_s);
+    } else {  // torch's static backend calls the join limit "timeout", the c10d one join_timeout
+      if (join && join->second != v) {
+        throw UsageError("--rdzv-conf: " + join->first + " and " + pair +
+                         " both set the join timeout");
+      }
+      join = {pair, v};
+      merge_conf_value(pair, v, conf_src, "--rdzv-timeout", source("RDZV_TIMEOUT"),
+                       c.rdzv_timeout_s);
+    }
+  }
+}
+
+// torchrun's Python-only options: refused or accepted with a notice.
+void check_python_options(const RawOptions& raw, LaunchConfig& c) {
+  const std::string why =
+      ": emberrun runs programs, not Python modules or scripts through an interpreter of its "
+      "own; to run Python, give the interpreter as the program: emberrun [OPTIONS] python3 ";
+  if (raw.module) throw UsageError("-m/--module is not supported" + why + "-m MODULE [ARGS...]");
+  if (raw.run_path) throw UsageError("--run-path is not supported" + why + "script.py [ARGS...]");
+  if (raw.no_python) {
+    c.notices.push_back("--no-python has no effect: workers are always run as programs");
+  }
+  if (!raw.start_method.empty()) {
+    if (raw.start_method != "spawn" && raw.start_method != "fork" &&
+        raw.start_method != "forkserver") {
+      throw UsageError("--start-method: expected spawn, fork or forkserver, got '" +
+                       raw.start_method + "'");
+    }
+    c.notices.push_back(
+        "--start-method has no effect: workers are always run as programs "
+        "(fork and exec)");
+  }
+  if (c.role.empty()) throw UsageError("--role: must not be empty");
+}
+
+void parse_into(CLI::App& app, const std::vector<std::string>& args) {
   std::vector<std::string> rev(args.rbegin(), args.rend());
   try {
     app.parse(rev);
@@ -341,8 +461,69 @@ LaunchConfig parse_args(const std::vector<std::string>& args) {
   } catch (const CLI::ParseError& e) {
     throw UsageError(e.what());
   }
-  take_program(app, args, c);
+}
+
+constexpr const char* kDescription =
+    "emberrun: launch PROGRAM as a group of ranks (torchrun's interface for programs).\n"
+    "An option not on the command line is read from its EMBER_* variable, else from torchrun's "
+    "PET_* one\n(EMBER_NPROC_PER_NODE, PET_NPROC_PER_NODE, ...).";
+
+void setup_app(CLI::App& app) {
+  app.prefix_command();  // everything from PROGRAM on belongs to the program
+  app.set_help_flag("-h,--help", "Print this help and exit");
+}
+
+// The options the command line leaves unset but an EMBER_* or PET_* variable sets, as
+// "--option=value" arguments to put before the command line, and each option's source. A
+// first parse of the command line alone tells which options it sets.
+std::vector<std::string> environment_args(const std::vector<std::string>& args,
+                                          std::map<std::string, Source>& sources) {
+  CLI::App app{kDescription, "emberrun"};
+  setup_app(app);
+  RawOptions raw;
+  LaunchConfig c;
+  const auto options = add_options(app, raw, c);
+  parse_into(app, args);
+  std::vector<std::string> out;
+  for (const auto& o : options) {
+    if (o.option->count() > 0) {
+      sources[o.var] = Source::kCommandLine;
+      continue;
+    }
+    // An empty variable counts as unset, as CLI11's envname() treats it.
+    auto get = [](const std::string& name) {
+      const char* v = std::getenv(name.c_str());
+      return v != nullptr && *v != '\0' ? v : nullptr;
+    };
+    const char* v = get("EMBER_" + o.var);
+    Source s = Source::kEmberEnv;
+    if (v == nullptr && o.torch) {
+      v = get("PET_" + o.var);
+      s = Source::kTorchEnv;
+    }
+    if (v == nullptr) continue;
+    sources[o.var] = s;
+    out.push_back(o.option->get_name() + "=" + v);
+  }
+  return out;
+}
+
+}  // namespace
+
+LaunchConfig parse_args(const std::vector<std::string>& args) {
+  std::map<std::string, Source> sources;
+  std::vector<std::string> all = environment_args(args, sources);
+  all.insert(all.end(), args.begin(), args.end());
+  CLI::App app{kDescription, "emberrun"};
+  setup_app(app);
+  RawOptions raw;
+  LaunchConfig c;
+  add_options(app, raw, c);
+  parse_into(app, all);
+  take_program(app, all, c);
+  check_python_options(raw, c);
   resolve_topology(raw, c);
+  if (!raw.rdzv_conf.empty()) apply_rdzv_conf(raw.rdzv_conf, sources, c);
   check_limits(raw, c);
   resolve_addresses_and_output(raw, c);
   return c;

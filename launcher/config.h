@@ -1,4 +1,5 @@
-// emberrun's settings: the command line (torchrun's options) and their EMBER_* variables.
+// emberrun's settings: the command line (torchrun's options), their EMBER_* variables and
+// torchrun's PET_* ones.
 #pragma once
 
 #include <optional>
@@ -44,6 +45,8 @@ struct LaunchConfig {
   std::string local_addr;           // --local-addr: node 0's address for MASTER_ADDR
   double rdzv_timeout_s = 900.0;    // --rdzv-timeout / --join-timeout: node join limit, seconds
   double last_call_s = 30.0;        // --nnodes MIN:MAX: wait after MIN nodes joined, seconds
+  double rdzv_read_timeout_s = 10.0;  // --rdzv-conf read_timeout: one rendezvous store request
+  std::string role = "default";     // --role: the workers' ROLE_NAME
   int max_restarts = 0;             // --max-restarts
   double monitor_interval_s = 0.1;  // --monitor-interval, seconds
   double grace_period_s = 30.0;     // --grace-period: SIGTERM -> SIGKILL delay, seconds
@@ -53,6 +56,9 @@ struct LaunchConfig {
   std::optional<std::vector<int>> local_ranks_filter;  // console shows only these local ranks
   std::string program;              // PROGRAM (resolved through PATH by the agent)
   std::vector<std::string> args;    // ARGS
+  /// Options accepted for torchrun's sake that do nothing here (--no-python, --start-method):
+  /// one line each, which main() prints once on stderr.
+  std::vector<std::string> notices;
 
   /// Total number of ranks on a single node (nproc_per_node); multi-node runs get theirs from
   /// the rendezvous.
@@ -65,8 +71,12 @@ struct LaunchConfig {
 };
 
 /// Parses emberrun's command line (argv[0] excluded). An option not on the command line is
-/// read from its EMBER_* variable (EMBER_NPROC_PER_NODE, EMBER_MASTER_PORT, ...), else takes
-/// its default. Throws UsageError naming the option and the offending value, or HelpRequested.
+/// read from its EMBER_* variable (EMBER_NPROC_PER_NODE, EMBER_MASTER_PORT, ...), else, for
+/// torchrun's options, from torchrun's PET_* one (PET_NPROC_PER_NODE, ...), else takes its
+/// default. --rdzv-conf keys override the options they map onto unless those come from a
+/// stronger source (command line > EMBER_* > PET_*); given at the same level with different
+/// values they are an error. Throws UsageError naming the option and the offending value, or
+/// HelpRequested.
 LaunchConfig parse_args(const std::vector<std::string>& args);
 
 /// Parses a --redirects/--tee value for `nproc` local ranks: "3" (all ranks) or "0:3,1:1"

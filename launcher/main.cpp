@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   LaunchConfig config;
   try {
     config = parse_args(args);
+    for (const auto& n : config.notices) std::fprintf(stderr, "emberrun: %s\n", n.c_str());
   } catch (const HelpRequested& h) {
     std::fputs(h.what(), stdout);
     return 0;

@@ -26,8 +26,7 @@ using std::chrono::milliseconds;
 //   r<R>/failed          "<k> <what>": the first failure of the round (compare_set)
 //   r<R>/exit/<k>        node k left for good; node 0 stops hosting once all left
 //   closed               why the run is over; a node about to join a new round gives up
-constexpr milliseconds kPollChunk{200};         // waits are cut in chunks to notice signals
-constexpr milliseconds kRequestTimeout{10000};  // one quick request (set, add, check, ...)
+constexpr milliseconds kPollChunk{200};  // waits are cut in chunks to notice signals
 // The monitor's poll: when node 0's agent dies its port refuses connections, and the client
 // retries refused connections until the request timeout; this bounds how long that takes.
 constexpr milliseconds kPollTimeout{3000};
@@ -111,7 +110,7 @@ Rendezvous::Rendezvous(const LaunchConfig& config, std::function<bool()> interru
                                std::chrono::duration_cast<milliseconds>(deadline - Clock::now())));
     try {
       store_ = std::make_unique<dist::TCPStore>(host_, static_cast<uint16_t>(port_), o);
-      store_->set_timeout(kRequestTimeout);
+      store_->set_timeout(request_timeout());
       break;
     } catch (const dist::DistNetworkError& e) {
       last = e.what();
@@ -125,7 +124,8 @@ Rendezvous::Rendezvous(const LaunchConfig& config, std::function<bool()> interru
       throw RendezvousError(
           "could not reach the rendezvous store at " + endpoint() + " within " +
           seconds_str(config_.rdzv_timeout_s) +
-          " (--rdzv-timeout): is node 0's agent running? It hosts the store when started with "
+          " (--rdzv-timeout or --rdzv-conf join_timeout): is node 0's agent running? It hosts the "
+          "store when started with "
           "--node-rank 0, or without --node-rank on the machine that owns that address. Last "
           "error: " +
           last);
@@ -137,6 +137,8 @@ Rendezvous::~Rendezvous() {
   store_.reset();
   if (server_) server_->stop();
 }
+
+milliseconds Rendezvous::request_timeout() const { return to_ms(config_.rdzv_read_timeout_s); }
 
 std::string Rendezvous::endpoint() const {
   return (host_.find(':') != std::string::npos ? "[" + host_ + "]" : host_) + ":" +
@@ -169,7 +171,7 @@ void Rendezvous::throw_if_closed() {
   const std::string k = key("closed");
   if (store_->check({k})) {
     throw RendezvousError("the run was closed by another node: " +
-                          to_s(store_->get(k, kRequestTimeout)));
+                          to_s(store_->get(k, request_timeout())));
   }
 }
 
@@ -239,7 +241,7 @@ std::string Rendezvous::round_timeout_message(int round) {
   for (int i = 0; i < config_.min_nodes; ++i) {
     const std::string ki = node_key(round, i);
     if (store_->check({ki})) {
-      std::string v = to_s(store_->get(ki, kRequestTimeout));
+      std::string v = to_s(store_->get(ki, request_timeout()));
       joined +=
           (joined.empty() ? "" : ", ") + std::to_string(i) + " (" + v.substr(v.find(' ') + 1) + ")";
     } else {
@@ -247,7 +249,8 @@ std::string Rendezvous::round_timeout_message(int round) {
     }
   }
   return "rendezvous round " + std::to_string(round) + " at " + endpoint() + " timed out after " +
-         seconds_str(config_.rdzv_timeout_s) + " (--rdzv-timeout): nodes " + missing +
+         seconds_str(config_.rdzv_timeout_s) +
+         " (--rdzv-timeout or --rdzv-conf join_timeout): nodes " + missing +
          " never arrived (expected " + std::to_string(config_.min_nodes) + "; joined: " + joined +
          ")" + (config_.node_rank_given ? "" : "; node ranks are given out by arrival");
 }
@@ -258,12 +261,12 @@ int Rendezvous::await_round(int round, int k) {
   const auto deadline = Clock::now() + to_ms(config_.rdzv_timeout_s) + to_ms(config_.last_call_s) +
                         milliseconds(5000);
   if (!wait_keys({nn}, deadline, true)) {
-    throw RendezvousError("rendezvous round " + std::to_string(round) + " at " + endpoint() +
-                          ": node 0 did not complete the round within " +
-                          seconds_str(config_.rdzv_timeout_s) + " (--rdzv-timeout); this node is " +
-                          describe_self());
+    throw RendezvousError(
+        "rendezvous round " + std::to_string(round) + " at " + endpoint() +
+        ": node 0 did not complete the round within " + seconds_str(config_.rdzv_timeout_s) +
+        " (--rdzv-timeout or --rdzv-conf join_timeout); this node is " + describe_self());
   }
-  const int n = std::stoi(to_s(store_->get(nn, kRequestTimeout)));
+  const int n = std::stoi(to_s(store_->get(nn, request_timeout())));
   if (k >= n) {
     throw RendezvousError(describe_self() + " arrived after rendezvous round " +
                           std::to_string(round) + " closed with " + std::to_string(n) +
@@ -280,11 +283,11 @@ RoundInfo Rendezvous::read_round(int round, int k, int n) {
   info.nnodes = n;
   info.world_size = 0;
   for (int i = 0; i < n; ++i) {
-    const int nproc = std::stoi(to_s(store_->get(node_key(round, i), kRequestTimeout)));
+    const int nproc = std::stoi(to_s(store_->get(node_key(round, i), request_timeout())));
     if (i < k) info.rank_base += nproc;
     info.world_size += nproc;
   }
-  const std::string master = to_s(store_->get(round_key(round, "master"), kRequestTimeout));
+  const std::string master = to_s(store_->get(round_key(round, "master"), request_timeout()));
   const auto colon = master.rfind(':');
   info.master_addr = master.substr(0, colon);
   info.master_port = std::stoi(master.substr(colon + 1));
@@ -322,11 +325,11 @@ RoundFailure Rendezvous::report_failure(int round, const std::string& what) {
 std::optional<RoundFailure> Rendezvous::poll_failure(int round) {
   const std::string k = round_key(round, "failed");
   try {
-    store_->set_timeout(kPollTimeout);
+    store_->set_timeout(std::min(kPollTimeout, request_timeout()));
     const bool failed = store_->check({k});
-    store_->set_timeout(kRequestTimeout);
+    store_->set_timeout(request_timeout());
     if (!failed) return std::nullopt;
-    return parse_failure(to_s(store_->get(k, kRequestTimeout)));
+    return parse_failure(to_s(store_->get(k, request_timeout())));
   } catch (const dist::DistError& e) {
     lost("watching the other nodes", e);
   }

@@ -93,6 +93,9 @@ class Rendezvous {
   std::string describe_self() const;
 
  private:
+  // One quick request (set, add, check, get of a key known to be there): --rdzv-conf
+  // read_timeout.
+  std::chrono::milliseconds request_timeout() const;
   std::string key(const std::string& k) const;
   std::string round_key(int round, const std::string& k) const;
   std::string node_key(int round, int node) const;  // "r<R>/node/<k>"

@@ -83,7 +83,7 @@ std::vector<std::string> worker_environment(std::map<std::string, std::string> e
   env["GROUP_WORLD_SIZE"] = std::to_string(spec.nnodes);
   env["ROLE_RANK"] = std::to_string(rank);
   env["ROLE_WORLD_SIZE"] = std::to_string(spec.world_size);
-  env["ROLE_NAME"] = "default";
+  env["ROLE_NAME"] = c.role;
   env["MASTER_ADDR"] = spec.master_addr;
   env["MASTER_PORT"] = std::to_string(spec.master_port);
   env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt);

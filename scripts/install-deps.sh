@@ -7,6 +7,7 @@ pkgs=(
   libopenblas-dev libopenblas-openmp-dev libdnnl-dev ocl-icd-opencl-dev
   libgloo-dev libopenmpi-dev openmpi-bin
   libboost-dev libboost-system-dev libcli11-dev libspdlog-dev nlohmann-json3-dev zlib1g-dev
+  libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libcairo2-dev fonts-dejavu-core
   dataset-fashion-mnist

@@ -123,13 +123,13 @@ class PayloadReader {
 /// The secret to use: `given` if set, else $EMBER_STORE_SECRET, else "" (none).
 std::string store_secret(const std::optional<std::string>& given);
 
-/// SHA-256 of data (FIPS 180-4).
-std::array<uint8_t, 32> sha256(const void* data, size_t n);
-/// HMAC-SHA256(key, msg) (RFC 2104).
+/// HMAC-SHA256(key, msg) (RFC 2104), computed by OpenSSL's libcrypto. Throws DistStoreError
+/// if OpenSSL fails.
 std::array<uint8_t, 32> hmac_sha256(const std::string& key, const void* msg, size_t n);
 /// The handshake proof for `nonce`: HMAC-SHA256(secret, kAuthContext + nonce).
 Bytes auth_proof(const std::string& secret, const Bytes& nonce);
-/// Compares in time that depends only on the sizes, not on where the bytes differ.
+/// Compares in time that depends only on the sizes, not on where the bytes differ
+/// (OpenSSL's CRYPTO_memcmp).
 bool constant_time_equal(const Bytes& a, const Bytes& b);
 
 }  // namespace ember::detail::store_wire

@@ -154,18 +154,9 @@ void expect_serving(uint16_t port, const std::string& key, std::optional<std::st
 
 // ---- protocol pieces ----
 
-TEST(StoreProtocol, Sha256AndHmacMatchTheStandards) {
-  // FIPS 180-2 examples and RFC 4231 test cases 1, 2 and 6 (checked with Python's hashlib/hmac).
-  EXPECT_EQ(hex(wire::sha256("", 0)),
-            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
-  EXPECT_EQ(hex(wire::sha256("abc", 3)),
-            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
-  const std::string two_blocks = "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";
-  EXPECT_EQ(hex(wire::sha256(two_blocks.data(), two_blocks.size())),
-            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
-  const std::string million(1000000, 'a');
-  EXPECT_EQ(hex(wire::sha256(million.data(), million.size())),
-            "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+TEST(StoreProtocol, HmacAndProofMatchTheStandards) {
+  // RFC 4231 test cases 1, 2 and 6 (a key longer than SHA-256's block is hashed first), and an
+  // empty key (checked with Python's hmac).
   const std::string hi = "Hi There";
   EXPECT_EQ(hex(wire::hmac_sha256(std::string(20, '\x0b'), hi.data(), hi.size())),
             "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7");
@@ -175,9 +166,20 @@ TEST(StoreProtocol, Sha256AndHmacMatchTheStandards) {
   const std::string big = "Test Using Larger Than Block-Size Key - Hash Key First";
   EXPECT_EQ(hex(wire::hmac_sha256(std::string(131, '\xaa'), big.data(), big.size())),
             "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+  const std::string abc = "abc";
+  EXPECT_EQ(hex(wire::hmac_sha256("", abc.data(), abc.size())),
+            "fd7adb152c05ef80dccf50a1fa4c05d5a3ec6da95575fc312ae7c5d091836351");
+  // The handshake proof on the wire, HMAC-SHA256(secret, "ember-store-auth-v1" + nonce): a
+  // change here breaks every peer built before it.
+  const Bytes proof = wire::auth_proof("s3cret", Bytes(wire::kNonceSize, 0));
+  ASSERT_EQ(proof.size(), 32u);
+  std::array<uint8_t, 32> mac{};
+  std::copy(proof.begin(), proof.end(), mac.begin());
+  EXPECT_EQ(hex(mac), "cfe825cbfee2f5b7d605d1d0f7483db9f9d716fe2fa9c05eb813341f5f4e7861");
   EXPECT_TRUE(wire::constant_time_equal(to_bytes("abc"), to_bytes("abc")));
   EXPECT_FALSE(wire::constant_time_equal(to_bytes("abc"), to_bytes("abd")));
   EXPECT_FALSE(wire::constant_time_equal(to_bytes("abc"), to_bytes("ab")));
+  EXPECT_TRUE(wire::constant_time_equal(Bytes{}, Bytes{}));
 }
 
 TEST(StoreProtocol, ReaderRejectsOverrunsAndOverlongFields) {

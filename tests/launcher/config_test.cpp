@@ -109,9 +109,112 @@ TEST(Config, HelpListsTheOptions) {
   } catch (const HelpRequested& h) {
     std::string text = h.what();
     for (const char* opt : {"--nproc-per-node", "--max-restarts", "--log-dir", "--standalone",
-                            "--rdzv-endpoint", "--rdzv-timeout", "--join-timeout"})
+                            "--rdzv-endpoint", "--rdzv-timeout", "--join-timeout", "--rdzv-conf",
+                            "--role", "--no-python", "--start-method", "PET_"})
       EXPECT_NE(text.find(opt), std::string::npos) << opt << " missing from:\n" << text;
   }
+}
+
+// The message of the UsageError that parse_args(args) throws ("" when it accepts them).
+std::string usage_error(const std::vector<std::string>& args) {
+  try {
+    parse_args(args);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Config, RdzvConfMapsOntoTheRendezvousOptions) {
+  unsetenv("EMBER_RDZV_TIMEOUT");
+  unsetenv("EMBER_RDZV_CONF");
+  LaunchConfig c =
+      parse_args({"--rdzv-conf", "join_timeout=12,last_call_timeout=3,read_timeout=4.5", "prog"});
+  EXPECT_EQ(c.rdzv_timeout_s, 12.0);
+  EXPECT_EQ(c.last_call_s, 3.0);
+  EXPECT_EQ(c.rdzv_read_timeout_s, 4.5);
+  c = parse_args({"--rdzv_conf=timeout=8", "prog"});
+  EXPECT_EQ(c.rdzv_timeout_s, 8.0);
+  EXPECT_EQ(c.last_call_s, 30.0);
+  EXPECT_EQ(c.rdzv_read_timeout_s, 10.0);
+  // The same value twice is no conflict; the command line beats EMBER_RDZV_TIMEOUT.
+  EXPECT_EQ(parse_args({"--rdzv-timeout", "5", "--rdzv-conf", "timeout=5", "prog"}).rdzv_timeout_s,
+            5.0);
+  setenv("EMBER_RDZV_TIMEOUT", "7", 1);
+  EXPECT_EQ(parse_args({"--rdzv-conf", "join_timeout=2", "prog"}).rdzv_timeout_s, 2.0);
+  unsetenv("EMBER_RDZV_TIMEOUT");
+  // An option on the command line beats a key from the environment.
+  setenv("PET_RDZV_CONF", "join_timeout=2", 1);
+  EXPECT_EQ(parse_args({"--rdzv-timeout", "9", "prog"}).rdzv_timeout_s, 9.0);
+  EXPECT_EQ(parse_args({"prog"}).rdzv_timeout_s, 2.0);
+  unsetenv("PET_RDZV_CONF");
+}
+
+TEST(Config, RdzvConfErrorsQuoteTheKeyOrPair) {
+  EXPECT_EQ(usage_error({"--rdzv-conf", "join_timeout=1,foo=2", "prog"}),
+            "--rdzv-conf: unknown key 'foo' (known: join_timeout, last_call_timeout, timeout, "
+            "read_timeout)");
+  for (const char* bad : {"join_timeout", "=3", "timeout=", "a=1=2,b"}) {
+    std::string e = usage_error({"--rdzv-conf", bad, "prog"});
+    EXPECT_NE(e.find("--rdzv-conf"), std::string::npos) << bad << ": " << e;
+  }
+  EXPECT_NE(
+      usage_error({"--rdzv-conf", "join_timeout", "prog"}).find("malformed pair 'join_timeout'"),
+      std::string::npos);
+  EXPECT_NE(usage_error({"--rdzv-conf", "read_timeout=soon", "prog"}).find("'soon'"),
+            std::string::npos);
+  EXPECT_NE(usage_error({"--rdzv-conf", "timeout=0", "prog"}).find("timeout"), std::string::npos);
+  EXPECT_NE(usage_error({"--rdzv-timeout", "5", "--rdzv-conf", "join_timeout=7", "prog"})
+                .find("join_timeout=7 contradicts --rdzv-timeout 5"),
+            std::string::npos);
+  EXPECT_NE(usage_error({"--rdzv-conf", "timeout=1,join_timeout=2", "prog"})
+                .find("both set the join timeout"),
+            std::string::npos);
+}
+
+TEST(Config, TorchrunPythonOptions) {
+  LaunchConfig c = parse_args({"--role", "trainer", "--no-python", "--start_method", "fork", "p"});
+  EXPECT_EQ(c.role, "trainer");
+  ASSERT_EQ(c.notices.size(), 2u);
+  EXPECT_EQ(c.notices[0], "--no-python has no effect: workers are always run as programs");
+  EXPECT_NE(c.notices[1].find("--start-method has no effect"), std::string::npos);
+  c = parse_args({"prog"});
+  EXPECT_EQ(c.role, "default");
+  EXPECT_TRUE(c.notices.empty());
+  EXPECT_NE(usage_error({"--start-method", "thread", "p"}).find("'thread'"), std::string::npos);
+  std::string e = usage_error({"-m", "train"});
+  EXPECT_NE(e.find("-m/--module is not supported"), std::string::npos) << e;
+  EXPECT_NE(e.find("emberrun [OPTIONS] python3 -m MODULE"), std::string::npos) << e;
+  e = usage_error({"--run_path", "train.py"});
+  EXPECT_NE(e.find("--run-path is not supported"), std::string::npos) << e;
+  EXPECT_NE(e.find("python3 script.py"), std::string::npos) << e;
+}
+
+TEST(Config, TorchrunVariablesComeAfterEmberOnes) {
+  unsetenv("EMBER_NPROC_PER_NODE");
+  unsetenv("EMBER_MASTER_ADDR");
+  setenv("PET_NPROC_PER_NODE", "2", 1);
+  setenv("PET_MASTER_ADDR", "10.0.0.9", 1);
+  setenv("PET_STANDALONE", "1", 1);
+  setenv("PET_ROLE", "reader", 1);
+  setenv("PET_RDZV_TIMEOUT", "3", 1);   // not a torchrun option: ignored
+  setenv("EMBER_NPROC_PER_NODE", "", 1);  // empty: as if unset
+  LaunchConfig c = parse_args({"prog"});
+  EXPECT_EQ(c.nproc_per_node, 2);
+  EXPECT_EQ(c.master_addr, "10.0.0.9");
+  EXPECT_TRUE(c.standalone);
+  EXPECT_EQ(c.role, "reader");
+  EXPECT_EQ(c.rdzv_timeout_s, 900.0);
+  setenv("EMBER_NPROC_PER_NODE", "3", 1);
+  EXPECT_EQ(parse_args({"prog"}).nproc_per_node, 3);
+  c = parse_args({"--nproc-per-node", "4", "--master_addr", "h", "prog"});
+  EXPECT_EQ(c.nproc_per_node, 4);
+  EXPECT_EQ(c.master_addr, "h");
+  setenv("PET_STANDALONE", "0", 1);
+  EXPECT_FALSE(parse_args({"prog"}).standalone);
+  for (const char* v : {"EMBER_NPROC_PER_NODE", "PET_NPROC_PER_NODE", "PET_MASTER_ADDR",
+                        "PET_STANDALONE", "PET_ROLE", "PET_RDZV_TIMEOUT"})
+    unsetenv(v);
 }
 
 TEST(ErrorFile, ReadsEmberAndTorchLayouts) {

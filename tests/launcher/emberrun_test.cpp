@@ -269,6 +269,12 @@ TEST(Emberrun, BadOptionsAreUsageErrors) {
       {{"--monitor-interval", "0", "prog"}, "--monitor-interval"},
       {{"--local-ranks-filter", "5", "prog"}, "--local-ranks-filter"},
       {{"--nproc-per-node"}, "--nproc-per-node"},
+      {{"--rdzv-conf", "join_timeout=1,foo=2", "prog"}, "--rdzv-conf: unknown key 'foo' (known: "},
+      {{"--rdzv_conf", "join_timeout", "prog"}, "--rdzv-conf: malformed pair 'join_timeout'"},
+      {{"-m", "train"}, "-m/--module is not supported: emberrun runs programs"},
+      {{"--module", "train"}, "python3 -m MODULE"},
+      {{"--run-path", "train.py"}, "python3 script.py"},
+      {{"--start-method", "threads", "prog"}, "--start-method"},
       {{}, "missing PROGRAM"},
   };
   for (const auto& c : cases) {
@@ -283,6 +289,55 @@ TEST(Emberrun, BadOptionsAreUsageErrors) {
   r = run({"prog"}, {"EMBER_MAX_RESTARTS=many"});
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_TRUE(contains(r.err, "max-restarts")) << describe(r);
+}
+
+// torchrun's --role names the workers' role; --no-python and --start-method are accepted and
+// said to do nothing, once.
+TEST(Emberrun, RoleAndTorchrunPythonFlags) {
+  Result r = run({"--role", "trainer", "--no-python", "--start_method", "spawn", "--nproc-per-node",
+                  "2", "sh", "-c", "echo role=$ROLE_NAME rank=$ROLE_RANK of $ROLE_WORLD_SIZE"});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  for (int i = 0; i < 2; ++i) {
+    const std::string line =
+        "[rank " + std::to_string(i) + "]: role=trainer rank=" + std::to_string(i) + " of 2\n";
+    EXPECT_TRUE(contains(r.out, line)) << describe(r);
+  }
+  const std::string notice =
+      "emberrun: --no-python has no effect: workers are always run as programs\n";
+  EXPECT_EQ(r.err.find(notice), r.err.rfind(notice)) << describe(r);
+  EXPECT_TRUE(contains(r.err, notice)) << describe(r);
+  EXPECT_TRUE(contains(r.err, "emberrun: --start-method has no effect")) << describe(r);
+  r = run({"sh", "-c", "echo role=$ROLE_NAME"});
+  EXPECT_TRUE(contains(r.out, "[rank 0]: role=default\n")) << describe(r);
+}
+
+// Node 1 of 2 whose node 0 never comes: --rdzv-conf join_timeout bounds its wait (900 s by
+// default, far beyond the harness's limit).
+TEST(Emberrun, RdzvConfJoinTimeoutEndsTheWait) {
+  Result r = run({"--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                  "--master-port", "1", "--rdzv-conf", "join_timeout=0.5,read_timeout=2", "true"});
+  EXPECT_FALSE(r.timed_out) << describe(r);
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_TRUE(contains(r.err, "could not reach the rendezvous store at 127.0.0.1:1 within 0.5 s"))
+      << describe(r);
+}
+
+// torchrun's PET_* variables set the options; EMBER_* ones and the command line beat them.
+TEST(Emberrun, TorchrunVariablesAndCommandLineWins) {
+  TempDir d;
+  Result r = run({worker(), "env", d.path}, {"PET_NPROC_PER_NODE=2", "PET_MASTER_PORT=29615"});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  std::string env = read_file(d.path + "/env_1.txt");
+  EXPECT_TRUE(contains(env, "WORLD_SIZE=2\n")) << env;
+  EXPECT_TRUE(contains(env, "MASTER_PORT=29615\n")) << env;
+  TempDir d2;
+  r = run({"--nproc-per-node", "1", worker(), "env", d2.path},
+          {"PET_NPROC_PER_NODE=2", "PET_MASTER_PORT=29615", "EMBER_MASTER_PORT=29616"});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  env = read_file(d2.path + "/env_0.txt");
+  EXPECT_TRUE(contains(env, "WORLD_SIZE=1\n")) << env;
+  EXPECT_TRUE(contains(env, "MASTER_PORT=29616\n")) << env;
+  EXPECT_FALSE(fs::exists(d2.path + "/env_1.txt"));
 }
 
 // The GPUs are counted by the driver as the workers will see them, so hidden devices do not
