@@ -69,6 +69,7 @@ struct Args {
   int64_t checkpoint_every = 0;  // steps; 0: at the end of each epoch only
   bool resume = false;
   std::string save_weights;
+  std::string init_weights;  // a state dict (e.g. from scripts/to_torch.py --from-torch)
   std::string metrics;
   std::string tensorboard;  // --tensorboard DIR: the metrics as TensorBoard scalars too
   int64_t log_every = 0;      // steps; 0: ten progress lines per epoch
@@ -409,6 +410,9 @@ std::shared_ptr<dist::PowerSGDState> register_comm_hook(dist::DistributedDataPar
 std::shared_ptr<nn::Module> seeded_model(const Args& a, ember::Device device) {
   ember::manual_seed(a.seed);
   auto model = make_model(a.model);
+  if (!a.init_weights.empty()) {
+    model->load_state_dict(nn::load_safetensors(a.init_weights).tensors());
+  }
   model->to(device);
   return model;
 }
@@ -767,8 +771,8 @@ void Trainer::report(const Evaluation& last) const {
                 static_cast<long long>(stats.numel_before), stats.rate);
   }
   if (!a_.save_weights.empty()) {
-    nn::save_safetensors(a_.save_weights, model_->state_dict(),
-                         {{"model", a_.model}, {"global_step", std::to_string(global_step_)}});
+    nn::save_state_dict(a_.save_weights, model_->state_dict(),
+                        {{"model", a_.model}, {"global_step", std::to_string(global_step_)}});
   }
   std::printf("test_accuracy=%.4f\n", last.accuracy);
   std::fflush(stdout);
@@ -811,8 +815,8 @@ int main(int argc, char** argv) {
   app.add_option("--model", a.model, "cnn or mlp")
       ->check(CLI::IsMember({"cnn", "mlp"}))
       ->capture_default_str();
-  app.add_option("--epochs", a.epochs, "passes over the training set")
-      ->check(kPositive)
+  app.add_option("--epochs", a.epochs, "passes over the training set (0: evaluate only)")
+      ->check(kNonNegative)
       ->capture_default_str();
   app.add_option("--max-steps", a.max_steps, "stop after this many steps in all (0: no limit)")
       ->check(kNonNegative);
@@ -854,6 +858,7 @@ int main(int argc, char** argv) {
   app.add_flag("--resume", a.resume,
                "continue from the checkpoint in --checkpoint-dir if there is one");
   app.add_option("--save-weights", a.save_weights, "write the final weights to FILE.safetensors");
+  app.add_option("--init-weights", a.init_weights, "start from the weights in FILE.safetensors");
   app.add_option("--metrics", a.metrics,
                  "append one JSON line per logged step and per epoch to FILE.jsonl");
   app.add_option("--tensorboard", a.tensorboard,

@@ -401,6 +401,13 @@ void save_safetensors(const std::string& path,
   });
 }
 
+void save_state_dict(const std::string& path,
+                     const std::vector<std::pair<std::string, Tensor>>& state,
+                     std::map<std::string, std::string> metadata) {
+  metadata.emplace("format", "pt");  // keeps a format the caller gave
+  save_safetensors(path, state, metadata);
+}
+
 // ---- load ---------------------------------------------------------------------------------------
 
 SafetensorsFile load_safetensors(const std::string& path) {

@@ -1,6 +1,7 @@
 // Checkpoints in the safetensors format (https://github.com/huggingface/safetensors): named
-// tensors plus string-to-string metadata, readable by `safetensors.torch.load_file` and any
-// other safetensors reader. See docs/nn_checkpoints.md for the layout and the checks.
+// tensors plus string-to-string metadata, in the layout any safetensors reader expects
+// (`safetensors.torch.load_file` included). See docs/nn_checkpoints.md for the layout and the
+// checks.
 //
 // Layout: 8-byte little-endian header size N, N bytes of UTF-8 JSON (padded with spaces so the
 // data starts 8-byte aligned), then the tensors' bytes packed back to back. The JSON maps each
@@ -62,6 +63,16 @@ class SafetensorsFile {
 void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, Tensor>>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
+
+/// Writes a model's state dict for PyTorch and Ember alike: save_safetensors with
+/// {"format": "pt"} added to `metadata` unless it already has a "format" key. That is the
+/// marker safetensors.torch.save_file writes and Hugging Face loaders look for; Ember's names
+/// ("0.weight", "3.bias") and layouts (Linear weight [out, in], Conv2d [out, in, kh, kw]) are
+/// PyTorch's, so the file is the equivalent torch model's state_dict (scripts/to_torch.py
+/// turns it into a torch.save file and back).
+void save_state_dict(const std::string& path,
+                     const std::vector<std::pair<std::string, Tensor>>& state,
+                     std::map<std::string, std::string> metadata = {});
 
 /// Reads a safetensors file into CPU tensors. Any file is safe to pass: the header size, the
 /// JSON, every entry's fields, dtype, shape and offsets, and the exact tiling of the data are
