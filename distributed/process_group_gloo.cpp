@@ -589,7 +589,7 @@ WorkPtr ProcessGroupGloo::reduce(Tensor& tensor, const ReduceOptions& opts) {
     }
     if (op == ReduceOp::Avg && n > 1 && me == root) divide_in_place(t, n);
     return std::vector<Tensor>{t};
-  });
+  }, impl_->route_for(static_cast<size_t>(t.nbytes())));
 }
 
 WorkPtr ProcessGroupGloo::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
@@ -623,7 +623,7 @@ WorkPtr ProcessGroupGloo::broadcast(Tensor& tensor, const BroadcastOptions& opts
       gloo::broadcast(o);
     }
     return std::vector<Tensor>{t};
-  });
+  }, impl_->route_for(static_cast<size_t>(t.nbytes())));
 }
 
 WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& input,
@@ -670,7 +670,7 @@ WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& in
       gloo::allgather(o);
     }
     return std::vector<Tensor>{out};
-  });
+  }, impl_->route_for(static_cast<size_t>(out.nbytes())));
 }
 
 WorkPtr ProcessGroupGloo::allgather(std::vector<Tensor>& outputs, const Tensor& input,
@@ -827,7 +827,9 @@ WorkPtr ProcessGroupGloo::shm_reduce_scatter(const char* name, Tensor& output,
                                                  shm_reduction(out.dtype(), op),
                                                  Clock::now() + left);
                          return std::vector<Tensor>{out};
-                       });
+                       },
+                       impl_->route_for(static_cast<size_t>(out.nbytes()) *
+                                        static_cast<size_t>(size_)));
 }
 
 WorkPtr ProcessGroupGloo::alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,

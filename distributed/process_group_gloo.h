@@ -26,14 +26,15 @@
 // action, so that writing to a dead peer's socket reports the peer instead of killing this
 // process (as Python does for every torch program).
 //
-// Ranks on one machine: every collective but barrier (and send/recv) goes through shared
-// memory rather than loopback TCP (GlooOptions::shared_memory); every rank gets bitwise the
-// same result, and errors read as they do over TCP (a dead peer is named, with its pid).
+// Ranks on one machine: every collective (not send/recv) goes through shared memory rather
+// than loopback TCP (GlooOptions::shared_memory); every rank gets bitwise the same result, and
+// errors read as they do over TCP (a dead peer is named, with its pid).
 //
-// Over shared memory, a small allreduce, allreduce_coalesced or barrier issued while none of
-// this rank's collectives is in flight runs on the calling thread: the call returns once every
-// rank has joined it, with its Work already completed (or failed), which saves the hand-off to
-// a worker thread.
+// Over shared memory, a small allreduce, allreduce_coalesced, reduce, broadcast,
+// allgather_into_tensor, reduce_scatter_tensor or barrier issued while none of this rank's
+// collectives is in flight runs on the calling thread: the call returns once every rank has
+// joined it, with its Work already completed (or failed), which saves the hand-off to a worker
+// thread.
 //
 // World size 1 never touches the network: every collective completes inline.
 #pragma once

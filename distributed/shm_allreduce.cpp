@@ -365,7 +365,7 @@ namespace {
 const char* kind_name(ShmAllreduce::Kind k) {
   static const char* const kNames[] = {"?",      "allreduce", "reduce",         "broadcast",
                                        "allgather", "gather",  "scatter", "reduce_scatter",
-                                       "alltoall"};
+                                       "alltoall",  "barrier"};
   const auto i = static_cast<size_t>(k);
   return i < std::size(kNames) ? kNames[i] : "?";
 }
@@ -378,6 +378,7 @@ bool reduces(ShmAllreduce::Kind k) {
 // "reduce_scatter (sum) of 1000 elements of float32", "+ with root 1" for the rooted ones.
 std::string describe(const ShmAllreduce::Desc& d) {
   std::string s = kind_name(d.kind);
+  if (d.kind == ShmAllreduce::Kind::Barrier) return s;
   if (reduces(d.kind)) s += str_cat(" (", to_string(d.op), ")");
   s += str_cat(" of ", d.count, " elements of ", d.dtype);
   if (d.root >= 0) s += str_cat(" with root ", d.root);
@@ -649,21 +650,12 @@ void ShmAllreduce::reduce(uint64_t ticket, void* data, size_t count, Dtype dtype
                deadline);
 }
 
-namespace {
-void max_byte(void* c, const void* a, const void* b, size_t n) {
-  for (size_t i = 0; i < n; ++i) {
-    static_cast<uint8_t*>(c)[i] =
-        std::max(static_cast<const uint8_t*>(a)[i], static_cast<const uint8_t*>(b)[i]);
-  }
-}
-}  // namespace
-
-// A barrier is an allreduce of one byte: its two rounds (every rank's arrive, then every rank's
-// reduced) are what a barrier needs, and its agreement check fails a rank that meets another
-// collective at the same ticket instead of mixing the two.
+// A barrier is one step that moves nothing: its two rounds (every rank's arrive, then every
+// rank's reduced) are what a barrier needs, and the agreement check fails a rank that meets
+// another collective at the same ticket instead of mixing the two.
 void ShmAllreduce::barrier(uint64_t ticket, Clock::time_point deadline) {
-  uint8_t token = 0;
-  run(ticket, {Span{&token, 1}}, Dtype::UInt8, ReduceOp::Max, &max_byte, nullptr, deadline);
+  run_steps(ticket, Desc{Kind::Barrier, Dtype::UInt8, 0, ReduceOp::Sum, -1}, 1, deadline,
+            [](Phase, size_t, const Area&) {});
 }
 
 }  // namespace ember::detail

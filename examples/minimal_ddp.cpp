@@ -41,6 +41,6 @@ int main(int argc, char** argv) {
       opt.step();       // every rank applies the same update
     }
   }
-  if (pg->rank() == 0) nn::save_safetensors("model.safetensors", model->state_dict());
+  if (pg->rank() == 0) nn::save_state_dict("model.safetensors", model->state_dict());
   dist::destroy_process_group();
 }

@@ -5,8 +5,8 @@
 // the optimizer's under "optim." + its names ("optim.state.0.exp_avg"), extra tensors under
 // "extra." + theirs; metadata holds the user's keys plus "optim.optimizer" and
 // "optim.param_groups" when an optimizer is saved. A
-// file without an optimizer is a plain safetensors state dict, which PyTorch's
-// safetensors.torch.load_file reads as is.
+// file without an optimizer is a plain safetensors state dict in PyTorch's names and layouts
+// (scripts/to_torch.py turns it into a torch state_dict).
 #pragma once
 
 #include <map>

@@ -117,7 +117,8 @@ class ShmAllreduce {
     Gather,
     Scatter,
     ReduceScatter,
-    Alltoall
+    Alltoall,
+    Barrier
   };
   struct Desc {
     Kind kind;
