@@ -5,6 +5,7 @@
 #include "nn/checkpoint.h"
 #include "nn/clip_grad.h"
 #include "nn/data/data.h"
+#include "nn/attention.h"
 #include "nn/functional.h"
 #include "nn/init.h"
 #include "nn/layers.h"
