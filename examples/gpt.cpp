@@ -9,6 +9,7 @@
 //
 // benchmarks/vs_pytorch/gpt_torch.py is the same model, data and optimizer in PyTorch; see
 // docs/quickstart.md for the flags and what a run prints.
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -30,6 +31,7 @@
 #include "nn/attention.h"
 #include "nn/data/token_stream.h"
 #include "nn/nn.h"
+#include "tensor/allocator.h"
 #include "tensor/creation.h"
 #include "tensor/grad_mode.h"
 #include "tensor/indexing.h"
@@ -239,6 +241,7 @@ class Trainer {
   int64_t maybe_resume();
   std::string generate();
   void print_banner() const;
+  void measure_peak_memory();
   double lr() const { return opt_.param_groups().front().lr(); }
 
   const Args& a_;
@@ -258,6 +261,7 @@ class Trainer {
   double train_seconds_ = 0;   // this run's training steps only (no evaluation, no logging)
   dist::StepTimes run_times_;  // this run's totals over the logged windows (ms)
   int64_t run_steps_ = 0;
+  double peak_rss_mb_ = 0, peak_allocated_mb_ = 0;  // the largest over the ranks
   Metrics metrics_;
 };
 
@@ -339,6 +343,7 @@ double Trainer::train() {
         *pg_, {run_times_.step_ms / n, run_times_.data_ms / n, run_times_.comm_wait_ms / n});
     if (leader_) std::printf("whole run: %s\n", dist::straggler_report(ranks).c_str());
   }
+  measure_peak_memory();
   return val_loss;
 }
 
@@ -428,6 +433,20 @@ void Trainer::log_progress(LogWindow& window) {
   window.reset(now);
 }
 
+// Collective: the process's resident high-water mark and the CPU allocator's peak of live
+// tensor bytes, each the largest over the ranks.
+void Trainer::measure_peak_memory() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  Tensor peaks = ember::from_vector(std::vector<double>{
+      static_cast<double>(ru.ru_maxrss) / 1024.0,
+      static_cast<double>(ember::cpu_allocator_stats().peak_allocated) / (1024.0 * 1024.0)});
+  pg_->allreduce(peaks, {.op = dist::ReduceOp::Max})->wait();
+  const std::vector<double> v = peaks.to_vector<double>();
+  peak_rss_mb_ = v[0];
+  peak_allocated_mb_ = v[1];
+}
+
 // ---- checkpoints ----
 
 std::map<std::string, std::string> run_settings(const Args& a, int world) {
@@ -512,6 +531,7 @@ void Trainer::report(double val_loss) {
   std::printf("val_loss=%.4f\n", val_loss);
   std::printf("tokens_per_s=%.0f\n",
               tokens_per_s(step_ - start_step_, a_, world_, train_seconds_));
+  std::printf("peak_rss_mb=%.0f\npeak_allocated_mb=%.1f\n", peak_rss_mb_, peak_allocated_mb_);
   std::fflush(stdout);
 }
 
