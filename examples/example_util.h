@@ -8,6 +8,7 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -279,5 +280,34 @@ inline CLI::Validator number_above_zero(bool zero_ok) {
 }
 inline const CLI::Validator kPositive = number_above_zero(false);
 inline const CLI::Validator kNonNegative = number_above_zero(true);
+
+// Parses the command line into app's options. Returns the status main() should end with, or
+// nothing to go on: 0 after --help, 2 after a bad flag (CLI11 printed the error and a usage hint).
+inline std::optional<int> parse_command_line(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+  return std::nullopt;
+}
+
+// An example's run: builds its Trainer (which joins the process group), trains, reports, and
+// leaves the group. An exception ends it with status 1 and "<program>: error: <what>" on stderr.
+template <typename TrainerT, typename ArgsT>
+int train_and_report(const char* program, const ArgsT& a) {
+  try {
+    {
+      TrainerT trainer(a);
+      trainer.report(trainer.train());
+    }
+    dist::destroy_process_group();
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", program, e.what());
+    return 1;
+  }
+}
 
 }  // namespace ember::examples

@@ -558,15 +558,6 @@ void Trainer::report(const Evaluation& last) const {
   std::fflush(stdout);
 }
 
-int run(const Args& a) {
-  {
-    Trainer trainer(a);
-    trainer.report(trainer.train());
-  }
-  dist::destroy_process_group();
-  return 0;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -638,20 +629,10 @@ int main(int argc, char** argv) {
   app.add_option("--hang-at-step", a.hang_at_step,
                  "testing aid: rank 1 stops itself (SIGSTOP) at this step in the first run")
       ->group("");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);  // prints the help, or the error and a usage hint
-    return code == 0 ? 0 : 2;
-  }
+  if (const auto status = parse_command_line(app, argc, argv)) return *status;
   if (a.resume && a.checkpoint_dir.empty()) {
     std::fprintf(stderr, "fashion_mnist: --resume needs --checkpoint-dir\n");
     return 2;
   }
-  try {
-    return run(a);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "fashion_mnist: error: %s\n", e.what());
-    return 1;
-  }
+  return train_and_report<Trainer>("fashion_mnist", a);
 }

@@ -535,15 +535,6 @@ void Trainer::report(double val_loss) {
   std::fflush(stdout);
 }
 
-int run(const Args& a) {
-  {
-    Trainer trainer(a);
-    trainer.report(trainer.train());
-  }
-  dist::destroy_process_group();
-  return 0;
-}
-
 // What this branch cannot do yet: refuse it by name instead of silently training in float32.
 std::string unavailable(const Args& a) {
   if (a.amp != "off") {
@@ -633,22 +624,12 @@ int main(int argc, char** argv) {
       "A GPT-2-style byte-level language model trained data-parallel with Ember's DDP.\n"
       "Run it under emberrun (emberrun --nproc-per-node 2 gpt ...), mpirun, or alone."};
   add_options(app, a);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
+  if (const auto status = parse_command_line(app, argc, argv)) return *status;
   for (const std::string& why : {unavailable(a), bad_shape(a)}) {
     if (!why.empty()) {
       std::fprintf(stderr, "gpt: %s\n", why.c_str());
       return 2;
     }
   }
-  try {
-    return run(a);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "gpt: error: %s\n", e.what());
-    return 1;
-  }
+  return train_and_report<Trainer>("gpt", a);
 }
