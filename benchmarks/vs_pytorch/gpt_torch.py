@@ -74,7 +74,8 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(VOCAB, a.dim)
         self.wpe = nn.Embedding(a.context, a.dim)
         self.drop = nn.Dropout(a.dropout)
-        self.blocks = nn.ModuleList(Block(a.dim, a.heads, a.context, a.dropout) for _ in range(a.layers))
+        self.blocks = nn.ModuleList(Block(a.dim, a.heads, a.context, a.dropout)
+                                    for _ in range(a.layers))
         self.ln_f = nn.LayerNorm(a.dim)
         self.head = nn.Linear(a.dim, VOCAB, bias=False)
         self.head.weight = self.wte.weight  # tied: one Parameter
@@ -94,7 +95,10 @@ class GPT(nn.Module):
         T = idx.shape[1]
         x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
         for b in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if self.checkpoint and self.training else b(x)
+            if self.checkpoint and self.training:
+                x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+            else:
+                x = b(x)
         return self.head(self.ln_f(x))
 
 
