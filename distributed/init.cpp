@@ -17,6 +17,7 @@
 #include "distributed/tcp_store.h"
 #include "tensor/creation.h"
 #include "tensor/cuda.h"
+#include "tensor/log.h"
 
 extern char** environ;
 
@@ -551,6 +552,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
               "meanwhile");
   s.store = store;
   s.world = pg;
+  logging::set_rank(pg->rank());
   s.backend = o.backend;
   s.master_addr = master_addr;
   s.next_group = 1;

@@ -8,7 +8,7 @@ pkgs=(
   libgloo-dev libopenmpi-dev openmpi-bin slurm-wlm munge
   libboost-dev libboost-system-dev libcli11-dev libspdlog-dev nlohmann-json3-dev zlib1g-dev
   libssl-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev
   libcairo2-dev fonts-dejavu-core
   dataset-fashion-mnist
   python3-torch libtorch-dev
