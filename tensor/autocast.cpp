@@ -169,7 +169,8 @@ AutocastInputs::AutocastInputs(AutocastPolicy policy, std::initializer_list<cons
 
 AutocastInputs::~AutocastInputs() {
   // Resumes only the suspended device type, and only if no setter switched it off meanwhile.
-  if (active_ && t_state.enabled[suspended_]) t_autocast_active |= static_cast<uint8_t>(1u << suspended_);
+  if (active_ && t_state.enabled[suspended_])
+    t_autocast_active |= static_cast<uint8_t>(1u << suspended_);
 }
 
 }  // namespace detail
