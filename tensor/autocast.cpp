@@ -167,6 +167,8 @@ AutocastInputs::AutocastInputs(AutocastPolicy policy, std::initializer_list<cons
   t_autocast_active &= static_cast<uint8_t>(~bit(device));
 }
 
+size_t autocast_cache_size() { return t_state.cache.size(); }
+
 AutocastInputs::~AutocastInputs() {
   // Resumes only the suspended device type, and only if no setter switched it off meanwhile.
   if (active_ && t_state.enabled[suspended_])

@@ -103,6 +103,9 @@ class AutocastInputs {
   std::array<Tensor, kMaxInputs> cast_;
 };
 
+/// How many casts this thread's cache holds (for tests).
+size_t autocast_cache_size();
+
 /// The hook an op front end calls; see AutocastInputs. Costs one thread-local load when
 /// autocast is off.
 template <typename... Ts>
