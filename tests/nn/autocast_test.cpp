@@ -2,11 +2,12 @@
 // linear, layer_norm and the losses, gradients flowing back to float32 leaves in float32, the
 // per-scope cast cache, and a small MLP trained under bf16 autocast reaching the float32 run's
 // loss. The tensor ops' policy and the guard's scoping: tests/tensor/autocast_test.cpp.
+#include "nn/amp/autocast.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 
-#include "nn/amp/autocast.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
 #include "nn/optim/adam.h"
@@ -116,9 +117,8 @@ double train_mlp(bool bf16) {
   const Tensor teacher = randn({16, 4});
   const Tensor y = argmax(mm(x, teacher), 1);
   manual_seed(11);
-  auto model = std::make_shared<Sequential>(std::make_shared<Linear>(16, 64),
-                                            std::make_shared<GELU>(),
-                                            std::make_shared<Linear>(64, 4));
+  auto model = std::make_shared<Sequential>(
+      std::make_shared<Linear>(16, 64), std::make_shared<GELU>(), std::make_shared<Linear>(64, 4));
   optim::AdamW opt(model->parameters(), {.lr = 1e-2});
   for (int step = 0; step < 30; ++step) {
     opt.zero_grad();

@@ -91,8 +91,8 @@ TEST(GradScaler, InfOrNanGradientSkipsTheStepAndBacksOff) {
 TEST(GradScaler, ScaleSequenceMatchesTorchsAlgorithm) {
   Fixture f;
   GradScaler s({.init_scale = 8.0, .growth_interval = 3});
-  const std::vector<bool> inf = {false, false, false, true, false, false, true,
-                                 false, false, false, false};
+  const std::vector<bool> inf = {false, false, false, true,  false, false,
+                                 true,  false, false, false, false};
   const std::vector<double> want_scale = {8, 8, 16, 8, 8, 8, 4, 4, 4, 8, 8};
   const std::vector<int64_t> want_tracker = {1, 2, 0, 0, 1, 2, 0, 1, 2, 0, 1};
   for (size_t i = 0; i < inf.size(); ++i) {

@@ -179,3 +179,38 @@ TEST(Autocast, CudaOpsUseCudaAutocast) {
 }
 
 }  // namespace
+
+namespace {
+
+// bfloat16 products (oneDNN's matmul, tensor/cpu/matmul_dnnl.cpp) against float32 products of
+// the same bfloat16 values: one rounding apart, for every operand layout the GEMM front end
+// passes down (transposed, batched with broadcast batch dims, scaled addmm, odd and empty sizes).
+void expect_bf16_close(const Tensor& got, const Tensor& want, const char* what) {
+  ASSERT_EQ(got.dtype(), kBFloat16) << what;
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  const std::vector<float> g = got.to_vector<float>(), w = want.to_vector<float>();
+  for (size_t i = 0; i < w.size(); ++i) {
+    ASSERT_NEAR(g[i], w[i], 1e-2 * (1 + std::abs(w[i]))) << what << " at index " << i;
+  }
+}
+
+TEST(Bf16Gemm, MatchesFloat32OnEveryLayout) {
+  const Tensor a = f32({7, 13}, 1).to(kBFloat16), b = f32({13, 5}, 2).to(kBFloat16);
+  const Tensor a32 = a.to(kFloat32), b32 = b.to(kFloat32);
+  expect_bf16_close(mm(a, b), mm(a32, b32), "mm");
+  const Tensor at = f32({13, 7}, 3).to(kBFloat16), bt = f32({5, 13}, 4).to(kBFloat16);
+  expect_bf16_close(mm(at.t(), bt.t()), mm(at.to(kFloat32).t(), bt.to(kFloat32).t()), "mm^T");
+  const Tensor batch = f32({3, 7, 13}, 5).to(kBFloat16);
+  expect_bf16_close(bmm(batch, b.expand({3, 13, 5})),
+                    bmm(batch.to(kFloat32), b32.expand({3, 13, 5})), "bmm broadcast");
+  expect_bf16_close(matmul(batch.transpose(1, 2).transpose(1, 2), b),
+                    matmul(batch.to(kFloat32), b32), "matmul folded");
+  const Tensor bias = f32({5}, 6).to(kBFloat16);
+  expect_bf16_close(addmm(bias, a, b, 0.5, 2.0), addmm(bias.to(kFloat32), a32, b32, 0.5, 2.0),
+                    "addmm");
+  expect_bf16_close(mm(zeros({4, 0}, kBFloat16), zeros({0, 3}, kBFloat16)), zeros({4, 3}), "k = 0");
+  const Tensor big_a = f32({64, 300}, 7).to(kBFloat16), big_b = f32({300, 33}, 8).to(kBFloat16);
+  expect_bf16_close(mm(big_a, big_b), mm(big_a.to(kFloat32), big_b.to(kFloat32)), "64x300x33");
+}
+
+}  // namespace
