@@ -9,10 +9,10 @@
 
 #include <array>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
-#include <unordered_map>
 
 #include "tensor/error.h"
 #include "tensor/tensor.h"
@@ -30,13 +30,6 @@ dnnl::engine& engine() {
 }
 
 using Key = std::array<int64_t, 10>;
-struct KeyHash {
-  size_t operator()(const Key& k) const {
-    size_t h = 0;
-    for (int64_t v : k) h = h * 1000003u ^ std::hash<int64_t>()(v);
-    return h;
-  }
-};
 
 struct Gemm {
   dnnl::matmul prim;
@@ -78,7 +71,7 @@ std::shared_ptr<Gemm> make_gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t 
 const Gemm& cached_gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t k, int64_t lda, int64_t ldb,
                         int64_t ldc, float alpha, float beta) {
   static std::mutex mu;
-  static std::unordered_map<Key, std::shared_ptr<Gemm>, KeyHash> cache;
+  static std::map<Key, std::shared_ptr<Gemm>> cache;
   int32_t alpha_bits, beta_bits;
   static_assert(sizeof(float) == sizeof(int32_t));
   std::memcpy(&alpha_bits, &alpha, sizeof alpha);

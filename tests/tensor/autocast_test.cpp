@@ -209,6 +209,12 @@ TEST(Bf16Gemm, MatchesFloat32OnEveryLayout) {
   expect_bf16_close(addmm(bias, a, b, 0.5, 2.0), addmm(bias.to(kFloat32), a32, b32, 0.5, 2.0),
                     "addmm");
   expect_bf16_close(mm(zeros({4, 0}, kBFloat16), zeros({0, 3}, kBFloat16)), zeros({4, 3}), "k = 0");
+  const Tensor vec = f32({13}, 9).to(kBFloat16);
+  expect_bf16_close(matmul(vec, b), matmul(vec.to(kFloat32), b32), "vector @ matrix");
+  expect_bf16_close(matmul(a, vec), matmul(a32, vec.to(kFloat32)), "matrix @ vector");
+  expect_bf16_close(matmul(vec, vec), matmul(vec.to(kFloat32), vec.to(kFloat32)), "dot");
+  expect_bf16_close(mm(a.narrow(1, 1, 1), b.narrow(0, 2, 1)),
+                    mm(a32.narrow(1, 1, 1), b32.narrow(0, 2, 1)), "outer product of columns");
   const Tensor big_a = f32({64, 300}, 7).to(kBFloat16), big_b = f32({300, 33}, 8).to(kBFloat16);
   expect_bf16_close(mm(big_a, big_b), mm(big_a.to(kFloat32), big_b.to(kFloat32)), "64x300x33");
 }
