@@ -117,7 +117,9 @@ AutocastGuard::AutocastGuard(Device device, std::optional<Dtype> dtype, bool ena
       prev_dtype_(get_autocast_dtype(device)),
       prev_cache_(is_autocast_cache_enabled()) {
   // Validate before changing anything, so a refused guard leaves the state as it was.
-  if (dtype) check_dtype(device, *dtype);
+  // A disabled guard accepts any dtype (it casts nothing), so `AutocastGuard(dev, dt, use_amp)`
+  // works with use_amp false whatever dt is; a guard nested inside it that enables autocast
+  // without a dtype of its own checks the one it inherits.
   if (enabled) check_dtype(device, dtype.value_or(prev_dtype_));
   if (dtype) t_state.dtype[slot(device)] = *dtype;
   set_autocast_enabled(device, enabled);

@@ -139,6 +139,12 @@ TEST(Autocast, UnsupportedDtypesAreRefusedAndLeaveTheStateAlone) {
   expect_error([] { AutocastGuard g(cuda_device(), kFloat64); }, {"CUDA", "float64"});
   EXPECT_FALSE(is_autocast_enabled(kCPU));
   EXPECT_EQ(get_autocast_dtype(kCPU), kBFloat16);
+  {
+    AutocastGuard off(kCPU, kFloat16, /*enabled=*/false);  // casts nothing: accepted
+    EXPECT_EQ(mm(f32({2, 2}, 1), f32({2, 2}, 2)).dtype(), kFloat32);
+    expect_error([] { AutocastGuard on(kCPU); }, {"[autocast]", "float16"});  // inherits it
+  }
+  EXPECT_EQ(get_autocast_dtype(kCPU), kBFloat16);
 }
 
 TEST(Autocast, StateIsThreadLocal) {
