@@ -47,7 +47,8 @@ void clear_autocast_cache();
 /// nested and disabled (`enabled = false`) scopes behave as in torch. `dtype` defaults to the
 /// current get_autocast_dtype(device). When the outermost guard on this thread exits, the cast
 /// cache is cleared. An enabled guard throws ValueError for an unsupported dtype (float16 on
-/// CPU: torch 1.13 warns and disables autocast; Ember refuses); a disabled one never throws. Not movable; one thread only.
+/// CPU: torch 1.13 warns and disables autocast; Ember refuses); a disabled one never throws. Not
+/// movable; one thread only.
 class AutocastGuard {
  public:
   explicit AutocastGuard(Device device, std::optional<Dtype> dtype = std::nullopt,

@@ -104,9 +104,9 @@ TEST(AmpDdp, Fp16CompressionOverflowIsAnInfOnEveryRank) {
       require(stepped == want_step[i], "rank " + std::to_string(rank) + " iteration " +
                                            std::to_string(i) + ": stepped " +
                                            std::to_string(stepped));
-      require(scaler.get_scale() == want_scale[i],
-              "rank " + std::to_string(rank) + " iteration " + std::to_string(i) + ": scale " +
-                  std::to_string(scaler.get_scale()));
+      require(scaler.get_scale() == want_scale[i], "rank " + std::to_string(rank) + " iteration " +
+                                                       std::to_string(i) + ": scale " +
+                                                       std::to_string(scaler.get_scale()));
     }
     require(r.model->weight.grad().to_vector<float>() == std::vector<float>{1.25f, 1.25f},
             "unscaled average gradient should be 1.25");
