@@ -10,7 +10,16 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>
+
+#include <filesystem>
+
 #include "nn/attention.h"
+#include "nn/embedding.h"
+#include "nn/functional.h"
+#include "nn/optim/adam.h"
+#include "nn/optim/sgd.h"
+#include "nn/serialize.h"
 #include "tests/autograd/grad_util.h"
 #include "tests/nn/transformer_reference.h"
 
@@ -340,6 +349,92 @@ TEST(TransformerEncoderLayer, EvalModeIsDeterministicAndTrainingDropsOut) {
   EXPECT_EQ(max_diff(a, layer->forward(x)), 0.0);
   layer->train();
   EXPECT_GT(max_diff(a, layer->forward(x)), 1e-4);
+}
+
+// ---- weight tying -----------------------------------------------------------------------------
+
+/// A token embedding and an LM head sharing one weight [V, D], as GPT-2 does.
+class TiedLm : public Module {
+ public:
+  TiedLm() {
+    emb = register_module("emb", std::make_shared<Embedding>(10, 4));
+    lm_head = register_module("lm_head", std::make_shared<Linear>(4, 10, false));
+    lm_head->set_parameter("weight", emb->weight);
+  }
+  Tensor forward(const Tensor& tokens) override { return lm_head->forward(emb->forward(tokens)); }
+  std::shared_ptr<Embedding> emb;
+  std::shared_ptr<Linear> lm_head;
+};
+
+const Tensor kTokens = tensor({1, 3, 3, 7, 0}).to(kInt64);
+
+TEST(WeightTying, ParametersListTheSharedTensorOnceStateDictUnderBothNames) {
+  TiedLm m;
+  EXPECT_TRUE(m.lm_head->weight.is_same(m.emb->weight));
+  EXPECT_EQ(names(m.named_parameters()), (std::vector<std::string>{"emb.weight"}));
+  EXPECT_EQ(m.parameters().size(), 1u);
+  // torch's state_dict keeps both keys
+  const NamedTensors sd = m.state_dict();
+  EXPECT_EQ(names(sd), (std::vector<std::string>{"emb.weight", "lm_head.weight"}));
+  EXPECT_EQ(sd[0].second.data_ptr(), sd[1].second.data_ptr());
+  // conversion keeps the tie
+  m.to(kFloat64);
+  EXPECT_TRUE(m.lm_head->weight.is_same(m.emb->weight));
+  EXPECT_EQ(m.lm_head->weight.dtype(), kFloat64);
+}
+
+TEST(WeightTying, GradientSumsBothUsesAndOptimizersStepOnce) {
+  manual_seed(1);
+  TiedLm m;
+  const Tensor w0 = m.emb->weight.detach().clone();
+  square(m.forward(kTokens)).sum().backward();
+  // the same computation written with one leaf used twice
+  Tensor w = w0.clone().requires_grad_();
+  square(functional::linear(functional::embedding(kTokens, w), w)).sum().backward();
+  const Tensor g = m.emb->weight.grad();
+  EXPECT_LT(max_diff(g, w.grad()), 1e-6);
+  optim::SGD sgd(m.parameters(), {.lr = 0.1});
+  sgd.step();
+  EXPECT_LT(max_diff(m.emb->weight.detach(), w0 - 0.1 * g), 1e-7);  // once, not twice
+  optim::AdamW adam(m.parameters());
+  EXPECT_EQ(adam.param_groups()[0].params.size(), 1u);
+  // both handles listed by hand: refused rather than stepped twice
+  expect_error<ValueError>([&] { optim::AdamW({m.emb->weight, m.lm_head->weight}); },
+                           {"same tensor"});
+}
+
+TEST(WeightTying, SavedAndLoadedBackTied) {
+  manual_seed(2);
+  TiedLm a;
+  const std::string path =
+      (std::filesystem::temp_directory_path() /
+       ("ember_tied_" + std::to_string(::getpid()) + ".safetensors"))
+          .string();
+  save_state_dict(path, a.state_dict());
+  const SafetensorsFile f = load_safetensors(path);
+  std::filesystem::remove(path);
+  EXPECT_TRUE(f.contains("emb.weight") && f.contains("lm_head.weight"));
+  manual_seed(3);
+  TiedLm b;
+  b.load_state_dict(f.tensors());
+  EXPECT_TRUE(b.lm_head->weight.is_same(b.emb->weight));
+  EXPECT_EQ(max_diff(b.emb->weight.detach(), a.emb->weight.detach()), 0.0);
+  EXPECT_EQ(max_diff(b.forward(kTokens), a.forward(kTokens)), 0.0);
+}
+
+TEST(WeightTying, SetParameterChecksItsArguments) {
+  TiedLm m;
+  expect_error<ValueError>([&] { m.lm_head->set_parameter("gamma", m.emb->weight); },
+                           {"set_parameter", "Linear", "gamma"});
+  expect_error<ValueError>([&] { m.lm_head->set_parameter("weight", Tensor()); },
+                           {"undefined"});
+  LayerNorm ln(4);
+  expect_error<NotImplementedError>([&] { ln.set_parameter("weight", ones({4})); },
+                                    {"LayerNorm", "on_parameter_set"});
+  // MultiheadAttention keeps its handles in step
+  MultiheadAttention a(4, 2), b(4, 2);
+  b.set_parameter("in_proj_weight", a.in_proj_weight);
+  EXPECT_TRUE(b.in_proj_weight.is_same(a.in_proj_weight));
 }
 
 }  // namespace
