@@ -14,6 +14,7 @@
 #include "nn/linear.h"
 #include "nn/transformer.h"
 #include "tensor/allocator.h"
+#include "tensor/cuda.h"
 #include "tensor/random.h"
 #include "tests/autograd/grad_util.h"
 
@@ -68,7 +69,7 @@ StepResult run(Stack& m, const Tensor& x0, uint64_t seed) {
   Tensor x = x0.detach().clone().requires_grad_();
   manual_seed(seed);
   Tensor y = m.forward(x);
-  Tensor loss = (y * rand_t(y.shape(), y.dtype(), 99)).sum();
+  Tensor loss = (y * rand_t(y.shape(), y.dtype(), 99).to(y.device())).sum();
   loss.backward();
   StepResult r{loss.detach(), {x.grad()}};
   for (const Tensor& p : m.parameters()) r.grads.push_back(p.grad());
@@ -101,6 +102,21 @@ TEST(ActivationCheckpoint, SameLossAndGradsWithDropout) {
     EXPECT_EQ(a.loss.item<double>(), b.loss.item<double>()) << dtype_name(dt);
     EXPECT_EQ(max_grad_diff(a, b), 0.0) << dtype_name(dt);
   }
+}
+
+TEST(ActivationCheckpoint, SameGradsWithDropoutOnCuda) {
+  if (!cuda::is_available()) GTEST_SKIP() << cuda::unavailable_reason();
+  // Ember's one generator drives CUDA dropout too, so restoring it replays the device masks.
+  manual_seed(1);
+  Stack plain(2, 16, 2, 32, 0.2, kFloat32), ckpt(2, 16, 2, 32, 0.2, kFloat32);
+  copy_params(plain, ckpt);
+  plain.to(cuda_device(0));
+  ckpt.to(cuda_device(0));
+  ckpt.use_checkpoint = true;
+  const Tensor x = rand_t({2, 6, 16}, kFloat32, 2).to(cuda_device(0));
+  const StepResult a = run(plain, x, 7), b = run(ckpt, x, 7);
+  EXPECT_EQ(a.loss.item<double>(), b.loss.item<double>());
+  EXPECT_EQ(max_grad_diff(a, b), 0.0);
 }
 
 TEST(ActivationCheckpoint, WithoutPreservingTheRngStateDropoutMasksDiffer) {

@@ -4,15 +4,13 @@
 #include "nn/transformer.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <unistd.h>
-
-#include <filesystem>
 
 #include "nn/attention.h"
 #include "nn/embedding.h"
@@ -20,6 +18,7 @@
 #include "nn/optim/adam.h"
 #include "nn/optim/sgd.h"
 #include "nn/serialize.h"
+#include "tensor/cuda.h"
 #include "tests/autograd/grad_util.h"
 #include "tests/nn/transformer_reference.h"
 
@@ -349,6 +348,43 @@ TEST(TransformerEncoderLayer, EvalModeIsDeterministicAndTrainingDropsOut) {
   EXPECT_EQ(max_diff(a, layer->forward(x)), 0.0);
   layer->train();
   EXPECT_GT(max_diff(a, layer->forward(x)), 1e-4);
+}
+
+TEST(TransformerEncoderLayer, CudaMatchesCpuWithMasks) {
+  if (!cuda::is_available()) GTEST_SKIP() << cuda::unavailable_reason();
+  const Device dev = cuda_device(0);
+  for (Dtype dt : {kFloat32, kFloat64}) {
+    for (bool need_weights : {true, false}) {
+      manual_seed(5);
+      auto cpu = std::make_shared<TransformerEncoderLayer>(
+          8, 2, TransformerEncoderLayerOptions{.dim_feedforward = 16, .dropout = 0.0});
+      cpu->to(dt);
+      auto gpu = std::make_shared<TransformerEncoderLayer>(
+          8, 2, TransformerEncoderLayerOptions{.dim_feedforward = 16, .dropout = 0.0});
+      gpu->to(dev, dt);
+      gpu->load_state_dict(cpu->state_dict());
+      const Tensor causal = gt(arange(0, 5).unsqueeze(0), arange(0, 5).unsqueeze(1));
+      const Tensor kpm = tensor({0, 0, 0, 1, 0, 0, 0, 0, 0, 0}).to(kBool).view({2, 5});
+      Tensor xc = rand_t({5, 2, 8}, dt, 1).requires_grad_();
+      Tensor xg = xc.detach().to(dev).requires_grad_();
+      const Tensor yc = cpu->forward(xc, causal, kpm);
+      const Tensor yg = gpu->forward(xg, causal.to(dev), kpm.to(dev));
+      const double tol = dt == kFloat64 ? 1e-10 : 1e-4;
+      EXPECT_LT(max_diff(yg.cpu(), yc), tol);
+      yc.sum().backward();
+      yg.sum().backward();
+      EXPECT_LT(max_diff(xg.grad().cpu(), xc.grad()), tol);
+      auto pc = cpu->parameters(), pg = gpu->parameters();
+      for (size_t i = 0; i < pc.size(); ++i) {
+        EXPECT_LT(max_diff(pg[i].grad().cpu(), pc[i].grad()), tol) << i;
+      }
+      // explicit weights on the device too
+      MultiheadAttention& a = *gpu->self_attn;
+      auto [o, w] = a.forward(xg.detach(), xg.detach(), xg.detach(), kpm.to(dev), need_weights);
+      EXPECT_EQ(o.device(), dev);
+      EXPECT_EQ(w.defined(), need_weights);
+    }
+  }
 }
 
 // ---- weight tying -----------------------------------------------------------------------------
