@@ -119,13 +119,16 @@ autograd::TensorList checkpoint_backward(autograd::Context* ctx, autograd::Tenso
   }
   const auto leaves = captured_leaves(roots, inputs);
   for (const auto& acc : leaves) wanted.push_back(Tensor(acc->leaf()));
-  std::vector<Tensor> g = autograd::grad(roots, wanted, root_grads, /*retain_graph=*/false,
-                                         /*create_graph=*/false, /*allow_unused=*/true);
+  // Grad mode is on here only under create_graph: the gradients then keep their history
+  // through the recomputed graph, so double backward works through a checkpoint.
+  const bool create_graph = GradMode::is_enabled();
+  std::vector<Tensor> g = autograd::grad(roots, wanted, root_grads, create_graph, create_graph,
+                                         /*allow_unused=*/true);
   size_t k = 0;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (inputs[i].requires_grad()) result[i] = std::move(g[k++]);
   }
-  NoGradGuard no_grad;
+  GradModeGuard grad_mode(create_graph);
   for (const auto& acc : leaves) {
     autograd::TensorList one{std::move(g[k++])};
     if (!one[0].defined()) continue;

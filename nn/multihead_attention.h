@@ -13,11 +13,10 @@ namespace ember::nn {
 struct MultiheadAttentionOptions {
   double dropout = 0.0;  ///< dropout on the attention weights, in training mode
   bool bias = true;      ///< in_proj_bias and out_proj.bias
-  /// Learned bias rows appended to the keys and values (torch's add_bias_kv). Not supported:
-  /// the constructor throws NotImplementedError when true.
+  /// Learned rows bias_k, bias_v [1, 1, E] appended to the projected keys and values (one
+  /// more key every query may attend to).
   bool add_bias_kv = false;
-  /// A zero row appended to the keys and values (torch's add_zero_attn). Not supported: the
-  /// constructor throws NotImplementedError when true.
+  /// A zero row appended to each head's keys and values (after bias_k/bias_v).
   bool add_zero_attn = false;
   std::optional<int64_t> kdim;  ///< features of key (default embed_dim)
   std::optional<int64_t> vdim;  ///< features of value (default embed_dim)
@@ -38,13 +37,14 @@ struct AttentionOutput {
 ///
 /// Parameters (state_dict names as in torch): `in_proj_weight` [3E, E] when kdim == vdim ==
 /// embed_dim, else `q_proj_weight` [E, E], `k_proj_weight` [E, kdim], `v_proj_weight`
-/// [E, vdim]; `in_proj_bias` [3E] and the submodule `out_proj` (Linear(E, E)). The projection
-/// weights start xavier_uniform, in_proj_bias and out_proj.bias at zero, out_proj.weight as
-/// Linear's (all from the global generator).
+/// [E, vdim]; `in_proj_bias` [3E], with add_bias_kv `bias_k` and `bias_v` [1, 1, E], and the
+/// submodule `out_proj` (Linear(E, E)). The projection weights start xavier_uniform, bias_k and
+/// bias_v xavier_normal, in_proj_bias and out_proj.bias at zero, out_proj.weight as Linear's
+/// (all from the global generator).
 class MultiheadAttention : public Module {
  public:
   /// Throws ValueError unless embed_dim is divisible by num_heads (both positive) and dropout is
-  /// in [0, 1); NotImplementedError for add_bias_kv or add_zero_attn.
+  /// in [0, 1).
   MultiheadAttention(int64_t embed_dim, int64_t num_heads,
                      const MultiheadAttentionOptions& options = {});
   std::string name() const override { return "MultiheadAttention"; }
@@ -79,12 +79,19 @@ class MultiheadAttention : public Module {
   Tensor in_proj_weight;
   Tensor q_proj_weight, k_proj_weight, v_proj_weight;
   Tensor in_proj_bias;  ///< [3E], undefined without bias
+  Tensor bias_k, bias_v;  ///< [1, 1, E], undefined without add_bias_kv
   std::shared_ptr<Linear> out_proj;
 
  protected:
   void on_parameter_set(const std::string& name, const Tensor& t) override;
 
  private:
+  struct Projected {
+    Tensor q, k, v;  ///< [L, N, E], [S, N, E], [S, N, E]
+  };
+  /// The input projections of query, key and value ([T, N, features] each).
+  Projected project(const Tensor& query, const Tensor& key, const Tensor& value,
+                    bool self_attention) const;
   void reset_parameters();
   bool same_embed_dim() const { return kdim == embed_dim && vdim == embed_dim; }
 };

@@ -110,6 +110,19 @@ emit("MhaMaskY", y)
 emit("MhaMaskDq", q.grad); emit("MhaMaskDk", k.grad); emit("MhaMaskDv", v.grad)
 emit_named("MhaMaskGrads", grads(mha))
 
+# add_bias_kv and add_zero_attn (two extra keys every query may attend to), bool masks.
+mha = nn.MultiheadAttention(8, 2, add_bias_kv=True, add_zero_attn=True)
+set_params(mha)
+q, k, v = leaf([3, 2, 8], 41), leaf([4, 2, 8], 42), leaf([4, 2, 8], 43)
+am = torch.tensor([[False, True, False, False], [False, False, True, True],
+                   [True, True, True, True]])
+kpm = torch.tensor([[False, False, True, False], [False, False, False, False]])
+y, w = mha(q, k, v, key_padding_mask=kpm, attn_mask=am, average_attn_weights=False)
+((y * T(list(y.shape), 44)).sum() + (w * T(list(w.shape), 45)).sum()).backward()
+emit("MhaBiasKvY", y); emit("MhaBiasKvW", w)
+emit("MhaBiasKvDq", q.grad); emit("MhaBiasKvDk", k.grad); emit("MhaBiasKvDv", v.grad)
+emit_named("MhaBiasKvGrads", grads(mha))
+
 # ---- TransformerEncoderLayer ----
 # d_model 8, 2 heads, feed-forward 16, dropout 0, bool src_mask [S, S] (causal) and bool
 # src_key_padding_mask; every combination of norm_first and activation; batch_first for gelu.

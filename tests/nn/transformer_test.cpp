@@ -129,6 +129,34 @@ TEST_P(TransformerRef, MhaFloat3dMaskWithoutWeightsTakesTheSdpaPath) {
   expect_grads(*mha, test::ref::kMhaMaskGrads, "MhaMask");
 }
 
+TEST_P(TransformerRef, MhaAddBiasKvAndZeroAttn) {
+  // Query 2 masks every real key: only the bias and zero keys remain (no NaN).
+  MultiheadAttentionOptions o;
+  o.add_bias_kv = true;
+  o.add_zero_attn = true;
+  auto mha = std::make_shared<MultiheadAttention>(8, 2, o);
+  EXPECT_EQ(names(mha->state_dict()),
+            (std::vector<std::string>{"in_proj_weight", "in_proj_bias", "bias_k", "bias_v",
+                                      "out_proj.weight", "out_proj.bias"}));
+  mha->to(dt());
+  set_params(*mha);
+  const Tensor q = leaf({3, 2, 8}, 41), k = leaf({4, 2, 8}, 42), v = leaf({4, 2, 8}, 43);
+  const Tensor am = tensor({0, 1, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1}).to(kBool).view({3, 4});
+  const Tensor kpm = tensor({0, 0, 1, 0, 0, 0, 0, 0}).to(kBool).view({2, 4});
+  auto [y, w] = mha->forward(q, k, v, kpm, true, am, false);
+  EXPECT_EQ(w.shape(), Shape({2, 2, 3, 6}));
+  (weighted(y, 44) + weighted(w, 45)).backward();
+  expect_close(y, test::ref::kMhaBiasKvY, tol(), "output");
+  expect_close(w, test::ref::kMhaBiasKvW, tol(), "weights");
+  expect_close(q.grad(), test::ref::kMhaBiasKvDq, tol(), "query grad");
+  expect_close(k.grad(), test::ref::kMhaBiasKvDk, tol(), "key grad");
+  expect_close(v.grad(), test::ref::kMhaBiasKvDv, tol(), "value grad");
+  expect_grads(*mha, test::ref::kMhaBiasKvGrads, "MhaBiasKv");
+  // the scaled_dot_product_attention path agrees
+  NoGradGuard no_grad;
+  EXPECT_LT(max_diff(mha->forward(q, k, v, kpm, false, am).output, y), 100 * tol());
+}
+
 struct TelCase {
   bool norm_first;
   const char* activation;
@@ -221,9 +249,6 @@ TEST(TransformerEncoderLayer, StateDictNamesAreTorchs) {
 
 TEST(MultiheadAttention, RefusesWhatItDoesNotSupport) {
   expect_error<ValueError>([] { MultiheadAttention(10, 3); }, {"divisible by num_heads"});
-  MultiheadAttentionOptions o;
-  o.add_bias_kv = true;
-  expect_error<NotImplementedError>([&] { MultiheadAttention(8, 2, o); }, {"add_bias_kv"});
   expect_error<ValueError>(
       [] { TransformerEncoderLayer(8, 2, {.activation = "tanh"}); }, {"activation", "tanh"});
   MultiheadAttention mha(8, 2);
