@@ -92,6 +92,14 @@ std::vector<std::shared_ptr<autograd::AccumulateGrad>> captured_leaves(
 // one, so post-accumulate hooks (DistributedDataParallel's) and the callbacks they queue belong
 // to it, not to a nested pass that would end before the rest of the model's gradients arrive.
 autograd::TensorList checkpoint_backward(autograd::Context* ctx, autograd::TensorList grads) {
+  // Grad mode is on in a node's backward only under create_graph. The recomputation runs on
+  // detached inputs, so gradients with history would not lead back to the real ones: refuse
+  // rather than return gradients that are silently constant for double backward.
+  if (GradMode::is_enabled()) {
+    throw NotImplementedError(detail::str_cat(
+        "[", kOp, "] backward with create_graph (double backward) through a checkpoint is not "
+        "supported; run the segment without checkpoint to differentiate twice"));
+  }
   const auto seg = std::any_cast<std::shared_ptr<Segment>>(ctx->saved_data.at("segment"));
   const autograd::TensorList saved = ctx->saved();
   std::vector<Tensor> inputs;
@@ -119,16 +127,13 @@ autograd::TensorList checkpoint_backward(autograd::Context* ctx, autograd::Tenso
   }
   const auto leaves = captured_leaves(roots, inputs);
   for (const auto& acc : leaves) wanted.push_back(Tensor(acc->leaf()));
-  // Grad mode is on here only under create_graph: the gradients then keep their history
-  // through the recomputed graph, so double backward works through a checkpoint.
-  const bool create_graph = GradMode::is_enabled();
-  std::vector<Tensor> g = autograd::grad(roots, wanted, root_grads, create_graph, create_graph,
-                                         /*allow_unused=*/true);
+  std::vector<Tensor> g = autograd::grad(roots, wanted, root_grads, /*retain_graph=*/false,
+                                         /*create_graph=*/false, /*allow_unused=*/true);
   size_t k = 0;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (inputs[i].requires_grad()) result[i] = std::move(g[k++]);
   }
-  GradModeGuard grad_mode(create_graph);
+  NoGradGuard no_grad;
   for (const auto& acc : leaves) {
     autograd::TensorList one{std::move(g[k++])};
     if (!one[0].defined()) continue;

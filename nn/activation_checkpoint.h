@@ -33,8 +33,8 @@ using CheckpointFunction = std::function<std::vector<Tensor>(const std::vector<T
 /// no gradient: pass it as an input. Like torch's reentrant checkpoint, a parameter used both
 /// inside and outside the segment gets two accumulations in one backward pass (correct alone,
 /// refused by DistributedDataParallel), and autograd::grad() through a checkpoint still
-/// accumulates the parameters' grad(). Backward with create_graph records the recomputation,
-/// so double backward works.
+/// accumulates the parameters' grad(). Backward with create_graph (double backward) throws
+/// NotImplementedError, as torch's reentrant checkpoint does not support it either.
 ///
 /// fn must compute the same thing both times (the same shapes and ops; it may use dropout) and
 /// must stay valid until backward (it is copied; what it captures by reference must outlive
