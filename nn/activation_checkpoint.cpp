@@ -56,9 +56,13 @@ std::vector<Tensor> recompute(const Segment& seg, const std::vector<Tensor>& inp
 }
 
 /// The leaves below `outputs` in the recomputed graph, other than `inputs`: the parameters fn
-/// captured. Returned as their accumulator nodes, which hold them.
+/// captured. Returned as their accumulator nodes, which hold them. Every node the
+/// recomputation recorded is numbered `first` or later; an older one that is not a leaf's
+/// accumulator belongs to the graph outside: fn used a tensor with history that it did not
+/// take as an input. Its gradient cannot be delivered (the checkpoint node has no edge to it),
+/// and differentiating into that graph here would free it under the enclosing pass: refused.
 std::vector<std::shared_ptr<autograd::AccumulateGrad>> captured_leaves(
-    const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs) {
+    const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs, uint64_t first) {
   std::unordered_set<const TensorImpl*> own;
   for (const Tensor& t : inputs) own.insert(t.impl());
   std::unordered_set<const autograd::Node*> seen;
@@ -76,6 +80,10 @@ std::vector<std::shared_ptr<autograd::AccumulateGrad>> captured_leaves(
       if (own.count(acc->leaf().get()) == 0) leaves.push_back(std::move(acc));
       continue;
     }
+    EMBER_CHECK(n->sequence_nr() >= first, "[", kOp, "] the checkpointed function uses a tensor "
+                "computed outside it that requires grad (made by ", n->name(),
+                ") without taking it as an input; pass it in `inputs` so its gradient can "
+                "flow back");
     for (const autograd::Edge& e : n->next_edges()) {
       if (e.valid()) stack.push_back(e.fn);
     }
@@ -108,6 +116,8 @@ autograd::TensorList checkpoint_backward(autograd::Context* ctx, autograd::Tenso
     if (ctx->needs_input_grad(i)) d.requires_grad_();
     inputs.push_back(std::move(d));
   }
+  // Nodes are numbered in creation order: this one precedes everything recompute records.
+  const uint64_t first = autograd::FunctionNode("CheckpointMarker", nullptr).sequence_nr();
   const std::vector<Tensor> outputs = recompute(*seg, inputs);
   EMBER_CHECK(outputs.size() == seg->num_outputs, "[", kOp, "] the recomputation in backward "
               "returned ", outputs.size(), " tensors, forward returned ", seg->num_outputs,
@@ -125,7 +135,7 @@ autograd::TensorList checkpoint_backward(autograd::Context* ctx, autograd::Tenso
   for (const Tensor& t : inputs) {
     if (t.requires_grad()) wanted.push_back(t);
   }
-  const auto leaves = captured_leaves(roots, inputs);
+  const auto leaves = captured_leaves(roots, inputs, first);
   for (const auto& acc : leaves) wanted.push_back(Tensor(acc->leaf()));
   std::vector<Tensor> g = autograd::grad(roots, wanted, root_grads, /*retain_graph=*/false,
                                          /*create_graph=*/false, /*allow_unused=*/true);

@@ -29,12 +29,13 @@ using CheckpointFunction = std::function<std::vector<Tensor>(const std::vector<T
 /// parameters fn uses without taking them as inputs (a module's weights) as found in the
 /// recomputed graph: their gradients are accumulated into grad(), running their hooks, while
 /// the enclosing backward pass runs, so DistributedDataParallel's hooks fire in that pass. A
-/// tensor fn uses that is neither an input nor a leaf (a non-leaf captured from outside) gets
-/// no gradient: pass it as an input. Like torch's reentrant checkpoint, a parameter used both
-/// inside and outside the segment gets two accumulations in one backward pass (correct alone,
-/// refused by DistributedDataParallel), and autograd::grad() through a checkpoint still
-/// accumulates the parameters' grad(). Backward with create_graph (double backward) throws
-/// NotImplementedError, as torch's reentrant checkpoint does not support it either.
+/// tensor with history that fn captures instead of taking it as an input makes backward throw
+/// ValueError (its gradient could not flow back): pass it in `inputs`. Like torch's reentrant
+/// checkpoint, a parameter used both inside and outside the segment gets two accumulations in
+/// one backward pass (correct alone, refused by DistributedDataParallel), and autograd::grad()
+/// through a checkpoint still accumulates the parameters' grad(). Backward with create_graph
+/// (double backward) throws NotImplementedError; torch's reentrant checkpoint does not support
+/// it either.
 ///
 /// fn must compute the same thing both times (the same shapes and ops; it may use dropout) and
 /// must stay valid until backward (it is copied; what it captures by reference must outlive

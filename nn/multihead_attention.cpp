@@ -42,8 +42,8 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads,
               " and ", vdim);
   EMBER_CHECK(options.dropout >= 0.0 && options.dropout < 1.0, "[", kOp,
               "] expected dropout in [0, 1), got ", options.dropout);
-  // torch registers the packed or the separate weights first, then in_proj_bias, then
-  // out_proj: the same order gives the same state_dict.
+  // torch registers the packed or the separate weights, in_proj_bias, bias_k and bias_v, and
+  // then out_proj: the same order gives the same state_dict.
   if (same_embed_dim()) {
     in_proj_weight = register_parameter("in_proj_weight", empty({3 * embed_dim, embed_dim}));
   } else {

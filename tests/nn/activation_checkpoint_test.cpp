@@ -253,6 +253,10 @@ TEST(ActivationCheckpoint, Misuse) {
   };
   auto out = checkpoint(fickle, {x});
   expect_error<ValueError>([&] { out[0].sum().backward(); }, {"recomputation", "2", "1"});
+  // a tensor with history captured instead of passed as an input
+  Tensor h = x * 2.0;
+  Tensor c = checkpoint([&](const Tensor& t) { return t * h; }, x);
+  expect_error<ValueError>([&] { c.sum().backward(); }, {"MulBackward", "inputs"});
   // an input modified in place after forward
   Tensor y = x.detach().clone().requires_grad_();
   Tensor z = y * 1.0;
