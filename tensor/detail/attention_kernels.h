@@ -19,6 +19,7 @@
 
 #include <cstdint>
 
+#include "tensor/half.h"
 #include "tensor/tensor.h"
 
 namespace ember::detail {
