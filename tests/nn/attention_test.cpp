@@ -102,7 +102,7 @@ struct Case {
   std::optional<double> scale = std::nullopt;
 };
 
-// Sizes straddle the CPU tiles (64 query rows, 128 keys) and include L != S, E != Ev, 1 and
+// Sizes straddle the CPU tiles (64 query rows by 64 keys; on CUDA 16 rows, 32 keys) and include L != S, E != Ev, 1 and
 // several heads, and masks broadcast over every leading pattern.
 std::vector<Case> cases() {
   return {
