@@ -42,15 +42,6 @@ void gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t k, double alpha, const
 }
 
 template <typename T>
-inline T exp_le0(T x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return exp_nonpos(x);
-  } else {
-    return std::exp(x);
-  }
-}
-
-template <typename T>
 EMBER_SIMD_CLONES T row_max(const T* x, int64_t n) {
   T m = -std::numeric_limits<T>::infinity();
   for (int64_t c = 0; c < n; ++c) m = x[c] > m ? x[c] : m;
@@ -62,7 +53,7 @@ template <typename T>
 EMBER_SIMD_CLONES T exp_sub_sum(T* x, int64_t n, T m) {
   T s = 0;
   for (int64_t c = 0; c < n; ++c) {
-    x[c] = exp_le0<T>(x[c] - m);
+    x[c] = exp_shifted<T>(x[c] - m);
     s += x[c];
   }
   return s;
@@ -168,7 +159,7 @@ void forward_tile(const Operands<T>& o, T* out, T* lse, int64_t b, int64_t i0, T
         std::fill(row, row + bc, T(0));
         continue;
       }
-      const T alpha = exp_le0<T>(m[r] - mnew);
+      const T alpha = exp_shifted<T>(m[r] - mnew);
       l[r] = l[r] * alpha + exp_sub_sum(row, bc, mnew);
       m[r] = mnew;
       if (alpha != T(1)) {

@@ -22,15 +22,6 @@ namespace {
 constexpr int64_t kColTile = 256;
 constexpr int kLanes = 16;
 
-template <typename A>
-inline A exp_shifted(A v) {
-  if constexpr (std::is_same_v<A, float>) {
-    return exp_nonpos(v);
-  } else {
-    return std::exp(v);
-  }
-}
-
 // One row of D elements (inner == 1). buf holds D accumulation-type values when T != A.
 template <typename T>
 EMBER_SIMD_CLONES void softmax_row(const T* x, T* y, int64_t D, bool log, acc_t<T>* buf) {

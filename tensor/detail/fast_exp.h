@@ -2,8 +2,10 @@
 // so that their loops over it vectorise (libm's expf is a call GCC cannot vectorise here).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace ember::detail {
 
@@ -29,6 +31,16 @@ inline float exp_nonpos(float x) {
   std::memcpy(&scale, &bits, 4);
   const float y = p * scale;
   return x < kLo ? 0.0f : (x != x ? x : y);
+}
+
+/// exp(v) for v <= 0 (a shifted softmax exponent): exp_nonpos for float, std::exp otherwise.
+template <typename A>
+inline A exp_shifted(A v) {
+  if constexpr (std::is_same_v<A, float>) {
+    return exp_nonpos(v);
+  } else {
+    return std::exp(v);
+  }
 }
 
 }  // namespace ember::detail

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "autograd/autograd.h"
+#include "tensor/allocator.h"
 #include "tensor/cuda.h"
 #include "tests/autograd/grad_util.h"
 #include "tests/nn/attention_reference.h"
@@ -202,6 +203,38 @@ TEST(Attention, LowPrecisionComputesInFloat32) {
     EXPECT_EQ(got.dq.dtype(), dt);
     expect_grads_close(got, want, 0.1, std::string(dtype_name(dt)));
   }
+}
+
+// The high-water mark of CPU memory while `attn` runs forward and backward, above what was
+// allocated before.
+int64_t peak_growth(const Attn& attn, IntList shape) {
+  Tensor q = rand_t(shape, kFloat32, 1).requires_grad_();
+  Tensor k = rand_t(shape, kFloat32, 2).requires_grad_();
+  Tensor v = rand_t(shape, kFloat32, 3).requires_grad_();
+  const AllocatorStats before = cpu_allocator_stats();
+  attn(q, k, v).sum().backward();
+  const AllocatorStats after = cpu_allocator_stats();
+  EXPECT_LE(before.peak_allocated, before.allocated + (1 << 20))
+      << "an earlier test left a high-water mark this test cannot see under";
+  return after.peak_allocated - before.allocated;
+}
+
+TEST(Attention, NeverStoresTheScores) {
+  // [2, 1024, 1024] float32 scores are 8 MiB; q, k, v and their gradients 128 KiB each.
+  const int64_t scores = 2 * 1024 * 1024 * 4;
+  const int64_t fused = peak_growth(
+      [](const Tensor& q, const Tensor& k, const Tensor& v) {
+        return F::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+      },
+      {2, 1024, 16});
+  EXPECT_LT(fused, scores / 4);
+  // The measurement can see the scores: the math path stores them (and more).
+  const int64_t math = peak_growth(
+      [](const Tensor& q, const Tensor& k, const Tensor& v) {
+        return F::scaled_dot_product_attention_math(q, k, v, {}, 0.0, true);
+      },
+      {2, 1024, 16});
+  EXPECT_GT(math, scores);
 }
 
 // ---- gradcheck ----------------------------------------------------------------------------------
