@@ -305,24 +305,22 @@ TEST(Attention, Errors) {
 // ---- CUDA ---------------------------------------------------------------------------------------
 
 TEST(AttentionCuda, MatchesCpu) {
+  // Both sides see the same (rounded) inputs; the CPU computes float16/bfloat16 in float32 as
+  // the CUDA kernel does, so they differ by accumulation order and output rounding only.
   if (!cuda::is_available()) GTEST_SKIP() << cuda::unavailable_reason();
   const Device gpu("cuda");
   for (Dtype dt : {kFloat32, kBFloat16, kFloat16}) {
-    const double tol = dt == kFloat32 ? 1e-4 : 3e-2;
+    const double tol = dt == kFloat32 ? 1e-4 : 2e-2;
     for (const Case& c : cases()) {
       SCOPED_TRACE(std::string(c.name) + " " + std::string(dtype_name(dt)));
-      const Tensor mask = make_mask(c, kFloat32);
-      Attn cpu = [&](const Tensor& q, const Tensor& k, const Tensor& v) {
-        return F::scaled_dot_product_attention(q, k, v, mask, 0.0, c.causal, c.scale);
-      };
-      Attn dev = [&](const Tensor& q, const Tensor& k, const Tensor& v) {
-        Tensor m = mask.defined() ? mask.to(gpu) : mask;
-        if (m.defined() && m.dtype() != kBool) m = m.to(dt);
+      const Tensor mask = make_mask(c, dt);
+      Attn attn = [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+        const Tensor m = mask.defined() ? mask.to(q.device()) : mask;
         return F::scaled_dot_product_attention(q, k, v, m, 0.0, c.causal, c.scale);
       };
-      const Grads want = run(cpu, c.q, c.k, c.v, 5, kFloat32);
-      Grads got = run(dev, c.q, c.k, c.v, 5, dt, gpu);
-      got = {got.y.to(kFloat32), got.dq.to(kFloat32), got.dk.to(kFloat32), got.dv.to(kFloat32)};
+      const Grads want = run(attn, c.q, c.k, c.v, 5, dt);
+      const Grads got = run(attn, c.q, c.k, c.v, 5, dt, gpu);
+      EXPECT_EQ(got.y.dtype(), dt);
       expect_grads_close(got, want, tol, c.name);
     }
   }
