@@ -2,7 +2,7 @@
 // Ember's written-out (math) path and PyTorch 1.13's written-out attention
 // (benchmarks/bench_attention_torch.py, run as a subprocess), on GPT-like shapes.
 //   bench_attention [--batch 16] [--heads 4] [--dim 32] [--seq 128,512] [--causal 1]
-//                   [--rounds 5] [--reps 10] [--no-torch]
+//                   [--rounds 5] [--reps 10] [--no-torch] [--no-math]
 // Each round runs the three one after another for each sequence length, so load on a shared
 // machine hits all of them alike; every number printed is the median over rounds of the median
 // over `reps` timed steps. The fused result is first checked against the math path.
@@ -31,6 +31,7 @@ struct Args {
   bool causal = true;
   int rounds = 5, reps = 10;
   bool torch = true;
+  bool math = true;
 };
 
 double median(std::vector<double> v) {
@@ -72,8 +73,8 @@ double time_steps(Problem& p, int reps, Fn attn) {
 double time_torch(const Args& a, int64_t T) {
   std::ostringstream cmd;
   cmd << bench::python_script(EMBER_SOURCE_DIR, "benchmarks/bench_attention_torch.py")
-      << " --batch " << a.batch << " --heads " << a.heads << " --seq " << T << " --dim "
-      << a.dim << (a.causal ? " --causal" : "") << " --reps " << a.reps << " --threads "
+      << " --batch " << a.batch << " --heads " << a.heads << " --seq " << T << " --dim " << a.dim
+      << (a.causal ? " --causal" : "") << " --reps " << a.reps << " --threads "
       << get_num_threads();
   FILE* p = ::popen(cmd.str().c_str(), "r");
   if (p == nullptr) return NAN;
@@ -117,8 +118,11 @@ int main(int argc, char** argv) {
   app.add_option("--reps", a.reps, "timed steps per round")->check(CLI::Range(1, 100000));
   bool no_torch = false;
   app.add_flag("--no-torch", no_torch, "skip PyTorch");
+  bool no_math = false;
+  app.add_flag("--no-math", no_math, "skip Ember's math path");
   CLI11_PARSE(app, argc, argv);
   a.torch = !no_torch;
+  a.math = !no_math;
 
   for (int64_t T : a.seqs) {
     if (!check(a, T)) return 1;
@@ -128,22 +132,23 @@ int main(int argc, char** argv) {
     for (int64_t T : a.seqs) {
       Problem p(a, T);
       fused[T].push_back(time_steps(p, a.reps, F::scaled_dot_product_attention));
-      math[T].push_back(time_steps(p, a.reps, F::scaled_dot_product_attention_math));
+      if (a.math) math[T].push_back(time_steps(p, a.reps, F::scaled_dot_product_attention_math));
       if (a.torch) torch[T].push_back(time_torch(a, T));
     }
   }
-  std::printf("attention forward+backward, float32, B=%lld H=%lld D=%lld, %s, %d threads, "
-              "median of %d rounds x %d steps (ms)\n",
-              static_cast<long long>(a.batch), static_cast<long long>(a.heads),
-              static_cast<long long>(a.dim), a.causal ? "causal" : "no mask", get_num_threads(),
-              a.rounds, a.reps);
+  std::printf(
+      "attention forward+backward, float32, B=%lld H=%lld D=%lld, %s, %d threads, "
+      "median of %d rounds x %d steps (ms)\n",
+      static_cast<long long>(a.batch), static_cast<long long>(a.heads),
+      static_cast<long long>(a.dim), a.causal ? "causal" : "no mask", get_num_threads(), a.rounds,
+      a.reps);
   std::printf("%6s %10s %10s %10s %14s %14s\n", "T", "fused", "math", "torch", "torch/fused",
               "math/fused");
   for (int64_t T : a.seqs) {
-    const double f = median(fused[T]), m = median(math[T]);
+    const double f = median(fused[T]), m = a.math ? median(math[T]) : NAN;
     const double t = a.torch ? median(torch[T]) : NAN;
-    std::printf("%6lld %10.3f %10.3f %10.3f %13.2fx %13.2fx\n", static_cast<long long>(T),
-                f * 1e3, m * 1e3, t * 1e3, t / f, m / f);
+    std::printf("%6lld %10.3f %10.3f %10.3f %13.2fx %13.2fx\n", static_cast<long long>(T), f * 1e3,
+                m * 1e3, t * 1e3, t / f, m / f);
   }
   return 0;
 }

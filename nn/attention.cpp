@@ -22,11 +22,11 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
   EMBER_CHECK_TYPE(TypeError, q.is_floating_point(), "[", kOp,
                    "] expected a floating-point query, got ", q.dtype());
   EMBER_CHECK_TYPE(TypeError, k.dtype() == q.dtype() && v.dtype() == q.dtype(), "[", kOp,
-                   "] expected query, key and value of one dtype, got ", q.dtype(), ", ",
-                   k.dtype(), " and ", v.dtype());
+                   "] expected query, key and value of one dtype, got ", q.dtype(), ", ", k.dtype(),
+                   " and ", v.dtype());
   EMBER_CHECK(k.device() == q.device() && v.device() == q.device(), "[", kOp,
-              "] expected query, key and value on one device, got ", q.device(), ", ",
-              k.device(), " and ", v.device());
+              "] expected query, key and value on one device, got ", q.device(), ", ", k.device(),
+              " and ", v.device());
   EMBER_CHECK(q.dim() >= 2 && k.dim() == q.dim() && v.dim() == q.dim(), "[", kOp,
               "] expected query, key and value of one rank >= 2, got shapes ", q.shape(), ", ",
               k.shape(), " and ", v.shape());
@@ -40,26 +40,24 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
               "] last dim of key must equal last dim of query, got query ", q.shape(), ", key ",
               k.shape());
   EMBER_CHECK(v.size(n - 2) == k.size(n - 2), "[", kOp,
-              "] value must have as many rows as key, got key ", k.shape(), ", value ",
-              v.shape());
-  EMBER_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "[", kOp,
-              "] expected dropout_p in [0, 1), got ", dropout_p);
+              "] value must have as many rows as key, got key ", k.shape(), ", value ", v.shape());
+  EMBER_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "[", kOp, "] expected dropout_p in [0, 1), got ",
+              dropout_p);
   if (attn_mask.defined()) {
     EMBER_CHECK(!is_causal, "[", kOp, "] attn_mask and is_causal may not both be given");
-    EMBER_CHECK_TYPE(TypeError, attn_mask.dtype() == kBool || attn_mask.dtype() == q.dtype(),
-                     "[", kOp, "] expected a bool attn_mask or one of the query's dtype ",
-                     q.dtype(), ", got ", attn_mask.dtype());
-    EMBER_CHECK(attn_mask.device() == q.device(), "[", kOp, "] expected attn_mask on ",
-                q.device(), ", got ", attn_mask.device());
+    EMBER_CHECK_TYPE(TypeError, attn_mask.dtype() == kBool || attn_mask.dtype() == q.dtype(), "[",
+                     kOp, "] expected a bool attn_mask or one of the query's dtype ", q.dtype(),
+                     ", got ", attn_mask.dtype());
+    EMBER_CHECK(attn_mask.device() == q.device(), "[", kOp, "] expected attn_mask on ", q.device(),
+                ", got ", attn_mask.device());
   }
 }
 
 }  // namespace
 
 Tensor scaled_dot_product_attention_math(const Tensor& q, const Tensor& k, const Tensor& v,
-                                         const Tensor& attn_mask, double dropout_p,
-                                         bool is_causal, std::optional<double> scale,
-                                         Generator* gen) {
+                                         const Tensor& attn_mask, double dropout_p, bool is_causal,
+                                         std::optional<double> scale, Generator* gen) {
   check_inputs(q, k, v, attn_mask, dropout_p, is_causal);
   const int64_t n = q.dim();
   const int64_t L = q.size(n - 2), S = k.size(n - 2);
@@ -72,8 +70,8 @@ Tensor scaled_dot_product_attention_math(const Tensor& q, const Tensor& k, const
     mask = ge(arange(0, L, 1, idx).unsqueeze(1), arange(0, S, 1, idx).unsqueeze(0));
   }
   if (mask.defined()) {
-    scores = mask.dtype() == kBool ? masked_fill(scores, logical_not(mask), -INFINITY)
-                                   : scores + mask;
+    scores =
+        mask.dtype() == kBool ? masked_fill(scores, logical_not(mask), -INFINITY) : scores + mask;
   }
   Tensor weights = softmax(scores, -1);
   if (dropout_p > 0.0) weights = dropout(weights, dropout_p, /*training=*/true, false, gen);
@@ -84,13 +82,11 @@ namespace {
 
 // The fused op's autograd node: forward runs the kernel on [batch, L, E]-shaped contiguous
 // operands and saves out and lse; backward recomputes the scores tile by tile.
-struct ScaledDotProductFusedAttention
-    : autograd::Function<ScaledDotProductFusedAttention> {
-  static Tensor forward(autograd::Context* ctx, const Tensor& q, const Tensor& k,
-                        const Tensor& v, const Tensor& mask, const detail::AttentionParams& p) {
+struct ScaledDotProductFusedAttention : autograd::Function<ScaledDotProductFusedAttention> {
+  static Tensor forward(autograd::Context* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& mask, const detail::AttentionParams& p) {
     Tensor out = detail::make_empty({p.batch, p.L, p.Ev}, q.dtype(), q.device());
-    Tensor lse = detail::make_empty({p.batch, p.L}, q.is_cuda() ? kFloat32 : q.dtype(),
-                                    q.device());
+    Tensor lse = detail::make_empty({p.batch, p.L}, q.is_cuda() ? kFloat32 : q.dtype(), q.device());
     if (q.is_cuda()) {
       detail::attention_forward_cuda(out, lse, q, k, v, mask, p);
     } else {
@@ -178,8 +174,7 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
                                     std::optional<double> scale, Generator* gen) {
   check_inputs(q, k, v, attn_mask, dropout_p, is_causal);
   if (!fused_applies(q, k, v, attn_mask)) {
-    return scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                             gen);
+    return scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, scale, gen);
   }
   const int64_t n = q.dim();
   detail::AttentionParams p;
@@ -200,16 +195,16 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
     p.bool_mask = attn_mask.dtype() == kBool;
   }
   if (dropout_p > 0.0) {
-    const Generator::Draw d =
-        (gen != nullptr ? *gen : default_generator()).reserve(detail::attention_dropout_counters(p));
+    const Generator::Draw d = (gen != nullptr ? *gen : default_generator())
+                                  .reserve(detail::attention_dropout_counters(p));
     p.seed = d.seed;
     p.offset = d.offset;
   }
   auto flat = [&](const Tensor& t, int64_t rows) {
     return t.to(dt).contiguous().view({p.batch, rows, t.size(n - 1)});
   };
-  Tensor out = ScaledDotProductFusedAttention::apply(flat(q, p.L), flat(k, p.S), flat(v, p.S),
-                                                     mask, p);
+  Tensor out =
+      ScaledDotProductFusedAttention::apply(flat(q, p.L), flat(k, p.S), flat(v, p.S), mask, p);
   std::vector<int64_t> shape(q.shape().begin(), q.shape().end() - 1);
   shape.push_back(p.Ev);
   return out.view(shape).to(q.dtype());

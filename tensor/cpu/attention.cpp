@@ -24,8 +24,8 @@ namespace ember::detail {
 
 namespace {
 
-constexpr int64_t kBr = 64;   // query rows per tile
-constexpr int64_t kBc = 64;   // keys per tile (small tiles skip more of the causal triangle)
+constexpr int64_t kBr = 64;  // query rows per tile
+constexpr int64_t kBc = 64;  // keys per tile (small tiles skip more of the causal triangle)
 
 // C = alpha * op(A) op(B) + beta * C, row-major.
 void gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t k, float alpha, const float* a,
@@ -92,16 +92,14 @@ struct Operands {
         scale(static_cast<T>(params.scale)) {}
 
   // Last key (exclusive) that query rows [i0, i0 + br) may see.
-  int64_t key_end(int64_t i0, int64_t br) const {
-    return p.causal ? std::min(p.S, i0 + br) : p.S;
-  }
+  int64_t key_end(int64_t i0, int64_t br) const { return p.causal ? std::min(p.S, i0 + br) : p.S; }
 
   // The score tile sc[br, bc] (row stride kBc) = scale * q_i k_j^T + mask, with -inf above the
   // causal diagonal.
   void scores(T* sc, int64_t b, int64_t i0, int64_t br, int64_t j0, int64_t bc) const {
     const int64_t E = p.E;
-    gemm(false, true, br, bc, E, scale, q + (b * p.L + i0) * E, E, k + (b * p.S + j0) * E, E,
-         T(0), sc, kBc);
+    gemm(false, true, br, bc, E, scale, q + (b * p.L + i0) * E, E, k + (b * p.S + j0) * E, E, T(0),
+         sc, kBc);
     if (mask != nullptr) {
       const T* mb = mask + p.mask.batch_offset(b);
       for (int64_t r = 0; r < br; ++r) {
@@ -140,8 +138,8 @@ struct Operands {
 
 // One query tile: online softmax over the key tiles, then out = acc / l, lse = m + log(l).
 template <typename T>
-void forward_tile(const Operands<T>& o, T* out, T* lse, int64_t b, int64_t i0, T* sc, T* acc,
-                  T* m, T* l) {
+void forward_tile(const Operands<T>& o, T* out, T* lse, int64_t b, int64_t i0, T* sc, T* acc, T* m,
+                  T* l) {
   const AttentionParams& p = o.p;
   const int64_t br = std::min(kBr, p.L - i0), Ev = p.Ev;
   const T ninf = -std::numeric_limits<T>::infinity();
@@ -218,12 +216,7 @@ void backward_batch(const Operands<T>& o, T* dq, T* dk, T* dv, const T* dout, co
       const T* qi = o.q + (b * L + i0) * E;
       const T* doi = dob + i0 * Ev;
       o.scores(sc, b, i0, br, j0, bc);
-      for (int64_t r = 0; r < br; ++r) {
-        T* row = sc + r * kBc;
-        const T shift = lse[b * L + i0 + r];
-        for (int64_t c = 0; c < bc; ++c) row[c] = row[c] - shift;
-        exp_sub_sum(row, bc, T(0));  // P = exp(s - lse)
-      }
+      for (int64_t r = 0; r < br; ++r) exp_sub_sum(sc + r * kBc, bc, lse[b * L + i0 + r]);  // P
       const T* pdrop = sc;
       if (p.dropout_p > 0) {
         for (int64_t r = 0; r < br; ++r) {
@@ -267,8 +260,8 @@ void backward_typed(const Tensor& dq, const Tensor& dk, const Tensor& dv, const 
     T* pd = dp + kBr * kBc;
     T* d = pd + kBr * kBc;
     for (int64_t b = begin; b < end; ++b) {
-      backward_batch(o, dq_p, dk_p, dv_p, dout.data<T>(), out.data<T>(), lse.data<T>(), b, sc,
-                     dp, pd, d);
+      backward_batch(o, dq_p, dk_p, dv_p, dout.data<T>(), out.data<T>(), lse.data<T>(), b, sc, dp,
+                     pd, d);
     }
   });
 }
@@ -288,9 +281,9 @@ void attention_forward_cpu(const Tensor& out, const Tensor& lse, const Tensor& q
 }
 
 void attention_backward_cpu(const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                            const Tensor& dout, const Tensor& q, const Tensor& k,
-                            const Tensor& v, const Tensor& out, const Tensor& lse,
-                            const Tensor& mask, const AttentionParams& p) {
+                            const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                            const Tensor& out, const Tensor& lse, const Tensor& mask,
+                            const AttentionParams& p) {
   EMBER_INTERNAL_ASSERT(dout.is_contiguous() && out.is_contiguous(),
                         "attention_backward_cpu: non-contiguous operands");
   if (q.dtype() == kFloat64) {

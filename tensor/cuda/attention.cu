@@ -52,8 +52,7 @@ struct Operands {
   AttentionParams p;
 
   // scale * q_i . k_j + mask(i, j) for a valid key, from float rows in shared memory.
-  __device__ float score(const float* qi, const float* kj, int64_t b, int64_t i,
-                         int64_t j) const {
+  __device__ float score(const float* qi, const float* kj, int64_t b, int64_t i, int64_t j) const {
     float s = 0.f;
     for (int c = 0; c < p.E; ++c) s += qi[c] * kj[c];
     s *= static_cast<float>(p.scale);
@@ -63,9 +62,7 @@ struct Operands {
     }
     return s;
   }
-  __device__ bool visible(int64_t i, int64_t j) const {
-    return j < p.S && (!p.causal || j <= i);
-  }
+  __device__ bool visible(int64_t i, int64_t j) const { return j < p.S && (!p.causal || j <= i); }
   // keep / (1 - p) for element (b, i, j), or 1 without dropout.
   __device__ float dropout_factor(int64_t b, int64_t i, int64_t j) const {
     if (p.dropout_p <= 0.0) return 1.f;
@@ -80,8 +77,7 @@ struct Operands {
 // Copies rows [r0, r0 + n) of a [rows, cols] matrix into shared memory as float with row stride
 // ld, zero-filling rows past `rows`.
 template <typename T>
-__device__ void stage(float* dst, int ld, const T* src, int64_t r0, int n, int64_t rows,
-                      int cols) {
+__device__ void stage(float* dst, int ld, const T* src, int64_t r0, int n, int64_t rows, int cols) {
   for (int idx = threadIdx.x; idx < n * cols; idx += blockDim.x) {
     const int r = idx / cols, c = idx % cols;
     dst[r * ld + c] = r0 + r < rows ? static_cast<float>(src[(r0 + r) * cols + c]) : 0.f;
@@ -257,8 +253,7 @@ Operands<T> operands(const Tensor& q, const Tensor& k, const Tensor& v, const Te
 
 template <typename T>
 void forward_typed(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                   const Tensor& v, const Tensor& mask, const AttentionParams& p,
-                   cudaStream_t s) {
+                   const Tensor& v, const Tensor& mask, const AttentionParams& p, cudaStream_t s) {
   const int64_t tiles = (p.L + kFwdRows - 1) / kFwdRows;
   const size_t smem = sizeof(float) * (kKeys * (p.E + 1) + kKeys * (p.Ev + 1) + kFwdRows * p.E);
   allow_smem(attention_fwd_kernel<T>, smem);
@@ -310,9 +305,8 @@ void dispatch(Dtype dt, Fn&& fn) {
 
 }  // namespace
 
-void attention_forward_cuda(const Tensor& out, const Tensor& lse, const Tensor& q,
-                            const Tensor& k, const Tensor& v, const Tensor& mask,
-                            const AttentionParams& p) {
+void attention_forward_cuda(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                            const Tensor& v, const Tensor& mask, const AttentionParams& p) {
   EMBER_INTERNAL_ASSERT(p.E <= kMaxHeadDim && p.Ev <= kMaxHeadDim,
                         "attention CUDA kernel: head dim above ", kMaxHeadDim);
   DeviceGuard guard(q.device().index);
@@ -321,9 +315,9 @@ void attention_forward_cuda(const Tensor& out, const Tensor& lse, const Tensor& 
 }
 
 void attention_backward_cuda(const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                             const Tensor& dout, const Tensor& q, const Tensor& k,
-                             const Tensor& v, const Tensor& out, const Tensor& lse,
-                             const Tensor& mask, const AttentionParams& p) {
+                             const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& out, const Tensor& lse, const Tensor& mask,
+                             const AttentionParams& p) {
   DeviceGuard guard(q.device().index);
   cudaStream_t s = stream_of(q.device());
   dispatch(q.dtype(), [&]<typename T>() {

@@ -68,18 +68,17 @@ inline uint64_t attention_dropout_counters(const AttentionParams& p) {
 /// Forward: writes out and lse. mask: additive, q's dtype, or undefined.
 void attention_forward_cpu(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                            const Tensor& v, const Tensor& mask, const AttentionParams& p);
-void attention_forward_cuda(const Tensor& out, const Tensor& lse, const Tensor& q,
-                            const Tensor& k, const Tensor& v, const Tensor& mask,
-                            const AttentionParams& p);
+void attention_forward_cuda(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                            const Tensor& v, const Tensor& mask, const AttentionParams& p);
 
 /// Backward: writes dq, dk, dv (same shapes as q, k, v) from dout and the forward's out, lse.
 void attention_backward_cpu(const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                            const Tensor& dout, const Tensor& q, const Tensor& k,
-                            const Tensor& v, const Tensor& out, const Tensor& lse,
-                            const Tensor& mask, const AttentionParams& p);
+                            const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                            const Tensor& out, const Tensor& lse, const Tensor& mask,
+                            const AttentionParams& p);
 void attention_backward_cuda(const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                             const Tensor& dout, const Tensor& q, const Tensor& k,
-                             const Tensor& v, const Tensor& out, const Tensor& lse,
-                             const Tensor& mask, const AttentionParams& p);
+                             const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& out, const Tensor& lse, const Tensor& mask,
+                             const AttentionParams& p);
 
 }  // namespace ember::detail

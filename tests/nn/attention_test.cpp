@@ -103,8 +103,8 @@ struct Case {
   std::optional<double> scale = std::nullopt;
 };
 
-// Sizes straddle the CPU tiles (64 query rows by 64 keys; on CUDA 16 rows, 32 keys) and include L != S, E != Ev, 1 and
-// several heads, and masks broadcast over every leading pattern.
+// Sizes straddle the CPU tiles (64 query rows by 64 keys; on CUDA 16 rows, 32 keys) and include L
+// != S, E != Ev, 1 and several heads, and masks broadcast over every leading pattern.
 std::vector<Case> cases() {
   return {
       {"tiny", {1, 1, 1, 3}, {1, 1, 1, 3}, {1, 1, 1, 2}, {}},
@@ -168,8 +168,10 @@ void expect_nan_like_math_path(const Tensor& mask) {
   };
   const Grads got = run(fused, {2, 4, 3}, {2, 6, 3}, {2, 6, 5}, 9, kFloat64);
   const Grads want = run(math, {2, 4, 3}, {2, 6, 3}, {2, 6, 5}, 9, kFloat64);
-  for (auto [g, w, what] : {std::tuple{got.y, want.y, "output"}, {got.dq, want.dq, "dq"},
-                            {got.dk, want.dk, "dk"}, {got.dv, want.dv, "dv"}}) {
+  for (auto [g, w, what] : {std::tuple{got.y, want.y, "output"},
+                            {got.dq, want.dq, "dq"},
+                            {got.dk, want.dk, "dk"},
+                            {got.dv, want.dv, "dv"}}) {
     const std::vector<double> gv = g.to_vector<double>(), wv = w.to_vector<double>();
     ASSERT_EQ(gv.size(), wv.size());
     for (size_t i = 0; i < gv.size(); ++i) {
@@ -256,8 +258,7 @@ TEST(Attention, Gradcheck) {
   Tensor bmask = gt(rand_t({3, 5}, kFloat64, 8), -0.3);
   bmask.select(1, 0).fill_(true);
   gradcheck_sdpa(bmask, 0.0, false, {}, {2, 3, 4}, {2, 5, 4}, {2, 5, 3});
-  gradcheck_sdpa(rand_t({2, 1, 5}, kFloat64, 9), 0.0, false, {}, {2, 3, 4}, {2, 5, 4},
-                 {2, 5, 3});
+  gradcheck_sdpa(rand_t({2, 1, 5}, kFloat64, 9), 0.0, false, {}, {2, 3, 4}, {2, 5, 4}, {2, 5, 3});
 }
 
 TEST(Attention, GradcheckDropout) {
@@ -290,15 +291,21 @@ TEST(Attention, DoubleBackwardIsRefused) {
 TEST(Attention, Errors) {
   Tensor q = rand_t({2, 3, 4}, kFloat32, 1);
   expect_error<ValueError>(
-      [&] { F::scaled_dot_product_attention(q, q, q, ones({2, 3, 5}, kBool)); },
+      [&] {
+        F::scaled_dot_product_attention(q, q, q, ones({2, 3, 5}, kBool));
+      },
       {"scaled_dot_product_attention", "attn_mask of shape [2, 3, 5]", "[2, 3, 3]"});
   expect_error<ValueError>(
-      [&] { F::scaled_dot_product_attention(q, rand_t({2, 3, 5}, kFloat32, 2), q); },
+      [&] {
+        F::scaled_dot_product_attention(q, rand_t({2, 3, 5}, kFloat32, 2), q);
+      },
       {"scaled_dot_product_attention", "last dim of key"});
   expect_error<ValueError>([&] { F::scaled_dot_product_attention(q, q, q, {}, 1.0); },
                            {"scaled_dot_product_attention", "dropout_p"});
   expect_error<TypeError>(
-      [&] { F::scaled_dot_product_attention(q, q, q, ones({3, 3}, kFloat64)); },
+      [&] {
+        F::scaled_dot_product_attention(q, q, q, ones({3, 3}, kFloat64));
+      },
       {"scaled_dot_product_attention", "attn_mask"});
 }
 
