@@ -280,6 +280,17 @@ TEST(Attention, DropoutIsSeededAndScaled) {
   EXPECT_GT(g1.offset(), 0u);  // the draw advanced the generator
 }
 
+TEST(Attention, FloatMaskThatNeedsGradTakesMathPath) {
+  // The fused kernels give no mask gradient, so such a call runs the written-out attention.
+  Tensor q = test::leaf({2, 3, 4}, 1), k = test::leaf({2, 5, 4}, 2), v = test::leaf({2, 5, 3}, 3);
+  Tensor mask = test::leaf({3, 5}, 4);
+  F::scaled_dot_product_attention(q, k, v, mask).sum().backward();
+  ASSERT_TRUE(mask.grad().defined());
+  Tensor m2 = mask.detach().requires_grad_();
+  F::scaled_dot_product_attention_math(q, k, v, m2).sum().backward();
+  expect_tensors_close(mask.grad(), m2.grad(), 1e-12, "mask grad");
+}
+
 TEST(Attention, DoubleBackwardIsRefused) {
   Tensor q = test::leaf({2, 3, 4}, 1), k = test::leaf({2, 3, 4}, 2), v = test::leaf({2, 3, 4}, 3);
   Tensor y = F::scaled_dot_product_attention(q, k, v).sum();
