@@ -1,11 +1,13 @@
 #include "nn/activation_checkpoint.h"
 
 #include <any>
+#include <memory>
 #include <unordered_set>
 
 #include "autograd/engine.h"
 #include "autograd/function.h"
 #include "tensor/random.h"
+#include "tensor/autocast.h"
 
 namespace ember::nn {
 
@@ -35,6 +37,14 @@ struct Segment {
   CheckpointFunction fn;
   bool preserve_rng_state = true;
   RngState rng;
+  // The autocast state of the forward call (CPU and CUDA), re-entered for the recomputation so
+  // that it runs in the precision the forward ran in (torch's checkpoint does the same).
+  struct Autocast {
+    Device device;
+    bool enabled = false;
+    Dtype dtype = kBFloat16;
+  };
+  std::vector<Autocast> autocast;
   size_t num_outputs = 0;
 };
 
@@ -46,6 +56,10 @@ std::vector<Tensor> recompute(const Segment& seg, const std::vector<Tensor>& inp
   std::vector<Tensor> out;
   try {
     GradModeGuard grad(true);
+    std::vector<std::unique_ptr<AutocastGuard>> amp;
+    for (const Segment::Autocast& a : seg.autocast) {
+      amp.push_back(std::make_unique<AutocastGuard>(a.device, a.dtype, a.enabled));
+    }
     out = seg.fn(inputs);
   } catch (...) {
     if (seg.preserve_rng_state) set_rng_state(before);
@@ -173,6 +187,9 @@ std::vector<Tensor> checkpoint(const CheckpointFunction& fn, const std::vector<T
   seg->fn = fn;
   seg->preserve_rng_state = preserve_rng_state;
   if (preserve_rng_state) seg->rng = rng_state();
+  for (Device d : {kCPU, Device{DeviceType::CUDA, 0}}) {
+    seg->autocast.push_back({d, is_autocast_enabled(d), get_autocast_dtype(d)});
+  }
   auto node = std::make_shared<autograd::FunctionNode>("CheckpointBackward", &checkpoint_backward);
   std::vector<const Tensor*> ptrs;
   for (const Tensor& t : inputs) ptrs.push_back(&t);

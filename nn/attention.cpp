@@ -5,6 +5,7 @@
 
 #include "autograd/function.h"
 #include "nn/functional.h"
+#include "tensor/autocast.h"
 #include "tensor/detail/attention_kernels.h"
 #include "tensor/random.h"
 
@@ -172,6 +173,11 @@ Tensor mask_layout(const Tensor& attn_mask, const Tensor& q, Dtype dt, int64_t L
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& attn_mask, double dropout_p, bool is_causal,
                                     std::optional<double> scale, Generator* gen) {
+  // Under autocast attention runs in the low precision, as matmul does (PyTorch's policy).
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kLowPrecision, q, k, v, attn_mask)) {
+    return scaled_dot_product_attention(ac[0], ac[1], ac[2], ac[3], dropout_p, is_causal, scale,
+                                        gen);
+  }
   check_inputs(q, k, v, attn_mask, dropout_p, is_causal);
   if (!fused_applies(q, k, v, attn_mask)) {
     return scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, scale, gen);

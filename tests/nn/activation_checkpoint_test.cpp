@@ -14,6 +14,7 @@
 #include "nn/linear.h"
 #include "nn/transformer.h"
 #include "tensor/allocator.h"
+#include "tensor/autocast.h"
 #include "tensor/cuda.h"
 #include "tensor/random.h"
 #include "tests/autograd/grad_util.h"
@@ -102,6 +103,34 @@ TEST(ActivationCheckpoint, SameLossAndGradsWithDropout) {
     EXPECT_EQ(a.loss.item<double>(), b.loss.item<double>()) << dtype_name(dt);
     EXPECT_EQ(max_grad_diff(a, b), 0.0) << dtype_name(dt);
   }
+}
+
+// The recomputation runs under the autocast state of the forward call, even though backward
+// runs outside the autocast scope: bf16 products again, so the same gradients as without
+// checkpointing (a float32 recomputation would give different ones).
+TEST(ActivationCheckpoint, RecomputesUnderTheForwardsAutocastState) {
+  manual_seed(1);
+  Stack plain(2, 16, 2, 32, 0.0, kFloat32), ckpt(2, 16, 2, 32, 0.0, kFloat32);
+  copy_params(plain, ckpt);
+  ckpt.use_checkpoint = true;
+  const Tensor x0 = rand_t({2, 6, 16}, kFloat32, 2);
+  auto step = [&](Stack& m) {
+    m.zero_grad();
+    Tensor x = x0.detach().clone().requires_grad_();
+    Tensor loss;
+    {
+      AutocastGuard amp(kCPU, kBFloat16);
+      loss = m.forward(x).to(kFloat32).pow(2).sum();
+    }
+    loss.backward();  // outside the scope, as docs/mixed_precision.md recommends
+    StepResult r{loss.detach(), {x.grad()}};
+    for (const Tensor& p : m.parameters()) r.grads.push_back(p.grad());
+    return r;
+  };
+  const StepResult a = step(plain), b = step(ckpt);
+  EXPECT_EQ(a.loss.item<double>(), b.loss.item<double>());
+  EXPECT_EQ(max_grad_diff(a, b), 0.0);
+  for (const Tensor& g : b.grads) EXPECT_EQ(g.dtype(), kFloat32);
 }
 
 TEST(ActivationCheckpoint, SameGradsWithDropoutOnCuda) {
