@@ -1,15 +1,21 @@
-// Matrix multiplication throughput: square float32 matmul (OpenBLAS on the CPU).
-// Cases: matmul_<n>_f32, flops = 2 n^3.
+// Matrix multiplication throughput on the CPU: square matmul in float32 and bfloat16, and
+// float32 operands under bf16 autocast (the casts included), plus the GPT example's MLP shape
+// (16 x 128 tokens, 128 -> 512). Cases: matmul_<n>_{f32,bf16,autocast_bf16} with flops = 2 n^3,
+// and linear_2048x128x512_{f32,bf16,autocast_bf16}.
 #include <cmath>
 #include <cstdio>
 #include <vector>
 
 #include "bench_util.h"
+#include "tensor/autocast.h"
 #include "tensor/ops.h"
 
 using namespace ember;
 
 namespace {
+
+enum class Mode { kF32, kBf16, kAutocast };
+constexpr const char* kModeNames[] = {"f32", "bf16", "autocast_bf16"};
 
 Tensor lcg_tensor(int64_t n, int64_t m, uint64_t seed) {
   std::vector<float> v(n * m);
@@ -22,7 +28,12 @@ Tensor lcg_tensor(int64_t n, int64_t m, uint64_t seed) {
 }
 
 // Spot-checks a few entries of c = a @ b against dot products in double.
-bool check(const Tensor& a, const Tensor& b, const Tensor& c) {
+// bfloat16 operands and results are compared in float32 with a looser tolerance (the products
+// are exact in float32, so only the rounding of the result and of the sum's order remains).
+bool check(const Tensor& a_in, const Tensor& b_in, const Tensor& c_in) {
+  const bool low = c_in.dtype() != kFloat32;
+  const Tensor a = a_in.to(kFloat32), b = b_in.to(kFloat32), c = c_in.to(kFloat32);
+  const double tol = low ? 1e-2 : 1e-3;
   const int64_t n = a.size(0), k = a.size(1), m = b.size(1);
   const float* pa = a.data<float>();
   const float* pb = b.data<float>();
@@ -31,7 +42,7 @@ bool check(const Tensor& a, const Tensor& b, const Tensor& c) {
     const int64_t i = (t * 7919) % n, j = (t * 104729) % m;
     double s = 0;
     for (int64_t p = 0; p < k; ++p) s += double(pa[i * k + p]) * pb[p * m + j];
-    if (std::fabs(s - pc[i * m + j]) > 1e-3 * (1 + std::fabs(s))) {
+    if (std::fabs(s - pc[i * m + j]) > tol * (std::sqrt(double(k)) + std::fabs(s))) {
       std::fprintf(stderr, "matmul mismatch at (%ld, %ld): got %f want %f\n", long(i), long(j),
                    pc[i * m + j], s);
       return false;
@@ -40,18 +51,37 @@ bool check(const Tensor& a, const Tensor& b, const Tensor& c) {
   return true;
 }
 
+// Times a @ b (n x k times k x m) in one mode; false if the result is wrong.
+bool run_case(const bench::Options& opts, const std::string& name, int64_t n, int64_t k, int64_t m,
+              Mode mode) {
+  if (!bench::selected(opts, name)) return true;
+  Tensor a = lcg_tensor(n, k, 1), b = lcg_tensor(k, m, 2);
+  if (mode == Mode::kBf16) {
+    a = a.to(kBFloat16);
+    b = b.to(kBFloat16);
+  }
+  auto product = [&] {
+    AutocastGuard amp(kCPU, kBFloat16, mode == Mode::kAutocast);
+    return matmul(a, b);
+  };
+  if (!check(a, b, product())) return false;
+  const double elem = mode == Mode::kBf16 ? 2 : 4;
+  bench::run(
+      opts, name, [&] { bench::do_not_optimize(product().data_ptr()); }, 2.0 * n * k * m,
+      (n * k + k * m + n * m) * elem);
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const bench::Options opts = bench::parse(argc, argv);
-  for (int64_t n : {512, 1024, 2048}) {
-    const std::string name = "matmul_" + std::to_string(n) + "_f32";
-    if (!bench::selected(opts, name)) continue;
-    Tensor a = lcg_tensor(n, n, 1), b = lcg_tensor(n, n, 2);
-    if (!check(a, b, matmul(a, b))) return 1;
-    bench::run(
-        opts, name, [&] { bench::do_not_optimize(matmul(a, b).data_ptr()); },
-        2.0 * n * n * n, 3.0 * n * n * 4);
+  for (Mode mode : {Mode::kF32, Mode::kBf16, Mode::kAutocast}) {
+    const std::string suffix = kModeNames[static_cast<int>(mode)];
+    for (int64_t n : {512, 1024, 2048}) {
+      if (!run_case(opts, "matmul_" + std::to_string(n) + "_" + suffix, n, n, n, mode)) return 1;
+    }
+    if (!run_case(opts, "linear_2048x128x512_" + suffix, 2048, 128, 512, mode)) return 1;
   }
   return 0;
 }

@@ -15,7 +15,9 @@
 #include "distributed/process_group_hierarchical.h"
 #include "distributed/process_group_mpi.h"
 #include "distributed/tcp_store.h"
+#include "tensor/creation.h"
 #include "tensor/cuda.h"
+#include "tensor/log.h"
 
 extern char** environ;
 
@@ -229,6 +231,70 @@ void rank_size_for_url(const InitOptions& o, const Url& u, const std::string& ur
 }
 
 // The TCPStore of an env:// or tcp:// rendezvous: rank 0 serves it, every rank connects.
+bool env_set(const std::map<std::string, std::string>& env, const char* name) {
+  auto it = env.find(name);
+  return it != env.end() && !it->second.empty();
+}
+
+/// Whether mpirun (Open MPI, or a PMI launcher such as MPICH's) started this process and nothing
+/// names rank 0's host: the ranks can then agree on the store's address through MPI itself.
+bool mpi_without_master(const std::map<std::string, std::string>& env) {
+  return !env_set(env, "RANK") && (env_set(env, "OMPI_COMM_WORLD_RANK") || env_set(env, "PMI_RANK")) &&
+         !env_set(env, "MASTER_ADDR") && !env_set(env, "SLURM_JOB_NODELIST") &&
+         !env_set(env, "SLURM_NODELIST");
+}
+
+/// Rank 0 starts the job's store on a port the OS picks and broadcasts "host:port" over MPI;
+/// the others connect to it. On one node the store stays on loopback; across nodes rank 0
+/// advertises its host name and listens on every interface.
+std::shared_ptr<Store> mpi_bootstrap_store(const std::map<std::string, std::string>& env,
+                                           Duration timeout, int* rank, int* size,
+                                           std::string* master_addr) {
+  auto mpi = ProcessGroupMpi::create({}, {timeout});
+  *rank = mpi->rank();
+  *size = mpi->size();
+  constexpr int64_t kMax = 512;
+  Tensor msg = zeros({kMax}, TensorOptions(kUInt8));
+  std::shared_ptr<TCPStore> store;
+  if (*rank == 0) {
+    const char* local_size_var = env_set(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+                                     ? "OMPI_COMM_WORLD_LOCAL_SIZE"
+                                     : "MPI_LOCALNRANKS";
+    const bool one_node = env_set(env, local_size_var) &&
+                          env.at(local_size_var) == std::to_string(*size);
+    std::string host = "127.0.0.1";
+    TCPStoreOptions so;
+    if (!one_node) {
+      char name[256] = {};
+      EMBER_CHECK_TYPE(DistNetworkError, gethostname(name, sizeof(name) - 1) == 0,
+                       "[init_process_group] mpi bootstrap: gethostname failed");
+      host = name;
+      so.listen_host = "0.0.0.0";
+    }
+    so.is_server = true;
+    so.world_size = *size;
+    so.wait_for_workers = false;
+    so.timeout = timeout;
+    store = std::make_shared<TCPStore>(host, 0, so);
+    const std::string addr = host + ":" + std::to_string(store->port());
+    EMBER_CHECK(static_cast<int64_t>(addr.size()) < kMax,
+                "[init_process_group] mpi bootstrap: host name too long: ", host);
+    std::copy(addr.begin(), addr.end(), msg.data<uint8_t>());
+  }
+  mpi->broadcast(msg, {0, timeout})->wait();
+  const std::string addr(reinterpret_cast<const char*>(msg.data<uint8_t>()));
+  const size_t colon = addr.rfind(':');
+  EMBER_INTERNAL_ASSERT(colon != std::string::npos, "mpi bootstrap got '", addr, "'");
+  *master_addr = addr.substr(0, colon);
+  if (*rank != 0) {
+    TCPStoreOptions so;
+    so.world_size = *size;
+    so.timeout = timeout;
+    store = std::make_shared<TCPStore>(*master_addr, static_cast<uint16_t>(std::stoi(addr.substr(colon + 1))), so);
+  }
+  return store;
+}
+
 std::shared_ptr<Store> rendezvous_tcp_store(const std::string& host, int port, int rank, int size,
                                             Duration timeout) {
   TCPStoreOptions so;
@@ -249,6 +315,24 @@ constexpr std::pair<const char*, const char*> kRankFamilies[] = {
 }  // namespace
 
 // ---- env:// -------------------------------------------------------------------------------------
+
+namespace {
+
+int master_port_from_env(const std::map<std::string, std::string>& env, const std::string& found) {
+  if (auto port = env.find("MASTER_PORT"); port != env.end() && !port->second.empty()) {
+    return parse_int("MASTER_PORT", port->second, 1, 65535, found);
+  }
+  // Under Slurm every task of a job sees the same SLURM_JOB_ID, so a port derived from it is
+  // agreed on without a launcher; two jobs sharing a node differ unless their ids are 10000
+  // apart (the same rule as PyTorch Lightning's, so users see the port they would expect).
+  if (auto job = env.find("SLURM_JOB_ID"); job != env.end() && !job->second.empty()) {
+    return 15000 + parse_int("SLURM_JOB_ID", job->second, 0, 1 << 30, found) % 10000;
+  }
+  throw ValueError(detail::str_cat("[init_process_group] env:// needs MASTER_PORT (", found,
+                                   ")"));
+}
+
+}  // namespace
 
 std::string first_slurm_host(const std::string& nodelist) {
   // Top-level comma ends the first entry; commas inside [...] belong to ranges.
@@ -316,12 +400,10 @@ EnvRendezvous parse_env_rendezvous(const std::map<std::string, std::string>& env
   } else {
     throw ValueError(
         detail::str_cat("[init_process_group] env:// needs MASTER_ADDR (rank 0's "
-                        "host) or a Slurm node list (",
+                        "host) or a Slurm node list, or under mpirun an Ember built with MPI (",
                         found, ")"));
   }
-  auto port = env.find("MASTER_PORT");
-  EMBER_CHECK(port != env.end(), "[init_process_group] env:// needs MASTER_PORT (", found, ")");
-  r.master_port = parse_int("MASTER_PORT", port->second, 1, 65535, found);
+  r.master_port = master_port_from_env(env, found);
   return r;
 }
 
@@ -432,6 +514,12 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
     store = o.store;
     rank = o.rank;
     size = o.world_size;
+  } else if (method.rfind("env://", 0) == 0 && mpi_without_master(environment()) &&
+             ProcessGroupMpi::is_available()) {
+    store = mpi_bootstrap_store(environment(), timeout, &rank, &size, &master_addr);
+    EMBER_CHECK((o.rank < 0 || o.rank == rank) && (o.world_size < 0 || o.world_size == size),
+                "[init_process_group] MPI gives rank ", rank, " of ", size, " but rank ", o.rank,
+                " and world_size ", o.world_size, " were passed");
   } else if (method.rfind("env://", 0) == 0) {
     const EnvRendezvous r = parse_env_rendezvous(environment(), o.rank, o.world_size);
     rank = r.rank;
@@ -464,6 +552,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
               "meanwhile");
   s.store = store;
   s.world = pg;
+  logging::set_rank(pg->rank());
   s.backend = o.backend;
   s.master_addr = master_addr;
   s.next_group = 1;

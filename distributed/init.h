@@ -110,7 +110,10 @@ struct EnvRendezvous {
 
 /// Parses env:// variables from `env` (a snapshot of the environment): RANK and WORLD_SIZE,
 /// else OMPI_COMM_WORLD_RANK/_SIZE, else PMI_RANK/PMI_SIZE, else SLURM_PROCID/SLURM_NTASKS;
-/// MASTER_ADDR, else the first host of SLURM_JOB_NODELIST (or SLURM_NODELIST); MASTER_PORT.
+/// MASTER_ADDR, else the first host of SLURM_JOB_NODELIST (or SLURM_NODELIST); MASTER_PORT,
+/// else under Slurm 15000 + SLURM_JOB_ID % 10000 (PyTorch Lightning's rule). (Under mpirun
+/// without MASTER_ADDR, init_process_group does not come here: rank 0 broadcasts the store's
+/// address over MPI when Ember is built with MPI.)
 /// `rank`/`world_size` >= 0 override the environment and must agree with it if it has them.
 /// Throws ValueError echoing the variables found when something is missing, not an integer,
 /// out of range or contradictory.

@@ -32,6 +32,7 @@
 #include <thread>
 
 #include "tensor/ops.h"
+#include "tensor/log.h"
 
 namespace ember::dist {
 
@@ -161,11 +162,9 @@ void mpi_exit() {
   MPI_Finalized(&finalized);
   if (finalized) return;
   if (g.busy.load() > 0) {
-    std::fprintf(stderr,
-                 "ember: [mpi] %d process group worker(s) still inside MPI at exit (a collective "
-                 "or send/recv never completed); calling MPI_Abort instead of MPI_Finalize\n",
-                 g.busy.load());
-    std::fflush(stderr);
+    logging::error("[mpi] ", g.busy.load(),
+               " process group worker(s) still inside MPI at exit (a collective or send/recv "
+               "never completed); calling MPI_Abort instead of MPI_Finalize");
     MPI_Abort(MPI_COMM_WORLD, 1);
     return;
   }
@@ -522,10 +521,9 @@ ProcessGroupMpi::~ProcessGroupMpi() {
     }
   }
   if (stuck) {
-    std::fprintf(stderr,
-                 "ember: [mpi] group of rank %d/%d destroyed while its worker is stuck in "
-                 "an MPI call past its timeout; detaching the worker\n",
-                 rank_, size_);
+    logging::warn("[mpi] group of rank ", rank_, "/", size_,
+              " destroyed while its worker is stuck in an MPI call past its timeout; detaching "
+              "the worker");
     impl_->thread.detach();
     return;
   }

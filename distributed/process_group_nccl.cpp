@@ -18,6 +18,7 @@
 #include "distributed/debug.h"
 #include "tensor/cuda/check.h"
 #include "tensor/ops.h"
+#include "tensor/log.h"
 
 namespace ember::dist {
 
@@ -338,9 +339,9 @@ class ProcessGroupNccl::Impl {
     if (debug_level() != DebugLevel::Off) {
       int version = 0;
       ncclGetVersion(&version);
-      std::fprintf(stderr, "[nccl] rank %d of %d: NCCL %d.%d.%d on %s, %s\n", rank, size,
-                   version / 10000, version / 100 % 100, version % 100,
-                   cuda_device(device_).str().c_str(), network_summary().c_str());
+      logging::info("[nccl] rank ", rank, " of ", size, ": NCCL ", version / 10000, ".",
+                version / 100 % 100, ".", version % 100, " on ", cuda_device(device_).str(), ", ",
+                network_summary());
     }
 
     ncclUniqueId id;

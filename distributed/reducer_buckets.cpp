@@ -8,6 +8,7 @@
 #include "distributed/reducer.h"
 #include "tensor/creation.h"
 #include "tensor/grad_mode.h"
+#include "tensor/log.h"
 
 namespace ember::detail {
 
@@ -34,7 +35,7 @@ Tensor Reducer::slot(const Param& p) const {
 }
 
 void Reducer::log(const std::string& line) const {
-  std::cerr << "[ddp rank " << group_->rank() << "] " << line << std::endl;
+  logging::info("[ddp rank ", group_->rank(), "] ", line);
 }
 
 // One line: every bucket's size, dtype and parameter names (at most 8 shown per bucket).

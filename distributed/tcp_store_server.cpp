@@ -19,6 +19,7 @@
 #include "distributed/detail/store_protocol.h"
 #include "distributed/detail/store_util.h"
 #include "distributed/tcp_store.h"
+#include "tensor/log.h"
 
 namespace ember::dist {
 
@@ -505,8 +506,7 @@ void TCPStoreServer::Impl::run() {
       return;
     } catch (const std::exception& e) {
       // Handlers catch their own errors; this is a last line so one bug cannot end the store.
-      std::fprintf(stderr, "[TCPStoreServer] error in the serving thread (continuing): %s\n",
-                   e.what());
+      logging::error("[TCPStoreServer] error in the serving thread (continuing): ", e.what());
     }
   }
 }
@@ -591,8 +591,7 @@ void TCPStoreServer::Impl::log_peer(const std::string& peer, const std::string& 
   if (!log_limiter_.allow(&suppressed)) return;
   const std::string more =
       suppressed ? str_cat(" (", suppressed, " similar lines suppressed before this one)") : "";
-  std::fprintf(stderr, "[TCPStoreServer] port %u: dropped %s: %s%s\n", unsigned(port_),
-               peer.c_str(), why.c_str(), more.c_str());
+  logging::warn("[TCPStoreServer] port ", port_, ": dropped ", peer, ": ", why, more);
 }
 
 namespace {

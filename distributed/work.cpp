@@ -5,6 +5,7 @@
 #include "distributed/process_group.h"
 
 #include "tensor/cuda.h"
+#include "tensor/log.h"
 
 namespace ember::dist {
 
@@ -128,7 +129,7 @@ void Future::add_done_callback(std::function<void(Future&)> callback) {
     try {
       cb(f);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "ember: exception in a Future callback was ignored: %s\n", e.what());
+      logging::error("exception in a Future callback was ignored: ", e.what());
     }
   };
   std::unique_lock<std::mutex> lock(mutex_);

@@ -1,8 +1,13 @@
 #include "nn/attention.h"
 
 #include <cmath>
+#include <vector>
 
+#include "autograd/function.h"
 #include "nn/functional.h"
+#include "tensor/autocast.h"
+#include "tensor/detail/attention_kernels.h"
+#include "tensor/random.h"
 
 namespace ember::nn::functional {
 
@@ -18,11 +23,11 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
   EMBER_CHECK_TYPE(TypeError, q.is_floating_point(), "[", kOp,
                    "] expected a floating-point query, got ", q.dtype());
   EMBER_CHECK_TYPE(TypeError, k.dtype() == q.dtype() && v.dtype() == q.dtype(), "[", kOp,
-                   "] expected query, key and value of one dtype, got ", q.dtype(), ", ",
-                   k.dtype(), " and ", v.dtype());
+                   "] expected query, key and value of one dtype, got ", q.dtype(), ", ", k.dtype(),
+                   " and ", v.dtype());
   EMBER_CHECK(k.device() == q.device() && v.device() == q.device(), "[", kOp,
-              "] expected query, key and value on one device, got ", q.device(), ", ",
-              k.device(), " and ", v.device());
+              "] expected query, key and value on one device, got ", q.device(), ", ", k.device(),
+              " and ", v.device());
   EMBER_CHECK(q.dim() >= 2 && k.dim() == q.dim() && v.dim() == q.dim(), "[", kOp,
               "] expected query, key and value of one rank >= 2, got shapes ", q.shape(), ", ",
               k.shape(), " and ", v.shape());
@@ -36,26 +41,24 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
               "] last dim of key must equal last dim of query, got query ", q.shape(), ", key ",
               k.shape());
   EMBER_CHECK(v.size(n - 2) == k.size(n - 2), "[", kOp,
-              "] value must have as many rows as key, got key ", k.shape(), ", value ",
-              v.shape());
-  EMBER_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "[", kOp,
-              "] expected dropout_p in [0, 1), got ", dropout_p);
+              "] value must have as many rows as key, got key ", k.shape(), ", value ", v.shape());
+  EMBER_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "[", kOp, "] expected dropout_p in [0, 1), got ",
+              dropout_p);
   if (attn_mask.defined()) {
     EMBER_CHECK(!is_causal, "[", kOp, "] attn_mask and is_causal may not both be given");
-    EMBER_CHECK_TYPE(TypeError, attn_mask.dtype() == kBool || attn_mask.dtype() == q.dtype(),
-                     "[", kOp, "] expected a bool attn_mask or one of the query's dtype ",
-                     q.dtype(), ", got ", attn_mask.dtype());
-    EMBER_CHECK(attn_mask.device() == q.device(), "[", kOp, "] expected attn_mask on ",
-                q.device(), ", got ", attn_mask.device());
+    EMBER_CHECK_TYPE(TypeError, attn_mask.dtype() == kBool || attn_mask.dtype() == q.dtype(), "[",
+                     kOp, "] expected a bool attn_mask or one of the query's dtype ", q.dtype(),
+                     ", got ", attn_mask.dtype());
+    EMBER_CHECK(attn_mask.device() == q.device(), "[", kOp, "] expected attn_mask on ", q.device(),
+                ", got ", attn_mask.device());
   }
 }
 
 }  // namespace
 
 Tensor scaled_dot_product_attention_math(const Tensor& q, const Tensor& k, const Tensor& v,
-                                         const Tensor& attn_mask, double dropout_p,
-                                         bool is_causal, std::optional<double> scale,
-                                         Generator* gen) {
+                                         const Tensor& attn_mask, double dropout_p, bool is_causal,
+                                         std::optional<double> scale, Generator* gen) {
   check_inputs(q, k, v, attn_mask, dropout_p, is_causal);
   const int64_t n = q.dim();
   const int64_t L = q.size(n - 2), S = k.size(n - 2);
@@ -68,18 +71,149 @@ Tensor scaled_dot_product_attention_math(const Tensor& q, const Tensor& k, const
     mask = ge(arange(0, L, 1, idx).unsqueeze(1), arange(0, S, 1, idx).unsqueeze(0));
   }
   if (mask.defined()) {
-    scores = mask.dtype() == kBool ? masked_fill(scores, logical_not(mask), -INFINITY)
-                                   : scores + mask;
+    scores =
+        mask.dtype() == kBool ? masked_fill(scores, logical_not(mask), -INFINITY) : scores + mask;
   }
   Tensor weights = softmax(scores, -1);
   if (dropout_p > 0.0) weights = dropout(weights, dropout_p, /*training=*/true, false, gen);
   return matmul(weights, v);
 }
 
+namespace {
+
+// The fused op's autograd node: forward runs the kernel on [batch, L, E]-shaped contiguous
+// operands and saves out and lse; backward recomputes the scores tile by tile.
+struct ScaledDotProductFusedAttention : autograd::Function<ScaledDotProductFusedAttention> {
+  static Tensor forward(autograd::Context* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& mask, const detail::AttentionParams& p) {
+    Tensor out = detail::make_empty({p.batch, p.L, p.Ev}, q.dtype(), q.device());
+    Tensor lse = detail::make_empty({p.batch, p.L}, q.is_cuda() ? kFloat32 : q.dtype(), q.device());
+    if (q.is_cuda()) {
+      detail::attention_forward_cuda(out, lse, q, k, v, mask, p);
+    } else {
+      detail::attention_forward_cpu(out, lse, q, k, v, mask, p);
+    }
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["params"] = p;
+    ctx->saved_data["mask"] = mask;
+    return out;
+  }
+
+  static autograd::TensorList backward(autograd::Context* ctx, autograd::TensorList g) {
+    EMBER_CHECK_TYPE(NotImplementedError, !GradMode::is_enabled(), "[", kOp,
+                     "] the fused kernel has no double backward (backward with "
+                     "create_graph=true); use scaled_dot_product_attention_math for that");
+    const autograd::TensorList s = ctx->saved();
+    const auto& p = std::any_cast<const detail::AttentionParams&>(ctx->saved_data["params"]);
+    const auto& mask = std::any_cast<const Tensor&>(ctx->saved_data["mask"]);
+    const Tensor& q = s[0];
+    const Tensor& k = s[1];
+    const Tensor& v = s[2];
+    const Tensor dout = g[0].contiguous();
+    Tensor dq = detail::make_empty(q.shape(), q.dtype(), q.device());
+    Tensor dk = detail::make_empty(k.shape(), k.dtype(), k.device());
+    Tensor dv = detail::make_empty(v.shape(), v.dtype(), v.device());
+    if (q.is_cuda()) {
+      detail::attention_backward_cuda(dq, dk, dv, dout, q, k, v, s[3], s[4], mask, p);
+    } else {
+      detail::attention_backward_cpu(dq, dk, dv, dout, q, k, v, s[3], s[4], mask, p);
+    }
+    return {dq, dk, dv, Tensor()};
+  }
+};
+
+// Largest head dims the CUDA kernel is built for (its per-thread register tiles).
+constexpr int64_t kCudaMaxHeadDim = 128;
+
+// The fused kernels take this call; otherwise the math path runs: empty operands, a float mask
+// that needs a gradient, and dtypes or head sizes a backend has no kernel for.
+bool fused_applies(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask) {
+  if (q.numel() == 0 || k.numel() == 0 || v.numel() == 0) return false;
+  if (mask.defined() && mask.requires_grad()) return false;
+  if (!q.is_cuda()) return true;  // float64 and float32 natively, float16/bfloat16 via float32
+  const int64_t n = q.dim();
+  return q.dtype() != kFloat64 && q.size(n - 1) <= kCudaMaxHeadDim &&
+         v.size(n - 1) <= kCudaMaxHeadDim;
+}
+
+// The additive mask (dtype `dt`) broadcast to [..., L, S], and where its elements live.
+Tensor mask_layout(const Tensor& attn_mask, const Tensor& q, Dtype dt, int64_t L, int64_t S,
+                   detail::AttentionMaskLayout* layout) {
+  const int64_t n = q.dim();
+  std::vector<int64_t> full(q.shape().begin(), q.shape().end() - 2);
+  full.push_back(L);
+  full.push_back(S);
+  bool ok = attn_mask.dim() <= n;
+  for (int64_t d = 1; ok && d <= attn_mask.dim(); ++d) {
+    const int64_t m = attn_mask.size(attn_mask.dim() - d);
+    ok = m == 1 || m == full[n - d];
+  }
+  EMBER_CHECK(ok, "[", kOp, "] attn_mask of shape ", attn_mask.shape(),
+              " does not broadcast to the scores' shape ", Shape(full));
+  Tensor m = attn_mask.dtype() == kBool
+                 ? where(attn_mask, zeros({}, TensorOptions(dt).device(q.device())), -INFINITY)
+                 : attn_mask.to(dt);
+  m = m.expand(full);
+  if (n - 2 > detail::kAttentionMaxLead) {
+    m = m.contiguous().view({-1, L, S});
+  }
+  const int64_t lead = m.dim() - 2;
+  layout->nlead = static_cast<int>(lead);
+  for (int64_t d = 0; d < lead; ++d) {
+    layout->size[d] = m.size(d);
+    layout->stride[d] = m.strides()[d];
+  }
+  layout->row_stride = m.strides()[lead];
+  layout->col_stride = m.strides()[lead + 1];
+  return m;
+}
+
+}  // namespace
+
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& attn_mask, double dropout_p, bool is_causal,
                                     std::optional<double> scale, Generator* gen) {
-  return scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, scale, gen);
+  // Under autocast attention runs in the low precision, as matmul does (PyTorch's policy).
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kLowPrecision, q, k, v, attn_mask)) {
+    return scaled_dot_product_attention(ac[0], ac[1], ac[2], ac[3], dropout_p, is_causal, scale,
+                                        gen);
+  }
+  check_inputs(q, k, v, attn_mask, dropout_p, is_causal);
+  if (!fused_applies(q, k, v, attn_mask)) {
+    return scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, scale, gen);
+  }
+  const int64_t n = q.dim();
+  detail::AttentionParams p;
+  p.L = q.size(n - 2);
+  p.S = k.size(n - 2);
+  p.E = q.size(n - 1);
+  p.Ev = v.size(n - 1);
+  p.batch = q.numel() / (p.L * p.E);
+  p.scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(p.E));
+  p.causal = is_causal;
+  p.dropout_p = dropout_p;
+  // The CPU kernels compute float16/bfloat16 in float32; the casts are recorded ops, so the
+  // gradients come back in the inputs' dtype.
+  const Dtype dt = !q.is_cuda() && q.dtype() != kFloat64 ? kFloat32 : q.dtype();
+  Tensor mask;
+  if (attn_mask.defined()) {
+    mask = mask_layout(attn_mask, q, dt, p.L, p.S, &p.mask);
+    p.bool_mask = attn_mask.dtype() == kBool;
+  }
+  if (dropout_p > 0.0) {
+    const Generator::Draw d = (gen != nullptr ? *gen : default_generator())
+                                  .reserve(detail::attention_dropout_counters(p));
+    p.seed = d.seed;
+    p.offset = d.offset;
+  }
+  auto flat = [&](const Tensor& t, int64_t rows) {
+    return t.to(dt).contiguous().view({p.batch, rows, t.size(n - 1)});
+  };
+  Tensor out =
+      ScaledDotProductFusedAttention::apply(flat(q, p.L), flat(k, p.S), flat(v, p.S), mask, p);
+  std::vector<int64_t> shape(q.shape().begin(), q.shape().end() - 1);
+  shape.push_back(p.Ev);
+  return out.view(shape).to(q.dtype());
 }
 
 }  // namespace ember::nn::functional

@@ -24,6 +24,10 @@ class Embedding : public Module {
   const int64_t num_embeddings, embedding_dim;
   const std::optional<int64_t> padding_idx;  ///< non-negative once constructed
   Tensor weight;
+
+ protected:
+  /// Keeps weight pointing at the parameter (set_parameter: weight tying).
+  void on_parameter_set(const std::string&, const Tensor& t) override { weight = t; }
 };
 
 }  // namespace ember::nn

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "autograd/function.h"
+#include "tensor/autocast.h"
 #include "tensor/detail/norm_kernels.h"
 
 namespace ember::nn::functional {
@@ -50,6 +51,7 @@ Shape channel_shape(int64_t ndim, int64_t channels, int64_t channel_dim = 1) {
 }  // namespace
 
 Tensor linear(const Tensor& input, const Tensor& weight, const Tensor& bias) {
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kLowPrecision, input, weight, bias)) return linear(ac[0], ac[1], ac[2]);
   detail::check_defined("linear", input, "input");
   detail::check_defined("linear", weight, "weight");
   EMBER_CHECK(weight.dim() == 2,
@@ -268,6 +270,9 @@ struct LayerNormFunction : autograd::Function<LayerNormFunction> {
 Tensor layer_norm(const Tensor& input, IntList normalized_shape, const Tensor& weight,
                   const Tensor& bias, double eps) {
   check_floating("layer_norm", input, "input");
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, input, weight, bias)) {
+    return layer_norm(ac[0], normalized_shape, ac[1], ac[2], eps);
+  }
   const int64_t k = normalized_shape.size();
   EMBER_CHECK(k >= 1, "[layer_norm] expected a non-empty normalized_shape");
   bool match = input.dim() >= k;
@@ -484,6 +489,11 @@ struct CrossEntropyFunction : autograd::Function<CrossEntropyFunction> {
 }  // namespace
 
 Tensor nll_loss(const Tensor& input, const Tensor& target, const NLLLossOptions& opts) {
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, input, target, opts.weight)) {
+    NLLLossOptions o = opts;
+    o.weight = ac[2];
+    return nll_loss(ac[0], ac[1], o);
+  }
   const Reduction r = parse_reduction("nll_loss", opts.reduction);
   NllParts p = nll_parts("nll_loss", input, target, opts.weight, opts.ignore_index);
   switch (r) {
@@ -498,6 +508,11 @@ Tensor nll_loss(const Tensor& input, const Tensor& target, const NLLLossOptions&
 }
 
 Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntropyOptions& opts) {
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, input, target, opts.weight)) {
+    CrossEntropyOptions o = opts;
+    o.weight = ac[2];
+    return cross_entropy(ac[0], ac[1], o);
+  }
   const char* op = "cross_entropy";
   const Reduction r = parse_reduction(op, opts.reduction);
   check_floating(op, input, "input");
@@ -577,6 +592,7 @@ Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntro
 }
 
 Tensor mse_loss(const Tensor& input, const Tensor& target, std::string_view reduction) {
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, input, target)) return mse_loss(ac[0], ac[1], reduction);
   const Reduction r = parse_reduction("mse_loss", reduction);
   check_floating("mse_loss", input, "input");
   detail::check_defined("mse_loss", target, "target");
@@ -587,6 +603,12 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, std::string_view redu
 
 Tensor binary_cross_entropy_with_logits(const Tensor& input, const Tensor& target,
                                         const BCEWithLogitsOptions& opts) {
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, input, target, opts.weight, opts.pos_weight)) {
+    BCEWithLogitsOptions o = opts;
+    o.weight = ac[2];
+    o.pos_weight = ac[3];
+    return binary_cross_entropy_with_logits(ac[0], ac[1], o);
+  }
   const char* op = "binary_cross_entropy_with_logits";
   const Reduction r = parse_reduction(op, opts.reduction);
   check_floating(op, input, "input");

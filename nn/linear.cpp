@@ -33,6 +33,10 @@ std::string Linear::extra_repr() const {
                          ", bias=", detail::repr_bool(bias.defined()));
 }
 
+void Linear::on_parameter_set(const std::string& name, const Tensor& t) {
+  (name == "weight" ? weight : bias) = t;
+}
+
 Tensor Linear::forward(const Tensor& input) { return functional::linear(input, weight, bias); }
 
 }  // namespace ember::nn

@@ -21,6 +21,10 @@ class Linear : public Module {
 
   const int64_t in_features, out_features;
   Tensor weight, bias;  ///< bias is undefined when built with bias = false
+
+ protected:
+  /// Keeps weight and bias pointing at the parameters (set_parameter: weight tying).
+  void on_parameter_set(const std::string& name, const Tensor& t) override;
 };
 
 /// Returns its input unchanged (torch.nn.Identity): a placeholder in a Sequential.

@@ -43,6 +43,24 @@ Tensor& Module::register_buffer(const std::string& name, Tensor t, bool persiste
   return buffers_.back().tensor;
 }
 
+void Module::set_parameter(const std::string& name, Tensor t) {
+  auto it = std::find_if(params_.begin(), params_.end(), [&](const Slot& s) { return s.name == name; });
+  EMBER_CHECK(it != params_.end(), "[set_parameter] ", this->name(), " has no parameter '", name,
+              "'");
+  EMBER_CHECK(t.defined(), "[set_parameter] ", this->name(), ".", name,
+              ": expected a defined tensor, got an undefined one");
+  if (!t.requires_grad()) t.requires_grad_();
+  on_parameter_set(name, t);
+  it->tensor = std::move(t);
+}
+
+void Module::on_parameter_set(const std::string& name, const Tensor&) {
+  throw NotImplementedError(detail::str_cat(
+      "[set_parameter] ", this->name(), " does not support replacing its parameter '", name,
+      "': it keeps its parameters in member handles that would go stale (override "
+      "Module::on_parameter_set to update them)"));
+}
+
 void Module::add_child(const std::string& name, std::shared_ptr<Module> m) {
   check_name("module", name);
   EMBER_CHECK(m != nullptr, "[register_module] module '", name, "' is null");

@@ -51,6 +51,18 @@ class Module : public std::enable_shared_from_this<Module> {
   Tensor& register_parameter(const std::string& name, Tensor t, bool requires_grad = true);
   /// Adds a buffer; non-persistent buffers are left out of state_dict().
   Tensor& register_buffer(const std::string& name, Tensor t, bool persistent = true);
+  /// Makes `t` this module's parameter `name` (PyTorch's `module.weight = other.weight`). With
+  /// `t` another module's parameter the two modules share one tensor (weight tying, e.g.
+  ///   lm_head->set_parameter("weight", embedding->weight);
+  /// ): parameters() and named_parameters() list it once, under its first name (so optimizers
+  /// and DistributedDataParallel see it once, and its gradient sums both uses), while
+  /// state_dict() lists it under both names, as torch does, and load_state_dict() writes the
+  /// same tensor twice, so it stays tied. `t` is made to require grad; it may have any shape.
+  /// The module's own handle to the parameter (e.g. Linear::weight) is updated through
+  /// on_parameter_set(). Throws ValueError if there is no parameter `name` or `t` is undefined,
+  /// NotImplementedError if the module does not support replacing parameters.
+  void set_parameter(const std::string& name, Tensor t);
+
   template <typename M>
   std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> m) {
     add_child(name, m);
@@ -105,6 +117,12 @@ class Module : public std::enable_shared_from_this<Module> {
 
  protected:
   void add_child(const std::string& name, std::shared_ptr<Module> m);
+  /// Called by set_parameter() before the slot changes: a module that keeps its parameters in
+  /// member handles (Linear::weight) points the member for `name` at `t` here. The default
+  /// throws NotImplementedError, since a member left behind would silently keep the old
+  /// tensor in forward; a module that reads its parameters only through tensor(name)
+  /// overrides it with an empty body.
+  virtual void on_parameter_set(const std::string& name, const Tensor& t);
 
  private:
   void collect(const std::string& prefix, bool recurse, bool params, NamedTensors& out,

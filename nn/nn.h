@@ -2,6 +2,7 @@
 #pragma once
 
 #include "autograd/autograd.h"
+#include "nn/activation_checkpoint.h"
 #include "nn/checkpoint.h"
 #include "nn/clip_grad.h"
 #include "nn/data/data.h"

@@ -19,6 +19,7 @@
 
 #include "nn/tensorboard.pb.h"
 #include "tensor/error.h"
+#include "tensor/log.h"
 
 namespace ember {
 
@@ -312,7 +313,7 @@ SummaryWriter::~SummaryWriter() {
   try {
     close();
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
+    logging::error(e.what());
   }
 }
 

@@ -5,10 +5,10 @@ set -euo pipefail
 pkgs=(
   cmake ninja-build ccache g++ make pkg-config file
   libopenblas-dev libopenblas-openmp-dev libdnnl-dev ocl-icd-opencl-dev
-  libgloo-dev libopenmpi-dev openmpi-bin
+  libgloo-dev libopenmpi-dev openmpi-bin slurm-wlm munge
   libboost-dev libboost-system-dev libcli11-dev libspdlog-dev nlohmann-json3-dev zlib1g-dev
   libssl-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev
   libcairo2-dev fonts-dejavu-core
   dataset-fashion-mnist
   bible-kjv-text bible-kjv

@@ -4,6 +4,7 @@
 #include "tensor/conv.h"
 
 #include "tensor/detail/conv_kernels.h"
+#include "tensor/autocast.h"
 #include "tensor/detail/record.h"
 
 namespace ember {
@@ -79,6 +80,9 @@ void check_grad_output(const char* op, const Tensor& grad_output, IntList expect
 
 Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias,
               const Conv2dParams& p) {
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kLowPrecision, input, weight, bias)) {
+    return conv2d(ac[0], ac[1], ac[2], p);
+  }
   const char* op = "conv2d";
   detail::check_defined(op, input, "input");
   detail::check_defined(op, weight, "weight");

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "tensor/autocast.h"
 #include "tensor/creation.h"
 #include "tensor/detail/elementwise_kernels.h"
 #include "tensor/detail/record.h"
@@ -362,8 +363,18 @@ Tensor unary_kernel(const char* name, UnaryOp op, const Tensor& t) {
   return out;
 }
 
+// The unary ops torch's autocast runs in float32: their range or precision suffers most in
+// half precision.
+bool autocast_to_float32(UnaryOp op) {
+  return op == UnaryOp::Exp || op == UnaryOp::Log || op == UnaryOp::Log1p ||
+         op == UnaryOp::Rsqrt || op == UnaryOp::Reciprocal;
+}
+
 /// An op of the unary table (tensor/detail/unary_ops.h).
 Tensor unary(const char* name, UnaryOp op, const Tensor& t) {
+  if (autocast_to_float32(op)) {
+    if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, t)) return unary(name, op, ac[0]);
+  }
   Tensor out = unary_kernel(name, op, t);
   if (detail::should_record(t)) detail::record(detail::opid_of(op), {&t}, {&out});
   return out;
@@ -486,8 +497,12 @@ Tensor div(const Tensor& a, const Scalar& b) {
 Tensor rdiv(const Tensor& a, const Scalar& b) {
   return binary_scalar("rdiv", BinaryOp::Div, a, b, /*reverse=*/true);
 }
-Tensor pow(const Tensor& a, const Tensor& b) { return binary("pow", BinaryOp::Pow, a, b); }
+Tensor pow(const Tensor& a, const Tensor& b) {
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, a, b)) return pow(ac[0], ac[1]);
+  return binary("pow", BinaryOp::Pow, a, b);
+}
 Tensor pow(const Tensor& a, const Scalar& b) {
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, a)) return pow(ac[0], b);
   check_defined("pow", a, "self");
   const Dtype compute = compute_dtype("pow", BinaryOp::Pow, promote_with_scalar(a.dtype(), b.kind()));
   check_int_pow_exponent("pow", compute, b);
@@ -501,6 +516,7 @@ Tensor pow(const Tensor& a, const Scalar& b) {
   return binary_scalar("pow", BinaryOp::Pow, a, b);
 }
 Tensor pow(const Scalar& a, const Tensor& b) {
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, b)) return pow(a, ac[0]);
   return binary_scalar("pow", BinaryOp::Pow, b, a, /*reverse=*/true);
 }
 Tensor maximum(const Tensor& a, const Tensor& b) {

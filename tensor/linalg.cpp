@@ -2,6 +2,7 @@
 // batch dims and 1-d promotion, then one batched GEMM kernel per device (detail::gemm_*).
 #include "tensor/linalg.h"
 
+#include "tensor/autocast.h"
 #include "tensor/detail/linalg_kernels.h"
 #include "tensor/detail/record.h"
 
@@ -65,12 +66,14 @@ bool leading_dims_merge(const Tensor& t) {
 }  // namespace
 
 Tensor mm(const Tensor& a, const Tensor& b) {
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kLowPrecision, a, b)) return mm(ac[0], ac[1]);
   check_pair("mm", a, b);
   check_mm_shapes("mm", a, b);
   return gemm_recorded(detail::make_empty({a.size(0), b.size(1)}, a.dtype(), a.device()), a, b);
 }
 
 Tensor bmm(const Tensor& a, const Tensor& b) {
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kLowPrecision, a, b)) return bmm(ac[0], ac[1]);
   check_pair("bmm", a, b);
   EMBER_CHECK(a.dim() == 3 && b.dim() == 3, "[bmm] expected 3-d tensors, got a of shape ",
               a.shape(), " and b of shape ", b.shape());
@@ -83,6 +86,7 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
 }
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kLowPrecision, a, b)) return matmul(ac[0], ac[1]);
   check_pair("matmul", a, b);
   const int64_t da = a.dim(), db = b.dim();
   EMBER_CHECK(da >= 1 && db >= 1,
@@ -158,6 +162,9 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 
 Tensor addmm(const Tensor& bias, const Tensor& a, const Tensor& b, const Scalar& beta,
              const Scalar& alpha) {
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kLowPrecision, bias, a, b)) {
+    return addmm(ac[0], ac[1], ac[2], beta, alpha);
+  }
   check_pair("addmm", a, b);
   check_mm_shapes("addmm", a, b);
   detail::check_defined("addmm", bias, "bias");

@@ -1,4 +1,5 @@
 // softmax / log_softmax front end; kernels in cpu/softmax.cpp and cuda/softmax.cu.
+#include "tensor/autocast.h"
 #include "tensor/detail/record.h"
 #include "tensor/detail/reduce_kernels.h"
 #include "tensor/reduce.h"
@@ -44,8 +45,14 @@ Tensor softmax_recorded(const char* op, const Tensor& t, int64_t dim, bool log) 
 
 }  // namespace
 
-Tensor softmax(const Tensor& t, int64_t dim) { return softmax_recorded("softmax", t, dim, false); }
+Tensor softmax(const Tensor& t, int64_t dim) {
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, t)) return softmax(ac[0], dim);
+  return softmax_recorded("softmax", t, dim, false);
+}
 Tensor log_softmax(const Tensor& t, int64_t dim) {
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, t)) {
+    return log_softmax(ac[0], dim);
+  }
   return softmax_recorded("log_softmax", t, dim, true);
 }
 

@@ -1,11 +1,13 @@
 // Batched GEMM on the CPU with OpenBLAS. Operands that are row- or column-major matrices go to
 // BLAS as they are (a transposed view becomes a transpose flag, never a copy); only truly
-// non-contiguous matrices are copied. float16/bfloat16 go through float32.
+// non-contiguous matrices are copied. bfloat16 runs on oneDNN's matmul (cpu/matmul_dnnl.cpp:
+// bfloat16 operands, float32 accumulation); float16 goes through float32 copies.
 #include <cblas.h>
 
 #include <climits>
 #include <cstring>
 
+#include "tensor/cpu/matmul_dnnl.h"
 #include "tensor/detail/linalg_kernels.h"
 
 namespace ember::detail {
@@ -14,13 +16,19 @@ namespace {
 
 CBLAS_TRANSPOSE flag(bool trans) { return trans ? CblasTrans : CblasNoTrans; }
 
-void blas_gemm(bool ta, bool tb, int n, int m, int k, float alpha, const float* a, int lda,
-               const float* b, int ldb, float beta, float* c, int ldc) {
-  cblas_sgemm(CblasRowMajor, flag(ta), flag(tb), n, m, k, alpha, a, lda, b, ldb, beta, c, ldc);
+// alpha and beta arrive in double so each overload rounds them to its own compute type.
+void blas_gemm(bool ta, bool tb, int n, int m, int k, double alpha, const float* a, int lda,
+               const float* b, int ldb, double beta, float* c, int ldc) {
+  cblas_sgemm(CblasRowMajor, flag(ta), flag(tb), n, m, k, static_cast<float>(alpha), a, lda, b, ldb,
+              static_cast<float>(beta), c, ldc);
 }
 void blas_gemm(bool ta, bool tb, int n, int m, int k, double alpha, const double* a, int lda,
                const double* b, int ldb, double beta, double* c, int ldc) {
   cblas_dgemm(CblasRowMajor, flag(ta), flag(tb), n, m, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+void blas_gemm(bool ta, bool tb, int n, int m, int k, double alpha, const BFloat16* a, int lda,
+               const BFloat16* b, int ldb, double beta, BFloat16* c, int ldc) {
+  dnnl_gemm_bf16(ta, tb, n, m, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 // The BLAS layout of t's last two dims, copying t when it has none.
@@ -61,8 +69,8 @@ void gemm_typed(const Tensor& out, Tensor a, Tensor b, double alpha, double beta
   int64_t off_a = 0, off_b = 0;
   for (int64_t i = 0; i < batches; ++i) {
     blas_gemm(la.trans, lb.trans, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
-              static_cast<T>(alpha), pa + off_a, static_cast<int>(la.ld), pb + off_b,
-              static_cast<int>(lb.ld), static_cast<T>(beta), c + i * n * m, static_cast<int>(m));
+              alpha, pa + off_a, static_cast<int>(la.ld), pb + off_b, static_cast<int>(lb.ld), beta,
+              c + i * n * m, static_cast<int>(m));
     // Advance the batch multi-index like an odometer, tracking a's and b's offsets.
     for (int d = nb - 1; d >= 0; --d) {
       off_a += a.stride(d);
@@ -79,17 +87,20 @@ void gemm_typed(const Tensor& out, Tensor a, Tensor b, double alpha, double beta
 
 void gemm_cpu(const Tensor& out, const Tensor& a, const Tensor& b, double alpha, double beta) {
   if (out.numel() == 0) return;
-  if (out.dtype() == kFloat16 || out.dtype() == kBFloat16) {
+  if (out.dtype() == kBFloat16) {
+    gemm_typed<BFloat16>(out, a, b, alpha, beta);
+    return;
+  }
+  if (out.dtype() == kFloat16) {
     Tensor a32 = a.to(kFloat32), b32 = b.to(kFloat32);
-    Tensor o32 = beta != 0.0 ? out.to(kFloat32, /*copy=*/true)
-                             : make_empty(out.shape(), kFloat32, kCPU);
+    Tensor o32 =
+        beta != 0.0 ? out.to(kFloat32, /*copy=*/true) : make_empty(out.shape(), kFloat32, kCPU);
     gemm_cpu(o32, a32, b32, alpha, beta);
     Tensor(out).copy_(o32);
     return;
   }
-  EMBER_DISPATCH_F32_F64(out.dtype(), "matmul", [&]<typename T>() {
-    gemm_typed<T>(out, a, b, alpha, beta);
-  });
+  EMBER_DISPATCH_F32_F64(out.dtype(), "matmul",
+                         [&]<typename T>() { gemm_typed<T>(out, a, b, alpha, beta); });
 }
 
 }  // namespace ember::detail

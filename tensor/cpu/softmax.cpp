@@ -11,6 +11,7 @@
 #include <cstring>
 #include <vector>
 
+#include "tensor/detail/fast_exp.h"
 #include "tensor/detail/reduce_kernels.h"
 #include "tensor/threading.h"
 
@@ -20,39 +21,6 @@ namespace {
 
 constexpr int64_t kColTile = 256;
 constexpr int kLanes = 16;
-
-// exp(x) for x <= 0 (and NaN), within ~2 ulp, written without calls or branches so loops over
-// it vectorise: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for exp(r) (Cephes'
-// expf coefficients), and 2^n built in the exponent bits. Results below float's normal range
-// flush to 0, which softmax cannot tell from the true value next to the row's max term (1).
-inline float exp_nonpos(float x) {
-  constexpr float kLo = -87.33654f;  // log(FLT_MIN)
-  const float xc = x < kLo ? kLo : x;
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float fn = (xc * 1.44269504088896341f + shifter) - shifter;
-  const float r = (xc - fn * 0.693359375f) + fn * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(fn) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  const float y = p * scale;
-  return x < kLo ? 0.0f : (x != x ? x : y);
-}
-
-template <typename A>
-inline A exp_shifted(A v) {
-  if constexpr (std::is_same_v<A, float>) {
-    return exp_nonpos(v);
-  } else {
-    return std::exp(v);
-  }
-}
 
 // One row of D elements (inner == 1). buf holds D accumulation-type values when T != A.
 template <typename T>

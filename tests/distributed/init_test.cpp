@@ -57,6 +57,27 @@ TEST(ParseEnv, OpenMpiPmiAndSlurmFallbacks) {
   EXPECT_EQ(r.world_size, 8);
   EXPECT_EQ(r.master_addr, "gpu07");
   EXPECT_EQ(r.source, "SLURM_PROCID/SLURM_NTASKS");
+  EXPECT_EQ(r.master_port, 29500);
+  // ... and without MASTER_PORT the port comes from the job id, the same on every task.
+  r = parse_env_rendezvous(Env{{"SLURM_PROCID", "1"},
+                               {"SLURM_NTASKS", "2"},
+                               {"SLURM_JOB_NODELIST", "n1"},
+                               {"SLURM_JOB_ID", "123456"}});
+  EXPECT_EQ(r.master_port, 15000 + 3456);
+  expect_error<ValueError>(
+      [] {
+        parse_env_rendezvous(
+            Env{{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_JOB_NODELIST", "n1"}});
+      },
+      {"env:// needs MASTER_PORT", "SLURM_PROCID=1"});
+  expect_error<ValueError>(
+      [] {
+        parse_env_rendezvous(Env{{"SLURM_PROCID", "1"},
+                                 {"SLURM_NTASKS", "2"},
+                                 {"SLURM_JOB_NODELIST", "n1"},
+                                 {"SLURM_JOB_ID", "x7"}});
+      },
+      {"SLURM_JOB_ID"});
   // torch's variables win over the scheduler's (torchrun inside an allocation).
   r = parse_env_rendezvous(Env{{"RANK", "0"},
                                {"WORLD_SIZE", "2"},

@@ -550,5 +550,38 @@ TEST(MpiFailure, StuckCollectiveTimesOutAndAbortsAtExit) {
                "calling MPI_Abort instead of MPI_Finalize"});
 }
 
+// ---- a gloo job under plain mpirun: no MASTER_ADDR, no MASTER_PORT ----------------------------
+
+TEST(MpiWorld, GlooWithoutMasterAddrNp2) {
+  test::expect_mpi_job_passes(2, "GlooUnderMpirun.*", std::chrono::seconds(120),
+                              ProcessGroupMpi::is_available());
+}
+TEST(MpiWorld, GlooWithoutMasterAddrNp3) {
+  test::expect_mpi_job_passes(3, "GlooUnderMpirun.*", std::chrono::seconds(120),
+                              ProcessGroupMpi::is_available());
+}
+
+// init_process_group("gloo") with only Open MPI's variables: rank 0 broadcasts the store's
+// address over MPI; the group then works as any gloo group (an allreduce and the store).
+TEST(GlooUnderMpirun, InitAllreduceAndStore) {
+  SKIP_UNLESS_UNDER_MPIRUN();
+  unsetenv("MASTER_ADDR");
+  unsetenv("MASTER_PORT");
+  auto pg = init_process_group({.backend = "gloo", .timeout = std::chrono::seconds(60)});
+  const int n = std::atoi(std::getenv("OMPI_COMM_WORLD_SIZE"));
+  ASSERT_EQ(pg->size(), n);
+  ASSERT_EQ(pg->rank(), std::atoi(std::getenv("OMPI_COMM_WORLD_RANK")));
+  EXPECT_EQ(pg->backend_name(), "gloo");
+  Tensor t = full({5}, pg->rank() + 1.0);
+  pg->allreduce(t)->wait();
+  EXPECT_EQ(t.to_vector<float>(), std::vector<float>(5, n * (n + 1) / 2.0f));
+  auto store = default_store();
+  EXPECT_EQ(store->add("joined", 1) <= n, true);
+  pg->barrier()->wait();
+  EXPECT_EQ(store->add("joined", 0), n);
+  pg->barrier()->wait();  // rank 0 owns the store's server: no one may still be using it
+  destroy_process_group();
+}
+
 }  // namespace
 }  // namespace ember::dist

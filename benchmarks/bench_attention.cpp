@@ -1,0 +1,154 @@
+// bench_attention: scaled_dot_product_attention forward + backward, Ember's fused kernel beside
+// Ember's written-out (math) path and PyTorch 1.13's written-out attention
+// (benchmarks/bench_attention_torch.py, run as a subprocess), on GPT-like shapes.
+//   bench_attention [--batch 16] [--heads 4] [--dim 32] [--seq 128,512] [--causal 1]
+//                   [--rounds 5] [--reps 10] [--no-torch] [--no-math]
+// Each round runs the three one after another for each sequence length, so load on a shared
+// machine hits all of them alike; every number printed is the median over rounds of the median
+// over `reps` timed steps. The fused result is first checked against the math path.
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_util.h"
+#include "nn/attention.h"
+#include "tensor/threading.h"
+
+using namespace ember;
+namespace F = ember::nn::functional;
+
+namespace {
+
+struct Args {
+  int64_t batch = 16, heads = 4, dim = 32;
+  std::vector<int64_t> seqs{128, 512};
+  bool causal = true;
+  int rounds = 5, reps = 10;
+  bool torch = true;
+  bool math = true;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Problem {
+  Tensor q, k, v, g;
+  Problem(const Args& a, int64_t T) {
+    Generator gen(0);
+    const Shape s{a.batch, a.heads, T, a.dim};
+    q = randn(s, kFloat32, &gen).requires_grad_();
+    k = randn(s, kFloat32, &gen).requires_grad_();
+    v = randn(s, kFloat32, &gen).requires_grad_();
+    g = randn(s, kFloat32, &gen);
+  }
+  template <typename Fn>
+  void step(Fn attn) {
+    for (Tensor* t : {&q, &k, &v}) t->set_grad(Tensor());
+    attn(q, k, v, Tensor(), 0.0, true, std::nullopt, nullptr).backward(g);
+  }
+};
+
+// Median seconds of one forward + backward over `reps` steps, after one warm-up step.
+template <typename Fn>
+double time_steps(Problem& p, int reps, Fn attn) {
+  using clock = std::chrono::steady_clock;
+  p.step(attn);
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = clock::now();
+    p.step(attn);
+    t.push_back(std::chrono::duration<double>(clock::now() - t0).count());
+  }
+  return median(t);
+}
+
+double time_torch(const Args& a, int64_t T) {
+  std::ostringstream cmd;
+  cmd << bench::python_script(EMBER_SOURCE_DIR, "benchmarks/bench_attention_torch.py")
+      << " --batch " << a.batch << " --heads " << a.heads << " --seq " << T << " --dim " << a.dim
+      << (a.causal ? " --causal" : "") << " --reps " << a.reps << " --threads "
+      << get_num_threads();
+  FILE* p = ::popen(cmd.str().c_str(), "r");
+  if (p == nullptr) return NAN;
+  double sec = NAN;
+  char line[256];
+  while (std::fgets(line, sizeof line, p) != nullptr) std::sscanf(line, "sec=%lf", &sec);
+  ::pclose(p);
+  return sec;
+}
+
+// The fused output and gradients must match the math path before anything is timed.
+bool check(const Args& a, int64_t T) {
+  Problem p(a, T);
+  std::vector<Tensor> got, want;
+  p.step(F::scaled_dot_product_attention);
+  for (Tensor* t : {&p.q, &p.k, &p.v}) got.push_back(t->grad());
+  p.step(F::scaled_dot_product_attention_math);
+  for (Tensor* t : {&p.q, &p.k, &p.v}) want.push_back(t->grad());
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = (got[i] - want[i]).abs().max().item<double>();
+    if (!(err < 1e-3)) {
+      std::fprintf(stderr, "fused and math gradients differ by %g at T=%lld\n", err,
+                   static_cast<long long>(T));
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{"scaled_dot_product_attention forward+backward: fused vs math vs PyTorch"};
+  app.add_option("--batch", a.batch)->check(CLI::PositiveNumber);
+  app.add_option("--heads", a.heads)->check(CLI::PositiveNumber);
+  app.add_option("--dim", a.dim, "head dim")->check(CLI::PositiveNumber);
+  app.add_option("--seq", a.seqs, "sequence lengths")->delimiter(',');
+  app.add_option("--causal", a.causal);
+  app.add_option("--rounds", a.rounds)->check(CLI::Range(1, 1000));
+  app.add_option("--reps", a.reps, "timed steps per round")->check(CLI::Range(1, 100000));
+  bool no_torch = false;
+  app.add_flag("--no-torch", no_torch, "skip PyTorch");
+  bool no_math = false;
+  app.add_flag("--no-math", no_math, "skip Ember's math path");
+  CLI11_PARSE(app, argc, argv);
+  a.torch = !no_torch;
+  a.math = !no_math;
+
+  for (int64_t T : a.seqs) {
+    if (!check(a, T)) return 1;
+  }
+  std::map<int64_t, std::vector<double>> fused, math, torch;
+  for (int r = 0; r < a.rounds; ++r) {
+    for (int64_t T : a.seqs) {
+      Problem p(a, T);
+      fused[T].push_back(time_steps(p, a.reps, F::scaled_dot_product_attention));
+      if (a.math) math[T].push_back(time_steps(p, a.reps, F::scaled_dot_product_attention_math));
+      if (a.torch) torch[T].push_back(time_torch(a, T));
+    }
+  }
+  std::printf(
+      "attention forward+backward, float32, B=%lld H=%lld D=%lld, %s, %d threads, "
+      "median of %d rounds x %d steps (ms)\n",
+      static_cast<long long>(a.batch), static_cast<long long>(a.heads),
+      static_cast<long long>(a.dim), a.causal ? "causal" : "no mask", get_num_threads(), a.rounds,
+      a.reps);
+  std::printf("%6s %10s %10s %10s %14s %14s\n", "T", "fused", "math", "torch", "torch/fused",
+              "math/fused");
+  for (int64_t T : a.seqs) {
+    const double f = median(fused[T]), m = a.math ? median(math[T]) : NAN;
+    const double t = a.torch ? median(torch[T]) : NAN;
+    std::printf("%6lld %10.3f %10.3f %10.3f %13.2fx %13.2fx\n", static_cast<long long>(T), f * 1e3,
+                m * 1e3, t * 1e3, t / f, m / f);
+  }
+  return 0;
+}

@@ -1,0 +1,106 @@
+// bfloat16 GEMM on oneDNN's matmul primitive. OpenBLAS as Debian builds it has no bfloat16
+// GEMM, and going through float32 copies costs more than the product itself for the shapes of a
+// small transformer; oneDNN reads the bfloat16 operands directly, accumulates in float32 with
+// the CPU's bf16 dot-product instructions where it has them (avx512_bf16, AMX) and an
+// emulation otherwise, and rounds once into the bfloat16 result.
+#include "tensor/cpu/matmul_dnnl.h"
+
+#include <omp.h>
+
+#include <array>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include "tensor/error.h"
+#include "tensor/tensor.h"
+#include "tensor/threading.h"
+
+namespace ember::detail {
+
+namespace {
+
+using dnnl::memory;
+
+dnnl::engine& engine() {
+  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
+  return e;
+}
+
+using Key = std::array<int64_t, 10>;
+
+struct Gemm {
+  dnnl::matmul prim;
+  memory::desc a, b, c, scratch;
+};
+
+// A row-major [rows, cols] matrix, or the transpose of one stored with leading dim ld.
+memory::desc matrix(int64_t rows, int64_t cols, int64_t ld, bool trans) {
+  const memory::dims strides = trans ? memory::dims{1, ld} : memory::dims{ld, 1};
+  return memory::desc({rows, cols}, memory::data_type::bf16, strides);
+}
+
+std::shared_ptr<Gemm> make_gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t k, int64_t lda,
+                                int64_t ldb, int64_t ldc, float alpha, float beta) {
+  try {
+    auto g = std::make_shared<Gemm>();
+    g->a = matrix(n, k, lda, ta);
+    g->b = matrix(k, m, ldb, tb);
+    g->c = matrix(n, m, ldc, false);
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
+    if (beta != 0.0f) {
+      dnnl::post_ops ops;
+      ops.append_sum(beta);
+      attr.set_post_ops(ops);
+    }
+    dnnl::matmul::desc desc(g->a, g->b, g->c);
+    dnnl::matmul::primitive_desc pd(desc, attr, engine());
+    g->prim = dnnl::matmul(pd);
+    g->scratch = pd.scratchpad_desc();
+    return g;
+  } catch (const dnnl::error& e) {
+    throw Error(str_cat("[matmul] oneDNN could not create a bfloat16 matmul primitive for [", n,
+                        ", ", k, "] @ [", k, ", ", m, "]: ", e.what()));
+  }
+}
+
+const Gemm& cached_gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t k, int64_t lda, int64_t ldb,
+                        int64_t ldc, float alpha, float beta) {
+  static std::mutex mu;
+  static std::map<Key, std::shared_ptr<Gemm>> cache;
+  int32_t alpha_bits, beta_bits;
+  static_assert(sizeof(float) == sizeof(int32_t));
+  std::memcpy(&alpha_bits, &alpha, sizeof alpha);
+  std::memcpy(&beta_bits, &beta, sizeof beta);
+  const Key key{ta, tb, n, m, k, lda, ldb, ldc, alpha_bits, beta_bits};
+  std::lock_guard<std::mutex> lock(mu);
+  auto& slot = cache[key];
+  if (!slot) slot = make_gemm(ta, tb, n, m, k, lda, ldb, ldc, alpha, beta);
+  return *slot;
+}
+
+}  // namespace
+
+void dnnl_gemm_bf16(bool ta, bool tb, int64_t n, int64_t m, int64_t k, double alpha,
+                    const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb, double beta,
+                    BFloat16* c, int64_t ldc) {
+  const Gemm& g = cached_gemm(ta, tb, n, m, k, lda, ldb, ldc, static_cast<float>(alpha),
+                              static_cast<float>(beta));
+  omp_set_num_threads(get_num_threads());
+  thread_local dnnl::stream stream(engine());
+  dnnl::engine& eng = engine();
+  // Scratch bytes from Ember's caching allocator, so one cached primitive may run on several
+  // threads at once.
+  const Tensor scratch = make_empty({static_cast<int64_t>(g.scratch.get_size())}, kUInt8, kCPU);
+  g.prim.execute(stream, {{DNNL_ARG_SRC, memory(g.a, eng, const_cast<BFloat16*>(a))},
+                          {DNNL_ARG_WEIGHTS, memory(g.b, eng, const_cast<BFloat16*>(b))},
+                          {DNNL_ARG_DST, memory(g.c, eng, c)},
+                          {DNNL_ARG_SCRATCHPAD, memory(g.scratch, eng, scratch.data_ptr())}});
+  stream.wait();
+}
+
+}  // namespace ember::detail

@@ -1,0 +1,35 @@
+// CUDA kernel of the fused unscale (tensor/amp.h): a grid-stride loop applying the functor of
+// tensor/detail/amp_kernels.h, so the GPU runs the math the CPU tests check. Threads that see a
+// non-finite value all store 1.0f into the flag; the race is benign (same value, as in torch).
+#include "tensor/cuda/loops.cuh"
+#include "tensor/detail/amp_kernels.h"
+#include "tensor/dtype.h"
+
+namespace ember::detail {
+
+namespace {
+
+template <typename T, typename A>
+__global__ void unscale_kernel(UnscaleFunctor<A> f, T* g, float* found_inf, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (f(g[i])) *found_inf = 1.0f;
+  }
+}
+
+}  // namespace
+
+void amp_unscale_cuda(const Tensor& grad, const Tensor& found_inf, double inv_scale) {
+  cuda::detail::DeviceGuard guard(grad.device().index);
+  cudaStream_t stream = cuda_loops::stream_of(grad.device());
+  const int64_t n = grad.numel();
+  EMBER_DISPATCH_FLOATING(grad.dtype(), "amp_unscale_", [&]<typename T>() {
+    using A = acc_t<T>;
+    unscale_kernel<T, A><<<cuda_loops::blocks_for(n), cuda_loops::kThreads, 0, stream>>>(
+        UnscaleFunctor<A>{static_cast<A>(inv_scale)}, static_cast<T*>(grad.data_ptr()),
+        static_cast<float*>(found_inf.data_ptr()), n);
+  });
+  EMBER_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace ember::detail

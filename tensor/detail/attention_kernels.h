@@ -1,0 +1,84 @@
+// Fused scaled-dot-product attention kernels (flash-attention style), one per backend:
+// tensor/cpu/attention.cpp and tensor/cuda/attention.cu. The front end and the autograd node
+// are in nn/attention.cpp; it validates, makes q/k/v contiguous as [batch, L, E] etc., turns a
+// bool mask into an additive one and draws the dropout seed, so kernels only assert.
+//
+// Note [Fused attention]
+// Forward walks key tiles with an online softmax (running max m and sum l per query row), so
+// the [batch, L, S] scores never exist in memory; it saves the output O and the per-row
+// logsumexp lse = m + log(l). Backward (FlashAttention-2) recomputes each score tile as
+// P = exp(scale * Q K^T + mask - lse), then dV += P^T dO, dP = dO V^T, dS = P * (dP - D) with
+// D = rowsum(dO * O), dQ += scale * dS K, dK += scale * dS^T Q. Causal attention is top-left
+// aligned (query i sees keys j <= i) and tiles above the diagonal are skipped. A row whose keys
+// are all masked has l = 0 and lse = -inf: its output is 0/0 = NaN and its recomputed P is NaN,
+// which is what the written-out softmax gives (and PyTorch).
+// Dropout multiplies P (after l is summed) by keep / (1 - p); element (b, i, j) keeps when the
+// Philox word number (b * L + i) * S + j of the stream (seed, offset) is >= p as a uniform, so
+// backward (and the CUDA kernel) regenerate the same mask without storing it.
+#pragma once
+
+#include <cstdint>
+
+#include "tensor/half.h"
+#include "tensor/tensor.h"
+
+namespace ember::detail {
+
+/// Leading dims an additive mask is broadcast over, at most; the front end makes a mask
+/// contiguous when its broadcast needs more.
+inline constexpr int kAttentionMaxLead = 6;
+
+/// Where element (b, i, j) of the broadcast mask lives: the flat batch index b is split over
+/// the leading dims (sizes, strides; stride 0 where the mask broadcasts).
+struct AttentionMaskLayout {
+  int nlead = 0;
+  int64_t size[kAttentionMaxLead] = {};
+  int64_t stride[kAttentionMaxLead] = {};
+  int64_t row_stride = 0, col_stride = 0;
+
+  EMBER_HD int64_t batch_offset(int64_t b) const {
+    int64_t off = 0;
+    for (int d = nlead - 1; d >= 0; --d) {
+      off += (b % size[d]) * stride[d];
+      b /= size[d];
+    }
+    return off;
+  }
+};
+
+/// Shapes and attributes of one fused attention call. q [batch, L, E], k [batch, S, E],
+/// v [batch, S, Ev], out [batch, L, Ev], lse [batch, L] (float32 on CUDA, else q's dtype).
+struct AttentionParams {
+  int64_t batch = 0, L = 0, S = 0, E = 0, Ev = 0;
+  double scale = 1.0;
+  bool causal = false;
+  AttentionMaskLayout mask;  ///< used when the mask tensor passed is defined
+  /// The mask came from a bool mask: a fully masked row then gets a zero dq and contributes
+  /// zero to dk (masked_fill's gradient), where an additive -inf mask passes NaN on.
+  bool bool_mask = false;
+  double dropout_p = 0.0;
+  uint64_t seed = 0, offset = 0;  ///< Philox stream of the dropout mask
+};
+
+/// Counter values of the dropout stream a call reserves (one per four elements).
+inline uint64_t attention_dropout_counters(const AttentionParams& p) {
+  return (static_cast<uint64_t>(p.batch * p.L * p.S) + 3) / 4;
+}
+
+/// Forward: writes out and lse. mask: additive, q's dtype, or undefined.
+void attention_forward_cpu(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                           const Tensor& v, const Tensor& mask, const AttentionParams& p);
+void attention_forward_cuda(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                            const Tensor& v, const Tensor& mask, const AttentionParams& p);
+
+/// Backward: writes dq, dk, dv (same shapes as q, k, v) from dout and the forward's out, lse.
+void attention_backward_cpu(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                            const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                            const Tensor& out, const Tensor& lse, const Tensor& mask,
+                            const AttentionParams& p);
+void attention_backward_cuda(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                             const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& out, const Tensor& lse, const Tensor& mask,
+                             const AttentionParams& p);
+
+}  // namespace ember::detail

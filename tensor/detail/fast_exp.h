@@ -1,0 +1,46 @@
+// A branch-free float exp for arguments <= 0, shared by the CPU softmax and attention kernels
+// so that their loops over it vectorise (libm's expf is a call GCC cannot vectorise here).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace ember::detail {
+
+// exp(x) for x <= 0 (and NaN), within ~2 ulp, written without calls or branches so loops over
+// it vectorise: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for exp(r) (Cephes'
+// expf coefficients), and 2^n built in the exponent bits. Results below float's normal range
+// flush to 0, which softmax cannot tell from the true value next to the row's max term (1).
+inline float exp_nonpos(float x) {
+  constexpr float kLo = -87.33654f;  // log(FLT_MIN)
+  const float xc = x < kLo ? kLo : x;
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float fn = (xc * 1.44269504088896341f + shifter) - shifter;
+  const float r = (xc - fn * 0.693359375f) + fn * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(fn) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  const float y = p * scale;
+  return x < kLo ? 0.0f : (x != x ? x : y);
+}
+
+/// exp(v) for v <= 0 (a shifted softmax exponent): exp_nonpos for float, std::exp otherwise.
+template <typename A>
+inline A exp_shifted(A v) {
+  if constexpr (std::is_same_v<A, float>) {
+    return exp_nonpos(v);
+  } else {
+    return std::exp(v);
+  }
+}
+
+}  // namespace ember::detail
