@@ -27,7 +27,10 @@
 #include <string>
 #include <vector>
 
+#include "distributed/amp.h"
 #include "examples/example_util.h"
+#include "nn/activation_checkpoint.h"
+#include "nn/amp/autocast.h"
 #include "nn/attention.h"
 #include "nn/data/token_stream.h"
 #include "nn/nn.h"
@@ -137,6 +140,7 @@ class GPT : public nn::Module {
  public:
   explicit GPT(const Args& a)
       : context_(a.context),
+        checkpoint_(a.checkpoint_activations),
         wte_(register_module("wte", std::make_shared<nn::Embedding>(kVocab, a.dim))),
         wpe_(register_module("wpe", std::make_shared<nn::Embedding>(a.context, a.dim))),
         drop_(register_module("drop", std::make_shared<nn::Dropout>(a.dropout))),
@@ -154,7 +158,13 @@ class GPT : public nn::Module {
     const int64_t T = tokens.size(1);
     Tensor pos = ember::arange(0, T, 1, {ember::kInt64}).to(tokens.device());
     Tensor x = drop_->forward(wte_->forward(tokens) + wpe_->forward(pos));
-    return F::linear(ln_f_->forward(blocks_->forward(x)), wte_->weight);
+    for (const auto& block : blocks_->children()) {
+      // --checkpoint-activations: keep only each block's input; backward recomputes the rest.
+      x = checkpoint_ && is_training()
+              ? nn::checkpoint(block, x)
+              : block->forward(x);
+    }
+    return F::linear(ln_f_->forward(x), wte_->weight);
   }
   int64_t context() const { return context_; }
 
@@ -179,6 +189,7 @@ class GPT : public nn::Module {
   }
 
   int64_t context_;
+  bool checkpoint_;
   std::shared_ptr<nn::Embedding> wte_, wpe_;
   std::shared_ptr<nn::Dropout> drop_;
   std::shared_ptr<nn::Sequential> blocks_;
@@ -223,6 +234,11 @@ std::shared_ptr<nn::Module> seeded_model(const Args& a, ember::Device device) {
 
 // ---- training ----
 
+// --amp's low precision (the guard is disabled for off).
+ember::Dtype amp_dtype(const std::string& amp) {
+  return amp == "fp16" ? ember::Dtype::Float16 : ember::Dtype::BFloat16;
+}
+
 class Trainer {
  public:
   explicit Trainer(const Args& a);
@@ -255,6 +271,7 @@ class Trainer {
   std::shared_ptr<dist::PowerSGDState> powersgd_;
   nn::optim::AdamW opt_;
   nn::optim::LambdaLR schedule_;
+  nn::amp::GradScaler scaler_;  // a pass-through unless --amp fp16
   const int64_t log_every_;
   const int64_t start_step_;
   int64_t step_;               // steps trained, this run's and before
@@ -291,6 +308,12 @@ Trainer::Trainer(const Args& a)
       opt_(decay_groups(ddp_.parameters()),
            {.lr = a.lr, .betas = {0.9, 0.95}, .eps = 1e-8, .weight_decay = 0.1}),
       schedule_(opt_, [steps = a.steps](int64_t s) { return lr_factor(s, steps); }),
+      // DDP's exact average gives every rank the same gradients; a compressing hook may not, so
+      // then the ranks agree on skipping a step.
+      scaler_({.enabled = a.amp == "fp16",
+               .found_inf_sync = a.comm_hook == "none" || a.comm_hook == "allreduce"
+                                     ? nullptr
+                                     : dist::found_inf_allreduce(pg_)}),
       log_every_(a.log_every > 0 ? a.log_every : std::max<int64_t>(1, a.steps / 20)),
       start_step_(maybe_resume()),
       step_(start_step_),
@@ -303,13 +326,14 @@ Trainer::Trainer(const Args& a)
 void Trainer::print_banner() const {
   std::printf(
       "gpt: world size %d, backend %s, device %s, %lld parameters (layers %lld, heads %lld, dim "
-      "%lld, context %lld), batch %lld per rank, %lld steps, AdamW lr %g, amp %s, comm hook %s, "
+      "%lld, context %lld), batch %lld per rank, %lld steps, AdamW lr %g, amp %s%s, comm hook %s, "
       "%d threads per rank; data %s: %lld training and %lld validation tokens\n",
       world_, pg_->backend_name().c_str(), device_.str().c_str(),
       static_cast<long long>(count_parameters(*model_)), static_cast<long long>(a_.layers),
       static_cast<long long>(a_.heads), static_cast<long long>(a_.dim),
       static_cast<long long>(a_.context), static_cast<long long>(a_.batch_size),
-      static_cast<long long>(a_.steps), a_.lr, a_.amp.c_str(), a_.comm_hook.c_str(),
+      static_cast<long long>(a_.steps), a_.lr, a_.amp.c_str(),
+      a_.checkpoint_activations ? ", checkpointed blocks" : "", a_.comm_hook.c_str(),
       ember::get_num_threads(), a_.data.c_str(), static_cast<long long>(data_.train_tokens()),
       static_cast<long long>(data_.validation_tokens()));
   std::fflush(stdout);
@@ -352,11 +376,19 @@ double Trainer::train_step(int64_t step) {
   const nn::data::Batch b = data_.train_batch(step);
   Tensor x = b.data.to(device_), y = b.target.to(device_);
   opt_.zero_grad();
-  Tensor logits = ddp_.forward(x);  // [B, T, 256]
-  Tensor loss = F::cross_entropy(logits.reshape({-1, kVocab}), y.reshape({-1}));
-  loss.backward();
-  if (a_.grad_clip > 0) nn::clip_grad_norm_(ddp_.parameters(), a_.grad_clip);
-  opt_.step();
+  Tensor loss;
+  {
+    const nn::amp::autocast amp(device_, amp_dtype(a_.amp), a_.amp != "off");
+    Tensor logits = ddp_.forward(x);  // [B, T, 256]
+    loss = F::cross_entropy(logits.reshape({-1, kVocab}), y.reshape({-1}));
+  }
+  scaler_.scale(loss).backward();
+  if (a_.grad_clip > 0) {
+    scaler_.unscale_(opt_);
+    nn::clip_grad_norm_(ddp_.parameters(), a_.grad_clip);
+  }
+  scaler_.step(opt_);
+  scaler_.update();
   schedule_.step();
   ++step_;
   const float value = loss.item<float>();
@@ -375,6 +407,7 @@ double Trainer::evaluate() {
   double sum = 0;
   for (int64_t i = 0; i < a_.eval_batches; ++i) {
     const nn::data::Batch b = data_.validation_batch(i, a_.eval_batches);
+    const nn::amp::autocast amp(device_, amp_dtype(a_.amp), a_.amp != "off");
     Tensor logits = model_->forward(b.data.to(device_));
     sum += F::cross_entropy(logits.reshape({-1, kVocab}), b.target.to(device_).reshape({-1}))
                .item<float>();
@@ -535,14 +568,10 @@ void Trainer::report(double val_loss) {
   std::fflush(stdout);
 }
 
-// What this branch cannot do yet: refuse it by name instead of silently training in float32.
+// float16 autocast is CUDA's (on the CPU PyTorch disables it and Ember's guard refuses it).
 std::string unavailable(const Args& a) {
-  if (a.amp != "off") {
-    return "--amp " + a.amp + ": not available yet (autocast and GradScaler are not in this "
-           "build); use --amp off";
-  }
-  if (a.checkpoint_activations) {
-    return "--checkpoint-activations: not available yet (nn::checkpoint is not in this build)";
+  if (a.amp == "fp16" && a.device.rfind("cuda", 0) != 0) {
+    return "--amp fp16 needs --device cuda (on the CPU use --amp bf16)";
   }
   return "";
 }

@@ -105,6 +105,17 @@ TEST_F(Gpt, ResumeContinuesAtTheRightStepWithTheSameResult) {
       << other.output;
 }
 
+// bf16 autocast around forward and loss, each block checkpointed: it still learns, and the
+// banner says how it ran.
+TEST_F(Gpt, Bf16AutocastWithCheckpointedBlocks) {
+  Result r = run("env EMBER_NUM_THREADS=1 " + tiny() + " --amp bf16 --checkpoint-activations");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("amp bf16, checkpointed blocks"), std::string::npos) << r.output;
+  const double val = value_of(r.output, "val_loss");
+  EXPECT_GT(val, 0) << r.output;
+  EXPECT_LT(val, kUniformLoss) << r.output;
+}
+
 TEST_F(Gpt, BadFlagsAreRefusedClearly) {
   struct Case {
     std::string flags;
@@ -114,8 +125,7 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
   const std::string short_text = tmp.path + "/short.txt";
   { std::ofstream(short_text) << "Too short to train on.\n"; }
   const Case cases[] = {
-      {"--amp bf16", 2, "gpt: --amp bf16: not available yet"},
-      {"--checkpoint-activations", 2, "gpt: --checkpoint-activations: not available yet"},
+      {"--amp fp16", 2, "gpt: --amp fp16 needs --device cuda (on the CPU use --amp bf16)"},
       {"--dim 30", 2, "gpt: --dim 30 must be a multiple of --heads 4"},
       {"--layers 0", 2, "--layers: expected a number > 0, got 0"},
       {"--resume", 2, "gpt: --resume needs --checkpoint-dir"},
