@@ -29,6 +29,7 @@
 #include <tuple>
 #include <vector>
 
+#include "examples/example_util.h"
 #include "distributed/comm_hooks.h"
 #include "distributed/ddp.h"
 #include "distributed/stragglers.h"
@@ -46,7 +47,7 @@
 namespace nn = ember::nn;
 namespace dist = ember::dist;
 using ember::Tensor;
-using Clock = std::chrono::steady_clock;
+using namespace ember::examples;  // NOLINT: the examples' shared helpers
 
 namespace {
 
@@ -100,74 +101,6 @@ std::shared_ptr<nn::Module> make_model(const std::string& name) {
         std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(512, 10));
   }
   throw std::invalid_argument("--model: expected cnn or mlp, got '" + name + "'");
-}
-
-// init_process_group from the launcher's (or mpirun's, or Slurm's) variables; a plain run
-// without any of them is a world of one.
-std::shared_ptr<dist::ProcessGroup> init_distributed(const std::string& backend, int timeout_s) {
-  dist::InitOptions o;
-  o.backend = backend;
-  if (timeout_s > 0) o.timeout = std::chrono::seconds(timeout_s);
-  if (!dist::launched_as_rank() && backend != "mpi") {
-    o.store = std::make_shared<dist::HashStore>();
-    o.rank = 0;
-    o.world_size = 1;
-  }
-  return dist::init_process_group(o);
-}
-
-// --tensorboard: every number of a metrics record becomes the scalar "<kind>/<key>" (nested
-// objects "<kind>/<key>/<field>") at the record's global step, written at once, as the JSON
-// lines are; where in the run the record stands (epoch, step) is the x axis, not a series.
-void log_to_tensorboard(nn::SummaryWriter& tb, const std::string& prefix, const nlohmann::json& j,
-                        int64_t step) {
-  for (const auto& [key, v] : j.items()) {
-    if (v.is_number()) tb.add_scalar(prefix + "/" + key, v.get<double>(), step);
-    if (v.is_object()) log_to_tensorboard(tb, prefix + "/" + key, v, step);
-  }
-}
-
-// Rank 0's metrics file: one JSON object per line, appended and flushed line by line, so a
-// crash loses at most the line being written. With --tensorboard, the same records go to an
-// event file in that folder too.
-class Metrics {
- public:
-  Metrics(const std::string& path, const std::string& tensorboard_dir, bool append) {
-    if (!tensorboard_dir.empty()) {
-      tensorboard_.emplace(tensorboard_dir, nn::SummaryWriter::Options{.flush_secs = 0, .rank = 0});
-    }
-    if (path.empty()) return;
-    out_.open(path, append ? std::ios::app : std::ios::trunc);
-    if (!out_) throw std::runtime_error("--metrics: cannot open '" + path + "' for writing");
-  }
-  void write(const nlohmann::json& j) {
-    if (tensorboard_) {
-      nlohmann::json values = j;
-      for (const char* position : {"kind", "epoch", "step", "global_step"}) values.erase(position);
-      log_to_tensorboard(*tensorboard_, j.value("kind", "metrics"), values,
-                         j.value("global_step", int64_t{0}));
-    }
-    if (!out_.is_open()) return;
-    out_ << j.dump() << '\n';
-    out_.flush();
-  }
-
- private:
-  std::ofstream out_;
-  std::optional<nn::SummaryWriter> tensorboard_;
-};
-
-std::string format_duration(double s) {
-  if (!std::isfinite(s) || s < 0) return "?";
-  const long t = std::lround(s);
-  std::ostringstream os;
-  if (t >= 3600)
-    os << t / 3600 << "h" << (t % 3600) / 60 << "m";
-  else if (t >= 60)
-    os << t / 60 << "m" << t % 60 << "s";
-  else
-    os << t << "s";
-  return os.str();
 }
 
 // One progress line: "epoch 1/3 [#####-----]  50%  469/938  loss 0.4521  6250 img/s  ETA 8s".
@@ -228,28 +161,6 @@ struct Position {
   int64_t global_step = 0;
 };
 
-std::string checkpoint_path(const std::string& dir) { return dir + "/checkpoint.safetensors"; }
-
-// The communication hook's state is per rank (PowerSGD's error feedback differs between ranks):
-// rank 0 gathers every rank's tensors into the checkpoint as "hook.rank<r>.<name>". Collective
-// when there is a hook state; returns what rank 0 saves.
-nn::NamedTensors gather_hook_state(const dist::PowerSGDState* state, dist::ProcessGroup& pg) {
-  nn::NamedTensors out;
-  if (state == nullptr) return out;
-  for (const auto& [name, t] : state->state_dict()) {
-    Tensor local = t.to(ember::kCPU).contiguous();
-    std::vector<Tensor> all;
-    if (pg.rank() == 0) {
-      for (int r = 0; r < pg.size(); ++r) all.push_back(ember::empty_like(local));
-    }
-    pg.gather(all, local, dist::GatherOptions{})->wait();
-    for (int r = 0; r < static_cast<int>(all.size()); ++r) {
-      out.emplace_back("hook.rank" + std::to_string(r) + "." + name, all[r]);
-    }
-  }
-  return out;
-}
-
 // What a checkpoint holds besides the tensors. A resumed run must match the settings the data
 // order depends on; the schedule's state carries the learning rate across a restart.
 struct TrainingState {
@@ -275,54 +186,6 @@ void save_checkpoint(const Args& a, const TrainingState& s, const Position& pos,
   if (s.schedule != nullptr) meta["lr_scheduler"] = s.schedule->state_dict();
   std::filesystem::create_directories(a.checkpoint_dir);
   nn::save_checkpoint(checkpoint_path(a.checkpoint_dir), s.model, &s.opt, meta, extra);
-}
-
-// The metadata of a checkpoint being resumed, checked against this run's settings.
-class CheckpointMeta {
- public:
-  CheckpointMeta(std::string path, std::map<std::string, std::string> meta)
-      : path_(std::move(path)), meta_(std::move(meta)) {}
-  const std::string& get(const char* key) const {
-    auto it = meta_.find(key);
-    if (it == meta_.end()) {
-      throw std::runtime_error(path_ + ": checkpoint metadata lacks '" + key + "'");
-    }
-    return it->second;
-  }
-  // The integer under `key`, which must lie in [lo, hi]: a damaged or hand-edited checkpoint is
-  // refused by name rather than resumed from a nonsense position.
-  int64_t get_int(const char* key, int64_t lo, int64_t hi) const {
-    const std::string& text = get(key);
-    int64_t v = 0;
-    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-    if (ec != std::errc() || end != text.data() + text.size() || v < lo || v > hi) {
-      throw std::runtime_error(path_ + ": checkpoint metadata '" + key + "' must be an integer in [" +
-                               std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + text +
-                               "'");
-    }
-    return v;
-  }
-  void must_match(const char* key, const std::string& now) const {
-    if (get(key) != now) {
-      throw std::runtime_error(path_ + ": saved with " + key + " " + get(key) +
-                               ", but this run has " + now +
-                               "; resume with the same settings (the data order depends on them)");
-    }
-  }
-
- private:
-  std::string path_;
-  std::map<std::string, std::string> meta_;
-};
-
-// This rank's share of the hook state saved by gather_hook_state.
-nn::NamedTensors hook_state_of_rank(const nn::NamedTensors& saved, int rank) {
-  const std::string prefix = "hook.rank" + std::to_string(rank) + ".";
-  nn::NamedTensors mine;
-  for (const auto& [name, t] : saved) {
-    if (name.rfind(prefix, 0) == 0) mine.emplace_back(name.substr(prefix.size()), t);
-  }
-  return mine;
 }
 
 // Loads the checkpoint if there is one; returns where to continue.
@@ -370,42 +233,6 @@ Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& op
   return p;
 }
 
-// The device this rank trains on. With cuda: one GPU per rank, the group's own with nccl, else
-// the local rank's (an error when there are more ranks on the node than GPUs), as a torch
-// script's torch.cuda.set_device(local_rank). cuda:N puts every rank on GPU N (ranks sharing
-// one GPU over gloo, e.g. to test on a machine with one).
-ember::Device pick_device(const std::string& name, const dist::ProcessGroup& pg) {
-  ember::Device device(name);
-  if (!device.is_cuda()) return device;
-  EMBER_CHECK(ember::cuda::is_available(),
-              "[fashion_mnist] --device cuda: ", ember::cuda::unavailable_reason());
-  if (pg.default_device().is_cuda()) {
-    device = pg.default_device();
-  } else if (name.find(':') != std::string::npos) {
-    EMBER_CHECK(device.index < ember::cuda::device_count(), "[fashion_mnist] --device ", name,
-                ": this process sees ", ember::cuda::device_count(), " CUDA devices");
-  } else {
-    device = ember::cuda_device(dist::local_cuda_device());
-  }
-  ember::cuda::set_device(device.index);
-  return device;
-}
-
-// Registers --comm-hook on `ddp`; returns PowerSGD's state when the hook has one.
-std::shared_ptr<dist::PowerSGDState> register_comm_hook(dist::DistributedDataParallel& ddp,
-                                                        const Args& a) {
-  if (a.comm_hook == "allreduce") ddp.register_comm_hook(dist::allreduce_hook);
-  if (a.comm_hook == "fp16") ddp.register_comm_hook(dist::fp16_compress_hook);
-  if (a.comm_hook == "bf16") ddp.register_comm_hook(dist::bf16_compress_hook);
-  if (a.comm_hook != "powersgd" && a.comm_hook != "batched_powersgd") return nullptr;
-  auto state = std::make_shared<dist::PowerSGDState>(dist::PowerSGDOptions{
-      .matrix_approximation_rank = a.powersgd_rank, .start_powerSGD_iter = a.powersgd_start});
-  ddp.register_comm_hook(
-      state, a.comm_hook == "powersgd" ? dist::powersgd_hook : dist::batched_powersgd_hook,
-      a.comm_hook);
-  return state;
-}
-
 // The same seed everywhere gives identical initial weights (DDP broadcasts rank 0's anyway).
 std::shared_ptr<nn::Module> seeded_model(const Args& a, ember::Device device) {
   ember::manual_seed(a.seed);
@@ -416,53 +243,6 @@ std::shared_ptr<nn::Module> seeded_model(const Args& a, ember::Device device) {
   model->to(device);
   return model;
 }
-
-int64_t count_parameters(const nn::Module& model) {
-  int64_t n = 0;
-  for (const Tensor& p : model.parameters()) n += p.numel();
-  return n;
-}
-
-// DistributedDataParallel's statistics for the metrics file.
-nlohmann::json ddp_json(const dist::DDPStats& s) {
-  auto timing = [](const dist::DDPStats::Timing& t) {
-    return nlohmann::json{{"last_ms", t.last_ms}, {"mean_ms", t.mean_ms}};
-  };
-  return {{"world_size", s.world_size},
-          {"backend", s.backend},
-          {"comm_hook", s.comm_hook},
-          {"parameters", s.parameters},
-          {"bucket_count", s.bucket_count},
-          {"bucket_bytes", s.bucket_bytes},
-          {"rebuilds", s.rebuilds},
-          {"unused_parameters", s.unused_parameters},
-          {"iterations", s.iterations},
-          {"forward", timing(s.forward)},
-          {"backward", timing(s.backward)},
-          {"communication", timing(s.communication)},
-          {"overlapped_communication", timing(s.overlapped_communication)},
-          {"exposed_communication", timing(s.exposed_communication)}};
-}
-
-// Loss averages, throughput and where this rank's time went between two progress lines.
-struct LogWindow {
-  double loss_sum = 0;
-  int64_t steps = 0;
-  Clock::time_point since = Clock::now();
-  double data_ms = 0;       // waiting for batches
-  double comm_wait_ms = 0;  // the end of backward waiting for DDP's communication
-  void add(double loss) {
-    loss_sum += loss;
-    ++steps;
-  }
-  void reset(Clock::time_point now) { *this = {0, 0, now}; }
-  // Means per step, for the straggler report.
-  dist::StepTimes times(Clock::time_point now) const {
-    const double n = static_cast<double>(std::max<int64_t>(steps, 1));
-    return {std::chrono::duration<double, std::milli>(now - since).count() / n, data_ms / n,
-            comm_wait_ms / n};
-  }
-};
 
 // What one epoch's pass did.
 struct EpochStats {
@@ -539,7 +319,7 @@ Trainer::Trainer(const Args& a)
       world_(pg_->size()),
       leader_(rank_ == 0),
       tty_(leader_ && isatty(STDOUT_FILENO)),
-      device_(pick_device(a.device, *pg_)),
+      device_(pick_device("fashion_mnist", a.device, *pg_)),
       model_(seeded_model(a, device_)),
       train_set_(std::make_shared<nn::data::FashionMNIST>(
           non_empty(nn::data::FashionMNIST(a.data, true, kNorm), a.data, "training"))),
@@ -552,7 +332,7 @@ Trainer::Trainer(const Args& a)
                                    : a.epochs * steps_per_epoch_),
       log_every_(a.log_every > 0 ? a.log_every : std::max<int64_t>(1, steps_per_epoch_ / 10)),
       ddp_(model_, pg_),
-      powersgd_(register_comm_hook(ddp_, a)),
+      powersgd_(register_comm_hook(ddp_, a.comm_hook, a.powersgd_rank, a.powersgd_start)),
       opt_(ddp_.parameters(), {.lr = a.lr, .momentum = a.momentum}),
       // Cosine from lr to 0 over the run, one scheduler step per training step.
       schedule_(a.lr_schedule == "cosine" ? std::make_unique<nn::optim::CosineAnnealingLR>(
@@ -778,33 +558,7 @@ void Trainer::report(const Evaluation& last) const {
   std::fflush(stdout);
 }
 
-int run(const Args& a) {
-  {
-    Trainer trainer(a);
-    trainer.report(trainer.train());
-  }
-  dist::destroy_process_group();
-  return 0;
-}
-
 }  // namespace
-
-// CLI11's PositiveNumber and NonNegativeNumber print their upper bound, DBL_MAX, in all of its
-// 309 digits: these say what was expected instead.
-CLI::Validator number_above_zero(bool zero_ok) {
-  const std::string want = zero_ok ? ">= 0" : "> 0";
-  return CLI::Validator(
-      [=](std::string& text) -> std::string {
-        double v = 0;
-        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-        const bool ok =
-            ec == std::errc() && end == text.data() + text.size() && (zero_ok ? v >= 0 : v > 0);
-        return ok ? std::string() : "expected a number " + want + ", got " + text;
-      },
-      "NUMBER " + want);
-}
-const CLI::Validator kPositive = number_above_zero(false);
-const CLI::Validator kNonNegative = number_above_zero(true);
 
 int main(int argc, char** argv) {
   Args a;
@@ -875,20 +629,10 @@ int main(int argc, char** argv) {
   app.add_option("--hang-at-step", a.hang_at_step,
                  "testing aid: rank 1 stops itself (SIGSTOP) at this step in the first run")
       ->group("");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);  // prints the help, or the error and a usage hint
-    return code == 0 ? 0 : 2;
-  }
+  if (const auto status = parse_command_line(app, argc, argv)) return *status;
   if (a.resume && a.checkpoint_dir.empty()) {
     std::fprintf(stderr, "fashion_mnist: --resume needs --checkpoint-dir\n");
     return 2;
   }
-  try {
-    return run(a);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "fashion_mnist: error: %s\n", e.what());
-    return 1;
-  }
+  return train_and_report<Trainer>("fashion_mnist", a);
 }

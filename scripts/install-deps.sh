@@ -11,6 +11,7 @@ pkgs=(
   libgtest-dev libgmock-dev
   libcairo2-dev fonts-dejavu-core
   dataset-fashion-mnist
+  bible-kjv-text bible-kjv
   python3-torch libtorch-dev
   protobuf-compiler python3-protobuf python3-crc32c
   iproute2

@@ -1,0 +1,270 @@
+#!/usr/bin/python3
+"""examples/gpt in PyTorch 1.13: the same model, initialisation, data windows, optimizer,
+schedule and clipping, for benchmarks/vs_pytorch/run_gpt.py to run beside Ember's.
+
+- Model: token + learned position embeddings, pre-LayerNorm blocks (fused qkv Linear, causal
+  attention written out as softmax(QK^T/sqrt(d) + causal mask)V since PyTorch 1.13 has no fused
+  attention, 4x GELU(tanh) MLP), final LayerNorm, LM head tied to the token embedding; biases on;
+  init N(0, 0.02), residual projections N(0, 0.02/sqrt(2*layers)), LayerNorms ones/zeros.
+- Data: the token file Ember writes (examples/gpt --cache-dir DIR leaves DIR/<name>.tokens, one
+  uint8 per byte), windows drawn exactly as nn/data/token_stream.h describes: the training
+  starts through torch.utils.data.DistributedSampler(seed, drop_last=True) with set_epoch, the
+  validation windows spread evenly over the last 10%. Both frameworks see the same batches.
+- AdamW betas (0.9, 0.95), weight decay 0.1 on 2-D weights only, 50 warm-up steps then cosine to
+  a tenth of the peak lr, gradient norm clipped.
+
+    /usr/bin/python3 gpt_torch.py --tokens ~/.cache/ember/bible.data.tokens --nproc 2 --steps 200
+
+Rank 0 prints val_loss=X, tokens_per_s=N (training tokens over all ranks per second of training
+steps, evaluation excluded) and peak_rss_mb=N (the largest ru_maxrss over the ranks) on their own
+lines, as examples/gpt does.
+"""
+import argparse
+import math
+import os
+import resource
+import socket
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch.utils.data import DistributedSampler
+
+VOCAB = 256
+WARMUP = 50
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, context, dropout):
+        super().__init__()
+        self.heads, self.p = heads, dropout
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.fc_proj = nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(dropout)
+        self.register_buffer("mask", torch.full((context, context), float("-inf")).triu(1),
+                             persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        D = C // self.heads
+        q, k, v = (t.view(B, T, self.heads, D).transpose(1, 2)
+                   for t in self.qkv(self.ln1(x)).split(C, dim=2))
+        att = q @ k.transpose(-2, -1) / math.sqrt(D) + self.mask[:T, :T]
+        att = F.dropout(F.softmax(att, dim=-1), self.p, self.training)
+        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        x = x + self.drop(self.proj(y))
+        return x + self.drop(self.fc_proj(self.gelu(self.fc(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        self.checkpoint = a.checkpoint_activations
+        self.wte = nn.Embedding(VOCAB, a.dim)
+        self.wpe = nn.Embedding(a.context, a.dim)
+        self.drop = nn.Dropout(a.dropout)
+        self.blocks = nn.ModuleList(Block(a.dim, a.heads, a.context, a.dropout)
+                                    for _ in range(a.layers))
+        self.ln_f = nn.LayerNorm(a.dim)
+        self.head = nn.Linear(a.dim, VOCAB, bias=False)
+        self.head.weight = self.wte.weight  # tied: one Parameter
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if "ln" in name:
+                    continue
+                if name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02)
+            for b in self.blocks:
+                for w in (b.proj.weight, b.fc_proj.weight):
+                    w.normal_(0.0, 0.02 / math.sqrt(2 * a.layers))
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+        for b in self.blocks:
+            if self.checkpoint and self.training:
+                x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+            else:
+                x = b(x)
+        return self.head(self.ln_f(x))
+
+
+def lr_factor(step, steps):
+    warmup = min(WARMUP, steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Windows:
+    """nn/data/token_stream.h's scheme, index for index."""
+
+    class _Len:
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+    def __init__(self, path, context, batch, world, rank, seed, validation_fraction=0.1):
+        self.tok = np.memmap(path, dtype=np.uint8, mode="r")
+        n = len(self.tok)
+        self.n_val = int(n * validation_fraction)
+        self.n_train = n - self.n_val
+        self.T, self.B, self.world, self.rank = context, batch, world, rank
+        self.sampler = DistributedSampler(self._Len(self.n_train - context), num_replicas=world,
+                                          rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.steps_per_epoch = len(self.sampler) // batch
+        self.epoch, self.order = -1, []
+
+    def train_offsets(self, step):
+        epoch, k = divmod(step, self.steps_per_epoch)
+        if epoch != self.epoch:
+            self.sampler.set_epoch(epoch)
+            self.order, self.epoch = list(iter(self.sampler)), epoch
+        return self.order[k * self.B:(k + 1) * self.B]
+
+    def validation_offsets(self, batch, batches):
+        windows = batches * self.B * self.world
+        starts = self.n_val - self.T
+        return [self.n_train + ((batch * self.B + i) * self.world + self.rank) * (starts - 1) //
+                max(windows - 1, 1) for i in range(self.B)]
+
+    def batch_at(self, offsets):
+        x = np.stack([self.tok[o:o + self.T] for o in offsets]).astype(np.int64)
+        y = np.stack([self.tok[o + 1:o + self.T + 1] for o in offsets]).astype(np.int64)
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def amp_context(a):
+    if a.amp == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def evaluate(model, data, a, world):
+    model.eval()
+    total = 0.0
+    with torch.no_grad(), amp_context(a):
+        for i in range(a.eval_batches):
+            x, y = data.batch_at(data.validation_offsets(i, a.eval_batches))
+            total += F.cross_entropy(model(x).float().view(-1, VOCAB), y.view(-1)).item()
+    model.train()
+    t = torch.tensor([total], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(t)
+    return t.item() / (a.eval_batches * world)
+
+
+def worker(rank, world, port, a):
+    torch.set_num_threads(a.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(a.seed)
+    model = GPT(a)
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, a.steps))
+    data = Windows(a.tokens, a.context, a.batch_size, world, rank, a.seed)
+    data.train_offsets(0)  # the epoch's order before the clock starts, as Ember does
+    lead = rank == 0
+    if lead:
+        print(f"gpt_torch: world size {world}, backend gloo, device cpu, {n_params} parameters "
+              f"(layers {a.layers}, heads {a.heads}, dim {a.dim}, context {a.context}), batch "
+              f"{a.batch_size} per rank, {a.steps} steps, amp {a.amp}, torch {torch.__version__}, "
+              f"{a.threads} threads per rank", flush=True)
+    log_every = a.log_every or max(1, a.steps // 20)
+    train_s, val, evaluated, window = 0.0, float("nan"), False, []
+    for step in range(a.steps):
+        t0 = time.perf_counter()
+        x, y = data.batch_at(data.train_offsets(step))
+        opt.zero_grad(set_to_none=True)
+        with amp_context(a):
+            loss = F.cross_entropy(net(x).float().view(-1, VOCAB), y.view(-1))
+        loss.backward()
+        if a.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
+        opt.step()
+        sched.step()
+        window.append(loss.item())
+        train_s += time.perf_counter() - t0
+        done = step + 1
+        if lead and (done % log_every == 0 or done == a.steps):
+            tps = done * a.batch_size * a.context * world / train_s
+            print(f"step {done}/{a.steps}  loss {sum(window) / len(window):.4f}  "
+                  f"lr {opt.param_groups[0]['lr']:.2e}  {tps:.0f} tok/s", flush=True)
+            window = []
+        evaluated = a.eval_every > 0 and done % a.eval_every == 0
+        if evaluated:
+            val = evaluate(net, data, a, world)
+            if lead:
+                print(f"step {done}: validation loss {val:.4f}", flush=True)
+    if not evaluated:
+        val = evaluate(net, data, a, world)
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+    if world > 1:
+        dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    if lead:
+        print(f"val_loss={val:.4f}")
+        print(f"tokens_per_s={a.steps * a.batch_size * a.context * world / train_s:.0f}")
+        print(f"peak_rss_mb={rss.item():.0f}", flush=True)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", required=True, help="the token file examples/gpt wrote")
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--amp", default="off", choices=["off", "bf16"])
+    p.add_argument("--checkpoint-activations", action="store_true")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--log-every", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="per rank; 0: cores / nproc")
+    a = p.parse_args()
+    if not os.path.exists(a.tokens):
+        sys.exit(f"gpt_torch.py: no token file at {a.tokens} (run examples/gpt once with --cache-dir)")
+    if a.threads <= 0:
+        a.threads = max(1, len(os.sched_getaffinity(0)) // a.nproc)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if a.nproc == 1:
+        worker(0, 1, port, a)
+    else:
+        mp.start_processes(worker, args=(a.nproc, port, a), nprocs=a.nproc, start_method="fork")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

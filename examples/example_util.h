@@ -1,0 +1,313 @@
+// What the example programs share: process group and device set-up, the communication hook,
+// the metrics file, checkpoint metadata, the straggler bookkeeping and CLI validators, so that
+// every example behaves alike under emberrun, mpirun and alone.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "distributed/comm_hooks.h"
+#include "distributed/ddp.h"
+#include "distributed/hash_store.h"
+#include "distributed/init.h"
+#include "distributed/powersgd.h"
+#include "distributed/stragglers.h"
+#include "nn/nn.h"
+#include "tensor/creation.h"
+#include "tensor/cuda.h"
+
+namespace ember::examples {
+
+using Clock = std::chrono::steady_clock;
+
+// init_process_group from the launcher's (or mpirun's, or Slurm's) variables; a plain run
+// without any of them is a world of one.
+inline std::shared_ptr<dist::ProcessGroup> init_distributed(const std::string& backend, int timeout_s) {
+  dist::InitOptions o;
+  o.backend = backend;
+  if (timeout_s > 0) o.timeout = std::chrono::seconds(timeout_s);
+  if (!dist::launched_as_rank() && backend != "mpi") {
+    o.store = std::make_shared<dist::HashStore>();
+    o.rank = 0;
+    o.world_size = 1;
+  }
+  return dist::init_process_group(o);
+}
+
+// --tensorboard: every number of a metrics record becomes the scalar "<kind>/<key>" (nested
+// objects "<kind>/<key>/<field>") at the record's global step, written at once, as the JSON
+// lines are; where in the run the record stands (epoch, step) is the x axis, not a series.
+inline void log_to_tensorboard(nn::SummaryWriter& tb, const std::string& prefix, const nlohmann::json& j,
+                        int64_t step) {
+  for (const auto& [key, v] : j.items()) {
+    if (v.is_number()) tb.add_scalar(prefix + "/" + key, v.get<double>(), step);
+    if (v.is_object()) log_to_tensorboard(tb, prefix + "/" + key, v, step);
+  }
+}
+
+// Rank 0's metrics file: one JSON object per line, appended and flushed line by line, so a
+// crash loses at most the line being written. With --tensorboard, the same records go to an
+// event file in that folder too.
+class Metrics {
+ public:
+  Metrics(const std::string& path, const std::string& tensorboard_dir, bool append) {
+    if (!tensorboard_dir.empty()) {
+      tensorboard_.emplace(tensorboard_dir, nn::SummaryWriter::Options{.flush_secs = 0, .rank = 0});
+    }
+    if (path.empty()) return;
+    out_.open(path, append ? std::ios::app : std::ios::trunc);
+    if (!out_) throw std::runtime_error("--metrics: cannot open '" + path + "' for writing");
+  }
+  void write(const nlohmann::json& j) {
+    if (tensorboard_) {
+      nlohmann::json values = j;
+      for (const char* position : {"kind", "epoch", "step", "global_step"}) values.erase(position);
+      log_to_tensorboard(*tensorboard_, j.value("kind", "metrics"), values,
+                         j.value("global_step", int64_t{0}));
+    }
+    if (!out_.is_open()) return;
+    out_ << j.dump() << '\n';
+    out_.flush();
+  }
+
+ private:
+  std::ofstream out_;
+  std::optional<nn::SummaryWriter> tensorboard_;
+};
+
+inline std::string format_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  const long t = std::lround(s);
+  std::ostringstream os;
+  if (t >= 3600)
+    os << t / 3600 << "h" << (t % 3600) / 60 << "m";
+  else if (t >= 60)
+    os << t / 60 << "m" << t % 60 << "s";
+  else
+    os << t << "s";
+  return os.str();
+}
+
+
+inline std::string checkpoint_path(const std::string& dir) { return dir + "/checkpoint.safetensors"; }
+
+// The communication hook's state is per rank (PowerSGD's error feedback differs between ranks):
+// rank 0 gathers every rank's tensors into the checkpoint as "hook.rank<r>.<name>". Collective
+// when there is a hook state; returns what rank 0 saves.
+inline nn::NamedTensors gather_hook_state(const dist::PowerSGDState* state, dist::ProcessGroup& pg) {
+  nn::NamedTensors out;
+  if (state == nullptr) return out;
+  for (const auto& [name, t] : state->state_dict()) {
+    Tensor local = t.to(ember::kCPU).contiguous();
+    std::vector<Tensor> all;
+    if (pg.rank() == 0) {
+      for (int r = 0; r < pg.size(); ++r) all.push_back(ember::empty_like(local));
+    }
+    pg.gather(all, local, dist::GatherOptions{})->wait();
+    for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+      out.emplace_back("hook.rank" + std::to_string(r) + "." + name, all[r]);
+    }
+  }
+  return out;
+}
+
+
+// The metadata of a checkpoint being resumed, checked against this run's settings.
+class CheckpointMeta {
+ public:
+  CheckpointMeta(std::string path, std::map<std::string, std::string> meta)
+      : path_(std::move(path)), meta_(std::move(meta)) {}
+  const std::string& get(const char* key) const {
+    auto it = meta_.find(key);
+    if (it == meta_.end()) {
+      throw std::runtime_error(path_ + ": checkpoint metadata lacks '" + key + "'");
+    }
+    return it->second;
+  }
+  // The integer under `key`, which must lie in [lo, hi]: a damaged or hand-edited checkpoint is
+  // refused by name rather than resumed from a nonsense position.
+  int64_t get_int(const char* key, int64_t lo, int64_t hi) const {
+    const std::string& text = get(key);
+    int64_t v = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+    if (ec != std::errc() || end != text.data() + text.size() || v < lo || v > hi) {
+      throw std::runtime_error(path_ + ": checkpoint metadata '" + key + "' must be an integer in [" +
+                               std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + text +
+                               "'");
+    }
+    return v;
+  }
+  void must_match(const char* key, const std::string& now) const {
+    if (get(key) != now) {
+      throw std::runtime_error(path_ + ": saved with " + key + " " + get(key) +
+                               ", but this run has " + now +
+                               "; resume with the same settings (the data order depends on them)");
+    }
+  }
+
+ private:
+  std::string path_;
+  std::map<std::string, std::string> meta_;
+};
+
+// This rank's share of the hook state saved by gather_hook_state.
+inline nn::NamedTensors hook_state_of_rank(const nn::NamedTensors& saved, int rank) {
+  const std::string prefix = "hook.rank" + std::to_string(rank) + ".";
+  nn::NamedTensors mine;
+  for (const auto& [name, t] : saved) {
+    if (name.rfind(prefix, 0) == 0) mine.emplace_back(name.substr(prefix.size()), t);
+  }
+  return mine;
+}
+
+
+// The device this rank trains on. With cuda: one GPU per rank, the group's own with nccl, else
+// the local rank's (an error when there are more ranks on the node than GPUs), as a torch
+// script's torch.cuda.set_device(local_rank). cuda:N puts every rank on GPU N (ranks sharing
+// one GPU over gloo, e.g. to test on a machine with one).
+inline ember::Device pick_device(const std::string& program, const std::string& name,
+                                 const dist::ProcessGroup& pg) {
+  ember::Device device(name);
+  if (!device.is_cuda()) return device;
+  EMBER_CHECK(ember::cuda::is_available(),
+              "[", program, "] --device cuda: ", ember::cuda::unavailable_reason());
+  if (pg.default_device().is_cuda()) {
+    device = pg.default_device();
+  } else if (name.find(':') != std::string::npos) {
+    EMBER_CHECK(device.index < ember::cuda::device_count(), "[", program, "] --device ", name,
+                ": this process sees ", ember::cuda::device_count(), " CUDA devices");
+  } else {
+    device = ember::cuda_device(dist::local_cuda_device());
+  }
+  ember::cuda::set_device(device.index);
+  return device;
+}
+
+// Registers --comm-hook (none, allreduce, fp16, bf16, powersgd, batched_powersgd) on `ddp`; returns PowerSGD's state when the hook has one.
+inline std::shared_ptr<dist::PowerSGDState> register_comm_hook(
+    dist::DistributedDataParallel& ddp, const std::string& comm_hook, int64_t powersgd_rank,
+    int64_t powersgd_start) {
+  if (comm_hook == "allreduce") ddp.register_comm_hook(dist::allreduce_hook);
+  if (comm_hook == "fp16") ddp.register_comm_hook(dist::fp16_compress_hook);
+  if (comm_hook == "bf16") ddp.register_comm_hook(dist::bf16_compress_hook);
+  if (comm_hook != "powersgd" && comm_hook != "batched_powersgd") return nullptr;
+  auto state = std::make_shared<dist::PowerSGDState>(dist::PowerSGDOptions{
+      .matrix_approximation_rank = powersgd_rank, .start_powerSGD_iter = powersgd_start});
+  ddp.register_comm_hook(
+      state, comm_hook == "powersgd" ? dist::powersgd_hook : dist::batched_powersgd_hook,
+      comm_hook);
+  return state;
+}
+
+
+inline int64_t count_parameters(const nn::Module& model) {
+  int64_t n = 0;
+  for (const Tensor& p : model.parameters()) n += p.numel();
+  return n;
+}
+
+// DistributedDataParallel's statistics for the metrics file.
+inline nlohmann::json ddp_json(const dist::DDPStats& s) {
+  auto timing = [](const dist::DDPStats::Timing& t) {
+    return nlohmann::json{{"last_ms", t.last_ms}, {"mean_ms", t.mean_ms}};
+  };
+  return {{"world_size", s.world_size},
+          {"backend", s.backend},
+          {"comm_hook", s.comm_hook},
+          {"parameters", s.parameters},
+          {"bucket_count", s.bucket_count},
+          {"bucket_bytes", s.bucket_bytes},
+          {"rebuilds", s.rebuilds},
+          {"unused_parameters", s.unused_parameters},
+          {"iterations", s.iterations},
+          {"forward", timing(s.forward)},
+          {"backward", timing(s.backward)},
+          {"communication", timing(s.communication)},
+          {"overlapped_communication", timing(s.overlapped_communication)},
+          {"exposed_communication", timing(s.exposed_communication)}};
+}
+
+// Loss averages, throughput and where this rank's time went between two progress lines.
+struct LogWindow {
+  double loss_sum = 0;
+  int64_t steps = 0;
+  Clock::time_point since = Clock::now();
+  double data_ms = 0;       // waiting for batches
+  double comm_wait_ms = 0;  // the end of backward waiting for DDP's communication
+  void add(double loss) {
+    loss_sum += loss;
+    ++steps;
+  }
+  void reset(Clock::time_point now) { *this = {0, 0, now}; }
+  // Means per step, for the straggler report.
+  dist::StepTimes times(Clock::time_point now) const {
+    const double n = static_cast<double>(std::max<int64_t>(steps, 1));
+    return {std::chrono::duration<double, std::milli>(now - since).count() / n, data_ms / n,
+            comm_wait_ms / n};
+  }
+};
+
+
+// CLI11's PositiveNumber and NonNegativeNumber print their upper bound, DBL_MAX, in all of its
+// 309 digits: these say what was expected instead.
+inline CLI::Validator number_above_zero(bool zero_ok) {
+  const std::string want = zero_ok ? ">= 0" : "> 0";
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        double v = 0;
+        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+        const bool ok =
+            ec == std::errc() && end == text.data() + text.size() && (zero_ok ? v >= 0 : v > 0);
+        return ok ? std::string() : "expected a number " + want + ", got " + text;
+      },
+      "NUMBER " + want);
+}
+inline const CLI::Validator kPositive = number_above_zero(false);
+inline const CLI::Validator kNonNegative = number_above_zero(true);
+
+// Parses the command line into app's options. Returns the status main() should end with, or
+// nothing to go on: 0 after --help, 2 after a bad flag (CLI11 printed the error and a usage hint).
+inline std::optional<int> parse_command_line(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+  return std::nullopt;
+}
+
+// An example's run: builds its Trainer (which joins the process group), trains, reports, and
+// leaves the group. An exception ends it with status 1 and "<program>: error: <what>" on stderr.
+template <typename TrainerT, typename ArgsT>
+int train_and_report(const char* program, const ArgsT& a) {
+  try {
+    {
+      TrainerT trainer(a);
+      trainer.report(trainer.train());
+    }
+    dist::destroy_process_group();
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", program, e.what());
+    return 1;
+  }
+}
+
+}  // namespace ember::examples

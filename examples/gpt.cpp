@@ -1,0 +1,664 @@
+// A GPT-2-style byte-level language model trained data-parallel with DistributedDataParallel on
+// prose a Debian package ships (the King James Bible of bible-kjv-text by default). Each rank
+// draws its own random context windows per step (nn/data/token_stream.h); gradients are averaged
+// across ranks during backward; rank 0 prints progress, evaluates and writes checkpoints.
+//
+//   emberrun --nproc-per-node 2 build/examples/gpt --steps 1000
+//   mpirun -np 2 build/examples/gpt --backend mpi
+//   build/examples/gpt --layers 1 --dim 32 --context 32 --steps 30 --sample 200
+//
+// benchmarks/vs_pytorch/gpt_torch.py is the same model, data and optimizer in PyTorch; see
+// docs/quickstart.md for the flags and what a run prints.
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "distributed/amp.h"
+#include "examples/example_util.h"
+#include "nn/activation_checkpoint.h"
+#include "nn/amp/autocast.h"
+#include "nn/attention.h"
+#include "nn/data/token_stream.h"
+#include "nn/nn.h"
+#include "tensor/allocator.h"
+#include "tensor/creation.h"
+#include "tensor/grad_mode.h"
+#include "tensor/indexing.h"
+#include "tensor/random.h"
+#include "tensor/reduce.h"
+#include "tensor/threading.h"
+
+namespace nn = ember::nn;
+namespace dist = ember::dist;
+namespace F = ember::nn::functional;
+using ember::Tensor;
+using namespace ember::examples;  // NOLINT: the examples' shared helpers
+
+namespace {
+
+constexpr int64_t kVocab = 256;  // byte-level tokens
+constexpr int64_t kWarmupSteps = 50;
+
+struct Args {
+  std::string data = nn::data::kKjvBible;
+  std::string cache_dir;  // empty: $XDG_CACHE_HOME/ember, else ~/.cache/ember
+  int64_t layers = 4;
+  int64_t heads = 4;
+  int64_t dim = 128;
+  int64_t context = 128;
+  int64_t batch_size = 16;
+  int64_t steps = 1000;
+  double lr = 1e-3;
+  double grad_clip = 1.0;  // 0: no clipping
+  double dropout = 0;
+  uint64_t seed = 0;
+  std::string amp = "off";
+  bool checkpoint_activations = false;
+  std::string backend = "gloo";
+  std::string device = "cpu";
+  std::string comm_hook = "none";
+  int64_t eval_every = 100;  // 0: only at the end
+  int64_t eval_batches = 8;
+  int64_t log_every = 0;     // 0: twenty progress lines per run
+  std::string metrics;
+  std::string checkpoint_dir;
+  bool resume = false;
+  std::string save_weights;
+  int64_t sample = 0;
+  double temperature = 0;  // 0: greedy
+  std::string prompt = "In the beginning";
+  int timeout_s = 0;
+  int64_t stop_at_step = 0;  // testing aid: stop (as if interrupted) after this step
+};
+
+// ---- the model ----
+
+// A pre-LayerNorm decoder block: x + attn(ln1(x)), then x + mlp(ln2(x)). The query, key and
+// value projections are one Linear (fused qkv), as in GPT-2.
+class Block : public nn::Module {
+ public:
+  Block(int64_t dim, int64_t heads, double dropout)
+      : heads_(heads),
+        dropout_p_(dropout),
+        ln1_(register_module("ln1", std::make_shared<nn::LayerNorm>(dim))),
+        qkv_(register_module("qkv", std::make_shared<nn::Linear>(dim, 3 * dim))),
+        proj_(register_module("proj", std::make_shared<nn::Linear>(dim, dim))),
+        ln2_(register_module("ln2", std::make_shared<nn::LayerNorm>(dim))),
+        fc_(register_module("fc", std::make_shared<nn::Linear>(dim, 4 * dim))),
+        gelu_(register_module("gelu", std::make_shared<nn::GELU>("tanh"))),
+        fc_proj_(register_module("fc_proj", std::make_shared<nn::Linear>(4 * dim, dim))),
+        drop_(register_module("drop", std::make_shared<nn::Dropout>(dropout))) {}
+  std::string name() const override { return "Block"; }
+
+  // x [B, T, C] -> [B, T, C]
+  Tensor forward(const Tensor& x) override {
+    const int64_t B = x.size(0), T = x.size(1), C = x.size(2), D = C / heads_;
+    const std::vector<Tensor> qkv = ember::split(qkv_->forward(ln1_->forward(x)), C, 2);
+    // [B, T, C] -> [B, H, T, D]
+    auto heads = [&](const Tensor& t) { return t.reshape({B, T, heads_, D}).transpose(1, 2); };
+    Tensor y = F::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), {},
+                                               is_training() ? dropout_p_ : 0.0,
+                                               /*is_causal=*/true);
+    y = y.transpose(1, 2).reshape({B, T, C});
+    Tensor h = x + drop_->forward(proj_->forward(y));
+    return h + drop_->forward(fc_proj_->forward(gelu_->forward(fc_->forward(ln2_->forward(h)))));
+  }
+
+  // The projections that write into the residual stream (GPT-2 scales their init).
+  std::vector<Tensor> residual_projections() const { return {proj_->weight, fc_proj_->weight}; }
+
+ private:
+  int64_t heads_;
+  double dropout_p_;
+  std::shared_ptr<nn::LayerNorm> ln1_;
+  std::shared_ptr<nn::Linear> qkv_, proj_;
+  std::shared_ptr<nn::LayerNorm> ln2_;
+  std::shared_ptr<nn::Linear> fc_;
+  std::shared_ptr<nn::GELU> gelu_;
+  std::shared_ptr<nn::Linear> fc_proj_;
+  std::shared_ptr<nn::Dropout> drop_;
+};
+
+// Token + learned position embeddings, the blocks, a final LayerNorm and the LM head. The head
+// is tied to the token embedding: it multiplies by wte's own weight (one Parameter, so the
+// optimizer, DDP and the state dict see it once).
+class GPT : public nn::Module {
+ public:
+  explicit GPT(const Args& a)
+      : context_(a.context),
+        checkpoint_(a.checkpoint_activations),
+        wte_(register_module("wte", std::make_shared<nn::Embedding>(kVocab, a.dim))),
+        wpe_(register_module("wpe", std::make_shared<nn::Embedding>(a.context, a.dim))),
+        drop_(register_module("drop", std::make_shared<nn::Dropout>(a.dropout))),
+        blocks_(register_module("blocks", std::make_shared<nn::Sequential>())),
+        ln_f_(register_module("ln_f", std::make_shared<nn::LayerNorm>(a.dim))) {
+    for (int64_t i = 0; i < a.layers; ++i) {
+      blocks_->push_back(std::make_shared<Block>(a.dim, a.heads, a.dropout));
+    }
+    init_weights(a.layers);
+  }
+  std::string name() const override { return "GPT"; }
+
+  // tokens [B, T] (int64, T <= context) -> logits [B, T, 256]
+  Tensor forward(const Tensor& tokens) override {
+    const int64_t T = tokens.size(1);
+    Tensor pos = ember::arange(0, T, 1, {ember::kInt64}).to(tokens.device());
+    Tensor x = drop_->forward(wte_->forward(tokens) + wpe_->forward(pos));
+    for (const auto& block : blocks_->children()) {
+      // --checkpoint-activations: keep only each block's input; backward recomputes the rest.
+      x = checkpoint_ && is_training()
+              ? nn::checkpoint(block, x)
+              : block->forward(x);
+    }
+    return F::linear(ln_f_->forward(x), wte_->weight);
+  }
+  int64_t context() const { return context_; }
+
+ private:
+  // GPT-2's: every Linear weight and embedding N(0, 0.02), biases zero (LayerNorm keeps its ones
+  // and zeros), and the residual projections N(0, 0.02 / sqrt(2 * layers)).
+  void init_weights(int64_t layers) {
+    for (auto& [name, p] : named_parameters()) {
+      const bool bias = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0;
+      if (name.find("ln") != std::string::npos) continue;
+      if (bias) {
+        nn::init::zeros_(p);
+      } else {
+        nn::init::normal_(p, 0.0, 0.02);
+      }
+    }
+    for (const auto& m : blocks_->children()) {
+      for (Tensor w : std::static_pointer_cast<Block>(m)->residual_projections()) {
+        nn::init::normal_(w, 0.0, 0.02 / std::sqrt(2.0 * static_cast<double>(layers)));
+      }
+    }
+  }
+
+  int64_t context_;
+  bool checkpoint_;
+  std::shared_ptr<nn::Embedding> wte_, wpe_;
+  std::shared_ptr<nn::Dropout> drop_;
+  std::shared_ptr<nn::Sequential> blocks_;
+  std::shared_ptr<nn::LayerNorm> ln_f_;
+};
+
+// lr multiplier at step s: linear warm-up over the first 50 steps, then a cosine from 1 down to
+// a tenth at the last step.
+double lr_factor(int64_t step, int64_t steps) {
+  const int64_t warmup = std::min(kWarmupSteps, steps);
+  if (step < warmup) return static_cast<double>(step + 1) / static_cast<double>(warmup);
+  const double progress = std::min(
+      1.0, static_cast<double>(step - warmup) / static_cast<double>(std::max<int64_t>(1, steps - warmup)));
+  return 0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * progress));
+}
+
+// AdamW with weight decay on the matrices (2-D weights: Linear weights and the embeddings) and
+// none on biases and LayerNorm parameters.
+std::vector<nn::optim::ParamGroup> decay_groups(const std::vector<Tensor>& params) {
+  std::vector<Tensor> decay, no_decay;
+  for (const Tensor& p : params) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  return {nn::optim::ParamGroup(decay, {{"weight_decay", 0.1}}),
+          nn::optim::ParamGroup(no_decay, {{"weight_decay", 0.0}})};
+}
+
+std::string default_cache_dir() {
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && *x != '\0') {
+    return std::string(x) + "/ember";
+  }
+  if (const char* h = std::getenv("HOME"); h != nullptr && *h != '\0') {
+    return std::string(h) + "/.cache/ember";
+  }
+  return (std::filesystem::temp_directory_path() / "ember-cache").string();
+}
+
+std::shared_ptr<nn::Module> seeded_model(const Args& a, ember::Device device) {
+  ember::manual_seed(a.seed);  // the same weights on every rank (DDP broadcasts rank 0's anyway)
+  auto model = std::make_shared<GPT>(a);
+  model->to(device);
+  return model;
+}
+
+// ---- training ----
+
+// --amp's low precision (the guard is disabled for off).
+ember::Dtype amp_dtype(const std::string& amp) {
+  return amp == "fp16" ? ember::Dtype::Float16 : ember::Dtype::BFloat16;
+}
+
+class Trainer {
+ public:
+  explicit Trainer(const Args& a);
+  // Trains from the start (or the checkpoint) to --steps, evaluating every --eval-every steps;
+  // returns the final validation loss.
+  double train();
+  // Rank 0: the sample, the weights and the result lines.
+  void report(double val_loss);
+
+ private:
+  double train_step(int64_t step);
+  double evaluate();
+  void log_progress(LogWindow& window);
+  void after_eval(double val_loss);
+  void save_checkpoint();
+  int64_t maybe_resume();
+  std::string generate();
+  void print_banner() const;
+  void measure_peak_memory();
+  double lr() const { return opt_.param_groups().front().lr(); }
+
+  const Args& a_;
+  std::shared_ptr<dist::ProcessGroup> pg_;
+  const int rank_, world_;
+  const bool leader_, tty_;
+  const ember::Device device_;
+  std::shared_ptr<nn::Module> model_;
+  nn::data::TokenStream data_;
+  dist::DistributedDataParallel ddp_;
+  std::shared_ptr<dist::PowerSGDState> powersgd_;
+  nn::optim::AdamW opt_;
+  nn::optim::LambdaLR schedule_;
+  nn::amp::GradScaler scaler_;  // a pass-through unless --amp fp16
+  const int64_t log_every_;
+  const int64_t start_step_;
+  int64_t step_;               // steps trained, this run's and before
+  double train_seconds_ = 0;   // this run's training steps only (no evaluation, no logging)
+  dist::StepTimes run_times_;  // this run's totals over the logged windows (ms)
+  int64_t run_steps_ = 0;
+  double peak_rss_mb_ = 0, peak_allocated_mb_ = 0;  // the largest over the ranks
+  Metrics metrics_;
+};
+
+nn::data::TokenStream make_stream(const Args& a, const dist::ProcessGroup& pg) {
+  const std::string cache = a.cache_dir.empty() ? default_cache_dir() : a.cache_dir;
+  auto tokens = std::make_shared<const nn::data::TokenFile>(
+      nn::data::prepare_token_file(a.data, cache));
+  return nn::data::TokenStream(tokens, {.context = a.context,
+                                        .batch_size = a.batch_size,
+                                        .world_size = pg.size(),
+                                        .rank = pg.rank(),
+                                        .seed = a.seed});
+}
+
+Trainer::Trainer(const Args& a)
+    : a_(a),
+      pg_(init_distributed(a.backend, a.timeout_s)),
+      rank_(pg_->rank()),
+      world_(pg_->size()),
+      leader_(rank_ == 0),
+      tty_(leader_ && isatty(STDOUT_FILENO)),
+      device_(pick_device("gpt", a.device, *pg_)),
+      model_(seeded_model(a, device_)),
+      data_(make_stream(a, *pg_)),
+      ddp_(model_, pg_),
+      powersgd_(register_comm_hook(ddp_, a.comm_hook, /*powersgd_rank=*/2, /*start=*/10)),
+      opt_(decay_groups(ddp_.parameters()),
+           {.lr = a.lr, .betas = {0.9, 0.95}, .eps = 1e-8, .weight_decay = 0.1}),
+      schedule_(opt_, [steps = a.steps](int64_t s) { return lr_factor(s, steps); }),
+      // DDP's exact average gives every rank the same gradients; a compressing hook may not, so
+      // then the ranks agree on skipping a step.
+      scaler_({.enabled = a.amp == "fp16",
+               .found_inf_sync = a.comm_hook == "none" || a.comm_hook == "allreduce"
+                                     ? nullptr
+                                     : dist::found_inf_allreduce(pg_)}),
+      log_every_(a.log_every > 0 ? a.log_every : std::max<int64_t>(1, a.steps / 20)),
+      start_step_(maybe_resume()),
+      step_(start_step_),
+      metrics_(leader_ ? a.metrics : "", "", start_step_ > 0) {
+  // Draws the epoch's window order now, so that tokens/s measures training steps only.
+  data_.train_offsets(start_step_);
+  if (leader_) print_banner();
+}
+
+void Trainer::print_banner() const {
+  std::printf(
+      "gpt: world size %d, backend %s, device %s, %lld parameters (layers %lld, heads %lld, dim "
+      "%lld, context %lld), batch %lld per rank, %lld steps, AdamW lr %g, amp %s%s, comm hook %s, "
+      "%d threads per rank; data %s: %lld training and %lld validation tokens\n",
+      world_, pg_->backend_name().c_str(), device_.str().c_str(),
+      static_cast<long long>(count_parameters(*model_)), static_cast<long long>(a_.layers),
+      static_cast<long long>(a_.heads), static_cast<long long>(a_.dim),
+      static_cast<long long>(a_.context), static_cast<long long>(a_.batch_size),
+      static_cast<long long>(a_.steps), a_.lr, a_.amp.c_str(),
+      a_.checkpoint_activations ? ", checkpointed blocks" : "", a_.comm_hook.c_str(),
+      ember::get_num_threads(), a_.data.c_str(), static_cast<long long>(data_.train_tokens()),
+      static_cast<long long>(data_.validation_tokens()));
+  std::fflush(stdout);
+}
+
+double Trainer::train() {
+  const int64_t end = a_.stop_at_step > 0 ? std::min(a_.stop_at_step, a_.steps) : a_.steps;
+  if (leader_ && step_ >= end) {
+    std::printf("resume: the checkpoint is at step %lld, at or past the end (%lld): nothing "
+                "to train\n", static_cast<long long>(step_), static_cast<long long>(end));
+  }
+  double val_loss = std::numeric_limits<double>::quiet_NaN();
+  bool evaluated = false;
+  LogWindow window;
+  while (step_ < end) {
+    const auto t0 = Clock::now();
+    const double loss = train_step(step_);
+    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    train_seconds_ += dt;
+    window.comm_wait_ms += ddp_.stats().exposed_communication.last_ms;
+    window.add(loss);
+    // Every rank joins the straggler report's gather at the same steps.
+    if (step_ % log_every_ == 0 || step_ == end) log_progress(window);
+    evaluated = a_.eval_every > 0 && step_ % a_.eval_every == 0;
+    if (evaluated) after_eval(val_loss = evaluate());
+  }
+  if (!evaluated) after_eval(val_loss = evaluate());
+  if (world_ > 1 && run_steps_ > 0) {
+    const double n = static_cast<double>(run_steps_);
+    const auto ranks = dist::gather_step_times(
+        *pg_, {run_times_.step_ms / n, run_times_.data_ms / n, run_times_.comm_wait_ms / n});
+    if (leader_) std::printf("whole run: %s\n", dist::straggler_report(ranks).c_str());
+  }
+  measure_peak_memory();
+  return val_loss;
+}
+
+// One optimizer step on this rank's windows of `step`; returns the loss.
+double Trainer::train_step(int64_t step) {
+  const nn::data::Batch b = data_.train_batch(step);
+  Tensor x = b.data.to(device_), y = b.target.to(device_);
+  opt_.zero_grad();
+  Tensor loss;
+  {
+    const nn::amp::autocast amp(device_, amp_dtype(a_.amp), a_.amp != "off");
+    Tensor logits = ddp_.forward(x);  // [B, T, 256]
+    loss = F::cross_entropy(logits.reshape({-1, kVocab}), y.reshape({-1}));
+  }
+  scaler_.scale(loss).backward();
+  if (a_.grad_clip > 0) {
+    scaler_.unscale_(opt_);
+    nn::clip_grad_norm_(ddp_.parameters(), a_.grad_clip);
+  }
+  scaler_.step(opt_);
+  scaler_.update();
+  schedule_.step();
+  ++step_;
+  const float value = loss.item<float>();
+  if (!std::isfinite(value)) {
+    throw std::runtime_error("the loss is " + std::to_string(value) + " at step " +
+                             std::to_string(step_) + " on rank " + std::to_string(rank_));
+  }
+  return value;
+}
+
+// The mean loss over --eval-batches validation batches per rank (every rank scores its own
+// windows; one all-reduce adds up the sums).
+double Trainer::evaluate() {
+  ember::NoGradGuard no_grad;
+  model_->eval();
+  double sum = 0;
+  for (int64_t i = 0; i < a_.eval_batches; ++i) {
+    const nn::data::Batch b = data_.validation_batch(i, a_.eval_batches);
+    const nn::amp::autocast amp(device_, amp_dtype(a_.amp), a_.amp != "off");
+    Tensor logits = model_->forward(b.data.to(device_));
+    sum += F::cross_entropy(logits.reshape({-1, kVocab}), b.target.to(device_).reshape({-1}))
+               .item<float>();
+  }
+  model_->train();
+  Tensor total = ember::from_vector(std::vector<double>{sum});
+  pg_->allreduce(total)->wait();
+  return total.to_vector<double>()[0] / static_cast<double>(a_.eval_batches * world_);
+}
+
+void Trainer::after_eval(double val_loss) {
+  if (leader_) {
+    std::printf("step %lld: validation loss %.4f\n", static_cast<long long>(step_), val_loss);
+    std::fflush(stdout);
+    metrics_.write({{"kind", "eval"}, {"global_step", step_}, {"val_loss", val_loss}});
+  }
+  if (!a_.checkpoint_dir.empty()) save_checkpoint();
+}
+
+double tokens_per_s(int64_t steps, const Args& a, int world, double seconds) {
+  const double tokens = static_cast<double>(steps * a.batch_size * a.context * world);
+  return seconds > 0 ? tokens / seconds : 0;
+}
+
+// Collective (the straggler report's gather); rank 0 prints the progress line.
+void Trainer::log_progress(LogWindow& window) {
+  const auto now = Clock::now();
+  const dist::StepTimes mine = window.times(now);
+  const std::vector<dist::StepTimes> ranks = dist::gather_step_times(*pg_, mine);
+  const double n = static_cast<double>(window.steps);
+  run_times_.step_ms += mine.step_ms * n;
+  run_times_.comm_wait_ms += mine.comm_wait_ms * n;
+  run_steps_ += window.steps;
+  if (leader_) {
+    const double trained = static_cast<double>(step_ - start_step_);
+    const double tps = tokens_per_s(step_ - start_step_, a_, world_, train_seconds_);
+    const double eta = trained > 0 ? train_seconds_ / trained * static_cast<double>(a_.steps - step_) : 0;
+    constexpr int kWidth = 20;
+    const int filled = static_cast<int>(kWidth * step_ / std::max<int64_t>(1, a_.steps));
+    const double loss = window.loss_sum / std::max(1.0, n);
+    std::printf("%sstep %lld/%lld [%s%s] %3d%%  loss %.4f  lr %.2e  %.0f tok/s  ETA %s%s",
+                tty_ ? "\r" : "", static_cast<long long>(step_), static_cast<long long>(a_.steps),
+                std::string(filled, '#').c_str(), std::string(kWidth - filled, '-').c_str(),
+                static_cast<int>(100 * step_ / std::max<int64_t>(1, a_.steps)), loss, lr(), tps,
+                format_duration(eta).c_str(), tty_ ? "\x1b[K" : "\n");
+    if (world_ > 1 && !tty_) std::printf("  %s\n", dist::straggler_report(ranks).c_str());
+    std::fflush(stdout);
+    metrics_.write({{"kind", "step"},
+                    {"global_step", step_},
+                    {"loss", loss},
+                    {"lr", lr()},
+                    {"tokens_per_s", tps},
+                    {"slowest_rank", dist::slowest_rank(ranks)},
+                    {"comm_wait_ms", mine.comm_wait_ms}});
+  }
+  window.reset(now);
+}
+
+// Collective: the process's resident high-water mark and the CPU allocator's peak of live
+// tensor bytes, each the largest over the ranks.
+void Trainer::measure_peak_memory() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  Tensor peaks = ember::from_vector(std::vector<double>{
+      static_cast<double>(ru.ru_maxrss) / 1024.0,
+      static_cast<double>(ember::cpu_allocator_stats().peak_allocated) / (1024.0 * 1024.0)});
+  pg_->allreduce(peaks, {.op = dist::ReduceOp::Max})->wait();
+  const std::vector<double> v = peaks.to_vector<double>();
+  peak_rss_mb_ = v[0];
+  peak_allocated_mb_ = v[1];
+}
+
+// ---- checkpoints ----
+
+std::map<std::string, std::string> run_settings(const Args& a, int world) {
+  auto s = [](auto v) { return std::to_string(v); };
+  return {{"world_size", s(world)},   {"batch_size", s(a.batch_size)}, {"context", s(a.context)},
+          {"layers", s(a.layers)},    {"heads", s(a.heads)},           {"dim", s(a.dim)},
+          {"steps", s(a.steps)},      {"seed", s(a.seed)},             {"comm_hook", a.comm_hook}};
+}
+
+// Every rank calls it at the same step (the hook state is gathered); rank 0 writes the file.
+void Trainer::save_checkpoint() {
+  const nn::NamedTensors extra = gather_hook_state(powersgd_.get(), *pg_);
+  if (!leader_) return;
+  auto meta = run_settings(a_, world_);
+  meta["global_step"] = std::to_string(step_);
+  meta["lr_scheduler"] = schedule_.state_dict();
+  std::filesystem::create_directories(a_.checkpoint_dir);
+  nn::save_checkpoint(checkpoint_path(a_.checkpoint_dir), *model_, &opt_, meta, extra);
+}
+
+// Loads the checkpoint if --resume finds one; returns the step to continue from. The batches
+// are a function of the step, so the run goes on with the windows it would have drawn.
+int64_t Trainer::maybe_resume() {
+  if (!a_.resume) return 0;
+  const std::string path = checkpoint_path(a_.checkpoint_dir);
+  if (!std::filesystem::exists(path)) {
+    if (leader_) std::printf("resume: no checkpoint at %s; starting from scratch\n", path.c_str());
+    return 0;
+  }
+  nn::NamedTensors extra;
+  const CheckpointMeta meta(path, nn::load_checkpoint(path, *model_, &opt_, &extra));
+  for (const auto& [key, value] : run_settings(a_, world_)) meta.must_match(key.c_str(), value);
+  schedule_.load_state_dict(meta.get("lr_scheduler"));
+  if (powersgd_) powersgd_->load_state_dict(hook_state_of_rank(extra, rank_));
+  const int64_t step = meta.get_int("global_step", 0, a_.steps);
+  if (leader_) {
+    std::printf("resume: %s at step %lld\n", path.c_str(), static_cast<long long>(step));
+  }
+  return step;
+}
+
+// ---- the end ----
+
+// --sample N bytes after --prompt: greedy (the likeliest byte) at temperature 0, else drawn
+// from softmax(logits / temperature) with a generator seeded by --seed.
+std::string Trainer::generate() {
+  ember::NoGradGuard no_grad;
+  model_->eval();
+  std::mt19937_64 rng(a_.seed);
+  std::vector<int64_t> ids(a_.prompt.begin(), a_.prompt.end());
+  for (int64_t& id : ids) id = static_cast<uint8_t>(id);
+  if (ids.empty()) ids.push_back('\n');
+  std::string out;
+  for (int64_t i = 0; i < a_.sample; ++i) {
+    const auto first = ids.size() > static_cast<size_t>(a_.context) ? ids.end() - a_.context : ids.begin();
+    const std::vector<int64_t> window(first, ids.end());
+    Tensor x = ember::from_vector(window, {1, static_cast<int64_t>(window.size())}).to(device_);
+    Tensor logits =
+        model_->forward(x).select(1, x.size(1) - 1).reshape({kVocab}).to(ember::kCPU);
+    int64_t next = 0;
+    if (a_.temperature <= 0) {
+      next = logits.argmax().item<int64_t>();
+    } else {
+      const std::vector<float> p = ember::softmax(logits / a_.temperature, 0).to_vector<float>();
+      double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
+      while (next < kVocab - 1 && (u -= p[static_cast<size_t>(next)]) > 0) ++next;
+    }
+    ids.push_back(next);
+    out += static_cast<char>(next);
+  }
+  model_->train();
+  return out;
+}
+
+void Trainer::report(double val_loss) {
+  if (!leader_) return;
+  if (a_.sample > 0) std::printf("sample:\n%s%s\n", a_.prompt.c_str(), generate().c_str());
+  if (!a_.save_weights.empty()) {
+    nn::save_state_dict(a_.save_weights, model_->state_dict(),
+                        {{"model", "gpt"}, {"global_step", std::to_string(step_)}});
+  }
+  std::printf("val_loss=%.4f\n", val_loss);
+  std::printf("tokens_per_s=%.0f\n",
+              tokens_per_s(step_ - start_step_, a_, world_, train_seconds_));
+  std::printf("peak_rss_mb=%.0f\npeak_allocated_mb=%.1f\n", peak_rss_mb_, peak_allocated_mb_);
+  std::fflush(stdout);
+}
+
+// float16 autocast is CUDA's (on the CPU PyTorch disables it and Ember's guard refuses it).
+std::string unavailable(const Args& a) {
+  if (a.amp == "fp16" && a.device.rfind("cuda", 0) != 0) {
+    return "--amp fp16 needs --device cuda (on the CPU use --amp bf16)";
+  }
+  return "";
+}
+
+// The model's shape must make sense before any process group is formed.
+std::string bad_shape(const Args& a) {
+  if (a.dim % a.heads != 0) {
+    return "--dim " + std::to_string(a.dim) + " must be a multiple of --heads " +
+           std::to_string(a.heads);
+  }
+  if (a.resume && a.checkpoint_dir.empty()) return "--resume needs --checkpoint-dir";
+  return "";
+}
+
+void add_options(CLI::App& app, Args& a) {
+  // A flag given twice takes its last value (a script's defaults, then the user's overrides).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.add_option("--data", a.data, "prose to train on: a text file, or bible-kjv-text's KJV")
+      ->capture_default_str();
+  app.add_option("--cache-dir", a.cache_dir,
+                 "where the token file goes (default $XDG_CACHE_HOME/ember or ~/.cache/ember)");
+  app.add_option("--layers", a.layers, "decoder blocks")->check(kPositive)->capture_default_str();
+  app.add_option("--heads", a.heads, "attention heads")->check(kPositive)->capture_default_str();
+  app.add_option("--dim", a.dim, "model width")->check(kPositive)->capture_default_str();
+  app.add_option("--context", a.context, "tokens per sequence")->check(kPositive)->capture_default_str();
+  app.add_option("--batch-size", a.batch_size, "sequences per rank per step")
+      ->check(kPositive)->capture_default_str();
+  app.add_option("--steps", a.steps, "optimizer steps")->check(kPositive)->capture_default_str();
+  app.add_option("--lr", a.lr, "AdamW's peak learning rate (50 warm-up steps, cosine to a tenth)")
+      ->check(kPositive)->capture_default_str();
+  app.add_option("--grad-clip", a.grad_clip, "max gradient norm (0: no clipping)")
+      ->check(kNonNegative)->capture_default_str();
+  app.add_option("--dropout", a.dropout, "dropout probability")
+      ->check(CLI::Range(0.0, 0.99))->capture_default_str();
+  app.add_option("--seed", a.seed, "weights, data windows and sampling")->capture_default_str();
+  app.add_option("--amp", a.amp, "mixed precision: off, bf16 or fp16")
+      ->check(CLI::IsMember({"off", "bf16", "fp16"}))->capture_default_str();
+  app.add_flag("--checkpoint-activations", a.checkpoint_activations,
+               "recompute each block's activations in backward");
+  app.add_option("--backend", a.backend, "gloo, mpi or nccl")
+      ->check(CLI::IsMember({"gloo", "mpi", "nccl"}))->capture_default_str();
+  app.add_option("--device", a.device, "cpu, cuda (the local rank's GPU) or cuda:N")
+      ->check(CLI::Validator(
+          [](std::string& s) -> std::string {
+            return s == "cpu" || s == "cuda" || s.rfind("cuda:", 0) == 0
+                       ? ""
+                       : "expected cpu, cuda or cuda:N, got " + s;
+          },
+          "cpu|cuda|cuda:N"))
+      ->capture_default_str();
+  app.add_option("--comm-hook", a.comm_hook, "gradient communication (see docs/ddp.md)")
+      ->check(CLI::IsMember({"none", "allreduce", "fp16", "bf16", "powersgd", "batched_powersgd"}))
+      ->capture_default_str();
+  app.add_option("--eval-every", a.eval_every, "steps between validations (0: only at the end)")
+      ->check(kNonNegative)->capture_default_str();
+  app.add_option("--eval-batches", a.eval_batches, "validation batches per rank")
+      ->check(kPositive)->capture_default_str();
+  app.add_option("--log-every", a.log_every, "steps between progress lines (0: 20 per run)")
+      ->check(kNonNegative);
+  app.add_option("--metrics", a.metrics, "append one JSON line per progress line and evaluation");
+  app.add_option("--checkpoint-dir", a.checkpoint_dir, "write checkpoint.safetensors here at each evaluation");
+  app.add_flag("--resume", a.resume, "continue from the checkpoint in --checkpoint-dir if there is one");
+  app.add_option("--save-weights", a.save_weights, "write the final weights to FILE.safetensors");
+  app.add_option("--sample", a.sample, "print N generated bytes at the end")->check(kNonNegative);
+  app.add_option("--temperature", a.temperature, "sampling temperature (0: greedy)")
+      ->check(kNonNegative)->capture_default_str();
+  app.add_option("--prompt", a.prompt, "the text the sample continues")->capture_default_str();
+  app.add_option("--timeout", a.timeout_s, "seconds a collective may wait (0: EMBER_PG_TIMEOUT or 30 min)")
+      ->check(kNonNegative);
+  app.add_option("--stop-at-step", a.stop_at_step,
+                 "testing aid: stop after this step, as an interrupted run would")->group("");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{
+      "A GPT-2-style byte-level language model trained data-parallel with Ember's DDP.\n"
+      "Run it under emberrun (emberrun --nproc-per-node 2 gpt ...), mpirun, or alone."};
+  add_options(app, a);
+  if (const auto status = parse_command_line(app, argc, argv)) return *status;
+  for (const std::string& why : {unavailable(a), bad_shape(a)}) {
+    if (!why.empty()) {
+      std::fprintf(stderr, "gpt: %s\n", why.c_str());
+      return 2;
+    }
+  }
+  return train_and_report<Trainer>("gpt", a);
+}

@@ -1,0 +1,242 @@
+#include "nn/data/token_stream.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "nn/atomic_file.h"
+#include "tensor/creation.h"
+#include "tensor/error.h"
+
+namespace ember::nn::data {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kOp = "[TokenStream]";
+
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+bool starts_with_kjv_magic(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char magic[4] = {};
+  in.read(magic, sizeof magic);
+  return in.gcount() == 4 && std::memcmp(magic, "EC02", 4) == 0;
+}
+
+// bible(1) prints a verse as "  <number> <text>"; the numbers are references, not prose.
+std::string drop_verse_numbers(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    size_t i = line.find_first_not_of(' ');
+    if (i != std::string::npos && i > 0) {
+      size_t j = i;
+      while (j < line.size() && line[j] >= '0' && line[j] <= '9') ++j;
+      if (j > i && j < line.size() && line[j] == ' ') i = j + 1;
+      line.erase(0, i);
+    }
+    out += line;
+    out += '\n';
+  }
+  return out;
+}
+
+// The compressed format is the bible-kjv package's own; its reader is the one program that
+// knows it, so the text goes through it once, when the token file is built. `timeout` bounds
+// the child: it finishes in well under a second.
+std::string decode_kjv(const std::string& path) {
+  const fs::path p = fs::absolute(path);
+  const std::string cmd = "timeout 120 bible -p " + shell_quote(p.parent_path().string()) +
+                          " -d " + shell_quote(p.filename().string()) +
+                          " -l0 gen1:1-rev22:21 2>/dev/null";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  EMBER_CHECK(pipe != nullptr, kOp, " cannot run bible(1) to decode ", path, ": ",
+              std::strerror(errno));
+  std::string text;
+  char buf[1 << 16];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) text.append(buf, n);
+  const int status = pclose(pipe);
+  const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  EMBER_CHECK(code == 0 && !text.empty(), kOp, " decoding ", path,
+              " with bible(1) failed (exit status ", code,
+              code == 127 ? "; is the bible-kjv package installed?" : "",
+              "): expected the text of Genesis to Revelation");
+  return drop_verse_numbers(text);
+}
+
+}  // namespace
+
+std::string read_prose(const std::string& path) {
+  std::error_code ec;
+  EMBER_CHECK(fs::is_regular_file(path, ec), kOp, " no text file at '", path, "'");
+  if (starts_with_kjv_magic(path)) return decode_kjv(path);
+  std::ifstream in(path, std::ios::binary);
+  EMBER_CHECK(in.good(), kOp, " cannot read '", path, "': ", std::strerror(errno));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EMBER_CHECK(!text.empty(), kOp, " '", path, "' is empty: expected prose");
+  return text;
+}
+
+std::string prepare_token_file(const std::string& source, const std::string& cache_dir) {
+  std::error_code ec;
+  EMBER_CHECK(fs::is_regular_file(source, ec), kOp, " no text file at '", source, "'");
+  fs::create_directories(cache_dir, ec);
+  EMBER_CHECK(!ec, kOp, " cannot create the cache directory '", cache_dir, "': ", ec.message());
+  const std::string out = (fs::path(cache_dir) / fs::path(source).filename()).string() + ".tokens";
+  std::error_code e1, e2;
+  const auto built = fs::last_write_time(out, e1);
+  const auto changed = fs::last_write_time(source, e2);
+  if (!e1 && !e2 && built >= changed && fs::file_size(out, e1) > 0 && !e1) return out;
+  // Byte-level tokens: token t is the byte t, so the prose's bytes are the token file.
+  write_file_atomic(out, read_prose(source));
+  return out;
+}
+
+TokenFile::TokenFile(const std::string& path) : path_(path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  EMBER_CHECK(fd >= 0, kOp, " cannot open the token file '", path, "': ", std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || st.st_size <= 0) {
+    const int err = errno;
+    ::close(fd);
+    EMBER_CHECK(false, kOp, " the token file '", path, "' is empty or unreadable",
+                st.st_size <= 0 ? "" : ": ", st.st_size <= 0 ? "" : std::strerror(err));
+  }
+  void* p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);  // the mapping keeps the file alive
+  EMBER_CHECK(p != MAP_FAILED, kOp, " cannot map '", path, "': ", std::strerror(err));
+  data_ = static_cast<const uint8_t*>(p);
+  size_ = st.st_size;
+}
+
+TokenFile::~TokenFile() {
+  if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), static_cast<size_t>(size_));
+}
+
+TokenFile::TokenFile(TokenFile&& other) noexcept
+    : path_(std::move(other.path_)),
+      data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)) {}
+
+TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), static_cast<size_t>(size_));
+    path_ = std::move(other.path_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+namespace {
+
+const TokenStreamOptions& checked(const std::shared_ptr<const TokenFile>& tokens,
+                                  const TokenStreamOptions& o) {
+  EMBER_CHECK(tokens != nullptr, kOp, " expected a token file, got null");
+  EMBER_CHECK(o.context >= 1, kOp, " expected a context >= 1, got ", o.context);
+  EMBER_CHECK(o.batch_size >= 1, kOp, " expected a batch size >= 1, got ", o.batch_size);
+  EMBER_CHECK(o.world_size >= 1 && o.rank >= 0 && o.rank < o.world_size, kOp,
+              " expected a rank in [0, ", o.world_size, "), got rank ", o.rank, " of world size ",
+              o.world_size);
+  EMBER_CHECK(o.validation_fraction >= 0 && o.validation_fraction < 1, kOp,
+              " expected a validation fraction in [0, 1), got ", o.validation_fraction);
+  return o;
+}
+
+int64_t train_split(const TokenFile& tokens, const TokenStreamOptions& o) {
+  const int64_t n = tokens.size();
+  const auto n_val = static_cast<int64_t>(static_cast<double>(n) * o.validation_fraction);
+  const int64_t n_train = n - n_val;
+  // One step needs B windows on every rank, each of T + 1 tokens.
+  const int64_t need = o.context + o.batch_size * o.world_size;
+  EMBER_CHECK(n_train >= need, kOp, " '", tokens.path(), "' is too short: its training split holds ",
+              n_train, " tokens, one step of ", o.batch_size, " windows of ", o.context,
+              " tokens on each of ", o.world_size, " ranks needs at least ", need);
+  EMBER_CHECK(n_val == 0 || n_val >= o.context + 1, kOp, " '", tokens.path(),
+              "' is too short: its validation split holds ", n_val,
+              " tokens, one window of context ", o.context, " needs ", o.context + 1);
+  return n_train;
+}
+
+}  // namespace
+
+TokenStream::TokenStream(std::shared_ptr<const TokenFile> tokens, const TokenStreamOptions& options)
+    : tokens_(std::move(tokens)),
+      options_(checked(tokens_, options)),
+      train_tokens_(train_split(*tokens_, options_)),
+      sampler_(train_tokens_ - options_.context, options_.world_size, options_.rank,
+               /*shuffle=*/true, options_.seed, /*drop_last=*/true),
+      steps_per_epoch_(sampler_.size() / options_.batch_size) {}
+
+std::vector<int64_t> TokenStream::train_offsets(int64_t step) {
+  EMBER_CHECK(step >= 0, kOp, " expected a step >= 0, got ", step);
+  const int64_t epoch = step / steps_per_epoch_;
+  if (epoch != cached_epoch_) {
+    sampler_.set_epoch(epoch);
+    epoch_order_ = sampler_.indices();
+    cached_epoch_ = epoch;
+  }
+  const int64_t k = step % steps_per_epoch_;
+  const auto first = epoch_order_.begin() + k * options_.batch_size;
+  return {first, first + options_.batch_size};
+}
+
+std::vector<int64_t> TokenStream::validation_offsets(int64_t batch, int64_t batches) const {
+  const int64_t n_val = validation_tokens();
+  EMBER_CHECK(n_val > 0, kOp, " there is no validation split (validation fraction ",
+              options_.validation_fraction, ")");
+  EMBER_CHECK(batches >= 1 && batch >= 0 && batch < batches, kOp,
+              " expected validation batch in [0, ", batches, "), got ", batch);
+  const int64_t B = options_.batch_size, world = options_.world_size;
+  const int64_t windows = batches * B * world;
+  const int64_t starts = n_val - options_.context;
+  std::vector<int64_t> out(static_cast<size_t>(B));
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t j = (batch * B + i) * world + options_.rank;
+    out[static_cast<size_t>(i)] =
+        train_tokens_ + j * (starts - 1) / std::max<int64_t>(windows - 1, 1);
+  }
+  return out;
+}
+
+Batch TokenStream::batch_at(const std::vector<int64_t>& offsets) const {
+  const int64_t T = options_.context;
+  const auto B = static_cast<int64_t>(offsets.size());
+  Tensor x = empty({B, T}, kInt64), y = empty({B, T}, kInt64);
+  int64_t* xs = x.data<int64_t>();
+  int64_t* ys = y.data<int64_t>();
+  const uint8_t* tok = tokens_->data();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t o = offsets[static_cast<size_t>(b)];
+    EMBER_CHECK(o >= 0 && o + T + 1 <= tokens_->size(), kOp, " window at offset ", o, " of ",
+                T + 1, " tokens runs past the end of '", tokens_->path(), "' (", tokens_->size(),
+                " tokens)");
+    for (int64_t t = 0; t < T; ++t) {
+      xs[b * T + t] = tok[o + t];
+      ys[b * T + t] = tok[o + t + 1];
+    }
+  }
+  return {x, y};
+}
+
+}  // namespace ember::nn::data

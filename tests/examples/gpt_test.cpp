@@ -1,0 +1,142 @@
+// End-to-end tests of examples/gpt as a user runs it: a tiny model (1 layer, width 32, context
+// 32) trained for 30 steps on the King James Bible (Debian's bible-kjv-text) under emberrun with
+// two ranks and alone, resumed from a checkpoint, and refusing bad flags.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <string>
+
+#include "nn/data/token_stream.h"
+#include "tests/examples/example_test_util.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string example() { return std::string(EMBER_BINARY_DIR) + "/examples/gpt"; }
+std::string emberrun() { return std::string(EMBER_BINARY_DIR) + "/launcher/emberrun"; }
+
+using Result = ember::test::CommandResult;
+Result run(const std::string& cmd, int limit_s = 300) { return ember::test::run_command(cmd, limit_s); }
+
+// The number after `key=` on a line of its own (rank-prefixed under emberrun); -1 if none.
+double value_of(const std::string& out, const std::string& key) {
+  std::smatch m;
+  const std::regex re("(^|\\n|: )" + key + "=([0-9.]+)\\n");
+  if (!std::regex_search(out, m, re)) return -1;
+  return std::stod(m[2]);
+}
+
+class Gpt : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!fs::exists(ember::nn::data::kKjvBible) ||
+        std::system("command -v bible >/dev/null 2>&1") != 0) {
+      GTEST_SKIP() << "no " << ember::nn::data::kKjvBible
+                   << " or no bible(1) (install bible-kjv-text and bible-kjv)";
+    }
+    ASSERT_TRUE(fs::exists(example())) << example();
+  }
+  // The tiny configuration, its token cache in this test's folder.
+  std::string tiny() const {
+    return example() + " --layers 1 --dim 32 --context 32 --steps 30 --log-every 10 --cache-dir " +
+           tmp.path + "/cache";
+  }
+  std::string two_ranks() const {
+    return emberrun() + " --standalone --nproc-per-node 2 " + tiny();
+  }
+  ember::test::TempDir tmp{"gpt_test"};
+};
+
+// ln(256): the loss of a model that knows nothing about bytes.
+constexpr double kUniformLoss = 5.5452;
+
+TEST_F(Gpt, TwoRanksUnderEmberrunLearn) {
+  Result r = run(two_ranks() + " --sample 40");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 0]: gpt: world size 2, backend gloo, device cpu, "),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("parameters (layers 1, heads 4, dim 32, context 32)"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("[rank 0]: step 10/30 [#"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("[rank 1]: step"), std::string::npos) << "only rank 0 reports\n"
+                                                                 << r.output;
+  EXPECT_NE(r.output.find("[rank 0]: sample:\n"), std::string::npos) << r.output;
+  const double val = value_of(r.output, "val_loss");
+  EXPECT_GT(val, 0) << r.output;
+  EXPECT_LT(val, kUniformLoss) << "30 steps should beat uniform bytes\n" << r.output;
+  EXPECT_GT(value_of(r.output, "tokens_per_s"), 0) << r.output;
+}
+
+TEST_F(Gpt, AloneWithoutLauncher) {
+  Result r = run("env EMBER_NUM_THREADS=1 " + tiny() + " --steps 10 --eval-batches 2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("gpt: world size 1, backend gloo, device cpu"), std::string::npos)
+      << r.output;
+  EXPECT_GT(value_of(r.output, "val_loss"), 0) << r.output;
+  EXPECT_GT(value_of(r.output, "tokens_per_s"), 0) << r.output;
+}
+
+// A run stopped at step 15 and resumed ends where an uninterrupted run does: the checkpoint holds
+// the weights, AdamW's moments and the schedule, and the windows are a function of the step.
+TEST_F(Gpt, ResumeContinuesAtTheRightStepWithTheSameResult) {
+  Result whole = run(two_ranks());
+  ASSERT_EQ(whole.status, 0) << whole.output;
+  const std::string dir = " --checkpoint-dir " + tmp.path + "/ck";
+  Result first = run(two_ranks() + dir + " --stop-at-step 15");
+  ASSERT_EQ(first.status, 0) << first.output;
+  EXPECT_NE(first.output.find("[rank 0]: step 15: validation loss"), std::string::npos)
+      << first.output;
+  Result rest = run(two_ranks() + dir + " --resume");
+  ASSERT_EQ(rest.status, 0) << rest.output;
+  EXPECT_NE(rest.output.find("checkpoint.safetensors at step 15\n"), std::string::npos)
+      << rest.output;
+  EXPECT_EQ(rest.output.find("step 10/30"), std::string::npos) << rest.output;
+  EXPECT_NE(rest.output.find("[rank 0]: step 20/30"), std::string::npos) << rest.output;
+  EXPECT_EQ(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"))
+      << "resumed:\n" << rest.output << "\nuninterrupted:\n" << whole.output;
+  // A checkpoint from other settings is refused by name.
+  Result other = run(two_ranks() + dir + " --resume --batch-size 8");
+  EXPECT_EQ(other.status, 1) << other.output;
+  EXPECT_NE(other.output.find("saved with batch_size 16, but this run has 8"), std::string::npos)
+      << other.output;
+}
+
+// bf16 autocast around forward and loss, each block checkpointed: it still learns, and the
+// banner says how it ran.
+TEST_F(Gpt, Bf16AutocastWithCheckpointedBlocks) {
+  Result r = run("env EMBER_NUM_THREADS=1 " + tiny() + " --amp bf16 --checkpoint-activations");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("amp bf16, checkpointed blocks"), std::string::npos) << r.output;
+  const double val = value_of(r.output, "val_loss");
+  EXPECT_GT(val, 0) << r.output;
+  EXPECT_LT(val, kUniformLoss) << r.output;
+}
+
+TEST_F(Gpt, BadFlagsAreRefusedClearly) {
+  struct Case {
+    std::string flags;
+    int status;
+    std::string message;
+  };
+  const std::string short_text = tmp.path + "/short.txt";
+  { std::ofstream(short_text) << "Too short to train on.\n"; }
+  const Case cases[] = {
+      {"--amp fp16", 2, "gpt: --amp fp16 needs --device cuda (on the CPU use --amp bf16)"},
+      {"--dim 30", 2, "gpt: --dim 30 must be a multiple of --heads 4"},
+      {"--layers 0", 2, "--layers: expected a number > 0, got 0"},
+      {"--resume", 2, "gpt: --resume needs --checkpoint-dir"},
+      {"--data " + tmp.path + "/missing.txt", 1, "no text file at '" + tmp.path + "/missing.txt'"},
+      {"--data " + short_text, 1, "is too short: its training split holds 21 tokens"},
+  };
+  for (const Case& c : cases) {
+    Result r = run(tiny() + " " + c.flags, 60);
+    EXPECT_EQ(r.status, c.status) << c.flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.message), std::string::npos) << c.flags << "\n" << r.output;
+  }
+}
+
+}  // namespace
