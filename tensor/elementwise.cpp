@@ -528,6 +528,9 @@ Tensor minimum(const Tensor& a, const Tensor& b) {
 Tensor relu_backward(const Tensor& grad, const Tensor& output) {
   return binary("relu_backward", BinaryOp::ReluGrad, grad, output);
 }
+Tensor gelu_tanh_backward(const Tensor& grad, const Tensor& input) {
+  return binary("gelu_tanh_backward", BinaryOp::GeluTanhGrad, grad, input);
+}
 
 Tensor& add_(Tensor& a, const Tensor& b, const Scalar& alpha) {
   return binary_("add_", BinaryOp::Add, a, b, alpha);

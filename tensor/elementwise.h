@@ -70,6 +70,9 @@ Tensor minimum(const Tensor& a, const Tensor& b);
 /// ReluBackward runs; torch's threshold_backward(grad, output, 0)). Floating dtypes; not recorded
 /// by autograd.
 Tensor relu_backward(const Tensor& grad, const Tensor& output);
+/// gelu(approximate="tanh")'s gradient given its input, in one pass (what autograd's
+/// GeluBackward runs when no graph of the gradient is needed). Floating dtypes; not recorded.
+Tensor gelu_tanh_backward(const Tensor& grad, const Tensor& input);
 
 Tensor& add_(Tensor& a, const Tensor& b, const Scalar& alpha = 1);
 Tensor& add_(Tensor& a, const Scalar& b);

@@ -99,6 +99,9 @@ bool dispatch_binary(BinaryOp op, Dtype dt, const Scalar& alpha, Run& run) {
     case BinaryOp::ReluGrad:
       EMBER_DISPATCH_FLOATING(dt, "relu_backward", [&]<typename T>() { run.template binary<T, T>(fn::ReluGrad{}); });
       return true;
+    case BinaryOp::GeluTanhGrad:
+      EMBER_DISPATCH_FLOATING(dt, "gelu_tanh_backward", [&]<typename T>() { run.template binary<T, T>(fn::GeluTanhGrad{}); });
+      return true;
     default:
       return false;
   }

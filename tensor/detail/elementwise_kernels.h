@@ -34,6 +34,7 @@ enum class BinaryOp : uint8_t {
   EMBER_BINARY_OPS(EMBER_BINARY_ENUM_)
 #undef EMBER_BINARY_ENUM_
   ReluGrad,  ///< b > 0 ? a : 0 (relu's gradient a given its output b); floating only
+  GeluTanhGrad,  ///< gelu(tanh form)'s gradient a at input b; floating only
   // bool results:
   Eq, Ne, Lt, Le, Gt, Ge, LogicalAnd, LogicalOr, LogicalXor,
 };

@@ -239,8 +239,12 @@ struct GeluTanh {
     const A inner = kBeta * (a + kKappa * a * a * a);
     return A(0.5) * a * (A(1) + m_tanh(inner));
   }
-  /// The derivative written as PyTorch's GeluBackward does.
+  /// The derivative written as PyTorch's GeluBackward does: one fused pass unless create_graph
+  /// needs a differentiable result.
   static Tensor vjp(const Tensor& g, const Tensor& x) {
+    if (!GradMode::is_enabled() && is_floating(g.dtype()) && g.dtype() == x.dtype()) {
+      return gelu_tanh_backward(g, x);
+    }
     constexpr double kBeta = 0.79788456080286535588;  // sqrt(2 / pi)
     constexpr double kKappa = 0.044715;
     const Tensor x_sq = square(x);
