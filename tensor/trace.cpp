@@ -127,7 +127,7 @@ std::vector<std::pair<int, std::vector<Event>>> drain(Recorder& r) {
   return out;
 }
 
-std::string write_file(Recorder& r) {
+std::string write_file(Recorder& r, Level level) {
   namespace fs = std::filesystem;
   const fs::path path = fs::path(r.dir) / ("trace_rank" + std::to_string(r.rank) + ".json");
   const fs::path tmp = path.string() + ".tmp." + std::to_string(::getpid());
@@ -138,7 +138,7 @@ std::string write_file(Recorder& r) {
     // ending in ','; the last is "]}". emberrun's merge relies on this layout.
     f << "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"rank\":" << r.rank
       << ",\"clock_offset_us\":" << r.offset_us << ",\"clock_error_us\":" << r.error_us
-      << ",\"level\":\"" << (r.level == Level::Ops ? "ops" : "steps") << "\"},\"traceEvents\":[\n";
+      << ",\"level\":\"" << (level == Level::Ops ? "ops" : "steps") << "\"},\"traceEvents\":[\n";
     f << "{\"ph\":\"M\",\"pid\":" << r.rank << ",\"tid\":0,\"name\":\"process_name\",\"args\":"
       << "{\"name\":\"rank " << r.rank << "\"}}";
     f << ",\n{\"ph\":\"M\",\"pid\":" << r.rank << ",\"tid\":0,\"name\":\"process_sort_index\","
@@ -238,9 +238,9 @@ std::string stop() {
   std::lock_guard<std::mutex> lock(r.mu);
   if (r.level == Level::Off) return "";
   detail::g_level.store(0, std::memory_order_relaxed);
-  std::string path = write_file(r);
-  r.level = Level::Off;
-  return path;
+  const Level level = r.level;
+  r.level = Level::Off;  // a failed write is not retried at exit
+  return write_file(r, level);
 }
 
 void discard() {
