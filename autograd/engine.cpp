@@ -28,6 +28,7 @@
 #include "autograd/functions.h"
 #include "tensor/detail/record.h"
 #include "tensor/ops.h"
+#include "tensor/trace.h"
 
 namespace ember::autograd {
 
@@ -186,6 +187,7 @@ void Engine::run(GraphTask& task, Node* n,
     for (size_t i = 0; i < grads.size(); ++i) {
       if (!grads[i].defined()) grads[i] = zeros(gm[i].shape, TensorOptions(gm[i].dtype).device(gm[i].device));
     }
+    trace::Span span(n->name(), "autograd", {}, trace::Level::Ops);
     outs = n->apply(std::move(grads));
     if (!task.retain_graph) n->release_variables();
     EMBER_INTERNAL_ASSERT(outs.empty() || outs.size() == n->next_edges_.size(), n->name(),
@@ -208,6 +210,7 @@ void Engine::run(GraphTask& task, Node* n,
 
 void Engine::execute(GraphTask& task, const std::vector<Edge>& roots,
                      std::vector<Tensor> root_grads, const std::vector<Edge>& exec_targets) {
+  trace::Span span("backward", "autograd");
   task.id = g_next_task_id.fetch_add(1, std::memory_order_relaxed);
   t_tasks.push_back(&task);
   struct Cleanup {

@@ -15,9 +15,11 @@
 #include "distributed/process_group_hierarchical.h"
 #include "distributed/process_group_mpi.h"
 #include "distributed/tcp_store.h"
+#include "distributed/trace_clock.h"
 #include "tensor/creation.h"
 #include "tensor/cuda.h"
 #include "tensor/log.h"
+#include "tensor/trace.h"
 
 extern char** environ;
 
@@ -545,6 +547,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
     pg = factory(BackendArgs{std::make_shared<PrefixStore>("default_pg", store), rank, size,
                              timeout, master_addr, /*global_ranks=*/{}});
   }
+  if (trace::enabled() && pg) align_trace_clock(*pg);  // before any span worth aligning
 
   lock.lock();
   EMBER_CHECK(!s.world,

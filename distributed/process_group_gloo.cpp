@@ -31,6 +31,7 @@
 #include "distributed/detail/shm_allreduce.h"
 #include "distributed/detail/shm_kernels.h"
 #include "tensor/ops.h"
+#include "tensor/trace.h"
 
 namespace ember::dist {
 
@@ -205,6 +206,7 @@ class ProcessGroupGloo::Impl {
     std::shared_ptr<Work> work;
     Clock::time_point deadline;
     std::function<std::vector<Tensor>(std::chrono::milliseconds)> run;
+    int64_t queued_us = 0;  // trace clock when submitted, if tracing
   };
 
   Impl(const ProcessGroupGloo& pg, std::shared_ptr<Store> store, const GlooOptions& opts)
@@ -307,7 +309,7 @@ class ProcessGroupGloo::Impl {
                  std::function<std::vector<Tensor>(std::chrono::milliseconds)> run,
                  Route route = Route::Worker) {
     auto work = std::make_shared<GlooWork>(what, timeout);
-    Job job{work, Clock::now() + timeout, std::move(run)};
+    Job job{work, Clock::now() + timeout, std::move(run), trace::enabled() ? trace::now_us() : 0};
     if (!context_) {
       execute(job);
       return work;
@@ -398,8 +400,14 @@ class ProcessGroupGloo::Impl {
       return;
     }
     std::vector<Tensor> out;
+    const int64_t started_us = trace::enabled() ? trace::now_us() : 0;
     try {
       out = job.run(left);
+      if (started_us != 0) {
+        int64_t bytes = 0;
+        for (const Tensor& t : out) bytes += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+        trace::collective(what, job.queued_us, started_us, bytes);
+      }
     } catch (const ValueError&) {
       job.work->finish_with_error(std::current_exception());
       return;

@@ -7,6 +7,7 @@
 #include "autograd/engine.h"
 #include "tensor/creation.h"
 #include "tensor/grad_mode.h"
+#include "tensor/trace.h"
 
 namespace ember::detail {
 
@@ -46,6 +47,18 @@ namespace ember::detail {
 namespace {
 
 constexpr const char* kOp = "[DistributedDataParallel]";
+
+// A bucket's reduction on the timeline, on a row of its own ("ddp bucket i"): from the moment it
+// was ready (its copy into the flat buffer included) until its future completed, with its bytes.
+void trace_bucket(size_t index, int64_t bytes, int64_t ready_us, dist::Future* future) {
+  auto record = [=] {
+    trace::complete_on_row(1000 + static_cast<int>(index), str_cat("ddp bucket ", index),
+                           "bucket allreduce", "ddp", ready_us, trace::now_us() - ready_us,
+                           {{"bucket", static_cast<int64_t>(index)}, {"bytes", bytes}});
+  };
+  if (future == nullptr) return record();
+  future->add_done_callback([record](dist::Future&) { record(); });
+}
 
 std::string joined(const std::vector<std::string>& items, const char* separator) {
   std::ostringstream os;
@@ -284,7 +297,12 @@ void Reducer::launch(size_t index, bool shadow) {
 
 void Reducer::launch_ready() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
+    const int64_t ready_us = trace::enabled() ? trace::now_us() : 0;
     launch(next_launch_++);
+    if (ready_us != 0) {
+      Bucket& b = buckets_[next_launch_ - 1];
+      trace_bucket(next_launch_ - 1, b.flat.nbytes(), ready_us, b.future.get());
+    }
   }
 }
 
@@ -327,7 +345,9 @@ void Reducer::finalize() {
     ~End() { r.reset_iteration(IterationState::Finalized); }
   } end{*this};
   const std::vector<char> locally_used = mark_unused_parameters();
+  trace::Span wait_span("wait for communication", "ddp");  // the exposed communication
   const std::vector<char> used_anywhere = wait_for_reductions(locally_used);
+  wait_span.finish();
   check_static_graph(locally_used, used_anywhere);
   write_back(used_anywhere);
   unused_last_ = std::count(used_anywhere.begin(), used_anywhere.end(), 0);

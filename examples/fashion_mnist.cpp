@@ -43,9 +43,11 @@
 #include "tensor/grad_mode.h"
 #include "tensor/random.h"
 #include "tensor/threading.h"
+#include "tensor/trace.h"
 
 namespace nn = ember::nn;
 namespace dist = ember::dist;
+namespace trace = ember::trace;
 using ember::Tensor;
 using namespace ember::examples;  // NOLINT: the examples' shared helpers
 
@@ -431,13 +433,18 @@ EpochStats Trainer::train_epoch(int64_t epoch) {
 
 // One optimizer step on `batch`; returns its loss.
 double Trainer::train_step(const nn::data::Batch& batch) {
+  trace::Span step_span("train step", "step", {{"step", global_step_ + 1}});
   Tensor x = batch.data.to(device_), y = batch.target.to(device_);
   last_lr_ = lr();
   opt_.zero_grad();
+  trace::Span forward_span("forward", "model");
   Tensor loss = nn::functional::cross_entropy(ddp_.forward(x), y);
+  forward_span.finish();
   loss.backward();
+  trace::Span optimizer_span("optimizer step", "optim");
   opt_.step();
   if (schedule_) schedule_->step();
+  optimizer_span.finish();
   ++global_step_;
   const float value = loss.item<float>();
   // A diverged run stops at once, naming the step, instead of training on garbage and exiting 0.

@@ -3,6 +3,7 @@
 #include <optional>
 
 #include "nn/serialize.h"
+#include "tensor/trace.h"
 
 namespace ember::nn {
 
@@ -17,6 +18,7 @@ void save_checkpoint(const std::string& path, const Module& model,
                      const optim::Optimizer* optimizer,
                      const std::map<std::string, std::string>& metadata,
                      const NamedTensors& extra) {
+  trace::Span span("save checkpoint", "checkpoint");
   NamedTensors tensors = model.state_dict();
   std::map<std::string, std::string> meta;
   for (const auto& [k, v] : metadata) {

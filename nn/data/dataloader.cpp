@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "tensor/trace.h"
+
 namespace ember::nn::data {
 
 namespace {
@@ -233,6 +235,7 @@ const Batch& DataLoader::Iterator::operator*() const {
 
 DataLoader::Iterator& DataLoader::Iterator::operator++() {
   EMBER_CHECK(pass_ != nullptr, "[DataLoader] cannot advance the end iterator");
+  trace::Span span("next batch", "data");
   pass_->advance();
   return *this;
 }
@@ -306,6 +309,7 @@ DataLoader::Iterator DataLoader::begin() {
   }
   if (options_.num_workers > 0) pass->start(options_.num_workers);
   pass_ = pass;
+  trace::Span span("next batch", "data");
   pass->advance();
   return Iterator(std::move(pass));
 }

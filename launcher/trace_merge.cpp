@@ -1,0 +1,91 @@
+#include "launcher/trace_merge.h"
+
+#include <unistd.h>
+
+#include <fstream>
+#include <stdexcept>
+#include <vector>
+
+namespace ember::launcher {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path rank_file(const std::string& dir, int rank) {
+  return fs::path(dir) / ("trace_rank" + std::to_string(rank) + ".json");
+}
+
+// One rank's file in the recorder's layout: a header line ending in "traceEvents":[, one event
+// per line (each but the last ending in ','), then "]}". Appends its events to `events` and
+// returns its otherData object.
+std::string read_rank_file(const fs::path& path, std::vector<std::string>& events) {
+  std::ifstream f(path);
+  if (!f) throw std::runtime_error("cannot read " + path.string());
+  std::string header;
+  std::getline(f, header);
+  const std::string key = "\"otherData\":";
+  const size_t from = header.find(key);
+  const size_t to = header.rfind(",\"traceEvents\":[");
+  if (from == std::string::npos || to == std::string::npos || to < from)
+    throw std::runtime_error(path.string() + " is not a trace file of Ember's recorder (its "
+                             "first line has no otherData and traceEvents)");
+  std::string line;
+  bool closed = false;
+  while (std::getline(f, line)) {
+    if (line == "]}") {
+      closed = true;
+      break;
+    }
+    if (!line.empty() && line.back() == ',') line.pop_back();
+    events.push_back(std::move(line));
+  }
+  if (!closed) throw std::runtime_error(path.string() + " ends before its closing \"]}\"");
+  return header.substr(from + key.size(), to - from - key.size());
+}
+
+}  // namespace
+
+std::map<int, fs::file_time_type> list_rank_traces(const std::string& dir) {
+  std::map<int, fs::file_time_type> out;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("trace_rank", 0) != 0 || entry.path().extension() != ".json") continue;
+    const std::string digits = name.substr(10, name.size() - 10 - 5);
+    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    out[std::stoi(digits)] = entry.last_write_time(ec);
+  }
+  return out;
+}
+
+int merge_rank_traces(const std::string& dir, const std::map<int, fs::file_time_type>& before) {
+  std::vector<std::string> events, ranks;
+  for (const auto& [rank, time] : list_rank_traces(dir)) {
+    auto old = before.find(rank);
+    if (old != before.end() && old->second == time) continue;
+    ranks.push_back(read_rank_file(rank_file(dir, rank), events));
+  }
+  if (ranks.empty()) return 0;
+  const fs::path path = fs::path(dir) / "trace.json";
+  const fs::path tmp = path.string() + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"ranks\":[";
+    for (size_t i = 0; i < ranks.size(); ++i) f << (i ? "," : "") << ranks[i];
+    f << "]},\"traceEvents\":[\n";
+    for (size_t i = 0; i < events.size(); ++i) f << (i ? ",\n" : "") << events[i];
+    f << "\n]}\n";
+    f.flush();
+    if (!f) throw std::runtime_error("cannot write " + tmp.string());
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) {
+    fs::remove(tmp, ec);
+    throw std::runtime_error("cannot rename " + tmp.string() + " to " + path.string());
+  }
+  return static_cast<int>(ranks.size());
+}
+
+}  // namespace ember::launcher
