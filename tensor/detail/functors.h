@@ -40,7 +40,7 @@ EMBER_HD inline float m_tanh(float x) { return ::tanhf(x); }
 // transformer MLP's element-wise time in it: a branch-free float tanh instead, within a few
 // ulp. Below |x| = 0.625 Cephes' odd polynomial (no cancellation near 0); above it
 // (1 - e) / (1 + e) with e = exp(-2|x|) <= 0.29, the sign put back by copysign.
-inline float m_tanh(float x) {
+[[gnu::always_inline]] inline float m_tanh(float x) {
   const float ax = ::fabsf(x);
   const float z = x * x;
   float p = -5.70498872745e-3f;
@@ -147,7 +147,8 @@ struct ReluGrad {
 /// GELU's tanh form's gradient g * d/dx[0.5 x (1 + tanh(inner))] at input x, in one pass, with
 /// PyTorch's GeluBackward formula (left + right derivative).
 struct GeluTanhGrad {
-  template <typename A> EMBER_HD A operator()(A g, A x) const {
+  // Inlined by force: GCC otherwise calls it per element from the binary loop, unvectorised.
+  template <typename A> [[gnu::always_inline]] EMBER_HD A operator()(A g, A x) const {
     constexpr A kBeta = A(0.79788456080286535588);  // sqrt(2 / pi)
     constexpr A kKappa = A(0.044715);
     const A x_sq = x * x;
