@@ -9,37 +9,9 @@ import math
 
 import torch
 
+from reference_util import OUT, T, emit, lcg
+
 torch.set_default_dtype(torch.float64)
-M = 2 ** 64
-
-
-def lcg(n, seed):
-    s = (seed * 6364136223846793005 + 1442695040888963407) % M
-    out = []
-    for _ in range(n):
-        s = (s * 6364136223846793005 + 1442695040888963407) % M
-        out.append(((s >> 11) & ((1 << 20) - 1)) / (1 << 19) - 1.0)
-    return out
-
-
-def T(shape, seed):
-    return torch.tensor(lcg(math.prod(shape), seed)).reshape(shape)
-
-
-OUT = []
-
-
-def emit(name, t):
-    vals = t.detach().reshape(-1).tolist()
-    lines, line = [], "   "
-    for v in vals:
-        item = " " + repr(float(v)) + ","
-        if len(line) + len(item) > 100:
-            lines.append(line)
-            line = "   "
-        line += item
-    lines.append(line)
-    OUT.append("inline const std::vector<double> k%s = {\n%s\n};" % (name, "\n".join(lines)))
 
 
 def attention(q, k, v, mask=None, causal=False, scale=None):

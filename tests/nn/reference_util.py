@@ -1,4 +1,5 @@
-# Shared by the reference scripts of tests/nn (make_reference.py, make_transformer_reference.py):
+# Shared by the reference scripts of tests/nn (make_reference.py, make_transformer_reference.py,
+# make_attention_reference.py):
 # tests/tensor/test_util.h's lcg_values re-implemented, so the C++ tests build bit-identical
 # tensors, and the writer of `inline const std::vector<double> kName = {...};` entries.
 import torch
