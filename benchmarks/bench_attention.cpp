@@ -1,8 +1,12 @@
-// bench_attention: scaled_dot_product_attention forward + backward, Ember's fused kernel beside
+// bench_attention: scaled_dot_product_attention forward + backward, Ember's fused kernel (forced
+// with SdpBackend::kFused) beside
 // Ember's written-out (math) path and PyTorch 1.13's written-out attention
 // (benchmarks/bench_attention_torch.py, run as a subprocess), on GPT-like shapes.
 //   bench_attention [--batch 16] [--heads 4] [--dim 32] [--seq 128,512] [--causal 1]
 //                   [--rounds 5] [--reps 10] [--no-torch] [--no-math]
+//                   [--device cpu|cuda] [--dtype float32|bfloat16|float16]
+// On a GPU the PyTorch column is its installed version's F.scaled_dot_product_attention where it
+// has one (PyTorch 2: flash or memory-efficient kernels), else the written-out attention.
 // Each round runs the three one after another for each sequence length, so load on a shared
 // machine hits all of them alike; every number printed is the median over rounds of the median
 // over `reps` timed steps. The fused result is first checked against the math path.
@@ -18,6 +22,7 @@
 
 #include "bench_util.h"
 #include "nn/attention.h"
+#include "tensor/cuda.h"
 #include "tensor/threading.h"
 
 using namespace ember;
@@ -32,7 +37,16 @@ struct Args {
   int rounds = 5, reps = 10;
   bool torch = true;
   bool math = true;
+  std::string device = "cpu", dtype = "float32";
+  Device dev() const { return Device(device); }
+  Dtype dt() const {
+    return dtype == "bfloat16" ? kBFloat16 : dtype == "float16" ? kFloat16 : kFloat32;
+  }
 };
+
+void sync(const Args& a) {
+  if (a.dev().is_cuda()) cuda::synchronize();
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -44,10 +58,11 @@ struct Problem {
   Problem(const Args& a, int64_t T) {
     Generator gen(0);
     const Shape s{a.batch, a.heads, T, a.dim};
-    q = randn(s, kFloat32, &gen).requires_grad_();
-    k = randn(s, kFloat32, &gen).requires_grad_();
-    v = randn(s, kFloat32, &gen).requires_grad_();
-    g = randn(s, kFloat32, &gen);
+    auto make = [&] { return randn(s, kFloat32, &gen).to(a.dev()).to(a.dt()); };
+    q = make().requires_grad_();
+    k = make().requires_grad_();
+    v = make().requires_grad_();
+    g = make();
   }
   template <typename Fn>
   void step(Fn attn) {
@@ -58,13 +73,15 @@ struct Problem {
 
 // Median seconds of one forward + backward over `reps` steps, after one warm-up step.
 template <typename Fn>
-double time_steps(Problem& p, int reps, Fn attn) {
+double time_steps(const Args& a, Problem& p, int reps, Fn attn) {
   using clock = std::chrono::steady_clock;
   p.step(attn);
+  sync(a);
   std::vector<double> t;
   for (int i = 0; i < reps; ++i) {
     const auto t0 = clock::now();
     p.step(attn);
+    sync(a);
     t.push_back(std::chrono::duration<double>(clock::now() - t0).count());
   }
   return median(t);
@@ -75,7 +92,7 @@ double time_torch(const Args& a, int64_t T) {
   cmd << bench::python_script(EMBER_SOURCE_DIR, "benchmarks/bench_attention_torch.py")
       << " --batch " << a.batch << " --heads " << a.heads << " --seq " << T << " --dim " << a.dim
       << (a.causal ? " --causal" : "") << " --reps " << a.reps << " --threads "
-      << get_num_threads();
+      << get_num_threads() << " --device " << a.device << " --dtype " << a.dtype;
   FILE* p = ::popen(cmd.str().c_str(), "r");
   if (p == nullptr) return NAN;
   double sec = NAN;
@@ -93,9 +110,11 @@ bool check(const Args& a, int64_t T) {
   for (Tensor* t : {&p.q, &p.k, &p.v}) got.push_back(t->grad());
   p.step(F::scaled_dot_product_attention_math);
   for (Tensor* t : {&p.q, &p.k, &p.v}) want.push_back(t->grad());
+  // Low precision: both paths round their float32 results once to the input's type.
+  const double tol = a.dt() == kFloat32 ? 1e-3 : a.dt() == kFloat16 ? 2e-2 : 1e-1;
   for (size_t i = 0; i < got.size(); ++i) {
-    const double err = (got[i] - want[i]).abs().max().item<double>();
-    if (!(err < 1e-3)) {
+    const double err = (got[i] - want[i]).to(kFloat32).abs().max().item<double>();
+    if (!(err < tol)) {
       std::fprintf(stderr, "fused and math gradients differ by %g at T=%lld\n", err,
                    static_cast<long long>(T));
       return false;
@@ -118,6 +137,8 @@ int main(int argc, char** argv) {
   app.add_option("--reps", a.reps, "timed steps per round")->check(CLI::Range(1, 100000));
   bool no_torch = false;
   app.add_flag("--no-torch", no_torch, "skip PyTorch");
+  app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--dtype", a.dtype)->check(CLI::IsMember({"float32", "bfloat16", "float16"}));
   bool no_math = false;
   app.add_flag("--no-math", no_math, "skip Ember's math path");
   CLI11_PARSE(app, argc, argv);
@@ -125,21 +146,27 @@ int main(int argc, char** argv) {
   a.math = !no_math;
 
   for (int64_t T : a.seqs) {
+    F::SdpBackendGuard kernel(F::SdpBackend::kFused);
     if (!check(a, T)) return 1;
   }
   std::map<int64_t, std::vector<double>> fused, math, torch;
   for (int r = 0; r < a.rounds; ++r) {
     for (int64_t T : a.seqs) {
       Problem p(a, T);
-      fused[T].push_back(time_steps(p, a.reps, F::scaled_dot_product_attention));
-      if (a.math) math[T].push_back(time_steps(p, a.reps, F::scaled_dot_product_attention_math));
+      {
+        F::SdpBackendGuard kernel(F::SdpBackend::kFused);  // on CUDA kAuto would take math
+        fused[T].push_back(time_steps(a, p, a.reps, F::scaled_dot_product_attention));
+      }
+      if (a.math) {
+        math[T].push_back(time_steps(a, p, a.reps, F::scaled_dot_product_attention_math));
+      }
       if (a.torch) torch[T].push_back(time_torch(a, T));
     }
   }
   std::printf(
-      "attention forward+backward, float32, B=%lld H=%lld D=%lld, %s, %d threads, "
+      "attention forward+backward, %s on %s, B=%lld H=%lld D=%lld, %s, %d threads, "
       "median of %d rounds x %d steps (ms)\n",
-      static_cast<long long>(a.batch), static_cast<long long>(a.heads),
+      a.dtype.c_str(), a.device.c_str(), static_cast<long long>(a.batch), static_cast<long long>(a.heads),
       static_cast<long long>(a.dim), a.causal ? "causal" : "no mask", get_num_threads(), a.rounds,
       a.reps);
   std::printf("%6s %10s %10s %10s %14s %14s\n", "T", "fused", "math", "torch", "torch/fused",

@@ -1,5 +1,7 @@
-"""PyTorch 1.13 reference for bench_attention: the written-out attention that code before
-PyTorch 2 used (it has no F.scaled_dot_product_attention), timed forward + backward the same way.
+"""PyTorch reference for bench_attention, timed forward + backward the same way. On the CPU (the
+machine's PyTorch 1.13, which has no F.scaled_dot_product_attention) it is the written-out
+attention code before PyTorch 2 used; on a GPU it is F.scaled_dot_product_attention where the
+installed PyTorch has it (flash or memory-efficient kernels), unless --impl written.
 
     /usr/bin/python3 bench_attention_torch.py --batch 16 --heads 4 --seq 128 --dim 32 --causal
 
@@ -28,18 +30,30 @@ def main():
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--impl", default="auto", choices=["auto", "written", "fused"])
     a = ap.parse_args()
+    fused = a.impl == "fused" or (a.impl == "auto" and a.device != "cpu" and
+                                  hasattr(torch.nn.functional, "scaled_dot_product_attention"))
+    dtype = getattr(torch, a.dtype)
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     shape = (a.batch, a.heads, a.seq, a.dim)
-    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
-    g = torch.randn(shape)
-    mask = torch.ones(a.seq, a.seq, dtype=torch.bool).tril() if a.causal else None
+    q, k, v = (torch.randn(shape).to(a.device, dtype).requires_grad_() for _ in range(3))
+    g = torch.randn(shape).to(a.device, dtype)
+    mask = torch.ones(a.seq, a.seq, dtype=torch.bool, device=a.device).tril() if a.causal else None
+    sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
 
     def step():
         q.grad = k.grad = v.grad = None
-        attention(q, k, v, mask).backward(g)
+        if fused:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=a.causal)
+        else:
+            out = attention(q, k, v, mask)
+        out.backward(g)
+        sync()
 
     for _ in range(2):
         step()
@@ -50,6 +64,7 @@ def main():
         step()
         times.append(time.perf_counter() - t0)
     times.sort()
+    print("impl=%s" % ("fused" if fused else "written"))
     print("sec=%.9g" % times[len(times) // 2], flush=True)
 
 

@@ -36,6 +36,7 @@
 #include "nn/nn.h"
 #include "tensor/allocator.h"
 #include "tensor/creation.h"
+#include "tensor/cuda.h"
 #include "tensor/grad_mode.h"
 #include "tensor/indexing.h"
 #include "tensor/random.h"
@@ -466,14 +467,16 @@ void Trainer::log_progress(LogWindow& window) {
   window.reset(now);
 }
 
-// Collective: the process's resident high-water mark and the CPU allocator's peak of live
-// tensor bytes, each the largest over the ranks.
+// Collective: the process's resident high-water mark and the peak of live tensor bytes on the
+// training device (the CPU allocator's, or the GPU's as torch.cuda.max_memory_allocated), each the
+// largest over the ranks.
 void Trainer::measure_peak_memory() {
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
+  const int64_t peak = device_.is_cuda() ? ember::cuda::max_memory_allocated(device_.index)
+                                         : ember::cpu_allocator_stats().peak_allocated;
   Tensor peaks = ember::from_vector(std::vector<double>{
-      static_cast<double>(ru.ru_maxrss) / 1024.0,
-      static_cast<double>(ember::cpu_allocator_stats().peak_allocated) / (1024.0 * 1024.0)});
+      static_cast<double>(ru.ru_maxrss) / 1024.0, static_cast<double>(peak) / (1024.0 * 1024.0)});
   pg_->allreduce(peaks, {.op = dist::ReduceOp::Max})->wait();
   const std::vector<double> v = peaks.to_vector<double>();
   peak_rss_mb_ = v[0];

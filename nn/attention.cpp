@@ -1,5 +1,6 @@
 #include "nn/attention.h"
 
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -125,15 +126,25 @@ struct ScaledDotProductFusedAttention : autograd::Function<ScaledDotProductFused
 // Largest head dims the CUDA kernel is built for (its per-thread register tiles).
 constexpr int64_t kCudaMaxHeadDim = 128;
 
-// The fused kernels take this call; otherwise the math path runs: empty operands, a float mask
-// that needs a gradient, and dtypes or head sizes a backend has no kernel for.
+std::atomic<SdpBackend> g_backend{SdpBackend::kAuto};
+
+// The fused kernels take this call; otherwise the math path runs: the math backend chosen, empty
+// operands, a float mask that needs a gradient, dtypes or head sizes a backend has no kernel
+// for, and on CUDA under kAuto scores that fit kAttentionMathBudgetBytes (see SdpBackend).
 bool fused_applies(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask) {
+  const SdpBackend backend = g_backend.load(std::memory_order_relaxed);
+  if (backend == SdpBackend::kMath) return false;
   if (q.numel() == 0 || k.numel() == 0 || v.numel() == 0) return false;
   if (mask.defined() && mask.requires_grad()) return false;
   if (!q.is_cuda()) return true;  // float64 and float32 natively, float16/bfloat16 via float32
   const int64_t n = q.dim();
-  return q.dtype() != kFloat64 && q.size(n - 1) <= kCudaMaxHeadDim &&
-         v.size(n - 1) <= kCudaMaxHeadDim;
+  if (q.dtype() == kFloat64 || q.size(n - 1) > kCudaMaxHeadDim ||
+      v.size(n - 1) > kCudaMaxHeadDim) {
+    return false;
+  }
+  if (backend == SdpBackend::kFused) return true;
+  const int64_t scores = q.numel() / q.size(n - 1) * k.size(n - 2);
+  return scores * static_cast<int64_t>(q.element_size()) > kAttentionMathBudgetBytes;
 }
 
 // The additive mask (dtype `dt`) broadcast to [..., L, S], and where its elements live.
@@ -169,6 +180,9 @@ Tensor mask_layout(const Tensor& attn_mask, const Tensor& q, Dtype dt, int64_t L
 }
 
 }  // namespace
+
+void set_sdp_backend(SdpBackend b) { g_backend.store(b, std::memory_order_relaxed); }
+SdpBackend sdp_backend() { return g_backend.load(std::memory_order_relaxed); }
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& attn_mask, double dropout_p, bool is_causal,

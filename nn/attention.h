@@ -21,7 +21,7 @@ namespace ember::nn::functional {
 /// gradient is 0 and the key gradient stays finite, as through masked_fill; the value gradient
 /// is NaN). Throws ValueError/TypeError naming the op for mismatched shapes, dtypes or devices.
 ///
-/// Runs as one fused op (tensor/detail/attention_kernels.h, Note [Fused attention]): the
+/// The fused op (tensor/detail/attention_kernels.h, Note [Fused attention]): the
 /// [..., L, S] scores are never stored; forward keeps the output and one logsumexp per query
 /// row, backward recomputes the scores tile by tile, and dropout masks are regenerated from one
 /// seed and offset drawn from `gen` per call (so they differ from the math path's draws). On the
@@ -35,6 +35,30 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
                                     bool is_causal = false,
                                     std::optional<double> scale = std::nullopt,
                                     Generator* gen = nullptr);
+
+/// Which implementation scaled_dot_product_attention uses (PyTorch's
+/// torch.nn.attention.sdpa_kernel). kAuto: on the CPU the fused kernel (faster than the math path
+/// at every size measured); on CUDA the math path (cuBLAS matmuls, several times faster than the
+/// SIMT fused kernel, which has no tensor-core tiles yet) unless its [..., L, S] scores would
+/// take more than kAttentionMathBudgetBytes, where the fused kernel's O(L) memory wins.
+/// kFused and kMath force one (kFused still falls back to math where no kernel applies, see
+/// above). A process-wide setting, as PyTorch's backend flags are.
+enum class SdpBackend { kAuto, kFused, kMath };
+inline constexpr int64_t kAttentionMathBudgetBytes = int64_t{1} << 30;
+void set_sdp_backend(SdpBackend b);
+SdpBackend sdp_backend();
+
+/// Sets the backend for a scope and restores the previous one (`with sdpa_kernel(...)`).
+class SdpBackendGuard {
+ public:
+  explicit SdpBackendGuard(SdpBackend b) : prev_(sdp_backend()) { set_sdp_backend(b); }
+  ~SdpBackendGuard() { set_sdp_backend(prev_); }
+  SdpBackendGuard(const SdpBackendGuard&) = delete;
+  SdpBackendGuard& operator=(const SdpBackendGuard&) = delete;
+
+ private:
+  SdpBackend prev_;
+};
 
 /// The same attention written out with differentiable tensor ops (matmul, softmax, dropout):
 /// it materialises the [..., L, S] scores. It is the reference the fused kernels are tested

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# gpu_check.sh BUNDLE OUTDIR [tests|bench|train|cpu]... — what only a GPU machine can show, run
+# gpu_check.sh BUNDLE OUTDIR [tests|bench|train|attn|gpt|cpu]... — what only a GPU machine can show, run
 # on the GPU machine from a bundle made here by scripts/gpu_bundle.sh (a CUDA build in build/):
 #   device call: bash scripts/gpu_check.sh .gpu/bundle.txz $OUT tests bench   (carry: .gpu)
-#   tests  every test case whose name says CUDA, cuda or NCCL, each in its own process (as ctest runs
+#   tests  every test case whose name says CUDA, cuda or NCCL (or matches $TEST_FILTER), each in
+#          its own process (as ctest runs
 #          them: a process that initialised CUDA cannot fork ranks that use it); summary and the
 #          failures' output in OUTDIR/tests.log
 #   bench  benchmarks/run_cuda_bench.py: bench_cuda beside PyTorch on the same GPU
@@ -10,6 +11,13 @@
 #          staged through host memory), beside benchmarks/vs_pytorch/fashion_mnist_torch.py;
 #          the IDX files from $FASHION_MNIST, else /usr/share/datasets/fashion-mnist, else
 #          .gpu/fashion-mnist (a GPU machine lacks Debian's package: carry a copy there)
+#   attn   bench_attention on the GPU (bfloat16 at GPT-2-small head shapes, float32 at the CPU
+#          table's shapes) beside the GPU PyTorch's F.scaled_dot_product_attention
+#   gpt    examples/gpt on the GPU (a 6-layer, 384-wide model, 256-token context) in float32,
+#          bfloat16 and float16 (GradScaler) beside gpt_torch.py with the same model, written-out
+#          and fused attention; the KJV as plain text from .gpu/kjv.txt (the GPU machine has no
+#          bible-kjv to decode /usr/lib/bible.data: copy examples/gpt's token file there, it is
+#          the text byte for byte)
 #   cpu    the CPU benchmarks that need a quiet machine with cores to spare: bench_collectives
 #          (allreduce, 2 and 4 ranks, pipelined; 2 ranks, latency) and bench_ddp (CNN and MLP,
 #          1, 2 and 4 ranks), each beside the machine's PyTorch over gloo
@@ -28,9 +36,9 @@ run_tests() {
   : > "$log"
   for exe in "$b"/bin/build/tests/*; do
     [ -x "$exe" ] || continue
-    for t in $("$b/run.sh" "$exe" --gtest_list_tests --gtest_filter='*Cuda*:*CUDA*:*Nccl*:*_cuda*' |
+    for t in $("$b/run.sh" "$exe" --gtest_list_tests --gtest_filter="${TEST_FILTER:-*Cuda*:*CUDA*:*Nccl*:*_cuda*}" |
                awk '/^[^ ]/{s=$1} /^  /{print s $1}'); do
-      res=$(timeout 300 "$b/run.sh" "$exe" --gtest_filter="$t" 2>&1)
+      res=$(timeout "${TEST_TIMEOUT:-120}" "$b/run.sh" "$exe" --gtest_filter="$t" 2>&1)
       rc=$?
       if [ $rc -ne 0 ]; then
         fail=$((fail + 1)); echo "FAIL $(basename "$exe") $t (rc $rc)" >> "$log"
@@ -68,6 +76,36 @@ run_train() {
   } | tee "$out/train.log"
 }
 
+run_attn() {
+  export EMBER_PYTHON=$(command -v python3) EMBER_SOURCE_DIR=$root
+  local ba=$b/bin/build/benchmarks/bench_attention
+  {
+    timeout 200 "$b/run.sh" "$ba" --device cuda --dtype bfloat16 --batch 8 --heads 12 --dim 64 \
+      --seq 256,1024,2048 --rounds 3 --reps 10
+    timeout 120 "$b/run.sh" "$ba" --device cuda --dtype float32 --seq 128,512 --rounds 3 --reps 10
+  } 2>&1 | tee "$out/attn.log"
+}
+
+run_gpt() {
+  local data=$root/.gpu/kjv.txt cache=/tmp/ember_gpt_cache
+  local model=(--layers 6 --heads 6 --dim 384 --context 256 --batch-size 64 --steps "${GPT_STEPS:-300}"
+               --eval-every 0 --eval-batches 8 --seed 0)
+  {
+    for amp in bf16 fp16 off; do
+      echo "== ember, 1 rank, cuda, amp $amp"
+      timeout "${GPT_TIMEOUT:-240}" "$b/run.sh" "$b/bin/build/examples/gpt" --device cuda --amp $amp --data "$data" \
+        --cache-dir "$cache" "${model[@]}" 2>&1 | grep -v '\[#'
+      local attns=(fused)
+      [ $amp = bf16 ] && attns=(fused written)  # PyTorch 1.13's written-out attention, once
+      for attn in "${attns[@]}"; do
+        echo "== torch, 1 rank, cuda, amp $amp, attention $attn"
+        timeout "${GPT_TIMEOUT:-240}" python3 "$root/benchmarks/vs_pytorch/gpt_torch.py" --device cuda --amp $amp \
+          --attention $attn --tokens "$cache/$(basename "$data").tokens" "${model[@]}" 2>&1
+      done
+    done
+  } | tee "$out/gpt.log"
+}
+
 run_cpu() {
   local bb=$b/bin/build/benchmarks
   export EMBER_PYTHON=$(command -v python3) EMBER_SOURCE_DIR=$root
@@ -86,6 +124,8 @@ for step in "$@"; do
     tests) run_tests ;;
     bench) run_bench ;;
     train) run_train ;;
+    attn) run_attn ;;
+    gpt) run_gpt ;;
     cpu) run_cpu ;;
     *) echo "unknown step $step" >&2 ;;
   esac

@@ -41,9 +41,9 @@ WARMUP = 50
 
 
 class Block(nn.Module):
-    def __init__(self, dim, heads, context, dropout):
+    def __init__(self, dim, heads, context, dropout, fused):
         super().__init__()
-        self.heads, self.p = heads, dropout
+        self.heads, self.p, self.fused = heads, dropout, fused
         self.ln1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -60,9 +60,14 @@ class Block(nn.Module):
         D = C // self.heads
         q, k, v = (t.view(B, T, self.heads, D).transpose(1, 2)
                    for t in self.qkv(self.ln1(x)).split(C, dim=2))
-        att = q @ k.transpose(-2, -1) / math.sqrt(D) + self.mask[:T, :T]
-        att = F.dropout(F.softmax(att, dim=-1), self.p, self.training)
-        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        if self.fused:  # PyTorch 2's fused kernels (flash or memory-efficient on a GPU)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0,
+                                               is_causal=True)
+        else:
+            att = q @ k.transpose(-2, -1) / math.sqrt(D) + self.mask[:T, :T]
+            att = F.dropout(F.softmax(att, dim=-1), self.p, self.training)
+            y = att @ v
+        y = y.transpose(1, 2).reshape(B, T, C)
         x = x + self.drop(self.proj(y))
         return x + self.drop(self.fc_proj(self.gelu(self.fc(self.ln2(x)))))
 
@@ -74,7 +79,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(VOCAB, a.dim)
         self.wpe = nn.Embedding(a.context, a.dim)
         self.drop = nn.Dropout(a.dropout)
-        self.blocks = nn.ModuleList(Block(a.dim, a.heads, a.context, a.dropout)
+        self.blocks = nn.ModuleList(Block(a.dim, a.heads, a.context, a.dropout, a.attention == "fused")
                                     for _ in range(a.layers))
         self.ln_f = nn.LayerNorm(a.dim)
         self.head = nn.Linear(a.dim, VOCAB, bias=False)
@@ -151,9 +156,10 @@ class Windows:
 
 
 def amp_context(a):
-    if a.amp == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
+    kind = "cuda" if a.device.startswith("cuda") else "cpu"
+    if a.amp == "off":
+        return torch.autocast(kind, enabled=False)
+    return torch.autocast(kind, dtype=torch.bfloat16 if a.amp == "bf16" else torch.float16)
 
 
 def evaluate(model, data, a, world):
@@ -162,9 +168,10 @@ def evaluate(model, data, a, world):
     with torch.no_grad(), amp_context(a):
         for i in range(a.eval_batches):
             x, y = data.batch_at(data.validation_offsets(i, a.eval_batches))
+            x, y = x.to(a.device), y.to(a.device)
             total += F.cross_entropy(model(x).float().view(-1, VOCAB), y.view(-1)).item()
     model.train()
-    t = torch.tensor([total], dtype=torch.float64)
+    t = torch.tensor([total], dtype=torch.float64, device=a.device)
     if world > 1:
         dist.all_reduce(t)
     return t.item() / (a.eval_batches * world)
@@ -176,7 +183,7 @@ def worker(rank, world, port, a):
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(a.seed)
-    model = GPT(a)
+    model = GPT(a).to(a.device)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -184,12 +191,13 @@ def worker(rank, world, port, a):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+    scaler = torch.cuda.amp.GradScaler(enabled=a.amp == "fp16")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, a.steps))
     data = Windows(a.tokens, a.context, a.batch_size, world, rank, a.seed)
     data.train_offsets(0)  # the epoch's order before the clock starts, as Ember does
     lead = rank == 0
     if lead:
-        print(f"gpt_torch: world size {world}, backend gloo, device cpu, {n_params} parameters "
+        print(f"gpt_torch: world size {world}, backend gloo, device {a.device}, {n_params} parameters "
               f"(layers {a.layers}, heads {a.heads}, dim {a.dim}, context {a.context}), batch "
               f"{a.batch_size} per rank, {a.steps} steps, amp {a.amp}, torch {torch.__version__}, "
               f"{a.threads} threads per rank", flush=True)
@@ -198,13 +206,16 @@ def worker(rank, world, port, a):
     for step in range(a.steps):
         t0 = time.perf_counter()
         x, y = data.batch_at(data.train_offsets(step))
+        x, y = x.to(a.device), y.to(a.device)
         opt.zero_grad(set_to_none=True)
         with amp_context(a):
             loss = F.cross_entropy(net(x).float().view(-1, VOCAB), y.view(-1))
-        loss.backward()
+        scaler.scale(loss).backward()
         if a.grad_clip > 0:
+            scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         sched.step()
         window.append(loss.item())
         train_s += time.perf_counter() - t0
@@ -228,6 +239,8 @@ def worker(rank, world, port, a):
         print(f"val_loss={val:.4f}")
         print(f"tokens_per_s={a.steps * a.batch_size * a.context * world / train_s:.0f}")
         print(f"peak_rss_mb={rss.item():.0f}", flush=True)
+        if a.device.startswith("cuda"):
+            print(f"peak_allocated_mb={torch.cuda.max_memory_allocated() / 2**20:.1f}", flush=True)
     if world > 1:
         dist.destroy_process_group()
 
@@ -246,7 +259,10 @@ def main():
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--amp", default="off", choices=["off", "bf16"])
+    p.add_argument("--amp", default="off", choices=["off", "bf16", "fp16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--attention", default="written", choices=["written", "fused"],
+                   help="written out (PyTorch 1.13) or F.scaled_dot_product_attention (PyTorch 2)")
     p.add_argument("--checkpoint-activations", action="store_true")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=8)

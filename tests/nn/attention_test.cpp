@@ -299,6 +299,20 @@ TEST(Attention, DoubleBackwardIsRefused) {
       {"scaled_dot_product_attention", "double backward", "scaled_dot_product_attention_math"});
 }
 
+TEST(Attention, MathBackendRunsTheWrittenOutPathAndTheGuardRestores) {
+  // Under kMath the call is the math path (so double backward works); the guard restores kAuto.
+  Tensor q = test::leaf({2, 3, 4}, 1), k = test::leaf({2, 3, 4}, 2), v = test::leaf({2, 3, 4}, 3);
+  {
+    F::SdpBackendGuard math(F::SdpBackend::kMath);
+    EXPECT_EQ(F::sdp_backend(), F::SdpBackend::kMath);
+    const Tensor y = F::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+    EXPECT_TRUE(equal(y, F::scaled_dot_product_attention_math(q, k, v, {}, 0.0, true)));
+    const auto g = autograd::grad({y.sum()}, {q}, {}, {}, /*create_graph=*/true);
+    EXPECT_TRUE(g[0].requires_grad());
+  }
+  EXPECT_EQ(F::sdp_backend(), F::SdpBackend::kAuto);
+}
+
 TEST(Attention, Errors) {
   Tensor q = rand_t({2, 3, 4}, kFloat32, 1);
   expect_error<ValueError>(
@@ -327,17 +341,24 @@ TEST(AttentionCuda, MatchesCpu) {
   // the CUDA kernel does, so they differ by accumulation order and output rounding only.
   if (!cuda::is_available()) GTEST_SKIP() << cuda::unavailable_reason();
   const Device gpu("cuda");
+  // kAuto takes the math path at these sizes on CUDA; kFused is the CUDA kernel itself.
+  for (F::SdpBackend backend : {F::SdpBackend::kFused, F::SdpBackend::kAuto})
   for (Dtype dt : {kFloat32, kBFloat16, kFloat16}) {
     const double tol = dt == kFloat32 ? 1e-4 : 2e-2;
     for (const Case& c : cases()) {
-      SCOPED_TRACE(std::string(c.name) + " " + std::string(dtype_name(dt)));
+      SCOPED_TRACE(std::string(c.name) + " " + std::string(dtype_name(dt)) +
+                   (backend == F::SdpBackend::kFused ? " fused" : " auto"));
       const Tensor mask = make_mask(c, dt);
       Attn attn = [&](const Tensor& q, const Tensor& k, const Tensor& v) {
         const Tensor m = mask.defined() ? mask.to(q.device()) : mask;
         return F::scaled_dot_product_attention(q, k, v, m, 0.0, c.causal, c.scale);
       };
       const Grads want = run(attn, c.q, c.k, c.v, 5, dt);
-      const Grads got = run(attn, c.q, c.k, c.v, 5, dt, gpu);
+      Grads got;
+      {
+        F::SdpBackendGuard on_gpu(backend);
+        got = run(attn, c.q, c.k, c.v, 5, dt, gpu);
+      }
       EXPECT_EQ(got.y.dtype(), dt);
       expect_grads_close(got, want, tol, c.name);
     }
@@ -352,6 +373,7 @@ TEST(AttentionCuda, DropoutMatchesCpu) {
     return F::scaled_dot_product_attention(q, k, v, {}, 0.2, true, {}, &gen);
   };
   const Grads want = run(attn, {2, 2, 70, 16}, {2, 2, 70, 16}, {2, 2, 70, 16}, 4, kFloat32);
+  F::SdpBackendGuard fused(F::SdpBackend::kFused);
   const Grads got =
       run(attn, {2, 2, 70, 16}, {2, 2, 70, 16}, {2, 2, 70, 16}, 4, kFloat32, Device("cuda"));
   expect_grads_close(got, want, 1e-4, "dropout");

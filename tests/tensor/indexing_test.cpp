@@ -601,6 +601,10 @@ TEST(IndexingCuda, BoundsChecksDoNotWaitForTheDevice) {
   const Tensor src = arange(6).to(kFloat32).to(dev);
   const Tensor idx = tensor({5, 0, 2}).to(dev);
   Tensor acc = zeros({6}).to(dev);
+  // The checks' first pinned host slots come from cudaHostAlloc, which waits for the device
+  // (once per process): take them before the spin, as any earlier training step would have.
+  Tensor warm = zeros({6}).to(dev);
+  scatter_add_(warm, 0, idx, gather(src, 0, idx));
   ember::cuda::synchronize();
   ember::cuda::spin(4'000'000'000);  // about 2 s on a 2 GHz GPU
   ember::cuda::Event spun;
