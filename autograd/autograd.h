@@ -1,9 +1,9 @@
 // Everything the autograd library offers, in one include (plus the tensor library).
 #pragma once
 
-#include "autograd/engine.h"
-#include "autograd/function.h"
-#include "autograd/gradcheck.h"
-#include "autograd/node.h"
-#include "tensor/grad_mode.h"
-#include "tensor/ops.h"
+#include <ember/autograd/engine.h>
+#include <ember/autograd/function.h>
+#include <ember/autograd/gradcheck.h>
+#include <ember/autograd/node.h>
+#include <ember/tensor/grad_mode.h>
+#include <ember/tensor/ops.h>

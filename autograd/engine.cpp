@@ -18,17 +18,17 @@
 //    broadcast dims summed away, anything else an error naming the node.
 // 4. Finish: run callbacks queued during the pass, then clear every node's buffer. Without
 //    retain_graph each node frees its saved tensors right after it ran.
-#include "autograd/engine.h"
+#include <ember/autograd/engine.h>
 
 #include <algorithm>
 #include <atomic>
 #include <queue>
 #include <unordered_map>
 
-#include "autograd/functions.h"
-#include "tensor/detail/record.h"
-#include "tensor/ops.h"
-#include "tensor/trace.h"
+#include <ember/autograd/functions.h>
+#include <ember/tensor/detail/record.h>
+#include <ember/tensor/ops.h>
+#include <ember/tensor/trace.h>
 
 namespace ember::autograd {
 

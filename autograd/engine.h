@@ -5,7 +5,7 @@
 #include <optional>
 #include <vector>
 
-#include "autograd/node.h"
+#include <ember/autograd/node.h>
 
 namespace ember::autograd {
 

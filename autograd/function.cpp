@@ -1,4 +1,4 @@
-#include "autograd/function.h"
+#include <ember/autograd/function.h>
 
 #include <cxxabi.h>
 

@@ -26,8 +26,8 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/node.h"
-#include "tensor/grad_mode.h"
+#include <ember/autograd/node.h>
+#include <ember/tensor/grad_mode.h>
 
 namespace ember::autograd {
 

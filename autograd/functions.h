@@ -22,8 +22,8 @@
 #include <array>
 #include <memory>
 
-#include "autograd/node.h"
-#include "tensor/detail/record.h"
+#include <ember/autograd/node.h>
+#include <ember/tensor/detail/record.h>
 
 namespace ember::autograd {
 

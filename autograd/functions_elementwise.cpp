@@ -7,8 +7,8 @@
 #include <cmath>
 #include <optional>
 
-#include "autograd/functions.h"
-#include "tensor/ops.h"
+#include <ember/autograd/functions.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::autograd {
 namespace {

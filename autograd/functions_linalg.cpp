@@ -3,8 +3,8 @@
 //
 // The rules are written with mm / matmul, so they are recorded under create_graph and can be
 // differentiated again.
-#include "autograd/functions.h"
-#include "tensor/ops.h"
+#include <ember/autograd/functions.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::autograd {
 namespace {

@@ -4,8 +4,8 @@
 // selected index, norms give 0 where the norm is 0.
 #include <cmath>
 
-#include "autograd/functions.h"
-#include "tensor/ops.h"
+#include <ember/autograd/functions.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::autograd {
 namespace {

@@ -3,8 +3,8 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/functions.h"
-#include "tensor/ops.h"
+#include <ember/autograd/functions.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::autograd {
 namespace {

@@ -1,9 +1,9 @@
-#include "autograd/gradcheck.h"
+#include <ember/autograd/gradcheck.h>
 
 #include <cmath>
 
-#include "autograd/engine.h"
-#include "tensor/ops.h"
+#include <ember/autograd/engine.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::autograd {
 

@@ -1,12 +1,12 @@
 // Nodes, saved tensors, leaf accumulation and the helpers that wire a recorded op into the graph.
-#include "autograd/node.h"
+#include <ember/autograd/node.h>
 
 #include <algorithm>
 #include <atomic>
 #include <limits>
 
-#include "tensor/detail/record.h"
-#include "tensor/ops.h"
+#include <ember/tensor/detail/record.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::autograd {
 

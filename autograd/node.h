@@ -16,9 +16,9 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/small_vec.h"
-#include "tensor/error.h"
-#include "tensor/tensor.h"
+#include <ember/autograd/small_vec.h>
+#include <ember/tensor/error.h>
+#include <ember/tensor/tensor.h>
 
 namespace ember::autograd {
 

@@ -1,8 +1,8 @@
 // Installs autograd's recording functions into the tensor layer when the library loads.
 #include <cstdio>
 
-#include "autograd/functions.h"
-#include "tensor/ops.h"
+#include <ember/autograd/functions.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::autograd {
 

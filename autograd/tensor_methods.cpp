@@ -2,9 +2,9 @@
 // library does not depend on autograd.
 #include <algorithm>
 
-#include "autograd/engine.h"
-#include "autograd/node.h"
-#include "tensor/detail/record.h"
+#include <ember/autograd/engine.h>
+#include <ember/autograd/node.h>
+#include <ember/tensor/detail/record.h>
 
 namespace ember {
 

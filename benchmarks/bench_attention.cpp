@@ -21,9 +21,9 @@
 #include <vector>
 
 #include "bench_util.h"
-#include "nn/attention.h"
-#include "tensor/cuda.h"
-#include "tensor/threading.h"
+#include <ember/nn/attention.h>
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/threading.h>
 
 using namespace ember;
 namespace F = ember::nn::functional;

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstdio>
 
-#include "autograd/autograd.h"
+#include <ember/autograd/autograd.h>
 #include "bench_util.h"
 
 using namespace ember;

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "bench_util.h"
-#include "tensor/ops.h"
+#include <ember/tensor/ops.h>
 
 using namespace ember;
 

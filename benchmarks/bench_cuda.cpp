@@ -10,12 +10,12 @@
 
 #include "bench_util.h"
 #include "fashion_cnn.h"
-#include "nn/functional.h"
-#include "nn/optim/sgd.h"
-#include "tensor/conv.h"
-#include "tensor/cuda.h"
-#include "tensor/ops.h"
-#include "tensor/random.h"
+#include <ember/nn/functional.h>
+#include <ember/nn/optim/sgd.h>
+#include <ember/tensor/conv.h>
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/ops.h>
+#include <ember/tensor/random.h>
 
 using namespace ember;
 

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "bench_util.h"
-#include "tensor/ops.h"
+#include <ember/tensor/ops.h>
 
 using namespace ember;
 

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "bench_util.h"
-#include "tensor/autocast.h"
-#include "tensor/ops.h"
+#include <ember/tensor/autocast.h>
+#include <ember/tensor/ops.h>
 
 using namespace ember;
 

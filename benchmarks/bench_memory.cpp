@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "bench_util.h"
-#include "tensor/ops.h"
+#include <ember/tensor/ops.h>
 
 int main(int argc, char** argv) {
   bench::Options o = bench::parse(argc, argv);

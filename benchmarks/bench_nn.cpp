@@ -4,7 +4,7 @@
 #include <cstdio>
 
 #include "bench_util.h"
-#include "nn/nn.h"
+#include <ember/nn/nn.h>
 
 using namespace ember;
 namespace F = ember::nn::functional;

@@ -5,7 +5,7 @@
 #include <cstdlib>
 
 #include "benchmarks/bench_util.h"
-#include "tensor/ops.h"
+#include <ember/tensor/ops.h>
 
 using namespace ember;
 

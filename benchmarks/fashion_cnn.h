@@ -5,12 +5,12 @@
 
 #include <memory>
 
-#include "nn/activation.h"
-#include "nn/container.h"
-#include "nn/conv.h"
-#include "nn/flatten.h"
-#include "nn/linear.h"
-#include "nn/pooling.h"
+#include <ember/nn/activation.h>
+#include <ember/nn/container.h>
+#include <ember/nn/conv.h>
+#include <ember/nn/flatten.h>
+#include <ember/nn/linear.h>
+#include <ember/nn/pooling.h>
 
 namespace bench {
 

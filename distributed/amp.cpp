@@ -1,7 +1,7 @@
 // found_inf_allreduce (distributed/amp.h).
-#include "distributed/amp.h"
+#include <ember/distributed/amp.h>
 
-#include "distributed/init.h"
+#include <ember/distributed/init.h>
 
 namespace ember::dist {
 

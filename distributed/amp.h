@@ -11,8 +11,8 @@
 
 #include <memory>
 
-#include "distributed/process_group.h"
-#include "nn/amp/grad_scaler.h"
+#include <ember/distributed/process_group.h>
+#include <ember/nn/amp/grad_scaler.h>
 
 namespace ember::dist {
 

@@ -1,9 +1,9 @@
-#include "distributed/comm_hooks.h"
+#include <ember/distributed/comm_hooks.h>
 
 #include <algorithm>
 #include <sstream>
 
-#include "tensor/grad_mode.h"
+#include <ember/tensor/grad_mode.h>
 
 namespace ember::dist {
 

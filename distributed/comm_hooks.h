@@ -29,7 +29,7 @@
 #include <utility>
 #include <vector>
 
-#include "distributed/process_group.h"
+#include <ember/distributed/process_group.h>
 
 namespace ember::detail {
 class DeferredSteps;

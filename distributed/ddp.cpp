@@ -1,17 +1,17 @@
-#include "distributed/ddp.h"
+#include <ember/distributed/ddp.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <sstream>
 #include <utility>
 
-#include "distributed/ddp_join.h"
-#include "distributed/debug.h"
-#include "distributed/init.h"
-#include "distributed/reducer.h"
-#include "tensor/creation.h"
-#include "tensor/grad_mode.h"
-#include "tensor/ops.h"
+#include <ember/distributed/ddp_join.h>
+#include <ember/distributed/debug.h>
+#include <ember/distributed/init.h>
+#include <ember/distributed/reducer.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/grad_mode.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::detail {
 

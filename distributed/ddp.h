@@ -32,9 +32,9 @@
 #include <string>
 #include <vector>
 
-#include "distributed/comm_hooks.h"
-#include "distributed/process_group.h"
-#include "nn/module.h"
+#include <ember/distributed/comm_hooks.h>
+#include <ember/distributed/process_group.h>
+#include <ember/nn/module.h>
 
 namespace ember::detail {
 class Reducer;

@@ -1,10 +1,10 @@
 // DistributedDataParallel::join(): training with uneven inputs.
-#include "distributed/ddp_join.h"
+#include <ember/distributed/ddp_join.h>
 
 #include <iterator>
 #include <sstream>
 
-#include "tensor/creation.h"
+#include <ember/tensor/creation.h>
 
 namespace ember::detail {
 

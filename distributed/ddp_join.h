@@ -5,8 +5,8 @@
 #include <functional>
 #include <vector>
 
-#include "distributed/ddp.h"
-#include "distributed/reducer.h"
+#include <ember/distributed/ddp.h>
+#include <ember/distributed/reducer.h>
 
 namespace ember::detail {
 

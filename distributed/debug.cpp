@@ -1,11 +1,11 @@
-#include "distributed/debug.h"
+#include <ember/distributed/debug.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
 #include <sstream>
 
-#include "tensor/creation.h"
+#include <ember/tensor/creation.h>
 
 namespace ember::dist {
 

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "distributed/process_group.h"
+#include <ember/distributed/process_group.h>
 
 namespace ember::dist {
 

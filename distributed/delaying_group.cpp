@@ -5,7 +5,7 @@
 // inner collective has completed before the wrapper attached its callback (then a callback
 // would run at once on the caller): on the CPU it runs on the group's own delay thread, on
 // CUDA it is queued on the group's own stream, after the collective's ready events.
-#include "distributed/delaying_group.h"
+#include <ember/distributed/delaying_group.h>
 
 #include <condition_variable>
 #include <deque>
@@ -14,9 +14,9 @@
 #include <optional>
 #include <thread>
 
-#include "tensor/cuda.h"
-#include "tensor/grad_mode.h"
-#include "tensor/ops.h"
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/grad_mode.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::dist {
 

@@ -1,7 +1,7 @@
 // Errors of the distributed layer (torch.distributed's DistError family).
 #pragma once
 
-#include "tensor/error.h"
+#include <ember/tensor/error.h>
 
 namespace ember::dist {
 

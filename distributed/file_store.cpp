@@ -1,4 +1,4 @@
-#include "distributed/file_store.h"
+#include <ember/distributed/file_store.h>
 
 #include <fcntl.h>
 #include <sys/file.h>
@@ -10,7 +10,7 @@
 #include <system_error>
 #include <thread>
 
-#include "distributed/detail/store_util.h"
+#include <ember/distributed/detail/store_util.h>
 
 namespace ember::dist {
 

@@ -1,6 +1,6 @@
-#include "distributed/hash_store.h"
+#include <ember/distributed/hash_store.h>
 
-#include "distributed/detail/store_util.h"
+#include <ember/distributed/detail/store_util.h>
 
 namespace ember::dist {
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <unordered_map>
 
-#include "distributed/store.h"
+#include <ember/distributed/store.h>
 
 namespace ember::dist {
 

@@ -1,5 +1,5 @@
 // init_process_group, the default group and new_group.
-#include "distributed/init.h"
+#include <ember/distributed/init.h>
 
 #include <unistd.h>
 
@@ -7,19 +7,19 @@
 #include <cstdlib>
 #include <mutex>
 
-#include "distributed/file_store.h"
-#include "distributed/hash_store.h"
-#include "distributed/net.h"
-#include "distributed/prefix_store.h"
-#include "distributed/process_group_gloo.h"
-#include "distributed/process_group_hierarchical.h"
-#include "distributed/process_group_mpi.h"
-#include "distributed/tcp_store.h"
-#include "distributed/trace_clock.h"
-#include "tensor/creation.h"
-#include "tensor/cuda.h"
-#include "tensor/log.h"
-#include "tensor/trace.h"
+#include <ember/distributed/file_store.h>
+#include <ember/distributed/hash_store.h>
+#include <ember/distributed/net.h>
+#include <ember/distributed/prefix_store.h>
+#include <ember/distributed/process_group_gloo.h>
+#include <ember/distributed/process_group_hierarchical.h>
+#include <ember/distributed/process_group_mpi.h>
+#include <ember/distributed/tcp_store.h>
+#include <ember/distributed/trace_clock.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/log.h>
+#include <ember/tensor/trace.h>
 
 extern char** environ;
 

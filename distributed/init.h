@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "distributed/process_group.h"
-#include "distributed/store.h"
+#include <ember/distributed/process_group.h>
+#include <ember/distributed/store.h>
 
 namespace ember::dist {
 

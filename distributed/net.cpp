@@ -1,4 +1,4 @@
-#include "distributed/net.h"
+#include <ember/distributed/net.h>
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>

@@ -1,6 +1,6 @@
 // Stand-in for process_group_gloo.cpp in builds without gloo (EMBER_WITH_GLOO=OFF or libgloo
 // not found): constructing the group throws.
-#include "distributed/process_group_gloo.h"
+#include <ember/distributed/process_group_gloo.h>
 
 namespace ember::dist {
 

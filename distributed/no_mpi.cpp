@@ -1,5 +1,5 @@
 // The MPI process group in builds without MPI (EMBER_WITH_MPI=OFF or MPI not found).
-#include "distributed/process_group_mpi.h"
+#include <ember/distributed/process_group_mpi.h>
 
 namespace ember::dist {
 

@@ -1,7 +1,7 @@
 // Stand-in for process_group_nccl.cpp in builds without NCCL (EMBER_WITH_NCCL=OFF, CUDA off,
 // or NCCL not found): constructing the group throws. No backend "nccl" is registered, so
 // init_process_group({.backend = "nccl"}) reports an unknown backend.
-#include "distributed/process_group_nccl.h"
+#include <ember/distributed/process_group_nccl.h>
 
 namespace ember::dist {
 

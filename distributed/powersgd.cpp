@@ -11,18 +11,18 @@
 // Over NCCL the stages are chained on the stream (Note [NCCL stream-ordered work]): a deferred
 // step's wait for the previous all-reduce orders DDP's current stream after it, and nothing in
 // the stages reads a value back to the host, so no round blocks the CPU.
-#include "distributed/powersgd.h"
+#include <ember/distributed/powersgd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
-#include "tensor/creation.h"
-#include "tensor/elementwise.h"
-#include "tensor/grad_mode.h"
-#include "tensor/linalg.h"
-#include "tensor/random.h"
-#include "tensor/reduce.h"
+#include <ember/tensor/creation.h>
+#include <ember/tensor/elementwise.h>
+#include <ember/tensor/grad_mode.h>
+#include <ember/tensor/linalg.h>
+#include <ember/tensor/random.h>
+#include <ember/tensor/reduce.h>
 
 namespace ember::dist {
 

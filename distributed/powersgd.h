@@ -25,8 +25,8 @@
 #include <memory>
 #include <string>
 
-#include "distributed/comm_hooks.h"
-#include "nn/module.h"
+#include <ember/distributed/comm_hooks.h>
+#include <ember/nn/module.h>
 
 namespace ember::dist {
 

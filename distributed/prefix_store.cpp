@@ -1,4 +1,4 @@
-#include "distributed/prefix_store.h"
+#include <ember/distributed/prefix_store.h>
 
 namespace ember::dist {
 

@@ -6,7 +6,7 @@
 #include <memory>
 #include <string>
 
-#include "distributed/store.h"
+#include <ember/distributed/store.h>
 
 namespace ember::dist {
 

@@ -1,10 +1,10 @@
 // Collectives a backend does not provide natively, built from the ones every backend has
 // (allreduce, broadcast, allgather_into_tensor). Backends override these with native versions
 // where they have them; these keep the semantics and the error reporting of the parts.
-#include "distributed/process_group.h"
+#include <ember/distributed/process_group.h>
 
-#include "tensor/cuda.h"
-#include "tensor/ops.h"
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::dist {
 

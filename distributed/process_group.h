@@ -31,9 +31,9 @@
 #include <string>
 #include <vector>
 
-#include "distributed/errors.h"
-#include "distributed/store.h"
-#include "tensor/tensor.h"
+#include <ember/distributed/errors.h>
+#include <ember/distributed/store.h>
+#include <ember/tensor/tensor.h>
 
 namespace ember::cuda {
 class Event;

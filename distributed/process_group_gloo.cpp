@@ -1,6 +1,6 @@
 // ProcessGroupGloo over Gloo's TCP transport. Built only when gloo is found
 // (distributed/CMakeLists.txt); no_gloo.cpp stands in otherwise.
-#include "distributed/process_group_gloo.h"
+#include <ember/distributed/process_group_gloo.h>
 
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
@@ -27,11 +27,11 @@
 #include <thread>
 #include <vector>
 
-#include "distributed/detail/gloo_agreement.h"
-#include "distributed/detail/shm_allreduce.h"
-#include "distributed/detail/shm_kernels.h"
-#include "tensor/ops.h"
-#include "tensor/trace.h"
+#include <ember/distributed/detail/gloo_agreement.h>
+#include <ember/distributed/detail/shm_allreduce.h>
+#include <ember/distributed/detail/shm_kernels.h>
+#include <ember/tensor/ops.h>
+#include <ember/tensor/trace.h>
 
 namespace ember::dist {
 

@@ -42,8 +42,8 @@
 #include <memory>
 #include <string>
 
-#include "distributed/process_group.h"
-#include "distributed/store.h"
+#include <ember/distributed/process_group.h>
+#include <ember/distributed/store.h>
 
 namespace ember::dist {
 

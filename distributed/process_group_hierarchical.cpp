@@ -14,7 +14,7 @@
 // issue B k-1: the local group sees the same order on every rank (a collective order that
 // differed between ranks would pair different pieces), and B k-1 (which writes piece k-1) never
 // starts while this rank's L k-1 may still write it.
-#include "distributed/process_group_hierarchical.h"
+#include <ember/distributed/process_group_hierarchical.h>
 
 #include <unistd.h>
 
@@ -26,8 +26,8 @@
 #include <mutex>
 #include <thread>
 
-#include "distributed/prefix_store.h"
-#include "tensor/ops.h"
+#include <ember/distributed/prefix_store.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::dist {
 

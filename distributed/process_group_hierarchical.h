@@ -46,9 +46,9 @@
 #include <string>
 #include <vector>
 
-#include "distributed/process_group.h"
-#include "distributed/process_group_gloo.h"
-#include "distributed/store.h"
+#include <ember/distributed/process_group.h>
+#include <ember/distributed/process_group_gloo.h>
+#include <ember/distributed/store.h>
 
 namespace ember::dist {
 

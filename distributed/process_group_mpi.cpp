@@ -15,7 +15,7 @@
 // destructor detaches it (the worker owns a reference to the group's state, so nothing
 // dangles), and the atexit handler calls MPI_Abort instead of MPI_Finalize while any worker is
 // still inside MPI, so the process (and the job) ends with an error rather than hanging.
-#include "distributed/process_group_mpi.h"
+#include <ember/distributed/process_group_mpi.h>
 
 // Only MPI's C API: without these, mpi.h pulls in the deprecated C++ bindings (libmpi_cxx).
 #define OMPI_SKIP_MPICXX 1
@@ -31,8 +31,8 @@
 #include <optional>
 #include <thread>
 
-#include "tensor/ops.h"
-#include "tensor/log.h"
+#include <ember/tensor/ops.h>
+#include <ember/tensor/log.h>
 
 namespace ember::dist {
 

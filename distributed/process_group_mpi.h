@@ -16,7 +16,7 @@
 #include <memory>
 #include <vector>
 
-#include "distributed/process_group.h"
+#include <ember/distributed/process_group.h>
 
 namespace ember::dist {
 

@@ -1,7 +1,7 @@
 // ProcessGroupNccl over NCCL. Built only with CUDA and NCCL (distributed/CMakeLists.txt);
 // no_nccl.cpp stands in otherwise. This file also registers the "nccl" backend with
 // init_process_group (a static initializer at the end).
-#include "distributed/process_group_nccl.h"
+#include <ember/distributed/process_group_nccl.h>
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -13,12 +13,12 @@
 #include <optional>
 #include <thread>
 
-#include "distributed/init.h"
-#include "distributed/net.h"
-#include "distributed/debug.h"
-#include "tensor/cuda/check.h"
-#include "tensor/ops.h"
-#include "tensor/log.h"
+#include <ember/distributed/init.h>
+#include <ember/distributed/net.h>
+#include <ember/distributed/debug.h>
+#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/ops.h>
+#include <ember/tensor/log.h>
 
 namespace ember::dist {
 

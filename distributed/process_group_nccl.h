@@ -49,9 +49,9 @@
 #include <optional>
 #include <string>
 
-#include "distributed/process_group.h"
-#include "distributed/store.h"
-#include "tensor/cuda.h"
+#include <ember/distributed/process_group.h>
+#include <ember/distributed/store.h>
+#include <ember/tensor/cuda.h>
 
 namespace ember::dist {
 

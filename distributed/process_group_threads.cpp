@@ -7,7 +7,7 @@
 // with tensor ops and completes every call's Future. One worker per world keeps collectives in
 // issue order and off the rank threads (they run on asynchronously, as with a real backend);
 // the same loop expires slots whose deadline passed, so no rendezvous waits unbounded.
-#include "distributed/process_group_threads.h"
+#include <ember/distributed/process_group_threads.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -18,9 +18,9 @@
 #include <thread>
 #include <tuple>
 
-#include "tensor/cuda.h"
-#include "tensor/grad_mode.h"
-#include "tensor/ops.h"
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/grad_mode.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::detail {
 enum class ThreadOp {

@@ -46,7 +46,7 @@
 #include <thread>
 #include <vector>
 
-#include "distributed/process_group.h"
+#include <ember/distributed/process_group.h>
 
 namespace ember::detail {
 class ThreadWorldState;

@@ -1,13 +1,13 @@
-#include "distributed/reducer.h"
+#include <ember/distributed/reducer.h>
 
 #include <algorithm>
 #include <sstream>
 #include <utility>
 
-#include "autograd/engine.h"
-#include "tensor/creation.h"
-#include "tensor/grad_mode.h"
-#include "tensor/trace.h"
+#include <ember/autograd/engine.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/grad_mode.h>
+#include <ember/tensor/trace.h>
 
 namespace ember::detail {
 

@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "distributed/comm_hooks.h"
-#include "distributed/ddp.h"
-#include "distributed/process_group.h"
+#include <ember/distributed/comm_hooks.h>
+#include <ember/distributed/ddp.h>
+#include <ember/distributed/process_group.h>
 
 // In ember::detail, not ember::dist::detail (distributed/detail/store_util.h says why).
 namespace ember::detail {

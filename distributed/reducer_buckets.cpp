@@ -5,10 +5,10 @@
 #include <sstream>
 #include <utility>
 
-#include "distributed/reducer.h"
-#include "tensor/creation.h"
-#include "tensor/grad_mode.h"
-#include "tensor/log.h"
+#include <ember/distributed/reducer.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/grad_mode.h>
+#include <ember/tensor/log.h>
 
 namespace ember::detail {
 

@@ -39,7 +39,7 @@
 // a chunk may span buffers, and nothing is packed. The other collectives run in the same steps
 // (run_steps below; Note [shared-memory collectives] in shm_collectives.cpp), and at the first
 // step of every collective each rank checks that all ranks passed the same description.
-#include "distributed/detail/shm_allreduce.h"
+#include <ember/distributed/detail/shm_allreduce.h>
 
 #include <fcntl.h>
 #include <signal.h>
@@ -59,7 +59,7 @@
 #include <random>
 #include <sstream>
 
-#include "distributed/errors.h"
+#include <ember/distributed/errors.h>
 
 namespace ember::detail {
 namespace {

@@ -22,8 +22,8 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "distributed/detail/shm_allreduce.h"
-#include "distributed/errors.h"
+#include <ember/distributed/detail/shm_allreduce.h>
+#include <ember/distributed/errors.h>
 
 namespace ember::detail {
 

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "distributed/errors.h"
+#include <ember/distributed/errors.h>
 
 namespace ember::dist {
 

@@ -1,4 +1,4 @@
-#include "distributed/detail/store_protocol.h"
+#include <ember/distributed/detail/store_protocol.h>
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
@@ -7,8 +7,8 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "distributed/errors.h"
-#include "distributed/tcp_store.h"
+#include <ember/distributed/errors.h>
+#include <ember/distributed/tcp_store.h>
 
 namespace ember::detail::store_wire {
 

@@ -1,4 +1,4 @@
-#include "distributed/detail/store_util.h"
+#include <ember/distributed/detail/store_util.h>
 
 #include <algorithm>
 #include <limits>

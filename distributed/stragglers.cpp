@@ -1,11 +1,11 @@
-#include "distributed/stragglers.h"
+#include <ember/distributed/stragglers.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 
-#include "tensor/creation.h"
-#include "tensor/ops.h"
+#include <ember/tensor/creation.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::dist {
 namespace {

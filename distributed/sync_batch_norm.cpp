@@ -1,14 +1,14 @@
-#include "distributed/sync_batch_norm.h"
+#include <ember/distributed/sync_batch_norm.h>
 
 #include <any>
 #include <typeinfo>
 #include <utility>
 #include <vector>
 
-#include "autograd/function.h"
-#include "distributed/init.h"
-#include "nn/container.h"
-#include "tensor/ops.h"
+#include <ember/autograd/function.h>
+#include <ember/distributed/init.h>
+#include <ember/nn/container.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::dist {
 

@@ -23,8 +23,8 @@
 #include <memory>
 #include <string>
 
-#include "distributed/process_group.h"
-#include "nn/norm.h"
+#include <ember/distributed/process_group.h>
+#include <ember/nn/norm.h>
 
 namespace ember::dist {
 

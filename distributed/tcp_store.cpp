@@ -1,6 +1,6 @@
 // TCPStore client: plain POSIX sockets, non-blocking, every read and write bounded by poll()
 // against a deadline. (The server is in tcp_store_server.cpp.)
-#include "distributed/tcp_store.h"
+#include <ember/distributed/tcp_store.h>
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -16,8 +16,8 @@
 #include <system_error>
 #include <thread>
 
-#include "distributed/detail/store_protocol.h"
-#include "distributed/detail/store_util.h"
+#include <ember/distributed/detail/store_protocol.h>
+#include <ember/distributed/detail/store_util.h>
 
 namespace ember::dist {
 

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "distributed/store.h"
+#include <ember/distributed/store.h>
 
 namespace ember::dist {
 

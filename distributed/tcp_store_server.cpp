@@ -16,10 +16,10 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "distributed/detail/store_protocol.h"
-#include "distributed/detail/store_util.h"
-#include "distributed/tcp_store.h"
-#include "tensor/log.h"
+#include <ember/distributed/detail/store_protocol.h>
+#include <ember/distributed/detail/store_util.h>
+#include <ember/distributed/tcp_store.h>
+#include <ember/tensor/log.h>
 
 namespace ember::dist {
 

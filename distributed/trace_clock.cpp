@@ -1,9 +1,9 @@
-#include "distributed/trace_clock.h"
+#include <ember/distributed/trace_clock.h>
 
 #include <limits>
 
-#include "tensor/creation.h"
-#include "tensor/trace.h"
+#include <ember/tensor/creation.h>
+#include <ember/tensor/trace.h>
 
 namespace ember::dist {
 

@@ -3,7 +3,7 @@
 // call it on every rank of `pg` after trace::start if tracing starts later.
 #pragma once
 
-#include "distributed/process_group.h"
+#include <ember/distributed/process_group.h>
 
 namespace ember::dist {
 

@@ -2,10 +2,10 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "distributed/process_group.h"
+#include <ember/distributed/process_group.h>
 
-#include "tensor/cuda.h"
-#include "tensor/log.h"
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/log.h>
 
 namespace ember::dist {
 

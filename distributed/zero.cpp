@@ -1,4 +1,4 @@
-#include "distributed/zero.h"
+#include <ember/distributed/zero.h>
 
 #include <algorithm>
 #include <cstring>
@@ -7,10 +7,10 @@
 #include <set>
 #include <sstream>
 
-#include "distributed/errors.h"
-#include "distributed/init.h"
-#include "tensor/creation.h"
-#include "tensor/ops.h"
+#include <ember/distributed/errors.h>
+#include <ember/distributed/init.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::dist {
 namespace {

@@ -26,8 +26,8 @@
 #include <optional>
 #include <vector>
 
-#include "distributed/process_group.h"
-#include "nn/optim/optimizer.h"
+#include <ember/distributed/process_group.h>
+#include <ember/nn/optim/optimizer.h>
 
 namespace ember::dist {
 

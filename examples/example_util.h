@@ -22,15 +22,15 @@
 #include <utility>
 #include <vector>
 
-#include "distributed/comm_hooks.h"
-#include "distributed/ddp.h"
-#include "distributed/hash_store.h"
-#include "distributed/init.h"
-#include "distributed/powersgd.h"
-#include "distributed/stragglers.h"
-#include "nn/nn.h"
-#include "tensor/creation.h"
-#include "tensor/cuda.h"
+#include <ember/distributed/comm_hooks.h>
+#include <ember/distributed/ddp.h>
+#include <ember/distributed/hash_store.h>
+#include <ember/distributed/init.h>
+#include <ember/distributed/powersgd.h>
+#include <ember/distributed/stragglers.h>
+#include <ember/nn/nn.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/cuda.h>
 
 namespace ember::examples {
 

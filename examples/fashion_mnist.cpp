@@ -30,20 +30,20 @@
 #include <vector>
 
 #include "examples/example_util.h"
-#include "distributed/comm_hooks.h"
-#include "distributed/ddp.h"
-#include "distributed/stragglers.h"
-#include "distributed/hash_store.h"
-#include "distributed/init.h"
-#include "distributed/powersgd.h"
-#include "nn/nn.h"
-#include "tensor/creation.h"
-#include "tensor/cuda.h"
-#include "tensor/elementwise.h"
-#include "tensor/grad_mode.h"
-#include "tensor/random.h"
-#include "tensor/threading.h"
-#include "tensor/trace.h"
+#include <ember/distributed/comm_hooks.h>
+#include <ember/distributed/ddp.h>
+#include <ember/distributed/stragglers.h>
+#include <ember/distributed/hash_store.h>
+#include <ember/distributed/init.h>
+#include <ember/distributed/powersgd.h>
+#include <ember/nn/nn.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/elementwise.h>
+#include <ember/tensor/grad_mode.h>
+#include <ember/tensor/random.h>
+#include <ember/tensor/threading.h>
+#include <ember/tensor/trace.h>
 
 namespace nn = ember::nn;
 namespace dist = ember::dist;

@@ -27,21 +27,21 @@
 #include <string>
 #include <vector>
 
-#include "distributed/amp.h"
+#include <ember/distributed/amp.h>
 #include "examples/example_util.h"
-#include "nn/activation_checkpoint.h"
-#include "nn/amp/autocast.h"
-#include "nn/attention.h"
-#include "nn/data/token_stream.h"
-#include "nn/nn.h"
-#include "tensor/allocator.h"
-#include "tensor/creation.h"
-#include "tensor/cuda.h"
-#include "tensor/grad_mode.h"
-#include "tensor/indexing.h"
-#include "tensor/random.h"
-#include "tensor/reduce.h"
-#include "tensor/threading.h"
+#include <ember/nn/activation_checkpoint.h>
+#include <ember/nn/amp/autocast.h>
+#include <ember/nn/attention.h>
+#include <ember/nn/data/token_stream.h>
+#include <ember/nn/nn.h>
+#include <ember/tensor/allocator.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/grad_mode.h>
+#include <ember/tensor/indexing.h>
+#include <ember/tensor/random.h>
+#include <ember/tensor/reduce.h>
+#include <ember/tensor/threading.h>
 
 namespace nn = ember::nn;
 namespace dist = ember::dist;

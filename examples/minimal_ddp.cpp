@@ -2,10 +2,10 @@
 //   emberrun --nproc-per-node 2 build/examples/minimal_ddp
 #include <cstdlib>
 
-#include "distributed/ddp.h"
-#include "distributed/init.h"
-#include "nn/nn.h"
-#include "tensor/random.h"
+#include <ember/distributed/ddp.h>
+#include <ember/distributed/init.h>
+#include <ember/nn/nn.h>
+#include <ember/tensor/random.h>
 
 namespace nn = ember::nn;
 namespace dist = ember::dist;

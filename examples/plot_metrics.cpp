@@ -37,8 +37,8 @@
 #include <string>
 #include <vector>
 
-#include "nn/atomic_file.h"
-#include "tensor/error.h"
+#include <ember/nn/atomic_file.h>
+#include <ember/tensor/error.h>
 
 namespace {
 

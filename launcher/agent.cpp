@@ -1,4 +1,4 @@
-#include "launcher/agent.h"
+#include <ember/launcher/agent.h>
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -14,8 +14,8 @@
 #include <optional>
 #include <sstream>
 
-#include "launcher/rendezvous.h"
-#include "launcher/worker_group.h"
+#include <ember/launcher/rendezvous.h>
+#include <ember/launcher/worker_group.h>
 
 namespace ember::launcher {
 namespace {

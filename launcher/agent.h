@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "launcher/config.h"
+#include <ember/launcher/config.h>
 
 namespace ember::launcher {
 

@@ -1,4 +1,4 @@
-#include "launcher/config.h"
+#include <ember/launcher/config.h>
 
 #include <arpa/inet.h>
 #include <dlfcn.h>

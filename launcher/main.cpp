@@ -5,10 +5,10 @@
 #include <string>
 #include <vector>
 
-#include "launcher/agent.h"
-#include "launcher/config.h"
-#include "launcher/trace_merge.h"
-#include "tensor/trace.h"
+#include <ember/launcher/agent.h>
+#include <ember/launcher/config.h>
+#include <ember/launcher/trace_merge.h>
+#include <ember/tensor/trace.h>
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "launcher/rendezvous.h"
+#include <ember/launcher/rendezvous.h>
 
 #include <netdb.h>
 #include <sys/socket.h>
@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <thread>
 
-#include "distributed/tcp_store.h"
+#include <ember/distributed/tcp_store.h>
 
 namespace ember::launcher {
 namespace {

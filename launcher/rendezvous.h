@@ -9,7 +9,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "launcher/config.h"
+#include <ember/launcher/config.h>
 
 namespace ember::dist {
 class TCPStore;

@@ -1,4 +1,4 @@
-#include "launcher/trace_merge.h"
+#include <ember/launcher/trace_merge.h>
 
 #include <unistd.h>
 

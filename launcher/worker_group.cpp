@@ -1,4 +1,4 @@
-#include "launcher/worker_group.h"
+#include <ember/launcher/worker_group.h>
 
 #include <fcntl.h>
 #include <poll.h>

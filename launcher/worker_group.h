@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "launcher/agent.h"
-#include "launcher/config.h"
+#include <ember/launcher/agent.h>
+#include <ember/launcher/config.h>
 
 namespace ember::launcher {
 

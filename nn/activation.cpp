@@ -1,4 +1,4 @@
-#include "nn/activation.h"
+#include <ember/nn/activation.h>
 
 namespace ember::nn {
 

@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "nn/module.h"
+#include <ember/nn/module.h>
 
 namespace ember::nn {
 

@@ -1,13 +1,13 @@
-#include "nn/activation_checkpoint.h"
+#include <ember/nn/activation_checkpoint.h>
 
 #include <any>
 #include <memory>
 #include <unordered_set>
 
-#include "autograd/engine.h"
-#include "autograd/function.h"
-#include "tensor/random.h"
-#include "tensor/autocast.h"
+#include <ember/autograd/engine.h>
+#include <ember/autograd/function.h>
+#include <ember/tensor/random.h>
+#include <ember/tensor/autocast.h>
 
 namespace ember::nn {
 

@@ -11,7 +11,7 @@
 #include <memory>
 #include <vector>
 
-#include "nn/module.h"
+#include <ember/nn/module.h>
 
 namespace ember::nn {
 

@@ -1,4 +1,4 @@
-#include "nn/atomic_file.h"
+#include <ember/nn/atomic_file.h>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -11,7 +11,7 @@
 #include <random>
 #include <system_error>
 
-#include "tensor/error.h"
+#include <ember/tensor/error.h>
 
 namespace ember::nn {
 

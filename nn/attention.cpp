@@ -1,14 +1,14 @@
-#include "nn/attention.h"
+#include <ember/nn/attention.h>
 
 #include <atomic>
 #include <cmath>
 #include <vector>
 
-#include "autograd/function.h"
-#include "nn/functional.h"
-#include "tensor/autocast.h"
-#include "tensor/detail/attention_kernels.h"
-#include "tensor/random.h"
+#include <ember/autograd/function.h>
+#include <ember/nn/functional.h>
+#include <ember/tensor/autocast.h>
+#include <ember/tensor/detail/attention_kernels.h>
+#include <ember/tensor/random.h>
 
 namespace ember::nn::functional {
 

@@ -3,7 +3,7 @@
 
 #include <optional>
 
-#include "tensor/ops.h"
+#include <ember/tensor/ops.h>
 
 namespace ember::nn::functional {
 

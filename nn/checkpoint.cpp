@@ -1,9 +1,9 @@
-#include "nn/checkpoint.h"
+#include <ember/nn/checkpoint.h>
 
 #include <optional>
 
-#include "nn/serialize.h"
-#include "tensor/trace.h"
+#include <ember/nn/serialize.h>
+#include <ember/tensor/trace.h>
 
 namespace ember::nn {
 

@@ -12,8 +12,8 @@
 #include <map>
 #include <string>
 
-#include "nn/module.h"
-#include "nn/optim/optimizer.h"
+#include <ember/nn/module.h>
+#include <ember/nn/optim/optimizer.h>
 
 namespace ember::nn {
 

@@ -1,8 +1,8 @@
-#include "nn/clip_grad.h"
+#include <ember/nn/clip_grad.h>
 
 #include <cmath>
 
-#include "autograd/autograd.h"
+#include <ember/autograd/autograd.h>
 
 namespace ember::nn {
 

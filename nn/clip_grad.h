@@ -4,7 +4,7 @@
 #include <limits>
 #include <vector>
 
-#include "tensor/tensor.h"
+#include <ember/tensor/tensor.h>
 
 namespace ember::nn {
 

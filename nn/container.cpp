@@ -1,4 +1,4 @@
-#include "nn/container.h"
+#include <ember/nn/container.h>
 
 #include <string>
 

@@ -6,7 +6,7 @@
 #include <memory>
 #include <vector>
 
-#include "nn/module.h"
+#include <ember/nn/module.h>
 
 namespace ember::nn {
 

@@ -1,8 +1,8 @@
-#include "nn/conv.h"
+#include <ember/nn/conv.h>
 
 #include <cmath>
 
-#include "nn/init.h"
+#include <ember/nn/init.h>
 
 namespace ember::nn {
 

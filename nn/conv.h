@@ -1,8 +1,8 @@
 // 2-d convolution layer.
 #pragma once
 
-#include "nn/layer_utils.h"
-#include "nn/module.h"
+#include <ember/nn/layer_utils.h>
+#include <ember/nn/module.h>
 
 namespace ember::nn {
 

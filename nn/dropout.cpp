@@ -1,7 +1,7 @@
-#include "nn/dropout.h"
+#include <ember/nn/dropout.h>
 
-#include "nn/functional.h"
-#include "nn/layer_utils.h"
+#include <ember/nn/functional.h>
+#include <ember/nn/layer_utils.h>
 
 namespace ember::nn {
 

@@ -1,7 +1,7 @@
 // Dropout layer.
 #pragma once
 
-#include "nn/module.h"
+#include <ember/nn/module.h>
 
 namespace ember::nn {
 

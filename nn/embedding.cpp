@@ -1,7 +1,7 @@
-#include "nn/embedding.h"
+#include <ember/nn/embedding.h>
 
-#include "nn/functional.h"
-#include "nn/init.h"
+#include <ember/nn/functional.h>
+#include <ember/nn/init.h>
 
 namespace ember::nn {
 

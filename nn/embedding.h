@@ -3,7 +3,7 @@
 
 #include <optional>
 
-#include "nn/module.h"
+#include <ember/nn/module.h>
 
 namespace ember::nn {
 

@@ -1,4 +1,4 @@
-#include "nn/flatten.h"
+#include <ember/nn/flatten.h>
 
 namespace ember::nn {
 

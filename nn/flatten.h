@@ -1,7 +1,7 @@
 // Flatten layer.
 #pragma once
 
-#include "nn/module.h"
+#include <ember/nn/module.h>
 
 namespace ember::nn {
 

@@ -1,13 +1,13 @@
-#include "nn/functional.h"
+#include <ember/nn/functional.h>
 
 #include <algorithm>
 #include <any>
 #include <string>
 #include <vector>
 
-#include "autograd/function.h"
-#include "tensor/autocast.h"
-#include "tensor/detail/norm_kernels.h"
+#include <ember/autograd/function.h>
+#include <ember/tensor/autocast.h>
+#include <ember/tensor/detail/norm_kernels.h>
 
 namespace ember::nn::functional {
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <string_view>
 
-#include "tensor/ops.h"
+#include <ember/tensor/ops.h>
 
 namespace ember::nn::functional {
 

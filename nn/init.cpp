@@ -1,4 +1,4 @@
-#include "nn/init.h"
+#include <ember/nn/init.h>
 
 #include <algorithm>
 #include <cctype>

@@ -9,7 +9,7 @@
 #include <string_view>
 #include <utility>
 
-#include "tensor/ops.h"
+#include <ember/tensor/ops.h>
 
 namespace ember::nn::init {
 

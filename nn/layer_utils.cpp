@@ -1,4 +1,4 @@
-#include "nn/layer_utils.h"
+#include <ember/nn/layer_utils.h>
 
 #include <charconv>
 #include <cmath>

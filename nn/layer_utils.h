@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "tensor/conv.h"
+#include <ember/tensor/conv.h>
 
 namespace ember::nn {
 

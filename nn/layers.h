@@ -4,14 +4,14 @@
 // nn/init.h.
 #pragma once
 
-#include "nn/activation.h"
-#include "nn/container.h"
-#include "nn/conv.h"
-#include "nn/dropout.h"
-#include "nn/embedding.h"
-#include "nn/flatten.h"
-#include "nn/linear.h"
-#include "nn/multihead_attention.h"
-#include "nn/norm.h"
-#include "nn/pooling.h"
-#include "nn/transformer.h"
+#include <ember/nn/activation.h>
+#include <ember/nn/container.h>
+#include <ember/nn/conv.h>
+#include <ember/nn/dropout.h>
+#include <ember/nn/embedding.h>
+#include <ember/nn/flatten.h>
+#include <ember/nn/linear.h>
+#include <ember/nn/multihead_attention.h>
+#include <ember/nn/norm.h>
+#include <ember/nn/pooling.h>
+#include <ember/nn/transformer.h>

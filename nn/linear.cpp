@@ -1,10 +1,10 @@
-#include "nn/linear.h"
+#include <ember/nn/linear.h>
 
 #include <cmath>
 
-#include "nn/functional.h"
-#include "nn/init.h"
-#include "nn/layer_utils.h"
+#include <ember/nn/functional.h>
+#include <ember/nn/init.h>
+#include <ember/nn/layer_utils.h>
 
 namespace ember::nn {
 

@@ -1,7 +1,7 @@
 // Linear and Identity layers.
 #pragma once
 
-#include "nn/module.h"
+#include <ember/nn/module.h>
 
 namespace ember::nn {
 

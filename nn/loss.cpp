@@ -1,4 +1,4 @@
-#include "nn/loss.h"
+#include <ember/nn/loss.h>
 
 namespace ember::nn {
 

@@ -5,8 +5,8 @@
 
 #include <string>
 
-#include "nn/functional.h"
-#include "nn/module.h"
+#include <ember/nn/functional.h>
+#include <ember/nn/module.h>
 
 namespace ember::nn {
 

@@ -1,9 +1,9 @@
-#include "nn/module.h"
+#include <ember/nn/module.h>
 
 #include <algorithm>
 #include <sstream>
 
-#include "autograd/node.h"
+#include <ember/autograd/node.h>
 
 namespace ember::nn {
 

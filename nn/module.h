@@ -20,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/autograd.h"
+#include <ember/autograd/autograd.h>
 
 namespace ember::nn {
 

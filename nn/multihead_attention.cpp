@@ -1,11 +1,11 @@
-#include "nn/multihead_attention.h"
+#include <ember/nn/multihead_attention.h>
 
 #include <cmath>
 
-#include "nn/attention.h"
-#include "nn/functional.h"
-#include "nn/init.h"
-#include "nn/layer_utils.h"
+#include <ember/nn/attention.h>
+#include <ember/nn/functional.h>
+#include <ember/nn/init.h>
+#include <ember/nn/layer_utils.h>
 
 namespace ember::nn {
 

@@ -4,8 +4,8 @@
 #include <optional>
 #include <string>
 
-#include "nn/linear.h"
-#include "nn/module.h"
+#include <ember/nn/linear.h>
+#include <ember/nn/module.h>
 
 namespace ember::nn {
 

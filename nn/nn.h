@@ -1,20 +1,20 @@
 // Everything the nn library offers, in one include (plus autograd and the tensor library).
 #pragma once
 
-#include "autograd/autograd.h"
-#include "nn/activation_checkpoint.h"
-#include "nn/checkpoint.h"
-#include "nn/clip_grad.h"
-#include "nn/data/data.h"
-#include "nn/attention.h"
-#include "nn/functional.h"
-#include "nn/init.h"
-#include "nn/layers.h"
-#include "nn/loss.h"
-#include "nn/module.h"
-#include "nn/optim/adam.h"
-#include "nn/optim/lr_scheduler.h"
-#include "nn/optim/optimizer.h"
-#include "nn/optim/sgd.h"
-#include "nn/serialize.h"
-#include "nn/summary_writer.h"
+#include <ember/autograd/autograd.h>
+#include <ember/nn/activation_checkpoint.h>
+#include <ember/nn/checkpoint.h>
+#include <ember/nn/clip_grad.h>
+#include <ember/nn/data/data.h>
+#include <ember/nn/attention.h>
+#include <ember/nn/functional.h>
+#include <ember/nn/init.h>
+#include <ember/nn/layers.h>
+#include <ember/nn/loss.h>
+#include <ember/nn/module.h>
+#include <ember/nn/optim/adam.h>
+#include <ember/nn/optim/lr_scheduler.h>
+#include <ember/nn/optim/optimizer.h>
+#include <ember/nn/optim/sgd.h>
+#include <ember/nn/serialize.h>
+#include <ember/nn/summary_writer.h>

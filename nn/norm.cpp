@@ -1,8 +1,8 @@
-#include "nn/norm.h"
+#include <ember/nn/norm.h>
 
-#include "nn/functional.h"
-#include "nn/init.h"
-#include "nn/layer_utils.h"
+#include <ember/nn/functional.h>
+#include <ember/nn/init.h>
+#include <ember/nn/layer_utils.h>
 
 namespace ember::nn {
 

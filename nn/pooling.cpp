@@ -1,4 +1,4 @@
-#include "nn/pooling.h"
+#include <ember/nn/pooling.h>
 
 namespace ember::nn {
 

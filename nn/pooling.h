@@ -3,8 +3,8 @@
 
 #include <optional>
 
-#include "nn/layer_utils.h"
-#include "nn/module.h"
+#include <ember/nn/layer_utils.h>
+#include <ember/nn/module.h>
 
 namespace ember::nn {
 

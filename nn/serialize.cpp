@@ -1,4 +1,4 @@
-#include "nn/serialize.h"
+#include <ember/nn/serialize.h>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -18,9 +18,9 @@
 #include <tuple>
 #include <unordered_set>
 
-#include "nn/atomic_file.h"
-#include "tensor/creation.h"
-#include "tensor/grad_mode.h"
+#include <ember/nn/atomic_file.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/grad_mode.h>
 
 namespace ember::nn {
 

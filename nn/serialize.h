@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-#include "tensor/tensor.h"
+#include <ember/tensor/tensor.h>
 
 namespace ember::nn {
 

@@ -1,5 +1,5 @@
 // SummaryWriter: TensorBoard event files (see summary_writer.h and docs/observability.md).
-#include "nn/summary_writer.h"
+#include <ember/nn/summary_writer.h>
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "nn/tensorboard.pb.h"
-#include "tensor/error.h"
-#include "tensor/log.h"
+#include <ember/tensor/error.h>
+#include <ember/tensor/log.h>
 
 namespace ember {
 

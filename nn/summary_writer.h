@@ -22,7 +22,7 @@
 #include <string>
 #include <string_view>
 
-#include "tensor/tensor.h"
+#include <ember/tensor/tensor.h>
 
 namespace ember::nn {
 

@@ -1,6 +1,6 @@
-#include "nn/transformer.h"
+#include <ember/nn/transformer.h>
 
-#include "nn/functional.h"
+#include <ember/nn/functional.h>
 
 namespace ember::nn {
 

@@ -4,10 +4,10 @@
 #include <memory>
 #include <string>
 
-#include "nn/dropout.h"
-#include "nn/linear.h"
-#include "nn/multihead_attention.h"
-#include "nn/norm.h"
+#include <ember/nn/dropout.h>
+#include <ember/nn/linear.h>
+#include <ember/nn/multihead_attention.h>
+#include <ember/nn/norm.h>
 
 namespace ember::nn {
 

@@ -1,4 +1,4 @@
-#include "tensor/allocator.h"
+#include <ember/tensor/allocator.h>
 
 #include <sys/mman.h>
 
@@ -7,7 +7,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "tensor/error.h"
+#include <ember/tensor/error.h>
 
 namespace ember {
 

@@ -13,7 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "tensor/device.h"
+#include <ember/tensor/device.h>
 
 namespace ember {
 

@@ -1,9 +1,9 @@
 // Front end of the fused unscale (tensor/amp.h): validation and device dispatch.
-#include "tensor/amp.h"
+#include <ember/tensor/amp.h>
 
-#include "tensor/detail/amp_kernels.h"
-#include "tensor/error.h"
-#include "tensor/grad_mode.h"
+#include <ember/tensor/detail/amp_kernels.h>
+#include <ember/tensor/error.h>
+#include <ember/tensor/grad_mode.h>
 
 namespace ember::detail {
 

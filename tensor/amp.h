@@ -2,7 +2,7 @@
 // nn/amp/grad_scaler.cpp).
 #pragma once
 
-#include "tensor/tensor.h"
+#include <ember/tensor/tensor.h>
 
 namespace ember::detail {
 

@@ -1,11 +1,11 @@
 // Autocast state, the guard, and the cast (with its per-scope cache) that op front ends call.
-#include "tensor/autocast.h"
+#include <ember/tensor/autocast.h>
 
 #include <memory>
 #include <unordered_map>
 
-#include "tensor/error.h"
-#include "tensor/grad_mode.h"
+#include <ember/tensor/error.h>
+#include <ember/tensor/grad_mode.h>
 
 namespace ember {
 

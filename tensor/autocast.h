@@ -15,9 +15,9 @@
 #include <cstdint>
 #include <optional>
 
-#include "tensor/device.h"
-#include "tensor/dtype.h"
-#include "tensor/tensor.h"
+#include <ember/tensor/device.h>
+#include <ember/tensor/dtype.h>
+#include <ember/tensor/tensor.h>
 
 namespace ember {
 

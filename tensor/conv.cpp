@@ -1,11 +1,11 @@
 // Front end of convolution and pooling: argument validation with PyTorch's rules and messages,
 // output sizes, contiguous NCHW operands, then a CPU (oneDNN / own loops) or CUDA (cuDNN / own
 // kernels) backend from detail/conv_kernels.h.
-#include "tensor/conv.h"
+#include <ember/tensor/conv.h>
 
-#include "tensor/detail/conv_kernels.h"
-#include "tensor/autocast.h"
-#include "tensor/detail/record.h"
+#include <ember/tensor/detail/conv_kernels.h>
+#include <ember/tensor/autocast.h>
+#include <ember/tensor/detail/record.h>
 
 namespace ember {
 

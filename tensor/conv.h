@@ -5,7 +5,7 @@
 #include <array>
 #include <optional>
 
-#include "tensor/tensor.h"
+#include <ember/tensor/tensor.h>
 
 namespace ember {
 

@@ -1,9 +1,9 @@
-#include "tensor/creation.h"
+#include <ember/tensor/creation.h>
 
 #include <cmath>
 #include <cstring>
 
-#include "tensor/detail/copy.h"
+#include <ember/tensor/detail/copy.h>
 
 namespace ember {
 

@@ -6,7 +6,7 @@
 #include <initializer_list>
 #include <vector>
 
-#include "tensor/tensor.h"
+#include <ember/tensor/tensor.h>
 
 namespace ember {
 

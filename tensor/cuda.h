@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "tensor/device.h"
+#include <ember/tensor/device.h>
 
 namespace ember::cuda {
 

@@ -1,8 +1,8 @@
-#include "tensor/device.h"
+#include <ember/tensor/device.h>
 
 #include <charconv>
 
-#include "tensor/error.h"
+#include <ember/tensor/error.h>
 
 namespace ember {
 

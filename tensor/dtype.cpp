@@ -1,4 +1,4 @@
-#include "tensor/dtype.h"
+#include <ember/tensor/dtype.h>
 
 #include <string>
 

@@ -5,8 +5,8 @@
 #include <ostream>
 #include <string_view>
 
-#include "tensor/error.h"
-#include "tensor/half.h"
+#include <ember/tensor/error.h>
+#include <ember/tensor/half.h>
 
 namespace ember {
 

@@ -5,15 +5,15 @@
 // dominated by this code, not by the kernels. So operands are passed by reference and only
 // copied (converted) when their dtype or device differs from the compute one, no strings are
 // built unless an error is thrown, and the only heap allocations are the output's.
-#include "tensor/elementwise.h"
+#include <ember/tensor/elementwise.h>
 
 #include <cmath>
 #include <cstring>
 
-#include "tensor/autocast.h"
-#include "tensor/creation.h"
-#include "tensor/detail/elementwise_kernels.h"
-#include "tensor/detail/record.h"
+#include <ember/tensor/autocast.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/detail/elementwise_kernels.h>
+#include <ember/tensor/detail/record.h>
 
 namespace ember {
 

@@ -9,7 +9,7 @@
 
 #include <optional>
 
-#include "tensor/tensor.h"
+#include <ember/tensor/tensor.h>
 
 namespace ember {
 

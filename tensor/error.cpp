@@ -1,4 +1,4 @@
-#include "tensor/error.h"
+#include <ember/tensor/error.h>
 
 namespace ember::detail {
 

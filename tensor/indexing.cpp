@@ -1,12 +1,12 @@
 // Front end of the index ops: validation and shape inference, then every op becomes a gather or
 // a scatter loop over restrided views (see tensor/detail/indexing_kernels.h).
-#include "tensor/indexing.h"
+#include <ember/tensor/indexing.h>
 
 #include <algorithm>
 
-#include "tensor/creation.h"
-#include "tensor/detail/indexing_kernels.h"
-#include "tensor/detail/record.h"
+#include <ember/tensor/creation.h>
+#include <ember/tensor/detail/indexing_kernels.h>
+#include <ember/tensor/detail/record.h>
 
 namespace ember {
 

@@ -1,4 +1,4 @@
-#include "tensor/detail/iter.h"
+#include <ember/tensor/detail/iter.h>
 
 namespace ember::detail {
 

@@ -6,8 +6,8 @@
 // input); stack records through unsqueeze and cat, and the splits through narrow.
 #include <vector>
 
-#include "tensor/detail/record.h"
-#include "tensor/indexing.h"
+#include <ember/tensor/detail/record.h>
+#include <ember/tensor/indexing.h>
 
 namespace ember {
 

@@ -1,10 +1,10 @@
 // Front end of the matrix products: validation, torch.matmul's shape rules, broadcasting of
 // batch dims and 1-d promotion, then one batched GEMM kernel per device (detail::gemm_*).
-#include "tensor/linalg.h"
+#include <ember/tensor/linalg.h>
 
-#include "tensor/autocast.h"
-#include "tensor/detail/linalg_kernels.h"
-#include "tensor/detail/record.h"
+#include <ember/tensor/autocast.h>
+#include <ember/tensor/detail/linalg_kernels.h>
+#include <ember/tensor/detail/record.h>
 
 namespace ember {
 

@@ -2,7 +2,7 @@
 // bfloat16 on CUDA).
 #pragma once
 
-#include "tensor/tensor.h"
+#include <ember/tensor/tensor.h>
 
 namespace ember {
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <string_view>
 
-#include "tensor/error.h"
+#include <ember/tensor/error.h>
 
 namespace ember::logging {
 

@@ -1,14 +1,14 @@
 // Everything the tensor library offers, in one include.
 #pragma once
 
-#include "tensor/conv.h"
-#include "tensor/creation.h"
-#include "tensor/cuda.h"
-#include "tensor/elementwise.h"
-#include "tensor/grad_mode.h"
-#include "tensor/indexing.h"
-#include "tensor/linalg.h"
-#include "tensor/random.h"
-#include "tensor/reduce.h"
-#include "tensor/tensor.h"
-#include "tensor/threading.h"
+#include <ember/tensor/conv.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/elementwise.h>
+#include <ember/tensor/grad_mode.h>
+#include <ember/tensor/indexing.h>
+#include <ember/tensor/linalg.h>
+#include <ember/tensor/random.h>
+#include <ember/tensor/reduce.h>
+#include <ember/tensor/tensor.h>
+#include <ember/tensor/threading.h>

@@ -1,11 +1,11 @@
 // Front end of the fused optimizer updates (tensor/optim.h): validation, the fused-kernel
 // eligibility test, device dispatch, and the tensor-op fallback for everything else.
-#include "tensor/optim.h"
+#include <ember/tensor/optim.h>
 
 #include <cmath>
 #include <initializer_list>
 
-#include "tensor/ops.h"
+#include <ember/tensor/ops.h>
 
 namespace ember::detail {
 

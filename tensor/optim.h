@@ -5,8 +5,8 @@
 // tensor/detail/optim_kernels.h).
 #pragma once
 
-#include "tensor/detail/optim_kernels.h"
-#include "tensor/tensor.h"
+#include <ember/tensor/detail/optim_kernels.h>
+#include <ember/tensor/tensor.h>
 
 namespace ember::detail {
 

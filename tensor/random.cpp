@@ -1,11 +1,11 @@
 // Front end of the random ops: the Generator, validation, and device dispatch of the fills
 // (Note [Random streams] in tensor/detail/philox.h).
-#include "tensor/random.h"
+#include <ember/tensor/random.h>
 
 #include <cmath>
 #include <numeric>
 
-#include "tensor/detail/random_kernels.h"
+#include <ember/tensor/detail/random_kernels.h>
 
 namespace ember {
 

@@ -7,7 +7,7 @@
 #include <memory>
 #include <mutex>
 
-#include "tensor/tensor.h"
+#include <ember/tensor/tensor.h>
 
 namespace ember {
 

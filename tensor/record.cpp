@@ -1,10 +1,10 @@
 // The tensor side of the autograd seam (tensor/detail/record.h): grad mode and the installed
 // recording functions.
-#include "tensor/detail/record.h"
+#include <ember/tensor/detail/record.h>
 
 #include <vector>
 
-#include "tensor/error.h"
+#include <ember/tensor/error.h>
 
 namespace ember {
 namespace detail {

@@ -1,13 +1,13 @@
 // Reductions: validation, output shape/dtype inference and device dispatch. The kernels are in
 // cpu/reduce.cpp and cuda/reduce.cu (Note [Reduction geometry] in detail/reduce_kernels.h).
-#include "tensor/reduce.h"
+#include <ember/tensor/reduce.h>
 
 #include <algorithm>
 #include <optional>
 
-#include "tensor/autocast.h"
-#include "tensor/detail/record.h"
-#include "tensor/detail/reduce_kernels.h"
+#include <ember/tensor/autocast.h>
+#include <ember/tensor/detail/record.h>
+#include <ember/tensor/detail/reduce_kernels.h>
 
 namespace ember {
 

@@ -7,7 +7,7 @@
 #include <optional>
 #include <utility>
 
-#include "tensor/tensor.h"
+#include <ember/tensor/tensor.h>
 
 namespace ember {
 

@@ -6,7 +6,7 @@
 #include <ostream>
 #include <type_traits>
 
-#include "tensor/dtype.h"
+#include <ember/tensor/dtype.h>
 
 namespace ember {
 

@@ -1,4 +1,4 @@
-#include "tensor/shape.h"
+#include <ember/tensor/shape.h>
 
 #include <algorithm>
 

@@ -8,7 +8,7 @@
 #include <ostream>
 #include <vector>
 
-#include "tensor/error.h"
+#include <ember/tensor/error.h>
 
 namespace ember {
 

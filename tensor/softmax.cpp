@@ -1,8 +1,8 @@
 // softmax / log_softmax front end; kernels in cpu/softmax.cpp and cuda/softmax.cu.
-#include "tensor/autocast.h"
-#include "tensor/detail/record.h"
-#include "tensor/detail/reduce_kernels.h"
-#include "tensor/reduce.h"
+#include <ember/tensor/autocast.h>
+#include <ember/tensor/detail/record.h>
+#include <ember/tensor/detail/reduce_kernels.h>
+#include <ember/tensor/reduce.h>
 
 namespace ember {
 

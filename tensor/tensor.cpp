@@ -1,11 +1,11 @@
-#include "tensor/tensor.h"
+#include <ember/tensor/tensor.h>
 
 #include <algorithm>
 
-#include "tensor/creation.h"
-#include "tensor/cuda.h"
-#include "tensor/detail/copy.h"
-#include "tensor/detail/record.h"
+#include <ember/tensor/creation.h>
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/detail/copy.h>
+#include <ember/tensor/detail/record.h>
 
 namespace ember {
 

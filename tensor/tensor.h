@@ -21,11 +21,11 @@
 #include <utility>
 #include <vector>
 
-#include "tensor/allocator.h"
-#include "tensor/device.h"
-#include "tensor/dtype.h"
-#include "tensor/scalar.h"
-#include "tensor/shape.h"
+#include <ember/tensor/allocator.h>
+#include <ember/tensor/device.h>
+#include <ember/tensor/dtype.h>
+#include <ember/tensor/scalar.h>
+#include <ember/tensor/shape.h>
 
 namespace ember {
 

@@ -1,4 +1,4 @@
-#include "tensor/threading.h"
+#include <ember/tensor/threading.h>
 
 #include <omp.h>
 
@@ -8,7 +8,7 @@
 #include <string>
 #include <thread>
 
-#include "tensor/error.h"
+#include <ember/tensor/error.h>
 
 extern "C" void openblas_set_num_threads(int);
 

@@ -1,4 +1,4 @@
-#include "tensor/trace.h"
+#include <ember/tensor/trace.h>
 
 #include <unistd.h>
 
@@ -12,7 +12,7 @@
 #include <mutex>
 #include <vector>
 
-#include "tensor/error.h"
+#include <ember/tensor/error.h>
 
 namespace ember::trace {
 

@@ -40,9 +40,9 @@
 #include <vector>
 
 #include "benchmarks/bench_util.h"
-#include "distributed/init.h"
-#include "distributed/tcp_store.h"
-#include "tensor/ops.h"
+#include <ember/distributed/init.h>
+#include <ember/distributed/tcp_store.h>
+#include <ember/tensor/ops.h>
 
 #ifndef EMBER_SOURCE_DIR
 #define EMBER_SOURCE_DIR "."

@@ -44,15 +44,15 @@
 
 #include "benchmarks/bench_util.h"
 #include "benchmarks/fashion_cnn.h"
-#include "distributed/ddp.h"
-#include "distributed/hash_store.h"
-#include "distributed/init.h"
-#include "distributed/tcp_store.h"
-#include "nn/nn.h"
-#include "tensor/creation.h"
-#include "tensor/indexing.h"
-#include "tensor/random.h"
-#include "tensor/threading.h"
+#include <ember/distributed/ddp.h>
+#include <ember/distributed/hash_store.h>
+#include <ember/distributed/init.h>
+#include <ember/distributed/tcp_store.h>
+#include <ember/nn/nn.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/indexing.h>
+#include <ember/tensor/random.h>
+#include <ember/tensor/threading.h>
 
 #ifndef EMBER_SOURCE_DIR
 #define EMBER_SOURCE_DIR "."

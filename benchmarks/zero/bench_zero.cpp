@@ -27,14 +27,14 @@
 #include <thread>
 
 #include "benchmarks/bench_util.h"
-#include "distributed/ddp.h"
-#include "distributed/init.h"
-#include "distributed/tcp_store.h"
-#include "distributed/zero.h"
-#include "nn/nn.h"
-#include "tensor/creation.h"
-#include "tensor/random.h"
-#include "tensor/threading.h"
+#include <ember/distributed/ddp.h>
+#include <ember/distributed/init.h>
+#include <ember/distributed/tcp_store.h>
+#include <ember/distributed/zero.h>
+#include <ember/nn/nn.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/random.h>
+#include <ember/tensor/threading.h>
 
 #ifndef EMBER_SOURCE_DIR
 #define EMBER_SOURCE_DIR "."

@@ -33,10 +33,10 @@
 #include <string>
 #include <vector>
 
-#include "distributed/errors.h"
-#include "distributed/process_group.h"
-#include "distributed/store.h"
-#include "tensor/dtype.h"
+#include <ember/distributed/errors.h>
+#include <ember/distributed/process_group.h>
+#include <ember/distributed/store.h>
+#include <ember/tensor/dtype.h>
 
 // In ember::detail, not ember::dist::detail (store_util.h says why).
 namespace ember::detail {

@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "distributed/process_group.h"
-#include "distributed/store.h"
-#include "tensor/dtype.h"
+#include <ember/distributed/process_group.h>
+#include <ember/distributed/store.h>
+#include <ember/tensor/dtype.h>
 
 // In ember::detail, not ember::dist::detail (store_util.h says why).
 namespace ember::detail {

@@ -7,10 +7,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "distributed/detail/shm_allreduce.h"
-#include "distributed/process_group.h"
-#include "tensor/ops.h"
-#include "tensor/tensor.h"
+#include <ember/distributed/detail/shm_allreduce.h>
+#include <ember/distributed/process_group.h>
+#include <ember/tensor/ops.h>
+#include <ember/tensor/tensor.h>
 
 // In ember::detail, not ember::dist::detail (store_util.h says why); in a namespace of its own
 // so that its short names meet nothing else there.

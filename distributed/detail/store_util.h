@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "distributed/store.h"
+#include <ember/distributed/store.h>
 
 // In ember::detail, not ember::dist::detail: a nested detail namespace would hide
 // ember::detail::str_cat from unqualified `detail::` uses in ember::dist code.

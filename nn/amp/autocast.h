@@ -2,8 +2,8 @@
 // (tensor/autocast.h), where the ops that consult it are.
 #pragma once
 
-#include "nn/amp/grad_scaler.h"
-#include "tensor/autocast.h"
+#include <ember/nn/amp/grad_scaler.h>
+#include <ember/tensor/autocast.h>
 
 namespace ember::nn::amp {
 

@@ -1,14 +1,14 @@
 // GradScaler: PyTorch 1.13's algorithm (torch/cuda/amp/grad_scaler.py and the
 // _amp_update_scale_ kernel), with the unscale fused per gradient (tensor/amp.h).
-#include "nn/amp/grad_scaler.h"
+#include <ember/nn/amp/grad_scaler.h>
 
 #include <cmath>
 
-#include "nn/optim/optimizer.h"
-#include "tensor/amp.h"
-#include "tensor/creation.h"
-#include "tensor/error.h"
-#include "tensor/grad_mode.h"
+#include <ember/nn/optim/optimizer.h>
+#include <ember/tensor/amp.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/error.h>
+#include <ember/tensor/grad_mode.h>
 
 namespace ember::nn::amp {
 

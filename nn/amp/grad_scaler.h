@@ -24,7 +24,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "tensor/tensor.h"
+#include <ember/tensor/tensor.h>
 
 namespace ember::nn::optim {
 class Optimizer;

@@ -1,7 +1,7 @@
 // Data loading in one include: datasets, samplers, the DataLoader and (Fashion-)MNIST.
 #pragma once
 
-#include "nn/data/dataloader.h"
-#include "nn/data/dataset.h"
-#include "nn/data/mnist.h"
-#include "nn/data/sampler.h"
+#include <ember/nn/data/dataloader.h>
+#include <ember/nn/data/dataset.h>
+#include <ember/nn/data/mnist.h>
+#include <ember/nn/data/sampler.h>

@@ -1,4 +1,4 @@
-#include "nn/data/dataloader.h"
+#include <ember/nn/data/dataloader.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "tensor/trace.h"
+#include <ember/tensor/trace.h>
 
 namespace ember::nn::data {
 

@@ -30,8 +30,8 @@
 #include <iterator>
 #include <memory>
 
-#include "nn/data/dataset.h"
-#include "nn/data/sampler.h"
+#include <ember/nn/data/dataset.h>
+#include <ember/nn/data/sampler.h>
 
 namespace ember::nn::data {
 

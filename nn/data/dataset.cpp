@@ -1,4 +1,4 @@
-#include "nn/data/dataset.h"
+#include <ember/nn/data/dataset.h>
 
 #include <utility>
 

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "tensor/ops.h"
+#include <ember/tensor/ops.h>
 
 namespace ember::nn::data {
 

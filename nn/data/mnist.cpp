@@ -1,4 +1,4 @@
-#include "nn/data/mnist.h"
+#include <ember/nn/data/mnist.h>
 
 #include <zlib.h>
 

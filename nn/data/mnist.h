@@ -5,7 +5,7 @@
 #include <optional>
 #include <string>
 
-#include "nn/data/dataset.h"
+#include <ember/nn/data/dataset.h>
 
 namespace ember::nn::data {
 

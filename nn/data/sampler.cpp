@@ -1,10 +1,10 @@
-#include "nn/data/sampler.h"
+#include <ember/nn/data/sampler.h>
 
 #include <numeric>
 #include <random>
 #include <utility>
 
-#include "tensor/error.h"
+#include <ember/tensor/error.h>
 
 namespace ember::nn::data {
 

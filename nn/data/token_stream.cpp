@@ -1,4 +1,4 @@
-#include "nn/data/token_stream.h"
+#include <ember/nn/data/token_stream.h>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -15,9 +15,9 @@
 #include <sstream>
 #include <utility>
 
-#include "nn/atomic_file.h"
-#include "tensor/creation.h"
-#include "tensor/error.h"
+#include <ember/nn/atomic_file.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/error.h>
 
 namespace ember::nn::data {
 

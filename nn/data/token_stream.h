@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "nn/data/dataset.h"
-#include "nn/data/sampler.h"
+#include <ember/nn/data/dataset.h>
+#include <ember/nn/data/sampler.h>
 
 namespace ember::nn::data {
 

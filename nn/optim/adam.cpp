@@ -1,8 +1,8 @@
-#include "nn/optim/adam.h"
+#include <ember/nn/optim/adam.h>
 
 #include <cmath>
 
-#include "tensor/optim.h"
+#include <ember/tensor/optim.h>
 
 namespace ember::nn::optim {
 

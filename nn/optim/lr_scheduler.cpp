@@ -1,4 +1,4 @@
-#include "nn/optim/lr_scheduler.h"
+#include <ember/nn/optim/lr_scheduler.h>
 
 #include <algorithm>
 #include <cmath>

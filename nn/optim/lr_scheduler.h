@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "nn/optim/optimizer.h"
+#include <ember/nn/optim/optimizer.h>
 
 namespace ember::nn::optim {
 

@@ -1,4 +1,4 @@
-#include "nn/optim/optimizer.h"
+#include <ember/nn/optim/optimizer.h>
 
 #include <algorithm>
 #include <charconv>

@@ -22,7 +22,7 @@
 #include <utility>
 #include <vector>
 
-#include "nn/module.h"
+#include <ember/nn/module.h>
 
 namespace ember::nn::optim {
 

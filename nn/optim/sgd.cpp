@@ -1,6 +1,6 @@
-#include "nn/optim/sgd.h"
+#include <ember/nn/optim/sgd.h>
 
-#include "tensor/optim.h"
+#include <ember/tensor/optim.h>
 
 namespace ember::nn::optim {
 

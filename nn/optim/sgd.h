@@ -4,7 +4,7 @@
 
 #include <optional>
 
-#include "nn/optim/optimizer.h"
+#include <ember/nn/optim/optimizer.h>
 
 namespace ember::nn::optim {
 

@@ -1,6 +1,6 @@
 // CPU kernel of the fused unscale (tensor/amp.h), with the math of tensor/detail/amp_kernels.h.
-#include "tensor/detail/amp_kernels.h"
-#include "tensor/dtype.h"
+#include <ember/tensor/detail/amp_kernels.h>
+#include <ember/tensor/dtype.h>
 
 namespace ember::detail {
 

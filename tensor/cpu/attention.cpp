@@ -14,11 +14,11 @@
 #include <limits>
 #include <vector>
 
-#include "tensor/detail/attention_dropout.h"
-#include "tensor/detail/attention_kernels.h"
-#include "tensor/detail/fast_exp.h"
-#include "tensor/detail/reduce_kernels.h"
-#include "tensor/threading.h"
+#include <ember/tensor/detail/attention_dropout.h>
+#include <ember/tensor/detail/attention_kernels.h>
+#include <ember/tensor/detail/fast_exp.h>
+#include <ember/tensor/detail/reduce_kernels.h>
+#include <ember/tensor/threading.h>
 
 namespace ember::detail {
 

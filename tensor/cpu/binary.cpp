@@ -1,7 +1,7 @@
 // CPU kernels for binary arithmetic (add, sub, mul, div, pow, maximum, minimum), tensor-tensor
 // and tensor-scalar. Comparisons and logical ops are in compare.cpp.
-#include "tensor/cpu/elementwise_loops.h"
-#include "tensor/detail/elementwise_dispatch.h"
+#include <ember/tensor/cpu/elementwise_loops.h>
+#include <ember/tensor/detail/elementwise_dispatch.h>
 
 namespace ember::detail {
 

@@ -7,8 +7,8 @@
 #include <climits>
 #include <cstring>
 
-#include "tensor/cpu/matmul_dnnl.h"
-#include "tensor/detail/linalg_kernels.h"
+#include <ember/tensor/cpu/matmul_dnnl.h>
+#include <ember/tensor/detail/linalg_kernels.h>
 
 namespace ember::detail {
 

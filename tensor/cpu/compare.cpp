@@ -1,5 +1,5 @@
 // CPU kernels for comparisons and logical ops: inputs of one compute dtype, bool output.
-#include "tensor/cpu/elementwise_loops.h"
+#include <ember/tensor/cpu/elementwise_loops.h>
 
 namespace ember::detail::cpu_ew {
 

@@ -22,8 +22,8 @@
 
 #include <oneapi/dnnl/dnnl.hpp>
 
-#include "tensor/detail/conv_kernels.h"
-#include "tensor/threading.h"
+#include <ember/tensor/detail/conv_kernels.h>
+#include <ember/tensor/threading.h>
 
 namespace ember::detail {
 

@@ -1,7 +1,7 @@
 #include <cstring>
 
-#include "tensor/cpu/loops.h"
-#include "tensor/detail/copy.h"
+#include <ember/tensor/cpu/loops.h>
+#include <ember/tensor/detail/copy.h>
 
 namespace ember::detail {
 

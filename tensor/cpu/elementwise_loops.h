@@ -10,9 +10,9 @@
 #include <cstdint>
 #include <optional>
 
-#include "tensor/cpu/loops.h"
-#include "tensor/detail/elementwise_kernels.h"
-#include "tensor/detail/functors.h"
+#include <ember/tensor/cpu/loops.h>
+#include <ember/tensor/detail/elementwise_kernels.h>
+#include <ember/tensor/detail/functors.h>
 
 namespace ember::detail::cpu_ew {
 

@@ -1,8 +1,8 @@
 // CPU kernels for gather-like and scatter-like index loops (see tensor/detail/indexing_kernels.h).
 #include <cstring>
 
-#include "tensor/cpu/loops.h"
-#include "tensor/detail/indexing_kernels.h"
+#include <ember/tensor/cpu/loops.h>
+#include <ember/tensor/detail/indexing_kernels.h>
 
 namespace ember::detail {
 

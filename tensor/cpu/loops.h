@@ -11,8 +11,8 @@
 #include <tuple>
 #include <utility>
 
-#include "tensor/detail/iter.h"
-#include "tensor/threading.h"
+#include <ember/tensor/detail/iter.h>
+#include <ember/tensor/threading.h>
 
 namespace ember::detail::cpu {
 

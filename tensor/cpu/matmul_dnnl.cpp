@@ -3,7 +3,7 @@
 // small transformer; oneDNN reads the bfloat16 operands directly, accumulates in float32 with
 // the CPU's bf16 dot-product instructions where it has them (avx512_bf16, AMX) and an
 // emulation otherwise, and rounds once into the bfloat16 result.
-#include "tensor/cpu/matmul_dnnl.h"
+#include <ember/tensor/cpu/matmul_dnnl.h>
 
 #include <omp.h>
 
@@ -14,9 +14,9 @@
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
 
-#include "tensor/error.h"
-#include "tensor/tensor.h"
-#include "tensor/threading.h"
+#include <ember/tensor/error.h>
+#include <ember/tensor/tensor.h>
+#include <ember/tensor/threading.h>
 
 namespace ember::detail {
 

@@ -1,7 +1,7 @@
 // bfloat16 matrix products on oneDNN's matmul primitive (internal to tensor/cpu/blas.cpp).
 #pragma once
 
-#include "tensor/half.h"
+#include <ember/tensor/half.h>
 
 namespace ember::detail {
 

@@ -4,10 +4,10 @@
 #include <mutex>
 #include <vector>
 
-#include "tensor/detail/norm_kernels.h"
-#include "tensor/dtype.h"
-#include "tensor/error.h"
-#include "tensor/threading.h"
+#include <ember/tensor/detail/norm_kernels.h>
+#include <ember/tensor/dtype.h>
+#include <ember/tensor/error.h>
+#include <ember/tensor/threading.h>
 
 namespace ember::detail {
 

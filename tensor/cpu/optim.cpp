@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <cmath>
 
-#include "tensor/detail/optim_kernels.h"
-#include "tensor/dtype.h"
-#include "tensor/detail/reduce_kernels.h"  // EMBER_SIMD_CLONES
-#include "tensor/threading.h"
+#include <ember/tensor/detail/optim_kernels.h>
+#include <ember/tensor/dtype.h>
+#include <ember/tensor/detail/reduce_kernels.h>  // EMBER_SIMD_CLONES
+#include <ember/tensor/threading.h>
 
 namespace ember::detail {
 

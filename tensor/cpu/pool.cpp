@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "tensor/detail/conv_kernels.h"
-#include "tensor/threading.h"
+#include <ember/tensor/detail/conv_kernels.h>
+#include <ember/tensor/threading.h>
 
 namespace ember::detail {
 

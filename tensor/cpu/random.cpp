@@ -7,8 +7,8 @@
 #define EMBER_RANDOM_AVX2 1
 #endif
 
-#include "tensor/detail/random_kernels.h"
-#include "tensor/threading.h"
+#include <ember/tensor/detail/random_kernels.h>
+#include <ember/tensor/threading.h>
 
 namespace ember::detail {
 

@@ -18,8 +18,8 @@
 #include <memory>
 #include <vector>
 
-#include "tensor/detail/reduce_kernels.h"
-#include "tensor/threading.h"
+#include <ember/tensor/detail/reduce_kernels.h>
+#include <ember/tensor/threading.h>
 
 namespace ember::detail {
 

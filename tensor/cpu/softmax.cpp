@@ -11,9 +11,9 @@
 #include <cstring>
 #include <vector>
 
-#include "tensor/detail/fast_exp.h"
-#include "tensor/detail/reduce_kernels.h"
-#include "tensor/threading.h"
+#include <ember/tensor/detail/fast_exp.h>
+#include <ember/tensor/detail/reduce_kernels.h>
+#include <ember/tensor/threading.h>
 
 namespace ember::detail {
 

@@ -1,8 +1,8 @@
 // CPU kernels for unary element-wise ops, where and clamp.
 #include <limits>
 
-#include "tensor/cpu/elementwise_loops.h"
-#include "tensor/detail/elementwise_dispatch.h"
+#include <ember/tensor/cpu/elementwise_loops.h>
+#include <ember/tensor/detail/elementwise_dispatch.h>
 
 namespace ember::detail {
 

@@ -1,6 +1,6 @@
 // CUDA caching allocator (Note [CUDA caching pool]) and pinned host allocator (Note [Caching
 // allocators]).
-#include "tensor/allocator.h"
+#include <ember/tensor/allocator.h>
 
 #include <cuda_runtime_api.h>
 
@@ -11,10 +11,10 @@
 #include <unordered_map>
 #include <vector>
 
-#include "tensor/cuda.h"
-#include "tensor/cuda/check.h"
-#include "tensor/cuda/host_use.h"
-#include "tensor/detail/caching_pool.h"
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/host_use.h>
+#include <ember/tensor/detail/caching_pool.h>
 
 namespace ember {
 

@@ -1,9 +1,9 @@
 // CUDA kernel of the fused unscale (tensor/amp.h): a grid-stride loop applying the functor of
 // tensor/detail/amp_kernels.h, so the GPU runs the math the CPU tests check. Threads that see a
 // non-finite value all store 1.0f into the flag; the race is benign (same value, as in torch).
-#include "tensor/cuda/loops.cuh"
-#include "tensor/detail/amp_kernels.h"
-#include "tensor/dtype.h"
+#include <ember/tensor/cuda/loops.cuh>
+#include <ember/tensor/detail/amp_kernels.h>
+#include <ember/tensor/dtype.h>
 
 namespace ember::detail {
 

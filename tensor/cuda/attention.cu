@@ -16,10 +16,10 @@
 #include <algorithm>
 #include <cmath>
 
-#include "tensor/cuda/check.h"
-#include "tensor/cuda/loops.cuh"
-#include "tensor/detail/attention_dropout.h"
-#include "tensor/detail/attention_kernels.h"
+#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/loops.cuh>
+#include <ember/tensor/detail/attention_dropout.h>
+#include <ember/tensor/detail/attention_kernels.h>
 
 namespace ember::detail {
 

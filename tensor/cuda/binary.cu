@@ -1,7 +1,7 @@
 // CUDA kernels for binary arithmetic (add, sub, mul, div, pow, maximum, minimum), tensor-tensor
 // and tensor-scalar. Comparisons and logical ops are in compare.cu.
-#include "tensor/cuda/elementwise_launch.cuh"
-#include "tensor/detail/elementwise_dispatch.h"
+#include <ember/tensor/cuda/elementwise_launch.cuh>
+#include <ember/tensor/detail/elementwise_dispatch.h>
 
 namespace ember::detail {
 

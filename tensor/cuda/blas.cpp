@@ -9,10 +9,10 @@
 #include <mutex>
 #include <vector>
 
-#include "tensor/cuda.h"
-#include "tensor/cuda/check.h"
-#include "tensor/cuda/handle_pool.h"
-#include "tensor/detail/linalg_kernels.h"
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/handle_pool.h>
+#include <ember/tensor/detail/linalg_kernels.h>
 
 namespace ember::detail {
 

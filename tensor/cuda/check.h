@@ -3,7 +3,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "tensor/error.h"
+#include <ember/tensor/error.h>
 
 #define EMBER_CUDA_CHECK(expr)                                                            \
   do {                                                                                    \

@@ -1,5 +1,5 @@
 // CUDA kernels for comparisons and logical ops: inputs of one compute dtype, bool output.
-#include "tensor/cuda/elementwise_launch.cuh"
+#include <ember/tensor/cuda/elementwise_launch.cuh>
 
 namespace ember::detail::cuda_ew {
 

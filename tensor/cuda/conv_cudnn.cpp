@@ -11,10 +11,10 @@
 #include <unordered_map>
 #include <vector>
 
-#include "tensor/cuda.h"
-#include "tensor/cuda/check.h"
-#include "tensor/cuda/handle_pool.h"
-#include "tensor/detail/conv_kernels.h"
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/handle_pool.h>
+#include <ember/tensor/detail/conv_kernels.h>
 
 namespace ember::detail {
 

@@ -2,11 +2,11 @@
 // and across devices.
 #include <cuda_runtime_api.h>
 
-#include "tensor/cuda.h"
-#include "tensor/cuda/check.h"
-#include "tensor/cuda/copy_kernels.h"
-#include "tensor/cuda/host_use.h"
-#include "tensor/detail/copy.h"
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/copy_kernels.h>
+#include <ember/tensor/cuda/host_use.h>
+#include <ember/tensor/detail/copy.h>
 
 namespace ember::detail {
 

@@ -1,5 +1,5 @@
-#include "tensor/cuda/copy_kernels.h"
-#include "tensor/cuda/loops.cuh"
+#include <ember/tensor/cuda/copy_kernels.h>
+#include <ember/tensor/cuda/loops.cuh>
 
 namespace ember::detail {
 

@@ -1,7 +1,7 @@
 // Kernels behind copy_cuda/fill_cuda (internal).
 #pragma once
 
-#include "tensor/tensor.h"
+#include <ember/tensor/tensor.h>
 
 namespace ember::detail {
 /// dst = convert(src) on one device; same shape; queued on `stream` (a cudaStream_t).

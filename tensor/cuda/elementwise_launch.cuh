@@ -3,9 +3,9 @@
 // current stream, running a functor from tensor/detail/functors.h through its adapter.
 #pragma once
 
-#include "tensor/cuda/loops.cuh"
-#include "tensor/detail/elementwise_kernels.h"
-#include "tensor/detail/functors.h"
+#include <ember/tensor/cuda/loops.cuh>
+#include <ember/tensor/detail/elementwise_kernels.h>
+#include <ember/tensor/detail/functors.h>
 
 namespace ember::detail::cuda_ew {
 

@@ -8,7 +8,7 @@
 #include <mutex>
 #include <vector>
 
-#include "tensor/error.h"
+#include <ember/tensor/error.h>
 
 namespace ember::cuda::detail {
 

@@ -1,6 +1,6 @@
 #pragma once
 
-#include "tensor/cuda.h"
+#include <ember/tensor/cuda.h>
 
 namespace ember::detail {
 /// Tells the pinned allocator that an asynchronous copy on s reads or writes host_ptr, so the

@@ -20,10 +20,10 @@
 #include <optional>
 #include <string>
 
-#include "tensor/creation.h"
-#include "tensor/cuda.h"
-#include "tensor/cuda/loops.cuh"
-#include "tensor/detail/indexing_kernels.h"
+#include <ember/tensor/creation.h>
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/cuda/loops.cuh>
+#include <ember/tensor/detail/indexing_kernels.h>
 
 // scatter_add's CUDA dtypes: those with a hardware atomicAdd.
 #define EMBER_CUDA_SCATTER_CASES_(F) \

@@ -10,8 +10,8 @@
 #include <cstdint>
 #include <utility>
 
-#include "tensor/cuda/check.h"
-#include "tensor/detail/iter.h"
+#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/detail/iter.h>
 
 namespace ember::detail::cuda_loops {
 

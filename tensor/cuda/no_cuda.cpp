@@ -1,9 +1,9 @@
 // Linked instead of tensor/cuda/*.cpp|cu when Ember is built with EMBER_WITH_CUDA=OFF: every
 // entry point exists and says why it cannot work.
-#include "tensor/allocator.h"
-#include "tensor/cuda.h"
-#include "tensor/detail/copy.h"
-#include "tensor/error.h"
+#include <ember/tensor/allocator.h>
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/detail/copy.h>
+#include <ember/tensor/error.h>
 
 namespace ember {
 

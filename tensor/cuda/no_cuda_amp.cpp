@@ -1,6 +1,6 @@
 // Linked instead of tensor/cuda/amp.cu when Ember is built with EMBER_WITH_CUDA=OFF.
-#include "tensor/detail/amp_kernels.h"
-#include "tensor/error.h"
+#include <ember/tensor/detail/amp_kernels.h>
+#include <ember/tensor/error.h>
 
 namespace ember::detail {
 

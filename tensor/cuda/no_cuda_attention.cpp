@@ -1,6 +1,6 @@
 // Linked instead of tensor/cuda/attention.cu when Ember is built with EMBER_WITH_CUDA=OFF.
-#include "tensor/detail/attention_kernels.h"
-#include "tensor/error.h"
+#include <ember/tensor/detail/attention_kernels.h>
+#include <ember/tensor/error.h>
 
 namespace ember::detail {
 

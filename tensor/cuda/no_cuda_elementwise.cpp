@@ -1,6 +1,6 @@
 // Linked instead of the element-wise CUDA kernels when Ember is built with EMBER_WITH_CUDA=OFF.
-#include "tensor/detail/elementwise_kernels.h"
-#include "tensor/error.h"
+#include <ember/tensor/detail/elementwise_kernels.h>
+#include <ember/tensor/error.h>
 
 namespace ember::detail {
 

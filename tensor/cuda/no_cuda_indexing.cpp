@@ -1,6 +1,6 @@
 // CPU-only builds (EMBER_WITH_CUDA=OFF): the CUDA side of the indexing and random families.
-#include "tensor/detail/indexing_kernels.h"
-#include "tensor/detail/random_kernels.h"
+#include <ember/tensor/detail/indexing_kernels.h>
+#include <ember/tensor/detail/random_kernels.h>
 
 namespace ember::detail {
 

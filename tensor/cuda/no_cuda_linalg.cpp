@@ -1,8 +1,8 @@
 // Linked instead of tensor/cuda/{blas,conv_cudnn}.cpp and pool.cu when Ember is built with
 // EMBER_WITH_CUDA=OFF: the CUDA side of matrix products, convolution and pooling.
-#include "tensor/detail/conv_kernels.h"
-#include "tensor/detail/linalg_kernels.h"
-#include "tensor/error.h"
+#include <ember/tensor/detail/conv_kernels.h>
+#include <ember/tensor/detail/linalg_kernels.h>
+#include <ember/tensor/error.h>
 
 namespace ember::detail {
 

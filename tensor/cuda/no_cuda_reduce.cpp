@@ -1,7 +1,7 @@
 // Linked instead of tensor/cuda/reduce.cu and softmax.cu when Ember is built with
 // EMBER_WITH_CUDA=OFF.
-#include "tensor/detail/reduce_kernels.h"
-#include "tensor/error.h"
+#include <ember/tensor/detail/reduce_kernels.h>
+#include <ember/tensor/error.h>
 
 namespace ember::detail {
 

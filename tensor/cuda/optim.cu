@@ -1,8 +1,8 @@
 // CUDA kernels of the fused optimizer updates (tensor/optim.h): a grid-stride loop applying the
 // functors of tensor/detail/optim_kernels.h, so the GPU runs the math the CPU tests check.
-#include "tensor/cuda/loops.cuh"
-#include "tensor/detail/optim_kernels.h"
-#include "tensor/dtype.h"
+#include <ember/tensor/cuda/loops.cuh>
+#include <ember/tensor/detail/optim_kernels.h>
+#include <ember/tensor/dtype.h>
 
 namespace ember::detail {
 

@@ -3,9 +3,9 @@
 // conv2d. Instantiated for the four floating dtypes only.
 #include <cuda_runtime.h>
 
-#include "tensor/cuda/check.h"
-#include "tensor/cuda/loops.cuh"
-#include "tensor/detail/conv_kernels.h"
+#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/loops.cuh>
+#include <ember/tensor/detail/conv_kernels.h>
 
 namespace ember::detail {
 

@@ -1,7 +1,7 @@
 // CUDA random fills: one thread per Philox block, running the same functors as the CPU loop
 // (Note [Random streams]), so a seed gives the same tensor on either device.
-#include "tensor/cuda/loops.cuh"
-#include "tensor/detail/random_kernels.h"
+#include <ember/tensor/cuda/loops.cuh>
+#include <ember/tensor/detail/random_kernels.h>
 
 namespace ember::detail {
 

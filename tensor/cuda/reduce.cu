@@ -9,9 +9,9 @@
 #include <algorithm>
 #include <vector>
 
-#include "tensor/cuda/check.h"
-#include "tensor/cuda/loops.cuh"
-#include "tensor/detail/reduce_kernels.h"
+#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/loops.cuh>
+#include <ember/tensor/detail/reduce_kernels.h>
 
 namespace ember::detail {
 

@@ -4,8 +4,8 @@
 #include <mutex>
 #include <string>
 
-#include "tensor/cuda.h"
-#include "tensor/cuda/check.h"
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/cuda/check.h>
 
 namespace ember::cuda {
 

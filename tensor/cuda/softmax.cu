@@ -3,9 +3,9 @@
 // shared memory. inner > 1: one thread per (outer, column), reading coalesced along inner.
 #include <algorithm>
 
-#include "tensor/cuda/check.h"
-#include "tensor/cuda/loops.cuh"
-#include "tensor/detail/reduce_kernels.h"
+#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/loops.cuh>
+#include <ember/tensor/detail/reduce_kernels.h>
 
 namespace ember::detail {
 

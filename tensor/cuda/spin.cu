@@ -1,7 +1,7 @@
 // cuda::spin: a kernel that only burns time, for tests of stream ordering.
-#include "tensor/cuda.h"
-#include "tensor/cuda/check.h"
-#include "tensor/error.h"
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/error.h>
 
 namespace ember::cuda {
 

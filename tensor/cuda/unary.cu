@@ -1,8 +1,8 @@
 // CUDA kernels for unary element-wise ops, where and clamp.
 #include <limits>
 
-#include "tensor/cuda/elementwise_launch.cuh"
-#include "tensor/detail/elementwise_dispatch.h"
+#include <ember/tensor/cuda/elementwise_launch.cuh>
+#include <ember/tensor/detail/elementwise_dispatch.h>
 
 namespace ember::detail {
 

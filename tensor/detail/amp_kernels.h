@@ -5,8 +5,8 @@
 
 #include <math.h>
 
-#include "tensor/half.h"
-#include "tensor/tensor.h"
+#include <ember/tensor/half.h>
+#include <ember/tensor/tensor.h>
 
 namespace ember::detail {
 

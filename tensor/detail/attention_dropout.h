@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "tensor/detail/philox.h"
+#include <ember/tensor/detail/philox.h>
 
 namespace ember::detail {
 

@@ -19,8 +19,8 @@
 
 #include <cstdint>
 
-#include "tensor/half.h"
-#include "tensor/tensor.h"
+#include <ember/tensor/half.h>
+#include <ember/tensor/tensor.h>
 
 namespace ember::detail {
 

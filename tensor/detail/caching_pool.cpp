@@ -15,13 +15,13 @@
 // Blocks and segments belong to one stream: work queued on a stream runs in order, so a block
 // freed there can be reused there at once. A block also used on another stream (record_stream)
 // goes back to the pool only after an event recorded on that stream at free time completes.
-#include "tensor/detail/caching_pool.h"
+#include <ember/tensor/detail/caching_pool.h>
 
 #include <cstdio>
 #include <functional>
 #include <utility>
 
-#include "tensor/error.h"
+#include <ember/tensor/error.h>
 
 namespace ember::detail {
 

@@ -1,7 +1,7 @@
 // Backend kernels for copies and fills (the front end is in tensor.cpp and creation.cpp).
 #pragma once
 
-#include "tensor/tensor.h"
+#include <ember/tensor/tensor.h>
 
 namespace ember::detail {
 

@@ -12,8 +12,8 @@
 #include <optional>
 #include <type_traits>
 
-#include "tensor/detail/elementwise_kernels.h"
-#include "tensor/detail/functors.h"
+#include <ember/tensor/detail/elementwise_kernels.h>
+#include <ember/tensor/detail/functors.h>
 
 namespace ember::detail {
 

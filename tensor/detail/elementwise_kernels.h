@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <optional>
 
-#include "tensor/detail/unary_ops.h"
-#include "tensor/tensor.h"
+#include <ember/tensor/detail/unary_ops.h>
+#include <ember/tensor/tensor.h>
 
 namespace ember::detail {
 

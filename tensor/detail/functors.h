@@ -15,8 +15,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "tensor/detail/fast_exp.h"
-#include "tensor/half.h"
+#include <ember/tensor/detail/fast_exp.h>
+#include <ember/tensor/half.h>
 
 namespace ember::detail::fn {
 

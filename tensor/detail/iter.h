@@ -11,8 +11,8 @@
 #include <cstdint>
 #include <initializer_list>
 
-#include "tensor/shape.h"
-#include "tensor/tensor.h"
+#include <ember/tensor/shape.h>
+#include <ember/tensor/tensor.h>
 
 namespace ember::detail {
 

@@ -2,7 +2,7 @@
 // broadcasts and allocates; these only multiply.
 #pragma once
 
-#include "tensor/tensor.h"
+#include <ember/tensor/tensor.h>
 
 namespace ember::detail {
 

@@ -4,7 +4,7 @@
 // accumulated in double, so float32 results match a float64 reference to float rounding.
 #pragma once
 
-#include "tensor/tensor.h"
+#include <ember/tensor/tensor.h>
 
 namespace ember::detail {
 

@@ -16,7 +16,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "tensor/half.h"
+#include <ember/tensor/half.h>
 
 namespace ember::detail {
 

@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "tensor/detail/philox.h"
-#include "tensor/tensor.h"
+#include <ember/tensor/detail/philox.h>
+#include <ember/tensor/tensor.h>
 
 namespace ember::detail {
 

@@ -21,10 +21,10 @@
 #include <utility>
 #include <variant>
 
-#include "tensor/conv.h"
-#include "tensor/detail/elementwise_kernels.h"
-#include "tensor/grad_mode.h"
-#include "tensor/tensor.h"
+#include <ember/tensor/conv.h>
+#include <ember/tensor/detail/elementwise_kernels.h>
+#include <ember/tensor/grad_mode.h>
+#include <ember/tensor/tensor.h>
 
 namespace ember {
 

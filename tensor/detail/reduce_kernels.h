@@ -28,9 +28,9 @@
 #include <limits>
 #include <type_traits>
 
-#include "tensor/half.h"
-#include "tensor/shape.h"
-#include "tensor/tensor.h"
+#include <ember/tensor/half.h>
+#include <ember/tensor/shape.h>
+#include <ember/tensor/tensor.h>
 
 // Hot CPU loops are compiled twice, for AVX2 and for the baseline, and picked at load time
 // (GCC function multi-versioning): the build targets baseline x86-64 (SSE2) like Debian's

@@ -13,10 +13,10 @@
 
 #include <cstdint>
 
-#include "tensor/creation.h"
-#include "tensor/detail/functors.h"
-#include "tensor/elementwise.h"
-#include "tensor/grad_mode.h"
+#include <ember/tensor/creation.h>
+#include <ember/tensor/detail/functors.h>
+#include <ember/tensor/elementwise.h>
+#include <ember/tensor/grad_mode.h>
 
 namespace ember::detail {
 

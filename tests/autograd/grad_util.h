@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "autograd/autograd.h"
+#include <ember/autograd/autograd.h>
 #include "tests/tensor/test_util.h"
 
 namespace ember::test {

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "tensor/detail/record.h"
+#include <ember/tensor/detail/record.h>
 #include "tests/autograd/grad_util.h"
 
 namespace ember {

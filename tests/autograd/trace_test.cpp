@@ -7,10 +7,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "autograd/autograd.h"
-#include "tensor/creation.h"
-#include "tensor/ops.h"
-#include "tensor/trace.h"
+#include <ember/autograd/autograd.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/ops.h>
+#include <ember/tensor/trace.h>
 
 namespace {
 

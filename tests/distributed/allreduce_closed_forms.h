@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "distributed/process_group.h"
+#include <ember/distributed/process_group.h>
 
 namespace ember::test {
 

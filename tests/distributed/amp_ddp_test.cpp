@@ -9,13 +9,13 @@
 #include <cmath>
 #include <limits>
 
-#include "distributed/amp.h"
-#include "distributed/comm_hooks.h"
-#include "distributed/ddp.h"
-#include "nn/amp/autocast.h"
-#include "nn/linear.h"
-#include "nn/optim/sgd.h"
-#include "tensor/ops.h"
+#include <ember/distributed/amp.h>
+#include <ember/distributed/comm_hooks.h>
+#include <ember/distributed/ddp.h>
+#include <ember/nn/amp/autocast.h>
+#include <ember/nn/linear.h>
+#include <ember/nn/optim/sgd.h>
+#include <ember/tensor/ops.h>
 #include "tests/distributed/threads_test_util.h"
 
 namespace ember::dist {

@@ -4,7 +4,7 @@
 
 #include <optional>
 
-#include "distributed/process_group.h"
+#include <ember/distributed/process_group.h>
 
 namespace ember::test {
 

@@ -13,20 +13,20 @@
 #include <fstream>
 #include <sstream>
 
-#include "autograd/engine.h"
-#include "autograd/function.h"
-#include "distributed/ddp.h"
-#include "distributed/debug.h"
-#include "distributed/prefix_store.h"
-#include "distributed/process_group_gloo.h"
-#include "distributed/tcp_store.h"
-#include "nn/activation.h"
-#include "nn/container.h"
-#include "nn/functional.h"
-#include "nn/linear.h"
-#include "nn/optim/sgd.h"
-#include "tensor/creation.h"
-#include "tensor/random.h"
+#include <ember/autograd/engine.h>
+#include <ember/autograd/function.h>
+#include <ember/distributed/ddp.h>
+#include <ember/distributed/debug.h>
+#include <ember/distributed/prefix_store.h>
+#include <ember/distributed/process_group_gloo.h>
+#include <ember/distributed/tcp_store.h>
+#include <ember/nn/activation.h>
+#include <ember/nn/container.h>
+#include <ember/nn/functional.h>
+#include <ember/nn/linear.h>
+#include <ember/nn/optim/sgd.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/random.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/store_test_util.h"
 

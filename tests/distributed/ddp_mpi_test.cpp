@@ -12,11 +12,11 @@
 #include <functional>
 #include <memory>
 
-#include "distributed/comm_hooks.h"
-#include "distributed/ddp.h"
-#include "distributed/powersgd.h"
-#include "distributed/process_group_mpi.h"
-#include "nn/optim/sgd.h"
+#include <ember/distributed/comm_hooks.h>
+#include <ember/distributed/ddp.h>
+#include <ember/distributed/powersgd.h>
+#include <ember/distributed/process_group_mpi.h>
+#include <ember/nn/optim/sgd.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/mpi_job.h"
 

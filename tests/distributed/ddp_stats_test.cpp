@@ -9,12 +9,12 @@
 #include <numeric>
 #include <thread>
 
-#include "distributed/comm_hooks.h"
-#include "distributed/ddp.h"
-#include "distributed/stragglers.h"
-#include "nn/activation.h"
-#include "nn/container.h"
-#include "nn/linear.h"
+#include <ember/distributed/comm_hooks.h>
+#include <ember/distributed/ddp.h>
+#include <ember/distributed/stragglers.h>
+#include <ember/nn/activation.h>
+#include <ember/nn/container.h>
+#include <ember/nn/linear.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/threads_test_util.h"
 

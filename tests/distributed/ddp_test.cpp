@@ -1,23 +1,23 @@
 // DistributedDataParallel over gloo with 1-3 real processes on 127.0.0.1. Each rank trains on its
 // slice of a fixed batch; every check compares against a single-process reference computed in
 // the same rank on the full batch (mean loss), so expected values need no literals.
-#include "distributed/ddp.h"
+#include <ember/distributed/ddp.h>
 
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cmath>
 
-#include "distributed/prefix_store.h"
-#include "distributed/process_group_gloo.h"
-#include "distributed/tcp_store.h"
-#include "nn/activation.h"
-#include "nn/container.h"
-#include "nn/functional.h"
-#include "nn/linear.h"
-#include "nn/optim/sgd.h"
-#include "tensor/creation.h"
-#include "tensor/random.h"
+#include <ember/distributed/prefix_store.h>
+#include <ember/distributed/process_group_gloo.h>
+#include <ember/distributed/tcp_store.h>
+#include <ember/nn/activation.h>
+#include <ember/nn/container.h>
+#include <ember/nn/functional.h>
+#include <ember/nn/linear.h>
+#include <ember/nn/optim/sgd.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/random.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/forwarding_group.h"
 #include "tests/distributed/store_test_util.h"

@@ -9,19 +9,19 @@
 #include <string>
 #include <vector>
 
-#include "distributed/prefix_store.h"
-#include "distributed/process_group_gloo.h"
-#include "distributed/tcp_store.h"
-#include "nn/activation.h"
-#include "nn/container.h"
-#include "nn/conv.h"
-#include "nn/flatten.h"
-#include "nn/functional.h"
-#include "nn/linear.h"
-#include "nn/module.h"
-#include "nn/pooling.h"
-#include "tensor/ops.h"
-#include "tensor/random.h"
+#include <ember/distributed/prefix_store.h>
+#include <ember/distributed/process_group_gloo.h>
+#include <ember/distributed/tcp_store.h>
+#include <ember/nn/activation.h>
+#include <ember/nn/container.h>
+#include <ember/nn/conv.h>
+#include <ember/nn/flatten.h>
+#include <ember/nn/functional.h>
+#include <ember/nn/linear.h>
+#include <ember/nn/module.h>
+#include <ember/nn/pooling.h>
+#include <ember/tensor/ops.h>
+#include <ember/tensor/random.h>
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::test {

@@ -9,16 +9,16 @@
 #include <algorithm>
 #include <chrono>
 
-#include "distributed/comm_hooks.h"
-#include "distributed/ddp.h"
-#include "distributed/powersgd.h"
-#include "distributed/sync_batch_norm.h"
-#include "nn/activation.h"
-#include "nn/container.h"
-#include "nn/flatten.h"
-#include "nn/linear.h"
-#include "nn/norm.h"
-#include "nn/optim/sgd.h"
+#include <ember/distributed/comm_hooks.h>
+#include <ember/distributed/ddp.h>
+#include <ember/distributed/powersgd.h>
+#include <ember/distributed/sync_batch_norm.h>
+#include <ember/nn/activation.h>
+#include <ember/nn/container.h>
+#include <ember/nn/flatten.h>
+#include <ember/nn/linear.h>
+#include <ember/nn/norm.h>
+#include <ember/nn/optim/sgd.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/threads_test_util.h"
 

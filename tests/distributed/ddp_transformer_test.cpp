@@ -9,14 +9,14 @@
 #include <string>
 #include <vector>
 
-#include "distributed/ddp.h"
-#include "nn/activation_checkpoint.h"
-#include "nn/embedding.h"
-#include "nn/functional.h"
-#include "nn/linear.h"
-#include "nn/optim/sgd.h"
-#include "nn/transformer.h"
-#include "tensor/random.h"
+#include <ember/distributed/ddp.h>
+#include <ember/nn/activation_checkpoint.h>
+#include <ember/nn/embedding.h>
+#include <ember/nn/functional.h>
+#include <ember/nn/linear.h>
+#include <ember/nn/optim/sgd.h>
+#include <ember/nn/transformer.h>
+#include <ember/tensor/random.h>
 #include "tests/distributed/ddp_test_util.h"
 
 namespace ember::dist {

@@ -6,7 +6,7 @@
 #include <memory>
 #include <string>
 
-#include "distributed/process_group.h"
+#include <ember/distributed/process_group.h>
 
 namespace ember::test {
 

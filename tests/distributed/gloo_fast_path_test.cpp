@@ -12,10 +12,10 @@
 #include <thread>
 #include <vector>
 
-#include "distributed/prefix_store.h"
-#include "distributed/process_group_gloo.h"
-#include "distributed/tcp_store.h"
-#include "tensor/ops.h"
+#include <ember/distributed/prefix_store.h>
+#include <ember/distributed/process_group_gloo.h>
+#include <ember/distributed/tcp_store.h>
+#include <ember/tensor/ops.h>
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {

@@ -13,15 +13,15 @@
 #include "tests/distributed/allreduce_closed_forms.h"
 #include "tests/distributed/collective_options.h"
 #include "tests/distributed/forwarding_group.h"
-#include "distributed/hash_store.h"
-#include "distributed/prefix_store.h"
-#include "distributed/process_group_gloo.h"
-#include "distributed/tcp_store.h"
+#include <ember/distributed/hash_store.h>
+#include <ember/distributed/prefix_store.h>
+#include <ember/distributed/process_group_gloo.h>
+#include <ember/distributed/tcp_store.h>
 #include "tests/distributed/store_test_util.h"
-#include "distributed/comm_hooks.h"
-#include "distributed/ddp.h"
-#include "nn/nn.h"
-#include "tensor/cuda.h"
+#include <ember/distributed/comm_hooks.h>
+#include <ember/distributed/ddp.h>
+#include <ember/nn/nn.h>
+#include <ember/tensor/cuda.h>
 
 namespace ember::dist {
 namespace {

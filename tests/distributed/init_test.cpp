@@ -1,14 +1,14 @@
 // init_process_group (env://, tcp://, file://, a given store), the default group, new_group and
 // destroy_process_group; env:// parsing of torch's, Open MPI's, PMI's and Slurm's variables.
-#include "distributed/init.h"
+#include <ember/distributed/init.h>
 
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 
-#include "distributed/hash_store.h"
-#include "distributed/process_group_gloo.h"
-#include "distributed/tcp_store.h"
+#include <ember/distributed/hash_store.h>
+#include <ember/distributed/process_group_gloo.h>
+#include <ember/distributed/tcp_store.h>
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {

@@ -14,9 +14,9 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "distributed/init.h"
-#include "distributed/process_group_mpi.h"
-#include "tensor/ops.h"
+#include <ember/distributed/init.h>
+#include <ember/distributed/process_group_mpi.h>
+#include <ember/tensor/ops.h>
 #include "tests/distributed/collective_options.h"
 #include "tests/distributed/mpi_job.h"
 #include "tests/tensor/test_util.h"

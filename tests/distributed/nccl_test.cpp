@@ -17,16 +17,16 @@
 #include <thread>
 
 #include "tests/distributed/collective_options.h"
-#include "distributed/comm_hooks.h"
-#include "distributed/ddp.h"
-#include "distributed/file_store.h"
-#include "distributed/hash_store.h"
-#include "distributed/init.h"
-#include "distributed/powersgd.h"
-#include "distributed/prefix_store.h"
-#include "distributed/process_group_nccl.h"
-#include "tensor/cuda.h"
-#include "nn/optim/sgd.h"
+#include <ember/distributed/comm_hooks.h>
+#include <ember/distributed/ddp.h>
+#include <ember/distributed/file_store.h>
+#include <ember/distributed/hash_store.h>
+#include <ember/distributed/init.h>
+#include <ember/distributed/powersgd.h>
+#include <ember/distributed/prefix_store.h>
+#include <ember/distributed/process_group_nccl.h>
+#include <ember/tensor/cuda.h>
+#include <ember/nn/optim/sgd.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/store_test_util.h"
 

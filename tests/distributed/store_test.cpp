@@ -16,10 +16,10 @@
 #include <climits>
 #include <fstream>
 
-#include "distributed/file_store.h"
-#include "distributed/hash_store.h"
-#include "distributed/prefix_store.h"
-#include "distributed/tcp_store.h"
+#include <ember/distributed/file_store.h>
+#include <ember/distributed/hash_store.h>
+#include <ember/distributed/prefix_store.h>
+#include <ember/distributed/tcp_store.h>
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {

@@ -19,8 +19,8 @@
 #include <thread>
 #include <vector>
 
-#include "distributed/store.h"
-#include "tensor/cuda.h"
+#include <ember/distributed/store.h>
+#include <ember/tensor/cuda.h>
 #include "tests/tensor/test_util.h"
 
 namespace ember::test {

@@ -2,7 +2,7 @@
 // one fixed batch (drawn from the same seed on every rank) and checks its results against a
 // plain BatchNorm run in the same process on the whole batch, so expected values need no
 // literals (BatchNorm itself is checked against PyTorch in tests/nn).
-#include "distributed/sync_batch_norm.h"
+#include <ember/distributed/sync_batch_norm.h>
 
 #include <gtest/gtest.h>
 
@@ -10,20 +10,20 @@
 #include <cmath>
 #include <numeric>
 
-#include "distributed/ddp.h"
-#include "distributed/hash_store.h"
-#include "distributed/prefix_store.h"
-#include "distributed/process_group_gloo.h"
-#include "distributed/tcp_store.h"
-#include "nn/activation.h"
-#include "nn/container.h"
-#include "nn/conv.h"
-#include "nn/flatten.h"
-#include "nn/functional.h"
-#include "nn/linear.h"
-#include "nn/optim/sgd.h"
-#include "tensor/creation.h"
-#include "tensor/random.h"
+#include <ember/distributed/ddp.h>
+#include <ember/distributed/hash_store.h>
+#include <ember/distributed/prefix_store.h>
+#include <ember/distributed/process_group_gloo.h>
+#include <ember/distributed/tcp_store.h>
+#include <ember/nn/activation.h>
+#include <ember/nn/container.h>
+#include <ember/nn/conv.h>
+#include <ember/nn/flatten.h>
+#include <ember/nn/functional.h>
+#include <ember/nn/linear.h>
+#include <ember/nn/optim/sgd.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/random.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/store_test_util.h"
 

@@ -1,7 +1,7 @@
 // TCPStore and TCPStoreServer: real processes sharing one server, connection retry and
 // timeouts, the shared secret, and a server that survives malformed or hostile input.
 // Every server binds 127.0.0.1 on a port the OS picks.
-#include "distributed/tcp_store.h"
+#include <ember/distributed/tcp_store.h>
 
 #include <arpa/inet.h>
 #include <netinet/tcp.h>
@@ -9,7 +9,7 @@
 #include <array>
 #include <atomic>
 
-#include "distributed/detail/store_protocol.h"
+#include <ember/distributed/detail/store_protocol.h>
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {

@@ -2,15 +2,15 @@
 // against closed forms at 1-8 ranks, on the CPU and (skipped without a GPU) with every rank on
 // one CUDA device with its own stream; the same through DelayingGroup; async completion,
 // timeouts, aborts and mismatches; and DelayingGroup catching a missing wait.
-#include "distributed/process_group_threads.h"
+#include <ember/distributed/process_group_threads.h>
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <future>
 
-#include "tensor/creation.h"
-#include "tensor/ops.h"
+#include <ember/tensor/creation.h>
+#include <ember/tensor/ops.h>
 #include "tests/distributed/allreduce_closed_forms.h"
 #include "tests/distributed/collective_options.h"
 #include "tests/distributed/threads_test_util.h"

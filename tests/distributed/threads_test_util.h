@@ -11,9 +11,9 @@
 #include <optional>
 #include <string>
 
-#include "distributed/delaying_group.h"
-#include "distributed/process_group_threads.h"
-#include "tensor/cuda.h"
+#include <ember/distributed/delaying_group.h>
+#include <ember/distributed/process_group_threads.h>
+#include <ember/tensor/cuda.h>
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::test {

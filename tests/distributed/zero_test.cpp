@@ -7,14 +7,14 @@
 #include <map>
 #include <mutex>
 
-#include "distributed/ddp.h"
-#include "distributed/process_group_gloo.h"
-#include "distributed/zero.h"
-#include "nn/activation.h"
-#include "nn/container.h"
-#include "nn/linear.h"
-#include "nn/optim/adam.h"
-#include "nn/optim/sgd.h"
+#include <ember/distributed/ddp.h>
+#include <ember/distributed/process_group_gloo.h>
+#include <ember/distributed/zero.h>
+#include <ember/nn/activation.h>
+#include <ember/nn/container.h>
+#include <ember/nn/linear.h>
+#include <ember/nn/optim/adam.h>
+#include <ember/nn/optim/sgd.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/store_test_util.h"
 #include "tests/distributed/threads_test_util.h"

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "nn/serialize.h"
+#include <ember/nn/serialize.h>
 #include "tests/examples/example_test_util.h"
 
 namespace {

@@ -9,7 +9,7 @@
 #include <regex>
 #include <string>
 
-#include "nn/data/token_stream.h"
+#include <ember/nn/data/token_stream.h>
 #include "tests/examples/example_test_util.h"
 
 namespace {

@@ -12,8 +12,8 @@
 #include <regex>
 #include <string>
 
-#include "nn/serialize.h"
-#include "tensor/creation.h"
+#include <ember/nn/serialize.h>
+#include <ember/tensor/creation.h>
 #include "tests/examples/example_test_util.h"
 
 namespace {

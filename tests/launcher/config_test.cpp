@@ -8,8 +8,8 @@
 #include <fstream>
 #include <string>
 
-#include "launcher/agent.h"
-#include "launcher/config.h"
+#include <ember/launcher/agent.h>
+#include <ember/launcher/config.h>
 
 namespace ember::launcher {
 namespace {

@@ -15,10 +15,10 @@
 #include <fstream>
 #include <string>
 
-#include "distributed/init.h"
-#include "distributed/process_group_gloo.h"
-#include "distributed/process_group_hierarchical.h"
-#include "tensor/creation.h"
+#include <ember/distributed/init.h>
+#include <ember/distributed/process_group_gloo.h>
+#include <ember/distributed/process_group_hierarchical.h>
+#include <ember/tensor/creation.h>
 
 int main(int argc, char** argv) {
   if (argc < 2) return 2;

@@ -1,7 +1,7 @@
 // nn::checkpoint: the same loss and gradients as without it (dropout included, through the
 // restored generator state), less peak memory on a stack of transformer layers, and the edge
 // cases (several inputs and outputs, inputs without grad, no-grad mode, misuse).
-#include "nn/activation_checkpoint.h"
+#include <ember/nn/activation_checkpoint.h>
 
 #include <gtest/gtest.h>
 
@@ -9,14 +9,14 @@
 #include <memory>
 #include <vector>
 
-#include "nn/container.h"
-#include "nn/functional.h"
-#include "nn/linear.h"
-#include "nn/transformer.h"
-#include "tensor/allocator.h"
-#include "tensor/autocast.h"
-#include "tensor/cuda.h"
-#include "tensor/random.h"
+#include <ember/nn/container.h>
+#include <ember/nn/functional.h>
+#include <ember/nn/linear.h>
+#include <ember/nn/transformer.h>
+#include <ember/tensor/allocator.h>
+#include <ember/tensor/autocast.h>
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/random.h>
 #include "tests/autograd/grad_util.h"
 
 namespace ember::nn {

@@ -2,7 +2,7 @@
 // against PyTorch 1.13's written-out attention (tests/nn/attention_reference.h, made by
 // tests/nn/make_attention_reference.py) and against the math path over many shapes, masks and
 // flags, in float32 and float64; gradcheck (masks and dropout included); NaN rows; errors.
-#include "nn/attention.h"
+#include <ember/nn/attention.h>
 
 #include <gtest/gtest.h>
 
@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "autograd/autograd.h"
-#include "tensor/allocator.h"
-#include "tensor/cuda.h"
+#include <ember/autograd/autograd.h>
+#include <ember/tensor/allocator.h>
+#include <ember/tensor/cuda.h>
 #include "tests/autograd/grad_util.h"
 #include "tests/nn/attention_reference.h"
 

@@ -2,16 +2,16 @@
 // linear, layer_norm and the losses, gradients flowing back to float32 leaves in float32, the
 // per-scope cast cache, and a small MLP trained under bf16 autocast reaching the float32 run's
 // loss. The tensor ops' policy and the guard's scoping: tests/tensor/autocast_test.cpp.
-#include "nn/amp/autocast.h"
+#include <ember/nn/amp/autocast.h>
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 
-#include "nn/functional.h"
-#include "nn/layers.h"
-#include "nn/optim/adam.h"
-#include "tensor/ops.h"
+#include <ember/nn/functional.h>
+#include <ember/nn/layers.h>
+#include <ember/nn/optim/adam.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::nn {
 namespace {

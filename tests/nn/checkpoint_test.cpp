@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <filesystem>
 
-#include "nn/nn.h"
+#include <ember/nn/nn.h>
 #include "tests/tensor/test_util.h"
 
 namespace ember::nn {

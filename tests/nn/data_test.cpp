@@ -1,6 +1,6 @@
 // Datasets, samplers and the DataLoader. Shuffled orders are compared with index lists that
 // PyTorch 1.13 produced (see the comment above each table).
-#include "nn/data/data.h"
+#include <ember/nn/data/data.h>
 
 #include <gtest/gtest.h>
 

@@ -2,17 +2,17 @@
 // runs on CUDA only, so the expectations are derived by hand from its documented algorithm
 // (torch/cuda/amp/grad_scaler.py and _amp_update_scale_): scale sequences, skipped steps, the
 // errors it raises, state_dict keys; plus the fused unscale kernel (tensor/amp.h) per dtype.
-#include "nn/amp/grad_scaler.h"
+#include <ember/nn/amp/grad_scaler.h>
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
 
-#include "nn/amp/autocast.h"
-#include "nn/optim/sgd.h"
-#include "tensor/amp.h"
-#include "tensor/ops.h"
+#include <ember/nn/amp/autocast.h>
+#include <ember/nn/optim/sgd.h>
+#include <ember/tensor/amp.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::nn::amp {
 namespace {

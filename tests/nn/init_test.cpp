@@ -1,6 +1,6 @@
 // nn::init: fans and gains against PyTorch 1.13's values, and the statistics of every
 // initialiser (bounds, mean, std) on large tensors; seeding, dtypes, no autograd history, errors.
-#include "nn/init.h"
+#include <ember/nn/init.h>
 
 #include <gtest/gtest.h>
 

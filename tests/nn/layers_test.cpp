@@ -2,7 +2,7 @@
 // made by tests/nn/make_reference.py with the same lcg weights and inputs), in float32 and
 // float64; default initialisations; train/eval; buffers and state_dict names; printing;
 // containers; gradcheck of the functional forms; error messages.
-#include "nn/layers.h"
+#include <ember/nn/layers.h>
 
 #include <gtest/gtest.h>
 
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "nn/functional.h"
+#include <ember/nn/functional.h>
 #include "tests/autograd/grad_util.h"
 #include "tests/nn/nn_reference.h"
 

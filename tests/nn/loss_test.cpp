@@ -1,7 +1,7 @@
 // Losses: values and gradients against PyTorch 1.13 (tests/nn/nn_reference.h, made by
 // tests/nn/make_reference.py) in float32 and float64, for every reduction and for weight,
 // ignore_index and label smoothing and their combinations; gradcheck; modules; errors.
-#include "nn/loss.h"
+#include <ember/nn/loss.h>
 
 #include <gtest/gtest.h>
 

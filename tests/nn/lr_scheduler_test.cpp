@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "nn/optim/adam.h"
-#include "nn/optim/lr_scheduler.h"
-#include "nn/optim/sgd.h"
+#include <ember/nn/optim/adam.h>
+#include <ember/nn/optim/lr_scheduler.h>
+#include <ember/nn/optim/sgd.h>
 #include "tests/tensor/test_util.h"
 
 namespace ember::nn::optim {

@@ -11,7 +11,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "nn/data/data.h"
+#include <ember/nn/data/data.h>
 #include "tests/tensor/test_util.h"
 
 namespace ember::nn::data {

@@ -1,7 +1,7 @@
 // Module: registration order, naming, modes, conversion, zero_grad, state dicts.
 #include <gtest/gtest.h>
 
-#include "nn/module.h"
+#include <ember/nn/module.h>
 #include "tests/tensor/test_util.h"
 
 namespace ember::nn {

@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "nn/clip_grad.h"
-#include "nn/optim/adam.h"
-#include "nn/optim/sgd.h"
-#include "nn/serialize.h"
+#include <ember/nn/clip_grad.h>
+#include <ember/nn/optim/adam.h>
+#include <ember/nn/optim/sgd.h>
+#include <ember/nn/serialize.h>
 #include "tests/tensor/test_util.h"
 
 namespace ember::nn::optim {

@@ -1,7 +1,7 @@
 // Checkpoints: atomic file replacement and the safetensors format (round trips, the exact
 // layout, rejection of malformed files, fuzzed inputs, and interop with an independent Python
 // reader/writer, tests/nn/safetensors_reader.py, run under Debian's /usr/bin/python3 + torch).
-#include "nn/serialize.h"
+#include <ember/nn/serialize.h>
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -27,8 +27,8 @@
 #include <thread>
 #include <vector>
 
-#include "nn/atomic_file.h"
-#include "tensor/cuda.h"
+#include <ember/nn/atomic_file.h>
+#include <ember/tensor/cuda.h>
 #include "tests/tensor/test_util.h"
 
 namespace ember::nn {

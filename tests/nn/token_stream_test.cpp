@@ -1,6 +1,6 @@
 // The byte-level token stream: the token file (built atomically, memory-mapped), the split, and
 // the windows each rank draws per step (seed + epoch, disjoint across ranks).
-#include "nn/data/token_stream.h"
+#include <ember/nn/data/token_stream.h>
 
 #include <gtest/gtest.h>
 #include <stdlib.h>

@@ -5,10 +5,10 @@
 
 #include <filesystem>
 
-#include "nn/data/data.h"
-#include "nn/layers.h"
-#include "nn/loss.h"
-#include "nn/optim/sgd.h"
+#include <ember/nn/data/data.h>
+#include <ember/nn/layers.h>
+#include <ember/nn/loss.h>
+#include <ember/nn/optim/sgd.h>
 
 namespace ember::nn {
 namespace {

@@ -1,7 +1,7 @@
 // MultiheadAttention and TransformerEncoderLayer: values and gradients against PyTorch 1.13
 // (tests/nn/transformer_reference.h, from make_transformer_reference.py), torch's state_dict
 // names and initialisation, masks and their equivalences, gradcheck.
-#include "nn/transformer.h"
+#include <ember/nn/transformer.h>
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -12,13 +12,13 @@
 #include <utility>
 #include <vector>
 
-#include "nn/attention.h"
-#include "nn/embedding.h"
-#include "nn/functional.h"
-#include "nn/optim/adam.h"
-#include "nn/optim/sgd.h"
-#include "nn/serialize.h"
-#include "tensor/cuda.h"
+#include <ember/nn/attention.h>
+#include <ember/nn/embedding.h>
+#include <ember/nn/functional.h>
+#include <ember/nn/optim/adam.h>
+#include <ember/nn/optim/sgd.h>
+#include <ember/nn/serialize.h>
+#include <ember/tensor/cuda.h>
 #include "tests/autograd/grad_util.h"
 #include "tests/nn/transformer_reference.h"
 

@@ -2,13 +2,13 @@
 // scoping (nested, disabled, per device type, per thread), the dtypes it accepts, and values
 // against the same op run on explicitly cast inputs. Gradients and the cast cache need the
 // autograd library: tests/nn/autocast_test.cpp.
-#include "tensor/autocast.h"
+#include <ember/tensor/autocast.h>
 
 #include <gtest/gtest.h>
 
 #include <thread>
 
-#include "tensor/ops.h"
+#include <ember/tensor/ops.h>
 #include "test_util.h"
 
 using ember::test::expect_error;

@@ -13,8 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include "tensor/detail/caching_pool.h"
-#include "tensor/error.h"
+#include <ember/tensor/detail/caching_pool.h>
+#include <ember/tensor/error.h>
 
 namespace ember {
 namespace {

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <limits>
 
-#include "tensor/ops.h"
+#include <ember/tensor/ops.h>
 
 using namespace ember;
 

@@ -2,8 +2,8 @@
 // Its own binary: the checks need a process in which no other test touched a device.
 #include <gtest/gtest.h>
 
-#include "tensor/cuda.h"
-#include "tensor/ops.h"
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/ops.h>
 
 namespace ember {
 namespace {

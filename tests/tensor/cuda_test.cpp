@@ -5,8 +5,8 @@
 #include <string>
 #include <vector>
 
-#include "tensor/cuda.h"
-#include "tensor/ops.h"
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/ops.h>
 
 using namespace ember;
 

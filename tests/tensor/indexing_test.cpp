@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "tensor/cuda.h"
-#include "tensor/ops.h"
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/ops.h>
 #include "test_util.h"
 
 using ember::test::expect_error;

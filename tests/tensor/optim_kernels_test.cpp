@@ -1,14 +1,14 @@
 // Fused optimizer updates (tensor/optim.h): the fused kernels against the tensor-op fallback
 // (taken for non-contiguous tensors), which is PyTorch 1.13's single-tensor op chain and is
 // checked against PyTorch's values in tests/nn/optim_test.cpp.
-#include "tensor/optim.h"
+#include <ember/tensor/optim.h>
 
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
-#include "tensor/ops.h"
+#include <ember/tensor/ops.h>
 #include "tests/tensor/test_util.h"
 
 namespace ember {

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "tensor/detail/philox.h"
-#include "tensor/ops.h"
+#include <ember/tensor/detail/philox.h>
+#include <ember/tensor/ops.h>
 #include "test_util.h"
 
 using ember::test::expect_error;

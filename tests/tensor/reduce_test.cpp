@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "tensor/ops.h"
+#include <ember/tensor/ops.h>
 #include "test_util.h"
 
 using ember::test::expect_error;

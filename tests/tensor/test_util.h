@@ -9,7 +9,7 @@
 #include <string_view>
 #include <vector>
 
-#include "tensor/ops.h"
+#include <ember/tensor/ops.h>
 
 namespace ember::test {
 

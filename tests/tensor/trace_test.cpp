@@ -1,6 +1,6 @@
 // The timeline recorder (tensor/trace.h): spans nest and the file is valid Chrome trace-event
 // JSON; off records nothing and writes no file; the file appears whole or not at all.
-#include "tensor/trace.h"
+#include <ember/tensor/trace.h>
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "tensor/error.h"
+#include <ember/tensor/error.h>
 
 namespace {
 

@@ -1,0 +1,21 @@
+// Ember in one include: tensors, autograd, nn (layers, losses, optimizers, data, checkpoints,
+// mixed precision) and distributed training (process groups, DDP, ZeRO, comm hooks).
+// Link Ember::ember (CMake) or `pkg-config --libs ember`.
+#pragma once
+
+#include <ember/distributed/amp.h>
+#include <ember/distributed/comm_hooks.h>
+#include <ember/distributed/ddp.h>
+#include <ember/distributed/ddp_join.h>
+#include <ember/distributed/init.h>
+#include <ember/distributed/powersgd.h>
+#include <ember/distributed/process_group.h>
+#include <ember/distributed/sync_batch_norm.h>
+#include <ember/distributed/zero.h>
+#include <ember/nn/amp/autocast.h>
+#include <ember/nn/amp/grad_scaler.h>
+#include <ember/nn/multihead_attention.h>
+#include <ember/nn/nn.h>
+#include <ember/nn/transformer.h>
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/ops.h>
