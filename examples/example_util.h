@@ -263,6 +263,15 @@ struct LogWindow {
   }
 };
 
+// A diverged run stops at once, naming the step and the rank, instead of training on garbage
+// and exiting 0; `keep_going` (the examples' --continue-on-nan) lets it go on.
+inline void check_loss_is_finite(float loss, const char* step_name, int64_t step, int rank,
+                                 bool keep_going) {
+  if (std::isfinite(loss) || keep_going) return;
+  throw std::runtime_error("the loss is " + std::to_string(loss) + " at " + step_name + " " +
+                           std::to_string(step) + " on rank " + std::to_string(rank) +
+                           " (pass --continue-on-nan to keep training)");
+}
 
 // CLI11's PositiveNumber and NonNegativeNumber print their upper bound, DBL_MAX, in all of its
 // 309 digits: these say what was expected instead.

@@ -447,12 +447,7 @@ double Trainer::train_step(const nn::data::Batch& batch) {
   optimizer_span.finish();
   ++global_step_;
   const float value = loss.item<float>();
-  // A diverged run stops at once, naming the step, instead of training on garbage and exiting 0.
-  if (!std::isfinite(value) && !a_.continue_on_nan) {
-    throw std::runtime_error("the loss is " + std::to_string(value) + " at global step " +
-                             std::to_string(global_step_) + " on rank " + std::to_string(rank_) +
-                             " (pass --continue-on-nan to keep training)");
-  }
+  check_loss_is_finite(value, "global step", global_step_, rank_, a_.continue_on_nan);
   return value;
 }
 

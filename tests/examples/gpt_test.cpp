@@ -10,6 +10,7 @@
 #include <string>
 
 #include "nn/data/token_stream.h"
+#include "nn/serialize.h"
 #include "tests/examples/example_test_util.h"
 
 namespace {
@@ -103,6 +104,21 @@ TEST_F(Gpt, ResumeContinuesAtTheRightStepWithTheSameResult) {
   EXPECT_EQ(other.status, 1) << other.output;
   EXPECT_NE(other.output.find("saved with batch_size 16, but this run has 8"), std::string::npos)
       << other.output;
+}
+
+// A diverging run (a huge learning rate) stops naming the step, unless told to go on.
+TEST_F(Gpt, NonFiniteLossStopsTheRunNamingTheStep) {
+  const std::string diverging = "env EMBER_NUM_THREADS=1 " + tiny() + " --steps 5 --lr 1e30 " +
+                                "--eval-batches 1";
+  Result stopped = run(diverging);
+  EXPECT_EQ(stopped.status, 1) << stopped.output;
+  EXPECT_TRUE(std::regex_search(stopped.output,
+                                std::regex("gpt: error: the loss is (nan|inf) at step [1-5] on "
+                                           "rank 0 \\(pass --continue-on-nan to keep training\\)")))
+      << stopped.output;
+  Result going_on = run(diverging + " --continue-on-nan");
+  EXPECT_EQ(going_on.status, 0) << going_on.output;
+  EXPECT_NE(going_on.output.find("step 5/5"), std::string::npos) << going_on.output;
 }
 
 // bf16 autocast around forward and loss, each block checkpointed: it still learns, and the
