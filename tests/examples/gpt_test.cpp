@@ -106,6 +106,33 @@ TEST_F(Gpt, ResumeContinuesAtTheRightStepWithTheSameResult) {
       << other.output;
 }
 
+// A checkpoint at or past the end (--stop-at-step below it: --steps itself must match) trains
+// nothing and says so; a bad position in the checkpoint is refused naming the key and value.
+TEST_F(Gpt, ResumePastTheEndTrainsNothingAndBadPositionsAreNamed) {
+  const std::string alone = "env EMBER_NUM_THREADS=1 " + tiny() + " --eval-batches 2";
+  const std::string dir = " --checkpoint-dir " + tmp.path + "/ck";
+  Result first = run(alone + dir + " --stop-at-step 15");
+  ASSERT_EQ(first.status, 0) << first.output;
+  Result past = run(alone + dir + " --resume --stop-at-step 10");
+  ASSERT_EQ(past.status, 0) << past.output;
+  EXPECT_NE(past.output.find("at step 15, at or past the end (10): nothing to train"),
+            std::string::npos) << past.output;
+  EXPECT_EQ(past.output.find("tok/s  ETA"), std::string::npos) << "it trained:\n" << past.output;
+
+  const std::string file = tmp.path + "/ck/checkpoint.safetensors";
+  const ember::nn::SafetensorsFile good = ember::nn::load_safetensors(file);
+  for (const char* bad : {"abc", "15x", "-7", "31"}) {
+    auto meta = good.metadata();
+    meta["global_step"] = bad;
+    ember::nn::save_safetensors(file, good.tensors(), meta);
+    Result r = run(alone + dir + " --resume");
+    EXPECT_EQ(r.status, 1) << bad << "\n" << r.output;
+    EXPECT_NE(r.output.find("'global_step' must be an integer in [0, 30], got '" +
+                            std::string(bad) + "'"),
+              std::string::npos) << r.output;
+  }
+}
+
 // A diverging run (a huge learning rate) stops naming the step, unless told to go on.
 TEST_F(Gpt, NonFiniteLossStopsTheRunNamingTheStep) {
   const std::string diverging = "env EMBER_NUM_THREADS=1 " + tiny() + " --steps 5 --lr 1e30 " +
