@@ -159,8 +159,11 @@ inline void agree(const std::shared_ptr<gloo::Context>& ctx, uint32_t tag, const
 // the receiver's call, never its send/recv thread, so two ranks may exchange without deadlock);
 // the send's data goes once the receiver's header is in. When the sizes differ, both sides fail
 // naming both, and a message cut to the recv's size (one byte when the sender has none) still
-// crosses, so the posted recv is used up and later messages on the tag stay matched.
-constexpr uint8_t kP2pHeaderSlotPrefix = 0x0b;
+// crosses, so the posted recv is used up and later messages on the tag stay matched. A
+// sender's header and a receiver's go on different slots: two ranks exchanging on one tag each
+// send and receive, and a send's header must pair with the peer's recv, not its send.
+constexpr uint8_t kSenderHeaderSlotPrefix = 0x0b;
+constexpr uint8_t kReceiverHeaderSlotPrefix = 0x0c;
 
 struct P2pHeader {
   uint64_t nbytes = 0;
@@ -176,11 +179,12 @@ class P2pTransfer {
               uint64_t data_slot, void* data, Dtype dtype, int64_t numel, size_t nbytes)
       : ctx_(ctx), is_send_(is_send), peer_(peer), data_slot_(data_slot) {
     mine_ = {nbytes, static_cast<uint64_t>(numel), static_cast<uint64_t>(dtype)};
-    const uint64_t header_slot = gloo::Slot::build(kP2pHeaderSlotPrefix, tag);
+    const uint64_t senders = gloo::Slot::build(kSenderHeaderSlotPrefix, tag);
+    const uint64_t receivers = gloo::Slot::build(kReceiverHeaderSlotPrefix, tag);
     header_in_ = ctx->createUnboundBuffer(&theirs_, sizeof(theirs_));
     header_out_ = ctx->createUnboundBuffer(&mine_, sizeof(mine_));
-    header_in_->recv(peer, header_slot);
-    header_out_->send(peer, header_slot);
+    header_in_->recv(peer, is_send ? receivers : senders);
+    header_out_->send(peer, is_send ? senders : receivers);
     if (nbytes > 0) data_ = ctx->createUnboundBuffer(data, nbytes);
     if (!is_send && data_) data_->recv(peer, data_slot);
   }

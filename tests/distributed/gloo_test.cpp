@@ -879,6 +879,23 @@ INSTANTIATE_TEST_SUITE_P(Cases, GlooSendRecvSizes,
                                   std::to_string(info.param.second);
                          });
 
+// Two ranks exchanging on one tag, each direction its own size: a recv's size is compared with
+// the send it pairs with, not with the peer's send in the other direction, so nothing fails.
+TEST(GlooTcp, ExchangeOnOneTagWithADifferentSizeEachWay) {
+  EMBER_REQUIRE_GLOO();
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store&) {
+    const int64_t mine = rank == 0 ? 10 : 20, theirs = rank == 0 ? 20 : 10;
+    for (int round = 0; round < 3; ++round) {
+      Tensor out = full({mine}, rank + round, kFloat32), in = full({theirs}, -1.0, kFloat32);
+      WorkPtr s = pg.send(out, 1 - rank, 7), r = pg.recv(in, 1 - rank, 7);
+      s->wait();
+      r->wait();
+      require_values("round " + std::to_string(round) + " on rank " + std::to_string(rank), in,
+                     std::vector<double>(theirs, 1 - rank + round));
+    }
+  }, 10s, /*shm=*/false);
+}
+
 // ---- the shared-memory allreduce (Note [shared-memory allreduce]) ------------------------------
 
 class GlooShm : public ::testing::TestWithParam<int> {};
