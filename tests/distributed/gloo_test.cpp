@@ -896,6 +896,32 @@ TEST(GlooTcp, ExchangeOnOneTagWithADifferentSizeEachWay) {
   }, 10s, /*shm=*/false);
 }
 
+// A recv that times out before its send is called fails naming the recv; the late send then
+// fails too (at its own timeout, or as the peer gave up), and neither rank aborts.
+TEST(GlooTcp, ASendAfterItsRecvTimedOutFailsOnBothRanks) {
+  EMBER_REQUIRE_GLOO();
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store& store) {
+    Tensor t = full({100}, 1.0, kFloat32);
+    std::string msg;
+    if (rank == 0) store.get("recv_failed", 30s);
+    try {
+      if (rank == 1) {
+        pg.recv(t, 0, 5)->wait();
+      } else {
+        pg.send(t, 1, 5)->wait();
+      }
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    if (rank == 1) store.set("recv_failed", std::string("1"));
+    const std::string op = rank == 1 ? "[gloo] recv #0 on rank 1 of 2 from rank 0 tag 5"
+                                     : "[gloo] send #0 on rank 0 of 2 to rank 1 tag 5";
+    require(msg.find(op) != std::string::npos, "rank " + std::to_string(rank) + ": " + msg);
+    if (rank == 1) store.get("send_failed", 30s);  // alive while the late send arrives
+    if (rank == 0) store.set("send_failed", std::string("1"));
+  }, 1s, /*shm=*/false);
+}
+
 // ---- the shared-memory allreduce (Note [shared-memory allreduce]) ------------------------------
 
 class GlooShm : public ::testing::TestWithParam<int> {};
