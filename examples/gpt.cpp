@@ -85,6 +85,7 @@ struct Args {
   int timeout_s = 0;
   bool continue_on_nan = false;  // keep training when a step's loss is not finite
   int64_t stop_at_step = 0;  // testing aid: stop (as if interrupted) after this step
+  int64_t hang_at_step = -1;  // testing aid: SIGSTOP rank 1 at this step, first run only
 };
 
 // ---- the model ----
@@ -353,6 +354,7 @@ double Trainer::train() {
   while (step_ < end) {
     const auto t0 = Clock::now();
     const double loss = train_step(step_);
+    stop_self_if_asked("gpt", rank_, world_, step_, /*fail_at=*/-1, a_.hang_at_step);
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     train_seconds_ += dt;
     window.comm_wait_ms += ddp_.stats().exposed_communication.last_ms;
@@ -646,6 +648,9 @@ void add_options(CLI::App& app, Args& a) {
                "keep training when the loss is NaN or infinite (default: stop with an error)");
   app.add_option("--stop-at-step", a.stop_at_step,
                  "testing aid: stop after this step, as an interrupted run would")->group("");
+  app.add_option("--hang-at-step", a.hang_at_step,
+                 "testing aid: rank 1 stops itself (SIGSTOP) at this step in the first run")
+      ->group("");
 }
 
 }  // namespace

@@ -148,6 +148,23 @@ TEST_F(Gpt, NonFiniteLossStopsTheRunNamingTheStep) {
   EXPECT_NE(going_on.output.find("step 5/5"), std::string::npos) << going_on.output;
 }
 
+// A hung rank (stopped, not dead: its sockets and shared memory stay open) ends the job within
+// --timeout, with an error naming the collective and the rank that timed out.
+TEST_F(Gpt, HungRankEndsTheJobWithinTheTimeout) {
+  for (const char* shm : {"1", "0"}) {
+    Result r = run(std::string("env EMBER_GLOO_SHM=") + shm + " " + two_ranks() +
+                       " --hang-at-step 3 --timeout 5",
+                   240);
+    EXPECT_NE(r.status, 0) << "EMBER_GLOO_SHM=" << shm << "\n" << r.output;
+    EXPECT_NE(r.status, 124) << "the job hung past the test's limit\n" << r.output;
+    EXPECT_NE(r.output.find("gpt: --hang-at-step 3: rank 1 stops itself"), std::string::npos)
+        << r.output;
+    EXPECT_TRUE(std::regex_search(r.output, std::regex("\\[gloo\\] [a-z_]+ #[0-9]+ on rank 0 "
+                                                       "of 2 timed out after 5000 ms")))
+        << "EMBER_GLOO_SHM=" << shm << "\n" << r.output;
+  }
+}
+
 // bf16 autocast around forward and loss, each block checkpointed: it still learns, and the
 // banner says how it ran.
 TEST_F(Gpt, Bf16AutocastWithCheckpointedBlocks) {
