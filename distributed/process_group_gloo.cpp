@@ -960,12 +960,12 @@ WorkPtr ProcessGroupGloo::point_to_point(bool is_send, const Tensor& tensor, int
   std::shared_ptr<ember::detail::P2pTransfer> transfer;
   try {
     transfer = std::make_shared<ember::detail::P2pTransfer>(
-        impl_->context(), is_send, peer, static_cast<uint32_t>(tag), slot, t.data_ptr(),
-        t.dtype(), t.numel(), static_cast<size_t>(t.nbytes()));
+        impl_->context(), is_send, peer, static_cast<uint32_t>(tag), slot, t.data_ptr(), t.dtype(),
+        t.numel(), static_cast<size_t>(t.nbytes()));
   } catch (const std::exception& e) {  // Gloo's: the connection is already broken
-    throw DistBackendError(detail::str_cat(
-        "[gloo] ", op, " #", seq_, " on rank ", rank_, " of ", size_, is_send ? " to" : " from",
-        " rank ", peer, " tag ", tag, " failed: ", impl_->name_peers(e.what())));
+    throw DistBackendError(detail::str_cat("[gloo] ", op, " #", seq_, " on rank ", rank_, " of ",
+                                           size_, is_send ? " to" : " from", " rank ", peer,
+                                           " tag ", tag, " failed: ", impl_->name_peers(e.what())));
   }
   return impl_->submit(
       detail::str_cat(next_op_label(op), is_send ? " to rank " : " from rank ", peer, " tag ", tag),

@@ -251,8 +251,8 @@ TCPStore::TCPStore(std::string host, uint16_t port, TCPStoreOptions options)
               "[TCPStore] world_size must be at least 1, got ", options.world_size.value_or(0));
   if (options.is_server) {
     TCPStoreServerOptions so;
-    so.host =
-        options.listen_host.empty() && is_local_address_literal(host_) ? host_ : options.listen_host;
+    so.host = options.listen_host.empty() && is_local_address_literal(host_) ? host_
+                                                                             : options.listen_host;
     so.port = port;
     so.secret = secret_;
     server_ = std::make_unique<TCPStoreServer>(std::move(so));

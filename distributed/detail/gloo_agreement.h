@@ -210,10 +210,10 @@ class P2pTransfer {
       data_->waitRecv(left());
     }
     if (theirs_.nbytes != mine_.nbytes) {
-      throw dist::DistBackendError(str_cat(
-          "sizes disagree: rank ", peer_, is_send_ ? " receives " : " sends ", text(theirs_),
-          is_send_ ? ", but this send has " : ", but this recv takes ", text(mine_),
-          " (a send and its recv must have the same number of bytes)"));
+      throw dist::DistBackendError(
+          str_cat("sizes disagree: rank ", peer_, is_send_ ? " receives " : " sends ",
+                  text(theirs_), is_send_ ? ", but this send has " : ", but this recv takes ",
+                  text(mine_), " (a send and its recv must have the same number of bytes)"));
     }
   }
 
