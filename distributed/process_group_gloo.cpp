@@ -956,29 +956,22 @@ WorkPtr ProcessGroupGloo::point_to_point(bool is_send, const Tensor& tensor, int
               size_, " (this is rank ", rank_, ")");
   EMBER_CHECK(tag >= 0, "[gloo] ", op, ": tag must be >= 0, got ", tag);
   Tensor t = tensor;
-  std::shared_ptr<gloo::transport::UnboundBuffer> buf;
-  if (t.numel() > 0) {  // both sides skip empty messages
-    buf = impl_->context()->createUnboundBuffer(t.data_ptr(), static_cast<size_t>(t.nbytes()));
-    const uint64_t slot = gloo::Slot::build(kSendRecvSlotPrefix, static_cast<uint32_t>(tag));
-    try {
-      if (is_send) {
-        buf->send(peer, slot);
-      } else {
-        buf->recv(peer, slot);
-      }
-    } catch (const std::exception& e) {  // Gloo's: the connection is already broken
-      throw DistBackendError(detail::str_cat(
-          "[gloo] ", op, " #", seq_, " on rank ", rank_, " of ", size_, is_send ? " to" : " from",
-          " rank ", peer, " tag ", tag, " failed: ",
-          impl_->name_peers(e.what())));
-    }
+  const uint64_t slot = gloo::Slot::build(kSendRecvSlotPrefix, static_cast<uint32_t>(tag));
+  std::shared_ptr<ember::detail::P2pTransfer> transfer;
+  try {
+    transfer = std::make_shared<ember::detail::P2pTransfer>(
+        impl_->context(), is_send, peer, static_cast<uint32_t>(tag), slot, t.data_ptr(), t.dtype(),
+        t.numel(), static_cast<size_t>(t.nbytes()));
+  } catch (const std::exception& e) {  // Gloo's: the connection is already broken
+    throw DistBackendError(detail::str_cat("[gloo] ", op, " #", seq_, " on rank ", rank_, " of ",
+                                           size_, is_send ? " to" : " from", " rank ", peer,
+                                           " tag ", tag, " failed: ", impl_->name_peers(e.what())));
   }
   return impl_->submit(
       detail::str_cat(next_op_label(op), is_send ? " to rank " : " from rank ", peer, " tag ", tag),
       timeout(),
-      [t, buf, is_send](std::chrono::milliseconds left) {
-        if (buf && is_send) buf->waitSend(left);
-        if (buf && !is_send) buf->waitRecv(left);
+      [t, transfer](std::chrono::milliseconds left) {
+        transfer->run(left);
         return std::vector<Tensor>{t};
       },
       Impl::Route::P2p);

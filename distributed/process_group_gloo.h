@@ -13,10 +13,11 @@
 // number, this rank and the timeout; a dead peer is named by its rank (Gloo names only an
 // address). Ranks that issue a collective with different sizes, dtypes, ops or roots fail on
 // every rank naming the peer and what each issued, over shared memory and over TCP, where Gloo
-// itself would abort the process (Note [ranks that disagree over TCP]; not send/recv: a recv
-// must be as large as its send). After a failure the group closes its connections, so peers
-// blocked on this rank fail at once rather than at their timeout, and the group cannot be
-// used again (as in c10d: recreate it).
+// itself would abort the process (Note [ranks that disagree over TCP]); a send and a recv of
+// different sizes fail on both ranks naming both (Note [send/recv sizes]), and the pair's
+// next messages still arrive whole. After a failed collective the group closes its
+// connections, so peers blocked on this rank fail at once rather than at their timeout, and
+// the group cannot be used again (as in c10d: recreate it).
 //
 // Dtypes: float32, float64, float16, bfloat16, int32, int64, uint8; tensors must be contiguous
 // CPU tensors. float16/bfloat16 reductions compute each pairwise step in float32 and round

@@ -213,13 +213,31 @@ void check_keys(const std::string& op, const std::vector<std::string>& keys) {
 }  // namespace
 
 namespace {
-// 127.0.0.0/8 or ::1 written as an address. Names such as "localhost" are left out: they may
-// resolve differently for the server and its clients.
-bool is_loopback_literal(const std::string& host) {
-  in_addr v4{};
-  if (::inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
-  in6_addr v6{};
-  return ::inet_pton(AF_INET6, host.c_str(), &v6) == 1 && IN6_IS_ADDR_LOOPBACK(&v6);
+// An address of this machine written as one (127.0.0.1, ::1, 192.0.2.2): the address a server
+// rank may listen on alone, since its clients are told that very address. Names such as
+// "localhost" or the host's own name are left out: they may resolve differently for the server
+// and its clients (Debian maps the host name to 127.0.1.1), so a server for a name listens on
+// every interface, as does one for an address that is not this machine's (behind NAT).
+bool is_local_address_literal(const std::string& host) {
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+  auto* v4 = reinterpret_cast<sockaddr_in*>(&addr);
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(&addr);
+  if (::inet_pton(AF_INET, host.c_str(), &v4->sin_addr) == 1) {
+    v4->sin_family = AF_INET;
+    len = sizeof(sockaddr_in);
+  } else if (::inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
+    v6->sin6_family = AF_INET6;
+    len = sizeof(sockaddr_in6);
+  } else {
+    return false;
+  }
+  // Port 0: binding tests that the address is one of this machine's without taking a port.
+  const int fd = ::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const bool local = ::bind(fd, reinterpret_cast<const sockaddr*>(&addr), len) == 0;
+  ::close(fd);
+  return local;
 }
 }  // namespace
 
@@ -233,8 +251,8 @@ TCPStore::TCPStore(std::string host, uint16_t port, TCPStoreOptions options)
               "[TCPStore] world_size must be at least 1, got ", options.world_size.value_or(0));
   if (options.is_server) {
     TCPStoreServerOptions so;
-    so.host =
-        options.listen_host.empty() && is_loopback_literal(host_) ? host_ : options.listen_host;
+    so.host = options.listen_host.empty() && is_local_address_literal(host_) ? host_
+                                                                             : options.listen_host;
     so.port = port;
     so.secret = secret_;
     server_ = std::make_unique<TCPStoreServer>(std::move(so));

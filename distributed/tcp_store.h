@@ -111,8 +111,9 @@ struct TCPStoreOptions {
   /// EMBER_STORE_SECRET.
   std::optional<std::string> secret;
   /// With is_server: the address the server listens on. "" = the client's host when that is
-  /// a loopback address literal (127.x.x.x, ::1: e.g. MASTER_ADDR of a single-node or
-  /// `emberrun --standalone` job), so that other machines cannot reach the store; otherwise
+  /// an address of this machine written as one (MASTER_ADDR 127.0.0.1 of a single-node or
+  /// `emberrun --standalone` job, or node 0's IP), so that the store is not reachable through
+  /// other interfaces; otherwise (a host name, or an address of another machine such as a NAT's)
   /// every interface. "0.0.0.0" or "::" listens on every interface whatever the host.
   std::string listen_host;
 };

@@ -8,8 +8,10 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
-#include <cstdio>
+#include <csignal>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -19,6 +21,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -263,6 +266,33 @@ struct LogWindow {
   }
 };
 
+// A diverged run stops at once, naming the step and the rank, instead of training on garbage
+// and exiting 0; `keep_going` (the examples' --continue-on-nan) lets it go on.
+inline void check_loss_is_finite(float loss, const char* step_name, int64_t step, int rank,
+                                 bool keep_going) {
+  if (std::isfinite(loss) || keep_going) return;
+  throw std::runtime_error("the loss is " + std::to_string(loss) + " at " + step_name + " " +
+                           std::to_string(step) + " on rank " + std::to_string(rank) +
+                           " (pass --continue-on-nan to keep training)");
+}
+
+// The testing aids --fail-at-step and --hang-at-step (-1: off): at that step of the first run
+// (not a restart), rank 1 (rank 0 alone) kills itself, or stops (SIGSTOP) as a hung rank would.
+inline void stop_self_if_asked(const char* program, int rank, int world, int64_t step,
+                               int64_t fail_at, int64_t hang_at) {
+  const char* restarts = std::getenv("EMBER_RESTART_COUNT");
+  const bool first_run = restarts == nullptr || std::string(restarts) == "0";
+  if (rank != std::min(1, world - 1) || !first_run) return;
+  for (const auto& [at, option, what, signal] :
+       {std::tuple{fail_at, "--fail-at-step", "kills", SIGKILL},
+        std::tuple{hang_at, "--hang-at-step", "stops", SIGSTOP}}) {
+    if (at != step) continue;
+    std::fprintf(stderr, "%s: %s %lld: rank %d %s itself\n", program, option,
+                 static_cast<long long>(step), rank, what);
+    std::fflush(stderr);
+    std::raise(signal);
+  }
+}
 
 // CLI11's PositiveNumber and NonNegativeNumber print their upper bound, DBL_MAX, in all of its
 // 309 digits: these say what was expected instead.

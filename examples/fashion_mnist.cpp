@@ -447,30 +447,13 @@ double Trainer::train_step(const nn::data::Batch& batch) {
   optimizer_span.finish();
   ++global_step_;
   const float value = loss.item<float>();
-  // A diverged run stops at once, naming the step, instead of training on garbage and exiting 0.
-  if (!std::isfinite(value) && !a_.continue_on_nan) {
-    throw std::runtime_error("the loss is " + std::to_string(value) + " at global step " +
-                             std::to_string(global_step_) + " on rank " + std::to_string(rank_) +
-                             " (pass --continue-on-nan to keep training)");
-  }
+  check_loss_is_finite(value, "global step", global_step_, rank_, a_.continue_on_nan);
   return value;
 }
 
-// --fail-at-step / --hang-at-step: rank 1 (rank 0 alone) dies, or stops as a hung rank would,
-// at that step of the first run.
 void Trainer::fail_if_asked() const {
-  const char* restarts = std::getenv("EMBER_RESTART_COUNT");
-  const bool first_run = restarts == nullptr || std::string(restarts) == "0";
-  if (rank_ != std::min(1, world_ - 1) || !first_run) return;
-  for (const auto& [step, option, what, signal] :
-       {std::tuple{a_.fail_at_step, "--fail-at-step", "kills", SIGKILL},
-        std::tuple{a_.hang_at_step, "--hang-at-step", "stops", SIGSTOP}}) {
-    if (step != global_step_) continue;
-    std::fprintf(stderr, "fashion_mnist: %s %lld: rank %d %s itself\n", option,
-                 static_cast<long long>(step), rank_, what);
-    std::fflush(stderr);
-    std::raise(signal);
-  }
+  stop_self_if_asked("fashion_mnist", rank_, world_, global_step_, a_.fail_at_step,
+                     a_.hang_at_step);
 }
 
 // Collective (the straggler report's gather); rank 0 prints the progress line and the report

@@ -83,7 +83,9 @@ struct Args {
   double temperature = 0;  // 0: greedy
   std::string prompt = "In the beginning";
   int timeout_s = 0;
+  bool continue_on_nan = false;  // keep training when a step's loss is not finite
   int64_t stop_at_step = 0;  // testing aid: stop (as if interrupted) after this step
+  int64_t hang_at_step = -1;  // testing aid: SIGSTOP rank 1 at this step, first run only
 };
 
 // ---- the model ----
@@ -352,6 +354,7 @@ double Trainer::train() {
   while (step_ < end) {
     const auto t0 = Clock::now();
     const double loss = train_step(step_);
+    stop_self_if_asked("gpt", rank_, world_, step_, /*fail_at=*/-1, a_.hang_at_step);
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     train_seconds_ += dt;
     window.comm_wait_ms += ddp_.stats().exposed_communication.last_ms;
@@ -393,10 +396,7 @@ double Trainer::train_step(int64_t step) {
   schedule_.step();
   ++step_;
   const float value = loss.item<float>();
-  if (!std::isfinite(value)) {
-    throw std::runtime_error("the loss is " + std::to_string(value) + " at step " +
-                             std::to_string(step_) + " on rank " + std::to_string(rank_));
-  }
+  check_loss_is_finite(value, "step", step_, rank_, a_.continue_on_nan);
   return value;
 }
 
@@ -644,8 +644,13 @@ void add_options(CLI::App& app, Args& a) {
   app.add_option("--prompt", a.prompt, "the text the sample continues")->capture_default_str();
   app.add_option("--timeout", a.timeout_s, "seconds a collective may wait (0: EMBER_PG_TIMEOUT or 30 min)")
       ->check(kNonNegative);
+  app.add_flag("--continue-on-nan", a.continue_on_nan,
+               "keep training when the loss is NaN or infinite (default: stop with an error)");
   app.add_option("--stop-at-step", a.stop_at_step,
                  "testing aid: stop after this step, as an interrupted run would")->group("");
+  app.add_option("--hang-at-step", a.hang_at_step,
+                 "testing aid: rank 1 stops itself (SIGSTOP) at this step in the first run")
+      ->group("");
 }
 
 }  // namespace

@@ -151,6 +151,88 @@ inline void agree(const std::shared_ptr<gloo::Context>& ctx, uint32_t tag, const
   exchange_and_check(ctx, tag, mine, nullptr, 0, 0, in, out, timeout);
 }
 
+// Note [send/recv sizes]: a send longer than the recv posted for it would abort the receiver
+// on Gloo's event-loop thread (Note [ranks that disagree over TCP]), and a send or recv has no
+// collective agreement to catch it first. So each side, when called, sends the other a header
+// (bytes, elements, dtype) on a slot of its own, and the operation's job compares the two before
+// any data moves. The recv's data buffer is still posted at the call (a sender waits only for
+// the receiver's call, never its send/recv thread, so two ranks may exchange without deadlock);
+// the send's data goes once the receiver's header is in. When the sizes differ, both sides fail
+// naming both, and a message cut to the recv's size (one byte when the sender has none) still
+// crosses, so the posted recv is used up and later messages on the tag stay matched. A
+// sender's header and a receiver's go on different slots: two ranks exchanging on one tag each
+// send and receive, and a send's header must pair with the peer's recv, not its send.
+constexpr uint8_t kSenderHeaderSlotPrefix = 0x0b;
+constexpr uint8_t kReceiverHeaderSlotPrefix = 0x0c;
+
+struct P2pHeader {
+  uint64_t nbytes = 0;
+  uint64_t numel = 0;
+  uint64_t dtype = 0;
+};
+
+/// One send or recv of `nbytes` at `data` between this rank and `peer` with the data slot
+/// `data_slot` (Note [send/recv sizes]). Construct it on the calling thread; run() in the job.
+class P2pTransfer {
+ public:
+  P2pTransfer(const std::shared_ptr<gloo::Context>& ctx, bool is_send, int peer, uint32_t tag,
+              uint64_t data_slot, void* data, Dtype dtype, int64_t numel, size_t nbytes)
+      : ctx_(ctx), is_send_(is_send), peer_(peer), data_slot_(data_slot) {
+    mine_ = {nbytes, static_cast<uint64_t>(numel), static_cast<uint64_t>(dtype)};
+    const uint64_t senders = gloo::Slot::build(kSenderHeaderSlotPrefix, tag);
+    const uint64_t receivers = gloo::Slot::build(kReceiverHeaderSlotPrefix, tag);
+    header_in_ = ctx->createUnboundBuffer(&theirs_, sizeof(theirs_));
+    header_out_ = ctx->createUnboundBuffer(&mine_, sizeof(mine_));
+    header_in_->recv(peer, is_send ? receivers : senders);
+    header_out_->send(peer, is_send ? senders : receivers);
+    if (nbytes > 0) data_ = ctx->createUnboundBuffer(data, nbytes);
+    if (!is_send && data_) data_->recv(peer, data_slot);
+  }
+
+  /// Waits for the headers, moves the data, and throws DistBackendError naming both sides'
+  /// sizes when they differ; Gloo's own errors (a timeout, a closed connection) pass through.
+  void run(std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto left = [&] {
+      return std::max(std::chrono::milliseconds(0),
+                      std::chrono::duration_cast<std::chrono::milliseconds>(
+                          deadline - std::chrono::steady_clock::now()));
+    };
+    header_in_->waitRecv(left());
+    header_out_->waitSend(left());
+    if (is_send_ && theirs_.nbytes > 0) {
+      const size_t n = static_cast<size_t>(std::min(mine_.nbytes, theirs_.nbytes));
+      auto out = data_;
+      if (n == 0) out = ctx_->createUnboundBuffer(&filler_, 1);
+      out->send(peer_, data_slot_, 0, std::max<size_t>(n, 1));
+      out->waitSend(left());
+    } else if (!is_send_ && data_) {
+      data_->waitRecv(left());
+    }
+    if (theirs_.nbytes != mine_.nbytes) {
+      throw dist::DistBackendError(
+          str_cat("sizes disagree: rank ", peer_, is_send_ ? " receives " : " sends ",
+                  text(theirs_), is_send_ ? ", but this send has " : ", but this recv takes ",
+                  text(mine_), " (a send and its recv must have the same number of bytes)"));
+    }
+  }
+
+ private:
+  static std::string text(const P2pHeader& h) {
+    return str_cat(h.numel, " elements of ", static_cast<Dtype>(h.dtype), " (", h.nbytes,
+                   " bytes)");
+  }
+
+  std::shared_ptr<gloo::Context> ctx_;
+  bool is_send_;
+  int peer_;
+  uint64_t data_slot_;
+  P2pHeader mine_, theirs_;
+  char filler_ = 0;
+  std::unique_ptr<gloo::transport::UnboundBuffer> header_in_, header_out_;
+  std::shared_ptr<gloo::transport::UnboundBuffer> data_;
+};
+
 /// Allreduce over TCP of `count` elements at `data`, reduced pairwise by `fn`: the ranks'
 /// descriptions are exchanged first (Note [ranks that disagree over TCP]), and when the data
 /// is at most `small_bytes` it goes in the same messages (Note [small allreduce] in

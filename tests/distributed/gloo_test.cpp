@@ -828,6 +828,100 @@ TEST(GlooTcp, DisagreeingBroadcastFailsOnEveryRank) {
   }, 20s, /*shm=*/false);
 }
 
+// Note [send/recv sizes]: a send and a recv of different sizes (send and recv always go over
+// TCP) fail on both ranks naming both sizes, where Gloo's enforcement used to abort the receiver
+// on its event-loop thread when the send was the longer; the pair's next messages on the same
+// tag still arrive whole.
+class GlooSendRecvSizes : public ::testing::TestWithParam<std::pair<int64_t, int64_t>> {};
+TEST_P(GlooSendRecvSizes, DisagreeingSizesFailOnBothRanks) {
+  EMBER_REQUIRE_GLOO();
+  const auto [sent, received] = GetParam();
+  run_group(2, [sent, received](ProcessGroupGloo& pg, int rank, Store&) {
+    auto transfer = [&](int64_t send_n, int64_t recv_n, double value) {
+      Tensor t = full({rank == 0 ? send_n : recv_n}, rank == 0 ? value : -1.0, kFloat32);
+      if (rank == 0) {
+        pg.send(t, 1, 3)->wait();
+      } else {
+        pg.recv(t, 0, 3)->wait();
+      }
+      return t;
+    };
+    transfer(4, 4, 1.0);
+    std::string msg;
+    try {
+      transfer(sent, received, 2.0);
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    auto text = [](int64_t n) {
+      return std::to_string(n) + " elements of float32 (" + std::to_string(4 * n) + " bytes)";
+    };
+    const std::string want =
+        rank == 0 ? "[gloo] send #1 on rank 0 of 2 to rank 1 tag 3 (timeout 10000 ms) failed: "
+                    "sizes disagree: rank 1 receives " + text(received) + ", but this send has " +
+                        text(sent)
+                  : "[gloo] recv #1 on rank 1 of 2 from rank 0 tag 3 (timeout 10000 ms) failed: "
+                    "sizes disagree: rank 0 sends " + text(sent) + ", but this recv takes " +
+                        text(received);
+    require(msg.find(want) != std::string::npos,
+            "rank " + std::to_string(rank) + ": expected '" + want + "', got '" + msg + "'");
+    const Tensor after = transfer(5, 5, 3.0);
+    if (rank == 1) require_values("the next recv", after, std::vector<double>(5, 3.0));
+  }, 10s, /*shm=*/false);
+}
+INSTANTIATE_TEST_SUITE_P(Cases, GlooSendRecvSizes,
+                         ::testing::Values(std::pair<int64_t, int64_t>{1000, 10},
+                                           std::pair<int64_t, int64_t>{10, 1000},
+                                           std::pair<int64_t, int64_t>{0, 10},
+                                           std::pair<int64_t, int64_t>{10, 0}),
+                         [](const auto& info) {
+                           return "Send" + std::to_string(info.param.first) + "Recv" +
+                                  std::to_string(info.param.second);
+                         });
+
+// Two ranks exchanging on one tag, each direction its own size: a recv's size is compared with
+// the send it pairs with, not with the peer's send in the other direction, so nothing fails.
+TEST(GlooTcp, ExchangeOnOneTagWithADifferentSizeEachWay) {
+  EMBER_REQUIRE_GLOO();
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store&) {
+    const int64_t mine = rank == 0 ? 10 : 20, theirs = rank == 0 ? 20 : 10;
+    for (int round = 0; round < 3; ++round) {
+      Tensor out = full({mine}, rank + round, kFloat32), in = full({theirs}, -1.0, kFloat32);
+      WorkPtr s = pg.send(out, 1 - rank, 7), r = pg.recv(in, 1 - rank, 7);
+      s->wait();
+      r->wait();
+      require_values("round " + std::to_string(round) + " on rank " + std::to_string(rank), in,
+                     std::vector<double>(theirs, 1 - rank + round));
+    }
+  }, 10s, /*shm=*/false);
+}
+
+// A recv that times out before its send is called fails naming the recv; the late send then
+// fails too (at its own timeout, or as the peer gave up), and neither rank aborts.
+TEST(GlooTcp, ASendAfterItsRecvTimedOutFailsOnBothRanks) {
+  EMBER_REQUIRE_GLOO();
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store& store) {
+    Tensor t = full({100}, 1.0, kFloat32);
+    std::string msg;
+    if (rank == 0) store.get("recv_failed", 30s);
+    try {
+      if (rank == 1) {
+        pg.recv(t, 0, 5)->wait();
+      } else {
+        pg.send(t, 1, 5)->wait();
+      }
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    if (rank == 1) store.set("recv_failed", std::string("1"));
+    const std::string op = rank == 1 ? "[gloo] recv #0 on rank 1 of 2 from rank 0 tag 5"
+                                     : "[gloo] send #0 on rank 0 of 2 to rank 1 tag 5";
+    require(msg.find(op) != std::string::npos, "rank " + std::to_string(rank) + ": " + msg);
+    if (rank == 1) store.get("send_failed", 30s);  // alive while the late send arrives
+    if (rank == 0) store.set("send_failed", std::string("1"));
+  }, 1s, /*shm=*/false);
+}
+
 // ---- the shared-memory allreduce (Note [shared-memory allreduce]) ------------------------------
 
 class GlooShm : public ::testing::TestWithParam<int> {};

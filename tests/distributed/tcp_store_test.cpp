@@ -4,6 +4,7 @@
 #include <ember/distributed/tcp_store.h>
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <netinet/tcp.h>
 
 #include <array>
@@ -792,6 +793,37 @@ TEST(TCPStore, AServerRankOnALoopbackHostListensOnlyThere) {
   o.listen_host = "0.0.0.0";
   TCPStore everywhere("127.0.0.1", 0, o);
   EXPECT_TRUE(connects("127.0.0.2", everywhere.port())) << "an explicit listen_host is kept";
+  store.set("k", std::string("v"));
+  EXPECT_EQ(store.get_string("k"), "v");
+}
+
+// This machine's first IPv4 address outside 127.0.0.0/8, "" when it has none.
+std::string non_loopback_ipv4() {
+  ifaddrs* all = nullptr;
+  if (::getifaddrs(&all) != 0) return "";
+  std::string found;
+  for (ifaddrs* i = all; i != nullptr && found.empty(); i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+    const in_addr a = reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr;
+    if ((ntohl(a.s_addr) >> 24) == 127) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    if (::inet_ntop(AF_INET, &a, text, sizeof text) != nullptr) found = text;
+  }
+  ::freeifaddrs(all);
+  return found;
+}
+
+// A server rank whose MASTER_ADDR is an address of this machine, written as one, listens there
+// only (issue 22): the clients are told that address, so no other interface needs the store.
+TEST(TCPStore, AServerRankOnALocalAddressListensOnlyThere) {
+  const std::string ip = non_loopback_ipv4();
+  if (ip.empty()) GTEST_SKIP() << "this machine has no IPv4 address outside 127.0.0.0/8";
+  TCPStoreOptions o = client_options();
+  o.is_server = true;
+  TCPStore store(ip, 0, o);
+  EXPECT_TRUE(connects(ip.c_str(), store.port()));
+  EXPECT_FALSE(connects("127.0.0.1", store.port()))
+      << "a store for MASTER_ADDR " << ip << " listens on other addresses too";
   store.set("k", std::string("v"));
   EXPECT_EQ(store.get_string("k"), "v");
 }

@@ -10,6 +10,7 @@
 #include <string>
 
 #include <ember/nn/data/token_stream.h>
+#include <ember/nn/serialize.h>
 #include "tests/examples/example_test_util.h"
 
 namespace {
@@ -103,6 +104,65 @@ TEST_F(Gpt, ResumeContinuesAtTheRightStepWithTheSameResult) {
   EXPECT_EQ(other.status, 1) << other.output;
   EXPECT_NE(other.output.find("saved with batch_size 16, but this run has 8"), std::string::npos)
       << other.output;
+}
+
+// A checkpoint at or past the end (--stop-at-step below it: --steps itself must match) trains
+// nothing and says so; a bad position in the checkpoint is refused naming the key and value.
+TEST_F(Gpt, ResumePastTheEndTrainsNothingAndBadPositionsAreNamed) {
+  const std::string alone = "env EMBER_NUM_THREADS=1 " + tiny() + " --eval-batches 2";
+  const std::string dir = " --checkpoint-dir " + tmp.path + "/ck";
+  Result first = run(alone + dir + " --stop-at-step 15");
+  ASSERT_EQ(first.status, 0) << first.output;
+  Result past = run(alone + dir + " --resume --stop-at-step 10");
+  ASSERT_EQ(past.status, 0) << past.output;
+  EXPECT_NE(past.output.find("at step 15, at or past the end (10): nothing to train"),
+            std::string::npos) << past.output;
+  EXPECT_EQ(past.output.find("tok/s  ETA"), std::string::npos) << "it trained:\n" << past.output;
+
+  const std::string file = tmp.path + "/ck/checkpoint.safetensors";
+  const ember::nn::SafetensorsFile good = ember::nn::load_safetensors(file);
+  for (const char* bad : {"abc", "15x", "-7", "31"}) {
+    auto meta = good.metadata();
+    meta["global_step"] = bad;
+    ember::nn::save_safetensors(file, good.tensors(), meta);
+    Result r = run(alone + dir + " --resume");
+    EXPECT_EQ(r.status, 1) << bad << "\n" << r.output;
+    EXPECT_NE(r.output.find("'global_step' must be an integer in [0, 30], got '" +
+                            std::string(bad) + "'"),
+              std::string::npos) << r.output;
+  }
+}
+
+// A diverging run (a huge learning rate) stops naming the step, unless told to go on.
+TEST_F(Gpt, NonFiniteLossStopsTheRunNamingTheStep) {
+  const std::string diverging = "env EMBER_NUM_THREADS=1 " + tiny() + " --steps 5 --lr 1e30 " +
+                                "--eval-batches 1";
+  Result stopped = run(diverging);
+  EXPECT_EQ(stopped.status, 1) << stopped.output;
+  EXPECT_TRUE(std::regex_search(stopped.output,
+                                std::regex("gpt: error: the loss is (nan|inf) at step [1-5] on "
+                                           "rank 0 \\(pass --continue-on-nan to keep training\\)")))
+      << stopped.output;
+  Result going_on = run(diverging + " --continue-on-nan");
+  EXPECT_EQ(going_on.status, 0) << going_on.output;
+  EXPECT_NE(going_on.output.find("step 5/5"), std::string::npos) << going_on.output;
+}
+
+// A hung rank (stopped, not dead: its sockets and shared memory stay open) ends the job within
+// --timeout, with an error naming the collective and the rank that timed out.
+TEST_F(Gpt, HungRankEndsTheJobWithinTheTimeout) {
+  for (const char* shm : {"1", "0"}) {
+    Result r = run(std::string("env EMBER_GLOO_SHM=") + shm + " " + two_ranks() +
+                       " --hang-at-step 3 --timeout 5",
+                   240);
+    EXPECT_NE(r.status, 0) << "EMBER_GLOO_SHM=" << shm << "\n" << r.output;
+    EXPECT_NE(r.status, 124) << "the job hung past the test's limit\n" << r.output;
+    EXPECT_NE(r.output.find("gpt: --hang-at-step 3: rank 1 stops itself"), std::string::npos)
+        << r.output;
+    EXPECT_TRUE(std::regex_search(r.output, std::regex("\\[gloo\\] [a-z_]+ #[0-9]+ on rank 0 "
+                                                       "of 2 timed out after 5000 ms")))
+        << "EMBER_GLOO_SHM=" << shm << "\n" << r.output;
+  }
 }
 
 // bf16 autocast around forward and loss, each block checkpointed: it still learns, and the
