@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "nn/functional.h"
+#include "tensor/cuda.h"
 #include "tests/autograd/grad_util.h"
 #include "tests/nn/nn_reference.h"
 
@@ -634,6 +635,55 @@ TEST(LayerNormPaths, FusedCpuKernelsMatchTheTensorOpPath) {
     EXPECT_TRUE(allclose(x1.grad(), x2.grad(), tol, tol)) << dt;
     EXPECT_TRUE(allclose(gw1, w.grad(), tol, tol)) << dt;
     EXPECT_TRUE(allclose(gb1, b.grad(), tol, tol)) << dt;
+  }
+}
+
+// The fused CUDA kernels (tensor/cuda/norm.cu) against the fused CPU ones: odd row lengths
+// (under and over a warp's 32 lanes), two normalized dims, enough rows that the weight and bias
+// sums are split over blocks, and each combination of affine parameters and wanted gradients.
+TEST(LayerNormCuda, FusedKernelsMatchCpu) {
+  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+  struct Case {
+    std::vector<int64_t> shape, normalized;
+  };
+  const std::vector<Case> cases = {
+      {{3, 5}, {5}}, {{37, 100}, {100}}, {{2000, 384}, {384}}, {{4, 3, 70}, {3, 70}}};
+  for (Dtype dt : {kFloat32, kFloat64}) {
+    for (const Case& c : cases) {
+      // affine: 0 none, 1 weight and bias both trained, 2 bias frozen (dweight only)
+      for (int affine : {0, 1, 2}) {
+        SCOPED_TRACE(::testing::Message() << dt << " shape " << c.shape.size() << "-d, first "
+                                          << c.shape[0] << ", affine " << affine);
+        const Tensor base = test::rand_t(c.shape, dt, 81) * 3 + 0.5;
+        const Tensor g = test::rand_t(c.shape, dt, 82);
+        const Tensor w0 = test::rand_t(c.normalized, dt, 83), b0 = test::rand_t(c.normalized, dt, 84);
+        std::vector<Tensor> grads[2], outs;
+        for (const Device dev : {Device("cpu"), cuda_device(0)}) {
+          Tensor x = base.to(dev).requires_grad_();
+          Tensor w, b;
+          if (affine > 0) {
+            w = w0.to(dev).requires_grad_();
+            b = b0.to(dev).requires_grad_(affine == 1);
+          }
+          const Tensor y = functional::layer_norm(x, c.normalized, w, b);
+          (y * g.to(dev)).sum().backward();
+          outs.push_back(y.cpu());
+          auto& gr = grads[outs.size() - 1];
+          gr.push_back(x.grad().cpu());
+          if (affine > 0) gr.push_back(w.grad().cpu());
+          if (affine == 1) gr.push_back(b.grad().cpu());
+          if (affine == 2) {
+            EXPECT_FALSE(b.grad().defined());
+          }
+        }
+        const double tol = dt == kFloat32 ? 1e-4 : 1e-10;
+        EXPECT_TRUE(allclose(outs[1], outs[0], tol, tol)) << "y";
+        ASSERT_EQ(grads[0].size(), grads[1].size());
+        for (size_t i = 0; i < grads[0].size(); ++i) {
+          EXPECT_TRUE(allclose(grads[1][i], grads[0][i], tol, tol)) << "gradient " << i;
+        }
+      }
+    }
   }
 }
 
