@@ -94,29 +94,6 @@ def main():
 TOKENS, WIDTH, HEADS, CONTEXT, VOCAB, LAYERS = 16384, 384, 6, 256, 256, 6
 
 
-class GptBlock(nn.Module):
-    """benchmarks/vs_pytorch/gpt_torch.py's Block with PyTorch 2's fused attention, no dropout."""
-
-    def __init__(self):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(WIDTH)
-        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
-        self.proj = nn.Linear(WIDTH, WIDTH)
-        self.ln2 = nn.LayerNorm(WIDTH)
-        self.fc = nn.Linear(WIDTH, 4 * WIDTH)
-        self.gelu = nn.GELU(approximate="tanh")
-        self.fc_proj = nn.Linear(4 * WIDTH, WIDTH)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        D = C // HEADS
-        q, k, v = (t.view(B, T, HEADS, D).transpose(1, 2)
-                   for t in self.qkv(self.ln1(x)).split(C, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.fc_proj(self.gelu(self.fc(self.ln2(x))))
-
-
 def gpt_params_with_grads(dev):
     shapes = [(VOCAB, WIDTH), (CONTEXT, WIDTH)]
     for _ in range(LAYERS):
@@ -183,8 +160,12 @@ def gpt_cases(args, dev):
     timed(args, "gpt_clip_grad_norm_f32_10.8M",
           lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), 0, 3.0 * 4 * 10844160)
     del opt, params
+    # gpt_torch.py's Block (the model beside examples/gpt) with PyTorch 2's fused attention,
+    # as the GPU comparison of the GPT runs it.
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vs_pytorch"))
+    from gpt_torch import Block  # noqa: E402
     torch.manual_seed(0)
-    block = GptBlock().to(dev)
+    block = Block(WIDTH, HEADS, CONTEXT, 0.0, True).to(dev)
     x = leaf(64, CONTEXT, WIDTH)
 
     def block_forward():
