@@ -14,6 +14,7 @@
 
 #include "tensor/cuda/check.h"
 #include "tensor/cuda/loops.cuh"
+#include "tensor/cuda/warp_rows.cuh"
 #include "tensor/detail/norm_kernels.h"
 #include "tensor/dtype.h"
 #include "tensor/error.h"
@@ -25,23 +26,12 @@ namespace {
 using cuda::detail::DeviceGuard;
 using cuda_loops::stream_of;
 
-constexpr int kWarpsPerBlock = 8;
-constexpr int kMaxGrid = 65535 * 8;
+namespace wr = warp_rows;
+
 // Column-sum blocks: 32 columns x kRowGroups row groups; aim for about this many blocks so that
 // every SM of a large GPU has several.
 constexpr int kRowGroups = 8;
 constexpr int64_t kParamBlocks = 1024;
-
-template <typename A>
-__device__ A warp_sum(A v) {
-  for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;  // every lane holds the sum
-}
-
-int warp_grid(int64_t rows) {
-  return static_cast<int>(std::clamp<int64_t>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, 1,
-                                              kMaxGrid));
-}
 
 // y = (x - mean) * rstd * w + b per row of n; mean and rstd stored per row in T.
 template <typename T>
@@ -49,19 +39,17 @@ __global__ void ln_forward_kernel(const T* x, const T* w, const T* b, T* y, T* m
                                   int64_t rows, int64_t n, acc_t<T> eps) {
   using A = acc_t<T>;
   const int lane = threadIdx.x % 32;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  for (int64_t r = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32; r < rows;
-       r += step) {
+  wr::for_each_row(rows, [&](int64_t r) {
     const T* xr = x + r * n;
     A s = 0;
     for (int64_t i = lane; i < n; i += 32) s += static_cast<A>(xr[i]);
-    const A mu = warp_sum(s) / static_cast<A>(n);
+    const A mu = wr::sum(s) / static_cast<A>(n);
     A ss = 0;
     for (int64_t i = lane; i < n; i += 32) {
       const A d = static_cast<A>(xr[i]) - mu;
       ss += d * d;
     }
-    const A rs = A(1) / sqrt(warp_sum(ss) / static_cast<A>(n) + eps);
+    const A rs = A(1) / sqrt(wr::sum(ss) / static_cast<A>(n) + eps);
     if (lane == 0) {
       mean[r] = static_cast<T>(mu);
       rstd[r] = static_cast<T>(rs);
@@ -73,7 +61,7 @@ __global__ void ln_forward_kernel(const T* x, const T* w, const T* b, T* y, T* m
       if (b != nullptr) v += static_cast<A>(b[i]);
       yr[i] = static_cast<T>(v);
     }
-  }
+  });
 }
 
 // dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) per row, dxhat = dy * w.
@@ -82,9 +70,7 @@ __global__ void ln_backward_dx_kernel(const T* dy, const T* x, const T* mean, co
                                       const T* w, T* dx, int64_t rows, int64_t n) {
   using A = acc_t<T>;
   const int lane = threadIdx.x % 32;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  for (int64_t r = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32; r < rows;
-       r += step) {
+  wr::for_each_row(rows, [&](int64_t r) {
     const T* xr = x + r * n;
     const T* gr = dy + r * n;
     const A mu = static_cast<A>(mean[r]), rs = static_cast<A>(rstd[r]);
@@ -94,14 +80,14 @@ __global__ void ln_backward_dx_kernel(const T* dy, const T* x, const T* mean, co
       a += dxh;
       b += dxh * ((static_cast<A>(xr[i]) - mu) * rs);
     }
-    const A ma = warp_sum(a) / static_cast<A>(n), mb = warp_sum(b) / static_cast<A>(n);
+    const A ma = wr::sum(a) / static_cast<A>(n), mb = wr::sum(b) / static_cast<A>(n);
     T* out = dx + r * n;
     for (int64_t i = lane; i < n; i += 32) {
       const A dxh = static_cast<A>(gr[i]) * (w != nullptr ? static_cast<A>(w[i]) : A(1));
       const A xh = (static_cast<A>(xr[i]) - mu) * rs;
       out[i] = static_cast<T>((dxh - ma - xh * mb) * rs);
     }
-  }
+  });
 }
 
 // Block (32, kRowGroups) at (column tile blockIdx.x, row split blockIdx.y): partial sums over
@@ -188,7 +174,7 @@ void layer_norm_forward_cuda(const Tensor& x, const Tensor& weight, const Tensor
   DeviceGuard guard(x.device().index);
   cudaStream_t s = stream_of(x.device());
   auto go = [&]<typename T>() {
-    ln_forward_kernel<T><<<warp_grid(rows), 32 * kWarpsPerBlock, 0, s>>>(
+    ln_forward_kernel<T><<<wr::grid_for(rows), wr::kThreads, 0, s>>>(
         x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias), y.data<T>(), mean.data<T>(),
         rstd.data<T>(), rows, n, static_cast<acc_t<T>>(eps));
   };
@@ -211,7 +197,7 @@ void layer_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& m
   auto go = [&]<typename T>() {
     using A = acc_t<T>;
     if (dx.defined()) {
-      ln_backward_dx_kernel<T><<<warp_grid(rows), 32 * kWarpsPerBlock, 0, s>>>(
+      ln_backward_dx_kernel<T><<<wr::grid_for(rows), wr::kThreads, 0, s>>>(
           dy.data<T>(), x.data<T>(), mean.data<T>(), rstd.data<T>(), ptr_or_null<T>(weight),
           dx.data<T>(), rows, n);
       EMBER_CUDA_CHECK(cudaGetLastError());
@@ -233,7 +219,7 @@ void layer_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& m
                                          rstd.data<T>(), rows, n, rows_per_split, pw, pb);
     EMBER_CUDA_CHECK(cudaGetLastError());
     ln_param_finish_kernel<T>
-        <<<static_cast<int>(std::min<int64_t>((n + 255) / 256, kMaxGrid)), 256, 0, s>>>(
+        <<<static_cast<int>(std::min<int64_t>((n + 255) / 256, wr::kMaxGrid)), 256, 0, s>>>(
             pw, pb, splits, n, mut_ptr_or_null<T>(dweight), mut_ptr_or_null<T>(dbias));
     EMBER_CUDA_CHECK(cudaGetLastError());
   };

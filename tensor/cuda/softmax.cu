@@ -11,6 +11,7 @@
 
 #include "tensor/cuda/check.h"
 #include "tensor/cuda/loops.cuh"
+#include "tensor/cuda/warp_rows.cuh"
 #include "tensor/detail/reduce_kernels.h"
 
 namespace ember::detail {
@@ -76,18 +77,7 @@ __global__ void softmax_inner_kernel(const T* x, T* y, int64_t rows, int64_t D, 
 }
 
 constexpr int kWarpRowMax = 1024;  // longest row the warp kernel holds in registers
-constexpr int kWarpsPerBlock = 8;
-
-template <typename A, typename F>
-__device__ A warp_all_reduce(A v, F combine) {
-  for (int off = 16; off > 0; off /= 2) v = combine(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;  // every lane holds the result
-}
-
-int warp_grid(int64_t rows) {
-  return static_cast<int>(
-      std::clamp<int64_t>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, 1, kMaxGrid));
-}
+namespace wr = warp_rows;
 
 // Rows of D <= 32 * kPerLane: lane l holds elements l, l + 32, ... The same NaN and -inf
 // results as the block kernel: a NaN makes the row max NaN and so every output; a row of -inf
@@ -96,9 +86,7 @@ template <typename T, int kPerLane>
 __global__ void softmax_warp_kernel(const T* x, T* y, int64_t rows, int D, bool log) {
   using A = acc_t<T>;
   const int lane = threadIdx.x % 32;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  for (int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
-       row < rows; row += step) {
+  wr::for_each_row(rows, [&](int64_t row) {
     const T* xr = x + row * D;
     T* yr = y + row * D;
     A v[kPerLane];
@@ -109,7 +97,7 @@ __global__ void softmax_warp_kernel(const T* x, T* y, int64_t rows, int D, bool 
       v[j] = i < D ? convert<A>(xr[i]) : lowest_v<A>();
       if (i < D) m = max_nan(m, v[j]);
     }
-    m = warp_all_reduce(m, [](A a, A b) { return max_nan(a, b); });
+    m = wr::all_reduce(m, [](A a, A b) { return max_nan(a, b); });
     A s = 0;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
@@ -119,14 +107,14 @@ __global__ void softmax_warp_kernel(const T* x, T* y, int64_t rows, int D, bool 
         s += log ? exp_v(v[j]) : v[j];
       }
     }
-    s = warp_all_reduce(s, [](A a, A b) { return a + b; });
+    s = wr::sum(s);
     const A scale = log ? log_v(s) : A(1) / s;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int i = lane + 32 * j;
       if (i < D) yr[i] = convert<T>(log ? v[j] - scale : v[j] * scale);
     }
-  }
+  });
 }
 
 // dx = y * (dy - sum(dy * y)) (softmax) or dy - exp(y) * sum(dy) (log_softmax, y its output)
@@ -136,9 +124,7 @@ __global__ void softmax_backward_warp_kernel(const T* dy, const T* y, T* dx, int
                                              int64_t D, bool log) {
   using A = acc_t<T>;
   const int lane = threadIdx.x % 32;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  for (int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
-       row < rows; row += step) {
+  wr::for_each_row(rows, [&](int64_t row) {
     const T* gr = dy + row * D;
     const T* yr = y + row * D;
     T* out = dx + row * D;
@@ -146,18 +132,18 @@ __global__ void softmax_backward_warp_kernel(const T* dy, const T* y, T* dx, int
     for (int64_t i = lane; i < D; i += 32) {
       s += log ? convert<A>(gr[i]) : convert<A>(gr[i]) * convert<A>(yr[i]);
     }
-    s = warp_all_reduce(s, [](A a, A b) { return a + b; });
+    s = wr::sum(s);
     for (int64_t i = lane; i < D; i += 32) {
       const A g = convert<A>(gr[i]), v = convert<A>(yr[i]);
       out[i] = convert<T>(log ? g - exp_v(v) * s : v * (g - s));
     }
-  }
+  });
 }
 
 template <typename T>
 void launch_softmax_warp(const T* x, T* y, int64_t rows, int D, bool log, cudaStream_t s) {
-  const int grid = warp_grid(rows);
-  constexpr int kThreads = 32 * kWarpsPerBlock;
+  const int grid = wr::grid_for(rows);
+  constexpr int kThreads = wr::kThreads;
   if (D <= 32) {
     softmax_warp_kernel<T, 1><<<grid, kThreads, 0, s>>>(x, y, rows, D, log);
   } else if (D <= 64) {
@@ -242,7 +228,7 @@ Tensor softmax_backward_cuda(const Tensor& grad, const Tensor& y, bool log) {
   EMBER_DISPATCH_FLOATING(out.dtype(), log ? "log_softmax backward" : "softmax backward",
                           [&]<typename T>() {
                             softmax_backward_warp_kernel<T>
-                                <<<warp_grid(rows), 32 * kWarpsPerBlock, 0,
+                                <<<wr::grid_for(rows), wr::kThreads, 0,
                                    stream_of(out.device())>>>(g.data<T>(), out.data<T>(),
                                                               dx.data<T>(), rows, D, log);
                           });
