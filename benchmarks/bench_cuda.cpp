@@ -1,17 +1,29 @@
 // GPU throughput of Ember's CUDA paths: device copies, elementwise ops, reductions, softmax,
-// cuBLAS matmul, cuDNN convolution, caching-allocator churn and one training step of the
-// Fashion-MNIST CNN (forward, cross-entropy, backward, SGD). Prints BENCH lines (bench_util.h);
+// cuBLAS matmul, cuDNN convolution, caching-allocator churn, one training step of the
+// Fashion-MNIST CNN (forward, cross-entropy, backward, SGD), and the ops of one step of
+// examples/gpt at its GPU size (gpt_* cases, below). Prints BENCH lines (bench_util.h);
 // benchmarks/run_cuda_bench.py runs it beside the same cases in PyTorch on the same GPU
 // (bench_cuda_torch.py) and prints the ratios. Without a CUDA device it says why and exits 0
 // having run nothing.
 #include <cstdio>
+#include <functional>
+#include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "bench_util.h"
 #include "fashion_cnn.h"
+#include <ember/nn/activation.h>
+#include <ember/nn/attention.h>
+#include <ember/nn/clip_grad.h>
+#include <ember/nn/embedding.h>
 #include <ember/nn/functional.h>
+#include <ember/nn/linear.h>
+#include <ember/nn/norm.h>
+#include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
+#include <ember/tensor/autocast.h>
 #include <ember/tensor/conv.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/ops.h>
@@ -117,6 +129,175 @@ void run_cases(const bench::Options& o) {
   }
 }
 
+// ---- one step of examples/gpt, op by op ----
+// The GPU run of examples/gpt: 6 layers, 6 heads, width 384, context 256, batch 64 (16384
+// tokens), vocabulary 256, bf16 autocast. Each case runs one op (or module) forward and, where
+// the step has one, backward through autograd, as the step does; dtypes are those autocast
+// gives the op there (bfloat16 for what follows a linear, float32 for layer_norm, softmax and
+// the loss). Gradients of leaves are cleared before each call so every call does the same work.
+// bench_cuda_torch.py holds the same cases.
+
+constexpr int64_t kTokens = 16384, kWidth = 384, kHeads = 6, kContext = 256, kVocab = 256,
+                  kLayers = 6;
+
+// The decoder block of examples/gpt.cpp (pre-LayerNorm, fused qkv, causal attention through
+// scaled_dot_product_attention, 4x tanh-GELU MLP), without dropout.
+class GptBlock : public nn::Module {
+ public:
+  GptBlock()
+      : ln1_(register_module("ln1", std::make_shared<nn::LayerNorm>(kWidth))),
+        qkv_(register_module("qkv", std::make_shared<nn::Linear>(kWidth, 3 * kWidth))),
+        proj_(register_module("proj", std::make_shared<nn::Linear>(kWidth, kWidth))),
+        ln2_(register_module("ln2", std::make_shared<nn::LayerNorm>(kWidth))),
+        fc_(register_module("fc", std::make_shared<nn::Linear>(kWidth, 4 * kWidth))),
+        gelu_(register_module("gelu", std::make_shared<nn::GELU>("tanh"))),
+        fc_proj_(register_module("fc_proj", std::make_shared<nn::Linear>(4 * kWidth, kWidth))) {}
+  std::string name() const override { return "GptBlock"; }
+
+  // x [B, T, C] -> [B, T, C]
+  Tensor forward(const Tensor& x) override {
+    const int64_t B = x.size(0), T = x.size(1), C = x.size(2), D = C / kHeads;
+    const std::vector<Tensor> qkv = split(qkv_->forward(ln1_->forward(x)), C, 2);
+    auto heads = [&](const Tensor& t) { return t.reshape({B, T, kHeads, D}).transpose(1, 2); };
+    Tensor y = nn::functional::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]),
+                                                            heads(qkv[2]), {}, 0.0, true);
+    Tensor h = x + proj_->forward(y.transpose(1, 2).reshape({B, T, C}));
+    return h + fc_proj_->forward(gelu_->forward(fc_->forward(ln2_->forward(h))));
+  }
+
+ private:
+  std::shared_ptr<nn::LayerNorm> ln1_;
+  std::shared_ptr<nn::Linear> qkv_, proj_;
+  std::shared_ptr<nn::LayerNorm> ln2_;
+  std::shared_ptr<nn::Linear> fc_;
+  std::shared_ptr<nn::GELU> gelu_;
+  std::shared_ptr<nn::Linear> fc_proj_;
+};
+
+// The parameter shapes of the GPT (76 tensors, 10.8M float32 values), each with a gradient.
+std::vector<Tensor> gpt_params_with_grads(Device gpu) {
+  std::vector<std::vector<int64_t>> shapes = {{kVocab, kWidth}, {kContext, kWidth}};
+  for (int64_t l = 0; l < kLayers; ++l) {
+    for (auto s : std::vector<std::vector<int64_t>>{
+             {kWidth}, {kWidth}, {3 * kWidth, kWidth}, {3 * kWidth}, {kWidth, kWidth}, {kWidth},
+             {kWidth}, {kWidth}, {4 * kWidth, kWidth}, {4 * kWidth}, {kWidth, 4 * kWidth},
+             {kWidth}}) {
+      shapes.push_back(s);
+    }
+  }
+  shapes.push_back({kWidth});
+  shapes.push_back({kWidth});
+  std::vector<Tensor> params;
+  for (const auto& s : shapes) {
+    Tensor p = (randn(s) * 0.02).to(gpu).requires_grad_();
+    p.set_grad((randn(s) * 1e-3).to(gpu));
+    params.push_back(p);
+  }
+  return params;
+}
+
+// Runs forward(), then backward with a fixed output gradient, after clearing the leaves' grads.
+void run_fwd_bwd(const bench::Options& o, const std::string& name, const std::vector<Tensor>& leaves,
+                 const std::function<Tensor()>& forward, double nbytes) {
+  Tensor dy;
+  {
+    Tensor y = forward();
+    dy = y.dim() == 0 ? Tensor() : randn(y.shape()).to(y.device(), y.dtype());
+  }
+  bench::run(
+      o, name,
+      [&] {
+        for (const Tensor& t : leaves) t.set_grad({});
+        forward().backward(dy);
+      },
+      0, nbytes, [] { cuda::synchronize(); });
+}
+
+void run_gpt_cases(const bench::Options& o) {
+  namespace F = nn::functional;
+  const Device gpu = cuda_device(0);
+  auto sync = [] { cuda::synchronize(); };
+  auto leaf = [&](IntList shape, Dtype d) { return randn(shape).to(gpu, d).requires_grad_(); };
+  auto on_gpu_bf16 = [&](IntList shape) { return randn(shape).to(gpu, kBFloat16); };
+  if (bench::selected(o, "gpt_layernorm_fwdbwd_f32_16384x384")) {
+    auto ln = std::make_shared<nn::LayerNorm>(kWidth);
+    ln->to(gpu);
+    Tensor x = leaf({kTokens, kWidth}, kFloat32);
+    std::vector<Tensor> leaves = ln->parameters();
+    leaves.push_back(x);
+    // forward reads x, writes y; backward reads dy, x, writes dx (weight/bias sums are small)
+    run_fwd_bwd(o, "gpt_layernorm_fwdbwd_f32_16384x384", leaves, [&] { return ln->forward(x); },
+                5.0 * 4 * kTokens * kWidth);
+  }
+  if (bench::selected(o, "gpt_gelu_tanh_fwdbwd_bf16_16384x1536")) {
+    Tensor x = leaf({kTokens, 4 * kWidth}, kBFloat16);
+    run_fwd_bwd(o, "gpt_gelu_tanh_fwdbwd_bf16_16384x1536", {x}, [&] { return gelu(x, "tanh"); },
+                5.0 * 2 * kTokens * 4 * kWidth);
+  }
+  if (bench::selected(o, "gpt_bias_add_bf16_16384x1536")) {
+    Tensor a = on_gpu_bf16({kTokens, 4 * kWidth}), b = on_gpu_bf16({4 * kWidth});
+    bench::run(o, "gpt_bias_add_bf16_16384x1536", [&] { bench::do_not_optimize(add(a, b)); },
+               double(kTokens) * 4 * kWidth, 2.0 * 2 * kTokens * 4 * kWidth, sync);
+  }
+  if (bench::selected(o, "gpt_bias_grad_sum0_bf16_16384x1536")) {
+    Tensor g = on_gpu_bf16({kTokens, 4 * kWidth});
+    bench::run(o, "gpt_bias_grad_sum0_bf16_16384x1536",
+               [&] { bench::do_not_optimize(sum(g, {0})); }, double(kTokens) * 4 * kWidth,
+               2.0 * kTokens * 4 * kWidth, sync);
+  }
+  if (bench::selected(o, "gpt_softmax_causal_fwdbwd_f32_384x256x256")) {
+    Tensor s = leaf({kHeads * 64, kContext, kContext}, kFloat32);
+    Tensor col = arange(0, kContext, 1, TensorOptions(kInt64));
+    Tensor mask = masked_fill(zeros({kContext, kContext}), gt(col.unsqueeze(0), col.unsqueeze(1)),
+                              -std::numeric_limits<double>::infinity())
+                      .to(gpu);
+    // forward: reads s and the mask, writes s + mask, reads it, writes y; backward: reads dy
+    // and y, writes ds (the mask add's backward passes ds through)
+    run_fwd_bwd(o, "gpt_softmax_causal_fwdbwd_f32_384x256x256", {s},
+                [&] { return softmax(s + mask, -1); }, 7.0 * 4 * s.numel());
+  }
+  if (bench::selected(o, "gpt_cross_entropy_fwdbwd_f32_16384x256")) {
+    Tensor logits = leaf({kTokens, kVocab}, kFloat32);
+    Tensor target = randint(0, kVocab, {kTokens}).to(gpu);
+    run_fwd_bwd(o, "gpt_cross_entropy_fwdbwd_f32_16384x256", {logits},
+                [&] { return F::cross_entropy(logits, target); }, 3.0 * 4 * logits.numel());
+  }
+  if (bench::selected(o, "gpt_embedding_fwdbwd_f32_256x384_16384")) {
+    auto emb = std::make_shared<nn::Embedding>(kVocab, kWidth);
+    emb->to(gpu);
+    Tensor idx = randint(0, kVocab, {64, kContext}).to(gpu);
+    run_fwd_bwd(o, "gpt_embedding_fwdbwd_f32_256x384_16384", emb->parameters(),
+                [&] { return emb->forward(idx); }, 2.0 * 4 * kTokens * kWidth);
+  }
+  if (bench::selected(o, "gpt_adamw_step_f32_10.8M")) {
+    std::vector<Tensor> params = gpt_params_with_grads(gpu);
+    nn::optim::AdamW opt(params, {.lr = 1e-3, .betas = {0.9, 0.95}, .weight_decay = 0.1});
+    // reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq
+    bench::run(o, "gpt_adamw_step_f32_10.8M", [&] { opt.step(); }, 0, 7.0 * 4 * 10844160, sync);
+  }
+  if (bench::selected(o, "gpt_clip_grad_norm_f32_10.8M")) {
+    std::vector<Tensor> params = gpt_params_with_grads(gpu);
+    // reads every gradient for the norm, then reads and writes it to scale
+    bench::run(o, "gpt_clip_grad_norm_f32_10.8M",
+               [&] { bench::do_not_optimize(nn::clip_grad_norm_(params, 1.0)); }, 0,
+               3.0 * 4 * 10844160, sync);
+  }
+  if (bench::selected(o, "gpt_block_fwdbwd_bf16_b64_t256")) {
+    manual_seed(0);
+    auto block = std::make_shared<GptBlock>();
+    block->to(gpu);
+    Tensor x = leaf({64, kContext, kWidth}, kFloat32);
+    std::vector<Tensor> leaves = block->parameters();
+    leaves.push_back(x);
+    run_fwd_bwd(o, "gpt_block_fwdbwd_bf16_b64_t256", leaves,
+                [&] {
+                  AutocastGuard autocast(gpu, kBFloat16);
+                  return block->forward(x);
+                },
+                0);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -126,5 +307,6 @@ int main(int argc, char** argv) {
     return 0;
   }
   run_cases(o);
+  run_gpt_cases(o);
   return 0;
 }

@@ -86,6 +86,92 @@ def main():
             F.cross_entropy(model(x), y).backward()
             opt.step()
         timed(args, f"cnn_train_step_b{batch}", step)
+    del model, opt, x, y
+    gpt_cases(args, dev)
+
+
+# ---- one step of examples/gpt, op by op (bench_cuda.cpp's gpt_* cases) ----
+TOKENS, WIDTH, HEADS, CONTEXT, VOCAB, LAYERS = 16384, 384, 6, 256, 256, 6
+
+
+def gpt_params_with_grads(dev):
+    shapes = [(VOCAB, WIDTH), (CONTEXT, WIDTH)]
+    for _ in range(LAYERS):
+        shapes += [(WIDTH,), (WIDTH,), (3 * WIDTH, WIDTH), (3 * WIDTH,), (WIDTH, WIDTH), (WIDTH,),
+                   (WIDTH,), (WIDTH,), (4 * WIDTH, WIDTH), (4 * WIDTH,), (WIDTH, 4 * WIDTH),
+                   (WIDTH,)]
+    shapes += [(WIDTH,), (WIDTH,)]
+    params = []
+    for s in shapes:
+        p = (torch.randn(*s) * 0.02).to(dev).requires_grad_()
+        p.grad = (torch.randn(*s) * 1e-3).to(dev)
+        params.append(p)
+    return params
+
+
+def gpt_cases(args, dev):
+    def leaf(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device=dev).to(dtype).requires_grad_()
+
+    def fwd_bwd(name, leaves, forward, nbytes):
+        y = forward()
+        dy = None if y.dim() == 0 else torch.randn(y.shape, device=dev).to(y.dtype)
+        del y
+
+        def step():
+            for t in leaves:
+                t.grad = None
+            forward().backward(dy)
+        timed(args, name, step, 0, nbytes)
+
+    ln = nn.LayerNorm(WIDTH).to(dev)
+    x = leaf(TOKENS, WIDTH)
+    fwd_bwd("gpt_layernorm_fwdbwd_f32_16384x384", list(ln.parameters()) + [x], lambda: ln(x),
+            5.0 * 4 * TOKENS * WIDTH)
+    x = leaf(TOKENS, 4 * WIDTH, dtype=torch.bfloat16)
+    fwd_bwd("gpt_gelu_tanh_fwdbwd_bf16_16384x1536", [x], lambda: F.gelu(x, approximate="tanh"),
+            5.0 * 2 * TOKENS * 4 * WIDTH)
+    a = torch.randn(TOKENS, 4 * WIDTH, device=dev).bfloat16()
+    b = torch.randn(4 * WIDTH, device=dev).bfloat16()
+    timed(args, "gpt_bias_add_bf16_16384x1536", lambda: torch.add(a, b), TOKENS * 4.0 * WIDTH,
+          2.0 * 2 * TOKENS * 4 * WIDTH)
+    timed(args, "gpt_bias_grad_sum0_bf16_16384x1536", lambda: a.sum(0), TOKENS * 4.0 * WIDTH,
+          2.0 * TOKENS * 4 * WIDTH)
+    del a, b, x
+    s = leaf(HEADS * 64, CONTEXT, CONTEXT)
+    mask = torch.full((CONTEXT, CONTEXT), float("-inf"), device=dev).triu(1)
+    fwd_bwd("gpt_softmax_causal_fwdbwd_f32_384x256x256", [s], lambda: F.softmax(s + mask, -1),
+            7.0 * 4 * s.numel())
+    del s
+    logits = leaf(TOKENS, VOCAB)
+    target = torch.randint(0, VOCAB, (TOKENS,), device=dev)
+    fwd_bwd("gpt_cross_entropy_fwdbwd_f32_16384x256", [logits],
+            lambda: F.cross_entropy(logits, target), 3.0 * 4 * logits.numel())
+    emb = nn.Embedding(VOCAB, WIDTH).to(dev)
+    idx = torch.randint(0, VOCAB, (64, CONTEXT), device=dev)
+    fwd_bwd("gpt_embedding_fwdbwd_f32_256x384_16384", list(emb.parameters()), lambda: emb(idx),
+            2.0 * 4 * TOKENS * WIDTH)
+    # PyTorch's defaults on CUDA, as gpt_torch.py runs them: AdamW and clip_grad_norm_ take
+    # their multi-tensor (foreach) implementations.
+    params = gpt_params_with_grads(dev)
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    timed(args, "gpt_adamw_step_f32_10.8M", opt.step, 0, 7.0 * 4 * 10844160)
+    params = gpt_params_with_grads(dev)
+    timed(args, "gpt_clip_grad_norm_f32_10.8M",
+          lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), 0, 3.0 * 4 * 10844160)
+    del opt, params
+    # gpt_torch.py's Block (the model beside examples/gpt) with PyTorch 2's fused attention,
+    # as the GPU comparison of the GPT runs it.
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vs_pytorch"))
+    from gpt_torch import Block  # noqa: E402
+    torch.manual_seed(0)
+    block = Block(WIDTH, HEADS, CONTEXT, 0.0, True).to(dev)
+    x = leaf(64, CONTEXT, WIDTH)
+
+    def block_forward():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return block(x)
+    fwd_bwd("gpt_block_fwdbwd_bf16_b64_t256", list(block.parameters()) + [x], block_forward, 0)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ matmul and convolution).
 
     python3 benchmarks/run_cuda_bench.py --bench build/benchmarks/bench_cuda [--rounds 3]
         [--filter S] [--markdown FILE]
+
+--filter gpt_ runs only the cases of one examples/gpt step (LayerNorm, GELU, bias add and its
+column sum, causal softmax, cross_entropy, embedding, AdamW, clip_grad_norm_, a whole block).
 """
 import argparse
 import os

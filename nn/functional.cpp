@@ -160,9 +160,10 @@ namespace {
 
 // Note [LayerNorm as a custom function]: the composite form (mean, var, sub, mul, ...) saves
 // three input-sized tensors for backward and makes one pass over memory per op. This function
-// saves only x, weight and the per-row mean and rstd. On the CPU, for contiguous float32/float64
-// tensors, forward and backward run fused row kernels (tensor/detail/norm_kernels.h: two passes
-// each). Elsewhere (CUDA, other dtypes) both are built from tensor ops, with the textbook
+// saves only x, weight and the per-row mean and rstd. On the CPU and on CUDA, for contiguous
+// float32/float64 tensors, forward and backward run fused row kernels
+// (tensor/detail/norm_kernels.h). Elsewhere (other dtypes) both are built from tensor ops, with
+// the textbook
 //   dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = dy * weight.
 // Under create_graph, backward always takes the tensor-op path, recomputing mean and rstd from
 // the saved x with recorded ops, so double backward stays exact (the forward's no-grad
@@ -182,13 +183,16 @@ struct LayerNormFunction : autograd::Function<LayerNormFunction> {
     return {(x - mean) * rstd, rstd};
   }
 
-  /// The fused CPU kernels apply: contiguous float32/float64 CPU tensors of one dtype.
+  /// The fused kernels apply: contiguous float32/float64 tensors of one dtype on one device
+  /// (the CPU or a CUDA device).
   static bool fusable(const Tensor& x, const Tensor& weight, const Tensor& bias) {
     auto ok = [&](const Tensor& t) {
-      return !t.defined() || (t.is_cpu() && t.is_contiguous() && t.dtype() == x.dtype());
+      return !t.defined() ||
+             (t.device() == x.device() && t.is_contiguous() && t.dtype() == x.dtype());
     };
-    return x.is_cpu() && x.is_contiguous() && (x.dtype() == kFloat32 || x.dtype() == kFloat64) &&
-           x.numel() > 0 && ok(weight) && ok(bias);
+    return (x.is_cpu() || x.is_cuda()) && x.is_contiguous() &&
+           (x.dtype() == kFloat32 || x.dtype() == kFloat64) && x.numel() > 0 && ok(weight) &&
+           ok(bias);
   }
 
   static Tensor forward(autograd::Context* ctx, const Tensor& x, const Tensor& weight,
@@ -202,10 +206,9 @@ struct LayerNormFunction : autograd::Function<LayerNormFunction> {
       const int64_t rows = x.numel() / row;
       Tensor y = empty(x.shape(), x.options());
       Tensor mean = empty({rows}, x.options()), rstd = empty({rows}, x.options());
-      detail::layer_norm_forward_cpu(x.view({rows, row}),
-                                     weight.defined() ? weight.view({row}) : Tensor(),
-                                     bias.defined() ? bias.view({row}) : Tensor(), eps,
-                                     y.view({rows, row}), mean, rstd);
+      (x.is_cuda() ? detail::layer_norm_forward_cuda : detail::layer_norm_forward_cpu)(
+          x.view({rows, row}), weight.defined() ? weight.view({row}) : Tensor(),
+          bias.defined() ? bias.view({row}) : Tensor(), eps, y.view({rows, row}), mean, rstd);
       ctx->save_for_backward(weight.defined() ? std::vector<Tensor>{x, mean, rstd, weight}
                                               : std::vector<Tensor>{x, mean, rstd});
       ctx->saved_data["fused"] = true;
@@ -231,14 +234,14 @@ struct LayerNormFunction : autograd::Function<LayerNormFunction> {
     if (fused && !GradMode::is_enabled()) {
       const Tensor &mean = saved[1], &rstd = saved[2];
       const int64_t rows = mean.numel(), row = x.numel() / rows;
-      const Tensor dy = grads[0].contiguous();
+      const Tensor dy = grads[0].to(x.dtype()).contiguous();
       Shape normalized;  // the last k dims, the shape of weight and bias
       for (int64_t d = x.dim() - k; d < x.dim(); ++d) normalized.push_back(x.size(d));
       Tensor dx = ctx->needs_input_grad(0) ? empty(x.shape(), x.options()) : Tensor();
       Tensor dweight =
           has_weight && ctx->needs_input_grad(1) ? empty(normalized, x.options()) : Tensor();
       Tensor dbias = ctx->needs_input_grad(2) ? empty(normalized, x.options()) : Tensor();
-      detail::layer_norm_backward_cpu(
+      (x.is_cuda() ? detail::layer_norm_backward_cuda : detail::layer_norm_backward_cpu)(
           dy.view({rows, row}), x.view({rows, row}), mean, rstd,
           has_weight ? weight.view({row}) : Tensor(), dx.defined() ? dx.view({rows, row}) : dx,
           dweight.defined() ? dweight.view({row}) : dweight,

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/fast_div.h>
 #include <ember/tensor/detail/iter.h>
 
 namespace ember::detail::cuda_loops {
@@ -28,10 +29,14 @@ inline int blocks_for(int64_t n) {
 // 16 / the widest operand's size elements at a time, e.g. 4 float32 or 8 bfloat16: fewer, wider
 // memory transactions); a misaligned operand or the last n % N elements take the scalar path in
 // the same kernel, so each op instantiates one dense kernel. Strided loops (broadcasts,
-// transposes) give each thread runs of kRun consecutive elements: the linear index of the first
-// becomes per-operand offsets through divisions (32-bit whenever the loop has fewer than 2^31
-// elements: 64-bit division is emulated, several times slower), the next ones add the innermost
-// strides.
+// transposes) with fewer than 2^31 elements give each thread kRun elements a block width apart,
+// so that a warp's accesses to each operand are consecutive (coalesced, as in the dense loop);
+// each element's linear index becomes per-operand offsets through FastDiv (a multiply-high
+// instead of a 32-bit division per dim; none for the outermost dim), and all kRun inputs are
+// loaded before the first store, so their loads are in flight together (a store may alias an
+// input, which would otherwise order each load after the previous store). Larger loops give
+// each thread runs of kRun consecutive elements: the linear index of the first becomes offsets
+// through 64-bit divisions, the next ones add the innermost strides.
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Packet {
@@ -40,6 +45,11 @@ struct alignas(sizeof(T) * N) Packet {
 
 template <typename... T>
 inline constexpr int kMaxSize = static_cast<int>(std::max({sizeof(T)...}));
+
+/// A FastDiv per dim of a Geometry (dims 1.. of a loop of fewer than 2^31 elements).
+struct FastDivs {
+  FastDiv d[kMaxDims];
+};
 
 // __global__ templates may have one parameter pack, last; so the input types travel as a
 // TypeList and the per-element work lives in its __device__ members.
@@ -86,6 +96,47 @@ struct TypeList {
     return inner;
   }
 
+  // Fills off[] with each operand's byte offset of element i < 2^31.
+  __device__ static void offsets_of32(uint32_t i, const Geometry& g, const FastDivs& dv,
+                                      int64_t* off) {
+#pragma unroll
+    for (int k = 0; k < kN + 1; ++k) off[k] = 0;
+    for (int d = g.ndim - 1; d >= 0; --d) {
+      uint32_t idx = i;  // the outermost dim's index is what is left
+      if (d > 0) {
+        const uint32_t q = dv.d[d].div(i);
+        idx = i - q * dv.d[d].divisor;
+        i = q;
+      }
+#pragma unroll
+      for (int k = 0; k < kN + 1; ++k) off[k] += static_cast<int64_t>(idx) * g.strides[k][d];
+    }
+  }
+
+  // Elements base + j * blockDim.x + threadIdx.x for j < kRun (those below n): every input is
+  // loaded and every result computed before the first store.
+  template <typename Out, typename F, size_t... I>
+  __device__ static void strided_run32(uint32_t base, uint32_t n, const Geometry& g,
+                                       const FastDivs& dv, const F& f,
+                                       std::index_sequence<I...>) {
+    int64_t off[kRun][kN + 1];
+    Out r[kRun];
+#pragma unroll
+    for (int j = 0; j < kRun; ++j) {
+      const uint32_t i = base + j * blockDim.x + threadIdx.x;
+      if (i < n) {
+        offsets_of32(i, g, dv, off[j]);
+        r[j] = f(*reinterpret_cast<const In*>(g.data[I + 1] + off[j][I + 1])...);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRun; ++j) {
+      if (base + j * blockDim.x + threadIdx.x < n) {
+        *reinterpret_cast<Out*>(g.data[0] + off[j][0]) = r[j];
+      }
+    }
+  }
+
   // Elements i .. i + kRun - 1 (those below n): the offsets of the first come from divisions,
   // the next ones step along the innermost dim while they stay in its row.
   template <typename Out, typename Index, typename F, size_t... I>
@@ -124,21 +175,33 @@ __global__ void dense_kernel(int64_t n, int64_t packets, Geometry g, F f) {
   }
 }
 
-// Each thread takes runs of kRun consecutive elements.
+// Loops of n < 2^31 elements: each block takes blockDim.x * kRun consecutive elements at a time
+// (grid-stride), each thread kRun of them a block width apart. base + the grid's stride stays
+// below 2^32: n < 2^31 and the stride is at most kMaxGrid * kThreads * kRun < 2^31.
+template <typename Out, typename Types, typename F>
+__global__ void strided_kernel32(uint32_t n, Geometry g, FastDivs dv, F f) {
+  const auto seq = std::make_index_sequence<Types::kN>{};
+  const uint32_t per_block = blockDim.x * kRun;
+  for (uint32_t base = blockIdx.x * per_block; base < n; base += gridDim.x * per_block) {
+    Types::template strided_run32<Out>(base, n, g, dv, f, seq);
+  }
+}
+
+// Larger loops: each thread takes runs of kRun consecutive elements.
 template <typename Out, typename Types, typename F>
 __global__ void strided_kernel(int64_t n, Geometry g, F f) {
   const auto seq = std::make_index_sequence<Types::kN>{};
-  if (n <= INT32_MAX - kRun) {  // uniform across the grid: no divergence
-    const uint32_t stride = gridDim.x * blockDim.x * kRun;
-    for (uint32_t i = (blockIdx.x * blockDim.x + threadIdx.x) * kRun; i < n; i += stride) {
-      Types::template strided_run<Out, uint32_t>(i, static_cast<uint32_t>(n), g, f, seq);
-    }
-    return;
-  }
   for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * kRun; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x * kRun) {
     Types::template strided_run<Out, int64_t>(i, n, g, f, seq);
   }
+}
+
+/// The FastDivs of g's dims but the outermost (g.numel < 2^31, so every size fits).
+inline FastDivs fast_divs_of(const Geometry& g) {
+  FastDivs dv;
+  for (int d = 1; d < g.ndim; ++d) dv.d[d] = FastDiv::make(static_cast<uint32_t>(g.sizes[d]));
+  return dv;
 }
 
 template <typename Out, typename... In, typename F>
@@ -153,6 +216,10 @@ void cuda_elementwise(const Geometry& g, F f, cudaStream_t stream) {
     const int64_t packets = aligned ? g.numel / N : 0;
     const int blocks = blocks_for(packets > 0 ? packets : g.numel);
     dense_kernel<Out, TypeList<In...>, N><<<blocks, kThreads, 0, stream>>>(g.numel, packets, g, f);
+  } else if (g.numel < INT32_MAX) {
+    strided_kernel32<Out, TypeList<In...>>
+        <<<blocks_for((g.numel + kRun - 1) / kRun), kThreads, 0, stream>>>(
+            static_cast<uint32_t>(g.numel), g, fast_divs_of(g), f);
   } else {
     strided_kernel<Out, TypeList<In...>>
         <<<blocks_for((g.numel + kRun - 1) / kRun), kThreads, 0, stream>>>(g.numel, g, f);

@@ -22,5 +22,8 @@ void arg_reduce_cuda(const Tensor&, const Tensor&, const Tensor&, int64_t, bool 
 void softmax_cuda(const Tensor&, const Tensor&, int64_t, bool log) {
   no_cuda(log ? "log_softmax" : "softmax");
 }
+Tensor softmax_backward_cuda(const Tensor&, const Tensor&, bool log) {
+  no_cuda(log ? "log_softmax backward" : "softmax backward");
+}
 
 }  // namespace ember::detail

@@ -1,10 +1,17 @@
 // CUDA softmax / log_softmax over any dim of a contiguous tensor viewed as [outer, D, inner].
-// inner == 1: one block per row (max, sum of exp, write), combined with warp shuffles and
-// shared memory. inner > 1: one thread per (outer, column), reading coalesced along inner.
+// inner == 1, D <= 1024: one warp per row holding the row in registers (D / 32 values a lane),
+//   so x is read from memory once and only warp shuffles combine (attention's rows).
+// inner == 1, longer rows: one block per row (max, sum of exp, write), combined with warp
+//   shuffles and shared memory.
+// inner > 1: one thread per (outer, column), reading coalesced along inner.
+// The backward over the last dim (softmax_backward_cuda) is one warp per row as well: one pass
+// for the row's sum, one to write, instead of the four element-wise and reduction kernels of
+// its composite form.
 #include <algorithm>
 
 #include <ember/tensor/cuda/check.h>
 #include <ember/tensor/cuda/loops.cuh>
+#include <ember/tensor/cuda/warp_rows.cuh>
 #include <ember/tensor/detail/reduce_kernels.h>
 
 namespace ember::detail {
@@ -69,6 +76,89 @@ __global__ void softmax_inner_kernel(const T* x, T* y, int64_t rows, int64_t D, 
   }
 }
 
+constexpr int kWarpRowMax = 1024;  // longest row the warp kernel holds in registers
+namespace wr = warp_rows;
+
+// Rows of D <= 32 * kPerLane: lane l holds elements l, l + 32, ... The same NaN and -inf
+// results as the block kernel: a NaN makes the row max NaN and so every output; a row of -inf
+// only gives exp(-inf - -inf) = NaN.
+template <typename T, int kPerLane>
+__global__ void softmax_warp_kernel(const T* x, T* y, int64_t rows, int D, bool log) {
+  using A = acc_t<T>;
+  const int lane = threadIdx.x % 32;
+  wr::for_each_row(rows, [&](int64_t row) {
+    const T* xr = x + row * D;
+    T* yr = y + row * D;
+    A v[kPerLane];
+    A m = lowest_v<A>();
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int i = lane + 32 * j;
+      v[j] = i < D ? convert<A>(xr[i]) : lowest_v<A>();
+      if (i < D) m = max_nan(m, v[j]);
+    }
+    m = wr::all_reduce(m, [](A a, A b) { return max_nan(a, b); });
+    A s = 0;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      if (lane + 32 * j < D) {
+        v[j] -= m;
+        if (!log) v[j] = exp_v(v[j]);
+        s += log ? exp_v(v[j]) : v[j];
+      }
+    }
+    s = wr::sum(s);
+    const A scale = log ? log_v(s) : A(1) / s;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int i = lane + 32 * j;
+      if (i < D) yr[i] = convert<T>(log ? v[j] - scale : v[j] * scale);
+    }
+  });
+}
+
+// dx = y * (dy - sum(dy * y)) (softmax) or dy - exp(y) * sum(dy) (log_softmax, y its output)
+// over rows of D, one warp per row.
+template <typename T>
+__global__ void softmax_backward_warp_kernel(const T* dy, const T* y, T* dx, int64_t rows,
+                                             int64_t D, bool log) {
+  using A = acc_t<T>;
+  const int lane = threadIdx.x % 32;
+  wr::for_each_row(rows, [&](int64_t row) {
+    const T* gr = dy + row * D;
+    const T* yr = y + row * D;
+    T* out = dx + row * D;
+    A s = 0;
+    for (int64_t i = lane; i < D; i += 32) {
+      s += log ? convert<A>(gr[i]) : convert<A>(gr[i]) * convert<A>(yr[i]);
+    }
+    s = wr::sum(s);
+    for (int64_t i = lane; i < D; i += 32) {
+      const A g = convert<A>(gr[i]), v = convert<A>(yr[i]);
+      out[i] = convert<T>(log ? g - exp_v(v) * s : v * (g - s));
+    }
+  });
+}
+
+template <typename T>
+void launch_softmax_warp(const T* x, T* y, int64_t rows, int D, bool log, cudaStream_t s) {
+  const int grid = wr::grid_for(rows);
+  constexpr int kThreads = wr::kThreads;
+  if (D <= 32) {
+    softmax_warp_kernel<T, 1><<<grid, kThreads, 0, s>>>(x, y, rows, D, log);
+  } else if (D <= 64) {
+    softmax_warp_kernel<T, 2><<<grid, kThreads, 0, s>>>(x, y, rows, D, log);
+  } else if (D <= 128) {
+    softmax_warp_kernel<T, 4><<<grid, kThreads, 0, s>>>(x, y, rows, D, log);
+  } else if (D <= 256) {
+    softmax_warp_kernel<T, 8><<<grid, kThreads, 0, s>>>(x, y, rows, D, log);
+  } else if (D <= 512) {
+    softmax_warp_kernel<T, 16><<<grid, kThreads, 0, s>>>(x, y, rows, D, log);
+  } else {
+    softmax_warp_kernel<T, 32><<<grid, kThreads, 0, s>>>(x, y, rows, D, log);
+  }
+}
+
 template <typename T>
 __global__ void softmax_outer_kernel(const T* x, T* y, int64_t outer, int64_t D, int64_t inner,
                                      bool log) {
@@ -109,7 +199,9 @@ void softmax_cuda(const Tensor& out, const Tensor& in, int64_t dim, bool log) {
   EMBER_DISPATCH_FLOATING(in.dtype(), log ? "log_softmax" : "softmax", [&]<typename T>() {
     const T* x = in.data<T>();
     T* y = out.data<T>();
-    if (inner == 1) {
+    if (inner == 1 && D <= kWarpRowMax) {
+      launch_softmax_warp(x, y, outer, static_cast<int>(D), log, s);
+    } else if (inner == 1) {
       int threads = 32;
       while (threads < 512 && threads < D) threads *= 2;
       const int grid = static_cast<int>(std::min<int64_t>(outer, kMaxGrid));
@@ -121,6 +213,27 @@ void softmax_cuda(const Tensor& out, const Tensor& in, int64_t dim, bool log) {
     }
     EMBER_CUDA_CHECK(cudaGetLastError());
   });
+}
+
+Tensor softmax_backward_cuda(const Tensor& grad, const Tensor& y, bool log) {
+  EMBER_INTERNAL_ASSERT(y.is_cuda() && grad.device() == y.device() && grad.dtype() == y.dtype() &&
+                            grad.shape() == y.shape() && y.dim() >= 1,
+                        "[softmax backward] expected a gradient of the output's shape, dtype "
+                        "and device");
+  const Tensor g = grad.contiguous(), out = y.contiguous();
+  Tensor dx = make_empty(out.shape(), out.dtype(), out.device());
+  if (out.numel() == 0) return dx;
+  DeviceGuard guard(out.device().index);
+  const int64_t D = out.size(-1), rows = out.numel() / D;
+  EMBER_DISPATCH_FLOATING(out.dtype(), log ? "log_softmax backward" : "softmax backward",
+                          [&]<typename T>() {
+                            softmax_backward_warp_kernel<T>
+                                <<<wr::grid_for(rows), wr::kThreads, 0,
+                                   stream_of(out.device())>>>(g.data<T>(), out.data<T>(),
+                                                              dx.data<T>(), rows, D, log);
+                          });
+  EMBER_CUDA_CHECK(cudaGetLastError());
+  return dx;
 }
 
 }  // namespace ember::detail

@@ -1,4 +1,5 @@
-// Fused layer-norm kernels over rows (internal; used by nn::functional::layer_norm on the CPU).
+// Fused layer-norm kernels over rows (internal; used by nn::functional::layer_norm on the CPU
+// and on CUDA).
 //
 // x is viewed as [rows, n] (contiguous); weight and bias are [n] or undefined. Statistics are
 // accumulated in double, so float32 results match a float64 reference to float rounding.
@@ -20,5 +21,13 @@ void layer_norm_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor&
 void layer_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& mean,
                              const Tensor& rstd, const Tensor& weight, const Tensor& dx,
                              const Tensor& dweight, const Tensor& dbias);
+
+/// The CUDA twins of the two above (tensor/cuda/norm.cu): contiguous float32 and float64 CUDA
+/// tensors on one device, accumulating in float for float32. Queued on the current stream.
+void layer_norm_forward_cuda(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                             double eps, const Tensor& y, const Tensor& mean, const Tensor& rstd);
+void layer_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& mean,
+                              const Tensor& rstd, const Tensor& weight, const Tensor& dx,
+                              const Tensor& dweight, const Tensor& dbias);
 
 }  // namespace ember::detail

@@ -7,11 +7,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include <ember/nn/functional.h>
+#include <ember/tensor/cuda.h>
 #include "tests/autograd/grad_util.h"
 #include "tests/nn/nn_reference.h"
 
@@ -634,6 +636,105 @@ TEST(LayerNormPaths, FusedCpuKernelsMatchTheTensorOpPath) {
     EXPECT_TRUE(allclose(x1.grad(), x2.grad(), tol, tol)) << dt;
     EXPECT_TRUE(allclose(gw1, w.grad(), tol, tol)) << dt;
     EXPECT_TRUE(allclose(gb1, b.grad(), tol, tol)) << dt;
+  }
+}
+
+// The fused CUDA kernels (tensor/cuda/norm.cu) against the fused CPU ones: odd row lengths
+// (under and over a warp's 32 lanes), two normalized dims, enough rows that the weight and bias
+// sums are split over blocks, and each combination of affine parameters and wanted gradients.
+TEST(LayerNormCuda, FusedKernelsMatchCpu) {
+  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+  struct Case {
+    std::vector<int64_t> shape, normalized;
+  };
+  const std::vector<Case> cases = {
+      {{3, 5}, {5}}, {{37, 100}, {100}}, {{2000, 384}, {384}}, {{4, 3, 70}, {3, 70}}};
+  for (Dtype dt : {kFloat32, kFloat64}) {
+    for (const Case& c : cases) {
+      // affine: 0 none, 1 weight and bias both trained, 2 bias frozen (dweight only)
+      for (int affine : {0, 1, 2}) {
+        SCOPED_TRACE(::testing::Message() << dt << " shape " << c.shape.size() << "-d, first "
+                                          << c.shape[0] << ", affine " << affine);
+        const Tensor base = test::rand_t(c.shape, dt, 81) * 3 + 0.5;
+        const Tensor g = test::rand_t(c.shape, dt, 82);
+        const Tensor w0 = test::rand_t(c.normalized, dt, 83), b0 = test::rand_t(c.normalized, dt, 84);
+        std::vector<Tensor> grads[2], outs;
+        for (const Device dev : {Device("cpu"), cuda_device(0)}) {
+          Tensor x = base.to(dev).requires_grad_();
+          Tensor w, b;
+          if (affine > 0) {
+            w = w0.to(dev).requires_grad_();
+            b = b0.to(dev).requires_grad_(affine == 1);
+          }
+          const Tensor y = functional::layer_norm(x, c.normalized, w, b);
+          (y * g.to(dev)).sum().backward();
+          outs.push_back(y.cpu());
+          auto& gr = grads[outs.size() - 1];
+          gr.push_back(x.grad().cpu());
+          if (affine > 0) gr.push_back(w.grad().cpu());
+          if (affine == 1) gr.push_back(b.grad().cpu());
+          if (affine == 2) {
+            EXPECT_FALSE(b.grad().defined());
+          }
+        }
+        const double tol = dt == kFloat32 ? 1e-4 : 1e-10;
+        EXPECT_TRUE(allclose(outs[1], outs[0], tol, tol)) << "y";
+        ASSERT_EQ(grads[0].size(), grads[1].size());
+        for (size_t i = 0; i < grads[0].size(); ++i) {
+          EXPECT_TRUE(allclose(grads[1][i], grads[0][i], tol, tol)) << "gradient " << i;
+        }
+      }
+    }
+  }
+}
+
+// Softmax and log_softmax on CUDA: the warp kernel (rows up to 1024, in registers: sizes under,
+// at and over each register bucket), the block kernel (longer rows), a non-last dim (the
+// strided kernel, composite backward) and a transposed input; forward and the fused backward
+// over the last dim against the float64 CPU result. Softmax rows get -inf entries as a causal
+// mask gives them along the last dim (never a whole row).
+TEST(SoftmaxCuda, ForwardAndBackwardMatchFloat64Cpu) {
+  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+  const double inf = std::numeric_limits<double>::infinity();
+  for (Dtype dt : {kFloat32, kFloat64, kBFloat16, kFloat16}) {
+    const double tol = dt == kFloat64 ? 1e-12 : dt == kFloat32 ? 1e-5 : dt == kFloat16 ? 4e-3 : 2e-2;
+    for (int64_t D : {1, 5, 32, 33, 256, 300, 1000, 1024, 1025, 3000}) {
+      for (bool log : {false, true}) {
+        for (int64_t dim : {1, 0}) {
+          for (bool transposed : {false, true}) {
+            SCOPED_TRACE(::testing::Message() << dt << " D " << D << (log ? " log" : "")
+                                              << " dim " << dim << (transposed ? " transposed" : ""));
+            Tensor x64 = test::rand_t({7, D}, kFloat64, 91 + D) * 4;
+            if (!log && D > 1 && dim == 1) {
+              // row r masks its columns after r (row 0 keeps column 0 only)
+              Tensor col = arange(0, D, 1, TensorOptions(kInt64)).unsqueeze(0);
+              Tensor row = arange(0, 7, 1, TensorOptions(kInt64)).unsqueeze(1);
+              x64 = masked_fill(x64, gt(col, row), -inf);
+            }
+            // the same values in the low precision, for both sides
+            x64 = x64.to(dt).to(kFloat64);
+            if (transposed) x64 = x64.t().contiguous().t();
+            const Tensor gy = test::rand_t({7, D}, dt, 191 + D).to(kFloat64);
+            Tensor want_x = x64.clone().requires_grad_();
+            const Tensor want = log ? log_softmax(want_x, dim) : softmax(want_x, dim);
+            want.backward(gy);
+            // x64 holds the transposed layout already; the device copy takes the same strides
+            const Tensor got_x = (transposed ? x64.t().contiguous().to(cuda_device(0), dt).t()
+                                             : x64.to(cuda_device(0), dt))
+                                     .detach()
+                                     .requires_grad_();
+            if (D > 1) {
+              ASSERT_EQ(got_x.is_contiguous(), !transposed);
+            }
+            const Tensor got = log ? log_softmax(got_x, dim) : softmax(got_x, dim);
+            got.backward(gy.to(cuda_device(0), dt));
+            EXPECT_TRUE(allclose(got.cpu().to(kFloat64), want, tol, tol)) << "forward";
+            EXPECT_TRUE(allclose(got_x.grad().cpu().to(kFloat64), want_x.grad(), tol, tol))
+                << "backward";
+          }
+        }
+      }
+    }
   }
 }
 

@@ -3,12 +3,14 @@
 // semantics and errors, activation values against PyTorch, and CUDA-vs-CPU agreement.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include <ember/tensor/cuda/fast_div.h>
 #include <ember/tensor/ops.h>
 #include "test_util.h"
 
@@ -773,6 +775,72 @@ TEST(Cuda, BinaryOpsMatchCpu) {
       expect_cuda_matches_cpu([](auto& p, auto& q) { return add(p, q, 3); }, x, y, 0);
       expect_cuda_matches_cpu([](auto& p, auto& q) { return pow(p, q); }, x, y, 0);
       expect_cuda_matches_cpu([](auto& p, auto& q) { return p / q; }, x, y, 0);
+    }
+  }
+}
+
+// The strided CUDA loop (Note [CUDA element-wise loops]) splits linear indices with FastDiv;
+// its host form is the same arithmetic as the device's multiply-high.
+TEST(FastDiv, MatchesIntegerDivision) {
+  std::vector<uint32_t> divisors = {1, 2, 3, 5, 7, 31, 33, 256, 384, 1000, 1536, 65535, 65536,
+                                    65537, 1000003, (1u << 30) - 1, 1u << 30, (1u << 30) + 1,
+                                    (1u << 31) - 1};
+  uint64_t s = 12345;
+  auto next = [&] {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<uint32_t>(s >> 33);  // [0, 2^31)
+  };
+  for (int i = 0; i < 200; ++i) divisors.push_back(std::max<uint32_t>(1, next() >> (i % 31)));
+  for (uint32_t d : divisors) {
+    const ember::detail::FastDiv f = ember::detail::FastDiv::make(d);
+    std::vector<uint32_t> ns = {0, 1, d - 1, d, d + 1, 2 * d - 1, 2 * d, (1u << 31) - 1,
+                                (1u << 31) - 2, (1u << 31) - d, ((1u << 31) - 1) / d * d,
+                                ((1u << 31) - 1) / d * d - 1};
+    for (int i = 0; i < 2000; ++i) ns.push_back(next() >> (i % 31));
+    for (uint32_t n : ns) {
+      if (n > (1u << 31) - 1) continue;
+      ASSERT_EQ(f.div(n), n / d) << n << " / " << d;
+    }
+  }
+}
+
+// Broadcast, transposed and in-place operands take the strided kernel: the GPT's shapes (bias
+// add over rows, a per-row scalar, a mask broadcast over heads), sizes that are no multiple of
+// a block's elements, 4-d broadcasts, four operands (where), and an in-place op on a view.
+TEST(Cuda, StridedLoopsMatchCpu) {
+  if (!ember::cuda::is_available()) GTEST_SKIP() << "no CUDA device: " << ember::cuda::unavailable_reason();
+  using Op = std::function<Tensor(const Tensor&, const Tensor&)>;
+  struct Case {
+    std::vector<int64_t> a, b;
+    Op op;
+  };
+  const Op plus = [](const Tensor& p, const Tensor& q) { return p + q; };
+  const std::vector<Case> cases = {
+      {{1000, 1536}, {1536}, plus},
+      {{3, 1027}, {1027}, plus},
+      {{777, 33}, {777, 1}, [](const Tensor& p, const Tensor& q) { return p - q; }},
+      {{6, 64, 64}, {64, 64}, plus},
+      {{5, 1, 7, 3}, {1, 6, 1, 3}, [](const Tensor& p, const Tensor& q) { return p * q; }},
+      {{50, 37}, {50}, [](const Tensor& p, const Tensor& q) { return p.t() + q; }},
+      {{40, 30}, {30, 40}, [](const Tensor& p, const Tensor& q) { return p.t() * q; }},
+      {{4, 33, 33}, {33, 33},
+       [](const Tensor& p, const Tensor& q) { return masked_fill(p, gt(q, 0), -1e4); }},
+      {{4, 33, 33}, {33, 1},
+       [](const Tensor& p, const Tensor& q) { return where(gt(q, 0), p, q); }},
+      {{64, 48}, {32},
+       [](const Tensor& p, const Tensor& q) {
+         Tensor r = p.clone();
+         r.narrow(1, 8, 32).add_(q);  // in place on a strided view
+         return r;
+       }},
+  };
+  for (Dtype dt : {kFloat32, kBFloat16, kFloat64}) {
+    for (size_t i = 0; i < cases.size(); ++i) {
+      SCOPED_TRACE(::testing::Message() << "dtype " << dt << " case " << i);
+      const Case& c = cases[i];
+      const Tensor a = make(c.a, [](int64_t k) { return 0.37 * (k % 101) - 7; }, dt);
+      const Tensor b = make(c.b, [](int64_t k) { return 0.5 * (k % 13) - 3; }, dt);
+      expect_cuda_matches_cpu(c.op, a, b, tol_for(dt));
     }
   }
 }

@@ -785,6 +785,26 @@ TEST(ReduceCuda, LargeAndEdgeCases) {
       }
     }
   }
+  // The same for rows that the warp kernel holds in registers (D <= 1024), and sizes around
+  // its register buckets.
+  for (int64_t D : {31, 300, 1024}) {
+    Tensor w = grid_tensor({4, D}, kFloat32, 7);
+    w.select(0, 0).narrow(0, 0, D / 2).fill_(-inf);
+    w.select(0, 1).fill_(-inf);
+    w.select(0, 2).narrow(0, D / 3, 1).fill_(std::nanf(""));
+    for (bool log : {false, true}) {
+      const Tensor want = log ? log_softmax(w, 1) : softmax(w, 1);
+      const Tensor got = (log ? log_softmax(w.cuda(), 1) : softmax(w.cuda(), 1)).cpu();
+      const std::string what = (log ? "log_softmax D " : "softmax D ") + std::to_string(D);
+      expect_close(got.select(0, 0), want.select(0, 0).to_vector<double>(), 1e-5, 1e-5, what + " row 0");
+      expect_close(got.select(0, 3), want.select(0, 3).to_vector<double>(), 1e-5, 1e-5, what + " row 3");
+      for (int r : {1, 2}) {
+        for (float v : got.select(0, r).to_vector<float>()) {
+          ASSERT_TRUE(std::isnan(v)) << what << " row " << r << " got " << v;
+        }
+      }
+    }
+  }
   expect_same(sum(empty({2, 0}), {1}), sum(empty({2, 0}).cuda(), {1}), 0, "empty sum");
   expect_same(sum(scalar_tensor(2.5f)), sum(scalar_tensor(2.5f).cuda()), 0, "0-dim sum");
   expect_error<IndexError>([] { max(empty({0}).cuda()); }, {"[max]"});
