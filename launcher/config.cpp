@@ -253,6 +253,7 @@ void take_program(const CLI::App& app, const std::vector<std::string>& args, Lau
   if (rest.front().size() > 1 && rest.front()[0] == '-' && !after_dashes) {
     throw UsageError("unknown option '" + rest.front() + "'");
   }
+  if (rest.front().empty()) throw UsageError("PROGRAM must not be empty");
   c.program = rest.front();
   c.args.assign(rest.begin() + 1, rest.end());
 }
