@@ -34,5 +34,15 @@ TEST_F(LauncherFuzzRegression, EmptyProgramIsAUsageError) {
   expect_usage_error({"--", ""}, "PROGRAM");
 }
 
+// --nnodes 65536 --nproc-per-node 65536 passed every range check, and LaunchConfig::world_size()
+// then overflowed int (UBSan: signed integer overflow), giving the workers a negative or
+// wrapped WORLD_SIZE.
+TEST_F(LauncherFuzzRegression, WorldSizeThatOverflowsIntIsAUsageError) {
+  expect_usage_error({"--nnodes", "65536", "--nproc-per-node", "65536", "prog"}, "--nnodes");
+  expect_usage_error({"--nnodes", "1:65536", "--nproc-per-node", "32768", "prog"}, "ranks");
+  const LaunchConfig c = parse_args({"--nnodes", "2", "--nproc-per-node", "65536", "prog"});
+  EXPECT_EQ(c.world_size(), 131072);
+}
+
 }  // namespace
 }  // namespace ember::launcher
