@@ -16,6 +16,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -53,6 +54,7 @@ int connect_loopback(uint16_t port) {
 void send_all(int fd, const uint8_t* p, size_t n) {
   while (n > 0) {
     const ssize_t r = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (r < 0 && errno == EINTR) continue;
     if (r <= 0) return;
     p += r;
     n -= static_cast<size_t>(r);
@@ -67,8 +69,10 @@ std::vector<uint8_t> read_until_closed(int fd) {
     pollfd p{fd, POLLIN, 0};
     const int ready = ::poll(&p, 1, kHangLimitMs);
     if (ready == 0) fail("the server kept a connection open after the client's EOF (hang)");
+    if (ready < 0 && errno == EINTR) continue;  // libFuzzer's -timeout ticks with SIGALRM
     if (ready < 0) fail("poll() failed");
     const ssize_t r = ::recv(fd, buf, sizeof buf, 0);
+    if (r < 0 && errno == EINTR) continue;
     if (r <= 0) return got;  // EOF, or a reset after the server dropped the connection
     got.insert(got.end(), buf, buf + r);
   }
