@@ -17,8 +17,8 @@ namespace ember::fuzz {
 inline const std::string& scratch_dir() {
   static const std::string dir = [] {
     namespace fs = std::filesystem;
-    const fs::path base = fs::is_directory("/dev/shm") ? fs::path("/dev/shm")
-                                                       : fs::temp_directory_path();
+    const fs::path base =
+        fs::is_directory("/dev/shm") ? fs::path("/dev/shm") : fs::temp_directory_path();
     std::string tmpl = (base / "ember-fuzz-XXXXXX").string();
     if (::mkdtemp(tmpl.data()) == nullptr) {
       std::perror("mkdtemp");
