@@ -16,8 +16,11 @@ ASAN_BUILD_DIR ?= build-asan
 TSAN_BUILD_DIR ?= build-tsan
 ASAN_LAYERS ?= tensor autograd nn distributed launcher
 ASAN_TESTS ?= $(foreach l,$(ASAN_LAYERS),$(patsubst tests/$(l)/%.cpp,$(l)_%,$(wildcard tests/$(l)/*_test.cpp)))
+# distributed_ddp_threads_test is left out: its ranks are threads that share tensors, whose
+# reference counts are then dropped in the layers built without TSan, where TSan cannot see
+# them; run it with TSAN_SKIP= (everything instrumented).
 TSAN_TESTS ?= distributed_store_test distributed_tcp_store_test distributed_threads_test \
-  distributed_gloo_test distributed_ddp_test distributed_ddp_threads_test
+  distributed_gloo_test distributed_ddp_test
 TSAN_SKIP ?= ember_log;ember_tensor;ember_autograd;ember_nn
 SANITIZER_ENV = ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
