@@ -5,7 +5,36 @@ BUILD_TYPE ?= Release
 CMAKE_ARGS ?=
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps configure build test train bench clean
+# Fuzzing (fuzz/, docs/reliability.md): a Clang build folder of its own; FUZZ_SECONDS per target.
+FUZZ_BUILD_DIR ?= build-fuzz
+FUZZ_SECONDS ?= 60
+# Sanitizer builds (docs/reliability.md), each in its own folder; the test binaries are run
+# directly (ctest names cases, not binaries). ASan+UBSan: every test of the layers below. TSan:
+# the store, process-group and DDP tests, with the layers under them built without TSan (and so
+# shared with the plain build through ccache): TSan checks the threads of the code it tests.
+ASAN_BUILD_DIR ?= build-asan
+TSAN_BUILD_DIR ?= build-tsan
+ASAN_LAYERS ?= tensor autograd nn distributed launcher
+ASAN_TESTS ?= $(foreach l,$(ASAN_LAYERS),$(patsubst tests/$(l)/%.cpp,$(l)_%,$(wildcard tests/$(l)/*_test.cpp)))
+# distributed_ddp_threads_test is left out: its ranks are threads that share tensors, whose
+# reference counts are then dropped in the layers built without TSan, where TSan cannot see
+# them; run it with TSAN_SKIP= (everything instrumented).
+TSAN_TESTS ?= distributed_store_test distributed_tcp_store_test distributed_threads_test \
+  distributed_gloo_test distributed_ddp_test
+TSAN_SKIP ?= ember_log;ember_tensor;ember_autograd;ember_nn
+SANITIZER_ENV = ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$(CURDIR)/tests/sanitizers/tsan.supp
+# TSan cannot see libgomp's barriers (libgomp is not built with TSan), so a tensor op's OpenMP
+# workers look unordered with whatever touches the tensor next: one OpenMP thread under TSan.
+TSAN_ENV = OMP_NUM_THREADS=1
+# $(call run_tests,BUILD_DIR,TESTS[,ENV]): runs each test binary, then fails naming those that
+# failed.
+run_tests = fail=""; for t in $(2); do echo "== $$t"; \
+  $(SANITIZER_ENV) $(3) timeout 1200 $(1)/tests/$$t --gtest_brief=1 || fail="$$fail $$t"; done; \
+  if [ -n "$$fail" ]; then echo "failed:$$fail"; exit 1; fi
+
+.PHONY: all deps configure build test train bench clean fuzz fuzz-build sanitize asan tsan
 
 all: build
 
@@ -31,6 +60,36 @@ train: configure
 bench: build
 	@cmake --build $(BUILD_DIR) --target ref_libtorch -j $(JOBS)
 	@/usr/bin/python3 benchmarks/run_tensor_bench.py --build $(BUILD_DIR)
+
+fuzz-build: deps
+	@if [ ! -f $(FUZZ_BUILD_DIR)/build.ninja ]; then \
+	  CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	    -DEMBER_BUILD_FUZZERS=ON -DEMBER_BUILD_TESTS=OFF -DEMBER_BUILD_BENCHMARKS=OFF \
+	    -DEMBER_WITH_CUDA=OFF; \
+	fi
+	@cmake --build $(FUZZ_BUILD_DIR) -j $(JOBS) --target fuzzers
+
+fuzz: fuzz-build
+	@bash fuzz/run.sh $(FUZZ_BUILD_DIR) $(FUZZ_SECONDS)
+
+sanitize: asan tsan
+
+# CUDA off: nvcc takes no -fsanitize.
+asan: deps
+	@if [ ! -f $(ASAN_BUILD_DIR)/build.ninja ]; then \
+	  cmake -S . -B $(ASAN_BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release -DEMBER_SANITIZE=address \
+	    -DEMBER_WITH_CUDA=OFF -DEMBER_BUILD_BENCHMARKS=OFF; \
+	fi
+	@cmake --build $(ASAN_BUILD_DIR) -j $(JOBS) --target $(ASAN_TESTS)
+	@$(call run_tests,$(ASAN_BUILD_DIR),$(ASAN_TESTS))
+
+tsan: deps
+	@if [ ! -f $(TSAN_BUILD_DIR)/build.ninja ]; then \
+	  cmake -S . -B $(TSAN_BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release -DEMBER_SANITIZE=thread \
+	    "-DEMBER_SANITIZE_SKIP=$(TSAN_SKIP)" -DEMBER_BUILD_BENCHMARKS=OFF; \
+	fi
+	@cmake --build $(TSAN_BUILD_DIR) -j $(JOBS) --target $(TSAN_TESTS)
+	@$(call run_tests,$(TSAN_BUILD_DIR),$(TSAN_TESTS),$(TSAN_ENV))
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -13,6 +13,7 @@
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -253,6 +254,7 @@ void take_program(const CLI::App& app, const std::vector<std::string>& args, Lau
   if (rest.front().size() > 1 && rest.front()[0] == '-' && !after_dashes) {
     throw UsageError("unknown option '" + rest.front() + "'");
   }
+  if (rest.front().empty()) throw UsageError("PROGRAM must not be empty");
   c.program = rest.front();
   c.args.assign(rest.begin() + 1, rest.end());
 }
@@ -284,6 +286,12 @@ void resolve_topology(const RawOptions& raw, LaunchConfig& c) {
     c.nproc_per_node = g > 0 ? g : available_cpus();
   } else {
     c.nproc_per_node = parse_int("--nproc-per-node", raw.nproc, 1, 1 << 16);
+  }
+  // Ranks are ints: max_nodes * nproc_per_node (world_size()) must fit one.
+  if (int64_t{c.max_nodes} * c.nproc_per_node > std::numeric_limits<int>::max()) {
+    throw UsageError("--nnodes " + nnodes + " with --nproc-per-node " +
+                     std::to_string(c.nproc_per_node) + " makes more than " +
+                     std::to_string(std::numeric_limits<int>::max()) + " ranks");
   }
   if (raw.node_rank) {
     const int r = *raw.node_rank;

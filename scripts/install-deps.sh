@@ -15,6 +15,7 @@ pkgs=(
   python3-torch libtorch-dev
   protobuf-compiler python3-protobuf python3-crc32c
   iproute2
+  clang libclang-rt-dev libomp-dev
 )
 missing=()
 for p in "${pkgs[@]}"; do

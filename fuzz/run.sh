@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Runs each fuzz target for SECONDS from its seed corpus (fuzz/corpus/<target>/), keeping what
+# it finds in BUILD/corpus/<target>/ (so the committed seeds stay small) and crashing inputs in
+# BUILD/artifacts/<target>/. Prints one line per target (executions, corpus, result) and fails
+# if any target found a crash, a leak, a hang or an out-of-memory input.
+# Usage: fuzz/run.sh BUILD_DIR SECONDS [TARGET...]
+set -uo pipefail
+build=$1
+seconds=$2
+shift 2
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(store_protocol safetensors idx launcher_config)
+src=$(cd "$(dirname "$0")" && pwd)
+failed=()
+for t in "${targets[@]}"; do
+  bin=$build/fuzz/fuzz_$t
+  corpus=$build/corpus/$t
+  artifacts=$build/artifacts/$t
+  log=$build/fuzz-$t.log
+  mkdir -p "$corpus" "$artifacts"
+  # -timeout: one input running this long is a hang; -rss_limit_mb: a loader that allocates
+  # what a header claims rather than what the file holds is an out-of-memory finding.
+  "$bin" -max_total_time="$seconds" -timeout=25 -rss_limit_mb=2048 -print_final_stats=1 \
+    -artifact_prefix="$artifacts/" "$corpus" "$src/corpus/$t" >"$log" 2>&1
+  rc=$?
+  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
+  rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
+  units=$(find "$corpus" -type f | wc -l)
+  if [ $rc -eq 0 ]; then
+    result=ok
+  else
+    result="FAILED (exit $rc): $(ls "$artifacts" | tr '\n' ' ')see $log"
+    failed+=("$t")
+  fi
+  printf 'fuzz %-16s %4ss  %9s execs  %6s/s  corpus %5s  %s\n' "$t" "$seconds" "${execs:-?}" \
+    "${rate:-?}" "$units" "$result"
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "fuzz: findings in ${failed[*]}: reproduce with $build/fuzz/fuzz_TARGET ARTIFACT" >&2
+  exit 1
+fi
