@@ -17,7 +17,7 @@
 #include <filesystem>
 
 #include "fuzz/fuzz_util.h"
-#include "nn/data/mnist.h"
+#include <ember/nn/data/mnist.h>
 
 namespace {
 

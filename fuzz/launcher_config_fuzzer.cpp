@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "launcher/config.h"
+#include <ember/launcher/config.h>
 
 extern char** environ;
 

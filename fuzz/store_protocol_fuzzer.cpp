@@ -22,9 +22,9 @@
 #include <cstdlib>
 #include <vector>
 
-#include "distributed/detail/store_protocol.h"
-#include "distributed/tcp_store.h"
-#include "tensor/log.h"
+#include <ember/distributed/detail/store_protocol.h>
+#include <ember/distributed/tcp_store.h>
+#include <ember/tensor/log.h>
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "launcher/config.h"
+#include <ember/launcher/config.h>
 
 namespace ember::launcher {
 namespace {
