@@ -7,13 +7,14 @@
 #          them: a process that initialised CUDA cannot fork ranks that use it); summary and the
 #          failures' output in OUTDIR/tests.log
 #   bench  benchmarks/run_cuda_bench.py: bench_cuda beside PyTorch on the same GPU
+#          ($BENCH_FILTER selects cases, e.g. gpt_; $BENCH_ROUNDS, default 3)
 #   train  examples/fashion_mnist --device cuda, 1 rank and 2 ranks sharing the GPU (gloo,
 #          staged through host memory), beside benchmarks/vs_pytorch/fashion_mnist_torch.py;
 #          the IDX files from $FASHION_MNIST, else /usr/share/datasets/fashion-mnist, else
 #          .gpu/fashion-mnist (a GPU machine lacks Debian's package: carry a copy there)
 #   attn   bench_attention on the GPU (bfloat16 at GPT-2-small head shapes, float32 at the CPU
 #          table's shapes) beside the GPU PyTorch's F.scaled_dot_product_attention
-#   gpt    examples/gpt on the GPU (a 6-layer, 384-wide model, 256-token context) in float32,
+#   gpt    ($GPT_AMPS, default "bf16 fp16 off") examples/gpt on the GPU (a 6-layer, 384-wide model, 256-token context) in float32,
 #          bfloat16 and float16 (GradScaler) beside gpt_torch.py with the same model, written-out
 #          and fused attention; the KJV as plain text from .gpu/kjv.txt (the GPU machine has no
 #          bible-kjv to decode /usr/lib/bible.data: copy examples/gpt's token file there, it is
@@ -54,7 +55,8 @@ run_tests() {
 }
 
 run_bench() {
-  python3 "$root/benchmarks/run_cuda_bench.py" --bench "$b/run.sh bin/build/benchmarks/bench_cuda" --rounds 3 \
+  python3 "$root/benchmarks/run_cuda_bench.py" --bench "$b/run.sh bin/build/benchmarks/bench_cuda" \
+    --rounds "${BENCH_ROUNDS:-3}" --filter "${BENCH_FILTER:-}" \
     --markdown "$out/bench_cuda.md" 2>&1 | tee "$out/bench.log"
 }
 
@@ -91,7 +93,7 @@ run_gpt() {
   local model=(--layers 6 --heads 6 --dim 384 --context 256 --batch-size 64 --steps "${GPT_STEPS:-300}"
                --eval-every 0 --eval-batches 8 --seed 0)
   {
-    for amp in bf16 fp16 off; do
+    for amp in ${GPT_AMPS:-bf16 fp16 off}; do
       echo "== ember, 1 rank, cuda, amp $amp"
       timeout "${GPT_TIMEOUT:-240}" "$b/run.sh" "$b/bin/build/examples/gpt" --device cuda --amp $amp --data "$data" \
         --cache-dir "$cache" "${model[@]}" 2>&1 | grep -v '\[#'

@@ -660,11 +660,13 @@ TEST(LayerNormCuda, FusedKernelsMatchCpu) {
         const Tensor w0 = test::rand_t(c.normalized, dt, 83), b0 = test::rand_t(c.normalized, dt, 84);
         std::vector<Tensor> grads[2], outs;
         for (const Device dev : {Device("cpu"), cuda_device(0)}) {
-          Tensor x = base.to(dev).requires_grad_();
+          // detach(): on the CPU to() returns the tensor itself, and making it a leaf that
+          // requires grad would make the CUDA copies non-leaves without a .grad().
+          Tensor x = base.to(dev).detach().requires_grad_();
           Tensor w, b;
           if (affine > 0) {
-            w = w0.to(dev).requires_grad_();
-            b = b0.to(dev).requires_grad_(affine == 1);
+            w = w0.to(dev).detach().requires_grad_();
+            b = b0.to(dev).detach().requires_grad_(affine == 1);
           }
           const Tensor y = functional::layer_norm(x, c.normalized, w, b);
           (y * g.to(dev)).sum().backward();
