@@ -217,7 +217,8 @@ Tensor checkpoint(const std::function<Tensor(const Tensor&)>& fn, const Tensor& 
 
 Tensor checkpoint(std::shared_ptr<Module> module, const Tensor& input, bool preserve_rng_state) {
   EMBER_CHECK(module != nullptr, "[", kOp, "] expected a module, got null");
-  return checkpoint([m = std::move(module)](const Tensor& x) { return m->forward(x); }, input,
+  // Through operator(), so the module's forward hooks (e.g. FSDP's) run, in the recomputation too.
+  return checkpoint([m = std::move(module)](const Tensor& x) { return (*m)(x); }, input,
                     preserve_rng_state);
 }
 

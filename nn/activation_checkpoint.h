@@ -50,7 +50,8 @@ std::vector<Tensor> checkpoint(const CheckpointFunction& fn, const std::vector<T
 Tensor checkpoint(const std::function<Tensor(const Tensor&)>& fn, const Tensor& input,
                   bool preserve_rng_state = true);
 
-/// module->forward(input), checkpointed; the module is kept alive until backward.
+/// (*module)(input), its forward hooks included, checkpointed; the module is kept alive until
+/// backward.
 Tensor checkpoint(std::shared_ptr<Module> module, const Tensor& input,
                   bool preserve_rng_state = true);
 

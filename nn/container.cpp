@@ -25,7 +25,7 @@ std::shared_ptr<Module> ModuleSequence::operator[](int64_t i) const {
 
 Tensor Sequential::forward(const Tensor& input) {
   Tensor x = input;
-  for (const auto& m : modules_) x = m->forward(x);
+  for (const auto& m : modules_) x = (*m)(x);  // the children's forward hooks run
   return x;
 }
 

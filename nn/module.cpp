@@ -13,6 +13,59 @@ Tensor Module::forward(const Tensor&) {
                                             "Sequential"));
 }
 
+Module::~Module() = default;
+
+// ---- forward hooks ----------------------------------------------------------------------------
+
+struct Module::Hooks {
+  std::vector<std::pair<unsigned, ForwardPreHook>> pre;
+  std::vector<std::pair<unsigned, ForwardHook>> post;
+  unsigned next = 0;
+};
+
+unsigned Module::register_forward_pre_hook(ForwardPreHook hook) {
+  EMBER_CHECK(hook != nullptr, "[register_forward_pre_hook] ", name(), ": the hook is empty");
+  if (!hooks_) hooks_ = std::make_shared<Hooks>();
+  hooks_->pre.emplace_back(hooks_->next, std::move(hook));
+  return hooks_->next++;
+}
+
+unsigned Module::register_forward_hook(ForwardHook hook) {
+  EMBER_CHECK(hook != nullptr, "[register_forward_hook] ", name(), ": the hook is empty");
+  if (!hooks_) hooks_ = std::make_shared<Hooks>();
+  hooks_->post.emplace_back(hooks_->next, std::move(hook));
+  return hooks_->next++;
+}
+
+void Module::remove_forward_hook(unsigned handle) {
+  if (!hooks_) return;
+  std::erase_if(hooks_->pre, [&](const auto& h) { return h.first == handle; });
+  std::erase_if(hooks_->post, [&](const auto& h) { return h.first == handle; });
+}
+
+std::vector<Tensor> Module::call(
+    std::vector<Tensor> inputs, const std::function<std::vector<Tensor>(std::vector<Tensor>&)>& fn) {
+  if (!hooks_) return fn(inputs);
+  // Snapshots: a hook may add or remove hooks while it runs.
+  const auto pre = hooks_->pre;
+  for (const auto& [h, hook] : pre) hook(*this, inputs);
+  std::vector<Tensor> outputs = fn(inputs);
+  const auto post = hooks_->post;
+  for (const auto& [h, hook] : post) hook(*this, inputs, outputs);
+  return outputs;
+}
+
+Tensor Module::call_with_hooks(const Tensor& input) {
+  std::vector<Tensor> out = call({input}, [this](std::vector<Tensor>& in) {
+    EMBER_CHECK(in.size() == 1, "[", name(), "] a forward pre-hook left ", in.size(),
+                " inputs; forward(Tensor) takes 1");
+    return std::vector<Tensor>{forward(in[0])};
+  });
+  EMBER_CHECK(out.size() == 1, "[", name(), "] a forward hook left ", out.size(),
+              " outputs; forward(Tensor) returns 1");
+  return out[0];
+}
+
 // ---- registration -----------------------------------------------------------------------------
 
 namespace {

@@ -30,7 +30,7 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 class Module : public std::enable_shared_from_this<Module> {
  public:
   Module() = default;
-  virtual ~Module() = default;
+  virtual ~Module();
   Module(const Module&) = delete;
   Module& operator=(const Module&) = delete;
 
@@ -43,7 +43,29 @@ class Module : public std::enable_shared_from_this<Module> {
   /// nn/ do; Sequential needs it). Modules with other signatures add their own methods; calling
   /// this on them throws NotImplementedError.
   virtual Tensor forward(const Tensor& input);
-  Tensor operator()(const Tensor& input) { return forward(input); }
+  /// Calls forward(input) between the module's forward hooks (PyTorch's `module(x)`; calling
+  /// forward() directly skips the hooks, as `module.forward(x)` does in PyTorch). Containers
+  /// call their children this way.
+  Tensor operator()(const Tensor& input) {
+    return hooks_ ? call_with_hooks(input) : forward(input);
+  }
+
+  // ---- forward hooks (torch's register_forward_pre_hook / register_forward_hook) ----
+  /// Runs before forward with the inputs, which it may replace (e.g. cast).
+  using ForwardPreHook = std::function<void(Module&, std::vector<Tensor>& inputs)>;
+  /// Runs after forward with the inputs and the outputs, which it may replace.
+  using ForwardHook = std::function<void(Module&, const std::vector<Tensor>& inputs,
+                                         std::vector<Tensor>& outputs)>;
+  /// Returns a handle for remove_forward_hook. Hooks run in registration order.
+  unsigned register_forward_pre_hook(ForwardPreHook hook);
+  unsigned register_forward_hook(ForwardHook hook);
+  void remove_forward_hook(unsigned handle);
+  /// For a module whose forward takes or returns other than one tensor: runs `fn` (the module's
+  /// computation on the tensors it is given) between the forward hooks, e.g.
+  ///   auto out = attn->call({q, k, v}, [&](std::vector<Tensor>& in) {
+  ///     return std::vector<Tensor>{attn->forward(in[0], in[1], in[2]).output}; });
+  std::vector<Tensor> call(std::vector<Tensor> inputs,
+                           const std::function<std::vector<Tensor>(std::vector<Tensor>&)>& fn);
 
   // ---- registration (call from the subclass's constructor) ----
   /// Adds a parameter; it is made to require grad (unless requires_grad is false). An undefined
@@ -129,6 +151,10 @@ class Module : public std::enable_shared_from_this<Module> {
                std::vector<const TensorImpl*>& seen) const;
   void print(std::ostream& os, int indent) const;
   void convert(const std::function<Tensor(const Tensor&)>& f, bool floating_only);
+  Tensor call_with_hooks(const Tensor& input);
+
+  struct Hooks;  // module.cpp; allocated on the first registration, so plain modules pay nothing
+  std::shared_ptr<Hooks> hooks_;
 
   struct Slot {
     std::string name;

@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include <ember/tensor/error.h>
+#include <ember/tensor/host_memory.h>
 
 namespace ember {
 
@@ -103,6 +104,15 @@ class CpuCachingAllocator final : public Allocator {
     return stats_;
   }
 
+  void account(int64_t delta) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (delta > 0) {
+      add_allocated(static_cast<size_t>(delta));
+    } else {
+      stats_.allocated += delta;
+    }
+  }
+
   void empty_cache() {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [size, p] : free_) std::free(p);
@@ -137,6 +147,7 @@ CpuCachingAllocator& cpu_caching() {
 Allocator* cpu_allocator() { return &cpu_caching(); }
 AllocatorStats cpu_allocator_stats() { return cpu_caching().stats(); }
 void cpu_empty_cache() { cpu_caching().empty_cache(); }
+void cpu_allocator_account(int64_t delta) { cpu_caching().account(delta); }
 
 Allocator* allocator_for(Device d) { return d.is_cpu() ? cpu_allocator() : cuda_allocator(d.index); }
 

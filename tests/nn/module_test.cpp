@@ -1,6 +1,7 @@
-// Module: registration order, naming, modes, conversion, zero_grad, state dicts.
+// Module: registration order, naming, modes, conversion, zero_grad, state dicts, forward hooks.
 #include <gtest/gtest.h>
 
+#include <ember/nn/container.h>
 #include <ember/nn/module.h>
 #include "tests/tensor/test_util.h"
 
@@ -138,6 +139,42 @@ TEST(Module, LoadStateDictReportsEveryProblem) {
   sd[0].second = ones({4, 3});
   net->load_state_dict(sd, /*strict=*/false);  // missing/unexpected ignored
   EXPECT_EQ(net->a->weight.sum().item<float>(), 12.0f);
+}
+
+// Forward hooks run when a module is called, in registration order, around forward; a pre-hook
+// may replace the inputs and a hook the outputs; forward() itself skips them; Sequential calls
+// its children with their hooks; remove_forward_hook stops one.
+TEST(Module, ForwardHooks) {
+  auto a = std::make_shared<Affine>(3, 4);
+  std::vector<std::string> log;
+  float seen = 0;  // the input sum the forward hook saw
+  const unsigned pre = a->register_forward_pre_hook([&](Module& m, std::vector<Tensor>& in) {
+    log.push_back("pre " + m.name());
+    in[0] = in[0] * 2.0;
+  });
+  a->register_forward_hook(
+      [&](Module&, const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+        log.push_back("post");
+        seen = in[0].sum().item<float>();
+        out[0] = out[0] + 1.0;
+      });
+  const Tensor x = ones({2, 3});
+  EXPECT_EQ((*a)(x).sum().item<float>(), 2 * 4 * (3 * 2) + 8.0f);
+  EXPECT_EQ(log, (std::vector<std::string>{"pre Affine", "post"}));
+  EXPECT_EQ(seen, 12.0f) << "the forward hook sees the replaced input";
+  EXPECT_EQ(a->forward(x).sum().item<float>(), 2 * 4 * 3.0f) << "forward() runs no hooks";
+  Sequential seq(a);
+  EXPECT_EQ(seq.forward(x).sum().item<float>(), 2 * 4 * (3 * 2) + 8.0f);
+  a->remove_forward_hook(pre);
+  log.clear();
+  EXPECT_EQ((*a)(x).sum().item<float>(), 2 * 4 * 3 + 8.0f);
+  EXPECT_EQ(log, (std::vector<std::string>{"post"}));
+  // call(): the hooks around a computation of another signature.
+  const auto out = a->call({x, x}, [&](std::vector<Tensor>& in) {
+    return std::vector<Tensor>{a->forward(in[0]) + a->forward(in[1])};
+  });
+  EXPECT_EQ(out.at(0).sum().item<float>(), 2 * 2 * 4 * 3 + 8.0f);
+  expect_error<ValueError>([&] { a->register_forward_hook(nullptr); }, {"the hook is empty"});
 }
 
 }  // namespace
