@@ -29,9 +29,8 @@
 
 #include <ember/distributed/amp.h>
 #include "examples/example_util.h"
-#include <ember/nn/activation_checkpoint.h>
+#include "examples/gpt_model.h"
 #include <ember/nn/amp/autocast.h>
-#include <ember/nn/attention.h>
 #include <ember/nn/data/token_stream.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/allocator.h>
@@ -51,7 +50,7 @@ using namespace ember::examples;  // NOLINT: the examples' shared helpers
 
 namespace {
 
-constexpr int64_t kVocab = 256;  // byte-level tokens
+constexpr int64_t kVocab = kByteVocab;
 constexpr int64_t kWarmupSteps = 50;
 
 struct Args {
@@ -88,117 +87,6 @@ struct Args {
   int64_t hang_at_step = -1;  // testing aid: SIGSTOP rank 1 at this step, first run only
 };
 
-// ---- the model ----
-
-// A pre-LayerNorm decoder block: x + attn(ln1(x)), then x + mlp(ln2(x)). The query, key and
-// value projections are one Linear (fused qkv), as in GPT-2.
-class Block : public nn::Module {
- public:
-  Block(int64_t dim, int64_t heads, double dropout)
-      : heads_(heads),
-        dropout_p_(dropout),
-        ln1_(register_module("ln1", std::make_shared<nn::LayerNorm>(dim))),
-        qkv_(register_module("qkv", std::make_shared<nn::Linear>(dim, 3 * dim))),
-        proj_(register_module("proj", std::make_shared<nn::Linear>(dim, dim))),
-        ln2_(register_module("ln2", std::make_shared<nn::LayerNorm>(dim))),
-        fc_(register_module("fc", std::make_shared<nn::Linear>(dim, 4 * dim))),
-        gelu_(register_module("gelu", std::make_shared<nn::GELU>("tanh"))),
-        fc_proj_(register_module("fc_proj", std::make_shared<nn::Linear>(4 * dim, dim))),
-        drop_(register_module("drop", std::make_shared<nn::Dropout>(dropout))) {}
-  std::string name() const override { return "Block"; }
-
-  // x [B, T, C] -> [B, T, C]
-  Tensor forward(const Tensor& x) override {
-    const int64_t B = x.size(0), T = x.size(1), C = x.size(2), D = C / heads_;
-    const std::vector<Tensor> qkv = ember::split(qkv_->forward(ln1_->forward(x)), C, 2);
-    // [B, T, C] -> [B, H, T, D]
-    auto heads = [&](const Tensor& t) { return t.reshape({B, T, heads_, D}).transpose(1, 2); };
-    Tensor y = F::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), {},
-                                               is_training() ? dropout_p_ : 0.0,
-                                               /*is_causal=*/true);
-    y = y.transpose(1, 2).reshape({B, T, C});
-    Tensor h = x + drop_->forward(proj_->forward(y));
-    return h + drop_->forward(fc_proj_->forward(gelu_->forward(fc_->forward(ln2_->forward(h)))));
-  }
-
-  // The projections that write into the residual stream (GPT-2 scales their init).
-  std::vector<Tensor> residual_projections() const { return {proj_->weight, fc_proj_->weight}; }
-
- private:
-  int64_t heads_;
-  double dropout_p_;
-  std::shared_ptr<nn::LayerNorm> ln1_;
-  std::shared_ptr<nn::Linear> qkv_, proj_;
-  std::shared_ptr<nn::LayerNorm> ln2_;
-  std::shared_ptr<nn::Linear> fc_;
-  std::shared_ptr<nn::GELU> gelu_;
-  std::shared_ptr<nn::Linear> fc_proj_;
-  std::shared_ptr<nn::Dropout> drop_;
-};
-
-// Token + learned position embeddings, the blocks, a final LayerNorm and the LM head. The head
-// is tied to the token embedding: it multiplies by wte's own weight (one Parameter, so the
-// optimizer, DDP and the state dict see it once).
-class GPT : public nn::Module {
- public:
-  explicit GPT(const Args& a)
-      : context_(a.context),
-        checkpoint_(a.checkpoint_activations),
-        wte_(register_module("wte", std::make_shared<nn::Embedding>(kVocab, a.dim))),
-        wpe_(register_module("wpe", std::make_shared<nn::Embedding>(a.context, a.dim))),
-        drop_(register_module("drop", std::make_shared<nn::Dropout>(a.dropout))),
-        blocks_(register_module("blocks", std::make_shared<nn::Sequential>())),
-        ln_f_(register_module("ln_f", std::make_shared<nn::LayerNorm>(a.dim))) {
-    for (int64_t i = 0; i < a.layers; ++i) {
-      blocks_->push_back(std::make_shared<Block>(a.dim, a.heads, a.dropout));
-    }
-    init_weights(a.layers);
-  }
-  std::string name() const override { return "GPT"; }
-
-  // tokens [B, T] (int64, T <= context) -> logits [B, T, 256]
-  Tensor forward(const Tensor& tokens) override {
-    const int64_t T = tokens.size(1);
-    Tensor pos = ember::arange(0, T, 1, {ember::kInt64}).to(tokens.device());
-    Tensor x = drop_->forward(wte_->forward(tokens) + wpe_->forward(pos));
-    for (const auto& block : blocks_->children()) {
-      // --checkpoint-activations: keep only each block's input; backward recomputes the rest.
-      x = checkpoint_ && is_training()
-              ? nn::checkpoint(block, x)
-              : block->forward(x);
-    }
-    return F::linear(ln_f_->forward(x), wte_->weight);
-  }
-  int64_t context() const { return context_; }
-
- private:
-  // GPT-2's: every Linear weight and embedding N(0, 0.02), biases zero (LayerNorm keeps its ones
-  // and zeros), and the residual projections N(0, 0.02 / sqrt(2 * layers)).
-  void init_weights(int64_t layers) {
-    for (auto& [name, p] : named_parameters()) {
-      const bool bias = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0;
-      if (name.find("ln") != std::string::npos) continue;
-      if (bias) {
-        nn::init::zeros_(p);
-      } else {
-        nn::init::normal_(p, 0.0, 0.02);
-      }
-    }
-    for (const auto& m : blocks_->children()) {
-      for (Tensor w : std::static_pointer_cast<Block>(m)->residual_projections()) {
-        nn::init::normal_(w, 0.0, 0.02 / std::sqrt(2.0 * static_cast<double>(layers)));
-      }
-    }
-  }
-
-  int64_t context_;
-  bool checkpoint_;
-  std::shared_ptr<nn::Embedding> wte_, wpe_;
-  std::shared_ptr<nn::Dropout> drop_;
-  std::shared_ptr<nn::Sequential> blocks_;
-  std::shared_ptr<nn::LayerNorm> ln_f_;
-};
-
 // lr multiplier at step s: linear warm-up over the first 50 steps, then a cosine from 1 down to
 // a tenth at the last step.
 double lr_factor(int64_t step, int64_t steps) {
@@ -230,7 +118,13 @@ std::string default_cache_dir() {
 
 std::shared_ptr<nn::Module> seeded_model(const Args& a, ember::Device device) {
   ember::manual_seed(a.seed);  // the same weights on every rank (DDP broadcasts rank 0's anyway)
-  auto model = std::make_shared<GPT>(a);
+  auto model = std::make_shared<GPT>(GPTConfig{.vocab = kVocab,
+                                               .layers = a.layers,
+                                               .heads = a.heads,
+                                               .dim = a.dim,
+                                               .context = a.context,
+                                               .dropout = a.dropout,
+                                               .checkpoint_activations = a.checkpoint_activations});
   model->to(device);
   return model;
 }
