@@ -101,6 +101,18 @@ void check_tensor(const char* op, const Tensor& t, const char* what = "tensor") 
                    what, " of dtype ", t.dtype());
 }
 
+// Gloo options of a collective that moves whole tensors as bytes (allgather, alltoall).
+template <typename Opts>
+void set_bytes(Opts& o, const Tensor& in, const Tensor& out, uint32_t tag,
+               std::chrono::milliseconds left) {
+  o.template setInput<uint8_t>(static_cast<uint8_t*>(in.data_ptr()),
+                               static_cast<size_t>(in.nbytes()));
+  o.template setOutput<uint8_t>(static_cast<uint8_t*>(out.data_ptr()),
+                                static_cast<size_t>(out.nbytes()));
+  o.setTag(tag);
+  o.setTimeout(left);
+}
+
 void check_list(const char* op, const std::vector<Tensor>& list, int n, const Tensor& like,
                 const char* what) {
   EMBER_CHECK(static_cast<int>(list.size()) == n, "[gloo] ", op, " expected ", n, " ", what,
@@ -277,11 +289,7 @@ WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& in
     agree(ctx, tag, make_desc(GlooKind::Allgather, in.dtype(), in.numel()), left);
     if (in.numel() > 0) {
       gloo::AllgatherOptions o(ctx);
-      o.setInput<uint8_t>(static_cast<uint8_t*>(in.data_ptr()), static_cast<size_t>(in.nbytes()));
-      o.setOutput<uint8_t>(static_cast<uint8_t*>(out.data_ptr()),
-                           static_cast<size_t>(out.nbytes()));
-      o.setTag(tag);
-      o.setTimeout(left);
+      set_bytes(o, in, out, tag, left);
       gloo::allgather(o);
     }
     return std::vector<Tensor>{out};
@@ -480,11 +488,7 @@ WorkPtr ProcessGroupGloo::alltoall(std::vector<Tensor>& outputs, const std::vect
         if (in.numel() == 0) return outs;
         Tensor out = empty_like(in);
         gloo::AlltoallOptions o(ctx);
-        o.setInput<uint8_t>(static_cast<uint8_t*>(in.data_ptr()), static_cast<size_t>(in.nbytes()));
-        o.setOutput<uint8_t>(static_cast<uint8_t*>(out.data_ptr()),
-                             static_cast<size_t>(out.nbytes()));
-        o.setTag(tag);
-        o.setTimeout(left);
+        set_bytes(o, in, out, tag, left);
         gloo::alltoall(o);
         const int64_t k = in.numel() / static_cast<int64_t>(outs.size());
         for (size_t r = 0; r < outs.size(); ++r) {
