@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "examples/gpt_model.h"
 #include "fashion_cnn.h"
 #include <ember/nn/activation.h>
 #include <ember/nn/attention.h>
@@ -140,59 +141,16 @@ void run_cases(const bench::Options& o) {
 constexpr int64_t kTokens = 16384, kWidth = 384, kHeads = 6, kContext = 256, kVocab = 256,
                   kLayers = 6;
 
-// The decoder block of examples/gpt.cpp (pre-LayerNorm, fused qkv, causal attention through
-// scaled_dot_product_attention, 4x tanh-GELU MLP), without dropout.
-class GptBlock : public nn::Module {
- public:
-  GptBlock()
-      : ln1_(register_module("ln1", std::make_shared<nn::LayerNorm>(kWidth))),
-        qkv_(register_module("qkv", std::make_shared<nn::Linear>(kWidth, 3 * kWidth))),
-        proj_(register_module("proj", std::make_shared<nn::Linear>(kWidth, kWidth))),
-        ln2_(register_module("ln2", std::make_shared<nn::LayerNorm>(kWidth))),
-        fc_(register_module("fc", std::make_shared<nn::Linear>(kWidth, 4 * kWidth))),
-        gelu_(register_module("gelu", std::make_shared<nn::GELU>("tanh"))),
-        fc_proj_(register_module("fc_proj", std::make_shared<nn::Linear>(4 * kWidth, kWidth))) {}
-  std::string name() const override { return "GptBlock"; }
+// examples/gpt at the GPU run's size (the gpt_block case runs one of its blocks).
+const examples::GPTConfig kGpuGpt{
+    .vocab = kVocab, .layers = kLayers, .heads = kHeads, .dim = kWidth, .context = kContext};
 
-  // x [B, T, C] -> [B, T, C]
-  Tensor forward(const Tensor& x) override {
-    const int64_t B = x.size(0), T = x.size(1), C = x.size(2), D = C / kHeads;
-    const std::vector<Tensor> qkv = split(qkv_->forward(ln1_->forward(x)), C, 2);
-    auto heads = [&](const Tensor& t) { return t.reshape({B, T, kHeads, D}).transpose(1, 2); };
-    Tensor y = nn::functional::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]),
-                                                            heads(qkv[2]), {}, 0.0, true);
-    Tensor h = x + proj_->forward(y.transpose(1, 2).reshape({B, T, C}));
-    return h + fc_proj_->forward(gelu_->forward(fc_->forward(ln2_->forward(h))));
-  }
-
- private:
-  std::shared_ptr<nn::LayerNorm> ln1_;
-  std::shared_ptr<nn::Linear> qkv_, proj_;
-  std::shared_ptr<nn::LayerNorm> ln2_;
-  std::shared_ptr<nn::Linear> fc_;
-  std::shared_ptr<nn::GELU> gelu_;
-  std::shared_ptr<nn::Linear> fc_proj_;
-};
-
-// The parameter shapes of the GPT (76 tensors, 10.8M float32 values), each with a gradient.
+// The GPT's parameters (76 tensors, 10.8M float32 values), each with a gradient.
 std::vector<Tensor> gpt_params_with_grads(Device gpu) {
-  std::vector<std::vector<int64_t>> shapes = {{kVocab, kWidth}, {kContext, kWidth}};
-  for (int64_t l = 0; l < kLayers; ++l) {
-    for (auto s : std::vector<std::vector<int64_t>>{
-             {kWidth}, {kWidth}, {3 * kWidth, kWidth}, {3 * kWidth}, {kWidth, kWidth}, {kWidth},
-             {kWidth}, {kWidth}, {4 * kWidth, kWidth}, {4 * kWidth}, {kWidth, 4 * kWidth},
-             {kWidth}}) {
-      shapes.push_back(s);
-    }
-  }
-  shapes.push_back({kWidth});
-  shapes.push_back({kWidth});
-  std::vector<Tensor> params;
-  for (const auto& s : shapes) {
-    Tensor p = (randn(s) * 0.02).to(gpu).requires_grad_();
-    p.set_grad((randn(s) * 1e-3).to(gpu));
-    params.push_back(p);
-  }
+  examples::GPT model(kGpuGpt);
+  model.to(gpu);
+  std::vector<Tensor> params = model.parameters();
+  for (Tensor& p : params) p.set_grad((randn(p.shape()) * 1e-3).to(gpu));
   return params;
 }
 
@@ -284,7 +242,8 @@ void run_gpt_cases(const bench::Options& o) {
   }
   if (bench::selected(o, "gpt_block_fwdbwd_bf16_b64_t256")) {
     manual_seed(0);
-    auto block = std::make_shared<GptBlock>();
+    // No dropout, examples/gpt's default.
+    auto block = std::make_shared<examples::Block>(kGpuGpt.dim, kGpuGpt.heads, 0.0);
     block->to(gpu);
     Tensor x = leaf({64, kContext, kWidth}, kFloat32);
     std::vector<Tensor> leaves = block->parameters();

@@ -1,36 +1,25 @@
-// ProcessGroupGloo over Gloo's TCP transport. Built only when gloo is found
+// ProcessGroupGloo over Gloo's TCP transport: the rendezvous, the threads that run queued
+// operations, and what a failure does to the group. The collectives and send/recv themselves are
+// in process_group_gloo_collectives.cpp. Built only when gloo is found
 // (distributed/CMakeLists.txt); no_gloo.cpp stands in otherwise.
 #include <ember/distributed/process_group_gloo.h>
 
-#include <gloo/allgather.h>
-#include <gloo/allreduce.h>
-#include <gloo/alltoall.h>
-#include <gloo/barrier.h>
-#include <gloo/broadcast.h>
-#include <gloo/common/error.h>
-#include <gloo/gather.h>
-#include <gloo/reduce.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
-#include <gloo/scatter.h>
 #include <gloo/transport/tcp/device.h>
-#include <gloo/transport/unbound_buffer.h>
-#include <gloo/types.h>
 #include <netdb.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <deque>
 #include <thread>
 #include <vector>
 
 #include <ember/distributed/detail/gloo_agreement.h>
+#include <ember/distributed/detail/process_group_gloo_impl.h>
 #include <ember/distributed/detail/shm_allreduce.h>
-#include <ember/distributed/detail/shm_kernels.h>
-#include <ember/tensor/ops.h>
 #include <ember/tensor/trace.h>
 
 namespace ember::dist {
@@ -40,16 +29,6 @@ bool gloo_available() { return true; }
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-using ember::detail::ShmAllreduce;
-using ember::detail::pg_gloo::ShmList;
-using ember::detail::pg_gloo::divide_in_place;
-using ember::detail::pg_gloo::divide_span;
-using ember::detail::pg_gloo::reduce_fn;
-using ember::detail::pg_gloo::shm_reduction;
-
-// c10d's slot prefix for send/recv; the collectives use 0x01..0x08 (gloo/types.h).
-constexpr uint8_t kSendRecvSlotPrefix = 0x09;
 
 /// Gloo's rendezvous store over an Ember store: Gloo publishes and reads the ranks' addresses.
 class GlooStoreAdapter : public gloo::rendezvous::Store {
@@ -73,31 +52,6 @@ class GlooStoreAdapter : public gloo::rendezvous::Store {
   Duration timeout_;
 };
 
-// Note [shared-memory allreduce]: the tensors (contiguous CPU, one dtype) reduced in place as
-// one buffer, Avg's division included.
-void shm_allreduce(ember::detail::ShmAllreduce& shm, uint64_t ticket,
-                   const std::vector<Tensor>& ts, ReduceOp op, std::chrono::milliseconds left) {
-  std::vector<ember::detail::ShmAllreduce::Span> spans;
-  for (const Tensor& t : ts) spans.push_back({t.data_ptr(), static_cast<size_t>(t.numel())});
-  EMBER_DISPATCH_NUMERIC(ts[0].dtype(), "[gloo] allreduce", [&]<typename T>() {
-    shm.run(ticket, spans, ts[0].dtype(), op, reduce_fn<T>(op),
-            op == ReduceOp::Avg ? &divide_span<T> : nullptr, Clock::now() + left);
-  });
-}
-
-// Note [small allreduce]: Gloo's ring allreduce takes 2(n-1) dependent steps, each a network
-// round trip; below this size latency dominates, so every rank instead sends its buffer straight
-// to every peer and receives theirs (one round, all transfers in flight at once) and reduces
-// locally in rank order 0..n-1, which gives every rank bitwise the same result. (Gloo's own
-// allgather is a ring of n-1 steps: slower for small buffers than this exchange, and slower even
-// than its ring allreduce.)
-// With 2 ranks the exchange moves the same bytes as the ring (each sends its whole buffer once)
-// in one step instead of two, so it pays up to a larger size; above kTwoRankExchangeBytes the
-// ring's halved reduction work, spread over both ranks, wins (docs/benchmarks.md). With more
-// ranks the exchange sends (n-1) times the buffer, so it is kept for small ones.
-constexpr size_t kSmallAllreduceBytes = 64 * 1024;
-constexpr size_t kTwoRankExchangeBytes = 512 * 1024;
-
 // Note [inline collectives]: handing a collective to a worker thread and waking the caller when
 // it is done costs two thread wake-ups, many times what a small collective over shared memory
 // takes by itself. So when the group has shared memory, a collective of at most kInlineBytes
@@ -111,52 +65,6 @@ constexpr size_t kTwoRankExchangeBytes = 512 * 1024;
 // collectives stay on the workers, so that the caller overlaps them with its own work (DDP's
 // backward pass) and two of them move data at once on the two channels.
 constexpr size_t kInlineBytes = 64 * 1024;
-
-using ember::detail::GlooKind;
-using ember::detail::agree;
-using ember::detail::make_desc;
-
-bool is_supported(Dtype d) { return d != Dtype::Bool; }
-
-// Note [CUDA tensors over gloo]: allreduce, broadcast and allgather_into_tensor accept CUDA
-// tensors by staging them through host memory (as c10d's gloo backend does): the device data
-// is copied to a host tensor on the caller's thread (which waits for the caller's current
-// stream, so the values are final), the collective runs on the host copy, and the result is
-// copied back to the device (a synchronous copy) before the Work completes. Slow, but it lets
-// several ranks share one GPU in tests and run DDP on CUDA tensors without NCCL.
-template <typename Run>
-WorkPtr staged(const char* name, const Tensor& device_out, const Tensor& host_out, Run run) {
-  WorkPtr inner = run();
-  Tensor dev = device_out, host = host_out;
-  return chain_work(inner, name, [dev, host]() mutable {
-    dev.copy_(host);
-    return std::vector<Tensor>{dev};
-  });
-}
-
-void check_tensor(const char* op, const Tensor& t, const char* what = "tensor") {
-  EMBER_CHECK(t.defined(), "[gloo] ", op, ": ", what, " is undefined");
-  EMBER_CHECK(t.device().is_cpu(), "[gloo] ", op, " expects CPU tensors, got ", what, " on ",
-              t.device(), " (allreduce, broadcast and allgather_into_tensor also take CUDA "
-              "tensors, staged through host memory; use nccl for the others)");
-  EMBER_CHECK(t.is_contiguous(), "[gloo] ", op, " expects contiguous tensors, got a ",
-              "non-contiguous ", what, " (shape ", t.shape(), ")");
-  EMBER_CHECK_TYPE(TypeError, is_supported(t.dtype()), "[gloo] ", op,
-                   " supports float32, float64, float16, bfloat16, int32, int64 and uint8, got ",
-                   what, " of dtype ", t.dtype());
-}
-
-void check_list(const char* op, const std::vector<Tensor>& list, int n, const Tensor& like,
-                const char* what) {
-  EMBER_CHECK(static_cast<int>(list.size()) == n, "[gloo] ", op, " expected ", n, " ", what,
-              " tensors (one per rank), got ", list.size());
-  for (size_t i = 0; i < list.size(); ++i) {
-    EMBER_CHECK(list[i].defined() && list[i].shape() == like.shape() &&
-                    list[i].dtype() == like.dtype() && list[i].device().is_cpu(),
-                "[gloo] ", op, ": ", what, "[", i, "] must be a CPU tensor of shape ", like.shape(),
-                " and dtype ", like.dtype());
-  }
-}
 
 /// A Work whose default wait outlasts the worker's own deadline a little, so that the
 /// worker's error (which says what Gloo saw) reaches the caller rather than a bare timeout.
@@ -200,289 +108,238 @@ void ignore_sigpipe() {
 
 // ---- Impl ---------------------------------------------------------------------------------------
 
-class ProcessGroupGloo::Impl {
- public:
-  struct Job {
-    std::shared_ptr<Work> work;
-    Clock::time_point deadline;
-    std::function<std::vector<Tensor>(std::chrono::milliseconds)> run;
-    int64_t queued_us = 0;  // trace clock when submitted, if tracing
-  };
-
-  Impl(const ProcessGroupGloo& pg, std::shared_ptr<Store> store, const GlooOptions& opts)
-      : rank_(pg.rank()), size_(pg.size()) {
-    if (size_ == 1) return;  // world size 1: no network, everything completes inline
-    ignore_sigpipe();
-    gloo::transport::tcp::attr attr;
-    bool guessed = false;
-    if (!opts.hostname.empty()) {
-      attr.hostname = opts.hostname;
-    } else if (const char* h = std::getenv("EMBER_GLOO_HOSTNAME"); h && *h) {
-      attr.hostname = h;
-    } else if (const char* i = std::getenv("GLOO_SOCKET_IFNAME"); i && *i) {
-      attr.iface = i;
-    } else {
-      attr.hostname = hostname_of_machine();
-      guessed = true;
-      if (attr.hostname.empty()) attr.hostname = "127.0.0.1";
+ProcessGroupGloo::Impl::Impl(const ProcessGroupGloo& pg, std::shared_ptr<Store> store,
+                             const GlooOptions& opts)
+    : rank_(pg.rank()), size_(pg.size()) {
+  if (size_ == 1) return;  // world size 1: no network, everything completes inline
+  ignore_sigpipe();
+  gloo::transport::tcp::attr attr;
+  bool guessed = false;
+  if (!opts.hostname.empty()) {
+    attr.hostname = opts.hostname;
+  } else if (const char* h = std::getenv("EMBER_GLOO_HOSTNAME"); h && *h) {
+    attr.hostname = h;
+  } else if (const char* i = std::getenv("GLOO_SOCKET_IFNAME"); i && *i) {
+    attr.iface = i;
+  } else {
+    attr.hostname = hostname_of_machine();
+    guessed = true;
+    if (attr.hostname.empty()) attr.hostname = "127.0.0.1";
+  }
+  try {
+    device_ = gloo::transport::tcp::CreateDevice(attr);
+  } catch (const std::exception& e) {
+    if (!guessed) {
+      throw DistBackendError(
+          detail::str_cat("[gloo] rank ", rank_, " of ", size_, ": cannot listen on '",
+                          attr.iface.empty() ? attr.hostname : attr.iface, "': ", e.what()));
     }
+    attr.hostname = "127.0.0.1";
     try {
       device_ = gloo::transport::tcp::CreateDevice(attr);
-    } catch (const std::exception& e) {
-      if (!guessed) {
-        throw DistBackendError(
-            detail::str_cat("[gloo] rank ", rank_, " of ", size_, ": cannot listen on '",
-                            attr.iface.empty() ? attr.hostname : attr.iface, "': ", e.what()));
-      }
-      attr.hostname = "127.0.0.1";
-      try {
-        device_ = gloo::transport::tcp::CreateDevice(attr);
-      } catch (const std::exception& e2) {
-        throw DistBackendError(detail::str_cat("[gloo] rank ", rank_, " of ", size_,
-                                               ": cannot listen on this machine's host name (",
-                                               e.what(), ") nor on 127.0.0.1: ", e2.what()));
-      }
-    }
-    auto ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
-    ctx->setTimeout(opts.timeout);
-    GlooStoreAdapter adapter(store, opts.timeout);
-    try {
-      ctx->connectFullMesh(adapter, device_);
-    } catch (const DistTimeoutError& e) {
-      throw DistTimeoutError(detail::str_cat("[gloo] rank ", rank_, " of ", size_,
-                                             ": not every peer joined within ",
-                                             opts.timeout.count(), " ms: ", e.what()));
-    } catch (const DistError&) {
-      throw;
-    } catch (const std::exception& e) {
+    } catch (const std::exception& e2) {
       throw DistBackendError(detail::str_cat("[gloo] rank ", rank_, " of ", size_,
-                                             " could not connect to its peers (timeout ",
-                                             opts.timeout.count(), " ms): ", e.what()));
+                                             ": cannot listen on this machine's host name (",
+                                             e.what(), ") nor on 127.0.0.1: ", e2.what()));
     }
-    peer_addresses_ = ember::detail::peer_addresses(*store, *ctx, opts.timeout);
-    context_ = ctx;
-    if (opts.shared_memory) {
-      shm_ = ember::detail::ShmAllreduce::create(*store, rank_, size_, opts.threads, opts.timeout);
-    }
-    for (int i = 0; i < opts.threads; ++i) {
-      workers_.emplace_back([this] { loop(queue_, cv_, true); });
-    }
-    p2p_ = std::thread([this] { loop(p2p_queue_, p2p_cv_, false); });
   }
-
-  ~Impl() {
-    std::deque<Job> dropped;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-      for (auto* q : {&queue_, &p2p_queue_}) {
-        for (auto& j : *q) dropped.push_back(std::move(j));
-        q->clear();
-      }
-    }
-    cv_.notify_all();
-    p2p_cv_.notify_all();
-    for (auto& j : dropped) {
-      j.work->finish_with_error(std::make_exception_ptr(DistBackendError(
-          detail::str_cat(j.work->describe(), " failed: the process group was destroyed"))));
-    }
-    for (auto& w : workers_) {
-      if (w.joinable()) w.join();
-    }
-    if (p2p_.joinable()) p2p_.join();
-    if (context_) context_->closeConnections();
+  auto ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
+  ctx->setTimeout(opts.timeout);
+  GlooStoreAdapter adapter(store, opts.timeout);
+  try {
+    ctx->connectFullMesh(adapter, device_);
+  } catch (const DistTimeoutError& e) {
+    throw DistTimeoutError(detail::str_cat("[gloo] rank ", rank_, " of ", size_,
+                                           ": not every peer joined within ",
+                                           opts.timeout.count(), " ms: ", e.what()));
+  } catch (const DistError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw DistBackendError(detail::str_cat("[gloo] rank ", rank_, " of ", size_,
+                                           " could not connect to its peers (timeout ",
+                                           opts.timeout.count(), " ms): ", e.what()));
   }
-
-  /// Where submit() runs an operation: a collective on the workers (Worker), or on the calling
-  /// thread when the group is idle (InlineIfIdle, Note [inline collectives]); send and recv on
-  /// the send/recv thread (P2p).
-  enum class Route { Worker, InlineIfIdle, P2p };
-
-  /// The route of a collective that moves `bytes` per rank (Note [inline collectives]): over
-  /// shared memory a small one may run on the calling thread.
-  Route route_for(size_t bytes) const {
-    return shm_ && bytes <= kInlineBytes ? Route::InlineIfIdle : Route::Worker;
+  peer_addresses_ = ember::detail::peer_addresses(*store, *ctx, opts.timeout);
+  context_ = ctx;
+  if (opts.shared_memory) {
+    shm_ = ember::detail::ShmAllreduce::create(*store, rank_, size_, opts.threads, opts.timeout);
   }
+  for (int i = 0; i < opts.threads; ++i) {
+    workers_.emplace_back([this] { loop(queue_, cv_, true); });
+  }
+  p2p_ = std::thread([this] { loop(p2p_queue_, p2p_cv_, false); });
+}
 
-  /// Queues an operation on its route's thread; for world size 1, runs it now.
-  WorkPtr submit(const std::string& what, Duration timeout,
-                 std::function<std::vector<Tensor>(std::chrono::milliseconds)> run,
-                 Route route = Route::Worker) {
-    auto work = std::make_shared<GlooWork>(what, timeout);
-    Job job{work, Clock::now() + timeout, std::move(run), trace::enabled() ? trace::now_us() : 0};
-    if (!context_) {
+ProcessGroupGloo::Impl::~Impl() {
+  std::deque<Job> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    for (auto* q : {&queue_, &p2p_queue_}) {
+      for (auto& j : *q) dropped.push_back(std::move(j));
+      q->clear();
+    }
+  }
+  cv_.notify_all();
+  p2p_cv_.notify_all();
+  for (auto& j : dropped) {
+    j.work->finish_with_error(std::make_exception_ptr(DistBackendError(
+        detail::str_cat(j.work->describe(), " failed: the process group was destroyed"))));
+  }
+  for (auto& w : workers_) {
+    if (w.joinable()) w.join();
+  }
+  if (p2p_.joinable()) p2p_.join();
+  if (context_) context_->closeConnections();
+}
+
+ProcessGroupGloo::Impl::Route ProcessGroupGloo::Impl::route_for(size_t bytes) const {
+  return shm_ && bytes <= kInlineBytes ? Route::InlineIfIdle : Route::Worker;
+}
+
+WorkPtr ProcessGroupGloo::Impl::submit(
+    const std::string& what, Duration timeout,
+    std::function<std::vector<Tensor>(std::chrono::milliseconds)> run, Route route) {
+  auto work = std::make_shared<GlooWork>(what, timeout);
+  Job job{work, Clock::now() + timeout, std::move(run), trace::enabled() ? trace::now_us() : 0};
+  if (!context_) {
+    execute(job);
+    return work;
+  }
+  const bool p2p = route == Route::P2p;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    EMBER_CHECK(!stop_, what, ": the process group is being destroyed");
+    if (route == Route::InlineIfIdle && in_flight_ == 0) {
+      lock.unlock();
       execute(job);
       return work;
     }
-    const bool p2p = route == Route::P2p;
+    if (!p2p) {
+      std::erase_if(issued_, [](const std::weak_ptr<Work>& w) {
+        auto p = w.lock();
+        return !p || p->is_completed();
+      });
+      issued_.push_back(work);
+      ++in_flight_;
+    }
+    (p2p ? p2p_queue_ : queue_).push_back(std::move(job));
+  }
+  (p2p ? p2p_cv_ : cv_).notify_one();  // wake only the thread that serves this queue
+  return work;
+}
+
+std::string ProcessGroupGloo::Impl::name_peers(const std::string& msg) const {
+  return ember::detail::name_peers_by_rank(peer_addresses_, msg, nullptr);
+}
+
+std::vector<WorkPtr> ProcessGroupGloo::Impl::unfinished_collectives() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<WorkPtr> out;
+  for (const auto& w : issued_) {
+    if (auto p = w.lock(); p && !p->is_completed()) out.push_back(std::move(p));
+  }
+  return out;
+}
+
+void ProcessGroupGloo::Impl::loop(std::deque<Job>& queue, std::condition_variable& cv,
+                                  bool collectives) {
+  for (;;) {
+    Job job;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      EMBER_CHECK(!stop_, what, ": the process group is being destroyed");
-      if (route == Route::InlineIfIdle && in_flight_ == 0) {
-        lock.unlock();
-        execute(job);
-        return work;
-      }
-      if (!p2p) {
-        std::erase_if(issued_, [](const std::weak_ptr<Work>& w) {
-          auto p = w.lock();
-          return !p || p->is_completed();
-        });
-        issued_.push_back(work);
-        ++in_flight_;
-      }
-      (p2p ? p2p_queue_ : queue_).push_back(std::move(job));
+      cv.wait(lock, [&] { return stop_ || !queue.empty(); });
+      if (queue.empty()) return;  // stopping
+      job = std::move(queue.front());
+      queue.pop_front();
     }
-    (p2p ? p2p_cv_ : cv_).notify_one();  // wake only the thread that serves this queue
-    return work;
+    execute(job, collectives);
+    if (collectives) {
+      std::lock_guard<std::mutex> lock(mu_);
+      --in_flight_;
+    }
   }
+}
 
-  const std::shared_ptr<gloo::Context>& context() const { return context_; }
-  /// A Gloo error with each peer's address written as "rank r (address)".
-  std::string name_peers(const std::string& msg) const {
-    return ember::detail::name_peers_by_rank(peer_addresses_, msg, nullptr);
-  }
-  /// The shared-memory allreduce, or null (world size 1, turned off, or a rank elsewhere).
-  ember::detail::ShmAllreduce* shm() const { return shm_.get(); }
-
-  /// The collectives issued so far that have not completed (Note [barrier and two workers]).
-  std::vector<WorkPtr> unfinished_collectives() {
+void ProcessGroupGloo::Impl::execute(Job& job, bool mark_broken) {
+  const std::string& what = job.work->describe();
+  const auto timeout = job.work->timeout();
+  std::string broken;
+  {
     std::lock_guard<std::mutex> lock(mu_);
-    std::vector<WorkPtr> out;
-    for (const auto& w : issued_) {
-      if (auto p = w.lock(); p && !p->is_completed()) out.push_back(std::move(p));
-    }
-    return out;
+    broken = broken_;
   }
-
- private:
-  void loop(std::deque<Job>& queue, std::condition_variable& cv, bool collectives) {
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv.wait(lock, [&] { return stop_ || !queue.empty(); });
-        if (queue.empty()) return;  // stopping
-        job = std::move(queue.front());
-        queue.pop_front();
-      }
-      execute(job, collectives);
-      if (collectives) {
-        std::lock_guard<std::mutex> lock(mu_);
-        --in_flight_;
-      }
-    }
+  if (!broken.empty()) {
+    job.work->finish_with_error(std::make_exception_ptr(
+        DistBackendError(detail::str_cat(what, " (timeout ", timeout.count(),
+                                         " ms) failed: the group is unusable after an "
+                                         "earlier failure: ",
+                                         broken))));
+    return;
   }
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(job.deadline - Clock::now());
+  if (left.count() <= 0) {
+    fail(job,
+         DistTimeoutError(detail::str_cat(what, " timed out after ", timeout.count(),
+                                          " ms (waiting behind earlier operations)")),
+         mark_broken);
+    return;
+  }
+  std::vector<Tensor> out;
+  const int64_t started_us = trace::enabled() ? trace::now_us() : 0;
+  try {
+    out = job.run(left);
+    if (started_us != 0) {
+      int64_t bytes = 0;
+      for (const Tensor& t : out) bytes += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+      trace::collective(what, job.queued_us, started_us, bytes);
+    }
+  } catch (const ValueError&) {
+    job.work->finish_with_error(std::current_exception());
+    return;
+  } catch (const std::exception& e) {
+    std::vector<int> peers;  // the ranks whose addresses Gloo's message names
+    const std::string msg =
+        ember::detail::name_peers_by_rank(peer_addresses_, e.what(), &peers);
+    const bool timed_out =
+        msg.find("imed out") != std::string::npos || msg.find("imeout") != std::string::npos;
+    const bool peer_gone = msg.find("losed") != std::string::npos ||
+                           msg.find("reset") != std::string::npos ||
+                           msg.find("Broken pipe") != std::string::npos;
+    if (timed_out) {
+      fail(job,
+           DistTimeoutError(
+               detail::str_cat(what, " timed out after ", timeout.count(), " ms: ", msg)),
+           mark_broken);
+    } else {
+      fail(job,
+           DistBackendError(detail::str_cat(
+               what, " (timeout ", timeout.count(), " ms) failed: ",
+               peer_gone ? ember::detail::closed_by(peers) : "", msg)),
+           mark_broken);
+    }
+    return;
+  }
+  job.work->finish(std::move(out));
+}
 
-  void execute(Job& job, bool mark_broken = true) {
-    const std::string& what = job.work->describe();
-    const auto timeout = job.work->timeout();
-    std::string broken;
+// Fails job with err; a failed collective leaves the ranks out of step, so the group is
+// marked broken and its connections closed, which wakes peers blocked on this rank.
+template <typename E>
+void ProcessGroupGloo::Impl::fail(Job& job, const E& err, bool mark_broken) {
+  if (mark_broken && context_) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      broken = broken_;
+      if (broken_.empty()) broken_ = err.what();
     }
-    if (!broken.empty()) {
-      job.work->finish_with_error(std::make_exception_ptr(
-          DistBackendError(detail::str_cat(what, " (timeout ", timeout.count(),
-                                           " ms) failed: the group is unusable after an "
-                                           "earlier failure: ",
-                                           broken))));
-      return;
-    }
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(job.deadline - Clock::now());
-    if (left.count() <= 0) {
-      fail(job,
-           DistTimeoutError(detail::str_cat(what, " timed out after ", timeout.count(),
-                                            " ms (waiting behind earlier operations)")),
-           mark_broken);
-      return;
-    }
-    std::vector<Tensor> out;
-    const int64_t started_us = trace::enabled() ? trace::now_us() : 0;
-    try {
-      out = job.run(left);
-      if (started_us != 0) {
-        int64_t bytes = 0;
-        for (const Tensor& t : out) bytes += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
-        trace::collective(what, job.queued_us, started_us, bytes);
-      }
-    } catch (const ValueError&) {
-      job.work->finish_with_error(std::current_exception());
-      return;
-    } catch (const std::exception& e) {
-      std::vector<int> peers;  // the ranks whose addresses Gloo's message names
-      const std::string msg =
-          ember::detail::name_peers_by_rank(peer_addresses_, e.what(), &peers);
-      const bool timed_out =
-          msg.find("imed out") != std::string::npos || msg.find("imeout") != std::string::npos;
-      const bool peer_gone = msg.find("losed") != std::string::npos ||
-                             msg.find("reset") != std::string::npos ||
-                             msg.find("Broken pipe") != std::string::npos;
-      if (timed_out) {
-        fail(job,
-             DistTimeoutError(
-                 detail::str_cat(what, " timed out after ", timeout.count(), " ms: ", msg)),
-             mark_broken);
-      } else {
-        fail(job,
-             DistBackendError(detail::str_cat(
-                 what, " (timeout ", timeout.count(), " ms) failed: ",
-                 peer_gone ? ember::detail::closed_by(peers) : "", msg)),
-             mark_broken);
-      }
-      return;
-    }
-    job.work->finish(std::move(out));
+    context_->closeConnections();
+    if (shm_) shm_->abort(detail::str_cat("rank ", rank_, ": ", err.what()));
   }
-
-  // Fails job with err; a failed collective leaves the ranks out of step, so the group is
-  // marked broken and its connections closed, which wakes peers blocked on this rank.
-  template <typename E>
-  void fail(Job& job, const E& err, bool mark_broken) {
-    if (mark_broken && context_) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (broken_.empty()) broken_ = err.what();
-      }
-      context_->closeConnections();
-      if (shm_) shm_->abort(detail::str_cat("rank ", rank_, ": ", err.what()));
-    }
-    job.work->finish_with_error(std::make_exception_ptr(err));
-  }
-
-  int rank_;
-  int size_;
-  std::shared_ptr<gloo::transport::Device> device_;
-  std::shared_ptr<gloo::Context> context_;
-  std::vector<std::vector<std::string>> peer_addresses_;  // Note [naming peers by rank]
-  std::unique_ptr<ember::detail::ShmAllreduce> shm_;  // outlives the workers (joined in ~Impl)
-  std::mutex mu_;
-  std::condition_variable cv_;      // collectives' queue
-  std::condition_variable p2p_cv_;  // send/recv queue
-  bool stop_ = false;
-  std::string broken_;
-  std::deque<Job> queue_;
-  std::deque<Job> p2p_queue_;
-  std::vector<std::weak_ptr<Work>> issued_;  // collectives, for barrier
-  // Collectives queued or running on the workers; 0: the group is idle (Note [inline
-  // collectives]).
-  size_t in_flight_ = 0;
-  std::vector<std::thread> workers_;  // collectives
-  std::thread p2p_;
-};
+  job.work->finish_with_error(std::make_exception_ptr(err));
+}
 
 // ---- ProcessGroupGloo ---------------------------------------------------------------------------
-
-/// A collective's label and, when it goes through shared memory, its ticket (taken after the
-/// label: a collective refused from a callback must not take one).
-struct ProcessGroupGloo::ShmTicket {
-  std::string label;
-  ShmAllreduce* shm = nullptr;
-  uint64_t ticket = 0;
-  explicit operator bool() const { return shm != nullptr; }
-};
 
 ProcessGroupGloo::ShmTicket ProcessGroupGloo::take_ticket(const char* collective) {
   ShmTicket t;
@@ -507,474 +364,5 @@ ProcessGroupGloo::ProcessGroupGloo(std::shared_ptr<Store> store, int rank, int s
 ProcessGroupGloo::~ProcessGroupGloo() = default;
 
 bool ProcessGroupGloo::uses_shared_memory() const { return impl_->shm() != nullptr; }
-
-WorkPtr ProcessGroupGloo::allreduce(Tensor& tensor, const AllreduceOptions& opts) {
-  if (tensor.defined() && tensor.is_cuda()) {  // Note [CUDA tensors over gloo]
-    Tensor host = tensor.contiguous().to(kCPU);
-    return staged("allreduce of a CUDA tensor", tensor, host, [&] { return allreduce(host, opts); });
-  }
-  check_tensor("allreduce", tensor);
-  const uint32_t tag = static_cast<uint32_t>(seq_);
-  // Before the ticket: a refused collective (issued from a callback) must not take one.
-  std::string label = next_op_label("allreduce");
-  const int n = size_;
-  auto ctx = impl_->context();
-  ember::detail::ShmAllreduce* shm = ctx && tensor.numel() > 0 ? impl_->shm() : nullptr;
-  const uint64_t ticket = shm ? shm->next_ticket() : 0;  // in issue order, as on every rank
-  Tensor t = tensor;
-  const ReduceOp op = opts.op;
-  const auto route =
-      shm ? impl_->route_for(static_cast<size_t>(t.nbytes())) : Impl::Route::Worker;
-  return impl_->submit(
-      label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
-        if (shm) {
-          shm_allreduce(*shm, ticket, {t}, op, left);
-          return std::vector<Tensor>{t};
-        }
-        if (ctx) {
-          EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] allreduce", [&]<typename T>() {
-            ember::detail::tcp_allreduce<T>(
-                ctx, t.dtype(), t.template data<T>(), static_cast<size_t>(t.numel()), op,
-                reduce_fn<T>(op), n == 2 ? kTwoRankExchangeBytes : kSmallAllreduceBytes, tag, left);
-          });
-        }
-        if (op == ReduceOp::Avg && n > 1) divide_in_place(t, n);
-        return std::vector<Tensor>{t};
-      },
-      route);
-}
-
-WorkPtr ProcessGroupGloo::allreduce_coalesced(std::vector<Tensor>& tensors,
-                                              const AllreduceOptions& opts) {
-  check_coalesced("gloo", tensors);
-  ember::detail::ShmAllreduce* shm = impl_->shm();
-  if (!shm || !tensors[0].device().is_cpu()) return ProcessGroup::allreduce_coalesced(tensors, opts);
-  int64_t total = 0;
-  for (const Tensor& t : tensors) {
-    check_tensor("allreduce_coalesced", t);
-    total += t.numel();
-  }
-  std::string label = next_op_label("allreduce_coalesced");  // before the ticket, as allreduce
-  const uint64_t ticket = total > 0 ? shm->next_ticket() : 0;  // in issue order
-  std::vector<Tensor> ts = tensors;
-  const ReduceOp op = opts.op;
-  const size_t bytes = static_cast<size_t>(total) * static_cast<size_t>(tensors[0].element_size());
-  return impl_->submit(
-      label, timeout_of(opts.timeout),
-      [=](std::chrono::milliseconds left) {
-        if (total > 0) shm_allreduce(*shm, ticket, ts, op, left);
-        return ts;
-      },
-      impl_->route_for(bytes));
-}
-
-WorkPtr ProcessGroupGloo::reduce(Tensor& tensor, const ReduceOptions& opts) {
-  check_tensor("reduce", tensor);
-  check_root("reduce", opts.root);
-  const uint32_t tag = static_cast<uint32_t>(seq_);
-  const int n = size_, me = rank_, root = opts.root;
-  auto ctx = impl_->context();
-  const ShmTicket shm = take_ticket("reduce");
-  Tensor t = tensor;
-  const ReduceOp op = opts.op;
-  return impl_->submit(shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
-    if (shm) {
-      shm.shm->reduce(shm.ticket, t.data_ptr(), static_cast<size_t>(t.numel()), t.dtype(),
-                      shm_reduction(t.dtype(), op), root, Clock::now() + left);
-      return std::vector<Tensor>{t};
-    }
-    if (ctx) agree(ctx, tag, make_desc(GlooKind::Reduce, t.dtype(), t.numel(), root, op), left);
-    if (ctx && t.numel() > 0) {
-      EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] reduce", [&]<typename T>() {
-        gloo::ReduceOptions o(ctx);
-        o.setOutput<T>(t.template data<T>(), static_cast<size_t>(t.numel()));
-        o.setRoot(root);
-        o.setReduceFunction(reduce_fn<T>(op));
-        o.setTag(tag);
-        o.setTimeout(left);
-        gloo::reduce(o);
-      });
-    }
-    if (op == ReduceOp::Avg && n > 1 && me == root) divide_in_place(t, n);
-    return std::vector<Tensor>{t};
-  }, impl_->route_for(static_cast<size_t>(t.nbytes())));
-}
-
-WorkPtr ProcessGroupGloo::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
-  if (tensor.defined() && tensor.is_cuda()) {  // Note [CUDA tensors over gloo]
-    Tensor host = tensor.contiguous().to(kCPU);
-    return staged("broadcast of a CUDA tensor", tensor, host, [&] { return broadcast(host, opts); });
-  }
-  check_tensor("broadcast", tensor);
-  check_root("broadcast", opts.root);
-  const uint32_t tag = static_cast<uint32_t>(seq_);
-  const int me = rank_, root = opts.root;
-  auto ctx = impl_->context();
-  const ShmTicket shm = take_ticket("broadcast");
-  Tensor t = tensor;
-  return impl_->submit(shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
-    if (shm) {
-      shm.shm->broadcast(shm.ticket, t.data_ptr(), static_cast<size_t>(t.numel()), t.dtype(),
-                         root, Clock::now() + left);
-      return std::vector<Tensor>{t};
-    }
-    if (ctx) agree(ctx, tag, make_desc(GlooKind::Broadcast, t.dtype(), t.numel(), root), left);
-    if (ctx && t.numel() > 0) {
-      gloo::BroadcastOptions o(ctx);
-      auto* p = static_cast<uint8_t*>(t.data_ptr());
-      const size_t nb = static_cast<size_t>(t.nbytes());
-      if (me == root) o.setInput<uint8_t>(p, nb);
-      o.setOutput<uint8_t>(p, nb);
-      o.setRoot(root);
-      o.setTag(tag);
-      o.setTimeout(left);
-      gloo::broadcast(o);
-    }
-    return std::vector<Tensor>{t};
-  }, impl_->route_for(static_cast<size_t>(t.nbytes())));
-}
-
-WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& input,
-                                                const CollectiveOptions& opts) {
-  if (output.defined() && input.defined() && output.is_cuda() && input.is_cuda()) {
-    Tensor host_in = input.contiguous().to(kCPU);  // Note [CUDA tensors over gloo]
-    Tensor host_out = empty(output.shape(), output.dtype());
-    return staged("allgather_into_tensor of CUDA tensors", output, host_out,
-                  [&] { return allgather_into_tensor(host_out, host_in, opts); });
-  }
-  check_tensor("allgather_into_tensor", input, "input");
-  check_tensor("allgather_into_tensor", output, "output");
-  EMBER_CHECK(output.dtype() == input.dtype() && output.numel() == input.numel() * size_,
-              "[gloo] allgather_into_tensor: output must hold ", size_, " x ", input.numel(),
-              " elements of ", input.dtype(), ", got ", output.numel(), " of ", output.dtype());
-  const uint32_t tag = static_cast<uint32_t>(seq_);
-  auto ctx = impl_->context();
-  const ShmTicket shm = take_ticket("allgather_into_tensor");
-  const int n = size_;
-  Tensor in = input, out = output;
-  return impl_->submit(shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
-    if (shm) {
-      std::vector<void*> slots;
-      for (int r = 0; r < n; ++r) {
-        slots.push_back(static_cast<char*>(out.data_ptr()) + static_cast<size_t>(r) *
-                                                                 static_cast<size_t>(in.nbytes()));
-      }
-      shm.shm->gather(shm.ticket, in.data_ptr(), slots, static_cast<size_t>(in.numel()),
-                      in.dtype(), /*root=*/-1, Clock::now() + left);
-      return std::vector<Tensor>{out};
-    }
-    if (!ctx) {
-      out.view(in.shape()).copy_(in);
-      return std::vector<Tensor>{out};
-    }
-    agree(ctx, tag, make_desc(GlooKind::Allgather, in.dtype(), in.numel()), left);
-    if (in.numel() > 0) {
-      gloo::AllgatherOptions o(ctx);
-      o.setInput<uint8_t>(static_cast<uint8_t*>(in.data_ptr()), static_cast<size_t>(in.nbytes()));
-      o.setOutput<uint8_t>(static_cast<uint8_t*>(out.data_ptr()),
-                           static_cast<size_t>(out.nbytes()));
-      o.setTag(tag);
-      o.setTimeout(left);
-      gloo::allgather(o);
-    }
-    return std::vector<Tensor>{out};
-  }, impl_->route_for(static_cast<size_t>(out.nbytes())));
-}
-
-WorkPtr ProcessGroupGloo::allgather(std::vector<Tensor>& outputs, const Tensor& input,
-                                    const CollectiveOptions& opts) {
-  if (!impl_->shm() || !input.defined() || !input.device().is_cpu()) {
-    return ProcessGroup::allgather(outputs, input, opts);
-  }
-  check_tensor("allgather", input, "input");
-  check_list("allgather", outputs, size_, input, "outputs");
-  const ShmTicket shm = take_ticket("allgather");
-  Tensor in = input;
-  const ShmList outs = ShmList::outputs(outputs);
-  return impl_->submit(shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
-    shm.shm->gather(shm.ticket, in.data_ptr(), outs.writes(), static_cast<size_t>(in.numel()),
-                    in.dtype(), /*root=*/-1, Clock::now() + left);
-    return outs.finish();
-  });
-}
-
-WorkPtr ProcessGroupGloo::gather(std::vector<Tensor>& outputs, const Tensor& input,
-                                 const GatherOptions& opts) {
-  check_tensor("gather", input, "input");
-  check_root("gather", opts.root);
-  const int me = rank_, root = opts.root, n = size_;
-  if (me == root) {
-    check_list("gather", outputs, n, input, "outputs");
-  } else {
-    check_only_root_passes("gather", root, outputs.size(), "output");
-  }
-  const uint32_t tag = static_cast<uint32_t>(seq_);
-  auto ctx = impl_->context();
-  const ShmTicket shm = take_ticket("gather");
-  Tensor in = input;
-  std::vector<Tensor> outs = outputs;
-  const ShmList shm_outs = ShmList::outputs(shm ? outputs : std::vector<Tensor>{});
-  return impl_->submit(
-      shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) mutable {
-        if (shm) {
-          shm.shm->gather(shm.ticket, in.data_ptr(), shm_outs.writes(),
-                          static_cast<size_t>(in.numel()), in.dtype(), root, Clock::now() + left);
-          return shm_outs.finish();
-        }
-        if (!ctx) {
-          outs[0].copy_(in);
-          return outs;
-        }
-        agree(ctx, tag, make_desc(GlooKind::Gather, in.dtype(), in.numel(), root), left);
-        if (in.numel() == 0) return outs;
-        Tensor flat;
-        gloo::GatherOptions o(ctx);
-        o.setInput<uint8_t>(static_cast<uint8_t*>(in.data_ptr()), static_cast<size_t>(in.nbytes()));
-        if (me == root) {
-          flat = empty({static_cast<int64_t>(n) * in.numel()}, in.options());
-          o.setOutput<uint8_t>(static_cast<uint8_t*>(flat.data_ptr()),
-                               static_cast<size_t>(flat.nbytes()));
-        }
-        o.setRoot(root);
-        o.setTag(tag);
-        o.setTimeout(left);
-        gloo::gather(o);
-        for (int r = 0; r < static_cast<int>(outs.size()); ++r) {
-          outs[r].copy_(flat.narrow(0, r * in.numel(), in.numel()).view(in.shape()));
-        }
-        return outs;
-      });
-}
-
-WorkPtr ProcessGroupGloo::scatter(Tensor& output, const std::vector<Tensor>& inputs,
-                                  const ScatterOptions& opts) {
-  check_tensor("scatter", output, "output");
-  check_root("scatter", opts.root);
-  const int me = rank_, root = opts.root, n = size_;
-  std::vector<Tensor> ins;
-  if (me == root) {
-    check_list("scatter", inputs, n, output, "inputs");
-    for (const Tensor& t : inputs) ins.push_back(t.contiguous());
-  } else {
-    check_only_root_passes("scatter", root, inputs.size(), "input");
-  }
-  const uint32_t tag = static_cast<uint32_t>(seq_);
-  auto ctx = impl_->context();
-  const ShmTicket shm = take_ticket("scatter");
-  Tensor out = output;
-  return impl_->submit(
-      shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) mutable {
-        if (shm) {
-          shm.shm->scatter(shm.ticket, ShmList::inputs(ins).reads(), out.data_ptr(),
-                           static_cast<size_t>(out.numel()), out.dtype(), root,
-                           Clock::now() + left);
-          return std::vector<Tensor>{out};
-        }
-        if (!ctx) {
-          out.copy_(ins[0]);
-          return std::vector<Tensor>{out};
-        }
-        agree(ctx, tag, make_desc(GlooKind::Scatter, out.dtype(), out.numel(), root), left);
-        if (out.numel() > 0) {
-          gloo::ScatterOptions o(ctx);
-          const size_t nb = static_cast<size_t>(out.nbytes());
-          if (me == root) {
-            std::vector<uint8_t*> ptrs;
-            for (Tensor& t : ins) ptrs.push_back(static_cast<uint8_t*>(t.data_ptr()));
-            o.setInputs<uint8_t>(ptrs, nb);
-          }
-          o.setOutput<uint8_t>(static_cast<uint8_t*>(out.data_ptr()), nb);
-          o.setRoot(root);
-          o.setTag(tag);
-          o.setTimeout(left);
-          gloo::scatter(o);
-        }
-        return std::vector<Tensor>{out};
-      });
-}
-
-WorkPtr ProcessGroupGloo::reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
-                                         const ReduceScatterOptions& opts) {
-  if (!impl_->shm() || !output.defined() || !output.device().is_cpu()) {
-    return ProcessGroup::reduce_scatter(output, inputs, opts);
-  }
-  check_tensor("reduce_scatter", output, "output");
-  check_list("reduce_scatter", inputs, size_, output, "inputs");
-  const ShmList ins = ShmList::inputs(inputs);
-  return shm_reduce_scatter("reduce_scatter", output, ins.tensors(), ins.reads(), opts);
-}
-
-WorkPtr ProcessGroupGloo::reduce_scatter_tensor(Tensor& output, const Tensor& input,
-                                                const ReduceScatterOptions& opts) {
-  if (!impl_->shm() || !output.defined() || !output.device().is_cpu()) {
-    return ProcessGroup::reduce_scatter_tensor(output, input, opts);
-  }
-  check_tensor("reduce_scatter_tensor", output, "output");
-  check_tensor("reduce_scatter_tensor", input, "input");
-  check_reduce_scatter_tensor(output, input);
-  std::vector<const void*> blocks;
-  for (int r = 0; r < size_; ++r) {
-    blocks.push_back(static_cast<const char*>(input.data_ptr()) +
-                     static_cast<size_t>(r) * static_cast<size_t>(output.nbytes()));
-  }
-  return shm_reduce_scatter("reduce_scatter_tensor", output, {input}, blocks, opts);
-}
-
-WorkPtr ProcessGroupGloo::shm_reduce_scatter(const char* name, Tensor& output,
-                                             std::vector<Tensor> inputs,
-                                             std::vector<const void*> blocks,
-                                             const ReduceScatterOptions& opts) {
-  const ShmTicket shm = take_ticket(name);
-  Tensor out = output;
-  const ReduceOp op = opts.op;
-  return impl_->submit(shm.label, timeout_of(opts.timeout),
-                       [=, keep = std::move(inputs)](std::chrono::milliseconds left) {
-                         (void)keep;  // the inputs stay alive until the collective ends
-                         shm.shm->reduce_scatter(shm.ticket, blocks, out.data_ptr(),
-                                                 static_cast<size_t>(out.numel()), out.dtype(),
-                                                 shm_reduction(out.dtype(), op),
-                                                 Clock::now() + left);
-                         return std::vector<Tensor>{out};
-                       },
-                       impl_->route_for(static_cast<size_t>(out.nbytes()) *
-                                        static_cast<size_t>(size_)));
-}
-
-WorkPtr ProcessGroupGloo::alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
-                                   const CollectiveOptions& opts) {
-  EMBER_CHECK(!inputs.empty(), "[gloo] alltoall expected ", size_, " input tensors, got none");
-  check_tensor("alltoall", inputs[0], "inputs[0]");
-  check_list("alltoall", inputs, size_, inputs[0], "inputs");
-  check_list("alltoall", outputs, size_, inputs[0], "outputs");
-  if (impl_->shm()) {
-    const ShmTicket shm = take_ticket("alltoall");
-    const ShmList ins = ShmList::inputs(inputs), outs = ShmList::outputs(outputs);
-    const Tensor like = inputs[0];
-    return impl_->submit(shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
-      shm.shm->alltoall(shm.ticket, ins.reads(), outs.writes(), static_cast<size_t>(like.numel()),
-                        like.dtype(), Clock::now() + left);
-      return outs.finish();
-    });
-  }
-  std::vector<Tensor> flat_in;
-  for (const Tensor& t : inputs) flat_in.push_back(t.reshape({-1}));
-  Tensor in = cat(flat_in, 0);
-  const uint32_t tag = static_cast<uint32_t>(seq_);
-  auto ctx = impl_->context();
-  std::vector<Tensor> outs = outputs;
-  return impl_->submit(
-      next_op_label("alltoall"), timeout_of(opts.timeout),
-      [=](std::chrono::milliseconds left) mutable {
-        if (!ctx) {
-          outs[0].copy_(in.view(outs[0].shape()));
-          return outs;
-        }
-        agree(ctx, tag, make_desc(GlooKind::Alltoall, in.dtype(), in.numel()), left);
-        if (in.numel() == 0) return outs;
-        Tensor out = empty_like(in);
-        gloo::AlltoallOptions o(ctx);
-        o.setInput<uint8_t>(static_cast<uint8_t*>(in.data_ptr()), static_cast<size_t>(in.nbytes()));
-        o.setOutput<uint8_t>(static_cast<uint8_t*>(out.data_ptr()),
-                             static_cast<size_t>(out.nbytes()));
-        o.setTag(tag);
-        o.setTimeout(left);
-        gloo::alltoall(o);
-        const int64_t k = in.numel() / static_cast<int64_t>(outs.size());
-        for (size_t r = 0; r < outs.size(); ++r) {
-          outs[r].copy_(out.narrow(0, static_cast<int64_t>(r) * k, k).view(outs[r].shape()));
-        }
-        return outs;
-      });
-}
-
-// Note [barrier and two workers]: with two worker threads a barrier could finish while a
-// collective issued before it still runs on the other worker. As in c10d's gloo backend, the
-// barrier first waits for every earlier collective of this rank (they started before it, so
-// none of them waits on it), then meets the other ranks: once it completes, every rank's
-// earlier collectives have completed. It meets them through shared memory when the group has
-// it (on the calling thread when nothing is in flight, Note [inline collectives]; there is
-// then nothing to wait for), else through Gloo's barrier.
-namespace {
-void wait_for_earlier(const std::vector<WorkPtr>& prior, Clock::time_point deadline) {
-  for (const WorkPtr& w : prior) {
-    const auto rest =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    try {
-      if (rest.count() > 0) w->future()->wait(rest);
-    } catch (...) {
-      // An earlier collective that failed reports its own error (and the group is then
-      // broken, so the barrier itself fails too); one still running is a timeout here.
-    }
-    if (!w->is_completed()) {
-      throw DistTimeoutError(detail::str_cat("timed out waiting for ", w->describe(),
-                                             ", issued before the barrier"));
-    }
-  }
-}
-}  // namespace
-
-WorkPtr ProcessGroupGloo::barrier(const CollectiveOptions& opts) {
-  const uint32_t tag = static_cast<uint32_t>(seq_);
-  auto ctx = impl_->context();
-  std::vector<WorkPtr> prior = impl_->unfinished_collectives();
-  std::string label = next_op_label("barrier");  // before the ticket, as allreduce
-  ember::detail::ShmAllreduce* shm = impl_->shm();
-  const uint64_t ticket = shm ? shm->next_ticket() : 0;  // in issue order, as on every rank
-  return impl_->submit(
-      label, timeout_of(opts.timeout),
-      [=](std::chrono::milliseconds left) {
-        const auto deadline = Clock::now() + left;
-        wait_for_earlier(prior, deadline);
-        if (shm) {
-          shm->barrier(ticket, deadline);
-        } else if (ctx) {
-          gloo::BarrierOptions o(ctx);
-          o.setTag(tag);
-          o.setTimeout(std::max(std::chrono::milliseconds(1),
-                                std::chrono::duration_cast<std::chrono::milliseconds>(
-                                    deadline - Clock::now())));
-          gloo::barrier(o);
-        }
-        return std::vector<Tensor>{};
-      },
-      impl_->route_for(0));
-}
-
-WorkPtr ProcessGroupGloo::send(const Tensor& tensor, int dst, int tag) {
-  return point_to_point(/*is_send=*/true, tensor, dst, tag);
-}
-
-WorkPtr ProcessGroupGloo::recv(Tensor& tensor, int src, int tag) {
-  return point_to_point(/*is_send=*/false, tensor, src, tag);
-}
-
-WorkPtr ProcessGroupGloo::point_to_point(bool is_send, const Tensor& tensor, int peer, int tag) {
-  const char* op = is_send ? "send" : "recv";
-  check_tensor(op, tensor);
-  EMBER_CHECK(peer >= 0 && peer < size_ && peer != rank_, "[gloo] ", op, ": ",
-              is_send ? "dst " : "src ", peer, " must be another rank of this group of size ",
-              size_, " (this is rank ", rank_, ")");
-  EMBER_CHECK(tag >= 0, "[gloo] ", op, ": tag must be >= 0, got ", tag);
-  Tensor t = tensor;
-  const uint64_t slot = gloo::Slot::build(kSendRecvSlotPrefix, static_cast<uint32_t>(tag));
-  std::shared_ptr<ember::detail::P2pTransfer> transfer;
-  try {
-    transfer = std::make_shared<ember::detail::P2pTransfer>(
-        impl_->context(), is_send, peer, static_cast<uint32_t>(tag), slot, t.data_ptr(), t.dtype(),
-        t.numel(), static_cast<size_t>(t.nbytes()));
-  } catch (const std::exception& e) {  // Gloo's: the connection is already broken
-    throw DistBackendError(detail::str_cat("[gloo] ", op, " #", seq_, " on rank ", rank_, " of ",
-                                           size_, is_send ? " to" : " from", " rank ", peer,
-                                           " tag ", tag, " failed: ", impl_->name_peers(e.what())));
-  }
-  return impl_->submit(
-      detail::str_cat(next_op_label(op), is_send ? " to rank " : " from rank ", peer, " tag ", tag),
-      timeout(),
-      [t, transfer](std::chrono::milliseconds left) {
-        transfer->run(left);
-        return std::vector<Tensor>{t};
-      },
-      Impl::Route::P2p);
-}
 
 }  // namespace ember::dist

@@ -3,6 +3,8 @@
 // every example behaves alike under emberrun, mpirun and alone.
 #pragma once
 
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <charconv>
@@ -201,6 +203,26 @@ inline ember::Device pick_device(const std::string& program, const std::string& 
   ember::cuda::set_device(device.index);
   return device;
 }
+
+// Where a trainer stands in the job, the first thing its constructor sets up: the process group
+// (joined here), this rank and the world size, whether this rank leads (rank 0 prints and writes
+// the files), whether the leader prints to a terminal (progress then redraws one line), and the
+// device this rank trains on.
+struct RunContext {
+  RunContext(const char* program, const std::string& backend, int timeout_s,
+             const std::string& device_name)
+      : pg(init_distributed(backend, timeout_s)),
+        rank(pg->rank()),
+        world(pg->size()),
+        leader(rank == 0),
+        tty(leader && isatty(STDOUT_FILENO)),
+        device(pick_device(program, device_name, *pg)) {}
+
+  std::shared_ptr<dist::ProcessGroup> pg;
+  int rank, world;
+  bool leader, tty;
+  ember::Device device;
+};
 
 // Registers --comm-hook (none, allreduce, fp16, bf16, powersgd, batched_powersgd) on `ddp`; returns PowerSGD's state when the hook has one.
 inline std::shared_ptr<dist::PowerSGDState> register_comm_hook(

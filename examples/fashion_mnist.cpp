@@ -7,7 +7,6 @@
 //   build/examples/fashion_mnist --epochs 1            # one process, no launcher needed
 //
 // See docs/quickstart.md for a walk through this file.
-#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -281,10 +280,7 @@ class Trainer {
   bool reached_max_steps() const { return a_.max_steps > 0 && global_step_ >= a_.max_steps; }
 
   const Args& a_;
-  std::shared_ptr<dist::ProcessGroup> pg_;
-  const int rank_, world_;
-  const bool leader_, tty_;
-  const ember::Device device_;
+  const RunContext run_;
   std::shared_ptr<nn::Module> model_;
   std::shared_ptr<nn::data::FashionMNIST> train_set_;
   const nn::data::FashionMNIST test_set_;
@@ -316,35 +312,32 @@ nn::data::FashionMNIST non_empty(nn::data::FashionMNIST split, const std::string
 
 Trainer::Trainer(const Args& a)
     : a_(a),
-      pg_(init_distributed(a.backend, a.timeout_s)),
-      rank_(pg_->rank()),
-      world_(pg_->size()),
-      leader_(rank_ == 0),
-      tty_(leader_ && isatty(STDOUT_FILENO)),
-      device_(pick_device("fashion_mnist", a.device, *pg_)),
-      model_(seeded_model(a, device_)),
+      run_("fashion_mnist", a.backend, a.timeout_s, a.device),
+      model_(seeded_model(a, run_.device)),
       train_set_(std::make_shared<nn::data::FashionMNIST>(
           non_empty(nn::data::FashionMNIST(a.data, true, kNorm), a.data, "training"))),
       test_set_(non_empty(nn::data::FashionMNIST(a.data, false, kNorm), a.data, "test")),
       loader_(train_set_, {.batch_size = a.batch_size,
                            .sampler = std::make_shared<nn::data::DistributedSampler>(
-                               train_set_->size(), world_, rank_, /*shuffle=*/true, a.seed)}),
+                               train_set_->size(), run_.world, run_.rank, /*shuffle=*/true,
+                               a.seed)}),
       steps_per_epoch_(loader_.size()),
       total_steps_(a.max_steps > 0 ? std::min<int64_t>(a.max_steps, a.epochs * steps_per_epoch_)
                                    : a.epochs * steps_per_epoch_),
       log_every_(a.log_every > 0 ? a.log_every : std::max<int64_t>(1, steps_per_epoch_ / 10)),
-      ddp_(model_, pg_),
+      ddp_(model_, run_.pg),
       powersgd_(register_comm_hook(ddp_, a.comm_hook, a.powersgd_rank, a.powersgd_start)),
       opt_(ddp_.parameters(), {.lr = a.lr, .momentum = a.momentum}),
       // Cosine from lr to 0 over the run, one scheduler step per training step.
       schedule_(a.lr_schedule == "cosine" ? std::make_unique<nn::optim::CosineAnnealingLR>(
                                                 opt_, std::max<int64_t>(1, total_steps_))
                                           : nullptr),
-      start_(maybe_resume(a, *model_, opt_, schedule_.get(), powersgd_.get(), *pg_,
+      start_(maybe_resume(a, *model_, opt_, schedule_.get(), powersgd_.get(), *run_.pg,
                           steps_per_epoch_)),
       global_step_(start_.global_step),
-      metrics_(leader_ ? a.metrics : "", leader_ ? a.tensorboard : "", start_.global_step > 0) {
-  if (leader_) print_banner();
+      metrics_(run_.leader ? a.metrics : "", run_.leader ? a.tensorboard : "",
+               start_.global_step > 0) {
+  if (run_.leader) print_banner();
 }
 
 void Trainer::print_banner() const {
@@ -352,7 +345,7 @@ void Trainer::print_banner() const {
       "fashion_mnist: world size %d, backend %s, comm hook %s, device %s, model %s, "
       "%lld parameters, batch %lld per rank, %lld steps per epoch, SGD lr %g (%s) "
       "momentum %g, %d threads per rank\n",
-      world_, pg_->backend_name().c_str(), a_.comm_hook.c_str(), device_.str().c_str(),
+      run_.world, run_.pg->backend_name().c_str(), a_.comm_hook.c_str(), run_.device.str().c_str(),
       a_.model.c_str(), static_cast<long long>(count_parameters(*model_)),
       static_cast<long long>(a_.batch_size), static_cast<long long>(steps_per_epoch_), a_.lr,
       a_.lr_schedule.c_str(), a_.momentum, ember::get_num_threads());
@@ -361,32 +354,32 @@ void Trainer::print_banner() const {
 
 Evaluation Trainer::train() {
   if (reached_max_steps()) {
-    if (leader_) {
+    if (run_.leader) {
       std::printf("resume: the checkpoint is at global step %lld, at or past --max-steps %lld: "
                   "nothing to train\n",
                   static_cast<long long>(global_step_), static_cast<long long>(a_.max_steps));
     }
-    return evaluate(*model_, test_set_, *pg_, device_);
+    return evaluate(*model_, test_set_, *run_.pg, run_.device);
   }
   std::optional<Evaluation> last;
   for (int64_t epoch = start_.epoch; epoch < a_.epochs; ++epoch) {
     const EpochStats e = train_epoch(epoch);
-    last = evaluate(*model_, test_set_, *pg_, device_);
+    last = evaluate(*model_, test_set_, *run_.pg, run_.device);
     finish_epoch(epoch, e, *last);
     if (e.stop) break;
   }
   report_stragglers();
-  return last ? *last : evaluate(*model_, test_set_, *pg_, device_);
+  return last ? *last : evaluate(*model_, test_set_, *run_.pg, run_.device);
 }
 
 // Collective: rank 0 prints the spread of step time over the whole run and where the slowest
 // rank's time went.
 void Trainer::report_stragglers() {
-  if (world_ == 1 || run_steps_ == 0) return;
+  if (run_.world == 1 || run_steps_ == 0) return;
   const double n = static_cast<double>(run_steps_);
   const auto ranks = dist::gather_step_times(
-      *pg_, {run_times_.step_ms / n, run_times_.data_ms / n, run_times_.comm_wait_ms / n});
-  if (leader_) {
+      *run_.pg, {run_times_.step_ms / n, run_times_.data_ms / n, run_times_.comm_wait_ms / n});
+  if (run_.leader) {
     std::printf("whole run: %s\n", dist::straggler_report(ranks).c_str());
     std::fflush(stdout);
   }
@@ -419,7 +412,7 @@ EpochStats Trainer::train_epoch(int64_t epoch) {
     if (e.step % log_every_ == 0 || last_step) log_progress(epoch, e.step, window, last_step);
     if (a_.checkpoint_every > 0 && !a_.checkpoint_dir.empty() &&
         global_step_ % a_.checkpoint_every == 0 && e.step < steps_per_epoch_) {
-      save_checkpoint(a_, state(), {epoch, e.step, global_step_}, *pg_);
+      save_checkpoint(a_, state(), {epoch, e.step, global_step_}, *run_.pg);
     }
     if (reached_max_steps()) {
       e.stop = true;
@@ -434,7 +427,7 @@ EpochStats Trainer::train_epoch(int64_t epoch) {
 // One optimizer step on `batch`; returns its loss.
 double Trainer::train_step(const nn::data::Batch& batch) {
   trace::Span step_span("train step", "step", {{"step", global_step_ + 1}});
-  Tensor x = batch.data.to(device_), y = batch.target.to(device_);
+  Tensor x = batch.data.to(run_.device), y = batch.target.to(run_.device);
   last_lr_ = lr();
   opt_.zero_grad();
   trace::Span forward_span("forward", "model");
@@ -447,12 +440,12 @@ double Trainer::train_step(const nn::data::Batch& batch) {
   optimizer_span.finish();
   ++global_step_;
   const float value = loss.item<float>();
-  check_loss_is_finite(value, "global step", global_step_, rank_, a_.continue_on_nan);
+  check_loss_is_finite(value, "global step", global_step_, run_.rank, a_.continue_on_nan);
   return value;
 }
 
 void Trainer::fail_if_asked() const {
-  stop_self_if_asked("fashion_mnist", rank_, world_, global_step_, a_.fail_at_step,
+  stop_self_if_asked("fashion_mnist", run_.rank, run_.world, global_step_, a_.fail_at_step,
                      a_.hang_at_step);
 }
 
@@ -461,25 +454,25 @@ void Trainer::fail_if_asked() const {
 void Trainer::log_progress(int64_t epoch, int64_t step, LogWindow& window, bool last_step) {
   const auto now = Clock::now();
   const dist::StepTimes mine = window.times(now);
-  const std::vector<dist::StepTimes> ranks = dist::gather_step_times(*pg_, mine);
+  const std::vector<dist::StepTimes> ranks = dist::gather_step_times(*run_.pg, mine);
   const double n = static_cast<double>(window.steps);
   run_times_.step_ms += mine.step_ms * n;
   run_times_.data_ms += mine.data_ms * n;
   run_times_.comm_wait_ms += mine.comm_wait_ms * n;
   run_steps_ += window.steps;
-  if (!leader_) {
+  if (!run_.leader) {
     window.reset(now);
     return;
   }
   const double dt = std::chrono::duration<double>(now - window.since).count();
-  const double images = static_cast<double>(a_.batch_size * world_);
+  const double images = static_cast<double>(a_.batch_size * run_.world);
   const double ips = dt > 0 ? static_cast<double>(window.steps) * images / dt : 0;
   const double eta = ips > 0 ? static_cast<double>(steps_per_epoch_ - step) * images / ips : 0;
   const double loss = window.loss_sum / static_cast<double>(window.steps);
   print_progress(static_cast<int>(epoch + 1), a_.epochs, step, steps_per_epoch_, loss, ips, eta,
-                 tty_);
-  if (tty_ && last_step) std::printf("\n");
-  if (world_ > 1 && (!tty_ || last_step)) {
+                 run_.tty);
+  if (run_.tty && last_step) std::printf("\n");
+  if (run_.world > 1 && (!run_.tty || last_step)) {
     std::printf("  %s\n", dist::straggler_report(ranks).c_str());
     std::fflush(stdout);
   }
@@ -502,10 +495,11 @@ void Trainer::log_progress(int64_t epoch, int64_t step, LogWindow& window, bool 
 // Rank 0 prints and records the epoch's results; every rank takes part in the checkpoint.
 void Trainer::finish_epoch(int64_t epoch, const EpochStats& e, const Evaluation& eval) {
   const bool complete = e.step == steps_per_epoch_;
-  if (leader_) {
-    const double ips = e.seconds > 0 ? static_cast<double>(e.step - e.skipped) *
-                                           static_cast<double>(a_.batch_size * world_) / e.seconds
-                                     : 0;
+  if (run_.leader) {
+    const double ips =
+        e.seconds > 0 ? static_cast<double>(e.step - e.skipped) *
+                            static_cast<double>(a_.batch_size * run_.world) / e.seconds
+                      : 0;
     const double train_loss = e.trained ? e.loss_sum / static_cast<double>(e.trained) : 0.0;
     std::printf(
         "epoch %lld/%d: train loss %.4f, test loss %.4f, test accuracy %.2f%%, %.1f s, "
@@ -528,12 +522,12 @@ void Trainer::finish_epoch(int64_t epoch, const EpochStats& e, const Evaluation&
     save_checkpoint(
         a_, state(),
         complete ? Position{epoch + 1, 0, global_step_} : Position{epoch, e.step, global_step_},
-        *pg_);
+        *run_.pg);
   }
 }
 
 void Trainer::report(const Evaluation& last) const {
-  if (!leader_) return;
+  if (!run_.leader) return;
   if (powersgd_ && global_step_ > a_.powersgd_start) {
     const auto stats = powersgd_->compression_stats();
     std::printf("powersgd: rank %lld, %lld of %lld gradient elements all-reduced (%.1fx fewer)\n",

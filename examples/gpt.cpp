@@ -10,7 +10,6 @@
 // benchmarks/vs_pytorch/gpt_torch.py is the same model, data and optimizer in PyTorch; see
 // docs/quickstart.md for the flags and what a run prints.
 #include <sys/resource.h>
-#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -29,9 +28,8 @@
 
 #include <ember/distributed/amp.h>
 #include "examples/example_util.h"
-#include <ember/nn/activation_checkpoint.h>
+#include "examples/gpt_model.h"
 #include <ember/nn/amp/autocast.h>
-#include <ember/nn/attention.h>
 #include <ember/nn/data/token_stream.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/allocator.h>
@@ -51,7 +49,7 @@ using namespace ember::examples;  // NOLINT: the examples' shared helpers
 
 namespace {
 
-constexpr int64_t kVocab = 256;  // byte-level tokens
+constexpr int64_t kVocab = kByteVocab;
 constexpr int64_t kWarmupSteps = 50;
 
 struct Args {
@@ -88,117 +86,6 @@ struct Args {
   int64_t hang_at_step = -1;  // testing aid: SIGSTOP rank 1 at this step, first run only
 };
 
-// ---- the model ----
-
-// A pre-LayerNorm decoder block: x + attn(ln1(x)), then x + mlp(ln2(x)). The query, key and
-// value projections are one Linear (fused qkv), as in GPT-2.
-class Block : public nn::Module {
- public:
-  Block(int64_t dim, int64_t heads, double dropout)
-      : heads_(heads),
-        dropout_p_(dropout),
-        ln1_(register_module("ln1", std::make_shared<nn::LayerNorm>(dim))),
-        qkv_(register_module("qkv", std::make_shared<nn::Linear>(dim, 3 * dim))),
-        proj_(register_module("proj", std::make_shared<nn::Linear>(dim, dim))),
-        ln2_(register_module("ln2", std::make_shared<nn::LayerNorm>(dim))),
-        fc_(register_module("fc", std::make_shared<nn::Linear>(dim, 4 * dim))),
-        gelu_(register_module("gelu", std::make_shared<nn::GELU>("tanh"))),
-        fc_proj_(register_module("fc_proj", std::make_shared<nn::Linear>(4 * dim, dim))),
-        drop_(register_module("drop", std::make_shared<nn::Dropout>(dropout))) {}
-  std::string name() const override { return "Block"; }
-
-  // x [B, T, C] -> [B, T, C]
-  Tensor forward(const Tensor& x) override {
-    const int64_t B = x.size(0), T = x.size(1), C = x.size(2), D = C / heads_;
-    const std::vector<Tensor> qkv = ember::split(qkv_->forward(ln1_->forward(x)), C, 2);
-    // [B, T, C] -> [B, H, T, D]
-    auto heads = [&](const Tensor& t) { return t.reshape({B, T, heads_, D}).transpose(1, 2); };
-    Tensor y = F::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), {},
-                                               is_training() ? dropout_p_ : 0.0,
-                                               /*is_causal=*/true);
-    y = y.transpose(1, 2).reshape({B, T, C});
-    Tensor h = x + drop_->forward(proj_->forward(y));
-    return h + drop_->forward(fc_proj_->forward(gelu_->forward(fc_->forward(ln2_->forward(h)))));
-  }
-
-  // The projections that write into the residual stream (GPT-2 scales their init).
-  std::vector<Tensor> residual_projections() const { return {proj_->weight, fc_proj_->weight}; }
-
- private:
-  int64_t heads_;
-  double dropout_p_;
-  std::shared_ptr<nn::LayerNorm> ln1_;
-  std::shared_ptr<nn::Linear> qkv_, proj_;
-  std::shared_ptr<nn::LayerNorm> ln2_;
-  std::shared_ptr<nn::Linear> fc_;
-  std::shared_ptr<nn::GELU> gelu_;
-  std::shared_ptr<nn::Linear> fc_proj_;
-  std::shared_ptr<nn::Dropout> drop_;
-};
-
-// Token + learned position embeddings, the blocks, a final LayerNorm and the LM head. The head
-// is tied to the token embedding: it multiplies by wte's own weight (one Parameter, so the
-// optimizer, DDP and the state dict see it once).
-class GPT : public nn::Module {
- public:
-  explicit GPT(const Args& a)
-      : context_(a.context),
-        checkpoint_(a.checkpoint_activations),
-        wte_(register_module("wte", std::make_shared<nn::Embedding>(kVocab, a.dim))),
-        wpe_(register_module("wpe", std::make_shared<nn::Embedding>(a.context, a.dim))),
-        drop_(register_module("drop", std::make_shared<nn::Dropout>(a.dropout))),
-        blocks_(register_module("blocks", std::make_shared<nn::Sequential>())),
-        ln_f_(register_module("ln_f", std::make_shared<nn::LayerNorm>(a.dim))) {
-    for (int64_t i = 0; i < a.layers; ++i) {
-      blocks_->push_back(std::make_shared<Block>(a.dim, a.heads, a.dropout));
-    }
-    init_weights(a.layers);
-  }
-  std::string name() const override { return "GPT"; }
-
-  // tokens [B, T] (int64, T <= context) -> logits [B, T, 256]
-  Tensor forward(const Tensor& tokens) override {
-    const int64_t T = tokens.size(1);
-    Tensor pos = ember::arange(0, T, 1, {ember::kInt64}).to(tokens.device());
-    Tensor x = drop_->forward(wte_->forward(tokens) + wpe_->forward(pos));
-    for (const auto& block : blocks_->children()) {
-      // --checkpoint-activations: keep only each block's input; backward recomputes the rest.
-      x = checkpoint_ && is_training()
-              ? nn::checkpoint(block, x)
-              : block->forward(x);
-    }
-    return F::linear(ln_f_->forward(x), wte_->weight);
-  }
-  int64_t context() const { return context_; }
-
- private:
-  // GPT-2's: every Linear weight and embedding N(0, 0.02), biases zero (LayerNorm keeps its ones
-  // and zeros), and the residual projections N(0, 0.02 / sqrt(2 * layers)).
-  void init_weights(int64_t layers) {
-    for (auto& [name, p] : named_parameters()) {
-      const bool bias = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0;
-      if (name.find("ln") != std::string::npos) continue;
-      if (bias) {
-        nn::init::zeros_(p);
-      } else {
-        nn::init::normal_(p, 0.0, 0.02);
-      }
-    }
-    for (const auto& m : blocks_->children()) {
-      for (Tensor w : std::static_pointer_cast<Block>(m)->residual_projections()) {
-        nn::init::normal_(w, 0.0, 0.02 / std::sqrt(2.0 * static_cast<double>(layers)));
-      }
-    }
-  }
-
-  int64_t context_;
-  bool checkpoint_;
-  std::shared_ptr<nn::Embedding> wte_, wpe_;
-  std::shared_ptr<nn::Dropout> drop_;
-  std::shared_ptr<nn::Sequential> blocks_;
-  std::shared_ptr<nn::LayerNorm> ln_f_;
-};
-
 // lr multiplier at step s: linear warm-up over the first 50 steps, then a cosine from 1 down to
 // a tenth at the last step.
 double lr_factor(int64_t step, int64_t steps) {
@@ -230,7 +117,13 @@ std::string default_cache_dir() {
 
 std::shared_ptr<nn::Module> seeded_model(const Args& a, ember::Device device) {
   ember::manual_seed(a.seed);  // the same weights on every rank (DDP broadcasts rank 0's anyway)
-  auto model = std::make_shared<GPT>(a);
+  auto model = std::make_shared<GPT>(GPTConfig{.vocab = kVocab,
+                                               .layers = a.layers,
+                                               .heads = a.heads,
+                                               .dim = a.dim,
+                                               .context = a.context,
+                                               .dropout = a.dropout,
+                                               .checkpoint_activations = a.checkpoint_activations});
   model->to(device);
   return model;
 }
@@ -264,10 +157,7 @@ class Trainer {
   double lr() const { return opt_.param_groups().front().lr(); }
 
   const Args& a_;
-  std::shared_ptr<dist::ProcessGroup> pg_;
-  const int rank_, world_;
-  const bool leader_, tty_;
-  const ember::Device device_;
+  const RunContext run_;
   std::shared_ptr<nn::Module> model_;
   nn::data::TokenStream data_;
   dist::DistributedDataParallel ddp_;
@@ -298,15 +188,10 @@ nn::data::TokenStream make_stream(const Args& a, const dist::ProcessGroup& pg) {
 
 Trainer::Trainer(const Args& a)
     : a_(a),
-      pg_(init_distributed(a.backend, a.timeout_s)),
-      rank_(pg_->rank()),
-      world_(pg_->size()),
-      leader_(rank_ == 0),
-      tty_(leader_ && isatty(STDOUT_FILENO)),
-      device_(pick_device("gpt", a.device, *pg_)),
-      model_(seeded_model(a, device_)),
-      data_(make_stream(a, *pg_)),
-      ddp_(model_, pg_),
+      run_("gpt", a.backend, a.timeout_s, a.device),
+      model_(seeded_model(a, run_.device)),
+      data_(make_stream(a, *run_.pg)),
+      ddp_(model_, run_.pg),
       powersgd_(register_comm_hook(ddp_, a.comm_hook, /*powersgd_rank=*/2, /*start=*/10)),
       opt_(decay_groups(ddp_.parameters()),
            {.lr = a.lr, .betas = {0.9, 0.95}, .eps = 1e-8, .weight_decay = 0.1}),
@@ -316,14 +201,14 @@ Trainer::Trainer(const Args& a)
       scaler_({.enabled = a.amp == "fp16",
                .found_inf_sync = a.comm_hook == "none" || a.comm_hook == "allreduce"
                                      ? nullptr
-                                     : dist::found_inf_allreduce(pg_)}),
+                                     : dist::found_inf_allreduce(run_.pg)}),
       log_every_(a.log_every > 0 ? a.log_every : std::max<int64_t>(1, a.steps / 20)),
       start_step_(maybe_resume()),
       step_(start_step_),
-      metrics_(leader_ ? a.metrics : "", "", start_step_ > 0) {
+      metrics_(run_.leader ? a.metrics : "", "", start_step_ > 0) {
   // Draws the epoch's window order now, so that tokens/s measures training steps only.
   data_.train_offsets(start_step_);
-  if (leader_) print_banner();
+  if (run_.leader) print_banner();
 }
 
 void Trainer::print_banner() const {
@@ -331,7 +216,7 @@ void Trainer::print_banner() const {
       "gpt: world size %d, backend %s, device %s, %lld parameters (layers %lld, heads %lld, dim "
       "%lld, context %lld), batch %lld per rank, %lld steps, AdamW lr %g, amp %s%s, comm hook %s, "
       "%d threads per rank; data %s: %lld training and %lld validation tokens\n",
-      world_, pg_->backend_name().c_str(), device_.str().c_str(),
+      run_.world, run_.pg->backend_name().c_str(), run_.device.str().c_str(),
       static_cast<long long>(count_parameters(*model_)), static_cast<long long>(a_.layers),
       static_cast<long long>(a_.heads), static_cast<long long>(a_.dim),
       static_cast<long long>(a_.context), static_cast<long long>(a_.batch_size),
@@ -344,7 +229,7 @@ void Trainer::print_banner() const {
 
 double Trainer::train() {
   const int64_t end = a_.stop_at_step > 0 ? std::min(a_.stop_at_step, a_.steps) : a_.steps;
-  if (leader_ && step_ >= end) {
+  if (run_.leader && step_ >= end) {
     std::printf("resume: the checkpoint is at step %lld, at or past the end (%lld): nothing "
                 "to train\n", static_cast<long long>(step_), static_cast<long long>(end));
   }
@@ -354,7 +239,7 @@ double Trainer::train() {
   while (step_ < end) {
     const auto t0 = Clock::now();
     const double loss = train_step(step_);
-    stop_self_if_asked("gpt", rank_, world_, step_, /*fail_at=*/-1, a_.hang_at_step);
+    stop_self_if_asked("gpt", run_.rank, run_.world, step_, /*fail_at=*/-1, a_.hang_at_step);
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     train_seconds_ += dt;
     window.comm_wait_ms += ddp_.stats().exposed_communication.last_ms;
@@ -365,11 +250,11 @@ double Trainer::train() {
     if (evaluated) after_eval(val_loss = evaluate());
   }
   if (!evaluated) after_eval(val_loss = evaluate());
-  if (world_ > 1 && run_steps_ > 0) {
+  if (run_.world > 1 && run_steps_ > 0) {
     const double n = static_cast<double>(run_steps_);
     const auto ranks = dist::gather_step_times(
-        *pg_, {run_times_.step_ms / n, run_times_.data_ms / n, run_times_.comm_wait_ms / n});
-    if (leader_) std::printf("whole run: %s\n", dist::straggler_report(ranks).c_str());
+        *run_.pg, {run_times_.step_ms / n, run_times_.data_ms / n, run_times_.comm_wait_ms / n});
+    if (run_.leader) std::printf("whole run: %s\n", dist::straggler_report(ranks).c_str());
   }
   measure_peak_memory();
   return val_loss;
@@ -378,11 +263,11 @@ double Trainer::train() {
 // One optimizer step on this rank's windows of `step`; returns the loss.
 double Trainer::train_step(int64_t step) {
   const nn::data::Batch b = data_.train_batch(step);
-  Tensor x = b.data.to(device_), y = b.target.to(device_);
+  Tensor x = b.data.to(run_.device), y = b.target.to(run_.device);
   opt_.zero_grad();
   Tensor loss;
   {
-    const nn::amp::autocast amp(device_, amp_dtype(a_.amp), a_.amp != "off");
+    const nn::amp::autocast amp(run_.device, amp_dtype(a_.amp), a_.amp != "off");
     Tensor logits = ddp_.forward(x);  // [B, T, 256]
     loss = F::cross_entropy(logits.reshape({-1, kVocab}), y.reshape({-1}));
   }
@@ -396,7 +281,7 @@ double Trainer::train_step(int64_t step) {
   schedule_.step();
   ++step_;
   const float value = loss.item<float>();
-  check_loss_is_finite(value, "step", step_, rank_, a_.continue_on_nan);
+  check_loss_is_finite(value, "step", step_, run_.rank, a_.continue_on_nan);
   return value;
 }
 
@@ -408,19 +293,19 @@ double Trainer::evaluate() {
   double sum = 0;
   for (int64_t i = 0; i < a_.eval_batches; ++i) {
     const nn::data::Batch b = data_.validation_batch(i, a_.eval_batches);
-    const nn::amp::autocast amp(device_, amp_dtype(a_.amp), a_.amp != "off");
-    Tensor logits = model_->forward(b.data.to(device_));
-    sum += F::cross_entropy(logits.reshape({-1, kVocab}), b.target.to(device_).reshape({-1}))
+    const nn::amp::autocast amp(run_.device, amp_dtype(a_.amp), a_.amp != "off");
+    Tensor logits = model_->forward(b.data.to(run_.device));
+    sum += F::cross_entropy(logits.reshape({-1, kVocab}), b.target.to(run_.device).reshape({-1}))
                .item<float>();
   }
   model_->train();
   Tensor total = ember::from_vector(std::vector<double>{sum});
-  pg_->allreduce(total)->wait();
-  return total.to_vector<double>()[0] / static_cast<double>(a_.eval_batches * world_);
+  run_.pg->allreduce(total)->wait();
+  return total.to_vector<double>()[0] / static_cast<double>(a_.eval_batches * run_.world);
 }
 
 void Trainer::after_eval(double val_loss) {
-  if (leader_) {
+  if (run_.leader) {
     std::printf("step %lld: validation loss %.4f\n", static_cast<long long>(step_), val_loss);
     std::fflush(stdout);
     metrics_.write({{"kind", "eval"}, {"global_step", step_}, {"val_loss", val_loss}});
@@ -437,24 +322,25 @@ double tokens_per_s(int64_t steps, const Args& a, int world, double seconds) {
 void Trainer::log_progress(LogWindow& window) {
   const auto now = Clock::now();
   const dist::StepTimes mine = window.times(now);
-  const std::vector<dist::StepTimes> ranks = dist::gather_step_times(*pg_, mine);
+  const std::vector<dist::StepTimes> ranks = dist::gather_step_times(*run_.pg, mine);
   const double n = static_cast<double>(window.steps);
   run_times_.step_ms += mine.step_ms * n;
   run_times_.comm_wait_ms += mine.comm_wait_ms * n;
   run_steps_ += window.steps;
-  if (leader_) {
+  if (run_.leader) {
     const double trained = static_cast<double>(step_ - start_step_);
-    const double tps = tokens_per_s(step_ - start_step_, a_, world_, train_seconds_);
+    const double tps = tokens_per_s(step_ - start_step_, a_, run_.world, train_seconds_);
     const double eta = trained > 0 ? train_seconds_ / trained * static_cast<double>(a_.steps - step_) : 0;
     constexpr int kWidth = 20;
     const int filled = static_cast<int>(kWidth * step_ / std::max<int64_t>(1, a_.steps));
     const double loss = window.loss_sum / std::max(1.0, n);
     std::printf("%sstep %lld/%lld [%s%s] %3d%%  loss %.4f  lr %.2e  %.0f tok/s  ETA %s%s",
-                tty_ ? "\r" : "", static_cast<long long>(step_), static_cast<long long>(a_.steps),
+                run_.tty ? "\r" : "", static_cast<long long>(step_),
+                static_cast<long long>(a_.steps),
                 std::string(filled, '#').c_str(), std::string(kWidth - filled, '-').c_str(),
                 static_cast<int>(100 * step_ / std::max<int64_t>(1, a_.steps)), loss, lr(), tps,
-                format_duration(eta).c_str(), tty_ ? "\x1b[K" : "\n");
-    if (world_ > 1 && !tty_) std::printf("  %s\n", dist::straggler_report(ranks).c_str());
+                format_duration(eta).c_str(), run_.tty ? "\x1b[K" : "\n");
+    if (run_.world > 1 && !run_.tty) std::printf("  %s\n", dist::straggler_report(ranks).c_str());
     std::fflush(stdout);
     metrics_.write({{"kind", "step"},
                     {"global_step", step_},
@@ -473,11 +359,12 @@ void Trainer::log_progress(LogWindow& window) {
 void Trainer::measure_peak_memory() {
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
-  const int64_t peak = device_.is_cuda() ? ember::cuda::max_memory_allocated(device_.index)
-                                         : ember::cpu_allocator_stats().peak_allocated;
+  const int64_t peak = run_.device.is_cuda()
+                           ? ember::cuda::max_memory_allocated(run_.device.index)
+                           : ember::cpu_allocator_stats().peak_allocated;
   Tensor peaks = ember::from_vector(std::vector<double>{
       static_cast<double>(ru.ru_maxrss) / 1024.0, static_cast<double>(peak) / (1024.0 * 1024.0)});
-  pg_->allreduce(peaks, {.op = dist::ReduceOp::Max})->wait();
+  run_.pg->allreduce(peaks, {.op = dist::ReduceOp::Max})->wait();
   const std::vector<double> v = peaks.to_vector<double>();
   peak_rss_mb_ = v[0];
   peak_allocated_mb_ = v[1];
@@ -494,9 +381,9 @@ std::map<std::string, std::string> run_settings(const Args& a, int world) {
 
 // Every rank calls it at the same step (the hook state is gathered); rank 0 writes the file.
 void Trainer::save_checkpoint() {
-  const nn::NamedTensors extra = gather_hook_state(powersgd_.get(), *pg_);
-  if (!leader_) return;
-  auto meta = run_settings(a_, world_);
+  const nn::NamedTensors extra = gather_hook_state(powersgd_.get(), *run_.pg);
+  if (!run_.leader) return;
+  auto meta = run_settings(a_, run_.world);
   meta["global_step"] = std::to_string(step_);
   meta["lr_scheduler"] = schedule_.state_dict();
   std::filesystem::create_directories(a_.checkpoint_dir);
@@ -509,16 +396,18 @@ int64_t Trainer::maybe_resume() {
   if (!a_.resume) return 0;
   const std::string path = checkpoint_path(a_.checkpoint_dir);
   if (!std::filesystem::exists(path)) {
-    if (leader_) std::printf("resume: no checkpoint at %s; starting from scratch\n", path.c_str());
+    if (run_.leader) {
+      std::printf("resume: no checkpoint at %s; starting from scratch\n", path.c_str());
+    }
     return 0;
   }
   nn::NamedTensors extra;
   const CheckpointMeta meta(path, nn::load_checkpoint(path, *model_, &opt_, &extra));
-  for (const auto& [key, value] : run_settings(a_, world_)) meta.must_match(key.c_str(), value);
+  for (const auto& [key, value] : run_settings(a_, run_.world)) meta.must_match(key.c_str(), value);
   schedule_.load_state_dict(meta.get("lr_scheduler"));
-  if (powersgd_) powersgd_->load_state_dict(hook_state_of_rank(extra, rank_));
+  if (powersgd_) powersgd_->load_state_dict(hook_state_of_rank(extra, run_.rank));
   const int64_t step = meta.get_int("global_step", 0, a_.steps);
-  if (leader_) {
+  if (run_.leader) {
     std::printf("resume: %s at step %lld\n", path.c_str(), static_cast<long long>(step));
   }
   return step;
@@ -539,7 +428,7 @@ std::string Trainer::generate() {
   for (int64_t i = 0; i < a_.sample; ++i) {
     const auto first = ids.size() > static_cast<size_t>(a_.context) ? ids.end() - a_.context : ids.begin();
     const std::vector<int64_t> window(first, ids.end());
-    Tensor x = ember::from_vector(window, {1, static_cast<int64_t>(window.size())}).to(device_);
+    Tensor x = ember::from_vector(window, {1, static_cast<int64_t>(window.size())}).to(run_.device);
     Tensor logits =
         model_->forward(x).select(1, x.size(1) - 1).reshape({kVocab}).to(ember::kCPU);
     int64_t next = 0;
@@ -558,7 +447,7 @@ std::string Trainer::generate() {
 }
 
 void Trainer::report(double val_loss) {
-  if (!leader_) return;
+  if (!run_.leader) return;
   if (a_.sample > 0) std::printf("sample:\n%s%s\n", a_.prompt.c_str(), generate().c_str());
   if (!a_.save_weights.empty()) {
     nn::save_state_dict(a_.save_weights, model_->state_dict(),
@@ -566,7 +455,7 @@ void Trainer::report(double val_loss) {
   }
   std::printf("val_loss=%.4f\n", val_loss);
   std::printf("tokens_per_s=%.0f\n",
-              tokens_per_s(step_ - start_step_, a_, world_, train_seconds_));
+              tokens_per_s(step_ - start_step_, a_, run_.world, train_seconds_));
   std::printf("peak_rss_mb=%.0f\npeak_allocated_mb=%.1f\n", peak_rss_mb_, peak_allocated_mb_);
   std::fflush(stdout);
 }

@@ -15,16 +15,16 @@ import gzip
 import json
 import math
 import os
-import socket
 import sys
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+
+import torch_launch
 
 MEAN, STD = 0.2860, 0.3530
 
@@ -75,11 +75,7 @@ def evaluate(model, x, y, rank, world, dev):
     return t[0].item() / t[2].item(), t[1].item() / t[2].item()
 
 
-def worker(rank, world, port, args):
-    torch.set_num_threads(args.threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+def worker(rank, world, args):
     torch.manual_seed(args.seed)
     dev = torch.device(args.device)
     model = make_model(args.model).to(dev)
@@ -173,8 +169,6 @@ def worker(rank, world, port, args):
             break
     if rank == 0:
         print(f"test_accuracy={acc:.4f}", flush=True)
-    if world > 1:
-        dist.destroy_process_group()
 
 
 def main():
@@ -194,15 +188,7 @@ def main():
     p.add_argument("--metrics", default="")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args()
-    if args.threads <= 0:
-        args.threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    if args.nproc == 1:
-        worker(0, 1, port, args)
-    else:
-        mp.start_processes(worker, args=(args.nproc, port, args), nprocs=args.nproc, start_method="fork")
+    torch_launch.launch(worker, args)
 
 
 if __name__ == "__main__":

@@ -23,18 +23,18 @@ import argparse
 import math
 import os
 import resource
-import socket
 import sys
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.utils.data import DistributedSampler
+
+import torch_launch
 
 VOCAB = 256
 WARMUP = 50
@@ -177,11 +177,7 @@ def evaluate(model, data, a, world):
     return t.item() / (a.eval_batches * world)
 
 
-def worker(rank, world, port, a):
-    torch.set_num_threads(a.threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+def worker(rank, world, a):
     torch.manual_seed(a.seed)
     model = GPT(a).to(a.device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -241,8 +237,6 @@ def worker(rank, world, port, a):
         print(f"peak_rss_mb={rss.item():.0f}", flush=True)
         if a.device.startswith("cuda"):
             print(f"peak_allocated_mb={torch.cuda.max_memory_allocated() / 2**20:.1f}", flush=True)
-    if world > 1:
-        dist.destroy_process_group()
 
 
 def main():
@@ -271,15 +265,7 @@ def main():
     a = p.parse_args()
     if not os.path.exists(a.tokens):
         sys.exit(f"gpt_torch.py: no token file at {a.tokens} (run examples/gpt once with --cache-dir)")
-    if a.threads <= 0:
-        a.threads = max(1, len(os.sched_getaffinity(0)) // a.nproc)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    if a.nproc == 1:
-        worker(0, 1, port, a)
-    else:
-        mp.start_processes(worker, args=(a.nproc, port, a), nprocs=a.nproc, start_method="fork")
+    torch_launch.launch(worker, a)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 // ProcessGroupGloo's checks that the ranks agree on a collective before Gloo moves its data,
-// and the naming of peers by rank in Gloo's errors. Internal to process_group_gloo.cpp: not
+// and the naming of peers by rank in Gloo's errors. Internal to process_group_gloo*.cpp: not
 // installed, not part of the public API.
 //
 // Note [ranks that disagree over TCP]: Gloo's TCP pair reads a peer's message on Gloo's own
@@ -236,8 +236,8 @@ class P2pTransfer {
 /// Allreduce over TCP of `count` elements at `data`, reduced pairwise by `fn`: the ranks'
 /// descriptions are exchanged first (Note [ranks that disagree over TCP]), and when the data
 /// is at most `small_bytes` it goes in the same messages (Note [small allreduce] in
-/// process_group_gloo.cpp); a larger one then runs Gloo's ring. The receive holds the largest
-/// small allreduce, so that a peer's message always fits.
+/// process_group_gloo_collectives.cpp); a larger one then runs Gloo's ring. The receive holds
+/// the largest small allreduce, so that a peer's message always fits.
 template <typename T>
 void tcp_allreduce(const std::shared_ptr<gloo::Context>& ctx, Dtype dtype, T* data, size_t count,
                    dist::ReduceOp op, void (*fn)(void*, const void*, const void*, size_t),

@@ -1,5 +1,5 @@
 // The reduction kernels that ProcessGroupGloo gives Gloo and the shared-memory collectives, and
-// the buffer lists of the latter. Internal to process_group_gloo.cpp: not installed, not part
+// the buffer lists of the latter. Internal to process_group_gloo*.cpp: not installed, not part
 // of the public API.
 #pragma once
 

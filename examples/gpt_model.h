@@ -1,0 +1,166 @@
+// The GPT-2-style byte-level language model of examples/gpt, built from a GPTConfig, so that
+// every program that trains or measures it (examples/gpt.cpp, benchmarks/bench_cuda.cpp's gpt_*
+// cases, a sharded-training test or benchmark) runs the same modules under the same state-dict
+// names: wte, wpe, blocks.<i>.{ln1,qkv,proj,ln2,fc,fc_proj}, ln_f. Header-only: it needs ember_nn
+// alone, and examples/ and benchmarks/ both include from the source root.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ember/nn/activation_checkpoint.h>
+#include <ember/nn/attention.h>
+#include <ember/nn/nn.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/error.h>
+
+namespace ember::examples {
+
+/// Byte-level tokens: the vocabulary is every byte value.
+inline constexpr int64_t kByteVocab = 256;
+
+/// The model's shape. dim must be a multiple of heads; context is the longest sequence forward()
+/// takes (the size of the position embedding).
+struct GPTConfig {
+  int64_t vocab = kByteVocab;
+  int64_t layers = 4;
+  int64_t heads = 4;
+  int64_t dim = 128;
+  int64_t context = 128;
+  double dropout = 0;
+  /// In training, keep only each block's input and recompute the rest in backward.
+  bool checkpoint_activations = false;
+};
+
+/// A pre-LayerNorm decoder block: x + attn(ln1(x)), then x + mlp(ln2(x)). The query, key and
+/// value projections are one Linear (fused qkv), as in GPT-2; attention is causal, through
+/// scaled_dot_product_attention; the MLP is 4x wide with tanh-GELU. Default (PyTorch) init: the
+/// GPT scales its own.
+class Block : public nn::Module {
+ public:
+  Block(int64_t dim, int64_t heads, double dropout)
+      : heads_(heads),
+        dropout_p_(dropout),
+        ln1_(register_module("ln1", std::make_shared<nn::LayerNorm>(dim))),
+        qkv_(register_module("qkv", std::make_shared<nn::Linear>(dim, 3 * dim))),
+        proj_(register_module("proj", std::make_shared<nn::Linear>(dim, dim))),
+        ln2_(register_module("ln2", std::make_shared<nn::LayerNorm>(dim))),
+        fc_(register_module("fc", std::make_shared<nn::Linear>(dim, 4 * dim))),
+        gelu_(register_module("gelu", std::make_shared<nn::GELU>("tanh"))),
+        fc_proj_(register_module("fc_proj", std::make_shared<nn::Linear>(4 * dim, dim))),
+        drop_(register_module("drop", std::make_shared<nn::Dropout>(dropout))) {
+    EMBER_CHECK(heads > 0 && dim % heads == 0, "[gpt Block] dim (", dim,
+                ") must be a multiple of heads (", heads, ")");
+  }
+  std::string name() const override { return "Block"; }
+
+  /// x [B, T, C] -> [B, T, C]
+  Tensor forward(const Tensor& x) override {
+    const int64_t B = x.size(0), T = x.size(1), C = x.size(2), D = C / heads_;
+    const std::vector<Tensor> qkv = ember::split(qkv_->forward(ln1_->forward(x)), C, 2);
+    // [B, T, C] -> [B, H, T, D]
+    auto heads = [&](const Tensor& t) { return t.reshape({B, T, heads_, D}).transpose(1, 2); };
+    Tensor y = nn::functional::scaled_dot_product_attention(
+        heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), {}, is_training() ? dropout_p_ : 0.0,
+        /*is_causal=*/true);
+    y = y.transpose(1, 2).reshape({B, T, C});
+    Tensor h = x + drop_->forward(proj_->forward(y));
+    return h + drop_->forward(fc_proj_->forward(gelu_->forward(fc_->forward(ln2_->forward(h)))));
+  }
+
+  /// The projections that write into the residual stream (GPT-2 scales their init).
+  std::vector<Tensor> residual_projections() const { return {proj_->weight, fc_proj_->weight}; }
+
+ private:
+  int64_t heads_;
+  double dropout_p_;
+  std::shared_ptr<nn::LayerNorm> ln1_;
+  std::shared_ptr<nn::Linear> qkv_, proj_;
+  std::shared_ptr<nn::LayerNorm> ln2_;
+  std::shared_ptr<nn::Linear> fc_;
+  std::shared_ptr<nn::GELU> gelu_;
+  std::shared_ptr<nn::Linear> fc_proj_;
+  std::shared_ptr<nn::Dropout> drop_;
+};
+
+/// Token + learned position embeddings, the blocks, a final LayerNorm and the LM head. The head
+/// is tied to the token embedding: it multiplies by wte's own weight (one Parameter, so the
+/// optimizer, DDP and the state dict see it once). Weights are GPT-2's init, drawn from the
+/// global generator (seed it first for the same weights on every rank).
+class GPT : public nn::Module {
+ public:
+  explicit GPT(const GPTConfig& c)
+      : config(c),
+        wte_(register_module("wte", std::make_shared<nn::Embedding>(c.vocab, c.dim))),
+        wpe_(register_module("wpe", std::make_shared<nn::Embedding>(c.context, c.dim))),
+        drop_(register_module("drop", std::make_shared<nn::Dropout>(c.dropout))),
+        sequence_(register_module("blocks", std::make_shared<nn::Sequential>())),
+        ln_f_(register_module("ln_f", std::make_shared<nn::LayerNorm>(c.dim))),
+        blocks(make_blocks(c, *sequence_)) {
+    init_weights();
+  }
+  std::string name() const override { return "GPT"; }
+
+  /// tokens [B, T] (int64, T <= context) -> logits [B, T, vocab]
+  Tensor forward(const Tensor& tokens) override {
+    const int64_t T = tokens.size(1);
+    Tensor pos = ember::arange(0, T, 1, {ember::kInt64}).to(tokens.device());
+    Tensor x = drop_->forward(wte_->forward(tokens) + wpe_->forward(pos));
+    for (const auto& block : blocks) {
+      x = config.checkpoint_activations && is_training() ? nn::checkpoint(block, x)
+                                                         : block->forward(x);
+    }
+    return nn::functional::linear(ln_f_->forward(x), wte_->weight);
+  }
+  int64_t context() const { return config.context; }
+
+  const GPTConfig config;
+
+ private:
+  // The blocks, in order, each also registered in `sequence` (named blocks.<i>).
+  static std::vector<std::shared_ptr<Block>> make_blocks(const GPTConfig& c,
+                                                         nn::Sequential& sequence) {
+    std::vector<std::shared_ptr<Block>> made;
+    for (int64_t i = 0; i < c.layers; ++i) {
+      made.push_back(std::make_shared<Block>(c.dim, c.heads, c.dropout));
+      sequence.push_back(made.back());
+    }
+    return made;
+  }
+
+  // GPT-2's: every Linear weight and embedding N(0, 0.02), biases zero (LayerNorm keeps its ones
+  // and zeros), and the residual projections N(0, 0.02 / sqrt(2 * layers)).
+  void init_weights() {
+    for (auto& [name, p] : named_parameters()) {
+      const bool bias = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0;
+      if (name.find("ln") != std::string::npos) continue;
+      if (bias) {
+        nn::init::zeros_(p);
+      } else {
+        nn::init::normal_(p, 0.0, 0.02);
+      }
+    }
+    for (const auto& block : blocks) {
+      for (Tensor w : block->residual_projections()) {
+        nn::init::normal_(w, 0.0, 0.02 / std::sqrt(2.0 * static_cast<double>(config.layers)));
+      }
+    }
+  }
+
+  std::shared_ptr<nn::Embedding> wte_, wpe_;
+  std::shared_ptr<nn::Dropout> drop_;
+  std::shared_ptr<nn::Sequential> sequence_;
+  std::shared_ptr<nn::LayerNorm> ln_f_;
+
+ public:
+  /// The decoder blocks in order: the modules of the state dict's blocks.<i>, for a caller that
+  /// wraps, shards or measures them one by one. Declared last because the blocks are built
+  /// after ln_f: the construction order fixes the random draws, so a seed gives the weights it
+  /// always gave.
+  const std::vector<std::shared_ptr<Block>> blocks;
+};
+
+}  // namespace ember::examples

@@ -1,0 +1,85 @@
+// examples/gpt_model.h, the model that examples/gpt trains and bench_cuda measures: its state-dict
+// names (which examples/gpt's checkpoints are written under), its public blocks (the modules
+// registered as blocks.<i>), the seeded weights and the shape of forward().
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include <ember/tensor/creation.h>
+#include <ember/tensor/elementwise.h>
+#include <ember/tensor/random.h>
+#include "examples/gpt_model.h"
+
+namespace {
+
+using ember::examples::GPT;
+using ember::examples::GPTConfig;
+
+const GPTConfig kTiny{.layers = 2, .heads = 2, .dim = 8, .context = 4};
+
+TEST(GptModel, StateDictNamesAreTheCheckpointsNames) {
+  GPT model(kTiny);
+  std::vector<std::string> names;
+  for (const auto& [name, t] : model.state_dict()) names.push_back(name);
+  std::vector<std::string> expected = {"wte.weight", "wpe.weight"};
+  for (const std::string b : {"blocks.0.", "blocks.1."}) {
+    for (const char* p : {"ln1.weight", "ln1.bias", "qkv.weight", "qkv.bias", "proj.weight",
+                          "proj.bias", "ln2.weight", "ln2.bias", "fc.weight", "fc.bias",
+                          "fc_proj.weight", "fc_proj.bias"}) {
+      expected.push_back(b + p);
+    }
+  }
+  expected.push_back("ln_f.weight");
+  expected.push_back("ln_f.bias");
+  EXPECT_EQ(names, expected);
+}
+
+TEST(GptModel, BlocksAreTheRegisteredModulesInOrder) {
+  GPT model(kTiny);
+  ASSERT_EQ(model.blocks.size(), 2u);
+  std::shared_ptr<ember::nn::Module> registered;
+  for (const auto& [name, child] : model.named_children()) {
+    if (name == "blocks") registered = child;
+  }
+  ASSERT_NE(registered, nullptr);
+  const auto children = registered->children();
+  ASSERT_EQ(children.size(), model.blocks.size());
+  for (size_t i = 0; i < children.size(); ++i) {
+    EXPECT_EQ(children[i].get(), model.blocks[i].get()) << "block " << i;
+  }
+}
+
+TEST(GptModel, TheSameSeedGivesTheSameWeights) {
+  ember::manual_seed(7);
+  GPT a(kTiny);
+  ember::manual_seed(7);
+  GPT b(kTiny);
+  const auto sa = a.state_dict(), sb = b.state_dict();
+  ASSERT_EQ(sa.size(), sb.size());
+  for (size_t i = 0; i < sa.size(); ++i) {
+    EXPECT_TRUE(ember::equal(sa[i].second, sb[i].second)) << sa[i].first;
+  }
+}
+
+TEST(GptModel, ForwardGivesLogitsPerPositionAndTheHeadIsTied) {
+  GPT model(kTiny);
+  EXPECT_EQ(model.context(), 4);
+  const ember::Tensor tokens = ember::from_vector(std::vector<int64_t>{1, 2, 3, 4, 5, 6}, {2, 3});
+  EXPECT_EQ(model.forward(tokens).shape(), ember::Shape({2, 3, kTiny.vocab}));
+  int64_t n = 0;
+  for (const ember::Tensor& p : model.parameters()) n += p.numel();
+  // Tied head: no parameter beyond the embeddings, the blocks and ln_f.
+  const int64_t d = kTiny.dim;
+  const int64_t block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) +
+                        (4 * d * d + d);
+  EXPECT_EQ(n, kTiny.vocab * d + kTiny.context * d + kTiny.layers * block + 2 * d);
+}
+
+TEST(GptModel, DimNotAMultipleOfHeadsIsRefused) {
+  GPTConfig c = kTiny;
+  c.heads = 3;
+  EXPECT_THROW(GPT{c}, ember::ValueError);
+}
+
+}  // namespace
