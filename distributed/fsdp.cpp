@@ -146,12 +146,18 @@ void finish_reduce(FsdpContext& ctx) {
   ctx.reduces.pop_front();
   r.work->wait();
   NoGradGuard no_grad;
-  const Tensor add = r.out.dtype() == r.shard.dtype() ? r.out : r.out.to(r.shard.dtype());
-  Tensor g = r.shard.grad();
-  if (g.defined()) {
-    g.add_(add);
-  } else {
-    r.shard.set_grad(add);
+  const FlatGroup& g = *r.group;
+  const Tensor add = r.out.dtype() == g.dtype ? r.out : r.out.to(g.dtype);
+  for (size_t i = 0; i < g.pieces.size(); ++i) {
+    const Tensor& piece = g.pieces[i];
+    if (!piece.defined()) continue;
+    const Tensor part = add.narrow(0, g.piece_at[i], piece.numel());
+    Tensor grad = piece.grad();
+    if (grad.defined()) {
+      grad.add_(part);
+    } else {
+      piece.set_grad(part);  // a view of this reduce's output: no copy
+    }
   }
 }
 
@@ -181,7 +187,7 @@ void FsdpUnit::reduce_grads() {
     }
     Tensor out = empty({g.shard_size}, TensorOptions(g.reduce_dtype));
     WorkPtr work = group->reduce_scatter_tensor(out, input, {.op = ReduceOp::Avg});
-    c.reduces.push_back({std::move(work), std::move(input), std::move(out), g.shard});
+    c.reduces.push_back({std::move(work), std::move(input), std::move(out), &g});
   }
   // Frozen groups may still be read by nodes that compute input gradients; they are released
   // when the whole backward is done.
@@ -350,7 +356,20 @@ void build_group(FlatGroup& g, int rank, int n, const std::string& label) {
     flat.narrow(0, g.offsets[i], g.params[i].numel()).copy_(g.params[i].detach().reshape({-1}));
   }
   g.shard = flat.narrow(0, rank * g.shard_size, g.shard_size).clone();
-  if (g.requires_grad) g.shard.requires_grad_();
+  const int64_t lo = rank * g.shard_size, hi = lo + g.shard_size;
+  for (size_t i = 0; i < g.params.size(); ++i) {
+    const int64_t off = g.offsets[i], numel = g.params[i].numel();
+    const int64_t begin = std::clamp<int64_t>(lo - off, 0, numel);
+    const int64_t end = std::clamp<int64_t>(hi - off, 0, numel);
+    g.piece_begin.push_back(begin);
+    g.piece_at.push_back(std::max<int64_t>(off + begin - lo, 0));
+    Tensor piece;
+    if (end > begin) {
+      piece = g.shard.narrow(0, g.piece_at.back(), end - begin).detach();
+      if (g.requires_grad) piece.requires_grad_();
+    }
+    g.pieces.push_back(piece);
+  }
   const size_t elt = static_cast<size_t>(itemsize(g.compute_dtype));
   const size_t nbytes = static_cast<size_t>(g.shard_size * n) * elt;
   g.arena = std::make_shared<HostArena>(nbytes, label);

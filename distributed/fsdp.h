@@ -14,8 +14,8 @@
 //
 // fully_shard(module) flattens the parameters of `module` that no sharded submodule holds into
 // one buffer per dtype (and per requires_grad), pads it to a multiple of the world size, and
-// keeps 1/N of it on each rank: fsdp_parameters() returns these 1-D shards, which is what the
-// optimizer steps. The module's own parameter tensors (Linear::weight, ...) keep their shapes and
+// keeps 1/N of it on each rank: fsdp_parameters() returns this rank's piece of each parameter
+// (1-D views of that shard), which is what the optimizer steps. The module's own parameter tensors (Linear::weight, ...) keep their shapes and
 // handles, but their memory is a view of the module's gather buffer, which exists only while
 // they are needed:
 //   - before the module's forward (a forward pre-hook: call the module as (*module)(x), or
@@ -78,9 +78,11 @@ std::shared_ptr<nn::Module> fully_shard(std::shared_ptr<nn::Module> module,
 /// True if fully_shard was applied to `module` itself.
 bool is_fully_sharded(const nn::Module& module);
 
-/// What an optimizer steps: the shards of every sharded module under `root` (those that require
-/// grad), then `root`'s parameters outside every sharded module, whose gradients are from then on
-/// averaged at the end of each backward. Throws ValueError if nothing under root is sharded.
+/// What an optimizer steps, in root->named_parameters() order: for a sharded parameter this
+/// rank's piece of it (a 1-D view of its module's shard; none when this rank holds no element of
+/// it), for a parameter outside every sharded module the parameter itself (replicated: its
+/// gradient is from then on averaged across the ranks at the end of each backward). Only those
+/// that require grad. Throws ValueError if nothing under root is sharded.
 std::vector<Tensor> fsdp_parameters(const nn::Module& root);
 
 /// PyTorch's set_requires_gradient_sync (FSDP's no_sync): with false, backward keeps each
@@ -101,17 +103,19 @@ nn::NamedTensors full_state_dict(const nn::Module& root);
 /// shape mismatches.
 void load_full_state_dict(const nn::Module& root, const nn::NamedTensors& state);
 
-/// Where a sharded parameter's elements are: this rank holds elements [begin, end) of the
-/// parameter flattened, as `data` (a view of its shard, empty when the range is).
+/// A sharded parameter and this rank's piece of it: elements [begin, end) of the parameter
+/// flattened, as `data`, the 1-D leaf fsdp_parameters() returns for it (undefined when this rank
+/// holds none of it; its gradient and optimizer state have its shape).
 struct LocalShard {
-  std::string name;  ///< root's state_dict() name
+  std::string name;  ///< root's named_parameters() name
   Shape shape;       ///< the full parameter's
   int64_t begin = 0, end = 0;
-  Tensor data;  ///< 1-D, end - begin elements, a view of the shard (writes go to the shard)
-  Tensor shard;  ///< the flat shard tensor `data` views (as fsdp_parameters() returns it)
-  int64_t shard_offset = 0;  ///< where `data` starts in `shard`
+  Tensor data;
 };
-/// Every sharded parameter under root with this rank's piece of it, in state_dict() order.
+/// Every sharded parameter under root with this rank's piece of it, in named_parameters()
+/// order. E.g. AdamW without weight decay on biases and norms:
+///   for (auto& s : dist::local_shards(*model))
+///     if (s.data.defined()) (s.shape.size() >= 2 ? decay : no_decay).push_back(s.data);
 std::vector<LocalShard> local_shards(const nn::Module& root);
 
 /// Memory of the sharded modules' gather buffers in this process.

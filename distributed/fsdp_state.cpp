@@ -65,27 +65,20 @@ std::vector<Tensor> replicated_params(const nn::Module& root) {
   return out;
 }
 
-// This rank's range of parameter `i` of `g`, in the parameter's flattened elements.
-std::pair<int64_t, int64_t> local_range(const FlatGroup& g, size_t i, int rank) {
-  const int64_t numel = g.params[i].numel(), off = g.offsets[i];
-  const int64_t lo = rank * g.shard_size, hi = lo + g.shard_size;
-  const int64_t begin = std::clamp<int64_t>(lo - off, 0, numel);
-  const int64_t end = std::clamp<int64_t>(hi - off, 0, numel);
-  return {begin, std::max(begin, end)};
-}
-
 }  // namespace
 
 std::vector<Tensor> fsdp_parameters(const nn::Module& root) {
   auto units = require_units(root, "fsdp_parameters");
-  std::vector<Tensor> out;
-  for (const auto& u : units) {
-    for (const FlatGroup& g : u->groups) {
-      if (g.requires_grad) out.push_back(g.shard);
-    }
-  }
+  const Places places = places_under(root);
   auto& ctx = *units.front()->ctx;
-  for (const Tensor& p : replicated_params(root)) {
+  std::vector<Tensor> out;
+  for (const auto& [name, p] : root.named_parameters()) {
+    auto it = places.find(key_of(p));
+    if (it != places.end()) {
+      const Tensor& piece = it->second.group->pieces[it->second.index];
+      if (piece.defined() && piece.requires_grad()) out.push_back(piece);
+      continue;
+    }
     if (!p.requires_grad()) continue;
     out.push_back(p);
     const bool known = std::any_of(ctx.replicated.begin(), ctx.replicated.end(),
@@ -109,7 +102,9 @@ Tensor clip_grad_norm_(const nn::Module& root, double max_norm, double norm_type
   std::vector<Tensor> grads, replicated;
   for (const auto& u : units) {
     for (const FlatGroup& g : u->groups) {
-      if (g.requires_grad && g.shard.grad().defined()) grads.push_back(g.shard.grad());
+      for (const Tensor& piece : g.pieces) {
+        if (piece.defined() && piece.grad().defined()) grads.push_back(piece.grad());
+      }
     }
   }
   for (const Tensor& p : replicated_params(root)) {
@@ -139,18 +134,16 @@ Tensor clip_grad_norm_(const nn::Module& root, double max_norm, double norm_type
 }
 
 std::vector<LocalShard> local_shards(const nn::Module& root) {
-  const auto places = places_under(root);
+  const Places places = places_under(root);
   std::vector<LocalShard> out;
-  for (const auto& [name, t] : root.state_dict()) {
+  for (const auto& [name, t] : root.named_parameters()) {
     auto it = places.find(key_of(t));
     if (it == places.end()) continue;
-    const Place& pl = it->second;
-    const int rank = pl.unit->group->rank();
-    const auto [begin, end] = local_range(*pl.group, pl.index, rank);
-    const int64_t at = pl.group->offsets[pl.index] + begin - rank * pl.group->shard_size;
-    LocalShard s{name, t.shape(), begin, end, Tensor(), pl.group->shard, std::max<int64_t>(at, 0)};
-    s.data = pl.group->shard.detach().narrow(0, s.shard_offset, end - begin);
-    out.push_back(std::move(s));
+    const FlatGroup& g = *it->second.group;
+    const size_t i = it->second.index;
+    const Tensor& piece = g.pieces[i];
+    const int64_t begin = g.piece_begin[i];
+    out.push_back({name, t.shape(), begin, begin + (piece.defined() ? piece.numel() : 0), piece});
   }
   return out;
 }
@@ -220,13 +213,10 @@ void load_full_state_dict(const nn::Module& root, const nn::NamedTensors& state)
       Tensor(t).copy_(value);
       continue;
     }
-    const Place& pl = it->second;
-    const int rank = pl.unit->group->rank();
-    const auto [begin, end] = local_range(*pl.group, pl.index, rank);
-    if (end == begin) continue;
-    const int64_t at = pl.group->offsets[pl.index] + begin - rank * pl.group->shard_size;
-    pl.group->shard.detach().narrow(0, at, end - begin)
-        .copy_(value.reshape({-1}).narrow(0, begin, end - begin));
+    const FlatGroup& g = *it->second.group;
+    const size_t i = it->second.index;
+    if (!g.pieces[i].defined()) continue;  // this rank holds none of it
+    g.pieces[i].detach().copy_(value.reshape({-1}).narrow(0, g.piece_begin[i], g.pieces[i].numel()));
   }
 }
 

@@ -25,7 +25,13 @@ struct FlatGroup {
   Dtype compute_dtype = kFloat32;   // of the gathered parameters
   Dtype reduce_dtype = kFloat32;    // of the reduce-scatter
   bool requires_grad = true;
-  Tensor shard;                     // [S] leaf: this rank's elements [rank * S, (rank + 1) * S)
+  Tensor shard;                     // [S]: this rank's elements [rank * S, (rank + 1) * S)
+  /// Per parameter, this rank's elements of it: a 1-D view of `shard` (undefined when this
+  /// rank holds none), a leaf that requires grad as the parameter does. The optimizer steps
+  /// these, so it sees one tensor per parameter and can group them as it groups parameters.
+  std::vector<Tensor> pieces;
+  std::vector<int64_t> piece_begin;  // where each piece starts in its parameter (flattened)
+  std::vector<int64_t> piece_at;     // and in the shard
   std::shared_ptr<HostArena> arena; // N * S elements of compute_dtype
   Tensor full;                      // the arena as a tensor for collectives (its own storage)
   bool gathered = false;            // the arena holds the parameters (or a gather is pending)
@@ -60,11 +66,11 @@ struct FsdpUnit : std::enable_shared_from_this<FsdpUnit> {
   void reduce_grads();
 };
 
-/// A reduce-scatter in flight: `out` becomes `shard`'s gradient contribution.
+/// A reduce-scatter in flight: `out` is added to the gradients of `group`'s pieces.
 struct PendingReduce {
   WorkPtr work;
   Tensor input, out;
-  Tensor shard;
+  FlatGroup* group = nullptr;  // stays valid: units outlive their backward
 };
 
 /// The sharded modules of one process group on this rank: forward order (for prefetching and
