@@ -271,7 +271,9 @@ Json index_json(const std::string& save_id, int world,
 // Removes the rank files in `dir` that `keep_id`'s save did not write: earlier saves' and
 // crashed saves'. Failures only warn: the new set is complete already.
 void remove_stale_files(const std::string& dir, const std::string& keep_id) {
-  static const std::regex rank_file(R"(([0-9a-f]{16})\.rank[0-9]+\.safetensors)");
+  // Also the temp files an interrupted atomic write leaves (nn/atomic_file.h names them
+  // ".<target>.tmp-*").
+  static const std::regex rank_file(R"(\.?([0-9a-f]{16})\.rank[0-9]+\.safetensors(\.tmp-.*)?)");
   std::error_code ec;
   for (const auto& f : fs::directory_iterator(dir, ec)) {
     std::smatch m;
@@ -365,6 +367,11 @@ ShardedCheckpoint::Entry parse_entry(const Json& t, const std::string& name, int
   const std::string where = "tensor '" + name + "' ";
   ShardedCheckpoint::Entry e;
   e.shape = field<std::vector<int64_t>>(t, "shape", path, where);
+  int64_t total = 1;
+  for (int64_t d : e.shape) {
+    EMBER_CHECK(d >= 0 && !__builtin_mul_overflow(total, d, &total), kReadOp, " ", path, ": ",
+                where, "has a bad shape ", shape_str(e.shape));
+  }
   try {
     e.dtype = dtype_from_name(field<std::string>(t, "dtype", path, where));
   } catch (const ValueError& err) {
@@ -378,15 +385,19 @@ ShardedCheckpoint::Entry parse_entry(const Json& t, const std::string& name, int
                                field<int64_t>(p, "offset", path, where),
                                field<int64_t>(p, "numel", path, where),
                                field<int64_t>(p, "file_offset", path, where)};
+    int64_t bytes = 0, file_end = 0;
     EMBER_CHECK(x.rank >= 0 && x.rank < world && x.offset == end && x.numel > 0 &&
-                    x.file_offset >= 0,
+                    x.numel <= total - end && x.file_offset >= 0 &&
+                    !__builtin_mul_overflow(x.numel, itemsize(e.dtype), &bytes) &&
+                    !__builtin_add_overflow(x.file_offset, bytes, &file_end),
                 kReadOp, " ", path, ": ", where, "has a bad piece ", p.dump(),
-                " (expected rank in [0, ", world, "), offset ", end, ", numel > 0)");
+                " (expected rank in [0, ", world, "), offset ", end, ", numel in [1, ", total - end,
+                "])");
     end += x.numel;
     e.pieces.push_back(x);
   }
-  EMBER_CHECK(end == numel_of(e.shape), kReadOp, " ", path, ": ", where, "pieces cover ", end,
-              " of the ", numel_of(e.shape), " elements of shape ", shape_str(e.shape));
+  EMBER_CHECK(end == total, kReadOp, " ", path, ": ", where, "pieces cover ", end, " of the ",
+              total, " elements of shape ", shape_str(e.shape));
   return e;
 }
 
@@ -491,12 +502,25 @@ std::string ShardedCheckpoint::rank_file(int rank) const {
 }
 
 Tensor ShardedCheckpoint::read(const std::string& name, int64_t offset, int64_t numel) const {
+  EMBER_CHECK_TYPE(IndexError, numel >= 0, kReadOp, " read('", name, "', offset ", offset,
+                   ", numel ", numel, "): negative numel");
+  Tensor out = empty({numel}, dtype(name));
+  read_into(name, offset, out);
+  return out;
+}
+
+void ShardedCheckpoint::read_into(const std::string& name, int64_t offset, Tensor& out) const {
   const Entry& e = entry(name);
-  const int64_t total = numel_of(e.shape);
-  EMBER_CHECK_TYPE(IndexError, offset >= 0 && numel >= 0 && offset + numel <= total, kReadOp,
-                   " read('", name, "', offset ", offset, ", numel ", numel,
-                   "): outside the tensor's ", total, " elements");
-  Tensor out = empty({numel}, e.dtype);
+  EMBER_CHECK(out.defined() && out.is_cpu() && out.is_contiguous() && out.dim() == 1 &&
+                  out.dtype() == e.dtype,
+              kReadOp, " read_into('", name, "'): expected a contiguous 1-D CPU tensor of dtype ",
+              e.dtype, ", got ", out.defined() ? detail::str_cat(out.dtype(), " ", out.shape(), " on ",
+                                                                   out.device().str(), out.is_contiguous() ? "" : ", strided")
+                                                : "an undefined tensor");
+  const int64_t numel = out.numel(), total = numel_of(e.shape);
+  EMBER_CHECK_TYPE(IndexError, offset >= 0 && offset <= total - numel, kReadOp, " read('", name,
+                   "', offset ", offset, ", numel ", numel, "): outside the tensor's ", total,
+                   " elements");
   const int64_t isz = itemsize(e.dtype);
   std::map<int, Fd> files;  // each file opened once per read
   for (const Piece& p : e.pieces) {
@@ -513,7 +537,6 @@ Tensor ShardedCheckpoint::read(const std::string& name, int64_t offset, int64_t 
     pread_exact(f.fd, static_cast<char*>(out.data_ptr()) + (lo - offset) * isz, (hi - lo) * isz,
                 p.file_offset + (lo - p.offset) * isz, file, name);
   }
-  return out;
 }
 
 Tensor ShardedCheckpoint::read_full(const std::string& name) const {

@@ -101,6 +101,10 @@ class ShardedCheckpoint {
   /// Throws IndexError for an unknown name or a range outside [0, numel(name)], ember::Error
   /// naming the file if a rank file cannot be opened or is shorter than the index says.
   Tensor read(const std::string& name, int64_t offset, int64_t numel) const;
+  /// read() into `out`, a contiguous 1-D CPU tensor of `name`'s dtype whose numel() elements
+  /// are read from element `offset` on (no extra copy: a loader can fill its own buffer).
+  /// Throws ValueError for any other `out`, and what read() throws.
+  void read_into(const std::string& name, int64_t offset, Tensor& out) const;
   /// The whole tensor, shaped as saved.
   Tensor read_full(const std::string& name) const;
 

@@ -181,6 +181,11 @@ TEST(ShardedCheckpoint, FourRanksSaveReadBackAsFourTwoAndOne) {
     require_same(s.name + " read_full", ckpt.read_full(s.name), values.at(s.name));
   }
   EXPECT_FALSE(ckpt.contains("nope"));
+  Tensor buf = empty({20}, kFloat32);
+  ckpt.read_into("w", 7, buf);  // across ranks 0 and 2 (rank 1's piece is empty)
+  require_same("read_into", buf, values.at("w").reshape({-1}).narrow(0, 7, 20));
+  Tensor wrong = empty({2}, kFloat64);
+  EXPECT_THROW(ckpt.read_into("w", 0, wrong), ValueError);
   for (int readers : {4, 2, 1}) check_read_back(dir.path(), specs, values, readers);
   // Only ranks holding a non-empty piece write a file.
   EXPECT_EQ(files_in(dir.path()).size(), 5u);
@@ -220,13 +225,18 @@ TEST(ShardedCheckpoint, ASecondSaveReplacesTheFirstAndRemovesItsFiles) {
   const auto first = make_values(four_rank_specs(), 4);
   save_on_threads(dir.path(), four_rank_specs(), first, 4);
   const std::string first_id = ShardedCheckpoint(dir.path()).save_id();
+  // What a save killed during its atomic write leaves; an unrelated file stays.
+  const std::string stray = "." + first_id + ".rank1.safetensors.tmp-123-0";
+  std::ofstream(dir.file(stray)) << "partial";
+  std::ofstream(dir.file("notes.txt")) << "mine";
   const auto second = make_values(two_rank_specs(), 5);
   save_on_threads(dir.path(), two_rank_specs(), second, 2);
   const ShardedCheckpoint ckpt(dir.path());
   EXPECT_NE(ckpt.save_id(), first_id);
   EXPECT_EQ(ckpt.world_size(), 2);
-  EXPECT_EQ(files_in(dir.path()), (std::set<std::string>{"index.json", ckpt.save_id() + ".rank0.safetensors",
-                                                         ckpt.save_id() + ".rank1.safetensors"}));
+  EXPECT_EQ(files_in(dir.path()),
+            (std::set<std::string>{"index.json", "notes.txt", ckpt.save_id() + ".rank0.safetensors",
+                                   ckpt.save_id() + ".rank1.safetensors"}));
   check_read_back(dir.path(), two_rank_specs(), second, 4);
 }
 
@@ -381,14 +391,28 @@ TEST(ShardedCheckpoint, ReaderErrorsNameTheFileAndTensor) {
   e = test::message_of([&] { ckpt.read("d", 0, 1); });
   EXPECT_NE(e.find("cannot open " + rank3), std::string::npos) << e;
 
-  // A broken index.
-  for (const std::string& bad : {std::string("{\"format\": "), std::string("[]"),
-                                 std::string("{\"format\": \"ember.sharded_checkpoint\", \"version\": 99}")}) {
+  // A broken index: each refused with a message naming the file and what is wrong.
+  const std::string head = R"({"format": "ember.sharded_checkpoint", "version": 1, "save_id": "x",
+                               "world_size": 1, "metadata": {}, "tensors": )";
+  const std::vector<std::pair<std::string, std::string>> broken = {
+      {R"({"format": )", "is not valid JSON"},
+      {"[]", "has no 'format'"},
+      {R"({"format": "ember.sharded_checkpoint", "version": 99})", "format version 99"},
+      {head + R"([{"name": "t", "shape": [4611686018427387904, 4], "dtype": "float32",
+                  "pieces": []}]})", "tensor 't' has a bad shape"},
+      {head + R"([{"name": "t", "shape": [4], "dtype": "float32", "pieces": [{"rank": 0,
+                  "offset": 0, "numel": 3, "file_offset": 0}]}]})", "pieces cover 3 of the 4"},
+      {head + R"([{"name": "t", "shape": [4], "dtype": "float32", "pieces": [{"rank": 1,
+                  "offset": 0, "numel": 4, "file_offset": 0}]}]})", "tensor 't' has a bad piece"},
+      {head + R"([{"name": "t", "shape": [4], "dtype": "complex", "pieces": []}]})", "complex"},
+      {head + R"([{"name": "t", "shape": "4"}]})", "'shape' has the wrong type"},
+  };
+  for (const auto& [bad, want] : broken) {
     std::ofstream(dir.file("index.json"), std::ios::trunc) << bad;
     e = test::message_of([&] { ShardedCheckpoint c(dir.path()); });
     EXPECT_NE(e.find(dir.file("index.json")), std::string::npos) << e;
+    EXPECT_NE(e.find(want), std::string::npos) << "expected '" << want << "' in: " << e;
   }
-  EXPECT_NE(test::message_of([&] { ShardedCheckpoint c(dir.path()); }).find("version 99"), std::string::npos);
 }
 
 // The same between processes over gloo (TCP): 2 ranks save, this process reads; then rank 1
