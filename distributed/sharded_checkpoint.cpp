@@ -15,6 +15,7 @@
 #include <regex>
 #include <sstream>
 
+#include <ember/distributed/detail/byte_exchange.h>
 #include <ember/nn/atomic_file.h>
 #include <ember/nn/serialize.h>
 #include <ember/tensor/creation.h>
@@ -57,30 +58,6 @@ std::string rank_file_name(const std::string& save_id, int rank) {
 // tensor do not overlap.
 std::string piece_key(const std::string& name, int64_t offset) {
   return name + "@" + std::to_string(offset);
-}
-
-// Every rank's `mine`, on every rank: an all-gather of the lengths, then one all-gather of byte
-// tensors padded to the longest, on the group's default device.
-std::vector<std::string> allgather_strings(ProcessGroup& pg, const std::string& mine) {
-  const int n = pg.size();
-  const Device dev = pg.default_device();
-  Tensor len = from_vector(std::vector<int64_t>{static_cast<int64_t>(mine.size())}).to(dev);
-  Tensor lens = zeros({n}, TensorOptions(kInt64).device(dev));
-  pg.allgather_into_tensor(lens, len)->wait();
-  const std::vector<int64_t> sizes = lens.to_vector<int64_t>();
-  const int64_t longest = std::max<int64_t>(1, *std::max_element(sizes.begin(), sizes.end()));
-  Tensor padded = zeros({longest}, kUInt8);
-  std::memcpy(padded.data_ptr(), mine.data(), mine.size());
-  Tensor in = padded.to(dev);
-  Tensor all = empty({longest * n}, TensorOptions(kUInt8).device(dev));
-  pg.allgather_into_tensor(all, in)->wait();
-  const Tensor host = all.to(kCPU);
-  std::vector<std::string> out;
-  for (int r = 0; r < n; ++r) {
-    out.emplace_back(static_cast<const char*>(host.data_ptr()) + r * longest,
-                     static_cast<size_t>(sizes[static_cast<size_t>(r)]));
-  }
-  return out;
 }
 
 // One rank's non-empty piece as every rank sees it after the exchange.
@@ -307,14 +284,14 @@ void save_sharded(const std::string& dir, const std::vector<ShardPiece>& pieces,
   // The save id travels with rank 0's descriptors: one exchange for both.
   Json mine = Json::parse(describe_pieces(pieces));
   if (me == 0) mine["save_id"] = new_save_id();
-  const std::vector<std::string> all = allgather_strings(pg, mine.dump());
+  const std::vector<std::string> all = detail::exchange_bytes(pg, mine.dump());
   auto plan = plan_save(all);
   const std::string save_id = Json::parse(all[0])["save_id"];
 
   std::error_code ec;
   fs::create_directories(dir, ec);  // every rank, in case `dir` is not shared; errors show below
   const std::string path = (fs::path(dir) / rank_file_name(save_id, me)).string();
-  const std::vector<std::string> written = allgather_strings(pg, write_rank_file(path, pieces, me));
+  const std::vector<std::string> written = detail::exchange_bytes(pg, write_rank_file(path, pieces, me));
   try {
     check_outcomes(written, "writing the rank files");
   } catch (...) {
@@ -340,7 +317,7 @@ void save_sharded(const std::string& dir, const std::vector<ShardPiece>& pieces,
       outcome = Json{{"error", e.what()}}.dump();
     }
   }
-  check_outcomes(allgather_strings(pg, outcome), "writing the index");
+  check_outcomes(detail::exchange_bytes(pg, outcome), "writing the index");
 }
 
 

@@ -169,8 +169,6 @@ TEST(ShardedCheckpoint, FourRanksSaveReadBackAsFourTwoAndOne) {
   const ShardedCheckpoint ckpt(dir.path());
   EXPECT_EQ(ckpt.world_size(), 4);
   EXPECT_EQ(ckpt.metadata(), (std::map<std::string, std::string>{{"step", "20"}, {"model", "gpt"}}));
-  std::vector<std::string> names;
-  for (const Spec& s : specs) names.push_back(s.name);
   // First appearance, rank by rank: rank 0 gives w, step, h, mask, ids, empty; then b, d.
   EXPECT_EQ(ckpt.names(),
             (std::vector<std::string>{"w", "step", "h", "mask", "ids", "empty", "b", "d"}));
@@ -240,6 +238,20 @@ TEST(ShardedCheckpoint, ASecondSaveReplacesTheFirstAndRemovesItsFiles) {
   check_read_back(dir.path(), two_rank_specs(), second, 4);
 }
 
+// Runs save_sharded on n rank threads, each with pieces(rank); returns what each rank threw
+// ("" if it returned).
+std::map<int, std::string> save_messages(const std::string& dir, int n,
+                                         const std::function<std::vector<ShardPiece>(int)>& pieces) {
+  std::mutex mu;
+  std::map<int, std::string> errors;
+  test::run_threads(ranks(n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    const std::string e = test::message_of([&] { save_sharded(dir, pieces(rank), *pg); });
+    std::lock_guard<std::mutex> lock(mu);
+    errors[rank] = e;
+  });
+  return errors;
+}
+
 // A save that fails after some rank files are written (the hook throws on rank 2 once its file
 // is durable, as a crash there would stop it) fails on every rank and leaves the previous set
 // current, byte for byte.
@@ -253,14 +265,8 @@ TEST(ShardedCheckpoint, AFailureMidSaveKeepsThePreviousSet) {
   detail::set_sharded_save_hook([](int rank) {
     if (rank == 2) throw std::runtime_error("simulated crash after the rank file");
   });
-  std::mutex mu;
-  std::map<int, std::string> errors;
   const auto after = make_values(specs, 7);
-  test::run_threads(ranks(4), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
-    const std::string e = test::message_of([&] { save_sharded(dir.path(), pieces_of(rank, specs, after), *pg); });
-    std::lock_guard<std::mutex> lock(mu);
-    errors[rank] = e;
-  });
+  auto errors = save_messages(dir.path(), 4, [&](int rank) { return pieces_of(rank, specs, after); });
   detail::set_sharded_save_hook(nullptr);
   for (int r = 0; r < 4; ++r) {
     EXPECT_NE(errors[r].find("rank 2: simulated crash after the rank file"), std::string::npos)
@@ -272,19 +278,6 @@ TEST(ShardedCheckpoint, AFailureMidSaveKeepsThePreviousSet) {
   // The next save succeeds and is the current one.
   save_on_threads(dir.path(), specs, after, 4);
   check_read_back(dir.path(), specs, after, 1);
-}
-
-// Saves specs on n threads, each expected to throw; returns each rank's message.
-std::map<int, std::string> failing_save(const std::string& dir, const std::vector<Spec>& specs, int n) {
-  const auto values = make_values(specs, 8);
-  std::mutex mu;
-  std::map<int, std::string> errors;
-  test::run_threads(ranks(n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
-    const std::string e = test::message_of([&] { save_sharded(dir, pieces_of(rank, specs, values), *pg); });
-    std::lock_guard<std::mutex> lock(mu);
-    errors[rank] = e;
-  });
-  return errors;
 }
 
 TEST(ShardedCheckpoint, PiecesThatDoNotTileFailOnEveryRank) {
@@ -306,7 +299,9 @@ TEST(ShardedCheckpoint, PiecesThatDoNotTileFailOnEveryRank) {
   };
   for (const Case& c : cases) {
     TempDir dir;
-    const auto errors = failing_save(dir.path(), {c.spec}, 4);
+    const auto values = make_values({c.spec}, 8);
+    const auto errors =
+        save_messages(dir.path(), 4, [&](int rank) { return pieces_of(rank, {c.spec}, values); });
     for (int r = 0; r < 4; ++r) {
       for (const std::string& want : c.expect) {
         EXPECT_NE(errors.at(r).find(want), std::string::npos)
@@ -321,29 +316,21 @@ TEST(ShardedCheckpoint, ShapeOrDtypeDisagreementFailsOnEveryRank) {
   TempDir dir;
   // Rank 1 and rank 2 disagree on w's shape; the values are made from the first spec.
   const auto values = make_values({{"w", {4, 3}, kFloat32, {}}}, 9);
-  std::mutex mu;
-  std::map<int, std::string> errors;
-  test::run_threads(ranks(3), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+  auto errors = save_messages(dir.path(), 3, [&](int rank) {
     std::vector<ShardPiece> mine;
     const Tensor flat = values.at("w").reshape({-1});
     if (rank == 1) mine.push_back({"w", {4, 3}, 0, flat.narrow(0, 0, 6)});
     if (rank == 2) mine.push_back({"w", {3, 4}, 6, flat.narrow(0, 6, 6)});
-    if (rank == 0) mine.push_back({"v", {2}, 0, zeros({2}, rank == 0 ? kFloat32 : kFloat64)});
-    const std::string e = test::message_of([&] { save_sharded(dir.path(), mine, *pg); });
-    std::lock_guard<std::mutex> lock(mu);
-    errors[rank] = e;
+    if (rank == 0) mine.push_back({"v", {2}, 0, zeros({2}, kFloat32)});
+    return mine;
   });
   for (int r = 0; r < 3; ++r) {
     EXPECT_NE(errors[r].find("tensor 'w': rank 2 gives shape [3,4] but rank 1 gives [4,3]"),
               std::string::npos)
         << "rank " << r << ": " << errors[r];
   }
-  errors.clear();
-  test::run_threads(ranks(2), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
-    std::vector<ShardPiece> mine{{"v", {4}, 2 * rank, zeros({2}, rank == 0 ? kFloat32 : kBFloat16)}};
-    const std::string e = test::message_of([&] { save_sharded(dir.path(), mine, *pg); });
-    std::lock_guard<std::mutex> lock(mu);
-    errors[rank] = e;
+  errors = save_messages(dir.path(), 2, [&](int rank) {
+    return std::vector<ShardPiece>{{"v", {4}, 2 * rank, zeros({2}, rank == 0 ? kFloat32 : kBFloat16)}};
   });
   for (int r = 0; r < 2; ++r) {
     EXPECT_NE(errors[r].find("tensor 'v': rank 1 gives dtype bfloat16 but rank 0 gives float32"),
