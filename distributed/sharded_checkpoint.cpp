@@ -67,6 +67,21 @@ struct Desc {
   int64_t numel = 0;
 };
 
+// {"error": what}, with any invalid UTF-8 in `what` (a bad name it quotes) replaced, so that
+// reporting an error cannot itself throw and leave the other ranks waiting.
+std::string error_json(const std::string& what) {
+  return Json{{"error", what}}.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+bool valid_utf8(const std::string& s) {
+  try {
+    (void)Json(s).dump();  // nlohmann refuses invalid UTF-8 when it writes
+    return true;
+  } catch (const Json::exception&) {
+    return false;
+  }
+}
+
 // This rank's descriptors as JSON, or the first thing wrong with its pieces as "error" (sent
 // rather than thrown, so that every rank learns of it and none waits for this one).
 std::string describe_pieces(const std::vector<ShardPiece>& pieces) {
@@ -76,6 +91,8 @@ std::string describe_pieces(const std::vector<ShardPiece>& pieces) {
     std::string what;
     if (p.name.empty()) {
       what = "has an empty name";
+    } else if (!valid_utf8(p.name)) {
+      what = "has a name that is not valid UTF-8";
     } else if (!p.data.defined()) {
       what = "has undefined data";
     } else if (p.data.dim() != 1) {
@@ -87,7 +104,7 @@ std::string describe_pieces(const std::vector<ShardPiece>& pieces) {
                              "), outside the ", numel_of(p.shape), " of shape ", shape_str(p.shape));
     }
     if (!what.empty()) {
-      return Json{{"error", detail::str_cat("piece ", i, " ('", p.name, "') ", what)}}.dump();
+      return error_json(detail::str_cat("piece ", i, " ('", p.name, "') ", what));
     }
     out["pieces"].push_back({{"name", p.name},
                              {"shape", p.shape},
@@ -213,7 +230,7 @@ std::string write_rank_file(const std::string& path, const std::vector<ShardPiec
     if (hook) hook(rank);
     return Json{{"offsets", offsets}}.dump();
   } catch (const std::exception& e) {
-    return Json{{"error", e.what()}}.dump();
+    return error_json(e.what());
   }
 }
 
@@ -314,10 +331,16 @@ void save_sharded(const std::string& dir, const std::vector<ShardPiece>& pieces,
       nn::write_file_atomic((fs::path(dir) / kIndexName).string(), index.dump(1));
       remove_stale_files(dir, save_id);
     } catch (const std::exception& e) {
-      outcome = Json{{"error", e.what()}}.dump();
+      outcome = error_json(e.what());
     }
   }
-  check_outcomes(detail::exchange_bytes(pg, outcome), "writing the index");
+  const std::vector<std::string> indexed = detail::exchange_bytes(pg, outcome);
+  try {
+    check_outcomes(indexed, "writing the index");
+  } catch (...) {
+    fs::remove(path, ec);  // the index was not written, so it never names this file
+    throw;
+  }
 }
 
 

@@ -48,7 +48,7 @@ struct ShardPiece {
 /// all-gather of every rank's outcome (the barrier after which all files are durable); rank 0
 /// writes index.json atomically, then removes the rank files the new index does not name
 /// (earlier saves', or a crashed save's); a last exchange of rank 0's outcome, so when this
-/// returns on any rank the set is complete. `metadata` is kept in the index and in
+/// returns on any rank the set is complete. Rank 0's `metadata` is kept in the index and in
 /// consolidate()'s file. Every wait is bounded by pg's timeout.
 void save_sharded(const std::string& dir, const std::vector<ShardPiece>& pieces, ProcessGroup& pg,
                   const std::map<std::string, std::string>& metadata = {});

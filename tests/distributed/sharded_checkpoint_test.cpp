@@ -295,6 +295,8 @@ TEST(ShardedCheckpoint, PiecesThatDoNotTileFailOnEveryRank) {
       {"overlap", {"w", {4, 5}, kFloat32, {{0, 0, 10}, {3, 8, 12}}},
        {"rank 3's piece [8, 20) overlaps rank 0's piece ending at 10 on [8, 10)"}},
       {"replicated on two ranks", {"w", {3}, kFloat32, {{0, 0, 3}, {1, 0, 3}}}, {"overlaps"}},
+      {"a name that is not UTF-8", {"w\xff", {3}, kFloat32, {{1, 0, 3}}},
+       {"rank 1: piece 0 ('w", "has a name that is not valid UTF-8"}},
       {"outside the tensor", {"w", {3}, kFloat32, {{1, 2, 4}}}, {"rank 1: piece 0 ('w') covers elements [2, 6)"}},
   };
   for (const Case& c : cases) {
