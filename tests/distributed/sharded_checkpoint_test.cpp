@@ -203,6 +203,23 @@ TEST(ShardedCheckpoint, OneRankAndTwoRanks) {
   }
 }
 
+// Pieces on the GPU (as FSDP's shards are): 2 rank threads, each on its own stream; the files
+// and what the reader returns are the same as from CPU pieces.
+TEST(ShardedCheckpoint, PiecesOnTheGpu) {
+  EMBER_REQUIRE_CUDA();
+  TempDir dir;
+  const auto specs = two_rank_specs();
+  const auto values = make_values(specs, 13);
+  test::ThreadsSetup s = ranks(2);
+  s.device = cuda_device(0);
+  test::run_threads(s, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    std::vector<ShardPiece> mine = pieces_of(rank, specs, values);
+    for (ShardPiece& p : mine) p.data = p.data.to(s.device);
+    save_sharded(dir.path(), mine, *pg);
+  });
+  check_read_back(dir.path(), specs, values, 3);
+}
+
 TEST(ShardedCheckpoint, ConsolidateGivesAnOrdinarySafetensorsFile) {
   TempDir dir;
   const auto specs = four_rank_specs();
