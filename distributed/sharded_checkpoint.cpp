@@ -50,6 +50,16 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// Whether `shape` is one a tensor can have: at most kMaxDims sizes, none negative, a product
+// that fits int64 (checked before numel_of is trusted with a shape from a user or a file).
+bool valid_shape(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || __builtin_mul_overflow(n, d, &n)) return false;
+  }
+  return static_cast<int64_t>(shape.size()) <= kMaxDims;
+}
+
 std::string rank_file_name(const std::string& save_id, int rank) {
   return save_id + ".rank" + std::to_string(rank) + ".safetensors";
 }
@@ -97,9 +107,10 @@ std::string describe_pieces(const std::vector<ShardPiece>& pieces) {
       what = "has undefined data";
     } else if (p.data.dim() != 1) {
       what = detail::str_cat("has data of shape ", p.data.shape(), " (expected 1-D)");
-    } else if (std::any_of(p.shape.begin(), p.shape.end(), [](int64_t d) { return d < 0; })) {
-      what = "has a negative size in its shape " + shape_str(p.shape);
-    } else if (p.offset < 0 || p.offset + p.data.numel() > numel_of(p.shape)) {
+    } else if (!valid_shape(p.shape)) {
+      what = "has an invalid shape " + shape_str(p.shape) + " (negative, over " +
+             std::to_string(kMaxDims) + " dimensions, or too many elements)";
+    } else if (p.offset < 0 || p.offset > numel_of(p.shape) - p.data.numel()) {
       what = detail::str_cat("covers elements [", p.offset, ", ", p.offset + p.data.numel(),
                              "), outside the ", numel_of(p.shape), " of shape ", shape_str(p.shape));
     }
@@ -125,7 +136,7 @@ void check_tiling(const std::string& name, const std::vector<int64_t>& shape,
   int64_t end = 0;
   int last = -1;
   for (const Desc& d : descs) {
-    EMBER_CHECK(d.offset >= end || last < 0, kSaveOp, " ", what, "rank ", d.rank, "'s piece [",
+    EMBER_CHECK(d.offset >= end, kSaveOp, " ", what, "rank ", d.rank, "'s piece [",
                 d.offset, ", ", d.offset + d.numel, ") overlaps rank ", last, "'s piece ending at ",
                 end, " on [", d.offset, ", ", std::min(end, d.offset + d.numel), ")");
     EMBER_CHECK(d.offset <= end, kSaveOp, " ", what, "elements [", end, ", ", d.offset,
@@ -367,11 +378,9 @@ ShardedCheckpoint::Entry parse_entry(const Json& t, const std::string& name, int
   const std::string where = "tensor '" + name + "' ";
   ShardedCheckpoint::Entry e;
   e.shape = field<std::vector<int64_t>>(t, "shape", path, where);
-  int64_t total = 1;
-  for (int64_t d : e.shape) {
-    EMBER_CHECK(d >= 0 && !__builtin_mul_overflow(total, d, &total), kReadOp, " ", path, ": ",
-                where, "has a bad shape ", shape_str(e.shape));
-  }
+  EMBER_CHECK(valid_shape(e.shape), kReadOp, " ", path, ": ", where, "has a bad shape ",
+              shape_str(e.shape));
+  const int64_t total = numel_of(e.shape);
   try {
     e.dtype = dtype_from_name(field<std::string>(t, "dtype", path, where));
   } catch (const ValueError& err) {

@@ -331,7 +331,7 @@ TEST(ShardedCheckpoint, PiecesThatDoNotTileFailOnEveryRank) {
   }
 }
 
-TEST(ShardedCheckpoint, ShapeOrDtypeDisagreementFailsOnEveryRank) {
+TEST(ShardedCheckpoint, DisagreementsAndBadShapesFailOnEveryRank) {
   TempDir dir;
   // Rank 1 and rank 2 disagree on w's shape; the values are made from the first spec.
   const auto values = make_values({{"w", {4, 3}, kFloat32, {}}}, 9);
@@ -353,6 +353,15 @@ TEST(ShardedCheckpoint, ShapeOrDtypeDisagreementFailsOnEveryRank) {
   });
   for (int r = 0; r < 2; ++r) {
     EXPECT_NE(errors[r].find("tensor 'v': rank 1 gives dtype bfloat16 but rank 0 gives float32"),
+              std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+  errors = save_messages(dir.path(), 2, [&](int rank) {
+    if (rank == 0) return std::vector<ShardPiece>{};
+    return std::vector<ShardPiece>{{"v", {int64_t{1} << 62, 8}, 0, zeros({2})}};
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("rank 1: piece 0 ('v') has an invalid shape [4611686018427387904,8]"),
               std::string::npos)
         << "rank " << r << ": " << errors[r];
   }
