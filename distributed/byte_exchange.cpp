@@ -7,8 +7,7 @@
 
 namespace ember::detail {
 
-std::vector<std::string> exchange_bytes(dist::ProcessGroup& pg, const std::string& mine,
-                                        int root) {
+std::vector<std::string> exchange_bytes(dist::ProcessGroup& pg, const std::string& mine, int root) {
   const int n = pg.size();
   const Device dev = pg.default_device();
   Tensor len = from_vector(std::vector<int64_t>{static_cast<int64_t>(mine.size())}).to(dev);
@@ -26,7 +25,8 @@ std::vector<std::string> exchange_bytes(dist::ProcessGroup& pg, const std::strin
     for (int r = 0; r < n; ++r) outs.push_back(all.narrow(0, r * longest, longest));
   } else {
     if (pg.rank() == root) {
-      for (int r = 0; r < n; ++r) outs.push_back(empty({longest}, TensorOptions(kUInt8).device(dev)));
+      for (int r = 0; r < n; ++r)
+        outs.push_back(empty({longest}, TensorOptions(kUInt8).device(dev)));
     }
     dist::GatherOptions o;
     o.root = root;

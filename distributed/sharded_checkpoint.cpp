@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -111,8 +113,9 @@ std::string describe_pieces(const std::vector<ShardPiece>& pieces) {
       what = "has an invalid shape " + shape_str(p.shape) + " (negative, over " +
              std::to_string(kMaxDims) + " dimensions, or too many elements)";
     } else if (p.offset < 0 || p.offset > numel_of(p.shape) - p.data.numel()) {
-      what = detail::str_cat("covers elements [", p.offset, ", ", p.offset + p.data.numel(),
-                             "), outside the ", numel_of(p.shape), " of shape ", shape_str(p.shape));
+      what =
+          detail::str_cat("covers elements [", p.offset, ", ", p.offset + p.data.numel(),
+                          "), outside the ", numel_of(p.shape), " of shape ", shape_str(p.shape));
     }
     if (!what.empty()) {
       return error_json(detail::str_cat("piece ", i, " ('", p.name, "') ", what));
@@ -136,14 +139,14 @@ void check_tiling(const std::string& name, const std::vector<int64_t>& shape,
   int64_t end = 0;
   int last = -1;
   for (const Desc& d : descs) {
-    EMBER_CHECK(d.offset >= end, kSaveOp, " ", what, "rank ", d.rank, "'s piece [",
-                d.offset, ", ", d.offset + d.numel, ") overlaps rank ", last, "'s piece ending at ",
-                end, " on [", d.offset, ", ", std::min(end, d.offset + d.numel), ")");
-    EMBER_CHECK(d.offset <= end, kSaveOp, " ", what, "elements [", end, ", ", d.offset,
-                ") are in no rank's piece (a gap ",
-                last < 0 ? std::string("before") : "between rank " + std::to_string(last) +
-                                                        "'s piece and",
-                " rank ", d.rank, "'s piece)");
+    EMBER_CHECK(d.offset >= end, kSaveOp, " ", what, "rank ", d.rank, "'s piece [", d.offset, ", ",
+                d.offset + d.numel, ") overlaps rank ", last, "'s piece ending at ", end, " on [",
+                d.offset, ", ", std::min(end, d.offset + d.numel), ")");
+    EMBER_CHECK(
+        d.offset <= end, kSaveOp, " ", what, "elements [", end, ", ", d.offset,
+        ") are in no rank's piece (a gap ",
+        last < 0 ? std::string("before") : "between rank " + std::to_string(last) + "'s piece and",
+        " rank ", d.rank, "'s piece)");
     end = d.offset + d.numel;
     last = d.rank;
   }
@@ -191,9 +194,8 @@ std::vector<std::pair<std::string, ShardedCheckpoint::Entry>> plan_save(
   }
   for (auto& [name, entry] : plan) {
     auto& d = descs[name].second;
-    std::stable_sort(d.begin(), d.end(), [](const Desc& a, const Desc& b) {
-      return a.offset < b.offset;
-    });
+    std::stable_sort(d.begin(), d.end(),
+                     [](const Desc& a, const Desc& b) { return a.offset < b.offset; });
     check_tiling(name, entry.shape, d);
     for (const Desc& x : d) entry.pieces.push_back({x.rank, x.offset, x.numel, -1});
   }
@@ -249,8 +251,9 @@ std::string write_rank_file(const std::string& path, const std::vector<ShardPiec
 // the current index names.
 std::string new_save_id() {
   std::random_device rd;
-  std::mt19937_64 gen((static_cast<uint64_t>(rd()) << 32) ^ rd() ^
-                      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  std::mt19937_64 gen(
+      (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
   char buf[17];
   std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(gen()));
   return buf;
@@ -263,13 +266,17 @@ Json index_json(const std::string& save_id, int world,
   for (const auto& [name, e] : plan) {
     Json pieces = Json::array();
     for (const auto& p : e.pieces) {
-      pieces.push_back({{"rank", p.rank}, {"offset", p.offset}, {"numel", p.numel},
+      pieces.push_back({{"rank", p.rank},
+                        {"offset", p.offset},
+                        {"numel", p.numel},
                         {"file_offset", p.file_offset}});
     }
-    tensors.push_back({{"name", name}, {"shape", e.shape},
-                       {"dtype", std::string(dtype_name(e.dtype))}, {"pieces", pieces}});
+    tensors.push_back({{"name", name},
+                       {"shape", e.shape},
+                       {"dtype", std::string(dtype_name(e.dtype))},
+                       {"pieces", pieces}});
   }
-  return {{"format", kFormat}, {"version", kVersion},   {"save_id", save_id},
+  return {{"format", kFormat},   {"version", kVersion},  {"save_id", save_id},
           {"world_size", world}, {"metadata", metadata}, {"tensors", tensors}};
 }
 
@@ -286,7 +293,8 @@ void remove_stale_files(const std::string& dir, const std::string& keep_id) {
     if (std::regex_match(name, m, rank_file) && m[1] != keep_id) {
       std::error_code rm;
       fs::remove(f.path(), rm);
-      if (rm) logging::warn(kSaveOp, " could not remove stale ", f.path().string(), ": ", rm.message());
+      if (rm)
+        logging::warn(kSaveOp, " could not remove stale ", f.path().string(), ": ", rm.message());
     }
   }
 }
@@ -296,7 +304,8 @@ void check_outcomes(const std::vector<std::string>& outcomes, const std::string&
   std::string errors;
   for (size_t r = 0; r < outcomes.size(); ++r) {
     const Json o = Json::parse(outcomes[r]);
-    if (o.contains("error")) errors += detail::str_cat("; rank ", r, ": ", o["error"].get<std::string>());
+    if (o.contains("error"))
+      errors += detail::str_cat("; rank ", r, ": ", o["error"].get<std::string>());
   }
   if (!errors.empty()) {
     throw Error(detail::str_cat(kSaveOp, " ", step, " failed", errors,
@@ -319,7 +328,8 @@ void save_sharded(const std::string& dir, const std::vector<ShardPiece>& pieces,
   std::error_code ec;
   fs::create_directories(dir, ec);  // every rank, in case `dir` is not shared; errors show below
   const std::string path = (fs::path(dir) / rank_file_name(save_id, me)).string();
-  const std::vector<std::string> written = detail::exchange_bytes(pg, write_rank_file(path, pieces, me));
+  const std::vector<std::string> written =
+      detail::exchange_bytes(pg, write_rank_file(path, pieces, me));
   try {
     check_outcomes(written, "writing the rank files");
   } catch (...) {
@@ -334,8 +344,8 @@ void save_sharded(const std::string& dir, const std::vector<ShardPiece>& pieces,
       for (size_t i = 0; i < plan.size(); ++i) at[plan[i].first] = i;
       for (auto& [name, e] : plan) {
         for (auto& p : e.pieces) {
-          p.file_offset = Json::parse(written[static_cast<size_t>(p.rank)])["offsets"]
-                              .at(piece_key(name, p.offset));
+          p.file_offset = Json::parse(written[static_cast<size_t>(p.rank)])["offsets"].at(
+              piece_key(name, p.offset));
         }
       }
       const Json index = index_json(save_id, pg.size(), metadata, plan);
@@ -353,7 +363,6 @@ void save_sharded(const std::string& dir, const std::vector<ShardPiece>& pieces,
     throw;
   }
 }
-
 
 // ---- reading ----
 
@@ -390,18 +399,16 @@ ShardedCheckpoint::Entry parse_entry(const Json& t, const std::string& name, int
   EMBER_CHECK(pieces.is_array(), kReadOp, " ", path, ": ", where, "'pieces' is not an array");
   int64_t end = 0;
   for (const Json& p : pieces) {
-    ShardedCheckpoint::Piece x{field<int>(p, "rank", path, where),
-                               field<int64_t>(p, "offset", path, where),
-                               field<int64_t>(p, "numel", path, where),
-                               field<int64_t>(p, "file_offset", path, where)};
+    ShardedCheckpoint::Piece x{
+        field<int>(p, "rank", path, where), field<int64_t>(p, "offset", path, where),
+        field<int64_t>(p, "numel", path, where), field<int64_t>(p, "file_offset", path, where)};
     int64_t bytes = 0, file_end = 0;
-    EMBER_CHECK(x.rank >= 0 && x.rank < world && x.offset == end && x.numel > 0 &&
-                    x.numel <= total - end && x.file_offset >= 0 &&
-                    !__builtin_mul_overflow(x.numel, itemsize(e.dtype), &bytes) &&
-                    !__builtin_add_overflow(x.file_offset, bytes, &file_end),
-                kReadOp, " ", path, ": ", where, "has a bad piece ", p.dump(),
-                " (expected rank in [0, ", world, "), offset ", end, ", numel in [1, ", total - end,
-                "])");
+    EMBER_CHECK(
+        x.rank >= 0 && x.rank < world && x.offset == end && x.numel > 0 && x.numel <= total - end &&
+            x.file_offset >= 0 && !__builtin_mul_overflow(x.numel, itemsize(e.dtype), &bytes) &&
+            !__builtin_add_overflow(x.file_offset, bytes, &file_end),
+        kReadOp, " ", path, ": ", where, "has a bad piece ", p.dump(), " (expected rank in [0, ",
+        world, "), offset ", end, ", numel in [1, ", total - end, "])");
     end += x.numel;
     e.pieces.push_back(x);
   }
@@ -414,7 +421,8 @@ Json read_index(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     throw Error(detail::str_cat(kReadOp, " cannot open the checkpoint index ", path, ": ",
-                                std::strerror(errno), " (not a sharded checkpoint, or its save "
+                                std::strerror(errno),
+                                " (not a sharded checkpoint, or its save "
                                 "never completed)"));
   }
   std::stringstream ss;
@@ -523,9 +531,11 @@ void ShardedCheckpoint::read_into(const std::string& name, int64_t offset, Tenso
   EMBER_CHECK(out.defined() && out.is_cpu() && out.is_contiguous() && out.dim() == 1 &&
                   out.dtype() == e.dtype,
               kReadOp, " read_into('", name, "'): expected a contiguous 1-D CPU tensor of dtype ",
-              e.dtype, ", got ", out.defined() ? detail::str_cat(out.dtype(), " ", out.shape(), " on ",
-                                                                   out.device().str(), out.is_contiguous() ? "" : ", strided")
-                                                : "an undefined tensor");
+              e.dtype, ", got ",
+              out.defined()
+                  ? detail::str_cat(out.dtype(), " ", out.shape(), " on ", out.device().str(),
+                                    out.is_contiguous() ? "" : ", strided")
+                  : "an undefined tensor");
   const int64_t numel = out.numel(), total = numel_of(e.shape);
   EMBER_CHECK_TYPE(IndexError, offset >= 0 && offset <= total - numel, kReadOp, " read('", name,
                    "', offset ", offset, ", numel ", numel, "): outside the tensor's ", total,
@@ -540,8 +550,8 @@ void ShardedCheckpoint::read_into(const std::string& name, int64_t offset, Tenso
     Fd& f = files[p.rank];
     if (f.fd < 0) f.fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
     if (f.fd < 0) {
-      throw Error(detail::str_cat(kReadOp, " reading tensor '", name, "': cannot open ", file,
-                                  ": ", std::strerror(errno)));
+      throw Error(detail::str_cat(kReadOp, " reading tensor '", name, "': cannot open ", file, ": ",
+                                  std::strerror(errno)));
     }
     pread_exact(f.fd, static_cast<char*>(out.data_ptr()) + (lo - offset) * isz, (hi - lo) * isz,
                 p.file_offset + (lo - p.offset) * isz, file, name);

@@ -19,13 +19,16 @@ namespace {
 void list(const ember::dist::ShardedCheckpoint& ckpt) {
   std::printf("%s: save %s by %d ranks, %zu tensors\n", ckpt.dir().c_str(), ckpt.save_id().c_str(),
               ckpt.world_size(), ckpt.names().size());
-  for (const auto& [k, v] : ckpt.metadata()) std::printf("  metadata %s = %s\n", k.c_str(), v.c_str());
+  for (const auto& [k, v] : ckpt.metadata())
+    std::printf("  metadata %s = %s\n", k.c_str(), v.c_str());
   for (const std::string& name : ckpt.names()) {
     const auto& e = ckpt.entry(name);
     std::string shape = "[";
-    for (size_t i = 0; i < e.shape.size(); ++i) shape += (i ? ", " : "") + std::to_string(e.shape[i]);
+    for (size_t i = 0; i < e.shape.size(); ++i)
+      shape += (i ? ", " : "") + std::to_string(e.shape[i]);
     std::printf("  %s %s %s, %zu piece(s) on ranks", name.c_str(),
-                std::string(ember::dtype_name(e.dtype)).c_str(), (shape + "]").c_str(), e.pieces.size());
+                std::string(ember::dtype_name(e.dtype)).c_str(), (shape + "]").c_str(),
+                e.pieces.size());
     for (const auto& p : e.pieces) std::printf(" %d", p.rank);
     std::printf("\n");
   }

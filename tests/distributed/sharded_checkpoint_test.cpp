@@ -79,7 +79,9 @@ std::map<std::string, Tensor> make_values(const std::vector<Spec>& specs, int se
                               : 0.5 * static_cast<double>(k) + seed * 100 + static_cast<double>(i);
     }
     Tensor t = from_vector(v);
-    t = s.dtype == kBool ? eq(t, 0.0) : s.dtype == kInt64 ? (t * 2).to(kInt64) * 3 - 7 : t.to(s.dtype);
+    t = s.dtype == kBool    ? eq(t, 0.0)
+        : s.dtype == kInt64 ? (t * 2).to(kInt64) * 3 - 7
+                            : t.to(s.dtype);
     out[s.name] = t.reshape(s.shape).contiguous();
   }
   return out;
@@ -103,7 +105,8 @@ std::vector<ShardPiece> pieces_of(int rank, const std::vector<Spec>& specs,
 // Throws naming the first differing byte unless got and want have the same dtype, shape and
 // bytes.
 void require_same(const std::string& what, const Tensor& got, const Tensor& want) {
-  test::require(got.dtype() == want.dtype(), what + ": dtype " + std::string(dtype_name(got.dtype())));
+  test::require(got.dtype() == want.dtype(),
+                what + ": dtype " + std::string(dtype_name(got.dtype())));
   test::require(got.shape() == want.shape(), what + ": shape differs");
   const Tensor g = got.contiguous(), w = want.contiguous();
   const auto* a = static_cast<const unsigned char*>(g.data_ptr());
@@ -141,8 +144,8 @@ void check_read_back(const std::string& dir, const std::vector<Spec>& specs,
       const int64_t lo = n * r / readers, hi = n * (r + 1) / readers;
       Tensor part = ckpt.read(s.name, lo, hi - lo);
       EXPECT_EQ(part.dim(), 1);
-      require_same(s.name + " range [" + std::to_string(lo) + ", " + std::to_string(hi) + ")",
-                   part, values.at(s.name).reshape({-1}).narrow(0, lo, hi - lo));
+      require_same(s.name + " range [" + std::to_string(lo) + ", " + std::to_string(hi) + ")", part,
+                   values.at(s.name).reshape({-1}).narrow(0, lo, hi - lo));
       parts.push_back(part);
     }
     require_same(s.name + " from " + std::to_string(readers) + " readers",
@@ -168,7 +171,8 @@ TEST(ShardedCheckpoint, FourRanksSaveReadBackAsFourTwoAndOne) {
   save_on_threads(dir.path(), specs, values, 4, {{"step", "20"}, {"model", "gpt"}});
   const ShardedCheckpoint ckpt(dir.path());
   EXPECT_EQ(ckpt.world_size(), 4);
-  EXPECT_EQ(ckpt.metadata(), (std::map<std::string, std::string>{{"step", "20"}, {"model", "gpt"}}));
+  EXPECT_EQ(ckpt.metadata(),
+            (std::map<std::string, std::string>{{"step", "20"}, {"model", "gpt"}}));
   // First appearance, rank by rank: rank 0 gives w, step, h, mask, ids, empty; then b, d.
   EXPECT_EQ(ckpt.names(),
             (std::vector<std::string>{"w", "step", "h", "mask", "ids", "empty", "b", "d"}));
@@ -232,7 +236,8 @@ TEST(ShardedCheckpoint, ConsolidateGivesAnOrdinarySafetensorsFile) {
   EXPECT_EQ(f.metadata(), (std::map<std::string, std::string>{{"format", "pt"}, {"step", "7"}}));
   ASSERT_EQ(f.size(), specs.size());
   for (size_t i = 0; i < f.size(); ++i) EXPECT_EQ(f.tensors()[i].first, ckpt.names()[i]);
-  for (const Spec& s : specs) require_same(s.name + " consolidated", f.at(s.name), values.at(s.name));
+  for (const Spec& s : specs)
+    require_same(s.name + " consolidated", f.at(s.name), values.at(s.name));
 }
 
 TEST(ShardedCheckpoint, ASecondSaveReplacesTheFirstAndRemovesItsFiles) {
@@ -257,8 +262,8 @@ TEST(ShardedCheckpoint, ASecondSaveReplacesTheFirstAndRemovesItsFiles) {
 
 // Runs save_sharded on n rank threads, each with pieces(rank); returns what each rank threw
 // ("" if it returned).
-std::map<int, std::string> save_messages(const std::string& dir, int n,
-                                         const std::function<std::vector<ShardPiece>(int)>& pieces) {
+std::map<int, std::string> save_messages(
+    const std::string& dir, int n, const std::function<std::vector<ShardPiece>(int)>& pieces) {
   std::mutex mu;
   std::map<int, std::string> errors;
   test::run_threads(ranks(n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
@@ -283,7 +288,8 @@ TEST(ShardedCheckpoint, AFailureMidSaveKeepsThePreviousSet) {
     if (rank == 2) throw std::runtime_error("simulated crash after the rank file");
   });
   const auto after = make_values(specs, 7);
-  auto errors = save_messages(dir.path(), 4, [&](int rank) { return pieces_of(rank, specs, after); });
+  auto errors =
+      save_messages(dir.path(), 4, [&](int rank) { return pieces_of(rank, specs, after); });
   detail::set_sharded_save_hook(nullptr);
   for (int r = 0; r < 4; ++r) {
     EXPECT_NE(errors[r].find("rank 2: simulated crash after the rank file"), std::string::npos)
@@ -304,17 +310,25 @@ TEST(ShardedCheckpoint, PiecesThatDoNotTileFailOnEveryRank) {
     std::vector<std::string> expect;
   };
   const std::vector<Case> cases = {
-      {"gap", {"w", {4, 5}, kFloat32, {{0, 0, 6}, {1, 8, 6}, {2, 14, 6}}},
+      {"gap",
+       {"w", {4, 5}, kFloat32, {{0, 0, 6}, {1, 8, 6}, {2, 14, 6}}},
        {"tensor 'w'", "elements [6, 8) are in no rank's piece", "rank 0", "rank 1"}},
-      {"gap at the end", {"w", {4, 5}, kFloat32, {{0, 0, 6}, {3, 6, 10}}},
+      {"gap at the end",
+       {"w", {4, 5}, kFloat32, {{0, 0, 6}, {3, 6, 10}}},
        {"elements [16, 20) are in no rank's piece", "after rank 3"}},
-      {"gap at the start", {"w", {4, 5}, kFloat32, {{2, 3, 17}}}, {"elements [0, 3)", "before rank 2"}},
-      {"overlap", {"w", {4, 5}, kFloat32, {{0, 0, 10}, {3, 8, 12}}},
+      {"gap at the start",
+       {"w", {4, 5}, kFloat32, {{2, 3, 17}}},
+       {"elements [0, 3)", "before rank 2"}},
+      {"overlap",
+       {"w", {4, 5}, kFloat32, {{0, 0, 10}, {3, 8, 12}}},
        {"rank 3's piece [8, 20) overlaps rank 0's piece ending at 10 on [8, 10)"}},
       {"replicated on two ranks", {"w", {3}, kFloat32, {{0, 0, 3}, {1, 0, 3}}}, {"overlaps"}},
-      {"a name that is not UTF-8", {"w\xff", {3}, kFloat32, {{1, 0, 3}}},
+      {"a name that is not UTF-8",
+       {"w\xff", {3}, kFloat32, {{1, 0, 3}}},
        {"rank 1: piece 0 ('w", "has a name that is not valid UTF-8"}},
-      {"outside the tensor", {"w", {3}, kFloat32, {{1, 2, 4}}}, {"rank 1: piece 0 ('w') covers elements [2, 6)"}},
+      {"outside the tensor",
+       {"w", {3}, kFloat32, {{1, 2, 4}}},
+       {"rank 1: piece 0 ('w') covers elements [2, 6)"}},
   };
   for (const Case& c : cases) {
     TempDir dir;
@@ -324,7 +338,8 @@ TEST(ShardedCheckpoint, PiecesThatDoNotTileFailOnEveryRank) {
     for (int r = 0; r < 4; ++r) {
       for (const std::string& want : c.expect) {
         EXPECT_NE(errors.at(r).find(want), std::string::npos)
-            << c.what << ": rank " << r << " got '" << errors.at(r) << "', expected '" << want << "'";
+            << c.what << ": rank " << r << " got '" << errors.at(r) << "', expected '" << want
+            << "'";
       }
     }
     EXPECT_TRUE(files_in(dir.path()).empty()) << c.what << ": nothing is written";
@@ -349,7 +364,8 @@ TEST(ShardedCheckpoint, DisagreementsAndBadShapesFailOnEveryRank) {
         << "rank " << r << ": " << errors[r];
   }
   errors = save_messages(dir.path(), 2, [&](int rank) {
-    return std::vector<ShardPiece>{{"v", {4}, 2 * rank, zeros({2}, rank == 0 ? kFloat32 : kBFloat16)}};
+    return std::vector<ShardPiece>{
+        {"v", {4}, 2 * rank, zeros({2}, rank == 0 ? kFloat32 : kBFloat16)}};
   });
   for (int r = 0; r < 2; ++r) {
     EXPECT_NE(errors[r].find("tensor 'v': rank 1 gives dtype bfloat16 but rank 0 gives float32"),
@@ -376,9 +392,11 @@ TEST(ShardedCheckpoint, ReaderErrorsNameTheFileAndTensor) {
   save_on_threads(dir.path(), specs, make_values(specs, 10), 4);
   const ShardedCheckpoint ckpt(dir.path());
   EXPECT_THROW(ckpt.read("nope", 0, 1), IndexError);
-  EXPECT_NE(test::message_of([&] { ckpt.shape("nope"); }).find("no tensor 'nope'"), std::string::npos);
-  EXPECT_NE(test::message_of([&] { ckpt.read("w", 30, 6); }).find("outside the tensor's 35 elements"),
+  EXPECT_NE(test::message_of([&] { ckpt.shape("nope"); }).find("no tensor 'nope'"),
             std::string::npos);
+  EXPECT_NE(
+      test::message_of([&] { ckpt.read("w", 30, 6); }).find("outside the tensor's 35 elements"),
+      std::string::npos);
   EXPECT_THROW(ckpt.read("w", -1, 2), IndexError);
   EXPECT_NO_THROW(ckpt.read("w", 35, 0));
 
@@ -414,11 +432,14 @@ TEST(ShardedCheckpoint, ReaderErrorsNameTheFileAndTensor) {
       {"[]", "has no 'format'"},
       {R"({"format": "ember.sharded_checkpoint", "version": 99})", "format version 99"},
       {head + R"([{"name": "t", "shape": [4611686018427387904, 4], "dtype": "float32",
-                  "pieces": []}]})", "tensor 't' has a bad shape"},
+                  "pieces": []}]})",
+       "tensor 't' has a bad shape"},
       {head + R"([{"name": "t", "shape": [4], "dtype": "float32", "pieces": [{"rank": 0,
-                  "offset": 0, "numel": 3, "file_offset": 0}]}]})", "pieces cover 3 of the 4"},
+                  "offset": 0, "numel": 3, "file_offset": 0}]}]})",
+       "pieces cover 3 of the 4"},
       {head + R"([{"name": "t", "shape": [4], "dtype": "float32", "pieces": [{"rank": 1,
-                  "offset": 0, "numel": 4, "file_offset": 0}]}]})", "tensor 't' has a bad piece"},
+                  "offset": 0, "numel": 4, "file_offset": 0}]}]})",
+       "tensor 't' has a bad piece"},
       {head + R"([{"name": "t", "shape": [4], "dtype": "complex", "pieces": []}]})", "complex"},
       {head + R"([{"name": "t", "shape": "4"}]})", "'shape' has the wrong type"},
   };
@@ -439,12 +460,12 @@ TEST(ShardedCheckpointGloo, TwoProcessesSaveAndACrashKeepsThePreviousSet) {
   const auto run = [&](int seed, bool crash) {
     test::Children kids(2, [&](int rank, const std::string& port) {
       using namespace std::chrono_literals;
-      auto store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)),
-                                              [] {
-        TCPStoreOptions so;
-        so.timeout = 30s;
-        return so;
-      }());
+      auto store =
+          std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), [] {
+            TCPStoreOptions so;
+            so.timeout = 30s;
+            return so;
+          }());
       ProcessGroupGloo::GlooOptions go{30s, "127.0.0.1"};
       go.shared_memory = false;
       ProcessGroupGloo pg(std::make_shared<PrefixStore>("pg", store), rank, 2, go);

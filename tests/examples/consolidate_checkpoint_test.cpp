@@ -29,7 +29,8 @@ TEST(ConsolidateCheckpoint, WritesOneSafetensorsFileAndListsTheTensors) {
   auto world = dist::ThreadWorld::create(2);
   dist::run_rank_threads(world, [&](int rank) {
     dist::ProcessGroupThreads pg(world, rank);
-    std::vector<dist::ShardPiece> mine{{"w", {3, 4}, rank * 5, w.reshape({-1}).narrow(0, rank * 5, rank == 0 ? 5 : 7)}};
+    std::vector<dist::ShardPiece> mine{
+        {"w", {3, 4}, rank * 5, w.reshape({-1}).narrow(0, rank * 5, rank == 0 ? 5 : 7)}};
     if (rank == 0) mine.push_back({"step", {}, 0, step.reshape({1})});
     dist::save_sharded(ckpt, mine, pg, {{"format", "pt"}});
   });
