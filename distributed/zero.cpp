@@ -7,6 +7,7 @@
 #include <set>
 #include <sstream>
 
+#include <ember/distributed/detail/byte_exchange.h>
 #include <ember/distributed/errors.h>
 #include <ember/distributed/init.h>
 #include <ember/tensor/creation.h>
@@ -40,34 +41,6 @@ std::vector<int> partition(const std::vector<std::vector<size_t>>& groups,
     }
   }
   return owner;
-}
-
-// Every rank's `mine` on `root` (empty elsewhere): an all-gather of the lengths, then one gather
-// of byte tensors padded to the longest, on the group's default device.
-std::vector<std::string> gather_bytes(ProcessGroup& pg, const std::string& mine, int root) {
-  const int n = pg.size();
-  const Device dev = pg.default_device();
-  Tensor len = from_vector(std::vector<int64_t>{static_cast<int64_t>(mine.size())}).to(dev);
-  Tensor lens = zeros({n}, TensorOptions(kInt64).device(dev));
-  pg.allgather_into_tensor(lens, len)->wait();
-  const std::vector<int64_t> sizes = lens.to_vector<int64_t>();
-  const int64_t longest = std::max<int64_t>(1, *std::max_element(sizes.begin(), sizes.end()));
-  Tensor padded = zeros({longest}, kUInt8);
-  std::memcpy(padded.data_ptr(), mine.data(), mine.size());
-  Tensor in = padded.to(dev);
-  std::vector<Tensor> outs;
-  if (pg.rank() == root) {
-    for (int r = 0; r < n; ++r) outs.push_back(empty({longest}, TensorOptions(kUInt8).device(dev)));
-  }
-  GatherOptions o;
-  o.root = root;
-  pg.gather(outs, in, o)->wait();
-  std::vector<std::string> out;
-  for (int r = 0; r < static_cast<int>(outs.size()); ++r) {
-    const Tensor host = outs[r].to(kCPU);
-    out.emplace_back(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(sizes[r]));
-  }
-  return out;
 }
 
 // "state.<index>.<key>" -> (index, key).
@@ -277,7 +250,7 @@ void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
                 " but this rank holds ", local_.size());
     global.emplace_back(state_name(local_[k], key), t);
   }
-  const std::vector<std::string> all = gather_bytes(*group_, pack_state(global), to);
+  const std::vector<std::string> all = detail::exchange_bytes(*group_, pack_state(global), to);
   consolidated_.reset();
   if (group_->rank() != to) return;
   std::vector<std::pair<size_t, std::pair<std::string, Tensor>>> entries;
