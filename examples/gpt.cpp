@@ -1,4 +1,5 @@
-// A GPT-2-style byte-level language model trained data-parallel with DistributedDataParallel on
+// A GPT-2-style byte-level language model trained data-parallel (DistributedDataParallel, or
+// with --shard zero|fsdp sharded: ZeroRedundancyOptimizer or fully_shard) on
 // prose a Debian package ships (the King James Bible of bible-kjv-text by default). Each rank
 // draws its own random context windows per step (nn/data/token_stream.h); gradients are averaged
 // across ranks during backward; rank 0 prints progress, evaluates and writes checkpoints.
@@ -27,6 +28,9 @@
 #include <vector>
 
 #include <ember/distributed/amp.h>
+#include <ember/distributed/fsdp.h>
+#include <ember/distributed/fsdp_checkpoint.h>
+#include <ember/distributed/zero.h>
 #include "examples/example_util.h"
 #include "examples/gpt_model.h"
 #include <ember/nn/amp/autocast.h>
@@ -70,6 +74,7 @@ struct Args {
   std::string backend = "gloo";
   std::string device = "cpu";
   std::string comm_hook = "none";
+  std::string shard = "none";  // none (DDP), zero (DDP + ZeroRedundancyOptimizer), fsdp
   int64_t eval_every = 100;  // 0: only at the end
   int64_t eval_batches = 8;
   int64_t log_every = 0;     // 0: twenty progress lines per run
@@ -84,6 +89,7 @@ struct Args {
   bool continue_on_nan = false;  // keep training when a step's loss is not finite
   int64_t stop_at_step = 0;  // testing aid: stop (as if interrupted) after this step
   int64_t hang_at_step = -1;  // testing aid: SIGSTOP rank 1 at this step, first run only
+  int64_t fail_at_step = -1;  // testing aid: SIGKILL rank 1 at this step, first run only
 };
 
 // lr multiplier at step s: linear warm-up over the first 50 steps, then a cosine from 1 down to
@@ -105,6 +111,52 @@ std::vector<nn::optim::ParamGroup> decay_groups(const std::vector<Tensor>& param
           nn::optim::ParamGroup(no_decay, {{"weight_decay", 0.0}})};
 }
 
+nn::optim::AdamWOptions adamw_options(const Args& a) {
+  return {.lr = a.lr, .betas = {0.9, 0.95}, .eps = 1e-8, .weight_decay = 0.1};
+}
+
+// --shard: where the model's state lives. none: DDP, every rank holds everything; zero: DDP and
+// a ZeroRedundancyOptimizer (each rank holds 1/N of AdamW's moments); fsdp: every block and the
+// root fully_shard-ed (parameters, gradients and moments 1/N per rank).
+struct Parallel {
+  std::shared_ptr<dist::DistributedDataParallel> ddp;   // none, zero
+  std::unique_ptr<dist::ZeroRedundancyOptimizer> zero;  // zero
+  std::unique_ptr<nn::optim::AdamW> adamw;              // none, fsdp
+  /// The optimizer LR schedules and the grad scaler drive (zero: this rank's local one).
+  nn::optim::Optimizer& optimizer() { return zero ? zero->optimizer() : *adamw; }
+};
+
+Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
+                       const std::shared_ptr<dist::ProcessGroup>& pg) {
+  Parallel p;
+  if (a.shard == "fsdp") {
+    for (const auto& block : model->blocks) dist::fully_shard(block, {.group = pg});
+    dist::fully_shard(model, {.group = pg});
+    std::vector<Tensor> decay, no_decay;
+    for (const auto& s : dist::local_shards(*model)) {
+      if (s.data.defined()) (s.shape.size() >= 2 ? decay : no_decay).push_back(s.data);
+    }
+    p.adamw = std::make_unique<nn::optim::AdamW>(
+        std::vector<nn::optim::ParamGroup>{nn::optim::ParamGroup(decay, {{"weight_decay", 0.1}}),
+                                           nn::optim::ParamGroup(no_decay, {{"weight_decay", 0.0}})},
+        adamw_options(a));
+    return p;
+  }
+  p.ddp = std::make_shared<dist::DistributedDataParallel>(model, pg);
+  if (a.shard == "zero") {
+    p.zero = std::make_unique<dist::ZeroRedundancyOptimizer>(
+        decay_groups(p.ddp->parameters()),
+        [o = adamw_options(a)](std::vector<nn::optim::ParamGroup> g) {
+          return std::make_unique<nn::optim::AdamW>(std::move(g), o);
+        },
+        pg);
+  } else {
+    p.adamw = std::make_unique<nn::optim::AdamW>(decay_groups(p.ddp->parameters()),
+                                                 adamw_options(a));
+  }
+  return p;
+}
+
 std::string default_cache_dir() {
   if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && *x != '\0') {
     return std::string(x) + "/ember";
@@ -115,7 +167,7 @@ std::string default_cache_dir() {
   return (std::filesystem::temp_directory_path() / "ember-cache").string();
 }
 
-std::shared_ptr<nn::Module> seeded_model(const Args& a, ember::Device device) {
+std::shared_ptr<GPT> seeded_model(const Args& a, ember::Device device) {
   ember::manual_seed(a.seed);  // the same weights on every rank (DDP broadcasts rank 0's anyway)
   auto model = std::make_shared<GPT>(GPTConfig{.vocab = kVocab,
                                                .layers = a.layers,
@@ -151,18 +203,17 @@ class Trainer {
   void after_eval(double val_loss);
   void save_checkpoint();
   int64_t maybe_resume();
-  std::string generate();
+  std::string generate(nn::Module& model);
   void print_banner() const;
   void measure_peak_memory();
-  double lr() const { return opt_.param_groups().front().lr(); }
+  double lr() { return par_.optimizer().param_groups().front().lr(); }
 
   const Args& a_;
   const RunContext run_;
-  std::shared_ptr<nn::Module> model_;
+  std::shared_ptr<GPT> model_;
   nn::data::TokenStream data_;
-  dist::DistributedDataParallel ddp_;
+  Parallel par_;
   std::shared_ptr<dist::PowerSGDState> powersgd_;
-  nn::optim::AdamW opt_;
   nn::optim::LambdaLR schedule_;
   nn::amp::GradScaler scaler_;  // a pass-through unless --amp fp16
   const int64_t log_every_;
@@ -172,6 +223,7 @@ class Trainer {
   dist::StepTimes run_times_;  // this run's totals over the logged windows (ms)
   int64_t run_steps_ = 0;
   double peak_rss_mb_ = 0, peak_allocated_mb_ = 0;  // the largest over the ranks
+  int64_t peak_memory_bytes_ = 0;                     // this rank's allocator high-water mark
   Metrics metrics_;
 };
 
@@ -191,11 +243,11 @@ Trainer::Trainer(const Args& a)
       run_("gpt", a.backend, a.timeout_s, a.device),
       model_(seeded_model(a, run_.device)),
       data_(make_stream(a, *run_.pg)),
-      ddp_(model_, run_.pg),
-      powersgd_(register_comm_hook(ddp_, a.comm_hook, /*powersgd_rank=*/2, /*start=*/10)),
-      opt_(decay_groups(ddp_.parameters()),
-           {.lr = a.lr, .betas = {0.9, 0.95}, .eps = 1e-8, .weight_decay = 0.1}),
-      schedule_(opt_, [steps = a.steps](int64_t s) { return lr_factor(s, steps); }),
+      par_(make_parallel(a, model_, run_.pg)),
+      powersgd_(par_.ddp ? register_comm_hook(*par_.ddp, a.comm_hook, /*powersgd_rank=*/2,
+                                              /*start=*/10)
+                         : nullptr),
+      schedule_(par_.optimizer(), [steps = a.steps](int64_t s) { return lr_factor(s, steps); }),
       // DDP's exact average gives every rank the same gradients; a compressing hook may not, so
       // then the ranks agree on skipping a step.
       scaler_({.enabled = a.amp == "fp16",
@@ -239,10 +291,10 @@ double Trainer::train() {
   while (step_ < end) {
     const auto t0 = Clock::now();
     const double loss = train_step(step_);
-    stop_self_if_asked("gpt", run_.rank, run_.world, step_, /*fail_at=*/-1, a_.hang_at_step);
+    stop_self_if_asked("gpt", run_.rank, run_.world, step_, a_.fail_at_step, a_.hang_at_step);
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     train_seconds_ += dt;
-    window.comm_wait_ms += ddp_.stats().exposed_communication.last_ms;
+    if (par_.ddp) window.comm_wait_ms += par_.ddp->stats().exposed_communication.last_ms;
     window.add(loss);
     // Every rank joins the straggler report's gather at the same steps.
     if (step_ % log_every_ == 0 || step_ == end) log_progress(window);
@@ -264,19 +316,31 @@ double Trainer::train() {
 double Trainer::train_step(int64_t step) {
   const nn::data::Batch b = data_.train_batch(step);
   Tensor x = b.data.to(run_.device), y = b.target.to(run_.device);
-  opt_.zero_grad();
+  if (par_.zero) {
+    par_.zero->zero_grad();
+  } else {
+    par_.adamw->zero_grad();
+  }
   Tensor loss;
   {
     const nn::amp::autocast amp(run_.device, amp_dtype(a_.amp), a_.amp != "off");
-    Tensor logits = ddp_.forward(x);  // [B, T, 256]
+    Tensor logits = par_.ddp ? par_.ddp->forward(x) : (*model_)(x);  // [B, T, 256]
     loss = F::cross_entropy(logits.reshape({-1, kVocab}), y.reshape({-1}));
   }
   scaler_.scale(loss).backward();
   if (a_.grad_clip > 0) {
-    scaler_.unscale_(opt_);
-    nn::clip_grad_norm_(ddp_.parameters(), a_.grad_clip);
+    scaler_.unscale_(par_.optimizer());
+    if (par_.ddp) {
+      nn::clip_grad_norm_(par_.ddp->parameters(), a_.grad_clip);
+    } else {
+      dist::clip_grad_norm_(*model_, a_.grad_clip);  // the norm over every rank's shards
+    }
   }
-  scaler_.step(opt_);
+  if (par_.zero) {
+    par_.zero->step();  // collective: every rank gets every rank's updated parameters
+  } else {
+    scaler_.step(par_.optimizer());
+  }
   scaler_.update();
   schedule_.step();
   ++step_;
@@ -294,7 +358,7 @@ double Trainer::evaluate() {
   for (int64_t i = 0; i < a_.eval_batches; ++i) {
     const nn::data::Batch b = data_.validation_batch(i, a_.eval_batches);
     const nn::amp::autocast amp(run_.device, amp_dtype(a_.amp), a_.amp != "off");
-    Tensor logits = model_->forward(b.data.to(run_.device));
+    Tensor logits = (*model_)(b.data.to(run_.device));
     sum += F::cross_entropy(logits.reshape({-1, kVocab}), b.target.to(run_.device).reshape({-1}))
                .item<float>();
   }
@@ -362,6 +426,7 @@ void Trainer::measure_peak_memory() {
   const int64_t peak = run_.device.is_cuda()
                            ? ember::cuda::max_memory_allocated(run_.device.index)
                            : ember::cpu_allocator_stats().peak_allocated;
+  peak_memory_bytes_ = peak;
   Tensor peaks = ember::from_vector(std::vector<double>{
       static_cast<double>(ru.ru_maxrss) / 1024.0, static_cast<double>(peak) / (1024.0 * 1024.0)});
   run_.pg->allreduce(peaks, {.op = dist::ReduceOp::Max})->wait();
@@ -372,6 +437,9 @@ void Trainer::measure_peak_memory() {
 
 // ---- checkpoints ----
 
+// --shard fsdp's checkpoint: a folder of per-rank shards and an index (distributed/fsdp.h).
+std::string sharded_checkpoint_dir(const std::string& dir) { return dir + "/sharded"; }
+
 std::map<std::string, std::string> run_settings(const Args& a, int world) {
   auto s = [](auto v) { return std::to_string(v); };
   return {{"world_size", s(world)},   {"batch_size", s(a.batch_size)}, {"context", s(a.context)},
@@ -379,30 +447,57 @@ std::map<std::string, std::string> run_settings(const Args& a, int world) {
           {"steps", s(a.steps)},      {"seed", s(a.seed)},             {"comm_hook", a.comm_hook}};
 }
 
-// Every rank calls it at the same step (the hook state is gathered); rank 0 writes the file.
+// Every rank calls it at the same step (the hook state, ZeRO's optimizer state are gathered);
+// rank 0 writes the file. --shard fsdp: every rank writes its shards (a sharded checkpoint).
 void Trainer::save_checkpoint() {
-  const nn::NamedTensors extra = gather_hook_state(powersgd_.get(), *run_.pg);
-  if (!run_.leader) return;
   auto meta = run_settings(a_, run_.world);
   meta["global_step"] = std::to_string(step_);
   meta["lr_scheduler"] = schedule_.state_dict();
+  meta["shard"] = a_.shard;
+  if (a_.shard == "fsdp") {
+    dist::save_fsdp_checkpoint(sharded_checkpoint_dir(a_.checkpoint_dir), *model_,
+                               &par_.optimizer(), *run_.pg, meta);
+    return;
+  }
+  const nn::NamedTensors extra = gather_hook_state(powersgd_.get(), *run_.pg);
+  if (par_.zero) par_.zero->consolidate_state_dict(0);
+  if (!run_.leader) return;
   std::filesystem::create_directories(a_.checkpoint_dir);
-  nn::save_checkpoint(checkpoint_path(a_.checkpoint_dir), *model_, &opt_, meta, extra);
+  const std::string path = checkpoint_path(a_.checkpoint_dir);
+  if (par_.zero) {  // the file a plain AdamW over the whole model would write
+    nn::optim::AdamW whole(decay_groups(model_->parameters()), adamw_options(a_));
+    whole.load_state_dict(par_.zero->state_dict());
+    nn::save_checkpoint(path, *model_, &whole, meta, extra);
+  } else {
+    nn::save_checkpoint(path, *model_, par_.adamw.get(), meta, extra);
+  }
 }
 
 // Loads the checkpoint if --resume finds one; returns the step to continue from. The batches
 // are a function of the step, so the run goes on with the windows it would have drawn.
 int64_t Trainer::maybe_resume() {
   if (!a_.resume) return 0;
-  const std::string path = checkpoint_path(a_.checkpoint_dir);
-  if (!std::filesystem::exists(path)) {
+  const bool sharded = a_.shard == "fsdp";
+  const std::string path = sharded ? sharded_checkpoint_dir(a_.checkpoint_dir)
+                                   : checkpoint_path(a_.checkpoint_dir);
+  if (!std::filesystem::exists(sharded ? path + "/index.json" : path)) {
     if (run_.leader) {
       std::printf("resume: no checkpoint at %s; starting from scratch\n", path.c_str());
     }
     return 0;
   }
   nn::NamedTensors extra;
-  const CheckpointMeta meta(path, nn::load_checkpoint(path, *model_, &opt_, &extra));
+  std::map<std::string, std::string> loaded;
+  if (sharded) {
+    loaded = dist::load_fsdp_checkpoint(path, *model_, &par_.optimizer());
+  } else if (par_.zero) {
+    nn::optim::AdamW whole(decay_groups(model_->parameters()), adamw_options(a_));
+    loaded = nn::load_checkpoint(path, *model_, &whole, &extra);
+    par_.zero->load_state_dict(whole.state_dict());
+  } else {
+    loaded = nn::load_checkpoint(path, *model_, par_.adamw.get(), &extra);
+  }
+  const CheckpointMeta meta(path, loaded);
   for (const auto& [key, value] : run_settings(a_, run_.world)) meta.must_match(key.c_str(), value);
   schedule_.load_state_dict(meta.get("lr_scheduler"));
   if (powersgd_) powersgd_->load_state_dict(hook_state_of_rank(extra, run_.rank));
@@ -417,9 +512,9 @@ int64_t Trainer::maybe_resume() {
 
 // --sample N bytes after --prompt: greedy (the likeliest byte) at temperature 0, else drawn
 // from softmax(logits / temperature) with a generator seeded by --seed.
-std::string Trainer::generate() {
+std::string Trainer::generate(nn::Module& model) {
   ember::NoGradGuard no_grad;
-  model_->eval();
+  model.eval();
   std::mt19937_64 rng(a_.seed);
   std::vector<int64_t> ids(a_.prompt.begin(), a_.prompt.end());
   for (int64_t& id : ids) id = static_cast<uint8_t>(id);
@@ -430,7 +525,7 @@ std::string Trainer::generate() {
     const std::vector<int64_t> window(first, ids.end());
     Tensor x = ember::from_vector(window, {1, static_cast<int64_t>(window.size())}).to(run_.device);
     Tensor logits =
-        model_->forward(x).select(1, x.size(1) - 1).reshape({kVocab}).to(ember::kCPU);
+        model(x).select(1, x.size(1) - 1).reshape({kVocab}).to(ember::kCPU);
     int64_t next = 0;
     if (a_.temperature <= 0) {
       next = logits.argmax().item<int64_t>();
@@ -442,21 +537,31 @@ std::string Trainer::generate() {
     ids.push_back(next);
     out += static_cast<char>(next);
   }
-  model_->train();
+  model.train();
   return out;
 }
 
 void Trainer::report(double val_loss) {
+  // Sharded, the whole model exists on no rank: gather it (collective) into a plain model for
+  // sampling and saving.
+  std::shared_ptr<GPT> whole = model_;
+  if (a_.shard == "fsdp" && (a_.sample > 0 || !a_.save_weights.empty())) {
+    const nn::NamedTensors state = dist::full_state_dict(*model_);
+    if (!run_.leader) return;
+    whole = seeded_model(a_, run_.device);
+    whole->load_state_dict(state);
+  }
   if (!run_.leader) return;
-  if (a_.sample > 0) std::printf("sample:\n%s%s\n", a_.prompt.c_str(), generate().c_str());
+  if (a_.sample > 0) std::printf("sample:\n%s%s\n", a_.prompt.c_str(), generate(*whole).c_str());
   if (!a_.save_weights.empty()) {
-    nn::save_state_dict(a_.save_weights, model_->state_dict(),
+    nn::save_state_dict(a_.save_weights, whole->state_dict(),
                         {{"model", "gpt"}, {"global_step", std::to_string(step_)}});
   }
   std::printf("val_loss=%.4f\n", val_loss);
   std::printf("tokens_per_s=%.0f\n",
               tokens_per_s(step_ - start_step_, a_, run_.world, train_seconds_));
   std::printf("peak_rss_mb=%.0f\npeak_allocated_mb=%.1f\n", peak_rss_mb_, peak_allocated_mb_);
+  std::printf("peak_memory_bytes=%lld\n", static_cast<long long>(peak_memory_bytes_));
   std::fflush(stdout);
 }
 
@@ -464,6 +569,13 @@ void Trainer::report(double val_loss) {
 std::string unavailable(const Args& a) {
   if (a.amp == "fp16" && a.device.rfind("cuda", 0) != 0) {
     return "--amp fp16 needs --device cuda (on the CPU use --amp bf16)";
+  }
+  if (a.shard != "none" && (a.comm_hook != "none" || a.amp == "fp16")) {
+    return "--shard " + a.shard + " takes neither --comm-hook nor --amp fp16 (got --comm-hook " +
+           a.comm_hook + ", --amp " + a.amp + ")";
+  }
+  if (a.shard == "fsdp" && a.device != "cpu") {
+    return "--shard fsdp runs on the CPU only so far (got --device " + a.device + ")";
   }
   return "";
 }
@@ -517,6 +629,9 @@ void add_options(CLI::App& app, Args& a) {
   app.add_option("--comm-hook", a.comm_hook, "gradient communication (see docs/ddp.md)")
       ->check(CLI::IsMember({"none", "allreduce", "fp16", "bf16", "powersgd", "batched_powersgd"}))
       ->capture_default_str();
+  app.add_option("--shard", a.shard,
+                 "none (DDP), zero (DDP + ZeroRedundancyOptimizer) or fsdp (fully_shard)")
+      ->check(CLI::IsMember({"none", "zero", "fsdp"}))->capture_default_str();
   app.add_option("--eval-every", a.eval_every, "steps between validations (0: only at the end)")
       ->check(kNonNegative)->capture_default_str();
   app.add_option("--eval-batches", a.eval_batches, "validation batches per rank")
@@ -537,6 +652,9 @@ void add_options(CLI::App& app, Args& a) {
                "keep training when the loss is NaN or infinite (default: stop with an error)");
   app.add_option("--stop-at-step", a.stop_at_step,
                  "testing aid: stop after this step, as an interrupted run would")->group("");
+  app.add_option("--fail-at-step", a.fail_at_step,
+                 "testing aid: rank 1 kills itself (SIGKILL) at this step in the first run")
+      ->group("");
   app.add_option("--hang-at-step", a.hang_at_step,
                  "testing aid: rank 1 stops itself (SIGSTOP) at this step in the first run")
       ->group("");

@@ -110,8 +110,8 @@ class GPT : public nn::Module {
     Tensor pos = ember::arange(0, T, 1, {ember::kInt64}).to(tokens.device());
     Tensor x = drop_->forward(wte_->forward(tokens) + wpe_->forward(pos));
     for (const auto& block : blocks) {
-      x = config.checkpoint_activations && is_training() ? nn::checkpoint(block, x)
-                                                         : block->forward(x);
+      // Called as (*block)(x), so that a block's forward hooks (fully_shard's) run.
+      x = config.checkpoint_activations && is_training() ? nn::checkpoint(block, x) : (*block)(x);
     }
     return nn::functional::linear(ln_f_->forward(x), wte_->weight);
   }

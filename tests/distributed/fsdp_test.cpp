@@ -9,8 +9,11 @@
 #include <mutex>
 
 #include <ember/distributed/fsdp.h>
+#include <ember/distributed/fsdp_checkpoint.h>
 #include <ember/distributed/process_group_gloo.h>
 #include <ember/distributed/process_group_mpi.h>
+#include <ember/distributed/sharded_checkpoint.h>
+#include <ember/nn/serialize.h>
 #include <ember/nn/activation_checkpoint.h>
 #include <ember/nn/clip_grad.h>
 #include <ember/nn/functional.h>
@@ -286,6 +289,51 @@ TEST(FsdpState, FullStateDictLoadsIntoPlainAndShardedModels) {
   for (const auto& [name, t] : ref->state_dict()) state.emplace_back(name, t.detach().clone());
   plain->load_state_dict(state);
   require_state("plain", plain->state_dict(), *ref, 0);
+}
+
+// A sharded checkpoint of 10 steps on 4 ranks (model and Adam's state), loaded by 2 ranks and by
+// 1, continues the same run: both end where 20 uninterrupted steps of one process end.
+TEST(FsdpCheckpoint, ReshardsFromFourRanksToTwoAndOne) {
+  const auto bs = batches();
+  auto ref = train_reference({}, bs);
+  test::TempDir dir;
+  const std::string path = dir.path() + "/ckpt";
+  auto run = [&](int n, int first, int last, bool load, bool save) {
+    std::vector<std::shared_ptr<FsdpNet>> models;
+    for (int r = 0; r < n; ++r) models.push_back(test::make_fsdp_net());
+    test::ThreadsSetup s;
+    s.n = n;
+    test::run_threads(s, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+      auto& model = models[rank];
+      shard(*model, model, {}, pg);
+      nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
+      if (load) {
+        const auto meta = load_fsdp_checkpoint(path, *model, &opt);
+        require(meta.at("step") == std::to_string(first), "metadata step");
+      }
+      for (int i = first; i < last; ++i) {
+        opt.zero_grad();
+        test::fsdp_loss(*model, test::slice(bs[i], rank, n)).backward();
+        opt.step();
+      }
+      if (save) save_fsdp_checkpoint(path, *model, &opt, *pg, {{"step", std::to_string(last)}});
+      if (last == kSteps) {
+        require_state(std::to_string(n) + " ranks, rank " + std::to_string(rank),
+                      full_state_dict(*model), *ref, 2e-5);
+      }
+    });
+  };
+  run(4, 0, kSteps / 2, false, true);
+  run(2, kSteps / 2, kSteps, true, false);
+  run(1, kSteps / 2, kSteps, true, false);
+  // The consolidated file holds the model under its own names: a plain model loads it.
+  ShardedCheckpoint(path).consolidate(dir.path() + "/whole.safetensors");
+  const auto file = nn::load_safetensors(dir.path() + "/whole.safetensors");
+  auto plain = test::make_fsdp_net();
+  nn::NamedTensors state;
+  for (const auto& [name, t] : plain->state_dict()) state.emplace_back(name, file.at(name));
+  plain->load_state_dict(state);
+  EXPECT_TRUE(file.contains("optim.block0.fc1.weight.exp_avg"));
 }
 
 TEST(FsdpErrors, RefusedWithClearMessages) {

@@ -106,6 +106,43 @@ TEST_F(Gpt, ResumeContinuesAtTheRightStepWithTheSameResult) {
       << other.output;
 }
 
+// --shard zero and --shard fsdp train the same model as plain DDP: the same validation loss to
+// the printed digits (ZeRO steps the same AdamW on each rank's partition; FSDP averages the same
+// gradients through reduce-scatters), and each prints its allocator's peak.
+TEST_F(Gpt, ShardedTrainingEqualsDdp) {
+  Result ddp = run(two_ranks());
+  ASSERT_EQ(ddp.status, 0) << ddp.output;
+  for (const std::string shard : {"zero", "fsdp"}) {
+    Result r = run(two_ranks() + " --shard " + shard);
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NEAR(value_of(r.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
+        << shard << ":\n" << r.output << "\nddp:\n" << ddp.output;
+    EXPECT_GT(value_of(r.output, "peak_memory_bytes"), 0) << r.output;
+  }
+  Result bad = run(tiny() + " --shard fsdp --comm-hook fp16");
+  EXPECT_EQ(bad.status, 2) << bad.output;
+  EXPECT_NE(bad.output.find("--shard fsdp takes neither --comm-hook nor --amp fp16"),
+            std::string::npos) << bad.output;
+}
+
+// A rank killed at step 22 under --max-restarts 1: the job restarts and resumes from the sharded
+// checkpoint of step 20 (every rank wrote its own shards), and ends where an uninterrupted
+// sharded run ends.
+TEST_F(Gpt, KilledRankResumesFromTheShardedCheckpoint) {
+  const std::string fsdp = " --shard fsdp --eval-every 10";
+  Result whole = run(two_ranks() + fsdp);
+  ASSERT_EQ(whole.status, 0) << whole.output;
+  const std::string dir = tmp.path + "/ck";
+  Result r = run(emberrun() + " --standalone --nproc-per-node 2 --max-restarts 1 " + tiny() + fsdp +
+                 " --checkpoint-dir " + dir + " --resume --fail-at-step 22");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("--fail-at-step 22: rank 1 kills itself"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("sharded at step 20\n"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(dir + "/sharded/index.json"));
+  EXPECT_EQ(value_of(r.output, "val_loss"), value_of(whole.output, "val_loss"))
+      << "restarted:\n" << r.output << "\nuninterrupted:\n" << whole.output;
+}
+
 // A checkpoint at or past the end (--stop-at-step below it: --steps itself must match) trains
 // nothing and says so; a bad position in the checkpoint is refused naming the key and value.
 TEST_F(Gpt, ResumePastTheEndTrainsNothingAndBadPositionsAreNamed) {

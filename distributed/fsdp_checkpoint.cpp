@@ -1,0 +1,172 @@
+#include <ember/distributed/fsdp_checkpoint.h>
+
+#include <unordered_map>
+
+#include <nlohmann/json.hpp>
+
+#include <ember/distributed/fsdp.h>
+#include <ember/distributed/sharded_checkpoint.h>
+#include <ember/tensor/grad_mode.h>
+#include <ember/tensor/ops.h>
+
+namespace ember::dist {
+namespace {
+
+constexpr const char* kOptimizerKey = "optim.optimizer";
+constexpr const char* kGroupsKey = "optim.param_groups";
+
+// The saved groups' hyperparameters (lr as the schedule left it, betas, ...) with this rank's
+// own "params" lists (which pieces a rank holds depends on the world size).
+std::string merge_groups(const std::string& saved, const std::string& mine, const char* op) {
+  nlohmann::json s = nlohmann::json::parse(saved), m = nlohmann::json::parse(mine);
+  EMBER_CHECK(s.is_array() && m.is_array() && s.size() == m.size(), "[", op, "] the checkpoint's "
+              "optimizer has ", s.size(), " parameter groups; this one has ", m.size());
+  for (size_t g = 0; g < s.size(); ++g) s[g]["params"] = m[g]["params"];
+  return s.dump();
+}
+
+// A tensor the optimizer steps, and where its elements sit in the whole parameter.
+struct Owned {
+  std::string name;
+  Shape shape;        // of the whole parameter
+  int64_t begin = 0;  // of this tensor's elements in it
+  bool sharded = false;
+};
+
+// Every tensor root's sharded training steps: the local pieces and the replicated parameters.
+std::unordered_map<const TensorImpl*, Owned> owned_tensors(const nn::Module& root) {
+  std::unordered_map<const TensorImpl*, Owned> out;
+  for (const LocalShard& s : local_shards(root)) {
+    if (s.data.defined()) out[s.data.impl()] = {s.name, s.shape, s.begin, true};
+  }
+  for (const auto& [name, p] : root.named_parameters()) {
+    if (!is_sharded_parameter(root, p)) out[p.impl()] = {name, p.shape(), 0, false};
+  }
+  return out;
+}
+
+// The optimizer's parameters in its state's index order (across groups).
+std::vector<Tensor> optimizer_params(const nn::optim::Optimizer& opt) {
+  std::vector<Tensor> out;
+  for (const auto& g : opt.param_groups()) out.insert(out.end(), g.params.begin(), g.params.end());
+  return out;
+}
+
+// "state.<i>.<key>" -> (i, key).
+std::pair<size_t, std::string> split_state_name(const std::string& n) {
+  const size_t dot = n.find('.', 6);
+  return {std::stoul(n.substr(6, dot - 6)), n.substr(dot + 1)};
+}
+
+const Owned& owner_of(const std::unordered_map<const TensorImpl*, Owned>& owned, const Tensor& p,
+                      const char* op) {
+  auto it = owned.find(p.impl());
+  EMBER_CHECK(it != owned.end(), "[", op, "] the optimizer steps a tensor of shape ", p.shape(),
+              " that is neither a piece of a sharded parameter nor a parameter of the model "
+              "(build it over fsdp_parameters(model))");
+  return it->second;
+}
+
+}  // namespace
+
+void save_fsdp_checkpoint(const std::string& dir, const nn::Module& root,
+                          const nn::optim::Optimizer* optimizer, ProcessGroup& pg,
+                          const std::map<std::string, std::string>& metadata) {
+  constexpr const char* kOp = "save_fsdp_checkpoint";
+  std::vector<ShardPiece> pieces;
+  for (const LocalShard& s : local_shards(root)) {
+    if (s.data.defined()) pieces.push_back({s.name, s.shape.vec(), s.begin, s.data.detach()});
+  }
+  // Everything else in the state dict (replicated parameters, buffers; not the tied second
+  // names of sharded parameters) is the same on every rank: rank 0 writes it.
+  if (pg.rank() == 0) {
+    for (const auto& [name, t] : root.state_dict()) {
+      if (!is_sharded_parameter(root, t)) pieces.push_back({name, t.shape().vec(), 0, t.reshape({-1})});
+    }
+  }
+  std::map<std::string, std::string> meta = metadata;
+  for (const auto& [k, v] : metadata) {
+    EMBER_CHECK(k.rfind("optim.", 0) != 0, "[", kOp, "] metadata key '", k,
+                "' is reserved (keys starting with 'optim.')");
+  }
+  if (optimizer != nullptr) {
+    const auto owned = owned_tensors(root);
+    const std::vector<Tensor> params = optimizer_params(*optimizer);
+    const nn::optim::OptimizerState st = optimizer->state_dict();
+    meta[kOptimizerKey] = st.type;
+    meta[kGroupsKey] = st.param_groups;
+    for (const auto& [sname, t] : st.state) {
+      const auto [i, key] = split_state_name(sname);
+      const Owned& o = owner_of(owned, params.at(i), kOp);
+      const std::string name = "optim." + o.name + "." + key;
+      if (t.numel() == params[i].numel() && t.dim() > 0) {
+        if (o.sharded || pg.rank() == 0) {
+          pieces.push_back({name, o.shape.vec(), o.begin, t.reshape({-1})});
+        }
+      } else if (o.begin == 0 && (o.sharded || pg.rank() == 0)) {
+        // A per-parameter scalar (Adam's step): written once, by the rank holding element 0.
+        pieces.push_back({name, t.shape().vec(), 0, t.reshape({-1})});
+      }
+    }
+  }
+  save_sharded(dir, pieces, pg, meta);
+}
+
+std::map<std::string, std::string> load_fsdp_checkpoint(const std::string& dir,
+                                                        const nn::Module& root,
+                                                        nn::optim::Optimizer* optimizer) {
+  constexpr const char* kOp = "load_fsdp_checkpoint";
+  const ShardedCheckpoint ck(dir);
+  auto require = [&](const std::string& name, const Shape& shape) {
+    EMBER_CHECK(ck.contains(name), "[", kOp, "] ", dir, " has no tensor '", name, "'");
+    EMBER_CHECK(Shape(ck.shape(name)) == shape, "[", kOp, "] ", dir, ": '", name, "' has shape ",
+                Shape(ck.shape(name)), ", the model's is ", shape);
+  };
+  NoGradGuard no_grad;
+  for (const LocalShard& s : local_shards(root)) {
+    require(s.name, s.shape);
+    if (!s.data.defined()) continue;
+    Tensor out = s.data.detach();
+    ck.read_into(s.name, s.begin, out);
+  }
+  for (const auto& [name, t] : root.state_dict()) {
+    if (is_sharded_parameter(root, t)) continue;  // above (tied second names included)
+    require(name, t.shape());
+    Tensor(t).copy_(ck.read_full(name));
+  }
+  std::map<std::string, std::string> meta = ck.metadata();
+  if (optimizer != nullptr) {
+    auto it = meta.find(kOptimizerKey);
+    EMBER_CHECK(it != meta.end(), "[", kOp, "] ", dir, " holds no optimizer state");
+    const auto owned = owned_tensors(root);
+    const std::vector<Tensor> params = optimizer_params(*optimizer);
+    nn::optim::OptimizerState st = optimizer->state_dict();
+    EMBER_CHECK(it->second == st.type, "[", kOp, "] ", dir, " holds ", it->second,
+                " state; the optimizer is ", st.type);
+    if (auto g = meta.find(kGroupsKey); g != meta.end()) {
+      st.param_groups = merge_groups(g->second, st.param_groups, kOp);
+    }
+    st.state.clear();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const Owned& o = owner_of(owned, params[i], kOp);
+      const std::string prefix = "optim." + o.name + ".";
+      for (const std::string& name : ck.names()) {
+        if (name.rfind(prefix, 0) != 0 || name.find('.', prefix.size()) != std::string::npos) {
+          continue;
+        }
+        const std::string key = name.substr(prefix.size());
+        const Shape full(ck.shape(name));
+        Tensor t = full == o.shape ? ck.read(name, o.begin, params[i].numel()).reshape(params[i].shape())
+                                   : ck.read_full(name);
+        st.state.emplace_back("state." + std::to_string(i) + "." + key, t);
+      }
+    }
+    optimizer->load_state_dict(st);
+  }
+  for (auto mit = meta.begin(); mit != meta.end();) {
+    mit = mit->first.rfind("optim.", 0) == 0 ? meta.erase(mit) : std::next(mit);
+  }
+  return meta;
+}
+
+}  // namespace ember::dist
