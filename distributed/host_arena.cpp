@@ -23,6 +23,7 @@ namespace {
 // async-signal-safe calls are used: the table is read with atomics, the message with write(2).
 // Faults anywhere else go to the handler that was installed before ours.
 constexpr int kSlots = 4096;
+constexpr size_t kHugePage = size_t{2} << 20;
 struct Slot {
   std::atomic<uintptr_t> begin{0}, end{0};
   std::atomic<const char*> label{nullptr};
@@ -105,17 +106,25 @@ void unregister_range(int slot) {
 HostArena::HostArena(size_t nbytes, std::string label)
     : nbytes_(nbytes), label_(std::move(label)) {
   EMBER_CHECK(nbytes > 0, "[", label_, "] an arena needs at least one byte");
-  void* p = ::mmap(nullptr, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  // Reserved 2 MiB-aligned and advised for transparent huge pages: every gather touches the
+  // whole block again after a release, and in 4 KiB pages that is one page fault per 4 KiB
+  // (Note [Caching allocators] in tensor/allocator.h has the same reason for large tensors).
+  reserved_ = nbytes + kHugePage;
+  void* p = ::mmap(nullptr, reserved_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1,
+                   0);
   EMBER_CHECK_TYPE(OutOfMemoryError, p != MAP_FAILED, "[", label_, "] could not reserve ", nbytes,
                    " bytes of address space: ", std::strerror(errno));
-  data_ = p;
+  base_ = p;
+  const auto at = (reinterpret_cast<uintptr_t>(p) + kHugePage - 1) / kHugePage * kHugePage;
+  data_ = reinterpret_cast<void*>(at);
+  ::madvise(data_, nbytes_, MADV_HUGEPAGE);  // advice only: without it, small pages
   slot_ = register_range(data_, nbytes_, label_.c_str());
 }
 
 HostArena::~HostArena() {
   release();
   unregister_range(slot_);
-  ::munmap(data_, nbytes_);
+  ::munmap(base_, reserved_);
 }
 
 void HostArena::commit() {

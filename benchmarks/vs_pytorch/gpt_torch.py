@@ -184,9 +184,13 @@ def worker(rank, world, a):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    if a.shard == "zero":  # examples/gpt --shard zero: each rank holds 1/N of AdamW's moments
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=a.lr,
+                                      betas=(0.9, 0.95), eps=1e-8)
+    else:
+        opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
     scaler = torch.cuda.amp.GradScaler(enabled=a.amp == "fp16")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, a.steps))
     data = Windows(a.tokens, a.context, a.batch_size, world, rank, a.seed)
@@ -258,6 +262,9 @@ def main():
     p.add_argument("--attention", default="written", choices=["written", "fused"],
                    help="written out (PyTorch 1.13) or F.scaled_dot_product_attention (PyTorch 2)")
     p.add_argument("--checkpoint-activations", action="store_true")
+    p.add_argument("--shard", default="none", choices=["none", "zero"],
+                   help="zero: DDP with torch.distributed.optim.ZeroRedundancyOptimizer (torch "
+                        "1.13's FSDP does not import under this Python)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--log-every", type=int, default=0)

@@ -55,9 +55,9 @@ def value(out, key):
     return float(m[1]) if m else None
 
 
-def run(cmd, env, limit_s):
-    """The run's val_loss, tokens_per_s and peak_rss_mb, or None when Ember refuses it as not
-    available yet."""
+def run(cmd, env, limit_s, extra_keys=()):
+    """The run's val_loss, tokens_per_s and peak_rss_mb (and extra_keys), or None when Ember
+    refuses it as not available yet."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)  # a hung run dies with its ranks
     try:
@@ -70,7 +70,7 @@ def run(cmd, env, limit_s):
         if NOT_YET in out:
             return None
         sys.exit(f"run_gpt.py: {' '.join(cmd)} failed with status {proc.returncode}:\n{out[-3000:]}")
-    r = {k: value(out, k) for k in ("val_loss", "tokens_per_s", "peak_rss_mb")}
+    r = {k: value(out, k) for k in ("val_loss", "tokens_per_s", "peak_rss_mb") + tuple(extra_keys)}
     if None in r.values():
         sys.exit(f"run_gpt.py: no result lines in the output of {' '.join(cmd)}:\n{out[-3000:]}")
     return r

@@ -29,6 +29,8 @@ class HostArena {
   void release();
 
  private:
+  void* base_ = nullptr;  // the reservation (data_ is aligned inside it)
+  size_t reserved_ = 0;
   void* data_ = nullptr;
   size_t nbytes_ = 0;
   bool committed_ = false;
