@@ -119,8 +119,33 @@ nn::NamedTensors unpack_state(const std::string& bytes) {
 struct ZeroRedundancyOptimizer::Flat {
   std::vector<std::vector<size_t>> by_rank;  // parameter indices, per owner, ascending
   int64_t longest = 0;                       // elements of the largest share
-  Tensor mine, all;
+  int64_t chunk = 0;                         // elements of a share gathered per all-gather
+  Tensor mine, all;                          // [chunk], [world * chunk]
 };
+
+namespace {
+
+// The all-gather of the updated parameters runs in windows of each rank's share of at most this
+// many bytes, so its buffers stay small beside the model (whole-share buffers would hold a full
+// extra copy of the model: more than the optimizer state ZeRO saves at 2 ranks).
+constexpr int64_t kGatherChunkBytes = int64_t{8} << 20;
+
+// Calls f(param index, offset in the parameter, offset in the window, length) for the parts of
+// a share (its parameters flattened back to back) that fall in the window [lo, hi).
+template <typename F>
+void for_window(const std::vector<size_t>& share, const std::vector<Tensor>& params, int64_t lo,
+                int64_t hi, F&& f) {
+  int64_t at = 0;
+  for (size_t i : share) {
+    const int64_t n = params[i].numel();
+    const int64_t b = std::max(lo, at), e = std::min(hi, at + n);
+    if (b < e) f(i, b - at, b - lo, e - b);
+    at += n;
+    if (at >= hi) break;
+  }
+}
+
+}  // namespace
 
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<ParamGroup> groups,
                                                  OptimizerFactory factory,
@@ -183,14 +208,21 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<ParamGroup> groups,
       f.longest = std::max(f.longest, n);
     }
   }
+  set_gather_chunk_bytes(kGatherChunkBytes);
+}
+
+void ZeroRedundancyOptimizer::set_gather_chunk_bytes(int64_t bytes) {
+  EMBER_CHECK(bytes > 0, kOp, " set_gather_chunk_bytes: expected a positive size, got ", bytes);
+  const int world = group_->size();
   for (Flat& f : flats_) {
     size_t any = 0;
     for (const auto& share : f.by_rank) {
       if (!share.empty()) any = share.front();
     }
     const TensorOptions o = params_[any].options();
-    f.mine = empty({f.longest}, o);
-    f.all = empty({f.longest * world}, o);
+    f.chunk = std::min(f.longest, std::max<int64_t>(1, bytes / itemsize(params_[any].dtype())));
+    f.mine = empty({f.chunk}, o);
+    f.all = empty({f.chunk * world}, o);
   }
 }
 
@@ -201,26 +233,22 @@ void ZeroRedundancyOptimizer::step() {
   ++steps_;
   NoGradGuard no_grad;
   const int world = group_->size(), me = group_->rank();
-  std::vector<WorkPtr> works;
   for (Flat& f : flats_) {
-    int64_t at = 0;
-    for (size_t i : f.by_rank[static_cast<size_t>(me)]) {
-      const Tensor& p = params_[i];
-      f.mine.narrow(0, at, p.numel()).copy_(p.detach().reshape({-1}));
-      at += p.numel();
-    }
-    works.push_back(group_->allgather_into_tensor(f.all, f.mine));
-  }
-  for (size_t k = 0; k < flats_.size(); ++k) {
-    works[k]->wait();
-    Flat& f = flats_[k];
-    for (int r = 0; r < world; ++r) {
-      if (r == me) continue;
-      int64_t at = static_cast<int64_t>(r) * f.longest;
-      for (size_t i : f.by_rank[static_cast<size_t>(r)]) {
-        Tensor p = params_[i].detach();
-        p.copy_(f.all.narrow(0, at, p.numel()).view(p.shape()));
-        at += p.numel();
+    for (int64_t lo = 0; lo < f.longest; lo += f.chunk) {
+      const int64_t hi = std::min(lo + f.chunk, f.longest), len = hi - lo;
+      for_window(f.by_rank[static_cast<size_t>(me)], params_, lo, hi,
+                 [&](size_t i, int64_t from, int64_t to, int64_t n) {
+                   f.mine.narrow(0, to, n).copy_(params_[i].detach().reshape({-1}).narrow(0, from, n));
+                 });
+      Tensor mine = f.mine.narrow(0, 0, len), all = f.all.narrow(0, 0, len * world);
+      group_->allgather_into_tensor(all, mine)->wait();
+      for (int r = 0; r < world; ++r) {
+        if (r == me) continue;
+        for_window(f.by_rank[static_cast<size_t>(r)], params_, lo, hi,
+                   [&](size_t i, int64_t from, int64_t to, int64_t n) {
+                     params_[i].detach().view({-1}).narrow(0, from, n)
+                         .copy_(all.narrow(0, r * len + to, n));
+                   });
       }
     }
   }

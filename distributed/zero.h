@@ -59,6 +59,10 @@ class ZeroRedundancyOptimizer {
   /// The wrapped optimizer over this rank's partition (for LR schedulers and inspection).
   nn::optim::Optimizer& optimizer() { return *local_opt_; }
   const nn::optim::Optimizer& optimizer() const { return *local_opt_; }
+  /// step()'s all-gather moves each rank's updated parameters in windows of at most this many
+  /// bytes per rank (default 8 MiB), so its buffers are world x bytes, not a copy of the model.
+  void set_gather_chunk_bytes(int64_t bytes);
+
   /// Which rank holds parameter i (counted across groups, in order) and its state.
   int rank_of(size_t i) const { return owner_[i]; }
   /// Indices (across groups) of the parameters this rank updates.
