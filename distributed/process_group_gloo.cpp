@@ -244,6 +244,7 @@ std::vector<WorkPtr> ProcessGroupGloo::Impl::unfinished_collectives() {
 
 void ProcessGroupGloo::Impl::loop(std::deque<Job>& queue, std::condition_variable& cv,
                                   bool collectives) {
+  trace::set_thread_name(collectives ? "gloo worker" : "gloo send/recv");
   for (;;) {
     Job job;
     {

@@ -432,6 +432,7 @@ struct ProcessGroupMpi::Impl {
   }
 
   void run() {
+    trace::set_thread_name("mpi worker");
     std::unique_lock<std::mutex> lock(mu);
     for (;;) {
       if (!queue.empty()) {

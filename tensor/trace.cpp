@@ -38,6 +38,7 @@ struct Buffer {
   std::mutex mu;
   std::vector<Event> events;
   int tid = 0;
+  std::string name;  // the row's name in the file ("" : none)
 };
 
 struct Recorder {
@@ -63,6 +64,7 @@ Recorder& recorder() {
 Buffer& this_thread_buffer() {
   thread_local std::shared_ptr<Buffer> buffer = [] {
     auto b = std::make_shared<Buffer>();
+    if (::gettid() == ::getpid()) b->name = "main thread";
     Recorder& r = recorder();
     std::lock_guard<std::mutex> lock(r.mu);
     b->tid = r.next_tid++;
@@ -129,6 +131,17 @@ std::vector<std::pair<int, std::vector<Event>>> drain(Recorder& r) {
   return out;
 }
 
+// The names of the rows: complete_on_row's, and those of the threads that have one (the caller
+// holds the recorder's lock).
+std::map<int, std::string> row_names(Recorder& r) {
+  std::map<int, std::string> names = r.row_names;
+  for (auto& b : r.buffers) {
+    std::lock_guard<std::mutex> lock(b->mu);
+    if (!b->name.empty()) names.emplace(b->tid, b->name);
+  }
+  return names;
+}
+
 std::string write_file(Recorder& r, Level level) {
   namespace fs = std::filesystem;
   const fs::path path = fs::path(r.dir) / ("trace_rank" + std::to_string(r.rank) + ".json");
@@ -145,7 +158,7 @@ std::string write_file(Recorder& r, Level level) {
       << "{\"name\":\"rank " << r.rank << "\"}}";
     f << ",\n{\"ph\":\"M\",\"pid\":" << r.rank << ",\"tid\":0,\"name\":\"process_sort_index\","
       << "\"args\":{\"sort_index\":" << r.rank << "}}";
-    for (const auto& [row, name] : r.row_names) {
+    for (const auto& [row, name] : row_names(r)) {
       std::string escaped;
       append_escaped(escaped, name);
       f << ",\n{\"ph\":\"M\",\"pid\":" << r.rank << ",\"tid\":" << row
@@ -351,6 +364,12 @@ void add_stop_hook(void (*flush)()) {
   std::lock_guard<std::mutex> lock(r.mu);
   if (std::find(r.stop_hooks.begin(), r.stop_hooks.end(), flush) == r.stop_hooks.end())
     r.stop_hooks.push_back(flush);
+}
+
+void set_thread_name(std::string_view name) {
+  Buffer& b = this_thread_buffer();
+  std::lock_guard<std::mutex> lock(b.mu);
+  b.name.assign(name);
 }
 
 void instant(std::string_view name, const char* cat, Args args) {
