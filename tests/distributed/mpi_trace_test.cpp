@@ -10,7 +10,6 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -21,13 +20,13 @@
 #include <ember/tensor/ops.h>
 #include <ember/tensor/trace.h>
 #include "tests/distributed/mpi_job.h"
+#include "tests/examples/example_test_util.h"
 
 namespace ember::dist {
 namespace {
 
 using namespace std::chrono_literals;
 using nlohmann::json;
-namespace fs = std::filesystem;
 
 constexpr const char* kDirVariable = "EMBER_TEST_TRACE_DIR";
 
@@ -55,19 +54,6 @@ TEST(MpiTraceRanks, CollectivesAreTraced) {
 }
 
 // ---- run by ctest -------------------------------------------------------------------------------
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string t = (fs::temp_directory_path() / "ember_mpi_trace_test_XXXXXX").string();
-    EXPECT_NE(mkdtemp(t.data()), nullptr);
-    path = t;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
 
 /// The collective spans of a rank's file, by name.
 std::map<std::string, std::vector<json>> collective_spans(const std::string& path) {
@@ -98,7 +84,7 @@ void expect_span(const std::map<std::string, std::vector<json>>& spans, const st
 
 TEST(MpiTrace, TwoRankJobRecordsEveryCollective) {
   if (!ProcessGroupMpi::is_available()) GTEST_SKIP() << "built without MPI (EMBER_WITH_MPI=OFF)";
-  TempDir dir;
+  ember::test::TempDir dir("mpi_trace_test");
   ::setenv(kDirVariable, dir.path.c_str(), 1);
   test::expect_mpi_job_passes(2, "MpiTraceRanks.*", std::chrono::seconds(120), true);
   ::unsetenv(kDirVariable);

@@ -5,36 +5,22 @@
 #include <ember/tensor/trace_device.h>
 
 #include <gtest/gtest.h>
-#include <stdlib.h>
 
-#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "tests/examples/example_test_util.h"
+
 namespace {
 
-namespace fs = std::filesystem;
 using nlohmann::json;
 namespace trace = ember::trace;
 namespace cuda = ember::cuda;
 
 #define REQUIRE_CUDA_DEVICE() \
   if (!cuda::is_available()) GTEST_SKIP() << cuda::unavailable_reason()
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string t = (fs::temp_directory_path() / "ember_trace_device_test_XXXXXX").string();
-    EXPECT_NE(mkdtemp(t.data()), nullptr);
-    path = t;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
 
 std::vector<json> named(const json& doc, const std::string& name) {
   std::vector<json> out;
@@ -67,7 +53,7 @@ TEST(TraceDevice, RowsAreUnique) {
 
 TEST(TraceDevice, SpanOfStreamWorkIsOnTheTraceClock) {
   REQUIRE_CUDA_DEVICE();
-  TempDir dir;
+  ember::test::TempDir dir("trace_device_test");
   const cuda::Stream s = cuda::Stream::create(0);
   trace::start(dir.path, trace::Level::Steps, 0);
   const int row = trace::unique_row();
@@ -101,7 +87,7 @@ TEST(TraceDevice, SpanOfStreamWorkIsOnTheTraceClock) {
 
 TEST(TraceDevice, StopWaitsForSpansStillRunning) {
   REQUIRE_CUDA_DEVICE();
-  TempDir dir;
+  ember::test::TempDir dir("trace_device_test");
   const cuda::Stream s = cuda::Stream::create(0);
   trace::start(dir.path, trace::Level::Steps, 0);
   trace::DeviceSpan span(s);
