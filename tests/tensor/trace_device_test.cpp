@@ -1,7 +1,8 @@
 // Device-side spans (tensor/trace_device.h): off, a DeviceSpan touches no CUDA API (runs
 // anywhere); on a GPU, a span of work on a stream lands on its row, on the trace clock, inside
 // the host's window around it, with queued_us, also when trace::stop() comes before the device
-// finished. The GPU cases skip, saying why, without a device.
+// finished. The GPU cases (TraceDeviceCuda, which scripts/gpu_check.sh runs) skip, saying why,
+// without a device.
 #include <ember/tensor/trace_device.h>
 
 #include <gtest/gtest.h>
@@ -51,7 +52,7 @@ TEST(TraceDevice, RowsAreUnique) {
   EXPECT_GE(a, 2000) << "clear of DDP's bucket rows (1000 + bucket)";
 }
 
-TEST(TraceDevice, SpanOfStreamWorkIsOnTheTraceClock) {
+TEST(TraceDeviceCuda, SpanOfStreamWorkIsOnTheTraceClock) {
   REQUIRE_CUDA_DEVICE();
   ember::test::TempDir dir("trace_device_test");
   const cuda::Stream s = cuda::Stream::create(0);
@@ -85,7 +86,7 @@ TEST(TraceDevice, SpanOfStreamWorkIsOnTheTraceClock) {
   EXPECT_TRUE(row_named);
 }
 
-TEST(TraceDevice, StopWaitsForSpansStillRunning) {
+TEST(TraceDeviceCuda, StopWaitsForSpansStillRunning) {
   REQUIRE_CUDA_DEVICE();
   ember::test::TempDir dir("trace_device_test");
   const cuda::Stream s = cuda::Stream::create(0);
