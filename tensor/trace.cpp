@@ -61,10 +61,18 @@ Recorder& recorder() {
   return *r;
 }
 
+// This thread's name (set_thread_name), kept here until the thread first records, so that a
+// thread that never records registers no buffer.
+thread_local std::string t_thread_name;
+thread_local Buffer* t_buffer = nullptr;
+
 Buffer& this_thread_buffer() {
   thread_local std::shared_ptr<Buffer> buffer = [] {
     auto b = std::make_shared<Buffer>();
-    if (::gettid() == ::getpid()) b->name = "main thread";
+    b->name = !t_thread_name.empty()        ? t_thread_name
+              : ::gettid() == ::getpid() ? std::string("main thread")
+                                         : std::string();
+    t_buffer = b.get();
     Recorder& r = recorder();
     std::lock_guard<std::mutex> lock(r.mu);
     b->tid = r.next_tid++;
@@ -367,9 +375,10 @@ void add_stop_hook(void (*flush)()) {
 }
 
 void set_thread_name(std::string_view name) {
-  Buffer& b = this_thread_buffer();
-  std::lock_guard<std::mutex> lock(b.mu);
-  b.name.assign(name);
+  t_thread_name.assign(name);
+  if (t_buffer == nullptr) return;  // named when it first records
+  std::lock_guard<std::mutex> lock(t_buffer->mu);
+  t_buffer->name.assign(name);
 }
 
 void instant(std::string_view name, const char* cat, Args args) {

@@ -86,7 +86,8 @@ void collective(std::string_view label, int64_t queued_us, int64_t started_us, i
 /// has passed them, tensor/trace_device.h). Registered once per function; kept for the process.
 void add_stop_hook(void (*flush)());
 /// Names this thread's row in the file ("gloo worker"); the process's main thread is named
-/// "main thread" without asking. Costs a buffer registration once per thread, even when off.
+/// "main thread" without asking. Only remembered until the thread first records (off, a
+/// thread that names itself registers nothing with the recorder).
 void set_thread_name(std::string_view name);
 /// An instant ("i") event now, on this thread.
 void instant(std::string_view name, const char* cat, Args args = {});
