@@ -20,7 +20,7 @@
 #include <ember/distributed/detail/gloo_agreement.h>
 #include <ember/distributed/detail/process_group_gloo_impl.h>
 #include <ember/distributed/detail/shm_allreduce.h>
-#include <ember/tensor/trace.h>
+#include <ember/distributed/collective_trace.h>
 
 namespace ember::dist {
 
@@ -201,7 +201,7 @@ WorkPtr ProcessGroupGloo::Impl::submit(
     const std::string& what, Duration timeout,
     std::function<std::vector<Tensor>(std::chrono::milliseconds)> run, Route route) {
   auto work = std::make_shared<GlooWork>(what, timeout);
-  Job job{work, Clock::now() + timeout, std::move(run), trace::enabled() ? trace::now_us() : 0};
+  Job job{work, Clock::now() + timeout, std::move(run), tracing::stamp()};
   if (!context_) {
     execute(job);
     return work;
@@ -244,6 +244,7 @@ std::vector<WorkPtr> ProcessGroupGloo::Impl::unfinished_collectives() {
 
 void ProcessGroupGloo::Impl::loop(std::deque<Job>& queue, std::condition_variable& cv,
                                   bool collectives) {
+  trace::set_thread_name(collectives ? "gloo worker" : "gloo send/recv");
   for (;;) {
     Job job;
     {
@@ -287,14 +288,10 @@ void ProcessGroupGloo::Impl::execute(Job& job, bool mark_broken) {
     return;
   }
   std::vector<Tensor> out;
-  const int64_t started_us = trace::enabled() ? trace::now_us() : 0;
+  const int64_t started_us = tracing::stamp();
   try {
     out = job.run(left);
-    if (started_us != 0) {
-      int64_t bytes = 0;
-      for (const Tensor& t : out) bytes += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
-      trace::collective(what, job.queued_us, started_us, bytes);
-    }
+    tracing::record_collective(what, job.queued_us, started_us, out);
   } catch (const ValueError&) {
     job.work->finish_with_error(std::current_exception());
     return;

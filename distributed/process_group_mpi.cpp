@@ -31,6 +31,7 @@
 #include <optional>
 #include <thread>
 
+#include <ember/distributed/collective_trace.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/log.h>
 
@@ -319,12 +320,16 @@ struct ProcessGroupMpi::Impl {
     WorkPtr work;
     Fn fn;
     std::optional<uint64_t> ticket;  // serialized mode (Note [MPI threading])
+    int64_t queued_us = 0;           // trace clock when issued, if tracing
+    bool traced = true;              // false: the group's own housekeeping, not on the timeline
   };
   struct Pending {
     MPI_Request request = MPI_REQUEST_NULL;
     WorkPtr work;
     Clock::time_point deadline;
     std::function<std::vector<Tensor>()> done;  // also keeps the buffer alive
+    int64_t queued_us = 0;   // its task's trace stamps: its span runs from the task's start
+    int64_t started_us = 0;  // until MPI reports the request complete
   };
 
   MPI_Comm comm = MPI_COMM_NULL;
@@ -341,13 +346,15 @@ struct ProcessGroupMpi::Impl {
 
   std::vector<Pending> pending;    // worker only
   std::vector<Pending> abandoned;  // worker only: given up at stop, buffers kept alive
+  Task* current = nullptr;         // worker only: the task running now (for add_pending)
+  int64_t current_started_us = 0;  // worker only: its trace stamp
 
-  WorkPtr enqueue(std::string what, Duration timeout, Fn fn) {
+  WorkPtr enqueue(std::string what, Duration timeout, Fn fn, bool traced = true) {
     auto work = std::make_shared<Work>(std::move(what), timeout);
     {
       std::lock_guard<std::mutex> lock(mu);
       EMBER_INTERNAL_ASSERT(!stop, "[mpi] collective issued on a group being destroyed");
-      queue.push_back(Task{work, std::move(fn), take_ticket()});
+      queue.push_back(Task{work, std::move(fn), take_ticket(), tracing::stamp(), traced});
     }
     cv.notify_one();
     return work;
@@ -356,20 +363,30 @@ struct ProcessGroupMpi::Impl {
   void add_pending(const WorkPtr& work, MPI_Request request,
                    std::function<std::vector<Tensor>()> done) {
     global().busy.fetch_add(1);
-    pending.push_back(Pending{request, work, Clock::now() + work->timeout(), std::move(done)});
+    pending.push_back(Pending{request, work, Clock::now() + work->timeout(), std::move(done),
+                              current != nullptr ? current->queued_us : 0, current_started_us});
   }
 
   void run_task(Task& task) {
     global().busy.fetch_add(1);
     try {
       std::optional<std::vector<Tensor>> out;
+      int64_t started_us = 0;
       {
         MpiTurn turn(task.ticket);
+        if (task.traced) started_us = tracing::stamp();  // after its turn: waiting counts as queued
+        current = &task;
+        current_started_us = started_us;
         out = task.fn(*this, task.work);
+        current = nullptr;
       }
       global().busy.fetch_sub(1);
-      if (out) task.work->finish(std::move(*out));
+      if (out) {
+        tracing::record_collective(task.work->describe(), task.queued_us, started_us, *out);
+        task.work->finish(std::move(*out));
+      }
     } catch (...) {
+      current = nullptr;
       global().busy.fetch_sub(1);
       task.work->finish_with_error(std::current_exception());
     }
@@ -396,7 +413,9 @@ struct ProcessGroupMpi::Impl {
       } else if (flag) {
         global().busy.fetch_sub(1);
         try {
-          p.work->finish(p.done());
+          std::vector<Tensor> out = p.done();
+          tracing::record_collective(p.work->describe(), p.queued_us, p.started_us, out);
+          p.work->finish(std::move(out));
         } catch (...) {
           p.work->finish_with_error(std::current_exception());
         }
@@ -413,6 +432,7 @@ struct ProcessGroupMpi::Impl {
   }
 
   void run() {
+    trace::set_thread_name("mpi worker");
     std::unique_lock<std::mutex> lock(mu);
     for (;;) {
       if (!queue.empty()) {
@@ -496,7 +516,8 @@ ProcessGroupMpi::~ProcessGroupMpi() {
                    MPI_Finalized(&finalized);
                    if (!finalized && im.comm != MPI_COMM_NULL) MPI_Comm_free(&im.comm);
                    return std::vector<Tensor>{};
-                 });
+                 },
+                 /*traced=*/false);
   if (std::this_thread::get_id() == impl_->thread.get_id()) {
     // The last reference was dropped by a callback on the worker itself: it cannot join
     // itself, so it finishes the queue and exits on its own.

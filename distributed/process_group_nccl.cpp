@@ -13,12 +13,14 @@
 #include <optional>
 #include <thread>
 
+#include <ember/distributed/collective_trace.h>
 #include <ember/distributed/init.h>
 #include <ember/distributed/net.h>
 #include <ember/distributed/debug.h>
 #include <ember/tensor/cuda/check.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/log.h>
+#include <ember/tensor/trace_device.h>
 
 namespace ember::dist {
 
@@ -389,6 +391,8 @@ class ProcessGroupNccl::Impl {
                                              network_summary()));
     }
     comm_ = comm;
+    trace_row_name_ = detail::str_cat("nccl stream, ", cuda_device(device_).str(), " (rank ", rank,
+                                      " of ", size, ")");
     watchdog_ = std::thread([this] { watch(); });
   }
 
@@ -449,11 +453,14 @@ class ProcessGroupNccl::Impl {
     auto end = std::make_shared<cuda::Event>();
     auto work = std::make_shared<NcclWork>(what, timeout, end, device_, failure_, blocking);
     cuda::detail::DeviceGuard guard(device_);
+    const int64_t launched_us = tracing::stamp();
     {
       cuda::Event start;
       start.record(cuda::current_stream(device_));
       start.block(stream_);
     }
+    // After the wait for the caller's stream: the span is the collective's own device time.
+    trace::DeviceSpan device_span(stream_);
     {
       std::unique_lock<std::mutex> cl(comm_mu_);
       if (comm_ == nullptr) {  // aborted since the check above
@@ -478,6 +485,8 @@ class ProcessGroupNccl::Impl {
         std::rethrow_exception(e);
       }
     }
+    // Its end event before `end`: once the watchdog sees `end` pass, the span can be resolved.
+    if (device_span.active()) trace_span(device_span, what, outputs, launched_us);
     end->record(stream_);
     // Before the Work is returned: once the caller has it, it may drop the tensors at once.
     for (const Tensor& t : outputs) mark_used(t, stream_);
@@ -495,6 +504,16 @@ class ProcessGroupNccl::Impl {
   }
 
  private:
+  // The collective's span on the timeline, as gloo's and MPI's but measured on the group's
+  // stream (its own row): from the device starting it until it finished, queued_us the time
+  // from its launch on the host until the device started it.
+  void trace_span(trace::DeviceSpan& span, const std::string& what,
+                  const std::vector<Tensor>& outputs, int64_t launched_us) {
+    trace::CollectiveFields f = trace::collective_fields(what, tracing::result_bytes(outputs));
+    span.finish(stream_, trace::DeviceSpanInfo{std::move(f.name), "collective", std::move(f.args),
+                                               trace_row_, trace_row_name_, launched_us});
+  }
+
   void check_init(ncclResult_t r, ncclComm_t comm, const char* call) const {
     if (r != ncclSuccess) {
       throw DistBackendError(detail::str_cat("[nccl] rank ", rank_, " of ", size_, ": ", call,
@@ -568,6 +587,8 @@ class ProcessGroupNccl::Impl {
         }
       }
       retire(done);
+      // Off the collectives' path: the spans of what just finished reach the timeline.
+      if (trace::enabled()) trace::resolve_device_spans();
     }
   }
 
@@ -617,6 +638,9 @@ class ProcessGroupNccl::Impl {
   // The first failure; set once the communicator is aborted. Shared with the Works.
   const std::shared_ptr<GroupFailure> failure_ = std::make_shared<GroupFailure>();
   std::thread watchdog_;
+  // The timeline row of this group's stream (device spans, tensor/trace_device.h).
+  const int trace_row_ = trace::unique_row();
+  std::string trace_row_name_;
 };
 
 // ---- ProcessGroupNccl -------------------------------------------------------------------------

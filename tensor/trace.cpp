@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -37,6 +38,7 @@ struct Buffer {
   std::mutex mu;
   std::vector<Event> events;
   int tid = 0;
+  std::string name;  // the row's name in the file ("" : none)
 };
 
 struct Recorder {
@@ -50,6 +52,7 @@ struct Recorder {
   Level level = Level::Off;
   bool atexit_registered = false;
   std::map<int, std::string> row_names;  // complete_on_row's rows
+  std::vector<void (*)()> stop_hooks;     // add_stop_hook's
 };
 
 // Leaked on purpose: threads still running at exit may record after static destructors ran.
@@ -58,9 +61,18 @@ Recorder& recorder() {
   return *r;
 }
 
+// This thread's name (set_thread_name), kept here until the thread first records, so that a
+// thread that never records registers no buffer.
+thread_local std::string t_thread_name;
+thread_local Buffer* t_buffer = nullptr;
+
 Buffer& this_thread_buffer() {
   thread_local std::shared_ptr<Buffer> buffer = [] {
     auto b = std::make_shared<Buffer>();
+    b->name = !t_thread_name.empty()        ? t_thread_name
+              : ::gettid() == ::getpid() ? std::string("main thread")
+                                         : std::string();
+    t_buffer = b.get();
     Recorder& r = recorder();
     std::lock_guard<std::mutex> lock(r.mu);
     b->tid = r.next_tid++;
@@ -127,6 +139,17 @@ std::vector<std::pair<int, std::vector<Event>>> drain(Recorder& r) {
   return out;
 }
 
+// The names of the rows: complete_on_row's, and those of the threads that have one (the caller
+// holds the recorder's lock).
+std::map<int, std::string> row_names(Recorder& r) {
+  std::map<int, std::string> names = r.row_names;
+  for (auto& b : r.buffers) {
+    std::lock_guard<std::mutex> lock(b->mu);
+    if (!b->name.empty()) names.emplace(b->tid, b->name);
+  }
+  return names;
+}
+
 std::string write_file(Recorder& r, Level level) {
   namespace fs = std::filesystem;
   const fs::path path = fs::path(r.dir) / ("trace_rank" + std::to_string(r.rank) + ".json");
@@ -143,7 +166,7 @@ std::string write_file(Recorder& r, Level level) {
       << "{\"name\":\"rank " << r.rank << "\"}}";
     f << ",\n{\"ph\":\"M\",\"pid\":" << r.rank << ",\"tid\":0,\"name\":\"process_sort_index\","
       << "\"args\":{\"sort_index\":" << r.rank << "}}";
-    for (const auto& [row, name] : r.row_names) {
+    for (const auto& [row, name] : row_names(r)) {
       std::string escaped;
       append_escaped(escaped, name);
       f << ",\n{\"ph\":\"M\",\"pid\":" << r.rank << ",\"tid\":" << row
@@ -233,7 +256,26 @@ void start(const std::string& dir, Level level, int rank) {
   detail::g_level.store(static_cast<int>(r.level), std::memory_order_relaxed);
 }
 
+// Runs the stop hooks without holding the recorder's lock: they record events.
+static void run_stop_hooks() {
+  std::vector<void (*)()> hooks;
+  {
+    Recorder& r = recorder();
+    std::lock_guard<std::mutex> lock(r.mu);
+    if (r.level == Level::Off) return;
+    hooks = r.stop_hooks;
+  }
+  for (auto hook : hooks) {
+    try {
+      hook();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "ember trace: %s\n", e.what());
+    }
+  }
+}
+
 std::string stop() {
+  run_stop_hooks();
   Recorder& r = recorder();
   std::lock_guard<std::mutex> lock(r.mu);
   if (r.level == Level::Off) return "";
@@ -278,7 +320,7 @@ void complete(std::string_view name, const char* cat, int64_t start_us, int64_t 
 }
 
 void complete_on_row(int row, std::string_view row_name, std::string_view name, const char* cat,
-                     int64_t start_us, int64_t dur_us, Args args) {
+                     int64_t start_us, int64_t dur_us, Args args, std::string_view extra_args) {
   if (!enabled()) return;
   {
     Recorder& r = recorder();
@@ -287,11 +329,19 @@ void complete_on_row(int row, std::string_view row_name, std::string_view name, 
   }
   std::string a;
   append_args(a, args);
+  if (!extra_args.empty()) {
+    if (!a.empty()) a += ',';
+    a += extra_args;
+  }
   push(Event{'X', std::string(name), cat, start_us, dur_us, std::move(a), row});
 }
 
-void collective(std::string_view label, int64_t queued_us, int64_t started_us, int64_t bytes) {
-  if (!enabled()) return;
+int unique_row() {
+  static std::atomic<int> next{2000};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+CollectiveFields collective_fields(std::string_view label, int64_t bytes) {
   const size_t close = label.find("] ");
   const std::string_view backend =
       label.size() > 1 && label[0] == '[' && close != std::string_view::npos
@@ -301,13 +351,34 @@ void collective(std::string_view label, int64_t queued_us, int64_t started_us, i
   const size_t hash = label.find(" #", op);
   const int64_t seq =
       hash == std::string_view::npos ? -1 : std::atoll(std::string(label.substr(hash + 2)).c_str());
-  std::string extra = "\"backend\":\"";
-  append_escaped(extra, backend);
-  extra += '"';
-  complete(label.substr(op, hash == std::string_view::npos ? std::string_view::npos : hash - op),
-           "collective", started_us, now_us() - started_us,
-           {{"seq", seq}, {"bytes", bytes}, {"queued_us", queued_us == 0 ? 0 : started_us - queued_us}},
-           extra);
+  CollectiveFields f;
+  f.name = label.substr(op, hash == std::string_view::npos ? std::string_view::npos : hash - op);
+  append_args(f.args, {{"seq", seq}, {"bytes", bytes}});
+  f.args += ",\"backend\":\"";
+  append_escaped(f.args, backend);
+  f.args += '"';
+  return f;
+}
+
+void collective(std::string_view label, int64_t queued_us, int64_t started_us, int64_t bytes) {
+  if (!enabled()) return;
+  const CollectiveFields f = collective_fields(label, bytes);
+  complete(f.name, "collective", started_us, now_us() - started_us,
+           {{"queued_us", queued_us == 0 ? 0 : started_us - queued_us}}, f.args);
+}
+
+void add_stop_hook(void (*flush)()) {
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (std::find(r.stop_hooks.begin(), r.stop_hooks.end(), flush) == r.stop_hooks.end())
+    r.stop_hooks.push_back(flush);
+}
+
+void set_thread_name(std::string_view name) {
+  t_thread_name.assign(name);
+  if (t_buffer == nullptr) return;  // named when it first records
+  std::lock_guard<std::mutex> lock(t_buffer->mu);
+  t_buffer->name.assign(name);
 }
 
 void instant(std::string_view name, const char* cat, Args args) {

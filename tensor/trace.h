@@ -60,13 +60,35 @@ using Args = std::initializer_list<std::pair<const char*, int64_t>>;
 void complete(std::string_view name, const char* cat, int64_t start_us, int64_t dur_us,
               Args args = {}, std::string_view extra_args = {});
 /// The same on a named row of its own (`row` >= 1000, so that it is no thread's), for spans
-/// that overlap on the thread that records them (DDP buckets in flight together).
+/// that overlap on the thread that records them (DDP buckets in flight together) or that no
+/// thread ran (a CUDA stream's work).
 void complete_on_row(int row, std::string_view row_name, std::string_view name, const char* cat,
-                     int64_t start_us, int64_t dur_us, Args args = {});
-/// A collective's span from `started_us` to now on this thread, from its label
-/// "[backend] op #seq on rank r of n": named by op, with args seq, bytes, backend and queued_us
-/// (the time between `queued_us`, when it was submitted, and `started_us`; 0 when not queued).
+                     int64_t start_us, int64_t dur_us, Args args = {},
+                     std::string_view extra_args = {});
+/// A row number for complete_on_row that no other caller of this function gets (from 2000, so
+/// that DDP's bucket rows, 1000 + bucket index, never collide with it).
+int unique_row();
+
+/// What a collective's span shows, from its label "[backend] op #seq on rank r of n": the name
+/// (the op) and the args seq, bytes and backend as a JSON object body (queued_us is the caller's).
+struct CollectiveFields {
+  std::string name;
+  std::string args;
+};
+CollectiveFields collective_fields(std::string_view label, int64_t bytes);
+/// A collective's span from `started_us` to now on this thread, from its label (see
+/// collective_fields), with args seq, bytes, backend and queued_us (the time between
+/// `queued_us`, when it was submitted, and `started_us`; 0 when not queued).
 void collective(std::string_view label, int64_t queued_us, int64_t started_us, int64_t bytes);
+
+/// Registers `flush`, which stop() runs before it writes the file (while recording is still
+/// on): for recorders whose spans are only known later (CUDA events resolved once the device
+/// has passed them, tensor/trace_device.h). Registered once per function; kept for the process.
+void add_stop_hook(void (*flush)());
+/// Names this thread's row in the file ("gloo worker"); the process's main thread is named
+/// "main thread" without asking. Only remembered until the thread first records (off, a
+/// thread that names itself registers nothing with the recorder).
+void set_thread_name(std::string_view name);
 /// An instant ("i") event now, on this thread.
 void instant(std::string_view name, const char* cat, Args args = {});
 /// A counter ("C") event now: Perfetto draws `name` as a track of `value`.

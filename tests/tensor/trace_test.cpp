@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -136,6 +137,47 @@ TEST(Trace, ThreadsGetRowsOfTheirOwnAndNamedRows) {
   for (const auto& m : named(doc, "thread_name"))
     row_named = row_named || (m["tid"] == 1005 && m["args"]["name"] == "ddp bucket 5");
   EXPECT_TRUE(row_named);
+}
+
+// Rows of threads: the process's main thread is named without asking, others when they ask.
+TEST(Trace, ThreadNamesAreWritten) {
+  TempDir dir;
+  trace::start(dir.path, trace::Level::Steps, 0);
+  { trace::Span s("on main", "test"); }
+  std::thread t([] {
+    trace::set_thread_name("test worker");
+    trace::Span s("on worker", "test");
+  });
+  t.join();
+  const json doc = read_json(trace::stop());
+  std::map<std::string, json> names;
+  for (const auto& m : named(doc, "thread_name")) names[m["args"]["name"]] = m["tid"];
+  ASSERT_TRUE(names.count("main thread"));
+  ASSERT_TRUE(names.count("test worker"));
+  EXPECT_EQ(names["main thread"], named(doc, "on main")[0]["tid"]);
+  EXPECT_EQ(names["test worker"], named(doc, "on worker")[0]["tid"]);
+}
+
+// A stop hook runs before the file is written, while recording is on; registered once.
+int g_hook_runs = 0;
+void hook() {
+  ++g_hook_runs;
+  trace::complete_on_row(trace::unique_row(), "late row", "late span", "test", trace::now_us(), 1,
+                         {}, "\"extra\":\"yes\"");
+}
+
+TEST(Trace, StopHooksRecordBeforeTheFileIsWritten) {
+  TempDir dir;
+  trace::add_stop_hook(hook);
+  trace::add_stop_hook(hook);
+  trace::start(dir.path, trace::Level::Steps, 0);
+  const int runs = g_hook_runs;  // other tests' stop() runs it too, once registered
+  const json doc = read_json(trace::stop());
+  EXPECT_EQ(g_hook_runs, runs + 1);
+  ASSERT_EQ(named(doc, "late span").size(), 1u);
+  EXPECT_EQ(named(doc, "late span")[0]["args"]["extra"], "yes");
+  EXPECT_EQ(trace::stop(), "") << "nothing recording: no file";
+  EXPECT_EQ(g_hook_runs, runs + 1) << "and no hook run";
 }
 
 TEST(Trace, CollectiveSpansParseTheLabel) {
