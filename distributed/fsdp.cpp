@@ -162,8 +162,9 @@ void finish_reduce(FsdpContext& ctx) {
 }
 
 // At most this many reduce-scatters in flight: each holds a module's full gradients, so waiting
-// for the older ones bounds the memory while the newest still overlaps the backward.
-constexpr size_t kMaxReducesInFlight = 2;
+// for the older ones bounds the memory while the newest still overlaps the backward of the next
+// module. More would overlap more and hold one more module's gradients each.
+constexpr size_t kMaxReducesInFlight = 1;
 
 }  // namespace
 
@@ -175,16 +176,23 @@ void FsdpUnit::reduce_grads() {
     return;
   }
   NoGradGuard no_grad;
-  const int n = group->size();
   for (FlatGroup& g : groups) {
     if (!g.requires_grad) continue;
-    Tensor input = zeros({n * g.shard_size}, TensorOptions(g.reduce_dtype));
+    // The gradients were accumulated into views of grad_flat (prepare_grads); one that is not
+    // (its handle was cleared and replaced during backward) is copied in.
+    Tensor flat = g.grad_flat.defined() ? g.grad_flat
+                                        : zeros({group->size() * g.shard_size},
+                                                TensorOptions(g.compute_dtype));
     for (size_t i = 0; i < g.params.size(); ++i) {
       const Tensor grad = g.params[i].grad();
       if (!grad.defined()) continue;
-      input.narrow(0, g.offsets[i], grad.numel()).copy_(grad.reshape({-1}));
+      if (grad.storage() != flat.storage()) {
+        flat.narrow(0, g.offsets[i], grad.numel()).copy_(grad.reshape({-1}));
+      }
       g.params[i].set_grad(Tensor());
     }
+    g.grad_flat = Tensor();
+    Tensor input = flat.dtype() == g.reduce_dtype ? flat : flat.to(g.reduce_dtype);
     Tensor out = empty({g.shard_size}, TensorOptions(g.reduce_dtype));
     WorkPtr work = group->reduce_scatter_tensor(out, input, {.op = ReduceOp::Avg});
     c.reduces.push_back({std::move(work), std::move(input), std::move(out), &g});
@@ -193,6 +201,27 @@ void FsdpUnit::reduce_grads() {
   // when the whole backward is done.
   reshard(/*trainable_only=*/true);
   while (c.reduces.size() > kMaxReducesInFlight) finish_reduce(c);
+}
+
+// The parameters' gradients become views of one flat buffer per group (what the reduce-scatter
+// sends), so backward accumulates into it in place: no copy, and no second module-sized buffer
+// beside the gradients. Kept across backwards without sync (no_sync accumulates into it).
+void FsdpUnit::prepare_grads() {
+  NoGradGuard no_grad;
+  for (FlatGroup& g : groups) {
+    if (!g.requires_grad) continue;
+    if (!g.grad_flat.defined()) {
+      g.grad_flat = zeros({group->size() * g.shard_size}, TensorOptions(g.compute_dtype));
+    }
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      Tensor& p = g.params[i];
+      const Tensor grad = p.grad();
+      if (grad.defined() && grad.storage() == g.grad_flat.storage()) continue;
+      Tensor view = g.grad_flat.narrow(0, g.offsets[i], p.numel()).view(p.shape());
+      if (grad.defined()) view.copy_(grad);  // accumulated outside the buffer: bring it in
+      p.set_grad(view);
+    }
+  }
 }
 
 void FsdpUnit::on_grad_ready() {
@@ -248,6 +277,7 @@ void FsdpUnit::pre_backward() {
     autograd::queue_callback([c = ctx] { finish_backward(*c); });
   }
   unshard(/*wait=*/true);
+  prepare_grads();
   if (!options.prefetch) return;
   // The module before this one in the forward runs its backward next.
   for (int64_t i = index_of(ctx->order, this) - 1; i >= 0; --i) {

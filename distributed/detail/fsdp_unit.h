@@ -35,6 +35,7 @@ struct FlatGroup {
   std::shared_ptr<HostArena> arena; // N * S elements of compute_dtype
   Tensor full;                      // the arena as a tensor for collectives (its own storage)
   bool gathered = false;            // the arena holds the parameters (or a gather is pending)
+  Tensor grad_flat;                 // [N * S] compute_dtype: the parameters' gradients' storage
 };
 
 struct FsdpUnit : std::enable_shared_from_this<FsdpUnit> {
@@ -64,6 +65,7 @@ struct FsdpUnit : std::enable_shared_from_this<FsdpUnit> {
   void on_grad_ready();
   /// Hands the parameters' gradients to reduce-scatters (or keeps them, without sync).
   void reduce_grads();
+  void prepare_grads();
 };
 
 /// A reduce-scatter in flight: `out` is added to the gradients of `group`'s pieces.
