@@ -251,6 +251,31 @@ TEST(MultiNodeLoopback, LostStoreStopsTheOtherNodes) {
   n0.wait();
 }
 
+TEST(MultiNodeLoopback, StoppedAgentIsLostAfterNode0Finished) {
+  // Node 0's workers are done and it waits for node 1 to report its end; node 1's agent is
+  // stopped (SIGSTOP), so its heartbeat goes stale and node 0 ends the run instead of waiting
+  // --rdzv-timeout (900 s) for it.
+  TempDir d;
+  const int port = free_port();
+  const auto common = cat(loopback(port), {"--nnodes", "2", "--heartbeat-timeout", "2"});
+  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "block", d.path}));
+  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "env", d.path}));
+  ASSERT_TRUE(wait_for_file(d.path + "/pid_1"));
+  n1.track(std::atoi(read_file(d.path + "/pid_1").c_str()));
+  ASSERT_TRUE(wait_for_file(d.path + "/env_0.txt"));
+  kill(n1.pid(), SIGSTOP);
+  Result r0 = n0.wait();
+  kill(n1.pid(), SIGCONT);
+  EXPECT_FALSE(r0.timed_out) << describe(r0);
+  EXPECT_EQ(r0.exit_code, 1) << describe(r0);
+  EXPECT_TRUE(contains(r0.err, "node 1 failed after node 0's workers had finished"))
+      << describe(r0);
+  EXPECT_TRUE(contains(r0.err, " pid " + std::to_string(n1.pid()) + ") lost: no heartbeat for "))
+      << describe(r0);
+  Result r1 = n1.wait();  // resumed, it finds the store gone
+  EXPECT_EQ(r1.exit_code, 1) << describe(r1);
+}
+
 TEST(MultiNodeLoopback, SignalOnOneNodeEndsTheRunOnEveryNode) {
   TempDir d;
   const int port = free_port();
