@@ -257,7 +257,7 @@ TEST(MultiNodeLoopback, StoppedAgentIsLostAfterNode0Finished) {
   // --rdzv-timeout (900 s) for it.
   TempDir d;
   const int port = free_port();
-  const auto common = cat(loopback(port), {"--nnodes", "2", "--heartbeat-timeout", "2"});
+  const auto common = cat(loopback(port), {"--nnodes", "2", "--heartbeat-timeout", "3"});
   Emberrun n1(cat(common, {"--node-rank", "1", worker(), "block", d.path}));
   Emberrun n0(cat(common, {"--node-rank", "0", worker(), "env", d.path}));
   ASSERT_TRUE(wait_for_file(d.path + "/pid_1"));
