@@ -120,7 +120,7 @@ std::optional<int> MultiNodeRun::run_round(int round) {
   std::string lost;
   const auto outcome = group_.monitor([&] {
     try {
-      peer = rdzv_->poll_failure(round);
+      peer = rdzv_->watch(round);
     } catch (const RendezvousError& e) {
       lost = e.what();
       return true;

@@ -174,6 +174,7 @@ struct RawOptions {
   std::optional<int> node_rank;
   int max_restarts = 0;
   std::string rdzv_conf, start_method;
+  std::optional<double> heartbeat_interval;  // unset: 5 s, or less for a short timeout
   bool no_python = false, module = false, run_path = false;
 };
 
@@ -221,6 +222,13 @@ std::vector<EnvOption> add_options(CLI::App& app, RawOptions& raw, LaunchConfig&
       "RDZV_TIMEOUT", "Seconds the nodes may take to join a rendezvous round (900)", false);
   opt("--rdzv-last-call,--rdzv_last_call", c.last_call_s, "RDZV_LAST_CALL",
       "With --nnodes MIN:MAX: seconds to wait for more nodes once MIN joined (30)", false);
+  opt("--heartbeat-interval,--heartbeat_interval", raw.heartbeat_interval, "HEARTBEAT_INTERVAL",
+      "Multi-node: seconds between an agent's heartbeats in the rendezvous store (5, or "
+      "--heartbeat-timeout / 3 when that is less)",
+      false);
+  opt("--heartbeat-timeout,--heartbeat_timeout", c.heartbeat_timeout_s, "HEARTBEAT_TIMEOUT",
+      "Multi-node: node 0 ends the round when a node's heartbeat is this many seconds old (25)",
+      false);
   flag("--standalone", c.standalone, "STANDALONE", "Single node, free port picked automatically");
   opt("--max-restarts,--max_restarts", raw.max_restarts, "MAX_RESTARTS",
       "Restarts of the worker group before failing");
@@ -311,6 +319,26 @@ void resolve_topology(const RawOptions& raw, LaunchConfig& c) {
   }
 }
 
+// --heartbeat-timeout and --heartbeat-interval: a timeout must leave room for a few beats, or
+// a healthy node would be declared lost between two of them.
+void check_heartbeat(const RawOptions& raw, LaunchConfig& c) {
+  std::ostringstream os;
+  if (!(c.heartbeat_timeout_s > 0) || c.heartbeat_timeout_s > 1e6) {
+    os << "--heartbeat-timeout: expected seconds in (0, 1e6], got " << c.heartbeat_timeout_s;
+    throw UsageError(os.str());
+  }
+  if (!raw.heartbeat_interval) {
+    c.heartbeat_interval_s = std::min(5.0, c.heartbeat_timeout_s / 3);
+    return;
+  }
+  c.heartbeat_interval_s = *raw.heartbeat_interval;
+  if (!(c.heartbeat_interval_s > 0) || !(c.heartbeat_interval_s < c.heartbeat_timeout_s)) {
+    os << "--heartbeat-interval: expected seconds in (0, --heartbeat-timeout "
+       << c.heartbeat_timeout_s << "), got " << c.heartbeat_interval_s;
+    throw UsageError(os.str());
+  }
+}
+
 // The timing options and the restart count.
 void check_limits(const RawOptions& raw, LaunchConfig& c) {
   if (!(c.rdzv_timeout_s > 0) || c.rdzv_timeout_s > 1e6) {
@@ -325,6 +353,7 @@ void check_limits(const RawOptions& raw, LaunchConfig& c) {
     throw UsageError("--rdzv-conf read_timeout: expected seconds in (0, 1e6], got " +
                      std::to_string(c.rdzv_read_timeout_s));
   }
+  check_heartbeat(raw, c);
   if (raw.max_restarts < 0) {
     throw UsageError("--max-restarts: expected >= 0, got " + std::to_string(raw.max_restarts));
   }

@@ -46,6 +46,8 @@ struct LaunchConfig {
   double rdzv_timeout_s = 900.0;    // --rdzv-timeout / --join-timeout: node join limit, seconds
   double last_call_s = 30.0;        // --nnodes MIN:MAX: wait after MIN nodes joined, seconds
   double rdzv_read_timeout_s = 10.0;  // --rdzv-conf read_timeout: one rendezvous store request
+  double heartbeat_interval_s = 5.0;  // --heartbeat-interval: an agent's beat in the store
+  double heartbeat_timeout_s = 25.0;  // --heartbeat-timeout: node 0 ends a round on a silent one
   std::string role = "default";     // --role: the workers' ROLE_NAME
   int max_restarts = 0;             // --max-restarts
   double monitor_interval_s = 0.1;  // --monitor-interval, seconds

@@ -25,11 +25,27 @@ using std::chrono::milliseconds;
 //   r<R>/nnodes          set by node 0 when the round is complete: the number of nodes
 //   r<R>/failed          "<k> <what>": the first failure of the round (compare_set)
 //   r<R>/exit/<k>        node k left for good; node 0 stops hosting once all left
+//   r<R>/beat/<k>        node k's heartbeat counter (Note [Heartbeats])
 //   closed               why the run is over; a node about to join a new round gives up
 constexpr milliseconds kPollChunk{200};  // waits are cut in chunks to notice signals
 // The monitor's poll: when node 0's agent dies its port refuses connections, and the client
 // retries refused connections until the request timeout; this bounds how long that takes.
 constexpr milliseconds kPollTimeout{3000};
+
+// Note [Heartbeats]
+// Node 0's store sees a partitioned node only as silence: its connection is not closed, and
+// the job's own sockets (the workers' collectives) may wait for the kernel's TCP timeout,
+// about 15 minutes. So every agent adds 1 to r<R>/beat/<k> every --heartbeat-interval while
+// its workers run, and node 0 reads the counters: a node whose counter has not changed for
+// --heartbeat-timeout, measured on node 0's own clock (no clock agreement needed), and that
+// has not left (r<R>/exit/<k>), is recorded as the round's failure. Every agent then stops its
+// workers as for any failure, and restarts or ends the run. Node 0 reads the counters at most
+// once a second (once an interval, when shorter): it sees a beat up to one such period late,
+// and the silence is noticed up to one period late, so it ends the round at most
+// --heartbeat-timeout + 2 periods after the node's last beat (27 s by default, leaving room
+// under the 30 s docs/launcher.md promises for stopping the workers). The partitioned node
+// itself gives up within kPollTimeout, its requests going unanswered.
+constexpr milliseconds kHeartbeatCheck{1000};
 
 std::string to_s(const dist::Bytes& b) { return std::string(b.begin(), b.end()); }
 dist::Bytes to_b(const std::string& s) { return dist::Bytes(s.begin(), s.end()); }
@@ -314,9 +330,8 @@ RoundInfo Rendezvous::join(int round) {
 }
 
 RoundFailure Rendezvous::report_failure(int round, const std::string& what) {
-  const std::string mine = std::to_string(node_rank_) + " " + what;
   try {
-    return parse_failure(to_s(store_->compare_set(round_key(round, "failed"), {}, to_b(mine))));
+    return record_failure(round, {node_rank_, what});
   } catch (const dist::DistError& e) {
     lost("reporting a failure", e);
   }
@@ -335,6 +350,70 @@ std::optional<RoundFailure> Rendezvous::poll_failure(int round) {
   }
 }
 
+void Rendezvous::start_beats(int round) {
+  if (beat_round_ == round) return;
+  const auto now = Clock::now();
+  beat_round_ = round;
+  next_beat_ = next_check_ = now;
+  beats_.assign(std::max(nnodes_, 0), Beat{-1, now});
+  silent_nodes_.clear();
+}
+
+void Rendezvous::beat(int round) {
+  start_beats(round);
+  const auto now = Clock::now();
+  if (now < next_beat_) return;
+  next_beat_ = now + to_ms(config_.heartbeat_interval_s);
+  store_->add(round_key(round, "beat/" + std::to_string(node_rank_)), 1);
+}
+
+std::optional<RoundFailure> Rendezvous::find_silent_node(int round) {
+  start_beats(round);
+  const auto now = Clock::now();
+  if (now < next_check_) return std::nullopt;
+  next_check_ = now + std::min(kHeartbeatCheck, to_ms(config_.heartbeat_interval_s));
+  const auto bound = to_ms(config_.heartbeat_timeout_s);
+  for (int i = 0; i < static_cast<int>(beats_.size()); ++i) {
+    if (i == node_rank_ ||
+        std::find(silent_nodes_.begin(), silent_nodes_.end(), i) != silent_nodes_.end())
+      continue;
+    const int64_t count = store_->add(round_key(round, "beat/" + std::to_string(i)), 0);
+    if (count != beats_[i].count) {
+      beats_[i] = {count, now};
+      continue;
+    }
+    const auto silent = std::chrono::duration_cast<milliseconds>(now - beats_[i].seen);
+    if (silent < bound || store_->check({round_key(round, "exit/" + std::to_string(i))})) continue;
+    silent_nodes_.push_back(i);
+    const std::string v = to_s(store_->get(node_key(round, i), request_timeout()));
+    char secs[32];
+    std::snprintf(secs, sizeof(secs), "%.1f s", silent.count() / 1000.0);
+    return RoundFailure{i, "node " + std::to_string(i) + " (" + v.substr(v.find(' ') + 1) +
+                               ") lost: no heartbeat for " + secs + " (--heartbeat-timeout " +
+                               seconds_str(config_.heartbeat_timeout_s) +
+                               "; a network partition, or its agent stopped or hung)"};
+  }
+  return std::nullopt;
+}
+
+RoundFailure Rendezvous::record_failure(int round, const RoundFailure& f) {
+  const std::string v = std::to_string(f.node_rank) + " " + f.what;
+  return parse_failure(to_s(store_->compare_set(round_key(round, "failed"), {}, to_b(v))));
+}
+
+std::optional<RoundFailure> Rendezvous::watch(int round) {
+  try {
+    store_->set_timeout(std::min(kPollTimeout, request_timeout()));
+    beat(round);
+    std::optional<RoundFailure> silent = is_host() ? find_silent_node(round) : std::nullopt;
+    store_->set_timeout(request_timeout());
+    if (silent) return record_failure(round, *silent);
+  } catch (const dist::DistError& e) {
+    lost("watching the other nodes", e);
+  }
+  return poll_failure(round);
+}
+
 void Rendezvous::close(const std::string& reason) {
   try {
     store_->compare_set(key("closed"), {}, to_b(reason));
@@ -351,8 +430,13 @@ void Rendezvous::report_exit(int round) {
 
 bool Rendezvous::wait_for_exits(int round, milliseconds timeout, bool stop_on_failure) {
   std::vector<std::string> keys;
-  for (int i = 0; i < nnodes_; ++i)
-    if (i != node_rank_) keys.push_back(round_key(round, "exit/" + std::to_string(i)));
+  for (int i = 0; i < nnodes_; ++i) {
+    const bool silent =
+        beat_round_ == round &&
+        std::find(silent_nodes_.begin(), silent_nodes_.end(), i) != silent_nodes_.end();
+    if (i != node_rank_ && !silent) keys.push_back(round_key(round, "exit/" + std::to_string(i)));
+  }
+  if (keys.empty()) return true;
   const auto deadline = Clock::now() + timeout;
   const std::string failed = round_key(round, "failed");
   try {
@@ -365,7 +449,12 @@ bool Rendezvous::wait_for_exits(int round, milliseconds timeout, bool stop_on_fa
       } catch (const dist::DistTimeoutError&) {
       }
       if (interrupted_ && interrupted_()) return false;
-      if (stop_on_failure && store_->check({failed})) return false;
+      if (!stop_on_failure) continue;
+      if (std::optional<RoundFailure> silent = find_silent_node(round)) {
+        record_failure(round, *silent);
+        return false;
+      }
+      if (store_->check({failed})) return false;
     }
   } catch (const dist::DistError&) {
     return false;

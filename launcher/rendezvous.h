@@ -8,6 +8,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <ember/launcher/config.h>
 
@@ -79,14 +80,22 @@ class Rendezvous {
   /// The failure recorded for `round`, if any (one request; does not wait). Throws
   /// RendezvousError when the store is lost.
   std::optional<RoundFailure> poll_failure(int round);
+  /// What the agent calls while the round's workers run (every --monitor-interval): writes this
+  /// node's heartbeat when --heartbeat-interval has passed since the last one; on node 0, a
+  /// node whose heartbeat has not changed for --heartbeat-timeout (and that has not left) is
+  /// recorded as the round's failure, unless another failure came first. Returns the round's
+  /// failure, if any. Throws RendezvousError when the store is lost (within a few seconds: a
+  /// partitioned node gives up on its own).
+  std::optional<RoundFailure> watch(int round);
   /// Marks the whole run as over (no more rounds): later joins throw RendezvousError(reason).
   /// Best effort: a lost store is ignored.
   void close(const std::string& reason);
   /// Tells node 0 that this agent leaves for good (it stops hosting once all left). Best effort.
   void report_exit(int round);
   /// Host only: waits until every other node of `round` reported its exit, for at most
-  /// `timeout`; with stop_on_failure, returns early when `round` fails. Returns whether all
-  /// left. A signal ends the wait early (returns false).
+  /// `timeout`; with stop_on_failure, returns early when `round` fails, a node's heartbeat
+  /// going stale included (recorded as the failure). Nodes found silent are not waited for.
+  /// Returns whether all left. A signal ends the wait early (returns false).
   bool wait_for_exits(int round, std::chrono::milliseconds timeout, bool stop_on_failure);
 
   /// This node's description in messages: "node 1 (host pid 42)".
@@ -112,6 +121,13 @@ class Rendezvous {
   bool wait_keys(const std::vector<std::string>& keys,
                  std::chrono::steady_clock::time_point deadline, bool watch_closed);
   void throw_if_closed();
+  // Heartbeats (Note [Heartbeats] in rendezvous.cpp): this node's beat, throttled to
+  // --heartbeat-interval; on the host, the first node silent for --heartbeat-timeout.
+  void start_beats(int round);  // resets the state for a round not watched before
+  void beat(int round);
+  std::optional<RoundFailure> find_silent_node(int round);
+  // Records `f` as the round's failure unless one came first; returns the first.
+  RoundFailure record_failure(int round, const RoundFailure& f);
   [[noreturn]] void lost(const std::string& op, const std::exception& e) const;
 
   const LaunchConfig& config_;
@@ -123,6 +139,15 @@ class Rendezvous {
   std::string self_;    // "host pid N" (local address or host name)
   int node_rank_ = -1;  // this round's
   int nnodes_ = 0;      // this round's
+  // Heartbeat state of round beat_round_ (reset when a new round is watched).
+  struct Beat {
+    int64_t count = -1;                          // the node's counter as last read
+    std::chrono::steady_clock::time_point seen;  // when it last changed (this clock)
+  };
+  int beat_round_ = -1;
+  std::chrono::steady_clock::time_point next_beat_, next_check_;
+  std::vector<Beat> beats_;        // host: per node rank
+  std::vector<int> silent_nodes_;  // host: nodes declared lost in beat_round_
 };
 
 }  // namespace ember::launcher

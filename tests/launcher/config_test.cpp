@@ -172,6 +172,30 @@ TEST(Config, RdzvConfErrorsQuoteTheKeyOrPair) {
             std::string::npos);
 }
 
+TEST(Config, HeartbeatOptions) {
+  unsetenv("EMBER_HEARTBEAT_TIMEOUT");
+  unsetenv("EMBER_HEARTBEAT_INTERVAL");
+  LaunchConfig c = parse_args({"--nnodes", "2", "prog"});
+  EXPECT_EQ(c.heartbeat_timeout_s, 25.0);
+  EXPECT_EQ(c.heartbeat_interval_s, 5.0);
+  // A short timeout alone brings the interval down with it: three beats per timeout.
+  c = parse_args({"--heartbeat-timeout", "3", "prog"});
+  EXPECT_EQ(c.heartbeat_timeout_s, 3.0);
+  EXPECT_EQ(c.heartbeat_interval_s, 1.0);
+  c = parse_args({"--heartbeat_timeout=60", "--heartbeat-interval", "10", "prog"});
+  EXPECT_EQ(c.heartbeat_timeout_s, 60.0);
+  EXPECT_EQ(c.heartbeat_interval_s, 10.0);
+  setenv("EMBER_HEARTBEAT_TIMEOUT", "4", 1);
+  EXPECT_EQ(parse_args({"prog"}).heartbeat_timeout_s, 4.0);
+  unsetenv("EMBER_HEARTBEAT_TIMEOUT");
+  EXPECT_EQ(usage_error({"--heartbeat-timeout", "0", "prog"}),
+            "--heartbeat-timeout: expected seconds in (0, 1e6], got 0");
+  EXPECT_EQ(usage_error({"--heartbeat-timeout", "3", "--heartbeat-interval", "3", "prog"}),
+            "--heartbeat-interval: expected seconds in (0, --heartbeat-timeout 3), got 3");
+  EXPECT_NE(usage_error({"--heartbeat-interval", "-1", "prog"}).find("--heartbeat-interval"),
+            std::string::npos);
+}
+
 TEST(Config, TorchrunPythonOptions) {
   LaunchConfig c = parse_args({"--role", "trainer", "--no-python", "--start_method", "fork", "p"});
   EXPECT_EQ(c.role, "trainer");

@@ -251,6 +251,31 @@ TEST(MultiNodeLoopback, LostStoreStopsTheOtherNodes) {
   n0.wait();
 }
 
+TEST(MultiNodeLoopback, StoppedAgentIsLostAfterNode0Finished) {
+  // Node 0's workers are done and it waits for node 1 to report its end; node 1's agent is
+  // stopped (SIGSTOP), so its heartbeat goes stale and node 0 ends the run instead of waiting
+  // --rdzv-timeout (900 s) for it.
+  TempDir d;
+  const int port = free_port();
+  const auto common = cat(loopback(port), {"--nnodes", "2", "--heartbeat-timeout", "3"});
+  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "block", d.path}));
+  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "env", d.path}));
+  ASSERT_TRUE(wait_for_file(d.path + "/pid_1"));
+  n1.track(std::atoi(read_file(d.path + "/pid_1").c_str()));
+  ASSERT_TRUE(wait_for_file(d.path + "/env_0.txt"));
+  kill(n1.pid(), SIGSTOP);
+  Result r0 = n0.wait();
+  kill(n1.pid(), SIGCONT);
+  EXPECT_FALSE(r0.timed_out) << describe(r0);
+  EXPECT_EQ(r0.exit_code, 1) << describe(r0);
+  EXPECT_TRUE(contains(r0.err, "node 1 failed after node 0's workers had finished"))
+      << describe(r0);
+  EXPECT_TRUE(contains(r0.err, " pid " + std::to_string(n1.pid()) + ") lost: no heartbeat for "))
+      << describe(r0);
+  Result r1 = n1.wait();  // resumed, it finds the store gone
+  EXPECT_EQ(r1.exit_code, 1) << describe(r1);
+}
+
 TEST(MultiNodeLoopback, SignalOnOneNodeEndsTheRunOnEveryNode) {
   TempDir d;
   const int port = free_port();
@@ -324,6 +349,78 @@ TEST_F(MultiNodeNetns, RanksByArrivalThroughTheEndpoint) {
   EXPECT_TRUE(contains(ra.err, "node 0 (")) << describe(ra);
   EXPECT_TRUE(contains(rb.err, "node 1 (")) << describe(rb);
   expect_allreduce_lines(ra.out + rb.out, 4);
+}
+
+// The link between the nodes is cut while both run blocked workers (as ranks waiting in a
+// collective whose peer is gone would be). Node 1 loses the store and stops; node 0's store
+// only sees silence, so without heartbeats its worker would wait until it gave up on its own
+// (here its 60 s alarm; over TCP the kernel's timeout, about 15 minutes). With
+// --heartbeat-timeout 3 node 0 ends the round within a few seconds, naming the lost node.
+struct Partitioned {
+  Result r0, r1;
+  std::chrono::duration<double> node0_after_cut{};  // from the cut until node 0's agent ended
+  std::vector<pid_t> workers;
+  pid_t r1_pid = -1;  // node 1's agent (under `ip netns exec`, which execs it)
+};
+
+Partitioned run_and_cut_link(NetnsPair& net, const std::vector<std::string>& extra) {
+  TempDir d;
+  const auto common = cat(cat({"--nnodes", "2", "--master-addr", net.addr[0], "--master-port",
+                               "29400", "--grace-period", "5"},
+                              {"--heartbeat-timeout", "3", "--heartbeat-interval", "0.5"}),
+                          extra);
+  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "block", d.path}), {}, net.exec_prefix(0));
+  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "block", d.path}), {}, net.exec_prefix(1));
+  Partitioned p;
+  p.r1_pid = n1.pid();
+  for (int rank : {0, 1}) {
+    const std::string f = d.path + "/pid_" + std::to_string(rank);
+    EXPECT_TRUE(wait_for_file(f)) << "rank " << rank << " never started";
+    p.workers.push_back(std::atoi(read_file(f).c_str()));
+    (rank ? n1 : n0).track(p.workers.back());
+  }
+  std::string out;
+  EXPECT_EQ(shell("ip -n " + net.ns[1] + " link set " + net.ifname[1] + " down", &out), 0) << out;
+  const auto cut = Clock::now();
+  p.r0 = n0.wait();
+  p.node0_after_cut = Clock::now() - cut;
+  p.r1 = n1.wait();
+  return p;
+}
+
+TEST_F(MultiNodeNetns, PartitionedNodeEndsTheRoundOnNode0) {
+  Partitioned p = run_and_cut_link(*net_, {});
+  EXPECT_FALSE(p.r0.timed_out) << describe(p.r0);
+  EXPECT_EQ(p.r0.exit_code, 1) << describe(p.r0);
+  EXPECT_TRUE(contains(p.r0.err, "the run failed on node 1 (node 1 (")) << describe(p.r0);
+  EXPECT_TRUE(contains(p.r0.err, " pid " + std::to_string(p.r1_pid) + ") lost: no heartbeat for "))
+      << describe(p.r0);
+  EXPECT_TRUE(contains(p.r0.err, "(--heartbeat-timeout 3 s;")) << describe(p.r0);
+  EXPECT_TRUE(contains(p.r0.err, "no restarts left")) << describe(p.r0);
+  // A bound, not a timing: 3 s of silence, a check a second, a stop and the exit, on a loaded
+  // machine; without heartbeats node 0 would wait for its worker's 60 s alarm.
+  EXPECT_LT(p.node0_after_cut.count(), 30.0) << describe(p.r0);
+  EXPECT_EQ(p.r1.exit_code, 1) << describe(p.r1);
+  EXPECT_TRUE(contains(p.r1.err, "lost the rendezvous store at " + net_->addr[0]))
+      << describe(p.r1);
+  for (pid_t w : p.workers)
+    EXPECT_TRUE(wait_until_gone(w)) << "worker " << w << " outlived its agent";
+}
+
+TEST_F(MultiNodeNetns, PartitionedNodeRestartsTheRoundWhenAllowed) {
+  // Node 0 restarts the round and waits for node 1 for --rdzv-timeout, as for any failure.
+  Partitioned p = run_and_cut_link(*net_, {"--max-restarts", "1", "--rdzv-timeout", "2"});
+  EXPECT_FALSE(p.r0.timed_out) << describe(p.r0);
+  EXPECT_EQ(p.r0.exit_code, 1) << describe(p.r0);
+  EXPECT_TRUE(contains(p.r0.err, ") lost: no heartbeat for ")) << describe(p.r0);
+  EXPECT_TRUE(contains(p.r0.err, "restarting the group on every node (1/1)")) << describe(p.r0);
+  EXPECT_TRUE(contains(p.r0.err, "rendezvous round 1 at " + net_->addr[0] + ":29400 timed out"))
+      << describe(p.r0);
+  EXPECT_TRUE(contains(p.r0.err, "nodes 1 never arrived")) << describe(p.r0);
+  EXPECT_LT(p.node0_after_cut.count(), 30.0) << describe(p.r0);
+  EXPECT_EQ(p.r1.exit_code, 1) << describe(p.r1);
+  for (pid_t w : p.workers)
+    EXPECT_TRUE(wait_until_gone(w)) << "worker " << w << " outlived its agent";
 }
 
 TEST_F(MultiNodeNetns, MpirunAcrossTwoNamespaces) {
