@@ -257,11 +257,15 @@ void finish_backward(FsdpContext& ctx) {
   }
   while (!ctx.reduces.empty()) finish_reduce(ctx);
   if (ctx.sync) average_replicated(ctx);
-  for (const auto& w : ctx.order) {
-    auto u = w.lock();
-    if (!u) continue;
-    u->reshard(/*trainable_only=*/false);
-    u->in_backward = false;
+  // A module prefetched by the last step's order but not run in this one is released too, so
+  // no gather is left in flight while the optimizer writes the shards.
+  for (const auto* list : {&ctx.order, &ctx.last_order}) {
+    for (const auto& w : *list) {
+      auto u = w.lock();
+      if (!u) continue;
+      u->reshard(/*trainable_only=*/false);
+      u->in_backward = false;
+    }
   }
 }
 

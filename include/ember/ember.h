@@ -1,5 +1,6 @@
 // Ember in one include: tensors, autograd, nn (layers, losses, optimizers, data, checkpoints,
-// mixed precision) and distributed training (process groups, DDP, ZeRO, comm hooks).
+// mixed precision) and distributed training (process groups, DDP, ZeRO, FSDP, sharded
+// checkpoints, comm hooks).
 // Link Ember::ember (CMake) or `pkg-config --libs ember`.
 #pragma once
 
@@ -7,9 +8,12 @@
 #include <ember/distributed/comm_hooks.h>
 #include <ember/distributed/ddp.h>
 #include <ember/distributed/ddp_join.h>
+#include <ember/distributed/fsdp.h>
+#include <ember/distributed/fsdp_checkpoint.h>
 #include <ember/distributed/init.h>
 #include <ember/distributed/powersgd.h>
 #include <ember/distributed/process_group.h>
+#include <ember/distributed/sharded_checkpoint.h>
 #include <ember/distributed/sync_batch_norm.h>
 #include <ember/distributed/zero.h>
 #include <ember/nn/amp/autocast.h>

@@ -9,6 +9,7 @@
 
 #include <ember/distributed/ddp.h>
 #include <ember/distributed/process_group_gloo.h>
+#include <ember/distributed/process_group_mpi.h>
 #include <ember/distributed/zero.h>
 #include <ember/nn/activation.h>
 #include <ember/nn/container.h>
@@ -16,6 +17,7 @@
 #include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
 #include "tests/distributed/ddp_test_util.h"
+#include "tests/distributed/mpi_job.h"
 #include "tests/distributed/store_test_util.h"
 #include "tests/distributed/threads_test_util.h"
 
@@ -127,12 +129,13 @@ TEST_P(Zero, TrainsLikeOneProcessWithAdamAndShardsTheState) {
   }
 }
 
-// The same over gloo between processes, through shared memory and over TCP.
+// The same over gloo between processes, through shared memory and over TCP (2 ranks), and over
+// shared memory with 4.
 TEST(ZeroGloo, TrainsLikeOneProcessOverSharedMemoryAndTcp) {
   if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)";
-  for (bool shm : {true, false}) {
+  for (auto [n, shm] : {std::pair{2, true}, std::pair{2, false}, std::pair{4, true}}) {
     test::run_gloo_ranks(
-        2,
+        n,
         [&](std::shared_ptr<ProcessGroupGloo> pg, int rank) {
           const std::vector<Batch> batches = make_batches(kSteps, 5);
           Reference ref;
@@ -142,14 +145,44 @@ TEST(ZeroGloo, TrainsLikeOneProcessOverSharedMemoryAndTcp) {
           ZeroRedundancyOptimizer opt(ddp->parameters(), adam_factory(), pg);
           for (const Batch& b : batches) {
             opt.zero_grad();
-            loss_of(*ddp, test::slice(b, rank, 2)).backward();
+            loss_of(*ddp, test::slice(b, rank, n)).backward();
             opt.step();
           }
-          require_params(std::string(shm ? "shm" : "tcp") + " rank " + std::to_string(rank),
+          require_params(std::string(shm ? "shm" : "tcp") + " rank " + std::to_string(rank) +
+                             " of " + std::to_string(n),
                          *model, *ref.model);
         },
         shm);
   }
+}
+
+// Over MPI: the ZeroMpiWorld cases (run by ctest) start mpirun on this binary, whose every rank
+// runs the ZeroMpiRanks cases.
+TEST(ZeroMpiWorld, Np2) {
+  test::expect_mpi_job_passes(2, "ZeroMpiRanks.*", std::chrono::seconds(240),
+                              ProcessGroupMpi::is_available());
+}
+TEST(ZeroMpiWorld, Np4) {
+  test::expect_mpi_job_passes(4, "ZeroMpiRanks.*", std::chrono::seconds(240),
+                              ProcessGroupMpi::is_available());
+}
+
+TEST(ZeroMpiRanks, TrainsLikeOneProcess) {
+  SKIP_UNLESS_UNDER_MPIRUN();
+  std::shared_ptr<ProcessGroup> pg = ProcessGroupMpi::create();
+  const int rank = pg->rank(), n = pg->size();
+  const std::vector<Batch> batches = make_batches(kSteps, 5);
+  Reference ref;
+  ref.train(batches);
+  auto model = make_model();
+  auto ddp = std::make_shared<DistributedDataParallel>(model, pg);
+  ZeroRedundancyOptimizer opt(ddp->parameters(), adam_factory(), pg);
+  for (const Batch& b : batches) {
+    opt.zero_grad();
+    loss_of(*ddp, test::slice(b, rank, n)).backward();
+    opt.step();
+  }
+  require_params("mpi rank " + std::to_string(rank), *model, *ref.model);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, Zero, ::testing::Values(2, 4),
