@@ -353,13 +353,12 @@ void ProcessGroupGloo::Impl::fail(Job& job, const E& err, bool mark_broken) {
     first = broken_.empty();
     if (first) broken_ = err.what();
   }
-  if (first) {
-    ember::detail::publish_position(
-        *store_, rank_,
-        detail::str_cat("was at ", ember::detail::short_label(job.work->describe()),
-                        " when it failed"),
-        position_wait_);
-  }
+  const bool store_answers =
+      first && ember::detail::publish_position(
+                   *store_, rank_,
+                   detail::str_cat("was at ", ember::detail::short_label(job.work->describe()),
+                                   " when it failed"),
+                   position_wait_);
   context_->closeConnections();
   if (shm_) shm_->abort(detail::str_cat("rank ", rank_, ": ", err.what()));
   if (!first) {
@@ -367,15 +366,11 @@ void ProcessGroupGloo::Impl::fail(Job& job, const E& err, bool mark_broken) {
     return;
   }
   const std::string msg = err.what();
-  std::vector<int> gone;  // ranks the error names as exited: no use waiting for their position
-  for (int r = 0; r < size_; ++r) {
-    if (msg.find(detail::str_cat("rank ", r, " (pid ")) != std::string::npos ||
-        msg.find(detail::str_cat("rank ", r, " closed the connection")) != std::string::npos) {
-      gone.push_back(r);
-    }
-  }
   job.work->finish_with_error(std::make_exception_ptr(
-      E(msg + ember::detail::peer_positions(*store_, rank_, size_, gone, position_wait_))));
+      E(msg + (store_answers
+                   ? ember::detail::peer_positions(*store_, rank_, size_, msg, position_wait_)
+                   : std::string("; the group's store did not answer, so where the other ranks "
+                                 "stand is unknown")))));
 }
 
 void ProcessGroupGloo::Impl::leave(uint64_t issued) {
@@ -392,7 +387,7 @@ void ProcessGroupGloo::Impl::leave(uint64_t issued) {
           ? std::string("left the group before issuing any operation")
           : detail::str_cat("left the group after issuing ", issued,
                             " operations (the last: ", ember::detail::short_label(last), ")"),
-      position_wait_);
+      std::min(position_wait_, ember::detail::kLeavingStoreWait));
 }
 
 // ---- ProcessGroupGloo ---------------------------------------------------------------------------

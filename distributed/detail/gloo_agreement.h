@@ -382,13 +382,17 @@ inline std::string name_peers_by_rank(const std::vector<std::vector<std::string>
 // store's write has no timeout of its own, and the store may be gone with the process that
 // hosted it, so a write at a failure or at destruction follows a read of a key this rank wrote
 // at connection, bounded by position_wait: a dead store costs that bound, not the store's
-// timeout.
+// timeout. At destruction the bound is shorter (kLeavingStoreWait): at a job's normal end the
+// rank that hosts the store may already have exited, and every other rank would pay it.
 
 /// How long a failing rank waits for its peers' positions, and the bound on the store's answer.
 inline std::chrono::milliseconds position_wait(dist::Duration group_timeout) {
   return std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(group_timeout) / 4,
                     std::chrono::milliseconds(1), std::chrono::milliseconds(1000));
 }
+
+/// The bound on the store's answer when a group is destroyed (Note [where a rank stands]).
+constexpr std::chrono::milliseconds kLeavingStoreWait{250};
 
 inline std::string position_key(int rank) { return str_cat("ember_position_", rank); }
 
@@ -402,14 +406,15 @@ inline std::string short_label(const std::string& label) {
 }
 
 /// Writes `text` ("left the group ...") as where `rank` stands (Note [where a rank stands]);
-/// does nothing when the store does not answer within `bound`.
-inline void publish_position(dist::Store& store, int rank, const std::string& text,
+/// returns false, having written nothing, when the store does not answer within `bound`.
+inline bool publish_position(dist::Store& store, int rank, const std::string& text,
                              std::chrono::milliseconds bound) {
   try {
     (void)store.get(str_cat("ember_socket_addresses_", rank), bound);  // is the store there?
     store.set(position_key(rank), dist::Bytes(text.begin(), text.end()));
+    return true;
   } catch (const std::exception&) {
-    // No store, no position: the error still names the collective and this rank.
+    return false;  // no store, no positions: the error still names the collective and rank
   }
 }
 
@@ -428,14 +433,16 @@ inline bool publish_latest(dist::Store& store, int rank, const std::string& labe
 }
 
 /// "; rank 0 left the group after ..." for each peer of `rank` (Note [where a rank stands]),
-/// waiting up to `bound` in all for those not in `gone` (ranks known to have exited).
-inline std::string peer_positions(dist::Store& store, int rank, int size,
-                                  const std::vector<int>& gone, std::chrono::milliseconds bound) {
+/// waiting up to `bound` in all for those that `error` (this rank's) does not name as exited.
+inline std::string peer_positions(dist::Store& store, int rank, int size, const std::string& error,
+                                  std::chrono::milliseconds bound) {
   const auto deadline = std::chrono::steady_clock::now() + bound;
   std::string out, silent;
   for (int r = 0; r < size; ++r) {
     if (r == rank) continue;
-    const bool wait = std::find(gone.begin(), gone.end(), r) == gone.end();
+    const bool wait =
+        error.find(str_cat("rank ", r, " (pid ")) == std::string::npos &&
+        error.find(str_cat("rank ", r, " closed the connection")) == std::string::npos;
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
     try {

@@ -24,6 +24,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using test::require;
+using test::to_string;
 
 constexpr auto kTimeout = 5000ms;
 constexpr int kSteps = 3;  // allreduces both ranks issue before rank 1's extra one
@@ -239,6 +240,46 @@ INSTANTIATE_TEST_SUITE_P(Cases, UnevenSteps, ::testing::ValuesIn(all_cases()),
                            return std::string(c.detail ? "Detail" : "Off") +
                                   (c.shm ? "Shm" : "Tcp") + "_Rank0" + name(c.rank0);
                          });
+
+// As under emberrun, rank 0's process hosts the group's store: when it exits, the store goes
+// with it, and rank 1's extra allreduce must still fail within the timeout (the store's own
+// timeout is a minute here), saying where rank 0 stands if it could still read it.
+TEST(UnevenStepsStore, RankThatHostsTheStoreExits) {
+  EMBER_REQUIRE_GLOO();
+  for (bool shm : {true, false}) {
+    test::Children kids(2, [&](int rank, const std::string& port) {
+      TCPStoreOptions so;
+      so.timeout = 60s;
+      TCPStore parent("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
+      std::unique_ptr<TCPStoreServer> server;
+      if (rank == 0) {
+        TCPStoreServerOptions o;
+        o.host = "127.0.0.1";
+        server = std::make_unique<TCPStoreServer>(o);
+        parent.set("port", std::to_string(server->port()));
+      }
+      const std::string job_port = to_string(parent.get("port", 60s));
+      auto store =
+          std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(job_port)), so);
+      ProcessGroupGloo::GlooOptions o{kTimeout, "127.0.0.1"};
+      o.shared_memory = shm;
+      ProcessGroupGloo pg(std::make_shared<PrefixStore>("pg", store), rank, 2, o);
+      Tensor t = full({1000}, 1.0, kFloat32);
+      for (int i = 0; i < kSteps; ++i) pg.allreduce(t)->wait();
+      if (rank == 0) return;  // the group, then the store's server, then the process end
+      const std::string msg = failure_of([&] { pg.allreduce(t)->wait(); }, "rank 1");
+      require_has(msg, "[gloo] allreduce #3 on rank 1 of 2", "rank 1");
+      require(has(msg, "rank 0 left the group after issuing 3 operations") ||
+                  has(msg, "the group's store did not answer"),
+              "rank 1's error: " + msg);
+    });
+    TCPStoreServerOptions so;
+    so.host = "127.0.0.1";
+    TCPStoreServer server(so);
+    kids.go(std::to_string(server.port()));
+    test::expect_children_ok(kids.join(60000));
+  }
+}
 
 }  // namespace
 }  // namespace ember::dist
