@@ -18,9 +18,9 @@
 // next messages still arrive whole. A failed collective's error also says where each other
 // rank stands ("rank 0 left the group after issuing 3 operations (the last: allreduce #2)",
 // "rank 0 was at barrier #3 when it failed"; Note [where a rank stands]): ranks that ran
-// uneven numbers of steps are named with both sequence numbers. After a failed collective the group closes its
-// connections, so peers blocked on this rank fail at once rather than at their timeout, and
-// the group cannot be used again (as in c10d: recreate it).
+// uneven numbers of steps are named with both sequence numbers. After a failed collective the
+// group closes its connections, so peers blocked on this rank fail at once rather than at
+// their timeout, and the group cannot be used again (as in c10d: recreate it).
 //
 // Dtypes: float32, float64, float16, bfloat16, int32, int64, uint8; tensors must be contiguous
 // CPU tensors. float16/bfloat16 reductions compute each pairwise step in float32 and round

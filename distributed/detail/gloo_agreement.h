@@ -280,6 +280,12 @@ void tcp_allreduce(const std::shared_ptr<gloo::Context>& ctx, Dtype dtype, T* da
   for (int r = 1; r < n; ++r) fn(data, data, part(r), count);
 }
 
+/// The store key under which `rank` publishes its sockets' addresses (Note [naming peers by
+/// rank]); also what Note [where a rank stands] reads to learn whether the store still answers.
+inline std::string socket_addresses_key(int rank) {
+  return str_cat("ember_socket_addresses_", rank);
+}
+
 /// Note [naming peers by rank]: Gloo names a peer in its errors only by its socket's address,
 /// and on the side that accepted a connection that is the peer's ephemeral port, which Gloo
 /// does not expose. So once connected, every rank publishes the local address of each of its
@@ -309,7 +315,7 @@ inline std::vector<std::vector<std::string>> peer_addresses(dist::Store& store, 
   for (int r = 0; r < size; ++r) {  // what some Gloo versions call this rank's end of a pair
     if (r != rank) mine += ctx.getPair(r)->address().str() + '\n';
   }
-  store.set(str_cat("ember_socket_addresses_", rank), dist::Bytes(mine.begin(), mine.end()));
+  store.set(socket_addresses_key(rank), dist::Bytes(mine.begin(), mine.end()));
   std::vector<std::vector<std::string>> out(static_cast<size_t>(size));
   for (int r = 0; r < size; ++r) {
     if (r == rank) continue;
@@ -326,7 +332,7 @@ inline std::vector<std::vector<std::string>> peer_addresses(dist::Store& store, 
         out[static_cast<size_t>(r)].push_back(gloo::transport::tcp::Address(bytes).str());
       }
     }
-    const dist::Bytes b = store.get(str_cat("ember_socket_addresses_", r), timeout);
+    const dist::Bytes b = store.get(socket_addresses_key(r), timeout);
     std::string line;
     for (const uint8_t c : b) {
       if (c != '\n') {
@@ -410,7 +416,7 @@ inline std::string short_label(const std::string& label) {
 inline bool publish_position(dist::Store& store, int rank, const std::string& text,
                              std::chrono::milliseconds bound) {
   try {
-    (void)store.get(str_cat("ember_socket_addresses_", rank), bound);  // is the store there?
+    (void)store.get(socket_addresses_key(rank), bound);  // is the store there?
     store.set(position_key(rank), dist::Bytes(text.begin(), text.end()));
     return true;
   } catch (const std::exception&) {
