@@ -64,6 +64,18 @@ std::string describe(const int64_t* f) {
   return os.str();
 }
 
+// The check's all-gather failed (another rank issued something else, left the group, or is
+// busy elsewhere): the same error, of the same type, prefixed with what this rank was about to
+// issue, so that the message names the collective the caller issued and not only the check's.
+[[noreturn]] void rethrow_check_failure(const DistError& e, const std::string& prefix) {
+  const std::string msg = prefix + e.what();
+  if (dynamic_cast<const DistTimeoutError*>(&e)) throw DistTimeoutError(msg);
+  if (dynamic_cast<const DistBackendError*>(&e)) throw DistBackendError(msg);
+  if (dynamic_cast<const DistNetworkError*>(&e)) throw DistNetworkError(msg);
+  if (dynamic_cast<const DistStoreError*>(&e)) throw DistStoreError(msg);
+  throw DistError(msg);
+}
+
 ProcessGroup::Options options_of(const ProcessGroup& g) {
   ProcessGroup::Options o;
   o.timeout = g.timeout();
@@ -107,7 +119,13 @@ void CheckedProcessGroup::check(int kind, const Tensor& t, int root, int op) {
   if (!device.is_cpu()) mine = mine.to(device);
   Tensor all = zeros({static_cast<int64_t>(size_) * kLen}, kInt64);
   if (!device.is_cpu()) all = all.to(device);
-  inner_->allgather_into_tensor(all, mine)->wait();
+  try {
+    inner_->allgather_into_tensor(all, mine)->wait();
+  } catch (const DistError& e) {
+    rethrow_check_failure(e, detail::str_cat("[CheckedProcessGroup] rank ", rank_, " of ", size_,
+                                             ": the check before its collective #", seq, ", ",
+                                             describe(f.data()), ", failed: "));
+  }
   const std::vector<int64_t> v = all.cpu().to_vector<int64_t>();
   // The first rank that differs from rank 0 (every rank finds the same pair).
   for (int r = 1; r < size_; ++r) {

@@ -32,9 +32,14 @@ DebugLevel debug_level();
 ///   "[CheckedProcessGroup] collective #3 differs across ranks: rank 0 called allreduce(float32
 ///    [120], sum) but rank 1 called allreduce(float32 [84], sum); ..."
 /// and the collective itself is not issued (so nothing hangs). A rank that issues no collective
-/// at all while the others do leaves them waiting for the check, which times out with the
-/// group's timeout like any collective. send/recv are passed through unchecked. Costs one small
-/// blocking all-gather per collective: for debugging only. Same threading rules as any group.
+/// at all while the others do (uneven steps: it left the group, is idle, or issued something on
+/// `inner` directly, as an evaluation does) makes the check's all-gather fail, at once or at the
+/// group's timeout; the error, of the all-gather's type, then starts "[CheckedProcessGroup]
+/// rank 1 of 2: the check before its collective #3, allreduce(float32 [1000], sum), failed: "
+/// and goes on with the group's own error (for gloo: where each other rank stands, Note [where
+/// a rank stands] in distributed/detail/gloo_agreement.h). send/recv are passed through
+/// unchecked. Costs one small blocking all-gather per collective: for debugging only. Same
+/// threading rules as any group.
 class CheckedProcessGroup : public ProcessGroup {
  public:
   /// `inner` must not be null.

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include <ember/distributed/debug.h>
 #include <ember/distributed/detail/gloo_agreement.h>
 #include <ember/distributed/detail/process_group_gloo_impl.h>
 #include <ember/distributed/detail/shm_allreduce.h>
@@ -160,6 +161,13 @@ ProcessGroupGloo::Impl::Impl(const ProcessGroupGloo& pg, std::shared_ptr<Store> 
                                            opts.timeout.count(), " ms): ", e.what()));
   }
   peer_addresses_ = ember::detail::peer_addresses(*store, *ctx, opts.timeout);
+  position_wait_ = ember::detail::position_wait(opts.timeout);
+  store_ = store;
+  try {
+    record_each_ = debug_level() == DebugLevel::Detail;
+  } catch (const ValueError&) {
+    // A bad EMBER_DISTRIBUTED_DEBUG is reported by what asks for a debug mode (DDP).
+  }
   context_ = ctx;
   if (opts.shared_memory) {
     shm_ = ember::detail::ShmAllreduce::create(*store, rank_, size_, opts.threads, opts.timeout);
@@ -206,10 +214,15 @@ WorkPtr ProcessGroupGloo::Impl::submit(
     execute(job);
     return work;
   }
+  if (record_each_ && !ember::detail::publish_latest(*store_, rank_,  // before it can fail
+                                                     ember::detail::short_label(what))) {
+    record_each_ = false;
+  }
   const bool p2p = route == Route::P2p;
   {
     std::unique_lock<std::mutex> lock(mu_);
     EMBER_CHECK(!stop_, what, ": the process group is being destroyed");
+    last_issued_ = what;
     if (route == Route::InlineIfIdle && in_flight_ == 0) {
       lock.unlock();
       execute(job);
@@ -322,18 +335,56 @@ void ProcessGroupGloo::Impl::execute(Job& job, bool mark_broken) {
 }
 
 // Fails job with err; a failed collective leaves the ranks out of step, so the group is
-// marked broken and its connections closed, which wakes peers blocked on this rank.
+// marked broken and its connections closed, which wakes peers blocked on this rank. The first
+// failure also says where this rank stands and names where the others do (Note [where a rank
+// stands]).
 template <typename E>
 void ProcessGroupGloo::Impl::fail(Job& job, const E& err, bool mark_broken) {
-  if (mark_broken && context_) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (broken_.empty()) broken_ = err.what();
-    }
-    context_->closeConnections();
-    if (shm_) shm_->abort(detail::str_cat("rank ", rank_, ": ", err.what()));
+  if (!mark_broken || !context_) {
+    job.work->finish_with_error(std::make_exception_ptr(err));
+    return;
   }
-  job.work->finish_with_error(std::make_exception_ptr(err));
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    first = broken_.empty();
+    if (first) broken_ = err.what();
+  }
+  const bool store_answers =
+      first && ember::detail::publish_position(
+                   *store_, rank_,
+                   detail::str_cat("was at ", ember::detail::short_label(job.work->describe()),
+                                   " when it failed"),
+                   position_wait_);
+  context_->closeConnections();
+  if (shm_) shm_->abort(detail::str_cat("rank ", rank_, ": ", err.what()));
+  if (!first) {
+    job.work->finish_with_error(std::make_exception_ptr(err));
+    return;
+  }
+  const std::string msg = err.what();
+  job.work->finish_with_error(std::make_exception_ptr(
+      E(msg + (store_answers
+                   ? ember::detail::peer_positions(*store_, rank_, size_, msg, position_wait_)
+                   : std::string("; the group's store did not answer, so where the other ranks "
+                                 "stand is unknown")))));
+}
+
+void ProcessGroupGloo::Impl::leave(uint64_t issued) {
+  if (!context_) return;
+  std::string last;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!broken_.empty()) return;  // the failure said where this rank stands
+    last = last_issued_;
+  }
+  ember::detail::publish_position(
+      *store_, rank_,
+      last.empty()
+          ? std::string("left the group before issuing any operation")
+          : detail::str_cat("left the group after issuing ", issued,
+                            " operations (the last: ", ember::detail::short_label(last), ")"),
+      std::min(position_wait_, ember::detail::kLeavingStoreWait));
 }
 
 // ---- ProcessGroupGloo ---------------------------------------------------------------------------
@@ -358,7 +409,9 @@ ProcessGroupGloo::ProcessGroupGloo(std::shared_ptr<Store> store, int rank, int s
   impl_ = std::make_unique<Impl>(*this, std::move(store), options);
 }
 
-ProcessGroupGloo::~ProcessGroupGloo() = default;
+ProcessGroupGloo::~ProcessGroupGloo() {
+  if (impl_) impl_->leave(seq_);
+}
 
 bool ProcessGroupGloo::uses_shared_memory() const { return impl_->shm() != nullptr; }
 

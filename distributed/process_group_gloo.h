@@ -15,9 +15,12 @@
 // every rank naming the peer and what each issued, over shared memory and over TCP, where Gloo
 // itself would abort the process (Note [ranks that disagree over TCP]); a send and a recv of
 // different sizes fail on both ranks naming both (Note [send/recv sizes]), and the pair's
-// next messages still arrive whole. After a failed collective the group closes its
-// connections, so peers blocked on this rank fail at once rather than at their timeout, and
-// the group cannot be used again (as in c10d: recreate it).
+// next messages still arrive whole. A failed collective's error also says where each other
+// rank stands ("rank 0 left the group after issuing 3 operations (the last: allreduce #2)",
+// "rank 0 was at barrier #3 when it failed"; Note [where a rank stands]): ranks that ran
+// uneven numbers of steps are named with both sequence numbers. After a failed collective the
+// group closes its connections, so peers blocked on this rank fail at once rather than at
+// their timeout, and the group cannot be used again (as in c10d: recreate it).
 //
 // Dtypes: float32, float64, float16, bfloat16, int32, int64, uint8; tensors must be contiguous
 // CPU tensors. float16/bfloat16 reductions compute each pairwise step in float32 and round

@@ -66,10 +66,19 @@ void shm_allreduce(ember::detail::ShmAllreduce& shm, uint64_t ticket,
 // ranks the exchange sends (n-1) times the buffer, so it is kept for small ones.
 constexpr size_t kSmallAllreduceBytes = 64 * 1024;
 constexpr size_t kTwoRankExchangeBytes = 512 * 1024;
+size_t small_allreduce_bytes(int n) {
+  return n == 2 ? kTwoRankExchangeBytes : kSmallAllreduceBytes;
+}
 
 using ember::detail::GlooKind;
-using ember::detail::agree;
 using ember::detail::make_desc;
+
+// Note [ranks that disagree over TCP]: every collective's receive holds the largest message a
+// peer may send on the same tag, a small allreduce's, whatever this rank issued.
+void agree(const std::shared_ptr<gloo::Context>& ctx, uint32_t tag,
+           const ember::detail::GlooOpDesc& mine, std::chrono::milliseconds left) {
+  ember::detail::agree(ctx, tag, mine, small_allreduce_bytes(ctx->size), left);
+}
 
 bool is_supported(Dtype d) { return d != Dtype::Bool; }
 
@@ -152,9 +161,9 @@ WorkPtr ProcessGroupGloo::allreduce(Tensor& tensor, const AllreduceOptions& opts
         }
         if (ctx) {
           EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] allreduce", [&]<typename T>() {
-            ember::detail::tcp_allreduce<T>(
-                ctx, t.dtype(), t.template data<T>(), static_cast<size_t>(t.numel()), op,
-                reduce_fn<T>(op), n == 2 ? kTwoRankExchangeBytes : kSmallAllreduceBytes, tag, left);
+            ember::detail::tcp_allreduce<T>(ctx, t.dtype(), t.template data<T>(),
+                                            static_cast<size_t>(t.numel()), op, reduce_fn<T>(op),
+                                            small_allreduce_bytes(n), tag, left);
           });
         }
         if (op == ReduceOp::Avg && n > 1) divide_in_place(t, n);
@@ -535,15 +544,21 @@ WorkPtr ProcessGroupGloo::barrier(const CollectiveOptions& opts) {
       label, timeout_of(opts.timeout),
       [=](std::chrono::milliseconds left) {
         const auto deadline = Clock::now() + left;
+        const auto rest = [deadline] {
+          return std::max(
+              std::chrono::milliseconds(1),
+              std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+        };
         wait_for_earlier(prior, deadline);
         if (shm) {
           shm->barrier(ticket, deadline);
         } else if (ctx) {
+          // Checked like any collective, so that a barrier that meets another rank's allreduce
+          // fails at once naming both instead of waiting out the timeout on different slots.
+          agree(ctx, tag, make_desc(GlooKind::Barrier, Dtype::UInt8, 0), rest());
           gloo::BarrierOptions o(ctx);
           o.setTag(tag);
-          o.setTimeout(std::max(std::chrono::milliseconds(1),
-                                std::chrono::duration_cast<std::chrono::milliseconds>(
-                                    deadline - Clock::now())));
+          o.setTimeout(rest());
           gloo::barrier(o);
         }
         return std::vector<Tensor>{};

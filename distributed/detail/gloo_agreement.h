@@ -51,7 +51,8 @@ enum class GlooKind : uint8_t {
   Allgather,
   Gather,
   Scatter,
-  Alltoall
+  Alltoall,
+  Barrier
 };
 
 /// What one rank issued, as sent to its peers (fixed size: the receive never overflows).
@@ -79,11 +80,12 @@ inline GlooOpDesc make_desc(GlooKind kind, Dtype dtype, int64_t numel, int root 
 }
 
 inline std::string describe(const GlooOpDesc& d) {
-  static const char* const kNames[] = {"?",         "allreduce", "reduce",  "broadcast",
-                                       "allgather", "gather",    "scatter", "alltoall"};
+  static const char* const kNames[] = {"?",      "allreduce", "reduce",   "broadcast", "allgather",
+                                       "gather", "scatter",   "alltoall", "barrier"};
   const auto kind = static_cast<GlooKind>(d.kind);
   const char* name = d.kind < std::size(kNames) ? kNames[d.kind] : "?";
   std::string s = str_cat(name);
+  if (kind == GlooKind::Barrier) return s;
   if (kind == GlooKind::Allreduce || kind == GlooKind::Reduce) {
     s += str_cat(" (", dist::to_string(static_cast<dist::ReduceOp>(d.op)), ")");
   }
@@ -99,6 +101,10 @@ inline size_t agreement_stride(size_t capacity) { return sizeof(GlooOpDesc) + ca
 /// (at most `capacity`) to every peer, receives each peer's message into `in` (peer r's at
 /// r * agreement_stride(capacity), its payload after the description), and throws
 /// DistBackendError naming the first peer whose description differs from `mine`.
+/// `capacity` must be the same for every collective of the group, not just this one: a peer
+/// that issued another collective with the same tag (a small allreduce where this rank issued
+/// a broadcast, or DETAIL's check) sends its payload too, and a receive smaller than its message
+/// would abort this process.
 inline void exchange_and_check(const std::shared_ptr<gloo::Context>& ctx, uint32_t tag,
                                const GlooOpDesc& mine, const void* payload, size_t payload_bytes,
                                size_t capacity, std::vector<char>& in, std::vector<char>& out,
@@ -126,8 +132,8 @@ inline void exchange_and_check(const std::shared_ptr<gloo::Context>& ctx, uint32
     std::memcpy(&theirs, in.data() + static_cast<size_t>(r) * stride, sizeof(theirs));
     if (!(theirs == mine)) {
       throw dist::DistBackendError(
-          str_cat("ranks disagree: rank ", r, " issued ", describe(theirs), " but rank ", me,
-                  " issued ", describe(mine),
+          str_cat("ranks disagree: rank ", r, " issued ", describe(theirs), " as its collective #",
+                  tag, " but rank ", me, " issued ", describe(mine), " as its collective #", tag,
                   " (every rank must issue the same collectives in the same order, "
                   "with tensors of the same size and dtype)"));
     }
@@ -144,11 +150,12 @@ inline AgreementBuffers& agreement_buffers() {
   return b;
 }
 
-/// Note [ranks that disagree over TCP] for the collectives other than allreduce.
+/// Note [ranks that disagree over TCP] for the collectives other than allreduce; `capacity` as
+/// for exchange_and_check (the group's largest small allreduce).
 inline void agree(const std::shared_ptr<gloo::Context>& ctx, uint32_t tag, const GlooOpDesc& mine,
-                  std::chrono::milliseconds timeout) {
+                  size_t capacity, std::chrono::milliseconds timeout) {
   auto& [in, out] = agreement_buffers();
-  exchange_and_check(ctx, tag, mine, nullptr, 0, 0, in, out, timeout);
+  exchange_and_check(ctx, tag, mine, nullptr, 0, capacity, in, out, timeout);
 }
 
 // Note [send/recv sizes]: a send longer than the recv posted for it would abort the receiver
@@ -273,6 +280,12 @@ void tcp_allreduce(const std::shared_ptr<gloo::Context>& ctx, Dtype dtype, T* da
   for (int r = 1; r < n; ++r) fn(data, data, part(r), count);
 }
 
+/// The store key under which `rank` publishes its sockets' addresses (Note [naming peers by
+/// rank]); also what Note [where a rank stands] reads to learn whether the store still answers.
+inline std::string socket_addresses_key(int rank) {
+  return str_cat("ember_socket_addresses_", rank);
+}
+
 /// Note [naming peers by rank]: Gloo names a peer in its errors only by its socket's address,
 /// and on the side that accepted a connection that is the peer's ephemeral port, which Gloo
 /// does not expose. So once connected, every rank publishes the local address of each of its
@@ -302,7 +315,7 @@ inline std::vector<std::vector<std::string>> peer_addresses(dist::Store& store, 
   for (int r = 0; r < size; ++r) {  // what some Gloo versions call this rank's end of a pair
     if (r != rank) mine += ctx.getPair(r)->address().str() + '\n';
   }
-  store.set(str_cat("ember_socket_addresses_", rank), dist::Bytes(mine.begin(), mine.end()));
+  store.set(socket_addresses_key(rank), dist::Bytes(mine.begin(), mine.end()));
   std::vector<std::vector<std::string>> out(static_cast<size_t>(size));
   for (int r = 0; r < size; ++r) {
     if (r == rank) continue;
@@ -319,7 +332,7 @@ inline std::vector<std::vector<std::string>> peer_addresses(dist::Store& store, 
         out[static_cast<size_t>(r)].push_back(gloo::transport::tcp::Address(bytes).str());
       }
     }
-    const dist::Bytes b = store.get(str_cat("ember_socket_addresses_", r), timeout);
+    const dist::Bytes b = store.get(socket_addresses_key(r), timeout);
     std::string line;
     for (const uint8_t c : b) {
       if (c != '\n') {
@@ -358,6 +371,101 @@ inline std::string name_peers_by_rank(const std::vector<std::vector<std::string>
     if (found && named) named->push_back(static_cast<int>(r));
   }
   return msg;
+}
+
+// Note [where a rank stands]: ranks that issue different numbers of collectives (uneven steps:
+// one rank trains longer than another, or skips an evaluation) find nothing on the transport
+// that says where the other is: a rank that left is a closed connection or an exited pid, one
+// that is busy elsewhere only a timeout. So a rank writes where it stands into the group's store
+// when its first collective fails ("was at allreduce #3 when it failed") and when its group is
+// destroyed ("left the group after issuing 3 operations (the last: allreduce #2)"), before it
+// closes its connections; a rank whose collective fails reads the others' and names them in its
+// error. The read waits a little (position_wait) for peers that fail at the same moment (woken
+// by this rank's closed connections), but not for one the error already names as gone; a peer
+// that wrote nothing is in no collective of this group (busy elsewhere, stalled or dead);
+// under EMBER_DISTRIBUTED_DEBUG=DETAIL each rank also writes every operation as it issues it,
+// so that even such a peer is named by its latest operation ("last issued allreduce #5"). A
+// store's write has no timeout of its own, and the store may be gone with the process that
+// hosted it, so a write at a failure or at destruction follows a read of a key this rank wrote
+// at connection, bounded by position_wait: a dead store costs that bound, not the store's
+// timeout. At destruction the bound is shorter (kLeavingStoreWait): at a job's normal end the
+// rank that hosts the store may already have exited, and every other rank would pay it.
+
+/// How long a failing rank waits for its peers' positions, and the bound on the store's answer.
+inline std::chrono::milliseconds position_wait(dist::Duration group_timeout) {
+  return std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(group_timeout) / 4,
+                    std::chrono::milliseconds(1), std::chrono::milliseconds(1000));
+}
+
+/// The bound on the store's answer when a group is destroyed (Note [where a rank stands]).
+constexpr std::chrono::milliseconds kLeavingStoreWait{250};
+
+inline std::string position_key(int rank) { return str_cat("ember_position_", rank); }
+
+/// "allreduce #3" from an operation's label ("[gloo] allreduce #3 on rank 1 of 2").
+inline std::string short_label(const std::string& label) {
+  const size_t end = label.find(" on rank ");
+  const size_t close = label.rfind("] ", end);
+  const size_t begin =
+      !label.empty() && label[0] == '[' && close != std::string::npos ? close + 2 : 0;
+  return label.substr(begin, end == std::string::npos ? end : end - begin);
+}
+
+/// Writes `text` ("left the group ...") as where `rank` stands (Note [where a rank stands]);
+/// returns false, having written nothing, when the store does not answer within `bound`.
+inline bool publish_position(dist::Store& store, int rank, const std::string& text,
+                             std::chrono::milliseconds bound) {
+  try {
+    (void)store.get(socket_addresses_key(rank), bound);  // is the store there?
+    store.set(position_key(rank), dist::Bytes(text.begin(), text.end()));
+    return true;
+  } catch (const std::exception&) {
+    return false;  // no store, no positions: the error still names the collective and rank
+  }
+}
+
+/// Under EMBER_DISTRIBUTED_DEBUG=DETAIL, each operation as it is issued (`label`: "allreduce
+/// #5"), so that a peer that times out names where a rank that is in no collective stopped.
+/// Costs a store round trip per operation: for debugging only. Returns false if the store
+/// failed (the caller then stops recording: the operations themselves do not need the store).
+inline bool publish_latest(dist::Store& store, int rank, const std::string& label) {
+  const std::string text = str_cat("last issued ", label, " (EMBER_DISTRIBUTED_DEBUG=DETAIL)");
+  try {
+    store.set(position_key(rank), dist::Bytes(text.begin(), text.end()));
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+/// "; rank 0 left the group after ..." for each peer of `rank` (Note [where a rank stands]),
+/// waiting up to `bound` in all for those that `error` (this rank's) does not name as exited.
+inline std::string peer_positions(dist::Store& store, int rank, int size, const std::string& error,
+                                  std::chrono::milliseconds bound) {
+  const auto deadline = std::chrono::steady_clock::now() + bound;
+  std::string out, silent;
+  for (int r = 0; r < size; ++r) {
+    if (r == rank) continue;
+    const bool wait =
+        error.find(str_cat("rank ", r, " (pid ")) == std::string::npos &&
+        error.find(str_cat("rank ", r, " closed the connection")) == std::string::npos;
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    try {
+      const dist::Bytes b = store.get(
+          position_key(r),
+          std::max(wait ? left : std::chrono::milliseconds(0), std::chrono::milliseconds(1)));
+      out += str_cat("; rank ", r, " ", std::string(b.begin(), b.end()));
+    } catch (const std::exception&) {
+      silent += str_cat(silent.empty() ? "" : ", ", r);
+    }
+  }
+  if (!silent.empty()) {
+    out += str_cat("; rank(s) ", silent, " wrote no position within ", bound.count(),
+                   " ms (a rank busy outside this group's collectives, stalled or dead writes "
+                   "none)");
+  }
+  return out;
 }
 
 /// "rank 1 closed the connection (...): " for the peers a lost connection's error names.

@@ -7,6 +7,7 @@
 #include <gloo/context.h>
 #include <gloo/transport/device.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -66,6 +67,10 @@ class ProcessGroupGloo::Impl {
   /// The collectives issued so far that have not completed (Note [barrier and two workers]).
   std::vector<WorkPtr> unfinished_collectives();
 
+  /// The group is being destroyed after `issued` operations: writes where this rank stands
+  /// (Note [where a rank stands] in gloo_agreement.h), unless a failure already did.
+  void leave(uint64_t issued);
+
  private:
   void loop(std::deque<Job>& queue, std::condition_variable& cv, bool collectives);
   void execute(Job& job, bool mark_broken = true);
@@ -77,6 +82,10 @@ class ProcessGroupGloo::Impl {
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;
   std::vector<std::vector<std::string>> peer_addresses_;  // Note [naming peers by rank]
+  std::shared_ptr<Store> store_;                          // Note [where a rank stands]
+  std::chrono::milliseconds position_wait_{0};
+  std::atomic<bool> record_each_{false};  // EMBER_DISTRIBUTED_DEBUG=DETAIL: each operation
+  std::string last_issued_;  // the label of the latest operation issued (guarded by mu_)
   std::unique_ptr<ember::detail::ShmAllreduce> shm_;  // outlives the workers (joined in ~Impl)
   std::mutex mu_;
   std::condition_variable cv_;      // collectives' queue
