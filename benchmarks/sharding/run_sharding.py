@@ -55,10 +55,7 @@ def main():
     ap.add_argument("--limit", type=int, default=1800)
     ap.add_argument("--no-torch", action="store_true")
     a = ap.parse_args()
-    env = dict(os.environ)
-    for k in ("OMP_NUM_THREADS", "EMBER_NUM_THREADS"):
-        env.pop(k, None)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env = run_gpt.bench_env()
     cores = len(os.sched_getaffinity(0))
     torch_version = subprocess.run(["/usr/bin/python3", "-c", "import torch; print(torch.__version__)"],
                                    capture_output=True, text=True).stdout.strip()

@@ -50,6 +50,16 @@ def torch_cmd(a, nproc, amp, ckpt):
             (["--checkpoint-activations"] if ckpt else []))
 
 
+def bench_env():
+    """The environment both frameworks run in: threads per rank left to each (cores / ranks),
+    OpenMP threads sleeping between parallel regions (spinning crawls on a busy 2-core VM)."""
+    env = dict(os.environ)
+    for k in ("OMP_NUM_THREADS", "EMBER_NUM_THREADS"):
+        env.pop(k, None)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
 def value(out, key):
     m = re.search(r"(?:^|\n|: )" + key + r"=([0-9.]+)\n", out)
     return float(m[1]) if m else None
@@ -110,10 +120,7 @@ def main():
     ap.add_argument("--limit", type=int, default=3600, help="seconds one run may take")
     ap.add_argument("--json", default="", help="write every run's numbers here too")
     a = ap.parse_args()
-    env = dict(os.environ)
-    for k in ("OMP_NUM_THREADS", "EMBER_NUM_THREADS"):
-        env.pop(k, None)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as benchmarks/vs_pytorch/run.py, for a busy VM
+    env = bench_env()
     cores = len(os.sched_getaffinity(0))
     torch_version = subprocess.run(["/usr/bin/python3", "-c", "import torch; print(torch.__version__)"],
                                    capture_output=True, text=True).stdout.strip()

@@ -102,15 +102,26 @@ void require_state(const std::string& what, const nn::NamedTensors& got, const n
   }
 }
 
-void run_variant(const Variant& v, int n) {
-  const auto bs = batches();
-  auto ref = train_reference(v, bs);
+// n rank threads, each training its own model (all made before the threads start: the default
+// generator is shared).
+using RankBody =
+    std::function<void(std::shared_ptr<FsdpNet>&, std::shared_ptr<ProcessGroup>, int)>;
+void with_rank_models(int n, const RankBody& body, int blocks = 3) {
   std::vector<std::shared_ptr<FsdpNet>> models;
-  for (int r = 0; r < n; ++r) models.push_back(test::make_fsdp_net());
+  for (int r = 0; r < n; ++r) models.push_back(test::make_fsdp_net(blocks));
   test::ThreadsSetup s;
   s.n = n;
   test::run_threads(s, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
-    const auto state = train_sharded(v, models[rank], bs, pg);
+    body(models[rank], std::move(pg), rank);
+  });
+}
+
+void run_variant(const Variant& v, int n) {
+  const auto bs = batches();
+  auto ref = train_reference(v, bs);
+  with_rank_models(n, [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg,
+                          int rank) {
+    const auto state = train_sharded(v, model, bs, pg);
     require_state(v.name + " rank " + std::to_string(rank) + " of " + std::to_string(n), state,
                   *ref, 2e-5);
   });
@@ -153,12 +164,8 @@ TEST_P(Fsdp, MixedPrecisionComputesInBfloat16AndKeepsFloat32Shards) {
   const int n = GetParam();
   const auto bs = batches();
   auto ref = train_reference({}, bs);
-  std::vector<std::shared_ptr<FsdpNet>> models;
-  for (int r = 0; r < n; ++r) models.push_back(test::make_fsdp_net());
-  test::ThreadsSetup s;
-  s.n = n;
-  test::run_threads(s, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
-    auto& model = models[rank];
+  with_rank_models(n, [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg,
+                          int rank) {
     Dtype seen = kFloat32;
     model->blocks[0]->register_forward_hook(
         [&](nn::Module& m, const std::vector<Tensor>&, std::vector<Tensor>&) {
@@ -190,28 +197,25 @@ INSTANTIATE_TEST_SUITE_P(Ranks, Fsdp, ::testing::Values(2, 3, 4),
 TEST(FsdpMemory, ShardsAreOneNthAndFewModulesAreGatheredAtOnce) {
   const auto bs = batches();
   constexpr int n = 2;
-  std::vector<std::shared_ptr<FsdpNet>> models;
-  for (int r = 0; r < n; ++r) models.push_back(test::make_fsdp_net(/*blocks=*/6));
   int64_t model_bytes = 0;
-  for (const Tensor& p : models[0]->parameters()) model_bytes += p.nbytes();
-  test::ThreadsSetup s;
-  s.n = n;
+  for (const Tensor& p : test::make_fsdp_net(/*blocks=*/6)->parameters()) model_bytes += p.nbytes();
   std::mutex mu;
   std::map<int, int64_t> shard_bytes;
   reset_fsdp_peak_memory_stats();
-  test::run_threads(s, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
-    shard(*models[rank], models[rank], {}, pg);
-    nn::optim::Adam opt(fsdp_parameters(*models[rank]), test::fsdp_adam());
+  auto body = [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg, int rank) {
+    shard(*model, model, {}, pg);
+    nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
     int64_t bytes = 0;
-    for (const Tensor& t : fsdp_parameters(*models[rank])) bytes += t.nbytes();
+    for (const Tensor& t : fsdp_parameters(*model)) bytes += t.nbytes();
     for (int i = 0; i < 3; ++i) {
       opt.zero_grad();
-      test::fsdp_loss(*models[rank], test::slice(bs[i], rank, n)).backward();
+      test::fsdp_loss(*model, test::slice(bs[i], rank, n)).backward();
       opt.step();
     }
     std::lock_guard<std::mutex> lock(mu);
     shard_bytes[rank] = bytes;
-  });
+  };
+  with_rank_models(n, body, /*blocks=*/6);
   int64_t total = 0;
   for (const auto& [rank, bytes] : shard_bytes) {
     EXPECT_LE(bytes, model_bytes / n + 64 * 4) << "rank " << rank;  // a flat group's split point
@@ -271,12 +275,8 @@ TEST(FsdpMpiRanks, TrainsLikeOneProcess) {
 TEST(FsdpState, FullStateDictLoadsIntoPlainAndShardedModels) {
   const auto bs = batches();
   auto ref = train_reference({}, std::vector<Batch>(bs.begin(), bs.begin() + 10));
-  std::vector<std::shared_ptr<FsdpNet>> models;
-  for (int r = 0; r < 3; ++r) models.push_back(test::make_fsdp_net());
-  test::ThreadsSetup s;
-  s.n = 3;
-  test::run_threads(s, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
-    auto& model = models[rank];
+  with_rank_models(3, [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg,
+                          int rank) {
     shard(*model, model, {}, pg);
     load_full_state_dict(*model, ref->state_dict());
     const auto back = full_state_dict(*model);
@@ -299,12 +299,8 @@ TEST(FsdpCheckpoint, ReshardsFromFourRanksToTwoAndOne) {
   test::TempDir dir;
   const std::string path = dir.path() + "/ckpt";
   auto run = [&](int n, int first, int last, bool load, bool save) {
-    std::vector<std::shared_ptr<FsdpNet>> models;
-    for (int r = 0; r < n; ++r) models.push_back(test::make_fsdp_net());
-    test::ThreadsSetup s;
-    s.n = n;
-    test::run_threads(s, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
-      auto& model = models[rank];
+    with_rank_models(n, [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg,
+                            int rank) {
       shard(*model, model, {}, pg);
       nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
       if (load) {

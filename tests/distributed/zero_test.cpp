@@ -129,6 +129,25 @@ TEST_P(Zero, TrainsLikeOneProcessWithAdamAndShardsTheState) {
   }
 }
 
+// One process of a multi-process group: DDP + ZeRO on its slices, then compared with one
+// process on the whole batches.
+void train_this_rank_and_check(const std::shared_ptr<ProcessGroup>& pg, const std::string& what) {
+  const int rank = pg->rank(), n = pg->size();
+  const std::vector<Batch> batches = make_batches(kSteps, 5);
+  Reference ref;
+  ref.train(batches);
+  auto model = make_model();
+  auto ddp = std::make_shared<DistributedDataParallel>(model, pg);
+  ZeroRedundancyOptimizer opt(ddp->parameters(), adam_factory(), pg);
+  for (const Batch& b : batches) {
+    opt.zero_grad();
+    loss_of(*ddp, test::slice(b, rank, n)).backward();
+    opt.step();
+  }
+  require_params(what + " rank " + std::to_string(rank) + " of " + std::to_string(n), *model,
+                 *ref.model);
+}
+
 // The same over gloo between processes, through shared memory and over TCP (2 ranks), and over
 // shared memory with 4.
 TEST(ZeroGloo, TrainsLikeOneProcessOverSharedMemoryAndTcp) {
@@ -136,21 +155,8 @@ TEST(ZeroGloo, TrainsLikeOneProcessOverSharedMemoryAndTcp) {
   for (auto [n, shm] : {std::pair{2, true}, std::pair{2, false}, std::pair{4, true}}) {
     test::run_gloo_ranks(
         n,
-        [&](std::shared_ptr<ProcessGroupGloo> pg, int rank) {
-          const std::vector<Batch> batches = make_batches(kSteps, 5);
-          Reference ref;
-          ref.train(batches);
-          auto model = make_model();
-          auto ddp = std::make_shared<DistributedDataParallel>(model, pg);
-          ZeroRedundancyOptimizer opt(ddp->parameters(), adam_factory(), pg);
-          for (const Batch& b : batches) {
-            opt.zero_grad();
-            loss_of(*ddp, test::slice(b, rank, n)).backward();
-            opt.step();
-          }
-          require_params(std::string(shm ? "shm" : "tcp") + " rank " + std::to_string(rank) +
-                             " of " + std::to_string(n),
-                         *model, *ref.model);
+        [&](std::shared_ptr<ProcessGroupGloo> pg, int) {
+          train_this_rank_and_check(pg, shm ? "shm" : "tcp");
         },
         shm);
   }
@@ -169,20 +175,7 @@ TEST(ZeroMpiWorld, Np4) {
 
 TEST(ZeroMpiRanks, TrainsLikeOneProcess) {
   SKIP_UNLESS_UNDER_MPIRUN();
-  std::shared_ptr<ProcessGroup> pg = ProcessGroupMpi::create();
-  const int rank = pg->rank(), n = pg->size();
-  const std::vector<Batch> batches = make_batches(kSteps, 5);
-  Reference ref;
-  ref.train(batches);
-  auto model = make_model();
-  auto ddp = std::make_shared<DistributedDataParallel>(model, pg);
-  ZeroRedundancyOptimizer opt(ddp->parameters(), adam_factory(), pg);
-  for (const Batch& b : batches) {
-    opt.zero_grad();
-    loss_of(*ddp, test::slice(b, rank, n)).backward();
-    opt.step();
-  }
-  require_params("mpi rank " + std::to_string(rank), *model, *ref.model);
+  train_this_rank_and_check(ProcessGroupMpi::create(), "mpi");
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, Zero, ::testing::Values(2, 4),
