@@ -178,11 +178,10 @@ void FsdpUnit::reduce_grads() {
   NoGradGuard no_grad;
   for (FlatGroup& g : groups) {
     if (!g.requires_grad) continue;
-    // The gradients were accumulated into views of grad_flat (prepare_grads); one that is not
-    // (its handle was cleared and replaced during backward) is copied in.
-    Tensor flat = g.grad_flat.defined() ? g.grad_flat
-                                        : zeros({group->size() * g.shard_size},
-                                                TensorOptions(g.compute_dtype));
+    // The gradients were accumulated into views of grad_flat (prepare_grads, run by the
+    // pre-backward hook); one that is not (its handle was cleared and replaced during backward)
+    // is copied in.
+    Tensor flat = g.grad_flat;
     for (size_t i = 0; i < g.params.size(); ++i) {
       const Tensor grad = g.params[i].grad();
       if (!grad.defined()) continue;

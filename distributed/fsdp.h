@@ -118,9 +118,6 @@ struct LocalShard {
 ///     if (s.data.defined()) (s.shape.size() >= 2 ? decay : no_decay).push_back(s.data);
 std::vector<LocalShard> local_shards(const nn::Module& root);
 
-/// True if `t` (a parameter of root, or a view state_dict() made of one) is a sharded parameter.
-bool is_sharded_parameter(const nn::Module& root, const Tensor& t);
-
 /// Memory of the sharded modules' gather buffers in this process.
 struct FsdpMemoryStats {
   int64_t sharded_bytes = 0;        ///< the shards (what each rank keeps)

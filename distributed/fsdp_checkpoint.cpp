@@ -1,5 +1,6 @@
 #include <ember/distributed/fsdp_checkpoint.h>
 
+#include <set>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
@@ -33,14 +34,44 @@ struct Owned {
   bool sharded = false;
 };
 
+// root's sharded layout, taken once per save or load: this rank's pieces, and the storages of
+// the sharded parameters (their gather arenas), which every state_dict() view of a sharded
+// parameter shares, a tied second name's included.
+struct Layout {
+  std::vector<LocalShard> shards;
+  std::set<const Storage*> arenas;
+
+  explicit Layout(const nn::Module& root) : shards(local_shards(root)) {
+    std::set<std::string> names;
+    for (const LocalShard& s : shards) names.insert(s.name);
+    for (const auto& [name, p] : root.named_parameters()) {
+      if (names.count(name) != 0) arenas.insert(p.storage().get());
+    }
+  }
+  bool sharded(const Tensor& t) const { return arenas.count(t.storage().get()) != 0; }
+};
+
 // Every tensor root's sharded training steps: the local pieces and the replicated parameters.
-std::unordered_map<const TensorImpl*, Owned> owned_tensors(const nn::Module& root) {
+std::unordered_map<const TensorImpl*, Owned> owned_tensors(const nn::Module& root,
+                                                           const Layout& layout) {
   std::unordered_map<const TensorImpl*, Owned> out;
-  for (const LocalShard& s : local_shards(root)) {
+  for (const LocalShard& s : layout.shards) {
     if (s.data.defined()) out[s.data.impl()] = {s.name, s.shape, s.begin, true};
   }
   for (const auto& [name, p] : root.named_parameters()) {
-    if (!is_sharded_parameter(root, p)) out[p.impl()] = {name, p.shape(), 0, false};
+    if (!layout.sharded(p)) out[p.impl()] = {name, p.shape(), 0, false};
+  }
+  return out;
+}
+
+// The checkpoint's optimizer tensors by parameter: "optim.<parameter>.<key>" -> keys[parameter].
+// (Parameter names hold dots; keys do not.)
+std::map<std::string, std::vector<std::string>> optimizer_keys(const ShardedCheckpoint& ck) {
+  std::map<std::string, std::vector<std::string>> out;
+  for (const std::string& name : ck.names()) {
+    const size_t last = name.rfind('.');
+    if (name.rfind("optim.", 0) != 0 || last <= 6) continue;
+    out[name.substr(6, last - 6)].push_back(name.substr(last + 1));
   }
   return out;
 }
@@ -73,15 +104,16 @@ void save_fsdp_checkpoint(const std::string& dir, const nn::Module& root,
                           const nn::optim::Optimizer* optimizer, ProcessGroup& pg,
                           const std::map<std::string, std::string>& metadata) {
   constexpr const char* kOp = "save_fsdp_checkpoint";
+  const Layout layout(root);
   std::vector<ShardPiece> pieces;
-  for (const LocalShard& s : local_shards(root)) {
+  for (const LocalShard& s : layout.shards) {
     if (s.data.defined()) pieces.push_back({s.name, s.shape.vec(), s.begin, s.data.detach()});
   }
   // Everything else in the state dict (replicated parameters, buffers; not the tied second
   // names of sharded parameters) is the same on every rank: rank 0 writes it.
   if (pg.rank() == 0) {
     for (const auto& [name, t] : root.state_dict()) {
-      if (!is_sharded_parameter(root, t)) pieces.push_back({name, t.shape().vec(), 0, t.reshape({-1})});
+      if (!layout.sharded(t)) pieces.push_back({name, t.shape().vec(), 0, t.reshape({-1})});
     }
   }
   std::map<std::string, std::string> meta = metadata;
@@ -90,7 +122,7 @@ void save_fsdp_checkpoint(const std::string& dir, const nn::Module& root,
                 "' is reserved (keys starting with 'optim.')");
   }
   if (optimizer != nullptr) {
-    const auto owned = owned_tensors(root);
+    const auto owned = owned_tensors(root, layout);
     const std::vector<Tensor> params = optimizer_params(*optimizer);
     const nn::optim::OptimizerState st = optimizer->state_dict();
     meta[kOptimizerKey] = st.type;
@@ -122,15 +154,16 @@ std::map<std::string, std::string> load_fsdp_checkpoint(const std::string& dir,
     EMBER_CHECK(Shape(ck.shape(name)) == shape, "[", kOp, "] ", dir, ": '", name, "' has shape ",
                 Shape(ck.shape(name)), ", the model's is ", shape);
   };
+  const Layout layout(root);
   NoGradGuard no_grad;
-  for (const LocalShard& s : local_shards(root)) {
+  for (const LocalShard& s : layout.shards) {
     require(s.name, s.shape);
     if (!s.data.defined()) continue;
     Tensor out = s.data.detach();
     ck.read_into(s.name, s.begin, out);
   }
   for (const auto& [name, t] : root.state_dict()) {
-    if (is_sharded_parameter(root, t)) continue;  // above (tied second names included)
+    if (layout.sharded(t)) continue;  // above (tied second names included)
     require(name, t.shape());
     Tensor(t).copy_(ck.read_full(name));
   }
@@ -138,7 +171,8 @@ std::map<std::string, std::string> load_fsdp_checkpoint(const std::string& dir,
   if (optimizer != nullptr) {
     auto it = meta.find(kOptimizerKey);
     EMBER_CHECK(it != meta.end(), "[", kOp, "] ", dir, " holds no optimizer state");
-    const auto owned = owned_tensors(root);
+    const auto owned = owned_tensors(root, layout);
+    const auto keys = optimizer_keys(ck);
     const std::vector<Tensor> params = optimizer_params(*optimizer);
     nn::optim::OptimizerState st = optimizer->state_dict();
     EMBER_CHECK(it->second == st.type, "[", kOp, "] ", dir, " holds ", it->second,
@@ -149,12 +183,10 @@ std::map<std::string, std::string> load_fsdp_checkpoint(const std::string& dir,
     st.state.clear();
     for (size_t i = 0; i < params.size(); ++i) {
       const Owned& o = owner_of(owned, params[i], kOp);
-      const std::string prefix = "optim." + o.name + ".";
-      for (const std::string& name : ck.names()) {
-        if (name.rfind(prefix, 0) != 0 || name.find('.', prefix.size()) != std::string::npos) {
-          continue;
-        }
-        const std::string key = name.substr(prefix.size());
+      auto k = keys.find(o.name);
+      if (k == keys.end()) continue;  // no state saved for it (never stepped)
+      for (const std::string& key : k->second) {
+        const std::string name = "optim." + o.name + "." + key;
         const Shape full(ck.shape(name));
         Tensor t = full == o.shape ? ck.read(name, o.begin, params[i].numel()).reshape(params[i].shape())
                                    : ck.read_full(name);

@@ -148,10 +148,6 @@ std::vector<LocalShard> local_shards(const nn::Module& root) {
   return out;
 }
 
-bool is_sharded_parameter(const nn::Module& root, const Tensor& t) {
-  return t.defined() && places_under(root).count(key_of(t)) != 0;
-}
-
 nn::NamedTensors full_state_dict(const nn::Module& root) {
   auto units = require_units(root, "full_state_dict");
   NoGradGuard no_grad;

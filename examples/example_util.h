@@ -298,6 +298,16 @@ inline void check_loss_is_finite(float loss, const char* step_name, int64_t step
                            " (pass --continue-on-nan to keep training)");
 }
 
+// Adds the hidden testing aids stop_self_if_asked() acts on.
+inline void add_fault_options(CLI::App& app, int64_t& fail_at_step, int64_t& hang_at_step) {
+  app.add_option("--fail-at-step", fail_at_step,
+                 "testing aid: rank 1 kills itself (SIGKILL) at this step in the first run")
+      ->group("");
+  app.add_option("--hang-at-step", hang_at_step,
+                 "testing aid: rank 1 stops itself (SIGSTOP) at this step in the first run")
+      ->group("");
+}
+
 // The testing aids --fail-at-step and --hang-at-step (-1: off): at that step of the first run
 // (not a restart), rank 1 (rank 0 alone) kills itself, or stops (SIGSTOP) as a hung rank would.
 inline void stop_self_if_asked(const char* program, int rank, int world, int64_t step,

@@ -607,12 +607,7 @@ int main(int argc, char** argv) {
                  "seconds a collective may wait for the other ranks before the job fails "
                  "(0: EMBER_PG_TIMEOUT, else 30 minutes)")
       ->check(kNonNegative);
-  app.add_option("--fail-at-step", a.fail_at_step,
-                 "testing aid: rank 1 kills itself at this step in the first run")
-      ->group("");
-  app.add_option("--hang-at-step", a.hang_at_step,
-                 "testing aid: rank 1 stops itself (SIGSTOP) at this step in the first run")
-      ->group("");
+  add_fault_options(app, a.fail_at_step, a.hang_at_step);
   if (const auto status = parse_command_line(app, argc, argv)) return *status;
   if (a.resume && a.checkpoint_dir.empty()) {
     std::fprintf(stderr, "fashion_mnist: --resume needs --checkpoint-dir\n");

@@ -104,11 +104,15 @@ double lr_factor(int64_t step, int64_t steps) {
 
 // AdamW with weight decay on the matrices (2-D weights: Linear weights and the embeddings) and
 // none on biases and LayerNorm parameters.
+std::vector<nn::optim::ParamGroup> decay_groups(std::vector<Tensor> decay,
+                                                std::vector<Tensor> no_decay) {
+  return {nn::optim::ParamGroup(std::move(decay), {{"weight_decay", 0.1}}),
+          nn::optim::ParamGroup(std::move(no_decay), {{"weight_decay", 0.0}})};
+}
 std::vector<nn::optim::ParamGroup> decay_groups(const std::vector<Tensor>& params) {
   std::vector<Tensor> decay, no_decay;
   for (const Tensor& p : params) (p.dim() >= 2 ? decay : no_decay).push_back(p);
-  return {nn::optim::ParamGroup(decay, {{"weight_decay", 0.1}}),
-          nn::optim::ParamGroup(no_decay, {{"weight_decay", 0.0}})};
+  return decay_groups(std::move(decay), std::move(no_decay));
 }
 
 nn::optim::AdamWOptions adamw_options(const Args& a) {
@@ -136,10 +140,9 @@ Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
     for (const auto& s : dist::local_shards(*model)) {
       if (s.data.defined()) (s.shape.size() >= 2 ? decay : no_decay).push_back(s.data);
     }
+    // The pieces are 1-D: the full parameter's shape decides its group.
     p.adamw = std::make_unique<nn::optim::AdamW>(
-        std::vector<nn::optim::ParamGroup>{nn::optim::ParamGroup(decay, {{"weight_decay", 0.1}}),
-                                           nn::optim::ParamGroup(no_decay, {{"weight_decay", 0.0}})},
-        adamw_options(a));
+        decay_groups(std::move(decay), std::move(no_decay)), adamw_options(a));
     return p;
   }
   p.ddp = std::make_shared<dist::DistributedDataParallel>(model, pg);
@@ -652,12 +655,7 @@ void add_options(CLI::App& app, Args& a) {
                "keep training when the loss is NaN or infinite (default: stop with an error)");
   app.add_option("--stop-at-step", a.stop_at_step,
                  "testing aid: stop after this step, as an interrupted run would")->group("");
-  app.add_option("--fail-at-step", a.fail_at_step,
-                 "testing aid: rank 1 kills itself (SIGKILL) at this step in the first run")
-      ->group("");
-  app.add_option("--hang-at-step", a.hang_at_step,
-                 "testing aid: rank 1 stops itself (SIGSTOP) at this step in the first run")
-      ->group("");
+  add_fault_options(app, a.fail_at_step, a.hang_at_step);
 }
 
 }  // namespace
