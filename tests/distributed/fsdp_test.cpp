@@ -20,6 +20,7 @@
 #include <ember/nn/linear.h>
 #include <ember/nn/norm.h>
 #include <ember/nn/optim/adam.h>
+#include <ember/nn/optim/sgd.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/fsdp_test_model.h"
 #include "tests/distributed/mpi_job.h"
@@ -330,6 +331,32 @@ TEST(FsdpCheckpoint, ReshardsFromFourRanksToTwoAndOne) {
   for (const auto& [name, t] : plain->state_dict()) state.emplace_back(name, file.at(name));
   plain->load_state_dict(state);
   EXPECT_TRUE(file.contains("optim.block0.fc1.weight.exp_avg"));
+}
+
+// Bad checkpoint use is refused by name: a model of another shape, an optimizer of another type,
+// a reserved metadata key, a folder without a checkpoint.
+TEST(FsdpCheckpoint, MismatchesAreRefusedByName) {
+  test::TempDir dir;
+  const std::string path = dir.path() + "/ckpt";
+  with_rank_models(2, [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg, int) {
+    shard(*model, model, {}, pg);
+    nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
+    test::require_throws_with(
+        "reserved key", [&] { save_fsdp_checkpoint(path, *model, &opt, *pg, {{"optim.x", "1"}}); },
+        "is reserved");
+    save_fsdp_checkpoint(path, *model, &opt, *pg, {});
+    auto deeper = test::make_fsdp_net(4);  // one block more: blocks.3 is missing
+    shard(*deeper, deeper, {}, pg);
+    test::require_throws_with("missing tensor",
+                              [&] { load_fsdp_checkpoint(path, *deeper, nullptr); },
+                              "has no tensor 'block3.");
+    nn::optim::SGD sgd(fsdp_parameters(*model), {.lr = 0.1});
+    test::require_throws_with("optimizer type", [&] { load_fsdp_checkpoint(path, *model, &sgd); },
+                              "holds Adam state; the optimizer is SGD");
+    test::require_throws_with("no checkpoint",
+                              [&] { load_fsdp_checkpoint(dir.path() + "/none", *model, nullptr); },
+                              "index.json");
+  });
 }
 
 TEST(FsdpErrors, RefusedWithClearMessages) {
