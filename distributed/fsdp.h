@@ -15,9 +15,9 @@
 // fully_shard(module) flattens the parameters of `module` that no sharded submodule holds into
 // one buffer per dtype (and per requires_grad), pads it to a multiple of the world size, and
 // keeps 1/N of it on each rank: fsdp_parameters() returns this rank's piece of each parameter
-// (1-D views of that shard), which is what the optimizer steps. The module's own parameter tensors (Linear::weight, ...) keep their shapes and
-// handles, but their memory is a view of the module's gather buffer, which exists only while
-// they are needed:
+// (1-D views of that shard), which is what the optimizer steps. The module's own parameter
+// tensors (Linear::weight, ...) keep their shapes and handles, but their memory is a view of the
+// module's gather buffer, which exists only while they are needed:
 //   - before the module's forward (a forward pre-hook: call the module as (*module)(x), or
 //     module->call(...) for other signatures; module->forward(x) skips hooks as in PyTorch) the
 //     shards are all-gathered into the buffer; the next module's gather is issued right after,

@@ -188,8 +188,9 @@ std::map<std::string, std::string> load_fsdp_checkpoint(const std::string& dir,
       for (const std::string& key : k->second) {
         const std::string name = "optim." + o.name + "." + key;
         const Shape full(ck.shape(name));
-        Tensor t = full == o.shape ? ck.read(name, o.begin, params[i].numel()).reshape(params[i].shape())
-                                   : ck.read_full(name);
+        Tensor t = full == o.shape
+                       ? ck.read(name, o.begin, params[i].numel()).reshape(params[i].shape())
+                       : ck.read_full(name);
         st.state.emplace_back("state." + std::to_string(i) + "." + key, t);
       }
     }

@@ -5,7 +5,7 @@
 //   auto meta = dist::load_fsdp_checkpoint("ckpt", *model, &opt);                // any world size
 //
 // Names: the model's tensors under their state_dict() names (so ShardedCheckpoint::consolidate
-// writes a file a plain model's load_state_dict(..., strict=false) reads, or nn::load_state_dict's);
+// writes a file whose model tensors a plain model loads by those names);
 // the optimizer's per-parameter state under "optim.<parameter name>.<key>" (e.g.
 // "optim.blocks.0.fc.weight.exp_avg", shaped as the parameter; scalars such as "step" whole), so
 // the state follows each parameter to whichever rank holds it at load time. The optimizer's

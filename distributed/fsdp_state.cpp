@@ -170,8 +170,8 @@ nn::NamedTensors full_state_dict(const nn::Module& root) {
     }
     const Place& pl = it->second;
     const Tensor& all = gathered.at(pl.group);
-    out.emplace_back(name,
-                     all.narrow(0, pl.group->offsets[pl.index], t.numel()).reshape(t.shape()).clone());
+    const Tensor flat = all.narrow(0, pl.group->offsets[pl.index], t.numel());
+    out.emplace_back(name, flat.reshape(t.shape()).clone());
   }
   return out;
 }
@@ -216,7 +216,8 @@ void load_full_state_dict(const nn::Module& root, const nn::NamedTensors& state)
     const FlatGroup& g = *it->second.group;
     const size_t i = it->second.index;
     if (!g.pieces[i].defined()) continue;  // this rank holds none of it
-    g.pieces[i].detach().copy_(value.reshape({-1}).narrow(0, g.piece_begin[i], g.pieces[i].numel()));
+    const int64_t n = g.pieces[i].numel();
+    g.pieces[i].detach().copy_(value.reshape({-1}).narrow(0, g.piece_begin[i], n));
   }
 }
 

@@ -1,8 +1,9 @@
 // fully_shard as a training loop uses it: a residual MLP whose blocks (and root) are sharded,
 // trained with Adam on each rank's slice of every batch, ends where one process training on the
 // whole batches ends. Ranks are threads of this process (ProcessGroupThreads) or forked gloo
-// processes, or MPI ranks under mpirun (the FsdpMpiWorld cases start it on this binary). Models and batches are made before the
-// ranks start (the default random generator is shared by the threads).
+// processes, or MPI ranks under mpirun (the FsdpMpiWorld cases start it on this binary). Models
+// and batches are made before the ranks start (the default random generator is shared by the
+// threads).
 #include <gtest/gtest.h>
 
 #include <map>
