@@ -3,10 +3,9 @@
 #include <set>
 #include <unordered_map>
 
-#include <nlohmann/json.hpp>
-
 #include <ember/distributed/fsdp.h>
 #include <ember/distributed/sharded_checkpoint.h>
+#include <ember/nn/checkpoint.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>
 
@@ -15,16 +14,6 @@ namespace {
 
 constexpr const char* kOptimizerKey = "optim.optimizer";
 constexpr const char* kGroupsKey = "optim.param_groups";
-
-// The saved groups' hyperparameters (lr as the schedule left it, betas, ...) with this rank's
-// own "params" lists (which pieces a rank holds depends on the world size).
-std::string merge_groups(const std::string& saved, const std::string& mine, const char* op) {
-  nlohmann::json s = nlohmann::json::parse(saved), m = nlohmann::json::parse(mine);
-  EMBER_CHECK(s.is_array() && m.is_array() && s.size() == m.size(), "[", op, "] the checkpoint's "
-              "optimizer has ", s.size(), " parameter groups; this one has ", m.size());
-  for (size_t g = 0; g < s.size(); ++g) s[g]["params"] = m[g]["params"];
-  return s.dump();
-}
 
 // A tensor the optimizer steps, and where its elements sit in the whole parameter.
 struct Owned {
@@ -127,6 +116,7 @@ void save_fsdp_checkpoint(const std::string& dir, const nn::Module& root,
     const nn::optim::OptimizerState st = optimizer->state_dict();
     meta[kOptimizerKey] = st.type;
     meta[kGroupsKey] = st.param_groups;
+    meta[std::string("optim.") + nn::kStateKeysKey] = nn::kStateKeysByName;
     for (const auto& [sname, t] : st.state) {
       const auto [i, key] = split_state_name(sname);
       const Owned& o = owner_of(owned, params.at(i), kOp);
@@ -178,7 +168,7 @@ std::map<std::string, std::string> load_fsdp_checkpoint(const std::string& dir,
     EMBER_CHECK(it->second == st.type, "[", kOp, "] ", dir, " holds ", it->second,
                 " state; the optimizer is ", st.type);
     if (auto g = meta.find(kGroupsKey); g != meta.end()) {
-      st.param_groups = merge_groups(g->second, st.param_groups, kOp);
+      st.param_groups = nn::merge_param_groups(g->second, st.param_groups, kOp);
     }
     st.state.clear();
     for (size_t i = 0; i < params.size(); ++i) {

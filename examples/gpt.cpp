@@ -477,12 +477,16 @@ void Trainer::save_checkpoint() {
 }
 
 // Loads the checkpoint if --resume finds one; returns the step to continue from. The batches
-// are a function of the step, so the run goes on with the windows it would have drawn.
+// are a function of the step, so the run goes on with the windows it would have drawn. --shard
+// none and zero take a --shard fsdp run's sharded checkpoint when there is no plain one (the
+// whole tensors read from the shards: a sharded run continues unsharded).
 int64_t Trainer::maybe_resume() {
   if (!a_.resume) return 0;
-  const bool sharded = a_.shard == "fsdp";
-  const std::string path = sharded ? sharded_checkpoint_dir(a_.checkpoint_dir)
-                                   : checkpoint_path(a_.checkpoint_dir);
+  const std::string plain = checkpoint_path(a_.checkpoint_dir);
+  const std::string sharded_dir = sharded_checkpoint_dir(a_.checkpoint_dir);
+  const bool sharded = a_.shard == "fsdp" || (!std::filesystem::exists(plain) &&
+                                              std::filesystem::exists(sharded_dir + "/index.json"));
+  const std::string path = sharded ? sharded_dir : plain;
   if (!std::filesystem::exists(sharded ? path + "/index.json" : path)) {
     if (run_.leader) {
       std::printf("resume: no checkpoint at %s; starting from scratch\n", path.c_str());
@@ -491,14 +495,18 @@ int64_t Trainer::maybe_resume() {
   }
   nn::NamedTensors extra;
   std::map<std::string, std::string> loaded;
-  if (sharded) {
-    loaded = dist::load_fsdp_checkpoint(path, *model_, &par_.optimizer());
+  auto load = [&](nn::optim::Optimizer* opt) {
+    return sharded ? dist::load_fsdp_checkpoint(path, *model_, opt)
+                   : nn::load_checkpoint(path, *model_, opt, &extra);
+  };
+  if (a_.shard == "fsdp") {
+    loaded = load(&par_.optimizer());
   } else if (par_.zero) {
     nn::optim::AdamW whole(decay_groups(model_->parameters()), adamw_options(a_));
-    loaded = nn::load_checkpoint(path, *model_, &whole, &extra);
+    loaded = load(&whole);
     par_.zero->load_state_dict(whole.state_dict());
   } else {
-    loaded = nn::load_checkpoint(path, *model_, par_.adamw.get(), &extra);
+    loaded = load(par_.adamw.get());
   }
   const CheckpointMeta meta(path, loaded);
   for (const auto& [key, value] : run_settings(a_, run_.world)) meta.must_match(key.c_str(), value);

@@ -1,6 +1,9 @@
 #include <ember/nn/checkpoint.h>
 
 #include <optional>
+#include <unordered_map>
+
+#include <nlohmann/json.hpp>
 
 #include <ember/nn/serialize.h>
 #include <ember/tensor/trace.h>
@@ -12,7 +15,43 @@ constexpr const char* kOptimPrefix = "optim.";
 constexpr const char* kExtraPrefix = "extra.";
 
 bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+// Optimizer state keyed "<parameter name>.<key>" renamed "state.<i>.<key>", i being the
+// parameter's index in `opt` (across groups): the optimizer's parameters are found in `model`
+// by identity. Parameter names hold dots; keys do not.
+NamedTensors state_by_index(NamedTensors by_name, const Module& model,
+                            const optim::Optimizer& opt, const std::string& path) {
+  std::unordered_map<const TensorImpl*, std::string> names;
+  for (const auto& [name, p] : model.named_parameters()) names.emplace(p.impl(), name);
+  std::map<std::string, size_t> index;
+  for (const auto& g : opt.param_groups()) {
+    for (const Tensor& p : g.params) {
+      auto it = names.find(p.impl());
+      EMBER_CHECK(it != names.end(), "[load_checkpoint] ", path, " keys the optimizer's state "
+                  "by parameter name, but the optimizer steps a tensor of shape ", p.shape(),
+                  " that is not a parameter of the model");
+      index.emplace(it->second, index.size());
+    }
+  }
+  NamedTensors out;
+  for (auto& [name, t] : by_name) {
+    const size_t dot = name.rfind('.');
+    auto it = dot == std::string::npos ? index.end() : index.find(name.substr(0, dot));
+    EMBER_CHECK(it != index.end(), "[load_checkpoint] ", path, " holds optimizer state 'optim.",
+                name, "', which belongs to no parameter the optimizer steps");
+    out.emplace_back("state." + std::to_string(it->second) + name.substr(dot), std::move(t));
+  }
+  return out;
+}
 }  // namespace
+
+std::string merge_param_groups(const std::string& saved, const std::string& mine, const char* op) {
+  nlohmann::json s = nlohmann::json::parse(saved), m = nlohmann::json::parse(mine);
+  EMBER_CHECK(s.is_array() && m.is_array() && s.size() == m.size(), "[", op, "] the checkpoint's "
+              "optimizer has ", s.size(), " parameter groups; this one has ", m.size());
+  for (size_t g = 0; g < s.size(); ++g) s[g]["params"] = m[g]["params"];
+  return s.dump();
+}
 
 void save_checkpoint(const std::string& path, const Module& model,
                      const optim::Optimizer* optimizer,
@@ -70,7 +109,19 @@ std::map<std::string, std::string> load_checkpoint(const std::string& path, Modu
   // Parse the optimizer's state before touching the model. Each load_state_dict validates
   // everything before it changes anything, but if the optimizer's fails, the model is loaded.
   std::optional<optim::OptimizerState> ost;
-  if (optimizer != nullptr) ost = optim::OptimizerState::from(std::move(optim_state), optim_meta);
+  if (optimizer != nullptr) {
+    auto layout = optim_meta.find(kStateKeysKey);
+    const bool by_name = layout != optim_meta.end() && layout->second == kStateKeysByName;
+    if (by_name) {
+      optim_state = state_by_index(std::move(optim_state), model, *optimizer, path);
+      auto groups = optim_meta.find("param_groups");
+      if (groups != optim_meta.end()) {
+        groups->second = merge_param_groups(groups->second, optimizer->state_dict().param_groups,
+                                            "load_checkpoint");
+      }
+    }
+    ost = optim::OptimizerState::from(std::move(optim_state), optim_meta);
+  }
   model.load_state_dict(model_state);
   if (optimizer != nullptr) optimizer->load_state_dict(*ost);
   if (extra != nullptr) *extra = std::move(extra_state);

@@ -4,7 +4,10 @@
 // Layout: the model's tensors under their state-dict names ("0.weight", "1.running_mean"),
 // the optimizer's under "optim." + its names ("optim.state.0.exp_avg"), extra tensors under
 // "extra." + theirs; metadata holds the user's keys plus "optim.optimizer" and
-// "optim.param_groups" when an optimizer is saved. A
+// "optim.param_groups" when an optimizer is saved. load_checkpoint also reads optimizer state
+// keyed by parameter name, "optim.<parameter name>.<key>" (metadata "optim.state_keys" =
+// "parameter_names"): the layout of a sharded FSDP checkpoint and of its consolidated file
+// (distributed/fsdp_checkpoint.h), whose indices would not survive resharding. A
 // file without an optimizer is a plain safetensors state dict in PyTorch's names and layouts
 // (scripts/to_torch.py turns it into a torch state_dict).
 #pragma once
@@ -36,5 +39,15 @@ void save_checkpoint(const std::string& path, const Module& model,
 std::map<std::string, std::string> load_checkpoint(const std::string& path, Module& model,
                                                    optim::Optimizer* optimizer = nullptr,
                                                    NamedTensors* extra = nullptr);
+
+/// Metadata key and value (after the "optim." prefix) of optimizer state keyed by parameter name.
+inline constexpr const char* kStateKeysKey = "state_keys";
+inline constexpr const char* kStateKeysByName = "parameter_names";
+
+/// A saved optimizer's param_groups JSON with `mine`'s "params" lists: the saved hyperparameters
+/// (lr as a schedule left it, betas, ...) for an optimizer whose parameters are numbered
+/// differently (another world size, another layout). Throws ValueError, naming `op`, when the
+/// group counts differ.
+std::string merge_param_groups(const std::string& saved, const std::string& mine, const char* op);
 
 }  // namespace ember::nn

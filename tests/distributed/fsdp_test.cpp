@@ -14,14 +14,15 @@
 #include <ember/distributed/process_group_gloo.h>
 #include <ember/distributed/process_group_mpi.h>
 #include <ember/distributed/sharded_checkpoint.h>
-#include <ember/nn/serialize.h>
 #include <ember/nn/activation_checkpoint.h>
+#include <ember/nn/checkpoint.h>
 #include <ember/nn/clip_grad.h>
 #include <ember/nn/functional.h>
 #include <ember/nn/linear.h>
 #include <ember/nn/norm.h>
 #include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
+#include <ember/nn/serialize.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/fsdp_test_model.h"
 #include "tests/distributed/mpi_job.h"
@@ -324,14 +325,20 @@ TEST(FsdpCheckpoint, ReshardsFromFourRanksToTwoAndOne) {
   run(4, 0, kSteps / 2, false, true);
   run(2, kSteps / 2, kSteps, true, false);
   run(1, kSteps / 2, kSteps, true, false);
-  // The consolidated file holds the model under its own names: a plain model loads it.
-  ShardedCheckpoint(path).consolidate(dir.path() + "/whole.safetensors");
-  const auto file = nn::load_safetensors(dir.path() + "/whole.safetensors");
+  // The consolidated file is an ordinary checkpoint: a plain model and a plain Adam load it
+  // (the optimizer's state by parameter name) and continue the same run.
+  const std::string whole = dir.path() + "/whole.safetensors";
+  ShardedCheckpoint(path).consolidate(whole);
+  EXPECT_TRUE(nn::load_safetensors(whole).contains("optim.block0.fc1.weight.exp_avg"));
   auto plain = test::make_fsdp_net();
-  nn::NamedTensors state;
-  for (const auto& [name, t] : plain->state_dict()) state.emplace_back(name, file.at(name));
-  plain->load_state_dict(state);
-  EXPECT_TRUE(file.contains("optim.block0.fc1.weight.exp_avg"));
+  nn::optim::Adam opt(plain->parameters(), test::fsdp_adam());
+  EXPECT_EQ(nn::load_checkpoint(whole, *plain, &opt).at("step"), std::to_string(kSteps / 2));
+  for (int i = kSteps / 2; i < kSteps; ++i) {
+    opt.zero_grad();
+    test::fsdp_loss(*plain, bs[i]).backward();
+    opt.step();
+  }
+  require_state("plain model from the consolidated file", plain->state_dict(), *ref, 2e-5);
 }
 
 // Bad checkpoint use is refused by name: a model of another shape, an optimizer of another type,

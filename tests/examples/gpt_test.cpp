@@ -125,6 +125,34 @@ TEST_F(Gpt, ShardedTrainingEqualsDdp) {
             std::string::npos) << bad.output;
 }
 
+// A --shard fsdp run stopped at step 15 continues unsharded: --shard none reads the whole
+// tensors from its sharded checkpoint (AdamW's moments by parameter name), and so does a run
+// given the set consolidated into one file by examples/consolidate_checkpoint; both end where
+// an uninterrupted DDP run ends.
+TEST_F(Gpt, ShardedCheckpointContinuesUnsharded) {
+  Result ddp = run(two_ranks());
+  ASSERT_EQ(ddp.status, 0) << ddp.output;
+  const std::string ck = tmp.path + "/ck", whole = tmp.path + "/whole";
+  Result first = run(two_ranks() + " --shard fsdp --checkpoint-dir " + ck + " --stop-at-step 15");
+  ASSERT_EQ(first.status, 0) << first.output;
+  Result rest = run(two_ranks() + " --shard none --resume --checkpoint-dir " + ck);
+  ASSERT_EQ(rest.status, 0) << rest.output;
+  EXPECT_NE(rest.output.find("sharded at step 15\n"), std::string::npos) << rest.output;
+  EXPECT_NEAR(value_of(rest.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
+      << "resumed:\n" << rest.output << "\nuninterrupted:\n" << ddp.output;
+  fs::create_directories(whole);
+  Result c = run(std::string(EMBER_BINARY_DIR) + "/examples/consolidate_checkpoint " + ck +
+                 "/sharded " + whole + "/checkpoint.safetensors");
+  ASSERT_EQ(c.status, 0) << c.output;
+  Result again = run(two_ranks() + " --resume --checkpoint-dir " + whole);
+  ASSERT_EQ(again.status, 0) << again.output;
+  EXPECT_NE(again.output.find("checkpoint.safetensors at step 15\n"), std::string::npos)
+      << again.output;
+  EXPECT_EQ(value_of(again.output, "val_loss"), value_of(rest.output, "val_loss"))
+      << "from the consolidated file:\n" << again.output << "\nfrom the shards:\n"
+      << rest.output;
+}
+
 // A rank killed at step 22 under --max-restarts 1: the job restarts and resumes from the sharded
 // checkpoint of step 20 (every rank wrote its own shards), and ends where an uninterrupted
 // sharded run ends.

@@ -2,6 +2,7 @@
 // one; metadata round-trips; mismatches are reported.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 
@@ -66,6 +67,56 @@ TEST(Checkpoint, ResumedRunMatchesUninterruptedRunBitForBit) {
     EXPECT_EQ(sa[i].first, sc[i].first);
     EXPECT_TRUE(equal(sa[i].second, sc[i].second)) << sa[i].first << " differs after resuming";
   }
+}
+
+// Optimizer state keyed by parameter name (an FSDP checkpoint's layout) goes to whichever index
+// the loading optimizer gives each parameter: here the parameters in reverse order, with the
+// saved lr. A name that is no parameter the optimizer steps is refused by name.
+TEST(Checkpoint, OptimizerStateByParameterNameFollowsTheNames) {
+  TempDir dir;
+  manual_seed(1);
+  auto a = make_model();
+  optim::Adam opt_a(a->parameters(), {.lr = 0.01});
+  train_steps(*a, opt_a, 3, 10);
+  save_checkpoint(dir.file("ckpt.safetensors"), *a, &opt_a);
+  // The same file with "optim.state.<i>.<key>" renamed "optim.<parameter name>.<key>".
+  const SafetensorsFile f = load_safetensors(dir.file("ckpt.safetensors"));
+  const NamedTensors params = a->named_parameters();
+  NamedTensors renamed;
+  for (const auto& [n, t] : f.tensors()) {
+    if (n.rfind("optim.state.", 0) != 0) {
+      renamed.emplace_back(n, t);
+      continue;
+    }
+    const size_t dot = n.find('.', 12);
+    const std::string& param = params.at(std::stoul(n.substr(12, dot - 12))).first;
+    renamed.emplace_back("optim." + param + n.substr(dot), t);
+  }
+  auto meta = f.metadata();
+  meta["optim.state_keys"] = "parameter_names";
+  save_safetensors(dir.file("by_name.safetensors"), renamed, meta);
+
+  manual_seed(99);
+  auto c = make_model();
+  std::vector<Tensor> reversed = c->parameters();
+  std::reverse(reversed.begin(), reversed.end());
+  optim::Adam opt_c(reversed, {.lr = 0.5});
+  load_checkpoint(dir.file("by_name.safetensors"), *c, &opt_c);
+  EXPECT_EQ(opt_c.param_groups()[0].lr(), 0.01);
+  train_steps(*a, opt_a, 3, 20);
+  train_steps(*c, opt_c, 3, 20);
+  const auto sa = a->state_dict(), sc = c->state_dict();
+  for (size_t i = 0; i < sa.size(); ++i) {
+    EXPECT_TRUE(equal(sa[i].second, sc[i].second)) << sa[i].first << " differs after resuming";
+  }
+
+  renamed.emplace_back("optim.9.weight.exp_avg", renamed.back().second);
+  save_safetensors(dir.file("stray.safetensors"), renamed, meta);
+  auto d = make_model();
+  optim::Adam opt_d(d->parameters(), {});
+  expect_error([&] { load_checkpoint(dir.file("stray.safetensors"), *d, &opt_d); },
+               {"load_checkpoint", "'optim.9.weight.exp_avg'",
+                "belongs to no parameter the optimizer steps"});
 }
 
 TEST(Checkpoint, ModelOnlyFileIsAPlainStateDict) {
