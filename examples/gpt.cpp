@@ -457,6 +457,9 @@ void Trainer::save_checkpoint() {
   meta["global_step"] = std::to_string(step_);
   meta["lr_scheduler"] = schedule_.state_dict();
   meta["shard"] = a_.shard;
+  // --amp fp16: the loss scale and its growth tracker, so a resumed run neither starts over at
+  // 2^16 (skipping steps to back off again) nor forgets how long it has been clean.
+  if (scaler_.is_enabled()) meta["grad_scaler"] = nlohmann::json(scaler_.state_dict()).dump();
   if (a_.shard == "fsdp") {
     dist::save_fsdp_checkpoint(sharded_checkpoint_dir(a_.checkpoint_dir), *model_,
                                &par_.optimizer(), *run_.pg, meta);
@@ -511,6 +514,20 @@ int64_t Trainer::maybe_resume() {
   const CheckpointMeta meta(path, loaded);
   for (const auto& [key, value] : run_settings(a_, run_.world)) meta.must_match(key.c_str(), value);
   schedule_.load_state_dict(meta.get("lr_scheduler"));
+  if (auto it = loaded.find("grad_scaler"); it != loaded.end() && scaler_.is_enabled()) {
+    const nlohmann::json j = nlohmann::json::parse(it->second, nullptr, false);
+    std::map<std::string, double> state;
+    bool ok = j.is_object();
+    for (auto e = j.begin(); ok && e != j.end(); ++e) {
+      ok = e->is_number();
+      if (ok) state[e.key()] = e->get<double>();
+    }
+    if (!ok) {
+      throw std::runtime_error(path + ": checkpoint metadata 'grad_scaler' must be a JSON object "
+                               "of numbers, got '" + it->second + "'");
+    }
+    scaler_.load_state_dict(state);
+  }
   if (powersgd_) powersgd_->load_state_dict(hook_state_of_rank(extra, run_.rank));
   const int64_t step = meta.get_int("global_step", 0, a_.steps);
   if (run_.leader) {

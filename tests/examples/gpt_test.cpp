@@ -11,6 +11,7 @@
 
 #include <ember/nn/data/token_stream.h>
 #include <ember/nn/serialize.h>
+#include <ember/tensor/cuda.h>
 #include "tests/examples/example_test_util.h"
 
 namespace {
@@ -104,6 +105,26 @@ TEST_F(Gpt, ResumeContinuesAtTheRightStepWithTheSameResult) {
   EXPECT_EQ(other.status, 1) << other.output;
   EXPECT_NE(other.output.find("saved with batch_size 16, but this run has 8"), std::string::npos)
       << other.output;
+}
+
+// --amp fp16 on a GPU: the checkpoint keeps GradScaler's scale and growth tracker, so the
+// resumed run scales (and skips) as the uninterrupted one and ends with its loss (within what
+// the GPU's atomics in reductions leave).
+TEST_F(Gpt, CudaFp16ResumeKeepsTheLossScale) {
+  if (!ember::cuda::is_available()) GTEST_SKIP() << ember::cuda::unavailable_reason();
+  const std::string fp16 = " --device cuda --amp fp16";
+  Result whole = run(tiny() + fp16);
+  ASSERT_EQ(whole.status, 0) << whole.output;
+  const std::string dir = " --checkpoint-dir " + tmp.path + "/ck";
+  Result first = run(tiny() + fp16 + dir + " --stop-at-step 15");
+  ASSERT_EQ(first.status, 0) << first.output;
+  const auto meta = ember::nn::load_safetensors(tmp.path + "/ck/checkpoint.safetensors").metadata();
+  ASSERT_TRUE(meta.count("grad_scaler")) << "no loss scale in the checkpoint";
+  EXPECT_NE(meta.at("grad_scaler").find("\"scale\""), std::string::npos) << meta.at("grad_scaler");
+  Result rest = run(tiny() + fp16 + dir + " --resume");
+  ASSERT_EQ(rest.status, 0) << rest.output;
+  EXPECT_NEAR(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"), 1e-3)
+      << "resumed:\n" << rest.output << "\nuninterrupted:\n" << whole.output;
 }
 
 // --shard zero and --shard fsdp train the same model as plain DDP: the same validation loss to
