@@ -302,7 +302,7 @@ class MultiNodeNetns : public ::testing::Test {
  protected:
   void SetUp() override {
     std::string why;
-    net_ = NetnsPair::create(&why);
+    net_ = NetnsNodes::create(2, &why);
     if (!net_) GTEST_SKIP() << why;
   }
   void TearDown() override { net_.reset(); }  // kills leftovers, deletes the namespaces
@@ -310,7 +310,7 @@ class MultiNodeNetns : public ::testing::Test {
   // No EMBER_GLOO_HOSTNAME: gloo finds the veth address itself (the interface that reaches
   // MASTER_ADDR), although the machine's host name resolves to 127.0.0.1 in both namespaces.
   std::vector<std::string> env(int) const { return {}; }
-  std::unique_ptr<NetnsPair> net_;
+  std::unique_ptr<NetnsNodes> net_;
 };
 
 TEST_F(MultiNodeNetns, GlooAllreduceAcrossTwoNamespaces) {
@@ -363,7 +363,7 @@ struct Partitioned {
   pid_t r1_pid = -1;  // node 1's agent (under `ip netns exec`, which execs it)
 };
 
-Partitioned run_and_cut_link(NetnsPair& net, const std::vector<std::string>& extra) {
+Partitioned run_and_cut_link(NetnsNodes& net, const std::vector<std::string>& extra) {
   TempDir d;
   const auto common = cat(cat({"--nnodes", "2", "--master-addr", net.addr[0], "--master-port",
                                "29400", "--grace-period", "5"},
@@ -421,6 +421,122 @@ TEST_F(MultiNodeNetns, PartitionedNodeRestartsTheRoundWhenAllowed) {
   EXPECT_EQ(p.r1.exit_code, 1) << describe(p.r1);
   for (pid_t w : p.workers)
     EXPECT_TRUE(wait_until_gone(w)) << "worker " << w << " outlived its agent";
+}
+
+// ---- elastic membership (--nnodes MIN:MAX) across namespace nodes -------------------------
+
+// Agents on namespace nodes running test_worker's "elastic" mode: the workers train from a
+// checkpoint and hold at given steps (until the world size they wait for) while the test
+// removes or adds a node, so every change happens at a known step. Ranks by arrival; the agent
+// of node 0's namespace owns the endpoint's address and hosts the store.
+class ElasticNetns : public ::testing::Test {
+ protected:
+  void create(int nodes) {
+    std::string why;
+    net_ = NetnsNodes::create(nodes, &why);
+    if (!net_) GTEST_SKIP() << why;
+  }
+  void TearDown() override { net_.reset(); }  // kills leftovers, deletes the namespaces
+
+  // The agent in namespace i. A heartbeat timeout of 5 s: short, yet robust to a loaded
+  // machine; a long last call that no round should wait for (3 nodes close round 0 at MAX,
+  // later rounds close when the nodes node 0 expects joined).
+  std::unique_ptr<Emberrun> agent(int i, const std::vector<std::string>& job) {
+    return std::make_unique<Emberrun>(
+        cat({"--nnodes", "2:3", "--rdzv-endpoint", net_->addr[0] + ":29400", "--rdzv-id",
+             "elastic", "--max-restarts", "1", "--heartbeat-timeout", "5",
+             "--heartbeat-interval", "0.5", "--rdzv-last-call", "30", "--grace-period", "5"},
+            job),
+        std::vector<std::string>{}, net_->exec_prefix(i));
+  }
+  // Waits until ranks 0..world-1 hold at `step` at that world size.
+  static void wait_held(const std::string& dir, int step, int world) {
+    for (int r = 0; r < world; ++r) {
+      const std::string f = dir + "/held_" + std::to_string(step) + "_" + std::to_string(r) + "_" +
+                            std::to_string(world);
+      ASSERT_TRUE(wait_for_file(f)) << "rank " << r << " never held at step " << step;
+    }
+  }
+  // Three agents in namespaces 0..2 at step 3 of world 3; then node 2's agent is killed.
+  std::vector<std::unique_ptr<Emberrun>> start_three_and_kill_one(const std::vector<std::string>& job,
+                                                                  const std::string& dir) {
+    std::vector<std::unique_ptr<Emberrun>> a;
+    for (int i = 0; i < 3; ++i) a.push_back(agent(i, job));
+    wait_held(dir, 3, 3);
+    killed_ = a[2]->pid();
+    kill(killed_, SIGKILL);  // its worker dies with it (PR_SET_PDEATHSIG)
+    return a;
+  }
+  // Node 0 found the killed agent's node lost and restarted without it.
+  void expect_lost(const Result& r0) const {
+    EXPECT_TRUE(contains(r0.err, " pid " + std::to_string(killed_) + ") lost: no heartbeat for "))
+        << describe(r0);
+    EXPECT_TRUE(contains(r0.err, "restarting the group on every node (1/1)")) << describe(r0);
+  }
+
+  std::unique_ptr<NetnsNodes> net_;
+  pid_t killed_ = -1;
+};
+
+TEST_F(ElasticNetns, LostNodeLeavesAndTheJobFinishesOnTwo) {
+  create(3);
+  if (IsSkipped()) return;
+  TempDir d;
+  // 6 steps; at step 3 the workers hold until the world has 2 ranks.
+  auto a = start_three_and_kill_one({worker(), "elastic", d.path, "6", "3@2"}, d.path);
+  Result r0 = a[0]->wait(), r1 = a[1]->wait();
+  ASSERT_EQ(r0.exit_code, 0) << describe(r0) << describe(r1);
+  ASSERT_EQ(r1.exit_code, 0) << describe(r1);
+  expect_lost(r0);
+  // Renumbered contiguously: ranks 0 and 1 of 2, resumed from the checkpoint at step 3.
+  for (int r : {0, 1}) {
+    const std::string line = "[rank " + std::to_string(r) + "]: rank " + std::to_string(r) +
+                             " of 2: resuming from step 3 (restarts 1)\n";
+    EXPECT_TRUE(contains(r0.out + r1.out, line)) << "missing: " << line << describe(r0)
+                                                 << describe(r1);
+    EXPECT_EQ(read_file(d.path + "/done_" + std::to_string(r)), "world=2 resumed_from=3");
+  }
+  EXPECT_FALSE(fs::exists(d.path + "/done_2"));
+  EXPECT_EQ(read_file(d.path + "/ckpt"), "6");
+  EXPECT_TRUE(contains(r0.err, " of 2: ranks 0..0 of 2, MASTER_ADDR=")) << describe(r0);
+}
+
+TEST_F(ElasticNetns, LateNodeJoinsAtTheNextRestartAndTheJobGrows) {
+  // The job of the test above shrinks to 2 nodes, which hold at step 6 until the world has 3
+  // ranks; a fourth agent, started then, waits and is admitted by a restart of the round.
+  create(4);
+  if (IsSkipped()) return;
+  TempDir d;
+  const std::vector<std::string> job = {worker(), "elastic", d.path, "9", "3@2", "6@3"};
+  auto a = start_three_and_kill_one(job, d.path);
+  wait_held(d.path, 6, 2);
+  auto late = agent(3, job);
+  Result r0 = a[0]->wait(), r1 = a[1]->wait(), r3 = late->wait();
+  ASSERT_EQ(r0.exit_code, 0) << describe(r0) << describe(r1) << describe(r3);
+  ASSERT_EQ(r1.exit_code, 0) << describe(r1);
+  ASSERT_EQ(r3.exit_code, 0) << describe(r3);
+  expect_lost(r0);
+  EXPECT_TRUE(contains(r3.err, " arrived after rendezvous round 1 closed with 2 nodes: waiting "
+                               "to join round 2 (--nnodes 2:3)"))
+      << describe(r3);
+  EXPECT_TRUE(contains(r0.err, "1 node waits to join (") &&
+              contains(r0.err, " pid " + std::to_string(late->pid()) +
+                                   "); round 1 has 2 of at most 3 nodes"))
+      << describe(r0);
+  // A membership change is no failure: the restart count stays 1.
+  EXPECT_TRUE(contains(r0.err, "to admit the new nodes (no failure: 1/1 restarts used)"))
+      << describe(r0);
+  const std::string out = r0.out + r1.out + r3.out;
+  for (int r : {0, 1, 2}) {
+    const std::string line = "[rank " + std::to_string(r) + "]: rank " + std::to_string(r) +
+                             " of 3: resuming from step 6 (restarts 1)\n";
+    EXPECT_TRUE(contains(out, line)) << "missing: " << line << describe(r0) << describe(r1)
+                                     << describe(r3);
+    EXPECT_EQ(read_file(d.path + "/done_" + std::to_string(r)), "world=3 resumed_from=6");
+  }
+  EXPECT_EQ(read_file(d.path + "/ckpt"), "9");
+  EXPECT_TRUE(contains(r3.err, " of 3: ranks ") && contains(r3.err, " of 3, MASTER_ADDR="))
+      << describe(r3);
 }
 
 TEST_F(MultiNodeNetns, MpirunAcrossTwoNamespaces) {
