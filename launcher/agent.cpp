@@ -153,11 +153,16 @@ int MultiNodeRun::on_spawn_error(int round, const std::string& err) {
   log_line(err);
   group_.stop(SIGKILL);
   group_.finish();
+  // An elastic job goes on without this node (Note [Elastic membership] in rendezvous.cpp);
+  // node 0 hosts the store and cannot leave alone.
+  const bool alone = c_.elastic() && !rdzv_->is_host();
+  const std::string what =
+      rdzv_->describe_self() + ": " + err + (alone ? "; it leaves the job" : "");
   try {
-    rdzv_->report_failure(round, rdzv_->describe_self() + ": " + err);
+    rdzv_->report_failure(round, what);
   } catch (const RendezvousError&) {
   }
-  rdzv_->close(rdzv_->describe_self() + ": " + err);
+  if (!alone) rdzv_->close(what);
   return leave(round, 1);
 }
 

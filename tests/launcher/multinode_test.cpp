@@ -49,6 +49,15 @@ std::vector<std::string> cat(std::vector<std::string> a, const std::vector<std::
   return a;
 }
 
+// Waits (bounded) until the rendezvous store on 127.0.0.1:port holds `key`: where the agents
+// stand, read from the store itself.
+void wait_for_key(int port, const std::string& key) {
+  ember::dist::TCPStoreOptions o;
+  o.timeout = std::chrono::seconds(60);
+  ember::dist::TCPStore store("127.0.0.1", static_cast<uint16_t>(port), o);
+  store.wait({key}, std::chrono::seconds(60));
+}
+
 // "rank R of W: allreduce(rank+1) = S" from dist_worker, for every rank, in `out`.
 void expect_allreduce_lines(const std::string& out, int world) {
   const int sum = world * (world + 1) / 2;
@@ -181,12 +190,8 @@ TEST(MultiNodeLoopback, SignalDuringTheRendezvousEndsItAtOnce) {
   const int port = free_port();
   Emberrun n0(cat(loopback(port), {"--nnodes", "2", "--node-rank", "0", "--rdzv-id", "sig",
                                    worker(), "env", "/nonexistent"}));
-  {  // node 0 has registered: it is waiting for node 1 (for up to 900 s)
-    ember::dist::TCPStoreOptions o;
-    o.timeout = std::chrono::seconds(60);
-    ember::dist::TCPStore store("127.0.0.1", static_cast<uint16_t>(port), o);
-    store.wait({"emberrun/sig/r0/node/0"}, std::chrono::seconds(60));
-  }
+  // node 0 has registered: it is waiting for node 1 (for up to 900 s)
+  wait_for_key(port, "emberrun/sig/r0/node/0");
   kill(n0.pid(), SIGINT);
   Result r = n0.wait();
   EXPECT_EQ(r.exit_code, 128 + SIGINT) << describe(r);
@@ -211,12 +216,7 @@ TEST(MultiNodeLoopback, DuplicateNodeRankIsRefused) {
   const auto common = cat(loopback(port), {"--nnodes", "3", "--rdzv-id", "dup"});
   Emberrun n0(cat(common, {"--node-rank", "0", worker(), "env", d.path}));
   Emberrun n1(cat(common, {"--node-rank", "1", worker(), "env", d.path}));
-  {
-    ember::dist::TCPStoreOptions o;
-    o.timeout = std::chrono::seconds(60);
-    ember::dist::TCPStore store("127.0.0.1", static_cast<uint16_t>(port), o);
-    store.wait({"emberrun/dup/r0/node/1"}, std::chrono::seconds(60));
-  }
+  wait_for_key(port, "emberrun/dup/r0/node/1");
   Result rd = run(cat(common, {"--node-rank", "1", worker(), "env", d.path}));
   EXPECT_EQ(rd.exit_code, 1) << describe(rd);
   EXPECT_TRUE(contains(rd.err, "node rank 1 of round 0 is already taken by ")) << describe(rd);
@@ -274,6 +274,32 @@ TEST(MultiNodeLoopback, StoppedAgentIsLostAfterNode0Finished) {
       << describe(r0);
   Result r1 = n1.wait();  // resumed, it finds the store gone
   EXPECT_EQ(r1.exit_code, 1) << describe(r1);
+}
+
+TEST(MultiNodeLoopback, ElasticJobGoesOnWithoutANodeThatCannotStartItsWorkers) {
+  // --nnodes 2:3: node 0 hosts (it registered before the others started); one of the other
+  // two cannot create its workers' folder (--log-dir is a file). It leaves the job without
+  // closing it, and the two others restart without it (world size 2) and finish.
+  TempDir d;
+  const int port = free_port();
+  const std::string file = d.path + "/not_a_folder";
+  std::ofstream(file) << "x";
+  const auto common = cat(loopback(port), {"--nnodes", "2:3", "--rdzv-id", "leave",
+                                           "--max-restarts", "1", "--rdzv-last-call", "30"});
+  const std::vector<std::string> job = {worker(), "elastic", d.path, "2", "0@2"};
+  Emberrun n0(cat(common, job));
+  wait_for_key(port, "emberrun/leave/r0/node/0");
+  Emberrun bad(cat(common, cat({"--log-dir", file}, job)));
+  Emberrun good(cat(common, job));
+  Result rb = bad.wait(), r0 = n0.wait(), rg = good.wait();
+  EXPECT_EQ(rb.exit_code, 1) << describe(rb);
+  EXPECT_TRUE(contains(rb.err, "could not create " + file)) << describe(rb);
+  ASSERT_EQ(r0.exit_code, 0) << describe(r0) << describe(rb);
+  ASSERT_EQ(rg.exit_code, 0) << describe(rg);
+  EXPECT_TRUE(contains(r0.err, "; it leaves the job)")) << describe(r0);
+  EXPECT_TRUE(contains(r0.err, "restarting the group on every node (1/1)")) << describe(r0);
+  for (int r : {0, 1})
+    EXPECT_EQ(read_file(d.path + "/done_" + std::to_string(r)), "world=2 resumed_from=0");
 }
 
 TEST(MultiNodeLoopback, SignalOnOneNodeEndsTheRunOnEveryNode) {
