@@ -321,8 +321,8 @@ void Rendezvous::wait_for_next_round(int round, int nnodes) {
   const int64_t i = store_->add(round_key(round, "waiting"), 1) - 1;
   store_->set(round_key(round, "wait/" + std::to_string(i)), self_);
   const std::string next = std::to_string(round + 1);
-  log_line(self_ + " arrived after rendezvous round " + std::to_string(round) + " closed" +
-           (nnodes > 0 ? " with " + std::to_string(nnodes) + " nodes" : " full") +
+  log_line(self_ + " arrived after rendezvous round " + std::to_string(round) +
+           (nnodes > 0 ? " closed with " + std::to_string(nnodes) + " nodes" : " filled up") +
            ": waiting to join round " + next + " (--nnodes " +
            std::to_string(config_.min_nodes) + ":" + std::to_string(config_.max_nodes) + ")");
   if (!wait_keys({round_key(round + 1, "master")}, Clock::now() + to_ms(config_.rdzv_timeout_s),

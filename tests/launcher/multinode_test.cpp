@@ -302,6 +302,49 @@ TEST(MultiNodeLoopback, ElasticJobGoesOnWithoutANodeThatCannotStartItsWorkers) {
     EXPECT_EQ(read_file(d.path + "/done_" + std::to_string(r)), "world=2 resumed_from=0");
 }
 
+TEST(MultiNodeLoopback, NodeArrivingAtAFullElasticRoundWaitsBoundedAndAlone) {
+  // --nnodes 1:2 with both nodes running: a third agent waits for a round that never comes
+  // (the round has MAX nodes) and gives up after its --rdzv-timeout, naming itself and the
+  // round; a fourth, interrupted while it waits, ends alone: the job runs on.
+  TempDir d;
+  const int port = free_port();
+  const auto common = cat(loopback(port), {"--nnodes", "1:2", "--rdzv-id", "full"});
+  const std::vector<std::string> job = {worker(), "block", d.path};
+  Emberrun n0(cat(common, job));
+  wait_for_key(port, "emberrun/full/r0/node/0");
+  Emberrun n1(cat(common, job));
+  auto workers = wait_for_pids(n0, d.path, 2);
+  ASSERT_EQ(workers.size(), 2u);
+  n1.track(workers[1]);
+  Emberrun late(cat(common, cat({"--rdzv-timeout", "1"}, job)));
+  Result rl = late.wait();
+  EXPECT_EQ(rl.exit_code, 1) << describe(rl);
+  const std::string who = " pid " + std::to_string(late.pid());
+  EXPECT_TRUE(contains(rl.err, who + " arrived after rendezvous round 0 filled up: waiting to "
+                                     "join round 1 (--nnodes 1:2)"))
+      << describe(rl);
+  EXPECT_TRUE(contains(rl.err, who + " waited 1 s (--rdzv-timeout) at 127.0.0.1:" +
+                                   std::to_string(port) + " for rendezvous round 1, which node 0 "
+                                   "did not open: round 0 kept running"))
+      << describe(rl);
+  Emberrun waiter(cat(common, job));
+  wait_for_key(port, "emberrun/full/r0/wait/1");
+  kill(waiter.pid(), SIGTERM);
+  Result rw = waiter.wait();
+  EXPECT_EQ(rw.exit_code, 128 + SIGTERM) << describe(rw);
+  for (pid_t w : workers) EXPECT_TRUE(process_exists(w)) << "worker " << w << " was stopped";
+  {
+    ember::dist::TCPStoreOptions o;
+    o.timeout = std::chrono::seconds(60);
+    ember::dist::TCPStore store("127.0.0.1", static_cast<uint16_t>(port), o);
+    EXPECT_FALSE(store.check({"emberrun/full/closed"})) << "a waiting node closed the run";
+  }
+  kill(n0.pid(), SIGTERM);
+  Result r0 = n0.wait(), r1 = n1.wait();
+  EXPECT_EQ(r0.exit_code, 128 + SIGTERM) << describe(r0);
+  EXPECT_EQ(r1.exit_code, 1) << describe(r1);
+}
+
 TEST(MultiNodeLoopback, SignalOnOneNodeEndsTheRunOnEveryNode) {
   TempDir d;
   const int port = free_port();
