@@ -99,8 +99,8 @@ class Rendezvous {
   /// node whose heartbeat has not changed for --heartbeat-timeout (and that has not left) is
   /// recorded as the round's failure, unless another failure came first; elastic, node 0 also
   /// ends the round (RoundFailure::kNewNodes) when nodes wait to join and the round has fewer
-  /// than MAX. Returns the round's failure, if any. Throws RendezvousError when the store is lost (within a few seconds: a
-  /// partitioned node gives up on its own).
+  /// than MAX. Returns the round's failure, if any. Throws RendezvousError when the store is
+  /// lost (within a few seconds: a partitioned node gives up on its own).
   std::optional<RoundFailure> watch(int round);
   /// Marks the whole run as over (no more rounds): later joins throw RendezvousError(reason).
   /// Best effort: a lost store is ignored.

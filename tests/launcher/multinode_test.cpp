@@ -526,9 +526,10 @@ class ElasticNetns : public ::testing::Test {
       ASSERT_TRUE(wait_for_file(f)) << "rank " << r << " never held at step " << step;
     }
   }
-  // Three agents in namespaces 0..2 at step 3 of world 3; then node 2's agent is killed.
-  std::vector<std::unique_ptr<Emberrun>> start_three_and_kill_one(const std::vector<std::string>& job,
-                                                                  const std::string& dir) {
+  // Three agents in namespaces 0..2 at step 3 of world 3; then the agent of namespace 2 (node
+  // 1 or 2, by arrival) is killed.
+  std::vector<std::unique_ptr<Emberrun>> start_three_and_kill_one(
+      const std::vector<std::string>& job, const std::string& dir) {
     std::vector<std::unique_ptr<Emberrun>> a;
     for (int i = 0; i < 3; ++i) a.push_back(agent(i, job));
     wait_held(dir, 3, 3);

@@ -66,7 +66,8 @@ class NetnsNodes {
     net->switch_ns = "ember-" + id + "-s";
     const std::string br = "-n " + net->switch_ns + " link ";
     std::vector<std::string> steps = {"ip netns add " + net->switch_ns,
-                                      "ip " + br + "add br0 type bridge", "ip " + br + "set br0 up"};
+                                      "ip " + br + "add br0 type bridge",
+                                      "ip " + br + "set br0 up"};
     for (int i = 0; i < n; ++i) {
       const std::string name = "ember-" + id + "-" + std::to_string(i);
       const std::string ifn = "ev" + short_id + "n" + std::to_string(i);  // <= 15 characters
@@ -76,7 +77,8 @@ class NetnsNodes {
       net->ifname.push_back(ifn);
       for (const std::string& step :
            {"ip netns add " + name, "ip link add " + ifn + " type veth peer name " + peer,
-            "ip link set " + ifn + " netns " + name, "ip link set " + peer + " netns " + net->switch_ns,
+            "ip link set " + ifn + " netns " + name,
+            "ip link set " + peer + " netns " + net->switch_ns,
             "ip " + br + "set " + peer + " master br0", "ip " + br + "set " + peer + " up",
             "ip -n " + name + " addr add " + net->addr.back() + "/24 dev " + ifn,
             "ip -n " + name + " link set " + ifn + " up", "ip -n " + name + " link set lo up",
