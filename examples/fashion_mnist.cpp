@@ -189,10 +189,22 @@ void save_checkpoint(const Args& a, const TrainingState& s, const Position& pos,
   nn::save_checkpoint(checkpoint_path(a.checkpoint_dir), s.model, &s.opt, meta, extra);
 }
 
-// Loads the checkpoint if there is one; returns where to continue.
+// The loader's steps per epoch at `world` ranks: DistributedSampler pads each rank's share to
+// ceil(N / world) and the loader keeps the last, partial batch.
+int64_t steps_per_epoch_at(int64_t dataset_size, int64_t world, int64_t batch_size) {
+  return ((dataset_size + world - 1) / world + batch_size - 1) / batch_size;
+}
+
+// Loads the checkpoint if there is one; returns where to continue. A checkpoint saved at
+// another world size (an elastic restart under emberrun --nnodes MIN:MAX) resumes at the same
+// place in the epoch: the sampler deals each epoch's permutation out rank by rank, so the
+// batches trained so far are a prefix of it, counted in samples (rounded down: at most one
+// batch per rank is trained again), and the cosine schedule continues from that step of this
+// run's (longer or shorter) schedule. PowerSGD's per-rank state starts afresh then.
 Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& opt,
                       nn::optim::LRScheduler* schedule, dist::PowerSGDState* hook,
-                      const dist::ProcessGroup& pg, int64_t steps_per_epoch) {
+                      const dist::ProcessGroup& pg, int64_t steps_per_epoch,
+                      int64_t dataset_size) {
   if (!a.resume || a.checkpoint_dir.empty()) return {};
   const bool verbose = pg.rank() == 0;
   const std::string path = checkpoint_path(a.checkpoint_dir);
@@ -203,33 +215,55 @@ Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& op
   nn::NamedTensors extra;
   const CheckpointMeta meta(path, nn::load_checkpoint(path, model, &opt, &extra));
   meta.must_match("model", a.model);
-  meta.must_match("world_size", std::to_string(pg.size()));
   meta.must_match("batch_size", std::to_string(a.batch_size));
   meta.must_match("seed", std::to_string(a.seed));
   meta.must_match("comm_hook", a.comm_hook);
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  const int64_t world = pg.size(), saved_world = meta.get_int("world_size", 1, kMax);
+  const int64_t saved_steps = saved_world == world
+                                  ? steps_per_epoch
+                                  : steps_per_epoch_at(dataset_size, saved_world, a.batch_size);
+  Position p{meta.get_int("epoch", 0, kMax), meta.get_int("step_in_epoch", 0, saved_steps),
+             meta.get_int("global_step", 0, kMax * saved_steps)};
+  if (p.global_step != p.epoch * saved_steps + p.step_in_epoch) {
+    throw std::runtime_error(path + ": checkpoint metadata disagree: global_step " +
+                             std::to_string(p.global_step) + " is not epoch " +
+                             std::to_string(p.epoch) + " x " + std::to_string(saved_steps) +
+                             " steps + step_in_epoch " + std::to_string(p.step_in_epoch));
+  }
+  if (saved_world != world) {
+    p.step_in_epoch = std::min(steps_per_epoch, p.step_in_epoch * saved_world / world);
+    p.global_step = p.epoch * steps_per_epoch + p.step_in_epoch;
+  }
   // The optimizer's state restored each group's lr: the cosine schedule continues from it; a
   // constant one runs at this run's --lr.
-  if (schedule != nullptr) {
+  if (schedule != nullptr && saved_world == world) {
     schedule->load_state_dict(meta.get("lr_scheduler"));
+  } else if (schedule != nullptr) {
+    // This run's schedule, whose length follows the world size, at the converted step: the
+    // state of a scheduler resumed just before it, whose next step takes the closed form.
+    nlohmann::json state = nlohmann::json::parse(schedule->state_dict());
+    state["last_epoch"] = p.global_step - 1;
+    state["step_count"] = 0;
+    for (auto& group : opt.param_groups()) group.set_lr(a.lr);
+    schedule->load_state_dict(state.dump());
+    schedule->step();
   } else {
     for (auto& group : opt.param_groups()) group.set_lr(a.lr);
   }
-  if (hook != nullptr) hook->load_state_dict(hook_state_of_rank(extra, pg.rank()));
-  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-  const Position p{meta.get_int("epoch", 0, kMax),
-                   meta.get_int("step_in_epoch", 0, steps_per_epoch),
-                   meta.get_int("global_step", 0, kMax * steps_per_epoch)};
-  // World size and batch size match (checked above), so the steps per epoch are the saved run's.
-  if (p.global_step != p.epoch * steps_per_epoch + p.step_in_epoch) {
-    throw std::runtime_error(path + ": checkpoint metadata disagree: global_step " +
-                             std::to_string(p.global_step) + " is not epoch " +
-                             std::to_string(p.epoch) + " x " + std::to_string(steps_per_epoch) +
-                             " steps + step_in_epoch " + std::to_string(p.step_in_epoch));
+  if (hook != nullptr && saved_world == world) {
+    hook->load_state_dict(hook_state_of_rank(extra, pg.rank()));
   }
   if (verbose) {
     std::printf("resume: %s at epoch %lld, step %lld of the epoch (global step %lld)\n",
                 path.c_str(), static_cast<long long>(p.epoch + 1),
                 static_cast<long long>(p.step_in_epoch), static_cast<long long>(p.global_step));
+    if (saved_world != world) {
+      std::printf("resume: saved at world size %lld, now %lld: the position was converted in "
+                  "samples, the lr is %g\n",
+                  static_cast<long long>(saved_world), static_cast<long long>(world),
+                  opt.param_groups().front().lr());
+    }
   }
   return p;
 }
@@ -333,7 +367,7 @@ Trainer::Trainer(const Args& a)
                                                 opt_, std::max<int64_t>(1, total_steps_))
                                           : nullptr),
       start_(maybe_resume(a, *model_, opt_, schedule_.get(), powersgd_.get(), *run_.pg,
-                          steps_per_epoch_)),
+                          steps_per_epoch_, train_set_->size())),
       global_step_(start_.global_step),
       metrics_(run_.leader ? a.metrics : "", run_.leader ? a.tensorboard : "",
                start_.global_step > 0) {

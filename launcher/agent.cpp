@@ -55,8 +55,9 @@ class MultiNodeRun {
  private:
   // Whether a signal arrived (polled by the rendezvous's waits); remembers it in pending_.
   bool interrupted();
-  // One round: join, spawn, monitor. nullopt: restart with the next round.
-  std::optional<int> run_round(int round);
+  // One round: join, spawn, monitor. nullopt: restart with the next round. A node that
+  // waited to join an elastic job joins a later round than `round`: it is updated.
+  std::optional<int> run_round(int& round);
   int on_spawn_error(int round, const std::string& err);
   int on_success(int round);
   int on_interrupt(int round);
@@ -89,32 +90,42 @@ int MultiNodeRun::run() {
     log_line(e.what());
     return 1;
   }
-  for (int round = 0;; ++round) {
+  int round = 0;
+  try {
+    round = rdzv_->current_round();  // an agent started late joins the job where it stands
+  } catch (const RendezvousError& e) {
+    log_line(e.what());
+    return 1;
+  }
+  for (;; ++round) {
     if (std::optional<int> rc = run_round(round)) return *rc;
   }
 }
 
-std::optional<int> MultiNodeRun::run_round(int round) {
+std::optional<int> MultiNodeRun::run_round(int& round) {
   RoundInfo info;
   try {
     info = rdzv_->join(round);
   } catch (const RendezvousInterrupted&) {
     log_line("received " + signal_name(pending_) + " during the rendezvous");
-    rdzv_->close(received(pending_) + " during the rendezvous");
+    // A node waiting to join an elastic job is no part of it yet: the job runs on.
+    if (!rdzv_->waiting()) rdzv_->close(received(pending_) + " during the rendezvous");
     return 128 + pending_;
   } catch (const RendezvousError& e) {
     log_line(e.what());
     return 1;
   }
-  if (round == 0) {
-    log_line(rdzv_->describe_self() + " of " + std::to_string(info.nnodes) + ": ranks " +
-             std::to_string(info.rank_base) + ".." +
-             std::to_string(info.rank_base + c_.nproc_per_node - 1) + " of " +
-             std::to_string(info.world_size) + ", MASTER_ADDR=" + info.master_addr + ":" +
-             std::to_string(info.master_port) + " (rendezvous " + rdzv_->endpoint() + ")");
-  }
-  const GroupSpec spec{info.node_rank,  info.nnodes,      info.rank_base,
-                       info.world_size, info.master_addr, info.master_port};
+  round = info.round;
+  // Every round: with --nnodes MIN:MAX the ranks and the world size may change.
+  log_line(rdzv_->describe_self() + " of " + std::to_string(info.nnodes) + ": ranks " +
+           std::to_string(info.rank_base) + ".." +
+           std::to_string(info.rank_base + c_.nproc_per_node - 1) + " of " +
+           std::to_string(info.world_size) + ", MASTER_ADDR=" + info.master_addr + ":" +
+           std::to_string(info.master_port) + " (rendezvous " + rdzv_->endpoint() +
+           (round > 0 ? ", round " + std::to_string(round) : std::string()) + ")");
+  const GroupSpec spec{info.node_rank,   info.nnodes,      info.rank_base,
+                       info.world_size,  info.master_addr, info.master_port,
+                       info.restart_count};
   if (std::string err = group_.spawn(round, spec); !err.empty()) return on_spawn_error(round, err);
   std::optional<RoundFailure> peer;
   std::string lost;
@@ -142,11 +153,16 @@ int MultiNodeRun::on_spawn_error(int round, const std::string& err) {
   log_line(err);
   group_.stop(SIGKILL);
   group_.finish();
+  // An elastic job goes on without this node (Note [Elastic membership] in rendezvous.cpp);
+  // node 0 hosts the store and cannot leave alone.
+  const bool alone = c_.elastic() && !rdzv_->is_host();
+  const std::string what =
+      rdzv_->describe_self() + ": " + err + (alone ? "; it leaves the job" : "");
   try {
-    rdzv_->report_failure(round, rdzv_->describe_self() + ": " + err);
+    rdzv_->report_failure(round, what);
   } catch (const RendezvousError&) {
   }
-  rdzv_->close(rdzv_->describe_self() + ": " + err);
+  if (!alone) rdzv_->close(what);
   return leave(round, 1);
 }
 
@@ -160,8 +176,10 @@ int MultiNodeRun::on_success(int round) {
   if (rdzv_->wait_for_exits(round,
                             std::chrono::duration_cast<std::chrono::milliseconds>(
                                 std::chrono::duration<double>(c_.rdzv_timeout_s)),
-                            true))
+                            true)) {
+    rdzv_->close("the run finished");  // for nodes waiting to join it
     return 0;
+  }
   if (pending_) {
     log_line("received " + signal_name(pending_) + " while waiting for the other nodes");
     rdzv_->close(received(pending_));
@@ -214,7 +232,12 @@ std::optional<int> MultiNodeRun::on_failure(int round, const RoundInfo& info, bo
       log_line(e.what());
       root = true;
     }
-  } else {
+  }
+  const bool new_nodes = peer && peer->new_nodes();  // Note [Elastic membership]
+  if (new_nodes) {
+    log_line(peer->what + ": stopping this node's workers to restart the group with them" +
+             (failed_here ? " (" + describe_exit(group_.failures().front()) + " meanwhile)" : ""));
+  } else if (!failed_here) {
     log_line("node " + std::to_string(peer->node_rank) + " failed (" + peer->what +
              "): stopping this node's workers");
   }
@@ -226,11 +249,18 @@ std::optional<int> MultiNodeRun::on_failure(int round, const RoundInfo& info, bo
     if (root) write_all(STDERR_FILENO, format_failure_summary(c_.program, group_.failures()));
     return leave(round, 128 + sig);
   }
-  if (round < c_.max_restarts) {
+  if (new_nodes) {
+    log_line("restarting the group on every node to admit the new nodes (no failure: " +
+             std::to_string(info.restart_count) + "/" + std::to_string(c_.max_restarts) +
+             " restarts used)");
+    return std::nullopt;
+  }
+  if (info.restart_count < c_.max_restarts) {
     log_line((root ? rdzv_->describe_self() + ": " + describe_exit(group_.failures().front())
                    : "node " + std::to_string(peer->node_rank) + " failed") +
-             "; restarting the group on every node (" + std::to_string(round + 1) + "/" +
-             std::to_string(c_.max_restarts) + ")");
+             "; restarting the group on every node (" +
+             std::to_string(info.restart_count + 1) + "/" + std::to_string(c_.max_restarts) +
+             ")");
     return std::nullopt;
   }
   if (root) {
@@ -258,8 +288,8 @@ int run_single_node(const LaunchConfig& c, WorkerGroup& group) {
   for (int attempt = 0;; ++attempt) {
     int port = c.master_port;
     if (attempt > 0 && c.standalone) port = pick_free_port();  // fresh rendezvous
-    const GroupSpec spec{c.node_rank,   1,   c.node_rank * c.nproc_per_node, c.world_size(),
-                         c.master_addr, port};
+    const GroupSpec spec{c.node_rank,   1,    c.node_rank * c.nproc_per_node, c.world_size(),
+                         c.master_addr, port, attempt};
     if (std::string err = group.spawn(attempt, spec); !err.empty()) {
       log_line(err);
       group.stop(SIGKILL);

@@ -37,7 +37,9 @@ std::string format_failure_summary(const std::string& program,
 /// --nnodes > 1 it first joins the other nodes' agents through the rendezvous store
 /// (launcher/rendezvous.h), which gives it its node rank, its ranks and MASTER_ADDR/PORT; a
 /// failure on any node stops the workers on every node, and restarts (a new rendezvous round)
-/// or ends the run everywhere.
+/// or ends the run everywhere. With --nnodes MIN:MAX a lost node is left out of the next round
+/// and an agent started while the job runs waits to be admitted by the next one (Note
+/// [Elastic membership] in rendezvous.cpp).
 ///
 /// Workers get RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK,
 /// ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, EMBER_RESTART_COUNT,

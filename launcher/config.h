@@ -67,6 +67,8 @@ struct LaunchConfig {
   int world_size() const { return max_nodes * nproc_per_node; }
   /// More than one node: the agents rendezvous through a store (launcher/rendezvous.h).
   bool multi_node() const { return max_nodes > 1; }
+  /// --nnodes MIN:MAX with MIN < MAX: a lost node leaves the job, a late one joins it.
+  bool elastic() const { return min_nodes < max_nodes; }
   /// The rendezvous store's host and port: --rdzv-endpoint (port 29400 when it names none),
   /// else --master-addr:--master-port.
   std::pair<std::string, int> rdzv_host_port() const;

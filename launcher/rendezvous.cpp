@@ -8,6 +8,7 @@
 #include <thread>
 
 #include <ember/distributed/tcp_store.h>
+#include <ember/launcher/worker_group.h>
 
 namespace ember::launcher {
 namespace {
@@ -17,13 +18,19 @@ using std::chrono::milliseconds;
 
 // Note [Rendezvous keys]
 // Every key lives under "emberrun/<rdzv-id>/", so runs sharing a store do not meet. Round R
-// (the restart count) uses "r<R>/...": a restart is a fresh rendezvous and nothing of an
-// earlier round is read again.
-//   r<R>/master          "addr:port" node 0 picked for the job's store (MASTER_ADDR/PORT)
+// (one per restart, for a failure or a membership change) uses "r<R>/...": a restart is a
+// fresh rendezvous; only node 0 reads the last round's keys, to open the next one.
+//   round                the round node 0 opened last: where a newly started agent joins
+//   r<R>/restarts        rounds before R that ended in a failure (TORCHELASTIC_RESTART_COUNT)
+//   r<R>/master          "addr:port" node 0 picked for the job's store (MASTER_ADDR/PORT);
+//                        set when node 0 opens the round, so waiting nodes wait for it
 //   r<R>/next            arrival counter handing out node ranks 1, 2, ... (no --node-rank)
 //   r<R>/node/<k>        "<nproc_per_node> <description>" of node k (compare_set: one owner)
 //   r<R>/nnodes          set by node 0 when the round is complete: the number of nodes
-//   r<R>/failed          "<k> <what>": the first failure of the round (compare_set)
+//   r<R>/failed          "<k> <what>": the first failure of the round (compare_set); k = -1:
+//                        nodes wait to join (Note [Elastic membership])
+//   r<R>/waiting         elastic: the number of nodes that came after round R closed
+//   r<R>/wait/<i>        the description of the i-th of them
 //   r<R>/exit/<k>        node k left for good; node 0 stops hosting once all left
 //   r<R>/beat/<k>        node k's heartbeat counter (Note [Heartbeats])
 //   closed               why the run is over; a node about to join a new round gives up
@@ -46,6 +53,22 @@ constexpr milliseconds kPollTimeout{3000};
 // under the 30 s docs/launcher.md promises for stopping the workers). The partitioned node
 // itself gives up within kPollTimeout, its requests going unanswered.
 constexpr milliseconds kHeartbeatCheck{1000};
+
+// Note [Elastic membership]
+// With --nnodes MIN:MAX (MIN < MAX) the set of nodes may change between rounds, as torchrun's:
+// - a node lost (its heartbeat stale, or its agent gone after a failure) is a failure of the
+//   round; the nodes left join the next round by arrival, so node ranks, ranks and WORLD_SIZE
+//   are renumbered contiguously. Node 0 expects every node of the last round that is neither
+//   lost nor gone (plus the waiting ones) and closes the round as soon as they joined, not
+//   after --rdzv-last-call: the restart costs one join, not a last call.
+// - a node that arrives after its round closed (the arrival counter past MAX, or r<R>/nnodes
+//   smaller than its rank) adds itself to r<R>/waiting and waits for r<R+1>/master. Node 0 reads
+//   the counter with the heartbeats and, while the round has fewer than MAX nodes and no node
+//   has left it, records the round's end with k = -1: every agent stops its workers and
+//   joins the next round, which admits the newcomers. Such a restart is no failure: it does
+//   not use up --max-restarts nor raise TORCHELASTIC_RESTART_COUNT.
+// Node 0 hosts the store and cannot be replaced: losing it ends the run on every node (lost
+// the rendezvous store), as before.
 
 std::string to_s(const dist::Bytes& b) { return std::string(b.begin(), b.end()); }
 dist::Bytes to_b(const std::string& s) { return dist::Bytes(s.begin(), s.end()); }
@@ -220,6 +243,7 @@ int Rendezvous::claim_node_rank(int round) {
     k = 0;
   } else {
     k = static_cast<int>(store_->add(round_key(round, "next"), 1));
+    if (k >= config_.max_nodes && config_.elastic()) return -1;
     if (k >= config_.max_nodes) {
       throw RendezvousError("rendezvous round " + std::to_string(round) + " at " + endpoint() +
                             " already has --nnodes " + std::to_string(config_.max_nodes) +
@@ -245,11 +269,90 @@ int Rendezvous::complete_round(int round) {
     throw RendezvousError(msg);
   }
   int n = config_.min_nodes;
-  // MIN:MAX: more nodes may still come during the last call.
+  // MIN:MAX: more nodes may still come during the last call, unless every node expected did.
   const auto last_call = Clock::now() + to_ms(config_.last_call_s);
-  while (n < config_.max_nodes && wait_keys({node_key(round, n)}, last_call, false)) ++n;
+  while (n < config_.max_nodes && n < expected_ &&
+         wait_keys({node_key(round, n)}, last_call, false))
+    ++n;
+  while (n < config_.max_nodes && store_->check({node_key(round, n)})) ++n;  // already there
   store_->set(round_key(round, "nnodes"), std::to_string(n));
   return n;
+}
+
+void Rendezvous::open_round(int round) {
+  int restarts = 0;
+  expected_ = config_.max_nodes;
+  if (round > 0) {  // Note [Elastic membership]
+    const int prev = round - 1;
+    restarts = std::stoi(to_s(store_->get(round_key(prev, "restarts"), request_timeout())));
+    const std::string failed = round_key(prev, "failed");
+    if (store_->check({failed}) &&
+        !parse_failure(to_s(store_->get(failed, request_timeout()))).new_nodes())
+      ++restarts;
+    int alive = 0;
+    for (int i = 0; i < nnodes_; ++i) {
+      const bool silent =
+          beat_round_ == prev &&
+          std::find(silent_nodes_.begin(), silent_nodes_.end(), i) != silent_nodes_.end();
+      if (!silent && !store_->check({round_key(prev, "exit/" + std::to_string(i))})) ++alive;
+    }
+    expected_ = alive + static_cast<int>(store_->add(round_key(prev, "waiting"), 0));
+  }
+  store_->set(round_key(round, "restarts"), std::to_string(restarts));
+  // Node 0 picks where the job's rank 0 will host its store, fresh for every round.
+  const std::string addr = config_.local_addr.empty() ? host_ : config_.local_addr;
+  store_->set(round_key(round, "master"), addr + ":" + std::to_string(pick_free_port(true)));
+  store_->set(key("round"), std::to_string(round));
+}
+
+int Rendezvous::current_round() {
+  if (is_host()) return 0;
+  try {
+    const std::string k = key("round");
+    if (!store_->check({k})) return 0;
+    return std::stoi(to_s(store_->get(k, request_timeout())));
+  } catch (const dist::DistError& e) {
+    lost("reading the current round", e);
+  }
+}
+
+void Rendezvous::wait_for_next_round(int round, int nnodes) {
+  waiting_ = true;
+  const int64_t i = store_->add(round_key(round, "waiting"), 1) - 1;
+  store_->set(round_key(round, "wait/" + std::to_string(i)), self_);
+  const std::string next = std::to_string(round + 1);
+  log_line(self_ + " arrived after rendezvous round " + std::to_string(round) +
+           (nnodes > 0 ? " closed with " + std::to_string(nnodes) + " nodes" : " filled up") +
+           ": waiting to join round " + next + " (--nnodes " +
+           std::to_string(config_.min_nodes) + ":" + std::to_string(config_.max_nodes) + ")");
+  if (!wait_keys({round_key(round + 1, "master")}, Clock::now() + to_ms(config_.rdzv_timeout_s),
+                 true)) {
+    throw RendezvousError(
+        self_ + " waited " + seconds_str(config_.rdzv_timeout_s) +
+        " (--rdzv-timeout) at " + endpoint() + " for rendezvous round " + next +
+        ", which node 0 did not open: round " + std::to_string(round) +
+        " kept running (a round with --nnodes MAX nodes admits nobody until it restarts)");
+  }
+}
+
+std::optional<RoundFailure> Rendezvous::find_waiting_nodes(int round) {
+  if (!config_.elastic() || nnodes_ >= config_.max_nodes) return std::nullopt;
+  const int64_t n = store_->add(round_key(round, "waiting"), 0);
+  if (n == 0) return std::nullopt;
+  // A node that left for good (its workers done) would be waited for in vain by a new round.
+  for (int i = 0; i < nnodes_; ++i)
+    if (i != node_rank_ && store_->check({round_key(round, "exit/" + std::to_string(i))}))
+      return std::nullopt;
+  std::string who;
+  for (int64_t i = 0; i < n; ++i) {
+    const std::string k = round_key(round, "wait/" + std::to_string(i));
+    who += (i ? ", " : "") + (store_->check({k}) ? to_s(store_->get(k, request_timeout())) : "?");
+  }
+  return RoundFailure{RoundFailure::kNewNodes,
+                      std::to_string(n) + (n == 1 ? " node waits" : " nodes wait") +
+                          " to join (" + who + "); round " + std::to_string(round) + " has " +
+                          std::to_string(nnodes_) + " of at most " +
+                          std::to_string(config_.max_nodes) + " nodes"};
 }
 
 std::string Rendezvous::round_timeout_message(int round) {
@@ -283,7 +386,7 @@ int Rendezvous::await_round(int round, int k) {
         " (--rdzv-timeout or --rdzv-conf join_timeout); this node is " + describe_self());
   }
   const int n = std::stoi(to_s(store_->get(nn, request_timeout())));
-  if (k >= n) {
+  if (k >= n && !config_.elastic()) {
     throw RendezvousError(describe_self() + " arrived after rendezvous round " +
                           std::to_string(round) + " closed with " + std::to_string(n) +
                           " nodes (--nnodes " + std::to_string(config_.min_nodes) + ":" +
@@ -303,6 +406,8 @@ RoundInfo Rendezvous::read_round(int round, int k, int n) {
     if (i < k) info.rank_base += nproc;
     info.world_size += nproc;
   }
+  info.restart_count =
+      std::stoi(to_s(store_->get(round_key(round, "restarts"), request_timeout())));
   const std::string master = to_s(store_->get(round_key(round, "master"), request_timeout()));
   const auto colon = master.rfind(':');
   info.master_addr = master.substr(0, colon);
@@ -312,16 +417,20 @@ RoundInfo Rendezvous::read_round(int round, int k, int n) {
 
 RoundInfo Rendezvous::join(int round) {
   try {
-    throw_if_closed();
-    if (is_host()) {
-      // Node 0 picks where the job's rank 0 will host its store, fresh for every round.
-      const std::string addr = config_.local_addr.empty() ? host_ : config_.local_addr;
-      store_->set(round_key(round, "master"), addr + ":" + std::to_string(pick_free_port(true)));
+    for (;; ++round) {
+      throw_if_closed();
+      if (is_host()) open_round(round);
+      const int k = claim_node_rank(round);
+      node_rank_ = k;
+      const int n = k < 0 ? -1 : is_host() ? complete_round(round) : await_round(round, k);
+      if (k >= 0 && k < n) {
+        nnodes_ = n;
+        waiting_ = false;
+        return read_round(round, k, n);
+      }
+      node_rank_ = -1;
+      wait_for_next_round(round, n);  // elastic: too late for this round
     }
-    const int k = claim_node_rank(round);
-    node_rank_ = k;
-    nnodes_ = is_host() ? complete_round(round) : await_round(round, k);
-    return read_round(round, k, nnodes_);
   } catch (const RendezvousError&) {
     throw;
   } catch (const dist::DistError& e) {
@@ -367,7 +476,7 @@ void Rendezvous::beat(int round) {
   store_->add(round_key(round, "beat/" + std::to_string(node_rank_)), 1);
 }
 
-std::optional<RoundFailure> Rendezvous::find_silent_node(int round) {
+std::optional<RoundFailure> Rendezvous::find_silent_node(int round, bool admit_waiting) {
   start_beats(round);
   const auto now = Clock::now();
   if (now < next_check_) return std::nullopt;
@@ -393,7 +502,7 @@ std::optional<RoundFailure> Rendezvous::find_silent_node(int round) {
                                seconds_str(config_.heartbeat_timeout_s) +
                                "; a network partition, or its agent stopped or hung)"};
   }
-  return std::nullopt;
+  return admit_waiting ? find_waiting_nodes(round) : std::nullopt;
 }
 
 RoundFailure Rendezvous::record_failure(int round, const RoundFailure& f) {
@@ -405,7 +514,8 @@ std::optional<RoundFailure> Rendezvous::watch(int round) {
   try {
     store_->set_timeout(std::min(kPollTimeout, request_timeout()));
     beat(round);
-    std::optional<RoundFailure> silent = is_host() ? find_silent_node(round) : std::nullopt;
+    std::optional<RoundFailure> silent =
+        is_host() ? find_silent_node(round, /*admit_waiting=*/true) : std::nullopt;
     store_->set_timeout(request_timeout());
     if (silent) return record_failure(round, *silent);
   } catch (const dist::DistError& e) {

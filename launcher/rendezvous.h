@@ -41,12 +41,17 @@ struct RoundInfo {
   int world_size = 1;       // sum of every node's nproc_per_node
   std::string master_addr;  // where the job's rank 0 hosts its store (MASTER_ADDR)
   int master_port = 0;
+  int restart_count = 0;    // rounds before this one that ended in a failure
 };
 
-/// A peer's report that a round failed: the node that failed first and what happened.
+/// Why a round ended before its workers finished: the node that failed first and what
+/// happened, or (node_rank == kNewNodes) nodes waiting to join an elastic job, which restarts
+/// the round to admit them without counting as a failure.
 struct RoundFailure {
+  static constexpr int kNewNodes = -1;
   int node_rank = -1;
   std::string what;  // "node 1 (host pid 42): rank 3 exited with code 1"
+  bool new_nodes() const { return node_rank == kNewNodes; }
 };
 
 /// One agent's side of the rendezvous. Not thread-safe; used by the agent's loop only.
@@ -66,11 +71,20 @@ class Rendezvous {
   bool is_host() const { return server_ != nullptr; }
   /// "host:port" of the store.
   std::string endpoint() const;
+  /// Whether this node waits to join an elastic job (it came after its round closed).
+  bool waiting() const { return waiting_; }
 
+  /// The round a newly started agent joins: the one node 0 opened last (0 before any).
+  /// Throws RendezvousError when the store is lost.
+  int current_round();
   /// Joins round `round`: registers this node, waits until --nnodes nodes joined (MIN:MAX:
-  /// MIN, then up to --rdzv-last-call for more), and returns the ranks. Throws RendezvousError
-  /// listing the nodes that never arrived after --rdzv-timeout, or the reason another node
-  /// closed the run; RendezvousInterrupted on a signal.
+  /// MIN, then up to --rdzv-last-call for more, or, after a restart, until every node of the
+  /// last round still alive and every waiting one joined), and returns the ranks. Elastic
+  /// (MIN < MAX): a node that arrives after the round closed registers as waiting and joins
+  /// the next round node 0 opens (within --rdzv-timeout), so the returned round may be later
+  /// than `round`. Throws RendezvousError listing the nodes that never arrived after
+  /// --rdzv-timeout, or the reason another node closed the run; RendezvousInterrupted on a
+  /// signal.
   RoundInfo join(int round);
 
   /// Records that `round` failed on this node (`what` says how) unless another node's failure
@@ -83,9 +97,10 @@ class Rendezvous {
   /// What the agent calls while the round's workers run (every --monitor-interval): writes this
   /// node's heartbeat when --heartbeat-interval has passed since the last one; on node 0, a
   /// node whose heartbeat has not changed for --heartbeat-timeout (and that has not left) is
-  /// recorded as the round's failure, unless another failure came first. Returns the round's
-  /// failure, if any. Throws RendezvousError when the store is lost (within a few seconds: a
-  /// partitioned node gives up on its own).
+  /// recorded as the round's failure, unless another failure came first; elastic, node 0 also
+  /// ends the round (RoundFailure::kNewNodes) when nodes wait to join and the round has fewer
+  /// than MAX. Returns the round's failure, if any. Throws RendezvousError when the store is
+  /// lost (within a few seconds: a partitioned node gives up on its own).
   std::optional<RoundFailure> watch(int round);
   /// Marks the whole run as over (no more rounds): later joins throw RendezvousError(reason).
   /// Best effort: a lost store is ignored.
@@ -111,8 +126,17 @@ class Rendezvous {
   // The steps of join: registers this node under its rank (given, 0 for the host, else by
   // arrival) and returns it; on the host, waits for the nodes and publishes their number; on
   // the others, waits for that number; then reads the round's ranks and rank 0's address.
+  // -1 when an elastic round is already full (the node waits for the next one).
   int claim_node_rank(int round);
+  // Host: publishes the round (the current one, its restart count, MASTER_ADDR) and how many
+  // nodes it expects in it.
+  void open_round(int round);
   int complete_round(int round);
+  // Registers this node as waiting after round `round` closed without it; returns when node 0
+  // opened the next round (bounded by --rdzv-timeout).
+  void wait_for_next_round(int round, int nnodes);
+  // Host: the round's end for the nodes waiting to join, if any may join.
+  std::optional<RoundFailure> find_waiting_nodes(int round);
   std::string round_timeout_message(int round);
   int await_round(int round, int k);
   RoundInfo read_round(int round, int k, int n);
@@ -125,7 +149,8 @@ class Rendezvous {
   // --heartbeat-interval; on the host, the first node silent for --heartbeat-timeout.
   void start_beats(int round);  // resets the state for a round not watched before
   void beat(int round);
-  std::optional<RoundFailure> find_silent_node(int round);
+  // With admit_waiting, also the round's end for waiting nodes (find_waiting_nodes).
+  std::optional<RoundFailure> find_silent_node(int round, bool admit_waiting = false);
   // Records `f` as the round's failure unless one came first; returns the first.
   RoundFailure record_failure(int round, const RoundFailure& f);
   [[noreturn]] void lost(const std::string& op, const std::exception& e) const;
@@ -139,6 +164,8 @@ class Rendezvous {
   std::string self_;    // "host pid N" (local address or host name)
   int node_rank_ = -1;  // this round's
   int nnodes_ = 0;      // this round's
+  int expected_ = 0;    // host: nodes the round being joined waits for before closing
+  bool waiting_ = false;
   // Heartbeat state of round beat_round_ (reset when a new round is watched).
   struct Beat {
     int64_t count = -1;                          // the node's counter as last read

@@ -73,7 +73,7 @@ std::map<std::string, std::string> base_environment(int nproc_per_node) {
 // One rank's environment as "KEY=value" strings: `base` plus the launcher's variables.
 std::vector<std::string> worker_environment(std::map<std::string, std::string> env,
                                             const LaunchConfig& c, const GroupSpec& spec,
-                                            int attempt, int rank, int local_rank,
+                                            int rank, int local_rank,
                                             const std::string& error_file) {
   env["RANK"] = std::to_string(rank);
   env["LOCAL_RANK"] = std::to_string(local_rank);
@@ -86,8 +86,8 @@ std::vector<std::string> worker_environment(std::map<std::string, std::string> e
   env["ROLE_NAME"] = c.role;
   env["MASTER_ADDR"] = spec.master_addr;
   env["MASTER_PORT"] = std::to_string(spec.master_port);
-  env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt);
-  env["EMBER_RESTART_COUNT"] = std::to_string(attempt);
+  env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(spec.restart_count);
+  env["EMBER_RESTART_COUNT"] = std::to_string(spec.restart_count);
   env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(c.max_restarts);
   env["TORCHELASTIC_RUN_ID"] = c.rdzv_id;
   env["TORCHELASTIC_USE_AGENT_STORE"] = "False";  // rank 0 hosts the store
@@ -220,7 +220,7 @@ std::string WorkerGroup::spawn(int attempt, const GroupSpec& spec) {
     w.error_file = dir + "/error.json";
     fs::remove(w.error_file, ec);  // a stale one from an earlier run is no root cause
     std::string err =
-        spawn_worker(w, dir, worker_environment(base, c_, spec, attempt, w.rank, lr, w.error_file));
+        spawn_worker(w, dir, worker_environment(base, c_, spec, w.rank, lr, w.error_file));
     if (!err.empty()) return err;
   }
   return "";

@@ -25,6 +25,7 @@ struct GroupSpec {
   int world_size = 1;
   std::string master_addr;
   int master_port = 0;
+  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT: restarts after failures so far
 };
 
 /// Routes SIGINT, SIGTERM, SIGHUP and SIGCHLD to a self-pipe that WorkerGroup and
@@ -66,7 +67,8 @@ class WorkerGroup {
   WorkerGroup(const WorkerGroup&) = delete;
   WorkerGroup& operator=(const WorkerGroup&) = delete;
 
-  /// Spawns every worker of attempt `attempt`. Returns "" or an error message.
+  /// Spawns every worker of attempt `attempt` (the log folder attempt_<attempt>: the restart
+  /// count on one node, the rendezvous round across nodes). Returns "" or an error message.
   std::string spawn(int attempt, const GroupSpec& spec);
   enum class Outcome { kSucceeded, kFailed, kInterrupted, kPeer };
   /// Pumps output and reaps workers until all succeeded, one failed, a signal arrived, or

@@ -175,14 +175,28 @@ TEST_F(FashionMnist, ResumesWithPowerSgdStateWithIdenticalWeights) {
   EXPECT_TRUE(ck.contains("extra.hook.rank1.iteration")) << "rank 1's hook state is saved";
 }
 
-TEST_F(FashionMnist, ResumeRefusesAnotherWorldSize) {
+// An elastic restart (emberrun --nnodes MIN:MAX) resumes at another world size: the position
+// is converted in samples (6 steps of 1 rank are 3 steps of 2), the cosine schedule is this
+// run's at that step, and the banner prints the new world size.
+TEST_F(FashionMnist, ResumesAtAnotherWorldSize) {
   const std::string ckpt = tmp.path + "/ckpt";
-  Result a = run(example() + " --model mlp --max-steps 5 --checkpoint-dir " + ckpt);
+  Result a = run(example() + " --model mlp --max-steps 6 --lr-schedule cosine --checkpoint-dir " + ckpt);
   ASSERT_EQ(a.status, 0) << a.output;
   Result b = run(emberrun() + " --standalone --nproc-per-node 2 " + example() +
-                 " --model mlp --max-steps 10 --resume --checkpoint-dir " + ckpt);
-  EXPECT_NE(b.status, 0) << b.output;
-  EXPECT_NE(b.output.find("saved with world_size 1, but this run has 2"), std::string::npos) << b.output;
+                 " --model mlp --max-steps 8 --lr-schedule cosine --resume --checkpoint-dir " + ckpt);
+  ASSERT_EQ(b.status, 0) << b.output;
+  EXPECT_NE(b.output.find("fashion_mnist: world size 2,"), std::string::npos) << b.output;
+  EXPECT_NE(b.output.find("at epoch 1, step 3 of the epoch (global step 3)"), std::string::npos)
+      << b.output;
+  // 8 steps of the 2-rank run's schedule, at step 3: 0.05 (1 + cos(3 pi / 8)) / 2.
+  char lr[64];
+  std::snprintf(lr, sizeof(lr), "the lr is %g\n", 0.05 * (1 + std::cos(3 * M_PI / 8)) / 2);
+  EXPECT_NE(b.output.find(std::string("resume: saved at world size 1, now 2: the position was "
+                                      "converted in samples, ") + lr),
+            std::string::npos)
+      << lr << b.output;
+  EXPECT_EQ(ember::nn::load_safetensors(ckpt + "/checkpoint.safetensors").metadata().at("global_step"),
+            "8");
 }
 
 // A checkpoint further on than this run's --max-steps: nothing is trained (the run used to go

@@ -49,6 +49,15 @@ std::vector<std::string> cat(std::vector<std::string> a, const std::vector<std::
   return a;
 }
 
+// Waits (bounded) until the rendezvous store on 127.0.0.1:port holds `key`: where the agents
+// stand, read from the store itself.
+void wait_for_key(int port, const std::string& key) {
+  ember::dist::TCPStoreOptions o;
+  o.timeout = std::chrono::seconds(60);
+  ember::dist::TCPStore store("127.0.0.1", static_cast<uint16_t>(port), o);
+  store.wait({key}, std::chrono::seconds(60));
+}
+
 // "rank R of W: allreduce(rank+1) = S" from dist_worker, for every rank, in `out`.
 void expect_allreduce_lines(const std::string& out, int world) {
   const int sum = world * (world + 1) / 2;
@@ -181,12 +190,8 @@ TEST(MultiNodeLoopback, SignalDuringTheRendezvousEndsItAtOnce) {
   const int port = free_port();
   Emberrun n0(cat(loopback(port), {"--nnodes", "2", "--node-rank", "0", "--rdzv-id", "sig",
                                    worker(), "env", "/nonexistent"}));
-  {  // node 0 has registered: it is waiting for node 1 (for up to 900 s)
-    ember::dist::TCPStoreOptions o;
-    o.timeout = std::chrono::seconds(60);
-    ember::dist::TCPStore store("127.0.0.1", static_cast<uint16_t>(port), o);
-    store.wait({"emberrun/sig/r0/node/0"}, std::chrono::seconds(60));
-  }
+  // node 0 has registered: it is waiting for node 1 (for up to 900 s)
+  wait_for_key(port, "emberrun/sig/r0/node/0");
   kill(n0.pid(), SIGINT);
   Result r = n0.wait();
   EXPECT_EQ(r.exit_code, 128 + SIGINT) << describe(r);
@@ -211,12 +216,7 @@ TEST(MultiNodeLoopback, DuplicateNodeRankIsRefused) {
   const auto common = cat(loopback(port), {"--nnodes", "3", "--rdzv-id", "dup"});
   Emberrun n0(cat(common, {"--node-rank", "0", worker(), "env", d.path}));
   Emberrun n1(cat(common, {"--node-rank", "1", worker(), "env", d.path}));
-  {
-    ember::dist::TCPStoreOptions o;
-    o.timeout = std::chrono::seconds(60);
-    ember::dist::TCPStore store("127.0.0.1", static_cast<uint16_t>(port), o);
-    store.wait({"emberrun/dup/r0/node/1"}, std::chrono::seconds(60));
-  }
+  wait_for_key(port, "emberrun/dup/r0/node/1");
   Result rd = run(cat(common, {"--node-rank", "1", worker(), "env", d.path}));
   EXPECT_EQ(rd.exit_code, 1) << describe(rd);
   EXPECT_TRUE(contains(rd.err, "node rank 1 of round 0 is already taken by ")) << describe(rd);
@@ -276,6 +276,75 @@ TEST(MultiNodeLoopback, StoppedAgentIsLostAfterNode0Finished) {
   EXPECT_EQ(r1.exit_code, 1) << describe(r1);
 }
 
+TEST(MultiNodeLoopback, ElasticJobGoesOnWithoutANodeThatCannotStartItsWorkers) {
+  // --nnodes 2:3: node 0 hosts (it registered before the others started); one of the other
+  // two cannot create its workers' folder (--log-dir is a file). It leaves the job without
+  // closing it, and the two others restart without it (world size 2) and finish.
+  TempDir d;
+  const int port = free_port();
+  const std::string file = d.path + "/not_a_folder";
+  std::ofstream(file) << "x";
+  const auto common = cat(loopback(port), {"--nnodes", "2:3", "--rdzv-id", "leave",
+                                           "--max-restarts", "1", "--rdzv-last-call", "30"});
+  const std::vector<std::string> job = {worker(), "elastic", d.path, "2", "0@2"};
+  Emberrun n0(cat(common, job));
+  wait_for_key(port, "emberrun/leave/r0/node/0");
+  Emberrun bad(cat(common, cat({"--log-dir", file}, job)));
+  Emberrun good(cat(common, job));
+  Result rb = bad.wait(), r0 = n0.wait(), rg = good.wait();
+  EXPECT_EQ(rb.exit_code, 1) << describe(rb);
+  EXPECT_TRUE(contains(rb.err, "could not create " + file)) << describe(rb);
+  ASSERT_EQ(r0.exit_code, 0) << describe(r0) << describe(rb);
+  ASSERT_EQ(rg.exit_code, 0) << describe(rg);
+  EXPECT_TRUE(contains(r0.err, "; it leaves the job)")) << describe(r0);
+  EXPECT_TRUE(contains(r0.err, "restarting the group on every node (1/1)")) << describe(r0);
+  for (int r : {0, 1})
+    EXPECT_EQ(read_file(d.path + "/done_" + std::to_string(r)), "world=2 resumed_from=0");
+}
+
+TEST(MultiNodeLoopback, NodeArrivingAtAFullElasticRoundWaitsBoundedAndAlone) {
+  // --nnodes 1:2 with both nodes running: a third agent waits for a round that never comes
+  // (the round has MAX nodes) and gives up after its --rdzv-timeout, naming itself and the
+  // round; a fourth, interrupted while it waits, ends alone: the job runs on.
+  TempDir d;
+  const int port = free_port();
+  const auto common = cat(loopback(port), {"--nnodes", "1:2", "--rdzv-id", "full"});
+  const std::vector<std::string> job = {worker(), "block", d.path};
+  Emberrun n0(cat(common, job));
+  wait_for_key(port, "emberrun/full/r0/node/0");
+  Emberrun n1(cat(common, job));
+  auto workers = wait_for_pids(n0, d.path, 2);
+  ASSERT_EQ(workers.size(), 2u);
+  n1.track(workers[1]);
+  Emberrun late(cat(common, cat({"--rdzv-timeout", "1"}, job)));
+  Result rl = late.wait();
+  EXPECT_EQ(rl.exit_code, 1) << describe(rl);
+  const std::string who = " pid " + std::to_string(late.pid());
+  EXPECT_TRUE(contains(rl.err, who + " arrived after rendezvous round 0 filled up: waiting to "
+                                     "join round 1 (--nnodes 1:2)"))
+      << describe(rl);
+  EXPECT_TRUE(contains(rl.err, who + " waited 1 s (--rdzv-timeout) at 127.0.0.1:" +
+                                   std::to_string(port) + " for rendezvous round 1, which node 0 "
+                                   "did not open: round 0 kept running"))
+      << describe(rl);
+  Emberrun waiter(cat(common, job));
+  wait_for_key(port, "emberrun/full/r0/wait/1");
+  kill(waiter.pid(), SIGTERM);
+  Result rw = waiter.wait();
+  EXPECT_EQ(rw.exit_code, 128 + SIGTERM) << describe(rw);
+  for (pid_t w : workers) EXPECT_TRUE(process_exists(w)) << "worker " << w << " was stopped";
+  {
+    ember::dist::TCPStoreOptions o;
+    o.timeout = std::chrono::seconds(60);
+    ember::dist::TCPStore store("127.0.0.1", static_cast<uint16_t>(port), o);
+    EXPECT_FALSE(store.check({"emberrun/full/closed"})) << "a waiting node closed the run";
+  }
+  kill(n0.pid(), SIGTERM);
+  Result r0 = n0.wait(), r1 = n1.wait();
+  EXPECT_EQ(r0.exit_code, 128 + SIGTERM) << describe(r0);
+  EXPECT_EQ(r1.exit_code, 1) << describe(r1);
+}
+
 TEST(MultiNodeLoopback, SignalOnOneNodeEndsTheRunOnEveryNode) {
   TempDir d;
   const int port = free_port();
@@ -302,7 +371,7 @@ class MultiNodeNetns : public ::testing::Test {
  protected:
   void SetUp() override {
     std::string why;
-    net_ = NetnsPair::create(&why);
+    net_ = NetnsNodes::create(2, &why);
     if (!net_) GTEST_SKIP() << why;
   }
   void TearDown() override { net_.reset(); }  // kills leftovers, deletes the namespaces
@@ -310,7 +379,7 @@ class MultiNodeNetns : public ::testing::Test {
   // No EMBER_GLOO_HOSTNAME: gloo finds the veth address itself (the interface that reaches
   // MASTER_ADDR), although the machine's host name resolves to 127.0.0.1 in both namespaces.
   std::vector<std::string> env(int) const { return {}; }
-  std::unique_ptr<NetnsPair> net_;
+  std::unique_ptr<NetnsNodes> net_;
 };
 
 TEST_F(MultiNodeNetns, GlooAllreduceAcrossTwoNamespaces) {
@@ -363,7 +432,7 @@ struct Partitioned {
   pid_t r1_pid = -1;  // node 1's agent (under `ip netns exec`, which execs it)
 };
 
-Partitioned run_and_cut_link(NetnsPair& net, const std::vector<std::string>& extra) {
+Partitioned run_and_cut_link(NetnsNodes& net, const std::vector<std::string>& extra) {
   TempDir d;
   const auto common = cat(cat({"--nnodes", "2", "--master-addr", net.addr[0], "--master-port",
                                "29400", "--grace-period", "5"},
@@ -421,6 +490,123 @@ TEST_F(MultiNodeNetns, PartitionedNodeRestartsTheRoundWhenAllowed) {
   EXPECT_EQ(p.r1.exit_code, 1) << describe(p.r1);
   for (pid_t w : p.workers)
     EXPECT_TRUE(wait_until_gone(w)) << "worker " << w << " outlived its agent";
+}
+
+// ---- elastic membership (--nnodes MIN:MAX) across namespace nodes -------------------------
+
+// Agents on namespace nodes running test_worker's "elastic" mode: the workers train from a
+// checkpoint and hold at given steps (until the world size they wait for) while the test
+// removes or adds a node, so every change happens at a known step. Ranks by arrival; the agent
+// of node 0's namespace owns the endpoint's address and hosts the store.
+class ElasticNetns : public ::testing::Test {
+ protected:
+  void create(int nodes) {
+    std::string why;
+    net_ = NetnsNodes::create(nodes, &why);
+    if (!net_) GTEST_SKIP() << why;
+  }
+  void TearDown() override { net_.reset(); }  // kills leftovers, deletes the namespaces
+
+  // The agent in namespace i. A heartbeat timeout of 5 s: short, yet robust to a loaded
+  // machine; a long last call that no round should wait for (3 nodes close round 0 at MAX,
+  // later rounds close when the nodes node 0 expects joined).
+  std::unique_ptr<Emberrun> agent(int i, const std::vector<std::string>& job) {
+    return std::make_unique<Emberrun>(
+        cat({"--nnodes", "2:3", "--rdzv-endpoint", net_->addr[0] + ":29400", "--rdzv-id",
+             "elastic", "--max-restarts", "1", "--heartbeat-timeout", "5",
+             "--heartbeat-interval", "0.5", "--rdzv-last-call", "30", "--grace-period", "5"},
+            job),
+        std::vector<std::string>{}, net_->exec_prefix(i));
+  }
+  // Waits until ranks 0..world-1 hold at `step` at that world size.
+  static void wait_held(const std::string& dir, int step, int world) {
+    for (int r = 0; r < world; ++r) {
+      const std::string f = dir + "/held_" + std::to_string(step) + "_" + std::to_string(r) + "_" +
+                            std::to_string(world);
+      ASSERT_TRUE(wait_for_file(f)) << "rank " << r << " never held at step " << step;
+    }
+  }
+  // Three agents in namespaces 0..2 at step 3 of world 3; then the agent of namespace 2 (node
+  // 1 or 2, by arrival) is killed.
+  std::vector<std::unique_ptr<Emberrun>> start_three_and_kill_one(
+      const std::vector<std::string>& job, const std::string& dir) {
+    std::vector<std::unique_ptr<Emberrun>> a;
+    for (int i = 0; i < 3; ++i) a.push_back(agent(i, job));
+    wait_held(dir, 3, 3);
+    killed_ = a[2]->pid();
+    kill(killed_, SIGKILL);  // its worker dies with it (PR_SET_PDEATHSIG)
+    return a;
+  }
+  // Node 0 found the killed agent's node lost and restarted without it.
+  void expect_lost(const Result& r0) const {
+    EXPECT_TRUE(contains(r0.err, " pid " + std::to_string(killed_) + ") lost: no heartbeat for "))
+        << describe(r0);
+    EXPECT_TRUE(contains(r0.err, "restarting the group on every node (1/1)")) << describe(r0);
+  }
+
+  std::unique_ptr<NetnsNodes> net_;
+  pid_t killed_ = -1;
+};
+
+TEST_F(ElasticNetns, LostNodeLeavesAndTheJobFinishesOnTwo) {
+  create(3);
+  if (IsSkipped()) return;
+  TempDir d;
+  // 6 steps; at step 3 the workers hold until the world has 2 ranks.
+  auto a = start_three_and_kill_one({worker(), "elastic", d.path, "6", "3@2"}, d.path);
+  Result r0 = a[0]->wait(), r1 = a[1]->wait();
+  ASSERT_EQ(r0.exit_code, 0) << describe(r0) << describe(r1);
+  ASSERT_EQ(r1.exit_code, 0) << describe(r1);
+  expect_lost(r0);
+  // Renumbered contiguously: ranks 0 and 1 of 2, resumed from the checkpoint at step 3.
+  for (int r : {0, 1}) {
+    const std::string line = "[rank " + std::to_string(r) + "]: rank " + std::to_string(r) +
+                             " of 2: resuming from step 3 (restarts 1)\n";
+    EXPECT_TRUE(contains(r0.out + r1.out, line)) << "missing: " << line << describe(r0)
+                                                 << describe(r1);
+    EXPECT_EQ(read_file(d.path + "/done_" + std::to_string(r)), "world=2 resumed_from=3");
+  }
+  EXPECT_FALSE(fs::exists(d.path + "/done_2"));
+  EXPECT_EQ(read_file(d.path + "/ckpt"), "6");
+  EXPECT_TRUE(contains(r0.err, " of 2: ranks 0..0 of 2, MASTER_ADDR=")) << describe(r0);
+}
+
+TEST_F(ElasticNetns, LateNodeJoinsAtTheNextRestartAndTheJobGrows) {
+  // The job of the test above shrinks to 2 nodes, which hold at step 6 until the world has 3
+  // ranks; a fourth agent, started then, waits and is admitted by a restart of the round.
+  create(4);
+  if (IsSkipped()) return;
+  TempDir d;
+  const std::vector<std::string> job = {worker(), "elastic", d.path, "9", "3@2", "6@3"};
+  auto a = start_three_and_kill_one(job, d.path);
+  wait_held(d.path, 6, 2);
+  auto late = agent(3, job);
+  Result r0 = a[0]->wait(), r1 = a[1]->wait(), r3 = late->wait();
+  ASSERT_EQ(r0.exit_code, 0) << describe(r0) << describe(r1) << describe(r3);
+  ASSERT_EQ(r1.exit_code, 0) << describe(r1);
+  ASSERT_EQ(r3.exit_code, 0) << describe(r3);
+  expect_lost(r0);
+  EXPECT_TRUE(contains(r3.err, " arrived after rendezvous round 1 closed with 2 nodes: waiting "
+                               "to join round 2 (--nnodes 2:3)"))
+      << describe(r3);
+  EXPECT_TRUE(contains(r0.err, "1 node waits to join (") &&
+              contains(r0.err, " pid " + std::to_string(late->pid()) +
+                                   "); round 1 has 2 of at most 3 nodes"))
+      << describe(r0);
+  // A membership change is no failure: the restart count stays 1.
+  EXPECT_TRUE(contains(r0.err, "to admit the new nodes (no failure: 1/1 restarts used)"))
+      << describe(r0);
+  const std::string out = r0.out + r1.out + r3.out;
+  for (int r : {0, 1, 2}) {
+    const std::string line = "[rank " + std::to_string(r) + "]: rank " + std::to_string(r) +
+                             " of 3: resuming from step 6 (restarts 1)\n";
+    EXPECT_TRUE(contains(out, line)) << "missing: " << line << describe(r0) << describe(r1)
+                                     << describe(r3);
+    EXPECT_EQ(read_file(d.path + "/done_" + std::to_string(r)), "world=3 resumed_from=6");
+  }
+  EXPECT_EQ(read_file(d.path + "/ckpt"), "9");
+  EXPECT_TRUE(contains(r3.err, " of 3: ranks ") && contains(r3.err, " of 3, MASTER_ADDR="))
+      << describe(r3);
 }
 
 TEST_F(MultiNodeNetns, MpirunAcrossTwoNamespaces) {

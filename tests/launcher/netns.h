@@ -1,15 +1,18 @@
-// Two network namespaces joined by a veth pair: two "nodes" on one machine for the multi-node
-// launcher tests. Needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN) and the `ip` tool.
+// Network namespaces as "nodes" on one machine for the multi-node launcher tests: each node's
+// namespace has one end of a veth pair, whose other end is attached to a bridge in a "switch"
+// namespace of its own, so the nodes reach each other and nothing else. Needs root
+// (CAP_SYS_ADMIN and CAP_NET_ADMIN) and the `ip` tool.
 //
 //   std::string why;
-//   auto net = NetnsPair::create(&why);
+//   auto net = NetnsNodes::create(3, &why);
 //   if (!net) GTEST_SKIP() << why;
-//   Emberrun a(args, env, net->exec_prefix(0));   // runs inside namespace 0
+//   Emberrun a(args, env, net->exec_prefix(0));   // runs inside node 0's namespace
 //
-// Names are unique (pid + random), addresses are 10.<random>.<random>.1 and .2 /24. The
-// destructor kills every process left in either namespace and deletes both (the veth pair goes
-// with them); create() undoes its own partial work when a step fails, and removes namespaces
-// that earlier test processes (now dead) left behind.
+// Names are unique (pid + random), addresses are 10.<random>.<random>.1, .2, ... /24. The
+// destructor kills every process left in the nodes' namespaces and deletes them all (the veth
+// pairs go with them); create() undoes its own partial work when a step fails, and removes
+// namespaces that earlier test processes (now dead) left behind. Cutting a node off:
+// `ip -n <ns[i]> link set <ifname[i]> down`.
 #pragma once
 
 #include <signal.h>
@@ -41,75 +44,81 @@ inline int shell(const std::string& cmd, std::string* out = nullptr) {
   return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
-class NetnsPair {
+class NetnsNodes {
  public:
-  std::string ns[2];      // namespace names
-  std::string addr[2];    // 10.a.b.1, 10.a.b.2
-  std::string subnet;     // 10.a.b.0/24
-  std::string ifname[2];  // the veth ends, one in each namespace
+  std::vector<std::string> ns;      // the nodes' namespace names
+  std::vector<std::string> addr;    // 10.a.b.1, 10.a.b.2, ...
+  std::string subnet;               // 10.a.b.0/24
+  std::vector<std::string> ifname;  // each node's end of its veth pair, in its namespace
+  std::string switch_ns;            // holds the bridge the other veth ends are attached to
 
-  /// Creates the pair, or returns nullptr with the reason in *why (not root, no `ip`, ...).
-  static std::unique_ptr<NetnsPair> create(std::string* why) {
+  /// Creates `n` nodes, or returns nullptr with the reason in *why (not root, no `ip`, ...).
+  static std::unique_ptr<NetnsNodes> create(int n, std::string* why) {
     remove_stale();
     std::random_device rd;
     std::mt19937 gen(rd() ^ static_cast<unsigned>(getpid()));
-    auto net = std::unique_ptr<NetnsPair>(new NetnsPair);
+    auto net = std::unique_ptr<NetnsNodes>(new NetnsNodes);
     const std::string id = std::to_string(getpid()) + "-" + std::to_string(gen() % 100000);
     const std::string short_id = std::to_string(getpid() % 100000) + std::to_string(gen() % 100);
     const std::string base =
         "10." + std::to_string(1 + gen() % 254) + "." + std::to_string(gen() % 256) + ".";
     net->subnet = base + "0/24";
-    for (int i = 0; i < 2; ++i) {
-      net->ns[i] = "ember-" + id + (i ? "-b" : "-a");
-      net->addr[i] = base + std::to_string(i + 1);
-      net->ifname[i] = "ev" + short_id + (i ? "b" : "a");  // at most 15 characters
+    net->switch_ns = "ember-" + id + "-s";
+    const std::string br = "-n " + net->switch_ns + " link ";
+    std::vector<std::string> steps = {"ip netns add " + net->switch_ns,
+                                      "ip " + br + "add br0 type bridge",
+                                      "ip " + br + "set br0 up"};
+    for (int i = 0; i < n; ++i) {
+      const std::string name = "ember-" + id + "-" + std::to_string(i);
+      const std::string ifn = "ev" + short_id + "n" + std::to_string(i);  // <= 15 characters
+      const std::string peer = "ev" + short_id + "s" + std::to_string(i);
+      net->ns.push_back(name);
+      net->addr.push_back(base + std::to_string(i + 1));
+      net->ifname.push_back(ifn);
+      for (const std::string& step :
+           {"ip netns add " + name, "ip link add " + ifn + " type veth peer name " + peer,
+            "ip link set " + ifn + " netns " + name,
+            "ip link set " + peer + " netns " + net->switch_ns,
+            "ip " + br + "set " + peer + " master br0", "ip " + br + "set " + peer + " up",
+            "ip -n " + name + " addr add " + net->addr.back() + "/24 dev " + ifn,
+            "ip -n " + name + " link set " + ifn + " up", "ip -n " + name + " link set lo up",
+            "ip netns exec " + name + " true"})  // entering one works too (mounts /sys)
+        steps.push_back(step);
     }
-    const std::vector<std::string> steps = {
-        "ip netns add " + net->ns[0],
-        "ip netns add " + net->ns[1],
-        "ip link add " + net->ifname[0] + " type veth peer name " + net->ifname[1],
-        "ip link set " + net->ifname[0] + " netns " + net->ns[0],
-        "ip link set " + net->ifname[1] + " netns " + net->ns[1],
-        "ip -n " + net->ns[0] + " addr add " + net->addr[0] + "/24 dev " + net->ifname[0],
-        "ip -n " + net->ns[1] + " addr add " + net->addr[1] + "/24 dev " + net->ifname[1],
-        "ip -n " + net->ns[0] + " link set " + net->ifname[0] + " up",
-        "ip -n " + net->ns[1] + " link set " + net->ifname[1] + " up",
-        "ip -n " + net->ns[0] + " link set lo up",
-        "ip -n " + net->ns[1] + " link set lo up",
-        "ip netns exec " + net->ns[0] + " true",  // entering one works too (mounts /sys)
-    };
     for (const auto& step : steps) {
       std::string out;
       if (shell(step, &out) != 0) {
         *why = "cannot create network namespaces ('" + step + "' failed: " + out +
                "); run as root with the ip tool to test across namespaces";
         net->teardown();  // the destructor would too; this keeps the failure path explicit
-        // A veth end not yet moved into a namespace lives in ours: remove it.
-        shell("ip link del " + net->ifname[0]);
+        // A veth pair not yet moved into a namespace lives in ours: remove it.
+        for (const auto& ifn : net->ifname) shell("ip link del " + ifn);
         return nullptr;
       }
     }
     return net;
   }
 
-  ~NetnsPair() { teardown(); }
-  NetnsPair(const NetnsPair&) = delete;
-  NetnsPair& operator=(const NetnsPair&) = delete;
+  ~NetnsNodes() { teardown(); }
+  NetnsNodes(const NetnsNodes&) = delete;
+  NetnsNodes& operator=(const NetnsNodes&) = delete;
 
-  /// The command prefix that runs a program inside namespace i.
+  /// The command prefix that runs a program inside node i's namespace.
   std::vector<std::string> exec_prefix(int i) const { return {"ip", "netns", "exec", ns[i]}; }
 
-  /// Kills every process in both namespaces, then deletes them. Idempotent.
+  /// Kills every process in the namespaces, then deletes them. Idempotent.
   void teardown() {
     for (const auto& n : ns) {
-      if (n.empty()) continue;
       kill_all_in(n);
       shell("ip netns del " + n);
     }
+    if (!switch_ns.empty()) shell("ip netns del " + switch_ns);
+    ns.clear();
+    switch_ns.clear();
   }
 
  private:
-  NetnsPair() = default;
+  NetnsNodes() = default;
 
   static void kill_all_in(const std::string& name) {
     std::string pids;

@@ -14,6 +14,15 @@
 //                      after each; on the first attempt rank 1 kills itself with SIGKILL after
 //                      step K. At the end it writes DIR/done_<RANK> with
 //                      "steps=<N> restarts=<count> resumed_from=<first step of this attempt>"
+//   elastic DIR STEPS [K@W ...]
+//                      an elastic job's worker: trains from the checkpoint DIR/ckpt (the next
+//                      step; rank 0 writes it after each step, once every rank of this attempt
+//                      has read it, as a real job's collectives would keep the ranks together)
+//                      to STEPS, printing "rank R of W: resuming from step S (restarts C)".
+//                      At a step K given as K@W while WORLD_SIZE is not W, it writes
+//                      DIR/held_<K>_<RANK>_<WORLD_SIZE> and waits to be stopped (the test
+//                      changes the nodes meanwhile). At the end it writes DIR/done_<RANK>
+//                      "world=<W> resumed_from=<S>" and prints "rank R of W: finished".
 // Waiting workers give up after 60 s (alarm) so a broken launcher cannot leave them forever.
 #include <fcntl.h>
 #include <signal.h>
@@ -45,6 +54,42 @@ void write_file(const std::string& path, const std::string& text) {
 [[noreturn]] void wait_forever() {
   alarm(60);
   for (;;) pause();
+}
+
+bool exists(const std::string& path) { return access(path.c_str(), F_OK) == 0; }
+
+int elastic(const std::string& dir, int argc, char** argv) {
+  const int rank = env_int("RANK"), world = env_int("WORLD_SIZE");
+  const int steps = std::atoi(argv[3]);
+  const std::string ckpt = dir + "/ckpt", r = std::to_string(rank), w = std::to_string(world);
+  // MASTER_PORT is fresh in every round: it names this attempt's files.
+  const std::string attempt = dir + "/read_" + std::to_string(env_int("MASTER_PORT")) + "_";
+  int step = 0;
+  if (std::ifstream in(ckpt); in) in >> step;
+  const int first = step;
+  write_file(attempt + r, "");
+  std::printf("rank %d of %d: resuming from step %d (restarts %d)\n", rank, world, step,
+              env_int("EMBER_RESTART_COUNT"));
+  std::fflush(stdout);
+  if (rank == 0) {  // a bounded file barrier: every rank read the checkpoint before it changes
+    alarm(60);
+    for (int i = 0; i < world; ++i)
+      while (!exists(attempt + std::to_string(i))) usleep(5000);
+    alarm(0);
+  }
+  for (; step < steps; ++step) {
+    for (int i = 4; i < argc; ++i) {
+      int k = -1, hold_world = -1;
+      if (std::sscanf(argv[i], "%d@%d", &k, &hold_world) != 2 || k != step) continue;
+      if (hold_world == world) continue;
+      write_file(dir + "/held_" + std::to_string(step) + "_" + r + "_" + w, "");
+      wait_forever();
+    }
+    if (rank == 0) write_file(ckpt, std::to_string(step + 1));
+  }
+  write_file(dir + "/done_" + r, "world=" + w + " resumed_from=" + std::to_string(first));
+  std::printf("rank %d of %d: finished\n", rank, world);
+  return 0;
 }
 
 }  // namespace
@@ -124,6 +169,7 @@ int main(int argc, char** argv) {
                                        " resumed_from=" + std::to_string(first));
     return 0;
   }
+  if (mode == "elastic" && argc > 3) return elastic(dir, argc, argv);
   std::fprintf(stderr, "test_worker: unknown mode '%s'\n", mode.c_str());
   return 2;
 }
