@@ -512,7 +512,18 @@ int64_t Trainer::maybe_resume() {
     loaded = load(par_.adamw.get());
   }
   const CheckpointMeta meta(path, loaded);
-  for (const auto& [key, value] : run_settings(a_, run_.world)) meta.must_match(key.c_str(), value);
+  // Another world size is allowed (an elastic restart with fewer or more nodes): the windows
+  // are a function of the step and the rank, the schedule of the step, and every checkpoint
+  // layout loads at any world size; only PowerSGD's per-rank state cannot follow.
+  const std::string saved_world = loaded.count("world_size") ? loaded.at("world_size") : "";
+  const bool same_world = saved_world == std::to_string(run_.world);
+  for (const auto& [key, value] : run_settings(a_, run_.world)) {
+    if (key != "world_size") meta.must_match(key.c_str(), value);
+  }
+  if (!same_world && run_.leader) {
+    std::printf("resume: saved at world size %s, now %d%s\n", saved_world.c_str(), run_.world,
+                powersgd_ ? " (PowerSGD's state starts afresh)" : "");
+  }
   schedule_.load_state_dict(meta.get("lr_scheduler"));
   if (auto it = loaded.find("grad_scaler"); it != loaded.end() && scaler_.is_enabled()) {
     const nlohmann::json j = nlohmann::json::parse(it->second, nullptr, false);
@@ -528,7 +539,7 @@ int64_t Trainer::maybe_resume() {
     }
     scaler_.load_state_dict(state);
   }
-  if (powersgd_) powersgd_->load_state_dict(hook_state_of_rank(extra, run_.rank));
+  if (powersgd_ && same_world) powersgd_->load_state_dict(hook_state_of_rank(extra, run_.rank));
   const int64_t step = meta.get_int("global_step", 0, a_.steps);
   if (run_.leader) {
     std::printf("resume: %s at step %lld\n", path.c_str(), static_cast<long long>(step));

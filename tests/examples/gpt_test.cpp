@@ -92,6 +92,7 @@ TEST_F(Gpt, ResumeContinuesAtTheRightStepWithTheSameResult) {
   ASSERT_EQ(first.status, 0) << first.output;
   EXPECT_NE(first.output.find("[rank 0]: step 15: validation loss"), std::string::npos)
       << first.output;
+  fs::copy(tmp.path + "/ck", tmp.path + "/ck1");
   Result rest = run(two_ranks() + dir + " --resume");
   ASSERT_EQ(rest.status, 0) << rest.output;
   EXPECT_NE(rest.output.find("checkpoint.safetensors at step 15\n"), std::string::npos)
@@ -100,6 +101,14 @@ TEST_F(Gpt, ResumeContinuesAtTheRightStepWithTheSameResult) {
   EXPECT_NE(rest.output.find("[rank 0]: step 20/30"), std::string::npos) << rest.output;
   EXPECT_EQ(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"))
       << "resumed:\n" << rest.output << "\nuninterrupted:\n" << whole.output;
+  // At another world size (an elastic restart on fewer nodes) it goes on alone from step 15.
+  Result alone = run("env EMBER_NUM_THREADS=1 " + tiny() + " --resume --checkpoint-dir " +
+                     tmp.path + "/ck1");
+  ASSERT_EQ(alone.status, 0) << alone.output;
+  EXPECT_NE(alone.output.find("resume: saved at world size 2, now 1\n"), std::string::npos)
+      << alone.output;
+  EXPECT_NE(alone.output.find("step 20/30"), std::string::npos) << alone.output;
+  EXPECT_LT(value_of(alone.output, "val_loss"), kUniformLoss) << alone.output;
   // A checkpoint from other settings is refused by name.
   Result other = run(two_ranks() + dir + " --resume --batch-size 8");
   EXPECT_EQ(other.status, 1) << other.output;

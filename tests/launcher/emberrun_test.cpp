@@ -244,6 +244,7 @@ TEST_P(SignalTest, SignalToEmberrunLeavesNoProcessBehind) {
 }
 INSTANTIATE_TEST_SUITE_P(Emberrun, SignalTest,
                          ::testing::Values(SignalCase{SIGTERM, false}, SignalCase{SIGINT, false},
+                                           SignalCase{SIGHUP, false},
                                            SignalCase{SIGTERM, true}));
 
 TEST(Emberrun, BadOptionsAreUsageErrors) {
