@@ -391,6 +391,15 @@ TEST_P(ZeroOverlap, AccumulatesUnderNoSyncAndUpdatesAtTheSynchronisedBackward) {
   });
 }
 
+// Over MPI (a rank of the ZeroMpiWorld jobs above).
+TEST(ZeroMpiRanks, OverlapTrainsLikeDdpWithAdam) {
+  SKIP_UNLESS_UNDER_MPIRUN();
+  auto pg = ProcessGroupMpi::create();
+  OverlapCase c;
+  c.batches = make_batches(kSteps, 5);
+  train_both_and_compare(pg, c, allreduce_hook, 1, "mpi");
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, ZeroOverlap, ::testing::Values(2, 4),
                          [](const auto& info) { return "n" + std::to_string(info.param); });
 
@@ -409,6 +418,39 @@ TEST(ZeroOverlapGloo, TrainsLikeDdpWithAdamOverSharedMemoryAndTcp) {
         },
         shm);
   }
+}
+
+// Uneven inputs: under ddp.join() the rank that ran out of data shadows the others' buckets
+// through the same hook, so it still steps and sends its share of each update (plain ZeRO's
+// step() would wait for it in vain). Every rank ends where plain DDP + Adam ends.
+TEST(ZeroOverlapJoin, UnevenInputsEndLikeDdpWithAdam) {
+  const std::vector<Batch> batches = make_batches(6, 10);
+  const std::vector<size_t> count{6, 3};  // batches per rank
+  std::vector<std::shared_ptr<nn::Sequential>> plain, overlap;
+  for (int r = 0; r < 2; ++r) {
+    plain.push_back(make_model());
+    overlap.push_back(make_model());
+  }
+  test::run_threads(ranks(2), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto train = [&](DistributedDataParallel& ddp, auto&& zero_grad, auto&& step) {
+      ddp.join([&] {
+        for (size_t t = 0; t < count[static_cast<size_t>(rank)]; ++t) {
+          zero_grad();
+          loss_of(ddp, test::slice(batches[t], rank, 2)).backward();
+          step();
+        }
+      });
+    };
+    auto ddp_plain = std::make_shared<DistributedDataParallel>(plain[rank], pg, small_buckets());
+    ddp_plain->register_comm_hook(allreduce_hook);
+    Adam opt(ddp_plain->parameters(), adam_options());
+    train(*ddp_plain, [&] { opt.zero_grad(); }, [&] { opt.step(); });
+    auto ddp = std::make_shared<DistributedDataParallel>(overlap[rank], pg, small_buckets());
+    ZeroRedundancyOptimizer zero(ddp->parameters(), adam_factory(), pg, overlapped());
+    ddp->register_comm_hook(hook_with_zero_step(allreduce_hook, *ddp, zero));
+    train(*ddp, [&] { zero.zero_grad(); }, [&] { zero.step(); });
+    require_params("join, rank " + std::to_string(rank), *overlap[rank], *plain[rank]);
+  });
 }
 
 // Checkpoints in overlap mode: the consolidated state is plain DDP + Adam's; it goes stale with
