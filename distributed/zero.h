@@ -116,7 +116,8 @@ class ZeroRedundancyOptimizer {
   std::optional<nn::optim::OptimizerState> consolidated_;
   int64_t steps_ = 0;
   int64_t consolidated_at_ = -1;  // steps_ when consolidated
-  std::shared_ptr<ember::detail::ZeroOverlap> overlap_;  // with overlap_with_ddp; shared with the hook
+  // With overlap_with_ddp; shared with the hook, which outlives nothing it needs from here.
+  std::shared_ptr<ember::detail::ZeroOverlap> overlap_;
 };
 
 }  // namespace ember::dist

@@ -34,13 +34,20 @@ class OnlyTheseGradients {
   std::vector<std::pair<Tensor, Tensor>> saved_;
 };
 
+// A parameter at least this large is broadcast where it lies, into every rank's parameter; the
+// smaller ones of a rank (biases, norms) travel packed in one buffer, since one call each would
+// cost more in latency than their bytes. Packing everything would hold a second copy of the
+// model while the broadcasts of every bucket are in flight: as much memory as ZeRO saves at 2
+// ranks.
+constexpr int64_t kPackBelowBytes = int64_t{64} << 10;
+
 }  // namespace
 
-// One bucket's broadcasts: per sending rank, its parameters of the bucket (indices into zero)
-// and the buffer they travel in.
+// One bucket's broadcasts, from the first deferred step to the second: per sending rank, its
+// small parameters of the bucket (indices into zero) and the buffer they travel in.
 struct ZeroOverlap::Sends {
-  std::vector<std::vector<size_t>> from;  // [rank] -> parameter indices, in bucket order
-  std::vector<Tensor> buffers;            // [rank], undefined where the rank sends nothing
+  std::vector<std::vector<size_t>> packed;  // [rank] -> parameter indices, in bucket order
+  std::vector<Tensor> buffers;              // [rank], undefined where nothing is packed
   std::vector<dist::WorkPtr> works;
 };
 
@@ -119,10 +126,10 @@ std::shared_ptr<dist::Future> ZeroOverlap::on_bucket(dist::GradBucket& bucket,
     const int me = z.group_->rank();
     NoGradGuard no_grad;
     for (auto& w : sends->works) w->wait();
-    for (size_t r = 0; r < sends->from.size(); ++r) {
-      if (static_cast<int>(r) == me || sends->from[r].empty()) continue;
+    for (size_t r = 0; r < sends->packed.size(); ++r) {
+      if (static_cast<int>(r) == me || sends->packed[r].empty()) continue;
       int64_t at = 0;
-      for (size_t i : sends->from[r]) {
+      for (size_t i : sends->packed[r]) {
         const int64_t n = z.params_[i].numel();
         z.params_[i].detach().view({-1}).copy_(sends->buffers[r].narrow(0, at, n));
         at += n;
@@ -147,27 +154,36 @@ std::shared_ptr<dist::Future> ZeroOverlap::update(const dist::GradBucket& bucket
   count_updated(bucket.index(), index);
   if (world == 1) return dist::completed_future({});
   NoGradGuard no_grad;
-  sends.from.assign(static_cast<size_t>(world), {});
+  sends.packed.assign(static_cast<size_t>(world), {});
   sends.buffers.assign(static_cast<size_t>(world), Tensor());
-  for (size_t i : index) sends.from[static_cast<size_t>(z.owner_[i])].push_back(i);
+  std::vector<std::vector<size_t>> direct(static_cast<size_t>(world));
+  for (size_t i : index) {
+    const Tensor& p = z.params_[i];
+    const bool pack = p.nbytes() < kPackBelowBytes || !p.is_contiguous();
+    (pack ? sends.packed : direct)[static_cast<size_t>(z.owner_[i])].push_back(i);
+  }
   for (int r = 0; r < world; ++r) {
-    const auto& mine = sends.from[static_cast<size_t>(r)];
-    if (mine.empty()) continue;
-    int64_t total = 0;
-    for (size_t i : mine) total += z.params_[i].numel();
-    Tensor buffer = empty({total}, z.params_[mine.front()].options());
-    if (r == me) {
-      int64_t at = 0;
-      for (size_t i : mine) {
-        const int64_t n = z.params_[i].numel();
-        buffer.narrow(0, at, n).copy_(z.params_[i].detach().reshape({-1}));
-        at += n;
-      }
-    }
     dist::BroadcastOptions o;
     o.root = r;
-    sends.works.push_back(z.group_->broadcast(buffer, o));
-    sends.buffers[static_cast<size_t>(r)] = buffer;
+    if (const auto& small = sends.packed[static_cast<size_t>(r)]; !small.empty()) {
+      int64_t total = 0;
+      for (size_t i : small) total += z.params_[i].numel();
+      Tensor buffer = empty({total}, z.params_[small.front()].options());
+      if (r == me) {
+        int64_t at = 0;
+        for (size_t i : small) {
+          const int64_t n = z.params_[i].numel();
+          buffer.narrow(0, at, n).copy_(z.params_[i].detach().reshape({-1}));
+          at += n;
+        }
+      }
+      sends.works.push_back(z.group_->broadcast(buffer, o));
+      sends.buffers[static_cast<size_t>(r)] = buffer;
+    }
+    for (size_t i : direct[static_cast<size_t>(r)]) {
+      Tensor p = z.params_[i].detach();
+      sends.works.push_back(z.group_->broadcast(p, o));
+    }
   }
   return sends.works.back()->future();
 }

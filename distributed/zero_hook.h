@@ -16,9 +16,10 @@
 // DDP's thread, in bucket order on every rank: Note [comm hook ordering]). The first waits for
 // the bucket's reduced gradients, steps this rank's parameters of the bucket with them (the
 // wrapped optimizer sees only those gradients; its other parameters' are hidden for the call),
-// and starts one broadcast per rank that owns some of the bucket's parameters, of those
-// parameters packed back to back. The second (a round later, once every bucket has started its
-// broadcasts) waits for them and copies the received parameters in. So bucket b's optimizer
+// and starts the broadcasts of the bucket's updated parameters from their owners: each large
+// parameter where it lies, each owner's small ones packed in one buffer. The second (a round
+// later, once every bucket has started its broadcasts) waits for them and copies the packed
+// parameters in. So bucket b's optimizer
 // step overlaps the all-reduces of the buckets after it and the broadcasts of those before it.
 // Ownership is ZeRO's own partition by parameter (Note [ZeRO partition]), not DDP's buckets, so
 // DDP's one-time bucket rebuild changes nothing: unlike torch, no iteration is skipped.

@@ -6,10 +6,11 @@
 //
 // Each rank trains three copies of a ~10M-parameter MLP (bench_ddp's) on its own random batches,
 // one with a full Adam per rank, one with the ZeRO-sharded Adam and one with the sharded Adam
-// stepped from DDP's hook, in alternating sub-blocks of 10 steps with a barrier before each. Per mode: the median step time (mean over ranks) and
-// the optimizer state bytes per rank (the largest rank's). With --torch, each round of Ember's
-// blocks is followed by benchmarks/zero/bench_zero_torch.py (the same measurement with torch)
-// while Ember's ranks wait; medians over --rounds.
+// stepped from DDP's hook, in alternating sub-blocks of 10 steps with a barrier before each.
+// Per mode: the median step time (mean over ranks) and the optimizer state bytes per rank (the
+// largest rank's). With --torch, each round of Ember's blocks is followed by
+// benchmarks/zero/bench_zero_torch.py (the same measurement with torch) while Ember's ranks
+// wait; medians over --rounds.
 //
 // Options: --np N (default 2), --batch 32 (per rank), --steps 30, --warmup 3, --rounds 3,
 // --threads T (per rank; default cores / ranks), --torch.
@@ -164,7 +165,9 @@ class RankBench {
           return std::make_unique<nn::optim::Adam>(std::move(g), adam);
         },
         pg_, dist::ZeroOptions{.overlap_with_ddp = overlap});
-    if (overlap) m.ddp->register_comm_hook(dist::hook_with_zero_step(dist::allreduce_hook, *m.ddp, *zero));
+    if (overlap) {
+      m.ddp->register_comm_hook(dist::hook_with_zero_step(dist::allreduce_hook, *m.ddp, *zero));
+    }
     m.zero_grad = [zero] { zero->zero_grad(); };
     m.step = [zero] { zero->step(); };
     m.state = [zero] { return state_bytes(zero->optimizer()); };

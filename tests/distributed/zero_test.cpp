@@ -306,12 +306,24 @@ DDPOptions small_buckets() {
 
 ZeroOptions overlapped() { return ZeroOptions{.overlap_with_ddp = true}; }
 
+// make_model with a hidden weight of 80 KiB: the hook broadcasts it where it lies, and packs
+// the small parameters.
+std::shared_ptr<nn::Sequential> make_wide_model() {
+  manual_seed(12);
+  return std::make_shared<nn::Sequential>(
+      std::make_shared<nn::Linear>(kIn, 160), std::make_shared<nn::Tanh>(),
+      std::make_shared<nn::Linear>(160, 128), std::make_shared<nn::Tanh>(),
+      std::make_shared<nn::Linear>(128, kOut));
+}
+
 // What one rank trains twice: plain DDP (with the hook) + Adam, and DDP with
 // hook_with_zero_step(hook) + an overlapped ZeRO(Adam). Made before the ranks start (threads
 // share the default generator).
 struct OverlapCase {
+  explicit OverlapCase(std::shared_ptr<nn::Sequential> (*make)() = make_model)
+      : plain(make()), overlap(make()) {}
   std::vector<Batch> batches;  // `accumulate` per step
-  std::shared_ptr<nn::Sequential> plain = make_model(), overlap = make_model();
+  std::shared_ptr<nn::Sequential> plain, overlap;
 };
 
 // Each step: accumulate - 1 backward passes under no_sync(), then a synchronised one, then
@@ -320,7 +332,7 @@ struct OverlapCase {
 void train_both_and_compare(const std::shared_ptr<ProcessGroup>& pg, OverlapCase& c,
                             const CommHook& hook, int accumulate, const std::string& what) {
   const int rank = pg->rank(), n = pg->size();
-  auto run = [&](nn::Sequential& model, auto&& zero_grad, auto&& step, DistributedDataParallel& ddp) {
+  auto run = [&](auto&& zero_grad, auto&& step, DistributedDataParallel& ddp) {
     for (size_t s = 0; s + static_cast<size_t>(accumulate) <= c.batches.size(); s += accumulate) {
       zero_grad();
       for (int m = 0; m < accumulate; ++m) {
@@ -334,21 +346,21 @@ void train_both_and_compare(const std::shared_ptr<ProcessGroup>& pg, OverlapCase
       }
       step();
     }
-    (void)model;
   };
   {
     auto ddp = std::make_shared<DistributedDataParallel>(c.plain, pg, small_buckets());
     ddp->register_comm_hook(hook);
     Adam opt(ddp->parameters(), adam_options());
-    run(*c.plain, [&] { opt.zero_grad(); }, [&] { opt.step(); }, *ddp);
+    run([&] { opt.zero_grad(); }, [&] { opt.step(); }, *ddp);
   }
   auto ddp = std::make_shared<DistributedDataParallel>(c.overlap, pg, small_buckets());
   ZeroRedundancyOptimizer zero(ddp->parameters(), adam_factory(), pg, overlapped());
   ddp->register_comm_hook(hook_with_zero_step(hook, *ddp, zero));
-  run(*c.overlap, [&] { zero.zero_grad(); }, [&] { zero.step(); }, *ddp);
+  run([&] { zero.zero_grad(); }, [&] { zero.step(); }, *ddp);
   require(ddp->buckets_rebuilt() && ddp->bucket_indices().size() > 2,
           what + ": expected several buckets, rebuilt once; got " +
-              std::to_string(ddp->bucket_indices().size()) + (ddp->buckets_rebuilt() ? " rebuilt" : " not rebuilt"));
+              std::to_string(ddp->bucket_indices().size()) +
+              (ddp->buckets_rebuilt() ? " rebuilt" : " not rebuilt"));
   require_params(what + " rank " + std::to_string(rank) + " of " + std::to_string(n), *c.overlap,
                  *c.plain);
   test::require_same_on_all_ranks(*pg, *c.overlap);
@@ -361,14 +373,17 @@ std::vector<std::pair<std::string, CommHook>> inner_hooks() {
 class ZeroOverlap : public ::testing::TestWithParam<int> {};
 
 // 20 steps (no skipped iteration: the first two count too) equal plain DDP + Adam with the same
-// inner hook, on rank threads; once more with every collective's result held back 1 ms (the
+// inner hook, on rank threads, parameters sent packed and where they lie; once more with every collective's result held back 1 ms (the
 // received parameters must be waited for).
 TEST_P(ZeroOverlap, TrainsLikeDdpWithAdamForEachInnerHook) {
   const int n = GetParam();
   for (const auto& [name, hook] : inner_hooks()) {
     for (bool delayed : {false, true}) {
-      std::vector<OverlapCase> cases(static_cast<size_t>(n));
-      for (auto& c : cases) c.batches = make_batches(kSteps, 5);
+      std::vector<OverlapCase> cases;
+      for (int r = 0; r < n; ++r) {
+        cases.emplace_back(make_wide_model);
+        cases.back().batches = make_batches(kSteps, 5);
+      }
       test::ThreadsSetup s = ranks(n);
       if (delayed) s.delay = DelayOptions{.cycles = 0, .cpu_delay = std::chrono::milliseconds(1)};
       const std::string what = name + (delayed ? " delayed" : "");
@@ -411,7 +426,7 @@ TEST(ZeroOverlapGloo, TrainsLikeDdpWithAdamOverSharedMemoryAndTcp) {
         n,
         [&](std::shared_ptr<ProcessGroupGloo> pg, int) {
           for (const auto& [name, hook] : inner_hooks()) {
-            OverlapCase c;
+            OverlapCase c(make_wide_model);
             c.batches = make_batches(kSteps, 5);
             train_both_and_compare(pg, c, hook, 1, name + (shm ? " shm" : " tcp"));
           }
