@@ -153,6 +153,9 @@ std::shared_ptr<dist::Future> ZeroOverlap::update(const dist::GradBucket& bucket
   step_local(bucket, index, reduced);
   count_updated(bucket.index(), index);
   if (world == 1) return dist::completed_future({});
+  // DDP's group (under EMBER_DISTRIBUTED_DEBUG=DETAIL its checked wrapper), so the broadcasts
+  // take their place in the sequence DDP's checks see; attach() made sure the ranks agree.
+  dist::ProcessGroup& group = bucket.process_group();
   NoGradGuard no_grad;
   sends.packed.assign(static_cast<size_t>(world), {});
   sends.buffers.assign(static_cast<size_t>(world), Tensor());
@@ -177,12 +180,12 @@ std::shared_ptr<dist::Future> ZeroOverlap::update(const dist::GradBucket& bucket
           at += n;
         }
       }
-      sends.works.push_back(z.group_->broadcast(buffer, o));
+      sends.works.push_back(group.broadcast(buffer, o));
       sends.buffers[static_cast<size_t>(r)] = buffer;
     }
     for (size_t i : direct[static_cast<size_t>(r)]) {
       Tensor p = z.params_[i].detach();
-      sends.works.push_back(z.group_->broadcast(p, o));
+      sends.works.push_back(group.broadcast(p, o));
     }
   }
   return sends.works.back()->future();

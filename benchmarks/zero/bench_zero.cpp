@@ -13,6 +13,7 @@
 // wait; medians over --rounds.
 //
 // Options: --np N (default 2), --batch 32 (per rank), --steps 30, --warmup 3, --rounds 3,
+// --bucket-view (DDP's gradient_as_bucket_view in every mode),
 // --threads T (per rank; default cores / ranks), --torch.
 #include <sched.h>
 #include <sys/wait.h>
@@ -50,7 +51,7 @@ namespace {
 
 struct Args {
   int np = 2, batch = 32, steps = 30, warmup = 3, rounds = 3, threads = 0;
-  bool torch = false;
+  bool torch = false, bucket_view = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -65,6 +66,9 @@ Args parse(int argc, char** argv) {
   app.add_option("--threads", a.threads, "threads per rank (default: cores / ranks)")
       ->check(CLI::Range(0, 1024));
   app.add_flag("--torch", a.torch, "also run torch's DDP + ZeroRedundancyOptimizer");
+  app.add_flag("--bucket-view", a.bucket_view,
+               "DDP's gradient_as_bucket_view in every mode (a hook otherwise copies the "
+               "gradients into the buckets and back)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -109,7 +113,7 @@ class RankBench {
   RankBench(const Args& a, std::shared_ptr<dist::ProcessGroup> pg) : a_(a), pg_(std::move(pg)) {
     const nn::optim::AdamOptions adam{.lr = 1e-4};
     manual_seed(0);
-    plain_.ddp = std::make_shared<dist::DistributedDataParallel>(make_mlp(), pg_);
+    plain_.ddp = std::make_shared<dist::DistributedDataParallel>(make_mlp(), pg_, ddp_options());
     auto opt = std::make_shared<nn::optim::Adam>(plain_.ddp->parameters(), adam);
     plain_.zero_grad = [opt] { opt->zero_grad(); };
     plain_.step = [opt] { opt->step(); };
@@ -154,11 +158,17 @@ class RankBench {
   }
 
  private:
+  dist::DDPOptions ddp_options() const {
+    dist::DDPOptions o;
+    o.gradient_as_bucket_view = a_.bucket_view;
+    return o;
+  }
+
   // DDP + ZeRO(Adam); `overlap`: stepped from DDP's hook (step() then only checks).
   Mode make_zero(const nn::optim::AdamOptions& adam, bool overlap) {
     Mode m;
     manual_seed(0);
-    m.ddp = std::make_shared<dist::DistributedDataParallel>(make_mlp(), pg_);
+    m.ddp = std::make_shared<dist::DistributedDataParallel>(make_mlp(), pg_, ddp_options());
     auto zero = std::make_shared<dist::ZeroRedundancyOptimizer>(
         m.ddp->parameters(),
         [adam](std::vector<nn::optim::ParamGroup> g) {
@@ -227,8 +237,9 @@ void print(const Args& a, int threads, const std::vector<Result>& ours,
     return median(x);
   };
   std::printf("# bench_zero: %d ranks, MLP 784-2048-2048-2048-10 (10.0M parameters), Adam, batch "
-              "%d per rank, %d threads per rank, median of %d rounds of %d steps\n",
-              a.np, a.batch, threads, a.rounds, a.steps);
+              "%d per rank, %d threads per rank, median of %d rounds of %d steps%s\n",
+              a.np, a.batch, threads, a.rounds, a.steps,
+              a.bucket_view ? ", gradient_as_bucket_view" : "");
   std::printf("%-24s %12s %14s %12s %14s %8s\n", "mode", "step(ms)", "state/rank(MB)",
               "torch(ms)", "t.state(MB)", "speedup");
   for (auto [name, ms, st] :

@@ -418,13 +418,17 @@ TEST(ZeroMpiRanks, OverlapTrainsLikeDdpWithAdam) {
 INSTANTIATE_TEST_SUITE_P(Ranks, ZeroOverlap, ::testing::Values(2, 4),
                          [](const auto& info) { return "n" + std::to_string(info.param); });
 
-// The same between gloo processes (shared memory with 2 and 4 ranks, TCP with 2), both hooks.
+// The same between gloo processes (shared memory with 2 and 4 ranks, TCP with 2), both hooks;
+// and with EMBER_DISTRIBUTED_DEBUG=DETAIL, whose cross-rank checks see the hook's broadcasts
+// among DDP's collectives.
 TEST(ZeroOverlapGloo, TrainsLikeDdpWithAdamOverSharedMemoryAndTcp) {
   if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)";
-  for (auto [n, shm] : {std::pair{2, true}, std::pair{2, false}, std::pair{4, true}}) {
+  for (auto [n, shm, detail] : {std::tuple{2, true, false}, std::tuple{2, false, false},
+                                std::tuple{4, true, false}, std::tuple{2, true, true}}) {
     test::run_gloo_ranks(
         n,
         [&](std::shared_ptr<ProcessGroupGloo> pg, int) {
+          if (detail) ::setenv("EMBER_DISTRIBUTED_DEBUG", "DETAIL", 1);  // this child only
           for (const auto& [name, hook] : inner_hooks()) {
             OverlapCase c(make_wide_model);
             c.batches = make_batches(kSteps, 5);
