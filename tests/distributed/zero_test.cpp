@@ -297,8 +297,9 @@ TEST(ZeroErrors, TooFewParametersForTheRanksAndBadStates) {
 
 // Buckets of about 256 bytes: the model spreads over several, and DDP's rebuild after the first
 // iteration regroups them (the overlap must not care).
-DDPOptions small_buckets() {
+DDPOptions small_buckets(bool bucket_view = false) {
   DDPOptions o;
+  o.gradient_as_bucket_view = bucket_view;
   o.bucket_cap_mb = 0.25 / 1024;
   o.first_bucket_cap_mb = 0.125 / 1024;
   return o;
@@ -330,7 +331,8 @@ struct OverlapCase {
 // step(); both runs must end with the same parameters, and each rank's optimizer state is
 // 1/n of the model's (the state is sharded, as without overlap).
 void train_both_and_compare(const std::shared_ptr<ProcessGroup>& pg, OverlapCase& c,
-                            const CommHook& hook, int accumulate, const std::string& what) {
+                            const CommHook& hook, int accumulate, const std::string& what,
+                            bool bucket_view = false) {
   const int rank = pg->rank(), n = pg->size();
   auto run = [&](auto&& zero_grad, auto&& step, DistributedDataParallel& ddp) {
     for (size_t s = 0; s + static_cast<size_t>(accumulate) <= c.batches.size(); s += accumulate) {
@@ -348,12 +350,12 @@ void train_both_and_compare(const std::shared_ptr<ProcessGroup>& pg, OverlapCase
     }
   };
   {
-    auto ddp = std::make_shared<DistributedDataParallel>(c.plain, pg, small_buckets());
+    auto ddp = std::make_shared<DistributedDataParallel>(c.plain, pg, small_buckets(bucket_view));
     ddp->register_comm_hook(hook);
     Adam opt(ddp->parameters(), adam_options());
     run([&] { opt.zero_grad(); }, [&] { opt.step(); }, *ddp);
   }
-  auto ddp = std::make_shared<DistributedDataParallel>(c.overlap, pg, small_buckets());
+  auto ddp = std::make_shared<DistributedDataParallel>(c.overlap, pg, small_buckets(bucket_view));
   ZeroRedundancyOptimizer zero(ddp->parameters(), adam_factory(), pg, overlapped());
   ddp->register_comm_hook(hook_with_zero_step(hook, *ddp, zero));
   run([&] { zero.zero_grad(); }, [&] { zero.step(); }, *ddp);
@@ -373,8 +375,8 @@ std::vector<std::pair<std::string, CommHook>> inner_hooks() {
 class ZeroOverlap : public ::testing::TestWithParam<int> {};
 
 // 20 steps (no skipped iteration: the first two count too) equal plain DDP + Adam with the same
-// inner hook, on rank threads, parameters sent packed and where they lie; once more with every collective's result held back 1 ms (the
-// received parameters must be waited for).
+// inner hook, on rank threads, parameters sent packed and where they lie; once more with every
+// collective's result held back 1 ms (the received parameters must be waited for).
 TEST_P(ZeroOverlap, TrainsLikeDdpWithAdamForEachInnerHook) {
   const int n = GetParam();
   for (const auto& [name, hook] : inner_hooks()) {
@@ -396,14 +398,18 @@ TEST_P(ZeroOverlap, TrainsLikeDdpWithAdamForEachInnerHook) {
 
 // Gradient accumulation: the backward passes under no_sync() run no hook and update nothing;
 // the synchronised one that ends the accumulation reduces the summed gradients and updates, as
-// plain DDP + Adam does with step() after it.
+// plain DDP + Adam does with step() after it. Also with gradient_as_bucket_view (grad() is then
+// the bucket the hook reduces and the step reads).
 TEST_P(ZeroOverlap, AccumulatesUnderNoSyncAndUpdatesAtTheSynchronisedBackward) {
   const int n = GetParam();
-  std::vector<OverlapCase> cases(static_cast<size_t>(n));
-  for (auto& c : cases) c.batches = make_batches(3 * 8, 7);
-  test::run_threads(ranks(n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
-    train_both_and_compare(pg, cases[static_cast<size_t>(rank)], allreduce_hook, 3, "no_sync x3");
-  });
+  for (bool bucket_view : {false, true}) {
+    std::vector<OverlapCase> cases(static_cast<size_t>(n));
+    for (auto& c : cases) c.batches = make_batches(3 * 8, 7);
+    test::run_threads(ranks(n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+      train_both_and_compare(pg, cases[static_cast<size_t>(rank)], allreduce_hook, 3,
+                             bucket_view ? "no_sync x3, bucket view" : "no_sync x3", bucket_view);
+    });
+  }
 }
 
 // Over MPI (a rank of the ZeroMpiWorld jobs above).
