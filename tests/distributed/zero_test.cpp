@@ -38,13 +38,16 @@ using test::require_close;
 constexpr int64_t kBatch = 24, kIn = 6, kOut = 3;
 constexpr int kSteps = 20;
 
-std::shared_ptr<nn::Sequential> make_model() {
+// `h1`, `h2`: the hidden widths.
+std::shared_ptr<nn::Sequential> make_sized_model(int64_t h1, int64_t h2) {
   manual_seed(11);
   return std::make_shared<nn::Sequential>(
-      std::make_shared<nn::Linear>(kIn, 32), std::make_shared<nn::Tanh>(),
-      std::make_shared<nn::Linear>(32, 16), std::make_shared<nn::Tanh>(),
-      std::make_shared<nn::Linear>(16, kOut));
+      std::make_shared<nn::Linear>(kIn, h1), std::make_shared<nn::Tanh>(),
+      std::make_shared<nn::Linear>(h1, h2), std::make_shared<nn::Tanh>(),
+      std::make_shared<nn::Linear>(h2, kOut));
 }
+
+std::shared_ptr<nn::Sequential> make_model() { return make_sized_model(32, 16); }
 
 std::vector<Batch> make_batches(int n, uint64_t seed) {
   std::vector<Batch> out;
@@ -307,15 +310,9 @@ DDPOptions small_buckets(bool bucket_view = false) {
 
 ZeroOptions overlapped() { return ZeroOptions{.overlap_with_ddp = true}; }
 
-// make_model with a hidden weight of 80 KiB: the hook broadcasts it where it lies, and packs
-// the small parameters.
-std::shared_ptr<nn::Sequential> make_wide_model() {
-  manual_seed(12);
-  return std::make_shared<nn::Sequential>(
-      std::make_shared<nn::Linear>(kIn, 160), std::make_shared<nn::Tanh>(),
-      std::make_shared<nn::Linear>(160, 128), std::make_shared<nn::Tanh>(),
-      std::make_shared<nn::Linear>(128, kOut));
-}
+// A hidden weight of 80 KiB: the hook broadcasts it where it lies, and packs the small
+// parameters.
+std::shared_ptr<nn::Sequential> make_wide_model() { return make_sized_model(160, 128); }
 
 // What one rank trains twice: plain DDP (with the hook) + Adam, and DDP with
 // hook_with_zero_step(hook) + an overlapped ZeRO(Adam). Made before the ranks start (threads
