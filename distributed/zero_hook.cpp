@@ -108,10 +108,11 @@ std::vector<size_t> ZeroOverlap::indices_of(const dist::GradBucket& bucket) cons
 }
 
 std::shared_ptr<dist::Future> ZeroOverlap::on_bucket(dist::GradBucket& bucket,
-                                                     std::shared_ptr<dist::Future> reduced) {
+                                                     const dist::CommHook& inner) {
+  (void)zero();  // before the inner hook's collective: every rank fails alike, nothing in flight
+  std::shared_ptr<dist::Future> reduced = inner(bucket);
   EMBER_CHECK(reduced != nullptr, kHook, " the wrapped hook returned a null future for bucket ",
               bucket.index());
-  (void)zero();
   hook_ran_ = true;
   auto self = shared_from_this();
   auto index = std::make_shared<const std::vector<size_t>>(indices_of(bucket));
@@ -274,7 +275,7 @@ CommHook hook_with_zero_step(CommHook hook, DistributedDataParallel& ddp,
               "parameters a second time), or register the plain hook without it");
   overlap->attach(ddp);
   return [overlap, hook = std::move(hook)](GradBucket& bucket) {
-    return overlap->on_bucket(bucket, hook(bucket));
+    return overlap->on_bucket(bucket, hook);
   };
 }
 

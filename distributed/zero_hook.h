@@ -61,9 +61,8 @@ class ZeroOverlap : public std::enable_shared_from_this<ZeroOverlap> {
   static std::shared_ptr<ZeroOverlap> of(dist::ZeroRedundancyOptimizer& zero);
   /// From hook_with_zero_step: the checks it documents.
   void attach(const dist::DistributedDataParallel& ddp);
-  /// The hook: `reduced` is the inner hook's future for `bucket`.
-  std::shared_ptr<dist::Future> on_bucket(dist::GradBucket& bucket,
-                                          std::shared_ptr<dist::Future> reduced);
+  /// The hook: runs `inner` on `bucket`, then queues the update from its result.
+  std::shared_ptr<dist::Future> on_bucket(dist::GradBucket& bucket, const dist::CommHook& inner);
   /// zero.step(): throws ValueError unless an iteration completed since the last call.
   void check_step();
   /// The optimizer is being destroyed.

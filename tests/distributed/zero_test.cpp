@@ -533,7 +533,7 @@ void require_value_error(const std::string& what, const std::string& needle, F&&
   require(false, what + ": expected ValueError");
 }
 
-TEST(ZeroOverlapErrors, NoHookANonOverlappedOptimizerMismatchedParametersAndNoSyncStep) {
+TEST(ZeroOverlapErrors, NoHookPlainOptimizerOtherParametersNoSyncStepDestroyedOptimizer) {
   const std::vector<Batch> batches = make_batches(2, 9);
   std::vector<std::shared_ptr<nn::Sequential>> models{make_model(), make_model()};
   test::run_threads(ranks(2), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
@@ -579,6 +579,18 @@ TEST(ZeroOverlapErrors, NoHookANonOverlappedOptimizerMismatchedParametersAndNoSy
     require_value_error("no_sync", "no_sync()", [&] { zero.step(); });
     loss_of(*ddp, b).backward();
     zero.step();  // the synchronised backward updated: fine again
+  });
+  // The optimizer destroyed while DDP keeps its hook: the next backward says so (on every rank,
+  // before any collective).
+  std::vector<std::shared_ptr<nn::Sequential>> more{make_model(), make_model()};
+  test::run_threads(ranks(2), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto ddp = std::make_shared<DistributedDataParallel>(more[rank], pg);
+    {
+      ZeroRedundancyOptimizer zero(ddp->parameters(), adam_factory(), pg, overlapped());
+      ddp->register_comm_hook(hook_with_zero_step(allreduce_hook, *ddp, zero));
+    }
+    require_value_error("destroyed", "was destroyed",
+                        [&] { loss_of(*ddp, test::slice(batches[1], rank, 2)).backward(); });
   });
 }
 
