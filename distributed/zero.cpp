@@ -10,6 +10,7 @@
 #include <ember/distributed/detail/byte_exchange.h>
 #include <ember/distributed/errors.h>
 #include <ember/distributed/init.h>
+#include <ember/distributed/zero_hook.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/ops.h>
 
@@ -149,8 +150,9 @@ void for_window(const std::vector<size_t>& share, const std::vector<Tensor>& par
 
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<ParamGroup> groups,
                                                  OptimizerFactory factory,
-                                                 std::shared_ptr<ProcessGroup> group)
-    : group_(group ? std::move(group) : default_group()) {
+                                                 std::shared_ptr<ProcessGroup> group,
+                                                 ZeroOptions options)
+    : group_(group ? std::move(group) : default_group()), options_(options) {
   EMBER_CHECK(factory != nullptr, kOp, " expected an optimizer factory, got null");
   const int world = group_->size(), me = group_->rank();
   std::vector<std::vector<size_t>> members(groups.size());
@@ -208,7 +210,12 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<ParamGroup> groups,
       f.longest = std::max(f.longest, n);
     }
   }
-  set_gather_chunk_bytes(kGatherChunkBytes);
+  if (options_.overlap_with_ddp) {
+    // The hook sends each bucket's updates itself: no gather buffers.
+    overlap_ = std::make_shared<ember::detail::ZeroOverlap>(*this);
+  } else {
+    set_gather_chunk_bytes(kGatherChunkBytes);
+  }
 }
 
 void ZeroRedundancyOptimizer::set_gather_chunk_bytes(int64_t bytes) {
@@ -226,9 +233,12 @@ void ZeroRedundancyOptimizer::set_gather_chunk_bytes(int64_t bytes) {
   }
 }
 
-ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
+ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() {
+  if (overlap_) overlap_->detach();
+}
 
 void ZeroRedundancyOptimizer::step() {
+  if (overlap_) return overlap_->check_step();
   local_opt_->step();
   ++steps_;
   NoGradGuard no_grad;

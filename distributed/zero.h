@@ -19,6 +19,11 @@
 // state_dict() then returns it in the wrapped optimizer's own layout (as if one optimizer had
 // held every parameter: load it into a plain optimizer, or into a ZeroRedundancyOptimizer of
 // any world size with load_state_dict, which keeps each rank's part).
+//
+// Overlap with DDP (torch's overlap_with_ddp): built with ZeroOptions{.overlap_with_ddp = true}
+// and driven by DDP's communication hook hook_with_zero_step (distributed/zero_hook.h), each
+// bucket's update is stepped and sent while the later buckets are still being all-reduced; the
+// parameters are updated when backward returns, and step() only checks that this happened.
 #pragma once
 
 #include <functional>
@@ -29,7 +34,20 @@
 #include <ember/distributed/process_group.h>
 #include <ember/nn/optim/optimizer.h>
 
+namespace ember::detail {
+class ZeroOverlap;
+}  // namespace ember::detail
+
 namespace ember::dist {
+
+/// Options of ZeroRedundancyOptimizer (torch's constructor arguments of the same names).
+struct ZeroOptions {
+  /// Update the parameters from DDP's communication hook instead of in step(): register
+  /// hook_with_zero_step (distributed/zero_hook.h) on the DDP that trains these parameters.
+  /// step() then updates nothing and throws ValueError if no synchronised backward pass updated
+  /// the parameters since the last step() (no hook registered, or a backward under no_sync()).
+  bool overlap_with_ddp = false;
+};
 
 class ZeroRedundancyOptimizer {
  public:
@@ -43,15 +61,17 @@ class ZeroRedundancyOptimizer {
   /// ValueError for no parameters, a parameter that does not require grad or is repeated, a
   /// null factory or optimizer, or a partition that leaves some rank without parameters.
   ZeroRedundancyOptimizer(std::vector<nn::optim::ParamGroup> groups, OptimizerFactory factory,
-                          std::shared_ptr<ProcessGroup> group = nullptr);
+                          std::shared_ptr<ProcessGroup> group = nullptr, ZeroOptions options = {});
   ZeroRedundancyOptimizer(std::vector<Tensor> params, OptimizerFactory factory,
-                          std::shared_ptr<ProcessGroup> group = nullptr)
+                          std::shared_ptr<ProcessGroup> group = nullptr, ZeroOptions options = {})
       : ZeroRedundancyOptimizer(std::vector<nn::optim::ParamGroup>{{std::move(params)}},
-                                std::move(factory), std::move(group)) {}
+                                std::move(factory), std::move(group), options) {}
   ~ZeroRedundancyOptimizer();
 
   /// Collective: the local optimizer's step over this rank's partition, then the all-gather of
   /// the updated parameters. Throws the group's errors (naming the collective and rank).
+  /// With overlap_with_ddp: not collective, updates nothing (the hook did); throws ValueError
+  /// if no synchronised backward pass ran the hook since the last step().
   void step();
   /// Clears (set_to_none) or zeroes the gradients of every parameter, not only this rank's.
   void zero_grad(bool set_to_none = true);
@@ -67,6 +87,7 @@ class ZeroRedundancyOptimizer {
   int rank_of(size_t i) const { return owner_[i]; }
   /// Indices (across groups) of the parameters this rank updates.
   const std::vector<size_t>& local_indices() const { return local_; }
+  const ZeroOptions& options() const { return options_; }
 
   /// Collective: gathers every rank's optimizer state on rank `to` (the others keep nothing).
   /// Throws ValueError for `to` outside the group, and the group's errors.
@@ -82,8 +103,10 @@ class ZeroRedundancyOptimizer {
 
  private:
   struct Flat;  // one dtype and device's parameters, packed per rank for the all-gather
+  friend class ember::detail::ZeroOverlap;  // zero_hook.cpp: steps and sends bucket by bucket
 
   std::shared_ptr<ProcessGroup> group_;
+  ZeroOptions options_;
   std::vector<Tensor> params_;      // every parameter, across groups in order
   std::vector<int> owner_;          // rank holding each parameter
   std::vector<size_t> local_;       // this rank's parameter indices, ascending
@@ -93,6 +116,8 @@ class ZeroRedundancyOptimizer {
   std::optional<nn::optim::OptimizerState> consolidated_;
   int64_t steps_ = 0;
   int64_t consolidated_at_ = -1;  // steps_ when consolidated
+  // With overlap_with_ddp; shared with the hook, which outlives nothing it needs from here.
+  std::shared_ptr<ember::detail::ZeroOverlap> overlap_;
 };
 
 }  // namespace ember::dist

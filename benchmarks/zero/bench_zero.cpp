@@ -1,16 +1,19 @@
-// bench_zero: DDP with Adam on every rank against DDP with ZeroRedundancyOptimizer(Adam), beside
-// torch 1.13's DDP + ZeroRedundancyOptimizer over gloo in the same run.
+// bench_zero: DDP with Adam on every rank against DDP with ZeroRedundancyOptimizer(Adam), without
+// and with overlap_with_ddp (hook_with_zero_step), beside torch 1.13's DDP +
+// ZeroRedundancyOptimizer over gloo in the same run.
 //
 //   bench_zero --np 2 --torch          (forks its ranks; rank 0 prints the table)
 //
-// Each rank trains two copies of a ~10M-parameter MLP (bench_ddp's) on its own random batches,
-// one with a full Adam per rank and one with the ZeRO-sharded Adam, in alternating sub-blocks
-// of 10 steps with a barrier before each. Per mode: the median step time (mean over ranks) and
-// the optimizer state bytes per rank (the largest rank's). With --torch, each round of Ember's
-// blocks is followed by benchmarks/zero/bench_zero_torch.py (the same measurement with torch)
-// while Ember's ranks wait; medians over --rounds.
+// Each rank trains three copies of a ~10M-parameter MLP (bench_ddp's) on its own random batches,
+// one with a full Adam per rank, one with the ZeRO-sharded Adam and one with the sharded Adam
+// stepped from DDP's hook, in alternating sub-blocks of 10 steps with a barrier before each.
+// Per mode: the median step time (mean over ranks) and the optimizer state bytes per rank (the
+// largest rank's). With --torch, each round of Ember's blocks is followed by
+// benchmarks/zero/bench_zero_torch.py (the same measurement with torch) while Ember's ranks
+// wait; medians over --rounds.
 //
 // Options: --np N (default 2), --batch 32 (per rank), --steps 30, --warmup 3, --rounds 3,
+// --bucket-view (DDP's gradient_as_bucket_view in every mode),
 // --threads T (per rank; default cores / ranks), --torch.
 #include <sched.h>
 #include <sys/wait.h>
@@ -31,6 +34,7 @@
 #include <ember/distributed/init.h>
 #include <ember/distributed/tcp_store.h>
 #include <ember/distributed/zero.h>
+#include <ember/distributed/zero_hook.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/random.h>
@@ -47,7 +51,7 @@ namespace {
 
 struct Args {
   int np = 2, batch = 32, steps = 30, warmup = 3, rounds = 3, threads = 0;
-  bool torch = false;
+  bool torch = false, bucket_view = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -62,6 +66,9 @@ Args parse(int argc, char** argv) {
   app.add_option("--threads", a.threads, "threads per rank (default: cores / ranks)")
       ->check(CLI::Range(0, 1024));
   app.add_flag("--torch", a.torch, "also run torch's DDP + ZeroRedundancyOptimizer");
+  app.add_flag("--bucket-view", a.bucket_view,
+               "DDP's gradient_as_bucket_view in every mode (a hook otherwise copies the "
+               "gradients into the buckets and back)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -97,8 +104,8 @@ struct Mode {
 };
 
 struct Result {
-  double ddp_ms = 0, zero_ms = 0;
-  int64_t ddp_state = 0, zero_state = 0;
+  double ddp_ms = 0, zero_ms = 0, overlap_ms = 0;
+  int64_t ddp_state = 0, zero_state = 0, overlap_state = 0;
 };
 
 class RankBench {
@@ -106,22 +113,13 @@ class RankBench {
   RankBench(const Args& a, std::shared_ptr<dist::ProcessGroup> pg) : a_(a), pg_(std::move(pg)) {
     const nn::optim::AdamOptions adam{.lr = 1e-4};
     manual_seed(0);
-    plain_.ddp = std::make_shared<dist::DistributedDataParallel>(make_mlp(), pg_);
+    plain_.ddp = std::make_shared<dist::DistributedDataParallel>(make_mlp(), pg_, ddp_options());
     auto opt = std::make_shared<nn::optim::Adam>(plain_.ddp->parameters(), adam);
     plain_.zero_grad = [opt] { opt->zero_grad(); };
     plain_.step = [opt] { opt->step(); };
     plain_.state = [opt] { return state_bytes(*opt); };
-    manual_seed(0);
-    sharded_.ddp = std::make_shared<dist::DistributedDataParallel>(make_mlp(), pg_);
-    auto zero = std::make_shared<dist::ZeroRedundancyOptimizer>(
-        sharded_.ddp->parameters(),
-        [adam](std::vector<nn::optim::ParamGroup> g) {
-          return std::make_unique<nn::optim::Adam>(std::move(g), adam);
-        },
-        pg_);
-    sharded_.zero_grad = [zero] { zero->zero_grad(); };
-    sharded_.step = [zero] { zero->step(); };
-    sharded_.state = [zero] { return state_bytes(zero->optimizer()); };
+    sharded_ = make_zero(adam, false);
+    overlapped_ = make_zero(adam, true);
     manual_seed(1000 + static_cast<uint64_t>(pg_->rank()));
     for (int i = 0; i < 4; ++i) {
       xs_.push_back(randn({a.batch, 1, 28, 28}));
@@ -131,12 +129,12 @@ class RankBench {
 
   Result round() {
     for (int i = 0; i < a_.warmup; ++i) {
-      train(plain_);
-      train(sharded_);
+      for (Mode* m : {&plain_, &sharded_, &overlapped_}) train(*m);
     }
-    std::vector<double> plain_ms, zero_ms;
+    std::vector<double> plain_ms, zero_ms, overlap_ms;
     for (int done = 0; done < a_.steps; done += 10) {
-      for (auto [mode, out] : {std::pair{&plain_, &plain_ms}, std::pair{&sharded_, &zero_ms}}) {
+      for (auto [mode, out] : {std::pair{&plain_, &plain_ms}, std::pair{&sharded_, &zero_ms},
+                               std::pair{&overlapped_, &overlap_ms}}) {
         pg_->barrier()->wait();
         for (int i = 0; i < std::min(10, a_.steps - done); ++i) {
           const auto t0 = Clock::now();
@@ -145,19 +143,47 @@ class RankBench {
         }
       }
     }
-    Tensor r = from_vector(std::vector<double>{median(plain_ms), median(zero_ms)});
+    Tensor r =
+        from_vector(std::vector<double>{median(plain_ms), median(zero_ms), median(overlap_ms)});
     pg_->allreduce(r)->wait();
     Tensor s = from_vector(std::vector<double>{static_cast<double>(plain_.state()),
-                                               static_cast<double>(sharded_.state())});
+                                               static_cast<double>(sharded_.state()),
+                                               static_cast<double>(overlapped_.state())});
     dist::AllreduceOptions max;
     max.op = dist::ReduceOp::Max;
     pg_->allreduce(s, max)->wait();
     const auto v = r.to_vector<double>(), st = s.to_vector<double>();
-    return {v[0] / pg_->size(), v[1] / pg_->size(), static_cast<int64_t>(st[0]),
-            static_cast<int64_t>(st[1])};
+    return {v[0] / pg_->size(),          v[1] / pg_->size(),          v[2] / pg_->size(),
+            static_cast<int64_t>(st[0]), static_cast<int64_t>(st[1]), static_cast<int64_t>(st[2])};
   }
 
  private:
+  dist::DDPOptions ddp_options() const {
+    dist::DDPOptions o;
+    o.gradient_as_bucket_view = a_.bucket_view;
+    return o;
+  }
+
+  // DDP + ZeRO(Adam); `overlap`: stepped from DDP's hook (step() then only checks).
+  Mode make_zero(const nn::optim::AdamOptions& adam, bool overlap) {
+    Mode m;
+    manual_seed(0);
+    m.ddp = std::make_shared<dist::DistributedDataParallel>(make_mlp(), pg_, ddp_options());
+    auto zero = std::make_shared<dist::ZeroRedundancyOptimizer>(
+        m.ddp->parameters(),
+        [adam](std::vector<nn::optim::ParamGroup> g) {
+          return std::make_unique<nn::optim::Adam>(std::move(g), adam);
+        },
+        pg_, dist::ZeroOptions{.overlap_with_ddp = overlap});
+    if (overlap) {
+      m.ddp->register_comm_hook(dist::hook_with_zero_step(dist::allreduce_hook, *m.ddp, *zero));
+    }
+    m.zero_grad = [zero] { zero->zero_grad(); };
+    m.step = [zero] { zero->step(); };
+    m.state = [zero] { return state_bytes(zero->optimizer()); };
+    return m;
+  }
+
   void train(Mode& m) {
     m.zero_grad();
     nn::functional::cross_entropy(m.ddp->forward(xs_[next_]), ys_[next_]).backward();
@@ -167,7 +193,7 @@ class RankBench {
 
   const Args& a_;
   std::shared_ptr<dist::ProcessGroup> pg_;
-  Mode plain_, sharded_;
+  Mode plain_, sharded_, overlapped_;
   std::vector<Tensor> xs_, ys_;
   int next_ = 0;
 };
@@ -211,15 +237,18 @@ void print(const Args& a, int threads, const std::vector<Result>& ours,
     return median(x);
   };
   std::printf("# bench_zero: %d ranks, MLP 784-2048-2048-2048-10 (10.0M parameters), Adam, batch "
-              "%d per rank, %d threads per rank, median of %d rounds of %d steps\n",
-              a.np, a.batch, threads, a.rounds, a.steps);
+              "%d per rank, %d threads per rank, median of %d rounds of %d steps%s\n",
+              a.np, a.batch, threads, a.rounds, a.steps,
+              a.bucket_view ? ", gradient_as_bucket_view" : "");
   std::printf("%-24s %12s %14s %12s %14s %8s\n", "mode", "step(ms)", "state/rank(MB)",
               "torch(ms)", "t.state(MB)", "speedup");
-  for (auto [name, ms, st] : {std::tuple{"DDP + Adam", &Result::ddp_ms, &Result::ddp_state},
-                              std::tuple{"DDP + ZeRO(Adam)", &Result::zero_ms, &Result::zero_state}}) {
+  for (auto [name, ms, st] :
+       {std::tuple{"DDP + Adam", &Result::ddp_ms, &Result::ddp_state},
+        std::tuple{"DDP + ZeRO(Adam)", &Result::zero_ms, &Result::zero_state},
+        std::tuple{"DDP + ZeRO overlapped", &Result::overlap_ms, &Result::overlap_state}}) {
     const double mine = med(ours, ms);
     std::printf("%-24s %12.1f %14.2f", name, mine, ours.back().*st / 1e6);
-    if (!theirs.empty()) {
+    if (!theirs.empty() && ms != &Result::overlap_ms) {  // torch's overlap is not run
       const double t = med(theirs, ms);
       std::printf(" %12.1f %14.2f %7.2fx", t, theirs.back().*st / 1e6, t / mine);
     }

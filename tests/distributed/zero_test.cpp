@@ -4,6 +4,7 @@
 // random generator is shared by the threads).
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <map>
 #include <mutex>
 
@@ -11,6 +12,7 @@
 #include <ember/distributed/process_group_gloo.h>
 #include <ember/distributed/process_group_mpi.h>
 #include <ember/distributed/zero.h>
+#include <ember/distributed/zero_hook.h>
 #include <ember/nn/activation.h>
 #include <ember/nn/container.h>
 #include <ember/nn/linear.h>
@@ -36,13 +38,16 @@ using test::require_close;
 constexpr int64_t kBatch = 24, kIn = 6, kOut = 3;
 constexpr int kSteps = 20;
 
-std::shared_ptr<nn::Sequential> make_model() {
+// `h1`, `h2`: the hidden widths.
+std::shared_ptr<nn::Sequential> make_sized_model(int64_t h1, int64_t h2) {
   manual_seed(11);
   return std::make_shared<nn::Sequential>(
-      std::make_shared<nn::Linear>(kIn, 32), std::make_shared<nn::Tanh>(),
-      std::make_shared<nn::Linear>(32, 16), std::make_shared<nn::Tanh>(),
-      std::make_shared<nn::Linear>(16, kOut));
+      std::make_shared<nn::Linear>(kIn, h1), std::make_shared<nn::Tanh>(),
+      std::make_shared<nn::Linear>(h1, h2), std::make_shared<nn::Tanh>(),
+      std::make_shared<nn::Linear>(h2, kOut));
 }
+
+std::shared_ptr<nn::Sequential> make_model() { return make_sized_model(32, 16); }
 
 std::vector<Batch> make_batches(int n, uint64_t seed) {
   std::vector<Batch> out;
@@ -288,6 +293,304 @@ TEST(ZeroErrors, TooFewParametersForTheRanksAndBadStates) {
       require(false, "rank 2 is not in a group of 2");
     } catch (const ValueError&) {
     }
+  });
+}
+
+// ---- overlap_with_ddp: updates from DDP's communication hook (distributed/zero_hook.h) -------
+
+// Buckets of about 256 bytes: the model spreads over several, and DDP's rebuild after the first
+// iteration regroups them (the overlap must not care).
+DDPOptions small_buckets(bool bucket_view = false) {
+  DDPOptions o;
+  o.gradient_as_bucket_view = bucket_view;
+  o.bucket_cap_mb = 0.25 / 1024;
+  o.first_bucket_cap_mb = 0.125 / 1024;
+  return o;
+}
+
+ZeroOptions overlapped() { return ZeroOptions{.overlap_with_ddp = true}; }
+
+// A hidden weight of 80 KiB: the hook broadcasts it where it lies, and packs the small
+// parameters.
+std::shared_ptr<nn::Sequential> make_wide_model() { return make_sized_model(160, 128); }
+
+// What one rank trains twice: plain DDP (with the hook) + Adam, and DDP with
+// hook_with_zero_step(hook) + an overlapped ZeRO(Adam). Made before the ranks start (threads
+// share the default generator).
+struct OverlapCase {
+  explicit OverlapCase(std::shared_ptr<nn::Sequential> (*make)() = make_model)
+      : plain(make()), overlap(make()) {}
+  std::vector<Batch> batches;  // `accumulate` per step
+  std::shared_ptr<nn::Sequential> plain, overlap;
+};
+
+// Each step: accumulate - 1 backward passes under no_sync(), then a synchronised one, then
+// step(); both runs must end with the same parameters, and each rank's optimizer state is
+// 1/n of the model's (the state is sharded, as without overlap).
+void train_both_and_compare(const std::shared_ptr<ProcessGroup>& pg, OverlapCase& c,
+                            const CommHook& hook, int accumulate, const std::string& what,
+                            bool bucket_view = false) {
+  const int rank = pg->rank(), n = pg->size();
+  auto run = [&](auto&& zero_grad, auto&& step, DistributedDataParallel& ddp) {
+    for (size_t s = 0; s + static_cast<size_t>(accumulate) <= c.batches.size(); s += accumulate) {
+      zero_grad();
+      for (int m = 0; m < accumulate; ++m) {
+        const Batch b = test::slice(c.batches[s + m], rank, n);
+        if (m + 1 < accumulate) {
+          auto guard = ddp.no_sync();
+          loss_of(ddp, b).backward();
+        } else {
+          loss_of(ddp, b).backward();
+        }
+      }
+      step();
+    }
+  };
+  {
+    auto ddp = std::make_shared<DistributedDataParallel>(c.plain, pg, small_buckets(bucket_view));
+    ddp->register_comm_hook(hook);
+    Adam opt(ddp->parameters(), adam_options());
+    run([&] { opt.zero_grad(); }, [&] { opt.step(); }, *ddp);
+  }
+  auto ddp = std::make_shared<DistributedDataParallel>(c.overlap, pg, small_buckets(bucket_view));
+  ZeroRedundancyOptimizer zero(ddp->parameters(), adam_factory(), pg, overlapped());
+  ddp->register_comm_hook(hook_with_zero_step(hook, *ddp, zero));
+  run([&] { zero.zero_grad(); }, [&] { zero.step(); }, *ddp);
+  require(ddp->buckets_rebuilt() && ddp->bucket_indices().size() > 2,
+          what + ": expected several buckets, rebuilt once; got " +
+              std::to_string(ddp->bucket_indices().size()) +
+              (ddp->buckets_rebuilt() ? " rebuilt" : " not rebuilt"));
+  require_params(what + " rank " + std::to_string(rank) + " of " + std::to_string(n), *c.overlap,
+                 *c.plain);
+  test::require_same_on_all_ranks(*pg, *c.overlap);
+}
+
+std::vector<std::pair<std::string, CommHook>> inner_hooks() {
+  return {{"allreduce", allreduce_hook}, {"fp16", fp16_compress_hook}};
+}
+
+class ZeroOverlap : public ::testing::TestWithParam<int> {};
+
+// 20 steps (no skipped iteration: the first two count too) equal plain DDP + Adam with the same
+// inner hook, on rank threads, parameters sent packed and where they lie; once more with every
+// collective's result held back 1 ms (the received parameters must be waited for).
+TEST_P(ZeroOverlap, TrainsLikeDdpWithAdamForEachInnerHook) {
+  const int n = GetParam();
+  for (const auto& [name, hook] : inner_hooks()) {
+    for (bool delayed : {false, true}) {
+      std::vector<OverlapCase> cases;
+      for (int r = 0; r < n; ++r) {
+        cases.emplace_back(make_wide_model);
+        cases.back().batches = make_batches(kSteps, 5);
+      }
+      test::ThreadsSetup s = ranks(n);
+      if (delayed) s.delay = DelayOptions{.cycles = 0, .cpu_delay = std::chrono::milliseconds(1)};
+      const std::string what = name + (delayed ? " delayed" : "");
+      test::run_threads(s, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+        train_both_and_compare(pg, cases[static_cast<size_t>(rank)], hook, 1, what);
+      });
+    }
+  }
+}
+
+// Gradient accumulation: the backward passes under no_sync() run no hook and update nothing;
+// the synchronised one that ends the accumulation reduces the summed gradients and updates, as
+// plain DDP + Adam does with step() after it. Also with gradient_as_bucket_view (grad() is then
+// the bucket the hook reduces and the step reads).
+TEST_P(ZeroOverlap, AccumulatesUnderNoSyncAndUpdatesAtTheSynchronisedBackward) {
+  const int n = GetParam();
+  for (bool bucket_view : {false, true}) {
+    std::vector<OverlapCase> cases(static_cast<size_t>(n));
+    for (auto& c : cases) c.batches = make_batches(3 * 8, 7);
+    test::run_threads(ranks(n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+      train_both_and_compare(pg, cases[static_cast<size_t>(rank)], allreduce_hook, 3,
+                             bucket_view ? "no_sync x3, bucket view" : "no_sync x3", bucket_view);
+    });
+  }
+}
+
+// Over MPI (a rank of the ZeroMpiWorld jobs above).
+TEST(ZeroMpiRanks, OverlapTrainsLikeDdpWithAdam) {
+  SKIP_UNLESS_UNDER_MPIRUN();
+  auto pg = ProcessGroupMpi::create();
+  OverlapCase c;
+  c.batches = make_batches(kSteps, 5);
+  train_both_and_compare(pg, c, allreduce_hook, 1, "mpi");
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ZeroOverlap, ::testing::Values(2, 4),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
+
+// The same between gloo processes (shared memory with 2 and 4 ranks, TCP with 2), both hooks;
+// and with EMBER_DISTRIBUTED_DEBUG=DETAIL, whose cross-rank checks see the hook's broadcasts
+// among DDP's collectives.
+TEST(ZeroOverlapGloo, TrainsLikeDdpWithAdamOverSharedMemoryAndTcp) {
+  if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)";
+  for (auto [n, shm, detail] : {std::tuple{2, true, false}, std::tuple{2, false, false},
+                                std::tuple{4, true, false}, std::tuple{2, true, true}}) {
+    test::run_gloo_ranks(
+        n,
+        [&](std::shared_ptr<ProcessGroupGloo> pg, int) {
+          if (detail) ::setenv("EMBER_DISTRIBUTED_DEBUG", "DETAIL", 1);  // this child only
+          for (const auto& [name, hook] : inner_hooks()) {
+            OverlapCase c(make_wide_model);
+            c.batches = make_batches(kSteps, 5);
+            train_both_and_compare(pg, c, hook, 1, name + (shm ? " shm" : " tcp"));
+          }
+        },
+        shm);
+  }
+}
+
+// Uneven inputs: under ddp.join() the rank that ran out of data shadows the others' buckets
+// through the same hook, so it still steps and sends its share of each update (plain ZeRO's
+// step() would wait for it in vain). Every rank ends where plain DDP + Adam ends.
+TEST(ZeroOverlapJoin, UnevenInputsEndLikeDdpWithAdam) {
+  const std::vector<Batch> batches = make_batches(6, 10);
+  const std::vector<size_t> count{6, 3};  // batches per rank
+  std::vector<std::shared_ptr<nn::Sequential>> plain, overlap;
+  for (int r = 0; r < 2; ++r) {
+    plain.push_back(make_model());
+    overlap.push_back(make_model());
+  }
+  test::run_threads(ranks(2), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto train = [&](DistributedDataParallel& ddp, auto&& zero_grad, auto&& step) {
+      ddp.join([&] {
+        for (size_t t = 0; t < count[static_cast<size_t>(rank)]; ++t) {
+          zero_grad();
+          loss_of(ddp, test::slice(batches[t], rank, 2)).backward();
+          step();
+        }
+      });
+    };
+    auto ddp_plain = std::make_shared<DistributedDataParallel>(plain[rank], pg, small_buckets());
+    ddp_plain->register_comm_hook(allreduce_hook);
+    Adam opt(ddp_plain->parameters(), adam_options());
+    train(*ddp_plain, [&] { opt.zero_grad(); }, [&] { opt.step(); });
+    auto ddp = std::make_shared<DistributedDataParallel>(overlap[rank], pg, small_buckets());
+    ZeroRedundancyOptimizer zero(ddp->parameters(), adam_factory(), pg, overlapped());
+    ddp->register_comm_hook(hook_with_zero_step(allreduce_hook, *ddp, zero));
+    train(*ddp, [&] { zero.zero_grad(); }, [&] { zero.step(); });
+    require_params("join, rank " + std::to_string(rank), *overlap[rank], *plain[rank]);
+  });
+}
+
+// Checkpoints in overlap mode: the consolidated state is plain DDP + Adam's; it goes stale with
+// the next update (made by the backward pass, counted at once).
+TEST(ZeroOverlapCheckpoint, ConsolidatesThePlainOptimizersState) {
+  const std::vector<Batch> batches = make_batches(kSteps / 2, 8);
+  std::vector<std::shared_ptr<nn::Sequential>> plain, overlap;
+  for (int r = 0; r < 2; ++r) {
+    plain.push_back(make_model());
+    overlap.push_back(make_model());
+  }
+  test::run_threads(ranks(2), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto ddp_plain = std::make_shared<DistributedDataParallel>(plain[rank], pg);
+    Adam opt(ddp_plain->parameters(), adam_options());
+    auto ddp = std::make_shared<DistributedDataParallel>(overlap[rank], pg, small_buckets());
+    ZeroRedundancyOptimizer zero(ddp->parameters(), adam_factory(), pg, overlapped());
+    ddp->register_comm_hook(hook_with_zero_step(allreduce_hook, *ddp, zero));
+    for (const Batch& b : batches) {
+      opt.zero_grad();
+      loss_of(*ddp_plain, test::slice(b, rank, 2)).backward();
+      opt.step();
+      zero.zero_grad();
+      loss_of(*ddp, test::slice(b, rank, 2)).backward();
+      zero.step();
+    }
+    zero.consolidate_state_dict(0);
+    if (rank == 0) {
+      const OptimizerState got = zero.state_dict(), want = opt.state_dict();
+      require(got.type == want.type && got.state.size() == want.state.size(),
+              "consolidated state: type or entry count differs");
+      for (size_t i = 0; i < got.state.size(); ++i) {
+        require(got.state[i].first == want.state[i].first,
+                "entry " + got.state[i].first + " vs " + want.state[i].first);
+        require_close(got.state[i].first, got.state[i].second, want.state[i].second, 2e-5);
+      }
+    }
+    loss_of(*ddp, test::slice(batches[0], rank, 2)).backward();  // updates: the state is stale
+    if (rank == 0) {
+      try {
+        (void)zero.state_dict();
+        require(false, "state_dict after an overlapped update must throw");
+      } catch (const ValueError& e) {
+        require(std::string(e.what()).find("consolidate again") != std::string::npos, e.what());
+      }
+    }
+  });
+}
+
+template <typename F>
+void require_value_error(const std::string& what, const std::string& needle, F&& f) {
+  try {
+    f();
+  } catch (const ValueError& e) {
+    require(std::string(e.what()).find(needle) != std::string::npos,
+            what + ": the error should mention '" + needle + "': " + e.what());
+    return;
+  }
+  require(false, what + ": expected ValueError");
+}
+
+TEST(ZeroOverlapErrors, NoHookPlainOptimizerOtherParametersNoSyncStepDestroyedOptimizer) {
+  const std::vector<Batch> batches = make_batches(2, 9);
+  std::vector<std::shared_ptr<nn::Sequential>> models{make_model(), make_model()};
+  test::run_threads(ranks(2), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    const Batch b = test::slice(batches[0], rank, 2);
+    {  // overlap_with_ddp, but DDP has no hook: step() says what to register
+      auto ddp = std::make_shared<DistributedDataParallel>(models[rank], pg);
+      ZeroRedundancyOptimizer zero(ddp->parameters(), adam_factory(), pg, overlapped());
+      loss_of(*ddp, b).backward();
+      require_value_error("no hook", "register_comm_hook(dist::hook_with_zero_step",
+                          [&] { zero.step(); });
+    }
+    auto ddp = std::make_shared<DistributedDataParallel>(models[rank], pg);
+    {  // a ZeRO without overlap_with_ddp would update twice
+      ZeroRedundancyOptimizer plain(ddp->parameters(), adam_factory(), pg);
+      require_value_error("not overlapped", "overlap_with_ddp",
+                          [&] { (void)hook_with_zero_step(allreduce_hook, *ddp, plain); });
+    }
+    {  // DDP trains a parameter the optimizer does not hold, and the other way round
+      std::vector<Tensor> some = ddp->parameters();
+      some.pop_back();
+      ZeroRedundancyOptimizer fewer(some, adam_factory(), pg, overlapped());
+      require_value_error("fewer", "'module.4.bias'",
+                          [&] { (void)hook_with_zero_step(allreduce_hook, *ddp, fewer); });
+      std::vector<Tensor> more = ddp->parameters();
+      more.push_back(zeros({5}).requires_grad_(true));
+      ZeroRedundancyOptimizer extra(more, adam_factory(), pg, overlapped());
+      require_value_error("more", "parameter 6 (shape [5])",
+                          [&] { (void)hook_with_zero_step(allreduce_hook, *ddp, extra); });
+    }
+    require_value_error("null hook", "expects a hook", [&] {
+      ZeroRedundancyOptimizer zero(ddp->parameters(), adam_factory(), pg, overlapped());
+      (void)hook_with_zero_step(nullptr, *ddp, zero);
+    });
+    // step() after a backward under no_sync() only: nothing was updated.
+    ZeroRedundancyOptimizer zero(ddp->parameters(), adam_factory(), pg, overlapped());
+    ddp->register_comm_hook(hook_with_zero_step(allreduce_hook, *ddp, zero));
+    loss_of(*ddp, b).backward();
+    zero.step();
+    {
+      auto guard = ddp->no_sync();
+      loss_of(*ddp, b).backward();
+    }
+    require_value_error("no_sync", "no_sync()", [&] { zero.step(); });
+    loss_of(*ddp, b).backward();
+    zero.step();  // the synchronised backward updated: fine again
+  });
+  // The optimizer destroyed while DDP keeps its hook: the next backward says so (on every rank,
+  // before any collective).
+  std::vector<std::shared_ptr<nn::Sequential>> more{make_model(), make_model()};
+  test::run_threads(ranks(2), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto ddp = std::make_shared<DistributedDataParallel>(more[rank], pg);
+    {
+      ZeroRedundancyOptimizer zero(ddp->parameters(), adam_factory(), pg, overlapped());
+      ddp->register_comm_hook(hook_with_zero_step(allreduce_hook, *ddp, zero));
+    }
+    require_value_error("destroyed", "was destroyed",
+                        [&] { loss_of(*ddp, test::slice(batches[1], rank, 2)).backward(); });
   });
 }
 
