@@ -16,6 +16,7 @@
 #include <ember/distributed/sharded_checkpoint.h>
 #include <ember/distributed/sync_batch_norm.h>
 #include <ember/distributed/zero.h>
+#include <ember/distributed/zero_hook.h>
 #include <ember/nn/amp/autocast.h>
 #include <ember/nn/amp/grad_scaler.h>
 #include <ember/nn/multihead_attention.h>
