@@ -402,7 +402,7 @@ class HierarchicalNetns : public ::testing::Test {
   void SetUp() override {
     if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)";
     std::string why;
-    net_ = emberrun_test::NetnsPair::create(&why);
+    net_ = emberrun_test::NetnsNodes::create(2, &why);
     if (!net_) GTEST_SKIP() << why;
   }
   void TearDown() override { net_.reset(); }  // kills leftovers, deletes the namespaces
@@ -437,7 +437,7 @@ class HierarchicalNetns : public ::testing::Test {
     test::expect_children_ok(kids.join());
   }
 
-  std::unique_ptr<emberrun_test::NetnsPair> net_;
+  std::unique_ptr<emberrun_test::NetnsNodes> net_;
 };
 
 void require_hierarchical(ProcessGroup& pg, int rank, bool want) {

@@ -61,11 +61,11 @@ TEST(Net, NcclInterfaceIsTheOneTowardsRankZeroUnlessTheUserChose) {
   EXPECT_EQ(nccl_socket_ifname("127.0.0.1"), "");
 }
 
-// Two "nodes" (network namespaces joined by a veth pair): inside node 0, the route to node 1's
+// Two "nodes" (network namespaces, each with a veth end on a shared bridge): inside node 0, the route to node 1's
 // address goes through node 0's veth end, which is what NCCL must be told to use.
 TEST(Net, NcclInterfaceAcrossNamespacesIsTheVeth) {
   std::string why;
-  auto net = emberrun_test::NetnsPair::create(&why);
+  auto net = emberrun_test::NetnsNodes::create(2, &why);
   if (!net) GTEST_SKIP() << why;
   std::string towards, ifname, error;
   // A network namespace belongs to a thread: this one enters node 0's and ends with it.
