@@ -288,7 +288,7 @@ class HttpConnection {
 // What one request is for, for retries and messages.
 struct Call {
   const std::string& op;
-  const std::vector<std::string>& keys;  // full keys, named in messages
+  std::vector<std::string> keys;  // full keys, named in messages
   TimePoint deadline;
   Duration timeout;  // the caller's timeout, named in messages
   bool idempotent;
@@ -484,6 +484,27 @@ class EtcdStore::Impl {
     }
   }
 
+  // Calls ready(call), one poll that returns whether the wait is over, with backoff (kFirstPoll
+  // doubling to kLastPoll) until it returns true or `timeout` has passed; then throws
+  // DistTimeoutError naming keys and `missing` (which ready may update). Each poll may take
+  // until the deadline, and at least kPollGrace, to be answered.
+  void poll_until(const std::string& op, Duration timeout, const std::vector<std::string>& keys,
+                  const std::vector<std::string>& missing,
+                  const std::function<bool(const Call&)>& ready) {
+    ember::detail::check_store_timeout(op, timeout);
+    const TimePoint deadline = ember::detail::store_deadline(timeout);
+    auto backoff = kFirstPoll;
+    for (;;) {
+      const TimePoint poll_deadline = std::max(deadline, StoreClock::now() + kPollGrace);
+      if (ready(Call{op, missing, poll_deadline, timeout, true})) return;
+      const int64_t left = ember::detail::ms_until(deadline);
+      if (left == 0)
+        ember::detail::throw_store_timeout(op, timeout, keys, missing, " on " + where_);
+      std::this_thread::sleep_for(std::min<Duration>(backoff, Duration(left)));
+      backoff = std::min(backoff * 2, kLastPoll);
+    }
+  }
+
   void grant_lease(int64_t ttl_s, Duration timeout) {
     const std::string op = "EtcdStore lease grant";
     const Call c{op, {}, ember::detail::store_deadline(timeout), timeout, true};
@@ -588,19 +609,14 @@ void EtcdStore::set(const std::string& key, const Bytes& value) {
 
 Bytes EtcdStore::get(const std::string& key, Duration timeout) {
   const std::string op = "EtcdStore get", full = impl_->full_key(key);
-  ember::detail::check_store_timeout(op, timeout);
-  const TimePoint deadline = ember::detail::store_deadline(timeout);
-  auto backoff = kFirstPoll;
-  for (;;) {
-    const Call c{op, {full}, std::max(deadline, StoreClock::now() + kPollGrace), timeout, true};
-    if (auto kv = impl_->range(full, c)) return std::move(kv->value);
-    const int64_t left = ember::detail::ms_until(deadline);
-    if (left == 0) {
-      ember::detail::throw_store_timeout(op, timeout, {full}, {full}, " on " + impl_->where());
-    }
-    std::this_thread::sleep_for(std::min<Duration>(backoff, Duration(left)));
-    backoff = std::min(backoff * 2, kLastPoll);
-  }
+  const std::vector<std::string> keys{full};
+  Bytes value;
+  impl_->poll_until(op, timeout, keys, keys, [&](const Call& c) {
+    std::optional<Kv> kv = impl_->range(full, c);
+    if (kv) value = std::move(kv->value);
+    return kv.has_value();
+  });
+  return value;
 }
 
 int64_t EtcdStore::add(const std::string& key, int64_t delta) {
@@ -647,30 +663,20 @@ bool EtcdStore::check(const std::vector<std::string>& keys) {
 
 void EtcdStore::wait(const std::vector<std::string>& keys, Duration timeout) {
   const std::string op = "EtcdStore wait";
-  ember::detail::check_store_timeout(op, timeout);
-  const TimePoint deadline = ember::detail::store_deadline(timeout);
   std::vector<std::string> full;
   for (const auto& k : keys) full.push_back(impl_->full_key(k));
   // A key counts once it has been seen set, even if it is deleted before the others arrive
   // (as TCPStore's server counts).
   std::vector<std::string> missing = ember::detail::unique_keys(full);
-  auto backoff = kFirstPoll;
-  while (!missing.empty()) {
-    const Call c{op, missing, std::max(deadline, StoreClock::now() + kPollGrace), timeout, true};
+  impl_->poll_until(op, timeout, full, missing, [&](const Call& c) {
     const std::vector<bool> have = impl_->exist(missing, c);
     std::vector<std::string> still;
     for (size_t i = 0; i < missing.size(); ++i) {
       if (!have[i]) still.push_back(missing[i]);
     }
     missing = std::move(still);
-    if (missing.empty()) return;
-    const int64_t left = ember::detail::ms_until(deadline);
-    if (left == 0) {
-      ember::detail::throw_store_timeout(op, timeout, full, missing, " on " + impl_->where());
-    }
-    std::this_thread::sleep_for(std::min<Duration>(backoff, Duration(left)));
-    backoff = std::min(backoff * 2, kLastPoll);
-  }
+    return missing.empty();
+  });
 }
 
 bool EtcdStore::delete_key(const std::string& key) {
