@@ -628,6 +628,8 @@ int64_t EtcdStore::add(const std::string& key, int64_t delta) {
       [&](const Bytes* cur) -> std::optional<Bytes> {
         const int64_t now = cur ? ember::detail::parse_store_counter(op, full, *cur) : 0;
         result = ember::detail::add_store_counter(op, full, now, delta);
+        // Reading a counter (delta 0) does not rewrite it, so it keeps its writer's lease.
+        if (cur && delta == 0) return std::nullopt;
         return ember::detail::format_store_counter(result);
       },
       c);

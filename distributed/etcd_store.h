@@ -72,7 +72,8 @@ class EtcdStore : public Store {
   void set(const std::string& key, const Bytes& value) override;
   /// Polls until key is set; DistTimeoutError after timeout.
   Bytes get(const std::string& key, Duration timeout) override;
-  /// DistStoreError if the key holds a non-integer or the sum overflows.
+  /// DistStoreError if the key holds a non-integer or the sum overflows. add(key, 0) on an
+  /// existing key only reads it (the key keeps the lease of the store that wrote it).
   int64_t add(const std::string& key, int64_t delta) override;
   Bytes compare_set(const std::string& key, const Bytes& expected, const Bytes& desired) override;
   bool check(const std::vector<std::string>& keys) override;

@@ -106,7 +106,8 @@ TEST_F(EtcdStoreTest, ConcurrentCompareSetHasExactlyOneWinner) {
 
 // A killed agent's keys vanish: a child sets keys through a store with a 2 s lease and blocks;
 // while it lives its keepalive holds them beyond the TTL; once it is SIGKILLed, etcd deletes
-// them after the TTL. Keys of other stores stay.
+// them after the TTL, even the counter another store has read with add(key, 0). Keys of other
+// stores stay.
 TEST_F(EtcdStoreTest, LeasedKeysOutliveTheirTtlWhileRenewedAndExpireWhenTheOwnerDies) {
   constexpr int64_t kTtl = 2;
   test::Children child(1, [](int, const std::string& endpoint) {
@@ -129,6 +130,8 @@ TEST_F(EtcdStoreTest, LeasedKeysOutliveTheirTtlWhileRenewedAndExpireWhenTheOwner
         << "a leased key expired while its store was alive and renewing the lease";
     std::this_thread::sleep_for(50ms);
   }
+  // Reading the counter through another store must not take it off the child's lease.
+  EXPECT_EQ(observer->add("agents", 0), 1);
   child.kill(0);
   EXPECT_TRUE(test::eventually(
       [&] { return !observer->check({"agent/0"}) && !observer->check({"agents"}); },
