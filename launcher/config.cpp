@@ -132,7 +132,9 @@ std::pair<std::string, int> split_host_port(const std::string& option, const std
 }
 
 std::pair<std::string, int> LaunchConfig::rdzv_host_port() const {
-  if (!rdzv_endpoint.empty()) return split_host_port("--rdzv-endpoint", rdzv_endpoint, 29400);
+  if (!rdzv_endpoint.empty()) {
+    return split_host_port("--rdzv-endpoint", rdzv_endpoint, rdzv_backend == "etcd" ? 2379 : 29400);
+  }
   return {master_addr, master_port};
 }
 
@@ -212,7 +214,8 @@ std::vector<EnvOption> add_options(CLI::App& app, RawOptions& raw, LaunchConfig&
       "--master-addr:--master-port)");
   opt("--rdzv-id,--rdzv_id", c.rdzv_id, "RDZV_ID", "Run id (names the log folder)");
   opt("--rdzv-backend,--rdzv_backend", c.rdzv_backend, "RDZV_BACKEND",
-      "Rendezvous backend: static or c10d");
+      "Rendezvous backend: static or c10d (node 0's agent hosts the store), or etcd (an etcd "
+      "server at --rdzv-endpoint holds it)");
   opt("--rdzv-conf,--rdzv_conf", raw.rdzv_conf, "RDZV_CONF",
       "Rendezvous settings key=value,...: join_timeout, timeout (both --rdzv-timeout), "
       "last_call_timeout (--rdzv-last-call), read_timeout (one store request, 10 s)");
@@ -370,8 +373,16 @@ void check_limits(const RawOptions& raw, LaunchConfig& c) {
 
 // The rendezvous backend, rank 0's address and port, and the output routing.
 void resolve_addresses_and_output(const RawOptions& raw, LaunchConfig& c) {
-  if (c.rdzv_backend != "static" && c.rdzv_backend != "c10d") {
-    throw UsageError("--rdzv-backend: expected static or c10d, got '" + c.rdzv_backend + "'");
+  if (c.rdzv_backend != "static" && c.rdzv_backend != "c10d" && c.rdzv_backend != "etcd") {
+    throw UsageError("--rdzv-backend: expected static, c10d or etcd, got '" + c.rdzv_backend + "'");
+  }
+  // Node 0 still leads every round (it completes rounds and watches heartbeats), and without
+  // --node-rank node 0 is the agent that hosts the store, which etcd's rendezvous has not.
+  if (c.rdzv_backend == "etcd" && c.multi_node() &&
+      (c.rdzv_endpoint.empty() || !c.node_rank_given)) {
+    throw UsageError(
+        "--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT] (the etcd server; port 2379 if "
+        "omitted) and --node-rank on every node (node 0 leads the rendezvous rounds)");
   }
   if (raw.master_port) {
     c.master_port = parse_int("--master-port", std::to_string(*raw.master_port), 1, 65535);

@@ -41,7 +41,7 @@ struct LaunchConfig {
   bool standalone = false;          // --standalone
   std::string rdzv_endpoint;        // --rdzv-endpoint host[:port] (multi-node)
   std::string rdzv_id = "none";     // --rdzv-id: the run id (names the log folder)
-  std::string rdzv_backend = "static";  // --rdzv-backend (accepted: static, c10d)
+  std::string rdzv_backend = "static";  // --rdzv-backend: static, c10d (node 0 hosts) or etcd
   std::string local_addr;           // --local-addr: node 0's address for MASTER_ADDR
   double rdzv_timeout_s = 900.0;    // --rdzv-timeout / --join-timeout: node join limit, seconds
   double last_call_s = 30.0;        // --nnodes MIN:MAX: wait after MIN nodes joined, seconds

@@ -5,8 +5,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <thread>
 
+#include <ember/distributed/etcd_store.h>
 #include <ember/distributed/tcp_store.h>
 #include <ember/launcher/worker_group.h>
 
@@ -123,7 +125,10 @@ Rendezvous::Rendezvous(const LaunchConfig& config, std::function<bool()> interru
   host_ = host;
   port_ = port;
   self_ = this_host(config_) + " pid " + std::to_string(getpid());
-  const bool want_host = config_.node_rank_given ? config_.node_rank == 0 : is_local_address(host_);
+  const bool etcd = config_.rdzv_backend == "etcd";  // which needs --node-rank (config.cpp)
+  etcd_node0_ = etcd && config_.node_rank == 0;
+  const bool want_host =
+      !etcd && (config_.node_rank_given ? config_.node_rank == 0 : is_local_address(host_));
   if (want_host) {
     dist::TCPStoreServerOptions o;
     o.host = "";  // every interface: the endpoint's name may resolve to any of them
@@ -148,16 +153,31 @@ Rendezvous::Rendezvous(const LaunchConfig& config, std::function<bool()> interru
         std::min<milliseconds>(milliseconds(1000),
                                std::chrono::duration_cast<milliseconds>(deadline - Clock::now())));
     try {
-      store_ = std::make_unique<dist::TCPStore>(host_, static_cast<uint16_t>(port_), o);
+      if (etcd) {
+        // The agent's keys vanish once it is gone for as long as a silent node is tolerated.
+        dist::EtcdStoreOptions eo;
+        eo.timeout = o.timeout;
+        eo.lease_ttl_s = std::max<int64_t>(2, std::llround(config_.heartbeat_timeout_s));
+        store_ = std::make_unique<dist::EtcdStore>(endpoint(), eo);
+      } else {
+        store_ = std::make_unique<dist::TCPStore>(host_, static_cast<uint16_t>(port_), o);
+      }
       store_->set_timeout(request_timeout());
       break;
     } catch (const dist::DistNetworkError& e) {
+      last = e.what();
+    } catch (const dist::DistTimeoutError& e) {  // etcd answering slowly: retry as well
       last = e.what();
     } catch (const std::exception& e) {  // a wrong secret, a bad address: no use retrying
       throw RendezvousError("cannot use the rendezvous store at " + endpoint() + ": " + e.what());
     }
     if (interrupted_ && interrupted_()) {
       throw RendezvousInterrupted("interrupted while connecting to " + endpoint());
+    }
+    if (Clock::now() >= deadline && etcd) {
+      throw RendezvousError("could not reach etcd at " + endpoint() + " within " +
+                            seconds_str(config_.rdzv_timeout_s) +
+                            " (--rdzv-timeout or --rdzv-conf join_timeout). Last error: " + last);
     }
     if (Clock::now() >= deadline) {
       throw RendezvousError(
@@ -202,8 +222,10 @@ std::string Rendezvous::describe_self() const {
 }
 
 void Rendezvous::lost(const std::string& op, const std::exception& e) const {
-  throw RendezvousError("lost the rendezvous store at " + endpoint() + " while " + op +
-                        " (node 0's agent gone?): " + e.what());
+  throw RendezvousError(
+      "lost the rendezvous store at " + endpoint() + " while " + op +
+      (config_.rdzv_backend == "etcd" ? " (etcd gone?): " : " (node 0's agent gone?): ") +
+      e.what());
 }
 
 void Rendezvous::throw_if_closed() {

@@ -13,7 +13,7 @@
 #include <ember/launcher/config.h>
 
 namespace ember::dist {
-class TCPStore;
+class Store;
 class TCPStoreServer;
 }  // namespace ember::dist
 
@@ -67,8 +67,9 @@ class Rendezvous {
   Rendezvous(const Rendezvous&) = delete;
   Rendezvous& operator=(const Rendezvous&) = delete;
 
-  /// Whether this agent hosts the store (and so must outlive the others' use of it).
-  bool is_host() const { return server_ != nullptr; }
+  /// Whether this agent hosts the store, or with --rdzv-backend etcd is node 0 (it leads the
+  /// rounds, and so must outlive the others' use of the rendezvous).
+  bool is_host() const { return server_ != nullptr || etcd_node0_; }
   /// "host:port" of the store.
   std::string endpoint() const;
   /// Whether this node waits to join an elastic job (it came after its round closed).
@@ -160,7 +161,8 @@ class Rendezvous {
   std::string host_;
   int port_ = 0;
   std::unique_ptr<dist::TCPStoreServer> server_;
-  std::unique_ptr<dist::TCPStore> store_;
+  std::unique_ptr<dist::Store> store_;  // a TCPStore, or an EtcdStore with a lease
+  bool etcd_node0_ = false;
   std::string self_;    // "host pid N" (local address or host name)
   int node_rank_ = -1;  // this round's
   int nnodes_ = 0;      // this round's

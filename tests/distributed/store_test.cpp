@@ -1,7 +1,7 @@
 // Store semantics, the same for every implementation (HashStore, FileStore, TCPStore,
-// PrefixStore over two of them), then HashStore, PrefixStore and FileStore specifics, with
-// FileStore used by several real processes at once. TCPStore's own tests are in
-// tcp_store_test.cpp.
+// PrefixStore over two of them, EtcdStore over a private etcd server), then HashStore, PrefixStore
+// and FileStore specifics, with FileStore used by several real processes at once. TCPStore's own
+// tests are in tcp_store_test.cpp.
 //
 // Expected values follow torch.distributed (c10d); the compare_set and add cases were checked
 // with Debian's PyTorch 1.13 (/usr/bin/python3, dist.HashStore()):
@@ -16,10 +16,12 @@
 #include <climits>
 #include <fstream>
 
+#include <ember/distributed/etcd_store.h>
 #include <ember/distributed/file_store.h>
 #include <ember/distributed/hash_store.h>
 #include <ember/distributed/prefix_store.h>
 #include <ember/distributed/tcp_store.h>
+#include "tests/distributed/etcd_test_util.h"
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {
@@ -32,7 +34,7 @@ using test::to_string;
 
 constexpr Duration kLong = std::chrono::seconds(60);  // generous: tests run on loaded machines
 
-enum class Kind { kHash, kFile, kTCP, kPrefixHash, kPrefixTCP };
+enum class Kind { kHash, kFile, kTCP, kPrefixHash, kPrefixTCP, kEtcd };
 
 std::string kind_name(Kind k) {
   switch (k) {
@@ -46,6 +48,8 @@ std::string kind_name(Kind k) {
       return "PrefixOverHash";
     case Kind::kPrefixTCP:
       return "PrefixOverTCP";
+    case Kind::kEtcd:
+      return "Etcd";
   }
   return "?";
 }
@@ -53,6 +57,7 @@ std::string kind_name(Kind k) {
 // One store under test plus whatever keeps it alive, and a way to open another handle on the
 // same keys (a second client, a second FileStore on the file, ...).
 struct Env {
+  std::unique_ptr<test::EtcdServer> etcd;
   std::unique_ptr<test::TempDir> dir;
   std::unique_ptr<TCPStoreServer> server;
   std::shared_ptr<Store> base;
@@ -99,6 +104,16 @@ Env make_env(Kind kind) {
       env.another = [h] { return h; };
       break;
     }
+    case Kind::kEtcd: {
+      env.etcd = std::make_unique<test::EtcdServer>();
+      env.another = [endpoint = env.etcd->endpoint()] {
+        EtcdStoreOptions o;
+        o.prefix = "job";
+        o.timeout = kLong;
+        return std::make_shared<EtcdStore>(endpoint, o);
+      };
+      break;
+    }
   }
   if (kind == Kind::kPrefixHash || kind == Kind::kPrefixTCP) {
     auto inner = env.another;
@@ -114,7 +129,12 @@ void PrintTo(Kind k, std::ostream* os) { *os << kind_name(k); }
 // the tests look for the key's end: "k'".
 class StoreTest : public ::testing::TestWithParam<Kind> {
  protected:
-  void SetUp() override { env_ = make_env(GetParam()); }
+  void SetUp() override {
+    if (GetParam() == Kind::kEtcd && !test::etcd_unavailable_reason().empty()) {
+      GTEST_SKIP() << test::etcd_unavailable_reason();
+    }
+    env_ = make_env(GetParam());
+  }
   Store& store() { return *env_.store; }
   Env env_;
 };
@@ -275,7 +295,7 @@ TEST_P(StoreTest, LargeValueRoundTrips) {
 
 INSTANTIATE_TEST_SUITE_P(AllStores, StoreTest,
                          ::testing::Values(Kind::kHash, Kind::kFile, Kind::kTCP, Kind::kPrefixHash,
-                                           Kind::kPrefixTCP),
+                                           Kind::kPrefixTCP, Kind::kEtcd),
                          [](const auto& info) { return kind_name(info.param); });
 
 // ---- PrefixStore ----

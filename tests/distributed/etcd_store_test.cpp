@@ -1,0 +1,195 @@
+// EtcdStore against a real etcd (Debian's etcd-server, one private server per test). The Store
+// semantics every store shares are in store_test.cpp (its "Etcd" instance); these are what is
+// etcd's own: prefixes over one cluster, atomicity across clients, leases, and etcd failing.
+#include <atomic>
+#include <thread>
+
+#include <ember/distributed/etcd_store.h>
+#include "tests/distributed/etcd_test_util.h"
+
+namespace ember::dist {
+namespace {
+
+using namespace std::chrono_literals;
+using test::expect_error;
+using test::to_bytes;
+using test::to_string;
+
+constexpr Duration kLong = std::chrono::seconds(60);
+
+std::unique_ptr<EtcdStore> open(const std::string& endpoint, const std::string& prefix,
+                                int64_t lease_ttl_s = 0, Duration timeout = kLong) {
+  EtcdStoreOptions o;
+  o.prefix = prefix;
+  o.lease_ttl_s = lease_ttl_s;
+  o.timeout = timeout;
+  return std::make_unique<EtcdStore>(endpoint, o);
+}
+
+class EtcdStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string why = test::etcd_unavailable_reason();
+    if (!why.empty()) GTEST_SKIP() << why;
+    etcd_ = std::make_unique<test::EtcdServer>();
+  }
+  void TearDown() override {
+    if (HasFailure() && etcd_) std::cerr << "etcd's log:\n" << etcd_->log_tail() << "\n";
+  }
+  std::string endpoint() const { return etcd_->endpoint(); }
+  std::unique_ptr<test::EtcdServer> etcd_;
+};
+
+TEST_F(EtcdStoreTest, PrefixesSeparateJobsOnOneCluster) {
+  auto a = open(endpoint(), "jobA");
+  auto b = open(endpoint(), "jobB");
+  a->set("k", std::string("from a"));
+  b->set("k", std::string("from b"));
+  b->set("only b", std::string("1"));
+  EXPECT_EQ(a->get_string("k"), "from a");
+  EXPECT_EQ(b->get_string("k"), "from b");
+  EXPECT_EQ(a->num_keys(), 1) << "num_keys counts this prefix's keys only";
+  EXPECT_EQ(b->num_keys(), 2);
+  EXPECT_FALSE(a->check({"only b"}));
+  auto raw = open(endpoint(), "");
+  EXPECT_EQ(raw->get_string("jobA/k"), "from a") << "keys live in etcd as <prefix>/<key>";
+  EXPECT_EQ(raw->num_keys(), 3) << "without a prefix, every key in the cluster";
+  EXPECT_TRUE(b->delete_key("k"));
+  EXPECT_EQ(a->get_string("k"), "from a");
+  // A prefix that is the start of another's ("job" of "jobA") does not see its keys.
+  EXPECT_EQ(open(endpoint(), "job")->num_keys(), 0);
+}
+
+TEST_F(EtcdStoreTest, ConcurrentAddsFromManyClientsSumExactly) {
+  constexpr int kStores = 3, kThreadsPerStore = 2, kAdds = 40;
+  std::vector<std::unique_ptr<EtcdStore>> stores;
+  for (int s = 0; s < kStores; ++s) stores.push_back(open(endpoint(), "job"));
+  std::vector<std::thread> threads;
+  std::atomic<int> errors{0};
+  for (int t = 0; t < kStores * kThreadsPerStore; ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        for (int i = 0; i < kAdds; ++i) stores[t % kStores]->add("n", t + 1);
+      } catch (const std::exception& e) {
+        ++errors;
+        ADD_FAILURE() << e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const int n = kStores * kThreadsPerStore;
+  EXPECT_EQ(errors.load(), 0);
+  EXPECT_EQ(stores[0]->add("n", 0), int64_t{kAdds} * n * (n + 1) / 2)
+      << "sum over threads t of kAdds * (t + 1): no add may be lost to a conflict";
+}
+
+TEST_F(EtcdStoreTest, ConcurrentCompareSetHasExactlyOneWinner) {
+  constexpr int kClients = 6;
+  std::vector<std::unique_ptr<EtcdStore>> stores;
+  for (int s = 0; s < kClients; ++s) stores.push_back(open(endpoint(), "job"));
+  std::vector<std::string> seen(kClients);
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      seen[c] = to_string(stores[c]->compare_set("leader", {}, to_bytes("c" + std::to_string(c))));
+    });
+  }
+  for (auto& t : threads) t.join();
+  const std::string leader = stores[0]->get_string("leader");
+  int winners = 0;
+  for (int c = 0; c < kClients; ++c) {
+    EXPECT_EQ(seen[c], leader) << "client " << c << " must be answered the winner's value";
+    winners += leader == "c" + std::to_string(c);
+  }
+  EXPECT_EQ(winners, 1);
+}
+
+// A killed agent's keys vanish: a child sets keys through a store with a 2 s lease and blocks;
+// while it lives its keepalive holds them beyond the TTL; once it is SIGKILLed, etcd deletes
+// them after the TTL, even the counter another store has read with add(key, 0). Keys of other
+// stores stay.
+TEST_F(EtcdStoreTest, LeasedKeysOutliveTheirTtlWhileRenewedAndExpireWhenTheOwnerDies) {
+  constexpr int64_t kTtl = 2;
+  test::Children child(1, [](int, const std::string& endpoint) {
+    auto s = open(endpoint, "job", kTtl);
+    test::require(s->lease_id() != 0, "the store has no lease");
+    s->set("agent/0", std::string("alive"));
+    s->add("agents", 1);
+    s->get("never set", kLong);  // blocks until the parent kills this process
+  });
+  child.go(endpoint());
+  auto observer = open(endpoint(), "job");
+  observer->set("durable", std::string("mine"));
+  ASSERT_TRUE(test::eventually([&] {
+    return observer->check({"agent/0", "agents"});
+  })) << "the child never set its keys";
+  // Three TTLs: without renewals the keys would be gone by the end.
+  const auto renewed_until = std::chrono::steady_clock::now() + std::chrono::seconds(3 * kTtl);
+  while (std::chrono::steady_clock::now() < renewed_until) {
+    ASSERT_TRUE(observer->check({"agent/0", "agents"}))
+        << "a leased key expired while its store was alive and renewing the lease";
+    std::this_thread::sleep_for(50ms);
+  }
+  // Reading the counter through another store must not take it off the child's lease.
+  EXPECT_EQ(observer->add("agents", 0), 1);
+  child.kill(0);
+  EXPECT_TRUE(test::eventually(
+      [&] { return !observer->check({"agent/0"}) && !observer->check({"agents"}); },
+      static_cast<int>(kTtl * 1000 + 10000)))
+      << "the dead child's keys did not expire within its TTL plus 10 s";
+  EXPECT_EQ(observer->get_string("durable"), "mine") << "an unleased key must stay";
+  EXPECT_EQ(observer->num_keys(), 1);
+}
+
+TEST_F(EtcdStoreTest, EtcdKilledMidCallFailsWithinTheTimeoutNamingTheEndpoint) {
+  auto s = open(endpoint(), "job", 0, 1500ms);
+  s->set("k", std::string("v"));
+  std::atomic<bool> started{false};
+  std::string error;
+  std::thread blocked([&] {
+    started = true;
+    error = test::message_of([&] { s->get("never set", 3000ms); });
+  });
+  ASSERT_TRUE(test::eventually([&] { return started.load(); }));
+  etcd_->stop();
+  blocked.join();
+  EXPECT_NE(error.find("EtcdStore get"), std::string::npos) << error;
+  EXPECT_NE(error.find(endpoint()), std::string::npos) << error;
+  expect_error<DistNetworkError>([&] { s->set("k", std::string("w")); },
+                                 {"EtcdStore set", endpoint(), "'job/k'", "1500 ms"});
+  expect_error<DistNetworkError>([&] { open(endpoint(), "job", 0, 300ms); },
+                                 {"could not reach", "etcd at " + endpoint(), "300 ms"});
+}
+
+TEST_F(EtcdStoreTest, RefusedRequestsNameEtcdsMessageAndCode) {
+  auto raw = open(endpoint(), "");
+  // etcd refuses an empty key.
+  expect_error<DistStoreError>(
+      [&] { raw->set("", std::string("x")); },
+      {"EtcdStore set", endpoint(), "HTTP 400", "INVALID_ARGUMENT", "key is not provided"});
+  raw->set("ok", std::string("1"));
+  EXPECT_EQ(raw->get_string("ok"), "1") << "the store stays usable after a refusal";
+}
+
+TEST(EtcdStore, EndpointsAreCheckedBeforeConnecting) {
+  expect_error<ValueError>([] { EtcdStore("https://127.0.0.1:2379"); }, {"https"});
+  expect_error<ValueError>([] { EtcdStore("127.0.0.1:99999"); }, {"port", "99999"});
+  expect_error<ValueError>([] { EtcdStore("127.0.0.1:"); }, {"port"});
+  expect_error<ValueError>([] { EtcdStore(":2379"); }, {"host:port"});
+  EtcdStoreOptions o;
+  o.lease_ttl_s = -1;
+  expect_error<ValueError>([&] { EtcdStore("127.0.0.1:2379", o); }, {"lease_ttl_s", "-1"});
+  o.lease_ttl_s = 0;
+  o.timeout = 0ms;
+  expect_error<ValueError>([&] { EtcdStore("127.0.0.1:2379", o); }, {"timeout must be positive"});
+}
+
+TEST(EtcdStore, NoEtcdAtTheEndpointFailsWithinTheTimeout) {
+  const std::string ep = "http://127.0.0.1:" + std::to_string(test::unused_port()) + "/";
+  expect_error<DistNetworkError>(
+      [&] { open(ep, "job", 0, 300ms); },
+      {"[EtcdStore] could not reach etcd at 127.0.0.1:", "within 300 ms", "last error"});
+}
+
+}  // namespace
+}  // namespace ember::dist
