@@ -32,15 +32,17 @@
 // their timeout) and whether the ranks it waits for are still alive (their pids, the ranks
 // sharing a PID namespace).
 //
+// Large broadcasts, gathers, scatters and alltoalls skip the segment's slots and copy straight
+// between the ranks' buffers (Note [single-copy collectives] in shm_single_copy.cpp).
+//
 // The segment is unlinked as soon as every rank has mapped it, so nothing is left in /dev/shm
 // however the processes end after the group's set-up.
 //
-// allreduce_coalesced runs the same steps over several buffers taken as one (Segments in detail/shm_segments.h):
+// allreduce_coalesced runs the same steps over several buffers taken as one (Segments below):
 // a chunk may span buffers, and nothing is packed. The other collectives run in the same steps
 // (run_steps below; Note [shared-memory collectives] in shm_collectives.cpp), and at the first
 // step of every collective each rank checks that all ranks passed the same description.
 #include <ember/distributed/detail/shm_allreduce.h>
-#include <ember/distributed/detail/shm_segments.h>
 
 #include <fcntl.h>
 #include <signal.h>
@@ -228,8 +230,9 @@ bool map_segment(const std::string& name, size_t bytes, bool create, Mapping& m,
 // ---- set-up -------------------------------------------------------------------------------------
 
 std::unique_ptr<ShmAllreduce> ShmAllreduce::create(Store& store, int rank, int size, int channels,
-                                                   Duration timeout) {
-  const size_t single_copy = single_copy_bytes_from_env();
+                                                   Duration timeout, size_t single_copy_bytes) {
+  const size_t single_copy =
+      single_copy_bytes > 0 ? single_copy_bytes : single_copy_bytes_from_env();
   const std::string key = machine_key();
   store.set("ember_shm/key/" + std::to_string(rank), key.empty() ? std::string("?") : key);
   const size_t chunk = chunk_for(size, channels);
@@ -308,8 +311,7 @@ ShmAllreduce::ShmAllreduce(int rank, int size, int channels, size_t chunk, void*
       base_(base),
       bytes_(bytes),
       turn_(static_cast<size_t>(channels), 0),
-      step_(static_cast<size_t>(channels), 0),
-      scratch_(static_cast<size_t>(channels)) {}
+      step_(static_cast<size_t>(channels), 0) {}
 
 ShmAllreduce::~ShmAllreduce() { ::munmap(base_, bytes_); }
 
@@ -560,6 +562,43 @@ void ShmAllreduce::combine(char* out, const std::vector<const void*>& srcs, size
 
 // ---- the allreduce ------------------------------------------------------------------------------
 
+namespace {
+
+// Spans of elements taken as one buffer, the concatenation of the spans.
+class Segments {
+ public:
+  Segments(const std::vector<ShmAllreduce::Span>& spans, size_t elem) : spans_(spans), elem_(elem) {
+    starts_.reserve(spans.size());
+    for (const auto& s : spans) {
+      starts_.push_back(count_);
+      count_ += s.count;
+    }
+  }
+  size_t count() const { return count_; }
+
+  // f(pointer, position, n) for each piece of elements [a, b) that lies in one span, in order;
+  // `position` is the piece's first element in the concatenation.
+  template <typename F>
+  void for_each(size_t a, size_t b, F&& f) const {
+    if (a >= b) return;
+    size_t i = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), a) -
+                                   starts_.begin()) - 1;
+    while (a < b) {
+      const size_t end = std::min(b, starts_[i] + spans_[i].count);
+      if (end > a) f(static_cast<char*>(spans_[i].data) + (a - starts_[i]) * elem_, a, end - a);
+      a = std::max(a, end);
+      ++i;
+    }
+  }
+
+ private:
+  const std::vector<ShmAllreduce::Span>& spans_;
+  size_t elem_;
+  std::vector<size_t> starts_;
+  size_t count_ = 0;
+};
+
+}  // namespace
 
 // The steps of Note [shared-memory allreduce]; a reduce (desc.root >= 0) runs the same steps,
 // but only its root keeps the reduced shares.
@@ -568,7 +607,6 @@ void ShmAllreduce::reduce_spans(uint64_t ticket, const std::vector<Span>& spans,
   const size_t elem = static_cast<size_t>(itemsize(desc.dtype));
   const Segments data(spans, elem);
   const size_t count = data.count();
-  if (single_copy(count * elem)) return reduce_spans_direct(ticket, spans, desc, red, deadline);
   const size_t per_chunk = chunk_ / elem;
   const size_t chunks = (count + per_chunk - 1) / per_chunk;
   const bool keep = desc.root < 0 || desc.root == rank_;

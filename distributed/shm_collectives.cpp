@@ -58,7 +58,9 @@ void copy(void* dst, const void* src, size_t bytes) {
 void ShmAllreduce::broadcast(uint64_t ticket, void* data, size_t count, Dtype dtype, int root,
                              Clock::time_point deadline) {
   const size_t elem = static_cast<size_t>(itemsize(dtype));
-  if (single_copy(count * elem)) return broadcast_direct(ticket, data, count, dtype, root, deadline);
+  if (single_copy(count * elem)) {
+    return broadcast_direct(ticket, data, count, dtype, root, deadline);
+  }
   const size_t per = chunk_ * static_cast<size_t>(size_) / elem;  // all slots, contiguous
   run_steps(ticket, Desc{Kind::Broadcast, dtype, count, ReduceOp::Sum, root},
             div_up(count, per), deadline, [&](Phase phase, size_t k, const Area& area) {
@@ -139,9 +141,6 @@ void ShmAllreduce::reduce_scatter(uint64_t ticket, const std::vector<const void*
                                   void* out, size_t count, Dtype dtype, const Reduction& red,
                                   Clock::time_point deadline) {
   const size_t elem = static_cast<size_t>(itemsize(dtype));
-  if (single_copy(count * elem)) {
-    return reduce_scatter_direct(ticket, blocks, out, count, dtype, red, deadline);
-  }
   const size_t per = block_piece(dtype);
   std::vector<const void*> srcs(static_cast<size_t>(size_));
   run_steps(ticket, Desc{Kind::ReduceScatter, dtype, count, red.op, -1}, div_up(count, per),

@@ -1,30 +1,32 @@
 // Note [single-copy collectives]
 // The staged collectives (Note [shared-memory collectives]) copy every byte into the segment and
-// out again. For large blocks a rank instead copies straight between its buffer and its peers'
-// with Linux cross-memory attach (process_vm_readv / process_vm_writev: the kernel copies
-// between the two address spaces, one copy per byte). Each such collective is one step of
+// out again, and each step's copy out waits for its copy in. For large blocks the collectives
+// that only move data (broadcast, allgather, gather, scatter, alltoall) instead copy straight
+// from the peers' buffers into this rank's with Linux cross-memory attach (process_vm_readv:
+// the kernel copies between the two address spaces, one copy per byte). Each is one step of
 // run_steps:
 //   Publish: a rank writes into its own slot a table of its buffers' addresses and sizes (in its
 //     own address space), then raises arrive;
 //   Combine (once every rank published, and the ranks agree on the collective): a rank reads the
-//     tables and moves the data it is responsible for;
+//     tables and copies what it receives from the peers' buffers into its own;
 //   the reduced wait: nobody returns, and so nobody reuses or frees a buffer, until every rank is
-//     done with the others' buffers.
-// Who moves what:
-//   broadcast: each non-root reads root's buffer into its own.
-//   allgather, gather: each collecting rank reads every peer's input into its outputs.
+//     done reading the others'.
+// Who reads what:
+//   broadcast: each non-root reads root's buffer.
+//   allgather, gather: each collecting rank reads every peer's input into its outputs (starting
+//     at the next rank, so that the ranks' reads spread over different peers).
 //   scatter: each non-root reads its block from root's inputs.
 //   alltoall: rank j reads block j of every peer's inputs.
-//   reduce_scatter: rank r reads block r of every peer in pieces that stay in cache, reduces
-//     them with its own block in rank order and writes its output.
-//   allreduce, reduce: rank r reduces share r (1/size of the buffer) the same way, then writes the
-//     reduced piece into its own buffer and into every peer's (reduce: into root's only). Share r
-//     of every buffer is read and written by rank r alone, so no rank's writes race another's
-//     reads, and each element is reduced once, by one rank, in rank order: bitwise the same
-//     result everywhere, as on the staged path.
-// A rank moves each byte once instead of twice (a reduction reads its peers' share once and
-// writes the result once per rank), and no slot size caps a step, so there is one
-// synchronisation per collective instead of two per chunk.
+// A rank copies each byte it receives once instead of the sender copying it in and the receiver
+// copying it out, and no slot size caps a step: one synchronisation per collective instead of
+// two per chunk.
+//
+// The reductions (allreduce, reduce, reduce_scatter) stay staged. Cross-memory attach cannot
+// let a rank reduce straight from its peer's pages: it copies them into this rank's memory
+// first, so a reduction would make the same number of copies as the staged one (there the peer
+// makes the copy into the slot, in parallel with this rank's), and it measured slower
+// (docs/distributed_pg.md). Reading peers' buffers without a copy needs them mapped into this
+// process, that is tensors allocated in shared memory.
 //
 // When: every rank must take the same path, so the choice depends only on the collective's
 // description, which every rank checks at the first step (a rank that passed another count
@@ -42,6 +44,9 @@
 // Failures read as on the staged path: a peer that died makes process_vm_readv fail with ESRCH,
 // which names the rank and its pid; a rank waiting for a dead one names it from its pid as
 // before; any failure aborts the group's other ranks through the abort word.
+#include <ember/distributed/detail/shm_allreduce.h>
+#include <ember/distributed/errors.h>
+#include <ember/tensor/log.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -52,21 +57,13 @@
 #include <cstring>
 #include <stdexcept>
 
-#include <ember/distributed/detail/shm_allreduce.h>
-#include <ember/distributed/detail/shm_segments.h>
-#include <ember/distributed/errors.h>
-#include <ember/tensor/log.h>
-
 namespace ember::detail {
 
 namespace {
 
 // The smallest block that takes single copies unless EMBER_GLOO_SHM_SINGLE_COPY_BYTES says:
 // below it the system calls and page pinning cost more than the staged copies they save.
-constexpr size_t kDefaultSingleCopyBytes = size_t{256} << 10;
-// A reduction reads its peers' parts in pieces of this many bytes per rank, so that a piece is
-// still in cache when it is reduced and written out.
-constexpr size_t kPieceBytes = size_t{128} << 10;
+constexpr size_t kDefaultSingleCopyBytes = size_t{2} << 20;
 // What the ranks read from each other when the group is made, to learn whether they may.
 constexpr uint64_t kProbeValue = 0x454d4252434d4121ULL;  // "EMBRCMA!"
 volatile uint64_t probe_word = kProbeValue;
@@ -78,8 +75,8 @@ size_t parse_env(const char* name, size_t lo, size_t hi, const char* what) {
   errno = 0;
   const unsigned long long x = std::strtoull(v, &end, 10);
   if (*v == '-' || errno != 0 || *end != '\0' || x < lo || x > hi) {
-    throw ValueError(str_cat(name, "='", v, "' must be an integer in [", lo, ", ", hi, "] (",
-                             what, ")"));
+    throw ValueError(
+        str_cat(name, "='", v, "' must be an integer in [", lo, ", ", hi, "] (", what, ")"));
   }
   return static_cast<size_t>(x);
 }
@@ -109,18 +106,8 @@ void advance(std::vector<iovec>& v, size_t& i, size_t n) {
   }
 }
 
-const void* offset(const void* p, size_t bytes) { return static_cast<const char*>(p) + bytes; }
-void* offset(void* p, size_t bytes) { return static_cast<char*>(p) + bytes; }
-
 void copy(void* dst, const void* src, size_t bytes) {
   if (dst != src && bytes > 0) std::memcpy(dst, src, bytes);
-}
-
-// The entries of rank r's table within elements [a, b) of its buffers taken as one.
-std::vector<ShmAllreduce::Entry> entries_in(const Segments& s, size_t a, size_t b, size_t elem) {
-  std::vector<ShmAllreduce::Entry> v;
-  s.for_each(a, b, [&](char* p, size_t, size_t n) { v.push_back({p, n * elem}); });
-  return v;
 }
 
 }  // namespace
@@ -139,14 +126,14 @@ void ShmAllreduce::agree_single_copy(Store& store, size_t wanted, Duration timeo
             std::to_string(reinterpret_cast<uintptr_t>(&probe_word)));
   std::string why;
   for (int r = 0; r < size_ && wanted != SIZE_MAX; ++r) {
-    const uintptr_t at = std::stoull(store.get_string("ember_shm/probe/" + std::to_string(r),
-                                                      timeout));
+    const uintptr_t at =
+        std::stoull(store.get_string("ember_shm/probe/" + std::to_string(r), timeout));
     uint64_t got = 0;
     iovec local{&got, sizeof(got)}, remote{reinterpret_cast<void*>(at), sizeof(got)};
     if (::process_vm_readv(pid_of(r), &local, 1, &remote, 1, 0) != sizeof(got) ||
         got != kProbeValue) {
-      why = str_cat("reading rank ", r, " (pid ", pid_of(r), ") failed: ",
-                    got == 0 ? std::strerror(errno) : "wrong value");
+      why = str_cat("reading rank ", r, " (pid ", pid_of(r),
+                    ") failed: ", got == 0 ? std::strerror(errno) : "wrong value");
       wanted = SIZE_MAX;
     }
   }
@@ -171,28 +158,27 @@ bool ShmAllreduce::single_copy(size_t bytes) {
   return true;
 }
 
-void ShmAllreduce::peer_copy(int r, const std::vector<Entry>& local,
-                             const std::vector<Entry>& remote, bool write,
-                             const char* kind) const {
+void ShmAllreduce::peer_read(int r, const std::vector<Entry>& local,
+                             const std::vector<Entry>& remote, const char* kind) const {
   std::vector<iovec> l = iovecs(local), m = iovecs(remote);
   size_t li = 0, mi = 0;
   const int pid = pid_of(r);
   while (li < l.size() && mi < m.size()) {
     const auto ln = static_cast<unsigned long>(std::min<size_t>(IOV_MAX, l.size() - li));
     const auto mn = static_cast<unsigned long>(std::min<size_t>(IOV_MAX, m.size() - mi));
-    const ssize_t done = write ? ::process_vm_writev(pid, &l[li], ln, &m[mi], mn, 0)
-                               : ::process_vm_readv(pid, &l[li], ln, &m[mi], mn, 0);
+    const ssize_t done = ::process_vm_readv(pid, &l[li], ln, &m[mi], mn, 0);
     if (done < 0 && errno == EINTR) continue;
     if (done <= 0) {
       const int e = done < 0 ? errno : EFAULT;
       if (e == ESRCH) {
         throw std::runtime_error(str_cat("rank ", r, " (pid ", pid, ") exited while this rank ",
-                                         write ? "wrote its part of" : "read its part of",
-                                         " the shared-memory ", kind, " (single copy)"));
+                                         "read its part of the shared-memory ", kind,
+                                         " (single copy)"));
       }
       throw std::runtime_error(str_cat("cross-memory attach to rank ", r, " (pid ", pid,
                                        ") failed in the shared-memory ", kind, ": ",
-                                       std::strerror(e), " (EMBER_GLOO_SHM_SINGLE_COPY=0 "
+                                       std::strerror(e),
+                                       " (EMBER_GLOO_SHM_SINGLE_COPY=0 "
                                        "stages every byte through the segment instead)"));
     }
     advance(l, li, static_cast<size_t>(done));
@@ -237,8 +223,7 @@ void ShmAllreduce::broadcast_direct(uint64_t ticket, void* data, size_t count, D
   run_direct(ticket, Desc{Kind::Broadcast, dtype, count, ReduceOp::Sum, root}, {{data, bytes}},
              deadline, [&](const std::vector<std::vector<Entry>>& tables) {
                if (rank_ != root) {
-                 peer_copy(root, {{data, bytes}}, tables[static_cast<size_t>(root)], false,
-                           "broadcast");
+                 peer_read(root, {{data, bytes}}, tables[static_cast<size_t>(root)], "broadcast");
                }
              });
 }
@@ -258,29 +243,27 @@ void ShmAllreduce::gather_direct(uint64_t ticket, const void* in, const std::vec
                  if (r == rank_) {
                    copy(outs[R], in, bytes);
                  } else {
-                   peer_copy(r, {{outs[R], bytes}}, tables[R], false,
-                             root < 0 ? "allgather" : "gather");
+                   peer_read(r, {{outs[R], bytes}}, tables[R], root < 0 ? "allgather" : "gather");
                  }
                }
              });
 }
 
 void ShmAllreduce::scatter_direct(uint64_t ticket, const std::vector<const void*>& ins, void* out,
-                                  size_t count, Dtype dtype, int root,
-                                  Clock::time_point deadline) {
+                                  size_t count, Dtype dtype, int root, Clock::time_point deadline) {
   const size_t bytes = count * static_cast<size_t>(itemsize(dtype));
   std::vector<Entry> mine;
   for (const void* p : ins) mine.push_back({p, bytes});
-  run_direct(ticket, Desc{Kind::Scatter, dtype, count, ReduceOp::Sum, root}, mine, deadline,
-             [&](const std::vector<std::vector<Entry>>& tables) {
-               const auto me = static_cast<size_t>(rank_);
-               if (rank_ == root) {
-                 copy(out, ins[me], bytes);
-               } else {
-                 peer_copy(root, {{out, bytes}}, {tables[static_cast<size_t>(root)][me]}, false,
-                           "scatter");
-               }
-             });
+  run_direct(
+      ticket, Desc{Kind::Scatter, dtype, count, ReduceOp::Sum, root}, mine, deadline,
+      [&](const std::vector<std::vector<Entry>>& tables) {
+        const auto me = static_cast<size_t>(rank_);
+        if (rank_ == root) {
+          copy(out, ins[me], bytes);
+        } else {
+          peer_read(root, {{out, bytes}}, {tables[static_cast<size_t>(root)][me]}, "scatter");
+        }
+      });
 }
 
 void ShmAllreduce::alltoall_direct(uint64_t ticket, const std::vector<const void*>& ins,
@@ -298,120 +281,10 @@ void ShmAllreduce::alltoall_direct(uint64_t ticket, const std::vector<const void
                  if (j == rank_) {
                    copy(outs[J], ins[J], bytes);
                  } else {
-                   peer_copy(j, {{outs[J], bytes}}, {tables[J][me]}, false, "alltoall");
+                   peer_read(j, {{outs[J], bytes}}, {tables[J][me]}, "alltoall");
                  }
                }
              });
-}
-
-// ---- reductions ---------------------------------------------------------------------------------
-
-// Piece r of the channel's scratch, `pieces` pieces of kPieceBytes: one per peer for what it
-// read from that peer, and this rank's for the reduced piece.
-namespace {
-char* scratch_piece(std::vector<char>& scratch, int pieces, int r) {
-  const size_t need = kPieceBytes * static_cast<size_t>(pieces);
-  if (scratch.size() < need) scratch.resize(need);
-  return scratch.data() + kPieceBytes * static_cast<size_t>(r);
-}
-}  // namespace
-
-void ShmAllreduce::reduce_scatter_direct(uint64_t ticket, const std::vector<const void*>& blocks,
-                                         void* out, size_t count, Dtype dtype,
-                                         const Reduction& red, Clock::time_point deadline) {
-  const size_t elem = static_cast<size_t>(itemsize(dtype));
-  const size_t per = kPieceBytes / elem;
-  std::vector<char>& scratch = scratch_[ticket % static_cast<size_t>(channels_)];
-  std::vector<Entry> mine;
-  for (const void* p : blocks) mine.push_back({p, count * elem});
-  std::vector<const void*> srcs(static_cast<size_t>(size_));
-  const auto me = static_cast<size_t>(rank_);
-  run_direct(ticket, Desc{Kind::ReduceScatter, dtype, count, red.op, -1}, mine, deadline,
-             [&](const std::vector<std::vector<Entry>>& tables) {
-               for (size_t first = 0; first < count; first += per) {
-                 const size_t n = std::min(per, count - first);
-                 for (int r = 0; r < size_; ++r) {
-                   const auto R = static_cast<size_t>(r);
-                   if (r == rank_) {
-                     srcs[R] = offset(blocks[me], first * elem);
-                     continue;
-                   }
-                   char* p = scratch_piece(scratch, size_, r);
-                   peer_copy(r, {{p, n * elem}}, {{offset(tables[R][me].data, first * elem),
-                                                    n * elem}},
-                             false, "reduce_scatter");
-                   srcs[R] = p;
-                 }
-                 // Through scratch: out may be blocks[rank] itself, still a source.
-                 char* reduced = scratch_piece(scratch, size_, rank_);
-                 combine(reduced, srcs, n, red);
-                 std::memcpy(offset(out, first * elem), reduced, n * elem);
-               }
-             });
-}
-
-void ShmAllreduce::reduce_spans_direct(uint64_t ticket, const std::vector<Span>& spans,
-                                       const Desc& desc, const Reduction& red,
-                                       Clock::time_point deadline) {
-  const size_t elem = static_cast<size_t>(itemsize(desc.dtype));
-  const size_t per = kPieceBytes / elem;
-  const Segments data(spans, elem);
-  const size_t count = data.count();
-  if (2 * spans.size() + 1 > chunk_ / sizeof(uint64_t)) {
-    // More buffers than a slot's table holds: packed into one and back, so that this rank
-    // still takes the path that every rank takes.
-    std::vector<char> packed(count * elem);
-    data.for_each(0, count, [&](char* p, size_t pos, size_t n) {
-      std::memcpy(packed.data() + pos * elem, p, n * elem);
-    });
-    reduce_spans_direct(ticket, {Span{packed.data(), count}}, desc, red, deadline);
-    data.for_each(0, count, [&](char* p, size_t pos, size_t n) {
-      std::memcpy(p, packed.data() + pos * elem, n * elem);
-    });
-    return;
-  }
-  const char* kind = desc.root < 0 ? "allreduce" : "reduce";
-  std::vector<char>& scratch = scratch_[ticket % static_cast<size_t>(channels_)];
-  std::vector<Entry> mine;
-  for (const Span& s : spans) mine.push_back({s.data, s.count * elem});
-  const bool keep = desc.root < 0 || desc.root == rank_;
-  std::vector<const void*> srcs(static_cast<size_t>(size_));
-  run_direct(ticket, desc, mine, deadline, [&](const std::vector<std::vector<Entry>>& tables) {
-    // Every rank's buffers, as spans of its own address space.
-    std::vector<std::vector<Span>> their(static_cast<size_t>(size_));
-    for (int r = 0; r < size_; ++r) {
-      for (const Entry& e : tables[static_cast<size_t>(r)]) {
-        their[static_cast<size_t>(r)].push_back({const_cast<void*>(e.data), e.bytes / elem});
-      }
-    }
-    std::vector<Segments> peers;
-    peers.reserve(their.size());
-    for (const auto& t : their) peers.emplace_back(t, elem);
-    const size_t a = count * static_cast<size_t>(rank_) / static_cast<size_t>(size_);
-    const size_t b = count * static_cast<size_t>(rank_ + 1) / static_cast<size_t>(size_);
-    char* reduced = scratch_piece(scratch, size_, rank_);
-    for (size_t first = a; first < b; first += per) {
-      const size_t last = std::min(b, first + per);
-      for (int r = 0; r < size_; ++r) {
-        if (r == rank_) continue;
-        peer_copy(r, {{scratch_piece(scratch, size_, r), (last - first) * elem}},
-                  entries_in(peers[static_cast<size_t>(r)], first, last, elem), false, kind);
-      }
-      data.for_each(first, last, [&](char* own, size_t pos, size_t n) {
-        for (int r = 0; r < size_; ++r) {
-          srcs[static_cast<size_t>(r)] =
-              r == rank_ ? own : scratch_piece(scratch, size_, r) + (pos - first) * elem;
-        }
-        combine(reduced + (pos - first) * elem, srcs, n, red);
-        if (keep) std::memcpy(own, reduced + (pos - first) * elem, n * elem);
-      });
-      for (int r = 0; r < size_; ++r) {
-        if (r == rank_ || (desc.root >= 0 && r != desc.root)) continue;
-        peer_copy(r, {{reduced, (last - first) * elem}},
-                  entries_in(peers[static_cast<size_t>(r)], first, last, elem), true, kind);
-      }
-    }
-  });
 }
 
 }  // namespace ember::detail

@@ -45,8 +45,10 @@ class ShmAllreduce {
   /// EMBER_GLOO_SHM_SINGLE_COPY_BYTES (the smallest block that takes them): SIZE_MAX when off.
   /// Throws ValueError for a value that is not one of those.
   static size_t single_copy_bytes_from_env();
+  /// `single_copy_bytes`: what this rank asks for as single_copy_bytes() (SIZE_MAX: none);
+  /// 0 takes single_copy_bytes_from_env().
   static std::unique_ptr<ShmAllreduce> create(Store& store, int rank, int size, int channels,
-                                              Duration timeout);
+                                              Duration timeout, size_t single_copy_bytes = 0);
   ~ShmAllreduce();
   ShmAllreduce(const ShmAllreduce&) = delete;
   ShmAllreduce& operator=(const ShmAllreduce&) = delete;
@@ -116,9 +118,9 @@ class ShmAllreduce {
                 const std::vector<void*>& outs, size_t count, Dtype dtype,
                 Clock::time_point deadline);
 
-  /// Collectives whose block (one rank's share of the data: count x element size; the whole
-  /// buffer for allreduce and reduce) has at least this many bytes read and write the peers'
-  /// buffers directly instead of staging through the segment (Note [single-copy collectives]);
+  /// Broadcasts, gathers, scatters and alltoalls whose block (`count` x element size) has at
+  /// least this many bytes read the peers' buffers directly instead of staging through the
+  /// segment (Note [single-copy collectives]);
   /// SIZE_MAX when the group cannot (cross-memory attach refused or turned off on some rank).
   /// The same on every rank.
   size_t single_copy_bytes() const { return single_copy_bytes_; }
@@ -188,11 +190,11 @@ class ShmAllreduce {
   using DirectFn = std::function<void(const std::vector<std::vector<Entry>>& tables)>;
   void run_direct(uint64_t ticket, const Desc& desc, const std::vector<Entry>& mine,
                   Clock::time_point deadline, const DirectFn& body);
-  /// Copies between this process's `local` bytes and rank r's (`remote`, addresses in r's
-  /// process; the lists may be cut differently) with cross-memory attach: reads r's into ours,
-  /// or writes ours into r's. Throws naming r if it exited or refuses.
-  void peer_copy(int r, const std::vector<Entry>& local, const std::vector<Entry>& remote,
-                 bool write, const char* kind) const;
+  /// Copies rank r's `remote` bytes (addresses in r's process) into this process's `local`
+  /// ones (the lists may be cut differently) with cross-memory attach. Throws naming r if it
+  /// exited or the kernel refuses.
+  void peer_read(int r, const std::vector<Entry>& local, const std::vector<Entry>& remote,
+                 const char* kind) const;
   /// Rank r's pid (all ranks share a PID namespace).
   int pid_of(int r) const;
   void broadcast_direct(uint64_t ticket, void* data, size_t count, Dtype dtype, int root,
@@ -204,11 +206,6 @@ class ShmAllreduce {
   void alltoall_direct(uint64_t ticket, const std::vector<const void*>& ins,
                        const std::vector<void*>& outs, size_t count, Dtype dtype,
                        Clock::time_point deadline);
-  void reduce_scatter_direct(uint64_t ticket, const std::vector<const void*>& blocks, void* out,
-                             size_t count, Dtype dtype, const Reduction& r,
-                             Clock::time_point deadline);
-  void reduce_spans_direct(uint64_t ticket, const std::vector<Span>& spans, const Desc& desc,
-                           const Reduction& r, Clock::time_point deadline);
 
   ShmAllreduce(int rank, int size, int channels, size_t chunk, void* base, size_t bytes);
   void wait_turn(uint64_t ticket, Clock::time_point deadline);
@@ -228,7 +225,6 @@ class ShmAllreduce {
   bool aborted_ = false;  // abort() was called here: waiting turns give up
   size_t single_copy_bytes_ = SIZE_MAX;
   std::atomic<uint64_t> single_copies_{0};
-  std::vector<std::vector<char>> scratch_;  // per channel: single-copy reductions' pieces
 };
 
 }  // namespace ember::detail
