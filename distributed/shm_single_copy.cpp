@@ -110,6 +110,17 @@ void copy(void* dst, const void* src, size_t bytes) {
   if (dst != src && bytes > 0) std::memcpy(dst, src, bytes);
 }
 
+// Entry i of rank r's table; throws if r published fewer.
+ShmAllreduce::Entry entry(const std::vector<std::vector<ShmAllreduce::Entry>>& tables, int r,
+                          size_t i) {
+  const auto& t = tables[static_cast<size_t>(r)];
+  if (i >= t.size()) {
+    throw std::runtime_error(str_cat("rank ", r, " published ", t.size(), " buffers, fewer than ",
+                                     i + 1, " (single copy)"));
+  }
+  return t[i];
+}
+
 }  // namespace
 
 size_t ShmAllreduce::single_copy_bytes_from_env() {
@@ -184,6 +195,12 @@ void ShmAllreduce::peer_read(int r, const std::vector<Entry>& local,
     advance(l, li, static_cast<size_t>(done));
     advance(m, mi, static_cast<size_t>(done));
   }
+  if (li < l.size()) {
+    throw std::runtime_error(str_cat("rank ", r,
+                                     " published fewer bytes than this rank reads in "
+                                     "the shared-memory ",
+                                     kind, " (single copy)"));
+  }
 }
 
 void ShmAllreduce::run_direct(uint64_t ticket, const Desc& desc, const std::vector<Entry>& mine,
@@ -254,16 +271,15 @@ void ShmAllreduce::scatter_direct(uint64_t ticket, const std::vector<const void*
   const size_t bytes = count * static_cast<size_t>(itemsize(dtype));
   std::vector<Entry> mine;
   for (const void* p : ins) mine.push_back({p, bytes});
-  run_direct(
-      ticket, Desc{Kind::Scatter, dtype, count, ReduceOp::Sum, root}, mine, deadline,
-      [&](const std::vector<std::vector<Entry>>& tables) {
-        const auto me = static_cast<size_t>(rank_);
-        if (rank_ == root) {
-          copy(out, ins[me], bytes);
-        } else {
-          peer_read(root, {{out, bytes}}, {tables[static_cast<size_t>(root)][me]}, "scatter");
-        }
-      });
+  run_direct(ticket, Desc{Kind::Scatter, dtype, count, ReduceOp::Sum, root}, mine, deadline,
+             [&](const std::vector<std::vector<Entry>>& tables) {
+               const auto me = static_cast<size_t>(rank_);
+               if (rank_ == root) {
+                 copy(out, ins[me], bytes);
+               } else {
+                 peer_read(root, {{out, bytes}}, {entry(tables, root, me)}, "scatter");
+               }
+             });
 }
 
 void ShmAllreduce::alltoall_direct(uint64_t ticket, const std::vector<const void*>& ins,
@@ -281,7 +297,7 @@ void ShmAllreduce::alltoall_direct(uint64_t ticket, const std::vector<const void
                  if (j == rank_) {
                    copy(outs[J], ins[J], bytes);
                  } else {
-                   peer_read(j, {{outs[J], bytes}}, {tables[J][me]}, "alltoall");
+                   peer_read(j, {{outs[J], bytes}}, {entry(tables, j, me)}, "alltoall");
                  }
                }
              });

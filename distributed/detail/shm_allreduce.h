@@ -1,16 +1,15 @@
 // The shared-memory collectives that ProcessGroupGloo uses when every rank of the group runs on
 // this machine (Note [shared-memory allreduce] in shm_allreduce.cpp, Note [shared-memory
 // collectives] in shm_collectives.cpp, Note [single-copy collectives] in shm_single_copy.cpp).
-// Internal: not installed,
-// not part of the public API.
+// Internal: not installed, not part of the public API.
 #pragma once
 
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
 #include <functional>
-#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -35,16 +34,16 @@ class ShmAllreduce {
   /// x[i] /= divisor for i < n (ReduceOp::Avg's last step).
   using DivideFn = void (*)(void* x, size_t n, int divisor);
 
+  /// Single copies from EMBER_GLOO_SHM_SINGLE_COPY (0 or 1, default 1) and
+  /// EMBER_GLOO_SHM_SINGLE_COPY_BYTES (the smallest block that takes them): SIZE_MAX when off.
+  /// Throws ValueError for a value that is not one of those.
+  static size_t single_copy_bytes_from_env();
   /// Collective: every rank of the group calls it once, right after the group has connected.
   /// Returns a channel set shared by all `size` ranks when they all run on this machine (same
   /// boot, network and PID namespaces, and the segment opens on every rank); otherwise null.
   /// `channels` is how many collectives may run at once on a rank
   /// (the group's worker threads). Keys are written under "ember_shm/" in `store`, which must
   /// be private to the group. Throws DistTimeoutError if a rank does not take part in time.
-  /// Single copies from EMBER_GLOO_SHM_SINGLE_COPY (0 or 1, default 1) and
-  /// EMBER_GLOO_SHM_SINGLE_COPY_BYTES (the smallest block that takes them): SIZE_MAX when off.
-  /// Throws ValueError for a value that is not one of those.
-  static size_t single_copy_bytes_from_env();
   /// `single_copy_bytes`: what this rank asks for as single_copy_bytes() (SIZE_MAX: none);
   /// 0 takes single_copy_bytes_from_env().
   static std::unique_ptr<ShmAllreduce> create(Store& store, int rank, int size, int channels,
@@ -66,7 +65,7 @@ class ShmAllreduce {
     void* data;
     size_t count;
   };
-  /// A buffer that a rank publishes for its peers to read or write (Note [single-copy
+  /// A buffer that a rank publishes for its peers to read (Note [single-copy
   /// collectives]): `data` is an address in the publishing rank's process.
   struct Entry {
     const void* data;
@@ -120,9 +119,8 @@ class ShmAllreduce {
 
   /// Broadcasts, gathers, scatters and alltoalls whose block (`count` x element size) has at
   /// least this many bytes read the peers' buffers directly instead of staging through the
-  /// segment (Note [single-copy collectives]);
-  /// SIZE_MAX when the group cannot (cross-memory attach refused or turned off on some rank).
-  /// The same on every rank.
+  /// segment (Note [single-copy collectives]); SIZE_MAX when the group cannot (cross-memory
+  /// attach refused or turned off on some rank). The same on every rank.
   size_t single_copy_bytes() const { return single_copy_bytes_; }
   /// How many collectives took the single-copy path on this rank so far.
   uint64_t single_copies() const { return single_copies_.load(); }

@@ -3,6 +3,10 @@
 // the path: every rank asks for single copies from 1 byte (always), or for none (the staged
 // path), and the results must be bitwise the staged path's. Ranks are forked processes (cross-
 // memory attach between processes) and threads of this process (between threads).
+#include <ember/distributed/detail/shm_allreduce.h>
+#include <ember/distributed/hash_store.h>
+#include <ember/distributed/prefix_store.h>
+#include <ember/distributed/tcp_store.h>
 #include <gtest/gtest.h>
 #include <linux/capability.h>
 #include <sys/prctl.h>
@@ -17,10 +21,6 @@
 #include <thread>
 
 #include "tests/distributed/store_test_util.h"
-#include <ember/distributed/detail/shm_allreduce.h>
-#include <ember/distributed/hash_store.h>
-#include <ember/distributed/prefix_store.h>
-#include <ember/distributed/tcp_store.h>
 
 namespace ember::dist {
 namespace {
@@ -122,8 +122,8 @@ struct Size {
   Dtype d;
   size_t count;
 };
-const Size kSizes[] = {{kFloat32, 0},      {kFloat32, 1},   {kFloat32, 1001},
-                       {kFloat16, 300007}, {kInt64, 1001},  {kUInt8, 1100003}};
+const Size kSizes[] = {{kFloat32, 0},      {kFloat32, 1},  {kFloat32, 1001},
+                       {kFloat16, 300007}, {kInt64, 1001}, {kUInt8, 1100003}};
 
 // Runs every op at every size on `direct` (single copies always) and `staged`, and requires
 // bitwise the same outputs; then that the direct group took the single-copy path for each
@@ -138,8 +138,9 @@ void compare_paths(ShmAllreduce& direct, ShmAllreduce& staged, int rank, int n) 
     for (const Size& s : kSizes) {
       const std::vector<Bytes> a = op.run(direct, rank, n, s.count, s.d);
       const std::vector<Bytes> b = op.run(staged, rank, n, s.count, s.d);
-      require(a == b, std::string(op.name) + " of " + std::to_string(s.count) + " elements on rank " +
-                          std::to_string(rank) + ": the single-copy and staged paths differ");
+      require(a == b, std::string(op.name) + " of " + std::to_string(s.count) +
+                          " elements on rank " + std::to_string(rank) +
+                          ": the single-copy and staged paths differ");
       calls += s.count > 0;
     }
   }
@@ -239,9 +240,9 @@ TEST_P(ShmSingleCopy, OneRefusingRankKeepsTheGroupStaged) {
     check_allgather(*refused, rank, n);
     require(refused->single_copies() == 0, "a single copy with a refusing rank");
     auto larger = make(store, "larger", rank, n, rank == 0 ? 5000 : 100);
-    require(larger->single_copy_bytes() == 5000,
-            "rank " + std::to_string(rank) + ": agreed threshold " +
-                std::to_string(larger->single_copy_bytes()));
+    require(larger->single_copy_bytes() == 5000, "rank " + std::to_string(rank) +
+                                                     ": agreed threshold " +
+                                                     std::to_string(larger->single_copy_bytes()));
   });
 }
 
@@ -260,8 +261,8 @@ TEST_P(ShmSingleCopy, KernelRefusalKeepsTheGroupStaged) {
     auto shm = make(store, "kernel", rank, n, kAlways);
     require(shm->single_copy_bytes() == kNever,
             "rank " + std::to_string(rank) + ": single_copy_bytes() is " +
-                std::to_string(shm->single_copy_bytes()) + " though rank " +
-                std::to_string(n - 1) + " cannot be read");
+                std::to_string(shm->single_copy_bytes()) + " though rank " + std::to_string(n - 1) +
+                " cannot be read");
     check_allgather(*shm, rank, n);
   });
 }
@@ -293,10 +294,14 @@ TEST(ShmSingleCopyMismatch, CountsAcrossTheThresholdFailOnEveryRank) {
 // The switch: 0 turns single copies off, a byte count sets the threshold, nonsense is named.
 TEST(ShmSingleCopyEnv, SwitchAndThreshold) {
   const auto with = [](const char* on, const char* bytes) {
-    if (on) ::setenv("EMBER_GLOO_SHM_SINGLE_COPY", on, 1);
-    else ::unsetenv("EMBER_GLOO_SHM_SINGLE_COPY");
-    if (bytes) ::setenv("EMBER_GLOO_SHM_SINGLE_COPY_BYTES", bytes, 1);
-    else ::unsetenv("EMBER_GLOO_SHM_SINGLE_COPY_BYTES");
+    if (on)
+      ::setenv("EMBER_GLOO_SHM_SINGLE_COPY", on, 1);
+    else
+      ::unsetenv("EMBER_GLOO_SHM_SINGLE_COPY");
+    if (bytes)
+      ::setenv("EMBER_GLOO_SHM_SINGLE_COPY_BYTES", bytes, 1);
+    else
+      ::unsetenv("EMBER_GLOO_SHM_SINGLE_COPY_BYTES");
     return ShmAllreduce::single_copy_bytes_from_env();
   };
   EXPECT_EQ(with("0", "4096"), kNever);
