@@ -61,9 +61,12 @@ namespace ember::detail {
 
 namespace {
 
-// The smallest block that takes single copies unless EMBER_GLOO_SHM_SINGLE_COPY_BYTES says:
-// below it the system calls and page pinning cost more than the staged copies they save.
-constexpr size_t kDefaultSingleCopyBytes = size_t{2} << 20;
+// The smallest block that takes single copies unless EMBER_GLOO_SHM_SINGLE_COPY_BYTES says. The
+// kernel copies page by page after pinning the peer's pages: from 4 KiB pages far slower than
+// memcpy, from transparent huge pages about as fast, and Ember's allocator advises huge pages for
+// tensors from this size (tensor/allocator.cpp); below it the staged path, whose slots stay in
+// cache, is as fast.
+constexpr size_t kDefaultSingleCopyBytes = size_t{4} << 20;
 // What the ranks read from each other when the group is made, to learn whether they may.
 constexpr uint64_t kProbeValue = 0x454d4252434d4121ULL;  // "EMBRCMA!"
 volatile uint64_t probe_word = kProbeValue;
