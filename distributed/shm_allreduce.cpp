@@ -32,6 +32,9 @@
 // their timeout) and whether the ranks it waits for are still alive (their pids, the ranks
 // sharing a PID namespace).
 //
+// Large broadcasts, gathers, scatters and alltoalls skip the segment's slots and copy straight
+// between the ranks' buffers (Note [single-copy collectives] in shm_single_copy.cpp).
+//
 // The segment is unlinked as soon as every rank has mapped it, so nothing is left in /dev/shm
 // however the processes end after the group's set-up.
 //
@@ -227,7 +230,9 @@ bool map_segment(const std::string& name, size_t bytes, bool create, Mapping& m,
 // ---- set-up -------------------------------------------------------------------------------------
 
 std::unique_ptr<ShmAllreduce> ShmAllreduce::create(Store& store, int rank, int size, int channels,
-                                                   Duration timeout) {
+                                                   Duration timeout, size_t single_copy_bytes) {
+  const size_t single_copy =
+      single_copy_bytes > 0 ? single_copy_bytes : single_copy_bytes_from_env();
   const std::string key = machine_key();
   store.set("ember_shm/key/" + std::to_string(rank), key.empty() ? std::string("?") : key);
   const size_t chunk = chunk_for(size, channels);
@@ -291,8 +296,10 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::create(Store& store, int rank, int s
     store.set("ember_shm/ok/" + std::to_string(rank), std::string(ok ? "1" : "0"));
     if (store.get_string("ember_shm/use", timeout) != "1") return nullptr;
   }
-  return std::unique_ptr<ShmAllreduce>(
+  std::unique_ptr<ShmAllreduce> shm(
       new ShmAllreduce(rank, size, channels, chunk, m.release(), l.total));
+  shm->agree_single_copy(store, single_copy, timeout);
+  return shm;
 }
 
 ShmAllreduce::ShmAllreduce(int rank, int size, int channels, size_t chunk, void* base,
@@ -307,6 +314,8 @@ ShmAllreduce::ShmAllreduce(int rank, int size, int channels, size_t chunk, void*
       step_(static_cast<size_t>(channels), 0) {}
 
 ShmAllreduce::~ShmAllreduce() { ::munmap(base_, bytes_); }
+
+int ShmAllreduce::pid_of(int r) const { return pids_of(base_)[r]; }
 
 // ---- channels -----------------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@
 // element count, dtype, reduce op and root). Each runs in steps (ShmAllreduce::run_steps), and
 // in each step a rank writes slots, waits for every rank (arrive), reads slots and writes its
 // part of the result, waits again (reduced), then reads the result. Every byte is copied once
-// into shared memory and once out, in pieces of a channel's chunk:
+// into shared memory and once out, in pieces of a channel's chunk (large blocks instead copy
+// straight between the ranks' buffers: Note [single-copy collectives] in shm_single_copy.cpp):
 //   reduce_scatter: the allreduce's steps 1-2 without step 3: rank r puts the pieces of the
 //     other ranks' blocks in its slot, then reduces its own block's piece over the ranks in rank
 //     order (so all ranks' results are bitwise what one reduction gives) straight into its
@@ -57,6 +58,9 @@ void copy(void* dst, const void* src, size_t bytes) {
 void ShmAllreduce::broadcast(uint64_t ticket, void* data, size_t count, Dtype dtype, int root,
                              Clock::time_point deadline) {
   const size_t elem = static_cast<size_t>(itemsize(dtype));
+  if (single_copy(count * elem)) {
+    return broadcast_direct(ticket, data, count, dtype, root, deadline);
+  }
   const size_t per = chunk_ * static_cast<size_t>(size_) / elem;  // all slots, contiguous
   run_steps(ticket, Desc{Kind::Broadcast, dtype, count, ReduceOp::Sum, root},
             div_up(count, per), deadline, [&](Phase phase, size_t k, const Area& area) {
@@ -77,6 +81,9 @@ void ShmAllreduce::gather(uint64_t ticket, const void* in, const std::vector<voi
   if (collects && outs.size() != static_cast<size_t>(size_)) {
     throw std::invalid_argument(str_cat("shared-memory gather: ", outs.size(),
                                         " outputs for ", size_, " ranks"));
+  }
+  if (single_copy(count * elem)) {
+    return gather_direct(ticket, in, outs, count, dtype, root, deadline);
   }
   const Kind kind = root < 0 ? Kind::Allgather : Kind::Gather;
   run_steps(ticket, Desc{kind, dtype, count, ReduceOp::Sum, root}, div_up(count, per), deadline,
@@ -100,6 +107,9 @@ void ShmAllreduce::scatter(uint64_t ticket, const std::vector<const void*>& ins,
   if (rank_ == root && ins.size() != static_cast<size_t>(size_)) {
     throw std::invalid_argument(str_cat("shared-memory scatter: ", ins.size(), " inputs for ",
                                         size_, " ranks"));
+  }
+  if (single_copy(count * elem)) {
+    return scatter_direct(ticket, ins, out, count, dtype, root, deadline);
   }
   run_steps(ticket, Desc{Kind::Scatter, dtype, count, ReduceOp::Sum, root}, div_up(count, per),
             deadline, [&](Phase phase, size_t k, const Area& area) {
@@ -161,6 +171,7 @@ void ShmAllreduce::alltoall(uint64_t ticket, const std::vector<const void*>& ins
                             const std::vector<void*>& outs, size_t count, Dtype dtype,
                             Clock::time_point deadline) {
   const size_t elem = static_cast<size_t>(itemsize(dtype));
+  if (single_copy(count * elem)) return alltoall_direct(ticket, ins, outs, count, dtype, deadline);
   const size_t per = block_piece(dtype);
   run_steps(ticket, Desc{Kind::Alltoall, dtype, count, ReduceOp::Sum, -1}, div_up(count, per),
             deadline, [&](Phase phase, size_t k, const Area& area) {

@@ -1,12 +1,13 @@
 // The shared-memory collectives that ProcessGroupGloo uses when every rank of the group runs on
 // this machine (Note [shared-memory allreduce] in shm_allreduce.cpp, Note [shared-memory
-// collectives] in shm_collectives.cpp). Internal: not installed,
-// not part of the public API.
+// collectives] in shm_collectives.cpp, Note [single-copy collectives] in shm_single_copy.cpp).
+// Internal: not installed, not part of the public API.
 #pragma once
 
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -33,14 +34,20 @@ class ShmAllreduce {
   /// x[i] /= divisor for i < n (ReduceOp::Avg's last step).
   using DivideFn = void (*)(void* x, size_t n, int divisor);
 
+  /// Single copies from EMBER_GLOO_SHM_SINGLE_COPY (0 or 1, default 1) and
+  /// EMBER_GLOO_SHM_SINGLE_COPY_BYTES (the smallest block that takes them): SIZE_MAX when off.
+  /// Throws ValueError for a value that is not one of those.
+  static size_t single_copy_bytes_from_env();
   /// Collective: every rank of the group calls it once, right after the group has connected.
   /// Returns a channel set shared by all `size` ranks when they all run on this machine (same
   /// boot, network and PID namespaces, and the segment opens on every rank); otherwise null.
   /// `channels` is how many collectives may run at once on a rank
   /// (the group's worker threads). Keys are written under "ember_shm/" in `store`, which must
   /// be private to the group. Throws DistTimeoutError if a rank does not take part in time.
+  /// `single_copy_bytes`: what this rank asks for as single_copy_bytes() (SIZE_MAX: none);
+  /// 0 takes single_copy_bytes_from_env().
   static std::unique_ptr<ShmAllreduce> create(Store& store, int rank, int size, int channels,
-                                              Duration timeout);
+                                              Duration timeout, size_t single_copy_bytes = 0);
   ~ShmAllreduce();
   ShmAllreduce(const ShmAllreduce&) = delete;
   ShmAllreduce& operator=(const ShmAllreduce&) = delete;
@@ -57,6 +64,12 @@ class ShmAllreduce {
   struct Span {
     void* data;
     size_t count;
+  };
+  /// A buffer that a rank publishes for its peers to read (Note [single-copy
+  /// collectives]): `data` is an address in the publishing rank's process.
+  struct Entry {
+    const void* data;
+    size_t bytes;
   };
   /// How two ranks' values combine: `fn` (Avg: the sum), then `divide`, if given, divides each
   /// reduced element by the group size.
@@ -103,6 +116,14 @@ class ShmAllreduce {
   void alltoall(uint64_t ticket, const std::vector<const void*>& ins,
                 const std::vector<void*>& outs, size_t count, Dtype dtype,
                 Clock::time_point deadline);
+
+  /// Broadcasts, gathers, scatters and alltoalls whose block (`count` x element size) has at
+  /// least this many bytes read the peers' buffers directly instead of staging through the
+  /// segment (Note [single-copy collectives]); SIZE_MAX when the group cannot (cross-memory
+  /// attach refused or turned off on some rank). The same on every rank.
+  size_t single_copy_bytes() const { return single_copy_bytes_; }
+  /// How many collectives took the single-copy path on this rank so far.
+  uint64_t single_copies() const { return single_copies_.load(); }
 
   /// This rank failed a collective: every rank's collective that is waiting now or starts
   /// later fails at once, naming this rank and `why`.
@@ -155,6 +176,35 @@ class ShmAllreduce {
   void reduce_spans(uint64_t ticket, const std::vector<Span>& spans, const Desc& desc,
                     const Reduction& r, Clock::time_point deadline);
 
+  // Note [single-copy collectives] (shm_single_copy.cpp).
+  /// Collective, at the end of create(): every rank tries to read each peer's memory and says
+  /// whether it wants single copies and from what size; sets single_copy_bytes_ for all.
+  void agree_single_copy(Store& store, size_t wanted, Duration timeout);
+  /// True (and counted) when a collective of `bytes` per block takes the single-copy path.
+  bool single_copy(size_t bytes);
+  /// Runs one step of `desc`: Publish writes `mine` into this rank's slot; after every rank has,
+  /// `body` runs with the peers' entries (tables[r], r != rank); then waits until every rank is
+  /// done with the others' buffers.
+  using DirectFn = std::function<void(const std::vector<std::vector<Entry>>& tables)>;
+  void run_direct(uint64_t ticket, const Desc& desc, const std::vector<Entry>& mine,
+                  Clock::time_point deadline, const DirectFn& body);
+  /// Copies rank r's `remote` bytes (addresses in r's process) into this process's `local`
+  /// ones (the lists may be cut differently) with cross-memory attach. Throws naming r if it
+  /// exited or the kernel refuses.
+  void peer_read(int r, const std::vector<Entry>& local, const std::vector<Entry>& remote,
+                 const char* kind) const;
+  /// Rank r's pid (all ranks share a PID namespace).
+  int pid_of(int r) const;
+  void broadcast_direct(uint64_t ticket, void* data, size_t count, Dtype dtype, int root,
+                        Clock::time_point deadline);
+  void gather_direct(uint64_t ticket, const void* in, const std::vector<void*>& outs,
+                     size_t count, Dtype dtype, int root, Clock::time_point deadline);
+  void scatter_direct(uint64_t ticket, const std::vector<const void*>& ins, void* out,
+                      size_t count, Dtype dtype, int root, Clock::time_point deadline);
+  void alltoall_direct(uint64_t ticket, const std::vector<const void*>& ins,
+                       const std::vector<void*>& outs, size_t count, Dtype dtype,
+                       Clock::time_point deadline);
+
   ShmAllreduce(int rank, int size, int channels, size_t chunk, void* base, size_t bytes);
   void wait_turn(uint64_t ticket, Clock::time_point deadline);
   void end_turn(uint64_t ticket);
@@ -171,6 +221,8 @@ class ShmAllreduce {
   std::vector<uint32_t> step_;  // per channel: chunks moved so far (the shared flags' values)
   uint64_t tickets_ = 0;
   bool aborted_ = false;  // abort() was called here: waiting turns give up
+  size_t single_copy_bytes_ = SIZE_MAX;
+  std::atomic<uint64_t> single_copies_{0};
 };
 
 }  // namespace ember::detail

@@ -1,0 +1,319 @@
+// The single-copy shared-memory collectives (Note [single-copy collectives] in
+// distributed/shm_single_copy.cpp), driven through ShmAllreduce itself so that each test chooses
+// the path: every rank asks for single copies from 1 byte (always), or for none (the staged
+// path), and the results must be bitwise the staged path's. Ranks are forked processes (cross-
+// memory attach between processes) and threads of this process (between threads).
+#include <ember/distributed/detail/shm_allreduce.h>
+#include <ember/distributed/hash_store.h>
+#include <ember/distributed/prefix_store.h>
+#include <ember/distributed/tcp_store.h>
+#include <gtest/gtest.h>
+#include <linux/capability.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <barrier>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include "tests/distributed/store_test_util.h"
+
+namespace ember::dist {
+namespace {
+
+using ember::detail::ShmAllreduce;
+using namespace std::chrono_literals;
+using test::require;
+using Clock = ShmAllreduce::Clock;
+using Bytes = std::vector<uint8_t>;
+
+constexpr size_t kAlways = 1;
+constexpr size_t kNever = SIZE_MAX;
+
+// Rank r's block j of `bytes` bytes: different on every rank, block and byte.
+Bytes block(int rank, int j, size_t bytes) {
+  Bytes b(bytes);
+  for (size_t i = 0; i < bytes; ++i) b[i] = static_cast<uint8_t>(i * 7 + rank * 31 + j * 13 + 1);
+  return b;
+}
+
+std::vector<void*> pointers(std::vector<Bytes>& v) {
+  std::vector<void*> p;
+  for (Bytes& b : v) p.push_back(b.data());
+  return p;
+}
+std::vector<const void*> const_pointers(const std::vector<Bytes>& v) {
+  std::vector<const void*> p;
+  for (const Bytes& b : v) p.push_back(b.data());
+  return p;
+}
+
+// One collective of `count` elements of `dtype` per block on `shm`; returns every byte this rank
+// ends with (its outputs, in order).
+using Op = std::function<std::vector<Bytes>(ShmAllreduce& shm, int rank, int n, size_t count,
+                                            Dtype dtype)>;
+struct NamedOp {
+  const char* name;
+  Op run;
+};
+
+Clock::time_point soon() { return Clock::now() + 30s; }
+
+const std::vector<NamedOp>& ops() {
+  static const std::vector<NamedOp> all = {
+      {"broadcast",
+       [](ShmAllreduce& shm, int rank, int n, size_t count, Dtype d) {
+         Bytes b = block(rank, 0, count * itemsize(d));
+         shm.broadcast(shm.next_ticket(), b.data(), count, d, n - 1, soon());
+         return std::vector<Bytes>{b};
+       }},
+      {"allgather",
+       [](ShmAllreduce& shm, int rank, int n, size_t count, Dtype d) {
+         const size_t bytes = count * itemsize(d);
+         std::vector<Bytes> outs(static_cast<size_t>(n), Bytes(bytes));
+         const Bytes in = block(rank, 0, bytes);
+         shm.gather(shm.next_ticket(), in.data(), pointers(outs), count, d, -1, soon());
+         return outs;
+       }},
+      {"allgather in place",
+       [](ShmAllreduce& shm, int rank, int n, size_t count, Dtype d) {
+         const size_t bytes = count * itemsize(d);
+         std::vector<Bytes> outs(static_cast<size_t>(n), Bytes(bytes));
+         outs[static_cast<size_t>(rank)] = block(rank, 0, bytes);
+         shm.gather(shm.next_ticket(), outs[static_cast<size_t>(rank)].data(), pointers(outs),
+                    count, d, -1, soon());
+         return outs;
+       }},
+      {"gather",
+       [](ShmAllreduce& shm, int rank, int n, size_t count, Dtype d) {
+         const size_t bytes = count * itemsize(d);
+         std::vector<Bytes> outs(rank == 1 ? static_cast<size_t>(n) : 0, Bytes(bytes));
+         const Bytes in = block(rank, 0, bytes);
+         shm.gather(shm.next_ticket(), in.data(), pointers(outs), count, d, 1, soon());
+         return outs;
+       }},
+      {"scatter",
+       [](ShmAllreduce& shm, int rank, int n, size_t count, Dtype d) {
+         const size_t bytes = count * itemsize(d);
+         std::vector<Bytes> ins;
+         for (int j = 0; rank == 0 && j < n; ++j) ins.push_back(block(rank, j, bytes));
+         Bytes out(bytes);
+         shm.scatter(shm.next_ticket(), const_pointers(ins), out.data(), count, d, 0, soon());
+         return std::vector<Bytes>{out};
+       }},
+      {"alltoall",
+       [](ShmAllreduce& shm, int rank, int n, size_t count, Dtype d) {
+         const size_t bytes = count * itemsize(d);
+         std::vector<Bytes> ins, outs(static_cast<size_t>(n), Bytes(bytes));
+         for (int j = 0; j < n; ++j) ins.push_back(block(rank, j, bytes));
+         shm.alltoall(shm.next_ticket(), const_pointers(ins), pointers(outs), count, d, soon());
+         return outs;
+       }},
+  };
+  return all;
+}
+
+// Empty, tiny, odd and larger than a channel's slots (several staged steps).
+struct Size {
+  Dtype d;
+  size_t count;
+};
+const Size kSizes[] = {{kFloat32, 0},      {kFloat32, 1},  {kFloat32, 1001},
+                       {kFloat16, 300007}, {kInt64, 1001}, {kUInt8, 1100003}};
+
+// Runs every op at every size on `direct` (single copies always) and `staged`, and requires
+// bitwise the same outputs; then that the direct group took the single-copy path for each
+// non-empty call and the staged one never did.
+void compare_paths(ShmAllreduce& direct, ShmAllreduce& staged, int rank, int n) {
+  require(direct.single_copy_bytes() == kAlways && staged.single_copy_bytes() == kNever,
+          "rank " + std::to_string(rank) + ": single_copy_bytes() " +
+              std::to_string(direct.single_copy_bytes()) + " and " +
+              std::to_string(staged.single_copy_bytes()));
+  uint64_t calls = 0;
+  for (const NamedOp& op : ops()) {
+    for (const Size& s : kSizes) {
+      const std::vector<Bytes> a = op.run(direct, rank, n, s.count, s.d);
+      const std::vector<Bytes> b = op.run(staged, rank, n, s.count, s.d);
+      require(a == b, std::string(op.name) + " of " + std::to_string(s.count) +
+                          " elements on rank " + std::to_string(rank) +
+                          ": the single-copy and staged paths differ");
+      calls += s.count > 0;
+    }
+  }
+  require(direct.single_copies() == calls && staged.single_copies() == 0,
+          "rank " + std::to_string(rank) + ": " + std::to_string(direct.single_copies()) +
+              " single copies over the direct group (want " + std::to_string(calls) + "), " +
+              std::to_string(staged.single_copies()) + " over the staged one");
+}
+
+// The staged results are right in the first place: rank r ends with what the closed form says.
+void check_allgather(ShmAllreduce& shm, int rank, int n) {
+  const size_t count = 300007;
+  const std::vector<Bytes> outs = ops()[1].run(shm, rank, n, count, kFloat32);
+  for (int r = 0; r < n; ++r) {
+    require(outs[static_cast<size_t>(r)] == block(r, 0, count * 4),
+            "allgather on rank " + std::to_string(rank) + ": block " + std::to_string(r) +
+                " is not rank " + std::to_string(r) + "'s input");
+  }
+}
+
+std::shared_ptr<TCPStore> client(const std::string& port) {
+  TCPStoreOptions o;
+  o.timeout = 60s;
+  return std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), o);
+}
+
+// body(rank, store) in n forked ranks sharing a TCPStore.
+void run_processes(int n, const std::function<void(int, Store&)>& body) {
+  test::Children kids(n, [&](int rank, const std::string& port) {
+    auto store = client(port);
+    body(rank, *store);
+  });
+  TCPStoreServerOptions o;
+  o.host = "127.0.0.1";
+  TCPStoreServer server(o);
+  kids.go(std::to_string(server.port()));
+  test::expect_children_ok(kids.join());
+}
+
+// body(rank, store) in n threads of this process sharing a HashStore; the first error wins.
+void run_threads(int n, const std::function<void(int, Store&)>& body) {
+  HashStore store(60s);
+  std::vector<std::string> errors(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        body(r, store);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = "thread " + std::to_string(r) + ": " + e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const std::string& e : errors) EXPECT_EQ(e, "");
+}
+
+std::unique_ptr<ShmAllreduce> make(Store& store, const char* prefix, int rank, int n,
+                                   size_t single_copy) {
+  PrefixStore p(prefix, std::shared_ptr<Store>(&store, [](Store*) {}));
+  auto shm = ShmAllreduce::create(p, rank, n, 2, 60s, single_copy);
+  require(shm != nullptr, "rank " + std::to_string(rank) + ": no shared-memory group");
+  return shm;
+}
+
+class ShmSingleCopy : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShmSingleCopy, ProcessesGetBitwiseTheStagedResults) {
+  const int n = GetParam();
+  run_processes(n, [n](int rank, Store& store) {
+    auto direct = make(store, "direct", rank, n, kAlways);
+    auto staged = make(store, "staged", rank, n, kNever);
+    check_allgather(*staged, rank, n);
+    compare_paths(*direct, *staged, rank, n);
+  });
+}
+
+TEST_P(ShmSingleCopy, ThreadsGetBitwiseTheStagedResults) {
+  const int n = GetParam();
+  run_threads(n, [n](int rank, Store& store) {
+    auto direct = make(store, "direct", rank, n, kAlways);
+    auto staged = make(store, "staged", rank, n, kNever);
+    compare_paths(*direct, *staged, rank, n);
+  });
+}
+
+// One rank that refuses single copies (as when the kernel refuses cross-memory attach, or
+// EMBER_GLOO_SHM_SINGLE_COPY=0 on that rank) puts the whole group on the staged path, and the
+// results are still right; otherwise the group takes the largest threshold any rank asked for.
+TEST_P(ShmSingleCopy, OneRefusingRankKeepsTheGroupStaged) {
+  const int n = GetParam();
+  run_processes(n, [n](int rank, Store& store) {
+    auto refused = make(store, "refused", rank, n, rank == n - 1 ? kNever : kAlways);
+    require(refused->single_copy_bytes() == kNever,
+            "rank " + std::to_string(rank) + ": single_copy_bytes() is " +
+                std::to_string(refused->single_copy_bytes()));
+    check_allgather(*refused, rank, n);
+    require(refused->single_copies() == 0, "a single copy with a refusing rank");
+    auto larger = make(store, "larger", rank, n, rank == 0 ? 5000 : 100);
+    require(larger->single_copy_bytes() == 5000, "rank " + std::to_string(rank) +
+                                                     ": agreed threshold " +
+                                                     std::to_string(larger->single_copy_bytes()));
+  });
+}
+
+// The kernel refusing cross-memory attach for real: the last rank is not dumpable and the others
+// lack CAP_SYS_PTRACE (dropped here, for a test run as root), so reading it fails with EPERM.
+// Every rank then agrees on the staged path, which still gives the right results.
+TEST_P(ShmSingleCopy, KernelRefusalKeepsTheGroupStaged) {
+  const int n = GetParam();
+  run_processes(n, [n](int rank, Store& store) {
+    __user_cap_header_struct h{_LINUX_CAPABILITY_VERSION_3, 0};
+    __user_cap_data_struct caps[2] = {};
+    require(::syscall(SYS_capget, &h, caps) == 0, "capget");
+    caps[0].effective &= ~(1u << CAP_SYS_PTRACE);
+    require(::syscall(SYS_capset, &h, caps) == 0, "capset");
+    if (rank == n - 1) require(::prctl(PR_SET_DUMPABLE, 0) == 0, "PR_SET_DUMPABLE");
+    auto shm = make(store, "kernel", rank, n, kAlways);
+    require(shm->single_copy_bytes() == kNever,
+            "rank " + std::to_string(rank) + ": single_copy_bytes() is " +
+                std::to_string(shm->single_copy_bytes()) + " though rank " + std::to_string(n - 1) +
+                " cannot be read");
+    check_allgather(*shm, rank, n);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ShmSingleCopy, ::testing::Values(2, 4),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
+
+// Ranks that pass different counts fail on every rank naming both, even when the counts put
+// one rank on the single-copy path and the other on the staged one.
+TEST(ShmSingleCopyMismatch, CountsAcrossTheThresholdFailOnEveryRank) {
+  run_processes(2, [](int rank, Store& store) {
+    auto shm = make(store, "mismatch", rank, 2, 4001);
+    const size_t count = rank == 0 ? 1000 : 1001;  // 4000 bytes staged, 4004 single copy
+    std::string msg;
+    try {
+      Bytes in(count * 4), out0(count * 4), out1(count * 4);
+      shm->gather(shm->next_ticket(), in.data(), {out0.data(), out1.data()}, count, kFloat32, -1,
+                  soon());
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+    require(msg.find("ranks disagree") != std::string::npos &&
+                msg.find("allgather of 1000 elements of float32") != std::string::npos &&
+                msg.find("allgather of 1001 elements of float32") != std::string::npos,
+            "rank " + std::to_string(rank) + ": " + msg);
+  });
+}
+
+// The switch: 0 turns single copies off, a byte count sets the threshold, nonsense is named.
+TEST(ShmSingleCopyEnv, SwitchAndThreshold) {
+  const auto with = [](const char* on, const char* bytes) {
+    if (on)
+      ::setenv("EMBER_GLOO_SHM_SINGLE_COPY", on, 1);
+    else
+      ::unsetenv("EMBER_GLOO_SHM_SINGLE_COPY");
+    if (bytes)
+      ::setenv("EMBER_GLOO_SHM_SINGLE_COPY_BYTES", bytes, 1);
+    else
+      ::unsetenv("EMBER_GLOO_SHM_SINGLE_COPY_BYTES");
+    return ShmAllreduce::single_copy_bytes_from_env();
+  };
+  EXPECT_EQ(with("0", "4096"), kNever);
+  EXPECT_EQ(with("1", "4096"), 4096u);
+  EXPECT_EQ(with(nullptr, "123"), 123u);
+  EXPECT_GT(with(nullptr, nullptr), 0u);
+  EXPECT_LT(with(nullptr, nullptr), kNever);
+  EXPECT_THROW(with("2", nullptr), ValueError);
+  EXPECT_THROW(with(nullptr, "0"), ValueError);
+  EXPECT_THROW(with(nullptr, "1k"), ValueError);
+  with(nullptr, nullptr);
+}
+
+}  // namespace
+}  // namespace ember::dist
