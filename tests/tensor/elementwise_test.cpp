@@ -571,6 +571,42 @@ TEST(Unary, ActivationsMatchPyTorch) {
   expect_error<ValueError>([&] { gelu(x32, "fast"); }, {"[gelu]", "fast"});
 }
 
+TEST(Unary, GeluTanhWideLoopMatchesGenericLoop) {
+  // Dense float32 GELU (tanh form) and its gradient run on loops compiled for the CPU's widest
+  // vectors (tensor/cpu/wide_loops.cpp); strided operands take the generic loop. Both must give
+  // the same bits, across tanh's two branches (|x| = 0.625), its saturation, zeros and NaN.
+  const int64_t n = 4099;  // not a multiple of any vector width
+  std::vector<float> xs = linspace(-12.0, 12.0, n, {kFloat32}).to_vector<float>();
+  xs[0] = std::numeric_limits<float>::quiet_NaN();
+  xs[1] = -0.f;
+  xs[2] = std::numeric_limits<float>::infinity();
+  xs[3] = 0.625f;
+  const Tensor x = from_vector(xs);
+  Tensor g = linspace(-2.0, 3.0, n, {kFloat32});
+  // Every other element of a twice-as-long buffer: the same values, not dense.
+  auto strided = [&](const Tensor& t) {
+    Tensor buf = zeros({n, 2}, {kFloat32});
+    buf.select(1, 0).copy_(t);
+    return buf.select(1, 0);
+  };
+  ASSERT_FALSE(strided(x).is_contiguous());
+  const std::vector<float> wide = gelu(x, "tanh").to_vector<float>();
+  const std::vector<float> generic = gelu(strided(x), "tanh").to_vector<float>();
+  const std::vector<float> wide_grad = gelu_tanh_backward(g, x).to_vector<float>();
+  const std::vector<float> generic_grad =
+      gelu_tanh_backward(strided(g), strided(x)).to_vector<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const bool nan = std::isnan(generic[i]);
+    EXPECT_TRUE(nan ? std::isnan(wide[i]) : std::signbit(wide[i]) == std::signbit(generic[i]) &&
+                                                 wide[i] == generic[i])
+        << "gelu at " << xs[i] << ": " << wide[i] << " vs " << generic[i];
+    const bool grad_nan = std::isnan(generic_grad[i]);
+    EXPECT_TRUE(grad_nan ? std::isnan(wide_grad[i]) : wide_grad[i] == generic_grad[i])
+        << "gelu_tanh_backward at " << xs[i] << ": " << wide_grad[i] << " vs "
+        << generic_grad[i];
+  }
+}
+
 // ---- comparisons and logic --------------------------------------------------------------------
 
 TEST(Compare, AllOpsTensorAndScalarEveryDtype) {
