@@ -1,8 +1,9 @@
 // CPU fused attention (Note [Fused attention] in tensor/detail/attention_kernels.h).
-// Tiles of kBr query rows by kBc keys: the tile products go to OpenBLAS (single-threaded inside
-// Ember's parallel loops), the per-row softmax work runs in vector loops. Forward splits the
-// work over (batch, query tile); backward over the batch, so that each thread owns the dQ, dK
-// and dV rows it accumulates into and no reduction across threads is needed.
+// Tiles of kBr query rows by kBc keys: the tile products go to oneDNN's sgemm (float32) or
+// OpenBLAS (float64), single-threaded inside Ember's parallel loops; the per-row softmax work
+// runs in vector loops. Forward splits the work over (batch, query tile); backward over the
+// batch, so that each thread owns the dQ, dK and dV rows it accumulates into and no reduction
+// across threads is needed.
 // Like PyTorch's build (-fno-trapping-math): lets GCC turn the selects of max and exp into
 // branch-free vector code. Must precede every include so inlined helpers match.
 #pragma GCC optimize("no-trapping-math")
@@ -14,6 +15,7 @@
 #include <limits>
 #include <vector>
 
+#include <ember/tensor/cpu/matmul_dnnl.h>
 #include <ember/tensor/detail/attention_dropout.h>
 #include <ember/tensor/detail/attention_kernels.h>
 #include <ember/tensor/detail/fast_exp.h>
@@ -30,9 +32,7 @@ constexpr int64_t kBc = 64;  // keys per tile (small tiles skip more of the caus
 // C = alpha * op(A) op(B) + beta * C, row-major.
 void gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t k, float alpha, const float* a,
           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-              static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), alpha, a,
-              static_cast<int>(lda), b, static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+  dnnl_gemm_f32(ta, tb, n, m, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 void gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t k, double alpha, const double* a,
           int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {

@@ -1,7 +1,8 @@
-// Batched GEMM on the CPU with OpenBLAS. Operands that are row- or column-major matrices go to
-// BLAS as they are (a transposed view becomes a transpose flag, never a copy); only truly
-// non-contiguous matrices are copied. bfloat16 runs on oneDNN's matmul (cpu/matmul_dnnl.cpp:
-// bfloat16 operands, float32 accumulation); float16 goes through float32 copies.
+// Batched GEMM on the CPU. Operands that are row- or column-major matrices go to BLAS as they
+// are (a transposed view becomes a transpose flag, never a copy); only truly non-contiguous
+// matrices are copied. float32 runs on oneDNN's sgemm, float64 on OpenBLAS, bfloat16 on oneDNN's
+// matmul (cpu/matmul_dnnl.cpp: bfloat16 operands, float32 accumulation); float16 goes through
+// float32 copies.
 #include <cblas.h>
 
 #include <climits>
@@ -19,8 +20,7 @@ CBLAS_TRANSPOSE flag(bool trans) { return trans ? CblasTrans : CblasNoTrans; }
 // alpha and beta arrive in double so each overload rounds them to its own compute type.
 void blas_gemm(bool ta, bool tb, int n, int m, int k, double alpha, const float* a, int lda,
                const float* b, int ldb, double beta, float* c, int ldc) {
-  cblas_sgemm(CblasRowMajor, flag(ta), flag(tb), n, m, k, static_cast<float>(alpha), a, lda, b, ldb,
-              static_cast<float>(beta), c, ldc);
+  dnnl_gemm_f32(ta, tb, n, m, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 void blas_gemm(bool ta, bool tb, int n, int m, int k, double alpha, const double* a, int lda,
                const double* b, int ldb, double beta, double* c, int ldc) {

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <oneapi/dnnl/dnnl.h>
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <ember/tensor/error.h>
@@ -101,6 +102,18 @@ void dnnl_gemm_bf16(bool ta, bool tb, int64_t n, int64_t m, int64_t k, double al
                           {DNNL_ARG_DST, memory(g.c, eng, c)},
                           {DNNL_ARG_SCRATCHPAD, memory(g.scratch, eng, scratch.data_ptr())}});
   stream.wait();
+}
+
+void dnnl_gemm_f32(bool ta, bool tb, int64_t n, int64_t m, int64_t k, double alpha, const float* a,
+                   int64_t lda, const float* b, int64_t ldb, double beta, float* c, int64_t ldc) {
+  // OpenMP's thread count is per calling thread: an autograd worker would otherwise run with
+  // the runtime's default instead of Ember's setting.
+  if (!omp_in_parallel()) omp_set_num_threads(get_num_threads());
+  const dnnl_status_t st =
+      dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', n, m, k, static_cast<float>(alpha), a, lda, b, ldb,
+                 static_cast<float>(beta), c, ldc);
+  EMBER_CHECK(st == dnnl_success, "[matmul] oneDNN's sgemm failed with status ", static_cast<int>(st),
+              " for [", n, ", ", k, "] @ [", k, ", ", m, "] (transposed a: ", ta, ", b: ", tb, ")");
 }
 
 }  // namespace ember::detail

@@ -2,6 +2,7 @@
 #include <limits>
 
 #include <ember/tensor/cpu/elementwise_loops.h>
+#include <ember/tensor/cpu/wide_loops.h>
 #include <ember/tensor/detail/elementwise_dispatch.h>
 
 namespace ember::detail {
@@ -9,6 +10,7 @@ namespace ember::detail {
 using cpu_ew::unary_loop;
 
 void unary_cpu(UnaryOp op, const Tensor& out, const Tensor& in) {
+  if (cpu_ew::unary_wide(op, out, in)) return;
   cpu_ew::CpuRun run{out, in, in};
   dispatch_unary(op, in.dtype(), run);
 }

@@ -571,6 +571,47 @@ TEST(Unary, ActivationsMatchPyTorch) {
   expect_error<ValueError>([&] { gelu(x32, "fast"); }, {"[gelu]", "fast"});
 }
 
+// Bitwise equality, NaN equal to NaN.
+void expect_same_bits(const Tensor& got, const Tensor& want, const std::vector<float>& xs,
+                      const char* what) {
+  const std::vector<float> g = got.to(kFloat32).to_vector<float>();
+  const std::vector<float> w = want.to(kFloat32).to_vector<float>();
+  ASSERT_EQ(g.size(), w.size());
+  for (size_t i = 0; i < g.size(); ++i) {
+    const bool same = std::isnan(w[i]) ? std::isnan(g[i])
+                                       : g[i] == w[i] && std::signbit(g[i]) == std::signbit(w[i]);
+    EXPECT_TRUE(same) << what << " (" << got.dtype() << ") at " << xs[i] << ": " << g[i]
+                      << " vs " << w[i];
+  }
+}
+
+TEST(Unary, GeluTanhWideLoopMatchesGenericLoop) {
+  // Dense float32 and bfloat16 GELU (tanh form) and its gradient run on loops compiled for the
+  // CPU's widest vectors (tensor/cpu/wide_loops.cpp); strided operands take the generic loop.
+  // Both must give the same bits, across tanh's two branches (|x| = 0.625), its saturation,
+  // zeros and NaN.
+  const int64_t n = 4099;  // not a multiple of any vector width
+  std::vector<float> xs = linspace(-12.0, 12.0, n, {kFloat32}).to_vector<float>();
+  xs[0] = std::numeric_limits<float>::quiet_NaN();
+  xs[1] = -0.f;
+  xs[2] = std::numeric_limits<float>::infinity();
+  xs[3] = 0.625f;
+  for (Dtype dt : {kFloat32, kBFloat16}) {
+    const Tensor x = from_vector(xs).to(dt);
+    const Tensor g = linspace(-2.0, 3.0, n, {kFloat32}).to(dt);
+    // Every other element of a twice-as-long buffer: the same values, not dense.
+    auto strided = [&](const Tensor& t) {
+      Tensor buf = zeros({n, 2}, {dt});
+      buf.select(1, 0).copy_(t);
+      return buf.select(1, 0);
+    };
+    ASSERT_FALSE(strided(x).is_contiguous());
+    expect_same_bits(gelu(x, "tanh"), gelu(strided(x), "tanh"), xs, "gelu");
+    expect_same_bits(gelu_tanh_backward(g, x), gelu_tanh_backward(strided(g), strided(x)), xs,
+                     "gelu_tanh_backward");
+  }
+}
+
 // ---- comparisons and logic --------------------------------------------------------------------
 
 TEST(Compare, AllOpsTensorAndScalarEveryDtype) {

@@ -1,0 +1,94 @@
+// Dense float32 and bfloat16 loops of the hottest element-wise ops, compiled for AVX-512 and AVX2 as well as
+// the baseline and picked at load time (GCC function multi-versioning), so the library still
+// runs on any x86-64. Only ops whose per-element work is long enough to gain from wider vectors
+// are here (GELU's tanh form and its gradient, a transformer MLP's element-wise hot spot);
+// memory-bound ones (add, copy) gain nothing from wider registers. The file compiles with
+// -ffp-contract=off (tensor/CMakeLists.txt): AVX-512 has FMA, and a contracted multiply-add would
+// round differently from the baseline; so every version gives the same bits.
+#include <cstring>
+
+#include <ember/tensor/cpu/elementwise_loops.h>
+#include <ember/tensor/cpu/wide_loops.h>
+#include <ember/tensor/detail/unary_ops.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define EMBER_WIDE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define EMBER_WIDE_CLONES
+#endif
+
+namespace ember::detail::cpu_ew {
+
+namespace {
+
+// BFloat16(f)'s rounding (round to nearest even, NaN kept quiet) written with a select instead
+// of BFloat16's early return for NaN, so that loops over it vectorise; the same bits.
+[[gnu::always_inline]] inline BFloat16 round_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint32_t nan = (x >> 16) | 0x40u;
+  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  return BFloat16::from_bits(static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded));
+}
+
+// float32, or bfloat16 computed in float32 and rounded once (what the generic loops do).
+[[gnu::always_inline]] inline float store(float, float v) { return v; }
+[[gnu::always_inline]] inline BFloat16 store(BFloat16, float v) { return round_bf16(v); }
+
+template <typename T>
+EMBER_WIDE_CLONES void gelu_tanh_run(T* o, const T* x, int64_t n) {
+  const fn::GeluTanh f;
+  for (int64_t i = 0; i < n; ++i) o[i] = store(T(), f(float(x[i])));
+}
+
+template <typename T>
+EMBER_WIDE_CLONES void gelu_tanh_grad_run(T* o, const T* g, const T* x, int64_t n) {
+  const fn::GeluTanhGrad f;
+  for (int64_t i = 0; i < n; ++i) o[i] = store(T(), f(float(g[i]), float(x[i])));
+}
+
+bool dense(const Tensor& t, Dtype dtype, int64_t n) {
+  return t.dtype() == dtype && t.numel() == n && t.is_contiguous();
+}
+
+template <typename T>
+void gelu_dense(const Tensor& out, const Tensor& in) {
+  T* o = ptr<T>(out);
+  const T* x = ptr<const T>(in);
+  chunked(out.numel(), [=](int64_t b, int64_t e) { gelu_tanh_run<T>(o + b, x + b, e - b); });
+}
+
+template <typename T>
+void gelu_grad_dense(const Tensor& out, const Tensor& grad, const Tensor& in) {
+  T* o = ptr<T>(out);
+  const T* g = ptr<const T>(grad);
+  const T* x = ptr<const T>(in);
+  chunked(out.numel(),
+          [=](int64_t b, int64_t e) { gelu_tanh_grad_run<T>(o + b, g + b, x + b, e - b); });
+}
+
+}  // namespace
+
+bool unary_wide(UnaryOp op, const Tensor& out, const Tensor& in) {
+  const int64_t n = out.numel();
+  const Dtype dt = in.dtype();
+  if (op != UnaryOp::GeluTanh || n == 0 || (dt != kFloat32 && dt != kBFloat16) ||
+      !dense(out, dt, n) || !dense(in, dt, n)) {
+    return false;
+  }
+  dt == kFloat32 ? gelu_dense<float>(out, in) : gelu_dense<BFloat16>(out, in);
+  return true;
+}
+
+bool binary_wide(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
+  const int64_t n = out.numel();
+  const Dtype dt = a.dtype();
+  if (op != BinaryOp::GeluTanhGrad || n == 0 || (dt != kFloat32 && dt != kBFloat16) ||
+      !dense(out, dt, n) || !dense(a, dt, n) || !dense(b, dt, n)) {
+    return false;
+  }
+  dt == kFloat32 ? gelu_grad_dense<float>(out, a, b) : gelu_grad_dense<BFloat16>(out, a, b);
+  return true;
+}
+
+}  // namespace ember::detail::cpu_ew
