@@ -22,6 +22,9 @@
 
 int main(int argc, char** argv) {
   if (argc < 2) return 2;
+  // Line-buffered, so that a rank that hangs later (in destroy_process_group, at exit) has
+  // already shown how far it got.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   namespace dist = ember::dist;
   try {
     dist::InitOptions options;
