@@ -71,7 +71,8 @@ void do_op(TCPStore& s, const std::string& op, int tid, int64_t i) {
 double rate(uint16_t port, const std::string& op, int clients, double seconds) {
   std::vector<std::unique_ptr<TCPStore>> stores;
   for (int t = 0; t < clients; ++t) {
-    stores.push_back(std::make_unique<TCPStore>("127.0.0.1", port, TCPStoreOptions{.timeout = 60s}));
+    stores.push_back(
+        std::make_unique<TCPStore>("127.0.0.1", port, TCPStoreOptions{.timeout = 60s}));
     do_op(*stores.back(), op, t, 0);  // connected and warm before the clock starts
   }
   std::atomic<int64_t> total{0};
@@ -137,7 +138,9 @@ void ember_round(const Args& a, Results* r) {
     std::vector<std::unique_ptr<TCPStore>> held;
     if (loaded) r->probe.push_back(load_with_probe(server.port(), a, &held));
     for (const auto& op : a.ops) {
-      for (int c : a.clients) r->ops[{op, c, loaded}].push_back(rate(server.port(), op, c, a.seconds));
+      for (int c : a.clients) {
+        r->ops[{op, c, loaded}].push_back(rate(server.port(), op, c, a.seconds));
+      }
     }
   }
 }

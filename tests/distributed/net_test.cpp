@@ -61,8 +61,9 @@ TEST(Net, NcclInterfaceIsTheOneTowardsRankZeroUnlessTheUserChose) {
   EXPECT_EQ(nccl_socket_ifname("127.0.0.1"), "");
 }
 
-// Two "nodes" (network namespaces, each with a veth end on a shared bridge): inside node 0, the route to node 1's
-// address goes through node 0's veth end, which is what NCCL must be told to use.
+// Two "nodes" (network namespaces, each with a veth end on a shared bridge): inside node 0,
+// the route to node 1's address goes through node 0's veth end, which is what NCCL must be told
+// to use.
 TEST(Net, NcclInterfaceAcrossNamespacesIsTheVeth) {
   std::string why;
   auto net = emberrun_test::NetnsNodes::create(2, &why);

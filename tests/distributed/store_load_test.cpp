@@ -81,7 +81,8 @@ TEST(StoreUnderLoad, AThousandClientsAndAHundredThousandKeysWithBoundedMemory) {
   });
   std::vector<std::unique_ptr<TCPStore>> clients;
   for (int c = 0; c < kClients; ++c) {
-    clients.push_back(std::make_unique<TCPStore>("127.0.0.1", port, TCPStoreOptions{.timeout = 60s}));
+    clients.push_back(
+        std::make_unique<TCPStore>("127.0.0.1", port, TCPStoreOptions{.timeout = 60s}));
     clients.back()->add("connected", 1);  // each holds an open (pooled) connection from here on
   }
   std::vector<std::thread> loaders;
