@@ -237,8 +237,7 @@ class HttpConnection {
       }
       const int64_t left = ember::detail::ms_until(deadline);
       if (left == 0) throw IoError{IoError::kUnreachable, last_error};
-      std::this_thread::sleep_for(std::min<Duration>(backoff, Duration(left)));
-      backoff = std::min<Duration>(backoff * 2, std::chrono::seconds(1));
+      ember::detail::backoff_sleep(&backoff, deadline, std::chrono::seconds(1));
     }
   }
 
@@ -339,9 +338,7 @@ json request(HttpConnection& conn, const std::string& where, const std::string& 
       if (j.contains("message") && j["message"].is_string()) message = j["message"];
     }
     if (c.idempotent && code == kGrpcUnavailable && ember::detail::ms_until(c.deadline) > 0) {
-      std::this_thread::sleep_for(
-          std::min<Duration>(backoff, Duration(ember::detail::ms_until(c.deadline))));
-      backoff = std::min<Duration>(backoff * 2, std::chrono::seconds(1));
+      ember::detail::backoff_sleep(&backoff, c.deadline, std::chrono::seconds(1));
       continue;
     }
     throw DistStoreError(str_cat("[", c.op, "] ", where, " refused the request", about_keys(c.keys),
@@ -500,8 +497,7 @@ class EtcdStore::Impl {
       const int64_t left = ember::detail::ms_until(deadline);
       if (left == 0)
         ember::detail::throw_store_timeout(op, timeout, keys, missing, " on " + where_);
-      std::this_thread::sleep_for(std::min<Duration>(backoff, Duration(left)));
-      backoff = std::min(backoff * 2, kLastPoll);
+      ember::detail::backoff_sleep(&backoff, deadline, kLastPoll);
     }
   }
 

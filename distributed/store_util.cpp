@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <thread>
 #include <unordered_set>
 
 namespace ember::detail {
@@ -23,6 +24,11 @@ int64_t ms_until(StoreClock::time_point deadline) {
   const auto left = deadline - StoreClock::now();
   if (left <= StoreClock::duration::zero()) return 0;
   return std::chrono::ceil<std::chrono::milliseconds>(left).count();
+}
+
+void backoff_sleep(dist::Duration* backoff, StoreClock::time_point deadline, dist::Duration cap) {
+  std::this_thread::sleep_for(std::min(*backoff, dist::Duration(ms_until(deadline))));
+  *backoff = std::min(*backoff * 2, cap);
 }
 
 std::string quote_key(const std::string& key) {

@@ -331,8 +331,7 @@ std::unique_ptr<TCPStore::Connection> TCPStore::connect(const std::string& op, D
                                      " within ", timeout.count(), " ms (last error: ", last_error,
                                      ")"));
     }
-    std::this_thread::sleep_for(std::min<Duration>(backoff, Duration(left)));
-    backoff = std::min<Duration>(backoff * 2, std::chrono::seconds(1));
+    ember::detail::backoff_sleep(&backoff, deadline, std::chrono::seconds(1));
   }
 }
 

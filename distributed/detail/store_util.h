@@ -28,6 +28,9 @@ StoreClock::time_point store_deadline(dist::Duration timeout);
 /// Milliseconds left until deadline (0 if past), rounded up so a wait never ends early.
 int64_t ms_until(StoreClock::time_point deadline);
 
+/// The stores' retry loops: sleeps *backoff (never past deadline), then doubles it up to cap.
+void backoff_sleep(dist::Duration* backoff, StoreClock::time_point deadline, dist::Duration cap);
+
 /// A key quoted for messages: 'abc'; non-printable bytes as \xNN, long keys shortened.
 std::string quote_key(const std::string& key);
 
