@@ -1,9 +1,12 @@
 #include <ember/distributed/zero_hook.h>
 
+#include <numeric>
+
 #include <ember/distributed/ddp.h>
 #include <ember/distributed/errors.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/grad_mode.h>
+#include <ember/tensor/indexing.h>
 
 namespace ember::detail {
 
@@ -40,6 +43,13 @@ class OnlyTheseGradients {
 // model while the broadcasts of every bucket are in flight: as much memory as ZeRO saves at 2
 // ranks.
 constexpr int64_t kPackBelowBytes = int64_t{64} << 10;
+
+// The element counts of params[i] for i in `which`, in order: a packed broadcast's layout.
+std::vector<int64_t> numels(const std::vector<Tensor>& params, const std::vector<size_t>& which) {
+  std::vector<int64_t> n;
+  for (size_t i : which) n.push_back(params[i].numel());
+  return n;
+}
 
 }  // namespace
 
@@ -128,12 +138,11 @@ std::shared_ptr<dist::Future> ZeroOverlap::on_bucket(dist::GradBucket& bucket,
     NoGradGuard no_grad;
     for (auto& w : sends->works) w->wait();
     for (size_t r = 0; r < sends->packed.size(); ++r) {
-      if (static_cast<int>(r) == me || sends->packed[r].empty()) continue;
-      int64_t at = 0;
-      for (size_t i : sends->packed[r]) {
-        const int64_t n = z.params_[i].numel();
-        z.params_[i].detach().view({-1}).copy_(sends->buffers[r].narrow(0, at, n));
-        at += n;
+      const std::vector<size_t>& small = sends->packed[r];
+      if (static_cast<int>(r) == me || small.empty()) continue;
+      const std::vector<Tensor> parts = split_with_sizes(sends->buffers[r], numels(z.params_, small));
+      for (size_t k = 0; k < small.size(); ++k) {
+        z.params_[small[k]].detach().view({-1}).copy_(parts[k]);
       }
     }
     return dist::completed_future({reduced->value()[0]});
@@ -170,16 +179,15 @@ std::shared_ptr<dist::Future> ZeroOverlap::update(const dist::GradBucket& bucket
     dist::BroadcastOptions o;
     o.root = r;
     if (const auto& small = sends.packed[static_cast<size_t>(r)]; !small.empty()) {
-      int64_t total = 0;
-      for (size_t i : small) total += z.params_[i].numel();
-      Tensor buffer = empty({total}, z.params_[small.front()].options());
+      Tensor buffer;
       if (r == me) {
-        int64_t at = 0;
-        for (size_t i : small) {
-          const int64_t n = z.params_[i].numel();
-          buffer.narrow(0, at, n).copy_(z.params_[i].detach().reshape({-1}));
-          at += n;
-        }
+        std::vector<Tensor> flat;
+        for (size_t i : small) flat.push_back(z.params_[i].detach().reshape({-1}));
+        buffer = cat(flat);
+      } else {
+        const std::vector<int64_t> n = numels(z.params_, small);
+        buffer = empty({std::accumulate(n.begin(), n.end(), int64_t{0})},
+                       z.params_[small.front()].options());
       }
       sends.works.push_back(group.broadcast(buffer, o));
       sends.buffers[static_cast<size_t>(r)] = buffer;
