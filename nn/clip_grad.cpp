@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include <ember/autograd/autograd.h>
+#include <ember/tensor/foreach.h>
 
 namespace ember::nn {
 
@@ -16,7 +17,42 @@ std::vector<Tensor> grads_of(const std::vector<Tensor>& params, const char* op) 
   }
   return grads;
 }
+
+Tensor total_of(const std::vector<Tensor>& tensors, double norm_type, bool error_if_nonfinite,
+                const char* op) {
+  EMBER_CHECK(norm_type > 0, "[", op, "] expected norm_type > 0 (or kInfNorm), got ", norm_type);
+  // One multi-tensor reduction on a GPU (tensor/foreach.h) where per-tensor norms and their
+  // stack would be about three launches per gradient.
+  Tensor total = total_norm(tensors, norm_type);
+  if (error_if_nonfinite) {
+    const double t = total.item<double>();
+    EMBER_CHECK(std::isfinite(t), "[", op, "] the total norm of order ", norm_type,
+                " of the gradients is non-finite (", t,
+                "), so it cannot be clipped; pass error_if_nonfinite=false to scale the "
+                "gradients by it anyway");
+  }
+  return total;
+}
 }  // namespace
+
+Tensor get_total_norm(const std::vector<Tensor>& tensors, double norm_type,
+                      bool error_if_nonfinite) {
+  return total_of(tensors, norm_type, error_if_nonfinite, "get_total_norm");
+}
+
+void clip_grads_with_norm_(const std::vector<Tensor>& params, double max_norm,
+                           const Tensor& total) {
+  EMBER_CHECK(max_norm >= 0, "[clip_grads_with_norm_] expected max_norm >= 0, got ", max_norm);
+  detail::check_defined("clip_grads_with_norm_", total, "total_norm");
+  NoGradGuard no_grad;
+  const std::vector<Tensor> grads = grads_of(params, "clip_grads_with_norm_");
+  if (grads.empty()) return;
+  // min(1, max_norm / (total + 1e-6)), computed on the device: no host round trip. Multiplying
+  // by 1 when no clipping is needed is cheaper than asking the device whether it is.
+  const Device device = grads[0].device();
+  const Tensor t = total.device() == device ? total : total.to(device);
+  foreach_mul_(grads, clamp_max(rdiv(add(t, 1e-6), max_norm), 1.0));
+}
 
 Tensor clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type,
                        bool error_if_nonfinite) {
@@ -26,39 +62,8 @@ Tensor clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
   NoGradGuard no_grad;
   const std::vector<Tensor> grads = grads_of(params, "clip_grad_norm_");
   if (grads.empty()) return zeros({}, kFloat32);
-  const Device device = grads[0].device();
-  const bool inf = std::isinf(norm_type);
-
-  // One norm per tensor, then the norm of those norms (PyTorch's two-level reduction, which
-  // equals the norm of the concatenation). Empty gradients contribute nothing.
-  std::vector<Tensor> norms;
-  norms.reserve(grads.size());
-  for (const Tensor& g : grads) {
-    if (g.numel() == 0) continue;
-    norms.push_back(norm(g, norm_type).to(device));
-  }
-  Tensor total;
-  if (norms.empty()) {
-    total = zeros({}, TensorOptions(grads[0].dtype()).device(device));
-  } else if (norms.size() == 1) {
-    total = norms[0];
-  } else {
-    Tensor stacked = stack(norms);
-    total = inf ? max(stacked) : norm(stacked, norm_type);
-  }
-  if (error_if_nonfinite) {
-    const double t = total.item<double>();
-    EMBER_CHECK(std::isfinite(t), "[clip_grad_norm_] the total norm of order ", norm_type,
-                " of the gradients is non-finite (", t,
-                "), so it cannot be clipped; pass error_if_nonfinite=false to scale the "
-                "gradients by it anyway");
-  }
-  // min(1, max_norm / (total + 1e-6)), computed on the device: no host round trip. Multiplying
-  // by 1 when no clipping is needed is cheaper than asking the device whether it is.
-  Tensor coef = clamp_max(rdiv(add(total, 1e-6), max_norm), 1.0);
-  for (Tensor g : grads) {
-    g.mul_(coef.device() == g.device() ? coef : coef.to(g.device()));
-  }
+  Tensor total = total_of(grads, norm_type, error_if_nonfinite, "clip_grad_norm_");
+  clip_grads_with_norm_(params, max_norm, total);
   return total;
 }
 

@@ -11,6 +11,7 @@
 
 #include <ember/tensor/cuda/check.h>
 #include <ember/tensor/cuda/loops.cuh>
+#include <ember/tensor/cuda/reduce_block.cuh>
 #include <ember/tensor/detail/reduce_kernels.h>
 
 namespace ember::detail {
@@ -19,68 +20,16 @@ namespace {
 
 using cuda::detail::DeviceGuard;
 using cuda_loops::stream_of;
+using cuda_reduce::block_reduce;
+using cuda_reduce::fold;
+using cuda_reduce::reduce_partials_kernel;
+using cuda_reduce::shfl_down;
 
 constexpr int kMaxBlock = 256;
 constexpr int kMaxGrid = 65535 * 8;
 // Blocks that keep every SM of a large GPU busy (an H100 has 132 SMs, each holding up to
 // 8 blocks of 256 threads).
 constexpr int64_t kOuterFillBlocks = 1024;
-
-template <typename A>
-__device__ A shfl_down(A v, int off) {
-  if constexpr (sizeof(A) < 4) {
-    return static_cast<A>(__shfl_down_sync(0xffffffffu, static_cast<int>(v), off));
-  } else if constexpr (std::is_same_v<A, int64_t>) {
-    return static_cast<int64_t>(
-        __shfl_down_sync(0xffffffffu, static_cast<long long>(v), off));
-  } else {
-    return __shfl_down_sync(0xffffffffu, v, off);
-  }
-}
-
-// Combines v over the block (blockDim.x a multiple of 32, at most 1024); the result is valid in
-// thread 0. `smem` holds 32 values.
-template <typename Red>
-__device__ typename Red::acc block_reduce(typename Red::acc v, const Red& r,
-                                          typename Red::acc* smem) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int off = 16; off > 0; off /= 2) v = r.combine(v, shfl_down(v, off));
-  if (blockDim.x <= 32) return v;
-  __syncthreads();  // smem may still be read from a previous call
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < static_cast<int>(blockDim.x / 32) ? smem[lane] : r.identity();
-    for (int off = 16; off > 0; off /= 2) v = r.combine(v, shfl_down(v, off));
-  }
-  return v;
-}
-
-// Combines r.map(x[at(i)], c) for i = b, b + step, ... < e, four loads in flight per thread
-// (independent accumulators, combined at the end: a bandwidth-bound loop needs the parallelism).
-template <typename T, typename Red, typename At>
-__device__ typename Red::acc fold(const T* x, int64_t b, int64_t e, int64_t step, const Red& r,
-                                  typename Red::acc c, At at) {
-  using A = typename Red::acc;
-  A v0 = r.identity(), v1 = r.identity(), v2 = r.identity(), v3 = r.identity();
-  int64_t i = b;
-  for (; i + 3 * step < e; i += 4 * step) {
-    const T x0 = x[at(i)], x1 = x[at(i + step)], x2 = x[at(i + 2 * step)],
-            x3 = x[at(i + 3 * step)];
-    v0 = r.combine(v0, r.map(x0, c));
-    v1 = r.combine(v1, r.map(x1, c));
-    v2 = r.combine(v2, r.map(x2, c));
-    v3 = r.combine(v3, r.map(x3, c));
-  }
-  for (; i < e; i += step) v0 = r.combine(v0, r.map(x[at(i)], c));
-  return r.combine(r.combine(v0, v1), r.combine(v2, v3));
-}
-
-template <typename T, typename Red>
-__device__ typename Red::acc fold(const T* x, int64_t b, int64_t e, int64_t step, const Red& r,
-                                  typename Red::acc c) {
-  return fold(x, b, e, step, r, c, [](int64_t i) { return i; });
-}
 
 // Work item w = (row, piece): piece `piece` of row `row` (cpr pieces per row of `plen`).
 template <typename T, typename O, typename Red>
@@ -105,20 +54,6 @@ __global__ void reduce_inner_kernel(ReduceGeom g, const T* in, O* out,
         partial[w] = v;
       }
     }
-  }
-}
-
-// Combines the cpr partial values of each row.
-template <typename O, typename Red>
-__global__ void reduce_partials_kernel(int64_t rows, const typename Red::acc* partial, O* out,
-                                       Red r, const typename Red::acc* ctx, int64_t cpr) {
-  using A = typename Red::acc;
-  __shared__ A smem[32];
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    A v = r.identity();
-    for (int64_t i = threadIdx.x; i < cpr; i += blockDim.x) v = r.combine(v, partial[row * cpr + i]);
-    v = block_reduce(v, r, smem);
-    if (threadIdx.x == 0) out[row] = r.template project<O>(v, ctx ? ctx[row] : A{});
   }
 }
 
@@ -172,6 +107,70 @@ __global__ void reduce_outer_kernel(ReduceGeom g, const T* in, O* out, typename 
   }
 }
 
+// The outer case with one kept dim and one reduced dim ([rows, K] with dense columns, e.g. a
+// bias gradient summed over the batch): each thread takes V consecutive columns, loaded as one
+// 16-byte packet per row, so a warp reads 32 * V consecutive elements of a row at a time where
+// reduce_outer_kernel reads 32, and two packets are in flight per thread. Partial results as in
+// reduce_outer_kernel (partial[chunk * K + k] when rsplit > 1).
+template <typename T, typename O, typename Red, int V>
+__global__ void reduce_cols_kernel(int64_t K, int64_t rows, int64_t st, const T* in, O* out,
+                                   typename Red::acc* partial, Red r,
+                                   const typename Red::acc* ctx, int64_t rsplit) {
+  using A = typename Red::acc;
+  using P = cuda_loops::Packet<T, V>;
+  __shared__ A smem[kOuterY * V][kOuterX];  // [y * V + j][x]: no bank conflicts
+  const int64_t ktiles = (K + kOuterX * V - 1) / (kOuterX * V);
+  const int64_t rlen = (rows + rsplit - 1) / rsplit;
+  for (int64_t blk = blockIdx.x; blk < ktiles * rsplit; blk += gridDim.x) {
+    const int64_t chunk = blk / ktiles, tile = blk % ktiles;
+    const int64_t k = (tile * kOuterX + threadIdx.x) * V;
+    A v[V], c[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      v[j] = r.identity();
+      c[j] = A{};
+    }
+    if (k < K) {
+      if (ctx) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) c[j] = ctx[k + j];
+      }
+      const int64_t e = min(rows, (chunk + 1) * rlen);
+      int64_t row = chunk * rlen + threadIdx.y;
+      const T* x = in + k;
+      for (; row + kOuterY < e; row += 2 * kOuterY) {
+        const P p0 = *reinterpret_cast<const P*>(x + row * st);
+        const P p1 = *reinterpret_cast<const P*>(x + (row + kOuterY) * st);
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] = r.combine(v[j], r.map(p0.v[j], c[j]));
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] = r.combine(v[j], r.map(p1.v[j], c[j]));
+      }
+      if (row < e) {
+        const P p0 = *reinterpret_cast<const P*>(x + row * st);
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] = r.combine(v[j], r.map(p0.v[j], c[j]));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) smem[threadIdx.y * V + j][threadIdx.x] = v[j];
+    __syncthreads();
+    if (threadIdx.y == 0 && k < K) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        A w = v[j];
+        for (int y = 1; y < kOuterY; ++y) w = r.combine(w, smem[y * V + j][threadIdx.x]);
+        if (rsplit == 1) {
+          out[k + j] = r.template project<O>(w, c[j]);
+        } else {
+          partial[chunk * K + k + j] = w;
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
 // Output o combines partial[0 * num_out + o], partial[1 * num_out + o], ... (coalesced over o).
 template <typename O, typename Red>
 __global__ void reduce_outer_partials_kernel(int64_t num_out, const typename Red::acc* partial,
@@ -192,6 +191,32 @@ int block_for(int64_t n) {
   int b = 32;
   while (b < kMaxBlock && b < n) b *= 2;
   return b;
+}
+
+// reduce_cols_kernel's launch: enough blocks to fill the GPU (splitting the rows into rsplit
+// chunks of at least 16 rows per thread row), then reduce_outer_partials_kernel when split.
+template <int V, typename T, typename O, typename Red>
+void run_reduce_cols(int64_t K, int64_t rows, int64_t st, const T* in, O* out, const Red& r,
+                     Device dev, const typename Red::acc* ctx) {
+  using A = typename Red::acc;
+  cudaStream_t s = stream_of(dev);
+  const int64_t ktiles = (K + kOuterX * V - 1) / (kOuterX * V);
+  const int64_t rsplit = std::clamp<int64_t>((kOuterFillBlocks + ktiles - 1) / ktiles, 1,
+                                             std::max<int64_t>(1, rows / (16 * kOuterY)));
+  Tensor partial;
+  A* pp = nullptr;
+  if (rsplit > 1) {
+    partial = make_empty({rsplit * K * static_cast<int64_t>(sizeof(A))}, kUInt8, dev);
+    pp = static_cast<A*>(partial.data_ptr());
+  }
+  reduce_cols_kernel<T, O, Red, V><<<grid_for(ktiles * rsplit), dim3(kOuterX, kOuterY), 0, s>>>(
+      K, rows, st, in, out, pp, r, ctx, rsplit);
+  EMBER_CUDA_CHECK(cudaGetLastError());
+  if (rsplit > 1) {
+    reduce_outer_partials_kernel<<<grid_for((K + 255) / 256), 256, 0, s>>>(K, pp, out, r, ctx,
+                                                                          rsplit);
+    EMBER_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 template <typename T, typename O, typename Red>
@@ -227,6 +252,14 @@ void run_reduce(const ReduceGeom& g, const T* in, O* out, const Red& r, Device d
   }
   EMBER_INTERNAL_ASSERT(g.outer(), "reduction geometry is neither inner nor outer");
   const int64_t K = g.keep_sizes[g.nkeep - 1];
+  if constexpr (sizeof(T) >= 2 && sizeof(T) <= 8) {
+    constexpr int V = 16 / sizeof(T);
+    if (g.nkeep == 1 && g.nred == 1 && K % V == 0 && g.red_strides[0] % V == 0 &&
+        reinterpret_cast<uintptr_t>(in) % 16 == 0) {
+      run_reduce_cols<V>(K, g.red_numel, g.red_strides[0], in, out, r, dev, ctx);
+      return;
+    }
+  }
   const int64_t tiles = (g.num_out / K) * ((K + kOuterX - 1) / kOuterX);
   // Too few column tiles to fill the GPU (e.g. a [8192, 8192] sum over dim 0 has 256): split
   // the reduced rows too, keeping at least 64 rows per thread row.

@@ -16,6 +16,7 @@
 #include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
 #include <ember/nn/serialize.h>
+#include <ember/tensor/foreach.h>
 #include "tests/tensor/test_util.h"
 
 namespace ember::nn::optim {
@@ -596,6 +597,16 @@ TEST(ClipGrad, NoClippingNoGradsAndErrors) {
   Tensor inf_total = nn::clip_grad_norm_({w}, 1.0);  // allowed: scales by 0
   EXPECT_TRUE(std::isinf(inf_total.item<double>()));
   expect_error([&] { nn::clip_grad_norm_(p, -1.0); }, {"[clip_grad_norm_]", "max_norm", "-1"});
+  // foreach_mul_ (the scaling clip_grad_norm_ does under no_grad) refuses a tensor that
+  // requires grad while grad mode is on, and takes it without.
+  Tensor leaf = ones({3}).requires_grad_();
+  expect_error([&] { foreach_mul_({zeros({2}), leaf}, ones({})); },
+               {"[foreach_mul_]", "tensor 1", "requires grad"});
+  {
+    NoGradGuard no_grad;
+    foreach_mul_({leaf}, full({}, 2.0f));
+  }
+  EXPECT_EQ(leaf.sum().item<float>(), 6.0f);
   expect_error([&] { nn::clip_grad_norm_(p, 1.0, 0.0); }, {"[clip_grad_norm_]", "norm_type"});
   expect_error([&] { nn::clip_grad_value_(p, -0.5); }, {"[clip_grad_value_]", "-0.5"});
 }

@@ -747,6 +747,37 @@ TEST(ReduceCuda, MatchesCpu) {
   }
 }
 
+// Sums over the rows of [N, K] (a bias gradient): the packet-per-thread column kernel for
+// every element size, with and without splitting the rows over blocks, for K a multiple of the
+// packet width or not, and for column views (row stride above K; an offset that is not packet
+// aligned takes the general kernel).
+TEST(ReduceCuda, ColumnsOfEveryWidth) {
+  if (!ember::cuda::is_available()) GTEST_SKIP() << "no CUDA device: " << ember::cuda::unavailable_reason();
+  for (Dtype dtype : {kFloat32, kBFloat16, kFloat16, kFloat64, kInt32, kInt64}) {
+    for (int64_t N : {1, 7, 200, 6000}) {
+      for (int64_t K : {8, 24, 36, 1536}) {
+        const Tensor t = grid_tensor({N, K}, dtype, static_cast<uint32_t>(N + K), 1, 0);
+        const Tensor wide = grid_tensor({N, K + 16}, dtype, 3);
+        const std::vector<std::pair<std::string, Tensor>> views = {
+            {"dense", t}, {"column view", wide.narrow(1, 8, K)}, {"unaligned", wide.narrow(1, 1, K)}};
+        for (const auto& [name, v] : views) {
+          const Tensor g = name == "dense" ? v.cuda() : wide.cuda().narrow(1, name == "unaligned" ? 1 : 8, K);
+          const std::string w = name + " " + std::string(dtype_name(dtype)) + " [" +
+                                std::to_string(N) + ", " + std::to_string(K) + "]";
+          const double tol = is_floating(dtype) ? 4 * tol_for(dtype) : 0;
+          expect_same(sum(v, {0}), sum(g, {0}), tol, "sum " + w);
+          expect_same(amax(v, {0}), amax(g, {0}), 0, "amax " + w);
+          if (is_floating(dtype)) {
+            expect_same(mean(v, {0}), mean(g, {0}), tol, "mean " + w);
+            if (N > 1) expect_same(var(v, {0}), var(g, {0}), 4 * tol, "var " + w);
+            expect_same(norm(v, 2.0, {0}), norm(g, 2.0, {0}), tol, "norm " + w);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(ReduceCuda, LargeAndEdgeCases) {
   if (!ember::cuda::is_available()) GTEST_SKIP() << "no CUDA device: " << ember::cuda::unavailable_reason();
   Tensor big = full({10000000}, 0.1f).cuda();
