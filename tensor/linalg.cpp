@@ -182,12 +182,17 @@ Tensor addmm(const Tensor& bias, const Tensor& a, const Tensor& b, const Scalar&
   EMBER_CHECK(fits, "[addmm] bias of shape ", bias.shape(), " does not broadcast to the output ",
               "shape [", n, ", ", m, "]");
   Tensor out = detail::make_empty({n, m}, a.dtype(), a.device());
-  const double be = beta.to_double();
-  if (be != 0.0) {
-    NoGradGuard no_grad;  // the copy is part of addmm's own node
-    out.copy_(bias.expand({n, m}));
+  const double be = beta.to_double(), al = alpha.to_double();
+  // A Linear layer's bias on a GPU: added by the GEMM's epilogue (tensor/cuda/blas_lt.cpp).
+  const bool fused = out.is_cuda() && be == 1.0 && al == 1.0 && bias.dim() == 1 &&
+                     bias.size(0) == m && detail::gemm_bias_cuda(out, a, b, bias);
+  if (!fused) {
+    if (be != 0.0) {
+      NoGradGuard no_grad;  // the copy is part of addmm's own node
+      out.copy_(bias.expand({n, m}));
+    }
+    run_gemm(out, a, b, al, be);
   }
-  run_gemm(out, a, b, alpha.to_double(), be);
   if (detail::should_record(bias, a, b)) {
     detail::record<OpId::Addmm>({&bias, &a, &b}, {&out}, {.alpha = alpha, .beta = beta});
   }

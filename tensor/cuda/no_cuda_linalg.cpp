@@ -14,6 +14,9 @@ namespace {
 }  // namespace
 
 void gemm_cuda(const Tensor&, const Tensor&, const Tensor&, double, double) { no_cuda("matmul"); }
+bool gemm_bias_cuda(const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  no_cuda("addmm");
+}
 
 void conv2d_cuda(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const ConvGeom&) {
   no_cuda("conv2d");

@@ -18,6 +18,12 @@ void gemm_cpu(const Tensor& out, const Tensor& a, const Tensor& b, double alpha,
 /// Same on CUDA with cuBLAS, queued on the current stream of out's device.
 void gemm_cuda(const Tensor& out, const Tensor& a, const Tensor& b, double alpha, double beta);
 
+/// out = a @ b + bias on CUDA with the bias added by cuBLASLt's epilogue (a, b 2-d, out [n, m]
+/// contiguous, bias [m] contiguous; float32, float16 or bfloat16). Returns false, having written
+/// nothing, when it cannot (another dtype or layout, no cuBLASLt algorithm): the caller then
+/// takes the general path.
+bool gemm_bias_cuda(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& bias);
+
 /// How a strided [rows, cols] matrix can be handed to a row-major BLAS call: as is
 /// (trans = false, element (i, j) at i * ld + j) or transposed (trans = true, element (i, j)
 /// at j * ld + i). ok is false when neither describes it (the caller copies it).

@@ -311,6 +311,42 @@ TEST(Linalg, ErrorsNameOpAndShapes) {
   // Mixed devices need a CUDA tensor: checked by LinalgCuda.MatchesCpu where a GPU exists.
 }
 
+// addmm with a [m] bias, alpha = beta = 1 (a Linear layer): the bias comes from cuBLASLt's
+// epilogue, for every operand layout a Linear produces or a view can (transposed, offset,
+// unaligned), shapes from one row to GPT-sized; float64 and other cases take the general path.
+TEST(LinalgCuda, AddmmBiasEpilogueMatchesCpu) {
+  if (!ember::cuda::is_available())
+    GTEST_SKIP() << "no CUDA device: " << ember::cuda::unavailable_reason();
+  struct Shape3 {
+    int64_t n, k, m;
+  };
+  for (Dtype dt : {kFloat32, kFloat16, kBFloat16, kFloat64}) {
+    for (Shape3 s : {Shape3{1, 8, 8}, Shape3{33, 40, 17}, Shape3{64, 128, 256},
+                     Shape3{1000, 384, 1152}}) {
+      const double tol = dt == kFloat32 ? 1e-4 : dt == kFloat64 ? 1e-10 : tol_for(dt, s.k);
+      const Tensor x = rand_t({s.n, s.k}, dt, 1), w = rand_t({s.m, s.k}, dt, 2);
+      const Tensor bias_big = rand_t({s.m + 1}, dt, 3);
+      const Tensor xt = rand_t({s.k, s.n}, dt, 4).t();           // a column-major a
+      const Tensor wt = rand_t({s.k, s.m}, dt, 5);               // a row-major b
+      for (int variant = 0; variant < 4; ++variant) {
+        const Tensor a = variant % 2 == 0 ? x : xt;
+        const Tensor b = variant < 2 ? w.t() : wt;
+        const Tensor bias = variant == 3 ? bias_big.narrow(0, 1, s.m) : bias_big.narrow(0, 0, s.m);
+        const std::string what = std::string(dtype_name(dt)) + " n=" + std::to_string(s.n) +
+                                 " k=" + std::to_string(s.k) + " m=" + std::to_string(s.m) +
+                                 " variant " + std::to_string(variant);
+        // The device operands as the same views of device copies.
+        const Tensor ga = variant % 2 == 0 ? x.cuda() : xt.t().contiguous().cuda().t();
+        const Tensor gb = variant < 2 ? w.cuda().t() : wt.cuda();
+        const Tensor gbias = bias_big.cuda().narrow(0, variant == 3 ? 1 : 0, s.m);
+        const Tensor got = addmm(gbias, ga, gb);
+        EXPECT_EQ(got.shape(), Shape({s.n, s.m})) << what;
+        expect_close(got.cpu(), addmm(bias, a, b).to_vector<double>(), tol, what);
+      }
+    }
+  }
+}
+
 TEST(LinalgCuda, MatchesCpu) {
   if (!ember::cuda::is_available())
     GTEST_SKIP() << "no CUDA device: " << ember::cuda::unavailable_reason();
