@@ -35,6 +35,9 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 run_tests() {
   local log=$out/tests.log pass=0 fail=0 skip=0
   : > "$log"
+  # The example tests find the bundled programs, and the GPT tests the carried KJV text.
+  export EMBER_BUILD_DIR=$b/bin/build
+  [ -f "$root/.gpu/kjv.txt" ] && export EMBER_GPT_TEXT=$root/.gpu/kjv.txt
   for exe in "$b"/bin/build/tests/*; do
     [ -x "$exe" ] || continue
     for t in $("$b/run.sh" "$exe" --gtest_list_tests --gtest_filter="${TEST_FILTER:-*Cuda*:*CUDA*:*Nccl*:*_cuda*}" |

@@ -209,7 +209,7 @@ TEST(ShardedCheckpoint, OneRankAndTwoRanks) {
 
 // Pieces on the GPU (as FSDP's shards are): 2 rank threads, each on its own stream; the files
 // and what the reader returns are the same as from CPU pieces.
-TEST(ShardedCheckpoint, PiecesOnTheGpu) {
+TEST(ShardedCheckpointCuda, PiecesOnTheGpu) {
   EMBER_REQUIRE_CUDA();
   TempDir dir;
   const auto specs = two_rank_specs();

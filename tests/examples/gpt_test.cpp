@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -18,8 +19,21 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string example() { return std::string(EMBER_BINARY_DIR) + "/examples/gpt"; }
-std::string emberrun() { return std::string(EMBER_BINARY_DIR) + "/launcher/emberrun"; }
+// The build folder: $EMBER_BUILD_DIR when set (a build carried to another machine, such as
+// scripts/gpu_check.sh's bundle on a GPU machine, where this build's path does not exist).
+std::string build_dir() {
+  const char* e = std::getenv("EMBER_BUILD_DIR");
+  return e != nullptr && *e != '\0' ? e : EMBER_BINARY_DIR;
+}
+std::string example() { return build_dir() + "/examples/gpt"; }
+std::string emberrun() { return build_dir() + "/launcher/emberrun"; }
+
+// $EMBER_GPT_TEXT: a text file to train on instead of bible-kjv-text's KJV (a machine without
+// the Debian packages: scripts/gpu_check.sh carries the decoded KJV, the same text).
+std::string text_override() {
+  const char* e = std::getenv("EMBER_GPT_TEXT");
+  return e != nullptr && *e != '\0' ? e : "";
+}
 
 using Result = ember::test::CommandResult;
 Result run(const std::string& cmd, int limit_s = 300) { return ember::test::run_command(cmd, limit_s); }
@@ -35,8 +49,10 @@ double value_of(const std::string& out, const std::string& key) {
 class Gpt : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!fs::exists(ember::nn::data::kKjvBible) ||
-        std::system("command -v bible >/dev/null 2>&1") != 0) {
+    if (!text_override().empty()) {
+      ASSERT_TRUE(fs::exists(text_override())) << "EMBER_GPT_TEXT=" << text_override();
+    } else if (!fs::exists(ember::nn::data::kKjvBible) ||
+               std::system("command -v bible >/dev/null 2>&1") != 0) {
       GTEST_SKIP() << "no " << ember::nn::data::kKjvBible
                    << " or no bible(1) (install bible-kjv-text and bible-kjv)";
     }
@@ -44,8 +60,10 @@ class Gpt : public ::testing::Test {
   }
   // The tiny configuration, its token cache in this test's folder.
   std::string tiny() const {
-    return example() + " --layers 1 --dim 32 --context 32 --steps 30 --log-every 10 --cache-dir " +
-           tmp.path + "/cache";
+    const std::string data = text_override().empty() ? "" : " --data " + text_override();
+    return example() + data +
+           " --layers 1 --dim 32 --context 32 --steps 30 --log-every 10 --cache-dir " + tmp.path +
+           "/cache";
   }
   std::string two_ranks() const {
     return emberrun() + " --standalone --nproc-per-node 2 " + tiny();
