@@ -197,6 +197,21 @@ void run_gpt_cases(const bench::Options& o) {
     bench::run(o, "gpt_bias_add_bf16_16384x1536", [&] { bench::do_not_optimize(add(a, b)); },
                double(kTokens) * 4 * kWidth, 2.0 * 2 * kTokens * 4 * kWidth, sync);
   }
+  if (bench::selected(o, "gpt_linear_fwdbwd_bf16_16384x384x1536")) {
+    // The MLP's first Linear under bf16 autocast: a GEMM with the bias added (cuBLASLt's
+    // epilogue), its two backward GEMMs and the bias gradient's column sum.
+    auto fc = std::make_shared<nn::Linear>(kWidth, 4 * kWidth);
+    fc->to(gpu);
+    Tensor x = leaf({kTokens, kWidth}, kFloat32);
+    std::vector<Tensor> leaves = fc->parameters();
+    leaves.push_back(x);
+    run_fwd_bwd(o, "gpt_linear_fwdbwd_bf16_16384x384x1536", leaves,
+                [&] {
+                  AutocastGuard autocast(gpu, kBFloat16);
+                  return fc->forward(x);
+                },
+                0);
+  }
   if (bench::selected(o, "gpt_bias_grad_sum0_bf16_16384x1536")) {
     Tensor g = on_gpu_bf16({kTokens, 4 * kWidth});
     bench::run(o, "gpt_bias_grad_sum0_bf16_16384x1536",

@@ -137,6 +137,13 @@ def gpt_cases(args, dev):
           2.0 * 2 * TOKENS * 4 * WIDTH)
     timed(args, "gpt_bias_grad_sum0_bf16_16384x1536", lambda: a.sum(0), TOKENS * 4.0 * WIDTH,
           2.0 * TOKENS * 4 * WIDTH)
+    fc = nn.Linear(WIDTH, 4 * WIDTH).to(dev)
+    x = leaf(TOKENS, WIDTH)
+
+    def fc_forward():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return fc(x)
+    fwd_bwd("gpt_linear_fwdbwd_bf16_16384x384x1536", list(fc.parameters()) + [x], fc_forward, 0)
     del a, b, x
     s = leaf(HEADS * 64, CONTEXT, CONTEXT)
     mask = torch.full((CONTEXT, CONTEXT), float("-inf"), device=dev).triu(1)
