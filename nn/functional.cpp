@@ -367,8 +367,10 @@ Tensor check_class_target(const char* op, const Tensor& input, const Tensor& tar
   check_class_weight(op, weight, input, classes);
 
   const Tensor ignored = eq(target, ignore_index);
-  // Class indices must lie in [0, C) unless ignored. Checked with tensor ops (one read back),
-  // so the check also runs for CUDA targets.
+  // Class indices must lie in [0, C) unless ignored. On CUDA the gather that reads each target's
+  // logit checks its indices on the device and the next index op reports a bad one (Note [CUDA
+  // index checks]): a read-back here would make the host wait for the device in every step.
+  if (target.is_cuda()) return ignored;
   const Tensor bad =
       logical_and(logical_not(ignored), logical_or(lt(target, 0), ge(target, classes)));
   if (target.numel() > 0 && any(bad).item<bool>()) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include <ember/tensor/cuda.h>
 #include "tests/autograd/grad_util.h"
 #include "tests/nn/nn_reference.h"
 
@@ -385,6 +386,29 @@ TEST(Loss, FusedCrossEntropyMatchesComposite) {
       }
     }
   }
+}
+
+// On CUDA a target outside [0, C) is found by the gather's device-side check and reported
+// by the next index op once the device got there, naming the index and the class count; the
+// call itself does not wait for the device (Note [CUDA index checks]).
+TEST(LossCuda, BadTargetIsReportedByTheNextIndexOp) {
+  if (!cuda::is_available()) GTEST_SKIP() << cuda::unavailable_reason();
+  namespace F = functional;
+  const Device dev("cuda");
+  const Tensor x = test::rand_t({3, 4}, kFloat32, 1).to(dev);
+  const Tensor good = F::cross_entropy(x, tensor({1, 3, 0}).to(dev));
+  EXPECT_NEAR(good.item<float>(), F::cross_entropy(x.cpu(), tensor({1, 3, 0})).item<float>(),
+              1e-6);
+  F::cross_entropy(x, tensor({1, 4, 0}).to(dev));  // class 4 of 4
+  cuda::synchronize();
+  expect_error<IndexError>([&] { F::cross_entropy(x, tensor({1, 3, 0}).to(dev)); },
+                           {"index 4 is out of bounds", "size 4", "checked on the device"});
+  // Ignored positions are not bad indices.
+  EXPECT_NO_THROW({
+    F::cross_entropy(x, tensor({1, -100, 0}).to(dev));
+    cuda::synchronize();
+    F::cross_entropy(x, tensor({1, 3, 0}).to(dev));
+  });
 }
 
 }  // namespace
