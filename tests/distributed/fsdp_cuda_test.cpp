@@ -1,0 +1,259 @@
+// fully_shard on CUDA parameters, on the one-GPU multi-rank harness: every rank is a thread of
+// this process on cuda:0 with its own stream (ProcessGroupThreads). Sharded training must end
+// where DDP + Adam on the same harness ends; the gathered parameters live in CUDA arenas whose
+// memory is really given back on reshard (Note [CUDA arenas] in distributed/fsdp_cuda_arena.cpp).
+// Every case but FsdpCudaArena.WithoutACudaDeviceSaysWhy skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <mutex>
+
+#include <ember/distributed/ddp.h>
+#include <ember/distributed/detail/fsdp_unit.h>
+#include <ember/distributed/fsdp.h>
+#include <ember/nn/container.h>
+#include <ember/nn/functional.h>
+#include <ember/nn/linear.h>
+#include <ember/nn/optim/adam.h>
+#include "tests/distributed/ddp_test_util.h"
+#include "tests/distributed/fsdp_test_model.h"
+#include "tests/distributed/threads_test_util.h"
+
+namespace ember::dist {
+namespace {
+
+using test::Batch;
+using test::FsdpNet;
+using test::require;
+using test::require_close;
+
+constexpr int kSteps = 20;
+const Device kGpu = cuda_device(0);
+
+test::ThreadsSetup on_gpu(int n) {
+  test::ThreadsSetup s;
+  s.n = n;
+  s.device = kGpu;
+  return s;
+}
+
+std::vector<std::shared_ptr<FsdpNet>> rank_models(int n, int blocks = 3) {
+  std::vector<std::shared_ptr<FsdpNet>> models;  // made here: the generator is shared
+  for (int r = 0; r < n; ++r) models.push_back(test::make_fsdp_net(blocks));
+  return models;
+}
+
+nn::NamedTensors on_host(const nn::NamedTensors& state) {
+  nn::NamedTensors out;
+  for (const auto& [name, t] : state) out.emplace_back(name, t.detach().cpu());
+  return out;
+}
+
+void require_same_state(const std::string& what, const nn::NamedTensors& got,
+                        const nn::NamedTensors& want, double tol) {
+  require(got.size() == want.size(), what + ": entry count");
+  for (size_t i = 0; i < got.size(); ++i) {
+    require(got[i].first == want[i].first, what + ": name " + got[i].first);
+    require_close(what + " " + got[i].first, got[i].second, want[i].second, tol);
+  }
+}
+
+// The reference: DDP + Adam on the same harness, each rank on its slice of every batch; rank 0's
+// final state dict (every rank's is the same under DDP).
+nn::NamedTensors train_ddp(int n, const std::vector<Batch>& bs) {
+  auto models = rank_models(n);
+  nn::NamedTensors out;
+  std::mutex mu;
+  test::run_threads(on_gpu(n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto model = models[static_cast<size_t>(rank)];
+    model->to(kGpu);
+    auto ddp = std::make_shared<DistributedDataParallel>(model, pg);
+    nn::optim::Adam opt(ddp->parameters(), test::fsdp_adam());
+    for (const Batch& b : bs) {
+      opt.zero_grad();
+      test::fsdp_loss(*ddp, test::to_device(test::slice(b, rank, n), kGpu)).backward();
+      opt.step();
+    }
+    if (rank != 0) return;
+    std::lock_guard<std::mutex> lock(mu);
+    out = on_host(model->state_dict());
+  });
+  return out;
+}
+
+struct CudaCase {
+  int n;
+  bool reshard_after_forward;
+  bool bf16;  // parameters gathered (and computed) in bfloat16, gradients reduced in float32
+};
+void PrintTo(const CudaCase& c, std::ostream* os) {
+  *os << c.n << " ranks on cuda:0" << (c.reshard_after_forward ? ", reshard" : ", keep")
+      << (c.bf16 ? ", bf16" : "");
+}
+std::string case_name(const ::testing::TestParamInfo<CudaCase>& info) {
+  const CudaCase& c = info.param;
+  return "n" + std::to_string(c.n) + (c.reshard_after_forward ? "_reshard" : "_keep") +
+         (c.bf16 ? "_bf16" : "");
+}
+
+FullyShardOptions options_of(const CudaCase& c, std::shared_ptr<ProcessGroup> pg) {
+  FullyShardOptions o{.group = std::move(pg), .reshard_after_forward = c.reshard_after_forward};
+  if (c.bf16) o.mp_policy = {.param_dtype = kBFloat16, .reduce_dtype = kFloat32};
+  return o;
+}
+
+void shard_on_gpu(const std::shared_ptr<FsdpNet>& model, const FullyShardOptions& o) {
+  model->to(kGpu);
+  for (auto& b : model->blocks) fully_shard(b, o);
+  fully_shard(model, o);
+}
+
+class FsdpCuda : public ::testing::TestWithParam<CudaCase> {
+ protected:
+  void SetUp() override { EMBER_REQUIRE_CUDA(); }
+};
+
+// 20 steps of sharded Adam on cuda:0 end where DDP + Adam on cuda:0 ends (bfloat16: within its
+// precision); the shards and the gathered parameters are on the GPU.
+TEST_P(FsdpCuda, TrainsLikeDdp) {
+  const CudaCase c = GetParam();
+  const auto bs = test::fsdp_batches(kSteps, 7);
+  const nn::NamedTensors want = train_ddp(c.n, bs);
+  auto models = rank_models(c.n);
+  test::run_threads(on_gpu(c.n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto model = models[static_cast<size_t>(rank)];
+    shard_on_gpu(model, options_of(c, pg));
+    const auto shards = fsdp_parameters(*model);
+    for (const Tensor& t : shards) {
+      require(t.is_cuda() && t.dtype() == kFloat32, "a shard is not float32 on cuda:0");
+    }
+    nn::optim::Adam opt(shards, test::fsdp_adam());
+    for (const Batch& b : bs) {
+      opt.zero_grad();
+      const Batch mine = test::to_device(test::slice(b, rank, c.n), kGpu);
+      nn::functional::mse_loss((*model)(mine.x).to(kFloat32), mine.y).backward();
+      opt.step();
+    }
+    require(model->blocks[0]->fc1->weight.is_cuda(), "block 0's weight left cuda:0");
+    const std::string what = ::testing::PrintToString(c) + ", rank " + std::to_string(rank);
+    require_same_state(what, on_host(full_state_dict(*model)), want, c.bf16 ? 0.05 : 1e-4);
+  });
+  EXPECT_EQ(detail::cuda_arena_held_bytes(0), 0) << "arena memory held after the last step";
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, FsdpCuda,
+                         ::testing::Values(CudaCase{2, true, false}, CudaCase{2, false, false},
+                                           CudaCase{4, true, false}, CudaCase{4, false, false},
+                                           CudaCase{2, true, true}, CudaCase{4, true, true}),
+                         case_name);
+
+bool committed(const nn::Module& m) {
+  auto unit = detail::unit_of(m);
+  require(unit != nullptr, m.name() + " is not sharded");
+  for (const auto& g : unit->groups) {
+    if (!g.arena->committed()) return false;
+  }
+  return true;
+}
+
+// Between forward and backward the blocks' arenas are released with reshard_after_forward and
+// kept without (the root, outermost, keeps its own either way); after the backward every arena
+// is released, and the arenas' device memory counter and fsdp_memory_stats() say so.
+TEST(FsdpCudaMemory, ReshardReleasesTheArenasOnTheDevice) {
+  EMBER_REQUIRE_CUDA();
+  constexpr int n = 2, kBlocks = 6;
+  const auto bs = test::fsdp_batches(3, 7);
+  for (bool reshard : {true, false}) {
+    auto models = rank_models(n, kBlocks);
+    reset_fsdp_peak_memory_stats();
+    test::run_threads(on_gpu(n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+      auto model = models[static_cast<size_t>(rank)];
+      shard_on_gpu(model, options_of({n, reshard, false}, pg));
+      // Runs after fully_shard's own pre-hook (registered first): block 1 is gathered.
+      model->blocks[1]->register_forward_pre_hook([&](nn::Module& m, std::vector<Tensor>&) {
+        require(committed(m), "block 1 is not gathered in its forward");
+        require(detail::cuda_arena_held_bytes(0) > 0, "no arena memory held in a forward");
+      });
+      nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
+      const std::string what = std::string(reshard ? "reshard" : "keep") + " rank " +
+                               std::to_string(rank) + ": ";
+      for (const Batch& b : bs) {
+        opt.zero_grad();
+        Tensor loss = test::fsdp_loss(*model, test::to_device(test::slice(b, rank, n), kGpu));
+        require(committed(*model), what + "the root released its parameters before backward");
+        for (const auto& blk : model->blocks) {
+          require(committed(*blk) == !reshard,
+                  what + "a block's arena after forward: " + (committed(*blk) ? "held" : "free"));
+        }
+        loss.backward();
+        require(!committed(*model), what + "the root's arena is held after backward");
+        for (const auto& blk : model->blocks) {
+          require(!committed(*blk), what + "a block's arena is held after backward");
+        }
+        opt.step();
+      }
+    });
+    EXPECT_EQ(detail::cuda_arena_held_bytes(0), 0) << (reshard ? "reshard" : "keep");
+    const FsdpMemoryStats m = fsdp_memory_stats();
+    EXPECT_EQ(m.unsharded_bytes, 0);
+    EXPECT_GT(m.peak_unsharded_bytes, 0);
+    if (reshard) EXPECT_LT(m.peak_unsharded_bytes, m.full_bytes * 6 / 10);
+  }
+}
+
+// The arena itself: its address stays, committing takes device memory (the driver's free memory
+// drops by its size) and releasing gives it back; values written after a recommit read back.
+TEST(FsdpCudaArena, KeepsItsAddressAndGivesTheMemoryBack) {
+  EMBER_REQUIRE_CUDA();
+  cuda::set_device(0);
+  constexpr size_t kBytes = size_t{256} << 20;
+  constexpr auto kSlack = static_cast<int64_t>(kBytes / 10);  // other users of the device
+  auto arena = detail::make_cuda_arena(0, kBytes, "fully_shard(test)");
+  void* const at = arena->data();
+  EXPECT_GE(arena->held_bytes(), kBytes);
+  const int64_t held = static_cast<int64_t>(arena->held_bytes());
+  for (int round = 0; round < 2; ++round) {
+    const int64_t before = detail::cuda_free_bytes(0);
+    arena->commit();
+    const int64_t committed_free = detail::cuda_free_bytes(0);
+    EXPECT_GE(before - committed_free, held - kSlack) << "round " << round;
+    EXPECT_EQ(detail::cuda_arena_held_bytes(0), held);
+    EXPECT_EQ(arena->data(), at);
+    Tensor t = from_blob(arena->data(), {1 << 20}, TensorOptions(kFloat32).device(kGpu));
+    t.fill_(round + 2.0);
+    EXPECT_EQ(t.sum().item<double>(), (round + 2.0) * (1 << 20));
+    const int64_t before_release = detail::cuda_free_bytes(0);
+    arena->release();
+    EXPECT_GE(detail::cuda_free_bytes(0) - before_release, held - kSlack) << "round " << round;
+    EXPECT_EQ(detail::cuda_arena_held_bytes(0), 0);
+    EXPECT_FALSE(arena->committed());
+  }
+}
+
+TEST(FsdpCudaArena, WithoutACudaDeviceSaysWhy) {
+  if (cuda::is_available()) GTEST_SKIP() << "checks the message on a machine without CUDA";
+  try {
+    detail::make_cuda_arena(0, 1024, "fully_shard(Block)");
+    FAIL() << "expected NotImplementedError";
+  } catch (const NotImplementedError& e) {
+    EXPECT_NE(std::string(e.what()).find("fully_shard(Block)"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(cuda::unavailable_reason()), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(detail::cuda_arena_held_bytes(0), 0);
+}
+
+// A module whose parameters are on two devices is refused by name before anything is sharded.
+TEST(FsdpCudaErrors, ParametersOnTwoDevicesAreRefused) {
+  EMBER_REQUIRE_CUDA();
+  test::run_threads(on_gpu(1), [&](std::shared_ptr<ProcessGroup> pg, int) {
+    auto gpu = std::make_shared<nn::Linear>(4, 4);
+    gpu->to(kGpu);
+    auto model = std::make_shared<nn::Sequential>(gpu, std::make_shared<nn::Linear>(4, 4));
+    test::require_throws_with("two devices", [&] { fully_shard(model, {.group = pg}); },
+                              "must be on one device");
+    require(!is_fully_sharded(*model), "a refused module is marked sharded");
+  });
+}
+
+}  // namespace
+}  // namespace ember::dist
