@@ -10,12 +10,14 @@
 #include <ember/distributed/ddp.h>
 #include <ember/distributed/detail/fsdp_unit.h>
 #include <ember/distributed/fsdp.h>
+#include <ember/distributed/fsdp_checkpoint.h>
 #include <ember/nn/container.h>
 #include <ember/nn/functional.h>
 #include <ember/nn/linear.h>
 #include <ember/nn/optim/adam.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/fsdp_test_model.h"
+#include "tests/distributed/store_test_util.h"
 #include "tests/distributed/threads_test_util.h"
 
 namespace ember::dist {
@@ -145,6 +147,37 @@ INSTANTIATE_TEST_SUITE_P(Ranks, FsdpCuda,
                                            CudaCase{4, true, false}, CudaCase{4, false, false},
                                            CudaCase{2, true, true}, CudaCase{4, true, true}),
                          case_name);
+
+// A sharded checkpoint of GPU shards (model and Adam's state) after 10 steps, loaded into fresh
+// GPU-sharded models, continues the same run: 10 more steps end where 20 DDP steps end.
+TEST(FsdpCudaCheckpoint, GpuShardsSaveAndLoadMidRun) {
+  EMBER_REQUIRE_CUDA();
+  constexpr int n = 2;
+  const auto bs = test::fsdp_batches(kSteps, 7);
+  const nn::NamedTensors want = train_ddp(n, bs);
+  test::TempDir dir;
+  const std::string path = dir.path() + "/ckpt";
+  for (bool second_half : {false, true}) {
+    auto models = rank_models(n);
+    test::run_threads(on_gpu(n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+      auto model = models[static_cast<size_t>(rank)];
+      shard_on_gpu(model, options_of({n, true, false}, pg));
+      nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
+      if (second_half) load_fsdp_checkpoint(path, *model, &opt);
+      for (int i = second_half ? kSteps / 2 : 0; i < (second_half ? kSteps : kSteps / 2); ++i) {
+        opt.zero_grad();
+        test::fsdp_loss(*model, test::to_device(test::slice(bs[i], rank, n), kGpu)).backward();
+        opt.step();
+      }
+      if (!second_half) {
+        save_fsdp_checkpoint(path, *model, &opt, *pg, {});
+        return;
+      }
+      require_same_state("resumed rank " + std::to_string(rank), on_host(full_state_dict(*model)),
+                         want, 1e-4);
+    });
+  }
+}
 
 bool committed(const nn::Module& m) {
   auto unit = detail::unit_of(m);
