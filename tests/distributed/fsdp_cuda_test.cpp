@@ -2,7 +2,8 @@
 // this process on cuda:0 with its own stream (ProcessGroupThreads). Sharded training must end
 // where DDP + Adam on the same harness ends; the gathered parameters live in CUDA arenas whose
 // memory is really given back on reshard (Note [CUDA arenas] in distributed/fsdp_cuda_arena.cpp).
-// Every case but FsdpCudaArena.WithoutACudaDeviceSaysWhy skips without a GPU.
+// The CUDA cases skip without a GPU. The same checks run on the CPU too (the _cpu cases and the
+// FsdpArena suites), so the checks themselves are exercised where there is no GPU.
 #include <gtest/gtest.h>
 
 #include <mutex>
@@ -23,6 +24,7 @@
 namespace ember::dist {
 namespace {
 
+using namespace std::chrono_literals;
 using test::Batch;
 using test::FsdpNet;
 using test::require;
@@ -31,10 +33,15 @@ using test::require_close;
 constexpr int kSteps = 20;
 const Device kGpu = cuda_device(0);
 
-test::ThreadsSetup on_gpu(int n) {
+// `delayed`: through a DelayingGroup, so an FSDP step that reads a gather's result (or frees
+// what a collective still uses) before waiting for it fails instead of passing by luck; on the
+// GPU it also keeps the GPU well behind the CPU, so a release that does not wait for the queued
+// kernels unmaps memory they still read.
+test::ThreadsSetup ranks_on(Device dev, int n, bool delayed = false) {
   test::ThreadsSetup s;
   s.n = n;
-  s.device = kGpu;
+  s.device = dev;
+  if (delayed) s.delay = DelayOptions{.cycles = 5'000'000, .cpu_delay = 1ms, .scale = 1.0};
   return s;
 }
 
@@ -59,20 +66,24 @@ void require_same_state(const std::string& what, const nn::NamedTensors& got,
   }
 }
 
+Batch mine(const Batch& b, int rank, int n, Device dev) {
+  return test::to_device(test::slice(b, rank, n), dev);
+}
+
 // The reference: DDP + Adam on the same harness, each rank on its slice of every batch; rank 0's
 // final state dict (every rank's is the same under DDP).
-nn::NamedTensors train_ddp(int n, const std::vector<Batch>& bs) {
+nn::NamedTensors train_ddp(Device dev, int n, const std::vector<Batch>& bs) {
   auto models = rank_models(n);
   nn::NamedTensors out;
   std::mutex mu;
-  test::run_threads(on_gpu(n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+  test::run_threads(ranks_on(dev, n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
     auto model = models[static_cast<size_t>(rank)];
-    model->to(kGpu);
+    model->to(dev);
     auto ddp = std::make_shared<DistributedDataParallel>(model, pg);
     nn::optim::Adam opt(ddp->parameters(), test::fsdp_adam());
     for (const Batch& b : bs) {
       opt.zero_grad();
-      test::fsdp_loss(*ddp, test::to_device(test::slice(b, rank, n), kGpu)).backward();
+      test::fsdp_loss(*ddp, mine(b, rank, n, dev)).backward();
       opt.step();
     }
     if (rank != 0) return;
@@ -86,15 +97,16 @@ struct CudaCase {
   int n;
   bool reshard_after_forward;
   bool bf16;  // parameters gathered (and computed) in bfloat16, gradients reduced in float32
+  bool gpu = true;
 };
 void PrintTo(const CudaCase& c, std::ostream* os) {
-  *os << c.n << " ranks on cuda:0" << (c.reshard_after_forward ? ", reshard" : ", keep")
-      << (c.bf16 ? ", bf16" : "");
+  *os << c.n << " ranks on " << (c.gpu ? "cuda:0" : "cpu")
+      << (c.reshard_after_forward ? ", reshard" : ", keep") << (c.bf16 ? ", bf16" : "");
 }
 std::string case_name(const ::testing::TestParamInfo<CudaCase>& info) {
   const CudaCase& c = info.param;
   return "n" + std::to_string(c.n) + (c.reshard_after_forward ? "_reshard" : "_keep") +
-         (c.bf16 ? "_bf16" : "");
+         (c.bf16 ? "_bf16" : "") + (c.gpu ? "" : "_cpu");
 }
 
 FullyShardOptions options_of(const CudaCase& c, std::shared_ptr<ProcessGroup> pg) {
@@ -103,70 +115,79 @@ FullyShardOptions options_of(const CudaCase& c, std::shared_ptr<ProcessGroup> pg
   return o;
 }
 
-void shard_on_gpu(const std::shared_ptr<FsdpNet>& model, const FullyShardOptions& o) {
-  model->to(kGpu);
+// Moves the model to `dev`, then shards every block and the root.
+void shard_on(Device dev, const std::shared_ptr<FsdpNet>& model, const FullyShardOptions& o) {
+  model->to(dev);
   for (auto& b : model->blocks) fully_shard(b, o);
   fully_shard(model, o);
 }
 
 class FsdpCuda : public ::testing::TestWithParam<CudaCase> {
  protected:
-  void SetUp() override { EMBER_REQUIRE_CUDA(); }
+  void SetUp() override {
+    if (GetParam().gpu) EMBER_REQUIRE_CUDA();
+  }
 };
 
-// 20 steps of sharded Adam on cuda:0 end where DDP + Adam on cuda:0 ends (bfloat16: within its
-// precision); the shards and the gathered parameters are on the GPU.
+// 20 steps of sharded Adam end where DDP + Adam on the same device ends (bfloat16: within its
+// precision); the shards and the gathered parameters are on the model's device.
 TEST_P(FsdpCuda, TrainsLikeDdp) {
   const CudaCase c = GetParam();
+  const Device dev = c.gpu ? kGpu : kCPU;
   const auto bs = test::fsdp_batches(kSteps, 7);
-  const nn::NamedTensors want = train_ddp(c.n, bs);
+  const nn::NamedTensors want = train_ddp(dev, c.n, bs);
   auto models = rank_models(c.n);
-  test::run_threads(on_gpu(c.n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+  auto body = [&](std::shared_ptr<ProcessGroup> pg, int rank) {
     auto model = models[static_cast<size_t>(rank)];
-    shard_on_gpu(model, options_of(c, pg));
+    shard_on(dev, model, options_of(c, pg));
     const auto shards = fsdp_parameters(*model);
     for (const Tensor& t : shards) {
-      require(t.is_cuda() && t.dtype() == kFloat32, "a shard is not float32 on cuda:0");
+      require(t.device() == dev && t.dtype() == kFloat32, "a shard is not float32 on " + dev.str());
     }
     nn::optim::Adam opt(shards, test::fsdp_adam());
     for (const Batch& b : bs) {
       opt.zero_grad();
-      const Batch mine = test::to_device(test::slice(b, rank, c.n), kGpu);
-      nn::functional::mse_loss((*model)(mine.x).to(kFloat32), mine.y).backward();
+      const Batch m = mine(b, rank, c.n, dev);
+      nn::functional::mse_loss((*model)(m.x).to(kFloat32), m.y).backward();
       opt.step();
     }
-    require(model->blocks[0]->fc1->weight.is_cuda(), "block 0's weight left cuda:0");
+    require(model->blocks[0]->fc1->weight.device() == dev, "block 0's weight left " + dev.str());
     const std::string what = ::testing::PrintToString(c) + ", rank " + std::to_string(rank);
     require_same_state(what, on_host(full_state_dict(*model)), want, c.bf16 ? 0.05 : 1e-4);
-  });
+  };
+  test::run_threads(ranks_on(dev, c.n, /*delayed=*/true), body);
   EXPECT_EQ(detail::cuda_arena_held_bytes(0), 0) << "arena memory held after the last step";
+  EXPECT_EQ(fsdp_memory_stats().unsharded_bytes, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, FsdpCuda,
                          ::testing::Values(CudaCase{2, true, false}, CudaCase{2, false, false},
                                            CudaCase{4, true, false}, CudaCase{4, false, false},
-                                           CudaCase{2, true, true}, CudaCase{4, true, true}),
+                                           CudaCase{2, true, true}, CudaCase{4, true, true},
+                                           CudaCase{2, true, false, false},
+                                           CudaCase{2, false, false, false},
+                                           CudaCase{2, true, true, false}),
                          case_name);
 
-// A sharded checkpoint of GPU shards (model and Adam's state) after 10 steps, loaded into fresh
-// GPU-sharded models, continues the same run: 10 more steps end where 20 DDP steps end.
-TEST(FsdpCudaCheckpoint, GpuShardsSaveAndLoadMidRun) {
-  EMBER_REQUIRE_CUDA();
+// A sharded checkpoint of the shards on `dev` (model and Adam's state) after 10 steps, loaded
+// into freshly sharded models there, continues the same run: 10 more steps end where 20 DDP
+// steps end.
+void resume_mid_run(Device dev) {
   constexpr int n = 2;
   const auto bs = test::fsdp_batches(kSteps, 7);
-  const nn::NamedTensors want = train_ddp(n, bs);
+  const nn::NamedTensors want = train_ddp(dev, n, bs);
   test::TempDir dir;
   const std::string path = dir.path() + "/ckpt";
   for (bool second_half : {false, true}) {
     auto models = rank_models(n);
-    test::run_threads(on_gpu(n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    test::run_threads(ranks_on(dev, n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
       auto model = models[static_cast<size_t>(rank)];
-      shard_on_gpu(model, options_of({n, true, false}, pg));
+      shard_on(dev, model, options_of({n, true, false}, pg));
       nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
       if (second_half) load_fsdp_checkpoint(path, *model, &opt);
       for (int i = second_half ? kSteps / 2 : 0; i < (second_half ? kSteps : kSteps / 2); ++i) {
         opt.zero_grad();
-        test::fsdp_loss(*model, test::to_device(test::slice(bs[i], rank, n), kGpu)).backward();
+        test::fsdp_loss(*model, mine(bs[static_cast<size_t>(i)], rank, n, dev)).backward();
         opt.step();
       }
       if (!second_half) {
@@ -179,6 +200,12 @@ TEST(FsdpCudaCheckpoint, GpuShardsSaveAndLoadMidRun) {
   }
 }
 
+TEST(FsdpCudaCheckpoint, GpuShardsSaveAndLoadMidRun) {
+  EMBER_REQUIRE_CUDA();
+  resume_mid_run(kGpu);
+}
+TEST(FsdpArenaCheckpoint, CpuShardsSaveAndLoadMidRun) { resume_mid_run(kCPU); }
+
 bool committed(const nn::Module& m) {
   auto unit = detail::unit_of(m);
   require(unit != nullptr, m.name() + " is not sharded");
@@ -190,28 +217,30 @@ bool committed(const nn::Module& m) {
 
 // Between forward and backward the blocks' arenas are released with reshard_after_forward and
 // kept without (the root, outermost, keeps its own either way); after the backward every arena
-// is released, and the arenas' device memory counter and fsdp_memory_stats() say so.
-TEST(FsdpCudaMemory, ReshardReleasesTheArenasOnTheDevice) {
-  EMBER_REQUIRE_CUDA();
+// is released, and fsdp_memory_stats() (and on the GPU the arenas' device memory counter) say
+// so.
+void check_arenas_released(Device dev) {
   constexpr int n = 2, kBlocks = 6;
   const auto bs = test::fsdp_batches(3, 7);
   for (bool reshard : {true, false}) {
     auto models = rank_models(n, kBlocks);
     reset_fsdp_peak_memory_stats();
-    test::run_threads(on_gpu(n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    test::run_threads(ranks_on(dev, n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
       auto model = models[static_cast<size_t>(rank)];
-      shard_on_gpu(model, options_of({n, reshard, false}, pg));
+      shard_on(dev, model, options_of({n, reshard, false}, pg));
       // Runs after fully_shard's own pre-hook (registered first): block 1 is gathered.
-      model->blocks[1]->register_forward_pre_hook([&](nn::Module& m, std::vector<Tensor>&) {
+      model->blocks[1]->register_forward_pre_hook([dev](nn::Module& m, std::vector<Tensor>&) {
         require(committed(m), "block 1 is not gathered in its forward");
-        require(detail::cuda_arena_held_bytes(0) > 0, "no arena memory held in a forward");
+        if (dev.is_cuda()) {
+          require(detail::cuda_arena_held_bytes(0) > 0, "no arena memory held in a forward");
+        }
       });
       nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
       const std::string what = std::string(reshard ? "reshard" : "keep") + " rank " +
                                std::to_string(rank) + ": ";
       for (const Batch& b : bs) {
         opt.zero_grad();
-        Tensor loss = test::fsdp_loss(*model, test::to_device(test::slice(b, rank, n), kGpu));
+        Tensor loss = test::fsdp_loss(*model, mine(b, rank, n, dev));
         require(committed(*model), what + "the root released its parameters before backward");
         for (const auto& blk : model->blocks) {
           require(committed(*blk) == !reshard,
@@ -233,6 +262,12 @@ TEST(FsdpCudaMemory, ReshardReleasesTheArenasOnTheDevice) {
   }
 }
 
+TEST(FsdpCudaMemory, ReshardReleasesTheArenasOnTheDevice) {
+  EMBER_REQUIRE_CUDA();
+  check_arenas_released(kGpu);
+}
+TEST(FsdpArenaMemory, ReshardReleasesTheArenasOnTheCpu) { check_arenas_released(kCPU); }
+
 // The arena itself: its address stays, committing takes device memory (the driver's free memory
 // drops by its size) and releasing gives it back; values written after a recommit read back.
 TEST(FsdpCudaArena, KeepsItsAddressAndGivesTheMemoryBack) {
@@ -243,12 +278,11 @@ TEST(FsdpCudaArena, KeepsItsAddressAndGivesTheMemoryBack) {
   auto arena = detail::make_cuda_arena(0, kBytes, "fully_shard(test)");
   void* const at = arena->data();
   EXPECT_GE(arena->held_bytes(), kBytes);
-  const int64_t held = static_cast<int64_t>(arena->held_bytes());
+  const auto held = static_cast<int64_t>(arena->held_bytes());
   for (int round = 0; round < 2; ++round) {
     const int64_t before = detail::cuda_free_bytes(0);
     arena->commit();
-    const int64_t committed_free = detail::cuda_free_bytes(0);
-    EXPECT_GE(before - committed_free, held - kSlack) << "round " << round;
+    EXPECT_GE(before - detail::cuda_free_bytes(0), held - kSlack) << "round " << round;
     EXPECT_EQ(detail::cuda_arena_held_bytes(0), held);
     EXPECT_EQ(arena->data(), at);
     Tensor t = from_blob(arena->data(), {1 << 20}, TensorOptions(kFloat32).device(kGpu));
@@ -278,7 +312,7 @@ TEST(FsdpCudaArena, WithoutACudaDeviceSaysWhy) {
 // A module whose parameters are on two devices is refused by name before anything is sharded.
 TEST(FsdpCudaErrors, ParametersOnTwoDevicesAreRefused) {
   EMBER_REQUIRE_CUDA();
-  test::run_threads(on_gpu(1), [&](std::shared_ptr<ProcessGroup> pg, int) {
+  test::run_threads(ranks_on(kGpu, 1), [&](std::shared_ptr<ProcessGroup> pg, int) {
     auto gpu = std::make_shared<nn::Linear>(4, 4);
     gpu->to(kGpu);
     auto model = std::make_shared<nn::Sequential>(gpu, std::make_shared<nn::Linear>(4, 4));
