@@ -148,10 +148,11 @@ class CudaArena final : public FsdpArena {
   ~CudaArena() override {
     try {
       release();
+      cuda::detail::DeviceGuard guard(device_);
+      d_.address_free(base_, size_);
     } catch (const std::exception&) {
-      // At process exit the driver may already be shut down; the memory goes with the context.
+      // At process exit the driver may already be shut down; the range goes with the context.
     }
-    if (base_ != 0) d_.address_free(base_, size_);
   }
 
   void* data() const override { return reinterpret_cast<void*>(static_cast<uintptr_t>(base_)); }
