@@ -5,14 +5,14 @@
 // A sharded module's parameter tensors keep their handles (modules hold them as members, the
 // autograd graph saves them for backward, the user may hold them), so releasing the gathered
 // parameters cannot swap in new tensors or new storages: a view saved for backward would keep
-// the old memory alive, and a handle would go stale. Each flat group therefore lives in a
+// the old memory alive, and a handle would go stale. Each flat group therefore lives in an
 // arena (detail/fsdp_arena.h), a fixed address range whose memory is mapped on gather and given
 // back on release: on the CPU a HostArena (madvise + PROT_NONE), on a CUDA device a CudaArena
 // (CUDA's virtual memory management, Note [CUDA arenas] in fsdp_cuda_arena.cpp). Every view of
 // it, saved ones included, sees the gathered values again after the next gather, and nothing
-// else holds the memory in between. The collectives write
-// through a second tensor over the same memory with its own Storage object, so the gathers do
-// not bump the version of the storage the graph's saved tensors check.
+// else holds the memory in between. The collectives write through a second tensor over the same
+// memory with its own Storage object, so the gathers do not bump the version of the storage the
+// graph's saved tensors check.
 #include <ember/distributed/fsdp.h>
 
 #include <algorithm>

@@ -12,6 +12,7 @@
 #include <ember/distributed/detail/fsdp_unit.h>
 #include <ember/distributed/fsdp.h>
 #include <ember/distributed/fsdp_checkpoint.h>
+#include <ember/nn/clip_grad.h>
 #include <ember/nn/container.h>
 #include <ember/nn/functional.h>
 #include <ember/nn/linear.h>
@@ -72,7 +73,8 @@ Batch mine(const Batch& b, int rank, int n, Device dev) {
 
 // The reference: DDP + Adam on the same harness, each rank on its slice of every batch; rank 0's
 // final state dict (every rank's is the same under DDP).
-nn::NamedTensors train_ddp(Device dev, int n, const std::vector<Batch>& bs) {
+// `clip`: nn::clip_grad_norm_ to this before each step (0: none).
+nn::NamedTensors train_ddp(Device dev, int n, const std::vector<Batch>& bs, double clip = 0) {
   auto models = rank_models(n);
   nn::NamedTensors out;
   std::mutex mu;
@@ -84,6 +86,7 @@ nn::NamedTensors train_ddp(Device dev, int n, const std::vector<Batch>& bs) {
     for (const Batch& b : bs) {
       opt.zero_grad();
       test::fsdp_loss(*ddp, mine(b, rank, n, dev)).backward();
+      if (clip > 0) nn::clip_grad_norm_(ddp->parameters(), clip);
       opt.step();
     }
     if (rank != 0) return;
@@ -98,15 +101,17 @@ struct CudaCase {
   bool reshard_after_forward;
   bool bf16;  // parameters gathered (and computed) in bfloat16, gradients reduced in float32
   bool gpu = true;
+  double clip = 0;  // dist::clip_grad_norm_ over the shards to this before each step
 };
 void PrintTo(const CudaCase& c, std::ostream* os) {
   *os << c.n << " ranks on " << (c.gpu ? "cuda:0" : "cpu")
-      << (c.reshard_after_forward ? ", reshard" : ", keep") << (c.bf16 ? ", bf16" : "");
+      << (c.reshard_after_forward ? ", reshard" : ", keep") << (c.bf16 ? ", bf16" : "")
+      << (c.clip > 0 ? ", clipped" : "");
 }
 std::string case_name(const ::testing::TestParamInfo<CudaCase>& info) {
   const CudaCase& c = info.param;
   return "n" + std::to_string(c.n) + (c.reshard_after_forward ? "_reshard" : "_keep") +
-         (c.bf16 ? "_bf16" : "") + (c.gpu ? "" : "_cpu");
+         (c.bf16 ? "_bf16" : "") + (c.clip > 0 ? "_clip" : "") + (c.gpu ? "" : "_cpu");
 }
 
 FullyShardOptions options_of(const CudaCase& c, std::shared_ptr<ProcessGroup> pg) {
@@ -130,12 +135,13 @@ class FsdpCuda : public ::testing::TestWithParam<CudaCase> {
 };
 
 // 20 steps of sharded Adam end where DDP + Adam on the same device ends (bfloat16: within its
-// precision); the shards and the gathered parameters are on the model's device.
+// precision; clipped: dist::clip_grad_norm_ over the shards as nn::clip_grad_norm_ over DDP's
+// parameters); the shards and the gathered parameters are on the model's device.
 TEST_P(FsdpCuda, TrainsLikeDdp) {
   const CudaCase c = GetParam();
   const Device dev = c.gpu ? kGpu : kCPU;
   const auto bs = test::fsdp_batches(kSteps, 7);
-  const nn::NamedTensors want = train_ddp(dev, c.n, bs);
+  const nn::NamedTensors want = train_ddp(dev, c.n, bs, c.clip);
   auto models = rank_models(c.n);
   auto body = [&](std::shared_ptr<ProcessGroup> pg, int rank) {
     auto model = models[static_cast<size_t>(rank)];
@@ -149,6 +155,7 @@ TEST_P(FsdpCuda, TrainsLikeDdp) {
       opt.zero_grad();
       const Batch m = mine(b, rank, c.n, dev);
       nn::functional::mse_loss((*model)(m.x).to(kFloat32), m.y).backward();
+      if (c.clip > 0) clip_grad_norm_(*model, c.clip);
       opt.step();
     }
     require(model->blocks[0]->fc1->weight.device() == dev, "block 0's weight left " + dev.str());
@@ -164,9 +171,11 @@ INSTANTIATE_TEST_SUITE_P(Ranks, FsdpCuda,
                          ::testing::Values(CudaCase{2, true, false}, CudaCase{2, false, false},
                                            CudaCase{4, true, false}, CudaCase{4, false, false},
                                            CudaCase{2, true, true}, CudaCase{4, true, true},
+                                           CudaCase{2, true, false, true, 0.05},
                                            CudaCase{2, true, false, false},
                                            CudaCase{2, false, false, false},
-                                           CudaCase{2, true, true, false}),
+                                           CudaCase{2, true, true, false},
+                                           CudaCase{2, true, false, false, 0.05}),
                          case_name);
 
 // A sharded checkpoint of the shards on `dev` (model and Adam's state) after 10 steps, loaded
