@@ -5,12 +5,14 @@
 // A sharded module's parameter tensors keep their handles (modules hold them as members, the
 // autograd graph saves them for backward, the user may hold them), so releasing the gathered
 // parameters cannot swap in new tensors or new storages: a view saved for backward would keep
-// the old memory alive, and a handle would go stale. Each flat group therefore lives in a
-// HostArena, a fixed address range whose pages are mapped on gather and given back on release
-// (madvise + PROT_NONE). Every view of it, saved ones included, sees the gathered values again
-// after the next gather, and nothing else holds the memory in between. The collectives write
-// through a second tensor over the same memory with its own Storage object, so the gathers do
-// not bump the version of the storage the graph's saved tensors check.
+// the old memory alive, and a handle would go stale. Each flat group therefore lives in an
+// arena (detail/fsdp_arena.h), a fixed address range whose memory is mapped on gather and given
+// back on release: on the CPU a HostArena (madvise + PROT_NONE), on a CUDA device a CudaArena
+// (CUDA's virtual memory management, Note [CUDA arenas] in fsdp_cuda_arena.cpp). Every view of
+// it, saved ones included, sees the gathered values again after the next gather, and nothing
+// else holds the memory in between. The collectives write through a second tensor over the same
+// memory with its own Storage object, so the gathers do not bump the version of the storage the
+// graph's saved tensors check.
 #include <ember/distributed/fsdp.h>
 
 #include <algorithm>
@@ -192,7 +194,7 @@ void FsdpUnit::reduce_grads() {
     }
     g.grad_flat = Tensor();
     Tensor input = flat.dtype() == g.reduce_dtype ? flat : flat.to(g.reduce_dtype);
-    Tensor out = empty({g.shard_size}, TensorOptions(g.reduce_dtype));
+    Tensor out = empty({g.shard_size}, TensorOptions(g.reduce_dtype).device(g.device));
     WorkPtr work = group->reduce_scatter_tensor(out, input, {.op = ReduceOp::Avg});
     c.reduces.push_back({std::move(work), std::move(input), std::move(out), &g});
   }
@@ -210,7 +212,8 @@ void FsdpUnit::prepare_grads() {
   for (FlatGroup& g : groups) {
     if (!g.requires_grad) continue;
     if (!g.grad_flat.defined()) {
-      g.grad_flat = zeros({group->size() * g.shard_size}, TensorOptions(g.compute_dtype));
+      g.grad_flat = zeros({group->size() * g.shard_size},
+                          TensorOptions(g.compute_dtype).device(g.device));
     }
     for (size_t i = 0; i < g.params.size(); ++i) {
       Tensor& p = g.params[i];
@@ -365,9 +368,16 @@ nn::NamedTensors params_to_shard(nn::Module& module, const std::string& label) {
     EMBER_CHECK(unit_holding(p) == nullptr, "[", kOp, "] ", label, ": parameter '", name,
                 "' is already sharded by another module (a weight tied across sharded modules, "
                 "or an enclosing module sharded first: shard submodules before their parents)");
-    EMBER_CHECK_TYPE(NotImplementedError, p.is_cpu(), "[", kOp, "] ", label, ": parameter '",
-                     name, "' is on ", p.device().str(), "; fully_shard shards CPU parameters "
-                     "(docs/sharding.md)");
+    EMBER_CHECK_TYPE(NotImplementedError, p.is_cpu() || p.is_cuda(), "[", kOp, "] ", label,
+                     ": parameter '", name, "' is on ", p.device().str(), "; fully_shard shards "
+                     "parameters on the CPU or a CUDA device (docs/sharding.md)");
+    if (!out.empty()) {
+      const auto& [first, q] = out.front();
+      EMBER_CHECK_TYPE(NotImplementedError, p.device() == q.device(), "[", kOp, "] ", label,
+                       ": parameter '", name, "' is on ", p.device().str(), " but '", first,
+                       "' is on ", q.device().str(), "; a sharded module's parameters must be "
+                       "on one device (move the module with ->to(device) first)");
+    }
     out.emplace_back(name, p);
   }
   return out;
@@ -384,7 +394,7 @@ void build_group(FlatGroup& g, int rank, int n, const std::string& label) {
   }
   g.total = total;
   g.shard_size = (total + n - 1) / n;
-  Tensor flat = zeros({g.shard_size * n}, TensorOptions(g.dtype));
+  Tensor flat = zeros({g.shard_size * n}, TensorOptions(g.dtype).device(g.device));
   for (size_t i = 0; i < g.params.size(); ++i) {
     flat.narrow(0, g.offsets[i], g.params[i].numel()).copy_(g.params[i].detach().reshape({-1}));
   }
@@ -405,11 +415,12 @@ void build_group(FlatGroup& g, int rank, int n, const std::string& label) {
   }
   const size_t elt = static_cast<size_t>(itemsize(g.compute_dtype));
   const size_t nbytes = static_cast<size_t>(g.shard_size * n) * elt;
-  g.arena = std::make_shared<HostArena>(nbytes, label);
+  g.arena = make_fsdp_arena(g.device, nbytes, label);
   // The storage the parameters share owns the arena, so the memory outlives every view of it.
-  auto storage = std::make_shared<Storage>(g.arena->data(), nbytes, kCPU,
+  auto storage = std::make_shared<Storage>(g.arena->data(), nbytes, g.device,
                                            [arena = g.arena](void*) {});
-  g.full = from_blob(g.arena->data(), {g.shard_size * n}, TensorOptions(g.compute_dtype));
+  g.full = from_blob(g.arena->data(), {g.shard_size * n},
+                     TensorOptions(g.compute_dtype).device(g.device));
   for (size_t i = 0; i < g.params.size(); ++i) {
     Tensor& p = g.params[i];
     p.set_grad(Tensor());
@@ -455,6 +466,7 @@ std::shared_ptr<nn::Module> fully_shard(std::shared_ptr<nn::Module> module,
       FlatGroup g;
       g.dtype = p.dtype();
       g.requires_grad = rg;
+      g.device = p.device();
       const bool floating = is_floating(p.dtype());
       g.compute_dtype = floating && mp.param_dtype ? *mp.param_dtype : p.dtype();
       g.reduce_dtype = floating && mp.reduce_dtype ? *mp.reduce_dtype : g.compute_dtype;

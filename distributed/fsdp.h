@@ -70,8 +70,10 @@ struct FullyShardOptions {
 /// Shards `module` (see above) and returns it. Shard submodules before the modules that contain
 /// them. Throws ValueError for a null module, a module sharded twice, a parameter already
 /// sharded by another module (an enclosing module sharded first, or a weight tied across
-/// modules), or no parameters left to shard; NotImplementedError for parameters that are not on
-/// the CPU.
+/// modules), or no parameters left to shard; NotImplementedError for parameters on a device other
+/// than the CPU or CUDA, or on two devices. On CUDA, move the module to its device first; the
+/// gathered parameters then live in device memory mapped on gather and unmapped on reshard
+/// (docs/sharding.md, "FSDP on CUDA").
 std::shared_ptr<nn::Module> fully_shard(std::shared_ptr<nn::Module> module,
                                         FullyShardOptions options = {});
 
@@ -118,7 +120,9 @@ struct LocalShard {
 ///     if (s.data.defined()) (s.shape.size() >= 2 ? decay : no_decay).push_back(s.data);
 std::vector<LocalShard> local_shards(const nn::Module& root);
 
-/// Memory of the sharded modules' gather buffers in this process.
+/// Memory of the sharded modules' gather buffers in this process, CPU and CUDA together (the
+/// bytes the parameters use; a CUDA arena maps them rounded up to the allocation granularity,
+/// and cuda::memory_allocated() does not count it: it is not the caching allocator's).
 struct FsdpMemoryStats {
   int64_t sharded_bytes = 0;        ///< the shards (what each rank keeps)
   int64_t unsharded_bytes = 0;      ///< gather buffers holding memory now

@@ -120,7 +120,9 @@ Tensor clip_grad_norm_(const nn::Module& root, double max_norm, double norm_type
     }
     return acc;
   };
-  Tensor local = full({1}, accumulate(grads), TensorOptions(kFloat64));
+  // On the shards' device: the group may work on that device only (NCCL).
+  const Device dev = units.front()->groups.front().device;
+  Tensor local = full({1}, accumulate(grads), TensorOptions(kFloat64).device(dev));
   units.front()->group->allreduce(local, {.op = inf ? ReduceOp::Max : ReduceOp::Sum})->wait();
   const double rep = accumulate(replicated);
   const double sharded = local.item<double>();
@@ -155,7 +157,8 @@ nn::NamedTensors full_state_dict(const nn::Module& root) {
   std::map<const FlatGroup*, Tensor> gathered;
   for (const auto& u : units) {
     for (FlatGroup& g : u->groups) {
-      Tensor all = empty({g.shard_size * u->group->size()}, TensorOptions(g.dtype));
+      Tensor all =
+          empty({g.shard_size * u->group->size()}, TensorOptions(g.dtype).device(g.device));
       u->group->allgather_into_tensor(all, g.shard.detach())->wait();
       gathered[&g] = all;
     }

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include <ember/distributed/detail/host_arena.h>
+#include <ember/distributed/detail/fsdp_arena.h>
 #include <ember/distributed/fsdp.h>
 
 namespace ember::dist::detail {
@@ -25,6 +25,7 @@ struct FlatGroup {
   Dtype compute_dtype = kFloat32;   // of the gathered parameters
   Dtype reduce_dtype = kFloat32;    // of the reduce-scatter
   bool requires_grad = true;
+  Device device = kCPU;             // of the parameters, the shard, the arena and the gradients
   Tensor shard;                     // [S]: this rank's elements [rank * S, (rank + 1) * S)
   /// Per parameter, this rank's elements of it: a 1-D view of `shard` (undefined when this
   /// rank holds none), a leaf that requires grad as the parameter does. The optimizer steps
@@ -32,7 +33,7 @@ struct FlatGroup {
   std::vector<Tensor> pieces;
   std::vector<int64_t> piece_begin;  // where each piece starts in its parameter (flattened)
   std::vector<int64_t> piece_at;     // and in the shard
-  std::shared_ptr<HostArena> arena; // N * S elements of compute_dtype
+  std::shared_ptr<FsdpArena> arena;  // N * S elements of compute_dtype on `device`
   Tensor full;                      // the arena as a tensor for collectives (its own storage)
   bool gathered = false;            // the arena holds the parameters (or a gather is pending)
   Tensor grad_flat;                 // [N * S] compute_dtype: the parameters' gradients' storage

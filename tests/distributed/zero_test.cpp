@@ -81,7 +81,8 @@ void require_params(const std::string& what, const nn::Module& m, const nn::Modu
   const auto got = m.named_parameters(), ref = want.named_parameters();
   require(got.size() == ref.size(), what + ": parameter count");
   for (size_t i = 0; i < got.size(); ++i) {
-    require_close(what + " " + got[i].first, got[i].second.detach(), ref[i].second.detach(), 2e-5);
+    require_close(what + " " + got[i].first, got[i].second.detach().cpu(),
+                  ref[i].second.detach().cpu(), 2e-5);
   }
 }
 
@@ -327,15 +328,18 @@ struct OverlapCase {
 // Each step: accumulate - 1 backward passes under no_sync(), then a synchronised one, then
 // step(); both runs must end with the same parameters, and each rank's optimizer state is
 // 1/n of the model's (the state is sharded, as without overlap).
+// `dev`: where the models and batches are (each rank thread's current stream when CUDA).
 void train_both_and_compare(const std::shared_ptr<ProcessGroup>& pg, OverlapCase& c,
                             const CommHook& hook, int accumulate, const std::string& what,
-                            bool bucket_view = false) {
+                            bool bucket_view = false, Device dev = kCPU) {
   const int rank = pg->rank(), n = pg->size();
+  c.plain->to(dev);
+  c.overlap->to(dev);
   auto run = [&](auto&& zero_grad, auto&& step, DistributedDataParallel& ddp) {
     for (size_t s = 0; s + static_cast<size_t>(accumulate) <= c.batches.size(); s += accumulate) {
       zero_grad();
       for (int m = 0; m < accumulate; ++m) {
-        const Batch b = test::slice(c.batches[s + m], rank, n);
+        const Batch b = test::to_device(test::slice(c.batches[s + m], rank, n), dev);
         if (m + 1 < accumulate) {
           auto guard = ddp.no_sync();
           loss_of(ddp, b).backward();
@@ -420,6 +424,70 @@ TEST(ZeroMpiRanks, OverlapTrainsLikeDdpWithAdam) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, ZeroOverlap, ::testing::Values(2, 4),
                          [](const auto& info) { return "n" + std::to_string(info.param); });
+
+// On the parameters' device: 2 rank threads (on cuda:0 each with its own stream) through a
+// DelayingGroup. ZeRO without overlap (4 KiB gather windows: several all-gathers into the
+// parameters per step, cutting through them) and with overlap_with_ddp (packed and direct
+// broadcasts of the parameters) end where DDP + Adam on the same device ends; the optimizer
+// state is on that device and consolidates to rank 0.
+void plain_and_overlapped_train_like_ddp_on(Device dev) {
+  constexpr int n = 2;
+  test::ThreadsSetup s = ranks(n);
+  s.device = dev;
+  // Every result held back (on the GPU behind a spin on the group's stream): a missing wait or
+  // stream wait reads the old values.
+  s.delay = DelayOptions{.cycles = 5'000'000, .cpu_delay = std::chrono::milliseconds(1)};
+  std::vector<OverlapCase> overlap, plain;
+  for (int r = 0; r < n; ++r) {
+    overlap.emplace_back(make_wide_model);
+    overlap.back().batches = make_batches(kSteps, 5);
+    plain.emplace_back(make_wide_model);
+    plain.back().batches = make_batches(kSteps, 5);
+  }
+  test::run_threads(s, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    const std::string what = dev.str() + " rank " + std::to_string(rank);
+    train_both_and_compare(pg, overlap[static_cast<size_t>(rank)], allreduce_hook, 1,
+                           what + " overlap", false, dev);
+    OverlapCase& c = plain[static_cast<size_t>(rank)];
+    c.plain->to(dev);
+    c.overlap->to(dev);
+    auto train = [&](DistributedDataParallel& ddp, auto& opt) {
+      for (const Batch& b : c.batches) {
+        opt.zero_grad();
+        loss_of(ddp, test::to_device(test::slice(b, rank, n), dev)).backward();
+        opt.step();
+      }
+    };
+    auto ddp = std::make_shared<DistributedDataParallel>(c.plain, pg);
+    Adam adam(ddp->parameters(), adam_options());
+    train(*ddp, adam);
+    auto zddp = std::make_shared<DistributedDataParallel>(c.overlap, pg);
+    ZeroRedundancyOptimizer zero(zddp->parameters(), adam_factory(), pg);
+    zero.set_gather_chunk_bytes(4096);
+    train(*zddp, zero);
+    require_params(what + " plain", *c.overlap, *c.plain);
+    test::require_same_on_all_ranks(*pg, *c.overlap);
+    for (const auto& [name, t] : zero.optimizer().state_dict().state) {
+      if (name.find("exp_avg") != std::string::npos) {
+        require(t.device() == dev, what + ": " + name + " is on " + t.device().str());
+      }
+    }
+    zero.consolidate_state_dict(0);
+    if (rank != 0) return;
+    require(zero.state_dict().state.size() == adam.state_dict().state.size(),
+            what + ": the consolidated state has " +
+                std::to_string(zero.state_dict().state.size()) + " entries, plain Adam's " +
+                std::to_string(adam.state_dict().state.size()));
+  });
+}
+
+TEST(ZeroCuda, PlainAndOverlappedTrainLikeDdpWithAdamOnTheGpu) {
+  EMBER_REQUIRE_CUDA();
+  plain_and_overlapped_train_like_ddp_on(cuda_device(0));
+}
+TEST(ZeroDevices, PlainAndOverlappedTrainLikeDdpWithAdamOnTheCpu) {
+  plain_and_overlapped_train_like_ddp_on(kCPU);
+}
 
 // The same between gloo processes (shared memory with 2 and 4 ranks, TCP with 2), both hooks;
 // and with EMBER_DISTRIBUTED_DEBUG=DETAIL, whose cross-rank checks see the hook's broadcasts
