@@ -376,13 +376,19 @@ void resolve_addresses_and_output(const RawOptions& raw, LaunchConfig& c) {
   if (c.rdzv_backend != "static" && c.rdzv_backend != "c10d" && c.rdzv_backend != "etcd") {
     throw UsageError("--rdzv-backend: expected static, c10d or etcd, got '" + c.rdzv_backend + "'");
   }
-  // Node 0 still leads every round (it completes rounds and watches heartbeats), and without
-  // --node-rank node 0 is the agent that hosts the store, which etcd's rendezvous has not.
-  if (c.rdzv_backend == "etcd" && c.multi_node() &&
-      (c.rdzv_endpoint.empty() || !c.node_rank_given)) {
+  if (c.rdzv_backend == "etcd" && c.multi_node() && c.rdzv_endpoint.empty()) {
     throw UsageError(
         "--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT] (the etcd server; port 2379 if "
-        "omitted) and --node-rank on every node (node 0 leads the rendezvous rounds)");
+        "omitted)");
+  }
+  // etcd's rendezvous is leaderless (Note [Leaderless rounds] in rendezvous_etcd.cpp): node
+  // ranks go by arrival in each round, as with torchrun's etcd backend, which ignores it too.
+  if (c.rdzv_backend == "etcd" && c.multi_node() && c.node_rank_given) {
+    c.notices.push_back("--node-rank " + std::to_string(c.node_rank) +
+                        " is ignored with --rdzv-backend etcd: node ranks are given by arrival "
+                        "in each rendezvous round");
+    c.node_rank = 0;
+    c.node_rank_given = false;
   }
   if (raw.master_port) {
     c.master_port = parse_int("--master-port", std::to_string(*raw.master_port), 1, 65535);
