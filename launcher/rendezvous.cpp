@@ -198,7 +198,8 @@ void Rendezvous::connect(milliseconds timeout) {
   // The agent's leased keys vanish once it is gone for as long as a silent node is tolerated.
   eo.lease_ttl_s = std::max<int64_t>(2, std::llround(config_.heartbeat_timeout_s));
   live_ = std::make_unique<dist::EtcdStore>(endpoint(), eo);
-  live_->set_timeout(request_timeout());
+  // Its requests (a heartbeat, the leader key) are the monitor's: bounded as its polls are.
+  live_->set_timeout(std::min(kPollTimeout, request_timeout()));
   addr_ = config_.local_addr.empty() ? route_address(host_, port_) : config_.local_addr;
 }
 
@@ -378,7 +379,8 @@ void Rendezvous::wait_for_next_round(int round, int nnodes) {
     throw RendezvousError(
         self_ + " waited " + seconds_str(config_.rdzv_timeout_s) +
         " (--rdzv-timeout) at " + endpoint() + " for rendezvous round " + next +
-        ", which no agent opened: round " + std::to_string(round) +
+        (etcd_ ? ", which no agent opened: round " : ", which node 0 did not open: round ") +
+        std::to_string(round) +
         " kept running (a round with --nnodes MAX nodes admits nobody until it restarts)");
   }
 }

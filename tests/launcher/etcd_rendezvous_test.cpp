@@ -19,10 +19,10 @@ namespace fs = std::filesystem;
 
 std::string dist_worker() { return build_dir() + "/launcher/test_workers/dist_worker"; }
 
-std::vector<std::string> etcd_job(const std::string& endpoint, const std::string& node_rank) {
-  return {"--nnodes",       "2",         "--nproc-per-node", "2",           "--rdzv-backend",
-          "etcd",           "--rdzv-id", "etcdjob",          "--node-rank", node_rank,
-          "--grace-period", "5",         "--rdzv-endpoint",  endpoint};
+std::vector<std::string> etcd_job(const std::string& endpoint) {
+  return {"--nnodes",  "2",       "--nproc-per-node", "2", "--rdzv-backend",  "etcd",
+          "--rdzv-id", "etcdjob", "--grace-period",   "5", "--rdzv-endpoint", endpoint,
+          "--heartbeat-timeout", "2"};
 }
 
 TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcd) {
@@ -31,26 +31,32 @@ TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcd) {
   if (!fs::exists(dist_worker())) GTEST_SKIP() << dist_worker() << " not built";
   ember::test::EtcdServer etcd;
   TempDir d;
-  auto args = [&](const std::string& rank) {
-    auto a = etcd_job(etcd.endpoint(), rank);
-    a.push_back(dist_worker());
-    a.push_back(d.path);
-    return a;
-  };
-  Emberrun n1(args("1"));  // before node 0: nobody hosts anything
-  Emberrun n0(args("0"));
+  const auto args = cat(etcd_job(etcd.endpoint()), {dist_worker(), d.path});
+  Emberrun n0(args), n1(args);  // nobody hosts anything: ranks by arrival
   Result r0 = n0.wait(), r1 = n1.wait();
   ASSERT_EQ(r0.exit_code, 0) << describe(r0) << "\netcd's log:\n" << etcd.log_tail();
   ASSERT_EQ(r1.exit_code, 0) << describe(r1);
   for (int i = 0; i < 4; ++i)
     EXPECT_EQ(read_file(d.path + "/sum_" + std::to_string(i)), "10 4") << "rank " << i;
   EXPECT_TRUE(contains(r0.err, "rendezvous 127.0.0.1:")) << describe(r0);
+  EXPECT_TRUE(contains(r0.err + r1.err, "node 0 (") && contains(r0.err + r1.err, "node 1 ("))
+      << describe(r0) << describe(r1);
   // The round's keys are in etcd (under EtcdStore's default prefix "ember"), not in an agent.
   ember::dist::EtcdStoreOptions o;
   o.prefix = "ember/emberrun/etcdjob";
   o.timeout = std::chrono::seconds(60);
   ember::dist::EtcdStore keys(etcd.endpoint(), o);
-  EXPECT_TRUE(keys.check({"r0/node/0", "r0/node/1", "r0/nnodes"}));
+  // The agents are gone: their leased keys (heartbeats, the leader's) expire with their leases
+  // (--heartbeat-timeout 2), the round's records stay.
+  const auto deadline = Clock::now() + kTimeout;
+  while (Clock::now() < deadline &&
+         (keys.check({"r0/beat/0"}) || keys.check({"r0/beat/1"}) || keys.check({"r0/leader"})))
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(keys.check({"r0/beat/0"}) || keys.check({"r0/beat/1"}) ||
+               keys.check({"r0/leader"}));
+  EXPECT_TRUE(keys.check({"r0/node/0", "r0/node/1", "r0/nnodes", "r0/master", "closed"}));
+  const ember::dist::Bytes closed = keys.get("closed");  // by the last node to finish
+  EXPECT_EQ(std::string(closed.begin(), closed.end()), "the run finished");
 }
 
 TEST(EtcdRendezvous, NeedsTheEndpointAndIgnoresNodeRank) {
@@ -71,7 +77,7 @@ TEST(EtcdRendezvous, NeedsTheEndpointAndIgnoresNodeRank) {
 
 TEST(EtcdRendezvous, UnreachableEtcdIsAClearError) {
   const std::string endpoint = "127.0.0.1:" + std::to_string(ember::test::unused_port());
-  std::vector<std::string> a = etcd_job(endpoint, "1");
+  std::vector<std::string> a = etcd_job(endpoint);
   a.insert(a.end(), {"--join-timeout", "0.5", worker(), "env", "/nonexistent"});
   Result r = run(a);
   EXPECT_EQ(r.exit_code, 1) << describe(r);
