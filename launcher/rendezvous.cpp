@@ -302,10 +302,24 @@ int Rendezvous::complete_round(int round) {
   }
   int n = config_.min_nodes;
   // MIN:MAX: more nodes may still come during the last call, unless every node expected did.
+  // etcd: a node expected from the last round whose lease expires meanwhile (its workers failed
+  // first, and nobody found it silent) is no longer waited for.
   const auto last_call = Clock::now() + to_ms(config_.last_call_s);
-  while (n < config_.max_nodes && n < expected_ &&
-         wait_keys({node_key(round, n)}, last_call, false))
-    ++n;
+  const milliseconds chunk = etcd_ ? kLeaseCheck : to_ms(config_.last_call_s);
+  while (n < config_.max_nodes && n < expected_) {
+    if (wait_keys({node_key(round, n)}, std::min(last_call, Clock::now() + chunk), false)) {
+      ++n;
+      continue;
+    }
+    if (Clock::now() >= last_call) break;
+    const int expected = expected_nodes(round);
+    if (expected < expected_) {
+      log_line("rendezvous round " + std::to_string(round) + " now expects " +
+               std::to_string(expected) + " nodes: " + std::to_string(expected_ - expected) +
+               " of round " + std::to_string(round - 1) + " gone (etcd lease expired)");
+    }
+    expected_ = expected;
+  }
   while (n < config_.max_nodes && store_->check({node_key(round, n)})) ++n;  // already there
   // First writer wins: with etcd a leader that lost its lease may still get here beside the
   // one that replaced it.
@@ -330,8 +344,10 @@ int Rendezvous::expected_nodes(int round) {
   int alive = 0;
   for (int i = 0; i < n; ++i) {
     const std::string node = std::to_string(i);
+    // etcd: the heartbeat key of the last round lives as long as its agent's lease.
     if (!store_->check({round_key(prev, "lost/" + node)}) &&
-        !store_->check({round_key(prev, "exit/" + node)}))
+        !store_->check({round_key(prev, "exit/" + node)}) &&
+        (!etcd_ || read_counter(round_key(prev, "beat/" + node)) >= 0))
       ++alive;
   }
   return alive + static_cast<int>(store_->add(round_key(prev, "waiting"), 0));

@@ -79,14 +79,15 @@ class Rendezvous {
   /// Whether this node waits to join an elastic job (it came after its round closed).
   bool waiting() const { return waiting_; }
 
-  /// The round a newly started agent joins: the one node 0 opened last (0 before any).
+  /// The round a newly started agent joins: the one opened last (0 before any). With etcd,
+  /// throws RendezvousError when the run id belongs to a run that is over.
   /// Throws RendezvousError when the store is lost.
   int current_round();
   /// Joins round `round`: registers this node, waits until --nnodes nodes joined (MIN:MAX:
   /// MIN, then up to --rdzv-last-call for more, or, after a restart, until every node of the
   /// last round still alive and every waiting one joined), and returns the ranks. Elastic
   /// (MIN < MAX): a node that arrives after the round closed registers as waiting and joins
-  /// the next round node 0 opens (within --rdzv-timeout), so the returned round may be later
+  /// the next round opened (within --rdzv-timeout), so the returned round may be later
   /// than `round`. Throws RendezvousError listing the nodes that never arrived after
   /// --rdzv-timeout, or the reason another node closed the run; RendezvousInterrupted on a
   /// signal.
@@ -100,10 +101,10 @@ class Rendezvous {
   /// RendezvousError when the store is lost.
   std::optional<RoundFailure> poll_failure(int round);
   /// What the agent calls while the round's workers run (every --monitor-interval): writes this
-  /// node's heartbeat when --heartbeat-interval has passed since the last one; on node 0, a
-  /// node whose heartbeat has not changed for --heartbeat-timeout (and that has not left) is
-  /// recorded as the round's failure, unless another failure came first; elastic, node 0 also
-  /// ends the round (RoundFailure::kNewNodes) when nodes wait to join and the round has fewer
+  /// node's heartbeat when --heartbeat-interval has passed since the last one; on node 0 (with
+  /// etcd, on every agent), a node whose heartbeat has not changed for --heartbeat-timeout (and
+  /// that has not left) is recorded as the round's failure, unless another failure came first;
+  /// elastic, node 0 (etcd: every agent) also ends the round (RoundFailure::kNewNodes) when nodes wait to join and the round has fewer
   /// than MAX. Returns the round's failure, if any. Throws RendezvousError when the store is
   /// lost (within a few seconds: a partitioned node gives up on its own).
   std::optional<RoundFailure> watch(int round);

@@ -36,5 +36,8 @@ std::string route_address(const std::string& host, int port);
 
 // Waits are cut in chunks of this to notice signals and closed runs.
 inline constexpr std::chrono::milliseconds kPollChunk{200};
+// etcd: how often an agent retries a round's leader key, and a leader re-reads which nodes of
+// the last round still hold a lease.
+inline constexpr std::chrono::milliseconds kLeaseCheck{1000};
 
 }  // namespace ember::launcher::detail

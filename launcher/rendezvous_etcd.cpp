@@ -23,14 +23,19 @@ namespace ember::launcher {
 //   agent to join, whatever its host or start order.
 // - Closing the round (waiting for MIN nodes and the last call, then r<R>/nnodes) needs one
 //   agent: the leader, which wins the leased key r<R>/leader. Every other agent waits for
-//   r<R>/nnodes and retries the key every kLeaderRetry; when the leader dies its lease expires
+//   r<R>/nnodes and retries the key every kLeaseCheck; when the leader dies its lease expires
 //   (--heartbeat-timeout, etcd's TTL) and one of them takes over, so a round is closed within
-//   TTL + kLeaderRetry of its leader's death plus its own join time.
+//   TTL + kLeaseCheck of its leader's death plus its own join time.
 // - MASTER_ADDR: the round's node 0 writes its own address (--local-addr, else the address of
 //   its interface towards etcd) and a free port before it registers, so the workers' store is
 //   on a node alive when the round was formed, never on one lost in an earlier round.
 // - Heartbeats: every agent watches every other one (Note [Heartbeats]); the first to find one
 //   silent records the failure and r<R>/lost/<k>, which the next round's leader reads.
+// - The next round expects the last round's nodes neither lost nor gone nor without a lease:
+//   when a node dies its peers' workers usually fail first (their collectives lose it), so
+//   nobody finds it silent; its lease then expires within the TTL, and the leader, re-reading
+//   that every kLeaseCheck during the last call, stops waiting for it (instead of the whole
+//   --rdzv-last-call).
 // Keys that must outlive their writer (the round's records, failures, exits, "closed") are
 // written without a lease; the leader key and the heartbeats carry the writer's lease.
 namespace {
@@ -38,8 +43,6 @@ namespace {
 using namespace detail;
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
-
-constexpr milliseconds kLeaderRetry{1000};
 
 }  // namespace
 
@@ -121,7 +124,7 @@ int Rendezvous::lead_or_await(int round, int k) {
                             " (--rdzv-timeout or --rdzv-conf join_timeout); this node is " +
                             describe_self());
     }
-    wait_keys({nn}, std::min(deadline, Clock::now() + kLeaderRetry), true);
+    wait_keys({nn}, std::min(deadline, Clock::now() + kLeaseCheck), true);
   }
   return round_size(round, k);
 }

@@ -57,6 +57,13 @@ TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcd) {
   EXPECT_TRUE(keys.check({"r0/node/0", "r0/node/1", "r0/nnodes", "r0/master", "closed"}));
   const ember::dist::Bytes closed = keys.get("closed");  // by the last node to finish
   EXPECT_EQ(std::string(closed.begin(), closed.end()), "the run finished");
+  // etcd keeps them, so an agent reusing the id is told so instead of joining a dead run.
+  Result again = run(args);
+  EXPECT_EQ(again.exit_code, 1) << describe(again);
+  EXPECT_TRUE(contains(again.err, "the rendezvous id 'etcdjob' at etcd " + etcd.endpoint() +
+                                      " belongs to a run that is over (the run finished): give "
+                                      "every job its own --rdzv-id"))
+      << describe(again);
 }
 
 TEST(EtcdRendezvous, NeedsTheEndpointAndIgnoresNodeRank) {
@@ -88,11 +95,12 @@ std::string step_worker() { return build_dir() + "/launcher/test_workers/step_wo
 
 // The agents of an elastic job through etcd: 2 to 3 nodes, one restart, a 3 s heartbeat
 // timeout (also the TTL of every agent's lease).
-std::vector<std::string> elastic_etcd_job(const std::string& endpoint, const std::string& id) {
+std::vector<std::string> elastic_etcd_job(const std::string& endpoint, const std::string& id,
+                                          const std::string& last_call = "30") {
   return {"--nnodes",           "2:3", "--nproc-per-node",      "1",   "--rdzv-backend",
           "etcd",               "--rdzv-endpoint", endpoint,    "--rdzv-id",     id,
           "--max-restarts",     "1",   "--heartbeat-timeout",   "3",   "--heartbeat-interval",
-          "0.5",                "--rdzv-last-call", "30",       "--grace-period", "5"};
+          "0.5",                "--rdzv-last-call", last_call,  "--grace-period", "5"};
 }
 
 // Waits (bounded) until the etcd key `key` (under the emberrun keys of run `id`) exists.
@@ -171,6 +179,8 @@ TEST(EtcdRendezvous, LostEtcdStopsEveryNodeNamingTheEndpoint) {
 
 // ---- across network namespaces: node 0 is lost ---------------------------------------------
 
+struct AfterNode0;
+
 // Three agent nodes and a fourth namespace that runs etcd alone (as a cluster outside the
 // job's machines would be), all on one bridge.
 class EtcdNetns : public ::testing::Test {
@@ -190,6 +200,8 @@ class EtcdNetns : public ::testing::Test {
   }
 
   std::string endpoint() const { return net_->addr[3] + ":2379"; }
+  AfterNode0 kill_node0(const std::string& dir, const std::string& hold,
+                        const std::string& last_call);
 
   void start_etcd() {
     const std::string url = "http://" + net_->addr[3];
@@ -233,63 +245,101 @@ long long wall_ns() {
   return static_cast<long long>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
 }
 
-TEST_F(EtcdNetns, Node0KilledAndTheOthersFinishOnTwo) {
-  TempDir d;
-  // 6 steps of one allreduce each; at step 3 the ranks hold until the world has 2 ranks.
-  const auto job = cat(elastic_etcd_job(endpoint(), "node0"), {step_worker(), d.path, "6", "3@2"});
+// What the two agents left after node 0's death printed, and which namespaces they ran in.
+struct AfterNode0 {
+  Result r[2];
+  int node[2] = {-1, -1};  // the survivors' namespaces
+  int dead = -1;           // node 0's namespace
+  pid_t agent = -1;        // node 0's agent
+  std::string err, out, all;
+  double restart_s = 0;    // from the kill until round 1's workers started
+};
+
+// Three agents run `hold` (step_worker's K@W spec for step 3 of 6) until rank 0 holds at step 3;
+// then node 0's agent and worker (rank 0, which hosts the workers' store) are SIGKILLed.
+AfterNode0 EtcdNetns::kill_node0(const std::string& dir, const std::string& hold,
+                                 const std::string& last_call) {
+  const auto job =
+      cat(elastic_etcd_job(endpoint(), "node0", last_call), {step_worker(), dir, "6", hold});
   std::vector<std::unique_ptr<Emberrun>> a;
   for (int i = 0; i < 3; ++i)
     a.push_back(std::make_unique<Emberrun>(job, std::vector<std::string>{}, net_->exec_prefix(i)));
-  for (int r = 0; r < 3; ++r) {
-    ASSERT_TRUE(wait_for_file(d.path + "/held_3_" + std::to_string(r) + "_3"))
-        << "rank " << r << " never held at step 3";
-  }
-  // Rank 0 is on the round's node 0, which hosts the workers' store: kill its agent and worker.
-  std::istringstream held(read_file(d.path + "/held_3_0_3"));
-  pid_t agent = -1, rank0 = -1;
-  held >> agent >> rank0;
-  int node0 = -1;
+  AfterNode0 k;
+  EXPECT_TRUE(wait_for_file(dir + "/held_3_0_3")) << "rank 0 never held at step 3";
+  std::istringstream held(read_file(dir + "/held_3_0_3"));
+  pid_t rank0 = -1;
+  held >> k.agent >> rank0;
   for (int i = 0; i < 3; ++i)
-    if (a[i]->pid() == agent) node0 = i;
-  ASSERT_GE(node0, 0) << "rank 0's agent " << agent << " is none of the three";
+    if (a[i]->pid() == k.agent) k.dead = i;
+  EXPECT_GE(k.dead, 0) << "rank 0's agent " << k.agent << " is none of the three";
+  if (k.dead < 0) return k;
   const long long killed_at = wall_ns();
-  kill(agent, SIGKILL);
+  kill(k.agent, SIGKILL);
   kill(rank0, SIGKILL);
-  std::vector<Result> r(3);
-  for (int i = 0; i < 3; ++i)
-    if (i != node0) r[i] = a[i]->wait();
-  const int s0 = node0 == 0 ? 1 : 0, s1 = node0 == 2 ? 1 : 2;  // the survivors
-  std::string all;
-  for (int i : {s0, s1}) all += describe(r[i]);
-  ASSERT_EQ(r[s0].exit_code, 0) << all << "\netcd's log:\n" << read_file(data_.path + "/etcd.log");
-  ASSERT_EQ(r[s1].exit_code, 0) << all;
-  const std::string err = r[s0].err + r[s1].err, out = r[s0].out + r[s1].out;
-  EXPECT_TRUE(contains(err, "node 0 (") &&
-              contains(err, " pid " + std::to_string(agent) + ") lost: no heartbeat for "))
-      << all;
-  EXPECT_TRUE(contains(err, "restarting the group on every node (1/1)")) << all;
-  // The new round: world size 2, resumed from the checkpoint, its store on a live node.
-  for (int rank : {0, 1}) {
-    const std::string line = "rank " + std::to_string(rank) + " of 2: resuming from step 3 (restarts 1, MASTER_ADDR ";
-    EXPECT_TRUE(contains(out, line)) << "missing: " << line << all;
-    EXPECT_TRUE(contains(out, "rank " + std::to_string(rank) + " of 2: finished\n")) << all;
+  for (int i = 0, s = 0; i < 3; ++i) {
+    if (i == k.dead) continue;
+    k.node[s] = i;
+    k.r[s] = a[i]->wait();
+    k.err += k.r[s].err;
+    k.out += k.r[s].out;
+    k.all += describe(k.r[s]);
+    ++s;
   }
-  EXPECT_FALSE(contains(out, "(restarts 1, MASTER_ADDR " + net_->addr[node0] + ":"))
-      << "round 1's store on the dead node\n" << all;
-  EXPECT_TRUE(contains(out, "(restarts 1, MASTER_ADDR " + net_->addr[s0] + ":") ||
-              contains(out, "(restarts 1, MASTER_ADDR " + net_->addr[s1] + ":"))
-      << all;
-  EXPECT_TRUE(contains(err, " of 2: ranks 0..0 of 2, MASTER_ADDR=") &&
-              contains(err, " of 2: ranks 1..1 of 2, MASTER_ADDR="))
-      << all;
-  EXPECT_EQ(read_file(d.path + "/ckpt"), "6");
   EXPECT_TRUE(wait_until_gone(rank0));
-  // From the kill until the new round's workers started (reported, not asserted).
   long long started = 0;
-  for (int rank : {0, 1})
-    started = std::max(started, std::atoll(read_file(d.path + "/started_1_" + std::to_string(rank)).c_str()));
-  std::printf("[ measure ] node 0 killed -> round 1's workers started: %.2f s\n",
-              (started - killed_at) / 1e9);
+  for (int rank : {0, 1}) {
+    const std::string f = dir + "/started_1_" + std::to_string(rank);
+    started = std::max(started, std::atoll(read_file(f).c_str()));
+  }
+  k.restart_s = (started - killed_at) / 1e9;
+  return k;
 }
 
+// Both survivors finished round 1 at world size 2 from the checkpoint, with the workers' store
+// on one of them.
+void expect_finished_on_two(const AfterNode0& k, NetnsNodes& net, const std::string& dir) {
+  for (const Result& r : k.r) EXPECT_EQ(r.exit_code, 0) << k.all;
+  for (int rank : {0, 1}) {
+    const std::string line = "rank " + std::to_string(rank) +
+                             " of 2: resuming from step 3 (restarts 1, MASTER_ADDR ";
+    EXPECT_TRUE(contains(k.out, line)) << "missing: " << line << k.all;
+    EXPECT_TRUE(contains(k.out, "rank " + std::to_string(rank) + " of 2: finished\n")) << k.all;
+  }
+  EXPECT_FALSE(contains(k.out, "(restarts 1, MASTER_ADDR " + net.addr[k.dead] + ":"))
+      << "round 1's store on the dead node\n" << k.all;
+  EXPECT_TRUE(contains(k.out, "(restarts 1, MASTER_ADDR " + net.addr[k.node[0]] + ":") ||
+              contains(k.out, "(restarts 1, MASTER_ADDR " + net.addr[k.node[1]] + ":"))
+      << k.all;
+  EXPECT_TRUE(contains(k.err, " of 2: ranks 0..0 of 2, MASTER_ADDR=") &&
+              contains(k.err, " of 2: ranks 1..1 of 2, MASTER_ADDR="))
+      << k.all;
+  EXPECT_EQ(read_file(dir + "/ckpt"), "6");
+  std::printf("[ measure ] node 0 killed -> round 1's workers started: %.2f s\n", k.restart_s);
+}
+
+TEST_F(EtcdNetns, Node0KilledAndTheOthersFinishOnTwo) {
+  // Every rank holds at step 3 (as between two collectives): the others find node 0 silent.
+  TempDir d;
+  const AfterNode0 k = kill_node0(d.path, "3@2", "30");
+  if (k.dead < 0) return;
+  expect_finished_on_two(k, *net_, d.path);
+  EXPECT_TRUE(contains(k.err, "node 0 (") &&
+              contains(k.err, " pid " + std::to_string(k.agent) + ") lost: no heartbeat for "))
+      << k.all;
+  EXPECT_TRUE(contains(k.err, "restarting the group on every node (1/1)")) << k.all;
+}
+
+TEST_F(EtcdNetns, Node0KilledMidCollectiveAndTheOthersFinishOnTwo) {
+  // Only rank 0 holds; the others wait in step 3's allreduce and fail when node 0 dies, before
+  // anyone finds it silent, so round 1 expects it back. Its lease expires, and the leader stops
+  // waiting for it: without that, round 1 would wait the whole last call (120 s, past the
+  // harness's 60 s).
+  TempDir d;
+  const AfterNode0 k = kill_node0(d.path, "3@2/0", "120");
+  if (k.dead < 0) return;
+  expect_finished_on_two(k, *net_, d.path);
+  EXPECT_TRUE(contains(k.err, "rendezvous round 1 now expects 2 nodes: 1 of round 0 gone (etcd "
+                              "lease expired)"))
+      << k.all;
+}
 }  // namespace

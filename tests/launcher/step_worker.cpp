@@ -6,7 +6,8 @@
 // allreduce of 1 per rank, checked against WORLD_SIZE. Rank 0 writes the checkpoint after each
 // step: every rank has read it by then, having entered the step's allreduce. At a step K given
 // as K@W while WORLD_SIZE is not W, every rank writes DIR/held_<K>_<RANK>_<WORLD_SIZE> ("<its
-// agent's pid> <its pid>") and waits to be stopped, so the test changes the nodes at a known step.
+// agent's pid> <its pid>") and waits to be stopped, so the test changes the nodes at a known step;
+// K@W/R holds rank R only, the others entering step K's allreduce (and waiting there for R).
 // At its start, before init_process_group, it writes DIR/started_<RESTART_COUNT>_<RANK> with
 // the wall-clock time in ns (when a round's workers start: what the tests measure from).
 // Prints "rank R of W: resuming from step S (restarts C, MASTER_ADDR A:P)" and, at the end,
@@ -40,11 +41,12 @@ void write_file(const std::string& path, const std::string& text) {
   std::rename((path + ".tmp").c_str(), path.c_str());
 }
 
-// Whether argv[first..argc) holds "step@W" with W != world.
-bool holds_at(int step, int world, int first, int argc, char** argv) {
+// Whether argv[first..argc) holds "step@W" or "step@W/rank" with W != world.
+bool holds_at(int step, int world, int rank, int first, int argc, char** argv) {
   for (int i = first; i < argc; ++i) {
-    int k = -1, w = -1;
-    if (std::sscanf(argv[i], "%d@%d", &k, &w) == 2 && k == step && w != world) return true;
+    int k = -1, w = -1, r = -1;
+    const int n = std::sscanf(argv[i], "%d@%d/%d", &k, &w, &r);
+    if (n >= 2 && k == step && w != world && (n == 2 || r == rank)) return true;
   }
   return false;
 }
@@ -74,7 +76,7 @@ int main(int argc, char** argv) {
                 world, step, env_or("EMBER_RESTART_COUNT", "?"), env_or("MASTER_ADDR", "?"),
                 env_or("MASTER_PORT", "?"));
     for (; step < steps; ++step) {
-      if (holds_at(step, world, 3, argc, argv)) {
+      if (holds_at(step, world, rank, 3, argc, argv)) {
         write_file(dir + "/held_" + std::to_string(step) + "_" + std::to_string(rank) + "_" +
                        std::to_string(world),
                    std::to_string(getppid()) + " " + std::to_string(getpid()));
