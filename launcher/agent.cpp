@@ -169,7 +169,7 @@ int MultiNodeRun::on_spawn_error(int round, const std::string& err) {
 int MultiNodeRun::on_success(int round) {
   group_.finish();
   if (!rdzv_->is_host()) {
-    rdzv_->report_exit(round);
+    rdzv_->report_success(round);
     return 0;
   }
   // Node 0 hosts the store: it stays until every node is done, or one fails.

@@ -204,7 +204,8 @@ std::vector<EnvOption> add_options(CLI::App& app, RawOptions& raw, LaunchConfig&
   opt("--nproc-per-node,--nproc_per_node", raw.nproc, "NPROC_PER_NODE",
       "Ranks on this node: an integer, cpu, gpu or auto");
   opt("--node-rank,--node_rank", raw.node_rank, "NODE_RANK",
-      "This node's rank (multi-node: omitted = assigned by arrival, the store's host is 0)");
+      "This node's rank (multi-node: omitted = assigned by arrival, the store's host is 0; "
+      "ignored with --rdzv-backend etcd)");
   opt("--master-addr,--master_addr", c.master_addr, "MASTER_ADDR",
       "Address of rank 0's store (MASTER_ADDR)");
   opt("--master-port,--master_port", raw.master_port, "MASTER_PORT",
@@ -215,7 +216,7 @@ std::vector<EnvOption> add_options(CLI::App& app, RawOptions& raw, LaunchConfig&
   opt("--rdzv-id,--rdzv_id", c.rdzv_id, "RDZV_ID", "Run id (names the log folder)");
   opt("--rdzv-backend,--rdzv_backend", c.rdzv_backend, "RDZV_BACKEND",
       "Rendezvous backend: static or c10d (node 0's agent hosts the store), or etcd (an etcd "
-      "server at --rdzv-endpoint holds it)");
+      "server at --rdzv-endpoint holds it; no node is special, node 0 may be lost)");
   opt("--rdzv-conf,--rdzv_conf", raw.rdzv_conf, "RDZV_CONF",
       "Rendezvous settings key=value,...: join_timeout, timeout (both --rdzv-timeout), "
       "last_call_timeout (--rdzv-last-call), read_timeout (one store request, 10 s)");
@@ -230,7 +231,8 @@ std::vector<EnvOption> add_options(CLI::App& app, RawOptions& raw, LaunchConfig&
       "--heartbeat-timeout / 3 when that is less)",
       false);
   opt("--heartbeat-timeout,--heartbeat_timeout", c.heartbeat_timeout_s, "HEARTBEAT_TIMEOUT",
-      "Multi-node: node 0 ends the round when a node's heartbeat is this many seconds old (25)",
+      "Multi-node: node 0 (etcd: any agent) ends the round when a node's heartbeat is this many "
+      "seconds old (25); with etcd also the agents' lease TTL",
       false);
   flag("--standalone", c.standalone, "STANDALONE", "Single node, free port picked automatically");
   opt("--max-restarts,--max_restarts", raw.max_restarts, "MAX_RESTARTS",
@@ -376,13 +378,19 @@ void resolve_addresses_and_output(const RawOptions& raw, LaunchConfig& c) {
   if (c.rdzv_backend != "static" && c.rdzv_backend != "c10d" && c.rdzv_backend != "etcd") {
     throw UsageError("--rdzv-backend: expected static, c10d or etcd, got '" + c.rdzv_backend + "'");
   }
-  // Node 0 still leads every round (it completes rounds and watches heartbeats), and without
-  // --node-rank node 0 is the agent that hosts the store, which etcd's rendezvous has not.
-  if (c.rdzv_backend == "etcd" && c.multi_node() &&
-      (c.rdzv_endpoint.empty() || !c.node_rank_given)) {
+  if (c.rdzv_backend == "etcd" && c.multi_node() && c.rdzv_endpoint.empty()) {
     throw UsageError(
         "--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT] (the etcd server; port 2379 if "
-        "omitted) and --node-rank on every node (node 0 leads the rendezvous rounds)");
+        "omitted)");
+  }
+  // etcd's rendezvous is leaderless (Note [Leaderless rounds] in rendezvous_etcd.cpp): node
+  // ranks go by arrival in each round, as with torchrun's etcd backend, which ignores it too.
+  if (c.rdzv_backend == "etcd" && c.multi_node() && c.node_rank_given) {
+    c.notices.push_back("--node-rank " + std::to_string(c.node_rank) +
+                        " is ignored with --rdzv-backend etcd: node ranks are given by arrival "
+                        "in each rendezvous round");
+    c.node_rank = 0;
+    c.node_rank_given = false;
   }
   if (raw.master_port) {
     c.master_port = parse_int("--master-port", std::to_string(*raw.master_port), 1, 65535);

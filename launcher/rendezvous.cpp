@@ -10,10 +10,13 @@
 
 #include <ember/distributed/etcd_store.h>
 #include <ember/distributed/tcp_store.h>
+#include <ember/launcher/rendezvous_detail.h>
 #include <ember/launcher/worker_group.h>
 
 namespace ember::launcher {
 namespace {
+
+using namespace detail;
 
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
@@ -21,22 +24,29 @@ using std::chrono::milliseconds;
 // Note [Rendezvous keys]
 // Every key lives under "emberrun/<rdzv-id>/", so runs sharing a store do not meet. Round R
 // (one per restart, for a failure or a membership change) uses "r<R>/...": a restart is a
-// fresh rendezvous; only node 0 reads the last round's keys, to open the next one.
-//   round                the round node 0 opened last: where a newly started agent joins
-//   r<R>/restarts        rounds before R that ended in a failure (TORCHELASTIC_RESTART_COUNT)
-//   r<R>/master          "addr:port" node 0 picked for the job's store (MASTER_ADDR/PORT);
-//                        set when node 0 opens the round, so waiting nodes wait for it
-//   r<R>/next            arrival counter handing out node ranks 1, 2, ... (no --node-rank)
+// fresh rendezvous; only the agent opening the next round reads the last round's keys. With
+// etcd every key is unleased (it outlives its writer) except those marked "leased", which
+// vanish when their writer's lease expires (Note [Leaderless rounds] in rendezvous_etcd.cpp).
+//   round                the round opened last: where a newly started agent joins
+//   r<R>/restarts        rounds before R that ended in a failure (TORCHELASTIC_RESTART_COUNT);
+//                        written first when the round opens, so waiting nodes wait for it
+//   r<R>/master          "addr:port" for the job's store (MASTER_ADDR/PORT): node 0's agent
+//                        picks it when it opens the round; etcd: the round's node 0 (its first
+//                        arrival) picks its own address, so it is on a node alive at the join
+//   r<R>/next            arrival counter handing out node ranks 1, 2, ... (no --node-rank);
+//                        etcd: 0, 1, ...
 //   r<R>/node/<k>        "<nproc_per_node> <description>" of node k (compare_set: one owner)
-//   r<R>/nnodes          set by node 0 when the round is complete: the number of nodes
+//   r<R>/leader          etcd, leased: the agent that completes round R (compare_set)
+//   r<R>/nnodes          set by node 0 (etcd: the leader) when the round is complete
 //   r<R>/failed          "<k> <what>": the first failure of the round (compare_set); k = -1:
 //                        nodes wait to join (Note [Elastic membership])
+//   r<R>/lost/<k>        node k was found silent in round R: the next round does not expect it
 //   r<R>/waiting         elastic: the number of nodes that came after round R closed
 //   r<R>/wait/<i>        the description of the i-th of them
 //   r<R>/exit/<k>        node k left for good; node 0 stops hosting once all left
-//   r<R>/beat/<k>        node k's heartbeat counter (Note [Heartbeats])
+//   r<R>/beat/<k>        node k's heartbeat counter (Note [Heartbeats]); etcd: leased, and
+//                        written when node k joins
 //   closed               why the run is over; a node about to join a new round gives up
-constexpr milliseconds kPollChunk{200};  // waits are cut in chunks to notice signals
 // The monitor's poll: when node 0's agent dies its port refuses connections, and the client
 // retries refused connections until the request timeout; this bounds how long that takes.
 constexpr milliseconds kPollTimeout{3000};
@@ -53,7 +63,10 @@ constexpr milliseconds kPollTimeout{3000};
 // and the silence is noticed up to one period late, so it ends the round at most
 // --heartbeat-timeout + 2 periods after the node's last beat (27 s by default, leaving room
 // under the 30 s docs/launcher.md promises for stopping the workers). The partitioned node
-// itself gives up within kPollTimeout, its requests going unanswered.
+// itself gives up within kPollTimeout, its requests going unanswered. With etcd there is no
+// node 0 to trust: every agent watches every other one the same way (the first to record the
+// failure wins), and a counter whose key vanished (its writer's lease expired) is a lost node
+// at once.
 constexpr milliseconds kHeartbeatCheck{1000};
 
 // Note [Elastic membership]
@@ -64,20 +77,14 @@ constexpr milliseconds kHeartbeatCheck{1000};
 //   lost nor gone (plus the waiting ones) and closes the round as soon as they joined, not
 //   after --rdzv-last-call: the restart costs one join, not a last call.
 // - a node that arrives after its round closed (the arrival counter past MAX, or r<R>/nnodes
-//   smaller than its rank) adds itself to r<R>/waiting and waits for r<R+1>/master. Node 0 reads
-//   the counter with the heartbeats and, while the round has fewer than MAX nodes and no node
-//   has left it, records the round's end with k = -1: every agent stops its workers and
-//   joins the next round, which admits the newcomers. Such a restart is no failure: it does
-//   not use up --max-restarts nor raise TORCHELASTIC_RESTART_COUNT.
-// Node 0 hosts the store and cannot be replaced: losing it ends the run on every node (lost
-// the rendezvous store), as before.
-
-std::string to_s(const dist::Bytes& b) { return std::string(b.begin(), b.end()); }
-dist::Bytes to_b(const std::string& s) { return dist::Bytes(s.begin(), s.end()); }
-
-milliseconds to_ms(double seconds) {
-  return milliseconds(static_cast<int64_t>(seconds * 1000.0 + 0.5));
-}
+//   smaller than its rank) adds itself to r<R>/waiting and waits for r<R+1>/restarts. Node 0
+//   (etcd: every agent) reads the counter with the heartbeats and, while the round has fewer
+//   than MAX nodes and no node has left it, records the round's end with k = -1: every agent
+//   stops its workers and joins the next round, which admits the newcomers. Such a restart is
+//   no failure: it does not use up --max-restarts nor raise TORCHELASTIC_RESTART_COUNT.
+// With the c10d backend node 0 hosts the store and cannot be replaced: losing it ends the run
+// on every node (lost the rendezvous store). With etcd no node is special (Note [Leaderless
+// rounds]): node 0 is lost as any other.
 
 // Whether `host` names an address of this machine (network namespace): one of its addresses
 // can be bound.
@@ -105,18 +112,6 @@ std::string this_host(const LaunchConfig& c) {
   return buf;
 }
 
-// "<k> <what>", as the failed key holds it.
-RoundFailure parse_failure(const std::string& v) {
-  const auto sp = v.find(' ');
-  return {std::stoi(v.substr(0, sp)), v.substr(sp + 1)};
-}
-
-std::string seconds_str(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%g s", s);
-  return buf;
-}
-
 }  // namespace
 
 Rendezvous::Rendezvous(const LaunchConfig& config, std::function<bool()> interrupted)
@@ -125,10 +120,9 @@ Rendezvous::Rendezvous(const LaunchConfig& config, std::function<bool()> interru
   host_ = host;
   port_ = port;
   self_ = this_host(config_) + " pid " + std::to_string(getpid());
-  const bool etcd = config_.rdzv_backend == "etcd";  // which needs --node-rank (config.cpp)
-  etcd_node0_ = etcd && config_.node_rank == 0;
+  etcd_ = config_.rdzv_backend == "etcd";
   const bool want_host =
-      !etcd && (config_.node_rank_given ? config_.node_rank == 0 : is_local_address(host_));
+      !etcd_ && (config_.node_rank_given ? config_.node_rank == 0 : is_local_address(host_));
   if (want_host) {
     dist::TCPStoreServerOptions o;
     o.host = "";  // every interface: the endpoint's name may resolve to any of them
@@ -147,22 +141,11 @@ Rendezvous::Rendezvous(const LaunchConfig& config, std::function<bool()> interru
   std::string last;
   for (;;) {
     // Short connection attempts, so a signal is noticed while node 0 is not up yet.
-    dist::TCPStoreOptions o;
-    o.timeout = std::max(
-        milliseconds(1),
-        std::min<milliseconds>(milliseconds(1000),
-                               std::chrono::duration_cast<milliseconds>(deadline - Clock::now())));
     try {
-      if (etcd) {
-        // The agent's keys vanish once it is gone for as long as a silent node is tolerated.
-        dist::EtcdStoreOptions eo;
-        eo.timeout = o.timeout;
-        eo.lease_ttl_s = std::max<int64_t>(2, std::llround(config_.heartbeat_timeout_s));
-        store_ = std::make_unique<dist::EtcdStore>(endpoint(), eo);
-      } else {
-        store_ = std::make_unique<dist::TCPStore>(host_, static_cast<uint16_t>(port_), o);
-      }
-      store_->set_timeout(request_timeout());
+      connect(std::max(milliseconds(1),
+                       std::min<milliseconds>(milliseconds(1000),
+                                              std::chrono::duration_cast<milliseconds>(
+                                                  deadline - Clock::now()))));
       break;
     } catch (const dist::DistNetworkError& e) {
       last = e.what();
@@ -174,7 +157,7 @@ Rendezvous::Rendezvous(const LaunchConfig& config, std::function<bool()> interru
     if (interrupted_ && interrupted_()) {
       throw RendezvousInterrupted("interrupted while connecting to " + endpoint());
     }
-    if (Clock::now() >= deadline && etcd) {
+    if (Clock::now() >= deadline && etcd_) {
       throw RendezvousError("could not reach etcd at " + endpoint() + " within " +
                             seconds_str(config_.rdzv_timeout_s) +
                             " (--rdzv-timeout or --rdzv-conf join_timeout). Last error: " + last);
@@ -193,8 +176,31 @@ Rendezvous::Rendezvous(const LaunchConfig& config, std::function<bool()> interru
 }
 
 Rendezvous::~Rendezvous() {
+  live_.reset();
   store_.reset();
   if (server_) server_->stop();
+}
+
+void Rendezvous::connect(milliseconds timeout) {
+  if (!etcd_) {
+    dist::TCPStoreOptions o;
+    o.timeout = timeout;
+    store_ = std::make_unique<dist::TCPStore>(host_, static_cast<uint16_t>(port_), o);
+    store_->set_timeout(request_timeout());
+    return;
+  }
+  dist::EtcdStoreOptions eo;
+  eo.timeout = timeout;
+  if (!store_) {
+    store_ = std::make_unique<dist::EtcdStore>(endpoint(), eo);
+    store_->set_timeout(request_timeout());
+  }
+  // The agent's leased keys vanish once it is gone for as long as a silent node is tolerated.
+  eo.lease_ttl_s = std::max<int64_t>(2, std::llround(config_.heartbeat_timeout_s));
+  live_ = std::make_unique<dist::EtcdStore>(endpoint(), eo);
+  // Its requests (a heartbeat, the leader key) are the monitor's: bounded as its polls are.
+  live_->set_timeout(std::min(kPollTimeout, request_timeout()));
+  addr_ = config_.local_addr.empty() ? route_address(host_, port_) : config_.local_addr;
 }
 
 milliseconds Rendezvous::request_timeout() const { return to_ms(config_.rdzv_read_timeout_s); }
@@ -264,7 +270,8 @@ int Rendezvous::claim_node_rank(int round) {
   } else if (is_host()) {
     k = 0;
   } else {
-    k = static_cast<int>(store_->add(round_key(round, "next"), 1));
+    // etcd has no host to be node 0: the first arrival is.
+    k = static_cast<int>(store_->add(round_key(round, "next"), 1)) - (etcd_ ? 1 : 0);
     if (k >= config_.max_nodes && config_.elastic()) return -1;
     if (k >= config_.max_nodes) {
       throw RendezvousError("rendezvous round " + std::to_string(round) + " at " + endpoint() +
@@ -272,6 +279,7 @@ int Rendezvous::claim_node_rank(int round) {
                             " nodes; " + self_ + " is one too many");
     }
   }
+  if (etcd_ && k == 0) publish_master(round);  // before node 0's key: the leader waits for it
   const std::string mine = std::to_string(config_.nproc_per_node) + " " + self_;
   const std::string owner = to_s(store_->compare_set(node_key(round, k), {}, to_b(mine)));
   if (owner != mine) {
@@ -279,6 +287,8 @@ int Rendezvous::claim_node_rank(int round) {
                           " is already taken by " + owner.substr(owner.find(' ') + 1) +
                           " (two agents given --node-rank " + std::to_string(k) + "?)");
   }
+  // etcd: this node's leased heartbeat key says it is alive from the join on.
+  if (etcd_) live_->add(round_key(round, "beat/" + std::to_string(k)), 1);
   return k;
 }
 
@@ -292,35 +302,60 @@ int Rendezvous::complete_round(int round) {
   }
   int n = config_.min_nodes;
   // MIN:MAX: more nodes may still come during the last call, unless every node expected did.
+  // etcd: a node expected from the last round whose lease expires meanwhile (its workers failed
+  // first, and nobody found it silent) is no longer waited for.
   const auto last_call = Clock::now() + to_ms(config_.last_call_s);
-  while (n < config_.max_nodes && n < expected_ &&
-         wait_keys({node_key(round, n)}, last_call, false))
-    ++n;
+  const milliseconds chunk = etcd_ ? kLeaseCheck : to_ms(config_.last_call_s);
+  while (n < config_.max_nodes && n < expected_) {
+    if (wait_keys({node_key(round, n)}, std::min(last_call, Clock::now() + chunk), false)) {
+      ++n;
+      continue;
+    }
+    if (Clock::now() >= last_call) break;
+    const int expected = expected_nodes(round);
+    if (expected < expected_) {
+      log_line("rendezvous round " + std::to_string(round) + " now expects " +
+               std::to_string(expected) + " nodes: " + std::to_string(expected_ - expected) +
+               " of round " + std::to_string(round - 1) + " gone (etcd lease expired)");
+    }
+    expected_ = expected;
+  }
   while (n < config_.max_nodes && store_->check({node_key(round, n)})) ++n;  // already there
-  store_->set(round_key(round, "nnodes"), std::to_string(n));
-  return n;
+  // First writer wins: with etcd a leader that lost its lease may still get here beside the
+  // one that replaced it.
+  return std::stoi(
+      to_s(store_->compare_set(round_key(round, "nnodes"), {}, to_b(std::to_string(n)))));
+}
+
+int Rendezvous::round_restarts(int round) {
+  const int prev = round - 1;
+  int restarts = std::stoi(to_s(store_->get(round_key(prev, "restarts"), request_timeout())));
+  const std::string failed = round_key(prev, "failed");
+  if (store_->check({failed}) &&
+      !parse_failure(to_s(store_->get(failed, request_timeout()))).new_nodes())
+    ++restarts;
+  return restarts;
+}
+
+int Rendezvous::expected_nodes(int round) {
+  if (round == 0) return config_.max_nodes;
+  const int prev = round - 1;  // Note [Elastic membership]
+  const int n = std::stoi(to_s(store_->get(round_key(prev, "nnodes"), request_timeout())));
+  int alive = 0;
+  for (int i = 0; i < n; ++i) {
+    const std::string node = std::to_string(i);
+    // etcd: the heartbeat key of the last round lives as long as its agent's lease.
+    if (!store_->check({round_key(prev, "lost/" + node)}) &&
+        !store_->check({round_key(prev, "exit/" + node)}) &&
+        (!etcd_ || read_counter(round_key(prev, "beat/" + node)) >= 0))
+      ++alive;
+  }
+  return alive + static_cast<int>(store_->add(round_key(prev, "waiting"), 0));
 }
 
 void Rendezvous::open_round(int round) {
-  int restarts = 0;
-  expected_ = config_.max_nodes;
-  if (round > 0) {  // Note [Elastic membership]
-    const int prev = round - 1;
-    restarts = std::stoi(to_s(store_->get(round_key(prev, "restarts"), request_timeout())));
-    const std::string failed = round_key(prev, "failed");
-    if (store_->check({failed}) &&
-        !parse_failure(to_s(store_->get(failed, request_timeout()))).new_nodes())
-      ++restarts;
-    int alive = 0;
-    for (int i = 0; i < nnodes_; ++i) {
-      const bool silent =
-          beat_round_ == prev &&
-          std::find(silent_nodes_.begin(), silent_nodes_.end(), i) != silent_nodes_.end();
-      if (!silent && !store_->check({round_key(prev, "exit/" + std::to_string(i))})) ++alive;
-    }
-    expected_ = alive + static_cast<int>(store_->add(round_key(prev, "waiting"), 0));
-  }
-  store_->set(round_key(round, "restarts"), std::to_string(restarts));
+  expected_ = expected_nodes(round);
+  store_->set(round_key(round, "restarts"), std::to_string(round > 0 ? round_restarts(round) : 0));
   // Node 0 picks where the job's rank 0 will host its store, fresh for every round.
   const std::string addr = config_.local_addr.empty() ? host_ : config_.local_addr;
   store_->set(round_key(round, "master"), addr + ":" + std::to_string(pick_free_port(true)));
@@ -330,6 +365,14 @@ void Rendezvous::open_round(int round) {
 int Rendezvous::current_round() {
   if (is_host()) return 0;
   try {
+    // etcd keeps a finished run's keys (no agent hosted them): reusing its id would join it.
+    const std::string closed = key("closed");
+    if (etcd_ && store_->check({closed})) {
+      throw RendezvousError("the rendezvous id '" + config_.rdzv_id + "' at etcd " + endpoint() +
+                            " belongs to a run that is over (" +
+                            to_s(store_->get(closed, request_timeout())) +
+                            "): give every job its own --rdzv-id");
+    }
     const std::string k = key("round");
     if (!store_->check({k})) return 0;
     return std::stoi(to_s(store_->get(k, request_timeout())));
@@ -347,12 +390,13 @@ void Rendezvous::wait_for_next_round(int round, int nnodes) {
            (nnodes > 0 ? " closed with " + std::to_string(nnodes) + " nodes" : " filled up") +
            ": waiting to join round " + next + " (--nnodes " +
            std::to_string(config_.min_nodes) + ":" + std::to_string(config_.max_nodes) + ")");
-  if (!wait_keys({round_key(round + 1, "master")}, Clock::now() + to_ms(config_.rdzv_timeout_s),
-                 true)) {
+  if (!wait_keys({round_key(round + 1, "restarts")},
+                 Clock::now() + to_ms(config_.rdzv_timeout_s), true)) {
     throw RendezvousError(
         self_ + " waited " + seconds_str(config_.rdzv_timeout_s) +
         " (--rdzv-timeout) at " + endpoint() + " for rendezvous round " + next +
-        ", which node 0 did not open: round " + std::to_string(round) +
+        (etcd_ ? ", which no agent opened: round " : ", which node 0 did not open: round ") +
+        std::to_string(round) +
         " kept running (a round with --nnodes MAX nodes admits nobody until it restarts)");
   }
 }
@@ -407,7 +451,11 @@ int Rendezvous::await_round(int round, int k) {
         ": node 0 did not complete the round within " + seconds_str(config_.rdzv_timeout_s) +
         " (--rdzv-timeout or --rdzv-conf join_timeout); this node is " + describe_self());
   }
-  const int n = std::stoi(to_s(store_->get(nn, request_timeout())));
+  return round_size(round, k);
+}
+
+int Rendezvous::round_size(int round, int k) {
+  const int n = std::stoi(to_s(store_->get(round_key(round, "nnodes"), request_timeout())));
   if (k >= n && !config_.elastic()) {
     throw RendezvousError(describe_self() + " arrived after rendezvous round " +
                           std::to_string(round) + " closed with " + std::to_string(n) +
@@ -442,9 +490,13 @@ RoundInfo Rendezvous::join(int round) {
     for (;; ++round) {
       throw_if_closed();
       if (is_host()) open_round(round);
+      if (etcd_) open_round_etcd(round);
       const int k = claim_node_rank(round);
       node_rank_ = k;
-      const int n = k < 0 ? -1 : is_host() ? complete_round(round) : await_round(round, k);
+      const int n = k < 0         ? -1
+                    : is_host()   ? complete_round(round)
+                    : etcd_       ? lead_or_await(round, k)
+                                  : await_round(round, k);
       if (k >= 0 && k < n) {
         nnodes_ = n;
         waiting_ = false;
@@ -495,7 +547,7 @@ void Rendezvous::beat(int round) {
   const auto now = Clock::now();
   if (now < next_beat_) return;
   next_beat_ = now + to_ms(config_.heartbeat_interval_s);
-  store_->add(round_key(round, "beat/" + std::to_string(node_rank_)), 1);
+  (etcd_ ? live_ : store_)->add(round_key(round, "beat/" + std::to_string(node_rank_)), 1);
 }
 
 std::optional<RoundFailure> Rendezvous::find_silent_node(int round, bool admit_waiting) {
@@ -508,14 +560,19 @@ std::optional<RoundFailure> Rendezvous::find_silent_node(int round, bool admit_w
     if (i == node_rank_ ||
         std::find(silent_nodes_.begin(), silent_nodes_.end(), i) != silent_nodes_.end())
       continue;
-    const int64_t count = store_->add(round_key(round, "beat/" + std::to_string(i)), 0);
-    if (count != beats_[i].count) {
+    const int64_t count = read_counter(round_key(round, "beat/" + std::to_string(i)));
+    // etcd: a key seen and now gone expired with its writer's lease: that agent is gone.
+    const bool expired = count < 0 && beats_[i].count >= 0;
+    if (count != beats_[i].count && !expired) {
       beats_[i] = {count, now};
       continue;
     }
     const auto silent = std::chrono::duration_cast<milliseconds>(now - beats_[i].seen);
-    if (silent < bound || store_->check({round_key(round, "exit/" + std::to_string(i))})) continue;
+    if ((silent < bound && !expired) ||
+        store_->check({round_key(round, "exit/" + std::to_string(i))}))
+      continue;
     silent_nodes_.push_back(i);
+    store_->set(round_key(round, "lost/" + std::to_string(i)), std::string("1"));
     const std::string v = to_s(store_->get(node_key(round, i), request_timeout()));
     char secs[32];
     std::snprintf(secs, sizeof(secs), "%.1f s", silent.count() / 1000.0);
@@ -536,8 +593,10 @@ std::optional<RoundFailure> Rendezvous::watch(int round) {
   try {
     store_->set_timeout(std::min(kPollTimeout, request_timeout()));
     beat(round);
-    std::optional<RoundFailure> silent =
-        is_host() ? find_silent_node(round, /*admit_waiting=*/true) : std::nullopt;
+    // With etcd every agent watches the others: there is no node 0 to rely on.
+    std::optional<RoundFailure> silent = is_host() || etcd_
+                                             ? find_silent_node(round, /*admit_waiting=*/true)
+                                             : std::nullopt;
     store_->set_timeout(request_timeout());
     if (silent) return record_failure(round, *silent);
   } catch (const dist::DistError& e) {
@@ -556,6 +615,17 @@ void Rendezvous::close(const std::string& reason) {
 void Rendezvous::report_exit(int round) {
   try {
     store_->set(round_key(round, "exit/" + std::to_string(node_rank_)), std::string("1"));
+  } catch (const dist::DistError&) {
+  }
+}
+
+void Rendezvous::report_success(int round) {
+  report_exit(round);
+  if (!etcd_) return;
+  try {
+    std::vector<std::string> keys;
+    for (int i = 0; i < nnodes_; ++i) keys.push_back(round_key(round, "exit/" + std::to_string(i)));
+    if (store_->check(keys)) close("the run finished");  // for nodes waiting to join it
   } catch (const dist::DistError&) {
   }
 }

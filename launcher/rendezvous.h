@@ -1,5 +1,7 @@
 // The agents' rendezvous across nodes: one TCPStoreServer hosted by node 0's agent, one
-// TCPStore client per agent. See docs/launcher.md (Multi-node) and Note [Rendezvous keys].
+// TCPStore client per agent; or, with --rdzv-backend etcd, an etcd server that no agent hosts
+// and a leaderless protocol on it (Note [Leaderless rounds] in rendezvous_etcd.cpp). See
+// docs/launcher.md (Multi-node) and Note [Rendezvous keys].
 #pragma once
 
 #include <chrono>
@@ -59,7 +61,9 @@ class Rendezvous {
  public:
   /// Hosts the store when this agent is node 0 (--node-rank 0, or without --node-rank the
   /// agent on the machine that owns the endpoint's address and wins its port), then connects
-  /// to it, retrying until --rdzv-timeout. `interrupted` is polled during every wait (every
+  /// to it, retrying until --rdzv-timeout. With --rdzv-backend etcd nobody hosts: every agent
+  /// connects to etcd twice, once without a lease (the rounds' records) and once with a lease
+  /// of --heartbeat-timeout seconds (its heartbeat and any round it leads). `interrupted` is polled during every wait (every
   /// 200 ms at most); when it returns true the wait throws RendezvousInterrupted. Throws
   /// RendezvousError naming the endpoint when the store cannot be hosted or reached.
   Rendezvous(const LaunchConfig& config, std::function<bool()> interrupted);
@@ -67,22 +71,23 @@ class Rendezvous {
   Rendezvous(const Rendezvous&) = delete;
   Rendezvous& operator=(const Rendezvous&) = delete;
 
-  /// Whether this agent hosts the store, or with --rdzv-backend etcd is node 0 (it leads the
-  /// rounds, and so must outlive the others' use of the rendezvous).
-  bool is_host() const { return server_ != nullptr || etcd_node0_; }
+  /// Whether this agent hosts the store (it leads the rounds, and so must outlive the others'
+  /// use of the rendezvous). Never with --rdzv-backend etcd.
+  bool is_host() const { return server_ != nullptr; }
   /// "host:port" of the store.
   std::string endpoint() const;
   /// Whether this node waits to join an elastic job (it came after its round closed).
   bool waiting() const { return waiting_; }
 
-  /// The round a newly started agent joins: the one node 0 opened last (0 before any).
+  /// The round a newly started agent joins: the one opened last (0 before any). With etcd,
+  /// throws RendezvousError when the run id belongs to a run that is over.
   /// Throws RendezvousError when the store is lost.
   int current_round();
   /// Joins round `round`: registers this node, waits until --nnodes nodes joined (MIN:MAX:
   /// MIN, then up to --rdzv-last-call for more, or, after a restart, until every node of the
   /// last round still alive and every waiting one joined), and returns the ranks. Elastic
   /// (MIN < MAX): a node that arrives after the round closed registers as waiting and joins
-  /// the next round node 0 opens (within --rdzv-timeout), so the returned round may be later
+  /// the next round opened (within --rdzv-timeout), so the returned round may be later
   /// than `round`. Throws RendezvousError listing the nodes that never arrived after
   /// --rdzv-timeout, or the reason another node closed the run; RendezvousInterrupted on a
   /// signal.
@@ -96,10 +101,10 @@ class Rendezvous {
   /// RendezvousError when the store is lost.
   std::optional<RoundFailure> poll_failure(int round);
   /// What the agent calls while the round's workers run (every --monitor-interval): writes this
-  /// node's heartbeat when --heartbeat-interval has passed since the last one; on node 0, a
-  /// node whose heartbeat has not changed for --heartbeat-timeout (and that has not left) is
-  /// recorded as the round's failure, unless another failure came first; elastic, node 0 also
-  /// ends the round (RoundFailure::kNewNodes) when nodes wait to join and the round has fewer
+  /// node's heartbeat when --heartbeat-interval has passed since the last one; on node 0 (with
+  /// etcd, on every agent), a node whose heartbeat has not changed for --heartbeat-timeout (and
+  /// that has not left) is recorded as the round's failure, unless another failure came first;
+  /// elastic, node 0 (etcd: every agent) also ends the round (RoundFailure::kNewNodes) when nodes wait to join and the round has fewer
   /// than MAX. Returns the round's failure, if any. Throws RendezvousError when the store is
   /// lost (within a few seconds: a partitioned node gives up on its own).
   std::optional<RoundFailure> watch(int round);
@@ -108,6 +113,9 @@ class Rendezvous {
   void close(const std::string& reason);
   /// Tells node 0 that this agent leaves for good (it stops hosting once all left). Best effort.
   void report_exit(int round);
+  /// This node's workers finished: reports its exit; with etcd (no host waits for the others)
+  /// the last node of the round to finish closes the run for the nodes waiting to join it.
+  void report_success(int round);
   /// Host only: waits until every other node of `round` reported its exit, for at most
   /// `timeout`; with stop_on_failure, returns early when `round` fails, a node's heartbeat
   /// going stale included (recorded as the failure). Nodes found silent are not waited for.
@@ -118,6 +126,8 @@ class Rendezvous {
   std::string describe_self() const;
 
  private:
+  // Connects store_ (and, with etcd, live_) once; rethrows the store's errors.
+  void connect(std::chrono::milliseconds timeout);
   // One quick request (set, add, check, get of a key known to be there): --rdzv-conf
   // read_timeout.
   std::chrono::milliseconds request_timeout() const;
@@ -133,6 +143,21 @@ class Rendezvous {
   // nodes it expects in it.
   void open_round(int round);
   int complete_round(int round);
+  // The restart count of round `round` > 0 and the nodes it expects (those of the last round
+  // neither lost nor gone, plus the waiting ones), from the last round's keys.
+  int round_restarts(int round);
+  int expected_nodes(int round);
+  // etcd (rendezvous_etcd.cpp): opens the round if nobody did (first writer wins); picks this
+  // node's address and a free port for MASTER_ADDR when it is the round's node 0; elects the
+  // round's leader through a leased key and, leading, completes the round, else waits for it
+  // (taking over when the leader's lease expires). Returns the round's number of nodes.
+  void open_round_etcd(int round);
+  void publish_master(int round);
+  int lead_or_await(int round, int k);
+  // Raises the "round" key to `round` (never lowers it).
+  void raise_round(int round);
+  // A counter's value, or -1 when the key is missing (etcd: its writer's lease expired).
+  int64_t read_counter(const std::string& key);
   // Registers this node as waiting after round `round` closed without it; returns when node 0
   // opened the next round (bounded by --rdzv-timeout).
   void wait_for_next_round(int round, int nnodes);
@@ -140,6 +165,8 @@ class Rendezvous {
   std::optional<RoundFailure> find_waiting_nodes(int round);
   std::string round_timeout_message(int round);
   int await_round(int round, int k);
+  // The round's number of nodes once set (a node past it waits for the next round, elastic).
+  int round_size(int round, int k);
   RoundInfo read_round(int round, int k, int n);
   // Waits for `keys` until `deadline`, polling `interrupted_` and the run's closed key.
   // Returns false on the deadline; throws RendezvousInterrupted or RendezvousError(closed).
@@ -161,8 +188,10 @@ class Rendezvous {
   std::string host_;
   int port_ = 0;
   std::unique_ptr<dist::TCPStoreServer> server_;
-  std::unique_ptr<dist::Store> store_;  // a TCPStore, or an EtcdStore with a lease
-  bool etcd_node0_ = false;
+  std::unique_ptr<dist::Store> store_;  // a TCPStore, or an EtcdStore without a lease
+  std::unique_ptr<dist::Store> live_;   // etcd: an EtcdStore with this agent's lease
+  bool etcd_ = false;
+  std::string addr_;    // etcd: this node's address for MASTER_ADDR when it is a round's node 0
   std::string self_;    // "host pid N" (local address or host name)
   int node_rank_ = -1;  // this round's
   int nnodes_ = 0;      // this round's
@@ -175,8 +204,8 @@ class Rendezvous {
   };
   int beat_round_ = -1;
   std::chrono::steady_clock::time_point next_beat_, next_check_;
-  std::vector<Beat> beats_;        // host: per node rank
-  std::vector<int> silent_nodes_;  // host: nodes declared lost in beat_round_
+  std::vector<Beat> beats_;        // the watcher (host, or every etcd agent): per node rank
+  std::vector<int> silent_nodes_;  // the watcher: nodes declared lost in beat_round_
 };
 
 }  // namespace ember::launcher

@@ -219,6 +219,12 @@ inline std::string describe(const Result& r) {
          "\n--- stdout ---\n" + r.out + "--- stderr ---\n" + r.err;
 }
 
+// a followed by b (command lines built from parts).
+inline std::vector<std::string> cat(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
 inline bool contains(const std::string& s, const std::string& sub) {
   return s.find(sub) != std::string::npos;
 }

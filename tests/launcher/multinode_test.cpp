@@ -44,11 +44,6 @@ std::vector<std::string> loopback(int port, int nproc = 1) {
           "--nproc-per-node", std::to_string(nproc), "--grace-period", "5"};
 }
 
-std::vector<std::string> cat(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
 // Waits (bounded) until the rendezvous store on 127.0.0.1:port holds `key`: where the agents
 // stand, read from the store itself.
 void wait_for_key(int port, const std::string& key) {

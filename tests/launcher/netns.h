@@ -12,9 +12,12 @@
 // destructor kills every process left in the nodes' namespaces and deletes them all (the veth
 // pairs go with them); create() undoes its own partial work when a step fails, and removes
 // namespaces that earlier test processes (now dead) left behind. Cutting a node off:
-// `ip -n <ns[i]> link set <ifname[i]> down`.
+// `ip -n <ns[i]> link set <ifname[i]> down`. in_netns() runs code of the test itself inside a
+// node's namespace (a client of a server that listens there).
 #pragma once
 
+#include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,10 +25,12 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace emberrun_test {
@@ -42,6 +47,22 @@ inline int shell(const std::string& cmd, std::string* out = nullptr) {
   int st = pclose(p);
   if (out) *out = text;
   return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/// Runs fn() on a thread of its own that entered the network namespace `ns` (setns affects
+/// that thread only; the sockets fn opens stay in `ns`). Returns fn's result, or false when the
+/// namespace cannot be entered. The thread is joined before it returns, so a test may fork.
+inline bool in_netns(const std::string& ns, const std::function<bool()>& fn) {
+  bool ok = false;
+  std::thread t([&] {
+    const int fd = open(("/var/run/netns/" + ns).c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    const bool entered = setns(fd, CLONE_NEWNET) == 0;
+    close(fd);
+    if (entered) ok = fn();
+  });
+  t.join();
+  return ok;
 }
 
 class NetnsNodes {
