@@ -613,9 +613,6 @@ std::string unavailable(const Args& a) {
     return "--shard " + a.shard + " takes neither --comm-hook nor --amp fp16 (got --comm-hook " +
            a.comm_hook + ", --amp " + a.amp + ")";
   }
-  if (a.shard == "fsdp" && a.device != "cpu") {
-    return "--shard fsdp runs on the CPU only so far (got --device " + a.device + ")";
-  }
   return "";
 }
 
