@@ -122,6 +122,12 @@ TEST(ForeachCuda, TotalNormMatchesCpuAcrossLaunches) {
       EXPECT_EQ(got.dtype(), dtype);
       const double want = reference_norm(cpu, p);
       const std::string what = std::string(dtype_name(dtype)) + " p=" + std::to_string(p);
+      if (dtype == kFloat16 && want > 65504) {
+        // Beyond float16's range (the 1-norm of 11 Mi values): infinite, as the per-tensor
+        // norms and PyTorch's are in the tensors' dtype.
+        EXPECT_TRUE(std::isinf(got.item<double>())) << what << ": got " << got.item<double>();
+        continue;
+      }
       expect_close(got.cpu(), {want}, dtype == kFloat64 ? 1e-10 : tol_for(dtype), what);
       // The same value every time: partial results are combined in a fixed order.
       EXPECT_EQ(total_norm(gpu, p).item<double>(), got.item<double>()) << what;
