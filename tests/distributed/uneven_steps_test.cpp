@@ -244,6 +244,20 @@ INSTANTIATE_TEST_SUITE_P(Cases, UnevenSteps, ::testing::ValuesIn(all_cases()),
                                   (c.shm ? "Shm" : "Tcp") + "_Rank0" + name(c.rank0);
                          });
 
+// A client of the group's store, whose server this child hosts (in `*server`) when `hosts`; the
+// host tells the others its port through the parent's store.
+std::shared_ptr<TCPStore> job_store(TCPStore& parent, bool hosts, const TCPStoreOptions& so,
+                                    std::unique_ptr<TCPStoreServer>* server) {
+  if (hosts) {
+    TCPStoreServerOptions o;
+    o.host = "127.0.0.1";
+    *server = std::make_unique<TCPStoreServer>(o);
+    parent.set("port", std::to_string((*server)->port()));
+  }
+  const std::string port = to_string(parent.get("port", 60s));
+  return std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
+}
+
 // As under emberrun, rank 0's process hosts the group's store: when it exits, the store goes
 // with it, and rank 1's extra allreduce must still fail within the timeout (the store's own
 // timeout is a minute here), saying where rank 0 stands if it could still read it.
@@ -255,15 +269,7 @@ TEST(UnevenStepsStore, RankThatHostsTheStoreExits) {
       so.timeout = 60s;
       TCPStore parent("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
       std::unique_ptr<TCPStoreServer> server;
-      if (rank == 0) {
-        TCPStoreServerOptions o;
-        o.host = "127.0.0.1";
-        server = std::make_unique<TCPStoreServer>(o);
-        parent.set("port", std::to_string(server->port()));
-      }
-      const std::string job_port = to_string(parent.get("port", 60s));
-      auto store =
-          std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(job_port)), so);
+      auto store = job_store(parent, rank == 0, so, &server);
       ProcessGroupGloo::GlooOptions o{kTimeout, "127.0.0.1"};
       o.shared_memory = shm;
       ProcessGroupGloo pg(std::make_shared<PrefixStore>("pg", store), rank, 2, o);
@@ -358,15 +364,7 @@ TEST(UnevenStepsStore, StoreHostExitingDuringAGroupsDestructionCostsOnlyTheBound
     so.timeout = std::chrono::minutes(10);
     TCPStore parent("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
     std::unique_ptr<TCPStoreServer> server;  // the group's store, hosted by rank 1 here
-    if (rank == 1) {
-      TCPStoreServerOptions o;
-      o.host = "127.0.0.1";
-      server = std::make_unique<TCPStoreServer>(o);
-      parent.set("port", std::to_string(server->port()));
-    }
-    const std::string job_port = to_string(parent.get("port", 60s));
-    std::shared_ptr<Store> store =
-        std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(job_port)), so);
+    std::shared_ptr<Store> store = job_store(parent, rank == 1, so, &server);
     auto host_exits = std::make_shared<StoreHostExitsAfterProbe>(
         store, server.get(), "pg/ember_socket_addresses_" + std::to_string(rank));
     if (rank == 1) store = host_exits;
