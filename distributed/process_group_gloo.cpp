@@ -215,9 +215,10 @@ WorkPtr ProcessGroupGloo::Impl::submit(
     execute(job);
     return work;
   }
+  // Bounded by the operation's own timeout: a store gone with its host must not hold up the
+  // operation longer than the operation itself may take.
   if (record_each_ && !ember::detail::publish_latest(*store_, rank_,  // before it can fail
-                                                     ember::detail::short_label(what),
-                                                     position_wait_)) {
+                                                     ember::detail::short_label(what), timeout)) {
     record_each_ = false;
   }
   const bool p2p = route == Route::P2p;

@@ -385,14 +385,15 @@ inline std::string name_peers_by_rank(const std::vector<std::vector<std::string>
 // that wrote nothing is in no collective of this group (busy elsewhere, stalled or dead);
 // under EMBER_DISTRIBUTED_DEBUG=DETAIL each rank also writes every operation as it issues it,
 // so that even such a peer is named by its latest operation ("last issued allreduce #5"). The
-// store may be gone with the process that hosted it, so every such write is bounded by
-// position_wait (Store::set_within), never by the store's own timeout (the group's, which may be
-// long): a TCPStore client whose server went away retries the refused connection until its
-// bound, and the host can exit between any two requests, so a probe that the store answered
-// says nothing about the write after it. The probe (a read of a key this rank wrote at
-// connection, with the same bound) stays for stores that bound a write only by their own
-// timeout. At destruction the bound is shorter (kLeavingStoreWait): at a job's normal end the
-// rank that hosts the store may already have exited, and every other rank would pay it.
+// store may be gone with the process that hosted it, so a write at a failure or at destruction
+// is bounded by position_wait (Store::set_within; DETAIL's record by the operation's timeout),
+// never by the store's own timeout (the group's, which may be long): a TCPStore client whose
+// server went away retries the refused connection until its bound, and the host can exit
+// between any two requests, so a probe that the store answered says nothing about the write
+// after it. The probe (a read of a key this rank wrote at connection, with the same bound) stays
+// for stores that bound a write only by their own timeout. At destruction the bound is shorter
+// (kLeavingStoreWait): at a job's normal end the rank that hosts the store may already have
+// exited, and every other rank would pay it.
 
 /// How long a failing rank waits for its peers' positions, and the bound on the store's answer.
 inline std::chrono::milliseconds position_wait(dist::Duration group_timeout) {
