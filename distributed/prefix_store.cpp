@@ -27,6 +27,10 @@ std::vector<std::string> PrefixStore::join(const std::vector<std::string>& keys)
 
 void PrefixStore::set(const std::string& key, const Bytes& value) { store_->set(join(key), value); }
 
+void PrefixStore::set_within(const std::string& key, const Bytes& value, Duration timeout) {
+  store_->set_within(join(key), value, timeout);
+}
+
 Bytes PrefixStore::get(const std::string& key, Duration timeout) {
   return store_->get(join(key), timeout);
 }

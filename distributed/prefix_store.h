@@ -22,6 +22,7 @@ class PrefixStore : public Store {
   using Store::set;
   using Store::wait;
   void set(const std::string& key, const Bytes& value) override;
+  void set_within(const std::string& key, const Bytes& value, Duration timeout) override;
   Bytes get(const std::string& key, Duration timeout) override;
   int64_t add(const std::string& key, int64_t delta) override;
   Bytes compare_set(const std::string& key, const Bytes& expected, const Bytes& desired) override;

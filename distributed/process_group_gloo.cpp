@@ -22,6 +22,7 @@
 #include <ember/distributed/detail/process_group_gloo_impl.h>
 #include <ember/distributed/detail/shm_allreduce.h>
 #include <ember/distributed/collective_trace.h>
+#include <ember/tensor/log.h>
 
 namespace ember::dist {
 
@@ -214,8 +215,10 @@ WorkPtr ProcessGroupGloo::Impl::submit(
     execute(job);
     return work;
   }
+  // Bounded by the operation's own timeout: a store gone with its host must not hold up the
+  // operation longer than the operation itself may take.
   if (record_each_ && !ember::detail::publish_latest(*store_, rank_,  // before it can fail
-                                                     ember::detail::short_label(what))) {
+                                                     ember::detail::short_label(what), timeout)) {
     record_each_ = false;
   }
   const bool p2p = route == Route::P2p;
@@ -378,13 +381,22 @@ void ProcessGroupGloo::Impl::leave(uint64_t issued) {
     if (!broken_.empty()) return;  // the failure said where this rank stands
     last = last_issued_;
   }
-  ember::detail::publish_position(
-      *store_, rank_,
-      last.empty()
-          ? std::string("left the group before issuing any operation")
-          : detail::str_cat("left the group after issuing ", issued,
-                            " operations (the last: ", ember::detail::short_label(last), ")"),
-      std::min(position_wait_, ember::detail::kLeavingStoreWait));
+  // At a job's end the rank that hosts the store may have exited already: not a failure, so
+  // only a debug line says so (Note [where a rank stands]).
+  const auto bound = std::min(position_wait_, ember::detail::kLeavingStoreWait);
+  std::string why;
+  if (!ember::detail::publish_position(
+          *store_, rank_,
+          last.empty()
+              ? std::string("left the group before issuing any operation")
+              : detail::str_cat("left the group after issuing ", issued,
+                                " operations (the last: ", ember::detail::short_label(last), ")"),
+          bound, &why)) {
+    logging::debug("[gloo] rank ", rank_, " of ", size_,
+                   ": the group's store did not take where this rank stands within ",
+                   bound.count(), " ms of the group's destruction (has the rank that hosts it "
+                   "exited?): ", why);
+  }
 }
 
 // ---- ProcessGroupGloo ---------------------------------------------------------------------------

@@ -33,6 +33,16 @@ class Store {
 
   /// Sets key to value (overwriting).
   virtual void set(const std::string& key, const Bytes& value) = 0;
+  /// set(), giving up after `timeout` rather than the store's own timeout: for a write that must
+  /// not wait long for a store that may be gone with the process that hosted it (a group's
+  /// destruction at a job's end, Note [where a rank stands] in detail/gloo_agreement.h). A store
+  /// that reaches a server overrides it (TCPStore; PrefixStore passes it on); the default is
+  /// set(), bounded by the store's own timeout (HashStore never waits; FileStore and EtcdStore
+  /// bound each write by theirs).
+  virtual void set_within(const std::string& key, const Bytes& value, Duration timeout) {
+    (void)timeout;
+    set(key, value);
+  }
   /// The value of key, waiting up to the timeout for it to be set.
   virtual Bytes get(const std::string& key, Duration timeout) = 0;
   Bytes get(const std::string& key) { return get(key, timeout_); }

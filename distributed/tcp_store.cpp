@@ -411,11 +411,16 @@ wire::PayloadReader ok_payload(const std::string& op, const std::string& where,
 }  // namespace
 
 void TCPStore::set(const std::string& key, const Bytes& value) {
+  set_within(key, value, timeout_);
+}
+
+void TCPStore::set_within(const std::string& key, const Bytes& value, Duration timeout) {
   const std::string op = "TCPStore set";
   check_key(op, key);
   check_value(op, key, value);
+  ember::detail::check_store_timeout(op, timeout);
   const Reply r = request(op, wire::FrameWriter(wire::Type::kSet).blob(key).blob(value).finish(),
-                          timeout_, false, {key});
+                          timeout, false, {key});
   if (!ok_payload(op, where(), r.payload, r.type).done()) bad_reply(op, where());
 }
 

@@ -136,6 +136,9 @@ class TCPStore : public Store {
   using Store::set;
   using Store::wait;
   void set(const std::string& key, const Bytes& value) override;
+  /// set() with `timeout` bounding the reconnection (a server that went away refuses it) and
+  /// the exchange: DistNetworkError or DistTimeoutError after it.
+  void set_within(const std::string& key, const Bytes& value, Duration timeout) override;
   /// Parked on the server until key is set; DistTimeoutError after timeout.
   Bytes get(const std::string& key, Duration timeout) override;
   /// DistStoreError if the key holds a non-integer or the sum overflows.

@@ -384,12 +384,16 @@ inline std::string name_peers_by_rank(const std::vector<std::vector<std::string>
 // by this rank's closed connections), but not for one the error already names as gone; a peer
 // that wrote nothing is in no collective of this group (busy elsewhere, stalled or dead);
 // under EMBER_DISTRIBUTED_DEBUG=DETAIL each rank also writes every operation as it issues it,
-// so that even such a peer is named by its latest operation ("last issued allreduce #5"). A
-// store's write has no timeout of its own, and the store may be gone with the process that
-// hosted it, so a write at a failure or at destruction follows a read of a key this rank wrote
-// at connection, bounded by position_wait: a dead store costs that bound, not the store's
-// timeout. At destruction the bound is shorter (kLeavingStoreWait): at a job's normal end the
-// rank that hosts the store may already have exited, and every other rank would pay it.
+// so that even such a peer is named by its latest operation ("last issued allreduce #5"). The
+// store may be gone with the process that hosted it, so a write at a failure or at destruction
+// is bounded by position_wait (Store::set_within; DETAIL's record by the operation's timeout),
+// never by the store's own timeout (the group's, which may be long): a TCPStore client whose
+// server went away retries the refused connection until its bound, and the host can exit
+// between any two requests, so a probe that the store answered says nothing about the write
+// after it. The probe (a read of a key this rank wrote at connection, with the same bound) stays
+// for stores that bound a write only by their own timeout. At destruction the bound is shorter
+// (kLeavingStoreWait): at a job's normal end the rank that hosts the store may already have
+// exited, and every other rank would pay it.
 
 /// How long a failing rank waits for its peers' positions, and the bound on the store's answer.
 inline std::chrono::milliseconds position_wait(dist::Duration group_timeout) {
@@ -412,14 +416,16 @@ inline std::string short_label(const std::string& label) {
 }
 
 /// Writes `text` ("left the group ...") as where `rank` stands (Note [where a rank stands]);
-/// returns false, having written nothing, when the store does not answer within `bound`.
+/// returns false when the store does not answer, each request within `bound`, with `*why` (if
+/// given) set to the store's error.
 inline bool publish_position(dist::Store& store, int rank, const std::string& text,
-                             std::chrono::milliseconds bound) {
+                             std::chrono::milliseconds bound, std::string* why = nullptr) {
   try {
     (void)store.get(socket_addresses_key(rank), bound);  // is the store there?
-    store.set(position_key(rank), dist::Bytes(text.begin(), text.end()));
+    store.set_within(position_key(rank), dist::Bytes(text.begin(), text.end()), bound);
     return true;
-  } catch (const std::exception&) {
+  } catch (const std::exception& e) {
+    if (why) *why = e.what();
     return false;  // no store, no positions: the error still names the collective and rank
   }
 }
@@ -427,11 +433,13 @@ inline bool publish_position(dist::Store& store, int rank, const std::string& te
 /// Under EMBER_DISTRIBUTED_DEBUG=DETAIL, each operation as it is issued (`label`: "allreduce
 /// #5"), so that a peer that times out names where a rank that is in no collective stopped.
 /// Costs a store round trip per operation: for debugging only. Returns false if the store
-/// failed (the caller then stops recording: the operations themselves do not need the store).
-inline bool publish_latest(dist::Store& store, int rank, const std::string& label) {
+/// failed or did not answer within `bound` (the caller then stops recording: the operations
+/// themselves do not need the store).
+inline bool publish_latest(dist::Store& store, int rank, const std::string& label,
+                           std::chrono::milliseconds bound) {
   const std::string text = str_cat("last issued ", label, " (EMBER_DISTRIBUTED_DEBUG=DETAIL)");
   try {
-    store.set(position_key(rank), dist::Bytes(text.begin(), text.end()));
+    store.set_within(position_key(rank), dist::Bytes(text.begin(), text.end()), bound);
     return true;
   } catch (const std::exception&) {
     return false;

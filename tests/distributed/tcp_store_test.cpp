@@ -11,6 +11,7 @@
 #include <atomic>
 
 #include <ember/distributed/detail/store_protocol.h>
+#include <ember/distributed/prefix_store.h>
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {
@@ -861,6 +862,26 @@ TEST(TCPStore, StoppingTheServerWakesBlockedThreads) {
   a.set_timeout(200ms);  // reconnecting is retried until the timeout
   expect_error<DistNetworkError>([&] { a.set("k", std::string("v")); },
                                  {"TCPStore set", "could not connect", "200 ms"});
+}
+
+// A write that must not wait for the store's own timeout (a group's destruction, when the rank
+// that hosted the store may have exited): set_within gives up at its bound, through a
+// PrefixStore too, while the client's timeout is far longer.
+TEST(TCPStore, SetWithinGivesUpAtItsBoundWhenTheServerHasGone) {
+  TCPStoreServer server(local());
+  TCPStoreOptions o = client_options();
+  o.timeout = std::chrono::minutes(10);
+  auto c = std::make_shared<TCPStore>("127.0.0.1", server.port(), o);
+  PrefixStore p("pg", c);
+  p.set_within("k", test::to_bytes("v"), 5000ms);
+  EXPECT_EQ(c->get_string("pg/k"), "v");
+  server.stop();  // the pooled connection is closed; reconnecting is refused
+  expect_error<DistNetworkError>([&] { c->set_within("k", test::to_bytes("v"), 200ms); },
+                                 {"TCPStore set", "could not connect", "200 ms"});
+  expect_error<DistNetworkError>([&] { p.set_within("k", test::to_bytes("v"), 200ms); },
+                                 {"TCPStore set", "could not connect", "200 ms"});
+  expect_error<ValueError>([&] { c->set_within("k", test::to_bytes("v"), 0ms); },
+                           {"TCPStore set", "timeout must be positive"});
 }
 
 TEST(TCPStore, ATimedOutWaitLeavesTheClientUsable) {

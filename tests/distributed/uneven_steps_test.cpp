@@ -1,13 +1,16 @@
 // Ranks that run uneven numbers of steps (one rank issues a collective the other never issues):
 // every rank's collective fails within the group's timeout, naming the collective and where the
 // other rank is (its sequence number, or that it left the group), with debug off or
-// EMBER_DISTRIBUTED_DEBUG=DETAIL (CheckedProcessGroup), over shared memory or Gloo's TCP.
+// EMBER_DISTRIBUTED_DEBUG=DETAIL (CheckedProcessGroup), over shared memory or Gloo's TCP. And a
+// group's destruction ends within its bound when the store's host goes away meanwhile.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include <ember/distributed/debug.h>
@@ -241,6 +244,20 @@ INSTANTIATE_TEST_SUITE_P(Cases, UnevenSteps, ::testing::ValuesIn(all_cases()),
                                   (c.shm ? "Shm" : "Tcp") + "_Rank0" + name(c.rank0);
                          });
 
+// A client of the group's store, whose server this child hosts (in `*server`) when `hosts`; the
+// host tells the others its port through the parent's store.
+std::shared_ptr<TCPStore> job_store(TCPStore& parent, bool hosts, const TCPStoreOptions& so,
+                                    std::unique_ptr<TCPStoreServer>* server) {
+  if (hosts) {
+    TCPStoreServerOptions o;
+    o.host = "127.0.0.1";
+    *server = std::make_unique<TCPStoreServer>(o);
+    parent.set("port", std::to_string((*server)->port()));
+  }
+  const std::string port = to_string(parent.get("port", 60s));
+  return std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
+}
+
 // As under emberrun, rank 0's process hosts the group's store: when it exits, the store goes
 // with it, and rank 1's extra allreduce must still fail within the timeout (the store's own
 // timeout is a minute here), saying where rank 0 stands if it could still read it.
@@ -252,15 +269,7 @@ TEST(UnevenStepsStore, RankThatHostsTheStoreExits) {
       so.timeout = 60s;
       TCPStore parent("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
       std::unique_ptr<TCPStoreServer> server;
-      if (rank == 0) {
-        TCPStoreServerOptions o;
-        o.host = "127.0.0.1";
-        server = std::make_unique<TCPStoreServer>(o);
-        parent.set("port", std::to_string(server->port()));
-      }
-      const std::string job_port = to_string(parent.get("port", 60s));
-      auto store =
-          std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(job_port)), so);
+      auto store = job_store(parent, rank == 0, so, &server);
       ProcessGroupGloo::GlooOptions o{kTimeout, "127.0.0.1"};
       o.shared_memory = shm;
       ProcessGroupGloo pg(std::make_shared<PrefixStore>("pg", store), rank, 2, o);
@@ -279,6 +288,112 @@ TEST(UnevenStepsStore, RankThatHostsTheStoreExits) {
     kids.go(std::to_string(server.port()));
     test::expect_children_ok(kids.join(60000));
   }
+}
+
+// A group's store that stops the store's server right after answering one read of `probe` once
+// armed: the process that hosts the store exits between the probe that a group's destruction
+// makes and its write of where the rank stands (Note [where a rank stands]). Records the
+// bounded write that follows and what it threw.
+class StoreHostExitsAfterProbe : public Store {
+ public:
+  StoreHostExitsAfterProbe(std::shared_ptr<Store> inner, TCPStoreServer* server, std::string probe)
+      : Store(inner->timeout()), inner_(std::move(inner)), server_(server), probe_(probe) {}
+  void arm() { armed_ = true; }
+  bool server_stopped() const { return stopped_; }
+  std::string write_seen() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return write_seen_;
+  }
+
+  void set(const std::string& key, const Bytes& value) override { inner_->set(key, value); }
+  void set_within(const std::string& key, const Bytes& value, Duration timeout) override {
+    if (!stopped_) return inner_->set_within(key, value, timeout);
+    std::string seen = key + " within " + std::to_string(timeout.count()) + " ms: ";
+    try {
+      inner_->set_within(key, value, timeout);
+      seen += "written";
+    } catch (const std::exception& e) {
+      seen += e.what();
+      record(seen);
+      throw;
+    }
+    record(seen);
+  }
+  Bytes get(const std::string& key, Duration timeout) override {
+    Bytes b = inner_->get(key, timeout);
+    if (key == probe_ && armed_.exchange(false)) {
+      server_->stop();
+      stopped_ = true;
+    }
+    return b;
+  }
+  int64_t add(const std::string& key, int64_t delta) override { return inner_->add(key, delta); }
+  Bytes compare_set(const std::string& key, const Bytes& expected, const Bytes& desired) override {
+    return inner_->compare_set(key, expected, desired);
+  }
+  bool check(const std::vector<std::string>& keys) override { return inner_->check(keys); }
+  void wait(const std::vector<std::string>& keys, Duration timeout) override {
+    inner_->wait(keys, timeout);
+  }
+  bool delete_key(const std::string& key) override { return inner_->delete_key(key); }
+  int64_t num_keys() override { return inner_->num_keys(); }
+
+ private:
+  void record(const std::string& seen) {
+    std::lock_guard<std::mutex> lock(mu_);
+    write_seen_ = seen;
+  }
+
+  std::shared_ptr<Store> inner_;
+  TCPStoreServer* server_;
+  std::string probe_;
+  std::atomic<bool> armed_{false}, stopped_{false};
+  std::mutex mu_;
+  std::string write_seen_;
+};
+
+// The race behind a job that ended with one rank never exiting: the rank that hosts the store
+// exits just after another rank's group, being destroyed, found the store answering, and that
+// rank's write of where it stands then retried the refused connection for the store's own
+// timeout (ten minutes here). Its destruction must end within the bound instead; the children
+// are given a minute.
+TEST(UnevenStepsStore, StoreHostExitingDuringAGroupsDestructionCostsOnlyTheBound) {
+  EMBER_REQUIRE_GLOO();
+  test::Children kids(2, [&](int rank, const std::string& port) {
+    TCPStoreOptions so;
+    so.timeout = std::chrono::minutes(10);
+    TCPStore parent("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
+    std::unique_ptr<TCPStoreServer> server;  // the group's store, hosted by rank 1 here
+    std::shared_ptr<Store> store = job_store(parent, rank == 1, so, &server);
+    auto host_exits = std::make_shared<StoreHostExitsAfterProbe>(
+        store, server.get(), "pg/ember_socket_addresses_" + std::to_string(rank));
+    if (rank == 1) store = host_exits;
+    ProcessGroupGloo::GlooOptions o{kTimeout, "127.0.0.1"};
+    auto pg =
+        std::make_unique<ProcessGroupGloo>(std::make_shared<PrefixStore>("pg", store), rank, 2, o);
+    Tensor t = full({1000}, 1.0, kFloat32);
+    pg->allreduce(t)->wait();
+    parent.set("done_" + std::to_string(rank), std::string("1"));
+    parent.wait({"done_0", "done_1"}, 60s);  // rank 0 leaves while the store still answers
+    if (rank == 0) {
+      pg.reset();
+      parent.set("left_0", std::string("1"));
+      return;
+    }
+    parent.wait({"left_0"}, 60s);
+    host_exits->arm();
+    pg.reset();
+    require(host_exits->server_stopped(), "the group's destruction made no probe");
+    const std::string seen = host_exits->write_seen();
+    require(has(seen, "pg/ember_position_1 within 250 ms: ") &&
+                has(seen, "could not connect to the store"),
+            "rank 1's write of where it stands: '" + seen + "'");
+  });
+  TCPStoreServerOptions so;
+  so.host = "127.0.0.1";
+  TCPStoreServer server(so);
+  kids.go(std::to_string(server.port()));
+  test::expect_children_ok(kids.join(60000));
 }
 
 }  // namespace

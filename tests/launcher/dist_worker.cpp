@@ -54,8 +54,13 @@ int main(int argc, char** argv) {
                   pg->rank(), h->local_uses_shared_memory() ? "shared memory" : "tcp",
                   h->layout().nodes());
     }
+    // The group is destroyed here, not at the end of the scope, so that "done" means its
+    // destruction (and, on rank 0, the store's server's) is over: a rank that hangs there
+    // shows it by the missing line.
+    const int rank = pg->rank();
     dist::destroy_process_group();
-    std::printf("rank %d done\n", pg->rank());
+    pg.reset();
+    std::printf("rank %d done\n", rank);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dist_worker: %s\n", e.what());
