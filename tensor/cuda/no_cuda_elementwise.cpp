@@ -1,15 +1,9 @@
 // Linked instead of the element-wise CUDA kernels when Ember is built with EMBER_WITH_CUDA=OFF.
+#include <ember/tensor/cuda/no_cuda.h>
 #include <ember/tensor/detail/elementwise_kernels.h>
 #include <ember/tensor/error.h>
 
 namespace ember::detail {
-
-namespace {
-[[noreturn]] void no_cuda(const char* what) {
-  throw NotImplementedError(str_cat(
-      "[", what, "] CUDA is not available: Ember was built with EMBER_WITH_CUDA=OFF"));
-}
-}  // namespace
 
 void unary_cuda(UnaryOp, const Tensor&, const Tensor&) { no_cuda("unary_cuda"); }
 void binary_cuda(BinaryOp, const Tensor&, const Tensor&, const Tensor&, const Scalar&) {

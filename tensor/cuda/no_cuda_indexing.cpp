@@ -1,15 +1,9 @@
 // CPU-only builds (EMBER_WITH_CUDA=OFF): the CUDA side of the indexing and random families.
+#include <ember/tensor/cuda/no_cuda.h>
 #include <ember/tensor/detail/indexing_kernels.h>
 #include <ember/tensor/detail/random_kernels.h>
 
 namespace ember::detail {
-
-namespace {
-[[noreturn]] void no_cuda(const char* what) {
-  throw NotImplementedError(
-      str_cat("[", what, "] CUDA is not available: Ember was built with EMBER_WITH_CUDA=OFF"));
-}
-}  // namespace
 
 void gather_cuda(const GatherArgs& a) { no_cuda(a.bound.op); }
 void scatter_add_cuda(const ScatterArgs& a) { no_cuda(a.bound.op); }

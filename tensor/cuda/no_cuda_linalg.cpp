@@ -1,17 +1,11 @@
 // Linked instead of tensor/cuda/{blas,conv_cudnn}.cpp and pool.cu when Ember is built with
 // EMBER_WITH_CUDA=OFF: the CUDA side of matrix products, convolution and pooling.
+#include <ember/tensor/cuda/no_cuda.h>
 #include <ember/tensor/detail/conv_kernels.h>
 #include <ember/tensor/detail/linalg_kernels.h>
 #include <ember/tensor/error.h>
 
 namespace ember::detail {
-
-namespace {
-[[noreturn]] void no_cuda(const char* op) {
-  throw NotImplementedError(
-      str_cat("[", op, "] CUDA is not available: Ember was built with EMBER_WITH_CUDA=OFF"));
-}
-}  // namespace
 
 void gemm_cuda(const Tensor&, const Tensor&, const Tensor&, double, double) { no_cuda("matmul"); }
 bool gemm_bias_cuda(const Tensor&, const Tensor&, const Tensor&, const Tensor&) {

@@ -1,17 +1,10 @@
 // Linked instead of tensor/cuda/reduce.cu and softmax.cu when Ember is built with
 // EMBER_WITH_CUDA=OFF.
+#include <ember/tensor/cuda/no_cuda.h>
 #include <ember/tensor/detail/reduce_kernels.h>
 #include <ember/tensor/error.h>
 
 namespace ember::detail {
-
-namespace {
-[[noreturn]] void no_cuda(const char* what) {
-  throw NotImplementedError(str_cat("[", what,
-                                    "] CUDA is not available: Ember was built with "
-                                    "EMBER_WITH_CUDA=OFF"));
-}
-}  // namespace
 
 void reduce_cuda(ReduceKind, const Tensor&, const Tensor&, uint32_t, const ReduceParams&) {
   no_cuda("reduce");
