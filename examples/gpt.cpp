@@ -31,6 +31,7 @@
 #include <ember/distributed/fsdp.h>
 #include <ember/distributed/fsdp_checkpoint.h>
 #include <ember/distributed/zero.h>
+#include <ember/distributed/zero_hook.h>
 #include "examples/example_util.h"
 #include "examples/gpt_model.h"
 #include <ember/nn/amp/autocast.h>
@@ -75,6 +76,7 @@ struct Args {
   std::string device = "cpu";
   std::string comm_hook = "none";
   std::string shard = "none";  // none (DDP), zero (DDP + ZeroRedundancyOptimizer), fsdp
+  bool zero_overlap = false;   // --shard zero: step inside DDP's hook (overlap_with_ddp)
   int64_t eval_every = 100;  // 0: only at the end
   int64_t eval_batches = 8;
   int64_t log_every = 0;     // 0: twenty progress lines per run
@@ -152,7 +154,11 @@ Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
         [o = adamw_options(a)](std::vector<nn::optim::ParamGroup> g) {
           return std::make_unique<nn::optim::AdamW>(std::move(g), o);
         },
-        pg);
+        pg, dist::ZeroOptions{.overlap_with_ddp = a.zero_overlap});
+    // Each bucket's partition is stepped as soon as the bucket is reduced, during backward.
+    if (a.zero_overlap) {
+      p.ddp->register_comm_hook(dist::hook_with_zero_step(dist::allreduce_hook, *p.ddp, *p.zero));
+    }
   } else {
     p.adamw = std::make_unique<nn::optim::AdamW>(decay_groups(p.ddp->parameters()),
                                                  adamw_options(a));
@@ -613,6 +619,13 @@ std::string unavailable(const Args& a) {
     return "--shard " + a.shard + " takes neither --comm-hook nor --amp fp16 (got --comm-hook " +
            a.comm_hook + ", --amp " + a.amp + ")";
   }
+  if (a.zero_overlap && a.shard != "zero") {
+    return "--zero-overlap needs --shard zero (got --shard " + a.shard + ")";
+  }
+  if (a.zero_overlap && a.grad_clip > 0) {
+    // The update happens inside backward, before any norm over all gradients exists.
+    return "--zero-overlap steps during backward, so it cannot clip gradients: pass --grad-clip 0";
+  }
   return "";
 }
 
@@ -668,6 +681,9 @@ void add_options(CLI::App& app, Args& a) {
   app.add_option("--shard", a.shard,
                  "none (DDP), zero (DDP + ZeroRedundancyOptimizer) or fsdp (fully_shard)")
       ->check(CLI::IsMember({"none", "zero", "fsdp"}))->capture_default_str();
+  app.add_flag("--zero-overlap", a.zero_overlap,
+               "with --shard zero: step each bucket's partition inside DDP's communication hook, "
+               "overlapping the optimizer with backward (torch's overlap_with_ddp; needs --grad-clip 0)");
   app.add_option("--eval-every", a.eval_every, "steps between validations (0: only at the end)")
       ->check(kNonNegative)->capture_default_str();
   app.add_option("--eval-batches", a.eval_batches, "validation batches per rank")

@@ -173,6 +173,26 @@ TEST_F(Gpt, ShardedTrainingEqualsDdp) {
             std::string::npos) << bad.output;
 }
 
+// --shard zero --zero-overlap steps AdamW inside DDP's hook during backward: the same model as
+// DDP without clipping (which the overlap cannot do: refused by name, as is the flag without
+// --shard zero).
+TEST_F(Gpt, ZeroOverlapTrainsAsDdp) {
+  Result ddp = run(two_ranks() + " --grad-clip 0");
+  ASSERT_EQ(ddp.status, 0) << ddp.output;
+  Result r = run(two_ranks() + " --grad-clip 0 --shard zero --zero-overlap");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NEAR(value_of(r.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
+      << "overlapped:\n" << r.output << "\nddp:\n" << ddp.output;
+  Result clip = run(tiny() + " --shard zero --zero-overlap");
+  EXPECT_EQ(clip.status, 2) << clip.output;
+  EXPECT_NE(clip.output.find("cannot clip gradients: pass --grad-clip 0"), std::string::npos)
+      << clip.output;
+  Result alone = run(tiny() + " --zero-overlap --grad-clip 0");
+  EXPECT_EQ(alone.status, 2) << alone.output;
+  EXPECT_NE(alone.output.find("--zero-overlap needs --shard zero (got --shard none)"),
+            std::string::npos) << alone.output;
+}
+
 // A --shard fsdp run stopped at step 15 continues unsharded: --shard none reads the whole
 // tensors from its sharded checkpoint (AdamW's moments by parameter name), and so does a run
 // given the set consolidated into one file by examples/consolidate_checkpoint; both end where
