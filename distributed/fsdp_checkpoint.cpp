@@ -150,11 +150,7 @@ std::map<std::string, std::string> load_fsdp_checkpoint(const std::string& dir,
     require(s.name, s.shape);
     if (!s.data.defined()) continue;
     Tensor out = s.data.detach();
-    if (out.is_cpu()) {
-      ck.read_into(s.name, s.begin, out);
-    } else {  // read_into fills host memory; a GPU shard takes the bytes through the host
-      out.copy_(ck.read(s.name, s.begin, out.numel()));
-    }
+    ck.read_into(s.name, s.begin, out);
   }
   for (const auto& [name, t] : root.state_dict()) {
     if (layout.sharded(t)) continue;  // above (tied second names included)

@@ -528,14 +528,18 @@ Tensor ShardedCheckpoint::read(const std::string& name, int64_t offset, int64_t 
 
 void ShardedCheckpoint::read_into(const std::string& name, int64_t offset, Tensor& out) const {
   const Entry& e = entry(name);
-  EMBER_CHECK(out.defined() && out.is_cpu() && out.is_contiguous() && out.dim() == 1 &&
-                  out.dtype() == e.dtype,
-              kReadOp, " read_into('", name, "'): expected a contiguous 1-D CPU tensor of dtype ",
-              e.dtype, ", got ",
+  EMBER_CHECK(out.defined() && (out.is_cpu() || out.is_cuda()) && out.is_contiguous() &&
+                  out.dim() == 1 && out.dtype() == e.dtype,
+              kReadOp, " read_into('", name,
+              "'): expected a contiguous 1-D CPU or CUDA tensor of dtype ", e.dtype, ", got ",
               out.defined()
                   ? detail::str_cat(out.dtype(), " ", out.shape(), " on ", out.device().str(),
                                     out.is_contiguous() ? "" : ", strided")
                   : "an undefined tensor");
+  if (out.is_cuda()) {  // pread fills host memory: the bytes go through a host buffer
+    out.copy_(read(name, offset, out.numel()));
+    return;
+  }
   const int64_t numel = out.numel(), total = numel_of(e.shape);
   EMBER_CHECK_TYPE(IndexError, offset >= 0 && offset <= total - numel, kReadOp, " read('", name,
                    "', offset ", offset, ", numel ", numel, "): outside the tensor's ", total,

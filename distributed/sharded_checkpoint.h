@@ -101,8 +101,9 @@ class ShardedCheckpoint {
   /// Throws IndexError for an unknown name or a range outside [0, numel(name)], ember::Error
   /// naming the file if a rank file cannot be opened or is shorter than the index says.
   Tensor read(const std::string& name, int64_t offset, int64_t numel) const;
-  /// read() into `out`, a contiguous 1-D CPU tensor of `name`'s dtype whose numel() elements
-  /// are read from element `offset` on (no extra copy: a loader can fill its own buffer).
+  /// read() into `out`, a contiguous 1-D tensor of `name`'s dtype whose numel() elements are
+  /// read from element `offset` on (no extra copy on the CPU: a loader can fill its own buffer;
+  /// a CUDA tensor takes them through host memory).
   /// Throws ValueError for any other `out`, and what read() throws.
   void read_into(const std::string& name, int64_t offset, Tensor& out) const;
   /// The whole tensor, shaped as saved.

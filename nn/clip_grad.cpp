@@ -20,7 +20,6 @@ std::vector<Tensor> grads_of(const std::vector<Tensor>& params, const char* op) 
 
 Tensor total_of(const std::vector<Tensor>& tensors, double norm_type, bool error_if_nonfinite,
                 const char* op) {
-  EMBER_CHECK(norm_type > 0, "[", op, "] expected norm_type > 0 (or kInfNorm), got ", norm_type);
   // One multi-tensor reduction on a GPU (tensor/foreach.h) where per-tensor norms and their
   // stack would be about three launches per gradient.
   Tensor total = total_norm(tensors, norm_type);
@@ -33,10 +32,22 @@ Tensor total_of(const std::vector<Tensor>& tensors, double norm_type, bool error
   }
   return total;
 }
+
+// Multiplies `grads` by min(1, max_norm / (total + 1e-6)), computed on the device: no host round
+// trip. Multiplying by 1 when no clipping is needed is cheaper than asking the device whether it
+// is.
+void scale_grads(const std::vector<Tensor>& grads, double max_norm, const Tensor& total) {
+  if (grads.empty()) return;
+  const Device device = grads[0].device();
+  const Tensor t = total.device() == device ? total : total.to(device);
+  foreach_mul_(grads, clamp_max(rdiv(add(t, 1e-6), max_norm), 1.0));
+}
 }  // namespace
 
 Tensor get_total_norm(const std::vector<Tensor>& tensors, double norm_type,
                       bool error_if_nonfinite) {
+  EMBER_CHECK(norm_type > 0, "[get_total_norm] expected norm_type > 0 (or kInfNorm), got ",
+              norm_type);
   return total_of(tensors, norm_type, error_if_nonfinite, "get_total_norm");
 }
 
@@ -45,13 +56,7 @@ void clip_grads_with_norm_(const std::vector<Tensor>& params, double max_norm,
   EMBER_CHECK(max_norm >= 0, "[clip_grads_with_norm_] expected max_norm >= 0, got ", max_norm);
   detail::check_defined("clip_grads_with_norm_", total, "total_norm");
   NoGradGuard no_grad;
-  const std::vector<Tensor> grads = grads_of(params, "clip_grads_with_norm_");
-  if (grads.empty()) return;
-  // min(1, max_norm / (total + 1e-6)), computed on the device: no host round trip. Multiplying
-  // by 1 when no clipping is needed is cheaper than asking the device whether it is.
-  const Device device = grads[0].device();
-  const Tensor t = total.device() == device ? total : total.to(device);
-  foreach_mul_(grads, clamp_max(rdiv(add(t, 1e-6), max_norm), 1.0));
+  scale_grads(grads_of(params, "clip_grads_with_norm_"), max_norm, total);
 }
 
 Tensor clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type,
@@ -63,7 +68,7 @@ Tensor clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
   const std::vector<Tensor> grads = grads_of(params, "clip_grad_norm_");
   if (grads.empty()) return zeros({}, kFloat32);
   Tensor total = total_of(grads, norm_type, error_if_nonfinite, "clip_grad_norm_");
-  clip_grads_with_norm_(params, max_norm, total);
+  scale_grads(grads, max_norm, total);
   return total;
 }
 

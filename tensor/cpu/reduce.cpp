@@ -253,27 +253,9 @@ void reduce_floating(ReduceKind kind, const Tensor& out, const ReduceGeom& g, co
       run_reduce(g, x, o, r);
       return;
     }
-    case ReduceKind::Norm: {
-      const double p = params.p;
-      if (p == 2.0) {
-        run_reduce(g, x, o, Norm2Op<T>{});
-      } else if (p == 1.0) {
-        run_reduce(g, x, o, Norm1Op<T>{});
-      } else if (p == 0.0) {
-        run_reduce(g, x, o, Norm0Op<T>{});
-      } else if (std::isinf(p)) {
-        if (p > 0) {
-          run_reduce(g, x, o, NormInfOp<T>{});
-        } else {
-          run_reduce(g, x, o, NormNegInfOp<T>{});
-        }
-      } else {
-        NormPOp<T> r;
-        r.p = A(p);
-        run_reduce(g, x, o, r);
-      }
+    case ReduceKind::Norm:
+      with_norm_op<T>(params.p, [&](const auto& r) { run_reduce(g, x, o, r); });
       return;
-    }
     case ReduceKind::Var: {
       std::vector<A> mean(M);
       MeanOp<T> m;

@@ -135,18 +135,7 @@ Tensor total_norm_cuda(const std::vector<Tensor>& tensors, double p) {
   DeviceGuard guard(tensors.front().device().index);
   Tensor out;
   EMBER_DISPATCH_FLOATING(tensors.front().dtype(), "total_norm", [&]<typename T>() {
-    using A = acc_t<T>;
-    if (p == 2.0) {
-      out = total_with<T>(tensors, Norm2Op<T>{});
-    } else if (p == 1.0) {
-      out = total_with<T>(tensors, Norm1Op<T>{});
-    } else if (std::isinf(p)) {
-      out = total_with<T>(tensors, NormInfOp<T>{});
-    } else {
-      NormPOp<T> r;
-      r.p = A(p);
-      out = total_with<T>(tensors, r);
-    }
+    with_norm_op<T>(p, [&](const auto& r) { out = total_with<T>(tensors, r); });
   });
   return out;
 }
@@ -158,7 +147,7 @@ void foreach_mul_cuda(const std::vector<Tensor>& tensors, const Tensor& scale) {
   EMBER_DISPATCH_FLOATING(tensors.front().dtype(), "foreach_mul_", [&]<typename T>() {
     using A = acc_t<T>;
     // The scale in the accumulation type, on the device: a copy kernel at most, no host wait.
-    const Tensor k = scale.reshape({}).to(dtype_of<A>).contiguous();
+    const Tensor k = scale.reshape({}).to(dtype_of<A>);
     for_each_batch(tensors, [&](const Batch& b, int nb) {
       mul_chunks_kernel<T><<<nb, kThreads, 0, stream>>>(b, k.data<A>());
       EMBER_CUDA_CHECK(cudaGetLastError());

@@ -307,27 +307,9 @@ void reduce_floating(ReduceKind kind, const Tensor& out, const ReduceGeom& g, co
       run_reduce(g, x, o, r, dev);
       return;
     }
-    case ReduceKind::Norm: {
-      const double p = params.p;
-      if (p == 2.0) {
-        run_reduce(g, x, o, Norm2Op<T>{}, dev);
-      } else if (p == 1.0) {
-        run_reduce(g, x, o, Norm1Op<T>{}, dev);
-      } else if (p == 0.0) {
-        run_reduce(g, x, o, Norm0Op<T>{}, dev);
-      } else if (std::isinf(p)) {
-        if (p > 0) {
-          run_reduce(g, x, o, NormInfOp<T>{}, dev);
-        } else {
-          run_reduce(g, x, o, NormNegInfOp<T>{}, dev);
-        }
-      } else {
-        NormPOp<T> r;
-        r.p = A(p);
-        run_reduce(g, x, o, r, dev);
-      }
+    case ReduceKind::Norm:
+      with_norm_op<T>(params.p, [&](const auto& r) { run_reduce(g, x, o, r, dev); });
       return;
-    }
     case ReduceKind::Var: {
       Tensor mean = scratch<A>(M, dev);
       MeanOp<T> m;

@@ -257,6 +257,29 @@ struct NormNegInfOp : MinOp<T> {
   EMBER_HD acc map(T x, acc) const { return abs_v(convert<acc>(x)); }
 };
 
+/// Calls f(op) with the functor of the p-norm (p = 2, 1, 0, +inf, -inf or any other p): the
+/// dispatch the CPU and CUDA reductions and the multi-tensor norms share.
+template <typename T, typename F>
+void with_norm_op(double p, F&& f) {
+  if (p == 2.0) {
+    f(Norm2Op<T>{});
+  } else if (p == 1.0) {
+    f(Norm1Op<T>{});
+  } else if (p == 0.0) {
+    f(Norm0Op<T>{});
+  } else if (std::isinf(p)) {
+    if (p > 0) {
+      f(NormInfOp<T>{});
+    } else {
+      f(NormNegInfOp<T>{});
+    }
+  } else {
+    NormPOp<T> r;
+    r.p = acc_t<T>(p);
+    f(r);
+  }
+}
+
 /// Second pass of var/std: sum of squared deviations from ctx (the mean).
 template <typename T>
 struct VarOp : SumOp<T> {
