@@ -611,6 +611,30 @@ TEST(ClipGrad, NoClippingNoGradsAndErrors) {
   expect_error([&] { nn::clip_grad_value_(p, -0.5); }, {"[clip_grad_value_]", "-0.5"});
 }
 
+// The two halves of clip_grad_norm_ (PyTorch 2.6's get_total_norm and clip_grads_with_norm_):
+// together they clip as clip_grad_norm_ does, and each names itself in its errors.
+TEST(ClipGrad, TotalNormAndClipWithNormAreItsHalves) {
+  std::vector<Tensor> a = make_params(), b = make_params();
+  set_grads(a, 0);
+  set_grads(b, 0);
+  const Tensor want = nn::clip_grad_norm_(a, 0.5, 3.0);
+  std::vector<Tensor> grads;
+  for (const Tensor& t : b) grads.push_back(t.grad());
+  const Tensor total = nn::get_total_norm(grads, 3.0);
+  EXPECT_NEAR(total.item<double>(), want.item<double>(), 1e-6);
+  nn::clip_grads_with_norm_(b, 0.5, total);
+  for (size_t i = 0; i < a.size(); ++i) {
+    expect_close(b[i].grad(), a[i].grad().to_vector<double>(), 1e-6, "grad " + std::to_string(i));
+  }
+  expect_error([&] { nn::get_total_norm(grads, 0.0); }, {"[get_total_norm]", "norm_type"});
+  expect_error([&] { nn::get_total_norm({tensor({1.f, INFINITY})}, 2.0, true); },
+               {"[get_total_norm]", "non-finite", "inf"});
+  expect_error([&] { nn::clip_grads_with_norm_(b, -1.0, total); },
+               {"[clip_grads_with_norm_]", "max_norm", "-1"});
+  expect_error([&] { nn::clip_grads_with_norm_(b, 1.0, Tensor()); },
+               {"clip_grads_with_norm_", "total_norm"});
+}
+
 TEST(ClipGrad, Value) {
   Tensor w = zeros({4}).requires_grad_();
   w.set_grad(tensor({-2.f, -0.25f, 0.5f, 3.f}));
