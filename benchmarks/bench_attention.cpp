@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "cmake/build_paths.h"
 #include <ember/nn/attention.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/threading.h>

@@ -40,13 +40,11 @@
 #include <vector>
 
 #include "benchmarks/bench_util.h"
+#include "cmake/build_paths.h"
 #include <ember/distributed/init.h>
 #include <ember/distributed/tcp_store.h>
 #include <ember/tensor/ops.h>
 
-#ifndef EMBER_SOURCE_DIR
-#define EMBER_SOURCE_DIR "."
-#endif
 
 using namespace ember;
 using namespace ember::dist;

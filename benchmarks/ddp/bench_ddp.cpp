@@ -44,6 +44,7 @@
 
 #include "benchmarks/bench_util.h"
 #include "benchmarks/fashion_cnn.h"
+#include "cmake/build_paths.h"
 #include <ember/distributed/ddp.h>
 #include <ember/distributed/hash_store.h>
 #include <ember/distributed/init.h>
@@ -54,9 +55,6 @@
 #include <ember/tensor/random.h>
 #include <ember/tensor/threading.h>
 
-#ifndef EMBER_SOURCE_DIR
-#define EMBER_SOURCE_DIR "."
-#endif
 
 using namespace ember;
 using Clock = std::chrono::steady_clock;

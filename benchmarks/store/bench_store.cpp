@@ -28,6 +28,7 @@
 
 #include <ember/distributed/tcp_store.h>
 #include "benchmarks/bench_util.h"
+#include "cmake/build_paths.h"
 
 namespace {
 

@@ -30,6 +30,7 @@
 #include <thread>
 
 #include "benchmarks/bench_util.h"
+#include "cmake/build_paths.h"
 #include <ember/distributed/ddp.h>
 #include <ember/distributed/init.h>
 #include <ember/distributed/tcp_store.h>
@@ -40,9 +41,6 @@
 #include <ember/tensor/random.h>
 #include <ember/tensor/threading.h>
 
-#ifndef EMBER_SOURCE_DIR
-#define EMBER_SOURCE_DIR "."
-#endif
 
 using namespace ember;
 using Clock = std::chrono::steady_clock;

@@ -10,6 +10,7 @@
 #include <ember/distributed/sharded_checkpoint.h>
 #include <ember/nn/serialize.h>
 #include <ember/tensor/creation.h>
+#include "cmake/build_paths.h"
 #include "tests/examples/example_test_util.h"
 
 namespace ember {

@@ -11,6 +11,7 @@
 #include <string>
 #include <utility>
 
+#include "cmake/build_paths.h"
 #include "tests/examples/example_test_util.h"
 #include "tests/nn/tfevents_test_util.h"
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <ember/nn/serialize.h>
+#include "cmake/build_paths.h"
 #include "tests/examples/example_test_util.h"
 
 namespace {

@@ -10,6 +10,7 @@
 #include <set>
 #include <string>
 
+#include "cmake/build_paths.h"
 #include "tests/examples/example_test_util.h"
 
 namespace {

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "cmake/build_paths.h"
 #include "tests/examples/example_test_util.h"
 
 namespace {

@@ -14,6 +14,7 @@
 
 #include <ember/nn/serialize.h>
 #include <ember/tensor/creation.h>
+#include "cmake/build_paths.h"
 #include "tests/examples/example_test_util.h"
 
 namespace {

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <string>
 
+#include "cmake/build_paths.h"
 #include "tests/examples/example_test_util.h"
 
 namespace {

@@ -29,6 +29,7 @@
 
 #include <ember/nn/atomic_file.h>
 #include <ember/tensor/cuda.h>
+#include "cmake/build_paths.h"
 #include "tests/tensor/test_util.h"
 
 namespace ember::nn {

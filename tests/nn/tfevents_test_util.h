@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "cmake/build_paths.h"
+
 namespace ember::test {
 
 /// Whether /usr/bin/python3 can import the reader's packages (checked once).
