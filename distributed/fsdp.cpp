@@ -21,8 +21,9 @@
 // one module's parameters (and of the temporaries that built the model) would be taken by the next
 // module's shards, and later by activations, and stay half used for the whole run, on every rank.
 // So on the host fully_shard empties the cache before it makes the shards (they get blocks of
-// their own size) and again after (the unsharded parameters' memory goes back to the system). It
-// costs the first step some page faults; no block in use is touched.
+// their own size) and again after (the unsharded parameters' blocks are freed, not kept for
+// smaller tensors to half fill). It costs the first step some page faults; no block in use is
+// touched.
 #include <ember/distributed/fsdp.h>
 
 #include <algorithm>
@@ -488,8 +489,8 @@ std::shared_ptr<nn::Module> fully_shard(std::shared_ptr<nn::Module> module,
     it->names.push_back(name);
     if (rg) ++unit->trainable;
   }
-  // Note [FSDP and the host cache]: the shards are made with nothing cached, and what the
-  // unsharded parameters held goes back to the system.
+  // Note [FSDP and the host cache]: the shards are made with nothing cached, and the unsharded
+  // parameters' blocks are freed, not cached.
   const bool on_host = params.front().second.is_cpu();
   if (on_host) cpu_empty_cache();
   for (FlatGroup& g : unit->groups) {
