@@ -13,6 +13,17 @@
 // else holds the memory in between. The collectives write through a second tensor over the same
 // memory with its own Storage object, so the gathers do not bump the version of the storage the
 // graph's saved tensors check.
+//
+// Note [FSDP and the host cache]
+// The host allocator hands a request any cached block up to twice its size (tensor/allocator.cpp)
+// and counts the whole block as allocated. Sharding frees each module's unsharded parameters into
+// that cache, and a shard is smaller than the parameters it comes from: left there, the blocks of
+// one module's parameters (and of the temporaries that built the model) would be taken by the next
+// module's shards, and later by activations, and stay half used for the whole run, on every rank.
+// So on the host fully_shard empties the cache before it makes the shards (they get blocks of
+// their own size) and again after (the unsharded parameters' blocks are freed, not kept for
+// smaller tensors to half fill). It costs the first step some page faults; no block in use is
+// touched.
 #include <ember/distributed/fsdp.h>
 
 #include <algorithm>
@@ -24,6 +35,7 @@
 #include <ember/autograd/engine.h>
 #include <ember/distributed/detail/fsdp_unit.h>
 #include <ember/distributed/init.h>
+#include <ember/tensor/allocator.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>
@@ -477,11 +489,16 @@ std::shared_ptr<nn::Module> fully_shard(std::shared_ptr<nn::Module> module,
     it->names.push_back(name);
     if (rg) ++unit->trainable;
   }
+  // Note [FSDP and the host cache]: the shards are made with nothing cached, and the unsharded
+  // parameters' blocks are freed, not cached.
+  const bool on_host = params.front().second.is_cpu();
+  if (on_host) cpu_empty_cache();
   for (FlatGroup& g : unit->groups) {
     build_group(g, pg->rank(), pg->size(), label);
     g_sharded_bytes += g.shard.nbytes();
     g_full_bytes += static_cast<int64_t>(g.arena->nbytes());
   }
+  if (on_host) cpu_empty_cache();
   {
     std::lock_guard<std::mutex> lock(g_mu);
     std::erase_if(g_units, [](const auto& w) { return w.expired(); });

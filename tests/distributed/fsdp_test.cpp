@@ -23,6 +23,8 @@
 #include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
 #include <ember/nn/serialize.h>
+#include <ember/tensor/allocator.h>
+#include <ember/tensor/threading.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/fsdp_test_model.h"
 #include "tests/distributed/mpi_job.h"
@@ -231,6 +233,41 @@ TEST(FsdpMemory, ShardsAreOneNthAndFewModulesAreGatheredAtOnce) {
   EXPECT_GT(m.peak_unsharded_bytes, 0);
   EXPECT_LT(m.peak_unsharded_bytes, n * model_bytes * 6 / 10)
       << "peak " << m.peak_unsharded_bytes << " of " << n * model_bytes;
+}
+
+// Note [FSDP and the host cache]: a shard takes a block of its own size, not a cached block that
+// the unsharded parameters (or a temporary of the model's construction) left, and what the
+// unsharded parameters held is not kept in the cache. Rank 0 of a 2-rank world shards on this
+// thread alone (sharding runs no collective), so nothing else allocates meanwhile; kernels run on
+// this thread too, so that no pool thread outlives the test (the gloo cases fork after it).
+TEST(FsdpMemory, ShardsTakeBlocksOfTheirOwnSizeAndTheUnshardedParametersAreGivenBack) {
+  constexpr int n = 2, kLayers = 4;
+  constexpr int64_t kDim = 512;     // 1 MiB weights: host blocks from 128 KiB are cached
+  constexpr int64_t kPage = 4096;   // the host allocator rounds cached blocks up to pages
+  const int threads = get_num_threads();
+  set_num_threads(1);
+  auto pg = std::make_shared<ProcessGroupThreads>(ThreadWorld::create(n), 0);
+  cpu_empty_cache();
+  const int64_t before = cpu_allocator_stats().allocated;
+  std::vector<std::shared_ptr<nn::Linear>> layers;
+  for (int i = 0; i < kLayers; ++i) layers.push_back(std::make_shared<nn::Linear>(kDim, kDim));
+  { const Tensor scratch = randn({kDim, kDim}); }  // a freed temporary, as building a model leaves
+  FullyShardOptions o;
+  o.group = pg;
+  int64_t shards = 0;
+  for (const auto& layer : layers) {
+    fully_shard(layer, o);
+    shards += (kDim * kDim + kDim + n - 1) / n * static_cast<int64_t>(sizeof(float));
+  }
+  const AllocatorStats after = cpu_allocator_stats();
+  const int64_t held = after.allocated - before;
+  EXPECT_GE(held, shards);
+  EXPECT_LT(held, shards + kLayers * kPage)
+      << "the " << kLayers << " shards of " << shards / kLayers << " bytes hold " << held
+      << " bytes: they took larger cached blocks";
+  EXPECT_LT(after.cached, kDim * kDim * static_cast<int64_t>(sizeof(float)))
+      << "a weight's memory stayed in the cache after sharding";
+  set_num_threads(threads);
 }
 
 // The same over gloo between processes, through shared memory and over TCP, at 2 and 4 ranks.
