@@ -650,6 +650,33 @@ Bytes EtcdStore::compare_set(const std::string& key, const Bytes& expected, cons
   return result;
 }
 
+Bytes EtcdStore::create_with(const std::string& key, const Bytes& value,
+                             const std::vector<std::pair<std::string, Bytes>>& also) {
+  const std::string op = "EtcdStore create_with", full = impl_->full_key(key);
+  EMBER_CHECK(also.size() < kMaxTxnOps, "[", op, "] at most ", kMaxTxnOps - 1,
+              " keys beside ", quote_key(full), " (etcd's --max-txn-ops), got ", also.size());
+  json puts = json::array({{{"request_put", impl_->put_request(full, value)}}});
+  std::vector<std::string> keys{full};
+  for (const auto& [k, v] : also) {
+    keys.push_back(impl_->full_key(k));
+    puts.push_back({{"request_put", impl_->put_request(keys.back(), v)}});
+  }
+  // Running it twice leaves the same keys (the second finds `key` there), so it may be retried.
+  const Call c{op, keys, ember::detail::store_deadline(timeout_), timeout_, true};
+  const json txn = {
+      {"compare",
+       json::array({{{"target", "CREATE"}, {"key", base64(full)}, {"create_revision", "0"}}})},
+      {"success", puts},
+      {"failure", json::array({{{"request_range", {{"key", base64(full)}}}}})}};
+  const json r = impl_->call("/v3/kv/txn", txn, c);
+  return impl_->reading(op, [&] {
+    if (bool_field(r, "succeeded")) return value;
+    std::optional<Kv> cur = first_kv(r.at("responses").at(0).at("response_range"));
+    if (!cur) throw IoError{IoError::kProtocol, "the key that failed the comparison is missing"};
+    return cur->value;
+  });
+}
+
 bool EtcdStore::check(const std::vector<std::string>& keys) {
   const std::string op = "EtcdStore check";
   std::vector<std::string> full;

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ember/distributed/store.h>
@@ -82,6 +83,15 @@ class EtcdStore : public Store {
   bool delete_key(const std::string& key) override;
   /// The number of keys under this store's prefix.
   int64_t num_keys() override;
+
+  /// Creates `key` holding `value` unless it exists and, in the same etcd transaction, sets
+  /// every key of `also` (whatever they held): readers that find `key` find `also` too, and a
+  /// writer that dies leaves all of them or none. Returns what `key` holds afterwards: `value`
+  /// when this call created it (the request may be retried, so a lost reply still answers
+  /// `value`). The keys carry this store's lease, if any. Throws ValueError for more than 127
+  /// keys in `also` (etcd's --max-txn-ops); otherwise the errors of set.
+  Bytes create_with(const std::string& key, const Bytes& value,
+                    const std::vector<std::pair<std::string, Bytes>>& also);
 
   /// The endpoint as "host:port".
   std::string endpoint() const;

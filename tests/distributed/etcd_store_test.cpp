@@ -104,6 +104,38 @@ TEST_F(EtcdStoreTest, ConcurrentCompareSetHasExactlyOneWinner) {
   EXPECT_EQ(winners, 1);
 }
 
+// create_with: one winner among concurrent clients, whose extra keys are written with its key
+// and only then; a key that exists is answered, not overwritten.
+TEST_F(EtcdStoreTest, CreateWithWritesTheKeyAndItsCompanionsOnlyForTheOneWinner) {
+  constexpr int kClients = 6;
+  std::vector<std::unique_ptr<EtcdStore>> stores;
+  for (int s = 0; s < kClients; ++s) stores.push_back(open(endpoint(), "job"));
+  std::vector<std::string> seen(kClients);
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      const std::string me = "c" + std::to_string(c);
+      seen[c] = to_string(stores[c]->create_with(
+          "node/0", to_bytes(me), {{"master", to_bytes(me + " addr")}, {"extra", to_bytes(me)}}));
+    });
+  }
+  for (auto& t : threads) t.join();
+  const std::string winner = stores[0]->get_string("node/0");
+  for (int c = 0; c < kClients; ++c) EXPECT_EQ(seen[c], winner) << "client " << c;
+  EXPECT_EQ(stores[0]->get_string("master"), winner + " addr") << "the winner's companions only";
+  EXPECT_EQ(stores[0]->get_string("extra"), winner);
+  EXPECT_EQ(stores[0]->num_keys(), 3);
+  // An existing key is answered as it is; its companions are left alone.
+  stores[1]->set("taken", std::string("first"));
+  EXPECT_EQ(to_string(stores[2]->create_with("taken", to_bytes("second"), {{"x", to_bytes("1")}})),
+            "first");
+  EXPECT_FALSE(stores[0]->check({"x"}));
+  EXPECT_EQ(to_string(stores[2]->create_with("alone", to_bytes("v"), {})), "v");
+  std::vector<std::pair<std::string, Bytes>> too_many(128, {"k", to_bytes("v")});
+  expect_error<ValueError>([&] { stores[0]->create_with("big", to_bytes("v"), too_many); },
+                           {"EtcdStore create_with", "at most 127", "got 128"});
+}
+
 // A killed agent's keys vanish: a child sets keys through a store with a 2 s lease and blocks;
 // while it lives its keepalive holds them beyond the TTL; once it is SIGKILLed, etcd deletes
 // them after the TTL, even the counter another store has read with add(key, 0). Keys of other

@@ -150,6 +150,39 @@ TEST(EtcdRendezvous, LeaderKilledDuringTheJoinIsReplaced) {
   }
 }
 
+TEST(EtcdRendezvous, AgentKilledRightAfterItsArrivalDoesNotStallTheRound) {
+  // The first agent takes arrival 0 of round 0 and SIGKILLs itself at once (a test-only hook),
+  // before anything else of its join. Its arrival is its registration (and, as node 0, its
+  // MASTER_ADDR), written in one etcd transaction, so the two agents started then do not wait
+  // for a node that will never register: they close round 0 with the dead node 0, find it
+  // silent within --heartbeat-timeout and finish in round 1, long before --rdzv-timeout.
+  const std::string why = ember::test::etcd_unavailable_reason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  if (!fs::exists(step_worker())) GTEST_SKIP() << step_worker() << " not built";
+  ember::test::EtcdServer etcd;
+  TempDir d;
+  const auto job = cat(elastic_etcd_job(etcd.endpoint(), "arrival"),
+                       {"--rdzv-timeout", "20", step_worker(), d.path, "3"});
+  Result rx = run(job, {"EMBER_TEST_KILL_AFTER_ARRIVAL=1"});
+  ASSERT_EQ(rx.exit_code, -1) << "expected the hook's SIGKILL: " << describe(rx);
+  ASSERT_TRUE(wait_for_etcd_key(etcd.endpoint(), "arrival", "r0/restarts"));
+  const auto start = Clock::now();
+  Emberrun b(job), c(job);
+  Result rb = b.wait(), rc = c.wait();
+  const double took = std::chrono::duration<double>(Clock::now() - start).count();
+  ASSERT_EQ(rb.exit_code, 0) << describe(rb) << describe(rc) << "\netcd's log:\n"
+                             << etcd.log_tail();
+  ASSERT_EQ(rc.exit_code, 0) << describe(rc);
+  EXPECT_LT(took, 20.0) << "the round waited for the dead node until --rdzv-timeout";
+  const std::string err = rb.err + rc.err, out = rb.out + rc.out;
+  EXPECT_TRUE(contains(err, "node 0 (") && contains(err, ") lost: no heartbeat"))
+      << describe(rb) << describe(rc);
+  for (int r : {0, 1}) {
+    const std::string line = "rank " + std::to_string(r) + " of 2: finished\n";
+    EXPECT_TRUE(contains(out, line)) << "missing: " << line << describe(rb) << describe(rc);
+  }
+}
+
 TEST(EtcdRendezvous, LostEtcdStopsEveryNodeNamingTheEndpoint) {
   const std::string why = ember::test::etcd_unavailable_reason();
   if (!why.empty()) GTEST_SKIP() << why;
