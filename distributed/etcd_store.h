@@ -19,9 +19,15 @@
 // client got in first; so concurrent adds from any number of clients sum exactly.
 // get and wait poll etcd (1 ms, doubling to 100 ms): there is no server-side park as in TCPStore.
 //
+// TLS: with https (EtcdStoreOptions::https or an "https://" endpoint) every connection is
+// HTTPS through Boost.Beast's ssl_stream and OpenSSL: etcd's certificate is verified against
+// ca_file (or the system's trust store) and the endpoint's host, and a client certificate is
+// presented when given. A TLS failure is not retried: DistStoreError naming the endpoint,
+// OpenSSL's reason and what to check.
+//
 // Limits: values are bounded by etcd's --max-request-bytes (1.5 MiB by default) less the base64
-// and JSON overhead; a larger one fails with etcd's "request is too large". TLS (https://) and
-// authentication are not supported.
+// and JSON overhead; a larger one fails with etcd's "request is too large". etcd's user/password
+// authentication is not supported.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +50,16 @@ struct EtcdStoreOptions {
   int64_t lease_ttl_s = 0;
   /// Default timeout of get/wait, and the limit on connecting and on every other request.
   Duration timeout = Store::kDefaultTimeout;
+  /// Speak HTTPS (TLS 1.2 or later, OpenSSL) to etcd; an "https://" endpoint sets it too. etcd's
+  /// certificate must chain to a trusted CA and name the endpoint's host or IP address.
+  bool https = false;
+  /// PEM file of the CA certificate(s) that etcd's certificate must chain to; "" = the system's
+  /// trust store (OpenSSL's default paths). torchrun's --rdzv-conf cacert.
+  std::string ca_file;
+  /// PEM client certificate (chain) presented to an etcd that asks for one (--client-cert-auth),
+  /// and its private key ("" = in cert_file). torchrun's --rdzv-conf cert and key.
+  std::string cert_file;
+  std::string key_file;
 };
 
 /// A client of the etcd server at `endpoint`. Thread-safe: requests from several threads are
@@ -59,10 +75,12 @@ struct EtcdStoreOptions {
 /// leader yet) until the timeout.
 class EtcdStore : public Store {
  public:
-  /// `endpoint` is "host:port", "http://host:port", "[ipv6]:port" or "host" (port 2379).
-  /// Connects and, with a lease TTL, grants the lease and starts renewing it. Throws ValueError
-  /// for a malformed endpoint, an https:// one, a negative TTL or a non-positive timeout;
-  /// DistNetworkError if etcd does not answer within options.timeout.
+  /// `endpoint` is "host:port", "http://host:port", "https://host:port", "[ipv6]:port" or "host"
+  /// (port 2379). Connects and, with a lease TTL, grants the lease and starts renewing it.
+  /// Throws ValueError for a malformed endpoint, a negative TTL, a non-positive timeout, TLS
+  /// files without https or that OpenSSL cannot use (naming the file); DistNetworkError if etcd
+  /// does not answer within options.timeout; DistStoreError if the TLS session fails (an
+  /// untrusted server certificate, a client certificate missing or refused).
   explicit EtcdStore(std::string endpoint, EtcdStoreOptions options = {});
   /// Stops renewing the lease (the keys expire after its TTL) and closes the connection.
   ~EtcdStore() override;

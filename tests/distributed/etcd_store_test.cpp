@@ -203,8 +203,73 @@ TEST_F(EtcdStoreTest, RefusedRequestsNameEtcdsMessageAndCode) {
   EXPECT_EQ(raw->get_string("ok"), "1") << "the store stays usable after a refusal";
 }
 
+// ---- TLS: etcd with a throwaway PKI (test::TestPki) --------------------------------------------
+
+#define SKIP_WITHOUT_ETCD_TLS()                                     \
+  do {                                                              \
+    const std::string why = test::etcd_tls_unavailable_reason();    \
+    if (!why.empty()) GTEST_SKIP() << why;                          \
+  } while (0)
+
+TEST(EtcdStoreTls, RoundTripOverHttpsAndAnUntrustedServerIsAClearError) {
+  SKIP_WITHOUT_ETCD_TLS();
+  test::TestPki pki;
+  test::EtcdServer etcd({&pki, /*client_cert_auth=*/false});
+  EtcdStoreOptions o = etcd.client_options();
+  o.prefix = "job";
+  o.timeout = 10s;
+  o.lease_ttl_s = 2;  // the keepalive thread's connection speaks TLS too
+  {
+    EtcdStore s(etcd.endpoint(), o);
+    s.set("k", std::string("over https"));
+    EXPECT_EQ(s.add("n", 2), 2);
+    // An https:// endpoint means https as well.
+    EtcdStoreOptions u;
+    u.prefix = "job";
+    u.ca_file = pki.crt("ca");
+    EtcdStore t("https://" + etcd.endpoint(), u);
+    EXPECT_EQ(t.get_string("k"), "over https");
+    EXPECT_EQ(t.add("n", 3), 5);
+    EXPECT_EQ(s.endpoint(), etcd.endpoint());
+  }
+  const std::string where = "etcd at https://" + etcd.endpoint();
+  o.lease_ttl_s = 0;
+  o.ca_file = pki.crt("other_ca");  // not the CA that signed etcd's certificate
+  expect_error<DistStoreError>([&] { EtcdStore(etcd.endpoint(), o); },
+                               {where, "TLS handshake failed", "certificate verify failed",
+                                "unable to get local issuer certificate", pki.crt("other_ca")});
+  // Files OpenSSL cannot use, and TLS settings without https, are refused before connecting.
+  o.ca_file = pki.crt("missing");
+  expect_error<ValueError>([&] { EtcdStore(etcd.endpoint(), o); }, {"ca_file", pki.crt("missing")});
+  o.ca_file = pki.crt("ca");
+  o.cert_file = pki.crt("client");
+  o.key_file = pki.key("server");
+  expect_error<ValueError>([&] { EtcdStore(etcd.endpoint(), o); },
+                           {"key_file", pki.key("server"), pki.crt("client"), "mismatch"});
+  o.cert_file = "";
+  expect_error<ValueError>([&] { EtcdStore(etcd.endpoint(), o); },
+                           {"key_file", "without cert_file"});
+  EtcdStoreOptions plain;
+  plain.ca_file = pki.crt("ca");
+  expect_error<ValueError>([&] { EtcdStore(etcd.endpoint(), plain); }, {"https"});
+}
+
+TEST(EtcdStoreTls, EtcdRequiringAClientCertificateRefusesAStoreWithout) {
+  SKIP_WITHOUT_ETCD_TLS();
+  test::TestPki pki;
+  test::EtcdServer etcd({&pki, /*client_cert_auth=*/true});
+  EtcdStoreOptions o = etcd.client_options();
+  o.timeout = 10s;
+  EtcdStore s(etcd.endpoint(), o);
+  s.set("k", std::string("v"));
+  EXPECT_EQ(s.get_string("k"), "v");
+  o.cert_file = o.key_file = "";
+  expect_error<DistStoreError>([&] { EtcdStore(etcd.endpoint(), o); },
+                               {"etcd at https://" + etcd.endpoint(), "TLS", "certificate",
+                                "--client-cert-auth", "none given: cert_file, key_file"});
+}
+
 TEST(EtcdStore, EndpointsAreCheckedBeforeConnecting) {
-  expect_error<ValueError>([] { EtcdStore("https://127.0.0.1:2379"); }, {"https"});
   expect_error<ValueError>([] { EtcdStore("127.0.0.1:99999"); }, {"port", "99999"});
   expect_error<ValueError>([] { EtcdStore("127.0.0.1:"); }, {"port"});
   expect_error<ValueError>([] { EtcdStore(":2379"); }, {"host:port"});
