@@ -196,6 +196,10 @@ void Rendezvous::connect(milliseconds timeout) {
   }
   dist::EtcdStoreOptions eo;
   eo.timeout = timeout;
+  eo.https = config_.etcd_https;
+  eo.ca_file = config_.etcd_cacert;
+  eo.cert_file = config_.etcd_cert;
+  eo.key_file = config_.etcd_key;
   if (!store_) {
     store_ = std::make_unique<dist::EtcdStore>(endpoint(), eo);
     store_->set_timeout(request_timeout());

@@ -66,6 +66,63 @@ TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcd) {
       << describe(again);
 }
 
+// torchrun's --rdzv-conf protocol=https,cacert=...,cert=...,key=... against an etcd that serves
+// TLS and requires client certificates (a throwaway PKI from the openssl CLI).
+TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcdOverTls) {
+  const std::string why = ember::test::etcd_tls_unavailable_reason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  if (!fs::exists(dist_worker())) GTEST_SKIP() << dist_worker() << " not built";
+  ember::test::TestPki pki;
+  ember::test::EtcdServer etcd({&pki, /*client_cert_auth=*/true});
+  TempDir d;
+  const std::string client = ",cert=" + pki.crt("client") + ",key=" + pki.key("client");
+  auto job = [&](const std::string& conf, std::vector<std::string> rest) {
+    return cat(cat(etcd_job(etcd.endpoint()), {"--rdzv-conf", conf, "--join-timeout", "30"}),
+               rest);
+  };
+  const auto args = job("protocol=https,cacert=" + pki.crt("ca") + client, {dist_worker(), d.path});
+  Emberrun n0(args), n1(args);
+  Result r0 = n0.wait(), r1 = n1.wait();
+  ASSERT_EQ(r0.exit_code, 0) << describe(r0) << describe(r1) << "\netcd's log:\n"
+                             << etcd.log_tail();
+  ASSERT_EQ(r1.exit_code, 0) << describe(r1);
+  for (int i = 0; i < 4; ++i)
+    EXPECT_EQ(read_file(d.path + "/sum_" + std::to_string(i)), "10 4") << "rank " << i;
+  // TLS failures end the agent at once (not after --join-timeout), naming etcd and the cause.
+  const std::string store = "cannot use the rendezvous store at " + etcd.endpoint() + ": ";
+  const auto start = Clock::now();
+  Result wrong_ca = run(job("protocol=https,cacert=" + pki.crt("other_ca") + client,
+                            {worker(), "env", "/nonexistent"}));
+  EXPECT_EQ(wrong_ca.exit_code, 1) << describe(wrong_ca);
+  EXPECT_TRUE(contains(wrong_ca.err, store) &&
+              contains(wrong_ca.err, "etcd at https://" + etcd.endpoint()) &&
+              contains(wrong_ca.err, "TLS handshake failed: certificate verify failed") &&
+              contains(wrong_ca.err, pki.crt("other_ca")))
+      << describe(wrong_ca);
+  Result no_cert =
+      run(job("protocol=https,cacert=" + pki.crt("ca"), {worker(), "env", "/nonexistent"}));
+  EXPECT_EQ(no_cert.exit_code, 1) << describe(no_cert);
+  EXPECT_TRUE(contains(no_cert.err, store) && contains(no_cert.err, "TLS failed") &&
+              contains(no_cert.err, "--client-cert-auth needs a client certificate") &&
+              contains(no_cert.err, "(none given: cert_file, key_file)"))
+      << describe(no_cert);
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(20)) << "a TLS failure was retried";
+  // The TLS keys are checked as usage errors.
+  for (const auto& [conf, msg] : std::vector<std::pair<std::string, std::string>>{
+           {"protocol=ftp", "--rdzv-conf protocol: expected http or https, got 'ftp'"},
+           {"cacert=" + pki.crt("ca"), "they need protocol=https"},
+           {"protocol=https,cacert=" + pki.crt("nope"), "--rdzv-conf cacert: cannot read"},
+           {"protocol=https,key=" + pki.key("client"), "needs cert"}}) {
+    Result r = run(job(conf, {worker(), "env", "/nonexistent"}));
+    EXPECT_EQ(r.exit_code, 2) << conf << describe(r);
+    EXPECT_TRUE(contains(r.err, msg)) << conf << describe(r);
+  }
+  Result c10d = run({"--nnodes", "2", "--rdzv-endpoint", etcd.endpoint(), "--rdzv-conf",
+                     "protocol=https", worker(), "env", "/nonexistent"});
+  EXPECT_EQ(c10d.exit_code, 2) << describe(c10d);
+  EXPECT_TRUE(contains(c10d.err, "is for --rdzv-backend etcd")) << describe(c10d);
+}
+
 TEST(EtcdRendezvous, NeedsTheEndpointAndIgnoresNodeRank) {
   Result r = run({"--nnodes", "2", "--rdzv-backend", "etcd", "--node-rank", "1", worker(), "env",
                   "/nonexistent"});
