@@ -328,13 +328,13 @@ class HttpConnection {
   beast::error_code handshake(TimePoint deadline) {
     secure_.emplace(std::move(*plain_), tls_->context());
     plain_.reset();
-    beast::error_code ec;
-    if (net::ip::make_address(hp_.host, ec), ec) {  // a name: ask for its certificate (SNI)
-      ::SSL_set_tlsext_host_name(secure_->native_handle(), hp_.host.c_str());
-    }
+    beast::error_code not_ip;
+    net::ip::make_address(hp_.host, not_ip);
+    if (not_ip) ::SSL_set_tlsext_host_name(secure_->native_handle(), hp_.host.c_str());  // SNI
     secure_->set_verify_callback(ssl::host_name_verification(hp_.host));
     tcp().expires_at(deadline);
-    ec = run([&](auto h) { secure_->async_handshake(ssl::stream_base::client, std::move(h)); });
+    const beast::error_code ec =
+        run([&](auto h) { secure_->async_handshake(ssl::stream_base::client, std::move(h)); });
     if (!ec || ec == beast::error::timeout) return ec;
     std::string what = str_cat("the TLS handshake failed: ", ec.message());
     const long verify = ::SSL_get_verify_result(secure_->native_handle());
