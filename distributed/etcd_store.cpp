@@ -59,6 +59,7 @@ constexpr size_t kMaxTxnOps = 128;
 // Replies hold at most one value (base64, in JSON); etcd's own request limit is far lower.
 constexpr uint64_t kMaxReplyBytes = uint64_t{256} << 20;
 constexpr int kGrpcUnavailable = 14;
+constexpr int kGrpcUnauthenticated = 16;
 
 std::string base64(const std::string& s) {
   std::string out(4 * ((s.size() + 2) / 3), '\0');
@@ -244,13 +245,14 @@ class HttpConnection {
   // request that fails because a kept-alive connection was closed under it is sent once more
   // on a new connection (only for requests that may safely run twice).
   std::pair<unsigned, std::string> post(const std::string& target, const std::string& body,
-                                        TimePoint deadline, bool retry_stale) {
+                                        const std::string& authorization, TimePoint deadline,
+                                        bool retry_stale) {
     if (is_open() && !idle_ok()) close();
     for (int attempt = 0;; ++attempt) {
       const bool reused = is_open();
       if (!reused) connect(deadline);
       try {
-        return exchange(target, body, deadline);
+        return exchange(target, body, authorization, deadline);
       } catch (const IoError& e) {
         close();
         if (!(reused && retry_stale && attempt == 0 && e.kind == IoError::kClosed)) throw;
@@ -348,10 +350,11 @@ class HttpConnection {
   }
 
   std::pair<unsigned, std::string> exchange(const std::string& target, const std::string& body,
-                                            TimePoint deadline) {
+                                            const std::string& authorization, TimePoint deadline) {
     http::request<http::string_body> req{http::verb::post, target, 11};
     req.set(http::field::host, hp_.host + ":" + hp_.port);
     req.set(http::field::content_type, "application/json");
+    if (!authorization.empty()) req.set(http::field::authorization, authorization);
     req.keep_alive(true);
     req.body() = body;
     req.prepare_payload();
@@ -415,17 +418,61 @@ std::string about_keys(const std::vector<std::string>& keys) {
                           : str_cat(" for keys ", quote_keys(keys));
 }
 
+// etcd's user/password authentication: the token /v3/auth/authenticate gives, sent as the
+// Authorization header of every request. Shared by a store's connections; thread-safe.
+class Auth {
+ public:
+  Auth(std::string user, std::string password)
+      : user_(std::move(user)), password_(std::move(password)) {}
+  const std::string& user() const { return user_; }
+  json credentials() const { return {{"name", user_}, {"password", password_}}; }
+  std::string token() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return token_;
+  }
+  void set_token(std::string token) {
+    std::lock_guard<std::mutex> lock(mu_);
+    token_ = std::move(token);
+  }
+
+ private:
+  const std::string user_, password_;
+  mutable std::mutex mu_;
+  std::string token_;  // "" until authenticated, and after etcd called it invalid
+};
+
+json request(HttpConnection& conn, const std::string& where, const std::string& path,
+             const json& body, const Call& c, Auth* auth);
+
+// Gets a token for `auth` (the request's deadline bounds it).
+void authenticate(HttpConnection& conn, const std::string& where, Auth& auth, const Call& c) {
+  const std::string op = str_cat(c.op, " (authenticating as '", auth.user(), "')");
+  const json r = request(conn, where, "/v3/auth/authenticate", auth.credentials(),
+                         Call{op, {}, c.deadline, c.timeout, true}, nullptr);
+  auto it = r.find("token");
+  if (it == r.end() || !it->is_string() || it->get<std::string>().empty()) {
+    throw DistStoreError(str_cat("[", op, "] ", where, " answered no token: ", r.dump()));
+  }
+  auth.set_token(it->get<std::string>());
+}
+
 // Sends one request and returns etcd's JSON reply, or throws the DistError that says what
 // failed. While etcd answers UNAVAILABLE (no leader yet, leader changing) an idempotent request
-// is retried with backoff until the deadline.
+// is retried with backoff until the deadline. With `auth`, the request carries its token,
+// fetched first if there is none; when etcd calls the token invalid (a simple token unused for
+// --auth-token-ttl, authentication re-enabled) the request, which etcd did not run, is sent
+// once more with a new one.
 json request(HttpConnection& conn, const std::string& where, const std::string& path,
-             const json& body, const Call& c) {
+             const json& body, const Call& c, Auth* auth) {
   auto backoff = std::chrono::milliseconds(10);
   const std::string text = body.dump();
+  bool new_token = false;
   for (;;) {
     std::pair<unsigned, std::string> reply;
     try {
-      reply = conn.post(path, text, c.deadline, c.idempotent);
+      if (auth && auth->token().empty()) authenticate(conn, where, *auth, c);
+      reply = conn.post(path, text, auth ? auth->token() : std::string(), c.deadline,
+                        c.idempotent);
     } catch (const IoError& e) {
       const std::string about = about_keys(c.keys);
       switch (e.kind) {
@@ -459,9 +506,19 @@ json request(HttpConnection& conn, const std::string& where, const std::string& 
       ember::detail::backoff_sleep(&backoff, c.deadline, std::chrono::seconds(1));
       continue;
     }
+    if (auth && code == kGrpcUnauthenticated && !new_token) {
+      auth->set_token("");
+      new_token = true;
+      continue;
+    }
+    // etcd's words for a request without credentials while authentication is on.
+    const bool needs_user = !auth && message.find("user name is empty") != std::string::npos;
     throw DistStoreError(str_cat("[", c.op, "] ", where, " refused the request", about_keys(c.keys),
                                  ": HTTP ", reply.first, ", gRPC code ", code, " (",
-                                 grpc_code_name(code), "): ", message));
+                                 grpc_code_name(code), "): ", message,
+                                 needs_user ? " (etcd has authentication enabled: give a user "
+                                              "name and password)"
+                                            : ""));
   }
 }
 
@@ -491,7 +548,11 @@ class EtcdStore::Impl {
                        hp_.port)),
         prefix_(o.prefix),
         tls_(make_tls(endpoint, hp_, o)),
-        conn_(hp_, tls_.get()) {}
+        auth_(o.username.empty() ? nullptr : std::make_unique<Auth>(o.username, o.password)),
+        conn_(hp_, tls_.get()) {
+    EMBER_CHECK(!o.username.empty() || o.password.empty(),
+                "[EtcdStore] a password was given without a user name");
+  }
 
   ~Impl() { stop_keepalive(); }
 
@@ -508,7 +569,7 @@ class EtcdStore::Impl {
   json call(const std::string& path, const json& body, const Call& c) {
     std::lock_guard<std::mutex> lock(mu_);
     try {
-      return request(conn_, where_, path, body, c);
+      return request(conn_, where_, path, body, c, auth_.get());
     } catch (const json::exception& e) {
       throw DistStoreError(str_cat("[", c.op, "] bad reply from ", where_, ": ", e.what()));
     }
@@ -658,7 +719,8 @@ class EtcdStore::Impl {
       try {
         const Call c{op, {}, ember::detail::store_deadline(limit), limit, true};
         const json r =
-            request(conn, where_, "/v3/lease/keepalive", {{"ID", std::to_string(lease_id_)}}, c);
+            request(conn, where_, "/v3/lease/keepalive", {{"ID", std::to_string(lease_id_)}}, c,
+                    auth_.get());
         const int64_t ttl = reading(op, [&] {
           if (!r.contains("result")) throw IoError{IoError::kProtocol, r.dump()};
           return i64_field(r.at("result"), "TTL");
@@ -701,6 +763,7 @@ class EtcdStore::Impl {
   std::string prefix_;
   int64_t lease_id_ = 0;
   std::unique_ptr<Tls> tls_;  // shared by conn_ and the keepalive thread's connection
+  std::unique_ptr<Auth> auth_;  // the same; null without a user name
   std::mutex mu_;             // one request at a time on conn_
   HttpConnection conn_;
   std::thread keepalive_;

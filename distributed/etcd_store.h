@@ -25,9 +25,11 @@
 // presented when given. A TLS failure is not retried: DistStoreError naming the endpoint,
 // OpenSSL's reason and what to check.
 //
+// Authentication: with a user name, every request carries the token etcd gave for the user and
+// password; a token etcd calls invalid (expired) is replaced once per request.
+//
 // Limits: values are bounded by etcd's --max-request-bytes (1.5 MiB by default) less the base64
-// and JSON overhead; a larger one fails with etcd's "request is too large". etcd's user/password
-// authentication is not supported.
+// and JSON overhead; a larger one fails with etcd's "request is too large".
 #pragma once
 
 #include <cstdint>
@@ -60,6 +62,11 @@ struct EtcdStoreOptions {
   /// and its private key ("" = in cert_file). torchrun's --rdzv-conf cert and key.
   std::string cert_file;
   std::string key_file;
+  /// etcd's user/password authentication (etcd with auth enabled): the store gets a token
+  /// (/v3/auth/authenticate) on its first request and again when etcd says it is invalid.
+  /// "" = none. The password travels in the request: use it with https.
+  std::string username;
+  std::string password;
 };
 
 /// A client of the etcd server at `endpoint`. Thread-safe: requests from several threads are
@@ -78,9 +85,10 @@ class EtcdStore : public Store {
   /// `endpoint` is "host:port", "http://host:port", "https://host:port", "[ipv6]:port" or "host"
   /// (port 2379). Connects and, with a lease TTL, grants the lease and starts renewing it.
   /// Throws ValueError for a malformed endpoint, a negative TTL, a non-positive timeout, TLS
-  /// files without https or that OpenSSL cannot use (naming the file); DistNetworkError if etcd
-  /// does not answer within options.timeout; DistStoreError if the TLS session fails (an
-  /// untrusted server certificate, a client certificate missing or refused).
+  /// files without https or that OpenSSL cannot use (naming the file), a password without a
+  /// user name; DistNetworkError if etcd does not answer within options.timeout; DistStoreError
+  /// if the TLS session fails (an untrusted server certificate, a client certificate missing or
+  /// refused) or etcd refuses the credentials (or asks for some).
   explicit EtcdStore(std::string endpoint, EtcdStoreOptions options = {});
   /// Stops renewing the lease (the keys expire after its TTL) and closes the connection.
   ~EtcdStore() override;

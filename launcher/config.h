@@ -51,6 +51,9 @@ struct LaunchConfig {
   // trust store), etcd_cert and etcd_key (PEM files) presented when given.
   bool etcd_https = false;
   std::string etcd_cacert, etcd_cert, etcd_key;
+  // --rdzv-backend etcd with etcd's authentication: --rdzv-conf user=NAME and password_file=PATH
+  // (read here: a password in argv would show in ps).
+  std::string etcd_user, etcd_password;
   double heartbeat_interval_s = 5.0;  // --heartbeat-interval: an agent's beat in the store
   double heartbeat_timeout_s = 25.0;  // --heartbeat-timeout: node 0 ends a round on a silent one
   std::string role = "default";     // --role: the workers' ROLE_NAME

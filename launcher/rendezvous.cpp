@@ -200,6 +200,8 @@ void Rendezvous::connect(milliseconds timeout) {
   eo.ca_file = config_.etcd_cacert;
   eo.cert_file = config_.etcd_cert;
   eo.key_file = config_.etcd_key;
+  eo.username = config_.etcd_user;
+  eo.password = config_.etcd_password;
   if (!store_) {
     store_ = std::make_unique<dist::EtcdStore>(endpoint(), eo);
     store_->set_timeout(request_timeout());

@@ -269,6 +269,38 @@ TEST(EtcdStoreTls, EtcdRequiringAClientCertificateRefusesAStoreWithout) {
                                 "--client-cert-auth", "none given: cert_file, key_file"});
 }
 
+// ---- etcd's user/password authentication --------------------------------------------------
+
+TEST(EtcdStoreAuth, UserAndPasswordGetATokenRenewedWhenEtcdDropsIt) {
+  const std::string why = test::etcd_auth_unavailable_reason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  test::EtcdServer etcd;
+  test::enable_etcd_auth(etcd, "s3cret");
+  EtcdStoreOptions o;
+  o.prefix = "job";
+  o.timeout = 10s;
+  o.lease_ttl_s = 2;  // lease grant and renewals need the token too
+  o.username = "root";
+  o.password = "s3cret";
+  EtcdStore s(etcd.endpoint(), o);
+  s.set("k", std::string("v"));
+  EXPECT_EQ(s.add("n", 2), 2);
+  // Turning authentication off and on invalidates every token: the next request gets a new one.
+  test::reenable_etcd_auth(etcd, "s3cret");
+  EXPECT_EQ(s.get_string("k"), "v");
+  EXPECT_EQ(s.add("n", 3), 5) << "the add refused for its token must run once, not twice";
+  const std::string where = "etcd at " + etcd.endpoint();
+  o.lease_ttl_s = 0;
+  o.password = "wrong";
+  expect_error<DistStoreError>([&] { EtcdStore(etcd.endpoint(), o); },
+                               {"authenticating as 'root'", where, "authentication failed"});
+  o.username = o.password = "";
+  expect_error<DistStoreError>([&] { EtcdStore(etcd.endpoint(), o); },
+                               {where, "user name is empty", "give a user name and password"});
+  o.password = "orphan";
+  expect_error<ValueError>([&] { EtcdStore(etcd.endpoint(), o); }, {"without a user name"});
+}
+
 TEST(EtcdStore, EndpointsAreCheckedBeforeConnecting) {
   expect_error<ValueError>([] { EtcdStore("127.0.0.1:99999"); }, {"port", "99999"});
   expect_error<ValueError>([] { EtcdStore("127.0.0.1:"); }, {"port"});

@@ -220,4 +220,46 @@ class EtcdServer {
   uint16_t client_port_ = 0;
 };
 
+inline constexpr const char* kCurlBinary = "/usr/bin/curl";
+
+/// "" when etcd with authentication can be set up here (etcd and curl), else why not.
+inline std::string etcd_auth_unavailable_reason() {
+  const std::string why = etcd_unavailable_reason();
+  if (!why.empty() || ::access(kCurlBinary, X_OK) == 0) return why;
+  return std::string(kCurlBinary) +
+         " is missing: install Debian's curl (scripts/install-deps.sh does)";
+}
+
+/// Runs the sh `script` with $E the server's http:// URL, $PW `password` and $C curl (failing
+/// on HTTP errors); std::runtime_error with its output unless it succeeds.
+inline void etcd_admin(const EtcdServer& etcd, const std::string& password,
+                       const std::string& script) {
+  TempDir d;
+  std::ofstream(d.file("admin.sh")) << "set -e\nE='http://" << etcd.endpoint() << "'\nPW='"
+                                    << password << "'\nC='" << kCurlBinary << " -sSf'\n"
+                                    << script << "\n";
+  const std::string cmd = "sh " + d.file("admin.sh") + " >" + d.file("out") + " 2>&1";
+  if (std::system(cmd.c_str()) != 0) {
+    std::ifstream in(d.file("out"));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    throw std::runtime_error("etcd admin script failed:\n" + script + "\n" + ss.str());
+  }
+}
+
+/// Turns on etcd's authentication (plain HTTP servers), with user root (role root) holding
+/// `password`, through the JSON gateway with curl.
+inline void enable_etcd_auth(const EtcdServer& etcd, const std::string& password) {
+  etcd_admin(etcd, password, R"sh($C $E/v3/auth/user/add -d "{\"name\":\"root\",\"password\":\"$PW\"}"
+$C $E/v3/auth/user/grant -d '{"user":"root","role":"root"}'
+$C $E/v3/auth/enable -d '{}')sh");
+}
+
+/// Turns etcd's authentication off and on again (as root), which invalidates every token.
+inline void reenable_etcd_auth(const EtcdServer& etcd, const std::string& password) {
+  etcd_admin(etcd, password, R"sh(T=$($C $E/v3/auth/authenticate -d "{\"name\":\"root\",\"password\":\"$PW\"}" | sed 's/.*"token":"\([^"]*\)".*/\1/')
+$C -H "Authorization: $T" $E/v3/auth/disable -d '{}'
+$C $E/v3/auth/enable -d '{}')sh");
+}
+
 }  // namespace ember::test

@@ -4,6 +4,7 @@
 // launcher/rendezvous_etcd.cpp): node ranks go by arrival, and node 0 may be lost as any other.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -121,6 +122,45 @@ TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcdOverTls) {
                      "protocol=https", worker(), "env", "/nonexistent"});
   EXPECT_EQ(c10d.exit_code, 2) << describe(c10d);
   EXPECT_TRUE(contains(c10d.err, "is for --rdzv-backend etcd")) << describe(c10d);
+}
+
+// --rdzv-conf user=...,password_file=... against an etcd with authentication enabled.
+TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcdWithAuthentication) {
+  const std::string why = ember::test::etcd_auth_unavailable_reason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  if (!fs::exists(dist_worker())) GTEST_SKIP() << dist_worker() << " not built";
+  ember::test::EtcdServer etcd;
+  ember::test::enable_etcd_auth(etcd, "s3cret");
+  TempDir d;
+  const std::string good = d.path + "/good", bad = d.path + "/bad";
+  std::ofstream(good) << "s3cret\n";
+  std::ofstream(bad) << "guess\n";
+  auto job = [&](const std::string& conf, std::vector<std::string> rest) {
+    return cat(cat(etcd_job(etcd.endpoint()), {"--rdzv-conf", conf, "--join-timeout", "30"}),
+               rest);
+  };
+  const auto args = job("user=root,password_file=" + good, {dist_worker(), d.path});
+  Emberrun n0(args), n1(args);
+  Result r0 = n0.wait(), r1 = n1.wait();
+  ASSERT_EQ(r0.exit_code, 0) << describe(r0) << describe(r1) << "\netcd's log:\n"
+                             << etcd.log_tail();
+  ASSERT_EQ(r1.exit_code, 0) << describe(r1);
+  for (int i = 0; i < 4; ++i)
+    EXPECT_EQ(read_file(d.path + "/sum_" + std::to_string(i)), "10 4") << "rank " << i;
+  // Refused credentials end the agent at once, naming etcd and its answer.
+  const std::string store = "cannot use the rendezvous store at " + etcd.endpoint() + ": ";
+  Result wrong = run(job("user=root,password_file=" + bad, {worker(), "env", "/nonexistent"}));
+  EXPECT_EQ(wrong.exit_code, 1) << describe(wrong);
+  EXPECT_TRUE(contains(wrong.err, store) && contains(wrong.err, "authenticating as 'root'") &&
+              contains(wrong.err, "authentication failed"))
+      << describe(wrong);
+  Result none = run(job("read_timeout=5", {worker(), "env", "/nonexistent"}));
+  EXPECT_EQ(none.exit_code, 1) << describe(none);
+  EXPECT_TRUE(contains(none.err, store) && contains(none.err, "give a user name and password"))
+      << describe(none);
+  Result half = run(job("user=root", {worker(), "env", "/nonexistent"}));
+  EXPECT_EQ(half.exit_code, 2) << describe(half);
+  EXPECT_TRUE(contains(half.err, "--rdzv-conf user needs password_file")) << describe(half);
 }
 
 TEST(EtcdRendezvous, NeedsTheEndpointAndIgnoresNodeRank) {
