@@ -267,6 +267,11 @@ TEST(EtcdStoreTls, EtcdRequiringAClientCertificateRefusesAStoreWithout) {
   expect_error<DistStoreError>([&] { EtcdStore(etcd.endpoint(), o); },
                                {"etcd at https://" + etcd.endpoint(), "TLS", "certificate",
                                 "--client-cert-auth", "none given: cert_file, key_file"});
+  // etcd gone under a TLS connection is a network error, as over plain HTTP, not a TLS one.
+  s.set_timeout(1000ms);
+  etcd.stop();
+  expect_error<DistNetworkError>([&] { s.set("k", std::string("w")); },
+                                 {"EtcdStore set", "etcd at https://" + etcd.endpoint()});
 }
 
 // ---- etcd's user/password authentication --------------------------------------------------
