@@ -9,6 +9,8 @@
 #include <poll.h>
 
 #include <openssl/evp.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
 
 #include <algorithm>
 #include <atomic>
@@ -20,9 +22,12 @@
 
 #include <boost/asio/connect.hpp>
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/address.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/ssl.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <boost/beast/ssl.hpp>
 #include <nlohmann/json.hpp>
 
 #include <ember/distributed/detail/store_util.h>
@@ -38,6 +43,7 @@ using ember::detail::quote_keys;
 using ember::detail::StoreClock;
 using ember::detail::str_cat;
 using json = nlohmann::json;
+namespace ssl = boost::asio::ssl;
 using tcp = net::ip::tcp;
 using TimePoint = StoreClock::time_point;
 
@@ -53,6 +59,7 @@ constexpr size_t kMaxTxnOps = 128;
 // Replies hold at most one value (base64, in JSON); etcd's own request limit is far lower.
 constexpr uint64_t kMaxReplyBytes = uint64_t{256} << 20;
 constexpr int kGrpcUnavailable = 14;
+constexpr int kGrpcUnauthenticated = 16;
 
 std::string base64(const std::string& s) {
   std::string out(4 * ((s.size() + 2) / 3), '\0');
@@ -67,7 +74,7 @@ std::string base64(const Bytes& b) { return base64(std::string(b.begin(), b.end(
 
 // A failure below the Store API; EtcdStore turns it into the right DistError with context.
 struct IoError {
-  enum Kind { kUnreachable, kTimeout, kClosed, kProtocol } kind;
+  enum Kind { kUnreachable, kTimeout, kClosed, kProtocol, kTls } kind;
   std::string what;
 };
 
@@ -129,15 +136,19 @@ const char* grpc_code_name(int64_t code) {
 struct HostPort {
   std::string host;
   std::string port;
+  bool https = false;  // the endpoint said "https://"
 };
 
 HostPort parse_endpoint(const std::string& endpoint) {
   std::string rest = endpoint;
-  EMBER_CHECK(rest.rfind("https://", 0) != 0, "[EtcdStore] endpoint '", endpoint,
-              "': https is not supported (EtcdStore speaks plain HTTP to etcd's gateway)");
-  if (rest.rfind("http://", 0) == 0) rest = rest.substr(7);
-  while (!rest.empty() && rest.back() == '/') rest.pop_back();
   HostPort hp;
+  if (rest.rfind("https://", 0) == 0) {
+    hp.https = true;
+    rest = rest.substr(8);
+  } else if (rest.rfind("http://", 0) == 0) {
+    rest = rest.substr(7);
+  }
+  while (!rest.empty() && rest.back() == '/') rest.pop_back();
   std::string port = "2379";
   if (!rest.empty() && rest[0] == '[') {
     const size_t close = rest.find(']');
@@ -166,24 +177,82 @@ HostPort parse_endpoint(const std::string& endpoint) {
   return hp;
 }
 
-// One HTTP/1.1 connection to etcd, opened on first use and kept alive. Used by one thread at a
-// time (the store's mutex, or the keepalive thread's own connection).
+// How a store speaks TLS to etcd: one client context (trust anchors, client certificate) shared
+// by the store's connections, and the files it came from, named in errors.
+class Tls {
+ public:
+  explicit Tls(const EtcdStoreOptions& o)
+      : ca_file_(o.ca_file), cert_file_(o.cert_file), ctx_(ssl::context::tls_client) {
+    const std::string op = "[EtcdStore]";
+    ctx_.set_options(ssl::context::default_workarounds | ssl::context::no_sslv2 |
+                     ssl::context::no_sslv3 | ssl::context::no_tlsv1 | ssl::context::no_tlsv1_1);
+    ctx_.set_verify_mode(ssl::verify_peer);
+    boost::system::error_code ec;
+    if (o.ca_file.empty()) {
+      ctx_.set_default_verify_paths(ec);
+      EMBER_CHECK(!ec, op, " cannot load the system's trusted CA certificates: ", ec.message());
+    } else {
+      ctx_.load_verify_file(o.ca_file, ec);
+      EMBER_CHECK(!ec, op, " ca_file '", o.ca_file,
+                  "': expected readable PEM CA certificates: ", ec.message());
+    }
+    if (!o.cert_file.empty()) {
+      ctx_.use_certificate_chain_file(o.cert_file, ec);
+      EMBER_CHECK(!ec, op, " cert_file '", o.cert_file,
+                  "': expected a readable PEM certificate (chain): ", ec.message());
+      const std::string key = o.key_file.empty() ? o.cert_file : o.key_file;
+      ctx_.use_private_key_file(key, ssl::context::pem, ec);
+      EMBER_CHECK(!ec, op, " key_file '", key,
+                  "': expected a readable PEM private key of the certificate in cert_file '",
+                  o.cert_file, "'", o.key_file.empty() ? " (no key_file given: looked there)" : "",
+                  ": ", ec.message());
+      EMBER_CHECK(::SSL_CTX_check_private_key(ctx_.native_handle()) == 1, op, " key_file '", key,
+                  "' does not match the certificate in cert_file '", o.cert_file, "'");
+    }
+  }
+
+  ssl::context& context() { return ctx_; }
+
+  // What to check when the TLS session with etcd fails: etcd's certificate (server), this
+  // client's (client), or either.
+  std::string server_hint() const {
+    return str_cat("etcd's certificate must be signed by a CA in ",
+                   ca_file_.empty() ? "the system's trust store (give ca_file)"
+                                    : "'" + ca_file_ + "'",
+                   " and name the endpoint's host");
+  }
+  std::string client_hint() const {
+    return str_cat("an etcd started with --client-cert-auth needs a client certificate signed by "
+                   "its --trusted-ca-file",
+                   cert_file_.empty() ? " (none given: cert_file, key_file)"
+                                      : " ('" + cert_file_ + "' given)");
+  }
+
+ private:
+  std::string ca_file_, cert_file_;
+  ssl::context ctx_;
+};
+
+// One HTTP/1.1 connection to etcd (over TLS when `tls` is given), opened on first use and kept
+// alive. Used by one thread at a time (the store's mutex, or the keepalive thread's own
+// connection).
 class HttpConnection {
  public:
-  explicit HttpConnection(HostPort hp) : hp_(std::move(hp)) {}
+  HttpConnection(HostPort hp, Tls* tls) : hp_(std::move(hp)), tls_(tls) {}
   ~HttpConnection() { close(); }
 
   // POSTs `body` to `target` and returns the reply's status and body. With retry_stale, a
   // request that fails because a kept-alive connection was closed under it is sent once more
   // on a new connection (only for requests that may safely run twice).
   std::pair<unsigned, std::string> post(const std::string& target, const std::string& body,
-                                        TimePoint deadline, bool retry_stale) {
-    if (stream_ && !idle_ok()) close();
+                                        const std::string& authorization, TimePoint deadline,
+                                        bool retry_stale) {
+    if (is_open() && !idle_ok()) close();
     for (int attempt = 0;; ++attempt) {
-      const bool reused = stream_.has_value();
-      if (!stream_) connect(deadline);
+      const bool reused = is_open();
+      if (!reused) connect(deadline);
       try {
-        return exchange(target, body, deadline);
+        return exchange(target, body, authorization, deadline);
       } catch (const IoError& e) {
         close();
         if (!(reused && retry_stale && attempt == 0 && e.kind == IoError::kClosed)) throw;
@@ -191,17 +260,29 @@ class HttpConnection {
     }
   }
 
+  // No TLS close_notify: etcd does not need one, and waiting for its answer could block.
   void close() {
-    if (stream_) {
+    if (is_open()) {
       beast::error_code ignored;
-      stream_->socket().shutdown(tcp::socket::shutdown_both, ignored);
-      stream_->socket().close(ignored);
-      stream_.reset();
+      tcp().socket().shutdown(tcp::socket::shutdown_both, ignored);
+      tcp().socket().close(ignored);
     }
+    secure_.reset();
+    plain_.reset();
     buffer_.clear();
   }
 
  private:
+  bool is_open() const { return plain_.has_value() || secure_.has_value(); }
+  beast::tcp_stream& tcp() { return secure_ ? beast::get_lowest_layer(*secure_) : *plain_; }
+
+  // Runs one Beast operation on whichever stream is open.
+  template <class Op>
+  beast::error_code on_stream(Op&& op) {
+    return secure_ ? run([&](auto h) { op(*secure_, std::move(h)); })
+                   : run([&](auto h) { op(*plain_, std::move(h)); });
+  }
+
   // Starts one asynchronous operation and runs the io_context until it completes (by itself,
   // or by the stream's expiry).
   template <class Start>
@@ -225,12 +306,14 @@ class HttpConnection {
       if (ec) {
         last_error = str_cat("cannot resolve '", hp_.host, "': ", ec.message());
       } else {
-        stream_.emplace(ioc_);
-        stream_->expires_at(deadline);
-        ec = run([&](auto handler) { stream_->async_connect(endpoints, std::move(handler)); });
+        plain_.emplace(ioc_);
+        plain_->expires_at(deadline);
+        ec = run([&](auto handler) { plain_->async_connect(endpoints, std::move(handler)); });
         if (!ec) {
-          stream_->socket().set_option(tcp::no_delay(true), ec);
-          return;
+          plain_->socket().set_option(tcp::no_delay(true), ec);
+          if (!tls_) return;
+          ec = handshake(deadline);
+          if (!ec) return;
         }
         last_error = ec == beast::error::timeout ? "connect timed out" : ec.message();
         close();
@@ -241,28 +324,62 @@ class HttpConnection {
     }
   }
 
+  // Turns the connected plain_ into secure_ and runs the TLS handshake: etcd's certificate must
+  // chain to the trusted CAs and name the endpoint's host (or IP address). A failure other than
+  // the deadline is thrown as kTls: retrying cannot fix a certificate.
+  beast::error_code handshake(TimePoint deadline) {
+    secure_.emplace(std::move(*plain_), tls_->context());
+    plain_.reset();
+    beast::error_code not_ip;
+    net::ip::make_address(hp_.host, not_ip);
+    if (not_ip) ::SSL_set_tlsext_host_name(secure_->native_handle(), hp_.host.c_str());  // SNI
+    secure_->set_verify_callback(ssl::host_name_verification(hp_.host));
+    tcp().expires_at(deadline);
+    const beast::error_code ec =
+        run([&](auto h) { secure_->async_handshake(ssl::stream_base::client, std::move(h)); });
+    if (!ec || ec == beast::error::timeout) return ec;
+    std::string what = str_cat("the TLS handshake failed: ", ec.message());
+    const long verify = ::SSL_get_verify_result(secure_->native_handle());
+    if (verify != X509_V_OK) {
+      what += str_cat(" (", ::X509_verify_cert_error_string(verify), "); ", tls_->server_hint());
+    } else {
+      what += str_cat("; ", tls_->server_hint(), "; ", tls_->client_hint());
+    }
+    close();
+    throw IoError{IoError::kTls, what};
+  }
+
   std::pair<unsigned, std::string> exchange(const std::string& target, const std::string& body,
-                                            TimePoint deadline) {
+                                            const std::string& authorization, TimePoint deadline) {
     http::request<http::string_body> req{http::verb::post, target, 11};
     req.set(http::field::host, hp_.host + ":" + hp_.port);
     req.set(http::field::content_type, "application/json");
+    if (!authorization.empty()) req.set(http::field::authorization, authorization);
     req.keep_alive(true);
     req.body() = body;
     req.prepare_payload();
-    stream_->expires_at(deadline);
-    beast::error_code ec = run([&](auto h) { http::async_write(*stream_, req, std::move(h)); });
+    tcp().expires_at(deadline);
+    beast::error_code ec =
+        on_stream([&](auto& stream, auto h) { http::async_write(stream, req, std::move(h)); });
     if (ec) throw io_error(ec, "sending the request");
     http::response_parser<http::string_body> parser;
     parser.body_limit(kMaxReplyBytes);
-    ec = run([&](auto h) { http::async_read(*stream_, buffer_, parser, std::move(h)); });
+    ec = on_stream(
+        [&](auto& stream, auto h) { http::async_read(stream, buffer_, parser, std::move(h)); });
     if (ec) throw io_error(ec, "reading the reply");
     auto res = parser.release();
     if (!res.keep_alive()) close();
     return {res.result_int(), std::move(res.body())};
   }
 
-  static IoError io_error(const beast::error_code& ec, const char* doing) {
+  IoError io_error(const beast::error_code& ec, const char* doing) const {
     if (ec == beast::error::timeout) return {IoError::kTimeout, doing};
+    // With TLS 1.3 etcd refuses a missing or untrusted client certificate only after the
+    // handshake, with an alert the client reads in place of the reply.
+    if (tls_ && ec.category() == net::error::get_ssl_category()) {
+      return {IoError::kTls, str_cat("TLS failed ", doing, ": ", ec.message(),
+                                     " (etcd refused this client?); ", tls_->client_hint())};
+    }
     const bool http_error =
         ec.category() == http::make_error_code(http::error::end_of_stream).category();
     if (http_error && ec != http::error::end_of_stream && ec != http::error::partial_message) {
@@ -274,13 +391,15 @@ class HttpConnection {
   // A kept-alive connection has nothing to read between requests; if it has (EOF: etcd closed
   // it or restarted), it must not be used.
   bool idle_ok() {
-    pollfd p{stream_->socket().native_handle(), POLLIN, 0};
+    pollfd p{tcp().socket().native_handle(), POLLIN, 0};
     return ::poll(&p, 1, 0) == 0;
   }
 
   HostPort hp_;
+  Tls* tls_;  // null: plain HTTP
   net::io_context ioc_{1};
-  std::optional<beast::tcp_stream> stream_;
+  std::optional<beast::tcp_stream> plain_;                    // HTTP, or TCP before the handshake
+  std::optional<beast::ssl_stream<beast::tcp_stream>> secure_;  // HTTPS
   beast::flat_buffer buffer_;
 };
 
@@ -299,17 +418,61 @@ std::string about_keys(const std::vector<std::string>& keys) {
                           : str_cat(" for keys ", quote_keys(keys));
 }
 
+// etcd's user/password authentication: the token /v3/auth/authenticate gives, sent as the
+// Authorization header of every request. Shared by a store's connections; thread-safe.
+class Auth {
+ public:
+  Auth(std::string user, std::string password)
+      : user_(std::move(user)), password_(std::move(password)) {}
+  const std::string& user() const { return user_; }
+  json credentials() const { return {{"name", user_}, {"password", password_}}; }
+  std::string token() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return token_;
+  }
+  void set_token(std::string token) {
+    std::lock_guard<std::mutex> lock(mu_);
+    token_ = std::move(token);
+  }
+
+ private:
+  const std::string user_, password_;
+  mutable std::mutex mu_;
+  std::string token_;  // "" until authenticated, and after etcd called it invalid
+};
+
+json request(HttpConnection& conn, const std::string& where, const std::string& path,
+             const json& body, const Call& c, Auth* auth);
+
+// Gets a token for `auth` (the request's deadline bounds it).
+void authenticate(HttpConnection& conn, const std::string& where, Auth& auth, const Call& c) {
+  const std::string op = str_cat(c.op, " (authenticating as '", auth.user(), "')");
+  const json r = request(conn, where, "/v3/auth/authenticate", auth.credentials(),
+                         Call{op, {}, c.deadline, c.timeout, true}, nullptr);
+  auto it = r.find("token");
+  if (it == r.end() || !it->is_string() || it->get<std::string>().empty()) {
+    throw DistStoreError(str_cat("[", op, "] ", where, " answered no token: ", r.dump()));
+  }
+  auth.set_token(it->get<std::string>());
+}
+
 // Sends one request and returns etcd's JSON reply, or throws the DistError that says what
 // failed. While etcd answers UNAVAILABLE (no leader yet, leader changing) an idempotent request
-// is retried with backoff until the deadline.
+// is retried with backoff until the deadline. With `auth`, the request carries its token,
+// fetched first if there is none; when etcd calls the token invalid (a simple token unused for
+// --auth-token-ttl, authentication re-enabled) the request, which etcd did not run, is sent
+// once more with a new one.
 json request(HttpConnection& conn, const std::string& where, const std::string& path,
-             const json& body, const Call& c) {
+             const json& body, const Call& c, Auth* auth) {
   auto backoff = std::chrono::milliseconds(10);
   const std::string text = body.dump();
+  bool new_token = false;
   for (;;) {
     std::pair<unsigned, std::string> reply;
     try {
-      reply = conn.post(path, text, c.deadline, c.idempotent);
+      if (auth && auth->token().empty()) authenticate(conn, where, *auth, c);
+      reply = conn.post(path, text, auth ? auth->token() : std::string(), c.deadline,
+                        c.idempotent);
     } catch (const IoError& e) {
       const std::string about = about_keys(c.keys);
       switch (e.kind) {
@@ -326,6 +489,8 @@ json request(HttpConnection& conn, const std::string& where, const std::string& 
               str_cat("[", c.op, "] lost the connection to ", where, about, ": ", e.what));
         case IoError::kProtocol:
           throw DistStoreError(str_cat("[", c.op, "] bad reply from ", where, about, ": ", e.what));
+        case IoError::kTls:
+          throw DistStoreError(str_cat("[", c.op, "] ", where, about, ": ", e.what));
       }
       throw;
     }
@@ -341,9 +506,19 @@ json request(HttpConnection& conn, const std::string& where, const std::string& 
       ember::detail::backoff_sleep(&backoff, c.deadline, std::chrono::seconds(1));
       continue;
     }
+    if (auth && code == kGrpcUnauthenticated && !new_token) {
+      auth->set_token("");
+      new_token = true;
+      continue;
+    }
+    // etcd's words for a request without credentials while authentication is on.
+    const bool needs_user = !auth && message.find("user name is empty") != std::string::npos;
     throw DistStoreError(str_cat("[", c.op, "] ", where, " refused the request", about_keys(c.keys),
                                  ": HTTP ", reply.first, ", gRPC code ", code, " (",
-                                 grpc_code_name(code), "): ", message));
+                                 grpc_code_name(code), "): ", message,
+                                 needs_user ? " (etcd has authentication enabled: give a user "
+                                              "name and password)"
+                                            : ""));
   }
 }
 
@@ -369,9 +544,15 @@ class EtcdStore::Impl {
  public:
   Impl(const std::string& endpoint, const EtcdStoreOptions& o)
       : hp_(parse_endpoint(endpoint)),
-        where_(str_cat("etcd at ", hp_.host, ":", hp_.port)),
+        where_(str_cat("etcd at ", hp_.https || o.https ? "https://" : "", hp_.host, ":",
+                       hp_.port)),
         prefix_(o.prefix),
-        conn_(hp_) {}
+        tls_(make_tls(endpoint, hp_, o)),
+        auth_(o.username.empty() ? nullptr : std::make_unique<Auth>(o.username, o.password)),
+        conn_(hp_, tls_.get()) {
+    EMBER_CHECK(!o.username.empty() || o.password.empty(),
+                "[EtcdStore] a password was given without a user name");
+  }
 
   ~Impl() { stop_keepalive(); }
 
@@ -388,7 +569,7 @@ class EtcdStore::Impl {
   json call(const std::string& path, const json& body, const Call& c) {
     std::lock_guard<std::mutex> lock(mu_);
     try {
-      return request(conn_, where_, path, body, c);
+      return request(conn_, where_, path, body, c, auth_.get());
     } catch (const json::exception& e) {
       throw DistStoreError(str_cat("[", c.op, "] bad reply from ", where_, ": ", e.what()));
     }
@@ -530,7 +711,7 @@ class EtcdStore::Impl {
     const std::string op = "EtcdStore lease keepalive";
     const Duration interval = std::max<Duration>(Duration(ttl_s * 1000 / 3), Duration(100));
     const Duration limit = std::min(timeout, std::max<Duration>(interval, std::chrono::seconds(1)));
-    HttpConnection conn(hp_);
+    HttpConnection conn(hp_, tls_.get());
     bool failing = false;
     std::unique_lock<std::mutex> lock(ka_mu_);
     while (!ka_cv_.wait_for(lock, interval, [this] { return stopping_; })) {
@@ -538,7 +719,8 @@ class EtcdStore::Impl {
       try {
         const Call c{op, {}, ember::detail::store_deadline(limit), limit, true};
         const json r =
-            request(conn, where_, "/v3/lease/keepalive", {{"ID", std::to_string(lease_id_)}}, c);
+            request(conn, where_, "/v3/lease/keepalive", {{"ID", std::to_string(lease_id_)}}, c,
+                    auth_.get());
         const int64_t ttl = reading(op, [&] {
           if (!r.contains("result")) throw IoError{IoError::kProtocol, r.dump()};
           return i64_field(r.at("result"), "TTL");
@@ -561,11 +743,28 @@ class EtcdStore::Impl {
     }
   }
 
+  // The TLS settings when the endpoint or the options ask for https, else null.
+  static std::unique_ptr<Tls> make_tls(const std::string& endpoint, const HostPort& hp,
+                                       const EtcdStoreOptions& o) {
+    if (!hp.https && !o.https) {
+      EMBER_CHECK(o.ca_file.empty() && o.cert_file.empty() && o.key_file.empty(),
+                  "[EtcdStore] endpoint '", endpoint,
+                  "': ca_file, cert_file and key_file are for https; set https or give an "
+                  "https:// endpoint");
+      return nullptr;
+    }
+    EMBER_CHECK(o.key_file.empty() || !o.cert_file.empty(), "[EtcdStore] key_file '", o.key_file,
+                "' given without cert_file (the client certificate it is the key of)");
+    return std::make_unique<Tls>(o);
+  }
+
   HostPort hp_;
   std::string where_;
   std::string prefix_;
   int64_t lease_id_ = 0;
-  std::mutex mu_;  // one request at a time on conn_
+  std::unique_ptr<Tls> tls_;  // shared by conn_ and the keepalive thread's connection
+  std::unique_ptr<Auth> auth_;  // the same; null without a user name
+  std::mutex mu_;             // one request at a time on conn_
   HttpConnection conn_;
   std::thread keepalive_;
   std::mutex ka_mu_;
@@ -648,6 +847,33 @@ Bytes EtcdStore::compare_set(const std::string& key, const Bytes& expected, cons
       },
       c);
   return result;
+}
+
+Bytes EtcdStore::create_with(const std::string& key, const Bytes& value,
+                             const std::vector<std::pair<std::string, Bytes>>& also) {
+  const std::string op = "EtcdStore create_with", full = impl_->full_key(key);
+  EMBER_CHECK(also.size() < kMaxTxnOps, "[", op, "] at most ", kMaxTxnOps - 1,
+              " keys beside ", quote_key(full), " (etcd's --max-txn-ops), got ", also.size());
+  json puts = json::array({{{"request_put", impl_->put_request(full, value)}}});
+  std::vector<std::string> keys{full};
+  for (const auto& [k, v] : also) {
+    keys.push_back(impl_->full_key(k));
+    puts.push_back({{"request_put", impl_->put_request(keys.back(), v)}});
+  }
+  // Running it twice leaves the same keys (the second finds `key` there), so it may be retried.
+  const Call c{op, keys, ember::detail::store_deadline(timeout_), timeout_, true};
+  const json txn = {
+      {"compare",
+       json::array({{{"target", "CREATE"}, {"key", base64(full)}, {"create_revision", "0"}}})},
+      {"success", puts},
+      {"failure", json::array({{{"request_range", {{"key", base64(full)}}}}})}};
+  const json r = impl_->call("/v3/kv/txn", txn, c);
+  return impl_->reading(op, [&] {
+    if (bool_field(r, "succeeded")) return value;
+    std::optional<Kv> cur = first_kv(r.at("responses").at(0).at("response_range"));
+    if (!cur) throw IoError{IoError::kProtocol, "the key that failed the comparison is missing"};
+    return cur->value;
+  });
 }
 
 bool EtcdStore::check(const std::vector<std::string>& keys) {

@@ -19,14 +19,23 @@
 // client got in first; so concurrent adds from any number of clients sum exactly.
 // get and wait poll etcd (1 ms, doubling to 100 ms): there is no server-side park as in TCPStore.
 //
+// TLS: with https (EtcdStoreOptions::https or an "https://" endpoint) every connection is
+// HTTPS through Boost.Beast's ssl_stream and OpenSSL: etcd's certificate is verified against
+// ca_file (or the system's trust store) and the endpoint's host, and a client certificate is
+// presented when given. A TLS failure is not retried: DistStoreError naming the endpoint,
+// OpenSSL's reason and what to check.
+//
+// Authentication: with a user name, every request carries the token etcd gave for the user and
+// password; a token etcd calls invalid (expired) is replaced once per request.
+//
 // Limits: values are bounded by etcd's --max-request-bytes (1.5 MiB by default) less the base64
-// and JSON overhead; a larger one fails with etcd's "request is too large". TLS (https://) and
-// authentication are not supported.
+// and JSON overhead; a larger one fails with etcd's "request is too large".
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ember/distributed/store.h>
@@ -43,6 +52,21 @@ struct EtcdStoreOptions {
   int64_t lease_ttl_s = 0;
   /// Default timeout of get/wait, and the limit on connecting and on every other request.
   Duration timeout = Store::kDefaultTimeout;
+  /// Speak HTTPS (TLS 1.2 or later, OpenSSL) to etcd; an "https://" endpoint sets it too. etcd's
+  /// certificate must chain to a trusted CA and name the endpoint's host or IP address.
+  bool https = false;
+  /// PEM file of the CA certificate(s) that etcd's certificate must chain to; "" = the system's
+  /// trust store (OpenSSL's default paths). torchrun's --rdzv-conf cacert.
+  std::string ca_file;
+  /// PEM client certificate (chain) presented to an etcd that asks for one (--client-cert-auth),
+  /// and its private key ("" = in cert_file). torchrun's --rdzv-conf cert and key.
+  std::string cert_file;
+  std::string key_file;
+  /// etcd's user/password authentication (etcd with auth enabled): the store gets a token
+  /// (/v3/auth/authenticate) on its first request and again when etcd says it is invalid.
+  /// "" = none. The password travels in the request: use it with https.
+  std::string username;
+  std::string password;
 };
 
 /// A client of the etcd server at `endpoint`. Thread-safe: requests from several threads are
@@ -58,10 +82,13 @@ struct EtcdStoreOptions {
 /// leader yet) until the timeout.
 class EtcdStore : public Store {
  public:
-  /// `endpoint` is "host:port", "http://host:port", "[ipv6]:port" or "host" (port 2379).
-  /// Connects and, with a lease TTL, grants the lease and starts renewing it. Throws ValueError
-  /// for a malformed endpoint, an https:// one, a negative TTL or a non-positive timeout;
-  /// DistNetworkError if etcd does not answer within options.timeout.
+  /// `endpoint` is "host:port", "http://host:port", "https://host:port", "[ipv6]:port" or "host"
+  /// (port 2379). Connects and, with a lease TTL, grants the lease and starts renewing it.
+  /// Throws ValueError for a malformed endpoint, a negative TTL, a non-positive timeout, TLS
+  /// files without https or that OpenSSL cannot use (naming the file), a password without a
+  /// user name; DistNetworkError if etcd does not answer within options.timeout; DistStoreError
+  /// if the TLS session fails (an untrusted server certificate, a client certificate missing or
+  /// refused) or etcd refuses the credentials (or asks for some).
   explicit EtcdStore(std::string endpoint, EtcdStoreOptions options = {});
   /// Stops renewing the lease (the keys expire after its TTL) and closes the connection.
   ~EtcdStore() override;
@@ -82,6 +109,15 @@ class EtcdStore : public Store {
   bool delete_key(const std::string& key) override;
   /// The number of keys under this store's prefix.
   int64_t num_keys() override;
+
+  /// Creates `key` holding `value` unless it exists and, in the same etcd transaction, sets
+  /// every key of `also` (whatever they held): readers that find `key` find `also` too, and a
+  /// writer that dies leaves all of them or none. Returns what `key` holds afterwards: `value`
+  /// when this call created it (the request may be retried, so a lost reply still answers
+  /// `value`). The keys carry this store's lease, if any. Throws ValueError for more than 127
+  /// keys in `also` (etcd's --max-txn-ops); otherwise the errors of set.
+  Bytes create_with(const std::string& key, const Bytes& value,
+                    const std::vector<std::pair<std::string, Bytes>>& also);
 
   /// The endpoint as "host:port".
   std::string endpoint() const;

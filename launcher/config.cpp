@@ -9,10 +9,12 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -219,7 +221,8 @@ std::vector<EnvOption> add_options(CLI::App& app, RawOptions& raw, LaunchConfig&
       "server at --rdzv-endpoint holds it; no node is special, node 0 may be lost)");
   opt("--rdzv-conf,--rdzv_conf", raw.rdzv_conf, "RDZV_CONF",
       "Rendezvous settings key=value,...: join_timeout, timeout (both --rdzv-timeout), "
-      "last_call_timeout (--rdzv-last-call), read_timeout (one store request, 10 s)");
+      "last_call_timeout (--rdzv-last-call), read_timeout (one store request, 10 s); etcd: "
+      "protocol=https, cacert, cert, key (TLS), user, password_file (authentication)");
   opt("--local-addr,--local_addr", c.local_addr, "LOCAL_ADDR",
       "This node's address, given to the workers as MASTER_ADDR when it is node 0");
   opt("--rdzv-timeout,--rdzv_timeout,--join-timeout,--join_timeout", c.rdzv_timeout_s,
@@ -423,7 +426,8 @@ double conf_seconds(const std::string& key, const std::string& value) {
 // "key=value,..." into its pairs, refusing malformed pairs and unknown keys.
 std::vector<std::pair<std::string, std::string>> parse_rdzv_conf(const std::string& text) {
   static const std::vector<std::string> known = {"join_timeout", "last_call_timeout", "timeout",
-                                                 "read_timeout"};
+                                                 "read_timeout", "protocol", "cacert", "cert",
+                                                 "key", "user", "password_file"};
   std::vector<std::pair<std::string, std::string>> pairs;
   for (const auto& item : split(text, ",")) {
     const auto eq = item.find('=');
@@ -456,6 +460,48 @@ void merge_conf_value(const std::string& pair, double value, Source conf_src,
   target = value;
 }
 
+// --rdzv-conf's etcd keys: TLS (torchrun's etcd backend's protocol, cacert, cert, key) and
+// authentication (user, password_file). Returns whether `key` was one of them.
+bool apply_etcd_conf(const std::string& key, const std::string& value, LaunchConfig& c) {
+  if (key != "protocol" && key != "cacert" && key != "cert" && key != "key" && key != "user" &&
+      key != "password_file")
+    return false;
+  if (c.rdzv_backend != "etcd") {
+    throw UsageError("--rdzv-conf " + key + "=" + value +
+                     " is for --rdzv-backend etcd (its TLS and authentication settings), got "
+                     "--rdzv-backend " +
+                     c.rdzv_backend);
+  }
+  if (key == "user") {
+    c.etcd_user = value;
+    return true;
+  }
+  if (key == "protocol") {
+    std::string p = value;
+    std::transform(p.begin(), p.end(), p.begin(), [](unsigned char ch) { return std::tolower(ch); });
+    if (p != "http" && p != "https") {
+      throw UsageError("--rdzv-conf protocol: expected http or https, got '" + value + "'");
+    }
+    c.etcd_https = p == "https";
+    return true;
+  }
+  if (::access(value.c_str(), R_OK) != 0) {
+    throw UsageError("--rdzv-conf " + key + ": cannot read '" + value + "': " +
+                     std::strerror(errno));
+  }
+  if (key == "password_file") {
+    std::ifstream in(value);
+    std::getline(in, c.etcd_password);  // the first line, without its newline
+    if (!c.etcd_password.empty() && c.etcd_password.back() == '\r') c.etcd_password.pop_back();
+    if (c.etcd_password.empty()) {
+      throw UsageError("--rdzv-conf password_file: '" + value + "' holds no password (first line)");
+    }
+    return true;
+  }
+  (key == "cacert" ? c.etcd_cacert : key == "cert" ? c.etcd_cert : c.etcd_key) = value;
+  return true;
+}
+
 // --rdzv-conf onto the options it maps to (see parse_args' contract for the precedence).
 void apply_rdzv_conf(const std::string& text, const std::map<std::string, Source>& sources,
                      LaunchConfig& c) {
@@ -466,6 +512,7 @@ void apply_rdzv_conf(const std::string& text, const std::map<std::string, Source
   const Source conf_src = source("RDZV_CONF");
   std::optional<std::pair<std::string, double>> join;  // join_timeout or timeout
   for (const auto& [key, value] : parse_rdzv_conf(text)) {
+    if (apply_etcd_conf(key, value, c)) continue;
     const double v = conf_seconds(key, value);
     const std::string pair = key + "=" + value;
     if (key == "read_timeout") {
@@ -482,6 +529,18 @@ void apply_rdzv_conf(const std::string& text, const std::map<std::string, Source
       merge_conf_value(pair, v, conf_src, "--rdzv-timeout", source("RDZV_TIMEOUT"),
                        c.rdzv_timeout_s);
     }
+  }
+  if (!c.etcd_https && !(c.etcd_cacert.empty() && c.etcd_cert.empty() && c.etcd_key.empty())) {
+    throw UsageError("--rdzv-conf cacert, cert and key are TLS settings: they need protocol=https");
+  }
+  if (c.etcd_user.empty() != c.etcd_password.empty()) {
+    throw UsageError(std::string("--rdzv-conf ") +
+                     (c.etcd_user.empty() ? "password_file needs user" : "user needs password_file") +
+                     " (etcd's authentication takes both)");
+  }
+  if (!c.etcd_key.empty() && c.etcd_cert.empty()) {
+    throw UsageError("--rdzv-conf key=" + c.etcd_key +
+                     " needs cert (the client certificate it is the key of)");
   }
 }
 

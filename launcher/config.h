@@ -46,6 +46,14 @@ struct LaunchConfig {
   double rdzv_timeout_s = 900.0;    // --rdzv-timeout / --join-timeout: node join limit, seconds
   double last_call_s = 30.0;        // --nnodes MIN:MAX: wait after MIN nodes joined, seconds
   double rdzv_read_timeout_s = 10.0;  // --rdzv-conf read_timeout: one rendezvous store request
+  // --rdzv-backend etcd over TLS (--rdzv-conf protocol=https, cacert, cert, key: torchrun's
+  // etcd backend's keys): etcd's certificate checked against etcd_cacert ("" = the system's
+  // trust store), etcd_cert and etcd_key (PEM files) presented when given.
+  bool etcd_https = false;
+  std::string etcd_cacert, etcd_cert, etcd_key;
+  // --rdzv-backend etcd with etcd's authentication: --rdzv-conf user=NAME and password_file=PATH
+  // (read here: a password in argv would show in ps).
+  std::string etcd_user, etcd_password;
   double heartbeat_interval_s = 5.0;  // --heartbeat-interval: an agent's beat in the store
   double heartbeat_timeout_s = 25.0;  // --heartbeat-timeout: node 0 ends a round on a silent one
   std::string role = "default";     // --role: the workers' ROLE_NAME

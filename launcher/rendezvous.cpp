@@ -1,11 +1,13 @@
 #include <ember/launcher/rendezvous.h>
 
 #include <netdb.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <thread>
 
 #include <ember/distributed/etcd_store.h>
@@ -32,10 +34,12 @@ using std::chrono::milliseconds;
 //                        written first when the round opens, so waiting nodes wait for it
 //   r<R>/master          "addr:port" for the job's store (MASTER_ADDR/PORT): node 0's agent
 //                        picks it when it opens the round; etcd: the round's node 0 (its first
-//                        arrival) picks its own address, so it is on a node alive at the join
-//   r<R>/next            arrival counter handing out node ranks 1, 2, ... (no --node-rank);
-//                        etcd: 0, 1, ...
-//   r<R>/node/<k>        "<nproc_per_node> <description>" of node k (compare_set: one owner)
+//                        arrival) picks its own address, so it is on a node alive at the join,
+//                        and writes it with r<R>/node/0, in one transaction
+//   r<R>/next            arrival counter handing out node ranks 1, 2, ... (no --node-rank;
+//                        not with etcd)
+//   r<R>/node/<k>        "<nproc_per_node> <description>" of node k (compare_set: one owner);
+//                        etcd: created by the agent's arrival itself, the first free k
 //   r<R>/leader          etcd, leased: the agent that completes round R (compare_set)
 //   r<R>/nnodes          set by node 0 (etcd: the leader) when the round is complete
 //   r<R>/failed          "<k> <what>": the first failure of the round (compare_set); k = -1:
@@ -121,6 +125,7 @@ Rendezvous::Rendezvous(const LaunchConfig& config, std::function<bool()> interru
   port_ = port;
   self_ = this_host(config_) + " pid " + std::to_string(getpid());
   etcd_ = config_.rdzv_backend == "etcd";
+  kill_after_arrival_ = std::getenv("EMBER_TEST_KILL_AFTER_ARRIVAL") != nullptr;
   const bool want_host =
       !etcd_ && (config_.node_rank_given ? config_.node_rank == 0 : is_local_address(host_));
   if (want_host) {
@@ -191,6 +196,12 @@ void Rendezvous::connect(milliseconds timeout) {
   }
   dist::EtcdStoreOptions eo;
   eo.timeout = timeout;
+  eo.https = config_.etcd_https;
+  eo.ca_file = config_.etcd_cacert;
+  eo.cert_file = config_.etcd_cert;
+  eo.key_file = config_.etcd_key;
+  eo.username = config_.etcd_user;
+  eo.password = config_.etcd_password;
   if (!store_) {
     store_ = std::make_unique<dist::EtcdStore>(endpoint(), eo);
     store_->set_timeout(request_timeout());
@@ -263,15 +274,23 @@ std::string Rendezvous::node_key(int round, int node) const {
   return round_key(round, "node/" + std::to_string(node));
 }
 
+std::string Rendezvous::node_record() const {
+  return std::to_string(config_.nproc_per_node) + " " + self_;
+}
+
 int Rendezvous::claim_node_rank(int round) {
   int k;
+  bool registered = false;
   if (config_.node_rank_given) {
     k = config_.node_rank;
   } else if (is_host()) {
     k = 0;
   } else {
-    // etcd has no host to be node 0: the first arrival is.
-    k = static_cast<int>(store_->add(round_key(round, "next"), 1)) - (etcd_ ? 1 : 0);
+    // etcd has no host to be node 0: the first arrival is, and arriving is registering.
+    registered = etcd_;
+    k = etcd_ ? arrive_etcd(round)
+              : static_cast<int>(store_->add(round_key(round, "next"), 1));
+    if (kill_after_arrival_) ::kill(::getpid(), SIGKILL);
     if (k >= config_.max_nodes && config_.elastic()) return -1;
     if (k >= config_.max_nodes) {
       throw RendezvousError("rendezvous round " + std::to_string(round) + " at " + endpoint() +
@@ -279,9 +298,9 @@ int Rendezvous::claim_node_rank(int round) {
                             " nodes; " + self_ + " is one too many");
     }
   }
-  if (etcd_ && k == 0) publish_master(round);  // before node 0's key: the leader waits for it
-  const std::string mine = std::to_string(config_.nproc_per_node) + " " + self_;
-  const std::string owner = to_s(store_->compare_set(node_key(round, k), {}, to_b(mine)));
+  const std::string mine = node_record();
+  const std::string owner =
+      registered ? mine : to_s(store_->compare_set(node_key(round, k), {}, to_b(mine)));
   if (owner != mine) {
     throw RendezvousError("node rank " + std::to_string(k) + " of round " + std::to_string(round) +
                           " is already taken by " + owner.substr(owner.find(' ') + 1) +

@@ -134,6 +134,7 @@ class Rendezvous {
   std::string key(const std::string& k) const;
   std::string round_key(int round, const std::string& k) const;
   std::string node_key(int round, int node) const;  // "r<R>/node/<k>"
+  std::string node_record() const;                  // "<nproc_per_node> <self_>"
   // The steps of join: registers this node under its rank (given, 0 for the host, else by
   // arrival) and returns it; on the host, waits for the nodes and publishes their number; on
   // the others, waits for that number; then reads the round's ranks and rank 0's address.
@@ -147,12 +148,13 @@ class Rendezvous {
   // neither lost nor gone, plus the waiting ones), from the last round's keys.
   int round_restarts(int round);
   int expected_nodes(int round);
-  // etcd (rendezvous_etcd.cpp): opens the round if nobody did (first writer wins); picks this
-  // node's address and a free port for MASTER_ADDR when it is the round's node 0; elects the
+  // etcd (rendezvous_etcd.cpp): opens the round if nobody did (first writer wins); elects the
   // round's leader through a leased key and, leading, completes the round, else waits for it
   // (taking over when the leader's lease expires). Returns the round's number of nodes.
   void open_round_etcd(int round);
-  void publish_master(int round);
+  // etcd: this agent's arrival in `round`: creates the first missing node record (node 0's with
+  // MASTER_ADDR, picked here) and returns its k; --nnodes MAX when every one is taken.
+  int arrive_etcd(int round);
   int lead_or_await(int round, int k);
   // Raises the "round" key to `round` (never lowers it).
   void raise_round(int round);
@@ -197,6 +199,9 @@ class Rendezvous {
   int nnodes_ = 0;      // this round's
   int expected_ = 0;    // host: nodes the round being joined waits for before closing
   bool waiting_ = false;
+  // Tests only (EMBER_TEST_KILL_AFTER_ARRIVAL set): the agent SIGKILLs itself as soon as it has
+  // taken its arrival in a round, the crash the etcd rendezvous must survive.
+  bool kill_after_arrival_ = false;
   // Heartbeat state of round beat_round_ (reset when a new round is watched).
   struct Beat {
     int64_t count = -1;                          // the node's counter as last read

@@ -5,7 +5,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <utility>
+#include <vector>
 
+#include <ember/distributed/etcd_store.h>
 #include <ember/distributed/store.h>
 #include <ember/launcher/rendezvous.h>
 #include <ember/launcher/rendezvous_detail.h>
@@ -19,16 +22,22 @@ namespace ember::launcher {
 // With etcd the store outlives every agent, and nothing may depend on one of them:
 // - Opening round R (its restart count, and raising the "round" key) is done by whichever
 //   agent joins first, with compare_set: every agent computes the same values from round R-1.
-// - Node ranks are handed out by arrival in the round (r<R>/next, from 0): node 0 is the first
-//   agent to join, whatever its host or start order.
+// - Node ranks are handed out by arrival in the round: node 0 is the first agent to join,
+//   whatever its host or start order. Arriving is registering: an agent creates the first
+//   missing r<R>/node/<k>, k = 0, 1, ... (node 0's with r<R>/master, in the same transaction),
+//   so no agent can die holding a rank it has not registered (a counter handed out first would
+//   leave its round waiting for that node until --rdzv-timeout). An agent that dies after
+//   arriving is a node of the round like any other: found silent within --heartbeat-timeout
+//   once the round runs, or, as its leader, replaced when its lease expires. The cost is one
+//   request per node that arrived before it.
 // - Closing the round (waiting for MIN nodes and the last call, then r<R>/nnodes) needs one
 //   agent: the leader, which wins the leased key r<R>/leader. Every other agent waits for
 //   r<R>/nnodes and retries the key every kLeaseCheck; when the leader dies its lease expires
 //   (--heartbeat-timeout, etcd's TTL) and one of them takes over, so a round is closed within
 //   TTL + kLeaseCheck of its leader's death plus its own join time.
 // - MASTER_ADDR: the round's node 0 writes its own address (--local-addr, else the address of
-//   its interface towards etcd) and a free port before it registers, so the workers' store is
-//   on a node alive when the round was formed, never on one lost in an earlier round.
+//   its interface towards etcd) and a free port as it registers, so the workers' store is on a
+//   node that joined the round, never on one lost in an earlier round.
 // - Heartbeats: every agent watches every other one (Note [Heartbeats]); the first to find one
 //   silent records the failure and r<R>/lost/<k>, which the next round's leader reads.
 // - The next round expects the last round's nodes neither lost nor gone nor without a lease:
@@ -92,8 +101,18 @@ void Rendezvous::raise_round(int round) {
   }
 }
 
-void Rendezvous::publish_master(int round) {
-  store_->set(round_key(round, "master"), addr_ + ":" + std::to_string(pick_free_port(true)));
+int Rendezvous::arrive_etcd(int round) {
+  auto& etcd = static_cast<dist::EtcdStore&>(*store_);
+  const dist::Bytes mine = to_b(node_record());
+  for (int k = 0; k < config_.max_nodes; ++k) {
+    std::vector<std::pair<std::string, dist::Bytes>> also;
+    if (k == 0) {  // node 0's MASTER_ADDR, with its record: whoever finds one finds the other
+      also.emplace_back(round_key(round, "master"),
+                        to_b(addr_ + ":" + std::to_string(pick_free_port(true))));
+    }
+    if (etcd.create_with(node_key(round, k), mine, also) == mine) return k;
+  }
+  return config_.max_nodes;
 }
 
 int Rendezvous::lead_or_await(int round, int k) {

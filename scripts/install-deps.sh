@@ -14,7 +14,7 @@ pkgs=(
   bible-kjv-text bible-kjv
   python3-torch libtorch-dev
   protobuf-compiler python3-protobuf python3-crc32c
-  iproute2 etcd-server
+  iproute2 etcd-server openssl curl
   clang libclang-rt-dev libomp-dev
 )
 missing=()

@@ -104,6 +104,38 @@ TEST_F(EtcdStoreTest, ConcurrentCompareSetHasExactlyOneWinner) {
   EXPECT_EQ(winners, 1);
 }
 
+// create_with: one winner among concurrent clients, whose extra keys are written with its key
+// and only then; a key that exists is answered, not overwritten.
+TEST_F(EtcdStoreTest, CreateWithWritesTheKeyAndItsCompanionsOnlyForTheOneWinner) {
+  constexpr int kClients = 6;
+  std::vector<std::unique_ptr<EtcdStore>> stores;
+  for (int s = 0; s < kClients; ++s) stores.push_back(open(endpoint(), "job"));
+  std::vector<std::string> seen(kClients);
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      const std::string me = "c" + std::to_string(c);
+      seen[c] = to_string(stores[c]->create_with(
+          "node/0", to_bytes(me), {{"master", to_bytes(me + " addr")}, {"extra", to_bytes(me)}}));
+    });
+  }
+  for (auto& t : threads) t.join();
+  const std::string winner = stores[0]->get_string("node/0");
+  for (int c = 0; c < kClients; ++c) EXPECT_EQ(seen[c], winner) << "client " << c;
+  EXPECT_EQ(stores[0]->get_string("master"), winner + " addr") << "the winner's companions only";
+  EXPECT_EQ(stores[0]->get_string("extra"), winner);
+  EXPECT_EQ(stores[0]->num_keys(), 3);
+  // An existing key is answered as it is; its companions are left alone.
+  stores[1]->set("taken", std::string("first"));
+  EXPECT_EQ(to_string(stores[2]->create_with("taken", to_bytes("second"), {{"x", to_bytes("1")}})),
+            "first");
+  EXPECT_FALSE(stores[0]->check({"x"}));
+  EXPECT_EQ(to_string(stores[2]->create_with("alone", to_bytes("v"), {})), "v");
+  std::vector<std::pair<std::string, Bytes>> too_many(128, {"k", to_bytes("v")});
+  expect_error<ValueError>([&] { stores[0]->create_with("big", to_bytes("v"), too_many); },
+                           {"EtcdStore create_with", "at most 127", "got 128"});
+}
+
 // A killed agent's keys vanish: a child sets keys through a store with a 2 s lease and blocks;
 // while it lives its keepalive holds them beyond the TTL; once it is SIGKILLed, etcd deletes
 // them after the TTL, even the counter another store has read with add(key, 0). Keys of other
@@ -171,8 +203,110 @@ TEST_F(EtcdStoreTest, RefusedRequestsNameEtcdsMessageAndCode) {
   EXPECT_EQ(raw->get_string("ok"), "1") << "the store stays usable after a refusal";
 }
 
+// ---- TLS: etcd with a throwaway PKI (test::TestPki) --------------------------------------------
+
+#define SKIP_WITHOUT_ETCD_TLS()                                     \
+  do {                                                              \
+    const std::string why = test::etcd_tls_unavailable_reason();    \
+    if (!why.empty()) GTEST_SKIP() << why;                          \
+  } while (0)
+
+TEST(EtcdStoreTls, RoundTripOverHttpsAndAnUntrustedServerIsAClearError) {
+  SKIP_WITHOUT_ETCD_TLS();
+  test::TestPki pki;
+  test::EtcdServer etcd({&pki, /*client_cert_auth=*/false});
+  EtcdStoreOptions o = etcd.client_options();
+  o.prefix = "job";
+  o.timeout = 10s;
+  o.lease_ttl_s = 2;  // the keepalive thread's connection speaks TLS too
+  {
+    EtcdStore s(etcd.endpoint(), o);
+    s.set("k", std::string("over https"));
+    EXPECT_EQ(s.add("n", 2), 2);
+    // An https:// endpoint means https as well.
+    EtcdStoreOptions u;
+    u.prefix = "job";
+    u.ca_file = pki.crt("ca");
+    EtcdStore t("https://" + etcd.endpoint(), u);
+    EXPECT_EQ(t.get_string("k"), "over https");
+    EXPECT_EQ(t.add("n", 3), 5);
+    EXPECT_EQ(s.endpoint(), etcd.endpoint());
+  }
+  const std::string where = "etcd at https://" + etcd.endpoint();
+  o.lease_ttl_s = 0;
+  o.ca_file = pki.crt("other_ca");  // not the CA that signed etcd's certificate
+  expect_error<DistStoreError>([&] { EtcdStore(etcd.endpoint(), o); },
+                               {where, "TLS handshake failed", "certificate verify failed",
+                                "unable to get local issuer certificate", pki.crt("other_ca")});
+  // Files OpenSSL cannot use, and TLS settings without https, are refused before connecting.
+  o.ca_file = pki.crt("missing");
+  expect_error<ValueError>([&] { EtcdStore(etcd.endpoint(), o); }, {"ca_file", pki.crt("missing")});
+  o.ca_file = pki.crt("ca");
+  o.cert_file = pki.crt("client");
+  o.key_file = pki.key("server");
+  expect_error<ValueError>([&] { EtcdStore(etcd.endpoint(), o); },
+                           {"key_file", pki.key("server"), pki.crt("client"), "mismatch"});
+  o.cert_file = "";
+  expect_error<ValueError>([&] { EtcdStore(etcd.endpoint(), o); },
+                           {"key_file", "without cert_file"});
+  EtcdStoreOptions plain;
+  plain.ca_file = pki.crt("ca");
+  expect_error<ValueError>([&] { EtcdStore(etcd.endpoint(), plain); }, {"https"});
+}
+
+TEST(EtcdStoreTls, EtcdRequiringAClientCertificateRefusesAStoreWithout) {
+  SKIP_WITHOUT_ETCD_TLS();
+  test::TestPki pki;
+  test::EtcdServer etcd({&pki, /*client_cert_auth=*/true});
+  EtcdStoreOptions o = etcd.client_options();
+  o.timeout = 10s;
+  EtcdStore s(etcd.endpoint(), o);
+  s.set("k", std::string("v"));
+  EXPECT_EQ(s.get_string("k"), "v");
+  o.cert_file = o.key_file = "";
+  expect_error<DistStoreError>([&] { EtcdStore(etcd.endpoint(), o); },
+                               {"etcd at https://" + etcd.endpoint(), "TLS", "certificate",
+                                "--client-cert-auth", "none given: cert_file, key_file"});
+  // etcd gone under a TLS connection is a network error, as over plain HTTP, not a TLS one.
+  s.set_timeout(1000ms);
+  etcd.stop();
+  expect_error<DistNetworkError>([&] { s.set("k", std::string("w")); },
+                                 {"EtcdStore set", "etcd at https://" + etcd.endpoint()});
+}
+
+// ---- etcd's user/password authentication --------------------------------------------------
+
+TEST(EtcdStoreAuth, UserAndPasswordGetATokenRenewedWhenEtcdDropsIt) {
+  const std::string why = test::etcd_auth_unavailable_reason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  test::EtcdServer etcd;
+  test::enable_etcd_auth(etcd, "s3cret");
+  EtcdStoreOptions o;
+  o.prefix = "job";
+  o.timeout = 10s;
+  o.lease_ttl_s = 2;  // lease grant and renewals need the token too
+  o.username = "root";
+  o.password = "s3cret";
+  EtcdStore s(etcd.endpoint(), o);
+  s.set("k", std::string("v"));
+  EXPECT_EQ(s.add("n", 2), 2);
+  // Turning authentication off and on invalidates every token: the next request gets a new one.
+  test::reenable_etcd_auth(etcd, "s3cret");
+  EXPECT_EQ(s.get_string("k"), "v");
+  EXPECT_EQ(s.add("n", 3), 5) << "the add refused for its token must run once, not twice";
+  const std::string where = "etcd at " + etcd.endpoint();
+  o.lease_ttl_s = 0;
+  o.password = "wrong";
+  expect_error<DistStoreError>([&] { EtcdStore(etcd.endpoint(), o); },
+                               {"authenticating as 'root'", where, "authentication failed"});
+  o.username = o.password = "";
+  expect_error<DistStoreError>([&] { EtcdStore(etcd.endpoint(), o); },
+                               {where, "user name is empty", "give a user name and password"});
+  o.password = "orphan";
+  expect_error<ValueError>([&] { EtcdStore(etcd.endpoint(), o); }, {"without a user name"});
+}
+
 TEST(EtcdStore, EndpointsAreCheckedBeforeConnecting) {
-  expect_error<ValueError>([] { EtcdStore("https://127.0.0.1:2379"); }, {"https"});
   expect_error<ValueError>([] { EtcdStore("127.0.0.1:99999"); }, {"port", "99999"});
   expect_error<ValueError>([] { EtcdStore("127.0.0.1:"); }, {"port"});
   expect_error<ValueError>([] { EtcdStore(":2379"); }, {"host:port"});

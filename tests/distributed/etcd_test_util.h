@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -32,12 +33,73 @@ inline std::string etcd_unavailable_reason() {
          " is missing: install Debian's etcd-server (scripts/install-deps.sh does)";
 }
 
+inline constexpr const char* kOpensslBinary = "/usr/bin/openssl";
+
+/// "" when etcd can be started with TLS here (etcd and the openssl CLI), else why not.
+inline std::string etcd_tls_unavailable_reason() {
+  const std::string why = etcd_unavailable_reason();
+  if (!why.empty() || ::access(kOpensslBinary, X_OK) == 0) return why;
+  return std::string(kOpensslBinary) +
+         " is missing: install Debian's openssl (scripts/install-deps.sh does)";
+}
+
+/// A throwaway PKI made with the openssl CLI in a fresh temporary directory (EC P-256 keys, valid
+/// one day): a CA, a server certificate it signs for IP 127.0.0.1, a client certificate it
+/// signs, and a second CA that signs nothing here (the wrong one to trust).
+class TestPki {
+ public:
+  TestPki() {
+    make_ca("ca");
+    make_ca("other_ca");
+    // etcd's JSON gateway dials etcd's own gRPC port presenting the server's certificate, so
+    // that one is a client certificate too.
+    make_signed("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth");
+    make_signed("client", "extendedKeyUsage=clientAuth");
+  }
+  /// "<dir>/<name>.crt" or ".key" for ca, other_ca, server, client.
+  std::string crt(const std::string& name) const { return dir_.file(name + ".crt"); }
+  std::string key(const std::string& name) const { return dir_.file(name + ".key"); }
+
+ private:
+  void sh(const std::string& cmd) const {
+    const std::string log = dir_.file("openssl.log");
+    if (std::system((cmd + " >>" + log + " 2>&1").c_str()) != 0) {
+      std::ifstream in(log);
+      std::stringstream ss;
+      ss << in.rdbuf();
+      throw std::runtime_error("openssl failed: " + cmd + "\n" + ss.str());
+    }
+  }
+  std::string new_key(const std::string& name) const {
+    return " -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " + key(name);
+  }
+  void make_ca(const std::string& name) const {
+    sh(std::string(kOpensslBinary) + " req -x509" + new_key(name) + " -out " + crt(name) + " -days 1 -subj /CN=ember-" +
+       name);
+  }
+  void make_signed(const std::string& name, const std::string& ext) const {
+    const std::string csr = dir_.file(name + ".csr"), extfile = dir_.file(name + ".ext");
+    std::ofstream(extfile) << ext << "\n";
+    sh(std::string(kOpensslBinary) + " req -new" + new_key(name) + " -out " + csr + " -subj /CN=ember-" + name);
+    sh(std::string(kOpensslBinary) + " x509 -req -in " + csr + " -CA " + crt("ca") + " -CAkey " + key("ca") +
+       " -CAcreateserial -days 1 -extfile " + extfile + " -out " + crt(name));
+  }
+
+  TempDir dir_;
+};
+
+/// How an EtcdServer speaks TLS to its clients: empty = plain HTTP.
+struct EtcdServerTls {
+  const TestPki* pki = nullptr;  // serves pki->crt("server"), trusts pki->crt("ca")
+  bool client_cert_auth = false;  // etcd --client-cert-auth (and --trusted-ca-file ca.crt)
+};
+
 /// One etcd server, started by the constructor and ready when it returns (a store answered
 /// within 60 s, else std::runtime_error with the end of etcd's log). It spawns no thread in this
 /// process, so Children may still fork after it.
 class EtcdServer {
  public:
-  EtcdServer() {
+  explicit EtcdServer(EtcdServerTls tls = {}) : tls_(tls) {
     for (int attempt = 0;; ++attempt) {
       if (start()) return;
       stop();
@@ -51,6 +113,21 @@ class EtcdServer {
 
   /// "127.0.0.1:<client port>".
   std::string endpoint() const { return "127.0.0.1:" + std::to_string(client_port_); }
+
+  /// Options of a client this server accepts (with TLS: trusting its CA, and with
+  /// client_cert_auth presenting the client certificate).
+  dist::EtcdStoreOptions client_options() const {
+    dist::EtcdStoreOptions o;
+    if (tls_.pki) {
+      o.https = true;
+      o.ca_file = tls_.pki->crt("ca");
+      if (tls_.client_cert_auth) {
+        o.cert_file = tls_.pki->crt("client");
+        o.key_file = tls_.pki->key("client");
+      }
+    }
+    return o;
+  }
 
   /// SIGKILLs etcd now and reaps it (idempotent).
   void stop() {
@@ -75,7 +152,8 @@ class EtcdServer {
     client_port_ = unused_port();
     uint16_t peer = unused_port();
     while (peer == client_port_) peer = unused_port();
-    const std::string client = "http://127.0.0.1:" + std::to_string(client_port_);
+    const std::string client =
+        (tls_.pki ? "https://127.0.0.1:" : "http://127.0.0.1:") + std::to_string(client_port_);
     const std::string peer_url = "http://127.0.0.1:" + std::to_string(peer);
     const std::string data = dir_.file("data-" + std::to_string(client_port_));
     // --max-request-bytes: the store tests' 3 MiB value travels as 4 MiB of base64.
@@ -90,6 +168,15 @@ class EtcdServer {
                                      "--max-request-bytes=16777216",
                                      "--logger=zap",
                                      "--log-level=warn"};
+    if (tls_.pki) {
+      args.push_back("--cert-file=" + tls_.pki->crt("server"));
+      args.push_back("--key-file=" + tls_.pki->key("server"));
+      // etcd asks clients for a certificate whenever it has a --trusted-ca-file.
+      if (tls_.client_cert_auth) {
+        args.push_back("--trusted-ca-file=" + tls_.pki->crt("ca"));
+        args.push_back("--client-cert-auth");
+      }
+    }
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -110,20 +197,69 @@ class EtcdServer {
         return false;  // exited (a port in use, say)
       }
       try {
-        dist::EtcdStoreOptions o;
+        dist::EtcdStoreOptions o = client_options();
         o.timeout = std::chrono::milliseconds(500);
         dist::EtcdStore probe(endpoint(), o);
         return true;
-      } catch (const dist::DistError&) {
-        // not up yet; the probe's own connect retries paced this loop
+      } catch (const dist::DistError& e) {
+        // Not up yet (the probe's own connect retries paced this loop), unless TLS failed: that
+        // will not change.
+        if (std::string(e.what()).find("TLS") != std::string::npos) {
+          stop();
+          throw std::runtime_error(std::string("etcd refused TLS: ") + e.what() + "\n" +
+                                   log_tail());
+        }
       }
     }
     return false;
   }
 
+  EtcdServerTls tls_;
   TempDir dir_;
   pid_t pid_ = -1;
   uint16_t client_port_ = 0;
 };
+
+inline constexpr const char* kCurlBinary = "/usr/bin/curl";
+
+/// "" when etcd with authentication can be set up here (etcd and curl), else why not.
+inline std::string etcd_auth_unavailable_reason() {
+  const std::string why = etcd_unavailable_reason();
+  if (!why.empty() || ::access(kCurlBinary, X_OK) == 0) return why;
+  return std::string(kCurlBinary) +
+         " is missing: install Debian's curl (scripts/install-deps.sh does)";
+}
+
+/// Runs the sh `script` with $E the server's http:// URL, $PW `password` and $C curl (failing
+/// on HTTP errors); std::runtime_error with its output unless it succeeds.
+inline void etcd_admin(const EtcdServer& etcd, const std::string& password,
+                       const std::string& script) {
+  TempDir d;
+  std::ofstream(d.file("admin.sh")) << "set -e\nE='http://" << etcd.endpoint() << "'\nPW='"
+                                    << password << "'\nC='" << kCurlBinary << " -sSf'\n"
+                                    << script << "\n";
+  const std::string cmd = "sh " + d.file("admin.sh") + " >" + d.file("out") + " 2>&1";
+  if (std::system(cmd.c_str()) != 0) {
+    std::ifstream in(d.file("out"));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    throw std::runtime_error("etcd admin script failed:\n" + script + "\n" + ss.str());
+  }
+}
+
+/// Turns on etcd's authentication (plain HTTP servers), with user root (role root) holding
+/// `password`, through the JSON gateway with curl.
+inline void enable_etcd_auth(const EtcdServer& etcd, const std::string& password) {
+  etcd_admin(etcd, password, R"sh($C $E/v3/auth/user/add -d "{\"name\":\"root\",\"password\":\"$PW\"}"
+$C $E/v3/auth/user/grant -d '{"user":"root","role":"root"}'
+$C $E/v3/auth/enable -d '{}')sh");
+}
+
+/// Turns etcd's authentication off and on again (as root), which invalidates every token.
+inline void reenable_etcd_auth(const EtcdServer& etcd, const std::string& password) {
+  etcd_admin(etcd, password, R"sh(T=$($C $E/v3/auth/authenticate -d "{\"name\":\"root\",\"password\":\"$PW\"}" | sed 's/.*"token":"\([^"]*\)".*/\1/')
+$C -H "Authorization: $T" $E/v3/auth/disable -d '{}'
+$C $E/v3/auth/enable -d '{}')sh");
+}
 
 }  // namespace ember::test

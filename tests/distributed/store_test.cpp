@@ -34,7 +34,7 @@ using test::to_string;
 
 constexpr Duration kLong = std::chrono::seconds(60);  // generous: tests run on loaded machines
 
-enum class Kind { kHash, kFile, kTCP, kPrefixHash, kPrefixTCP, kEtcd };
+enum class Kind { kHash, kFile, kTCP, kPrefixHash, kPrefixTCP, kEtcd, kEtcdTls };
 
 std::string kind_name(Kind k) {
   switch (k) {
@@ -50,6 +50,8 @@ std::string kind_name(Kind k) {
       return "PrefixOverTCP";
     case Kind::kEtcd:
       return "Etcd";
+    case Kind::kEtcdTls:
+      return "EtcdOverTls";
   }
   return "?";
 }
@@ -57,6 +59,7 @@ std::string kind_name(Kind k) {
 // One store under test plus whatever keeps it alive, and a way to open another handle on the
 // same keys (a second client, a second FileStore on the file, ...).
 struct Env {
+  std::unique_ptr<test::TestPki> pki;  // outlives the etcd server that uses its files
   std::unique_ptr<test::EtcdServer> etcd;
   std::unique_ptr<test::TempDir> dir;
   std::unique_ptr<TCPStoreServer> server;
@@ -104,10 +107,14 @@ Env make_env(Kind kind) {
       env.another = [h] { return h; };
       break;
     }
-    case Kind::kEtcd: {
-      env.etcd = std::make_unique<test::EtcdServer>();
-      env.another = [endpoint = env.etcd->endpoint()] {
-        EtcdStoreOptions o;
+    case Kind::kEtcd:
+    case Kind::kEtcdTls: {
+      // Over TLS, with client certificates: every request, on every client's connections.
+      if (kind == Kind::kEtcdTls) env.pki = std::make_unique<test::TestPki>();
+      env.etcd = std::make_unique<test::EtcdServer>(
+          test::EtcdServerTls{env.pki.get(), /*client_cert_auth=*/true});
+      env.another = [endpoint = env.etcd->endpoint(), tls = env.etcd->client_options()] {
+        EtcdStoreOptions o = tls;
         o.prefix = "job";
         o.timeout = kLong;
         return std::make_shared<EtcdStore>(endpoint, o);
@@ -132,6 +139,9 @@ class StoreTest : public ::testing::TestWithParam<Kind> {
   void SetUp() override {
     if (GetParam() == Kind::kEtcd && !test::etcd_unavailable_reason().empty()) {
       GTEST_SKIP() << test::etcd_unavailable_reason();
+    }
+    if (GetParam() == Kind::kEtcdTls && !test::etcd_tls_unavailable_reason().empty()) {
+      GTEST_SKIP() << test::etcd_tls_unavailable_reason();
     }
     env_ = make_env(GetParam());
   }
@@ -295,7 +305,7 @@ TEST_P(StoreTest, LargeValueRoundTrips) {
 
 INSTANTIATE_TEST_SUITE_P(AllStores, StoreTest,
                          ::testing::Values(Kind::kHash, Kind::kFile, Kind::kTCP, Kind::kPrefixHash,
-                                           Kind::kPrefixTCP, Kind::kEtcd),
+                                           Kind::kPrefixTCP, Kind::kEtcd, Kind::kEtcdTls),
                          [](const auto& info) { return kind_name(info.param); });
 
 // ---- PrefixStore ----

@@ -153,7 +153,7 @@ TEST(Config, RdzvConfMapsOntoTheRendezvousOptions) {
 TEST(Config, RdzvConfErrorsQuoteTheKeyOrPair) {
   EXPECT_EQ(usage_error({"--rdzv-conf", "join_timeout=1,foo=2", "prog"}),
             "--rdzv-conf: unknown key 'foo' (known: join_timeout, last_call_timeout, timeout, "
-            "read_timeout)");
+            "read_timeout, protocol, cacert, cert, key, user, password_file)");
   for (const char* bad : {"join_timeout", "=3", "timeout=", "a=1=2,b"}) {
     std::string e = usage_error({"--rdzv-conf", bad, "prog"});
     EXPECT_NE(e.find("--rdzv-conf"), std::string::npos) << bad << ": " << e;

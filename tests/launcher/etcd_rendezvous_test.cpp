@@ -4,6 +4,7 @@
 // launcher/rendezvous_etcd.cpp): node ranks go by arrival, and node 0 may be lost as any other.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,102 @@ TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcd) {
                                       " belongs to a run that is over (the run finished): give "
                                       "every job its own --rdzv-id"))
       << describe(again);
+}
+
+// torchrun's --rdzv-conf protocol=https,cacert=...,cert=...,key=... against an etcd that serves
+// TLS and requires client certificates (a throwaway PKI from the openssl CLI).
+TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcdOverTls) {
+  const std::string why = ember::test::etcd_tls_unavailable_reason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  if (!fs::exists(dist_worker())) GTEST_SKIP() << dist_worker() << " not built";
+  ember::test::TestPki pki;
+  ember::test::EtcdServer etcd({&pki, /*client_cert_auth=*/true});
+  TempDir d;
+  const std::string client = ",cert=" + pki.crt("client") + ",key=" + pki.key("client");
+  auto job = [&](const std::string& conf, std::vector<std::string> rest) {
+    return cat(cat(etcd_job(etcd.endpoint()), {"--rdzv-conf", conf, "--join-timeout", "30"}),
+               rest);
+  };
+  const auto args = job("protocol=https,cacert=" + pki.crt("ca") + client, {dist_worker(), d.path});
+  Emberrun n0(args), n1(args);
+  Result r0 = n0.wait(), r1 = n1.wait();
+  ASSERT_EQ(r0.exit_code, 0) << describe(r0) << describe(r1) << "\netcd's log:\n"
+                             << etcd.log_tail();
+  ASSERT_EQ(r1.exit_code, 0) << describe(r1);
+  for (int i = 0; i < 4; ++i)
+    EXPECT_EQ(read_file(d.path + "/sum_" + std::to_string(i)), "10 4") << "rank " << i;
+  // TLS failures end the agent at once (not after --join-timeout), naming etcd and the cause.
+  const std::string store = "cannot use the rendezvous store at " + etcd.endpoint() + ": ";
+  const auto start = Clock::now();
+  Result wrong_ca = run(job("protocol=https,cacert=" + pki.crt("other_ca") + client,
+                            {worker(), "env", "/nonexistent"}));
+  EXPECT_EQ(wrong_ca.exit_code, 1) << describe(wrong_ca);
+  EXPECT_TRUE(contains(wrong_ca.err, store) &&
+              contains(wrong_ca.err, "etcd at https://" + etcd.endpoint()) &&
+              contains(wrong_ca.err, "TLS handshake failed: certificate verify failed") &&
+              contains(wrong_ca.err, pki.crt("other_ca")))
+      << describe(wrong_ca);
+  Result no_cert =
+      run(job("protocol=https,cacert=" + pki.crt("ca"), {worker(), "env", "/nonexistent"}));
+  EXPECT_EQ(no_cert.exit_code, 1) << describe(no_cert);
+  EXPECT_TRUE(contains(no_cert.err, store) && contains(no_cert.err, "TLS failed") &&
+              contains(no_cert.err, "--client-cert-auth needs a client certificate") &&
+              contains(no_cert.err, "(none given: cert_file, key_file)"))
+      << describe(no_cert);
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(20)) << "a TLS failure was retried";
+  // The TLS keys are checked as usage errors.
+  for (const auto& [conf, msg] : std::vector<std::pair<std::string, std::string>>{
+           {"protocol=ftp", "--rdzv-conf protocol: expected http or https, got 'ftp'"},
+           {"cacert=" + pki.crt("ca"), "they need protocol=https"},
+           {"protocol=https,cacert=" + pki.crt("nope"), "--rdzv-conf cacert: cannot read"},
+           {"protocol=https,key=" + pki.key("client"), "needs cert"}}) {
+    Result r = run(job(conf, {worker(), "env", "/nonexistent"}));
+    EXPECT_EQ(r.exit_code, 2) << conf << describe(r);
+    EXPECT_TRUE(contains(r.err, msg)) << conf << describe(r);
+  }
+  Result c10d = run({"--nnodes", "2", "--rdzv-endpoint", etcd.endpoint(), "--rdzv-conf",
+                     "protocol=https", worker(), "env", "/nonexistent"});
+  EXPECT_EQ(c10d.exit_code, 2) << describe(c10d);
+  EXPECT_TRUE(contains(c10d.err, "is for --rdzv-backend etcd")) << describe(c10d);
+}
+
+// --rdzv-conf user=...,password_file=... against an etcd with authentication enabled.
+TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcdWithAuthentication) {
+  const std::string why = ember::test::etcd_auth_unavailable_reason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  if (!fs::exists(dist_worker())) GTEST_SKIP() << dist_worker() << " not built";
+  ember::test::EtcdServer etcd;
+  ember::test::enable_etcd_auth(etcd, "s3cret");
+  TempDir d;
+  const std::string good = d.path + "/good", bad = d.path + "/bad";
+  std::ofstream(good) << "s3cret\n";
+  std::ofstream(bad) << "guess\n";
+  auto job = [&](const std::string& conf, std::vector<std::string> rest) {
+    return cat(cat(etcd_job(etcd.endpoint()), {"--rdzv-conf", conf, "--join-timeout", "30"}),
+               rest);
+  };
+  const auto args = job("user=root,password_file=" + good, {dist_worker(), d.path});
+  Emberrun n0(args), n1(args);
+  Result r0 = n0.wait(), r1 = n1.wait();
+  ASSERT_EQ(r0.exit_code, 0) << describe(r0) << describe(r1) << "\netcd's log:\n"
+                             << etcd.log_tail();
+  ASSERT_EQ(r1.exit_code, 0) << describe(r1);
+  for (int i = 0; i < 4; ++i)
+    EXPECT_EQ(read_file(d.path + "/sum_" + std::to_string(i)), "10 4") << "rank " << i;
+  // Refused credentials end the agent at once, naming etcd and its answer.
+  const std::string store = "cannot use the rendezvous store at " + etcd.endpoint() + ": ";
+  Result wrong = run(job("user=root,password_file=" + bad, {worker(), "env", "/nonexistent"}));
+  EXPECT_EQ(wrong.exit_code, 1) << describe(wrong);
+  EXPECT_TRUE(contains(wrong.err, store) && contains(wrong.err, "authenticating as 'root'") &&
+              contains(wrong.err, "authentication failed"))
+      << describe(wrong);
+  Result none = run(job("read_timeout=5", {worker(), "env", "/nonexistent"}));
+  EXPECT_EQ(none.exit_code, 1) << describe(none);
+  EXPECT_TRUE(contains(none.err, store) && contains(none.err, "give a user name and password"))
+      << describe(none);
+  Result half = run(job("user=root", {worker(), "env", "/nonexistent"}));
+  EXPECT_EQ(half.exit_code, 2) << describe(half);
+  EXPECT_TRUE(contains(half.err, "--rdzv-conf user needs password_file")) << describe(half);
 }
 
 TEST(EtcdRendezvous, NeedsTheEndpointAndIgnoresNodeRank) {
@@ -143,6 +240,39 @@ TEST(EtcdRendezvous, LeaderKilledDuringTheJoinIsReplaced) {
               contains(err, " pid " + std::to_string(dead) + ", whose lease expired"))
       << describe(rb) << describe(rc);
   EXPECT_TRUE(contains(err, "node 0 (") && contains(err, " pid " + std::to_string(dead) + ") lost"))
+      << describe(rb) << describe(rc);
+  for (int r : {0, 1}) {
+    const std::string line = "rank " + std::to_string(r) + " of 2: finished\n";
+    EXPECT_TRUE(contains(out, line)) << "missing: " << line << describe(rb) << describe(rc);
+  }
+}
+
+TEST(EtcdRendezvous, AgentKilledRightAfterItsArrivalDoesNotStallTheRound) {
+  // The first agent takes arrival 0 of round 0 and SIGKILLs itself at once (a test-only hook),
+  // before anything else of its join. Its arrival is its registration (and, as node 0, its
+  // MASTER_ADDR), written in one etcd transaction, so the two agents started then do not wait
+  // for a node that will never register: they close round 0 with the dead node 0, find it
+  // silent within --heartbeat-timeout and finish in round 1, long before --rdzv-timeout.
+  const std::string why = ember::test::etcd_unavailable_reason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  if (!fs::exists(step_worker())) GTEST_SKIP() << step_worker() << " not built";
+  ember::test::EtcdServer etcd;
+  TempDir d;
+  const auto job = cat(elastic_etcd_job(etcd.endpoint(), "arrival"),
+                       {"--rdzv-timeout", "20", step_worker(), d.path, "3"});
+  Result rx = run(job, {"EMBER_TEST_KILL_AFTER_ARRIVAL=1"});
+  ASSERT_EQ(rx.exit_code, -1) << "expected the hook's SIGKILL: " << describe(rx);
+  ASSERT_TRUE(wait_for_etcd_key(etcd.endpoint(), "arrival", "r0/restarts"));
+  const auto start = Clock::now();
+  Emberrun b(job), c(job);
+  Result rb = b.wait(), rc = c.wait();
+  const double took = std::chrono::duration<double>(Clock::now() - start).count();
+  ASSERT_EQ(rb.exit_code, 0) << describe(rb) << describe(rc) << "\netcd's log:\n"
+                             << etcd.log_tail();
+  ASSERT_EQ(rc.exit_code, 0) << describe(rc);
+  EXPECT_LT(took, 20.0) << "the round waited for the dead node until --rdzv-timeout";
+  const std::string err = rb.err + rc.err, out = rb.out + rc.out;
+  EXPECT_TRUE(contains(err, "node 0 (") && contains(err, ") lost: no heartbeat"))
       << describe(rb) << describe(rc);
   for (int r : {0, 1}) {
     const std::string line = "rank " + std::to_string(r) + " of 2: finished\n";
