@@ -36,10 +36,11 @@ using std::chrono::milliseconds;
 //                        picks it when it opens the round; etcd: the round's node 0 (its first
 //                        arrival) picks its own address, so it is on a node alive at the join,
 //                        and writes it with r<R>/node/0, in one transaction
-//   r<R>/next            arrival counter handing out node ranks 1, 2, ... (no --node-rank;
-//                        not with etcd)
 //   r<R>/node/<k>        "<nproc_per_node> <description>" of node k (compare_set: one owner);
-//                        etcd: created by the agent's arrival itself, the first free k
+//                        without --node-rank created by the agent's arrival itself, the first
+//                        free k (Note [Arriving is registering])
+//   r<R>/arrived         c10d: how many agents registered by arrival, counted after they did:
+//                        where the next arrival starts looking for a free k
 //   r<R>/leader          etcd, leased: the agent that completes round R (compare_set)
 //   r<R>/nnodes          set by node 0 (etcd: the leader) when the round is complete
 //   r<R>/failed          "<k> <what>": the first failure of the round (compare_set); k = -1:
@@ -54,6 +55,19 @@ using std::chrono::milliseconds;
 // The monitor's poll: when node 0's agent dies its port refuses connections, and the client
 // retries refused connections until the request timeout; this bounds how long that takes.
 constexpr milliseconds kPollTimeout{3000};
+
+// Note [Arriving is registering]
+// Without --node-rank an agent's node rank is its arrival in the round, and taking it is
+// registering: the agent creates the first missing r<R>/node/<k> (compare_set against absent;
+// etcd: one transaction, Note [Leaderless rounds]). A rank handed out first (a counter) and
+// registered in a later request would leave the round waiting for that node until
+// --rdzv-timeout when its agent dies in between. An agent that dies after arriving is a node of
+// the round like any other: the round closes with it, and it is found silent within
+// --heartbeat-timeout once the round runs (elastic: the next round goes on without it).
+// c10d: keys are never deleted within a round and every claim takes the lowest free k, so
+// once A arrivals are counted in r<R>/arrived, k = 1..A are taken: an arrival starts after
+// them and costs a few requests (more only for agents arriving at the same time), not one per
+// node already there, which matters to the one store node 0 hosts.
 
 // Note [Heartbeats]
 // Node 0's store sees a partitioned node only as silence: its connection is not closed, and
@@ -80,7 +94,7 @@ constexpr milliseconds kHeartbeatCheck{1000};
 //   are renumbered contiguously. Node 0 expects every node of the last round that is neither
 //   lost nor gone (plus the waiting ones) and closes the round as soon as they joined, not
 //   after --rdzv-last-call: the restart costs one join, not a last call.
-// - a node that arrives after its round closed (the arrival counter past MAX, or r<R>/nnodes
+// - a node that arrives after its round closed (every node record below MAX taken, or r<R>/nnodes
 //   smaller than its rank) adds itself to r<R>/waiting and waits for r<R+1>/restarts. Node 0
 //   (etcd: every agent) reads the counter with the heartbeats and, while the round has fewer
 //   than MAX nodes and no node has left it, records the round's end with k = -1: every agent
@@ -286,10 +300,9 @@ int Rendezvous::claim_node_rank(int round) {
   } else if (is_host()) {
     k = 0;
   } else {
-    // etcd has no host to be node 0: the first arrival is, and arriving is registering.
-    registered = etcd_;
-    k = etcd_ ? arrive_etcd(round)
-              : static_cast<int>(store_->add(round_key(round, "next"), 1));
+    // Note [Arriving is registering]; etcd has no host to be node 0: the first arrival is.
+    registered = true;
+    k = etcd_ ? arrive_etcd(round) : arrive_c10d(round);
     if (kill_after_arrival_) ::kill(::getpid(), SIGKILL);
     if (k >= config_.max_nodes && config_.elastic()) return -1;
     if (k >= config_.max_nodes) {
@@ -309,6 +322,18 @@ int Rendezvous::claim_node_rank(int round) {
   // etcd: this node's leased heartbeat key says it is alive from the join on.
   if (etcd_) live_->add(round_key(round, "beat/" + std::to_string(k)), 1);
   return k;
+}
+
+int Rendezvous::arrive_c10d(int round) {
+  const dist::Bytes mine = to_b(node_record());
+  const std::string arrived = round_key(round, "arrived");
+  for (int k = 1 + static_cast<int>(store_->add(arrived, 0)); k < config_.max_nodes; ++k) {
+    if (store_->compare_set(node_key(round, k), {}, mine) == mine) {
+      store_->add(arrived, 1);
+      return k;
+    }
+  }
+  return config_.max_nodes;
 }
 
 int Rendezvous::complete_round(int round) {

@@ -152,6 +152,10 @@ class Rendezvous {
   // round's leader through a leased key and, leading, completes the round, else waits for it
   // (taking over when the leader's lease expires). Returns the round's number of nodes.
   void open_round_etcd(int round);
+  // c10d, a node other than the host without --node-rank: this agent's arrival in `round`:
+  // creates the first missing node record r<R>/node/<k>, k >= 1, and returns its k; --nnodes
+  // MAX when every one is taken.
+  int arrive_c10d(int round);
   // etcd: this agent's arrival in `round`: creates the first missing node record (node 0's with
   // MASTER_ADDR, picked here) and returns its k; --nnodes MAX when every one is taken.
   int arrive_etcd(int round);
@@ -200,7 +204,8 @@ class Rendezvous {
   int expected_ = 0;    // host: nodes the round being joined waits for before closing
   bool waiting_ = false;
   // Tests only (EMBER_TEST_KILL_AFTER_ARRIVAL set): the agent SIGKILLs itself as soon as it has
-  // taken its arrival in a round, the crash the etcd rendezvous must survive.
+  // taken its arrival in a round (by arrival, not --node-rank; with c10d, not the host), the
+  // crash the rendezvous must survive.
   bool kill_after_arrival_ = false;
   // Heartbeat state of round beat_round_ (reset when a new round is watched).
   struct Beat {

@@ -43,6 +43,9 @@ inline std::string build_dir() {
 }
 inline std::string emberrun() { return build_dir() + "/launcher/emberrun"; }
 inline std::string worker() { return build_dir() + "/launcher/test_workers/test_worker"; }
+// tests/launcher/step_worker.cpp: an elastic job's worker, one collective per step (built only
+// with ember_distributed; tests skip without it).
+inline std::string step_worker() { return build_dir() + "/launcher/test_workers/step_worker"; }
 
 // Whether pid is a live process (a zombie waiting for init to reap it counts as gone: a
 // container's init may never reap it).

@@ -188,8 +188,6 @@ TEST(EtcdRendezvous, UnreachableEtcdIsAClearError) {
   EXPECT_TRUE(contains(r.err, "could not reach etcd at " + endpoint)) << describe(r);
 }
 
-std::string step_worker() { return build_dir() + "/launcher/test_workers/step_worker"; }
-
 // The agents of an elastic job through etcd: 2 to 3 nodes, one restart, a 3 s heartbeat
 // timeout (also the TTL of every agent's lease).
 std::vector<std::string> elastic_etcd_job(const std::string& endpoint, const std::string& id,

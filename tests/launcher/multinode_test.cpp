@@ -297,6 +297,43 @@ TEST(MultiNodeLoopback, ElasticJobGoesOnWithoutANodeThatCannotStartItsWorkers) {
     EXPECT_EQ(read_file(d.path + "/done_" + std::to_string(r)), "world=2 resumed_from=0");
 }
 
+TEST(MultiNodeLoopback, AgentKilledRightAfterItsArrivalDoesNotStallTheRound) {
+  // --nnodes 2:3: node 0 hosts; the next agent takes its arrival in round 0 and SIGKILLs itself
+  // at once (a test-only hook), before anything else of its join. Its arrival is its
+  // registration (the first free r0/node/<k>), so node 0 does not wait for a node that will
+  // never register: with the third agent it closes round 0 with the dead node, finds it silent
+  // within --heartbeat-timeout and the two live nodes finish in round 1, long before
+  // --rdzv-timeout. Had the arrival been a rank taken before registering, node 0 would wait
+  // for that node until --rdzv-timeout and end the run.
+  if (!fs::exists(step_worker())) GTEST_SKIP() << step_worker() << " not built";
+  TempDir d;
+  const int port = free_port();
+  const int rdzv_timeout_s = 20;
+  const auto job = cat(loopback(port), {"--nnodes", "2:3", "--rdzv-id", "arrival",
+                                        "--max-restarts", "1", "--heartbeat-timeout", "3",
+                                        "--heartbeat-interval", "0.5", "--rdzv-last-call", "30",
+                                        "--rdzv-timeout", std::to_string(rdzv_timeout_s),
+                                        step_worker(), d.path, "3"});
+  const auto start = Clock::now();
+  Emberrun n0(job);
+  wait_for_key(port, "emberrun/arrival/r0/node/0");
+  Result rx = run(job, {"EMBER_TEST_KILL_AFTER_ARRIVAL=1"});
+  ASSERT_EQ(rx.exit_code, -1) << "expected the hook's SIGKILL: " << describe(rx);
+  Emberrun c(job);
+  Result r0 = n0.wait(), rc = c.wait();
+  const double took = std::chrono::duration<double>(Clock::now() - start).count();
+  ASSERT_EQ(r0.exit_code, 0) << describe(r0) << describe(rc);
+  ASSERT_EQ(rc.exit_code, 0) << describe(rc);
+  EXPECT_LT(took, rdzv_timeout_s) << "the round waited for the dead node until --rdzv-timeout";
+  EXPECT_TRUE(contains(r0.err, "node 1 (") && contains(r0.err, ") lost: no heartbeat"))
+      << describe(r0);
+  const std::string out = r0.out + rc.out;
+  for (int r : {0, 1}) {
+    const std::string line = "rank " + std::to_string(r) + " of 2: finished\n";
+    EXPECT_TRUE(contains(out, line)) << "missing: " << line << describe(r0) << describe(rc);
+  }
+}
+
 TEST(MultiNodeLoopback, NodeArrivingAtAFullElasticRoundWaitsBoundedAndAlone) {
   // --nnodes 1:2 with both nodes running: a third agent waits for a round that never comes
   // (the round has MAX nodes) and gives up after its --rdzv-timeout, naming itself and the
