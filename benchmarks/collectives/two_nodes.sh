@@ -151,11 +151,13 @@ for rate in $rates; do
     echo "$tor"
   fi
   echo "=== $rate summary: time per allreduce (ms) and speedup of the hierarchical group ==="
-  # bench_collectives rows: bytes count time(us) algbw busbw #wrong (after emberrun's prefix).
+  # bench_collectives rows, after emberrun's "[rank 0]:" prefix: bytes count time(us) ...
   awk -v H="$hier" -v F="$flat" -v T="$tor" 'BEGIN {
     split(H, h, "\n"); split(F, f, "\n"); split(T, t, "\n");
-    for (i in h) { n = split(h[i], w, " "); if (w[n-5] ~ /^[0-9]+$/ && n >= 6) ht[w[n-5]] = w[n-3] }
-    for (i in f) { n = split(f[i], w, " "); if (w[n-5] ~ /^[0-9]+$/ && n >= 6) ft[w[n-5]] = w[n-3] }
+    for (i in h) { l = h[i]; sub(/^[^:]*: */, "", l); n = split(l, w, " ");
+                   if (n >= 3 && w[1] ~ /^[0-9]+$/ && w[2] ~ /^[0-9]+$/) ht[w[1]] = w[3] }
+    for (i in f) { l = f[i]; sub(/^[^:]*: */, "", l); n = split(l, w, " ");
+                   if (n >= 3 && w[1] ~ /^[0-9]+$/ && w[2] ~ /^[0-9]+$/) ft[w[1]] = w[3] }
     for (i in t) { n = split(t[i], w, " "); if (n == 2) tt[w[1]] = w[2] }
     printf "%12s %10s %10s %9s %10s %9s\n", "bytes", "hier(ms)", "flat(ms)", "hier/flat", "torch(ms)", "vs torch"
     for (b in ht) if (b in ft) {
