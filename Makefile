@@ -18,12 +18,12 @@ ASAN_LAYERS ?= tensor autograd nn distributed launcher
 ASAN_TESTS ?= $(foreach l,$(ASAN_LAYERS),$(patsubst tests/$(l)/%.cpp,$(l)_%,$(wildcard tests/$(l)/*_test.cpp)))
 # ASAN_SKIP: libraries built without ASan, with exactly the plain build's compile commands (so
 # ccache serves them). `make asan-ci` skips the tensor library, whose kernels are most of a cold
-# ASan build, and checks the layers above it. CUDA stays on only when ember_tensor (which holds
+# ASan build: ASan's allocator still sees its allocations, and every test runs. CUDA stays on only when ember_tensor (which holds
 # every .cu file) is skipped, since nvcc takes no -fsanitize.
 ASAN_SKIP ?=
 ASAN_CUDA = $(if $(findstring ember_tensor,$(ASAN_SKIP)),ON,OFF)
 ASAN_CI_BUILD_DIR ?= build-asan-ci
-ASAN_CI_LAYERS ?= autograd nn distributed launcher
+ASAN_CI_LAYERS ?= tensor autograd nn distributed launcher
 # ASAN_RUN: `binaries` runs each test binary in turn; `ctest` runs the cases in parallel, those
 # under mpirun (names with "Mpi") in a pass of their own with full stacks on every malloc, which
 # the suppressions of Open MPI's leaks need (tests/sanitizers/lsan.supp) and which would slow
@@ -106,8 +106,8 @@ asan: deps
 	  [ $$rest -eq 0 ] && [ $$mpi -eq 0 ]; \
 	else $(call run_tests,$(ASAN_BUILD_DIR),$(ASAN_TESTS)); fi
 
-# CI's ASan+UBSan step (.ci/run): the layers above the tensor library, their tests run by ctest
-# in parallel like `make test` (cases whose binary is not built are left out).
+# CI's ASan+UBSan step (.ci/run): the layers' tests, run by ctest in parallel like `make test`
+# (cases whose binary is not built are left out).
 asan-ci:
 	@$(MAKE) --no-print-directory asan ASAN_BUILD_DIR=$(ASAN_CI_BUILD_DIR) \
 	  "ASAN_SKIP=ember_log;ember_tensor" "ASAN_LAYERS=$(ASAN_CI_LAYERS)" ASAN_RUN=ctest

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include <ember/distributed/detail/store_protocol.h>
@@ -33,18 +34,29 @@ namespace wire = ember::detail::store_wire;
 constexpr int kHangLimitMs = 10000;
 
 [[noreturn]] void fail(const char* what) {
-  std::fprintf(stderr, "store_protocol_fuzzer: %s\n", what);
+  std::fprintf(stderr, "store_protocol_fuzzer: %s: %s\n", what, std::strerror(errno));
   std::abort();
 }
 
+// Every input is a new connection, and each leaves one end in TIME_WAIT for a minute: thousands
+// of inputs a second can find no free ephemeral port for a moment (EADDRNOTAVAIL), a limit of
+// this harness's churn, not a finding about the server, so connect() is tried again then. Any
+// other failure (a server that does not listen) aborts.
 int connect_loopback(uint16_t port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) fail("socket() failed");
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   a.sin_port = htons(port);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) fail("connect() failed");
+  int fd = -1;
+  for (int attempt = 0;; ++attempt) {
+    fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) fail("socket() failed");
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) break;
+    const int err = errno;
+    ::close(fd);
+    errno = err;
+    if (err != EADDRNOTAVAIL || attempt == 1000) fail("connect() failed");
+  }
   const int one = 1;  // a large input goes out in several segments: none may wait for an ACK
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   return fd;
