@@ -236,7 +236,7 @@ WorkPtr ProcessGroupGloo::broadcast(Tensor& tensor, const BroadcastOptions& opts
   check_tensor("broadcast", tensor);
   check_root("broadcast", opts.root);
   const uint32_t tag = static_cast<uint32_t>(seq_);
-  const int me = rank_, root = opts.root;
+  const int root = opts.root;
   auto ctx = impl_->context();
   const ShmTicket shm = take_ticket("broadcast");
   Tensor t = tensor;
@@ -249,10 +249,11 @@ WorkPtr ProcessGroupGloo::broadcast(Tensor& tensor, const BroadcastOptions& opts
     if (ctx) agree(ctx, tag, make_desc(GlooKind::Broadcast, t.dtype(), t.numel(), root), left);
     if (ctx && t.numel() > 0) {
       gloo::BroadcastOptions o(ctx);
-      auto* p = static_cast<uint8_t*>(t.data_ptr());
-      const size_t nb = static_cast<size_t>(t.nbytes());
-      if (me == root) o.setInput<uint8_t>(p, nb);
-      o.setOutput<uint8_t>(p, nb);
+      // Output only, on the root too: Gloo then broadcasts in place. Given the same memory as
+      // an input as well, its root copies input to output while its transport thread is still
+      // sending that memory: a race (the same bytes, but a race), and one copy of the tensor for
+      // nothing.
+      o.setOutput<uint8_t>(static_cast<uint8_t*>(t.data_ptr()), static_cast<size_t>(t.nbytes()));
       o.setRoot(root);
       o.setTag(tag);
       o.setTimeout(left);
