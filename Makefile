@@ -38,7 +38,8 @@ ASAN_CTEST = ctest -j $(JOBS) --output-on-failure --timeout 900
 TSAN_TESTS ?= distributed_store_test distributed_tcp_store_test distributed_threads_test \
   distributed_gloo_test distributed_ddp_test
 TSAN_SKIP ?= ember_log;ember_tensor;ember_autograd;ember_nn
-SANITIZER_ENV = ASAN_OPTIONS=detect_leaks=1:abort_on_error=1$(ASAN_EXTRA) \
+ASAN_BASE = detect_leaks=1:abort_on_error=1
+SANITIZER_ENV = ASAN_OPTIONS=$(ASAN_BASE)$(ASAN_EXTRA) \
   LSAN_OPTIONS=suppressions=$(CURDIR)/tests/sanitizers/lsan.supp \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$(CURDIR)/tests/sanitizers/tsan.supp
@@ -101,7 +102,7 @@ asan: deps
 	@if [ "$(ASAN_RUN)" = ctest ]; then \
 	  cd $(ASAN_BUILD_DIR); \
 	  $(SANITIZER_ENV) $(ASAN_CTEST) -E '_NOT_BUILT$$|Mpi|^downstream[.]'; rest=$$?; \
-	  $(SANITIZER_ENV) ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:fast_unwind_on_malloc=0 \
+	  $(SANITIZER_ENV) ASAN_OPTIONS=$(ASAN_BASE):fast_unwind_on_malloc=0 \
 	    $(ASAN_CTEST) -R Mpi -E '_NOT_BUILT$$'; mpi=$$?; \
 	  [ $$rest -eq 0 ] && [ $$mpi -eq 0 ]; \
 	else $(call run_tests,$(ASAN_BUILD_DIR),$(ASAN_TESTS)); fi

@@ -423,11 +423,18 @@ double conf_seconds(const std::string& key, const std::string& value) {
   return v;
 }
 
+// --rdzv-conf's etcd keys: TLS (torchrun's etcd backend's protocol, cacert, cert, key) and
+// authentication (user, password_file).
+const std::vector<std::string> kEtcdConfKeys = {"protocol", "cacert", "cert",
+                                                "key",      "user",   "password_file"};
+
 // "key=value,..." into its pairs, refusing malformed pairs and unknown keys.
 std::vector<std::pair<std::string, std::string>> parse_rdzv_conf(const std::string& text) {
-  static const std::vector<std::string> known = {"join_timeout", "last_call_timeout", "timeout",
-                                                 "read_timeout", "protocol", "cacert", "cert",
-                                                 "key", "user", "password_file"};
+  static const std::vector<std::string> known = [] {
+    std::vector<std::string> k = {"join_timeout", "last_call_timeout", "timeout", "read_timeout"};
+    k.insert(k.end(), kEtcdConfKeys.begin(), kEtcdConfKeys.end());
+    return k;
+  }();
   std::vector<std::pair<std::string, std::string>> pairs;
   for (const auto& item : split(text, ",")) {
     const auto eq = item.find('=');
@@ -460,12 +467,11 @@ void merge_conf_value(const std::string& pair, double value, Source conf_src,
   target = value;
 }
 
-// --rdzv-conf's etcd keys: TLS (torchrun's etcd backend's protocol, cacert, cert, key) and
-// authentication (user, password_file). Returns whether `key` was one of them.
+// Applies one of kEtcdConfKeys; returns whether `key` was one of them.
 bool apply_etcd_conf(const std::string& key, const std::string& value, LaunchConfig& c) {
-  if (key != "protocol" && key != "cacert" && key != "cert" && key != "key" && key != "user" &&
-      key != "password_file")
+  if (std::find(kEtcdConfKeys.begin(), kEtcdConfKeys.end(), key) == kEtcdConfKeys.end()) {
     return false;
+  }
   if (c.rdzv_backend != "etcd") {
     throw UsageError("--rdzv-conf " + key + "=" + value +
                      " is for --rdzv-backend etcd (its TLS and authentication settings), got "

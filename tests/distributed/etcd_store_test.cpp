@@ -2,6 +2,7 @@
 // semantics every store shares are in store_test.cpp (its "Etcd" instance); these are what is
 // etcd's own: prefixes over one cluster, atomicity across clients, leases, and etcd failing.
 #include <atomic>
+#include <functional>
 #include <thread>
 
 #include <ember/distributed/etcd_store.h>
@@ -37,6 +38,23 @@ class EtcdStoreTest : public ::testing::Test {
     if (HasFailure() && etcd_) std::cerr << "etcd's log:\n" << etcd_->log_tail() << "\n";
   }
   std::string endpoint() const { return etcd_->endpoint(); }
+  // `n` clients of the job "job", each with its own store (and connection).
+  std::vector<std::unique_ptr<EtcdStore>> clients(int n) const {
+    std::vector<std::unique_ptr<EtcdStore>> stores;
+    for (int c = 0; c < n; ++c) stores.push_back(open(endpoint(), "job"));
+    return stores;
+  }
+  // Every client calls `call` at once, each on a thread of its own; what each was answered.
+  static std::vector<std::string> race(const std::vector<std::unique_ptr<EtcdStore>>& stores,
+                                       const std::function<Bytes(EtcdStore&, int c)>& call) {
+    std::vector<std::string> seen(stores.size());
+    std::vector<std::thread> threads;
+    for (size_t c = 0; c < stores.size(); ++c) {
+      threads.emplace_back([&, c] { seen[c] = to_string(call(*stores[c], static_cast<int>(c))); });
+    }
+    for (auto& t : threads) t.join();
+    return seen;
+  }
   std::unique_ptr<test::EtcdServer> etcd_;
 };
 
@@ -85,16 +103,10 @@ TEST_F(EtcdStoreTest, ConcurrentAddsFromManyClientsSumExactly) {
 
 TEST_F(EtcdStoreTest, ConcurrentCompareSetHasExactlyOneWinner) {
   constexpr int kClients = 6;
-  std::vector<std::unique_ptr<EtcdStore>> stores;
-  for (int s = 0; s < kClients; ++s) stores.push_back(open(endpoint(), "job"));
-  std::vector<std::string> seen(kClients);
-  std::vector<std::thread> threads;
-  for (int c = 0; c < kClients; ++c) {
-    threads.emplace_back([&, c] {
-      seen[c] = to_string(stores[c]->compare_set("leader", {}, to_bytes("c" + std::to_string(c))));
-    });
-  }
-  for (auto& t : threads) t.join();
+  const auto stores = clients(kClients);
+  const std::vector<std::string> seen = race(stores, [](EtcdStore& s, int c) {
+    return s.compare_set("leader", {}, to_bytes("c" + std::to_string(c)));
+  });
   const std::string leader = stores[0]->get_string("leader");
   int winners = 0;
   for (int c = 0; c < kClients; ++c) {
@@ -108,18 +120,12 @@ TEST_F(EtcdStoreTest, ConcurrentCompareSetHasExactlyOneWinner) {
 // and only then; a key that exists is answered, not overwritten.
 TEST_F(EtcdStoreTest, CreateWithWritesTheKeyAndItsCompanionsOnlyForTheOneWinner) {
   constexpr int kClients = 6;
-  std::vector<std::unique_ptr<EtcdStore>> stores;
-  for (int s = 0; s < kClients; ++s) stores.push_back(open(endpoint(), "job"));
-  std::vector<std::string> seen(kClients);
-  std::vector<std::thread> threads;
-  for (int c = 0; c < kClients; ++c) {
-    threads.emplace_back([&, c] {
-      const std::string me = "c" + std::to_string(c);
-      seen[c] = to_string(stores[c]->create_with(
-          "node/0", to_bytes(me), {{"master", to_bytes(me + " addr")}, {"extra", to_bytes(me)}}));
-    });
-  }
-  for (auto& t : threads) t.join();
+  const auto stores = clients(kClients);
+  const std::vector<std::string> seen = race(stores, [](EtcdStore& s, int c) {
+    const std::string me = "c" + std::to_string(c);
+    return s.create_with("node/0", to_bytes(me),
+                         {{"master", to_bytes(me + " addr")}, {"extra", to_bytes(me)}});
+  });
   const std::string winner = stores[0]->get_string("node/0");
   for (int c = 0; c < kClients; ++c) EXPECT_EQ(seen[c], winner) << "client " << c;
   EXPECT_EQ(stores[0]->get_string("master"), winner + " addr") << "the winner's companions only";

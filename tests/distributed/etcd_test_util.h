@@ -33,14 +33,20 @@ inline std::string etcd_unavailable_reason() {
          " is missing: install Debian's etcd-server (scripts/install-deps.sh does)";
 }
 
+/// "" when etcd and the program `tool` (Debian's package `package`) can both be used here, else
+/// why not.
+inline std::string etcd_with_tool_unavailable_reason(const char* tool, const char* package) {
+  const std::string why = etcd_unavailable_reason();
+  if (!why.empty() || ::access(tool, X_OK) == 0) return why;
+  return std::string(tool) + " is missing: install Debian's " + package +
+         " (scripts/install-deps.sh does)";
+}
+
 inline constexpr const char* kOpensslBinary = "/usr/bin/openssl";
 
 /// "" when etcd can be started with TLS here (etcd and the openssl CLI), else why not.
 inline std::string etcd_tls_unavailable_reason() {
-  const std::string why = etcd_unavailable_reason();
-  if (!why.empty() || ::access(kOpensslBinary, X_OK) == 0) return why;
-  return std::string(kOpensslBinary) +
-         " is missing: install Debian's openssl (scripts/install-deps.sh does)";
+  return etcd_with_tool_unavailable_reason(kOpensslBinary, "openssl");
 }
 
 /// A throwaway PKI made with the openssl CLI in a fresh temporary directory (EC P-256 keys, valid
@@ -224,10 +230,7 @@ inline constexpr const char* kCurlBinary = "/usr/bin/curl";
 
 /// "" when etcd with authentication can be set up here (etcd and curl), else why not.
 inline std::string etcd_auth_unavailable_reason() {
-  const std::string why = etcd_unavailable_reason();
-  if (!why.empty() || ::access(kCurlBinary, X_OK) == 0) return why;
-  return std::string(kCurlBinary) +
-         " is missing: install Debian's curl (scripts/install-deps.sh does)";
+  return etcd_with_tool_unavailable_reason(kCurlBinary, "curl");
 }
 
 /// Runs the sh `script` with $E the server's http:// URL, $PW `password` and $C curl (failing

@@ -20,6 +20,13 @@ namespace fs = std::filesystem;
 
 std::string dist_worker() { return build_dir() + "/launcher/test_workers/dist_worker"; }
 
+// Why a test cannot run here: `etcd_why` (etcd or a tool it needs is missing), else the
+// worker program not built; "" when it can.
+std::string unready(const std::string& etcd_why, const std::string& worker) {
+  if (!etcd_why.empty()) return etcd_why;
+  return fs::exists(worker) ? "" : worker + " not built";
+}
+
 std::vector<std::string> etcd_job(const std::string& endpoint) {
   return {"--nnodes",  "2",       "--nproc-per-node", "2", "--rdzv-backend",  "etcd",
           "--rdzv-id", "etcdjob", "--grace-period",   "5", "--rdzv-endpoint", endpoint,
@@ -27,9 +34,8 @@ std::vector<std::string> etcd_job(const std::string& endpoint) {
 }
 
 TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcd) {
-  const std::string why = ember::test::etcd_unavailable_reason();
+  const std::string why = unready(ember::test::etcd_unavailable_reason(), dist_worker());
   if (!why.empty()) GTEST_SKIP() << why;
-  if (!fs::exists(dist_worker())) GTEST_SKIP() << dist_worker() << " not built";
   ember::test::EtcdServer etcd;
   TempDir d;
   const auto args = cat(etcd_job(etcd.endpoint()), {dist_worker(), d.path});
@@ -70,9 +76,8 @@ TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcd) {
 // torchrun's --rdzv-conf protocol=https,cacert=...,cert=...,key=... against an etcd that serves
 // TLS and requires client certificates (a throwaway PKI from the openssl CLI).
 TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcdOverTls) {
-  const std::string why = ember::test::etcd_tls_unavailable_reason();
+  const std::string why = unready(ember::test::etcd_tls_unavailable_reason(), dist_worker());
   if (!why.empty()) GTEST_SKIP() << why;
-  if (!fs::exists(dist_worker())) GTEST_SKIP() << dist_worker() << " not built";
   ember::test::TestPki pki;
   ember::test::EtcdServer etcd({&pki, /*client_cert_auth=*/true});
   TempDir d;
@@ -126,9 +131,8 @@ TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcdOverTls) {
 
 // --rdzv-conf user=...,password_file=... against an etcd with authentication enabled.
 TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcdWithAuthentication) {
-  const std::string why = ember::test::etcd_auth_unavailable_reason();
+  const std::string why = unready(ember::test::etcd_auth_unavailable_reason(), dist_worker());
   if (!why.empty()) GTEST_SKIP() << why;
-  if (!fs::exists(dist_worker())) GTEST_SKIP() << dist_worker() << " not built";
   ember::test::EtcdServer etcd;
   ember::test::enable_etcd_auth(etcd, "s3cret");
   TempDir d;
@@ -217,9 +221,8 @@ TEST(EtcdRendezvous, LeaderKilledDuringTheJoinIsReplaced) {
   // second node; it is killed there. The two agents started then find its leader key held
   // until its lease expires; one of them takes over and closes round 0 (with the dead node 0,
   // which registered), the dead node is found silent, and round 1 runs on the two.
-  const std::string why = ember::test::etcd_unavailable_reason();
+  const std::string why = unready(ember::test::etcd_unavailable_reason(), step_worker());
   if (!why.empty()) GTEST_SKIP() << why;
-  if (!fs::exists(step_worker())) GTEST_SKIP() << step_worker() << " not built";
   ember::test::EtcdServer etcd;
   TempDir d;
   const auto job = cat(elastic_etcd_job(etcd.endpoint(), "takeover"), {step_worker(), d.path, "3"});
@@ -251,9 +254,8 @@ TEST(EtcdRendezvous, AgentKilledRightAfterItsArrivalDoesNotStallTheRound) {
   // MASTER_ADDR), written in one etcd transaction, so the two agents started then do not wait
   // for a node that will never register: they close round 0 with the dead node 0, find it
   // silent within --heartbeat-timeout and finish in round 1, long before --rdzv-timeout.
-  const std::string why = ember::test::etcd_unavailable_reason();
+  const std::string why = unready(ember::test::etcd_unavailable_reason(), step_worker());
   if (!why.empty()) GTEST_SKIP() << why;
-  if (!fs::exists(step_worker())) GTEST_SKIP() << step_worker() << " not built";
   ember::test::EtcdServer etcd;
   TempDir d;
   const auto job = cat(elastic_etcd_job(etcd.endpoint(), "arrival"),
@@ -314,9 +316,8 @@ struct AfterNode0;
 class EtcdNetns : public ::testing::Test {
  protected:
   void SetUp() override {
-    const std::string why = ember::test::etcd_unavailable_reason();
+    const std::string why = unready(ember::test::etcd_unavailable_reason(), step_worker());
     if (!why.empty()) GTEST_SKIP() << why;
-    if (!fs::exists(step_worker())) GTEST_SKIP() << step_worker() << " not built";
     std::string net_why;
     net_ = NetnsNodes::create(4, &net_why);
     if (!net_) GTEST_SKIP() << net_why;
