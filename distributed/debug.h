@@ -54,6 +54,9 @@ class CheckedProcessGroup : public ProcessGroup {
   bool coalesced_without_copies(const Device& device) const override {
     return inner_->coalesced_without_copies(device);
   }
+  Tensor zeros_for_collectives(IntList shape, TensorOptions opts) const override {
+    return inner_->zeros_for_collectives(shape, opts);
+  }
   WorkPtr broadcast(Tensor& tensor, const BroadcastOptions& opts = {}) override;
   WorkPtr reduce(Tensor& tensor, const ReduceOptions& opts = {}) override;
   WorkPtr allgather(std::vector<Tensor>& outputs, const Tensor& input,

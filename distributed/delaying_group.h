@@ -50,6 +50,9 @@ class DelayingGroup : public ProcessGroup {
   bool coalesced_without_copies(const Device& d) const override {
     return inner_->coalesced_without_copies(d);
   }
+  Tensor zeros_for_collectives(IntList shape, TensorOptions opts) const override {
+    return inner_->zeros_for_collectives(shape, opts);
+  }
   WorkPtr broadcast(Tensor& tensor, const BroadcastOptions& opts = {}) override;
   WorkPtr reduce(Tensor& tensor, const ReduceOptions& opts = {}) override;
   WorkPtr allgather_into_tensor(Tensor& output, const Tensor& input,

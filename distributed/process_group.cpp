@@ -90,6 +90,10 @@ void check_coalesced(const char* backend, const std::vector<Tensor>& tensors) {
   }
 }
 
+Tensor ProcessGroup::zeros_for_collectives(IntList shape, TensorOptions opts) const {
+  return zeros(shape, opts);
+}
+
 WorkPtr ProcessGroup::allreduce_coalesced(std::vector<Tensor>& tensors,
                                           const AllreduceOptions& opts) {
   check_coalesced(backend_name().c_str(), tensors);

@@ -222,6 +222,11 @@ class ProcessGroup {
   /// copies (DistributedDataParallel then all-reduces gradients where they lie instead of
   /// copying them into its buckets and back).
   virtual bool coalesced_without_copies(const Device& device) const { return false; }
+  /// A zero-filled tensor for this group's collectives to work on, in the memory they are
+  /// fastest over: for gloo over shared memory, CPU tensors from dist::empty_shareable(), which
+  /// the reductions read and write where they lie in every rank (DistributedDataParallel's
+  /// buckets come from here); otherwise zeros(shape, opts).
+  virtual Tensor zeros_for_collectives(IntList shape, TensorOptions opts) const;
   /// In place: every rank ends with root's `tensor`.
   virtual WorkPtr broadcast(Tensor& tensor, const BroadcastOptions& opts = {}) = 0;
   /// Root's `tensor` ends with the reduction; other ranks' are left unspecified (as in c10d).

@@ -3,6 +3,7 @@
 // in process_group_gloo_collectives.cpp. Built only when gloo is found
 // (distributed/CMakeLists.txt); no_gloo.cpp stands in otherwise.
 #include <ember/distributed/process_group_gloo.h>
+#include <ember/distributed/shareable.h>
 
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
@@ -426,5 +427,18 @@ ProcessGroupGloo::~ProcessGroupGloo() {
 }
 
 bool ProcessGroupGloo::uses_shared_memory() const { return impl_->shm() != nullptr; }
+
+Tensor ProcessGroupGloo::zeros_for_collectives(IntList shape, TensorOptions opts) const {
+  if (!uses_shared_memory() || !opts.device_.is_cpu() || opts.pinned_) {
+    return ProcessGroup::zeros_for_collectives(shape, opts);
+  }
+  return empty_shareable(shape, opts);  // zero-filled
+}
+
+ProcessGroupGloo::SharedMemoryStats ProcessGroupGloo::shared_memory_stats() const {
+  const ember::detail::ShmAllreduce* shm = impl_->shm();
+  if (!shm) return {};
+  return {shm->single_copies(), shm->mapped_reductions()};
+}
 
 }  // namespace ember::dist

@@ -95,6 +95,15 @@ class ProcessGroupGloo : public ProcessGroup {
   /// True if the collectives go through shared memory (GlooOptions::shared_memory was on and
   /// every rank runs on this machine); false at world size 1.
   bool uses_shared_memory() const;
+  /// Which shared-memory paths this rank's collectives took so far (all zero without shared
+  /// memory): how many copied straight between the ranks' buffers (Note [single-copy
+  /// collectives]) and how many reduced straight from the peers' shareable tensors (Note
+  /// [mapped reductions], dist::empty_shareable()).
+  struct SharedMemoryStats {
+    uint64_t single_copies = 0;
+    uint64_t mapped_reductions = 0;
+  };
+  SharedMemoryStats shared_memory_stats() const;
 
   WorkPtr allreduce(Tensor& tensor, const AllreduceOptions& opts = {}) override;
   /// Over shared memory: reduces CPU tensors where they lie, one collective; otherwise packs
@@ -104,6 +113,8 @@ class ProcessGroupGloo : public ProcessGroup {
   bool coalesced_without_copies(const Device& device) const override {
     return device.is_cpu() && uses_shared_memory();
   }
+  /// CPU tensors from dist::empty_shareable() when the group uses shared memory.
+  Tensor zeros_for_collectives(IntList shape, TensorOptions opts) const override;
   WorkPtr broadcast(Tensor& tensor, const BroadcastOptions& opts = {}) override;
   WorkPtr reduce(Tensor& tensor, const ReduceOptions& opts = {}) override;
   WorkPtr allgather_into_tensor(Tensor& output, const Tensor& input,

@@ -136,7 +136,8 @@ void Reducer::apply(std::vector<std::vector<size_t>> layout) {
       b.tensors.push_back(p.tensor);
       b.module_indices.push_back(p.index);
     }
-    b.flat = zeros({numel}, params_[members.front()].tensor.options());
+    // From the group: over gloo's shared memory, memory the peers' reductions map.
+    b.flat = group_->zeros_for_collectives({numel}, params_[members.front()].tensor.options());
     b.params = std::move(members);
     b.pending = b.params.size();
     fresh.push_back(std::move(b));

@@ -33,7 +33,9 @@
 // sharing a PID namespace).
 //
 // Large broadcasts, gathers, scatters and alltoalls skip the segment's slots and copy straight
-// between the ranks' buffers (Note [single-copy collectives] in shm_single_copy.cpp).
+// between the ranks' buffers (Note [single-copy collectives] in shm_single_copy.cpp); large
+// reductions over tensors from empty_shareable() reduce straight from the peers' mapped buffers
+// into every rank's (Note [mapped reductions] in shm_mapped.cpp).
 //
 // The segment is unlinked as soon as every rank has mapped it, so nothing is left in /dev/shm
 // however the processes end after the group's set-up.
@@ -59,6 +61,9 @@
 #include <climits>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <random>
 #include <sstream>
 
@@ -311,9 +316,13 @@ ShmAllreduce::ShmAllreduce(int rank, int size, int channels, size_t chunk, void*
       base_(base),
       bytes_(bytes),
       turn_(static_cast<size_t>(channels), 0),
-      step_(static_cast<size_t>(channels), 0) {}
+      step_(static_cast<size_t>(channels), 0),
+      maps_(new_peer_maps(size)) {}
 
-ShmAllreduce::~ShmAllreduce() { ::munmap(base_, bytes_); }
+ShmAllreduce::~ShmAllreduce() {
+  maps_.reset();  // the peers' shareable regions (Note [mapped reductions])
+  ::munmap(base_, bytes_);
+}
 
 int ShmAllreduce::pid_of(int r) const { return pids_of(base_)[r]; }
 
@@ -367,6 +376,15 @@ void ShmAllreduce::abort(const std::string& why) {
   }
 }
 
+void ShmAllreduce::throw_if_aborted() const {
+  const SegmentHeader& h = header_of(base_);
+  const uint32_t a = atom(const_cast<uint32_t&>(h.aborted)).load(std::memory_order_acquire);
+  if (a != 0) {
+    throw std::runtime_error(
+        str_cat("rank ", a - 1, " gave up after an error (", std::string(h.why), ")"));
+  }
+}
+
 // ---- steps ------------------------------------------------------------------------------------
 
 namespace {
@@ -394,6 +412,29 @@ std::string describe(const ShmAllreduce::Desc& d) {
   return s;
 }
 
+// ThreadSanitizer tracks memory by address. Ranks that are threads of one process map the
+// segment each at its own address, so TSan cannot see that one rank's post and another's wait
+// on the same counter synchronise, and reports the mapped reductions' accesses to a peer's
+// tensor (at one address in both) as races. One address per segment stands in for the
+// counters: a post releases it and a finished wait acquires it.
+#if defined(__SANITIZE_THREAD__)
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+void* tsan_sync(uint64_t nonce) {
+  static std::mutex mu;
+  static std::map<uint64_t, std::unique_ptr<char>> syncs;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& p = syncs[nonce];
+  if (!p) p = std::make_unique<char>();
+  return p.get();
+}
+void tsan_release(uint64_t nonce) { __tsan_release(tsan_sync(nonce)); }
+void tsan_acquire(uint64_t nonce) { __tsan_acquire(tsan_sync(nonce)); }
+#else
+void tsan_release(uint64_t) {}
+void tsan_acquire(uint64_t) {}
+#endif
+
 // One channel's shared state, as this rank sees it.
 struct Channel {
   SegmentHeader* header;
@@ -413,6 +454,7 @@ struct Channel {
   }
 
   void post(uint32_t RankLine::*field, uint32_t step) const {
+    tsan_release(header->nonce);
     atom(lines[rank].*field).store(step);
     atom(ctl->bell).fetch_add(1);
     if (atom(ctl->waiters).load() > 0) futex(&ctl->bell, FUTEX_WAKE, INT_MAX, nullptr);
@@ -433,7 +475,7 @@ struct Channel {
     const auto start = ShmAllreduce::Clock::now();
     bool yielding = false;
     for (int i = 1;; ++i) {
-      if (lagging(field, step) < 0) return;
+      if (lagging(field, step) < 0) return tsan_acquire(header->nonce);
       if (yielding) {
         ::sched_yield();
       } else {
@@ -452,7 +494,7 @@ struct Channel {
       const int late = lagging(field, step);
       if (late < 0) {
         atom(ctl->waiters).fetch_sub(1);
-        return;
+        return tsan_acquire(header->nonce);
       }
       if (atom(header->aborted).load() != 0) {  // only once it is clear the wait is not over
         atom(ctl->waiters).fetch_sub(1);
@@ -515,6 +557,11 @@ struct Channel {
 // race another rank's reads of the step before (Note [shared-memory allreduce]).
 void ShmAllreduce::run_steps(uint64_t ticket, const Desc& desc, size_t steps,
                              Clock::time_point deadline, const StepFn& body) {
+  run_steps_until(ticket, desc, steps, deadline, body);
+}
+
+void ShmAllreduce::run_steps_until(uint64_t ticket, const Desc& desc, size_t& steps,
+                                   Clock::time_point deadline, const StepFn& body) {
   wait_turn(ticket, deadline);
   struct EndTurn {
     ShmAllreduce* self;
@@ -611,7 +658,7 @@ void ShmAllreduce::reduce_spans(uint64_t ticket, const std::vector<Span>& spans,
   const size_t chunks = (count + per_chunk - 1) / per_chunk;
   const bool keep = desc.root < 0 || desc.root == rank_;
   std::vector<const void*> srcs(static_cast<size_t>(size_));
-  run_steps(ticket, desc, chunks, deadline, [&](Phase phase, size_t k, const Area& area) {
+  const StepFn staged = [&](Phase phase, size_t k, const Area& area) {
     const size_t first = k * per_chunk;
     const size_t n = std::min(per_chunk, count - std::min(count, first));
     // Rank r's share of this chunk: elements [first + share_begin(r), first + share_begin(r+1)).
@@ -642,7 +689,14 @@ void ShmAllreduce::reduce_spans(uint64_t ticket, const std::vector<Span>& spans,
         });
       }
     }
-  });
+  };
+  if (!may_map(count * elem)) return run_steps(ticket, desc, chunks, deadline, staged);
+  // One buffer of every rank in shareable memory: Note [mapped reductions].
+  const Entry mine = spans.size() == 1 ? Entry{spans[0].data, count * elem} : Entry{nullptr, 0};
+  run_mapped_or_staged(ticket, desc, {mine}, chunks, deadline, staged,
+                       [&](const PeerBuffers& peers) {
+                         mapped_reduce(peers, desc.dtype, count, desc.root, red);
+                       });
 }
 
 void ShmAllreduce::run(uint64_t ticket, const std::vector<Span>& spans, Dtype dtype, ReduceOp op,

@@ -143,8 +143,8 @@ void ShmAllreduce::reduce_scatter(uint64_t ticket, const std::vector<const void*
   const size_t elem = static_cast<size_t>(itemsize(dtype));
   const size_t per = block_piece(dtype);
   std::vector<const void*> srcs(static_cast<size_t>(size_));
-  run_steps(ticket, Desc{Kind::ReduceScatter, dtype, count, red.op, -1}, div_up(count, per),
-            deadline, [&](Phase phase, size_t k, const Area& area) {
+  const Desc desc{Kind::ReduceScatter, dtype, count, red.op, -1};
+  const StepFn staged = [&](Phase phase, size_t k, const Area& area) {
               const Piece p = piece(k, per, count);
               if (phase == Phase::Publish) {
                 for (int j = 0; j < size_; ++j) {
@@ -164,7 +164,15 @@ void ShmAllreduce::reduce_scatter(uint64_t ticket, const std::vector<const void*
                 combine(mine, srcs, p.n, red);
                 std::memcpy(at(out, p.first, elem), mine, p.n * elem);
               }
-            });
+            };
+  if (!may_map(count * elem)) return run_steps(ticket, desc, div_up(count, per), deadline, staged);
+  // Every rank's blocks in shareable memory: Note [mapped reductions] in shm_mapped.cpp.
+  std::vector<Entry> mine;
+  for (const void* b : blocks) mine.push_back({b, count * elem});
+  run_mapped_or_staged(ticket, desc, mine, div_up(count, per), deadline, staged,
+                       [&](const PeerBuffers& peers) {
+                         mapped_reduce_scatter(peers, out, dtype, count, red);
+                       });
 }
 
 void ShmAllreduce::alltoall(uint64_t ticket, const std::vector<const void*>& ins,

@@ -155,15 +155,22 @@ void ShmAllreduce::agree_single_copy(Store& store, size_t wanted, Duration timeo
     logging::info("[gloo] rank ", rank_, ": cross-memory attach is refused (", why,
                   "); the shared-memory collectives stage every byte through the segment");
   }
+  // Whether this rank can map every peer's shareable memory (Note [mapped reductions]); every
+  // rank publishes its probe, which stays open for the group's life, so no peer can miss it.
+  const bool maps = probe_mapping(store, timeout) && wanted != SIZE_MAX;
   store.set("ember_shm/single/" + std::to_string(rank_),
-            wanted == SIZE_MAX ? std::string("off") : std::to_string(wanted));
+            wanted == SIZE_MAX ? std::string("off")
+                               : std::to_string(wanted) + (maps ? " map" : " nomap"));
   size_t agreed = 0;
+  bool all_map = true;
   for (int r = 0; r < size_; ++r) {
     const std::string v = store.get_string("ember_shm/single/" + std::to_string(r), timeout);
     agreed = v == "off" ? SIZE_MAX : std::max<size_t>(agreed, std::stoull(v));
+    all_map = all_map && v.size() > 4 && v.compare(v.size() - 4, 4, " map") == 0;
     if (agreed == SIZE_MAX) break;
   }
   single_copy_bytes_ = agreed;
+  mapping_ = agreed != SIZE_MAX && all_map;
 }
 
 bool ShmAllreduce::single_copy(size_t bytes) {

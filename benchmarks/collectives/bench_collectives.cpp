@@ -22,7 +22,9 @@
 // RANK/WORLD_SIZE), --torch, --rounds R (default 5: Ember's pass over the sizes and torch's
 // alternate R times; each time printed is the median of the R rounds), --mode
 // pipelined|latency (pipelined, as nccl-tests: issue `iters` calls, then wait for the last;
-// latency: wait for each call before issuing the next).
+// latency: wait for each call before issuing the next), --shareable (every buffer from
+// dist::empty_shareable(): over gloo's shared memory the reductions then reduce straight from
+// the peers' buffers, Note [mapped reductions]).
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -42,6 +44,7 @@
 #include "benchmarks/bench_util.h"
 #include "cmake/build_paths.h"
 #include <ember/distributed/init.h>
+#include <ember/distributed/shareable.h>
 #include <ember/distributed/tcp_store.h>
 #include <ember/tensor/ops.h>
 
@@ -63,6 +66,7 @@ struct Args {
   bool torch = false;
   int rounds = 5;
   std::string mode = "pipelined";
+  bool shareable = false;
 };
 
 const std::vector<std::string> kOps = {
@@ -109,6 +113,8 @@ Args parse(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 30));
   app.add_option("--mode", a.mode, "pipelined (nccl-tests) or latency (wait for each call)")
       ->check(CLI::IsMember({"pipelined", "latency"}));
+  app.add_flag("--shareable", a.shareable,
+               "buffers from dist::empty_shareable() (the mapped reductions over gloo)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -167,6 +173,20 @@ Bufs make_bufs(const std::string& op, int64_t count, int n, int rank) {
   return b;
 }
 
+// The same buffers, each moved into memory from empty_shareable().
+void make_shareable(Bufs& b) {
+  auto move = [](Tensor& t) {
+    if (!t.defined()) return;
+    Tensor s = empty_shareable(t.shape(), t.dtype());
+    s.copy_(t);
+    t = s;
+  };
+  move(b.a);
+  move(b.out);
+  for (Tensor& t : b.ins) move(t);
+  for (Tensor& t : b.outs) move(t);
+}
+
 WorkPtr issue(ProcessGroup& pg, const std::string& op, Bufs& b) {
   if (op == "allreduce") return pg.allreduce(b.a);
   if (op == "broadcast") return pg.broadcast(b.a);
@@ -221,6 +241,7 @@ std::vector<Row> run_rank(const Args& a, const std::string& op) {
     if (!barrier && op != "allreduce" && op != "broadcast" && op != "reduce")
       count = std::max<int64_t>(count / n, 1) * n;
     Bufs b = make_bufs(op, count, n, rank);
+    if (a.shareable) make_shareable(b);
     issue(*pg, op, b)->wait();
     int64_t wrong = count_wrong(op, b, n, rank);
     Tensor w = full({1}, static_cast<double>(wrong), kInt64);
@@ -284,9 +305,10 @@ void print(const Args& a, const std::string& op, int n, const std::vector<Row>& 
            const std::map<int64_t, double>& torch, double memcpy) {
   std::printf(
       "# bench_collectives: %s, backend %s, %d ranks, float32, %d iters, %s, median of %d "
-      "rounds%s; one-core memcpy %.2f GB/s\n",
+      "rounds%s%s; one-core memcpy %.2f GB/s\n",
       op.c_str(), a.backend.c_str(), n, a.iters, a.mode.c_str(), a.rounds,
-      a.torch ? " (Ember's and torch's rounds alternate)" : "", memcpy);
+      a.torch ? " (Ember's and torch's rounds alternate)" : "",
+      a.shareable ? ", shareable buffers" : "", memcpy);
   std::printf("%12s %12s %10s %9s %9s %8s %7s", "bytes", "count", "time(us)", "algbw", "busbw",
               "/memcpy", "#wrong");
   if (a.torch) std::printf(" %14s %9s %8s", "torch time(us)", "tbusbw", "speedup");

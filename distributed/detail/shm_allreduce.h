@@ -124,6 +124,14 @@ class ShmAllreduce {
   size_t single_copy_bytes() const { return single_copy_bytes_; }
   /// How many collectives took the single-copy path on this rank so far.
   uint64_t single_copies() const { return single_copies_.load(); }
+  /// How many reductions reduced straight from the peers' mapped buffers on this rank so far
+  /// (Note [mapped reductions] in shm_mapped.cpp).
+  uint64_t mapped_reductions() const { return mapped_reductions_.load(); }
+  /// How many of the peers' shareable regions this rank keeps mapped now.
+  size_t mapped_regions() const;
+  /// Reductions of at least this many bytes per rank ask whether every rank's buffers are
+  /// shareable (when the group allows single copies at all).
+  static constexpr size_t kMappedMinBytes = size_t{256} << 10;
 
   /// This rank failed a collective: every rank's collective that is waiting now or starts
   /// later fails at once, naming this rank and `why`.
@@ -167,6 +175,10 @@ class ShmAllreduce {
   /// collective `ticket` on its channel, calling `body` for each phase of each step.
   void run_steps(uint64_t ticket, const Desc& desc, size_t steps, Clock::time_point deadline,
                  const StepFn& body);
+  /// run_steps, but `body` may lower `steps` during the Combine phase of step 0 (where every
+  /// rank has seen what every other rank published, so all decide alike).
+  void run_steps_until(uint64_t ticket, const Desc& desc, size_t& steps,
+                       Clock::time_point deadline, const StepFn& body);
   /// out = the reduction of srcs[0..size) in rank order (then divided, for Avg); n elements.
   void combine(char* out, const std::vector<const void*>& srcs, size_t n,
                const Reduction& r) const;
@@ -205,6 +217,40 @@ class ShmAllreduce {
                        const std::vector<void*>& outs, size_t count, Dtype dtype,
                        Clock::time_point deadline);
 
+  // Note [mapped reductions] (shm_mapped.cpp).
+  /// peers[r][i]: rank r's buffer i, as mapped into this process.
+  using PeerBuffers = std::vector<std::vector<char*>>;
+  using MappedFn = std::function<void(const PeerBuffers& peers)>;
+  /// True when a reduction of `bytes` per rank negotiates (the same on every rank).
+  bool may_map(size_t bytes) const;
+  /// In agree_single_copy: publishes a probe region and tries to map every peer's; false (and
+  /// logged) if some peer's cannot be.
+  bool probe_mapping(Store& store, Duration timeout);
+  /// Drops this rank's mappings of rank r's regions if r freed some since (Note [mapped
+  /// reductions]); `entries`: the n table entries of r that the collective uses.
+  void drop_freed(int r, uint64_t frees, const uint64_t* entries, size_t n);
+  /// Throws the abort word's error if some rank gave up.
+  void throw_if_aborted() const;
+  /// Step 0: every rank publishes where `mine` lie; if every rank's buffers are all shareable,
+  /// `mapped` runs in step 0 with them mapped, and that is the collective. Otherwise `staged`
+  /// runs as steps 1..staged_steps (its steps numbered from 0). An Entry with null data is not
+  /// shareable.
+  void run_mapped_or_staged(uint64_t ticket, const Desc& desc, const std::vector<Entry>& mine,
+                            size_t staged_steps, Clock::time_point deadline,
+                            const StepFn& staged, const MappedFn& mapped);
+  /// The allreduce (root < 0) or the reduce to root of one buffer per rank, each rank reducing
+  /// its share from every rank's buffer and writing it into every rank's (root's).
+  void mapped_reduce(const PeerBuffers& peers, Dtype dtype, size_t count, int root,
+                     const Reduction& r) const;
+  /// This rank's block of a reduce_scatter: out = the reduction of every rank's block rank_.
+  void mapped_reduce_scatter(const PeerBuffers& peers, void* out, Dtype dtype, size_t count,
+                             const Reduction& r) const;
+  struct PeerMaps;
+  static PeerMaps* new_peer_maps(int size);
+  struct PeerMapsDeleter {
+    void operator()(PeerMaps* m) const;
+  };
+
   ShmAllreduce(int rank, int size, int channels, size_t chunk, void* base, size_t bytes);
   void wait_turn(uint64_t ticket, Clock::time_point deadline);
   void end_turn(uint64_t ticket);
@@ -223,6 +269,10 @@ class ShmAllreduce {
   bool aborted_ = false;  // abort() was called here: waiting turns give up
   size_t single_copy_bytes_ = SIZE_MAX;
   std::atomic<uint64_t> single_copies_{0};
+  std::atomic<uint64_t> mapped_reductions_{0};
+  std::unique_ptr<PeerMaps, PeerMapsDeleter> maps_;
+  bool mapping_ = false;            // every rank can map every peer's shareable memory
+  std::shared_ptr<void> map_probe_;  // this rank's probe region (probe_mapping)
 };
 
 }  // namespace ember::detail

@@ -2,6 +2,7 @@
 // slice of a fixed batch; every check compares against a single-process reference computed in
 // the same rank on the full batch (mean loss), so expected values need no literals.
 #include <ember/distributed/ddp.h>
+#include <ember/distributed/shareable.h>
 
 #include <gtest/gtest.h>
 
@@ -261,6 +262,41 @@ TEST_P(DDPWorld, GradientAsBucketView) {
     }
     require_same_on_all_ranks(*pg, *model);
   });
+}
+
+// Over shared memory DDP's buckets come from the group (zeros_for_collectives(): shareable
+// memory), so with gradient_as_bucket_view a large bucket's all-reduce reduces straight from the
+// peers' buckets (Note [mapped reductions]); the gradients are still the reference's, and after
+// the first iteration every grad() lies in shareable memory.
+TEST(DDP, BucketViewsOverSharedMemoryAreMappedReductions) {
+  EMBER_REQUIRE_GLOO();
+  constexpr int n = 2;
+  constexpr int64_t hidden = 20000;  // buckets of several hundred KiB
+  test::run_gloo_ranks(
+      n,
+      [](std::shared_ptr<ProcessGroupGloo> pg, int rank) {
+        require(pg->uses_shared_memory(), "no shared memory");
+        auto model = make_model(610 + rank, hidden);
+        DDPOptions o;
+        o.gradient_as_bucket_view = true;
+        auto ddp = std::make_shared<DistributedDataParallel>(model, pg, o);
+        auto ref = clone_model(*model, hidden);
+        const uint64_t before = pg->shared_memory_stats().mapped_reductions;
+        for (int it = 0; it < 3; ++it) {
+          model->zero_grad(false);
+          ref->zero_grad(false);
+          const Batch b = fixed_batch(80 + it);
+          loss_of(*ddp, slice(b, rank, n)).backward();
+          loss_of(*ref, b).backward();
+          require_grads_match("iteration " + std::to_string(it), *model, *ref);
+        }
+        for (const Tensor& p : model->parameters()) {
+          require(is_shareable(p.grad()), "a grad() outside shareable memory");
+        }
+        require(pg->shared_memory_stats().mapped_reductions > before,
+                "no bucket was reduced from the peers' mapped buckets");
+      },
+      true);
 }
 
 // A module with a buffer that scales its output: rank 0's value must win at every forward.

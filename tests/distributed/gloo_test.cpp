@@ -16,6 +16,7 @@
 #include <ember/distributed/hash_store.h>
 #include <ember/distributed/prefix_store.h>
 #include <ember/distributed/process_group_gloo.h>
+#include <ember/distributed/shareable.h>
 #include <ember/distributed/tcp_store.h>
 #include "tests/distributed/store_test_util.h"
 #include <ember/distributed/comm_hooks.h>
@@ -1146,6 +1147,56 @@ TEST_P(GlooShm, EveryCollectiveMatchesTcpAcrossSizesAndChunks) {
     const std::string big = name("broadcast", kFloat32, rank, " of 1100003");
     require_same_bytes(big, every_collective()[0].issue(shm, rank, n, 1100003, kFloat32),
                        every_collective()[0].issue(tcp, rank, n, 1100003, kFloat32));
+  });
+}
+
+// The reductions over tensors from empty_shareable() (Note [mapped reductions]) give bitwise
+// what TCP gives, as a user calls them: allreduce, reduce, reduce_scatter of a list and in place
+// (FSDP's), and they took the mapped path.
+TEST_P(GlooShm, ShareableTensorsReduceInPlaceOfTheirPeers) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam();
+  run_shm_and_tcp(n, [n](ProcessGroupGloo& shm, ProcessGroupGloo& tcp, int rank) {
+    const int64_t m = 300007;  // above the mapped reductions' threshold in float32
+    const auto shareable = [](const Tensor& t) {
+      Tensor s = empty_shareable(t.shape(), t.dtype());
+      s.copy_(t);
+      return s;
+    };
+    uint64_t issued = 0;
+    for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min}) {
+      const std::string what = name("allreduce", kFloat32, rank, " " + std::string(to_string(op)));
+      Tensor a = shareable(pattern(m, rank, 0, kFloat32)), b = pattern(m, rank, 0, kFloat32);
+      shm.allreduce(a, AllreduceOptions{op})->wait();
+      tcp.allreduce(b, AllreduceOptions{op})->wait();
+      require_same_bytes(what, {a}, {b});
+      ++issued;
+    }
+    Tensor r = shareable(pattern(m, rank, 1, kFloat32)), keep = r.clone();
+    shm.reduce(r, rd(1, ReduceOp::Sum))->wait();
+    Tensor r2 = pattern(m, rank, 1, kFloat32);
+    tcp.reduce(r2, rd(1, ReduceOp::Sum))->wait();
+    require_same_bytes(name("reduce", kFloat32, rank), {rank == 1 ? r2 : keep}, {r});
+    ++issued;
+    std::vector<Tensor> ins;
+    for (const Tensor& t : parts(n, rank, m, kFloat32)) ins.push_back(shareable(t));
+    Tensor out = empty({m}, kFloat32), out2 = empty({m}, kFloat32);
+    shm.reduce_scatter(out, ins, rs(ReduceOp::Max))->wait();
+    std::vector<Tensor> ins2 = parts(n, rank, m, kFloat32);
+    tcp.reduce_scatter(out2, ins2, rs(ReduceOp::Max))->wait();
+    require_same_bytes(name("reduce_scatter", kFloat32, rank), {out}, {out2});
+    ++issued;
+    Tensor flat = shareable(pattern(n * m, rank, 2, kFloat32)), flat2 = pattern(n * m, rank, 2, kFloat32);
+    Tensor mine = flat.narrow(0, rank * m, m), mine2 = flat2.narrow(0, rank * m, m);
+    shm.reduce_scatter_tensor(mine, flat, rs(ReduceOp::Avg))->wait();
+    tcp.reduce_scatter_tensor(mine2, flat2, rs(ReduceOp::Avg))->wait();
+    require_same_bytes(name("reduce_scatter_tensor in place", kFloat32, rank), {mine}, {mine2});
+    ++issued;
+    require(shm.shared_memory_stats().mapped_reductions == issued,
+            name("mapped reductions", kFloat32, rank) + ": " +
+                std::to_string(shm.shared_memory_stats().mapped_reductions) + " of " +
+                std::to_string(issued));
+    require(tcp.shared_memory_stats().mapped_reductions == 0, "mapped reductions over TCP");
   });
 }
 

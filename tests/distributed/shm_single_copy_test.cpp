@@ -4,9 +4,6 @@
 // path), and the results must be bitwise the staged path's. Ranks are forked processes (cross-
 // memory attach between processes) and threads of this process (between threads).
 #include <ember/distributed/detail/shm_allreduce.h>
-#include <ember/distributed/hash_store.h>
-#include <ember/distributed/prefix_store.h>
-#include <ember/distributed/tcp_store.h>
 #include <gtest/gtest.h>
 #include <linux/capability.h>
 #include <sys/prctl.h>
@@ -20,14 +17,18 @@
 #include <functional>
 #include <thread>
 
-#include "tests/distributed/store_test_util.h"
+#include "tests/distributed/shm_test_util.h"
 
 namespace ember::dist {
 namespace {
 
 using ember::detail::ShmAllreduce;
 using namespace std::chrono_literals;
+using test::make_shm;
 using test::require;
+using test::run_processes;
+using test::run_threads;
+using test::soon;
 using Clock = ShmAllreduce::Clock;
 using Bytes = std::vector<uint8_t>;
 
@@ -60,8 +61,6 @@ struct NamedOp {
   const char* name;
   Op run;
 };
-
-Clock::time_point soon() { return Clock::now() + 30s; }
 
 const std::vector<NamedOp>& ops() {
   static const std::vector<NamedOp> all = {
@@ -161,58 +160,13 @@ void check_allgather(ShmAllreduce& shm, int rank, int n) {
   }
 }
 
-std::shared_ptr<TCPStore> client(const std::string& port) {
-  TCPStoreOptions o;
-  o.timeout = 60s;
-  return std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), o);
-}
-
-// body(rank, store) in n forked ranks sharing a TCPStore.
-void run_processes(int n, const std::function<void(int, Store&)>& body) {
-  test::Children kids(n, [&](int rank, const std::string& port) {
-    auto store = client(port);
-    body(rank, *store);
-  });
-  TCPStoreServerOptions o;
-  o.host = "127.0.0.1";
-  TCPStoreServer server(o);
-  kids.go(std::to_string(server.port()));
-  test::expect_children_ok(kids.join());
-}
-
-// body(rank, store) in n threads of this process sharing a HashStore; the first error wins.
-void run_threads(int n, const std::function<void(int, Store&)>& body) {
-  HashStore store(60s);
-  std::vector<std::string> errors(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        body(r, store);
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = "thread " + std::to_string(r) + ": " + e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (const std::string& e : errors) EXPECT_EQ(e, "");
-}
-
-std::unique_ptr<ShmAllreduce> make(Store& store, const char* prefix, int rank, int n,
-                                   size_t single_copy) {
-  PrefixStore p(prefix, std::shared_ptr<Store>(&store, [](Store*) {}));
-  auto shm = ShmAllreduce::create(p, rank, n, 2, 60s, single_copy);
-  require(shm != nullptr, "rank " + std::to_string(rank) + ": no shared-memory group");
-  return shm;
-}
-
 class ShmSingleCopy : public ::testing::TestWithParam<int> {};
 
 TEST_P(ShmSingleCopy, ProcessesGetBitwiseTheStagedResults) {
   const int n = GetParam();
   run_processes(n, [n](int rank, Store& store) {
-    auto direct = make(store, "direct", rank, n, kAlways);
-    auto staged = make(store, "staged", rank, n, kNever);
+    auto direct = make_shm(store, "direct", rank, n, kAlways);
+    auto staged = make_shm(store, "staged", rank, n, kNever);
     check_allgather(*staged, rank, n);
     compare_paths(*direct, *staged, rank, n);
   });
@@ -221,8 +175,8 @@ TEST_P(ShmSingleCopy, ProcessesGetBitwiseTheStagedResults) {
 TEST_P(ShmSingleCopy, ThreadsGetBitwiseTheStagedResults) {
   const int n = GetParam();
   run_threads(n, [n](int rank, Store& store) {
-    auto direct = make(store, "direct", rank, n, kAlways);
-    auto staged = make(store, "staged", rank, n, kNever);
+    auto direct = make_shm(store, "direct", rank, n, kAlways);
+    auto staged = make_shm(store, "staged", rank, n, kNever);
     compare_paths(*direct, *staged, rank, n);
   });
 }
@@ -233,13 +187,13 @@ TEST_P(ShmSingleCopy, ThreadsGetBitwiseTheStagedResults) {
 TEST_P(ShmSingleCopy, OneRefusingRankKeepsTheGroupStaged) {
   const int n = GetParam();
   run_processes(n, [n](int rank, Store& store) {
-    auto refused = make(store, "refused", rank, n, rank == n - 1 ? kNever : kAlways);
+    auto refused = make_shm(store, "refused", rank, n, rank == n - 1 ? kNever : kAlways);
     require(refused->single_copy_bytes() == kNever,
             "rank " + std::to_string(rank) + ": single_copy_bytes() is " +
                 std::to_string(refused->single_copy_bytes()));
     check_allgather(*refused, rank, n);
     require(refused->single_copies() == 0, "a single copy with a refusing rank");
-    auto larger = make(store, "larger", rank, n, rank == 0 ? 5000 : 100);
+    auto larger = make_shm(store, "larger", rank, n, rank == 0 ? 5000 : 100);
     require(larger->single_copy_bytes() == 5000, "rank " + std::to_string(rank) +
                                                      ": agreed threshold " +
                                                      std::to_string(larger->single_copy_bytes()));
@@ -258,7 +212,7 @@ TEST_P(ShmSingleCopy, KernelRefusalKeepsTheGroupStaged) {
     caps[0].effective &= ~(1u << CAP_SYS_PTRACE);
     require(::syscall(SYS_capset, &h, caps) == 0, "capset");
     if (rank == n - 1) require(::prctl(PR_SET_DUMPABLE, 0) == 0, "PR_SET_DUMPABLE");
-    auto shm = make(store, "kernel", rank, n, kAlways);
+    auto shm = make_shm(store, "kernel", rank, n, kAlways);
     require(shm->single_copy_bytes() == kNever,
             "rank " + std::to_string(rank) + ": single_copy_bytes() is " +
                 std::to_string(shm->single_copy_bytes()) + " though rank " + std::to_string(n - 1) +
@@ -274,7 +228,7 @@ INSTANTIATE_TEST_SUITE_P(Ranks, ShmSingleCopy, ::testing::Values(2, 4),
 // one rank on the single-copy path and the other on the staged one.
 TEST(ShmSingleCopyMismatch, CountsAcrossTheThresholdFailOnEveryRank) {
   run_processes(2, [](int rank, Store& store) {
-    auto shm = make(store, "mismatch", rank, 2, 4001);
+    auto shm = make_shm(store, "mismatch", rank, 2, 4001);
     const size_t count = rank == 0 ? 1000 : 1001;  // 4000 bytes staged, 4004 single copy
     std::string msg;
     try {
