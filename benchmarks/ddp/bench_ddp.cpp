@@ -24,7 +24,9 @@
 //
 // Options: --np LIST (fork the ranks; a list runs one row per count; without it RANK and
 // WORLD_SIZE from a launcher, or one process), --model LIST (cnn, mlp), --batch 64 (per rank),
-// --steps 50, --warmup 5, --repeats 3, --threads T (per rank; default cores / ranks), --torch.
+// --steps 50, --warmup 5, --repeats 3, --threads T (per rank; default cores / ranks), --torch,
+// --bucket-view (gradient_as_bucket_view: grad() lives in the buckets, which over gloo's shared
+// memory come from dist::empty_shareable(), so the bucket all-reduces are mapped reductions).
 #include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -74,6 +76,7 @@ struct Args {
   int repeats = 3;
   int threads = 0;  // 0: cores / ranks
   bool torch = false;
+  bool bucket_view = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -93,6 +96,9 @@ Args parse(int argc, char** argv) {
   app.add_option("--threads", a.threads, "threads per rank (default: cores / ranks)")
       ->check(CLI::Range(1, 1 << 30));
   app.add_flag("--torch", a.torch, "also run torch's DDP and print the ratio");
+  app.add_flag("--bucket-view", a.bucket_view,
+               "DDPOptions::gradient_as_bucket_view (over gloo's shared memory the buckets are "
+               "then reduced from the peers' mapped buckets)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -160,7 +166,9 @@ class RankBench {
     auto wrapped = make_model(model_name);
     manual_seed(0);
     local_ = make_model(model_name);
-    ddp_ = std::make_shared<dist::DistributedDataParallel>(wrapped, pg_);
+    dist::DDPOptions o;
+    o.gradient_as_bucket_view = a.bucket_view;
+    ddp_ = std::make_shared<dist::DistributedDataParallel>(wrapped, pg_, o);
     const nn::optim::SGDOptions sgd{.lr = 0.01, .momentum = 0.9};
     ddp_opt_ = std::make_unique<nn::optim::SGD>(ddp_->parameters(), sgd);
     local_opt_ = std::make_unique<nn::optim::SGD>(local_->parameters(), sgd);
