@@ -176,20 +176,32 @@ std::shared_ptr<Mapped> map_region(int r, int pid, int fd, uint64_t id, size_t b
 }  // namespace
 
 bool ShmAllreduce::probe_mapping(Store& store, Duration timeout) {
-  auto* probe = new Tensor(dist::empty_shareable({1}, kUInt8));
-  map_probe_ = std::shared_ptr<void>(probe, [](void* t) { delete static_cast<Tensor*>(t); });
-  const auto ref = find_shareable(probe->data_ptr(), 1);
-  store.set("ember_shm/map/" + std::to_string(rank_),
-            str_cat(ref->id, " ", ref->fd, " ", ref->region_bytes));
+  // Every rank publishes its probe (or "none"), so no peer waits in vain.
+  std::string offer = "none";
   bool ok = true;
+  try {
+    auto* probe = new Tensor(dist::empty_shareable({1}, kUInt8));
+    map_probe_ = std::shared_ptr<void>(probe, [](void* t) { delete static_cast<Tensor*>(t); });
+    const auto ref = find_shareable(probe->data_ptr(), 1);
+    offer = str_cat(ref->id, " ", ref->fd, " ", ref->region_bytes);
+  } catch (const std::exception& e) {
+    logging::info("[gloo] rank ", rank_, ": ", e.what(),
+                  "; reductions over shareable tensors stay staged");
+    ok = false;
+  }
+  store.set("ember_shm/map/" + std::to_string(rank_), offer);
   for (int r = 0; r < size_; ++r) {
-    std::istringstream in(store.get_string("ember_shm/map/" + std::to_string(r), timeout));
+    const std::string theirs = store.get_string("ember_shm/map/" + std::to_string(r), timeout);
+    if (r == rank_ || pid_of(r) == ::getpid() || !ok) continue;
+    std::istringstream in(theirs);
     uint64_t id = 0, bytes = 0;
     int fd = -1;
-    in >> id >> fd >> bytes;
-    if (r == rank_ || pid_of(r) == ::getpid() || !ok) continue;
+    if (!(in >> id >> fd >> bytes)) {  // "none": that rank logs why
+      ok = false;
+      continue;
+    }
     try {
-      map_region(r, pid_of(r), fd, id, bytes);
+      map_region(r, pid_of(r), fd, id, static_cast<size_t>(bytes));
     } catch (const std::exception& e) {
       logging::info("[gloo] rank ", rank_, ": ", e.what(),
                     "; reductions over shareable tensors stay staged");
