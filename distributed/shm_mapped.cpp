@@ -52,6 +52,9 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include <algorithm>
 #include <cerrno>
@@ -81,6 +84,37 @@ struct Mapped {
     if (base != MAP_FAILED) ::munmap(base, bytes);
   }
 };
+
+// memcpy with non-temporal stores where the target has them (x86-64), for a destination that is
+// not in cache; stream_fence() orders them before the rank's post.
+void stream_copy(char* dst, const char* src, size_t bytes) {
+#if defined(__SSE2__)
+  size_t done = 0;
+  while (done < bytes && (reinterpret_cast<uintptr_t>(dst + done) & 15) != 0) {
+    dst[done] = src[done];
+    ++done;
+  }
+  for (; done + 64 <= bytes; done += 64) {
+    const auto* s = reinterpret_cast<const __m128i*>(src + done);
+    auto* d = reinterpret_cast<__m128i*>(dst + done);
+    const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1), c = _mm_loadu_si128(s + 2),
+                  e = _mm_loadu_si128(s + 3);
+    _mm_stream_si128(d, a);
+    _mm_stream_si128(d + 1, b);
+    _mm_stream_si128(d + 2, c);
+    _mm_stream_si128(d + 3, e);
+  }
+  if (done < bytes) std::memcpy(dst + done, src + done, bytes - done);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
 
 std::string fd_path(int pid, int fd) {
   return "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
@@ -328,14 +362,23 @@ void ShmAllreduce::mapped_reduce_scatter(const PeerBuffers& peers, void* out, Dt
   const size_t elem = static_cast<size_t>(itemsize(dtype));
   const size_t per = std::max<size_t>(1, kPieceBytes / elem);
   const auto me = static_cast<size_t>(rank_);
+  // An output that is not this rank's own block was not just read, so its lines are not in
+  // this core's cache: streaming stores skip reading them in before they are overwritten.
+  const bool stream = out != peers[me][me];
   std::unique_ptr<char[]> piece(new char[per * elem]);
   std::vector<const void*> srcs(static_cast<size_t>(size_));
   for (size_t a = 0; a < count; a += per) {
     const size_t n = std::min(per, count - a);
     for (int r = 0; r < size_; ++r) srcs[static_cast<size_t>(r)] = peers[static_cast<size_t>(r)][me] + a * elem;
     combine(piece.get(), srcs, n, red);
-    std::memcpy(static_cast<char*>(out) + a * elem, piece.get(), n * elem);
+    char* dst = static_cast<char*>(out) + a * elem;
+    if (stream) {
+      stream_copy(dst, piece.get(), n * elem);
+    } else {
+      std::memcpy(dst, piece.get(), n * elem);
+    }
   }
+  if (stream) stream_fence();
 }
 
 }  // namespace ember::detail
