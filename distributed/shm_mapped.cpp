@@ -73,9 +73,6 @@ namespace {
 constexpr size_t kMapsPerPeer = 256;
 // The piece that one reduction step keeps in this core's cache.
 constexpr size_t kPieceBytes = size_t{32} << 10;
-// A table entry in the slot: region id (0: not shareable), fd, region bytes, offset, buffer
-// bytes, the buffer's address in its own process.
-constexpr size_t kEntryWords = 6;
 
 struct Mapped {
   void* base = MAP_FAILED;
@@ -245,36 +242,74 @@ bool ShmAllreduce::probe_mapping(Store& store, Duration timeout) {
   return ok;
 }
 
+void ShmAllreduce::check_table_fits(size_t entries) const {
+  if (2 + kEntryWords * entries > chunk_ / sizeof(uint64_t)) {
+    throw std::invalid_argument(str_cat("shared-memory collectives: ", entries,
+                                        " buffers do not fit a slot of ", chunk_, " bytes"));
+  }
+}
+
+void ShmAllreduce::write_table(char* slot, const std::vector<Entry>& mine) const {
+  auto* w = reinterpret_cast<uint64_t*>(slot);
+  w[0] = mine.size();
+  w[1] = shareable_frees();
+  for (size_t i = 0; i < mine.size(); ++i) {
+    uint64_t* e = w + 2 + kEntryWords * i;
+    const auto ref = mine[i].data ? find_shareable(mine[i].data, mine[i].bytes)
+                                  : std::optional<ShareableRef>();
+    e[0] = ref ? ref->id : 0;
+    e[1] = ref ? static_cast<uint64_t>(ref->fd) : 0;
+    e[2] = ref ? ref->region_bytes : 0;
+    e[3] = ref ? ref->offset : 0;
+    e[4] = mine[i].bytes;
+    e[5] = reinterpret_cast<uintptr_t>(mine[i].data);
+  }
+}
+
+std::pair<char*, std::shared_ptr<void>> ShmAllreduce::mapped_pointer(int r, const uint64_t* e) {
+  std::shared_ptr<Mapped> m;
+  {
+    std::lock_guard<std::mutex> lock(maps_->mu);
+    auto& peer = maps_->peers[static_cast<size_t>(r)];
+    auto it = peer.regions.find(e[0]);
+    if (it != peer.regions.end()) {
+      m = it->second;
+      peer.order.remove(e[0]);
+    }
+    if (!m) {
+      try {
+        m = map_region(r, pid_of(r), static_cast<int>(e[1]), e[0], e[2]);
+      } catch (const std::exception&) {
+        throw_if_aborted();  // the peer gave up and let its buffer go: say why
+        throw;
+      }
+      peer.regions[e[0]] = m;
+      while (peer.regions.size() > kMapsPerPeer) {
+        peer.regions.erase(peer.order.back());
+        peer.order.pop_back();
+      }
+    }
+    peer.order.push_front(e[0]);
+  }
+  if (e[3] > m->bytes || e[4] > m->bytes - e[3]) {
+    throw std::runtime_error(str_cat("rank ", r, " published a buffer outside its region (",
+                                     e[3], " + ", e[4], " bytes of ", m->bytes, ")"));
+  }
+  char* p = static_cast<char*>(m->base) + e[3];
+  return {p, std::move(m)};
+}
+
 void ShmAllreduce::run_mapped_or_staged(uint64_t ticket, const Desc& desc,
                                         const std::vector<Entry>& mine, size_t staged_steps,
                                         Clock::time_point deadline, const StepFn& staged,
                                         const MappedFn& mapped) {
-  if (2 + kEntryWords * mine.size() > chunk_ / sizeof(uint64_t)) {
-    throw std::invalid_argument(str_cat("shared-memory collectives: ", mine.size(),
-                                        " buffers do not fit a slot of ", chunk_, " bytes"));
-  }
+  check_table_fits(mine.size());
   size_t steps = 1 + staged_steps;
   // Mappings in use by this collective: a concurrent one's eviction cannot unmap them.
-  std::vector<std::shared_ptr<Mapped>> held;
+  std::vector<std::shared_ptr<void>> held;
   run_steps_until(ticket, desc, steps, deadline, [&](Phase phase, size_t k, const Area& area) {
     if (k > 0) return staged(phase, k - 1, area);
-    if (phase == Phase::Publish) {
-      auto* w = reinterpret_cast<uint64_t*>(area.slot(rank_));
-      w[0] = mine.size();
-      w[1] = shareable_frees();
-      for (size_t i = 0; i < mine.size(); ++i) {
-        uint64_t* e = w + 2 + kEntryWords * i;
-        const auto ref = mine[i].data ? find_shareable(mine[i].data, mine[i].bytes)
-                                      : std::optional<ShareableRef>();
-        e[0] = ref ? ref->id : 0;
-        e[1] = ref ? static_cast<uint64_t>(ref->fd) : 0;
-        e[2] = ref ? ref->region_bytes : 0;
-        e[3] = ref ? ref->offset : 0;
-        e[4] = mine[i].bytes;
-        e[5] = reinterpret_cast<uintptr_t>(mine[i].data);
-      }
-      return;
-    }
+    if (phase == Phase::Publish) return write_table(area.slot(rank_), mine);
     if (phase != Phase::Combine) return;
     for (int r = 0; r < size_; ++r) {
       const auto* w = reinterpret_cast<const uint64_t*>(area.slot(r));
@@ -296,35 +331,8 @@ void ShmAllreduce::run_mapped_or_staged(uint64_t ticket, const Desc& desc,
           peers[static_cast<size_t>(r)].push_back(reinterpret_cast<char*>(e[5]));
           continue;
         }
-        std::shared_ptr<Mapped> m;
-        {
-          std::lock_guard<std::mutex> lock(maps_->mu);
-          auto& peer = maps_->peers[static_cast<size_t>(r)];
-          auto it = peer.regions.find(e[0]);
-          if (it != peer.regions.end()) {
-            m = it->second;
-            peer.order.remove(e[0]);
-          }
-          if (!m) {
-            try {
-              m = map_region(r, pid_of(r), static_cast<int>(e[1]), e[0], e[2]);
-            } catch (const std::exception&) {
-              throw_if_aborted();  // the peer gave up and let its buffer go: say why
-              throw;
-            }
-            peer.regions[e[0]] = m;
-            while (peer.regions.size() > kMapsPerPeer) {
-              peer.regions.erase(peer.order.back());
-              peer.order.pop_back();
-            }
-          }
-          peer.order.push_front(e[0]);
-        }
-        if (e[3] > m->bytes || e[4] > m->bytes - e[3]) {
-          throw std::runtime_error(str_cat("rank ", r, " published a buffer outside its region (",
-                                           e[3], " + ", e[4], " bytes of ", m->bytes, ")"));
-        }
-        peers[static_cast<size_t>(r)].push_back(static_cast<char*>(m->base) + e[3]);
+        auto [p, m] = mapped_pointer(r, e);
+        peers[static_cast<size_t>(r)].push_back(p);
         held.push_back(std::move(m));
       }
     }

@@ -180,7 +180,18 @@ bool ShmAllreduce::single_copy(size_t bytes) {
 }
 
 void ShmAllreduce::peer_read(int r, const std::vector<Entry>& local,
-                             const std::vector<Entry>& remote, const char* kind) const {
+                             const std::vector<Entry>& remote, const char* kind) {
+  if (local.size() == 1 && remote.size() == 1 && remote[0].region != nullptr) {
+    // A shareable peer buffer: a plain copy from its mapping (Note [mapped reductions]), which
+    // unlike cross-memory attach does not pin the peer's 4 KiB pages one by one.
+    if (remote[0].bytes < local[0].bytes) {
+      throw std::runtime_error(str_cat("rank ", r, " published fewer bytes than this rank reads in "
+                                       "the shared-memory ", kind, " (single copy)"));
+    }
+    auto [src, keep] = mapped_pointer(r, remote[0].region);
+    copy(const_cast<void*>(local[0].data), src, local[0].bytes);
+    return;
+  }
   std::vector<iovec> l = iovecs(local), m = iovecs(remote);
   size_t li = 0, mi = 0;
   const int pid = pid_of(r);
@@ -215,26 +226,21 @@ void ShmAllreduce::peer_read(int r, const std::vector<Entry>& local,
 
 void ShmAllreduce::run_direct(uint64_t ticket, const Desc& desc, const std::vector<Entry>& mine,
                               Clock::time_point deadline, const DirectFn& body) {
-  // The slot holds a count, then an address and a size per entry.
-  if (2 * mine.size() + 1 > chunk_ / sizeof(uint64_t)) {
-    throw std::invalid_argument(str_cat("shared-memory collectives: ", mine.size(),
-                                        " buffers do not fit a slot of ", chunk_, " bytes"));
-  }
+  check_table_fits(mine.size());
   run_steps(ticket, desc, 1, deadline, [&](Phase phase, size_t, const Area& area) {
     if (phase == Phase::Publish) {
-      auto* w = reinterpret_cast<uint64_t*>(area.slot(rank_));
-      w[0] = mine.size();
-      for (size_t i = 0; i < mine.size(); ++i) {
-        w[1 + 2 * i] = reinterpret_cast<uintptr_t>(mine[i].data);
-        w[2 + 2 * i] = mine[i].bytes;
-      }
+      write_table(area.slot(rank_), mine);
     } else if (phase == Phase::Combine) {
       std::vector<std::vector<Entry>> tables(static_cast<size_t>(size_));
       for (int r = 0; r < size_; ++r) {
         const auto* w = reinterpret_cast<const uint64_t*>(area.slot(r));
+        const uint64_t* entries = w + 2;
+        if (mapping_ && r != rank_ && pid_of(r) != ::getpid()) drop_freed(r, w[1], entries, w[0]);
         auto& t = tables[static_cast<size_t>(r)];
         for (uint64_t i = 0; i < w[0]; ++i) {
-          t.push_back({reinterpret_cast<const void*>(w[1 + 2 * i]), w[2 + 2 * i]});
+          const uint64_t* e = entries + kEntryWords * i;
+          const bool mapped = mapping_ && e[0] != 0 && r != rank_ && pid_of(r) != ::getpid();
+          t.push_back({reinterpret_cast<const void*>(e[5]), e[4], mapped ? e : nullptr});
         }
       }
       body(tables);

@@ -70,6 +70,10 @@ class ShmAllreduce {
   struct Entry {
     const void* data;
     size_t bytes;
+    /// For a peer's buffer: its published table entry, when the buffer is shareable (Note
+    /// [mapped reductions]): a reader then copies from its mapping instead of with
+    /// cross-memory attach.
+    const uint64_t* region = nullptr;
   };
   /// How two ranks' values combine: `fn` (Avg: the sum), then `divide`, if given, divides each
   /// reduced element by the group size.
@@ -204,7 +208,7 @@ class ShmAllreduce {
   /// ones (the lists may be cut differently) with cross-memory attach. Throws naming r if it
   /// exited or the kernel refuses.
   void peer_read(int r, const std::vector<Entry>& local, const std::vector<Entry>& remote,
-                 const char* kind) const;
+                 const char* kind);
   /// Rank r's pid (all ranks share a PID namespace).
   int pid_of(int r) const;
   void broadcast_direct(uint64_t ticket, void* data, size_t count, Dtype dtype, int root,
@@ -226,6 +230,18 @@ class ShmAllreduce {
   /// In agree_single_copy: publishes a probe region and tries to map every peer's; false (and
   /// logged) if some peer's cannot be.
   bool probe_mapping(Store& store, Duration timeout);
+  /// Words of a table entry in a slot: region id (0: not shareable), fd, region bytes, offset,
+  /// buffer bytes, the buffer's address in its own process.
+  static constexpr size_t kEntryWords = 6;
+  /// Throws if `entries` table entries do not fit a slot.
+  void check_table_fits(size_t entries) const;
+  /// Writes into `slot` the table of `mine`: their count, this process's count of freed
+  /// shareable regions, then per buffer its region (id 0: not shareable), fd, region size,
+  /// offset, size and address.
+  void write_table(char* slot, const std::vector<Entry>& mine) const;
+  /// Rank r's buffer of table entry `e` as mapped here (mapping its region once), with what keeps
+  /// the mapping alive while it is used.
+  std::pair<char*, std::shared_ptr<void>> mapped_pointer(int r, const uint64_t* e);
   /// Drops this rank's mappings of rank r's regions if r freed some since (Note [mapped
   /// reductions]); `entries`: the n table entries of r that the collective uses.
   void drop_freed(int r, uint64_t frees, const uint64_t* entries, size_t n);

@@ -254,6 +254,51 @@ TEST_P(ShmMapped, MappingsOfFreedRegionsAreDropped) {
   });
 }
 
+// The collectives that only move data (Note [single-copy collectives]) read a shareable peer
+// buffer from its mapping instead of with cross-memory attach: same bytes as staged, and the
+// peers' regions end up mapped here.
+TEST_P(ShmMapped, SingleCopiesReadShareablePeersThroughTheirMappings) {
+  const int n = GetParam();
+  run_processes(n, [n](int rank, Store& store) {
+    auto direct = make_shm(store, "direct", rank, n, kAlways);
+    auto staged = make_shm(store, "staged", rank, n, kNever);
+    const int64_t count = 300007;
+    for (bool shareable : {true, false}) {
+      Tensor b = input(rank, 0, count, kFloat32, shareable);
+      direct->broadcast(direct->next_ticket(), b.data_ptr(), count, kFloat32, n - 1, soon());
+      Tensor b2 = input(rank, 0, count, kFloat32, false);
+      staged->broadcast(staged->next_ticket(), b2.data_ptr(), count, kFloat32, n - 1, soon());
+      require(bytes_of(b) == bytes_of(b2), "broadcast on rank " + std::to_string(rank));
+      std::vector<Tensor> ins, outs, outs2;
+      std::vector<const void*> in_ptrs;
+      std::vector<void*> out_ptrs, out_ptrs2;
+      for (int j = 0; j < n; ++j) {
+        ins.push_back(input(rank, j, count, kFloat32, shareable));
+        in_ptrs.push_back(ins.back().data_ptr());
+        outs.push_back(empty({count}, kFloat32));
+        outs2.push_back(empty({count}, kFloat32));
+        out_ptrs.push_back(outs.back().data_ptr());
+        out_ptrs2.push_back(outs2.back().data_ptr());
+      }
+      direct->alltoall(direct->next_ticket(), in_ptrs, out_ptrs, count, kFloat32, soon());
+      staged->alltoall(staged->next_ticket(), in_ptrs, out_ptrs2, count, kFloat32, soon());
+      for (int j = 0; j < n; ++j) {
+        require(bytes_of(outs[j]) == bytes_of(outs2[j]), "alltoall on rank " + std::to_string(rank));
+      }
+      direct->gather(direct->next_ticket(), in_ptrs[0], out_ptrs, count, kFloat32, -1, soon());
+      staged->gather(staged->next_ticket(), in_ptrs[0], out_ptrs2, count, kFloat32, -1, soon());
+      for (int j = 0; j < n; ++j) {
+        require(bytes_of(outs[j]) == bytes_of(outs2[j]), "allgather on rank " + std::to_string(rank));
+      }
+      // Shareable peers were read through their mappings (cross-memory attach maps nothing).
+      require((direct->mapped_regions() > 0) == shareable,
+              "rank " + std::to_string(rank) + ": " + std::to_string(direct->mapped_regions()) +
+                  " regions mapped after the " + (shareable ? "shareable" : "ordinary") + " calls");
+    }
+    require(direct->single_copies() == 6, "not every call took the single-copy path");
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, ShmMapped, ::testing::Values(2, 4),
                          [](const auto& info) { return "n" + std::to_string(info.param); });
 
