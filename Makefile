@@ -9,21 +9,21 @@ JOBS ?= $(shell nproc)
 FUZZ_BUILD_DIR ?= build-fuzz
 FUZZ_SECONDS ?= 60
 # Sanitizer builds (docs/reliability.md), each in its own folder; the test binaries are run
-# directly (ctest names cases, not binaries). ASan+UBSan: every test of the layers below. TSan:
-# the store, process-group and DDP tests, with the layers under them built without TSan (and so
-# shared with the plain build through ccache): TSan checks the threads of the code it tests.
+# directly (ctest names cases, not binaries). ASan+UBSan: every test of the layers below, every
+# library instrumented. TSan: the store, process-group and DDP tests, with the layers under them
+# built without TSan (and so shared with the plain build through ccache): TSan checks the threads
+# of the code it tests. Each has a -build target that only builds (.ci/run gives a build the time
+# CI has left and skips the step if a cold ccache makes it longer).
 ASAN_BUILD_DIR ?= build-asan
 TSAN_BUILD_DIR ?= build-tsan
 ASAN_LAYERS ?= tensor autograd nn distributed launcher
 ASAN_TESTS ?= $(foreach l,$(ASAN_LAYERS),$(patsubst tests/$(l)/%.cpp,$(l)_%,$(wildcard tests/$(l)/*_test.cpp)))
 # ASAN_SKIP: libraries built without ASan, with exactly the plain build's compile commands (so
-# ccache serves them). `make asan-ci` skips the tensor library, whose kernels are most of a cold
-# ASan build: ASan's allocator still sees its allocations, and every test runs. CUDA stays on only when ember_tensor (which holds
-# every .cu file) is skipped, since nvcc takes no -fsanitize.
+# ccache serves them), e.g. "ember_log;ember_tensor" for a quick build of the layers above; ASan's
+# allocator still sees their allocations. CUDA stays on: the sanitizers instrument C and C++ only,
+# and the .cu files keep the plain build's compile commands.
 ASAN_SKIP ?=
-ASAN_CUDA = $(if $(findstring ember_tensor,$(ASAN_SKIP)),ON,OFF)
 ASAN_CI_BUILD_DIR ?= build-asan-ci
-ASAN_CI_LAYERS ?= tensor autograd nn distributed launcher
 # ASAN_RUN: `binaries` runs each test binary in turn; `ctest` runs the cases in parallel, those
 # under mpirun (names with "Mpi") in a pass of their own with full stacks on every malloc, which
 # the suppressions of Open MPI's leaks need (tests/sanitizers/lsan.supp) and which would slow
@@ -53,7 +53,8 @@ run_tests = fail=""; for t in $(2); do echo "== $$t"; \
   $(SANITIZER_ENV) $(3) timeout 1200 $(1)/tests/$$t --gtest_brief=1 || fail="$$fail $$t"; done; \
   if [ -n "$$fail" ]; then echo "failed:$$fail"; exit 1; fi
 
-.PHONY: all deps configure build test train bench clean fuzz fuzz-build sanitize asan asan-ci tsan
+.PHONY: all deps configure build test train bench clean fuzz fuzz-build sanitize asan asan-build \
+  asan-ci asan-ci-build tsan tsan-build
 
 all: build
 
@@ -93,13 +94,14 @@ fuzz: fuzz-build
 
 sanitize: asan tsan
 
-asan: deps
+asan-build: deps
 	@if [ ! -f $(ASAN_BUILD_DIR)/build.ninja ]; then \
 	  cmake -S . -B $(ASAN_BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release -DEMBER_SANITIZE=address \
-	    "-DEMBER_SANITIZE_SKIP=$(ASAN_SKIP)" -DEMBER_WITH_CUDA=$(ASAN_CUDA) \
-	    -DEMBER_BUILD_BENCHMARKS=OFF; \
+	    "-DEMBER_SANITIZE_SKIP=$(ASAN_SKIP)" -DEMBER_BUILD_BENCHMARKS=OFF; \
 	fi
 	@cmake --build $(ASAN_BUILD_DIR) -j $(JOBS) --target $(ASAN_TESTS)
+
+asan: asan-build
 	@if [ "$(ASAN_RUN)" = ctest ]; then \
 	  cd $(ASAN_BUILD_DIR); \
 	  $(SANITIZER_ENV) $(ASAN_CTEST) -E '_NOT_BUILT$$|Mpi|^downstream[.]'; rest=$$?; \
@@ -108,18 +110,22 @@ asan: deps
 	  [ $$rest -eq 0 ] && [ $$mpi -eq 0 ]; \
 	else $(call run_tests,$(ASAN_BUILD_DIR),$(ASAN_TESTS)); fi
 
-# CI's ASan+UBSan step (.ci/run): the layers' tests, run by ctest in parallel like `make test`
-# (cases whose binary is not built are left out).
+# CI's ASan+UBSan step (.ci/run): `make asan`'s build, its tests run by ctest in parallel like
+# `make test` (cases whose binary is not built are left out).
+ASAN_CI = ASAN_BUILD_DIR=$(ASAN_CI_BUILD_DIR) ASAN_RUN=ctest
+asan-ci-build:
+	@$(MAKE) --no-print-directory asan-build $(ASAN_CI)
 asan-ci:
-	@$(MAKE) --no-print-directory asan ASAN_BUILD_DIR=$(ASAN_CI_BUILD_DIR) \
-	  "ASAN_SKIP=ember_log;ember_tensor" "ASAN_LAYERS=$(ASAN_CI_LAYERS)" ASAN_RUN=ctest
+	@$(MAKE) --no-print-directory asan $(ASAN_CI)
 
-tsan: deps
+tsan-build: deps
 	@if [ ! -f $(TSAN_BUILD_DIR)/build.ninja ]; then \
 	  cmake -S . -B $(TSAN_BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release -DEMBER_SANITIZE=thread \
 	    "-DEMBER_SANITIZE_SKIP=$(TSAN_SKIP)" -DEMBER_BUILD_BENCHMARKS=OFF; \
 	fi
 	@cmake --build $(TSAN_BUILD_DIR) -j $(JOBS) --target $(TSAN_TESTS)
+
+tsan: tsan-build
 	@$(call run_tests,$(TSAN_BUILD_DIR),$(TSAN_TESTS),$(TSAN_ENV))
 
 clean:

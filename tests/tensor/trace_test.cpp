@@ -2,6 +2,7 @@
 // JSON; off records nothing and writes no file; the file appears whole or not at all.
 #include <ember/tensor/trace.h>
 
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -230,6 +231,22 @@ TEST(Trace, TheFileIsReplacedWholeOrNotAtAll) {
   for (const auto& e : fs::directory_iterator(dir.path))
     EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
   EXPECT_FALSE(trace::enabled());
+}
+
+// One recorder per process: its state and functions are defined in ember_log alone, which the
+// store and launcher link without tensors. A second copy in ember_tensor would be a second
+// recorder (and g_level) in every process that loads both, which of the two a call reached then
+// depending on the libraries' load order; ASan reports the duplicate globals (odr-violation).
+TEST(Trace, TheRecorderIsDefinedOnlyInEmberLog) {
+  auto library_of = [](const void* addr) {
+    Dl_info info{};
+    EXPECT_NE(dladdr(addr, &info), 0);
+    return fs::path(info.dli_fname != nullptr ? info.dli_fname : "").filename().string();
+  };
+  // Functions, not g_level: a PIE test binary holds its own copy of a library variable it reads
+  // (a copy relocation), so a variable's address names this binary.
+  EXPECT_EQ(library_of(reinterpret_cast<const void*>(&trace::start)), "libember_log.so");
+  EXPECT_EQ(library_of(reinterpret_cast<const void*>(&trace::stop)), "libember_log.so");
 }
 
 }  // namespace
