@@ -24,7 +24,8 @@
 // pipelined|latency (pipelined, as nccl-tests: issue `iters` calls, then wait for the last;
 // latency: wait for each call before issuing the next), --shareable (every buffer from
 // dist::empty_shareable(): over gloo's shared memory the reductions then reduce straight from
-// the peers' buffers, Note [mapped reductions]).
+// the peers' buffers, Note [mapped reductions]), --pin (with --np: rank r on core r mod cores).
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -67,6 +68,7 @@ struct Args {
   int rounds = 5;
   std::string mode = "pipelined";
   bool shareable = false;
+  bool pin = false;
 };
 
 const std::vector<std::string> kOps = {
@@ -113,6 +115,9 @@ Args parse(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 30));
   app.add_option("--mode", a.mode, "pipelined (nccl-tests) or latency (wait for each call)")
       ->check(CLI::IsMember({"pipelined", "latency"}));
+  app.add_flag("--pin", a.pin,
+               "with --np: pin rank r to core r mod cores (the scheduler may otherwise put two "
+               "ranks on one core, and a rank then waits for its peer's time slice)");
   app.add_flag("--shareable", a.shareable,
                "buffers from dist::empty_shareable() (the mapped reductions over gloo)");
   try {
@@ -407,6 +412,12 @@ int main(int argc, char** argv) {
         ::setenv("WORLD_SIZE", std::to_string(a.np).c_str(), 1);
         ::setenv("MASTER_ADDR", "127.0.0.1", 1);
         ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+        if (a.pin) {
+          cpu_set_t set;
+          CPU_ZERO(&set);
+          CPU_SET(r % static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN)), &set);
+          if (::sched_setaffinity(0, sizeof(set), &set) != 0) std::perror("sched_setaffinity");
+        }
         try {
           ::_exit(rank_main(a));
         } catch (const std::exception& e) {
