@@ -66,11 +66,8 @@ Tensor empty_shareable(IntList shape, TensorOptions opts) {
   EMBER_CHECK(opts.device_.is_cpu(), "empty_shareable: expected a CPU tensor, got device ",
               opts.device_);
   EMBER_CHECK(!opts.pinned_, "empty_shareable: pinned memory cannot be shareable");
-  int64_t numel = 1;
-  for (int64_t d : shape) {
-    EMBER_CHECK(d >= 0, "empty_shareable: expected sizes >= 0, got ", d);
-    numel *= d;
-  }
+  for (int64_t d : shape) EMBER_CHECK(d >= 0, "empty_shareable: expected sizes >= 0, got ", d);
+  const int64_t numel = Shape(shape).numel();
   const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
   const size_t want = static_cast<size_t>(numel) * static_cast<size_t>(itemsize(opts.dtype_));
   const size_t bytes = std::max(page, (want + page - 1) / page * page);

@@ -326,6 +326,8 @@ ShmAllreduce::~ShmAllreduce() {
 
 int ShmAllreduce::pid_of(int r) const { return pids_of(base_)[r]; }
 
+bool ShmAllreduce::in_this_process(int r) const { return r == rank_ || pid_of(r) == ::getpid(); }
+
 // ---- channels -----------------------------------------------------------------------------------
 
 uint64_t ShmAllreduce::next_ticket() {
@@ -376,14 +378,20 @@ void ShmAllreduce::abort(const std::string& why) {
   }
 }
 
-void ShmAllreduce::throw_if_aborted() const {
-  const SegmentHeader& h = header_of(base_);
-  const uint32_t a = atom(const_cast<uint32_t&>(h.aborted)).load(std::memory_order_acquire);
+namespace {
+
+// Throws naming the rank that aborted the group (abort()) and why, if one has.
+void check_abort(SegmentHeader& h) {
+  const uint32_t a = atom(h.aborted).load(std::memory_order_acquire);
   if (a != 0) {
     throw std::runtime_error(
         str_cat("rank ", a - 1, " gave up after an error (", std::string(h.why), ")"));
   }
 }
+
+}  // namespace
+
+void ShmAllreduce::throw_if_aborted() const { check_abort(header_of(base_)); }
 
 // ---- steps ------------------------------------------------------------------------------------
 
@@ -445,13 +453,7 @@ struct Channel {
   int size;
   const char* kind;  // for errors: "allreduce"
 
-  void check_abort() const {
-    const uint32_t a = atom(header->aborted).load(std::memory_order_acquire);
-    if (a != 0) {
-      throw std::runtime_error(str_cat("rank ", a - 1, " gave up after an error (",
-                                               std::string(header->why), ")"));
-    }
-  }
+  void check_abort() const { ::ember::detail::check_abort(*header); }
 
   void post(uint32_t RankLine::*field, uint32_t step) const {
     tsan_release(header->nonce);

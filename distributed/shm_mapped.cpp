@@ -211,9 +211,8 @@ bool ShmAllreduce::probe_mapping(Store& store, Duration timeout) {
   std::string offer = "none";
   bool ok = true;
   try {
-    auto* probe = new Tensor(dist::empty_shareable({1}, kUInt8));
-    map_probe_ = std::shared_ptr<void>(probe, [](void* t) { delete static_cast<Tensor*>(t); });
-    const auto ref = find_shareable(probe->data_ptr(), 1);
+    map_probe_ = dist::empty_shareable({1}, kUInt8);
+    const auto ref = find_shareable(map_probe_.data_ptr(), 1);
     offer = str_cat(ref->id, " ", ref->fd, " ", ref->region_bytes);
   } catch (const std::exception& e) {
     logging::info("[gloo] rank ", rank_, ": ", e.what(),
@@ -223,7 +222,7 @@ bool ShmAllreduce::probe_mapping(Store& store, Duration timeout) {
   store.set("ember_shm/map/" + std::to_string(rank_), offer);
   for (int r = 0; r < size_; ++r) {
     const std::string theirs = store.get_string("ember_shm/map/" + std::to_string(r), timeout);
-    if (r == rank_ || pid_of(r) == ::getpid() || !ok) continue;
+    if (in_this_process(r) || !ok) continue;
     std::istringstream in(theirs);
     uint64_t id = 0, bytes = 0;
     int fd = -1;
@@ -324,10 +323,11 @@ void ShmAllreduce::run_mapped_or_staged(uint64_t ticket, const Desc& desc,
     PeerBuffers peers(static_cast<size_t>(size_));
     for (int r = 0; r < size_; ++r) {
       const auto* w = reinterpret_cast<const uint64_t*>(area.slot(r));
-      drop_freed(r, w[1], w + 2, mine.size());
+      const bool here = in_this_process(r);  // its buffers are used where they lie
+      if (!here) drop_freed(r, w[1], w + 2, mine.size());
       for (size_t i = 0; i < mine.size(); ++i) {
         const uint64_t* e = w + 2 + kEntryWords * i;
-        if (r == rank_ || pid_of(r) == ::getpid()) {  // where it lies, in this process
+        if (here) {
           peers[static_cast<size_t>(r)].push_back(reinterpret_cast<char*>(e[5]));
           continue;
         }
@@ -342,50 +342,53 @@ void ShmAllreduce::run_mapped_or_staged(uint64_t ticket, const Desc& desc,
   });
 }
 
-void ShmAllreduce::mapped_reduce(const PeerBuffers& peers, Dtype dtype, size_t count, int root,
-                                 const Reduction& red) const {
+void ShmAllreduce::reduce_pieces(const PeerBuffers& peers, size_t block, Dtype dtype,
+                                 size_t first, size_t end, const Reduction& red,
+                                 const WriteFn& write) const {
   const size_t elem = static_cast<size_t>(itemsize(dtype));
   const size_t per = std::max<size_t>(1, kPieceBytes / elem);
-  const size_t first = count * static_cast<size_t>(rank_) / static_cast<size_t>(size_);
-  const size_t end = count * static_cast<size_t>(rank_ + 1) / static_cast<size_t>(size_);
   std::unique_ptr<char[]> piece(new char[per * elem]);
   std::vector<const void*> srcs(static_cast<size_t>(size_));
   for (size_t a = first; a < end; a += per) {
     const size_t n = std::min(per, end - a);
-    for (int r = 0; r < size_; ++r) srcs[static_cast<size_t>(r)] = peers[static_cast<size_t>(r)][0] + a * elem;
+    for (size_t r = 0; r < srcs.size(); ++r) srcs[r] = peers[r][block] + a * elem;
     combine(piece.get(), srcs, n, red);
-    if (root >= 0) {
-      std::memcpy(peers[static_cast<size_t>(root)][0] + a * elem, piece.get(), n * elem);
-      continue;
-    }
-    for (int i = 0; i < size_; ++i) {  // from the next rank: the ranks write different peers
-      const auto r = static_cast<size_t>((rank_ + 1 + i) % size_);
-      std::memcpy(peers[r][0] + a * elem, piece.get(), n * elem);
-    }
+    write(a, piece.get(), n * elem);
   }
+}
+
+void ShmAllreduce::mapped_reduce(const PeerBuffers& peers, Dtype dtype, size_t count, int root,
+                                 const Reduction& red) const {
+  const size_t elem = static_cast<size_t>(itemsize(dtype));
+  const auto share = [&](int r) { return count * static_cast<size_t>(r) / static_cast<size_t>(size_); };
+  reduce_pieces(peers, 0, dtype, share(rank_), share(rank_ + 1), red,
+                [&](size_t a, const char* piece, size_t bytes) {
+                  if (root >= 0) {
+                    std::memcpy(peers[static_cast<size_t>(root)][0] + a * elem, piece, bytes);
+                    return;
+                  }
+                  for (int i = 0; i < size_; ++i) {  // from the next rank: the ranks write
+                    const auto r = static_cast<size_t>((rank_ + 1 + i) % size_);  // different peers
+                    std::memcpy(peers[r][0] + a * elem, piece, bytes);
+                  }
+                });
 }
 
 void ShmAllreduce::mapped_reduce_scatter(const PeerBuffers& peers, void* out, Dtype dtype,
                                          size_t count, const Reduction& red) const {
   const size_t elem = static_cast<size_t>(itemsize(dtype));
-  const size_t per = std::max<size_t>(1, kPieceBytes / elem);
   const auto me = static_cast<size_t>(rank_);
   // An output that is not this rank's own block was not just read, so its lines are not in
   // this core's cache: streaming stores skip reading them in before they are overwritten.
   const bool stream = out != peers[me][me];
-  std::unique_ptr<char[]> piece(new char[per * elem]);
-  std::vector<const void*> srcs(static_cast<size_t>(size_));
-  for (size_t a = 0; a < count; a += per) {
-    const size_t n = std::min(per, count - a);
-    for (int r = 0; r < size_; ++r) srcs[static_cast<size_t>(r)] = peers[static_cast<size_t>(r)][me] + a * elem;
-    combine(piece.get(), srcs, n, red);
+  reduce_pieces(peers, me, dtype, 0, count, red, [&](size_t a, const char* piece, size_t bytes) {
     char* dst = static_cast<char*>(out) + a * elem;
     if (stream) {
-      stream_copy(dst, piece.get(), n * elem);
+      stream_copy(dst, piece, bytes);
     } else {
-      std::memcpy(dst, piece.get(), n * elem);
+      std::memcpy(dst, piece, bytes);
     }
-  }
+  });
   if (stream) stream_fence();
 }
 

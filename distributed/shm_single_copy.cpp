@@ -235,12 +235,13 @@ void ShmAllreduce::run_direct(uint64_t ticket, const Desc& desc, const std::vect
       for (int r = 0; r < size_; ++r) {
         const auto* w = reinterpret_cast<const uint64_t*>(area.slot(r));
         const uint64_t* entries = w + 2;
-        if (mapping_ && r != rank_ && pid_of(r) != ::getpid()) drop_freed(r, w[1], entries, w[0]);
+        const bool mappable = mapping_ && !in_this_process(r);
+        if (mappable) drop_freed(r, w[1], entries, w[0]);
         auto& t = tables[static_cast<size_t>(r)];
         for (uint64_t i = 0; i < w[0]; ++i) {
           const uint64_t* e = entries + kEntryWords * i;
-          const bool mapped = mapping_ && e[0] != 0 && r != rank_ && pid_of(r) != ::getpid();
-          t.push_back({reinterpret_cast<const void*>(e[5]), e[4], mapped ? e : nullptr});
+          t.push_back({reinterpret_cast<const void*>(e[5]), e[4],
+                       mappable && e[0] != 0 ? e : nullptr});
         }
       }
       body(tables);

@@ -18,6 +18,7 @@
 #include <ember/distributed/process_group.h>
 #include <ember/distributed/store.h>
 #include <ember/tensor/dtype.h>
+#include <ember/tensor/tensor.h>
 
 // In ember::detail, not ember::dist::detail (store_util.h says why).
 namespace ember::detail {
@@ -209,6 +210,9 @@ class ShmAllreduce {
   /// exited or the kernel refuses.
   void peer_read(int r, const std::vector<Entry>& local, const std::vector<Entry>& remote,
                  const char* kind);
+  /// True for this rank and for ranks that are threads of this process: their buffers are
+  /// used where they lie, not read or mapped from another process.
+  bool in_this_process(int r) const;
   /// Rank r's pid (all ranks share a PID namespace).
   int pid_of(int r) const;
   void broadcast_direct(uint64_t ticket, void* data, size_t count, Dtype dtype, int root,
@@ -254,6 +258,12 @@ class ShmAllreduce {
   void run_mapped_or_staged(uint64_t ticket, const Desc& desc, const std::vector<Entry>& mine,
                             size_t staged_steps, Clock::time_point deadline,
                             const StepFn& staged, const MappedFn& mapped);
+  /// Reduces elements [first, end) of peers[r][block] over the ranks r in rank order, piece by
+  /// piece through a buffer that stays in cache, and hands each piece to `write(at, piece,
+  /// bytes)` (`at`: the piece's first element).
+  using WriteFn = std::function<void(size_t at, const char* piece, size_t bytes)>;
+  void reduce_pieces(const PeerBuffers& peers, size_t block, Dtype dtype, size_t first,
+                     size_t end, const Reduction& r, const WriteFn& write) const;
   /// The allreduce (root < 0) or the reduce to root of one buffer per rank, each rank reducing
   /// its share from every rank's buffer and writing it into every rank's (root's).
   void mapped_reduce(const PeerBuffers& peers, Dtype dtype, size_t count, int root,
@@ -288,7 +298,7 @@ class ShmAllreduce {
   std::atomic<uint64_t> mapped_reductions_{0};
   std::unique_ptr<PeerMaps, PeerMapsDeleter> maps_;
   bool mapping_ = false;            // every rank can map every peer's shareable memory
-  std::shared_ptr<void> map_probe_;  // this rank's probe region (probe_mapping)
+  Tensor map_probe_;                 // this rank's probe region (probe_mapping)
 };
 
 }  // namespace ember::detail
