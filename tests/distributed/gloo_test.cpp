@@ -1197,6 +1197,12 @@ TEST_P(GlooShm, ShareableTensorsReduceInPlaceOfTheirPeers) {
                 std::to_string(shm.shared_memory_stats().mapped_reductions) + " of " +
                 std::to_string(issued));
     require(tcp.shared_memory_stats().mapped_reductions == 0, "mapped reductions over TCP");
+    // zeros_for_collectives: shareable zeros over shared memory, ordinary ones over TCP.
+    Tensor z = shm.zeros_for_collectives({3, 5}, kFloat32);
+    require(is_shareable(z) && z.shape() == Shape({3, 5}) && z.abs().sum().item<float>() == 0,
+            "zeros_for_collectives over shared memory");
+    require(!is_shareable(tcp.zeros_for_collectives({3, 5}, kFloat32)),
+            "zeros_for_collectives over TCP is shareable");
   });
 }
 
