@@ -39,10 +39,16 @@ install(TARGETS ${_ember_targets} ember_all EXPORT EmberTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(TARGETS emberrun RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-foreach(layer tensor autograd nn distributed launcher)
+# Headers users include, and only those: internal is physical. Not installed: detail/ folders,
+# *_impl.h, the kernels' headers (tensor/cpu/, tensor/cuda/), and the launcher's (its library
+# is not installed; emberrun is). scripts/check_layering.py checks that no installed header
+# includes one of these.
+foreach(layer tensor autograd nn distributed)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${layer}/
           DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/ember/${layer}
-          FILES_MATCHING PATTERN "*.h" PATTERN "*.cuh")
+          FILES_MATCHING PATTERN "*.h" PATTERN "*.cuh"
+          PATTERN "detail" EXCLUDE PATTERN "*_impl.h" EXCLUDE
+          REGEX "/tensor/(cpu|cuda)$" EXCLUDE)
 endforeach()
 install(FILES ${PROJECT_SOURCE_DIR}/include/ember/ember.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/ember)
 

@@ -32,3 +32,10 @@ class DistTimeoutError : public DistError {
 };
 
 }  // namespace ember::dist
+
+// The distributed layer's internals live in ember::dist::detail (each room's detail/ headers).
+// The using-directive keeps the tensor layer's helpers (str_cat, ...) reachable as detail::x
+// from ember::dist code, which a nested detail namespace would otherwise hide.
+namespace ember::dist::detail {
+using namespace ::ember::detail;
+}  // namespace ember::dist::detail

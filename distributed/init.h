@@ -18,16 +18,18 @@
 #include <vector>
 
 #include <ember/distributed/process_group.h>
-#include <ember/distributed/store.h>
+#include <ember/distributed/store/store.h>
 
 namespace ember::dist {
 
 /// Arguments of init_process_group (torch.distributed.init_process_group's).
 struct InitOptions {
-  /// "gloo" (built in) or any backend added with register_backend ("mpi", "nccl").
+  /// A registered backend: "gloo", "mpi", "nccl", "threads" (those built), or one added with
+  /// register_backend.
   std::string backend = "gloo";
-  /// "env://" (the default when empty and no store is given), "tcp://host:port" or
-  /// "file:///path". tcp:// and file:// take rank and world_size from the fields below, from
+  /// "env://" (the default when empty and no store is given), "tcp://host:port",
+  /// "file:///path", or a URL that an init method added with register_init_method takes.
+  /// tcp:// and file:// take rank and world_size from the fields below, from
   /// "?rank=R&world_size=N" in the URL, or from the environment, in that order.
   std::string init_method;
   /// A ready store instead of init_method (then rank and world_size must be given).
@@ -56,8 +58,57 @@ struct BackendArgs {
 /// Creates a process group; registered per backend name.
 using BackendFactory = std::function<std::shared_ptr<ProcessGroup>(const BackendArgs&)>;
 
-/// Makes `name` usable in init_process_group and new_group (replacing an earlier factory).
-void register_backend(const std::string& name, BackendFactory factory);
+/// How init_process_group holds a backend's default group.
+struct BackendTraits {
+  /// The default group made with this backend belongs to the calling thread, not the process:
+  /// each rank thread of one process (the threads backend) calls init_process_group and has
+  /// its own default group, new_group and destroy_process_group (PyTorch's threaded test
+  /// groups do the same).
+  bool default_group_per_thread = false;
+};
+
+/// Makes `name` usable in init_process_group and new_group (replacing an earlier factory). Each
+/// backend registers itself from its own file (backends/), from a static initializer; a
+/// program may register its own. Throws ValueError for an empty name or a null factory.
+void register_backend(const std::string& name, BackendFactory factory, BackendTraits traits = {});
+
+/// The names of the registered backends, sorted.
+std::vector<std::string> registered_backends();
+
+/// What an init method found: the job's store, this process's rank, the world size, and rank
+/// 0's address when known (a hint for which interface the backend should use).
+struct Rendezvous {
+  std::shared_ptr<Store> store;
+  int rank = -1;
+  int world_size = -1;
+  std::string master_addr;
+  /// The default group itself, for a backend whose processes found each other without a store
+  /// (MPI under mpirun); `store` is then a process-local one that later groups' prefixes use.
+  std::shared_ptr<ProcessGroup> world;
+};
+
+/// One way for the ranks to meet (torch's rendezvous handlers): env://, tcp://, file://, and
+/// MPI's own under mpirun. init_process_group asks the registered methods in order of
+/// priority (highest first) whether they take the URL, and runs the first that does.
+struct InitMethod {
+  /// For messages: "env://", "tcp://host:port", "file:///path", "mpirun".
+  std::string name;
+  /// Whether this method handles `url` (the init_method, "env://" when none was given) for
+  /// `backend`.
+  std::function<bool(const std::string& url, const std::string& backend)> accepts;
+  /// Meets the other ranks. `options` carries rank and world_size when the caller gave them
+  /// (-1 otherwise); they must agree with what the method finds. Throws ValueError naming what
+  /// is missing or contradictory, and the store's errors.
+  std::function<Rendezvous(const std::string& url, const InitOptions& options, Duration timeout)>
+      rendezvous;
+  /// Asked before methods of lower priority: MPI's (env:// under mpirun, no MASTER_ADDR)
+  /// comes before env://'s own.
+  int priority = 0;
+};
+
+/// Adds an init method (replacing one of the same name). Throws ValueError for an empty name or
+/// a missing function.
+void register_init_method(InitMethod method);
 
 /// Rendezvous with the other ranks and create the default group. Throws ValueError naming
 /// what it found if a variable or argument is missing or contradictory, ValueError if a group

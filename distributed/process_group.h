@@ -32,7 +32,8 @@
 #include <vector>
 
 #include <ember/distributed/errors.h>
-#include <ember/distributed/store.h>
+#include <ember/distributed/op_type.h>
+#include <ember/distributed/store/store.h>
 #include <ember/tensor/tensor.h>
 
 namespace ember::cuda {

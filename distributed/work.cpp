@@ -1,4 +1,5 @@
-// Future and Work: completion, callbacks and timeouts shared by every backend.
+// Future and Work: completion, callbacks and timeouts shared by every backend; the names of
+// ReduceOp and OpType.
 #include <algorithm>
 #include <cstdio>
 
@@ -16,6 +17,26 @@ const char* to_string(ReduceOp op) {
     case ReduceOp::Product: return "product";
     case ReduceOp::Min: return "min";
     case ReduceOp::Max: return "max";
+  }
+  return "?";
+}
+
+const char* to_string(OpType op) {
+  switch (op) {
+    case OpType::Allreduce: return "allreduce";
+    case OpType::AllreduceCoalesced: return "allreduce_coalesced";
+    case OpType::Broadcast: return "broadcast";
+    case OpType::Reduce: return "reduce";
+    case OpType::Allgather: return "allgather";
+    case OpType::AllgatherIntoTensor: return "allgather_into_tensor";
+    case OpType::Gather: return "gather";
+    case OpType::Scatter: return "scatter";
+    case OpType::ReduceScatter: return "reduce_scatter";
+    case OpType::ReduceScatterTensor: return "reduce_scatter_tensor";
+    case OpType::Alltoall: return "alltoall";
+    case OpType::Barrier: return "barrier";
+    case OpType::Send: return "send";
+    case OpType::Recv: return "recv";
   }
   return "?";
 }

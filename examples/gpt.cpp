@@ -27,11 +27,11 @@
 #include <string>
 #include <vector>
 
-#include <ember/distributed/amp.h>
-#include <ember/distributed/fsdp.h>
-#include <ember/distributed/fsdp_checkpoint.h>
-#include <ember/distributed/zero.h>
-#include <ember/distributed/zero_hook.h>
+#include <ember/distributed/ddp/amp.h>
+#include <ember/distributed/sharding/fsdp.h>
+#include <ember/distributed/sharding/fsdp_checkpoint.h>
+#include <ember/distributed/sharding/zero.h>
+#include <ember/distributed/sharding/zero_hook.h>
 #include "examples/example_util.h"
 #include "examples/gpt_model.h"
 #include <ember/nn/amp/autocast.h>
@@ -446,7 +446,7 @@ void Trainer::measure_peak_memory() {
 
 // ---- checkpoints ----
 
-// --shard fsdp's checkpoint: a folder of per-rank shards and an index (distributed/fsdp.h).
+// --shard fsdp's checkpoint: a folder of per-rank shards and an index (distributed/sharding/fsdp.h).
 std::string sharded_checkpoint_dir(const std::string& dir) { return dir + "/sharded"; }
 
 std::map<std::string, std::string> run_settings(const Args& a, int world) {

@@ -2,7 +2,7 @@
 //   emberrun --nproc-per-node 2 build/examples/minimal_ddp
 #include <cstdlib>
 
-#include <ember/distributed/ddp.h>
+#include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/init.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/random.h>

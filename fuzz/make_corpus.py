@@ -18,7 +18,7 @@ def write(target, name, data):
         f.write(data)
 
 
-# ---- store_protocol: flags byte, then frames (distributed/detail/store_protocol.h) ----------
+# ---- store_protocol: flags byte, then frames (distributed/store/detail/store_protocol.h) ----------
 MAGIC, VERSION = 0x53424D45, 1
 T = dict(auth=10, set=11, get=12, add=13, compare_set=14, check=15, wait=16, delete=17,
          num_keys=18, join=19)

@@ -23,13 +23,13 @@
 #include <cstring>
 #include <vector>
 
-#include <ember/distributed/detail/store_protocol.h>
-#include <ember/distributed/tcp_store.h>
+#include <ember/distributed/store/detail/store_protocol.h>
+#include <ember/distributed/store/tcp_store.h>
 #include <ember/tensor/log.h>
 
 namespace {
 
-namespace wire = ember::detail::store_wire;
+namespace wire = ember::dist::detail::store_wire;
 
 constexpr int kHangLimitMs = 10000;
 

@@ -10,8 +10,8 @@
 #include <cstdlib>
 #include <thread>
 
-#include <ember/distributed/etcd_store.h>
-#include <ember/distributed/tcp_store.h>
+#include <ember/distributed/store/etcd_store.h>
+#include <ember/distributed/store/tcp_store.h>
 #include <ember/launcher/rendezvous_detail.h>
 #include <ember/launcher/worker_group.h>
 

@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <string>
 
-#include <ember/distributed/store.h>
+#include <ember/distributed/store/store.h>
 #include <ember/launcher/rendezvous.h>
 
 namespace ember::launcher::detail {

@@ -8,8 +8,8 @@
 #include <utility>
 #include <vector>
 
-#include <ember/distributed/etcd_store.h>
-#include <ember/distributed/store.h>
+#include <ember/distributed/store/etcd_store.h>
+#include <ember/distributed/store/store.h>
 #include <ember/launcher/rendezvous.h>
 #include <ember/launcher/rendezvous_detail.h>
 #include <ember/launcher/worker_group.h>

@@ -26,7 +26,7 @@
 #include <tuple>
 #include <vector>
 
-#include <ember/distributed/tcp_store.h>
+#include <ember/distributed/store/tcp_store.h>
 #include "benchmarks/bench_util.h"
 #include "cmake/build_paths.h"
 

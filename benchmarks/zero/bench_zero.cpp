@@ -31,11 +31,11 @@
 
 #include "benchmarks/bench_util.h"
 #include "cmake/build_paths.h"
-#include <ember/distributed/ddp.h>
+#include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/init.h>
-#include <ember/distributed/tcp_store.h>
-#include <ember/distributed/zero.h>
-#include <ember/distributed/zero_hook.h>
+#include <ember/distributed/store/tcp_store.h>
+#include <ember/distributed/sharding/zero.h>
+#include <ember/distributed/sharding/zero_hook.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/random.h>

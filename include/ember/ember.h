@@ -4,19 +4,19 @@
 // Link Ember::ember (CMake) or `pkg-config --libs ember`.
 #pragma once
 
-#include <ember/distributed/amp.h>
-#include <ember/distributed/comm_hooks.h>
-#include <ember/distributed/ddp.h>
-#include <ember/distributed/ddp_join.h>
-#include <ember/distributed/fsdp.h>
-#include <ember/distributed/fsdp_checkpoint.h>
+#include <ember/distributed/ddp/amp.h>
+#include <ember/distributed/ddp/comm_hooks.h>
+#include <ember/distributed/ddp/ddp.h>
+#include <ember/distributed/ddp/powersgd.h>
+#include <ember/distributed/ddp/sync_batch_norm.h>
+#include <ember/distributed/forwarding_process_group.h>
 #include <ember/distributed/init.h>
-#include <ember/distributed/powersgd.h>
 #include <ember/distributed/process_group.h>
-#include <ember/distributed/sharded_checkpoint.h>
-#include <ember/distributed/sync_batch_norm.h>
-#include <ember/distributed/zero.h>
-#include <ember/distributed/zero_hook.h>
+#include <ember/distributed/sharding/fsdp.h>
+#include <ember/distributed/sharding/fsdp_checkpoint.h>
+#include <ember/distributed/sharding/sharded_checkpoint.h>
+#include <ember/distributed/sharding/zero.h>
+#include <ember/distributed/sharding/zero_hook.h>
 #include <ember/nn/amp/autocast.h>
 #include <ember/nn/amp/grad_scaler.h>
 #include <ember/nn/multihead_attention.h>

@@ -1,4 +1,4 @@
-// GradScaler under DistributedDataParallel (nn/amp/grad_scaler.h, distributed/amp.h), 2 ranks on
+// GradScaler under DistributedDataParallel (nn/amp/grad_scaler.h, distributed/ddp/amp.h), 2 ranks on
 // ProcessGroupThreads: with a comm hook that leaves gradients local, only the rank that saw an
 // inf would skip its step unless found_inf_allreduce makes the decision global; the fp16 and
 // bf16 compression hooks compose with scaling (a scaled gradient beyond float16's range becomes
@@ -9,9 +9,9 @@
 #include <cmath>
 #include <limits>
 
-#include <ember/distributed/amp.h>
-#include <ember/distributed/comm_hooks.h>
-#include <ember/distributed/ddp.h>
+#include <ember/distributed/ddp/amp.h>
+#include <ember/distributed/ddp/comm_hooks.h>
+#include <ember/distributed/ddp/ddp.h>
 #include <ember/nn/amp/autocast.h>
 #include <ember/nn/linear.h>
 #include <ember/nn/optim/sgd.h>

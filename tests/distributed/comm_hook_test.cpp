@@ -13,12 +13,12 @@
 #include <mutex>
 #include <thread>
 
-#include <ember/distributed/comm_hooks.h>
-#include <ember/distributed/ddp.h>
-#include <ember/distributed/powersgd.h>
-#include <ember/distributed/prefix_store.h>
-#include <ember/distributed/process_group_gloo.h>
-#include <ember/distributed/tcp_store.h>
+#include <ember/distributed/ddp/comm_hooks.h>
+#include <ember/distributed/ddp/ddp.h>
+#include <ember/distributed/ddp/powersgd.h>
+#include <ember/distributed/store/prefix_store.h>
+#include <ember/distributed/backends/process_group_gloo.h>
+#include <ember/distributed/store/tcp_store.h>
 #include <ember/nn/activation.h>
 #include <ember/nn/container.h>
 #include <ember/nn/functional.h>
@@ -32,7 +32,7 @@
 #include <ember/tensor/linalg.h>
 #include <ember/tensor/random.h>
 #include "tests/distributed/ddp_test_util.h"
-#include "tests/distributed/forwarding_group.h"
+#include "tests/distributed/composite_group.h"
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {
@@ -54,9 +54,9 @@ constexpr int64_t kIn = 24;
 constexpr int64_t kOut = 4;
 
 // Counts what the wrapped group all-reduces and which thread issued each collective.
-class CountingGroup : public test::ForwardingGroup {
+class CountingGroup : public test::CompositeGroup {
  public:
-  using ForwardingGroup::ForwardingGroup;
+  using CompositeGroup::CompositeGroup;
   WorkPtr allreduce(Tensor& t, const AllreduceOptions& o) override {
     note(t.numel(), t.nbytes());
     return inner_->allreduce(t, o);

@@ -9,9 +9,9 @@
 #include <numeric>
 #include <thread>
 
-#include <ember/distributed/comm_hooks.h>
-#include <ember/distributed/ddp.h>
-#include <ember/distributed/stragglers.h>
+#include <ember/distributed/ddp/comm_hooks.h>
+#include <ember/distributed/ddp/ddp.h>
+#include <ember/distributed/debug/stragglers.h>
 #include <ember/nn/activation.h>
 #include <ember/nn/container.h>
 #include <ember/nn/linear.h>

@@ -1,17 +1,18 @@
 // DistributedDataParallel over gloo with 1-3 real processes on 127.0.0.1. Each rank trains on its
 // slice of a fixed batch; every check compares against a single-process reference computed in
 // the same rank on the full batch (mean loss), so expected values need no literals.
-#include <ember/distributed/ddp.h>
-#include <ember/distributed/shareable.h>
+#include <ember/distributed/ddp/ddp.h>
+#include <ember/distributed/forwarding_process_group.h>
+#include <ember/distributed/backends/shareable.h>
 
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cmath>
 
-#include <ember/distributed/prefix_store.h>
-#include <ember/distributed/process_group_gloo.h>
-#include <ember/distributed/tcp_store.h>
+#include <ember/distributed/store/prefix_store.h>
+#include <ember/distributed/backends/process_group_gloo.h>
+#include <ember/distributed/store/tcp_store.h>
 #include <ember/nn/activation.h>
 #include <ember/nn/container.h>
 #include <ember/nn/functional.h>
@@ -20,7 +21,6 @@
 #include <ember/tensor/creation.h>
 #include <ember/tensor/random.h>
 #include "tests/distributed/ddp_test_util.h"
-#include "tests/distributed/forwarding_group.h"
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {
@@ -396,12 +396,9 @@ TEST_P(DDPWorld, FindUnusedParametersAveragesUsedOnesOnly) {
 }
 
 // Counts the collectives DDP issues and forwards them to gloo.
-class Counting final : public test::ForwardingGroup {
+class Counting final : public ForwardingProcessGroup {
  public:
-  using ForwardingGroup::ForwardingGroup;
-  bool coalesced_without_copies(const Device& d) const override {
-    return inner_->coalesced_without_copies(d);
-  }
+  using ForwardingProcessGroup::ForwardingProcessGroup;
   WorkPtr allreduce(Tensor& t, const AllreduceOptions& o) override {
     ++allreduces;
     return inner_->allreduce(t, o);

@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include <ember/distributed/prefix_store.h>
-#include <ember/distributed/process_group_gloo.h>
-#include <ember/distributed/tcp_store.h>
+#include <ember/distributed/store/prefix_store.h>
+#include <ember/distributed/backends/process_group_gloo.h>
+#include <ember/distributed/store/tcp_store.h>
 #include <ember/nn/activation.h>
 #include <ember/nn/container.h>
 #include <ember/nn/conv.h>

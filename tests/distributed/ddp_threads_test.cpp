@@ -9,10 +9,10 @@
 #include <algorithm>
 #include <chrono>
 
-#include <ember/distributed/comm_hooks.h>
-#include <ember/distributed/ddp.h>
-#include <ember/distributed/powersgd.h>
-#include <ember/distributed/sync_batch_norm.h>
+#include <ember/distributed/ddp/comm_hooks.h>
+#include <ember/distributed/ddp/ddp.h>
+#include <ember/distributed/ddp/powersgd.h>
+#include <ember/distributed/ddp/sync_batch_norm.h>
 #include <ember/nn/activation.h>
 #include <ember/nn/container.h>
 #include <ember/nn/flatten.h>

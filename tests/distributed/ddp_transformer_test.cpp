@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include <ember/distributed/ddp.h>
+#include <ember/distributed/ddp/ddp.h>
 #include <ember/nn/activation_checkpoint.h>
 #include <ember/nn/embedding.h>
 #include <ember/nn/functional.h>

@@ -5,7 +5,7 @@
 #include <functional>
 #include <thread>
 
-#include <ember/distributed/etcd_store.h>
+#include <ember/distributed/store/etcd_store.h>
 #include "tests/distributed/etcd_test_util.h"
 
 namespace ember::dist {

@@ -17,7 +17,7 @@
 #include <thread>
 #include <vector>
 
-#include <ember/distributed/etcd_store.h>
+#include <ember/distributed/store/etcd_store.h>
 #include "tests/distributed/store_test_util.h"
 
 extern char** environ;

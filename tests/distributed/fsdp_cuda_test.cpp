@@ -1,17 +1,17 @@
 // fully_shard on CUDA parameters, on the one-GPU multi-rank harness: every rank is a thread of
 // this process on cuda:0 with its own stream (ProcessGroupThreads). Sharded training must end
 // where DDP + Adam on the same harness ends; the gathered parameters live in CUDA arenas whose
-// memory is really given back on reshard (Note [CUDA arenas] in distributed/fsdp_cuda_arena.cpp).
+// memory is really given back on reshard (Note [CUDA arenas] in distributed/sharding/fsdp_cuda_arena.cpp).
 // The CUDA cases skip without a GPU. The same checks run on the CPU too (the _cpu cases and the
 // FsdpArena suites), so the checks themselves are exercised where there is no GPU.
 #include <gtest/gtest.h>
 
 #include <mutex>
 
-#include <ember/distributed/ddp.h>
-#include <ember/distributed/detail/fsdp_unit.h>
-#include <ember/distributed/fsdp.h>
-#include <ember/distributed/fsdp_checkpoint.h>
+#include <ember/distributed/ddp/ddp.h>
+#include <ember/distributed/sharding/detail/fsdp_unit.h>
+#include <ember/distributed/sharding/fsdp.h>
+#include <ember/distributed/sharding/fsdp_checkpoint.h>
 #include <ember/nn/clip_grad.h>
 #include <ember/nn/container.h>
 #include <ember/nn/functional.h>

@@ -12,9 +12,9 @@
 #include <thread>
 #include <vector>
 
-#include <ember/distributed/prefix_store.h>
-#include <ember/distributed/process_group_gloo.h>
-#include <ember/distributed/tcp_store.h>
+#include <ember/distributed/store/prefix_store.h>
+#include <ember/distributed/backends/process_group_gloo.h>
+#include <ember/distributed/store/tcp_store.h>
 #include <ember/tensor/ops.h>
 #include "tests/distributed/store_test_util.h"
 

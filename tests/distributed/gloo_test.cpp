@@ -12,15 +12,15 @@
 
 #include "tests/distributed/allreduce_closed_forms.h"
 #include "tests/distributed/collective_options.h"
-#include "tests/distributed/forwarding_group.h"
-#include <ember/distributed/hash_store.h>
-#include <ember/distributed/prefix_store.h>
-#include <ember/distributed/process_group_gloo.h>
-#include <ember/distributed/shareable.h>
-#include <ember/distributed/tcp_store.h>
+#include "tests/distributed/composite_group.h"
+#include <ember/distributed/store/hash_store.h>
+#include <ember/distributed/store/prefix_store.h>
+#include <ember/distributed/backends/process_group_gloo.h>
+#include <ember/distributed/backends/shareable.h>
+#include <ember/distributed/store/tcp_store.h>
 #include "tests/distributed/store_test_util.h"
-#include <ember/distributed/comm_hooks.h>
-#include <ember/distributed/ddp.h>
+#include <ember/distributed/ddp/comm_hooks.h>
+#include <ember/distributed/ddp/ddp.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/cuda.h>
 
@@ -89,9 +89,9 @@ void run_group(int n, const std::function<void(ProcessGroupGloo&, int, Store&)>&
 /// A group that has only what every backend must provide (allreduce, broadcast,
 /// allgather_into_tensor, barrier, send, recv: gloo's), so reduce, allgather, gather, scatter,
 /// reduce_scatter and alltoall run ProcessGroup's composite versions built from them.
-class CompositeOnly final : public test::ForwardingGroup {
+class CompositeOnly final : public test::CompositeGroup {
  public:
-  explicit CompositeOnly(ProcessGroup& inner) : ForwardingGroup(inner) {}
+  explicit CompositeOnly(ProcessGroup& inner) : CompositeGroup(inner) {}
   std::string backend_name() const override { return "composite"; }
 };
 

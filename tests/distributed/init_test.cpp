@@ -4,11 +4,16 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <thread>
 
-#include <ember/distributed/hash_store.h>
-#include <ember/distributed/process_group_gloo.h>
-#include <ember/distributed/tcp_store.h>
+#include <ember/distributed/store/hash_store.h>
+#include <ember/distributed/backends/process_group_gloo.h>
+#include <ember/distributed/backends/process_group_nccl.h>
+#include <ember/distributed/backends/process_group_threads.h>
+#include <ember/distributed/store/tcp_store.h>
+#include <ember/tensor/creation.h>
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {
@@ -466,6 +471,116 @@ TEST(InitProcessGroup, GlooThreadsAndSharedMemoryFromTheEnvironment) {
                     std::string("EMBER_GLOO_SHM='") + shm + "': uses_shared_memory()");
     });
   }
+}
+
+// ---- registries: backends and init methods ------------------------------------------------------
+
+// Every backend registers itself from its own file; those a build lacks register a refusal that
+// says so (instead of "unknown backend").
+TEST(Registry, EveryBackendRegistersItselfAndAMissingOneSaysWhy) {
+  const std::vector<std::string> names = registered_backends();
+  for (const char* b : {"gloo", "mpi", "nccl", "threads"}) {
+    EXPECT_NE(std::find(names.begin(), names.end(), b), names.end()) << b;
+  }
+  if (nccl_available()) GTEST_SKIP() << "this build has NCCL";
+  InitOptions o = with_store(std::make_shared<HashStore>(), 0, 1);
+  o.backend = "nccl";
+  try {
+    init_process_group(o);
+    ADD_FAILURE() << "expected NotImplementedError";
+  } catch (const NotImplementedError& e) {
+    const std::string m = e.what();
+    for (const char* part : {"backend 'nccl' is not in this build", "-DEMBER_WITH_NCCL=ON"}) {
+      EXPECT_NE(m.find(part), std::string::npos) << m;
+    }
+  }
+  EXPECT_FALSE(is_initialized());
+}
+
+// A program's own backend and init method, registered as the built-in ones are: one factory
+// and one row. The method is picked by its URL, the backend by its name.
+TEST(Registry, AUserBackendAndInitMethod) {
+  int made = 0;
+  register_backend("test-single", [&made](const BackendArgs& a) -> std::shared_ptr<ProcessGroup> {
+    ++made;
+    return std::make_shared<ProcessGroupThreads>(ThreadWorld::create(a.size), a.rank);
+  });
+  InitMethod mem;
+  mem.name = "mem://";
+  mem.accepts = [](const std::string& url, const std::string&) { return url.rfind("mem://", 0) == 0; };
+  mem.rendezvous = [](const std::string&, const InitOptions&, Duration) {
+    return Rendezvous{std::make_shared<HashStore>(), 0, 1, "", nullptr};
+  };
+  register_init_method(mem);
+  InitOptions o;
+  o.backend = "test-single";
+  o.init_method = "mem://job";
+  auto pg = init_process_group(o);
+  EXPECT_EQ(made, 1);
+  EXPECT_EQ(pg->backend_name(), "threads");
+  Tensor t = ones({3});
+  pg->allreduce(t)->wait();
+  EXPECT_EQ(t.to_vector<float>(), std::vector<float>({1, 1, 1}));
+  destroy_process_group();
+  // Unknown URLs name every registered method, the new one included.
+  o.init_method = "nope://x";
+  expect_error([&] { init_process_group(o); },
+               {"unsupported init_method 'nope://x'", "env://", "tcp://", "file://", "mem://"});
+  expect_error([] { register_init_method(InitMethod{}); }, {"[register_init_method]"});
+  expect_error([] { register_backend("x", nullptr); }, {"[register_backend]"});
+}
+
+// The threads backend through init_process_group: each rank thread has its own default group
+// and its own new_group sub-groups, found through the store they share.
+TEST(Registry, ThreadsBackendGivesEachRankThreadItsDefaultGroupAndSubGroups) {
+  constexpr int n = 4;
+  auto store = std::make_shared<HashStore>();
+  std::vector<std::thread> threads;
+  std::vector<std::string> failures(n);
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        InitOptions o = with_store(store, r, n);
+        o.backend = "threads";
+        o.timeout = 60s;
+        auto pg = init_process_group(o);
+        require(default_group() == pg && get_rank() == r && get_world_size() == n,
+                "the thread's own default group");
+        Tensor t = full({2}, static_cast<float>(r + 1));
+        pg->allreduce(t)->wait();
+        require(t.to_vector<float>() == std::vector<float>({10, 10}), "world allreduce");
+        // Even ranks and odd ranks: every rank calls new_group for both, in the same order.
+        auto even = new_group({0, 2});
+        auto odd = new_group({1, 3});
+        auto mine = r % 2 == 0 ? even : odd;
+        require(mine && (r % 2 == 0 ? odd : even) == nullptr, "membership");
+        require(mine->size() == 2 && mine->rank() == r / 2, "sub-group rank");
+        Tensor u = full({1}, static_cast<float>(r));
+        mine->allreduce(u)->wait();
+        require(u.item<float>() == (r % 2 == 0 ? 0 + 2 : 1 + 3), "sub-group allreduce");
+        destroy_process_group();
+        require(!is_initialized(), "destroyed on this thread");
+      } catch (const std::exception& e) {
+        failures[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+  EXPECT_FALSE(is_initialized());  // the process's own default group was never made
+}
+
+// A threads-backend rank whose rank 0 is in another process (the key rank 0 publishes names a
+// world this process does not have) fails at once, saying why.
+TEST(Registry, ThreadsBackendRefusesRanksInAnotherProcess) {
+  auto store = std::make_shared<HashStore>();
+  const std::string key = "1:0";  // pid 1 is never this test
+  store->set("default_pg/threads_world", Bytes(key.begin(), key.end()));
+  InitOptions o = with_store(store, 1, 2);
+  o.backend = "threads";
+  expect_error([&] { init_process_group(o); },
+               {"[threads] rank 1 of 2", "is not in this process", "thread of one process"});
+  EXPECT_FALSE(is_initialized());
 }
 
 }  // namespace

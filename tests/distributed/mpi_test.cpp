@@ -15,7 +15,7 @@
 #include <cstdlib>
 
 #include <ember/distributed/init.h>
-#include <ember/distributed/process_group_mpi.h>
+#include <ember/distributed/backends/process_group_mpi.h>
 #include <ember/tensor/ops.h>
 #include "tests/distributed/collective_options.h"
 #include "tests/distributed/mpi_job.h"

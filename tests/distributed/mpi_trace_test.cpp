@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include <ember/distributed/process_group_mpi.h>
+#include <ember/distributed/backends/process_group_mpi.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/trace.h>
 #include "tests/distributed/mpi_job.h"

@@ -1,5 +1,5 @@
-// How the nccl and gloo set-ups find the interface that reaches rank 0 (distributed/net.h).
-#include <ember/distributed/net.h>
+// How the nccl and gloo set-ups find the interface that reaches rank 0 (distributed/backends/net.h).
+#include <ember/distributed/backends/net.h>
 
 #include <fcntl.h>
 #include <gtest/gtest.h>

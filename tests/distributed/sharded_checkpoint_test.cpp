@@ -12,8 +12,8 @@
 #include <mutex>
 #include <set>
 
-#include <ember/distributed/process_group_gloo.h>
-#include <ember/distributed/sharded_checkpoint.h>
+#include <ember/distributed/backends/process_group_gloo.h>
+#include <ember/distributed/sharding/sharded_checkpoint.h>
 #include <ember/nn/serialize.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/ops.h>

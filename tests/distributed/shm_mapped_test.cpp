@@ -1,12 +1,12 @@
-// The mapped reductions (Note [mapped reductions] in distributed/shm_mapped.cpp), driven through
+// The mapped reductions (Note [mapped reductions] in distributed/backends/shm_mapped.cpp), driven through
 // ShmAllreduce itself: allreduce, reduce and reduce_scatter over buffers from empty_shareable()
 // on a group that allows single copies must give bitwise what the staged path gives over
 // ordinary buffers, take the mapped path exactly when every rank's buffers are shareable and
 // large enough, and fail by name when a peer's buffer cannot be mapped. Ranks are forked
 // processes (each maps its peers' memfds) and threads of this process (buffers used in place).
-#include <ember/distributed/detail/shareable.h>
-#include <ember/distributed/detail/shm_kernels.h>
-#include <ember/distributed/shareable.h>
+#include <ember/distributed/backends/detail/shareable.h>
+#include <ember/distributed/backends/detail/shm_kernels.h>
+#include <ember/distributed/backends/shareable.h>
 #include <ember/tensor/creation.h>
 #include <gtest/gtest.h>
 #include <linux/capability.h>
@@ -24,8 +24,8 @@
 namespace ember::dist {
 namespace {
 
-using ember::detail::ShmAllreduce;
-using ember::detail::pg_gloo::shm_reduction;
+using ember::dist::detail::ShmAllreduce;
+using ember::dist::detail::pg_gloo::shm_reduction;
 using test::make_shm;
 using test::require;
 using test::run_processes;
@@ -364,10 +364,10 @@ TEST(EmptyShareable, ZeroFilledRegisteredAndGivenBack) {
   EXPECT_FALSE(is_shareable(zeros({3, 5}, kFloat64)));
   EXPECT_FALSE(is_shareable(Tensor()));
   const void* at = t.data_ptr();
-  EXPECT_TRUE(ember::detail::find_shareable(at, 15 * 8).has_value());
-  EXPECT_FALSE(ember::detail::find_shareable(at, 1 << 20).has_value());  // past its end
+  EXPECT_TRUE(ember::dist::detail::find_shareable(at, 15 * 8).has_value());
+  EXPECT_FALSE(ember::dist::detail::find_shareable(at, 1 << 20).has_value());  // past its end
   t = Tensor();
-  EXPECT_FALSE(ember::detail::find_shareable(at, 8).has_value());
+  EXPECT_FALSE(ember::dist::detail::find_shareable(at, 8).has_value());
   Tensor none = empty_shareable({0}, kFloat32);
   EXPECT_EQ(none.numel(), 0);
   EXPECT_THROW(empty_shareable({2}, TensorOptions(kFloat32).device(Device("cuda"))), ValueError);

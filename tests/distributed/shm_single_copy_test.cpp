@@ -1,9 +1,9 @@
 // The single-copy shared-memory collectives (Note [single-copy collectives] in
-// distributed/shm_single_copy.cpp), driven through ShmAllreduce itself so that each test chooses
+// distributed/backends/shm_single_copy.cpp), driven through ShmAllreduce itself so that each test chooses
 // the path: every rank asks for single copies from 1 byte (always), or for none (the staged
 // path), and the results must be bitwise the staged path's. Ranks are forked processes (cross-
 // memory attach between processes) and threads of this process (between threads).
-#include <ember/distributed/detail/shm_allreduce.h>
+#include <ember/distributed/backends/detail/shm_allreduce.h>
 #include <gtest/gtest.h>
 #include <linux/capability.h>
 #include <sys/prctl.h>
@@ -22,7 +22,7 @@
 namespace ember::dist {
 namespace {
 
-using ember::detail::ShmAllreduce;
+using ember::dist::detail::ShmAllreduce;
 using namespace std::chrono_literals;
 using test::make_shm;
 using test::require;

@@ -11,10 +11,10 @@
 #include <thread>
 #include <vector>
 
-#include <ember/distributed/detail/shm_allreduce.h>
-#include <ember/distributed/hash_store.h>
-#include <ember/distributed/prefix_store.h>
-#include <ember/distributed/tcp_store.h>
+#include <ember/distributed/backends/detail/shm_allreduce.h>
+#include <ember/distributed/store/hash_store.h>
+#include <ember/distributed/store/prefix_store.h>
+#include <ember/distributed/store/tcp_store.h>
 #include <gtest/gtest.h>
 
 #include "tests/distributed/store_test_util.h"
@@ -29,7 +29,7 @@ using dist::TCPStoreOptions;
 using dist::TCPStoreServer;
 using dist::TCPStoreServerOptions;
 
-using ShmClock = ember::detail::ShmAllreduce::Clock;
+using ShmClock = ember::dist::detail::ShmAllreduce::Clock;
 
 inline ShmClock::time_point soon() { return ShmClock::now() + std::chrono::seconds(30); }
 
@@ -72,11 +72,11 @@ inline void run_threads(int n, const std::function<void(int, Store&)>& body) {
 
 /// The shared-memory group of `n` ranks under `prefix` of `store` (2 channels), asking for
 /// single copies from `single_copy` bytes (SIZE_MAX: none).
-inline std::unique_ptr<ember::detail::ShmAllreduce> make_shm(Store& store, const char* prefix,
+inline std::unique_ptr<ember::dist::detail::ShmAllreduce> make_shm(Store& store, const char* prefix,
                                                              int rank, int n,
                                                              size_t single_copy) {
   PrefixStore p(prefix, std::shared_ptr<Store>(&store, [](Store*) {}));
-  auto shm = ember::detail::ShmAllreduce::create(p, rank, n, 2, std::chrono::seconds(60),
+  auto shm = ember::dist::detail::ShmAllreduce::create(p, rank, n, 2, std::chrono::seconds(60),
                                                  single_copy);
   require(shm != nullptr, "rank " + std::to_string(rank) + ": no shared-memory group");
   return shm;

@@ -12,7 +12,7 @@
 #include <memory>
 #include <thread>
 
-#include <ember/distributed/tcp_store.h>
+#include <ember/distributed/store/tcp_store.h>
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {

@@ -16,11 +16,11 @@
 #include <climits>
 #include <fstream>
 
-#include <ember/distributed/etcd_store.h>
-#include <ember/distributed/file_store.h>
-#include <ember/distributed/hash_store.h>
-#include <ember/distributed/prefix_store.h>
-#include <ember/distributed/tcp_store.h>
+#include <ember/distributed/store/etcd_store.h>
+#include <ember/distributed/store/file_store.h>
+#include <ember/distributed/store/hash_store.h>
+#include <ember/distributed/store/prefix_store.h>
+#include <ember/distributed/store/tcp_store.h>
 #include "tests/distributed/etcd_test_util.h"
 #include "tests/distributed/store_test_util.h"
 

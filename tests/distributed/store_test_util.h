@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include <ember/distributed/store.h>
+#include <ember/distributed/store/store.h>
 #include <ember/tensor/cuda.h>
 #include "tests/tensor/test_util.h"
 

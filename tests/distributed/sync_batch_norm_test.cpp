@@ -2,7 +2,7 @@
 // one fixed batch (drawn from the same seed on every rank) and checks its results against a
 // plain BatchNorm run in the same process on the whole batch, so expected values need no
 // literals (BatchNorm itself is checked against PyTorch in tests/nn).
-#include <ember/distributed/sync_batch_norm.h>
+#include <ember/distributed/ddp/sync_batch_norm.h>
 
 #include <gtest/gtest.h>
 
@@ -10,11 +10,11 @@
 #include <cmath>
 #include <numeric>
 
-#include <ember/distributed/ddp.h>
-#include <ember/distributed/hash_store.h>
-#include <ember/distributed/prefix_store.h>
-#include <ember/distributed/process_group_gloo.h>
-#include <ember/distributed/tcp_store.h>
+#include <ember/distributed/ddp/ddp.h>
+#include <ember/distributed/store/hash_store.h>
+#include <ember/distributed/store/prefix_store.h>
+#include <ember/distributed/backends/process_group_gloo.h>
+#include <ember/distributed/store/tcp_store.h>
 #include <ember/nn/activation.h>
 #include <ember/nn/container.h>
 #include <ember/nn/conv.h>

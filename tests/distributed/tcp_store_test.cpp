@@ -1,7 +1,7 @@
 // TCPStore and TCPStoreServer: real processes sharing one server, connection retry and
 // timeouts, the shared secret, and a server that survives malformed or hostile input.
 // Every server binds 127.0.0.1 on a port the OS picks.
-#include <ember/distributed/tcp_store.h>
+#include <ember/distributed/store/tcp_store.h>
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
@@ -10,8 +10,8 @@
 #include <array>
 #include <atomic>
 
-#include <ember/distributed/detail/store_protocol.h>
-#include <ember/distributed/prefix_store.h>
+#include <ember/distributed/store/detail/store_protocol.h>
+#include <ember/distributed/store/prefix_store.h>
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {
@@ -21,7 +21,7 @@ using namespace std::chrono_literals;
 using test::expect_error;
 using test::to_bytes;
 using test::to_string;
-namespace wire = ember::detail::store_wire;
+namespace wire = ember::dist::detail::store_wire;
 
 constexpr Duration kLong = std::chrono::seconds(60);
 

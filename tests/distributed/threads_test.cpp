@@ -2,7 +2,7 @@
 // against closed forms at 1-8 ranks, on the CPU and (skipped without a GPU) with every rank on
 // one CUDA device with its own stream; the same through DelayingGroup; async completion,
 // timeouts, aborts and mismatches; and DelayingGroup catching a missing wait.
-#include <ember/distributed/process_group_threads.h>
+#include <ember/distributed/backends/process_group_threads.h>
 
 #include <gtest/gtest.h>
 

@@ -8,11 +8,11 @@
 #include <map>
 #include <mutex>
 
-#include <ember/distributed/ddp.h>
-#include <ember/distributed/process_group_gloo.h>
-#include <ember/distributed/process_group_mpi.h>
-#include <ember/distributed/zero.h>
-#include <ember/distributed/zero_hook.h>
+#include <ember/distributed/ddp/ddp.h>
+#include <ember/distributed/backends/process_group_gloo.h>
+#include <ember/distributed/backends/process_group_mpi.h>
+#include <ember/distributed/sharding/zero.h>
+#include <ember/distributed/sharding/zero_hook.h>
 #include <ember/nn/activation.h>
 #include <ember/nn/container.h>
 #include <ember/nn/linear.h>
@@ -297,7 +297,7 @@ TEST(ZeroErrors, TooFewParametersForTheRanksAndBadStates) {
   });
 }
 
-// ---- overlap_with_ddp: updates from DDP's communication hook (distributed/zero_hook.h) -------
+// ---- overlap_with_ddp: updates from DDP's communication hook (distributed/sharding/zero_hook.h) -------
 
 // Buckets of about 256 bytes: the model spreads over several, and DDP's rebuild after the first
 // iteration regroups them (the overlap must not care).

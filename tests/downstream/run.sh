@@ -15,6 +15,10 @@ for f in include/ember/ember.h include/ember/tensor/tensor.h bin/emberrun \
          lib/pkgconfig/ember.pc; do
   [ -e "$prefix/$f" ] || { echo "run.sh: the install lacks $f" >&2; exit 1; }
 done
+# Internal is physical: no detail/ header, *_impl.h, kernel header or launcher header installed.
+internal=$(cd "$prefix/include/ember" && find . -path '*/detail/*' -o -name '*_impl.h' \
+           -o -path './tensor/cpu/*' -o -path './tensor/cuda/*' -o -path './launcher*')
+[ -z "$internal" ] || { echo "run.sh: internal headers were installed:" $internal >&2; exit 1; }
 
 # The downstream project sees the prefix and nothing of Ember's source or build tree.
 generator=()

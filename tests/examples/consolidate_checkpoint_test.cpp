@@ -6,8 +6,8 @@
 #include <memory>
 #include <string>
 
-#include <ember/distributed/process_group_threads.h>
-#include <ember/distributed/sharded_checkpoint.h>
+#include <ember/distributed/backends/process_group_threads.h>
+#include <ember/distributed/sharding/sharded_checkpoint.h>
 #include <ember/nn/serialize.h>
 #include <ember/tensor/creation.h>
 #include "cmake/build_paths.h"

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include <ember/distributed/etcd_store.h>
+#include <ember/distributed/store/etcd_store.h>
 #include "emberrun_harness.h"
 #include "netns.h"
 #include "tests/distributed/etcd_test_util.h"

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include <ember/distributed/tcp_store.h>
+#include <ember/distributed/store/tcp_store.h>
 #include "emberrun_harness.h"
 #include "netns.h"
 

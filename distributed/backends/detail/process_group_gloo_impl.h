@@ -1,0 +1,114 @@
+// ProcessGroupGloo's internals, shared by its two source files: process_group_gloo.cpp (the
+// rendezvous, the threads that run queued operations, failure handling) and
+// process_group_gloo_collectives.cpp (each collective and send/recv over shared memory or Gloo's
+// TCP transport). Internal: not part of the public API.
+#pragma once
+
+#include <gloo/context.h>
+#include <gloo/transport/device.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ember/distributed/backends/detail/shm_allreduce.h>
+#include <ember/distributed/backends/process_group_gloo.h>
+
+namespace ember::dist {
+
+/// The group's connections, shared memory and threads: operations are queued by submit() and
+/// run by execute() on a worker, the send/recv thread or the caller.
+class ProcessGroupGloo::Impl {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  struct Job {
+    std::shared_ptr<Work> work;
+    Clock::time_point deadline;
+    std::function<std::vector<Tensor>(std::chrono::milliseconds)> run;
+    int64_t queued_us = 0;  // trace clock when submitted, if tracing
+  };
+
+  /// Connects to the other ranks (none for world size 1) and starts the threads.
+  Impl(const ProcessGroupGloo& pg, std::shared_ptr<Store> store, const GlooOptions& opts);
+  /// Fails what is still queued, joins the threads and closes the connections.
+  ~Impl();
+
+  /// Where submit() runs an operation: a collective on the workers (Worker), or on the calling
+  /// thread when the group is idle (InlineIfIdle, Note [inline collectives]); send and recv on
+  /// the send/recv thread (P2p).
+  enum class Route { Worker, InlineIfIdle, P2p };
+
+  /// The route of a collective that moves `bytes` per rank (Note [inline collectives]): over
+  /// shared memory a small one may run on the calling thread.
+  Route route_for(size_t bytes) const;
+
+  /// Queues an operation on its route's thread; for world size 1, runs it now.
+  WorkPtr submit(const std::string& what, Duration timeout,
+                 std::function<std::vector<Tensor>(std::chrono::milliseconds)> run,
+                 Route route = Route::Worker);
+
+  /// The Gloo context, or null for world size 1.
+  const std::shared_ptr<gloo::Context>& context() const { return context_; }
+  /// A Gloo error with each peer's address written as "rank r (address)".
+  std::string name_peers(const std::string& msg) const;
+  /// The shared-memory allreduce, or null (world size 1, turned off, or a rank elsewhere).
+  dist::detail::ShmAllreduce* shm() const { return shm_.get(); }
+
+  /// The collectives issued so far that have not completed (Note [barrier and two workers]).
+  std::vector<WorkPtr> unfinished_collectives();
+
+  /// The group is being destroyed after `issued` operations: writes where this rank stands
+  /// (Note [where a rank stands] in gloo_agreement.h), unless a failure already did.
+  void leave(uint64_t issued);
+
+ private:
+  void loop(std::deque<Job>& queue, std::condition_variable& cv, bool collectives);
+  void execute(Job& job, bool mark_broken = true);
+  template <typename E>
+  void fail(Job& job, const E& err, bool mark_broken);
+
+  int rank_;
+  int size_;
+  std::shared_ptr<gloo::transport::Device> device_;
+  std::shared_ptr<gloo::Context> context_;
+  std::vector<std::vector<std::string>> peer_addresses_;  // Note [naming peers by rank]
+  std::shared_ptr<Store> store_;                          // Note [where a rank stands]
+  std::chrono::milliseconds position_wait_{0};
+  std::atomic<bool> record_each_{false};  // EMBER_DISTRIBUTED_DEBUG=DETAIL: each operation
+  std::string last_issued_;  // the label of the latest operation issued (guarded by mu_)
+  std::unique_ptr<dist::detail::ShmAllreduce> shm_;  // outlives the workers (joined in ~Impl)
+  std::mutex mu_;
+  std::condition_variable cv_;      // collectives' queue
+  std::condition_variable p2p_cv_;  // send/recv queue
+  bool stop_ = false;
+  std::string broken_;
+  std::deque<Job> queue_;
+  std::deque<Job> p2p_queue_;
+  std::vector<std::weak_ptr<Work>> issued_;  // collectives, for barrier
+  // Collectives queued or running on the workers; 0: the group is idle (Note [inline
+  // collectives]).
+  size_t in_flight_ = 0;
+  std::vector<std::thread> workers_;  // collectives
+  std::thread p2p_;
+};
+
+/// A collective's label and, when it goes through shared memory, its ticket (taken after the
+/// label: a collective refused from a callback must not take one).
+struct ProcessGroupGloo::ShmTicket {
+  std::string label;
+  dist::detail::ShmAllreduce* shm = nullptr;
+  uint64_t ticket = 0;
+  explicit operator bool() const { return shm != nullptr; }
+};
+
+}  // namespace ember::dist

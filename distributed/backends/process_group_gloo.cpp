@@ -1,0 +1,444 @@
+// ProcessGroupGloo over Gloo's TCP transport: the rendezvous, the threads that run queued
+// operations, and what a failure does to the group. The collectives and send/recv themselves are
+// in process_group_gloo_collectives.cpp. Built only when gloo is found
+// (distributed/CMakeLists.txt); no_gloo.cpp stands in otherwise.
+#include <ember/distributed/backends/process_group_gloo.h>
+#include <ember/distributed/backends/shareable.h>
+
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+#include <netdb.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <deque>
+#include <thread>
+#include <vector>
+
+#include <ember/distributed/debug/debug.h>
+#include <ember/distributed/backends/detail/gloo_agreement.h>
+#include <ember/distributed/backends/detail/process_group_gloo_impl.h>
+#include <ember/distributed/backends/detail/shm_allreduce.h>
+#include <ember/distributed/debug/collective_trace.h>
+#include <ember/tensor/log.h>
+
+namespace ember::dist {
+
+bool gloo_available() { return true; }
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+/// Gloo's rendezvous store over an Ember store: Gloo publishes and reads the ranks' addresses.
+class GlooStoreAdapter : public gloo::rendezvous::Store {
+ public:
+  GlooStoreAdapter(std::shared_ptr<dist::Store> store, Duration timeout)
+      : store_(std::move(store)), timeout_(timeout) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_->set(key, Bytes(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    const Bytes b = store_->get(key, timeout_);
+    return std::vector<char>(b.begin(), b.end());
+  }
+  void wait(const std::vector<std::string>& keys) override { store_->wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& t) override {
+    store_->wait(keys, t);
+  }
+
+ private:
+  std::shared_ptr<dist::Store> store_;
+  Duration timeout_;
+};
+
+// Note [inline collectives]: handing a collective to a worker thread and waking the caller when
+// it is done costs two thread wake-ups, many times what a small collective over shared memory
+// takes by itself. So when the group has shared memory, a collective of at most kInlineBytes
+// per rank that is issued while none of this rank's collectives is queued or running runs on
+// the calling thread (through the same execute() as on a worker), and the call returns its Work
+// already completed. The call then blocks until every rank has joined the collective, as a
+// blocking one would; the Work is the same: errors, timeouts and a broken group reach the
+// caller through it rather than as exceptions from the call, and then() callbacks run at once
+// on the calling thread. The order is kept: the shared-memory tickets are taken in issue order,
+// and with nothing in flight no earlier collective can still be waiting to start. Larger
+// collectives stay on the workers, so that the caller overlaps them with its own work (DDP's
+// backward pass) and two of them move data at once on the two channels.
+constexpr size_t kInlineBytes = 64 * 1024;
+
+/// A Work whose default wait outlasts the worker's own deadline a little, so that the
+/// worker's error (which says what Gloo saw) reaches the caller rather than a bare timeout.
+class GlooWork : public Work {
+ public:
+  using Work::Work;
+  bool wait(std::optional<Duration> timeout = {}) override {
+    if (timeout) return Work::wait(timeout);
+    try {
+      future_->wait(timeout_ + std::chrono::seconds(2));
+    } catch (const DistTimeoutError&) {
+      if (future_->completed()) throw;
+      throw DistTimeoutError(detail::str_cat(what_, " timed out after ", timeout_.count(), " ms"));
+    }
+    return true;
+  }
+};
+
+std::string hostname_of_machine() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0) return {};
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(buf, nullptr, &hints, &res) != 0) return {};
+  ::freeaddrinfo(res);
+  return buf;
+}
+
+// Gloo writes to sockets with writev(), which raises SIGPIPE when a peer died; its default
+// action would kill this process instead of letting the collective report the dead peer.
+// Ignored here only if nobody installed a handler (as Python does for every torch program).
+void ignore_sigpipe() {
+  struct sigaction old {};
+  if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) {
+    ::signal(SIGPIPE, SIG_IGN);
+  }
+}
+
+}  // namespace
+
+// ---- Impl ---------------------------------------------------------------------------------------
+
+ProcessGroupGloo::Impl::Impl(const ProcessGroupGloo& pg, std::shared_ptr<Store> store,
+                             const GlooOptions& opts)
+    : rank_(pg.rank()), size_(pg.size()) {
+  if (size_ == 1) return;  // world size 1: no network, everything completes inline
+  ignore_sigpipe();
+  gloo::transport::tcp::attr attr;
+  bool guessed = false;
+  if (!opts.hostname.empty()) {
+    attr.hostname = opts.hostname;
+  } else if (const char* h = std::getenv("EMBER_GLOO_HOSTNAME"); h && *h) {
+    attr.hostname = h;
+  } else if (const char* i = std::getenv("GLOO_SOCKET_IFNAME"); i && *i) {
+    attr.iface = i;
+  } else {
+    attr.hostname = hostname_of_machine();
+    guessed = true;
+    if (attr.hostname.empty()) attr.hostname = "127.0.0.1";
+  }
+  try {
+    device_ = gloo::transport::tcp::CreateDevice(attr);
+  } catch (const std::exception& e) {
+    if (!guessed) {
+      throw DistBackendError(
+          detail::str_cat("[gloo] rank ", rank_, " of ", size_, ": cannot listen on '",
+                          attr.iface.empty() ? attr.hostname : attr.iface, "': ", e.what()));
+    }
+    attr.hostname = "127.0.0.1";
+    try {
+      device_ = gloo::transport::tcp::CreateDevice(attr);
+    } catch (const std::exception& e2) {
+      throw DistBackendError(detail::str_cat("[gloo] rank ", rank_, " of ", size_,
+                                             ": cannot listen on this machine's host name (",
+                                             e.what(), ") nor on 127.0.0.1: ", e2.what()));
+    }
+  }
+  auto ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
+  ctx->setTimeout(opts.timeout);
+  GlooStoreAdapter adapter(store, opts.timeout);
+  try {
+    ctx->connectFullMesh(adapter, device_);
+  } catch (const DistTimeoutError& e) {
+    throw DistTimeoutError(detail::str_cat("[gloo] rank ", rank_, " of ", size_,
+                                           ": not every peer joined within ",
+                                           opts.timeout.count(), " ms: ", e.what()));
+  } catch (const DistError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw DistBackendError(detail::str_cat("[gloo] rank ", rank_, " of ", size_,
+                                           " could not connect to its peers (timeout ",
+                                           opts.timeout.count(), " ms): ", e.what()));
+  }
+  peer_addresses_ = dist::detail::peer_addresses(*store, *ctx, opts.timeout);
+  position_wait_ = dist::detail::position_wait(opts.timeout);
+  store_ = store;
+  try {
+    record_each_ = debug_level() == DebugLevel::Detail;
+  } catch (const ValueError&) {
+    // A bad EMBER_DISTRIBUTED_DEBUG is reported by what asks for a debug mode (DDP).
+  }
+  context_ = ctx;
+  if (opts.shared_memory) {
+    shm_ = dist::detail::ShmAllreduce::create(*store, rank_, size_, opts.threads, opts.timeout);
+  }
+  for (int i = 0; i < opts.threads; ++i) {
+    workers_.emplace_back([this] { loop(queue_, cv_, true); });
+  }
+  p2p_ = std::thread([this] { loop(p2p_queue_, p2p_cv_, false); });
+}
+
+ProcessGroupGloo::Impl::~Impl() {
+  std::deque<Job> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    for (auto* q : {&queue_, &p2p_queue_}) {
+      for (auto& j : *q) dropped.push_back(std::move(j));
+      q->clear();
+    }
+  }
+  cv_.notify_all();
+  p2p_cv_.notify_all();
+  for (auto& j : dropped) {
+    j.work->finish_with_error(std::make_exception_ptr(DistBackendError(
+        detail::str_cat(j.work->describe(), " failed: the process group was destroyed"))));
+  }
+  for (auto& w : workers_) {
+    if (w.joinable()) w.join();
+  }
+  if (p2p_.joinable()) p2p_.join();
+  if (context_) context_->closeConnections();
+}
+
+ProcessGroupGloo::Impl::Route ProcessGroupGloo::Impl::route_for(size_t bytes) const {
+  return shm_ && bytes <= kInlineBytes ? Route::InlineIfIdle : Route::Worker;
+}
+
+WorkPtr ProcessGroupGloo::Impl::submit(
+    const std::string& what, Duration timeout,
+    std::function<std::vector<Tensor>(std::chrono::milliseconds)> run, Route route) {
+  auto work = std::make_shared<GlooWork>(what, timeout);
+  Job job{work, Clock::now() + timeout, std::move(run), tracing::stamp()};
+  if (!context_) {
+    execute(job);
+    return work;
+  }
+  // Bounded by the operation's own timeout: a store gone with its host must not hold up the
+  // operation longer than the operation itself may take.
+  if (record_each_ && !dist::detail::publish_latest(*store_, rank_,  // before it can fail
+                                                     dist::detail::short_label(what), timeout)) {
+    record_each_ = false;
+  }
+  const bool p2p = route == Route::P2p;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    EMBER_CHECK(!stop_, what, ": the process group is being destroyed");
+    last_issued_ = what;
+    if (route == Route::InlineIfIdle && in_flight_ == 0) {
+      lock.unlock();
+      execute(job);
+      return work;
+    }
+    if (!p2p) {
+      std::erase_if(issued_, [](const std::weak_ptr<Work>& w) {
+        auto p = w.lock();
+        return !p || p->is_completed();
+      });
+      issued_.push_back(work);
+      ++in_flight_;
+    }
+    (p2p ? p2p_queue_ : queue_).push_back(std::move(job));
+  }
+  (p2p ? p2p_cv_ : cv_).notify_one();  // wake only the thread that serves this queue
+  return work;
+}
+
+std::string ProcessGroupGloo::Impl::name_peers(const std::string& msg) const {
+  return dist::detail::name_peers_by_rank(peer_addresses_, msg, nullptr);
+}
+
+std::vector<WorkPtr> ProcessGroupGloo::Impl::unfinished_collectives() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<WorkPtr> out;
+  for (const auto& w : issued_) {
+    if (auto p = w.lock(); p && !p->is_completed()) out.push_back(std::move(p));
+  }
+  return out;
+}
+
+void ProcessGroupGloo::Impl::loop(std::deque<Job>& queue, std::condition_variable& cv,
+                                  bool collectives) {
+  trace::set_thread_name(collectives ? "gloo worker" : "gloo send/recv");
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv.wait(lock, [&] { return stop_ || !queue.empty(); });
+      if (queue.empty()) return;  // stopping
+      job = std::move(queue.front());
+      queue.pop_front();
+    }
+    execute(job, collectives);
+    if (collectives) {
+      std::lock_guard<std::mutex> lock(mu_);
+      --in_flight_;
+    }
+  }
+}
+
+void ProcessGroupGloo::Impl::execute(Job& job, bool mark_broken) {
+  const std::string& what = job.work->describe();
+  const auto timeout = job.work->timeout();
+  std::string broken;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    broken = broken_;
+  }
+  if (!broken.empty()) {
+    job.work->finish_with_error(std::make_exception_ptr(
+        DistBackendError(detail::str_cat(what, " (timeout ", timeout.count(),
+                                         " ms) failed: the group is unusable after an "
+                                         "earlier failure: ",
+                                         broken))));
+    return;
+  }
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(job.deadline - Clock::now());
+  if (left.count() <= 0) {
+    fail(job,
+         DistTimeoutError(detail::str_cat(what, " timed out after ", timeout.count(),
+                                          " ms (waiting behind earlier operations)")),
+         mark_broken);
+    return;
+  }
+  std::vector<Tensor> out;
+  const int64_t started_us = tracing::stamp();
+  try {
+    out = job.run(left);
+    tracing::record_collective(what, job.queued_us, started_us, out);
+  } catch (const ValueError&) {
+    job.work->finish_with_error(std::current_exception());
+    return;
+  } catch (const std::exception& e) {
+    std::vector<int> peers;  // the ranks whose addresses Gloo's message names
+    const std::string msg =
+        dist::detail::name_peers_by_rank(peer_addresses_, e.what(), &peers);
+    const bool timed_out =
+        msg.find("imed out") != std::string::npos || msg.find("imeout") != std::string::npos;
+    const bool peer_gone = msg.find("losed") != std::string::npos ||
+                           msg.find("reset") != std::string::npos ||
+                           msg.find("Broken pipe") != std::string::npos;
+    if (timed_out) {
+      fail(job,
+           DistTimeoutError(
+               detail::str_cat(what, " timed out after ", timeout.count(), " ms: ", msg)),
+           mark_broken);
+    } else {
+      fail(job,
+           DistBackendError(detail::str_cat(
+               what, " (timeout ", timeout.count(), " ms) failed: ",
+               peer_gone ? dist::detail::closed_by(peers) : "", msg)),
+           mark_broken);
+    }
+    return;
+  }
+  job.work->finish(std::move(out));
+}
+
+// Fails job with err; a failed collective leaves the ranks out of step, so the group is
+// marked broken and its connections closed, which wakes peers blocked on this rank. The first
+// failure also says where this rank stands and names where the others do (Note [where a rank
+// stands]).
+template <typename E>
+void ProcessGroupGloo::Impl::fail(Job& job, const E& err, bool mark_broken) {
+  if (!mark_broken || !context_) {
+    job.work->finish_with_error(std::make_exception_ptr(err));
+    return;
+  }
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    first = broken_.empty();
+    if (first) broken_ = err.what();
+  }
+  const bool store_answers =
+      first && dist::detail::publish_position(
+                   *store_, rank_,
+                   detail::str_cat("was at ", dist::detail::short_label(job.work->describe()),
+                                   " when it failed"),
+                   position_wait_);
+  context_->closeConnections();
+  if (shm_) shm_->abort(detail::str_cat("rank ", rank_, ": ", err.what()));
+  if (!first) {
+    job.work->finish_with_error(std::make_exception_ptr(err));
+    return;
+  }
+  const std::string msg = err.what();
+  job.work->finish_with_error(std::make_exception_ptr(
+      E(msg + (store_answers
+                   ? dist::detail::peer_positions(*store_, rank_, size_, msg, position_wait_)
+                   : std::string("; the group's store did not answer, so where the other ranks "
+                                 "stand is unknown")))));
+}
+
+void ProcessGroupGloo::Impl::leave(uint64_t issued) {
+  if (!context_) return;
+  std::string last;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!broken_.empty()) return;  // the failure said where this rank stands
+    last = last_issued_;
+  }
+  // At a job's end the rank that hosts the store may have exited already: not a failure, so
+  // only a debug line says so (Note [where a rank stands]).
+  const auto bound = std::min(position_wait_, dist::detail::kLeavingStoreWait);
+  std::string why;
+  if (!dist::detail::publish_position(
+          *store_, rank_,
+          last.empty()
+              ? std::string("left the group before issuing any operation")
+              : detail::str_cat("left the group after issuing ", issued,
+                                " operations (the last: ", dist::detail::short_label(last), ")"),
+          bound, &why)) {
+    logging::debug("[gloo] rank ", rank_, " of ", size_,
+                   ": the group's store did not take where this rank stands within ",
+                   bound.count(), " ms of the group's destruction (has the rank that hosts it "
+                   "exited?): ", why);
+  }
+}
+
+// ---- ProcessGroupGloo ---------------------------------------------------------------------------
+
+ProcessGroupGloo::ShmTicket ProcessGroupGloo::take_ticket(const char* collective) {
+  ShmTicket t;
+  t.label = next_op_label(collective);
+  t.shm = impl_->shm();
+  if (t.shm) t.ticket = t.shm->next_ticket();  // in issue order, as on every rank
+  return t;
+}
+
+ProcessGroupGloo::ProcessGroupGloo(std::shared_ptr<Store> store, int rank, int size,
+                                   GlooOptions options)
+    : ProcessGroup(rank, size, Options{options.timeout}) {
+  EMBER_CHECK(store != nullptr || size == 1, "[gloo] ProcessGroupGloo needs a store for ", size,
+              " ranks");
+  EMBER_CHECK(options.timeout.count() > 0, "[gloo] timeout must be positive, got ",
+              options.timeout.count(), " ms");
+  EMBER_CHECK(options.threads >= 1, "[gloo] GlooOptions::threads must be at least 1, got ",
+              options.threads);
+  impl_ = std::make_unique<Impl>(*this, std::move(store), options);
+}
+
+ProcessGroupGloo::~ProcessGroupGloo() {
+  if (impl_) impl_->leave(seq_);
+}
+
+bool ProcessGroupGloo::uses_shared_memory() const { return impl_->shm() != nullptr; }
+
+Tensor ProcessGroupGloo::zeros_for_collectives(IntList shape, TensorOptions opts) const {
+  if (!uses_shared_memory() || !opts.device_.is_cpu() || opts.pinned_) {
+    return ProcessGroup::zeros_for_collectives(shape, opts);
+  }
+  return empty_shareable(shape, opts);  // zero-filled
+}
+
+ProcessGroupGloo::SharedMemoryStats ProcessGroupGloo::shared_memory_stats() const {
+  const dist::detail::ShmAllreduce* shm = impl_->shm();
+  if (!shm) return {};
+  return {shm->single_copies(), shm->mapped_reductions()};
+}
+
+}  // namespace ember::dist

@@ -1,0 +1,865 @@
+// ProcessGroupNccl over NCCL. Built only with CUDA and NCCL (distributed/CMakeLists.txt);
+// no_nccl.cpp stands in otherwise. This file also registers the "nccl" backend with
+// init_process_group (a static initializer at the end).
+#include <ember/distributed/backends/process_group_nccl.h>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <optional>
+#include <thread>
+
+#include <ember/distributed/debug/collective_trace.h>
+#include <ember/distributed/init.h>
+#include <ember/distributed/backends/net.h>
+#include <ember/distributed/debug/debug.h>
+#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/ops.h>
+#include <ember/tensor/log.h>
+#include <ember/tensor/trace_device.h>
+
+namespace ember::dist {
+
+bool nccl_available() { return true; }
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+// How often the watchdog looks at the end events while work is pending: how late it notices a
+// timeout or an asynchronous error. Works and Futures do not wait for it (see NcclWork).
+constexpr auto kPollInterval = 200us;
+// A blocking wait (barrier, or wait with an explicit timeout) polls the end event this often
+// once past its first spins: cudaEventSynchronize has no timeout.
+constexpr auto kHostPollInterval = 50us;
+// A barrier's wait() blocks this much longer than the group's deadline, so that the watchdog's
+// error (which says the communicator was aborted) reaches the caller rather than a bare timeout.
+constexpr Duration kBlockingGrace = 2s;
+// The destructor waits at most this long for queued work and for ncclCommFinalize.
+constexpr Duration kDestroyLimit = 60s;
+// Key of rank 0's ncclUniqueId in the group's (private) store.
+constexpr const char* kUniqueIdKey = "nccl_unique_id";
+
+bool supported(Dtype d) {
+  switch (d) {
+    case Dtype::Float32:
+    case Dtype::Float64:
+    case Dtype::Float16:
+    case Dtype::BFloat16:
+    case Dtype::Int32:
+    case Dtype::Int64:
+    case Dtype::UInt8:
+      return true;
+    default:
+      return false;
+  }
+}
+
+ncclDataType_t nccl_dtype(Dtype d) {
+  switch (d) {
+    case Dtype::Float32:
+      return ncclFloat32;
+    case Dtype::Float64:
+      return ncclFloat64;
+    case Dtype::Float16:
+      return ncclFloat16;
+    case Dtype::BFloat16:
+      return ncclBfloat16;
+    case Dtype::Int32:
+      return ncclInt32;
+    case Dtype::Int64:
+      return ncclInt64;
+    case Dtype::UInt8:
+      return ncclUint8;
+    default:
+      break;
+  }
+  EMBER_INTERNAL_ASSERT(false, "[nccl] unsupported dtype ", d, " passed validation");
+  return ncclFloat32;
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+      return ncclSum;
+    case ReduceOp::Avg:
+      return ncclAvg;  // integers: truncating division (NCCL's SumPostDiv)
+    case ReduceOp::Product:
+      return ncclProd;
+    case ReduceOp::Min:
+      return ncclMin;
+    case ReduceOp::Max:
+      return ncclMax;
+  }
+  return ncclSum;
+}
+
+/// NCCL's name for r, plus the communicator's last error message when there is one.
+std::string nccl_error(ncclResult_t r, ncclComm_t comm) {
+  std::string s = ncclGetErrorString(r);
+  if (comm != nullptr) {
+    const char* last = ncclGetLastError(comm);
+    if (last != nullptr && *last) s += detail::str_cat(" (", last, ")");
+  }
+  return s;
+}
+
+/// A non-blocking communicator answers ncclInProgress while an operation is still being set up
+/// (creation, group end, finalize); this polls until it settles or the deadline passes (then
+/// ncclInProgress). Spins briefly, then backs off to 1 ms: creation may wait minutes for peers.
+ncclResult_t settle(ncclComm_t comm, ncclResult_t r, Clock::time_point deadline) {
+  for (int spins = 0; r == ncclInProgress; ++spins) {
+    if (Clock::now() >= deadline) return ncclInProgress;
+    if (spins < 1000) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(1ms);
+    }
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+    r = q != ncclSuccess ? q : state;
+  }
+  return r;
+}
+
+void check_tensor(const char* op, const Tensor& t, int device, const char* what = "tensor") {
+  EMBER_CHECK(t.defined(), "[nccl] ", op, ": ", what, " is undefined");
+  EMBER_CHECK(t.device() == cuda_device(device), "[nccl] ", op, " expects CUDA tensors on ",
+              cuda_device(device), " (the group's device), got ", what, " on ", t.device());
+  EMBER_CHECK(t.is_contiguous(), "[nccl] ", op, " expects contiguous tensors, got a ",
+              "non-contiguous ", what, " (shape ", t.shape(), ")");
+  EMBER_CHECK_TYPE(TypeError, supported(t.dtype()), "[nccl] ", op,
+                   " supports float32, float64, float16, bfloat16, int32, int64 and uint8, got ",
+                   what, " of dtype ", t.dtype());
+}
+
+/// Tells the caching allocator that t's memory is in use on s (see cuda::record_stream).
+void mark_used(const Tensor& t, const cuda::Stream& s) {
+  if (!t.defined() || t.numel() == 0 || t.storage()->data() == nullptr) return;
+  try {
+    cuda::record_stream(t.storage()->data(), s);
+  } catch (const ValueError&) {
+    // Memory from from_blob: not the allocator's; its owner keeps it alive (documented there).
+  }
+}
+
+int choose_device(const ProcessGroupNccl::NcclOptions& o, int rank, int count) {
+  if (o.device >= 0) {
+    EMBER_CHECK(o.device < count, "[nccl] rank ", rank, ": device ", o.device,
+                " does not exist (this process sees ", count, " CUDA devices)");
+    return o.device;
+  }
+  EMBER_CHECK(o.device == -1, "[nccl] rank ", rank, ": device must be >= 0, or -1 to choose, got ",
+              o.device);
+  if (local_rank().has_value()) return local_cuda_device();
+  // No launcher said which rank of the node this is: one process per GPU on one node.
+  EMBER_CHECK(rank < count, "[nccl] rank ", rank, ": no local rank in the environment (LOCAL_RANK, "
+              "OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID) and group rank ", rank,
+              " is not below the ", count, " CUDA devices this process sees; pass "
+              "NcclOptions::device or launch with emberrun, mpirun or srun");
+  return rank;
+}
+
+Duration init_timeout_of(const ProcessGroupNccl::NcclOptions& o) {
+  if (o.init_timeout) return *o.init_timeout;
+  return timeout_from_env("EMBER_NCCL_INIT_TIMEOUT")
+      .value_or(std::min<Duration>(o.timeout, std::chrono::minutes(5)));
+}
+
+/// The network NCCL was told to use, for errors and the debug log: "NCCL_SOCKET_IFNAME=eth0
+/// (10.1.2.3), MASTER_ADDR=10.1.2.1".
+std::string network_summary() {
+  const char* ifname = std::getenv("NCCL_SOCKET_IFNAME");
+  const char* master = std::getenv("MASTER_ADDR");
+  std::string s = ifname != nullptr && *ifname
+                      ? detail::str_cat("NCCL_SOCKET_IFNAME=", ifname, " (",
+                                        net::addresses_of(ifname[0] == '=' ? ifname + 1 : ifname),
+                                        ")")
+                      : std::string("NCCL_SOCKET_IFNAME unset (NCCL picks an interface)");
+  if (master != nullptr && *master) s += detail::str_cat(", MASTER_ADDR=", master);
+  return s;
+}
+
+/// The group's first failure (a timeout, an NCCL error, destruction with work queued), shared
+/// with its Works, which outlive the group: once recorded, every later collective and every
+/// Work's wait() throws it (Note [NCCL stream-ordered work]).
+class GroupFailure {
+ public:
+  /// Keeps the first failure only. `culprit`: the label of the collective that failed, whose
+  /// Work reports `error` itself; every other Work reports the reason.
+  void record(const std::string& reason, const std::string& culprit, std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!reason_.empty()) return;
+    reason_ = reason;
+    culprit_ = culprit;
+    error_ = std::move(error);
+  }
+  bool failed() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !reason_.empty();
+  }
+  /// The error a wait() of the collective labelled `what` (or a new one) throws; null if none.
+  std::exception_ptr error_for(const std::string& what) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (reason_.empty()) return nullptr;
+    if (what == culprit_ && error_) return error_;
+    return std::make_exception_ptr(DistBackendError(detail::str_cat(
+        what, " failed: the group is unusable after an earlier failure: ", reason_)));
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::string reason_;
+  std::string culprit_;
+  std::exception_ptr error_;
+};
+
+// Note [NCCL stream-ordered work]: as c10d's CUDA futures, a collective's Future is completed
+// as soon as the collective is queued, with its end event as the ready event: wait(), value()
+// and then() order the caller's current stream after the collective instead of blocking the
+// CPU, so DDP's backward, its buffer broadcast, SyncBatchNorm and PowerSGD never wait on the
+// host for communication. The watchdog only polls end events for timeouts and asynchronous
+// NCCL errors, aborts the communicator then, and records the failure (GroupFailure); errors
+// reach the user at the next collective or Work::wait(), which throw it. Work::is_completed()
+// is device completion (the end event has passed, c10d's isCompleted) or failure. Only
+// barrier() and a wait() given an explicit timeout block the CPU (until device completion).
+
+/// The Work of one NCCL operation (Note [NCCL stream-ordered work]).
+class NcclWork : public Work {
+ public:
+  NcclWork(std::string what, Duration timeout, std::shared_ptr<cuda::Event> end, int device,
+           std::shared_ptr<const GroupFailure> failure, bool blocking)
+      : Work(std::move(what), timeout),
+        end_(std::move(end)),
+        device_(device),
+        failure_(std::move(failure)),
+        blocking_(blocking) {}
+
+  /// Called once the operation and its end event are queued: completes the Future.
+  void queued(std::vector<Tensor> outputs) { future_->set_value(std::move(outputs), {end_}); }
+
+  bool wait(std::optional<Duration> timeout = {}) override {
+    if (timeout) {
+      block_host(*timeout, *timeout);
+    } else if (blocking_) {
+      block_host(timeout_ + kBlockingGrace, timeout_);
+    }
+    throw_if_failed();
+    end_->block(cuda::current_stream(device_));
+    return true;
+  }
+
+  bool is_completed() const override {
+    if (failure_->failed()) return true;
+    try {
+      return end_->query();
+    } catch (const std::exception&) {
+      return true;  // failed on the device: exception() says how
+    }
+  }
+
+  std::exception_ptr exception() const override {
+    if (std::exception_ptr e = failure_->error_for(what_)) return e;
+    try {
+      (void)end_->query();
+    } catch (const std::exception& e) {
+      return std::make_exception_ptr(
+          DistBackendError(detail::str_cat(what_, " failed on the device: ", e.what())));
+    }
+    return nullptr;
+  }
+
+ private:
+  void throw_if_failed() const {
+    if (std::exception_ptr e = exception()) std::rethrow_exception(e);
+  }
+
+  // Blocks the CPU until the operation has finished on the device or the group failed (then
+  // throws), or `limit` passes: DistTimeoutError saying `shown`. The collective stays queued:
+  // the watchdog aborts it at its own deadline.
+  void block_host(Duration limit, Duration shown) const {
+    const auto deadline = Clock::now() + limit;
+    for (int spins = 0;; ++spins) {
+      throw_if_failed();
+      if (end_->query()) return;
+      if (Clock::now() >= deadline) {
+        throw DistTimeoutError(detail::str_cat(what_, " timed out after ", shown.count(),
+                                               " ms (still running on the device)"));
+      }
+      if (spins < 100) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(kHostPollInterval);
+      }
+    }
+  }
+
+  std::shared_ptr<cuda::Event> end_;
+  int device_;
+  std::shared_ptr<const GroupFailure> failure_;
+  bool blocking_;
+};
+
+/// What the watchdog tracks of a queued operation until its end event passes.
+struct Pending {
+  std::string what;
+  Duration timeout;
+  std::shared_ptr<cuda::Event> end;
+  Clock::time_point deadline;
+  std::vector<Tensor> keep;  // alive until the operation ends (outputs, inputs, packed buffers)
+};
+
+}  // namespace
+
+// ---- Impl ---------------------------------------------------------------------------------------
+
+class ProcessGroupNccl::Impl {
+ public:
+  using Enqueue = std::function<ncclResult_t(ncclComm_t, cudaStream_t)>;
+
+  Impl(int rank, int size, std::shared_ptr<Store> store, const NcclOptions& o)
+      : rank_(rank), size_(size), timeout_(o.timeout) {
+    EMBER_CHECK(store != nullptr, "[nccl] rank ", rank,
+                ": needs a store to exchange the "
+                "ncclUniqueId, got null");
+    const int count = cuda::device_count();
+    if (count == 0) {
+      throw NotImplementedError(detail::str_cat("[nccl] rank ", rank, " of ", size,
+                                                ": no CUDA device: ", cuda::unavailable_reason()));
+    }
+    device_ = choose_device(o, rank, count);
+    // As torch.cuda.set_device in a training script: the tensors this rank makes without naming
+    // a device land on the group's GPU, and no context is created on any other.
+    cuda::set_device(device_);
+    stream_ = cuda::Stream::create(device_);
+    const Duration init_timeout = init_timeout_of(o);
+    if (debug_level() != DebugLevel::Off) {
+      int version = 0;
+      ncclGetVersion(&version);
+      logging::info("[nccl] rank ", rank, " of ", size, ": NCCL ", version / 10000, ".",
+                version / 100 % 100, ".", version % 100, " on ", cuda_device(device_).str(), ", ",
+                network_summary());
+    }
+
+    ncclUniqueId id;
+    if (rank == 0) {
+      check_init(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId");
+      const auto* b = reinterpret_cast<const uint8_t*>(&id);
+      store->set(kUniqueIdKey, Bytes(b, b + sizeof(id)));
+    } else {
+      Bytes b;
+      try {
+        b = store->get(kUniqueIdKey, init_timeout);
+      } catch (const DistTimeoutError& e) {
+        throw DistTimeoutError(detail::str_cat("[nccl] rank ", rank, " of ", size,
+                                               ": rank 0 did not publish its ncclUniqueId within ",
+                                               init_timeout.count(), " ms: ", e.what()));
+      }
+      if (b.size() != sizeof(id)) {
+        throw DistBackendError(detail::str_cat(
+            "[nccl] rank ", rank, " of ", size, ": the store's '", kUniqueIdKey, "' holds ",
+            b.size(), " bytes, expected an ncclUniqueId of ", sizeof(id)));
+      }
+      std::memcpy(&id, b.data(), sizeof(id));
+    }
+
+    // Non-blocking, so that creation (which waits for every rank) is bounded by the timeout.
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t comm = nullptr;
+    ncclResult_t r = ncclCommInitRankConfig(&comm, size, id, rank, &config);
+    if (comm != nullptr) r = settle(comm, r, Clock::now() + init_timeout);
+    if (r == ncclInProgress) {
+      ncclCommAbort(comm);
+      throw DistTimeoutError(detail::str_cat(
+          "[nccl] rank ", rank, " of ", size, ": creating the communicator on ",
+          cuda_device(device_), " did not complete within ", init_timeout.count(),
+          " ms (EMBER_NCCL_INIT_TIMEOUT); did every rank create the group, and can they reach "
+          "each other? ", network_summary()));
+    }
+    if (r != ncclSuccess) {
+      const std::string msg = nccl_error(r, comm);
+      if (comm != nullptr) ncclCommAbort(comm);
+      throw DistBackendError(detail::str_cat("[nccl] rank ", rank, " of ", size,
+                                             ": creating the communicator on ",
+                                             cuda_device(device_), " failed: ", msg, "; ",
+                                             network_summary()));
+    }
+    comm_ = comm;
+    trace_row_name_ = detail::str_cat("nccl stream, ", cuda_device(device_).str(), " (rank ", rank,
+                                      " of ", size, ")");
+    watchdog_ = std::thread([this] { watch(); });
+  }
+
+  ~Impl() {
+    // The watchdog runs no user code and holds no reference to the group (Future callbacks run
+    // on the threads that issue collectives), so this never runs on it.
+    const auto limit = Clock::now() + std::min<Duration>(timeout_, kDestroyLimit);
+    std::deque<std::shared_ptr<Pending>> left;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_until(lock, limit, [&] { return pending_.empty(); });
+      stop_ = true;
+      left.swap(pending_);
+    }
+    cv_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
+    if (!left.empty()) {
+      failure_->record(
+          detail::str_cat("[nccl] rank ", rank_, " of ", size_,
+                          ": the process group was destroyed while ", left.front()->what,
+                          " was still running (the communicator was aborted)"),
+          "", nullptr);
+    }
+    {
+      std::lock_guard<std::mutex> cl(comm_mu_);
+      if (comm_ != nullptr) {
+        std::optional<cuda::detail::DeviceGuard> guard;
+        try {
+          guard.emplace(device_);
+        } catch (...) {  // the device is gone: still release NCCL's resources
+        }
+        if (left.empty() && settle(comm_, ncclCommFinalize(comm_), limit) == ncclSuccess) {
+          ncclCommDestroy(comm_);
+        } else {
+          ncclCommAbort(comm_);  // work still running, or a peer no longer answers
+        }
+        comm_ = nullptr;
+      }
+    }
+    // Dropped only now: the operations still queued were aborted with the communicator.
+    left.clear();
+  }
+
+  int device() const { return device_; }
+  const cuda::Stream& stream() const { return stream_; }
+
+  /// Runs enqueue on the group's stream after the caller's current stream's queued work; the
+  /// Work's Future completes with `outputs` once it is queued (Note [NCCL stream-ordered
+  /// work]). `blocking`: wait() also blocks the CPU until the device is done (barrier). Throws
+  /// the group's failure if it failed earlier, or this operation's if NCCL refuses it.
+  WorkPtr launch(const std::string& what, Duration timeout, std::vector<Tensor> outputs,
+                 std::vector<Tensor> keep, const Enqueue& enqueue, bool blocking = false) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      EMBER_CHECK(!stop_, what, ": the process group is being destroyed");
+    }
+    if (std::exception_ptr e = failure_->error_for(what)) std::rethrow_exception(e);
+    auto end = std::make_shared<cuda::Event>();
+    auto work = std::make_shared<NcclWork>(what, timeout, end, device_, failure_, blocking);
+    cuda::detail::DeviceGuard guard(device_);
+    const int64_t launched_us = tracing::stamp();
+    {
+      cuda::Event start;
+      start.record(cuda::current_stream(device_));
+      start.block(stream_);
+    }
+    // After the wait for the caller's stream: the span is the collective's own device time.
+    trace::DeviceSpan device_span(stream_);
+    {
+      std::unique_lock<std::mutex> cl(comm_mu_);
+      if (comm_ == nullptr) {  // aborted since the check above
+        cl.unlock();
+        std::rethrow_exception(failure_->error_for(what));
+      }
+      const ncclResult_t r = settle(comm_, enqueue(comm_, cuda::detail::raw(stream_.handle())),
+                                    Clock::now() + timeout);
+      if (r != ncclSuccess) {
+        const std::string reason =
+            r == ncclInProgress
+                ? detail::str_cat(what, " timed out after ", timeout.count(),
+                                  " ms while NCCL set it up; the communicator was aborted")
+                : detail::str_cat(what, " (timeout ", timeout.count(),
+                                  " ms) failed: ", nccl_error(r, comm_),
+                                  "; the communicator was aborted");
+        cl.unlock();
+        std::exception_ptr e = r == ncclInProgress
+                                   ? std::make_exception_ptr(DistTimeoutError(reason))
+                                   : std::make_exception_ptr(DistBackendError(reason));
+        abort_all(reason, what, e);
+        std::rethrow_exception(e);
+      }
+    }
+    // Its end event before `end`: once the watchdog sees `end` pass, the span can be resolved.
+    if (device_span.active()) trace_span(device_span, what, outputs, launched_us);
+    end->record(stream_);
+    // Before the Work is returned: once the caller has it, it may drop the tensors at once.
+    for (const Tensor& t : outputs) mark_used(t, stream_);
+    for (const Tensor& t : keep) mark_used(t, stream_);
+    keep.insert(keep.end(), outputs.begin(), outputs.end());
+    auto p = std::make_shared<Pending>(
+        Pending{what, timeout, end, Clock::now() + timeout, std::move(keep)});
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_.push_back(std::move(p));
+    }
+    cv_.notify_all();
+    work->queued(std::move(outputs));
+    return work;
+  }
+
+ private:
+  // The collective's span on the timeline, as gloo's and MPI's but measured on the group's
+  // stream (its own row): from the device starting it until it finished, queued_us the time
+  // from its launch on the host until the device started it.
+  void trace_span(trace::DeviceSpan& span, const std::string& what,
+                  const std::vector<Tensor>& outputs, int64_t launched_us) {
+    trace::CollectiveFields f = trace::collective_fields(what, tracing::result_bytes(outputs));
+    span.finish(stream_, trace::DeviceSpanInfo{std::move(f.name), "collective", std::move(f.args),
+                                               trace_row_, trace_row_name_, launched_us});
+  }
+
+  void check_init(ncclResult_t r, ncclComm_t comm, const char* call) const {
+    if (r != ncclSuccess) {
+      throw DistBackendError(detail::str_cat("[nccl] rank ", rank_, " of ", size_, ": ", call,
+                                             " failed: ", nccl_error(r, comm)));
+    }
+  }
+
+  // Aborts the communicator (wakes kernels stuck waiting for peers), records the failure, which
+  // every later call and Work::wait() throws (the operation labelled `culprit` reports `error`),
+  // and forgets the pending operations: the abort stopped them.
+  void abort_all(const std::string& reason, const std::string& culprit = "",
+                 std::exception_ptr error = nullptr) {
+    {
+      std::lock_guard<std::mutex> cl(comm_mu_);
+      if (comm_ != nullptr) {
+        ncclCommAbort(comm_);
+        comm_ = nullptr;
+      }
+    }
+    failure_->record(reason, culprit, std::move(error));
+    std::deque<std::shared_ptr<Pending>> failed;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      failed.swap(pending_);
+    }
+    cv_.notify_all();
+  }
+
+  // The watchdog: forgets operations whose end event has passed, and aborts on a timeout or an
+  // asynchronous NCCL error. It runs no user code (Note [NCCL stream-ordered work]). CUDA and
+  // NCCL are queried without holding mu_.
+  void watch() {
+    try {
+      cuda::set_device(device_);
+    } catch (...) {
+    }
+    for (;;) {
+      std::vector<std::shared_ptr<Pending>> snapshot;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (pending_.empty()) cv_.wait(lock, [&] { return stop_ || !pending_.empty(); });
+        if (stop_) return;
+        cv_.wait_for(lock, kPollInterval, [&] { return stop_; });
+        if (stop_) return;
+        snapshot.assign(pending_.begin(), pending_.end());
+      }
+      if (snapshot.empty()) continue;
+      if (check_async_error()) continue;
+      std::vector<std::shared_ptr<Pending>> done;
+      const auto now = Clock::now();
+      for (auto& p : snapshot) {
+        bool finished = false;
+        try {
+          finished = p->end->query();
+        } catch (const std::exception& e) {
+          const std::string reason = detail::str_cat(p->what, " failed on the device: ", e.what(),
+                                                     "; the communicator was aborted");
+          abort_all(reason, p->what, std::make_exception_ptr(DistBackendError(reason)));
+          done.clear();
+          break;
+        }
+        if (finished) {
+          done.push_back(p);
+        } else if (now >= p->deadline) {
+          const std::string reason = detail::str_cat(p->what, " timed out after ",
+                                                     p->timeout.count(),
+                                                     " ms; the communicator was aborted");
+          abort_all(reason, p->what, std::make_exception_ptr(DistTimeoutError(reason)));
+          done.clear();
+          break;
+        }
+      }
+      retire(done);
+      // Off the collectives' path: the spans of what just finished reach the timeline.
+      if (trace::enabled()) trace::resolve_device_spans();
+    }
+  }
+
+  // An asynchronous error (a peer failed, a network error) dooms every pending operation: aborts
+  // and returns true.
+  bool check_async_error() {
+    std::unique_lock<std::mutex> cl(comm_mu_, std::try_to_lock);
+    if (!cl.owns_lock() || comm_ == nullptr) return false;
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t q = ncclCommGetAsyncError(comm_, &state);
+    const ncclResult_t async = q != ncclSuccess ? q : state;
+    if (async == ncclSuccess || async == ncclInProgress) return false;
+    const std::string reason =
+        detail::str_cat("[nccl] rank ", rank_, " of ", size_,
+                        ": NCCL reported an asynchronous error: ", nccl_error(async, comm_));
+    cl.unlock();
+    abort_all(reason);
+    return true;
+  }
+
+  // Forgets operations that have finished on the device (their tensors may be freed now).
+  void retire(const std::vector<std::shared_ptr<Pending>>& done) {
+    if (done.empty()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& p : done) {
+        auto it = std::find(pending_.begin(), pending_.end(), p);
+        if (it != pending_.end()) pending_.erase(it);
+      }
+    }
+    cv_.notify_all();
+  }
+
+  const int rank_;
+  const int size_;
+  const Duration timeout_;
+  int device_ = 0;
+  cuda::Stream stream_;
+
+  std::mutex comm_mu_;  // guards comm_ (NCCL calls on it, abort, destroy)
+  ncclComm_t comm_ = nullptr;
+
+  std::mutex mu_;  // guards pending_, stop_
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Pending>> pending_;
+  bool stop_ = false;
+  // The first failure; set once the communicator is aborted. Shared with the Works.
+  const std::shared_ptr<GroupFailure> failure_ = std::make_shared<GroupFailure>();
+  std::thread watchdog_;
+  // The timeline row of this group's stream (device spans, tensor/trace_device.h).
+  const int trace_row_ = trace::unique_row();
+  std::string trace_row_name_;
+};
+
+// ---- ProcessGroupNccl -------------------------------------------------------------------------
+
+ProcessGroupNccl::ProcessGroupNccl(std::shared_ptr<Store> store, int rank, int size,
+                                   NcclOptions options)
+    : ProcessGroup(rank, size, Options{options.timeout}),
+      impl_(std::make_unique<Impl>(rank, size, std::move(store), options)) {}
+
+ProcessGroupNccl::~ProcessGroupNccl() = default;
+
+int ProcessGroupNccl::device() const { return impl_->device(); }
+cuda::Stream ProcessGroupNccl::stream() const { return impl_->stream(); }
+
+WorkPtr ProcessGroupNccl::allreduce(Tensor& tensor, const AllreduceOptions& opts) {
+  check_tensor("allreduce", tensor, device());
+  void* p = tensor.data_ptr();
+  const size_t n = static_cast<size_t>(tensor.numel());
+  const ncclDataType_t dt = nccl_dtype(tensor.dtype());
+  const ncclRedOp_t op = nccl_op(opts.op);
+  return impl_->launch(next_op_label("allreduce"), timeout_of(opts.timeout), {tensor}, {},
+                       [=](ncclComm_t c, cudaStream_t s) {
+                         return n == 0 ? ncclSuccess : ncclAllReduce(p, p, n, dt, op, c, s);
+                       });
+}
+
+WorkPtr ProcessGroupNccl::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
+  check_tensor("broadcast", tensor, device());
+  check_root("broadcast", opts.root);
+  void* p = tensor.data_ptr();
+  const size_t n = static_cast<size_t>(tensor.numel());
+  const ncclDataType_t dt = nccl_dtype(tensor.dtype());
+  const int root = opts.root;
+  return impl_->launch(next_op_label("broadcast"), timeout_of(opts.timeout), {tensor}, {},
+                       [=](ncclComm_t c, cudaStream_t s) {
+                         return n == 0 ? ncclSuccess : ncclBroadcast(p, p, n, dt, root, c, s);
+                       });
+}
+
+WorkPtr ProcessGroupNccl::reduce(Tensor& tensor, const ReduceOptions& opts) {
+  check_tensor("reduce", tensor, device());
+  check_root("reduce", opts.root);
+  void* p = tensor.data_ptr();
+  const size_t n = static_cast<size_t>(tensor.numel());
+  const ncclDataType_t dt = nccl_dtype(tensor.dtype());
+  const ncclRedOp_t op = nccl_op(opts.op);
+  const int root = opts.root;
+  return impl_->launch(next_op_label("reduce"), timeout_of(opts.timeout), {tensor}, {},
+                       [=](ncclComm_t c, cudaStream_t s) {
+                         return n == 0 ? ncclSuccess : ncclReduce(p, p, n, dt, op, root, c, s);
+                       });
+}
+
+WorkPtr ProcessGroupNccl::allgather_into_tensor(Tensor& output, const Tensor& input,
+                                                const CollectiveOptions& opts) {
+  check_tensor("allgather_into_tensor", input, device(), "input");
+  check_tensor("allgather_into_tensor", output, device(), "output");
+  EMBER_CHECK(output.dtype() == input.dtype() && output.numel() == size_ * input.numel(),
+              "[nccl] allgather_into_tensor expects an output of ", size_, " x ", input.numel(),
+              " = ", size_ * input.numel(), " elements of dtype ", input.dtype(), ", got ",
+              output.numel(), " elements (shape ", output.shape(), ") of dtype ", output.dtype());
+  const void* in = input.data_ptr();
+  void* out = output.data_ptr();
+  const size_t n = static_cast<size_t>(input.numel());
+  const ncclDataType_t dt = nccl_dtype(input.dtype());
+  return impl_->launch(next_op_label("allgather_into_tensor"), timeout_of(opts.timeout), {output},
+                       {input}, [=](ncclComm_t c, cudaStream_t s) {
+                         return n == 0 ? ncclSuccess : ncclAllGather(in, out, n, dt, c, s);
+                       });
+}
+
+WorkPtr ProcessGroupNccl::reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
+                                         const ReduceScatterOptions& opts) {
+  check_tensor("reduce_scatter", output, device(), "output");
+  EMBER_CHECK(static_cast<int>(inputs.size()) == size_, "[nccl] reduce_scatter expected ", size_,
+              " input tensors (one per rank), got ", inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    EMBER_CHECK(inputs[i].defined() && inputs[i].shape() == output.shape() &&
+                    inputs[i].dtype() == output.dtype() && inputs[i].device() == output.device(),
+                "[nccl] reduce_scatter: inputs[", i, "] must match the output (shape ",
+                output.shape(), ", ", output.dtype(), ", ", output.device(), ")");
+  }
+  // NCCL's reduce-scatter takes one buffer of size() consecutive chunks. The packing copies run
+  // on the caller's stream, which the collective waits for.
+  std::vector<Tensor> flat;
+  flat.reserve(inputs.size());
+  for (const Tensor& t : inputs) flat.push_back(t.reshape({-1}));
+  const Tensor packed = cat(flat, 0);
+  const void* in = packed.data_ptr();
+  void* out = output.data_ptr();
+  const size_t n = static_cast<size_t>(output.numel());
+  const ncclDataType_t dt = nccl_dtype(output.dtype());
+  const ncclRedOp_t op = nccl_op(opts.op);
+  return impl_->launch(next_op_label("reduce_scatter"), timeout_of(opts.timeout), {output},
+                       {packed}, [=](ncclComm_t c, cudaStream_t s) {
+                         return n == 0 ? ncclSuccess : ncclReduceScatter(in, out, n, dt, op, c, s);
+                       });
+}
+
+WorkPtr ProcessGroupNccl::reduce_scatter_tensor(Tensor& output, const Tensor& input,
+                                                const ReduceScatterOptions& opts) {
+  check_tensor("reduce_scatter_tensor", output, device(), "output");
+  check_tensor("reduce_scatter_tensor", input, device(), "input");
+  check_reduce_scatter_tensor(output, input);
+  const void* in = input.data_ptr();
+  void* out = output.data_ptr();
+  const size_t n = static_cast<size_t>(output.numel());
+  const ncclDataType_t dt = nccl_dtype(output.dtype());
+  const ncclRedOp_t op = nccl_op(opts.op);
+  return impl_->launch(next_op_label("reduce_scatter_tensor"), timeout_of(opts.timeout),
+                       {output}, {input}, [=](ncclComm_t c, cudaStream_t s) {
+                         return n == 0 ? ncclSuccess : ncclReduceScatter(in, out, n, dt, op, c, s);
+                       });
+}
+
+WorkPtr ProcessGroupNccl::alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                                   const CollectiveOptions& opts) {
+  EMBER_CHECK(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
+              "[nccl] alltoall expected ", size_, " input and ", size_,
+              " output tensors (one per rank), got ", inputs.size(), " and ", outputs.size());
+  struct Part {
+    void* ptr;
+    size_t count;
+  };
+  std::vector<Part> sends, recvs;
+  for (int r = 0; r < size_; ++r) {
+    check_tensor("alltoall", inputs[r], device(), "input");
+    check_tensor("alltoall", outputs[r], device(), "output");
+    EMBER_CHECK(inputs[r].dtype() == inputs[0].dtype() && outputs[r].dtype() == inputs[0].dtype(),
+                "[nccl] alltoall expects one dtype (", inputs[0].dtype(), "), got inputs[", r,
+                "] of ", inputs[r].dtype(), " and outputs[", r, "] of ", outputs[r].dtype());
+    sends.push_back({inputs[r].data_ptr(), static_cast<size_t>(inputs[r].numel())});
+    recvs.push_back({outputs[r].data_ptr(), static_cast<size_t>(outputs[r].numel())});
+  }
+  const ncclDataType_t dt = nccl_dtype(inputs[0].dtype());
+  // Zero-sized parts are skipped on both sides (rank a's send to b has b's receive's size).
+  return impl_->launch(next_op_label("alltoall"), timeout_of(opts.timeout), outputs, inputs,
+                       [=](ncclComm_t c, cudaStream_t s) {
+                         ncclResult_t r = ncclGroupStart();
+                         if (r != ncclSuccess) return r;
+                         ncclResult_t first = ncclSuccess;
+                         auto note = [&](ncclResult_t x) {
+                           if (first == ncclSuccess && x != ncclSuccess && x != ncclInProgress) {
+                             first = x;
+                           }
+                         };
+                         for (int peer = 0; peer < static_cast<int>(sends.size()); ++peer) {
+                           if (sends[peer].count > 0) {
+                             note(ncclSend(sends[peer].ptr, sends[peer].count, dt, peer, c, s));
+                           }
+                           if (recvs[peer].count > 0) {
+                             note(ncclRecv(recvs[peer].ptr, recvs[peer].count, dt, peer, c, s));
+                           }
+                         }
+                         const ncclResult_t e = ncclGroupEnd();
+                         return first != ncclSuccess ? first : e;
+                       });
+}
+
+WorkPtr ProcessGroupNccl::barrier(const CollectiveOptions& opts) {
+  Tensor one = zeros({1}, TensorOptions(kFloat32).device(cuda_device(device())));
+  void* p = one.data_ptr();
+  return impl_->launch(next_op_label("barrier"), timeout_of(opts.timeout), {}, {one},
+                       [=](ncclComm_t c, cudaStream_t s) {
+                         return ncclAllReduce(p, p, 1, ncclFloat32, ncclSum, c, s);
+                       },
+                       /*blocking=*/true);
+}
+
+WorkPtr ProcessGroupNccl::send(const Tensor& tensor, int dst, int /*tag*/) {
+  check_tensor("send", tensor, device());
+  EMBER_CHECK(dst >= 0 && dst < size_ && dst != rank_, "[nccl] send: dst ", dst,
+              " must be another rank of this group of size ", size_, " (this is rank ", rank_, ")");
+  const void* p = tensor.data_ptr();
+  const size_t n = static_cast<size_t>(tensor.numel());
+  const ncclDataType_t dt = nccl_dtype(tensor.dtype());
+  return impl_->launch(next_op_label("send"), timeout_of({}), {tensor}, {},
+                       [=](ncclComm_t c, cudaStream_t s) {
+                         return n == 0 ? ncclSuccess : ncclSend(p, n, dt, dst, c, s);
+                       });
+}
+
+WorkPtr ProcessGroupNccl::recv(Tensor& tensor, int src, int /*tag*/) {
+  check_tensor("recv", tensor, device());
+  EMBER_CHECK(src >= 0 && src < size_ && src != rank_, "[nccl] recv: src ", src,
+              " must be another rank of this group of size ", size_, " (this is rank ", rank_, ")");
+  void* p = tensor.data_ptr();
+  const size_t n = static_cast<size_t>(tensor.numel());
+  const ncclDataType_t dt = nccl_dtype(tensor.dtype());
+  return impl_->launch(next_op_label("recv"), timeout_of({}), {tensor}, {},
+                       [=](ncclComm_t c, cudaStream_t s) {
+                         return n == 0 ? ncclSuccess : ncclRecv(p, n, dt, src, c, s);
+                       });
+}
+
+// ---- registration -------------------------------------------------------------------------------
+
+namespace {
+
+std::shared_ptr<ProcessGroup> make_nccl(const BackendArgs& a) {
+  if (a.rank < 0) return nullptr;  // not a member of this group
+  // As gloo's set-up: unless the user chose, NCCL's sockets (its bootstrap, and its data when
+  // there is no InfiniBand) use the interface that reaches rank 0, not whichever NCCL guesses
+  // first (often a container bridge that the other nodes cannot reach). Set before rank 0
+  // makes its ncclUniqueId, which carries its bootstrap address.
+  const std::string ifname = net::nccl_socket_ifname(a.master_addr);
+  if (!ifname.empty()) ::setenv("NCCL_SOCKET_IFNAME", ifname.c_str(), 0);
+  ProcessGroupNccl::NcclOptions o;
+  o.timeout = a.timeout;
+  return std::make_shared<ProcessGroupNccl>(a.store, a.rank, a.size, o);
+}
+
+// init.cpp's registry is a function-local static, so registering from a static initializer is
+// safe whatever the order in which this library's initializers run.
+const bool kNcclRegistered = [] {
+  register_backend("nccl", make_nccl);
+  return true;
+}();
+
+}  // namespace
+
+}  // namespace ember::dist
