@@ -12,8 +12,8 @@
 
 #include <ember/distributed/store/etcd_store.h>
 #include <ember/distributed/store/tcp_store.h>
+#include <ember/launcher/console.h>
 #include <ember/launcher/rendezvous_detail.h>
-#include <ember/launcher/worker_group.h>
 
 namespace ember::launcher {
 namespace {

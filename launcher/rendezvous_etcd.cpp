@@ -10,9 +10,9 @@
 
 #include <ember/distributed/store/etcd_store.h>
 #include <ember/distributed/store/store.h>
+#include <ember/launcher/console.h>
 #include <ember/launcher/rendezvous.h>
 #include <ember/launcher/rendezvous_detail.h>
-#include <ember/launcher/worker_group.h>
 
 namespace ember::launcher {
 

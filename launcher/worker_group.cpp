@@ -14,6 +14,8 @@
 #include <filesystem>
 #include <map>
 
+#include <ember/launcher/console.h>
+
 extern char** environ;
 
 namespace ember::launcher {
@@ -130,7 +132,7 @@ std::vector<char*> pointers(std::vector<std::string>& strs) {
 
 }  // namespace
 
-// ---- signals and messages ----------------------------------------------------------------
+// ---- signals ----------------------------------------------------------------------------
 
 SignalCapture::SignalCapture() {
   if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
@@ -164,29 +166,6 @@ int take_pending_signal() {
     for (ssize_t i = 0; i < n; ++i)
       if (b[i] != SIGCHLD) sig = b[i];
   return sig;
-}
-
-void write_all(int fd, const std::string& s) {
-  size_t off = 0;
-  while (off < s.size()) {
-    ssize_t n = write(fd, s.data() + off, s.size() - off);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;  // console gone (EPIPE, SIGPIPE ignored): drop the output
-    off += static_cast<size_t>(n);
-  }
-}
-
-void log_line(const std::string& s) { write_all(STDERR_FILENO, "emberrun: " + s + "\n"); }
-
-std::string signal_name(int sig) {
-  const char* abbrev = sigabbrev_np(sig);
-  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
-}
-
-std::string describe_exit(const WorkerFailure& f) {
-  return "rank " + std::to_string(f.rank) + " " +
-         (f.signal ? "was killed by " + signal_name(f.signal)
-                   : "exited with code " + std::to_string(f.exit_code));
 }
 
 // ---- WorkerGroup --------------------------------------------------------------------------

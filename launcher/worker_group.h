@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include <ember/launcher/agent.h>
 #include <ember/launcher/config.h>
+#include <ember/launcher/worker_failure.h>
 
 namespace ember::launcher {
 
@@ -48,15 +48,6 @@ class SignalCapture {
 /// A signal (other than SIGCHLD) waiting in the self-pipe, without blocking: how the
 /// rendezvous notices Ctrl-C while no group is running. 0 if none.
 int take_pending_signal();
-
-/// Writes "emberrun: <s>\n" to stderr.
-void log_line(const std::string& s);
-/// Writes all of `s` to `fd`, dropping it if the reader is gone.
-void write_all(int fd, const std::string& s);
-/// "SIGTERM", or "signal N" for a signal without a name.
-std::string signal_name(int sig);
-/// "rank 3 exited with code 1" / "rank 3 was killed by SIGKILL".
-std::string describe_exit(const WorkerFailure& f);
 
 class WorkerGroup {
  public:

@@ -1,5 +1,5 @@
 // In-process tests of emberrun's option helpers and failure summary (launcher/config.h,
-// launcher/agent.h). The end-to-end behaviour is in emberrun_test.cpp.
+// launcher/worker_failure.h). The end-to-end behaviour is in emberrun_test.cpp.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -8,8 +8,8 @@
 #include <fstream>
 #include <string>
 
-#include <ember/launcher/agent.h>
 #include <ember/launcher/config.h>
+#include <ember/launcher/worker_failure.h>
 
 namespace ember::launcher {
 namespace {
