@@ -18,6 +18,9 @@
 #include <limits>
 #include <map>
 #include <sstream>
+#include <tuple>
+
+#include <ember/launcher/rendezvous_backend.h>
 
 namespace ember::launcher {
 namespace {
@@ -133,13 +136,6 @@ std::pair<std::string, int> split_host_port(const std::string& option, const std
   return {host, p};
 }
 
-std::pair<std::string, int> LaunchConfig::rdzv_host_port() const {
-  if (!rdzv_endpoint.empty()) {
-    return split_host_port("--rdzv-endpoint", rdzv_endpoint, rdzv_backend == "etcd" ? 2379 : 29400);
-  }
-  return {master_addr, master_port};
-}
-
 std::vector<StreamMask> parse_std_spec(const std::string& option, const std::string& value,
                                        int nproc) {
   auto mask = [&](const std::string& v) {
@@ -192,6 +188,25 @@ struct EnvOption {
   bool torch;
 };
 
+// --rdzv-backend's help, from the registry: each backend's names and what it is, "static or c10d
+// (node 0's agent hosts the store), or etcd (...)".
+std::string backends_help() {
+  std::vector<std::pair<std::string, const RendezvousBackendType*>> groups;
+  for (const auto& b : rendezvous_backends()) {
+    if (!groups.empty() && groups.back().second == b.type) {
+      groups.back().first += std::string(" or ") + b.name;
+    } else {
+      groups.emplace_back(b.name, b.type);
+    }
+  }
+  std::string out;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    out += i == 0 ? "" : i + 1 == groups.size() ? ", or " : ", ";
+    out += groups[i].first + " (" + groups[i].second->help + ")";
+  }
+  return out;
+}
+
 std::vector<EnvOption> add_options(CLI::App& app, RawOptions& raw, LaunchConfig& c) {
   std::vector<EnvOption> out;
   auto opt = [&](const std::string& names, auto& var, const std::string& env,
@@ -217,8 +232,7 @@ std::vector<EnvOption> add_options(CLI::App& app, RawOptions& raw, LaunchConfig&
       "--master-addr:--master-port)");
   opt("--rdzv-id,--rdzv_id", c.rdzv_id, "RDZV_ID", "Run id (names the log folder)");
   opt("--rdzv-backend,--rdzv_backend", c.rdzv_backend, "RDZV_BACKEND",
-      "Rendezvous backend: static or c10d (node 0's agent hosts the store), or etcd (an etcd "
-      "server at --rdzv-endpoint holds it; no node is special, node 0 may be lost)");
+      "Rendezvous backend: " + backends_help());
   opt("--rdzv-conf,--rdzv_conf", raw.rdzv_conf, "RDZV_CONF",
       "Rendezvous settings key=value,...: join_timeout, timeout (both --rdzv-timeout), "
       "last_call_timeout (--rdzv-last-call), read_timeout (one store request, 10 s); etcd: "
@@ -378,30 +392,24 @@ void check_limits(const RawOptions& raw, LaunchConfig& c) {
 
 // The rendezvous backend, rank 0's address and port, and the output routing.
 void resolve_addresses_and_output(const RawOptions& raw, LaunchConfig& c) {
-  if (c.rdzv_backend != "static" && c.rdzv_backend != "c10d" && c.rdzv_backend != "etcd") {
-    throw UsageError("--rdzv-backend: expected static, c10d or etcd, got '" + c.rdzv_backend + "'");
+  const RendezvousBackendType* backend = find_rendezvous_backend(c.rdzv_backend);
+  if (backend == nullptr) {
+    throw UsageError("--rdzv-backend: expected " + rendezvous_backend_names() + ", got '" +
+                     c.rdzv_backend + "'");
   }
-  if (c.rdzv_backend == "etcd" && c.multi_node() && c.rdzv_endpoint.empty()) {
-    throw UsageError(
-        "--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT] (the etcd server; port 2379 if "
-        "omitted)");
-  }
-  // etcd's rendezvous is leaderless (Note [Leaderless rounds] in rendezvous_etcd.cpp): node
-  // ranks go by arrival in each round, as with torchrun's etcd backend, which ignores it too.
-  if (c.rdzv_backend == "etcd" && c.multi_node() && c.node_rank_given) {
-    c.notices.push_back("--node-rank " + std::to_string(c.node_rank) +
-                        " is ignored with --rdzv-backend etcd: node ranks are given by arrival "
-                        "in each rendezvous round");
-    c.node_rank = 0;
-    c.node_rank_given = false;
-  }
+  if (backend->check_options != nullptr) backend->check_options(c);
   if (raw.master_port) {
     c.master_port = parse_int("--master-port", std::to_string(*raw.master_port), 1, 65535);
   } else if (c.standalone) {
     c.master_port = pick_free_port();
   }
   if (c.master_addr.empty()) throw UsageError("--master-addr: must not be empty");
-  if (c.multi_node()) (void)c.rdzv_host_port();  // a bad --rdzv-endpoint is a usage error
+  if (c.multi_node()) {  // a bad --rdzv-endpoint is a usage error
+    std::tie(c.rdzv_host, c.rdzv_port) =
+        c.rdzv_endpoint.empty()
+            ? std::pair(c.master_addr, c.master_port)
+            : split_host_port("--rdzv-endpoint", c.rdzv_endpoint, backend->default_port);
+  }
   c.redirects = parse_std_spec("--redirects", raw.redirects, c.nproc_per_node);
   c.tee = parse_std_spec("--tee", raw.tee, c.nproc_per_node);
   if (!raw.filter.empty()) {

@@ -1,19 +1,13 @@
 #include <ember/launcher/rendezvous.h>
 
-#include <netdb.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cmath>
+#include <cstdio>
 #include <cstdlib>
-#include <thread>
 
-#include <ember/distributed/store/etcd_store.h>
-#include <ember/distributed/store/tcp_store.h>
 #include <ember/launcher/console.h>
-#include <ember/launcher/rendezvous_detail.h>
 
 namespace ember::launcher {
 namespace {
@@ -52,9 +46,6 @@ using std::chrono::milliseconds;
 //   r<R>/beat/<k>        node k's heartbeat counter (Note [Heartbeats]); etcd: leased, and
 //                        written when node k joins
 //   closed               why the run is over; a node about to join a new round gives up
-// The monitor's poll: when node 0's agent dies its port refuses connections, and the client
-// retries refused connections until the request timeout; this bounds how long that takes.
-constexpr milliseconds kPollTimeout{3000};
 
 // Note [Arriving is registering]
 // Without --node-rank an agent's node rank is its arrival in the round, and taking it is
@@ -64,10 +55,8 @@ constexpr milliseconds kPollTimeout{3000};
 // --rdzv-timeout when its agent dies in between. An agent that dies after arriving is a node of
 // the round like any other: the round closes with it, and it is found silent within
 // --heartbeat-timeout once the round runs (elastic: the next round goes on without it).
-// c10d: keys are never deleted within a round and every claim takes the lowest free k, so
-// once A arrivals are counted in r<R>/arrived, k = 1..A are taken: an arrival starts after
-// them and costs a few requests (more only for agents arriving at the same time), not one per
-// node already there, which matters to the one store node 0 hosts.
+// How a backend finds the first missing record cheaply is its own (RendezvousBackend::arrive:
+// c10d counts the arrivals, etcd asks one request per node already there).
 
 // Note [Heartbeats]
 // Node 0's store sees a partitioned node only as silence: its connection is not closed, and
@@ -81,10 +70,11 @@ constexpr milliseconds kPollTimeout{3000};
 // and the silence is noticed up to one period late, so it ends the round at most
 // --heartbeat-timeout + 2 periods after the node's last beat (27 s by default, leaving room
 // under the 30 s docs/launcher.md promises for stopping the workers). The partitioned node
-// itself gives up within kPollTimeout, its requests going unanswered. With etcd there is no
-// node 0 to trust: every agent watches every other one the same way (the first to record the
-// failure wins), and a counter whose key vanished (its writer's lease expired) is a lost node
-// at once.
+// itself gives up within kPollTimeout (rendezvous_store.h), its requests going unanswered.
+// With etcd there is no node 0 to trust: every agent watches every other one the same way (the
+// first to record the failure wins; RendezvousBackend::watches_heartbeats), and a counter whose
+// key vanished (its writer's lease expired; RendezvousBackend::read_counter) is a lost node at
+// once.
 constexpr milliseconds kHeartbeatCheck{1000};
 
 // Note [Elastic membership]
@@ -104,67 +94,26 @@ constexpr milliseconds kHeartbeatCheck{1000};
 // on every node (lost the rendezvous store). With etcd no node is special (Note [Leaderless
 // rounds]): node 0 is lost as any other.
 
-// Whether `host` names an address of this machine (network namespace): one of its addresses
-// can be bound.
-bool is_local_address(const std::string& host) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  if (getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return false;
-  bool local = false;
-  for (addrinfo* a = res; a && !local; a = a->ai_next) {
-    int fd = socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) continue;
-    local = bind(fd, a->ai_addr, a->ai_addrlen) == 0;  // port 0 from getaddrinfo
-    close(fd);
-  }
-  freeaddrinfo(res);
-  return local;
-}
-
-std::string this_host(const LaunchConfig& c) {
-  if (!c.local_addr.empty()) return c.local_addr;
-  char buf[256] = {};
-  if (gethostname(buf, sizeof(buf) - 1) != 0) return "?";
-  return buf;
-}
-
 }  // namespace
 
 Rendezvous::Rendezvous(const LaunchConfig& config, std::function<bool()> interrupted)
-    : config_(config), interrupted_(std::move(interrupted)) {
-  auto [host, port] = config_.rdzv_host_port();
-  host_ = host;
-  port_ = port;
-  self_ = this_host(config_) + " pid " + std::to_string(getpid());
-  etcd_ = config_.rdzv_backend == "etcd";
-  kill_after_arrival_ = std::getenv("EMBER_TEST_KILL_AFTER_ARRIVAL") != nullptr;
-  const bool want_host =
-      !etcd_ && (config_.node_rank_given ? config_.node_rank == 0 : is_local_address(host_));
-  if (want_host) {
-    dist::TCPStoreServerOptions o;
-    o.host = "";  // every interface: the endpoint's name may resolve to any of them
-    o.port = static_cast<uint16_t>(port_);
-    try {
-      server_ = std::make_unique<dist::TCPStoreServer>(o);
-    } catch (const std::exception& e) {
-      // Without --node-rank another agent on this machine may have won the port: join it.
-      if (config_.node_rank_given) {
-        throw RendezvousError("node 0 could not host the rendezvous store on port " +
-                              std::to_string(port_) + ": " + e.what());
-      }
-    }
+    : s_(config, std::move(interrupted)) {
+  const RendezvousBackendType* type = find_rendezvous_backend(config.rdzv_backend);
+  if (type == nullptr) {  // parse_args refuses it; a LaunchConfig made otherwise may not
+    throw RendezvousError("--rdzv-backend: expected " + rendezvous_backend_names() + ", got '" +
+                          config.rdzv_backend + "'");
   }
-  const auto deadline = Clock::now() + to_ms(config_.rdzv_timeout_s);
+  kill_after_arrival_ = std::getenv("EMBER_TEST_KILL_AFTER_ARRIVAL") != nullptr;
+  backend_ = type->make(s_);
+  const auto deadline = Clock::now() + to_ms(config.rdzv_timeout_s);
   std::string last;
   for (;;) {
     // Short connection attempts, so a signal is noticed while node 0 is not up yet.
     try {
-      connect(std::max(milliseconds(1),
-                       std::min<milliseconds>(milliseconds(1000),
-                                              std::chrono::duration_cast<milliseconds>(
-                                                  deadline - Clock::now()))));
+      backend_->connect(std::max(
+          milliseconds(1), std::min<milliseconds>(milliseconds(1000),
+                                                  std::chrono::duration_cast<milliseconds>(
+                                                      deadline - Clock::now()))));
       break;
     } catch (const dist::DistNetworkError& e) {
       last = e.what();
@@ -173,356 +122,123 @@ Rendezvous::Rendezvous(const LaunchConfig& config, std::function<bool()> interru
     } catch (const std::exception& e) {  // a wrong secret, a bad address: no use retrying
       throw RendezvousError("cannot use the rendezvous store at " + endpoint() + ": " + e.what());
     }
-    if (interrupted_ && interrupted_()) {
+    if (s_.interrupted()) {
       throw RendezvousInterrupted("interrupted while connecting to " + endpoint());
     }
-    if (Clock::now() >= deadline && etcd_) {
-      throw RendezvousError("could not reach etcd at " + endpoint() + " within " +
-                            seconds_str(config_.rdzv_timeout_s) +
-                            " (--rdzv-timeout or --rdzv-conf join_timeout). Last error: " + last);
-    }
-    if (Clock::now() >= deadline) {
-      throw RendezvousError(
-          "could not reach the rendezvous store at " + endpoint() + " within " +
-          seconds_str(config_.rdzv_timeout_s) +
-          " (--rdzv-timeout or --rdzv-conf join_timeout): is node 0's agent running? It hosts the "
-          "store when started with "
-          "--node-rank 0, or without --node-rank on the machine that owns that address. Last "
-          "error: " +
-          last);
-    }
+    if (Clock::now() >= deadline) throw RendezvousError(backend_->unreachable(last));
   }
 }
 
-Rendezvous::~Rendezvous() {
-  live_.reset();
-  store_.reset();
-  if (server_) server_->stop();
-}
-
-void Rendezvous::connect(milliseconds timeout) {
-  if (!etcd_) {
-    dist::TCPStoreOptions o;
-    o.timeout = timeout;
-    store_ = std::make_unique<dist::TCPStore>(host_, static_cast<uint16_t>(port_), o);
-    store_->set_timeout(request_timeout());
-    return;
-  }
-  dist::EtcdStoreOptions eo;
-  eo.timeout = timeout;
-  eo.https = config_.etcd_https;
-  eo.ca_file = config_.etcd_cacert;
-  eo.cert_file = config_.etcd_cert;
-  eo.key_file = config_.etcd_key;
-  eo.username = config_.etcd_user;
-  eo.password = config_.etcd_password;
-  if (!store_) {
-    store_ = std::make_unique<dist::EtcdStore>(endpoint(), eo);
-    store_->set_timeout(request_timeout());
-  }
-  // The agent's leased keys vanish once it is gone for as long as a silent node is tolerated.
-  eo.lease_ttl_s = std::max<int64_t>(2, std::llround(config_.heartbeat_timeout_s));
-  live_ = std::make_unique<dist::EtcdStore>(endpoint(), eo);
-  // Its requests (a heartbeat, the leader key) are the monitor's: bounded as its polls are.
-  live_->set_timeout(std::min(kPollTimeout, request_timeout()));
-  addr_ = config_.local_addr.empty() ? route_address(host_, port_) : config_.local_addr;
-}
-
-milliseconds Rendezvous::request_timeout() const { return to_ms(config_.rdzv_read_timeout_s); }
-
-std::string Rendezvous::endpoint() const {
-  return (host_.find(':') != std::string::npos ? "[" + host_ + "]" : host_) + ":" +
-         std::to_string(port_);
-}
-
-std::string Rendezvous::key(const std::string& k) const {
-  std::string out = "emberrun/";
-  out.append(config_.rdzv_id).append("/").append(k);
-  return out;
-}
-std::string Rendezvous::round_key(int round, const std::string& k) const {
-  // Appended piecewise: GCC 12 warns (-Wrestrict, falsely) on "r" + to_string(...) + "/".
-  std::string out = "r";
-  out.append(std::to_string(round)).append("/").append(k);
-  return key(out);
-}
-
-std::string Rendezvous::describe_self() const {
-  return "node " + (node_rank_ < 0 ? std::string("?") : std::to_string(node_rank_)) + " (" + self_ +
-         ")";
-}
+Rendezvous::~Rendezvous() = default;
 
 void Rendezvous::lost(const std::string& op, const std::exception& e) const {
-  throw RendezvousError(
-      "lost the rendezvous store at " + endpoint() + " while " + op +
-      (config_.rdzv_backend == "etcd" ? " (etcd gone?): " : " (node 0's agent gone?): ") +
-      e.what());
-}
-
-void Rendezvous::throw_if_closed() {
-  const std::string k = key("closed");
-  if (store_->check({k})) {
-    throw RendezvousError("the run was closed by another node: " +
-                          to_s(store_->get(k, request_timeout())));
-  }
-}
-
-bool Rendezvous::wait_keys(const std::vector<std::string>& keys, Clock::time_point deadline,
-                           bool watch_closed) {
-  for (;;) {
-    auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
-    if (left.count() <= 0) return store_->check(keys);
-    try {
-      store_->wait(keys, std::clamp(left, milliseconds(1), kPollChunk));
-      return true;
-    } catch (const dist::DistTimeoutError&) {
-    }
-    if (interrupted_ && interrupted_()) {
-      throw RendezvousInterrupted("interrupted during the rendezvous");
-    }
-    if (watch_closed) throw_if_closed();
-  }
-}
-
-std::string Rendezvous::node_key(int round, int node) const {
-  return round_key(round, "node/" + std::to_string(node));
-}
-
-std::string Rendezvous::node_record() const {
-  return std::to_string(config_.nproc_per_node) + " " + self_;
+  throw RendezvousError("lost the rendezvous store at " + endpoint() + " while " + op + " (" +
+                        backend_->lost_hint() + "): " + e.what());
 }
 
 int Rendezvous::claim_node_rank(int round) {
+  const LaunchConfig& c = s_.config();
   int k;
   bool registered = false;
-  if (config_.node_rank_given) {
-    k = config_.node_rank;
+  if (c.node_rank_given) {
+    k = c.node_rank;
   } else if (is_host()) {
     k = 0;
   } else {
-    // Note [Arriving is registering]; etcd has no host to be node 0: the first arrival is.
+    // Note [Arriving is registering]; where no agent hosts (etcd), the first arrival is node 0.
     registered = true;
-    k = etcd_ ? arrive_etcd(round) : arrive_c10d(round);
+    k = backend_->arrive(round);
     if (kill_after_arrival_) ::kill(::getpid(), SIGKILL);
-    if (k >= config_.max_nodes && config_.elastic()) return -1;
-    if (k >= config_.max_nodes) {
+    if (k >= c.max_nodes && c.elastic()) return -1;
+    if (k >= c.max_nodes) {
       throw RendezvousError("rendezvous round " + std::to_string(round) + " at " + endpoint() +
-                            " already has --nnodes " + std::to_string(config_.max_nodes) +
-                            " nodes; " + self_ + " is one too many");
+                            " already has --nnodes " + std::to_string(c.max_nodes) + " nodes; " +
+                            s_.self() + " is one too many");
     }
   }
-  const std::string mine = node_record();
+  const std::string mine = s_.node_record();
   const std::string owner =
-      registered ? mine : to_s(store_->compare_set(node_key(round, k), {}, to_b(mine)));
+      registered ? mine
+                 : to_s(s_.store().compare_set(s_.node_key(round, k), {}, to_b(mine)));
   if (owner != mine) {
     throw RendezvousError("node rank " + std::to_string(k) + " of round " + std::to_string(round) +
                           " is already taken by " + owner.substr(owner.find(' ') + 1) +
                           " (two agents given --node-rank " + std::to_string(k) + "?)");
   }
-  // etcd: this node's leased heartbeat key says it is alive from the join on.
-  if (etcd_) live_->add(round_key(round, "beat/" + std::to_string(k)), 1);
+  backend_->registered(round, k);
   return k;
-}
-
-int Rendezvous::arrive_c10d(int round) {
-  const dist::Bytes mine = to_b(node_record());
-  const std::string arrived = round_key(round, "arrived");
-  for (int k = 1 + static_cast<int>(store_->add(arrived, 0)); k < config_.max_nodes; ++k) {
-    if (store_->compare_set(node_key(round, k), {}, mine) == mine) {
-      store_->add(arrived, 1);
-      return k;
-    }
-  }
-  return config_.max_nodes;
-}
-
-int Rendezvous::complete_round(int round) {
-  std::vector<std::string> required;
-  for (int i = 0; i < config_.min_nodes; ++i) required.push_back(node_key(round, i));
-  if (!wait_keys(required, Clock::now() + to_ms(config_.rdzv_timeout_s), false)) {
-    const std::string msg = round_timeout_message(round);
-    close(msg);
-    throw RendezvousError(msg);
-  }
-  int n = config_.min_nodes;
-  // MIN:MAX: more nodes may still come during the last call, unless every node expected did.
-  // etcd: a node expected from the last round whose lease expires meanwhile (its workers failed
-  // first, and nobody found it silent) is no longer waited for.
-  const auto last_call = Clock::now() + to_ms(config_.last_call_s);
-  const milliseconds chunk = etcd_ ? kLeaseCheck : to_ms(config_.last_call_s);
-  while (n < config_.max_nodes && n < expected_) {
-    if (wait_keys({node_key(round, n)}, std::min(last_call, Clock::now() + chunk), false)) {
-      ++n;
-      continue;
-    }
-    if (Clock::now() >= last_call) break;
-    const int expected = expected_nodes(round);
-    if (expected < expected_) {
-      log_line("rendezvous round " + std::to_string(round) + " now expects " +
-               std::to_string(expected) + " nodes: " + std::to_string(expected_ - expected) +
-               " of round " + std::to_string(round - 1) + " gone (etcd lease expired)");
-    }
-    expected_ = expected;
-  }
-  while (n < config_.max_nodes && store_->check({node_key(round, n)})) ++n;  // already there
-  // First writer wins: with etcd a leader that lost its lease may still get here beside the
-  // one that replaced it.
-  return std::stoi(
-      to_s(store_->compare_set(round_key(round, "nnodes"), {}, to_b(std::to_string(n)))));
-}
-
-int Rendezvous::round_restarts(int round) {
-  const int prev = round - 1;
-  int restarts = std::stoi(to_s(store_->get(round_key(prev, "restarts"), request_timeout())));
-  const std::string failed = round_key(prev, "failed");
-  if (store_->check({failed}) &&
-      !parse_failure(to_s(store_->get(failed, request_timeout()))).new_nodes())
-    ++restarts;
-  return restarts;
-}
-
-int Rendezvous::expected_nodes(int round) {
-  if (round == 0) return config_.max_nodes;
-  const int prev = round - 1;  // Note [Elastic membership]
-  const int n = std::stoi(to_s(store_->get(round_key(prev, "nnodes"), request_timeout())));
-  int alive = 0;
-  for (int i = 0; i < n; ++i) {
-    const std::string node = std::to_string(i);
-    // etcd: the heartbeat key of the last round lives as long as its agent's lease.
-    if (!store_->check({round_key(prev, "lost/" + node)}) &&
-        !store_->check({round_key(prev, "exit/" + node)}) &&
-        (!etcd_ || read_counter(round_key(prev, "beat/" + node)) >= 0))
-      ++alive;
-  }
-  return alive + static_cast<int>(store_->add(round_key(prev, "waiting"), 0));
-}
-
-void Rendezvous::open_round(int round) {
-  expected_ = expected_nodes(round);
-  store_->set(round_key(round, "restarts"), std::to_string(round > 0 ? round_restarts(round) : 0));
-  // Node 0 picks where the job's rank 0 will host its store, fresh for every round.
-  const std::string addr = config_.local_addr.empty() ? host_ : config_.local_addr;
-  store_->set(round_key(round, "master"), addr + ":" + std::to_string(pick_free_port(true)));
-  store_->set(key("round"), std::to_string(round));
 }
 
 int Rendezvous::current_round() {
   if (is_host()) return 0;
   try {
-    // etcd keeps a finished run's keys (no agent hosted them): reusing its id would join it.
-    const std::string closed = key("closed");
-    if (etcd_ && store_->check({closed})) {
-      throw RendezvousError("the rendezvous id '" + config_.rdzv_id + "' at etcd " + endpoint() +
-                            " belongs to a run that is over (" +
-                            to_s(store_->get(closed, request_timeout())) +
-                            "): give every job its own --rdzv-id");
-    }
-    const std::string k = key("round");
-    if (!store_->check({k})) return 0;
-    return std::stoi(to_s(store_->get(k, request_timeout())));
+    backend_->check_run();
+    const std::string k = s_.key("round");
+    if (!s_.store().check({k})) return 0;
+    return std::stoi(to_s(s_.store().get(k, s_.request_timeout())));
   } catch (const dist::DistError& e) {
     lost("reading the current round", e);
   }
 }
 
 void Rendezvous::wait_for_next_round(int round, int nnodes) {
+  const LaunchConfig& c = s_.config();
   waiting_ = true;
-  const int64_t i = store_->add(round_key(round, "waiting"), 1) - 1;
-  store_->set(round_key(round, "wait/" + std::to_string(i)), self_);
+  const int64_t i = s_.store().add(s_.round_key(round, "waiting"), 1) - 1;
+  s_.store().set(s_.round_key(round, "wait/" + std::to_string(i)), s_.self());
   const std::string next = std::to_string(round + 1);
-  log_line(self_ + " arrived after rendezvous round " + std::to_string(round) +
+  log_line(s_.self() + " arrived after rendezvous round " + std::to_string(round) +
            (nnodes > 0 ? " closed with " + std::to_string(nnodes) + " nodes" : " filled up") +
-           ": waiting to join round " + next + " (--nnodes " +
-           std::to_string(config_.min_nodes) + ":" + std::to_string(config_.max_nodes) + ")");
-  if (!wait_keys({round_key(round + 1, "restarts")},
-                 Clock::now() + to_ms(config_.rdzv_timeout_s), true)) {
+           ": waiting to join round " + next + " (--nnodes " + std::to_string(c.min_nodes) + ":" +
+           std::to_string(c.max_nodes) + ")");
+  if (!s_.wait_keys({s_.round_key(round + 1, "restarts")},
+                    Clock::now() + to_ms(c.rdzv_timeout_s), true)) {
     throw RendezvousError(
-        self_ + " waited " + seconds_str(config_.rdzv_timeout_s) +
-        " (--rdzv-timeout) at " + endpoint() + " for rendezvous round " + next +
-        (etcd_ ? ", which no agent opened: round " : ", which node 0 did not open: round ") +
-        std::to_string(round) +
+        s_.self() + " waited " + seconds_str(c.rdzv_timeout_s) + " (--rdzv-timeout) at " +
+        endpoint() + " for rendezvous round " + next + ", " + backend_->round_not_opened() +
+        ": round " + std::to_string(round) +
         " kept running (a round with --nnodes MAX nodes admits nobody until it restarts)");
   }
 }
 
 std::optional<RoundFailure> Rendezvous::find_waiting_nodes(int round) {
-  if (!config_.elastic() || nnodes_ >= config_.max_nodes) return std::nullopt;
-  const int64_t n = store_->add(round_key(round, "waiting"), 0);
+  const LaunchConfig& c = s_.config();
+  if (!c.elastic() || nnodes_ >= c.max_nodes) return std::nullopt;
+  dist::Store& store = s_.store();
+  const int64_t n = store.add(s_.round_key(round, "waiting"), 0);
   if (n == 0) return std::nullopt;
   // A node that left for good (its workers done) would be waited for in vain by a new round.
   for (int i = 0; i < nnodes_; ++i)
-    if (i != node_rank_ && store_->check({round_key(round, "exit/" + std::to_string(i))}))
+    if (i != s_.node_rank() && store.check({s_.round_key(round, "exit/" + std::to_string(i))}))
       return std::nullopt;
   std::string who;
   for (int64_t i = 0; i < n; ++i) {
-    const std::string k = round_key(round, "wait/" + std::to_string(i));
-    who += (i ? ", " : "") + (store_->check({k}) ? to_s(store_->get(k, request_timeout())) : "?");
+    const std::string k = s_.round_key(round, "wait/" + std::to_string(i));
+    who += (i ? ", " : "") + (store.check({k}) ? to_s(store.get(k, s_.request_timeout())) : "?");
   }
   return RoundFailure{RoundFailure::kNewNodes,
                       std::to_string(n) + (n == 1 ? " node waits" : " nodes wait") +
                           " to join (" + who + "); round " + std::to_string(round) + " has " +
-                          std::to_string(nnodes_) + " of at most " +
-                          std::to_string(config_.max_nodes) + " nodes"};
-}
-
-std::string Rendezvous::round_timeout_message(int round) {
-  std::string missing, joined;
-  for (int i = 0; i < config_.min_nodes; ++i) {
-    const std::string ki = node_key(round, i);
-    if (store_->check({ki})) {
-      std::string v = to_s(store_->get(ki, request_timeout()));
-      joined +=
-          (joined.empty() ? "" : ", ") + std::to_string(i) + " (" + v.substr(v.find(' ') + 1) + ")";
-    } else {
-      missing += (missing.empty() ? "" : ", ") + std::to_string(i);
-    }
-  }
-  return "rendezvous round " + std::to_string(round) + " at " + endpoint() + " timed out after " +
-         seconds_str(config_.rdzv_timeout_s) +
-         " (--rdzv-timeout or --rdzv-conf join_timeout): nodes " + missing +
-         " never arrived (expected " + std::to_string(config_.min_nodes) + "; joined: " + joined +
-         ")" + (config_.node_rank_given ? "" : "; node ranks are given out by arrival");
-}
-
-int Rendezvous::await_round(int round, int k) {
-  const std::string nn = round_key(round, "nnodes");
-  // Node 0 may take the whole join timeout and then the last call.
-  const auto deadline = Clock::now() + to_ms(config_.rdzv_timeout_s) + to_ms(config_.last_call_s) +
-                        milliseconds(5000);
-  if (!wait_keys({nn}, deadline, true)) {
-    throw RendezvousError(
-        "rendezvous round " + std::to_string(round) + " at " + endpoint() +
-        ": node 0 did not complete the round within " + seconds_str(config_.rdzv_timeout_s) +
-        " (--rdzv-timeout or --rdzv-conf join_timeout); this node is " + describe_self());
-  }
-  return round_size(round, k);
-}
-
-int Rendezvous::round_size(int round, int k) {
-  const int n = std::stoi(to_s(store_->get(round_key(round, "nnodes"), request_timeout())));
-  if (k >= n && !config_.elastic()) {
-    throw RendezvousError(describe_self() + " arrived after rendezvous round " +
-                          std::to_string(round) + " closed with " + std::to_string(n) +
-                          " nodes (--nnodes " + std::to_string(config_.min_nodes) + ":" +
-                          std::to_string(config_.max_nodes) + ", --rdzv-last-call)");
-  }
-  return n;
+                          std::to_string(nnodes_) + " of at most " + std::to_string(c.max_nodes) +
+                          " nodes"};
 }
 
 RoundInfo Rendezvous::read_round(int round, int k, int n) {
+  dist::Store& store = s_.store();
   RoundInfo info;
   info.round = round;
   info.node_rank = k;
   info.nnodes = n;
   info.world_size = 0;
   for (int i = 0; i < n; ++i) {
-    const int nproc = std::stoi(to_s(store_->get(node_key(round, i), request_timeout())));
+    const int nproc = std::stoi(to_s(store.get(s_.node_key(round, i), s_.request_timeout())));
     if (i < k) info.rank_base += nproc;
     info.world_size += nproc;
   }
   info.restart_count =
-      std::stoi(to_s(store_->get(round_key(round, "restarts"), request_timeout())));
-  const std::string master = to_s(store_->get(round_key(round, "master"), request_timeout()));
+      std::stoi(to_s(store.get(s_.round_key(round, "restarts"), s_.request_timeout())));
+  const std::string master =
+      to_s(store.get(s_.round_key(round, "master"), s_.request_timeout()));
   const auto colon = master.rfind(':');
   info.master_addr = master.substr(0, colon);
   info.master_port = std::stoi(master.substr(colon + 1));
@@ -532,21 +248,17 @@ RoundInfo Rendezvous::read_round(int round, int k, int n) {
 RoundInfo Rendezvous::join(int round) {
   try {
     for (;; ++round) {
-      throw_if_closed();
-      if (is_host()) open_round(round);
-      if (etcd_) open_round_etcd(round);
+      s_.throw_if_closed();
+      backend_->open_round(round);
       const int k = claim_node_rank(round);
-      node_rank_ = k;
-      const int n = k < 0         ? -1
-                    : is_host()   ? complete_round(round)
-                    : etcd_       ? lead_or_await(round, k)
-                                  : await_round(round, k);
+      s_.set_node_rank(k);
+      const int n = k < 0 ? -1 : backend_->complete(round, k);
       if (k >= 0 && k < n) {
         nnodes_ = n;
         waiting_ = false;
         return read_round(round, k, n);
       }
-      node_rank_ = -1;
+      s_.set_node_rank(-1);
       wait_for_next_round(round, n);  // elastic: too late for this round
     }
   } catch (const RendezvousError&) {
@@ -558,20 +270,21 @@ RoundInfo Rendezvous::join(int round) {
 
 RoundFailure Rendezvous::report_failure(int round, const std::string& what) {
   try {
-    return record_failure(round, {node_rank_, what});
+    return record_failure(round, {s_.node_rank(), what});
   } catch (const dist::DistError& e) {
     lost("reporting a failure", e);
   }
 }
 
 std::optional<RoundFailure> Rendezvous::poll_failure(int round) {
-  const std::string k = round_key(round, "failed");
+  dist::Store& store = s_.store();
+  const std::string k = s_.round_key(round, "failed");
   try {
-    store_->set_timeout(std::min(kPollTimeout, request_timeout()));
-    const bool failed = store_->check({k});
-    store_->set_timeout(request_timeout());
+    store.set_timeout(std::min(kPollTimeout, s_.request_timeout()));
+    const bool failed = store.check({k});
+    store.set_timeout(s_.request_timeout());
     if (!failed) return std::nullopt;
-    return parse_failure(to_s(store_->get(k, request_timeout())));
+    return parse_failure(to_s(store.get(k, s_.request_timeout())));
   } catch (const dist::DistError& e) {
     lost("watching the other nodes", e);
   }
@@ -590,21 +303,23 @@ void Rendezvous::beat(int round) {
   start_beats(round);
   const auto now = Clock::now();
   if (now < next_beat_) return;
-  next_beat_ = now + to_ms(config_.heartbeat_interval_s);
-  (etcd_ ? live_ : store_)->add(round_key(round, "beat/" + std::to_string(node_rank_)), 1);
+  next_beat_ = now + to_ms(s_.config().heartbeat_interval_s);
+  s_.leased().add(s_.round_key(round, "beat/" + std::to_string(s_.node_rank())), 1);
 }
 
 std::optional<RoundFailure> Rendezvous::find_silent_node(int round, bool admit_waiting) {
+  const LaunchConfig& c = s_.config();
+  dist::Store& store = s_.store();
   start_beats(round);
   const auto now = Clock::now();
   if (now < next_check_) return std::nullopt;
-  next_check_ = now + std::min(kHeartbeatCheck, to_ms(config_.heartbeat_interval_s));
-  const auto bound = to_ms(config_.heartbeat_timeout_s);
+  next_check_ = now + std::min(kHeartbeatCheck, to_ms(c.heartbeat_interval_s));
+  const auto bound = to_ms(c.heartbeat_timeout_s);
   for (int i = 0; i < static_cast<int>(beats_.size()); ++i) {
-    if (i == node_rank_ ||
+    if (i == s_.node_rank() ||
         std::find(silent_nodes_.begin(), silent_nodes_.end(), i) != silent_nodes_.end())
       continue;
-    const int64_t count = read_counter(round_key(round, "beat/" + std::to_string(i)));
+    const int64_t count = backend_->read_counter(s_.round_key(round, "beat/" + std::to_string(i)));
     // etcd: a key seen and now gone expired with its writer's lease: that agent is gone.
     const bool expired = count < 0 && beats_[i].count >= 0;
     if (count != beats_[i].count && !expired) {
@@ -613,16 +328,16 @@ std::optional<RoundFailure> Rendezvous::find_silent_node(int round, bool admit_w
     }
     const auto silent = std::chrono::duration_cast<milliseconds>(now - beats_[i].seen);
     if ((silent < bound && !expired) ||
-        store_->check({round_key(round, "exit/" + std::to_string(i))}))
+        store.check({s_.round_key(round, "exit/" + std::to_string(i))}))
       continue;
     silent_nodes_.push_back(i);
-    store_->set(round_key(round, "lost/" + std::to_string(i)), std::string("1"));
-    const std::string v = to_s(store_->get(node_key(round, i), request_timeout()));
+    store.set(s_.round_key(round, "lost/" + std::to_string(i)), std::string("1"));
+    const std::string v = to_s(store.get(s_.node_key(round, i), s_.request_timeout()));
     char secs[32];
     std::snprintf(secs, sizeof(secs), "%.1f s", silent.count() / 1000.0);
     return RoundFailure{i, "node " + std::to_string(i) + " (" + v.substr(v.find(' ') + 1) +
                                ") lost: no heartbeat for " + secs + " (--heartbeat-timeout " +
-                               seconds_str(config_.heartbeat_timeout_s) +
+                               seconds_str(c.heartbeat_timeout_s) +
                                "; a network partition, or its agent stopped or hung)"};
   }
   return admit_waiting ? find_waiting_nodes(round) : std::nullopt;
@@ -630,18 +345,19 @@ std::optional<RoundFailure> Rendezvous::find_silent_node(int round, bool admit_w
 
 RoundFailure Rendezvous::record_failure(int round, const RoundFailure& f) {
   const std::string v = std::to_string(f.node_rank) + " " + f.what;
-  return parse_failure(to_s(store_->compare_set(round_key(round, "failed"), {}, to_b(v))));
+  return parse_failure(
+      to_s(s_.store().compare_set(s_.round_key(round, "failed"), {}, to_b(v))));
 }
 
 std::optional<RoundFailure> Rendezvous::watch(int round) {
+  dist::Store& store = s_.store();
   try {
-    store_->set_timeout(std::min(kPollTimeout, request_timeout()));
+    store.set_timeout(std::min(kPollTimeout, s_.request_timeout()));
     beat(round);
-    // With etcd every agent watches the others: there is no node 0 to rely on.
-    std::optional<RoundFailure> silent = is_host() || etcd_
+    std::optional<RoundFailure> silent = backend_->watches_heartbeats()
                                              ? find_silent_node(round, /*admit_waiting=*/true)
                                              : std::nullopt;
-    store_->set_timeout(request_timeout());
+    store.set_timeout(s_.request_timeout());
     if (silent) return record_failure(round, *silent);
   } catch (const dist::DistError& e) {
     lost("watching the other nodes", e);
@@ -649,58 +365,48 @@ std::optional<RoundFailure> Rendezvous::watch(int round) {
   return poll_failure(round);
 }
 
-void Rendezvous::close(const std::string& reason) {
-  try {
-    store_->compare_set(key("closed"), {}, to_b(reason));
-  } catch (const dist::DistError&) {
-  }
-}
-
 void Rendezvous::report_exit(int round) {
   try {
-    store_->set(round_key(round, "exit/" + std::to_string(node_rank_)), std::string("1"));
+    s_.store().set(s_.round_key(round, "exit/" + std::to_string(s_.node_rank())),
+                   std::string("1"));
   } catch (const dist::DistError&) {
   }
 }
 
 void Rendezvous::report_success(int round) {
   report_exit(round);
-  if (!etcd_) return;
-  try {
-    std::vector<std::string> keys;
-    for (int i = 0; i < nnodes_; ++i) keys.push_back(round_key(round, "exit/" + std::to_string(i)));
-    if (store_->check(keys)) close("the run finished");  // for nodes waiting to join it
-  } catch (const dist::DistError&) {
-  }
+  backend_->finished(round, nnodes_);
 }
 
 bool Rendezvous::wait_for_exits(int round, milliseconds timeout, bool stop_on_failure) {
+  dist::Store& store = s_.store();
   std::vector<std::string> keys;
   for (int i = 0; i < nnodes_; ++i) {
     const bool silent =
         beat_round_ == round &&
         std::find(silent_nodes_.begin(), silent_nodes_.end(), i) != silent_nodes_.end();
-    if (i != node_rank_ && !silent) keys.push_back(round_key(round, "exit/" + std::to_string(i)));
+    if (i != s_.node_rank() && !silent)
+      keys.push_back(s_.round_key(round, "exit/" + std::to_string(i)));
   }
   if (keys.empty()) return true;
   const auto deadline = Clock::now() + timeout;
-  const std::string failed = round_key(round, "failed");
+  const std::string failed = s_.round_key(round, "failed");
   try {
     for (;;) {
       auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
-      if (left.count() <= 0) return store_->check(keys);
+      if (left.count() <= 0) return store.check(keys);
       try {
-        store_->wait(keys, std::clamp(left, milliseconds(1), kPollChunk));
+        store.wait(keys, std::clamp(left, milliseconds(1), kPollChunk));
         return true;
       } catch (const dist::DistTimeoutError&) {
       }
-      if (interrupted_ && interrupted_()) return false;
+      if (s_.interrupted()) return false;
       if (!stop_on_failure) continue;
       if (std::optional<RoundFailure> silent = find_silent_node(round)) {
         record_failure(round, *silent);
         return false;
       }
-      if (store_->check({failed})) return false;
+      if (store.check({failed})) return false;
     }
   } catch (const dist::DistError&) {
     return false;

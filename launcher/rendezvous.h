@@ -1,38 +1,23 @@
-// The agents' rendezvous across nodes: one TCPStoreServer hosted by node 0's agent, one
-// TCPStore client per agent; or, with --rdzv-backend etcd, an etcd server that no agent hosts
-// and a leaderless protocol on it (Note [Leaderless rounds] in rendezvous_etcd.cpp). See
+// The agents' rendezvous across nodes: the protocol every backend shares (rounds, node records,
+// heartbeats, failures, exits) over a RendezvousBackend picked by --rdzv-backend
+// (launcher/rendezvous_backend.h): c10d, a TCPStoreServer hosted by node 0's agent, or etcd, an
+// etcd server that no agent hosts (Note [Leaderless rounds] in rendezvous_etcd.cpp). See
 // docs/launcher.md (Multi-node) and Note [Rendezvous keys].
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
-#include <ember/launcher/config.h>
-
-namespace ember::dist {
-class Store;
-class TCPStoreServer;
-}  // namespace ember::dist
+#include <ember/launcher/launch_config.h>
+#include <ember/launcher/rendezvous_backend.h>
+#include <ember/launcher/rendezvous_store.h>
 
 namespace ember::launcher {
-
-/// The rendezvous failed for good: a node never arrived, the run was closed by another node,
-/// the store could not be reached or was lost. what() is the message emberrun prints.
-class RendezvousError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-/// A wait in the rendezvous was cut short because `interrupted` returned true (a signal).
-class RendezvousInterrupted : public RendezvousError {
- public:
-  using RendezvousError::RendezvousError;
-};
 
 /// What one round of the rendezvous gave this node.
 struct RoundInfo {
@@ -46,26 +31,18 @@ struct RoundInfo {
   int restart_count = 0;    // rounds before this one that ended in a failure
 };
 
-/// Why a round ended before its workers finished: the node that failed first and what
-/// happened, or (node_rank == kNewNodes) nodes waiting to join an elastic job, which restarts
-/// the round to admit them without counting as a failure.
-struct RoundFailure {
-  static constexpr int kNewNodes = -1;
-  int node_rank = -1;
-  std::string what;  // "node 1 (host pid 42): rank 3 exited with code 1"
-  bool new_nodes() const { return node_rank == kNewNodes; }
-};
-
-/// One agent's side of the rendezvous. Not thread-safe; used by the agent's loop only.
+/// One agent's side of the rendezvous: the protocol, written once over the backend that
+/// --rdzv-backend names. Not thread-safe; used by the agent's loop only.
 class Rendezvous {
  public:
-  /// Hosts the store when this agent is node 0 (--node-rank 0, or without --node-rank the
-  /// agent on the machine that owns the endpoint's address and wins its port), then connects
-  /// to it, retrying until --rdzv-timeout. With --rdzv-backend etcd nobody hosts: every agent
-  /// connects to etcd twice, once without a lease (the rounds' records) and once with a lease
-  /// of --heartbeat-timeout seconds (its heartbeat and any round it leads). `interrupted` is polled during every wait (every
-  /// 200 ms at most); when it returns true the wait throws RendezvousInterrupted. Throws
-  /// RendezvousError naming the endpoint when the store cannot be hosted or reached.
+  /// Makes the backend --rdzv-backend names (which may host the store: c10d's node 0, that is
+  /// --node-rank 0, or without --node-rank the agent on the machine that owns the endpoint's
+  /// address and wins its port), then connects to the store, retrying until --rdzv-timeout
+  /// (etcd: two clients, one without a lease for the rounds' records and one with a lease of
+  /// --heartbeat-timeout seconds for its heartbeat and any round it leads). `interrupted` is
+  /// polled during every wait (every 200 ms at most); when it returns true the wait throws
+  /// RendezvousInterrupted. Throws RendezvousError naming the endpoint when the store cannot be
+  /// hosted or reached.
   Rendezvous(const LaunchConfig& config, std::function<bool()> interrupted);
   ~Rendezvous();
   Rendezvous(const Rendezvous&) = delete;
@@ -73,9 +50,9 @@ class Rendezvous {
 
   /// Whether this agent hosts the store (it leads the rounds, and so must outlive the others'
   /// use of the rendezvous). Never with --rdzv-backend etcd.
-  bool is_host() const { return server_ != nullptr; }
+  bool is_host() const { return backend_->is_host(); }
   /// "host:port" of the store.
-  std::string endpoint() const;
+  std::string endpoint() const { return s_.endpoint(); }
   /// Whether this node waits to join an elastic job (it came after its round closed).
   bool waiting() const { return waiting_; }
 
@@ -104,13 +81,14 @@ class Rendezvous {
   /// node's heartbeat when --heartbeat-interval has passed since the last one; on node 0 (with
   /// etcd, on every agent), a node whose heartbeat has not changed for --heartbeat-timeout (and
   /// that has not left) is recorded as the round's failure, unless another failure came first;
-  /// elastic, node 0 (etcd: every agent) also ends the round (RoundFailure::kNewNodes) when nodes wait to join and the round has fewer
-  /// than MAX. Returns the round's failure, if any. Throws RendezvousError when the store is
-  /// lost (within a few seconds: a partitioned node gives up on its own).
+  /// elastic, node 0 (etcd: every agent) also ends the round (RoundFailure::kNewNodes) when
+  /// nodes wait to join and the round has fewer than MAX. Returns the round's failure, if any.
+  /// Throws RendezvousError when the store is lost (within a few seconds: a partitioned node
+  /// gives up on its own).
   std::optional<RoundFailure> watch(int round);
   /// Marks the whole run as over (no more rounds): later joins throw RendezvousError(reason).
   /// Best effort: a lost store is ignored.
-  void close(const std::string& reason);
+  void close(const std::string& reason) { s_.close(reason); }
   /// Tells node 0 that this agent leaves for good (it stops hosting once all left). Best effort.
   void report_exit(int round);
   /// This node's workers finished: reports its exit; with etcd (no host waits for the others)
@@ -123,64 +101,21 @@ class Rendezvous {
   bool wait_for_exits(int round, std::chrono::milliseconds timeout, bool stop_on_failure);
 
   /// This node's description in messages: "node 1 (host pid 42)".
-  std::string describe_self() const;
+  std::string describe_self() const { return s_.describe_self(); }
 
  private:
-  // Connects store_ (and, with etcd, live_) once; rethrows the store's errors.
-  void connect(std::chrono::milliseconds timeout);
-  // One quick request (set, add, check, get of a key known to be there): --rdzv-conf
-  // read_timeout.
-  std::chrono::milliseconds request_timeout() const;
-  std::string key(const std::string& k) const;
-  std::string round_key(int round, const std::string& k) const;
-  std::string node_key(int round, int node) const;  // "r<R>/node/<k>"
-  std::string node_record() const;                  // "<nproc_per_node> <self_>"
   // The steps of join: registers this node under its rank (given, 0 for the host, else by
-  // arrival) and returns it; on the host, waits for the nodes and publishes their number; on
-  // the others, waits for that number; then reads the round's ranks and rank 0's address.
-  // -1 when an elastic round is already full (the node waits for the next one).
+  // arrival) and returns it; -1 when an elastic round is already full (the node waits for the
+  // next one).
   int claim_node_rank(int round);
-  // Host: publishes the round (the current one, its restart count, MASTER_ADDR) and how many
-  // nodes it expects in it.
-  void open_round(int round);
-  int complete_round(int round);
-  // The restart count of round `round` > 0 and the nodes it expects (those of the last round
-  // neither lost nor gone, plus the waiting ones), from the last round's keys.
-  int round_restarts(int round);
-  int expected_nodes(int round);
-  // etcd (rendezvous_etcd.cpp): opens the round if nobody did (first writer wins); elects the
-  // round's leader through a leased key and, leading, completes the round, else waits for it
-  // (taking over when the leader's lease expires). Returns the round's number of nodes.
-  void open_round_etcd(int round);
-  // c10d, a node other than the host without --node-rank: this agent's arrival in `round`:
-  // creates the first missing node record r<R>/node/<k>, k >= 1, and returns its k; --nnodes
-  // MAX when every one is taken.
-  int arrive_c10d(int round);
-  // etcd: this agent's arrival in `round`: creates the first missing node record (node 0's with
-  // MASTER_ADDR, picked here) and returns its k; --nnodes MAX when every one is taken.
-  int arrive_etcd(int round);
-  int lead_or_await(int round, int k);
-  // Raises the "round" key to `round` (never lowers it).
-  void raise_round(int round);
-  // A counter's value, or -1 when the key is missing (etcd: its writer's lease expired).
-  int64_t read_counter(const std::string& key);
-  // Registers this node as waiting after round `round` closed without it; returns when node 0
-  // opened the next round (bounded by --rdzv-timeout).
+  // Registers this node as waiting after round `round` closed without it; returns when the
+  // next round was opened (bounded by --rdzv-timeout).
   void wait_for_next_round(int round, int nnodes);
-  // Host: the round's end for the nodes waiting to join, if any may join.
+  // The watcher: the round's end for the nodes waiting to join, if any may join.
   std::optional<RoundFailure> find_waiting_nodes(int round);
-  std::string round_timeout_message(int round);
-  int await_round(int round, int k);
-  // The round's number of nodes once set (a node past it waits for the next round, elastic).
-  int round_size(int round, int k);
   RoundInfo read_round(int round, int k, int n);
-  // Waits for `keys` until `deadline`, polling `interrupted_` and the run's closed key.
-  // Returns false on the deadline; throws RendezvousInterrupted or RendezvousError(closed).
-  bool wait_keys(const std::vector<std::string>& keys,
-                 std::chrono::steady_clock::time_point deadline, bool watch_closed);
-  void throw_if_closed();
   // Heartbeats (Note [Heartbeats] in rendezvous.cpp): this node's beat, throttled to
-  // --heartbeat-interval; on the host, the first node silent for --heartbeat-timeout.
+  // --heartbeat-interval; on the watcher, the first node silent for --heartbeat-timeout.
   void start_beats(int round);  // resets the state for a round not watched before
   void beat(int round);
   // With admit_waiting, also the round's end for waiting nodes (find_waiting_nodes).
@@ -189,19 +124,9 @@ class Rendezvous {
   RoundFailure record_failure(int round, const RoundFailure& f);
   [[noreturn]] void lost(const std::string& op, const std::exception& e) const;
 
-  const LaunchConfig& config_;
-  std::function<bool()> interrupted_;
-  std::string host_;
-  int port_ = 0;
-  std::unique_ptr<dist::TCPStoreServer> server_;
-  std::unique_ptr<dist::Store> store_;  // a TCPStore, or an EtcdStore without a lease
-  std::unique_ptr<dist::Store> live_;   // etcd: an EtcdStore with this agent's lease
-  bool etcd_ = false;
-  std::string addr_;    // etcd: this node's address for MASTER_ADDR when it is a round's node 0
-  std::string self_;    // "host pid N" (local address or host name)
-  int node_rank_ = -1;  // this round's
-  int nnodes_ = 0;      // this round's
-  int expected_ = 0;    // host: nodes the round being joined waits for before closing
+  RendezvousStore s_;
+  std::unique_ptr<RendezvousBackend> backend_;  // works on s_, so declared after it
+  int nnodes_ = 0;  // this round's
   bool waiting_ = false;
   // Tests only (EMBER_TEST_KILL_AFTER_ARRIVAL set): the agent SIGKILLs itself as soon as it has
   // taken its arrival in a round (by arrival, not --node-rank; with c10d, not the host), the

@@ -1,5 +1,6 @@
-// In-process tests of emberrun's option helpers and failure summary (launcher/config.h,
-// launcher/worker_failure.h). The end-to-end behaviour is in emberrun_test.cpp.
+// In-process tests of emberrun's option helpers, the rendezvous registry they check
+// --rdzv-backend against, and the failure summary (launcher/config.h, rendezvous_backend.h,
+// worker_failure.h). The end-to-end behaviour is in emberrun_test.cpp.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -9,6 +10,7 @@
 #include <string>
 
 #include <ember/launcher/config.h>
+#include <ember/launcher/rendezvous_backend.h>
 #include <ember/launcher/worker_failure.h>
 
 namespace ember::launcher {
@@ -123,6 +125,35 @@ std::string usage_error(const std::vector<std::string>& args) {
     return e.what();
   }
   return "";
+}
+
+// --rdzv-backend takes the names the rendezvous registry holds (launcher/rendezvous_backend.cpp):
+// an unknown one is refused naming them all, --help describes them, and --rdzv-endpoint's port
+// defaults to the backend's.
+TEST(Config, RendezvousBackendsComeFromTheRegistry) {
+  unsetenv("EMBER_RDZV_BACKEND");
+  unsetenv("EMBER_RDZV_ENDPOINT");
+  EXPECT_EQ(rendezvous_backend_names(), "static, c10d or etcd");
+  ASSERT_NE(find_rendezvous_backend("c10d"), nullptr);
+  EXPECT_EQ(find_rendezvous_backend("static"), find_rendezvous_backend("c10d"));
+  EXPECT_EQ(find_rendezvous_backend("zookeeper"), nullptr);
+  EXPECT_EQ(usage_error({"--nnodes", "2", "--rdzv-backend", "zookeeper", "prog"}),
+            "--rdzv-backend: expected static, c10d or etcd, got 'zookeeper'");
+  const std::pair<const char*, int> ports[] = {{"static", 29400}, {"c10d", 29400}, {"etcd", 2379}};
+  for (const auto& [name, port] : ports) {
+    const LaunchConfig c = parse_args(
+        {"--nnodes", "2", "--rdzv-backend", name, "--rdzv-endpoint", "node0", "prog"});
+    EXPECT_EQ(c.rdzv_host_port(), (std::pair<std::string, int>{"node0", port})) << name;
+  }
+  try {
+    parse_args({"--help"});
+    ADD_FAILURE() << "--help did not throw HelpRequested";
+  } catch (const HelpRequested& h) {
+    EXPECT_NE(std::string(h.what()).find("Rendezvous backend: static or c10d (node 0's agent hosts "
+                                         "the store), or etcd (an etcd server at --rdzv-endpoint"),
+              std::string::npos)
+        << h.what();
+  }
 }
 
 TEST(Config, RdzvConfMapsOntoTheRendezvousOptions) {
