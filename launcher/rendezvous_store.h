@@ -92,6 +92,7 @@ class RendezvousStore {
   /// The store of this agent's leased keys. Only after attach().
   dist::Store& leased() { return *leased_; }
 
+  /// The agent's settings.
   const LaunchConfig& config() const { return config_; }
   /// The store's host, as configured (an IPv6 address without brackets).
   const std::string& host() const { return config_.rdzv_host; }
@@ -103,6 +104,7 @@ class RendezvousStore {
   const std::string& self() const { return self_; }
   /// This node's node rank in the round it joins or runs; -1 before it has one.
   int node_rank() const { return node_rank_; }
+  /// Sets it (the rendezvous, as the node registers in a round or waits for the next one).
   void set_node_rank(int k) { node_rank_ = k; }
   /// This node's description in messages: "node 1 (host pid 42)", "node ? (...)" without a rank.
   std::string describe_self() const;
