@@ -1,11 +1,11 @@
 // What init_process_group reads from the environment: env://'s variables (emberrun, torchrun,
 // mpirun, srun), the local rank and its GPU, timeouts; and the parsing helpers the init methods
 // and backend factories share (detail/environment.h).
-#include <ember/distributed/detail/environment.h>
+#include <ember/distributed/environment.h>
 
 #include <cstdlib>
 
-#include <ember/distributed/init.h>
+#include <ember/distributed/detail/environment.h>
 #include <ember/tensor/cuda.h>
 
 extern char** environ;

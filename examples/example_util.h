@@ -29,10 +29,10 @@
 
 #include <ember/distributed/ddp/comm_hooks.h>
 #include <ember/distributed/ddp/ddp.h>
-#include <ember/distributed/store/hash_store.h>
-#include <ember/distributed/init.h>
 #include <ember/distributed/ddp/powersgd.h>
 #include <ember/distributed/debug/stragglers.h>
+#include <ember/distributed/init.h>
+#include <ember/distributed/store/hash_store.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/cuda.h>

@@ -44,8 +44,8 @@
 
 #include "benchmarks/bench_util.h"
 #include "cmake/build_paths.h"
-#include <ember/distributed/init.h>
 #include <ember/distributed/backends/shareable.h>
+#include <ember/distributed/init.h>
 #include <ember/distributed/store/tcp_store.h>
 #include <ember/tensor/ops.h>
 

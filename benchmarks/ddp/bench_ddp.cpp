@@ -48,8 +48,8 @@
 #include "benchmarks/fashion_cnn.h"
 #include "cmake/build_paths.h"
 #include <ember/distributed/ddp/ddp.h>
-#include <ember/distributed/store/hash_store.h>
 #include <ember/distributed/init.h>
+#include <ember/distributed/store/hash_store.h>
 #include <ember/distributed/store/tcp_store.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/creation.h>

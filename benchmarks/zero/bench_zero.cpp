@@ -33,9 +33,9 @@
 #include "cmake/build_paths.h"
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/init.h>
-#include <ember/distributed/store/tcp_store.h>
 #include <ember/distributed/sharding/zero.h>
 #include <ember/distributed/sharding/zero_hook.h>
+#include <ember/distributed/store/tcp_store.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/random.h>

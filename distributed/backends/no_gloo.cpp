@@ -1,7 +1,7 @@
 // Stand-in for process_group_gloo.cpp in builds without gloo (EMBER_WITH_GLOO=OFF or libgloo
 // not found): constructing the group throws.
 #include <ember/distributed/backends/process_group_gloo.h>
-#include <ember/distributed/init.h>
+#include <ember/distributed/detail/unavailable_backend.h>
 
 namespace ember::dist {
 
@@ -60,12 +60,8 @@ WorkPtr ProcessGroupGloo::recv(Tensor&, int, int) { unavailable(); }
 // The backend stays registered, so init_process_group says what the build lacks and how to
 // get it, instead of "unknown backend".
 const bool kRegistered = [] {
-  register_backend("gloo", [](const BackendArgs&) -> std::shared_ptr<ProcessGroup> {
-    throw NotImplementedError(
-        "[init_process_group] backend 'gloo' is not in this build: Ember was configured "
-        "without Gloo (EMBER_WITH_GLOO=OFF, or it was not found). Install libgloo (Debian: "
-        "libgloo-dev) and configure again with -DEMBER_WITH_GLOO=ON");
-  });
+  register_backend("gloo", detail::unavailable_backend("gloo", "Gloo", "EMBER_WITH_GLOO",
+                                                       "libgloo (Debian: libgloo-dev)"));
   return true;
 }();
 

@@ -1,6 +1,6 @@
 // The MPI process group in builds without MPI (EMBER_WITH_MPI=OFF or MPI not found).
 #include <ember/distributed/backends/process_group_mpi.h>
-#include <ember/distributed/init.h>
+#include <ember/distributed/detail/unavailable_backend.h>
 
 namespace ember::dist {
 
@@ -13,12 +13,8 @@ bool ProcessGroupMpi::is_available() { return false; }
 // The backend stays registered, so init_process_group says what the build lacks and how to
 // get it, instead of "unknown backend".
 const bool kRegistered = [] {
-  register_backend("mpi", [](const BackendArgs&) -> std::shared_ptr<ProcessGroup> {
-    throw NotImplementedError(
-        "[init_process_group] backend 'mpi' is not in this build: Ember was configured "
-        "without MPI (EMBER_WITH_MPI=OFF, or it was not found). Install MPI (Debian: "
-        "libopenmpi-dev openmpi-bin) and configure again with -DEMBER_WITH_MPI=ON");
-  });
+  register_backend("mpi", detail::unavailable_backend("mpi", "MPI", "EMBER_WITH_MPI",
+                                                       "MPI (Debian: libopenmpi-dev openmpi-bin)"));
   return true;
 }();
 

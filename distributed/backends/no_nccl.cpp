@@ -2,7 +2,7 @@
 // or NCCL not found): constructing the group throws, and init_process_group's backend "nccl"
 // says what the build lacks.
 #include <ember/distributed/backends/process_group_nccl.h>
-#include <ember/distributed/init.h>
+#include <ember/distributed/detail/unavailable_backend.h>
 
 namespace ember::dist {
 
@@ -49,13 +49,8 @@ WorkPtr ProcessGroupNccl::recv(Tensor&, int, int) { unavailable(); }
 // The backend stays registered, so init_process_group says what the build lacks and how to
 // get it, instead of "unknown backend".
 const bool kRegistered = [] {
-  register_backend("nccl", [](const BackendArgs&) -> std::shared_ptr<ProcessGroup> {
-    throw NotImplementedError(
-        "[init_process_group] backend 'nccl' is not in this build: Ember was configured "
-        "without NCCL (EMBER_WITH_NCCL=OFF, CUDA off, or nccl.h and libnccl not found). "
-        "Install CUDA and NCCL (NVIDIA's libnccl-dev) and configure again with "
-        "-DEMBER_WITH_NCCL=ON");
-  });
+  register_backend("nccl", detail::unavailable_backend("nccl", "NCCL", "EMBER_WITH_NCCL",
+                                                       "CUDA and NCCL (NVIDIA's libnccl-dev)"));
   return true;
 }();
 

@@ -18,11 +18,11 @@
 #include <thread>
 #include <vector>
 
-#include <ember/distributed/debug/debug.h>
 #include <ember/distributed/backends/detail/gloo_agreement.h>
 #include <ember/distributed/backends/detail/process_group_gloo_impl.h>
 #include <ember/distributed/backends/detail/shm_allreduce.h>
 #include <ember/distributed/debug/collective_trace.h>
+#include <ember/distributed/debug/debug.h>
 #include <ember/tensor/log.h>
 
 namespace ember::dist {

@@ -46,8 +46,8 @@
 #include <string>
 #include <vector>
 
-#include <ember/distributed/process_group.h>
 #include <ember/distributed/backends/process_group_gloo.h>
+#include <ember/distributed/process_group.h>
 #include <ember/distributed/store/store.h>
 
 namespace ember::dist {

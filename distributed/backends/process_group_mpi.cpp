@@ -32,8 +32,8 @@
 #include <thread>
 
 #include <ember/distributed/debug/collective_trace.h>
-#include <ember/tensor/ops.h>
 #include <ember/tensor/log.h>
+#include <ember/tensor/ops.h>
 
 namespace ember::dist {
 

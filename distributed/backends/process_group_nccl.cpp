@@ -13,13 +13,13 @@
 #include <optional>
 #include <thread>
 
-#include <ember/distributed/debug/collective_trace.h>
-#include <ember/distributed/init.h>
 #include <ember/distributed/backends/net.h>
+#include <ember/distributed/debug/collective_trace.h>
 #include <ember/distributed/debug/debug.h>
+#include <ember/distributed/init.h>
 #include <ember/tensor/cuda/check.h>
-#include <ember/tensor/ops.h>
 #include <ember/tensor/log.h>
+#include <ember/tensor/ops.h>
 #include <ember/tensor/trace_device.h>
 
 namespace ember::dist {

@@ -43,8 +43,8 @@
 // naming the peer, and the abort word fails the others at once.
 #include <ember/distributed/backends/detail/shareable.h>
 #include <ember/distributed/backends/detail/shm_allreduce.h>
-#include <ember/distributed/errors.h>
 #include <ember/distributed/backends/shareable.h>
+#include <ember/distributed/errors.h>
 #include <ember/tensor/log.h>
 #include <ember/tensor/tensor.h>
 

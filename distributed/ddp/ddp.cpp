@@ -6,9 +6,9 @@
 #include <utility>
 
 #include <ember/distributed/ddp/detail/ddp_join.h>
+#include <ember/distributed/ddp/detail/reducer.h>
 #include <ember/distributed/debug/debug.h>
 #include <ember/distributed/init.h>
-#include <ember/distributed/ddp/detail/reducer.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>

@@ -33,8 +33,8 @@
 #include <unordered_set>
 
 #include <ember/autograd/engine.h>
-#include <ember/distributed/sharding/detail/fsdp_unit.h>
 #include <ember/distributed/init.h>
+#include <ember/distributed/sharding/detail/fsdp_unit.h>
 #include <ember/tensor/allocator.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/grad_mode.h>

@@ -7,9 +7,9 @@
 #include <set>
 #include <sstream>
 
-#include <ember/distributed/sharding/detail/byte_exchange.h>
 #include <ember/distributed/errors.h>
 #include <ember/distributed/init.h>
+#include <ember/distributed/sharding/detail/byte_exchange.h>
 #include <ember/distributed/sharding/detail/zero_overlap.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/ops.h>

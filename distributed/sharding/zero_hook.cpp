@@ -3,8 +3,8 @@
 #include <numeric>
 
 #include <ember/distributed/ddp/ddp.h>
-#include <ember/distributed/sharding/detail/zero_overlap.h>
 #include <ember/distributed/errors.h>
+#include <ember/distributed/sharding/detail/zero_overlap.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/indexing.h>

@@ -13,11 +13,11 @@
 #include <mutex>
 #include <thread>
 
+#include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/ddp/comm_hooks.h>
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/ddp/powersgd.h>
 #include <ember/distributed/store/prefix_store.h>
-#include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/store/tcp_store.h>
 #include <ember/nn/activation.h>
 #include <ember/nn/container.h>

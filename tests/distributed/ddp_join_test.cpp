@@ -15,10 +15,10 @@
 
 #include <ember/autograd/engine.h>
 #include <ember/autograd/function.h>
+#include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/debug/debug.h>
 #include <ember/distributed/store/prefix_store.h>
-#include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/store/tcp_store.h>
 #include <ember/nn/activation.h>
 #include <ember/nn/container.h>

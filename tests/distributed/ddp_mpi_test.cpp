@@ -12,10 +12,10 @@
 #include <functional>
 #include <memory>
 
+#include <ember/distributed/backends/process_group_mpi.h>
 #include <ember/distributed/ddp/comm_hooks.h>
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/ddp/powersgd.h>
-#include <ember/distributed/backends/process_group_mpi.h>
 #include <ember/nn/optim/sgd.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/mpi_job.h"

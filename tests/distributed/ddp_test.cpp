@@ -1,17 +1,17 @@
 // DistributedDataParallel over gloo with 1-3 real processes on 127.0.0.1. Each rank trains on its
 // slice of a fixed batch; every check compares against a single-process reference computed in
 // the same rank on the full batch (mean loss), so expected values need no literals.
+#include <ember/distributed/backends/shareable.h>
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/forwarding_process_group.h>
-#include <ember/distributed/backends/shareable.h>
 
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cmath>
 
-#include <ember/distributed/store/prefix_store.h>
 #include <ember/distributed/backends/process_group_gloo.h>
+#include <ember/distributed/store/prefix_store.h>
 #include <ember/distributed/store/tcp_store.h>
 #include <ember/nn/activation.h>
 #include <ember/nn/container.h>

@@ -114,6 +114,8 @@ struct Wrapper {
   Wrap wrap;
 };
 
+void PrintTo(const Wrapper& w, std::ostream* os) { *os << w.name; }
+
 class EveryWrapper : public ::testing::TestWithParam<Wrapper> {};
 
 // Each OpType's method, called on the wrapper, is seen by the wrapped group as that same

@@ -9,10 +9,10 @@
 #include <map>
 #include <mutex>
 
-#include <ember/distributed/sharding/fsdp.h>
-#include <ember/distributed/sharding/fsdp_checkpoint.h>
 #include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/backends/process_group_mpi.h>
+#include <ember/distributed/sharding/fsdp.h>
+#include <ember/distributed/sharding/fsdp_checkpoint.h>
 #include <ember/distributed/sharding/sharded_checkpoint.h>
 #include <ember/nn/activation_checkpoint.h>
 #include <ember/nn/checkpoint.h>

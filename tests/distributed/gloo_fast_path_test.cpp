@@ -12,8 +12,8 @@
 #include <thread>
 #include <vector>
 
-#include <ember/distributed/store/prefix_store.h>
 #include <ember/distributed/backends/process_group_gloo.h>
+#include <ember/distributed/store/prefix_store.h>
 #include <ember/distributed/store/tcp_store.h>
 #include <ember/tensor/ops.h>
 #include "tests/distributed/store_test_util.h"

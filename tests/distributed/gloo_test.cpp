@@ -13,10 +13,10 @@
 #include "tests/distributed/allreduce_closed_forms.h"
 #include "tests/distributed/collective_options.h"
 #include "tests/distributed/composite_group.h"
-#include <ember/distributed/store/hash_store.h>
-#include <ember/distributed/store/prefix_store.h>
 #include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/backends/shareable.h>
+#include <ember/distributed/store/hash_store.h>
+#include <ember/distributed/store/prefix_store.h>
 #include <ember/distributed/store/tcp_store.h>
 #include "tests/distributed/store_test_util.h"
 #include <ember/distributed/ddp/comm_hooks.h>

@@ -13,11 +13,11 @@
 #include <cstdlib>
 #include <fcntl.h>
 
-#include <ember/distributed/store/hash_store.h>
-#include <ember/distributed/init.h>
-#include <ember/distributed/store/prefix_store.h>
 #include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/backends/process_group_hierarchical.h>
+#include <ember/distributed/init.h>
+#include <ember/distributed/store/hash_store.h>
+#include <ember/distributed/store/prefix_store.h>
 #include <ember/distributed/store/tcp_store.h>
 #include "tests/distributed/allreduce_closed_forms.h"
 #include "tests/distributed/store_test_util.h"

@@ -14,8 +14,8 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include <ember/distributed/init.h>
 #include <ember/distributed/backends/process_group_mpi.h>
+#include <ember/distributed/init.h>
 #include <ember/tensor/ops.h>
 #include "tests/distributed/collective_options.h"
 #include "tests/distributed/mpi_job.h"

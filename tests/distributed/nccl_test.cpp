@@ -17,16 +17,16 @@
 #include <thread>
 
 #include "tests/distributed/collective_options.h"
+#include <ember/distributed/backends/process_group_nccl.h>
 #include <ember/distributed/ddp/comm_hooks.h>
 #include <ember/distributed/ddp/ddp.h>
+#include <ember/distributed/ddp/powersgd.h>
+#include <ember/distributed/init.h>
 #include <ember/distributed/store/file_store.h>
 #include <ember/distributed/store/hash_store.h>
-#include <ember/distributed/init.h>
-#include <ember/distributed/ddp/powersgd.h>
 #include <ember/distributed/store/prefix_store.h>
-#include <ember/distributed/backends/process_group_nccl.h>
-#include <ember/tensor/cuda.h>
 #include <ember/nn/optim/sgd.h>
+#include <ember/tensor/cuda.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/store_test_util.h"
 

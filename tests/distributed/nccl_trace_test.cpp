@@ -10,8 +10,8 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include <ember/distributed/store/hash_store.h>
 #include <ember/distributed/backends/process_group_nccl.h>
+#include <ember/distributed/store/hash_store.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/trace.h>

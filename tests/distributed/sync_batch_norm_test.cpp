@@ -10,10 +10,10 @@
 #include <cmath>
 #include <numeric>
 
+#include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/store/hash_store.h>
 #include <ember/distributed/store/prefix_store.h>
-#include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/store/tcp_store.h>
 #include <ember/nn/activation.h>
 #include <ember/nn/container.h>

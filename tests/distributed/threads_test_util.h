@@ -11,8 +11,8 @@
 #include <optional>
 #include <string>
 
-#include <ember/distributed/debug/delaying_group.h>
 #include <ember/distributed/backends/process_group_threads.h>
+#include <ember/distributed/debug/delaying_group.h>
 #include <ember/tensor/cuda.h>
 #include "tests/distributed/store_test_util.h"
 

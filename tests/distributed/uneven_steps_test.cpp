@@ -13,9 +13,9 @@
 #include <mutex>
 #include <string>
 
+#include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/debug/debug.h>
 #include <ember/distributed/store/prefix_store.h>
-#include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/store/tcp_store.h>
 #include "tests/distributed/store_test_util.h"
 

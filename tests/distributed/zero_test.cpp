@@ -8,9 +8,9 @@
 #include <map>
 #include <mutex>
 
-#include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/backends/process_group_mpi.h>
+#include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/sharding/zero.h>
 #include <ember/distributed/sharding/zero_hook.h>
 #include <ember/nn/activation.h>

@@ -15,9 +15,9 @@
 #include <fstream>
 #include <string>
 
-#include <ember/distributed/init.h>
 #include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/backends/process_group_hierarchical.h>
+#include <ember/distributed/init.h>
 #include <ember/tensor/creation.h>
 
 int main(int argc, char** argv) {
