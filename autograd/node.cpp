@@ -56,7 +56,7 @@ Tensor SavedTensor::unpack(const Node& owner) const {
         "in-place operation: ", describe(data_), ", which is ",
         is_output_ ? detail::str_cat("output ", output_nr_) : std::string("an input"), " of ",
         owner.name(), ", is at version ", data_.version(), "; expected version ", version_,
-        " instead. Hint: use the out-of-place op, or clone() the tensor before changing it."));
+        " instead.\n  Hint: use the out-of-place op, or clone() the tensor before changing it."));
   }
   if (is_output_ && GradMode::is_enabled()) {
     // create_graph: give the output its history back so the backward formula is differentiable.

@@ -14,7 +14,7 @@ namespace {
 
 constexpr int64_t M16 = 16 << 20;
 
-// ---- kernels (bench_tensor.cpp) ----
+// ---- kernels (bench_matmul.cpp, bench_conv.cpp, bench_elementwise.cpp, bench_reduce.cpp) ----
 
 void matmul_and_conv(const bench::Options& o) {
   for (int64_t n : {512, 1024, 2048}) {

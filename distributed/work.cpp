@@ -204,7 +204,7 @@ ProcessGroup::ProcessGroup(int rank, int size, Options options)
 std::string ProcessGroup::next_op_label(const char* collective) {
   EMBER_CHECK(tl_callback_depth == 0, "[", backend_name(), "] ", collective, " on rank ", rank_,
               " of ", size_, ": collectives cannot be issued from a Future callback (then() or "
-              "add_done_callback()): a callback runs on whichever thread completes the future, at "
+              "add_done_callback())\n  A callback runs on whichever thread completes the future, at "
               "a moment that differs between ranks, so the ranks could issue collectives in "
               "different orders. Issue it from the thread that issues the group's collectives; in "
               "a communication hook, chain it with GradBucket::defer");

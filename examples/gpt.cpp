@@ -94,14 +94,17 @@ struct Args {
   int64_t fail_at_step = -1;  // testing aid: SIGKILL rank 1 at this step, first run only
 };
 
-// lr multiplier at step s: linear warm-up over the first 50 steps, then a cosine from 1 down to
-// a tenth at the last step.
-double lr_factor(int64_t step, int64_t steps) {
+// The lr schedule: linear warm-up over the first 50 steps (from a 50th of the peak), then a
+// cosine from the peak down to a tenth of it at the last step (PyTorch's SequentialLR of LinearLR
+// and CosineAnnealingLR).
+nn::optim::SequentialLR make_schedule(nn::optim::Optimizer& opt, double peak_lr, int64_t steps) {
+  using namespace nn::optim;
   const int64_t warmup = std::min(kWarmupSteps, steps);
-  if (step < warmup) return static_cast<double>(step + 1) / static_cast<double>(warmup);
-  const double progress = std::min(
-      1.0, static_cast<double>(step - warmup) / static_cast<double>(std::max<int64_t>(1, steps - warmup)));
-  return 0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * progress));
+  auto ramp = std::make_shared<LinearLR>(opt, 1.0 / static_cast<double>(warmup), 1.0,
+                                         std::max<int64_t>(1, warmup - 1));
+  auto decay = std::make_shared<CosineAnnealingLR>(opt, std::max<int64_t>(1, steps - warmup),
+                                                   0.1 * peak_lr);
+  return SequentialLR(opt, {ramp, decay}, {warmup});
 }
 
 // AdamW with weight decay on the matrices (2-D weights: Linear weights and the embeddings) and
@@ -223,7 +226,7 @@ class Trainer {
   nn::data::TokenStream data_;
   Parallel par_;
   std::shared_ptr<dist::PowerSGDState> powersgd_;
-  nn::optim::LambdaLR schedule_;
+  nn::optim::SequentialLR schedule_;
   nn::amp::GradScaler scaler_;  // a pass-through unless --amp fp16
   const int64_t log_every_;
   const int64_t start_step_;
@@ -256,7 +259,7 @@ Trainer::Trainer(const Args& a)
       powersgd_(par_.ddp ? register_comm_hook(*par_.ddp, a.comm_hook, /*powersgd_rank=*/2,
                                               /*start=*/10)
                          : nullptr),
-      schedule_(par_.optimizer(), [steps = a.steps](int64_t s) { return lr_factor(s, steps); }),
+      schedule_(make_schedule(par_.optimizer(), a.lr, a.steps)),
       // DDP's exact average gives every rank the same gradients; a compressing hook may not, so
       // then the ranks agree on skipping a step.
       scaler_({.enabled = a.amp == "fp16",

@@ -160,7 +160,7 @@ int choose_device(const ProcessGroupNccl::NcclOptions& o, int rank, int count) {
   // No launcher said which rank of the node this is: one process per GPU on one node.
   EMBER_CHECK(rank < count, "[nccl] rank ", rank, ": no local rank in the environment (LOCAL_RANK, "
               "OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID) and group rank ", rank,
-              " is not below the ", count, " CUDA devices this process sees; pass "
+              " is not below the ", count, " CUDA devices this process sees\n  Pass "
               "NcclOptions::device or launch with emberrun, mpirun or srun");
   return rank;
 }

@@ -168,7 +168,7 @@ void Reducer::mark_ready(size_t i) {
       EMBER_CHECK(!sync_enabled_, kOp, " rank ", group_->rank(), ": parameter '", p.name,
                   "' (index ", p.index,
                   ") got a gradient in a second backward pass after the synchronised backward "
-                  "of the same forward. Its gradient was already averaged over the ranks and this "
+                  "of the same forward.\n  Its gradient was already averaged over the ranks and this "
                   "backward pass is not synchronised, so the replicas would silently diverge. "
                   "Each synchronised forward takes exactly one backward pass: to accumulate over "
                   "several backward passes, run all but the last forward and backward under "
@@ -190,7 +190,7 @@ void Reducer::mark_ready(size_t i) {
   EMBER_CHECK(!p.ready, kOp, " rank ", group_->rank(), ": parameter '", p.name, "' (index ",
               p.index,
               ") was marked ready twice in one iteration: its "
-              "gradient arrived a second time before its bucket's reduction finished. This "
+              "gradient arrived a second time before its bucket's reduction finished.\n  This "
               "happens when the parameter takes part in several reentrant backward passes "
               "(a backward run inside another one, e.g. activation checkpointing that reuses "
               "it) or when a second backward over the same forward starts before the first "
@@ -373,7 +373,7 @@ std::vector<char> Reducer::mark_unused_parameters() {
     throw ValueError(
         str_cat(kOp, " rank ", group_->rank(), ": ", unused.size(),
                 " parameter(s) received no gradient in this backward pass: ", joined(unused, ", "),
-                ". Every parameter that requires grad must take part in computing the loss; "
+                ".\n  Every parameter that requires grad must take part in computing the loss; "
                 "construct DistributedDataParallel with find_unused_parameters = true if some do "
                 "not (or static_graph = true if it is always the same ones)"));
   }
@@ -469,7 +469,7 @@ void Reducer::check_static_graph(const std::vector<char>& locally_used,
       str_cat(kOp, " rank ", group_->rank(), ": static_graph = true, but in iteration ", finalized_,
               " the set of parameters that get gradients differs from the first iteration's: ",
               joined(violations_, "; "),
-              ". static_graph promises that every iteration uses the same parameters; if the set "
+              ".\n  static_graph promises that every iteration uses the same parameters; if the set "
               "changes from iteration to iteration, construct DistributedDataParallel with "
               "static_graph = false and find_unused_parameters = true. The gradients of this "
               "iteration were not written"));
@@ -574,11 +574,11 @@ void Reducer::throw_unfinished() {
   throw ValueError(str_cat(
       kOp, " rank ", group_->rank(),
       ": expected the previous iteration's gradient reduction to have finished before a new "
-      "forward, but the backward pass after the last synchronised forward did not complete: ",
+      "forward, but the backward pass after the last synchronised forward did not complete.\n  ",
       params_.size() - missing.size(), " of ", params_.size(), " parameters got their gradients (",
       launched, " of ", buckets_.size(),
       " buckets were reduced); these did not: ", joined(missing, ", "),
-      ". This happens when that backward pass threw (see its error; other ranks may have "
+      ".\n  This happens when that backward pass threw (see its error; other ranks may have "
       "reduced every bucket, so their collectives no longer match this rank's), or ran over "
       "only part of the graph. Make every output of forward take part in the loss, or "
       "construct DistributedDataParallel with find_unused_parameters = true if some "

@@ -214,7 +214,7 @@ std::shared_ptr<nn::Module> convert(const std::shared_ptr<nn::Module>& module,
   if (!contains_batch_norm(*module)) return module;
   const std::string where = path.empty() ? std::string("<root>") : path;
   EMBER_CHECK(is_plain_sequence(*module), "[convert_sync_batchnorm] cannot replace the BatchNorm ",
-              "layers inside '", where, "' (a ", module->name(), "): only Sequential and ",
+              "layers inside '", where, "' (a ", module->name(), ")\n  Only Sequential and ",
               "ModuleList are rebuilt with converted children, since nn::Module cannot swap a ",
               "child in place; convert its BatchNorm members yourself, or build it from ",
               "Sequential");

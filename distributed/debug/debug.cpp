@@ -115,9 +115,9 @@ void CheckedProcessGroup::check(OpType kind, const Tensor& t, int root, int op) 
     throw DistError(detail::str_cat(
         "[CheckedProcessGroup] collective #", a[kSeq], " on rank ", rank_, " of ", size_,
         " differs across ranks: rank 0 called ", describe(a), " (its collective #", a[kSeq],
-        ") but rank ", r, " called ", describe(b), " (its collective #", b[kSeq], ")", hint,
-        "; every rank must issue the same collectives in the same order "
-        "(EMBER_DISTRIBUTED_DEBUG=DETAIL check)"));
+        ") but rank ", r, " called ", describe(b), " (its collective #", b[kSeq], ")",
+        "\n  Every rank must issue the same collectives in the same order "
+        "(EMBER_DISTRIBUTED_DEBUG=DETAIL check)", hint));
   }
 }
 

@@ -257,13 +257,13 @@ void ZeroOverlap::check_step() {
   const int rank = zero().group_->rank();
   EMBER_CHECK(hook_ran_, kZero, " step() on rank ", rank,
               ": built with overlap_with_ddp, the parameters are updated by DDP's communication "
-              "hook during backward, but no backward pass has run that hook. Register it before "
+              "hook during backward, but no backward pass has run that hook.\n  Register it before "
               "the first backward: ddp.register_comm_hook(dist::hook_with_zero_step("
               "dist::allreduce_hook, ddp, zero)) (distributed/sharding/zero_hook.h), or build the "
               "optimizer without overlap_with_ddp");
   EMBER_CHECK(false, kZero, " step() on rank ", rank,
               ": no synchronised backward pass has updated the parameters since the last "
-              "step(). With overlap_with_ddp the update happens in DDP's backward; a backward "
+              "step().\n  With overlap_with_ddp the update happens in DDP's backward; a backward "
               "under no_sync() only accumulates gradients, so call step() after the backward "
               "outside no_sync() that ends the accumulation (and once per such backward)");
 }

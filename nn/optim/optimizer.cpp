@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <functional>
 #include <set>
 #include <sstream>
 
@@ -197,25 +198,28 @@ OptimizerState Optimizer::state_dict() const {
   return out;
 }
 
-void Optimizer::load_state_dict(const OptimizerState& saved) {
-  const std::string op = detail::str_cat("[", name(), "::load_state_dict] ");
-  EMBER_CHECK(saved.type == name(), op, "the state is from a ", saved.type, " optimizer, not ",
-              name());
+namespace {
+
+// load_state_dict's first part: the saved param_groups (JSON) read against this optimizer's
+// groups. Fills `ids` (saved parameter index -> this optimizer's parameter, pairing both
+// groups' lists in order) and returns each group's options; a malformed file throws, a group
+// whose options do not fit goes to `errors`.
+std::vector<GroupOptions> read_param_groups(
+    const std::string& op, const std::string& json, const std::vector<ParamGroup>& mine,
+    const GroupOptions& defaults,
+    const std::function<void(const GroupOptions&, size_t)>& check_options,
+    std::unordered_map<int64_t, Tensor>& ids, std::vector<std::string>& errors) {
   Json groups;
   try {
-    groups = Json::parse(saved.param_groups);
+    groups = Json::parse(json);
   } catch (const nlohmann::json::exception& e) {
     EMBER_CHECK(false, op, "param_groups is not valid JSON: ", e.what());
   }
   EMBER_CHECK(groups.is_array(), op, "param_groups must be a JSON array, got ",
               groups.type_name());
-  EMBER_CHECK(groups.size() == groups_.size(), op, "the state has ", groups.size(),
-              " parameter groups but the optimizer has ", groups_.size());
-
-  // Saved parameter index -> this optimizer's parameter, pairing both groups' lists in order.
-  std::unordered_map<int64_t, Tensor> id_map;
+  EMBER_CHECK(groups.size() == mine.size(), op, "the state has ", groups.size(),
+              " parameter groups but the optimizer has ", mine.size());
   std::vector<GroupOptions> options(groups.size());
-  std::vector<std::string> errors;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const Json& g = groups[gi];
     EMBER_CHECK(g.is_object(), op, "param_groups[", gi, "] must be a JSON object, got ",
@@ -223,16 +227,16 @@ void Optimizer::load_state_dict(const OptimizerState& saved) {
     EMBER_CHECK(g.contains("params") && g["params"].is_array(), op, "param_groups[", gi,
                 "] has no 'params' array");
     const Json& params = g["params"];
-    EMBER_CHECK(params.size() == groups_[gi].params.size(), op, "param_groups[", gi, "] has ",
+    EMBER_CHECK(params.size() == mine[gi].params.size(), op, "param_groups[", gi, "] has ",
                 params.size(), " parameters but the optimizer's group ", gi, " has ",
-                groups_[gi].params.size());
+                mine[gi].params.size());
     for (size_t i = 0; i < params.size(); ++i) {
       EMBER_CHECK(params[i].is_number_integer() && params[i].get<int64_t>() >= 0, op,
                   "param_groups[", gi, "].params[", i, "] must be a non-negative integer, got ",
                   params[i].dump());
       const int64_t id = params[i].get<int64_t>();
-      EMBER_CHECK(!id_map.count(id), op, "parameter index ", id, " appears twice in param_groups");
-      id_map.emplace(id, groups_[gi].params[i]);
+      EMBER_CHECK(!ids.count(id), op, "parameter index ", id, " appears twice in param_groups");
+      ids.emplace(id, mine[gi].params[i]);
     }
     for (const auto& [k, v] : g.items()) {
       if (k == "params") continue;
@@ -245,7 +249,7 @@ void Optimizer::load_state_dict(const OptimizerState& saved) {
       }
     }
     // Options this version knows but the file lacks keep their defaults (PyTorch's setdefault).
-    for (const auto& [k, v] : defaults_) options[gi].emplace(k, v);
+    for (const auto& [k, v] : defaults) options[gi].emplace(k, v);
     if (!options[gi].count("lr")) {
       errors.push_back("param_groups[" + std::to_string(gi) + "] has no lr");
       continue;
@@ -256,6 +260,53 @@ void Optimizer::load_state_dict(const OptimizerState& saved) {
       errors.push_back(e.what());
     }
   }
+  return options;
+}
+
+// load_state_dict's second part: saved state tensor `name` = `t` for parameter `p` (index
+// `id`), as the optimizer keeps it: a parameter-shaped copy on p's device and dtype, the step
+// count as a host float, anything else cloned. Undefined, with the reason in `errors`, when it
+// does not fit.
+Tensor state_value(const std::string& name, const std::string& key, const Tensor& t, int64_t id,
+                   const Tensor& p, bool param_shaped, std::vector<std::string>& errors) {
+  if (!t.defined()) {
+    errors.push_back("'" + name + "' is an undefined tensor");
+    return {};
+  }
+  if (param_shaped) {
+    if (t.shape() != p.shape()) {
+      std::ostringstream os;
+      os << "'" << name << "' has shape " << t.shape() << " but parameter " << id
+         << " has shape " << p.shape();
+      errors.push_back(os.str());
+      return {};
+    }
+    return t.to(p.device(), p.dtype(), /*non_blocking=*/false, /*copy=*/true);
+  }
+  if (key == "step") {
+    if (t.numel() != 1) {
+      std::ostringstream os;
+      os << "'" << name << "' must hold one number, got shape " << t.shape();
+      errors.push_back(os.str());
+      return {};
+    }
+    // The step count lives on the host (as PyTorch's non-capturable optimizers keep it).
+    return t.reshape({}).to(kCPU, kFloat32, false, /*copy=*/true);
+  }
+  return t.clone();
+}
+
+}  // namespace
+
+void Optimizer::load_state_dict(const OptimizerState& saved) {
+  const std::string op = detail::str_cat("[", name(), "::load_state_dict] ");
+  EMBER_CHECK(saved.type == name(), op, "the state is from a ", saved.type, " optimizer, not ",
+              name());
+  std::unordered_map<int64_t, Tensor> ids;
+  std::vector<std::string> errors;
+  std::vector<GroupOptions> options = read_param_groups(
+      op, saved.param_groups, groups_, defaults_,
+      [this](const GroupOptions& o, size_t gi) { check_options(o, gi); }, ids, errors);
 
   std::unordered_map<const TensorImpl*, NamedTensors> state;
   for (const auto& [tname, t] : saved.state) {
@@ -265,40 +316,15 @@ void Optimizer::load_state_dict(const OptimizerState& saved) {
       errors.push_back("'" + tname + "' is not named state.<param index>.<key>");
       continue;
     }
-    auto it = id_map.find(id);
-    if (it == id_map.end()) {
+    auto it = ids.find(id);
+    if (it == ids.end()) {
       errors.push_back("'" + tname + "' refers to parameter " + std::to_string(id) +
                        ", which no group lists");
       continue;
     }
-    if (!t.defined()) {
-      errors.push_back("'" + tname + "' is an undefined tensor");
-      continue;
-    }
     const Tensor& p = it->second;
-    Tensor value;
-    if (is_param_shaped(key)) {
-      if (t.shape() != p.shape()) {
-        std::ostringstream os;
-        os << "'" << tname << "' has shape " << t.shape() << " but parameter " << id
-           << " has shape " << p.shape();
-        errors.push_back(os.str());
-        continue;
-      }
-      value = t.to(p.device(), p.dtype(), /*non_blocking=*/false, /*copy=*/true);
-    } else if (key == "step") {
-      if (t.numel() != 1) {
-        std::ostringstream os;
-        os << "'" << tname << "' must hold one number, got shape " << t.shape();
-        errors.push_back(os.str());
-        continue;
-      }
-      // The step count lives on the host (as PyTorch's non-capturable optimizers keep it).
-      value = t.reshape({}).to(kCPU, kFloat32, false, /*copy=*/true);
-    } else {
-      value = t.clone();
-    }
-    state[p.impl()].emplace_back(key, value);
+    Tensor value = state_value(tname, key, t, id, p, is_param_shaped(key), errors);
+    if (value.defined()) state[p.impl()].emplace_back(key, value);
   }
   if (!errors.empty()) {
     std::string msg = op + "the state does not fit this optimizer:";

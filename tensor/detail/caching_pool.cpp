@@ -338,7 +338,7 @@ void CachingPool::throw_oom(size_t nbytes) {
               " has a total capacity of ", format_size(total), " of which ", format_size(free),
               " is free. Of the allocated memory ", format_size(allocated),
               " is allocated by Ember, and ", format_size(reserved - allocated),
-              " is reserved by Ember but unallocated. (Bytes: requested ", nbytes, ", allocated ",
+              " is reserved by Ember but unallocated.\n  (Bytes: requested ", nbytes, ", allocated ",
               allocated, ", reserved ", reserved, ", free ", free, ", total ", total, ".)"));
 }
 
