@@ -41,7 +41,7 @@ def ddp(build):
 
 def collectives(build):
     out = run([f"{build}/benchmarks/bench_collectives", "--np", "2", "--op", ",".join(OPS),
-               "--min-bytes", "65536", "--max-bytes", "16777216", "--iters", "20"])
+               "--min-bytes", "65536", "--max-bytes", "16777216", "--iters", "50", "--pin"])
     rows, op = {}, None
     for line in out.splitlines():
         m = re.match(r"# bench_collectives: (\w+),", line)
@@ -67,13 +67,17 @@ def main():
     ap.add_argument("before")
     ap.add_argument("after")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", default="ddp,collectives,gpt",
+                    help="which benchmarks, comma-separated (default: all three)")
     args = ap.parse_args()
+    benches = [{"ddp": ddp, "collectives": collectives, "gpt": gpt}[b]
+               for b in args.only.split(",")]
     builds = {"before": os.path.abspath(args.before), "after": os.path.abspath(args.after)}
     results = {"before": {}, "after": {}}
     for r in range(args.rounds):
         order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
         for which in order:
-            for bench in (ddp, collectives, gpt):
+            for bench in benches:
                 for k, v in bench(builds[which]).items():
                     results[which].setdefault(k, []).append(v)
         print(f"# round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)

@@ -224,12 +224,13 @@ std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks, std::optional<Du
   auto store = std::make_shared<PrefixStore>(detail::str_cat("group_", id), s.store);
   const Duration t = timeout.value_or(s.world->timeout());
   const std::string master_addr = s.master_addr;
+  const std::shared_ptr<ProcessGroup> parent = s.world;
   lock.unlock();
 
   const auto pos = std::find(ranks.begin(), ranks.end(), me);
   const int group_rank = pos == ranks.end() ? -1 : static_cast<int>(pos - ranks.begin());
   auto pg = factory(BackendArgs{store, group_rank, static_cast<int>(ranks.size()), t,
-                                master_addr, ranks});
+                                master_addr, ranks, parent});
   if (pg == nullptr) return nullptr;
   pg->set_global_ranks(ranks);
   lock.lock();

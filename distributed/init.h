@@ -55,6 +55,10 @@ struct BackendArgs {
   /// on every process, members or not (MPI creates communicators collectively); on a
   /// non-member `rank` is -1 and the factory returns nullptr.
   std::vector<int> global_ranks;
+  /// new_group: the default group the new group is made from (a backend may derive it from
+  /// that group: NCCL splits its communicator, threads ties the new world's failure to it);
+  /// null for the default group itself.
+  std::shared_ptr<ProcessGroup> parent;
 };
 /// Creates a process group; registered per backend name.
 using BackendFactory = std::function<std::shared_ptr<ProcessGroup>(const BackendArgs&)>;

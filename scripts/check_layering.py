@@ -40,6 +40,7 @@ ROOMS = {
     "backends": {"errors", "store", "top", "debug"},
     "ddp": {"errors", "store", "top", "debug"},
     "sharding": {"errors", "store", "top", "debug", "ddp"},
+    "mesh": {"errors", "store", "top"},
 }
 # Headers users never include, so not installed (cmake/EmberInstall.cmake installs the rest).
 # Where unit cycles are refused.

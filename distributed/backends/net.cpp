@@ -8,6 +8,8 @@
 
 #include <cstdlib>
 
+#include <ember/tensor/error.h>
+
 namespace ember::dist::net {
 
 namespace {
@@ -85,6 +87,18 @@ std::string nccl_socket_ifname(const std::string& master_addr) {
   const std::string name = interface_towards(master_addr);
   // NCCL matches a plain name as a prefix (eth1 would take eth10 too); '=' asks for exactly it.
   return name.empty() ? name : "=" + name;
+}
+
+std::string nccl_network_summary() {
+  const char* ifname = std::getenv("NCCL_SOCKET_IFNAME");
+  const char* master = std::getenv("MASTER_ADDR");
+  std::string s = ifname != nullptr && *ifname
+                      ? ::ember::detail::str_cat("NCCL_SOCKET_IFNAME=", ifname, " (",
+                                        addresses_of(ifname[0] == '=' ? ifname + 1 : ifname),
+                                        ")")
+                      : std::string("NCCL_SOCKET_IFNAME unset (NCCL picks an interface)");
+  if (master != nullptr && *master) s += ::ember::detail::str_cat(", MASTER_ADDR=", master);
+  return s;
 }
 
 }  // namespace ember::dist::net

@@ -27,4 +27,8 @@ std::string addresses_of(const std::string& name);
 /// no interface routes to it).
 std::string nccl_socket_ifname(const std::string& master_addr);
 
+/// The network NCCL was told to use, for errors and the debug log: "NCCL_SOCKET_IFNAME=eth0
+/// (10.1.2.3), MASTER_ADDR=10.1.2.1".
+std::string nccl_network_summary();
+
 }  // namespace ember::dist::net

@@ -22,6 +22,9 @@ ProcessGroupNccl::ProcessGroupNccl(std::shared_ptr<Store>, int rank, int size, N
 }
 ProcessGroupNccl::~ProcessGroupNccl() = default;
 
+std::shared_ptr<ProcessGroupNccl> ProcessGroupNccl::split(const std::vector<int>&, NcclOptions) {
+  unavailable();
+}
 int ProcessGroupNccl::device() const { unavailable(); }
 cuda::Stream ProcessGroupNccl::stream() const { unavailable(); }
 WorkPtr ProcessGroupNccl::allreduce(Tensor&, const AllreduceOptions&) { unavailable(); }

@@ -16,7 +16,7 @@
 #include <ember/distributed/backends/net.h>
 #include <ember/distributed/debug/collective_trace.h>
 #include <ember/distributed/debug/debug.h>
-#include <ember/distributed/init.h>
+#include <ember/distributed/environment.h>
 #include <ember/tensor/cuda/check.h>
 #include <ember/tensor/log.h>
 #include <ember/tensor/ops.h>
@@ -169,20 +169,6 @@ Duration init_timeout_of(const ProcessGroupNccl::NcclOptions& o) {
   if (o.init_timeout) return *o.init_timeout;
   return timeout_from_env("EMBER_NCCL_INIT_TIMEOUT")
       .value_or(std::min<Duration>(o.timeout, std::chrono::minutes(5)));
-}
-
-/// The network NCCL was told to use, for errors and the debug log: "NCCL_SOCKET_IFNAME=eth0
-/// (10.1.2.3), MASTER_ADDR=10.1.2.1".
-std::string network_summary() {
-  const char* ifname = std::getenv("NCCL_SOCKET_IFNAME");
-  const char* master = std::getenv("MASTER_ADDR");
-  std::string s = ifname != nullptr && *ifname
-                      ? detail::str_cat("NCCL_SOCKET_IFNAME=", ifname, " (",
-                                        net::addresses_of(ifname[0] == '=' ? ifname + 1 : ifname),
-                                        ")")
-                      : std::string("NCCL_SOCKET_IFNAME unset (NCCL picks an interface)");
-  if (master != nullptr && *master) s += detail::str_cat(", MASTER_ADDR=", master);
-  return s;
 }
 
 /// The group's first failure (a timeout, an NCCL error, destruction with work queued), shared
@@ -343,7 +329,7 @@ class ProcessGroupNccl::Impl {
       ncclGetVersion(&version);
       logging::info("[nccl] rank ", rank, " of ", size, ": NCCL ", version / 10000, ".",
                 version / 100 % 100, ".", version % 100, " on ", cuda_device(device_).str(), ", ",
-                network_summary());
+                net::nccl_network_summary());
     }
 
     ncclUniqueId id;
@@ -373,27 +359,37 @@ class ProcessGroupNccl::Impl {
     config.blocking = 0;
     ncclComm_t comm = nullptr;
     ncclResult_t r = ncclCommInitRankConfig(&comm, size, id, rank, &config);
-    if (comm != nullptr) r = settle(comm, r, Clock::now() + init_timeout);
-    if (r == ncclInProgress) {
-      ncclCommAbort(comm);
-      throw DistTimeoutError(detail::str_cat(
-          "[nccl] rank ", rank, " of ", size, ": creating the communicator on ",
-          cuda_device(device_), " did not complete within ", init_timeout.count(),
-          " ms (EMBER_NCCL_INIT_TIMEOUT); did every rank create the group, and can they reach "
-          "each other? ", network_summary()));
+    comm = settled_or_throw(comm, r, init_timeout, "creating the communicator");
+    start(comm);
+  }
+
+  // Rank `rank` of `size` of a group split from `parent` (ncclCommSplit with `color`, ordered by
+  // `key`), on parent's device with a stream of its own. Collective over parent.
+  Impl(int rank, int size, Impl& parent, int color, int key, const NcclOptions& o)
+      : rank_(rank), size_(size), timeout_(o.timeout) {
+    device_ = parent.device_;
+    cuda::set_device(device_);
+    stream_ = cuda::Stream::create(device_);
+    ncclComm_t comm = parent.split(color, key, init_timeout_of(o));
+    start(comm);
+  }
+
+  // The parent side of a split: this rank's part of ncclCommSplit, with NCCL_SPLIT_NOCOLOR for a
+  // rank outside the new group (which gets null).
+  ncclComm_t split(int color, int key, Duration init_timeout) {
+    std::lock_guard<std::mutex> cl(comm_mu_);
+    EMBER_CHECK(comm_ != nullptr, "[nccl] rank ", rank_, " of ", size_,
+                ": cannot split a communicator that was aborted");
+    cuda::detail::DeviceGuard guard(device_);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t comm = nullptr;
+    const ncclResult_t r = ncclCommSplit(comm_, color, key, &comm, &config);
+    if (comm == nullptr) {  // not a member: the split still had to settle on the parent
+      settled_or_throw(comm_, r, init_timeout, "splitting the communicator");
+      return nullptr;
     }
-    if (r != ncclSuccess) {
-      const std::string msg = nccl_error(r, comm);
-      if (comm != nullptr) ncclCommAbort(comm);
-      throw DistBackendError(detail::str_cat("[nccl] rank ", rank, " of ", size,
-                                             ": creating the communicator on ",
-                                             cuda_device(device_), " failed: ", msg, "; ",
-                                             network_summary()));
-    }
-    comm_ = comm;
-    trace_row_name_ = detail::str_cat("nccl stream, ", cuda_device(device_).str(), " (rank ", rank,
-                                      " of ", size, ")");
-    watchdog_ = std::thread([this] { watch(); });
+    return settled_or_throw(comm, r, init_timeout, "splitting the communicator");
   }
 
   ~Impl() {
@@ -622,6 +618,36 @@ class ProcessGroupNccl::Impl {
     cv_.notify_all();
   }
 
+  // Waits for a non-blocking NCCL call on `comm` (creation, split) to settle; throws
+  // DistTimeoutError or DistBackendError naming `doing`, after aborting the communicator.
+  ncclComm_t settled_or_throw(ncclComm_t comm, ncclResult_t r, Duration init_timeout,
+                              const char* doing) {
+    if (comm != nullptr) r = settle(comm, r, Clock::now() + init_timeout);
+    if (r == ncclInProgress) {
+      ncclCommAbort(comm);
+      throw DistTimeoutError(detail::str_cat(
+          "[nccl] rank ", rank_, " of ", size_, ": ", doing, " on ", cuda_device(device_),
+          " did not complete within ", init_timeout.count(),
+          " ms (EMBER_NCCL_INIT_TIMEOUT)\n  Did every rank create the group, and can they reach "
+          "each other? ", net::nccl_network_summary()));
+    }
+    if (r != ncclSuccess) {
+      const std::string msg = nccl_error(r, comm);
+      if (comm != nullptr) ncclCommAbort(comm);
+      throw DistBackendError(detail::str_cat("[nccl] rank ", rank_, " of ", size_, ": ", doing,
+                                             " on ", cuda_device(device_), " failed: ", msg,
+                                             "; ", net::nccl_network_summary()));
+    }
+    return comm;
+  }
+
+  void start(ncclComm_t comm) {
+    comm_ = comm;
+    trace_row_name_ = detail::str_cat("nccl stream, ", cuda_device(device_).str(), " (rank ",
+                                      rank_, " of ", size_, ")");
+    watchdog_ = std::thread([this] { watch(); });
+  }
+
   const int rank_;
   const int size_;
   const Duration timeout_;
@@ -649,6 +675,30 @@ ProcessGroupNccl::ProcessGroupNccl(std::shared_ptr<Store> store, int rank, int s
                                    NcclOptions options)
     : ProcessGroup(rank, size, Options{options.timeout}),
       impl_(std::make_unique<Impl>(rank, size, std::move(store), options)) {}
+
+ProcessGroupNccl::ProcessGroupNccl(int rank, int size, std::unique_ptr<Impl> impl,
+                                   const NcclOptions& options)
+    : ProcessGroup(rank, size, Options{options.timeout}), impl_(std::move(impl)) {}
+
+std::shared_ptr<ProcessGroupNccl> ProcessGroupNccl::split(const std::vector<int>& ranks,
+                                                          NcclOptions options) {
+  std::vector<int> sorted = ranks;
+  std::sort(sorted.begin(), sorted.end());
+  EMBER_CHECK(!sorted.empty() && std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end() &&
+                  sorted.front() >= 0 && sorted.back() < size_,
+              "[nccl] split: expected distinct ranks of this group of size ", size_);
+  const auto me = std::find(sorted.begin(), sorted.end(), rank_);
+  if (me == sorted.end()) {
+    impl_->split(NCCL_SPLIT_NOCOLOR, rank_, init_timeout_of(options));
+    return nullptr;
+  }
+  // Every member passes the same color (the group's smallest rank), ordered by its rank here.
+  const int new_rank = static_cast<int>(me - sorted.begin());
+  auto impl = std::make_unique<Impl>(new_rank, static_cast<int>(sorted.size()), *impl_,
+                                     sorted.front(), rank_, options);
+  return std::shared_ptr<ProcessGroupNccl>(
+      new ProcessGroupNccl(new_rank, static_cast<int>(sorted.size()), std::move(impl), options));
+}
 
 ProcessGroupNccl::~ProcessGroupNccl() = default;
 
@@ -835,31 +885,5 @@ WorkPtr ProcessGroupNccl::recv(Tensor& tensor, int src, int /*tag*/) {
                          return n == 0 ? ncclSuccess : ncclRecv(p, n, dt, src, c, s);
                        });
 }
-
-// ---- registration -------------------------------------------------------------------------------
-
-namespace {
-
-std::shared_ptr<ProcessGroup> make_nccl(const BackendArgs& a) {
-  if (a.rank < 0) return nullptr;  // not a member of this group
-  // As gloo's set-up: unless the user chose, NCCL's sockets (its bootstrap, and its data when
-  // there is no InfiniBand) use the interface that reaches rank 0, not whichever NCCL guesses
-  // first (often a container bridge that the other nodes cannot reach). Set before rank 0
-  // makes its ncclUniqueId, which carries its bootstrap address.
-  const std::string ifname = net::nccl_socket_ifname(a.master_addr);
-  if (!ifname.empty()) ::setenv("NCCL_SOCKET_IFNAME", ifname.c_str(), 0);
-  ProcessGroupNccl::NcclOptions o;
-  o.timeout = a.timeout;
-  return std::make_shared<ProcessGroupNccl>(a.store, a.rank, a.size, o);
-}
-
-// init.cpp's registry is a function-local static, so registering from a static initializer is
-// safe whatever the order in which this library's initializers run.
-const bool kNcclRegistered = [] {
-  register_backend("nccl", make_nccl);
-  return true;
-}();
-
-}  // namespace
 
 }  // namespace ember::dist

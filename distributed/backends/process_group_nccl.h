@@ -95,6 +95,13 @@ class ProcessGroupNccl : public ProcessGroup {
   /// Same as nccl_available().
   static bool is_available() { return nccl_available(); }
 
+  /// A group of `ranks` (ranks of this group, distinct) from this group's communicator
+  /// (ncclCommSplit, as c10d's new_group): on this group's device, with its own stream; the new
+  /// group's rank i is the i-th smallest of `ranks`. Collective over this group: every rank calls
+  /// it with the same ranks, those not in them get nullptr. Throws ValueError for bad ranks and
+  /// the creation's errors (DistTimeoutError within options' init timeout, DistBackendError).
+  std::shared_ptr<ProcessGroupNccl> split(const std::vector<int>& ranks, NcclOptions options);
+
   std::string backend_name() const override { return "nccl"; }
   Device default_device() const override { return cuda_device(device()); }
   /// This rank's CUDA device.
@@ -127,6 +134,7 @@ class ProcessGroupNccl : public ProcessGroup {
   class Impl;
 
  private:
+  ProcessGroupNccl(int rank, int size, std::unique_ptr<Impl> impl, const NcclOptions& options);
   std::unique_ptr<Impl> impl_;
 };
 

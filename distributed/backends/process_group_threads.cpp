@@ -9,8 +9,6 @@
 // the same loop expires slots whose deadline passed, so no rendezvous waits unbounded.
 #include <ember/distributed/backends/process_group_threads.h>
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
@@ -20,7 +18,6 @@
 #include <thread>
 #include <tuple>
 
-#include <ember/distributed/init.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>
@@ -511,7 +508,30 @@ ThreadWorld::~ThreadWorld() {
   }
 }
 
-void ThreadWorld::abort(const std::string& reason) { state_->abort(reason); }
+void ThreadWorld::abort(const std::string& reason) {
+  std::vector<std::weak_ptr<ThreadWorld>> children;
+  {
+    std::lock_guard<std::mutex> lock(children_mu_);
+    if (aborted_.empty()) aborted_ = reason;
+    children = children_;
+  }
+  state_->abort(reason);
+  for (const auto& c : children) {
+    if (auto child = c.lock()) child->abort(reason);
+  }
+}
+
+void ThreadWorld::adopt(const std::shared_ptr<ThreadWorld>& child) {
+  EMBER_CHECK(child != nullptr && child.get() != this, "[threads] adopt needs another world");
+  std::string aborted;
+  {
+    std::lock_guard<std::mutex> lock(children_mu_);
+    std::erase_if(children_, [](const std::weak_ptr<ThreadWorld>& c) { return c.expired(); });
+    children_.push_back(child);
+    aborted = aborted_;
+  }
+  if (!aborted.empty()) child->abort(aborted);
+}
 
 namespace {
 std::string what_of(const std::exception_ptr& e) {
@@ -530,6 +550,9 @@ RankThreadError::RankThreadError(int rank, int size, std::exception_ptr cause,
     : DistError(str_cat("[threads] rank ", rank, " of ", size, " failed: ", what)),
       rank_(rank),
       cause_(std::move(cause)) {}
+
+RankThreadError::RankThreadError(int rank, int size, std::exception_ptr cause)
+    : RankThreadError(rank, size, cause, what_of(cause)) {}
 
 void run_rank_threads(const std::shared_ptr<ThreadWorld>& world,
                       const std::function<void(int rank)>& body) {
@@ -773,67 +796,5 @@ WorkPtr ProcessGroupThreads::point_to_point(bool send, const Tensor& tensor, int
   c.tag = tag;
   return issue(std::move(c));
 }
-
-// ---- registration -------------------------------------------------------------------------------
-
-namespace {
-
-// The worlds of groups being created, by name: a group's ranks are threads of one process, so
-// its store carries rank 0's key into this table, not the world itself. Weak references: the
-// world lives in its groups.
-struct WorldTable {
-  std::mutex mu;
-  std::map<std::string, std::weak_ptr<ThreadWorld>> worlds;
-  uint64_t next = 0;
-};
-WorldTable& world_table() {
-  static WorldTable* t = new WorldTable();  // never destroyed: groups may outlive statics
-  return *t;
-}
-
-// Rank 0 makes the group's world and publishes its key; the others look it up.
-std::shared_ptr<ThreadWorld> meet_world(const BackendArgs& a) {
-  constexpr const char* kKey = "threads_world";
-  WorldTable& t = world_table();
-  if (a.rank == 0) {
-    auto world = ThreadWorld::create(a.size);
-    std::string key;
-    {
-      std::lock_guard<std::mutex> lock(t.mu);
-      for (auto it = t.worlds.begin(); it != t.worlds.end();) {
-        it = it->second.expired() ? t.worlds.erase(it) : std::next(it);
-      }
-      key = str_cat(::getpid(), ":", t.next++);
-      t.worlds[key] = world;
-    }
-    a.store->set(kKey, Bytes(key.begin(), key.end()));
-    return world;
-  }
-  const Bytes v = a.store->get(kKey, a.timeout);
-  const std::string key(v.begin(), v.end());
-  std::lock_guard<std::mutex> lock(t.mu);
-  auto it = t.worlds.find(key);
-  std::shared_ptr<ThreadWorld> world = it == t.worlds.end() ? nullptr : it->second.lock();
-  EMBER_CHECK(world != nullptr, "[threads] rank ", a.rank, " of ", a.size, ": rank 0's world '",
-              key, "' is not in this process (", ::getpid(), "): every rank of the threads "
-              "backend must be a thread of one process");
-  EMBER_CHECK(world->size() == a.size, "[threads] rank ", a.rank, ": rank 0 made a world of ",
-              world->size(), " ranks, this rank expected ", a.size);
-  return world;
-}
-
-const bool kThreadsRegistered = [] {
-  register_backend(
-      "threads",
-      [](const BackendArgs& a) -> std::shared_ptr<ProcessGroup> {
-        if (a.rank < 0) return nullptr;  // not a member of this group
-        return std::make_shared<ProcessGroupThreads>(meet_world(a), a.rank,
-                                                     ProcessGroup::Options{a.timeout});
-      },
-      BackendTraits{.default_group_per_thread = true});
-  return true;
-}();
-
-}  // namespace
 
 }  // namespace ember::dist

@@ -47,6 +47,7 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -76,6 +77,10 @@ class ThreadWorld {
   /// (a rank died: its peers should not wait for their timeouts). Idempotent.
   void abort(const std::string& reason);
 
+  /// Makes `child` (a sub-group's world) fail with this one: abort() aborts it too, at once if
+  /// this world is aborted already.
+  void adopt(const std::shared_ptr<ThreadWorld>& child);
+
   /// For ProcessGroupThreads.
   dist::detail::ThreadWorldState& state() { return *state_; }
 
@@ -84,6 +89,9 @@ class ThreadWorld {
   int size_;
   std::shared_ptr<dist::detail::ThreadWorldState> state_;
   std::thread worker_;
+  std::mutex children_mu_;
+  std::vector<std::weak_ptr<ThreadWorld>> children_;  // adopted sub-group worlds
+  std::string aborted_;                               // the reason, once aborted
 };
 
 /// The failure of one rank thread in run_rank_threads: "[threads] rank 2 of 4 failed: <what>";
@@ -91,6 +99,8 @@ class ThreadWorld {
 class RankThreadError : public DistError {
  public:
   RankThreadError(int rank, int size, std::exception_ptr cause, const std::string& what);
+  /// The message from `cause`'s what().
+  RankThreadError(int rank, int size, std::exception_ptr cause);
   int rank() const { return rank_; }
   std::exception_ptr cause() const { return cause_; }
 
@@ -98,6 +108,15 @@ class RankThreadError : public DistError {
   int rank_;
   std::exception_ptr cause_;
 };
+
+/// Runs body(rank) on `size` threads, each with a default group of its own over the "threads"
+/// backend (init_process_group over a store they share, with `timeout`), which body may use as
+/// any default group: new_group, init_device_mesh, DDP. The group is destroyed when body ends.
+/// When a rank throws, its world and every sub-group's world are aborted (the others'
+/// collectives fail at once) and, once every thread has ended, the first failure is rethrown as
+/// RankThreadError.
+void run_rank_threads(int size, const std::function<void(int rank)>& body,
+                      Duration timeout = kDefaultCollectiveTimeout);
 
 /// Runs body(rank) on world->size() threads, one per rank, and joins them all. When a rank
 /// throws, the world is aborted (the others' collectives fail instead of waiting for their
