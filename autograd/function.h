@@ -38,8 +38,18 @@ class Context {
   void save_for_backward(std::vector<Tensor> tensors);
   /// The saved tensors (throws if one was modified in place or the graph was freed).
   TensorList saved() const;
-  /// Anything else backward needs (sizes, flags, scalars).
+  /// Anything else backward needs (sizes, flags, scalars), by name. Prefer state<S>().
   std::unordered_map<std::string, std::any> saved_data;
+  /// Backward's typed state: one struct S of the function's own, made on first use. forward
+  /// and backward of one Function use the same S:
+  ///   struct State { std::shared_ptr<dist::ProcessGroup> group; int64_t dim; };
+  ///   ctx->state<State>().dim = dim;          // forward
+  ///   const State& s = ctx->state<State>();   // backward
+  template <typename S>
+  S& state() {
+    if (!state_) state_ = std::make_shared<S>();
+    return *static_cast<S*>(state_.get());
+  }
   /// True if the Tensor argument number i (counting Tensor arguments only) needs a gradient.
   bool needs_input_grad(size_t i) const;
 
@@ -48,6 +58,7 @@ class Context {
   friend class FunctionNode;
   std::vector<Tensor> to_save_;
   std::vector<SavedTensor> saved_;
+  std::shared_ptr<void> state_;  // state<S>()'s, typed by the one Function that uses it
   const Node* node_ = nullptr;
 };
 

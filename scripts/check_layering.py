@@ -41,6 +41,7 @@ ROOMS = {
     "ddp": {"errors", "store", "top", "debug"},
     "sharding": {"errors", "store", "top", "debug", "ddp"},
     "mesh": {"errors", "store", "top"},
+    "functional": {"errors", "store", "top"},
 }
 # Headers users never include, so not installed (cmake/EmberInstall.cmake installs the rest).
 # Where unit cycles are refused.
