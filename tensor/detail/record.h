@@ -43,7 +43,7 @@ enum class OpId : uint16_t {
   RPowScalar,    ///< scalar ** x; ScalarAttrs (the base)
   Clamp,         ///< ClampAttrs
   // ---- element-wise binary: inputs {a, b}, broadcast; the engine sums grads back. The table
-  // in tensor/detail/elementwise_kernels.h; Add and Sub: ScalarAttrs (alpha) ----
+  // in tensor/detail/binary_ops.h; Add and Sub: ScalarAttrs (alpha) ----
 #define EMBER_OPID_ENUM_(Op, ...) Op,
   EMBER_BINARY_OPS(EMBER_OPID_ENUM_)
 #undef EMBER_OPID_ENUM_
@@ -108,30 +108,44 @@ constexpr OpId opid_of(UnaryOp op) {
 EMBER_UNARY_OPS(EMBER_OPID_CHECK_)
 #undef EMBER_OPID_CHECK_
 
-/// The op a binary kernel computes (kCount for kernels that are no recorded op), and the op
-/// its tensor-scalar form records (x op s, or s op x when reverse).
-constexpr OpId opid_of(BinaryOp op) {
-  switch (op) {
-#define EMBER_BINARY_OPID_(Op, ...) \
-  case BinaryOp::Op:                \
-    return OpId::Op;
-    EMBER_BINARY_OPS(EMBER_BINARY_OPID_)
+#define EMBER_BINARY_OPID_(Op, ...) OpId::Op,
+/// The OpIds of the binary table, indexed by BinaryOp.
+inline constexpr OpId kBinaryOpIds[] = {EMBER_BINARY_OPS(EMBER_BINARY_OPID_)};
 #undef EMBER_BINARY_OPID_
-    default:
-      return OpId::kCount;
-  }
+/// The op a binary kernel computes (kCount for kernels that are no recorded op).
+constexpr OpId opid_of(BinaryOp op) {
+  return is_table_op(op) ? kBinaryOpIds[static_cast<int>(op)] : OpId::kCount;
 }
+/// The kernel of an op of the binary table (the table's ops are consecutive in OpId).
+constexpr BinaryOp binary_op_of(OpId op) {
+  return static_cast<BinaryOp>(static_cast<int>(op) - static_cast<int>(kBinaryOpIds[0]));
+}
+#define EMBER_OPID_CHECK_(Op, ...)                                               \
+  static_assert(binary_op_of(OpId::Op) == BinaryOp::Op,                          \
+                "OpId must list the binary table consecutively, in its order");
+EMBER_BINARY_OPS(EMBER_OPID_CHECK_)
+#undef EMBER_OPID_CHECK_
+
+// The OpId a row's tensor-scalar form records, by its `scalar` column (binary_ops.h).
+#define EMBER_SCALAR_OPID_NoScalar OpId::kCount
+#define EMBER_SCALAR_OPID_Commutes(S) OpId::S
+#define EMBER_SCALAR_OPID_Scalars(S, R) (reverse ? OpId::R : OpId::S)
+/// The op the tensor-scalar form of `op` records: x op s, or s op x when reverse (kCount: the
+/// op has no such form).
 constexpr OpId scalar_opid_of(BinaryOp op, bool reverse) {
   switch (op) {
-#define EMBER_BINARY_SCALAR_OPID_(Op, ScalarOp, RScalarOp) \
-  case BinaryOp::Op:                                       \
-    return reverse ? OpId::RScalarOp : OpId::ScalarOp;
+#define EMBER_BINARY_SCALAR_OPID_(Op, name, dom, sa, sb, so, scalar, ...) \
+  case BinaryOp::Op:                                                    \
+    return EMBER_SCALAR_OPID_##scalar;
     EMBER_BINARY_OPS(EMBER_BINARY_SCALAR_OPID_)
 #undef EMBER_BINARY_SCALAR_OPID_
     default:
       return OpId::kCount;
   }
 }
+#undef EMBER_SCALAR_OPID_NoScalar
+#undef EMBER_SCALAR_OPID_Commutes
+#undef EMBER_SCALAR_OPID_Scalars
 }  // namespace detail
 
 // ---- typed attributes ---------------------------------------------------------------------------
