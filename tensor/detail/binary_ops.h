@@ -54,7 +54,8 @@ enum class SavedFor : uint8_t {
   X(Div, div, Real, GradB, Either, Never, Scalars(DivScalar, RDivScalar), Custom)     \
   X(Pow, pow, Numeric, Either, Either, GradB, Scalars(PowScalar, RPowScalar), Custom) \
   X(Maximum, maximum, Any, Either, Either, Never, NoScalar, Plain)                    \
-  X(Minimum, minimum, Any, Either, Either, Never, NoScalar, Plain)
+  X(Minimum, minimum, Any, Either, Either, Never, NoScalar, Plain)                    \
+  X(Atan2, atan2, Real, Either, Either, Never, NoScalar, Plain)
 
 // Kernels that are no op of the table: gradients computed in one pass, which autograd's unary
 // nodes call (not recorded themselves). X(Op, name, domain) as above.
@@ -263,6 +264,26 @@ struct Minimum {
     return a < b ? a : b;
   }
   static BinaryGrads vjp(const BinaryVjpArgs& x) { return max_min_vjp<false>(x); }
+};
+
+/// The angle of the point (b, a) in radians, in [-pi, pi] (torch.atan2(input=a, other=b)),
+/// signed zeros and infinities as C's atan2.
+struct Atan2 {
+  template <typename A> EMBER_HD A operator()(A a, A b) const {
+    if constexpr (std::is_same_v<A, float>) {
+      return ::atan2f(a, b);
+    } else {
+      return ::atan2(a, b);
+    }
+  }
+  // b / (a^2 + b^2) and -a / (a^2 + b^2) (PyTorch's atan2_backward; NaN at the origin).
+  static BinaryGrads vjp(const BinaryVjpArgs& x) {
+    BinaryGrads r;
+    const Tensor recip = reciprocal(add(mul(x.a, x.a), mul(x.b, x.b)));
+    if (x.need_a) r.a = mul(mul(x.g, x.b), recip);
+    if (x.need_b) r.b = mul(mul(x.g, neg(x.a)), recip);
+    return r;
+  }
 };
 
 // ---- kernel-only entries ------------------------------------------------------------------------
