@@ -10,7 +10,7 @@
 #include <optional>
 #include <variant>
 
-#include <ember/autograd/functions.h>
+#include <ember/autograd/detail/functions.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::autograd {

@@ -4,7 +4,7 @@
 // selected index, norms give 0 where the norm is 0.
 #include <cmath>
 
-#include <ember/autograd/functions.h>
+#include <ember/autograd/detail/functions.h>
 #include <ember/tensor/detail/reduce_kernels.h>
 #include <ember/tensor/ops.h>
 

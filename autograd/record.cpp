@@ -1,7 +1,7 @@
 // Installs autograd's recording functions into the tensor layer when the library loads.
 #include <cstdio>
 
-#include <ember/autograd/functions.h>
+#include <ember/autograd/detail/functions.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::autograd {

@@ -285,7 +285,6 @@ struct AutogradHooks {
   void (*check_inplace)(const Tensor& self, const char* op);
 };
 void install_autograd_hooks(const AutogradHooks* hooks);
-const AutogradHooks* autograd_hooks();
 
 /// Records `op` (known only at run time); `attrs` must hold OpAttrsOf<op>, which is asserted.
 void record(OpId op, std::initializer_list<const Tensor*> inputs,
