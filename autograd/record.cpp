@@ -16,6 +16,7 @@ FactoryTable make_table() {
   register_conv(t);
   register_indexing(t);
   register_views(t);
+  register_nn(t);
   return t;
 }
 

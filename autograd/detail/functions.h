@@ -63,6 +63,7 @@ void register_linalg(FactoryTable& t);
 void register_conv(FactoryTable& t);
 void register_indexing(FactoryTable& t);
 void register_views(FactoryTable& t);
+void register_nn(FactoryTable& t);
 
 template <typename N, typename... Args>
 std::shared_ptr<N> new_node(const RecordArgs& r, Args&&... args) {

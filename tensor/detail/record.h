@@ -22,8 +22,10 @@
 #include <variant>
 
 #include <ember/tensor/conv.h>
+#include <ember/tensor/detail/attention_kernels.h>
 #include <ember/tensor/detail/elementwise_kernels.h>
 #include <ember/tensor/grad_mode.h>
+#include <ember/tensor/loss.h>
 #include <ember/tensor/tensor.h>
 
 namespace ember {
@@ -75,6 +77,10 @@ enum class OpId : uint16_t {
   MaxPool2d,     ///< inputs {x}, outputs {y, indices}; Pool2dParams
   AvgPool2d,     ///< inputs {x}; Pool2dParams
   AdaptiveAvgPool2d,  ///< inputs {x}
+  // ---- fused ops behind nn's layers and losses (autograd/functions_nn.cpp): ----
+  LayerNorm,     ///< inputs {x, weight, bias (both may be undefined)}; LayerNormAttrs
+  CrossEntropy,  ///< inputs {x [N, C]}; CrossEntropyAttrs
+  ScaledDotProductAttention,  ///< inputs {q, k, v}, the fused kernels' layout; AttentionAttrs
   // ---- indexing and joining: ----
   IndexSelect,   ///< inputs {x, index}; DimAttrs
   Gather,        ///< inputs {x, index}; DimAttrs
@@ -201,6 +207,34 @@ struct SelectAttrs {
   int64_t dim = 0, index = 0;  ///< index non-negative
 };
 
+// The fused ops' attributes also carry the tensors their forward computed for backward besides
+// inputs and outputs (statistics, probabilities); the node saves them.
+
+/// layer_norm over the last normalized_dims dims. mean and rstd ([rows]): the fused kernels'
+/// per-row statistics, undefined after the tensor-op path.
+struct LayerNormAttrs {
+  int64_t normalized_dims = 1;
+  double eps = 1e-5;
+  Tensor mean, rstd;
+};
+/// The fused 2-d cross_entropy (Note [Fused cross_entropy] in tensor/loss.cpp).
+struct CrossEntropyAttrs {
+  Reduction reduction = Reduction::kMean;
+  double label_smoothing = 0;
+  double weight_sum = 0;  ///< sum of the class weights (C without weights); with smoothing only
+  Tensor probs;           ///< [N, C] softmax of the input
+  Tensor target_index;    ///< [N, 1] int64 class of each row, 0 where ignored
+  Tensor row_weight;      ///< [N] the target class's weight, 0 where ignored
+  Tensor valid;           ///< [N] 1, 0 where ignored
+  Tensor class_weight;    ///< [C] in the input's dtype, or undefined
+};
+/// The fused attention kernels' parameters, the additive mask they read (undefined without one)
+/// and the forward's per-row logsumexp lse [batch, L].
+struct AttentionAttrs {
+  detail::AttentionParams params;
+  Tensor mask, lse;
+};
+
 /// X(Op, Attrs): every op whose attributes are not NoAttrs.
 #define EMBER_OP_ATTRS(X)                                                                     \
   X(Gelu, GeluAttrs) X(PowScalar, ScalarAttrs) X(RPowScalar, ScalarAttrs) X(Clamp, ClampAttrs) \
@@ -212,12 +246,15 @@ struct SelectAttrs {
   X(LogSoftmax, DimAttrs) X(Addmm, AddmmAttrs) X(Conv2d, Conv2dParams)                         \
   X(MaxPool2d, Pool2dParams) X(AvgPool2d, Pool2dParams) X(IndexSelect, DimAttrs)               \
   X(Gather, DimAttrs) X(ScatterAdd, DimAttrs) X(IndexAdd, IndexAddAttrs) X(Cat, DimAttrs)      \
-  X(Permute, PermuteAttrs) X(Slice, SliceAttrs) X(Select, SelectAttrs)
+  X(Permute, PermuteAttrs) X(Slice, SliceAttrs) X(Select, SelectAttrs)                         \
+  X(LayerNorm, LayerNormAttrs) X(CrossEntropy, CrossEntropyAttrs)                               \
+  X(ScaledDotProductAttention, AttentionAttrs)
 
 /// The attributes of one recorded op, whichever type it has.
 using OpAttrs = std::variant<NoAttrs, ScalarAttrs, GeluAttrs, ClampAttrs, ReduceAttrs, VarAttrs,
                              NormAttrs, DimAttrs, IndexAddAttrs, AddmmAttrs, PermuteAttrs,
-                             SliceAttrs, SelectAttrs, Conv2dParams, Pool2dParams>;
+                             SliceAttrs, SelectAttrs, Conv2dParams, Pool2dParams,
+                             LayerNormAttrs, CrossEntropyAttrs, AttentionAttrs>;
 
 template <OpId op>
 struct OpAttrsOfT {
