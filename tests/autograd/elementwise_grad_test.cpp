@@ -597,6 +597,45 @@ TEST(ElementwiseGrad, ModifyingASavedInputIsReported) {
 
 // ---- dtypes -----------------------------------------------------------------------------------
 
+// The binary nodes save what their row says, only for the gradients wanted (PyTorch's choices
+// in derivatives.yaml): changing in place a tensor that was not saved leaves backward working,
+// changing a saved one is reported.
+TEST(ElementwiseGrad, BinaryNodesSaveWhatTheirRowSays) {
+  struct Case {
+    const char* name;
+    BinaryFn fn;
+    bool a_needs_grad, b_needs_grad;
+    bool a_saved, b_saved;
+  };
+  const BinaryFn add_fn = [](const Tensor& a, const Tensor& b) { return a + b; };
+  const BinaryFn mul_fn = [](const Tensor& a, const Tensor& b) { return a * b; };
+  const BinaryFn div_fn = [](const Tensor& a, const Tensor& b) { return a / b; };
+  const BinaryFn pow_fn = [](const Tensor& a, const Tensor& b) { return pow(a, b); };
+  const std::vector<Case> cases = {
+      {"add", add_fn, true, true, false, false},
+      {"mul d/da", mul_fn, true, false, false, true},
+      {"mul d/db", mul_fn, false, true, true, false},
+      {"div d/da", div_fn, true, false, false, true},
+      {"div d/db", div_fn, false, true, true, true},
+      {"pow d/da", pow_fn, true, false, true, true},
+  };
+  for (const Case& c : cases) {
+    for (int changed : {0, 1}) {
+      SCOPED_TRACE(std::string(c.name) + (changed == 0 ? ", a changed" : ", b changed"));
+      Tensor a = leaf_in({3}, 40, 0.5, 1), b = leaf_in({3}, 41, 0.5, 1);
+      a = c.a_needs_grad ? a * 1.0 : a.detach();
+      b = c.b_needs_grad ? b * 1.0 : b.detach();
+      const Tensor y = c.fn(a, b);
+      (changed == 0 ? a : b).add_(1.0);
+      if (changed == 0 ? c.a_saved : c.b_saved) {
+        expect_error<autograd::AutogradError>([&] { y.sum().backward(); }, {"modified"});
+      } else {
+        EXPECT_NO_THROW(y.sum().backward());
+      }
+    }
+  }
+}
+
 TEST(ElementwiseGrad, Float32GradientsAreFloat32AndCloseToFloat64) {
   const std::vector<BinaryFn> fns = {
       [](const Tensor& a, const Tensor& b) { return gelu(a) * sigmoid(b); },
