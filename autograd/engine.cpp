@@ -25,7 +25,7 @@
 #include <queue>
 #include <unordered_map>
 
-#include <ember/autograd/functions.h>
+#include <ember/autograd/detail/functions.h>
 #include <ember/tensor/detail/record.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/trace.h>

@@ -3,7 +3,7 @@
 // They use the dedicated backward kernels of tensor/conv.h, which record nothing: under
 // create_graph, a rule whose result would need history (an input of the backward computation
 // requires grad) throws instead of returning a gradient that silently lacks it.
-#include <ember/autograd/functions.h>
+#include <ember/autograd/detail/functions.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::autograd {

@@ -1,21 +1,22 @@
-// Backward nodes of the element-wise ops (tensor/elementwise.h). The unary ops' rules sit beside
-// their forward functors in tensor/detail/unary_ops.h; the rest are here.
+// Backward nodes of the element-wise ops (tensor/elementwise.h). The rules of the unary and binary
+// tables sit beside their forward functors in tensor/detail/unary_ops.h and binary_ops.h, and
+// their nodes are generated here from the tables; the rest (tensor-scalar forms, gelu, clamp,
+// where, masked_fill) are written here.
 //
 // The formulas and subgradient choices follow PyTorch's tools/autograd/derivatives.yaml, and
 // so does the choice of what to save (input or output): it decides which later in-place
 // changes backward can survive, so it should match what PyTorch users expect.
 #include <cmath>
 #include <optional>
+#include <variant>
 
-#include <ember/autograd/functions.h>
+#include <ember/autograd/detail/functions.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::autograd {
 namespace {
 
-Scalar negated(const Scalar& s) {
-  return s.is_floating() ? Scalar(-s.to_double()) : Scalar(-s.to_int());
-}
+using detail::negated;
 
 // ---- unary ------------------------------------------------------------------------------------
 // The ops of the unary table (tensor/detail/unary_ops.h): one node type, told by a spec which
@@ -145,132 +146,57 @@ void record_clamp(const RecordArgs& r) {
 }
 
 // ---- binary -----------------------------------------------------------------------------------
-// g has the broadcast output's shape; the engine sums each result back to its input's shape.
+// The ops of the binary table (tensor/detail/binary_ops.h): one node type, told by a spec which
+// tensors to save for which gradient and which functor's vjp to run. g has the broadcast
+// output's shape; the engine sums each result back to its input's shape.
 
-/// a + alpha * b and a - alpha * b: the gradient passes through (scaled for b).
-struct AddBackward final : Node {
-  Scalar alpha;
-  const char* name() const override { return "AddBackward"; }
-  TensorList apply(TensorList&& g) override {
-    TensorList r(2);
-    if (needs_input_grad(0)) r[0] = g[0];
-    if (needs_input_grad(1)) r[1] = alpha.to_double() == 1.0 ? g[0] : mul(g[0], alpha);
-    return r;
-  }
+using detail::BinaryGrads;
+using detail::BinaryVjpArgs;
+using detail::SavedFor;
+
+struct BinarySpec {
+  const char* name;
+  SavedFor a, b, out;
+  BinaryGrads (*vjp)(const BinaryVjpArgs&);
 };
 
-void record_add(const RecordArgs& r) {
-  auto n = new_node<AddBackward>(r);
-  const Scalar& alpha = r.attrs<OpId::Add>().scalar;  // Add and Sub
-  n->alpha = r.op == OpId::Sub ? negated(alpha) : alpha;
-  commit(n, r);
-}
+#define EMBER_BINARY_SPEC_(Op, name, dom, save_a, save_b, save_out, ...)                    \
+  BinarySpec{#Op "Backward", SavedFor::save_a, SavedFor::save_b, SavedFor::save_out,      \
+             &detail::fn::Op::vjp},
+/// Indexed by BinaryOp (= the op's place in the table).
+constexpr BinarySpec kBinarySpecs[] = {EMBER_BINARY_OPS(EMBER_BINARY_SPEC_)};
+#undef EMBER_BINARY_SPEC_
 
-struct MulBackward final : Node {
-  SavedTensor self, other;
-  const char* name() const override { return "MulBackward"; }
+struct BinaryBackward final : Node {
+  const BinarySpec* spec = nullptr;
+  Scalar alpha{1};  ///< Add and Sub only
+  SavedTensor a, b, out;
+  const char* name() const override { return spec->name; }
   TensorList apply(TensorList&& g) override {
-    TensorList r(2);
-    if (needs_input_grad(0)) r[0] = mul(g[0], other.unpack(*this));
-    if (needs_input_grad(1)) r[1] = mul(g[0], self.unpack(*this));
-    return r;
+    auto unpack = [&](const SavedTensor& s) { return s.defined() ? s.unpack(*this) : Tensor(); };
+    const Tensor ta = unpack(a), tb = unpack(b), tout = unpack(out);
+    BinaryGrads r = spec->vjp(
+        {g[0], ta, tb, tout, needs_input_grad(0), needs_input_grad(1), alpha});
+    return {std::move(r.a), std::move(r.b)};
   }
   void release_variables() override {
-    self.release();
-    other.release();
+    a.release();
+    b.release();
+    out.release();
   }
 };
 
-void record_mul(const RecordArgs& r) {
-  auto n = new_node<MulBackward>(r);
-  if (n->needs_input_grad(0)) n->other = SavedTensor(r.in(1), false);
-  if (n->needs_input_grad(1)) n->self = SavedTensor(r.in(0), false);
-  commit(n, r);
-}
-
-/// a / b: g / b and -g a / b^2 (computed as (a / b) / b, as PyTorch, to delay overflow).
-struct DivBackward final : Node {
-  SavedTensor self, other;
-  const char* name() const override { return "DivBackward"; }
-  TensorList apply(TensorList&& g) override {
-    TensorList r(2);
-    const Tensor b = other.unpack(*this);
-    if (needs_input_grad(0)) r[0] = div(g[0], b);
-    if (needs_input_grad(1)) r[1] = mul(neg(g[0]), div(div(self.unpack(*this), b), b));
-    return r;
-  }
-  void release_variables() override {
-    self.release();
-    other.release();
-  }
-};
-
-void record_div(const RecordArgs& r) {
-  auto n = new_node<DivBackward>(r);
-  n->other = SavedTensor(r.in(1), false);
-  if (n->needs_input_grad(1)) n->self = SavedTensor(r.in(0), false);
-  commit(n, r);
-}
-
-/// a ** b. For a: b a^(b-1), zero where b == 0. For b: y log(a), zero where a == 0 and b >= 0
-/// (PyTorch's pow_backward_self / pow_backward_exponent).
-struct PowBackward final : Node {
-  SavedTensor self, exponent, result;
-  const char* name() const override { return "PowBackward"; }
-  TensorList apply(TensorList&& g) override {
-    TensorList r(2);
-    const Tensor a = self.unpack(*this);
-    const Tensor b = exponent.unpack(*this);
-    if (needs_input_grad(0)) {
-      r[0] = masked_fill(mul(g[0], mul(b, pow(a, sub(b, 1)))), eq(b, 0), 0);
-    }
-    if (needs_input_grad(1)) {
-      const Tensor d = mul(result.unpack(*this), log(a));
-      r[1] = mul(g[0], masked_fill(d, logical_and(eq(a, 0), ge(b, 0)), 0));
-    }
-    return r;
-  }
-  void release_variables() override {
-    self.release();
-    exponent.release();
-    result.release();
-  }
-};
-
-void record_pow(const RecordArgs& r) {
-  auto n = new_node<PowBackward>(r);
-  n->self = SavedTensor(r.in(0), false);
-  n->exponent = SavedTensor(r.in(1), false);
-  if (n->needs_input_grad(1)) n->result = SavedTensor(r.out(0), true);
-  commit(n, r);
-}
-
-/// maximum / minimum: the gradient goes to the selected input; ties give half to each.
-struct MaxMinBackward final : Node {
-  bool is_max = true;
-  SavedTensor self, other;
-  const char* name() const override { return is_max ? "MaximumBackward" : "MinimumBackward"; }
-  TensorList apply(TensorList&& g) override {
-    TensorList r(2);
-    const Tensor a = self.unpack(*this);
-    const Tensor b = other.unpack(*this);
-    const Tensor shared = where(eq(a, b), mul(g[0], 0.5), g[0]);
-    // a loses where it is smaller (maximum) / larger (minimum), b the other way round.
-    if (needs_input_grad(0)) r[0] = masked_fill(shared, is_max ? lt(a, b) : gt(a, b), 0);
-    if (needs_input_grad(1)) r[1] = masked_fill(shared, is_max ? gt(a, b) : lt(a, b), 0);
-    return r;
-  }
-  void release_variables() override {
-    self.release();
-    other.release();
-  }
-};
-
-void record_max_min(const RecordArgs& r) {
-  auto n = new_node<MaxMinBackward>(r);
-  n->is_max = r.op == OpId::Maximum;
-  n->self = SavedTensor(r.in(0), false);
-  n->other = SavedTensor(r.in(1), false);
+void record_binary(const RecordArgs& r) {
+  auto n = new_node<BinaryBackward>(r);
+  n->spec = &kBinarySpecs[static_cast<size_t>(detail::binary_op_of(r.op))];
+  const unsigned wanted = (n->needs_input_grad(0) ? static_cast<unsigned>(SavedFor::GradA) : 0) |
+                          (n->needs_input_grad(1) ? static_cast<unsigned>(SavedFor::GradB) : 0);
+  auto saved_for = [&](SavedFor s) { return (static_cast<unsigned>(s) & wanted) != 0; };
+  if (saved_for(n->spec->a)) n->a = SavedTensor(r.in(0), false);
+  if (saved_for(n->spec->b)) n->b = SavedTensor(r.in(1), false);
+  if (saved_for(n->spec->out)) n->out = SavedTensor(r.out(0), true);
+  // The binary ops' only attribute is Add's and Sub's alpha.
+  if (const auto* s = std::get_if<ScalarAttrs>(&r.attrs_variant)) n->alpha = s->scalar;
   commit(n, r);
 }
 
@@ -379,17 +305,13 @@ void register_elementwise(FactoryTable& t) {
 #define EMBER_UNARY_SLOT_(Op, ...) slot(t, OpId::Op) = record_unary;
   EMBER_UNARY_OPS(EMBER_UNARY_SLOT_)
 #undef EMBER_UNARY_SLOT_
+#define EMBER_BINARY_SLOT_(Op, ...) slot(t, OpId::Op) = record_binary;
+  EMBER_BINARY_OPS(EMBER_BINARY_SLOT_)
+#undef EMBER_BINARY_SLOT_
   slot(t, OpId::Gelu) = record_gelu;
   slot(t, OpId::PowScalar) = record_pow_scalar;
   slot(t, OpId::RPowScalar) = record_rpow_scalar;
   slot(t, OpId::Clamp) = record_clamp;
-  slot(t, OpId::Add) = record_add;
-  slot(t, OpId::Sub) = record_add;
-  slot(t, OpId::Mul) = record_mul;
-  slot(t, OpId::Div) = record_div;
-  slot(t, OpId::Pow) = record_pow;
-  slot(t, OpId::Maximum) = record_max_min;
-  slot(t, OpId::Minimum) = record_max_min;
   slot(t, OpId::AddScalar) = record_plain<IdentityBackward>;
   slot(t, OpId::MulScalar) = record_mul_scalar;
   slot(t, OpId::DivScalar) = record_div_scalar;

@@ -4,7 +4,7 @@
 // scatter_add_ into fresh zeros; scatters (scatter_add, index_add_) gather it. The in-place
 // scatters record themselves (tensor/indexing.cpp), so under create_graph these rules are
 // differentiable again.
-#include <ember/autograd/functions.h>
+#include <ember/autograd/detail/functions.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::autograd {

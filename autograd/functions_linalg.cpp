@@ -3,7 +3,7 @@
 //
 // The rules are written with mm / matmul, so they are recorded under create_graph and can be
 // differentiated again.
-#include <ember/autograd/functions.h>
+#include <ember/autograd/detail/functions.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::autograd {

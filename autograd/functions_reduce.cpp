@@ -4,8 +4,7 @@
 // selected index, norms give 0 where the norm is 0.
 #include <cmath>
 
-#include <ember/autograd/functions.h>
-#include <ember/tensor/detail/reduce_kernels.h>
+#include <ember/autograd/detail/functions.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::autograd {
@@ -347,15 +346,7 @@ struct SoftmaxBackward final : Node {
   bool log = false;
   const char* name() const override { return log ? "LogSoftmaxBackward" : "SoftmaxBackward"; }
   TensorList apply(TensorList&& g) override {
-    const Tensor y = result.unpack(*this);
-    // On CUDA over the last dim: one fused kernel (tensor/cuda/softmax.cu) for the chain below.
-    // Under create_graph the chain runs, so that it is recorded for double backward.
-    if (y.is_cuda() && y.dim() >= 1 && dim == y.dim() - 1 && g[0].dtype() == y.dtype() &&
-        !GradMode::is_enabled()) {
-      return {detail::softmax_backward_cuda(g[0], y, log)};
-    }
-    if (log) return {sub(g[0], mul(exp(y), sum(g[0], {dim}, /*keepdim=*/true)))};
-    return {mul(y, sub(g[0], sum(mul(g[0], y), {dim}, /*keepdim=*/true)))};
+    return {softmax_backward(g[0], result.unpack(*this), dim, log)};
   }
   void release_variables() override { result.release(); }
 };

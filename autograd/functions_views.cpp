@@ -3,7 +3,7 @@
 #include <utility>
 #include <vector>
 
-#include <ember/autograd/functions.h>
+#include <ember/autograd/detail/functions.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::autograd {

@@ -1,7 +1,7 @@
 // Installs autograd's recording functions into the tensor layer when the library loads.
 #include <cstdio>
 
-#include <ember/autograd/functions.h>
+#include <ember/autograd/detail/functions.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::autograd {
@@ -16,6 +16,7 @@ FactoryTable make_table() {
   register_conv(t);
   register_indexing(t);
   register_views(t);
+  register_nn(t);
   return t;
 }
 

@@ -1,7 +1,8 @@
 // Functional forms of the layers and losses (torch.nn.functional). Each is written with
 // differentiable tensor ops, so autograd differentiates it (twice, too) on every device.
-// Activations, softmax, pooling, conv2d and embedding lookups are tensor ops already
-// (tensor/ops.h); this header adds what needs more than one op.
+// Activations, softmax, pooling, conv2d, embedding lookups, layer_norm and the fused ops behind
+// the classification losses are tensor ops already (tensor/ops.h); this header adds what needs
+// more than one op, and the losses' option structs.
 //
 // Losses take a `reduction`: "mean" (the default), "sum" or "none" (one loss per element,
 // the shape of the target). Every function throws ValueError / TypeError / IndexError naming
@@ -12,6 +13,8 @@
 #include <string>
 #include <string_view>
 
+#include <ember/tensor/loss.h>
+#include <ember/tensor/norm.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::nn::functional {
@@ -34,10 +37,9 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
                   const Tensor& weight = {}, const Tensor& bias = {}, bool training = false,
                   double momentum = 0.1, double eps = 1e-5);
 
-/// Layer normalisation over the last normalized_shape.size() dims of input, which must equal
-/// normalized_shape; biased variance; weight and bias (of normalized_shape) may be undefined.
-Tensor layer_norm(const Tensor& input, IntList normalized_shape, const Tensor& weight = {},
-                  const Tensor& bias = {}, double eps = 1e-5);
+/// Layer normalisation (torch.nn.functional.layer_norm): the tensor-layer op, documented in
+/// tensor/norm.h.
+using ember::layer_norm;
 
 /// Rows of weight [V, D] for int64/int32 indices of any shape -> [*indices.shape, D]. With
 /// padding_idx (negative counts from V), positions holding it pass no gradient to weight.
@@ -59,6 +61,7 @@ struct NLLLossOptions {
 /// int64 class indices target [N], [N, d1, ...] or []: loss_i = -weight[t_i] * input[i, t_i].
 /// Throws TypeError for a non-int64 target, ValueError for shape mismatches, IndexError for a
 /// class index outside [0, C) that is not ignore_index. "mean" over no counted target is NaN.
+/// The tensor-layer op ember::nll_loss (tensor/loss.h) with these options.
 Tensor nll_loss(const Tensor& input, const Tensor& target, const NLLLossOptions& opts = {});
 
 struct CrossEntropyOptions {
@@ -73,7 +76,8 @@ struct CrossEntropyOptions {
 /// log_softmax over the class dim (1, or 0 for an input [C]) followed by nll_loss, for int64
 /// class-index targets. A floating target of input's shape is taken as class probabilities:
 /// loss_i = -sum_c weight[c] * target[i, c] * log_softmax(input)[i, c]; "mean" divides by
-/// the number of samples (ignore_index must then be negative, as in PyTorch).
+/// the number of samples (ignore_index must then be negative, as in PyTorch). The tensor-layer
+/// op ember::cross_entropy (tensor/loss.h, with its fused 2-d form) with these options.
 Tensor cross_entropy(const Tensor& input, const Tensor& target,
                      const CrossEntropyOptions& opts = {});
 

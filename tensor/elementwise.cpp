@@ -56,23 +56,24 @@ Dtype result_type(const Tensor& a, const Tensor& b) {
   return hi;
 }
 
-/// The dtype a binary op computes in, given the promoted dtype of its inputs.
+/// The dtype a binary op computes in, given the promoted dtype of its inputs: the ops of the
+/// binary table by their row's domain, the rest in the promoted dtype.
 Dtype compute_dtype(const char* name, BinaryOp op, Dtype promoted) {
-  switch (op) {
-    case BinaryOp::Div:
+  if (!detail::is_table_op(op)) return promoted;
+  switch (detail::domain_of(op)) {
+    case Domain::Real:
       return is_floating(promoted) ? promoted : kDefaultFloat;
-    case BinaryOp::Sub:
-      EMBER_CHECK_TYPE(TypeError, promoted != kBool, "[", name,
+    case Domain::Numeric:
+      EMBER_CHECK_TYPE(TypeError, op != BinaryOp::Sub || promoted != kBool, "[", name,
                        "] subtraction of bool operands is not supported (both are bool); use "
                        "logical_xor() instead");
-      return promoted;
-    case BinaryOp::Pow:
       EMBER_CHECK_TYPE(TypeError, promoted != kBool, "[", name,
                        "] is not supported for bool operands (promoted dtype bool)");
       return promoted;
-    default:
+    case Domain::Any:
       return promoted;
   }
+  return promoted;
 }
 
 constexpr Dtype output_dtype(BinaryOp op, Dtype compute) {
@@ -519,12 +520,18 @@ Tensor pow(const Scalar& a, const Tensor& b) {
   if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, b)) return pow(a, ac[0]);
   return binary_scalar("pow", BinaryOp::Pow, b, a, /*reverse=*/true);
 }
-Tensor maximum(const Tensor& a, const Tensor& b) {
-  return binary("maximum", BinaryOp::Maximum, a, b);
-}
-Tensor minimum(const Tensor& a, const Tensor& b) {
-  return binary("minimum", BinaryOp::Minimum, a, b);
-}
+
+// The rest of the binary table.
+#define EMBER_BINARY_FRONT_Custom(Op, name)
+#define EMBER_BINARY_FRONT_Plain(Op, name) \
+  Tensor name(const Tensor& a, const Tensor& b) { return binary(#name, BinaryOp::Op, a, b); }
+#define EMBER_BINARY_FRONT_(Op, name, dom, sa, sb, so, scalar, front) \
+  EMBER_BINARY_FRONT_##front(Op, name)
+EMBER_BINARY_OPS(EMBER_BINARY_FRONT_)
+#undef EMBER_BINARY_FRONT_
+#undef EMBER_BINARY_FRONT_Plain
+#undef EMBER_BINARY_FRONT_Custom
+
 Tensor relu_backward(const Tensor& grad, const Tensor& output) {
   return binary("relu_backward", BinaryOp::ReluGrad, grad, output);
 }

@@ -66,6 +66,10 @@ Tensor pow(const Tensor& a, const Scalar& b);
 Tensor pow(const Scalar& a, const Tensor& b);
 Tensor maximum(const Tensor& a, const Tensor& b);
 Tensor minimum(const Tensor& a, const Tensor& b);
+/// The angle of the point (b, a) in radians, in [-pi, pi]: atan(a / b) in b's and a's quadrant,
+/// with C's atan2 for signed zeros and infinities (torch.atan2(input=a, other=b)). Broadcasts;
+/// integer and bool operands compute in float32.
+Tensor atan2(const Tensor& a, const Tensor& b);
 /// relu's gradient given its output: grad where output > 0, else 0, in one pass (what autograd's
 /// ReluBackward runs; torch's threshold_backward(grad, output, 0)). Floating dtypes; not recorded
 /// by autograd.

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <initializer_list>
 
+#include <ember/tensor/detail/optim_kernels.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::detail {

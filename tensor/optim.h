@@ -5,10 +5,24 @@
 // tensor/detail/optim_kernels.h).
 #pragma once
 
-#include <ember/tensor/detail/optim_kernels.h>
 #include <ember/tensor/tensor.h>
 
 namespace ember::detail {
+
+/// Host-side description of one Adam/AdamW step (step counts from 1).
+struct AdamStepArgs {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
+  double step = 1;
+  bool amsgrad = false, maximize = false;
+  bool decoupled = false;  ///< AdamW: p *= 1 - lr * wd instead of g += wd * p
+};
+
+/// Host-side description of one SGD step.
+struct SgdStepArgs {
+  double lr = 0, momentum = 0, dampening = 0, weight_decay = 0;
+  bool nesterov = false, maximize = false;
+  bool init_buffer = false;  ///< first step with momentum: buf = d_p (PyTorch's clone)
+};
 
 /// One Adam/AdamW step: updates param, exp_avg, exp_avg_sq and (with args.amsgrad)
 /// max_exp_avg_sq in place, reading grad. `args.step` is the step number after incrementing

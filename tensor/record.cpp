@@ -27,7 +27,6 @@ void check_attrs(OpId op, const OpAttrs& attrs) {
 }  // namespace
 
 void install_autograd_hooks(const AutogradHooks* hooks) { g_hooks = hooks; }
-const AutogradHooks* autograd_hooks() { return g_hooks; }
 
 void record(OpId op, std::initializer_list<const Tensor*> inputs,
             std::initializer_list<Tensor*> outputs, OpAttrs attrs) {

@@ -36,6 +36,14 @@ Tensor norm(const Tensor& t, double p = 2.0, IntList dims = {}, bool keepdim = f
 Tensor logsumexp(const Tensor& t, IntList dims, bool keepdim = false);
 Tensor softmax(const Tensor& t, int64_t dim);
 Tensor log_softmax(const Tensor& t, int64_t dim);
+/// The gradient of softmax (log_softmax when `log`) along dim, given its output and the output's
+/// gradient `grad` (same shape and device, floating): output * (grad - sum(grad * output)), or
+/// grad - exp(output) * sum(grad), summed over dim (what autograd's softmax nodes run). Over the
+/// last dim of CUDA tensors of one dtype with grad mode off it is one fused kernel; otherwise
+/// those tensor ops, recorded when grad mode is on (so a second derivative flows through them).
+/// Throws ValueError/TypeError naming "softmax_backward" for mismatched or non-floating
+/// operands, IndexError for a dim out of range.
+Tensor softmax_backward(const Tensor& grad, const Tensor& output, int64_t dim, bool log = false);
 /// True if any / all elements are nonzero (bool results).
 Tensor any(const Tensor& t);
 Tensor all(const Tensor& t);

@@ -1,7 +1,9 @@
-// softmax / log_softmax front end; kernels in cpu/softmax.cpp and cuda/softmax.cu.
+// softmax / log_softmax front end and their gradient; kernels in cpu/softmax.cpp and
+// cuda/softmax.cu.
 #include <ember/tensor/autocast.h>
 #include <ember/tensor/detail/record.h>
 #include <ember/tensor/detail/reduce_kernels.h>
+#include <ember/tensor/elementwise.h>
 #include <ember/tensor/reduce.h>
 
 namespace ember {
@@ -54,6 +56,28 @@ Tensor log_softmax(const Tensor& t, int64_t dim) {
     return log_softmax(ac[0], dim);
   }
   return softmax_recorded("log_softmax", t, dim, true);
+}
+
+Tensor softmax_backward(const Tensor& grad, const Tensor& output, int64_t dim, bool log) {
+  const char* op = "softmax_backward";
+  detail::check_defined(op, grad, "grad");
+  detail::check_defined(op, output, "output");
+  EMBER_CHECK_TYPE(TypeError, grad.is_floating_point() && output.is_floating_point(), "[", op,
+                   "] expected floating-point grad and output, got ", grad.dtype(), " and ",
+                   output.dtype());
+  EMBER_CHECK(grad.shape() == output.shape(), "[", op,
+              "] expected grad of the output's shape ", output.shape(), ", got ", grad.shape());
+  EMBER_CHECK(grad.device() == output.device(), "[", op, "] expected grad on ", output.device(),
+              " (the output's device), got ", grad.device());
+  const int64_t d = wrap_dim(op, dim, output.dim());
+  // On CUDA over the last dim: one fused kernel for the chain below. With grad mode on the
+  // chain runs, so that it is recorded for double backward.
+  if (output.is_cuda() && output.dim() >= 1 && d == output.dim() - 1 &&
+      grad.dtype() == output.dtype() && !GradMode::is_enabled()) {
+    return detail::softmax_backward_cuda(grad, output, log);
+  }
+  if (log) return sub(grad, mul(exp(output), sum(grad, {d}, /*keepdim=*/true)));
+  return mul(output, sub(grad, sum(mul(grad, output), {d}, /*keepdim=*/true)));
 }
 
 }  // namespace ember

@@ -9,6 +9,7 @@
 
 #include <ember/tensor/cpu/elementwise_loops.h>
 #include <ember/tensor/cpu/wide_loops.h>
+#include <ember/tensor/detail/binary_ops.h>
 #include <ember/tensor/detail/unary_ops.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)

@@ -1,7 +1,8 @@
 // Fused scaled-dot-product attention kernels (flash-attention style), one per backend:
-// tensor/cpu/attention.cpp and tensor/cuda/attention.cu. The front end and the autograd node
-// are in nn/attention.cpp; it validates, makes q/k/v contiguous as [batch, L, E] etc., turns a
-// bool mask into an additive one and draws the dropout seed, so kernels only assert.
+// tensor/cpu/attention.cpp and tensor/cuda/attention.cu. The front end (tensor/attention.cpp)
+// validates, makes q/k/v contiguous as [batch, L, E] etc., turns a bool mask into an additive
+// one and draws the dropout seed, so kernels only assert; the autograd node is in
+// autograd/functions_nn.cpp.
 //
 // Note [Fused attention]
 // Forward walks key tiles with an online softmax (running max m and sum l per query row), so

@@ -58,91 +58,72 @@ void dispatch_clamp(Dtype dt, const std::optional<Scalar>& lo, const std::option
   });
 }
 
-/// Arithmetic ops only; returns false for comparisons and logical ops.
+/// Arithmetic ops only (the binary table and its kernel-only entries); returns false for
+/// comparisons and logical ops.
 template <typename Run>
 bool dispatch_binary(BinaryOp op, Dtype dt, const Scalar& alpha, Run& run) {
-  switch (op) {
-    case BinaryOp::Add:
-    case BinaryOp::Sub:
-      if (is_one(alpha)) {
-        if (op == BinaryOp::Add) {
-          EMBER_DISPATCH_ALL(dt, "add", [&]<typename T>() { run.template binary<T, T>(fn::Add{}); });
-        } else {
-          EMBER_DISPATCH_NUMERIC(dt, "sub", [&]<typename T>() { run.template binary<T, T>(fn::Sub{}); });
-        }
-      } else {
-        EMBER_DISPATCH_ALL(dt, "add", [&]<typename T>() {
-          using A = acc_t<T>;
-          A al = alpha.to<A>();
-          if constexpr (!std::is_same_v<A, bool>) {
-            if (op == BinaryOp::Sub) al = static_cast<A>(-al);
-          }
-          run.template binary<T, T>(fn::AddAlpha<A>{al});
-        });
+  if ((op == BinaryOp::Add || op == BinaryOp::Sub) && !is_one(alpha)) {
+    EMBER_DISPATCH_ALL(dt, "add", [&]<typename T>() {
+      using A = acc_t<T>;
+      A al = alpha.to<A>();
+      if constexpr (!std::is_same_v<A, bool>) {
+        if (op == BinaryOp::Sub) al = static_cast<A>(-al);
       }
-      return true;
-    case BinaryOp::Mul:
-      EMBER_DISPATCH_ALL(dt, "mul", [&]<typename T>() { run.template binary<T, T>(fn::Mul{}); });
-      return true;
-    case BinaryOp::Div:
-      EMBER_DISPATCH_FLOATING(dt, "div", [&]<typename T>() { run.template binary<T, T>(fn::Div{}); });
-      return true;
-    case BinaryOp::Pow:
-      EMBER_DISPATCH_NUMERIC(dt, "pow", [&]<typename T>() { run.template binary<T, T>(fn::Pow{}); });
-      return true;
-    case BinaryOp::Maximum:
-      EMBER_DISPATCH_ALL(dt, "maximum", [&]<typename T>() { run.template binary<T, T>(fn::Maximum{}); });
-      return true;
-    case BinaryOp::Minimum:
-      EMBER_DISPATCH_ALL(dt, "minimum", [&]<typename T>() { run.template binary<T, T>(fn::Minimum{}); });
-      return true;
-    case BinaryOp::ReluGrad:
-      EMBER_DISPATCH_FLOATING(dt, "relu_backward", [&]<typename T>() { run.template binary<T, T>(fn::ReluGrad{}); });
-      return true;
-    case BinaryOp::GeluTanhGrad:
-      EMBER_DISPATCH_FLOATING(dt, "gelu_tanh_backward", [&]<typename T>() { run.template binary<T, T>(fn::GeluTanhGrad{}); });
-      return true;
+      run.template binary<T, T>(fn::AddAlpha<A>{al});
+    });
+    return true;
+  }
+#define EMBER_BINARY_CASE_(Op, name, dom, ...)                                                \
+  case BinaryOp::Op:                                                                          \
+    EMBER_DISPATCH_DOMAIN_##dom(dt, #name,                                                    \
+                                [&]<typename T>() { run.template binary<T, T>(fn::Op{}); }); \
+    return true;
+  switch (op) {
+    EMBER_BINARY_OPS(EMBER_BINARY_CASE_)
+    EMBER_BINARY_KERNEL_ONLY(EMBER_BINARY_CASE_)
     default:
       return false;
   }
+#undef EMBER_BINARY_CASE_
 }
+
+// The tensor-scalar kernels of a row, by its `scalar` column: none, one kernel for both orders
+// (the op commutes), or one per order.
+#define EMBER_SCALAR_KERNELS_NoScalar(Op, name, dom)
+#define EMBER_SCALAR_KERNELS_Commutes(S) EMBER_SCALAR_KERNELS_ONE_
+#define EMBER_SCALAR_KERNELS_Scalars(S, R) EMBER_SCALAR_KERNELS_BOTH_
+#define EMBER_SCALAR_KERNELS_ONE_(Op, name, dom)                               \
+  case BinaryOp::Op:                                                           \
+    EMBER_DISPATCH_DOMAIN_##dom(dt, #name, [&]<typename T>() {                 \
+      run.template scalar<T, T, false>(s.to<acc_t<T>>(), fn::Op{});            \
+    });                                                                        \
+    return true;
+#define EMBER_SCALAR_KERNELS_BOTH_(Op, name, dom)                              \
+  case BinaryOp::Op:                                                           \
+    EMBER_DISPATCH_DOMAIN_##dom(dt, #name, [&]<typename T>() {                 \
+      reverse ? run.template scalar<T, T, true>(s.to<acc_t<T>>(), fn::Op{})    \
+              : run.template scalar<T, T, false>(s.to<acc_t<T>>(), fn::Op{});  \
+    });                                                                        \
+    return true;
 
 /// Tensor-scalar arithmetic (s on the right, or on the left when reverse); returns false for
 /// comparisons and logical ops.
 template <typename Run>
 bool dispatch_binary_scalar(BinaryOp op, Dtype dt, const Scalar& s, bool reverse, Run& run) {
+#define EMBER_BINARY_SCALAR_CASE_(Op, name, dom, sa, sb, so, scalar, ...) \
+  EMBER_SCALAR_KERNELS_##scalar(Op, name, dom)
   switch (op) {
-    case BinaryOp::Add:
-      EMBER_DISPATCH_ALL(dt, "add", [&]<typename T>() {
-        run.template scalar<T, T, false>(s.to<acc_t<T>>(), fn::Add{});
-      });
-      return true;
-    case BinaryOp::Sub:
-      EMBER_DISPATCH_NUMERIC(dt, "sub", [&]<typename T>() {
-        reverse ? run.template scalar<T, T, true>(s.to<acc_t<T>>(), fn::Sub{})
-                : run.template scalar<T, T, false>(s.to<acc_t<T>>(), fn::Sub{});
-      });
-      return true;
-    case BinaryOp::Mul:
-      EMBER_DISPATCH_ALL(dt, "mul", [&]<typename T>() {
-        run.template scalar<T, T, false>(s.to<acc_t<T>>(), fn::Mul{});
-      });
-      return true;
-    case BinaryOp::Div:
-      EMBER_DISPATCH_FLOATING(dt, "div", [&]<typename T>() {
-        reverse ? run.template scalar<T, T, true>(s.to<acc_t<T>>(), fn::Div{})
-                : run.template scalar<T, T, false>(s.to<acc_t<T>>(), fn::Div{});
-      });
-      return true;
-    case BinaryOp::Pow:
-      EMBER_DISPATCH_NUMERIC(dt, "pow", [&]<typename T>() {
-        reverse ? run.template scalar<T, T, true>(s.to<acc_t<T>>(), fn::Pow{})
-                : run.template scalar<T, T, false>(s.to<acc_t<T>>(), fn::Pow{});
-      });
-      return true;
+    EMBER_BINARY_OPS(EMBER_BINARY_SCALAR_CASE_)
     default:
       return false;
   }
+#undef EMBER_BINARY_SCALAR_CASE_
 }
+
+#undef EMBER_SCALAR_KERNELS_NoScalar
+#undef EMBER_SCALAR_KERNELS_Commutes
+#undef EMBER_SCALAR_KERNELS_Scalars
+#undef EMBER_SCALAR_KERNELS_ONE_
+#undef EMBER_SCALAR_KERNELS_BOTH_
 
 }  // namespace ember::detail

@@ -9,35 +9,11 @@
 #include <cstdint>
 #include <optional>
 
+#include <ember/tensor/detail/binary_ops.h>
 #include <ember/tensor/detail/unary_ops.h>
 #include <ember/tensor/tensor.h>
 
 namespace ember::detail {
-
-// X(Op, ScalarOp, RScalarOp): the differentiable binary ops. Op names fn::Op (the forward
-// functor, tensor/detail/functors.h), BinaryOp::Op and OpId::Op (whose node is in
-// autograd/functions_elementwise.cpp); ScalarOp and RScalarOp are the OpIds recorded for the
-// tensor-scalar forms x op s and s op x (kCount: no such form). Add and Sub take alpha
-// (a + alpha * b, a - alpha * b).
-#define EMBER_BINARY_OPS(X)                 \
-  X(Add, AddScalar, AddScalar)              \
-  X(Sub, AddScalar, RSubScalar)             \
-  X(Mul, MulScalar, MulScalar)              \
-  X(Div, DivScalar, RDivScalar)             \
-  X(Pow, PowScalar, RPowScalar)             \
-  X(Maximum, kCount, kCount)                \
-  X(Minimum, kCount, kCount)
-
-#define EMBER_BINARY_ENUM_(Op, ...) Op,
-/// The binary kernels: the ops of the table above, then kernels that are no recorded op.
-enum class BinaryOp : uint8_t {
-  EMBER_BINARY_OPS(EMBER_BINARY_ENUM_)
-#undef EMBER_BINARY_ENUM_
-  ReluGrad,  ///< b > 0 ? a : 0 (relu's gradient a given its output b); floating only
-  GeluTanhGrad,  ///< gelu(tanh form)'s gradient a at input b; floating only
-  // bool results:
-  Eq, Ne, Lt, Le, Gt, Ge, LogicalAnd, LogicalOr, LogicalXor,
-};
 
 /// True for ops whose output is bool whatever the compute dtype.
 constexpr bool is_bool_result(BinaryOp op) { return op >= BinaryOp::Eq; }
@@ -64,7 +40,8 @@ void binary_cuda(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& 
                  const Scalar& alpha);
 
 /// out = op(a, s), or op(s, a) when reverse. s is converted to the compute type of a's dtype
-/// (float for 16-bit floats). Supported ops: Add, Sub, Mul, Div, Pow, comparisons.
+/// (float for 16-bit floats). Supported ops: those with a scalar form in EMBER_BINARY_OPS, and
+/// the comparisons.
 void binary_scalar_cpu(BinaryOp op, const Tensor& out, const Tensor& a, const Scalar& s,
                        bool reverse);
 void binary_scalar_cuda(BinaryOp op, const Tensor& out, const Tensor& a, const Scalar& s,

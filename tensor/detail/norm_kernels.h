@@ -1,5 +1,5 @@
-// Fused layer-norm kernels over rows (internal; used by nn::functional::layer_norm on the CPU
-// and on CUDA).
+// Fused layer-norm kernels over rows (internal): used by the front end layer_norm
+// (tensor/norm.cpp) and its backward node (autograd/functions_nn.cpp), on the CPU and on CUDA.
 //
 // x is viewed as [rows, n] (contiguous); weight and bias are [n] or undefined. Statistics are
 // accumulated in double, so float32 results match a float64 reference to float rounding.
@@ -29,5 +29,12 @@ void layer_norm_forward_cuda(const Tensor& x, const Tensor& weight, const Tensor
 void layer_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& mean,
                               const Tensor& rstd, const Tensor& weight, const Tensor& dx,
                               const Tensor& dweight, const Tensor& dbias);
+
+/// xhat = (x - mean) * rstd over the last normalized_dims dims, and rstd (dims kept): what
+/// layer_norm's tensor-op paths compute, recorded when grad mode is on (tensor/norm.cpp).
+struct LayerNormStats {
+  Tensor xhat, rstd;
+};
+LayerNormStats layer_norm_stats(const Tensor& x, int64_t normalized_dims, double eps);
 
 }  // namespace ember::detail

@@ -22,8 +22,10 @@
 #include <variant>
 
 #include <ember/tensor/conv.h>
+#include <ember/tensor/detail/attention_kernels.h>
 #include <ember/tensor/detail/elementwise_kernels.h>
 #include <ember/tensor/grad_mode.h>
+#include <ember/tensor/loss.h>
 #include <ember/tensor/tensor.h>
 
 namespace ember {
@@ -43,7 +45,7 @@ enum class OpId : uint16_t {
   RPowScalar,    ///< scalar ** x; ScalarAttrs (the base)
   Clamp,         ///< ClampAttrs
   // ---- element-wise binary: inputs {a, b}, broadcast; the engine sums grads back. The table
-  // in tensor/detail/elementwise_kernels.h; Add and Sub: ScalarAttrs (alpha) ----
+  // in tensor/detail/binary_ops.h; Add and Sub: ScalarAttrs (alpha) ----
 #define EMBER_OPID_ENUM_(Op, ...) Op,
   EMBER_BINARY_OPS(EMBER_OPID_ENUM_)
 #undef EMBER_OPID_ENUM_
@@ -75,6 +77,10 @@ enum class OpId : uint16_t {
   MaxPool2d,     ///< inputs {x}, outputs {y, indices}; Pool2dParams
   AvgPool2d,     ///< inputs {x}; Pool2dParams
   AdaptiveAvgPool2d,  ///< inputs {x}
+  // ---- fused ops behind nn's layers and losses (autograd/functions_nn.cpp): ----
+  LayerNorm,     ///< inputs {x, weight, bias (both may be undefined)}; LayerNormAttrs
+  CrossEntropy,  ///< inputs {x [N, C]}; CrossEntropyAttrs
+  ScaledDotProductAttention,  ///< inputs {q, k, v}, the fused kernels' layout; AttentionAttrs
   // ---- indexing and joining: ----
   IndexSelect,   ///< inputs {x, index}; DimAttrs
   Gather,        ///< inputs {x, index}; DimAttrs
@@ -108,30 +114,44 @@ constexpr OpId opid_of(UnaryOp op) {
 EMBER_UNARY_OPS(EMBER_OPID_CHECK_)
 #undef EMBER_OPID_CHECK_
 
-/// The op a binary kernel computes (kCount for kernels that are no recorded op), and the op
-/// its tensor-scalar form records (x op s, or s op x when reverse).
-constexpr OpId opid_of(BinaryOp op) {
-  switch (op) {
-#define EMBER_BINARY_OPID_(Op, ...) \
-  case BinaryOp::Op:                \
-    return OpId::Op;
-    EMBER_BINARY_OPS(EMBER_BINARY_OPID_)
+#define EMBER_BINARY_OPID_(Op, ...) OpId::Op,
+/// The OpIds of the binary table, indexed by BinaryOp.
+inline constexpr OpId kBinaryOpIds[] = {EMBER_BINARY_OPS(EMBER_BINARY_OPID_)};
 #undef EMBER_BINARY_OPID_
-    default:
-      return OpId::kCount;
-  }
+/// The op a binary kernel computes (kCount for kernels that are no recorded op).
+constexpr OpId opid_of(BinaryOp op) {
+  return is_table_op(op) ? kBinaryOpIds[static_cast<int>(op)] : OpId::kCount;
 }
+/// The kernel of an op of the binary table (the table's ops are consecutive in OpId).
+constexpr BinaryOp binary_op_of(OpId op) {
+  return static_cast<BinaryOp>(static_cast<int>(op) - static_cast<int>(kBinaryOpIds[0]));
+}
+#define EMBER_OPID_CHECK_(Op, ...)                                               \
+  static_assert(binary_op_of(OpId::Op) == BinaryOp::Op,                          \
+                "OpId must list the binary table consecutively, in its order");
+EMBER_BINARY_OPS(EMBER_OPID_CHECK_)
+#undef EMBER_OPID_CHECK_
+
+// The OpId a row's tensor-scalar form records, by its `scalar` column (binary_ops.h).
+#define EMBER_SCALAR_OPID_NoScalar OpId::kCount
+#define EMBER_SCALAR_OPID_Commutes(S) OpId::S
+#define EMBER_SCALAR_OPID_Scalars(S, R) (reverse ? OpId::R : OpId::S)
+/// The op the tensor-scalar form of `op` records: x op s, or s op x when reverse (kCount: the
+/// op has no such form).
 constexpr OpId scalar_opid_of(BinaryOp op, bool reverse) {
   switch (op) {
-#define EMBER_BINARY_SCALAR_OPID_(Op, ScalarOp, RScalarOp) \
-  case BinaryOp::Op:                                       \
-    return reverse ? OpId::RScalarOp : OpId::ScalarOp;
+#define EMBER_BINARY_SCALAR_OPID_(Op, name, dom, sa, sb, so, scalar, ...) \
+  case BinaryOp::Op:                                                    \
+    return EMBER_SCALAR_OPID_##scalar;
     EMBER_BINARY_OPS(EMBER_BINARY_SCALAR_OPID_)
 #undef EMBER_BINARY_SCALAR_OPID_
     default:
       return OpId::kCount;
   }
 }
+#undef EMBER_SCALAR_OPID_NoScalar
+#undef EMBER_SCALAR_OPID_Commutes
+#undef EMBER_SCALAR_OPID_Scalars
 }  // namespace detail
 
 // ---- typed attributes ---------------------------------------------------------------------------
@@ -187,6 +207,34 @@ struct SelectAttrs {
   int64_t dim = 0, index = 0;  ///< index non-negative
 };
 
+// The fused ops' attributes also carry the tensors their forward computed for backward besides
+// inputs and outputs (statistics, probabilities); the node saves them.
+
+/// layer_norm over the last normalized_dims dims. mean and rstd ([rows]): the fused kernels'
+/// per-row statistics, undefined after the tensor-op path.
+struct LayerNormAttrs {
+  int64_t normalized_dims = 1;
+  double eps = 1e-5;
+  Tensor mean, rstd;
+};
+/// The fused 2-d cross_entropy (Note [Fused cross_entropy] in tensor/loss.cpp).
+struct CrossEntropyAttrs {
+  Reduction reduction = Reduction::kMean;
+  double label_smoothing = 0;
+  double weight_sum = 0;  ///< sum of the class weights (C without weights); with smoothing only
+  Tensor probs;           ///< [N, C] softmax of the input
+  Tensor target_index;    ///< [N, 1] int64 class of each row, 0 where ignored
+  Tensor row_weight;      ///< [N] the target class's weight, 0 where ignored
+  Tensor valid;           ///< [N] 1, 0 where ignored
+  Tensor class_weight;    ///< [C] in the input's dtype, or undefined
+};
+/// The fused attention kernels' parameters, the additive mask they read (undefined without one)
+/// and the forward's per-row logsumexp lse [batch, L].
+struct AttentionAttrs {
+  detail::AttentionParams params;
+  Tensor mask, lse;
+};
+
 /// X(Op, Attrs): every op whose attributes are not NoAttrs.
 #define EMBER_OP_ATTRS(X)                                                                     \
   X(Gelu, GeluAttrs) X(PowScalar, ScalarAttrs) X(RPowScalar, ScalarAttrs) X(Clamp, ClampAttrs) \
@@ -198,12 +246,15 @@ struct SelectAttrs {
   X(LogSoftmax, DimAttrs) X(Addmm, AddmmAttrs) X(Conv2d, Conv2dParams)                         \
   X(MaxPool2d, Pool2dParams) X(AvgPool2d, Pool2dParams) X(IndexSelect, DimAttrs)               \
   X(Gather, DimAttrs) X(ScatterAdd, DimAttrs) X(IndexAdd, IndexAddAttrs) X(Cat, DimAttrs)      \
-  X(Permute, PermuteAttrs) X(Slice, SliceAttrs) X(Select, SelectAttrs)
+  X(Permute, PermuteAttrs) X(Slice, SliceAttrs) X(Select, SelectAttrs)                         \
+  X(LayerNorm, LayerNormAttrs) X(CrossEntropy, CrossEntropyAttrs)                               \
+  X(ScaledDotProductAttention, AttentionAttrs)
 
 /// The attributes of one recorded op, whichever type it has.
 using OpAttrs = std::variant<NoAttrs, ScalarAttrs, GeluAttrs, ClampAttrs, ReduceAttrs, VarAttrs,
                              NormAttrs, DimAttrs, IndexAddAttrs, AddmmAttrs, PermuteAttrs,
-                             SliceAttrs, SelectAttrs, Conv2dParams, Pool2dParams>;
+                             SliceAttrs, SelectAttrs, Conv2dParams, Pool2dParams,
+                             LayerNormAttrs, CrossEntropyAttrs, AttentionAttrs>;
 
 template <OpId op>
 struct OpAttrsOfT {
@@ -271,7 +322,6 @@ struct AutogradHooks {
   void (*check_inplace)(const Tensor& self, const char* op);
 };
 void install_autograd_hooks(const AutogradHooks* hooks);
-const AutogradHooks* autograd_hooks();
 
 /// Records `op` (known only at run time); `attrs` must hold OpAttrsOf<op>, which is asserted.
 void record(OpId op, std::initializer_list<const Tensor*> inputs,

@@ -377,8 +377,8 @@ void softmax_cuda(const Tensor& out, const Tensor& in, int64_t dim, bool log);
 /// The gradient of softmax (or log_softmax) over the last dim of y, its output, for the output
 /// gradient `grad` (same shape, dtype and CUDA device; any strides), as one fused CUDA kernel:
 /// y * (grad - sum(grad * y)) or grad - exp(y) * sum(grad), summed over the last dim, in the
-/// accumulation type. Returns a new contiguous tensor. Records nothing (autograd's softmax
-/// backward calls it with grad mode off).
+/// accumulation type. Returns a new contiguous tensor. Records nothing (the front end
+/// softmax_backward calls it with grad mode off).
 Tensor softmax_backward_cuda(const Tensor& grad, const Tensor& y, bool log);
 
 }  // namespace ember::detail

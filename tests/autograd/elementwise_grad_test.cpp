@@ -185,6 +185,9 @@ std::vector<BinaryCase> binary_cases() {
       {"pow", [](const Tensor& a, const Tensor& b) { return pow(a, b); }, 0.2, 2, -2, 2},
       {"maximum", [](const Tensor& a, const Tensor& b) { return maximum(a, b); }},
       {"minimum", [](const Tensor& a, const Tensor& b) { return minimum(a, b); }},
+      // Away from the cut along b < 0: the right half-plane, then the upper one.
+      {"atan2", [](const Tensor& a, const Tensor& b) { return atan2(a, b); }, -1, 1, 0.2, 2},
+      {"atan2_upper", [](const Tensor& a, const Tensor& b) { return atan2(a, b); }, 0.2, 2, -2, 2},
       {"where",
        [](const Tensor& a, const Tensor& b) {
          const Shape s = broadcast_shapes("test", a.shape(), b.shape());
@@ -321,6 +324,78 @@ TEST(ElementwiseGrad, ErfMatchesClosedForm) {
   Tensor yi = erf(from_vector(std::vector<int64_t>{0, 1}));
   EXPECT_EQ(yi.dtype(), kFloat32);
   expect_close(yi, {0, 0.8427007929497149}, 1e-7, "erf of int64");
+}
+
+// Values from the closed forms: std::atan2, and d/da = b / (a^2 + b^2), d/db = -a / (a^2 + b^2)
+// (PyTorch's atan2_backward), in every quadrant and on the axes.
+TEST(ElementwiseGrad, Atan2MatchesClosedForm) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<double> as = {1, 1, -1, -1, 0, 0, -0.0, 3, 2, inf, 1};
+  const std::vector<double> bs = {1, -1, 1, -1, 1, -1, -1, 0, -0.5, 2, -inf};
+  Tensor a = from_vector(as).to(kFloat64).requires_grad_();
+  Tensor b = from_vector(bs).to(kFloat64).requires_grad_();
+  Tensor y = atan2(a, b);
+  std::vector<double> want, da, db;
+  for (size_t i = 0; i < as.size(); ++i) {
+    want.push_back(std::atan2(as[i], bs[i]));
+    const double r = as[i] * as[i] + bs[i] * bs[i];
+    da.push_back(bs[i] / r);
+    db.push_back(-as[i] / r);
+  }
+  expect_close(y, want, 0, "atan2(a, b)");
+  // Signed zeros pick the half-plane: atan2(+-0, -1) = +-pi.
+  EXPECT_EQ(y.to_vector<double>()[5], M_PI);
+  EXPECT_EQ(y.to_vector<double>()[6], -M_PI);
+  EXPECT_STREQ(y.grad_fn()->name(), "Atan2Backward");
+  y.sum().backward();
+  // The same formula as PyTorch's: with an infinite operand inf / inf gives NaN.
+  const std::vector<double> ga = a.grad().to_vector<double>(), gb = b.grad().to_vector<double>();
+  auto check = [](double got, double want, const char* what, size_t i) {
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(got)) << "atan2 " << what << " at " << i << ": got " << got;
+    } else {
+      EXPECT_NEAR(got, want, 1e-15 * (1 + std::fabs(want))) << "atan2 " << what << " at " << i;
+    }
+  };
+  for (size_t i = 0; i < as.size(); ++i) {
+    check(ga[i], da[i], "d/da", i);
+    check(gb[i], db[i], "d/db", i);
+  }
+  // At the origin the gradient is NaN, as PyTorch's (0 * inf).
+  auto g = grads_of([](const auto& v) { return atan2(v[0], v[1]); }, {{0}, {0}});
+  EXPECT_TRUE(std::isnan(g[0].item<double>()) && std::isnan(g[1].item<double>()));
+}
+
+TEST(ElementwiseGrad, Atan2DtypesAndBroadcasting) {
+  // Integer and bool operands compute in float32, as torch.atan2.
+  Tensor yi = atan2(tensor({1, -2, 0}), tensor({2, 0, -3}));
+  EXPECT_EQ(yi.dtype(), kFloat32);
+  expect_close(yi, {std::atan2(1.0, 2.0), std::atan2(-2.0, 0.0), std::atan2(0.0, -3.0)}, 1e-7,
+               "atan2 of int64");
+  EXPECT_EQ(atan2(tensor({true}), tensor({false})).dtype(), kFloat32);
+  // float16 computes in float32 and rounds once.
+  Tensor h = atan2(tensor({0.5f, -3.0f}).to(kFloat16), tensor({-1.5f, 2.0f}).to(kFloat16));
+  EXPECT_EQ(h.dtype(), kFloat16);
+  expect_close(h, {std::atan2(0.5, -1.5), std::atan2(-3.0, 2.0)}, 1e-3, "atan2 of float16");
+  // [3, 1] with [4] broadcasts to [3, 4]; each gradient is summed back to its input's shape.
+  Tensor a = leaf_in({3, 1}, 31, -2, 2), b = leaf_in({4}, 32, 0.5, 2);
+  Tensor y = atan2(a, b);
+  ASSERT_EQ(y.shape(), Shape({3, 4}));
+  const std::vector<double> av = a.to_vector<double>(), bv = b.to_vector<double>();
+  std::vector<double> want, da(3, 0.0), db(4, 0.0);
+  for (int i = 0; i < 3; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      want.push_back(std::atan2(av[i], bv[j]));
+      const double r = av[i] * av[i] + bv[j] * bv[j];
+      da[i] += bv[j] / r;
+      db[j] -= av[i] / r;
+    }
+  }
+  expect_close(y, want, 1e-15, "atan2 broadcast");
+  y.sum().backward();
+  expect_close(a.grad(), da, 1e-14, "atan2 broadcast d/da");
+  expect_close(b.grad(), db, 1e-14, "atan2 broadcast d/db");
+  expect_error([] { atan2(ones({2}), ones({3})); }, {"[atan2]", "[2]", "[3]"});
 }
 
 TEST(ElementwiseGrad, GeluSecondDerivativeAtAndNearZero) {
@@ -521,6 +596,45 @@ TEST(ElementwiseGrad, ModifyingASavedInputIsReported) {
 }
 
 // ---- dtypes -----------------------------------------------------------------------------------
+
+// The binary nodes save what their row says, only for the gradients wanted (PyTorch's choices
+// in derivatives.yaml): changing in place a tensor that was not saved leaves backward working,
+// changing a saved one is reported.
+TEST(ElementwiseGrad, BinaryNodesSaveWhatTheirRowSays) {
+  struct Case {
+    const char* name;
+    BinaryFn fn;
+    bool a_needs_grad, b_needs_grad;
+    bool a_saved, b_saved;
+  };
+  const BinaryFn add_fn = [](const Tensor& a, const Tensor& b) { return a + b; };
+  const BinaryFn mul_fn = [](const Tensor& a, const Tensor& b) { return a * b; };
+  const BinaryFn div_fn = [](const Tensor& a, const Tensor& b) { return a / b; };
+  const BinaryFn pow_fn = [](const Tensor& a, const Tensor& b) { return pow(a, b); };
+  const std::vector<Case> cases = {
+      {"add", add_fn, true, true, false, false},
+      {"mul d/da", mul_fn, true, false, false, true},
+      {"mul d/db", mul_fn, false, true, true, false},
+      {"div d/da", div_fn, true, false, false, true},
+      {"div d/db", div_fn, false, true, true, true},
+      {"pow d/da", pow_fn, true, false, true, true},
+  };
+  for (const Case& c : cases) {
+    for (int changed : {0, 1}) {
+      SCOPED_TRACE(std::string(c.name) + (changed == 0 ? ", a changed" : ", b changed"));
+      Tensor a = leaf_in({3}, 40, 0.5, 1), b = leaf_in({3}, 41, 0.5, 1);
+      a = c.a_needs_grad ? a * 1.0 : a.detach();
+      b = c.b_needs_grad ? b * 1.0 : b.detach();
+      const Tensor y = c.fn(a, b);
+      (changed == 0 ? a : b).add_(1.0);
+      if (changed == 0 ? c.a_saved : c.b_saved) {
+        expect_error<autograd::AutogradError>([&] { y.sum().backward(); }, {"modified"});
+      } else {
+        EXPECT_NO_THROW(y.sum().backward());
+      }
+    }
+  }
+}
 
 TEST(ElementwiseGrad, Float32GradientsAreFloat32AndCloseToFloat64) {
   const std::vector<BinaryFn> fns = {

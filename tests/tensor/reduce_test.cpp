@@ -653,6 +653,35 @@ TEST(Softmax, StabilityEdgeCasesAndErrors) {
   expect_error<IndexError>([] { softmax(zeros({2, 3}), 2); }, {"[softmax]", "2"});
 }
 
+// Closed forms: y (g - sum(g y)) for softmax and g - exp(y) sum(g) for log_softmax, per row.
+TEST(Softmax, BackwardMatchesClosedFormAndNamesItsErrors) {
+  const Tensor x = grid_tensor({3, 5}, kFloat64, 7), g = grid_tensor({3, 5}, kFloat64, 8);
+  for (bool log : {false, true}) {
+    for (int64_t dim : {1, -2}) {
+      const int64_t d = dim < 0 ? dim + 2 : dim;
+      const Tensor y = log ? log_softmax(x, d) : softmax(x, d);
+      const auto yv = y.to_vector<double>(), gv = g.to_vector<double>();
+      std::vector<double> want(yv.size());
+      for (int64_t o = 0; o < (d == 1 ? 3 : 5); ++o) {
+        auto at = [&](int64_t i) { return d == 1 ? o * 5 + i : i * 5 + o; };
+        double s = 0;
+        for (int64_t i = 0; i < (d == 1 ? 5 : 3); ++i) s += log ? gv[at(i)] : gv[at(i)] * yv[at(i)];
+        for (int64_t i = 0; i < (d == 1 ? 5 : 3); ++i) {
+          want[at(i)] = log ? gv[at(i)] - std::exp(yv[at(i)]) * s : yv[at(i)] * (gv[at(i)] - s);
+        }
+      }
+      expect_close(softmax_backward(g, y, dim, log), want, 1e-14, 1e-15,
+                   std::string(log ? "log_softmax" : "softmax") + " backward dim " +
+                       std::to_string(dim));
+    }
+  }
+  expect_error([&] { softmax_backward(g, x.view({5, 3}), 1); },
+               {"[softmax_backward]", "output's shape [5, 3]", "got [3, 5]"});
+  expect_error<TypeError>([&] { softmax_backward(arange(3), arange(3), 0); },
+                          {"[softmax_backward]", "floating-point", "int64"});
+  expect_error<IndexError>([&] { softmax_backward(g, x, 2); }, {"[softmax_backward]", "2"});
+}
+
 // ---- any / all -------------------------------------------------------------------------------
 
 TEST(AnyAll, OverDtypesAndLayouts) {

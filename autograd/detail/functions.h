@@ -1,18 +1,22 @@
 // What the backward-rule files (autograd/functions_*.cpp) share: the record arguments, the
-// factory table, and helpers to build a node for a recorded op.
+// factory table, and helpers to build a node for a recorded op. Internal to the autograd
+// library (it reads the tensor layer's recording seam, tensor/detail/record.h); users write
+// differentiable functions of their own with autograd/function.h.
 //
 // A family file defines one Node subclass per op (or per group of ops with one rule) and a
 // `register_<family>(FactoryTable&)` that maps each OpId to a factory. A factory:
 //
-//   void record_mul(const RecordArgs& r) {
-//     auto n = new_node<MulBackward>(r);          // next edges from r's inputs
-//     if (n->needs_input_grad(0)) n->other = SavedTensor(r.in(1), false);
-//     if (n->needs_input_grad(1)) n->self = SavedTensor(r.in(0), false);
+//   void record_clamp(const RecordArgs& r) {
+//     auto n = new_node<ClampBackward>(r);        // next edges from r's inputs
+//     n->lo = r.attrs<OpId::Clamp>().lo;          // the op's typed attributes
+//     n->hi = r.attrs<OpId::Clamp>().hi;
+//     n->self = SavedTensor(r.in(0), false);
 //     commit(n, r);                               // outputs now point at n
 //   }
 //
 // Attributes are typed per op (OpAttrsOf, tensor/detail/record.h): read them as
-// r.attrs<OpId::X>().
+// r.attrs<OpId::X>(). The element-wise tables' nodes are generated from the tables instead
+// (functions_elementwise.cpp).
 //
 // Save inputs before commit() (an in-place op's output is also its input). Backward rules are
 // written with tensor ops only, so they run on every device; they run with grad mode off
@@ -59,6 +63,7 @@ void register_linalg(FactoryTable& t);
 void register_conv(FactoryTable& t);
 void register_indexing(FactoryTable& t);
 void register_views(FactoryTable& t);
+void register_nn(FactoryTable& t);
 
 template <typename N, typename... Args>
 std::shared_ptr<N> new_node(const RecordArgs& r, Args&&... args) {

@@ -1,16 +1,21 @@
-#include <ember/nn/attention.h>
+// scaled_dot_product_attention's front end: validation, autocast, and the choice between the
+// fused kernels (cpu/attention.cpp, cuda/attention.cu), recorded as one op whose node is in
+// autograd/functions_nn.cpp, and the math path written with recorded tensor ops.
+#include <ember/tensor/attention.h>
 
 #include <atomic>
 #include <cmath>
 #include <vector>
 
-#include <ember/autograd/function.h>
-#include <ember/nn/functional.h>
 #include <ember/tensor/autocast.h>
+#include <ember/tensor/creation.h>
 #include <ember/tensor/detail/attention_kernels.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/detail/record.h>
+#include <ember/tensor/elementwise.h>
+#include <ember/tensor/linalg.h>
+#include <ember/tensor/reduce.h>
 
-namespace ember::nn::functional {
+namespace ember {
 
 namespace {
 
@@ -55,6 +60,16 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
   }
 }
 
+/// Inverted dropout on the attention weights, drawn as nn::functional::dropout draws in training
+/// (so the math path's masks are the same as when it was written with that function).
+Tensor drop_weights(const Tensor& weights, double p, Generator* gen) {
+  if (weights.numel() == 0) return weights;
+  Tensor mask = empty(weights.shape(), weights.options());
+  bernoulli_(mask, 1.0 - p, gen);
+  mask.div_(1.0 - p);
+  return weights * mask;
+}
+
 }  // namespace
 
 Tensor scaled_dot_product_attention_math(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -76,52 +91,30 @@ Tensor scaled_dot_product_attention_math(const Tensor& q, const Tensor& k, const
         mask.dtype() == kBool ? masked_fill(scores, logical_not(mask), -INFINITY) : scores + mask;
   }
   Tensor weights = softmax(scores, -1);
-  if (dropout_p > 0.0) weights = dropout(weights, dropout_p, /*training=*/true, false, gen);
+  if (dropout_p > 0.0) weights = drop_weights(weights, dropout_p, gen);
   return matmul(weights, v);
 }
 
 namespace {
 
-// The fused op's autograd node: forward runs the kernel on [batch, L, E]-shaped contiguous
-// operands and saves out and lse; backward recomputes the scores tile by tile.
-struct ScaledDotProductFusedAttention : autograd::Function<ScaledDotProductFusedAttention> {
-  static Tensor forward(autograd::Context* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& mask, const detail::AttentionParams& p) {
-    Tensor out = detail::make_empty({p.batch, p.L, p.Ev}, q.dtype(), q.device());
-    Tensor lse = detail::make_empty({p.batch, p.L}, q.is_cuda() ? kFloat32 : q.dtype(), q.device());
-    if (q.is_cuda()) {
-      detail::attention_forward_cuda(out, lse, q, k, v, mask, p);
-    } else {
-      detail::attention_forward_cpu(out, lse, q, k, v, mask, p);
-    }
-    ctx->save_for_backward({q, k, v, out, lse});
-    ctx->saved_data["params"] = p;
-    ctx->saved_data["mask"] = mask;
-    return out;
+// The fused op on [batch, L, E]-shaped contiguous operands of one dtype: runs the forward
+// kernel and records one node, which saves out and lse (AttentionAttrs) and recomputes the
+// scores tile by tile in backward.
+Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                       const detail::AttentionParams& p) {
+  Tensor out = detail::make_empty({p.batch, p.L, p.Ev}, q.dtype(), q.device());
+  Tensor lse = detail::make_empty({p.batch, p.L}, q.is_cuda() ? kFloat32 : q.dtype(), q.device());
+  if (q.is_cuda()) {
+    detail::attention_forward_cuda(out, lse, q, k, v, mask, p);
+  } else {
+    detail::attention_forward_cpu(out, lse, q, k, v, mask, p);
   }
-
-  static autograd::TensorList backward(autograd::Context* ctx, autograd::TensorList g) {
-    EMBER_CHECK_TYPE(NotImplementedError, !GradMode::is_enabled(), "[", kOp,
-                     "] the fused kernel has no double backward (backward with "
-                     "create_graph=true); use scaled_dot_product_attention_math for that");
-    const autograd::TensorList s = ctx->saved();
-    const auto& p = std::any_cast<const detail::AttentionParams&>(ctx->saved_data["params"]);
-    const auto& mask = std::any_cast<const Tensor&>(ctx->saved_data["mask"]);
-    const Tensor& q = s[0];
-    const Tensor& k = s[1];
-    const Tensor& v = s[2];
-    const Tensor dout = g[0].contiguous();
-    Tensor dq = detail::make_empty(q.shape(), q.dtype(), q.device());
-    Tensor dk = detail::make_empty(k.shape(), k.dtype(), k.device());
-    Tensor dv = detail::make_empty(v.shape(), v.dtype(), v.device());
-    if (q.is_cuda()) {
-      detail::attention_backward_cuda(dq, dk, dv, dout, q, k, v, s[3], s[4], mask, p);
-    } else {
-      detail::attention_backward_cpu(dq, dk, dv, dout, q, k, v, s[3], s[4], mask, p);
-    }
-    return {dq, dk, dv, Tensor()};
+  if (detail::should_record(q, k, v)) {
+    detail::record<OpId::ScaledDotProductAttention>({&q, &k, &v}, {&out},
+                                                    {.params = p, .mask = mask, .lse = lse});
   }
-};
+  return out;
+}
 
 // Largest head dims the CUDA kernel is built for (its per-thread register tiles).
 constexpr int64_t kCudaMaxHeadDim = 128;
@@ -223,11 +216,10 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   auto flat = [&](const Tensor& t, int64_t rows) {
     return t.to(dt).contiguous().view({p.batch, rows, t.size(n - 1)});
   };
-  Tensor out =
-      ScaledDotProductFusedAttention::apply(flat(q, p.L), flat(k, p.S), flat(v, p.S), mask, p);
+  Tensor out = fused_attention(flat(q, p.L), flat(k, p.S), flat(v, p.S), mask, p);
   std::vector<int64_t> shape(q.shape().begin(), q.shape().end() - 1);
   shape.push_back(p.Ev);
   return out.view(shape).to(q.dtype());
 }
 
-}  // namespace ember::nn::functional
+}  // namespace ember

@@ -1,0 +1,199 @@
+// Backward nodes of the ops behind nn's fused layers and losses: layer_norm (tensor/norm.h),
+// cross_entropy (tensor/loss.h) and the fused scaled_dot_product_attention
+// (tensor/attention.h). Their forwards pass what backward needs besides inputs and outputs
+// (statistics, probabilities, the kernels' parameters) in their typed attributes.
+#include <utility>
+#include <vector>
+
+#include <ember/autograd/detail/functions.h>
+#include <ember/tensor/detail/attention_kernels.h>
+#include <ember/tensor/detail/norm_kernels.h>
+#include <ember/tensor/ops.h>
+
+namespace ember::autograd {
+namespace {
+
+// ---- layer_norm (Note [LayerNorm as one op] in tensor/norm.cpp) -------------------------------
+
+/// inputs {x, weight, bias}; weight and bias may be undefined.
+struct LayerNormBackward final : Node {
+  int64_t normalized_dims = 1;
+  double eps = 0;
+  SavedTensor x, weight, mean, rstd;  ///< mean and rstd: only after the fused kernels
+  const char* name() const override { return "LayerNormBackward"; }
+  TensorList apply(TensorList&& grads) override {
+    const Tensor xs = x.unpack(*this);
+    const Tensor w = weight.defined() ? weight.unpack(*this) : Tensor();
+    const int64_t k = normalized_dims;
+    if (mean.defined() && !GradMode::is_enabled()) {
+      // The fused kernels: x, weight and the statistics are contiguous, of one dtype.
+      const Tensor m = mean.unpack(*this), r = rstd.unpack(*this);
+      const int64_t rows = m.numel(), row = xs.numel() / rows;
+      const Tensor dy = grads[0].to(xs.dtype()).contiguous();
+      Shape normalized;  // the last k dims, the shape of weight and bias
+      for (int64_t d = xs.dim() - k; d < xs.dim(); ++d) normalized.push_back(xs.size(d));
+      Tensor dx = needs_input_grad(0) ? empty(xs.shape(), xs.options()) : Tensor();
+      Tensor dweight =
+          w.defined() && needs_input_grad(1) ? empty(normalized, xs.options()) : Tensor();
+      Tensor dbias = needs_input_grad(2) ? empty(normalized, xs.options()) : Tensor();
+      auto rows_of = [&](const Tensor& t) { return t.defined() ? t.view({rows, row}) : t; };
+      auto row_of = [&](const Tensor& t) { return t.defined() ? t.view({row}) : t; };
+      (xs.is_cuda() ? detail::layer_norm_backward_cuda : detail::layer_norm_backward_cpu)(
+          rows_of(dy), rows_of(xs), m, r, row_of(w), rows_of(dx), row_of(dweight), row_of(dbias));
+      return {dx, dweight, dbias};
+    }
+    // dims: the normalized dims; lead: the dims weight and bias are broadcast over.
+    std::vector<int64_t> dims, lead;
+    for (int64_t d = 0; d < xs.dim(); ++d) (d < xs.dim() - k ? lead : dims).push_back(d);
+    auto sum_lead = [&](const Tensor& t) { return lead.empty() ? t : t.sum(lead); };
+
+    const Tensor& dy = grads[0];  // [*, normalized_shape]
+    const detail::LayerNormStats s = detail::layer_norm_stats(xs, k, eps);
+    Tensor dx, dweight, dbias;
+    if (needs_input_grad(0)) {
+      const Tensor dxhat = w.defined() ? dy * w : dy;
+      const Tensor a = dxhat.mean(dims, /*keepdim=*/true);             // [*, 1...]
+      const Tensor b = (dxhat * s.xhat).mean(dims, /*keepdim=*/true);  // [*, 1...]
+      dx = (dxhat - a - s.xhat * b) * s.rstd;
+    }
+    if (w.defined() && needs_input_grad(1)) dweight = sum_lead(dy * s.xhat);
+    if (needs_input_grad(2)) dbias = sum_lead(dy);
+    return {dx, dweight, dbias};
+  }
+  void release_variables() override {
+    x.release();
+    weight.release();
+    mean.release();
+    rstd.release();
+  }
+};
+
+void record_layer_norm(const RecordArgs& r) {
+  const LayerNormAttrs& a = r.attrs<OpId::LayerNorm>();
+  auto n = new_node<LayerNormBackward>(r);
+  n->normalized_dims = a.normalized_dims;
+  n->eps = a.eps;
+  n->x = SavedTensor(r.in(0), false);
+  if (r.in(1).defined()) n->weight = SavedTensor(r.in(1), false);
+  if (a.mean.defined()) {
+    n->mean = SavedTensor(a.mean, false);
+    n->rstd = SavedTensor(a.rstd, false);
+  }
+  commit(n, r);
+}
+
+// ---- cross_entropy (Note [Fused cross_entropy] in tensor/loss.cpp) ----------------------------
+
+/// inputs {x [N, C]}.
+struct CrossEntropyBackward final : Node {
+  Reduction reduction = Reduction::kMean;
+  double label_smoothing = 0, weight_sum = 0;
+  SavedTensor x, probs, target_index, row_weight, valid, class_weight;
+  const char* name() const override { return "CrossEntropyBackward"; }
+  TensorList apply(TensorList&& grads) override {
+    const Tensor xs = x.unpack(*this);
+    const Tensor safe = target_index.unpack(*this);  // [N, 1]
+    const Tensor wt = row_weight.unpack(*this);      // [N]
+    const Tensor v = valid.unpack(*this);            // [N]
+    const Tensor w = class_weight.defined() ? class_weight.unpack(*this) : Tensor();  // [C]
+    const double ls = label_smoothing;
+    const int64_t classes = xs.size(1);
+    const bool create_graph = GradMode::is_enabled();
+    const Tensor& g = grads[0];  // [] for mean/sum, [N] for none
+    Tensor sv;                   // [N]: the reduction's scale per row, 0 where ignored
+    switch (reduction) {
+      case Reduction::kNone:
+        sv = g * v;
+        break;
+      case Reduction::kSum:
+        sv = v * g;
+        break;
+      case Reduction::kMean:
+        sv = v * (g / wt.sum());
+        break;
+    }
+    Tensor k = wt * (1.0 - ls);
+    if (ls > 0) k = k + weight_sum * ls / classes;
+    const Tensor p = create_graph ? softmax(xs, 1) : probs.unpack(*this);
+    Tensor dx = p * (sv * k).unsqueeze(1);  // [N, C]
+    if (ls > 0) {
+      const Tensor row = (sv * (ls / static_cast<double>(classes))).unsqueeze(1);  // [N, 1]
+      const Tensor smooth = w.defined() ? row * w.view({1, classes}) : row;
+      dx = create_graph ? dx - smooth : dx.sub_(smooth);
+    }
+    const Tensor at_target = (sv * wt * (ls - 1.0)).unsqueeze(1);  // [N, 1]
+    dx = create_graph ? scatter_add(dx, 1, safe, at_target) : scatter_add_(dx, 1, safe, at_target);
+    return {dx};
+  }
+  void release_variables() override {
+    for (SavedTensor* s : {&x, &probs, &target_index, &row_weight, &valid, &class_weight}) {
+      s->release();
+    }
+  }
+};
+
+void record_cross_entropy(const RecordArgs& r) {
+  const CrossEntropyAttrs& a = r.attrs<OpId::CrossEntropy>();
+  auto n = new_node<CrossEntropyBackward>(r);
+  n->reduction = a.reduction;
+  n->label_smoothing = a.label_smoothing;
+  n->weight_sum = a.weight_sum;
+  n->x = SavedTensor(r.in(0), false);
+  n->probs = SavedTensor(a.probs, false);
+  n->target_index = SavedTensor(a.target_index, false);
+  n->row_weight = SavedTensor(a.row_weight, false);
+  n->valid = SavedTensor(a.valid, false);
+  if (a.class_weight.defined()) n->class_weight = SavedTensor(a.class_weight, false);
+  commit(n, r);
+}
+
+// ---- fused attention (Note [Fused attention] in tensor/detail/attention_kernels.h) ------------
+
+/// inputs {q, k, v}: [batch, L, E], [batch, S, E], [batch, S, Ev], contiguous, one dtype.
+struct ScaledDotProductAttentionBackward final : Node {
+  detail::AttentionParams params;
+  Tensor mask;  ///< the additive mask the kernels read (no gradient), or undefined
+  SavedTensor q, k, v, out, lse;
+  const char* name() const override { return "ScaledDotProductAttentionBackward"; }
+  TensorList apply(TensorList&& g) override {
+    EMBER_CHECK_TYPE(NotImplementedError, !GradMode::is_enabled(),
+                     "[scaled_dot_product_attention] the fused kernel has no double backward "
+                     "(backward with create_graph=true); use scaled_dot_product_attention_math "
+                     "for that");
+    const Tensor qs = q.unpack(*this), ks = k.unpack(*this), vs = v.unpack(*this);
+    const Tensor dout = g[0].contiguous();
+    Tensor dq = detail::make_empty(qs.shape(), qs.dtype(), qs.device());
+    Tensor dk = detail::make_empty(ks.shape(), ks.dtype(), ks.device());
+    Tensor dv = detail::make_empty(vs.shape(), vs.dtype(), vs.device());
+    (qs.is_cuda() ? detail::attention_backward_cuda : detail::attention_backward_cpu)(
+        dq, dk, dv, dout, qs, ks, vs, out.unpack(*this), lse.unpack(*this), mask, params);
+    return {dq, dk, dv};
+  }
+  void release_variables() override {
+    for (SavedTensor* s : {&q, &k, &v, &out, &lse}) s->release();
+    mask = Tensor();
+  }
+};
+
+void record_attention(const RecordArgs& r) {
+  const AttentionAttrs& a = r.attrs<OpId::ScaledDotProductAttention>();
+  auto n = new_node<ScaledDotProductAttentionBackward>(r);
+  n->params = a.params;
+  n->mask = a.mask;
+  n->q = SavedTensor(r.in(0), false);
+  n->k = SavedTensor(r.in(1), false);
+  n->v = SavedTensor(r.in(2), false);
+  n->out = SavedTensor(r.out(0), true);
+  n->lse = SavedTensor(a.lse, false);
+  commit(n, r);
+}
+
+}  // namespace
+
+void register_nn(FactoryTable& t) {
+  slot(t, OpId::LayerNorm) = record_layer_norm;
+  slot(t, OpId::CrossEntropy) = record_cross_entropy;
+  slot(t, OpId::ScaledDotProductAttention) = record_attention;
+}
+
+}  // namespace ember::autograd
