@@ -1,6 +1,5 @@
 #include <ember/nn/activation_checkpoint.h>
 
-#include <any>
 #include <memory>
 #include <unordered_set>
 
@@ -122,7 +121,7 @@ autograd::TensorList checkpoint_backward(autograd::Context* ctx, autograd::Tenso
         "[", kOp, "] backward with create_graph (double backward) through a checkpoint is not "
         "supported; run the segment without checkpoint to differentiate twice"));
   }
-  const auto seg = std::any_cast<std::shared_ptr<Segment>>(ctx->saved_data.at("segment"));
+  const std::shared_ptr<Segment> seg = ctx->state<std::shared_ptr<Segment>>();
   const autograd::TensorList saved = ctx->saved();
   std::vector<Tensor> inputs;
   for (size_t i = 0; i < saved.size(); ++i) {
@@ -201,7 +200,7 @@ std::vector<Tensor> checkpoint(const CheckpointFunction& fn, const std::vector<T
   }
   seg->num_outputs = outputs.size();
   node->ctx.save_for_backward(inputs);
-  node->ctx.saved_data["segment"] = seg;
+  node->ctx.state<std::shared_ptr<Segment>>() = seg;
   autograd::FunctionNode::finish(node, ptrs, outputs);
   return outputs;
 }

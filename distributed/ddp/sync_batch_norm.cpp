@@ -1,6 +1,5 @@
 #include <ember/distributed/ddp/sync_batch_norm.h>
 
-#include <any>
 #include <typeinfo>
 #include <utility>
 #include <vector>
@@ -115,6 +114,13 @@ GlobalStats gather_stats(const Tensor& x, const SyncConfig& cfg) {
 //   dx = weight * invstd * (dy - sum(dy) / n - (x - mean) * invstd^2 * sum(dy * (x - mean)) / n)
 // so the two per-channel sums are all-reduced (float64) and the rest is local. dweight =
 // invstd * sum(dy * (x - mean)) and dbias = sum(dy) over the local batch only.
+// What backward needs besides x and weight: the global statistics, the group, bias's dtype.
+struct SyncBatchNormState {
+  Tensor mean, invstd, count;  // [C], [C] float64; [1] the whole batch's values per channel
+  std::shared_ptr<ProcessGroup> group;
+  Dtype bias_dtype = kFloat32;
+};
+
 struct SyncBatchNormFunction : autograd::Function<SyncBatchNormFunction> {
   static Tensor forward(autograd::Context* ctx, const Tensor& x, const Tensor& weight,
                         const Tensor& bias, const SyncConfig& cfg) {
@@ -126,11 +132,8 @@ struct SyncBatchNormFunction : autograd::Function<SyncBatchNormFunction> {
 
     ctx->save_for_backward(weight.defined() ? std::vector<Tensor>{x, weight}
                                             : std::vector<Tensor>{x});
-    ctx->saved_data["mean"] = s.mean;
-    ctx->saved_data["invstd"] = s.invstd;
-    ctx->saved_data["count"] = s.count;
-    ctx->saved_data["group"] = cfg.group;
-    ctx->saved_data["bias_dtype"] = bias.defined() ? bias.dtype() : x.dtype();
+    ctx->state<SyncBatchNormState>() = {s.mean, s.invstd, s.count, cfg.group,
+                                        bias.defined() ? bias.dtype() : x.dtype()};
     return y;
   }
 
@@ -140,11 +143,10 @@ struct SyncBatchNormFunction : autograd::Function<SyncBatchNormFunction> {
     const autograd::TensorList saved = ctx->saved();
     const Tensor& x = saved[0];
     const Tensor weight = saved.size() > 1 ? saved[1] : Tensor();
-    const Tensor mean = std::any_cast<Tensor>(ctx->saved_data["mean"]);
-    const Tensor invstd = std::any_cast<Tensor>(ctx->saved_data["invstd"]);
-    const Tensor count = std::any_cast<Tensor>(ctx->saved_data["count"]);  // [1]
-    const auto group = std::any_cast<std::shared_ptr<ProcessGroup>>(ctx->saved_data["group"]);
-    const Dtype bias_dtype = std::any_cast<Dtype>(ctx->saved_data["bias_dtype"]);
+    const SyncBatchNormState& st = ctx->state<SyncBatchNormState>();
+    const Tensor &mean = st.mean, &invstd = st.invstd, &count = st.count;
+    const auto& group = st.group;
+    const Dtype bias_dtype = st.bias_dtype;
 
     const int64_t channels = x.size(1);
     const Shape bshape = channel_shape(x);
