@@ -42,6 +42,7 @@ ROOMS = {
     "sharding": {"errors", "store", "top", "debug", "ddp"},
     "mesh": {"errors", "store", "top"},
     "functional": {"errors", "store", "top"},
+    "dtensor": {"errors", "store", "top", "mesh", "functional"},
 }
 # Headers users never include, so not installed (cmake/EmberInstall.cmake installs the rest).
 # Where unit cycles are refused.

@@ -60,7 +60,7 @@ Tensor scatter_along(const Tensor& t, int64_t d, ReduceOp op, ProcessGroup& g) {
   std::vector<int64_t> shape = front.shape().vec();
   shape[0] /= g.size();
   Tensor out = empty(shape, t.options());
-  g.reduce_scatter_tensor(out, front, {op})->wait();
+  g.reduce_scatter_tensor(out, front, {.op = op, .timeout = {}})->wait();
   return from_front(out, d).contiguous();
 }
 
@@ -78,7 +78,7 @@ Tensor exchange(const Tensor& t, int64_t split_dim, int64_t concat_dim, ProcessG
 
 Tensor reduced(const Tensor& t, ReduceOp op, ProcessGroup& g) {
   Tensor out = t.contiguous().clone();
-  g.allreduce(out, {op})->wait();
+  g.allreduce(out, {.op = op, .timeout = {}})->wait();
   return out;
 }
 
@@ -152,13 +152,13 @@ struct BroadcastFn : autograd::Function<BroadcastFn> {
     ctx->state<GroupState>().group = g;
     ctx->state<GroupState>().src = src;
     Tensor out = t.contiguous().clone();
-    g->broadcast(out, {src})->wait();
+    g->broadcast(out, {.root = src, .timeout = {}})->wait();
     return out;
   }
   static TensorList backward(Context* ctx, TensorList grads) {
     const GroupState& s = ctx->state<GroupState>();
     Tensor sum = grads[0].contiguous().clone();
-    s.group->reduce(sum, {s.src, ReduceOp::Sum})->wait();
+    s.group->reduce(sum, {.root = s.src, .op = ReduceOp::Sum, .timeout = {}})->wait();
     return {s.group->rank() == s.src ? sum : zeros_like(grads[0])};
   }
 };

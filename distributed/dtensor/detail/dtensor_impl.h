@@ -1,0 +1,27 @@
+// DTensor's internals: placement checks and the autograd pieces its redistribute and ops are
+// made of (Note [gradient conventions] in dtensor.cpp). Internal.
+#pragma once
+
+#include <ember/distributed/dtensor/dtensor.h>
+
+namespace ember::dist::detail {
+
+/// `p` with negative Shard dims wrapped, checked against `mesh` (one per dimension) and a tensor
+/// of `ndim` dims (in range, no tensor dimension sharded twice); errors name `op`.
+Placements normalized(const char* op, Placements p, const DeviceMesh& mesh, int64_t ndim);
+
+/// Identity forward; backward passes the gradient on at the first rank of mesh dimension `dim`
+/// and zeros elsewhere: a partial_grad Replicate used by a replicated computation.
+Tensor keep_first_grad(const Tensor& t, const DeviceMesh& mesh, int dim);
+
+/// Megatron's f over mesh dimension `dim`: identity forward, all-reduce backward. For a
+/// Replicate (not partial_grad) entering a sharded computation.
+Tensor copy_to_mesh_dim(const Tensor& t, const DeviceMesh& mesh, int dim);
+
+/// from_local's run_check: every rank's local shape checked against its shard of `global` along
+/// each mesh dimension (ValueError naming the rank and both shapes), and Replicate data
+/// broadcast from each mesh dimension's first rank (returned; differentiable as a copy).
+Tensor check_and_sync(const Tensor& local, const DeviceMesh& mesh, const Placements& placements,
+                      const Shape& global);
+
+}  // namespace ember::dist::detail
