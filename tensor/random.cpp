@@ -46,10 +46,17 @@ void Generator::set_offset(uint64_t offset) {
   offset_ = offset;
 }
 
+namespace {
+thread_local Generator* t_default = nullptr;
+}  // namespace
+
 Generator& default_generator() {
+  if (t_default != nullptr) return *t_default;
   static Generator gen;
   return gen;
 }
+
+void set_thread_default_generator(Generator* gen) { t_default = gen; }
 
 void manual_seed(uint64_t seed) { default_generator().manual_seed(seed); }
 

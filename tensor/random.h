@@ -36,8 +36,14 @@ class Generator {
   uint64_t offset_ = 0;
 };
 
-/// The process-wide generator used when none is given.
+/// The generator used when none is given: the calling thread's if it set one
+/// (set_thread_default_generator), else the process-wide one.
 Generator& default_generator();
+/// Makes `gen` the calling thread's default generator (null: the process-wide one again); the
+/// caller keeps it alive while it is set. Rank threads (dist::run_rank_threads gives each rank
+/// one) then draw as separate processes would: the same seeds give the same numbers whatever
+/// the other ranks draw.
+void set_thread_default_generator(Generator* gen);
 /// Seeds the default generator (torch.manual_seed).
 void manual_seed(uint64_t seed);
 

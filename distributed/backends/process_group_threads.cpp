@@ -219,6 +219,9 @@ void run_op(std::vector<Call>& c) {
     case OpType::Barrier:
     case OpType::Recv:
       break;
+    case OpType::AllreduceCoalesced:   // issued as Allreduce (one exchange of every tensor)
+    case OpType::ReduceScatterTensor:  // issued as ReduceScatter (ProcessGroup's composite)
+      EMBER_INTERNAL_ASSERT(false, "[threads] no exchange of kind ", to_string(a.kind));
   }
 }
 

@@ -111,7 +111,8 @@ class RankThreadError : public DistError {
 
 /// Runs body(rank) on `size` threads, each with a default group of its own over the "threads"
 /// backend (init_process_group over a store they share, with `timeout`), which body may use as
-/// any default group: new_group, init_device_mesh, DDP. The group is destroyed when body ends.
+/// any default group: new_group, init_device_mesh, DDP; and each with a default random
+/// generator of its own (set_thread_default_generator), so ranks draw as processes would. The group is destroyed when body ends.
 /// When a rank throws, its world and every sub-group's world are aborted (the others'
 /// collectives fail at once) and, once every thread has ended, the first failure is rethrown as
 /// RankThreadError.

@@ -11,6 +11,7 @@
 #include <ember/distributed/backends/process_group_threads.h>
 #include <ember/distributed/init.h>
 #include <ember/distributed/store/hash_store.h>
+#include <ember/tensor/random.h>
 
 namespace ember::dist {
 
@@ -103,6 +104,9 @@ void run_rank_threads(int size, const std::function<void(int rank)>& body, Durat
   threads.reserve(size);
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
+      // Each rank draws from a generator of its own, as a process would.
+      Generator gen;
+      set_thread_default_generator(&gen);
       try {
         InitOptions o;
         o.backend = "threads";
@@ -128,6 +132,7 @@ void run_rank_threads(int size, const std::function<void(int rank)>& body, Durat
         }
       }
       destroy_process_group();
+      set_thread_default_generator(nullptr);
     });
   }
   for (auto& t : threads) t.join();
