@@ -21,7 +21,15 @@ struct Module::Hooks {
   std::vector<std::pair<unsigned, ForwardPreHook>> pre;
   std::vector<std::pair<unsigned, ForwardHook>> post;
   unsigned next = 0;
+  ForwardOverride forward;  // set_forward_override's
 };
+
+void Module::set_forward_override(ForwardOverride fn) {
+  if (!hooks_) hooks_ = std::make_shared<Hooks>();
+  hooks_->forward = std::move(fn);
+}
+
+bool Module::has_forward_override() const { return hooks_ && hooks_->forward; }
 
 unsigned Module::register_forward_pre_hook(ForwardPreHook hook) {
   EMBER_CHECK(hook != nullptr, "[register_forward_pre_hook] ", name(), ": the hook is empty");
@@ -59,6 +67,7 @@ Tensor Module::call_with_hooks(const Tensor& input) {
   std::vector<Tensor> out = call({input}, [this](std::vector<Tensor>& in) {
     EMBER_CHECK(in.size() == 1, "[", name(), "] a forward pre-hook left ", in.size(),
                 " inputs; forward(Tensor) takes 1");
+    if (hooks_->forward) return std::vector<Tensor>{hooks_->forward(*this, in[0])};
     return std::vector<Tensor>{forward(in[0])};
   });
   EMBER_CHECK(out.size() == 1, "[", name(), "] a forward hook left ", out.size(),
@@ -227,6 +236,17 @@ void assign_in_place(const Tensor& t, const Tensor& v) {
   impl->refresh();
 }
 }  // namespace
+
+void set_data(const Tensor& t, const Tensor& data) {
+  EMBER_CHECK(t.defined() && data.defined(), "[set_data] expected defined tensors");
+  NoGradGuard no_grad;
+  assign_in_place(t, data.is_same(t) ? data.clone() : data);
+  if (auto* m = autograd::meta_of(t)) {
+    m->grad = Tensor();
+    std::lock_guard<std::mutex> lock(m->accumulator_mutex);
+    m->grad_accumulator.reset();  // its recorded shape/dtype/device are stale
+  }
+}
 
 void Module::convert(const std::function<Tensor(const Tensor&)>& f, bool floating_only) {
   NoGradGuard no_grad;

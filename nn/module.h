@@ -60,6 +60,15 @@ class Module : public std::enable_shared_from_this<Module> {
   unsigned register_forward_pre_hook(ForwardPreHook hook);
   unsigned register_forward_hook(ForwardHook hook);
   void remove_forward_hook(unsigned handle);
+  /// Runs `fn` instead of forward() when the module is called through operator() (its forward
+  /// hooks still around it), as PyTorch's `module.forward = fn`; null restores forward().
+  /// dist::parallelize_module uses it to run a layer on its shards. A parent that calls
+  /// forward() directly bypasses it, as it bypasses the hooks: call parallelized modules as
+  /// (*m)(x).
+  using ForwardOverride = std::function<Tensor(Module&, const Tensor& input)>;
+  void set_forward_override(ForwardOverride fn);
+  /// Whether a forward override is set.
+  bool has_forward_override() const;
   /// For a module whose forward takes or returns other than one tensor: runs `fn` (the module's
   /// computation on the tensors it is given) between the forward hooks, e.g.
   ///   auto out = attn->call({q, k, v}, [&](std::vector<Tensor>& in) {
@@ -168,5 +177,11 @@ class Module : public std::enable_shared_from_this<Module> {
 };
 
 std::ostream& operator<<(std::ostream& os, const Module& m);
+
+/// Makes `t`, and so every handle to it, hold `data`'s values, shape, dtype and device (PyTorch's
+/// `t.data = data`): `t` keeps its autograd state (requires_grad, hooks); its gradient is
+/// dropped. For code that re-lays out a model's parameters in place, as dist::parallelize_module
+/// does when it shards them. Throws ValueError for an undefined tensor.
+void set_data(const Tensor& t, const Tensor& data);
 
 }  // namespace ember::nn

@@ -43,6 +43,7 @@ ROOMS = {
     "mesh": {"errors", "store", "top"},
     "functional": {"errors", "store", "top"},
     "dtensor": {"errors", "store", "top", "mesh", "functional"},
+    "tensor_parallel": {"errors", "store", "top", "mesh", "functional", "dtensor"},
 }
 # Headers users never include, so not installed (cmake/EmberInstall.cmake installs the rest).
 # Where unit cycles are refused.

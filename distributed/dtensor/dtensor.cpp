@@ -187,7 +187,7 @@ DTensor distribute_tensor(const Tensor& full, std::shared_ptr<DeviceMesh> mesh,
 
 void register_dtensor(const Tensor& local, const DTensor& d) {
   EMBER_CHECK(local.defined() && d.defined(), "[register_dtensor] expected defined tensors");
-  EMBER_CHECK(local.shape() == d.local().shape(), "[register_dtensor] the tensor has shape ",
+  EMBER_CHECK(local.numel() == d.local().numel(), "[register_dtensor] the tensor has shape ",
               local.shape(), " but the DTensor's local part has ", d.local().shape());
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
@@ -203,8 +203,9 @@ std::optional<DTensor> as_dtensor(const Tensor& t) {
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.records.find(t.impl());
   if (it == r.records.end() || it->second.impl.lock() != t.impl_ptr()) return std::nullopt;
-  DTensor d = it->second.d;
-  return DTensor::make(t, d.device_mesh(), d.placements(), d.shape());
+  const DTensor& d = it->second.d;
+  const Tensor local = t.shape() == d.local().shape() ? t : t.view(d.local().shape());
+  return DTensor::make(local, d.device_mesh(), d.placements(), d.shape());
 }
 
 }  // namespace ember::dist

@@ -102,7 +102,8 @@ DTensor distribute_tensor(const Tensor& full, std::shared_ptr<DeviceMesh> mesh,
 /// This rank's local shape of a tensor of `shape` placed as `placements` on `mesh`.
 Shape local_shape(const Shape& shape, const DeviceMesh& mesh, const Placements& placements);
 
-/// Records that `local` (this exact tensor handle's impl) is this rank's part of `d`, so that
+/// Records that `local` (this exact tensor handle's impl) is this rank's part of `d` (or, with
+/// another shape of as many elements, a view of it: a fused projection's blocks), so that
 /// as_dtensor finds the placements again: parallelize_module records the parameters it shards
 /// and the outputs it leaves distributed (use_local_output = false); clip_grad_norm and
 /// checkpoints read them. The record lasts as long as the tensor.

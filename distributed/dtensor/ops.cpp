@@ -53,21 +53,6 @@ const DeviceMesh& mesh_of(const char* op, std::initializer_list<const DTensor*> 
   return *first->device_mesh();
 }
 
-// `a`'s local tensor, ready for an op whose output has placements `out` (Note [gradient
-// conventions]): a whole-gradient Replicate entering a non-Replicate output is wrapped in
-// Megatron's f; a partial_grad Replicate entering a Replicate output passes its gradient on
-// from the first rank only.
-Tensor prepared(const DTensor& a, const Placements& out) {
-  Tensor t = a.local();
-  const DeviceMesh& mesh = *a.device_mesh();
-  for (int i = 0; i < mesh.ndim(); ++i) {
-    if (!a.placements()[i].is_replicate()) continue;
-    if (!out[i].is_replicate() && !a.partial_grad(i)) t = detail::copy_to_mesh_dim(t, mesh, i);
-    if (out[i].is_replicate() && a.partial_grad(i)) t = detail::keep_first_grad(t, mesh, i);
-  }
-  return t;
-}
-
 // A Replicate operand `t` of `a` (right-aligned to `out_ndim` dims) narrowed to this rank's
 // part along every output dimension that `out` shards and that `a` does not broadcast.
 Tensor narrowed_to(const Tensor& t, const DTensor& a, const Placements& out, int64_t out_ndim,
@@ -141,8 +126,8 @@ DTensor binary(Binary op, const DTensor& a, const DTensor& b) {
       no_rule(name, i, {{"a", &a}, {"b", &b}});
     }
   }
-  const Tensor la = narrowed_to(prepared(a, out), a, out, n, shape);
-  const Tensor lb = narrowed_to(prepared(b, out), b, out, n, shape);
+  const Tensor la = narrowed_to(detail::local_for(a, out), a, out, n, shape);
+  const Tensor lb = narrowed_to(detail::local_for(b, out), b, out, n, shape);
   Tensor y;
   switch (op) {
     case Binary::Add: y = la + lb; break;
@@ -206,7 +191,7 @@ DTensor map(const DTensor& x, const std::function<Tensor(const Tensor&)>& fn, co
               "redistribute it to Replicate or Shard first");
     }
   }
-  return DTensor::make(fn(prepared(x, x.placements())), x.device_mesh(), x.placements(),
+  return DTensor::make(fn(detail::local_for(x, x.placements())), x.device_mesh(), x.placements(),
                        x.shape());
 }
 
@@ -247,12 +232,12 @@ DTensor linear(const DTensor& x, const DTensor& w, const DTensor& b) {
     for (int i = 0; i < mesh.ndim(); ++i) {
       if (bias_once[i]) bias_out[i] = Replicate();
     }
-    bias = prepared(b, bias_out);
+    bias = detail::local_for(b, bias_out);
     for (int i = 0; i < mesh.ndim(); ++i) {
       if (bias_once[i]) bias = FirstRankOnlyFn::apply(bias, mesh.get_local_rank(i) == 0);
     }
   }
-  Tensor y = nn::functional::linear(prepared(x, out), prepared(w, out), bias);
+  Tensor y = nn::functional::linear(detail::local_for(x, out), detail::local_for(w, out), bias);
   Shape shape = x.shape();
   shape[last] = w.size(0);
   return DTensor::make(y, x.device_mesh(), out, shape);
@@ -288,7 +273,7 @@ DTensor matmul(const DTensor& a, const DTensor& b) {
   }
   Shape shape = a.shape();
   shape[col] = b.size(col);
-  return DTensor::make(ember::matmul(prepared(a, out), prepared(b, out)), a.device_mesh(), out,
+  return DTensor::make(ember::matmul(detail::local_for(a, out), detail::local_for(b, out)), a.device_mesh(), out,
                        shape);
 }
 
@@ -321,7 +306,7 @@ DTensor embedding(const DTensor& ids, const DTensor& w) {
     const int64_t lo = shard_offset(v, n, k), len = shard_length(v, n, k);
     const Tensor mine = logical_and(ge(idx, Scalar(lo)), lt(idx, Scalar(lo + len)));
     idx = where(mine, idx - lo, zeros_like(idx));
-    Tensor y = nn::functional::embedding(idx, prepared(w, out));
+    Tensor y = nn::functional::embedding(idx, detail::local_for(w, out));
     y = y * mine.unsqueeze(-1).to(y.dtype());
     Shape shape = ids.shape();
     shape.push_back(w.size(1));
@@ -329,7 +314,7 @@ DTensor embedding(const DTensor& ids, const DTensor& w) {
   }
   Shape shape = ids.shape();
   shape.push_back(w.size(1));
-  return DTensor::make(nn::functional::embedding(idx, prepared(w, out)), ids.device_mesh(), out,
+  return DTensor::make(nn::functional::embedding(idx, detail::local_for(w, out)), ids.device_mesh(), out,
                        shape);
 }
 
@@ -348,9 +333,9 @@ DTensor layer_norm(const DTensor& x, IntList normalized_shape, const DTensor& w,
     }
   }
   const Placements& out = x.placements();
-  const Tensor y = ember::layer_norm(prepared(x, out), normalized_shape,
-                                     w.defined() ? prepared(w, out) : Tensor(),
-                                     b.defined() ? prepared(b, out) : Tensor(), eps);
+  const Tensor y = ember::layer_norm(detail::local_for(x, out), normalized_shape,
+                                     w.defined() ? detail::local_for(w, out) : Tensor(),
+                                     b.defined() ? detail::local_for(b, out) : Tensor(), eps);
   return DTensor::make(y, x.device_mesh(), out, x.shape());
 }
 
@@ -361,7 +346,7 @@ DTensor dropout(const DTensor& x, double p, bool training) {
     if (x.placements()[i].is_partial()) no_rule("dropout", i, {{"x", &x}});
     sharded = sharded || x.placements()[i].is_shard();
   }
-  const Tensor in = prepared(x, x.placements());
+  const Tensor in = detail::local_for(x, x.placements());
   if (!training || p == 0.0 || !sharded) {
     // Replicated: every rank draws the same mask from its generator, as a single process would.
     return DTensor::make(nn::functional::dropout(in, p, training), x.device_mesh(),
@@ -391,7 +376,7 @@ DTensor softmax(const DTensor& x, int64_t dim) {
               "(for a cross-entropy over vocabulary-sharded logits, use loss_parallel)");
     }
   }
-  return DTensor::make(ember::softmax(prepared(x, x.placements()), d), x.device_mesh(),
+  return DTensor::make(ember::softmax(detail::local_for(x, x.placements()), d), x.device_mesh(),
                        x.placements(), x.shape());
 }
 
@@ -425,7 +410,7 @@ DTensor sum(const DTensor& x, IntList dims_in, bool keepdim) {
       shape.push_back(1);
     }
   }
-  return DTensor::make(ember::sum(prepared(x, out), dims, keepdim), x.device_mesh(), out, shape);
+  return DTensor::make(ember::sum(detail::local_for(x, out), dims, keepdim), x.device_mesh(), out, shape);
 }
 
 DTensor transpose(const DTensor& x, int64_t dim0, int64_t dim1) {
@@ -440,7 +425,7 @@ DTensor transpose(const DTensor& x, int64_t dim0, int64_t dim1) {
   }
   Shape shape = x.shape();
   std::swap(shape[a], shape[b]);
-  return DTensor::make(prepared(x, out).transpose(a, b), x.device_mesh(), out, shape);
+  return DTensor::make(detail::local_for(x, out).transpose(a, b), x.device_mesh(), out, shape);
 }
 
 DTensor reshape(const DTensor& x, IntList shape_in) {
@@ -486,7 +471,7 @@ DTensor reshape(const DTensor& x, IntList shape_in) {
     out.push_back(*q);
   }
   const Shape local = local_shape(shape, mesh, out);
-  return DTensor::make(prepared(x, out).reshape(local), x.device_mesh(), out, shape);
+  return DTensor::make(detail::local_for(x, out).reshape(local), x.device_mesh(), out, shape);
 }
 
 }  // namespace ember::dist

@@ -98,6 +98,17 @@ Tensor copy_to_mesh_dim(const Tensor& t, const DeviceMesh& mesh, int dim) {
   return functional::copy_to_group(t, mesh.get_group(dim));
 }
 
+Tensor local_for(const DTensor& a, const Placements& out) {
+  Tensor t = a.local();
+  const DeviceMesh& mesh = *a.device_mesh();
+  for (int i = 0; i < mesh.ndim(); ++i) {
+    if (!a.placements()[i].is_replicate()) continue;
+    if (!out[i].is_replicate() && !a.partial_grad(i)) t = copy_to_mesh_dim(t, mesh, i);
+    if (out[i].is_replicate() && a.partial_grad(i)) t = keep_first_grad(t, mesh, i);
+  }
+  return t;
+}
+
 Tensor check_and_sync(const Tensor& local, const DeviceMesh& mesh, const Placements& placements,
                       const Shape& global) {
   Tensor out = local;

@@ -14,6 +14,12 @@ Placements normalized(const char* op, Placements p, const DeviceMesh& mesh, int6
 /// and zeros elsewhere: a partial_grad Replicate used by a replicated computation.
 Tensor keep_first_grad(const Tensor& t, const DeviceMesh& mesh, int dim);
 
+/// `a`'s local tensor, ready for an op whose output has placements `out`: a whole-gradient
+/// Replicate entering a non-Replicate output is wrapped in Megatron's f (copy_to_mesh_dim); a
+/// partial_grad Replicate entering a Replicate output passes its gradient on from the first rank
+/// only (keep_first_grad).
+Tensor local_for(const DTensor& a, const Placements& out);
+
 /// Megatron's f over mesh dimension `dim`: identity forward, all-reduce backward. For a
 /// Replicate (not partial_grad) entering a sharded computation.
 Tensor copy_to_mesh_dim(const Tensor& t, const DeviceMesh& mesh, int dim);
