@@ -57,18 +57,24 @@ class Block : public nn::Module {
   }
   std::string name() const override { return "Block"; }
 
-  /// x [B, T, C] -> [B, T, C]
+  /// x [B, T, C] -> [B, T, C]. Children are called through operator(), so that their hooks and
+  /// the layouts of tensor parallelism (dist::parallelize_module) run: under tensor parallelism
+  /// qkv holds this rank's heads (its width is 3 x heads / tp x head dim, the width the split
+  /// and the attention use) and, with sequence parallelism, x is this rank's part of the
+  /// sequence while qkv's output covers the whole sequence.
   Tensor forward(const Tensor& x) override {
-    const int64_t B = x.size(0), T = x.size(1), C = x.size(2), D = C / heads_;
-    const std::vector<Tensor> qkv = ember::split(qkv_->forward(ln1_->forward(x)), C, 2);
-    // [B, T, C] -> [B, H, T, D]
-    auto heads = [&](const Tensor& t) { return t.reshape({B, T, heads_, D}).transpose(1, 2); };
+    const int64_t C = x.size(2), D = C / heads_;
+    const Tensor qkv_out = (*qkv_)((*ln1_)(x));
+    const int64_t B = qkv_out.size(0), T = qkv_out.size(1), width = qkv_out.size(2) / 3;
+    const std::vector<Tensor> qkv = ember::split(qkv_out, width, 2);
+    // [B, T, width] -> [B, heads here, T, D]
+    auto heads = [&](const Tensor& t) { return t.reshape({B, T, width / D, D}).transpose(1, 2); };
     Tensor y = nn::functional::scaled_dot_product_attention(
         heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), {}, is_training() ? dropout_p_ : 0.0,
         /*is_causal=*/true);
-    y = y.transpose(1, 2).reshape({B, T, C});
-    Tensor h = x + drop_->forward(proj_->forward(y));
-    return h + drop_->forward(fc_proj_->forward(gelu_->forward(fc_->forward(ln2_->forward(h)))));
+    y = y.transpose(1, 2).reshape({B, T, width});
+    Tensor h = x + (*drop_)((*proj_)(y));
+    return h + (*drop_)((*fc_proj_)((*gelu_)((*fc_)((*ln2_)(h)))));
   }
 
   /// The projections that write into the residual stream (GPT-2 scales their init).
@@ -86,9 +92,25 @@ class Block : public nn::Module {
   std::shared_ptr<nn::Dropout> drop_;
 };
 
-/// Token + learned position embeddings, the blocks, a final LayerNorm and the LM head. The head
-/// is tied to the token embedding: it multiplies by wte's own weight (one Parameter, so the
-/// optimizer, DDP and the state dict see it once). Weights are GPT-2's init, drawn from the
+/// The LM head tied to the token embedding: logits = x wte.weight^T with wte's own weight, so the
+/// optimizer, DDP and the state dict see one parameter. A module of its own (without parameters)
+/// so that tensor parallelism can lay it out (a column-parallel head over a vocabulary-parallel
+/// embedding's rows).
+class TiedHead : public nn::Module {
+ public:
+  explicit TiedHead(std::shared_ptr<nn::Embedding> embedding) : embedding_(std::move(embedding)) {}
+  std::string name() const override { return "TiedHead"; }
+  /// x [..., C] -> [..., vocab]
+  Tensor forward(const Tensor& x) override {
+    return nn::functional::linear(x, embedding_->weight);
+  }
+
+ private:
+  std::shared_ptr<nn::Embedding> embedding_;
+};
+
+/// Token + learned position embeddings, the blocks, a final LayerNorm and the LM head, tied to
+/// the token embedding (TiedHead). Weights are GPT-2's init, drawn from the
 /// global generator (seed it first for the same weights on every rank).
 class GPT : public nn::Module {
  public:
@@ -99,6 +121,7 @@ class GPT : public nn::Module {
         drop_(register_module("drop", std::make_shared<nn::Dropout>(c.dropout))),
         sequence_(register_module("blocks", std::make_shared<nn::Sequential>())),
         ln_f_(register_module("ln_f", std::make_shared<nn::LayerNorm>(c.dim))),
+        lm_head_(register_module("lm_head", std::make_shared<TiedHead>(wte_))),
         blocks(make_blocks(c, *sequence_)) {
     init_weights();
   }
@@ -108,12 +131,13 @@ class GPT : public nn::Module {
   Tensor forward(const Tensor& tokens) override {
     const int64_t T = tokens.size(1);
     Tensor pos = ember::arange(0, T, 1, {ember::kInt64}).to(tokens.device());
-    Tensor x = drop_->forward(wte_->forward(tokens) + wpe_->forward(pos));
+    // Modules are called as (*m)(x), so that their hooks (fully_shard's) and layouts (tensor
+    // parallelism's) run.
+    Tensor x = (*drop_)((*wte_)(tokens) + (*wpe_)(pos));
     for (const auto& block : blocks) {
-      // Called as (*block)(x), so that a block's forward hooks (fully_shard's) run.
       x = config.checkpoint_activations && is_training() ? nn::checkpoint(block, x) : (*block)(x);
     }
-    return nn::functional::linear(ln_f_->forward(x), wte_->weight);
+    return (*lm_head_)((*ln_f_)(x));
   }
   int64_t context() const { return config.context; }
 
@@ -154,6 +178,7 @@ class GPT : public nn::Module {
   std::shared_ptr<nn::Dropout> drop_;
   std::shared_ptr<nn::Sequential> sequence_;
   std::shared_ptr<nn::LayerNorm> ln_f_;
+  std::shared_ptr<TiedHead> lm_head_;
 
  public:
   /// The decoder blocks in order: the modules of the state dict's blocks.<i>, for a caller that
