@@ -32,8 +32,11 @@
 #include <ember/distributed/sharding/fsdp_checkpoint.h>
 #include <ember/distributed/sharding/zero.h>
 #include <ember/distributed/sharding/zero_hook.h>
+#include <ember/distributed/tensor_parallel/clip_grad.h>
+#include <ember/distributed/tensor_parallel/loss_parallel.h>
 #include "examples/example_util.h"
 #include "examples/gpt_model.h"
+#include "examples/gpt_parallel.h"
 #include <ember/nn/amp/autocast.h>
 #include <ember/nn/data/token_stream.h>
 #include <ember/nn/nn.h>
@@ -76,6 +79,7 @@ struct Args {
   std::string device = "cpu";
   std::string comm_hook = "none";
   std::string shard = "none";  // none (DDP), zero (DDP + ZeroRedundancyOptimizer), fsdp
+  int64_t tp = 1;              // tensor-parallel ranks; the others are data parallel
   bool zero_overlap = false;   // --shard zero: step inside DDP's hook (overlap_with_ddp)
   int64_t eval_every = 100;  // 0: only at the end
   int64_t eval_batches = 8;
@@ -123,6 +127,28 @@ std::vector<nn::optim::ParamGroup> decay_groups(const std::vector<Tensor>& param
 nn::optim::AdamWOptions adamw_options(const Args& a) {
   return {.lr = a.lr, .betas = {0.9, 0.95}, .eps = 1e-8, .weight_decay = 0.1};
 }
+
+// --tp: the ranks as a (dp, tp) mesh. Each row of tp ranks holds one model, laid out by
+// gpt_tensor_parallel_plan (with sequence and loss parallelism); DDP, ZeRO or FSDP work across
+// the rows, over the dp group. Without --tp the mesh is (world, 1) and dp is the world.
+struct MeshLayout {
+  MeshLayout(const RunContext& run, int64_t tp) {
+    if (tp <= 1) {
+      dp = run.pg;
+      return;
+    }
+    if (run.world % tp != 0) {
+      throw ember::ValueError("gpt: --tp " + std::to_string(tp) + " must divide the world size " +
+                              std::to_string(run.world));
+    }
+    mesh = dist::init_device_mesh(run.device.is_cpu() ? "cpu" : "cuda",
+                                  {run.world / tp, tp}, {"dp", "tp"});
+    tp_mesh = (*mesh)["tp"];
+    dp = mesh->get_group("dp");
+  }
+  std::shared_ptr<dist::DeviceMesh> mesh, tp_mesh;  // null without --tp
+  std::shared_ptr<dist::ProcessGroup> dp;          // the data-parallel ranks
+};
 
 // --shard: where the model's state lives. none: DDP, every rank holds everything; zero: DDP and
 // a ZeroRedundancyOptimizer (each rank holds 1/N of AdamW's moments); fsdp: every block and the
@@ -179,6 +205,16 @@ std::string default_cache_dir() {
   return (std::filesystem::temp_directory_path() / "ember-cache").string();
 }
 
+// The model laid out over the tensor-parallel ranks (--tp), or as it is.
+std::shared_ptr<GPT> tensor_parallel(std::shared_ptr<GPT> model, const MeshLayout& layout) {
+  if (layout.tp_mesh) {
+    dist::parallelize_module(model, layout.tp_mesh,
+                             gpt_tensor_parallel_plan(/*sequence_parallel=*/true,
+                                                      /*loss_parallel=*/true));
+  }
+  return model;
+}
+
 std::shared_ptr<GPT> seeded_model(const Args& a, ember::Device device) {
   ember::manual_seed(a.seed);  // the same weights on every rank (DDP broadcasts rank 0's anyway)
   auto model = std::make_shared<GPT>(GPTConfig{.vocab = kVocab,
@@ -220,8 +256,12 @@ class Trainer {
   void measure_peak_memory();
   double lr() { return par_.optimizer().param_groups().front().lr(); }
 
+  // The loss of `logits`: loss-parallel when tensor parallelism left them vocabulary-sharded.
+  Tensor loss_of(const Tensor& logits, const Tensor& y) const;
+
   const Args& a_;
   const RunContext run_;
+  const MeshLayout layout_;
   std::shared_ptr<GPT> model_;
   nn::data::TokenStream data_;
   Parallel par_;
@@ -253,9 +293,10 @@ nn::data::TokenStream make_stream(const Args& a, const dist::ProcessGroup& pg) {
 Trainer::Trainer(const Args& a)
     : a_(a),
       run_("gpt", a.backend, a.timeout_s, a.device),
-      model_(seeded_model(a, run_.device)),
-      data_(make_stream(a, *run_.pg)),
-      par_(make_parallel(a, model_, run_.pg)),
+      layout_(run_, a.tp),
+      model_(tensor_parallel(seeded_model(a, run_.device), layout_)),
+      data_(make_stream(a, *layout_.dp)),
+      par_(make_parallel(a, model_, layout_.dp)),
       powersgd_(par_.ddp ? register_comm_hook(*par_.ddp, a.comm_hook, /*powersgd_rank=*/2,
                                               /*start=*/10)
                          : nullptr),
@@ -279,14 +320,18 @@ void Trainer::print_banner() const {
   std::printf(
       "gpt: world size %d, backend %s, device %s, %lld parameters (layers %lld, heads %lld, dim "
       "%lld, context %lld), batch %lld per rank, %lld steps, AdamW lr %g, amp %s%s, comm hook %s, "
-      "%d threads per rank; data %s: %lld training and %lld validation tokens\n",
+      "%d threads per rank%s; data %s: %lld training and %lld validation tokens\n",
       run_.world, run_.pg->backend_name().c_str(), run_.device.str().c_str(),
       static_cast<long long>(count_parameters(*model_)), static_cast<long long>(a_.layers),
       static_cast<long long>(a_.heads), static_cast<long long>(a_.dim),
       static_cast<long long>(a_.context), static_cast<long long>(a_.batch_size),
       static_cast<long long>(a_.steps), a_.lr, a_.amp.c_str(),
       a_.checkpoint_activations ? ", checkpointed blocks" : "", a_.comm_hook.c_str(),
-      ember::get_num_threads(), a_.data.c_str(), static_cast<long long>(data_.train_tokens()),
+      ember::get_num_threads(),
+      layout_.mesh ? ("; tensor parallel over " + layout_.mesh->str() +
+                      " (sequence and loss parallel)").c_str()
+                   : "",
+      a_.data.c_str(), static_cast<long long>(data_.train_tokens()),
       static_cast<long long>(data_.validation_tokens()));
   std::fflush(stdout);
 }
@@ -337,12 +382,14 @@ double Trainer::train_step(int64_t step) {
   {
     const nn::amp::autocast amp(run_.device, amp_dtype(a_.amp), a_.amp != "off");
     Tensor logits = par_.ddp ? par_.ddp->forward(x) : (*model_)(x);  // [B, T, 256]
-    loss = F::cross_entropy(logits.reshape({-1, kVocab}), y.reshape({-1}));
+    loss = loss_of(logits, y);
   }
   scaler_.scale(loss).backward();
   if (a_.grad_clip > 0) {
     scaler_.unscale_(par_.optimizer());
-    if (par_.ddp) {
+    if (par_.ddp && layout_.tp_mesh) {
+      dist::clip_grad_norm_(par_.ddp->parameters(), a_.grad_clip, *layout_.tp_mesh);
+    } else if (par_.ddp) {
       nn::clip_grad_norm_(par_.ddp->parameters(), a_.grad_clip);
     } else {
       dist::clip_grad_norm_(*model_, a_.grad_clip);  // the norm over every rank's shards
@@ -361,6 +408,13 @@ double Trainer::train_step(int64_t step) {
   return value;
 }
 
+Tensor Trainer::loss_of(const Tensor& logits, const Tensor& y) const {
+  if (const std::optional<dist::DTensor> d = dist::as_dtensor(logits)) {
+    return dist::loss_parallel::cross_entropy(*d, y);
+  }
+  return F::cross_entropy(logits.reshape({-1, kVocab}), y.reshape({-1}));
+}
+
 // The mean loss over --eval-batches validation batches per rank (every rank scores its own
 // windows; one all-reduce adds up the sums).
 double Trainer::evaluate() {
@@ -371,8 +425,7 @@ double Trainer::evaluate() {
     const nn::data::Batch b = data_.validation_batch(i, a_.eval_batches);
     const nn::amp::autocast amp(run_.device, amp_dtype(a_.amp), a_.amp != "off");
     Tensor logits = (*model_)(b.data.to(run_.device));
-    sum += F::cross_entropy(logits.reshape({-1, kVocab}), b.target.to(run_.device).reshape({-1}))
-               .item<float>();
+    sum += loss_of(logits, b.target.to(run_.device)).item<float>();
   }
   model_->train();
   Tensor total = ember::from_vector(std::vector<double>{sum});
@@ -389,8 +442,9 @@ void Trainer::after_eval(double val_loss) {
   if (!a_.checkpoint_dir.empty()) save_checkpoint();
 }
 
+// Tokens trained per second: each data-parallel row (a model's tp ranks) trains its batch.
 double tokens_per_s(int64_t steps, const Args& a, int world, double seconds) {
-  const double tokens = static_cast<double>(steps * a.batch_size * a.context * world);
+  const double tokens = static_cast<double>(steps * a.batch_size * a.context * world / a.tp);
   return seconds > 0 ? tokens / seconds : 0;
 }
 
@@ -622,6 +676,14 @@ std::string unavailable(const Args& a) {
     return "--shard " + a.shard + " takes neither --comm-hook nor --amp fp16 (got --comm-hook " +
            a.comm_hook + ", --amp " + a.amp + ")";
   }
+  if (a.tp > 1 && (!a.checkpoint_dir.empty() || a.resume || !a.save_weights.empty() ||
+                   a.sample > 0)) {
+    return "--tp takes neither --checkpoint-dir, --resume, --save-weights nor --sample yet "
+           "(docs/tensor_parallel.md)";
+  }
+  if (a.tp > 1 && a.shard == "fsdp") {
+    return "--tp with --shard fsdp is not supported yet (use --shard none or zero)";
+  }
   if (a.zero_overlap && a.shard != "zero") {
     return "--zero-overlap needs --shard zero (got --shard " + a.shard + ")";
   }
@@ -637,6 +699,11 @@ std::string bad_shape(const Args& a) {
   if (a.dim % a.heads != 0) {
     return "--dim " + std::to_string(a.dim) + " must be a multiple of --heads " +
            std::to_string(a.heads);
+  }
+  if (a.tp > 1 && (a.heads % a.tp != 0 || kVocab % a.tp != 0)) {
+    return "--tp " + std::to_string(a.tp) + " must divide --heads " + std::to_string(a.heads) +
+           " and the vocabulary (" + std::to_string(kVocab) + "): each rank takes heads/tp "
+           "heads and vocabulary/tp rows of the embedding";
   }
   if (a.resume && a.checkpoint_dir.empty()) return "--resume needs --checkpoint-dir";
   return "";
@@ -684,6 +751,10 @@ void add_options(CLI::App& app, Args& a) {
   app.add_option("--shard", a.shard,
                  "none (DDP), zero (DDP + ZeroRedundancyOptimizer) or fsdp (fully_shard)")
       ->check(CLI::IsMember({"none", "zero", "fsdp"}))->capture_default_str();
+  app.add_option("--tp", a.tp,
+                 "tensor-parallel ranks per model, with sequence and loss parallelism; the other "
+                 "ranks are data parallel (docs/tensor_parallel.md)")
+      ->check(kPositive)->capture_default_str();
   app.add_flag("--zero-overlap", a.zero_overlap,
                "with --shard zero: step each bucket's partition inside DDP's communication hook, "
                "overlapping the optimizer with backward (torch's overlap_with_ddp; needs --grad-clip 0)");

@@ -35,10 +35,14 @@ namespace {
 constexpr const char* kOp = "[DTensor]";
 
 // The record of register_dtensor: weak keys, so a dead tensor's impl address reused by another
-// tensor is never taken for it.
+// tensor is never taken for it; the layout without the local tensor, which the record must not
+// keep alive.
 struct Record {
   std::weak_ptr<TensorImpl> impl;
-  DTensor d;
+  std::shared_ptr<DeviceMesh> mesh;
+  Placements placements;
+  Shape shape;  // global
+  Shape local;  // the local tensor's shape as the DTensor sees it (a fused projection's blocks)
 };
 struct Registry {
   std::mutex mu;
@@ -194,7 +198,8 @@ void register_dtensor(const Tensor& local, const DTensor& d) {
   for (auto it = r.records.begin(); it != r.records.end();) {
     it = it->second.impl.expired() ? r.records.erase(it) : std::next(it);
   }
-  r.records[local.impl()] = Record{local.impl_ptr(), d};
+  r.records[local.impl()] =
+      Record{local.impl_ptr(), d.device_mesh(), d.placements(), d.shape(), d.local().shape()};
 }
 
 std::optional<DTensor> as_dtensor(const Tensor& t) {
@@ -203,9 +208,9 @@ std::optional<DTensor> as_dtensor(const Tensor& t) {
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.records.find(t.impl());
   if (it == r.records.end() || it->second.impl.lock() != t.impl_ptr()) return std::nullopt;
-  const DTensor& d = it->second.d;
-  const Tensor local = t.shape() == d.local().shape() ? t : t.view(d.local().shape());
-  return DTensor::make(local, d.device_mesh(), d.placements(), d.shape());
+  const Record& d = it->second;
+  const Tensor local = t.shape() == d.local ? t : t.view(d.local);
+  return DTensor::make(local, d.mesh, d.placements, d.shape);
 }
 
 }  // namespace ember::dist

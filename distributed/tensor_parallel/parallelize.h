@@ -28,6 +28,8 @@ struct PlanEntry {
   template <typename Style>
   PlanEntry(std::string p, Style s)  // NOLINT: {"fc", ColwiseParallel()}
       : path(std::move(p)), style(std::make_shared<Style>(std::move(s))) {}
+  PlanEntry(std::string p, std::shared_ptr<const ParallelStyle> s)
+      : path(std::move(p)), style(std::move(s)) {}
   std::string path;
   std::shared_ptr<const ParallelStyle> style;
 };

@@ -156,5 +156,22 @@ TEST(DTensor, ErrorsNameThePlacementsAndShapes) {
   }, kTimeout);
 }
 
+// The record of a tensor's placements keeps nothing alive: a recorded module output is freed
+// with its last handle, and its record is then never found for another tensor.
+TEST(DTensor, RecordsDoNotKeepTensorsAlive) {
+  run_rank_threads(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    std::weak_ptr<TensorImpl> seen;
+    {
+      Tensor t = ones({4});
+      register_dtensor(t, DTensor::from_local(t, mesh, {Shard(0)}));
+      require(as_dtensor(t).has_value(), "recorded");
+      seen = t.impl_ptr();
+    }
+    require(seen.expired(), "the record kept the tensor alive");
+    require(!as_dtensor(ones({4})).has_value(), "an unrecorded tensor");
+  }, kTimeout);
+}
+
 }  // namespace
 }  // namespace ember::dist

@@ -6,8 +6,11 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include <ember/autograd/autograd.h>
 #include <ember/distributed/backends/process_group_threads.h>
+#include <ember/distributed/debug/delaying_group.h>
 #include <ember/distributed/forwarding_process_group.h>
 #include <ember/distributed/init.h>
 #include <ember/distributed/tensor_parallel/loss_parallel.h>
@@ -15,6 +18,8 @@
 #include <ember/tensor/creation.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/random.h>
+#include "examples/gpt_model.h"
+#include "examples/gpt_parallel.h"
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/store_test_util.h"
 
@@ -183,6 +188,123 @@ TEST(TensorParallel, PlanErrorsNameThePathAndTheSizes) {
     auto mesh2 = init_device_mesh("cpu", {1, 2}, {"dp", "tp"});
     expect_error([&] { parallelize_module(make_mlp(16), mesh2, {{"fc", ColwiseParallel()}}); },
                  {"expected a 1-D mesh", "mesh[\"tp\"]"});
+  }, kTimeout);
+}
+
+// Records every collective issued through it: kind and bytes moved by this rank's input.
+class Recording final : public ForwardingProcessGroup {
+ public:
+  using ForwardingProcessGroup::ForwardingProcessGroup;
+  struct Call {
+    OpType op;
+    int64_t bytes;
+  };
+  WorkPtr allreduce(Tensor& t, const AllreduceOptions& o) override {
+    calls.push_back({OpType::Allreduce, t.nbytes()});
+    return inner_->allreduce(t, o);
+  }
+  WorkPtr allgather_into_tensor(Tensor& out, const Tensor& in,
+                                const CollectiveOptions& o) override {
+    calls.push_back({OpType::AllgatherIntoTensor, out.nbytes()});
+    return inner_->allgather_into_tensor(out, in, o);
+  }
+  WorkPtr reduce_scatter_tensor(Tensor& out, const Tensor& in,
+                                const ReduceScatterOptions& o) override {
+    calls.push_back({OpType::ReduceScatterTensor, in.nbytes()});
+    return inner_->reduce_scatter_tensor(out, in, o);
+  }
+  WorkPtr broadcast(Tensor& t, const BroadcastOptions& o) override {
+    calls.push_back({OpType::Broadcast, t.nbytes()});
+    return inner_->broadcast(t, o);
+  }
+  std::vector<Call> calls;
+};
+
+// A count of `calls` by kind: "allreduce x2 (2048 B), ...".
+std::string summary(const std::vector<Recording::Call>& calls) {
+  std::map<std::string, std::pair<int, int64_t>> by;
+  for (const auto& c : calls) {
+    auto& e = by[to_string(c.op)];
+    ++e.first;
+    e.second += c.bytes;
+  }
+  std::string s;
+  for (const auto& [k, v] : by) {
+    s += (s.empty() ? "" : ", ") + k + " x" + std::to_string(v.first) + " (" +
+         std::to_string(v.second) + " B)";
+  }
+  return s;
+}
+
+// Megatron's analysis of one transformer block at tp 2 (activations [B, T, C] = [2, 8, 16],
+// float32, 1024 B): without sequence parallelism, 2 all-reduces forward (after the attention's
+// and the MLP's row-parallel layers) and 2 backward (f before their column-parallel layers);
+// with it, each all-reduce becomes an all-gather and a reduce-scatter moving the same bytes,
+// and backward adds the LayerNorms' replicated parameters' all-reduces (4 of C values).
+TEST(TensorParallel, ABlockMovesWhatMegatronsAnalysisSays) {
+  run_rank_threads(2, [](int r) {
+    const int64_t act = 2 * 8 * 16 * 4;  // bytes of one [2, 8, 16] float32 activation
+    for (bool sp : {false, true}) {
+      auto rec = std::make_shared<Recording>(default_group());
+      auto mesh = DeviceMesh::from_group({rec}, "cpu");
+      manual_seed(1);
+      auto block = std::make_shared<examples::Block>(16, 4, 0.0);
+      ParallelizePlan plan;
+      for (const PlanEntry& e : examples::gpt_tensor_parallel_plan(sp, false)) {
+        if (e.path.rfind("blocks.*.", 0) == 0) plan.push_back({e.path.substr(9), e.style});
+      }
+      parallelize_module(block, mesh, plan);
+      rec->calls.clear();  // the parameters' broadcasts
+      manual_seed(2);
+      const Tensor x = randn({2, 8, 16});
+      const Tensor in = sp ? x.narrow(1, 4 * r, 4) : x;
+      const Tensor y = (*block)(in.detach().requires_grad_());
+      const std::vector<Recording::Call> fwd = rec->calls;
+      rec->calls.clear();
+      y.sum().backward();
+      const std::vector<Recording::Call> bwd = rec->calls;
+      const std::string want_fwd =
+          sp ? "allgather_into_tensor x2 (" + std::to_string(2 * act) +
+                   " B), reduce_scatter_tensor x2 (" + std::to_string(2 * act) + " B)"
+             : "allreduce x2 (" + std::to_string(2 * act) + " B)";
+      const std::string want_bwd =
+          sp ? "allgather_into_tensor x2 (" + std::to_string(2 * act) + " B), allreduce x4 (" +
+                   std::to_string(4 * 16 * 4) + " B), reduce_scatter_tensor x2 (" +
+                   std::to_string(2 * act) + " B)"
+             : "allreduce x2 (" + std::to_string(2 * act) + " B)";
+      require(summary(fwd) == want_fwd, std::string(sp ? "sp" : "plain") + " forward: " +
+                                            summary(fwd) + ", expected " + want_fwd);
+      require(summary(bwd) == want_bwd, std::string(sp ? "sp" : "plain") + " backward: " +
+                                            summary(bwd) + ", expected " + want_bwd);
+    }
+  }, kTimeout);
+}
+
+// The same block through a DelayingGroup (every collective's result written late): a result
+// read before its wait would be stale; the outputs and gradients equal the undelayed run's.
+TEST(TensorParallel, NoCollectiveIsReadBeforeItsWait) {
+  run_rank_threads(2, [](int r) {
+    auto run = [&](std::shared_ptr<ProcessGroup> g) {
+      auto mesh = DeviceMesh::from_group({g}, "cpu");
+      manual_seed(1);
+      auto block = std::make_shared<examples::Block>(16, 4, 0.0);
+      ParallelizePlan plan;
+      for (const PlanEntry& e : examples::gpt_tensor_parallel_plan(true, false)) {
+        if (e.path.rfind("blocks.*.", 0) == 0) plan.push_back({e.path.substr(9), e.style});
+      }
+      parallelize_module(block, mesh, plan);
+      manual_seed(2);
+      const Tensor x = randn({2, 8, 16}).narrow(1, 4 * r, 4).detach().requires_grad_();
+      const Tensor y = (*block)(x);
+      y.sum().backward();
+      return std::vector<Tensor>{y.detach(), x.grad(), block->named_parameters()[0].second.grad()};
+    };
+    const auto plain = run(default_group());
+    const auto delayed = run(std::make_shared<DelayingGroup>(
+        default_group(), DelayOptions{.cpu_delay = std::chrono::milliseconds(3), .scale = 1.0}));
+    for (size_t i = 0; i < plain.size(); ++i) {
+      require_close("delayed result " + std::to_string(i), delayed[i], plain[i], 0);
+    }
   }, kTimeout);
 }
 

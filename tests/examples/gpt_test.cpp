@@ -174,6 +174,22 @@ TEST_F(Gpt, ShardedTrainingEqualsDdp) {
             std::string::npos) << bad.output;
 }
 
+// --tp 2 over 2 ranks: one model laid out over both (sequence and loss parallel) trains on the
+// batch one rank of DDP would; it learns, prints its mesh, and its validation loss is the one of a
+// single process on the same batches (the same model and data, to rounding).
+TEST_F(Gpt, TensorParallelTwoRanksTrainsAsOneProcess) {
+  Result one = run("env EMBER_NUM_THREADS=1 " + tiny());
+  ASSERT_EQ(one.status, 0) << one.output;
+  Result r = run(two_ranks() + " --tp 2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("tensor parallel over DeviceMesh(cpu, (dp=1, tp=2), rank 0 at (0, 0)) "
+                          "(sequence and loss parallel)"),
+            std::string::npos) << r.output;
+  EXPECT_NEAR(value_of(r.output, "val_loss"), value_of(one.output, "val_loss"), 2e-4)
+      << "tp 2:\n" << r.output << "\none process:\n" << one.output;
+  EXPECT_GT(value_of(r.output, "tokens_per_s"), 0) << r.output;
+}
+
 // --shard zero --zero-overlap steps AdamW inside DDP's hook during backward: the same model as
 // DDP without clipping (which the overlap cannot do: refused by name, as is the flag without
 // --shard zero).
@@ -323,6 +339,10 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
       {"--dim 30", 2, "gpt: --dim 30 must be a multiple of --heads 4"},
       {"--layers 0", 2, "--layers: expected a number > 0, got 0"},
       {"--resume", 2, "gpt: --resume needs --checkpoint-dir"},
+      {"--tp 3", 2, "gpt: --tp 3 must divide --heads 4 and the vocabulary (256)"},
+      {"--tp 2 --sample 10", 2, "--tp takes neither --checkpoint-dir, --resume, --save-weights "
+                                "nor --sample yet"},
+      {"--tp 2", 1, "gpt: --tp 2 must divide the world size 1"},
       {"--data " + tmp.path + "/missing.txt", 1, "no text file at '" + tmp.path + "/missing.txt'"},
       {"--data " + short_text, 1, "is too short: its training split holds 21 tokens"},
   };
