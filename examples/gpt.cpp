@@ -80,6 +80,7 @@ struct Args {
   std::string comm_hook = "none";
   std::string shard = "none";  // none (DDP), zero (DDP + ZeroRedundancyOptimizer), fsdp
   int64_t tp = 1;              // tensor-parallel ranks; the others are data parallel
+  int64_t tp_overlap = 1;      // --tp's collectives fused with their matmuls in this many pieces
   bool zero_overlap = false;   // --shard zero: step inside DDP's hook (overlap_with_ddp)
   int64_t eval_every = 100;  // 0: only at the end
   int64_t eval_batches = 8;
@@ -206,11 +207,12 @@ std::string default_cache_dir() {
 }
 
 // The model laid out over the tensor-parallel ranks (--tp), or as it is.
-std::shared_ptr<GPT> tensor_parallel(std::shared_ptr<GPT> model, const MeshLayout& layout) {
+std::shared_ptr<GPT> tensor_parallel(std::shared_ptr<GPT> model, const MeshLayout& layout,
+                                     int64_t overlap_chunks) {
   if (layout.tp_mesh) {
     dist::parallelize_module(model, layout.tp_mesh,
                              gpt_tensor_parallel_plan(/*sequence_parallel=*/true,
-                                                      /*loss_parallel=*/true));
+                                                      /*loss_parallel=*/true, overlap_chunks));
   }
   return model;
 }
@@ -294,7 +296,7 @@ Trainer::Trainer(const Args& a)
     : a_(a),
       run_("gpt", a.backend, a.timeout_s, a.device),
       layout_(run_, a.tp),
-      model_(tensor_parallel(seeded_model(a, run_.device), layout_)),
+      model_(tensor_parallel(seeded_model(a, run_.device), layout_, a.tp_overlap)),
       data_(make_stream(a, *layout_.dp)),
       par_(make_parallel(a, model_, layout_.dp)),
       powersgd_(par_.ddp ? register_comm_hook(*par_.ddp, a.comm_hook, /*powersgd_rank=*/2,
@@ -755,6 +757,11 @@ void add_options(CLI::App& app, Args& a) {
                  "tensor-parallel ranks per model, with sequence and loss parallelism; the other "
                  "ranks are data parallel (docs/tensor_parallel.md)")
       ->check(kPositive)->capture_default_str();
+  app.add_option("--tp-overlap", a.tp_overlap,
+                 "with --tp: the sequence-parallel collectives fused with their matmuls in this "
+                 "many pieces of the batch, each overlapping the next piece's matmul (1: fused, "
+                 "no overlap; 0: unfused)")
+      ->check(kNonNegative)->capture_default_str();
   app.add_flag("--zero-overlap", a.zero_overlap,
                "with --shard zero: step each bucket's partition inside DDP's communication hook, "
                "overlapping the optimizer with backward (torch's overlap_with_ddp; needs --grad-clip 0)");

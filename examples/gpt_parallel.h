@@ -19,16 +19,21 @@ namespace ember::examples {
 /// The plan of a GPT over a tensor-parallel mesh: `sequence_parallel` shards the LayerNorms'
 /// and dropouts' activations on the sequence; `loss_parallel` leaves the logits sharded on the
 /// vocabulary (a DTensor output: dist::as_dtensor(logits) -> dist::loss_parallel::cross_entropy)
-/// instead of all-gathering them.
-inline dist::ParallelizePlan gpt_tensor_parallel_plan(bool sequence_parallel, bool loss_parallel) {
+/// instead of all-gathering them. `overlap_chunks`: the sequence-parallel collectives fused with
+/// their matmuls in this many pieces (ColwiseParallelOptions::overlap_chunks; 0 unfused).
+inline dist::ParallelizePlan gpt_tensor_parallel_plan(bool sequence_parallel, bool loss_parallel,
+                                                      int64_t overlap_chunks = 1) {
   using namespace dist;
   const Placement act = sequence_parallel ? Placement(Shard(1)) : Placement(Replicate());
   ParallelizePlan plan = {
       {"wte", RowwiseParallel({.input_layouts = Replicate(), .output_layouts = act})},
-      {"blocks.*.qkv", ColwiseParallel({.input_layouts = act, .output_chunks = 3})},
-      {"blocks.*.proj", RowwiseParallel({.output_layouts = act})},
-      {"blocks.*.fc", ColwiseParallel({.input_layouts = act})},
-      {"blocks.*.fc_proj", RowwiseParallel({.output_layouts = act})},
+      {"blocks.*.qkv", ColwiseParallel({.input_layouts = act,
+                                        .output_chunks = 3,
+                                        .overlap_chunks = overlap_chunks})},
+      {"blocks.*.proj", RowwiseParallel({.output_layouts = act, .overlap_chunks = overlap_chunks})},
+      {"blocks.*.fc", ColwiseParallel({.input_layouts = act, .overlap_chunks = overlap_chunks})},
+      {"blocks.*.fc_proj",
+       RowwiseParallel({.output_layouts = act, .overlap_chunks = overlap_chunks})},
       {"lm_head", ColwiseParallel({.input_layouts = act,
                                    .output_layouts = loss_parallel ? Placement(Shard(-1))
                                                                    : Placement(Replicate()),

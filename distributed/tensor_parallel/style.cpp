@@ -1,5 +1,6 @@
 #include <ember/distributed/tensor_parallel/style.h>
 
+#include <ember/distributed/tensor_parallel/detail/fused_linear.h>
 #include <ember/distributed/dtensor/detail/dtensor_impl.h>
 #include <ember/distributed/dtensor/ops.h>
 #include <ember/nn/dropout.h>
@@ -97,11 +98,21 @@ void ColwiseParallel::apply(nn::Module& module, const std::shared_ptr<DeviceMesh
   const Placement in = o_.input_layouts.value_or(Replicate());
   const Placement out = o_.output_layouts.value_or(Shard(-1));
   const bool use_local = o_.use_local_output;
+  const int64_t overlap = as<nn::Linear>(module) != nullptr ? o_.overlap_chunks : 0;
   module.set_forward_override([=](nn::Module& m, const Tensor& x) {
-    const DTensor dx = input_of(x, in, mesh).redistribute({Replicate()});
-    // The input meets a sharded computation: its gradient's parts are summed (f), unless the
-    // all-gather that made it reduce-scatters them already.
-    const Tensor y = m.forward(detail::local_for(dx, {Shard(0)}));
+    const DTensor din = input_of(x, in, mesh);
+    const Placement& p = din.placements()[0];
+    Tensor y;
+    if (overlap > 0 && p.is_shard() && p.dim() > 0 && p.dim() < din.dim() - 1) {
+      auto& l = static_cast<nn::Linear&>(m);
+      y = detail::all_gather_linear(din.local(), l.weight, l.bias, mesh->get_group(), p.dim(),
+                                    overlap);
+    } else {
+      const DTensor dx = din.redistribute({Replicate()});
+      // The input meets a sharded computation: its gradient's parts are summed (f), unless the
+      // all-gather that made it reduce-scatters them already.
+      y = m.forward(detail::local_for(dx, {Shard(0)}));
+    }
     if (chunks > 1) return y;
     Shape shape = y.shape();
     shape.back() = global_out > 0 ? global_out : y.size(-1) * n;
@@ -120,9 +131,18 @@ void RowwiseParallel::apply(nn::Module& module, const std::shared_ptr<DeviceMesh
     distribute_param(lin->weight, mesh, Shard(1), src);
     distribute_param(lin->bias, mesh, Replicate(), src);
     const Placement in = o_.input_layouts.value_or(Shard(-1));
+    const int64_t overlap = o_.overlap_chunks;
     module.set_forward_override([=](nn::Module& m, const Tensor& x) {
       auto& l = static_cast<nn::Linear&>(m);
       const DTensor dx = input_of(x, in, mesh).redistribute({Shard(-1)});
+      if (overlap > 0 && out.is_shard() && out.dim() > 0 && out.dim() < dx.dim() - 1 &&
+          dx.size(out.dim()) % n == 0) {
+        const Tensor y = detail::linear_reduce_scatter(dx.local(), l.weight, l.bias,
+                                                       mesh->get_group(), out.dim(), overlap);
+        Shape shape = dx.shape();
+        shape.back() = l.out_features;
+        return output_of(DTensor::make(y, mesh, {out}, shape), use_local);
+      }
       const DTensor y = linear(dx, param(l.weight), l.bias.defined() ? param(l.bias) : DTensor());
       return output_of(y.redistribute({out}), use_local);  // Partial: all-reduce or reduce-scatter
     });

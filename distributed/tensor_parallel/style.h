@@ -57,6 +57,12 @@ struct ColwiseParallelOptions {
   /// q, k, v projection), so each rank's output is its part of every block, in order. Needs
   /// the default output layout and use_local_output.
   int64_t output_chunks = 1;
+  /// A Linear whose input is sharded on the sequence (input_layouts Shard(1)): its all-gather
+  /// fused with the matmul, in this many pieces along the batch, each piece's all-gather
+  /// overlapping the previous piece's matmul (Note [fused sequence-parallel linears]); the
+  /// gathered input is not kept for backward. 1: fused, no overlap; 0: redistribute, then
+  /// linear.
+  int64_t overlap_chunks = 1;
 };
 class ColwiseParallel : public ParallelStyle {
  public:
@@ -75,6 +81,10 @@ struct RowwiseParallelOptions {
   /// Default Replicate; Shard(1) under sequence parallelism (a reduce-scatter).
   std::optional<Placement> output_layouts;
   bool use_local_output = true;
+  /// A Linear whose output is sharded on the sequence: its reduce-scatter fused with the
+  /// matmul, in this many pieces, each piece's reduce-scatter overlapping the next piece's
+  /// matmul. 1: fused, no overlap; 0: linear, then redistribute.
+  int64_t overlap_chunks = 1;
 };
 class RowwiseParallel : public ParallelStyle {
  public:

@@ -81,6 +81,7 @@ nn::NamedTensors reference(int dp, bool checkpoint) {
 struct Layout {
   int dp = 1, tp = 2;
   bool sequence_parallel = false, loss_parallel = false, checkpoint = false;
+  int64_t overlap_chunks = 1;  // 0: the sequence-parallel collectives unfused
 };
 
 // One rank of the tensor-parallel run: its parameters' shards against the reference's parts.
@@ -88,8 +89,8 @@ void train_rank(const Layout& l, const nn::NamedTensors& want) {
   auto mesh = init_device_mesh("cpu", {l.dp, l.tp}, {"dp", "tp"});
   auto tp = (*mesh)["tp"];
   auto model = make_gpt(l.checkpoint);
-  parallelize_module(model, tp, examples::gpt_tensor_parallel_plan(l.sequence_parallel,
-                                                                   l.loss_parallel));
+  parallelize_module(model, tp, examples::gpt_tensor_parallel_plan(
+                                    l.sequence_parallel, l.loss_parallel, l.overlap_chunks));
   std::shared_ptr<DistributedDataParallel> ddp;
   if (l.dp > 1) ddp = std::make_shared<DistributedDataParallel>(model, mesh->get_group("dp"));
   auto opt = adamw(model->parameters());
@@ -149,6 +150,12 @@ TEST(GptTensorParallel, Tp2LossParallelOnly) {
 }
 TEST(GptTensorParallel, Tp2SequenceParallelWithActivationCheckpointing) {
   run_threads_case({.tp = 2, .sequence_parallel = true, .loss_parallel = true, .checkpoint = true});
+}
+TEST(GptTensorParallel, Tp2SequenceParallelUnfusedAndOverlapped) {
+  run_threads_case({.tp = 2, .sequence_parallel = true, .loss_parallel = true,
+                    .overlap_chunks = 0});
+  run_threads_case({.tp = 2, .sequence_parallel = true, .loss_parallel = true,
+                    .overlap_chunks = 2});
 }
 TEST(GptTensorParallel, Tp4SequenceAndLossParallel) {
   run_threads_case({.tp = 4, .sequence_parallel = true, .loss_parallel = true});

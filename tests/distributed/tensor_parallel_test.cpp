@@ -240,7 +240,8 @@ std::string summary(const std::vector<Recording::Call>& calls) {
 // float32, 1024 B): without sequence parallelism, 2 all-reduces forward (after the attention's
 // and the MLP's row-parallel layers) and 2 backward (f before their column-parallel layers);
 // with it, each all-reduce becomes an all-gather and a reduce-scatter moving the same bytes,
-// and backward adds the LayerNorms' replicated parameters' all-reduces (4 of C values).
+// and backward adds the LayerNorms' replicated parameters' all-reduces (4 of C values) and, as
+// Megatron does to keep only the shards, the two column-parallel inputs' all-gathers again.
 TEST(TensorParallel, ABlockMovesWhatMegatronsAnalysisSays) {
   run_rank_threads(2, [](int r) {
     const int64_t act = 2 * 8 * 16 * 4;  // bytes of one [2, 8, 16] float32 activation
@@ -268,7 +269,7 @@ TEST(TensorParallel, ABlockMovesWhatMegatronsAnalysisSays) {
                    " B), reduce_scatter_tensor x2 (" + std::to_string(2 * act) + " B)"
              : "allreduce x2 (" + std::to_string(2 * act) + " B)";
       const std::string want_bwd =
-          sp ? "allgather_into_tensor x2 (" + std::to_string(2 * act) + " B), allreduce x4 (" +
+          sp ? "allgather_into_tensor x4 (" + std::to_string(4 * act) + " B), allreduce x4 (" +
                    std::to_string(4 * 16 * 4) + " B), reduce_scatter_tensor x2 (" +
                    std::to_string(2 * act) + " B)"
              : "allreduce x2 (" + std::to_string(2 * act) + " B)";
