@@ -393,6 +393,8 @@ double Trainer::train_step(int64_t step) {
       dist::clip_grad_norm_(par_.ddp->parameters(), a_.grad_clip, *layout_.tp_mesh);
     } else if (par_.ddp) {
       nn::clip_grad_norm_(par_.ddp->parameters(), a_.grad_clip);
+    } else if (layout_.mesh) {
+      dist::clip_grad_norm_(*model_, a_.grad_clip, *layout_.mesh);  // over dp and tp
     } else {
       dist::clip_grad_norm_(*model_, a_.grad_clip);  // the norm over every rank's shards
     }
@@ -682,9 +684,6 @@ std::string unavailable(const Args& a) {
                    a.sample > 0)) {
     return "--tp takes neither --checkpoint-dir, --resume, --save-weights nor --sample yet "
            "(docs/tensor_parallel.md)";
-  }
-  if (a.tp > 1 && a.shard == "fsdp") {
-    return "--tp with --shard fsdp is not supported yet (use --shard none or zero)";
   }
   if (a.zero_overlap && a.shard != "zero") {
     return "--zero-overlap needs --shard zero (got --shard " + a.shard + ")";

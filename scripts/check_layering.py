@@ -43,7 +43,7 @@ ROOMS = {
     "mesh": {"errors", "store", "top"},
     "functional": {"errors", "store", "top"},
     "dtensor": {"errors", "store", "top", "mesh", "functional"},
-    "tensor_parallel": {"errors", "store", "top", "mesh", "functional", "dtensor"},
+    "tensor_parallel": {"errors", "store", "top", "mesh", "functional", "dtensor", "sharding"},
 }
 # Headers users never include, so not installed (cmake/EmberInstall.cmake installs the rest).
 # Where unit cycles are refused.

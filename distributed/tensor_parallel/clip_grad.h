@@ -5,6 +5,7 @@
 #include <vector>
 
 #include <ember/distributed/mesh/device_mesh.h>
+#include <ember/nn/module.h>
 
 namespace ember::dist {
 
@@ -17,6 +18,14 @@ namespace ember::dist {
 /// float32 0-dim tensor equal on every rank. Throws ValueError for a negative max_norm, a
 /// norm_type <= 0, or a mesh that is not 1-D.
 Tensor clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, const DeviceMesh& mesh,
+                       double norm_type = 2.0);
+
+/// The same for a model sharded by fully_shard over the data-parallel ranks on top of tensor
+/// parallelism (2-D): `mesh` is (dp, tp), fully_shard's group mesh dimension 0 and
+/// parallelize_module's mesh dimension 1. The norm sums the shards over both dimensions and
+/// counts a parameter replicated over either once. Collective over the mesh (an all-reduce over
+/// each dimension).
+Tensor clip_grad_norm_(const nn::Module& root, double max_norm, const DeviceMesh& mesh,
                        double norm_type = 2.0);
 
 }  // namespace ember::dist

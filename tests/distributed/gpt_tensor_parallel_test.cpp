@@ -8,6 +8,7 @@
 #include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/backends/process_group_threads.h>
 #include <ember/distributed/ddp/ddp.h>
+#include <ember/distributed/sharding/fsdp.h>
 #include <ember/distributed/init.h>
 #include <ember/distributed/store/tcp_store.h>
 #include <ember/distributed/tensor_parallel/clip_grad.h>
@@ -82,6 +83,7 @@ struct Layout {
   int dp = 1, tp = 2;
   bool sequence_parallel = false, loss_parallel = false, checkpoint = false;
   int64_t overlap_chunks = 1;  // 0: the sequence-parallel collectives unfused
+  bool fsdp = false;           // fully_shard over dp instead of DDP
 };
 
 // One rank of the tensor-parallel run: its parameters' shards against the reference's parts.
@@ -92,8 +94,31 @@ void train_rank(const Layout& l, const nn::NamedTensors& want) {
   parallelize_module(model, tp, examples::gpt_tensor_parallel_plan(
                                     l.sequence_parallel, l.loss_parallel, l.overlap_chunks));
   std::shared_ptr<DistributedDataParallel> ddp;
-  if (l.dp > 1) ddp = std::make_shared<DistributedDataParallel>(model, mesh->get_group("dp"));
-  auto opt = adamw(model->parameters());
+  std::unique_ptr<nn::optim::AdamW> opt;
+  if (l.fsdp) {
+    // 2-D: every block, then the root, sharded over dp on top of the tensor-parallel layout.
+    for (const auto& b : model->blocks) fully_shard(b, {.group = mesh->get_group("dp")});
+    fully_shard(model, {.group = mesh->get_group("dp")});
+    std::vector<Tensor> decay, no_decay;
+    for (const LocalShard& s : local_shards(*model)) {
+      if (s.data.defined()) (s.shape.size() >= 2 ? decay : no_decay).push_back(s.data);
+    }
+    for (const Tensor& p : fsdp_parameters(*model)) {
+      bool piece = false;
+      for (const Tensor& q : decay) piece = piece || q.is_same(p);
+      for (const Tensor& q : no_decay) piece = piece || q.is_same(p);
+      if (!piece) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+    }
+    opt = std::make_unique<nn::optim::AdamW>(
+        std::vector<nn::optim::ParamGroup>{
+            nn::optim::ParamGroup(std::move(decay), {{"weight_decay", 0.1}}),
+            nn::optim::ParamGroup(std::move(no_decay), {{"weight_decay", 0.0}})},
+        nn::optim::AdamWOptions{.lr = 3e-3, .betas = {0.9, 0.95}, .eps = 1e-8,
+                                .weight_decay = 0.1});
+  } else {
+    if (l.dp > 1) ddp = std::make_shared<DistributedDataParallel>(model, mesh->get_group("dp"));
+    opt = adamw(model->parameters());
+  }
   const int64_t row = mesh->get_local_rank("dp") * kBatch;
   for (int s = 0; s < kSteps; ++s) {
     const Tensor b = batch(s, l.dp * kBatch).narrow(0, row, kBatch);
@@ -109,10 +134,27 @@ void train_rank(const Layout& l, const nn::NamedTensors& want) {
       loss = nn::functional::cross_entropy(logits.reshape({-1, 256}), y.reshape({-1}));
     }
     loss.backward();
-    clip_grad_norm_(model->parameters(), 1.0, *tp);
+    if (l.fsdp) {
+      clip_grad_norm_(*model, 1.0, *mesh);
+    } else {
+      clip_grad_norm_(model->parameters(), 1.0, *tp);
+    }
     opt->step();
   }
-  const nn::NamedTensors got = model->named_parameters();
+  // The tensor-parallel parameters, gathered over dp when fully_shard holds them in pieces.
+  nn::NamedTensors got;
+  if (l.fsdp) {
+    const nn::NamedTensors whole = full_state_dict(*model);
+    const nn::NamedTensors handles = model->named_parameters();
+    for (const auto& [name, p] : handles) {
+      for (const auto& [n2, t] : whole) {
+        if (n2 == name) got.emplace_back(name, t);
+      }
+      if (auto d = as_dtensor(p)) register_dtensor(got.back().second, *d);
+    }
+  } else {
+    got = model->named_parameters();
+  }
   require(got.size() == want.size(), "parameter count");
   for (size_t i = 0; i < got.size(); ++i) {
     // The reference's part as the parameter's DTensor lays it out (a fused projection as its
@@ -162,6 +204,10 @@ TEST(GptTensorParallel, Tp4SequenceAndLossParallel) {
 }
 TEST(GptTensorParallel, Tp2ByDp2WithDdp) {
   run_threads_case({.dp = 2, .tp = 2, .sequence_parallel = true, .loss_parallel = true});
+}
+TEST(GptTensorParallel, Tp2ByDp2WithFullyShardOverDp) {
+  run_threads_case({.dp = 2, .tp = 2, .sequence_parallel = true, .loss_parallel = true,
+                    .fsdp = true});
 }
 
 // The same 2 x 2 layout as four processes over gloo's shared memory.
