@@ -11,7 +11,7 @@
 #include <cstdio>
 #include <string>
 
-#include <ember/distributed/sharding/sharded_checkpoint.h>
+#include <ember/distributed/checkpoint/sharded_checkpoint.h>
 #include <ember/tensor/error.h>
 
 namespace {

@@ -29,7 +29,7 @@
 
 #include <ember/distributed/ddp/amp.h>
 #include <ember/distributed/sharding/fsdp.h>
-#include <ember/distributed/sharding/fsdp_checkpoint.h>
+#include <ember/distributed/checkpoint/model_checkpoint.h>
 #include <ember/distributed/sharding/zero.h>
 #include <ember/distributed/sharding/zero_hook.h>
 #include <ember/distributed/tensor_parallel/clip_grad.h>
@@ -507,7 +507,8 @@ void Trainer::measure_peak_memory() {
 
 // ---- checkpoints ----
 
-// --shard fsdp's checkpoint: a folder of per-rank shards and an index (distributed/sharding/fsdp.h).
+// --shard fsdp's and --tp's checkpoint: a folder of per-rank parts and an index
+// (distributed/checkpoint/model_checkpoint.h), loadable at any layout.
 std::string sharded_checkpoint_dir(const std::string& dir) { return dir + "/sharded"; }
 
 std::map<std::string, std::string> run_settings(const Args& a, int world) {
@@ -518,7 +519,8 @@ std::map<std::string, std::string> run_settings(const Args& a, int world) {
 }
 
 // Every rank calls it at the same step (the hook state, ZeRO's optimizer state are gathered);
-// rank 0 writes the file. --shard fsdp: every rank writes its shards (a sharded checkpoint).
+// rank 0 writes the file. --shard fsdp or --tp: every rank writes its parts (a sharded
+// checkpoint).
 void Trainer::save_checkpoint() {
   auto meta = run_settings(a_, run_.world);
   meta["global_step"] = std::to_string(step_);
@@ -527,9 +529,10 @@ void Trainer::save_checkpoint() {
   // --amp fp16: the loss scale and its growth tracker, so a resumed run neither starts over at
   // 2^16 (skipping steps to back off again) nor forgets how long it has been clean.
   if (scaler_.is_enabled()) meta["grad_scaler"] = nlohmann::json(scaler_.state_dict()).dump();
-  if (a_.shard == "fsdp") {
-    dist::save_fsdp_checkpoint(sharded_checkpoint_dir(a_.checkpoint_dir), *model_,
-                               &par_.optimizer(), *run_.pg, meta);
+  meta["tp"] = std::to_string(a_.tp);
+  if (a_.shard == "fsdp" || a_.tp > 1) {
+    dist::save_model_checkpoint(sharded_checkpoint_dir(a_.checkpoint_dir), *model_,
+                                &par_.optimizer(), *run_.pg, meta);
     return;
   }
   const nn::NamedTensors extra = gather_hook_state(powersgd_.get(), *run_.pg);
@@ -548,13 +551,15 @@ void Trainer::save_checkpoint() {
 
 // Loads the checkpoint if --resume finds one; returns the step to continue from. The batches
 // are a function of the step, so the run goes on with the windows it would have drawn. --shard
-// none and zero take a --shard fsdp run's sharded checkpoint when there is no plain one (the
-// whole tensors read from the shards: a sharded run continues unsharded).
+// none and zero take a --shard fsdp or --tp run's sharded checkpoint when there is no plain one
+// (the whole tensors read from the parts: a sharded run continues unsharded), and any layout
+// takes any other's.
 int64_t Trainer::maybe_resume() {
   if (!a_.resume) return 0;
   const std::string plain = checkpoint_path(a_.checkpoint_dir);
   const std::string sharded_dir = sharded_checkpoint_dir(a_.checkpoint_dir);
-  const bool sharded = a_.shard == "fsdp" || (!std::filesystem::exists(plain) &&
+  const bool sharded = a_.shard == "fsdp" || a_.tp > 1 ||
+                       (!std::filesystem::exists(plain) &&
                                               std::filesystem::exists(sharded_dir + "/index.json"));
   const std::string path = sharded ? sharded_dir : plain;
   if (!std::filesystem::exists(sharded ? path + "/index.json" : path)) {
@@ -566,7 +571,7 @@ int64_t Trainer::maybe_resume() {
   nn::NamedTensors extra;
   std::map<std::string, std::string> loaded;
   auto load = [&](nn::optim::Optimizer* opt) {
-    return sharded ? dist::load_fsdp_checkpoint(path, *model_, opt)
+    return sharded ? dist::load_model_checkpoint(path, *model_, opt)
                    : nn::load_checkpoint(path, *model_, opt, &extra);
   };
   if (a_.shard == "fsdp") {
@@ -583,13 +588,21 @@ int64_t Trainer::maybe_resume() {
   // are a function of the step and the rank, the schedule of the step, and every checkpoint
   // layout loads at any world size; only PowerSGD's per-rank state cannot follow.
   const std::string saved_world = loaded.count("world_size") ? loaded.at("world_size") : "";
+  const std::string saved_tp = loaded.count("tp") ? loaded.at("tp") : "1";
   const bool same_world = saved_world == std::to_string(run_.world);
+  const bool same_tp = saved_tp == std::to_string(a_.tp);
   for (const auto& [key, value] : run_settings(a_, run_.world)) {
     if (key != "world_size") meta.must_match(key.c_str(), value);
   }
+  // PowerSGD's state is per rank, in plain checkpoints only.
+  const bool hook_state = powersgd_ && same_world && !sharded;
   if (!same_world && run_.leader) {
     std::printf("resume: saved at world size %s, now %d%s\n", saved_world.c_str(), run_.world,
                 powersgd_ ? " (PowerSGD's state starts afresh)" : "");
+  }
+  if (!same_tp && run_.leader) {
+    std::printf("resume: saved at --tp %s, now %lld\n", saved_tp.c_str(),
+                static_cast<long long>(a_.tp));
   }
   schedule_.load_state_dict(meta.get("lr_scheduler"));
   if (auto it = loaded.find("grad_scaler"); it != loaded.end() && scaler_.is_enabled()) {
@@ -606,7 +619,7 @@ int64_t Trainer::maybe_resume() {
     }
     scaler_.load_state_dict(state);
   }
-  if (powersgd_ && same_world) powersgd_->load_state_dict(hook_state_of_rank(extra, run_.rank));
+  if (hook_state) powersgd_->load_state_dict(hook_state_of_rank(extra, run_.rank));
   const int64_t step = meta.get_int("global_step", 0, a_.steps);
   if (run_.leader) {
     std::printf("resume: %s at step %lld\n", path.c_str(), static_cast<long long>(step));
@@ -680,10 +693,13 @@ std::string unavailable(const Args& a) {
     return "--shard " + a.shard + " takes neither --comm-hook nor --amp fp16 (got --comm-hook " +
            a.comm_hook + ", --amp " + a.amp + ")";
   }
-  if (a.tp > 1 && (!a.checkpoint_dir.empty() || a.resume || !a.save_weights.empty() ||
-                   a.sample > 0)) {
-    return "--tp takes neither --checkpoint-dir, --resume, --save-weights nor --sample yet "
+  if (a.tp > 1 && (!a.save_weights.empty() || a.sample > 0)) {
+    return "--tp takes neither --save-weights nor --sample yet: write a checkpoint "
+           "(--checkpoint-dir) and continue or sample from it without --tp "
            "(docs/tensor_parallel.md)";
+  }
+  if (a.tp > 1 && a.shard == "zero" && !a.checkpoint_dir.empty()) {
+    return "--tp with --shard zero takes no --checkpoint-dir yet (--shard none or fsdp do)";
   }
   if (a.zero_overlap && a.shard != "zero") {
     return "--zero-overlap needs --shard zero (got --shard " + a.shard + ")";

@@ -7,7 +7,7 @@
 // "optim.param_groups" when an optimizer is saved. load_checkpoint also reads optimizer state
 // keyed by parameter name, "optim.<parameter name>.<key>" (metadata "optim.state_keys" =
 // "parameter_names"): the layout of a sharded FSDP checkpoint and of its consolidated file
-// (distributed/sharding/fsdp_checkpoint.h), whose indices would not survive resharding. A
+// (distributed/checkpoint/model_checkpoint.h), whose indices would not survive resharding. A
 // file without an optimizer is a plain safetensors state dict in PyTorch's names and layouts
 // (scripts/to_torch.py turns it into a torch state_dict).
 #pragma once

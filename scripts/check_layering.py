@@ -44,6 +44,8 @@ ROOMS = {
     "functional": {"errors", "store", "top"},
     "dtensor": {"errors", "store", "top", "mesh", "functional"},
     "tensor_parallel": {"errors", "store", "top", "mesh", "functional", "dtensor", "sharding"},
+    "checkpoint": {"errors", "store", "top", "debug", "ddp", "sharding", "mesh", "functional",
+                   "dtensor"},
 }
 # Headers users never include, so not installed (cmake/EmberInstall.cmake installs the rest).
 # Where unit cycles are refused.

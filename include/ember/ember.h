@@ -13,8 +13,8 @@
 #include <ember/distributed/init.h>
 #include <ember/distributed/process_group.h>
 #include <ember/distributed/sharding/fsdp.h>
-#include <ember/distributed/sharding/fsdp_checkpoint.h>
-#include <ember/distributed/sharding/sharded_checkpoint.h>
+#include <ember/distributed/checkpoint/model_checkpoint.h>
+#include <ember/distributed/checkpoint/sharded_checkpoint.h>
 #include <ember/distributed/sharding/zero.h>
 #include <ember/distributed/sharding/zero_hook.h>
 #include <ember/nn/amp/autocast.h>

@@ -11,7 +11,7 @@
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/sharding/detail/fsdp_unit.h>
 #include <ember/distributed/sharding/fsdp.h>
-#include <ember/distributed/sharding/fsdp_checkpoint.h>
+#include <ember/distributed/checkpoint/model_checkpoint.h>
 #include <ember/nn/clip_grad.h>
 #include <ember/nn/container.h>
 #include <ember/nn/functional.h>
@@ -193,14 +193,14 @@ void resume_mid_run(Device dev) {
       auto model = models[static_cast<size_t>(rank)];
       shard_on(dev, model, options_of({n, true, false}, pg));
       nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
-      if (second_half) load_fsdp_checkpoint(path, *model, &opt);
+      if (second_half) load_model_checkpoint(path, *model, &opt);
       for (int i = second_half ? kSteps / 2 : 0; i < (second_half ? kSteps : kSteps / 2); ++i) {
         opt.zero_grad();
         test::fsdp_loss(*model, mine(bs[static_cast<size_t>(i)], rank, n, dev)).backward();
         opt.step();
       }
       if (!second_half) {
-        save_fsdp_checkpoint(path, *model, &opt, *pg, {});
+        save_model_checkpoint(path, *model, &opt, *pg, {});
         return;
       }
       require_same_state("resumed rank " + std::to_string(rank), on_host(full_state_dict(*model)),

@@ -12,8 +12,8 @@
 #include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/backends/process_group_mpi.h>
 #include <ember/distributed/sharding/fsdp.h>
-#include <ember/distributed/sharding/fsdp_checkpoint.h>
-#include <ember/distributed/sharding/sharded_checkpoint.h>
+#include <ember/distributed/checkpoint/model_checkpoint.h>
+#include <ember/distributed/checkpoint/sharded_checkpoint.h>
 #include <ember/nn/activation_checkpoint.h>
 #include <ember/nn/checkpoint.h>
 #include <ember/nn/clip_grad.h>
@@ -344,7 +344,7 @@ TEST(FsdpCheckpoint, ReshardsFromFourRanksToTwoAndOne) {
       shard(*model, model, {}, pg);
       nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
       if (load) {
-        const auto meta = load_fsdp_checkpoint(path, *model, &opt);
+        const auto meta = load_model_checkpoint(path, *model, &opt);
         require(meta.at("step") == std::to_string(first), "metadata step");
       }
       for (int i = first; i < last; ++i) {
@@ -352,7 +352,7 @@ TEST(FsdpCheckpoint, ReshardsFromFourRanksToTwoAndOne) {
         test::fsdp_loss(*model, test::slice(bs[i], rank, n)).backward();
         opt.step();
       }
-      if (save) save_fsdp_checkpoint(path, *model, &opt, *pg, {{"step", std::to_string(last)}});
+      if (save) save_model_checkpoint(path, *model, &opt, *pg, {{"step", std::to_string(last)}});
       if (last == kSteps) {
         require_state(std::to_string(n) + " ranks, rank " + std::to_string(rank),
                       full_state_dict(*model), *ref, 2e-5);
@@ -387,19 +387,19 @@ TEST(FsdpCheckpoint, MismatchesAreRefusedByName) {
     shard(*model, model, {}, pg);
     nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
     test::require_throws_with(
-        "reserved key", [&] { save_fsdp_checkpoint(path, *model, &opt, *pg, {{"optim.x", "1"}}); },
+        "reserved key", [&] { save_model_checkpoint(path, *model, &opt, *pg, {{"optim.x", "1"}}); },
         "is reserved");
-    save_fsdp_checkpoint(path, *model, &opt, *pg, {});
+    save_model_checkpoint(path, *model, &opt, *pg, {});
     auto deeper = test::make_fsdp_net(4);  // one block more: blocks.3 is missing
     shard(*deeper, deeper, {}, pg);
     test::require_throws_with("missing tensor",
-                              [&] { load_fsdp_checkpoint(path, *deeper, nullptr); },
+                              [&] { load_model_checkpoint(path, *deeper, nullptr); },
                               "has no tensor 'block3.");
     nn::optim::SGD sgd(fsdp_parameters(*model), {.lr = 0.1});
-    test::require_throws_with("optimizer type", [&] { load_fsdp_checkpoint(path, *model, &sgd); },
+    test::require_throws_with("optimizer type", [&] { load_model_checkpoint(path, *model, &sgd); },
                               "holds Adam state; the optimizer is SGD");
     test::require_throws_with("no checkpoint",
-                              [&] { load_fsdp_checkpoint(dir.path() + "/none", *model, nullptr); },
+                              [&] { load_model_checkpoint(dir.path() + "/none", *model, nullptr); },
                               "index.json");
   });
 }

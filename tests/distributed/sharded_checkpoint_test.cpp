@@ -13,7 +13,7 @@
 #include <set>
 
 #include <ember/distributed/backends/process_group_gloo.h>
-#include <ember/distributed/sharding/sharded_checkpoint.h>
+#include <ember/distributed/checkpoint/sharded_checkpoint.h>
 #include <ember/nn/serialize.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/ops.h>
@@ -117,6 +117,9 @@ void require_same(const std::string& what, const Tensor& got, const Tensor& want
   }
 }
 
+std::map<int, std::string> save_messages(
+    const std::string& dir, int n, const std::function<std::vector<ShardPiece>(int)>& pieces);
+
 test::ThreadsSetup ranks(int n) {
   test::ThreadsSetup s;
   s.n = n;
@@ -204,6 +207,130 @@ TEST(ShardedCheckpoint, OneRankAndTwoRanks) {
     save_on_threads(dir.path(), specs, values, n);
     EXPECT_EQ(ShardedCheckpoint(dir.path()).world_size(), n);
     check_read_back(dir.path(), specs, values, 3);
+  }
+}
+
+// Boxes and replicated pieces, as tensor parallelism lays tensors out on a (dp 2, tp 2) mesh of
+// 4 ranks (rank = 2 dp + tp):
+//   cols  [6, 8]  Shard(1) over tp, replicated over dp: each tp block given by both dp ranks;
+//   fused [12, 4] viewed as [3, 4, 4], Shard(1) over tp (a fused projection's blocks), its
+//                 block split flat over dp (FSDP over tensor parallelism);
+//   norm  [5]     replicated over tp, flat halves over dp (an FSDP-sharded LayerNorm weight);
+//   step  []      on every rank.
+// Each copy is written once, spread over the ranks, and every read (whole, flat ranges, other
+// boxes, a flat range of another box, another view) gives the tensor's own elements.
+TEST(ShardedCheckpoint, BoxesAndReplicatedPieces) {
+  TempDir dir;
+  const Tensor cols = arange(48).to(kFloat32).reshape({6, 8});
+  const Tensor fused = (arange(48).to(kFloat32) + 100).reshape({12, 4});
+  const Tensor norm = (arange(5).to(kFloat32) + 200);
+  const Tensor step = full({}, 7.0, TensorOptions(kInt64));
+  test::run_threads(ranks(4), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    const int64_t tp = rank % 2, dp = rank / 2;
+    const Tensor block = cols.narrow(1, 4 * tp, 4).contiguous().reshape({-1});
+    const Tensor fblock = fused.reshape({3, 4, 4}).narrow(1, 2 * tp, 2).contiguous().reshape({-1});
+    std::vector<ShardPiece> mine = {
+        {"cols", {6, 8}, 0, block, Box{{}, {0, 4 * tp}, {6, 4}}, true},
+        {"fused", {12, 4}, 12 * dp, fblock.narrow(0, 12 * dp, 12),
+         Box{{3, 4, 4}, {0, 2 * tp, 0}, {3, 2, 4}}, true},
+        {"norm", {5}, 3 * dp, norm.narrow(0, 3 * dp, dp == 0 ? 3 : 2), {}, true},
+        {"step", {}, 0, step.reshape({-1}), {}, true},
+    };
+    save_sharded(dir.path(), mine, *pg);
+  });
+  const ShardedCheckpoint ck(dir.path());
+  // One writer per copy: cols's 2 blocks, fused's 4 pieces, norm's 2 halves, one step.
+  EXPECT_EQ(ck.entry("cols").pieces.size(), 2u);
+  EXPECT_EQ(ck.entry("fused").pieces.size(), 4u);
+  EXPECT_EQ(ck.entry("norm").pieces.size(), 2u);
+  EXPECT_EQ(ck.entry("step").pieces.size(), 1u);
+  // The copies spread: every rank writes something.
+  std::set<int> writers;
+  for (const std::string& n : ck.names()) {
+    for (const auto& p : ck.entry(n).pieces) writers.insert(p.rank);
+  }
+  EXPECT_EQ(writers, (std::set<int>{0, 1, 2, 3}));
+  require_same("cols", ck.read_full("cols"), cols);
+  require_same("fused", ck.read_full("fused"), fused);
+  require_same("norm", ck.read_full("norm"), norm);
+  require_same("step", ck.read_full("step"), step);
+  // Rows (Shard(0)) at another tp size, an arbitrary block, a flat range crossing blocks.
+  for (int64_t r = 0; r < 3; ++r) {
+    require_same("cols rows", ck.read_box("cols", {{}, {2 * r, 0}, {2, 8}}),
+                 cols.narrow(0, 2 * r, 2));
+  }
+  require_same("cols block", ck.read_box("cols", {{}, {1, 3}, {4, 5}}),
+               cols.narrow(0, 1, 4).narrow(1, 3, 5));
+  require_same("cols range", ck.read("cols", 5, 20), cols.reshape({-1}).narrow(0, 5, 20));
+  // fused at tp 4 as blocks of its view, and FSDP's flat range of one.
+  const Tensor fv = fused.reshape({3, 4, 4});
+  for (int64_t t = 0; t < 4; ++t) {
+    require_same("fused at tp 4", ck.read_box("fused", {{3, 4, 4}, {0, t, 0}, {3, 1, 4}}),
+                 fv.narrow(1, t, 1));
+  }
+  require_same("fused, part of a block",
+               ck.read("fused", 5, 6, {{3, 4, 4}, {0, 1, 0}, {3, 2, 4}}),
+               fv.narrow(1, 1, 2).contiguous().reshape({-1}).narrow(0, 5, 6));
+  // Another view of the same elements: [3, 16]'s columns 4..12.
+  require_same("fused viewed as [3, 16]", ck.read_box("fused", {{3, 16}, {0, 4}, {3, 8}}),
+               fused.reshape({3, 16}).narrow(1, 4, 8));
+  // Boxes that do not fit are refused, naming the tensor.
+  for (const Box& bad : {Box{{}, {0, 5}, {6, 4}}, Box{{}, {0}, {6}}, Box{{7, 7}, {0, 0}, {1, 1}}}) {
+    const std::string e = test::message_of([&] { ck.read_box("cols", bad); });
+    EXPECT_NE(e.find("read_box('cols')"), std::string::npos) << e;
+    EXPECT_THROW(ck.read_box("cols", bad), IndexError);
+  }
+  EXPECT_NE(test::message_of([&] { ck.read("cols", 10, 20, {{}, {0, 0}, {6, 4}}); })
+                .find("outside the box's 24 elements"),
+            std::string::npos);
+  // Consolidated, the tensors are whole as ever.
+  ck.consolidate(dir.file("full.safetensors"));
+  require_same("consolidated fused", nn::load_safetensors(dir.file("full.safetensors")).at("fused"),
+               fused);
+}
+
+TEST(ShardedCheckpoint, BoxesThatOverlapOrDoNotFitFailOnEveryRank) {
+  struct Case {
+    const char* what;
+    std::function<std::vector<ShardPiece>(int)> pieces;
+    std::string expect;
+  };
+  const Tensor four = zeros({4}), eight = zeros({8});
+  const std::vector<Case> cases = {
+      {"blocks that overlap",
+       [&](int r) {
+         return std::vector<ShardPiece>{{"w", {4, 4}, 0, eight, Box{{}, {0, r}, {4, 2}}}};
+       },
+       "overlaps"},
+      {"replicated but not the same piece",
+       [&](int r) {
+         return std::vector<ShardPiece>{{"w", {4, 4}, 0, eight, Box{{}, {r, 0}, {2, 4}}, true}};
+       },
+       "overlaps"},
+      {"a box outside the tensor",
+       [&](int r) {
+         return std::vector<ShardPiece>{{"w", {4, 4}, 0, eight, Box{{}, {0, 3 * r}, {4, 2}}}};
+       },
+       "rank 1: piece 0 ('w') of shape [4,4]: a box at [0,3] of shape [4,2] is outside [4,4]"},
+      {"a view of another size",
+       [&](int) {
+         return std::vector<ShardPiece>{{"w", {4, 4}, 0, four, Box{{2, 4}, {0, 0}, {2, 2}}}};
+       },
+       "a box's view [2,4] does not have the tensor's 16 elements"},
+      {"more data than the box holds",
+       [&](int r) {
+         return std::vector<ShardPiece>{{"w", {4, 4}, 4, eight, Box{{}, {0, 2 * r}, {4, 2}}}};
+       },
+       "covers elements [4, 12), outside the 8 of its box of shape [4,2]"},
+  };
+  for (const Case& c : cases) {
+    TempDir dir;
+    const auto errors = save_messages(dir.path(), 2, c.pieces);
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_NE(errors.at(r).find(c.expect), std::string::npos)
+          << c.what << ": rank " << r << " got '" << errors.at(r) << "'";
+    }
+    EXPECT_TRUE(files_in(dir.path()).empty()) << c.what;
   }
 }
 

@@ -7,7 +7,7 @@
 #include <string>
 
 #include <ember/distributed/backends/process_group_threads.h>
-#include <ember/distributed/sharding/sharded_checkpoint.h>
+#include <ember/distributed/checkpoint/sharded_checkpoint.h>
 #include <ember/nn/serialize.h>
 #include <ember/tensor/creation.h>
 #include "cmake/build_paths.h"

@@ -190,6 +190,31 @@ TEST_F(Gpt, TensorParallelTwoRanksTrainsAsOneProcess) {
   EXPECT_GT(value_of(r.output, "tokens_per_s"), 0) << r.output;
 }
 
+// A --tp 2 run stopped at step 15 goes on from its sharded checkpoint (each rank wrote its
+// tensor-parallel parts, placements in the index) at --tp 2, ending where the uninterrupted run
+// ends, and in one process (another layout, another world size), ending where it does to rounding.
+TEST_F(Gpt, TensorParallelCheckpointGoesOnAtAnotherLayout) {
+  Result whole = run(two_ranks() + " --tp 2");
+  ASSERT_EQ(whole.status, 0) << whole.output;
+  const std::string ck = tmp.path + "/ck";
+  Result first = run(two_ranks() + " --tp 2 --checkpoint-dir " + ck + " --stop-at-step 15");
+  ASSERT_EQ(first.status, 0) << first.output;
+  ASSERT_TRUE(fs::exists(ck + "/sharded/index.json")) << first.output;
+  fs::copy(ck, tmp.path + "/ck1", fs::copy_options::recursive);
+  Result rest = run(two_ranks() + " --tp 2 --resume --checkpoint-dir " + ck);
+  ASSERT_EQ(rest.status, 0) << rest.output;
+  EXPECT_NE(rest.output.find("sharded at step 15\n"), std::string::npos) << rest.output;
+  EXPECT_EQ(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"))
+      << "resumed:\n" << rest.output << "\nuninterrupted:\n" << whole.output;
+  Result alone = run("env EMBER_NUM_THREADS=1 " + tiny() + " --resume --checkpoint-dir " +
+                     tmp.path + "/ck1");
+  ASSERT_EQ(alone.status, 0) << alone.output;
+  EXPECT_NE(alone.output.find("resume: saved at --tp 2, now 1\n"), std::string::npos)
+      << alone.output;
+  EXPECT_NEAR(value_of(alone.output, "val_loss"), value_of(whole.output, "val_loss"), 2e-4)
+      << "one process:\n" << alone.output << "\ntp 2:\n" << whole.output;
+}
+
 // --shard zero --zero-overlap steps AdamW inside DDP's hook during backward: the same model as
 // DDP without clipping (which the overlap cannot do: refused by name, as is the flag without
 // --shard zero).
@@ -340,8 +365,9 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
       {"--layers 0", 2, "--layers: expected a number > 0, got 0"},
       {"--resume", 2, "gpt: --resume needs --checkpoint-dir"},
       {"--tp 3", 2, "gpt: --tp 3 must divide --heads 4 and the vocabulary (256)"},
-      {"--tp 2 --sample 10", 2, "--tp takes neither --checkpoint-dir, --resume, --save-weights "
-                                "nor --sample yet"},
+      {"--tp 2 --sample 10", 2, "--tp takes neither --save-weights nor --sample yet"},
+      {"--tp 2 --shard zero --checkpoint-dir x", 2,
+       "--tp with --shard zero takes no --checkpoint-dir yet"},
       {"--tp 2", 1, "gpt: --tp 2 must divide the world size 1"},
       {"--data " + tmp.path + "/missing.txt", 1, "no text file at '" + tmp.path + "/missing.txt'"},
       {"--data " + short_text, 1, "is too short: its training split holds 21 tokens"},

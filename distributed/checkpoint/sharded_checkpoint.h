@@ -4,10 +4,13 @@
 //
 // Layout of a checkpoint directory DIR:
 //   DIR/<save id>.rank<R>.safetensors  rank R's pieces as 1-D tensors (nn::save_safetensors),
-//                                       named "<tensor name>@<offset>"
+//                                       named "<tensor name>@<its first element's flat index>"
 //   DIR/index.json                      format version, save id, world size, metadata, and per
-//                                       tensor its shape, dtype and pieces (rank, offset, numel,
-//                                       byte offset in that rank's file)
+//                                       tensor its shape, dtype and pieces (rank, box, offset,
+//                                       numel, byte offset in that rank's file)
+// A piece is a run of elements of a box of the tensor: the whole tensor (a flat range, as FSDP
+// and ZeRO hold), or a block such as a tensor-parallel shard (Shard(1) of a matrix is not one
+// flat range), or a flat range of such a block (FSDP over tensor parallelism).
 // The index is written (atomically) only after every rank's file is durable, so it always
 // names a complete set: a crash mid-save leaves the previous index and its files untouched.
 #pragma once
@@ -23,22 +26,41 @@
 
 namespace ember::dist {
 
-/// One rank's piece of a logical tensor: elements [offset, offset + data.numel()) of the tensor
-/// `name` of shape `shape`, flattened in row-major order. `data` is 1-D, on any device (copied
-/// to the CPU to be written), of any dtype nn::save_safetensors supports.
+/// A block of a tensor: the elements at [offset[d], offset[d] + shape[d]) along every dimension
+/// d of the tensor seen as `view` (a row-major shape of as many elements: a fused projection's
+/// [3, C, C] blocks for its [3C, C] weight; empty: the tensor's own shape). A Box without a
+/// shape is the whole tensor (then view and offset are empty too).
+struct Box {
+  std::vector<int64_t> view;
+  std::vector<int64_t> offset;
+  std::vector<int64_t> shape;
+  bool whole() const { return shape.empty(); }
+  bool operator==(const Box&) const = default;
+};
+
+/// One rank's piece of a logical tensor: elements [offset, offset + data.numel()) of `box` of
+/// the tensor `name` of shape `shape`, in the box's row-major order (the whole tensor's when
+/// `box` is whole). `data` is 1-D, on any device (copied to the CPU to be written), of any
+/// dtype nn::save_safetensors supports. `replicated`: other ranks may give the very same piece
+/// (same box, offset and numel), and one of them writes it (the one with the fewest bytes to
+/// write so far: replicated tensors spread over the ranks); without it, the same piece on two
+/// ranks is an overlap.
 struct ShardPiece {
   std::string name;
   std::vector<int64_t> shape;
   int64_t offset = 0;
   Tensor data;
+  Box box = {};
+  bool replicated = false;
 };
 
 /// Saves this rank's `pieces` into the checkpoint directory `dir` (created if missing; shared
 /// by all ranks). A collective over `pg`: every rank calls it, with its own pieces (possibly
-/// none). A replicated tensor is saved by giving it on one rank only (offset 0, whole).
+/// none). A replicated tensor is saved by giving it on one rank only (offset 0, whole), or on
+/// several as `replicated` pieces.
 ///
-/// The pieces of one name, across ranks, must agree on shape and dtype, must not overlap and
-/// must together cover the tensor (pieces with no elements only take part in the agreement).
+/// The pieces of one name, across ranks, must agree on shape and dtype, must not overlap (but
+/// for identical replicated ones) and must together cover the tensor (pieces with no elements only take part in the agreement).
 /// Every rank checks every rank's descriptors (exchanged by all-gather, before any file is
 /// written), so a violation throws the same ValueError on every rank, naming the tensor, the
 /// gap or overlap and the ranks. A rank whose file cannot be written makes every rank throw
@@ -58,18 +80,28 @@ void save_sharded(const std::string& dir, const std::vector<ShardPiece>& pieces,
 /// files it needs).
 class ShardedCheckpoint {
  public:
-  /// One stored piece: elements [offset, offset + numel) of a tensor, at byte `file_offset` of
-  /// rank `rank`'s file.
+  /// One stored piece: elements [offset, offset + numel) of `box` of a tensor, at byte
+  /// `file_offset` of rank `rank`'s file.
   struct Piece {
     int rank = 0;
     int64_t offset = 0;
     int64_t numel = 0;
     int64_t file_offset = 0;
+    Box box = {};
+  };
+  /// A run of consecutive elements of the whole tensor (row-major) stored consecutively:
+  /// elements [start, start + length) are elements [at, at + length) of pieces[piece].
+  struct Run {
+    int64_t start = 0;
+    int64_t length = 0;
+    size_t piece = 0;
+    int64_t at = 0;
   };
   struct Entry {
     std::vector<int64_t> shape;
     Dtype dtype = kFloat32;
-    std::vector<Piece> pieces;  // ascending offsets, tiling [0, numel) exactly
+    std::vector<Piece> pieces;
+    std::vector<Run> runs;  // ascending starts, tiling [0, numel) exactly
   };
 
   /// Reads and validates `dir`/index.json: its JSON and fields, that each tensor's pieces tile
@@ -96,18 +128,21 @@ class ShardedCheckpoint {
   /// The path of rank `rank`'s file.
   std::string rank_file(int rank) const;
 
-  /// Elements [offset, offset + numel) of `name`, flattened, as a new 1-D CPU tensor,
-  /// assembled from whichever ranks' files hold them; reads only those bytes (pread).
-  /// Throws IndexError for an unknown name or a range outside [0, numel(name)], ember::Error
-  /// naming the file if a rank file cannot be opened or is shorter than the index says.
-  Tensor read(const std::string& name, int64_t offset, int64_t numel) const;
+  /// Elements [offset, offset + numel) of `box` of `name` (whole: the tensor flattened), as a
+  /// new 1-D CPU tensor assembled from whichever ranks' files hold them, whatever boxes they
+  /// were saved as; reads only those bytes (pread). Throws IndexError for an unknown name, a
+  /// box that does not fit the tensor or a range outside the box, ember::Error naming the file
+  /// if a rank file cannot be opened or is shorter than the index says.
+  Tensor read(const std::string& name, int64_t offset, int64_t numel, const Box& box = {}) const;
   /// read() into `out`, a contiguous 1-D tensor of `name`'s dtype whose numel() elements are
-  /// read from element `offset` on (no extra copy on the CPU: a loader can fill its own buffer;
-  /// a CUDA tensor takes them through host memory).
+  /// read from element `offset` of `box` on (no extra copy on the CPU: a loader can fill its
+  /// own buffer; a CUDA tensor takes them through host memory).
   /// Throws ValueError for any other `out`, and what read() throws.
-  void read_into(const std::string& name, int64_t offset, Tensor& out) const;
+  void read_into(const std::string& name, int64_t offset, Tensor& out, const Box& box = {}) const;
   /// The whole tensor, shaped as saved.
   Tensor read_full(const std::string& name) const;
+  /// `box` of the tensor, shaped as the box.
+  Tensor read_box(const std::string& name, const Box& box) const;
 
   /// Writes every tensor, whole and shaped, with the metadata, to one ordinary safetensors
   /// file (nn::save_safetensors: atomic; names as saved, in names() order) that

@@ -1,4 +1,4 @@
-#include <ember/distributed/sharding/sharded_checkpoint.h>
+#include <ember/distributed/checkpoint/sharded_checkpoint.h>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <regex>
+#include <set>
 #include <sstream>
 
 #include <ember/distributed/sharding/detail/byte_exchange.h>
@@ -33,7 +34,8 @@ constexpr const char* kSaveOp = "[save_sharded]";
 constexpr const char* kReadOp = "[ShardedCheckpoint]";
 constexpr const char* kIndexName = "index.json";
 constexpr const char* kFormat = "ember.sharded_checkpoint";
-constexpr int kVersion = 1;
+// Version 2 added boxes and replicated pieces; version 1's indexes (flat pieces) read as ever.
+constexpr int kVersion = 2;
 
 std::mutex& hook_mutex() {
   static std::mutex m;
@@ -62,21 +64,108 @@ bool valid_shape(const std::vector<int64_t>& shape) {
   return static_cast<int64_t>(shape.size()) <= kMaxDims;
 }
 
+// What is wrong with `box` of a tensor of `shape` ("" if nothing): a view of another element
+// count, dimensions that do not match, or a block outside the view.
+std::string box_error(const std::vector<int64_t>& shape, const Box& box) {
+  if (box.whole()) {
+    return box.view.empty() && box.offset.empty() ? "" : "a box without a shape has a view or offset";
+  }
+  const std::vector<int64_t>& dims = box.view.empty() ? shape : box.view;
+  if (!valid_shape(box.view) || numel_of(dims) != numel_of(shape)) {
+    return "a box's view " + shape_str(box.view) + " does not have the tensor's " +
+           std::to_string(numel_of(shape)) + " elements";
+  }
+  if (box.offset.size() != dims.size() || box.shape.size() != dims.size()) {
+    return "a box at " + shape_str(box.offset) + " of shape " + shape_str(box.shape) +
+           " does not have the " + std::to_string(dims.size()) + " dimensions of " +
+           shape_str(dims);
+  }
+  for (size_t d = 0; d < dims.size(); ++d) {
+    if (box.offset[d] < 0 || box.shape[d] < 0 || box.offset[d] > dims[d] - box.shape[d]) {
+      return "a box at " + shape_str(box.offset) + " of shape " + shape_str(box.shape) +
+             " is outside " + shape_str(dims);
+    }
+  }
+  return "";
+}
+
+int64_t box_numel(const std::vector<int64_t>& shape, const Box& box) {
+  return numel_of(box.whole() ? shape : box.shape);
+}
+
+// A run of consecutive elements of the whole tensor.
+struct Span {
+  int64_t start = 0;
+  int64_t length = 0;
+};
+
+// The runs of the whole tensor (of `shape`, row-major) that elements [offset, offset + numel)
+// of `box` (valid: box_error() is "") are, in the box's order, adjacent runs merged. A block
+// whose trailing dimensions are whole is one run per index of the dimensions before them.
+std::vector<Span> spans_of(const std::vector<int64_t>& shape, const Box& box, int64_t offset,
+                           int64_t numel) {
+  std::vector<Span> out;
+  if (numel <= 0) return out;
+  if (box.whole()) return {{offset, numel}};
+  const std::vector<int64_t>& dims = box.view.empty() ? shape : box.view;
+  const int n = static_cast<int>(dims.size());
+  // d: the last dimension the box does not span whole; the run is its extent times what follows.
+  int d = n - 1;
+  while (d > 0 && box.offset[static_cast<size_t>(d)] == 0 &&
+         box.shape[static_cast<size_t>(d)] == dims[static_cast<size_t>(d)]) {
+    --d;
+  }
+  std::vector<int64_t> stride(static_cast<size_t>(n), 1);
+  for (int k = n - 2; k >= 0; --k) {
+    stride[static_cast<size_t>(k)] = stride[static_cast<size_t>(k) + 1] * dims[static_cast<size_t>(k) + 1];
+  }
+  const int64_t run = box.shape[static_cast<size_t>(d)] * stride[static_cast<size_t>(d)];
+  for (int64_t p = offset; p < offset + numel;) {
+    int64_t row = p / run;
+    const int64_t within = p % run;
+    const int64_t len = std::min(run - within, offset + numel - p);
+    int64_t start = box.offset[static_cast<size_t>(d)] * stride[static_cast<size_t>(d)] + within;
+    for (int k = d - 1; k >= 0; --k) {
+      const auto kk = static_cast<size_t>(k);
+      start += (box.offset[kk] + row % box.shape[kk]) * stride[kk];
+      row /= box.shape[kk];
+    }
+    if (!out.empty() && out.back().start + out.back().length == start) {
+      out.back().length += len;
+    } else {
+      out.push_back({start, len});
+    }
+    p += len;
+  }
+  return out;
+}
+
+Json box_json(const Box& box) {
+  return {{"view", box.view}, {"offset", box.offset}, {"shape", box.shape}};
+}
+
 std::string rank_file_name(const std::string& save_id, int rank) {
   return save_id + ".rank" + std::to_string(rank) + ".safetensors";
 }
 
-// The name of a piece inside its rank's file: unique, since a rank's non-empty pieces of one
-// tensor do not overlap.
-std::string piece_key(const std::string& name, int64_t offset) {
-  return name + "@" + std::to_string(offset);
+// The name of a piece inside its rank's file, by the flat index of its first element: unique,
+// since the non-empty pieces one rank writes of a tensor do not overlap.
+std::string piece_key(const std::string& name, int64_t first) {
+  return name + "@" + std::to_string(first);
 }
 
-// One rank's non-empty piece as every rank sees it after the exchange.
+// One rank's non-empty piece as every rank sees it after the exchange: its index among the
+// rank's pieces, its range and box.
 struct Desc {
   int rank = 0;
+  size_t index = 0;
   int64_t offset = 0;
   int64_t numel = 0;
+  Box box;
+  bool replicated = false;
+  bool same_piece(const Desc& o) const {
+    return offset == o.offset && numel == o.numel && box == o.box;
+  }
 };
 
 // {"error": what}, with any invalid UTF-8 in `what` (a bad name it quotes) replaced, so that
@@ -112,42 +201,55 @@ std::string describe_pieces(const std::vector<ShardPiece>& pieces) {
     } else if (!valid_shape(p.shape)) {
       what = "has an invalid shape " + shape_str(p.shape) + " (negative, over " +
              std::to_string(kMaxDims) + " dimensions, or too many elements)";
-    } else if (p.offset < 0 || p.offset > numel_of(p.shape) - p.data.numel()) {
-      what =
-          detail::str_cat("covers elements [", p.offset, ", ", p.offset + p.data.numel(),
-                          "), outside the ", numel_of(p.shape), " of shape ", shape_str(p.shape));
+    } else if (const std::string bad = box_error(p.shape, p.box); !bad.empty()) {
+      what = "of shape " + shape_str(p.shape) + ": " + bad;
+    } else if (p.offset < 0 || p.offset > box_numel(p.shape, p.box) - p.data.numel()) {
+      what = detail::str_cat("covers elements [", p.offset, ", ", p.offset + p.data.numel(),
+                             "), outside the ", box_numel(p.shape, p.box), " of ",
+                             p.box.whole() ? "shape " + shape_str(p.shape)
+                                           : "its box of shape " + shape_str(p.box.shape));
     }
     if (!what.empty()) {
       return error_json(detail::str_cat("piece ", i, " ('", p.name, "') ", what));
     }
-    out["pieces"].push_back({{"name", p.name},
-                             {"shape", p.shape},
-                             {"dtype", std::string(dtype_name(p.data.dtype()))},
-                             {"offset", p.offset},
-                             {"numel", p.data.numel()}});
+    Json d = {{"name", p.name},
+              {"shape", p.shape},
+              {"dtype", std::string(dtype_name(p.data.dtype()))},
+              {"offset", p.offset},
+              {"numel", p.data.numel()}};
+    if (!p.box.whole()) d["box"] = box_json(p.box);
+    if (p.replicated) d["replicated"] = true;
+    out["pieces"].push_back(d);
   }
   return out.dump();
 }
 
-// Throws ValueError naming the tensor and the ranks unless `descs` (sorted by offset) tile
+// A run of the whole tensor and the rank whose piece holds it.
+struct Covered {
+  int rank = 0;
+  int64_t start = 0;
+  int64_t length = 0;
+};
+
+// Throws ValueError naming the tensor and the ranks unless `covered` (sorted by start) tile
 // [0, numel) exactly.
 void check_tiling(const std::string& name, const std::vector<int64_t>& shape,
-                  const std::vector<Desc>& descs) {
+                  const std::vector<Covered>& covered) {
   const int64_t numel = numel_of(shape);
   const std::string what = "tensor '" + name + "' (shape " + shape_str(shape) + ", " +
                            std::to_string(numel) + " elements): ";
   int64_t end = 0;
   int last = -1;
-  for (const Desc& d : descs) {
-    EMBER_CHECK(d.offset >= end, kSaveOp, " ", what, "rank ", d.rank, "'s piece [", d.offset, ", ",
-                d.offset + d.numel, ") overlaps rank ", last, "'s piece ending at ", end, " on [",
-                d.offset, ", ", std::min(end, d.offset + d.numel), ")");
+  for (const Covered& d : covered) {
+    EMBER_CHECK(d.start >= end, kSaveOp, " ", what, "rank ", d.rank, "'s piece [", d.start, ", ",
+                d.start + d.length, ") overlaps rank ", last, "'s piece ending at ", end, " on [",
+                d.start, ", ", std::min(end, d.start + d.length), ")");
     EMBER_CHECK(
-        d.offset <= end, kSaveOp, " ", what, "elements [", end, ", ", d.offset,
+        d.start <= end, kSaveOp, " ", what, "elements [", end, ", ", d.start,
         ") are in no rank's piece (a gap ",
         last < 0 ? std::string("before") : "between rank " + std::to_string(last) + "'s piece and",
         " rank ", d.rank, "'s piece)");
-    end = d.offset + d.numel;
+    end = d.start + d.length;
     last = d.rank;
   }
   EMBER_CHECK(end == numel, kSaveOp, " ", what, "elements [", end, ", ", numel,
@@ -156,10 +258,31 @@ void check_tiling(const std::string& name, const std::vector<int64_t>& shape,
                        : " (a gap after rank " + std::to_string(last) + "'s piece)");
 }
 
-// The checkpoint's tensors from every rank's descriptors, in order of first appearance; the
-// same on every rank, so a violation throws the same error everywhere.
-std::vector<std::pair<std::string, ShardedCheckpoint::Entry>> plan_save(
-    const std::vector<std::string>& all) {
+// Entry::runs from its pieces, sorted by start.
+void make_runs(ShardedCheckpoint::Entry& e) {
+  e.runs.clear();
+  for (size_t i = 0; i < e.pieces.size(); ++i) {
+    const auto& p = e.pieces[i];
+    int64_t at = 0;
+    for (const Span& s : spans_of(e.shape, p.box, p.offset, p.numel)) {
+      e.runs.push_back({s.start, s.length, i, at});
+      at += s.length;
+    }
+  }
+  std::sort(e.runs.begin(), e.runs.end(),
+            [](const auto& a, const auto& b) { return a.start < b.start; });
+}
+
+// What every rank agrees to write: the checkpoint's tensors in order of first appearance, and
+// per rank the indices of its pieces it writes (a replicated piece is written by one rank).
+struct SavePlan {
+  std::vector<std::pair<std::string, ShardedCheckpoint::Entry>> tensors;
+  std::vector<std::set<size_t>> writes;
+};
+
+// The plan from every rank's descriptors; the same on every rank, so a violation throws the
+// same error everywhere.
+SavePlan plan_save(const std::vector<std::string>& all) {
   std::vector<Json> ranks;
   std::string errors;
   for (size_t r = 0; r < all.size(); ++r) {
@@ -169,35 +292,75 @@ std::vector<std::pair<std::string, ShardedCheckpoint::Entry>> plan_save(
     }
   }
   EMBER_CHECK(errors.empty(), kSaveOp, " bad pieces", errors);
-  std::vector<std::pair<std::string, ShardedCheckpoint::Entry>> plan;
+  SavePlan plan;
+  plan.writes.resize(all.size());
   std::map<std::string, size_t> at;
   std::map<std::string, std::pair<int, std::vector<Desc>>> descs;  // first rank, pieces
   for (int r = 0; r < static_cast<int>(ranks.size()); ++r) {
-    for (const Json& p : ranks[static_cast<size_t>(r)]["pieces"]) {
+    const Json& pieces = ranks[static_cast<size_t>(r)]["pieces"];
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const Json& p = pieces[i];
       const std::string name = p["name"];
       const auto shape = p["shape"].get<std::vector<int64_t>>();
       const Dtype dtype = dtype_from_name(p["dtype"].get<std::string>());
-      auto [it, added] = at.emplace(name, plan.size());
+      auto [it, added] = at.emplace(name, plan.tensors.size());
       if (added) {
-        plan.push_back({name, {shape, dtype, {}}});
+        plan.tensors.push_back({name, {shape, dtype, {}, {}}});
         descs[name].first = r;
       }
-      const auto& e = plan[it->second].second;
+      const auto& e = plan.tensors[it->second].second;
       const int first = descs[name].first;
       EMBER_CHECK(e.shape == shape, kSaveOp, " tensor '", name, "': rank ", r, " gives shape ",
                   shape_str(shape), " but rank ", first, " gives ", shape_str(e.shape));
       EMBER_CHECK(e.dtype == dtype, kSaveOp, " tensor '", name, "': rank ", r, " gives dtype ",
                   dtype, " but rank ", first, " gives ", e.dtype);
-      const int64_t n = p["numel"];
-      if (n > 0) descs[name].second.push_back({r, p["offset"].get<int64_t>(), n});
+      Desc d{r, i, p["offset"].get<int64_t>(), p["numel"].get<int64_t>(), {}, p.contains("replicated")};
+      if (p.contains("box")) {
+        d.box = {p["box"]["view"].get<std::vector<int64_t>>(),
+                 p["box"]["offset"].get<std::vector<int64_t>>(),
+                 p["box"]["shape"].get<std::vector<int64_t>>()};
+      }
+      if (d.numel > 0) descs[name].second.push_back(std::move(d));
     }
   }
-  for (auto& [name, entry] : plan) {
-    auto& d = descs[name].second;
-    std::stable_sort(d.begin(), d.end(),
-                     [](const Desc& a, const Desc& b) { return a.offset < b.offset; });
-    check_tiling(name, entry.shape, d);
-    for (const Desc& x : d) entry.pieces.push_back({x.rank, x.offset, x.numel, -1});
+  // Replicated copies of one piece: one writer each, the rank with the fewest bytes so far
+  // (after every piece only one rank holds), the lowest of those on a tie.
+  std::vector<int64_t> bytes(all.size(), 0);
+  std::vector<std::vector<std::vector<const Desc*>>> copies(plan.tensors.size());
+  for (size_t t = 0; t < plan.tensors.size(); ++t) {
+    const int64_t isz = itemsize(plan.tensors[t].second.dtype);
+    for (const Desc& d : descs[plan.tensors[t].first].second) {
+      auto& groups = copies[t];
+      auto g = std::find_if(groups.begin(), groups.end(), [&](const auto& c) {
+        return d.replicated && c.front()->replicated && c.front()->same_piece(d);
+      });
+      if (g == groups.end()) {
+        groups.push_back({&d});
+      } else {
+        g->push_back(&d);
+      }
+    }
+    for (const auto& c : copies[t]) {
+      if (c.size() == 1) bytes[static_cast<size_t>(c.front()->rank)] += c.front()->numel * isz;
+    }
+  }
+  for (size_t t = 0; t < plan.tensors.size(); ++t) {
+    auto& [name, entry] = plan.tensors[t];
+    std::vector<Covered> covered;
+    for (const auto& c : copies[t]) {
+      const Desc* w = c.front();
+      for (const Desc* d : c) {
+        if (bytes[static_cast<size_t>(d->rank)] < bytes[static_cast<size_t>(w->rank)]) w = d;
+      }
+      if (c.size() > 1) bytes[static_cast<size_t>(w->rank)] += w->numel * itemsize(entry.dtype);
+      plan.writes[static_cast<size_t>(w->rank)].insert(w->index);
+      entry.pieces.push_back({w->rank, w->offset, w->numel, -1, w->box});
+    }
+    make_runs(entry);
+    for (const auto& run : entry.runs) {
+      covered.push_back({entry.pieces[run.piece].rank, run.start, run.length});
+    }
+    check_tiling(name, entry.shape, covered);
   }
   return plan;
 }
@@ -221,14 +384,16 @@ std::map<std::string, int64_t> data_offsets(const std::string& path) {
   return out;
 }
 
-// Writes this rank's non-empty pieces (if any) to its file; returns the outcome as JSON:
-// {"offsets": {key: byte offset}} or {"error": why}.
+// Writes this rank's pieces the plan gives it (if any) to its file; returns the outcome as
+// JSON: {"offsets": {key: byte offset}} or {"error": why}.
 std::string write_rank_file(const std::string& path, const std::vector<ShardPiece>& pieces,
-                            int rank) {
+                            const std::set<size_t>& writes, int rank) {
   try {
     std::vector<std::pair<std::string, Tensor>> tensors;
-    for (const ShardPiece& p : pieces) {
-      if (p.data.numel() > 0) tensors.emplace_back(piece_key(p.name, p.offset), p.data.detach());
+    for (size_t i : writes) {
+      const ShardPiece& p = pieces[i];
+      const int64_t first = spans_of(p.shape, p.box, p.offset, p.data.numel()).front().start;
+      tensors.emplace_back(piece_key(p.name, first), p.data.detach());
     }
     Json offsets = Json::object();
     if (!tensors.empty()) {
@@ -266,10 +431,12 @@ Json index_json(const std::string& save_id, int world,
   for (const auto& [name, e] : plan) {
     Json pieces = Json::array();
     for (const auto& p : e.pieces) {
-      pieces.push_back({{"rank", p.rank},
-                        {"offset", p.offset},
-                        {"numel", p.numel},
-                        {"file_offset", p.file_offset}});
+      Json j = {{"rank", p.rank},
+                {"offset", p.offset},
+                {"numel", p.numel},
+                {"file_offset", p.file_offset}};
+      if (!p.box.whole()) j["box"] = box_json(p.box);
+      pieces.push_back(j);
     }
     tensors.push_back({{"name", name},
                        {"shape", e.shape},
@@ -322,14 +489,14 @@ void save_sharded(const std::string& dir, const std::vector<ShardPiece>& pieces,
   Json mine = Json::parse(describe_pieces(pieces));
   if (me == 0) mine["save_id"] = new_save_id();
   const std::vector<std::string> all = detail::exchange_bytes(pg, mine.dump());
-  auto plan = plan_save(all);
+  SavePlan plan = plan_save(all);
   const std::string save_id = Json::parse(all[0])["save_id"];
 
   std::error_code ec;
   fs::create_directories(dir, ec);  // every rank, in case `dir` is not shared; errors show below
   const std::string path = (fs::path(dir) / rank_file_name(save_id, me)).string();
   const std::vector<std::string> written =
-      detail::exchange_bytes(pg, write_rank_file(path, pieces, me));
+      detail::exchange_bytes(pg, write_rank_file(path, pieces, plan.writes[static_cast<size_t>(me)], me));
   try {
     check_outcomes(written, "writing the rank files");
   } catch (...) {
@@ -340,15 +507,15 @@ void save_sharded(const std::string& dir, const std::vector<ShardPiece>& pieces,
   std::string outcome = "{}";
   if (me == 0) {
     try {
-      std::map<std::string, size_t> at;
-      for (size_t i = 0; i < plan.size(); ++i) at[plan[i].first] = i;
-      for (auto& [name, e] : plan) {
+      std::vector<Json> offsets;
+      for (const std::string& w : written) offsets.push_back(Json::parse(w)["offsets"]);
+      for (auto& [name, e] : plan.tensors) {
         for (auto& p : e.pieces) {
-          p.file_offset = Json::parse(written[static_cast<size_t>(p.rank)])["offsets"].at(
-              piece_key(name, p.offset));
+          const int64_t first = spans_of(e.shape, p.box, p.offset, p.numel).front().start;
+          p.file_offset = offsets[static_cast<size_t>(p.rank)].at(piece_key(name, first));
         }
       }
-      const Json index = index_json(save_id, pg.size(), metadata, plan);
+      const Json index = index_json(save_id, pg.size(), metadata, plan.tensors);
       nn::write_file_atomic((fs::path(dir) / kIndexName).string(), index.dump(1));
       remove_stale_files(dir, save_id);
     } catch (const std::exception& e) {
@@ -397,23 +564,42 @@ ShardedCheckpoint::Entry parse_entry(const Json& t, const std::string& name, int
   }
   const Json pieces = field<Json>(t, "pieces", path, where);
   EMBER_CHECK(pieces.is_array(), kReadOp, " ", path, ": ", where, "'pieces' is not an array");
-  int64_t end = 0;
+  int64_t covered = 0;
   for (const Json& p : pieces) {
     ShardedCheckpoint::Piece x{
         field<int>(p, "rank", path, where), field<int64_t>(p, "offset", path, where),
         field<int64_t>(p, "numel", path, where), field<int64_t>(p, "file_offset", path, where)};
+    if (p.contains("box")) {
+      const Json b = field<Json>(p, "box", path, where);
+      x.box = {field<std::vector<int64_t>>(b, "view", path, where + "box "),
+               field<std::vector<int64_t>>(b, "offset", path, where + "box "),
+               field<std::vector<int64_t>>(b, "shape", path, where + "box ")};
+    }
+    const std::string bad_box = box_error(e.shape, x.box);
+    EMBER_CHECK(bad_box.empty(), kReadOp, " ", path, ": ", where, "has a bad piece ", p.dump(),
+                ": ", bad_box);
+    const int64_t in_box = box_numel(e.shape, x.box);
     int64_t bytes = 0, file_end = 0;
     EMBER_CHECK(
-        x.rank >= 0 && x.rank < world && x.offset == end && x.numel > 0 && x.numel <= total - end &&
-            x.file_offset >= 0 && !__builtin_mul_overflow(x.numel, itemsize(e.dtype), &bytes) &&
+        x.rank >= 0 && x.rank < world && x.offset >= 0 && x.numel > 0 &&
+            x.numel <= in_box - x.offset && x.numel <= total - covered && x.file_offset >= 0 &&
+            !__builtin_mul_overflow(x.numel, itemsize(e.dtype), &bytes) &&
             !__builtin_add_overflow(x.file_offset, bytes, &file_end),
         kReadOp, " ", path, ": ", where, "has a bad piece ", p.dump(), " (expected rank in [0, ",
-        world, "), offset ", end, ", numel in [1, ", total - end, "])");
-    end += x.numel;
+        world, "), numel in [1, ", std::min(in_box - x.offset, total - covered),
+        "], a range inside its box)");
+    covered += x.numel;
     e.pieces.push_back(x);
   }
-  EMBER_CHECK(end == total, kReadOp, " ", path, ": ", where, "pieces cover ", end, " of the ",
-              total, " elements of shape ", shape_str(e.shape));
+  EMBER_CHECK(covered == total, kReadOp, " ", path, ": ", where, "pieces cover ", covered,
+              " of the ", total, " elements of shape ", shape_str(e.shape));
+  make_runs(e);
+  int64_t end = 0;  // as many elements as the tensor: a gap is an overlap too
+  for (const auto& r : e.runs) {
+    EMBER_CHECK(r.start == end, kReadOp, " ", path, ": ", where, "has pieces that overlap at "
+                "element ", std::min(r.start, end));
+    end += r.length;
+  }
   return e;
 }
 
@@ -469,8 +655,8 @@ ShardedCheckpoint::ShardedCheckpoint(const std::string& dir) : dir_(dir) {
   EMBER_CHECK(field<std::string>(index, "format", path, "") == kFormat, kReadOp, " ", path,
               ": format is not ", kFormat);
   const int version = field<int>(index, "version", path, "");
-  EMBER_CHECK(version == kVersion, kReadOp, " ", path, ": format version ", version,
-              ", this reader knows ", kVersion);
+  EMBER_CHECK(version >= 1 && version <= kVersion, kReadOp, " ", path, ": format version ",
+              version, ", this reader knows 1 to ", kVersion);
   save_id_ = field<std::string>(index, "save_id", path, "");
   world_size_ = field<int>(index, "world_size", path, "");
   EMBER_CHECK(world_size_ > 0, kReadOp, " ", path, ": world_size ", world_size_);
@@ -518,15 +704,17 @@ std::string ShardedCheckpoint::rank_file(int rank) const {
   return (fs::path(dir_) / rank_file_name(save_id_, rank)).string();
 }
 
-Tensor ShardedCheckpoint::read(const std::string& name, int64_t offset, int64_t numel) const {
+Tensor ShardedCheckpoint::read(const std::string& name, int64_t offset, int64_t numel,
+                               const Box& box) const {
   EMBER_CHECK_TYPE(IndexError, numel >= 0, kReadOp, " read('", name, "', offset ", offset,
                    ", numel ", numel, "): negative numel");
   Tensor out = empty({numel}, dtype(name));
-  read_into(name, offset, out);
+  read_into(name, offset, out, box);
   return out;
 }
 
-void ShardedCheckpoint::read_into(const std::string& name, int64_t offset, Tensor& out) const {
+void ShardedCheckpoint::read_into(const std::string& name, int64_t offset, Tensor& out,
+                                  const Box& box) const {
   const Entry& e = entry(name);
   EMBER_CHECK(out.defined() && (out.is_cpu() || out.is_cuda()) && out.is_contiguous() &&
                   out.dim() == 1 && out.dtype() == e.dtype,
@@ -537,33 +725,53 @@ void ShardedCheckpoint::read_into(const std::string& name, int64_t offset, Tenso
                                     out.is_contiguous() ? "" : ", strided")
                   : "an undefined tensor");
   if (out.is_cuda()) {  // pread fills host memory: the bytes go through a host buffer
-    out.copy_(read(name, offset, out.numel()));
+    out.copy_(read(name, offset, out.numel(), box));
     return;
   }
-  const int64_t numel = out.numel(), total = numel_of(e.shape);
+  const std::string bad_box = box_error(e.shape, box);
+  EMBER_CHECK_TYPE(IndexError, bad_box.empty(), kReadOp, " read('", name, "') of shape ",
+                   shape_str(e.shape), ": ", bad_box);
+  const int64_t numel = out.numel(), total = box_numel(e.shape, box);
   EMBER_CHECK_TYPE(IndexError, offset >= 0 && offset <= total - numel, kReadOp, " read('", name,
-                   "', offset ", offset, ", numel ", numel, "): outside the tensor's ", total,
-                   " elements");
+                   "', offset ", offset, ", numel ", numel, "): outside the ",
+                   box.whole() ? "tensor's " : "box's ", total, " elements");
   const int64_t isz = itemsize(e.dtype);
   std::map<int, Fd> files;  // each file opened once per read
-  for (const Piece& p : e.pieces) {
-    const int64_t lo = std::max(offset, p.offset);
-    const int64_t hi = std::min(offset + numel, p.offset + p.numel);
-    if (lo >= hi) continue;
-    const std::string file = rank_file(p.rank);
-    Fd& f = files[p.rank];
-    if (f.fd < 0) f.fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-    if (f.fd < 0) {
-      throw Error(detail::str_cat(kReadOp, " reading tensor '", name, "': cannot open ", file, ": ",
-                                  std::strerror(errno)));
+  char* dst = static_cast<char*>(out.data_ptr());
+  for (const Span& want : spans_of(e.shape, box, offset, numel)) {
+    // The first run that ends after want.start, then every run that starts before its end.
+    auto it = std::upper_bound(e.runs.begin(), e.runs.end(), want.start,
+                               [](int64_t s, const Run& r) { return s < r.start; });
+    if (it != e.runs.begin()) --it;
+    for (; it != e.runs.end() && it->start < want.start + want.length; ++it) {
+      const int64_t lo = std::max(want.start, it->start);
+      const int64_t hi = std::min(want.start + want.length, it->start + it->length);
+      if (lo >= hi) continue;
+      const Piece& p = e.pieces[it->piece];
+      const std::string file = rank_file(p.rank);
+      Fd& f = files[p.rank];
+      if (f.fd < 0) f.fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+      if (f.fd < 0) {
+        throw Error(detail::str_cat(kReadOp, " reading tensor '", name, "': cannot open ", file,
+                                    ": ", std::strerror(errno)));
+      }
+      pread_exact(f.fd, dst + (lo - want.start) * isz, (hi - lo) * isz,
+                  p.file_offset + (it->at + lo - it->start) * isz, file, name);
     }
-    pread_exact(f.fd, static_cast<char*>(out.data_ptr()) + (lo - offset) * isz, (hi - lo) * isz,
-                p.file_offset + (lo - p.offset) * isz, file, name);
+    dst += want.length * isz;
   }
 }
 
 Tensor ShardedCheckpoint::read_full(const std::string& name) const {
   return read(name, 0, numel(name)).reshape(shape(name));
+}
+
+Tensor ShardedCheckpoint::read_box(const std::string& name, const Box& box) const {
+  if (box.whole()) return read_full(name);
+  const std::string bad_box = box_error(shape(name), box);
+  EMBER_CHECK_TYPE(IndexError, bad_box.empty(), kReadOp, " read_box('", name, "') of shape ",
+                   shape_str(shape(name)), ": ", bad_box);
+  return read(name, 0, numel_of(box.shape), box).reshape(box.shape);
 }
 
 void ShardedCheckpoint::consolidate(const std::string& out_file) const {
