@@ -16,6 +16,7 @@
 
 #include <ember/autograd/function.h>
 #include <ember/nn/functional.h>
+#include <ember/tensor/autocast.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/indexing.h>
 #include <ember/tensor/linalg.h>
@@ -171,12 +172,19 @@ void check(const char* op, const Tensor& x, int64_t dim, const ProcessGroup& g, 
 Tensor all_gather_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
                          std::shared_ptr<ProcessGroup> group, int64_t dim, int64_t chunks) {
   check("all_gather_linear", x, dim, *group, chunks, true);
+  // Under autocast the matmuls (and so the collectives) run in the low precision, as linear's.
+  if (auto ac = ::ember::detail::autocast_inputs(AutocastPolicy::kLowPrecision, x, weight, bias)) {
+    return all_gather_linear(ac[0], ac[1], ac[2], std::move(group), dim, chunks);
+  }
   return AllGatherLinearFn::apply(x, weight, bias, State{group, dim, chunks});
 }
 
 Tensor linear_reduce_scatter(const Tensor& x, const Tensor& weight, const Tensor& bias,
                              std::shared_ptr<ProcessGroup> group, int64_t dim, int64_t chunks) {
   check("linear_reduce_scatter", x, dim, *group, chunks, false);
+  if (auto ac = ::ember::detail::autocast_inputs(AutocastPolicy::kLowPrecision, x, weight, bias)) {
+    return linear_reduce_scatter(ac[0], ac[1], ac[2], std::move(group), dim, chunks);
+  }
   State s{group, dim, chunks};
   s.first = group->rank() == 0;
   return LinearReduceScatterFn::apply(x, weight, bias, s);
