@@ -2,6 +2,7 @@
 
 #include <ember/distributed/tensor_parallel/detail/fused_linear.h>
 #include <ember/distributed/dtensor/detail/dtensor_impl.h>
+#include <ember/distributed/dtensor/distribute_module.h>
 #include <ember/distributed/dtensor/ops.h>
 #include <ember/nn/dropout.h>
 #include <ember/nn/embedding.h>
@@ -34,10 +35,7 @@ void distribute_param(const Tensor& p, const std::shared_ptr<DeviceMesh>& mesh,
                       const Placement& placement, int src, int64_t chunks = 1) {
   if (!p.defined()) return;
   if (chunks == 1) {
-    const DTensor d = distribute_tensor(p, mesh, {placement}, src);
-    const Shape global = p.shape();
-    nn::set_data(p, d.local());
-    register_dtensor(p, DTensor::make(p, mesh, {placement}, global));
+    distribute_parameter(p, mesh, {placement}, src);
     return;
   }
   // [chunks * m, ...] viewed as [chunks, m, ...], sharded on the blocks' dim 1.

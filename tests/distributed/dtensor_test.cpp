@@ -3,12 +3,15 @@
 // reaches the source's local tensor through it; from_local, distribute_tensor, full_tensor,
 // run_check and the errors.
 #include <ember/distributed/dtensor/dtensor.h>
+#include <ember/distributed/dtensor/distribute_module.h>
 
 #include <gtest/gtest.h>
 
 #include <ember/autograd/autograd.h>
 #include <ember/distributed/backends/process_group_threads.h>
+#include <ember/distributed/functional/collectives.h>
 #include <ember/distributed/init.h>
+#include <ember/nn/nn.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/random.h>
@@ -170,6 +173,88 @@ TEST(DTensor, RecordsDoNotKeepTensorsAlive) {
     }
     require(seen.expired(), "the record kept the tensor alive");
     require(!as_dtensor(ones({4})).has_value(), "an unrecorded tensor");
+  }, kTimeout);
+}
+
+struct Mlp : nn::Module {
+  std::shared_ptr<nn::Linear> fc1 = register_module("fc1", std::make_shared<nn::Linear>(8, 16));
+  std::shared_ptr<nn::Linear> fc2 =
+      register_module("fc2", std::make_shared<nn::Linear>(16, 8, /*bias=*/false));
+  Tensor forward(const Tensor& x) override { return (*fc2)(relu((*fc1)(x))); }
+};
+
+std::shared_ptr<Mlp> seeded_mlp(uint64_t seed) {
+  manual_seed(seed);
+  return std::make_shared<Mlp>();
+}
+
+// distribute_module as a user writes Megatron's MLP with it: a partition that shards fc1 by
+// rows and fc2 by columns, f before the forward and g after (dist::functional). At 4 rank
+// threads the output and every parameter's gradient are the unsplit model's (1e-5); what the
+// partition leaves is replicated from rank 0 and recorded, as is what it lays out.
+TEST(DistributeModule, MegatronMlpFromAPartitionAndInputOutputFunctions) {
+  const auto whole = seeded_mlp(1);
+  manual_seed(2);
+  const Tensor x = randn({5, 8});
+  const Tensor y_ref = (*whole)(x);
+  (y_ref * y_ref).sum().backward();
+  run_rank_threads(4, [&](int rank) {
+    auto mesh = init_device_mesh("cpu", {4}, {"tp"});
+    auto mlp = seeded_mlp(1);
+    distribute_module(
+        mlp, mesh,
+        [](const std::string& name, nn::Module& m, const std::shared_ptr<DeviceMesh>& mesh) {
+          if (name == "fc1") {
+            auto& l = dynamic_cast<nn::Linear&>(m);
+            distribute_parameter(l.weight, mesh, {Shard(0)});
+            distribute_parameter(l.bias, mesh, {Shard(0)});
+          } else if (name == "fc2") {
+            distribute_parameter(dynamic_cast<nn::Linear&>(m).weight, mesh, {Shard(1)});
+          }
+        },
+        [](nn::Module&, const Tensor& in, const std::shared_ptr<DeviceMesh>& mesh) {
+          return functional::copy_to_group(in, mesh->get_group());
+        },
+        [](nn::Module&, const Tensor& out, const std::shared_ptr<DeviceMesh>& mesh) {
+          return functional::reduce_from_group(out, mesh->get_group());
+        });
+    const Tensor y = (*mlp)(x);
+    require_close("output", y, y_ref, 1e-5);
+    (y * y).sum().backward();
+    const nn::NamedTensors want = whole->named_parameters();
+    const nn::NamedTensors got = mlp->named_parameters();
+    for (size_t i = 0; i < got.size(); ++i) {
+      const std::optional<DTensor> d = as_dtensor(got[i].second);
+      require(d.has_value(), got[i].first + " is recorded");
+      require_close(got[i].first + "'s gradient", got[i].second.grad(),
+                    expected_local(want[i].second.grad(), *mesh, d->placements()), 1e-5);
+    }
+    require(as_dtensor(mlp->fc1->weight)->placements()[0].is_shard(0), "fc1 by rows");
+    require(as_dtensor(mlp->fc2->weight)->placements()[0].is_shard(1), "fc2 by columns");
+    (void)rank;
+  }, kTimeout);
+}
+
+// Without a partition every parameter is replicated from each mesh dimension's first rank (the
+// ranks' own values differ here) and recorded as Replicate; a null module or mesh is refused.
+TEST(DistributeModule, DefaultReplicatesFromTheFirstRank) {
+  const auto first = seeded_mlp(10);
+  run_rank_threads(4, [&](int rank) {
+    auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+    auto mlp = seeded_mlp(10 + static_cast<uint64_t>(rank));
+    distribute_module(mlp, mesh);
+    const nn::NamedTensors want = first->named_parameters();
+    const nn::NamedTensors got = mlp->named_parameters();
+    for (size_t i = 0; i < got.size(); ++i) {
+      require_close(got[i].first, got[i].second, want[i].second, 0);
+      const std::optional<DTensor> d = as_dtensor(got[i].second);
+      require(d && d->placements()[0].is_replicate() && d->placements()[1].is_replicate(),
+              got[i].first + " recorded as Replicate on both mesh dimensions");
+    }
+    expect_error([&] { distribute_module(nullptr, mesh); },
+                 {"[distribute_module] expected a module, got null"});
+    expect_error([&] { distribute_module(mlp, nullptr); },
+                 {"[distribute_module] expected a mesh, got null"});
   }, kTimeout);
 }
 
