@@ -1,5 +1,6 @@
 // A GPT-2-style byte-level language model trained data-parallel (DistributedDataParallel, or
-// with --shard zero|fsdp sharded: ZeroRedundancyOptimizer or fully_shard) on
+// with --shard zero|fsdp sharded: ZeroRedundancyOptimizer or fully_shard), and with --tp N
+// tensor parallel over N ranks at a time (docs/tensor_parallel.md), on
 // prose a Debian package ships (the King James Bible of bible-kjv-text by default). Each rank
 // draws its own random context windows per step (nn/data/token_stream.h); gradients are averaged
 // across ranks during backward; rank 0 prints progress, evaluates and writes checkpoints.
@@ -7,6 +8,7 @@
 //   emberrun --nproc-per-node 2 build/examples/gpt --steps 1000
 //   mpirun -np 2 build/examples/gpt --backend mpi
 //   build/examples/gpt --layers 1 --dim 32 --context 32 --steps 30 --sample 200
+//   emberrun --nproc-per-node 4 build/examples/gpt --tp 2 --shard fsdp
 //
 // benchmarks/vs_pytorch/gpt_torch.py is the same model, data and optimizer in PyTorch; see
 // docs/quickstart.md for the flags and what a run prints.

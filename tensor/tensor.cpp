@@ -239,6 +239,19 @@ Tensor Tensor::permute(IntList dims) const {
   });
 }
 
+Tensor Tensor::movedim(int64_t source, int64_t destination) const {
+  check_defined("movedim", *this, "self");
+  const int64_t s = wrap_dim("movedim", source, dim());
+  const int64_t d = wrap_dim("movedim", destination, dim());
+  if (dim() == 0) return *this;
+  std::vector<int64_t> order;
+  for (int64_t i = 0; i < dim(); ++i) {
+    if (i != s) order.push_back(i);
+  }
+  order.insert(order.begin() + d, s);
+  return permute(order);
+}
+
 Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
   check_defined("transpose", *this, "self");
   if (dim() == 0) return *this;

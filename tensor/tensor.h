@@ -201,6 +201,8 @@ class Tensor {
   Tensor reshape(IntList shape) const;
   Tensor flatten(int64_t start_dim = 0, int64_t end_dim = -1) const;
   Tensor permute(IntList dims) const;
+  /// Dim `source` moved to position `destination`, the others in their order (torch.movedim).
+  Tensor movedim(int64_t source, int64_t destination) const;
   Tensor transpose(int64_t dim0, int64_t dim1) const;
   /// Transpose of a tensor with at most 2 dims.
   Tensor t() const;

@@ -27,41 +27,25 @@ int64_t wrap_dim(const char* op, int64_t dim, const Tensor& t) {
   return dim < 0 ? dim + n : dim;
 }
 
-// t with dimension d first (a view), and its inverse.
-Tensor to_front(const Tensor& t, int64_t d) {
-  std::vector<int64_t> perm{d};
-  for (int64_t i = 0; i < t.dim(); ++i) {
-    if (i != d) perm.push_back(i);
-  }
-  return t.permute(perm);
-}
-Tensor from_front(const Tensor& t, int64_t d) {
-  std::vector<int64_t> perm;
-  for (int64_t i = 1; i <= d; ++i) perm.push_back(i);
-  perm.push_back(0);
-  for (int64_t i = d + 1; i < t.dim(); ++i) perm.push_back(i);
-  return t.permute(perm);
-}
-
 // The plain (not recorded) collectives the functions and their backward passes run.
 Tensor gather_along(const Tensor& t, int64_t d, ProcessGroup& g) {
-  Tensor front = to_front(t, d).contiguous();
+  Tensor front = t.movedim(d, 0).contiguous();
   std::vector<int64_t> shape = front.shape().vec();
   shape[0] *= g.size();
   Tensor out = empty(shape, t.options());
   g.allgather_into_tensor(out, front)->wait();
-  return from_front(out, d).contiguous();
+  return out.movedim(0, d).contiguous();
 }
 
 Tensor scatter_along(const Tensor& t, int64_t d, ReduceOp op, ProcessGroup& g) {
   EMBER_CHECK(t.size(d) % g.size() == 0, "[reduce_scatter] dim ", d, " of size ", t.size(d),
               " (shape ", t.shape(), ") is not divisible by the group's ", g.size(), " ranks");
-  Tensor front = to_front(t, d).contiguous();
+  Tensor front = t.movedim(d, 0).contiguous();
   std::vector<int64_t> shape = front.shape().vec();
   shape[0] /= g.size();
   Tensor out = empty(shape, t.options());
   g.reduce_scatter_tensor(out, front, {.op = op, .timeout = {}})->wait();
-  return from_front(out, d).contiguous();
+  return out.movedim(0, d).contiguous();
 }
 
 Tensor exchange(const Tensor& t, int64_t split_dim, int64_t concat_dim, ProcessGroup& g) {

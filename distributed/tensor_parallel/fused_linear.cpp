@@ -29,22 +29,6 @@ namespace {
 using autograd::Context;
 using autograd::TensorList;
 
-// t with dimension d first, and back.
-Tensor to_front(const Tensor& t, int64_t d) {
-  std::vector<int64_t> perm{d};
-  for (int64_t i = 0; i < t.dim(); ++i) {
-    if (i != d) perm.push_back(i);
-  }
-  return t.permute(perm);
-}
-Tensor from_front(const Tensor& t, int64_t d) {
-  std::vector<int64_t> perm;
-  for (int64_t i = 1; i <= d; ++i) perm.push_back(i);
-  perm.push_back(0);
-  for (int64_t i = d + 1; i < t.dim(); ++i) perm.push_back(i);
-  return t.permute(perm);
-}
-
 // A collective in flight and where its result lands (dimension d first).
 struct Pending {
   WorkPtr work;
@@ -52,12 +36,12 @@ struct Pending {
   int64_t dim;
   Tensor result() {
     work->wait();
-    return from_front(out, dim).contiguous();
+    return out.movedim(0, dim).contiguous();
   }
 };
 
 Pending issue_gather(const Tensor& piece, int64_t d, ProcessGroup& g) {
-  const Tensor in = to_front(piece, d).contiguous();
+  const Tensor in = piece.movedim(d, 0).contiguous();
   Shape s = in.shape();
   s[0] *= g.size();
   Pending p{nullptr, empty(s, in.options()), d};
@@ -66,7 +50,7 @@ Pending issue_gather(const Tensor& piece, int64_t d, ProcessGroup& g) {
 }
 
 Pending issue_scatter(const Tensor& piece, int64_t d, ProcessGroup& g) {
-  const Tensor in = to_front(piece, d).contiguous();
+  const Tensor in = piece.movedim(d, 0).contiguous();
   Shape s = in.shape();
   s[0] /= g.size();
   Pending p{nullptr, empty(s, in.options()), d};

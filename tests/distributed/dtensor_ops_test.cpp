@@ -13,6 +13,7 @@
 #include <ember/tensor/ops.h>
 #include <ember/tensor/random.h>
 #include "tests/distributed/ddp_test_util.h"
+#include "tests/distributed/dtensor_test_util.h"
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {
@@ -22,20 +23,9 @@ using namespace std::chrono_literals;
 using test::expect_error;
 using test::require;
 using test::require_close;
+using test::shard_of;
 
 constexpr Duration kTimeout = 60s;
-
-// This rank's part of `full` under `p` (Partial: whole gradients, so the whole tensor).
-Tensor part(const Tensor& full, const DeviceMesh& mesh, const Placements& p) {
-  Tensor t = full;
-  for (int i = 0; i < mesh.ndim(); ++i) {
-    if (!p[i].is_shard()) continue;
-    const int64_t d = p[i].dim() < 0 ? p[i].dim() + full.dim() : p[i].dim();
-    const int64_t n = mesh.size(i), k = mesh.get_local_rank(i);
-    t = t.narrow(d, shard_offset(full.size(d), n, k), shard_length(full.size(d), n, k));
-  }
-  return t;
-}
 
 struct Arg {
   Tensor full;
@@ -74,7 +64,7 @@ void check(const std::string& what, const std::shared_ptr<DeviceMesh>& mesh,
   for (size_t i = 0; i < args.size(); ++i) {
     if (!wholes[i].requires_grad()) continue;
     require_close(what + ": gradient of argument " + std::to_string(i), leaves[i].grad(),
-                  part(wholes[i].grad(), *mesh, args[i].placements), tol);
+                  shard_of(wholes[i].grad(), *mesh, args[i].placements), tol);
   }
 }
 

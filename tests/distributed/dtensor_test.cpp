@@ -16,6 +16,7 @@
 #include <ember/tensor/ops.h>
 #include <ember/tensor/random.h>
 #include "tests/distributed/ddp_test_util.h"
+#include "tests/distributed/dtensor_test_util.h"
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {
@@ -31,13 +32,7 @@ constexpr Duration kTimeout = 60s;
 // The part `p` gives this rank of `full` (Partial: the whole value on the mesh dimension's
 // first rank, zeros elsewhere), as distribute_tensor makes it.
 Tensor expected_local(const Tensor& full, const DeviceMesh& mesh, const Placements& p) {
-  Tensor t = full;
-  for (int i = 0; i < mesh.ndim(); ++i) {
-    if (p[i].is_shard()) {
-      const int64_t d = p[i].dim(), n = mesh.size(i), k = mesh.get_local_rank(i);
-      t = t.narrow(d, shard_offset(full.size(d), n, k), shard_length(full.size(d), n, k));
-    }
-  }
+  Tensor t = test::shard_of(full, mesh, p);
   for (int i = 0; i < mesh.ndim(); ++i) {
     if (p[i].is_partial() && mesh.get_local_rank(i) != 0) t = zeros_like(t);
   }

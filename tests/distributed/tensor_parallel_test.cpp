@@ -21,6 +21,7 @@
 #include "examples/gpt_model.h"
 #include "examples/gpt_parallel.h"
 #include "tests/distributed/ddp_test_util.h"
+#include "tests/distributed/dtensor_test_util.h"
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {
@@ -56,18 +57,6 @@ std::shared_ptr<Mlp> make_mlp(int64_t dim) {
   return m;
 }
 
-// This rank's part of the whole tensor `full` as `p` lays it out on `mesh`.
-Tensor part(const Tensor& full, const DTensor& d) {
-  Tensor t = full;
-  const DeviceMesh& mesh = *d.device_mesh();
-  for (int i = 0; i < mesh.ndim(); ++i) {
-    if (!d.placements()[i].is_shard()) continue;
-    const int64_t dim = d.placements()[i].dim(), n = mesh.size(i), k = mesh.get_local_rank(i);
-    t = t.narrow(dim, shard_offset(full.size(dim), n, k), shard_length(full.size(dim), n, k));
-  }
-  return t;
-}
-
 // Every parameter of `tp` (sharded or replicated) against the one-process model `ref`.
 void require_params_match(const std::string& what, const nn::Module& tp, const nn::Module& ref,
                           bool grads, double tol = 1e-5) {
@@ -79,7 +68,12 @@ void require_params_match(const std::string& what, const nn::Module& tp, const n
     const std::string name = what + ": " + a[i].first + (grads ? " grad" : "");
     // Parameters no style laid out are replicated.
     const std::optional<DTensor> d = as_dtensor(a[i].second);
-    require_close(name, d ? got.reshape(d->local().shape()) : got, d ? part(want, *d) : want, tol);
+    if (d) {
+      require_close(name, got.reshape(d->local().shape()),
+                    test::shard_of(want, *d->device_mesh(), d->placements()), tol);
+    } else {
+      require_close(name, got, want, tol);
+    }
   }
 }
 
@@ -152,10 +146,8 @@ TEST(TensorParallel, LossParallelEqualsCrossEntropy) {
           DTensor::from_local(local, mesh, {Shard(-1)}, logits.shape()), target, reduction);
       require_close(std::string(reduction) + " loss", got.reshape({-1}), want.reshape({-1}), 1e-5);
       (got * got).sum().backward();
-      require_close(std::string(reduction) + " logits grad", local,
-                    part(whole.grad(), d).detach() * 0.0 + local.detach(), 0);
-      require_close(std::string(reduction) + " logits grad", local.grad(), part(whole.grad(), d),
-                    1e-5);
+      require_close(std::string(reduction) + " logits grad", local.grad(),
+                    test::shard_of(whole.grad(), *mesh, {Shard(-1)}), 1e-5);
     }
     expect_error([&] {
       loss_parallel::cross_entropy(distribute_tensor(logits, mesh, {Shard(0)}), target);

@@ -155,6 +155,14 @@ TEST(Views, ShareStorageAndMatchPyTorchStrides) {
   EXPECT_EQ(p.strides(), Shape({1, 12, 4}));
   EXPECT_FALSE(p.is_contiguous());
   EXPECT_EQ(p.storage(), a.storage());
+  // movedim: the same view as the permutation that moves one dim; negative dims wrap.
+  EXPECT_EQ(a.movedim(2, 0).strides(), p.strides());
+  EXPECT_EQ(a.movedim(-1, 0).shape(), Shape({4, 2, 3}));
+  EXPECT_EQ(a.movedim(0, 2).shape(), Shape({3, 4, 2}));
+  EXPECT_EQ(a.movedim(0, 2).strides(), a.permute({1, 2, 0}).strides());
+  EXPECT_EQ(a.movedim(1, 1).strides(), a.strides());
+  EXPECT_EQ(a.movedim(2, 0).movedim(0, 2).strides(), a.strides());
+  EXPECT_THROW(a.movedim(3, 0), IndexError);
   // Writes through a view are seen by the base.
   a.select(1, 2).fill_(-1);
   EXPECT_EQ(a[0][2][3].item<int64_t>(), -1);
