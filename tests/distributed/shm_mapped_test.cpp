@@ -343,6 +343,10 @@ TEST(ShmMappedRefused, AnUnmappablePeerLaterFailsEveryRankByName) {
       msg = e.what();
       shm->abort(msg);
     }
+    // A rank that leaves closes its buffer's descriptor, and a slower rank would then fail
+    // mapping that one instead of rank 2's: stay until every rank has tried.
+    store.set("tried/" + std::to_string(rank), Bytes{1});
+    for (int r = 0; r < n; ++r) store.wait({"tried/" + std::to_string(r)}, std::chrono::seconds(60));
     const std::string who = "rank " + std::to_string(rank) + ": ";
     require(msg.find("cannot map rank 2's shareable buffer") != std::string::npos &&
                 msg.find("EMBER_GLOO_SHM_SINGLE_COPY=0") != std::string::npos,
