@@ -18,12 +18,25 @@
 //    broadcast dims summed away, anything else an error naming the node.
 // 4. Finish: run callbacks queued during the pass, then clear every node's buffer. Without
 //    retain_graph each node frees its saved tensors right after it ran.
+//
+// Note [Split backward]
+// backward_input() and WeightGrad::run() are one backward pass in two halves. The input half is
+// filtered to the inputs (as grad()), and Node::needs_input_grad asks the pass, so a node on
+// the way to the inputs computes only the gradients the pass needs: a linear computes dX and
+// leaves dW. Where the paths part (a node the half runs with an edge towards the weights that
+// it does not run: the linear's node, whose weight edge leads to the weight's accumulator) it
+// keeps the node's incoming gradients and saved tensors. The weight half starts from those
+// nodes with those gradients, filtered to the weights; every node the input half ran is cut:
+// it does not run again, and nothing is sent to it, so no gradient is counted twice. A root that
+// does not lead to the inputs but to a weight is kept whole. Pre-hooks run once, in the half
+// that first sees the gradient.
 #include <ember/autograd/engine.h>
 
 #include <algorithm>
 #include <atomic>
 #include <queue>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <ember/autograd/detail/functions.h>
 #include <ember/tensor/detail/record.h>
@@ -47,6 +60,13 @@ struct GraphTask {
   std::vector<Capture> captures;
   std::vector<Tensor> captured;
   std::unordered_map<Node*, Node::TaskState> shared;  ///< nodes owned by another pass
+  // Note [Split backward]
+  WeightGrad* split = nullptr;           ///< the input half: what it keeps goes here
+  std::vector<Node*> split_weights;      ///< the input half: the weights' accumulators
+  bool resuming = false;                 ///< the weight half: roots are kept gradients
+  std::unordered_set<Node*> cut;         ///< the weight half: nodes the input half ran
+
+  bool is_cut(Node* n) const { return !cut.empty() && cut.count(n) != 0; }
 
   bool contains(Node* n) const {
     return n->task_id_.load(std::memory_order_relaxed) == id || shared.count(n) != 0;
@@ -80,6 +100,7 @@ class Engine {
   static bool claim(GraphTask& task, Node* n);
   static void discover(GraphTask& task, const std::vector<Edge>& roots);
   static void filter(GraphTask& task, const std::vector<Edge>& exec_targets);
+  static void mark_split(GraphTask& task, const std::vector<Edge>& roots);
   static Tensor validate(Tensor g, const Node& from, size_t index, const Node& to, uint32_t slot);
   static void run(GraphTask& task, Node* n,
                   std::priority_queue<Node*, std::vector<Node*>, bool (*)(Node*, Node*)>& ready);
@@ -98,6 +119,7 @@ bool Engine::claim(GraphTask& task, Node* n) {
   st->buffer.assign(n->num_inputs(), Tensor());
   st->exec = st->reach = !task.filtered;
   st->capture = false;
+  st->keep = st->resumed = false;
   task.nodes.push_back(n);
   return true;
 }
@@ -137,6 +159,11 @@ void Engine::filter(GraphTask& task, const std::vector<Edge>& exec_targets) {
             [](Node* a, Node* b) { return a->sequence_nr_ < b->sequence_nr_; });
   for (Node* n : order) {
     Node::TaskState& st = task.state(n);
+    if (task.is_cut(n)) {  // the weight half: the input half ran it
+      st.exec = st.resumed;
+      st.reach = false;
+      continue;
+    }
     if (!st.exec) {
       for (const Edge& e : n->next_edges_) {
         if (e.fn && task.state(e.fn.get()).reach) {
@@ -146,6 +173,31 @@ void Engine::filter(GraphTask& task, const std::vector<Edge>& exec_targets) {
       }
     }
     st.reach = st.exec || st.capture;
+  }
+}
+
+void Engine::mark_split(GraphTask& task, const std::vector<Edge>& roots) {
+  std::vector<Node*> order = task.nodes;
+  std::sort(order.begin(), order.end(),
+            [](Node* a, Node* b) { return a->sequence_nr_ < b->sequence_nr_; });
+  const std::unordered_set<Node*> weights(task.split_weights.begin(), task.split_weights.end());
+  // Nodes with a weight below them; accumulators sort last (see filter), so they seed it.
+  std::unordered_set<Node*> to_weights = weights;
+  for (Node* n : order) {
+    bool below = false;
+    for (const Edge& e : n->next_edges_) below = below || (e.fn && to_weights.count(e.fn.get()));
+    if (below) to_weights.insert(n);
+  }
+  for (Node* n : order) {
+    Node::TaskState& st = task.state(n);
+    if (!st.exec) continue;
+    for (const Edge& e : n->next_edges_) {
+      if (e.fn && to_weights.count(e.fn.get()) && !task.state(e.fn.get()).exec) st.keep = true;
+    }
+  }
+  for (const Edge& e : roots) {
+    Node::TaskState& st = task.state(e.fn.get());
+    if (!st.exec && to_weights.count(e.fn.get())) st.keep = true;
   }
 }
 
@@ -173,7 +225,8 @@ void Engine::run(GraphTask& task, Node* n,
   Node::TaskState& st = task.state(n);
   TensorList grads = std::move(st.buffer);
   st.buffer.clear();
-  n->call_pre_hooks(grads);
+  if (!st.resumed) n->call_pre_hooks(grads);
+  if (task.split && st.exec) task.split->cut_.push_back(n->shared_from_this());
   if (st.capture) {
     for (const GraphTask::Capture& c : task.captures) {
       if (c.node == n) task.captured[c.index] = grads[c.input_nr];
@@ -187,19 +240,22 @@ void Engine::run(GraphTask& task, Node* n,
     for (size_t i = 0; i < grads.size(); ++i) {
       if (!grads[i].defined()) grads[i] = zeros(gm[i].shape, TensorOptions(gm[i].dtype).device(gm[i].device));
     }
+    if (st.keep) task.split->kept_.push_back({n->shared_from_this(), grads});
     trace::Span span(n->name(), "autograd", {}, trace::Level::Ops);
     outs = n->apply(std::move(grads));
-    if (!task.retain_graph) n->release_variables();
+    if (!task.retain_graph && !st.keep) n->release_variables();
     EMBER_INTERNAL_ASSERT(outs.empty() || outs.size() == n->next_edges_.size(), n->name(),
                           " returned ", outs.size(), " gradients for ", n->next_edges_.size(),
                           " inputs");
+  } else if (st.keep && any) {
+    task.split->kept_.push_back({n->shared_from_this(), std::move(grads)});
   }
   for (size_t i = 0; i < n->next_edges_.size(); ++i) {
     const Edge& e = n->next_edges_[i];
     Node* c = e.fn.get();
     if (c == nullptr) continue;
     Node::TaskState& cs = task.state(c);
-    if (i < outs.size() && outs[i].defined()) {
+    if (i < outs.size() && outs[i].defined() && !task.is_cut(c)) {
       Tensor g = validate(std::move(outs[i]), *n, i, *c, e.input_nr);
       Tensor& slot = cs.buffer[e.input_nr];
       slot = slot.defined() ? slot + g : std::move(g);
@@ -227,7 +283,11 @@ void Engine::execute(GraphTask& task, const std::vector<Edge>& roots,
   } cleanup{task};
 
   discover(task, roots);
+  if (task.resuming) {
+    for (const Edge& e : roots) task.state(e.fn.get()).resumed = true;
+  }
   if (task.filtered) filter(task, exec_targets);
+  if (task.split) mark_split(task, roots);
   for (size_t i = 0; i < roots.size(); ++i) {
     Tensor& slot = task.state(roots[i].fn.get()).buffer[roots[i].input_nr];
     Tensor g = validate(std::move(root_grads[i]), *roots[i].fn, i, *roots[i].fn, roots[i].input_nr);
@@ -348,6 +408,89 @@ std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<T
     }
   }
   return std::move(task.captured);
+}
+
+std::vector<Tensor> backward_input(const std::vector<Tensor>& outputs,
+                                   const std::vector<Tensor>& grad_outputs,
+                                   const std::vector<Tensor>& inputs,
+                                   const std::vector<Tensor>& weights, WeightGrad& rest) {
+  EMBER_CHECK(!rest.pending(),
+              "[backward_input] the WeightGrad given still holds the weight half of an earlier "
+              "pass: run() it first");
+  GraphTask task;
+  task.filtered = true;
+  task.split = &rest;
+  std::vector<Edge> roots;
+  std::vector<Tensor> root_grads;
+  make_roots("backward_input", outputs, grad_outputs, roots, root_grads);
+  std::vector<Edge> keep;  // holds accumulators created here alive for the pass
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    detail::check_defined("backward_input", inputs[i], "inputs");
+    Edge e = gradient_edge(inputs[i]);
+    if (!e.valid()) {
+      throw AutogradError(detail::str_cat("[backward_input] inputs[", i,
+                                          "] does not require grad; every input must"));
+    }
+    task.captures.push_back({e.fn.get(), e.input_nr, i});
+    keep.push_back(std::move(e));
+  }
+  for (size_t i = 0; i < weights.size(); ++i) {
+    detail::check_defined("backward_input", weights[i], "weights");
+    Edge e = gradient_edge(weights[i]);
+    if (!e.valid() || !weights[i].is_leaf()) {
+      throw AutogradError(detail::str_cat("[backward_input] weights[", i,
+                                          "] must be a leaf tensor that requires grad"));
+    }
+    task.split_weights.push_back(e.fn.get());
+    keep.push_back(std::move(e));
+  }
+  task.captured.resize(inputs.size());
+  try {
+    Engine::execute(task, roots, std::move(root_grads), {});
+  } catch (...) {
+    rest.kept_.clear();
+    rest.cut_.clear();
+    throw;
+  }
+  rest.weights_ = weights;
+  rest.pending_ = true;
+  return std::move(task.captured);
+}
+
+void WeightGrad::run() {
+  EMBER_CHECK(pending_,
+              "[WeightGrad::run] nothing to run: it runs once, after backward_input");
+  pending_ = false;
+  std::vector<Kept> kept = std::move(kept_);
+  std::vector<std::shared_ptr<Node>> cut = std::move(cut_);
+  std::vector<Tensor> weights = std::move(weights_);
+  kept_.clear();
+  cut_.clear();
+  weights_.clear();
+  if (kept.empty()) return;
+  GraphTask task;
+  task.filtered = true;
+  task.resuming = true;
+  for (const auto& n : cut) task.cut.insert(n.get());
+  std::vector<Edge> roots, targets;
+  std::vector<Tensor> root_grads;
+  for (Kept& k : kept) {
+    for (size_t i = 0; i < k.grads.size(); ++i) {
+      if (!k.grads[i].defined()) continue;
+      roots.push_back({k.node, static_cast<uint32_t>(i)});
+      root_grads.push_back(std::move(k.grads[i]));
+    }
+  }
+  for (const Tensor& w : weights) targets.push_back(gradient_edge(w));
+  Engine::execute(task, roots, std::move(root_grads), targets);
+}
+
+bool Node::pass_wants(const Edge& e) const {
+  if (t_tasks.empty()) return true;
+  GraphTask& t = *t_tasks.back();
+  Node* self = const_cast<Node*>(this);
+  if (!t.filtered || !t.contains(self) || !t.contains(e.fn.get())) return true;
+  return t.state(e.fn.get()).reach;
 }
 
 void queue_callback(std::function<void()> callback) {

@@ -95,8 +95,12 @@ class Node : public std::enable_shared_from_this<Node> {
   EdgeList& mutable_next_edges() { return next_edges_; }
   const Edge& next_edge(size_t i) const { return next_edges_[i]; }
   size_t num_outputs() const { return next_edges_.size(); }
-  /// True when the gradient for next edge i is wanted.
-  bool needs_input_grad(size_t i) const { return i < next_edges_.size() && next_edges_[i].valid(); }
+  /// True when the gradient for next edge i is wanted: the edge leads somewhere and, while a
+  /// backward pass that wants only some gradients runs this node (grad(), backward(inputs=),
+  /// either half of a split backward), the pass needs what lies along it.
+  bool needs_input_grad(size_t i) const {
+    return i < next_edges_.size() && next_edges_[i].valid() && pass_wants(next_edges_[i]);
+  }
 
   const GradMetaList& grad_meta() const { return grad_meta_; }
   GradMetaList& mutable_grad_meta() { return grad_meta_; }
@@ -120,6 +124,9 @@ class Node : public std::enable_shared_from_this<Node> {
  private:
   friend class Engine;
   friend struct GraphTask;
+  /// Whether the backward pass running on this thread needs the gradient along `e` (true
+  /// outside a pass, or for a node the pass does not own: one recorded inside a hook).
+  bool pass_wants(const Edge& e) const;
   EdgeList next_edges_;
   GradMetaList grad_meta_;
   uint64_t sequence_nr_;
@@ -140,6 +147,8 @@ class Node : public std::enable_shared_from_this<Node> {
     bool exec = true;
     bool reach = true;
     bool capture = false;
+    bool keep = false;     ///< split backward, input half: save this node's gradients
+    bool resumed = false;  ///< split backward, weight half: gradients saved by the first half
     TensorList buffer;
   };
   std::atomic<uint64_t> task_id_{0};

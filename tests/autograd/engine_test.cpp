@@ -638,3 +638,134 @@ TEST(Hooks, InBackwardIsTrueOnlyDuringAPass) {
 
 }  // namespace
 }  // namespace ember
+
+namespace ember {
+namespace {
+
+using test::expect_close;
+using test::expect_error;
+using test::leaf;
+
+namespace split {
+
+// x * w with w broadcast over rows; counts which gradients its backward computed.
+struct Scale : autograd::Function<Scale> {
+  static inline int x_grads = 0;
+  static inline int w_grads = 0;
+  static Tensor forward(autograd::Context* ctx, const Tensor& x, const Tensor& w) {
+    ctx->save_for_backward({x, w});
+    return x * w;
+  }
+  static autograd::TensorList backward(autograd::Context* ctx, autograd::TensorList g) {
+    const autograd::TensorList s = ctx->saved();
+    autograd::TensorList r(2);
+    if (ctx->needs_input_grad(0)) {
+      ++x_grads;
+      r[0] = g[0] * s[1];
+    }
+    if (ctx->needs_input_grad(1)) {
+      ++w_grads;
+      r[1] = (g[0] * s[0]).sum({0});
+    }
+    return r;
+  }
+};
+
+struct Net {
+  Tensor w1 = leaf({4, 5}, 11), b1 = leaf({5}, 12), s = leaf({5}, 13), w2 = leaf({5, 3}, 14),
+         pos = leaf({3}, 15);
+  std::vector<Tensor> weights() const { return {w1, b1, s, w2, pos}; }
+  // Two matmuls, a custom op, a weight used twice (s), and a weight-only branch (pos) added
+  // to the output.
+  Tensor operator()(const Tensor& x) const {
+    Tensor h = relu(matmul(x, w1) + b1);
+    h = Scale::apply(h, s) * s;
+    return matmul(tanh(h), w2) + pos * pos;
+  }
+};
+
+void expect_same_grads(const Net& a, const Net& b) {
+  const auto wa = a.weights(), wb = b.weights();
+  for (size_t i = 0; i < wa.size(); ++i) {
+    ASSERT_TRUE(wa[i].grad().defined()) << "weight " << i;
+    expect_close(wa[i].grad(), wb[i].grad().to_vector<double>(), 1e-12, "weight " + std::to_string(i));
+  }
+}
+
+}  // namespace split
+
+// backward_input gives the input's gradient without computing any weight gradient, and
+// WeightGrad::run then gives every weight what one backward() gives, each gradient computed
+// once.
+TEST(SplitBackward, TwoHalvesEqualOneBackwardAndComputeEachGradientOnce) {
+  split::Net net, ref;
+  const Tensor x0 = test::rand_t({6, 4}, kFloat64, 16);
+  const Tensor gy = test::rand_t({6, 3}, kFloat64, 17);
+  Tensor xr = x0.clone().requires_grad_();
+  autograd::backward({ref(xr)}, {gy});
+
+  Tensor x = x0.clone().requires_grad_();
+  const Tensor y = net(x);
+  split::Scale::x_grads = split::Scale::w_grads = 0;
+  autograd::WeightGrad rest;
+  const std::vector<Tensor> dx = autograd::backward_input({y}, {gy}, {x}, net.weights(), rest);
+  EXPECT_TRUE(rest.pending());
+  expect_close(dx[0], xr.grad().to_vector<double>(), 1e-12, "input gradient");
+  EXPECT_FALSE(x.grad().defined());
+  for (const Tensor& w : net.weights()) EXPECT_FALSE(w.grad().defined());
+  EXPECT_EQ(split::Scale::x_grads, 1);
+  EXPECT_EQ(split::Scale::w_grads, 0);
+
+  rest.run();
+  EXPECT_FALSE(rest.pending());
+  EXPECT_EQ(split::Scale::x_grads, 1);
+  EXPECT_EQ(split::Scale::w_grads, 1);
+  split::expect_same_grads(net, ref);
+  EXPECT_FALSE(x.grad().defined());
+  expect_error([&] { rest.run(); }, {"[WeightGrad::run] nothing to run"});
+}
+
+// The first stage of a pipeline has no input that needs a gradient: the whole pass waits for
+// the weight half. Post-accumulate hooks (DDP's) run in the weight half, once per weight.
+TEST(SplitBackward, NoInputDefersEverythingAndHooksRunInTheWeightHalf) {
+  split::Net net, ref;
+  const Tensor x = test::rand_t({6, 4}, kFloat64, 18);
+  const Tensor gy = test::rand_t({6, 3}, kFloat64, 19);
+  autograd::backward({ref(x)}, {gy});
+  int fired = 0;
+  for (const Tensor& w : net.weights()) w.register_post_accumulate_grad_hook([&](const Tensor&) { ++fired; });
+  autograd::WeightGrad rest;
+  EXPECT_TRUE(autograd::backward_input({net(x)}, {gy}, {}, net.weights(), rest).empty());
+  EXPECT_EQ(fired, 0);
+  for (const Tensor& w : net.weights()) EXPECT_FALSE(w.grad().defined());
+  rest.run();
+  EXPECT_EQ(fired, 5);
+  split::expect_same_grads(net, ref);
+
+  // Weight gradients accumulate over micro-batches as backward()'s do; a pending weight half
+  // must run before the next split.
+  Tensor x2 = x.clone().requires_grad_();
+  autograd::WeightGrad one, two;
+  autograd::backward_input({net(x2)}, {gy}, {x2}, net.weights(), one);
+  expect_error([&] { autograd::backward_input({net(x2)}, {gy}, {x2}, net.weights(), one); },
+               {"[backward_input] the WeightGrad given still holds the weight half"});
+  autograd::backward_input({net(x2)}, {gy}, {x2}, net.weights(), two);
+  two.run();
+  one.run();
+  autograd::backward({ref(x)}, {gy});
+  autograd::backward({ref(x)}, {gy});
+  split::expect_same_grads(net, ref);
+}
+
+// grad() with respect to the input alone no longer computes weight gradients.
+TEST(SplitBackward, GradOfTheInputSkipsWeightGradients) {
+  split::Net net;
+  Tensor x = test::rand_t({6, 4}, kFloat64, 20).requires_grad_();
+  split::Scale::x_grads = split::Scale::w_grads = 0;
+  autograd::grad({net(x).sum()}, {x});
+  EXPECT_EQ(split::Scale::x_grads, 1);
+  EXPECT_EQ(split::Scale::w_grads, 0);
+}
+
+}  // namespace
+}  // namespace ember
