@@ -72,5 +72,8 @@ WorkPtr ForwardingProcessGroup::send(const Tensor& tensor, int dst, int tag) {
 WorkPtr ForwardingProcessGroup::recv(Tensor& tensor, int src, int tag) {
   return inner_->recv(tensor, src, tag);
 }
+std::vector<WorkPtr> ForwardingProcessGroup::batch_isend_irecv(const std::vector<P2POp>& ops) {
+  return inner_->batch_isend_irecv(ops);
+}
 
 }  // namespace ember::dist

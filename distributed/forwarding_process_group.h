@@ -68,6 +68,7 @@ class ForwardingProcessGroup : public ProcessGroup {
   WorkPtr barrier(const CollectiveOptions& opts = {}) override;
   WorkPtr send(const Tensor& tensor, int dst, int tag = 0) override;
   WorkPtr recv(Tensor& tensor, int src, int tag = 0) override;
+  std::vector<WorkPtr> batch_isend_irecv(const std::vector<P2POp>& ops) override;
 
  protected:
   std::shared_ptr<ProcessGroup> inner_;

@@ -183,6 +183,26 @@ struct CollectiveOptions {
   std::optional<Duration> timeout;
 };
 
+class ProcessGroup;
+
+/// One send or receive of batch_isend_irecv (torch.distributed.P2POp; p2p.h). `peer` is a rank
+/// of `group` (null: the default group); `tag` pairs a send with its receive.
+struct P2POp {
+  enum class Kind { Send, Recv };
+  Kind op = Kind::Send;
+  Tensor tensor;
+  int peer = 0;
+  int tag = 0;
+  std::shared_ptr<ProcessGroup> group;
+
+  static P2POp isend(Tensor t, int peer, int tag = 0, std::shared_ptr<ProcessGroup> g = {}) {
+    return {Kind::Send, std::move(t), peer, tag, std::move(g)};
+  }
+  static P2POp irecv(Tensor t, int peer, int tag = 0, std::shared_ptr<ProcessGroup> g = {}) {
+    return {Kind::Recv, std::move(t), peer, tag, std::move(g)};
+  }
+};
+
 /// Group ranks are 0..size-1. `global_ranks()[r]` is group rank r's rank in the default
 /// (world) group.
 class ProcessGroup {
@@ -261,6 +281,11 @@ class ProcessGroup {
   virtual WorkPtr barrier(const CollectiveOptions& opts = {}) = 0;
   virtual WorkPtr send(const Tensor& tensor, int dst, int tag = 0) = 0;
   virtual WorkPtr recv(Tensor& tensor, int src, int tag = 0) = 0;
+  /// Issues every send and receive of `ops` (their groups are ignored: this group's) and
+  /// returns their Works in order (p2p.h's batch_isend_irecv). The default issues them one
+  /// after another, which never blocks where send and recv return at once (gloo, MPI,
+  /// threads); NCCL overrides it with one group launch.
+  virtual std::vector<WorkPtr> batch_isend_irecv(const std::vector<P2POp>& ops);
 
  protected:
   /// The label of the collective being issued, "[gloo] allreduce #12 on rank 3 of 4", for its

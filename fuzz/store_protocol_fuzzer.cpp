@@ -40,8 +40,9 @@ constexpr int kHangLimitMs = 10000;
 
 // Every input is a new connection, and each leaves one end in TIME_WAIT for a minute: thousands
 // of inputs a second can find no free ephemeral port for a moment (EADDRNOTAVAIL), a limit of
-// this harness's churn, not a finding about the server, so connect() is tried again then. Any
-// other failure (a server that does not listen) aborts.
+// this harness's churn, not a finding about the server, so connect() is tried again then, as
+// when a signal interrupts it (EINTR: libFuzzer's own timers). Any other failure (a server that
+// does not listen) aborts.
 int connect_loopback(uint16_t port) {
   sockaddr_in a{};
   a.sin_family = AF_INET;
@@ -55,7 +56,7 @@ int connect_loopback(uint16_t port) {
     const int err = errno;
     ::close(fd);
     errno = err;
-    if (err != EADDRNOTAVAIL || attempt == 1000) fail("connect() failed");
+    if ((err != EADDRNOTAVAIL && err != EINTR) || attempt == 1000) fail("connect() failed");
   }
   const int one = 1;  // a large input goes out in several segments: none may wait for an ACK
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);

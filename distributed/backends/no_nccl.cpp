@@ -48,6 +48,9 @@ WorkPtr ProcessGroupNccl::alltoall(std::vector<Tensor>&, const std::vector<Tenso
 WorkPtr ProcessGroupNccl::barrier(const CollectiveOptions&) { unavailable(); }
 WorkPtr ProcessGroupNccl::send(const Tensor&, int, int) { unavailable(); }
 WorkPtr ProcessGroupNccl::recv(Tensor&, int, int) { unavailable(); }
+std::vector<WorkPtr> ProcessGroupNccl::batch_isend_irecv(const std::vector<P2POp>&) {
+  unavailable();
+}
 
 // The backend stays registered, so init_process_group says what the build lacks and how to
 // get it, instead of "unknown backend".

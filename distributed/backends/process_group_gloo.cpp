@@ -177,7 +177,15 @@ ProcessGroupGloo::Impl::Impl(const ProcessGroupGloo& pg, std::shared_ptr<Store> 
   for (int i = 0; i < opts.threads; ++i) {
     workers_.emplace_back([this] { loop(queue_, cv_, true); });
   }
-  p2p_ = std::thread([this] { loop(p2p_queue_, p2p_cv_, false); });
+  // Note [send and receive threads]: a send's job waits until its receiver has called recv
+  // (send/recv sizes, gloo_agreement.h), and a receive's job completes its Work. On one thread,
+  // a send waiting for a peer that first waits for one of this rank's receives would wait behind
+  // that very receive: a rank that sends a header and then the data (send_with_shape) to a peer
+  // doing the same would block both. Sends and receives each keep their order on their own
+  // thread, so one never waits behind the other.
+  for (int i = 0; i < 2; ++i) {
+    p2p_[i] = std::thread([this, i] { loop(p2p_queue_[i], p2p_cv_[i], false); });
+  }
 }
 
 ProcessGroupGloo::Impl::~Impl() {
@@ -185,13 +193,13 @@ ProcessGroupGloo::Impl::~Impl() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
-    for (auto* q : {&queue_, &p2p_queue_}) {
+    for (auto* q : {&queue_, &p2p_queue_[0], &p2p_queue_[1]}) {
       for (auto& j : *q) dropped.push_back(std::move(j));
       q->clear();
     }
   }
   cv_.notify_all();
-  p2p_cv_.notify_all();
+  for (auto& cv : p2p_cv_) cv.notify_all();
   for (auto& j : dropped) {
     j.work->finish_with_error(std::make_exception_ptr(DistBackendError(
         detail::str_cat(j.work->describe(), " failed: the process group was destroyed"))));
@@ -199,7 +207,9 @@ ProcessGroupGloo::Impl::~Impl() {
   for (auto& w : workers_) {
     if (w.joinable()) w.join();
   }
-  if (p2p_.joinable()) p2p_.join();
+  for (auto& t : p2p_) {
+    if (t.joinable()) t.join();
+  }
   if (context_) context_->closeConnections();
 }
 
@@ -222,7 +232,8 @@ WorkPtr ProcessGroupGloo::Impl::submit(
                                                      dist::detail::short_label(what), timeout)) {
     record_each_ = false;
   }
-  const bool p2p = route == Route::P2p;
+  const bool p2p = route == Route::Send || route == Route::Recv;
+  const int side = route == Route::Recv ? 1 : 0;
   {
     std::unique_lock<std::mutex> lock(mu_);
     EMBER_CHECK(!stop_, what, ": the process group is being destroyed");
@@ -240,9 +251,9 @@ WorkPtr ProcessGroupGloo::Impl::submit(
       issued_.push_back(work);
       ++in_flight_;
     }
-    (p2p ? p2p_queue_ : queue_).push_back(std::move(job));
+    (p2p ? p2p_queue_[side] : queue_).push_back(std::move(job));
   }
-  (p2p ? p2p_cv_ : cv_).notify_one();  // wake only the thread that serves this queue
+  (p2p ? p2p_cv_[side] : cv_).notify_one();  // wake only the thread that serves this queue
   return work;
 }
 

@@ -601,7 +601,7 @@ WorkPtr ProcessGroupGloo::point_to_point(bool is_send, const Tensor& tensor, int
         transfer->run(left);
         return std::vector<Tensor>{t};
       },
-      Impl::Route::P2p);
+      is_send ? Impl::Route::Send : Impl::Route::Recv);
 }
 
 }  // namespace ember::dist

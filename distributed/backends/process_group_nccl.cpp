@@ -886,4 +886,47 @@ WorkPtr ProcessGroupNccl::recv(Tensor& tensor, int src, int /*tag*/) {
                        });
 }
 
+std::vector<WorkPtr> ProcessGroupNccl::batch_isend_irecv(const std::vector<P2POp>& ops) {
+  EMBER_CHECK(!ops.empty(), "[nccl] batch_isend_irecv: expected at least one P2POp, got none");
+  struct Part {
+    bool send;
+    void* ptr;
+    size_t count;
+    ncclDataType_t dt;
+    int peer;
+  };
+  std::vector<Part> parts;
+  std::vector<Tensor> outputs, keep;
+  for (const P2POp& op : ops) {
+    const bool send = op.op == P2POp::Kind::Send;
+    check_tensor(send ? "send" : "recv", op.tensor, device());
+    EMBER_CHECK(op.peer >= 0 && op.peer < size_ && op.peer != rank_, "[nccl] batch_isend_irecv: ",
+                send ? "send to " : "recv from ", op.peer,
+                " must name another rank of this group of size ", size_, " (this is rank ", rank_,
+                ")");
+    parts.push_back({send, op.tensor.data_ptr(), static_cast<size_t>(op.tensor.numel()),
+                     nccl_dtype(op.tensor.dtype()), op.peer});
+    (send ? keep : outputs).push_back(op.tensor);
+  }
+  WorkPtr w = impl_->launch(next_op_label("batch_isend_irecv"), timeout_of({}), outputs, keep,
+                            [=](ncclComm_t c, cudaStream_t s) {
+                              ncclResult_t r = ncclGroupStart();
+                              if (r != ncclSuccess) return r;
+                              ncclResult_t first = ncclSuccess;
+                              for (const Part& p : parts) {
+                                if (p.count == 0) continue;
+                                const ncclResult_t x =
+                                    p.send ? ncclSend(p.ptr, p.count, p.dt, p.peer, c, s)
+                                           : ncclRecv(p.ptr, p.count, p.dt, p.peer, c, s);
+                                if (first == ncclSuccess && x != ncclSuccess &&
+                                    x != ncclInProgress) {
+                                  first = x;
+                                }
+                              }
+                              const ncclResult_t e = ncclGroupEnd();
+                              return first != ncclSuccess ? first : e;
+                            });
+  return std::vector<WorkPtr>(ops.size(), w);
+}
+
 }  // namespace ember::dist

@@ -130,6 +130,8 @@ class ProcessGroupNccl : public ProcessGroup {
   WorkPtr send(const Tensor& tensor, int dst, int tag = 0) override;
   /// ncclRecv from src (not this rank). `tag` is ignored.
   WorkPtr recv(Tensor& tensor, int src, int tag = 0) override;
+  /// One NCCL group of every send and receive (ncclGroupStart/End): one Work for all.
+  std::vector<WorkPtr> batch_isend_irecv(const std::vector<P2POp>& ops) override;
 
   class Impl;
 

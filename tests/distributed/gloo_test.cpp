@@ -18,6 +18,7 @@
 #include <ember/distributed/store/hash_store.h>
 #include <ember/distributed/store/prefix_store.h>
 #include <ember/distributed/store/tcp_store.h>
+#include "tests/distributed/p2p_checks.h"
 #include "tests/distributed/store_test_util.h"
 #include <ember/distributed/ddp/comm_hooks.h>
 #include <ember/distributed/ddp/ddp.h>
@@ -364,6 +365,15 @@ TEST_P(GlooCollectives, GatherScatterReduceScatterAlltoallEveryDtype) {
     }
     pg.barrier()->wait();
   });
+}
+
+// batch_isend_irecv in both directions around the ring, and shapes the receiver learns.
+TEST_P(GlooWorld, BatchIsendIrecvAndLearnedShapes) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam().n;
+  if (n == 1) GTEST_SKIP() << "send/recv needs a peer";
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) { test::check_batch_p2p(pg, rank, n); },
+            60s, GetParam().shm);
 }
 
 TEST_P(GlooWorld, SendRecvRingEveryDtype) {

@@ -13,6 +13,7 @@
 #include <ember/tensor/ops.h>
 #include "tests/distributed/allreduce_closed_forms.h"
 #include "tests/distributed/collective_options.h"
+#include "tests/distributed/p2p_checks.h"
 #include "tests/distributed/threads_test_util.h"
 
 namespace ember::dist {
@@ -374,6 +375,30 @@ TEST(Threads, MismatchesNameTheCollectiveAndBothRanks) {
     pg.allreduce(ok)->wait();
     EXPECT_EQ(ok.to_vector<float>()[0], 2.0f);
   });
+}
+
+// batch_isend_irecv (through the free function) and learned shapes at 2 and 3 ranks; a batch
+// that is empty or names two groups is refused.
+TEST(Threads, BatchIsendIrecvAndLearnedShapes) {
+  for (int n : {2, 3}) {
+    test::run_threads({.n = n}, [n](std::shared_ptr<ProcessGroup> pg, int rank) {
+      test::check_batch_p2p(*pg, rank, n);
+      const int next = (rank + 1) % n, prev = (rank + n - 1) % n;
+      Tensor out = full({2}, rank * 1.0), in = zeros({2});
+      for (const WorkPtr& w : batch_isend_irecv({P2POp::irecv(in, prev, 0, pg),
+                                                 P2POp::isend(out, next, 0, pg)})) {
+        w->wait();
+      }
+      require(in.to_vector<float>()[0] == prev, "the free batch_isend_irecv");
+    });
+  }
+  test::expect_error([] { batch_isend_irecv({}); },
+                     {"[batch_isend_irecv] expected at least one P2POp, got none"});
+  auto a = std::make_shared<ProcessGroupThreads>(ThreadWorld::create(2), 0);
+  auto b = std::make_shared<ProcessGroupThreads>(ThreadWorld::create(2), 0);
+  Tensor t = zeros({1});
+  test::expect_error([&] { batch_isend_irecv({P2POp::isend(t, 1, 0, a), P2POp::irecv(t, 1, 0, b)}); },
+                     {"[batch_isend_irecv] every P2POp must use the same group: op 1"});
 }
 
 TEST(Threads, BadArgumentsThrowAtTheCall) {

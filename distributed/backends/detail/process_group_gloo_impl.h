@@ -44,9 +44,9 @@ class ProcessGroupGloo::Impl {
   ~Impl();
 
   /// Where submit() runs an operation: a collective on the workers (Worker), or on the calling
-  /// thread when the group is idle (InlineIfIdle, Note [inline collectives]); send and recv on
-  /// the send/recv thread (P2p).
-  enum class Route { Worker, InlineIfIdle, P2p };
+  /// thread when the group is idle (InlineIfIdle, Note [inline collectives]); sends on the
+  /// send thread, receives on the receive thread (Note [send and receive threads]).
+  enum class Route { Worker, InlineIfIdle, Send, Recv };
 
   /// The route of a collective that moves `bytes` per rank (Note [inline collectives]): over
   /// shared memory a small one may run on the calling thread.
@@ -89,17 +89,17 @@ class ProcessGroupGloo::Impl {
   std::unique_ptr<dist::detail::ShmAllreduce> shm_;  // outlives the workers (joined in ~Impl)
   std::mutex mu_;
   std::condition_variable cv_;      // collectives' queue
-  std::condition_variable p2p_cv_;  // send/recv queue
+  std::condition_variable p2p_cv_[2];  // the send and the receive queues
   bool stop_ = false;
   std::string broken_;
   std::deque<Job> queue_;
-  std::deque<Job> p2p_queue_;
+  std::deque<Job> p2p_queue_[2];
   std::vector<std::weak_ptr<Work>> issued_;  // collectives, for barrier
   // Collectives queued or running on the workers; 0: the group is idle (Note [inline
   // collectives]).
   size_t in_flight_ = 0;
   std::vector<std::thread> workers_;  // collectives
-  std::thread p2p_;
+  std::thread p2p_[2];
 };
 
 /// A collective's label and, when it goes through shared memory, its ticket (taken after the
