@@ -46,6 +46,7 @@ ROOMS = {
     "tensor_parallel": {"errors", "store", "top", "mesh", "functional", "dtensor", "sharding"},
     "checkpoint": {"errors", "store", "top", "debug", "ddp", "sharding", "mesh", "functional",
                    "dtensor"},
+    "pipelining": {"errors", "store", "top", "debug", "ddp", "sharding", "mesh"},
 }
 # Headers users never include, so not installed (cmake/EmberInstall.cmake installs the rest).
 # Where unit cycles are refused.

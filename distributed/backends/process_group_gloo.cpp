@@ -178,14 +178,15 @@ ProcessGroupGloo::Impl::Impl(const ProcessGroupGloo& pg, std::shared_ptr<Store> 
     workers_.emplace_back([this] { loop(queue_, cv_, true); });
   }
   // Note [send and receive threads]: a send's job waits until its receiver has called recv
-  // (send/recv sizes, gloo_agreement.h), and a receive's job completes its Work. On one thread,
-  // a send waiting for a peer that first waits for one of this rank's receives would wait behind
-  // that very receive: a rank that sends a header and then the data (send_with_shape) to a peer
-  // doing the same would block both. Sends and receives each keep their order on their own
-  // thread, so one never waits behind the other.
-  for (int i = 0; i < 2; ++i) {
-    p2p_[i] = std::thread([this, i] { loop(p2p_queue_[i], p2p_cv_[i], false); });
-  }
+  // (Note [send/recv sizes] in gloo_agreement.h), and a receive's job completes its Work. On
+  // one thread, a send waiting for a peer that first waits for one of this rank's receives
+  // would wait behind that very receive (two ranks sending a header and then the data to each
+  // other, send_with_shape, blocked both), and a send would wait behind an earlier send whose
+  // receiver calls recv only later (a pipeline's forward to the next stage, received after the
+  // gradient it sends back): so receives have a thread of their own, and sends as many threads
+  // as are waiting at once (up to kMaxSenders, more than a pipeline step keeps in flight).
+  // Sends to one peer on one tag still go in order (previous_send), as MPI's do.
+  p2p_[1] = std::thread([this] { loop(p2p_queue_[1], p2p_cv_[1], false); });
 }
 
 ProcessGroupGloo::Impl::~Impl() {
@@ -208,6 +209,9 @@ ProcessGroupGloo::Impl::~Impl() {
     if (w.joinable()) w.join();
   }
   for (auto& t : p2p_) {
+    if (t.joinable()) t.join();
+  }
+  for (auto& t : senders_) {
     if (t.joinable()) t.join();
   }
   if (context_) context_->closeConnections();
@@ -252,6 +256,10 @@ WorkPtr ProcessGroupGloo::Impl::submit(
       ++in_flight_;
     }
     (p2p ? p2p_queue_[side] : queue_).push_back(std::move(job));
+    constexpr size_t kMaxSenders = 64;
+    if (route == Route::Send && idle_senders_ == 0 && senders_.size() < kMaxSenders) {
+      senders_.emplace_back([this] { send_loop(); });
+    }
   }
   (p2p ? p2p_cv_[side] : cv_).notify_one();  // wake only the thread that serves this queue
   return work;
@@ -288,6 +296,32 @@ void ProcessGroupGloo::Impl::loop(std::deque<Job>& queue, std::condition_variabl
       --in_flight_;
     }
   }
+}
+
+void ProcessGroupGloo::Impl::send_loop() {
+  trace::set_thread_name("gloo send");
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      ++idle_senders_;
+      p2p_cv_[0].wait(lock, [&] { return stop_ || !p2p_queue_[0].empty(); });
+      --idle_senders_;
+      if (p2p_queue_[0].empty()) return;  // stopping
+      job = std::move(p2p_queue_[0].front());
+      p2p_queue_[0].pop_front();
+    }
+    execute(job, false);
+  }
+}
+
+std::shared_future<void> ProcessGroupGloo::Impl::previous_send(int peer, int tag,
+                                                                std::shared_future<void> done) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::shared_future<void>& last = last_send_[{peer, tag}];
+  std::shared_future<void> before = last;
+  last = std::move(done);
+  return before;
 }
 
 void ProcessGroupGloo::Impl::execute(Job& job, bool mark_broken) {

@@ -594,11 +594,26 @@ WorkPtr ProcessGroupGloo::point_to_point(bool is_send, const Tensor& tensor, int
                                            size_, is_send ? " to" : " from", " rank ", peer,
                                            " tag ", tag, " failed: ", impl_->name_peers(e.what())));
   }
+  // Sends run on several threads: one to the same peer and tag waits for the one before
+  // (Note [send and receive threads]).
+  auto done = std::make_shared<std::promise<void>>();
+  std::shared_future<void> before;
+  if (is_send) before = impl_->previous_send(peer, tag, done->get_future().share());
   return impl_->submit(
       detail::str_cat(next_op_label(op), is_send ? " to rank " : " from rank ", peer, " tag ", tag),
       timeout(),
-      [t, transfer](std::chrono::milliseconds left) {
-        transfer->run(left);
+      [t, transfer, done, before](std::chrono::milliseconds left) {
+        struct Finish {
+          std::promise<void>& p;
+          ~Finish() { p.set_value(); }
+        } finish{*done};
+        const auto deadline = std::chrono::steady_clock::now() + left;
+        if (before.valid() && before.wait_until(deadline) != std::future_status::ready) {
+          throw DistTimeoutError("an earlier send to the same rank on the same tag did not finish");
+        }
+        transfer->run(std::max(std::chrono::milliseconds(0),
+                               std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   deadline - std::chrono::steady_clock::now())));
         return std::vector<Tensor>{t};
       },
       is_send ? Impl::Route::Send : Impl::Route::Recv);

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <future>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -45,7 +47,7 @@ class ProcessGroupGloo::Impl {
 
   /// Where submit() runs an operation: a collective on the workers (Worker), or on the calling
   /// thread when the group is idle (InlineIfIdle, Note [inline collectives]); sends on the
-  /// send thread, receives on the receive thread (Note [send and receive threads]).
+  /// send threads, receives on the receive thread (Note [send and receive threads]).
   enum class Route { Worker, InlineIfIdle, Send, Recv };
 
   /// The route of a collective that moves `bytes` per rank (Note [inline collectives]): over
@@ -73,6 +75,14 @@ class ProcessGroupGloo::Impl {
 
  private:
   void loop(std::deque<Job>& queue, std::condition_variable& cv, bool collectives);
+  void send_loop();
+
+ public:
+  /// Orders a send after the previous send to `peer` on `tag` (Note [send and receive
+  /// threads]): returns when that one finished (ready at once if none); `done` is this one's.
+  std::shared_future<void> previous_send(int peer, int tag, std::shared_future<void> done);
+
+ private:
   void execute(Job& job, bool mark_broken = true);
   template <typename E>
   void fail(Job& job, const E& err, bool mark_broken);
@@ -99,7 +109,10 @@ class ProcessGroupGloo::Impl {
   // collectives]).
   size_t in_flight_ = 0;
   std::vector<std::thread> workers_;  // collectives
-  std::thread p2p_[2];
+  std::thread p2p_[2];            // [1]: receives; [0] unused (sends have senders_)
+  std::vector<std::thread> senders_;
+  size_t idle_senders_ = 0;
+  std::map<std::pair<int, int>, std::shared_future<void>> last_send_;  // by (peer, tag)
 };
 
 /// A collective's label and, when it goes through shared memory, its ticket (taken after the

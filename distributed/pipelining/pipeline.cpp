@@ -1,0 +1,329 @@
+// The pipeline executor (pipeline.h).
+//
+// Note [running a schedule]
+// Each rank walks its own list. A forward keeps its output (and the graph behind it) until the
+// micro-batch's backward; a received activation becomes a leaf that requires grad, so the
+// backward's gradient for it is what goes back to the previous stage. A send is issued and not
+// waited for until the step ends (the receiver may be busy); a receive is waited for right
+// away, since the next action needs it. Transfers are tagged by (sending stage, direction,
+// micro-batch), so no two in flight share a tag. Shapes: the first transfer between two
+// stages carries a header (send_with_shape) and both sides remember it; later ones must match
+// it (PipeliningShapeError at the sender otherwise), unless dynamic_shapes sends a header each
+// time.
+#include <ember/distributed/pipelining/pipeline.h>
+
+#include <chrono>
+#include <map>
+
+#include <ember/autograd/autograd.h>
+#include <ember/distributed/p2p.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/ops.h>
+#include <ember/tensor/trace.h>
+
+namespace ember::dist::pipelining {
+
+using ember::detail::str_cat;
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+struct Meta {
+  Shape shape;
+  Dtype dtype = kFloat32;
+};
+std::string text(const Shape& s, Dtype d) { return str_cat(s, " ", d); }
+}  // namespace
+
+struct PipelineSchedule::Impl {
+  struct Slot {
+    Tensor input, output, loss, out_grad, in_grad;
+    Tensor result;  ///< the last stage's output, detached, for step()'s merged output
+    autograd::WeightGrad weight_grad;
+  };
+  std::map<int, std::shared_ptr<PipelineStage>> stages;  // this rank's, by index
+  std::shared_ptr<ProcessGroup> group;
+  int num_stages = 0;
+  std::map<int, std::vector<Slot>> slots;
+  std::map<int, Meta> sent, received;  // by sending stage: activations' shape (Note above)
+  std::vector<WorkPtr> pending;        // sends issued this step
+  std::vector<Tensor> in_flight;       // what they send
+};
+
+PipelineSchedule::PipelineSchedule(std::vector<std::shared_ptr<PipelineStage>> stages,
+                                   int n_microbatches, ScheduleKind kind, ScheduleOptions options)
+    : m_(n_microbatches), options_(std::move(options)) {
+  EMBER_CHECK(!stages.empty() && stages[0] != nullptr,
+              "[PipelineSchedule] expected this rank's stages, got none");
+  const int S = stages[0]->num_stages();
+  const int p = stages[0]->group()->size();
+  EMBER_CHECK(S % p == 0, "[PipelineSchedule] ", to_string(kind), ": ", S,
+              " stages do not divide over ", p, " ranks");
+  std::vector<int> rank_of(S);
+  for (int s = 0; s < S; ++s) rank_of[s] = stage_rank(kind, s, S, p);
+  RankActions compute = compute_actions(kind, p, S / p, n_microbatches);
+  init(std::move(stages), add_communication(compute, rank_of), rank_of);
+}
+
+PipelineSchedule::PipelineSchedule(std::vector<std::shared_ptr<PipelineStage>> stages,
+                                   int n_microbatches, RankActions actions,
+                                   ScheduleOptions options)
+    : m_(n_microbatches), options_(std::move(options)) {
+  EMBER_CHECK(!stages.empty() && stages[0] != nullptr,
+              "[PipelineSchedule] expected this rank's stages, got none");
+  const int S = stages[0]->num_stages();
+  std::vector<int> rank_of(S, -1);
+  bool has_transfers = false;
+  for (size_t r = 0; r < actions.size(); ++r) {
+    for (const Action& a : actions[r]) {
+      EMBER_CHECK(a.stage >= 0 && a.stage < S, "[PipelineSchedule] rank ", r, "'s action ",
+                  to_string(a), " names a stage outside the ", S, " stages");
+      EMBER_CHECK(rank_of[a.stage] < 0 || rank_of[a.stage] == static_cast<int>(r),
+                  "[PipelineSchedule] stage ", a.stage, " has actions on ranks ", rank_of[a.stage],
+                  " and ", r);
+      rank_of[a.stage] = static_cast<int>(r);
+      has_transfers = has_transfers || a.kind == ActionKind::SendF || a.kind == ActionKind::RecvF ||
+                      a.kind == ActionKind::SendB || a.kind == ActionKind::RecvB;
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    EMBER_CHECK(rank_of[s] >= 0, "[PipelineSchedule] no rank runs stage ", s, " in the schedule given");
+  }
+  if (!has_transfers) actions = add_communication(actions, rank_of);
+  init(std::move(stages), std::move(actions), std::move(rank_of));
+}
+
+PipelineSchedule::~PipelineSchedule() = default;
+
+void PipelineSchedule::init(std::vector<std::shared_ptr<PipelineStage>> stages,
+                            RankActions actions, std::vector<int> rank_of_stage) {
+  EMBER_CHECK(options_.loss_fn != nullptr, "[PipelineSchedule] expected a loss_fn (the last "
+              "stage's loss of each micro-batch), got none");
+  EMBER_CHECK(m_ >= 1, "[PipelineSchedule] expected at least one micro-batch, got ", m_);
+  impl_ = std::make_unique<Impl>();
+  impl_->group = stages[0]->group();
+  impl_->num_stages = stages[0]->num_stages();
+  const int rank = impl_->group->rank();
+  EMBER_CHECK(static_cast<int>(actions.size()) == impl_->group->size(), "[PipelineSchedule] the "
+              "schedule has ", actions.size(), " ranks but the stages' group has ",
+              impl_->group->size());
+  for (const auto& st : stages) {
+    EMBER_CHECK(st && st->group() == impl_->group && st->num_stages() == impl_->num_stages,
+                "[PipelineSchedule] every stage must share one group and one number of stages");
+    EMBER_CHECK(rank_of_stage[st->stage_index()] == rank, "[PipelineSchedule] stage ",
+                st->stage_index(), " was given to rank ", rank, " but the schedule runs it on rank ",
+                rank_of_stage[st->stage_index()]);
+    EMBER_CHECK(!impl_->stages.count(st->stage_index()), "[PipelineSchedule] stage ",
+                st->stage_index(), " given twice");
+    impl_->stages[st->stage_index()] = st;
+  }
+  for (int s = 0; s < impl_->num_stages; ++s) {
+    EMBER_CHECK(rank_of_stage[s] != rank || impl_->stages.count(s), "[PipelineSchedule] the "
+                "schedule runs stage ", s, " on rank ", rank, ", which was not given it");
+  }
+  const ScheduleCheck check = validate(actions, impl_->num_stages, m_, rank_of_stage);
+  EMBER_CHECK(check.ok, "[PipelineSchedule] the schedule is not valid: ", check.error);
+  actions_ = std::move(actions);
+  rank_of_stage_ = std::move(rank_of_stage);
+}
+
+std::string PipelineSchedule::table() const {
+  return format_table(actions_, impl_->num_stages, m_, rank_of_stage_);
+}
+
+namespace {
+
+/// The micro-batches of `batch` along `dim`; throws ValueError naming the sizes.
+std::vector<Tensor> split(const char* what, const Tensor& batch, int64_t dim, int m) {
+  EMBER_CHECK(batch.defined(), "[PipelineSchedule::step] expected the ", what, " on this rank, got none");
+  const int64_t d = dim < 0 ? dim + batch.dim() : dim;
+  EMBER_CHECK(d >= 0 && d < batch.dim(), "[PipelineSchedule::step] split_dim ", dim,
+              " is out of range for the ", what, " of shape ", batch.shape());
+  EMBER_CHECK(batch.size(d) % m == 0, "[PipelineSchedule::step] a ", what, " of ", batch.size(d),
+              " along dim ", d, " does not divide into ", m, " micro-batches");
+  std::vector<Tensor> out;
+  const int64_t n = batch.size(d) / m;
+  for (int i = 0; i < m; ++i) out.push_back(batch.narrow(d, i * n, n));
+  return out;
+}
+
+template <typename F>
+void with_context(const std::string& what, F&& f) {
+  try {
+    f();
+  } catch (const DistTimeoutError& e) {
+    throw DistTimeoutError(str_cat(what, ": ", e.what()));
+  } catch (const DistError& e) {
+    throw DistBackendError(str_cat(what, ": ", e.what()));
+  }
+}
+
+}  // namespace
+
+Tensor PipelineSchedule::step(const Tensor& input, const Tensor& target, std::vector<Tensor>* losses) {
+  Impl& im = *impl_;
+  const auto t0 = Clock::now();
+  stats_ = {};
+  const int rank = im.group->rank();
+  const int S = im.num_stages;
+  std::vector<Tensor> inputs, targets;
+  if (im.stages.count(0)) inputs = split("input", input, options_.split_dim, m_);
+  if (im.stages.count(S - 1)) targets = split("target", target, options_.split_dim, m_);
+  im.slots.clear();
+  for (const auto& [s, st] : im.stages) im.slots[s].resize(m_);
+  im.pending.clear();
+  im.in_flight.clear();
+  const double scale = options_.scale_grads ? 1.0 / m_ : 1.0;
+  auto tag = [&](int sender, int dir, int mb) { return (sender * 2 + dir) * m_ + mb; };
+  auto where = [&](int s, int mb) { return str_cat("stage ", s, " (rank ", rank, "), micro-batch ", mb); };
+
+  // The roots and gradients of a micro-batch's backward at stage s.
+  auto roots = [&](int s, Impl::Slot& slot, std::vector<Tensor>& outs, std::vector<Tensor>& grads) {
+    if (s == S - 1) {
+      outs = {slot.loss * scale};
+      grads = {};
+    } else {
+      EMBER_CHECK(slot.out_grad.defined(), "[PipelineSchedule] ", where(s, 0), ": no gradient for the output");
+      outs = {slot.output};
+      grads = {slot.out_grad};
+    }
+  };
+  auto after_backward = [&](int s, int mb, Tensor in_grad) {
+    Impl::Slot& slot = im.slots[s][mb];
+    slot.in_grad = std::move(in_grad);
+    slot.output = Tensor();
+    if (s > 0 && im.stages.count(s - 1)) im.slots[s - 1][mb].out_grad = slot.in_grad;
+  };
+
+  for (const Action& a : actions_[rank]) {
+    const int s = a.stage, mb = a.microbatch;
+    Impl::Slot& slot = im.slots[s][mb];
+    PipelineStage& stage = *im.stages.at(s);
+    trace::Span span(to_string(a), "pipeline");
+    const auto c0 = Clock::now();
+    bool compute = true;
+    switch (a.kind) {
+      case ActionKind::Forward: {
+        const Tensor x = s == 0 ? inputs[mb] : slot.input;
+        EMBER_CHECK(x.defined(), "[PipelineSchedule] ", where(s, mb), ": forward without its input");
+        Tensor y = stage.submodule().forward(x);
+        slot.output = y;
+        if (s == S - 1) {
+          slot.result = y.detach();
+          slot.loss = options_.loss_fn(y, targets[mb]);
+          EMBER_CHECK(slot.loss.numel() == 1, "[PipelineSchedule] loss_fn returned shape ",
+                      slot.loss.shape(), " for ", where(s, mb), "; expected one element");
+          if (losses) losses->push_back(slot.loss.detach());
+        } else if (im.stages.count(s + 1)) {
+          im.slots[s + 1][mb].input = y.detach().requires_grad_();
+        }
+        break;
+      }
+      case ActionKind::Backward: {
+        std::vector<Tensor> outs, grads;
+        roots(s, slot, outs, grads);
+        autograd::backward(outs, grads);
+        after_backward(s, mb, slot.input.defined() ? slot.input.grad() : Tensor());
+        break;
+      }
+      case ActionKind::BackwardInput: {
+        std::vector<Tensor> outs, grads;
+        roots(s, slot, outs, grads);
+        std::vector<Tensor> ins;
+        if (slot.input.defined() && slot.input.requires_grad()) ins.push_back(slot.input);
+        const std::vector<Tensor> dx = autograd::backward_input(
+            outs, grads, ins, stage.submodule().parameters(), slot.weight_grad);
+        after_backward(s, mb, dx.empty() ? Tensor() : dx[0]);
+        break;
+      }
+      case ActionKind::BackwardWeight:
+        slot.weight_grad.run();
+        break;
+      case ActionKind::SendF:
+      case ActionKind::SendB: {
+        compute = false;
+        const bool f = a.kind == ActionKind::SendF;
+        const int peer_stage = f ? s + 1 : s - 1;
+        const int peer = rank_of_stage_[peer_stage];
+        Tensor t = (f ? slot.output : slot.in_grad);
+        EMBER_CHECK(t.defined(), "[PipelineSchedule] ", where(s, mb), ": nothing to send to stage ", peer_stage);
+        t = t.detach().contiguous();
+        const std::string what = str_cat("[PipelineSchedule] ", where(s, mb), " sending its ",
+                                         f ? "output" : "input's gradient", " to stage ",
+                                         peer_stage, " (rank ", peer, ")");
+        with_context(what, [&] {
+          if (f && (stage.options().dynamic_shapes || !im.sent.count(s))) {
+            im.sent[s] = {t.shape(), t.dtype()};
+            im.pending.push_back(send_with_shape(*im.group, t, peer, tag(s, 0, mb)));
+          } else {
+            if (f && (im.sent[s].shape != t.shape() || im.sent[s].dtype != t.dtype())) {
+              throw PipeliningShapeError(str_cat(what, ": the output is ", text(t.shape(), t.dtype()),
+                                                 " but stage ", peer_stage, " takes ",
+                                                 text(im.sent[s].shape, im.sent[s].dtype),
+                                                 " (the first step's; dynamic_shapes lets it vary)"));
+            }
+            im.pending.push_back(im.group->send(t, peer, tag(s, f ? 0 : 1, mb)));
+          }
+        });
+        im.in_flight.push_back(t);
+        break;
+      }
+      case ActionKind::RecvF: {
+        compute = false;
+        const int peer = rank_of_stage_[s - 1];
+        const std::string what = str_cat("[PipelineSchedule] ", where(s, mb),
+                                         " receiving its input from stage ", s - 1, " (rank ", peer, ")");
+        Tensor x;
+        with_context(what, [&] {
+          if (stage.options().dynamic_shapes || !im.received.count(s - 1)) {
+            x = recv_with_shape(*im.group, peer, tag(s - 1, 0, mb), stage.device());
+            im.received[s - 1] = {x.shape(), x.dtype()};
+          } else {
+            const Meta& meta = im.received[s - 1];
+            x = empty(meta.shape, TensorOptions(meta.dtype).device(stage.device()));
+            im.group->recv(x, peer, tag(s - 1, 0, mb))->wait();
+          }
+        });
+        const auto& want = stage.options().input_shape;
+        if (want && !(x.shape() == *want)) {
+          throw PipeliningShapeError(str_cat(what, ": stage ", s - 1, " sent ", text(x.shape(), x.dtype()),
+                                             " but stage ", s, " takes ", *want));
+        }
+        slot.input = x.requires_grad_();
+        break;
+      }
+      case ActionKind::RecvB: {
+        compute = false;
+        const int peer = rank_of_stage_[s + 1];
+        EMBER_CHECK(slot.output.defined(), "[PipelineSchedule] ", where(s, mb),
+                    ": a gradient arrives before the forward");
+        Tensor g = empty(slot.output.shape(), slot.output.options());
+        with_context(str_cat("[PipelineSchedule] ", where(s, mb), " receiving its output's gradient from stage ",
+                             s + 1, " (rank ", peer, ")"),
+                     [&] { im.group->recv(g, peer, tag(s + 1, 1, mb))->wait(); });
+        slot.out_grad = g;
+        break;
+      }
+    }
+    if (compute) stats_.compute_s += seconds_since(c0);
+  }
+  for (size_t i = 0; i < im.pending.size(); ++i) {
+    with_context("[PipelineSchedule] rank " + std::to_string(rank) + " waiting for its sends",
+                 [&] { im.pending[i]->wait(); });
+  }
+  Tensor merged;
+  if (im.stages.count(S - 1)) {
+    std::vector<Tensor> outs;
+    for (auto& slot : im.slots[S - 1]) outs.push_back(slot.result);
+    merged = cat(outs, options_.split_dim);
+  }
+  im.slots.clear();
+  im.pending.clear();
+  im.in_flight.clear();
+  stats_.wall_s = seconds_since(t0);
+  return merged;
+}
+
+}  // namespace ember::dist::pipelining

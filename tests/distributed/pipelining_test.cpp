@@ -1,0 +1,222 @@
+// Pipeline parallelism: every schedule at 2 and 4 ranks (threads, and processes over gloo)
+// trains like the unsplit model; schedules as data (validation, the table, CSV); the failure
+// modes (shapes, batches, a rank that stops).
+#include <ember/distributed/pipelining/pipeline.h>
+
+#include <gtest/gtest.h>
+
+#include <ember/autograd/autograd.h>
+#include <ember/distributed/backends/process_group_gloo.h>
+#include <ember/distributed/backends/process_group_threads.h>
+#include <ember/distributed/init.h>
+#include <ember/nn/activation.h>
+#include <ember/nn/functional.h>
+#include <ember/nn/linear.h>
+#include <ember/nn/optim/adam.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/grad_mode.h>
+#include <ember/tensor/ops.h>
+#include "tests/distributed/ddp_test_util.h"
+#include "tests/distributed/store_test_util.h"
+
+namespace ember::dist::pipelining {
+namespace {
+
+using namespace std::chrono_literals;
+using test::expect_error;
+using test::require;
+using test::require_close;
+
+constexpr int kWidth = 8;
+constexpr int kBlocks = 8;  // Linear + Tanh each: 16 modules
+constexpr int kBatch = 16;
+
+/// The model, its parameters set from `init` (the same on every rank).
+std::shared_ptr<nn::Sequential> make_model(const std::vector<Tensor>& init) {
+  auto m = std::make_shared<nn::Sequential>();
+  for (int i = 0; i < kBlocks; ++i) {
+    m->push_back(std::make_shared<nn::Linear>(kWidth, kWidth));
+    m->push_back(std::make_shared<nn::Tanh>());
+  }
+  NoGradGuard no_grad;
+  const auto params = m->parameters();
+  for (size_t i = 0; i < params.size(); ++i) Tensor(params[i]).copy_(init[i]);
+  return m;
+}
+
+std::vector<Tensor> initial_values() {
+  std::vector<Tensor> v;
+  for (int i = 0; i < kBlocks; ++i) {
+    v.push_back(test::rand_t({kWidth, kWidth}, kFloat32, 100 + i) * 0.6);
+    v.push_back(test::rand_t({kWidth}, kFloat32, 200 + i) * 0.1);
+  }
+  return v;
+}
+
+Tensor batch_x(int step) { return test::rand_t({kBatch, kWidth}, kFloat32, 1000 + step); }
+Tensor batch_y(int step) { return test::rand_t({kBatch, kWidth}, kFloat32, 2000 + step) * 0.5; }
+
+Tensor mse(const Tensor& out, const Tensor& target) { return nn::functional::mse_loss(out, target); }
+
+struct Reference {
+  std::vector<std::pair<std::string, Tensor>> params;  // after the steps
+  std::vector<double> losses;                          // per step
+};
+
+/// The unsplit model trained `steps` AdamW steps on the whole batches.
+Reference train_reference(int steps) {
+  auto model = make_model(initial_values());
+  nn::optim::AdamW opt(model->parameters(), {.lr = 1e-2});
+  Reference ref;
+  for (int t = 0; t < steps; ++t) {
+    opt.zero_grad();
+    Tensor loss = mse(model->forward(batch_x(t)), batch_y(t));
+    loss.backward();
+    opt.step();
+    ref.losses.push_back(loss.item<double>());
+  }
+  for (const auto& [name, p] : model->named_parameters()) ref.params.push_back({name, p.detach().clone()});
+  return ref;
+}
+
+/// One rank's part of a pipelined run: its stages of the model, trained `steps` AdamW steps
+/// with `kind` over `pg`, then checked against `ref` (losses on the last stage's rank, every
+/// parameter of its stages).
+void train_pipelined(const std::shared_ptr<ProcessGroup>& pg, ScheduleKind kind, int v, int m,
+                     int steps, const Reference& ref, const std::string& what) {
+  const int p = pg->size(), rank = pg->rank(), S = p * v;
+  auto model = make_model(initial_values());
+  auto parts = split_sequential_evenly(*model, S);
+  std::vector<std::shared_ptr<PipelineStage>> stages;
+  std::vector<Tensor> params;
+  for (int s = 0; s < S; ++s) {
+    if (stage_rank(kind, s, S, p) != rank) continue;
+    stages.push_back(std::make_shared<PipelineStage>(parts[s], s, S, kCPU, pg));
+    for (const Tensor& t : parts[s]->parameters()) params.push_back(t);
+  }
+  PipelineSchedule schedule(stages, m, kind, {.loss_fn = mse});
+  nn::optim::AdamW opt(params, {.lr = 1e-2});
+  const bool first = stage_rank(kind, 0, S, p) == rank, last = stage_rank(kind, S - 1, S, p) == rank;
+  for (int t = 0; t < steps; ++t) {
+    opt.zero_grad();
+    std::vector<Tensor> losses;
+    const Tensor out = schedule.step(first ? batch_x(t) : Tensor(), last ? batch_y(t) : Tensor(), &losses);
+    opt.step();
+    if (last) {
+      require(out.defined() && out.shape() == Shape({kBatch, kWidth}), what + ": merged output");
+      require(static_cast<int>(losses.size()) == m, what + ": a loss per micro-batch");
+      double mean = 0;
+      for (const Tensor& l : losses) mean += l.item<double>() / m;
+      require_close(what + ": loss at step " + std::to_string(t), from_vector(std::vector<double>{mean}),
+                    from_vector(std::vector<double>{ref.losses[t]}), 1e-5);
+    } else {
+      require(!out.defined() && losses.empty(), what + ": no output off the last stage");
+    }
+  }
+  for (const auto& st : stages) {
+    for (const auto& [name, p] : st->submodule().named_parameters()) {
+      bool found = false;
+      for (const auto& [rname, rp] : ref.params) {
+        if (rname != name) continue;
+        require_close(what + ": " + name, p, rp, 1e-5);
+        found = true;
+      }
+      require(found, what + ": parameter " + name + " is not the unsplit model's");
+    }
+  }
+}
+
+struct Case {
+  ScheduleKind kind;
+  int p;
+};
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  std::string s = to_string(info.param.kind);
+  for (char& c : s) c = c == '-' ? '_' : c;
+  return s + "_p" + std::to_string(info.param.p);
+}
+
+class EverySchedule : public ::testing::TestWithParam<Case> {};
+
+// 20 AdamW steps at 8 micro-batches as rank threads: every step's loss and every parameter
+// within 1e-5 of the unsplit model's.
+TEST_P(EverySchedule, TrainsLikeTheUnsplitModel) {
+  const auto [kind, p] = GetParam();
+  const Reference ref = train_reference(20);
+  run_rank_threads(p, [&](int rank) {
+    train_pipelined(default_group(), kind, default_stages_per_rank(kind), 8, 20, ref,
+                    to_string(kind) + " p" + std::to_string(p) + " rank " + std::to_string(rank));
+  }, 60s);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Threads, EverySchedule,
+    ::testing::Values(Case{ScheduleKind::GPipe, 2}, Case{ScheduleKind::GPipe, 4},
+                      Case{ScheduleKind::OneFOneB, 2}, Case{ScheduleKind::OneFOneB, 4},
+                      Case{ScheduleKind::Interleaved1F1B, 2}, Case{ScheduleKind::Interleaved1F1B, 4},
+                      Case{ScheduleKind::LoopedBFS, 2}, Case{ScheduleKind::LoopedBFS, 4},
+                      Case{ScheduleKind::InterleavedZeroBubble, 2},
+                      Case{ScheduleKind::InterleavedZeroBubble, 4}, Case{ScheduleKind::ZBV, 2},
+                      Case{ScheduleKind::ZBV, 4}),
+    case_name);
+
+// The same as processes over gloo (shared memory and TCP), 1F1B and zero-bubble.
+TEST(PipelineGloo, OneFOneBAndZeroBubbleTrainLikeTheUnsplitModel) {
+  const Reference ref = train_reference(6);
+  for (ScheduleKind kind : {ScheduleKind::OneFOneB, ScheduleKind::InterleavedZeroBubble}) {
+    for (bool shm : {true, false}) {
+      test::run_gloo_ranks(2, [&](std::shared_ptr<ProcessGroupGloo> pg, int rank) {
+        train_pipelined(pg, kind, default_stages_per_rank(kind), 4, 6, ref,
+                        to_string(kind) + (shm ? " shm" : " tcp") + " rank " + std::to_string(rank));
+      }, shm);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ember::dist::pipelining
+
+namespace ember::dist::pipelining {
+namespace {
+
+std::vector<int> ranks_of(ScheduleKind k, int p, int v) {
+  std::vector<int> r;
+  for (int s = 0; s < p * v; ++s) r.push_back(stage_rank(k, s, p * v, p));
+  return r;
+}
+
+ScheduleCheck check_of(ScheduleKind k, int p, int m) {
+  const int v = default_stages_per_rank(k);
+  const auto rank_of = ranks_of(k, p, v);
+  return validate(add_communication(compute_actions(k, p, v, m), rank_of), p * v, m, rank_of);
+}
+
+double worst_idle(const ScheduleCheck& c) { return *std::max_element(c.idle.begin(), c.idle.end()); }
+
+// The simulated bubble (unit costs: forward 1, backward 2, or input and weight backward 1 each)
+// is the analytic one: (p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m + p - 1) for
+// interleaved 1F1B; zero-bubble's is at most half of 1F1B's.
+TEST(Schedules, SimulatedBubbleIsTheAnalyticOne) {
+  for (int p : {2, 4}) {
+    for (int m : {4, 8}) {
+      const double one = static_cast<double>(p - 1) / (m + p - 1);
+      for (ScheduleKind k : {ScheduleKind::GPipe, ScheduleKind::OneFOneB}) {
+        const ScheduleCheck c = check_of(k, p, m);
+        ASSERT_TRUE(c.ok) << c.error;
+        for (double idle : c.idle) EXPECT_NEAR(idle, one, 1e-9) << to_string(k) << " p" << p << " m" << m;
+      }
+      const ScheduleCheck il = check_of(ScheduleKind::Interleaved1F1B, p, m);
+      ASSERT_TRUE(il.ok) << il.error;
+      EXPECT_NEAR(worst_idle(il), static_cast<double>(p - 1) / (2 * m + p - 1), 1e-9) << "p" << p << " m" << m;
+      for (ScheduleKind k : {ScheduleKind::InterleavedZeroBubble, ScheduleKind::ZBV}) {
+        const ScheduleCheck zb = check_of(k, p, m);
+        ASSERT_TRUE(zb.ok) << zb.error;
+        EXPECT_LE(worst_idle(zb), one / 2) << to_string(k) << " p" << p << " m" << m;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ember::dist::pipelining
