@@ -440,7 +440,12 @@ ScheduleCheck validate(const RankActions& actions, int num_stages, int microbatc
 
 std::string format_table(const RankActions& actions, int num_stages, int microbatches,
                          const std::vector<int>& rank_of_stage) {
-  Simulation sim = simulate(actions, num_stages, microbatches, rank_of_stage);
+  bool transfers = false;
+  for (const auto& row : actions) {
+    for (const Action& a : row) transfers = transfers || cost(a.kind) == 0;
+  }
+  Simulation sim = simulate(transfers ? actions : add_communication(actions, rank_of_stage),
+                            num_stages, microbatches, rank_of_stage);
   EMBER_CHECK(sim.check.ok, "[pipelining] format_table: the schedule is not valid: ", sim.check.error);
   const int p = static_cast<int>(actions.size());
   std::vector<std::vector<std::string>> cells(sim.check.steps, std::vector<std::string>(p));

@@ -73,7 +73,8 @@ struct ScheduleCheck {
 ScheduleCheck validate(const RankActions& actions, int num_stages, int microbatches,
                        const std::vector<int>& rank_of_stage);
 
-/// PyTorch's table: a row per time step of the simulation, a column per rank, computation only.
+/// PyTorch's table: a row per time step of the simulation, a column per rank, computation only
+/// (`actions` with or without the transfers).
 std::string format_table(const RankActions& actions, int num_stages, int microbatches,
                          const std::vector<int>& rank_of_stage);
 

@@ -376,6 +376,32 @@ TEST_P(GlooWorld, BatchIsendIrecvAndLearnedShapes) {
             60s, GetParam().shm);
 }
 
+// A receiver that takes a later send first (waiting for it before it calls the earlier one's
+// recv) gets both: one rank's sends do not wait behind each other (Note [send and receive
+// threads]); two sends on one tag still arrive in order.
+TEST(GlooTcp, SendsCompleteOutOfOrderButInOrderPerTag) {
+  EMBER_REQUIRE_GLOO();
+  for (bool shm : {false, true}) {
+    run_group(2, [](ProcessGroupGloo& pg, int rank, Store&) {
+      if (rank == 0) {
+        std::vector<WorkPtr> w = {pg.send(full({3}, 1.0), 1, 1), pg.send(full({4}, 2.0), 1, 2),
+                                  pg.send(full({2}, 3.0), 1, 5), pg.send(full({2}, 4.0), 1, 5)};
+        for (auto& x : w) x->wait();
+      } else {
+        Tensor b = zeros({4}), a = zeros({3}), c = zeros({2}), d = zeros({2});
+        pg.recv(b, 0, 2)->wait();
+        pg.recv(a, 0, 1)->wait();
+        pg.recv(c, 0, 5)->wait();
+        pg.recv(d, 0, 5)->wait();
+        require_values("tag 2 first", b, std::vector<double>(4, 2.0));
+        require_values("then tag 1", a, std::vector<double>(3, 1.0));
+        require_values("tag 5 in order", c, std::vector<double>(2, 3.0));
+        require_values("tag 5 in order, second", d, std::vector<double>(2, 4.0));
+      }
+    }, 20s, shm);
+  }
+}
+
 TEST_P(GlooWorld, SendRecvRingEveryDtype) {
   EMBER_REQUIRE_GLOO();
   const int n = GetParam().n;

@@ -220,3 +220,156 @@ TEST(Schedules, SimulatedBubbleIsTheAnalyticOne) {
 
 }  // namespace
 }  // namespace ember::dist::pipelining
+
+namespace ember::dist::pipelining {
+namespace {
+
+// The validator names what is wrong: a send nobody receives, a receive nobody sends, an order
+// that blocks, a backward before its forward, a stage on the wrong rank, a missing weight
+// backward.
+TEST(Schedules, ValidatorRejectsBrokenSchedules) {
+  const std::vector<int> two = {0, 1};
+  auto check = [&](const std::string& csv, int m, const std::string& want) {
+    const ScheduleCheck c = validate(from_csv(csv), 2, m, two);
+    EXPECT_FALSE(c.ok) << csv;
+    EXPECT_NE(c.error.find(want), std::string::npos) << "got: " << c.error << "\nwant: " << want;
+  };
+  const std::string good = "0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n";
+  EXPECT_TRUE(validate(from_csv(good), 2, 1, two).ok) << validate(from_csv(good), 2, 1, two).error;
+  check("0F0,0SEND_F0,0RECV_B0,0B0\n1F0,1B0,1SEND_B0\n", 1,
+        "rank 0 sends 0SEND_F0 but rank 1 never receives it (1RECV_F0)");
+  check("0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1B0\n", 1,
+        "rank 0 waits for 0RECV_B0 but rank 1 never sends it (1SEND_B0)");
+  check("0RECV_B0,0F0,0SEND_F0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n", 1,
+        "the schedule blocks: rank 0 waits at 0RECV_B0; rank 1 waits at 1RECV_F0");
+  check("0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1B0,1F0,1SEND_B0\n", 1, "rank 1 runs 1B0 before its forward");
+  check("1F0\n0F0\n", 1, "rank 0 runs 1F0 but stage 1 is on rank 1");
+  check("0F0,0SEND_F0,0RECV_B0,0I0\n1RECV_F0,1F0,1B0,1SEND_B0\n", 1,
+        "stage 0 never completes backward for micro-batch 0 (no weight backward after its input backward)");
+  check("0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n", 2, "stage 0 never runs forward for micro-batch 1");
+  EXPECT_THROW(from_csv("0F0,0X1\n"), ValueError);
+  test::expect_error([] { from_csv("0F0\n0F0,zz\n"); }, {"from_csv: row 1 (rank 1), cell 1", "cannot read the action 'zz'"});
+  test::expect_error([] { compute_actions(ScheduleKind::OneFOneB, 2, 2, 4); }, {"1f1b runs one stage per rank, got 2"});
+  test::expect_error([] { compute_actions(ScheduleKind::Interleaved1F1B, 4, 2, 6); },
+                     {"interleaved-1f1b needs micro-batches in rounds of the ranks: 6 micro-batches over 4 ranks"});
+  test::expect_error([] { parse_schedule("2f2b"); }, {"unknown schedule '2f2b'"});
+}
+
+// Every schedule round-trips through CSV and prints PyTorch's table.
+TEST(Schedules, CsvRoundTripAndTable) {
+  for (ScheduleKind k : {ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved1F1B,
+                         ScheduleKind::LoopedBFS, ScheduleKind::InterleavedZeroBubble, ScheduleKind::ZBV}) {
+    const int v = default_stages_per_rank(k);
+    const RankActions a = add_communication(compute_actions(k, 4, v, 8), ranks_of(k, 4, v));
+    EXPECT_EQ(from_csv(to_csv(a)), a) << to_string(k);
+    EXPECT_EQ(parse_schedule(to_string(k)), k);
+  }
+  const std::string table = format_table(compute_actions(ScheduleKind::OneFOneB, 2, 1, 2), 2, 2, {0, 1});
+  EXPECT_EQ(table, "Step\tRank 0\tRank 1\n0\t0F0\t\n1\t0F1\t1F0\n2\t\t1B0\n3\t\t1B0\n4\t0B0\t1F1\n"
+                   "5\t0B0\t1B1\n6\t\t1B1\n7\t0B1\t\n8\t0B1\t\n") << table;
+}
+
+// A schedule of one's own from CSV (GPipe order on one rank, 1F1B on the other: legal) trains
+// like the unsplit model; a step with a batch the micro-batches do not divide is refused.
+TEST(PipelineThreads, RunsAUsersCsvScheduleAndRefusesABadBatch) {
+  const Reference ref = train_reference(3);
+  const std::string csv = "0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n";
+  run_rank_threads(2, [&](int rank) {
+    auto model = make_model(initial_values());
+    auto parts = split_sequential(*model, {6});
+    auto stage = std::make_shared<PipelineStage>(parts[rank], rank, 2);
+    PipelineSchedule schedule({stage}, 4, from_csv(csv), {.loss_fn = mse});
+    nn::optim::AdamW opt(parts[rank]->parameters(), {.lr = 1e-2});
+    for (int t = 0; t < 3; ++t) {
+      opt.zero_grad();
+      schedule.step(rank == 0 ? batch_x(t) : Tensor(), rank == 1 ? batch_y(t) : Tensor());
+      opt.step();
+    }
+    for (const auto& [name, p] : parts[rank]->named_parameters()) {
+      for (const auto& [rname, rp] : ref.params) {
+        if (rname == name) require_close("csv schedule: " + name, p, rp, 1e-5);
+      }
+    }
+    if (rank == 0) {
+      test::expect_error([&] { schedule.step(batch_x(0).narrow(0, 0, 10)); },
+                         {"[PipelineSchedule::step] a input of 10 along dim 0 does not divide into 4 micro-batches"});
+    }
+  }, 60s);
+  run_rank_threads(2, [&](int rank) {
+    auto model = make_model(initial_values());
+    auto parts = split_sequential(*model, {6});
+    auto stage = std::make_shared<PipelineStage>(parts[rank], rank, 2);
+    test::expect_error([&] { PipelineSchedule({stage}, 4, from_csv("1F0\n0F0\n"), {.loss_fn = mse}); },
+                       {rank == 0 ? "[PipelineSchedule] stage 0 was given to rank 0 but the schedule runs it on rank 1"
+                                  : "[PipelineSchedule] stage 1 was given to rank 1 but the schedule runs it on rank 0"});
+    test::expect_error([&] { PipelineSchedule({stage}, 4, ScheduleKind::OneFOneB, {}); },
+                       {"expected a loss_fn"});
+  }, 60s);
+}
+
+// A stage whose output changes shape after the first step fails at the sender naming both
+// shapes; the receiver, left waiting, fails within its timeout naming stage, micro-batch and
+// peer. A rank that runs fewer micro-batches, and a rank that stops mid-step, end every rank
+// within the timeout too.
+TEST(PipelineThreads, FailuresEndEveryRankNamingStageAndMicrobatch) {
+  auto build = [](int rank, int m, bool dynamic = false) {
+    auto model = make_model(initial_values());
+    auto parts = split_sequential(*model, {6});
+    auto stage = std::make_shared<PipelineStage>(parts[rank], rank, 2, kCPU, default_group(),
+                                                 PipelineStageOptions{.dynamic_shapes = dynamic});
+    return std::make_shared<PipelineSchedule>(std::vector<std::shared_ptr<PipelineStage>>{stage}, m,
+                                              ScheduleKind::OneFOneB, ScheduleOptions{.loss_fn = mse});
+  };
+  auto message = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  // Shapes: the second step's batch is wider in rows, so each micro-batch's output is too.
+  std::vector<std::string> msgs(2);
+  run_rank_threads(2, [&](int rank) {
+    auto schedule = build(rank, 4);
+    schedule->step(rank == 0 ? batch_x(0) : Tensor(), rank == 1 ? batch_y(0) : Tensor());
+    const Tensor x = cat({batch_x(1), batch_x(2)}, 0), y = cat({batch_y(1), batch_y(2)}, 0);
+    msgs[rank] = message([&] { schedule->step(rank == 0 ? x : Tensor(), rank == 1 ? y : Tensor()); });
+  }, 2s);
+  EXPECT_NE(msgs[0].find("stage 0 (rank 0), micro-batch 0 sending its output to stage 1 (rank 1): the output is "
+                         "[8, 8] float32 but stage 1 takes [4, 8] float32"), std::string::npos) << msgs[0];
+  EXPECT_NE(msgs[1].find("stage 1 (rank 1), micro-batch 0 receiving its input from stage 0 (rank 0)"),
+            std::string::npos) << msgs[1];
+  // With dynamic_shapes the same step runs.
+  run_rank_threads(2, [&](int rank) {
+    auto schedule = build(rank, 4, true);
+    schedule->step(rank == 0 ? batch_x(0) : Tensor(), rank == 1 ? batch_y(0) : Tensor());
+    const Tensor x = cat({batch_x(1), batch_x(2)}, 0), y = cat({batch_y(1), batch_y(2)}, 0);
+    const Tensor out = schedule->step(rank == 0 ? x : Tensor(), rank == 1 ? y : Tensor());
+    if (rank == 1) require(out.shape() == Shape({2 * kBatch, kWidth}), "dynamic shapes: merged output");
+  }, 60s);
+  // Rank 1 runs 2 micro-batches where rank 0 runs 4: rank 1's gradient for micro-batch 0 has
+  // the size rank 0 expects for micro-batch 0 of 4, so rank 1 ends, and rank 0 waits for
+  // micro-batch 2's gradient until the timeout.
+  run_rank_threads(2, [&](int rank) {
+    auto schedule = build(rank, rank == 0 ? 4 : 2);
+    msgs[rank] = message([&] {
+      schedule->step(rank == 0 ? batch_x(0) : Tensor(), rank == 1 ? batch_y(0) : Tensor());
+    });
+  }, 2s);
+  EXPECT_NE(msgs[0].find("[PipelineSchedule] stage 0 (rank 0), micro-batch"), std::string::npos) << msgs[0];
+  // A rank that stops mid-step: the other's next transfer fails.
+  run_rank_threads(2, [&](int rank) {
+    auto schedule = build(rank, 4);
+    if (rank == 1) {
+      msgs[1] = "left";
+      return;
+    }
+    msgs[0] = message([&] { schedule->step(batch_x(0)); });
+  }, 2s);
+  EXPECT_NE(msgs[0].find("[PipelineSchedule] stage 0 (rank 0), micro-batch 0"), std::string::npos) << msgs[0];
+  EXPECT_NE(msgs[0].find("rank 1"), std::string::npos) << msgs[0];
+}
+
+}  // namespace
+}  // namespace ember::dist::pipelining
