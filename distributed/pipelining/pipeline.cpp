@@ -206,7 +206,8 @@ Tensor PipelineSchedule::step(const Tensor& input, const Tensor& target, std::ve
     bool compute = true;
     switch (a.kind) {
       case ActionKind::Forward: {
-        const Tensor x = s == 0 ? inputs[mb] : slot.input;
+        if (s == 0) slot.input = inputs[mb];  // a batch that requires grad gets its gradient
+        const Tensor x = slot.input;
         EMBER_CHECK(x.defined(), "[PipelineSchedule] ", where(s, mb), ": forward without its input");
         Tensor y = stage.submodule().forward(x);
         slot.output = y;
@@ -225,7 +226,7 @@ Tensor PipelineSchedule::step(const Tensor& input, const Tensor& target, std::ve
         std::vector<Tensor> outs, grads;
         roots(s, slot, outs, grads);
         autograd::backward(outs, grads);
-        after_backward(s, mb, slot.input.defined() ? slot.input.grad() : Tensor());
+        after_backward(s, mb, s > 0 ? slot.input.grad() : Tensor());
         break;
       }
       case ActionKind::BackwardInput: {
