@@ -353,6 +353,25 @@ void make_roots(const char* op, const std::vector<Tensor>& tensors,
   }
 }
 
+/// Marks `inputs` for capture (grad(), backward_input()); returns their edges, which hold
+/// accumulators created here alive for the pass. Throws naming `op` for an input without grad.
+std::vector<Edge> capture_inputs(const char* op, const std::vector<Tensor>& inputs,
+                                 GraphTask& task) {
+  std::vector<Edge> keep;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    detail::check_defined(op, inputs[i], "inputs");
+    Edge e = gradient_edge(inputs[i]);
+    if (!e.valid()) {
+      throw AutogradError(
+          detail::str_cat("[", op, "] inputs[", i, "] does not require grad; every input must"));
+    }
+    task.captures.push_back({e.fn.get(), e.input_nr, i});
+    keep.push_back(std::move(e));
+  }
+  task.captured.resize(inputs.size());
+  return keep;
+}
+
 }  // namespace
 
 void backward(const std::vector<Tensor>& tensors, const std::vector<Tensor>& grad_tensors,
@@ -386,18 +405,7 @@ std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<T
   std::vector<Edge> roots;
   std::vector<Tensor> root_grads;
   make_roots("grad", outputs, grad_outputs, roots, root_grads);
-  std::vector<Edge> keep;  // holds accumulators created here alive for the pass
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    detail::check_defined("grad", inputs[i], "inputs");
-    Edge e = gradient_edge(inputs[i]);
-    if (!e.valid()) {
-      throw AutogradError(detail::str_cat("[grad] inputs[", i,
-                                          "] does not require grad; every input must"));
-    }
-    task.captures.push_back({e.fn.get(), e.input_nr, i});
-    keep.push_back(std::move(e));
-  }
-  task.captured.resize(inputs.size());
+  std::vector<Edge> keep = capture_inputs("grad", inputs, task);
   Engine::execute(task, roots, std::move(root_grads), {});
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!task.captured[i].defined() && !allow_unused) {
@@ -423,17 +431,7 @@ std::vector<Tensor> backward_input(const std::vector<Tensor>& outputs,
   std::vector<Edge> roots;
   std::vector<Tensor> root_grads;
   make_roots("backward_input", outputs, grad_outputs, roots, root_grads);
-  std::vector<Edge> keep;  // holds accumulators created here alive for the pass
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    detail::check_defined("backward_input", inputs[i], "inputs");
-    Edge e = gradient_edge(inputs[i]);
-    if (!e.valid()) {
-      throw AutogradError(detail::str_cat("[backward_input] inputs[", i,
-                                          "] does not require grad; every input must"));
-    }
-    task.captures.push_back({e.fn.get(), e.input_nr, i});
-    keep.push_back(std::move(e));
-  }
+  std::vector<Edge> keep = capture_inputs("backward_input", inputs, task);
   for (size_t i = 0; i < weights.size(); ++i) {
     detail::check_defined("backward_input", weights[i], "weights");
     Edge e = gradient_edge(weights[i]);
@@ -444,7 +442,6 @@ std::vector<Tensor> backward_input(const std::vector<Tensor>& outputs,
     task.split_weights.push_back(e.fn.get());
     keep.push_back(std::move(e));
   }
-  task.captured.resize(inputs.size());
   try {
     Engine::execute(task, roots, std::move(root_grads), {});
   } catch (...) {

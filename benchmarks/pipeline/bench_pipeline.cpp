@@ -13,18 +13,15 @@
 //
 // Ranks are forked processes over gloo on 127.0.0.1 (one schedule per fork, so each peak is
 // its own); rank 0 prints one line per schedule.
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <thread>
 
+#include "benchmarks/fork_ranks.h"
 #include <ember/autograd/autograd.h>
 #include <ember/distributed/init.h>
 #include <ember/distributed/pipelining/pipeline.h>
-#include <ember/distributed/store/tcp_store.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/allocator.h>
 #include <ember/tensor/creation.h>
@@ -135,6 +132,28 @@ double analytic(pp::ScheduleKind k, int p, int m) {
   return -1;
 }
 
+void report(const Args& a, const std::string& name, pp::ScheduleKind kind,
+            const std::vector<double>& v) {
+  double mean = 0, worst = 0, peak_max = 0;
+  std::string per_rank;
+  for (int k = 0; k < a.ranks; ++k) {
+    mean += v[2 * k] / a.ranks;
+    worst = std::max(worst, v[2 * k]);
+    peak_max = std::max(peak_max, v[2 * k + 1]);
+    per_rank += (k ? "," : "") + std::to_string(v[2 * k]).substr(0, 5);
+  }
+  if (a.memory) {
+    std::printf("schedule=%s ranks=%d microbatches=%d activation_peak_bytes_max=%.0f\n",
+                name.c_str(), a.ranks, a.microbatches, peak_max);
+  } else {
+    std::printf("schedule=%s ranks=%d microbatches=%d idle_mean=%.3f idle_max=%.3f "
+                "analytic=%.3f per_rank=%s\n",
+                name.c_str(), a.ranks, a.microbatches, mean, worst,
+                analytic(kind, a.ranks, a.microbatches), per_rank.c_str());
+  }
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -157,65 +176,17 @@ int main(int argc, char** argv) {
   int rc = 0;
   for (const std::string& name : a.schedules) {
     const pp::ScheduleKind kind = pp::parse_schedule(name);
-    int port = 0;
-    {
-      dist::TCPStoreServerOptions so;
-      so.host = "127.0.0.1";
-      dist::TCPStoreServer probe(so);  // the OS's pick, released for rank 0's own server
-      port = probe.port();
-    }
-    std::vector<pid_t> kids;
-    for (int r = 0; r < a.ranks; ++r) {
-      const pid_t pid = ::fork();
-      if (pid != 0) {
-        kids.push_back(pid);
-        continue;
-      }
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(a.ranks).c_str(), 1);
-      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      int code = 1;
-      try {
-        dist::init_process_group({});
-        auto pg = dist::default_group();
-        const auto [idle, peak] = run_rank(a, kind, r);
-        Tensor mine = from_vector(std::vector<double>{idle, peak});
-        Tensor all = zeros({a.ranks, 2}, kFloat64);
-        pg->allgather_into_tensor(all, mine)->wait();
-        if (r == 0) {
-          const auto v = all.to_vector<double>();
-          double mean = 0, worst = 0, peak_max = 0;
-          std::string per_rank;
-          for (int k = 0; k < a.ranks; ++k) {
-            mean += v[2 * k] / a.ranks;
-            worst = std::max(worst, v[2 * k]);
-            peak_max = std::max(peak_max, v[2 * k + 1]);
-            per_rank += (k ? "," : "") + std::to_string(v[2 * k]).substr(0, 5);
-          }
-          if (a.memory) {
-            std::printf("schedule=%s ranks=%d microbatches=%d activation_peak_bytes_max=%.0f\n", name.c_str(),
-                        a.ranks, a.microbatches, peak_max);
-          } else {
-            std::printf("schedule=%s ranks=%d microbatches=%d idle_mean=%.3f idle_max=%.3f "
-                        "analytic=%.3f per_rank=%s\n",
-                        name.c_str(), a.ranks, a.microbatches, mean, worst,
-                        analytic(kind, a.ranks, a.microbatches), per_rank.c_str());
-          }
-          std::fflush(stdout);
-        }
-        dist::destroy_process_group();
-        code = 0;
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "bench_pipeline rank %d: %s\n", r, e.what());
-      }
-      std::_Exit(code);
-    }
-    for (pid_t pid : kids) {
-      int status = 0;
-      ::waitpid(pid, &status, 0);
-      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) rc = 1;
-    }
+    rc |= bench::fork_ranks("bench_pipeline", a.ranks, [&](int r) {
+      dist::init_process_group({});
+      auto pg = dist::default_group();
+      const auto [idle, peak] = run_rank(a, kind, r);
+      Tensor mine = from_vector(std::vector<double>{idle, peak});
+      Tensor all = zeros({a.ranks, 2}, kFloat64);
+      pg->allgather_into_tensor(all, mine)->wait();
+      if (r == 0) report(a, name, kind, all.to_vector<double>());
+      dist::destroy_process_group();
+      return 0;
+    });
   }
   return rc;
 }

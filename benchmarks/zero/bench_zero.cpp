@@ -16,7 +16,6 @@
 // --bucket-view (DDP's gradient_as_bucket_view in every mode),
 // --threads T (per rank; default cores / ranks), --torch.
 #include <sched.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -30,6 +29,7 @@
 #include <thread>
 
 #include "benchmarks/bench_util.h"
+#include "benchmarks/fork_ranks.h"
 #include "cmake/build_paths.h"
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/init.h>
@@ -281,39 +281,7 @@ int main(int argc, char** argv) {
   const Args a = parse(argc, argv);
   const int threads = a.threads > 0 ? a.threads : std::max(1, cores() / a.np);
   try {
-    uint16_t port = 0;
-    {
-      dist::TCPStoreServerOptions so;
-      so.host = "127.0.0.1";
-      dist::TCPStoreServer probe(so);  // the OS's pick, released for rank 0's own server
-      port = probe.port();
-    }
-    std::vector<pid_t> kids;
-    for (int r = 0; r < a.np; ++r) {
-      const pid_t pid = ::fork();
-      if (pid == 0) {
-        ::setenv("RANK", std::to_string(r).c_str(), 1);
-        ::setenv("WORLD_SIZE", std::to_string(a.np).c_str(), 1);
-        ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-        ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-        int rc = 1;
-        try {
-          rc = rank_main(a, threads);
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "bench_zero: rank %d: %s\n", r, e.what());
-        }
-        std::fflush(stdout);
-        ::_exit(rc);
-      }
-      kids.push_back(pid);
-    }
-    int rc = 0;
-    for (pid_t pid : kids) {
-      int status = 0;
-      ::waitpid(pid, &status, 0);
-      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) rc = 1;
-    }
-    return rc;
+    return bench::fork_ranks("bench_zero", a.np, [&](int) { return rank_main(a, threads); });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_zero: %s\n", e.what());
     return 1;
