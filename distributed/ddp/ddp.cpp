@@ -217,6 +217,15 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
   return out;
 }
 
+void DistributedDataParallel::prepare_for_backward() {
+  dist::detail::Reducer& r = *reducer_;
+  EMBER_CHECK(r.sync_enabled(), "[DistributedDataParallel::prepare_for_backward] called under "
+              "no_sync(): leave the guard's scope first");
+  EMBER_CHECK(!join_, "[DistributedDataParallel::prepare_for_backward] not supported inside join()");
+  r.prepare_for_forward();
+  r.prepare_for_backward(true);
+}
+
 DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp)
     : ddp_(ddp), previous_(ddp.reducer_->sync_enabled()) {
   ddp_.reducer_->set_sync_enabled(false);

@@ -85,6 +85,13 @@ class DistributedDataParallel : public nn::Module {
   /// torch's `with ddp.no_sync():` as `{ auto guard = ddp.no_sync(); ... }`.
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
+  /// Arms gradient synchronisation for the next backward pass as a synchronised forward does,
+  /// without running one: a pipeline schedule runs a stage's forwards under no_sync() and
+  /// calls this before the stage's last backward of the step, so gradients accumulated over
+  /// the micro-batches are reduced once (torch's pipelining calls the reducer's
+  /// prepare_for_backward the same way). Throws ValueError under no_sync() or join().
+  void prepare_for_backward();
+
   /// Training with uneven inputs (torch's `with ddp.join():`). Collective: every rank calls
   ///   ddp.join([&] { for (auto& batch : my_batches) { ...forward, backward, step... } });
   /// with its own number of batches. Each DDP forward inside `body` first takes part in one

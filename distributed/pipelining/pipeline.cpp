@@ -14,9 +14,12 @@
 
 #include <chrono>
 #include <map>
+#include <set>
 
 #include <ember/autograd/autograd.h>
+#include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/p2p.h>
+#include <ember/distributed/sharding/fsdp.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/trace.h>
@@ -44,6 +47,9 @@ struct PipelineSchedule::Impl {
     autograd::WeightGrad weight_grad;
   };
   std::map<int, std::shared_ptr<PipelineStage>> stages;  // this rank's, by index
+  std::map<int, DistributedDataParallel*> ddp;           // stages whose module is DDP
+  std::set<int> sharded;                                 // stages with fully_shard-ed modules
+  std::map<int, size_t> last_backward;                   // per stage: its last B or W action
   std::shared_ptr<ProcessGroup> group;
   int num_stages = 0;
   std::map<int, std::vector<Slot>> slots;
@@ -125,6 +131,26 @@ void PipelineSchedule::init(std::vector<std::shared_ptr<PipelineStage>> stages,
   }
   const ScheduleCheck check = validate(actions, impl_->num_stages, m_, rank_of_stage);
   EMBER_CHECK(check.ok, "[PipelineSchedule] the schedule is not valid: ", check.error);
+  // Note [data parallel stages]: a stage's module may be DistributedDataParallel (over the
+  // data-parallel group) or fully_shard-ed: its gradients are reduced once per step, in its
+  // last backward, not once per micro-batch. DDP's forwards run under no_sync() and its last
+  // backward is armed with prepare_for_backward(); FSDP's backwards keep full gradients
+  // (set_requires_gradient_sync(false)) until the last.
+  bool split = false;
+  for (size_t i = 0; i < actions[rank].size(); ++i) {
+    const Action& a = actions[rank][i];
+    if (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardWeight) impl_->last_backward[a.stage] = i;
+    split = split || a.kind == ActionKind::BackwardInput;
+  }
+  for (const auto& [s, st] : impl_->stages) {
+    if (auto* d = dynamic_cast<DistributedDataParallel*>(st->submodule_ptr().get())) impl_->ddp[s] = d;
+    for (const auto& m : st->submodule_ptr()->modules()) {
+      if (is_fully_sharded(*m)) impl_->sharded.insert(s);
+    }
+    EMBER_CHECK(!split || !impl_->sharded.count(s), "[PipelineSchedule] stage ", s,
+                " is fully_shard-ed: its backward cannot be split into input and weight halves "
+                "yet; use a schedule without them (gpipe, 1f1b, interleaved-1f1b, looped-bfs)");
+  }
   actions_ = std::move(actions);
   rank_of_stage_ = std::move(rank_of_stage);
 }
@@ -197,10 +223,18 @@ Tensor PipelineSchedule::step(const Tensor& input, const Tensor& target, std::ve
     if (s > 0 && im.stages.count(s - 1)) im.slots[s - 1][mb].out_grad = slot.in_grad;
   };
 
-  for (const Action& a : actions_[rank]) {
+  for (size_t index = 0; index < actions_[rank].size(); ++index) {
+    const Action& a = actions_[rank][index];
     const int s = a.stage, mb = a.microbatch;
     Impl::Slot& slot = im.slots[s][mb];
     PipelineStage& stage = *im.stages.at(s);
+    DistributedDataParallel* ddp = im.ddp.count(s) ? im.ddp.at(s) : nullptr;
+    // Note [data parallel stages].
+    if (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardWeight) {
+      const bool last = im.last_backward.at(s) == index;
+      if (ddp && last) ddp->prepare_for_backward();
+      if (im.sharded.count(s)) set_requires_gradient_sync(stage.submodule(), last);
+    }
     trace::Span span(to_string(a), "pipeline");
     const auto c0 = Clock::now();
     bool compute = true;
@@ -209,7 +243,14 @@ Tensor PipelineSchedule::step(const Tensor& input, const Tensor& target, std::ve
         if (s == 0) slot.input = inputs[mb];  // a batch that requires grad gets its gradient
         const Tensor x = slot.input;
         EMBER_CHECK(x.defined(), "[PipelineSchedule] ", where(s, mb), ": forward without its input");
-        Tensor y = stage.submodule().forward(x);
+        nn::Module& module = *stage.submodule_ptr();
+        Tensor y;
+        if (ddp) {
+          auto no_sync = ddp->no_sync();
+          y = module(x);
+        } else {
+          y = module(x);  // through operator(), so that its hooks (fully_shard's) run
+        }
         slot.output = y;
         if (s == S - 1) {
           slot.result = y.detach();

@@ -8,7 +8,11 @@
 #include <ember/autograd/autograd.h>
 #include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/backends/process_group_threads.h>
+#include <ember/distributed/ddp/comm_hooks.h>
+#include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/init.h>
+#include <ember/distributed/mesh/device_mesh.h>
+#include <ember/distributed/sharding/fsdp.h>
 #include <ember/nn/activation.h>
 #include <ember/nn/functional.h>
 #include <ember/nn/linear.h>
@@ -369,6 +373,78 @@ TEST(PipelineThreads, FailuresEndEveryRankNamingStageAndMicrobatch) {
   }, 2s);
   EXPECT_NE(msgs[0].find("[PipelineSchedule] stage 0 (rank 0), micro-batch 0"), std::string::npos) << msgs[0];
   EXPECT_NE(msgs[0].find("rank 1"), std::string::npos) << msgs[0];
+}
+
+}  // namespace
+}  // namespace ember::dist::pipelining
+
+namespace ember::dist::pipelining {
+namespace {
+
+// Pipeline x data parallel: pp 2 x dp 2 as 4 rank threads on one mesh, each stage's module
+// wrapped in DDP over its dp group (1F1B, and zero-bubble with its split backward) or
+// fully_shard-ed over it (1F1B); each dp rank trains on its half of the batch. Gradients are
+// reduced once per step, and the parameters follow the unsplit model's within 1e-5.
+TEST(PipelineThreads, TimesDataParallelTrainsLikeTheUnsplitModel) {
+  const Reference ref = train_reference(5);
+  for (const std::string wrap : {"ddp", "ddp-zero-bubble", "fsdp"}) {
+    run_rank_threads(4, [&](int rank) {
+      auto mesh = init_device_mesh("cpu", {2, 2}, {"pp", "dp"});
+      auto pp = mesh->get_group("pp"), dp = mesh->get_group("dp");
+      const ScheduleKind kind = wrap == "ddp-zero-bubble" ? ScheduleKind::InterleavedZeroBubble
+                                                          : ScheduleKind::OneFOneB;
+      const int S = 2 * default_stages_per_rank(kind);
+      auto model = make_model(initial_values());
+      auto parts = split_sequential_evenly(*model, S);
+      std::vector<std::shared_ptr<PipelineStage>> stages;
+      std::vector<Tensor> params;
+      std::vector<int> mine;
+      int reductions = 0;  // DDP's bucket reductions on this rank
+      for (int s = 0; s < S; ++s) {
+        if (stage_rank(kind, s, S, 2) != pp->rank()) continue;
+        mine.push_back(s);
+        std::shared_ptr<nn::Module> m = parts[s];
+        if (wrap == "fsdp") {
+          fully_shard(parts[s], {.group = dp});
+          for (const Tensor& t : fsdp_parameters(*parts[s])) params.push_back(t);
+        } else {
+          auto ddp = std::make_shared<DistributedDataParallel>(parts[s], dp);
+          ddp->register_comm_hook([&reductions](GradBucket& b) {
+            ++reductions;
+            return allreduce_hook(b);
+          });
+          m = ddp;
+          for (const Tensor& t : parts[s]->parameters()) params.push_back(t);
+        }
+        stages.push_back(std::make_shared<PipelineStage>(m, s, S, kCPU, pp));
+      }
+      PipelineSchedule schedule(stages, 4, kind, {.loss_fn = mse});
+      nn::optim::AdamW opt(params, {.lr = 1e-2});
+      const bool first = pp->rank() == stage_rank(kind, 0, S, 2);
+      const bool last = pp->rank() == stage_rank(kind, S - 1, S, 2);
+      const int64_t half = kBatch / 2, at = dp->rank() * half;
+      for (int t = 0; t < 5; ++t) {
+        opt.zero_grad();
+        const int before = reductions;
+        schedule.step(first ? batch_x(t).narrow(0, at, half) : Tensor(),
+                      last ? batch_y(t).narrow(0, at, half) : Tensor());
+        opt.step();
+        // One bucket per stage (a few KB of gradients each), reduced once per step.
+        if (wrap != "fsdp") require(reductions - before == static_cast<int>(mine.size()),
+                                    wrap + ": " + std::to_string(reductions - before) +
+                                        " reductions in a step of " + std::to_string(mine.size()) + " stages");
+      }
+      for (int s : mine) {
+        const nn::NamedTensors got =
+            wrap == "fsdp" ? full_state_dict(*parts[s]) : parts[s]->named_parameters();
+        for (const auto& [name, p] : got) {
+          for (const auto& [rname, rp] : ref.params) {
+            if (rname == name) require_close(wrap + " rank " + std::to_string(rank) + ": " + name, p, rp, 1e-5);
+          }
+        }
+      }
+    }, 60s);
+  }
 }
 
 }  // namespace
