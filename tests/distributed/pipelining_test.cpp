@@ -8,6 +8,7 @@
 #include <ember/autograd/autograd.h>
 #include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/backends/process_group_threads.h>
+#include <ember/distributed/checkpoint/model_checkpoint.h>
 #include <ember/distributed/ddp/comm_hooks.h>
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/init.h>
@@ -445,6 +446,72 @@ TEST(PipelineThreads, TimesDataParallelTrainsLikeTheUnsplitModel) {
       }
     }, 60s);
   }
+}
+
+}  // namespace
+}  // namespace ember::dist::pipelining
+
+namespace ember::dist::pipelining {
+namespace {
+
+/// Trains the unsplit model from `dir`'s checkpoint (saved after `from` steps) up to `steps`
+/// and checks it ends where the uninterrupted run does.
+void resume_in_one_process(const std::string& dir, int from, int steps, const std::string& what) {
+  auto model = make_model(initial_values());
+  nn::optim::AdamW opt(model->parameters(), {.lr = 1e-2});
+  const auto meta = load_model_checkpoint(dir, *model, &opt);
+  EXPECT_EQ(meta.at("step"), std::to_string(from)) << what;
+  for (int t = from; t < steps; ++t) {
+    opt.zero_grad();
+    mse(model->forward(batch_x(t)), batch_y(t)).backward();
+    opt.step();
+  }
+  const Reference ref = train_reference(steps);
+  const auto got = model->named_parameters();
+  for (size_t i = 0; i < got.size(); ++i) require_close(what + ": " + got[i].first, got[i].second, ref.params[i].second, 1e-5);
+}
+
+// Checkpoints saved per stage (each rank its stage's parameters and AdamW state, under the
+// unsplit model's names) go on at another pipeline degree: pp 2 -> one process, and
+// pp 2 x dp 2 (DDP stages, the replicas' parts written once) -> one process, as if
+// uninterrupted.
+TEST(PipelineCheckpoint, SavedPerStageGoesOnInOneProcess) {
+  test::TempDir pp2, pp2dp2;
+  run_rank_threads(2, [&](int rank) {
+    auto model = make_model(initial_values());
+    auto parts = split_sequential_evenly(*model, 2);
+    auto stage = std::make_shared<PipelineStage>(parts[rank], rank, 2);
+    PipelineSchedule schedule({stage}, 4, ScheduleKind::OneFOneB, {.loss_fn = mse});
+    nn::optim::AdamW opt(parts[rank]->parameters(), {.lr = 1e-2});
+    for (int t = 0; t < 3; ++t) {
+      opt.zero_grad();
+      schedule.step(rank == 0 ? batch_x(t) : Tensor(), rank == 1 ? batch_y(t) : Tensor());
+      opt.step();
+    }
+    save_model_checkpoint(pp2.path(), *parts[rank], &opt, *default_group(), {{"step", "3"}});
+  }, 60s);
+  resume_in_one_process(pp2.path(), 3, 6, "pp 2 -> 1");
+
+  run_rank_threads(4, [&](int) {
+    auto mesh = init_device_mesh("cpu", {2, 2}, {"pp", "dp"});
+    auto pp = mesh->get_group("pp"), dp = mesh->get_group("dp");
+    auto model = make_model(initial_values());
+    auto parts = split_sequential_evenly(*model, 2);
+    auto part = parts[pp->rank()];
+    auto stage = std::make_shared<PipelineStage>(std::make_shared<DistributedDataParallel>(part, dp),
+                                                 pp->rank(), 2, kCPU, pp);
+    PipelineSchedule schedule({stage}, 2, ScheduleKind::OneFOneB, {.loss_fn = mse});
+    nn::optim::AdamW opt(part->parameters(), {.lr = 1e-2});
+    const int64_t half = kBatch / 2, at = dp->rank() * half;
+    for (int t = 0; t < 4; ++t) {
+      opt.zero_grad();
+      schedule.step(pp->rank() == 0 ? batch_x(t).narrow(0, at, half) : Tensor(),
+                    pp->rank() == 1 ? batch_y(t).narrow(0, at, half) : Tensor());
+      opt.step();
+    }
+    save_model_checkpoint(pp2dp2.path(), *part, &opt, *default_group(), {{"step", "4"}});
+  }, 60s);
+  resume_in_one_process(pp2dp2.path(), 4, 6, "pp 2 x dp 2 -> 1");
 }
 
 }  // namespace
