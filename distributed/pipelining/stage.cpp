@@ -17,7 +17,7 @@ SequentialPart::SequentialPart(const nn::Sequential& model, int64_t begin, int64
 
 Tensor SequentialPart::forward(const Tensor& input) {
   Tensor x = input;
-  for (const auto& m : modules_) x = m->forward(x);
+  for (const auto& m : modules_) x = (*m)(x);  // through operator(): hooks and layouts run
   return x;
 }
 
