@@ -19,6 +19,7 @@
 #include <ember/tensor/ops.h>
 #include "tests/distributed/collective_options.h"
 #include "tests/distributed/mpi_job.h"
+#include "tests/distributed/p2p_checks.h"
 #include "tests/tensor/test_util.h"
 
 namespace ember::dist {
@@ -353,6 +354,14 @@ TEST(MpiRanks, SendRecvRing) {
   Tensor one = empty({1}, kFloat32);
   expect_error([&] { g.recv(one, n); }, {"[mpi] recv", "peer"});
   expect_error([&] { g.send(empty({1}, kFloat32), (me + 1) % n, -1); }, {"[mpi] send", "tag -1"});
+}
+
+// batch_isend_irecv in both directions around the ring, and shapes the receiver learns.
+TEST(MpiRanks, BatchIsendIrecvAndLearnedShapes) {
+  SKIP_UNLESS_UNDER_MPIRUN();
+  ProcessGroupMpi& g = world();
+  if (g.size() == 1) GTEST_SKIP() << "send/recv needs a peer";
+  test::check_batch_p2p(g, g.rank(), g.size());
 }
 
 TEST(MpiRanks, RecvTimesOutThenCompletes) {
