@@ -13,6 +13,7 @@
 #include <ember/distributed/pipelining/pipeline.h>
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -153,6 +154,31 @@ void PipelineSchedule::init(std::vector<std::shared_ptr<PipelineStage>> stages,
   }
   actions_ = std::move(actions);
   rank_of_stage_ = std::move(rank_of_stage);
+  agree();
+}
+
+// Every rank must run the same schedule over the same micro-batches: one small all-gather at
+// construction names a rank that differs, instead of a transfer that never matches.
+void PipelineSchedule::agree() {
+  ProcessGroup& g = *impl_->group;
+  const int64_t hash = static_cast<int64_t>(std::hash<std::string>{}(to_csv(actions_)) >> 1);
+  const Tensor mine =
+      from_vector(std::vector<int64_t>{m_, impl_->num_stages, hash}).to(g.default_device());
+  Tensor all = zeros({g.size(), 3}, TensorOptions(kInt64).device(g.default_device()));
+  g.allgather_into_tensor(all, mine)->wait();
+  const std::vector<int64_t> v = all.to(kCPU).to_vector<int64_t>();
+  for (int r = 0; r < g.size(); ++r) {
+    if (v[3 * r] != m_ || v[3 * r + 1] != impl_->num_stages) {
+      throw ValueError(str_cat("[PipelineSchedule] the ranks disagree: rank ", r, " runs ",
+                               v[3 * r], " micro-batches over ", v[3 * r + 1],
+                               " stages, this rank (", g.rank(), ") ", m_, " over ",
+                               impl_->num_stages));
+    }
+    if (v[3 * r + 2] != hash) {
+      throw ValueError(str_cat("[PipelineSchedule] the ranks disagree: rank ", r,
+                               " has another schedule than this rank (", g.rank(), ")"));
+    }
+  }
 }
 
 std::string PipelineSchedule::table() const {

@@ -43,6 +43,9 @@ struct StepStats {
 /// of their group). Every rank of the group makes one with the same schedule and micro-batches.
 class PipelineSchedule {
  public:
+  /// Collective over the stages' group: every rank constructs its schedule, and a rank with
+  /// other micro-batches, stages or actions is named (ValueError on every rank).
+  ///
   /// One of the named schedules. `stages`: this rank's, all with one group and num_stages;
   /// the schedule decides which rank runs which stage (stage_rank). Throws ValueError naming
   /// what does not fit: stages on the wrong rank, a stage count the ranks do not divide.
@@ -78,6 +81,7 @@ class PipelineSchedule {
   struct Impl;
   void init(std::vector<std::shared_ptr<PipelineStage>> stages, RankActions actions,
             std::vector<int> rank_of_stage);
+  void agree();
   int m_;
   ScheduleOptions options_;
   RankActions actions_;
