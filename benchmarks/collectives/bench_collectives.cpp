@@ -44,6 +44,7 @@
 
 #include "benchmarks/bench_util.h"
 #include "cmake/build_paths.h"
+#include "benchmarks/fork_ranks.h"
 #include <ember/distributed/backends/shareable.h>
 #include <ember/distributed/init.h>
 #include <ember/distributed/store/tcp_store.h>
@@ -397,43 +398,15 @@ int main(int argc, char** argv) {
   try {
     if (a.np <= 0) return rank_main(a);
     // --np: fork the ranks here, rendezvous on a free port of 127.0.0.1.
-    TCPStoreServerOptions so;
-    so.host = "127.0.0.1";
-    uint16_t port = 0;
-    {
-      TCPStoreServer probe(so);  // the OS's pick, then released for rank 0's own server
-      port = probe.port();
-    }
-    std::vector<pid_t> kids;
-    for (int r = 0; r < a.np; ++r) {
-      const pid_t pid = ::fork();
-      if (pid == 0) {
-        ::setenv("RANK", std::to_string(r).c_str(), 1);
-        ::setenv("WORLD_SIZE", std::to_string(a.np).c_str(), 1);
-        ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-        ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-        if (a.pin) {
-          cpu_set_t set;
-          CPU_ZERO(&set);
-          CPU_SET(r % static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN)), &set);
-          if (::sched_setaffinity(0, sizeof(set), &set) != 0) std::perror("sched_setaffinity");
-        }
-        try {
-          ::_exit(rank_main(a));
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "rank %d: %s\n", r, e.what());
-          ::_exit(1);
-        }
+    return bench::fork_ranks("bench_collectives", a.np, [&](int r) {
+      if (a.pin) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(r % static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN)), &set);
+        if (::sched_setaffinity(0, sizeof(set), &set) != 0) std::perror("sched_setaffinity");
       }
-      kids.push_back(pid);
-    }
-    int rc = 0;
-    for (pid_t pid : kids) {
-      int status = 0;
-      ::waitpid(pid, &status, 0);
-      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) rc = 1;
-    }
-    return rc;
+      return rank_main(a);
+    });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_collectives: %s\n", e.what());
     return 1;

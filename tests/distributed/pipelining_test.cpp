@@ -450,6 +450,18 @@ TEST(PipelineThreads, TimesDataParallelTrainsLikeTheUnsplitModel) {
 namespace ember::dist::pipelining {
 namespace {
 
+/// `steps` steps of a 2-stage pipeline whose dp ranks each train on their half of the batch.
+void train_two_stages_on_half_batches(PipelineSchedule& schedule, nn::optim::Optimizer& opt,
+                                      const ProcessGroup& pp, const ProcessGroup& dp, int steps) {
+  const int64_t half = kBatch / 2, at = dp.rank() * half;
+  for (int t = 0; t < steps; ++t) {
+    opt.zero_grad();
+    schedule.step(pp.rank() == 0 ? batch_x(t).narrow(0, at, half) : Tensor(),
+                  pp.rank() == 1 ? batch_y(t).narrow(0, at, half) : Tensor());
+    opt.step();
+  }
+}
+
 /// Trains the unsplit model from `dir`'s checkpoint (saved after `from` steps) up to `steps`
 /// and checks it ends where the uninterrupted run does.
 void resume_in_one_process(const std::string& dir, int from, int steps, const std::string& what) {
@@ -498,13 +510,7 @@ TEST(PipelineCheckpoint, SavedPerStageGoesOnInOneProcess) {
                                                  pp->rank(), 2, kCPU, pp);
     PipelineSchedule schedule({stage}, 2, ScheduleKind::OneFOneB, {.loss_fn = mse});
     nn::optim::AdamW opt(part->parameters(), {.lr = 1e-2});
-    const int64_t half = kBatch / 2, at = dp->rank() * half;
-    for (int t = 0; t < 4; ++t) {
-      opt.zero_grad();
-      schedule.step(pp->rank() == 0 ? batch_x(t).narrow(0, at, half) : Tensor(),
-                    pp->rank() == 1 ? batch_y(t).narrow(0, at, half) : Tensor());
-      opt.step();
-    }
+    train_two_stages_on_half_batches(schedule, opt, *pp, *dp, 4);
     save_model_checkpoint(pp2dp2.path(), *part, &opt, *default_group(), {{"step", "4"}});
   }, 60s);
   resume_in_one_process(pp2dp2.path(), 4, 6, "pp 2 x dp 2 -> 1");
@@ -538,13 +544,7 @@ TEST(PipelineThreads, ThreeDimensionalTrainsLikeTheUnsplitModel) {
     auto stage = std::make_shared<PipelineStage>(part, pp->rank(), 2, kCPU, pp);
     PipelineSchedule schedule({stage}, 2, ScheduleKind::OneFOneB, {.loss_fn = mse});
     nn::optim::AdamW opt(fsdp_parameters(*part), {.lr = 1e-2});
-    const int64_t half = kBatch / 2, at = dp->rank() * half;
-    for (int t = 0; t < 4; ++t) {
-      opt.zero_grad();
-      schedule.step(pp->rank() == 0 ? batch_x(t).narrow(0, at, half) : Tensor(),
-                    pp->rank() == 1 ? batch_y(t).narrow(0, at, half) : Tensor());
-      opt.step();
-    }
+    train_two_stages_on_half_batches(schedule, opt, *pp, *dp, 4);
     save_model_checkpoint(dir.path(), *part, &opt, *default_group(), {{"step", "4"}});
   }, 60s);
   resume_in_one_process(dir.path(), 4, 4, "pp 2 x dp 2 x tp 2 -> 1");
