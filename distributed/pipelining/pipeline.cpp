@@ -22,6 +22,7 @@
 #include <ember/distributed/p2p.h>
 #include <ember/distributed/sharding/fsdp.h>
 #include <ember/tensor/creation.h>
+#include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/trace.h>
 
@@ -215,6 +216,25 @@ void with_context(const std::string& what, F&& f) {
 }  // namespace
 
 Tensor PipelineSchedule::step(const Tensor& input, const Tensor& target, std::vector<Tensor>* losses) {
+  return run(actions_[impl_->group->rank()], input, target, losses, /*training=*/true);
+}
+
+// Without backwards a schedule's forwards and their transfers still cannot block: a receive
+// waits only for forwards that come before it on every rank (the schedule was valid with the
+// backwards' extra dependencies), and sends never wait.
+Tensor PipelineSchedule::eval(const Tensor& input, const Tensor& target, std::vector<Tensor>* losses) {
+  std::vector<Action> forwards;
+  for (const Action& a : actions_[impl_->group->rank()]) {
+    if (a.kind == ActionKind::Forward || a.kind == ActionKind::SendF || a.kind == ActionKind::RecvF) {
+      forwards.push_back(a);
+    }
+  }
+  NoGradGuard no_grad;
+  return run(forwards, input, target, losses, /*training=*/false);
+}
+
+Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& input,
+                             const Tensor& target, std::vector<Tensor>* losses, bool training) {
   Impl& im = *impl_;
   const auto t0 = Clock::now();
   stats_ = {};
@@ -222,7 +242,9 @@ Tensor PipelineSchedule::step(const Tensor& input, const Tensor& target, std::ve
   const int S = im.num_stages;
   std::vector<Tensor> inputs, targets;
   if (im.stages.count(0)) inputs = split("input", input, options_.split_dim, m_);
-  if (im.stages.count(S - 1)) targets = split("target", target, options_.split_dim, m_);
+  if (im.stages.count(S - 1) && (training || target.defined())) {
+    targets = split("target", target, options_.split_dim, m_);
+  }
   im.slots.clear();
   for (const auto& [s, st] : im.stages) im.slots[s].resize(m_);
   im.pending.clear();
@@ -249,14 +271,14 @@ Tensor PipelineSchedule::step(const Tensor& input, const Tensor& target, std::ve
     if (s > 0 && im.stages.count(s - 1)) im.slots[s - 1][mb].out_grad = slot.in_grad;
   };
 
-  for (size_t index = 0; index < actions_[rank].size(); ++index) {
-    const Action& a = actions_[rank][index];
+  for (size_t index = 0; index < mine.size(); ++index) {
+    const Action& a = mine[index];
     const int s = a.stage, mb = a.microbatch;
     Impl::Slot& slot = im.slots[s][mb];
     PipelineStage& stage = *im.stages.at(s);
     DistributedDataParallel* ddp = im.ddp.count(s) ? im.ddp.at(s) : nullptr;
     // Note [data parallel stages].
-    if (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardWeight) {
+    if (training && (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardWeight)) {
       const bool last = im.last_backward.at(s) == index;
       if (ddp && last) ddp->prepare_for_backward();
       if (im.sharded.count(s)) set_requires_gradient_sync(stage.submodule(), last);
@@ -269,9 +291,10 @@ Tensor PipelineSchedule::step(const Tensor& input, const Tensor& target, std::ve
         if (s == 0) slot.input = inputs[mb];  // a batch that requires grad gets its gradient
         const Tensor x = slot.input;
         EMBER_CHECK(x.defined(), "[PipelineSchedule] ", where(s, mb), ": forward without its input");
-        nn::Module& module = *stage.submodule_ptr();
+        // Evaluation skips DDP: its forward prepares a backward that never comes.
+        nn::Module& module = ddp && !training ? *ddp->module() : *stage.submodule_ptr();
         Tensor y;
-        if (ddp) {
+        if (ddp && training) {
           auto no_sync = ddp->no_sync();
           y = module(x);
         } else {
@@ -280,12 +303,15 @@ Tensor PipelineSchedule::step(const Tensor& input, const Tensor& target, std::ve
         slot.output = y;
         if (s == S - 1) {
           slot.result = y.detach();
-          slot.loss = options_.loss_fn(y, targets[mb]);
-          EMBER_CHECK(slot.loss.numel() == 1, "[PipelineSchedule] loss_fn returned shape ",
-                      slot.loss.shape(), " for ", where(s, mb), "; expected one element");
-          if (losses) losses->push_back(slot.loss.detach());
+          if (!targets.empty()) {
+            slot.loss = options_.loss_fn(y, targets[mb]);
+            EMBER_CHECK(slot.loss.numel() == 1, "[PipelineSchedule] loss_fn returned shape ",
+                        slot.loss.shape(), " for ", where(s, mb), "; expected one element");
+            if (losses) losses->push_back(slot.loss.detach());
+          }
         } else if (im.stages.count(s + 1)) {
-          im.slots[s + 1][mb].input = y.detach().requires_grad_();
+          Tensor next = y.detach();
+          im.slots[s + 1][mb].input = training ? next.requires_grad_() : next;
         }
         break;
       }
@@ -359,7 +385,7 @@ Tensor PipelineSchedule::step(const Tensor& input, const Tensor& target, std::ve
           throw PipeliningShapeError(str_cat(what, ": stage ", s - 1, " sent ", text(x.shape(), x.dtype()),
                                              " but stage ", s, " takes ", *want));
         }
-        slot.input = x.requires_grad_();
+        slot.input = training ? x.requires_grad_() : x;
         break;
       }
       case ActionKind::RecvB: {

@@ -69,6 +69,14 @@ class PipelineSchedule {
   Tensor step(const Tensor& input = {}, const Tensor& target = {},
               std::vector<Tensor>* losses = nullptr);
 
+  /// Forward only (torch's schedule.eval()): the batch split into the micro-batches and run
+  /// through the stages under no_grad, in the schedule's order of forwards and their
+  /// transfers, with the modules as they are (call eval() on them first for evaluation mode).
+  /// Returns and appends what step() does; `target` may be undefined (no losses then). No
+  /// gradient is touched, so it may run between steps.
+  Tensor eval(const Tensor& input = {}, const Tensor& target = {},
+              std::vector<Tensor>* losses = nullptr);
+
   /// Every rank's actions, with the transfers.
   const RankActions& actions() const { return actions_; }
   const std::vector<int>& rank_of_stage() const { return rank_of_stage_; }
@@ -82,6 +90,8 @@ class PipelineSchedule {
   void init(std::vector<std::shared_ptr<PipelineStage>> stages, RankActions actions,
             std::vector<int> rank_of_stage);
   void agree();
+  Tensor run(const std::vector<Action>& mine, const Tensor& input, const Tensor& target,
+             std::vector<Tensor>* losses, bool training);
   int m_;
   ScheduleOptions options_;
   RankActions actions_;

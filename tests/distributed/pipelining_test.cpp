@@ -67,6 +67,7 @@ Tensor mse(const Tensor& out, const Tensor& target) { return nn::functional::mse
 struct Reference {
   std::vector<std::pair<std::string, Tensor>> params;  // after the steps
   std::vector<double> losses;                          // per step
+  Tensor eval_output;  // after the steps, of the batch of the step after them
 };
 
 /// The unsplit model trained `steps` AdamW steps on the whole batches.
@@ -82,6 +83,8 @@ Reference train_reference(int steps) {
     ref.losses.push_back(loss.item<double>());
   }
   for (const auto& [name, p] : model->named_parameters()) ref.params.push_back({name, p.detach().clone()});
+  NoGradGuard no_grad;
+  ref.eval_output = model->forward(batch_x(steps));
   return ref;
 }
 
@@ -118,6 +121,23 @@ void train_pipelined(const std::shared_ptr<ProcessGroup>& pg, ScheduleKind kind,
     } else {
       require(!out.defined() && losses.empty(), what + ": no output off the last stage");
     }
+  }
+  // Forward only: the trained model's output and loss of the next batch, no gradient touched.
+  opt.zero_grad();
+  std::vector<Tensor> eval_losses;
+  const Tensor out = schedule.eval(first ? batch_x(steps) : Tensor(), last ? batch_y(steps) : Tensor(),
+                                   &eval_losses);
+  for (const Tensor& p : params) require(!p.grad().defined(), what + ": eval left a gradient");
+  if (last) {
+    require_close(what + ": eval output", out, ref.eval_output, 1e-5);
+    require(static_cast<int>(eval_losses.size()) == m, what + ": an eval loss per micro-batch");
+    require_close(what + ": eval loss", eval_losses[0],
+                  mse(ref.eval_output.narrow(0, 0, kBatch / m), batch_y(steps).narrow(0, 0, kBatch / m)), 1e-5);
+    const Tensor no_target = schedule.eval(first ? batch_x(steps) : Tensor(), Tensor(), &eval_losses);
+    require(no_target.defined() && eval_losses.size() == static_cast<size_t>(m), what + ": eval without a target");
+  } else {
+    require(!out.defined(), what + ": no eval output off the last stage");
+    schedule.eval(first ? batch_x(steps) : Tensor());
   }
   for (const auto& st : stages) {
     for (const auto& [name, p] : st->submodule().named_parameters()) {
