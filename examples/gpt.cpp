@@ -1,6 +1,7 @@
 // A GPT-2-style byte-level language model trained data-parallel (DistributedDataParallel, or
 // with --shard zero|fsdp sharded: ZeroRedundancyOptimizer or fully_shard), and with --tp N
-// tensor parallel over N ranks at a time (docs/tensor_parallel.md), on
+// tensor parallel over N ranks at a time (docs/tensor_parallel.md), with --pp N pipeline parallel
+// over N stages of whole blocks (docs/pipeline_parallel.md), on
 // prose a Debian package ships (the King James Bible of bible-kjv-text by default). Each rank
 // draws its own random context windows per step (nn/data/token_stream.h); gradients are averaged
 // across ranks during backward; rank 0 prints progress, evaluates and writes checkpoints.
@@ -9,6 +10,7 @@
 //   mpirun -np 2 build/examples/gpt --backend mpi
 //   build/examples/gpt --layers 1 --dim 32 --context 32 --steps 30 --sample 200
 //   emberrun --nproc-per-node 4 build/examples/gpt --tp 2 --shard fsdp
+//   emberrun --nproc-per-node 2 build/examples/gpt --pp 2 --microbatches 8 --schedule 1f1b
 //
 // benchmarks/vs_pytorch/gpt_torch.py is the same model, data and optimizer in PyTorch; see
 // docs/quickstart.md for the flags and what a run prints.
@@ -32,6 +34,7 @@
 #include <ember/distributed/ddp/amp.h>
 #include <ember/distributed/sharding/fsdp.h>
 #include <ember/distributed/checkpoint/model_checkpoint.h>
+#include <ember/distributed/pipelining/pipeline.h>
 #include <ember/distributed/sharding/zero.h>
 #include <ember/distributed/sharding/zero_hook.h>
 #include <ember/distributed/tensor_parallel/clip_grad.h>
@@ -39,6 +42,7 @@
 #include "examples/example_util.h"
 #include "examples/gpt_model.h"
 #include "examples/gpt_parallel.h"
+#include "examples/gpt_pipeline.h"
 #include <ember/nn/amp/autocast.h>
 #include <ember/nn/data/token_stream.h>
 #include <ember/nn/nn.h>
@@ -54,6 +58,7 @@
 namespace nn = ember::nn;
 namespace dist = ember::dist;
 namespace F = ember::nn::functional;
+namespace pipelining = ember::dist::pipelining;
 using ember::Tensor;
 using namespace ember::examples;  // NOLINT: the examples' shared helpers
 
@@ -84,6 +89,9 @@ struct Args {
   int64_t tp = 1;              // tensor-parallel ranks; the others are data parallel
   int64_t tp_overlap = 1;      // --tp's collectives fused with their matmuls in this many pieces
   bool zero_overlap = false;   // --shard zero: step inside DDP's hook (overlap_with_ddp)
+  int64_t pp = 1;              // pipeline stages' ranks; each rank runs its stages of the model
+  int64_t microbatches = 4;    // --pp: micro-batches per step
+  std::string schedule = "1f1b";  // --pp: gpipe, 1f1b, interleaved-1f1b or zero-bubble
   int64_t eval_every = 100;  // 0: only at the end
   int64_t eval_batches = 8;
   int64_t log_every = 0;     // 0: twenty progress lines per run
@@ -134,39 +142,104 @@ nn::optim::AdamWOptions adamw_options(const Args& a) {
 // --tp: the ranks as a (dp, tp) mesh. Each row of tp ranks holds one model, laid out by
 // gpt_tensor_parallel_plan (with sequence and loss parallelism); DDP, ZeRO or FSDP work across
 // the rows, over the dp group. Without --tp the mesh is (world, 1) and dp is the world.
+// --pp: the ranks as a (pp, dp) mesh: each column of pp ranks runs one model's stages (the
+// pipeline ranks outermost, so that with ranks numbered node by node a pipeline crosses the
+// nodes and its data-parallel replicas stay within one); DDP works across the columns, over
+// the dp group.
 struct MeshLayout {
-  MeshLayout(const RunContext& run, int64_t tp) {
-    if (tp <= 1) {
+  MeshLayout(const RunContext& run, int64_t tp, int64_t pp) {
+    if (tp <= 1 && pp <= 1) {
       dp = run.pg;
       return;
     }
-    if (run.world % tp != 0) {
-      throw ember::ValueError("gpt: --tp " + std::to_string(tp) + " must divide the world size " +
-                              std::to_string(run.world));
+    for (auto [n, flag] : {std::pair{tp, "--tp"}, std::pair{pp, "--pp"}}) {
+      if (run.world % n != 0) {
+        throw ember::ValueError("gpt: " + std::string(flag) + " " + std::to_string(n) +
+                                " must divide the world size " + std::to_string(run.world));
+      }
     }
-    mesh = dist::init_device_mesh(run.device.is_cpu() ? "cpu" : "cuda",
-                                  {run.world / tp, tp}, {"dp", "tp"});
-    tp_mesh = (*mesh)["tp"];
+    const std::string device = run.device.is_cpu() ? "cpu" : "cuda";
+    if (pp > 1) {
+      mesh = dist::init_device_mesh(device, {pp, run.world / pp}, {"pp", "dp"});
+      pp_group = mesh->get_group("pp");
+    } else {
+      mesh = dist::init_device_mesh(device, {run.world / tp, tp}, {"dp", "tp"});
+      tp_mesh = (*mesh)["tp"];
+    }
     dp = mesh->get_group("dp");
   }
-  std::shared_ptr<dist::DeviceMesh> mesh, tp_mesh;  // null without --tp
-  std::shared_ptr<dist::ProcessGroup> dp;          // the data-parallel ranks
+  std::shared_ptr<dist::DeviceMesh> mesh;             // null without --tp or --pp
+  std::shared_ptr<dist::DeviceMesh> tp_mesh;          // null without --tp
+  std::shared_ptr<dist::ProcessGroup> dp;             // the data-parallel ranks
+  std::shared_ptr<dist::ProcessGroup> pp_group;       // null without --pp
 };
 
 // --shard: where the model's state lives. none: DDP, every rank holds everything; zero: DDP and
 // a ZeroRedundancyOptimizer (each rank holds 1/N of AdamW's moments); fsdp: every block and the
 // root fully_shard-ed (parameters, gradients and moments 1/N per rank).
+// --pp: this rank's stages, DDP around each over the dp ranks (when there are several), and
+// the schedule that runs them.
+struct Pipeline {
+  std::shared_ptr<GPTPart> part;  // everything this rank's stages hold, as one module
+  std::vector<std::shared_ptr<dist::DistributedDataParallel>> ddp;
+  std::unique_ptr<pipelining::PipelineSchedule> schedule;
+  bool first = false, last = false;  // this rank runs stage 0, the last stage
+  int last_rank = 0;                 // the pipeline rank with the last stage
+};
+
 struct Parallel {
-  std::shared_ptr<dist::DistributedDataParallel> ddp;   // none, zero
+  std::shared_ptr<dist::DistributedDataParallel> ddp;   // none, zero (without --pp)
   std::unique_ptr<dist::ZeroRedundancyOptimizer> zero;  // zero
-  std::unique_ptr<nn::optim::AdamW> adamw;              // none, fsdp
+  std::unique_ptr<nn::optim::AdamW> adamw;              // none, fsdp, --pp
+  std::unique_ptr<Pipeline> pipe;                       // --pp
   /// The optimizer LR schedules and the grad scaler drive (zero: this rank's local one).
   nn::optim::Optimizer& optimizer() { return zero ? zero->optimizer() : *adamw; }
 };
 
+Tensor lm_loss(const Tensor& logits, const Tensor& y) {
+  return F::cross_entropy(logits.reshape({-1, kVocab}), y.reshape({-1}));
+}
+
+// --pp: this rank's stages of `model` (every rank built the whole, seeded model; each keeps its
+// stages' modules), each in DDP over `dp` when it has several ranks, run by --schedule.
+std::unique_ptr<Pipeline> make_pipeline(const Args& a, const std::shared_ptr<GPT>& model,
+                                        const MeshLayout& layout, ember::Device device) {
+  auto pipe = std::make_unique<Pipeline>();
+  const pipelining::ScheduleKind kind = pipelining::parse_schedule(a.schedule);
+  const int p = static_cast<int>(a.pp), S = p * pipelining::default_stages_per_rank(kind);
+  const int rank = layout.pp_group->rank();
+  std::vector<std::shared_ptr<pipelining::PipelineStage>> stages;
+  std::vector<int> mine;
+  for (int s = 0; s < S; ++s) {
+    if (pipelining::stage_rank(kind, s, S, p) != rank) continue;
+    mine.push_back(s);
+    std::shared_ptr<nn::Module> m = gpt_stage(model, s, S);
+    if (layout.dp->size() > 1) {
+      pipe->ddp.push_back(std::make_shared<dist::DistributedDataParallel>(m, layout.dp));
+      m = pipe->ddp.back();
+    }
+    stages.push_back(std::make_shared<pipelining::PipelineStage>(m, s, S, device, layout.pp_group));
+  }
+  pipe->part = gpt_stages(model, mine, S);
+  pipe->first = pipe->part->has_embedding();
+  pipe->last = pipe->part->has_head();
+  pipe->last_rank = pipelining::stage_rank(kind, S - 1, S, p);
+  pipe->schedule = std::make_unique<pipelining::PipelineSchedule>(
+      stages, static_cast<int>(a.microbatches), kind,
+      pipelining::ScheduleOptions{.loss_fn = lm_loss});
+  return pipe;
+}
+
 Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
-                       const std::shared_ptr<dist::ProcessGroup>& pg) {
+                       const MeshLayout& layout, ember::Device device) {
   Parallel p;
+  const std::shared_ptr<dist::ProcessGroup>& pg = layout.dp;
+  if (a.pp > 1) {
+    p.pipe = make_pipeline(a, model, layout, device);
+    p.adamw = std::make_unique<nn::optim::AdamW>(decay_groups(p.pipe->part->parameters()),
+                                                 adamw_options(a));
+    return p;
+  }
   if (a.shard == "fsdp") {
     for (const auto& block : model->blocks) dist::fully_shard(block, {.group = pg});
     dist::fully_shard(model, {.group = pg});
@@ -250,6 +323,7 @@ class Trainer {
 
  private:
   double train_step(int64_t step);
+  double pipeline_step(const nn::data::Batch& b);
   double evaluate();
   void log_progress(LogWindow& window);
   void after_eval(double val_loss);
@@ -259,6 +333,11 @@ class Trainer {
   void print_banner() const;
   void measure_peak_memory();
   double lr() { return par_.optimizer().param_groups().front().lr(); }
+  // What this rank's checkpoint holds: the model, or with --pp its stages.
+  nn::Module& checkpoint_root() {
+    if (par_.pipe) return *par_.pipe->part;
+    return *model_;
+  }
 
   // The loss of `logits`: loss-parallel when tensor parallelism left them vocabulary-sharded.
   Tensor loss_of(const Tensor& logits, const Tensor& y) const;
@@ -269,6 +348,8 @@ class Trainer {
   std::shared_ptr<GPT> model_;
   nn::data::TokenStream data_;
   Parallel par_;
+  double pipeline_compute_s_ = 0, pipeline_wall_s_ = 0;  // --pp: this run's steps on this rank
+  double pipeline_bubble_ = 0;                            // --pp: over every rank
   std::shared_ptr<dist::PowerSGDState> powersgd_;
   nn::optim::SequentialLR schedule_;
   nn::amp::GradScaler scaler_;  // a pass-through unless --amp fp16
@@ -297,10 +378,10 @@ nn::data::TokenStream make_stream(const Args& a, const dist::ProcessGroup& pg) {
 Trainer::Trainer(const Args& a)
     : a_(a),
       run_("gpt", a.backend, a.timeout_s, a.device),
-      layout_(run_, a.tp),
+      layout_(run_, a.tp, a.pp),
       model_(tensor_parallel(seeded_model(a, run_.device), layout_, a.tp_overlap)),
       data_(make_stream(a, *layout_.dp)),
-      par_(make_parallel(a, model_, layout_.dp)),
+      par_(make_parallel(a, model_, layout_, run_.device)),
       powersgd_(par_.ddp ? register_comm_hook(*par_.ddp, a.comm_hook, /*powersgd_rank=*/2,
                                               /*start=*/10)
                          : nullptr),
@@ -332,9 +413,13 @@ void Trainer::print_banner() const {
       static_cast<long long>(a_.steps), a_.lr, a_.amp.c_str(),
       a_.checkpoint_activations ? ", checkpointed blocks" : "", a_.comm_hook.c_str(),
       ember::get_num_threads(),
-      layout_.mesh ? ("; tensor parallel over " + layout_.mesh->str() +
-                      " (sequence and loss parallel)").c_str()
-                   : "",
+      layout_.tp_mesh ? ("; tensor parallel over " + layout_.mesh->str() +
+                         " (sequence and loss parallel)").c_str()
+      : par_.pipe
+          ? ("; pipeline parallel over " + layout_.mesh->str() + " (" + a_.schedule + ", " +
+             std::to_string(par_.pipe->schedule->rank_of_stage().size()) + " stages, " +
+             std::to_string(a_.microbatches) + " micro-batches)").c_str()
+          : "",
       a_.data.c_str(), static_cast<long long>(data_.train_tokens()),
       static_cast<long long>(data_.validation_tokens()));
   std::fflush(stdout);
@@ -369,6 +454,14 @@ double Trainer::train() {
         *run_.pg, {run_times_.step_ms / n, run_times_.data_ms / n, run_times_.comm_wait_ms / n});
     if (run_.leader) std::printf("whole run: %s\n", dist::straggler_report(ranks).c_str());
   }
+  if (par_.pipe) {
+    // The bubble: the share of the ranks' step time spent waiting (not in a forward or a
+    // backward), over the whole run.
+    Tensor t = ember::from_vector(std::vector<double>{pipeline_compute_s_, pipeline_wall_s_});
+    run_.pg->allreduce(t)->wait();
+    const std::vector<double> v = t.to_vector<double>();
+    pipeline_bubble_ = v[1] > 0 ? 1.0 - v[0] / v[1] : 0;
+  }
   measure_peak_memory();
   return val_loss;
 }
@@ -376,6 +469,13 @@ double Trainer::train() {
 // One optimizer step on this rank's windows of `step`; returns the loss.
 double Trainer::train_step(int64_t step) {
   const nn::data::Batch b = data_.train_batch(step);
+  if (par_.pipe) {
+    const double value = pipeline_step(b);
+    schedule_.step();
+    ++step_;
+    check_loss_is_finite(static_cast<float>(value), "step", step_, run_.rank, a_.continue_on_nan);
+    return value;
+  }
   Tensor x = b.data.to(run_.device), y = b.target.to(run_.device);
   if (par_.zero) {
     par_.zero->zero_grad();
@@ -414,21 +514,52 @@ double Trainer::train_step(int64_t step) {
   return value;
 }
 
+// --pp: one step of the schedule over this rank's stages (DDP's reductions within it, once per
+// stage), the tied embedding's two gradients summed, the norm clipped over the pipeline;
+// returns the step's loss, the mean of the micro-batches' (sent from the last stage's rank).
+double Trainer::pipeline_step(const nn::data::Batch& b) {
+  Pipeline& pipe = *par_.pipe;
+  par_.adamw->zero_grad();
+  std::vector<Tensor> losses;
+  pipe.schedule->step(pipe.first ? b.data.to(run_.device) : Tensor(),
+                      pipe.last ? b.target.to(run_.device) : Tensor(), &losses);
+  pipeline_compute_s_ += pipe.schedule->last_step().compute_s;
+  pipeline_wall_s_ += pipe.schedule->last_step().wall_s;
+  dist::ProcessGroup& pp = *layout_.pp_group;
+  sum_tied_embedding_grad(*pipe.part, pp, model_->config, run_.device);
+  if (a_.grad_clip > 0) clip_pipeline_grad_norm_(*pipe.part, a_.grad_clip, pp);
+  par_.adamw->step();
+  double mean = 0;
+  for (const Tensor& l : losses) mean += l.item<double>() / static_cast<double>(losses.size());
+  Tensor loss = ember::from_vector(std::vector<double>{mean}).to(pp.default_device());
+  pp.broadcast(loss, {.root = pipe.last_rank})->wait();
+  return loss.to(ember::kCPU).to_vector<double>()[0];
+}
+
 Tensor Trainer::loss_of(const Tensor& logits, const Tensor& y) const {
   if (const std::optional<dist::DTensor> d = dist::as_dtensor(logits)) {
     return dist::loss_parallel::cross_entropy(*d, y);
   }
-  return F::cross_entropy(logits.reshape({-1, kVocab}), y.reshape({-1}));
+  return lm_loss(logits, y);
 }
 
 // The mean loss over --eval-batches validation batches per rank (every rank scores its own
 // windows; one all-reduce adds up the sums).
+// --pp: the schedule's forwards only; the last stage's ranks (one per dp index) score.
 double Trainer::evaluate() {
   ember::NoGradGuard no_grad;
   model_->eval();
   double sum = 0;
   for (int64_t i = 0; i < a_.eval_batches; ++i) {
     const nn::data::Batch b = data_.validation_batch(i, a_.eval_batches);
+    if (par_.pipe) {
+      const Pipeline& pipe = *par_.pipe;
+      std::vector<Tensor> losses;
+      pipe.schedule->eval(pipe.first ? b.data.to(run_.device) : Tensor(),
+                          pipe.last ? b.target.to(run_.device) : Tensor(), &losses);
+      for (const Tensor& l : losses) sum += l.item<double>() / static_cast<double>(losses.size());
+      continue;
+    }
     const nn::amp::autocast amp(run_.device, amp_dtype(a_.amp), a_.amp != "off");
     Tensor logits = (*model_)(b.data.to(run_.device));
     sum += loss_of(logits, b.target.to(run_.device)).item<float>();
@@ -436,7 +567,9 @@ double Trainer::evaluate() {
   model_->train();
   Tensor total = ember::from_vector(std::vector<double>{sum});
   run_.pg->allreduce(total)->wait();
-  return total.to_vector<double>()[0] / static_cast<double>(a_.eval_batches * run_.world);
+  // Every rank of a tensor-parallel row scores the row's batches; of a pipeline, only the last.
+  const int64_t scorers = par_.pipe ? layout_.dp->size() : run_.world;
+  return total.to_vector<double>()[0] / static_cast<double>(a_.eval_batches * scorers);
 }
 
 void Trainer::after_eval(double val_loss) {
@@ -448,9 +581,10 @@ void Trainer::after_eval(double val_loss) {
   if (!a_.checkpoint_dir.empty()) save_checkpoint();
 }
 
-// Tokens trained per second: each data-parallel row (a model's tp ranks) trains its batch.
+// Tokens trained per second: each data-parallel row (a model's tp or pp ranks) trains its batch.
 double tokens_per_s(int64_t steps, const Args& a, int world, double seconds) {
-  const double tokens = static_cast<double>(steps * a.batch_size * a.context * world / a.tp);
+  const double tokens =
+      static_cast<double>(steps * a.batch_size * a.context * world / (a.tp * a.pp));
   return seconds > 0 ? tokens / seconds : 0;
 }
 
@@ -532,8 +666,10 @@ void Trainer::save_checkpoint() {
   // 2^16 (skipping steps to back off again) nor forgets how long it has been clean.
   if (scaler_.is_enabled()) meta["grad_scaler"] = nlohmann::json(scaler_.state_dict()).dump();
   meta["tp"] = std::to_string(a_.tp);
-  if (a_.shard == "fsdp" || a_.tp > 1) {
-    dist::save_model_checkpoint(sharded_checkpoint_dir(a_.checkpoint_dir), *model_,
+  meta["pp"] = std::to_string(a_.pp);
+  if (a_.shard == "fsdp" || a_.tp > 1 || a_.pp > 1) {
+    // --pp: each rank its stages' parts, under the GPT's names (the tied embedding once).
+    dist::save_model_checkpoint(sharded_checkpoint_dir(a_.checkpoint_dir), checkpoint_root(),
                                 &par_.optimizer(), *run_.pg, meta);
     return;
   }
@@ -560,7 +696,7 @@ int64_t Trainer::maybe_resume() {
   if (!a_.resume) return 0;
   const std::string plain = checkpoint_path(a_.checkpoint_dir);
   const std::string sharded_dir = sharded_checkpoint_dir(a_.checkpoint_dir);
-  const bool sharded = a_.shard == "fsdp" || a_.tp > 1 ||
+  const bool sharded = a_.shard == "fsdp" || a_.tp > 1 || a_.pp > 1 ||
                        (!std::filesystem::exists(plain) &&
                                               std::filesystem::exists(sharded_dir + "/index.json"));
   const std::string path = sharded ? sharded_dir : plain;
@@ -573,7 +709,7 @@ int64_t Trainer::maybe_resume() {
   nn::NamedTensors extra;
   std::map<std::string, std::string> loaded;
   auto load = [&](nn::optim::Optimizer* opt) {
-    return sharded ? dist::load_model_checkpoint(path, *model_, opt)
+    return sharded ? dist::load_model_checkpoint(path, checkpoint_root(), opt)
                    : nn::load_checkpoint(path, *model_, opt, &extra);
   };
   if (a_.shard == "fsdp") {
@@ -591,6 +727,7 @@ int64_t Trainer::maybe_resume() {
   // layout loads at any world size; only PowerSGD's per-rank state cannot follow.
   const std::string saved_world = loaded.count("world_size") ? loaded.at("world_size") : "";
   const std::string saved_tp = loaded.count("tp") ? loaded.at("tp") : "1";
+  const std::string saved_pp = loaded.count("pp") ? loaded.at("pp") : "1";
   const bool same_world = saved_world == std::to_string(run_.world);
   const bool same_tp = saved_tp == std::to_string(a_.tp);
   for (const auto& [key, value] : run_settings(a_, run_.world)) {
@@ -605,6 +742,10 @@ int64_t Trainer::maybe_resume() {
   if (!same_tp && run_.leader) {
     std::printf("resume: saved at --tp %s, now %lld\n", saved_tp.c_str(),
                 static_cast<long long>(a_.tp));
+  }
+  if (saved_pp != std::to_string(a_.pp) && run_.leader) {
+    std::printf("resume: saved at --pp %s, now %lld\n", saved_pp.c_str(),
+                static_cast<long long>(a_.pp));
   }
   schedule_.load_state_dict(meta.get("lr_scheduler"));
   if (auto it = loaded.find("grad_scaler"); it != loaded.end() && scaler_.is_enabled()) {
@@ -683,6 +824,7 @@ void Trainer::report(double val_loss) {
               tokens_per_s(step_ - start_step_, a_, run_.world, train_seconds_));
   std::printf("peak_rss_mb=%.0f\npeak_allocated_mb=%.1f\n", peak_rss_mb_, peak_allocated_mb_);
   std::printf("peak_memory_bytes=%lld\n", static_cast<long long>(peak_memory_bytes_));
+  if (par_.pipe) std::printf("pipeline_bubble=%.3f\n", pipeline_bubble_);
   std::fflush(stdout);
 }
 
@@ -702,6 +844,19 @@ std::string unavailable(const Args& a) {
   }
   if (a.tp > 1 && a.shard == "zero" && !a.checkpoint_dir.empty()) {
     return "--tp with --shard zero takes no --checkpoint-dir yet (--shard none or fsdp do)";
+  }
+  if (a.pp > 1 && (a.tp > 1 || a.shard != "none")) {
+    return "--pp takes neither --tp nor --shard zero|fsdp yet (got --tp " + std::to_string(a.tp) +
+           ", --shard " + a.shard + "): its stages are data parallel with DDP";
+  }
+  if (a.pp > 1 && (a.amp != "off" || a.comm_hook != "none")) {
+    return "--pp runs in float32 with DDP's plain all-reduce only yet (got --amp " + a.amp +
+           ", --comm-hook " + a.comm_hook + ")";
+  }
+  if (a.pp > 1 && (!a.save_weights.empty() || a.sample > 0)) {
+    return "--pp takes neither --save-weights nor --sample yet: write a checkpoint "
+           "(--checkpoint-dir) and continue or sample from it without --pp "
+           "(docs/pipeline_parallel.md)";
   }
   if (a.zero_overlap && a.shard != "zero") {
     return "--zero-overlap needs --shard zero (got --shard " + a.shard + ")";
@@ -723,6 +878,20 @@ std::string bad_shape(const Args& a) {
     return "--tp " + std::to_string(a.tp) + " must divide --heads " + std::to_string(a.heads) +
            " and the vocabulary (" + std::to_string(kVocab) + "): each rank takes heads/tp "
            "heads and vocabulary/tp rows of the embedding";
+  }
+  if (a.pp > 1) {
+    const int64_t per_rank =
+        pipelining::default_stages_per_rank(pipelining::parse_schedule(a.schedule));
+    if (a.layers % (a.pp * per_rank) != 0) {
+      return "--layers " + std::to_string(a.layers) + " do not divide into " +
+             std::to_string(a.pp * per_rank) + " pipeline stages of whole blocks (--pp " +
+             std::to_string(a.pp) + ", " + std::to_string(per_rank) + " stage" +
+             (per_rank > 1 ? "s" : "") + " per rank with --schedule " + a.schedule + ")";
+    }
+    if (a.batch_size % a.microbatches != 0) {
+      return "--batch-size " + std::to_string(a.batch_size) + " does not divide into --microbatches " +
+             std::to_string(a.microbatches);
+    }
   }
   if (a.resume && a.checkpoint_dir.empty()) return "--resume needs --checkpoint-dir";
   return "";
@@ -779,6 +948,17 @@ void add_options(CLI::App& app, Args& a) {
                  "many pieces of the batch, each overlapping the next piece's matmul (1: fused, "
                  "no overlap; 0: unfused)")
       ->check(kNonNegative)->capture_default_str();
+  app.add_option("--pp", a.pp,
+                 "pipeline-parallel ranks per model: the blocks cut into equal stages, one or two "
+                 "per rank by --schedule; the other ranks are data parallel "
+                 "(docs/pipeline_parallel.md)")
+      ->check(kPositive)->capture_default_str();
+  app.add_option("--microbatches", a.microbatches, "with --pp: micro-batches per step")
+      ->check(kPositive)->capture_default_str();
+  app.add_option("--schedule", a.schedule, "with --pp: the pipeline schedule")
+      ->check(CLI::IsMember(
+          {"gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv"}))
+      ->capture_default_str();
   app.add_flag("--zero-overlap", a.zero_overlap,
                "with --shard zero: step each bucket's partition inside DDP's communication hook, "
                "overlapping the optimizer with backward (torch's overlap_with_ddp; needs --grad-clip 0)");

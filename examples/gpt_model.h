@@ -129,16 +129,25 @@ class GPT : public nn::Module {
 
   /// tokens [B, T] (int64, T <= context) -> logits [B, T, vocab]
   Tensor forward(const Tensor& tokens) override {
+    Tensor x = embed(tokens);
+    for (const auto& block : blocks) x = run_block(block, x, is_training());
+    return head(x);
+  }
+  // The three pieces of forward, for a pipeline stage that runs some of them
+  // (gpt_pipeline.h's GPTPart). Modules are called as (*m)(x), so that their hooks
+  // (fully_shard's) and layouts (tensor parallelism's) run.
+  /// tokens [B, T] -> the first block's input [B, T, C]
+  Tensor embed(const Tensor& tokens) {
     const int64_t T = tokens.size(1);
     Tensor pos = ember::arange(0, T, 1, {ember::kInt64}).to(tokens.device());
-    // Modules are called as (*m)(x), so that their hooks (fully_shard's) and layouts (tensor
-    // parallelism's) run.
-    Tensor x = (*drop_)((*wte_)(tokens) + (*wpe_)(pos));
-    for (const auto& block : blocks) {
-      x = config.checkpoint_activations && is_training() ? nn::checkpoint(block, x) : (*block)(x);
-    }
-    return (*lm_head_)((*ln_f_)(x));
+    return (*drop_)((*wte_)(tokens) + (*wpe_)(pos));
   }
+  /// One block, checkpointed when the config says so and `training`.
+  Tensor run_block(const std::shared_ptr<Block>& block, const Tensor& x, bool training) const {
+    return config.checkpoint_activations && training ? nn::checkpoint(block, x) : (*block)(x);
+  }
+  /// The last block's output -> logits [B, T, vocab]
+  Tensor head(const Tensor& x) { return (*lm_head_)((*ln_f_)(x)); }
   int64_t context() const { return config.context; }
 
   const GPTConfig config;

@@ -215,6 +215,61 @@ TEST_F(Gpt, TensorParallelCheckpointGoesOnAtAnotherLayout) {
       << "one process:\n" << alone.output << "\ntp 2:\n" << whole.output;
 }
 
+// --pp 2 over 2 ranks: four blocks in stages (the tied embedding on both ends) train on the
+// batch one process would, under 1F1B (two stages) and zero-bubble (four, two per rank, backward
+// split into input and weight halves), ending with its validation loss; 4 ranks as pp 2 x dp 2
+// end with DDP's at 2 ranks. Each prints the measured bubble.
+TEST_F(Gpt, PipelineParallelTrainsAsOneProcess) {
+  const std::string layers = " --layers 4";
+  Result one = run("env EMBER_NUM_THREADS=1 " + tiny() + layers);
+  ASSERT_EQ(one.status, 0) << one.output;
+  for (const std::string schedule : {"1f1b", "zero-bubble"}) {
+    Result r = run(two_ranks() + layers + " --pp 2 --schedule " + schedule);
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("pipeline parallel over DeviceMesh(cpu, (pp=2, dp=1), rank 0 at (0, 0)) (" +
+                            schedule + ", " + (schedule == "1f1b" ? "2" : "4") + " stages, 4 micro-batches)"),
+              std::string::npos) << r.output;
+    EXPECT_NEAR(value_of(r.output, "val_loss"), value_of(one.output, "val_loss"), 2e-4)
+        << schedule << ":\n" << r.output << "\none process:\n" << one.output;
+    const double bubble = value_of(r.output, "pipeline_bubble");
+    EXPECT_GT(bubble, 0) << r.output;
+    EXPECT_LT(bubble, 1) << r.output;
+  }
+  Result ddp = run(two_ranks() + layers);
+  ASSERT_EQ(ddp.status, 0) << ddp.output;
+  Result r = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() + layers +
+                 " --pp 2 --microbatches 2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("(pp=2, dp=2)"), std::string::npos) << r.output;
+  EXPECT_NEAR(value_of(r.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
+      << "pp 2 x dp 2:\n" << r.output << "\nddp at 2 ranks:\n" << ddp.output;
+}
+
+// A --pp 2 run stopped at step 15 wrote its stages' parts under the GPT's names: it goes on at
+// --pp 2 as if uninterrupted, and in one process ending where the pipelined run ends.
+TEST_F(Gpt, PipelineCheckpointGoesOnInOneProcess) {
+  const std::string pp = " --layers 2 --pp 2";
+  Result whole = run(two_ranks() + pp);
+  ASSERT_EQ(whole.status, 0) << whole.output;
+  const std::string ck = tmp.path + "/ck";
+  Result first = run(two_ranks() + pp + " --checkpoint-dir " + ck + " --stop-at-step 15");
+  ASSERT_EQ(first.status, 0) << first.output;
+  ASSERT_TRUE(fs::exists(ck + "/sharded/index.json")) << first.output;
+  fs::copy(ck, tmp.path + "/ck1", fs::copy_options::recursive);
+  Result rest = run(two_ranks() + pp + " --resume --checkpoint-dir " + ck);
+  ASSERT_EQ(rest.status, 0) << rest.output;
+  EXPECT_NE(rest.output.find("sharded at step 15\n"), std::string::npos) << rest.output;
+  EXPECT_EQ(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"))
+      << "resumed:\n" << rest.output << "\nuninterrupted:\n" << whole.output;
+  Result alone = run("env EMBER_NUM_THREADS=1 " + tiny() + " --layers 2 --resume --checkpoint-dir " +
+                     tmp.path + "/ck1");
+  ASSERT_EQ(alone.status, 0) << alone.output;
+  EXPECT_NE(alone.output.find("resume: saved at --pp 2, now 1\n"), std::string::npos)
+      << alone.output;
+  EXPECT_NEAR(value_of(alone.output, "val_loss"), value_of(whole.output, "val_loss"), 2e-4)
+      << "one process:\n" << alone.output << "\npp 2:\n" << whole.output;
+}
+
 // --shard zero --zero-overlap steps AdamW inside DDP's hook during backward: the same model as
 // DDP without clipping (which the overlap cannot do: refused by name, as is the flag without
 // --shard zero).
@@ -369,6 +424,15 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
       {"--tp 2 --shard zero --checkpoint-dir x", 2,
        "--tp with --shard zero takes no --checkpoint-dir yet"},
       {"--tp 2", 1, "gpt: --tp 2 must divide the world size 1"},
+      {"--pp 2", 2, "gpt: --layers 1 do not divide into 2 pipeline stages of whole blocks"},
+      {"--pp 2 --layers 2 --schedule interleaved-1f1b", 2,
+       "gpt: --layers 2 do not divide into 4 pipeline stages of whole blocks (--pp 2, 2 stages "
+       "per rank with --schedule interleaved-1f1b)"},
+      {"--pp 2 --layers 2 --microbatches 3", 2,
+       "gpt: --batch-size 16 does not divide into --microbatches 3"},
+      {"--pp 2 --layers 2 --tp 2", 2, "gpt: --pp takes neither --tp nor --shard zero|fsdp yet"},
+      {"--pp 2 --layers 2 --sample 5", 2, "gpt: --pp takes neither --save-weights nor --sample"},
+      {"--pp 2 --layers 2", 1, "gpt: --pp 2 must divide the world size 1"},
       {"--data " + tmp.path + "/missing.txt", 1, "no text file at '" + tmp.path + "/missing.txt'"},
       {"--data " + short_text, 1, "is too short: its training split holds 21 tokens"},
   };
