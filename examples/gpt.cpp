@@ -142,10 +142,10 @@ nn::optim::AdamWOptions adamw_options(const Args& a) {
 // --tp: the ranks as a (dp, tp) mesh. Each row of tp ranks holds one model, laid out by
 // gpt_tensor_parallel_plan (with sequence and loss parallelism); DDP, ZeRO or FSDP work across
 // the rows, over the dp group. Without --tp the mesh is (world, 1) and dp is the world.
-// --pp: the ranks as a (pp, dp) mesh: each column of pp ranks runs one model's stages (the
-// pipeline ranks outermost, so that with ranks numbered node by node a pipeline crosses the
-// nodes and its data-parallel replicas stay within one); DDP works across the columns, over
-// the dp group.
+// --pp: the ranks as a (pp, dp) mesh, or (pp, dp, tp) with --tp: each column of pp ranks runs
+// one model's stages (the pipeline ranks outermost, so that with ranks numbered node by node a
+// pipeline crosses the nodes, and tensor parallelism, the most talkative, innermost); DDP works
+// across the columns, over the dp group.
 struct MeshLayout {
   MeshLayout(const RunContext& run, int64_t tp, int64_t pp) {
     if (tp <= 1 && pp <= 1) {
@@ -159,7 +159,15 @@ struct MeshLayout {
       }
     }
     const std::string device = run.device.is_cpu() ? "cpu" : "cuda";
-    if (pp > 1) {
+    if (pp > 1 && run.world % (pp * tp) != 0) {
+      throw ember::ValueError("gpt: --pp " + std::to_string(pp) + " x --tp " + std::to_string(tp) +
+                              " must divide the world size " + std::to_string(run.world));
+    }
+    if (pp > 1 && tp > 1) {
+      mesh = dist::init_device_mesh(device, {pp, run.world / (pp * tp), tp}, {"pp", "dp", "tp"});
+      pp_group = mesh->get_group("pp");
+      tp_mesh = (*mesh)["tp"];
+    } else if (pp > 1) {
       mesh = dist::init_device_mesh(device, {pp, run.world / pp}, {"pp", "dp"});
       pp_group = mesh->get_group("pp");
     } else {
@@ -201,7 +209,8 @@ Tensor lm_loss(const Tensor& logits, const Tensor& y) {
 }
 
 // --pp: this rank's stages of `model` (every rank built the whole, seeded model; each keeps its
-// stages' modules), each in DDP over `dp` when it has several ranks, run by --schedule.
+// stages' modules), each laid out over the tp ranks with --tp and in DDP over `dp` when it has
+// several ranks, run by --schedule.
 std::unique_ptr<Pipeline> make_pipeline(const Args& a, const std::shared_ptr<GPT>& model,
                                         const MeshLayout& layout, ember::Device device) {
   auto pipe = std::make_unique<Pipeline>();
@@ -213,7 +222,15 @@ std::unique_ptr<Pipeline> make_pipeline(const Args& a, const std::shared_ptr<GPT
   for (int s = 0; s < S; ++s) {
     if (pipelining::stage_rank(kind, s, S, p) != rank) continue;
     mine.push_back(s);
-    std::shared_ptr<nn::Module> m = gpt_stage(model, s, S);
+    std::shared_ptr<GPTPart> part = gpt_stage(model, s, S);
+    if (layout.tp_mesh) {
+      // Sequence parallel, the logits whole (the pipeline merges plain tensors).
+      dist::parallelize_module(part, layout.tp_mesh,
+                               stage_plan(*part, gpt_tensor_parallel_plan(
+                                                     /*sequence_parallel=*/true,
+                                                     /*loss_parallel=*/false, a.tp_overlap)));
+    }
+    std::shared_ptr<nn::Module> m = part;
     if (layout.dp->size() > 1) {
       pipe->ddp.push_back(std::make_shared<dist::DistributedDataParallel>(m, layout.dp));
       m = pipe->ddp.back();
@@ -331,6 +348,7 @@ class Trainer {
   int64_t maybe_resume();
   std::string generate(nn::Module& model);
   void print_banner() const;
+  std::string layout_text() const;
   void measure_peak_memory();
   double lr() { return par_.optimizer().param_groups().front().lr(); }
   // What this rank's checkpoint holds: the model, or with --pp its stages.
@@ -379,7 +397,8 @@ Trainer::Trainer(const Args& a)
     : a_(a),
       run_("gpt", a.backend, a.timeout_s, a.device),
       layout_(run_, a.tp, a.pp),
-      model_(tensor_parallel(seeded_model(a, run_.device), layout_, a.tp_overlap)),
+      model_(a.pp > 1 ? seeded_model(a, run_.device)  // the stages are laid out one by one
+                      : tensor_parallel(seeded_model(a, run_.device), layout_, a.tp_overlap)),
       data_(make_stream(a, *layout_.dp)),
       par_(make_parallel(a, model_, layout_, run_.device)),
       powersgd_(par_.ddp ? register_comm_hook(*par_.ddp, a.comm_hook, /*powersgd_rank=*/2,
@@ -401,6 +420,19 @@ Trainer::Trainer(const Args& a)
   if (run_.leader) print_banner();
 }
 
+std::string Trainer::layout_text() const {
+  if (par_.pipe) {
+    return "; pipeline parallel over " + layout_.mesh->str() + " (" + a_.schedule + ", " +
+           std::to_string(par_.pipe->schedule->rank_of_stage().size()) + " stages, " +
+           std::to_string(a_.microbatches) + " micro-batches" +
+           (layout_.tp_mesh ? "; tensor and sequence parallel stages)" : ")");
+  }
+  if (layout_.tp_mesh) {
+    return "; tensor parallel over " + layout_.mesh->str() + " (sequence and loss parallel)";
+  }
+  return "";
+}
+
 void Trainer::print_banner() const {
   std::printf(
       "gpt: world size %d, backend %s, device %s, %lld parameters (layers %lld, heads %lld, dim "
@@ -413,13 +445,7 @@ void Trainer::print_banner() const {
       static_cast<long long>(a_.steps), a_.lr, a_.amp.c_str(),
       a_.checkpoint_activations ? ", checkpointed blocks" : "", a_.comm_hook.c_str(),
       ember::get_num_threads(),
-      layout_.tp_mesh ? ("; tensor parallel over " + layout_.mesh->str() +
-                         " (sequence and loss parallel)").c_str()
-      : par_.pipe
-          ? ("; pipeline parallel over " + layout_.mesh->str() + " (" + a_.schedule + ", " +
-             std::to_string(par_.pipe->schedule->rank_of_stage().size()) + " stages, " +
-             std::to_string(a_.microbatches) + " micro-batches)").c_str()
-          : "",
+      layout_text().c_str(),
       a_.data.c_str(), static_cast<long long>(data_.train_tokens()),
       static_cast<long long>(data_.validation_tokens()));
   std::fflush(stdout);
@@ -526,8 +552,10 @@ double Trainer::pipeline_step(const nn::data::Batch& b) {
   pipeline_compute_s_ += pipe.schedule->last_step().compute_s;
   pipeline_wall_s_ += pipe.schedule->last_step().wall_s;
   dist::ProcessGroup& pp = *layout_.pp_group;
-  sum_tied_embedding_grad(*pipe.part, pp, model_->config, run_.device);
-  if (a_.grad_clip > 0) clip_pipeline_grad_norm_(*pipe.part, a_.grad_clip, pp);
+  sum_tied_embedding_grad(*pipe.part, pp, model_->config, run_.device, a_.tp);
+  if (a_.grad_clip > 0) {
+    clip_pipeline_grad_norm_(*pipe.part, a_.grad_clip, pp, layout_.tp_mesh.get());
+  }
   par_.adamw->step();
   double mean = 0;
   for (const Tensor& l : losses) mean += l.item<double>() / static_cast<double>(losses.size());
@@ -567,8 +595,9 @@ double Trainer::evaluate() {
   model_->train();
   Tensor total = ember::from_vector(std::vector<double>{sum});
   run_.pg->allreduce(total)->wait();
-  // Every rank of a tensor-parallel row scores the row's batches; of a pipeline, only the last.
-  const int64_t scorers = par_.pipe ? layout_.dp->size() : run_.world;
+  // Every rank of a tensor-parallel row scores the row's batches; of a pipeline, only the last
+  // stage's (its tp ranks).
+  const int64_t scorers = par_.pipe ? layout_.dp->size() * a_.tp : run_.world;
   return total.to_vector<double>()[0] / static_cast<double>(a_.eval_batches * scorers);
 }
 
@@ -845,9 +874,9 @@ std::string unavailable(const Args& a) {
   if (a.tp > 1 && a.shard == "zero" && !a.checkpoint_dir.empty()) {
     return "--tp with --shard zero takes no --checkpoint-dir yet (--shard none or fsdp do)";
   }
-  if (a.pp > 1 && (a.tp > 1 || a.shard != "none")) {
-    return "--pp takes neither --tp nor --shard zero|fsdp yet (got --tp " + std::to_string(a.tp) +
-           ", --shard " + a.shard + "): its stages are data parallel with DDP";
+  if (a.pp > 1 && a.shard != "none") {
+    return "--pp takes --shard none only yet (got --shard " + a.shard +
+           "): its stages are data parallel with DDP";
   }
   if (a.pp > 1 && (a.amp != "off" || a.comm_hook != "none")) {
     return "--pp runs in float32 with DDP's plain all-reduce only yet (got --amp " + a.amp +

@@ -11,11 +11,14 @@
 // Header-only beside gpt_model.h; needs ember_distributed.
 #pragma once
 
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include <ember/distributed/process_group.h>
+#include <ember/distributed/tensor_parallel/clip_grad.h>
+#include <ember/distributed/tensor_parallel/parallelize.h>
 #include <ember/nn/clip_grad.h>
 #include <ember/tensor/creation.h>
 #include "examples/gpt_model.h"
@@ -122,15 +125,28 @@ inline std::shared_ptr<GPTPart> gpt_stages(const std::shared_ptr<GPT>& gpt,
   return std::make_shared<GPTPart>(gpt, indices, embed, head);
 }
 
+/// `plan` (gpt_tensor_parallel_plan's) without the entries naming modules `part` lacks (a middle
+/// stage has no embeddings and no head), for parallelize_module on one stage.
+inline dist::ParallelizePlan stage_plan(const GPTPart& part, const dist::ParallelizePlan& plan) {
+  dist::ParallelizePlan out;
+  for (const auto& e : plan) {
+    bool present = e.path.rfind("blocks.", 0) == 0;
+    for (const auto& [name, m] : part.named_children()) present = present || name == e.path;
+    if (present) out.push_back(e);
+  }
+  return out;
+}
+
 /// Sums the tied embedding's gradient over the pipeline ranks `pp` (collective): the first
 /// stage's rank holds the embedding's share, the last stage's the head's; a rank with neither
-/// adds zeros. `part` is this rank's gpt_stages().
+/// adds zeros. `part` is this rank's gpt_stages(); under tensor parallelism over `tp` ranks each
+/// holds vocab / tp rows of it, the same rows at the same tensor-parallel rank of every stage.
 inline void sum_tied_embedding_grad(const GPTPart& part, dist::ProcessGroup& pp, const GPTConfig& c,
-                                    Device device) {
+                                    Device device, int64_t tp = 1) {
   const Tensor w = part.tied_weight();
   Tensor g = w.defined() && w.grad().defined()
                  ? w.grad()
-                 : zeros({c.vocab, c.dim}, TensorOptions(kFloat32).device(device));
+                 : zeros({c.vocab / tp, c.dim}, TensorOptions(kFloat32).device(device));
   pp.allreduce(g)->wait();
   if (w.defined() && !w.grad().defined()) Tensor(w).set_grad(g);
 }
@@ -138,17 +154,28 @@ inline void sum_tied_embedding_grad(const GPTPart& part, dist::ProcessGroup& pp,
 /// clip_grad_norm_ over a pipeline: the norm of the whole model's gradient, each rank adding
 /// its parts' squares (the tied embedding counted on the first stage's rank only) and one
 /// all-reduce over `pp` summing them; every gradient of `part` scaled by
-/// min(1, max_norm / (norm + 1e-6)). Returns the norm, equal on every pipeline rank.
-inline Tensor clip_pipeline_grad_norm_(const GPTPart& part, double max_norm, dist::ProcessGroup& pp) {
+/// min(1, max_norm / (norm + 1e-6)). Returns the norm, equal on every pipeline rank. With `tp`
+/// (the stages laid out by parallelize_module over it) each rank's share is the norm over the
+/// tensor-parallel ranks (dist::clip_grad_norm_'s: shards counted once each, replicas once).
+inline Tensor clip_pipeline_grad_norm_(const GPTPart& part, double max_norm, dist::ProcessGroup& pp,
+                                       const dist::DeviceMesh* tp = nullptr) {
   std::vector<Tensor> params = part.parameters(), counted;
   const Tensor tied = part.tied_weight();
   for (const Tensor& p : params) {
     if (!p.grad().defined()) continue;
     if (!part.has_embedding() && tied.defined() && p.is_same(tied)) continue;
-    counted.push_back(p.grad());
+    counted.push_back(p);
   }
-  Tensor sq = counted.empty() ? zeros({}, TensorOptions(kFloat32))
-                              : nn::get_total_norm(counted).to(kCPU).pow(2.0).to(kFloat32);
+  Tensor share;
+  if (tp != nullptr) {
+    // An infinite bound scales nothing: the norm alone, summed over the tp ranks.
+    share = dist::clip_grad_norm_(counted, std::numeric_limits<double>::infinity(), *tp);
+  } else if (!counted.empty()) {
+    std::vector<Tensor> grads;
+    for (const Tensor& p : counted) grads.push_back(p.grad());
+    share = nn::get_total_norm(grads);
+  }
+  Tensor sq = share.defined() ? share.to(kCPU).pow(2.0).to(kFloat32) : zeros({}, TensorOptions(kFloat32));
   sq = sq.reshape({1}).to(pp.default_device());
   pp.allreduce(sq)->wait();
   const Tensor total = sq.to(kCPU).reshape({}).sqrt();

@@ -12,6 +12,12 @@ schedule and clipping, for benchmarks/vs_pytorch/run_gpt.py to run beside Ember'
   validation windows spread evenly over the last 10%. Both frameworks see the same batches.
 - AdamW betas (0.9, 0.95), weight decay 0.1 on 2-D weights only, 50 warm-up steps then cosine to
   a tenth of the peak lr, gradient norm clipped.
+- --pp N (PyTorch 2.4 or later, e.g. setup_torch.sh's): torch.distributed.pipelining over all N
+  ranks, as examples/gpt --pp: the blocks cut into equal stages (one per rank, or two with the
+  interleaved and zero-bubble schedules), the first with the embeddings, the last with ln_f and
+  the head on its own copy of wte, the two copies' gradients summed over the ranks before each
+  update (what Ember does; torch's pipelining leaves tying to the user), the norm clipped over
+  the ranks.
 
     /usr/bin/python3 gpt_torch.py --tokens ~/.cache/ember/bible.data.tokens --nproc 2 --steps 200
 
@@ -177,7 +183,103 @@ def evaluate(model, data, a, world):
     return t.item() / (a.eval_batches * world)
 
 
+class Stage(nn.Module):
+    """Blocks `indices` of `gpt`, after its embeddings when `embed`, before ln_f and the tied
+    head when `head`: examples/gpt_pipeline.h's GPTPart."""
+
+    def __init__(self, gpt, indices, embed, head):
+        super().__init__()
+        self.embed, self.head = embed, head
+        if embed or head:
+            self.wte = gpt.wte
+        if embed:
+            self.wpe, self.drop = gpt.wpe, gpt.drop
+        self.blocks = nn.ModuleList(gpt.blocks[i] for i in indices)
+        if head:
+            self.ln_f = gpt.ln_f
+
+    def forward(self, x):
+        if self.embed:
+            T = x.shape[1]
+            x = self.drop(self.wte(x) + self.wpe(torch.arange(T, device=x.device)))
+        for b in self.blocks:
+            x = b(x)
+        return F.linear(self.ln_f(x), self.wte.weight) if self.head else x
+
+
+def worker_pp(rank, world, a):
+    """--pp: every rank one column of the pipeline (no data parallelism)."""
+    from torch.distributed import pipelining as pl
+    kinds = {"gpipe": (pl.ScheduleGPipe, 1), "1f1b": (pl.Schedule1F1B, 1),
+             "interleaved-1f1b": (pl.ScheduleInterleaved1F1B, 2),
+             "zero-bubble": (pl.ScheduleInterleavedZeroBubble, 2)}
+    cls, per_rank = kinds[a.schedule]
+    S = world * per_rank
+    if a.layers % S or a.batch_size % a.microbatches:
+        sys.exit(f"gpt_torch.py: --layers {a.layers} into {S} stages, --batch-size {a.batch_size} "
+                 f"into {a.microbatches} micro-batches")
+    torch.manual_seed(a.seed)
+    gpt = GPT(a).to(a.device)
+    n_params = sum(p.numel() for p in gpt.parameters())
+    per = a.layers // S
+    mine = [s for s in range(S) if s % world == rank]  # looped placement, as Ember's
+    parts = [Stage(gpt, range(s * per, (s + 1) * per), s == 0, s == S - 1) for s in mine]
+    dev = torch.device(a.device)
+    stages = [pl.PipelineStage(m, s, S, dev) for m, s in zip(parts, mine)]
+    loss_fn = lambda out, y: F.cross_entropy(out.float().view(-1, VOCAB), y.view(-1))  # noqa: E731
+    sched = cls(stages if per_rank > 1 else stages[0], a.microbatches, loss_fn=loss_fn)
+    params = list({id(p): p for m in parts for p in m.parameters()}.values())
+    tied = gpt.wte.weight
+    holds_tied = any(m.embed or m.head for m in parts)
+    holds_first = any(m.embed for m in parts)
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+    lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, a.steps))
+    data = Windows(a.tokens, a.context, a.batch_size, 1, 0, a.seed)
+    data.train_offsets(0)
+    first, last = 0 in mine, S - 1 in mine
+    if rank == 0:
+        print(f"gpt_torch: pipeline of {S} stages over {world} ranks ({a.schedule}, "
+              f"{a.microbatches} micro-batches), {n_params} parameters (layers {a.layers}, heads "
+              f"{a.heads}, dim {a.dim}, context {a.context}), batch {a.batch_size}, {a.steps} "
+              f"steps, torch {torch.__version__}, {a.threads} threads per rank", flush=True)
+    train_s = 0.0
+    for step in range(a.steps):
+        t0 = time.perf_counter()
+        x, y = data.batch_at(data.train_offsets(step))
+        opt.zero_grad(set_to_none=True)
+        losses = []
+        kwargs = {"target": y.to(dev), "losses": losses} if last else {}
+        if first:
+            sched.step(x.to(dev), **kwargs)
+        else:
+            sched.step(**kwargs)
+        g = tied.grad if holds_tied and tied.grad is not None else torch.zeros_like(tied)
+        dist.all_reduce(g)
+        if holds_tied and tied.grad is None:
+            tied.grad = g
+        if a.grad_clip > 0:
+            counted = [p.grad for p in params
+                       if p.grad is not None and (holds_first or p is not tied)]
+            sq = torch.stack([c.float().pow(2).sum() for c in counted]).sum().reshape(1)
+            dist.all_reduce(sq)
+            torch.nn.utils.clip_grads_with_norm_(params, a.grad_clip, sq.sqrt()[0])
+        opt.step()
+        lr_sched.step()
+        loss = torch.tensor([sum(l.item() for l in losses) / max(1, len(losses))])
+        dist.broadcast(loss, src=(S - 1) % world)
+        train_s += time.perf_counter() - t0
+    if rank == 0:
+        print(f"loss={loss.item():.4f}")
+        print(f"tokens_per_s={a.steps * a.batch_size * a.context / train_s:.0f}", flush=True)
+
+
 def worker(rank, world, a):
+    if a.pp > 1:
+        return worker_pp(rank, world, a)
     torch.manual_seed(a.seed)
     model = GPT(a).to(a.device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -265,6 +367,10 @@ def main():
     p.add_argument("--shard", default="none", choices=["none", "zero"],
                    help="zero: DDP with torch.distributed.optim.ZeroRedundancyOptimizer (torch "
                         "1.13's FSDP does not import under this Python)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages' ranks (every rank)")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--schedule", default="1f1b",
+                   choices=["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"])
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--log-every", type=int, default=0)
@@ -272,6 +378,8 @@ def main():
     a = p.parse_args()
     if not os.path.exists(a.tokens):
         sys.exit(f"gpt_torch.py: no token file at {a.tokens} (run examples/gpt once with --cache-dir)")
+    if a.pp > 1 and a.pp != a.nproc:
+        sys.exit("gpt_torch.py: --pp must equal --nproc (no data parallelism with it)")
     torch_launch.launch(worker, a)
 
 

@@ -217,8 +217,9 @@ TEST_F(Gpt, TensorParallelCheckpointGoesOnAtAnotherLayout) {
 
 // --pp 2 over 2 ranks: four blocks in stages (the tied embedding on both ends) train on the
 // batch one process would, under 1F1B (two stages) and zero-bubble (four, two per rank, backward
-// split into input and weight halves), ending with its validation loss; 4 ranks as pp 2 x dp 2
-// end with DDP's at 2 ranks. Each prints the measured bubble.
+// split into input and weight halves), ending with its validation loss; 8 ranks as
+// pp 2 x dp 2 x tp 2 (3-D: DDP over tensor- and sequence-parallel stages) end with DDP's at 2
+// ranks. Each prints the measured bubble.
 TEST_F(Gpt, PipelineParallelTrainsAsOneProcess) {
   const std::string layers = " --layers 4";
   Result one = run("env EMBER_NUM_THREADS=1 " + tiny() + layers);
@@ -237,16 +238,17 @@ TEST_F(Gpt, PipelineParallelTrainsAsOneProcess) {
   }
   Result ddp = run(two_ranks() + layers);
   ASSERT_EQ(ddp.status, 0) << ddp.output;
-  Result r = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() + layers +
-                 " --pp 2 --microbatches 2");
+  Result r = run(emberrun() + " --standalone --nproc-per-node 8 " + tiny() + layers +
+                 " --pp 2 --tp 2 --microbatches 2");
   ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("(pp=2, dp=2)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(pp=2, dp=2, tp=2)"), std::string::npos) << r.output;
   EXPECT_NEAR(value_of(r.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
-      << "pp 2 x dp 2:\n" << r.output << "\nddp at 2 ranks:\n" << ddp.output;
+      << "pp 2 x dp 2 x tp 2:\n" << r.output << "\nddp at 2 ranks:\n" << ddp.output;
 }
 
 // A --pp 2 run stopped at step 15 wrote its stages' parts under the GPT's names: it goes on at
-// --pp 2 as if uninterrupted, and in one process ending where the pipelined run ends.
+// --pp 2 as if uninterrupted, and in one process ending where the pipelined run ends; so does a
+// pp 2 x tp 2 run's (4 ranks: stages laid out over 2 ranks each).
 TEST_F(Gpt, PipelineCheckpointGoesOnInOneProcess) {
   const std::string pp = " --layers 2 --pp 2";
   Result whole = run(two_ranks() + pp);
@@ -268,6 +270,17 @@ TEST_F(Gpt, PipelineCheckpointGoesOnInOneProcess) {
       << alone.output;
   EXPECT_NEAR(value_of(alone.output, "val_loss"), value_of(whole.output, "val_loss"), 2e-4)
       << "one process:\n" << alone.output << "\npp 2:\n" << whole.output;
+
+  const std::string ck3 = tmp.path + "/ck3";
+  Result tp = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() + pp +
+                  " --tp 2 --checkpoint-dir " + ck3 + " --stop-at-step 15");
+  ASSERT_EQ(tp.status, 0) << tp.output;
+  Result after = run("env EMBER_NUM_THREADS=1 " + tiny() + " --layers 2 --resume --checkpoint-dir " + ck3);
+  ASSERT_EQ(after.status, 0) << after.output;
+  EXPECT_NE(after.output.find("resume: saved at --tp 2, now 1\nresume: saved at --pp 2, now 1\n"),
+            std::string::npos) << after.output;
+  EXPECT_NEAR(value_of(after.output, "val_loss"), value_of(whole.output, "val_loss"), 2e-4)
+      << "one process from pp 2 x tp 2:\n" << after.output << "\npp 2:\n" << whole.output;
 }
 
 // --shard zero --zero-overlap steps AdamW inside DDP's hook during backward: the same model as
@@ -430,7 +443,7 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
        "per rank with --schedule interleaved-1f1b)"},
       {"--pp 2 --layers 2 --microbatches 3", 2,
        "gpt: --batch-size 16 does not divide into --microbatches 3"},
-      {"--pp 2 --layers 2 --tp 2", 2, "gpt: --pp takes neither --tp nor --shard zero|fsdp yet"},
+      {"--pp 2 --layers 2 --shard fsdp", 2, "gpt: --pp takes --shard none only yet (got --shard fsdp)"},
       {"--pp 2 --layers 2 --sample 5", 2, "gpt: --pp takes neither --save-weights nor --sample"},
       {"--pp 2 --layers 2", 1, "gpt: --pp 2 must divide the world size 1"},
       {"--data " + tmp.path + "/missing.txt", 1, "no text file at '" + tmp.path + "/missing.txt'"},
