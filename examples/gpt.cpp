@@ -198,7 +198,7 @@ struct Pipeline {
 struct Parallel {
   std::shared_ptr<dist::DistributedDataParallel> ddp;   // none, zero (without --pp)
   std::unique_ptr<dist::ZeroRedundancyOptimizer> zero;  // zero
-  std::unique_ptr<nn::optim::AdamW> adamw;              // none, fsdp, --pp
+  std::unique_ptr<nn::optim::AdamW> adamw;              // none, fsdp
   std::unique_ptr<Pipeline> pipe;                       // --pp
   /// The optimizer LR schedules and the grad scaler drive (zero: this rank's local one).
   nn::optim::Optimizer& optimizer() { return zero ? zero->optimizer() : *adamw; }
@@ -253,8 +253,17 @@ Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
   const std::shared_ptr<dist::ProcessGroup>& pg = layout.dp;
   if (a.pp > 1) {
     p.pipe = make_pipeline(a, model, layout, device);
-    p.adamw = std::make_unique<nn::optim::AdamW>(decay_groups(p.pipe->part->parameters()),
-                                                 adamw_options(a));
+    if (a.shard == "zero") {  // AdamW's state of this rank's stages split over the dp ranks
+      p.zero = std::make_unique<dist::ZeroRedundancyOptimizer>(
+          decay_groups(p.pipe->part->parameters()),
+          [o = adamw_options(a)](std::vector<nn::optim::ParamGroup> g) {
+            return std::make_unique<nn::optim::AdamW>(std::move(g), o);
+          },
+          pg);
+    } else {
+      p.adamw = std::make_unique<nn::optim::AdamW>(decay_groups(p.pipe->part->parameters()),
+                                                   adamw_options(a));
+    }
     return p;
   }
   if (a.shard == "fsdp") {
@@ -351,6 +360,13 @@ class Trainer {
   std::string layout_text() const;
   void measure_peak_memory();
   double lr() { return par_.optimizer().param_groups().front().lr(); }
+  void zero_grad() {
+    if (par_.zero) {
+      par_.zero->zero_grad();
+    } else {
+      par_.adamw->zero_grad();
+    }
+  }
   // What this rank's checkpoint holds: the model, or with --pp its stages.
   nn::Module& checkpoint_root() {
     if (par_.pipe) return *par_.pipe->part;
@@ -503,11 +519,7 @@ double Trainer::train_step(int64_t step) {
     return value;
   }
   Tensor x = b.data.to(run_.device), y = b.target.to(run_.device);
-  if (par_.zero) {
-    par_.zero->zero_grad();
-  } else {
-    par_.adamw->zero_grad();
-  }
+  zero_grad();
   Tensor loss;
   {
     const nn::amp::autocast amp(run_.device, amp_dtype(a_.amp), a_.amp != "off");
@@ -545,7 +557,7 @@ double Trainer::train_step(int64_t step) {
 // returns the step's loss, the mean of the micro-batches' (sent from the last stage's rank).
 double Trainer::pipeline_step(const nn::data::Batch& b) {
   Pipeline& pipe = *par_.pipe;
-  par_.adamw->zero_grad();
+  zero_grad();
   std::vector<Tensor> losses;
   pipe.schedule->step(pipe.first ? b.data.to(run_.device) : Tensor(),
                       pipe.last ? b.target.to(run_.device) : Tensor(), &losses);
@@ -556,7 +568,11 @@ double Trainer::pipeline_step(const nn::data::Batch& b) {
   if (a_.grad_clip > 0) {
     clip_pipeline_grad_norm_(*pipe.part, a_.grad_clip, pp, layout_.tp_mesh.get());
   }
-  par_.adamw->step();
+  if (par_.zero) {
+    par_.zero->step();  // collective over dp
+  } else {
+    par_.adamw->step();
+  }
   double mean = 0;
   for (const Tensor& l : losses) mean += l.item<double>() / static_cast<double>(losses.size());
   Tensor loss = ember::from_vector(std::vector<double>{mean}).to(pp.default_device());
@@ -874,9 +890,12 @@ std::string unavailable(const Args& a) {
   if (a.tp > 1 && a.shard == "zero" && !a.checkpoint_dir.empty()) {
     return "--tp with --shard zero takes no --checkpoint-dir yet (--shard none or fsdp do)";
   }
-  if (a.pp > 1 && a.shard != "none") {
-    return "--pp takes --shard none only yet (got --shard " + a.shard +
-           "): its stages are data parallel with DDP";
+  if (a.pp > 1 && a.shard == "fsdp") {
+    return "--pp takes --shard none or zero, not fsdp yet: its stages are data parallel with DDP "
+           "(the library pipelines fully_shard-ed stages: docs/pipeline_parallel.md)";
+  }
+  if (a.pp > 1 && a.shard == "zero" && !a.checkpoint_dir.empty()) {
+    return "--pp with --shard zero takes no --checkpoint-dir yet (--shard none does)";
   }
   if (a.pp > 1 && (a.amp != "off" || a.comm_hook != "none")) {
     return "--pp runs in float32 with DDP's plain all-reduce only yet (got --amp " + a.amp +
