@@ -135,6 +135,16 @@ std::vector<nn::optim::ParamGroup> decay_groups(const std::vector<Tensor>& param
   return decay_groups(std::move(decay), std::move(no_decay));
 }
 
+// The same over this rank's pieces of a fully_shard-ed model: the pieces are 1-D, so the full
+// parameter's shape decides the group.
+std::vector<nn::optim::ParamGroup> sharded_decay_groups(const nn::Module& root) {
+  std::vector<Tensor> decay, no_decay;
+  for (const auto& s : dist::local_shards(root)) {
+    if (s.data.defined()) (s.shape.size() >= 2 ? decay : no_decay).push_back(s.data);
+  }
+  return decay_groups(std::move(decay), std::move(no_decay));
+}
+
 nn::optim::AdamWOptions adamw_options(const Args& a) {
   return {.lr = a.lr, .betas = {0.9, 0.95}, .eps = 1e-8, .weight_decay = 0.1};
 }
@@ -192,6 +202,7 @@ struct Pipeline {
   std::vector<std::shared_ptr<dist::DistributedDataParallel>> ddp;
   std::unique_ptr<pipelining::PipelineSchedule> schedule;
   bool first = false, last = false;  // this rank runs stage 0, the last stage
+  bool sharded = false;              // --shard fsdp: the stages are fully_shard-ed over dp
   int last_rank = 0;                 // the pipeline rank with the last stage
 };
 
@@ -219,10 +230,11 @@ std::unique_ptr<Pipeline> make_pipeline(const Args& a, const std::shared_ptr<GPT
   const int rank = layout.pp_group->rank();
   std::vector<std::shared_ptr<pipelining::PipelineStage>> stages;
   std::vector<int> mine;
+  std::vector<std::shared_ptr<GPTPart>> parts;  // the stages' modules (inside DDP or not)
   for (int s = 0; s < S; ++s) {
     if (pipelining::stage_rank(kind, s, S, p) != rank) continue;
     mine.push_back(s);
-    std::shared_ptr<GPTPart> part = gpt_stage(model, s, S);
+    std::shared_ptr<GPTPart> part = parts.emplace_back(gpt_stage(model, s, S));
     if (layout.tp_mesh) {
       // Sequence parallel, the logits whole (the pipeline merges plain tensors).
       dist::parallelize_module(part, layout.tp_mesh,
@@ -231,13 +243,18 @@ std::unique_ptr<Pipeline> make_pipeline(const Args& a, const std::shared_ptr<GPT
                                                      /*loss_parallel=*/false, a.tp_overlap)));
     }
     std::shared_ptr<nn::Module> m = part;
-    if (layout.dp->size() > 1) {
+    if (a.shard == "fsdp") {  // each block, then the stage (its embeddings or head)
+      for (const auto& block : part->blocks()) dist::fully_shard(block, {.group = layout.dp});
+      dist::fully_shard(part, {.group = layout.dp});
+      pipe->sharded = true;
+    } else if (layout.dp->size() > 1) {
       pipe->ddp.push_back(std::make_shared<dist::DistributedDataParallel>(m, layout.dp));
       m = pipe->ddp.back();
     }
     stages.push_back(std::make_shared<pipelining::PipelineStage>(m, s, S, device, layout.pp_group));
   }
-  pipe->part = gpt_stages(model, mine, S);
+  // One stage: the stage itself (fully_shard's root, for the optimizer and the checkpoint).
+  pipe->part = parts.size() == 1 ? parts[0] : gpt_stages(model, mine, S);
   pipe->first = pipe->part->has_embedding();
   pipe->last = pipe->part->has_head();
   pipe->last_rank = pipelining::stage_rank(kind, S - 1, S, p);
@@ -260,6 +277,9 @@ Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
             return std::make_unique<nn::optim::AdamW>(std::move(g), o);
           },
           pg);
+    } else if (a.shard == "fsdp") {
+      p.adamw = std::make_unique<nn::optim::AdamW>(sharded_decay_groups(*p.pipe->part),
+                                                   adamw_options(a));
     } else {
       p.adamw = std::make_unique<nn::optim::AdamW>(decay_groups(p.pipe->part->parameters()),
                                                    adamw_options(a));
@@ -269,13 +289,7 @@ Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
   if (a.shard == "fsdp") {
     for (const auto& block : model->blocks) dist::fully_shard(block, {.group = pg});
     dist::fully_shard(model, {.group = pg});
-    std::vector<Tensor> decay, no_decay;
-    for (const auto& s : dist::local_shards(*model)) {
-      if (s.data.defined()) (s.shape.size() >= 2 ? decay : no_decay).push_back(s.data);
-    }
-    // The pieces are 1-D: the full parameter's shape decides its group.
-    p.adamw = std::make_unique<nn::optim::AdamW>(
-        decay_groups(std::move(decay), std::move(no_decay)), adamw_options(a));
+    p.adamw = std::make_unique<nn::optim::AdamW>(sharded_decay_groups(*model), adamw_options(a));
     return p;
   }
   p.ddp = std::make_shared<dist::DistributedDataParallel>(model, pg);
@@ -564,9 +578,14 @@ double Trainer::pipeline_step(const nn::data::Batch& b) {
   pipeline_compute_s_ += pipe.schedule->last_step().compute_s;
   pipeline_wall_s_ += pipe.schedule->last_step().wall_s;
   dist::ProcessGroup& pp = *layout_.pp_group;
-  sum_tied_embedding_grad(*pipe.part, pp, model_->config, run_.device, a_.tp);
-  if (a_.grad_clip > 0) {
-    clip_pipeline_grad_norm_(*pipe.part, a_.grad_clip, pp, layout_.tp_mesh.get());
+  if (pipe.sharded) {
+    sum_tied_embedding_grad_sharded(*pipe.part, *run_.pg, model_->config, run_.device);
+    if (a_.grad_clip > 0) clip_sharded_pipeline_grad_norm_(*pipe.part, a_.grad_clip, *run_.pg);
+  } else {
+    sum_tied_embedding_grad(*pipe.part, pp, model_->config, run_.device, a_.tp);
+    if (a_.grad_clip > 0) {
+      clip_pipeline_grad_norm_(*pipe.part, a_.grad_clip, pp, layout_.tp_mesh.get());
+    }
   }
   if (par_.zero) {
     par_.zero->step();  // collective over dp
@@ -890,12 +909,14 @@ std::string unavailable(const Args& a) {
   if (a.tp > 1 && a.shard == "zero" && !a.checkpoint_dir.empty()) {
     return "--tp with --shard zero takes no --checkpoint-dir yet (--shard none or fsdp do)";
   }
-  if (a.pp > 1 && a.shard == "fsdp") {
-    return "--pp takes --shard none or zero, not fsdp yet: its stages are data parallel with DDP "
-           "(the library pipelines fully_shard-ed stages: docs/pipeline_parallel.md)";
+  if (a.pp > 1 && a.shard == "fsdp" && (a.tp > 1 || (a.schedule != "gpipe" && a.schedule != "1f1b"))) {
+    return "--pp with --shard fsdp takes one stage per rank (--schedule gpipe or 1f1b) and no "
+           "--tp yet (got --schedule " + a.schedule + ", --tp " + std::to_string(a.tp) + ")";
   }
-  if (a.pp > 1 && a.shard == "zero" && !a.checkpoint_dir.empty()) {
-    return "--pp with --shard zero takes no --checkpoint-dir yet (--shard none does)";
+  if (a.pp > 1 && a.shard != "none" && !a.checkpoint_dir.empty()) {
+    // zero: the optimizer state is split; fsdp: the two copies of the tied embedding lie at
+    // other offsets of the first and last stages' flat buffers, so their pieces overlap.
+    return "--pp with --shard " + a.shard + " takes no --checkpoint-dir yet (--shard none does)";
   }
   if (a.pp > 1 && (a.amp != "off" || a.comm_hook != "none")) {
     return "--pp runs in float32 with DDP's plain all-reduce only yet (got --amp " + a.amp +

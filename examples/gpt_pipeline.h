@@ -13,10 +13,12 @@
 
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <ember/distributed/process_group.h>
+#include <ember/distributed/sharding/fsdp.h>
 #include <ember/distributed/tensor_parallel/clip_grad.h>
 #include <ember/distributed/tensor_parallel/parallelize.h>
 #include <ember/nn/clip_grad.h>
@@ -77,6 +79,7 @@ class GPTPart : public nn::Module {
     return head_ ? gpt_->head(x) : x;
   }
   bool has_embedding() const { return embed_; }
+  const std::vector<std::shared_ptr<Block>>& blocks() const { return blocks_->blocks(); }
   bool has_head() const { return head_; }
   /// The token embedding's weight (the head's too); undefined in a part with neither.
   Tensor tied_weight() const {
@@ -151,6 +154,20 @@ inline void sum_tied_embedding_grad(const GPTPart& part, dist::ProcessGroup& pp,
   if (w.defined() && !w.grad().defined()) Tensor(w).set_grad(g);
 }
 
+namespace detail {
+/// Scales the gradients of `params` by min(1, max_norm / (total + 1e-6)), total the square root
+/// of `share`'s square (undefined: 0) summed over `group`; returns total.
+inline Tensor clip_by_summed_norm(const std::vector<Tensor>& params, const Tensor& share,
+                                  double max_norm, dist::ProcessGroup& group) {
+  Tensor sq = share.defined() ? share.to(kCPU).pow(2.0).to(kFloat32) : zeros({}, TensorOptions(kFloat32));
+  sq = sq.reshape({1}).to(group.default_device());
+  group.allreduce(sq)->wait();
+  const Tensor total = sq.to(kCPU).reshape({}).sqrt();
+  nn::clip_grads_with_norm_(params, max_norm, total);
+  return total;
+}
+}  // namespace detail
+
 /// clip_grad_norm_ over a pipeline: the norm of the whole model's gradient, each rank adding
 /// its parts' squares (the tied embedding counted on the first stage's rank only) and one
 /// all-reduce over `pp` summing them; every gradient of `part` scaled by
@@ -175,12 +192,50 @@ inline Tensor clip_pipeline_grad_norm_(const GPTPart& part, double max_norm, dis
     for (const Tensor& p : counted) grads.push_back(p.grad());
     share = nn::get_total_norm(grads);
   }
-  Tensor sq = share.defined() ? share.to(kCPU).pow(2.0).to(kFloat32) : zeros({}, TensorOptions(kFloat32));
-  sq = sq.reshape({1}).to(pp.default_device());
-  pp.allreduce(sq)->wait();
-  const Tensor total = sq.to(kCPU).reshape({}).sqrt();
-  nn::clip_grads_with_norm_(params, max_norm, total);
-  return total;
+  return detail::clip_by_summed_norm(params, share, max_norm, pp);
+}
+
+/// The two for stages fully_shard-ed over the dp ranks (one stage per rank, `part` the stage):
+/// each rank holds a piece, elements [begin, end), of its stage's copy of the tied embedding,
+/// at offsets that differ between the first and the last stage (their flat buffers hold other
+/// parameters beside it). The pieces' gradients (already averaged over dp) are placed in a
+/// whole-size buffer and summed over every rank of `world`: the first and the last stage's
+/// pieces each tile it once, so the sum is the two copies' gradients added, and each rank takes
+/// its piece of it back.
+inline void sum_tied_embedding_grad_sharded(const GPTPart& part, dist::ProcessGroup& world,
+                                            const GPTConfig& c, Device device) {
+  Tensor whole = zeros({c.vocab * c.dim}, TensorOptions(kFloat32).device(device));
+  std::optional<dist::LocalShard> mine;
+  for (auto& s : dist::local_shards(part)) {
+    if (s.name == "wte.weight" && s.data.defined()) mine = s;
+  }
+  if (mine && mine->data.grad().defined()) {
+    whole.narrow(0, mine->begin, mine->end - mine->begin).copy_(mine->data.grad());
+  }
+  world.allreduce(whole)->wait();
+  if (!mine) return;
+  const Tensor sum = whole.narrow(0, mine->begin, mine->end - mine->begin);
+  if (mine->data.grad().defined()) {
+    mine->data.grad().copy_(sum);
+  } else {
+    mine->data.set_grad(sum.clone());
+  }
+}
+
+/// clip over fully_shard-ed stages: every rank's pieces' squares (the last stage's piece of the
+/// tied embedding left out) summed over `world`.
+inline Tensor clip_sharded_pipeline_grad_norm_(const GPTPart& part, double max_norm,
+                                               dist::ProcessGroup& world) {
+  std::vector<Tensor> params, grads;
+  for (const auto& s : dist::local_shards(part)) {
+    if (!s.data.defined()) continue;
+    params.push_back(s.data);
+    if (!s.data.grad().defined()) continue;
+    if (s.name == "wte.weight" && !part.has_embedding()) continue;
+    grads.push_back(s.data.grad());
+  }
+  return detail::clip_by_summed_norm(params, grads.empty() ? Tensor() : nn::get_total_norm(grads),
+                                     max_norm, world);
 }
 
 }  // namespace ember::examples

@@ -68,7 +68,7 @@ def torch_pp(a):
     tokens = os.path.join(a.cache_dir, os.path.basename(KJV) + ".tokens")
     cmd = [a.torch, os.path.join(ROOT, "benchmarks", "vs_pytorch", "gpt_torch.py"), "--tokens",
            tokens, "--nproc", "2", "--threads", "1", "--microbatches", str(a.microbatches),
-           "--pp", "2", "--schedule", a.schedule] + model_flags(a, a.batch)
+           "--pp", "2", "--schedule", a.schedule, "--attention", "fused"] + model_flags(a, a.batch)
     return tokens_per_s(run(cmd, "torch pipelining"), cmd)
 
 

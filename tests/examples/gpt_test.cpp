@@ -217,9 +217,10 @@ TEST_F(Gpt, TensorParallelCheckpointGoesOnAtAnotherLayout) {
 
 // --pp 2 over 2 ranks: four blocks in stages (the tied embedding on both ends) train on the
 // batch one process would, under 1F1B (two stages) and zero-bubble (four, two per rank, backward
-// split into input and weight halves), ending with its validation loss; 8 ranks as
-// pp 2 x dp 2 x tp 2 (3-D: DDP over tensor- and sequence-parallel stages, AdamW's state split
-// over the dp ranks by --shard zero) end with DDP's at 2 ranks. Each prints the measured bubble.
+// split into input and weight halves), ending with its validation loss; 4 ranks as pp 2 x dp 2
+// with fully_shard-ed stages, and 8 as pp 2 x dp 2 x tp 2 (3-D: DDP over tensor- and
+// sequence-parallel stages, AdamW's state split over the dp ranks by --shard zero) end with
+// DDP's at 2 ranks. Each prints the measured bubble.
 TEST_F(Gpt, PipelineParallelTrainsAsOneProcess) {
   const std::string layers = " --layers 4";
   Result one = run("env EMBER_NUM_THREADS=1 " + tiny() + layers);
@@ -238,6 +239,11 @@ TEST_F(Gpt, PipelineParallelTrainsAsOneProcess) {
   }
   Result ddp = run(two_ranks() + layers);
   ASSERT_EQ(ddp.status, 0) << ddp.output;
+  Result fsdp = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() + layers +
+                    " --pp 2 --shard fsdp");
+  ASSERT_EQ(fsdp.status, 0) << fsdp.output;
+  EXPECT_NEAR(value_of(fsdp.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
+      << "pp 2 x fsdp 2:\n" << fsdp.output << "\nddp at 2 ranks:\n" << ddp.output;
   Result r = run(emberrun() + " --standalone --nproc-per-node 8 " + tiny() + layers +
                  " --pp 2 --tp 2 --shard zero --microbatches 2");
   ASSERT_EQ(r.status, 0) << r.output;
@@ -443,7 +449,10 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
        "per rank with --schedule interleaved-1f1b)"},
       {"--pp 2 --layers 2 --microbatches 3", 2,
        "gpt: --batch-size 16 does not divide into --microbatches 3"},
-      {"--pp 2 --layers 2 --shard fsdp", 2, "gpt: --pp takes --shard none or zero, not fsdp yet"},
+      {"--pp 2 --layers 2 --shard fsdp --schedule interleaved-1f1b", 2,
+       "gpt: --pp with --shard fsdp takes one stage per rank (--schedule gpipe or 1f1b) and no --tp"},
+      {"--pp 2 --layers 2 --shard fsdp --checkpoint-dir x", 2,
+       "gpt: --pp with --shard fsdp takes no --checkpoint-dir yet"},
       {"--pp 2 --layers 2 --shard zero --checkpoint-dir x", 2,
        "gpt: --pp with --shard zero takes no --checkpoint-dir yet"},
       {"--pp 2 --layers 2 --sample 5", 2, "gpt: --pp takes neither --save-weights nor --sample"},
