@@ -69,6 +69,32 @@ class Gpt : public ::testing::Test {
   std::string two_ranks() const {
     return emberrun() + " --standalone --nproc-per-node 2 " + tiny();
   }
+  // A two-rank run with `flags` stopped at step 15 writes a sharded checkpoint: resumed with
+  // `flags` it ends where the uninterrupted run ends; resumed in one process (with
+  // `alone_flags`), another layout and world size, it says `note` and ends there to rounding.
+  // `whole_val`: the uninterrupted run's validation loss.
+  void resumes_as_if_uninterrupted(const std::string& flags, const std::string& alone_flags,
+                                   const std::string& note, double* whole_val = nullptr) {
+    Result whole = run(two_ranks() + flags);
+    ASSERT_EQ(whole.status, 0) << whole.output;
+    if (whole_val != nullptr) *whole_val = value_of(whole.output, "val_loss");
+    const std::string ck = tmp.path + "/ck";
+    Result first = run(two_ranks() + flags + " --checkpoint-dir " + ck + " --stop-at-step 15");
+    ASSERT_EQ(first.status, 0) << first.output;
+    ASSERT_TRUE(fs::exists(ck + "/sharded/index.json")) << first.output;
+    fs::copy(ck, tmp.path + "/ck1", fs::copy_options::recursive);
+    Result rest = run(two_ranks() + flags + " --resume --checkpoint-dir " + ck);
+    ASSERT_EQ(rest.status, 0) << rest.output;
+    EXPECT_NE(rest.output.find("sharded at step 15\n"), std::string::npos) << rest.output;
+    EXPECT_EQ(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"))
+        << "resumed:\n" << rest.output << "\nuninterrupted:\n" << whole.output;
+    Result alone = run("env EMBER_NUM_THREADS=1 " + tiny() + alone_flags +
+                       " --resume --checkpoint-dir " + tmp.path + "/ck1");
+    ASSERT_EQ(alone.status, 0) << alone.output;
+    EXPECT_NE(alone.output.find(note), std::string::npos) << alone.output;
+    EXPECT_NEAR(value_of(alone.output, "val_loss"), value_of(whole.output, "val_loss"), 2e-4)
+        << "one process:\n" << alone.output << "\n" << flags << ":\n" << whole.output;
+  }
   ember::test::TempDir tmp{"gpt_test"};
 };
 
@@ -194,25 +220,7 @@ TEST_F(Gpt, TensorParallelTwoRanksTrainsAsOneProcess) {
 // tensor-parallel parts, placements in the index) at --tp 2, ending where the uninterrupted run
 // ends, and in one process (another layout, another world size), ending where it does to rounding.
 TEST_F(Gpt, TensorParallelCheckpointGoesOnAtAnotherLayout) {
-  Result whole = run(two_ranks() + " --tp 2");
-  ASSERT_EQ(whole.status, 0) << whole.output;
-  const std::string ck = tmp.path + "/ck";
-  Result first = run(two_ranks() + " --tp 2 --checkpoint-dir " + ck + " --stop-at-step 15");
-  ASSERT_EQ(first.status, 0) << first.output;
-  ASSERT_TRUE(fs::exists(ck + "/sharded/index.json")) << first.output;
-  fs::copy(ck, tmp.path + "/ck1", fs::copy_options::recursive);
-  Result rest = run(two_ranks() + " --tp 2 --resume --checkpoint-dir " + ck);
-  ASSERT_EQ(rest.status, 0) << rest.output;
-  EXPECT_NE(rest.output.find("sharded at step 15\n"), std::string::npos) << rest.output;
-  EXPECT_EQ(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"))
-      << "resumed:\n" << rest.output << "\nuninterrupted:\n" << whole.output;
-  Result alone = run("env EMBER_NUM_THREADS=1 " + tiny() + " --resume --checkpoint-dir " +
-                     tmp.path + "/ck1");
-  ASSERT_EQ(alone.status, 0) << alone.output;
-  EXPECT_NE(alone.output.find("resume: saved at --tp 2, now 1\n"), std::string::npos)
-      << alone.output;
-  EXPECT_NEAR(value_of(alone.output, "val_loss"), value_of(whole.output, "val_loss"), 2e-4)
-      << "one process:\n" << alone.output << "\ntp 2:\n" << whole.output;
+  resumes_as_if_uninterrupted(" --tp 2", "", "resume: saved at --tp 2, now 1\n");
 }
 
 // --pp 2 over 2 ranks: four blocks in stages (the tied embedding on both ends) train on the
@@ -257,25 +265,9 @@ TEST_F(Gpt, PipelineParallelTrainsAsOneProcess) {
 // pp 2 x tp 2 run's (4 ranks: stages laid out over 2 ranks each).
 TEST_F(Gpt, PipelineCheckpointGoesOnInOneProcess) {
   const std::string pp = " --layers 2 --pp 2";
-  Result whole = run(two_ranks() + pp);
-  ASSERT_EQ(whole.status, 0) << whole.output;
-  const std::string ck = tmp.path + "/ck";
-  Result first = run(two_ranks() + pp + " --checkpoint-dir " + ck + " --stop-at-step 15");
-  ASSERT_EQ(first.status, 0) << first.output;
-  ASSERT_TRUE(fs::exists(ck + "/sharded/index.json")) << first.output;
-  fs::copy(ck, tmp.path + "/ck1", fs::copy_options::recursive);
-  Result rest = run(two_ranks() + pp + " --resume --checkpoint-dir " + ck);
-  ASSERT_EQ(rest.status, 0) << rest.output;
-  EXPECT_NE(rest.output.find("sharded at step 15\n"), std::string::npos) << rest.output;
-  EXPECT_EQ(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"))
-      << "resumed:\n" << rest.output << "\nuninterrupted:\n" << whole.output;
-  Result alone = run("env EMBER_NUM_THREADS=1 " + tiny() + " --layers 2 --resume --checkpoint-dir " +
-                     tmp.path + "/ck1");
-  ASSERT_EQ(alone.status, 0) << alone.output;
-  EXPECT_NE(alone.output.find("resume: saved at --pp 2, now 1\n"), std::string::npos)
-      << alone.output;
-  EXPECT_NEAR(value_of(alone.output, "val_loss"), value_of(whole.output, "val_loss"), 2e-4)
-      << "one process:\n" << alone.output << "\npp 2:\n" << whole.output;
+  double whole = 0;
+  resumes_as_if_uninterrupted(pp, " --layers 2", "resume: saved at --pp 2, now 1\n", &whole);
+  if (HasFatalFailure()) return;
 
   const std::string ck3 = tmp.path + "/ck3";
   Result tp = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() + pp +
@@ -285,8 +277,8 @@ TEST_F(Gpt, PipelineCheckpointGoesOnInOneProcess) {
   ASSERT_EQ(after.status, 0) << after.output;
   EXPECT_NE(after.output.find("resume: saved at --tp 2, now 1\nresume: saved at --pp 2, now 1\n"),
             std::string::npos) << after.output;
-  EXPECT_NEAR(value_of(after.output, "val_loss"), value_of(whole.output, "val_loss"), 2e-4)
-      << "one process from pp 2 x tp 2:\n" << after.output << "\npp 2:\n" << whole.output;
+  EXPECT_NEAR(value_of(after.output, "val_loss"), whole, 2e-4)
+      << "one process from pp 2 x tp 2:\n" << after.output;
 }
 
 // --shard zero --zero-overlap steps AdamW inside DDP's hook during backward: the same model as
