@@ -6,7 +6,7 @@ pkgs=(
   cmake ninja-build ccache g++ make pkg-config file
   libopenblas-dev libopenblas-openmp-dev libdnnl-dev ocl-icd-opencl-dev
   libgloo-dev libopenmpi-dev openmpi-bin slurm-wlm munge
-  libboost-dev libboost-system-dev libcli11-dev libspdlog-dev nlohmann-json3-dev zlib1g-dev
+  libboost-dev libboost-system-dev libcli11-dev libspdlog-dev nlohmann-json3-dev zlib1g-dev libxxhash-dev
   libssl-dev
   libgtest-dev libgmock-dev
   libcairo2-dev fonts-dejavu-core

@@ -3,6 +3,7 @@
 #include <set>
 #include <unordered_map>
 
+#include <ember/distributed/checkpoint/checkpoint.h>
 #include <ember/distributed/checkpoint/sharded_checkpoint.h>
 #include <ember/distributed/dtensor/dtensor.h>
 #include <ember/distributed/sharding/fsdp.h>
@@ -13,8 +14,8 @@
 namespace ember::dist {
 namespace {
 
-constexpr const char* kOptimizerKey = "optim.optimizer";
-constexpr const char* kGroupsKey = "optim.param_groups";
+constexpr const char* kOptimizerKey = "optimizer";
+constexpr const char* kGroupsKey = "param_groups";
 
 // A tensor this rank holds, and where its elements sit in the whole parameter: the block of it
 // this rank's tensor-parallel part is (whole when no style laid the parameter out), and the
@@ -116,18 +117,6 @@ std::unordered_map<const TensorImpl*, Owned> owned_tensors(const nn::Module& roo
   return out;
 }
 
-// The checkpoint's optimizer tensors by parameter: "optim.<parameter>.<key>" -> keys[parameter].
-// (Parameter names hold dots; keys do not.)
-std::map<std::string, std::vector<std::string>> optimizer_keys(const ShardedCheckpoint& ck) {
-  std::map<std::string, std::vector<std::string>> out;
-  for (const std::string& name : ck.names()) {
-    const size_t last = name.rfind('.');
-    if (name.rfind("optim.", 0) != 0 || last <= 6) continue;
-    out[name.substr(6, last - 6)].push_back(name.substr(last + 1));
-  }
-  return out;
-}
-
 // The optimizer's parameters in its state's index order (across groups).
 std::vector<Tensor> optimizer_params(const nn::optim::Optimizer& opt) {
   std::vector<Tensor> out;
@@ -153,17 +142,19 @@ const Owned& owner_of(const std::unordered_map<const TensorImpl*, Owned>& owned,
 }  // namespace
 
 
-void save_model_checkpoint(const std::string& dir, const nn::Module& root,
-                           const nn::optim::Optimizer* optimizer, ProcessGroup& pg,
-                           const std::map<std::string, std::string>& metadata) {
-  constexpr const char* kOp = "save_model_checkpoint";
+}  // namespace ember::dist
+
+namespace ember::dist::detail {
+
+checkpoint::SavedState model_state(const nn::Module& root) {
+  constexpr const char* kOp = "checkpoint::model";
   const Layout layout(root);
   const auto owned = owned_tensors(root, layout, kOp);
+  checkpoint::SavedState out;
   // Every part this rank holds, as a replicated piece: where other ranks hold the same part,
   // save_sharded has one of them write it.
-  std::vector<ShardPiece> pieces;
   auto add = [&](const std::string& name, const Owned& o, const Tensor& t) {
-    pieces.push_back({name, o.shape.vec(), o.begin, t.detach().reshape({-1}), o.box, true});
+    out.tensors.push_back({name, o.shape.vec(), o.begin, t.detach().reshape({-1}), o.box, true});
   };
   for (const LocalShard& s : layout.shards) {
     if (s.data.defined()) add(s.name, owned.at(s.data.impl()), s.data);
@@ -176,41 +167,41 @@ void save_model_checkpoint(const std::string& dir, const nn::Module& root,
     auto [whole, box] = whole_of(name, handles.of(t), kOp);
     add(name, Owned{name, whole, box, 0}, t);
   }
-  std::map<std::string, std::string> meta = metadata;
-  for (const auto& [k, v] : metadata) {
-    EMBER_CHECK(k.rfind("optim.", 0) != 0, "[", kOp, "] metadata key '", k,
-                "' is reserved (keys starting with 'optim.')");
-  }
-  if (optimizer != nullptr) {
-    const std::vector<Tensor> params = optimizer_params(*optimizer);
-    const nn::optim::OptimizerState st = optimizer->state_dict();
-    meta[kOptimizerKey] = st.type;
-    meta[kGroupsKey] = st.param_groups;
-    meta[std::string("optim.") + nn::kStateKeysKey] = nn::kStateKeysByName;
-    for (const auto& [sname, t] : st.state) {
-      const auto [i, key] = split_state_name(sname);
-      const Owned& o = owner_of(owned, params.at(i), kOp);
-      const std::string name = "optim." + o.name + "." + key;
-      if (t.numel() == params[i].numel() && t.dim() > 0) {
-        add(name, o, t);
-      } else {
-        // A per-parameter scalar (Adam's step): the same on every rank holding a part.
-        add(name, Owned{name, t.shape(), {}, 0}, t);
-      }
-    }
-  }
-  save_sharded(dir, pieces, pg, meta);
+  return out;
 }
 
-std::map<std::string, std::string> load_model_checkpoint(const std::string& dir,
-                                                         const nn::Module& root,
-                                                         nn::optim::Optimizer* optimizer) {
-  constexpr const char* kOp = "load_model_checkpoint";
-  const ShardedCheckpoint ck(dir);
+checkpoint::SavedState optimizer_state(const nn::Module& root, const nn::optim::Optimizer& opt) {
+  constexpr const char* kOp = "checkpoint::optimizer";
+  const Layout layout(root);
+  const auto owned = owned_tensors(root, layout, kOp);
+  checkpoint::SavedState out;
+  const std::vector<Tensor> params = optimizer_params(opt);
+  const nn::optim::OptimizerState st = opt.state_dict();
+  out.values[kOptimizerKey] = st.type;
+  out.values[kGroupsKey] = st.param_groups;
+  out.values[nn::kStateKeysKey] = nn::kStateKeysByName;
+  for (const auto& [sname, t] : st.state) {
+    const auto [i, key] = split_state_name(sname);
+    const Owned& o = owner_of(owned, params.at(i), kOp);
+    const std::string name = o.name + "." + key;
+    if (t.numel() == params[i].numel() && t.dim() > 0) {
+      out.tensors.push_back({name, o.shape.vec(), o.begin, t.detach().reshape({-1}), o.box, true});
+    } else {
+      // A per-parameter scalar (Adam's step): the same on every rank holding a part.
+      out.tensors.push_back({name, t.shape().vec(), 0, t.detach().reshape({-1}), {}, true});
+    }
+  }
+  return out;
+}
+
+void load_model_state(const checkpoint::StateReader& r, const nn::Module& root) {
+  constexpr const char* kOp = "checkpoint::model";
+  const std::string& dir = r.checkpoint().dir();
   auto require = [&](const std::string& name, const Shape& shape) {
-    EMBER_CHECK(ck.contains(name), "[", kOp, "] ", dir, " has no tensor '", name, "'");
-    EMBER_CHECK(Shape(ck.shape(name)) == shape, "[", kOp, "] ", dir, ": '", name, "' has shape ",
-                Shape(ck.shape(name)), ", the model's is ", shape);
+    EMBER_CHECK(r.contains(name), "[", kOp, "] ", dir, " has no tensor '", name, "'",
+                r.object().empty() ? "" : " in '" + r.object() + "'");
+    EMBER_CHECK(Shape(r.shape(name)) == shape, "[", kOp, "] ", dir, ": '", name, "' has shape ",
+                Shape(r.shape(name)), ", the model's is ", shape);
   };
   const Layout layout(root);
   const auto owned = owned_tensors(root, layout, kOp);
@@ -223,43 +214,91 @@ std::map<std::string, std::string> load_model_checkpoint(const std::string& dir,
     if (!s.data.defined()) continue;
     const Owned& o = owned.at(s.data.impl());
     Tensor out = s.data.detach();
-    ck.read_into(s.name, o.begin, out, o.box);
+    r.read_into(s.name, o.begin, out, o.box);
   }
   const Handles handles(root);
   for (const auto& [name, t] : root.state_dict()) {
     if (layout.sharded(t)) continue;  // above (tied second names included)
     auto [whole, box] = whole_of(name, handles.of(t), kOp);
     require(name, whole);
-    Tensor(t).copy_(ck.read(name, 0, t.numel(), box).reshape(t.shape()));
+    Tensor(t).copy_(r.read(name, 0, t.numel(), box).reshape(t.shape()));
+  }
+}
+
+void load_optimizer_state(const checkpoint::StateReader& r, const nn::Module& root,
+                          nn::optim::Optimizer& opt) {
+  constexpr const char* kOp = "checkpoint::optimizer";
+  const std::string& dir = r.checkpoint().dir();
+  const std::optional<std::string> type = r.find_value(kOptimizerKey);
+  EMBER_CHECK(type.has_value(), "[", kOp, "] ", dir, " holds no optimizer state",
+              r.object().empty() ? "" : " in '" + r.object() + "'");
+  const Layout layout(root);
+  const auto owned = owned_tensors(root, layout, kOp);
+  // The state's tensors by parameter: "<parameter>.<key>" -> keys[parameter] (parameter names
+  // hold dots; keys do not).
+  std::map<std::string, std::vector<std::string>> keys;
+  for (const std::string& name : r.tensor_names()) {
+    const size_t last = name.rfind('.');
+    if (last != std::string::npos && last > 0) keys[name.substr(0, last)].push_back(name.substr(last + 1));
+  }
+  const std::vector<Tensor> opt_params = optimizer_params(opt);
+  nn::optim::OptimizerState st = opt.state_dict();
+  EMBER_CHECK(*type == st.type, "[", kOp, "] ", dir, " holds ", *type, " state; the optimizer is ",
+              st.type);
+  if (auto g = r.find_value(kGroupsKey)) st.param_groups = nn::merge_param_groups(*g, st.param_groups, kOp);
+  st.state.clear();
+  for (size_t i = 0; i < opt_params.size(); ++i) {
+    const Owned& o = owner_of(owned, opt_params[i], kOp);
+    auto k = keys.find(o.name);
+    if (k == keys.end()) continue;  // no state saved for it (never stepped)
+    for (const std::string& key : k->second) {
+      const std::string name = o.name + "." + key;
+      const Shape full(r.shape(name));
+      Tensor t = full == o.shape ? r.read(name, o.begin, opt_params[i].numel(), o.box)
+                                       .reshape(opt_params[i].shape())
+                                 : r.read_full(name);
+      st.state.emplace_back("state." + std::to_string(i) + "." + key, t);
+    }
+  }
+  opt.load_state_dict(st);
+}
+
+}  // namespace ember::dist::detail
+
+namespace ember::dist {
+
+// The layout these functions have always written: the model's tensors under their own names,
+// the optimizer's under "optim.", its values as "optim.*" metadata.
+void save_model_checkpoint(const std::string& dir, const nn::Module& root,
+                           const nn::optim::Optimizer* optimizer, ProcessGroup& pg,
+                           const std::map<std::string, std::string>& metadata) {
+  constexpr const char* kOp = "save_model_checkpoint";
+  checkpoint::SavedState all = detail::model_state(root);
+  std::map<std::string, std::string> meta = metadata;
+  for (const auto& [k, v] : metadata) {
+    EMBER_CHECK(k.rfind("optim.", 0) != 0, "[", kOp, "] metadata key '", k,
+                "' is reserved (keys starting with 'optim.')");
+  }
+  if (optimizer != nullptr) {
+    checkpoint::SavedState o = detail::optimizer_state(root, *optimizer);
+    for (ShardPiece& p : o.tensors) {
+      p.name = "optim." + p.name;
+      all.tensors.push_back(std::move(p));
+    }
+    for (const auto& [k, v] : o.values) meta["optim." + k] = v;
+  }
+  save_sharded(dir, all.tensors, pg, meta);
+}
+
+std::map<std::string, std::string> load_model_checkpoint(const std::string& dir,
+                                                         const nn::Module& root,
+                                                         nn::optim::Optimizer* optimizer) {
+  const ShardedCheckpoint ck(dir);
+  detail::load_model_state(checkpoint::StateReader(ck, "", 0), root);
+  if (optimizer != nullptr) {
+    detail::load_optimizer_state(checkpoint::StateReader(ck, "optim", 0), root, *optimizer);
   }
   std::map<std::string, std::string> meta = ck.metadata();
-  if (optimizer != nullptr) {
-    auto it = meta.find(kOptimizerKey);
-    EMBER_CHECK(it != meta.end(), "[", kOp, "] ", dir, " holds no optimizer state");
-    const auto keys = optimizer_keys(ck);
-    const std::vector<Tensor> opt_params = optimizer_params(*optimizer);
-    nn::optim::OptimizerState st = optimizer->state_dict();
-    EMBER_CHECK(it->second == st.type, "[", kOp, "] ", dir, " holds ", it->second,
-                " state; the optimizer is ", st.type);
-    if (auto g = meta.find(kGroupsKey); g != meta.end()) {
-      st.param_groups = nn::merge_param_groups(g->second, st.param_groups, kOp);
-    }
-    st.state.clear();
-    for (size_t i = 0; i < opt_params.size(); ++i) {
-      const Owned& o = owner_of(owned, opt_params[i], kOp);
-      auto k = keys.find(o.name);
-      if (k == keys.end()) continue;  // no state saved for it (never stepped)
-      for (const std::string& key : k->second) {
-        const std::string name = "optim." + o.name + "." + key;
-        const Shape full(ck.shape(name));
-        Tensor t = full == o.shape ? ck.read(name, o.begin, opt_params[i].numel(), o.box)
-                                         .reshape(opt_params[i].shape())
-                                   : ck.read_full(name);
-        st.state.emplace_back("state." + std::to_string(i) + "." + key, t);
-      }
-    }
-    optimizer->load_state_dict(st);
-  }
   for (auto mit = meta.begin(); mit != meta.end();) {
     mit = mit->first.rfind("optim.", 0) == 0 ? meta.erase(mit) : std::next(mit);
   }

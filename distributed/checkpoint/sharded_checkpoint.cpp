@@ -18,6 +18,8 @@
 #include <set>
 #include <sstream>
 
+#include <xxhash.h>
+
 #include <ember/distributed/sharding/detail/byte_exchange.h>
 #include <ember/nn/atomic_file.h>
 #include <ember/nn/serialize.h>
@@ -34,8 +36,15 @@ constexpr const char* kSaveOp = "[save_sharded]";
 constexpr const char* kReadOp = "[ShardedCheckpoint]";
 constexpr const char* kIndexName = "index.json";
 constexpr const char* kFormat = "ember.sharded_checkpoint";
-// Version 2 added boxes and replicated pieces; version 1's indexes (flat pieces) read as ever.
-constexpr int kVersion = 2;
+// Version 2 added boxes and replicated pieces, version 3 each piece's checksum; older indexes
+// read as ever (without checksums to check).
+constexpr int kVersion = 3;
+
+std::string hex64(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
 
 std::mutex& hook_mutex() {
   static std::mutex m;
@@ -390,10 +399,14 @@ std::string write_rank_file(const std::string& path, const std::vector<ShardPiec
                             const std::set<size_t>& writes, int rank) {
   try {
     std::vector<std::pair<std::string, Tensor>> tensors;
+    Json checksums = Json::object();
     for (size_t i : writes) {
       const ShardPiece& p = pieces[i];
       const int64_t first = spans_of(p.shape, p.box, p.offset, p.data.numel()).front().start;
-      tensors.emplace_back(piece_key(p.name, first), p.data.detach());
+      const Tensor bytes = p.data.detach().to(kCPU).contiguous();
+      const std::string key = piece_key(p.name, first);
+      checksums[key] = hex64(XXH3_64bits(bytes.data_ptr(), static_cast<size_t>(bytes.nbytes())));
+      tensors.emplace_back(key, bytes);
     }
     Json offsets = Json::object();
     if (!tensors.empty()) {
@@ -406,7 +419,7 @@ std::string write_rank_file(const std::string& path, const std::vector<ShardPiec
       hook = save_hook();
     }
     if (hook) hook(rank);
-    return Json{{"offsets", offsets}}.dump();
+    return Json{{"offsets", offsets}, {"checksums", checksums}}.dump();
   } catch (const std::exception& e) {
     return error_json(e.what());
   }
@@ -436,6 +449,7 @@ Json index_json(const std::string& save_id, int world,
                 {"numel", p.numel},
                 {"file_offset", p.file_offset}};
       if (!p.box.whole()) j["box"] = box_json(p.box);
+      if (p.checksum) j["xxh3"] = hex64(*p.checksum);
       pieces.push_back(j);
     }
     tensors.push_back({{"name", name},
@@ -482,21 +496,59 @@ void check_outcomes(const std::vector<std::string>& outcomes, const std::string&
 
 }  // namespace
 
-void save_sharded(const std::string& dir, const std::vector<ShardPiece>& pieces, ProcessGroup& pg,
-                  const std::map<std::string, std::string>& metadata) {
-  const int me = pg.rank();
-  // The save id travels with rank 0's descriptors: one exchange for both.
-  Json mine = Json::parse(describe_pieces(pieces));
-  if (me == 0) mine["save_id"] = new_save_id();
-  const std::vector<std::string> all = detail::exchange_bytes(pg, mine.dump());
-  SavePlan plan = plan_save(all);
-  const std::string save_id = Json::parse(all[0])["save_id"];
+}  // namespace ember::dist
 
+namespace ember::dist::detail {
+
+struct PreparedSave {
+  std::string dir;
+  std::vector<ShardPiece> pieces;
+  SavePlan plan;
+  std::string save_id;
+  std::map<std::string, std::string> metadata;
+  Json rank_metadata;  // every rank's, or null when none has any
+  int rank = 0, world = 0;
+};
+
+std::shared_ptr<PreparedSave> prepare_sharded_save(
+    const std::string& dir, std::vector<ShardPiece> pieces, ProcessGroup& pg,
+    const std::map<std::string, std::string>& metadata,
+    const std::map<std::string, std::string>& rank_metadata) {
+  auto save = std::make_shared<PreparedSave>();
+  save->rank = pg.rank();
+  save->world = pg.size();
+  // The save id travels with rank 0's descriptors, each rank's own strings with its own: one
+  // exchange for all.
+  Json mine = Json::parse(describe_pieces(pieces));
+  if (save->rank == 0) mine["save_id"] = new_save_id();
+  if (!rank_metadata.empty()) mine["rank_metadata"] = rank_metadata;
+  const std::vector<std::string> all = exchange_bytes(pg, mine.dump());
+  save->plan = plan_save(all);
+  save->save_id = Json::parse(all[0])["save_id"];
+  bool any = false;
+  Json per_rank = Json::array();
+  for (const std::string& a : all) {
+    Json j = Json::parse(a);
+    any = any || j.contains("rank_metadata");
+    per_rank.push_back(j.contains("rank_metadata") ? j["rank_metadata"] : Json::object());
+  }
+  if (any) save->rank_metadata = std::move(per_rank);
+  save->dir = dir;
+  save->pieces = std::move(pieces);
+  save->metadata = metadata;
+  return save;
+}
+
+void commit_sharded_save(PreparedSave& save, ProcessGroup& pg) {
+  const int me = save.rank;
+  EMBER_CHECK(pg.rank() == me && pg.size() == save.world, kSaveOp, " committing on rank ",
+              pg.rank(), " of ", pg.size(), " a save prepared on rank ", me, " of ", save.world);
+  const std::string& dir = save.dir;
   std::error_code ec;
   fs::create_directories(dir, ec);  // every rank, in case `dir` is not shared; errors show below
-  const std::string path = (fs::path(dir) / rank_file_name(save_id, me)).string();
-  const std::vector<std::string> written =
-      detail::exchange_bytes(pg, write_rank_file(path, pieces, plan.writes[static_cast<size_t>(me)], me));
+  const std::string path = (fs::path(dir) / rank_file_name(save.save_id, me)).string();
+  const std::vector<std::string> written = exchange_bytes(
+      pg, write_rank_file(path, save.pieces, save.plan.writes[static_cast<size_t>(me)], me));
   try {
     check_outcomes(written, "writing the rank files");
   } catch (...) {
@@ -507,28 +559,47 @@ void save_sharded(const std::string& dir, const std::vector<ShardPiece>& pieces,
   std::string outcome = "{}";
   if (me == 0) {
     try {
-      std::vector<Json> offsets;
-      for (const std::string& w : written) offsets.push_back(Json::parse(w)["offsets"]);
-      for (auto& [name, e] : plan.tensors) {
+      std::vector<Json> offsets, checksums;
+      for (const std::string& w : written) {
+        const Json o = Json::parse(w);
+        offsets.push_back(o["offsets"]);
+        checksums.push_back(o["checksums"]);
+      }
+      for (auto& [name, e] : save.plan.tensors) {
         for (auto& p : e.pieces) {
           const int64_t first = spans_of(e.shape, p.box, p.offset, p.numel).front().start;
-          p.file_offset = offsets[static_cast<size_t>(p.rank)].at(piece_key(name, first));
+          const auto r = static_cast<size_t>(p.rank);
+          p.file_offset = offsets[r].at(piece_key(name, first));
+          p.checksum = std::stoull(checksums[r].at(piece_key(name, first)).get<std::string>(),
+                                   nullptr, 16);
         }
       }
-      const Json index = index_json(save_id, pg.size(), metadata, plan.tensors);
+      Json index = index_json(save.save_id, save.world, save.metadata, save.plan.tensors);
+      if (!save.rank_metadata.is_null()) index["rank_metadata"] = save.rank_metadata;
       nn::write_file_atomic((fs::path(dir) / kIndexName).string(), index.dump(1));
-      remove_stale_files(dir, save_id);
+      remove_stale_files(dir, save.save_id);
     } catch (const std::exception& e) {
       outcome = error_json(e.what());
     }
   }
-  const std::vector<std::string> indexed = detail::exchange_bytes(pg, outcome);
+  const std::vector<std::string> indexed = exchange_bytes(pg, outcome);
   try {
     check_outcomes(indexed, "writing the index");
   } catch (...) {
     fs::remove(path, ec);  // the index was not written, so it never names this file
     throw;
   }
+}
+
+}  // namespace ember::dist::detail
+
+namespace ember::dist {
+
+void save_sharded(const std::string& dir, const std::vector<ShardPiece>& pieces, ProcessGroup& pg,
+                  const std::map<std::string, std::string>& metadata,
+                  const std::map<std::string, std::string>& rank_metadata) {
+  auto save = detail::prepare_sharded_save(dir, pieces, pg, metadata, rank_metadata);
+  detail::commit_sharded_save(*save, pg);
 }
 
 // ---- reading ----
@@ -574,6 +645,13 @@ ShardedCheckpoint::Entry parse_entry(const Json& t, const std::string& name, int
       x.box = {field<std::vector<int64_t>>(b, "view", path, where + "box "),
                field<std::vector<int64_t>>(b, "offset", path, where + "box "),
                field<std::vector<int64_t>>(b, "shape", path, where + "box ")};
+    }
+    if (p.contains("xxh3")) {
+      const std::string h = field<std::string>(p, "xxh3", path, where);
+      EMBER_CHECK(h.size() == 16 && h.find_first_not_of("0123456789abcdef") == std::string::npos,
+                  kReadOp, " ", path, ": ", where, "has a bad checksum '", h,
+                  "' (expected 16 hexadecimal digits)");
+      x.checksum = std::stoull(h, nullptr, 16);
     }
     const std::string bad_box = box_error(e.shape, x.box);
     EMBER_CHECK(bad_box.empty(), kReadOp, " ", path, ": ", where, "has a bad piece ", p.dump(),
@@ -649,7 +727,13 @@ void pread_exact(int fd, void* out, int64_t n, int64_t at, const std::string& pa
 
 }  // namespace
 
-ShardedCheckpoint::ShardedCheckpoint(const std::string& dir) : dir_(dir) {
+struct ShardedCheckpoint::Verified {
+  std::mutex mu;
+  std::set<std::pair<std::string, size_t>> pieces;
+};
+
+ShardedCheckpoint::ShardedCheckpoint(const std::string& dir)
+    : dir_(dir), verified_(std::make_shared<Verified>()) {
   const std::string path = (fs::path(dir) / kIndexName).string();
   const Json index = read_index(path);
   EMBER_CHECK(field<std::string>(index, "format", path, "") == kFormat, kReadOp, " ", path,
@@ -661,6 +745,13 @@ ShardedCheckpoint::ShardedCheckpoint(const std::string& dir) : dir_(dir) {
   world_size_ = field<int>(index, "world_size", path, "");
   EMBER_CHECK(world_size_ > 0, kReadOp, " ", path, ": world_size ", world_size_);
   metadata_ = field<std::map<std::string, std::string>>(index, "metadata", path, "");
+  if (index.contains("rank_metadata")) {
+    rank_metadata_ =
+        field<std::vector<std::map<std::string, std::string>>>(index, "rank_metadata", path, "");
+    EMBER_CHECK(static_cast<int>(rank_metadata_.size()) == world_size_, kReadOp, " ", path,
+                ": rank_metadata has ", rank_metadata_.size(), " entries for ", world_size_,
+                " ranks");
+  }
   std::map<int, std::pair<int64_t, std::string>> needed;  // rank -> bytes, a tensor there
   for (const Json& t : field<Json>(index, "tensors", path, "")) {
     const std::string name = field<std::string>(t, "name", path, "a tensor ");
@@ -683,6 +774,11 @@ ShardedCheckpoint::ShardedCheckpoint(const std::string& dir) : dir_(dir) {
                 " is truncated: ", st.st_size, " bytes, but tensor '", need.second,
                 "' ends at byte ", need.first);
   }
+}
+
+std::map<std::string, std::string> ShardedCheckpoint::rank_metadata(int rank) const {
+  if (rank < 0 || rank >= static_cast<int>(rank_metadata_.size())) return {};
+  return rank_metadata_[static_cast<size_t>(rank)];
 }
 
 const ShardedCheckpoint::Entry& ShardedCheckpoint::entry(const std::string& name) const {
@@ -748,6 +844,7 @@ void ShardedCheckpoint::read_into(const std::string& name, int64_t offset, Tenso
       const int64_t hi = std::min(want.start + want.length, it->start + it->length);
       if (lo >= hi) continue;
       const Piece& p = e.pieces[it->piece];
+      verify_piece(name, it->piece);
       const std::string file = rank_file(p.rank);
       Fd& f = files[p.rank];
       if (f.fd < 0) f.fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
@@ -759,6 +856,57 @@ void ShardedCheckpoint::read_into(const std::string& name, int64_t offset, Tenso
                   p.file_offset + (it->at + lo - it->start) * isz, file, name);
     }
     dst += want.length * isz;
+  }
+}
+
+// Hashes the piece's bytes in the file, in chunks, once per piece (later reads trust it: the
+// file is not expected to change under a reader).
+void ShardedCheckpoint::verify_piece(const std::string& name, size_t piece) const {
+  const Entry& e = entry(name);
+  const Piece& p = e.pieces.at(piece);
+  if (!p.checksum) return;
+  {
+    std::lock_guard<std::mutex> lock(verified_->mu);
+    if (verified_->pieces.count({name, piece}) != 0) return;
+  }
+  const std::string file = rank_file(p.rank);
+  Fd f;
+  f.fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (f.fd < 0) {
+    throw Error(detail::str_cat(kReadOp, " reading tensor '", name, "': cannot open ", file, ": ",
+                                std::strerror(errno)));
+  }
+  constexpr int64_t kChunk = 4 << 20;
+  std::vector<char> buf(static_cast<size_t>(std::min<int64_t>(kChunk, p.numel * itemsize(e.dtype))));
+  XXH3_state_t* st = XXH3_createState();
+  EMBER_CHECK_TYPE(Error, st != nullptr, kReadOp, " out of memory for a checksum state");
+  struct Free {
+    XXH3_state_t* s;
+    ~Free() { XXH3_freeState(s); }
+  } free_state{st};
+  XXH3_64bits_reset(st);
+  const int64_t bytes = p.numel * itemsize(e.dtype);
+  for (int64_t done = 0; done < bytes;) {
+    const int64_t n = std::min<int64_t>(kChunk, bytes - done);
+    pread_exact(f.fd, buf.data(), n, p.file_offset + done, file, name);
+    XXH3_64bits_update(st, buf.data(), static_cast<size_t>(n));
+    done += n;
+  }
+  const uint64_t got = XXH3_64bits_digest(st);
+  if (got != *p.checksum) {
+    throw Error(detail::str_cat(kReadOp, " tensor '", name, "': its piece of ", p.numel,
+                                " elements at byte ", p.file_offset, " of ", file,
+                                " fails its checksum (xxh3 ", hex64(got), ", the index says ",
+                                hex64(*p.checksum),
+                                "): the file is corrupted or belongs to another save"));
+  }
+  std::lock_guard<std::mutex> lock(verified_->mu);
+  verified_->pieces.insert({name, piece});
+}
+
+void ShardedCheckpoint::verify() const {
+  for (const std::string& name : order_) {
+    for (size_t i = 0; i < entry(name).pieces.size(); ++i) verify_piece(name, i);
   }
 }
 

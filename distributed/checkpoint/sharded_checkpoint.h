@@ -13,11 +13,16 @@
 // flat range), or a flat range of such a block (FSDP over tensor parallelism).
 // The index is written (atomically) only after every rank's file is durable, so it always
 // names a complete set: a crash mid-save leaves the previous index and its files untouched.
+// Every piece carries the XXH3-64 checksum of its bytes in the index; a reader checks a piece
+// the first time it reads from it, so a corrupted, truncated or foreign piece (another save's
+// file put in its place) is an error naming the tensor and the file, never wrong values.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -72,8 +77,11 @@ struct ShardPiece {
 /// (earlier saves', or a crashed save's); a last exchange of rank 0's outcome, so when this
 /// returns on any rank the set is complete. Rank 0's `metadata` is kept in the index and in
 /// consolidate()'s file. Every wait is bounded by pg's timeout.
+/// `rank_metadata`: this rank's own strings, kept for every rank (ShardedCheckpoint::
+/// rank_metadata), for state that differs between ranks (a generator's position).
 void save_sharded(const std::string& dir, const std::vector<ShardPiece>& pieces, ProcessGroup& pg,
-                  const std::map<std::string, std::string>& metadata = {});
+                  const std::map<std::string, std::string>& metadata = {},
+                  const std::map<std::string, std::string>& rank_metadata = {});
 
 /// A saved sharded checkpoint, for reading. Needs no process group: any process reads any
 /// range, whatever world size saved it. Thread-safe for concurrent reads (each read opens the
@@ -88,6 +96,8 @@ class ShardedCheckpoint {
     int64_t numel = 0;
     int64_t file_offset = 0;
     Box box = {};
+    /// XXH3-64 of the piece's bytes; absent in checkpoints written before checksums (version 2).
+    std::optional<uint64_t> checksum;
   };
   /// A run of consecutive elements of the whole tensor (row-major) stored consecutively:
   /// elements [start, start + length) are elements [at, at + length) of pieces[piece].
@@ -117,6 +127,8 @@ class ShardedCheckpoint {
   const std::string& save_id() const { return save_id_; }
   /// save_sharded's `metadata`.
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  /// Rank `rank`'s `rank_metadata` (empty for a rank outside the saving world, or none saved).
+  std::map<std::string, std::string> rank_metadata(int rank) const;
   /// The tensors' names, in the order rank 0 first saw them (rank by rank, piece by piece).
   std::vector<std::string> names() const { return order_; }
   bool contains(const std::string& name) const { return entries_.count(name) != 0; }
@@ -144,6 +156,10 @@ class ShardedCheckpoint {
   /// `box` of the tensor, shaped as the box.
   Tensor read_box(const std::string& name, const Box& box) const;
 
+  /// Checks every piece of every tensor against its checksum (reading every byte once).
+  /// Throws what a read of a bad piece throws (ember::Error naming the tensor and the file).
+  void verify() const;
+
   /// Writes every tensor, whole and shaped, with the metadata, to one ordinary safetensors
   /// file (nn::save_safetensors: atomic; names as saved, in names() order) that
   /// nn::load_safetensors and a non-sharded model's load_state_dict read. Holds all tensors in
@@ -155,13 +171,30 @@ class ShardedCheckpoint {
   std::string save_id_;
   int world_size_ = 0;
   std::map<std::string, std::string> metadata_;
+  std::vector<std::map<std::string, std::string>> rank_metadata_;
   std::vector<std::string> order_;
   std::map<std::string, Entry> entries_;
+  // Pieces checked against their checksums so far, by (tensor, piece index); shared by copies.
+  struct Verified;
+  std::shared_ptr<Verified> verified_;
+  void verify_piece(const std::string& name, size_t piece) const;
 };
 
 }  // namespace ember::dist
 
 namespace ember::dist::detail {
+/// save_sharded in two halves, so that the writing can happen on another thread (async saves):
+/// prepare is collective over `pg` (the descriptors' exchange, the plan, the save id; it
+/// throws save_sharded's agreement errors), commit writes this rank's file and, collectively
+/// over `commit_pg` (the same ranks in the same order), the index. The pieces' data must stay
+/// as they are until commit returns.
+struct PreparedSave;
+std::shared_ptr<PreparedSave> prepare_sharded_save(const std::string& dir,
+                                                   std::vector<ShardPiece> pieces, ProcessGroup& pg,
+                                                   const std::map<std::string, std::string>& metadata,
+                                                   const std::map<std::string, std::string>& rank_metadata);
+void commit_sharded_save(PreparedSave& save, ProcessGroup& commit_pg);
+
 /// Test hook: when set, save_sharded calls it on every rank after that rank's file is durable
 /// and before the ranks exchange their outcomes (an exception it throws counts as that rank's
 /// failure; a hook may also end the process, as a crash there would). Null clears it. Set it

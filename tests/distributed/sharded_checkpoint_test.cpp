@@ -6,9 +6,11 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <set>
 
@@ -535,14 +537,17 @@ TEST(ShardedCheckpoint, ReaderErrorsNameTheFileAndTensor) {
   EXPECT_NE(e.find(rank3), std::string::npos) << e;
   EXPECT_NE(e.find("truncated"), std::string::npos) << e;
   // Rank 3's file ends with b's bf16 bytes (save_safetensors lays data out by decreasing
-  // element size); what lies before the cut still reads.
-  e = test::message_of([&] { ckpt.read_full("b"); });
-  EXPECT_NE(e.find("tensor 'b'"), std::string::npos) << e;
-  EXPECT_NE(e.find(rank3), std::string::npos) << e;
-  EXPECT_NE(e.find("truncated"), std::string::npos) << e;
+  // element size): any read from that piece fails (its checksum cannot be checked), what lies
+  // before the cut still reads.
+  for (const auto& [offset, numel] : {std::pair{0, 9}, std::pair{0, 6}}) {
+    e = test::message_of([&] { ckpt.read("b", offset, numel); });
+    EXPECT_NE(e.find("tensor 'b'"), std::string::npos) << e;
+    EXPECT_NE(e.find(rank3), std::string::npos) << e;
+    EXPECT_NE(e.find("truncated"), std::string::npos) << e;
+  }
   const auto values = make_values(specs, 10);
   require_same("d before the cut", ckpt.read_full("d"), values.at("d"));
-  require_same("b before the cut", ckpt.read("b", 0, 6), values.at("b").narrow(0, 0, 6));
+  require_same("b's piece on rank 1", ckpt.read("b", 0, 4), values.at("b").narrow(0, 0, 4));
 
   // A missing rank file.
   fs::remove(rank3);
@@ -576,6 +581,53 @@ TEST(ShardedCheckpoint, ReaderErrorsNameTheFileAndTensor) {
     EXPECT_NE(e.find(dir.file("index.json")), std::string::npos) << e;
     EXPECT_NE(e.find(want), std::string::npos) << "expected '" << want << "' in: " << e;
   }
+}
+
+// Every piece carries its checksum: a flipped byte in one piece, or another save's file in a
+// rank file's place, is an error naming the tensor and the file (the other pieces still read);
+// verify() checks every piece.
+TEST(ShardedCheckpoint, CorruptedOrForeignPiecesAreNamed) {
+  TempDir dir, other;
+  const auto specs = four_rank_specs();
+  save_on_threads(dir.path(), specs, make_values(specs, 10), 4);
+  save_on_threads(other.path(), specs, make_values(specs, 20), 4);
+  {
+    const ShardedCheckpoint ckpt(dir.path());
+    EXPECT_NO_THROW(ckpt.verify());
+    // w's piece on rank 2 (elements [10, 23)): flip one byte of its element 12.
+    const ShardedCheckpoint::Entry& w = ckpt.entry("w");
+    const auto piece = std::find_if(w.pieces.begin(), w.pieces.end(),
+                                    [](const auto& p) { return p.rank == 2; });
+    ASSERT_NE(piece, w.pieces.end());
+    ASSERT_TRUE(piece->checksum.has_value());
+    {
+      std::fstream f(ckpt.rank_file(2), std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(piece->file_offset + 2 * 4 + 1);
+      char c = 0;
+      f.read(&c, 1);
+      c = static_cast<char>(c ^ 0x40);
+      f.seekp(piece->file_offset + 2 * 4 + 1);
+      f.write(&c, 1);
+    }
+    const ShardedCheckpoint fresh(dir.path());  // the index still opens: only the bytes changed
+    for (const auto& read : std::vector<std::function<void()>>{
+             [&] { fresh.read_full("w"); }, [&] { fresh.read("w", 20, 1); }, [&] { fresh.verify(); }}) {
+      const std::string e = test::message_of(read);
+      EXPECT_NE(e.find("tensor 'w'"), std::string::npos) << e;
+      EXPECT_NE(e.find(ckpt.rank_file(2)), std::string::npos) << e;
+      EXPECT_NE(e.find("fails its checksum"), std::string::npos) << e;
+    }
+    const auto values = make_values(specs, 10);
+    require_same("w's other pieces", fresh.read("w", 0, 10), values.at("w").reshape({-1}).narrow(0, 0, 10));
+    require_same("h on rank 2", fresh.read_full("h"), values.at("h"));
+  }
+  // Another save's rank file (same layout, other values) in rank 1's place.
+  const ShardedCheckpoint a(other.path());
+  fs::copy_file(a.rank_file(1), ShardedCheckpoint(dir.path()).rank_file(1),
+                fs::copy_options::overwrite_existing);
+  const std::string e = test::message_of([&] { ShardedCheckpoint(dir.path()).read_full("b"); });
+  EXPECT_NE(e.find("tensor 'b'"), std::string::npos) << e;
+  EXPECT_NE(e.find("belongs to another save"), std::string::npos) << e;
 }
 
 // The same between processes over gloo (TCP): 2 ranks save, this process reads; then rank 1
