@@ -6,6 +6,7 @@
 #include <set>
 
 #include <ember/distributed/init.h>
+#include <ember/tensor/creation.h>
 #include <ember/tensor/error.h>
 #include <ember/tensor/log.h>
 
@@ -262,28 +263,53 @@ bool AsyncSaver::in_flight() const {
 }
 
 void AsyncSaver::save(const State& state, const std::string& dir,
-                      const std::map<std::string, std::string>& metadata) {
+                      const std::map<std::string, std::string>& metadata,
+                      bool stage_in_background) {
   const auto t0 = std::chrono::steady_clock::now();
   if (in_flight()) {
     logging::info("[async_save] waiting for the save still in flight before saving to ", dir);
   }
   join();
   Gathered g = gather(state, metadata, "async_save");
-  // The copies training cannot change: host memory, contiguous.
-  for (ShardPiece& p : g.pieces) {
-    p.data = p.data.is_cpu() ? p.data.detach().contiguous().clone() : p.data.detach().to(kCPU).contiguous();
-  }
   std::shared_ptr<detail::PreparedSave> prepared =
       detail::prepare_sharded_save(dir, std::move(g.pieces), *pg_, g.metadata, g.rank_metadata);
+  // Copies training cannot change, in host memory, of the pieces this rank writes only; the
+  // buffers are kept for the next save (a fresh 1 GB costs more in page faults than in copying).
+  auto stage = [this, prepared] {
+    detail::stage_sharded_save(*prepared, [this](size_t i, const Tensor& data) {
+      if (staging_.size() <= i) staging_.resize(i + 1);
+      Tensor& buf = staging_[i];
+      if (!buf.defined() || buf.numel() != data.numel() || buf.dtype() != data.dtype()) {
+        buf = empty({data.numel()}, data.dtype());
+      }
+      buf.copy_(data.detach().reshape({-1}));
+      return buf;
+    });
+  };
+  if (!stage_in_background) stage();
   {
     std::lock_guard<std::mutex> lock(mu_);
     busy_ = true;
+    staged_ = !stage_in_background;
     times_ = {seconds_since(t0), 0};
   }
-  worker_ = std::thread([this, prepared, dir] {
+  worker_ = std::thread([this, prepared, dir, stage, stage_in_background] {
     const auto w0 = std::chrono::steady_clock::now();
     std::string error;
     try {
+      if (stage_in_background) {
+        struct Staged {  // also when staging throws: nobody may wait for it forever
+          AsyncSaver* s;
+          ~Staged() {
+            {
+              std::lock_guard<std::mutex> lock(s->mu_);
+              s->staged_ = true;
+            }
+            s->staged_cv_.notify_all();
+          }
+        } staged{this};
+        stage();
+      }
       detail::commit_sharded_save(*prepared, *commit_pg_);
     } catch (const std::exception& e) {
       error = str_cat("[async_save] ", dir, ": ", e.what());
@@ -293,6 +319,11 @@ void AsyncSaver::save(const State& state, const std::string& dir,
     times_.written_s = seconds_since(w0);
     busy_ = false;
   });
+}
+
+void AsyncSaver::wait_until_staged() {
+  std::unique_lock<std::mutex> lock(mu_);
+  staged_cv_.wait(lock, [this] { return staged_; });
 }
 
 std::optional<std::string> AsyncSaver::poll_error() {

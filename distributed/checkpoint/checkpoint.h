@@ -22,6 +22,7 @@
 // must outlive the State.
 #pragma once
 
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
@@ -160,8 +161,16 @@ class AsyncSaver {
 
   /// Collective over the group, as save(). Throws save()'s agreement errors (bad pieces, bad
   /// keys) right away; a failure while writing comes from poll_error() or wait().
+  /// `stage_in_background`: return right after the ranks agree and copy the state on the
+  /// background thread too; the caller must then call wait_until_staged() before anything
+  /// changes the state (the next optimizer step: forward and backward may run meanwhile), as
+  /// torchtitan's staging does.
   void save(const State& state, const std::string& dir,
-            const std::map<std::string, std::string>& metadata = {});
+            const std::map<std::string, std::string>& metadata = {},
+            bool stage_in_background = false);
+  /// Waits until the save in flight no longer reads the live state (at once when none is, or it
+  /// was staged in save()).
+  void wait_until_staged();
   /// The error of a save that has failed since the last call ("[async_save] <dir>: ..."), once;
   /// nullopt if none. Never blocks.
   std::optional<std::string> poll_error();
@@ -183,8 +192,11 @@ class AsyncSaver {
   std::thread worker_;
   mutable std::mutex mu_;
   std::vector<std::string> errors_;  // not yet reported
+  std::vector<Tensor> staging_;      // host copies of the pieces, by index, reused
   Times times_;
   bool busy_ = false;
+  bool staged_ = true;
+  std::condition_variable staged_cv_;
 };
 
 }  // namespace ember::dist::checkpoint

@@ -221,7 +221,12 @@ void load_model_state(const checkpoint::StateReader& r, const nn::Module& root) 
     if (layout.sharded(t)) continue;  // above (tied second names included)
     auto [whole, box] = whole_of(name, handles.of(t), kOp);
     require(name, whole);
-    Tensor(t).copy_(r.read(name, 0, t.numel(), box).reshape(t.shape()));
+    if (t.is_contiguous() && t.is_cpu() && t.dtype() == r.dtype(name)) {
+      Tensor flat = t.detach().reshape({-1});  // a view: the bytes land in place
+      r.read_into(name, 0, flat, box);
+    } else {
+      Tensor(t).copy_(r.read(name, 0, t.numel(), box).reshape(t.shape()));
+    }
   }
 }
 
@@ -260,7 +265,7 @@ void load_optimizer_state(const checkpoint::StateReader& r, const nn::Module& ro
       st.state.emplace_back("state." + std::to_string(i) + "." + key, t);
     }
   }
-  opt.load_state_dict(st);
+  opt.load_state_dict(st, /*copy=*/false);  // the tensors were read for it
 }
 
 }  // namespace ember::dist::detail

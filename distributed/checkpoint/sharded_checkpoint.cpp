@@ -539,6 +539,15 @@ std::shared_ptr<PreparedSave> prepare_sharded_save(
   return save;
 }
 
+void stage_sharded_save(PreparedSave& save,
+                        const std::function<Tensor(size_t, const Tensor&)>& copy) {
+  const std::set<size_t>& mine = save.plan.writes[static_cast<size_t>(save.rank)];
+  for (size_t i = 0; i < save.pieces.size(); ++i) {
+    Tensor& d = save.pieces[i].data;
+    d = mine.count(i) != 0 ? copy(i, d) : Tensor();
+  }
+}
+
 void commit_sharded_save(PreparedSave& save, ProcessGroup& pg) {
   const int me = save.rank;
   EMBER_CHECK(pg.rank() == me && pg.size() == save.world, kSaveOp, " committing on rank ",
@@ -844,7 +853,9 @@ void ShardedCheckpoint::read_into(const std::string& name, int64_t offset, Tenso
       const int64_t hi = std::min(want.start + want.length, it->start + it->length);
       if (lo >= hi) continue;
       const Piece& p = e.pieces[it->piece];
-      verify_piece(name, it->piece);
+      // A read of the whole piece is hashed as it lands; a part of one is checked first.
+      const bool whole_piece = it->at == 0 && hi - lo == p.numel;
+      if (!whole_piece) verify_piece(name, it->piece);
       const std::string file = rank_file(p.rank);
       Fd& f = files[p.rank];
       if (f.fd < 0) f.fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
@@ -852,8 +863,10 @@ void ShardedCheckpoint::read_into(const std::string& name, int64_t offset, Tenso
         throw Error(detail::str_cat(kReadOp, " reading tensor '", name, "': cannot open ", file,
                                     ": ", std::strerror(errno)));
       }
-      pread_exact(f.fd, dst + (lo - want.start) * isz, (hi - lo) * isz,
-                  p.file_offset + (it->at + lo - it->start) * isz, file, name);
+      char* at = dst + (lo - want.start) * isz;
+      pread_exact(f.fd, at, (hi - lo) * isz, p.file_offset + (it->at + lo - it->start) * isz,
+                  file, name);
+      if (whole_piece) check_piece(name, it->piece, XXH3_64bits(at, static_cast<size_t>((hi - lo) * isz)));
     }
     dst += want.length * isz;
   }
@@ -892,10 +905,16 @@ void ShardedCheckpoint::verify_piece(const std::string& name, size_t piece) cons
     XXH3_64bits_update(st, buf.data(), static_cast<size_t>(n));
     done += n;
   }
-  const uint64_t got = XXH3_64bits_digest(st);
+  check_piece(name, piece, XXH3_64bits_digest(st));
+}
+
+// Throws unless `got` is the piece's checksum; remembers a piece that passed.
+void ShardedCheckpoint::check_piece(const std::string& name, size_t piece, uint64_t got) const {
+  const Piece& p = entry(name).pieces.at(piece);
+  if (!p.checksum) return;
   if (got != *p.checksum) {
     throw Error(detail::str_cat(kReadOp, " tensor '", name, "': its piece of ", p.numel,
-                                " elements at byte ", p.file_offset, " of ", file,
+                                " elements at byte ", p.file_offset, " of ", rank_file(p.rank),
                                 " fails its checksum (xxh3 ", hex64(got), ", the index says ",
                                 hex64(*p.checksum),
                                 "): the file is corrupted or belongs to another save"));

@@ -178,6 +178,7 @@ class ShardedCheckpoint {
   struct Verified;
   std::shared_ptr<Verified> verified_;
   void verify_piece(const std::string& name, size_t piece) const;
+  void check_piece(const std::string& name, size_t piece, uint64_t got) const;
 };
 
 }  // namespace ember::dist
@@ -194,6 +195,10 @@ std::shared_ptr<PreparedSave> prepare_sharded_save(const std::string& dir,
                                                    const std::map<std::string, std::string>& metadata,
                                                    const std::map<std::string, std::string>& rank_metadata);
 void commit_sharded_save(PreparedSave& save, ProcessGroup& commit_pg);
+/// Between the two: replaces the data of each piece this rank will write by copy(i, data) (i:
+/// the piece's index in `pieces`), and drops the others' (they are only described), so that
+/// commit needs nothing the caller may change.
+void stage_sharded_save(PreparedSave& save, const std::function<Tensor(size_t, const Tensor&)>& copy);
 
 /// Test hook: when set, save_sharded calls it on every rank after that rank's file is durable
 /// and before the ranks exchange their outcomes (an exception it throws counts as that rank's

@@ -268,7 +268,7 @@ std::vector<GroupOptions> read_param_groups(
 // count as a host float, anything else cloned. Undefined, with the reason in `errors`, when it
 // does not fit.
 Tensor state_value(const std::string& name, const std::string& key, const Tensor& t, int64_t id,
-                   const Tensor& p, bool param_shaped, std::vector<std::string>& errors) {
+                   const Tensor& p, bool param_shaped, bool copy, std::vector<std::string>& errors) {
   if (!t.defined()) {
     errors.push_back("'" + name + "' is an undefined tensor");
     return {};
@@ -281,7 +281,7 @@ Tensor state_value(const std::string& name, const std::string& key, const Tensor
       errors.push_back(os.str());
       return {};
     }
-    return t.to(p.device(), p.dtype(), /*non_blocking=*/false, /*copy=*/true);
+    return t.to(p.device(), p.dtype(), /*non_blocking=*/false, copy || !t.is_contiguous());
   }
   if (key == "step") {
     if (t.numel() != 1) {
@@ -298,7 +298,7 @@ Tensor state_value(const std::string& name, const std::string& key, const Tensor
 
 }  // namespace
 
-void Optimizer::load_state_dict(const OptimizerState& saved) {
+void Optimizer::load_state_dict(const OptimizerState& saved, bool copy) {
   const std::string op = detail::str_cat("[", name(), "::load_state_dict] ");
   EMBER_CHECK(saved.type == name(), op, "the state is from a ", saved.type, " optimizer, not ",
               name());
@@ -323,7 +323,7 @@ void Optimizer::load_state_dict(const OptimizerState& saved) {
       continue;
     }
     const Tensor& p = it->second;
-    Tensor value = state_value(tname, key, t, id, p, is_param_shaped(key), errors);
+    Tensor value = state_value(tname, key, t, id, p, is_param_shaped(key), copy, errors);
     if (value.defined()) state[p.impl()].emplace_back(key, value);
   }
   if (!errors.empty()) {

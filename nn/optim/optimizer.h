@@ -109,7 +109,10 @@ class Optimizer {
   /// a different number of groups or of parameters per group, malformed JSON or names, an
   /// index out of range, or a state tensor whose shape differs from its parameter's; the
   /// message lists every mismatch.
-  void load_state_dict(const OptimizerState& state);
+  /// `copy` false: a parameter-shaped tensor already on the parameter's device and dtype is
+  /// taken as it is (shared, not copied), for a caller that made it for this purpose (a
+  /// checkpoint loader reading straight into fresh tensors).
+  void load_state_dict(const OptimizerState& state, bool copy = true);
 
  protected:
   /// defaults: every option the optimizer knows (a missing "lr" means each group must give

@@ -248,9 +248,10 @@ TEST(Checkpoint, LoadNamesWhatIsMissing) {
 
 // ---- async ----
 
-// Two ranks save asynchronously at steps 2 and 4: save() returns once the state is copied, so
-// parameters changed right after it do not reach the file; the second save waits for the
-// first; each checkpoint loads back as the model was at its step.
+// Two ranks save asynchronously at steps 2 and 4: save() returns once the state is copied (or,
+// staged in the background, wait_until_staged() does), so parameters changed right after it do
+// not reach the file; the second save waits for the first; each checkpoint loads back as the
+// model was at its step.
 TEST(AsyncSave, WritesWhatWasThereWhenSaveReturned) {
   TempDir at2, at4;
   std::vector<std::pair<std::string, Tensor>> params2, params4;
@@ -265,9 +266,13 @@ TEST(AsyncSave, WritesWhatWasThereWhenSaveReturned) {
           auto& keep = t == 1 ? params2 : params4;
           for (const auto& [n, p] : r.model->named_parameters()) keep.push_back({n, p.detach().clone()});
         }
-        saver.save(r.state(), t == 1 ? at2.path() : at4.path(), {{"step", std::to_string(t + 1)}});
+        // The second save copies the state in the background too: the caller waits for that
+        // before it changes the state.
+        saver.save(r.state(), t == 1 ? at2.path() : at4.path(), {{"step", std::to_string(t + 1)}},
+                   /*stage_in_background=*/t == 3);
         EXPECT_GE(saver.last_times().blocked_s, 0);
         if (t == 3) {  // training changes the parameters while the save is written
+          saver.wait_until_staged();
           NoGradGuard no_grad;
           for (Tensor p : r.model->parameters()) p.fill_(123.0);
         }
