@@ -4,7 +4,7 @@ medians (issue 38's targets): Ember's save against dd's write, load against dd's
 async save's blocking time against the synchronous save, and both against PyTorch's.
 
     /usr/bin/python3 benchmarks/checkpoint/run.py --build build [--rounds 3] [--ranks 2]
-        [--torch build/torch-venv/bin/python]
+        [--repeats 3] [--torch build/torch-venv/bin/python]
 """
 import argparse
 import os
@@ -35,21 +35,24 @@ def main():
     p.add_argument("--build", default="build")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="saves and loads per process (each reports its median: the first save "
+                        "of a process also pays for its staging buffers)")
     p.add_argument("--torch", default="")
     a = p.parse_args()
     torch_py = a.torch or os.path.join(a.build, "torch-venv", "bin", "python")
     ember, torch = [], []
     for r in range(a.rounds):
         ember.append(run([os.path.join(a.build, "benchmarks", "bench_checkpoint"), "--ranks",
-                          str(a.ranks), "--repeats", "1"], "bench_checkpoint"))
+                          str(a.ranks), "--repeats", str(a.repeats)], "bench_checkpoint"))
         print(f"round {r + 1}: ember {ember[-1]}", flush=True)
         if os.path.exists(torch_py):
             torch.append(run([torch_py, os.path.join(HERE, "dcp_torch.py"), "--nproc", str(a.ranks),
-                              "--repeats", "1", "--threads", "1"], "dcp_torch.py"))
+                              "--repeats", str(a.repeats), "--threads", "1"], "dcp_torch.py"))
             print(f"round {r + 1}: torch {torch[-1]}", flush=True)
     med = lambda rows, k: statistics.median(x[k] for x in rows)  # noqa: E731
     gb = med(ember, "gb")
-    print(f"\n{gb:.2f} GB over {a.ranks} ranks, medians of {a.rounds} rounds:")
+    print(f"\n{gb:.2f} GB over {a.ranks} ranks, medians of {a.rounds} rounds of {a.repeats}:")
     print(f"  save  {med(ember, 'save_s'):.2f} s = {gb / med(ember, 'save_s'):.2f} GB/s; dd write "
           f"{gb / med(ember, 'dd_write_s'):.2f} GB/s; ratio {med(ember, 'dd_write_s') / med(ember, 'save_s'):.2f}x")
     print(f"  load  {med(ember, 'load_s'):.2f} s = {gb / med(ember, 'load_s'):.2f} GB/s; dd read "

@@ -461,6 +461,33 @@ TEST(Optim, StateDictRoundTripContinuesIdentically) {
   }
 }
 
+// load_state_dict copies the state by default; with copy = false it adopts parameter-shaped
+// tensors already on the parameter's device and dtype (what a checkpoint loader reads for it),
+// and still copies one it must convert.
+TEST(Optim, LoadStateDictCanAdoptTheTensors) {
+  std::vector<Tensor> p = make_params();
+  AdamW opt(p, AdamWOptions{.lr = 0.01});
+  run_steps(opt, p, 0, 2);
+  for (const bool copy : {true, false}) {
+    OptimizerState saved = snapshot(opt.state_dict());
+    std::vector<Tensor> q = clone_params(p);
+    AdamW fresh(q, AdamWOptions{.lr = 0.01});
+    fresh.load_state_dict(saved, copy);
+    const std::string key = "state.0.exp_avg";
+    Tensor given;
+    for (const auto& [n, t] : saved.state) {
+      if (n == key) given = t;
+    }
+    ASSERT_TRUE(given.defined());
+    Tensor held;
+    for (const auto& [k, t] : fresh.state(q[0])) {
+      if (k == "exp_avg") held = t;
+    }
+    ASSERT_TRUE(held.defined());
+    EXPECT_EQ(held.data_ptr() == given.data_ptr(), !copy) << "copy " << copy;
+  }
+}
+
 TEST(Optim, StateDictThroughSafetensorsFile) {
   char tmpl[] = "/tmp/ember_optim_test_XXXXXX";
   const char* dir = ::mkdtemp(tmpl);
