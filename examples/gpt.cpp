@@ -215,6 +215,19 @@ struct Parallel {
   nn::optim::Optimizer& optimizer() { return zero ? zero->optimizer() : *adamw; }
 };
 
+// --shard zero: AdamW (decay groups) over `params`, its state split over `pg`'s ranks;
+// `overlap`: stepped inside DDP's hook (--zero-overlap).
+std::unique_ptr<dist::ZeroRedundancyOptimizer> make_zero(
+    const Args& a, const std::vector<Tensor>& params,
+    const std::shared_ptr<dist::ProcessGroup>& pg, bool overlap) {
+  return std::make_unique<dist::ZeroRedundancyOptimizer>(
+      decay_groups(params),
+      [o = adamw_options(a)](std::vector<nn::optim::ParamGroup> g) {
+        return std::make_unique<nn::optim::AdamW>(std::move(g), o);
+      },
+      pg, dist::ZeroOptions{.overlap_with_ddp = overlap});
+}
+
 Tensor lm_loss(const Tensor& logits, const Tensor& y) {
   return F::cross_entropy(logits.reshape({-1, kVocab}), y.reshape({-1}));
 }
@@ -271,12 +284,7 @@ Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
   if (a.pp > 1) {
     p.pipe = make_pipeline(a, model, layout, device);
     if (a.shard == "zero") {  // AdamW's state of this rank's stages split over the dp ranks
-      p.zero = std::make_unique<dist::ZeroRedundancyOptimizer>(
-          decay_groups(p.pipe->part->parameters()),
-          [o = adamw_options(a)](std::vector<nn::optim::ParamGroup> g) {
-            return std::make_unique<nn::optim::AdamW>(std::move(g), o);
-          },
-          pg);
+      p.zero = make_zero(a, p.pipe->part->parameters(), pg, /*overlap=*/false);
     } else if (a.shard == "fsdp") {
       p.adamw = std::make_unique<nn::optim::AdamW>(sharded_decay_groups(*p.pipe->part),
                                                    adamw_options(a));
@@ -294,12 +302,7 @@ Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
   }
   p.ddp = std::make_shared<dist::DistributedDataParallel>(model, pg);
   if (a.shard == "zero") {
-    p.zero = std::make_unique<dist::ZeroRedundancyOptimizer>(
-        decay_groups(p.ddp->parameters()),
-        [o = adamw_options(a)](std::vector<nn::optim::ParamGroup> g) {
-          return std::make_unique<nn::optim::AdamW>(std::move(g), o);
-        },
-        pg, dist::ZeroOptions{.overlap_with_ddp = a.zero_overlap});
+    p.zero = make_zero(a, p.ddp->parameters(), pg, a.zero_overlap);
     // Each bucket's partition is stepped as soon as the bucket is reduced, during backward.
     if (a.zero_overlap) {
       p.ddp->register_comm_hook(dist::hook_with_zero_step(dist::allreduce_hook, *p.ddp, *p.zero));
