@@ -1,6 +1,8 @@
 // examples/emberckpt as a user runs it on a checkpoint dist::checkpoint::save wrote at 2 rank
 // threads: inspect lists objects, tensors and files; verify passes, then names a corrupted
-// piece; consolidate --object model writes a file a plain model loads; bad input is refused.
+// piece; consolidate --object model writes a file a plain model loads; convert carries
+// examples/gpt's model through GPT-2's Hugging Face layout, one file and the sharded format and
+// back; bad input is refused.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -17,6 +19,7 @@
 #include <ember/tensor/elementwise.h>
 #include <ember/tensor/grad_mode.h>
 #include "cmake/build_paths.h"
+#include "examples/gpt_hf.h"
 #include "tests/examples/example_test_util.h"
 
 namespace ember {
@@ -83,6 +86,61 @@ TEST(Emberckpt, InspectVerifyConsolidate) {
   EXPECT_EQ(run("inspect '" + dir / "nowhere" + "'").status, 1);
   EXPECT_EQ(run("frobnicate x").status, 2);
   EXPECT_EQ(run("").status, 2);
+}
+
+TEST(Emberckpt, ConvertsBetweenSharded_OneFileAndHuggingFace) {
+  test::TempDir dir;
+  const examples::GPTConfig shape{.layers = 2, .heads = 4, .dim = 32, .context = 16};
+  manual_seed(11);
+  auto gpt = std::make_shared<examples::GPT>(shape);
+  namespace ckpt = dist::checkpoint;
+  dist::run_rank_threads(2, [&](int) {
+    ckpt::save({{"model", ckpt::model(*gpt)}}, dir / "ckpt", *dist::default_group(),
+               {{"heads", "4"}});
+  });
+  auto expect_gpt = [&](const nn::NamedTensors& state, const std::string& what) {
+    const nn::NamedTensors want = gpt->state_dict();
+    ASSERT_EQ(state.size(), want.size()) << what;
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(state[i].first, want[i].first) << what;
+      EXPECT_TRUE(equal(state[i].second, want[i].second)) << what << ": " << want[i].first;
+    }
+  };
+
+  // sharded -> Hugging Face: GPT-2's layout, the heads from the checkpoint's metadata.
+  auto r = run("convert '" + dir / "ckpt" + "' '" + dir / "hf" + "' --to hf");
+  ASSERT_EQ(r.status, 0) << r.output;
+  expect_gpt(examples::import_gpt2(dir / "hf")->state_dict(), "sharded -> hf");
+  // Hugging Face -> sharded: what dist::checkpoint::load reads into the model.
+  r = run("convert '" + dir / "hf" + "' '" + dir / "back" + "' --to sharded");
+  ASSERT_EQ(r.status, 0) << r.output;
+  manual_seed(12);
+  auto other = std::make_shared<examples::GPT>(shape);
+  ckpt::load({{"model", ckpt::model(*other)}}, dir / "back", {.rank = 0});
+  expect_gpt(other->state_dict(), "hf -> sharded");
+  // ... -> one file -> Hugging Face again (its config carried in the file's metadata).
+  r = run("convert '" + dir / "back" + "' '" + dir / "gpt.safetensors" + "' --to safetensors");
+  ASSERT_EQ(r.status, 0) << r.output;
+  expect_gpt(nn::load_safetensors(dir / "gpt.safetensors").tensors(), "sharded -> safetensors");
+  r = run("convert '" + dir / "gpt.safetensors" + "' '" + dir / "hf2" + "' --to hf "
+          "--max-shard-bytes 20000");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(std::filesystem::exists(dir / "hf2/model.safetensors.index.json"));
+  expect_gpt(examples::import_gpt2(dir / "hf2")->state_dict(), "safetensors -> hf");
+
+  // Without the heads recorded, or another model without a config, --to hf asks for them.
+  nn::save_safetensors(dir / "bare.safetensors", gpt->state_dict());
+  r = run("convert '" + dir / "bare.safetensors" + "' '" + dir / "hf3" + "' --to hf");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("give --heads"), std::string::npos) << r.output;
+  EXPECT_EQ(run("convert '" + dir / "bare.safetensors" + "' '" + dir / "hf3" +
+                "' --to hf --heads 4").status, 0);
+  nn::save_safetensors(dir / "linear.safetensors", {{"weight", zeros({2, 2})}});
+  r = run("convert '" + dir / "linear.safetensors" + "' '" + dir / "hf4" + "' --to hf");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("needs its config.json (--config FILE)"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(run("convert a b --to onnx").status, 2);
 }
 
 }  // namespace
