@@ -121,9 +121,35 @@ def launcher_corpus():
         write("launcher_config", name, "\n".join(args).encode())
 
 
+# ---- checkpoint_index: a selector byte (even: index.json, odd: the HF index), then the file ----
+def checkpoint_index_corpus():
+    piece = lambda rank, off, n, fo, **kw: dict(rank=rank, offset=off, numel=n, file_offset=fo,
+                                               xxh3="c77b3abb6f87acd9", **kw)
+    index = {
+        "format": "ember.sharded_checkpoint", "version": 3, "world_size": 2,
+        "save_id": "d3e4dd2289cfef9f",
+        "metadata": {"checkpoint.objects": "[\"model\",\"rng\"]", "step": "7"},
+        "rank_metadata": [{"rng.seed": "1"}, {"rng.seed": "2"}],
+        "tensors": [
+            {"name": "model.b", "dtype": "float32", "shape": [2], "pieces": [piece(0, 0, 2, 136)]},
+            {"name": "model.w", "dtype": "bfloat16", "shape": [4, 6], "pieces": [
+                piece(0, 0, 12, 144, box=dict(view=[4, 6], offset=[0, 0], shape=[2, 6])),
+                piece(1, 0, 12, 136, box=dict(view=[4, 6], offset=[2, 0], shape=[2, 6]))]},
+        ],
+    }
+    write("checkpoint_index", "sharded", b"\x00" + json.dumps(index, indent=1).encode())
+    empty = dict(index, world_size=1, tensors=[], rank_metadata=[{}])
+    write("checkpoint_index", "sharded_empty", b"\x02" + json.dumps(empty).encode())
+    hf = {"metadata": {"total_size": 10272},
+          "weight_map": {"transformer.wte.weight": "model-00001-of-00002.safetensors",
+                         "transformer.h.0.ln_1.bias": "model-00002-of-00002.safetensors"}}
+    write("checkpoint_index", "hf", b"\x01" + json.dumps(hf, indent=2).encode())
+
+
 if __name__ == "__main__":
     store_corpus()
     safetensors_corpus()
     idx_corpus()
     launcher_corpus()
+    checkpoint_index_corpus()
     sys.exit(0)

@@ -9,7 +9,7 @@ build=$1
 seconds=$2
 shift 2
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(store_protocol safetensors idx launcher_config)
+[ ${#targets[@]} -gt 0 ] || targets=(store_protocol safetensors idx launcher_config checkpoint_index)
 src=$(cd "$(dirname "$0")" && pwd)
 failed=()
 for t in "${targets[@]}"; do
