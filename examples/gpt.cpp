@@ -23,6 +23,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <memory>
@@ -33,16 +35,17 @@
 
 #include <ember/distributed/ddp/amp.h>
 #include <ember/distributed/sharding/fsdp.h>
-#include <ember/distributed/checkpoint/model_checkpoint.h>
 #include <ember/distributed/pipelining/pipeline.h>
 #include <ember/distributed/sharding/zero.h>
 #include <ember/distributed/sharding/zero_hook.h>
 #include <ember/distributed/tensor_parallel/clip_grad.h>
 #include <ember/distributed/tensor_parallel/loss_parallel.h>
 #include "examples/example_util.h"
+#include "examples/gpt_hf.h"
 #include "examples/gpt_model.h"
 #include "examples/gpt_parallel.h"
 #include "examples/gpt_pipeline.h"
+#include "examples/run_checkpoint.h"
 #include <ember/nn/amp/autocast.h>
 #include <ember/nn/data/token_stream.h>
 #include <ember/nn/nn.h>
@@ -64,7 +67,6 @@ using namespace ember::examples;  // NOLINT: the examples' shared helpers
 
 namespace {
 
-constexpr int64_t kVocab = kByteVocab;
 constexpr int64_t kWarmupSteps = 50;
 
 struct Args {
@@ -74,6 +76,8 @@ struct Args {
   int64_t heads = 4;
   int64_t dim = 128;
   int64_t context = 128;
+  int64_t vocab = kByteVocab;  // the model's; --init-from-hf takes its config's
+  int64_t positions = 0;       // the model's longest sequence (0: --context)
   int64_t batch_size = 16;
   int64_t steps = 1000;
   double lr = 1e-3;
@@ -97,8 +101,12 @@ struct Args {
   int64_t log_every = 0;     // 0: twenty progress lines per run
   std::string metrics;
   std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;  // 0: at each evaluation
+  bool async_checkpoint = false;
   bool resume = false;
   std::string save_weights;
+  std::string init_from_hf;  // a GPT-2 model in Hugging Face's layout to start from
+  std::string export_hf;     // where to write the final model in that layout
   int64_t sample = 0;
   double temperature = 0;  // 0: greedy
   std::string prompt = "In the beginning";
@@ -229,7 +237,7 @@ std::unique_ptr<dist::ZeroRedundancyOptimizer> make_zero(
 }
 
 Tensor lm_loss(const Tensor& logits, const Tensor& y) {
-  return F::cross_entropy(logits.reshape({-1, kVocab}), y.reshape({-1}));
+  return F::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
 }
 
 // --pp: this rank's stages of `model` (every rank built the whole, seeded model; each keeps its
@@ -337,13 +345,16 @@ std::shared_ptr<GPT> tensor_parallel(std::shared_ptr<GPT> model, const MeshLayou
 
 std::shared_ptr<GPT> seeded_model(const Args& a, ember::Device device) {
   ember::manual_seed(a.seed);  // the same weights on every rank (DDP broadcasts rank 0's anyway)
-  auto model = std::make_shared<GPT>(GPTConfig{.vocab = kVocab,
+  auto model = std::make_shared<GPT>(GPTConfig{.vocab = a.vocab,
                                                .layers = a.layers,
                                                .heads = a.heads,
                                                .dim = a.dim,
-                                               .context = a.context,
+                                               .context = a.positions > 0 ? a.positions : a.context,
                                                .dropout = a.dropout,
                                                .checkpoint_activations = a.checkpoint_activations});
+  if (!a.init_from_hf.empty()) {  // every rank reads the same weights
+    model->load_state_dict(from_gpt2_tensors(nn::load_hf_checkpoint(a.init_from_hf).tensors));
+  }
   model->to(device);
   return model;
 }
@@ -370,6 +381,7 @@ class Trainer {
   double evaluate();
   void log_progress(LogWindow& window);
   void after_eval(double val_loss);
+  ckpt::State checkpoint_state();
   void save_checkpoint();
   int64_t maybe_resume();
   std::string generate(nn::Module& model);
@@ -404,6 +416,8 @@ class Trainer {
   std::shared_ptr<dist::PowerSGDState> powersgd_;
   nn::optim::SequentialLR schedule_;
   nn::amp::GradScaler scaler_;  // a pass-through unless --amp fp16
+  std::unique_ptr<RunCheckpoint> checkpoint_;  // null without --checkpoint-dir
+  bool hook_restored_ = false;                 // the checkpoint had this world's hook state
   const int64_t log_every_;
   const int64_t start_step_;
   int64_t step_;               // steps trained, this run's and before
@@ -444,6 +458,10 @@ Trainer::Trainer(const Args& a)
                .found_inf_sync = a.comm_hook == "none" || a.comm_hook == "allreduce"
                                      ? nullptr
                                      : dist::found_inf_allreduce(run_.pg)}),
+      checkpoint_(a.checkpoint_dir.empty()
+                      ? nullptr
+                      : std::make_unique<RunCheckpoint>(a.checkpoint_dir, run_.pg,
+                                                        a.async_checkpoint, run_.leader)),
       log_every_(a.log_every > 0 ? a.log_every : std::max<int64_t>(1, a.steps / 20)),
       start_step_(maybe_resume()),
       step_(start_step_),
@@ -505,8 +523,15 @@ double Trainer::train() {
     if (step_ % log_every_ == 0 || step_ == end) log_progress(window);
     evaluated = a_.eval_every > 0 && step_ % a_.eval_every == 0;
     if (evaluated) after_eval(val_loss = evaluate());
+    if (checkpoint_) {
+      checkpoint_->report_failures();
+      if (a_.checkpoint_every > 0 && (step_ % a_.checkpoint_every == 0 || step_ == end)) {
+        save_checkpoint();
+      }
+    }
   }
   if (!evaluated) after_eval(val_loss = evaluate());
+  if (checkpoint_) checkpoint_->finish();
   if (run_.world > 1 && run_steps_ > 0) {
     const double n = static_cast<double>(run_steps_);
     const auto ranks = dist::gather_step_times(
@@ -645,7 +670,7 @@ void Trainer::after_eval(double val_loss) {
     std::fflush(stdout);
     metrics_.write({{"kind", "eval"}, {"global_step", step_}, {"val_loss", val_loss}});
   }
-  if (!a_.checkpoint_dir.empty()) save_checkpoint();
+  if (checkpoint_ && a_.checkpoint_every == 0) save_checkpoint();
 }
 
 // Tokens trained per second: each data-parallel row (a model's tp or pp ranks) trains its batch.
@@ -710,10 +735,8 @@ void Trainer::measure_peak_memory() {
 
 // ---- checkpoints ----
 
-// --shard fsdp's and --tp's checkpoint: a folder of per-rank parts and an index
-// (distributed/checkpoint/model_checkpoint.h), loadable at any layout.
-std::string sharded_checkpoint_dir(const std::string& dir) { return dir + "/sharded"; }
-
+// The settings a resumed run must share (the data order and the schedule depend on them), and
+// the shape emberckpt convert needs for Hugging Face's layout.
 std::map<std::string, std::string> run_settings(const Args& a, int world) {
   auto s = [](auto v) { return std::to_string(v); };
   return {{"world_size", s(world)},   {"batch_size", s(a.batch_size)}, {"context", s(a.context)},
@@ -721,118 +744,63 @@ std::map<std::string, std::string> run_settings(const Args& a, int world) {
           {"steps", s(a.steps)},      {"seed", s(a.seed)},             {"comm_hook", a.comm_hook}};
 }
 
-// Every rank calls it at the same step (the hook state, ZeRO's optimizer state are gathered);
-// rank 0 writes the file. --shard fsdp or --tp: every rank writes its parts (a sharded
-// checkpoint).
+// Everything the run goes on from: the model (or with --pp this rank's stages) in its layout,
+// the optimizer's state (ZeRO's partitions, FSDP's shards), the schedule, the loss scale, the
+// generator (dropout's draws) and PowerSGD's per-rank state. The data position is the step.
+ckpt::State Trainer::checkpoint_state() {
+  ckpt::State s = {{"model", ckpt::model(checkpoint_root())},
+                   {"optim", ckpt::optimizer(par_.optimizer(), checkpoint_root())},
+                   {"lr_scheduler", ckpt::lr_scheduler(schedule_)},
+                   {"grad_scaler", ckpt::grad_scaler(scaler_)},
+                   {"rng", ckpt::rng()}};
+  if (powersgd_) s["hook"] = hook_checkpoint_state(*powersgd_, run_.rank, run_.world, &hook_restored_);
+  return s;
+}
+
+// Collective: every rank writes its part into --checkpoint-dir (in the background with
+// --async-checkpoint).
 void Trainer::save_checkpoint() {
   auto meta = run_settings(a_, run_.world);
   meta["global_step"] = std::to_string(step_);
-  meta["lr_scheduler"] = schedule_.state_dict();
   meta["shard"] = a_.shard;
-  // --amp fp16: the loss scale and its growth tracker, so a resumed run neither starts over at
-  // 2^16 (skipping steps to back off again) nor forgets how long it has been clean.
-  if (scaler_.is_enabled()) meta["grad_scaler"] = nlohmann::json(scaler_.state_dict()).dump();
   meta["tp"] = std::to_string(a_.tp);
   meta["pp"] = std::to_string(a_.pp);
-  if (a_.shard == "fsdp" || a_.tp > 1 || a_.pp > 1) {
-    // --pp: each rank its stages' parts, under the GPT's names (the tied embedding once).
-    dist::save_model_checkpoint(sharded_checkpoint_dir(a_.checkpoint_dir), checkpoint_root(),
-                                &par_.optimizer(), *run_.pg, meta);
-    return;
-  }
-  const nn::NamedTensors extra = gather_hook_state(powersgd_.get(), *run_.pg);
-  if (par_.zero) par_.zero->consolidate_state_dict(0);
-  if (!run_.leader) return;
-  std::filesystem::create_directories(a_.checkpoint_dir);
-  const std::string path = checkpoint_path(a_.checkpoint_dir);
-  if (par_.zero) {  // the file a plain AdamW over the whole model would write
-    nn::optim::AdamW whole(decay_groups(model_->parameters()), adamw_options(a_));
-    whole.load_state_dict(par_.zero->state_dict());
-    nn::save_checkpoint(path, *model_, &whole, meta, extra);
-  } else {
-    nn::save_checkpoint(path, *model_, par_.adamw.get(), meta, extra);
-  }
+  checkpoint_->save(checkpoint_state(), meta);
 }
 
 // Loads the checkpoint if --resume finds one; returns the step to continue from. The batches
-// are a function of the step, so the run goes on with the windows it would have drawn. --shard
-// none and zero take a --shard fsdp or --tp run's sharded checkpoint when there is no plain one
-// (the whole tensors read from the parts: a sharded run continues unsharded), and any layout
-// takes any other's.
+// are a function of the step, so the run goes on with the windows it would have drawn. Any
+// layout (--shard, --tp, --pp) and world size loads any other's.
 int64_t Trainer::maybe_resume() {
   if (!a_.resume) return 0;
-  const std::string plain = checkpoint_path(a_.checkpoint_dir);
-  const std::string sharded_dir = sharded_checkpoint_dir(a_.checkpoint_dir);
-  const bool sharded = a_.shard == "fsdp" || a_.tp > 1 || a_.pp > 1 ||
-                       (!std::filesystem::exists(plain) &&
-                                              std::filesystem::exists(sharded_dir + "/index.json"));
-  const std::string path = sharded ? sharded_dir : plain;
-  if (!std::filesystem::exists(sharded ? path + "/index.json" : path)) {
-    if (run_.leader) {
-      std::printf("resume: no checkpoint at %s; starting from scratch\n", path.c_str());
-    }
+  const std::string& dir = checkpoint_->dir();
+  if (!checkpoint_->exists()) {
+    if (run_.leader) std::printf("resume: no checkpoint in %s; starting from scratch\n", dir.c_str());
     return 0;
   }
-  nn::NamedTensors extra;
-  std::map<std::string, std::string> loaded;
-  auto load = [&](nn::optim::Optimizer* opt) {
-    return sharded ? dist::load_model_checkpoint(path, checkpoint_root(), opt)
-                   : nn::load_checkpoint(path, *model_, opt, &extra);
-  };
-  if (a_.shard == "fsdp") {
-    loaded = load(&par_.optimizer());
-  } else if (par_.zero) {
-    nn::optim::AdamW whole(decay_groups(model_->parameters()), adamw_options(a_));
-    loaded = load(&whole);
-    par_.zero->load_state_dict(whole.state_dict());
-  } else {
-    loaded = load(par_.adamw.get());
-  }
-  const CheckpointMeta meta(path, loaded);
-  // Another world size is allowed (an elastic restart with fewer or more nodes): the windows
-  // are a function of the step and the rank, the schedule of the step, and every checkpoint
-  // layout loads at any world size; only PowerSGD's per-rank state cannot follow.
-  const std::string saved_world = loaded.count("world_size") ? loaded.at("world_size") : "";
-  const std::string saved_tp = loaded.count("tp") ? loaded.at("tp") : "1";
-  const std::string saved_pp = loaded.count("pp") ? loaded.at("pp") : "1";
-  const bool same_world = saved_world == std::to_string(run_.world);
-  const bool same_tp = saved_tp == std::to_string(a_.tp);
+  // The settings are checked before anything is loaded.
+  const CheckpointMeta meta(dir, dist::ShardedCheckpoint(dir).metadata());
   for (const auto& [key, value] : run_settings(a_, run_.world)) {
     if (key != "world_size") meta.must_match(key.c_str(), value);
   }
-  // PowerSGD's state is per rank, in plain checkpoints only.
-  const bool hook_state = powersgd_ && same_world && !sharded;
-  if (!same_world && run_.leader) {
-    std::printf("resume: saved at world size %s, now %d%s\n", saved_world.c_str(), run_.world,
-                powersgd_ ? " (PowerSGD's state starts afresh)" : "");
-  }
-  if (!same_tp && run_.leader) {
-    std::printf("resume: saved at --tp %s, now %lld\n", saved_tp.c_str(),
-                static_cast<long long>(a_.tp));
-  }
-  if (saved_pp != std::to_string(a_.pp) && run_.leader) {
-    std::printf("resume: saved at --pp %s, now %lld\n", saved_pp.c_str(),
-                static_cast<long long>(a_.pp));
-  }
-  schedule_.load_state_dict(meta.get("lr_scheduler"));
-  if (auto it = loaded.find("grad_scaler"); it != loaded.end() && scaler_.is_enabled()) {
-    const nlohmann::json j = nlohmann::json::parse(it->second, nullptr, false);
-    std::map<std::string, double> state;
-    bool ok = j.is_object();
-    for (auto e = j.begin(); ok && e != j.end(); ++e) {
-      ok = e->is_number();
-      if (ok) state[e.key()] = e->get<double>();
-    }
-    if (!ok) {
-      throw std::runtime_error(path + ": checkpoint metadata 'grad_scaler' must be a JSON object "
-                               "of numbers, got '" + it->second + "'");
-    }
-    scaler_.load_state_dict(state);
-  }
-  if (hook_state) powersgd_->load_state_dict(hook_state_of_rank(extra, run_.rank));
   const int64_t step = meta.get_int("global_step", 0, a_.steps);
+  checkpoint_->load(checkpoint_state(), run_.rank, /*optional=*/"hook");
+  // Another world size is allowed (an elastic restart with fewer or more nodes): the windows
+  // are a function of the step and the rank, the schedule of the step, and every layout loads
+  // at any world size; only PowerSGD's per-rank state cannot follow.
+  auto saved = [&](const char* key) { return meta.get(key); };
   if (run_.leader) {
-    std::printf("resume: %s at step %lld\n", path.c_str(), static_cast<long long>(step));
+    if (saved("world_size") != std::to_string(run_.world)) {
+      std::printf("resume: saved at world size %s, now %d%s\n", saved("world_size").c_str(),
+                  run_.world, powersgd_ && !hook_restored_ ? " (PowerSGD's state starts afresh)" : "");
+    }
+    for (const auto& [key, now] : {std::pair{"tp", a_.tp}, std::pair{"pp", a_.pp}}) {
+      if (saved(key) != std::to_string(now)) {
+        std::printf("resume: saved at --%s %s, now %lld\n", key, saved(key).c_str(),
+                    static_cast<long long>(now));
+      }
+    }
+    std::printf("resume: %s at step %lld\n", dir.c_str(), static_cast<long long>(step));
   }
   return step;
 }
@@ -853,15 +821,15 @@ std::string Trainer::generate(nn::Module& model) {
     const auto first = ids.size() > static_cast<size_t>(a_.context) ? ids.end() - a_.context : ids.begin();
     const std::vector<int64_t> window(first, ids.end());
     Tensor x = ember::from_vector(window, {1, static_cast<int64_t>(window.size())}).to(run_.device);
-    Tensor logits =
-        model(x).select(1, x.size(1) - 1).reshape({kVocab}).to(ember::kCPU);
+    Tensor logits = model(x).select(1, x.size(1) - 1).reshape({-1}).to(ember::kCPU);
+    const int64_t vocab = logits.numel();
     int64_t next = 0;
     if (a_.temperature <= 0) {
       next = logits.argmax().item<int64_t>();
     } else {
       const std::vector<float> p = ember::softmax(logits / a_.temperature, 0).to_vector<float>();
       double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
-      while (next < kVocab - 1 && (u -= p[static_cast<size_t>(next)]) > 0) ++next;
+      while (next < vocab - 1 && (u -= p[static_cast<size_t>(next)]) > 0) ++next;
     }
     ids.push_back(next);
     out += static_cast<char>(next);
@@ -874,7 +842,7 @@ void Trainer::report(double val_loss) {
   // Sharded, the whole model exists on no rank: gather it (collective) into a plain model for
   // sampling and saving.
   std::shared_ptr<GPT> whole = model_;
-  if (a_.shard == "fsdp" && (a_.sample > 0 || !a_.save_weights.empty())) {
+  if (a_.shard == "fsdp" && (a_.sample > 0 || !a_.save_weights.empty() || !a_.export_hf.empty())) {
     const nn::NamedTensors state = dist::full_state_dict(*model_);
     if (!run_.leader) return;
     whole = seeded_model(a_, run_.device);
@@ -885,6 +853,10 @@ void Trainer::report(double val_loss) {
   if (!a_.save_weights.empty()) {
     nn::save_state_dict(a_.save_weights, whole->state_dict(),
                         {{"model", "gpt"}, {"global_step", std::to_string(step_)}});
+  }
+  if (!a_.export_hf.empty()) {
+    export_gpt2(*whole, a_.export_hf);
+    std::printf("exported the model to %s (GPT-2, Hugging Face's layout)\n", a_.export_hf.c_str());
   }
   std::printf("val_loss=%.4f\n", val_loss);
   std::printf("tokens_per_s=%.0f\n",
@@ -904,29 +876,26 @@ std::string unavailable(const Args& a) {
     return "--shard " + a.shard + " takes neither --comm-hook nor --amp fp16 (got --comm-hook " +
            a.comm_hook + ", --amp " + a.amp + ")";
   }
-  if (a.tp > 1 && (!a.save_weights.empty() || a.sample > 0)) {
-    return "--tp takes neither --save-weights nor --sample yet: write a checkpoint "
+  if (a.tp > 1 && (!a.save_weights.empty() || a.sample > 0 || !a.export_hf.empty())) {
+    return "--tp takes neither --save-weights, --export-hf nor --sample yet: write a checkpoint "
            "(--checkpoint-dir) and continue or sample from it without --tp "
            "(docs/tensor_parallel.md)";
-  }
-  if (a.tp > 1 && a.shard == "zero" && !a.checkpoint_dir.empty()) {
-    return "--tp with --shard zero takes no --checkpoint-dir yet (--shard none or fsdp do)";
   }
   if (a.pp > 1 && a.shard == "fsdp" && (a.tp > 1 || (a.schedule != "gpipe" && a.schedule != "1f1b"))) {
     return "--pp with --shard fsdp takes one stage per rank (--schedule gpipe or 1f1b) and no "
            "--tp yet (got --schedule " + a.schedule + ", --tp " + std::to_string(a.tp) + ")";
   }
-  if (a.pp > 1 && a.shard != "none" && !a.checkpoint_dir.empty()) {
-    // zero: the optimizer state is split; fsdp: the two copies of the tied embedding lie at
-    // other offsets of the first and last stages' flat buffers, so their pieces overlap.
-    return "--pp with --shard " + a.shard + " takes no --checkpoint-dir yet (--shard none does)";
+  if (a.pp > 1 && a.shard == "fsdp" && !a.checkpoint_dir.empty()) {
+    // The two copies of the tied embedding lie at other offsets of the first and last stages'
+    // flat buffers, so their pieces overlap.
+    return "--pp with --shard fsdp takes no --checkpoint-dir yet (--shard none and zero do)";
   }
   if (a.pp > 1 && (a.amp != "off" || a.comm_hook != "none")) {
     return "--pp runs in float32 with DDP's plain all-reduce only yet (got --amp " + a.amp +
            ", --comm-hook " + a.comm_hook + ")";
   }
-  if (a.pp > 1 && (!a.save_weights.empty() || a.sample > 0)) {
-    return "--pp takes neither --save-weights nor --sample yet: write a checkpoint "
+  if (a.pp > 1 && (!a.save_weights.empty() || a.sample > 0 || !a.export_hf.empty())) {
+    return "--pp takes neither --save-weights, --export-hf nor --sample yet: write a checkpoint "
            "(--checkpoint-dir) and continue or sample from it without --pp "
            "(docs/pipeline_parallel.md)";
   }
@@ -946,9 +915,9 @@ std::string bad_shape(const Args& a) {
     return "--dim " + std::to_string(a.dim) + " must be a multiple of --heads " +
            std::to_string(a.heads);
   }
-  if (a.tp > 1 && (a.heads % a.tp != 0 || kVocab % a.tp != 0)) {
+  if (a.tp > 1 && (a.heads % a.tp != 0 || a.vocab % a.tp != 0)) {
     return "--tp " + std::to_string(a.tp) + " must divide --heads " + std::to_string(a.heads) +
-           " and the vocabulary (" + std::to_string(kVocab) + "): each rank takes heads/tp "
+           " and the vocabulary (" + std::to_string(a.vocab) + "): each rank takes heads/tp "
            "heads and vocabulary/tp rows of the embedding";
   }
   if (a.pp > 1) {
@@ -966,6 +935,13 @@ std::string bad_shape(const Args& a) {
     }
   }
   if (a.resume && a.checkpoint_dir.empty()) return "--resume needs --checkpoint-dir";
+  if ((a.checkpoint_every > 0 || a.async_checkpoint) && a.checkpoint_dir.empty()) {
+    return "--checkpoint-every and --async-checkpoint need --checkpoint-dir";
+  }
+  if (a.positions > 0 && a.context > a.positions) {
+    return "--context " + std::to_string(a.context) + " is longer than the model's " +
+           std::to_string(a.positions) + " positions (--init-from-hf's n_positions)";
+  }
   return "";
 }
 
@@ -1041,9 +1017,22 @@ void add_options(CLI::App& app, Args& a) {
   app.add_option("--log-every", a.log_every, "steps between progress lines (0: 20 per run)")
       ->check(kNonNegative);
   app.add_option("--metrics", a.metrics, "append one JSON line per progress line and evaluation");
-  app.add_option("--checkpoint-dir", a.checkpoint_dir, "write checkpoint.safetensors here at each evaluation");
+  app.add_option("--checkpoint-dir", a.checkpoint_dir,
+                 "write the run's checkpoint here (every rank its part; docs/checkpoints.md) at "
+                 "each evaluation");
+  app.add_option("--checkpoint-every", a.checkpoint_every,
+                 "checkpoint every N steps (and at the last) instead of at each evaluation")
+      ->check(kNonNegative);
+  app.add_flag("--async-checkpoint", a.async_checkpoint,
+               "write checkpoints in the background: a step waits only for the copy to memory");
   app.add_flag("--resume", a.resume, "continue from the checkpoint in --checkpoint-dir if there is one");
   app.add_option("--save-weights", a.save_weights, "write the final weights to FILE.safetensors");
+  app.add_option("--init-from-hf", a.init_from_hf,
+                 "start from a GPT-2 model in Hugging Face's layout (config.json and safetensors "
+                 "weights); its config sets --layers, --heads, --dim and the vocabulary");
+  app.add_option("--export-hf", a.export_hf,
+                 "write the final model into DIR in Hugging Face's GPT-2 layout "
+                 "(transformers' GPT2LMHeadModel.from_pretrained reads it)");
   app.add_option("--sample", a.sample, "print N generated bytes at the end")->check(kNonNegative);
   app.add_option("--temperature", a.temperature, "sampling temperature (0: greedy)")
       ->check(kNonNegative)->capture_default_str();
@@ -1066,6 +1055,18 @@ int main(int argc, char** argv) {
       "Run it under emberrun (emberrun --nproc-per-node 2 gpt ...), mpirun, or alone."};
   add_options(app, a);
   if (const auto status = parse_command_line(app, argc, argv)) return *status;
+  if (!a.init_from_hf.empty()) {
+    try {  // the model's shape is the Hugging Face config's
+      std::ifstream in(a.init_from_hf + "/config.json");
+      if (!in) throw std::runtime_error("no config.json in " + a.init_from_hf);
+      const GPTConfig c = gpt_config_from_gpt2(std::string(std::istreambuf_iterator<char>(in), {}));
+      a.layers = c.layers, a.heads = c.heads, a.dim = c.dim, a.vocab = c.vocab;
+      a.positions = c.context;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "gpt: --init-from-hf: %s\n", e.what());
+      return 2;
+    }
+  }
   for (const std::string& why : {unavailable(a), bad_shape(a)}) {
     if (!why.empty()) {
       std::fprintf(stderr, "gpt: %s\n", why.c_str());

@@ -10,6 +10,9 @@
 #include <regex>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
+#include <ember/distributed/checkpoint/sharded_checkpoint.h>
 #include <ember/nn/data/token_stream.h>
 #include <ember/nn/serialize.h>
 #include <ember/tensor/cuda.h>
@@ -81,11 +84,11 @@ class Gpt : public ::testing::Test {
     const std::string ck = tmp.path + "/ck";
     Result first = run(two_ranks() + flags + " --checkpoint-dir " + ck + " --stop-at-step 15");
     ASSERT_EQ(first.status, 0) << first.output;
-    ASSERT_TRUE(fs::exists(ck + "/sharded/index.json")) << first.output;
+    ASSERT_TRUE(fs::exists(ck + "/index.json")) << first.output;
     fs::copy(ck, tmp.path + "/ck1", fs::copy_options::recursive);
     Result rest = run(two_ranks() + flags + " --resume --checkpoint-dir " + ck);
     ASSERT_EQ(rest.status, 0) << rest.output;
-    EXPECT_NE(rest.output.find("sharded at step 15\n"), std::string::npos) << rest.output;
+    EXPECT_NE(rest.output.find(ck + " at step 15\n"), std::string::npos) << rest.output;
     EXPECT_EQ(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"))
         << "resumed:\n" << rest.output << "\nuninterrupted:\n" << whole.output;
     Result alone = run("env EMBER_NUM_THREADS=1 " + tiny() + alone_flags +
@@ -140,8 +143,7 @@ TEST_F(Gpt, ResumeContinuesAtTheRightStepWithTheSameResult) {
   fs::copy(tmp.path + "/ck", tmp.path + "/ck1");
   Result rest = run(two_ranks() + dir + " --resume");
   ASSERT_EQ(rest.status, 0) << rest.output;
-  EXPECT_NE(rest.output.find("checkpoint.safetensors at step 15\n"), std::string::npos)
-      << rest.output;
+  EXPECT_NE(rest.output.find(tmp.path + "/ck at step 15\n"), std::string::npos) << rest.output;
   EXPECT_EQ(rest.output.find("step 10/30"), std::string::npos) << rest.output;
   EXPECT_NE(rest.output.find("[rank 0]: step 20/30"), std::string::npos) << rest.output;
   EXPECT_EQ(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"))
@@ -172,9 +174,10 @@ TEST_F(Gpt, CudaFp16ResumeKeepsTheLossScale) {
   const std::string dir = " --checkpoint-dir " + tmp.path + "/ck";
   Result first = run(tiny() + fp16 + dir + " --stop-at-step 15");
   ASSERT_EQ(first.status, 0) << first.output;
-  const auto meta = ember::nn::load_safetensors(tmp.path + "/ck/checkpoint.safetensors").metadata();
-  ASSERT_TRUE(meta.count("grad_scaler")) << "no loss scale in the checkpoint";
-  EXPECT_NE(meta.at("grad_scaler").find("\"scale\""), std::string::npos) << meta.at("grad_scaler");
+  const auto meta = ember::dist::ShardedCheckpoint(tmp.path + "/ck").metadata();
+  ASSERT_TRUE(meta.count("grad_scaler.state")) << "no loss scale in the checkpoint";
+  EXPECT_NE(meta.at("grad_scaler.state").find("\"scale\""), std::string::npos)
+      << meta.at("grad_scaler.state");
   Result rest = run(tiny() + fp16 + dir + " --resume");
   ASSERT_EQ(rest.status, 0) << rest.output;
   EXPECT_NEAR(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"), 1e-3)
@@ -221,6 +224,25 @@ TEST_F(Gpt, TensorParallelTwoRanksTrainsAsOneProcess) {
 // ends, and in one process (another layout, another world size), ending where it does to rounding.
 TEST_F(Gpt, TensorParallelCheckpointGoesOnAtAnotherLayout) {
   resumes_as_if_uninterrupted(" --tp 2", "", "resume: saved at --tp 2, now 1\n");
+}
+
+// tp 2 x dp 2 and pp 2 x dp 2 with AdamW's state split over the dp ranks (--shard zero):
+// stopped at step 15 and resumed, each ends where its uninterrupted run ends; the optimizer's
+// parts follow their parameters' tensor-parallel parts and stages.
+TEST_F(Gpt, ZeroCheckpointsOfTensorAndPipelineLayoutsResumeAsIfUninterrupted) {
+  for (const std::string layout : {" --tp 2 --shard zero", " --pp 2 --layers 2 --shard zero"}) {
+    const std::string four = emberrun() + " --standalone --nproc-per-node 4 " + tiny() + layout;
+    Result whole = run(four);
+    ASSERT_EQ(whole.status, 0) << whole.output;
+    const std::string ck = tmp.path + "/ck" + std::to_string(layout.size());
+    Result first = run(four + " --checkpoint-dir " + ck + " --stop-at-step 15");
+    ASSERT_EQ(first.status, 0) << first.output;
+    Result rest = run(four + " --checkpoint-dir " + ck + " --resume");
+    ASSERT_EQ(rest.status, 0) << rest.output;
+    EXPECT_NE(rest.output.find(ck + " at step 15\n"), std::string::npos) << rest.output;
+    EXPECT_EQ(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"))
+        << layout << " resumed:\n" << rest.output << "\nuninterrupted:\n" << whole.output;
+  }
 }
 
 // --pp 2 over 2 ranks: four blocks in stages (the tied embedding on both ends) train on the
@@ -302,31 +324,24 @@ TEST_F(Gpt, ZeroOverlapTrainsAsDdp) {
 }
 
 // A --shard fsdp run stopped at step 15 continues unsharded: --shard none reads the whole
-// tensors from its sharded checkpoint (AdamW's moments by parameter name), and so does a run
-// given the set consolidated into one file by examples/consolidate_checkpoint; both end where
-// an uninterrupted DDP run ends.
+// tensors from its sharded checkpoint (AdamW's moments by parameter name), and --shard zero
+// each rank's partition of them; both end where an uninterrupted DDP run ends.
 TEST_F(Gpt, ShardedCheckpointContinuesUnsharded) {
   Result ddp = run(two_ranks());
   ASSERT_EQ(ddp.status, 0) << ddp.output;
   const std::string ck = tmp.path + "/ck", whole = tmp.path + "/whole";
   Result first = run(two_ranks() + " --shard fsdp --checkpoint-dir " + ck + " --stop-at-step 15");
   ASSERT_EQ(first.status, 0) << first.output;
+  fs::copy(ck, whole, fs::copy_options::recursive);
   Result rest = run(two_ranks() + " --shard none --resume --checkpoint-dir " + ck);
   ASSERT_EQ(rest.status, 0) << rest.output;
-  EXPECT_NE(rest.output.find("sharded at step 15\n"), std::string::npos) << rest.output;
+  EXPECT_NE(rest.output.find(ck + " at step 15\n"), std::string::npos) << rest.output;
   EXPECT_NEAR(value_of(rest.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
       << "resumed:\n" << rest.output << "\nuninterrupted:\n" << ddp.output;
-  fs::create_directories(whole);
-  Result c = run(std::string(EMBER_BINARY_DIR) + "/examples/consolidate_checkpoint " + ck +
-                 "/sharded " + whole + "/checkpoint.safetensors");
-  ASSERT_EQ(c.status, 0) << c.output;
-  Result again = run(two_ranks() + " --resume --checkpoint-dir " + whole);
-  ASSERT_EQ(again.status, 0) << again.output;
-  EXPECT_NE(again.output.find("checkpoint.safetensors at step 15\n"), std::string::npos)
-      << again.output;
-  EXPECT_EQ(value_of(again.output, "val_loss"), value_of(rest.output, "val_loss"))
-      << "from the consolidated file:\n" << again.output << "\nfrom the shards:\n"
-      << rest.output;
+  Result zero = run(two_ranks() + " --shard zero --resume --checkpoint-dir " + whole);
+  ASSERT_EQ(zero.status, 0) << zero.output;
+  EXPECT_NEAR(value_of(zero.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
+      << "resumed under ZeRO:\n" << zero.output << "\nuninterrupted:\n" << ddp.output;
 }
 
 // A rank killed at step 22 under --max-restarts 1: the job restarts and resumes from the sharded
@@ -341,10 +356,62 @@ TEST_F(Gpt, KilledRankResumesFromTheShardedCheckpoint) {
                  " --checkpoint-dir " + dir + " --resume --fail-at-step 22");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("--fail-at-step 22: rank 1 kills itself"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("sharded at step 20\n"), std::string::npos) << r.output;
-  EXPECT_TRUE(fs::exists(dir + "/sharded/index.json"));
+  EXPECT_NE(r.output.find(dir + " at step 20\n"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(dir + "/index.json"));
   EXPECT_EQ(value_of(r.output, "val_loss"), value_of(whole.output, "val_loss"))
       << "restarted:\n" << r.output << "\nuninterrupted:\n" << whole.output;
+}
+
+// --checkpoint-every 5 --async-checkpoint: checkpoints written in the background while training
+// goes on; the run stopped at step 15 resumes from the last one and ends where the uninterrupted
+// run ends. A checkpoint that cannot be written (a file where its folder should be) is reported
+// at the next step and the run finishes.
+TEST_F(Gpt, AsyncCheckpointsResumeAsIfUninterruptedAndFailuresAreReported) {
+  Result whole = run(two_ranks());
+  ASSERT_EQ(whole.status, 0) << whole.output;
+  const std::string ck = tmp.path + "/ck";
+  const std::string async = " --checkpoint-dir " + ck + " --checkpoint-every 5 --async-checkpoint";
+  Result first = run(two_ranks() + async + " --stop-at-step 15");
+  ASSERT_EQ(first.status, 0) << first.output;
+  EXPECT_EQ(first.output.find("checkpoint: "), std::string::npos) << first.output;
+  Result rest = run(two_ranks() + async + " --resume");
+  ASSERT_EQ(rest.status, 0) << rest.output;
+  EXPECT_NE(rest.output.find(ck + " at step 15\n"), std::string::npos) << rest.output;
+  EXPECT_EQ(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"))
+      << "resumed:\n" << rest.output << "\nuninterrupted:\n" << whole.output;
+
+  const std::string blocked = tmp.path + "/not_a_dir";
+  std::ofstream(blocked) << "a file where the checkpoint folder should be";
+  Result failing = run(two_ranks() + " --checkpoint-dir " + blocked +
+                       " --checkpoint-every 10 --async-checkpoint");
+  ASSERT_EQ(failing.status, 0) << failing.output;
+  EXPECT_NE(failing.output.find("[rank 0]: checkpoint: [async_save] " + blocked),
+            std::string::npos) << failing.output;
+  EXPECT_NE(failing.output.find("training goes on"), std::string::npos) << failing.output;
+  EXPECT_EQ(value_of(failing.output, "val_loss"), value_of(whole.output, "val_loss"))
+      << failing.output;
+}
+
+// --export-hf writes the final model (gathered from FSDP's shards) in GPT-2's Hugging Face
+// layout; --init-from-hf starts a run from it, its shape from the config (over --layers): at a vanishing
+// learning rate the validation loss is the exported model's.
+TEST_F(Gpt, ExportsToAndStartsFromHuggingFaceLayout) {
+  const std::string hf = tmp.path + "/hf";
+  Result exported = run(two_ranks() + " --shard fsdp --export-hf " + hf);
+  ASSERT_EQ(exported.status, 0) << exported.output;
+  EXPECT_NE(exported.output.find("exported the model to " + hf), std::string::npos)
+      << exported.output;
+  ASSERT_TRUE(fs::exists(hf + "/config.json") && fs::exists(hf + "/model.safetensors"));
+  Result started = run(two_ranks() + " --layers 3 --steps 1 --lr 1e-12 --init-from-hf " + hf);
+  ASSERT_EQ(started.status, 0) << started.output;
+  EXPECT_NE(started.output.find("(layers 1, heads 4, dim 32, context 32)"), std::string::npos)
+      << started.output;
+  EXPECT_NEAR(value_of(started.output, "val_loss"), value_of(exported.output, "val_loss"), 1e-4)
+      << "started from the export:\n" << started.output << "\nexported:\n" << exported.output;
+  Result missing = run(tiny() + " --init-from-hf " + tmp.path + "/nowhere");
+  EXPECT_EQ(missing.status, 2) << missing.output;
+  EXPECT_NE(missing.output.find("gpt: --init-from-hf: no config.json in"), std::string::npos)
+      << missing.output;
 }
 
 // A checkpoint at or past the end (--stop-at-step below it: --steps itself must match) trains
@@ -360,12 +427,12 @@ TEST_F(Gpt, ResumePastTheEndTrainsNothingAndBadPositionsAreNamed) {
             std::string::npos) << past.output;
   EXPECT_EQ(past.output.find("tok/s  ETA"), std::string::npos) << "it trained:\n" << past.output;
 
-  const std::string file = tmp.path + "/ck/checkpoint.safetensors";
-  const ember::nn::SafetensorsFile good = ember::nn::load_safetensors(file);
+  const std::string index = tmp.path + "/ck/index.json";
+  const nlohmann::json good = nlohmann::json::parse(std::ifstream(index));
   for (const char* bad : {"abc", "15x", "-7", "31"}) {
-    auto meta = good.metadata();
-    meta["global_step"] = bad;
-    ember::nn::save_safetensors(file, good.tensors(), meta);
+    nlohmann::json edited = good;
+    edited["metadata"]["global_step"] = bad;
+    std::ofstream(index) << edited.dump();
     Result r = run(alone + dir + " --resume");
     EXPECT_EQ(r.status, 1) << bad << "\n" << r.output;
     EXPECT_NE(r.output.find("'global_step' must be an integer in [0, 30], got '" +
@@ -430,10 +497,10 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
       {"--dim 30", 2, "gpt: --dim 30 must be a multiple of --heads 4"},
       {"--layers 0", 2, "--layers: expected a number > 0, got 0"},
       {"--resume", 2, "gpt: --resume needs --checkpoint-dir"},
+      {"--async-checkpoint", 2, "gpt: --checkpoint-every and --async-checkpoint need --checkpoint-dir"},
+      {"--checkpoint-every 5", 2, "gpt: --checkpoint-every and --async-checkpoint need"},
       {"--tp 3", 2, "gpt: --tp 3 must divide --heads 4 and the vocabulary (256)"},
-      {"--tp 2 --sample 10", 2, "--tp takes neither --save-weights nor --sample yet"},
-      {"--tp 2 --shard zero --checkpoint-dir x", 2,
-       "--tp with --shard zero takes no --checkpoint-dir yet"},
+      {"--tp 2 --sample 10", 2, "--tp takes neither --save-weights, --export-hf nor --sample yet"},
       {"--tp 2", 1, "gpt: --tp 2 must divide the world size 1"},
       {"--pp 2", 2, "gpt: --layers 1 do not divide into 2 pipeline stages of whole blocks"},
       {"--pp 2 --layers 2 --schedule interleaved-1f1b", 2,
@@ -445,9 +512,7 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
        "gpt: --pp with --shard fsdp takes one stage per rank (--schedule gpipe or 1f1b) and no --tp"},
       {"--pp 2 --layers 2 --shard fsdp --checkpoint-dir x", 2,
        "gpt: --pp with --shard fsdp takes no --checkpoint-dir yet"},
-      {"--pp 2 --layers 2 --shard zero --checkpoint-dir x", 2,
-       "gpt: --pp with --shard zero takes no --checkpoint-dir yet"},
-      {"--pp 2 --layers 2 --sample 5", 2, "gpt: --pp takes neither --save-weights nor --sample"},
+      {"--pp 2 --layers 2 --sample 5", 2, "gpt: --pp takes neither --save-weights, --export-hf nor --sample"},
       {"--pp 2 --layers 2", 1, "gpt: --pp 2 must divide the world size 1"},
       {"--data " + tmp.path + "/missing.txt", 1, "no text file at '" + tmp.path + "/missing.txt'"},
       {"--data " + short_text, 1, "is too short: its training split holds 21 tokens"},
