@@ -110,29 +110,6 @@ inline std::string format_duration(double s) {
 }
 
 
-inline std::string checkpoint_path(const std::string& dir) { return dir + "/checkpoint.safetensors"; }
-
-// The communication hook's state is per rank (PowerSGD's error feedback differs between ranks):
-// rank 0 gathers every rank's tensors into the checkpoint as "hook.rank<r>.<name>". Collective
-// when there is a hook state; returns what rank 0 saves.
-inline nn::NamedTensors gather_hook_state(const dist::PowerSGDState* state, dist::ProcessGroup& pg) {
-  nn::NamedTensors out;
-  if (state == nullptr) return out;
-  for (const auto& [name, t] : state->state_dict()) {
-    Tensor local = t.to(ember::kCPU).contiguous();
-    std::vector<Tensor> all;
-    if (pg.rank() == 0) {
-      for (int r = 0; r < pg.size(); ++r) all.push_back(ember::empty_like(local));
-    }
-    pg.gather(all, local, dist::GatherOptions{})->wait();
-    for (int r = 0; r < static_cast<int>(all.size()); ++r) {
-      out.emplace_back("hook.rank" + std::to_string(r) + "." + name, all[r]);
-    }
-  }
-  return out;
-}
-
-
 // The metadata of a checkpoint being resumed, checked against this run's settings.
 class CheckpointMeta {
  public:
@@ -170,17 +147,6 @@ class CheckpointMeta {
   std::string path_;
   std::map<std::string, std::string> meta_;
 };
-
-// This rank's share of the hook state saved by gather_hook_state.
-inline nn::NamedTensors hook_state_of_rank(const nn::NamedTensors& saved, int rank) {
-  const std::string prefix = "hook.rank" + std::to_string(rank) + ".";
-  nn::NamedTensors mine;
-  for (const auto& [name, t] : saved) {
-    if (name.rfind(prefix, 0) == 0) mine.emplace_back(name.substr(prefix.size()), t);
-  }
-  return mine;
-}
-
 
 // The device this rank trains on. With cuda: one GPU per rank, the group's own with nccl, else
 // the local rank's (an error when there are more ranks on the node than GPUs), as a torch

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "examples/example_util.h"
+#include "examples/run_checkpoint.h"
 #include <ember/distributed/ddp/comm_hooks.h>
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/ddp/powersgd.h>
@@ -69,6 +70,7 @@ struct Args {
   int64_t powersgd_start = 10;
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;  // steps; 0: at the end of each epoch only
+  bool async_checkpoint = false;
   bool resume = false;
   std::string save_weights;
   std::string init_weights;  // a state dict (e.g. from scripts/to_torch.py --from-torch)
@@ -162,31 +164,42 @@ struct Position {
   int64_t global_step = 0;
 };
 
-// What a checkpoint holds besides the tensors. A resumed run must match the settings the data
-// order depends on; the schedule's state carries the learning rate across a restart.
+// What a checkpoint holds: the model, SGD's momentum buffers, the schedule, the generator and
+// PowerSGD's per-rank state (examples/run_checkpoint.h); the position and the settings a resumed
+// run must share (the data order depends on them) go in its metadata.
 struct TrainingState {
-  const nn::Module& model;
-  const nn::optim::Optimizer& opt;
-  const nn::optim::LRScheduler* schedule;  // null: constant learning rate
-  const dist::PowerSGDState* hook;         // null: no hook state
+  nn::Module& model;
+  nn::optim::Optimizer& opt;
+  nn::optim::LRScheduler* schedule;  // null: constant learning rate
+  dist::PowerSGDState* hook;         // null: no hook state
+  int rank, world;
+  bool* hook_restored;  // set by a load: the checkpoint had this world's hook state
 };
 
-// Every rank calls it at the same step (the hook state is gathered); rank 0 writes the file.
+// `with_schedule`: false when the schedule is this run's own at a converted step (another
+// world size), not the saved one.
+ckpt::State checkpoint_state(const TrainingState& s, bool with_schedule = true) {
+  ckpt::State state = {{"model", ckpt::model(s.model)},
+                       {"optim", ckpt::optimizer(s.opt, s.model)},
+                       {"rng", ckpt::rng()}};
+  if (s.schedule != nullptr && with_schedule) state["lr_scheduler"] = ckpt::lr_scheduler(*s.schedule);
+  if (s.hook != nullptr) state["hook"] = hook_checkpoint_state(*s.hook, s.rank, s.world, s.hook_restored);
+  return state;
+}
+
+// Collective: every rank writes its part (in the background with --async-checkpoint).
 void save_checkpoint(const Args& a, const TrainingState& s, const Position& pos,
-                     dist::ProcessGroup& pg) {
-  const nn::NamedTensors extra = gather_hook_state(s.hook, pg);
-  if (pg.rank() != 0) return;
-  std::map<std::string, std::string> meta{{"epoch", std::to_string(pos.epoch)},
-                                          {"step_in_epoch", std::to_string(pos.step_in_epoch)},
-                                          {"global_step", std::to_string(pos.global_step)},
-                                          {"model", a.model},
-                                          {"world_size", std::to_string(pg.size())},
-                                          {"batch_size", std::to_string(a.batch_size)},
-                                          {"seed", std::to_string(a.seed)},
-                                          {"comm_hook", a.comm_hook}};
-  if (s.schedule != nullptr) meta["lr_scheduler"] = s.schedule->state_dict();
-  std::filesystem::create_directories(a.checkpoint_dir);
-  nn::save_checkpoint(checkpoint_path(a.checkpoint_dir), s.model, &s.opt, meta, extra);
+                     RunCheckpoint& checkpoint) {
+  const std::map<std::string, std::string> meta{
+      {"epoch", std::to_string(pos.epoch)},
+      {"step_in_epoch", std::to_string(pos.step_in_epoch)},
+      {"global_step", std::to_string(pos.global_step)},
+      {"model", a.model},
+      {"world_size", std::to_string(s.world)},
+      {"batch_size", std::to_string(a.batch_size)},
+      {"seed", std::to_string(a.seed)},
+      {"comm_hook", a.comm_hook}};
+  checkpoint.save(checkpoint_state(s), meta);
 }
 
 // The loader's steps per epoch at `world` ranks: DistributedSampler pads each rank's share to
@@ -201,25 +214,23 @@ int64_t steps_per_epoch_at(int64_t dataset_size, int64_t world, int64_t batch_si
 // batches trained so far are a prefix of it, counted in samples (rounded down: at most one
 // batch per rank is trained again), and the cosine schedule continues from that step of this
 // run's (longer or shorter) schedule. PowerSGD's per-rank state starts afresh then.
-Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& opt,
-                      nn::optim::LRScheduler* schedule, dist::PowerSGDState* hook,
-                      const dist::ProcessGroup& pg, int64_t steps_per_epoch,
-                      int64_t dataset_size) {
-  if (!a.resume || a.checkpoint_dir.empty()) return {};
-  const bool verbose = pg.rank() == 0;
-  const std::string path = checkpoint_path(a.checkpoint_dir);
-  if (!std::filesystem::exists(path)) {
-    if (verbose) std::printf("resume: no checkpoint at %s; starting from scratch\n", path.c_str());
+Position maybe_resume(const Args& a, const TrainingState& s, const RunCheckpoint* checkpoint,
+                      int64_t steps_per_epoch, int64_t dataset_size) {
+  if (!a.resume || checkpoint == nullptr) return {};
+  const bool verbose = s.rank == 0;
+  const std::string& path = checkpoint->dir();
+  if (!checkpoint->exists()) {
+    if (verbose) std::printf("resume: no checkpoint in %s; starting from scratch\n", path.c_str());
     return {};
   }
-  nn::NamedTensors extra;
-  const CheckpointMeta meta(path, nn::load_checkpoint(path, model, &opt, &extra));
+  // The settings and the position are checked before anything is loaded.
+  const CheckpointMeta meta(path, dist::ShardedCheckpoint(path).metadata());
   meta.must_match("model", a.model);
   meta.must_match("batch_size", std::to_string(a.batch_size));
   meta.must_match("seed", std::to_string(a.seed));
   meta.must_match("comm_hook", a.comm_hook);
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-  const int64_t world = pg.size(), saved_world = meta.get_int("world_size", 1, kMax);
+  const int64_t world = s.world, saved_world = meta.get_int("world_size", 1, kMax);
   const int64_t saved_steps = saved_world == world
                                   ? steps_per_epoch
                                   : steps_per_epoch_at(dataset_size, saved_world, a.batch_size);
@@ -235,10 +246,14 @@ Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& op
     p.step_in_epoch = std::min(steps_per_epoch, p.step_in_epoch * saved_world / world);
     p.global_step = p.epoch * steps_per_epoch + p.step_in_epoch;
   }
-  // The optimizer's state restored each group's lr: the cosine schedule continues from it; a
-  // constant one runs at this run's --lr.
+  checkpoint->load(checkpoint_state(s, /*with_schedule=*/saved_world == world), s.rank,
+                   /*optional=*/"hook");
+  // The optimizer's state restored each group's lr: the saved schedule continues from it; at
+  // another world size the cosine is this run's, and a constant one runs at this run's --lr.
+  nn::optim::LRScheduler* schedule = s.schedule;
+  nn::optim::Optimizer& opt = s.opt;
   if (schedule != nullptr && saved_world == world) {
-    schedule->load_state_dict(meta.get("lr_scheduler"));
+    // restored with the rest
   } else if (schedule != nullptr) {
     // This run's schedule, whose length follows the world size, at the converted step: the
     // state of a scheduler resumed just before it, whose next step takes the closed form.
@@ -250,9 +265,6 @@ Position maybe_resume(const Args& a, nn::Module& model, nn::optim::Optimizer& op
     schedule->step();
   } else {
     for (auto& group : opt.param_groups()) group.set_lr(a.lr);
-  }
-  if (hook != nullptr && saved_world == world) {
-    hook->load_state_dict(hook_state_of_rank(extra, pg.rank()));
   }
   if (verbose) {
     std::printf("resume: %s at epoch %lld, step %lld of the epoch (global step %lld)\n",
@@ -308,7 +320,10 @@ class Trainer {
   void finish_epoch(int64_t epoch, const EpochStats& e, const Evaluation& eval);
   void fail_if_asked() const;
   void print_banner() const;
-  TrainingState state() const { return {*model_, opt_, schedule_.get(), powersgd_.get()}; }
+  TrainingState state() {
+    return {*model_, opt_, schedule_.get(), powersgd_.get(), run_.rank, run_.world,
+            &hook_restored_};
+  }
   double lr() const { return opt_.param_groups().front().lr(); }
   // --max-steps reached (or passed: a checkpoint may be further on than this run's limit).
   bool reached_max_steps() const { return a_.max_steps > 0 && global_step_ >= a_.max_steps; }
@@ -324,6 +339,8 @@ class Trainer {
   std::shared_ptr<dist::PowerSGDState> powersgd_;
   nn::optim::SGD opt_;
   std::unique_ptr<nn::optim::CosineAnnealingLR> schedule_;
+  std::unique_ptr<RunCheckpoint> checkpoint_;  // null without --checkpoint-dir
+  bool hook_restored_ = false;
   const Position start_;  // where this run started (a resumed one: the checkpoint's)
   int64_t global_step_;   // steps trained, this run's and before
   double last_lr_ = 0;    // the lr of the last step trained
@@ -366,8 +383,11 @@ Trainer::Trainer(const Args& a)
       schedule_(a.lr_schedule == "cosine" ? std::make_unique<nn::optim::CosineAnnealingLR>(
                                                 opt_, std::max<int64_t>(1, total_steps_))
                                           : nullptr),
-      start_(maybe_resume(a, *model_, opt_, schedule_.get(), powersgd_.get(), *run_.pg,
-                          steps_per_epoch_, train_set_->size())),
+      checkpoint_(a.checkpoint_dir.empty()
+                      ? nullptr
+                      : std::make_unique<RunCheckpoint>(a.checkpoint_dir, run_.pg,
+                                                        a.async_checkpoint, run_.leader)),
+      start_(maybe_resume(a, state(), checkpoint_.get(), steps_per_epoch_, train_set_->size())),
       global_step_(start_.global_step),
       metrics_(run_.leader ? a.metrics : "", run_.leader ? a.tensorboard : "",
                start_.global_step > 0) {
@@ -402,6 +422,7 @@ Evaluation Trainer::train() {
     finish_epoch(epoch, e, *last);
     if (e.stop) break;
   }
+  if (checkpoint_) checkpoint_->finish();
   report_stragglers();
   return last ? *last : evaluate(*model_, test_set_, *run_.pg, run_.device);
 }
@@ -444,9 +465,10 @@ EpochStats Trainer::train_epoch(int64_t epoch) {
     const bool last_step = e.step == steps_per_epoch_ || reached_max_steps();
     // Every rank takes part in the straggler report's collective at the same steps.
     if (e.step % log_every_ == 0 || last_step) log_progress(epoch, e.step, window, last_step);
-    if (a_.checkpoint_every > 0 && !a_.checkpoint_dir.empty() &&
-        global_step_ % a_.checkpoint_every == 0 && e.step < steps_per_epoch_) {
-      save_checkpoint(a_, state(), {epoch, e.step, global_step_}, *run_.pg);
+    if (checkpoint_) checkpoint_->report_failures();
+    if (checkpoint_ && a_.checkpoint_every > 0 && global_step_ % a_.checkpoint_every == 0 &&
+        e.step < steps_per_epoch_) {
+      save_checkpoint(a_, state(), {epoch, e.step, global_step_}, *checkpoint_);
     }
     if (reached_max_steps()) {
       e.stop = true;
@@ -552,11 +574,11 @@ void Trainer::finish_epoch(int64_t epoch, const EpochStats& e, const Evaluation&
                     {"complete", complete},
                     {"ddp", ddp_json(ddp_.stats())}});
   }
-  if (!a_.checkpoint_dir.empty()) {
+  if (checkpoint_) {
     save_checkpoint(
         a_, state(),
         complete ? Position{epoch + 1, 0, global_step_} : Position{epoch, e.step, global_step_},
-        *run_.pg);
+        *checkpoint_);
   }
 }
 
@@ -624,9 +646,12 @@ int main(int argc, char** argv) {
   app.add_flag("--continue-on-nan", a.continue_on_nan,
                "keep training when the loss is NaN or infinite (default: stop with an error)");
   app.add_option("--checkpoint-dir", a.checkpoint_dir,
-                 "write checkpoint.safetensors here after each epoch");
+                 "write the run's checkpoint here (every rank its part; docs/checkpoints.md) "
+                 "after each epoch");
   app.add_option("--checkpoint-every", a.checkpoint_every, "also every N steps")
       ->check(kNonNegative);
+  app.add_flag("--async-checkpoint", a.async_checkpoint,
+               "write checkpoints in the background: a step waits only for the copy to memory");
   app.add_flag("--resume", a.resume,
                "continue from the checkpoint in --checkpoint-dir if there is one");
   app.add_option("--save-weights", a.save_weights, "write the final weights to FILE.safetensors");
@@ -643,8 +668,9 @@ int main(int argc, char** argv) {
       ->check(kNonNegative);
   add_fault_options(app, a.fail_at_step, a.hang_at_step);
   if (const auto status = parse_command_line(app, argc, argv)) return *status;
-  if (a.resume && a.checkpoint_dir.empty()) {
-    std::fprintf(stderr, "fashion_mnist: --resume needs --checkpoint-dir\n");
+  if ((a.resume || a.async_checkpoint || a.checkpoint_every > 0) && a.checkpoint_dir.empty()) {
+    std::fprintf(stderr, "fashion_mnist: --resume, --checkpoint-every and --async-checkpoint "
+                         "need --checkpoint-dir\n");
     return 2;
   }
   return train_and_report<Trainer>("fashion_mnist", a);

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include <ember/distributed/checkpoint/sharded_checkpoint.h>
 #include <ember/nn/serialize.h>
 #include "cmake/build_paths.h"
 #include "tests/examples/example_test_util.h"
@@ -128,13 +130,15 @@ TEST_F(FashionMnist, TwoRanksUnderEmberrunWithMetrics) {
 // Runs the job with `options` twice through emberrun with 2 ranks: once straight through, once
 // with rank 1 killed at step 30 and emberrun restarting the job, which resumes from the step-20
 // checkpoint. Both must end with exactly the same weights; returns the two runs' outputs.
-std::pair<Result, Result> run_clean_and_resumed(const std::string& dir, const std::string& options) {
+std::pair<Result, Result> run_clean_and_resumed(const std::string& dir, const std::string& options,
+                                                const std::string& checkpoint_options = "") {
   const std::string clean = dir + "/clean.safetensors", resumed = dir + "/resumed.safetensors";
   const std::string launcher = emberrun() + " --standalone --nproc-per-node 2 ";
   Result a = run(launcher + example() + options + " --save-weights " + clean);
   EXPECT_EQ(a.status, 0) << a.output;
   Result b = run(launcher + "--max-restarts 1 " + example() + options + " --checkpoint-dir " + dir +
-                 "/ckpt --checkpoint-every 20 --resume --fail-at-step 30 --save-weights " + resumed);
+                 "/ckpt --checkpoint-every 20 --resume --fail-at-step 30 --save-weights " + resumed +
+                 checkpoint_options);
   EXPECT_EQ(b.status, 0) << b.output;
   EXPECT_NE(b.output.find("rank 1 kills itself"), std::string::npos) << b.output;
   EXPECT_NE(b.output.find("resume: "), std::string::npos) << b.output;
@@ -161,19 +165,29 @@ TEST_F(FashionMnist, ResumesAfterAKillWithIdenticalWeights) {
   auto [a, b] = run_clean_and_resumed(tmp.path, " --model mlp --max-steps 40 --log-every 10 --batch-size 32");
   EXPECT_EQ(final_accuracy(a.output), final_accuracy(b.output)) << a.output << b.output;
   // The checkpoint left behind says where the job ended.
-  auto ck = ember::nn::load_safetensors(tmp.path + "/ckpt/checkpoint.safetensors");
-  EXPECT_EQ(ck.metadata().at("global_step"), "40");
+  EXPECT_EQ(ember::dist::ShardedCheckpoint(tmp.path + "/ckpt").metadata().at("global_step"), "40");
 }
 
-// The same with PowerSGD: each rank's error feedback and Qs travel in the checkpoint (gathered
-// to rank 0), so the resumed run still matches the uninterrupted one bit for bit.
+// The same with the checkpoints written in the background (--async-checkpoint): the kill at step
+// 30 finds the checkpoint of step 20 complete, or (mid-write) the one before it current.
+TEST_F(FashionMnist, ResumesAfterAKillWithAsyncCheckpoints) {
+  auto [a, b] = run_clean_and_resumed(
+      tmp.path, " --model mlp --max-steps 40 --log-every 10 --batch-size 32", " --async-checkpoint");
+  EXPECT_EQ(final_accuracy(a.output), final_accuracy(b.output)) << a.output << b.output;
+  EXPECT_EQ(ember::dist::ShardedCheckpoint(tmp.path + "/ckpt").metadata().at("global_step"), "40");
+}
+
+// The same with PowerSGD: each rank's error feedback and Qs travel in the checkpoint (each rank
+// writes its own), so the resumed run still matches the uninterrupted one bit for bit.
 TEST_F(FashionMnist, ResumesWithPowerSgdStateWithIdenticalWeights) {
   auto [a, b] = run_clean_and_resumed(tmp.path, " --model mlp --max-steps 40 --log-every 10 --batch-size 32"
                                                 " --comm-hook powersgd --powersgd-start 5");
   EXPECT_NE(a.output.find("comm hook powersgd"), std::string::npos) << a.output;
   EXPECT_NE(a.output.find("x fewer)"), std::string::npos) << a.output;
-  auto ck = ember::nn::load_safetensors(tmp.path + "/ckpt/checkpoint.safetensors");
-  EXPECT_TRUE(ck.contains("extra.hook.rank1.iteration")) << "rank 1's hook state is saved";
+  const ember::dist::ShardedCheckpoint ck(tmp.path + "/ckpt");
+  const auto names = ck.names();
+  EXPECT_NE(std::find(names.begin(), names.end(), "hook.rank1.iteration"), names.end())
+      << "rank 1's hook state is saved";
 }
 
 // An elastic restart (emberrun --nnodes MIN:MAX) resumes at another world size: the position
@@ -196,7 +210,7 @@ TEST_F(FashionMnist, ResumesAtAnotherWorldSize) {
                                       "converted in samples, ") + lr),
             std::string::npos)
       << lr << b.output;
-  EXPECT_EQ(ember::nn::load_safetensors(ckpt + "/checkpoint.safetensors").metadata().at("global_step"),
+  EXPECT_EQ(ember::dist::ShardedCheckpoint(ckpt).metadata().at("global_step"),
             "8");
 }
 
@@ -212,16 +226,16 @@ TEST_F(FashionMnist, ResumePastMaxStepsTrainsNothing) {
             std::string::npos) << b.output;
   EXPECT_EQ(b.output.find("img/s"), std::string::npos) << "it trained:\n" << b.output;
   EXPECT_NE(b.output.find("test_accuracy="), std::string::npos) << b.output;
-  EXPECT_EQ(ember::nn::load_safetensors(ckpt + "/checkpoint.safetensors").metadata().at("global_step"),
+  EXPECT_EQ(ember::dist::ShardedCheckpoint(ckpt).metadata().at("global_step"),
             "12");
 }
 
 // Each position key of a checkpoint is parsed and range-checked, and a bad one is named.
 TEST_F(FashionMnist, BadCheckpointPositionIsRefusedByName) {
-  const std::string ckpt = tmp.path + "/ckpt", file = ckpt + "/checkpoint.safetensors";
+  const std::string ckpt = tmp.path + "/ckpt", index = ckpt + "/index.json";
   Result a = run(example() + " --model mlp --max-steps 5 --checkpoint-dir " + ckpt);
   ASSERT_EQ(a.status, 0) << a.output;
-  const ember::nn::SafetensorsFile good = ember::nn::load_safetensors(file);
+  const nlohmann::json good = nlohmann::json::parse(std::ifstream(index));
   const struct {
     const char* key;
     const char* value;
@@ -234,9 +248,9 @@ TEST_F(FashionMnist, BadCheckpointPositionIsRefusedByName) {
       {"global_step", "4", "global_step 4 is not epoch 0 x 938 steps + step_in_epoch 5"},
   };
   for (const auto& c : cases) {
-    auto meta = good.metadata();
-    meta[c.key] = c.value;
-    ember::nn::save_safetensors(file, good.tensors(), meta);
+    nlohmann::json edited = good;
+    edited["metadata"][c.key] = c.value;
+    std::ofstream(index) << edited.dump();
     Result b = run(example() + " --model mlp --max-steps 10 --resume --checkpoint-dir " + ckpt);
     EXPECT_EQ(b.status, 1) << c.key << "=" << c.value << "\n" << b.output;
     EXPECT_NE(b.output.find(c.expected), std::string::npos) << c.key << "=" << c.value << "\n"
@@ -319,9 +333,13 @@ TEST_F(FashionMnist, BadOptionsAreUsageErrors) {
   EXPECT_NE(r.output.find("--timeout: expected a number >= 0, got -5"), std::string::npos)
       << r.output;
 
-  r = run(example() + " --resume");
-  EXPECT_EQ(r.status, 2) << r.output;
-  EXPECT_NE(r.output.find("--resume needs --checkpoint-dir"), std::string::npos) << r.output;
+  for (const char* flag : {" --resume", " --async-checkpoint", " --checkpoint-every 5"}) {
+    r = run(example() + flag);
+    EXPECT_EQ(r.status, 2) << r.output;
+    EXPECT_NE(r.output.find("--resume, --checkpoint-every and --async-checkpoint need "
+                            "--checkpoint-dir"),
+              std::string::npos) << flag << "\n" << r.output;
+  }
 
   r = run(example() + " --data " + tmp.path + "/nowhere --max-steps 1");
   EXPECT_EQ(r.status, 1) << r.output;
