@@ -7,11 +7,13 @@
 
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include <ember/distributed/backends/process_group_threads.h>
 #include <ember/distributed/ddp/ddp.h>
@@ -312,6 +314,56 @@ TEST(AsyncSave, AFailedWriteIsReportedAndTrainingGoesOn) {
   }, 60s);
   Trainer r;
   EXPECT_NO_THROW(load(r.state(), tmp.path() + "/good"));
+}
+
+// A disk that fills up mid-save (the process may write no file past 64 bytes, RLIMIT_FSIZE: the
+// write fails with EFBIG as it would with ENOSPC): the async save's failure is reported, naming
+// the file, training goes on, and the previous checkpoint stays current. In a child process, so
+// the limit stays there; the child's exit status carries its verdict.
+TEST(AsyncSave, ADiskFillingUpIsReportedAndThePreviousCheckpointStays) {
+  TempDir dir;
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    int verdict = 10;
+    try {
+      run_rank_threads(2, [&](int rank) {
+        Trainer r;
+        save(r.state(), dir.path(), *default_group(), {{"step", "first"}});
+        default_group()->barrier()->wait();
+        if (rank == 0) {
+          ::signal(SIGXFSZ, SIG_IGN);
+          const rlimit small{64, 64};
+          ::setrlimit(RLIMIT_FSIZE, &small);
+        }
+        default_group()->barrier()->wait();
+        AsyncSaver saver(default_group());
+        train_step(*r.model, r.opt, r.sched, 0, rank, 2);
+        saver.save(r.state(), dir.path(), {{"step", "second"}});
+        train_step(*r.model, r.opt, r.sched, 1, rank, 2);  // training goes on meanwhile
+        while (saver.in_flight()) std::this_thread::yield();
+        const std::optional<std::string> e = saver.poll_error();
+        if (rank == 0) {
+          verdict = !e ? 11
+                   : e->find("[async_save] " + dir.path()) == std::string::npos ? 12
+                   : e->find("File too large") == std::string::npos ? 13
+                                                                     : 0;
+          if (verdict != 0 && e) std::fprintf(stderr, "reported: %s\n", e->c_str());
+        }
+      }, 60s);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      verdict = 14;
+    }
+    ::_exit(verdict);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "status " << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "11: nothing reported; 12: the directory not named; "
+                                       "13: not the write's error; 14: an exception";
+  Trainer r;
+  EXPECT_EQ(load(r.state(), dir.path()).at("step"), "first");
 }
 
 // A process killed while its async save is being written (after its rank file, before the
