@@ -485,12 +485,16 @@ double Trainer::train_step(const nn::data::Batch& batch) {
   trace::Span step_span("train step", "step", {{"step", global_step_ + 1}});
   Tensor x = batch.data.to(run_.device), y = batch.target.to(run_.device);
   last_lr_ = lr();
+  // A checkpoint being staged in the background reads the live state: PowerSGD's error feedback
+  // changes during backward, the rest at the optimizer step.
+  if (checkpoint_ && powersgd_) checkpoint_->wait_until_staged();
   opt_.zero_grad();
   trace::Span forward_span("forward", "model");
   Tensor loss = nn::functional::cross_entropy(ddp_.forward(x), y);
   forward_span.finish();
   loss.backward();
   trace::Span optimizer_span("optimizer step", "optim");
+  if (checkpoint_) checkpoint_->wait_until_staged();
   opt_.step();
   if (schedule_) schedule_->step();
   optimizer_span.finish();

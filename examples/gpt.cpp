@@ -561,6 +561,9 @@ double Trainer::train_step(int64_t step) {
     return value;
   }
   Tensor x = b.data.to(run_.device), y = b.target.to(run_.device);
+  // A checkpoint being staged in the background reads the live state: PowerSGD's error feedback
+  // and --zero-overlap's parameters change during backward, everything else at the step.
+  if (checkpoint_ && (powersgd_ || a_.zero_overlap)) checkpoint_->wait_until_staged();
   zero_grad();
   Tensor loss;
   {
@@ -581,6 +584,7 @@ double Trainer::train_step(int64_t step) {
       dist::clip_grad_norm_(*model_, a_.grad_clip);  // the norm over every rank's shards
     }
   }
+  if (checkpoint_) checkpoint_->wait_until_staged();
   if (par_.zero) {
     par_.zero->step();  // collective: every rank gets every rank's updated parameters
   } else {
@@ -615,6 +619,7 @@ double Trainer::pipeline_step(const nn::data::Batch& b) {
       clip_pipeline_grad_norm_(*pipe.part, a_.grad_clip, pp, layout_.tp_mesh.get());
     }
   }
+  if (checkpoint_) checkpoint_->wait_until_staged();
   if (par_.zero) {
     par_.zero->step();  // collective over dp
   } else {

@@ -2,8 +2,9 @@
 // the run's latest checkpoint of every object (model, optimizer, schedule, RNG, loss scale, the
 // communication hook's per-rank state, the run's position), each rank writing its part, loadable
 // at any layout and world size. With --async-checkpoint the write happens in the background
-// (AsyncSaver): training waits only for the copy to memory, and a write that fails is reported
-// while training goes on.
+// (AsyncSaver), and so does the copy to memory, during the next step's forward (and backward):
+// the trainer calls wait_until_staged() before anything changes the saved state. A write that
+// fails is reported while training goes on.
 #pragma once
 
 #include <cstdio>
@@ -64,14 +65,22 @@ class RunCheckpoint {
   bool exists() const { return std::filesystem::exists(dir_ + "/index.json"); }
 
   /// Collective. Synchronous: returns when every rank's part and the index are durable (throws
-  /// if they cannot be written). Asynchronous: returns once the state is copied (waiting first
-  /// for the previous save, if it is still being written).
+  /// if they cannot be written). Asynchronous: returns once the ranks agree on the plan (waiting
+  /// first for the previous save, if it is still being written); the state is copied in the
+  /// background, and wait_until_staged() must come before the state changes.
   void save(const ckpt::State& state, const std::map<std::string, std::string>& meta) {
     if (saver_) {
-      saver_->save(state, dir_, meta);
+      saver_->save(state, dir_, meta, /*stage_in_background=*/true);
     } else {
       ckpt::save(state, dir_, *pg_, meta);
     }
+  }
+
+  /// Returns once the save in flight no longer reads the live state (at once when none does):
+  /// before an optimizer step, and before a backward that changes saved state (a communication
+  /// hook's error feedback, ZeRO's step inside backward).
+  void wait_until_staged() {
+    if (saver_) saver_->wait_until_staged();
   }
 
   /// Rank 0 prints a background write that has failed since the last call (training goes on;

@@ -10,10 +10,12 @@
 //           the step's time beside the same step without a save, the difference beside the
 //           synchronous save;
 //   load    dist::checkpoint::load (every piece's checksum checked), beside `dd` reading the
-//           dd files back.
+//           dd files back: warm (what was just written is in the page cache), and with --cold
+//           after dropping the page cache (as root: /proc/sys/vm/drop_caches), from the disk.
 // Medians of --repeats rounds; rank 0 prints a line per round and the medians.
 //
 //   bench_checkpoint [--ranks 2] [--repeats 3] [--dir DIR] [--layers 12] [--dim 768] [--tokens 128]
+//                    [--cold]
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -42,7 +44,15 @@ struct Args {
   std::string dir;
   int64_t layers = 12, dim = 768, heads = 12, context = 1024, vocab = 50257;
   int64_t tokens = 128;  // the overlapped step's sequence
+  bool cold = false;     // also load and read after dropping the page cache
 };
+
+// Writes dirty pages back and drops the page cache, so the next read comes from the disk.
+void drop_page_cache() {
+  if (std::system("sync && echo 3 > /proc/sys/vm/drop_caches") != 0) {
+    throw std::runtime_error("--cold: cannot drop the page cache (needs root)");
+  }
+}
 
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -81,7 +91,7 @@ int run_rank(const Args& a, int rank) {
   const std::string dd_file = a.dir + "/dd.rank" + std::to_string(rank);
   const int64_t share_mb = bytes / a.ranks / (1 << 20);
   std::vector<double> save_s, dd_write_s, async_block_s, async_total_s, load_s, dd_read_s,
-      step_s, step_saving_s;
+      step_s, step_saving_s, cold_load_s, cold_dd_read_s;
   auto fwd_bwd = [&] {
     Tensor x = zeros({1, a.tokens}, kInt64);
     model->forward(x).sum().backward();
@@ -126,6 +136,21 @@ int run_rank(const Args& a, int rank) {
     timed("dd if=" + dd_file + " of=/dev/null bs=1M status=none");
     barrier();
     dd_read_s.push_back(now_s() - t0);
+    if (a.cold) {
+      for (const bool is_load : {true, false}) {
+        barrier();
+        if (rank == 0) drop_page_cache();
+        barrier();
+        t0 = now_s();
+        if (is_load) {
+          ckpt::load(state, sync_dir, {.rank = rank});
+        } else {
+          timed("dd if=" + dd_file + " of=/dev/null bs=1M status=none");
+        }
+        barrier();
+        (is_load ? cold_load_s : cold_dd_read_s).push_back(now_s() - t0);
+      }
+    }
     if (rank == 0) {
       std::printf("round %d: save %.2f s, dd write %.2f s, async blocks %.3f s (all %.2f s), step "
                   "%.3f s, saving %.3f s, load %.2f s, dd read %.2f s\n",
@@ -143,6 +168,12 @@ int run_rank(const Args& a, int rank) {
                 gb, static_cast<long long>(bytes / 12), a.ranks, a.repeats);
     std::printf("  save   %.2f s  %.2f GB/s   dd write %.2f GB/s   ratio %.2fx\n", s, gb / s, gb / w, w / s);
     std::printf("  load   %.2f s  %.2f GB/s   dd read  %.2f GB/s   ratio %.2fx\n", l, gb / l, gb / rd, rd / l);
+    if (a.cold) {
+      const double cl = median(cold_load_s), cr = median(cold_dd_read_s);
+      std::printf("  cold load %.2f s  %.2f GB/s   dd read %.2f GB/s   ratio %.2fx\n", cl, gb / cl,
+                  gb / cr, cr / cl);
+      std::printf("cold_load_s=%.4f\ncold_dd_read_s=%.4f\n", cl, cr);
+    }
     std::printf("  async  blocks %.3f s = %.1f%% of the synchronous save (all of it %.2f s)\n", ab,
                 100 * ab / s, median(async_total_s));
     std::vector<double> extra;
@@ -174,6 +205,7 @@ int main(int argc, char** argv) {
   app.add_option("--context", a.context)->capture_default_str();
   app.add_option("--vocab", a.vocab)->capture_default_str();
   app.add_option("--tokens", a.tokens, "the overlapped step's sequence length")->capture_default_str();
+  app.add_flag("--cold", a.cold, "also load and read from the disk, the page cache dropped (root)");
   CLI11_PARSE(app, argc, argv);
   bool made = false;
   if (a.dir.empty()) {

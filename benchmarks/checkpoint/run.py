@@ -4,7 +4,9 @@ medians (issue 38's targets): Ember's save against dd's write, load against dd's
 async save's blocking time against the synchronous save, and both against PyTorch's.
 
     /usr/bin/python3 benchmarks/checkpoint/run.py --build build [--rounds 3] [--ranks 2]
-        [--repeats 3] [--torch build/torch-venv/bin/python]
+        [--repeats 3] [--torch build/torch-venv/bin/python] [--cold]
+
+--cold (as root) also loads and reads after dropping the page cache: the disk's read bandwidth.
 """
 import argparse
 import os
@@ -39,12 +41,14 @@ def main():
                    help="saves and loads per process (each reports its median: the first save "
                         "of a process also pays for its staging buffers)")
     p.add_argument("--torch", default="")
+    p.add_argument("--cold", action="store_true", help="also load from a dropped page cache")
     a = p.parse_args()
     torch_py = a.torch or os.path.join(a.build, "torch-venv", "bin", "python")
     ember, torch = [], []
     for r in range(a.rounds):
         ember.append(run([os.path.join(a.build, "benchmarks", "bench_checkpoint"), "--ranks",
-                          str(a.ranks), "--repeats", str(a.repeats)], "bench_checkpoint"))
+                          str(a.ranks), "--repeats", str(a.repeats)] + (["--cold"] if a.cold else []),
+                         "bench_checkpoint"))
         print(f"round {r + 1}: ember {ember[-1]}", flush=True)
         if os.path.exists(torch_py):
             torch.append(run([torch_py, os.path.join(HERE, "dcp_torch.py"), "--nproc", str(a.ranks),
@@ -57,6 +61,10 @@ def main():
           f"{gb / med(ember, 'dd_write_s'):.2f} GB/s; ratio {med(ember, 'dd_write_s') / med(ember, 'save_s'):.2f}x")
     print(f"  load  {med(ember, 'load_s'):.2f} s = {gb / med(ember, 'load_s'):.2f} GB/s; dd read "
           f"{gb / med(ember, 'dd_read_s'):.2f} GB/s; ratio {med(ember, 'dd_read_s') / med(ember, 'load_s'):.2f}x")
+    if a.cold:
+        print(f"  cold load {med(ember, 'cold_load_s'):.2f} s = {gb / med(ember, 'cold_load_s'):.2f} GB/s; "
+              f"dd read {gb / med(ember, 'cold_dd_read_s'):.2f} GB/s; ratio "
+              f"{med(ember, 'cold_dd_read_s') / med(ember, 'cold_load_s'):.2f}x")
     print(f"  async blocks {med(ember, 'async_block_s'):.3f} s = "
           f"{100 * med(ember, 'async_block_s') / med(ember, 'save_s'):.1f}% of the synchronous save")
     if torch:
