@@ -753,8 +753,18 @@ std::map<std::string, std::string> run_settings(const Args& a, int world) {
 // the optimizer's state (ZeRO's partitions, FSDP's shards), the schedule, the loss scale, the
 // generator (dropout's draws) and PowerSGD's per-rank state. The data position is the step.
 ckpt::State Trainer::checkpoint_state() {
-  ckpt::State s = {{"model", ckpt::model(checkpoint_root())},
-                   {"optim", ckpt::optimizer(par_.optimizer(), checkpoint_root())},
+  std::shared_ptr<ckpt::Stateful> model = ckpt::model(checkpoint_root());
+  std::shared_ptr<ckpt::Stateful> optim = ckpt::optimizer(par_.optimizer(), checkpoint_root());
+  if (par_.pipe && par_.pipe->sharded && !par_.pipe->part->has_embedding() &&
+      par_.pipe->part->has_head()) {
+    // The last stage's copy of the tied embedding equals the first stage's (their gradients are
+    // summed), but fully_shard lays it out at other offsets: the first stage's ranks save it,
+    // every stage reads it back.
+    model = saved_elsewhere(model, "wte.weight");
+    optim = saved_elsewhere(optim, "wte.weight");
+  }
+  ckpt::State s = {{"model", model},
+                   {"optim", optim},
                    {"lr_scheduler", ckpt::lr_scheduler(schedule_)},
                    {"grad_scaler", ckpt::grad_scaler(scaler_)},
                    {"rng", ckpt::rng()}};
@@ -889,11 +899,6 @@ std::string unavailable(const Args& a) {
   if (a.pp > 1 && a.shard == "fsdp" && (a.tp > 1 || (a.schedule != "gpipe" && a.schedule != "1f1b"))) {
     return "--pp with --shard fsdp takes one stage per rank (--schedule gpipe or 1f1b) and no "
            "--tp yet (got --schedule " + a.schedule + ", --tp " + std::to_string(a.tp) + ")";
-  }
-  if (a.pp > 1 && a.shard == "fsdp" && !a.checkpoint_dir.empty()) {
-    // The two copies of the tied embedding lie at other offsets of the first and last stages'
-    // flat buffers, so their pieces overlap.
-    return "--pp with --shard fsdp takes no --checkpoint-dir yet (--shard none and zero do)";
   }
   if (a.pp > 1 && (a.amp != "off" || a.comm_hook != "none")) {
     return "--pp runs in float32 with DDP's plain all-reduce only yet (got --amp " + a.amp +

@@ -49,6 +49,23 @@ inline std::shared_ptr<ckpt::Stateful> hook_checkpoint_state(dist::PowerSGDState
       });
 }
 
+/// `inner` with its tensor `name` (and `name.<key>`, an optimizer's state of it) left out of what
+/// this rank saves, because another rank saves the same tensor laid out differently (a pipeline's
+/// last stage's copy of the tied embedding, fully_shard-ed at other offsets than the first
+/// stage's), but read back on load like the rest.
+inline std::shared_ptr<ckpt::Stateful> saved_elsewhere(std::shared_ptr<ckpt::Stateful> inner,
+                                                      const std::string& name) {
+  return ckpt::stateful(
+      [inner, name] {
+        ckpt::SavedState s = inner->state_dict();
+        std::erase_if(s.tensors, [&](const dist::ShardPiece& p) {
+          return p.name == name || p.name.rfind(name + ".", 0) == 0;
+        });
+        return s;
+      },
+      [inner](const ckpt::StateReader& r) { inner->load_state_dict(r); });
+}
+
 /// The run's checkpoint folder: written by save() (collective), synchronously or in the
 /// background, read back by load().
 class RunCheckpoint {

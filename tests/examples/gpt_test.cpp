@@ -226,11 +226,13 @@ TEST_F(Gpt, TensorParallelCheckpointGoesOnAtAnotherLayout) {
   resumes_as_if_uninterrupted(" --tp 2", "", "resume: saved at --tp 2, now 1\n");
 }
 
-// tp 2 x dp 2 and pp 2 x dp 2 with AdamW's state split over the dp ranks (--shard zero):
-// stopped at step 15 and resumed, each ends where its uninterrupted run ends; the optimizer's
-// parts follow their parameters' tensor-parallel parts and stages.
-TEST_F(Gpt, ZeroCheckpointsOfTensorAndPipelineLayoutsResumeAsIfUninterrupted) {
-  for (const std::string layout : {" --tp 2 --shard zero", " --pp 2 --layers 2 --shard zero"}) {
+// tp 2 x dp 2 and pp 2 x dp 2 with AdamW's state split over the dp ranks (--shard zero), and
+// pp 2 x dp 2 with fully_shard-ed stages (the last stage's copy of the tied embedding saved by
+// the first stage's ranks, read back by both): stopped at step 15 and resumed, each ends where
+// its uninterrupted run ends; the optimizer's parts follow their parameters' parts and stages.
+TEST_F(Gpt, ShardedCheckpointsOfTensorAndPipelineLayoutsResumeAsIfUninterrupted) {
+  for (const std::string layout : {" --tp 2 --shard zero", " --pp 2 --layers 2 --shard zero",
+                                   " --pp 2 --layers 2 --shard fsdp"}) {
     const std::string four = emberrun() + " --standalone --nproc-per-node 4 " + tiny() + layout;
     Result whole = run(four);
     ASSERT_EQ(whole.status, 0) << whole.output;
@@ -510,8 +512,6 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
        "gpt: --batch-size 16 does not divide into --microbatches 3"},
       {"--pp 2 --layers 2 --shard fsdp --schedule interleaved-1f1b", 2,
        "gpt: --pp with --shard fsdp takes one stage per rank (--schedule gpipe or 1f1b) and no --tp"},
-      {"--pp 2 --layers 2 --shard fsdp --checkpoint-dir x", 2,
-       "gpt: --pp with --shard fsdp takes no --checkpoint-dir yet"},
       {"--pp 2 --layers 2 --sample 5", 2, "gpt: --pp takes neither --save-weights, --export-hf nor --sample"},
       {"--pp 2 --layers 2", 1, "gpt: --pp 2 must divide the world size 1"},
       {"--data " + tmp.path + "/missing.txt", 1, "no text file at '" + tmp.path + "/missing.txt'"},
