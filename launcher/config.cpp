@@ -12,6 +12,7 @@
 #include <cctype>
 #include <cerrno>
 #include <charconv>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -26,6 +27,13 @@ namespace ember::launcher {
 namespace {
 
 // A whole-string integer in [lo, hi]; UsageError naming the option otherwise.
+// A number for an error message: 1e+308, not std::to_string's 309 digits.
+std::string shown(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+
 int parse_int(const std::string& option, const std::string& value, int lo, int hi) {
   int v = 0;
   auto [p, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
@@ -172,7 +180,8 @@ struct RawOptions {
   std::string nnodes = "1", nproc = "1", redirects = "0", tee = "0", filter;
   std::optional<int> master_port;
   std::optional<int> node_rank;
-  int max_restarts = 0;
+  std::string max_restarts = "0";  // parsed by check_limits: a clear range, not CLI11's
+                                   // "Could not convert" for a number past int
   std::string rdzv_conf, start_method;
   std::optional<double> heartbeat_interval;  // unset: 5 s, or less for a short timeout
   bool no_python = false, module = false, run_path = false;
@@ -365,28 +374,25 @@ void check_heartbeat(const RawOptions& raw, LaunchConfig& c) {
 void check_limits(const RawOptions& raw, LaunchConfig& c) {
   if (!(c.rdzv_timeout_s > 0) || c.rdzv_timeout_s > 1e6) {
     throw UsageError("--rdzv-timeout: expected seconds in (0, 1e6], got " +
-                     std::to_string(c.rdzv_timeout_s));
+                     shown(c.rdzv_timeout_s));
   }
   if (!(c.last_call_s >= 0) || c.last_call_s > 1e6) {
     throw UsageError("--rdzv-last-call: expected seconds in [0, 1e6], got " +
-                     std::to_string(c.last_call_s));
+                     shown(c.last_call_s));
   }
   if (c.rdzv_read_timeout_s > 1e6) {
     throw UsageError("--rdzv-conf read_timeout: expected seconds in (0, 1e6], got " +
-                     std::to_string(c.rdzv_read_timeout_s));
+                     shown(c.rdzv_read_timeout_s));
   }
   check_heartbeat(raw, c);
-  if (raw.max_restarts < 0) {
-    throw UsageError("--max-restarts: expected >= 0, got " + std::to_string(raw.max_restarts));
-  }
-  c.max_restarts = raw.max_restarts;
+  c.max_restarts = parse_int("--max-restarts", raw.max_restarts, 0, 1'000'000);
   if (!(c.monitor_interval_s > 0) || c.monitor_interval_s > 3600) {
     throw UsageError("--monitor-interval: expected seconds in (0, 3600], got " +
-                     std::to_string(c.monitor_interval_s));
+                     shown(c.monitor_interval_s));
   }
   if (!(c.grace_period_s >= 0) || c.grace_period_s > 3600) {
     throw UsageError("--grace-period: expected seconds in [0, 3600], got " +
-                     std::to_string(c.grace_period_s));
+                     shown(c.grace_period_s));
   }
 }
 

@@ -227,6 +227,28 @@ TEST(Config, HeartbeatOptions) {
             std::string::npos);
 }
 
+// Out-of-range numbers are named with the option, the range and the value as given, in a short
+// line: no 309-digit DBL_MAX, no bare "Could not convert" for an integer past int.
+TEST(Config, OutOfRangeNumbersAreShortAndNamed) {
+  EXPECT_EQ(usage_error({"--grace-period", "1e308", "prog"}),
+            "--grace-period: expected seconds in [0, 3600], got 1e+308");
+  EXPECT_EQ(usage_error({"--monitor-interval", "1e300", "prog"}),
+            "--monitor-interval: expected seconds in (0, 3600], got 1e+300");
+  EXPECT_EQ(usage_error({"--rdzv-timeout", "1e308", "prog"}),
+            "--rdzv-timeout: expected seconds in (0, 1e6], got 1e+308");
+  EXPECT_EQ(usage_error({"--rdzv-last-call", "-1e308", "prog"}),
+            "--rdzv-last-call: expected seconds in [0, 1e6], got -1e+308");
+  EXPECT_EQ(usage_error({"--max-restarts", "99999999999", "prog"}),
+            "--max-restarts: expected an integer in [0, 1000000], got '99999999999'");
+  EXPECT_EQ(usage_error({"--max-restarts", "-1", "prog"}),
+            "--max-restarts: expected an integer in [0, 1000000], got '-1'");
+  EXPECT_EQ(parse_args({"--max-restarts", "3", "prog"}).max_restarts, 3);
+  for (const auto& [option, value] : {std::pair{"--grace-period", "1e308"},
+                                      std::pair{"--max-restarts", "99999999999"}}) {
+    EXPECT_LT(usage_error({option, value, "prog"}).size(), 100u) << option;
+  }
+}
+
 TEST(Config, TorchrunPythonOptions) {
   LaunchConfig c = parse_args({"--role", "trainer", "--no-python", "--start_method", "fork", "p"});
   EXPECT_EQ(c.role, "trainer");
