@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -78,8 +79,23 @@ class RunCheckpoint {
         saver_(async ? std::make_unique<ckpt::AsyncSaver>(pg_) : nullptr) {}
 
   const std::string& dir() const { return dir_; }
-  /// Whether a complete checkpoint is there (its index is written last).
-  bool exists() const { return std::filesystem::exists(dir_ + "/index.json"); }
+  /// Whether a complete checkpoint is there (its index is written last). Throws, naming what
+  /// was found, when the folder holds the checkpoint of an earlier version instead (a
+  /// checkpoint.safetensors file, or sharded/): resuming must not silently start from scratch
+  /// and later overwrite it.
+  bool exists() const {
+    namespace fs = std::filesystem;
+    if (fs::exists(dir_ + "/index.json")) return true;
+    for (const char* older : {"checkpoint.safetensors", "sharded/index.json"}) {
+      if (fs::exists(dir_ + "/" + older)) {
+        throw std::runtime_error(
+            dir_ + " holds " + older + ", a checkpoint of an earlier version of this program, "
+            "which reads dist::checkpoint's folders (docs/checkpoints.md): resume it with the "
+            "version that wrote it, or give another --checkpoint-dir to start afresh");
+      }
+    }
+    return false;
+  }
 
   /// Collective. Synchronous: returns when every rank's part and the index are durable (throws
   /// if they cannot be written). Asynchronous: returns once the ranks agree on the plan (waiting

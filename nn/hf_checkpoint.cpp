@@ -2,7 +2,6 @@
 
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -38,12 +37,12 @@ bool is_weight_file(const std::string& name) {
 
 int64_t nbytes(const Tensor& t) { return t.numel() * static_cast<int64_t>(itemsize(t.dtype())); }
 
+// config.json and the index: refused unread past this (transformers' indexes of the largest
+// models are a few MB).
+constexpr uint64_t kMaxJsonBytes = uint64_t{256} << 20;
+
 std::string read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  EMBER_CHECK_TYPE(Error, in.good(), "[load_hf_checkpoint] cannot read '", path.string(), "'");
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
+  return read_small_file(path.string(), kMaxJsonBytes, "[load_hf_checkpoint]");
 }
 
 Json parse_object(const std::string& text, const std::string& what, const char* op) {
@@ -113,7 +112,7 @@ HFCheckpoint load_hf_checkpoint(const std::string& dir) {
     throw ValueError(::ember::detail::str_cat("[load_hf_checkpoint] '", dir, "': ", what...));
   };
   HFCheckpoint out;
-  if (!fs::is_regular_file(root / kConfig)) fail("no config.json (not a Hugging Face model)");
+  if (!fs::exists(root / kConfig)) fail("no config.json (not a Hugging Face model)");
   out.config_json = read_text(root / kConfig);
   parse_object(out.config_json, ::ember::detail::str_cat("'", (root / kConfig).string(), "'"),
                "load_hf_checkpoint");

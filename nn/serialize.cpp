@@ -107,29 +107,33 @@ template <typename... Args>
 }
 
 // A file that cannot be opened or read: ember::Error with the system's reason.
-[[noreturn]] void os_error(const std::string& path, const std::string& what, int err) {
-  throw Error(::ember::detail::str_cat("[load_safetensors] cannot read '", path, "': ", what, ": ",
+[[noreturn]] void os_error(const std::string& path, const std::string& what, int err,
+                           const char* op = "[load_safetensors]") {
+  throw Error(::ember::detail::str_cat(op, " cannot read '", path, "': ", what, ": ",
                                        std::system_category().message(err), " (errno ", err, ")"));
 }
 
+// A regular file opened for reading, without blocking on a FIFO; `op` names the reader in
+// errors.
 class InputFile {
  public:
-  explicit InputFile(const std::string& path) : path_(path) {
+  explicit InputFile(const std::string& path, const char* op = "[load_safetensors]")
+      : path_(path) {
     // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever.
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd_ < 0) {
       const int err = errno;
-      os_error(path, "open failed", err);
+      os_error(path, "open failed", err, op);
     }
     struct stat st {};
     if (::fstat(fd_, &st) != 0) {
       const int err = errno;
       ::close(fd_);
-      os_error(path, "fstat failed", err);
+      os_error(path, "fstat failed", err, op);
     }
     if (!S_ISREG(st.st_mode)) {
       ::close(fd_);
-      throw Error(::ember::detail::str_cat("[load_safetensors] cannot read '", path,
+      throw Error(::ember::detail::str_cat(op, " cannot read '", path,
                                            "': not a regular file (a directory, FIFO or device)"));
     }
     size_ = static_cast<uint64_t>(st.st_size);
@@ -409,6 +413,18 @@ void save_state_dict(const std::string& path,
 }
 
 // ---- load ---------------------------------------------------------------------------------------
+
+std::string read_small_file(const std::string& path, uint64_t max_bytes, const char* op) {
+  InputFile file(path, op);
+  if (file.size() > max_bytes) {
+    throw ValueError(::ember::detail::str_cat(op, " '", path, "' holds ", file.size(),
+                                              " bytes, more than the ", max_bytes,
+                                              " such a file may have: refused unread"));
+  }
+  std::string text(static_cast<size_t>(file.size()), '\0');
+  file.read_at(text.data(), text.size(), 0, "file");
+  return text;
+}
 
 SafetensorsFile load_safetensors(const std::string& path) {
   InputFile file(path);

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <string>
 #include <unordered_map>
@@ -81,5 +82,10 @@ void save_state_dict(const std::string& path,
 /// of BOOL tensors other than 0 and 1 read as true. Throws ember::Error if the file cannot be
 /// opened or read, or is not a regular file.
 SafetensorsFile load_safetensors(const std::string& path);
+
+/// The whole of a small regular file (an index, a config): a FIFO, device or directory is
+/// refused by ember::Error without blocking, a file over `max_bytes` by ValueError without
+/// being read; both name `op` (e.g. "[ShardedCheckpoint]") and the path.
+std::string read_small_file(const std::string& path, uint64_t max_bytes, const char* op);
 
 }  // namespace ember::nn

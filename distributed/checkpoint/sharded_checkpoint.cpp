@@ -336,16 +336,20 @@ Json index_json(const std::string& save_id, int world,
 }
 
 // Removes the rank files in `dir` that `keep_id`'s save did not write: earlier saves' and
-// crashed saves'. Failures only warn: the new set is complete already.
+// crashed saves'; and the index's temp files a save killed while writing its index left (this
+// save's index is in place, so none is being written). Failures only warn: the new set is
+// complete already.
 void remove_stale_files(const std::string& dir, const std::string& keep_id) {
   // Also the temp files an interrupted atomic write leaves (nn/atomic_file.h names them
   // ".<target>.tmp-*").
   static const std::regex rank_file(R"(\.?([0-9a-f]{16})\.rank[0-9]+\.safetensors(\.tmp-.*)?)");
+  static const std::regex index_temp(R"(\.index\.json\.tmp-.*)");
   std::error_code ec;
   for (const auto& f : fs::directory_iterator(dir, ec)) {
     std::smatch m;
     const std::string name = f.path().filename().string();
-    if (std::regex_match(name, m, rank_file) && m[1] != keep_id) {
+    if ((std::regex_match(name, m, rank_file) && m[1] != keep_id) ||
+        std::regex_match(name, index_temp)) {
       std::error_code rm;
       fs::remove(f.path(), rm);
       if (rm)

@@ -106,18 +106,20 @@ ShardedCheckpoint::Entry parse_entry(const Json& t, const std::string& name, int
   return e;
 }
 
+// An index far larger than any checkpoint's (a million tensors of a thousand pieces stay under it)
+// is not read: a link to /dev/zero or a huge foreign file must not exhaust memory.
+constexpr uint64_t kMaxIndexBytes = uint64_t{1} << 30;
+
 Json read_index(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    throw Error(detail::str_cat(kReadOp, " cannot open the checkpoint index ", path, ": ",
-                                std::strerror(errno),
-                                " (not a sharded checkpoint, or its save "
-                                "never completed)"));
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(path, ec))) {
+    throw Error(detail::str_cat(kReadOp, " cannot open the checkpoint index ", path,
+                                ": no such file (not a sharded checkpoint, or its save never "
+                                "completed)"));
   }
-  std::stringstream ss;
-  ss << in.rdbuf();
+  const std::string text = nn::read_small_file(path, kMaxIndexBytes, kReadOp);
   try {
-    return Json::parse(ss.str());
+    return Json::parse(text);
   } catch (const Json::exception& e) {
     EMBER_CHECK(false, kReadOp, " ", path, " is not valid JSON: ", e.what());
   }

@@ -96,18 +96,46 @@ std::string read_prose(const std::string& path) {
   return text;
 }
 
+namespace {
+
+// What identifies a source file's contents without reading them: its absolute path (links
+// resolved), size and modification time in nanoseconds.
+std::string source_key(const std::string& source) {
+  std::error_code ec;
+  const fs::path real = fs::canonical(source, ec);
+  struct stat st {};
+  EMBER_CHECK(!ec && ::stat(real.c_str(), &st) == 0, kOp, " cannot stat '", source, "'");
+  return ::ember::detail::str_cat(real.string(), "\n", st.st_size, "\n", st.st_mtim.tv_sec, ".",
+                                  st.st_mtim.tv_nsec, "\n");
+}
+
+// The key a token file was built with ("" if none was recorded).
+std::string read_key(const std::string& key_file) {
+  std::ifstream in(key_file, std::ios::binary);
+  if (!in) return "";
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
 std::string prepare_token_file(const std::string& source, const std::string& cache_dir) {
   std::error_code ec;
   EMBER_CHECK(fs::is_regular_file(source, ec), kOp, " no text file at '", source, "'");
   fs::create_directories(cache_dir, ec);
   EMBER_CHECK(!ec, kOp, " cannot create the cache directory '", cache_dir, "': ", ec.message());
   const std::string out = (fs::path(cache_dir) / fs::path(source).filename()).string() + ".tokens";
-  std::error_code e1, e2;
-  const auto built = fs::last_write_time(out, e1);
-  const auto changed = fs::last_write_time(source, e2);
-  if (!e1 && !e2 && built >= changed && fs::file_size(out, e1) > 0 && !e1) return out;
+  // The file beside it says which source it was built from: the source's absolute path, size
+  // and modification time. Another file of the same name (another folder's train.txt, older or
+  // not) or an edited one does not match, so the tokens are rebuilt, never silently reused.
+  const std::string key = source_key(source);
+  const std::string key_file = out + ".source";
+  std::error_code e1;
+  if (fs::file_size(out, e1) > 0 && !e1 && read_key(key_file) == key) return out;
   // Byte-level tokens: token t is the byte t, so the prose's bytes are the token file.
   write_file_atomic(out, read_prose(source));
+  write_file_atomic(key_file, key);
   return out;
 }
 

@@ -37,7 +37,9 @@ inline constexpr const char* kKjvBible = "/usr/lib/bible.data";
 std::string read_prose(const std::string& path);
 
 /// The token file of `source` in `cache_dir` (created if need be), built from read_prose(source)
-/// when it is missing or older than the source; returns its path, "<cache_dir>/<source file
+/// unless the one there was built from this very file as it is now (its absolute path, size and
+/// modification time, recorded in "<token file>.source": another folder's file of the same name
+/// or an edited one is rebuilt, never reused); returns its path, "<cache_dir>/<source file
 /// name>.tokens". The file holds one uint8 token per byte, nothing else. It is written
 /// atomically (nn/atomic_file.h), so ranks that build it at once each write the same bytes and
 /// no reader ever sees half a file. Throws ValueError as read_prose does, or ember::Error when

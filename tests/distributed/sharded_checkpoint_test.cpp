@@ -3,6 +3,7 @@
 // not line up with the savers' pieces, consolidated into one safetensors file, overwritten,
 // interrupted mid-save, and refused with every rank failing alike when the pieces do not tile.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <unistd.h>
 
@@ -374,9 +375,11 @@ TEST(ShardedCheckpoint, ASecondSaveReplacesTheFirstAndRemovesItsFiles) {
   const auto first = make_values(four_rank_specs(), 4);
   save_on_threads(dir.path(), four_rank_specs(), first, 4);
   const std::string first_id = ShardedCheckpoint(dir.path()).save_id();
-  // What a save killed during its atomic write leaves; an unrelated file stays.
+  // What a save killed during its atomic writes leaves (a rank file's, the index's); an
+  // unrelated file stays.
   const std::string stray = "." + first_id + ".rank1.safetensors.tmp-123-0";
   std::ofstream(dir.file(stray)) << "partial";
+  std::ofstream(dir.file(".index.json.tmp-456-0")) << "{\"partial";
   std::ofstream(dir.file("notes.txt")) << "mine";
   const auto second = make_values(two_rank_specs(), 5);
   save_on_threads(dir.path(), two_rank_specs(), second, 2);
@@ -586,6 +589,29 @@ TEST(ShardedCheckpoint, ReaderErrorsNameTheFileAndTensor) {
 // Every piece carries its checksum: a flipped byte in one piece, or another save's file in a
 // rank file's place, is an error naming the tensor and the file (the other pieces still read);
 // verify() checks every piece.
+// An index that is a FIFO, a link to /dev/zero or a directory is refused by its file type,
+// without blocking or reading; one larger than any index is refused unread.
+TEST(ShardedCheckpoint, AnIndexThatIsNotAnOrdinaryFileIsRefusedUnread) {
+  TempDir dir;
+  const std::string index = dir.file("index.json");
+  ASSERT_EQ(::mkfifo(index.c_str(), 0600), 0) << std::strerror(errno);
+  std::string e = test::message_of([&] { ShardedCheckpoint c(dir.path()); });
+  EXPECT_NE(e.find("not a regular file"), std::string::npos) << e;
+  fs::remove(index);
+  fs::create_symlink("/dev/zero", index);
+  e = test::message_of([&] { ShardedCheckpoint c(dir.path()); });
+  EXPECT_NE(e.find("not a regular file"), std::string::npos) << e;
+  fs::remove(index);
+  {
+    std::ofstream big(index);
+    big.seekp((std::streamoff{1} << 30) + 1);  // sparse: takes no disk
+    big.put(' ');
+  }
+  e = test::message_of([&] { ShardedCheckpoint c(dir.path()); });
+  EXPECT_NE(e.find("more than the 1073741824 such a file may have: refused unread"),
+            std::string::npos) << e;
+}
+
 TEST(ShardedCheckpoint, CorruptedOrForeignPiecesAreNamed) {
   TempDir dir, other;
   const auto specs = four_rank_specs();

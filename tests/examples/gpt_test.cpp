@@ -417,7 +417,8 @@ TEST_F(Gpt, ExportsToAndStartsFromHuggingFaceLayout) {
 }
 
 // A checkpoint at or past the end (--stop-at-step below it: --steps itself must match) trains
-// nothing and says so; a bad position in the checkpoint is refused naming the key and value.
+// nothing and says so; a bad position in the checkpoint is refused naming the key and value, and
+// an earlier version's checkpoint naming the file.
 TEST_F(Gpt, ResumePastTheEndTrainsNothingAndBadPositionsAreNamed) {
   const std::string alone = "env EMBER_NUM_THREADS=1 " + tiny() + " --eval-batches 2";
   const std::string dir = " --checkpoint-dir " + tmp.path + "/ck";
@@ -441,6 +442,15 @@ TEST_F(Gpt, ResumePastTheEndTrainsNothingAndBadPositionsAreNamed) {
                             std::string(bad) + "'"),
               std::string::npos) << r.output;
   }
+  // A folder holding an earlier version's checkpoint is refused by name, not resumed from
+  // scratch (and later overwritten).
+  const std::string old = tmp.path + "/old";
+  fs::create_directories(old);
+  std::ofstream(old + "/checkpoint.safetensors") << "an earlier version's checkpoint";
+  Result r = run(alone + " --checkpoint-dir " + old + " --resume");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find(old + " holds checkpoint.safetensors, a checkpoint of an earlier version"),
+            std::string::npos) << r.output;
 }
 
 // A diverging run (a huge learning rate) stops naming the step, unless told to go on.

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <chrono>
 #include <fstream>
 #include <memory>
 #include <set>
@@ -66,10 +67,33 @@ TEST(TokenStream, PrepareWritesTheBytesOnceAndMapsThem) {
   const TokenFile f(path);
   ASSERT_EQ(f.size(), static_cast<int64_t>(text.size()));
   EXPECT_EQ(std::string(reinterpret_cast<const char*>(f.data()), text.size()), text);
-  // Nothing but the token file is left in the cache (no temp file of the atomic write).
-  int entries = 0;
-  for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir.path + "/cache/sub")) ++entries;
-  EXPECT_EQ(entries, 1);
+  // Nothing but the token file and what it was built from is left in the cache (no temp file
+  // of the atomic writes).
+  std::set<std::string> entries;
+  for (const auto& e : fs::directory_iterator(dir.path + "/cache/sub")) {
+    entries.insert(e.path().filename().string());
+  }
+  EXPECT_EQ(entries, (std::set<std::string>{"prose.txt.tokens", "prose.txt.tokens.source"}));
+}
+
+// Two files of one name in two folders (the second one older), through one cache: each run
+// trains on its own file's tokens, never the other's; an edited file is rebuilt too.
+TEST(TokenStream, AnotherFileOfTheSameNameIsNeverTakenFromTheCache) {
+  TempDir dir;
+  fs::create_directories(dir.path + "/a");
+  fs::create_directories(dir.path + "/b");
+  const std::string a = dir.write("a/train.txt", "the tokens of a\n");
+  const std::string b = dir.write("b/train.txt", "b's, an older file\n");
+  fs::last_write_time(b, fs::last_write_time(a) - std::chrono::hours(1));
+  auto tokens_of = [&](const std::string& src) {
+    const TokenFile f(prepare_token_file(src, dir.path + "/cache"));
+    return std::string(reinterpret_cast<const char*>(f.data()), static_cast<size_t>(f.size()));
+  };
+  EXPECT_EQ(tokens_of(a), "the tokens of a\n");
+  EXPECT_EQ(tokens_of(b), "b's, an older file\n");
+  EXPECT_EQ(tokens_of(a), "the tokens of a\n");
+  std::ofstream(a, std::ios::app) << "and more\n";
+  EXPECT_EQ(tokens_of(a), "the tokens of a\nand more\n");
 }
 
 TEST(TokenStream, WindowsAreShiftedByOneToken) {
