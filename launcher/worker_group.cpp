@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -72,6 +73,21 @@ std::map<std::string, std::string> base_environment(int nproc_per_node) {
   return base;
 }
 
+// What this agent's workers put in their shared-memory segments' names (EMBER_SHM_TAG): unique
+// among the live agents of a node, since it is this process's pid.
+std::string shm_tag() { return "j" + std::to_string(::getpid()); }
+
+// Removes the shared-memory names this agent's workers left: a rank killed (or interrupted)
+// while setting up its group's segment never unlinks it. Called when none of them is running.
+void sweep_shared_memory() {
+  const std::string prefix = "ember-" + shm_tag() + "-";
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/dev/shm", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) == 0) ::shm_unlink(("/" + name).c_str());
+  }
+}
+
 // One rank's environment as "KEY=value" strings: `base` plus the launcher's variables.
 std::vector<std::string> worker_environment(std::map<std::string, std::string> env,
                                             const LaunchConfig& c, const GroupSpec& spec,
@@ -95,6 +111,7 @@ std::vector<std::string> worker_environment(std::map<std::string, std::string> e
   env["TORCHELASTIC_USE_AGENT_STORE"] = "False";  // rank 0 hosts the store
   env["TORCHELASTIC_ERROR_FILE"] = error_file;
   env["EMBER_ERROR_FILE"] = error_file;
+  env["EMBER_SHM_TAG"] = shm_tag();
   std::vector<std::string> out;
   for (auto& [k, v] : env) out.push_back(k + "=" + v);
   return out;
@@ -180,10 +197,12 @@ WorkerGroup::WorkerGroup(const LaunchConfig& c, std::string program_path, std::s
 WorkerGroup::~WorkerGroup() {
   kill_all_groups();
   close_all();
+  sweep_shared_memory();
 }
 
 std::string WorkerGroup::spawn(int attempt, const GroupSpec& spec) {
   close_all();
+  sweep_shared_memory();  // what the previous attempt's workers left
   workers_.clear();
   failures_.clear();
   const std::string attempt_dir = run_dir_ + "/attempt_" + std::to_string(attempt);

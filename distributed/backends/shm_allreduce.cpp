@@ -57,8 +57,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -234,6 +237,21 @@ bool map_segment(const std::string& name, size_t bytes, bool create, Mapping& m,
 
 // ---- set-up -------------------------------------------------------------------------------------
 
+// The segment's name: "/ember-<tag>-<pid>-<nonce>" under emberrun, whose EMBER_SHM_TAG names the
+// job on this node, so that the launcher can sweep a name a killed rank 0 left behind (it exists
+// from creation until every rank has mapped it); "/ember-<pid>-<nonce>" elsewhere.
+static std::string segment_name(uint64_t nonce) {
+  std::ostringstream n;
+  n << "/ember-";
+  const char* tag = std::getenv("EMBER_SHM_TAG");
+  if (tag != nullptr && *tag != '\0' && std::strlen(tag) <= 32 &&
+      std::all_of(tag, tag + std::strlen(tag), [](char c) { return std::isalnum(static_cast<unsigned char>(c)); })) {
+    n << tag << "-";
+  }
+  n << ::getpid() << "-" << std::hex << nonce;
+  return n.str();
+}
+
 std::unique_ptr<ShmAllreduce> ShmAllreduce::create(Store& store, int rank, int size, int channels,
                                                    Duration timeout, size_t single_copy_bytes) {
   const size_t single_copy =
@@ -254,9 +272,7 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::create(Store& store, int rank, int s
     if (local) {
       std::random_device rd;
       nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(::getpid());
-      std::ostringstream n;
-      n << "/ember-" << ::getpid() << "-" << std::hex << nonce;
-      name = n.str();
+      name = segment_name(nonce);
       if (map_segment(name, l.total, true, m, &created)) {
         SegmentHeader& h = header_of(m.base);
         h.magic = kMagic;
@@ -266,6 +282,12 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::create(Store& store, int rank, int s
         h.chunk = chunk;
         pids_of(m.base)[0] = static_cast<int32_t>(::getpid());
       }
+    }
+    if (created && std::getenv("EMBER_TEST_KILL_AFTER_SHM_CREATE") != nullptr) {
+      // Test hook: die as a Ctrl-C or kill -9 here would, with the name still there.
+      std::fprintf(stderr, "EMBER_TEST_KILL_AFTER_SHM_CREATE: rank 0 created %s\n", name.c_str());
+      std::fflush(stderr);
+      ::raise(SIGKILL);
     }
     // Whatever happens next, the name goes once every rank has answered.
     struct Unlink {

@@ -72,6 +72,24 @@ TEST_P(DistTest, InitProcessGroupRendezvousesThroughTheEnvironment) {
 }
 INSTANTIATE_TEST_SUITE_P(Emberrun, DistTest, ::testing::Values(2, 4));
 
+// Rank 0 killed between creating its group's shared-memory segment and the other ranks mapping
+// it (EMBER_TEST_KILL_AFTER_SHM_CREATE: where a Ctrl-C or kill -9 during group creation lands)
+// never unlinks the name; emberrun, whose tag the name carries, removes it when the job ends.
+TEST(Emberrun, ASharedMemoryNameAKilledRankLeftIsRemoved) {
+  const std::string dist_worker = build_dir() + "/launcher/test_workers/dist_worker";
+  if (!fs::exists(dist_worker)) GTEST_SKIP() << dist_worker << " not built (no ember_distributed)";
+  TempDir d;
+  Result r = run({"--standalone", "--nproc-per-node", "2", dist_worker, d.path},
+                 {"EMBER_TEST_KILL_AFTER_SHM_CREATE=1", "EMBER_PG_TIMEOUT=20"});
+  EXPECT_NE(r.exit_code, 0) << describe(r);
+  const std::string marker = "rank 0 created ";
+  const auto at = r.err.find(marker);
+  ASSERT_NE(at, std::string::npos) << describe(r);
+  const std::string name = r.err.substr(at + marker.size(), r.err.find('\n', at) - at - marker.size());
+  EXPECT_EQ(name.rfind("/ember-j", 0), 0u) << name << " carries no launcher tag";
+  EXPECT_FALSE(fs::exists("/dev/shm" + name)) << name << " was left in /dev/shm\n" << describe(r);
+}
+
 // emberrun links the store library only: it never loads the tensor library, BLAS, oneDNN or
 // CUDA (a regression to linking ember_distributed would bring them all back).
 TEST(Emberrun, LoadsNoTensorLibrary) {
