@@ -41,19 +41,34 @@ struct TCPStoreServerOptions {
   /// The shared secret clients must prove; nullopt reads EMBER_STORE_SECRET (unset or empty
   /// means none); "" means none even if the variable is set.
   std::optional<std::string> secret;
-  /// A connection that has not authenticated within this time is closed.
-  Duration handshake_timeout = std::chrono::seconds(60);
-  /// Connections beyond this many are closed on accept.
-  size_t max_connections = 16384;
+  /// A connection that has not authenticated within this time is closed (a client
+  /// authenticates in one round trip after connecting).
+  Duration handshake_timeout = std::chrono::seconds(10);
+  /// Connections beyond this many are closed on accept. 0: 16384, but at most the process's
+  /// descriptor limit (RLIMIT_NOFILE) less a quarter of it (at least 256) kept for the job
+  /// itself (its sockets, shared memory, checkpoint files): see default_max_connections().
+  size_t max_connections = 0;
   /// A frame that has begun to arrive but then receives no byte for this long is dropped
   /// together with its connection, so a sender that stalls mid-frame cannot hold a buffer.
   Duration partial_frame_timeout = std::chrono::seconds(30);
+  /// A frame must arrive whole within this time from its first byte, however its bytes
+  /// trickle: a sender cannot hold its share of max_buffered_bytes longer (a 128 MiB frame
+  /// takes about 10 s at 100 Mbit/s).
+  Duration max_frame_time = std::chrono::seconds(120);
   /// The most receive-buffer memory the server holds across all connections. A connection
   /// whose frame would take the total beyond it is dropped ("server buffer full"); buffers
   /// grow as bytes arrive, so one connection holds at most about twice what it has sent (and
   /// never more than a frame's maximum, kMaxPayload: two 64 MiB values plus keys).
   size_t max_buffered_bytes = size_t{1} << 30;
+  /// The most the stored keys and values may hold together (etcd's default quota): a set,
+  /// add or compare_set that would go past it is refused with DistStoreError naming the key and
+  /// the quota, and the store keeps serving.
+  size_t max_stored_bytes = size_t{2} << 30;
 };
+
+/// max_connections' default for a process allowed `nofile` descriptors: 16384, or fewer so that
+/// a quarter of the descriptors (at least 256) stays for the job.
+size_t default_max_connections(uint64_t nofile);
 
 /// The store's server: owns the keys and answers clients until stopped or destroyed.
 /// Usable on its own (a launcher that is not a rank) or through TCPStore(is_server = true).
@@ -92,6 +107,8 @@ class TCPStoreServer {
     int64_t frame_timeouts = 0;   // connections dropped for a partial frame that stalled
     int64_t buffer_refusals = 0;  // connections dropped because the server's buffers were full
     int64_t buffered_bytes = 0;   // receive-buffer memory held now, all connections together
+    int64_t stored_bytes = 0;     // keys and values stored now
+    int64_t quota_refusals = 0;   // writes refused by max_stored_bytes
   };
   Stats stats() const;
 

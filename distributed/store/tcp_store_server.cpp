@@ -1,12 +1,14 @@
 // TCPStoreServer: one Boost.Asio thread owns every key, connection and parked waiter, so the
 // store's state needs no locks; only the workers' join counter is shared with other threads.
 #include <fcntl.h>
+#include <sys/resource.h>
 
 // clang-format off
 #include <utility>  // before asio: Boost 1.74's awaitable.hpp uses std::exchange without it
 #include <boost/asio.hpp>
 // clang-format on
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -102,6 +104,8 @@ class TCPStoreServer::Impl {
     s.frame_timeouts = frame_timeouts_.load();
     s.buffer_refusals = buffer_refusals_.load();
     s.buffered_bytes = buffered_.load();
+    s.stored_bytes = stored_.load();
+    s.quota_refusals = quota_refusals_.load();
     return s;
   }
 
@@ -121,6 +125,9 @@ class TCPStoreServer::Impl {
   void run();
   void handle(const std::shared_ptr<Session>& s, uint8_t type, const wire::Bytes& payload);
   void set_key(const std::string& key, wire::Bytes value);
+  // Whether replacing `key`'s value (if any) by `bytes` more keeps the store within
+  // max_stored_bytes; if not, answers the session with an error naming the key and the quota.
+  bool within_quota(const std::shared_ptr<Session>& s, const std::string& key, size_t bytes);
   void park(const std::shared_ptr<Session>& s, std::vector<std::string> keys, bool is_get,
             uint64_t timeout_ms);
   void complete(uint64_t id);
@@ -161,6 +168,9 @@ class TCPStoreServer::Impl {
       protocol_errors_{0}, frame_timeouts_{0}, buffer_refusals_{0};
   // Receive-buffer bytes held by all sessions; changed only on the io thread.
   std::atomic<int64_t> buffered_{0};
+  // Bytes of the stored keys and values; changed only on the io thread.
+  std::atomic<int64_t> stored_{0};
+  std::atomic<int64_t> quota_refusals_{0};
   std::atomic<size_t> waiting_{0};  // waiters_.size(), readable from other threads
 };
 
@@ -312,6 +322,7 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
   // the last progress rather than reset on every read, which would cost a timer per read.
   void begin_frame() {
     frame_active_ = true;
+    frame_started_ = Clock::now();
     if (!frame_timer_armed_) arm_frame_timer();
   }
   void end_frame() {
@@ -323,14 +334,30 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     return std::min(srv_.opts_.partial_frame_timeout, dist::detail::kMaxStoreTimeout);
   }
 
+  Duration whole_frame_limit() const {
+    return std::min(srv_.opts_.max_frame_time, dist::detail::kMaxStoreTimeout);
+  }
+
+  // Fires at the earlier of the stall limit (from the last byte) and the whole frame's (from its
+  // first byte).
   void arm_frame_timer() {
     frame_timer_armed_ = true;
-    frame_timer_.expires_at(last_progress_ + frame_limit());
+    frame_timer_.expires_at(
+        std::min(last_progress_ + frame_limit(), frame_started_ + whole_frame_limit()));
     frame_timer_.async_wait([self = shared_from_this()](const boost::system::error_code& e) {
       self->frame_timer_armed_ = false;
       if (e || self->closed_ || !self->frame_active_) return;
       const auto limit = self->frame_limit();
-      if (Clock::now() - self->last_progress_ < limit) return self->arm_frame_timer();
+      const auto now = Clock::now();
+      if (now - self->frame_started_ >= self->whole_frame_limit()) {
+        ++self->srv_.frame_timeouts_;
+        return self->drop(str_cat(
+            "frame too slow: ",
+            self->in_payload_ ? self->got_ + wire::kHeaderSize : self->header_got_, " of ",
+            self->in_payload_ ? str_cat(self->length_ + wire::kHeaderSize) : std::string("?"),
+            " bytes arrived in ", self->whole_frame_limit().count(), " ms (max_frame_time)"));
+      }
+      if (now - self->last_progress_ < limit) return self->arm_frame_timer();
       ++self->srv_.frame_timeouts_;
       self->drop(str_cat(
           "partial frame timed out: ",
@@ -443,8 +470,16 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
   bool frame_active_ = false;  // a frame's first byte has arrived, its last not yet
   bool frame_timer_armed_ = false;
   Clock::time_point last_progress_;
+  Clock::time_point frame_started_;
   std::deque<wire::Bytes> out_;
 };
+
+size_t default_max_connections(uint64_t nofile) {
+  constexpr size_t kMost = 16384;
+  if (nofile == RLIM_INFINITY || nofile > uint64_t{1} << 40) return kMost;
+  const uint64_t reserve = std::max<uint64_t>(256, nofile / 4);
+  return nofile > reserve ? static_cast<size_t>(std::min<uint64_t>(kMost, nofile - reserve)) : 1;
+}
 
 TCPStoreServer::Impl::Impl(TCPStoreServerOptions options)
     : work_(asio::make_work_guard(io_)),
@@ -452,6 +487,11 @@ TCPStoreServer::Impl::Impl(TCPStoreServerOptions options)
       accept_retry_(io_),
       opts_(std::move(options)),
       secret_(store_secret(opts_.secret)) {
+  if (opts_.max_connections == 0) {
+    rlimit nofile{};
+    opts_.max_connections = default_max_connections(
+        ::getrlimit(RLIMIT_NOFILE, &nofile) == 0 ? nofile.rlim_cur : RLIM_INFINITY);
+  }
   const std::string where = str_cat(opts_.host.empty() ? "*" : opts_.host, ":", opts_.port);
   std::vector<tcp::endpoint> endpoints;
   if (opts_.host.empty()) {
@@ -622,6 +662,7 @@ void TCPStoreServer::Impl::handle(const std::shared_ptr<Session>& s, uint8_t typ
     case Type::kSet: {
       wire::Bytes value;
       expect(r.blob(wire::kMaxKeySize, &key) && r.blob(wire::kMaxValueSize, &value), r, "set");
+      if (!within_quota(s, key, value.size())) return;
       set_key(key, std::move(value));
       s->send(FrameWriter(Type::kOk).finish());
       return;
@@ -652,7 +693,9 @@ void TCPStoreServer::Impl::handle(const std::shared_ptr<Session>& s, uint8_t typ
         s->send(FrameWriter(Type::kError).blob(std::string(e.what())).finish());
         return;
       }
-      set_key(key, dist::detail::format_store_counter(result));
+      wire::Bytes counter = dist::detail::format_store_counter(result);
+      if (!within_quota(s, key, counter.size())) return;
+      set_key(key, std::move(counter));
       s->send(FrameWriter(Type::kOk).u64(static_cast<uint64_t>(result)).finish());
       return;
     }
@@ -665,13 +708,18 @@ void TCPStoreServer::Impl::handle(const std::shared_ptr<Session>& s, uint8_t typ
       if (it == data_.end()) {
         // torch: create the key only if expected is empty; else answer `expected`.
         if (expected.empty()) {
+          if (!within_quota(s, key, desired.size())) return;
           set_key(key, desired);
           s->send(FrameWriter(Type::kOk).blob(desired).finish());
         } else {
           s->send(FrameWriter(Type::kOk).blob(expected).finish());
         }
       } else {
-        if (it->second == expected) it->second = std::move(desired);
+        if (it->second == expected) {
+          if (!within_quota(s, key, desired.size())) return;
+          stored_ += static_cast<int64_t>(desired.size()) - static_cast<int64_t>(it->second.size());
+          it->second = std::move(desired);
+        }
         s->send(FrameWriter(Type::kOk).blob(it->second).finish());
       }
       return;
@@ -700,7 +748,12 @@ void TCPStoreServer::Impl::handle(const std::shared_ptr<Session>& s, uint8_t typ
     }
     case Type::kDeleteKey: {
       expect(r.blob(wire::kMaxKeySize, &key), r, "delete_key");
-      const bool existed = data_.erase(key) != 0;
+      const auto it = data_.find(key);
+      const bool existed = it != data_.end();
+      if (existed) {
+        stored_ -= static_cast<int64_t>(key.size() + it->second.size());
+        data_.erase(it);
+      }
       s->send(FrameWriter(Type::kOk).u64(existed ? 1 : 0).finish());
       return;
     }
@@ -725,7 +778,28 @@ void TCPStoreServer::Impl::handle(const std::shared_ptr<Session>& s, uint8_t typ
   }
 }
 
+bool TCPStoreServer::Impl::within_quota(const std::shared_ptr<Session>& s, const std::string& key,
+                                        size_t bytes) {
+  const auto it = data_.find(key);
+  const int64_t now = stored_.load();
+  const int64_t after = now + static_cast<int64_t>(bytes) -
+                        (it == data_.end() ? -static_cast<int64_t>(key.size())
+                                           : static_cast<int64_t>(it->second.size()));
+  if (after <= now || static_cast<size_t>(after) <= opts_.max_stored_bytes) return true;
+  ++quota_refusals_;
+  s->send(wire::FrameWriter(wire::Type::kError)
+              .blob(str_cat("the store is full: setting '", key.substr(0, 200), "' to ", bytes,
+                            " bytes would make its keys and values ", after,
+                            " bytes, past max_stored_bytes ", opts_.max_stored_bytes))
+              .finish());
+  return false;
+}
+
 void TCPStoreServer::Impl::set_key(const std::string& key, wire::Bytes value) {
+  const auto old = data_.find(key);
+  stored_ += static_cast<int64_t>(value.size()) -
+             (old == data_.end() ? -static_cast<int64_t>(key.size())
+                                 : static_cast<int64_t>(old->second.size()));
   data_[key] = std::move(value);
   // Waiters are registered only on keys missing when they parked, and a key's list is taken
   // whole the first time it is set, so each waiter counts each of its keys once.

@@ -6,6 +6,7 @@
 #include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <netinet/tcp.h>
+#include <sys/resource.h>
 
 #include <array>
 #include <atomic>
@@ -667,6 +668,76 @@ TEST(TCPStore, AStalledPartialFrameIsDroppedAndLoggedWithThePeer) {
       << log;
   legit.set("after", std::string("2"));  // an idle connection is not a partial frame
   EXPECT_EQ(legit.get_string("before"), "1");
+}
+
+// A frame whose bytes keep trickling (a byte every 50 ms: never a stall) is dropped at
+// max_frame_time from its first byte, so a sender cannot hold its buffer share for good (issue
+// 42, T5); a legitimate client is served throughout.
+TEST(TCPStore, AFrameThatTricklesIsDroppedAtMaxFrameTime) {
+  TCPStoreServerOptions so = local();
+  so.partial_frame_timeout = 5s;
+  so.max_frame_time = 400ms;
+  TCPStoreServer server(so);
+  TCPStore legit("127.0.0.1", server.port(), client_options());
+  testing::internal::CaptureStderr();
+  Raw trickle(server.port());
+  trickle.authenticate();
+  trickle.send(header(uint8_t(wire::Type::kSet), 1000));
+  bool closed = false;
+  for (int i = 0; i < 400 && !closed; ++i) {  // at most 20 s, far past max_frame_time
+    trickle.send(std::string("x"));
+    closed = trickle.closed_by_server(50);
+  }
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(closed) << "a trickling frame kept its connection past max_frame_time";
+  EXPECT_EQ(server.stats().frame_timeouts, 1);
+  EXPECT_NE(log.find("frame too slow: "), std::string::npos) << log;
+  EXPECT_NE(log.find("(max_frame_time)"), std::string::npos) << log;
+  legit.set("k", std::string("v"));
+  EXPECT_EQ(legit.get_string("k"), "v");
+}
+
+// The stored keys and values are capped by max_stored_bytes (T7): a write past it is refused
+// with DistStoreError naming the key and the quota, the store keeps serving, and replacing or
+// deleting values frees their bytes.
+TEST(TCPStore, StoredBytesAreCappedByTheQuota) {
+  TCPStoreServerOptions so = local();
+  so.max_stored_bytes = 1000;
+  TCPStoreServer server(so);
+  TCPStore c("127.0.0.1", server.port(), client_options());
+  c.set("a", std::string(600, 'a'));
+  EXPECT_EQ(server.stats().stored_bytes, 601);
+  try {
+    c.set("b", std::string(600, 'b'));
+    ADD_FAILURE() << "a set past max_stored_bytes was taken";
+  } catch (const DistStoreError& e) {
+    EXPECT_NE(std::string(e.what()).find("the store is full: setting 'b' to 600 bytes would make "
+                                         "its keys and values 1202 bytes, past max_stored_bytes "
+                                         "1000"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(server.stats().quota_refusals, 1);
+  EXPECT_FALSE(c.check({"b"}));
+  const std::string big(600, 'b');
+  EXPECT_THROW(c.compare_set("b", Bytes(), Bytes(big.begin(), big.end())), DistStoreError);
+  c.set("a", std::string(100, 'a'));  // replacing frees the difference
+  c.set("b", std::string(600, 'b'));
+  EXPECT_EQ(server.stats().stored_bytes, 101 + 601);
+  EXPECT_TRUE(c.delete_key("b"));
+  EXPECT_EQ(server.stats().stored_bytes, 101);
+  EXPECT_EQ(c.add("n", 5), 5);
+  EXPECT_EQ(c.get_string("a"), std::string(100, 'a'));
+}
+
+// max_connections follows the descriptor limit (T6): a quarter of it (at least 256) stays for
+// the job, so connections that never authenticate cannot take the descriptors rank 0 needs.
+TEST(TCPStore, MaxConnectionsLeavesDescriptorsForTheJob) {
+  EXPECT_EQ(default_max_connections(1024), 768u);
+  EXPECT_EQ(default_max_connections(4096), 3072u);
+  EXPECT_EQ(default_max_connections(1 << 20), 16384u);
+  EXPECT_EQ(default_max_connections(RLIM_INFINITY), 16384u);
+  EXPECT_EQ(default_max_connections(200), 1u);
 }
 
 TEST(TCPStore, OversizedFramesAndAFullServerBufferAreRefusedWhileOthersAreServed) {
