@@ -1,0 +1,265 @@
+// How examples/gpt lays its model out over the ranks: the (pp, dp, tp) mesh, DDP, ZeRO,
+// fully_shard, tensor parallelism and pipeline stages, the optimizer's decay groups and the lr
+// schedule. Only examples/gpt.cpp includes it.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ember/distributed/mesh/device_mesh.h>
+#include <ember/distributed/pipelining/pipeline.h>
+#include <ember/distributed/sharding/fsdp.h>
+#include <ember/distributed/sharding/zero.h>
+#include <ember/distributed/sharding/zero_hook.h>
+#include <ember/nn/functional.h>
+#include <ember/nn/optim/lr_scheduler.h>
+#include "examples/gpt_args.h"
+#include "examples/gpt_model.h"
+#include "examples/gpt_parallel.h"
+#include "examples/gpt_pipeline.h"
+
+namespace ember::examples::gpt {
+
+namespace pipelining = ember::dist::pipelining;
+
+inline constexpr int64_t kWarmupSteps = 50;
+
+// The next-token loss over the vocabulary (a pipeline's last stage scores with it too).
+inline Tensor lm_loss(const Tensor& logits, const Tensor& y) {
+  return nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
+}
+
+// The lr schedule: linear warm-up over the first 50 steps (from a 50th of the peak), then a
+// cosine from the peak down to a tenth of it at the last step (PyTorch's SequentialLR of LinearLR
+// and CosineAnnealingLR).
+inline nn::optim::SequentialLR make_schedule(nn::optim::Optimizer& opt, double peak_lr, int64_t steps) {
+  using namespace nn::optim;
+  const int64_t warmup = std::min(kWarmupSteps, steps);
+  auto ramp = std::make_shared<LinearLR>(opt, 1.0 / static_cast<double>(warmup), 1.0,
+                                         std::max<int64_t>(1, warmup - 1));
+  auto decay = std::make_shared<CosineAnnealingLR>(opt, std::max<int64_t>(1, steps - warmup),
+                                                   0.1 * peak_lr);
+  return SequentialLR(opt, {ramp, decay}, {warmup});
+}
+
+// AdamW with weight decay on the matrices (2-D weights: Linear weights and the embeddings) and
+// none on biases and LayerNorm parameters.
+inline std::vector<nn::optim::ParamGroup> decay_groups(std::vector<Tensor> decay,
+                                                std::vector<Tensor> no_decay) {
+  return {nn::optim::ParamGroup(std::move(decay), {{"weight_decay", 0.1}}),
+          nn::optim::ParamGroup(std::move(no_decay), {{"weight_decay", 0.0}})};
+}
+inline std::vector<nn::optim::ParamGroup> decay_groups(const std::vector<Tensor>& params) {
+  std::vector<Tensor> decay, no_decay;
+  for (const Tensor& p : params) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  return decay_groups(std::move(decay), std::move(no_decay));
+}
+
+// The same over this rank's pieces of a fully_shard-ed model: the pieces are 1-D, so the full
+// parameter's shape decides the group.
+inline std::vector<nn::optim::ParamGroup> sharded_decay_groups(const nn::Module& root) {
+  std::vector<Tensor> decay, no_decay;
+  for (const auto& s : dist::local_shards(root)) {
+    if (s.data.defined()) (s.shape.size() >= 2 ? decay : no_decay).push_back(s.data);
+  }
+  return decay_groups(std::move(decay), std::move(no_decay));
+}
+
+inline nn::optim::AdamWOptions adamw_options(const Args& a) {
+  return {.lr = a.lr, .betas = {0.9, 0.95}, .eps = 1e-8, .weight_decay = 0.1};
+}
+
+// --tp: the ranks as a (dp, tp) mesh. Each row of tp ranks holds one model, laid out by
+// gpt_tensor_parallel_plan (with sequence and loss parallelism); DDP, ZeRO or FSDP work across
+// the rows, over the dp group. Without --tp the mesh is (world, 1) and dp is the world.
+// --pp: the ranks as a (pp, dp) mesh, or (pp, dp, tp) with --tp: each column of pp ranks runs
+// one model's stages (the pipeline ranks outermost, so that with ranks numbered node by node a
+// pipeline crosses the nodes, and tensor parallelism, the most talkative, innermost); DDP works
+// across the columns, over the dp group.
+struct MeshLayout {
+  MeshLayout(const RunContext& run, int64_t tp, int64_t pp) {
+    if (tp <= 1 && pp <= 1) {
+      dp = run.pg;
+      return;
+    }
+    for (auto [n, flag] : {std::pair{tp, "--tp"}, std::pair{pp, "--pp"}}) {
+      if (run.world % n != 0) {
+        throw ember::ValueError("gpt: " + std::string(flag) + " " + std::to_string(n) +
+                                " must divide the world size " + std::to_string(run.world));
+      }
+    }
+    const std::string device = run.device.is_cpu() ? "cpu" : "cuda";
+    if (pp > 1 && run.world % (pp * tp) != 0) {
+      throw ember::ValueError("gpt: --pp " + std::to_string(pp) + " x --tp " + std::to_string(tp) +
+                              " must divide the world size " + std::to_string(run.world));
+    }
+    if (pp > 1 && tp > 1) {
+      mesh = dist::init_device_mesh(device, {pp, run.world / (pp * tp), tp}, {"pp", "dp", "tp"});
+      pp_group = mesh->get_group("pp");
+      tp_mesh = (*mesh)["tp"];
+    } else if (pp > 1) {
+      mesh = dist::init_device_mesh(device, {pp, run.world / pp}, {"pp", "dp"});
+      pp_group = mesh->get_group("pp");
+    } else {
+      mesh = dist::init_device_mesh(device, {run.world / tp, tp}, {"dp", "tp"});
+      tp_mesh = (*mesh)["tp"];
+    }
+    dp = mesh->get_group("dp");
+  }
+  std::shared_ptr<dist::DeviceMesh> mesh;             // null without --tp or --pp
+  std::shared_ptr<dist::DeviceMesh> tp_mesh;          // null without --tp
+  std::shared_ptr<dist::ProcessGroup> dp;             // the data-parallel ranks
+  std::shared_ptr<dist::ProcessGroup> pp_group;       // null without --pp
+};
+
+// --shard: where the model's state lives. none: DDP, every rank holds everything; zero: DDP and
+// a ZeroRedundancyOptimizer (each rank holds 1/N of AdamW's moments); fsdp: every block and the
+// root fully_shard-ed (parameters, gradients and moments 1/N per rank).
+// --pp: this rank's stages, DDP around each over the dp ranks (when there are several), and
+// the schedule that runs them.
+struct Pipeline {
+  std::shared_ptr<GPTPart> part;  // everything this rank's stages hold, as one module
+  std::vector<std::shared_ptr<dist::DistributedDataParallel>> ddp;
+  std::unique_ptr<pipelining::PipelineSchedule> schedule;
+  bool first = false, last = false;  // this rank runs stage 0, the last stage
+  bool sharded = false;              // --shard fsdp: the stages are fully_shard-ed over dp
+  int last_rank = 0;                 // the pipeline rank with the last stage
+};
+
+struct Parallel {
+  std::shared_ptr<dist::DistributedDataParallel> ddp;   // none, zero (without --pp)
+  std::unique_ptr<dist::ZeroRedundancyOptimizer> zero;  // zero
+  std::unique_ptr<nn::optim::AdamW> adamw;              // none, fsdp
+  std::unique_ptr<Pipeline> pipe;                       // --pp
+  /// The optimizer LR schedules and the grad scaler drive (zero: this rank's local one).
+  nn::optim::Optimizer& optimizer() { return zero ? zero->optimizer() : *adamw; }
+};
+
+// --shard zero: AdamW (decay groups) over `params`, its state split over `pg`'s ranks;
+// `overlap`: stepped inside DDP's hook (--zero-overlap).
+inline std::unique_ptr<dist::ZeroRedundancyOptimizer> make_zero(
+    const Args& a, const std::vector<Tensor>& params,
+    const std::shared_ptr<dist::ProcessGroup>& pg, bool overlap) {
+  return std::make_unique<dist::ZeroRedundancyOptimizer>(
+      decay_groups(params),
+      [o = adamw_options(a)](std::vector<nn::optim::ParamGroup> g) {
+        return std::make_unique<nn::optim::AdamW>(std::move(g), o);
+      },
+      pg, dist::ZeroOptions{.overlap_with_ddp = overlap});
+}
+
+
+// --pp: this rank's stages of `model` (every rank built the whole, seeded model; each keeps its
+// stages' modules), each laid out over the tp ranks with --tp and in DDP over `dp` when it has
+// several ranks, run by --schedule.
+inline std::unique_ptr<Pipeline> make_pipeline(const Args& a, const std::shared_ptr<GPT>& model,
+                                        const MeshLayout& layout, ember::Device device) {
+  auto pipe = std::make_unique<Pipeline>();
+  const pipelining::ScheduleKind kind = pipelining::parse_schedule(a.schedule);
+  const int p = static_cast<int>(a.pp), S = p * pipelining::default_stages_per_rank(kind);
+  const int rank = layout.pp_group->rank();
+  std::vector<std::shared_ptr<pipelining::PipelineStage>> stages;
+  std::vector<int> mine;
+  std::vector<std::shared_ptr<GPTPart>> parts;  // the stages' modules (inside DDP or not)
+  for (int s = 0; s < S; ++s) {
+    if (pipelining::stage_rank(kind, s, S, p) != rank) continue;
+    mine.push_back(s);
+    std::shared_ptr<GPTPart> part = parts.emplace_back(gpt_stage(model, s, S));
+    if (layout.tp_mesh) {
+      // Sequence parallel, the logits whole (the pipeline merges plain tensors).
+      dist::parallelize_module(part, layout.tp_mesh,
+                               stage_plan(*part, gpt_tensor_parallel_plan(
+                                                     /*sequence_parallel=*/true,
+                                                     /*loss_parallel=*/false, a.tp_overlap)));
+    }
+    std::shared_ptr<nn::Module> m = part;
+    if (a.shard == "fsdp") {  // each block, then the stage (its embeddings or head)
+      for (const auto& block : part->blocks()) dist::fully_shard(block, {.group = layout.dp});
+      dist::fully_shard(part, {.group = layout.dp});
+      pipe->sharded = true;
+    } else if (layout.dp->size() > 1) {
+      pipe->ddp.push_back(std::make_shared<dist::DistributedDataParallel>(m, layout.dp));
+      m = pipe->ddp.back();
+    }
+    stages.push_back(std::make_shared<pipelining::PipelineStage>(m, s, S, device, layout.pp_group));
+  }
+  // One stage: the stage itself (fully_shard's root, for the optimizer and the checkpoint).
+  pipe->part = parts.size() == 1 ? parts[0] : gpt_stages(model, mine, S);
+  pipe->first = pipe->part->has_embedding();
+  pipe->last = pipe->part->has_head();
+  pipe->last_rank = pipelining::stage_rank(kind, S - 1, S, p);
+  pipe->schedule = std::make_unique<pipelining::PipelineSchedule>(
+      stages, static_cast<int>(a.microbatches), kind,
+      pipelining::ScheduleOptions{.loss_fn = lm_loss});
+  return pipe;
+}
+
+inline Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
+                       const MeshLayout& layout, ember::Device device) {
+  Parallel p;
+  const std::shared_ptr<dist::ProcessGroup>& pg = layout.dp;
+  if (a.pp > 1) {
+    p.pipe = make_pipeline(a, model, layout, device);
+    if (a.shard == "zero") {  // AdamW's state of this rank's stages split over the dp ranks
+      p.zero = make_zero(a, p.pipe->part->parameters(), pg, /*overlap=*/false);
+    } else if (a.shard == "fsdp") {
+      p.adamw = std::make_unique<nn::optim::AdamW>(sharded_decay_groups(*p.pipe->part),
+                                                   adamw_options(a));
+    } else {
+      p.adamw = std::make_unique<nn::optim::AdamW>(decay_groups(p.pipe->part->parameters()),
+                                                   adamw_options(a));
+    }
+    return p;
+  }
+  if (a.shard == "fsdp") {
+    for (const auto& block : model->blocks) dist::fully_shard(block, {.group = pg});
+    dist::fully_shard(model, {.group = pg});
+    p.adamw = std::make_unique<nn::optim::AdamW>(sharded_decay_groups(*model), adamw_options(a));
+    return p;
+  }
+  p.ddp = std::make_shared<dist::DistributedDataParallel>(model, pg);
+  if (a.shard == "zero") {
+    p.zero = make_zero(a, p.ddp->parameters(), pg, a.zero_overlap);
+    // Each bucket's partition is stepped as soon as the bucket is reduced, during backward.
+    if (a.zero_overlap) {
+      p.ddp->register_comm_hook(dist::hook_with_zero_step(dist::allreduce_hook, *p.ddp, *p.zero));
+    }
+  } else {
+    p.adamw = std::make_unique<nn::optim::AdamW>(decay_groups(p.ddp->parameters()),
+                                                 adamw_options(a));
+  }
+  return p;
+}
+
+
+// The model laid out over the tensor-parallel ranks (--tp), or as it is.
+inline std::shared_ptr<GPT> tensor_parallel(std::shared_ptr<GPT> model, const MeshLayout& layout,
+                                     int64_t overlap_chunks) {
+  if (layout.tp_mesh) {
+    dist::parallelize_module(model, layout.tp_mesh,
+                             gpt_tensor_parallel_plan(/*sequence_parallel=*/true,
+                                                      /*loss_parallel=*/true, overlap_chunks));
+  }
+  return model;
+}
+
+inline std::shared_ptr<GPT> seeded_model(const Args& a, ember::Device device) {
+  ember::manual_seed(a.seed);  // the same weights on every rank (DDP broadcasts rank 0's anyway)
+  auto model = std::make_shared<GPT>(GPTConfig{.vocab = a.vocab,
+                                               .layers = a.layers,
+                                               .heads = a.heads,
+                                               .dim = a.dim,
+                                               .context = a.positions > 0 ? a.positions : a.context,
+                                               .dropout = a.dropout,
+                                               .checkpoint_activations = a.checkpoint_activations});
+  if (!a.init_from_hf.empty()) {  // every rank reads the same weights
+    model->load_state_dict(from_gpt2_tensors(nn::load_hf_checkpoint(a.init_from_hf).tensors));
+  }
+  model->to(device);
+  return model;
+}
+
+}  // namespace ember::examples::gpt
