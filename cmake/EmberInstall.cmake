@@ -50,7 +50,8 @@ foreach(layer tensor autograd nn distributed)
           PATTERN "detail" EXCLUDE PATTERN "*_impl.h" EXCLUDE
           REGEX "/tensor/(cpu|cuda)$" EXCLUDE)
 endforeach()
-install(FILES ${PROJECT_SOURCE_DIR}/include/ember/ember.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/ember)
+install(FILES ${PROJECT_SOURCE_DIR}/include/ember/ember.h ${EMBER_BUILD_INCLUDE_DIR}/ember/version.h
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/ember)
 
 install(EXPORT EmberTargets NAMESPACE Ember:: DESTINATION ${EMBER_INSTALL_CMAKEDIR})
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/EmberConfig.cmake.in

@@ -13,6 +13,7 @@
 
 #include <ember/distributed/checkpoint/sharded_checkpoint.h>
 #include <ember/tensor/error.h>
+#include <ember/tensor/version.h>
 
 namespace {
 
@@ -43,9 +44,13 @@ int main(int argc, char** argv) {
   app.add_option("dir", dir, "checkpoint directory (holds index.json)")->required();
   app.add_option("out", out, "the safetensors file to write");
   app.add_flag("--list", list_only, "print the tensors instead of writing a file");
+  app.set_version_flag("--version", std::string("consolidate_checkpoint (Ember) ") + ember::version());
   try {
     app.parse(argc, argv);
     if (!list_only && out.empty()) throw CLI::RequiredError("out (or --list)");
+  } catch (const CLI::CallForVersion& v) {
+    std::printf("%s\n", v.what());
+    return 0;
   } catch (const CLI::CallForHelp&) {
     std::fputs(app.help().c_str(), stdout);
     return 0;

@@ -32,6 +32,7 @@
 #include <ember/nn/hf_checkpoint.h>
 #include <ember/nn/serialize.h>
 #include <ember/tensor/error.h>
+#include <ember/tensor/version.h>
 #include "examples/gpt_hf.h"
 
 namespace {
@@ -295,8 +296,12 @@ int main(int argc, char** argv) {
                                             "examples/gpt's");
   conv->add_option("--max-shard-bytes", max_shard_bytes, "--to hf: the largest shard")
       ->check(CLI::PositiveNumber);
+  app.set_version_flag("--version", std::string("emberckpt (Ember) ") + ember::version());
   try {
     app.parse(argc, argv);
+  } catch (const CLI::CallForVersion& v) {
+    std::printf("%s\n", v.what());
+    return 0;
   } catch (const CLI::CallForHelp&) {
     std::fputs(app.help().c_str(), stdout);
     return 0;

@@ -36,6 +36,7 @@
 #include <ember/nn/nn.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/cuda.h>
+#include <ember/tensor/version.h>
 
 namespace ember::examples {
 
@@ -309,9 +310,16 @@ inline CLI::Validator number_above_zero(bool zero_ok) {
 inline const CLI::Validator kPositive = number_above_zero(false);
 inline const CLI::Validator kNonNegative = number_above_zero(true);
 
+// --version: "<program> (Ember) <library version>" on stdout, exit 0.
+inline void add_version_flag(CLI::App& app, const char* argv0) {
+  app.set_version_flag("--version", std::filesystem::path(argv0).filename().string() +
+                                        " (Ember) " + ember::version());
+}
+
 // Parses the command line into app's options. Returns the status main() should end with, or
 // nothing to go on: 0 after --help, 2 after a bad flag (CLI11 printed the error and a usage hint).
 inline std::optional<int> parse_command_line(CLI::App& app, int argc, char** argv) {
+  add_version_flag(app, argv[0]);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,17 +1,33 @@
 // The smallest data-parallel training loop: docs/quickstart.md walks through it.
-//   emberrun --nproc-per-node 2 build/examples/minimal_ddp
+//   emberrun --nproc-per-node 2 build/examples/minimal_ddp [EPOCHS]
+#include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/init.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/random.h>
+#include <ember/tensor/version.h>
 
 namespace nn = ember::nn;
 namespace dist = ember::dist;
 
 int main(int argc, char** argv) {
-  const int epochs = argc > 1 ? std::atoi(argv[1]) : 3;
+  int epochs = 3;
+  if (argc > 1) {
+    const std::string arg = argv[1];
+    char* end = nullptr;
+    const long n = std::strtol(arg.c_str(), &end, 10);
+    if (arg == "-h" || arg == "--help") return std::puts("usage: minimal_ddp [EPOCHS] (3)"), 0;
+    if (arg == "--version") return std::printf("minimal_ddp (Ember) %s\n", ember::version()), 0;
+    if (arg.empty() || *end != '\0' || n < 0 || n > 1000) {
+      std::fprintf(stderr, "minimal_ddp: EPOCHS must be an integer in [0, 1000], got '%s'\n",
+                   arg.c_str());
+      return 2;
+    }
+    epochs = static_cast<int>(n);
+  }
   // 1. Join the job: rank, world size and rank 0's address come from emberrun (RANK,
   //    WORLD_SIZE, MASTER_ADDR, MASTER_PORT), mpirun or Slurm.
   auto pg = dist::init_process_group();  // gloo, from the environment (env://)

@@ -39,6 +39,7 @@
 
 #include <ember/nn/atomic_file.h>
 #include <ember/tensor/error.h>
+#include <ember/tensor/version.h>
 
 namespace {
 
@@ -536,6 +537,7 @@ Args parse_args(int argc, char** argv) {
   app.add_option("--width", a.width, "image width in pixels")->check(CLI::Range(320, 8192));
   app.add_option("--height", a.height, "image height in pixels")->check(CLI::Range(200, 8192));
   app.add_option("--title", a.title, "a title above both panels");
+  app.set_version_flag("--version", std::string("plot_metrics (Ember) ") + ember::version());
   app.parse(argc, argv);
   return a;
 }
@@ -546,6 +548,9 @@ int main(int argc, char** argv) {
   Args a;
   try {
     a = parse_args(argc, argv);
+  } catch (const CLI::CallForVersion& v) {
+    std::printf("%s\n", v.what());
+    return 0;
   } catch (const CLI::CallForHelp&) {
     std::fputs(kUsage, stdout);
     return 0;

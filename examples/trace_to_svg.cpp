@@ -32,6 +32,8 @@
 #include <tuple>
 #include <vector>
 
+#include <ember/version.h>
+
 namespace {
 
 using nlohmann::json;
@@ -358,6 +360,7 @@ int main(int argc, char** argv) {
   app.add_option("--to", to, "last step drawn");
   app.add_option("--width", width, "picture width in px")->check(CLI::Range(400.0, 20000.0));
   app.add_option("--title", title, "a title above the lanes");
+  app.set_version_flag("--version", "trace_to_svg (Ember) " EMBER_VERSION);
   CLI11_PARSE(app, argc, argv);
   try {
     std::vector<Lane> lanes = read_lanes(input);

@@ -1,4 +1,5 @@
 #include <ember/launcher/config.h>
+#include <ember/version.h>
 
 #include <arpa/inet.h>
 #include <dlfcn.h>
@@ -593,6 +594,8 @@ void parse_into(CLI::App& app, const std::vector<std::string>& args) {
     app.parse(rev);
   } catch (const CLI::CallForHelp&) {
     throw HelpRequested(app.help());
+  } catch (const CLI::CallForVersion& v) {
+    throw HelpRequested(std::string(v.what()) + "\n");
   } catch (const CLI::ParseError& e) {
     throw UsageError(e.what());
   }
@@ -606,6 +609,7 @@ constexpr const char* kDescription =
 void setup_app(CLI::App& app) {
   app.prefix_command();  // everything from PROGRAM on belongs to the program
   app.set_help_flag("-h,--help", "Print this help and exit");
+  app.set_version_flag("--version", "emberrun (Ember) " EMBER_VERSION);
 }
 
 // The options the command line leaves unset but an EMBER_* or PET_* variable sets, as

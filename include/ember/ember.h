@@ -24,3 +24,4 @@
 #include <ember/nn/transformer.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/ops.h>
+#include <ember/tensor/version.h>
