@@ -103,25 +103,38 @@ void inspect(const ShardedCheckpoint& ck) {
   }
 }
 
+using Named = std::vector<std::pair<std::string, ember::Tensor>>;
+
+// The whole tensors of checkpoint object `object`, under their own names; `values`, if given,
+// gets its values the same way. ValueError naming the objects there when it has neither.
+Named object_tensors(const ShardedCheckpoint& ck, const std::string& object,
+                     std::map<std::string, std::string>* values = nullptr) {
+  const std::string prefix = object + ".";
+  Named tensors;
+  for (const std::string& name : ck.names()) {
+    if (name.rfind(prefix, 0) == 0) tensors.emplace_back(name.substr(prefix.size()), ck.read_full(name));
+  }
+  bool has_values = false;
+  for (const auto& [k, v] : ck.metadata()) {
+    if (k.rfind(prefix, 0) != 0) continue;
+    has_values = true;
+    if (values) (*values)[k.substr(prefix.size())] = v;
+  }
+  EMBER_CHECK(!tensors.empty() || has_values, "[emberckpt] ", ck.dir(), " has no object '",
+              object, "'", ck.metadata().count("checkpoint.objects")
+                               ? " (it has " + ck.metadata().at("checkpoint.objects") + ")"
+                               : std::string());
+  return tensors;
+}
+
 // `object`'s tensors under their own names and its values as metadata ("" : everything).
 void consolidate(const ShardedCheckpoint& ck, const std::string& out, const std::string& object) {
   if (object.empty()) {
     ck.consolidate(out);
     return;
   }
-  const std::string prefix = object + ".";
-  std::vector<std::pair<std::string, ember::Tensor>> tensors;
-  for (const std::string& name : ck.names()) {
-    if (name.rfind(prefix, 0) == 0) tensors.emplace_back(name.substr(prefix.size()), ck.read_full(name));
-  }
   std::map<std::string, std::string> meta;
-  for (const auto& [k, v] : ck.metadata()) {
-    if (k.rfind(prefix, 0) == 0) meta[k.substr(prefix.size())] = v;
-  }
-  EMBER_CHECK(!tensors.empty() || !meta.empty(), "[emberckpt] ", ck.dir(), " has no object '",
-              object, "'", ck.metadata().count("checkpoint.objects")
-                               ? " (it has " + ck.metadata().at("checkpoint.objects") + ")"
-                               : std::string());
+  const Named tensors = object_tensors(ck, object, &meta);
   ember::nn::save_safetensors(out, tensors, meta);
 }
 
@@ -129,7 +142,6 @@ void consolidate(const ShardedCheckpoint& ck, const std::string& out, const std:
 // ---- convert ----
 
 namespace fs = std::filesystem;
-using Named = std::vector<std::pair<std::string, ember::Tensor>>;
 
 // What convert carries from one format to another.
 struct Model {
@@ -169,17 +181,14 @@ Model read_source(const std::string& src, const std::string& object) {
     // A dist::checkpoint::save's checkpoint: one object's tensors (the model's by default).
     std::string obj = object;
     if (obj.empty() && ck.metadata().count("checkpoint.objects")) obj = "model";
-    const std::string prefix = obj.empty() ? "" : obj + ".";
-    for (const std::string& name : ck.names()) {
-      if (name.rfind(prefix, 0) == 0) m.tensors.emplace_back(name.substr(prefix.size()), ck.read_full(name));
+    if (obj.empty()) {  // save_sharded's own checkpoint: its tensors as they are
+      for (const std::string& name : ck.names()) m.tensors.emplace_back(name, ck.read_full(name));
+    } else {
+      m.tensors = object_tensors(ck, obj);
     }
     for (const auto& [k, v] : ck.metadata()) {
       if (k != "checkpoint.objects") m.metadata[k] = v;
     }
-    EMBER_CHECK(!m.tensors.empty(), "[emberckpt convert] ", src, " has no tensors of object '",
-                obj, "'", ck.metadata().count("checkpoint.objects")
-                              ? " (it has " + ck.metadata().at("checkpoint.objects") + ")"
-                              : std::string());
   }
   return m;
 }
