@@ -26,6 +26,15 @@ constexpr int kClients = 1000;
 constexpr int kKeys = 100000;
 constexpr int kLoaders = 4;
 
+// What the loaded server may grow by. Under AddressSanitizer every allocation carries redzones
+// and freed blocks stay resident in its quarantine (256 MB by default), so the same server reads
+// larger; the bound there still catches a per-connection or per-frame maximum (1000 x 1 MiB).
+#if defined(__SANITIZE_ADDRESS__)
+constexpr int64_t kMaxGrowth = int64_t{320} << 20;
+#else
+constexpr int64_t kMaxGrowth = int64_t{96} << 20;
+#endif
+
 // Resident memory of process `pid` in bytes (VmRSS), or -1.
 int64_t rss_bytes(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/status");
@@ -119,7 +128,7 @@ TEST(StoreUnderLoad, AThousandClientsAndAHundredThousandKeysWithBoundedMemory) {
   EXPECT_LT(buffered, int64_t{kClients} * 4096) << "receive buffers of idle connections";
   ASSERT_GT(rss_idle, 0);
   const int64_t grown = rss_loaded - rss_idle;
-  EXPECT_LT(grown, int64_t{96} << 20) << "the server grew by " << grown << " bytes";
+  EXPECT_LT(grown, kMaxGrowth) << "the server grew by " << grown << " bytes";
   std::sort(latency_us.begin(), latency_us.end());
   ASSERT_FALSE(latency_us.empty());
   std::printf("server RSS %.1f MB idle, %.1f MB with %d clients and %d keys; probe set+get: %zu "
