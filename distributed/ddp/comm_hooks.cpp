@@ -160,6 +160,13 @@ std::shared_ptr<Future> GradBucket::defer(std::shared_ptr<Future> after, Deferre
   return run_step(step, *after);
 }
 
+GradBucket GradBucket::with_group(std::shared_ptr<ProcessGroup> group) const {
+  EMBER_CHECK(group != nullptr, kOp, " with_group expects a process group, got null");
+  GradBucket copy = *this;
+  copy.group_ = std::move(group);
+  return copy;
+}
+
 std::shared_ptr<Future> completed_future(std::vector<Tensor> value) {
   auto f = std::make_shared<Future>();
   f->set_value(std::move(value));

@@ -84,6 +84,11 @@ class GradBucket {
   /// (no queue) the step runs before defer() returns, on the calling thread.
   std::shared_ptr<Future> defer(std::shared_ptr<Future> after, DeferredStep step) const;
 
+  /// This bucket over another group (same buffer, parameters and deferred-step queue): for a
+  /// hook that runs another hook over a subgroup (compress_across_nodes). Throws ValueError if
+  /// `group` is null.
+  GradBucket with_group(std::shared_ptr<ProcessGroup> group) const;
+
  private:
   size_t index_;
   size_t num_buckets_;

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 
+#include <ember/distributed/ddp/detail/state_entries.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/elementwise.h>
 #include <ember/tensor/grad_mode.h>
@@ -127,17 +128,13 @@ PowerSGDState::CompressionStats PowerSGDState::compression_stats() const {
 }
 
 namespace {
-Tensor int_entry(int64_t v) { return from_vector(std::vector<int64_t>{v}); }
-Tensor float_entry(double v) { return from_vector(std::vector<double>{v}); }
+using detail::float_entry;
+using detail::int_entry;
 int64_t read_int(const std::string& name, const Tensor& t) {
-  EMBER_CHECK(t.defined() && t.numel() == 1, kOp, " entry '", name,
-              "' must hold one number, got ", t.defined() ? t.numel() : 0, " elements");
-  return t.to(kInt64).reshape({-1}).to_vector<int64_t>()[0];
+  return detail::read_int(kOp, name, t);
 }
 double read_float(const std::string& name, const Tensor& t) {
-  EMBER_CHECK(t.defined() && t.numel() == 1, kOp, " entry '", name,
-              "' must hold one number, got ", t.defined() ? t.numel() : 0, " elements");
-  return t.to(kFloat64).reshape({-1}).to_vector<double>()[0];
+  return detail::read_float(kOp, name, t);
 }
 }  // namespace
 

@@ -1,0 +1,507 @@
+#include <ember/distributed/ddp/compression_hooks.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include <ember/distributed/ddp/detail/state_entries.h>
+#include <ember/tensor/creation.h>
+#include <ember/tensor/grad_mode.h>
+
+namespace ember::dist {
+
+namespace {
+
+constexpr const char* kOp = "[CompressionState]";
+
+// ---- bucket plumbing ---------------------------------------------------------------------------
+
+// Where each of the bucket's parameters sits in the hook's working vector: in order of parameter
+// index, not of the bucket. DDP's first iteration and the iterations after its bucket rebuild may
+// order one bucket's parameters differently (its key, the sorted indices, stays), and a restart
+// begins with the first order again: the chunks, their owners and the residuals must not move.
+struct Canonical {
+  struct Piece {
+    int64_t bucket_offset, offset, numel;
+  };
+  std::vector<Piece> pieces;
+
+  explicit Canonical(const GradBucket& bucket) {
+    const auto& params = bucket.parameters();
+    const auto& indices = bucket.parameter_indices();
+    std::vector<size_t> order(params.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return indices[a] < indices[b]; });
+    std::vector<int64_t> bucket_offset(params.size());
+    int64_t at = 0;
+    for (size_t k = 0; k < params.size(); ++k) {
+      bucket_offset[k] = at;
+      at += params[k].numel();
+    }
+    int64_t offset = 0;
+    for (size_t k : order) {
+      pieces.push_back({bucket_offset[k], offset, params[k].numel()});
+      offset += params[k].numel();
+    }
+  }
+};
+
+// The bucket as a float32 CPU tensor of `padded` elements in canonical order (zeros past the
+// bucket), a new copy.
+Tensor padded_input(const char* hook, const GradBucket& bucket, int64_t padded) {
+  const Tensor& buffer = bucket.buffer();
+  EMBER_CHECK(buffer.is_cpu(), "[", hook, "] expects a CPU bucket, got one on ",
+              buffer.device().str(),
+              " (the compressing hooks run on CPU; on GPUs use fp16/bf16 or PowerSGD)");
+  EMBER_CHECK(is_floating(buffer.dtype()), "[", hook,
+              "] expects a floating-point bucket, got ", dtype_name(buffer.dtype()));
+  Tensor x = zeros({padded}, kFloat32);
+  for (const Canonical::Piece& p : Canonical(bucket).pieces) {
+    x.narrow(0, p.offset, p.numel).copy_(buffer.narrow(0, p.bucket_offset, p.numel));
+  }
+  return x;
+}
+
+// Writes `result` (canonical order) into the bucket's buffer and returns it.
+std::vector<Tensor> into_bucket(const Canonical& layout, Tensor buffer, const Tensor& result) {
+  NoGradGuard no_grad;
+  for (const Canonical::Piece& p : layout.pieces) {
+    buffer.narrow(0, p.bucket_offset, p.numel).copy_(result.narrow(0, p.offset, p.numel));
+  }
+  return {buffer};
+}
+
+// What a ring all-reduce of `numel` float32 elements sends from one of `world` ranks.
+int64_t ring_allreduce_bytes(int64_t numel, int world) {
+  return 2 * (world - 1) * numel * 4 / world;
+}
+
+uint8_t* bytes_of(const Tensor& t) { return t.data<uint8_t>(); }
+
+}  // namespace
+
+// ---- CompressionState --------------------------------------------------------------------------
+
+CompressionState::CompressionState(CompressionOptions options) : options_(options) {
+  EMBER_CHECK(options_.start_iter >= 0, kOp, " start_iter must be >= 0, got ",
+              options_.start_iter);
+  EMBER_CHECK(options_.channel_size >= 1, kOp, " channel_size must be >= 1, got ",
+              options_.channel_size);
+  EMBER_CHECK(options_.topk_ratio > 0 && options_.topk_ratio <= 1, kOp,
+              " topk_ratio must be in (0, 1], got ", options_.topk_ratio);
+}
+
+CompressionState::Stats CompressionState::stats() const {
+  Stats s = stats_;
+  s.ratio = s.bytes_sent > 0 ? static_cast<double>(s.allreduce_bytes) / s.bytes_sent : 0.0;
+  return s;
+}
+
+Tensor CompressionState::residual(const std::string& key) const {
+  auto it = worker_.find(key);
+  return it == worker_.end() ? Tensor() : it->second;
+}
+
+bool CompressionState::warming_up(const GradBucket& bucket) {
+  const bool warm = iter_ < options_.start_iter;
+  if (bucket.is_last()) ++iter_;
+  return warm;
+}
+
+namespace {
+Tensor& residual_in(std::map<std::string, Tensor>& map, const std::string& key, int64_t numel) {
+  Tensor& t = map[key];
+  if (!t.defined() || t.numel() != numel) t = zeros({numel}, kFloat32);
+  return t;
+}
+}  // namespace
+
+Tensor& CompressionState::worker_residual(const std::string& key, int64_t numel) {
+  return residual_in(worker_, key, numel);
+}
+
+Tensor& CompressionState::server_residual(const std::string& key, int64_t numel) {
+  return residual_in(server_, key, numel);
+}
+
+void CompressionState::count(int64_t bytes_sent, int64_t allreduce_bytes) {
+  ++stats_.buckets;
+  stats_.bytes_sent += bytes_sent;
+  stats_.allreduce_bytes += allreduce_bytes;
+}
+
+nn::NamedTensors CompressionState::state_dict() const {
+  using detail::float_entry;
+  using detail::int_entry;
+  nn::NamedTensors out;
+  out.emplace_back("iteration", int_entry(iter_));
+  out.emplace_back("buckets", int_entry(stats_.buckets));
+  out.emplace_back("bytes_sent", int_entry(stats_.bytes_sent));
+  out.emplace_back("allreduce_bytes", int_entry(stats_.allreduce_bytes));
+  out.emplace_back("option.error_feedback", int_entry(options_.error_feedback ? 1 : 0));
+  out.emplace_back("option.start_iter", int_entry(options_.start_iter));
+  out.emplace_back("option.channel_size", int_entry(options_.channel_size));
+  out.emplace_back("option.topk_ratio", float_entry(options_.topk_ratio));
+  for (const auto& [k, t] : worker_) out.emplace_back("residual." + k, t.clone());
+  for (const auto& [k, t] : server_) out.emplace_back("server_residual." + k, t.clone());
+  return out;
+}
+
+void CompressionState::load_state_dict(const nn::NamedTensors& state) {
+  auto read_int = [](const std::string& name, const Tensor& t) {
+    return detail::read_int(kOp, name, t);
+  };
+  CompressionOptions o = options_;
+  Stats stats;
+  std::map<std::string, Tensor> worker, server;
+  int64_t iter = -1;
+  const std::string kResidual = "residual.", kServer = "server_residual.";
+  for (const auto& [name, t] : state) {
+    if (name == "iteration") {
+      iter = read_int(name, t);
+    } else if (name == "buckets") {
+      stats.buckets = read_int(name, t);
+    } else if (name == "bytes_sent") {
+      stats.bytes_sent = read_int(name, t);
+    } else if (name == "allreduce_bytes") {
+      stats.allreduce_bytes = read_int(name, t);
+    } else if (name == "option.error_feedback") {
+      o.error_feedback = read_int(name, t) != 0;
+    } else if (name == "option.start_iter") {
+      o.start_iter = read_int(name, t);
+    } else if (name == "option.channel_size") {
+      o.channel_size = read_int(name, t);
+    } else if (name == "option.topk_ratio") {
+      o.topk_ratio = detail::read_float(kOp, name, t);
+    } else if (name.rfind(kResidual, 0) == 0 && t.defined()) {
+      worker[name.substr(kResidual.size())] = t.to(kFloat32, /*copy=*/true).reshape({-1});
+    } else if (name.rfind(kServer, 0) == 0 && t.defined()) {
+      server[name.substr(kServer.size())] = t.to(kFloat32, /*copy=*/true).reshape({-1});
+    } else {
+      EMBER_CHECK(false, kOp, " load_state_dict: unexpected entry '", name,
+                  "'; expected iteration, buckets, bytes_sent, allreduce_bytes, option.*, "
+                  "residual.<key> or server_residual.<key>");
+    }
+  }
+  EMBER_CHECK(iter >= 0, kOp, " load_state_dict: expected an 'iteration' entry >= 0, got ",
+              iter < 0 ? "none" : std::to_string(iter));
+  (void)CompressionState(o);  // validates the options
+  options_ = o;
+  iter_ = iter;
+  stats_ = stats;
+  worker_ = std::move(worker);
+  server_ = std::move(server);
+}
+
+}  // namespace ember::dist
+
+// ---- codecs ------------------------------------------------------------------------------------
+
+namespace ember::dist::codec {
+
+namespace {
+constexpr int64_t kParamBytes = 2 * sizeof(float);  // scale, zero point
+int64_t channels(int64_t m, int64_t channel) { return m == 0 ? 0 : (m + channel - 1) / channel; }
+}  // namespace
+
+int64_t int8_bytes(int64_t m, int64_t channel) { return channels(m, channel) * kParamBytes + m; }
+
+// torch's MinMaxObserver.calculate_qparams for quint8, per_tensor_affine, reduce_range off:
+// the range is widened to contain 0, scale = range / 255 (at least float32's epsilon),
+// zero point = -round(min / scale) clamped to [0, 255]; quantize: round(x / scale) + zero
+// point, clamped. float32 throughout, rounding half to even (torch.round).
+void int8_encode(const float* x, int64_t m, int64_t channel, uint8_t* out) {
+  const int64_t nc = channels(m, channel);
+  uint8_t* q = out + nc * kParamBytes;
+  for (int64_t c = 0; c < nc; ++c) {
+    const int64_t begin = c * channel, end = std::min(m, begin + channel);
+    float lo = 0, hi = 0;
+    for (int64_t i = begin; i < end; ++i) {
+      lo = std::min(lo, x[i]);
+      hi = std::max(hi, x[i]);
+    }
+    float scale = (hi - lo) / 255.0f;
+    scale = std::max(scale, std::numeric_limits<float>::epsilon());
+    const float zero = std::clamp(0.0f - std::nearbyint(lo / scale), 0.0f, 255.0f);
+    const float params[2] = {scale, zero};
+    std::memcpy(out + c * kParamBytes, params, sizeof params);
+    for (int64_t i = begin; i < end; ++i) {
+      q[i] = static_cast<uint8_t>(std::clamp(std::nearbyint(x[i] / scale) + zero, 0.0f, 255.0f));
+    }
+  }
+}
+
+void int8_decode_add(const uint8_t* in, int64_t m, int64_t channel, float* acc) {
+  const int64_t nc = channels(m, channel);
+  const uint8_t* q = in + nc * kParamBytes;
+  for (int64_t c = 0; c < nc; ++c) {
+    float params[2];
+    std::memcpy(params, in + c * kParamBytes, sizeof params);
+    const int64_t begin = c * channel, end = std::min(m, begin + channel);
+    for (int64_t i = begin; i < end; ++i) acc[i] += params[0] * (static_cast<float>(q[i]) - params[1]);
+  }
+}
+
+int64_t sign_bytes(int64_t m) { return static_cast<int64_t>(sizeof(float)) + (m + 7) / 8; }
+
+void sign_encode(const float* x, int64_t m, uint8_t* out) {
+  // The scale that brings scale * sign(x) closest to x (least squares): the mean magnitude.
+  // With it, x minus the message is always shorter than x, which error feedback needs; the
+  // root mean square (1-bit Adam's choice, on Adam's momentum) can make it longer.
+  double sum_abs = 0;
+  for (int64_t i = 0; i < m; ++i) sum_abs += std::fabs(static_cast<double>(x[i]));
+  const float scale = m > 0 ? static_cast<float>(sum_abs / static_cast<double>(m)) : 0;
+  std::memcpy(out, &scale, sizeof scale);
+  uint8_t* bits = out + sizeof scale;
+  std::memset(bits, 0, static_cast<size_t>((m + 7) / 8));
+  for (int64_t i = 0; i < m; ++i) {
+    if (x[i] >= 0) bits[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
+  }
+}
+
+void sign_decode_add(const uint8_t* in, int64_t m, float* acc) {
+  float scale;
+  std::memcpy(&scale, in, sizeof scale);
+  const uint8_t* bits = in + sizeof scale;
+  for (int64_t i = 0; i < m; ++i) acc[i] += (bits[i / 8] >> (i % 8)) & 1u ? scale : -scale;
+}
+
+}  // namespace ember::dist::codec
+
+// ---- hooks -------------------------------------------------------------------------------------
+
+namespace ember::dist {
+
+namespace {
+
+// A codec as the hooks use it: message size, encode, decode-and-add.
+struct Codec {
+  const char* hook;
+  std::function<int64_t(int64_t m)> bytes;
+  std::function<void(const float* x, int64_t m, uint8_t* out)> encode;
+  std::function<void(const uint8_t* in, int64_t m, float* acc)> decode_add;
+};
+
+Codec int8_codec(const char* hook, int64_t channel) {
+  return {hook, [channel](int64_t m) { return codec::int8_bytes(m, channel); },
+          [channel](const float* x, int64_t m, uint8_t* out) {
+            codec::int8_encode(x, m, channel, out);
+          },
+          [channel](const uint8_t* in, int64_t m, float* acc) {
+            codec::int8_decode_add(in, m, channel, acc);
+          }};
+}
+
+Codec sign_codec() {
+  return {"sign_compress_hook", codec::sign_bytes, codec::sign_encode, codec::sign_decode_add};
+}
+
+// Encodes x[0, m) into `out`; with `residual` (m elements), stores there what the message
+// does not carry: x - decode(message).
+void encode_keeping_residual(const Codec& c, const float* x, int64_t m, uint8_t* out,
+                             float* residual) {
+  c.encode(x, m, out);
+  if (residual == nullptr) return;
+  std::vector<float> decoded(static_cast<size_t>(m), 0.0f);
+  c.decode_add(out, m, decoded.data());
+  for (int64_t i = 0; i < m; ++i) residual[i] = x[i] - decoded[static_cast<size_t>(i)];
+}
+
+// torch's quantization hooks: each rank's whole bucket encoded, all-gathered, decoded and
+// averaged in rank order.
+std::shared_ptr<Future> allgather_quantized(GradBucket& bucket, const Codec& c) {
+  ProcessGroup& pg = bucket.process_group();
+  const int world = pg.size();
+  const int64_t n = bucket.buffer().numel();
+  const Tensor x = padded_input(c.hook, bucket, n);
+  const int64_t msg = c.bytes(n);
+  Tensor mine = empty({msg}, kUInt8);
+  c.encode(x.data<float>(), n, bytes_of(mine));
+  Tensor all = empty({world * msg}, kUInt8);
+  auto work = pg.allgather_into_tensor(all, mine);
+  return work->future()->then([c, all, n, msg, world, layout = Canonical(bucket),
+                               buffer = bucket.buffer()](Future&) {
+    Tensor sum = zeros({n}, kFloat32);
+    for (int r = 0; r < world; ++r) c.decode_add(bytes_of(all) + r * msg, n, sum.data<float>());
+    float* s = sum.data<float>();
+    for (int64_t i = 0; i < n; ++i) s[i] /= static_cast<float>(world);
+    return into_bucket(layout, buffer, sum);
+  });
+}
+
+// The two-phase compressed all-reduce (file comment of compression_hooks.h).
+std::shared_ptr<Future> two_phase(CompressionState& state, GradBucket& bucket, const Codec& c) {
+  if (state.warming_up(bucket)) return allreduce_hook(bucket);
+  NoGradGuard no_grad;
+  std::shared_ptr<ProcessGroup> group = bucket.process_group_ptr();
+  const int world = group->size();
+  const int64_t n = bucket.buffer().numel();
+  const int64_t m = (n + world - 1) / world;  // chunk c of every rank goes to rank c
+  Tensor x = padded_input(c.hook, bucket, m * world);
+  const bool feedback = state.options().error_feedback;
+  const std::string key = bucket.key();
+  float* residual = nullptr;
+  if (feedback) {
+    Tensor& r = state.worker_residual(key, m * world);
+    float* xp = x.data<float>();
+    const float* rp = r.data<float>();
+    for (int64_t i = 0; i < m * world; ++i) xp[i] += rp[i];
+    residual = r.data<float>();
+  }
+  const int64_t msg = c.bytes(m);
+  std::vector<Tensor> inputs, outputs;
+  for (int r = 0; r < world; ++r) {
+    inputs.push_back(empty({msg}, kUInt8));
+    outputs.push_back(empty({msg}, kUInt8));
+    encode_keeping_residual(c, x.data<float>() + r * m, m, bytes_of(inputs.back()),
+                            residual ? residual + r * m : nullptr);
+  }
+  state.count(2 * (world - 1) * msg, ring_allreduce_bytes(n, world));
+  auto exchanged = group->alltoall(outputs, inputs)->future();
+  // Phase two issues a collective after the first completes: on DDP's thread (defer).
+  return bucket.defer(exchanged, [&state, c, group, outputs, inputs, key, m, msg, world, feedback,
+                                  layout = Canonical(bucket), buffer = bucket.buffer()](Future&) {
+    NoGradGuard no_grad;
+    Tensor avg = zeros({m}, kFloat32);
+    float* a = avg.data<float>();
+    for (int r = 0; r < world; ++r) c.decode_add(bytes_of(outputs[r]), m, a);
+    for (int64_t i = 0; i < m; ++i) a[i] /= static_cast<float>(world);
+    float* server = nullptr;
+    if (feedback) {
+      Tensor& r = state.server_residual(key, m);
+      const float* rp = r.data<float>();
+      for (int64_t i = 0; i < m; ++i) a[i] += rp[i];
+      server = r.data<float>();
+    }
+    Tensor mine = empty({msg}, kUInt8);
+    encode_keeping_residual(c, a, m, bytes_of(mine), server);
+    Tensor all = empty({world * msg}, kUInt8);
+    auto work = group->allgather_into_tensor(all, mine);
+    return work->future()->then([c, all, mine, m, msg, world, layout, buffer](Future&) {
+      Tensor result = zeros({m * world}, kFloat32);
+      for (int r = 0; r < world; ++r) {
+        c.decode_add(bytes_of(all) + r * msg, m, result.data<float>() + r * m);
+      }
+      return into_bucket(layout, buffer, result);
+    });
+  });
+}
+
+}  // namespace
+
+std::shared_ptr<Future> quantization_pertensor_hook(GradBucket& bucket) {
+  const int64_t n = std::max<int64_t>(bucket.buffer().numel(), 1);
+  return allgather_quantized(bucket, int8_codec("quantization_pertensor_hook", n));
+}
+
+std::shared_ptr<Future> quantization_perchannel_hook(GradBucket& bucket) {
+  return allgather_quantized(bucket, int8_codec("quantization_perchannel_hook", 512));
+}
+
+std::shared_ptr<Future> int8_compress_hook(CompressionState& state, GradBucket& bucket) {
+  return two_phase(state, bucket, int8_codec("int8_compress_hook", state.options().channel_size));
+}
+
+std::shared_ptr<Future> sign_compress_hook(CompressionState& state, GradBucket& bucket) {
+  return two_phase(state, bucket, sign_codec());
+}
+
+std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& bucket) {
+  if (state.warming_up(bucket)) return allreduce_hook(bucket);
+  NoGradGuard no_grad;
+  ProcessGroup& pg = bucket.process_group();
+  const int world = pg.size();
+  const int64_t n = bucket.buffer().numel();
+  Tensor x = padded_input("topk_compress_hook", bucket, n);
+  float* xp = x.data<float>();
+  const std::string key = bucket.key();
+  Tensor* residual = nullptr;
+  if (state.options().error_feedback) {
+    residual = &state.worker_residual(key, n);
+    const float* rp = residual->data<float>();
+    for (int64_t i = 0; i < n; ++i) xp[i] += rp[i];
+  }
+  const int64_t k = std::clamp<int64_t>(
+      static_cast<int64_t>(std::ceil(state.options().topk_ratio * static_cast<double>(n))), 1,
+      std::max<int64_t>(n, 1));
+  // The k largest magnitudes (ties to the lower index, so every run picks the same ones), sent
+  // in index order.
+  std::vector<int32_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  auto larger = [xp](int32_t a, int32_t b) {
+    const float fa = std::fabs(xp[a]), fb = std::fabs(xp[b]);
+    return fa > fb || (fa == fb && a < b);
+  };
+  std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), larger);
+  order.resize(static_cast<size_t>(k));
+  std::sort(order.begin(), order.end());
+  const int64_t msg = k * static_cast<int64_t>(sizeof(int32_t) + sizeof(float));
+  Tensor mine = empty({msg}, kUInt8);
+  uint8_t* out = bytes_of(mine);
+  std::memcpy(out, order.data(), static_cast<size_t>(k) * sizeof(int32_t));
+  float* values = reinterpret_cast<float*>(out + k * sizeof(int32_t));
+  for (int64_t j = 0; j < k; ++j) values[j] = xp[order[static_cast<size_t>(j)]];
+  if (residual != nullptr) {
+    // What was not sent: x everywhere but the sent entries, which were sent exactly.
+    residual->copy_(x);
+    float* rp = residual->data<float>();
+    for (int32_t i : order) rp[i] = 0;
+  }
+  state.count((world - 1) * msg, ring_allreduce_bytes(n, world));
+  Tensor all = empty({world * msg}, kUInt8);
+  auto work = pg.allgather_into_tensor(all, mine);
+  return work->future()->then([all, k, n, msg, world, layout = Canonical(bucket),
+                               buffer = bucket.buffer()](Future&) {
+    Tensor sum = zeros({n}, kFloat32);
+    float* s = sum.data<float>();
+    for (int r = 0; r < world; ++r) {
+      const uint8_t* in = bytes_of(all) + r * msg;
+      int32_t index;
+      float value;
+      for (int64_t j = 0; j < k; ++j) {
+        std::memcpy(&index, in + j * sizeof(int32_t), sizeof index);
+        std::memcpy(&value, in + k * sizeof(int32_t) + j * sizeof(float), sizeof value);
+        s[index] += value;
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) s[i] /= static_cast<float>(world);
+    return into_bucket(layout, buffer, sum);
+  });
+}
+
+CommHook compress_across_nodes(CommHook inner, std::shared_ptr<ProcessGroup> local,
+                               std::shared_ptr<ProcessGroup> leaders) {
+  constexpr const char* kWrap = "[compress_across_nodes]";
+  EMBER_CHECK(inner != nullptr, kWrap, " expected a hook to wrap, got null");
+  EMBER_CHECK(local != nullptr, kWrap, " expected this rank's node group, got null");
+  const bool leader = local->rank() == 0;
+  EMBER_CHECK(leader == (leaders != nullptr), kWrap, " rank ", local->rank(),
+              " of its node group ", leader ? "leads its node and needs" : "is not a leader and takes no",
+              " the leaders' group, got ", leaders ? "one" : "null");
+  return [inner = std::move(inner), local = std::move(local),
+          leaders = std::move(leaders)](GradBucket& bucket) -> std::shared_ptr<Future> {
+    Tensor buffer = bucket.buffer();
+    AllreduceOptions o;
+    o.op = ReduceOp::Avg;
+    auto node_average = local->allreduce(buffer, o)->future();
+    // The leaders' hook, then the broadcast inside the node, each after the step before: on
+    // DDP's thread (defer), as they issue collectives.
+    auto between_nodes = bucket.defer(node_average, [inner, leaders, bucket](Future&) {
+      if (!leaders) return completed_future({bucket.buffer()});
+      GradBucket over_leaders = bucket.with_group(leaders);
+      return inner(over_leaders);
+    });
+    return bucket.defer(between_nodes, [local, buffer](Future& f) mutable {
+      Tensor result = buffer;
+      if (local->rank() == 0) {
+        NoGradGuard no_grad;
+        result.copy_(f.value().at(0).reshape({-1}));
+      }
+      return local->broadcast(result)->future();  // from rank 0, the leader
+    });
+  };
+}
+
+}  // namespace ember::dist
