@@ -211,6 +211,16 @@ std::optional<int> local_rank(const std::map<std::string, std::string>& env) {
 
 std::optional<int> local_rank() { return local_rank(environment()); }
 
+std::optional<int> local_world_size(const std::map<std::string, std::string>& env) {
+  for (const char* name : {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
+    const auto it = env.find(name);
+    if (it != env.end()) return parse_int(name, it->second, 1, 1 << 30, "the local world size");
+  }
+  return std::nullopt;
+}
+
+std::optional<int> local_world_size() { return local_world_size(environment()); }
+
 std::optional<Duration> timeout_from_env(const char* name) {
   const char* t = std::getenv(name);
   if (t == nullptr || *t == '\0') return std::nullopt;

@@ -47,6 +47,13 @@ std::optional<int> local_rank(const std::map<std::string, std::string>& env);
 /// The same, of this process's environment.
 std::optional<int> local_rank();
 
+/// The number of ranks on this process's node: LOCAL_WORLD_SIZE (emberrun, torchrun), else
+/// OMPI_COMM_WORLD_LOCAL_SIZE (Open MPI), MPI_LOCALNRANKS (MPICH, Intel MPI); nullopt when none
+/// is set. Throws ValueError naming the variable when its value is not a positive integer.
+std::optional<int> local_world_size(const std::map<std::string, std::string>& env);
+/// The same, of this process's environment.
+std::optional<int> local_world_size();
+
 /// The CUDA device of this rank when each rank of a node takes one GPU: its local_rank(env),
 /// or 0 when no launcher set one. Throws ValueError naming the variable, its value and
 /// `device_count` (and CUDA_VISIBLE_DEVICES when set) if the local rank is not below
