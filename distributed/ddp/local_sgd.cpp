@@ -1,14 +1,16 @@
 #include <ember/distributed/ddp/local_sgd.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+
+#include <ember/distributed/ddp/detail/state_entries.h>
 #include <ember/distributed/environment.h>
 #include <ember/distributed/init.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/indexing.h>
 #include <ember/tensor/log.h>
-
-#include <algorithm>
-#include <optional>
-#include <string>
 
 namespace ember::dist {
 
@@ -20,14 +22,8 @@ std::vector<Tensor> params_of(const std::vector<nn::optim::ParamGroup>& groups) 
   return out;
 }
 
-Tensor int_entry(int64_t v) { return from_vector(std::vector<int64_t>{v}); }
-
-// The one integer in `t` (a one-element tensor of any dtype).
-int64_t read_int(const char* op, const std::string& name, const Tensor& t) {
-  EMBER_CHECK(t.defined() && t.numel() == 1, op, " entry '", name, "' must hold one number, got ",
-              t.defined() ? t.numel() : 0, " elements");
-  return t.to(kInt64).reshape({-1}).to_vector<int64_t>()[0];
-}
+using detail::int_entry;
+using detail::read_int;
 
 }  // namespace
 
