@@ -29,7 +29,7 @@
 
 #include <ember/distributed/ddp/comm_hooks.h>
 #include <ember/distributed/ddp/ddp.h>
-#include <ember/distributed/ddp/powersgd.h>
+#include <ember/distributed/ddp/hook_registry.h>
 #include <ember/distributed/debug/stragglers.h>
 #include <ember/distributed/init.h>
 #include <ember/distributed/store/hash_store.h>
@@ -191,22 +191,24 @@ struct RunContext {
   ember::Device device;
 };
 
-// Registers --comm-hook (none, allreduce, fp16, bf16, powersgd, batched_powersgd) on `ddp`; returns PowerSGD's state when the hook has one.
-inline std::shared_ptr<dist::PowerSGDState> register_comm_hook(
-    dist::DistributedDataParallel& ddp, const std::string& comm_hook, int64_t powersgd_rank,
-    int64_t powersgd_start) {
-  if (comm_hook == "allreduce") ddp.register_comm_hook(dist::allreduce_hook);
-  if (comm_hook == "fp16") ddp.register_comm_hook(dist::fp16_compress_hook);
-  if (comm_hook == "bf16") ddp.register_comm_hook(dist::bf16_compress_hook);
-  if (comm_hook != "powersgd" && comm_hook != "batched_powersgd") return nullptr;
-  auto state = std::make_shared<dist::PowerSGDState>(dist::PowerSGDOptions{
-      .matrix_approximation_rank = powersgd_rank, .start_powerSGD_iter = powersgd_start});
-  ddp.register_comm_hook(
-      state, comm_hook == "powersgd" ? dist::powersgd_hook : dist::batched_powersgd_hook,
-      comm_hook);
-  return state;
+// Loads --comm-hook-plugin's libraries, then makes --comm-hook's hook (any registered spec,
+// dist::make_comm_hook; "none": no hook) and registers it on `ddp`. "powersgd" and
+// "batched_powersgd" without options take --powersgd-rank and --powersgd-start. Returns the made
+// hook (its state, summary and after-step work); an empty one for "none".
+inline dist::MadeCommHook register_comm_hook(dist::DistributedDataParallel& ddp,
+                                             const std::string& comm_hook,
+                                             const std::vector<std::string>& plugins,
+                                             int64_t powersgd_rank, int64_t powersgd_start) {
+  for (const std::string& path : plugins) dist::load_comm_hook_plugin(path);
+  if (comm_hook == "none") return {};
+  std::string spec = comm_hook;
+  if (spec == "powersgd" || spec == "batched_powersgd") {
+    spec += ":rank=" + std::to_string(powersgd_rank) + ",start=" + std::to_string(powersgd_start);
+  }
+  dist::MadeCommHook made = dist::make_comm_hook(spec, ddp.process_group());
+  ddp.register_comm_hook(made.hook, made.name);
+  return made;
 }
-
 
 inline int64_t count_parameters(const nn::Module& model) {
   int64_t n = 0;

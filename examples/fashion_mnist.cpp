@@ -32,7 +32,7 @@
 #include "examples/run_checkpoint.h"
 #include <ember/distributed/ddp/comm_hooks.h>
 #include <ember/distributed/ddp/ddp.h>
-#include <ember/distributed/ddp/powersgd.h>
+#include <ember/distributed/ddp/hook_registry.h>
 #include <ember/distributed/debug/stragglers.h>
 #include <ember/distributed/init.h>
 #include <ember/distributed/store/hash_store.h>
@@ -66,6 +66,7 @@ struct Args {
   std::string backend = "gloo";
   std::string device = "cpu";
   std::string comm_hook = "none";
+  std::vector<std::string> comm_hook_plugins;
   int64_t powersgd_rank = 2;
   int64_t powersgd_start = 10;
   std::string checkpoint_dir;
@@ -165,13 +166,13 @@ struct Position {
 };
 
 // What a checkpoint holds: the model, SGD's momentum buffers, the schedule, the generator and
-// PowerSGD's per-rank state (examples/run_checkpoint.h); the position and the settings a resumed
+// the hook's per-rank state (examples/run_checkpoint.h); the position and the settings a resumed
 // run must share (the data order depends on them) go in its metadata.
 struct TrainingState {
   nn::Module& model;
   nn::optim::Optimizer& opt;
   nn::optim::LRScheduler* schedule;  // null: constant learning rate
-  dist::PowerSGDState* hook;         // null: no hook state
+  const dist::MadeCommHook* hook;    // null: no hook state
   int rank, world;
   bool* hook_restored;  // set by a load: the checkpoint had this world's hook state
 };
@@ -213,7 +214,7 @@ int64_t steps_per_epoch_at(int64_t dataset_size, int64_t world, int64_t batch_si
 // place in the epoch: the sampler deals each epoch's permutation out rank by rank, so the
 // batches trained so far are a prefix of it, counted in samples (rounded down: at most one
 // batch per rank is trained again), and the cosine schedule continues from that step of this
-// run's (longer or shorter) schedule. PowerSGD's per-rank state starts afresh then.
+// run's (longer or shorter) schedule. A hook's per-rank state starts afresh then.
 Position maybe_resume(const Args& a, const TrainingState& s, const RunCheckpoint* checkpoint,
                       int64_t steps_per_epoch, int64_t dataset_size) {
   if (!a.resume || checkpoint == nullptr) return {};
@@ -309,7 +310,7 @@ class Trainer {
   // Trains to the end (or --max-steps), evaluating after each epoch; returns the last
   // evaluation.
   Evaluation train();
-  // Rank 0 prints PowerSGD's statistics, saves the weights and prints the final accuracy.
+  // Rank 0 prints the hook's statistics, saves the weights and prints the final accuracy.
   void report(const Evaluation& last) const;
 
  private:
@@ -321,8 +322,8 @@ class Trainer {
   void fail_if_asked() const;
   void print_banner() const;
   TrainingState state() {
-    return {*model_, opt_, schedule_.get(), powersgd_.get(), run_.rank, run_.world,
-            &hook_restored_};
+    return {*model_, opt_, schedule_.get(), hook_.state_dict ? &hook_ : nullptr, run_.rank,
+            run_.world, &hook_restored_};
   }
   double lr() const { return opt_.param_groups().front().lr(); }
   // --max-steps reached (or passed: a checkpoint may be further on than this run's limit).
@@ -336,7 +337,7 @@ class Trainer {
   nn::data::DataLoader loader_;
   const int64_t steps_per_epoch_, total_steps_, log_every_;
   dist::DistributedDataParallel ddp_;
-  std::shared_ptr<dist::PowerSGDState> powersgd_;
+  dist::MadeCommHook hook_;  // --comm-hook's (empty for none)
   nn::optim::SGD opt_;
   std::unique_ptr<nn::optim::CosineAnnealingLR> schedule_;
   std::unique_ptr<RunCheckpoint> checkpoint_;  // null without --checkpoint-dir
@@ -377,7 +378,8 @@ Trainer::Trainer(const Args& a)
                                    : a.epochs * steps_per_epoch_),
       log_every_(a.log_every > 0 ? a.log_every : std::max<int64_t>(1, steps_per_epoch_ / 10)),
       ddp_(model_, run_.pg),
-      powersgd_(register_comm_hook(ddp_, a.comm_hook, a.powersgd_rank, a.powersgd_start)),
+      hook_(register_comm_hook(ddp_, a.comm_hook, a.comm_hook_plugins, a.powersgd_rank,
+                               a.powersgd_start)),
       opt_(ddp_.parameters(), {.lr = a.lr, .momentum = a.momentum}),
       // Cosine from lr to 0 over the run, one scheduler step per training step.
       schedule_(a.lr_schedule == "cosine" ? std::make_unique<nn::optim::CosineAnnealingLR>(
@@ -485,9 +487,9 @@ double Trainer::train_step(const nn::data::Batch& batch) {
   trace::Span step_span("train step", "step", {{"step", global_step_ + 1}});
   Tensor x = batch.data.to(run_.device), y = batch.target.to(run_.device);
   last_lr_ = lr();
-  // A checkpoint being staged in the background reads the live state: PowerSGD's error feedback
-  // changes during backward, the rest at the optimizer step.
-  if (checkpoint_ && powersgd_) checkpoint_->wait_until_staged();
+  // A checkpoint being staged in the background reads the live state: a hook's state (error
+  // feedback) changes during backward, the rest at the optimizer step.
+  if (checkpoint_ && hook_.state_dict) checkpoint_->wait_until_staged();
   opt_.zero_grad();
   trace::Span forward_span("forward", "model");
   Tensor loss = nn::functional::cross_entropy(ddp_.forward(x), y);
@@ -496,6 +498,7 @@ double Trainer::train_step(const nn::data::Batch& batch) {
   trace::Span optimizer_span("optimizer step", "optim");
   if (checkpoint_) checkpoint_->wait_until_staged();
   opt_.step();
+  if (hook_.after_step) hook_.after_step(ddp_.parameters());  // model averaging
   if (schedule_) schedule_->step();
   optimizer_span.finish();
   ++global_step_;
@@ -588,12 +591,7 @@ void Trainer::finish_epoch(int64_t epoch, const EpochStats& e, const Evaluation&
 
 void Trainer::report(const Evaluation& last) const {
   if (!run_.leader) return;
-  if (powersgd_ && global_step_ > a_.powersgd_start) {
-    const auto stats = powersgd_->compression_stats();
-    std::printf("powersgd: rank %lld, %lld of %lld gradient elements all-reduced (%.1fx fewer)\n",
-                static_cast<long long>(a_.powersgd_rank), static_cast<long long>(stats.numel_after),
-                static_cast<long long>(stats.numel_before), stats.rate);
-  }
+  if (hook_.summary) std::printf("%s\n", hook_.summary().c_str());
   if (!a_.save_weights.empty()) {
     nn::save_state_dict(a_.save_weights, model_->state_dict(),
                         {{"model", a_.model}, {"global_step", std::to_string(global_step_)}});
@@ -638,9 +636,12 @@ int main(int argc, char** argv) {
                  "cpu, cuda (one GPU per rank: the local rank's) or cuda:N (every rank on GPU N)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
-  app.add_option("--comm-hook", a.comm_hook, "gradient communication (see docs/ddp.md)")
-      ->check(CLI::IsMember({"none", "allreduce", "fp16", "bf16", "powersgd", "batched_powersgd"}))
+  app.add_option("--comm-hook", a.comm_hook,
+                 "gradient communication: none or a registered hook, NAME[:key=value,...] "
+                 "(see docs/ddp.md)")
       ->capture_default_str();
+  app.add_option("--comm-hook-plugin", a.comm_hook_plugins,
+                 "a shared library that registers comm hooks (repeatable)");
   app.add_option("--powersgd-rank", a.powersgd_rank, "PowerSGD's matrix approximation rank")
       ->check(kPositive)
       ->capture_default_str();

@@ -137,7 +137,7 @@ class Trainer {
   Parallel par_;
   double pipeline_compute_s_ = 0, pipeline_wall_s_ = 0;  // --pp: this run's steps on this rank
   double pipeline_bubble_ = 0;                            // --pp: over every rank
-  std::shared_ptr<dist::PowerSGDState> powersgd_;
+  dist::MadeCommHook hook_;  // --comm-hook's (empty for none, or without DDP)
   nn::optim::SequentialLR schedule_;
   nn::amp::GradScaler scaler_;  // a pass-through unless --amp fp16
   std::unique_ptr<RunCheckpoint> checkpoint_;  // null without --checkpoint-dir
@@ -172,9 +172,9 @@ Trainer::Trainer(const Args& a)
                       : tensor_parallel(seeded_model(a, run_.device), layout_, a.tp_overlap)),
       data_(make_stream(a, *layout_.dp)),
       par_(make_parallel(a, model_, layout_, run_.device)),
-      powersgd_(par_.ddp ? register_comm_hook(*par_.ddp, a.comm_hook, /*powersgd_rank=*/2,
-                                              /*start=*/10)
-                         : nullptr),
+      hook_(par_.ddp ? register_comm_hook(*par_.ddp, a.comm_hook, a.comm_hook_plugins,
+                                          /*powersgd_rank=*/2, /*powersgd_start=*/10)
+                     : dist::MadeCommHook{}),
       schedule_(make_schedule(par_.optimizer(), a.lr, a.steps)),
       // DDP's exact average gives every rank the same gradients; a compressing hook may not, so
       // then the ranks agree on skipping a step.
@@ -285,9 +285,9 @@ double Trainer::train_step(int64_t step) {
     return value;
   }
   Tensor x = b.data.to(run_.device), y = b.target.to(run_.device);
-  // A checkpoint being staged in the background reads the live state: PowerSGD's error feedback
+  // A checkpoint being staged in the background reads the live state: a hook's error feedback
   // and --zero-overlap's parameters change during backward, everything else at the step.
-  if (checkpoint_ && (powersgd_ || a_.zero_overlap)) checkpoint_->wait_until_staged();
+  if (checkpoint_ && (hook_.state_dict || a_.zero_overlap)) checkpoint_->wait_until_staged();
   zero_grad();
   Tensor loss;
   {
@@ -314,6 +314,7 @@ double Trainer::train_step(int64_t step) {
   } else {
     scaler_.step(par_.optimizer());
   }
+  if (hook_.after_step) hook_.after_step(par_.ddp->parameters());  // model averaging
   scaler_.update();
   schedule_.step();
   ++step_;
@@ -475,7 +476,7 @@ std::map<std::string, std::string> run_settings(const Args& a, int world) {
 
 // Everything the run goes on from: the model (or with --pp this rank's stages) in its layout,
 // the optimizer's state (ZeRO's partitions, FSDP's shards), the schedule, the loss scale, the
-// generator (dropout's draws) and PowerSGD's per-rank state. The data position is the step.
+// generator (dropout's draws) and the comm hook's per-rank state. The data position is the step.
 ckpt::State Trainer::checkpoint_state() {
   std::shared_ptr<ckpt::Stateful> model = ckpt::model(checkpoint_root());
   std::shared_ptr<ckpt::Stateful> optim = ckpt::optimizer(par_.optimizer(), checkpoint_root());
@@ -492,7 +493,7 @@ ckpt::State Trainer::checkpoint_state() {
                    {"lr_scheduler", ckpt::lr_scheduler(schedule_)},
                    {"grad_scaler", ckpt::grad_scaler(scaler_)},
                    {"rng", ckpt::rng()}};
-  if (powersgd_) s["hook"] = hook_checkpoint_state(*powersgd_, run_.rank, run_.world, &hook_restored_);
+  if (hook_.state_dict) s["hook"] = hook_checkpoint_state(hook_, run_.rank, run_.world, &hook_restored_);
   return s;
 }
 
@@ -526,12 +527,12 @@ int64_t Trainer::maybe_resume() {
   checkpoint_->load(checkpoint_state(), run_.rank, /*optional=*/"hook");
   // Another world size is allowed (an elastic restart with fewer or more nodes): the windows
   // are a function of the step and the rank, the schedule of the step, and every layout loads
-  // at any world size; only PowerSGD's per-rank state cannot follow.
+  // at any world size; only the comm hook's per-rank state cannot follow.
   auto saved = [&](const char* key) { return meta.get(key); };
   if (run_.leader) {
     if (saved("world_size") != std::to_string(run_.world)) {
       std::printf("resume: saved at world size %s, now %d%s\n", saved("world_size").c_str(),
-                  run_.world, powersgd_ && !hook_restored_ ? " (PowerSGD's state starts afresh)" : "");
+                  run_.world, hook_.state_dict && !hook_restored_ ? " (the comm hook's state starts afresh)" : "");
     }
     for (const auto& [key, now] : {std::pair{"tp", a_.tp}, std::pair{"pp", a_.pp}}) {
       if (saved(key) != std::to_string(now)) {
@@ -588,6 +589,7 @@ void Trainer::report(double val_loss) {
     whole->load_state_dict(state);
   }
   if (!run_.leader) return;
+  if (hook_.summary) std::printf("%s\n", hook_.summary().c_str());
   if (a_.sample > 0) std::printf("sample:\n%s%s\n", a_.prompt.c_str(), generate(*whole).c_str());
   if (!a_.save_weights.empty()) {
     nn::save_state_dict(a_.save_weights, whole->state_dict(),

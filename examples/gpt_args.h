@@ -39,6 +39,7 @@ struct Args {
   std::string backend = "gloo";
   std::string device = "cpu";
   std::string comm_hook = "none";
+  std::vector<std::string> comm_hook_plugins;
   std::string shard = "none";  // none (DDP), zero (DDP + ZeroRedundancyOptimizer), fsdp
   int64_t tp = 1;              // tensor-parallel ranks; the others are data parallel
   int64_t tp_overlap = 1;      // --tp's collectives fused with their matmuls in this many pieces
@@ -176,9 +177,12 @@ inline void add_options(CLI::App& app, Args& a) {
           },
           "cpu|cuda|cuda:N"))
       ->capture_default_str();
-  app.add_option("--comm-hook", a.comm_hook, "gradient communication (see docs/ddp.md)")
-      ->check(CLI::IsMember({"none", "allreduce", "fp16", "bf16", "powersgd", "batched_powersgd"}))
+  app.add_option("--comm-hook", a.comm_hook,
+                 "gradient communication: none or a registered hook, NAME[:key=value,...] "
+                 "(see docs/ddp.md)")
       ->capture_default_str();
+  app.add_option("--comm-hook-plugin", a.comm_hook_plugins,
+                 "a shared library that registers comm hooks (repeatable)");
   app.add_option("--shard", a.shard,
                  "none (DDP), zero (DDP + ZeroRedundancyOptimizer) or fsdp (fully_shard)")
       ->check(CLI::IsMember({"none", "zero", "fsdp"}))->capture_default_str();

@@ -17,18 +17,18 @@
 #include <utility>
 
 #include <ember/distributed/checkpoint/checkpoint.h>
-#include <ember/distributed/ddp/powersgd.h>
+#include <ember/distributed/ddp/hook_registry.h>
 
 namespace ember::examples {
 
 namespace ckpt = dist::checkpoint;
 
 /// A communication hook's state as a checkpoint object: each rank's tensors, written by that
-/// rank as "rank<r>.<name>" (PowerSGD's error feedback differs between ranks), and the world
+/// rank as "rank<r>.<name>" (error feedback's residuals differ between ranks), and the world
 /// size. A load at the saved world size restores this rank's; at another the state cannot
 /// follow and is left fresh, and `*restored` says which happened.
-inline std::shared_ptr<ckpt::Stateful> hook_checkpoint_state(dist::PowerSGDState& hook, int rank,
-                                                             int world, bool* restored) {
+inline std::shared_ptr<ckpt::Stateful> hook_checkpoint_state(const dist::MadeCommHook& hook,
+                                                             int rank, int world, bool* restored) {
   const std::string mine = "rank" + std::to_string(rank) + ".";
   return ckpt::stateful(
       [&hook, mine, world] {

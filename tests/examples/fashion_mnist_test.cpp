@@ -192,6 +192,36 @@ TEST_F(FashionMnist, ResumesWithPowerSgdStateWithIdenticalWeights) {
       << "rank 1's hook state is saved";
 }
 
+// The same with a hook by name with options (sign compression after 5 steps): its residuals
+// travel in the checkpoint and the summary line reports the bytes it saved.
+TEST_F(FashionMnist, ResumesWithSignCompressionStateWithIdenticalWeights) {
+  auto [a, b] = run_clean_and_resumed(tmp.path, " --model mlp --max-steps 40 --log-every 10 --batch-size 32"
+                                                " --comm-hook sign:start=5", "");
+  EXPECT_EQ(final_accuracy(a.output), final_accuracy(b.output)) << a.output << b.output;
+  EXPECT_NE(a.output.find("sign: sent "), std::string::npos) << a.output;
+  EXPECT_NE(a.output.find("x fewer bytes)"), std::string::npos) << a.output;
+  const ember::dist::ShardedCheckpoint ck(tmp.path + "/ckpt");
+  const auto names = ck.names();
+  EXPECT_TRUE(std::any_of(names.begin(), names.end(), [](const std::string& n) {
+    return n.rfind("hook.rank1.residual.", 0) == 0;
+  })) << "rank 1's residuals are saved";
+}
+
+// A hook compiled as a plug-in (tests/distributed/plugins/hook_plugin.cpp) trains by name; an
+// unknown name is refused listing the registered ones.
+TEST_F(FashionMnist, TakesAHookFromAPlugin) {
+  const std::string plugin = std::string(EMBER_TEST_PLUGIN_DIR) + "/libtest_hook_plugin_good.so";
+  Result a = run(emberrun() + " --standalone --nproc-per-node 2 " + example() +
+                 " --model mlp --max-steps 4 --comm-hook-plugin " + plugin +
+                 " --comm-hook test_scaled:scale=1");
+  ASSERT_EQ(a.status, 0) << a.output;
+  EXPECT_NE(a.output.find("comm hook test_scaled"), std::string::npos) << a.output;
+  Result bad = run(example() + " --model mlp --max-steps 4 --comm-hook tpok");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.output.find("no hook named 'tpok' (from 'tpok'); registered: allreduce"),
+            std::string::npos) << bad.output;
+}
+
 // An elastic restart (emberrun --nnodes MIN:MAX) resumes at another world size: the position
 // is converted in samples (6 steps of 1 rank are 3 steps of 2), the cosine schedule is this
 // run's at that step, and the banner prints the new world size.
