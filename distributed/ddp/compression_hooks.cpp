@@ -9,6 +9,7 @@
 #include <ember/distributed/ddp/detail/state_entries.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/grad_mode.h>
+#include <ember/tensor/trace.h>
 
 namespace ember::dist {
 
@@ -352,18 +353,21 @@ std::shared_ptr<Future> two_phase(CompressionState& state, GradBucket& bucket, c
   }
   const int64_t msg = c.bytes(m);
   std::vector<Tensor> inputs, outputs;
+  trace::Span compress_span("compress", "comm hook", {{"bucket", bucket.index()}});
   for (int r = 0; r < world; ++r) {
     inputs.push_back(empty({msg}, kUInt8));
     outputs.push_back(empty({msg}, kUInt8));
     encode_keeping_residual(c, x.data<float>() + r * m, m, bytes_of(inputs.back()),
                             residual ? residual + r * m : nullptr);
   }
+  compress_span.finish();
   state.count(2 * (world - 1) * msg, ring_allreduce_bytes(n, world));
   auto exchanged = group->alltoall(outputs, inputs)->future();
   // Phase two issues a collective after the first completes: on DDP's thread (defer).
   return bucket.defer(exchanged, [&state, c, group, outputs, inputs, key, m, msg, world, feedback,
                                   layout = Canonical(bucket), buffer = bucket.buffer()](Future&) {
     NoGradGuard no_grad;
+    trace::Span span("decompress, average, compress", "comm hook");
     Tensor avg = zeros({m}, kFloat32);
     float* a = avg.data<float>();
     for (int r = 0; r < world; ++r) c.decode_add(bytes_of(outputs[r]), m, a);
@@ -378,8 +382,10 @@ std::shared_ptr<Future> two_phase(CompressionState& state, GradBucket& bucket, c
     Tensor mine = empty({msg}, kUInt8);
     encode_keeping_residual(c, a, m, bytes_of(mine), server);
     Tensor all = empty({world * msg}, kUInt8);
+    span.finish();
     auto work = group->allgather_into_tensor(all, mine);
     return work->future()->then([c, all, mine, m, msg, world, layout, buffer](Future&) {
+      trace::Span decompress_span("decompress", "comm hook");
       Tensor result = zeros({m * world}, kFloat32);
       for (int r = 0; r < world; ++r) {
         c.decode_add(bytes_of(all) + r * msg, m, result.data<float>() + r * m);

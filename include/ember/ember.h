@@ -1,12 +1,15 @@
 // Ember in one include: tensors, autograd, nn (layers, losses, optimizers, data, checkpoints,
 // mixed precision) and distributed training (process groups, DDP, ZeRO, FSDP, sharded
-// checkpoints, comm hooks).
+// checkpoints, comm hooks, compression, local SGD).
 // Link Ember::ember (CMake) or `pkg-config --libs ember`.
 #pragma once
 
 #include <ember/distributed/ddp/amp.h>
 #include <ember/distributed/ddp/comm_hooks.h>
+#include <ember/distributed/ddp/compression_hooks.h>
 #include <ember/distributed/ddp/ddp.h>
+#include <ember/distributed/ddp/hook_registry.h>
+#include <ember/distributed/ddp/local_sgd.h>
 #include <ember/distributed/ddp/powersgd.h>
 #include <ember/distributed/ddp/sync_batch_norm.h>
 #include <ember/distributed/forwarding_process_group.h>

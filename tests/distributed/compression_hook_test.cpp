@@ -8,6 +8,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <numeric>
 
 #include <ember/distributed/ddp/compression_hooks.h>
@@ -19,6 +21,7 @@
 #include <ember/tensor/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/random.h>
+#include <ember/tensor/trace.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/threads_test_util.h"
 
@@ -262,6 +265,22 @@ TEST(TwoPhaseHooks, TheResidualIsWhatWasNotSent) {
       ASSERT_TRUE(got.defined());
       EXPECT_EQ(got.to_vector<float>(), residual) << "rank " << r;
     }
+  }
+}
+
+// The trace shows where a two-phase hook spends its time: compressing, the server's step and
+// decompressing.
+TEST(TwoPhaseHooks, TheTraceShowsCompressAndDecompress) {
+  test::TempDir dir;
+  trace::start(dir.path(), trace::Level::Steps, 0);
+  run_hook(2, reference_inputs(300), [](int) {
+    return bind_hook(std::make_shared<CompressionState>(), sign_compress_hook);
+  });
+  const std::string path = trace::stop();
+  std::ifstream in(path);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (const char* name : {"\"compress\"", "\"decompress, average, compress\"", "\"decompress\""}) {
+    EXPECT_NE(text.find(name), std::string::npos) << name << " in " << path;
   }
 }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # run.sh BUILD_DIR — installs the Ember built in BUILD_DIR to a temporary prefix, builds
 # tests/downstream against it with find_package(Ember) (and a second program with pkg-config
-# alone), and runs the data-parallel loop with 2 ranks under the installed emberrun.
+# alone), and runs the data-parallel loop with 2 ranks under the installed emberrun, then with a
+# comm hook from a plug-in built against the install.
 set -euo pipefail
 build=$(cd "$1" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
@@ -33,3 +34,6 @@ c++ "$here/pkgconfig.cpp" -o "$tmp/pkgconfig" $(pkg-config --cflags --libs ember
 "$tmp/pkgconfig"
 
 "$prefix/bin/emberrun" --standalone --nproc-per-node 2 "$tmp/build/train_ddp"
+# The same with a comm hook from a plug-in built against the install (docs/ddp.md, "Plug-ins").
+"$prefix/bin/emberrun" --standalone --nproc-per-node 2 "$tmp/build/train_ddp" \
+    "$tmp/build/libmy_hooks.so" doubled_average:scale=1
