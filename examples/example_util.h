@@ -230,11 +230,27 @@ inline nlohmann::json ddp_json(const dist::DDPStats& s) {
           {"rebuilds", s.rebuilds},
           {"unused_parameters", s.unused_parameters},
           {"iterations", s.iterations},
+          {"bytes_sent", s.bytes_sent},
+          {"bucket_bytes_sent", s.bucket_bytes_sent},
+          {"allreduce_bytes", s.allreduce_bytes},
+          {"compression_ratio", s.compression_ratio},
           {"forward", timing(s.forward)},
           {"backward", timing(s.backward)},
           {"communication", timing(s.communication)},
           {"overlapped_communication", timing(s.overlapped_communication)},
           {"exposed_communication", timing(s.exposed_communication)}};
+}
+
+// "gradients: 0.6 MB sent per step (all-reduce: 2.7 MB, 4.4x fewer over the run)", or "" before
+// DDP's first synchronised step or when a hook did not count its bytes.
+inline std::string ddp_bytes_line(const dist::DDPStats& s) {
+  if (s.iterations == 0 || s.bytes_sent < 0) return "";
+  char line[160];
+  std::snprintf(line, sizeof line,
+                "gradients: %.2f MB sent per step by this rank (all-reduce: %.2f MB; %.1fx fewer "
+                "over the run)",
+                s.bytes_sent / 1e6, s.allreduce_bytes / 1e6, s.compression_ratio);
+  return line;
 }
 
 // Loss averages, throughput and where this rank's time went between two progress lines.

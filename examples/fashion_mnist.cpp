@@ -592,6 +592,9 @@ void Trainer::finish_epoch(int64_t epoch, const EpochStats& e, const Evaluation&
 void Trainer::report(const Evaluation& last) const {
   if (!run_.leader) return;
   if (hook_.summary) std::printf("%s\n", hook_.summary().c_str());
+  if (const std::string bytes = ddp_bytes_line(ddp_.stats()); !bytes.empty()) {
+    std::printf("%s\n", bytes.c_str());
+  }
   if (!a_.save_weights.empty()) {
     nn::save_state_dict(a_.save_weights, model_->state_dict(),
                         {{"model", a_.model}, {"global_step", std::to_string(global_step_)}});

@@ -590,6 +590,11 @@ void Trainer::report(double val_loss) {
   }
   if (!run_.leader) return;
   if (hook_.summary) std::printf("%s\n", hook_.summary().c_str());
+  if (par_.ddp) {
+    if (const std::string bytes = ddp_bytes_line(par_.ddp->stats()); !bytes.empty()) {
+      std::printf("%s\n", bytes.c_str());
+    }
+  }
   if (a_.sample > 0) std::printf("sample:\n%s%s\n", a_.prompt.c_str(), generate(*whole).c_str());
   if (!a_.save_weights.empty()) {
     nn::save_state_dict(a_.save_weights, whole->state_dict(),

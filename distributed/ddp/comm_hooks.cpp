@@ -54,6 +54,7 @@ std::shared_ptr<Future> compress_hook(GradBucket& bucket, Dtype dtype) {
   }
   AllreduceOptions o;
   o.op = ReduceOp::Sum;
+  bucket.record_bytes_sent(ring_allreduce_bytes(compressed.nbytes(), pg.size()));
   auto work = pg.allreduce(compressed, o);
   // Decompression is local work, so it may run on the backend thread (no collective here).
   return work->future()->then([buffer](Future& f) mutable {
@@ -97,14 +98,16 @@ CommHook compress_wrapper(CommHook hook, Dtype dtype) {
 GradBucket::GradBucket(size_t index, size_t num_buckets, Tensor buffer,
                        std::vector<Tensor> parameters, std::vector<size_t> parameter_indices,
                        std::shared_ptr<ProcessGroup> group,
-                       std::shared_ptr<dist::detail::DeferredSteps> deferred)
+                       std::shared_ptr<dist::detail::DeferredSteps> deferred,
+                       std::shared_ptr<std::atomic<int64_t>> bytes_sent)
     : index_(index),
       num_buckets_(num_buckets),
       buffer_(std::move(buffer)),
       parameters_(std::move(parameters)),
       parameter_indices_(std::move(parameter_indices)),
       group_(std::move(group)),
-      deferred_(std::move(deferred)) {
+      deferred_(std::move(deferred)),
+      bytes_sent_(std::move(bytes_sent)) {
   EMBER_CHECK(group_ != nullptr, kOp, " expected a process group, got null");
   EMBER_CHECK(index_ < num_buckets_, kOp, " index ", index_, " must be < num_buckets ",
               num_buckets_);
@@ -160,6 +163,17 @@ std::shared_ptr<Future> GradBucket::defer(std::shared_ptr<Future> after, Deferre
   return run_step(step, *after);
 }
 
+void GradBucket::record_bytes_sent(int64_t bytes) const {
+  if (!bytes_sent_) return;
+  int64_t old = bytes_sent_->load();
+  while (!bytes_sent_->compare_exchange_weak(old, std::max<int64_t>(old, 0) + bytes)) {
+  }
+}
+
+int64_t ring_allreduce_bytes(int64_t bytes, int world) {
+  return world > 1 ? 2 * (world - 1) * bytes / world : 0;
+}
+
 GradBucket GradBucket::with_group(std::shared_ptr<ProcessGroup> group) const {
   EMBER_CHECK(group != nullptr, kOp, " with_group expects a process group, got null");
   GradBucket copy = *this;
@@ -179,6 +193,7 @@ std::shared_ptr<Future> allreduce_hook(GradBucket& bucket) {
   Tensor buffer = bucket.buffer();
   AllreduceOptions o;
   o.op = ReduceOp::Avg;
+  bucket.record_bytes_sent(ring_allreduce_bytes(buffer.nbytes(), bucket.process_group().size()));
   return bucket.process_group().allreduce(buffer, o)->future();
 }
 
@@ -196,7 +211,10 @@ CommHook bf16_compress_wrapper(CommHook hook) {
   return compress_wrapper(std::move(hook), kBFloat16);
 }
 
-std::shared_ptr<Future> noop_hook(GradBucket& bucket) { return completed_future({bucket.buffer()}); }
+std::shared_ptr<Future> noop_hook(GradBucket& bucket) {
+  bucket.record_bytes_sent(0);
+  return completed_future({bucket.buffer()});
+}
 
 }  // namespace ember::dist
 

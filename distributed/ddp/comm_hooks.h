@@ -21,7 +21,9 @@
 // so the collective sequence depends only on the bucket layout and the hooks' code.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -49,9 +51,12 @@ class GradBucket {
   /// parameters[k]'s index in the module's parameters(). `deferred` null (a bucket made outside
   /// DDP, e.g. in a test): defer() runs its step at once. Throws ValueError if the parameters'
   /// sizes do not add up to the buffer's.
+  /// `bytes_sent`: where record_bytes_sent adds (DDP's per-bucket counter, -1 until a hook
+  /// records); null: record_bytes_sent does nothing.
   GradBucket(size_t index, size_t num_buckets, Tensor buffer, std::vector<Tensor> parameters,
              std::vector<size_t> parameter_indices, std::shared_ptr<ProcessGroup> group,
-             std::shared_ptr<dist::detail::DeferredSteps> deferred = nullptr);
+             std::shared_ptr<dist::detail::DeferredSteps> deferred = nullptr,
+             std::shared_ptr<std::atomic<int64_t>> bytes_sent = nullptr);
 
   /// Position in the launch order (0 is launched first).
   size_t index() const { return index_; }
@@ -84,6 +89,12 @@ class GradBucket {
   /// (no queue) the step runs before defer() returns, on the calling thread.
   std::shared_ptr<Future> defer(std::shared_ptr<Future> after, DeferredStep step) const;
 
+  /// Adds `bytes` to what this rank sent for this bucket in this iteration, for
+  /// DDPStats::bytes_sent: a hook counts what it puts on the wire (ring_allreduce_bytes for an
+  /// all-reduce, the ranks a message reaches times its size otherwise). A hook that never calls
+  /// it leaves the iteration's bytes unknown. Thread-safe (a Future::then callback may call it).
+  void record_bytes_sent(int64_t bytes) const;
+
   /// This bucket over another group (same buffer, parameters and deferred-step queue): for a
   /// hook that runs another hook over a subgroup (compress_across_nodes). Throws ValueError if
   /// `group` is null.
@@ -97,7 +108,12 @@ class GradBucket {
   std::vector<size_t> parameter_indices_;
   std::shared_ptr<ProcessGroup> group_;
   std::shared_ptr<dist::detail::DeferredSteps> deferred_;
+  std::shared_ptr<std::atomic<int64_t>> bytes_sent_;
 };
+
+/// What a ring all-reduce of `bytes` sends from each of `world` ranks: 2 (world - 1) / world of
+/// it (0 for one rank). The reference DDPStats and the compression hooks compare against.
+int64_t ring_allreduce_bytes(int64_t bytes, int world);
 
 /// A communication hook: returns a Future whose value()[0] is the averaged bucket (same number
 /// of elements as bucket.buffer()). Called on the backward thread.

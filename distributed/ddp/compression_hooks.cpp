@@ -75,8 +75,8 @@ std::vector<Tensor> into_bucket(const Canonical& layout, Tensor buffer, const Te
 }
 
 // What a ring all-reduce of `numel` float32 elements sends from one of `world` ranks.
-int64_t ring_allreduce_bytes(int64_t numel, int world) {
-  return 2 * (world - 1) * numel * 4 / world;
+int64_t float32_allreduce_bytes(int64_t numel, int world) {
+  return ring_allreduce_bytes(numel * 4, world);
 }
 
 uint8_t* bytes_of(const Tensor& t) { return t.data<uint8_t>(); }
@@ -321,6 +321,7 @@ std::shared_ptr<Future> allgather_quantized(GradBucket& bucket, const Codec& c) 
   Tensor mine = empty({msg}, kUInt8);
   c.encode(x.data<float>(), n, bytes_of(mine));
   Tensor all = empty({world * msg}, kUInt8);
+  bucket.record_bytes_sent((world - 1) * msg);
   auto work = pg.allgather_into_tensor(all, mine);
   return work->future()->then([c, all, n, msg, world, layout = Canonical(bucket),
                                buffer = bucket.buffer()](Future&) {
@@ -361,7 +362,8 @@ std::shared_ptr<Future> two_phase(CompressionState& state, GradBucket& bucket, c
                             residual ? residual + r * m : nullptr);
   }
   compress_span.finish();
-  state.count(2 * (world - 1) * msg, ring_allreduce_bytes(n, world));
+  state.count(2 * (world - 1) * msg, float32_allreduce_bytes(n, world));
+  bucket.record_bytes_sent(2 * (world - 1) * msg);
   auto exchanged = group->alltoall(outputs, inputs)->future();
   // Phase two issues a collective after the first completes: on DDP's thread (defer).
   return bucket.defer(exchanged, [&state, c, group, outputs, inputs, key, m, msg, world, feedback,
@@ -455,7 +457,8 @@ std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& 
     float* rp = residual->data<float>();
     for (int32_t i : order) rp[i] = 0;
   }
-  state.count((world - 1) * msg, ring_allreduce_bytes(n, world));
+  state.count((world - 1) * msg, float32_allreduce_bytes(n, world));
+  bucket.record_bytes_sent((world - 1) * msg);
   Tensor all = empty({world * msg}, kUInt8);
   auto work = pg.allgather_into_tensor(all, mine);
   return work->future()->then([all, k, n, msg, world, layout = Canonical(bucket),
@@ -491,6 +494,7 @@ CommHook compress_across_nodes(CommHook inner, std::shared_ptr<ProcessGroup> loc
     Tensor buffer = bucket.buffer();
     AllreduceOptions o;
     o.op = ReduceOp::Avg;
+    bucket.record_bytes_sent(ring_allreduce_bytes(buffer.nbytes(), local->size()));
     auto node_average = local->allreduce(buffer, o)->future();
     // The leaders' hook, then the broadcast inside the node, each after the step before: on
     // DDP's thread (defer), as they issue collectives.
@@ -499,11 +503,12 @@ CommHook compress_across_nodes(CommHook inner, std::shared_ptr<ProcessGroup> loc
       GradBucket over_leaders = bucket.with_group(leaders);
       return inner(over_leaders);
     });
-    return bucket.defer(between_nodes, [local, buffer](Future& f) mutable {
+    return bucket.defer(between_nodes, [local, buffer, bucket](Future& f) mutable {
       Tensor result = buffer;
       if (local->rank() == 0) {
         NoGradGuard no_grad;
         result.copy_(f.value().at(0).reshape({-1}));
+        bucket.record_bytes_sent((local->size() - 1) * result.nbytes());
       }
       return local->broadcast(result)->future();  // from rank 0, the leader
     });

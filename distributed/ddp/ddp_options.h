@@ -72,6 +72,17 @@ struct DDPStats {
   int64_t rebuilds = 0;               ///< bucket rebuilds so far (at most one)
   int64_t unused_parameters = 0;      ///< no rank used them in the last synchronised iteration
   int64_t iterations = 0;             ///< synchronised iterations timed
+  /// Bytes this rank sent for the gradients in the last synchronised iteration, per bucket in
+  /// reduction order and in all: DDP's own all-reduce counted as a ring moves it (2 (W-1)/W of
+  /// the bucket), a hook's as it records them (GradBucket::record_bytes_sent; every built-in
+  /// hook does). -1 where a hook did not record (bytes_sent then -1 too).
+  std::vector<int64_t> bucket_bytes_sent;
+  int64_t bytes_sent = 0;
+  /// What a ring all-reduce of every bucket sends: bytes_sent without compression.
+  int64_t allreduce_bytes = 0;
+  /// allreduce_bytes / bytes_sent summed over every iteration whose bytes were known (0 if
+  /// none was, or nothing was sent): how much less a compressing hook sends.
+  double compression_ratio = 0;
   /// Forward: the module's forward. Backward: from the end of forward to the end of the
   /// autograd pass. Communication: from the first bucket's launch until every bucket was
   /// reduced; overlapped_communication: its part before backward ended; exposed_communication:

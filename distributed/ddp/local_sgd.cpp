@@ -243,9 +243,14 @@ std::shared_ptr<Future> post_localSGD_hook(PostLocalSGDState& state, GradBucket&
     if (bucket.is_last() && ++state.iter_ == state.start_) {
       logging::info("[post_localSGD_hook] local SGD starts after ", state.iter_, " iterations");
     }
+    bucket.record_bytes_sent(ring_allreduce_bytes(buffer.nbytes(), state.group_->size()));
     return state.group_->allreduce(buffer, o)->future();
   }
-  if (!state.post_local_allreduce_) return completed_future({buffer});
+  if (!state.post_local_allreduce_) {
+    bucket.record_bytes_sent(0);
+    return completed_future({buffer});
+  }
+  bucket.record_bytes_sent(ring_allreduce_bytes(buffer.nbytes(), state.subgroup_->size()));
   return state.subgroup_->allreduce(buffer, o)->future();
 }
 

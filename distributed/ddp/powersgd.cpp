@@ -277,6 +277,7 @@ std::shared_ptr<Future> powersgd_hook(PowerSGDState& state, GradBucket& bucket) 
   std::shared_ptr<ProcessGroup> pg = bucket.process_group_ptr();
   AllreduceOptions sum;
   sum.op = ReduceOp::Sum;
+  bucket.record_bytes_sent(ring_allreduce_bytes(up.nbytes(), pg->size()));
   auto first = pg->allreduce(up, sum);
   state.end_bucket(bucket);
 
@@ -297,6 +298,7 @@ std::shared_ptr<Future> powersgd_hook(PowerSGDState& state, GradBucket& bucket) 
       orthogonalize(c.p, st->options_.orthogonalization_epsilon);
       c.q.copy_(matmul2d(c.matrix.t(), c.p));
     }
+    b.record_bytes_sent(ring_allreduce_bytes(qs.nbytes(), world));
     auto second = pg->allreduce(qs, sum);
     return b.defer(second->future(), [=](Future&) mutable {
       // Stage 3.
@@ -354,6 +356,7 @@ std::shared_ptr<Future> batched_powersgd_hook(PowerSGDState& state, GradBucket& 
   std::shared_ptr<ProcessGroup> pg = bucket.process_group_ptr();
   AllreduceOptions sum;
   sum.op = ReduceOp::Sum;
+  bucket.record_bytes_sent(ring_allreduce_bytes(p.nbytes(), pg->size()));
   auto first = pg->allreduce(p, sum);
   state.end_bucket(bucket);
 
@@ -363,6 +366,7 @@ std::shared_ptr<Future> batched_powersgd_hook(PowerSGDState& state, GradBucket& 
     NoGradGuard no_grad;
     orthogonalize(p, st->options_.orthogonalization_epsilon);
     q.copy_(matmul2d(matrix.t(), p));
+    b.record_bytes_sent(ring_allreduce_bytes(q.nbytes(), pg->size()));
     auto second = pg->allreduce(q, sum);
     return b.defer(second->future(), [=](Future&) mutable {
       NoGradGuard no_grad;

@@ -261,6 +261,12 @@ void Reducer::launch(size_t index, bool shadow) {
   timings_.launched_any = true;
   const BucketReduction how = choose_reduction(b, shadow);
   b.reduction = how;
+  // Note [DDP bytes]: what this rank sends for the bucket, as a ring all-reduce moves it when
+  // DDP reduces, as the hook records it otherwise (-1 until it does).
+  const int world = group_->size();
+  b.sent->store(how == BucketReduction::Hook        ? -1
+                : how == BucketReduction::LocalOnly ? 0
+                                                    : dist::ring_allreduce_bytes(b.flat.nbytes(), world));
   if (shadow) b.shadow = zeros({b.flat.numel()}, b.flat.options());
   Tensor& buffer = shadow ? b.shadow : b.flat;
   dist::AllreduceOptions o;
@@ -270,7 +276,7 @@ void Reducer::launch(size_t index, bool shadow) {
       return;
     case BucketReduction::Hook: {
       dist::GradBucket gb(index, buckets_.size(), buffer, b.tensors, b.module_indices, group_,
-                          deferred_);
+                          deferred_, b.sent);
       b.future = hook_(gb);
       EMBER_CHECK(b.future != nullptr, kOp,
                   " the communication hook returned a null future for bucket ", index,
@@ -351,7 +357,25 @@ void Reducer::finalize() {
   check_static_graph(locally_used, used_anywhere);
   write_back(used_anywhere);
   unused_last_ = std::count(used_anywhere.begin(), used_anywhere.end(), 0);
+  record_bytes();
   record_timings(backward_end, Clock::now());
+}
+
+void Reducer::record_bytes() {
+  bucket_sent_last_.clear();
+  int64_t sent = 0, allreduce = 0;
+  bool known = true;
+  for (const Bucket& b : buckets_) {
+    const int64_t n = b.reduction ? b.sent->load() : 0;
+    bucket_sent_last_.push_back(n);
+    known = known && n >= 0;
+    sent += std::max<int64_t>(n, 0);
+    allreduce += dist::ring_allreduce_bytes(b.flat.nbytes(), group_->size());
+  }
+  if (known) {
+    sent_total_ += sent;
+    allreduce_total_ += allreduce;
+  }
 }
 
 // Stage 1: parameters that got no gradient. An error unless tolerated; otherwise each
@@ -550,6 +574,16 @@ void Reducer::fill_stats(dist::DDPStats& s) const {
   s.rebuilds = rebuild_done_ ? 1 : 0;
   s.unused_parameters = unused_last_;
   s.comm_hook = hook_ ? hook_name_ : "";
+  s.bucket_bytes_sent = bucket_sent_last_;
+  s.bytes_sent = 0;
+  s.allreduce_bytes = 0;
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    const int64_t n = i < bucket_sent_last_.size() ? bucket_sent_last_[i] : 0;
+    s.bytes_sent = (s.bytes_sent < 0 || n < 0) ? -1 : s.bytes_sent + n;
+    s.allreduce_bytes += dist::ring_allreduce_bytes(buckets_[i].flat.nbytes(), group_->size());
+  }
+  s.compression_ratio =
+      sent_total_ > 0 ? static_cast<double>(allreduce_total_) / static_cast<double>(sent_total_) : 0;
   s.iterations = timings_.iterations;
   const double n = std::max<double>(1, static_cast<double>(timings_.iterations));
   const Phases &last = timings_.last, &total = timings_.total;

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include <ember/distributed/ddp/comm_hooks.h>
+#include <ember/distributed/ddp/compression_hooks.h>
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/debug/stragglers.h>
 #include <ember/nn/activation.h>
@@ -134,6 +135,74 @@ TEST(DDPStats, NamesTheCommHookAndCountsUnusedParameters) {
       require(st.unused_parameters == 2,
               "2 unused parameters, got " + std::to_string(st.unused_parameters));
       require(st.find_unused_parameters, "the option is reported");
+    });
+  }
+}
+
+// Note [DDP bytes]: DDP's own all-reduce counts as a ring moves it; hooks count what they send;
+// a hook that does not count leaves the bytes unknown (-1).
+TEST(DDPStats, CountsTheBytesEachBucketSent) {
+  const Batch batch = make_batch();
+  struct Case {
+    const char* name;
+    std::function<void(DistributedDataParallel&)> hook;
+    std::function<void(const DDPStats&)> check;
+  };
+  const std::vector<Case> cases = {
+      {"no hook", nullptr,
+       [](const DDPStats& s) {
+         int64_t want = 0;
+         for (size_t i = 0; i < s.bucket_bytes.size(); ++i) {
+           EXPECT_EQ(s.bucket_bytes_sent[i], s.bucket_bytes[i] * 2 * 3 / 4) << i;  // 4 ranks
+           want += s.bucket_bytes[i] * 2 * 3 / 4;
+         }
+         EXPECT_EQ(s.bytes_sent, want);
+         EXPECT_EQ(s.allreduce_bytes, want);
+         EXPECT_DOUBLE_EQ(s.compression_ratio, 1.0);
+       }},
+      {"fp16", [](DistributedDataParallel& d) { d.register_comm_hook(fp16_compress_hook); },
+       [](const DDPStats& s) {
+         EXPECT_EQ(s.bytes_sent * 2, s.allreduce_bytes);
+         EXPECT_DOUBLE_EQ(s.compression_ratio, 2.0);
+       }},
+      {"sign",
+       [](DistributedDataParallel& d) {
+         d.register_comm_hook(std::make_shared<CompressionState>(), sign_compress_hook, "sign");
+       },
+       [](const DDPStats& s) {
+         EXPECT_GT(s.bytes_sent, 0);
+         EXPECT_GT(s.compression_ratio, 3.0);  // tiny buckets: the scales weigh
+       }},
+      {"a hook that does not count",
+       [](DistributedDataParallel& d) {
+         d.register_comm_hook([](GradBucket& b) {
+           Tensor buffer = b.buffer();
+           return b.process_group().allreduce(buffer, {.op = ReduceOp::Avg})->future();
+         });
+       },
+       [](const DDPStats& s) {
+         EXPECT_EQ(s.bytes_sent, -1);
+         for (int64_t n : s.bucket_bytes_sent) EXPECT_EQ(n, -1);
+         EXPECT_EQ(s.compression_ratio, 0.0);
+       }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::vector<std::shared_ptr<nn::Sequential>> models;
+    for (int r = 0; r < 4; ++r) models.push_back(make_model());
+    test::ThreadsSetup setup;
+    setup.n = 4;
+    test::run_threads(setup, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+      DistributedDataParallel ddp(models[rank], pg, small_buckets());
+      if (c.hook) c.hook(ddp);
+      for (int step = 0; step < 2; ++step) {
+        models[rank]->zero_grad();
+        loss_of(ddp, test::slice(batch, rank, 4)).backward();
+      }
+      const DDPStats s = ddp.stats();
+      ASSERT_EQ(s.bucket_bytes_sent.size(), s.bucket_bytes.size());
+      ASSERT_GT(s.bucket_count, 1);
+      if (rank == 0) c.check(s);
     });
   }
 }

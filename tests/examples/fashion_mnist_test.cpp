@@ -200,6 +200,8 @@ TEST_F(FashionMnist, ResumesWithSignCompressionStateWithIdenticalWeights) {
   EXPECT_EQ(final_accuracy(a.output), final_accuracy(b.output)) << a.output << b.output;
   EXPECT_NE(a.output.find("sign: sent "), std::string::npos) << a.output;
   EXPECT_NE(a.output.find("x fewer bytes)"), std::string::npos) << a.output;
+  EXPECT_NE(a.output.find("gradients: "), std::string::npos) << a.output;  // DDPStats' bytes
+  EXPECT_NE(a.output.find("x fewer over the run)"), std::string::npos) << a.output;
   const ember::dist::ShardedCheckpoint ck(tmp.path + "/ckpt");
   const auto names = ck.names();
   EXPECT_TRUE(std::any_of(names.begin(), names.end(), [](const std::string& n) {

@@ -3,6 +3,7 @@
 // DistributedDataParallel: not part of the public API.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <exception>
@@ -150,6 +151,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     size_t pending = 0;
     std::shared_ptr<dist::Future> future;      // the all-reduce's or the hook's
     std::optional<BucketReduction> reduction;  // set when launched
+    // Bytes this rank sent for it this iteration (GradBucket::record_bytes_sent; -1: unknown).
+    std::shared_ptr<std::atomic<int64_t>> sent = std::make_shared<std::atomic<int64_t>>(0);
   };
   // static_graph: what the first synchronised iteration found.
   struct StaticGraph {
@@ -235,6 +238,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool rebuild_done_ = false;
   std::optional<StaticGraph> static_graph_;
   int64_t unused_last_ = 0;  // parameters no rank used in the last finalized iteration
+  // Bytes sent (Note [DDP bytes]): the last finalized iteration's per bucket, and totals over
+  // the iterations whose every bucket's bytes were known.
+  std::vector<int64_t> bucket_sent_last_;
+  int64_t sent_total_ = 0, allreduce_total_ = 0;
+  void record_bytes();
 
   bool info_ = false;
   int64_t log_every_ = 100;
