@@ -58,46 +58,16 @@ for f in "${needed[@]}"; do
 done
 [[ $(id -u) -eq 0 ]] || { echo "two_nodes.sh: needs root (network namespaces, tc)" >&2; exit 2; }
 
-id="$$"
-ns=("ember-bench-$id-a" "ember-bench-$id-b")
-dev=("ebb${id}a" "ebb${id}b")
-addr=("10.251.$((id % 250)).1" "10.251.$((id % 250)).2")
-
-cleanup() {
-  for n in "${ns[@]}"; do
-    if ip netns list | grep -q "^$n\b"; then
-      for p in $(ip netns pids "$n" 2>/dev/null); do kill -9 "$p" 2>/dev/null || true; done
-      ip netns del "$n" 2>/dev/null || true
-    fi
-  done
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-ip netns add "${ns[0]}"
-ip netns add "${ns[1]}"
-ip link add "${dev[0]}" type veth peer name "${dev[1]}"
-for i in 0 1; do
-  ip link set "${dev[$i]}" netns "${ns[$i]}"
-  ip -n "${ns[$i]}" addr add "${addr[$i]}/24" dev "${dev[$i]}"
-  ip -n "${ns[$i]}" link set "${dev[$i]}" up
-  ip -n "${ns[$i]}" link set lo up
-done
+source "$here/netns_pair.sh"
+netns_up
 
 port=29611
 # Runs PROGRAM ARGS... as 2 ranks on each node (node 0's rank 0 prints); $1:
 # EMBER_GLOO_HIERARCHICAL, $2: the store's port (one per run).
 run_ember() {
-  local switch="$1" at="$2"
-  shift 2
-  local common=(--nnodes 2 --nproc-per-node 2 --master-addr "${addr[0]}" --master-port "$at"
-                --local-ranks-filter 0)
-  ip netns exec "${ns[1]}" env EMBER_GLOO_HIERARCHICAL="$switch" \
-    "$emberrun" "${common[@]}" --node-rank 1 "$@" > /dev/null &
-  local other=$!
-  ip netns exec "${ns[0]}" env EMBER_GLOO_HIERARCHICAL="$switch" \
-    "$emberrun" "${common[@]}" --node-rank 0 "$@"
-  wait "$other"
+  local switch="$1"
+  shift
+  netns_emberrun "EMBER_GLOO_HIERARCHICAL=$switch" "$@"
 }
 allreduce_args=(--op allreduce --min-bytes "$min_bytes" --max-bytes "$max_bytes" --iters "$iters"
                 --warmup "$warmup" --rounds "$rounds")
@@ -134,10 +104,7 @@ EOF
 }
 
 for rate in $rates; do
-  for i in 0 1; do
-    ip netns exec "${ns[$i]}" tc qdisc replace dev "${dev[$i]}" root tbf rate "$rate" \
-      burst 256kb latency 10ms
-  done
+  netns_shape "$rate"
   echo "=== $rate link, 2 namespaces x 2 ranks: hierarchical (the default) ==="
   hier="$(run_ember 1 $((port++)) "$bench" "${allreduce_args[@]}")"
   echo "$hier"

@@ -20,7 +20,10 @@
 // OMP_WAIT_POLICY=PASSIVE unless set, as emberrun gives Ember's workers) while the
 // Ember ranks wait. The row shows the median over blocks of each block's median (averaged over
 // ranks), steps/s of both frameworks and Ember's speed-up (target: 1.3x).
-// At the end every rank's DDP parameters are compared with rank 0's: "params agree: yes".
+// At the end every rank's DDP parameters are compared with rank 0's: "params agree: yes" (not
+// expected under --comm-hook post_localsgd, whose replicas differ between averagings).
+// --comm-hook SPEC registers any registered hook (docs/ddp.md) and prints its byte summary;
+// benchmarks/ddp/compression.sh runs it between two shaped network namespaces.
 //
 // Options: --np LIST (fork the ranks; a list runs one row per count; without it RANK and
 // WORLD_SIZE from a launcher, or one process), --model LIST (cnn, mlp), --batch 64 (per rank),
@@ -48,6 +51,7 @@
 #include "benchmarks/fashion_cnn.h"
 #include "cmake/build_paths.h"
 #include <ember/distributed/ddp/ddp.h>
+#include <ember/distributed/ddp/hook_registry.h>
 #include <ember/distributed/init.h>
 #include <ember/distributed/store/hash_store.h>
 #include <ember/distributed/store/tcp_store.h>
@@ -77,6 +81,7 @@ struct Args {
   int threads = 0;  // 0: cores / ranks
   bool torch = false;
   bool bucket_view = false;
+  std::string comm_hook = "none";  // a dist::make_comm_hook spec
 };
 
 Args parse(int argc, char** argv) {
@@ -87,7 +92,7 @@ Args parse(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 30));
   app.add_option("--model", a.models, "cnn, mlp or both (cnn,mlp)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"cnn", "mlp"}));
+      ->check(CLI::IsMember({"cnn", "mlp", "mlp512"}));
   app.add_option("--batch", a.batch, "batch per rank")->check(CLI::Range(1, 1 << 30));
   app.add_option("--steps", a.steps, "timed steps per repeat")->check(CLI::Range(1, 1 << 30));
   app.add_option("--warmup", a.warmup, "untimed steps first")->check(CLI::Range(0, 1 << 30));
@@ -95,7 +100,9 @@ Args parse(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 30));
   app.add_option("--threads", a.threads, "threads per rank (default: cores / ranks)")
       ->check(CLI::Range(1, 1 << 30));
-  app.add_flag("--torch", a.torch, "also run torch's DDP and print the ratio");
+  app.add_flag("--torch", a.torch, "also run torch's DDP and print the ratio (without a hook)");
+  app.add_option("--comm-hook", a.comm_hook,
+                 "a registered comm hook, NAME[:key=value,...] (docs/ddp.md), or none");
   app.add_flag("--bucket-view", a.bucket_view,
                "DDPOptions::gradient_as_bucket_view (over gloo's shared memory the buckets are "
                "then reduced from the peers' mapped buckets)");
@@ -117,10 +124,16 @@ int threads_per_rank(const Args& a, int world) {
   return a.threads > 0 ? a.threads : std::max(1, cores() / world);
 }
 
-// The models of examples/fashion_mnist.cpp ("cnn") and a ~10M-parameter MLP whose gradients
-// take long enough to reduce that overlapping them with backward matters.
+// The models of examples/fashion_mnist.cpp ("cnn", "mlp512") and a ~10M-parameter MLP whose
+// gradients take long enough to reduce that overlapping them with backward matters.
 std::shared_ptr<nn::Module> make_model(const std::string& name) {
   if (name == "cnn") return bench::fashion_cnn();
+  if (name == "mlp512") {
+    return std::make_shared<nn::Sequential>(
+        std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(784, 512),
+        std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(512, 512),
+        std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(512, 10));
+  }
   return std::make_shared<nn::Sequential>(
       std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(784, 2048),
       std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(2048, 2048),
@@ -169,6 +182,10 @@ class RankBench {
     dist::DDPOptions o;
     o.gradient_as_bucket_view = a.bucket_view;
     ddp_ = std::make_shared<dist::DistributedDataParallel>(wrapped, pg_, o);
+    if (a.comm_hook != "none") {
+      hook_ = dist::make_comm_hook(a.comm_hook, pg_);
+      ddp_->register_comm_hook(hook_.hook, hook_.name);
+    }
     const nn::optim::SGDOptions sgd{.lr = 0.01, .momentum = 0.9};
     ddp_opt_ = std::make_unique<nn::optim::SGD>(ddp_->parameters(), sgd);
     local_opt_ = std::make_unique<nn::optim::SGD>(local_->parameters(), sgd);
@@ -183,6 +200,7 @@ class RankBench {
   }
 
   int64_t numel() const { return numel_; }
+  const dist::MadeCommHook& hook() const { return hook_; }
 
   BlockResult block() {
     for (int i = 0; i < a_.warmup; ++i) ddp_step();
@@ -239,12 +257,16 @@ class RankBench {
     opt.step();
     next = (next + 1) % kPoolBatches;
   }
-  void ddp_step() { step(*ddp_, *ddp_opt_, next_ddp_); }
+  void ddp_step() {
+    step(*ddp_, *ddp_opt_, next_ddp_);
+    if (hook_.after_step) hook_.after_step(ddp_->parameters());
+  }
   void local_step() { step(*local_, *local_opt_, next_local_); }
 
   const Args& a_;
   std::shared_ptr<dist::ProcessGroup> pg_;
   std::shared_ptr<dist::DistributedDataParallel> ddp_;
+  dist::MadeCommHook hook_;
   std::shared_ptr<nn::Module> local_;
   std::unique_ptr<nn::optim::SGD> ddp_opt_, local_opt_;
   std::vector<Tensor> xs_, ys_;
@@ -348,9 +370,11 @@ bool run_row(const Args& a, const std::string& model,
     }
     std::printf("\n  params agree: %s (max abs diff %g)%s\n", diff == 0 ? "yes" : "no", diff,
                 a.torch && !torch_ok ? "; a torch block failed (see its stderr)" : "");
+    if (bench.hook().summary) std::printf("  %s\n", bench.hook().summary().c_str());
     std::fflush(stdout);
   }
-  return diff == 0;
+  // Under local SGD the replicas drift apart between two averagings by design.
+  return diff == 0 || bench.hook().after_step != nullptr;
 }
 
 // One process of a run: every model in turn on the group from RANK/WORLD_SIZE (or a world of
