@@ -70,7 +70,12 @@ def main():
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif name == "post_localsgd":
         start, period, local = int(opts.get("start", 100)), int(opts.get("period", 4)), int(opts.get("local", 0))
-        sub = dist.new_subgroups(group_size=local)[0] if local > 0 else None
+        sub = None
+        # torch's new_subgroups needs CUDA; the same consecutive groups through new_group.
+        for first in range(0, world, local or world):
+            g = dist.new_group(list(range(first, first + local))) if local > 0 else None
+            if first <= rank < first + local:
+                sub = g
         state = plsgd.PostLocalSGDState(None, sub, start, post_local_gradient_allreduce=local > 0)
         ddp.register_comm_hook(state, plsgd.post_localSGD_hook)
         averager = averagers.PeriodicModelAverager(period=period, warmup_steps=start)

@@ -12,7 +12,7 @@
 # accuracy after that budget. The summary prints each hook's speed-up over plain all-reduce,
 # its ratio to PyTorch's step rate, and its test loss relative to all-reduce's.
 #
-#   sudo benchmarks/ddp/compression.sh [--rate 1gbit] [--model mlp512] [--steps 30]
+#   sudo benchmarks/ddp/compression.sh [--rate 1gbit] [--model mlp512] [--steps 30] [--batch 64]
 #        [--rounds 3] [--accuracy-steps 300] [--hooks "none int8 sign topk:ratio=0.01 ..."]
 #        [--build build]
 #
@@ -23,6 +23,7 @@ set -euo pipefail
 rate=1gbit
 model=mlp512
 steps=30
+batch=64
 rounds=3
 accuracy_steps=300
 hooks="none fp16 int8 sign topk:ratio=0.01 powersgd:rank=4,start=0 post_localsgd:start=0,period=4,local=2 post_localsgd:start=0,period=8,local=2"
@@ -32,6 +33,7 @@ while [[ $# -gt 0 ]]; do
     --rate) rate="$2"; shift 2 ;;
     --model) model="$2"; shift 2 ;;
     --steps) steps="$2"; shift 2 ;;
+    --batch) batch="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --accuracy-steps) accuracy_steps="$2"; shift 2 ;;
     --hooks) hooks="$2"; shift 2 ;;
@@ -43,7 +45,7 @@ done
 
 here="$(cd "$(dirname "$0")" && pwd)"
 emberrun="$build/launcher/emberrun"
-bench="$build/benchmarks/bench_ddp"
+bench="$build/benchmarks/ddp/bench_ddp"
 example="$build/examples/fashion_mnist"
 for f in "$emberrun" "$bench" "$example"; do
   [[ -x "$f" ]] || { echo "compression.sh: $f not built" >&2; exit 2; }
@@ -63,7 +65,7 @@ run_torch() {
     ip netns exec "${ns[$node]}" env RANK=$i WORLD_SIZE=4 MASTER_ADDR="${addr[0]}" \
       MASTER_PORT="$2" GLOO_SOCKET_IFNAME="${dev[$node]}" OMP_WAIT_POLICY=PASSIVE \
       /usr/bin/python3 "$here/bench_ddp_hooks_torch.py" --model "$model" --hook "$1" \
-      --steps "$steps" --threads 1 &
+      --steps "$steps" --batch "$batch" --threads 1 &
     procs+=($!)
   done
   wait "${procs[@]}"
@@ -77,13 +79,14 @@ declare -A ember_ms torch_ms bytes
 for ((r = 1; r <= rounds; r++)); do
   for h in $hooks; do
     out="$(netns_emberrun "" $((port++)) "$bench" --model "$model" --comm-hook "$h" \
-           --steps "$steps" --repeats 1 --threads 1)"
+           --steps "$steps" --batch "$batch" --repeats 1 --threads 1)"
     # The row after emberrun's "[rank 0]:" prefix: model ranks thr params | step ...
     ms="$(sed -n "s/^[^:]*: *$model \+4 .*| *\([0-9.]\+\) .*/\1/p" <<<"$out" | head -1)"
     [[ -n "$ms" ]] || { echo "compression.sh: no bench_ddp row for $h:"; echo "$out"; exit 1; } >&2
     ember_ms[$h]+="$ms "
     bytes[$h]="$(grep -o 'sent .*' <<<"$out" | head -1 || true)"
     echo "round $r $h: Ember ${ms} ms/step ${bytes[$h]}"
+    grep "$model \+4 " <<<"$out" || true
     if torch_has "$h"; then
       t="$(run_torch "$h" $((port++)) | sed -n 's/^RESULT \([0-9.]\+\).*/\1/p')"
       torch_ms[$h]+="$t "

@@ -150,17 +150,19 @@ namespace ember::dist::codec {
 
 // The encodings on the wire, exposed for tests and for users who build their own hooks. A
 // message for m elements holds a header (parameters) and a payload; decode_add adds the decoded
-// values to acc[0, m).
+// values to acc[0, m). encode with `residual` (m floats) also stores there x minus what the
+// message decodes to, exactly (error feedback).
 
 /// uint8 affine quantization with one scale and zero point (two float32 each) per `channel`
 /// elements (the last channel may be shorter), torch's quint8 MinMaxObserver arithmetic.
 int64_t int8_bytes(int64_t m, int64_t channel);
-void int8_encode(const float* x, int64_t m, int64_t channel, uint8_t* out);
+void int8_encode(const float* x, int64_t m, int64_t channel, uint8_t* out,
+                 float* residual = nullptr);
 void int8_decode_add(const uint8_t* in, int64_t m, int64_t channel, float* acc);
 
 /// One float32 scale (the mean of |x|) then one bit per element (1: x >= 0).
 int64_t sign_bytes(int64_t m);
-void sign_encode(const float* x, int64_t m, uint8_t* out);
+void sign_encode(const float* x, int64_t m, uint8_t* out, float* residual = nullptr);
 void sign_decode_add(const uint8_t* in, int64_t m, float* acc);
 
 }  // namespace ember::dist::codec
