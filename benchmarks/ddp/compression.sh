@@ -26,7 +26,7 @@ steps=30
 batch=64
 rounds=3
 accuracy_steps=300
-hooks="none fp16 int8 sign topk:ratio=0.01 powersgd:rank=4,start=0 post_localsgd:start=0,period=4,local=2 post_localsgd:start=0,period=8,local=2"
+hooks="none fp16 int8 sign topk:ratio=0.01 powersgd:rank=4,start=2 post_localsgd:start=0,period=4,local=2 post_localsgd:start=0,period=8,local=2"
 build=build
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -88,8 +88,8 @@ for ((r = 1; r <= rounds; r++)); do
     echo "round $r $h: Ember ${ms} ms/step ${bytes[$h]}"
     grep "$model \+4 " <<<"$out" || true
     if torch_has "$h"; then
-      t="$(run_torch "$h" $((port++)) | sed -n 's/^RESULT \([0-9.]\+\).*/\1/p')"
-      torch_ms[$h]+="$t "
+      t="$( (run_torch "$h" $((port++)) || true) | sed -n 's/^RESULT \([0-9.]\+\).*/\1/p')"
+      [[ -z "$t" ]] || torch_ms[$h]+="$t "
       echo "round $r $h: PyTorch ${t} ms/step"
     fi
   done
