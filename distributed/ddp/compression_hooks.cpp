@@ -424,6 +424,48 @@ std::shared_ptr<Future> two_phase(CompressionState& state, GradBucket& bucket, c
   });
 }
 
+// The indices of the k largest |x[i]| (ties to the lower index, so every rank and run picks the
+// same ones), increasing. Exactly what an nth_element over all n would give, without sorting n
+// indices: a threshold from a sample leaves about 2k candidates (every entry at or above it, so
+// the k largest among them are the k largest of all), and only those are ordered. A threshold
+// that leaves fewer than k is lowered until enough pass.
+std::vector<int32_t> largest_magnitudes(const float* x, int64_t n, int64_t k) {
+  // A NaN counts as the largest magnitude (it is sent, and poisons the average as an all-reduce
+  // would), which keeps the order strict and weak.
+  auto magnitude = [x](int64_t i) {
+    return std::isnan(x[i]) ? std::numeric_limits<float>::infinity() : std::fabs(x[i]);
+  };
+  auto larger = [&magnitude](int32_t a, int32_t b) {
+    const float fa = magnitude(a), fb = magnitude(b);
+    return fa > fb || (fa == fb && a < b);
+  };
+  float threshold = 0;
+  if (2 * k < n) {
+    const int64_t stride = std::max<int64_t>(1, n / 16384);
+    std::vector<float> sample;
+    for (int64_t i = 0; i < n; i += stride) sample.push_back(magnitude(i));
+    // The sample's magnitude at twice the wanted share: about 2k entries pass.
+    const auto at = static_cast<int64_t>(static_cast<double>(sample.size()) * 2 * k / n);
+    if (at < static_cast<int64_t>(sample.size())) {
+      std::nth_element(sample.begin(), sample.begin() + at, sample.end(), std::greater<float>());
+      threshold = sample[static_cast<size_t>(at)];
+    }
+  }
+  std::vector<int32_t> candidates;
+  for (;;) {
+    candidates.clear();
+    for (int64_t i = 0; i < n; ++i) {
+      if (magnitude(i) >= threshold) candidates.push_back(static_cast<int32_t>(i));
+    }
+    if (static_cast<int64_t>(candidates.size()) >= k || threshold == 0) break;
+    threshold = threshold > std::numeric_limits<float>::min() ? threshold / 4 : 0;
+  }
+  std::nth_element(candidates.begin(), candidates.begin() + (k - 1), candidates.end(), larger);
+  candidates.resize(static_cast<size_t>(k));
+  std::sort(candidates.begin(), candidates.end());
+  return candidates;
+}
+
 }  // namespace
 
 std::shared_ptr<Future> quantization_pertensor_hook(GradBucket& bucket) {
@@ -461,17 +503,7 @@ std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& 
   const int64_t k = std::clamp<int64_t>(
       static_cast<int64_t>(std::ceil(state.options().topk_ratio * static_cast<double>(n))), 1,
       std::max<int64_t>(n, 1));
-  // The k largest magnitudes (ties to the lower index, so every run picks the same ones), sent
-  // in index order.
-  std::vector<int32_t> order(static_cast<size_t>(n));
-  std::iota(order.begin(), order.end(), 0);
-  auto larger = [xp](int32_t a, int32_t b) {
-    const float fa = std::fabs(xp[a]), fb = std::fabs(xp[b]);
-    return fa > fb || (fa == fb && a < b);
-  };
-  std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), larger);
-  order.resize(static_cast<size_t>(k));
-  std::sort(order.begin(), order.end());
+  const std::vector<int32_t> order = largest_magnitudes(xp, n, k);
   const int64_t msg = k * static_cast<int64_t>(sizeof(int32_t) + sizeof(float));
   Tensor mine = empty({msg}, kUInt8);
   uint8_t* out = bytes_of(mine);

@@ -329,6 +329,25 @@ TEST(TopkHook, SendsTheLargestEntriesAndKeepsTheRest) {
   EXPECT_EQ(states[0]->stats().bytes_sent, 1 * 50 * 8);
 }
 
+// Among equal magnitudes the lowest indices are sent, whatever the sample's threshold: 10 of
+// 100000 entries of magnitude 1 (and a few larger ones, which go first).
+TEST(TopkHook, PicksTheLowestIndicesAmongTies) {
+  constexpr int64_t kN = 100000;
+  std::vector<float> v(kN);
+  for (int64_t i = 0; i < kN; ++i) v[i] = i % 3 == 0 ? -1.0f : 1.0f;
+  v[77777] = 5.0f;
+  v[500] = -3.0f;
+  auto state = std::make_shared<CompressionState>(CompressionOptions{.topk_ratio = 1e-4});
+  run_hook(1, [&](int) { return std::vector<Tensor>{from_vector(v)}; },
+           [&](int) { return bind_hook(state, topk_compress_hook); });
+  const auto residual = state->residual("0").to_vector<float>();
+  std::vector<int64_t> sent;
+  for (int64_t i = 0; i < kN; ++i) {
+    if (residual[i] == 0) sent.push_back(i);
+  }
+  EXPECT_EQ(sent, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 500, 77777}));
+}
+
 TEST(TopkHook, RatioOneIsTheAverage) {
   constexpr int64_t kN = 300;
   const auto results = run_hook(4, reference_inputs(kN), [](int) {
