@@ -27,6 +27,16 @@ set_target_properties(emberrun PROPERTIES INSTALL_RPATH "$ORIGIN/../${CMAKE_INST
 add_library(ember_all INTERFACE)
 set_target_properties(ember_all PROPERTIES EXPORT_NAME ember)
 target_link_libraries(ember_all INTERFACE ember_distributed)
+# The headers are C++20: a consumer compiled at its compiler's default standard (C++17 on
+# GCC 12) gets -std=c++20 from whichever target it links.
+foreach(t ${_ember_targets} ember_all)
+  get_target_property(_type ${t} TYPE)
+  if(_type STREQUAL "INTERFACE_LIBRARY")
+    target_compile_features(${t} INTERFACE cxx_std_20)
+  else()
+    target_compile_features(${t} PUBLIC cxx_std_20)
+  endif()
+endforeach()
 add_library(Ember::ember ALIAS ember_all)
 foreach(layer ${_ember_public})
   if(TARGET ember_${layer})
