@@ -67,11 +67,6 @@ Backend find_backend(const char* op, const std::string& name) {
                                    ")"));
 }
 
-// EMBER_PG_TIMEOUT: the default group's collective timeout in seconds, for programs that do not
-// set one (so a job can be told to give up on a hung rank sooner than after 30 minutes).
-Duration default_timeout() {
-  return timeout_from_env("EMBER_PG_TIMEOUT").value_or(kDefaultCollectiveTimeout);
-}
 
 // The rendezvous for `o`: its store when given, else the first init method taking the URL.
 Rendezvous meet(const InitOptions& o, Duration timeout) {
@@ -126,6 +121,12 @@ void register_init_method(InitMethod method) {
   m.insert(at, std::move(method));
 }
 
+// EMBER_PG_TIMEOUT lets a job give up on a hung rank sooner than the backend's default.
+Duration default_collective_timeout(const std::string& backend) {
+  return timeout_from_env("EMBER_PG_TIMEOUT")
+      .value_or(backend == "nccl" ? kDefaultNcclTimeout : kDefaultCollectiveTimeout);
+}
+
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
   const Backend backend = find_backend("init_process_group", o.backend);
   const bool per_thread = backend.traits.default_group_per_thread;
@@ -137,7 +138,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
                 w->world ? w->world->size() : 0, per_thread ? ", on this thread" : "",
                 "); call destroy_process_group first");
   }
-  const Duration timeout = o.timeout ? *o.timeout : default_timeout();
+  const Duration timeout = o.timeout ? *o.timeout : default_collective_timeout(o.backend);
   EMBER_CHECK(timeout.count() > 0, "[init_process_group] timeout must be positive, got ",
               timeout.count(), " ms");
 

@@ -38,10 +38,15 @@ struct InitOptions {
   /// -1: from the URL or the environment.
   int rank = -1;
   int world_size = -1;
-  /// Collective timeout of the default group (and of the rendezvous). Unset: EMBER_PG_TIMEOUT
-  /// (whole seconds) when the environment has it, else kDefaultCollectiveTimeout (30 minutes).
+  /// Collective timeout of the default group (and of the rendezvous). Unset:
+  /// default_collective_timeout(backend).
   std::optional<Duration> timeout;
 };
+
+/// The default group's timeout when the program sets none: EMBER_PG_TIMEOUT (whole seconds)
+/// when the environment has it, else 10 minutes for "nccl" and 30 for the other backends (as
+/// PyTorch's init_process_group). Throws ValueError for a malformed EMBER_PG_TIMEOUT.
+Duration default_collective_timeout(const std::string& backend);
 
 /// What a backend factory gets to create one group.
 struct BackendArgs {

@@ -153,6 +153,9 @@ void check_coalesced(const char* backend, const std::vector<Tensor>& tensors);
 
 /// torch.distributed's default collective timeout.
 constexpr Duration kDefaultCollectiveTimeout = std::chrono::minutes(30);
+/// NCCL's (PyTorch's default for NCCL since 2.x): a failed NCCL operation leaves the device's
+/// work in doubt, so the job should end sooner than over gloo.
+constexpr Duration kDefaultNcclTimeout = std::chrono::minutes(10);
 
 struct AllreduceOptions {
   ReduceOp op = ReduceOp::Sum;

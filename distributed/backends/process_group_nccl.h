@@ -62,8 +62,8 @@ bool nccl_available();
 class ProcessGroupNccl : public ProcessGroup {
  public:
   struct NcclOptions {
-    /// Default timeout of every operation.
-    Duration timeout = kDefaultCollectiveTimeout;
+    /// Default timeout of every operation (10 minutes, as PyTorch's for NCCL).
+    Duration timeout = kDefaultNcclTimeout;
     /// The limit on creating the communicator (rank 0's ncclUniqueId reaching every rank, and
     /// every rank joining). Shorter than `timeout` by default: the rendezvous has already seen
     /// every rank, so a creation that takes long means the ranks cannot reach each other over

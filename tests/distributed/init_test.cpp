@@ -434,6 +434,18 @@ TEST(InitProcessGroup, CollectiveTimeoutFromTheEnvironment) {
   EXPECT_FALSE(is_initialized());
 }
 
+// PyTorch's defaults: 10 minutes for NCCL, 30 for the other backends; the environment's wins.
+TEST(InitProcessGroup, DefaultTimeoutFollowsTheBackend) {
+  ::unsetenv("EMBER_PG_TIMEOUT");
+  EXPECT_EQ(default_collective_timeout("nccl"), std::chrono::minutes(10));
+  EXPECT_EQ(default_collective_timeout("gloo"), std::chrono::minutes(30));
+  EXPECT_EQ(default_collective_timeout("mpi"), std::chrono::minutes(30));
+  EXPECT_EQ(ProcessGroupNccl::NcclOptions{}.timeout, std::chrono::minutes(10));
+  ::setenv("EMBER_PG_TIMEOUT", "42", 1);
+  EXPECT_EQ(default_collective_timeout("nccl"), std::chrono::seconds(42));
+  ::unsetenv("EMBER_PG_TIMEOUT");
+}
+
 // The same reading serves EMBER_NCCL_INIT_TIMEOUT (the nccl group's creation limit).
 TEST(ParseEnv, TimeoutFromTheEnvironment) {
   ::setenv("EMBER_NCCL_INIT_TIMEOUT", "", 1);
