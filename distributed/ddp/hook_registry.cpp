@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include <ember/distributed/ddp/compression_hooks.h>
+#include <ember/distributed/ddp/detail/state_entries.h>
 #include <ember/distributed/ddp/local_sgd.h>
 #include <ember/distributed/ddp/powersgd.h>
 
@@ -103,14 +104,14 @@ MadeCommHook post_local_sgd(const CommHookArgs& a) {
   // The averager's step rides in the hook's state, so one checkpoint entry resumes both.
   made.state_dict = [state, averager] {
     nn::NamedTensors s = state->state_dict();
-    s.emplace_back("averager_step", from_vector(std::vector<int64_t>{averager->step()}));
+    s.emplace_back("averager_step", detail::int_entry(averager->step()));
     return s;
   };
   made.load_state_dict = [state, averager](const nn::NamedTensors& saved) {
     nn::NamedTensors rest;
     for (const auto& [name, t] : saved) {
       if (name == "averager_step") {
-        averager->set_step(t.to(kInt64).reshape({-1}).to_vector<int64_t>().at(0));
+        averager->set_step(detail::read_int("[comm hook 'post_localsgd']", name, t));
       } else {
         rest.emplace_back(name, t);
       }
