@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -328,21 +329,45 @@ inline CLI::Validator number_above_zero(bool zero_ok) {
 inline const CLI::Validator kPositive = number_above_zero(false);
 inline const CLI::Validator kNonNegative = number_above_zero(true);
 
+// --device: cpu, cuda (the local rank's GPU) or cuda:N (N a GPU index).
+inline const CLI::Validator kDeviceName(
+    [](std::string& s) -> std::string {
+      const bool index = s.size() > 5 && s.rfind("cuda:", 0) == 0 &&
+                         s.find_first_not_of("0123456789", 5) == std::string::npos;
+      return s == "cpu" || s == "cuda" || index ? "" : "expected cpu, cuda or cuda:N, got '" + s + "'";
+    },
+    "cpu|cuda|cuda:N");
+
 // --version: "<program> (Ember) <library version>" on stdout, exit 0.
 inline void add_version_flag(CLI::App& app, const char* argv0) {
   app.set_version_flag("--version", std::filesystem::path(argv0).filename().string() +
                                         " (Ember) " + ember::version());
 }
 
-// Parses the command line into app's options. Returns the status main() should end with, or
-// nothing to go on: 0 after --help, 2 after a bad flag (CLI11 printed the error and a usage hint).
-inline std::optional<int> parse_command_line(CLI::App& app, int argc, char** argv) {
+// Parses the command line into app's options, then runs `validate` (the checks across options;
+// it returns what is wrong, or nothing). Returns the status main() should end with, or nothing to
+// go on: 0 after --help, 2 after a bad flag (CLI11 printed the error and a usage hint) or a
+// validation error ("<program>: <what>" on stderr). With EMBER_CHECK_ARGS=1 in the environment a
+// good command line ends here too, with status 0 and nothing run:
+// scripts/check_doc_commands.py parses every command the docs show this way.
+inline std::optional<int> parse_command_line(
+    CLI::App& app, int argc, char** argv,
+    const std::function<std::string()>& validate = {}) {
   add_version_flag(app, argv[0]);
+  const std::string program = std::filesystem::path(argv[0]).filename().string();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e);
     return code == 0 ? 0 : 2;
+  }
+  if (const std::string why = validate ? validate() : ""; !why.empty()) {
+    std::fprintf(stderr, "%s: %s\n", program.c_str(), why.c_str());
+    return 2;
+  }
+  if (const char* check = std::getenv("EMBER_CHECK_ARGS"); check && std::string(check) == "1") {
+    std::printf("%s: arguments ok\n", program.c_str());
+    return 0;
   }
   return std::nullopt;
 }

@@ -637,7 +637,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--device", a.device,
                  "cpu, cuda (one GPU per rank: the local rank's) or cuda:N (every rank on GPU N)")
-      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->check(kDeviceName)
       ->capture_default_str();
   app.add_option("--comm-hook", a.comm_hook,
                  "gradient communication: none or a registered hook, NAME[:key=value,...] "
@@ -675,11 +675,12 @@ int main(int argc, char** argv) {
                  "(0: EMBER_PG_TIMEOUT, else 30 minutes)")
       ->check(kNonNegative);
   add_fault_options(app, a.fail_at_step, a.hang_at_step);
-  if (const auto status = parse_command_line(app, argc, argv)) return *status;
-  if ((a.resume || a.async_checkpoint || a.checkpoint_every > 0) && a.checkpoint_dir.empty()) {
-    std::fprintf(stderr, "fashion_mnist: --resume, --checkpoint-every and --async-checkpoint "
-                         "need --checkpoint-dir\n");
-    return 2;
-  }
+  const auto status = parse_command_line(app, argc, argv, [&]() -> std::string {
+    if ((a.resume || a.async_checkpoint || a.checkpoint_every > 0) && a.checkpoint_dir.empty()) {
+      return "--resume, --checkpoint-every and --async-checkpoint need --checkpoint-dir";
+    }
+    return "";
+  });
+  if (status) return *status;
   return train_and_report<Trainer>("fashion_mnist", a);
 }

@@ -21,7 +21,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -621,24 +623,24 @@ int main(int argc, char** argv) {
       "A GPT-2-style byte-level language model trained data-parallel with Ember's DDP.\n"
       "Run it under emberrun (emberrun --nproc-per-node 2 gpt ...), mpirun, or alone."};
   add_options(app, a);
-  if (const auto status = parse_command_line(app, argc, argv)) return *status;
-  if (!a.init_from_hf.empty()) {
-    try {  // the model's shape is the Hugging Face config's
-      std::ifstream in(a.init_from_hf + "/config.json");
-      if (!in) throw std::runtime_error("no config.json in " + a.init_from_hf);
-      const GPTConfig c = gpt_config_from_gpt2(std::string(std::istreambuf_iterator<char>(in), {}));
-      a.layers = c.layers, a.heads = c.heads, a.dim = c.dim, a.vocab = c.vocab;
-      a.positions = c.context;
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "gpt: --init-from-hf: %s\n", e.what());
-      return 2;
+  const auto status = parse_command_line(app, argc, argv, [&]() -> std::string {
+    if (!a.init_from_hf.empty()) {
+      try {  // the model's shape is the Hugging Face config's
+        const std::string config = a.init_from_hf + "/config.json";
+        std::ifstream in(config);
+        if (!in) throw std::runtime_error("cannot read " + config + ": " + std::strerror(errno));
+        const GPTConfig c = gpt_config_from_gpt2(std::string(std::istreambuf_iterator<char>(in), {}));
+        a.layers = c.layers, a.heads = c.heads, a.dim = c.dim, a.vocab = c.vocab;
+        a.positions = c.context;
+      } catch (const std::exception& e) {
+        return std::string("--init-from-hf: ") + e.what();
+      }
     }
-  }
-  for (const std::string& why : {unavailable(a), bad_shape(a)}) {
-    if (!why.empty()) {
-      std::fprintf(stderr, "gpt: %s\n", why.c_str());
-      return 2;
+    for (const std::string& why : {unavailable(a), bad_shape(a)}) {
+      if (!why.empty()) return why;
     }
-  }
+    return "";
+  });
+  if (status) return *status;
   return train_and_report<Trainer>("gpt", a);
 }

@@ -169,13 +169,7 @@ inline void add_options(CLI::App& app, Args& a) {
   app.add_option("--backend", a.backend, "gloo, mpi or nccl")
       ->check(CLI::IsMember({"gloo", "mpi", "nccl"}))->capture_default_str();
   app.add_option("--device", a.device, "cpu, cuda (the local rank's GPU) or cuda:N")
-      ->check(CLI::Validator(
-          [](std::string& s) -> std::string {
-            return s == "cpu" || s == "cuda" || s.rfind("cuda:", 0) == 0
-                       ? ""
-                       : "expected cpu, cuda or cuda:N, got " + s;
-          },
-          "cpu|cuda|cuda:N"))
+      ->check(kDeviceName)
       ->capture_default_str();
   app.add_option("--comm-hook", a.comm_hook,
                  "gradient communication: none or a registered hook, NAME[:key=value,...] "

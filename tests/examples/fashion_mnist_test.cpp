@@ -375,6 +375,17 @@ TEST_F(FashionMnist, BadOptionsAreUsageErrors) {
               std::string::npos) << flag << "\n" << r.output;
   }
 
+  // --device takes what its help says (cuda:N included); the rest is refused naming it.
+  // EMBER_CHECK_ARGS=1 parses and validates the command line and runs nothing.
+  r = run("env EMBER_CHECK_ARGS=1 " + example() + " --device cuda:1 --epochs 1");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("fashion_mnist: arguments ok"), std::string::npos) << r.output;
+  r = run("env EMBER_CHECK_ARGS=1 " + example() + " --device gpu");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("expected cpu, cuda or cuda:N, got 'gpu'"), std::string::npos) << r.output;
+  r = run("env EMBER_CHECK_ARGS=1 " + example() + " --resume");  // validated before the exit
+  EXPECT_EQ(r.status, 2) << r.output;
+
   r = run(example() + " --data " + tmp.path + "/nowhere --max-steps 1");
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find(tmp.path + "/nowhere/train-images-idx3-ubyte"), std::string::npos) << r.output;
