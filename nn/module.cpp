@@ -63,6 +63,20 @@ std::vector<Tensor> Module::call(
   return outputs;
 }
 
+std::vector<Tensor> Module::forward_many(const std::vector<Tensor>& inputs) {
+  if (inputs.size() != 1) {
+    throw ValueError(detail::str_cat(
+        "[", name(), "] was called with ", inputs.size(), " tensors, but its forward takes one; "
+        "override forward_many(const std::vector<Tensor>&) for a forward of several"));
+  }
+  if (hooks_ && hooks_->forward) return {hooks_->forward(*this, inputs[0])};
+  return {forward(inputs[0])};
+}
+
+std::vector<Tensor> Module::operator()(std::vector<Tensor> inputs) {
+  return call(std::move(inputs), [this](std::vector<Tensor>& in) { return forward_many(in); });
+}
+
 Tensor Module::call_with_hooks(const Tensor& input) {
   std::vector<Tensor> out = call({input}, [this](std::vector<Tensor>& in) {
     EMBER_CHECK(in.size() == 1, "[", name(), "] a forward pre-hook left ", in.size(),

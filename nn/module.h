@@ -50,6 +50,25 @@ class Module : public std::enable_shared_from_this<Module> {
     return hooks_ ? call_with_hooks(input) : forward(input);
   }
 
+  /// The computation of a module whose forward takes or returns several tensors (an input and
+  /// its mask; logits and an auxiliary loss): PyTorch's `forward(*args)` over tensors. The
+  /// default serves one-tensor modules: one input goes to forward(input) (or the forward
+  /// override) and its output comes back as a one-element list; another count throws
+  /// ValueError naming the module. Override it for another signature, e.g.
+  ///   std::vector<Tensor> forward_many(const std::vector<Tensor>& in) override {
+  ///     Tensor h = encoder->forward(in[0]) * in[1];  // in[1]: the mask
+  ///     return {head->forward(h), h.pow(2).mean()};
+  ///   }
+  virtual std::vector<Tensor> forward_many(const std::vector<Tensor>& inputs);
+  /// PyTorch's `module(x, mask, ...)`: forward_many between the forward hooks; the outputs as a
+  /// list (one element for a module that returns one tensor). `module({x})` is the one-tensor
+  /// call above.
+  std::vector<Tensor> operator()(std::vector<Tensor> inputs);
+  template <typename... More>
+  std::vector<Tensor> operator()(const Tensor& first, const Tensor& second, const More&... more) {
+    return (*this)(std::vector<Tensor>{first, second, more...});
+  }
+
   // ---- forward hooks (torch's register_forward_pre_hook / register_forward_hook) ----
   /// Runs before forward with the inputs, which it may replace (e.g. cast).
   using ForwardPreHook = std::function<void(Module&, std::vector<Tensor>& inputs)>;

@@ -198,7 +198,8 @@ DistributedDataParallel::~DistributedDataParallel() {
   (void)reducer_->wait_all();
 }
 
-Tensor DistributedDataParallel::forward(const Tensor& input) {
+template <typename Run>
+auto DistributedDataParallel::run_forward(Run&& run) {
   dist::detail::Reducer& r = *reducer_;
   r.prepare_for_forward();
   const bool grad = GradMode::is_enabled();
@@ -212,9 +213,17 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
   if (plan.rebuild) r.rebuild();
   if (plan.buffers) broadcast_tensors(*comm_, module_->buffers(), source);
   r.forward_started();
-  Tensor out = module_->forward(input);
+  auto out = run();
   r.prepare_for_backward(plan.sync);
   return out;
+}
+
+Tensor DistributedDataParallel::forward(const Tensor& input) {
+  return run_forward([&] { return module_->forward(input); });
+}
+
+std::vector<Tensor> DistributedDataParallel::forward_many(const std::vector<Tensor>& inputs) {
+  return run_forward([&] { return module_->forward_many(inputs); });
 }
 
 void DistributedDataParallel::prepare_for_backward() {

@@ -67,6 +67,9 @@ class DistributedDataParallel : public nn::Module {
   /// (it threw), naming the parameters that got no gradient; the state is reset, so the next
   /// call runs normally.
   Tensor forward(const Tensor& input) override;
+  /// The same for a module of several inputs or outputs (its forward_many): PyTorch's
+  /// `ddp(x, mask)` returning a tuple. Call it as `ddp(x, mask)` or `ddp({x, mask})`.
+  std::vector<Tensor> forward_many(const std::vector<Tensor>& inputs) override;
 
   /// RAII guard: while alive, forward passes do not arm synchronisation, so backward passes
   /// only accumulate into grad() locally; the first synced backward afterwards averages the
@@ -145,6 +148,10 @@ class DistributedDataParallel : public nn::Module {
   DDPStats stats() const;
 
  private:
+  // forward and forward_many: the iteration's plan (buffers, rebuild, join) around `run`.
+  template <typename Run>
+  auto run_forward(Run&& run);
+
   std::shared_ptr<nn::Module> module_;
   std::shared_ptr<ProcessGroup> group_;
   std::shared_ptr<ProcessGroup> comm_;

@@ -327,6 +327,71 @@ TEST_P(DDPThreads, JoinWithUnevenInputsTrainsLikeOneProcess) {
   });
 }
 
+// A model of two inputs and two outputs, as PyTorch users write them: features masked by a
+// per-example mask, the logits and an auxiliary penalty on the features.
+struct MaskedNet : nn::Module {
+  explicit MaskedNet(uint64_t seed) {
+    manual_seed(seed);
+    enc = register_module("enc", std::make_shared<nn::Linear>(kIn, 8));
+    head = register_module("head", std::make_shared<nn::Linear>(8, kOut));
+  }
+  std::vector<Tensor> forward_many(const std::vector<Tensor>& in) override {
+    Tensor h = tanh((*enc)(in[0])) * in[1];
+    return {(*head)(h), (h * h).mean()};
+  }
+  std::shared_ptr<nn::Linear> enc, head;
+};
+
+Tensor masked_loss(const std::vector<Tensor>& out, const Tensor& y) {
+  return nn::functional::mse_loss(out.at(0), y) + out.at(1) * 0.5;
+}
+
+// ddp(x, mask) with a tuple output trains like one process calling model(x, mask) on the whole
+// batch; a wrong count of inputs is refused naming the module.
+TEST_P(DDPThreads, ForwardWithAMaskAndATupleOutput) {
+  const DdpCase c = GetParam();
+  std::vector<Batch> batches;
+  std::vector<Tensor> masks;
+  for (int s = 0; s < kSteps; ++s) {
+    batches.push_back(make_batch(70 + s));
+    masks.push_back(gt(rand({kBatch, 1}), 0.3).to(kFloat32));
+  }
+  auto ref = std::make_shared<MaskedNet>(100);
+  nn::optim::SGD ref_opt(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+  for (int s = 0; s < kSteps; ++s) {
+    ref_opt.zero_grad();
+    masked_loss((*ref)(batches[s].x, masks[s]), batches[s].y).backward();
+    ref_opt.step();
+  }
+  const nn::NamedTensors want = ref->named_parameters();
+  const Device dev = device_of(c);
+  test::run_threads(setup_of(c), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto model = std::make_shared<MaskedNet>(100 + rank);
+    model->to(dev);
+    DistributedDataParallel ddp(model, pg, small_buckets());
+    nn::optim::SGD opt(ddp.parameters(), {.lr = 0.1, .momentum = 0.9});
+    const int64_t per = kBatch / c.n;
+    for (int s = 0; s < kSteps; ++s) {
+      const Batch b = to_device(slice(batches[s], rank, c.n), dev);
+      const Tensor mask = masks[s].narrow(0, rank * per, per).to(dev);
+      opt.zero_grad();
+      const std::vector<Tensor> out = ddp(b.x, mask);
+      require(out.size() == 2, "two outputs");
+      masked_loss(out, b.y).backward();
+      opt.step();
+    }
+    require_same_on_all_ranks(*pg, *model);
+    require_params("masked rank " + std::to_string(rank), *model, want, 1e-4);
+    bool refused = false;
+    try {
+      (void)ddp.forward(Tensor(ones({per, kIn}).to(dev)));  // MaskedNet has no forward(Tensor)
+    } catch (const NotImplementedError&) {
+      refused = true;
+    }
+    require(refused, "a one-tensor forward of a two-input module is refused");
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, DDPThreads,
                          ::testing::Values(DdpCase{2, false}, DdpCase{4, false},
                                            DdpCase{8, false}, DdpCase{2, true}, DdpCase{4, true},

@@ -177,5 +177,44 @@ TEST(Module, ForwardHooks) {
   expect_error<ValueError>([&] { a->register_forward_hook(nullptr); }, {"the hook is empty"});
 }
 
+// A forward of several inputs and outputs (PyTorch's forward(x, mask) returning a tuple):
+// module(x, mask) runs forward_many between the hooks; a one-tensor module answers it too.
+struct Masked : Module {
+  std::string name() const override { return "Masked"; }
+  std::vector<Tensor> forward_many(const std::vector<Tensor>& in) override {
+    EMBER_CHECK(in.size() == 2, "[Masked] takes x and mask, got ", in.size());
+    return {in[0] * in[1], in[1].sum()};
+  }
+};
+
+TEST(Module, ForwardOfSeveralInputsAndOutputs) {
+  auto m = std::make_shared<Masked>();
+  std::vector<std::string> log;
+  m->register_forward_pre_hook([&](Module&, std::vector<Tensor>& in) {
+    log.push_back("pre " + std::to_string(in.size()));
+    in[0] = in[0] + 1.0;
+  });
+  m->register_forward_hook([&](Module&, const std::vector<Tensor>&, std::vector<Tensor>& out) {
+    log.push_back("post " + std::to_string(out.size()));
+  });
+  const Tensor x = ones({2, 3}), mask = tensor({1.0f, 0.0f, 1.0f});
+  const std::vector<Tensor> out = (*m)(x, mask);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0].sum().item<float>(), 2 * 2 * 2.0f) << "the pre-hook's replaced input";
+  EXPECT_EQ(out[1].item<float>(), 2.0f);
+  EXPECT_EQ(log, (std::vector<std::string>{"pre 2", "post 2"}));
+  EXPECT_EQ((*m)(std::vector<Tensor>{x, mask}).size(), 2u);
+  expect_error<NotImplementedError>([&] { (void)(*m)(x); }, {"[Masked] has no forward(Tensor)"});
+
+  // A one-tensor module through the list form: its forward, as a one-element list.
+  auto a = std::make_shared<Affine>(3, 4);
+  const std::vector<Tensor> one = (*a)(std::vector<Tensor>{x});
+  ASSERT_EQ(one.size(), 1u);
+  EXPECT_TRUE(equal(one[0], a->forward(x)));
+  expect_error<ValueError>([&] { (void)(*a)(x, mask); },
+                           {"[Affine] was called with 2 tensors, but its forward takes one",
+                            "override forward_many"});
+}
+
 }  // namespace
 }  // namespace ember::nn
