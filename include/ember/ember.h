@@ -14,6 +14,7 @@
 #include <ember/distributed/ddp/sync_batch_norm.h>
 #include <ember/distributed/forwarding_process_group.h>
 #include <ember/distributed/init.h>
+#include <ember/distributed/sampler.h>
 #include <ember/distributed/process_group.h>
 #include <ember/distributed/sharding/fsdp.h>
 #include <ember/distributed/checkpoint/model_checkpoint.h>
