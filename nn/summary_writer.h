@@ -33,7 +33,7 @@ struct SummaryWriterOptions {
   /// and destruction, and whenever a megabyte has piled up. torch's default, 120; <= 0 writes
   /// every event at once.
   double flush_secs = 120;
-  /// Every rank writes, rank r into log_dir/rank<r>. By default only rank 0 writes and a writer
+  /// Every rank writes, rank r into `log_dir/rank<r>`. By default only rank 0 writes and a writer
   /// on any other rank creates nothing and ignores every call, so a training script can make
   /// one on every rank, as torch scripts do.
   bool all_ranks = false;
@@ -70,7 +70,7 @@ class SummaryWriter {
 
   /// Whether this process writes (false on ranks other than 0 unless Options::all_ranks).
   bool enabled() const { return impl_ != nullptr; }
-  /// The folder this writer's files go into (log_dir, or log_dir/rank<r> with all_ranks);
+  /// The folder this writer's files go into (log_dir, or `log_dir/rank<r>` with all_ranks);
   /// empty when not enabled.
   std::string log_dir() const;
   /// The path of the main event file; empty when not enabled.

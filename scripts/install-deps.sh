@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs every Debian package Ember's build, tests and benchmarks need. Idempotent: when
-# nothing is missing it prints nothing and touches nothing. Needs root (or sudo) to install.
+# Installs every Debian package Ember's build, tests, benchmarks and API reference need.
+# Idempotent: when nothing is missing it prints nothing and touches nothing. Needs root (or sudo)
+# to install.
 set -euo pipefail
 pkgs=(
   cmake ninja-build ccache g++ make pkg-config file
@@ -14,7 +15,7 @@ pkgs=(
   bible-kjv-text bible-kjv
   python3-torch libtorch-dev
   protobuf-compiler python3-protobuf python3-crc32c
-  iproute2 etcd-server openssl curl
+  iproute2 etcd-server openssl curl doxygen
   clang libclang-rt-dev libomp-dev
 )
 missing=()

@@ -34,7 +34,7 @@ inline bool enabled(Level l = Level::Steps) {
 }
 
 /// Starts recording into `dir` (created with its parents) at `level`; the file is
-/// dir/trace_rank<rank>.json, rank from `rank` if >= 0, else the RANK environment variable, else
+/// `dir/trace_rank<rank>.json`, rank from `rank` if >= 0, else the RANK environment variable, else
 /// 0. Events recorded before are dropped. Throws ember::Error if the folder cannot be made.
 void start(const std::string& dir, Level level = Level::Steps, int rank = -1);
 /// Stops recording and writes the file; returns its path ("" when nothing was recording).

@@ -76,8 +76,8 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   /// The sub-mesh of the named dimensions through this rank, in the order given (mesh["dp",
   /// "tp"]); its groups are this mesh's.
   std::shared_ptr<DeviceMesh> slice(const std::vector<std::string>& names) const;
-  /// The 1-D mesh of every rank of this mesh (PyTorch's _flatten), named `name` (default: the
-  /// dimension names joined by "_"). Collective over the world: makes one group per copy of this
+  /// The 1-D mesh of every rank of this mesh (PyTorch's `_flatten`), named `name` (default: the
+  /// dimension names joined by `"_"`). Collective over the world: makes one group per copy of this
   /// mesh in the world mesh it was sliced from, the first time; later calls reuse them.
   std::shared_ptr<DeviceMesh> flatten(const std::string& name = "") const;
 
