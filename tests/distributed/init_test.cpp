@@ -145,7 +145,8 @@ TEST(ParseEnv, ProgramInABatchScriptWithoutSrunIsNamedAtOnce) {
   EXPECT_EQ(parse_env_rendezvous(one).world_size, 1);
   // emberrun (or torchrun, or mpirun) started from the batch script: their variables decide.
   Env launched = batch_step();
-  launched.insert({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"MASTER_ADDR", "n1"}, {"MASTER_PORT", "1"}});
+  launched.insert(
+      {{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"MASTER_ADDR", "n1"}, {"MASTER_PORT", "1"}});
   EXPECT_EQ(parse_env_rendezvous(launched).world_size, 8);
   Env mpi = batch_step();
   mpi.insert({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "4"}});

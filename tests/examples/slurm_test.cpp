@@ -206,14 +206,16 @@ TEST_F(Slurm, SrunTrainsAtWorldSizeTwoWithoutALauncher) {
   // No MASTER_ADDR/MASTER_PORT: the node list and the job id give them. No thread count either:
   // the two tasks share the CPUs they may run on (task/none binds nothing), so each takes half.
   CommandResult r = run_command(kNoMaster + "-u EMBER_NUM_THREADS -u OMP_NUM_THREADS " +
-                                    cluster_->conf_var() + " srun -n 2 " + example() + kSmallRun + kData,
+                                    cluster_->conf_var() + " srun -n 2 " + example() + kSmallRun +
+                                    kData,
                                 300);
   ASSERT_EQ(r.status, 0) << r.output << cluster_->logs();
   EXPECT_NE(r.output.find("fashion_mnist: world size 2, backend gloo"), std::string::npos) << r.output;
   cpu_set_t set;
   ASSERT_EQ(sched_getaffinity(0, sizeof set, &set), 0);
   const int mine = CPU_COUNT(&set);
-  const int share = mine == static_cast<int>(std::thread::hardware_concurrency()) ? std::max(1, mine / 2) : mine;
+  const int online = static_cast<int>(std::thread::hardware_concurrency());
+  const int share = mine == online ? std::max(1, mine / 2) : mine;
   EXPECT_NE(r.output.find(std::to_string(share) + " threads per rank"), std::string::npos)
       << "expected " << share << " threads of " << mine << " CPUs:\n" << r.output;
   std::smatch m;
@@ -241,8 +243,10 @@ TEST_F(Slurm, ABatchScriptThatForgetsSrunFailsAtOnceNamingTheMistake) {
   // The script runs the program itself: one process that sees SLURM_NTASKS=2 and SLURM_PROCID=0.
   // Without the check it would wait for its peer until the store's timeout; --time bounds the
   // job (and the command's limit the test) should the check ever be lost.
-  CommandResult r = run_command(kNoMaster + cluster_->conf_var() + " EMBER_NUM_THREADS=1 sbatch --wait --ntasks=2 --time=3 --output=" +
-                                    tmp_.path + "/trap_%j.out --wrap '" + example() + kSmallRun + kData + "'",
+  CommandResult r = run_command(kNoMaster + cluster_->conf_var() +
+                                    " EMBER_NUM_THREADS=1 sbatch --wait --ntasks=2 --time=3 "
+                                    "--output=" + tmp_.path + "/trap_%j.out --wrap '" + example() +
+                                    kSmallRun + kData + "'",
                                 300);
   const std::string job_output = read_job_output(tmp_.path, "trap_");
   EXPECT_NE(r.status, 0) << r.output << job_output;
@@ -250,7 +254,8 @@ TEST_F(Slurm, ABatchScriptThatForgetsSrunFailsAtOnceNamingTheMistake) {
                             "process is the batch script of Slurm job"),
             std::string::npos)
       << r.output << job_output << cluster_->logs();
-  EXPECT_NE(job_output.find("start each rank with `srun PROGRAM`"), std::string::npos) << job_output;
+  EXPECT_NE(job_output.find("start each rank with `srun PROGRAM`"), std::string::npos)
+      << job_output;
   EXPECT_EQ(job_output.find("test_accuracy="), std::string::npos) << job_output;
 }
 
