@@ -2,9 +2,9 @@
 // slurmctld and slurmd run as root from a unique temporary folder with ports the OS picked, and
 // are stopped at the end even when a check fails. `srun -n 2` trains at world size 2 without
 // emberrun and without MASTER_ADDR/MASTER_PORT, examples/slurm/fashion_mnist.sbatch runs as
-// written under `sbatch --wait`, and a batch script that runs the program without srun fails at
-// once saying so. Without root, Slurm (slurm-wlm, munge) or Fashion-MNIST the cases skip with
-// the reason.
+// written under `sbatch --wait`, so does gpt_gpu_srun.sbatch with its device and GPUs overridden,
+// and a batch script that runs the program without srun fails at once saying so. Without root,
+// Slurm (slurm-wlm, munge) or Fashion-MNIST the cases skip with the reason.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sched.h>
@@ -19,6 +19,7 @@
 #include <string>
 #include <thread>
 
+#include <ember/nn/data/token_stream.h>
 #include "cmake/build_paths.h"
 #include "tests/examples/example_test_util.h"
 
@@ -237,6 +238,33 @@ TEST_F(Slurm, TheDocumentedSbatchScriptRunsAsWritten) {
   ASSERT_EQ(r.status, 0) << r.output << job_output << cluster_->logs();
   EXPECT_NE(job_output.find("fashion_mnist: world size 2, backend gloo"), std::string::npos) << job_output;
   EXPECT_NE(job_output.find("test_accuracy="), std::string::npos) << job_output;
+}
+
+TEST_F(Slurm, TheGpuSrunScriptRunsAsWrittenWithTheDeviceOverridden) {
+  // This one-node cluster has neither GPUs nor two nodes: sbatch's own options override the
+  // script's #SBATCH lines and the program's last flags its --device and --backend (gpt takes a
+  // flag's last value), so the rest of the script runs as written: srun's tasks meet as two
+  // ranks, and each keeps to its --cpus-per-task core.
+  if (!fs::exists(ember::nn::data::kKjvBible) || !on_path("bible")) {
+    GTEST_SKIP() << "no " << ember::nn::data::kKjvBible << " or no bible(1) (install "
+                 << "bible-kjv-text and bible-kjv)";
+  }
+  const std::string script = std::string(EMBER_SOURCE_DIR) + "/examples/slurm/gpt_gpu_srun.sbatch";
+  ASSERT_TRUE(fs::exists(script)) << script;
+  CommandResult r = run_command(
+      "sh -c 'cd " + std::string(EMBER_SOURCE_DIR) + " && " + kNoMaster +
+          "-u EMBER_NUM_THREADS -u OMP_NUM_THREADS " + cluster_->conf_var() + " EMBER_BUILD=" +
+          EMBER_BINARY_DIR + " sbatch --wait --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 " +
+          "--gpus-per-node=0 --time=10 --output=" + tmp_.path + "/gpu_srun_%j.out " + script +
+          " --device cpu --backend gloo --layers 1 --dim 32 --context 32 --steps 4 "
+          "--eval-batches 1 --log-every 2 --cache-dir " + tmp_.path + "/cache'",
+      600);
+  const std::string job_output = read_job_output(tmp_.path, "gpu_srun_");
+  ASSERT_EQ(r.status, 0) << r.output << job_output << cluster_->logs();
+  EXPECT_NE(job_output.find("gpt: world size 2, backend gloo, device cpu"), std::string::npos)
+      << job_output;
+  EXPECT_NE(job_output.find("1 threads per rank"), std::string::npos) << job_output;
+  EXPECT_NE(job_output.find("val_loss="), std::string::npos) << job_output;
 }
 
 TEST_F(Slurm, ABatchScriptThatForgetsSrunFailsAtOnceNamingTheMistake) {
