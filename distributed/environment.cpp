@@ -49,10 +49,10 @@ Environment environment() {
 
 std::string echo(const Environment& env) {
   static const char* kNames[] = {
-      "RANK",          "WORLD_SIZE",           "MASTER_ADDR",          "MASTER_PORT",
-      "LOCAL_RANK",    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK",
-      "PMI_SIZE",      "SLURM_PROCID",         "SLURM_NTASKS",         "SLURM_JOB_NODELIST",
-      "SLURM_NODELIST"};
+      "RANK",           "WORLD_SIZE",           "MASTER_ADDR",          "MASTER_PORT",
+      "LOCAL_RANK",     "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK",
+      "PMI_SIZE",       "SLURM_PROCID",         "SLURM_NTASKS",         "SLURM_JOB_NODELIST",
+      "SLURM_NODELIST", "SLURM_JOB_ID",         "SLURM_STEP_ID"};
   std::string out;
   for (const char* n : kNames) {
     auto it = env.find(n);
@@ -108,6 +108,24 @@ int master_port_from_env(const std::map<std::string, std::string>& env, const st
                                    ")"));
 }
 
+// A batch script's own process sees the job's SLURM_NTASKS, and SLURM_PROCID=0, but it is the
+// only process of the batch step: a program started there without srun would wait for peers
+// that never come until the store's timeout. srun's tasks carry SLURM_STEP_ID (and its older
+// spelling SLURM_STEPID) and the batch step neither, so the mistake is named at once instead.
+void check_not_batch_step(const std::map<std::string, std::string>& env, int ntasks,
+                          const std::string& found) {
+  if (ntasks <= 1 || !detail::env_set(env, "SLURM_JOB_ID") ||
+      detail::env_set(env, "SLURM_STEP_ID") || detail::env_set(env, "SLURM_STEPID")) {
+    return;
+  }
+  throw ValueError(detail::str_cat(
+      "[init_process_group] SLURM_NTASKS=", ntasks, " but this process is the batch script of ",
+      "Slurm job ", env.at("SLURM_JOB_ID"), ", not one of its srun tasks (no SLURM_STEP_ID), ",
+      "so its ", ntasks - 1, " peer", ntasks == 2 ? "" : "s", " would never come: start each ",
+      "rank with `srun PROGRAM`, or one emberrun per node with `srun emberrun ...`; see ",
+      "docs/launcher.md#slurm (", found, ")"));
+}
+
 }  // namespace
 
 std::string first_slurm_host(const std::string& nodelist) {
@@ -145,6 +163,7 @@ EnvRendezvous parse_env_rendezvous(const std::map<std::string, std::string>& env
     r.rank = parse_int(rname, env.at(rname), 0, 1 << 30, found);
     r.world_size = parse_int(sname, env.at(sname), 1, 1 << 30, found);
     r.source = detail::str_cat(rname, "/", sname);
+    if (std::string(rname) == "SLURM_PROCID") check_not_batch_step(env, r.world_size, found);
     break;
   }
   if (r.source.empty()) {

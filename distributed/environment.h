@@ -23,12 +23,12 @@ struct EnvRendezvous {
 /// Parses env:// variables from `env` (a snapshot of the environment): RANK and WORLD_SIZE,
 /// else OMPI_COMM_WORLD_RANK/_SIZE, else PMI_RANK/PMI_SIZE, else SLURM_PROCID/SLURM_NTASKS;
 /// MASTER_ADDR, else the first host of SLURM_JOB_NODELIST (or SLURM_NODELIST); MASTER_PORT,
-/// else under Slurm 15000 + SLURM_JOB_ID % 10000 (PyTorch Lightning's rule). (Under mpirun
-/// without MASTER_ADDR, init_process_group does not come here: rank 0 broadcasts the store's
-/// address over MPI when Ember is built with MPI.)
+/// else under Slurm 15000 + SLURM_JOB_ID % 10000 (PyTorch Lightning's rule). (mpirun without
+/// MASTER_ADDR does not come here when Ember is built with MPI: the address goes over MPI.)
 /// `rank`/`world_size` >= 0 override the environment and must agree with it if it has them.
 /// Throws ValueError echoing the variables found when something is missing, not an integer,
-/// out of range or contradictory.
+/// out of range or contradictory, or when the Slurm variables are a batch script's own (a job
+/// id, SLURM_NTASKS > 1, no SLURM_STEP_ID: the program was started without srun).
 EnvRendezvous parse_env_rendezvous(const std::map<std::string, std::string>& env, int rank = -1,
                                    int world_size = -1);
 

@@ -1,13 +1,16 @@
 #include <ember/tensor/threading.h>
 
 #include <omp.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <map>
 #include <string>
 #include <thread>
 
+#include <ember/tensor/detail/thread_count.h>
 #include <ember/tensor/error.h>
 
 extern "C" void openblas_set_num_threads(int);
@@ -16,15 +19,33 @@ namespace ember {
 
 namespace {
 
-int threads_from_env() {
-  for (const char* name : {"EMBER_NUM_THREADS", "OMP_NUM_THREADS"}) {
-    if (const char* v = std::getenv(name)) {
-      char* end = nullptr;
-      long n = std::strtol(v, &end, 10);
-      if (end != v && *end == '\0' && n >= 1) return static_cast<int>(n);
-    }
+// The variables default_thread_count reads, snapshotted when the library loads.
+std::map<std::string, std::string> thread_environment() {
+  std::map<std::string, std::string> env;
+  for (const char* name :
+       {"EMBER_NUM_THREADS", "OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "MPI_LOCALNRANKS", "SLURM_STEP_ID", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE",
+        "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_CPUS_PER_TASK"}) {
+    if (const char* v = std::getenv(name)) env[name] = v;
   }
-  return std::max(1u, std::thread::hardware_concurrency());
+  return env;
+}
+
+// The CPUs this process may run on; the mask is sized for the machine, since a fixed cpu_set_t
+// stops at 1024 CPUs and sched_getaffinity fails beyond.
+int affinity_cpus(int online) {
+  const int size = std::max(online, CPU_SETSIZE);
+  cpu_set_t* set = CPU_ALLOC(size);
+  const size_t bytes = CPU_ALLOC_SIZE(size);
+  int n = online;
+  if (set != nullptr && sched_getaffinity(0, bytes, set) == 0) n = CPU_COUNT_S(bytes, set);
+  CPU_FREE(set);
+  return std::max(1, n);
+}
+
+int threads_from_env() {
+  const int online = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return detail::default_thread_count(thread_environment(), affinity_cpus(online), online).threads;
 }
 
 std::atomic<int>& num_threads() {

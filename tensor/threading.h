@@ -1,7 +1,7 @@
 // One thread setting for everything Ember runs on the CPU: its own kernels, OpenBLAS and oneDNN.
-// It starts from EMBER_NUM_THREADS (else OMP_NUM_THREADS, else the number of cores) and is
-// applied to OpenBLAS and OpenMP at start-up, so the libraries underneath never spawn threads
-// that fight Ember's over the cores (as OpenBLAS does under Debian's PyTorch).
+// It starts from EMBER_NUM_THREADS, else OMP_NUM_THREADS, else this rank's share of the CPUs
+// it may run on (detail/thread_count.h), applied at start-up, so the libraries underneath never
+// spawn threads that fight Ember's over the cores (as OpenBLAS does under Debian's PyTorch).
 #pragma once
 
 #include <cstdint>

@@ -68,7 +68,8 @@ TEST(ParseEnv, OpenMpiPmiAndSlurmFallbacks) {
   r = parse_env_rendezvous(Env{{"SLURM_PROCID", "1"},
                                {"SLURM_NTASKS", "2"},
                                {"SLURM_JOB_NODELIST", "n1"},
-                               {"SLURM_JOB_ID", "123456"}});
+                               {"SLURM_JOB_ID", "123456"},
+                               {"SLURM_STEP_ID", "0"}});
   EXPECT_EQ(r.master_port, 15000 + 3456);
   expect_error<ValueError>(
       [] {
@@ -81,9 +82,10 @@ TEST(ParseEnv, OpenMpiPmiAndSlurmFallbacks) {
         parse_env_rendezvous(Env{{"SLURM_PROCID", "1"},
                                  {"SLURM_NTASKS", "2"},
                                  {"SLURM_JOB_NODELIST", "n1"},
-                                 {"SLURM_JOB_ID", "x7"}});
+                                 {"SLURM_JOB_ID", "x7"},
+                                 {"SLURM_STEP_ID", "0"}});
       },
-      {"SLURM_JOB_ID"});
+      {"SLURM_JOB_ID='x7' is not an integer"});
   // torch's variables win over the scheduler's (torchrun inside an allocation).
   r = parse_env_rendezvous(Env{{"RANK", "0"},
                                {"WORLD_SIZE", "2"},
@@ -98,6 +100,57 @@ TEST(ParseEnv, OpenMpiPmiAndSlurmFallbacks) {
   EXPECT_EQ(r.rank, 1);
   EXPECT_EQ(r.world_size, 3);
   EXPECT_EQ(r.source, "arguments");
+}
+
+// What a batch script's own process sees in a job of 4 tasks on 2 nodes (Slurm 22.05; srun's
+// tasks see SLURM_STEP_ID and SLURM_STEPID too).
+Env batch_step() {
+  return Env{{"SLURM_JOB_ID", "4242"},       {"SLURM_JOBID", "4242"},
+             {"SLURM_PROCID", "0"},          {"SLURM_LOCALID", "0"},
+             {"SLURM_NODEID", "0"},          {"SLURM_NTASKS", "4"},
+             {"SLURM_NPROCS", "4"},          {"SLURM_TASKS_PER_NODE", "2(x2)"},
+             {"SLURM_JOB_NODELIST", "n[1-2]"}, {"SLURM_NNODES", "2"}};
+}
+
+TEST(ParseEnv, ProgramInABatchScriptWithoutSrunIsNamedAtOnce) {
+  const auto in_batch_script = [](Env env) {
+    expect_error<ValueError>([&] { parse_env_rendezvous(env); },
+                             {"[init_process_group] SLURM_NTASKS=4 but this process is the batch "
+                              "script of Slurm job 4242, not one of its srun tasks (no "
+                              "SLURM_STEP_ID), so its 3 peers would never come",
+                              "srun PROGRAM", "srun emberrun", "docs/launcher.md#slurm",
+                              "SLURM_PROCID=0", "SLURM_JOB_ID=4242"});
+  };
+  in_batch_script(batch_step());
+  Env with_port = batch_step();
+  with_port["MASTER_ADDR"] = "n1";
+  with_port["MASTER_PORT"] = "29500";
+  in_batch_script(with_port);
+  // Arguments that agree with the environment do not make the batch script a task either.
+  expect_error<ValueError>([] { parse_env_rendezvous(batch_step(), 0, 4); },
+                           {"not one of its srun tasks"});
+
+  // srun's tasks of the same job (either spelling of the step id).
+  for (const char* step : {"SLURM_STEP_ID", "SLURM_STEPID"}) {
+    Env task = batch_step();
+    task[step] = "0";
+    const EnvRendezvous r = parse_env_rendezvous(task);
+    EXPECT_EQ(r.world_size, 4) << step;
+    EXPECT_EQ(r.master_addr, "n1") << step;
+    EXPECT_EQ(r.master_port, 15000 + 4242) << step;
+  }
+  // A job of one task: its batch script is the whole world.
+  Env one = batch_step();
+  one["SLURM_NTASKS"] = "1";
+  EXPECT_EQ(parse_env_rendezvous(one).world_size, 1);
+  // emberrun (or torchrun, or mpirun) started from the batch script: their variables decide.
+  Env launched = batch_step();
+  launched.insert(
+      {{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"MASTER_ADDR", "n1"}, {"MASTER_PORT", "1"}});
+  EXPECT_EQ(parse_env_rendezvous(launched).world_size, 8);
+  Env mpi = batch_step();
+  mpi.insert({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "4"}});
+  EXPECT_EQ(parse_env_rendezvous(mpi).rank, 1);
 }
 
 TEST(ParseEnv, LaunchedAsRankByAnyLauncher) {

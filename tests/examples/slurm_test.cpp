@@ -1,11 +1,13 @@
 // examples/fashion_mnist under a real Slurm cluster of one node, started by the test: munged,
 // slurmctld and slurmd run as root from a unique temporary folder with ports the OS picked, and
 // are stopped at the end even when a check fails. `srun -n 2` trains at world size 2 without
-// emberrun and without MASTER_ADDR/MASTER_PORT, and examples/slurm/fashion_mnist.sbatch runs as
-// written under `sbatch --wait`. Without root, Slurm (slurm-wlm, munge) or Fashion-MNIST the
-// cases skip with the reason.
+// emberrun and without MASTER_ADDR/MASTER_PORT, examples/slurm/fashion_mnist.sbatch runs as
+// written under `sbatch --wait`, so does gpt_gpu_srun.sbatch with its device and GPUs overridden,
+// and a batch script that runs the program without srun fails at once saying so. Without root,
+// Slurm (slurm-wlm, munge) or Fashion-MNIST the cases skip with the reason.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -17,6 +19,7 @@
 #include <string>
 #include <thread>
 
+#include <ember/nn/data/token_stream.h>
 #include "cmake/build_paths.h"
 #include "tests/examples/example_test_util.h"
 
@@ -60,6 +63,17 @@ std::string wait_for_output(const std::string& cmd, const std::string& want,
     std::this_thread::sleep_for(std::chrono::milliseconds(200));  // polling a condition
   }
   return out;
+}
+
+/// The text of the job output file in `dir` whose name starts with `prefix`; "" when none.
+std::string read_job_output(const std::string& dir, const std::string& prefix) {
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (e.path().filename().string().rfind(prefix, 0) == 0) {
+      std::ifstream f(e.path());
+      return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    }
+  }
+  return "";
 }
 
 /// One node's Slurm cluster under `dir`: its own munge key and socket, controller and node
@@ -190,12 +204,21 @@ const std::string kNoMaster = "env -u MASTER_ADDR -u MASTER_PORT ";
 constexpr const char* kSmallRun = " --max-steps 20 --batch-size 32 --data ";
 
 TEST_F(Slurm, SrunTrainsAtWorldSizeTwoWithoutALauncher) {
-  // No MASTER_ADDR/MASTER_PORT: the node list and the job id give them.
-  CommandResult r = run_command(kNoMaster + cluster_->conf_var() + " EMBER_NUM_THREADS=1 srun -n 2 " +
-                                    example() + kSmallRun + kData,
+  // No MASTER_ADDR/MASTER_PORT: the node list and the job id give them. No thread count either:
+  // the two tasks share the CPUs they may run on (task/none binds nothing), so each takes half.
+  CommandResult r = run_command(kNoMaster + "-u EMBER_NUM_THREADS -u OMP_NUM_THREADS " +
+                                    cluster_->conf_var() + " srun -n 2 " + example() + kSmallRun +
+                                    kData,
                                 300);
   ASSERT_EQ(r.status, 0) << r.output << cluster_->logs();
   EXPECT_NE(r.output.find("fashion_mnist: world size 2, backend gloo"), std::string::npos) << r.output;
+  cpu_set_t set;
+  ASSERT_EQ(sched_getaffinity(0, sizeof set, &set), 0);
+  const int mine = CPU_COUNT(&set);
+  const int online = static_cast<int>(std::thread::hardware_concurrency());
+  const int share = mine == online ? std::max(1, mine / 2) : mine;
+  EXPECT_NE(r.output.find(std::to_string(share) + " threads per rank"), std::string::npos)
+      << "expected " << share << " threads of " << mine << " CPUs:\n" << r.output;
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.output, m, std::regex(R"(test_accuracy=([0-9.]+))"))) << r.output;
   EXPECT_GT(std::stod(m[1]), 0.2) << r.output;  // chance is 0.1
@@ -211,16 +234,57 @@ TEST_F(Slurm, TheDocumentedSbatchScriptRunsAsWritten) {
                                     EMBER_BINARY_DIR + " sbatch --wait --output=" + tmp_.path +
                                     "/job_%j.out " + script + kSmallRun + kData + "'",
                                 300);
-  std::string job_output;
-  for (const auto& e : fs::directory_iterator(tmp_.path)) {
-    if (e.path().filename().string().rfind("job_", 0) == 0) {
-      std::ifstream f(e.path());
-      job_output.assign((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    }
-  }
+  const std::string job_output = read_job_output(tmp_.path, "job_");
   ASSERT_EQ(r.status, 0) << r.output << job_output << cluster_->logs();
   EXPECT_NE(job_output.find("fashion_mnist: world size 2, backend gloo"), std::string::npos) << job_output;
   EXPECT_NE(job_output.find("test_accuracy="), std::string::npos) << job_output;
+}
+
+TEST_F(Slurm, TheGpuSrunScriptRunsAsWrittenWithTheDeviceOverridden) {
+  // This one-node cluster has neither GPUs nor two nodes: sbatch's own options override the
+  // script's #SBATCH lines and the program's last flags its --device and --backend (gpt takes a
+  // flag's last value), so the rest of the script runs as written: srun's tasks meet as two
+  // ranks, and each keeps to its --cpus-per-task core.
+  if (!fs::exists(ember::nn::data::kKjvBible) || !on_path("bible")) {
+    GTEST_SKIP() << "no " << ember::nn::data::kKjvBible << " or no bible(1) (install "
+                 << "bible-kjv-text and bible-kjv)";
+  }
+  const std::string script = std::string(EMBER_SOURCE_DIR) + "/examples/slurm/gpt_gpu_srun.sbatch";
+  ASSERT_TRUE(fs::exists(script)) << script;
+  CommandResult r = run_command(
+      "sh -c 'cd " + std::string(EMBER_SOURCE_DIR) + " && " + kNoMaster +
+          "-u EMBER_NUM_THREADS -u OMP_NUM_THREADS " + cluster_->conf_var() + " EMBER_BUILD=" +
+          EMBER_BINARY_DIR + " sbatch --wait --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 " +
+          "--gpus-per-node=0 --time=10 --output=" + tmp_.path + "/gpu_srun_%j.out " + script +
+          " --device cpu --backend gloo --layers 1 --dim 32 --context 32 --steps 4 "
+          "--eval-batches 1 --log-every 2 --cache-dir " + tmp_.path + "/cache'",
+      600);
+  const std::string job_output = read_job_output(tmp_.path, "gpu_srun_");
+  ASSERT_EQ(r.status, 0) << r.output << job_output << cluster_->logs();
+  EXPECT_NE(job_output.find("gpt: world size 2, backend gloo, device cpu"), std::string::npos)
+      << job_output;
+  EXPECT_NE(job_output.find("1 threads per rank"), std::string::npos) << job_output;
+  EXPECT_NE(job_output.find("val_loss="), std::string::npos) << job_output;
+}
+
+TEST_F(Slurm, ABatchScriptThatForgetsSrunFailsAtOnceNamingTheMistake) {
+  // The script runs the program itself: one process that sees SLURM_NTASKS=2 and SLURM_PROCID=0.
+  // Without the check it would wait for its peer until the store's timeout; --time bounds the
+  // job (and the command's limit the test) should the check ever be lost.
+  CommandResult r = run_command(kNoMaster + cluster_->conf_var() +
+                                    " EMBER_NUM_THREADS=1 sbatch --wait --ntasks=2 --time=3 "
+                                    "--output=" + tmp_.path + "/trap_%j.out --wrap '" + example() +
+                                    kSmallRun + kData + "'",
+                                300);
+  const std::string job_output = read_job_output(tmp_.path, "trap_");
+  EXPECT_NE(r.status, 0) << r.output << job_output;
+  EXPECT_NE(job_output.find("fashion_mnist: error: [init_process_group] SLURM_NTASKS=2 but this "
+                            "process is the batch script of Slurm job"),
+            std::string::npos)
+      << r.output << job_output << cluster_->logs();
+  EXPECT_NE(job_output.find("start each rank with `srun PROGRAM`"), std::string::npos)
+      << job_output;
+  EXPECT_EQ(job_output.find("test_accuracy="), std::string::npos) << job_output;
 }
 
 }  // namespace
