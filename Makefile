@@ -58,12 +58,28 @@ run_tests = fail=""; for t in $(2); do echo "== $$t"; \
 
 all: build
 
+# PROFILE: which packages `deps` installs (scripts/install-deps.sh): all, or train (what `make
+# train` needs; no tests or benchmarks then, as their packages are not there).
+PROFILE ?= all
 deps:
-	@bash scripts/install-deps.sh
+	@bash scripts/install-deps.sh $(PROFILE)
 
+# CMake runs on a new build folder; on an existing one when CMAKE_ARGS are given (so they take
+# effect: `make test CMAKE_ARGS=-DEMBER_WITH_CUDA=OFF`), and when a folder `make train` set up
+# is wanted for everything (tests and benchmarks on, their packages installed since).
+# $(BUILD_DIR)/.ember-profile records the profile a folder was configured for.
 configure: deps
-	@if [ ! -f $(BUILD_DIR)/build.ninja ]; then \
-	  cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS); \
+	@have=$$(cat $(BUILD_DIR)/.ember-profile 2>/dev/null || echo all); \
+	if [ "$(PROFILE)" = train ]; then tests=OFF; else tests=ON; fi; \
+	if [ ! -f $(BUILD_DIR)/build.ninja ]; then \
+	  cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
+	    -DEMBER_BUILD_TESTS=$$tests -DEMBER_BUILD_BENCHMARKS=$$tests $(CMAKE_ARGS) && \
+	  echo $(PROFILE) > $(BUILD_DIR)/.ember-profile; \
+	elif [ "$$have" = train ] && [ "$(PROFILE)" = all ]; then \
+	  cmake -S . -B $(BUILD_DIR) -DEMBER_BUILD_TESTS=ON -DEMBER_BUILD_BENCHMARKS=ON $(CMAKE_ARGS) && \
+	  echo all > $(BUILD_DIR)/.ember-profile; \
+	elif [ -n "$(strip $(CMAKE_ARGS))" ]; then \
+	  cmake -S . -B $(BUILD_DIR) $(CMAKE_ARGS); \
 	fi
 
 build: configure
@@ -72,7 +88,8 @@ build: configure
 test: build
 	@cd $(BUILD_DIR) && ctest -j $(JOBS) --output-on-failure --timeout 900
 
-train: configure
+train:
+	@$(MAKE) --no-print-directory configure PROFILE=train
 	@cmake --build $(BUILD_DIR) -j $(JOBS) --target fashion_mnist emberrun
 	@$(BUILD_DIR)/launcher/emberrun --standalone --nproc-per-node 2 $(BUILD_DIR)/examples/fashion_mnist \
 	  --model cnn --epochs 3

@@ -1,23 +1,36 @@
 #!/usr/bin/env bash
-# Installs every Debian package Ember's build, tests, benchmarks and API reference need.
-# Idempotent: when nothing is missing it prints nothing and touches nothing. Needs root (or sudo)
-# to install.
+# Installs the Debian packages Ember needs. Idempotent: when nothing is missing it prints nothing
+# and touches nothing. Needs root (or sudo) to install.
+#   install-deps.sh train   what `make train` needs: the compiler and build tools, the libraries
+#                           the library and examples link, and the Fashion-MNIST data
+#   install-deps.sh         everything: also what the tests, benchmarks, fuzzers and API
+#                           reference use (GoogleTest, PyTorch as the reference, Slurm, etcd,
+#                           Clang, iproute2 for the network namespaces, Doxygen, ...)
 set -euo pipefail
-pkgs=(
-  cmake ninja-build ccache g++ make pkg-config file
+profile=${1:-all}
+train=(
+  cmake ninja-build ccache g++ make pkg-config
   libopenblas-dev libopenblas-openmp-dev libdnnl-dev ocl-icd-opencl-dev
-  libgloo-dev libopenmpi-dev openmpi-bin slurm-wlm munge
+  libgloo-dev libopenmpi-dev
   libboost-dev libboost-system-dev libcli11-dev libspdlog-dev nlohmann-json3-dev zlib1g-dev libxxhash-dev
-  libssl-dev
-  libgtest-dev libgmock-dev
-  libcairo2-dev fonts-dejavu-core
+  libssl-dev libprotobuf-dev protobuf-compiler libcairo2-dev
   dataset-fashion-mnist
+)
+rest=(
+  file openmpi-bin slurm-wlm munge
+  libgtest-dev libgmock-dev
+  fonts-dejavu-core
   bible-kjv-text bible-kjv
   python3-torch libtorch-dev
-  protobuf-compiler python3-protobuf python3-crc32c
+  python3-protobuf python3-crc32c
   iproute2 etcd-server openssl curl doxygen
   clang libclang-rt-dev libomp-dev
 )
+case "$profile" in
+  train) pkgs=("${train[@]}") ;;
+  all) pkgs=("${train[@]}" "${rest[@]}") ;;
+  *) echo "install-deps: unknown profile '$profile' (expected train or all)" >&2; exit 2 ;;
+esac
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
