@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <cstdio>
 #include <mutex>
 #include <sstream>
@@ -12,6 +13,7 @@
 #include <ember/distributed/ddp/detail/state_entries.h>
 #include <ember/distributed/ddp/local_sgd.h>
 #include <ember/distributed/ddp/powersgd.h>
+#include <ember/distributed/init.h>
 
 namespace ember::dist {
 
@@ -66,6 +68,20 @@ MadeCommHook powersgd(const CommHookArgs& a, bool batched) {
   return made;
 }
 
+// node=K: the job's ranks as nodes of K consecutive ranks (emberrun's and Slurm's layout: a
+// node's ranks are numbered together), averaged exactly inside each node and `hook` run by the
+// nodes' first ranks between them (compress_across_nodes). Collective over the world, as
+// new_group is: every rank makes the hook with the same spec.
+CommHook across_nodes(const CommHookArgs& a, int64_t node, CommHook hook) {
+  EMBER_CHECK(node <= a.group->size() && a.group->size() % node == 0, "[comm hook '", a.name,
+              "'] option node=", node, " must divide the group's ", a.group->size(), " ranks");
+  const Subgroups nodes = new_subgroups(static_cast<int>(node), a.group);
+  std::vector<int> leaders;
+  for (const std::vector<int>& members : nodes.ranks) leaders.push_back(members.front());
+  std::shared_ptr<ProcessGroup> between = new_group(leaders);
+  return compress_across_nodes(std::move(hook), nodes.group, std::move(between));
+}
+
 MadeCommHook compression(const CommHookArgs& a,
                          std::shared_ptr<Future> (*hook)(CompressionState&, GradBucket&)) {
   CompressionOptions o;
@@ -73,8 +89,10 @@ MadeCommHook compression(const CommHookArgs& a,
   o.start_iter = a.integer("start", o.start_iter);
   if (hook == int8_compress_hook) o.channel_size = a.integer("channel", o.channel_size);
   if (hook == topk_compress_hook) o.topk_ratio = a.number("ratio", o.topk_ratio);
+  const int64_t node = a.integer("node", 0);
   auto state = std::make_shared<CompressionState>(o);
   MadeCommHook made = with_state(state, hook);
+  if (node > 0) made.hook = across_nodes(a, node, std::move(made.hook));
   made.summary = [state, name = a.name] {
     const auto s = state->stats();
     if (s.buckets == 0) return name + ": no compressed step yet";
@@ -143,11 +161,12 @@ std::map<std::string, Entry> built_ins() {
   add("quantization_perchannel", [](const CommHookArgs&) { return stateless(quantization_perchannel_hook); },
       "torch's int8 quantization, a scale per 512 elements (all-gather)");
   add("int8", [](const CommHookArgs& a) { return compression(a, int8_compress_hook); },
-      "two-phase int8 all-reduce (~4x fewer bytes); channel=512, start=0, error_feedback=1");
+      "two-phase int8 all-reduce (~4x fewer bytes); channel=512, start=0, error_feedback=1, "
+      "node=0 (K: exact inside nodes of K ranks, compressed between them)");
   add("sign", [](const CommHookArgs& a) { return compression(a, sign_compress_hook); },
-      "two-phase 1-bit all-reduce (~32x fewer bytes); start=0, error_feedback=1");
+      "two-phase 1-bit all-reduce (~32x fewer bytes); start=0, error_feedback=1, node=0");
   add("topk", [](const CommHookArgs& a) { return compression(a, topk_compress_hook); },
-      "top-k sparsification; ratio=0.01, start=0, error_feedback=1");
+      "top-k sparsification; ratio=0.01, start=0, error_feedback=1, node=0");
   add("post_localsgd", post_local_sgd,
       "post-local SGD: all-reduce until start, then average parameters every period steps; "
       "start=100, period=4, local=0 (after start, gradients are averaged within consecutive "
@@ -197,34 +216,32 @@ CommHook naming_errors(CommHook hook, const std::string& name, const std::string
 
 }  // namespace
 
+namespace {
+
+// Option `key` of `a` as a T spelled by its whole value (std::from_chars: no sign, space or
+// suffix is skipped), or `fallback` when the spec does not set it; anything else is refused
+// naming the hook, the option and `what` it expects.
+template <typename T>
+T parse_option(const CommHookArgs& a, const std::string& key, T fallback, const char* what) {
+  a.read.push_back(key);
+  auto it = a.options.find(key);
+  if (it == a.options.end()) return fallback;
+  const std::string& s = it->second;
+  T v{};
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  EMBER_CHECK(!s.empty() && ec == std::errc() && end == s.data() + s.size(), "[comm hook '",
+              a.name, "'] option ", key, " expects ", what, ", got '", s, "'");
+  return v;
+}
+
+}  // namespace
+
 double CommHookArgs::number(const std::string& key, double fallback) const {
-  read.push_back(key);
-  auto it = options.find(key);
-  if (it == options.end()) return fallback;
-  try {
-    size_t used = 0;
-    const double v = std::stod(it->second, &used);
-    if (used == it->second.size()) return v;
-  } catch (const std::exception&) {
-  }
-  EMBER_CHECK(false, "[comm hook '", name, "'] option ", key, " expects a number, got '",
-              it->second, "'");
-  return fallback;
+  return parse_option<double>(*this, key, fallback, "a number");
 }
 
 int64_t CommHookArgs::integer(const std::string& key, int64_t fallback) const {
-  read.push_back(key);
-  auto it = options.find(key);
-  if (it == options.end()) return fallback;
-  try {
-    size_t used = 0;
-    const long long v = std::stoll(it->second, &used);
-    if (used == it->second.size()) return v;
-  } catch (const std::exception&) {
-  }
-  EMBER_CHECK(false, "[comm hook '", name, "'] option ", key, " expects an integer, got '",
-              it->second, "'");
-  return fallback;
+  return parse_option<int64_t>(*this, key, fallback, "an integer");
 }
 
 bool CommHookArgs::flag(const std::string& key, bool fallback) const {

@@ -4,11 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <thread>
 
+#include <ember/distributed/backends/process_group_threads.h>
 #include <ember/distributed/ddp/compression_hooks.h>
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/ddp/hook_registry.h>
+#include <ember/distributed/init.h>
 #include <ember/nn/linear.h>
 #include <ember/tensor/creation.h>
 #include "tests/distributed/threads_test_util.h"
@@ -152,6 +156,45 @@ TEST(HookRegistry, PostLocalSgdByNameAveragesAfterTheStepFromStart) {
     fresh.load_state_dict(state);
     EXPECT_EQ(fresh.state_dict().back().second.to_vector<int64_t>()[0], 2);  // averager_step
   });
+}
+
+// int8:node=2 on 4 ranks with default groups: nodes {0, 1} and {2, 3}, the hook between ranks
+// 0 and 2; the same values as compress_across_nodes over groups made by hand, and only the
+// leaders compress. A node size that does not divide the world is refused naming the option.
+TEST(HookRegistry, CompressionAcrossNodesByName) {
+  constexpr int64_t kN = 300;
+  std::vector<std::vector<float>> by_name(4), by_hand(4);
+  std::vector<std::string> summaries(4);
+  run_rank_threads(4, [&](int rank) {
+    MadeCommHook made = make_comm_hook("int8:node=2,error_feedback=0", default_group());
+    GradBucket bucket(0, 1, input(rank, kN), {zeros({kN})}, {0}, default_group());
+    by_name[rank] = made.hook(bucket)->value().at(0).to_vector<float>();
+    summaries[rank] = made.summary();
+    const std::string bad = error_of([] { make_comm_hook("int8:node=3", default_group()); });
+    if (bad.find("option node=3 must divide the group's 4 ranks") == std::string::npos) {
+      throw std::runtime_error("node=3 not refused by name: " + bad);
+    }
+  }, std::chrono::seconds(60));
+  std::vector<std::shared_ptr<ThreadWorld>> nodes{ThreadWorld::create(2), ThreadWorld::create(2)};
+  auto leaders_world = ThreadWorld::create(2);
+  auto node_world = ThreadWorld::create(4);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 4; ++rank) {
+    threads.emplace_back([&, rank] {
+      auto local = std::make_shared<ProcessGroupThreads>(nodes[rank / 2], rank % 2);
+      std::shared_ptr<ProcessGroup> leaders;
+      if (rank % 2 == 0) leaders = std::make_shared<ProcessGroupThreads>(leaders_world, rank / 2);
+      auto state = std::make_shared<CompressionState>(CompressionOptions{.error_feedback = false});
+      CommHook hook = compress_across_nodes(bind_hook(state, int8_compress_hook), local, leaders);
+      auto world = std::make_shared<ProcessGroupThreads>(node_world, rank);
+      GradBucket bucket(0, 1, input(rank, kN), {zeros({kN})}, {0}, world);
+      by_hand[rank] = hook(bucket)->value().at(0).to_vector<float>();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(by_name[r], by_hand[r]) << "rank " << r;
+  EXPECT_MENTIONS(summaries[0], "x fewer bytes");
+  EXPECT_MENTIONS(summaries[1], "no compressed step yet");  // not a leader
 }
 
 // ---- plug-ins ----------------------------------------------------------------------------------
