@@ -49,20 +49,30 @@ struct Canonical {
   }
 };
 
-// The bucket as a float32 CPU tensor of `padded` elements in canonical order (zeros past the
-// bucket), a new copy.
-Tensor padded_input(const char* hook, const GradBucket& bucket, int64_t padded) {
-  const Tensor& buffer = bucket.buffer();
+// `flat` (a bucket's layout) as a float32 tensor of `padded` elements in canonical order (zeros
+// past the bucket), a new copy.
+Tensor canonical_copy(const Canonical& layout, const Tensor& flat, int64_t padded) {
+  Tensor x = zeros({padded}, kFloat32);
+  for (const Canonical::Piece& p : layout.pieces) {
+    x.narrow(0, p.offset, p.numel).copy_(flat.narrow(0, p.bucket_offset, p.numel));
+  }
+  return x;
+}
+
+// The buckets the compressing hooks take: floating point, on the CPU.
+void check_bucket(const char* hook, const Tensor& buffer) {
   EMBER_CHECK(buffer.is_cpu(), "[", hook, "] expects a CPU bucket, got one on ",
               buffer.device().str(),
               " (the compressing hooks run on CPU; on GPUs use fp16/bf16 or PowerSGD)");
   EMBER_CHECK(is_floating(buffer.dtype()), "[", hook,
               "] expects a floating-point bucket, got ", dtype_name(buffer.dtype()));
-  Tensor x = zeros({padded}, kFloat32);
-  for (const Canonical::Piece& p : Canonical(bucket).pieces) {
-    x.narrow(0, p.offset, p.numel).copy_(buffer.narrow(0, p.bucket_offset, p.numel));
-  }
-  return x;
+}
+
+// The bucket as a float32 CPU tensor of `padded` elements in canonical order (zeros past the
+// bucket), a new copy.
+Tensor padded_input(const char* hook, const GradBucket& bucket, int64_t padded) {
+  check_bucket(hook, bucket.buffer());
+  return canonical_copy(Canonical(bucket), bucket.buffer(), padded);
 }
 
 // Writes `result` (canonical order) into the bucket's buffer and returns it.
@@ -92,6 +102,8 @@ CompressionState::CompressionState(CompressionOptions options) : options_(option
               options_.channel_size);
   EMBER_CHECK(options_.topk_ratio > 0 && options_.topk_ratio <= 1, kOp,
               " topk_ratio must be in (0, 1], got ", options_.topk_ratio);
+  EMBER_CHECK(options_.momentum >= 0 && options_.momentum < 1, kOp,
+              " momentum must be in [0, 1), got ", options_.momentum);
 }
 
 CompressionState::Stats CompressionState::stats() const {
@@ -127,6 +139,10 @@ Tensor& CompressionState::server_residual(const std::string& key, int64_t numel)
   return residual_in(server_, key, numel);
 }
 
+Tensor& CompressionState::velocity(const std::string& key, int64_t numel) {
+  return residual_in(velocity_, key, numel);
+}
+
 void CompressionState::count(int64_t bytes_sent, int64_t allreduce_bytes) {
   ++stats_.buckets;
   stats_.bytes_sent += bytes_sent;
@@ -145,8 +161,10 @@ nn::NamedTensors CompressionState::state_dict() const {
   out.emplace_back("option.start_iter", int_entry(options_.start_iter));
   out.emplace_back("option.channel_size", int_entry(options_.channel_size));
   out.emplace_back("option.topk_ratio", float_entry(options_.topk_ratio));
+  out.emplace_back("option.momentum", float_entry(options_.momentum));
   for (const auto& [k, t] : worker_) out.emplace_back("residual." + k, t.clone());
   for (const auto& [k, t] : server_) out.emplace_back("server_residual." + k, t.clone());
+  for (const auto& [k, t] : velocity_) out.emplace_back("velocity." + k, t.clone());
   return out;
 }
 
@@ -156,9 +174,9 @@ void CompressionState::load_state_dict(const nn::NamedTensors& state) {
   };
   CompressionOptions o = options_;
   Stats stats;
-  std::map<std::string, Tensor> worker, server;
+  std::map<std::string, Tensor> worker, server, velocity;
   int64_t iter = -1;
-  const std::string kResidual = "residual.", kServer = "server_residual.";
+  const std::string kResidual = "residual.", kServer = "server_residual.", kVelocity = "velocity.";
   for (const auto& [name, t] : state) {
     if (name == "iteration") {
       iter = read_int(name, t);
@@ -176,14 +194,18 @@ void CompressionState::load_state_dict(const nn::NamedTensors& state) {
       o.channel_size = read_int(name, t);
     } else if (name == "option.topk_ratio") {
       o.topk_ratio = detail::read_float(kOp, name, t);
+    } else if (name == "option.momentum") {
+      o.momentum = detail::read_float(kOp, name, t);
     } else if (name.rfind(kResidual, 0) == 0 && t.defined()) {
       worker[name.substr(kResidual.size())] = t.to(kFloat32, /*copy=*/true).reshape({-1});
     } else if (name.rfind(kServer, 0) == 0 && t.defined()) {
       server[name.substr(kServer.size())] = t.to(kFloat32, /*copy=*/true).reshape({-1});
+    } else if (name.rfind(kVelocity, 0) == 0 && t.defined()) {
+      velocity[name.substr(kVelocity.size())] = t.to(kFloat32, /*copy=*/true).reshape({-1});
     } else {
       EMBER_CHECK(false, kOp, " load_state_dict: unexpected entry '", name,
                   "'; expected iteration, buckets, bytes_sent, allreduce_bytes, option.*, "
-                  "residual.<key> or server_residual.<key>");
+                  "residual.<key>, server_residual.<key> or velocity.<key>");
     }
   }
   EMBER_CHECK(iter >= 0, kOp, " load_state_dict: expected an 'iteration' entry >= 0, got ",
@@ -194,6 +216,7 @@ void CompressionState::load_state_dict(const nn::NamedTensors& state) {
   stats_ = stats;
   worker_ = std::move(worker);
   server_ = std::move(server);
+  velocity_ = std::move(velocity);
 }
 
 }  // namespace ember::dist
@@ -486,7 +509,25 @@ std::shared_ptr<Future> sign_compress_hook(CompressionState& state, GradBucket& 
 }
 
 std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& bucket) {
-  if (state.warming_up(bucket)) return allreduce_hook(bucket);
+  const float momentum = static_cast<float>(state.options().momentum);
+  if (state.warming_up(bucket)) {
+    if (momentum == 0) return allreduce_hook(bucket);
+    // The velocity follows the averaged gradient, as the optimizer's momentum would.
+    const std::string key = bucket.key();
+    const int64_t n = bucket.buffer().numel();
+    check_bucket("topk_compress_hook", bucket.buffer());
+    return allreduce_hook(bucket)->then(
+        [&state, key, n, momentum, layout = Canonical(bucket)](Future& f) {
+          NoGradGuard no_grad;
+          Tensor buffer = f.value().at(0);
+          Tensor avg = canonical_copy(layout, buffer, n);
+          Tensor& u = state.velocity(key, n);
+          float* up = u.data<float>();
+          const float* a = avg.data<float>();
+          for (int64_t i = 0; i < n; ++i) up[i] = momentum * up[i] + a[i];
+          return into_bucket(layout, buffer, u);
+        });
+  }
   NoGradGuard no_grad;
   ProcessGroup& pg = bucket.process_group();
   const int world = pg.size();
@@ -494,6 +535,11 @@ std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& 
   Tensor x = padded_input("topk_compress_hook", bucket, n);
   float* xp = x.data<float>();
   const std::string key = bucket.key();
+  float* velocity = nullptr;
+  if (momentum > 0) {  // DGC: compress the accumulated velocity, not the gradient
+    velocity = state.velocity(key, n).data<float>();
+    for (int64_t i = 0; i < n; ++i) xp[i] = velocity[i] = momentum * velocity[i] + xp[i];
+  }
   Tensor* residual = nullptr;
   if (state.options().error_feedback) {
     residual = &state.worker_residual(key, n);
@@ -515,6 +561,9 @@ std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& 
     residual->copy_(x);
     float* rp = residual->data<float>();
     for (int32_t i : order) rp[i] = 0;
+  }
+  if (velocity != nullptr) {
+    for (int32_t i : order) velocity[i] = 0;  // momentum factor masking
   }
   state.count((world - 1) * msg, float32_allreduce_bytes(n, world));
   bucket.record_bytes_sent((world - 1) * msg);

@@ -68,6 +68,13 @@ struct CompressionOptions {
   int64_t channel_size = 512;
   /// topk_compress_hook: the fraction of a bucket's elements sent, in (0, 1].
   double topk_ratio = 0.01;
+  /// topk_compress_hook, in [0, 1): Deep Gradient Compression's momentum correction (Lin et
+  /// al., ICLR 2018). Each rank keeps its velocity u = momentum u + g and compresses the
+  /// accumulated velocity (the residual), clearing the velocity of what it sent (momentum factor
+  /// masking); during warm-up the velocity follows the averaged gradient. The hook then returns
+  /// the momentum step, so the optimizer must run WITHOUT momentum (SGD momentum 0): momentum
+  /// applied after top-k would amplify the residual's delayed coordinates. 0: off.
+  double momentum = 0;
 };
 
 /// State of int8_compress_hook, sign_compress_hook and topk_compress_hook: the iteration count,
@@ -100,7 +107,8 @@ class CompressionState {
   Tensor residual(const std::string& key) const;
 
   /// Everything needed to continue identically after a restart: "iteration", the statistics,
-  /// the options ("option.<name>"), and "residual.<key>" / "server_residual.<key>" per bucket.
+  /// the options ("option.<name>"), and "residual.<key>" / "server_residual.<key>" /
+  /// "velocity.<key>" per bucket.
   /// Copies, safe to save with nn::save_safetensors.
   nn::NamedTensors state_dict() const;
   /// Restores what state_dict() returned (options too). Throws ValueError naming an entry it does
@@ -114,6 +122,8 @@ class CompressionState {
   /// re-created if the bucket's size changed).
   Tensor& worker_residual(const std::string& key, int64_t numel);
   Tensor& server_residual(const std::string& key, int64_t numel);
+  /// For topk_compress_hook with options().momentum: the velocity of `key`.
+  Tensor& velocity(const std::string& key, int64_t numel);
   void count(int64_t bytes_sent, int64_t allreduce_bytes);
 
  private:
@@ -122,6 +132,7 @@ class CompressionState {
   Stats stats_;
   std::map<std::string, Tensor> worker_;
   std::map<std::string, Tensor> server_;
+  std::map<std::string, Tensor> velocity_;
 };
 
 /// PyTorch's quantization_pertensor_hook (one scale and zero point per rank and bucket).

@@ -348,6 +348,42 @@ TEST(TopkHook, PicksTheLowestIndicesAmongTies) {
   EXPECT_EQ(sent, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 500, 77777}));
 }
 
+// DGC's momentum correction, by hand on 2 ranks with the same bucket (so the average is the
+// bucket): velocity u = 0.5 u + g, the accumulated velocity compressed, the sent coordinates'
+// velocity and residual cleared. Two steps; with start=1 the first is an all-reduce whose average
+// the velocity follows.
+TEST(TopkHook, MomentumCorrectionByHand) {
+  const auto steps = [](int) {
+    return std::vector<Tensor>{tensor({1.0f, -4.0f, 2.0f, 0.5f}), tensor({1.0f, 1.0f, 1.0f, 1.0f})};
+  };
+  for (const int64_t start : {0, 1}) {
+    std::vector<std::shared_ptr<CompressionState>> states;
+    for (int r = 0; r < 2; ++r) {
+      states.push_back(std::make_shared<CompressionState>(
+          CompressionOptions{.start_iter = start, .topk_ratio = 0.5, .momentum = 0.5}));
+    }
+    const auto results = run_hook(2, steps, [&](int rank) {
+      return bind_hook(states[static_cast<size_t>(rank)], topk_compress_hook);
+    }, /*steps=*/2);
+    // start 0: u1 = g1, sends entries 1 and 2, keeps r = u = [1, 0, 0, 0.5]; u2 = 0.5 u1 + g2 =
+    // [1.5, 1, 1, 1.25], x = u2 + r = [2.5, 1, 1, 1.75]: sends entries 0 and 3.
+    // start 1: u1 = g1 (returned whole); u2 = [1.5, -1, 2, 1.25]: sends entries 2 and 0.
+    const std::vector<float> want =
+        start == 0 ? std::vector<float>{2.5f, 0, 0, 1.75f} : std::vector<float>{1.5f, 0, 2, 0};
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(results[r].to_vector<float>(), want) << "start " << start;
+    const nn::NamedTensors state = states[0]->state_dict();
+    auto velocity = std::find_if(state.begin(), state.end(), [](const auto& kv) {
+      return kv.first.rfind("velocity.", 0) == 0;
+    });
+    ASSERT_NE(velocity, state.end());
+    EXPECT_EQ(velocity->second.to_vector<float>(),
+              (start == 0 ? std::vector<float>{0, 1, 1, 0} : std::vector<float>{0, -1, 0, 1.25f}));
+    CompressionState restored;
+    restored.load_state_dict(state);
+    EXPECT_EQ(restored.options().momentum, 0.5);
+  }
+}
+
 TEST(TopkHook, RatioOneIsTheAverage) {
   constexpr int64_t kN = 300;
   const auto results = run_hook(4, reference_inputs(kN), [](int) {
@@ -392,6 +428,8 @@ TEST(CompressionState, RefusesBadOptionsAndEntries) {
     return std::string("no error");
   };
   EXPECT_NE(message([] { CompressionState s({.topk_ratio = 0}); }).find("topk_ratio must be in (0, 1], got 0"),
+            std::string::npos);
+  EXPECT_NE(message([] { CompressionState s({.momentum = 1}); }).find("momentum must be in [0, 1), got 1"),
             std::string::npos);
   EXPECT_NE(message([] { CompressionState s({.start_iter = -1}); }).find("start_iter must be >= 0, got -1"),
             std::string::npos);

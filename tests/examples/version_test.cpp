@@ -1,12 +1,16 @@
 // Every program says which Ember it is (--version, exit 0) and the library agrees with the
 // headers; minimal_ddp's one argument is checked (--help does not train); docs/quickstart.md
 // shows minimal_ddp.cpp as it is.
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <ember/tensor/version.h>
 #include "cmake/build_paths.h"
@@ -29,16 +33,25 @@ TEST(Version, TheLibraryIsTheHeaders) {
                 std::to_string(EMBER_VERSION_PATCH));
 }
 
-TEST(Version, EveryProgramPrintsIt) {
+// Every program built in examples/ (found, so a new one is covered) and emberrun: --version
+// prints the version, --help its usage, both with status 0 and without running anything.
+TEST(Version, EveryProgramPrintsItAndItsHelp) {
   const std::string bin = EMBER_BINARY_DIR;
-  for (const std::string program :
-       {"examples/gpt", "examples/fashion_mnist", "examples/minimal_ddp", "examples/emberckpt",
-        "examples/consolidate_checkpoint", "examples/plot_metrics", "examples/trace_to_svg",
-        "launcher/emberrun"}) {
-    const auto r = test::run_command(bin + "/" + program + " --version", 30);
+  std::vector<std::string> programs{"launcher/emberrun"};
+  for (const auto& e : std::filesystem::directory_iterator(bin + "/examples")) {
+    if (e.is_regular_file() && access(e.path().c_str(), X_OK) == 0) {
+      programs.push_back("examples/" + e.path().filename().string());
+    }
+  }
+  ASSERT_GE(programs.size(), 8u) << "the examples were not found in " << bin << "/examples";
+  for (const std::string& program : programs) {
     const std::string name = program.substr(program.find('/') + 1);
+    auto r = test::run_command(bin + "/" + program + " --version", 30);
     EXPECT_EQ(r.status, 0) << program << "\n" << r.output;
     EXPECT_EQ(r.output, name + " (Ember) " EMBER_VERSION "\n") << program;
+    r = test::run_command(bin + "/" + program + " --help", 30);
+    EXPECT_EQ(r.status, 0) << program << " --help\n" << r.output;
+    EXPECT_NE(r.output.find(name), std::string::npos) << program << " --help names it\n" << r.output;
   }
 }
 
