@@ -27,10 +27,10 @@ namespace ember::dist {
 /// Arguments of init_process_group (torch.distributed.init_process_group's).
 struct InitOptions {
   /// A registered backend: "gloo", "mpi", "nccl", "threads" (those built), or one added with
-  /// register_backend. Empty (the default): the one that follows this process's device,
-  /// default_backend(cuda::is_available(), is_backend_available("nccl")) -- "nccl" where the build has NCCL
-  /// and the process sees a CUDA device, else "gloo". Name "gloo" to all-reduce CPU tensors on
-  /// a machine with GPUs.
+  /// register_backend. Empty (the default): the backend of this process's device,
+  /// default_backend(cuda::is_available(), is_backend_available("nccl")): "nccl" where the
+  /// build has NCCL and the process sees a CUDA device, else "gloo". Name "gloo" to all-reduce
+  /// CPU tensors on a machine with GPUs.
   std::string backend;
   /// "env://" (the default when empty and no store is given), "tcp://host:port",
   /// "file:///path", or a URL that an init method added with register_init_method takes.

@@ -139,6 +139,56 @@ TEST(ParseEnv, LocalCudaDeviceIsTheLocalRankAndRefusesMoreRanksThanDevices) {
   EXPECT_THROW(local_cuda_device(Env{{"LOCAL_RANK", "0"}}, 0), NotImplementedError);
 }
 
+// The device a rank trains on, from "auto", "cpu", "cuda" or "cuda:N", the local rank and the
+// number of GPUs the process sees (given here, so every case runs without a GPU).
+TEST(ParseEnv, LocalDeviceFollowsTheSpecTheLocalRankAndTheGpus) {
+  const Env two{{"LOCAL_RANK", "1"}};
+  EXPECT_EQ(local_device("auto", Env{}, 0), kCPU);
+  EXPECT_EQ(local_device("auto", two, 0), kCPU);
+  EXPECT_EQ(local_device("auto", two, 2), cuda_device(1));
+  EXPECT_EQ(local_device("auto", Env{}, 4), cuda_device(0));
+  EXPECT_EQ(local_device("cpu", two, 2), kCPU);
+  EXPECT_EQ(local_device("cuda", two, 2), cuda_device(1));
+  EXPECT_EQ(local_device("cuda:0", two, 2), cuda_device(0));  // ranks may share a GPU
+  // Bad specs name the caller, the spec and what is accepted.
+  for (const char* bad : {"gpu", "cuda:", "cuda:x", "cuda:-1", "CPU", ""}) {
+    EXPECT_THROW(local_device(bad, Env{}, 1, "train"), ValueError) << bad;
+    expect_error([&] { local_device(bad, Env{}, 1, "train"); },
+                 {std::string("[train] device '") + bad + "'",
+                  "expected 'auto', 'cpu', 'cuda' or 'cuda:N'"});
+  }
+  // A GPU asked for where there is none, or one past the count, or more ranks than GPUs.
+  EXPECT_THROW(local_device("cuda", Env{}, 0), NotImplementedError);
+  EXPECT_THROW(local_device("cuda:0", Env{}, 0), NotImplementedError);
+  expect_error([] { local_device("cuda:0", Env{{"CUDA_VISIBLE_DEVICES", ""}}, 0, "train"); },
+               {"[train] device 'cuda:0': no CUDA device is visible to this process",
+                "(CUDA_VISIBLE_DEVICES=)"});
+  expect_error([] { local_device("cuda:2", Env{}, 2, "train"); },
+               {"[train] device 'cuda:2': this process sees 2 CUDA devices, numbered from 0"});
+  expect_error([] { local_device("auto", Env{{"LOCAL_RANK", "3"}}, 2, "train"); },
+               {"[train] device 'auto': LOCAL_RANK=3 but this process sees 2 CUDA devices",
+                "at most 2 ranks per node"});
+}
+
+// Of this process: without a GPU, "auto" is the CPU and a GPU asked for says why there is none.
+TEST(ParseEnv, LocalDeviceOfThisProcess) {
+  if (cuda::is_available()) {
+    const Device d = local_device("auto", "test");
+    EXPECT_TRUE(d.is_cuda());
+    EXPECT_EQ(cuda::current_device(), d.index);
+    return;
+  }
+  EXPECT_EQ(local_device(), kCPU);
+  EXPECT_EQ(local_device("cpu", "test"), kCPU);
+  for (const char* gpu : {"cuda", "cuda:0"}) {
+    EXPECT_THROW(local_device(gpu, "test"), NotImplementedError) << gpu;
+    expect_error([&] { local_device(gpu, "test"); },
+                 {std::string("[test] device '") + gpu + "': ",
+                  cuda::unavailable_reason()});
+  }
+  expect_error([] { local_device("cuda:x", "test"); }, {"[test] device 'cuda:x': expected"});
+}
+
 TEST(ParseEnv, FirstSlurmHost) {
   EXPECT_EQ(first_slurm_host("node1"), "node1");
   EXPECT_EQ(first_slurm_host("host1,host2"), "host1");
