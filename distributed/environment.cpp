@@ -4,6 +4,7 @@
 #include <ember/distributed/environment.h>
 
 #include <cstdlib>
+#include <optional>
 
 #include <ember/distributed/detail/environment.h>
 #include <ember/tensor/cuda.h>
@@ -246,23 +247,80 @@ std::optional<Duration> timeout_from_env(const char* name) {
   return std::chrono::seconds(parse_int(name, t, 1, 7 * 24 * 3600, "a timeout in whole seconds"));
 }
 
-int local_cuda_device(const std::map<std::string, std::string>& env, int device_count) {
-  const char* name = local_rank_variable(env);
+namespace {
+// " (CUDA_VISIBLE_DEVICES=...)" when the variable is set: the usual reason a process sees fewer
+// GPUs than the machine has.
+std::string visible_devices_note(const std::map<std::string, std::string>& env) {
   const auto visible = env.find("CUDA_VISIBLE_DEVICES");
-  const std::string seen =
-      visible == env.end() ? "" : detail::str_cat(" (CUDA_VISIBLE_DEVICES=", visible->second, ")");
-  EMBER_CHECK_TYPE(NotImplementedError, device_count > 0, "[local_cuda_device] no CUDA device is ",
-                   "visible to this process", seen);
+  return visible == env.end() ? ""
+                              : detail::str_cat(" (CUDA_VISIBLE_DEVICES=", visible->second, ")");
+}
+
+// local_cuda_device with the caller's name (`who`, `what`) in its messages.
+int local_rank_gpu(const std::map<std::string, std::string>& env, int device_count,
+                   const std::string& who, const std::string& what) {
+  const char* name = local_rank_variable(env);
+  const std::string seen = visible_devices_note(env);
+  EMBER_CHECK_TYPE(NotImplementedError, device_count > 0, "[", who, "] ", what,
+                   "no CUDA device is visible to this process", seen);
   if (name == nullptr) return 0;
   const int lr = *local_rank(env);
   // A modulo here would put two ranks on one GPU, which NCCL refuses much later ("Duplicate
   // GPU"); a launcher that starts more ranks than devices is the mistake to name.
-  EMBER_CHECK(lr < device_count, "[local_cuda_device] ", name, "=", lr, " but this process sees ",
+  EMBER_CHECK(lr < device_count, "[", who, "] ", what, name, "=", lr, " but this process sees ",
               device_count, " CUDA device", device_count == 1 ? "" : "s", seen,
               ": one GPU per rank needs at most ", device_count, " ranks per node");
   return lr;
 }
+}  // namespace
+
+int local_cuda_device(const std::map<std::string, std::string>& env, int device_count) {
+  return local_rank_gpu(env, device_count, "local_cuda_device", "");
+}
 
 int local_cuda_device() { return local_cuda_device(environment(), cuda::device_count()); }
+
+namespace {
+// `spec` as a Device, nullopt for "auto"; ValueError naming `who` for anything else.
+std::optional<Device> parse_device_spec(const std::string& spec, const std::string& who) {
+  if (spec == "auto") return std::nullopt;
+  try {
+    return Device(spec);
+  } catch (const ValueError&) {
+    throw ValueError(detail::str_cat("[", who, "] device '", spec,
+                                     "': expected 'auto', 'cpu', 'cuda' or 'cuda:N' (N a GPU "
+                                     "index)"));
+  }
+}
+}  // namespace
+
+Device local_device(const std::string& spec, const std::map<std::string, std::string>& env,
+                    int device_count, const std::string& who) {
+  const std::optional<Device> asked = parse_device_spec(spec, who);
+  const std::string what = detail::str_cat("device '", spec, "': ");
+  if (!asked) {
+    return device_count > 0 ? cuda_device(local_rank_gpu(env, device_count, who, what)) : kCPU;
+  }
+  if (asked->is_cpu()) return *asked;
+  if (spec == "cuda") return cuda_device(local_rank_gpu(env, device_count, who, what));
+  EMBER_CHECK_TYPE(NotImplementedError, device_count > 0, "[", who, "] ", what,
+                   "no CUDA device is visible to this process", visible_devices_note(env));
+  EMBER_CHECK(asked->index < device_count, "[", who, "] ", what, "this process sees ",
+              device_count, " CUDA device", device_count == 1 ? "" : "s",
+              visible_devices_note(env), ", numbered from 0");
+  return *asked;
+}
+
+Device local_device(const std::string& spec, const std::string& who) {
+  const std::optional<Device> asked = parse_device_spec(spec, who);
+  const int count = cuda::device_count();
+  // Without a GPU the runtime knows why (no driver, a build without CUDA): say that rather than
+  // only "none visible". "auto" is then the CPU.
+  EMBER_CHECK_TYPE(NotImplementedError, count > 0 || !asked || asked->is_cpu(), "[", who,
+                   "] device '", spec, "': ", cuda::unavailable_reason());
+  const Device device = local_device(spec, environment(), count, who);
+  if (device.is_cuda()) cuda::set_device(device.index);
+  return device;
+}
 
 }  // namespace ember::dist

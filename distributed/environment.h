@@ -7,6 +7,7 @@
 #include <string>
 
 #include <ember/distributed/store/store.h>
+#include <ember/tensor/device.h>
 
 namespace ember::dist {
 
@@ -61,6 +62,25 @@ std::optional<int> local_world_size();
 int local_cuda_device(const std::map<std::string, std::string>& env, int device_count);
 /// The same, of this process's environment and cuda::device_count().
 int local_cuda_device();
+
+/// The device `spec` names for this rank, given the environment `env` and `device_count`
+/// visible CUDA devices (torch's `torch.device("cuda", local_rank) if torch.cuda.is_available()
+/// else "cpu"`):
+///   "auto"    the local rank's GPU (local_cuda_device) when device_count > 0, else cpu;
+///   "cpu"     the CPU;
+///   "cuda"    the local rank's GPU: one GPU per rank, as NCCL needs;
+///   "cuda:N"  GPU N, whatever the local rank (ranks sharing one GPU, e.g. over gloo).
+/// `who` names the program or call in messages ("[who] device 'cuda:2': ..."). Throws
+/// ValueError for another spec, for "cuda:N" with N >= device_count, and for more local ranks
+/// than GPUs; NotImplementedError when a GPU is asked for and device_count is 0. Pure: selects
+/// nothing.
+Device local_device(const std::string& spec, const std::map<std::string, std::string>& env,
+                    int device_count, const std::string& who = "local_device");
+/// The same, of this process's environment and CUDA devices; a GPU it returns is made this
+/// thread's current device (cuda::set_device), as torch.cuda.set_device(local_rank) in a torch
+/// script, so that tensors and NCCL groups made afterwards land there. Without a usable GPU the
+/// NotImplementedError says why (no driver, a build without CUDA, ...).
+Device local_device(const std::string& spec = "auto", const std::string& who = "local_device");
 
 /// A timeout in whole seconds, 1 to 604800, from the environment variable `name`
 /// (EMBER_PG_TIMEOUT, EMBER_NCCL_INIT_TIMEOUT); nullopt when it is unset or empty. Throws

@@ -8,6 +8,7 @@
 #include <ember/distributed/detail/environment.h>
 #include <ember/distributed/store/prefix_store.h>
 #include <ember/distributed/trace_clock.h>
+#include <ember/tensor/cuda.h>
 #include <ember/tensor/log.h>
 #include <ember/tensor/trace.h>
 
@@ -106,6 +107,12 @@ std::vector<std::string> registered_backends() {
   return names;
 }
 
+bool is_backend_available(const std::string& name) {
+  std::lock_guard<std::mutex> lock(registry().mu);
+  const auto it = registry().backends.find(name);
+  return it != registry().backends.end() && it->second.traits.built;
+}
+
 void register_init_method(InitMethod method) {
   EMBER_CHECK(!method.name.empty() && method.accepts && method.rendezvous,
               "[register_init_method] needs a name, accepts and rendezvous");
@@ -127,7 +134,21 @@ Duration default_collective_timeout(const std::string& backend) {
       .value_or(backend == "nccl" ? kDefaultNcclTimeout : kDefaultCollectiveTimeout);
 }
 
-std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& o) {
+std::string default_backend(bool cuda_available, bool nccl_built) {
+  return cuda_available && nccl_built ? "nccl" : "gloo";
+}
+
+std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
+  InitOptions o = options;
+  if (o.backend.empty()) {
+    const bool nccl_built = is_backend_available("nccl");
+    o.backend = default_backend(cuda::is_available(), nccl_built);
+    // Said at info: the same program picks differently on a machine with and without a GPU.
+    logging::info("[init_process_group] no backend given: using ", o.backend,
+                  o.backend == "nccl" ? " (this build has NCCL and the process sees a GPU)"
+                  : nccl_built        ? " (no CUDA device is visible to this process)"
+                                      : " (this build has no NCCL)");
+  }
   const Backend backend = find_backend("init_process_group", o.backend);
   const bool per_thread = backend.traits.default_group_per_thread;
   World* w = per_thread ? t_world.get() : &process_world();

@@ -1,6 +1,7 @@
 // init_process_group and the default (world) group (torch.distributed's module-level API).
 //
-//   dist::init_process_group({.backend = "gloo"});            // env:// from RANK, WORLD_SIZE, ...
+//   dist::init_process_group();                   // env:// from RANK, WORLD_SIZE, ...; nccl on a
+//                                                 // GPU, else gloo (default_backend)
 //   auto& pg = *dist::default_group();
 //   pg.allreduce(t)->wait();
 //   auto sub = dist::new_group({0, 2});                        // every rank calls it
@@ -26,8 +27,11 @@ namespace ember::dist {
 /// Arguments of init_process_group (torch.distributed.init_process_group's).
 struct InitOptions {
   /// A registered backend: "gloo", "mpi", "nccl", "threads" (those built), or one added with
-  /// register_backend.
-  std::string backend = "gloo";
+  /// register_backend. Empty (the default): the backend of this process's device,
+  /// default_backend(cuda::is_available(), is_backend_available("nccl")): "nccl" where the
+  /// build has NCCL and the process sees a CUDA device, else "gloo". Name "gloo" to all-reduce
+  /// CPU tensors on a machine with GPUs.
+  std::string backend;
   /// "env://" (the default when empty and no store is given), "tcp://host:port",
   /// "file:///path", or a URL that an init method added with register_init_method takes.
   /// tcp:// and file:// take rank and world_size from the fields below, from
@@ -42,6 +46,13 @@ struct InitOptions {
   /// default_collective_timeout(backend).
   std::optional<Duration> timeout;
 };
+
+/// The backend init_process_group picks when InitOptions::backend is empty: "nccl" when
+/// `nccl_built` (this build has the nccl backend) and `cuda_available` (the process sees a CUDA
+/// device), else "gloo", as PyTorch (>= 2.6) picks the backend of the device. PyTorch without
+/// a device_id makes both (gloo for CPU tensors, NCCL for CUDA ones); an Ember group has one
+/// backend, so the process's device decides.
+std::string default_backend(bool cuda_available, bool nccl_built);
 
 /// The default group's timeout when the program sets none: EMBER_PG_TIMEOUT (whole seconds)
 /// when the environment has it, else 10 minutes for "nccl" and 30 for the other backends (as
@@ -75,6 +86,9 @@ struct BackendTraits {
   /// its own default group, new_group and destroy_process_group (PyTorch's threaded test
   /// groups do the same).
   bool default_group_per_thread = false;
+  /// False for the stand-in a build without the backend registers in its place
+  /// (backends/no_*.cpp): its factory throws, saying what the build lacks.
+  bool built = true;
 };
 
 /// Makes `name` usable in init_process_group and new_group (replacing an earlier factory). Each
@@ -82,8 +96,12 @@ struct BackendTraits {
 /// program may register its own. Throws ValueError for an empty name or a null factory.
 void register_backend(const std::string& name, BackendFactory factory, BackendTraits traits = {});
 
-/// The names of the registered backends, sorted.
+/// The names of the registered backends, sorted (the stand-ins of backends not built included).
 std::vector<std::string> registered_backends();
+
+/// Whether `name` is registered and built in (torch.distributed.is_backend_available): false
+/// for an unknown name and for the stand-in of a backend this build lacks.
+bool is_backend_available(const std::string& name);
 
 /// What an init method found: the job's store, this process's rank, the world size, and rank
 /// 0's address when known (a hint for which interface the backend should use).

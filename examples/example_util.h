@@ -150,26 +150,16 @@ class CheckpointMeta {
   std::map<std::string, std::string> meta_;
 };
 
-// The device this rank trains on. With cuda: one GPU per rank, the group's own with nccl, else
-// the local rank's (an error when there are more ranks on the node than GPUs), as a torch
-// script's torch.cuda.set_device(local_rank). cuda:N puts every rank on GPU N (ranks sharing
-// one GPU over gloo, e.g. to test on a machine with one).
+// The device this rank trains on: dist::local_device's reading of --device (the local rank's GPU
+// for "cuda", GPU N for "cuda:N", made current), except that an NCCL group's own GPU wins over
+// any GPU asked for: NCCL's collectives run there, so the model must be there too.
 inline ember::Device pick_device(const std::string& program, const std::string& name,
                                  const dist::ProcessGroup& pg) {
-  ember::Device device(name);
-  if (!device.is_cuda()) return device;
-  EMBER_CHECK(ember::cuda::is_available(),
-              "[", program, "] --device cuda: ", ember::cuda::unavailable_reason());
-  if (pg.default_device().is_cuda()) {
-    device = pg.default_device();
-  } else if (name.find(':') != std::string::npos) {
-    EMBER_CHECK(device.index < ember::cuda::device_count(), "[", program, "] --device ", name,
-                ": this process sees ", ember::cuda::device_count(), " CUDA devices");
-  } else {
-    device = ember::cuda_device(dist::local_cuda_device());
+  if (name != "cpu" && pg.default_device().is_cuda()) {
+    ember::cuda::set_device(pg.default_device().index);
+    return pg.default_device();
   }
-  ember::cuda::set_device(device.index);
-  return device;
+  return dist::local_device(name, program);
 }
 
 // Where a trainer stands in the job, the first thing its constructor sets up: the process group

@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
   }
   // 1. Join the job: rank, world size and rank 0's address come from emberrun (RANK,
   //    WORLD_SIZE, MASTER_ADDR, MASTER_PORT), mpirun or Slurm.
-  auto pg = dist::init_process_group();  // gloo, from the environment (env://)
+  auto pg = dist::init_process_group({.backend = "gloo"});  // CPU tensors; env://
 
   // 2. The same model on every rank (DDP copies rank 0's weights to the others anyway).
   ember::manual_seed(0);

@@ -177,7 +177,7 @@ int main(int argc, char** argv) {
   for (const std::string& name : a.schedules) {
     const pp::ScheduleKind kind = pp::parse_schedule(name);
     rc |= bench::fork_ranks("bench_pipeline", a.ranks, [&](int r) {
-      dist::init_process_group({});
+      dist::init_process_group({.backend = "gloo"});
       auto pg = dist::default_group();
       const auto [idle, peak] = run_rank(a, kind, r);
       Tensor mine = from_vector(std::vector<double>{idle, peak});

@@ -61,7 +61,8 @@ WorkPtr ProcessGroupGloo::recv(Tensor&, int, int) { unavailable(); }
 // get it, instead of "unknown backend".
 const bool kRegistered = [] {
   register_backend("gloo", detail::unavailable_backend("gloo", "Gloo", "EMBER_WITH_GLOO",
-                                                       "libgloo (Debian: libgloo-dev)"));
+                                                       "libgloo (Debian: libgloo-dev)"),
+                   BackendTraits{.built = false});
   return true;
 }();
 

@@ -14,7 +14,8 @@ bool ProcessGroupMpi::is_available() { return false; }
 // get it, instead of "unknown backend".
 const bool kRegistered = [] {
   register_backend("mpi", detail::unavailable_backend("mpi", "MPI", "EMBER_WITH_MPI",
-                                                       "MPI (Debian: libopenmpi-dev openmpi-bin)"));
+                                                       "MPI (Debian: libopenmpi-dev openmpi-bin)"),
+                   BackendTraits{.built = false});
   return true;
 }();
 

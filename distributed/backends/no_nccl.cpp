@@ -56,7 +56,8 @@ std::vector<WorkPtr> ProcessGroupNccl::batch_isend_irecv(const std::vector<P2POp
 // get it, instead of "unknown backend".
 const bool kRegistered = [] {
   register_backend("nccl", detail::unavailable_backend("nccl", "NCCL", "EMBER_WITH_NCCL",
-                                                       "CUDA and NCCL (NVIDIA's libnccl-dev)"));
+                                                       "CUDA and NCCL (NVIDIA's libnccl-dev)"),
+                   BackendTraits{.built = false});
   return true;
 }();
 

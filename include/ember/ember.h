@@ -27,5 +27,6 @@
 #include <ember/nn/nn.h>
 #include <ember/nn/transformer.h>
 #include <ember/tensor/cuda.h>
+#include <ember/tensor/cudnn.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/version.h>

@@ -13,8 +13,15 @@
 
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cudnn.h>
 #include <ember/tensor/cuda/handle_pool.h>
 #include <ember/tensor/detail/conv_kernels.h>
+
+namespace ember {
+
+bool cuda::cudnn_is_available() { return true; }
+
+}  // namespace ember
 
 namespace ember::detail {
 

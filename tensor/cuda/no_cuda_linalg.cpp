@@ -1,9 +1,14 @@
 // Linked instead of tensor/cuda/{blas,conv_cudnn}.cpp and pool.cu when Ember is built with
 // EMBER_WITH_CUDA=OFF: the CUDA side of matrix products, convolution and pooling.
 #include <ember/tensor/cuda/no_cuda.h>
+#include <ember/tensor/cudnn.h>
 #include <ember/tensor/detail/conv_kernels.h>
 #include <ember/tensor/detail/linalg_kernels.h>
 #include <ember/tensor/error.h>
+
+namespace ember {
+bool cuda::cudnn_is_available() { return false; }
+}  // namespace ember
 
 namespace ember::detail {
 

@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 
+#include <ember/tensor/cudnn.h>
 #include "tests/autograd/grad_util.h"
 
 namespace ember {
@@ -351,6 +352,7 @@ TEST(LinalgGrad, ConvPoolLinearChainGradcheck) {
 TEST(ConvGradCuda, MatchesCpu) {
   if (!ember::cuda::is_available())
     GTEST_SKIP() << "no CUDA device: " << ember::cuda::unavailable_reason();
+  if (!ember::cuda::cudnn_is_available()) GTEST_SKIP() << "this build has no cuDNN";
   // float64, so cuDNN gradients compare tightly with the CPU ones (no TF32).
   const Conv2dParams cp = conv_params({2, 1}, {1, 1}, {1, 2}, 2);
   const Pool2dParams pp = pool({3, 3}, Pair{2, 2}, {1, 1}, {1, 1}, true, false);

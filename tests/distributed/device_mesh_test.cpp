@@ -149,6 +149,7 @@ TEST(DeviceMeshProcesses, TwoByTwoOverGlooSharedMemory) {
     so.timeout = 60s;
     auto store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
     InitOptions o;
+    o.backend = "gloo";
     o.store = store;
     o.rank = rank;
     o.world_size = 4;

@@ -363,7 +363,8 @@ TEST(GptTensorParallelProcesses, Tp2ByDp2OverGlooSharedMemory) {
     TCPStoreOptions so;
     so.timeout = 60s;
     auto store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
-    init_process_group({.store = store, .rank = rank, .world_size = 4, .timeout = 60s});
+    init_process_group(
+        {.backend = "gloo", .store = store, .rank = rank, .world_size = 4, .timeout = 60s});
     train_rank(l, want);
     destroy_process_group();
   });

@@ -247,6 +247,7 @@ TEST_P(HierarchicalInit, ChoosesFromNodesAndSwitch) {
     ::setenv("EMBER_GLOO_HOSTNAME", "127.0.0.1", 1);
     if (c.switch_on_rank1 && rank == 1) ::setenv("EMBER_GLOO_HIERARCHICAL", c.switch_on_rank1, 1);
     InitOptions o;
+    o.backend = "gloo";
     o.store = client("127.0.0.1", std::stoi(port));
     o.rank = rank;
     o.world_size = n;
@@ -288,6 +289,7 @@ TEST(HierarchicalInit, BadSwitchIsNamed) {
   EMBER_REQUIRE_GLOO();
   ::setenv("EMBER_GLOO_HIERARCHICAL", "yes", 1);
   InitOptions o;
+  o.backend = "gloo";
   o.store = std::make_shared<HashStore>();
   o.rank = 0;
   o.world_size = 2;
@@ -424,6 +426,7 @@ class HierarchicalNetns : public ::testing::Test {
       enter(rank < per_node[0] ? 0 : 1);
       for (const std::string& kv : env) ::putenv(const_cast<char*>(kv.c_str()));
       InitOptions o;
+      o.backend = "gloo";
       o.init_method = "tcp://" + net_->addr[0] + ":29400";
       o.rank = rank;
       o.world_size = n;

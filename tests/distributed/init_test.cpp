@@ -15,6 +15,7 @@
 #include <ember/distributed/store/hash_store.h>
 #include <ember/distributed/store/tcp_store.h>
 #include <ember/tensor/creation.h>
+#include <ember/tensor/cuda.h>
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::dist {
@@ -191,6 +192,56 @@ TEST(ParseEnv, LocalCudaDeviceIsTheLocalRankAndRefusesMoreRanksThanDevices) {
   EXPECT_THROW(local_cuda_device(Env{{"LOCAL_RANK", "0"}}, 0), NotImplementedError);
 }
 
+// The device a rank trains on, from "auto", "cpu", "cuda" or "cuda:N", the local rank and the
+// number of GPUs the process sees (given here, so every case runs without a GPU).
+TEST(ParseEnv, LocalDeviceFollowsTheSpecTheLocalRankAndTheGpus) {
+  const Env two{{"LOCAL_RANK", "1"}};
+  EXPECT_EQ(local_device("auto", Env{}, 0), kCPU);
+  EXPECT_EQ(local_device("auto", two, 0), kCPU);
+  EXPECT_EQ(local_device("auto", two, 2), cuda_device(1));
+  EXPECT_EQ(local_device("auto", Env{}, 4), cuda_device(0));
+  EXPECT_EQ(local_device("cpu", two, 2), kCPU);
+  EXPECT_EQ(local_device("cuda", two, 2), cuda_device(1));
+  EXPECT_EQ(local_device("cuda:0", two, 2), cuda_device(0));  // ranks may share a GPU
+  // Bad specs name the caller, the spec and what is accepted.
+  for (const char* bad : {"gpu", "cuda:", "cuda:x", "cuda:-1", "CPU", ""}) {
+    EXPECT_THROW(local_device(bad, Env{}, 1, "train"), ValueError) << bad;
+    expect_error([&] { local_device(bad, Env{}, 1, "train"); },
+                 {std::string("[train] device '") + bad + "'",
+                  "expected 'auto', 'cpu', 'cuda' or 'cuda:N'"});
+  }
+  // A GPU asked for where there is none, or one past the count, or more ranks than GPUs.
+  EXPECT_THROW(local_device("cuda", Env{}, 0), NotImplementedError);
+  EXPECT_THROW(local_device("cuda:0", Env{}, 0), NotImplementedError);
+  expect_error([] { local_device("cuda:0", Env{{"CUDA_VISIBLE_DEVICES", ""}}, 0, "train"); },
+               {"[train] device 'cuda:0': no CUDA device is visible to this process",
+                "(CUDA_VISIBLE_DEVICES=)"});
+  expect_error([] { local_device("cuda:2", Env{}, 2, "train"); },
+               {"[train] device 'cuda:2': this process sees 2 CUDA devices, numbered from 0"});
+  expect_error([] { local_device("auto", Env{{"LOCAL_RANK", "3"}}, 2, "train"); },
+               {"[train] device 'auto': LOCAL_RANK=3 but this process sees 2 CUDA devices",
+                "at most 2 ranks per node"});
+}
+
+// Of this process: without a GPU, "auto" is the CPU and a GPU asked for says why there is none.
+TEST(ParseEnv, LocalDeviceOfThisProcess) {
+  if (cuda::is_available()) {
+    const Device d = local_device("auto", "test");
+    EXPECT_TRUE(d.is_cuda());
+    EXPECT_EQ(cuda::current_device(), d.index);
+    return;
+  }
+  EXPECT_EQ(local_device(), kCPU);
+  EXPECT_EQ(local_device("cpu", "test"), kCPU);
+  for (const char* gpu : {"cuda", "cuda:0"}) {
+    EXPECT_THROW(local_device(gpu, "test"), NotImplementedError) << gpu;
+    expect_error([&] { local_device(gpu, "test"); },
+                 {std::string("[test] device '") + gpu + "': ",
+                  cuda::unavailable_reason()});
+  }
+  expect_error([] { local_device("cuda:x", "test"); }, {"[test] device 'cuda:x': expected"});
+}
+
 TEST(ParseEnv, FirstSlurmHost) {
   EXPECT_EQ(first_slurm_host("node1"), "node1");
   EXPECT_EQ(first_slurm_host("host1,host2"), "host1");
@@ -257,6 +308,7 @@ TEST(ParseEnv, MissingOrContradictoryVariablesEchoWhatWasFound) {
 
 InitOptions with_store(std::shared_ptr<Store> store, int rank, int size) {
   InitOptions o;
+  o.backend = "gloo";
   o.store = std::move(store);
   o.rank = rank;
   o.world_size = size;
@@ -377,6 +429,7 @@ TEST(InitProcessGroup, EnvTorchVariables) {
         ::setenv("MASTER_ADDR", "127.0.0.1", 1);
         ::setenv("MASTER_PORT", port.c_str(), 1);
         InitOptions o;
+        o.backend = "gloo";
         o.timeout = 60s;
         init_process_group(o);  // env:// by default
         exercise_world(3, rank);
@@ -395,6 +448,7 @@ TEST(InitProcessGroup, EnvOpenMpiVariables) {
         ::setenv("MASTER_ADDR", "127.0.0.1", 1);
         ::setenv("MASTER_PORT", port.c_str(), 1);
         InitOptions o;
+        o.backend = "gloo";
         o.init_method = "env://";
         o.timeout = 60s;
         init_process_group(o);
@@ -409,6 +463,7 @@ TEST(InitProcessGroup, TcpUrl) {
       4,
       [](int rank, const std::string& port) {
         InitOptions o;
+        o.backend = "gloo";
         o.init_method = "tcp://127.0.0.1:" + port + "?world_size=4";
         o.rank = rank;
         o.timeout = 60s;
@@ -426,6 +481,7 @@ TEST(InitProcessGroup, FileUrl) {
       [](int rank, const std::string& path) {
         ::setenv("EMBER_GLOO_HOSTNAME", "127.0.0.1", 1);
         InitOptions o;
+        o.backend = "gloo";
         o.init_method = "file://" + path + "?rank=" + std::to_string(rank) + "&world_size=3";
         o.timeout = 60s;
         init_process_group(o);
@@ -497,6 +553,53 @@ TEST(InitProcessGroup, DefaultTimeoutFollowsTheBackend) {
   ::setenv("EMBER_PG_TIMEOUT", "42", 1);
   EXPECT_EQ(default_collective_timeout("nccl"), std::chrono::seconds(42));
   ::unsetenv("EMBER_PG_TIMEOUT");
+}
+
+// PyTorch (>= 2.6) picks the device's backend when none is named: NCCL for a process with a GPU
+// in a build with NCCL, gloo otherwise.
+TEST(InitProcessGroup, DefaultBackendFollowsTheDevice) {
+  EXPECT_EQ(default_backend(/*cuda_available=*/true, /*nccl_built=*/true), "nccl");
+  EXPECT_EQ(default_backend(true, false), "gloo");
+  EXPECT_EQ(default_backend(false, true), "gloo");
+  EXPECT_EQ(default_backend(false, false), "gloo");
+  EXPECT_EQ(InitOptions{}.backend, "") << "the default must be 'follow the device'";
+}
+
+// A stand-in registered for a backend the build lacks is not available; an unknown name is not
+// either; the backends this build has are.
+TEST(Registry, IsBackendAvailableTellsBuiltBackendsFromStandIns) {
+  EXPECT_TRUE(is_backend_available("threads"));
+  EXPECT_EQ(is_backend_available("gloo"), gloo_available());
+  EXPECT_EQ(is_backend_available("nccl"), nccl_available());
+  EXPECT_FALSE(is_backend_available("no-such-backend"));
+  register_backend("test-absent",
+                   detail::unavailable_backend("test-absent", "Foo", "EMBER_WITH_FOO", "libfoo"),
+                   BackendTraits{.built = false});
+  EXPECT_FALSE(is_backend_available("test-absent"));
+  const std::vector<std::string> names = registered_backends();
+  EXPECT_NE(std::find(names.begin(), names.end(), "test-absent"), names.end());
+}
+
+// init_process_group without a backend: on this process's device's backend, which a machine
+// without a GPU (or a build without NCCL) makes gloo; the group works.
+TEST(InitProcessGroup, NoBackendGivenUsesTheDevicesBackend) {
+  InitOptions o;
+  o.store = std::make_shared<HashStore>();
+  o.rank = 0;
+  o.world_size = 1;
+  const bool gpu = cuda::is_available() && nccl_available();
+  if (!gpu) EMBER_REQUIRE_GLOO();
+  auto pg = init_process_group(o);
+  EXPECT_EQ(pg->backend_name(), gpu ? "nccl" : "gloo");
+  EXPECT_EQ(default_collective_timeout(pg->backend_name()), pg->timeout());
+  // new_group without a backend takes the default group's, the resolved one.
+  auto sub = new_group({0});
+  ASSERT_NE(sub, nullptr);
+  EXPECT_EQ(sub->backend_name(), pg->backend_name());
+  Tensor t = ones({3}).to(pg->default_device());
+  pg->allreduce(t)->wait();
+  EXPECT_EQ(t.to(kCPU).to_vector<float>(), std::vector<float>({1, 1, 1}));
+  destroy_process_group();
 }
 
 // The same reading serves EMBER_NCCL_INIT_TIMEOUT (the nccl group's creation limit).

@@ -10,7 +10,7 @@ namespace nn = ember::nn;
 namespace dist = ember::dist;
 
 int main(int argc, char** argv) {
-  auto pg = dist::init_process_group();  // from emberrun's environment
+  auto pg = dist::init_process_group({.backend = "gloo"});  // from emberrun's environment
   ember::manual_seed(0);
   auto model = std::make_shared<nn::Linear>(8, 1);
   dist::DistributedDataParallel ddp(model, pg);

@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
                std::to_string(static_cast<long long>(ts.tv_sec) * 1000000000LL + ts.tv_nsec));
     int step = 0;
     if (std::ifstream in(dir + "/ckpt"); in) in >> step;
-    auto pg = dist::init_process_group(dist::InitOptions{});
+    auto pg = dist::init_process_group({.backend = "gloo"});
     const int rank = pg->rank(), world = pg->size();
     std::printf("rank %d of %d: resuming from step %d (restarts %s, MASTER_ADDR %s:%s)\n", rank,
                 world, step, env_or("EMBER_RESTART_COUNT", "?"), env_or("MASTER_ADDR", "?"),

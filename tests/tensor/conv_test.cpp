@@ -5,10 +5,15 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/cudnn.h>
+#include <ember/tensor/detail/conv_kernels.h>
 #include <ember/tensor/ops.h>
 #include "test_util.h"
 
@@ -547,9 +552,42 @@ TEST(Pool2d, ZeroSizedBatchAndErrors) {
 
 // ---- CUDA vs CPU -------------------------------------------------------------------------
 
+// cuDNN is optional in a CUDA build: the library says whether this one has it, as configured.
+TEST(ConvCuda, CudnnIsAvailableAsConfigured) {
+  EXPECT_EQ(cuda::cudnn_is_available(), EMBER_TEST_HAVE_CUDNN != 0);
+  if (!cuda::is_built()) EXPECT_FALSE(cuda::cudnn_is_available());
+}
+
+// Without cuDNN, convolution on CUDA tensors says what the build lacks and how to get it;
+// pooling still runs. The kernels' entry points are called directly first, so that a build
+// without cuDNN checks its messages on a machine without a GPU too.
+TEST(ConvCuda, WithoutCudnnConvolutionSaysHowToGetIt) {
+  if (cuda::cudnn_is_available()) GTEST_SKIP() << "this build has cuDNN";
+  if (!cuda::is_built()) GTEST_SKIP() << "a build without CUDA: CUDA tensors say that instead";
+  const std::initializer_list<std::string_view> how = {
+      "needs cuDNN", "EMBER_WITH_CUDNN=OFF", "libcudnn9-dev-cuda-13", "scripts/install-cuda.sh"};
+  const Tensor none;
+  const detail::ConvGeom g{};
+  expect_error<NotImplementedError>([&] { detail::conv2d_cuda(none, none, none, none, g); }, how);
+  expect_error<NotImplementedError>(
+      [&] { detail::conv2d_backward_input_cuda(none, none, none, g); }, how);
+  expect_error<NotImplementedError>(
+      [&] { detail::conv2d_backward_weight_cuda(none, none, none, g); }, how);
+  if (!cuda::is_available()) return;  // the rest needs CUDA tensors
+  const Tensor x = zeros({1, 2, 5, 5}).cuda(), w = zeros({3, 2, 3, 3}).cuda();
+  const Tensor gy = zeros({1, 3, 3, 3}).cuda();
+  expect_error<NotImplementedError>([&] { conv2d(x, w); }, {"[conv2d]", "needs cuDNN"});
+  expect_error<NotImplementedError>([&] { conv2d_backward_input(gy, x.shape(), w); },
+                                    {"[conv2d_backward_input]", "needs cuDNN"});
+  expect_error<NotImplementedError>([&] { conv2d_backward_weight(gy, x, w.shape()); },
+                                    {"[conv2d_backward_weight]", "needs cuDNN"});
+  EXPECT_EQ(max_pool2d(x, Pool2dParams{}).cpu().to_vector<float>(), std::vector<float>(8, 0.0f));  // [1, 2, 2, 2]
+}
+
 TEST(ConvCuda, MatchesCpu) {
   if (!ember::cuda::is_available())
     GTEST_SKIP() << "no CUDA device: " << ember::cuda::unavailable_reason();
+  if (!cuda::cudnn_is_available()) GTEST_SKIP() << "this build has no cuDNN";
   for (Dtype dt : {kFloat32, kFloat64, kFloat16, kBFloat16}) {
     // float32 may run on TF32 tensor cores (as PyTorch allows): compare loosely.
     const double tol = dt == kFloat64 ? 1e-10 : 3e-2;
