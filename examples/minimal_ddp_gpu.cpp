@@ -7,6 +7,7 @@
 
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/init.h>
+#include <ember/distributed/sampler.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/random.h>
 #include <ember/tensor/version.h>
@@ -43,8 +44,7 @@ int main(int argc, char** argv) try {
 
   // 3. Each rank reads its own share of every epoch.
   auto train = std::make_shared<nn::data::FashionMNIST>();  // from Debian's package
-  auto sampler = std::make_shared<nn::data::DistributedSampler>(train->size(), pg->size(),
-                                                                pg->rank(), /*shuffle=*/true);
+  auto sampler = dist::distributed_sampler(*train);  // the group's size and this rank
   nn::data::DataLoader loader(train, {.batch_size = 64, .sampler = sampler});
 
   // 4. Wrap the model; NCCL averages the gradients on the GPUs while backward runs.
