@@ -1,9 +1,6 @@
 // The flight recorder's rings, their registry and the dump (flight_recorder.h).
-#include <ember/distributed/detail/environment.h>
-#include <ember/distributed/detail/flight_ring.h>
 #include <ember/distributed/flight_recorder.h>
-#include <ember/nn/atomic_file.h>
-#include <ember/tensor/log.h>
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,7 +9,13 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+
 #include <nlohmann/json.hpp>
+
+#include <ember/distributed/detail/environment.h>
+#include <ember/distributed/detail/flight_ring.h>
+#include <ember/nn/atomic_file.h>
+#include <ember/tensor/log.h>
 
 namespace ember::dist {
 
@@ -189,6 +192,14 @@ std::vector<FlightEntry> FlightRing::snapshot() const {
     if (w && w->is_completed()) {
       e.state = w->exception() ? FlightState::Failed : FlightState::Completed;
     }
+  }
+  // A started collective whose Work is gone (DDP drops its Works once the stream waits for
+  // them) is done if a later one of the group is: a group's device work runs in issue order
+  // on its stream.
+  bool later_done = false;
+  for (auto it = out.rbegin(); it != out.rend(); ++it) {
+    if (it->state == FlightState::Completed) later_done = true;
+    if (it->state == FlightState::Started && later_done) it->state = FlightState::Completed;
   }
   return out;
 }

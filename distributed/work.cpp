@@ -1,13 +1,14 @@
 // Future and Work: completion, callbacks and timeouts shared by every backend; the names of
 // ReduceOp and OpType.
-#include <ember/distributed/detail/flight_ring.h>
-#include <ember/distributed/flight_recorder.h>
-#include <ember/distributed/process_group.h>
-#include <ember/tensor/cuda.h>
-#include <ember/tensor/log.h>
-
 #include <algorithm>
 #include <cstdio>
+
+#include <ember/distributed/process_group.h>
+
+#include <ember/distributed/detail/flight_ring.h>
+#include <ember/distributed/flight_recorder.h>
+#include <ember/tensor/cuda.h>
+#include <ember/tensor/log.h>
 
 namespace ember::dist {
 

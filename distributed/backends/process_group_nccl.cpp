@@ -1,17 +1,9 @@
 // ProcessGroupNccl over NCCL. Built only with CUDA and NCCL (distributed/CMakeLists.txt);
 // no_nccl.cpp stands in otherwise. This file also registers the "nccl" backend with
 // init_process_group (a static initializer at the end).
-#include <cuda_runtime_api.h>
-#include <ember/distributed/backends/net.h>
 #include <ember/distributed/backends/process_group_nccl.h>
-#include <ember/distributed/debug/collective_trace.h>
-#include <ember/distributed/debug/debug.h>
-#include <ember/distributed/environment.h>
-#include <ember/distributed/flight_recorder.h>
-#include <ember/tensor/cuda/check.h>
-#include <ember/tensor/log.h>
-#include <ember/tensor/ops.h>
-#include <ember/tensor/trace_device.h>
+
+#include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <algorithm>
@@ -20,6 +12,16 @@
 #include <deque>
 #include <optional>
 #include <thread>
+
+#include <ember/distributed/backends/net.h>
+#include <ember/distributed/debug/collective_trace.h>
+#include <ember/distributed/debug/debug.h>
+#include <ember/distributed/environment.h>
+#include <ember/distributed/flight_recorder.h>
+#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/log.h>
+#include <ember/tensor/ops.h>
+#include <ember/tensor/trace_device.h>
 
 namespace ember::dist {
 

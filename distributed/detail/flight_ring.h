@@ -50,7 +50,8 @@ class FlightRing : public std::enable_shared_from_this<FlightRing> {
 
   /// The group's identity (valid once registered).
   FlightGroupInfo info() const;
-  /// The entries, oldest first, each started one whose Work has finished marked completed.
+  /// The entries, oldest first; a started one is marked completed when its Work has finished,
+  /// or when a later one of the group has (a group's device work runs in issue order).
   std::vector<FlightEntry> snapshot() const;
 
  private:

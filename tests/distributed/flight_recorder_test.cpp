@@ -19,9 +19,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include <ember/distributed/backends/process_group_nccl.h>
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/flight_recorder.h>
+#include <ember/distributed/store/hash_store.h>
 #include <ember/nn/linear.h>
+#include <ember/tensor/cuda.h>
 #include "cmake/build_paths.h"
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/threads_test_util.h"
@@ -333,6 +336,36 @@ TEST_P(FlightRecorderGloo, DdpLoopWhereOneRanksBucketSizeDiffers) {
   });
   EXPECT_EQ(list_dir(dir).size(), 3u);
   expect_names_bucket_mismatch(analyze(dir.path()));
+}
+
+// NCCL completes a collective's future when it is queued on the group's stream: its entry is
+// started until its Work has finished on the device, or a later collective of the group has
+// (DDP drops its Works early). One rank, so it runs on any machine with one GPU.
+TEST(FlightRecorderNccl, EntriesCompleteOnceTheDeviceHasFinished) {
+  if (!nccl_available()) GTEST_SKIP() << "built without NCCL (EMBER_WITH_NCCL=OFF)";
+  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+  test::TempDir dir;
+  ProcessGroupNccl::NcclOptions o;
+  o.timeout = 60s;
+  o.device = 0;
+  auto pg = std::make_shared<ProcessGroupNccl>(std::make_shared<HashStore>(), 0, 1, o);
+  Tensor a = ones({4}, TensorOptions(kFloat32).device(cuda_device(0)));
+  (void)pg->allreduce(a);  // its Work dropped at once
+  Tensor b = ones({2, 3}, TensorOptions(kFloat16).device(cuda_device(0)));
+  WorkPtr w = pg->allreduce(b);
+  w->wait();
+  cuda::current_stream(0).synchronize();
+  ASSERT_EQ(dump_flight_recorder(dir.path()).size(), 1u);
+  const json doc = read_json(dir.file("flight_rank0.json"));
+  ASSERT_EQ(doc["groups"].size(), 1u);
+  EXPECT_EQ(doc["groups"][0]["backend"], "nccl");
+  const json& e = doc["groups"][0]["entries"];
+  ASSERT_EQ(e.size(), 2u);
+  EXPECT_EQ(e[0]["sizes"], json({{4}}));
+  EXPECT_EQ(e[0]["state"], "completed") << "a later collective of the group has finished";
+  EXPECT_EQ(e[1]["sizes"], json({{2, 3}}));
+  EXPECT_EQ(e[1]["dtypes"], json({"float16"}));
+  EXPECT_EQ(e[1]["state"], "completed") << "its Work has finished on the device";
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, FlightRecorderGloo, ::testing::Values(false, true),
