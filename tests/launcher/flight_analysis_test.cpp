@@ -7,6 +7,8 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -224,6 +226,31 @@ TEST(FlightAnalysis, RefusesBadDumpsByName) {
   run = analyze_program(empty / "missing");
   EXPECT_EQ(run.rc, 2);
   EXPECT_NE(run.out.find("missing: not a folder"), std::string::npos) << run.out;
+}
+
+// emberrun --log-dir D gives its workers EMBER_FLIGHT_RECORDER_DIR=D/<run id>/attempt_<k>/flight:
+// a job whose rank 1 issues a barrier where rank 0 all-reduces fails, each rank dumps there,
+// and the program names rank 1 and the collective's number.
+TEST(FlightAnalysis, EmberrunKeepsTheDumpsWithTheLogs) {
+  const std::string worker = EMBER_BINARY_DIR + "/launcher/test_workers/dist_worker";
+  if (!std::filesystem::exists(worker)) GTEST_SKIP() << worker << " not built (no ember_distributed)";
+  test::TempDir dir("flight_emberrun");
+  const std::string cmd = "env -u EMBER_FLIGHT_RECORDER_DIR DIST_WORKER_BARRIER_ON_RANK=1 "
+                          "EMBER_PG_TIMEOUT=30 '" + EMBER_BINARY_DIR +
+                          "/launcher/emberrun' --standalone --nproc-per-node 2 --log-dir '" +
+                          dir.path + "/logs' '" + worker + "' '" + dir.path + "' > '" +
+                          dir.path + "/emberrun.out' 2>&1";
+  const int status = std::system(cmd.c_str());
+  std::ifstream log(dir / "emberrun.out");
+  const std::string out((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  EXPECT_NE(WEXITSTATUS(status), 0) << "the job must fail:\n" << out;
+  const ProgramRun run = analyze_program(dir.path + "/logs/none/attempt_0/flight");
+  EXPECT_EQ(run.rc, 1) << run.out << "\nemberrun:\n" << out;
+  EXPECT_NE(run.out.find("allreduce #0 differs across ranks: rank 0 called allreduce(float32 [1]); "
+                         "rank 1 called barrier()"),
+            std::string::npos)
+      << run.out << "\nemberrun:\n" << out;
 }
 
 }  // namespace
