@@ -48,7 +48,9 @@ const json& field(const std::string& file, const json& obj, const char* key, jso
                       ? it->is_number_integer()
                       : (type == json::value_t::number_unsigned ? it->is_number_unsigned()
                                                                 : it->type() == type);
-  if (!ok) bad(file, where + "'s \"" + key + "\" is " + it->type_name() + ", not the expected type");
+  if (!ok) {
+    bad(file, where + "'s \"" + key + "\" is " + it->type_name() + ", not the expected type");
+  }
   return *it;
 }
 

@@ -297,7 +297,8 @@ void run_gloo(bool shm, const std::function<void(std::shared_ptr<ProcessGroup>, 
   test::Children kids(3, [&](int rank, const std::string& port) {
     TCPStoreOptions so;
     so.timeout = 60s;
-    auto store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
+    auto store =
+        std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
     ProcessGroupGloo::GlooOptions go{5s, "127.0.0.1"};
     go.shared_memory = shm;
     body(std::make_shared<ProcessGroupGloo>(std::make_shared<PrefixStore>("pg", store), rank, 3,

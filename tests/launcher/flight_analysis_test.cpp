@@ -233,7 +233,9 @@ TEST(FlightAnalysis, RefusesBadDumpsByName) {
 // and the program names rank 1 and the collective's number.
 TEST(FlightAnalysis, EmberrunKeepsTheDumpsWithTheLogs) {
   const std::string worker = EMBER_BINARY_DIR + "/launcher/test_workers/dist_worker";
-  if (!std::filesystem::exists(worker)) GTEST_SKIP() << worker << " not built (no ember_distributed)";
+  if (!std::filesystem::exists(worker)) {
+    GTEST_SKIP() << worker << " not built (no ember_distributed)";
+  }
   test::TempDir dir("flight_emberrun");
   const std::string cmd = "env -u EMBER_FLIGHT_RECORDER_DIR DIST_WORKER_BARRIER_ON_RANK=1 "
                           "EMBER_PG_TIMEOUT=30 '" + EMBER_BINARY_DIR +
