@@ -190,6 +190,18 @@ std::optional<FlightFinding> first_divergence(const std::string& name,
         others.insert(others.end(), ranks.begin(), ranks.end());
         what += "; " + ranks_word(ranks) + " called " + sig;
         skipped = skipped && next != nullptr && sig == next->signature;
+        // When the others failed at the mismatch (gloo and threads check every collective),
+        // nothing follows it to prove a skip; but in a training loop a rank that skipped one
+        // collective issues the loop's next one, which the others issued before.
+        const GroupDump* g = members.at(agree[0]);
+        for (auto it = std::make_reverse_iterator(g->entries.find(s)); it != g->entries.rend();
+             ++it) {
+          if (it->second.signature != sig) continue;
+          what += " (what " + ranks_word(agree) + " called at #" + std::to_string(it->first) +
+                  ": in a loop, " + ranks_word(ranks) + " likely skipped " + intended.op + " #" +
+                  std::to_string(s) + ")";
+          break;
+        }
       }
       std::sort(others.begin(), others.end());
       FlightFinding f{skipped ? FlightFinding::Kind::Skipped : FlightFinding::Kind::Mismatch,

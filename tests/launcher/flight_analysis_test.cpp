@@ -148,6 +148,30 @@ TEST(FlightAnalysis, NamesASizeMismatch) {
                            "allreduce(float32 [10]); rank 1 called allreduce(float32 [12])"),
             std::string::npos)
       << f.message;
+  EXPECT_EQ(f.message.find("likely skipped"), std::string::npos) << f.message;
+}
+
+// The others failed at the mismatch (gloo and threads check every collective), so nothing
+// after it shows the skip; rank 1's call is the loop's next collective, which they made before.
+TEST(FlightAnalysis, SaysARankLikelySkippedWhenItsCallIsOneTheOthersMadeBefore) {
+  test::TempDir dir("flight_analysis");
+  json failed = steps(0, 3);  // #2 a bucket, then the loss at #3
+  failed.push_back(entry(3, "allreduce", 1, "failed"));
+  json ahead = steps(0, 3);
+  ahead.push_back(entry(3, "allreduce", 10, "failed"));  // the next step's bucket
+  write(dir, 0, dump(0, {0, 1, 2}, failed));
+  write(dir, 1, dump(1, {0, 1, 2}, ahead));
+  write(dir, 2, dump(2, {0, 1, 2}, failed));
+  const FlightReport r = analyze_flight_dumps(dir.path);
+  ASSERT_EQ(r.findings.size(), 1u);
+  EXPECT_EQ(r.findings[0].kind, Kind::Mismatch);
+  EXPECT_EQ(r.findings[0].seq, 3u);
+  EXPECT_NE(r.findings[0].message.find(
+                "allreduce #3 differs across ranks: ranks 0 and 2 called allreduce(float32 [1]); "
+                "rank 1 called allreduce(float32 [10]) (what ranks 0 and 2 called at #2: in a "
+                "loop, rank 1 likely skipped allreduce #3)"),
+            std::string::npos)
+      << r.findings[0].message;
 }
 
 TEST(FlightAnalysis, NamesRanksStuckInACollectiveTheOthersCompleted) {
