@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <ember/distributed/backends/process_group_mpi.h>
 #include <ember/distributed/backends/process_group_nccl.h>
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/flight_recorder.h>
@@ -27,6 +28,7 @@
 #include <ember/tensor/cuda.h>
 #include "cmake/build_paths.h"
 #include "tests/distributed/ddp_test_util.h"
+#include "tests/distributed/mpi_job.h"
 #include "tests/distributed/threads_test_util.h"
 
 namespace ember::dist {
@@ -370,6 +372,44 @@ TEST(FlightRecorderNccl, EntriesCompleteOnceTheDeviceHasFinished) {
   EXPECT_EQ(e[1]["sizes"], json({{2, 3}}));
   EXPECT_EQ(e[1]["dtypes"], json({"float16"}));
   EXPECT_EQ(e[1]["state"], "completed") << "its Work has finished on the device";
+}
+
+// MPI ranks are processes under mpirun: each records its collectives (sizes, dtypes, completed
+// states) and dumps them; the dumps of ranks that agree give no finding.
+TEST(FlightRecorderMpi, EveryRankRecordsItsCollectives) {
+  test::TempDir dir;
+  ScopedEnv where("EMBER_FLIGHT_RECORDER_DIR", dir.path());  // mpirun's ranks inherit it
+  test::expect_mpi_job_passes(2, "FlightRecorderMpiRanks.*", 120s,
+                              ProcessGroupMpi::is_available());
+  if (IsSkipped() || HasFailure()) return;
+  for (int rank = 0; rank < 2; ++rank) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    const json doc = read_json(dir.file("flight_rank" + std::to_string(rank) + ".json"));
+    ASSERT_EQ(doc["groups"].size(), 1u);
+    EXPECT_EQ(doc["groups"][0]["backend"], "mpi");
+    const json& e = doc["groups"][0]["entries"];
+    ASSERT_EQ(e.size(), 3u);
+    EXPECT_EQ(e[0]["op"], "allreduce");
+    EXPECT_EQ(e[0]["sizes"], json({{3}}));
+    EXPECT_EQ(e[1]["op"], "broadcast");
+    EXPECT_EQ(e[1]["dtypes"], json({"float64"}));
+    EXPECT_EQ(e[2]["op"], "barrier");
+    for (const json& x : e) EXPECT_EQ(x["state"], "completed") << x.dump();
+  }
+  const Analysis a = analyze(dir.path());
+  EXPECT_EQ(a.rc, 0) << a.out;
+}
+
+TEST(FlightRecorderMpiRanks, IssueAndDump) {
+  SKIP_UNLESS_UNDER_MPIRUN();
+  std::shared_ptr<ProcessGroupMpi> g = ProcessGroupMpi::create();
+  Tensor a = ones({3}, kFloat32);
+  g->allreduce(a)->wait(60s);
+  Tensor b = zeros({2, 2}, kFloat64);
+  g->broadcast(b)->wait(60s);
+  g->barrier()->wait(60s);
+  ASSERT_FALSE(flight_recorder_dir().empty()) << "mpirun did not pass EMBER_FLIGHT_RECORDER_DIR";
+  EXPECT_EQ(dump_flight_recorder(flight_recorder_dir()).size(), 1u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, FlightRecorderGloo, ::testing::Values(false, true),
