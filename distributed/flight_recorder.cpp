@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <tuple>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -135,6 +137,7 @@ void FlightRing::attach(uint64_t id, const WorkPtr& work, const std::vector<Tens
       e->dtypes.emplace_back(dtype_name(t.dtype()));
     }
     e->work = work;
+    e->pending = work->future();
   }
   // Outside the lock: a finished future runs the callback at once, and it takes the lock.
   std::weak_ptr<FlightRing> self = weak_from_this();
@@ -143,30 +146,35 @@ void FlightRing::attach(uint64_t id, const WorkPtr& work, const std::vector<Tens
   });
 }
 
-void FlightRing::complete(uint64_t id, const Future& f) {
-  const std::exception_ptr error = f.exception();
-  std::string why;
-  if (error) {
+namespace {
+// The state a completed future leaves its entry in, and the error's text.
+std::pair<FlightState, std::string> outcome(const Future& f) {
+  if (const std::exception_ptr error = f.exception()) {
     try {
       std::rethrow_exception(error);
     } catch (const std::exception& e) {
-      why = e.what();
+      return {FlightState::Failed, e.what()};
     } catch (...) {
-      why = "an exception that is not a std::exception";
+      return {FlightState::Failed, "an exception that is not a std::exception"};
     }
   }
   // A future with device events completes when the collective is queued on its stream (NCCL):
   // it has started; snapshot() asks its Work whether it has finished.
-  const bool on_device = !error && !f.ready_events().empty();
+  return {f.ready_events().empty() ? FlightState::Completed : FlightState::Started, ""};
+}
+}  // namespace
+
+void FlightRing::complete(uint64_t id, const Future& f) {
+  auto [state, why] = outcome(f);
   const int64_t now = wall_us();
   {
     std::lock_guard<std::mutex> lock(mu_);
     FlightEntry* e = find(id);
     if (e == nullptr) return;
-    e->state =
-        error ? FlightState::Failed : (on_device ? FlightState::Started : FlightState::Completed);
-    if (!on_device) e->completed_us = now;
+    e->state = state;
+    if (state != FlightState::Started) e->completed_us = now;
     e->error = std::move(why);
+    e->pending.reset();
   }
   registry().changes.fetch_add(1, std::memory_order_relaxed);
 }
@@ -187,6 +195,12 @@ std::vector<FlightEntry> FlightRing::snapshot() const {
   }
   // Outside the lock: a Work's is_completed() may query the device.
   for (FlightEntry& e : out) {
+    // Waiters wake before a future's callbacks run, so a rank that dumps right after its wait
+    // may find complete() not yet called.
+    if (e.state == FlightState::Enqueued && e.pending && e.pending->completed()) {
+      std::tie(e.state, e.error) = outcome(*e.pending);
+    }
+    e.pending.reset();
     if (e.state != FlightState::Started && e.state != FlightState::Enqueued) continue;
     const WorkPtr w = e.work.lock();
     if (w && w->is_completed()) {

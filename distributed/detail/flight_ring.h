@@ -26,6 +26,8 @@ struct FlightEntry {
   int64_t completed_us = 0;  // 0: not seen completing
   std::string error;
   std::weak_ptr<Work> work;  // asked at dump time whether a started collective has finished
+  // Until complete() runs: its output tensors stay alive only while the collective is pending.
+  std::shared_ptr<Future> pending;
 };
 
 /// What identifies a group across ranks in a dump.
