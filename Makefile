@@ -37,7 +37,7 @@ ASAN_CTEST = ctest -j $(JOBS) --output-on-failure --timeout 900
 # them; run it with TSAN_SKIP= (everything instrumented).
 TSAN_TESTS ?= distributed_store_test distributed_tcp_store_test distributed_threads_test \
   distributed_gloo_test distributed_ddp_test distributed_shm_single_copy_test \
-  distributed_shm_mapped_test
+  distributed_shm_mapped_test distributed_flight_recorder_test
 TSAN_SKIP ?= ember_log;ember_tensor;ember_autograd;ember_nn
 ASAN_BASE = detect_leaks=1:abort_on_error=1
 SANITIZER_ENV = ASAN_OPTIONS=$(ASAN_BASE)$(ASAN_EXTRA) \

@@ -20,8 +20,8 @@ set_target_properties(ember_store PROPERTIES EXPORT_NAME store)
 foreach(t ${_ember_targets})
   set_target_properties(${t} PROPERTIES INSTALL_RPATH "$ORIGIN" INSTALL_RPATH_USE_LINK_PATH ON)
 endforeach()
-set_target_properties(emberrun PROPERTIES INSTALL_RPATH "$ORIGIN/../${CMAKE_INSTALL_LIBDIR}"
-                                          INSTALL_RPATH_USE_LINK_PATH ON)
+set_target_properties(emberrun ember_flight_analyze PROPERTIES
+                      INSTALL_RPATH "$ORIGIN/../${CMAKE_INSTALL_LIBDIR}" INSTALL_RPATH_USE_LINK_PATH ON)
 
 # Ember::ember: everything, as <ember/ember.h> includes everything.
 add_library(ember_all INTERFACE)
@@ -48,7 +48,7 @@ install(TARGETS ${_ember_targets} ember_all EXPORT EmberTargets
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-install(TARGETS emberrun RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(TARGETS emberrun ember_flight_analyze RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 # Headers users include, and only those: internal is physical. Not installed: detail/ folders,
 # *_impl.h, the kernels' headers (tensor/cpu/, tensor/cuda/), and the launcher's (its library
 # is not installed; emberrun is). scripts/check_layering.py checks that no installed header

@@ -42,6 +42,10 @@ class Event;
 
 namespace ember::dist {
 
+namespace detail {
+class FlightRing;
+}
+
 enum class ReduceOp { Sum, Avg, Product, Min, Max };
 const char* to_string(ReduceOp op);
 
@@ -290,9 +294,16 @@ class ProcessGroup {
   /// threads); NCCL overrides it with one group launch.
   virtual std::vector<WorkPtr> batch_isend_irecv(const std::vector<P2POp>& ops);
 
+  /// For backends: gives the flight recorder (flight_recorder.h) the tensors and the Work of
+  /// the collective that next_op_label labelled last, whose entry then has their sizes and
+  /// dtypes and follows the Work to its completion; returns `work`. Call it on the thread that
+  /// issued the collective, before issuing the next.
+  WorkPtr record_flight(WorkPtr work, const std::vector<Tensor>& tensors);
+
  protected:
   /// The label of the collective being issued, "[gloo] allreduce #12 on rank 3 of 4", for its
-  /// Work and errors; takes the next sequence number. Throws ValueError (naming the backend,
+  /// Work and errors; takes the next sequence number and records the collective in the flight
+  /// recorder (record_flight adds its tensors and Work). Throws ValueError (naming the backend,
   /// the collective and the rank; no sequence number taken) when called from inside a Future
   /// callback: every collective passes here, so this refuses them for every backend.
   std::string next_op_label(const char* collective);
@@ -314,6 +325,10 @@ class ProcessGroup {
   Options options_;
   uint64_t seq_ = 0;
   std::vector<int> global_ranks_;
+
+ private:
+  std::shared_ptr<detail::FlightRing> flight_;  // null: the flight recorder is off
+  uint64_t flight_entry_ = 0;                   // the entry next_op_label made last
 };
 
 }  // namespace ember::dist

@@ -5,6 +5,8 @@
 
 #include <ember/distributed/process_group.h>
 
+#include <ember/distributed/detail/flight_ring.h>
+#include <ember/distributed/flight_recorder.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/log.h>
 
@@ -92,13 +94,24 @@ void Future::wait_host(std::optional<Duration> timeout) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (timeout) {
     if (!cv_.wait_for(lock, *timeout, [&] { return completed_; })) {
-      throw DistTimeoutError(detail::str_cat(what_.empty() ? "[future]" : what_,
-                                             " timed out after ", timeout->count(), " ms"));
+      const std::string why = detail::str_cat(what_.empty() ? "[future]" : what_,
+                                              " timed out after ", timeout->count(), " ms");
+      lock.unlock();
+      detail::flight_recorder_on_failure(why);
+      throw DistTimeoutError(why);
     }
   } else {
     cv_.wait(lock, [&] { return completed_; });
   }
-  if (error_) std::rethrow_exception(error_);
+  if (error_) {
+    // Every wait on a failed collective passes here, whatever the backend: the moment to keep
+    // the ranks' recent collectives (flight_recorder.h).
+    const std::exception_ptr error = error_;
+    const std::string why = what_.empty() ? "[future] failed" : what_ + " failed";
+    lock.unlock();
+    detail::flight_recorder_on_failure(why);
+    std::rethrow_exception(error);
+  }
 }
 
 const std::vector<Tensor>& Future::value() {
@@ -199,6 +212,14 @@ ProcessGroup::ProcessGroup(int rank, int size, Options options)
   EMBER_CHECK(size >= 1 && rank >= 0 && rank < size, "[ProcessGroup] expected 0 <= rank < size, "
               "got rank ", rank, " and size ", size);
   for (int r = 0; r < size; ++r) global_ranks_.push_back(r);
+  if (const int n = flight_recorder_size(); n > 0) {
+    flight_ = std::make_shared<detail::FlightRing>(static_cast<size_t>(n));
+  }
+}
+
+WorkPtr ProcessGroup::record_flight(WorkPtr work, const std::vector<Tensor>& tensors) {
+  if (flight_ && work) flight_->attach(flight_entry_, work, tensors);
+  return work;
 }
 
 std::string ProcessGroup::next_op_label(const char* collective) {
@@ -208,6 +229,7 @@ std::string ProcessGroup::next_op_label(const char* collective) {
               "a moment that differs between ranks, so the ranks could issue collectives in "
               "different orders. Issue it from the thread that issues the group's collectives; in "
               "a communication hook, chain it with GradBucket::defer");
+  if (flight_) flight_entry_ = flight_->enqueue(*this, collective, seq_);
   return detail::str_cat("[", backend_name(), "] ", collective, " #", seq_++, " on rank ", rank_,
                          " of ", size_);
 }

@@ -206,7 +206,12 @@ std::string WorkerGroup::spawn(int attempt, const GroupSpec& spec) {
   workers_.clear();
   failures_.clear();
   const std::string attempt_dir = run_dir_ + "/attempt_" + std::to_string(attempt);
-  const auto base = base_environment(c_.nproc_per_node);
+  auto base = base_environment(c_.nproc_per_node);
+  // Where the logs are kept, so are the flight recorder's dumps of a failed collective
+  // (distributed/flight_recorder.h): one folder per attempt, for ember_flight_analyze.
+  if (keep_logs_ && base.count("EMBER_FLIGHT_RECORDER_DIR") == 0) {
+    base["EMBER_FLIGHT_RECORDER_DIR"] = attempt_dir + "/flight";
+  }
   for (int lr = 0; lr < c_.nproc_per_node; ++lr) {
     Worker w;
     w.local_rank = lr;

@@ -153,23 +153,26 @@ WorkPtr ProcessGroupGloo::allreduce(Tensor& tensor, const AllreduceOptions& opts
   const ReduceOp op = opts.op;
   const auto route =
       shm ? impl_->route_for(static_cast<size_t>(t.nbytes())) : Impl::Route::Worker;
-  return impl_->submit(
-      label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
-        if (shm) {
-          shm_allreduce(*shm, ticket, {t}, op, left);
-          return std::vector<Tensor>{t};
-        }
-        if (ctx) {
-          EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] allreduce", [&]<typename T>() {
-            dist::detail::tcp_allreduce<T>(ctx, t.dtype(), t.template data<T>(),
-                                            static_cast<size_t>(t.numel()), op, reduce_fn<T>(op),
-                                            small_allreduce_bytes(n), tag, left);
-          });
-        }
-        if (op == ReduceOp::Avg && n > 1) divide_in_place(t, n);
-        return std::vector<Tensor>{t};
-      },
-      route);
+  return record_flight(
+      impl_->submit(
+          label, timeout_of(opts.timeout),
+          [=](std::chrono::milliseconds left) {
+            if (shm) {
+              shm_allreduce(*shm, ticket, {t}, op, left);
+              return std::vector<Tensor>{t};
+            }
+            if (ctx) {
+              EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] allreduce", [&]<typename T>() {
+                dist::detail::tcp_allreduce<T>(ctx, t.dtype(), t.template data<T>(),
+                                               static_cast<size_t>(t.numel()), op, reduce_fn<T>(op),
+                                               small_allreduce_bytes(n), tag, left);
+              });
+            }
+            if (op == ReduceOp::Avg && n > 1) divide_in_place(t, n);
+            return std::vector<Tensor>{t};
+          },
+          route),
+      {tensor});
 }
 
 WorkPtr ProcessGroupGloo::allreduce_coalesced(std::vector<Tensor>& tensors,
@@ -187,13 +190,14 @@ WorkPtr ProcessGroupGloo::allreduce_coalesced(std::vector<Tensor>& tensors,
   std::vector<Tensor> ts = tensors;
   const ReduceOp op = opts.op;
   const size_t bytes = static_cast<size_t>(total) * static_cast<size_t>(tensors[0].element_size());
-  return impl_->submit(
-      label, timeout_of(opts.timeout),
-      [=](std::chrono::milliseconds left) {
-        if (total > 0) shm_allreduce(*shm, ticket, ts, op, left);
-        return ts;
-      },
-      impl_->route_for(bytes));
+  return record_flight(impl_->submit(
+                           label, timeout_of(opts.timeout),
+                           [=](std::chrono::milliseconds left) {
+                             if (total > 0) shm_allreduce(*shm, ticket, ts, op, left);
+                             return ts;
+                           },
+                           impl_->route_for(bytes)),
+                       tensors);
 }
 
 WorkPtr ProcessGroupGloo::reduce(Tensor& tensor, const ReduceOptions& opts) {
@@ -205,27 +209,33 @@ WorkPtr ProcessGroupGloo::reduce(Tensor& tensor, const ReduceOptions& opts) {
   const ShmTicket shm = take_ticket("reduce");
   Tensor t = tensor;
   const ReduceOp op = opts.op;
-  return impl_->submit(shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
-    if (shm) {
-      shm.shm->reduce(shm.ticket, t.data_ptr(), static_cast<size_t>(t.numel()), t.dtype(),
-                      shm_reduction(t.dtype(), op), root, Clock::now() + left);
-      return std::vector<Tensor>{t};
-    }
-    if (ctx) agree(ctx, tag, make_desc(OpType::Reduce, t.dtype(), t.numel(), root, op), left);
-    if (ctx && t.numel() > 0) {
-      EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] reduce", [&]<typename T>() {
-        gloo::ReduceOptions o(ctx);
-        o.setOutput<T>(t.template data<T>(), static_cast<size_t>(t.numel()));
-        o.setRoot(root);
-        o.setReduceFunction(reduce_fn<T>(op));
-        o.setTag(tag);
-        o.setTimeout(left);
-        gloo::reduce(o);
-      });
-    }
-    if (op == ReduceOp::Avg && n > 1 && me == root) divide_in_place(t, n);
-    return std::vector<Tensor>{t};
-  }, impl_->route_for(static_cast<size_t>(t.nbytes())));
+  return record_flight(
+      impl_->submit(
+          shm.label, timeout_of(opts.timeout),
+          [=](std::chrono::milliseconds left) {
+            if (shm) {
+              shm.shm->reduce(shm.ticket, t.data_ptr(), static_cast<size_t>(t.numel()), t.dtype(),
+                              shm_reduction(t.dtype(), op), root, Clock::now() + left);
+              return std::vector<Tensor>{t};
+            }
+            if (ctx)
+              agree(ctx, tag, make_desc(OpType::Reduce, t.dtype(), t.numel(), root, op), left);
+            if (ctx && t.numel() > 0) {
+              EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] reduce", [&]<typename T>() {
+                gloo::ReduceOptions o(ctx);
+                o.setOutput<T>(t.template data<T>(), static_cast<size_t>(t.numel()));
+                o.setRoot(root);
+                o.setReduceFunction(reduce_fn<T>(op));
+                o.setTag(tag);
+                o.setTimeout(left);
+                gloo::reduce(o);
+              });
+            }
+            if (op == ReduceOp::Avg && n > 1 && me == root) divide_in_place(t, n);
+            return std::vector<Tensor>{t};
+          },
+          impl_->route_for(static_cast<size_t>(t.nbytes()))),
+      {tensor});
 }
 
 WorkPtr ProcessGroupGloo::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
@@ -240,27 +250,34 @@ WorkPtr ProcessGroupGloo::broadcast(Tensor& tensor, const BroadcastOptions& opts
   auto ctx = impl_->context();
   const ShmTicket shm = take_ticket("broadcast");
   Tensor t = tensor;
-  return impl_->submit(shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
-    if (shm) {
-      shm.shm->broadcast(shm.ticket, t.data_ptr(), static_cast<size_t>(t.numel()), t.dtype(),
-                         root, Clock::now() + left);
-      return std::vector<Tensor>{t};
-    }
-    if (ctx) agree(ctx, tag, make_desc(OpType::Broadcast, t.dtype(), t.numel(), root), left);
-    if (ctx && t.numel() > 0) {
-      gloo::BroadcastOptions o(ctx);
-      // Output only, on the root too: Gloo then broadcasts in place. Given the same memory as
-      // an input as well, its root copies input to output while its transport thread is still
-      // sending that memory: a race (the same bytes, but a race), and one copy of the tensor for
-      // nothing.
-      o.setOutput<uint8_t>(static_cast<uint8_t*>(t.data_ptr()), static_cast<size_t>(t.nbytes()));
-      o.setRoot(root);
-      o.setTag(tag);
-      o.setTimeout(left);
-      gloo::broadcast(o);
-    }
-    return std::vector<Tensor>{t};
-  }, impl_->route_for(static_cast<size_t>(t.nbytes())));
+  return record_flight(
+      impl_->submit(
+          shm.label, timeout_of(opts.timeout),
+          [=](std::chrono::milliseconds left) {
+            if (shm) {
+              shm.shm->broadcast(shm.ticket, t.data_ptr(), static_cast<size_t>(t.numel()),
+                                 t.dtype(), root, Clock::now() + left);
+              return std::vector<Tensor>{t};
+            }
+            if (ctx)
+              agree(ctx, tag, make_desc(OpType::Broadcast, t.dtype(), t.numel(), root), left);
+            if (ctx && t.numel() > 0) {
+              gloo::BroadcastOptions o(ctx);
+              // Output only, on the root too: Gloo then broadcasts in place. Given the same memory
+              // as an input as well, its root copies input to output while its transport thread is
+              // still sending that memory: a race (the same bytes, but a race), and one copy of the
+              // tensor for nothing.
+              o.setOutput<uint8_t>(static_cast<uint8_t*>(t.data_ptr()),
+                                   static_cast<size_t>(t.nbytes()));
+              o.setRoot(root);
+              o.setTag(tag);
+              o.setTimeout(left);
+              gloo::broadcast(o);
+            }
+            return std::vector<Tensor>{t};
+          },
+          impl_->route_for(static_cast<size_t>(t.nbytes()))),
+      {tensor});
 }
 
 WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& input,
@@ -281,29 +298,34 @@ WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& in
   const ShmTicket shm = take_ticket("allgather_into_tensor");
   const int n = size_;
   Tensor in = input, out = output;
-  return impl_->submit(shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
-    if (shm) {
-      std::vector<void*> slots;
-      for (int r = 0; r < n; ++r) {
-        slots.push_back(static_cast<char*>(out.data_ptr()) + static_cast<size_t>(r) *
-                                                                 static_cast<size_t>(in.nbytes()));
-      }
-      shm.shm->gather(shm.ticket, in.data_ptr(), slots, static_cast<size_t>(in.numel()),
-                      in.dtype(), /*root=*/-1, Clock::now() + left);
-      return std::vector<Tensor>{out};
-    }
-    if (!ctx) {
-      out.view(in.shape()).copy_(in);
-      return std::vector<Tensor>{out};
-    }
-    agree(ctx, tag, make_desc(OpType::Allgather, in.dtype(), in.numel()), left);
-    if (in.numel() > 0) {
-      gloo::AllgatherOptions o(ctx);
-      set_bytes(o, in, out, tag, left);
-      gloo::allgather(o);
-    }
-    return std::vector<Tensor>{out};
-  }, impl_->route_for(static_cast<size_t>(out.nbytes())));
+  return record_flight(
+      impl_->submit(
+          shm.label, timeout_of(opts.timeout),
+          [=](std::chrono::milliseconds left) {
+            if (shm) {
+              std::vector<void*> slots;
+              for (int r = 0; r < n; ++r) {
+                slots.push_back(static_cast<char*>(out.data_ptr()) +
+                                static_cast<size_t>(r) * static_cast<size_t>(in.nbytes()));
+              }
+              shm.shm->gather(shm.ticket, in.data_ptr(), slots, static_cast<size_t>(in.numel()),
+                              in.dtype(), /*root=*/-1, Clock::now() + left);
+              return std::vector<Tensor>{out};
+            }
+            if (!ctx) {
+              out.view(in.shape()).copy_(in);
+              return std::vector<Tensor>{out};
+            }
+            agree(ctx, tag, make_desc(OpType::Allgather, in.dtype(), in.numel()), left);
+            if (in.numel() > 0) {
+              gloo::AllgatherOptions o(ctx);
+              set_bytes(o, in, out, tag, left);
+              gloo::allgather(o);
+            }
+            return std::vector<Tensor>{out};
+          },
+          impl_->route_for(static_cast<size_t>(out.nbytes()))),
+      {input});
 }
 
 WorkPtr ProcessGroupGloo::allgather(std::vector<Tensor>& outputs, const Tensor& input,
@@ -316,11 +338,14 @@ WorkPtr ProcessGroupGloo::allgather(std::vector<Tensor>& outputs, const Tensor& 
   const ShmTicket shm = take_ticket("allgather");
   Tensor in = input;
   const ShmList outs = ShmList::outputs(outputs);
-  return impl_->submit(shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
-    shm.shm->gather(shm.ticket, in.data_ptr(), outs.writes(), static_cast<size_t>(in.numel()),
-                    in.dtype(), /*root=*/-1, Clock::now() + left);
-    return outs.finish();
-  });
+  return record_flight(impl_->submit(shm.label, timeout_of(opts.timeout),
+                                     [=](std::chrono::milliseconds left) {
+                                       shm.shm->gather(shm.ticket, in.data_ptr(), outs.writes(),
+                                                       static_cast<size_t>(in.numel()), in.dtype(),
+                                                       /*root=*/-1, Clock::now() + left);
+                                       return outs.finish();
+                                     }),
+                       {input});
 }
 
 WorkPtr ProcessGroupGloo::gather(std::vector<Tensor>& outputs, const Tensor& input,
@@ -339,36 +364,41 @@ WorkPtr ProcessGroupGloo::gather(std::vector<Tensor>& outputs, const Tensor& inp
   Tensor in = input;
   std::vector<Tensor> outs = outputs;
   const ShmList shm_outs = ShmList::outputs(shm ? outputs : std::vector<Tensor>{});
-  return impl_->submit(
-      shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) mutable {
-        if (shm) {
-          shm.shm->gather(shm.ticket, in.data_ptr(), shm_outs.writes(),
-                          static_cast<size_t>(in.numel()), in.dtype(), root, Clock::now() + left);
-          return shm_outs.finish();
-        }
-        if (!ctx) {
-          outs[0].copy_(in);
-          return outs;
-        }
-        agree(ctx, tag, make_desc(OpType::Gather, in.dtype(), in.numel(), root), left);
-        if (in.numel() == 0) return outs;
-        Tensor flat;
-        gloo::GatherOptions o(ctx);
-        o.setInput<uint8_t>(static_cast<uint8_t*>(in.data_ptr()), static_cast<size_t>(in.nbytes()));
-        if (me == root) {
-          flat = empty({static_cast<int64_t>(n) * in.numel()}, in.options());
-          o.setOutput<uint8_t>(static_cast<uint8_t*>(flat.data_ptr()),
-                               static_cast<size_t>(flat.nbytes()));
-        }
-        o.setRoot(root);
-        o.setTag(tag);
-        o.setTimeout(left);
-        gloo::gather(o);
-        for (int r = 0; r < static_cast<int>(outs.size()); ++r) {
-          outs[r].copy_(flat.narrow(0, r * in.numel(), in.numel()).view(in.shape()));
-        }
-        return outs;
-      });
+  return record_flight(
+      impl_->submit(shm.label, timeout_of(opts.timeout),
+                    [=](std::chrono::milliseconds left) mutable {
+                      if (shm) {
+                        shm.shm->gather(shm.ticket, in.data_ptr(), shm_outs.writes(),
+                                        static_cast<size_t>(in.numel()), in.dtype(), root,
+                                        Clock::now() + left);
+                        return shm_outs.finish();
+                      }
+                      if (!ctx) {
+                        outs[0].copy_(in);
+                        return outs;
+                      }
+                      agree(ctx, tag, make_desc(OpType::Gather, in.dtype(), in.numel(), root),
+                            left);
+                      if (in.numel() == 0) return outs;
+                      Tensor flat;
+                      gloo::GatherOptions o(ctx);
+                      o.setInput<uint8_t>(static_cast<uint8_t*>(in.data_ptr()),
+                                          static_cast<size_t>(in.nbytes()));
+                      if (me == root) {
+                        flat = empty({static_cast<int64_t>(n) * in.numel()}, in.options());
+                        o.setOutput<uint8_t>(static_cast<uint8_t*>(flat.data_ptr()),
+                                             static_cast<size_t>(flat.nbytes()));
+                      }
+                      o.setRoot(root);
+                      o.setTag(tag);
+                      o.setTimeout(left);
+                      gloo::gather(o);
+                      for (int r = 0; r < static_cast<int>(outs.size()); ++r) {
+                        outs[r].copy_(flat.narrow(0, r * in.numel(), in.numel()).view(in.shape()));
+                      }
+                      return outs;
+                    }),
+      {input});
 }
 
 WorkPtr ProcessGroupGloo::scatter(Tensor& output, const std::vector<Tensor>& inputs,
@@ -387,35 +417,38 @@ WorkPtr ProcessGroupGloo::scatter(Tensor& output, const std::vector<Tensor>& inp
   auto ctx = impl_->context();
   const ShmTicket shm = take_ticket("scatter");
   Tensor out = output;
-  return impl_->submit(
-      shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) mutable {
-        if (shm) {
-          shm.shm->scatter(shm.ticket, ShmList::inputs(ins).reads(), out.data_ptr(),
-                           static_cast<size_t>(out.numel()), out.dtype(), root,
-                           Clock::now() + left);
-          return std::vector<Tensor>{out};
-        }
-        if (!ctx) {
-          out.copy_(ins[0]);
-          return std::vector<Tensor>{out};
-        }
-        agree(ctx, tag, make_desc(OpType::Scatter, out.dtype(), out.numel(), root), left);
-        if (out.numel() > 0) {
-          gloo::ScatterOptions o(ctx);
-          const size_t nb = static_cast<size_t>(out.nbytes());
-          if (me == root) {
-            std::vector<uint8_t*> ptrs;
-            for (Tensor& t : ins) ptrs.push_back(static_cast<uint8_t*>(t.data_ptr()));
-            o.setInputs<uint8_t>(ptrs, nb);
-          }
-          o.setOutput<uint8_t>(static_cast<uint8_t*>(out.data_ptr()), nb);
-          o.setRoot(root);
-          o.setTag(tag);
-          o.setTimeout(left);
-          gloo::scatter(o);
-        }
-        return std::vector<Tensor>{out};
-      });
+  return record_flight(
+      impl_->submit(shm.label, timeout_of(opts.timeout),
+                    [=](std::chrono::milliseconds left) mutable {
+                      if (shm) {
+                        shm.shm->scatter(shm.ticket, ShmList::inputs(ins).reads(), out.data_ptr(),
+                                         static_cast<size_t>(out.numel()), out.dtype(), root,
+                                         Clock::now() + left);
+                        return std::vector<Tensor>{out};
+                      }
+                      if (!ctx) {
+                        out.copy_(ins[0]);
+                        return std::vector<Tensor>{out};
+                      }
+                      agree(ctx, tag, make_desc(OpType::Scatter, out.dtype(), out.numel(), root),
+                            left);
+                      if (out.numel() > 0) {
+                        gloo::ScatterOptions o(ctx);
+                        const size_t nb = static_cast<size_t>(out.nbytes());
+                        if (me == root) {
+                          std::vector<uint8_t*> ptrs;
+                          for (Tensor& t : ins) ptrs.push_back(static_cast<uint8_t*>(t.data_ptr()));
+                          o.setInputs<uint8_t>(ptrs, nb);
+                        }
+                        o.setOutput<uint8_t>(static_cast<uint8_t*>(out.data_ptr()), nb);
+                        o.setRoot(root);
+                        o.setTag(tag);
+                        o.setTimeout(left);
+                        gloo::scatter(o);
+                      }
+                      return std::vector<Tensor>{out};
+                    }),
+      {output});
 }
 
 WorkPtr ProcessGroupGloo::reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
@@ -452,17 +485,18 @@ WorkPtr ProcessGroupGloo::shm_reduce_scatter(const char* name, Tensor& output,
   const ShmTicket shm = take_ticket(name);
   Tensor out = output;
   const ReduceOp op = opts.op;
-  return impl_->submit(shm.label, timeout_of(opts.timeout),
-                       [=, keep = std::move(inputs)](std::chrono::milliseconds left) {
-                         (void)keep;  // the inputs stay alive until the collective ends
-                         shm.shm->reduce_scatter(shm.ticket, blocks, out.data_ptr(),
-                                                 static_cast<size_t>(out.numel()), out.dtype(),
-                                                 shm_reduction(out.dtype(), op),
-                                                 Clock::now() + left);
-                         return std::vector<Tensor>{out};
-                       },
-                       impl_->route_for(static_cast<size_t>(out.nbytes()) *
-                                        static_cast<size_t>(size_)));
+  return record_flight(
+      impl_->submit(
+          shm.label, timeout_of(opts.timeout),
+          [=, keep = std::move(inputs)](std::chrono::milliseconds left) {
+            (void)keep;  // the inputs stay alive until the collective ends
+            shm.shm->reduce_scatter(shm.ticket, blocks, out.data_ptr(),
+                                    static_cast<size_t>(out.numel()), out.dtype(),
+                                    shm_reduction(out.dtype(), op), Clock::now() + left);
+            return std::vector<Tensor>{out};
+          },
+          impl_->route_for(static_cast<size_t>(out.nbytes()) * static_cast<size_t>(size_))),
+      {output});
 }
 
 WorkPtr ProcessGroupGloo::alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
@@ -475,11 +509,14 @@ WorkPtr ProcessGroupGloo::alltoall(std::vector<Tensor>& outputs, const std::vect
     const ShmTicket shm = take_ticket("alltoall");
     const ShmList ins = ShmList::inputs(inputs), outs = ShmList::outputs(outputs);
     const Tensor like = inputs[0];
-    return impl_->submit(shm.label, timeout_of(opts.timeout), [=](std::chrono::milliseconds left) {
-      shm.shm->alltoall(shm.ticket, ins.reads(), outs.writes(), static_cast<size_t>(like.numel()),
-                        like.dtype(), Clock::now() + left);
-      return outs.finish();
-    });
+    return record_flight(impl_->submit(shm.label, timeout_of(opts.timeout),
+                                       [=](std::chrono::milliseconds left) {
+                                         shm.shm->alltoall(shm.ticket, ins.reads(), outs.writes(),
+                                                           static_cast<size_t>(like.numel()),
+                                                           like.dtype(), Clock::now() + left);
+                                         return outs.finish();
+                                       }),
+                         inputs);
   }
   std::vector<Tensor> flat_in;
   for (const Tensor& t : inputs) flat_in.push_back(t.reshape({-1}));
@@ -487,25 +524,27 @@ WorkPtr ProcessGroupGloo::alltoall(std::vector<Tensor>& outputs, const std::vect
   const uint32_t tag = static_cast<uint32_t>(seq_);
   auto ctx = impl_->context();
   std::vector<Tensor> outs = outputs;
-  return impl_->submit(
-      next_op_label("alltoall"), timeout_of(opts.timeout),
-      [=](std::chrono::milliseconds left) mutable {
-        if (!ctx) {
-          outs[0].copy_(in.view(outs[0].shape()));
-          return outs;
-        }
-        agree(ctx, tag, make_desc(OpType::Alltoall, in.dtype(), in.numel()), left);
-        if (in.numel() == 0) return outs;
-        Tensor out = empty_like(in);
-        gloo::AlltoallOptions o(ctx);
-        set_bytes(o, in, out, tag, left);
-        gloo::alltoall(o);
-        const int64_t k = in.numel() / static_cast<int64_t>(outs.size());
-        for (size_t r = 0; r < outs.size(); ++r) {
-          outs[r].copy_(out.narrow(0, static_cast<int64_t>(r) * k, k).view(outs[r].shape()));
-        }
-        return outs;
-      });
+  return record_flight(
+      impl_->submit(next_op_label("alltoall"), timeout_of(opts.timeout),
+                    [=](std::chrono::milliseconds left) mutable {
+                      if (!ctx) {
+                        outs[0].copy_(in.view(outs[0].shape()));
+                        return outs;
+                      }
+                      agree(ctx, tag, make_desc(OpType::Alltoall, in.dtype(), in.numel()), left);
+                      if (in.numel() == 0) return outs;
+                      Tensor out = empty_like(in);
+                      gloo::AlltoallOptions o(ctx);
+                      set_bytes(o, in, out, tag, left);
+                      gloo::alltoall(o);
+                      const int64_t k = in.numel() / static_cast<int64_t>(outs.size());
+                      for (size_t r = 0; r < outs.size(); ++r) {
+                        outs[r].copy_(
+                            out.narrow(0, static_cast<int64_t>(r) * k, k).view(outs[r].shape()));
+                      }
+                      return outs;
+                    }),
+      inputs);
 }
 
 // Note [barrier and two workers]: with two worker threads a barrier could finish while a
@@ -541,30 +580,32 @@ WorkPtr ProcessGroupGloo::barrier(const CollectiveOptions& opts) {
   std::string label = next_op_label("barrier");  // before the ticket, as allreduce
   dist::detail::ShmAllreduce* shm = impl_->shm();
   const uint64_t ticket = shm ? shm->next_ticket() : 0;  // in issue order, as on every rank
-  return impl_->submit(
-      label, timeout_of(opts.timeout),
-      [=](std::chrono::milliseconds left) {
-        const auto deadline = Clock::now() + left;
-        const auto rest = [deadline] {
-          return std::max(
-              std::chrono::milliseconds(1),
-              std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
-        };
-        wait_for_earlier(prior, deadline);
-        if (shm) {
-          shm->barrier(ticket, deadline);
-        } else if (ctx) {
-          // Checked like any collective, so that a barrier that meets another rank's allreduce
-          // fails at once naming both instead of waiting out the timeout on different slots.
-          agree(ctx, tag, make_desc(OpType::Barrier, Dtype::UInt8, 0), rest());
-          gloo::BarrierOptions o(ctx);
-          o.setTag(tag);
-          o.setTimeout(rest());
-          gloo::barrier(o);
-        }
-        return std::vector<Tensor>{};
-      },
-      impl_->route_for(0));
+  return record_flight(
+      impl_->submit(
+          label, timeout_of(opts.timeout),
+          [=](std::chrono::milliseconds left) {
+            const auto deadline = Clock::now() + left;
+            const auto rest = [deadline] {
+              return std::max(
+                  std::chrono::milliseconds(1),
+                  std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+            };
+            wait_for_earlier(prior, deadline);
+            if (shm) {
+              shm->barrier(ticket, deadline);
+            } else if (ctx) {
+              // Checked like any collective, so that a barrier that meets another rank's allreduce
+              // fails at once naming both instead of waiting out the timeout on different slots.
+              agree(ctx, tag, make_desc(OpType::Barrier, Dtype::UInt8, 0), rest());
+              gloo::BarrierOptions o(ctx);
+              o.setTag(tag);
+              o.setTimeout(rest());
+              gloo::barrier(o);
+            }
+            return std::vector<Tensor>{};
+          },
+          impl_->route_for(0)),
+      {});
 }
 
 WorkPtr ProcessGroupGloo::send(const Tensor& tensor, int dst, int tag) {
@@ -599,24 +640,28 @@ WorkPtr ProcessGroupGloo::point_to_point(bool is_send, const Tensor& tensor, int
   auto done = std::make_shared<std::promise<void>>();
   std::shared_future<void> before;
   if (is_send) before = impl_->previous_send(peer, tag, done->get_future().share());
-  return impl_->submit(
-      detail::str_cat(next_op_label(op), is_send ? " to rank " : " from rank ", peer, " tag ", tag),
-      timeout(),
-      [t, transfer, done, before](std::chrono::milliseconds left) {
-        struct Finish {
-          std::promise<void>& p;
-          ~Finish() { p.set_value(); }
-        } finish{*done};
-        const auto deadline = std::chrono::steady_clock::now() + left;
-        if (before.valid() && before.wait_until(deadline) != std::future_status::ready) {
-          throw DistTimeoutError("an earlier send to the same rank on the same tag did not finish");
-        }
-        transfer->run(std::max(std::chrono::milliseconds(0),
-                               std::chrono::duration_cast<std::chrono::milliseconds>(
-                                   deadline - std::chrono::steady_clock::now())));
-        return std::vector<Tensor>{t};
-      },
-      is_send ? Impl::Route::Send : Impl::Route::Recv);
+  return record_flight(
+      impl_->submit(
+          detail::str_cat(next_op_label(op), is_send ? " to rank " : " from rank ", peer, " tag ",
+                          tag),
+          timeout(),
+          [t, transfer, done, before](std::chrono::milliseconds left) {
+            struct Finish {
+              std::promise<void>& p;
+              ~Finish() { p.set_value(); }
+            } finish{*done};
+            const auto deadline = std::chrono::steady_clock::now() + left;
+            if (before.valid() && before.wait_until(deadline) != std::future_status::ready) {
+              throw DistTimeoutError(
+                  "an earlier send to the same rank on the same tag did not finish");
+            }
+            transfer->run(std::max(std::chrono::milliseconds(0),
+                                   std::chrono::duration_cast<std::chrono::milliseconds>(
+                                       deadline - std::chrono::steady_clock::now())));
+            return std::vector<Tensor>{t};
+          },
+          is_send ? Impl::Route::Send : Impl::Route::Recv),
+      {tensor});
 }
 
 }  // namespace ember::dist

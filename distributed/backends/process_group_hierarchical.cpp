@@ -555,14 +555,15 @@ WorkPtr ProcessGroupHierarchical::issue(const char* name, Tensor& tensor,
   check_cpu_tensor(name, tensor);
   if (impl_->small(tensor)) {
     next_op_label(name);
-    return flat(impl_->flat(), tensor);
+    return record_flight(flat(impl_->flat(), tensor), {tensor});
   }
   Tensor t = tensor;
   Impl* impl = impl_.get();
-  return impl_->submit(next_op_label(name), timeout_of(timeout),
-                       [impl, t, steps](Clock::time_point deadline) {
-                         return steps(*impl, t, deadline);
-                       });
+  return record_flight(impl_->submit(next_op_label(name), timeout_of(timeout),
+                                     [impl, t, steps](Clock::time_point deadline) {
+                                       return steps(*impl, t, deadline);
+                                     }),
+                       {t});
 }
 
 WorkPtr ProcessGroupHierarchical::allreduce(Tensor& tensor, const AllreduceOptions& opts) {
@@ -589,32 +590,32 @@ WorkPtr ProcessGroupHierarchical::broadcast(Tensor& tensor, const BroadcastOptio
 WorkPtr ProcessGroupHierarchical::allgather_into_tensor(Tensor& output, const Tensor& input,
                                                         const CollectiveOptions& opts) {
   next_op_label("allgather_into_tensor");
-  return impl_->flat().allgather_into_tensor(output, input, opts);
+  return record_flight(impl_->flat().allgather_into_tensor(output, input, opts), {input});
 }
 
 WorkPtr ProcessGroupHierarchical::allgather(std::vector<Tensor>& outputs, const Tensor& input,
                                             const CollectiveOptions& opts) {
   next_op_label("allgather");
-  return impl_->flat().allgather(outputs, input, opts);
+  return record_flight(impl_->flat().allgather(outputs, input, opts), {input});
 }
 
 WorkPtr ProcessGroupHierarchical::gather(std::vector<Tensor>& outputs, const Tensor& input,
                                          const GatherOptions& opts) {
   next_op_label("gather");
-  return impl_->flat().gather(outputs, input, opts);
+  return record_flight(impl_->flat().gather(outputs, input, opts), {input});
 }
 
 WorkPtr ProcessGroupHierarchical::scatter(Tensor& output, const std::vector<Tensor>& inputs,
                                           const ScatterOptions& opts) {
   next_op_label("scatter");
-  return impl_->flat().scatter(output, inputs, opts);
+  return record_flight(impl_->flat().scatter(output, inputs, opts), {output});
 }
 
 WorkPtr ProcessGroupHierarchical::alltoall(std::vector<Tensor>& outputs,
                                            const std::vector<Tensor>& inputs,
                                            const CollectiveOptions& opts) {
   next_op_label("alltoall");
-  return impl_->flat().alltoall(outputs, inputs, opts);
+  return record_flight(impl_->flat().alltoall(outputs, inputs, opts), inputs);
 }
 
 WorkPtr ProcessGroupHierarchical::barrier(const CollectiveOptions& opts) {
@@ -622,22 +623,25 @@ WorkPtr ProcessGroupHierarchical::barrier(const CollectiveOptions& opts) {
   // group's thread, which reaches it only after every earlier hierarchical collective.
   const std::string label = next_op_label("barrier");
   WorkPtr flat = impl_->flat().barrier(opts);
-  return impl_->submit(label, timeout_of(opts.timeout), [flat](Clock::time_point deadline) {
-    flat->wait(std::max(Duration(1), std::chrono::duration_cast<Duration>(deadline -
-                                                                          Clock::now())) +
-               1s);
-    return std::vector<Tensor>{};
-  });
+  return record_flight(
+      impl_->submit(label, timeout_of(opts.timeout),
+                    [flat](Clock::time_point deadline) {
+                      flat->wait(std::max(Duration(1), std::chrono::duration_cast<Duration>(
+                                                           deadline - Clock::now())) +
+                                 1s);
+                      return std::vector<Tensor>{};
+                    }),
+      {});
 }
 
 WorkPtr ProcessGroupHierarchical::send(const Tensor& tensor, int dst, int tag) {
   next_op_label("send");
-  return impl_->flat().send(tensor, dst, tag);
+  return record_flight(impl_->flat().send(tensor, dst, tag), {tensor});
 }
 
 WorkPtr ProcessGroupHierarchical::recv(Tensor& tensor, int src, int tag) {
   next_op_label("recv");
-  return impl_->flat().recv(tensor, src, tag);
+  return record_flight(impl_->flat().recv(tensor, src, tag), {tensor});
 }
 
 }  // namespace ember::dist

@@ -557,39 +557,43 @@ WorkPtr ProcessGroupMpi::allreduce(Tensor& tensor, const AllreduceOptions& opts)
   check_tensor("allreduce", tensor, "tensor");
   check_reducible("allreduce", tensor, opts.op);
   const int n = size_;
-  return impl_->enqueue(
-      next_op_label("allreduce"), timeout_of(opts.timeout),
-      [tensor, op = opts.op, n](Impl& im,
-                                const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
-        Tensor buf = contig(tensor);
-        {
-          MpiLock lock;
-          check_mpi(MPI_Allreduce(MPI_IN_PLACE, buf.data_ptr(), count(buf), mpi_type(buf.dtype()),
-                                  mpi_op(op, buf.dtype()), im.comm),
-                    w->describe(), "MPI_Allreduce");
-        }
-        if (op == ReduceOp::Avg) buf.div_(n);
-        write_back(tensor, buf);
-        return std::vector<Tensor>{tensor};
-      });
+  return record_flight(
+      impl_->enqueue(next_op_label("allreduce"), timeout_of(opts.timeout),
+                     [tensor, op = opts.op, n](
+                         Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
+                       Tensor buf = contig(tensor);
+                       {
+                         MpiLock lock;
+                         check_mpi(
+                             MPI_Allreduce(MPI_IN_PLACE, buf.data_ptr(), count(buf),
+                                           mpi_type(buf.dtype()), mpi_op(op, buf.dtype()), im.comm),
+                             w->describe(), "MPI_Allreduce");
+                       }
+                       if (op == ReduceOp::Avg) buf.div_(n);
+                       write_back(tensor, buf);
+                       return std::vector<Tensor>{tensor};
+                     }),
+      {tensor});
 }
 
 WorkPtr ProcessGroupMpi::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
   check_tensor("broadcast", tensor, "tensor");
   check_root("broadcast", opts.root);
-  return impl_->enqueue(
-      next_op_label("broadcast"), timeout_of(opts.timeout),
-      [tensor, root = opts.root](Impl& im,
-                                 const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
-        Tensor buf = contig(tensor);
-        {
-          MpiLock lock;
-          check_mpi(MPI_Bcast(buf.data_ptr(), count(buf), mpi_type(buf.dtype()), root, im.comm),
-                    w->describe(), "MPI_Bcast");
-        }
-        write_back(tensor, buf);
-        return std::vector<Tensor>{tensor};
-      });
+  return record_flight(
+      impl_->enqueue(next_op_label("broadcast"), timeout_of(opts.timeout),
+                     [tensor, root = opts.root](
+                         Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
+                       Tensor buf = contig(tensor);
+                       {
+                         MpiLock lock;
+                         check_mpi(MPI_Bcast(buf.data_ptr(), count(buf), mpi_type(buf.dtype()),
+                                             root, im.comm),
+                                   w->describe(), "MPI_Bcast");
+                       }
+                       write_back(tensor, buf);
+                       return std::vector<Tensor>{tensor};
+                     }),
+      {tensor});
 }
 
 WorkPtr ProcessGroupMpi::reduce(Tensor& tensor, const ReduceOptions& opts) {
@@ -598,24 +602,26 @@ WorkPtr ProcessGroupMpi::reduce(Tensor& tensor, const ReduceOptions& opts) {
   check_root("reduce", opts.root);
   const bool is_root = rank_ == opts.root;
   const int n = size_;
-  return impl_->enqueue(
-      next_op_label("reduce"), timeout_of(opts.timeout),
-      [tensor, op = opts.op, root = opts.root, is_root, n](
-          Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
-        Tensor buf = contig(tensor);
-        {
-          MpiLock lock;
-          check_mpi(MPI_Reduce(is_root ? MPI_IN_PLACE : buf.data_ptr(),
-                               is_root ? buf.data_ptr() : nullptr, count(buf),
-                               mpi_type(buf.dtype()), mpi_op(op, buf.dtype()), root, im.comm),
-                    w->describe(), "MPI_Reduce");
-        }
-        if (is_root) {
-          if (op == ReduceOp::Avg) buf.div_(n);
-          write_back(tensor, buf);
-        }
-        return std::vector<Tensor>{tensor};
-      });
+  return record_flight(
+      impl_->enqueue(next_op_label("reduce"), timeout_of(opts.timeout),
+                     [tensor, op = opts.op, root = opts.root, is_root, n](
+                         Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
+                       Tensor buf = contig(tensor);
+                       {
+                         MpiLock lock;
+                         check_mpi(MPI_Reduce(is_root ? MPI_IN_PLACE : buf.data_ptr(),
+                                              is_root ? buf.data_ptr() : nullptr, count(buf),
+                                              mpi_type(buf.dtype()), mpi_op(op, buf.dtype()), root,
+                                              im.comm),
+                                   w->describe(), "MPI_Reduce");
+                       }
+                       if (is_root) {
+                         if (op == ReduceOp::Avg) buf.div_(n);
+                         write_back(tensor, buf);
+                       }
+                       return std::vector<Tensor>{tensor};
+                     }),
+      {tensor});
 }
 
 WorkPtr ProcessGroupMpi::allgather_into_tensor(Tensor& output, const Tensor& input,
@@ -625,21 +631,23 @@ WorkPtr ProcessGroupMpi::allgather_into_tensor(Tensor& output, const Tensor& inp
   EMBER_CHECK(output.dtype() == input.dtype() && output.numel() == input.numel() * size_,
               "[mpi] allgather_into_tensor: output (shape ", output.shape(), ", ", output.dtype(),
               ") must hold ", size_, " x ", input.numel(), " elements of ", input.dtype());
-  return impl_->enqueue(
-      next_op_label("allgather_into_tensor"), timeout_of(opts.timeout),
-      [output, input](Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
-        const Tensor in = contig(input);
-        Tensor out = contig(output);
-        const MPI_Datatype t = mpi_type(in.dtype());
-        {
-          MpiLock lock;
-          check_mpi(
-              MPI_Allgather(in.data_ptr(), count(in), t, out.data_ptr(), count(in), t, im.comm),
-              w->describe(), "MPI_Allgather");
-        }
-        write_back(output, out);
-        return std::vector<Tensor>{output};
-      });
+  return record_flight(
+      impl_->enqueue(next_op_label("allgather_into_tensor"), timeout_of(opts.timeout),
+                     [output, input](
+                         Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
+                       const Tensor in = contig(input);
+                       Tensor out = contig(output);
+                       const MPI_Datatype t = mpi_type(in.dtype());
+                       {
+                         MpiLock lock;
+                         check_mpi(MPI_Allgather(in.data_ptr(), count(in), t, out.data_ptr(),
+                                                 count(in), t, im.comm),
+                                   w->describe(), "MPI_Allgather");
+                       }
+                       write_back(output, out);
+                       return std::vector<Tensor>{output};
+                     }),
+      {input});
 }
 
 WorkPtr ProcessGroupMpi::allgather(std::vector<Tensor>& outputs, const Tensor& input,
@@ -647,22 +655,23 @@ WorkPtr ProcessGroupMpi::allgather(std::vector<Tensor>& outputs, const Tensor& i
   check_tensor("allgather", input, "input");
   check_like("allgather", outputs, size_, input, "outputs");
   const int n = size_;
-  return impl_->enqueue(
-      next_op_label("allgather"), timeout_of(opts.timeout),
-      [outputs, input, n](Impl& im,
-                          const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
-        const Tensor in = contig(input);
-        Tensor flat = stacked(n, in);
-        const MPI_Datatype t = mpi_type(in.dtype());
-        {
-          MpiLock lock;
-          check_mpi(
-              MPI_Allgather(in.data_ptr(), count(in), t, flat.data_ptr(), count(in), t, im.comm),
-              w->describe(), "MPI_Allgather");
-        }
-        for (int r = 0; r < n; ++r) outputs[r].copy_(flat[r]);
-        return outputs;
-      });
+  return record_flight(
+      impl_->enqueue(next_op_label("allgather"), timeout_of(opts.timeout),
+                     [outputs, input, n](
+                         Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
+                       const Tensor in = contig(input);
+                       Tensor flat = stacked(n, in);
+                       const MPI_Datatype t = mpi_type(in.dtype());
+                       {
+                         MpiLock lock;
+                         check_mpi(MPI_Allgather(in.data_ptr(), count(in), t, flat.data_ptr(),
+                                                 count(in), t, im.comm),
+                                   w->describe(), "MPI_Allgather");
+                       }
+                       for (int r = 0; r < n; ++r) outputs[r].copy_(flat[r]);
+                       return outputs;
+                     }),
+      {input});
 }
 
 WorkPtr ProcessGroupMpi::gather(std::vector<Tensor>& outputs, const Tensor& input,
@@ -676,22 +685,24 @@ WorkPtr ProcessGroupMpi::gather(std::vector<Tensor>& outputs, const Tensor& inpu
     check_only_root_passes("gather", opts.root, outputs.size(), "output");
   }
   const int n = size_;
-  return impl_->enqueue(
-      next_op_label("gather"), timeout_of(opts.timeout),
-      [outputs, input, n, is_root, root = opts.root](
-          Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
-        const Tensor in = contig(input);
-        Tensor flat = is_root ? stacked(n, in) : Tensor();
-        const MPI_Datatype t = mpi_type(in.dtype());
-        {
-          MpiLock lock;
-          check_mpi(MPI_Gather(in.data_ptr(), count(in), t, is_root ? flat.data_ptr() : nullptr,
-                               count(in), t, root, im.comm),
-                    w->describe(), "MPI_Gather");
-        }
-        for (size_t r = 0; r < outputs.size(); ++r) outputs[r].copy_(flat[r]);
-        return outputs;
-      });
+  return record_flight(
+      impl_->enqueue(next_op_label("gather"), timeout_of(opts.timeout),
+                     [outputs, input, n, is_root, root = opts.root](
+                         Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
+                       const Tensor in = contig(input);
+                       Tensor flat = is_root ? stacked(n, in) : Tensor();
+                       const MPI_Datatype t = mpi_type(in.dtype());
+                       {
+                         MpiLock lock;
+                         check_mpi(MPI_Gather(in.data_ptr(), count(in), t,
+                                              is_root ? flat.data_ptr() : nullptr, count(in), t,
+                                              root, im.comm),
+                                   w->describe(), "MPI_Gather");
+                       }
+                       for (size_t r = 0; r < outputs.size(); ++r) outputs[r].copy_(flat[r]);
+                       return outputs;
+                     }),
+      {input});
 }
 
 WorkPtr ProcessGroupMpi::scatter(Tensor& output, const std::vector<Tensor>& inputs,
@@ -704,22 +715,23 @@ WorkPtr ProcessGroupMpi::scatter(Tensor& output, const std::vector<Tensor>& inpu
   } else {
     check_only_root_passes("scatter", opts.root, inputs.size(), "input");
   }
-  return impl_->enqueue(
-      next_op_label("scatter"), timeout_of(opts.timeout),
-      [output, inputs, is_root, root = opts.root](
-          Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
-        const Tensor packed = is_root ? pack(inputs) : Tensor();
-        Tensor out = contig(output);
-        const MPI_Datatype t = mpi_type(out.dtype());
-        {
-          MpiLock lock;
-          check_mpi(MPI_Scatter(is_root ? packed.data_ptr() : nullptr, count(out), t,
-                                out.data_ptr(), count(out), t, root, im.comm),
-                    w->describe(), "MPI_Scatter");
-        }
-        write_back(output, out);
-        return std::vector<Tensor>{output};
-      });
+  return record_flight(
+      impl_->enqueue(next_op_label("scatter"), timeout_of(opts.timeout),
+                     [output, inputs, is_root, root = opts.root](
+                         Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
+                       const Tensor packed = is_root ? pack(inputs) : Tensor();
+                       Tensor out = contig(output);
+                       const MPI_Datatype t = mpi_type(out.dtype());
+                       {
+                         MpiLock lock;
+                         check_mpi(MPI_Scatter(is_root ? packed.data_ptr() : nullptr, count(out), t,
+                                               out.data_ptr(), count(out), t, root, im.comm),
+                                   w->describe(), "MPI_Scatter");
+                       }
+                       write_back(output, out);
+                       return std::vector<Tensor>{output};
+                     }),
+      {output});
 }
 
 WorkPtr ProcessGroupMpi::reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
@@ -728,23 +740,24 @@ WorkPtr ProcessGroupMpi::reduce_scatter(Tensor& output, const std::vector<Tensor
   check_reducible("reduce_scatter", output, opts.op);
   check_like("reduce_scatter", inputs, size_, output, "inputs");
   const int n = size_;
-  return impl_->enqueue(
-      next_op_label("reduce_scatter"), timeout_of(opts.timeout),
-      [output, inputs, op = opts.op, n](
-          Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
-        const Tensor packed = pack(inputs);
-        Tensor out = contig(output);
-        {
-          MpiLock lock;
-          check_mpi(
-              MPI_Reduce_scatter_block(packed.data_ptr(), out.data_ptr(), count(out),
-                                       mpi_type(out.dtype()), mpi_op(op, out.dtype()), im.comm),
-              w->describe(), "MPI_Reduce_scatter_block");
-        }
-        if (op == ReduceOp::Avg) out.div_(n);
-        write_back(output, out);
-        return std::vector<Tensor>{output};
-      });
+  return record_flight(
+      impl_->enqueue(next_op_label("reduce_scatter"), timeout_of(opts.timeout),
+                     [output, inputs, op = opts.op, n](
+                         Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
+                       const Tensor packed = pack(inputs);
+                       Tensor out = contig(output);
+                       {
+                         MpiLock lock;
+                         check_mpi(MPI_Reduce_scatter_block(packed.data_ptr(), out.data_ptr(),
+                                                            count(out), mpi_type(out.dtype()),
+                                                            mpi_op(op, out.dtype()), im.comm),
+                                   w->describe(), "MPI_Reduce_scatter_block");
+                       }
+                       if (op == ReduceOp::Avg) out.div_(n);
+                       write_back(output, out);
+                       return std::vector<Tensor>{output};
+                     }),
+      {output});
 }
 
 WorkPtr ProcessGroupMpi::alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
@@ -753,31 +766,35 @@ WorkPtr ProcessGroupMpi::alltoall(std::vector<Tensor>& outputs, const std::vecto
   check_like("alltoall", inputs, size_, inputs[0], "inputs");
   check_like("alltoall", outputs, size_, inputs[0], "outputs");
   const int n = size_;
-  return impl_->enqueue(
-      next_op_label("alltoall"), timeout_of(opts.timeout),
-      [outputs, inputs, n](Impl& im,
-                           const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
-        const Tensor packed = pack(inputs);
-        Tensor flat = stacked(n, inputs[0]);
-        const int each = count(inputs[0]);
-        const MPI_Datatype t = mpi_type(packed.dtype());
-        {
-          MpiLock lock;
-          check_mpi(MPI_Alltoall(packed.data_ptr(), each, t, flat.data_ptr(), each, t, im.comm),
-                    w->describe(), "MPI_Alltoall");
-        }
-        for (int r = 0; r < n; ++r) outputs[r].copy_(flat[r]);
-        return outputs;
-      });
+  return record_flight(
+      impl_->enqueue(next_op_label("alltoall"), timeout_of(opts.timeout),
+                     [outputs, inputs, n](
+                         Impl& im, const WorkPtr& w) mutable -> std::optional<std::vector<Tensor>> {
+                       const Tensor packed = pack(inputs);
+                       Tensor flat = stacked(n, inputs[0]);
+                       const int each = count(inputs[0]);
+                       const MPI_Datatype t = mpi_type(packed.dtype());
+                       {
+                         MpiLock lock;
+                         check_mpi(MPI_Alltoall(packed.data_ptr(), each, t, flat.data_ptr(), each,
+                                                t, im.comm),
+                                   w->describe(), "MPI_Alltoall");
+                       }
+                       for (int r = 0; r < n; ++r) outputs[r].copy_(flat[r]);
+                       return outputs;
+                     }),
+      inputs);
 }
 
 WorkPtr ProcessGroupMpi::barrier(const CollectiveOptions& opts) {
-  return impl_->enqueue(next_op_label("barrier"), timeout_of(opts.timeout),
-                        [](Impl& im, const WorkPtr& w) -> std::optional<std::vector<Tensor>> {
-                          MpiLock lock;
-                          check_mpi(MPI_Barrier(im.comm), w->describe(), "MPI_Barrier");
-                          return std::vector<Tensor>{};
-                        });
+  return record_flight(
+      impl_->enqueue(next_op_label("barrier"), timeout_of(opts.timeout),
+                     [](Impl& im, const WorkPtr& w) -> std::optional<std::vector<Tensor>> {
+                       MpiLock lock;
+                       check_mpi(MPI_Barrier(im.comm), w->describe(), "MPI_Barrier");
+                       return std::vector<Tensor>{};
+                     }),
+      {});
 }
 
 namespace {
@@ -802,32 +819,33 @@ WorkPtr ProcessGroupMpi::point_to_point(bool is_send, const Tensor& tensor, int 
   const char* op = is_send ? "send" : "recv";
   check_tensor(op, tensor, "tensor");
   check_peer(op, peer, rank_, size_, tag);
-  return impl_->enqueue(
-      next_op_label(op), options_.timeout,
-      [=](Impl& im, const WorkPtr& w) -> std::optional<std::vector<Tensor>> {
-        const Tensor buf = contig(tensor);
-        MPI_Request request = MPI_REQUEST_NULL;
-        {
-          MpiLock lock;
-          if (is_send) {
-            check_mpi(MPI_Isend(buf.data_ptr(), count(buf), mpi_type(buf.dtype()), peer, tag,
-                                im.comm, &request),
-                      w->describe(), "MPI_Isend");
-          } else {
-            check_mpi(MPI_Irecv(buf.data_ptr(), count(buf), mpi_type(buf.dtype()), peer, tag,
-                                im.comm, &request),
-                      w->describe(), "MPI_Irecv");
-          }
-        }
-        // buf stays captured until MPI is done with it; a received contiguous copy is written
-        // back to the caller's tensor.
-        im.add_pending(w, request, [tensor, buf, is_send]() mutable {
-          Tensor t = tensor;
-          if (!is_send) write_back(t, buf);
-          return std::vector<Tensor>{tensor};
-        });
-        return std::nullopt;
-      });
+  return record_flight(
+      impl_->enqueue(next_op_label(op), options_.timeout,
+                     [=](Impl& im, const WorkPtr& w) -> std::optional<std::vector<Tensor>> {
+                       const Tensor buf = contig(tensor);
+                       MPI_Request request = MPI_REQUEST_NULL;
+                       {
+                         MpiLock lock;
+                         if (is_send) {
+                           check_mpi(MPI_Isend(buf.data_ptr(), count(buf), mpi_type(buf.dtype()),
+                                               peer, tag, im.comm, &request),
+                                     w->describe(), "MPI_Isend");
+                         } else {
+                           check_mpi(MPI_Irecv(buf.data_ptr(), count(buf), mpi_type(buf.dtype()),
+                                               peer, tag, im.comm, &request),
+                                     w->describe(), "MPI_Irecv");
+                         }
+                       }
+                       // buf stays captured until MPI is done with it; a received contiguous copy
+                       // is written back to the caller's tensor.
+                       im.add_pending(w, request, [tensor, buf, is_send]() mutable {
+                         Tensor t = tensor;
+                         if (!is_send) write_back(t, buf);
+                         return std::vector<Tensor>{tensor};
+                       });
+                       return std::nullopt;
+                     }),
+      {tensor});
 }
 
 }  // namespace ember::dist

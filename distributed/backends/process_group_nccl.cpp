@@ -17,6 +17,7 @@
 #include <ember/distributed/debug/collective_trace.h>
 #include <ember/distributed/debug/debug.h>
 #include <ember/distributed/environment.h>
+#include <ember/distributed/flight_recorder.h>
 #include <ember/tensor/cuda/check.h>
 #include <ember/tensor/log.h>
 #include <ember/tensor/ops.h>
@@ -536,6 +537,8 @@ class ProcessGroupNccl::Impl {
       failed.swap(pending_);
     }
     cv_.notify_all();
+    // The watchdog's timeouts reach no wait(): dump the recent collectives here as well.
+    dist::detail::flight_recorder_on_failure(reason);
   }
 
   // The watchdog: forgets operations whose end event has passed, and aborts on a timeout or an
@@ -711,10 +714,12 @@ WorkPtr ProcessGroupNccl::allreduce(Tensor& tensor, const AllreduceOptions& opts
   const size_t n = static_cast<size_t>(tensor.numel());
   const ncclDataType_t dt = nccl_dtype(tensor.dtype());
   const ncclRedOp_t op = nccl_op(opts.op);
-  return impl_->launch(next_op_label("allreduce"), timeout_of(opts.timeout), {tensor}, {},
-                       [=](ncclComm_t c, cudaStream_t s) {
-                         return n == 0 ? ncclSuccess : ncclAllReduce(p, p, n, dt, op, c, s);
-                       });
+  return record_flight(
+      impl_->launch(next_op_label("allreduce"), timeout_of(opts.timeout), {tensor}, {},
+                    [=](ncclComm_t c, cudaStream_t s) {
+                      return n == 0 ? ncclSuccess : ncclAllReduce(p, p, n, dt, op, c, s);
+                    }),
+      {tensor});
 }
 
 WorkPtr ProcessGroupNccl::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
@@ -724,10 +729,12 @@ WorkPtr ProcessGroupNccl::broadcast(Tensor& tensor, const BroadcastOptions& opts
   const size_t n = static_cast<size_t>(tensor.numel());
   const ncclDataType_t dt = nccl_dtype(tensor.dtype());
   const int root = opts.root;
-  return impl_->launch(next_op_label("broadcast"), timeout_of(opts.timeout), {tensor}, {},
-                       [=](ncclComm_t c, cudaStream_t s) {
-                         return n == 0 ? ncclSuccess : ncclBroadcast(p, p, n, dt, root, c, s);
-                       });
+  return record_flight(
+      impl_->launch(next_op_label("broadcast"), timeout_of(opts.timeout), {tensor}, {},
+                    [=](ncclComm_t c, cudaStream_t s) {
+                      return n == 0 ? ncclSuccess : ncclBroadcast(p, p, n, dt, root, c, s);
+                    }),
+      {tensor});
 }
 
 WorkPtr ProcessGroupNccl::reduce(Tensor& tensor, const ReduceOptions& opts) {
@@ -738,10 +745,12 @@ WorkPtr ProcessGroupNccl::reduce(Tensor& tensor, const ReduceOptions& opts) {
   const ncclDataType_t dt = nccl_dtype(tensor.dtype());
   const ncclRedOp_t op = nccl_op(opts.op);
   const int root = opts.root;
-  return impl_->launch(next_op_label("reduce"), timeout_of(opts.timeout), {tensor}, {},
-                       [=](ncclComm_t c, cudaStream_t s) {
-                         return n == 0 ? ncclSuccess : ncclReduce(p, p, n, dt, op, root, c, s);
-                       });
+  return record_flight(
+      impl_->launch(next_op_label("reduce"), timeout_of(opts.timeout), {tensor}, {},
+                    [=](ncclComm_t c, cudaStream_t s) {
+                      return n == 0 ? ncclSuccess : ncclReduce(p, p, n, dt, op, root, c, s);
+                    }),
+      {tensor});
 }
 
 WorkPtr ProcessGroupNccl::allgather_into_tensor(Tensor& output, const Tensor& input,
@@ -756,10 +765,13 @@ WorkPtr ProcessGroupNccl::allgather_into_tensor(Tensor& output, const Tensor& in
   void* out = output.data_ptr();
   const size_t n = static_cast<size_t>(input.numel());
   const ncclDataType_t dt = nccl_dtype(input.dtype());
-  return impl_->launch(next_op_label("allgather_into_tensor"), timeout_of(opts.timeout), {output},
-                       {input}, [=](ncclComm_t c, cudaStream_t s) {
-                         return n == 0 ? ncclSuccess : ncclAllGather(in, out, n, dt, c, s);
-                       });
+  return record_flight(impl_->launch(next_op_label("allgather_into_tensor"),
+                                     timeout_of(opts.timeout), {output}, {input},
+                                     [=](ncclComm_t c, cudaStream_t s) {
+                                       return n == 0 ? ncclSuccess
+                                                     : ncclAllGather(in, out, n, dt, c, s);
+                                     }),
+                       {output, input});
 }
 
 WorkPtr ProcessGroupNccl::reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
@@ -784,10 +796,12 @@ WorkPtr ProcessGroupNccl::reduce_scatter(Tensor& output, const std::vector<Tenso
   const size_t n = static_cast<size_t>(output.numel());
   const ncclDataType_t dt = nccl_dtype(output.dtype());
   const ncclRedOp_t op = nccl_op(opts.op);
-  return impl_->launch(next_op_label("reduce_scatter"), timeout_of(opts.timeout), {output},
-                       {packed}, [=](ncclComm_t c, cudaStream_t s) {
-                         return n == 0 ? ncclSuccess : ncclReduceScatter(in, out, n, dt, op, c, s);
-                       });
+  return record_flight(
+      impl_->launch(next_op_label("reduce_scatter"), timeout_of(opts.timeout), {output}, {packed},
+                    [=](ncclComm_t c, cudaStream_t s) {
+                      return n == 0 ? ncclSuccess : ncclReduceScatter(in, out, n, dt, op, c, s);
+                    }),
+      {output, packed});
 }
 
 WorkPtr ProcessGroupNccl::reduce_scatter_tensor(Tensor& output, const Tensor& input,
@@ -800,10 +814,13 @@ WorkPtr ProcessGroupNccl::reduce_scatter_tensor(Tensor& output, const Tensor& in
   const size_t n = static_cast<size_t>(output.numel());
   const ncclDataType_t dt = nccl_dtype(output.dtype());
   const ncclRedOp_t op = nccl_op(opts.op);
-  return impl_->launch(next_op_label("reduce_scatter_tensor"), timeout_of(opts.timeout),
-                       {output}, {input}, [=](ncclComm_t c, cudaStream_t s) {
-                         return n == 0 ? ncclSuccess : ncclReduceScatter(in, out, n, dt, op, c, s);
-                       });
+  return record_flight(impl_->launch(next_op_label("reduce_scatter_tensor"),
+                                     timeout_of(opts.timeout), {output}, {input},
+                                     [=](ncclComm_t c, cudaStream_t s) {
+                                       return n == 0 ? ncclSuccess
+                                                     : ncclReduceScatter(in, out, n, dt, op, c, s);
+                                     }),
+                       {output, input});
 }
 
 WorkPtr ProcessGroupNccl::alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
@@ -827,37 +844,41 @@ WorkPtr ProcessGroupNccl::alltoall(std::vector<Tensor>& outputs, const std::vect
   }
   const ncclDataType_t dt = nccl_dtype(inputs[0].dtype());
   // Zero-sized parts are skipped on both sides (rank a's send to b has b's receive's size).
-  return impl_->launch(next_op_label("alltoall"), timeout_of(opts.timeout), outputs, inputs,
-                       [=](ncclComm_t c, cudaStream_t s) {
-                         ncclResult_t r = ncclGroupStart();
-                         if (r != ncclSuccess) return r;
-                         ncclResult_t first = ncclSuccess;
-                         auto note = [&](ncclResult_t x) {
-                           if (first == ncclSuccess && x != ncclSuccess && x != ncclInProgress) {
-                             first = x;
-                           }
-                         };
-                         for (int peer = 0; peer < static_cast<int>(sends.size()); ++peer) {
-                           if (sends[peer].count > 0) {
-                             note(ncclSend(sends[peer].ptr, sends[peer].count, dt, peer, c, s));
-                           }
-                           if (recvs[peer].count > 0) {
-                             note(ncclRecv(recvs[peer].ptr, recvs[peer].count, dt, peer, c, s));
-                           }
-                         }
-                         const ncclResult_t e = ncclGroupEnd();
-                         return first != ncclSuccess ? first : e;
-                       });
+  return record_flight(
+      impl_->launch(next_op_label("alltoall"), timeout_of(opts.timeout), outputs, inputs,
+                    [=](ncclComm_t c, cudaStream_t s) {
+                      ncclResult_t r = ncclGroupStart();
+                      if (r != ncclSuccess) return r;
+                      ncclResult_t first = ncclSuccess;
+                      auto note = [&](ncclResult_t x) {
+                        if (first == ncclSuccess && x != ncclSuccess && x != ncclInProgress) {
+                          first = x;
+                        }
+                      };
+                      for (int peer = 0; peer < static_cast<int>(sends.size()); ++peer) {
+                        if (sends[peer].count > 0) {
+                          note(ncclSend(sends[peer].ptr, sends[peer].count, dt, peer, c, s));
+                        }
+                        if (recvs[peer].count > 0) {
+                          note(ncclRecv(recvs[peer].ptr, recvs[peer].count, dt, peer, c, s));
+                        }
+                      }
+                      const ncclResult_t e = ncclGroupEnd();
+                      return first != ncclSuccess ? first : e;
+                    }),
+      inputs);
 }
 
 WorkPtr ProcessGroupNccl::barrier(const CollectiveOptions& opts) {
   Tensor one = zeros({1}, TensorOptions(kFloat32).device(cuda_device(device())));
   void* p = one.data_ptr();
-  return impl_->launch(next_op_label("barrier"), timeout_of(opts.timeout), {}, {one},
-                       [=](ncclComm_t c, cudaStream_t s) {
-                         return ncclAllReduce(p, p, 1, ncclFloat32, ncclSum, c, s);
-                       },
-                       /*blocking=*/true);
+  return record_flight(impl_->launch(
+                           next_op_label("barrier"), timeout_of(opts.timeout), {}, {one},
+                           [=](ncclComm_t c, cudaStream_t s) {
+                             return ncclAllReduce(p, p, 1, ncclFloat32, ncclSum, c, s);
+                           },
+                           /*blocking=*/true),
+                       {one});
 }
 
 WorkPtr ProcessGroupNccl::send(const Tensor& tensor, int dst, int /*tag*/) {
@@ -867,10 +888,11 @@ WorkPtr ProcessGroupNccl::send(const Tensor& tensor, int dst, int /*tag*/) {
   const void* p = tensor.data_ptr();
   const size_t n = static_cast<size_t>(tensor.numel());
   const ncclDataType_t dt = nccl_dtype(tensor.dtype());
-  return impl_->launch(next_op_label("send"), timeout_of({}), {tensor}, {},
-                       [=](ncclComm_t c, cudaStream_t s) {
-                         return n == 0 ? ncclSuccess : ncclSend(p, n, dt, dst, c, s);
-                       });
+  return record_flight(impl_->launch(next_op_label("send"), timeout_of({}), {tensor}, {},
+                                     [=](ncclComm_t c, cudaStream_t s) {
+                                       return n == 0 ? ncclSuccess : ncclSend(p, n, dt, dst, c, s);
+                                     }),
+                       {tensor});
 }
 
 WorkPtr ProcessGroupNccl::recv(Tensor& tensor, int src, int /*tag*/) {
@@ -880,10 +902,11 @@ WorkPtr ProcessGroupNccl::recv(Tensor& tensor, int src, int /*tag*/) {
   void* p = tensor.data_ptr();
   const size_t n = static_cast<size_t>(tensor.numel());
   const ncclDataType_t dt = nccl_dtype(tensor.dtype());
-  return impl_->launch(next_op_label("recv"), timeout_of({}), {tensor}, {},
-                       [=](ncclComm_t c, cudaStream_t s) {
-                         return n == 0 ? ncclSuccess : ncclRecv(p, n, dt, src, c, s);
-                       });
+  return record_flight(impl_->launch(next_op_label("recv"), timeout_of({}), {tensor}, {},
+                                     [=](ncclComm_t c, cudaStream_t s) {
+                                       return n == 0 ? ncclSuccess : ncclRecv(p, n, dt, src, c, s);
+                                     }),
+                       {tensor});
 }
 
 std::vector<WorkPtr> ProcessGroupNccl::batch_isend_irecv(const std::vector<P2POp>& ops) {
@@ -908,24 +931,25 @@ std::vector<WorkPtr> ProcessGroupNccl::batch_isend_irecv(const std::vector<P2POp
                      nccl_dtype(op.tensor.dtype()), op.peer});
     (send ? keep : outputs).push_back(op.tensor);
   }
-  WorkPtr w = impl_->launch(next_op_label("batch_isend_irecv"), timeout_of({}), outputs, keep,
-                            [=](ncclComm_t c, cudaStream_t s) {
-                              ncclResult_t r = ncclGroupStart();
-                              if (r != ncclSuccess) return r;
-                              ncclResult_t first = ncclSuccess;
-                              for (const Part& p : parts) {
-                                if (p.count == 0) continue;
-                                const ncclResult_t x =
-                                    p.send ? ncclSend(p.ptr, p.count, p.dt, p.peer, c, s)
-                                           : ncclRecv(p.ptr, p.count, p.dt, p.peer, c, s);
-                                if (first == ncclSuccess && x != ncclSuccess &&
-                                    x != ncclInProgress) {
-                                  first = x;
-                                }
-                              }
-                              const ncclResult_t e = ncclGroupEnd();
-                              return first != ncclSuccess ? first : e;
-                            });
+  WorkPtr w = record_flight(
+      impl_->launch(next_op_label("batch_isend_irecv"), timeout_of({}), outputs, keep,
+                    [=](ncclComm_t c, cudaStream_t s) {
+                      ncclResult_t r = ncclGroupStart();
+                      if (r != ncclSuccess) return r;
+                      ncclResult_t first = ncclSuccess;
+                      for (const Part& p : parts) {
+                        if (p.count == 0) continue;
+                        const ncclResult_t x = p.send
+                                                   ? ncclSend(p.ptr, p.count, p.dt, p.peer, c, s)
+                                                   : ncclRecv(p.ptr, p.count, p.dt, p.peer, c, s);
+                        if (first == ncclSuccess && x != ncclSuccess && x != ncclInProgress) {
+                          first = x;
+                        }
+                      }
+                      const ncclResult_t e = ncclGroupEnd();
+                      return first != ncclSuccess ? first : e;
+                    }),
+      keep);
   return std::vector<WorkPtr>(ops.size(), w);
 }
 

@@ -633,6 +633,8 @@ ProcessGroupThreads::ProcessGroupThreads(std::shared_ptr<ThreadWorld> world, int
 
 WorkPtr ProcessGroupThreads::issue(Call c) {
   auto work = std::make_shared<ThreadsWork>(c.label, c.timeout);
+  // Before arrive(): the last rank to arrive runs the collective, which may complete it.
+  record_flight(work, c.in.empty() ? c.out : c.in);
   c.future = work->future();
   std::optional<Device> dev;
   if (!c.in.empty()) dev = c.in[0].device();

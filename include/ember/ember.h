@@ -12,6 +12,7 @@
 #include <ember/distributed/ddp/local_sgd.h>
 #include <ember/distributed/ddp/powersgd.h>
 #include <ember/distributed/ddp/sync_batch_norm.h>
+#include <ember/distributed/flight_recorder.h>
 #include <ember/distributed/forwarding_process_group.h>
 #include <ember/distributed/init.h>
 #include <ember/distributed/sampler.h>

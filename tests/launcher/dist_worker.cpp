@@ -7,6 +7,8 @@
 // for gloo prints "rank R: allreduce over shared memory" (every rank on one machine), "...
 // over tcp", or, for a hierarchical group, "... over shared memory within the node, tcp between
 // N nodes".
+// DIST_WORKER_BARRIER_ON_RANK=R: rank R issues a barrier where the others all-reduce (a rank
+// gone astray, for the flight recorder's test), so every rank's collective fails.
 // Usage: dist_worker DIR [BACKEND]   (BACKEND: gloo, the default, or mpi under mpirun)
 #include <time.h>
 
@@ -37,7 +39,12 @@ int main(int argc, char** argv) {
           << (static_cast<long long>(ts.tv_sec) * 1000000000LL + ts.tv_nsec);
     }
     ember::Tensor t = ember::full({1}, static_cast<double>(pg->rank() + 1));
-    pg->allreduce(t)->wait();
+    const char* astray = std::getenv("DIST_WORKER_BARRIER_ON_RANK");
+    if (astray != nullptr && std::atoi(astray) == pg->rank()) {
+      pg->barrier()->wait();
+    } else {
+      pg->allreduce(t)->wait();
+    }
     std::string path = std::string(argv[1]) + "/sum_" + std::to_string(pg->rank());
     {
       std::ofstream out(path + ".tmp");

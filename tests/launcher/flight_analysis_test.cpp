@@ -1,0 +1,283 @@
+// The flight recorder's analysis (launcher/flight_analysis.h) and its program,
+// ember_flight_analyze, on dumps written here by hand: each kind of divergence is named with its
+// rank, collective and sequence number; agreeing ranks (also with rings that wrapped at
+// different points) give none; bad dumps are refused naming the file. The dumps the recorder
+// itself writes are analysed in tests/distributed/flight_recorder_test.cpp.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include <ember/launcher/flight_analysis.h>
+#include "cmake/build_paths.h"
+#include "tests/temp_dir.h"
+
+namespace ember::launcher {
+namespace {
+
+using nlohmann::json;
+using Kind = FlightFinding::Kind;
+
+json entry(uint64_t seq, const std::string& op, int64_t n, const std::string& state = "completed") {
+  return {{"seq", seq},         {"op", op},   {"sizes", {{n}}}, {"dtypes", {"float32"}},
+          {"state", state}, {"enqueued_us", 1}, {"completed_us", state == "completed" ? 2 : 0}};
+}
+
+json dump(int rank, const std::vector<int>& ranks, const json& entries) {
+  return {{"format", "ember-flight-recorder"},
+          {"version", 1},
+          {"rank", rank},
+          {"pid", 1},
+          {"reason", "test"},
+          {"dumped_us", 3},
+          {"groups",
+           {{{"name", "ranks " + json(ranks).dump() + " #0"},
+             {"backend", "gloo"},
+             {"rank", rank},
+             {"size", static_cast<int>(ranks.size())},
+             {"global_ranks", ranks},
+             {"entries", entries}}}}};
+}
+
+void write(const test::TempDir& dir, int rank, const std::string& text) {
+  std::ofstream(dir / ("flight_rank" + std::to_string(rank) + ".json")) << text;
+}
+void write(const test::TempDir& dir, int rank, const json& doc) { write(dir, rank, doc.dump()); }
+
+// A DDP-like pattern: a bucket all-reduce (10 floats), then the loss (1 float), per step.
+json steps(uint64_t from, uint64_t to) {
+  json e = json::array();
+  for (uint64_t s = from; s < to; ++s) e.push_back(entry(s, "allreduce", s % 2 == 0 ? 10 : 1));
+  return e;
+}
+
+struct ProgramRun {
+  int rc;
+  std::string out;
+};
+
+// ember_flight_analyze as a user runs it; stdout and stderr together.
+ProgramRun analyze_program(const std::string& dir) {
+  const std::string cmd = EMBER_BINARY_DIR + "/launcher/ember_flight_analyze '" + dir + "' 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  EXPECT_NE(p, nullptr);
+  std::string out;
+  char buf[4096];
+  while (p && std::fgets(buf, sizeof buf, p)) out += buf;
+  const int status = p ? ::pclose(p) : -1;
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+TEST(FlightAnalysis, AgreeingRanksGiveNoFindingEvenWhenTheirRingsWrappedApart) {
+  test::TempDir dir("flight_analysis");
+  write(dir, 0, dump(0, {0, 1}, steps(5, 12)));  // its ring lost #0..#4
+  write(dir, 1, dump(1, {0, 1}, steps(2, 12)));
+  const FlightReport r = analyze_flight_dumps(dir.path);
+  EXPECT_EQ(r.files.size(), 2u);
+  EXPECT_TRUE(r.findings.empty()) << r.findings[0].message;
+  const ProgramRun run = analyze_program(dir.path);
+  EXPECT_EQ(run.rc, 0) << run.out;
+  EXPECT_NE(run.out.find("no divergence"), std::string::npos) << run.out;
+}
+
+TEST(FlightAnalysis, NamesTheRankThatNeverCalledWhatTheOthersWaitIn) {
+  test::TempDir dir("flight_analysis");
+  json waiting = steps(0, 7);
+  waiting.push_back(entry(7, "allreduce", 1, "enqueued"));
+  write(dir, 0, dump(0, {0, 1, 2}, waiting));
+  write(dir, 1, dump(1, {0, 1, 2}, steps(0, 7)));
+  write(dir, 2, dump(2, {0, 1, 2}, waiting));
+  const FlightReport r = analyze_flight_dumps(dir.path);
+  ASSERT_EQ(r.findings.size(), 1u);
+  const FlightFinding& f = r.findings[0];
+  EXPECT_EQ(f.kind, Kind::Missing);
+  EXPECT_EQ(f.seq, 7u);
+  EXPECT_EQ(f.op, "allreduce");
+  EXPECT_EQ(f.ranks, std::vector<int>{1});
+  EXPECT_NE(f.message.find("rank 1 never called allreduce #7, allreduce(float32 [1]); ranks 0 "
+                           "and 2 wait in it (enqueued)"),
+            std::string::npos)
+      << f.message;
+  const ProgramRun run = analyze_program(dir.path);
+  EXPECT_EQ(run.rc, 1) << run.out;
+  EXPECT_NE(run.out.find(f.message), std::string::npos) << run.out;
+}
+
+TEST(FlightAnalysis, NamesARankThatSkippedOneAndWentOn) {
+  test::TempDir dir("flight_analysis");
+  write(dir, 0, dump(0, {0, 1, 2}, steps(0, 6)));
+  write(dir, 2, dump(2, {0, 1, 2}, steps(0, 6)));
+  json behind = steps(0, 3);  // skipped #3 (the loss): its #3 is the next bucket, and so on
+  for (uint64_t s = 3; s < 5; ++s) behind.push_back(entry(s, "allreduce", s % 2 == 0 ? 1 : 10));
+  write(dir, 1, dump(1, {0, 1, 2}, behind));
+  const FlightReport r = analyze_flight_dumps(dir.path);
+  ASSERT_EQ(r.findings.size(), 1u);
+  const FlightFinding& f = r.findings[0];
+  EXPECT_EQ(f.kind, Kind::Skipped);
+  EXPECT_EQ(f.seq, 3u);
+  EXPECT_EQ(f.ranks, std::vector<int>{1});
+  EXPECT_NE(f.message.find("rank 1 skipped allreduce #3, allreduce(float32 [1]), which ranks 0 "
+                           "and 2 called"),
+            std::string::npos)
+      << f.message;
+}
+
+TEST(FlightAnalysis, NamesASizeMismatch) {
+  test::TempDir dir("flight_analysis");
+  json other = steps(0, 2);
+  other.push_back(entry(2, "allreduce", 12, "enqueued"));
+  json same = steps(0, 2);
+  same.push_back(entry(2, "allreduce", 10, "enqueued"));
+  write(dir, 0, dump(0, {0, 1, 2}, same));
+  write(dir, 1, dump(1, {0, 1, 2}, other));
+  write(dir, 2, dump(2, {0, 1, 2}, same));
+  const FlightReport r = analyze_flight_dumps(dir.path);
+  ASSERT_EQ(r.findings.size(), 1u);
+  const FlightFinding& f = r.findings[0];
+  EXPECT_EQ(f.kind, Kind::Mismatch);
+  EXPECT_EQ(f.seq, 2u);
+  EXPECT_EQ(f.ranks, std::vector<int>{1});
+  EXPECT_NE(f.message.find("allreduce #2 differs across ranks: ranks 0 and 2 called "
+                           "allreduce(float32 [10]); rank 1 called allreduce(float32 [12])"),
+            std::string::npos)
+      << f.message;
+  EXPECT_EQ(f.message.find("likely skipped"), std::string::npos) << f.message;
+}
+
+// The others failed at the mismatch (gloo and threads check every collective), so nothing
+// after it shows the skip; rank 1's call is the loop's next collective, which they made before.
+TEST(FlightAnalysis, SaysARankLikelySkippedWhenItsCallIsOneTheOthersMadeBefore) {
+  test::TempDir dir("flight_analysis");
+  json failed = steps(0, 3);  // #2 a bucket, then the loss at #3
+  failed.push_back(entry(3, "allreduce", 1, "failed"));
+  json ahead = steps(0, 3);
+  ahead.push_back(entry(3, "allreduce", 10, "failed"));  // the next step's bucket
+  write(dir, 0, dump(0, {0, 1, 2}, failed));
+  write(dir, 1, dump(1, {0, 1, 2}, ahead));
+  write(dir, 2, dump(2, {0, 1, 2}, failed));
+  const FlightReport r = analyze_flight_dumps(dir.path);
+  ASSERT_EQ(r.findings.size(), 1u);
+  EXPECT_EQ(r.findings[0].kind, Kind::Mismatch);
+  EXPECT_EQ(r.findings[0].seq, 3u);
+  EXPECT_NE(r.findings[0].message.find(
+                "allreduce #3 differs across ranks: ranks 0 and 2 called allreduce(float32 [1]); "
+                "rank 1 called allreduce(float32 [10]) (what ranks 0 and 2 called at #2: in a "
+                "loop, rank 1 likely skipped allreduce #3)"),
+            std::string::npos)
+      << r.findings[0].message;
+}
+
+TEST(FlightAnalysis, NamesRanksStuckInACollectiveTheOthersCompleted) {
+  test::TempDir dir("flight_analysis");
+  json stuck = steps(0, 3);
+  stuck.push_back(entry(3, "broadcast", 4, "started"));
+  json done = steps(0, 3);
+  done.push_back(entry(3, "broadcast", 4));
+  write(dir, 0, dump(0, {0, 1}, done));
+  write(dir, 1, dump(1, {0, 1}, stuck));
+  const FlightReport r = analyze_flight_dumps(dir.path);
+  ASSERT_EQ(r.findings.size(), 1u);
+  EXPECT_EQ(r.findings[0].kind, Kind::Stuck);
+  EXPECT_EQ(r.findings[0].seq, 3u);
+  EXPECT_EQ(r.findings[0].ranks, std::vector<int>{1});
+  EXPECT_NE(r.findings[0].message.find("rank 1 is stuck in broadcast #3"), std::string::npos)
+      << r.findings[0].message;
+}
+
+TEST(FlightAnalysis, NamesAFailedCollectiveAndAMemberWithoutADump) {
+  test::TempDir dir("flight_analysis");
+  json failed = steps(0, 2);
+  json e = entry(2, "allreduce", 10, "failed");
+  e["error"] = "[gloo] allreduce #2 on rank 0 of 3: connection reset by rank 2";
+  failed.push_back(e);
+  write(dir, 0, dump(0, {0, 1, 2}, failed));
+  write(dir, 1, dump(1, {0, 1, 2}, failed));
+  const FlightReport r = analyze_flight_dumps(dir.path);
+  ASSERT_EQ(r.findings.size(), 2u);
+  EXPECT_EQ(r.findings[0].kind, Kind::Failed);
+  EXPECT_NE(r.findings[0].message.find("connection reset by rank 2"), std::string::npos);
+  EXPECT_EQ(r.findings[1].kind, Kind::NoDump);
+  EXPECT_EQ(r.findings[1].ranks, std::vector<int>{2});
+}
+
+// Each bad input is refused by the analysis naming the file (or folder), and by the program
+// with exit status 2.
+TEST(FlightAnalysis, RefusesBadDumpsByName) {
+  struct Case {
+    const char* what;
+    std::string text;
+    const char* expect;
+  };
+  json no_entries = dump(1, {0, 1}, steps(0, 2));
+  no_entries["groups"][0].erase("entries");
+  json bad_state = dump(1, {0, 1}, json::array({entry(0, "allreduce", 1, "lost")}));
+  const std::vector<Case> cases = {
+      {"not JSON", "{\"format\": ", "flight_rank1.json: is not JSON"},
+      {"another file", "{\"traceEvents\": []}", "flight_rank1.json: is not a flight recorder dump"},
+      {"no entries", no_entries.dump(), "flight_rank1.json: group \"ranks [0,1] #0\" has no "
+                                        "\"entries\""},
+      {"another rank", dump(0, {0, 1}, steps(0, 2)).dump(),
+       "flight_rank1.json: holds rank 0, not the rank its name says"},
+      {"bad state", bad_state.dump(), "has an unknown state \"lost\""},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    test::TempDir dir("flight_analysis");
+    write(dir, 0, dump(0, {0, 1}, steps(0, 2)));
+    write(dir, 1, c.text);
+    try {
+      analyze_flight_dumps(dir.path);
+      ADD_FAILURE() << "accepted";
+    } catch (const FlightDumpError& e) {
+      EXPECT_NE(std::string(e.what()).find(c.expect), std::string::npos) << e.what();
+    }
+    const ProgramRun run = analyze_program(dir.path);
+    EXPECT_EQ(run.rc, 2) << run.out;
+    EXPECT_NE(run.out.find(c.expect), std::string::npos) << run.out;
+  }
+  test::TempDir empty("flight_analysis");
+  EXPECT_THROW(analyze_flight_dumps(empty.path), FlightDumpError);
+  ProgramRun run = analyze_program(empty.path);
+  EXPECT_EQ(run.rc, 2);
+  EXPECT_NE(run.out.find("no flight_rank<R>.json dumps"), std::string::npos) << run.out;
+  run = analyze_program(empty / "missing");
+  EXPECT_EQ(run.rc, 2);
+  EXPECT_NE(run.out.find("missing: not a folder"), std::string::npos) << run.out;
+}
+
+// emberrun --log-dir D gives its workers EMBER_FLIGHT_RECORDER_DIR=D/<run id>/attempt_<k>/flight:
+// a job whose rank 1 issues a barrier where rank 0 all-reduces fails, each rank dumps there,
+// and the program names rank 1 and the collective's number.
+TEST(FlightAnalysis, EmberrunKeepsTheDumpsWithTheLogs) {
+  const std::string worker = EMBER_BINARY_DIR + "/launcher/test_workers/dist_worker";
+  if (!std::filesystem::exists(worker)) {
+    GTEST_SKIP() << worker << " not built (no ember_distributed)";
+  }
+  test::TempDir dir("flight_emberrun");
+  const std::string cmd = "env -u EMBER_FLIGHT_RECORDER_DIR DIST_WORKER_BARRIER_ON_RANK=1 "
+                          "EMBER_PG_TIMEOUT=30 '" + EMBER_BINARY_DIR +
+                          "/launcher/emberrun' --standalone --nproc-per-node 2 --log-dir '" +
+                          dir.path + "/logs' '" + worker + "' '" + dir.path + "' > '" +
+                          dir.path + "/emberrun.out' 2>&1";
+  const int status = std::system(cmd.c_str());
+  std::ifstream log(dir / "emberrun.out");
+  const std::string out((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  EXPECT_NE(WEXITSTATUS(status), 0) << "the job must fail:\n" << out;
+  const ProgramRun run = analyze_program(dir.path + "/logs/none/attempt_0/flight");
+  EXPECT_EQ(run.rc, 1) << run.out << "\nemberrun:\n" << out;
+  EXPECT_NE(run.out.find("allreduce #0 differs across ranks: rank 0 called allreduce(float32 [1]); "
+                         "rank 1 called barrier()"),
+            std::string::npos)
+      << run.out << "\nemberrun:\n" << out;
+}
+
+}  // namespace
+}  // namespace ember::launcher
