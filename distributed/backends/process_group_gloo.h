@@ -20,7 +20,11 @@
 // "rank 0 was at barrier #3 when it failed"; Note [where a rank stands]): ranks that ran
 // uneven numbers of steps are named with both sequence numbers. After a failed collective the
 // group closes its connections, so peers blocked on this rank fail at once rather than at
-// their timeout, and the group cannot be used again (as in c10d: recreate it).
+// their timeout, and the group cannot be used again (as in c10d: recreate it). It also writes
+// an abort record into the group's store (Note [abort through the store]): every other rank's
+// blocked or later operation of the group, even one waiting on a third rank that is busy
+// elsewhere, fails within moments with an error naming the rank that aborted, its collective
+// and why ("rank 0 aborted the group at its allreduce #3: ... timed out after 2000 ms").
 //
 // Dtypes: float32, float64, float16, bfloat16, int32, int64, uint8; tensors must be contiguous
 // CPU tensors. float16/bfloat16 reductions compute each pairwise step in float32 and round
