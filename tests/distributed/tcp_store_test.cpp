@@ -730,6 +730,43 @@ TEST(TCPStore, StoredBytesAreCappedByTheQuota) {
   EXPECT_EQ(c.get_string("a"), std::string(100, 'a'));
 }
 
+// A job's limits reach the store rank 0 hosts: TCPStoreOptions::server_limits, filled by
+// init_process_group from the EMBER_STORE_* variables emberrun exports.
+TEST(TCPStore, AServerRankTakesItsLimitsFromItsOptionsAndTheEnvironment) {
+  TCPStoreOptions o = client_options();
+  o.is_server = true;
+  o.server_limits.max_stored_bytes = 1000;
+  TCPStore host("127.0.0.1", 0, o);
+  host.set("a", std::string(600, 'a'));
+  EXPECT_THROW(host.set("b", std::string(600, 'b')), DistStoreError);
+  EXPECT_EQ(host.server()->stats().quota_refusals, 1);
+
+  ::setenv("EMBER_STORE_MAX_STORED_BYTES", "4096", 1);
+  ::setenv("EMBER_STORE_MAX_BUFFERED_BYTES", "65536", 1);
+  ::setenv("EMBER_STORE_MAX_CONNECTIONS", "300", 1);
+  ::setenv("EMBER_STORE_MAX_FRAME_TIME", "0.5", 1);
+  TCPStoreServerOptions env = store_limits_from_env();
+  EXPECT_EQ(env.max_stored_bytes, 4096u);
+  EXPECT_EQ(env.max_buffered_bytes, 65536u);
+  EXPECT_EQ(env.max_connections, 300u);
+  EXPECT_EQ(env.max_frame_time, 500ms);
+  ::setenv("EMBER_STORE_MAX_FRAME_TIME", "", 1);  // empty: the default stays
+  EXPECT_EQ(store_limits_from_env().max_frame_time, TCPStoreServerOptions{}.max_frame_time);
+  ::setenv("EMBER_STORE_MAX_CONNECTIONS", "many", 1);
+  try {
+    (void)store_limits_from_env();
+    ADD_FAILURE() << "a bad EMBER_STORE_MAX_CONNECTIONS was taken";
+  } catch (const ValueError& e) {
+    EXPECT_STREQ(e.what(),
+                 "EMBER_STORE_MAX_CONNECTIONS: expected an integer in [1, 1048576], got 'many'");
+  }
+  for (const char* v : {"EMBER_STORE_MAX_STORED_BYTES", "EMBER_STORE_MAX_BUFFERED_BYTES",
+                        "EMBER_STORE_MAX_CONNECTIONS", "EMBER_STORE_MAX_FRAME_TIME"}) {
+    ::unsetenv(v);
+  }
+  EXPECT_EQ(store_limits_from_env().max_stored_bytes, TCPStoreServerOptions{}.max_stored_bytes);
+}
+
 // max_connections follows the descriptor limit (T6): a quarter of it (at least 256) stays for
 // the job, so connections that never authenticate cannot take the descriptors rank 0 needs.
 TEST(TCPStore, MaxConnectionsLeavesDescriptorsForTheJob) {
