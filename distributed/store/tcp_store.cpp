@@ -257,6 +257,10 @@ const std::vector<StoreLimit>& store_limits() {
        "Receive-buffer bytes a store holds across its connections; a frame past it drops its "
        "connection (default 1 GiB; below two values' size a large set may be refused)",
        &O::max_buffered_bytes, kMaxBytes},
+      {"--store-max-connection-buffered-bytes", "EMBER_STORE_MAX_CONNECTION_BUFFERED_BYTES",
+       "Receive-buffer bytes one connection may hold, its share of --store-max-buffered-bytes "
+       "(default: a frame's maximum, about 128 MiB; a request larger than it is refused)",
+       &O::max_connection_buffered_bytes, kMaxBytes},
       {"--store-max-connections", "EMBER_STORE_MAX_CONNECTIONS",
        "Connections a store accepts (default: 16384, at most the descriptor limit less a "
        "quarter; each costs a descriptor and a little memory)",

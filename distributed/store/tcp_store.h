@@ -60,6 +60,12 @@ struct TCPStoreServerOptions {
   /// grow as bytes arrive, so one connection holds at most about twice what it has sent (and
   /// never more than a frame's maximum, kMaxPayload: two 64 MiB values plus keys).
   size_t max_buffered_bytes = size_t{1} << 30;
+  /// The most of max_buffered_bytes one connection may hold: a frame that would take its buffer
+  /// past it drops the connection ("connection's buffer share"), so that a few connections
+  /// cannot take the whole budget from the others (each may hold this much at most, not a
+  /// frame's maximum). 0: a frame's maximum (two 64 MiB values plus keys). Below the largest
+  /// request the job sends, that request is refused.
+  size_t max_connection_buffered_bytes = 0;
   /// The most the stored keys and values may hold together (etcd's default quota): a set,
   /// add or compare_set that would go past it is refused with DistStoreError naming the key and
   /// the quota, and the store keeps serving.
@@ -77,8 +83,8 @@ struct StoreLimit {
   uint64_t max = 0;
   Duration TCPStoreServerOptions::*seconds = nullptr;  // or a time, given in seconds
 };
-/// The limits settable so: max_stored_bytes, max_buffered_bytes, max_connections and
-/// max_frame_time (seconds).
+/// The limits settable so: max_stored_bytes, max_buffered_bytes, max_connection_buffered_bytes,
+/// max_connections and max_frame_time (seconds).
 const std::vector<StoreLimit>& store_limits();
 /// Sets `limit` in `options` from its text `value`; ValueError "`named`: expected ..., got
 /// '<value>'" when it is not a whole number (seconds: a number) in the limit's range.
