@@ -451,7 +451,9 @@ void ProcessGroupGloo::Impl::fail(Job& job, const E& err, bool mark_broken, bool
                                    " when it failed"),
                    position_wait_);
   if (store_answers && !from_abort) {  // before the connections close: a woken peer reads it
-    write_abort(dist::detail::short_label(job.work->describe()), err.what(), position_wait_);
+    write_abort(detail::str_cat("rank ", rank_, " aborted the group at its ",
+                                dist::detail::short_label(job.work->describe()), ": ", err.what()),
+                position_wait_);
   }
   context_->closeConnections();
   if (shm_) shm_->abort(detail::str_cat("rank ", rank_, ": ", err.what()));
@@ -467,12 +469,12 @@ void ProcessGroupGloo::Impl::fail(Job& job, const E& err, bool mark_broken, bool
                                  "stand is unknown")))));
 }
 
-void ProcessGroupGloo::Impl::write_abort(const std::string& label, const std::string& error,
+void ProcessGroupGloo::Impl::write_abort(const std::string& text,
                                          std::chrono::milliseconds bound) {
   // Ranks that detect a disagreement together would each write every peer's key: the first
   // record stands, and the ranks after it write nothing (a race leaves a few writes too many).
   if (!peer_abort(std::chrono::milliseconds(1)).empty()) return;
-  const std::string record = dist::detail::abort_record(rank_, label, error);
+  const std::string record = dist::detail::abort_record(rank_, text);
   const std::string wake = "abort";
   try {
     store_->set_within(dist::detail::abort_key(), Bytes(record.begin(), record.end()), bound);
@@ -496,6 +498,22 @@ std::string ProcessGroupGloo::Impl::peer_abort(std::chrono::milliseconds bound) 
   } catch (const std::exception&) {
     return {};  // none within the bound, or no store
   }
+}
+
+void ProcessGroupGloo::Impl::abort(const std::string& reason) {
+  if (!context_) return;  // world size 1: no peer waits on this rank
+  const std::string text = detail::str_cat("rank ", rank_, " aborted the group: ", reason);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!broken_.empty()) return;  // the first failure stands, and told the peers
+    broken_ = text;
+  }
+  if (dist::detail::publish_position(*store_, rank_, "aborted the group", position_wait_)) {
+    write_abort(text, position_wait_);
+  }
+  waits_.abort(text);
+  context_->closeConnections();
+  if (shm_) shm_->abort(text);
 }
 
 void ProcessGroupGloo::Impl::observe_abort(const std::string& text) {
@@ -595,6 +613,8 @@ ProcessGroupGloo::ProcessGroupGloo(std::shared_ptr<Store> store, int rank, int s
 ProcessGroupGloo::~ProcessGroupGloo() {
   if (impl_) impl_->leave(seq_);
 }
+
+void ProcessGroupGloo::abort(const std::string& reason) { impl_->abort(reason); }
 
 bool ProcessGroupGloo::uses_shared_memory() const { return impl_->shm() != nullptr; }
 

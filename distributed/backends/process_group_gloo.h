@@ -94,6 +94,15 @@ class ProcessGroupGloo : public ProcessGroup {
   /// Same as gloo_available().
   static bool is_available() { return gloo_available(); }
 
+  /// Breaks the group for `reason`, as a failed collective does (ThreadWorld::abort()'s
+  /// counterpart across processes): this rank's running and later operations fail with
+  /// "rank R aborted the group: <reason>", and through the group's store (Note [abort through
+  /// the store]) so do the other ranks', within moments rather than at their timeout. For a
+  /// rank that fails outside the group (a wrapper whose other group failed, a user's error
+  /// handler) and must not leave its peers waiting. Does not wait for running operations; the
+  /// first failure or abort stands. Thread-safe; no-op at world size 1.
+  void abort(const std::string& reason);
+
   std::string backend_name() const override { return "gloo"; }
 
   /// True if the collectives go through shared memory (GlooOptions::shared_memory was on and

@@ -927,6 +927,46 @@ TEST(GlooAbort, ThePeerOfARankThatTimesOutNamesTheAbortAndItsReason) {
   }, kLongGroupTimeout, /*shm=*/false);
 }
 
+// ProcessGroupGloo::abort(): a rank that fails outside the group (here: its own error handler)
+// breaks it, and the peer waiting on it fails naming the rank and the reason.
+TEST(GlooAbort, AbortFailsThePeersNamingTheRankAndReason) {
+  EMBER_REQUIRE_GLOO();
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store& store) {
+    Tensor t = full({1000}, 1.0, kFloat32);
+    pg.allreduce(t)->wait();
+    if (rank == 0) {
+      pg.abort("the optimizer step ran out of memory");
+      pg.abort("a second reason");  // the first stands
+      std::string later;
+      try {
+        pg.allreduce(t)->wait();
+      } catch (const DistError& e) {
+        later = e.what();
+      }
+      require(later.find("[gloo] allreduce #1 on rank 0 of 2") != std::string::npos &&
+                  later.find("unusable after an earlier failure: rank 0 aborted the group: the "
+                             "optimizer step ran out of memory") != std::string::npos,
+              "rank 0, later allreduce: " + later);
+      store.wait({"reported1"}, 120s);  // alive: no exit closes the sockets
+      return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string msg;
+    try {
+      pg.recv(t, 0)->wait(kPromptly + 30s);
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    const double took = seconds_since(t0);
+    store.set("reported1", Bytes{1});
+    require(took < kPromptly.count(), "rank 1 failed only after " + std::to_string(took) + " s");
+    require(msg.find("[gloo] recv #1 on rank 1 of 2 from rank 0") != std::string::npos &&
+                msg.find("failed: rank 0 aborted the group: the optimizer step ran out of "
+                         "memory") != std::string::npos,
+            "rank 1: " + msg);
+  }, kLongGroupTimeout, /*shm=*/false);
+}
+
 // A peer blocked on a third rank that is busy outside the group (a pipeline stage's recv from a
 // stage still computing) is not woken by rank 0's closed connections; without the abort record
 // it would wait out the group's 10 minutes.

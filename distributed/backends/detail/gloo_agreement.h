@@ -533,6 +533,7 @@ inline std::string peer_positions(dist::Store& store, int rank, int size, const 
 // memory) and every blocked or later operation fails naming the rank that aborted, its operation
 // and why (as ThreadWorld::abort() does for a group of threads). A rank woken by a closed
 // connection reads the record too, so that it names the reason rather than a death.
+// ProcessGroupGloo::abort() writes the same record for a failure outside the group.
 //
 // Why a watcher thread parked on its own key rather than the group's wait loops asking the store:
 // Gloo's waits (waitRecv, the ring) block inside Gloo with no hook to poll anything, and a store
@@ -561,9 +562,9 @@ inline const std::string& abort_key() {
 /// destruction "closing".
 inline std::string watch_key(int rank) { return str_cat("ember_abort_watch_", rank); }
 
-/// The record `rank` writes when its `label` ("allreduce #3") failed with `error`.
-inline std::string abort_record(int rank, const std::string& label, const std::string& error) {
-  return str_cat(rank, "\n", "rank ", rank, " aborted the group at its ", label, ": ", error);
+/// The record `rank` writes with `text` ("rank 0 aborted the group at its allreduce #3: ...").
+inline std::string abort_record(int rank, const std::string& text) {
+  return str_cat(rank, "\n", text);
 }
 /// The rank and text of a record; rank -1 if it is not one.
 inline std::pair<int, std::string> parse_abort_record(const dist::Bytes& b) {

@@ -70,6 +70,9 @@ class ProcessGroupGloo::Impl {
   /// The collectives issued so far that have not completed (Note [barrier and two workers]).
   std::vector<WorkPtr> unfinished_collectives();
 
+  /// ProcessGroupGloo::abort(): breaks the group for `reason` and tells the other ranks.
+  void abort(const std::string& reason);
+
   /// The group is being destroyed after `issued` operations: writes where this rank stands
   /// (Note [where a rank stands] in gloo_agreement.h), unless a failure already did.
   void leave(uint64_t issued);
@@ -93,9 +96,9 @@ class ProcessGroupGloo::Impl {
   void watch();
   /// Breaks the group for the peer's abort record `text`, as its own failure would.
   void observe_abort(const std::string& text);
-  /// Writes this rank's abort record and wakes its peers' watchers, each write within `bound`.
-  void write_abort(const std::string& label, const std::string& error,
-                   std::chrono::milliseconds bound);
+  /// Writes this rank's abort record `text` and wakes its peers' watchers, each write within
+  /// `bound`.
+  void write_abort(const std::string& text, std::chrono::milliseconds bound);
   /// A peer's abort record, waiting up to `bound` for it; "" if none (or this rank's own).
   std::string peer_abort(std::chrono::milliseconds bound);
 
