@@ -927,6 +927,32 @@ TEST(GlooAbort, ThePeerOfARankThatTimesOutNamesTheAbortAndItsReason) {
   }, kLongGroupTimeout, /*shm=*/false);
 }
 
+// The issue's case: two ranks over TCP issue mismatched collectives (rank 0 an allreduce, rank 1
+// a broadcast of another size) under a 10-minute group timeout, and stay alive afterwards: both
+// fail within seconds, each naming what the other issued.
+TEST(GlooAbort, MismatchedCollectivesFailBothRanksWithinSeconds) {
+  EMBER_REQUIRE_GLOO();
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store& store) {
+    Tensor t = full({1000 + 500 * rank}, 1.0, kFloat32);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string msg;
+    try {
+      (rank == 0 ? pg.allreduce(t) : pg.broadcast(t))->wait(kPromptly + 30s);
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    const double took = seconds_since(t0);
+    store.set("reported" + std::to_string(rank), Bytes{1});
+    store.wait({"reported0", "reported1"}, 120s);
+    const std::string me = "rank " + std::to_string(rank);
+    require(took < kPromptly.count(), me + " failed only after " + std::to_string(took) +
+                                          " s: " + msg);
+    const std::string theirs = rank == 0 ? "rank 1 issued broadcast of 1500 elements"
+                                         : "rank 0 issued allreduce (sum) of 1000 elements";
+    require(msg.find(theirs) != std::string::npos, me + ": " + msg);
+  }, kLongGroupTimeout, /*shm=*/false);
+}
+
 // ProcessGroupGloo::abort(): a rank that fails outside the group (here: its own error handler)
 // breaks it, and the peer waiting on it fails naming the rank and the reason.
 TEST(GlooAbort, AbortFailsThePeersNamingTheRankAndReason) {
