@@ -86,6 +86,8 @@ std::shared_ptr<Store> rendezvous_tcp_store(const std::string& host, int port, i
                                             Duration timeout) {
   TCPStoreOptions so;
   so.is_server = rank == 0;
+  // The job's store limits (emberrun's --store-* options reach rank 0 so).
+  if (so.is_server) so.server_limits = store_limits_from_env();
   so.world_size = size;
   so.timeout = timeout;
   return std::make_shared<TCPStore>(host, static_cast<uint16_t>(port), so);

@@ -22,6 +22,7 @@
 #include <sstream>
 #include <tuple>
 
+#include <ember/distributed/store/tcp_store.h>
 #include <ember/launcher/rendezvous_backend.h>
 
 namespace ember::launcher {
@@ -185,6 +186,8 @@ struct RawOptions {
                                    // "Could not convert" for a number past int
   std::string rdzv_conf, start_method;
   std::optional<double> heartbeat_interval;  // unset: 5 s, or less for a short timeout
+  // --store-*, one per dist::store_limits(), in its order; "" = not given
+  std::vector<std::string> store_limits = std::vector<std::string>(dist::store_limits().size());
   bool no_python = false, module = false, run_path = false;
 };
 
@@ -268,6 +271,11 @@ std::vector<EnvOption> add_options(CLI::App& app, RawOptions& raw, LaunchConfig&
       "Seconds between worker checks");
   opt("--grace-period,--grace_period", c.grace_period_s, "GRACE_PERIOD",
       "Seconds between SIGTERM and SIGKILL when stopping workers (Ember extension)", false);
+  for (size_t i = 0; i < dist::store_limits().size(); ++i) {
+    const dist::StoreLimit& l = dist::store_limits()[i];
+    opt(l.option, raw.store_limits[i], std::string(l.env).substr(std::strlen("EMBER_")), l.help,
+        false);
+  }
   opt("--log-dir,--log_dir", c.log_dir, "LOG_DIR", "Folder for per-rank log files");
   opt("-r,--redirects", raw.redirects, "REDIRECTS",
       "Streams sent to the log file only: 0 none, 1 stdout, 2 stderr, 3 both, or 0:3,1:1");
@@ -394,6 +402,18 @@ void check_limits(const RawOptions& raw, LaunchConfig& c) {
   if (!(c.grace_period_s >= 0) || c.grace_period_s > 3600) {
     throw UsageError("--grace-period: expected seconds in [0, 3600], got " +
                      shown(c.grace_period_s));
+  }
+  for (size_t i = 0; i < dist::store_limits().size(); ++i) {
+    const std::string& v = raw.store_limits[i];
+    if (v.empty()) continue;
+    const dist::StoreLimit& l = dist::store_limits()[i];
+    dist::TCPStoreServerOptions checked;
+    try {
+      dist::set_store_limit(checked, l, v, l.option);
+    } catch (const Error& e) {
+      throw UsageError(e.what());
+    }
+    c.store_limits.emplace_back(l.env, v);
   }
 }
 

@@ -51,6 +51,10 @@ struct LaunchConfig {
   int max_restarts = 0;             // --max-restarts
   double monitor_interval_s = 0.1;  // --monitor-interval, seconds
   double grace_period_s = 30.0;     // --grace-period: SIGTERM -> SIGKILL delay, seconds
+  // --store-max-stored-bytes and the other store limits given (dist::store_limits()): their
+  // EMBER_STORE_* variable and value, exported to the workers (rank 0's store reads them) and
+  // applied to the rendezvous store node 0's agent hosts.
+  std::vector<std::pair<std::string, std::string>> store_limits;
   std::string log_dir;              // --log-dir ("" = no log files unless --redirects/--tee)
   std::vector<StreamMask> redirects;  // per local rank: streams sent to the log file only
   std::vector<StreamMask> tee;        // per local rank: streams sent to console and log file

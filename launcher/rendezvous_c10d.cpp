@@ -48,6 +48,11 @@ class C10dBackend final : public RendezvousBackend {
     dist::TCPStoreServerOptions o;
     o.host = "";  // every interface: the endpoint's name may resolve to any of them
     o.port = static_cast<uint16_t>(s_.port());
+    for (const auto& [var, value] : c.store_limits) {  // checked by parse_args
+      for (const dist::StoreLimit& l : dist::store_limits()) {
+        if (var == l.env) dist::set_store_limit(o, l, value, l.option);
+      }
+    }
     try {
       server_ = std::make_unique<dist::TCPStoreServer>(o);
     } catch (const std::exception& e) {

@@ -112,6 +112,7 @@ std::vector<std::string> worker_environment(std::map<std::string, std::string> e
   env["TORCHELASTIC_ERROR_FILE"] = error_file;
   env["EMBER_ERROR_FILE"] = error_file;
   env["EMBER_SHM_TAG"] = shm_tag();
+  for (const auto& [var, value] : c.store_limits) env[var] = value;  // for rank 0's store
   std::vector<std::string> out;
   for (auto& [k, v] : env) out.push_back(k + "=" + v);
   return out;

@@ -146,6 +146,9 @@ ProcessGroupGloo::Impl::Impl(const ProcessGroupGloo& pg, std::shared_ptr<Store> 
                                              e.what(), ") nor on 127.0.0.1: ", e2.what()));
     }
   }
+  // A record an earlier group with this prefix left (Note [abort through the store]).
+  store->delete_key(dist::detail::abort_key());
+  store->delete_key(dist::detail::watch_key(rank_));
   auto ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
   ctx->setTimeout(opts.timeout);
   GlooStoreAdapter adapter(store, opts.timeout);
@@ -187,18 +190,32 @@ ProcessGroupGloo::Impl::Impl(const ProcessGroupGloo& pg, std::shared_ptr<Store> 
   // as are waiting at once (up to kMaxSenders, more than a pipeline step keeps in flight).
   // Sends to one peer on one tag still go in order (previous_send), as MPI's do.
   p2p_[1] = std::thread([this] { loop(p2p_queue_[1], p2p_cv_[1], false); });
+  watcher_ = std::thread([this] { watch(); });
 }
 
 ProcessGroupGloo::Impl::~Impl() {
   std::deque<Job> dropped;
+  bool parked = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    parked = watching_;
     for (auto* q : {&queue_, &p2p_queue_[0], &p2p_queue_[1]}) {
       for (auto& j : *q) dropped.push_back(std::move(j));
       q->clear();
     }
   }
+  watch_cv_.notify_all();
+  if (parked) {  // wake this rank's own watcher from its parked get
+    const std::string closing = "closing";
+    try {
+      store_->set_within(dist::detail::watch_key(rank_), Bytes(closing.begin(), closing.end()),
+                         dist::detail::kLeavingStoreWait);
+    } catch (const std::exception&) {
+      // No store: the parked get fails or ends at its interval.
+    }
+  }
+  if (watcher_.joinable()) watcher_.join();
   cv_.notify_all();
   for (auto& cv : p2p_cv_) cv.notify_all();
   for (auto& j : dropped) {
@@ -331,7 +348,15 @@ void ProcessGroupGloo::Impl::execute(Job& job, bool mark_broken) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     broken = broken_;
+    if (running_++ == 0) watch_cv_.notify_one();
   }
+  struct Done {  // every return below
+    Impl* impl;
+    ~Done() {
+      std::lock_guard<std::mutex> lock(impl->mu_);
+      --impl->running_;
+    }
+  } done{this};
   if (!broken.empty()) {
     job.work->finish_with_error(std::make_exception_ptr(
         DistBackendError(detail::str_cat(what, " (timeout ", timeout.count(),
@@ -351,6 +376,11 @@ void ProcessGroupGloo::Impl::execute(Job& job, bool mark_broken) {
   }
   std::vector<Tensor> out;
   const int64_t started_us = tracing::stamp();
+  struct Waits {  // this group's, while its operation runs here (an inline one may nest)
+    dist::detail::AbortableWaits* before = dist::detail::current_waits();
+    explicit Waits(dist::detail::AbortableWaits* w) { dist::detail::current_waits() = w; }
+    ~Waits() { dist::detail::current_waits() = before; }
+  } waits{&waits_};
   try {
     out = job.run(left);
     tracing::record_collective(what, job.queued_us, started_us, out);
@@ -366,7 +396,22 @@ void ProcessGroupGloo::Impl::execute(Job& job, bool mark_broken) {
     const bool peer_gone = msg.find("losed") != std::string::npos ||
                            msg.find("reset") != std::string::npos ||
                            msg.find("Broken pipe") != std::string::npos;
-    if (timed_out) {
+    // A peer that aborted the group wrote why before it closed its connections (Note [abort
+    // through the store]); this rank's watcher may have seen it first.
+    std::string aborted;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      aborted = aborted_by_;
+    }
+    if (aborted.empty() && peer_gone && store_) {
+      aborted = peer_abort(std::min(position_wait_, std::chrono::milliseconds(100)));
+    }
+    if (!aborted.empty()) {
+      fail(job,
+           DistBackendError(
+               detail::str_cat(what, " (timeout ", timeout.count(), " ms) failed: ", aborted)),
+           mark_broken, /*from_abort=*/true);
+    } else if (timed_out) {
       fail(job,
            DistTimeoutError(
                detail::str_cat(what, " timed out after ", timeout.count(), " ms: ", msg)),
@@ -388,7 +433,7 @@ void ProcessGroupGloo::Impl::execute(Job& job, bool mark_broken) {
 // failure also says where this rank stands and names where the others do (Note [where a rank
 // stands]).
 template <typename E>
-void ProcessGroupGloo::Impl::fail(Job& job, const E& err, bool mark_broken) {
+void ProcessGroupGloo::Impl::fail(Job& job, const E& err, bool mark_broken, bool from_abort) {
   if (!mark_broken || !context_) {
     job.work->finish_with_error(std::make_exception_ptr(err));
     return;
@@ -405,6 +450,11 @@ void ProcessGroupGloo::Impl::fail(Job& job, const E& err, bool mark_broken) {
                    detail::str_cat("was at ", dist::detail::short_label(job.work->describe()),
                                    " when it failed"),
                    position_wait_);
+  if (store_answers && !from_abort) {  // before the connections close: a woken peer reads it
+    write_abort(detail::str_cat("rank ", rank_, " aborted the group at its ",
+                                dist::detail::short_label(job.work->describe()), ": ", err.what()),
+                position_wait_);
+  }
   context_->closeConnections();
   if (shm_) shm_->abort(detail::str_cat("rank ", rank_, ": ", err.what()));
   if (!first) {
@@ -417,6 +467,99 @@ void ProcessGroupGloo::Impl::fail(Job& job, const E& err, bool mark_broken) {
                    ? dist::detail::peer_positions(*store_, rank_, size_, msg, position_wait_)
                    : std::string("; the group's store did not answer, so where the other ranks "
                                  "stand is unknown")))));
+}
+
+void ProcessGroupGloo::Impl::write_abort(const std::string& text,
+                                         std::chrono::milliseconds bound) {
+  // Ranks that detect a disagreement together would each write every peer's key: the first
+  // record stands, and the ranks after it write nothing (a race leaves a few writes too many).
+  if (!peer_abort(std::chrono::milliseconds(1)).empty()) return;
+  const std::string record = dist::detail::abort_record(rank_, text);
+  const std::string wake = "abort";
+  try {
+    store_->set_within(dist::detail::abort_key(), Bytes(record.begin(), record.end()), bound);
+    for (int r = 0; r < size_; ++r) {
+      if (r != rank_) {
+        store_->set_within(dist::detail::watch_key(r), Bytes(wake.begin(), wake.end()), bound);
+      }
+    }
+  } catch (const std::exception& e) {
+    // The closed connections still wake the peers blocked on this rank.
+    logging::debug("[gloo] rank ", rank_, " of ", size_,
+                   ": could not write its abort record into the group's store: ", e.what());
+  }
+}
+
+std::string ProcessGroupGloo::Impl::peer_abort(std::chrono::milliseconds bound) {
+  try {
+    const auto [rank, text] =
+        dist::detail::parse_abort_record(store_->get(dist::detail::abort_key(), bound));
+    return rank >= 0 && rank != rank_ ? text : std::string();
+  } catch (const std::exception&) {
+    return {};  // none within the bound, or no store
+  }
+}
+
+void ProcessGroupGloo::Impl::abort(const std::string& reason) {
+  if (!context_) return;  // world size 1: no peer waits on this rank
+  const std::string text = detail::str_cat("rank ", rank_, " aborted the group: ", reason);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!broken_.empty()) return;  // the first failure stands, and told the peers
+    broken_ = text;
+  }
+  if (dist::detail::publish_position(*store_, rank_, "aborted the group", position_wait_)) {
+    write_abort(text, position_wait_);
+  }
+  waits_.abort(text);
+  context_->closeConnections();
+  if (shm_) shm_->abort(text);
+}
+
+void ProcessGroupGloo::Impl::observe_abort(const std::string& text) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!broken_.empty()) return;  // this rank failed already and closed its connections
+    broken_ = text;
+    aborted_by_ = text;
+  }
+  waits_.abort(text);  // closing a pair does not wake this rank's own waits on it
+  context_->closeConnections();
+  if (shm_) shm_->abort(detail::str_cat("rank ", rank_, " saw that ", text));
+}
+
+void ProcessGroupGloo::Impl::watch() {
+  trace::set_thread_name("gloo abort watcher");
+  const std::string key = dist::detail::watch_key(rank_);
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      watching_ = false;
+      watch_cv_.wait(lock, [&] { return stop_ || (running_ > 0 && broken_.empty()); });
+      if (stop_) return;
+      watching_ = true;
+    }
+    try {
+      const Bytes b = store_->get(key, dist::detail::kAbortWatchInterval);
+      if (std::string(b.begin(), b.end()) != "abort") return;  // "closing": being destroyed
+      const std::string text = peer_abort(position_wait_);
+      observe_abort(text.empty() ? std::string("a peer aborted the group (its record could not be "
+                                               "read from the group's store)")
+                                 : text);
+      std::lock_guard<std::mutex> lock(mu_);
+      watching_ = false;
+      return;
+    } catch (const DistTimeoutError&) {
+      // Nothing within the interval: park again while the group is busy.
+    } catch (const std::exception& e) {
+      // The store failed (its host exited?): the operations' own timeouts still bound them.
+      logging::debug("[gloo] rank ", rank_, " of ", size_,
+                     ": the abort watcher could not ask the group's store: ", e.what());
+      std::unique_lock<std::mutex> lock(mu_);
+      watching_ = false;
+      watch_cv_.wait_for(lock, dist::detail::kAbortWatchInterval, [&] { return stop_; });
+    }
+  }
 }
 
 void ProcessGroupGloo::Impl::leave(uint64_t issued) {
@@ -470,6 +613,8 @@ ProcessGroupGloo::ProcessGroupGloo(std::shared_ptr<Store> store, int rank, int s
 ProcessGroupGloo::~ProcessGroupGloo() {
   if (impl_) impl_->leave(seq_);
 }
+
+void ProcessGroupGloo::abort(const std::string& reason) { impl_->abort(reason); }
 
 bool ProcessGroupGloo::uses_shared_memory() const { return impl_->shm() != nullptr; }
 

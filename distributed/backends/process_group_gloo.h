@@ -20,7 +20,11 @@
 // "rank 0 was at barrier #3 when it failed"; Note [where a rank stands]): ranks that ran
 // uneven numbers of steps are named with both sequence numbers. After a failed collective the
 // group closes its connections, so peers blocked on this rank fail at once rather than at
-// their timeout, and the group cannot be used again (as in c10d: recreate it).
+// their timeout, and the group cannot be used again (as in c10d: recreate it). It also writes
+// an abort record into the group's store (Note [abort through the store]): every other rank's
+// blocked or later operation of the group, even one waiting on a third rank that is busy
+// elsewhere, fails within moments with an error naming the rank that aborted, its collective
+// and why ("rank 0 aborted the group at its allreduce #3: ... timed out after 2000 ms").
 //
 // Dtypes: float32, float64, float16, bfloat16, int32, int64, uint8; tensors must be contiguous
 // CPU tensors. float16/bfloat16 reductions compute each pairwise step in float32 and round
@@ -89,6 +93,15 @@ class ProcessGroupGloo : public ProcessGroup {
 
   /// Same as gloo_available().
   static bool is_available() { return gloo_available(); }
+
+  /// Breaks the group for `reason`, as a failed collective does (ThreadWorld::abort()'s
+  /// counterpart across processes): this rank's running and later operations fail with
+  /// "rank R aborted the group: <reason>", and through the group's store (Note [abort through
+  /// the store]) so do the other ranks', within moments rather than at their timeout. For a
+  /// rank that fails outside the group (a wrapper whose other group failed, a user's error
+  /// handler) and must not leave its peers waiting. Does not wait for running operations; the
+  /// first failure or abort stands. Thread-safe; no-op at world size 1.
+  void abort(const std::string& reason);
 
   std::string backend_name() const override { return "gloo"; }
 

@@ -331,17 +331,12 @@ void ProcessGroupHierarchical::Impl::execute(Task& task) {
     task.work->finish_with_error(std::current_exception());
   }
   // The ranks are out of step now, and peers may wait on this rank in the local or leaders'
-  // group until their timeout. A barrier that cannot finish within 1 ms fails at once, and a
-  // gloo group that fails a collective closes its connections and gives up its shared-memory
-  // waits: the peers blocked on this rank fail now, and in turn fail their other groups.
-  // (Destroying the groups would instead wait, here, for their running collectives.)
+  // group until their timeout. Aborting a gloo group closes its connections, gives up its
+  // shared-memory waits and tells its other ranks why through its store: the peers blocked on
+  // this rank fail now, naming this failure, and in turn fail their other groups. (Destroying
+  // the groups would instead wait, here, for their running collectives.)
   for (ProcessGroupGloo* g : {local_.get(), leaders_.get()}) {
-    if (g == nullptr) continue;
-    try {
-      g->barrier(CollectiveOptions{Duration(1)});
-    } catch (const std::exception&) {
-      // Already being destroyed: nothing left to wake.
-    }
+    if (g != nullptr) g->abort(failed_);
   }
 }
 

@@ -13,7 +13,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <climits>
 #include <system_error>
 #include <thread>
@@ -243,6 +245,66 @@ bool is_local_address_literal(const std::string& host) {
 }
 }  // namespace
 
+const std::vector<StoreLimit>& store_limits() {
+  using O = TCPStoreServerOptions;
+  constexpr uint64_t kMaxBytes = uint64_t{1} << 50;
+  static const std::vector<StoreLimit> limits = {
+      {"--store-max-stored-bytes", "EMBER_STORE_MAX_STORED_BYTES",
+       "Bytes the workers' and the rendezvous store may hold, keys and values together; a write "
+       "past it is refused naming the key (default 2 GiB; costs the store's memory, up to it)",
+       &O::max_stored_bytes, kMaxBytes},
+      {"--store-max-buffered-bytes", "EMBER_STORE_MAX_BUFFERED_BYTES",
+       "Receive-buffer bytes a store holds across its connections; a frame past it drops its "
+       "connection (default 1 GiB; below two values' size a large set may be refused)",
+       &O::max_buffered_bytes, kMaxBytes},
+      {"--store-max-connection-buffered-bytes", "EMBER_STORE_MAX_CONNECTION_BUFFERED_BYTES",
+       "Receive-buffer bytes one connection may hold, its share of --store-max-buffered-bytes "
+       "(default: a frame's maximum, about 128 MiB; a request larger than it is refused)",
+       &O::max_connection_buffered_bytes, kMaxBytes},
+      {"--store-max-connections", "EMBER_STORE_MAX_CONNECTIONS",
+       "Connections a store accepts (default: 16384, at most the descriptor limit less a "
+       "quarter; each costs a descriptor and a little memory)",
+       &O::max_connections, uint64_t{1} << 20},
+      {"--store-max-frame-time", "EMBER_STORE_MAX_FRAME_TIME",
+       "Seconds a frame may take to arrive from its first byte (default 120; a shorter one "
+       "drops large values sent over slow links)",
+       nullptr, 0, &O::max_frame_time},
+  };
+  return limits;
+}
+
+void set_store_limit(TCPStoreServerOptions& options, const StoreLimit& limit,
+                     const std::string& value, const std::string& named) {
+  if (limit.seconds != nullptr) {
+    char* end = nullptr;
+    errno = 0;
+    const double v = value.empty() ? 0.0 : std::strtod(value.c_str(), &end);
+    if (value.empty() || errno != 0 || end != value.c_str() + value.size() || !(v > 0) ||
+        v > 1e6) {
+      throw ValueError(str_cat(named, ": expected seconds in (0, 1e6], got '", value, "'"));
+    }
+    options.*limit.seconds = std::max(
+        Duration(1), std::chrono::duration_cast<Duration>(std::chrono::duration<double>(v)));
+    return;
+  }
+  uint64_t v = 0;
+  const auto [p, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
+  if (value.empty() || ec != std::errc() || p != value.data() + value.size() || v < 1 ||
+      v > limit.max) {
+    throw ValueError(
+        str_cat(named, ": expected an integer in [1, ", limit.max, "], got '", value, "'"));
+  }
+  options.*limit.count = static_cast<size_t>(v);
+}
+
+TCPStoreServerOptions store_limits_from_env(TCPStoreServerOptions base) {
+  for (const StoreLimit& limit : store_limits()) {
+    const char* v = std::getenv(limit.env);
+    if (v != nullptr && *v != '\0') set_store_limit(base, limit, v, limit.env);
+  }
+  return base;
+}
+
 std::string store_secret(const std::optional<std::string>& given) {
   if (given) return *given;
   const char* env = std::getenv(kStoreSecretEnv);
@@ -258,7 +320,7 @@ TCPStore::TCPStore(std::string host, uint16_t port, TCPStoreOptions options)
   EMBER_CHECK(!options.world_size || *options.world_size >= 1,
               "[TCPStore] world_size must be at least 1, got ", options.world_size.value_or(0));
   if (options.is_server) {
-    TCPStoreServerOptions so;
+    TCPStoreServerOptions so = options.server_limits;
     so.host = options.listen_host.empty() && is_local_address_literal(host_) ? host_
                                                                              : options.listen_host;
     so.port = port;

@@ -60,11 +60,39 @@ struct TCPStoreServerOptions {
   /// grow as bytes arrive, so one connection holds at most about twice what it has sent (and
   /// never more than a frame's maximum, kMaxPayload: two 64 MiB values plus keys).
   size_t max_buffered_bytes = size_t{1} << 30;
+  /// The most of max_buffered_bytes one connection may hold: a frame that would take its buffer
+  /// past it drops the connection ("connection's buffer share"), so that a few connections
+  /// cannot take the whole budget from the others (each may hold this much at most, not a
+  /// frame's maximum). 0: a frame's maximum (two 64 MiB values plus keys). Below the largest
+  /// request the job sends, that request is refused.
+  size_t max_connection_buffered_bytes = 0;
   /// The most the stored keys and values may hold together (etcd's default quota): a set,
   /// add or compare_set that would go past it is refused with DistStoreError naming the key and
   /// the quota, and the store keeps serving.
   size_t max_stored_bytes = size_t{2} << 30;
 };
+
+/// One limit of TCPStoreServerOptions that a job sets from outside: emberrun's option
+/// (`--store-max-stored-bytes`) and the variable it exports to the workers, which rank 0's
+/// store reads (EMBER_STORE_MAX_STORED_BYTES, store_limits_from_env()).
+struct StoreLimit {
+  const char* option;  // "--store-max-stored-bytes"
+  const char* env;     // "EMBER_STORE_MAX_STORED_BYTES"
+  const char* help;    // for emberrun's --help: what it bounds, its default and its cost
+  size_t TCPStoreServerOptions::*count = nullptr;  // a count (bytes, connections) in [1, max]
+  uint64_t max = 0;
+  Duration TCPStoreServerOptions::*seconds = nullptr;  // or a time, given in seconds
+};
+/// The limits settable so: max_stored_bytes, max_buffered_bytes, max_connection_buffered_bytes,
+/// max_connections and max_frame_time (seconds).
+const std::vector<StoreLimit>& store_limits();
+/// Sets `limit` in `options` from its text `value`; ValueError "`named`: expected ..., got
+/// '<value>'" when it is not a whole number (seconds: a number) in the limit's range.
+void set_store_limit(TCPStoreServerOptions& options, const StoreLimit& limit,
+                     const std::string& value, const std::string& named);
+/// `base` with each limit whose EMBER_STORE_* variable is set (and not empty) taken from it;
+/// ValueError naming the variable for a bad value.
+TCPStoreServerOptions store_limits_from_env(TCPStoreServerOptions base = {});
 
 /// max_connections' default for a process allowed `nofile` descriptors: 16384, or fewer so that
 /// a quarter of the descriptors (at least 256) stays for the job.
@@ -137,6 +165,10 @@ struct TCPStoreOptions {
   /// other interfaces; otherwise (a host name, or an address of another machine such as a NAT's)
   /// every interface. "0.0.0.0" or "::" listens on every interface whatever the host.
   std::string listen_host;
+  /// With is_server: the limits of the server this client starts (its host, port and secret
+  /// are ignored: they come from the fields above). init_process_group's rank 0 takes them
+  /// from store_limits_from_env().
+  TCPStoreServerOptions server_limits;
 };
 
 /// A client of a TCPStoreServer at host:port (and the server itself with is_server).

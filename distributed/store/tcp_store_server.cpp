@@ -282,6 +282,13 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
   bool grow() {
     const size_t want = std::min<size_t>(length_, std::max(got_ + kFirstChunk, 2 * got_));
     if (want > payload_.capacity()) {
+      const size_t share = srv_.opts_.max_connection_buffered_bytes;
+      if (share != 0 && want > share) {
+        ++srv_.buffer_refusals_;
+        drop(str_cat("connection's buffer share: a frame of ", length_, " bytes needs a ", want,
+                     "-byte buffer, past max_connection_buffered_bytes ", share));
+        return false;
+      }
       const size_t extra = want - payload_.capacity();
       const int64_t total = srv_.buffered_.load();
       if (static_cast<size_t>(total) + extra > srv_.opts_.max_buffered_bytes) {

@@ -865,6 +865,206 @@ TEST(GlooTcp, DisagreeingBroadcastFailsOnEveryRank) {
   }, 20s, /*shm=*/false);
 }
 
+// ---- abort through the store (Note [abort through the store]) ------------------------------------
+
+// A failure that leaves peers waiting: rank 0's allreduce gives up after its own 2 s timeout,
+// while rank 1 waits in a recv under the group's 10-minute timeout. Rank 0 stays alive (no exit
+// closes its sockets for it), as a rank that catches the error would.
+constexpr auto kLongGroupTimeout = std::chrono::minutes(10);
+constexpr auto kPromptly = std::chrono::seconds(60);  // far below the group's timeout
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The peer that is blocked on rank 0 fails at once naming the rank that aborted, its
+// collective and why, not "rank 0 closed the connection (did it exit or die?)".
+TEST(GlooAbort, ThePeerOfARankThatTimesOutNamesTheAbortAndItsReason) {
+  EMBER_REQUIRE_GLOO();
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store& store) {
+    Tensor t = full({1000}, 1.0, kFloat32);
+    pg.allreduce(t)->wait();  // the group works
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string msg;
+    try {
+      if (rank == 0) {
+        AllreduceOptions o;
+        o.timeout = 2s;
+        pg.allreduce(t, o)->wait();
+      } else {
+        pg.recv(t, 0)->wait(kPromptly + 30s);  // a bound for the test only
+      }
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    const double took = seconds_since(t0);
+    store.set("reported" + std::to_string(rank), Bytes{1});
+    store.wait({"reported0", "reported1"}, 120s);  // stay alive until both have failed
+    const std::string me = "rank " + std::to_string(rank);
+    require(took < kPromptly.count(), me + " failed only after " + std::to_string(took) +
+                                          " s: " + msg);
+    if (rank == 0) {
+      require(msg.find("[gloo] allreduce #1 on rank 0 of 2 timed out after 2000 ms") !=
+                  std::string::npos,
+              me + ": " + msg);
+    } else {
+      require(msg.find("[gloo] recv #1 on rank 1 of 2 from rank 0") != std::string::npos &&
+                  msg.find("failed: rank 0 aborted the group at its allreduce #1: [gloo] "
+                           "allreduce #1 on rank 0 of 2 timed out after 2000 ms") !=
+                      std::string::npos,
+              me + ": " + msg);
+      // A later operation fails at once for the same reason.
+      std::string later;
+      try {
+        pg.allreduce(t)->wait();
+      } catch (const DistError& e) {
+        later = e.what();
+      }
+      require(later.find("unusable after an earlier failure: rank 0 aborted the group") !=
+                  std::string::npos,
+              me + ", later allreduce: " + later);
+    }
+  }, kLongGroupTimeout, /*shm=*/false);
+}
+
+// The issue's case: two ranks over TCP issue mismatched collectives (rank 0 an allreduce, rank 1
+// a broadcast of another size) under a 10-minute group timeout, and stay alive afterwards: both
+// fail within seconds, each naming what the other issued.
+TEST(GlooAbort, MismatchedCollectivesFailBothRanksWithinSeconds) {
+  EMBER_REQUIRE_GLOO();
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store& store) {
+    Tensor t = full({1000 + 500 * rank}, 1.0, kFloat32);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string msg;
+    try {
+      (rank == 0 ? pg.allreduce(t) : pg.broadcast(t))->wait(kPromptly + 30s);
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    const double took = seconds_since(t0);
+    store.set("reported" + std::to_string(rank), Bytes{1});
+    store.wait({"reported0", "reported1"}, 120s);
+    const std::string me = "rank " + std::to_string(rank);
+    require(took < kPromptly.count(), me + " failed only after " + std::to_string(took) +
+                                          " s: " + msg);
+    const std::string theirs = rank == 0 ? "rank 1 issued broadcast of 1500 elements"
+                                         : "rank 0 issued allreduce (sum) of 1000 elements";
+    require(msg.find(theirs) != std::string::npos, me + ": " + msg);
+  }, kLongGroupTimeout, /*shm=*/false);
+}
+
+// ProcessGroupGloo::abort(): a rank that fails outside the group (here: its own error handler)
+// breaks it, and the peer waiting on it fails naming the rank and the reason.
+TEST(GlooAbort, AbortFailsThePeersNamingTheRankAndReason) {
+  EMBER_REQUIRE_GLOO();
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store& store) {
+    Tensor t = full({1000}, 1.0, kFloat32);
+    pg.allreduce(t)->wait();
+    if (rank == 0) {
+      pg.abort("the optimizer step ran out of memory");
+      pg.abort("a second reason");  // the first stands
+      std::string later;
+      try {
+        pg.allreduce(t)->wait();
+      } catch (const DistError& e) {
+        later = e.what();
+      }
+      require(later.find("[gloo] allreduce #1 on rank 0 of 2") != std::string::npos &&
+                  later.find("unusable after an earlier failure: rank 0 aborted the group: the "
+                             "optimizer step ran out of memory") != std::string::npos,
+              "rank 0, later allreduce: " + later);
+      store.wait({"reported1"}, 120s);  // alive: no exit closes the sockets
+      return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string msg;
+    try {
+      pg.recv(t, 0)->wait(kPromptly + 30s);
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    const double took = seconds_since(t0);
+    store.set("reported1", Bytes{1});
+    require(took < kPromptly.count(), "rank 1 failed only after " + std::to_string(took) + " s");
+    require(msg.find("[gloo] recv #1 on rank 1 of 2 from rank 0") != std::string::npos &&
+                msg.find("failed: rank 0 aborted the group: the optimizer step ran out of "
+                         "memory") != std::string::npos,
+            "rank 1: " + msg);
+  }, kLongGroupTimeout, /*shm=*/false);
+}
+
+// A peer blocked on a third rank that is busy outside the group (a pipeline stage's recv from a
+// stage still computing) is not woken by rank 0's closed connections; without the abort record
+// it would wait out the group's 10 minutes.
+class GlooAbortBusyPeer : public ::testing::TestWithParam<bool> {};
+TEST_P(GlooAbortBusyPeer, APeerBlockedOnABusyRankFailsPromptly) {
+  EMBER_REQUIRE_GLOO();
+  run_group(3, [](ProcessGroupGloo& pg, int rank, Store& store) {
+    Tensor t = full({1000}, 1.0, kFloat32);
+    pg.allreduce(t)->wait();
+    if (rank == 2) {  // busy elsewhere until rank 1 has failed
+      store.wait({"reported1"}, 120s);
+      return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string msg;
+    try {
+      if (rank == 0) {
+        AllreduceOptions o;
+        o.timeout = 2s;
+        pg.allreduce(t, o)->wait();
+      } else {
+        pg.recv(t, 2)->wait(kPromptly + 30s);
+      }
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    const double took = seconds_since(t0);
+    store.set("reported" + std::to_string(rank), Bytes{1});
+    const std::string me = "rank " + std::to_string(rank);
+    require(took < kPromptly.count(), me + " failed only after " + std::to_string(took) +
+                                          " s: " + msg);
+    if (rank == 1) {
+      require(msg.find("[gloo] recv #1 on rank 1 of 3 from rank 2") != std::string::npos &&
+                  msg.find("rank 0 aborted the group at its allreduce #1") != std::string::npos &&
+                  msg.find("timed out after 2000 ms") != std::string::npos,
+              me + ": " + msg);
+    }
+  }, kLongGroupTimeout, GetParam());
+}
+INSTANTIATE_TEST_SUITE_P(Transports, GlooAbortBusyPeer, ::testing::Values(false, true),
+                         [](const auto& info) { return std::string(info.param ? "shm" : "tcp"); });
+
+// An abort record that an earlier group with the same prefix left (a group destroyed and made
+// again over the same store) does not fail the new one.
+TEST(GlooAbort, AStaleRecordOfAnEarlierGroupDoesNotPoisonANewOne) {
+  EMBER_REQUIRE_GLOO();
+  constexpr int n = 2;
+  test::Children kids(n, [&](int rank, const std::string& port) {
+    auto store = client(port);
+    auto prefixed = std::make_shared<PrefixStore>("again", store);
+    // What the earlier group's aborting rank 1 wrote.
+    const std::string record = "1\nrank 1 aborted the group at its allreduce #4: stale";
+    prefixed->set("ember_abort", Bytes(record.begin(), record.end()));
+    prefixed->set("ember_abort_watch_" + std::to_string(rank), Bytes{'a', 'b', 'o', 'r', 't'});
+    store->set("stale_written" + std::to_string(rank), Bytes{1});
+    store->wait({"stale_written0", "stale_written1"}, 60s);
+    ProcessGroupGloo::GlooOptions o{kLongGroupTimeout, "127.0.0.1"};
+    o.shared_memory = false;
+    ProcessGroupGloo pg(prefixed, rank, n, o);
+    for (int i = 0; i < 20; ++i) {
+      Tensor t = full({1000}, 1.0, kFloat32);
+      pg.allreduce(t)->wait(30s);
+      require_values("allreduce " + std::to_string(i) + " on rank " + std::to_string(rank), t,
+                     std::vector<double>(1000, n));
+    }
+    pg.barrier()->wait(30s);
+  });
+  TCPStoreServer server(loopback_server());
+  kids.go(std::to_string(server.port()));
+  test::expect_children_ok(kids.join());
+}
+
 // Note [send/recv sizes]: a send and a recv of different sizes (send and recv always go over
 // TCP) fail on both ranks naming both sizes, where Gloo's enforcement used to abort the receiver
 // on its event-loop thread when the send was the longer; the pair's next messages on the same

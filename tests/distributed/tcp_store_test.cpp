@@ -730,6 +730,46 @@ TEST(TCPStore, StoredBytesAreCappedByTheQuota) {
   EXPECT_EQ(c.get_string("a"), std::string(100, 'a'));
 }
 
+// A job's limits reach the store rank 0 hosts: TCPStoreOptions::server_limits, filled by
+// init_process_group from the EMBER_STORE_* variables emberrun exports.
+TEST(TCPStore, AServerRankTakesItsLimitsFromItsOptionsAndTheEnvironment) {
+  TCPStoreOptions o = client_options();
+  o.is_server = true;
+  o.server_limits.max_stored_bytes = 1000;
+  TCPStore host("127.0.0.1", 0, o);
+  host.set("a", std::string(600, 'a'));
+  EXPECT_THROW(host.set("b", std::string(600, 'b')), DistStoreError);
+  EXPECT_EQ(host.server()->stats().quota_refusals, 1);
+
+  ::setenv("EMBER_STORE_MAX_STORED_BYTES", "4096", 1);
+  ::setenv("EMBER_STORE_MAX_BUFFERED_BYTES", "65536", 1);
+  ::setenv("EMBER_STORE_MAX_CONNECTIONS", "300", 1);
+  ::setenv("EMBER_STORE_MAX_FRAME_TIME", "0.5", 1);
+  ::setenv("EMBER_STORE_MAX_CONNECTION_BUFFERED_BYTES", "32768", 1);
+  TCPStoreServerOptions env = store_limits_from_env();
+  EXPECT_EQ(env.max_stored_bytes, 4096u);
+  EXPECT_EQ(env.max_buffered_bytes, 65536u);
+  EXPECT_EQ(env.max_connection_buffered_bytes, 32768u);
+  EXPECT_EQ(env.max_connections, 300u);
+  EXPECT_EQ(env.max_frame_time, 500ms);
+  ::setenv("EMBER_STORE_MAX_FRAME_TIME", "", 1);  // empty: the default stays
+  EXPECT_EQ(store_limits_from_env().max_frame_time, TCPStoreServerOptions{}.max_frame_time);
+  ::setenv("EMBER_STORE_MAX_CONNECTIONS", "many", 1);
+  try {
+    (void)store_limits_from_env();
+    ADD_FAILURE() << "a bad EMBER_STORE_MAX_CONNECTIONS was taken";
+  } catch (const ValueError& e) {
+    EXPECT_STREQ(e.what(),
+                 "EMBER_STORE_MAX_CONNECTIONS: expected an integer in [1, 1048576], got 'many'");
+  }
+  for (const char* v : {"EMBER_STORE_MAX_STORED_BYTES", "EMBER_STORE_MAX_BUFFERED_BYTES",
+                        "EMBER_STORE_MAX_CONNECTIONS", "EMBER_STORE_MAX_FRAME_TIME",
+                        "EMBER_STORE_MAX_CONNECTION_BUFFERED_BYTES"}) {
+    ::unsetenv(v);
+  }
+  EXPECT_EQ(store_limits_from_env().max_stored_bytes, TCPStoreServerOptions{}.max_stored_bytes);
+}
+
 // max_connections follows the descriptor limit (T6): a quarter of it (at least 256) stays for
 // the job, so connections that never authenticate cannot take the descriptors rank 0 needs.
 TEST(TCPStore, MaxConnectionsLeavesDescriptorsForTheJob) {
@@ -774,6 +814,38 @@ TEST(TCPStore, OversizedFramesAndAFullServerBufferAreRefusedWhileOthersAreServed
       << log;
   legit.set("k2", std::string("v2"));
   EXPECT_EQ(legit.get_string("k0") + legit.get_string("k1") + legit.get_string("k2"), "v0v1v2");
+}
+
+// max_connection_buffered_bytes: one connection's frame may not take more than its share of
+// the buffer budget, even with the budget free; frames within the share are served, and so
+// are other clients.
+TEST(TCPStore, AConnectionIsHeldToItsShareOfTheBufferBudget) {
+  TCPStoreServerOptions so = local();
+  so.max_connection_buffered_bytes = size_t{256} << 10;
+  TCPStoreServer server(so);
+  TCPStore legit("127.0.0.1", server.port(), client_options());
+  legit.set("within", std::string(200000, 'w'));  // a buffer of at most 256 KiB
+
+  testing::internal::CaptureStderr();
+  Raw hog(server.port());
+  hog.authenticate();
+  Bytes frame = header(uint8_t(wire::Type::kSet), uint32_t{1} << 20);
+  frame.resize(frame.size() + 300000, 'x');  // past the share, far within max_buffered_bytes
+  hog.send(frame);
+  const bool hog_closed = hog.closed_by_server(20000);
+  const std::string log = testing::internal::GetCapturedStderr();
+
+  EXPECT_TRUE(hog_closed) << "a frame beyond the connection's share kept its connection open";
+  EXPECT_EQ(server.stats().buffer_refusals, 1);
+  EXPECT_NE(log.find("dropped " + hog.address() + ": connection's buffer share: a frame of " +
+                     std::to_string(1 << 20) + " bytes needs a "),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("past max_connection_buffered_bytes 262144"), std::string::npos) << log;
+  EXPECT_EQ(legit.get_string("within"), std::string(200000, 'w'));
+  EXPECT_THROW(legit.set("past", std::string(300000, 'p')), DistError);  // the client's own too
+  legit.set("after", std::string("a"));  // a new connection of the pool is served
+  EXPECT_EQ(legit.get_string("after"), "a");
 }
 
 // Sends garbage from a fresh connection and waits until the server drops it.

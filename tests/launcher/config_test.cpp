@@ -249,6 +249,45 @@ TEST(Config, OutOfRangeNumbersAreShortAndNamed) {
   }
 }
 
+// The store's limits (docs/launcher.md): given values are kept as the variables emberrun
+// exports; EMBER_STORE_* set them too; bad values are short usage errors naming the option.
+TEST(Config, StoreLimitsAreCheckedAndKeptAsTheirVariables) {
+  LaunchConfig c = parse_args({"--store-max-stored-bytes", "4096", "--store-max-frame-time", "2.5",
+                               "--store-max-connections", "300", "--store-max-buffered-bytes",
+                               "1048576", "--store-max-connection-buffered-bytes", "262144",
+                               "prog"});
+  using Pairs = std::vector<std::pair<std::string, std::string>>;
+  EXPECT_EQ(c.store_limits, (Pairs{{"EMBER_STORE_MAX_STORED_BYTES", "4096"},
+                                   {"EMBER_STORE_MAX_BUFFERED_BYTES", "1048576"},
+                                   {"EMBER_STORE_MAX_CONNECTION_BUFFERED_BYTES", "262144"},
+                                   {"EMBER_STORE_MAX_CONNECTIONS", "300"},
+                                   {"EMBER_STORE_MAX_FRAME_TIME", "2.5"}}));
+  EXPECT_TRUE(parse_args({"prog"}).store_limits.empty());  // the store's own defaults
+  setenv("EMBER_STORE_MAX_STORED_BYTES", "8192", 1);
+  EXPECT_EQ(parse_args({"prog"}).store_limits,
+            (Pairs{{"EMBER_STORE_MAX_STORED_BYTES", "8192"}}));
+  EXPECT_EQ(parse_args({"--store-max-stored-bytes", "100", "prog"}).store_limits,
+            (Pairs{{"EMBER_STORE_MAX_STORED_BYTES", "100"}}));  // the command line wins
+  setenv("EMBER_STORE_MAX_STORED_BYTES", "lots", 1);
+  EXPECT_EQ(usage_error({"prog"}),
+            "--store-max-stored-bytes: expected an integer in [1, 1125899906842624], got 'lots'");
+  unsetenv("EMBER_STORE_MAX_STORED_BYTES");
+  EXPECT_EQ(usage_error({"--store-max-stored-bytes", "0", "prog"}),
+            "--store-max-stored-bytes: expected an integer in [1, 1125899906842624], got '0'");
+  EXPECT_EQ(usage_error({"--store-max-stored-bytes", "-5", "prog"}),
+            "--store-max-stored-bytes: expected an integer in [1, 1125899906842624], got '-5'");
+  EXPECT_EQ(usage_error({"--store-max-connections", "99999999999", "prog"}),
+            "--store-max-connections: expected an integer in [1, 1048576], got '99999999999'");
+  EXPECT_EQ(usage_error({"--store-max-buffered-bytes", "1.5", "prog"}),
+            "--store-max-buffered-bytes: expected an integer in [1, 1125899906842624], got '1.5'");
+  EXPECT_EQ(usage_error({"--store-max-frame-time", "0", "prog"}),
+            "--store-max-frame-time: expected seconds in (0, 1e6], got '0'");
+  EXPECT_EQ(usage_error({"--store-max-frame-time", "1e308", "prog"}),
+            "--store-max-frame-time: expected seconds in (0, 1e6], got '1e308'");
+  EXPECT_EQ(usage_error({"--store-max-frame-time", "nan", "prog"}),
+            "--store-max-frame-time: expected seconds in (0, 1e6], got 'nan'");
+}
+
 TEST(Config, TorchrunPythonOptions) {
   LaunchConfig c = parse_args({"--role", "trainer", "--no-python", "--start_method", "fork", "p"});
   EXPECT_EQ(c.role, "trainer");

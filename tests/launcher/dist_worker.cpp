@@ -10,6 +10,7 @@
 // DIST_WORKER_BARRIER_ON_RANK=R: rank R issues a barrier where the others all-reduce (a rank
 // gone astray, for the flight recorder's test), so every rank's collective fails.
 // Usage: dist_worker DIR [BACKEND]   (BACKEND: gloo, the default, or mpi under mpirun)
+// EMBER_TEST_SET_BYTES=N: rank 0 also sets a key of N bytes in the job's store.
 #include <time.h>
 
 #include <cstdio>
@@ -60,6 +61,13 @@ int main(int argc, char** argv) {
       std::printf("rank %d: allreduce over %s within the node, tcp between %d nodes\n",
                   pg->rank(), h->local_uses_shared_memory() ? "shared memory" : "tcp",
                   h->layout().nodes());
+    }
+    // EMBER_TEST_SET_BYTES=N: rank 0 sets a key of N bytes in the job's store (the test of
+    // emberrun's --store-max-stored-bytes); a refusal ends the worker with the store's message.
+    if (const char* n = std::getenv("EMBER_TEST_SET_BYTES"); n != nullptr && pg->rank() == 0) {
+      const std::string big(std::stoul(n), 'x');
+      dist::default_store()->set("big", dist::Bytes(big.begin(), big.end()));
+      std::printf("rank 0 stored %s bytes\n", n);
     }
     // The group is destroyed here, not at the end of the scope, so that "done" means its
     // destruction (and, on rank 0, the store's server's) is over: a rank that hangs there

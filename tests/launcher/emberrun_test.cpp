@@ -72,6 +72,28 @@ TEST_P(DistTest, InitProcessGroupRendezvousesThroughTheEnvironment) {
 }
 INSTANTIATE_TEST_SUITE_P(Emberrun, DistTest, ::testing::Values(2, 4));
 
+// --store-max-stored-bytes reaches the store of the job (rank 0's, through the
+// EMBER_STORE_MAX_STORED_BYTES emberrun exports): a worker's large key is refused with the
+// store's quota error, which the same job without the option takes.
+TEST(Emberrun, StoreQuotaOptionReachesTheJobsStore) {
+  const std::string dist_worker = build_dir() + "/launcher/test_workers/dist_worker";
+  if (!fs::exists(dist_worker)) GTEST_SKIP() << dist_worker << " not built (no ember_distributed)";
+  TempDir d;
+  Result r = run({"--standalone", "--nproc-per-node", "2", "--store-max-stored-bytes", "65536",
+                  dist_worker, d.path},
+                 {"EMBER_TEST_SET_BYTES=100000"});
+  EXPECT_NE(r.exit_code, 0) << describe(r);
+  EXPECT_TRUE(contains(r.err, "the store is full: setting 'big' to 100000 bytes")) << describe(r);
+  EXPECT_TRUE(contains(r.err, "past max_stored_bytes 65536")) << describe(r);
+  EXPECT_FALSE(contains(r.out, "rank 0 stored")) << describe(r);
+
+  TempDir d2;
+  r = run({"--standalone", "--nproc-per-node", "2", dist_worker, d2.path},
+          {"EMBER_TEST_SET_BYTES=100000"});
+  EXPECT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_TRUE(contains(r.out, "rank 0 stored 100000 bytes")) << describe(r);
+}
+
 // Rank 0 killed between creating its group's shared-memory segment and the other ranks mapping
 // it (EMBER_TEST_KILL_AFTER_SHM_CREATE: where a Ctrl-C or kill -9 during group creation lands)
 // never unlinks the name; emberrun, whose tag the name carries, removes it when the job ends.

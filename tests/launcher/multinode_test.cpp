@@ -93,6 +93,19 @@ TEST(MultiNodeLoopback, TwoAgentsWithStaticNodeRanksRunOneJob) {
   EXPECT_TRUE(contains(r1.err, "node 1 (")) << describe(r1);
 }
 
+// The store limits apply to the rendezvous store node 0's agent hosts too: with a 10-byte
+// quota its own first write is refused, and emberrun ends naming the quota, not a hang until
+// --rdzv-timeout.
+TEST(MultiNodeLoopback, Node0HostsTheRendezvousStoreWithTheGivenQuota) {
+  const int port = free_port();
+  Emberrun n0(cat(loopback(port), {"--nnodes", "2", "--node-rank", "0", "--rdzv-timeout", "600",
+                                   "--store-max-stored-bytes", "10", "/bin/true"}));
+  Result r = n0.wait();
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_TRUE(contains(r.err, "the store is full")) << describe(r);
+  EXPECT_TRUE(contains(r.err, "past max_stored_bytes 10")) << describe(r);
+}
+
 TEST(MultiNodeLoopback, RanksByArrivalWithMinMaxAndUnevenNproc) {
   // No --node-rank: the agent that wins the endpoint's port hosts the store and is node 0; the
   // other gets node rank 1 by arrival. 1:2 nodes with a long last call: the round closes as soon

@@ -30,7 +30,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ember/distributed/errors.h>
@@ -79,6 +81,66 @@ inline std::string describe(const GlooOpDesc& d) {
   return s;
 }
 
+/// The waits of one group's operations on peers that may not have joined them (the agreement's
+/// exchange, send/recv), which the group's abort watcher can end (Note [abort through the
+/// store]): closing a pair wakes the peer's waits on it, not this rank's own. Thread-safe.
+class AbortableWaits {
+ public:
+  /// Ends every wait registered now or later: it throws DistBackendError(`why`).
+  void abort(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_) return;
+    aborted_ = true;
+    why_ = why;
+    for (const auto& [buf, recv] : waiting_) recv ? buf->abortWaitRecv() : buf->abortWaitSend();
+  }
+
+  /// buf->waitRecv (recv) or buf->waitSend, unless abort() ends it first.
+  void wait(gloo::transport::UnboundBuffer& buf, bool recv, std::chrono::milliseconds timeout) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (aborted_) throw dist::DistBackendError(why_);
+      waiting_.emplace_back(&buf, recv);
+    }
+    struct Leave {
+      AbortableWaits* w;
+      gloo::transport::UnboundBuffer* b;
+      ~Leave() {
+        std::lock_guard<std::mutex> lock(w->mu_);
+        std::erase_if(w->waiting_, [&](const auto& e) { return e.first == b; });
+      }
+    } leave{this, &buf};
+    if (!(recv ? buf.waitRecv(timeout) : buf.waitSend(timeout))) {
+      std::lock_guard<std::mutex> lock(mu_);
+      throw dist::DistBackendError(why_);
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  bool aborted_ = false;
+  std::string why_;
+  std::vector<std::pair<gloo::transport::UnboundBuffer*, bool>> waiting_;
+};
+
+/// The group whose operation this thread runs (set by ProcessGroupGloo's execute), or null.
+inline AbortableWaits*& current_waits() {
+  thread_local AbortableWaits* w = nullptr;
+  return w;
+}
+
+/// `buf`'s receive (recv) or send, ended early if the running operation's group is aborted.
+inline void wait_for(gloo::transport::UnboundBuffer& buf, bool recv,
+                     std::chrono::milliseconds timeout) {
+  if (AbortableWaits* w = current_waits()) {
+    w->wait(buf, recv, timeout);
+  } else if (recv) {
+    buf.waitRecv(timeout);
+  } else {
+    buf.waitSend(timeout);
+  }
+}
+
 /// Byte offset of peer r's message in the receive buffer of exchange_and_check.
 inline size_t agreement_stride(size_t capacity) { return sizeof(GlooOpDesc) + capacity; }
 
@@ -109,8 +171,8 @@ inline void exchange_and_check(const std::shared_ptr<gloo::Context>& ctx, uint32
   for (int r = 0; r < n; ++r) {
     if (r != me) tx->send(r, slot);
   }
-  for (int k = 0; k < n - 1; ++k) rx->waitRecv(timeout);
-  for (int k = 0; k < n - 1; ++k) tx->waitSend(timeout);
+  for (int k = 0; k < n - 1; ++k) wait_for(*rx, true, timeout);
+  for (int k = 0; k < n - 1; ++k) wait_for(*tx, false, timeout);
   for (int r = 0; r < n; ++r) {
     if (r == me) continue;
     GlooOpDesc theirs;
@@ -190,16 +252,16 @@ class P2pTransfer {
                       std::chrono::duration_cast<std::chrono::milliseconds>(
                           deadline - std::chrono::steady_clock::now()));
     };
-    header_in_->waitRecv(left());
-    header_out_->waitSend(left());
+    wait_for(*header_in_, true, left());
+    wait_for(*header_out_, false, left());
     if (is_send_ && theirs_.nbytes > 0) {
       const size_t n = static_cast<size_t>(std::min(mine_.nbytes, theirs_.nbytes));
       auto out = data_;
       if (n == 0) out = ctx_->createUnboundBuffer(&filler_, 1);
       out->send(peer_, data_slot_, 0, std::max<size_t>(n, 1));
-      out->waitSend(left());
+      wait_for(*out, false, left());
     } else if (!is_send_ && data_) {
-      data_->waitRecv(left());
+      wait_for(*data_, true, left());
     }
     if (theirs_.nbytes != mine_.nbytes) {
       throw dist::DistBackendError(
@@ -459,6 +521,62 @@ inline std::string peer_positions(dist::Store& store, int rank, int size, const 
                    "none)");
   }
   return out;
+}
+
+// Note [abort through the store]: a rank whose collective fails closes its connections, which
+// wakes the peers blocked on it, but not a peer blocked on a third rank that is busy elsewhere
+// (a pipeline stage's recv from a stage still computing), and a woken peer could only say "rank 0
+// closed the connection (did it exit or die?)" while rank 0 lives on with the real reason. So the
+// rank writes an abort record into the group's store first (abort_key: its rank, the operation
+// and its error), and wakes each peer's watcher (watch_key(r)); every rank's watcher thread then
+// breaks its group as the rank's own failure would (closes the connections, aborts the shared
+// memory) and every blocked or later operation fails naming the rank that aborted, its operation
+// and why (as ThreadWorld::abort() does for a group of threads). A rank woken by a closed
+// connection reads the record too, so that it names the reason rather than a death.
+// ProcessGroupGloo::abort() writes the same record for a failure outside the group.
+//
+// Why a watcher thread parked on its own key rather than the group's wait loops asking the store:
+// Gloo's waits (waitRecv, the ring) block inside Gloo with no hook to poll anything, and a store
+// round trip inside each collective would add latency to the hot path; the watcher costs nothing
+// per collective but a counter under the mutex execute() takes anyway. It parks on the server (a
+// TCPStore get, no polling; renewed every kAbortWatchInterval) only while an operation of the
+// group runs, so an idle group holds no store connection and a job whose store host has exited
+// is not asked. One key per rank, not one for all: a group's destruction wakes its own parked
+// watcher by writing its key, where a shared key would wake every rank. The cost is an abort's
+// writes (one per peer, each bounded like the position), paid only on the failure path. Stale
+// records of an earlier group with the same prefix are deleted before the rendezvous, which no
+// rank can leave before every rank has entered it, so no rank of this group can have written
+// one yet.
+
+/// How long the watcher's parked get lasts before it renews it (and sees whether the group is
+/// still busy): bounds only how long a group destroyed mid-operation waits for the watcher when
+/// its store does not answer.
+constexpr std::chrono::milliseconds kAbortWatchInterval{5000};
+
+/// The group's abort record (Note [abort through the store]): "<rank>\n<text>".
+inline const std::string& abort_key() {
+  static const std::string k = "ember_abort";
+  return k;
+}
+/// The key `rank`'s watcher parks on: an abort writes "abort" there, the rank's own group
+/// destruction "closing".
+inline std::string watch_key(int rank) { return str_cat("ember_abort_watch_", rank); }
+
+/// The record `rank` writes with `text` ("rank 0 aborted the group at its allreduce #3: ...").
+inline std::string abort_record(int rank, const std::string& text) {
+  return str_cat(rank, "\n", text);
+}
+/// The rank and text of a record; rank -1 if it is not one.
+inline std::pair<int, std::string> parse_abort_record(const dist::Bytes& b) {
+  const std::string s(b.begin(), b.end());
+  const size_t nl = s.find('\n');
+  if (nl == std::string::npos || nl == 0 || nl > 9) return {-1, s};
+  int rank = 0;
+  for (size_t i = 0; i < nl; ++i) {
+    if (!std::isdigit(static_cast<unsigned char>(s[i]))) return {-1, s};
+    rank = rank * 10 + (s[i] - '0');
+  }
+  return {rank, s.substr(nl + 1)};
 }
 
 /// "rank 1 closed the connection (...): " for the peers a lost connection's error names.

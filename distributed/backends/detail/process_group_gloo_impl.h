@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include <ember/distributed/backends/detail/gloo_agreement.h>
 #include <ember/distributed/backends/detail/shm_allreduce.h>
 #include <ember/distributed/backends/process_group_gloo.h>
 
@@ -69,6 +70,9 @@ class ProcessGroupGloo::Impl {
   /// The collectives issued so far that have not completed (Note [barrier and two workers]).
   std::vector<WorkPtr> unfinished_collectives();
 
+  /// ProcessGroupGloo::abort(): breaks the group for `reason` and tells the other ranks.
+  void abort(const std::string& reason);
+
   /// The group is being destroyed after `issued` operations: writes where this rank stands
   /// (Note [where a rank stands] in gloo_agreement.h), unless a failure already did.
   void leave(uint64_t issued);
@@ -84,8 +88,19 @@ class ProcessGroupGloo::Impl {
 
  private:
   void execute(Job& job, bool mark_broken = true);
+  /// `from_abort`: err reports a peer's abort, so this rank writes no record of its own.
   template <typename E>
-  void fail(Job& job, const E& err, bool mark_broken);
+  void fail(Job& job, const E& err, bool mark_broken, bool from_abort = false);
+
+  // Note [abort through the store] in gloo_agreement.h.
+  void watch();
+  /// Breaks the group for the peer's abort record `text`, as its own failure would.
+  void observe_abort(const std::string& text);
+  /// Writes this rank's abort record `text` and wakes its peers' watchers, each write within
+  /// `bound`.
+  void write_abort(const std::string& text, std::chrono::milliseconds bound);
+  /// A peer's abort record, waiting up to `bound` for it; "" if none (or this rank's own).
+  std::string peer_abort(std::chrono::milliseconds bound);
 
   int rank_;
   int size_;
@@ -102,6 +117,12 @@ class ProcessGroupGloo::Impl {
   std::condition_variable p2p_cv_[2];  // the send and the receive queues
   bool stop_ = false;
   std::string broken_;
+  std::string aborted_by_;  // a peer's abort record, once the watcher saw it
+  size_t running_ = 0;      // operations in execute(): the watcher parks only while any run
+  bool watching_ = false;   // the watcher is parked on the store
+  std::condition_variable watch_cv_;
+  std::thread watcher_;
+  dist::detail::AbortableWaits waits_;  // this group's waits on peers, for observe_abort
   std::deque<Job> queue_;
   std::deque<Job> p2p_queue_[2];
   std::vector<std::weak_ptr<Work>> issued_;  // collectives, for barrier
