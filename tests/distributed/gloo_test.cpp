@@ -806,10 +806,14 @@ TEST_P(GlooTcpDisagreement, EveryRankFailsNamingTheCollectiveAndPeer) {
     require(!msg.empty(), "rank " + me + ": the disagreeing allreduce did not fail");
     const std::string label = "[gloo] allreduce #1 on rank " + me + " of 2";
     require(msg.find(label) != std::string::npos, "message lacks '" + label + "': " + msg);
-    require(msg.find("ranks disagree: rank " + peer + " issued allreduce (sum) of " +
-                     std::to_string(d.numel[1 - rank]) + " elements of " +
-                     ember::detail::str_cat(d.dtype[1 - rank])) != std::string::npos,
-            "message lacks what the peer passed: " + msg);
+    // What the peer passed, found by this rank or carried by the peer's abort record (Note
+    // [abort through the store]), which then names what this rank passed.
+    const std::string aborted = "rank " + peer + " aborted the group at its allreduce #1";
+    const int about = msg.find(aborted) != std::string::npos ? rank : 1 - rank;
+    require(msg.find("ranks disagree: rank " + std::to_string(about) + " issued allreduce (sum) of " +
+                     std::to_string(d.numel[about]) + " elements of " +
+                     ember::detail::str_cat(d.dtype[about])) != std::string::npos,
+            "message lacks what the ranks passed: " + msg);
   }, 20s, /*shm=*/false);
 }
 INSTANTIATE_TEST_SUITE_P(
@@ -859,8 +863,14 @@ TEST(GlooTcp, DisagreeingBroadcastFailsOnEveryRank) {
     } catch (const DistError& e) {
       msg = e.what();
     }
+    // Each rank finds the disagreement itself, or first hears of it from the peer's abort
+    // record (Note [abort through the store]), which carries the peer's finding.
+    const std::string peer = std::to_string(1 - rank);
     require(msg.find("[gloo] broadcast #0 on rank " + std::to_string(rank)) != std::string::npos &&
-                msg.find("ranks disagree: rank " + std::to_string(1 - rank)) != std::string::npos,
+                (msg.find("ranks disagree: rank " + peer) != std::string::npos ||
+                 (msg.find("rank " + peer + " aborted the group at its broadcast #0") !=
+                      std::string::npos &&
+                  msg.find("ranks disagree") != std::string::npos)),
             "rank " + std::to_string(rank) + ": " + msg);
   }, 20s, /*shm=*/false);
 }

@@ -17,6 +17,7 @@
 
 #include <ember/launcher/flight_analysis.h>
 #include "cmake/build_paths.h"
+#include "tests/examples/example_test_util.h"
 #include "tests/temp_dir.h"
 
 namespace ember::launcher {
@@ -65,14 +66,9 @@ struct ProgramRun {
 
 // ember_flight_analyze as a user runs it; stdout and stderr together.
 ProgramRun analyze_program(const std::string& dir) {
-  const std::string cmd = EMBER_BINARY_DIR + "/launcher/ember_flight_analyze '" + dir + "' 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  EXPECT_NE(p, nullptr);
-  std::string out;
-  char buf[4096];
-  while (p && std::fgets(buf, sizeof buf, p)) out += buf;
-  const int status = p ? ::pclose(p) : -1;
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+  const test::CommandResult r = test::run_command(
+      EMBER_BINARY_DIR + "/launcher/ember_flight_analyze '" + dir + "'", 60);
+  return {r.status, r.output};
 }
 
 TEST(FlightAnalysis, AgreeingRanksGiveNoFindingEvenWhenTheirRingsWrappedApart) {
