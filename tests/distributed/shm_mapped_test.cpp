@@ -356,7 +356,13 @@ TEST(ShmMappedRefused, AnUnmappablePeerLaterFailsEveryRankByName) {
     require(msg.find("cannot map rank ") != std::string::npos &&
                 msg.find("EMBER_GLOO_SHM_SINGLE_COPY=0") != std::string::npos,
             who + msg);
-    if (rank == n - 1) require(msg.find("gave up") != std::string::npos, who + msg);
+    // Rank 2 hears that the others gave up, unless it tried to map a buffer a failed rank had
+    // already freed: then it names that one, as above.
+    if (rank == n - 1) {
+      require(msg.find("gave up") != std::string::npos ||
+                  msg.find("shareable buffer") != std::string::npos,
+              who + msg);
+    }
   });
 }
 
