@@ -8,6 +8,11 @@ rank are cores / ranks for both. With --accuracy it also trains each framework f
 epochs on the CNN with 2 ranks and reports test accuracy per epoch and the time to 90%.
 
     /usr/bin/python3 benchmarks/vs_pytorch/run.py --build build [--repeats 5] [--accuracy]
+        [--torch-python /usr/bin/python3 --torch-python "$(benchmarks/vs_pytorch/setup_torch.sh)"]
+        [--torch-compile]
+
+Each --torch-python adds a PyTorch column (Debian's 1.13 by default); --torch-compile adds each
+PyTorch 2's torch.compile beside its eager column.
 
 The machine is noisy: compare medians of interleaved runs, never single runs.
 """
@@ -38,12 +43,18 @@ def ember_cmd(build, nproc, model, hook, extra):
     return [os.path.join(build, "launcher", "emberrun"), "--nproc-per-node", str(nproc)] + prog
 
 
-def torch_cmd(nproc, model, hook, extra):
-    cmd = ["/usr/bin/python3", os.path.join(HERE, "fashion_mnist_torch.py"), "--nproc", str(nproc),
+def torch_cmd(nproc, model, hook, extra, python="/usr/bin/python3", compile_=False):
+    cmd = [python, os.path.join(HERE, "fashion_mnist_torch.py"), "--nproc", str(nproc),
            "--model", model] + extra
+    if compile_:
+        cmd += ["--compile", "--warmup-steps", str(COMPILE_WARMUP)]
     if hook != "none":
         cmd += ["--comm-hook", hook]
     return cmd
+
+
+# Steps torch.compile's runs leave out of img/s (they compile); Ember and eager runs count all.
+COMPILE_WARMUP = 20
 
 
 def run(cmd, env=None, attempts=2):
@@ -95,6 +106,13 @@ def main():
     ap.add_argument("--accuracy", action="store_true", help="also the time-to-90%% runs")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--json", default="", help="write the results here too")
+    ap.add_argument("--torch-python", action="append", default=[],
+                    help="an interpreter whose torch runs the PyTorch side (repeatable: a column "
+                         "each; default Debian's /usr/bin/python3; benchmarks/vs_pytorch/"
+                         "setup_torch.sh makes a current one)")
+    ap.add_argument("--torch-compile", action="store_true",
+                    help="also each interpreter's torch.compile (PyTorch 2), a column each; its "
+                         f"first {COMPILE_WARMUP} steps (compilation) are not timed")
     args = ap.parse_args()
     env = dict(os.environ)
     for k in ("OMP_NUM_THREADS", "EMBER_NUM_THREADS"):
@@ -105,21 +123,37 @@ def main():
     cores = len(os.sched_getaffinity(0))
 
     results = []
-    print(f"# Fashion-MNIST, Ember vs PyTorch {subprocess.run(['/usr/bin/python3', '-c', 'import torch; print(torch.__version__)'], capture_output=True, text=True).stdout.strip()}, "
+    # The PyTorch columns: each interpreter's torch eager, and compiled with --torch-compile.
+    sides = []
+    for python in args.torch_python or ["/usr/bin/python3"]:
+        version = subprocess.run([python, "-c", "import torch; print(torch.__version__)"],
+                                 capture_output=True, text=True).stdout.strip()
+        if not version:
+            sys.exit(f"run.py: {python} cannot import torch")
+        sides.append((f"PyTorch {version}", python, False))
+        if args.torch_compile and not version.startswith("1."):
+            sides.append((f"PyTorch {version} compile", python, True))
+    print(f"# Fashion-MNIST, Ember vs {', '.join(name for name, _, _ in sides)}, "
           f"{cores} cores, {args.steps} steps per rank per run, medians of {args.repeats} interleaved runs")
-    print("| model | ranks | hook | Ember img/s | PyTorch img/s | ratio |")
-    print("|---|---|---|---|---|---|")
+    print("| model | ranks | hook | Ember img/s | " +
+          " | ".join(f"{name} img/s | ratio" for name, _, _ in sides) + " |")
+    print("|---|---|---|---|" + "---|---|" * len(sides))
     for row in args.rows.split(","):
         model, nproc, hook = row.split(":")
         nproc = int(nproc)
         extra = ["--epochs", "1", "--max-steps", str(args.steps)]
-        e_ips, t_ips = [], []
+        e_ips, t_ips = [], [[] for _ in sides]
         for _ in range(args.repeats):
             e_ips.append(run(ember_cmd(args.build, nproc, model, hook, extra), env)[0][0]["ips"])
-            t_ips.append(run(torch_cmd(nproc, model, hook, extra), env)[0][0]["ips"])
-        e, t = statistics.median(e_ips), statistics.median(t_ips)
-        results.append(dict(model=model, ranks=nproc, hook=hook, ember_ips=e_ips, torch_ips=t_ips))
-        print(f"| {model} | {nproc} | {hook} | {e:.0f} | {t:.0f} | {e / t:.2f}x |", flush=True)
+            for k, (_, python, compile_) in enumerate(sides):
+                t_ips[k].append(run(torch_cmd(nproc, model, hook, extra, python, compile_),
+                                    env)[0][0]["ips"])
+        e = statistics.median(e_ips)
+        results.append(dict(model=model, ranks=nproc, hook=hook, ember_ips=e_ips,
+                            torch_ips={name: t for (name, _, _), t in zip(sides, t_ips)}))
+        cells = " | ".join(f"{statistics.median(t):.0f} | {e / statistics.median(t):.2f}x"
+                           for t in t_ips)
+        print(f"| {model} | {nproc} | {hook} | {e:.0f} | {cells} |", flush=True)
 
     if args.accuracy:
         print(f"\n# CNN, 2 ranks, {args.epochs} epochs: test accuracy after each epoch, time to 90%")
