@@ -205,10 +205,18 @@ def doc_files(root):
     return [f for f in files if os.path.isfile(f)]
 
 
+# The exit status that tells ctest the check was skipped (SKIP_RETURN_CODE in tests/CMakeLists.txt).
+SKIPPED = 77
+
+
 def run(root, build, files):
     progs = find_programs(build)
-    if "emberrun" not in progs:
-        sys.exit(f"check_doc_commands: no {build}/launcher/emberrun: build first")
+    missing = [p for p in ("emberrun", "fashion_mnist", "gpt") if p not in progs]
+    if missing:
+        # A build folder that builds only some targets (the sanitizer builds build the tests
+        # alone) has nothing to check the docs against.
+        print(f"check_doc_commands: skipped: {', '.join(missing)} not built in {build}")
+        sys.exit(SKIPPED)
     checker = Checker(progs)
     for path in files:
         for line, text, whole in commands_in(path):
