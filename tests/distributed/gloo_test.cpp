@@ -887,6 +887,24 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// Rank 0's allreduce of `t` gives up after its own 2 s timeout while this rank (any other)
+// waits in a recv from `from`, bounded for the test only; the error this rank got ("" if none).
+std::string fail_on_rank_zero_while_receiving(ProcessGroupGloo& pg, int rank, Tensor& t,
+                                              int from) {
+  try {
+    if (rank == 0) {
+      AllreduceOptions o;
+      o.timeout = 2s;
+      pg.allreduce(t, o)->wait();
+    } else {
+      pg.recv(t, from)->wait(kPromptly + 30s);
+    }
+  } catch (const DistError& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // The peer that is blocked on rank 0 fails at once naming the rank that aborted, its
 // collective and why, not "rank 0 closed the connection (did it exit or die?)".
 TEST(GlooAbort, ThePeerOfARankThatTimesOutNamesTheAbortAndItsReason) {
@@ -895,18 +913,7 @@ TEST(GlooAbort, ThePeerOfARankThatTimesOutNamesTheAbortAndItsReason) {
     Tensor t = full({1000}, 1.0, kFloat32);
     pg.allreduce(t)->wait();  // the group works
     const auto t0 = std::chrono::steady_clock::now();
-    std::string msg;
-    try {
-      if (rank == 0) {
-        AllreduceOptions o;
-        o.timeout = 2s;
-        pg.allreduce(t, o)->wait();
-      } else {
-        pg.recv(t, 0)->wait(kPromptly + 30s);  // a bound for the test only
-      }
-    } catch (const DistError& e) {
-      msg = e.what();
-    }
+    const std::string msg = fail_on_rank_zero_while_receiving(pg, rank, t, 0);
     const double took = seconds_since(t0);
     store.set("reported" + std::to_string(rank), Bytes{1});
     store.wait({"reported0", "reported1"}, 120s);  // stay alive until both have failed
@@ -1017,18 +1024,7 @@ TEST_P(GlooAbortBusyPeer, APeerBlockedOnABusyRankFailsPromptly) {
       return;
     }
     const auto t0 = std::chrono::steady_clock::now();
-    std::string msg;
-    try {
-      if (rank == 0) {
-        AllreduceOptions o;
-        o.timeout = 2s;
-        pg.allreduce(t, o)->wait();
-      } else {
-        pg.recv(t, 2)->wait(kPromptly + 30s);
-      }
-    } catch (const DistError& e) {
-      msg = e.what();
-    }
+    const std::string msg = fail_on_rank_zero_while_receiving(pg, rank, t, 2);
     const double took = seconds_since(t0);
     store.set("reported" + std::to_string(rank), Bytes{1});
     const std::string me = "rank " + std::to_string(rank);
