@@ -365,8 +365,12 @@ TEST_P(DDPThreads, ForwardWithAMaskAndATupleOutput) {
   }
   const nn::NamedTensors want = ref->named_parameters();
   const Device dev = device_of(c);
+  // Made here, not on the rank threads: the default generator is shared, so a rank seeding it
+  // while another initialises its weights would give rank 0 weights from neither seed.
+  std::vector<std::shared_ptr<MaskedNet>> models;
+  for (int r = 0; r < c.n; ++r) models.push_back(std::make_shared<MaskedNet>(100 + r));
   test::run_threads(setup_of(c), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
-    auto model = std::make_shared<MaskedNet>(100 + rank);
+    auto model = models[rank];
     model->to(dev);
     DistributedDataParallel ddp(model, pg, small_buckets());
     nn::optim::SGD opt(ddp.parameters(), {.lr = 0.1, .momentum = 0.9});
