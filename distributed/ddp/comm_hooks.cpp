@@ -1,6 +1,7 @@
 #include <ember/distributed/ddp/comm_hooks.h>
 
 #include <algorithm>
+#include <iterator>
 #include <sstream>
 
 #include <ember/tensor/grad_mode.h>
@@ -233,7 +234,12 @@ void DeferredSteps::push(size_t bucket, std::shared_ptr<dist::Future> after,
                          std::shared_ptr<dist::Future> result) {
   EMBER_INTERNAL_ASSERT(bucket < queues_.size(), "deferred step for bucket ", bucket, " of ",
                         queues_.size());
-  queues_[bucket].push_back(Item{std::move(after), std::move(step), std::move(result)});
+  Item item{std::move(after), std::move(step), std::move(result)};
+  if (bucket == running_) {
+    nested_.push_back(std::move(item));
+  } else {
+    queues_[bucket].push_back(std::move(item));
+  }
 }
 
 void DeferredSteps::run(Item& item) {
@@ -253,7 +259,12 @@ void DeferredSteps::run_all() {
       if (queue.empty()) continue;
       Item item = std::move(queue.front());
       queue.pop_front();
-      run(item);  // may queue more steps, for this bucket or another
+      running_ = static_cast<size_t>(&queue - queues_.data());
+      run(item);  // may queue more steps, for this bucket (nested_) or another
+      running_ = kNone;
+      queue.insert(queue.begin(), std::make_move_iterator(nested_.begin()),
+                   std::make_move_iterator(nested_.end()));
+      nested_.clear();
       any = true;
     }
   }

@@ -153,15 +153,22 @@ std::shared_ptr<Future> noop_hook(GradBucket& bucket);
 
 namespace ember::dist::detail {
 
-/// DDP's queue of deferred hook steps (GradBucket::defer), one FIFO per bucket. Used by DDP
+/// DDP's queue of deferred hook steps (GradBucket::defer), one queue per bucket. Used by DDP
 /// and by GradBucket only; all methods are called from DDP's thread.
+///
+/// A step that defers more steps for its own bucket puts them ahead of the steps already queued
+/// for it (depth first): those were queued before it ran, typically by a wrapping hook waiting
+/// for the result of the step now running, which may be what the new steps compute
+/// (compress_across_nodes' broadcast waits for the leaders' two-phase hook, whose second phase
+/// is deferred from its first). Queued behind them, it would wait for them forever. The order
+/// still depends only on the hooks' code and the bucket layout, the same on every rank.
 class DeferredSteps {
  public:
   /// `timeout`: how long to wait for a step's `after` future.
   DeferredSteps(size_t num_buckets, dist::Duration timeout);
   void push(size_t bucket, std::shared_ptr<dist::Future> after,
             dist::GradBucket::DeferredStep step, std::shared_ptr<dist::Future> result);
-  /// Runs every queued step (and those they queue) in rounds: each bucket's oldest step, in
+  /// Runs every queued step (and those they queue) in rounds: each bucket's first step, in
   /// bucket order, then the next round. Errors go to the steps' result futures.
   void run_all();
   /// Completes every queued step's result with `error`, running none (an aborted backward).
@@ -177,6 +184,11 @@ class DeferredSteps {
   /// Waits for item.after and runs the step, passing the outcome to item.result.
   void run(Item& item);
   std::vector<std::deque<Item>> queues_;
+  // While a step of bucket running_ runs: the steps it defers for that bucket, in order, put
+  // at the front of its queue when it returns.
+  static constexpr size_t kNone = static_cast<size_t>(-1);
+  size_t running_ = kNone;
+  std::vector<Item> nested_;
   dist::Duration timeout_;
 };
 
