@@ -6,10 +6,12 @@
 // uninterrupted one.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <numeric>
 
 #include <ember/distributed/ddp/compression_hooks.h>
@@ -130,6 +132,40 @@ TEST(Codecs, Int8RoundsHalfToEvenAndKeepsZeroExact) {
   codec::int8_decode_add(msg.data(), 4, 512, decoded);
   EXPECT_EQ(decoded[3], 0.0f);
   EXPECT_NEAR(decoded[1], 0.5f, params[0]);
+}
+
+// The encoder's vector loops (every length, the extremes anywhere, in the tail past the last
+// full vector too) give the bytes of torch's per-element definition, written out here.
+TEST(Codecs, Int8EncodesAsThePerElementDefinitionAtEveryLength) {
+  for (const int64_t m : {1, 7, 15, 16, 17, 31, 33, 511, 512, 513, 1500}) {
+    for (const int64_t extreme : {int64_t{0}, m / 2, m - 1}) {
+      auto x = bucket_input(static_cast<int>(m + extreme), m).to_vector<float>();
+      x[static_cast<size_t>(extreme)] = -20.5f;  // the channel's minimum
+      if (m > 1) x[static_cast<size_t>((extreme + 1) % m)] = 15.25f;  // and its maximum
+      std::vector<uint8_t> msg(static_cast<size_t>(codec::int8_bytes(m, 512)));
+      codec::int8_encode(x.data(), m, 512, msg.data());
+      for (int64_t c = 0; c * 512 < m; ++c) {
+        const int64_t begin = c * 512, end = std::min(m, begin + 512);
+        float lo = 0, hi = 0;
+        for (int64_t i = begin; i < end; ++i) {
+          lo = std::min(lo, x[static_cast<size_t>(i)]);
+          hi = std::max(hi, x[static_cast<size_t>(i)]);
+        }
+        const float scale = std::max((hi - lo) / 255.0f, std::numeric_limits<float>::epsilon());
+        const float zero = std::clamp(-std::nearbyint(lo / scale), 0.0f, 255.0f);
+        float params[2];
+        std::memcpy(params, msg.data() + c * 8, sizeof params);
+        ASSERT_EQ(params[0], scale) << "m " << m << " channel " << c;
+        ASSERT_EQ(params[1], zero) << "m " << m << " channel " << c;
+        const uint8_t* q = msg.data() + codec::int8_bytes(m, 512) - m;
+        for (int64_t i = begin; i < end; ++i) {
+          const float want =
+              std::clamp(std::nearbyint(x[static_cast<size_t>(i)] / scale) + zero, 0.0f, 255.0f);
+          ASSERT_EQ(q[i], static_cast<uint8_t>(want)) << "m " << m << " element " << i;
+        }
+      }
+    }
+  }
 }
 
 // encode's residual is x minus what the message decodes to, bit for bit, for both codecs.
@@ -563,6 +599,28 @@ Configure with_state(CompressionOptions options,
   };
 }
 
+// compress_across_nodes(int8) inside DDP on the 4 ranks as two "nodes" of two: the node's
+// broadcast, queued when the hook ran, waits for the leaders' second phase, deferred later from
+// their first (DeferredSteps' depth-first order; queued behind the broadcast it hung until the
+// group's timeout).
+Configure int8_across_two_nodes() {
+  const ProcessGroup::Options fail_fast{.timeout = std::chrono::seconds(60)};
+  std::vector<std::shared_ptr<ThreadWorld>> nodes = {ThreadWorld::create(2), ThreadWorld::create(2)};
+  auto leaders_world = ThreadWorld::create(2);
+  return [=](DistributedDataParallel& d) {
+    const int rank = d.comm_group()->rank();
+    auto local = std::make_shared<ProcessGroupThreads>(nodes[rank / 2], rank % 2, fail_fast);
+    std::shared_ptr<ProcessGroup> leaders;
+    if (rank % 2 == 0) {
+      leaders = std::make_shared<ProcessGroupThreads>(leaders_world, rank / 2, fail_fast);
+    }
+    auto state = std::make_shared<CompressionState>(CompressionOptions{});
+    d.register_comm_hook(compress_across_nodes(bind_hook(state, int8_compress_hook), local, leaders),
+                         "int8 across nodes");
+    return state;
+  };
+}
+
 TEST(CompressionHooksInDdp, TrainLikeAllReduce) {
   constexpr int kSteps = 40;
   const auto plain = train_cnn(0, kSteps, [](DistributedDataParallel&) { return nullptr; });
@@ -579,6 +637,7 @@ TEST(CompressionHooksInDdp, TrainLikeAllReduce) {
        },
        0.01},
       {"int8 two-phase", with_state({}, int8_compress_hook), 0.01},
+      {"int8 two-phase between two nodes", int8_across_two_nodes(), 0.01},
       {"sign", with_state({}, sign_compress_hook), 0.08},
       {"top-k 10%", with_state({.topk_ratio = 0.1}, topk_compress_hook), 0.10},
   };
