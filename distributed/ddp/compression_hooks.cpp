@@ -52,10 +52,13 @@ struct Canonical {
 // `flat` (a bucket's layout) as a float32 tensor of `padded` elements in canonical order (zeros
 // past the bucket), a new copy.
 Tensor canonical_copy(const Canonical& layout, const Tensor& flat, int64_t padded) {
-  Tensor x = zeros({padded}, kFloat32);
+  Tensor x = empty({padded}, kFloat32);  // every element written once: the pieces, then zeros
+  int64_t end = 0;
   for (const Canonical::Piece& p : layout.pieces) {
     x.narrow(0, p.offset, p.numel).copy_(flat.narrow(0, p.bucket_offset, p.numel));
+    end = std::max(end, p.offset + p.numel);
   }
+  if (end < padded) x.narrow(0, end, padded - end).zero_();
   return x;
 }
 
@@ -220,117 +223,6 @@ void CompressionState::load_state_dict(const nn::NamedTensors& state) {
 }
 
 }  // namespace ember::dist
-
-// ---- codecs ------------------------------------------------------------------------------------
-
-namespace ember::dist::codec {
-
-namespace {
-constexpr int64_t kParamBytes = 2 * sizeof(float);  // scale, zero point
-int64_t channels(int64_t m, int64_t channel) { return m == 0 ? 0 : (m + channel - 1) / channel; }
-}  // namespace
-
-int64_t int8_bytes(int64_t m, int64_t channel) { return channels(m, channel) * kParamBytes + m; }
-
-namespace {
-// Rounds half to even, as std::nearbyint in the default rounding mode, for |v| < 2^22: adding
-// and subtracting 1.5 * 2^23 leaves no fraction bits. Inline and vectorizable where
-// std::nearbyint is a library call on baseline x86-64. The quantizer's values lie within
-// [-2^22, 2^22]: |x / scale| <= 255 * (1 + 2^-23) inside the range, and its clamp follows.
-inline float round_half_even(float v) {
-  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
-  return (v + kMagic) - kMagic;
-}
-}  // namespace
-
-// torch's MinMaxObserver.calculate_qparams for quint8, per_tensor_affine, reduce_range off:
-// the range is widened to contain 0, scale = range / 255 (at least float32's epsilon),
-// zero point = -round(min / scale) clamped to [0, 255]; quantize: round(x / scale) + zero
-// point, clamped. float32 throughout, rounding half to even (torch.round).
-void int8_encode(const float* x, int64_t m, int64_t channel, uint8_t* out, float* residual) {
-  const int64_t nc = channels(m, channel);
-  uint8_t* q = out + nc * kParamBytes;
-  for (int64_t c = 0; c < nc; ++c) {
-    const int64_t begin = c * channel, end = std::min(m, begin + channel);
-    float lo = 0, hi = 0;
-    for (int64_t i = begin; i < end; ++i) {
-      lo = std::min(lo, x[i]);
-      hi = std::max(hi, x[i]);
-    }
-    float scale = (hi - lo) / 255.0f;
-    scale = std::max(scale, std::numeric_limits<float>::epsilon());
-    const float zero = std::clamp(0.0f - std::nearbyint(lo / scale), 0.0f, 255.0f);
-    const float params[2] = {scale, zero};
-    std::memcpy(out + c * kParamBytes, params, sizeof params);
-    for (int64_t i = begin; i < end; ++i) {
-      const float v = std::clamp(round_half_even(x[i] / scale) + zero, 0.0f, 255.0f);
-      q[i] = static_cast<uint8_t>(v);
-    }
-    if (residual != nullptr) {  // the decoder's arithmetic, so x - residual is what it decodes
-      for (int64_t i = begin; i < end; ++i) {
-        residual[i] = x[i] - scale * (static_cast<float>(q[i]) - zero);
-      }
-    }
-  }
-}
-
-void int8_decode_add(const uint8_t* in, int64_t m, int64_t channel, float* acc) {
-  const int64_t nc = channels(m, channel);
-  const uint8_t* q = in + nc * kParamBytes;
-  for (int64_t c = 0; c < nc; ++c) {
-    float params[2];
-    std::memcpy(params, in + c * kParamBytes, sizeof params);
-    const float scale = params[0], zero = params[1];
-    const int64_t begin = c * channel, end = std::min(m, begin + channel);
-    for (int64_t i = begin; i < end; ++i) acc[i] += scale * (static_cast<float>(q[i]) - zero);
-  }
-}
-
-int64_t sign_bytes(int64_t m) { return static_cast<int64_t>(sizeof(float)) + (m + 7) / 8; }
-
-void sign_encode(const float* x, int64_t m, uint8_t* out, float* residual) {
-  // The scale that brings scale * sign(x) closest to x (least squares): the mean magnitude.
-  // With it, x minus the message is always shorter than x, which error feedback needs; the
-  // root mean square (1-bit Adam's choice, on Adam's momentum) can make it longer. Summed in
-  // eight double lanes (vectorizable; the same order every run).
-  double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  const int64_t full = m / 8;
-  for (int64_t b = 0; b < full; ++b) {
-    for (int j = 0; j < 8; ++j) lanes[j] += std::fabs(static_cast<double>(x[8 * b + j]));
-  }
-  double sum_abs = 0;
-  for (double l : lanes) sum_abs += l;
-  for (int64_t i = 8 * full; i < m; ++i) sum_abs += std::fabs(static_cast<double>(x[i]));
-  const float scale = m > 0 ? static_cast<float>(sum_abs / static_cast<double>(m)) : 0;
-  std::memcpy(out, &scale, sizeof scale);
-  uint8_t* bits = out + sizeof scale;
-  for (int64_t b = 0; b < (m + 7) / 8; ++b) {
-    const int64_t n = std::min<int64_t>(8, m - 8 * b);
-    unsigned byte = 0;
-    for (int64_t j = 0; j < n; ++j) byte |= static_cast<unsigned>(x[8 * b + j] >= 0) << j;
-    bits[b] = static_cast<uint8_t>(byte);
-  }
-  if (residual != nullptr) {
-    for (int64_t i = 0; i < m; ++i) residual[i] = x[i] - (x[i] >= 0 ? scale : -scale);
-  }
-}
-
-void sign_decode_add(const uint8_t* in, int64_t m, float* acc) {
-  float scale;
-  std::memcpy(&scale, in, sizeof scale);
-  const uint8_t* bits = in + sizeof scale;
-  const int64_t full = m / 8;
-  for (int64_t b = 0; b < full; ++b) {
-    const unsigned byte = bits[b];
-    float* a = acc + 8 * b;
-    for (int j = 0; j < 8; ++j) {
-      a[j] += scale * static_cast<float>(static_cast<int>((byte >> j) & 1u) * 2 - 1);
-    }
-  }
-  for (int64_t i = 8 * full; i < m; ++i) acc[i] += (bits[i / 8] >> (i % 8)) & 1u ? scale : -scale;
-}
-
-}  // namespace ember::dist::codec
 
 // ---- hooks -------------------------------------------------------------------------------------
 

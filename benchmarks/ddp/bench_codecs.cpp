@@ -1,0 +1,67 @@
+// bench_codecs: the compressing hooks' wire encodings (compression_hooks.h, namespace codec) on
+// one bucket-sized float32 vector, one thread, beside memcpy of the same vector in the same run:
+// the codecs are memory-bound loops, so memcpy's time is the floor a pass over the data can
+// reach. Prints BENCH lines (benchmarks/bench_util.h) and then each case's time over memcpy's.
+//
+//   build/benchmarks/ddp/bench_codecs [--elements N] [--samples 5] [--min-time 0.2]
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <ember/distributed/ddp/compression_hooks.h>
+#include "benchmarks/bench_util.h"
+
+namespace codec = ember::dist::codec;
+
+int main(int argc, char** argv) {
+  bench::Options o;
+  int64_t n = 4 << 20;  // a 16 MiB float32 bucket, past the last-level cache
+  CLI::App app{"bench_codecs: int8 and sign encode/decode beside memcpy"};
+  app.add_option("--elements", n, "float32 elements per call")->check(CLI::Range(1, 1 << 28));
+  app.add_option("--samples", o.samples, "timed batches per case; the median is reported")
+      ->check(CLI::Range(1, 1 << 30));
+  app.add_option("--min-time", o.min_time, "seconds each timed batch lasts at least")
+      ->check(CLI::Range(0.001, 3600.0));
+  app.add_option("--filter", o.filter, "run only the cases whose name contains this");
+  CLI11_PARSE(app, argc, argv);
+
+  std::mt19937 rng(0);
+  std::normal_distribution<float> normal(0.0f, 1e-3f);
+  std::vector<float> x(static_cast<size_t>(n)), y(x.size()), residual(x.size());
+  for (float& v : x) v = normal(rng);
+  const int64_t channel = 512;
+  std::vector<uint8_t> q8(static_cast<size_t>(codec::int8_bytes(n, channel)));
+  std::vector<uint8_t> q1(static_cast<size_t>(codec::sign_bytes(n)));
+  codec::int8_encode(x.data(), n, channel, q8.data());
+  codec::sign_encode(x.data(), n, q1.data());
+
+  const double fbytes = 4.0 * static_cast<double>(n);
+  std::map<std::string, double> sec;
+  auto time = [&](const std::string& name, double bytes, const std::function<void()>& fn) {
+    if (bench::selected(o, name)) sec[name] = bench::run(o, name, fn, 0, bytes);
+  };
+  time("memcpy_f32", 2 * fbytes, [&] { std::memcpy(y.data(), x.data(), x.size() * 4); });
+  time("int8_encode", fbytes + n, [&] { codec::int8_encode(x.data(), n, channel, q8.data()); });
+  time("int8_encode_residual", 2 * fbytes + n,
+       [&] { codec::int8_encode(x.data(), n, channel, q8.data(), residual.data()); });
+  time("int8_decode_add", 2 * fbytes + n,
+       [&] { codec::int8_decode_add(q8.data(), n, channel, y.data()); });
+  time("sign_encode_residual", 2 * fbytes + n / 8.0,
+       [&] { codec::sign_encode(x.data(), n, q1.data(), residual.data()); });
+  time("sign_decode_add", 2 * fbytes + n / 8.0,
+       [&] { codec::sign_decode_add(q1.data(), n, y.data()); });
+
+  if (sec.count("memcpy_f32") != 0) {
+    std::printf("\n%lld elements, one thread; time / memcpy's time (memcpy %.3f ms, %.2f GB/s)\n",
+                static_cast<long long>(n), sec["memcpy_f32"] * 1e3,
+                2 * fbytes / sec["memcpy_f32"] / 1e9);
+    for (const auto& [name, s] : sec) {
+      std::printf("%-22s %9.3f ms  %6.2fx memcpy\n", name.c_str(), s * 1e3,
+                  s / sec["memcpy_f32"]);
+    }
+  }
+  return 0;
+}

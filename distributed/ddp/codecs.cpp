@@ -1,0 +1,195 @@
+// The wire encodings of the compressing hooks (compression_hooks.h, namespace codec).
+//
+// These loops are most of a compressed step's own work: a 10M-parameter model encodes and
+// decodes every gradient element several times a step, on the cores that also compute. Each
+// loop is therefore written so that GCC vectorizes it (lane-wise accumulators, branch-free
+// selects, one pass where the arithmetic allows) and is compiled also for AVX-512 and AVX2,
+// picked at load time (target_clones, as tensor/cpu/wide_loops.cpp). The file is compiled
+// without floating-point contraction (distributed/CMakeLists.txt), so every version computes the
+// bits of the baseline loop: the encodings must not depend on the CPU, since ranks on different
+// machines decode each other's messages and error feedback relies on exact residuals.
+#include <ember/distributed/ddp/compression_hooks.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define EMBER_CODEC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define EMBER_CODEC_CLONES
+#endif
+
+namespace ember::dist::codec {
+
+namespace {
+
+constexpr int64_t kParamBytes = 2 * sizeof(float);  // scale, zero point
+int64_t channels(int64_t m, int64_t channel) { return m == 0 ? 0 : (m + channel - 1) / channel; }
+
+// Rounds half to even, as std::nearbyint in the default rounding mode, for |v| < 2^22: adding
+// std::nearbyint is a library call on baseline x86-64. The quantizer's values lie within
+// [-2^22, 2^22]: |x / scale| <= 255 * (1 + 2^-23) inside the range, and its clamp follows.
+inline float round_half_even(float v) {
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+  return (v + kMagic) - kMagic;
+}
+
+// The smallest and largest of x[0, n) and 0 (the range always contains 0), NaNs ignored: what
+// lo = std::min(lo, x[i]) and hi = std::max(hi, x[i]) from 0 give. In 16 lanes of a GCC vector
+// (one AVX-512 register, two AVX2 ones, four SSE ones): the loop vectorizer leaves this select
+// scalar without -ffinite-math-only. min and max are exact, so the lanes' order cannot change
+// the result.
+EMBER_CODEC_CLONES void min_max(const float* x, int64_t n, float* lo_out, float* hi_out) {
+  constexpr int kLanes = 16;
+  typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+  Lanes lo = {}, hi = {};
+  const int64_t full = n / kLanes * kLanes;
+  for (int64_t i = 0; i < full; i += kLanes) {
+    Lanes v;
+    std::memcpy(&v, x + i, sizeof v);
+    lo = v < lo ? v : lo;
+    hi = hi < v ? v : hi;
+  }
+  float l = 0, h = 0;
+  for (int j = 0; j < kLanes; ++j) {
+    l = lo[j] < l ? lo[j] : l;
+    h = h < hi[j] ? hi[j] : h;
+  }
+  for (int64_t i = full; i < n; ++i) {
+    l = x[i] < l ? x[i] : l;
+    h = h < x[i] ? x[i] : h;
+  }
+  *lo_out = l;
+  *hi_out = h;
+}
+
+// round(x / scale) + zero clamped to [0, 255], as std::clamp would (a NaN stays NaN and its
+// byte is unspecified, as before).
+inline float quantized(float x, float scale, float zero) {
+  float v = round_half_even(x / scale) + zero;
+  v = v < 0.0f ? 0.0f : v;
+  return 255.0f < v ? 255.0f : v;
+}
+
+EMBER_CODEC_CLONES void quantize(const float* x, int64_t n, float scale, float zero, uint8_t* q) {
+  for (int64_t i = 0; i < n; ++i) q[i] = static_cast<uint8_t>(quantized(x[i], scale, zero));
+}
+
+// quantize, and in the same pass the residual x minus the decoder's value of each byte.
+EMBER_CODEC_CLONES void quantize_residual(const float* x, int64_t n, float scale, float zero,
+                                          uint8_t* q, float* residual) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = quantized(x[i], scale, zero);
+    q[i] = static_cast<uint8_t>(v);
+    residual[i] = x[i] - scale * (v - zero);
+  }
+}
+
+EMBER_CODEC_CLONES void dequantize_add(const uint8_t* q, int64_t n, float scale, float zero,
+                                       float* acc) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += scale * (static_cast<float>(q[i]) - zero);
+}
+
+// The sum of |x[i]| in eight double lanes (the same order every run and on every CPU).
+EMBER_CODEC_CLONES double sum_abs(const float* x, int64_t m) {
+  double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const int64_t full = m / 8;
+  for (int64_t b = 0; b < full; ++b) {
+    for (int j = 0; j < 8; ++j) lanes[j] += std::fabs(static_cast<double>(x[8 * b + j]));
+  }
+  double sum = 0;
+  for (double l : lanes) sum += l;
+  for (int64_t i = 8 * full; i < m; ++i) sum += std::fabs(static_cast<double>(x[i]));
+  return sum;
+}
+
+EMBER_CODEC_CLONES void sign_bits(const float* x, int64_t m, uint8_t* bits) {
+  const int64_t full = m / 8;
+  for (int64_t b = 0; b < full; ++b) {
+    unsigned byte = 0;
+    for (int j = 0; j < 8; ++j) byte |= static_cast<unsigned>(x[8 * b + j] >= 0) << j;
+    bits[b] = static_cast<uint8_t>(byte);
+  }
+  if (full * 8 < m) {
+    unsigned byte = 0;
+    for (int64_t j = 0; j < m - 8 * full; ++j) {
+      byte |= static_cast<unsigned>(x[8 * full + j] >= 0) << j;
+    }
+    bits[full] = static_cast<uint8_t>(byte);
+  }
+}
+
+EMBER_CODEC_CLONES void sign_residual(const float* x, int64_t m, float scale, float* residual) {
+  for (int64_t i = 0; i < m; ++i) residual[i] = x[i] - (x[i] >= 0 ? scale : -scale);
+}
+
+EMBER_CODEC_CLONES void sign_add(const uint8_t* bits, int64_t m, float scale, float* acc) {
+  const int64_t full = m / 8;
+  for (int64_t b = 0; b < full; ++b) {
+    const unsigned byte = bits[b];
+    float* a = acc + 8 * b;
+    for (int j = 0; j < 8; ++j) a[j] += (byte >> j) & 1u ? scale : -scale;
+  }
+  for (int64_t i = 8 * full; i < m; ++i) acc[i] += (bits[i / 8] >> (i % 8)) & 1u ? scale : -scale;
+}
+
+}  // namespace
+
+int64_t int8_bytes(int64_t m, int64_t channel) { return channels(m, channel) * kParamBytes + m; }
+
+// torch's MinMaxObserver.calculate_qparams for quint8, per_tensor_affine, reduce_range off:
+// the range is widened to contain 0, scale = range / 255 (at least float32's epsilon),
+// zero point = -round(min / scale) clamped to [0, 255]; quantize: round(x / scale) + zero
+// point, clamped. float32 throughout, rounding half to even (torch.round).
+void int8_encode(const float* x, int64_t m, int64_t channel, uint8_t* out, float* residual) {
+  const int64_t nc = channels(m, channel);
+  uint8_t* q = out + nc * kParamBytes;
+  for (int64_t c = 0; c < nc; ++c) {
+    const int64_t begin = c * channel, len = std::min(m, begin + channel) - begin;
+    float lo = 0, hi = 0;
+    min_max(x + begin, len, &lo, &hi);
+    float scale = (hi - lo) / 255.0f;
+    scale = std::max(scale, std::numeric_limits<float>::epsilon());
+    const float zero = std::clamp(0.0f - std::nearbyint(lo / scale), 0.0f, 255.0f);
+    const float params[2] = {scale, zero};
+    std::memcpy(out + c * kParamBytes, params, sizeof params);
+    if (residual != nullptr) {  // the decoder's arithmetic, so x - residual is what it decodes
+      quantize_residual(x + begin, len, scale, zero, q + begin, residual + begin);
+    } else {
+      quantize(x + begin, len, scale, zero, q + begin);
+    }
+  }
+}
+
+void int8_decode_add(const uint8_t* in, int64_t m, int64_t channel, float* acc) {
+  const int64_t nc = channels(m, channel);
+  const uint8_t* q = in + nc * kParamBytes;
+  for (int64_t c = 0; c < nc; ++c) {
+    float params[2];
+    std::memcpy(params, in + c * kParamBytes, sizeof params);
+    const int64_t begin = c * channel, len = std::min(m, begin + channel) - begin;
+    dequantize_add(q + begin, len, params[0], params[1], acc + begin);
+  }
+}
+
+int64_t sign_bytes(int64_t m) { return static_cast<int64_t>(sizeof(float)) + (m + 7) / 8; }
+
+void sign_encode(const float* x, int64_t m, uint8_t* out, float* residual) {
+  // The scale that brings scale * sign(x) closest to x (least squares): the mean magnitude.
+  // With it, x minus the message is always shorter than x, which error feedback needs; the
+  // root mean square (1-bit Adam's choice, on Adam's momentum) can make it longer.
+  const float scale = m > 0 ? static_cast<float>(sum_abs(x, m) / static_cast<double>(m)) : 0;
+  std::memcpy(out, &scale, sizeof scale);
+  sign_bits(x, m, out + sizeof scale);
+  if (residual != nullptr) sign_residual(x, m, scale, residual);
+}
+
+void sign_decode_add(const uint8_t* in, int64_t m, float* acc) {
+  float scale;
+  std::memcpy(&scale, in, sizeof scale);
+  sign_add(in + sizeof scale, m, scale, acc);
+}
+
+}  // namespace ember::dist::codec
