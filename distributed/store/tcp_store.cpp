@@ -82,11 +82,15 @@ class TCPStore::Connection {
   }
 
   // An idle connection has nothing to read; if it has (EOF, a reset, stray bytes) the server
-  // closed it or something is wrong, and it must not be used.
+  // closed it or something is wrong, and it must not be used. One idle for kClientRetireIdle or
+  // longer is not used either: a server may be about to close it (idle_timeout), and a request
+  // sent as it does would fail.
   bool idle_ok() const {
+    if (std::chrono::steady_clock::now() - idle_since_ >= kClientRetireIdle) return false;
     pollfd p{fd_, POLLIN, 0};
     return ::poll(&p, 1, 0) == 0;
   }
+  void mark_idle() { idle_since_ = std::chrono::steady_clock::now(); }
 
   Reply recv(TimePoint deadline) {
     uint8_t h[wire::kHeaderSize];
@@ -135,6 +139,7 @@ class TCPStore::Connection {
   }
 
   int fd_;
+  std::chrono::steady_clock::time_point idle_since_ = std::chrono::steady_clock::now();
 };
 
 namespace {
@@ -269,6 +274,11 @@ const std::vector<StoreLimit>& store_limits() {
        "Seconds a frame may take to arrive from its first byte (default 120; a shorter one "
        "drops large values sent over slow links)",
        nullptr, 0, &O::max_frame_time},
+      {"--store-idle-timeout", "EMBER_STORE_IDLE_TIMEOUT",
+       "Seconds an authenticated store connection may sit idle before the store closes it "
+       "(default 600; a parked get or wait is not idle; Ember's clients reconnect on their "
+       "next request, so below 60 a client's request may meet the close and fail)",
+       nullptr, 0, &O::idle_timeout},
   };
   return limits;
 }
@@ -418,6 +428,7 @@ std::unique_ptr<TCPStore::Connection> TCPStore::acquire(const std::string& op, D
 }
 
 void TCPStore::release(std::unique_ptr<Connection> conn) {
+  conn->mark_idle();
   std::lock_guard<std::mutex> lock(pool_mu_);
   if (pool_.size() < kMaxIdleConnections) pool_.push_back(std::move(conn));
 }

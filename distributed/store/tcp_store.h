@@ -70,7 +70,18 @@ struct TCPStoreServerOptions {
   /// add or compare_set that would go past it is refused with DistStoreError naming the key and
   /// the quota, and the store keeps serving.
   size_t max_stored_bytes = size_t{2} << 30;
+  /// An authenticated connection with no request in flight or parked (a get or wait waiting on
+  /// the server is not idle, however long) and no byte received for this long is closed, so
+  /// that idle connections cannot hold max_connections' places for good. Ember's clients retire
+  /// a pooled connection after kClientRetireIdle idle and check for the server's close before
+  /// reusing one, so closing theirs costs them a reconnection, not an error. 0: never.
+  Duration idle_timeout = std::chrono::minutes(10);
 };
+
+/// How long a TCPStore client keeps a pooled connection idle before opening a fresh one
+/// instead: below every idle_timeout of 2x this or more, a server never closes a connection as
+/// the client starts to reuse it.
+inline constexpr Duration kClientRetireIdle = std::chrono::seconds(30);
 
 /// One limit of TCPStoreServerOptions that a job sets from outside: emberrun's option
 /// (`--store-max-stored-bytes`) and the variable it exports to the workers, which rank 0's
@@ -84,7 +95,7 @@ struct StoreLimit {
   Duration TCPStoreServerOptions::*seconds = nullptr;  // or a time, given in seconds
 };
 /// The limits settable so: max_stored_bytes, max_buffered_bytes, max_connection_buffered_bytes,
-/// max_connections and max_frame_time (seconds).
+/// max_connections, max_frame_time and idle_timeout (seconds).
 const std::vector<StoreLimit>& store_limits();
 /// Sets `limit` in `options` from its text `value`; ValueError "`named`: expected ..., got
 /// '<value>'" when it is not a whole number (seconds: a number) in the limit's range.
@@ -137,6 +148,7 @@ class TCPStoreServer {
     int64_t buffered_bytes = 0;   // receive-buffer memory held now, all connections together
     int64_t stored_bytes = 0;     // keys and values stored now
     int64_t quota_refusals = 0;   // writes refused by max_stored_bytes
+    int64_t idle_closes = 0;      // connections closed after idle_timeout
   };
   Stats stats() const;
 

@@ -106,6 +106,7 @@ class TCPStoreServer::Impl {
     s.buffered_bytes = buffered_.load();
     s.stored_bytes = stored_.load();
     s.quota_refusals = quota_refusals_.load();
+    s.idle_closes = idle_closes_.load();
     return s;
   }
 
@@ -136,12 +137,16 @@ class TCPStoreServer::Impl {
   void cancel_waiter(uint64_t id);
   wire::Bytes new_nonce();
   void log_peer(const std::string& peer, const std::string& why);
+  // Every quarter of idle_timeout: closes the sessions idle for longer (one timer for all, not
+  // one per connection).
+  void sweep_idle();
 
   // Declared first so it is destroyed last: sockets and timers below belong to it.
   asio::io_context io_;
   asio::executor_work_guard<asio::io_context::executor_type> work_;
   tcp::acceptor acceptor_;
   asio::steady_timer accept_retry_;
+  asio::steady_timer idle_sweep_;
   TCPStoreServerOptions opts_;
   std::string secret_;
   uint16_t port_ = 0;
@@ -171,6 +176,7 @@ class TCPStoreServer::Impl {
   // Bytes of the stored keys and values; changed only on the io thread.
   std::atomic<int64_t> stored_{0};
   std::atomic<int64_t> quota_refusals_{0};
+  std::atomic<int64_t> idle_closes_{0};
   std::atomic<size_t> waiting_{0};  // waiters_.size(), readable from other threads
 };
 
@@ -195,6 +201,7 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
 
   void start() {
     srv_.sessions_.insert(shared_from_this());
+    last_active_ = Clock::now();
     ++srv_.active_;
     set_cloexec(sock_.native_handle());
     boost::system::error_code ec;
@@ -241,6 +248,14 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
 
   // The parked request of this session, 0 if none.
   uint64_t waiter_ = 0;
+
+  // Whether this is an authenticated connection with nothing in flight (no request parked or
+  // arriving, no reply being written) whose last byte in or out was before `cutoff`.
+  bool idle_since(std::chrono::steady_clock::time_point cutoff) const {
+    return authenticated_ && !closed_ && waiter_ == 0 && !frame_active_ && out_.empty() &&
+           last_active_ < cutoff;
+  }
+  const std::string& peer() const { return peer_; }
 
  private:
   // The first growth of a payload buffer; also what a buffer may keep between frames.
@@ -311,7 +326,7 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
   }
 
   void on_read(size_t n) {
-    last_progress_ = Clock::now();
+    last_progress_ = last_active_ = Clock::now();
     if (!in_payload_) {
       if (header_got_ == 0 && n > 0) begin_frame();
       header_got_ += n;
@@ -447,6 +462,7 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
                       [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
                         if (self->closed_) return;
                         if (ec) return self->close();
+                        self->last_active_ = Clock::now();
                         self->out_.pop_front();
                         if (!self->out_.empty()) {
                           self->do_write();
@@ -478,6 +494,7 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
   bool frame_timer_armed_ = false;
   Clock::time_point last_progress_;
   Clock::time_point frame_started_;
+  Clock::time_point last_active_;  // the last byte received or reply written
   std::deque<wire::Bytes> out_;
 };
 
@@ -492,6 +509,7 @@ TCPStoreServer::Impl::Impl(TCPStoreServerOptions options)
     : work_(asio::make_work_guard(io_)),
       acceptor_(io_),
       accept_retry_(io_),
+      idle_sweep_(io_),
       opts_(std::move(options)),
       secret_(store_secret(opts_.secret)) {
   if (opts_.max_connections == 0) {
@@ -524,6 +542,7 @@ TCPStoreServer::Impl::Impl(TCPStoreServerOptions options)
   }
   port_ = acceptor_.local_endpoint().port();
   do_accept();
+  if (opts_.idle_timeout > Duration::zero()) sweep_idle();
   thread_ = std::thread([this] { run(); });
 }
 
@@ -583,6 +602,27 @@ void TCPStoreServer::Impl::do_accept() {
   });
 }
 
+void TCPStoreServer::Impl::sweep_idle() {
+  const Duration limit = std::min(opts_.idle_timeout, dist::detail::kMaxStoreTimeout);
+  const auto cutoff = std::chrono::steady_clock::now() - limit;
+  std::vector<std::shared_ptr<Session>> idle;
+  for (const auto& s : sessions_) {
+    if (s->idle_since(cutoff)) idle.push_back(s);
+  }
+  for (const auto& s : idle) {  // close() erases from sessions_
+    ++idle_closes_;
+    // Routine (a client's pooled connection left unused): not a warning. Its client reconnects.
+    logging::debug("[TCPStoreServer] port ", port_, ": closed ", s->peer(), ", idle for ",
+                   limit.count(), " ms (idle_timeout)");
+    s->close();
+  }
+  // A session goes idle at most a quarter period before the sweep that closes it.
+  idle_sweep_.expires_after(std::clamp<Duration>(limit / 4, Duration(10), Duration(30'000)));
+  idle_sweep_.async_wait([this](const boost::system::error_code& e) {
+    if (!e && !stopping_) sweep_idle();
+  });
+}
+
 void TCPStoreServer::Impl::stop() {
   std::lock_guard<std::mutex> guard(stop_mu_);
   if (thread_.joinable()) {
@@ -591,6 +631,7 @@ void TCPStoreServer::Impl::stop() {
       boost::system::error_code ignored;
       acceptor_.close(ignored);
       accept_retry_.cancel();
+      idle_sweep_.cancel();
       const auto sessions = sessions_;  // close() erases from sessions_
       for (const auto& s : sessions) s->close();
       waiters_.clear();

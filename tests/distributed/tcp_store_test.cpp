@@ -746,7 +746,10 @@ TEST(TCPStore, AServerRankTakesItsLimitsFromItsOptionsAndTheEnvironment) {
   ::setenv("EMBER_STORE_MAX_CONNECTIONS", "300", 1);
   ::setenv("EMBER_STORE_MAX_FRAME_TIME", "0.5", 1);
   ::setenv("EMBER_STORE_MAX_CONNECTION_BUFFERED_BYTES", "32768", 1);
+  ::setenv("EMBER_STORE_IDLE_TIMEOUT", "90", 1);
   TCPStoreServerOptions env = store_limits_from_env();
+  EXPECT_EQ(env.idle_timeout, std::chrono::seconds(90));
+  ::unsetenv("EMBER_STORE_IDLE_TIMEOUT");
   EXPECT_EQ(env.max_stored_bytes, 4096u);
   EXPECT_EQ(env.max_buffered_bytes, 65536u);
   EXPECT_EQ(env.max_connection_buffered_bytes, 32768u);
@@ -1038,6 +1041,65 @@ TEST(TCPStore, ATimedOutWaitLeavesTheClientUsable) {
   EXPECT_EQ(c.get_string("k"), "v");
   EXPECT_EQ(server.stats().waiting, 0);
   EXPECT_EQ(server.stats().accepted, 1) << "timeouts reported by the server reuse the connection";
+}
+
+// ---- idle connections (issue 42's T6) ----
+
+// An authenticated connection that sends nothing is closed after idle_timeout, counted and
+// logged, so that idle connections cannot keep max_connections' places; others are served.
+TEST(TCPStore, AnIdleAuthenticatedConnectionIsClosedAfterIdleTimeout) {
+  TCPStoreServerOptions so = local();
+  so.idle_timeout = 300ms;
+  TCPStoreServer server(so);
+  Raw idle(server.port());
+  idle.authenticate();
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(idle.closed_by_server()) << "an idle authenticated connection kept open";
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 300ms) << "closed before idle_timeout";
+  EXPECT_EQ(server.stats().idle_closes, 1);
+  expect_serving(server.port(), "after_idle_close");
+}
+
+// A get parked on the server for longer than idle_timeout is not idle: it ends in the server's
+// own timeout reply, not a closed connection; so does a plain wait on a key set later.
+TEST(TCPStore, AParkedRequestIsNotIdle) {
+  TCPStoreServerOptions so = local();
+  so.idle_timeout = 300ms;
+  TCPStoreServer server(so);
+  TCPStore c("127.0.0.1", server.port(), client_options());
+  expect_error<DistTimeoutError>([&] { c.get("never", 1000ms); }, {"'never'", "1000 ms"});
+  EXPECT_EQ(server.stats().idle_closes, 0);
+  TCPStore setter("127.0.0.1", server.port(), client_options());
+  std::thread later([&] {
+    // Sets the key once the waiter is parked, and past several idle periods of its connection.
+    ASSERT_TRUE(test::eventually([&] { return server.stats().waiting == 1; }));
+    ASSERT_TRUE(test::eventually([&] { return server.stats().idle_closes >= 1; }))
+        << "the setter's own idle connection was never closed";
+    setter.set("late", std::string("v"));
+  });
+  EXPECT_EQ(c.get_string("late"), "v");
+  later.join();
+}
+
+// A client whose pooled connection the server closed as idle reconnects on its next request:
+// the close costs it a connection, not an error.
+TEST(TCPStore, AClientReconnectsAfterTheServerClosedItsIdleConnection) {
+  TCPStoreServerOptions so = local();
+  so.idle_timeout = 100ms;
+  TCPStoreServer server(so);
+  TCPStore c("127.0.0.1", server.port(), client_options());
+  c.set("k", std::string("v"));
+  // One request per round, each once the server has closed the connection before it.
+  for (int round = 1; round <= 4; ++round) {
+    ASSERT_TRUE(test::eventually([&] { return server.stats().active == 0; }))
+        << "round " << round << ": the idle connection was not closed";
+    if (round % 2 == 1) {
+      EXPECT_EQ(c.get_string("k"), "v") << "round " << round;
+    } else {
+      EXPECT_EQ(c.add("n", 1), round / 2);
+    }
+  }
+  EXPECT_GE(server.stats().idle_closes, 4);
 }
 
 TEST(TCPStore, AServerRestartedOnTheSamePortIsReachedThroughAFreshConnection) {

@@ -255,13 +255,14 @@ TEST(Config, StoreLimitsAreCheckedAndKeptAsTheirVariables) {
   LaunchConfig c = parse_args({"--store-max-stored-bytes", "4096", "--store-max-frame-time", "2.5",
                                "--store-max-connections", "300", "--store-max-buffered-bytes",
                                "1048576", "--store-max-connection-buffered-bytes", "262144",
-                               "prog"});
+                               "--store-idle-timeout", "90", "prog"});
   using Pairs = std::vector<std::pair<std::string, std::string>>;
   EXPECT_EQ(c.store_limits, (Pairs{{"EMBER_STORE_MAX_STORED_BYTES", "4096"},
                                    {"EMBER_STORE_MAX_BUFFERED_BYTES", "1048576"},
                                    {"EMBER_STORE_MAX_CONNECTION_BUFFERED_BYTES", "262144"},
                                    {"EMBER_STORE_MAX_CONNECTIONS", "300"},
-                                   {"EMBER_STORE_MAX_FRAME_TIME", "2.5"}}));
+                                   {"EMBER_STORE_MAX_FRAME_TIME", "2.5"},
+                                   {"EMBER_STORE_IDLE_TIMEOUT", "90"}}));
   EXPECT_TRUE(parse_args({"prog"}).store_limits.empty());  // the store's own defaults
   setenv("EMBER_STORE_MAX_STORED_BYTES", "8192", 1);
   EXPECT_EQ(parse_args({"prog"}).store_limits,
