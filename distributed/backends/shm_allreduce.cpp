@@ -63,12 +63,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <sstream>
+#include <vector>
 
 #include <ember/distributed/errors.h>
 
@@ -237,9 +240,29 @@ bool map_segment(const std::string& name, size_t bytes, bool create, Mapping& m,
 
 // ---- set-up -------------------------------------------------------------------------------------
 
-// The segment's name: "/ember-<tag>-<pid>-<nonce>" under emberrun, whose EMBER_SHM_TAG names the
-// job on this node, so that the launcher can sweep a name a killed rank 0 left behind (it exists
-// from creation until every rank has mapped it); "/ember-<pid>-<nonce>" elsewhere.
+namespace {
+// This process's PID namespace as the inode number in "pid:[4026531836]"; empty if unknown.
+std::string pid_namespace_id() {
+  const std::string t = link_target("/proc/self/ns/pid");
+  const size_t open = t.find('['), close = t.find(']');
+  if (open == std::string::npos || close == std::string::npos || close <= open + 1) return {};
+  std::string id = t.substr(open + 1, close - open - 1);
+  return std::all_of(id.begin(), id.end(), [](char c) { return c >= '0' && c <= '9'; })
+             ? id
+             : std::string();
+}
+
+bool all_of_class(const std::string& s, int (*is)(int)) {
+  return !s.empty() &&
+         std::all_of(s.begin(), s.end(), [is](char c) { return is(static_cast<unsigned char>(c)) != 0; });
+}
+}  // namespace
+
+// The segment's name: "/ember-<tag>-n<pidns>-<pid>-<nonce>" under emberrun, whose EMBER_SHM_TAG
+// names the job on this node, so that the launcher can sweep a name a killed rank 0 left behind
+// (it exists from creation until every rank has mapped it); "/ember-n<pidns>-<pid>-<nonce>"
+// elsewhere, which the next group made on this machine sweeps once its creator is gone
+// (sweep_stale_segments). Without a known PID namespace: "/ember-[<tag>-]<pid>-<nonce>".
 static std::string segment_name(uint64_t nonce) {
   std::ostringstream n;
   n << "/ember-";
@@ -248,8 +271,45 @@ static std::string segment_name(uint64_t nonce) {
       std::all_of(tag, tag + std::strlen(tag), [](char c) { return std::isalnum(static_cast<unsigned char>(c)); })) {
     n << tag << "-";
   }
+  const std::string ns = pid_namespace_id();
+  if (!ns.empty()) n << "n" << ns << "-";
   n << ::getpid() << "-" << std::hex << nonce;
   return n.str();
+}
+
+std::optional<SegmentName> parse_segment_name(const std::string& file) {
+  const std::string prefix = "ember-";
+  if (file.rfind(prefix, 0) != 0) return std::nullopt;
+  std::vector<std::string> parts;
+  std::istringstream in(file.substr(prefix.size()));
+  for (std::string part; std::getline(in, part, '-');) parts.push_back(part);
+  if (parts.size() != 3 && parts.size() != 4) return std::nullopt;
+  const std::string& ns = parts[parts.size() - 3];
+  const std::string& pid = parts[parts.size() - 2];
+  const std::string& nonce = parts[parts.size() - 1];
+  if (ns.size() < 2 || ns[0] != 'n' || !all_of_class(ns.substr(1), ::isdigit) ||
+      !all_of_class(pid, ::isdigit) || pid.size() > 9 || !all_of_class(nonce, ::isxdigit) ||
+      (parts.size() == 4 && !all_of_class(parts[0], ::isalnum))) {
+    return std::nullopt;
+  }
+  return SegmentName{ns.substr(1), std::stoi(pid)};
+}
+
+int sweep_stale_segments() {
+  const std::string ns = pid_namespace_id();
+  if (ns.empty()) return 0;
+  int swept = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string file = e.path().filename().string();
+    const std::optional<SegmentName> n = parse_segment_name(file);
+    if (!n || n->pid_namespace != ns || n->pid == ::getpid() || n->pid <= 0 ||
+        !process_gone(n->pid)) {
+      continue;
+    }
+    if (::shm_unlink(("/" + file).c_str()) == 0) ++swept;
+  }
+  return swept;
 }
 
 std::unique_ptr<ShmAllreduce> ShmAllreduce::create(Store& store, int rank, int size, int channels,
@@ -270,6 +330,7 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::create(Store& store, int rank, int s
     std::string name;
     bool created = false;
     if (local) {
+      sweep_stale_segments();
       std::random_device rd;
       nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(::getpid());
       name = segment_name(nonce);

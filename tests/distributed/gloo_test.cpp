@@ -3,6 +3,10 @@
 // that dies or stalls mid-collective.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <unistd.h>
+#include <sys/wait.h>
+#include <sys/mman.h>
+#include <fcntl.h>
 
 #include <chrono>
 #include <cmath>
@@ -13,6 +17,7 @@
 #include "tests/distributed/allreduce_closed_forms.h"
 #include "tests/distributed/collective_options.h"
 #include "tests/distributed/composite_group.h"
+#include <ember/distributed/backends/detail/shm_allreduce.h>
 #include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/backends/shareable.h>
 #include <ember/distributed/store/hash_store.h>
@@ -1205,12 +1210,62 @@ TEST_P(GlooShm, SegmentIsUnlinkedOnceEveryRankHasIt) {
   EMBER_REQUIRE_GLOO();
   run_group(GetParam(), [](ProcessGroupGloo& pg, int rank, Store&) {
     if (rank != 0) return;
-    const std::string prefix = "ember-" + std::to_string(::getpid()) + "-";
     for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
-      require(e.path().filename().string().rfind(prefix, 0) != 0,
-              "left in /dev/shm: " + e.path().string());
+      const auto name = detail::parse_segment_name(e.path().filename().string());
+      require(!(name && name->pid == ::getpid()), "left in /dev/shm: " + e.path().string());
     }
   });
+}
+
+// Outside emberrun (mpirun, Slurm), a rank 0 killed between creating its group's segment and
+// every rank mapping it leaves the name; the next group made on the machine sweeps every name
+// whose creator, in this PID namespace, has exited. Names of live creators, of other PID
+// namespaces (their pids mean other processes) and of other forms stay.
+TEST(GlooShmNames, TheNextGroupSweepsANameWhoseCreatorIsGone) {
+  EMBER_REQUIRE_GLOO();
+  const pid_t child = ::fork();  // a pid that is surely gone: a child that exited, reaped
+  if (child == 0) ::_exit(0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);
+  char link[128] = {};
+  ASSERT_GT(::readlink("/proc/self/ns/pid", link, sizeof(link) - 1), 0);
+  const std::string text = link;  // "pid:[4026531836]"
+  const std::string ns = text.substr(text.find('[') + 1, text.find(']') - text.find('[') - 1);
+  const std::string dead = std::to_string(child), live = std::to_string(::getppid());
+  const std::string tag = "t" + std::to_string(::getpid());
+  const std::vector<std::string> swept = {"ember-n" + ns + "-" + dead + "-a1",
+                                          "ember-" + tag + "-n" + ns + "-" + dead + "-a2"};
+  const std::vector<std::string> kept = {"ember-n" + ns + "-" + live + "-a3",
+                                         "ember-n1-" + dead + "-a4",  // another PID namespace
+                                         "ember-" + tag + "-" + dead + "-a5",  // no namespace
+                                         "ember-n" + ns + "-" + dead + "-zz"};  // not a nonce
+  struct Names {
+    std::vector<std::string> all;
+    ~Names() {
+      for (const auto& n : all) ::shm_unlink(("/" + n).c_str());
+    }
+  } cleanup;
+  for (const auto* list : {&swept, &kept}) {
+    for (const std::string& n : *list) {
+      const int fd = ::shm_open(("/" + n).c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+      ASSERT_GE(fd, 0) << n << ": " << std::strerror(errno);
+      ::close(fd);
+      cleanup.all.push_back(n);
+    }
+  }
+  const auto parsed = detail::parse_segment_name(swept[1]);
+  ASSERT_TRUE(parsed.has_value());
+  EXPECT_EQ(parsed->pid_namespace, ns);
+  EXPECT_EQ(parsed->pid, child);
+  EXPECT_FALSE(detail::parse_segment_name("ember-flight-recorder").has_value());
+  run_group(2, [](ProcessGroupGloo& pg, int, Store&) {
+    require(pg.uses_shared_memory(), "the group uses shared memory");
+  });
+  for (const std::string& n : swept) {
+    EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + n)) << n << " was not swept";
+  }
+  for (const std::string& n : kept) {
+    EXPECT_TRUE(std::filesystem::exists("/dev/shm/" + n)) << n << " was swept";
+  }
 }
 
 // Ranks that pass different element counts fail on every rank, and the message says what each

@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -300,5 +301,19 @@ class ShmAllreduce {
   bool mapping_ = false;            // every rank can map every peer's shareable memory
   Tensor map_probe_;                 // this rank's probe region (probe_mapping)
 };
+
+/// The parts of a segment's file name in /dev/shm that say who made it:
+/// "ember-[<tag>-]n<pid namespace>-<pid>-<nonce>" (segment_name() in shm_allreduce.cpp).
+struct SegmentName {
+  std::string pid_namespace;  // the inode number of the creator's PID namespace
+  int pid = 0;                // the creator (a group's rank 0)
+};
+/// Nothing for a name of another form (not Ember's, or from before the namespace was in it).
+std::optional<SegmentName> parse_segment_name(const std::string& file);
+/// Unlinks the names in /dev/shm whose creator, a process of this PID namespace, has exited
+/// (a rank 0 killed between creating its group's segment and every rank mapping it, outside
+/// emberrun, which sweeps its own job's names at exit). A name from another PID namespace is
+/// left alone: its pid means another process here. Returns how many names it unlinked.
+int sweep_stale_segments();
 
 }  // namespace ember::dist::detail
