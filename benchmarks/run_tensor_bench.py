@@ -6,12 +6,13 @@ so each round runs every contender once and the table shows medians over rounds)
   ember     build/benchmarks/bench_*       (Ember, C++)
   libtorch  build/benchmarks/ref_libtorch  (PyTorch 1.13 through its C++ API; `make bench`
                                             builds it from Debian's libtorch-dev)
-  pytorch   this script's torch cases       (PyTorch 1.13 from Python, Debian's python3-torch)
+  pytorch   this script's torch cases       (from Python: Debian's python3-torch 1.13, or
+                                            --torch-python's, e.g. setup_torch.sh's current one)
 Ratios are reference time / Ember time: above 1 means Ember is faster.
 All run with one thread unless --threads says otherwise.
 
 Usage: benchmarks/run_tensor_bench.py [--build build] [--rounds 3] [--filter S] [--threads 1]
-       [--markdown FILE]
+       [--markdown FILE] [--torch-python "$(benchmarks/vs_pytorch/setup_torch.sh)"]
 """
 import argparse
 import os
@@ -340,6 +341,9 @@ def main():
     ap.add_argument("--samples", type=int, default=3)
     ap.add_argument("--min-time", type=float, default=0.2)
     ap.add_argument("--markdown", help="also write the table as Markdown to this file")
+    ap.add_argument("--torch-python", default=sys.executable,
+                    help="the interpreter whose torch is the PyTorch (Python) column (default this "
+                         "one; benchmarks/vs_pytorch/setup_torch.sh makes a current one)")
     ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.torch_worker:
@@ -358,6 +362,8 @@ def main():
         print(f"note: {ref} not built (make bench builds it); libtorch column left empty")
     results = {"ember": {}, "libtorch": {}, "pytorch": {}}
     meta = {}
+    version = subprocess.run([a.torch_python, "-c", "import torch; print(torch.__version__)"],
+                             capture_output=True, text=True).stdout.strip().split("+")[0]
     for r in range(a.rounds):
         print(f"round {r + 1}/{a.rounds} ...", flush=True)
         got = {}
@@ -366,7 +372,7 @@ def main():
         contenders = [("ember", got)]
         if have_ref:
             contenders.append(("libtorch", run_exe(ref, common, env)))
-        contenders.append(("pytorch", run_exe(sys.executable, [os.path.abspath(__file__), "--torch-worker",
+        contenders.append(("pytorch", run_exe(a.torch_python, [os.path.abspath(__file__), "--torch-worker",
                                                                "--threads", str(a.threads)] + common, env)))
         for who, res in contenders:
             for name, (sec, flops, nbytes) in res.items():
@@ -375,7 +381,8 @@ def main():
 
     names = list(dict.fromkeys(list(results["ember"]) + list(results["pytorch"]) + list(results["libtorch"])))
     rows = []
-    hdr = ["case", "Ember", "libtorch C++", "PyTorch (Python)", "Ember rate", "vs libtorch", "vs PyTorch"]
+    hdr = ["case", "Ember", "libtorch C++", f"PyTorch {version} (Python)", "Ember rate",
+           "vs libtorch", f"vs PyTorch {version}"]
     for n in names:
         flops, nbytes = meta[n]
         med = {w: statistics.median(results[w][n]) if n in results[w] else None for w in results}

@@ -16,6 +16,7 @@ torchrun's numbers include its workers' `import torch` (printed separately): a P
 cannot init without it, so it is part of what a user waits for.
 
 Usage: benchmarks/launch/launch_overhead.py [--build build] [--ranks 2 4] [--reps 10]
+       [--torch-python "$(benchmarks/vs_pytorch/setup_torch.sh)"]
 Needs the launcher tests built (the dist_worker target) and Debian's python3-torch for the
 comparison (skipped with a note when missing). Check `uptime` first: on a busy machine the
 numbers say little. Debian's torchrun (torch 1.13 on Python 3.11) fails without `-r 0:1 -t 0:1`.
@@ -42,7 +43,6 @@ dist.all_reduce(t)
 dist.destroy_process_group()
 """
 
-PYTHON = "/usr/bin/python3"  # Debian's interpreter, where python3-torch lives
 
 
 def free_port():
@@ -80,7 +80,11 @@ def main():
     ap.add_argument("--build", default=os.path.join(os.path.dirname(__file__), "../../build"))
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--torch-python", default="/usr/bin/python3",
+                    help="the interpreter whose torchrun is measured (default Debian's, torch "
+                         "1.13; benchmarks/vs_pytorch/setup_torch.sh makes a current one)")
     args = ap.parse_args()
+    PYTHON = args.torch_python
     build = os.path.abspath(args.build)
     emberrun = os.path.join(build, "launcher/emberrun")
     worker = os.path.join(build, "launcher/test_workers/dist_worker")

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""examples/gpt in PyTorch 1.13: the same model, initialisation, data windows, optimizer,
+"""examples/gpt in PyTorch (1.13 or current): the same model, initialisation, data windows, optimizer,
 schedule and clipping, for benchmarks/vs_pytorch/run_gpt.py to run beside Ember's.
 
 - Model: token + learned position embeddings, pre-LayerNorm blocks (fused qkv Linear, causal
@@ -12,6 +12,9 @@ schedule and clipping, for benchmarks/vs_pytorch/run_gpt.py to run beside Ember'
   validation windows spread evenly over the last 10%. Both frameworks see the same batches.
 - AdamW betas (0.9, 0.95), weight decay 0.1 on 2-D weights only, 50 warm-up steps then cosine to
   a tenth of the peak lr, gradient norm clipped.
+- --shard zero: ZeroRedundancyOptimizer over DDP; --shard fsdp (PyTorch 2.6 or later): FSDP2's
+  fully_shard on every block and then the root, as examples/gpt --shard fsdp. --compile
+  torch.compiles the wrapped model; --warmup-steps leaves its compiling steps out of tokens/s.
 - --pp N (PyTorch 2.4 or later, e.g. setup_torch.sh's): torch.distributed.pipelining over all N
   ranks, as examples/gpt --pp: the blocks cut into equal stages (one per rank, or two with the
   interleaved and zero-bubble schedules), the first with the embeddings, the last with ln_f and
@@ -285,7 +288,22 @@ def worker(rank, world, a):
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    if a.shard == "fsdp":  # FSDP2, as examples/gpt --shard fsdp: every block, then the root
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:
+            sys.exit(f"gpt_torch.py: --shard fsdp needs FSDP2's fully_shard (PyTorch 2.6 or later; "
+                     f"this is {torch.__version__})")
+        for b in model.blocks:
+            fully_shard(b)
+        net = fully_shard(model)
+        # fully_shard replaced the parameters by sharded DTensors: the groups take the new ones.
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+    else:
+        net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    if a.compile:
+        net = torch.compile(net)
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     if a.shard == "zero":  # examples/gpt --shard zero: each rank holds 1/N of AdamW's moments
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -302,8 +320,9 @@ def worker(rank, world, a):
         print(f"gpt_torch: world size {world}, backend gloo, device {a.device}, {n_params} parameters "
               f"(layers {a.layers}, heads {a.heads}, dim {a.dim}, context {a.context}), batch "
               f"{a.batch_size} per rank, {a.steps} steps, amp {a.amp}, torch {torch.__version__}, "
-              f"{a.threads} threads per rank", flush=True)
+              f"{a.threads} threads per rank{', compiled' if a.compile else ''}", flush=True)
     log_every = a.log_every or max(1, a.steps // 20)
+    timed_steps = a.steps - a.warmup_steps
     train_s, val, evaluated, window = 0.0, float("nan"), False, []
     for step in range(a.steps):
         t0 = time.perf_counter()
@@ -320,10 +339,11 @@ def worker(rank, world, a):
         scaler.update()
         sched.step()
         window.append(loss.item())
-        train_s += time.perf_counter() - t0
+        if step >= a.warmup_steps:  # torch.compile compiles in the first steps
+            train_s += time.perf_counter() - t0
         done = step + 1
         if lead and (done % log_every == 0 or done == a.steps):
-            tps = done * a.batch_size * a.context * world / train_s
+            tps = (done - a.warmup_steps) * a.batch_size * a.context * world / train_s if train_s else 0
             print(f"step {done}/{a.steps}  loss {sum(window) / len(window):.4f}  "
                   f"lr {opt.param_groups[0]['lr']:.2e}  {tps:.0f} tok/s", flush=True)
             window = []
@@ -339,7 +359,7 @@ def worker(rank, world, a):
         dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if lead:
         print(f"val_loss={val:.4f}")
-        print(f"tokens_per_s={a.steps * a.batch_size * a.context * world / train_s:.0f}")
+        print(f"tokens_per_s={timed_steps * a.batch_size * a.context * world / train_s:.0f}")
         print(f"peak_rss_mb={rss.item():.0f}", flush=True)
         if a.device.startswith("cuda"):
             print(f"peak_allocated_mb={torch.cuda.max_memory_allocated() / 2**20:.1f}", flush=True)
@@ -364,9 +384,13 @@ def main():
     p.add_argument("--attention", default="written", choices=["written", "fused"],
                    help="written out (PyTorch 1.13) or F.scaled_dot_product_attention (PyTorch 2)")
     p.add_argument("--checkpoint-activations", action="store_true")
-    p.add_argument("--shard", default="none", choices=["none", "zero"],
-                   help="zero: DDP with torch.distributed.optim.ZeroRedundancyOptimizer (torch "
-                        "1.13's FSDP does not import under this Python)")
+    p.add_argument("--shard", default="none", choices=["none", "zero", "fsdp"],
+                   help="zero: DDP with torch.distributed.optim.ZeroRedundancyOptimizer; fsdp: "
+                        "FSDP2's fully_shard on every block and the root (PyTorch 2.6 or later; "
+                        "torch 1.13's FSDP does not import under this Python)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the (wrapped) model")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="first steps left out of tokens_per_s (compilation)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages' ranks (every rank)")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedule", default="1f1b",
@@ -378,6 +402,8 @@ def main():
     a = p.parse_args()
     if not os.path.exists(a.tokens):
         sys.exit(f"gpt_torch.py: no token file at {a.tokens} (run examples/gpt once with --cache-dir)")
+    if not 0 <= a.warmup_steps < a.steps:
+        sys.exit(f"gpt_torch.py: --warmup-steps {a.warmup_steps} must be below --steps {a.steps}")
     if a.pp > 1 and a.pp != a.nproc:
         sys.exit("gpt_torch.py: --pp must equal --nproc (no data parallelism with it)")
     torch_launch.launch(worker, a)

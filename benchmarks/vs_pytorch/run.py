@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 
+import torch_sides
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 EPOCH_RE = re.compile(r"epoch (\d+)/\d+: train loss ([0-9.]+), test loss ([0-9.]+), "
                       r"test accuracy ([0-9.]+)%, ([0-9.]+) s, ([0-9.]+) img/s")
@@ -106,13 +108,7 @@ def main():
     ap.add_argument("--accuracy", action="store_true", help="also the time-to-90%% runs")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--json", default="", help="write the results here too")
-    ap.add_argument("--torch-python", action="append", default=[],
-                    help="an interpreter whose torch runs the PyTorch side (repeatable: a column "
-                         "each; default Debian's /usr/bin/python3; benchmarks/vs_pytorch/"
-                         "setup_torch.sh makes a current one)")
-    ap.add_argument("--torch-compile", action="store_true",
-                    help="also each interpreter's torch.compile (PyTorch 2), a column each; its "
-                         f"first {COMPILE_WARMUP} steps (compilation) are not timed")
+    torch_sides.add_arguments(ap, COMPILE_WARMUP)
     args = ap.parse_args()
     env = dict(os.environ)
     for k in ("OMP_NUM_THREADS", "EMBER_NUM_THREADS"):
@@ -124,19 +120,11 @@ def main():
 
     results = []
     # The PyTorch columns: each interpreter's torch eager, and compiled with --torch-compile.
-    sides = []
-    for python in args.torch_python or ["/usr/bin/python3"]:
-        version = subprocess.run([python, "-c", "import torch; print(torch.__version__)"],
-                                 capture_output=True, text=True).stdout.strip()
-        if not version:
-            sys.exit(f"run.py: {python} cannot import torch")
-        sides.append((f"PyTorch {version}", python, False))
-        if args.torch_compile and not version.startswith("1."):
-            sides.append((f"PyTorch {version} compile", python, True))
-    print(f"# Fashion-MNIST, Ember vs {', '.join(name for name, _, _ in sides)}, "
+    sides = torch_sides.sides(args)
+    print(f"# Fashion-MNIST, Ember vs {', '.join(side.name for side in sides)}, "
           f"{cores} cores, {args.steps} steps per rank per run, medians of {args.repeats} interleaved runs")
     print("| model | ranks | hook | Ember img/s | " +
-          " | ".join(f"{name} img/s | ratio" for name, _, _ in sides) + " |")
+          " | ".join(f"{side.name} img/s | ratio" for side in sides) + " |")
     print("|---|---|---|---|" + "---|---|" * len(sides))
     for row in args.rows.split(","):
         model, nproc, hook = row.split(":")
@@ -145,12 +133,12 @@ def main():
         e_ips, t_ips = [], [[] for _ in sides]
         for _ in range(args.repeats):
             e_ips.append(run(ember_cmd(args.build, nproc, model, hook, extra), env)[0][0]["ips"])
-            for k, (_, python, compile_) in enumerate(sides):
-                t_ips[k].append(run(torch_cmd(nproc, model, hook, extra, python, compile_),
+            for k, side in enumerate(sides):
+                t_ips[k].append(run(torch_cmd(nproc, model, hook, extra, side.python, side.compiled),
                                     env)[0][0]["ips"])
         e = statistics.median(e_ips)
         results.append(dict(model=model, ranks=nproc, hook=hook, ember_ips=e_ips,
-                            torch_ips={name: t for (name, _, _), t in zip(sides, t_ips)}))
+                            torch_ips={side.name: t for side, t in zip(sides, t_ips)}))
         cells = " | ".join(f"{statistics.median(t):.0f} | {e / statistics.median(t):.2f}x"
                            for t in t_ips)
         print(f"| {model} | {nproc} | {hook} | {e:.0f} | {cells} |", flush=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""examples/gpt beside gpt_torch.py (PyTorch 1.13), alternating runs, medians (issue 18's table).
+"""examples/gpt beside gpt_torch.py (PyTorch 1.13 or current), alternating runs, medians.
 
 For each row (ranks, amp) it runs Ember's examples/gpt (through emberrun for 2 ranks) and
 gpt_torch.py alternately, `--repeats` times each, every run training `--steps` steps with the
@@ -10,6 +10,13 @@ without activation checkpointing. A configuration Ember refuses as "not availabl
 bf16 or --checkpoint-activations before autocast and nn::checkpoint are in) is shown as n/a.
 
     /usr/bin/python3 benchmarks/vs_pytorch/run_gpt.py --build build [--steps 200] [--repeats 3]
+        [--torch-python /usr/bin/python3 --torch-python "$(benchmarks/vs_pytorch/setup_torch.sh)"]
+        [--torch-compile] [--rows 2:off,2:bf16,2:off:fsdp]
+
+Each --torch-python adds a PyTorch column (Debian's 1.13 by default: attention written out, as
+it has no fused kernel; PyTorch 2 runs F.scaled_dot_product_attention); --torch-compile adds
+each PyTorch 2's torch.compile beside its eager column. A row's shard (none, zero, fsdp) runs
+examples/gpt --shard beside DDP, ZeroRedundancyOptimizer or FSDP2's fully_shard.
 
 Threads per rank are cores / ranks for both. The machine is noisy: compare medians of
 interleaved runs, never single runs.
@@ -22,6 +29,8 @@ import signal
 import statistics
 import subprocess
 import sys
+
+import torch_sides
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KJV = "/usr/lib/bible.data"
@@ -43,11 +52,23 @@ def ember_cmd(a, nproc, amp, ckpt):
             str(nproc)] + prog
 
 
-def torch_cmd(a, nproc, amp, ckpt):
+# Steps a torch.compile run leaves out of tokens/s (it compiles in them); the others count all.
+COMPILE_WARMUP = 10
+
+
+def torch_cmd(a, nproc, amp, ckpt, side=None):
+    """gpt_torch.py's command; `side` is a Side (interpreter, version, compiled), Debian's 1.13
+    when None. PyTorch 2 runs fused attention (SDPA), as Ember does; 1.13 has none."""
+    side = side or torch_sides.Side(torch_sides.DEBIAN, "1.13", False)
     tokens = os.path.join(a.cache_dir, os.path.basename(a.data) + ".tokens")
-    return (["/usr/bin/python3", os.path.join(HERE, "gpt_torch.py"), "--tokens", tokens,
-             "--nproc", str(nproc), "--amp", amp] + model_flags(a) +
-            (["--checkpoint-activations"] if ckpt else []))
+    cmd = ([side.python, os.path.join(HERE, "gpt_torch.py"), "--tokens", tokens,
+            "--nproc", str(nproc), "--amp", amp] + model_flags(a) +
+           (["--checkpoint-activations"] if ckpt else []))
+    if not side.is_1x:
+        cmd += ["--attention", "fused"]
+    if side.compiled:
+        cmd += ["--compile", "--warmup-steps", str(min(COMPILE_WARMUP, a.steps // 2))]
+    return cmd
 
 
 def bench_env():
@@ -107,7 +128,10 @@ def main():
                                                         os.path.expanduser("~/.cache"), "ember"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--rows", default="1:off,2:off,1:bf16,2:bf16", help="ranks:amp,...")
+    ap.add_argument("--rows", default="1:off,2:off,1:bf16,2:bf16",
+                    help="ranks:amp[:shard],... (shard none, zero or fsdp: examples/gpt --shard "
+                         "beside DDP, ZeroRedundancyOptimizer or FSDP2's fully_shard)")
+    torch_sides.add_arguments(ap, COMPILE_WARMUP)
     ap.add_argument("--memory", action="store_true",
                     help="also peak memory with and without activation checkpointing (2 ranks)")
     ap.add_argument("--layers", type=int, default=4)
@@ -122,28 +146,41 @@ def main():
     a = ap.parse_args()
     env = bench_env()
     cores = len(os.sched_getaffinity(0))
-    torch_version = subprocess.run(["/usr/bin/python3", "-c", "import torch; print(torch.__version__)"],
-                                   capture_output=True, text=True).stdout.strip()
+    sides = torch_sides.sides(a)
     print(f"# GPT (layers {a.layers}, heads {a.heads}, dim {a.dim}, context {a.context}, batch "
-          f"{a.batch_size} per rank), Ember vs PyTorch {torch_version}, {cores} cores, {a.steps} "
-          f"steps per run, medians of {a.repeats} interleaved runs, load before: "
+          f"{a.batch_size} per rank), Ember vs {', '.join(s.name for s in sides)}, {cores} cores, "
+          f"{a.steps} steps per run, medians of {a.repeats} interleaved runs, load before: "
           f"{os.getloadavg()[0]:.2f}", flush=True)
     results = []
-    print("| ranks | amp | Ember tok/s | PyTorch tok/s | ratio | Ember val loss | PyTorch val loss | "
-          "Ember/PyTorch loss |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| ranks | amp | shard | Ember tok/s | " +
+          " | ".join(f"{s.name} tok/s | ratio" for s in sides) +
+          " | Ember val loss | " + " | ".join(f"{s.name} val loss" for s in sides) +
+          " | Ember peak RSS MB | " + " | ".join(f"{s.name} peak RSS MB" for s in sides) + " |")
+    print("|---|---|---|---|" + "---|---|" * len(sides) + "---|" + "---|" * len(sides) +
+          "---|" + "---|" * len(sides))
     for row in a.rows.split(","):
-        nproc, amp = row.split(":")
+        nproc, amp, shard = (row.split(":") + ["none"])[:3]
         nproc = int(nproc)
-        e_runs, t_runs = [], []
+        shard_flags = [] if shard == "none" else ["--shard", shard]
+        e_runs, t_runs = [], [[] for _ in sides]
         for _ in range(a.repeats):
-            e_runs.append(run(ember_cmd(a, nproc, amp, False), env, a.limit))
-            t_runs.append(run(torch_cmd(a, nproc, amp, False), env, a.limit))
-        e, t = medians(e_runs, "tokens_per_s"), medians(t_runs, "tokens_per_s")
-        el, tl = medians(e_runs, "val_loss"), medians(t_runs, "val_loss")
-        results.append(dict(ranks=nproc, amp=amp, ember=e_runs, torch=t_runs))
-        print(f"| {nproc} | {amp} | {fmt(e, '.0f')} | {fmt(t, '.0f')} | {ratio(e, t)} | "
-              f"{fmt(el, '.4f')} | {fmt(tl, '.4f')} | {ratio(el, tl, '.4f')} |", flush=True)
+            e_runs.append(run(ember_cmd(a, nproc, amp, False) + shard_flags, env, a.limit))
+            for k, side in enumerate(sides):
+                if shard == "fsdp" and side.is_1x:
+                    t_runs[k].append(None)  # torch 1.13's FSDP does not import under Python 3.11
+                    continue
+                t_runs[k].append(run(torch_cmd(a, nproc, amp, False, side) + shard_flags, env,
+                                     a.limit))
+        e = medians(e_runs, "tokens_per_s")
+        results.append(dict(ranks=nproc, amp=amp, shard=shard, ember=e_runs,
+                            torch={s.name: r for s, r in zip(sides, t_runs)}))
+        speed = " | ".join(f"{fmt(medians(r, 'tokens_per_s'), '.0f')} | "
+                           f"{ratio(e, medians(r, 'tokens_per_s'))}" for r in t_runs)
+        loss = " | ".join(fmt(medians(r, "val_loss"), ".4f") for r in t_runs)
+        rss = " | ".join(fmt(medians(r, "peak_rss_mb"), ".0f") for r in t_runs)
+        print(f"| {nproc} | {amp} | {shard} | {fmt(e, '.0f')} | {speed} | "
+              f"{fmt(medians(e_runs, 'val_loss'), '.4f')} | {loss} | "
+              f"{fmt(medians(e_runs, 'peak_rss_mb'), '.0f')} | {rss} |", flush=True)
     if a.memory:
         print("\n# peak resident memory (MB, largest over 2 ranks), with and without activation "
               "checkpointing")
