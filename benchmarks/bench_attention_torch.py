@@ -1,7 +1,8 @@
-"""PyTorch reference for bench_attention, timed forward + backward the same way. On the CPU (the
-machine's PyTorch 1.13, which has no F.scaled_dot_product_attention) it is the written-out
-attention code before PyTorch 2 used; on a GPU it is F.scaled_dot_product_attention where the
-installed PyTorch has it (flash or memory-efficient kernels), unless --impl written.
+"""PyTorch reference for bench_attention, timed forward + backward the same way: the installed
+PyTorch's F.scaled_dot_product_attention where it has one (PyTorch 2: flash attention on the CPU,
+flash or memory-efficient kernels on a GPU), unless --impl written; under PyTorch 1.13 (Debian's,
+no fused attention) the written-out attention code before PyTorch 2 used. Which one ran is
+printed as impl=.
 
     /usr/bin/python3 bench_attention_torch.py --batch 16 --heads 4 --seq 128 --dim 32 --causal
 
@@ -34,7 +35,7 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--impl", default="auto", choices=["auto", "written", "fused"])
     a = ap.parse_args()
-    fused = a.impl == "fused" or (a.impl == "auto" and a.device != "cpu" and
+    fused = a.impl == "fused" or (a.impl == "auto" and
                                   hasattr(torch.nn.functional, "scaled_dot_product_attention"))
     dtype = getattr(torch, a.dtype)
     if a.threads > 0:
