@@ -1,12 +1,13 @@
 // bench_attention: scaled_dot_product_attention forward + backward, Ember's fused kernel (forced
 // with SdpBackend::kFused) beside
-// Ember's written-out (math) path and PyTorch 1.13's written-out attention
-// (benchmarks/bench_attention_torch.py, run as a subprocess), on GPT-like shapes.
+// Ember's written-out (math) path and PyTorch's (benchmarks/bench_attention_torch.py under
+// $EMBER_PYTHON, run as a subprocess), on GPT-like shapes.
 //   bench_attention [--batch 16] [--heads 4] [--dim 32] [--seq 128,512] [--causal 1]
 //                   [--rounds 5] [--reps 10] [--no-torch] [--no-math]
 //                   [--device cpu|cuda] [--dtype float32|bfloat16|float16]
-// On a GPU the PyTorch column is its installed version's F.scaled_dot_product_attention where it
-// has one (PyTorch 2: flash or memory-efficient kernels), else the written-out attention.
+// The PyTorch column is its F.scaled_dot_product_attention where it has one (PyTorch 2: flash
+// attention on the CPU, flash or memory-efficient kernels on a GPU), else (1.13) the
+// written-out attention.
 // Each round runs the three one after another for each sequence length, so load on a shared
 // machine hits all of them alike; every number printed is the median over rounds of the median
 // over `reps` timed steps. The fused result is first checked against the math path.

@@ -1,7 +1,7 @@
 // Dense float32 and bfloat16 loops of the hottest element-wise ops, compiled for AVX-512 and AVX2 as well as
 // the baseline and picked at load time (GCC function multi-versioning), so the library still
 // runs on any x86-64. Only ops whose per-element work is long enough to gain from wider vectors
-// are here (GELU's tanh form and its gradient, a transformer MLP's element-wise hot spot);
+// are here (GELU's tanh form and its gradient, a transformer MLP's element-wise hot spot, and exp);
 // memory-bound ones (add, copy) gain nothing from wider registers. The file compiles with
 // -ffp-contract=off (tensor/CMakeLists.txt): AVX-512 has FMA, and a contracted multiply-add would
 // round differently from the baseline; so every version gives the same bits.
@@ -43,6 +43,12 @@ EMBER_WIDE_CLONES void gelu_tanh_run(T* o, const T* x, int64_t n) {
 }
 
 template <typename T>
+EMBER_WIDE_CLONES void exp_run(T* o, const T* x, int64_t n) {
+  const fn::Exp f;
+  for (int64_t i = 0; i < n; ++i) o[i] = store(T(), f(float(x[i])));
+}
+
+template <typename T>
 EMBER_WIDE_CLONES void gelu_tanh_grad_run(T* o, const T* g, const T* x, int64_t n) {
   const fn::GeluTanhGrad f;
   for (int64_t i = 0; i < n; ++i) o[i] = store(T(), f(float(g[i]), float(x[i])));
@@ -60,6 +66,13 @@ void gelu_dense(const Tensor& out, const Tensor& in) {
 }
 
 template <typename T>
+void exp_dense(const Tensor& out, const Tensor& in) {
+  T* o = ptr<T>(out);
+  const T* x = ptr<const T>(in);
+  chunked(out.numel(), [=](int64_t b, int64_t e) { exp_run<T>(o + b, x + b, e - b); });
+}
+
+template <typename T>
 void gelu_grad_dense(const Tensor& out, const Tensor& grad, const Tensor& in) {
   T* o = ptr<T>(out);
   const T* g = ptr<const T>(grad);
@@ -73,11 +86,15 @@ void gelu_grad_dense(const Tensor& out, const Tensor& grad, const Tensor& in) {
 bool unary_wide(UnaryOp op, const Tensor& out, const Tensor& in) {
   const int64_t n = out.numel();
   const Dtype dt = in.dtype();
-  if (op != UnaryOp::GeluTanh || n == 0 || (dt != kFloat32 && dt != kBFloat16) ||
-      !dense(out, dt, n) || !dense(in, dt, n)) {
+  if ((op != UnaryOp::GeluTanh && op != UnaryOp::Exp) || n == 0 ||
+      (dt != kFloat32 && dt != kBFloat16) || !dense(out, dt, n) || !dense(in, dt, n)) {
     return false;
   }
-  dt == kFloat32 ? gelu_dense<float>(out, in) : gelu_dense<BFloat16>(out, in);
+  if (op == UnaryOp::Exp) {
+    dt == kFloat32 ? exp_dense<float>(out, in) : exp_dense<BFloat16>(out, in);
+  } else {
+    dt == kFloat32 ? gelu_dense<float>(out, in) : gelu_dense<BFloat16>(out, in);
+  }
   return true;
 }
 

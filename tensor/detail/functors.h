@@ -21,7 +21,11 @@
 namespace ember::detail::fn {
 
 // ---- math on float and double, callable from host and device ---------------------------------
+#if defined(__CUDA_ARCH__)
 EMBER_HD inline float m_exp(float x) { return ::expf(x); }
+#else
+inline float m_exp(float x) { return exp_float(x); }  // vectorisable, the same on every loop
+#endif
 EMBER_HD inline double m_exp(double x) { return ::exp(x); }
 EMBER_HD inline float m_log(float x) { return ::logf(x); }
 EMBER_HD inline double m_log(double x) { return ::log(x); }
