@@ -130,7 +130,9 @@ EMBER_CODEC_CLONES void sign_add(const uint8_t* bits, int64_t m, float scale, fl
   for (int64_t b = 0; b < full; ++b) {
     const unsigned byte = bits[b];
     float* a = acc + 8 * b;
-    for (int j = 0; j < 8; ++j) a[j] += (byte >> j) & 1u ? scale : -scale;
+    for (int j = 0; j < 8; ++j) {
+      a[j] += scale * static_cast<float>(static_cast<int>((byte >> j) & 1u) * 2 - 1);
+    }
   }
   for (int64_t i = 8 * full; i < m; ++i) acc[i] += (bits[i / 8] >> (i % 8)) & 1u ? scale : -scale;
 }
