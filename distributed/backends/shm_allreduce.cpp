@@ -299,15 +299,18 @@ int sweep_stale_segments() {
   const std::string ns = pid_namespace_id();
   if (ns.empty()) return 0;
   int swept = 0;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
-    const std::string file = e.path().filename().string();
-    const std::optional<SegmentName> n = parse_segment_name(file);
-    if (!n || n->pid_namespace != ns || n->pid == ::getpid() || n->pid <= 0 ||
-        !process_gone(n->pid)) {
-      continue;
+  try {  // a clean-up: whatever goes wrong in it must not fail the group being made
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+      const std::string file = e.path().filename().string();
+      const std::optional<SegmentName> n = parse_segment_name(file);
+      if (!n || n->pid_namespace != ns || n->pid == ::getpid() || n->pid <= 0 ||
+          !process_gone(n->pid)) {
+        continue;
+      }
+      if (::shm_unlink(("/" + file).c_str()) == 0) ++swept;  // EACCES: another user's
     }
-    if (::shm_unlink(("/" + file).c_str()) == 0) ++swept;
+  } catch (const std::exception&) {
   }
   return swept;
 }
