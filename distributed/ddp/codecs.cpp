@@ -15,7 +15,9 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Not under ThreadSanitizer: the version picker (an ifunc resolver) runs while the library is
+// relocated, before TSan's runtime is set up, and TSan's instrumentation of it crashes there.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define EMBER_CODEC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define EMBER_CODEC_CLONES
