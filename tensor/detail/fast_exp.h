@@ -9,13 +9,9 @@
 
 namespace ember::detail {
 
-// exp(x) for x <= 0 (and NaN), within ~2 ulp, written without calls or branches so loops over
-// it vectorise: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for exp(r) (Cephes'
-// expf coefficients), and 2^n built in the exponent bits. Results below float's normal range
-// flush to 0, which softmax cannot tell from the true value next to the row's max term (1).
-inline float exp_nonpos(float x) {
-  constexpr float kLo = -87.33654f;  // log(FLT_MIN)
-  const float xc = x < kLo ? kLo : x;
+// The shared reduction: x = n ln2 + r with |r| <= ln2/2 (Cody-Waite, two constants), n into
+// *n, and exp(r) by a degree-6 polynomial (Cephes' expf coefficients).
+inline float exp_reduced(float xc, int32_t* n) {
   const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const float fn = (xc * 1.44269504088896341f + shifter) - shifter;
   const float r = (xc - fn * 0.693359375f) + fn * 2.12194440e-4f;
@@ -25,8 +21,20 @@ inline float exp_nonpos(float x) {
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(fn) + 127) << 23;
+  *n = static_cast<int32_t>(fn);
+  return p * r * r + r + 1.0f;
+}
+
+// exp(x) for x <= 0 (and NaN), within ~2 ulp, written without calls or branches so loops over
+// it vectorise: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for exp(r) (Cephes'
+// expf coefficients), and 2^n built in the exponent bits. Results below float's normal range
+// flush to 0, which softmax cannot tell from the true value next to the row's max term (1).
+inline float exp_nonpos(float x) {
+  constexpr float kLo = -87.33654f;  // log(FLT_MIN)
+  const float xc = x < kLo ? kLo : x;
+  int32_t n = 0;
+  const float p = exp_reduced(xc, &n);
+  const int32_t bits = (n + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
   const float y = p * scale;
@@ -43,18 +51,9 @@ inline float exp_float(float x) {
   constexpr float kHi = 88.72283935546875f;  // above: inf
   constexpr float kLo = -103.97208404541016f;  // below: 0 (under the smallest subnormal)
   const float xc = x < kLo ? kLo : (x > kHi ? kHi : x);
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float fn = (xc * 1.44269504088896341f + shifter) - shifter;
-  const float r = (xc - fn * 0.693359375f) + fn * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t n = static_cast<int32_t>(fn);  // in [-150, 128]
-  const int32_t n1 = n / 2, n2 = n - n1;       // each in [-75, 64]: 2^n1, 2^n2 are normal
+  int32_t n = 0;
+  const float p = exp_reduced(xc, &n);
+  const int32_t n1 = n / 2, n2 = n - n1;  // n in [-150, 128]; each half in [-75, 64]: 2^n1, 2^n2 are normal
   const int32_t b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
   float s1, s2;
   std::memcpy(&s1, &b1, 4);
