@@ -2,7 +2,6 @@
 // precision, float16 and bfloat16 with float32 accumulation. Row-major C = A B is computed as the
 // column-major C^T = B^T A^T, so row-major operands need no copy and transposed views become
 // transpose flags.
-#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <climits>
@@ -11,6 +10,7 @@
 
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/cublas_loader.h>
 #include <ember/tensor/cuda/handle_pool.h>
 #include <ember/tensor/detail/linalg_kernels.h>
 
@@ -28,8 +28,8 @@ void check_cublas(cublasStatus_t st, const char* what) {
   if (st == CUBLAS_STATUS_ALLOC_FAILED) {
     throw OutOfMemoryError(str_cat("[matmul] cuBLAS could not allocate memory in ", what));
   }
-  throw CudaError(str_cat("[matmul] cuBLAS error in ", what, ": ", cublasGetStatusName(st), " (",
-                          cublasGetStatusString(st), ")"));
+  throw CudaError(str_cat("[matmul] cuBLAS error in ", what, ": ", cublas().get_status_name(st),
+                          " (", cublas().get_status_string(st), ")"));
 }
 
 // The calling thread's handle for `device` (the current device), set on its current stream
@@ -37,10 +37,10 @@ void check_cublas(cublasStatus_t st, const char* what) {
 cublasHandle_t cublas_handle(Device device) {
   cublasHandle_t h = cuda::detail::pooled_handle<cublasHandle_t>(device.index, +[] {
     cublasHandle_t created = nullptr;
-    check_cublas(cublasCreate(&created), "cublasCreate");
+    check_cublas(cublas().create(&created), "cublasCreate");
     return created;
   });
-  check_cublas(cublasSetStream(h, cuda_loops::stream_of(device)), "cublasSetStream");
+  check_cublas(cublas().set_stream(h, cuda_loops::stream_of(device)), "cublasSetStream");
   return h;
 }
 
@@ -109,7 +109,7 @@ void gemm_cuda(const Tensor& out, const Tensor& a_in, const Tensor& b_in, double
                                        cuda_loops::stream_of(out.device())));
     } else if (beta != 1.0) {
       EMBER_CHECK(out.numel() < INT_MAX, "[matmul] too many elements for cuBLAS: ", out.numel());
-      check_cublas(cublasScalEx(h, static_cast<int>(out.numel()), beta_p,
+      check_cublas(cublas().scal_ex(h, static_cast<int>(out.numel()), beta_p,
                                 ti.f64 ? CUDA_R_64F : CUDA_R_32F, out.data_ptr(), ti.data, 1,
                                 ti.f64 ? CUDA_R_64F : CUDA_R_32F),
                    "cublasScalEx");
@@ -127,7 +127,7 @@ void gemm_cuda(const Tensor& out, const Tensor& a_in, const Tensor& b_in, double
               " and b of shape ", b.shape());
   // Column-major view: C^T [m, n] = B^T [m, k] @ A^T [k, n].
   check_cublas(
-      cublasGemmStridedBatchedEx(
+      cublas().gemm_strided_batched_ex(
           h, lb.trans ? CUBLAS_OP_T : CUBLAS_OP_N, la.trans ? CUBLAS_OP_T : CUBLAS_OP_N,
           static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha_p, b.data_ptr(),
           ti.data, static_cast<int>(lb.ld), sb, a.data_ptr(), ti.data, static_cast<int>(la.ld),

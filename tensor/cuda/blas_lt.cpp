@@ -4,7 +4,6 @@
 // Linear layer. Row-major out = a @ b + bias is the column-major out^T = b^T a^T + bias, whose
 // rows the epilogue's bias vector indexes. Anything cuBLASLt has no algorithm for returns false
 // and addmm takes the general path.
-#include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
 #include <array>
@@ -14,6 +13,7 @@
 
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/cublas_loader.h>
 #include <ember/tensor/cuda/handle_pool.h>
 #include <ember/tensor/detail/linalg_kernels.h>
 
@@ -32,9 +32,9 @@ constexpr size_t kWorkspaceBytes = size_t{8} << 20;
 cublasLtHandle_t lt_handle(Device device) {
   return cuda::detail::pooled_handle<cublasLtHandle_t>(device.index, +[] {
     cublasLtHandle_t created = nullptr;
-    const cublasStatus_t st = cublasLtCreate(&created);
+    const cublasStatus_t st = cublas().lt_create(&created);
     if (st != CUBLAS_STATUS_SUCCESS) {
-      throw CudaError(str_cat("[addmm] cublasLtCreate failed: ", cublasGetStatusName(st)));
+      throw CudaError(str_cat("[addmm] cublasLtCreate failed: ", cublas().get_status_name(st)));
     }
     return created;
   });
@@ -54,11 +54,11 @@ struct Descs {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulPreference_t pref = nullptr;
   ~Descs() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (c) cublasLtMatrixLayoutDestroy(c);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
+    if (pref) cublas().lt_matmul_preference_destroy(pref);
+    if (c) cublas().lt_matrix_layout_destroy(c);
+    if (b) cublas().lt_matrix_layout_destroy(b);
+    if (a) cublas().lt_matrix_layout_destroy(a);
+    if (op) cublas().lt_matmul_desc_destroy(op);
   }
 };
 
@@ -94,21 +94,22 @@ bool gemm_bias_cuda(const Tensor& out, const Tensor& a, const Tensor& b, const T
   }
   cuda::detail::DeviceGuard guard(out.device().index);
   cublasLtHandle_t lt = lt_handle(out.device());
+  const CublasFunctions& api = cublas();
   Descs d;
   // Column-major: out^T [m, n] = op(b^T) [m, k] @ op(a^T) [k, n], as gemm_cuda's call.
   const cublasOperation_t ta = lb.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t tb = la.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
   const void* bias_ptr = bias.data_ptr();
-  if (cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS ||
-      cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)) ||
-      cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) ||
-      cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)) ||
-      cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr,
+  if (api.lt_matmul_desc_create(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS ||
+      api.lt_matmul_desc_set_attribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)) ||
+      api.lt_matmul_desc_set_attribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) ||
+      api.lt_matmul_desc_set_attribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)) ||
+      api.lt_matmul_desc_set_attribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr,
                                      sizeof(bias_ptr)) ||
-      cublasLtMatrixLayoutCreate(&d.a, type, lb.trans ? k : m, lb.trans ? m : k, lb.ld) ||
-      cublasLtMatrixLayoutCreate(&d.b, type, la.trans ? n : k, la.trans ? k : n, la.ld) ||
-      cublasLtMatrixLayoutCreate(&d.c, type, m, n, m)) {
+      api.lt_matrix_layout_create(&d.a, type, lb.trans ? k : m, lb.trans ? m : k, lb.ld) ||
+      api.lt_matrix_layout_create(&d.b, type, la.trans ? n : k, la.trans ? k : n, la.ld) ||
+      api.lt_matrix_layout_create(&d.c, type, m, n, m)) {
     return false;
   }
   const uint32_t al_a = alignment_of(b.data_ptr()), al_b = alignment_of(a.data_ptr()),
@@ -122,18 +123,18 @@ bool gemm_bias_cuda(const Tensor& out, const Tensor& a, const Tensor& b, const T
     const uint64_t ws = kWorkspaceBytes;
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    if (cublasLtMatmulPreferenceCreate(&d.pref) == CUBLAS_STATUS_SUCCESS &&
-        !cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+    if (api.lt_matmul_preference_create(&d.pref) == CUBLAS_STATUS_SUCCESS &&
+        !api.lt_matmul_preference_set_attribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                               &ws, sizeof(ws)) &&
-        !cublasLtMatmulPreferenceSetAttribute(
+        !api.lt_matmul_preference_set_attribute(
             d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a)) &&
-        !cublasLtMatmulPreferenceSetAttribute(
+        !api.lt_matmul_preference_set_attribute(
             d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)) &&
-        !cublasLtMatmulPreferenceSetAttribute(
+        !api.lt_matmul_preference_set_attribute(
             d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)) &&
-        !cublasLtMatmulPreferenceSetAttribute(
+        !api.lt_matmul_preference_set_attribute(
             d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)) &&
-        cublasLtMatmulAlgoGetHeuristic(lt, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &result,
+        api.lt_matmul_algo_get_heuristic(lt, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &result,
                                        &found) == CUBLAS_STATUS_SUCCESS &&
         found > 0) {
       e.found = true;
@@ -145,7 +146,7 @@ bool gemm_bias_cuda(const Tensor& out, const Tensor& a, const Tensor& b, const T
   const Tensor ws = make_empty({static_cast<int64_t>(kWorkspaceBytes)}, kUInt8, out.device());
   const float alpha = 1.0f, beta = 0.0f;
   const cublasStatus_t st =
-      cublasLtMatmul(lt, d.op, &alpha, b.data_ptr(), d.a, a.data_ptr(), d.b, &beta,
+      api.lt_matmul(lt, d.op, &alpha, b.data_ptr(), d.a, a.data_ptr(), d.b, &beta,
                      out.data_ptr(), d.c, out.data_ptr(), d.c, &it->second.algo, ws.data_ptr(),
                      kWorkspaceBytes, cuda_loops::stream_of(out.device()));
   return st == CUBLAS_STATUS_SUCCESS;

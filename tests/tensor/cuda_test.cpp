@@ -2,6 +2,7 @@
 // Every test needs a GPU and skips with the reason where there is none.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -9,6 +10,13 @@
 #include <ember/tensor/ops.h>
 
 using namespace ember;
+
+#ifdef EMBER_WITH_CUDA
+namespace ember::detail {
+struct CublasFunctions;
+const CublasFunctions& cublas();  // tensor/cuda/cublas_loader.h
+}  // namespace ember::detail
+#endif
 
 #define REQUIRE_CUDA()                                                                    \
   if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason()
@@ -19,6 +27,31 @@ TEST(CudaCore, BuildReportsCudaSupport) {
 #else
   EXPECT_FALSE(cuda::is_built());
   EXPECT_EQ(cuda::device_count(), 0);
+#endif
+}
+
+// Whether a library whose file name starts with `prefix` is mapped into this process.
+bool library_mapped(const std::string& prefix) {
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("/" + prefix) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// cuBLAS's static initialisers cost every process that loads it ~90 ms at start, GPU or not, so
+// Ember opens it when a GEMM first needs it instead of linking it. Needs no GPU.
+TEST(CudaCore, CublasIsOpenedAtItsFirstUseNotAtStart) {
+#ifndef EMBER_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  if (library_mapped("libcublas") && cuda::is_available()) {
+    GTEST_SKIP() << "an earlier test in this process used cuBLAS on the GPU";
+  }
+  EXPECT_FALSE(library_mapped("libcublas")) << "cuBLAS was loaded with the process";
+  ember::detail::cublas();
+  EXPECT_TRUE(library_mapped("libcublas.so"));
+  EXPECT_TRUE(library_mapped("libcublasLt.so"));
 #endif
 }
 
