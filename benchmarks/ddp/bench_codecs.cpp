@@ -34,9 +34,9 @@ int main(int argc, char** argv) {
   for (float& v : x) v = normal(rng);
   const int64_t channel = 512;
   std::vector<uint8_t> q8(static_cast<size_t>(codec::int8_bytes(n, channel)));
-  std::vector<uint8_t> q1(static_cast<size_t>(codec::sign_bytes(n)));
+  std::vector<uint8_t> q1(static_cast<size_t>(codec::sign_bytes(n, channel)));
   codec::int8_encode(x.data(), n, channel, q8.data());
-  codec::sign_encode(x.data(), n, q1.data());
+  codec::sign_encode(x.data(), n, channel, q1.data());
 
   const double fbytes = 4.0 * static_cast<double>(n);
   std::map<std::string, double> sec;
@@ -50,9 +50,9 @@ int main(int argc, char** argv) {
   time("int8_decode_add", 2 * fbytes + n,
        [&] { codec::int8_decode_add(q8.data(), n, channel, y.data()); });
   time("sign_encode_residual", 2 * fbytes + n / 8.0,
-       [&] { codec::sign_encode(x.data(), n, q1.data(), residual.data()); });
+       [&] { codec::sign_encode(x.data(), n, channel, q1.data(), residual.data()); });
   time("sign_decode_add", 2 * fbytes + n / 8.0,
-       [&] { codec::sign_decode_add(q1.data(), n, y.data()); });
+       [&] { codec::sign_decode_add(q1.data(), n, channel, y.data()); });
 
   if (sec.count("memcpy_f32") != 0) {
     std::printf("\n%lld elements, one thread; time / memcpy's time (memcpy %.3f ms, %.2f GB/s)\n",

@@ -178,22 +178,34 @@ void int8_decode_add(const uint8_t* in, int64_t m, int64_t channel, float* acc) 
   }
 }
 
-int64_t sign_bytes(int64_t m) { return static_cast<int64_t>(sizeof(float)) + (m + 7) / 8; }
-
-void sign_encode(const float* x, int64_t m, uint8_t* out, float* residual) {
-  // The scale that brings scale * sign(x) closest to x (least squares): the mean magnitude.
-  // With it, x minus the message is always shorter than x, which error feedback needs; the
-  // root mean square (1-bit Adam's choice, on Adam's momentum) can make it longer.
-  const float scale = m > 0 ? static_cast<float>(sum_abs(x, m) / static_cast<double>(m)) : 0;
-  std::memcpy(out, &scale, sizeof scale);
-  sign_bits(x, m, out + sizeof scale);
-  if (residual != nullptr) sign_residual(x, m, scale, residual);
+int64_t sign_bytes(int64_t m, int64_t block) {
+  return channels(m, block) * static_cast<int64_t>(sizeof(float)) + (m + 7) / 8;
 }
 
-void sign_decode_add(const uint8_t* in, int64_t m, float* acc) {
-  float scale;
-  std::memcpy(&scale, in, sizeof scale);
-  sign_add(in + sizeof scale, m, scale, acc);
+void sign_encode(const float* x, int64_t m, int64_t block, uint8_t* out, float* residual) {
+  const int64_t nb = channels(m, block);
+  uint8_t* bits = out + nb * static_cast<int64_t>(sizeof(float));
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t begin = b * block, len = std::min(m, begin + block) - begin;
+    // The scale that brings scale * sign(x) closest to x (least squares): the mean magnitude.
+    // With it, x minus the message is always shorter than x, which error feedback needs; the
+    // root mean square (1-bit Adam's choice, on Adam's momentum) can make it longer.
+    const float scale = static_cast<float>(sum_abs(x + begin, len) / static_cast<double>(len));
+    std::memcpy(out + b * static_cast<int64_t>(sizeof scale), &scale, sizeof scale);
+    sign_bits(x + begin, len, bits + begin / 8);
+    if (residual != nullptr) sign_residual(x + begin, len, scale, residual + begin);
+  }
+}
+
+void sign_decode_add(const uint8_t* in, int64_t m, int64_t block, float* acc) {
+  const int64_t nb = channels(m, block);
+  const uint8_t* bits = in + nb * static_cast<int64_t>(sizeof(float));
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t begin = b * block, len = std::min(m, begin + block) - begin;
+    float scale;
+    std::memcpy(&scale, in + b * static_cast<int64_t>(sizeof scale), sizeof scale);
+    sign_add(bits + begin / 8, len, scale, acc + begin);
+  }
 }
 
 }  // namespace ember::dist::codec

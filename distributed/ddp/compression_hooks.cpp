@@ -103,10 +103,15 @@ CompressionState::CompressionState(CompressionOptions options) : options_(option
               options_.start_iter);
   EMBER_CHECK(options_.channel_size >= 1, kOp, " channel_size must be >= 1, got ",
               options_.channel_size);
+  EMBER_CHECK(options_.sign_block >= 8 && options_.sign_block % 8 == 0, kOp,
+              " sign_block must be a positive multiple of 8, got ", options_.sign_block);
   EMBER_CHECK(options_.topk_ratio > 0 && options_.topk_ratio <= 1, kOp,
               " topk_ratio must be in (0, 1], got ", options_.topk_ratio);
   EMBER_CHECK(options_.momentum >= 0 && options_.momentum < 1, kOp,
               " momentum must be in [0, 1), got ", options_.momentum);
+  EMBER_CHECK(!options_.momentum_masking || options_.momentum > 0, kOp,
+              " momentum_masking masks the velocity and needs momentum > 0, got momentum ",
+              options_.momentum);
 }
 
 CompressionState::Stats CompressionState::stats() const {
@@ -163,8 +168,10 @@ nn::NamedTensors CompressionState::state_dict() const {
   out.emplace_back("option.error_feedback", int_entry(options_.error_feedback ? 1 : 0));
   out.emplace_back("option.start_iter", int_entry(options_.start_iter));
   out.emplace_back("option.channel_size", int_entry(options_.channel_size));
+  out.emplace_back("option.sign_block", int_entry(options_.sign_block));
   out.emplace_back("option.topk_ratio", float_entry(options_.topk_ratio));
   out.emplace_back("option.momentum", float_entry(options_.momentum));
+  out.emplace_back("option.momentum_masking", int_entry(options_.momentum_masking ? 1 : 0));
   for (const auto& [k, t] : worker_) out.emplace_back("residual." + k, t.clone());
   for (const auto& [k, t] : server_) out.emplace_back("server_residual." + k, t.clone());
   for (const auto& [k, t] : velocity_) out.emplace_back("velocity." + k, t.clone());
@@ -195,10 +202,14 @@ void CompressionState::load_state_dict(const nn::NamedTensors& state) {
       o.start_iter = read_int(name, t);
     } else if (name == "option.channel_size") {
       o.channel_size = read_int(name, t);
+    } else if (name == "option.sign_block") {
+      o.sign_block = read_int(name, t);
     } else if (name == "option.topk_ratio") {
       o.topk_ratio = detail::read_float(kOp, name, t);
     } else if (name == "option.momentum") {
       o.momentum = detail::read_float(kOp, name, t);
+    } else if (name == "option.momentum_masking") {
+      o.momentum_masking = read_int(name, t) != 0;
     } else if (name.rfind(kResidual, 0) == 0 && t.defined()) {
       worker[name.substr(kResidual.size())] = t.to(kFloat32, /*copy=*/true).reshape({-1});
     } else if (name.rfind(kServer, 0) == 0 && t.defined()) {
@@ -248,8 +259,14 @@ Codec int8_codec(const char* hook, int64_t channel) {
           }};
 }
 
-Codec sign_codec() {
-  return {"sign_compress_hook", codec::sign_bytes, codec::sign_encode, codec::sign_decode_add};
+Codec sign_codec(int64_t block) {
+  return {"sign_compress_hook", [block](int64_t m) { return codec::sign_bytes(m, block); },
+          [block](const float* x, int64_t m, uint8_t* out, float* residual) {
+            codec::sign_encode(x, m, block, out, residual);
+          },
+          [block](const uint8_t* in, int64_t m, float* acc) {
+            codec::sign_decode_add(in, m, block, acc);
+          }};
 }
 
 // torch's quantization hooks: each rank's whole bucket encoded, all-gathered, decoded and
@@ -275,9 +292,40 @@ std::shared_ptr<Future> allgather_quantized(GradBucket& bucket, const Codec& c) 
   });
 }
 
+// A warm-up iteration: a plain all-reduce. With momentum the velocity follows the averaged
+// gradient and is what the bucket gets, the step the optimizer's momentum would have made.
+std::shared_ptr<Future> warm_up(CompressionState& state, GradBucket& bucket, const char* hook) {
+  const float momentum = static_cast<float>(state.options().momentum);
+  if (momentum == 0) return allreduce_hook(bucket);
+  const std::string key = bucket.key();
+  const int64_t n = bucket.buffer().numel();
+  check_bucket(hook, bucket.buffer());
+  return allreduce_hook(bucket)->then(
+      [&state, key, n, momentum, layout = Canonical(bucket)](Future& f) {
+        NoGradGuard no_grad;
+        Tensor buffer = f.value().at(0);
+        Tensor avg = canonical_copy(layout, buffer, n);
+        Tensor& u = state.velocity(key, n);
+        float* up = u.data<float>();
+        const float* a = avg.data<float>();
+        for (int64_t i = 0; i < n; ++i) up[i] = momentum * up[i] + a[i];
+        return into_bucket(layout, buffer, u);
+      });
+}
+
+// With momentum: this rank's velocity u = momentum u + x over the bucket's n elements, and x = u
+// (what is compressed). Returns the velocity, or null without momentum.
+float* add_momentum(CompressionState& state, const std::string& key, float* x, int64_t n) {
+  const float momentum = static_cast<float>(state.options().momentum);
+  if (momentum == 0) return nullptr;
+  float* u = state.velocity(key, n).data<float>();
+  for (int64_t i = 0; i < n; ++i) x[i] = u[i] = momentum * u[i] + x[i];
+  return u;
+}
+
 // The two-phase compressed all-reduce (file comment of compression_hooks.h).
 std::shared_ptr<Future> two_phase(CompressionState& state, GradBucket& bucket, const Codec& c) {
-  if (state.warming_up(bucket)) return allreduce_hook(bucket);
+  if (state.warming_up(bucket)) return warm_up(state, bucket, c.hook);
   NoGradGuard no_grad;
   std::shared_ptr<ProcessGroup> group = bucket.process_group_ptr();
   const int world = group->size();
@@ -286,6 +334,7 @@ std::shared_ptr<Future> two_phase(CompressionState& state, GradBucket& bucket, c
   Tensor x = padded_input(c.hook, bucket, m * world);
   const bool feedback = state.options().error_feedback;
   const std::string key = bucket.key();
+  add_momentum(state, key, x.data<float>(), n);
   float* residual = nullptr;
   if (feedback) {
     Tensor& r = state.worker_residual(key, m * world);
@@ -397,29 +446,11 @@ std::shared_ptr<Future> int8_compress_hook(CompressionState& state, GradBucket& 
 }
 
 std::shared_ptr<Future> sign_compress_hook(CompressionState& state, GradBucket& bucket) {
-  return two_phase(state, bucket, sign_codec());
+  return two_phase(state, bucket, sign_codec(state.options().sign_block));
 }
 
 std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& bucket) {
-  const float momentum = static_cast<float>(state.options().momentum);
-  if (state.warming_up(bucket)) {
-    if (momentum == 0) return allreduce_hook(bucket);
-    // The velocity follows the averaged gradient, as the optimizer's momentum would.
-    const std::string key = bucket.key();
-    const int64_t n = bucket.buffer().numel();
-    check_bucket("topk_compress_hook", bucket.buffer());
-    return allreduce_hook(bucket)->then(
-        [&state, key, n, momentum, layout = Canonical(bucket)](Future& f) {
-          NoGradGuard no_grad;
-          Tensor buffer = f.value().at(0);
-          Tensor avg = canonical_copy(layout, buffer, n);
-          Tensor& u = state.velocity(key, n);
-          float* up = u.data<float>();
-          const float* a = avg.data<float>();
-          for (int64_t i = 0; i < n; ++i) up[i] = momentum * up[i] + a[i];
-          return into_bucket(layout, buffer, u);
-        });
-  }
+  if (state.warming_up(bucket)) return warm_up(state, bucket, "topk_compress_hook");
   NoGradGuard no_grad;
   ProcessGroup& pg = bucket.process_group();
   const int world = pg.size();
@@ -427,11 +458,7 @@ std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& 
   Tensor x = padded_input("topk_compress_hook", bucket, n);
   float* xp = x.data<float>();
   const std::string key = bucket.key();
-  float* velocity = nullptr;
-  if (momentum > 0) {  // DGC: compress the accumulated velocity, not the gradient
-    velocity = state.velocity(key, n).data<float>();
-    for (int64_t i = 0; i < n; ++i) xp[i] = velocity[i] = momentum * velocity[i] + xp[i];
-  }
+  float* velocity = add_momentum(state, key, xp, n);
   Tensor* residual = nullptr;
   if (state.options().error_feedback) {
     residual = &state.worker_residual(key, n);
@@ -454,8 +481,8 @@ std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& 
     float* rp = residual->data<float>();
     for (int32_t i : order) rp[i] = 0;
   }
-  if (velocity != nullptr) {
-    for (int32_t i : order) velocity[i] = 0;  // momentum factor masking
+  if (velocity != nullptr && state.options().momentum_masking) {
+    for (int32_t i : order) velocity[i] = 0;
   }
   state.count((world - 1) * msg, float32_allreduce_bytes(n, world));
   bucket.record_bytes_sent((world - 1) * msg);

@@ -26,8 +26,8 @@
 //   and averages them, adds its own residual for that chunk, compresses the average again and
 //   all-gathers it. Each rank sends 2 (W-1)/W of its bucket in compressed form, like a ring
 //   all-reduce sends it uncompressed: int8 (per-channel parameters, 512 elements a channel) is
-//   ~4x fewer bytes at any W, sign (one bit an element and one scale a chunk, the chunk's mean
-//   magnitude: the least-squares scale, EF-signSGD's) ~32x fewer.
+//   ~4x fewer bytes at any W, sign (one bit an element and one scale per 512 elements, their
+//   mean magnitude: the least-squares scale, EF-signSGD's) ~30x fewer.
 //
 // - topk_compress_hook: the k = ceil(ratio * numel) largest-magnitude entries of bucket plus
 //   residual are sent as (int32 index, float32 value) pairs, all-gathered, summed into a zero
@@ -66,15 +66,22 @@ struct CompressionOptions {
   int64_t start_iter = 0;
   /// int8_compress_hook: elements that share one scale and zero point.
   int64_t channel_size = 512;
+  /// sign_compress_hook: elements that share one scale, a positive multiple of 8.
+  int64_t sign_block = 512;
   /// topk_compress_hook: the fraction of a bucket's elements sent, in (0, 1].
   double topk_ratio = 0.01;
-  /// topk_compress_hook, in [0, 1): Deep Gradient Compression's momentum correction (Lin et
-  /// al., ICLR 2018). Each rank keeps its velocity u = momentum u + g and compresses the
-  /// accumulated velocity (the residual), clearing the velocity of what it sent (momentum factor
-  /// masking); during warm-up the velocity follows the averaged gradient. The hook then returns
-  /// the momentum step, so the optimizer must run WITHOUT momentum (SGD momentum 0): momentum
-  /// applied after top-k would amplify the residual's delayed coordinates. 0: off.
+  /// int8, sign and top-k, in [0, 1): momentum applied before compression, as in blockwise
+  /// momentum SGD with error feedback (Zheng et al., NeurIPS 2019) and 1-bit Adam. Each rank
+  /// keeps its local velocity u = momentum u + g and compresses u (plus its residual) instead of
+  /// g. The ranks' velocities average to the velocity of the averaged gradient, so the hook
+  /// returns momentum SGD's step, delayed only by what the residual holds; applied after
+  /// compression, momentum would amplify the residual's delayed coordinates instead. The
+  /// optimizer must then run WITHOUT momentum (SGD momentum 0). During warm-up the velocity
+  /// follows the averaged gradient. 0: off.
   double momentum = 0;
+  /// topk_compress_hook with momentum: Deep Gradient Compression's momentum factor masking (Lin
+  /// et al., ICLR 2018), which clears the velocity of every coordinate sent.
+  bool momentum_masking = false;
 };
 
 /// State of int8_compress_hook, sign_compress_hook and topk_compress_hook: the iteration count,
@@ -82,7 +89,8 @@ struct CompressionOptions {
 /// Threads: used by the hooks on DDP's threads; read it between iterations.
 class CompressionState {
  public:
-  /// Throws ValueError for start_iter < 0, channel_size < 1 or topk_ratio outside (0, 1].
+  /// Throws ValueError for start_iter < 0, channel_size < 1, topk_ratio outside (0, 1], momentum
+  /// outside [0, 1), or momentum_masking without momentum.
   explicit CompressionState(CompressionOptions options = {});
 
   const CompressionOptions& options() const { return options_; }
@@ -122,7 +130,7 @@ class CompressionState {
   /// re-created if the bucket's size changed).
   Tensor& worker_residual(const std::string& key, int64_t numel);
   Tensor& server_residual(const std::string& key, int64_t numel);
-  /// For topk_compress_hook with options().momentum: the velocity of `key`.
+  /// For the hooks with options().momentum: the velocity of `key`.
   Tensor& velocity(const std::string& key, int64_t numel);
   void count(int64_t bytes_sent, int64_t allreduce_bytes);
 
@@ -142,7 +150,7 @@ std::shared_ptr<Future> quantization_perchannel_hook(GradBucket& bucket);
 
 /// Two-phase int8 compressed all-reduce (per-channel parameters, options().channel_size).
 std::shared_ptr<Future> int8_compress_hook(CompressionState& state, GradBucket& bucket);
-/// Two-phase 1-bit compressed all-reduce: signs and one scale per chunk.
+/// Two-phase 1-bit compressed all-reduce: signs and one scale per options().sign_block elements.
 std::shared_ptr<Future> sign_compress_hook(CompressionState& state, GradBucket& bucket);
 /// Top-k sparsification (options().topk_ratio), all-gathered indices and values.
 std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& bucket);
@@ -171,9 +179,12 @@ void int8_encode(const float* x, int64_t m, int64_t channel, uint8_t* out,
                  float* residual = nullptr);
 void int8_decode_add(const uint8_t* in, int64_t m, int64_t channel, float* acc);
 
-/// One float32 scale (the mean of |x|) then one bit per element (1: x >= 0).
-int64_t sign_bytes(int64_t m);
-void sign_encode(const float* x, int64_t m, uint8_t* out, float* residual = nullptr);
-void sign_decode_add(const uint8_t* in, int64_t m, float* acc);
+/// One float32 scale (the mean of |x|) per `block` elements (the last block may be shorter),
+/// then one bit per element (1: x >= 0). `block` is a positive multiple of 8, so that each
+/// block's bits start on a byte.
+int64_t sign_bytes(int64_t m, int64_t block);
+void sign_encode(const float* x, int64_t m, int64_t block, uint8_t* out,
+                 float* residual = nullptr);
+void sign_decode_add(const uint8_t* in, int64_t m, int64_t block, float* acc);
 
 }  // namespace ember::dist::codec

@@ -88,9 +88,11 @@ MadeCommHook compression(const CommHookArgs& a,
   o.error_feedback = a.flag("error_feedback", o.error_feedback);
   o.start_iter = a.integer("start", o.start_iter);
   if (hook == int8_compress_hook) o.channel_size = a.integer("channel", o.channel_size);
+  if (hook == sign_compress_hook) o.sign_block = a.integer("block", o.sign_block);
+  o.momentum = a.number("momentum", o.momentum);
   if (hook == topk_compress_hook) {
     o.topk_ratio = a.number("ratio", o.topk_ratio);
-    o.momentum = a.number("momentum", o.momentum);
+    o.momentum_masking = a.flag("masking", o.momentum_masking);
   }
   const int64_t node = a.integer("node", 0);
   auto state = std::make_shared<CompressionState>(o);
@@ -165,12 +167,14 @@ std::map<std::string, Entry> built_ins() {
       "torch's int8 quantization, a scale per 512 elements (all-gather)");
   add("int8", [](const CommHookArgs& a) { return compression(a, int8_compress_hook); },
       "two-phase int8 all-reduce (~4x fewer bytes); channel=512, start=0, error_feedback=1, "
-      "node=0 (K: exact inside nodes of K ranks, compressed between them)");
+      "node=0 (K: exact inside nodes of K ranks, compressed between them), momentum=0 (applied "
+      "before compression: then train with the optimizer's momentum 0)");
   add("sign", [](const CommHookArgs& a) { return compression(a, sign_compress_hook); },
-      "two-phase 1-bit all-reduce (~32x fewer bytes); start=0, error_feedback=1, node=0");
+      "two-phase 1-bit all-reduce (~32x fewer bytes); start=0, error_feedback=1, node=0, "
+      "momentum=0");
   add("topk", [](const CommHookArgs& a) { return compression(a, topk_compress_hook); },
-      "top-k sparsification; ratio=0.01, start=0, error_feedback=1, node=0, momentum=0 "
-      "(DGC's momentum correction: then train with the optimizer's momentum 0)");
+      "top-k sparsification; ratio=0.01, start=0, error_feedback=1, node=0, momentum=0, "
+      "masking=0 (DGC's momentum factor masking)");
   add("post_localsgd", post_local_sgd,
       "post-local SGD: all-reduce until start, then average parameters every period steps; "
       "start=100, period=4, local=0 (after start, gradients are averaged within consecutive "

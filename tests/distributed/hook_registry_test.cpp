@@ -79,6 +79,16 @@ TEST(HookRegistry, AHookByNameEqualsTheHookItself) {
                      topk_compress_hook);
   });
   EXPECT_EQ(by_name, direct);
+  // The options every compressing hook takes, and the ones only one does.
+  const auto sign_by_name = run_once([](int, std::shared_ptr<ProcessGroup> pg) {
+    return make_comm_hook("sign:block=64,momentum=0.5", pg).hook;
+  });
+  const auto sign_direct = run_once([](int, std::shared_ptr<ProcessGroup>) {
+    return bind_hook(std::make_shared<CompressionState>(
+                         CompressionOptions{.sign_block = 64, .momentum = 0.5}),
+                     sign_compress_hook);
+  });
+  EXPECT_EQ(sign_by_name, sign_direct);
   // And the state and summary come with it.
   test::ThreadsSetup setup;
   setup.n = 2;
@@ -111,6 +121,12 @@ TEST(HookRegistry, RefusesBadSpecsNamingWhatIsWrong) {
                     "hook 'topk' takes no option 'ration'");
     EXPECT_MENTIONS(error_of([&] { make_comm_hook("topk:ratio=2", pg); }),
                     "[comm hook 'topk:ratio=2' (built-in)] [CompressionState] topk_ratio must be in (0, 1], got 2");
+    EXPECT_MENTIONS(error_of([&] { make_comm_hook("sign:block=12", pg); }),
+                    "sign_block must be a positive multiple of 8, got 12");
+    EXPECT_MENTIONS(error_of([&] { make_comm_hook("int8:masking=1", pg); }),
+                    "hook 'int8' takes no option 'masking'");
+    EXPECT_MENTIONS(error_of([&] { make_comm_hook("topk:masking=1", pg); }),
+                    "momentum_masking masks the velocity and needs momentum > 0, got momentum 0");
     EXPECT_MENTIONS(error_of([&] { make_comm_hook("sign:error_feedback=maybe", pg); }),
                     "option error_feedback expects 1/true/on or 0/false/off, got 'maybe'");
   });
