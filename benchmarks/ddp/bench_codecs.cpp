@@ -1,7 +1,9 @@
 // bench_codecs: the compressing hooks' wire encodings (compression_hooks.h, namespace codec) on
 // one bucket-sized float32 vector, one thread, beside memcpy of the same vector in the same run:
 // the codecs are memory-bound loops, so memcpy's time is the floor a pass over the data can
-// reach. Prints BENCH lines (benchmarks/bench_util.h) and then each case's time over memcpy's.
+// reach. Also the fp16 hook's and the float16 reductions' loops (distributed/detail/
+// half_kernels.h) beside the scalar Half conversions they replace ("_scalar"). Prints BENCH lines
+// (benchmarks/bench_util.h) and then each case's time over memcpy's.
 //
 //   build/benchmarks/ddp/bench_codecs [--elements N] [--samples 5] [--min-time 0.2]
 #include <cstdio>
@@ -12,6 +14,8 @@
 #include <vector>
 
 #include <ember/distributed/ddp/compression_hooks.h>
+#include <ember/distributed/detail/half_kernels.h>
+#include <ember/tensor/half.h>
 #include "benchmarks/bench_util.h"
 
 namespace codec = ember::dist::codec;
@@ -53,6 +57,30 @@ int main(int argc, char** argv) {
        [&] { codec::sign_encode(x.data(), n, channel, q1.data(), residual.data()); });
   time("sign_decode_add", 2 * fbytes + n / 8.0,
        [&] { codec::sign_decode_add(q1.data(), n, channel, y.data()); });
+
+  namespace half = ember::dist::detail;
+  using ember::detail::f16_bits_to_f32;
+  using ember::detail::f32_to_f16_bits;
+  const auto un = static_cast<size_t>(n);
+  std::vector<uint16_t> h(un), h2(un);
+  half::float_to_half_divided(x.data(), h2.data(), un, 1.0f);
+  time("fp16_cast_divide", fbytes + 2.0 * n,
+       [&] { half::float_to_half_divided(x.data(), h.data(), un, 4.0f); });
+  time("fp16_cast_divide_scalar", fbytes + 2.0 * n, [&] {
+    for (size_t i = 0; i < un; ++i) {
+      h[i] = f32_to_f16_bits(f16_bits_to_f32(f32_to_f16_bits(x[i])) / 4.0f);
+    }
+  });
+  time("fp16_sum", 6.0 * n, [&] { half::half_sum(h.data(), h2.data(), h2.data(), un); });
+  time("fp16_sum_scalar", 6.0 * n, [&] {
+    for (size_t i = 0; i < un; ++i) {
+      h[i] = f32_to_f16_bits(f16_bits_to_f32(h2[i]) + f16_bits_to_f32(h2[i]));
+    }
+  });
+  time("fp16_to_f32", 2.0 * n + fbytes, [&] { half::half_to_float(h2.data(), y.data(), un); });
+  time("fp16_to_f32_scalar", 2.0 * n + fbytes, [&] {
+    for (size_t i = 0; i < un; ++i) y[i] = f16_bits_to_f32(h2[i]);
+  });
 
   if (sec.count("memcpy_f32") != 0) {
     std::printf("\n%lld elements, one thread; time / memcpy's time (memcpy %.3f ms, %.2f GB/s)\n",

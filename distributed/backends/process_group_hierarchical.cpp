@@ -26,6 +26,7 @@
 #include <mutex>
 #include <thread>
 
+#include <ember/distributed/detail/half_kernels.h>
 #include <ember/distributed/store/prefix_store.h>
 #include <ember/tensor/ops.h>
 
@@ -370,6 +371,10 @@ std::string ProcessGroupHierarchical::Impl::leaders_step(const char* what, size_
 namespace {
 // In place: x[i] /= n (floating: in float32/float64; integers: truncating), Avg's last step.
 void divide(const Tensor& t, int n) {
+  if (t.dtype() == kFloat16) {
+    return detail::half_divide(static_cast<uint16_t*>(t.data_ptr()),
+                               static_cast<size_t>(t.numel()), static_cast<float>(n));
+  }
   EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] avg", [&]<typename T>() {
     T* p = t.template data<T>();
     for (int64_t i = 0, k = t.numel(); i < k; ++i) {

@@ -4,6 +4,8 @@
 #include <iterator>
 #include <sstream>
 
+#include <ember/distributed/detail/half_kernels.h>
+#include <ember/tensor/creation.h>
 #include <ember/tensor/grad_mode.h>
 
 namespace ember::dist {
@@ -48,19 +50,36 @@ std::shared_ptr<Future> compress_hook(GradBucket& bucket, Dtype dtype) {
   ProcessGroup& pg = bucket.process_group();
   Tensor buffer = bucket.buffer();
   Tensor compressed;
+  // float32 to float16 on the CPU: the cast and the division in one pass of the CPU's own
+  // conversions (half_kernels.h), the same bits as the two tensor ops.
+  const bool half_loops = dtype == kFloat16 && buffer.is_cpu() &&
+                          buffer.dtype() == kFloat32 && buffer.is_contiguous();
   {
     NoGradGuard no_grad;
-    compressed = buffer.to(dtype, /*copy=*/true);
-    compressed.div_(pg.size());
+    if (half_loops) {
+      compressed = empty(buffer.shape(), kFloat16);
+      detail::float_to_half_divided(buffer.data<float>(), static_cast<uint16_t*>(compressed.data_ptr()),
+                                    static_cast<size_t>(buffer.numel()),
+                                    static_cast<float>(pg.size()));
+    } else {
+      compressed = buffer.to(dtype, /*copy=*/true);
+      compressed.div_(pg.size());
+    }
   }
   AllreduceOptions o;
   o.op = ReduceOp::Sum;
   bucket.record_bytes_sent(ring_allreduce_bytes(compressed.nbytes(), pg.size()));
   auto work = pg.allreduce(compressed, o);
   // Decompression is local work, so it may run on the backend thread (no collective here).
-  return work->future()->then([buffer](Future& f) mutable {
+  return work->future()->then([buffer, half_loops](Future& f) mutable {
     NoGradGuard no_grad;
-    buffer.copy_(f.value()[0]);
+    const Tensor sum = f.value()[0];
+    if (half_loops && sum.is_contiguous() && sum.dtype() == kFloat16) {
+      detail::half_to_float(static_cast<const uint16_t*>(sum.data_ptr()), buffer.data<float>(),
+                            static_cast<size_t>(buffer.numel()));
+    } else {
+      buffer.copy_(sum);
+    }
     return std::vector<Tensor>{buffer};
   });
 }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <ember/distributed/backends/detail/shm_allreduce.h>
+#include <ember/distributed/detail/half_kernels.h>
 #include <ember/distributed/process_group.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/tensor.h>
@@ -49,7 +50,11 @@ void reduce_kernel(void* c, const void* a, const void* b, size_t n) {
   T* C = static_cast<T*>(c);
   const T* A = static_cast<const T*>(a);
   const T* B = static_cast<const T*>(b);
-  if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
+  if constexpr (std::is_same_v<T, Half> && std::is_same_v<F, SumF>) {
+    static_assert(sizeof(Half) == sizeof(uint16_t));
+    half_sum(static_cast<uint16_t*>(c), static_cast<const uint16_t*>(a),
+             static_cast<const uint16_t*>(b), n);
+  } else if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
     for (size_t i = 0; i < n; ++i)
       C[i] = T(F{}(static_cast<float>(A[i]), static_cast<float>(B[i])));
   } else {
@@ -79,7 +84,9 @@ ReduceFn reduce_fn(ReduceOp op) {
 template <typename T>
 void divide_span(void* x, size_t k, int n) {
   T* p = static_cast<T*>(x);
-  if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
+  if constexpr (std::is_same_v<T, Half>) {
+    half_divide(static_cast<uint16_t*>(x), k, static_cast<float>(n));
+  } else if constexpr (std::is_same_v<T, BFloat16>) {
     for (size_t i = 0; i < k; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
   } else {
     for (size_t i = 0; i < k; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(n));
