@@ -177,7 +177,9 @@ TEST(DDPStats, CountsTheBytesEachBucketSent) {
        [](DistributedDataParallel& d) {
          d.register_comm_hook([](GradBucket& b) {
            Tensor buffer = b.buffer();
-           return b.process_group().allreduce(buffer, {.op = ReduceOp::Avg})->future();
+           AllreduceOptions avg;
+           avg.op = ReduceOp::Avg;
+           return b.process_group().allreduce(buffer, avg)->future();
          });
        },
        [](const DDPStats& s) {

@@ -52,6 +52,30 @@ int free_port() {
   return port;
 }
 
+/// Whether `port` can be bound on every address now.
+bool port_free(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  close(fd);
+  return ok;
+}
+
+/// The cluster's first job id. Without MASTER_PORT a job's rendezvous port is 15000 + its id %
+/// 10000 (distributed/environment.h), so two clusters running at once (ctest -j) that both
+/// started at job 1 would both listen on 15001. Each starts where its next few jobs' ports are
+/// free, searching from its pid.
+int first_job_id() {
+  for (int i = 0; i < 10000; ++i) {
+    const int id = 1 + (static_cast<int>(getpid()) + 97 * i) % 9990;
+    if (port_free(15000 + id) && port_free(15001 + id) && port_free(15002 + id)) return id;
+  }
+  return 1;
+}
+
 /// Polls `cmd` until its output contains `want` or `limit` passes; returns the last output.
 std::string wait_for_output(const std::string& cmd, const std::string& want,
                             std::chrono::seconds limit) {
@@ -101,7 +125,7 @@ class SlurmCluster {
     node_ = host;
     const unsigned cpus = std::max(2u, std::thread::hardware_concurrency());
     std::ofstream conf(conf_path());
-    conf << "ClusterName=embertest\n"
+    conf << "ClusterName=embertest\nFirstJobId=" << first_job_id() << "\n"
          << "SlurmctldHost=" << node_ << "(127.0.0.1)\n"
          << "SlurmctldPort=" << free_port() << "\nSlurmdPort=" << free_port() << "\n"
          << "AuthType=auth/munge\nAuthInfo=socket=" << socket() << "\nCredType=cred/munge\n"
