@@ -10,9 +10,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <mutex>
 #include <set>
 #include <sstream>
+#include <type_traits>
 
 #include <xxhash.h>
 
@@ -32,12 +34,47 @@ constexpr const char* kReadOp = "[ShardedCheckpoint]";
 namespace {
 
 // A field of the index, or ValueError naming the index file and what is wrong.
+// Whether `v` is a JSON integer that I holds. nlohmann converts a float to an integer with a
+// cast, undefined outside I's range ("version": 4.4e29, found by fuzz_checkpoint_index) and a
+// silent truncation inside it.
+template <typename I>
+bool holds_integer(const Json& v) {
+  if (v.is_number_unsigned()) {
+    return v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<I>::max());
+  }
+  if (!v.is_number_integer()) return false;
+  const int64_t x = v.get<int64_t>();
+  return x >= static_cast<int64_t>(std::numeric_limits<I>::min()) &&
+         static_cast<uint64_t>(x) <= static_cast<uint64_t>(std::numeric_limits<I>::max());
+}
+
+template <typename T>
+struct IsIntegerVector : std::false_type {};
+template <typename I>
+struct IsIntegerVector<std::vector<I>> : std::bool_constant<std::is_integral_v<I>> {};
+
 template <typename T>
 T field(const Json& j, const char* key, const std::string& path, const std::string& where) {
   EMBER_CHECK(j.is_object() && j.contains(key), kReadOp, " ", path, ": ", where, "has no '", key,
               "'");
+  const Json& v = j.at(key);
+  auto shown = [&v] {
+    const std::string d = v.dump();
+    return d.size() > 64 ? d.substr(0, 64) + "..." : d;
+  };
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    EMBER_CHECK(holds_integer<T>(v), kReadOp, " ", path, ": ", where, "'", key,
+                "' must be an integer in [", std::numeric_limits<T>::min(), ", ",
+                std::numeric_limits<T>::max(), "], got ", shown());
+  } else if constexpr (IsIntegerVector<T>::value) {
+    using I = typename T::value_type;
+    EMBER_CHECK(!v.is_array() || std::all_of(v.begin(), v.end(), holds_integer<I>), kReadOp, " ",
+                path, ": ", where, "'", key, "' must hold integers in [",
+                std::numeric_limits<I>::min(), ", ", std::numeric_limits<I>::max(), "], got ",
+                shown());
+  }
   try {
-    return j.at(key).get<T>();
+    return v.get<T>();
   } catch (const Json::exception& e) {
     EMBER_CHECK(false, kReadOp, " ", path, ": ", where, "'", key, "' has the wrong type (",
                 e.what(), ")");

@@ -577,6 +577,17 @@ TEST(ShardedCheckpoint, ReaderErrorsNameTheFileAndTensor) {
        "tensor 't' has a bad piece"},
       {head + R"([{"name": "t", "shape": [4], "dtype": "complex", "pieces": []}]})", "complex"},
       {head + R"([{"name": "t", "shape": "4"}]})", "'shape' has the wrong type"},
+      // Numbers where integers belong: refused, not cast (a float outside int's range was
+      // undefined behaviour, found by fuzz_checkpoint_index).
+      {R"({"format": "ember.sharded_checkpoint", "version": 444444444444444444444444444444})",
+       "'version' must be an integer in [-2147483648, 2147483647], got 4.444444444444444e+29"},
+      {R"({"format": "ember.sharded_checkpoint", "version": 1.5})",
+       "'version' must be an integer"},
+      {head + R"([{"name": "t", "shape": [4, 1e30], "dtype": "float32", "pieces": []}]})",
+       "'shape' must hold integers"},
+      {head + R"([{"name": "t", "shape": [4], "dtype": "float32", "pieces": [{"rank": 3e9,
+                  "offset": 0, "numel": 4, "file_offset": 0}]}]})",
+       "'rank' must be an integer"},
   };
   for (const auto& [bad, want] : broken) {
     std::ofstream(dir.file("index.json"), std::ios::trunc) << bad;
