@@ -170,7 +170,8 @@ HFCheckpoint load_hf_checkpoint(const std::string& dir) {
     out.tensors.insert(out.tensors.end(), shard.tensors().begin(), shard.tensors().end());
   }
   if (index.contains("metadata") && index["metadata"].is_object() &&
-      index["metadata"].contains("total_size") && index["metadata"]["total_size"].is_number()) {
+      index["metadata"].contains("total_size") &&
+      index["metadata"]["total_size"].is_number_integer()) {  // get<> casts a float unchecked
     const auto want = index["metadata"]["total_size"].get<int64_t>();
     if (want != total) {
       fail(kIndex, " gives total_size ", want, " bytes, but its shards hold ", total);
