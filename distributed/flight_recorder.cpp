@@ -47,15 +47,23 @@ Registry& registry() {
   return *r;
 }
 
-std::vector<std::shared_ptr<FlightRing>> live_rings() {
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
+// The rings alive now; the caller holds r.mu.
+std::vector<std::shared_ptr<FlightRing>> live_rings_locked(Registry& r) {
   std::vector<std::shared_ptr<FlightRing>> out;
   for (const auto& w : r.rings) {
     if (auto ring = w.lock()) out.push_back(std::move(ring));
   }
   return out;
 }
+
+std::vector<std::shared_ptr<FlightRing>> live_rings() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  return live_rings_locked(r);
+}
+
+std::vector<std::string> dump_rings(const std::vector<std::shared_ptr<FlightRing>>& rings,
+                                    const std::string& dir, const std::string& reason);
 
 }  // namespace
 
@@ -222,6 +230,10 @@ void flight_recorder_on_failure(const std::string& what) noexcept {
   try {
     Registry& r = registry();
     const std::string dir = flight_recorder_dir();
+    // The rings are taken with the mark that lets later failures skip their dump, and held until
+    // written: a group that ends meanwhile (its rank's failure skipped, as this dump covers it)
+    // is still in this dump.
+    std::vector<std::shared_ptr<FlightRing>> rings;
     {
       std::lock_guard<std::mutex> lock(r.mu);
       const uint64_t changes = r.changes.load(std::memory_order_relaxed);
@@ -236,8 +248,9 @@ void flight_recorder_on_failure(const std::string& what) noexcept {
         return;
       }
       r.dumped_at = changes;
+      rings = live_rings_locked(r);
     }
-    const std::vector<std::string> files = dump_flight_recorder(dir, what);
+    const std::vector<std::string> files = dump_rings(rings, dir, what);
     if (!files.empty()) {
       logging::warn("flight recorder: the last collectives of ", files.size(),
                     files.size() == 1 ? " rank" : " ranks", " are in ", dir,
@@ -268,11 +281,19 @@ std::string flight_recorder_dir() {
 }
 
 std::vector<std::string> dump_flight_recorder(const std::string& dir, const std::string& reason) {
+  return detail::dump_rings(detail::live_rings(), dir, reason);
+}
+
+namespace detail {
+namespace {
+
+std::vector<std::string> dump_rings(const std::vector<std::shared_ptr<FlightRing>>& rings,
+                                    const std::string& dir, const std::string& reason) {
   using nlohmann::json;
   EMBER_CHECK(!dir.empty(), "[dump_flight_recorder] expected a folder, got an empty path");
   // One document per global rank: the threads backend's ranks share this process.
   std::map<int, json> by_rank;
-  for (const auto& ring : detail::live_rings()) {
+  for (const auto& ring : rings) {
     const detail::FlightGroupInfo info = ring->info();
     const int me = info.global_ranks[info.rank];
     json entries = json::array();
@@ -318,5 +339,8 @@ std::vector<std::string> dump_flight_recorder(const std::string& dir, const std:
   }
   return files;
 }
+
+}  // namespace
+}  // namespace detail
 
 }  // namespace ember::dist
