@@ -26,7 +26,7 @@
 #include <mutex>
 #include <thread>
 
-#include <ember/distributed/detail/half_kernels.h>
+#include <ember/distributed/backends/detail/shm_kernels.h>
 #include <ember/distributed/store/prefix_store.h>
 #include <ember/tensor/ops.h>
 
@@ -368,26 +368,6 @@ std::string ProcessGroupHierarchical::Impl::leaders_step(const char* what, size_
                          "its rank ", node_, ")");
 }
 
-namespace {
-// In place: x[i] /= n (floating: in float32/float64; integers: truncating), Avg's last step.
-void divide(const Tensor& t, int n) {
-  if (t.dtype() == kFloat16) {
-    return detail::half_divide(static_cast<uint16_t*>(t.data_ptr()),
-                               static_cast<size_t>(t.numel()), static_cast<float>(n));
-  }
-  EMBER_DISPATCH_NUMERIC(t.dtype(), "[gloo] avg", [&]<typename T>() {
-    T* p = t.template data<T>();
-    for (int64_t i = 0, k = t.numel(); i < k; ++i) {
-      if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
-        p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
-      } else {
-        p[i] = static_cast<T>(p[i] / static_cast<T>(n));
-      }
-    }
-  });
-}
-}  // namespace
-
 void ProcessGroupHierarchical::Impl::allreduce_pieces_leader(const std::vector<Tensor>& pieces,
                                                              ReduceOp op,
                                                              Clock::time_point deadline) {
@@ -406,7 +386,7 @@ void ProcessGroupHierarchical::Impl::allreduce_pieces_leader(const std::vector<T
     }
     if (k >= 1) {
       await(cross[k - 1], leaders_step("allreduce", k - 1, n), deadline);
-      if (op == ReduceOp::Avg) divide(ps[k - 1], size_);
+      if (op == ReduceOp::Avg) detail::pg_gloo::divide_in_place(ps[k - 1], size_);
       if (local_) bcast[k - 1] = local_->broadcast(ps[k - 1], BroadcastOptions{0, left(deadline)});
     }
   }

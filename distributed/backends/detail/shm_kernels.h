@@ -1,6 +1,6 @@
 // The reduction kernels that ProcessGroupGloo gives Gloo and the shared-memory collectives, and
-// the buffer lists of the latter. Internal to process_group_gloo*.cpp: not installed, not part
-// of the public API.
+// the buffer lists of the latter. Internal to process_group_gloo*.cpp and the hierarchical group
+// (its Avg's division): not installed, not part of the public API.
 #pragma once
 
 #include <cstddef>
