@@ -149,7 +149,8 @@ void record_cross_entropy(const RecordArgs& r) {
 
 // ---- fused attention (Note [Fused attention] in tensor/detail/attention_kernels.h) ------------
 
-/// inputs {q, k, v}: [batch, L, E], [batch, S, E], [batch, S, Ev], contiguous, one dtype.
+/// inputs {q, k, v}: [..., L, E], [..., S, E], [..., S, Ev], one dtype, laid out for the kernel
+/// (Note [Attention operand layouts]); the gradients are dense in their input's dim order.
 struct ScaledDotProductAttentionBackward final : Node {
   detail::AttentionParams params;
   Tensor mask;  ///< the additive mask the kernels read (no gradient), or undefined
@@ -161,10 +162,12 @@ struct ScaledDotProductAttentionBackward final : Node {
                      "(backward with create_graph=true); use scaled_dot_product_attention_math "
                      "for that");
     const Tensor qs = q.unpack(*this), ks = k.unpack(*this), vs = v.unpack(*this);
-    const Tensor dout = g[0].contiguous();
-    Tensor dq = detail::make_empty(qs.shape(), qs.dtype(), qs.device());
-    Tensor dk = detail::make_empty(ks.shape(), ks.dtype(), ks.device());
-    Tensor dv = detail::make_empty(vs.shape(), vs.dtype(), vs.device());
+    const bool strided = !qs.is_cuda() && detail::attention_rows_ok(g[0]);
+    const Tensor dout = strided ? g[0] : g[0].contiguous();
+    auto grad_like = [](const Tensor& t) {
+      return detail::attention_empty_like(t, t.size(t.dim() - 1), t.dtype());
+    };
+    Tensor dq = grad_like(qs), dk = grad_like(ks), dv = grad_like(vs);
     (qs.is_cuda() ? detail::attention_backward_cuda : detail::attention_backward_cpu)(
         dq, dk, dv, dout, qs, ks, vs, out.unpack(*this), lse.unpack(*this), mask, params);
     return {dq, dk, dv};

@@ -3,6 +3,7 @@
 // autograd/functions_nn.cpp, and the math path written with recorded tensor ops.
 #include <ember/tensor/attention.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <vector>
@@ -97,12 +98,12 @@ Tensor scaled_dot_product_attention_math(const Tensor& q, const Tensor& k, const
 
 namespace {
 
-// The fused op on [batch, L, E]-shaped contiguous operands of one dtype: runs the forward
-// kernel and records one node, which saves out and lse (AttentionAttrs) and recomputes the
-// scores tile by tile in backward.
+// The fused op on operands of one dtype laid out for the kernel (Note [Attention operand
+// layouts]): runs the forward kernel and records one node, which saves out and lse
+// (AttentionAttrs) and recomputes the scores tile by tile in backward.
 Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                        const detail::AttentionParams& p) {
-  Tensor out = detail::make_empty({p.batch, p.L, p.Ev}, q.dtype(), q.device());
+  Tensor out = detail::attention_empty_like(q, p.Ev, q.dtype());
   Tensor lse = detail::make_empty({p.batch, p.L}, q.is_cuda() ? kFloat32 : q.dtype(), q.device());
   if (q.is_cuda()) {
     detail::attention_forward_cuda(out, lse, q, k, v, mask, p);
@@ -213,13 +214,59 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
     p.seed = d.seed;
     p.offset = d.offset;
   }
-  auto flat = [&](const Tensor& t, int64_t rows) {
-    return t.to(dt).contiguous().view({p.batch, rows, t.size(n - 1)});
+  // CUDA: contiguous, [batch, rows, cols]. CPU: as they come where the kernel can read them.
+  auto operand = [&](const Tensor& t, int64_t rows) {
+    Tensor c = t.to(dt);
+    if (!c.is_cuda() && detail::attention_rows_ok(c)) return c;
+    return c.contiguous().view({p.batch, rows, t.size(n - 1)});
   };
-  Tensor out = fused_attention(flat(q, p.L), flat(k, p.S), flat(v, p.S), mask, p);
-  std::vector<int64_t> shape(q.shape().begin(), q.shape().end() - 1);
-  shape.push_back(p.Ev);
-  return out.view(shape).to(q.dtype());
+  Tensor out = fused_attention(operand(q, p.L), operand(k, p.S), operand(v, p.S), mask, p);
+  if (out.dim() != n) {  // CUDA's flat [batch, L, Ev]
+    std::vector<int64_t> shape(q.shape().begin(), q.shape().end() - 1);
+    shape.push_back(p.Ev);
+    out = out.view(shape);
+  }
+  return out.to(q.dtype());
 }
+
+namespace detail {
+
+bool attention_rows_ok(const Tensor& t) {
+  const int64_t n = t.dim();
+  return n >= 2 && n - 2 <= kAttentionMaxLead && t.stride(n - 1) == 1 &&
+         t.stride(n - 2) >= t.size(n - 1);
+}
+
+AttentionRows attention_rows(const Tensor& t) {
+  EMBER_INTERNAL_ASSERT(attention_rows_ok(t), "attention_rows: no row layout for shape ",
+                        t.shape(), ", strides ", t.strides());
+  const int64_t n = t.dim();
+  AttentionRows r;
+  r.lead.nlead = static_cast<int>(n - 2);
+  for (int64_t d = 0; d < n - 2; ++d) {
+    r.lead.size[d] = t.size(d);
+    r.lead.stride[d] = t.stride(d);
+  }
+  r.row_stride = t.stride(n - 2);
+  return r;
+}
+
+Tensor attention_empty_like(const Tensor& like, int64_t last, Dtype dtype) {
+  const int64_t n = like.dim();
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  for (int64_t d = 0; d < n; ++d) order[static_cast<size_t>(d)] = d;
+  // Outermost first; the last dim stays innermost, and ties (size-1 dims) keep their order.
+  std::stable_sort(order.begin(), order.end() - 1,
+                   [&](int64_t a, int64_t b) { return like.stride(a) > like.stride(b); });
+  std::vector<int64_t> sizes, inverse(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t d = order[static_cast<size_t>(i)];
+    sizes.push_back(d == n - 1 ? last : like.size(d));
+    inverse[static_cast<size_t>(d)] = i;
+  }
+  return make_empty(Shape(sizes), dtype, like.device()).permute(Shape(inverse));
+}
+
+}  // namespace detail
 
 }  // namespace ember

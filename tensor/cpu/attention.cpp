@@ -72,13 +72,15 @@ EMBER_SIMD_CLONES T dot(const T* a, const T* b, int64_t n) {
   return s;
 }
 
-// The inputs of one call, as typed pointers into contiguous tensors.
+// The inputs of one call, as typed pointers with their layouts (Note [Attention operand
+// layouts]).
 template <typename T>
 struct Operands {
   const T* q;
   const T* k;
   const T* v;
   const T* mask;  // null when there is none
+  AttentionRows ql, kl, vl;
   const AttentionParams& p;
   T scale;
 
@@ -88,6 +90,9 @@ struct Operands {
         k(tk.data<T>()),
         v(tv.data<T>()),
         mask(tmask.defined() ? tmask.data<T>() : nullptr),
+        ql(attention_rows(tq)),
+        kl(attention_rows(tk)),
+        vl(attention_rows(tv)),
         p(params),
         scale(static_cast<T>(params.scale)) {}
 
@@ -97,9 +102,8 @@ struct Operands {
   // The score tile sc[br, bc] (row stride kBc) = scale * q_i k_j^T + mask, with -inf above the
   // causal diagonal.
   void scores(T* sc, int64_t b, int64_t i0, int64_t br, int64_t j0, int64_t bc) const {
-    const int64_t E = p.E;
-    gemm(false, true, br, bc, E, scale, q + (b * p.L + i0) * E, E, k + (b * p.S + j0) * E, E, T(0),
-         sc, kBc);
+    gemm(false, true, br, bc, p.E, scale, ql.row(q, b, i0), ql.row_stride, kl.row(k, b, j0),
+         kl.row_stride, T(0), sc, kBc);
     if (mask != nullptr) {
       const T* mb = mask + p.mask.batch_offset(b);
       for (int64_t r = 0; r < br; ++r) {
@@ -138,8 +142,8 @@ struct Operands {
 
 // One query tile: online softmax over the key tiles, then out = acc / l, lse = m + log(l).
 template <typename T>
-void forward_tile(const Operands<T>& o, T* out, T* lse, int64_t b, int64_t i0, T* sc, T* acc, T* m,
-                  T* l) {
+void forward_tile(const Operands<T>& o, T* out, const AttentionRows& ol, T* lse, int64_t b,
+                  int64_t i0, T* sc, T* acc, T* m, T* l) {
   const AttentionParams& p = o.p;
   const int64_t br = std::min(kBr, p.L - i0), Ev = p.Ev;
   const T ninf = -std::numeric_limits<T>::infinity();
@@ -166,11 +170,12 @@ void forward_tile(const Operands<T>& o, T* out, T* lse, int64_t b, int64_t i0, T
       }
       if (p.dropout_p > 0) o.dropout_row(row, b, i0 + r, j0, bc);
     }
-    gemm(false, false, br, Ev, bc, T(1), sc, kBc, o.v + (b * p.S + j0) * Ev, Ev, T(1), acc, Ev);
+    gemm(false, false, br, Ev, bc, T(1), sc, kBc, o.vl.row(o.v, b, j0), o.vl.row_stride, T(1), acc,
+         Ev);
   }
   for (int64_t r = 0; r < br; ++r) {
     const T inv = T(1) / l[r];  // 0 for a fully masked row: 0 * inf = NaN, as the math path
-    T* dst = out + (b * p.L + i0 + r) * Ev;
+    T* dst = ol.row(out, b, i0 + r);
     for (int64_t c = 0; c < Ev; ++c) dst[c] = acc[r * Ev + c] * inv;
     lse[b * p.L + i0 + r] = m[r] + std::log(l[r]);
   }
@@ -181,6 +186,7 @@ void forward_typed(const Tensor& out, const Tensor& lse, const Tensor& q, const 
                    const Tensor& v, const Tensor& mask, const AttentionParams& p) {
   const Operands<T> o(q, k, v, mask, p);
   T* out_p = out.data<T>();
+  const AttentionRows ol = attention_rows(out);
   T* lse_p = lse.data<T>();
   const int64_t tiles = (p.L + kBr - 1) / kBr;
   parallel_for(0, p.batch * tiles, 1, [&](int64_t begin, int64_t end) {
@@ -190,31 +196,40 @@ void forward_typed(const Tensor& out, const Tensor& lse, const Tensor& q, const 
     T* m = acc + kBr * p.Ev;
     T* l = m + kBr;
     for (int64_t t = begin; t < end; ++t) {
-      forward_tile(o, out_p, lse_p, t / tiles, (t % tiles) * kBr, sc, acc, m, l);
+      forward_tile(o, out_p, ol, lse_p, t / tiles, (t % tiles) * kBr, sc, acc, m, l);
     }
   });
 }
 
+// The gradients' and dout's pointers and layouts (dq, dk, dv dense, dout strided).
+template <typename T>
+struct Grads {
+  T* dq;
+  T* dk;
+  T* dv;
+  const T* dout;
+  const T* out;
+  AttentionRows dql, dkl, dvl, dol, ol;
+};
+
 // Gradients of one batch entry (Note [Fused attention]); dq, dk, dv start at zero.
 template <typename T>
-void backward_batch(const Operands<T>& o, T* dq, T* dk, T* dv, const T* dout, const T* out,
-                    const T* lse, int64_t b, T* sc, T* dp, T* pd, T* d) {
+void backward_batch(const Operands<T>& o, const Grads<T>& g, const T* lse, int64_t b, T* sc, T* dp,
+                    T* pd, T* d) {
   const AttentionParams& p = o.p;
   const int64_t L = p.L, S = p.S, E = p.E, Ev = p.Ev;
-  const T* dob = dout + b * L * Ev;
-  const T* ob = out + b * L * Ev;
-  for (int64_t i = 0; i < L; ++i) d[i] = dot(dob + i * Ev, ob + i * Ev, Ev);
+  for (int64_t i = 0; i < L; ++i) d[i] = dot(g.dol.row(g.dout, b, i), g.ol.row(g.out, b, i), Ev);
   for (int64_t j0 = 0; j0 < S; j0 += kBc) {
     const int64_t bc = std::min(kBc, S - j0);
-    const T* kj = o.k + (b * S + j0) * E;
-    const T* vj = o.v + (b * S + j0) * Ev;
-    T* dkj = dk + (b * S + j0) * E;
-    T* dvj = dv + (b * S + j0) * Ev;
+    const T* kj = o.kl.row(o.k, b, j0);
+    const T* vj = o.vl.row(o.v, b, j0);
+    T* dkj = g.dkl.row(g.dk, b, j0);
+    T* dvj = g.dvl.row(g.dv, b, j0);
     // Causal: query tiles ending before key j0 see none of this key tile.
     for (int64_t i0 = p.causal ? j0 / kBr * kBr : 0; i0 < L; i0 += kBr) {
       const int64_t br = std::min(kBr, L - i0);
-      const T* qi = o.q + (b * L + i0) * E;
-      const T* doi = dob + i0 * Ev;
+      const T* qi = o.ql.row(o.q, b, i0);
+      const T* doi = g.dol.row(g.dout, b, i0);
       o.scores(sc, b, i0, br, j0, bc);
       for (int64_t r = 0; r < br; ++r) exp_sub_sum(sc + r * kBc, bc, lse[b * L + i0 + r]);  // P
       const T* pdrop = sc;
@@ -225,8 +240,12 @@ void backward_batch(const Operands<T>& o, T* dq, T* dk, T* dv, const T* dout, co
         }
         pdrop = pd;
       }
-      gemm(true, false, bc, Ev, br, T(1), pdrop, kBc, doi, Ev, T(1), dvj, Ev);  // dV += Pd^T dO
-      gemm(false, true, br, bc, Ev, T(1), doi, Ev, vj, Ev, T(0), dp, kBc);      // dP = dO V^T
+      // dV += Pd^T dO
+      gemm(true, false, bc, Ev, br, T(1), pdrop, kBc, doi, g.dol.row_stride, T(1), dvj,
+           g.dvl.row_stride);
+      // dP = dO V^T
+      gemm(false, true, br, bc, Ev, T(1), doi, g.dol.row_stride, vj, o.vl.row_stride, T(0), dp,
+           kBc);
       for (int64_t r = 0; r < br; ++r) {
         T* dpr = dp + r * kBc;
         if (p.dropout_p > 0) o.dropout_row(dpr, b, i0 + r, j0, bc);
@@ -236,8 +255,10 @@ void backward_batch(const Operands<T>& o, T* dq, T* dk, T* dv, const T* dout, co
           softmax_grad_row(sc + r * kBc, dpr, bc, d[i0 + r]);  // dS = P (dP - D)
         }
       }
-      gemm(false, false, br, E, bc, o.scale, dp, kBc, kj, E, T(1), dq + (b * L + i0) * E, E);
-      gemm(true, false, bc, E, br, o.scale, dp, kBc, qi, E, T(1), dkj, E);
+      gemm(false, false, br, E, bc, o.scale, dp, kBc, kj, o.kl.row_stride, T(1),
+           g.dql.row(g.dq, b, i0), g.dql.row_stride);
+      gemm(true, false, bc, E, br, o.scale, dp, kBc, qi, o.ql.row_stride, T(1), dkj,
+           g.dkl.row_stride);
     }
   }
 }
@@ -247,12 +268,14 @@ void backward_typed(const Tensor& dq, const Tensor& dk, const Tensor& dv, const 
                     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                     const Tensor& lse, const Tensor& mask, const AttentionParams& p) {
   const Operands<T> o(q, k, v, mask, p);
-  T* dq_p = dq.data<T>();
-  T* dk_p = dk.data<T>();
-  T* dv_p = dv.data<T>();
-  std::fill(dq_p, dq_p + dq.numel(), T(0));
-  std::fill(dk_p, dk_p + dk.numel(), T(0));
-  std::fill(dv_p, dv_p + dv.numel(), T(0));
+  const Grads<T> g{dq.data<T>(),          dk.data<T>(),        dv.data<T>(),
+                   dout.data<T>(),        out.data<T>(),       attention_rows(dq),
+                   attention_rows(dk),    attention_rows(dv),  attention_rows(dout),
+                   attention_rows(out)};
+  const T* lse_p = lse.data<T>();
+  auto zero_rows = [&](T* base, const AttentionRows& rows, int64_t b, int64_t n, int64_t cols) {
+    for (int64_t i = 0; i < n; ++i) std::fill_n(rows.row(base, b, i), cols, T(0));
+  };
   parallel_for(0, p.batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> buf(3 * kBr * kBc + p.L);
     T* sc = buf.data();
@@ -260,8 +283,10 @@ void backward_typed(const Tensor& dq, const Tensor& dk, const Tensor& dv, const 
     T* pd = dp + kBr * kBc;
     T* d = pd + kBr * kBc;
     for (int64_t b = begin; b < end; ++b) {
-      backward_batch(o, dq_p, dk_p, dv_p, dout.data<T>(), out.data<T>(), lse.data<T>(), b, sc, dp,
-                     pd, d);
+      zero_rows(g.dq, g.dql, b, p.L, p.E);
+      zero_rows(g.dk, g.dkl, b, p.S, p.E);
+      zero_rows(g.dv, g.dvl, b, p.S, p.Ev);
+      backward_batch(o, g, lse_p, b, sc, dp, pd, d);
     }
   });
 }
@@ -270,8 +295,10 @@ void backward_typed(const Tensor& dq, const Tensor& dk, const Tensor& dv, const 
 
 void attention_forward_cpu(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                            const Tensor& v, const Tensor& mask, const AttentionParams& p) {
-  EMBER_INTERNAL_ASSERT(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
-                        "attention_forward_cpu: non-contiguous operands");
+  for (const Tensor* t : {&q, &k, &v, &out}) {
+    EMBER_INTERNAL_ASSERT(attention_rows_ok(*t), "attention_forward_cpu: operand of shape ",
+                          t->shape(), " and strides ", t->strides(), " has no row layout");
+  }
   if (q.dtype() == kFloat64) {
     forward_typed<double>(out, lse, q, k, v, mask, p);
   } else {
@@ -284,8 +311,11 @@ void attention_backward_cpu(const Tensor& dq, const Tensor& dk, const Tensor& dv
                             const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                             const Tensor& out, const Tensor& lse, const Tensor& mask,
                             const AttentionParams& p) {
-  EMBER_INTERNAL_ASSERT(dout.is_contiguous() && out.is_contiguous(),
-                        "attention_backward_cpu: non-contiguous operands");
+  for (const Tensor* t : {&dq, &dk, &dv, &dout, &q, &k, &v, &out}) {
+    EMBER_INTERNAL_ASSERT(attention_rows_ok(*t), "attention_backward_cpu: operand of shape ",
+                          t->shape(), " and strides ", t->strides(), " has no row layout");
+  }
+
   if (q.dtype() == kFloat64) {
     backward_typed<double>(dq, dk, dv, dout, q, k, v, out, lse, mask, p);
   } else {

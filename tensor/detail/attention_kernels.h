@@ -1,8 +1,17 @@
 // Fused scaled-dot-product attention kernels (flash-attention style), one per backend:
 // tensor/cpu/attention.cpp and tensor/cuda/attention.cu. The front end (tensor/attention.cpp)
-// validates, makes q/k/v contiguous as [batch, L, E] etc., turns a bool mask into an additive
-// one and draws the dropout seed, so kernels only assert; the autograd node is in
+// validates, lays the operands out for the kernel (below), turns a bool mask into an additive one
+// and draws the dropout seed, so kernels only assert; the autograd node is in
 // autograd/functions_nn.cpp.
+//
+// Note [Attention operand layouts]
+// The CUDA kernel takes q, k, v, out and dout contiguous. The CPU kernel takes them strided: any
+// strides over the leading dims and between rows, elements of a row adjacent (AttentionRows), so
+// the heads a transformer splits off a fused qkv projection ([B, T, 3, H, D] viewed as
+// [B, H, T, D]) reach it without a copy. The CPU output and the gradients are allocated densely
+// in their input's dim order (attention_empty_like): from such heads, out is [B, T, H, D] in
+// memory, so out.transpose(1, 2).reshape({B, T, C}) and the gradients' way back through the same
+// views copy nothing (PyTorch's CPU flash attention allocates its output the same way).
 //
 // Note [Fused attention]
 // Forward walks key tiles with an online softmax (running max m and sum l per query row), so
@@ -47,8 +56,33 @@ struct AttentionMaskLayout {
   }
 };
 
-/// Shapes and attributes of one fused attention call. q [batch, L, E], k [batch, S, E],
-/// v [batch, S, Ev], out [batch, L, Ev], lse [batch, L] (float32 on CUDA, else q's dtype).
+/// Where row i of batch entry b of an operand [..., rows, cols] lives: the flat batch index is
+/// split over the leading dims; the row's elements are adjacent (the front end copies operands
+/// whose last dim is strided). row_stride >= cols, so a row block is a BLAS matrix with that
+/// leading dim.
+struct AttentionRows {
+  AttentionMaskLayout lead;  ///< nlead, sizes and strides of the leading dims
+  int64_t row_stride = 0;
+  template <typename T>
+  T* row(T* base, int64_t b, int64_t i) const {
+    return base + lead.batch_offset(b) + i * row_stride;
+  }
+};
+
+/// The CPU kernel's view of t ([..., rows, cols] with at most kAttentionMaxLead leading dims,
+/// last stride 1, row stride >= cols).
+AttentionRows attention_rows(const Tensor& t);
+
+/// Whether t has a layout attention_rows accepts.
+bool attention_rows_ok(const Tensor& t);
+
+/// An uninitialised tensor of like's shape, its last dim `last` wide, dense in like's dim order
+/// (dims by decreasing stride; Note [Attention operand layouts]). Contiguous when like is.
+Tensor attention_empty_like(const Tensor& like, int64_t last, Dtype dtype);
+
+/// Shapes and attributes of one fused attention call. q [..., L, E], k [..., S, E],
+/// v [..., S, Ev], out [..., L, Ev] with `batch` entries over the leading dims (contiguous on
+/// CUDA, AttentionRows on the CPU), lse [batch, L] contiguous (float32 on CUDA, else q's dtype).
 struct AttentionParams {
   int64_t batch = 0, L = 0, S = 0, E = 0, Ev = 0;
   double scale = 1.0;

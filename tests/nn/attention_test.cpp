@@ -156,6 +156,66 @@ TEST_P(AttentionFused, MatchesMathPath) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, AttentionFused, ::testing::Values(kFloat32, kFloat64),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
+// The heads a transformer splits off a fused qkv projection reach the CPU kernel as strided
+// views (Note [Attention operand layouts]): output and gradients equal the math path's and the
+// contiguous inputs', the output comes back [B, T, H, D] in memory (so the transpose and reshape
+// after attention copy nothing), and so does the gradient of each head's view. A key broadcast
+// over heads (stride 0) and a value whose rows overlap (row stride < head dim, copied) are read
+// too, as are 3-d operands with a strided batch dim.
+TEST(Attention, StridedHeadsFromFusedQkvMatchContiguous) {
+  const int64_t B = 2, T = 70, H = 3, D = 8, C = H * D;
+  for (const bool causal : {true, false}) {
+    SCOPED_TRACE(causal ? "causal" : "full");
+    auto fused = [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+      return F::scaled_dot_product_attention(q, k, v, {}, 0.0, causal);
+    };
+    Tensor qkv = rand_t({B, T, 3 * C}, kFloat32, 31).requires_grad_();
+    const std::vector<Tensor> parts = split(qkv, C, 2);
+    auto heads = [&](const Tensor& t) { return t.reshape({B, T, H, D}).transpose(1, 2); };
+    Tensor q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
+    ASSERT_FALSE(q.is_contiguous());
+    Tensor y = fused(q, k, v);
+    EXPECT_EQ(y.shape(), Shape({B, H, T, D}));
+    EXPECT_TRUE(y.transpose(1, 2).is_contiguous()) << "the output is [B, T, H, D] in memory";
+    const Tensor w = rand_t({B, H, T, D}, kFloat32, 32);
+    (y * w).sum().backward();
+    const Tensor dqkv = qkv.grad();
+
+    Tensor qkv2 = qkv.detach().clone().requires_grad_();
+    const std::vector<Tensor> parts2 = split(qkv2, C, 2);
+    Tensor y2 = F::scaled_dot_product_attention_math(heads(parts2[0]).contiguous(),
+                                                      heads(parts2[1]).contiguous(),
+                                                      heads(parts2[2]).contiguous(), {}, 0.0,
+                                                      causal);
+    (y2 * w).sum().backward();
+    expect_tensors_close(y, y2, 5e-5, "output");
+    expect_tensors_close(dqkv, qkv2.grad(), 5e-5, "qkv grad");
+  }
+  // A key shared by every head (expanded: stride 0 over heads), a value view with overlapping
+  // rows (row stride 1 < 4: copied for the kernel), and 3-d operands sliced along the batch.
+  Tensor q = rand_t({2, 3, 9, 4}, kFloat64, 41).requires_grad_();
+  Tensor k1 = rand_t({2, 1, 11, 4}, kFloat64, 42).requires_grad_();
+  Tensor vbase = rand_t({2, 3, 14}, kFloat64, 43).requires_grad_();
+  Tensor k = k1.expand({2, 3, 11, 4});
+  Tensor v = vbase.as_strided({2, 3, 11, 4}, {42, 14, 1, 1});
+  Tensor y = F::scaled_dot_product_attention(q, k, v);
+  const Tensor w = rand_t({2, 3, 9, 4}, kFloat64, 44);
+  (y * w).sum().backward();
+  Tensor qm = q.detach().clone().requires_grad_(), km = k1.detach().clone().requires_grad_();
+  Tensor vm = vbase.detach().clone().requires_grad_();
+  Tensor ym = F::scaled_dot_product_attention_math(
+      qm, km.expand({2, 3, 11, 4}), vm.as_strided({2, 3, 11, 4}, {42, 14, 1, 1}));
+  (ym * w).sum().backward();
+  expect_tensors_close(y, ym, 1e-11, "broadcast key, overlapping value: output");
+  expect_tensors_close(q.grad(), qm.grad(), 1e-11, "dq");
+  expect_tensors_close(k1.grad(), km.grad(), 1e-11, "dk over the broadcast");
+  expect_tensors_close(vbase.grad(), vm.grad(), 1e-11, "dv through the overlapping view");
+  Tensor big = rand_t({4, 9, 4}, kFloat64, 45);
+  Tensor q3 = big.slice(0, 0, 4, 2);  // batch stride 72
+  expect_tensors_close(F::scaled_dot_product_attention(q3, q3, q3),
+                       F::scaled_dot_product_attention_math(q3, q3, q3), 1e-11, "3-d, strided batch");
+}
+
 // Row 1 of the mask keeps no key: its output is NaN (softmax of all -inf, as in PyTorch), and
 // the NaN reaches the gradients exactly as through the written-out softmax: a bool mask's
 // masked_fill gives that row a zero dq and keeps dk finite, an additive -inf mask does not.

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ember/tensor/ops.h>
@@ -238,6 +239,39 @@ TEST(Addmm, BroadcastsBiasAndScales) {
     Tensor nan_bias = full({m}, std::numeric_limits<double>::quiet_NaN(), dt);
     expect_close(addmm(nan_bias, a, b, 0, 1), prod, tol_for(dt, k), "beta = 0");
   }
+}
+
+// float32 and bfloat16 products run on cached oneDNN primitives, one per shape and thread count,
+// shared by every thread: several threads multiplying the same shapes at once (ranks as threads)
+// each get their own product, before and after the thread count changes.
+TEST(Mm, SameShapesFromSeveralThreadsAndThreadCounts) {
+  const int before = get_num_threads();
+  for (Dtype dt : {kFloat32, kBFloat16}) {
+    const int64_t n = 96, k = 80, m = 72;
+    for (int threads : {2, 1}) {
+      set_num_threads(threads);
+      constexpr int kThreads = 4;
+      std::vector<Tensor> as, bs, cs(kThreads);
+      for (int t = 0; t < kThreads; ++t) {
+        as.push_back(rand_t({n, k}, dt, 10 + t));
+        bs.push_back(rand_t({m, k}, dt, 20 + t).t());  // a transposed operand too
+      }
+      std::vector<std::thread> workers;
+      for (int t = 0; t < kThreads; ++t) {
+        workers.emplace_back([&, t] {
+          for (int rep = 0; rep < 5; ++rep) cs[t] = mm(as[t], bs[t]);
+        });
+      }
+      for (auto& w : workers) w.join();
+      for (int t = 0; t < kThreads; ++t) {
+        auto want = naive_bmm(as[t].to_vector<double>(), bs[t].contiguous().to_vector<double>(), 1,
+                              n, k, m);
+        expect_close(cs[t], want, tol_for(dt, k),
+                     std::string("thread ") + std::to_string(t) + " " + std::string(dtype_name(dt)));
+      }
+    }
+  }
+  set_num_threads(before);
 }
 
 TEST(MmOut, WritesIntoExistingTensors) {
