@@ -1309,6 +1309,12 @@ void run_shm_and_tcp(int n,
     ProcessGroupGloo tcp(std::make_shared<PrefixStore>("tcp", store), rank, n, o);
     require(shm.uses_shared_memory() && !tcp.uses_shared_memory(), "uses_shared_memory()");
     body(shm, tcp, rank);
+    // No rank closes its groups while a peer may still be reading its last collective's data:
+    // gloo's TCP pairs can then end that read in a connection reset (seen once, rank 1 in its
+    // last allreduce as rank 0 exited; pytorch/pytorch#75512 is the same behaviour in PyTorch's
+    // gloo).
+    tcp.barrier()->wait();
+    shm.barrier()->wait();
   });
   TCPStoreServer server(loopback_server());
   kids.go(std::to_string(server.port()));
