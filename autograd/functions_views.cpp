@@ -94,6 +94,16 @@ struct SliceBackward final : Node {
   }
 };
 
+/// split / split_with_sizes / chunk: one node for every part, whose gradients (zeros filled in
+/// by the engine for parts without one) are concatenated back along dim in one pass.
+struct SplitBackward final : Node {
+  int64_t dim = 0;
+  const char* name() const override { return "SplitBackward"; }
+  TensorList apply(TensorList&& g) override {
+    return {cat(g, dim)};
+  }
+};
+
 struct SelectBackward final : Node {
   Shape in_shape;
   int64_t dim = 0, index = 0;
@@ -204,6 +214,12 @@ void record_slice(const RecordArgs& r) {
   commit(n, r);
 }
 
+void record_split(const RecordArgs& r) {
+  auto n = new_node<SplitBackward>(r);
+  n->dim = r.attrs<OpId::Split>().dim;
+  commit(n, r);
+}
+
 void record_select(const RecordArgs& r) {
   auto n = new_node<SelectBackward>(r);
   n->in_shape = r.in(0).shape();
@@ -248,6 +264,7 @@ void register_views(FactoryTable& t) {
   slot(t, OpId::Permute) = record_permute;
   slot(t, OpId::Slice) = record_slice;
   slot(t, OpId::Select) = record_select;
+  slot(t, OpId::Split) = record_split;
   slot(t, OpId::AsStrided) = record_as_strided;
 }
 

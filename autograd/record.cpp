@@ -31,6 +31,7 @@ constexpr bool is_view_op(OpId op) {
     case OpId::Permute:
     case OpId::Slice:
     case OpId::Select:
+    case OpId::Split:
     case OpId::Expand:
     case OpId::AsStrided:
       return true;

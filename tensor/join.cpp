@@ -3,7 +3,10 @@
 // strided layouts, threads and devices; the splits return views.
 //
 // Autograd: cat records one node (its gradient is a narrow of the output's gradient per
-// input); stack records through unsqueeze and cat, and the splits through narrow.
+// input); stack records through unsqueeze and cat. A split records one node for all its parts
+// (views), whose gradient is the cat of theirs, as PyTorch's SplitBackward: one pass, where a
+// node per part would each spread its gradient over a zero tensor of the input's size, to be
+// summed.
 #include <vector>
 
 #include <ember/tensor/detail/record.h>
@@ -24,6 +27,21 @@ Tensor recorded_cat(const std::vector<Tensor>& tensors, Tensor out, int64_t dim)
   if (detail::should_record_list(tensors)) {
     detail::record_list<OpId::Cat>(tensors, {&out}, {.dim = dim});
   }
+  return out;
+}
+
+// The views of t along dim at consecutive sizes (which add up to its size), recorded as one op.
+std::vector<Tensor> split_parts(const Tensor& t, const std::vector<int64_t>& sizes, int64_t dim) {
+  std::vector<Tensor> out;
+  out.reserve(sizes.size());
+  Shape shape = t.shape();
+  int64_t offset = t.storage_offset();
+  for (int64_t s : sizes) {
+    shape[dim] = s;
+    out.push_back(detail::make_view(t, shape, t.strides(), offset));
+    offset += s * t.stride(dim);
+  }
+  if (detail::should_record(t)) detail::record_outputs(OpId::Split, t, out, DimAttrs{.dim = dim});
   return out;
 }
 }  // namespace
@@ -101,13 +119,10 @@ std::vector<Tensor> split(const Tensor& t, int64_t split_size, int64_t dim) {
   EMBER_CHECK(split_size > 0 || n == 0, "[split] split_size can be 0 only if dim ", dim,
               " has size 0, got size ", n);
   const int64_t parts = n == 0 ? 1 : (n + split_size - 1) / split_size;
-  std::vector<Tensor> out;
-  out.reserve(parts);
-  for (int64_t i = 0; i < parts; ++i) {
-    const int64_t start = i * split_size;
-    out.push_back(t.narrow(dim, start, std::min(split_size, n - start)));
-  }
-  return out;
+  std::vector<int64_t> sizes;
+  sizes.reserve(parts);
+  for (int64_t i = 0; i < parts; ++i) sizes.push_back(std::min(split_size, n - i * split_size));
+  return split_parts(t, sizes, dim);
 }
 
 std::vector<Tensor> split_with_sizes(const Tensor& t, IntList sizes, int64_t dim) {
@@ -122,14 +137,7 @@ std::vector<Tensor> split_with_sizes(const Tensor& t, IntList sizes, int64_t dim
   }
   EMBER_CHECK(total == t.size(dim), "[split_with_sizes] sizes ", sizes, " add up to ", total,
               " but dim ", dim, " of the tensor (shape ", t.shape(), ") has size ", t.size(dim));
-  std::vector<Tensor> out;
-  out.reserve(sizes.size());
-  int64_t start = 0;
-  for (int64_t s : sizes) {
-    out.push_back(t.narrow(dim, start, s));
-    start += s;
-  }
-  return out;
+  return split_parts(t, std::vector<int64_t>(sizes.begin(), sizes.end()), dim);
 }
 
 std::vector<Tensor> chunk(const Tensor& t, int64_t chunks, int64_t dim) {

@@ -45,6 +45,16 @@ void record_list(OpId op, const std::vector<Tensor>& inputs,
   g_hooks->record(op, ptrs.data(), ptrs.size(), outputs.begin(), outputs.size(), attrs);
 }
 
+void record_outputs(OpId op, const Tensor& input, std::vector<Tensor>& outputs, OpAttrs attrs) {
+  if (g_hooks == nullptr) not_linked();
+  check_attrs(op, attrs);
+  const Tensor* in = &input;
+  std::vector<Tensor*> ptrs;
+  ptrs.reserve(outputs.size());
+  for (Tensor& t : outputs) ptrs.push_back(&t);
+  g_hooks->record(op, &in, 1, ptrs.data(), ptrs.size(), attrs);
+}
+
 void check_inplace(const Tensor& self, const char* op) {
   if (g_hooks == nullptr) not_linked();
   g_hooks->check_inplace(self, op);

@@ -93,6 +93,7 @@ enum class OpId : uint16_t {
   Permute,       ///< PermuteAttrs
   Slice,         ///< SliceAttrs
   Select,        ///< SelectAttrs
+  Split,         ///< split/split_with_sizes/chunk: outputs the parts along DimAttrs::dim
   Expand,        ///< output is x broadcast to its shape
   AsStrided,     ///< output geometry is the output's own (sizes, strides, offset)
   Clone,         ///< clone() / contiguous(): identity gradient
@@ -246,7 +247,7 @@ struct AttentionAttrs {
   X(LogSoftmax, DimAttrs) X(Addmm, AddmmAttrs) X(Conv2d, Conv2dParams)                         \
   X(MaxPool2d, Pool2dParams) X(AvgPool2d, Pool2dParams) X(IndexSelect, DimAttrs)               \
   X(Gather, DimAttrs) X(ScatterAdd, DimAttrs) X(IndexAdd, IndexAddAttrs) X(Cat, DimAttrs)      \
-  X(Permute, PermuteAttrs) X(Slice, SliceAttrs) X(Select, SelectAttrs)                         \
+  X(Permute, PermuteAttrs) X(Slice, SliceAttrs) X(Select, SelectAttrs) X(Split, DimAttrs)      \
   X(LayerNorm, LayerNormAttrs) X(CrossEntropy, CrossEntropyAttrs)                               \
   X(ScaledDotProductAttention, AttentionAttrs)
 
@@ -328,6 +329,9 @@ void record(OpId op, std::initializer_list<const Tensor*> inputs,
             std::initializer_list<Tensor*> outputs, OpAttrs attrs = NoAttrs{});
 void record_list(OpId op, const std::vector<Tensor>& inputs, std::initializer_list<Tensor*> outputs,
                  OpAttrs attrs = NoAttrs{});
+/// Records `op` with one input and a run-time number of outputs (split's parts).
+void record_outputs(OpId op, const Tensor& input, std::vector<Tensor>& outputs,
+                    OpAttrs attrs = NoAttrs{});
 
 /// Records `op` with its attributes, their type checked at compile time.
 template <OpId op>

@@ -382,9 +382,30 @@ TEST(SplitGrad, Gradcheck) {
   Tensor x = leaf({6}, 75);
   std::vector<Tensor> parts = chunk(x, 3);
   ASSERT_EQ(parts.size(), 3u);
-  EXPECT_STREQ(parts[1].grad_fn()->name(), "SliceBackward");
+  // One node for every piece (the cat of their gradients), as PyTorch's SplitBackward.
+  EXPECT_STREQ(parts[1].grad_fn()->name(), "SplitBackward");
+  EXPECT_EQ(parts[0].grad_fn(), parts[2].grad_fn());
+  EXPECT_EQ(parts[2].output_nr(), 2u);
   (parts[1] * 3.0).sum().backward();
   expect_close(x.grad(), {0, 0, 3, 3, 0, 0}, 0, "chunk piece 1");
+  // Pieces used twice and out of order, through later views (the fused-qkv pattern), and a
+  // second backward through the first's graph (create_graph: the cat is recorded).
+  Tensor w = leaf({2, 6}, 76);
+  std::vector<Tensor> qkv = split(w, 2, 1);
+  Tensor y = (qkv[2].t() * qkv[0].t()).sum() + (qkv[2] * 2.0).sum();
+  Tensor g = autograd::grad({y}, {w}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+  const std::vector<double> wv = w.to_vector<double>();
+  std::vector<double> want(12, 0.0);
+  for (int r = 0; r < 2; ++r) {
+    want[r * 6 + 0] = wv[r * 6 + 4];        // d/dq = v
+    want[r * 6 + 1] = wv[r * 6 + 5];
+    want[r * 6 + 4] = wv[r * 6 + 0] + 2.0;  // d/dv = q + 2
+    want[r * 6 + 5] = wv[r * 6 + 1] + 2.0;
+  }
+  expect_close(g, want, 1e-12, "split used twice");
+  ASSERT_TRUE(g.requires_grad());
+  const Tensor gg = autograd::grad({g.sum()}, {w})[0];
+  expect_close(gg, {1, 1, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1}, 1e-12, "second derivative");
 }
 
 // ---- one_hot ----------------------------------------------------------------------------------
