@@ -201,7 +201,8 @@ void forward_typed(const Tensor& out, const Tensor& lse, const Tensor& q, const 
   });
 }
 
-// The gradients' and dout's pointers and layouts (dq, dk, dv dense, dout strided).
+// The gradients' and dout's pointers and layouts (any AttentionRows layout; the autograd node
+// allocates dq, dk and dv densely in their input's dim order).
 template <typename T>
 struct Grads {
   T* dq;
@@ -315,7 +316,6 @@ void attention_backward_cpu(const Tensor& dq, const Tensor& dk, const Tensor& dv
     EMBER_INTERNAL_ASSERT(attention_rows_ok(*t), "attention_backward_cpu: operand of shape ",
                           t->shape(), " and strides ", t->strides(), " has no row layout");
   }
-
   if (q.dtype() == kFloat64) {
     backward_typed<double>(dq, dk, dv, dout, q, k, v, out, lse, mask, p);
   } else {
