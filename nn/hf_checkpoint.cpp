@@ -111,20 +111,31 @@ HFCheckpoint load_hf_checkpoint(const std::string& dir) {
   auto fail = [&](auto&&... what) -> void {
     throw ValueError(::ember::detail::str_cat("[load_hf_checkpoint] '", dir, "': ", what...));
   };
+  // Whether p is a regular file (or, with `any`, exists at all); a path the system cannot look
+  // at (a name too long, no permission) is named as such rather than passing std::filesystem's
+  // own exception on.
+  auto is_file = [&](const fs::path& p, bool any = false) {
+    std::error_code ec;
+    const fs::file_status st = fs::status(p, ec);
+    if (ec && ec != std::errc::no_such_file_or_directory) {
+      fail("cannot look at '", p.filename().string(), "': ", ec.message());
+    }
+    return any ? fs::exists(st) : fs::is_regular_file(st);
+  };
   HFCheckpoint out;
-  if (!fs::exists(root / kConfig)) fail("no config.json (not a Hugging Face model)");
+  if (!is_file(root / kConfig, true)) fail("no config.json (not a Hugging Face model)");
   out.config_json = read_text(root / kConfig);
   parse_object(out.config_json, ::ember::detail::str_cat("'", (root / kConfig).string(), "'"),
                "load_hf_checkpoint");
 
-  if (fs::is_regular_file(root / kSingle)) {
+  if (is_file(root / kSingle)) {
     SafetensorsFile f = load_safetensors((root / kSingle).string());
     out.tensors = f.tensors();
     out.files = {kSingle};
     return out;
   }
-  if (!fs::is_regular_file(root / kIndex)) {
-    if (fs::exists(root / "pytorch_model.bin")) {
+  if (!is_file(root / kIndex)) {
+    if (is_file(root / "pytorch_model.bin", true)) {
       fail("has pytorch_model.bin only; Ember reads safetensors (transformers' "
            "save_pretrained(dir, safe_serialization=True) writes them)");
     }
@@ -152,7 +163,7 @@ HFCheckpoint load_hf_checkpoint(const std::string& dir) {
   int64_t total = 0;
   for (const std::string& f : out.files) {
     const fs::path path = root / f;
-    if (!fs::is_regular_file(path)) {
+    if (!is_file(path)) {
       fail("the shard '", f, "' that ", kIndex, " lists (for '", *listed[f].begin(), "' and ",
            listed[f].size() - 1, " more) is missing");
     }
