@@ -18,6 +18,7 @@
 #include <regex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <ember/nn/data/token_stream.h>
 #include "cmake/build_paths.h"
@@ -36,20 +37,27 @@ bool on_path(const std::string& tool) {
   return run_command("sh -c 'command -v " + tool + "'", 10).status == 0;
 }
 
-/// A TCP port free at the time of asking (the OS's pick); the daemon binds it a moment later.
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  int port = -1;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
+/// n distinct TCP ports free at the time of asking (the OS's picks); the daemons bind them a
+/// moment later. Every socket stays bound until all are picked: one at a time, the OS may hand
+/// out the same port twice (seen: slurmctld and slurmd given one port).
+std::vector<int> free_ports(int n) {
+  std::vector<int> fds, ports;
+  for (int i = 0; i < n; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    fds.push_back(fd);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    int port = -1;
+    if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+      port = ntohs(a.sin_port);
+    }
+    ports.push_back(port);
   }
-  close(fd);
-  return port;
+  for (int fd : fds) close(fd);
+  return ports;
 }
 
 /// Whether `port` can be bound on every address now.
@@ -124,10 +132,11 @@ class SlurmCluster {
     gethostname(host, sizeof host - 1);
     node_ = host;
     const unsigned cpus = std::max(2u, std::thread::hardware_concurrency());
+    const std::vector<int> ports = free_ports(2);
     std::ofstream conf(conf_path());
     conf << "ClusterName=embertest\nFirstJobId=" << first_job_id() << "\n"
          << "SlurmctldHost=" << node_ << "(127.0.0.1)\n"
-         << "SlurmctldPort=" << free_port() << "\nSlurmdPort=" << free_port() << "\n"
+         << "SlurmctldPort=" << ports[0] << "\nSlurmdPort=" << ports[1] << "\n"
          << "AuthType=auth/munge\nAuthInfo=socket=" << socket() << "\nCredType=cred/munge\n"
          << "SlurmUser=root\nSlurmdUser=root\n"
          << "StateSaveLocation=" << dir_ << "/state\nSlurmdSpoolDir=" << dir_ << "/spool\n"
