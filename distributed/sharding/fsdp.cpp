@@ -83,10 +83,19 @@ int64_t index_of(const std::vector<std::weak_ptr<FsdpUnit>>& order, const FsdpUn
 }  // namespace
 
 std::shared_ptr<FsdpUnit> unit_of(const nn::Module& module) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  for (const auto& w : g_units) {
-    auto u = w.lock();
-    if (u && u->module.lock().get() == &module) return u;
+  // The references taken here are dropped after g_mu is released: another thread may drop a
+  // unit's (or its module's) other owners meanwhile, and the last reference runs ~FsdpUnit,
+  // which takes g_mu.
+  std::vector<std::shared_ptr<FsdpUnit>> live;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    live.reserve(g_units.size());
+    for (const auto& w : g_units) {
+      if (auto u = w.lock()) live.push_back(std::move(u));
+    }
+  }
+  for (auto& u : live) {
+    if (u->module.lock().get() == &module) return u;
   }
   return nullptr;
 }
