@@ -162,8 +162,7 @@ struct ScaledDotProductAttentionBackward final : Node {
                      "(backward with create_graph=true); use scaled_dot_product_attention_math "
                      "for that");
     const Tensor qs = q.unpack(*this), ks = k.unpack(*this), vs = v.unpack(*this);
-    const bool strided = !qs.is_cuda() && detail::attention_rows_ok(g[0]);
-    const Tensor dout = strided ? g[0] : g[0].contiguous();
+    const Tensor dout = detail::attention_reads_as_is(g[0]) ? g[0] : g[0].contiguous();
     auto grad_like = [](const Tensor& t) {
       return detail::attention_empty_like(t, t.size(t.dim() - 1), t.dtype());
     };

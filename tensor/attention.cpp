@@ -217,7 +217,7 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   // CUDA: contiguous, [batch, rows, cols]. CPU: as they come where the kernel can read them.
   auto operand = [&](const Tensor& t, int64_t rows) {
     Tensor c = t.to(dt);
-    if (!c.is_cuda() && detail::attention_rows_ok(c)) return c;
+    if (detail::attention_reads_as_is(c)) return c;
     return c.contiguous().view({p.batch, rows, t.size(n - 1)});
   };
   Tensor out = fused_attention(operand(q, p.L), operand(k, p.S), operand(v, p.S), mask, p);
@@ -236,6 +236,8 @@ bool attention_rows_ok(const Tensor& t) {
   return n >= 2 && n - 2 <= kAttentionMaxLead && t.stride(n - 1) == 1 &&
          t.stride(n - 2) >= t.size(n - 1);
 }
+
+bool attention_reads_as_is(const Tensor& t) { return !t.is_cuda() && attention_rows_ok(t); }
 
 AttentionRows attention_rows(const Tensor& t) {
   EMBER_INTERNAL_ASSERT(attention_rows_ok(t), "attention_rows: no row layout for shape ",

@@ -76,6 +76,10 @@ AttentionRows attention_rows(const Tensor& t);
 /// Whether t has a layout attention_rows accepts.
 bool attention_rows_ok(const Tensor& t);
 
+/// Whether a kernel reads t as it is: on the CPU with a row layout. Others (CUDA, or no row
+/// layout) get a contiguous copy from the front end and the autograd node.
+bool attention_reads_as_is(const Tensor& t);
+
 /// An uninitialised tensor of like's shape, its last dim `last` wide, dense in like's dim order
 /// (dims by decreasing stride; Note [Attention operand layouts]). Contiguous when like is.
 Tensor attention_empty_like(const Tensor& like, int64_t last, Dtype dtype);
