@@ -232,6 +232,7 @@ ProcessGroupGloo::Impl::~Impl() {
     if (t.joinable()) t.join();
   }
   if (context_) context_->closeConnections();
+  waits_.release_retired();
 }
 
 ProcessGroupGloo::Impl::Route ProcessGroupGloo::Impl::route_for(size_t bytes) const {
@@ -456,6 +457,7 @@ void ProcessGroupGloo::Impl::fail(Job& job, const E& err, bool mark_broken, bool
                 position_wait_);
   }
   context_->closeConnections();
+  waits_.release_retired();  // Note [buffers of a failed operation]
   if (shm_) shm_->abort(detail::str_cat("rank ", rank_, ": ", err.what()));
   if (!first) {
     job.work->finish_with_error(std::make_exception_ptr(err));
@@ -513,6 +515,7 @@ void ProcessGroupGloo::Impl::abort(const std::string& reason) {
   }
   waits_.abort(text);
   context_->closeConnections();
+  waits_.release_retired();
   if (shm_) shm_->abort(text);
 }
 
@@ -525,6 +528,7 @@ void ProcessGroupGloo::Impl::observe_abort(const std::string& text) {
   }
   waits_.abort(text);  // closing a pair does not wake this rank's own waits on it
   context_->closeConnections();
+  waits_.release_retired();
   if (shm_) shm_->abort(detail::str_cat("rank ", rank_, " saw that ", text));
 }
 

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -81,11 +82,36 @@ inline std::string describe(const GlooOpDesc& d) {
   return s;
 }
 
+// Note [buffers of a failed operation]: an operation whose wait failed (a peer died, the
+// group was aborted, a timeout) may still have receives and sends posted on other pairs, and
+// Gloo's event-loop thread may be completing one of them at that moment: it holds only a
+// non-owning reference, so freeing the buffer as the exception unwinds would let that thread
+// write into, and lock a mutex inside, freed memory. A failed collective marks the group
+// broken and closes its connections; closing a pair takes the pair's lock and waits for the
+// loop to leave its handler, after which no completion can reach the buffer. So the buffers
+// of a failed operation are retired to the group and freed only after its connections close.
+
 /// The waits of one group's operations on peers that may not have joined them (the agreement's
 /// exchange, send/recv), which the group's abort watcher can end (Note [abort through the
 /// store]): closing a pair wakes the peer's waits on it, not this rank's own. Thread-safe.
 class AbortableWaits {
  public:
+  /// Keeps `buf`, whose operation failed, until release_retired (Note [buffers of a failed
+  /// operation]).
+  void retire(std::unique_ptr<gloo::transport::UnboundBuffer> buf) {
+    std::lock_guard<std::mutex> lock(mu_);
+    retired_.push_back(std::move(buf));
+  }
+
+  /// Frees the retired buffers; call only after the group's connections are closed.
+  void release_retired() {
+    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> retired;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      retired.swap(retired_);
+    }
+  }
+
   /// Ends every wait registered now or later: it throws DistBackendError(`why`).
   void abort(const std::string& why) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -121,6 +147,7 @@ class AbortableWaits {
   bool aborted_ = false;
   std::string why_;
   std::vector<std::pair<gloo::transport::UnboundBuffer*, bool>> waiting_;
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> retired_;
 };
 
 /// The group whose operation this thread runs (set by ProcessGroupGloo's execute), or null.
@@ -140,6 +167,28 @@ inline void wait_for(gloo::transport::UnboundBuffer& buf, bool recv,
     buf.waitSend(timeout);
   }
 }
+
+/// An operation's buffer with receives or sends posted: freed when it goes out of scope, except
+/// while an exception unwinds inside a group's operation, when it is retired to the group
+/// (Note [buffers of a failed operation]).
+class PostedBuffer {
+ public:
+  explicit PostedBuffer(std::unique_ptr<gloo::transport::UnboundBuffer> buf)
+      : buf_(std::move(buf)) {}
+  PostedBuffer(const PostedBuffer&) = delete;
+  PostedBuffer& operator=(const PostedBuffer&) = delete;
+  ~PostedBuffer() {
+    if (std::uncaught_exceptions() > unwinding_) {
+      if (AbortableWaits* w = current_waits()) w->retire(std::move(buf_));
+    }
+  }
+  gloo::transport::UnboundBuffer* operator->() const { return buf_.get(); }
+  gloo::transport::UnboundBuffer& operator*() const { return *buf_; }
+
+ private:
+  std::unique_ptr<gloo::transport::UnboundBuffer> buf_;
+  int unwinding_ = std::uncaught_exceptions();
+};
 
 /// Byte offset of peer r's message in the receive buffer of exchange_and_check.
 inline size_t agreement_stride(size_t capacity) { return sizeof(GlooOpDesc) + capacity; }
@@ -163,8 +212,8 @@ inline void exchange_and_check(const std::shared_ptr<gloo::Context>& ctx, uint32
   std::memcpy(out.data(), &mine, sizeof(mine));
   if (payload_bytes > 0) std::memcpy(out.data() + sizeof(mine), payload, payload_bytes);
   const uint64_t slot = gloo::Slot::build(kAgreementSlotPrefix, tag);
-  auto rx = ctx->createUnboundBuffer(in.data(), stride * static_cast<size_t>(n));
-  auto tx = ctx->createUnboundBuffer(out.data(), sizeof(mine) + payload_bytes);
+  PostedBuffer rx(ctx->createUnboundBuffer(in.data(), stride * static_cast<size_t>(n)));
+  PostedBuffer tx(ctx->createUnboundBuffer(out.data(), sizeof(mine) + payload_bytes));
   for (int r = 0; r < n; ++r) {
     if (r != me) rx->recv(r, slot, static_cast<size_t>(r) * stride, stride);
   }
