@@ -56,7 +56,9 @@ TEST(FashionMnistTrace, TwoRanksMergeIntoOneTimeline) {
     if (e["ph"] != "X") continue;
     ++count[pid][e["name"].get<std::string>()];
     if (e["cat"] == "collective") ++count[pid]["<collective>"];
-    if (e["name"] == "bucket allreduce") EXPECT_GT(e["args"]["bytes"].get<int64_t>(), 0);
+    if (e["name"] == "bucket allreduce") {
+      EXPECT_GT(e["args"]["bytes"].get<int64_t>(), 0);
+    }
   }
   for (int rank : {0, 1}) {
     EXPECT_EQ(process_names[rank], "rank " + std::to_string(rank));
