@@ -75,7 +75,7 @@ std::map<std::string, std::string> base_environment(int nproc_per_node) {
 
 // What this agent's workers put in their shared-memory segments' names (EMBER_SHM_TAG): unique
 // among the live agents of a node, since it is this process's pid.
-std::string shm_tag() { return "j" + std::to_string(::getpid()); }
+std::string shm_tag() { return std::string("j") + std::to_string(::getpid()); }
 
 // Removes the shared-memory names this agent's workers left: a rank killed (or interrupted)
 // while setting up its group's segment never unlinks it. Called when none of them is running.

@@ -5,8 +5,8 @@
 // float32 copies.
 #include <cblas.h>
 
+#include <algorithm>
 #include <climits>
-#include <cstring>
 
 #include <ember/tensor/cpu/matmul_dnnl.h>
 #include <ember/tensor/detail/linalg_kernels.h>
@@ -50,7 +50,7 @@ void gemm_typed(const Tensor& out, Tensor a, Tensor b, double alpha, double beta
   const int64_t total = out.numel();
   if (k == 0) {  // an empty sum: out = beta * out
     if (beta == 0.0) {
-      std::memset(c, 0, total * sizeof(T));
+      std::fill_n(c, total, T{});
     } else if (beta != 1.0) {
       for (int64_t i = 0; i < total; ++i) c[i] = static_cast<T>(c[i] * beta);
     }

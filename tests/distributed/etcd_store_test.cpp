@@ -111,7 +111,7 @@ TEST_F(EtcdStoreTest, ConcurrentCompareSetHasExactlyOneWinner) {
   int winners = 0;
   for (int c = 0; c < kClients; ++c) {
     EXPECT_EQ(seen[c], leader) << "client " << c << " must be answered the winner's value";
-    winners += leader == "c" + std::to_string(c);
+    winners += leader == std::string("c") + std::to_string(c);
   }
   EXPECT_EQ(winners, 1);
 }

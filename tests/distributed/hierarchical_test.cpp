@@ -42,7 +42,7 @@ std::shared_ptr<TCPStore> client(const std::string& host, int port) {
 std::vector<std::string> keys_for(const std::vector<int>& per_node) {
   std::vector<std::string> keys;
   for (size_t n = 0; n < per_node.size(); ++n) {
-    for (int i = 0; i < per_node[n]; ++i) keys.push_back("n" + std::to_string(n));
+    for (int i = 0; i < per_node[n]; ++i) keys.push_back(std::string("n").append(std::to_string(n)));
   }
   return keys;
 }

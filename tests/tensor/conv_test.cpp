@@ -555,7 +555,9 @@ TEST(Pool2d, ZeroSizedBatchAndErrors) {
 // cuDNN is optional in a CUDA build: the library says whether this one has it, as configured.
 TEST(ConvCuda, CudnnIsAvailableAsConfigured) {
   EXPECT_EQ(cuda::cudnn_is_available(), EMBER_TEST_HAVE_CUDNN != 0);
-  if (!cuda::is_built()) EXPECT_FALSE(cuda::cudnn_is_available());
+  if (!cuda::is_built()) {
+    EXPECT_FALSE(cuda::cudnn_is_available());
+  }
 }
 
 // Without cuDNN, convolution on CUDA tensors says what the build lacks and how to get it;

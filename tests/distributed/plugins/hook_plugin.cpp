@@ -27,7 +27,7 @@ dist::MadeCommHook scaled_average(const dist::CommHookArgs& args) {
   return made;
 }
 
-dist::MadeCommHook throwing(const dist::CommHookArgs&) {
+[[maybe_unused]] dist::MadeCommHook throwing(const dist::CommHookArgs&) {
   dist::MadeCommHook made;
   made.hook = [](dist::GradBucket&) -> std::shared_ptr<dist::Future> {
     throw std::runtime_error("this hook always fails");
