@@ -30,7 +30,7 @@ dnnl::engine& engine() {
   return e;
 }
 
-using Key = std::array<int64_t, 10>;
+using Key = std::array<int64_t, 11>;
 
 struct Gemm {
   dnnl::matmul prim;
@@ -69,6 +69,9 @@ std::shared_ptr<Gemm> make_gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t 
   }
 }
 
+// A primitive splits its work for the OpenMP thread count of the thread that creates it and
+// keeps that split, so the count is part of the key: a rank-thread or autograd worker with
+// another count gets its own primitive instead of one sized for more or fewer threads.
 const Gemm& cached_gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t k, int64_t lda, int64_t ldb,
                         int64_t ldc, float alpha, float beta) {
   static std::mutex mu;
@@ -77,7 +80,7 @@ const Gemm& cached_gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t k, int64
   static_assert(sizeof(float) == sizeof(int32_t));
   std::memcpy(&alpha_bits, &alpha, sizeof alpha);
   std::memcpy(&beta_bits, &beta, sizeof beta);
-  const Key key{ta, tb, n, m, k, lda, ldb, ldc, alpha_bits, beta_bits};
+  const Key key{ta, tb, n, m, k, lda, ldb, ldc, alpha_bits, beta_bits, omp_get_max_threads()};
   std::lock_guard<std::mutex> lock(mu);
   auto& slot = cache[key];
   if (!slot) slot = make_gemm(ta, tb, n, m, k, lda, ldb, ldc, alpha, beta);
@@ -89,9 +92,11 @@ const Gemm& cached_gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t k, int64
 void dnnl_gemm_bf16(bool ta, bool tb, int64_t n, int64_t m, int64_t k, double alpha,
                     const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb, double beta,
                     BFloat16* c, int64_t ldc) {
+  // Before the primitive is made: OpenMP's thread count is per calling thread (see
+  // dnnl_gemm_f32), and the primitive is made for the count it sees.
+  if (!omp_in_parallel()) omp_set_num_threads(get_num_threads());
   const Gemm& g = cached_gemm(ta, tb, n, m, k, lda, ldb, ldc, static_cast<float>(alpha),
                               static_cast<float>(beta));
-  omp_set_num_threads(get_num_threads());
   thread_local dnnl::stream stream(engine());
   dnnl::engine& eng = engine();
   // Scratch bytes from Ember's caching allocator, so one cached primitive may run on several
