@@ -295,7 +295,7 @@ TEST(AsyncSave, WritesWhatWasThereWhenSaveReturned) {
 // the path, without throwing into training; the next save works.
 TEST(AsyncSave, AFailedWriteIsReportedAndTrainingGoesOn) {
   TempDir tmp;
-  const std::string blocked = tmp.path() + "/not_a_dir";
+  const std::string blocked = tmp.file("not_a_dir");
   std::ofstream(blocked) << "a file where the checkpoint directory should be";
   run_rank_threads(2, [&](int rank) {
     Trainer r;
@@ -309,11 +309,11 @@ TEST(AsyncSave, AFailedWriteIsReportedAndTrainingGoesOn) {
     ASSERT_TRUE(e.has_value());
     EXPECT_NE(e->find("[async_save] " + blocked), std::string::npos) << *e;
     EXPECT_FALSE(saver.poll_error().has_value()) << "reported once";
-    saver.save(r.state(), tmp.path() + "/good");
+    saver.save(r.state(), tmp.file("good"));
     saver.wait();
   }, 60s);
   Trainer r;
-  EXPECT_NO_THROW(load(r.state(), tmp.path() + "/good"));
+  EXPECT_NO_THROW(load(r.state(), tmp.file("good")));
 }
 
 // A disk that fills up mid-save (the process may write no file past 64 bytes, RLIMIT_FSIZE: the

@@ -8,7 +8,6 @@
 #include <stdlib.h>
 #include <sys/wait.h>
 
-#include <algorithm>
 #include <barrier>
 #include <cstdio>
 #include <filesystem>
@@ -58,16 +57,6 @@ class ScopedEnv {
   const char* name_;
   std::optional<std::string> old_;
 };
-
-// The names in `dir`, sorted.
-std::vector<std::string> list_dir(const test::TempDir& dir) {
-  std::vector<std::string> names;
-  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
-    names.push_back(e.path().filename().string());
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
 
 json read_json(const std::string& path) {
   std::ifstream in(path);
@@ -159,10 +148,12 @@ TEST(FlightRecorder, SettingsAndTheirErrors) {
       Tensor t = ones({3}, kFloat32);
       pg->allreduce(t)->wait();
       sync.arrive_and_wait();
-      if (rank == 0) EXPECT_TRUE(dump_flight_recorder(dir.path()).empty()) << "0 turns it off";
+      if (rank == 0) {
+        EXPECT_TRUE(dump_flight_recorder(dir.path()).empty()) << "0 turns it off";
+      }
       sync.arrive_and_wait();
     });
-    EXPECT_TRUE(list_dir(dir).empty());
+    EXPECT_TRUE(dir.list().empty());
   }
   {
     ScopedEnv size("EMBER_FLIGHT_RECORDER_SIZE", "lots");
@@ -203,7 +194,7 @@ TEST(FlightRecorder, ATimeoutDumpsEveryRankAndTheAnalysisNamesTheRankThatNeverCa
     EXPECT_THROW(pg->allreduce(t)->wait(), DistTimeoutError);
     timed_out.count_down();
   });
-  EXPECT_EQ(list_dir(dir), (std::vector<std::string>{"flight_rank0.json", "flight_rank1.json",
+  EXPECT_EQ(dir.list(), (std::vector<std::string>{"flight_rank0.json", "flight_rank1.json",
                                                   "flight_rank2.json"}));
   const json doc = read_json(dir.file("flight_rank0.json"));
   EXPECT_NE(doc["reason"].get<std::string>().find("allreduce #2 on rank"), std::string::npos)
@@ -281,7 +272,7 @@ TEST(FlightRecorder, ThreadsDdpLoopWhereOneRankSkipsAnAllreduce) {
     done.arrive_and_wait();  // every group alive until each rank's failure has dumped
   });
   ASSERT_GT(seq, 0u);
-  EXPECT_EQ(list_dir(dir).size(), 3u);
+  EXPECT_EQ(dir.list().size(), 3u);
   expect_names_skip(analyze(dir.path()), seq);
 }
 
@@ -293,7 +284,7 @@ TEST(FlightRecorder, ThreadsDdpLoopWhereOneRanksBucketSizeDiffers) {
     ddp_loop(pg, rank, false, /*small_buckets_on_rank1=*/true, nullptr);
     done.arrive_and_wait();
   });
-  EXPECT_EQ(list_dir(dir).size(), 3u);
+  EXPECT_EQ(dir.list().size(), 3u);
   expect_names_bucket_mismatch(analyze(dir.path()));
 }
 
@@ -327,7 +318,7 @@ TEST_P(FlightRecorderGloo, DdpLoopWhereOneRankSkipsAnAllreduce) {
     ddp_loop(pg, rank, /*skip_loss_on_rank1=*/true, false, &seq);
     if (rank == 0) std::ofstream(dir.file("loss_seq.txt")) << seq;
   });
-  EXPECT_EQ(list_dir(dir).size(), 4u) << "three dumps and loss_seq.txt";
+  EXPECT_EQ(dir.list().size(), 4u) << "three dumps and loss_seq.txt";
   uint64_t seq = 0;
   std::ifstream(dir.file("loss_seq.txt")) >> seq;
   ASSERT_GT(seq, 0u);
@@ -340,7 +331,7 @@ TEST_P(FlightRecorderGloo, DdpLoopWhereOneRanksBucketSizeDiffers) {
   run_gloo(GetParam(), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
     ddp_loop(pg, rank, false, /*small_buckets_on_rank1=*/true, nullptr);
   });
-  EXPECT_EQ(list_dir(dir).size(), 3u);
+  EXPECT_EQ(dir.list().size(), 3u);
   expect_names_bucket_mismatch(analyze(dir.path()));
 }
 

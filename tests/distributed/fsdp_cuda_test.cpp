@@ -110,8 +110,9 @@ void PrintTo(const CudaCase& c, std::ostream* os) {
 }
 std::string case_name(const ::testing::TestParamInfo<CudaCase>& info) {
   const CudaCase& c = info.param;
-  return "n" + std::to_string(c.n) + (c.reshard_after_forward ? "_reshard" : "_keep") +
-         (c.bf16 ? "_bf16" : "") + (c.clip > 0 ? "_clip" : "") + (c.gpu ? "" : "_cpu");
+  return std::string("n") + std::to_string(c.n) +
+         (c.reshard_after_forward ? "_reshard" : "_keep") + (c.bf16 ? "_bf16" : "") +
+         (c.clip > 0 ? "_clip" : "") + (c.gpu ? "" : "_cpu");
 }
 
 FullyShardOptions options_of(const CudaCase& c, std::shared_ptr<ProcessGroup> pg) {
@@ -186,7 +187,7 @@ void resume_mid_run(Device dev) {
   const auto bs = test::fsdp_batches(kSteps, 7);
   const nn::NamedTensors want = train_ddp(dev, n, bs);
   test::TempDir dir;
-  const std::string path = dir.path() + "/ckpt";
+  const std::string path = dir.file("ckpt");
   for (bool second_half : {false, true}) {
     auto models = rank_models(n);
     test::run_threads(ranks_on(dev, n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
@@ -267,7 +268,9 @@ void check_arenas_released(Device dev) {
     const FsdpMemoryStats m = fsdp_memory_stats();
     EXPECT_EQ(m.unsharded_bytes, 0);
     EXPECT_GT(m.peak_unsharded_bytes, 0);
-    if (reshard) EXPECT_LT(m.peak_unsharded_bytes, m.full_bytes * 6 / 10);
+    if (reshard) {
+      EXPECT_LT(m.peak_unsharded_bytes, m.full_bytes * 6 / 10);
+    }
   }
 }
 

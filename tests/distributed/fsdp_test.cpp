@@ -337,7 +337,7 @@ TEST(FsdpCheckpoint, ReshardsFromFourRanksToTwoAndOne) {
   const auto bs = batches();
   auto ref = train_reference({}, bs);
   test::TempDir dir;
-  const std::string path = dir.path() + "/ckpt";
+  const std::string path = dir.file("ckpt");
   auto run = [&](int n, int first, int last, bool load, bool save) {
     with_rank_models(n, [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg,
                             int rank) {
@@ -364,7 +364,7 @@ TEST(FsdpCheckpoint, ReshardsFromFourRanksToTwoAndOne) {
   run(1, kSteps / 2, kSteps, true, false);
   // The consolidated file is an ordinary checkpoint: a plain model and a plain Adam load it
   // (the optimizer's state by parameter name) and continue the same run.
-  const std::string whole = dir.path() + "/whole.safetensors";
+  const std::string whole = dir.file("whole.safetensors");
   ShardedCheckpoint(path).consolidate(whole);
   EXPECT_TRUE(nn::load_safetensors(whole).contains("optim.block0.fc1.weight.exp_avg"));
   auto plain = test::make_fsdp_net();
@@ -382,7 +382,7 @@ TEST(FsdpCheckpoint, ReshardsFromFourRanksToTwoAndOne) {
 // a reserved metadata key, a folder without a checkpoint.
 TEST(FsdpCheckpoint, MismatchesAreRefusedByName) {
   test::TempDir dir;
-  const std::string path = dir.path() + "/ckpt";
+  const std::string path = dir.file("ckpt");
   with_rank_models(2, [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg, int) {
     shard(*model, model, {}, pg);
     nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
@@ -399,7 +399,7 @@ TEST(FsdpCheckpoint, MismatchesAreRefusedByName) {
     test::require_throws_with("optimizer type", [&] { load_model_checkpoint(path, *model, &sgd); },
                               "holds Adam state; the optimizer is SGD");
     test::require_throws_with("no checkpoint",
-                              [&] { load_model_checkpoint(dir.path() + "/none", *model, nullptr); },
+                              [&] { load_model_checkpoint(dir.file("none"), *model, nullptr); },
                               "index.json");
   });
 }

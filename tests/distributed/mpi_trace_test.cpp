@@ -85,13 +85,14 @@ void expect_span(const std::map<std::string, std::vector<json>>& spans, const st
 TEST(MpiTrace, TwoRankJobRecordsEveryCollective) {
   if (!ProcessGroupMpi::is_available()) GTEST_SKIP() << "built without MPI (EMBER_WITH_MPI=OFF)";
   ember::test::TempDir dir("mpi_trace_test");
-  ::setenv(kDirVariable, dir.path.c_str(), 1);
+  ::setenv(kDirVariable, dir.path().c_str(), 1);
   test::expect_mpi_job_passes(2, "MpiTraceRanks.*", std::chrono::seconds(120), true);
   ::unsetenv(kDirVariable);
   if (HasFatalFailure() || IsSkipped()) return;
   std::vector<int64_t> seqs[2];
   for (int rank : {0, 1}) {
-    const auto spans = collective_spans(dir.path + "/trace_rank" + std::to_string(rank) + ".json");
+    const auto spans =
+        collective_spans(dir.path() + "/trace_rank" + std::to_string(rank) + ".json");
     expect_span(spans, "allreduce", 1000 * 4, rank);
     expect_span(spans, "broadcast", 10 * 8, rank);
     expect_span(spans, rank == 0 ? "send" : "recv", 6 * 8, rank);

@@ -11,8 +11,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cstdlib>
-#include <filesystem>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -21,6 +19,7 @@
 
 #include <ember/distributed/store/store.h>
 #include <ember/tensor/cuda.h>
+#include "tests/temp_dir.h"
 #include "tests/tensor/test_util.h"
 
 namespace ember::test {
@@ -44,28 +43,6 @@ inline std::string message_of(const std::function<void()>& f) {
   }
   return "";
 }
-
-/// A fresh directory under /tmp, removed with everything in it on destruction.
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/ember_store_test_XXXXXX";
-    const char* p = ::mkdtemp(tmpl);
-    if (!p) throw std::runtime_error("mkdtemp failed");
-    path_ = p;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::string& path() const { return path_; }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 /// Number of threads in this process (from /proc/self/task).
 inline int thread_count() {

@@ -19,12 +19,12 @@ namespace {
 std::string tool() { return std::string(EMBER_BINARY_DIR) + "/examples/consolidate_checkpoint"; }
 
 test::CommandResult run(const std::string& args) {
-  return test::run_command("'" + tool() + "' " + args, 60);
+  return test::run_command(std::string("'").append(tool()) + "' " + args, 60);
 }
 
 TEST(ConsolidateCheckpoint, WritesOneSafetensorsFileAndListsTheTensors) {
   test::TempDir dir;
-  const std::string ckpt = dir / "ckpt";
+  const std::string ckpt = dir.file("ckpt");
   const Tensor w = arange(0, 12, 1, TensorOptions(kFloat32)).reshape({3, 4});
   const Tensor step = from_vector(std::vector<int64_t>{42}).reshape({});
   auto world = dist::ThreadWorld::create(2);
@@ -42,9 +42,9 @@ TEST(ConsolidateCheckpoint, WritesOneSafetensorsFileAndListsTheTensors) {
   EXPECT_NE(listed.output.find("w float32 [3, 4], 2 piece(s) on ranks 0 1"), std::string::npos)
       << listed.output;
 
-  const auto done = run("'" + ckpt + "' '" + (dir / "model.safetensors") + "'");
+  const auto done = run("'" + ckpt + "' '" + dir.file("model.safetensors") + "'");
   ASSERT_EQ(done.status, 0) << done.output;
-  const nn::SafetensorsFile f = nn::load_safetensors(dir / "model.safetensors");
+  const nn::SafetensorsFile f = nn::load_safetensors(dir.file("model.safetensors"));
   EXPECT_EQ(f.metadata().at("format"), "pt");
   ASSERT_EQ(f.at("w").shape(), w.shape());
   EXPECT_EQ(f.at("w").to_vector<float>(), w.to_vector<float>());
@@ -55,10 +55,10 @@ TEST(ConsolidateCheckpoint, WritesOneSafetensorsFileAndListsTheTensors) {
 TEST(ConsolidateCheckpoint, BadUsageAndAMissingCheckpoint) {
   test::TempDir dir;
   EXPECT_EQ(run("").status, 2);
-  EXPECT_EQ(run("'" + dir.path + "'").status, 2) << "no output file and no --list";
-  const auto missing = run("'" + dir.path + "' '" + (dir / "out.safetensors") + "'");
+  EXPECT_EQ(run("'" + dir.path() + "'").status, 2) << "no output file and no --list";
+  const auto missing = run("'" + dir.path() + "' '" + dir.file("out.safetensors") + "'");
   EXPECT_EQ(missing.status, 1) << missing.output;
-  EXPECT_NE(missing.output.find(dir / "index.json"), std::string::npos) << missing.output;
+  EXPECT_NE(missing.output.find(dir.file("index.json")), std::string::npos) << missing.output;
 }
 
 }  // namespace

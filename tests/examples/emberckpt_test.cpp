@@ -28,12 +28,12 @@ namespace {
 std::string tool() { return std::string(EMBER_BINARY_DIR) + "/examples/emberckpt"; }
 
 test::CommandResult run(const std::string& args) {
-  return test::run_command("'" + tool() + "' " + args, 60);
+  return test::run_command(std::string("'").append(tool()) + "' " + args, 60);
 }
 
 TEST(Emberckpt, InspectVerifyConsolidate) {
   test::TempDir dir;
-  const std::string ckpt = dir / "ckpt";
+  const std::string ckpt = dir.file("ckpt");
   auto model = std::make_shared<nn::Linear>(4, 3);
   {
     NoGradGuard no_grad;
@@ -58,7 +58,7 @@ TEST(Emberckpt, InspectVerifyConsolidate) {
   EXPECT_NE(verified.output.find("every piece of 2 tensors matches its checksum"), std::string::npos)
       << verified.output;
 
-  const std::string out = dir / "model.safetensors";
+  const std::string out = dir.file("model.safetensors");
   const auto consolidated = run("consolidate '" + ckpt + "' '" + out + "' --object model");
   ASSERT_EQ(consolidated.status, 0) << consolidated.output;
   auto plain = std::make_shared<nn::Linear>(4, 3);
@@ -83,7 +83,7 @@ TEST(Emberckpt, InspectVerifyConsolidate) {
   EXPECT_NE(bad.output.find("tensor 'model.weight'"), std::string::npos) << bad.output;
   EXPECT_NE(bad.output.find("fails its checksum"), std::string::npos) << bad.output;
 
-  EXPECT_EQ(run("inspect '" + dir / "nowhere" + "'").status, 1);
+  EXPECT_EQ(run("inspect '" + dir.file("nowhere") + "'").status, 1);
   EXPECT_EQ(run("frobnicate x").status, 2);
   EXPECT_EQ(run("").status, 2);
 }
@@ -95,7 +95,7 @@ TEST(Emberckpt, ConvertsBetweenSharded_OneFileAndHuggingFace) {
   auto gpt = std::make_shared<examples::GPT>(shape);
   namespace ckpt = dist::checkpoint;
   dist::run_rank_threads(2, [&](int) {
-    ckpt::save({{"model", ckpt::model(*gpt)}}, dir / "ckpt", *dist::default_group(),
+    ckpt::save({{"model", ckpt::model(*gpt)}}, dir.file("ckpt"), *dist::default_group(),
                {{"heads", "4"}});
   });
   auto expect_gpt = [&](const nn::NamedTensors& state, const std::string& what) {
@@ -108,35 +108,36 @@ TEST(Emberckpt, ConvertsBetweenSharded_OneFileAndHuggingFace) {
   };
 
   // sharded -> Hugging Face: GPT-2's layout, the heads from the checkpoint's metadata.
-  auto r = run("convert '" + dir / "ckpt" + "' '" + dir / "hf" + "' --to hf");
+  auto r = run("convert '" + dir.file("ckpt") + "' '" + dir.file("hf") + "' --to hf");
   ASSERT_EQ(r.status, 0) << r.output;
-  expect_gpt(examples::import_gpt2(dir / "hf")->state_dict(), "sharded -> hf");
+  expect_gpt(examples::import_gpt2(dir.file("hf"))->state_dict(), "sharded -> hf");
   // Hugging Face -> sharded: what dist::checkpoint::load reads into the model.
-  r = run("convert '" + dir / "hf" + "' '" + dir / "back" + "' --to sharded");
+  r = run("convert '" + dir.file("hf") + "' '" + dir.file("back") + "' --to sharded");
   ASSERT_EQ(r.status, 0) << r.output;
   manual_seed(12);
   auto other = std::make_shared<examples::GPT>(shape);
-  ckpt::load({{"model", ckpt::model(*other)}}, dir / "back", {.rank = 0});
+  ckpt::load({{"model", ckpt::model(*other)}}, dir.file("back"), {.rank = 0});
   expect_gpt(other->state_dict(), "hf -> sharded");
   // ... -> one file -> Hugging Face again (its config carried in the file's metadata).
-  r = run("convert '" + dir / "back" + "' '" + dir / "gpt.safetensors" + "' --to safetensors");
+  r = run("convert '" + dir.file("back") + "' '" + dir.file("gpt.safetensors") +
+          "' --to safetensors");
   ASSERT_EQ(r.status, 0) << r.output;
-  expect_gpt(nn::load_safetensors(dir / "gpt.safetensors").tensors(), "sharded -> safetensors");
-  r = run("convert '" + dir / "gpt.safetensors" + "' '" + dir / "hf2" + "' --to hf "
+  expect_gpt(nn::load_safetensors(dir.file("gpt.safetensors")).tensors(), "sharded -> safetensors");
+  r = run("convert '" + dir.file("gpt.safetensors") + "' '" + dir.file("hf2") + "' --to hf "
           "--max-shard-bytes 20000");
   ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_TRUE(std::filesystem::exists(dir / "hf2/model.safetensors.index.json"));
-  expect_gpt(examples::import_gpt2(dir / "hf2")->state_dict(), "safetensors -> hf");
+  EXPECT_TRUE(std::filesystem::exists(dir.file("hf2/model.safetensors.index.json")));
+  expect_gpt(examples::import_gpt2(dir.file("hf2"))->state_dict(), "safetensors -> hf");
 
   // Without the heads recorded, or another model without a config, --to hf asks for them.
-  nn::save_safetensors(dir / "bare.safetensors", gpt->state_dict());
-  r = run("convert '" + dir / "bare.safetensors" + "' '" + dir / "hf3" + "' --to hf");
+  nn::save_safetensors(dir.file("bare.safetensors"), gpt->state_dict());
+  r = run("convert '" + dir.file("bare.safetensors") + "' '" + dir.file("hf3") + "' --to hf");
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("give --heads"), std::string::npos) << r.output;
-  EXPECT_EQ(run("convert '" + dir / "bare.safetensors" + "' '" + dir / "hf3" +
+  EXPECT_EQ(run("convert '" + dir.file("bare.safetensors") + "' '" + dir.file("hf3") +
                 "' --to hf --heads 4").status, 0);
-  nn::save_safetensors(dir / "linear.safetensors", {{"weight", zeros({2, 2})}});
-  r = run("convert '" + dir / "linear.safetensors" + "' '" + dir / "hf4" + "' --to hf");
+  nn::save_safetensors(dir.file("linear.safetensors"), {{"weight", zeros({2, 2})}});
+  r = run("convert '" + dir.file("linear.safetensors") + "' '" + dir.file("hf4") + "' --to hf");
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("needs its config.json (--config FILE)"), std::string::npos)
       << r.output;

@@ -28,7 +28,7 @@ TEST(FashionMnistTensorBoard, TwoRanksLogTheMetricsOnRankZero) {
   EMBER_REQUIRE_TFEVENTS_READER();
   ember::test::TempDir tmp("fashion_mnist_tensorboard_test");
   const std::string bin = EMBER_BINARY_DIR;
-  const std::string tb = tmp / "tb", metrics = tmp / "metrics.jsonl";
+  const std::string tb = tmp.file("tb"), metrics = tmp.file("metrics.jsonl");
   const auto r = ember::test::run_command(
       "env EMBER_NUM_THREADS=1 " + bin + "/launcher/emberrun --standalone --nproc-per-node 2 " +
           bin + "/examples/fashion_mnist --model mlp --max-steps 20 --log-every 10 " +

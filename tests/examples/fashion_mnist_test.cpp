@@ -65,8 +65,8 @@ TEST_F(FashionMnist, SingleProcessWithoutLauncher) {
 // Two ranks through emberrun: progress on rank 0 only, an epoch summary, the final line, and a
 // metrics file whose lines parse and say what the console said.
 TEST_F(FashionMnist, TwoRanksUnderEmberrunWithMetrics) {
-  const std::string metrics = tmp.path + "/metrics.jsonl";
-  const std::string weights = tmp.path + "/w.safetensors";
+  const std::string metrics = tmp.file("metrics.jsonl");
+  const std::string weights = tmp.file("w.safetensors");
   Result r = run(emberrun() + " --standalone --nproc-per-node 2 " + example() +
                  " --model mlp --max-steps 30 --log-every 10 --metrics " + metrics +
                  " --save-weights " + weights);
@@ -162,31 +162,31 @@ std::pair<Result, Result> run_clean_and_resumed(const std::string& dir, const st
 }
 
 TEST_F(FashionMnist, ResumesAfterAKillWithIdenticalWeights) {
-  auto [a, b] = run_clean_and_resumed(tmp.path, " --model mlp --max-steps 40 --log-every 10 --batch-size 32");
+  auto [a, b] = run_clean_and_resumed(tmp.path(), " --model mlp --max-steps 40 --log-every 10 --batch-size 32");
   EXPECT_EQ(final_accuracy(a.output), final_accuracy(b.output)) << a.output << b.output;
   // The checkpoint left behind says where the job ended.
-  EXPECT_EQ(ember::dist::ShardedCheckpoint(tmp.path + "/ckpt").metadata().at("global_step"), "40");
+  EXPECT_EQ(ember::dist::ShardedCheckpoint(tmp.file("ckpt")).metadata().at("global_step"), "40");
 }
 
 // The same with the checkpoints written in the background (--async-checkpoint): the kill at step
 // 30 finds the checkpoint of step 20 complete, or (mid-write) the one before it current.
 TEST_F(FashionMnist, ResumesAfterAKillWithAsyncCheckpoints) {
   auto [a, b] = run_clean_and_resumed(
-      tmp.path, " --model mlp --max-steps 40 --log-every 10 --batch-size 32", " --async-checkpoint");
+      tmp.path(), " --model mlp --max-steps 40 --log-every 10 --batch-size 32", " --async-checkpoint");
   EXPECT_EQ(final_accuracy(a.output), final_accuracy(b.output)) << a.output << b.output;
-  EXPECT_EQ(ember::dist::ShardedCheckpoint(tmp.path + "/ckpt").metadata().at("global_step"), "40");
+  EXPECT_EQ(ember::dist::ShardedCheckpoint(tmp.file("ckpt")).metadata().at("global_step"), "40");
 }
 
 // The same with PowerSGD: each rank's error feedback and Qs travel in the checkpoint (each rank
 // writes its own), so the resumed run still matches the uninterrupted one bit for bit; written in
 // the background, staged before the backward that changes them.
 TEST_F(FashionMnist, ResumesWithPowerSgdStateWithIdenticalWeights) {
-  auto [a, b] = run_clean_and_resumed(tmp.path, " --model mlp --max-steps 40 --log-every 10 --batch-size 32"
+  auto [a, b] = run_clean_and_resumed(tmp.path(), " --model mlp --max-steps 40 --log-every 10 --batch-size 32"
                                                 " --comm-hook powersgd --powersgd-start 5",
                                       " --async-checkpoint");
   EXPECT_NE(a.output.find("comm hook powersgd"), std::string::npos) << a.output;
   EXPECT_NE(a.output.find("x fewer)"), std::string::npos) << a.output;
-  const ember::dist::ShardedCheckpoint ck(tmp.path + "/ckpt");
+  const ember::dist::ShardedCheckpoint ck(tmp.file("ckpt"));
   const auto names = ck.names();
   EXPECT_NE(std::find(names.begin(), names.end(), "hook.rank1.iteration"), names.end())
       << "rank 1's hook state is saved";
@@ -195,14 +195,14 @@ TEST_F(FashionMnist, ResumesWithPowerSgdStateWithIdenticalWeights) {
 // The same with a hook by name with options (sign compression after 5 steps): its residuals
 // travel in the checkpoint and the summary line reports the bytes it saved.
 TEST_F(FashionMnist, ResumesWithSignCompressionStateWithIdenticalWeights) {
-  auto [a, b] = run_clean_and_resumed(tmp.path, " --model mlp --max-steps 40 --log-every 10 --batch-size 32"
+  auto [a, b] = run_clean_and_resumed(tmp.path(), " --model mlp --max-steps 40 --log-every 10 --batch-size 32"
                                                 " --comm-hook sign:start=5", "");
   EXPECT_EQ(final_accuracy(a.output), final_accuracy(b.output)) << a.output << b.output;
   EXPECT_NE(a.output.find("sign: sent "), std::string::npos) << a.output;
   EXPECT_NE(a.output.find("x fewer bytes)"), std::string::npos) << a.output;
   EXPECT_NE(a.output.find("gradients: "), std::string::npos) << a.output;  // DDPStats' bytes
   EXPECT_NE(a.output.find("x fewer over the run)"), std::string::npos) << a.output;
-  const ember::dist::ShardedCheckpoint ck(tmp.path + "/ckpt");
+  const ember::dist::ShardedCheckpoint ck(tmp.file("ckpt"));
   const auto names = ck.names();
   EXPECT_TRUE(std::any_of(names.begin(), names.end(), [](const std::string& n) {
     return n.rfind("hook.rank1.residual.", 0) == 0;
@@ -228,7 +228,7 @@ TEST_F(FashionMnist, TakesAHookFromAPlugin) {
 // is converted in samples (6 steps of 1 rank are 3 steps of 2), the cosine schedule is this
 // run's at that step, and the banner prints the new world size.
 TEST_F(FashionMnist, ResumesAtAnotherWorldSize) {
-  const std::string ckpt = tmp.path + "/ckpt";
+  const std::string ckpt = tmp.file("ckpt");
   Result a = run(example() + " --model mlp --max-steps 6 --lr-schedule cosine --checkpoint-dir " + ckpt);
   ASSERT_EQ(a.status, 0) << a.output;
   Result b = run(emberrun() + " --standalone --nproc-per-node 2 " + example() +
@@ -251,7 +251,7 @@ TEST_F(FashionMnist, ResumesAtAnotherWorldSize) {
 // A checkpoint further on than this run's --max-steps: nothing is trained (the run used to go
 // through every remaining step of the job), the model is still evaluated, the checkpoint kept.
 TEST_F(FashionMnist, ResumePastMaxStepsTrainsNothing) {
-  const std::string ckpt = tmp.path + "/ckpt";
+  const std::string ckpt = tmp.file("ckpt");
   Result a = run(example() + " --model mlp --max-steps 12 --checkpoint-dir " + ckpt);
   ASSERT_EQ(a.status, 0) << a.output;
   Result b = run(example() + " --model mlp --max-steps 10 --resume --checkpoint-dir " + ckpt);
@@ -266,7 +266,7 @@ TEST_F(FashionMnist, ResumePastMaxStepsTrainsNothing) {
 
 // Each position key of a checkpoint is parsed and range-checked, and a bad one is named.
 TEST_F(FashionMnist, BadCheckpointPositionIsRefusedByName) {
-  const std::string ckpt = tmp.path + "/ckpt", index = ckpt + "/index.json";
+  const std::string ckpt = tmp.file("ckpt"), index = ckpt + "/index.json";
   Result a = run(example() + " --model mlp --max-steps 5 --checkpoint-dir " + ckpt);
   ASSERT_EQ(a.status, 0) << a.output;
   const nlohmann::json good = nlohmann::json::parse(std::ifstream(index));
@@ -330,12 +330,12 @@ TEST_F(FashionMnist, EmptyDataSetIsAnError) {
                        static_cast<char>(v >> 8), static_cast<char>(v)};
   };
   for (const char* split : {"train", "t10k"}) {
-    std::ofstream(tmp.path + "/" + split + "-images-idx3-ubyte", std::ios::binary)
+    std::ofstream(tmp.path() + "/" + split + "-images-idx3-ubyte", std::ios::binary)
         << be32(0x803) << be32(0) << be32(28) << be32(28);
-    std::ofstream(tmp.path + "/" + split + "-labels-idx1-ubyte", std::ios::binary)
+    std::ofstream(tmp.path() + "/" + split + "-labels-idx1-ubyte", std::ios::binary)
         << be32(0x801) << be32(0);
   }
-  Result r = run(example() + " --model mlp --data " + tmp.path);
+  Result r = run(example() + " --model mlp --data " + tmp.path());
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("the training split holds no images"), std::string::npos) << r.output;
 }
@@ -343,10 +343,10 @@ TEST_F(FashionMnist, EmptyDataSetIsAnError) {
 // docs/quickstart.md's loop, as printed there, trains with two ranks and saves its weights.
 TEST_F(FashionMnist, QuickstartLoopTrainsAndSaves) {
   const std::string minimal = std::string(EMBER_BINARY_DIR) + "/examples/minimal_ddp";
-  Result r = run("sh -c 'cd " + tmp.path + " && exec " + emberrun() + " --standalone --nproc-per-node 2 " +
+  Result r = run("sh -c 'cd " + tmp.path() + " && exec " + emberrun() + " --standalone --nproc-per-node 2 " +
                  minimal + " 1'");
   ASSERT_EQ(r.status, 0) << r.output;
-  auto saved = ember::nn::load_safetensors(tmp.path + "/model.safetensors");
+  auto saved = ember::nn::load_safetensors(tmp.file("model.safetensors"));
   EXPECT_EQ(saved.size(), 4u);
   EXPECT_EQ(saved.at("1.weight").shape(), (ember::Shape{512, 784}));
 }
@@ -386,9 +386,9 @@ TEST_F(FashionMnist, BadOptionsAreUsageErrors) {
   r = run("env EMBER_CHECK_ARGS=1 " + example() + " --resume");  // validated before the exit
   EXPECT_EQ(r.status, 2) << r.output;
 
-  r = run(example() + " --data " + tmp.path + "/nowhere --max-steps 1");
+  r = run(example() + " --data " + tmp.path() + "/nowhere --max-steps 1");
   EXPECT_EQ(r.status, 1) << r.output;
-  EXPECT_NE(r.output.find(tmp.path + "/nowhere/train-images-idx3-ubyte"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(tmp.file("nowhere/train-images-idx3-ubyte")), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -24,7 +24,7 @@ TEST(FashionMnistTrace, TwoRanksMergeIntoOneTimeline) {
     GTEST_SKIP() << "no Fashion-MNIST at " << data << " (install dataset-fashion-mnist)";
   }
   ember::test::TempDir tmp("fashion_mnist_trace_test");
-  const std::string bin = EMBER_BINARY_DIR, dir = tmp / "trace";
+  const std::string bin = EMBER_BINARY_DIR, dir = tmp.file("trace");
   const auto r = ember::test::run_command(
       "env EMBER_NUM_THREADS=1 EMBER_TRACE=" + dir + " " + bin +
           "/launcher/emberrun --standalone --nproc-per-node 2 " + bin +

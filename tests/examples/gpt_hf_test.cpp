@@ -51,10 +51,10 @@ TEST(GptHf, ExportReadsBackIntoTheSameModel) {
   manual_seed(1);
   GPT model(kSmall);
   TempDir d;
-  export_gpt2(model, d.path, {.max_shard_bytes = 100'000});
-  EXPECT_TRUE(std::filesystem::exists(d / "model.safetensors.index.json"));
+  export_gpt2(model, d.path(), {.max_shard_bytes = 100'000});
+  EXPECT_TRUE(std::filesystem::exists(d.file("model.safetensors.index.json")));
   // GPT-2's names and Conv1D layouts on disk.
-  const auto shard = nn::load_hf_checkpoint(d.path);
+  const auto shard = nn::load_hf_checkpoint(d.path());
   bool found = false;
   for (const auto& [name, t] : shard.tensors) {
     if (name == "transformer.h.1.mlp.c_fc.weight") {
@@ -69,7 +69,7 @@ TEST(GptHf, ExportReadsBackIntoTheSameModel) {
   EXPECT_EQ(config["n_head"], 4);
   EXPECT_EQ(config["activation_function"], "gelu_new");
 
-  auto back = import_gpt2(d.path);
+  auto back = import_gpt2(d.path());
   EXPECT_EQ(back->config.layers, 2);
   EXPECT_EQ(back->config.heads, 4);
   EXPECT_EQ(back->config.context, 32);
@@ -159,11 +159,12 @@ TEST_F(GptHfTransformers, EmbersExportGivesTheSameLogitsInTransformers) {
   manual_seed(5);
   GPT model(interop_shape());
   TempDir d;
-  export_gpt2(model, d / "hf", {.max_shard_bytes = model.config.dim * model.config.dim * 20});
+  export_gpt2(model, d.file("hf"), {.max_shard_bytes = model.config.dim * model.config.dim * 20});
   const Tensor tokens = some_tokens(model.config.vocab);
-  nn::save_safetensors(d / "tokens.safetensors", {{"tokens", tokens}});
-  python("logits " + d / "hf" + " " + d / "tokens.safetensors" + " " + d / "logits.safetensors");
-  const Tensor theirs = nn::load_safetensors(d / "logits.safetensors").at("logits");
+  nn::save_safetensors(d.file("tokens.safetensors"), {{"tokens", tokens}});
+  python("logits " + d.file("hf") + " " + d.file("tokens.safetensors") + " " +
+         d.file("logits.safetensors"));
+  const Tensor theirs = nn::load_safetensors(d.file("logits.safetensors")).at("logits");
   const Tensor ours = logits_of(model, tokens);
   ASSERT_EQ(theirs.sizes().vec(), ours.sizes().vec());
   const double diff = max_abs_diff(theirs, ours);
@@ -175,20 +176,20 @@ TEST_F(GptHfTransformers, EmbersExportGivesTheSameLogitsInTransformers) {
 TEST_F(GptHfTransformers, TransformersModelGivesTheSameLogitsInEmberAndTrainsOn) {
   TempDir d;
   const GPTConfig shape = interop_shape();
-  std::ofstream(d / "config.json") << nlohmann::json{{"n_layer", shape.layers},
+  std::ofstream(d.file("config.json")) << nlohmann::json{{"n_layer", shape.layers},
                                                      {"n_head", shape.heads},
                                                      {"n_embd", shape.dim},
                                                      {"n_positions", shape.context},
                                                      {"vocab_size", shape.vocab}}
                                           .dump();
   const Tensor tokens = some_tokens(shape.vocab);
-  nn::save_safetensors(d / "tokens.safetensors", {{"tokens", tokens}});
-  python("make " + d / "hf" + " " + d / "config.json" + " " + d / "tokens.safetensors" + " " +
-         d / "logits.safetensors");
-  const Tensor theirs = nn::load_safetensors(d / "logits.safetensors").at("logits");
-  EXPECT_GT(nn::load_hf_checkpoint(d / "hf").files.size(), 1u);  // sharded by transformers
+  nn::save_safetensors(d.file("tokens.safetensors"), {{"tokens", tokens}});
+  python("make " + d.file("hf") + " " + d.file("config.json") + " " + d.file("tokens.safetensors") +
+         " " + d.file("logits.safetensors"));
+  const Tensor theirs = nn::load_safetensors(d.file("logits.safetensors")).at("logits");
+  EXPECT_GT(nn::load_hf_checkpoint(d.file("hf")).files.size(), 1u);  // sharded by transformers
 
-  auto model = import_gpt2(d / "hf");
+  auto model = import_gpt2(d.file("hf"));
   const double diff = max_abs_diff(logits_of(*model, tokens), theirs);
   std::printf("max |logit difference| = %.3g\n", diff);
   EXPECT_LE(diff, 1e-4);

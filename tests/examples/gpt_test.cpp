@@ -66,7 +66,7 @@ class Gpt : public ::testing::Test {
   std::string tiny() const {
     const std::string data = text_override().empty() ? "" : " --data " + text_override();
     return example() + data +
-           " --layers 1 --dim 32 --context 32 --steps 30 --log-every 10 --cache-dir " + tmp.path +
+           " --layers 1 --dim 32 --context 32 --steps 30 --log-every 10 --cache-dir " + tmp.path() +
            "/cache";
   }
   std::string two_ranks() const {
@@ -81,18 +81,18 @@ class Gpt : public ::testing::Test {
     Result whole = run(two_ranks() + flags);
     ASSERT_EQ(whole.status, 0) << whole.output;
     if (whole_val != nullptr) *whole_val = value_of(whole.output, "val_loss");
-    const std::string ck = tmp.path + "/ck";
+    const std::string ck = tmp.file("ck");
     Result first = run(two_ranks() + flags + " --checkpoint-dir " + ck + " --stop-at-step 15");
     ASSERT_EQ(first.status, 0) << first.output;
     ASSERT_TRUE(fs::exists(ck + "/index.json")) << first.output;
-    fs::copy(ck, tmp.path + "/ck1", fs::copy_options::recursive);
+    fs::copy(ck, tmp.file("ck1"), fs::copy_options::recursive);
     Result rest = run(two_ranks() + flags + " --resume --checkpoint-dir " + ck);
     ASSERT_EQ(rest.status, 0) << rest.output;
     EXPECT_NE(rest.output.find(ck + " at step 15\n"), std::string::npos) << rest.output;
     EXPECT_EQ(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"))
         << "resumed:\n" << rest.output << "\nuninterrupted:\n" << whole.output;
     Result alone = run("env EMBER_NUM_THREADS=1 " + tiny() + alone_flags +
-                       " --resume --checkpoint-dir " + tmp.path + "/ck1");
+                       " --resume --checkpoint-dir " + tmp.file("ck1"));
     ASSERT_EQ(alone.status, 0) << alone.output;
     EXPECT_NE(alone.output.find(note), std::string::npos) << alone.output;
     EXPECT_NEAR(value_of(alone.output, "val_loss"), value_of(whole.output, "val_loss"), 2e-4)
@@ -142,7 +142,7 @@ TEST_F(Gpt, CompressingHooksTrainLikeAllReduce) {
     EXPECT_NEAR(value_of(r.output, "val_loss"), want, c.tolerance * want) << c.hook << "\n" << r.output;
     EXPECT_LT(value_of(r.output, "val_loss"), kUniformLoss) << c.hook << "\n" << r.output;
   }
-  const std::string ck = tmp.path + "/ck_int8";
+  const std::string ck = tmp.file("ck_int8");
   Result whole = run(two_ranks() + " --comm-hook int8");
   Result first = run(two_ranks() + " --comm-hook int8 --checkpoint-dir " + ck + " --stop-at-step 15");
   ASSERT_EQ(first.status, 0) << first.output;
@@ -167,22 +167,22 @@ TEST_F(Gpt, AloneWithoutLauncher) {
 TEST_F(Gpt, ResumeContinuesAtTheRightStepWithTheSameResult) {
   Result whole = run(two_ranks());
   ASSERT_EQ(whole.status, 0) << whole.output;
-  const std::string dir = " --checkpoint-dir " + tmp.path + "/ck";
+  const std::string dir = " --checkpoint-dir " + tmp.file("ck");
   Result first = run(two_ranks() + dir + " --stop-at-step 15");
   ASSERT_EQ(first.status, 0) << first.output;
   EXPECT_NE(first.output.find("[rank 0]: step 15: validation loss"), std::string::npos)
       << first.output;
-  fs::copy(tmp.path + "/ck", tmp.path + "/ck1");
+  fs::copy(tmp.file("ck"), tmp.file("ck1"));
   Result rest = run(two_ranks() + dir + " --resume");
   ASSERT_EQ(rest.status, 0) << rest.output;
-  EXPECT_NE(rest.output.find(tmp.path + "/ck at step 15\n"), std::string::npos) << rest.output;
+  EXPECT_NE(rest.output.find(tmp.path() + "/ck at step 15\n"), std::string::npos) << rest.output;
   EXPECT_EQ(rest.output.find("step 10/30"), std::string::npos) << rest.output;
   EXPECT_NE(rest.output.find("[rank 0]: step 20/30"), std::string::npos) << rest.output;
   EXPECT_EQ(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"))
       << "resumed:\n" << rest.output << "\nuninterrupted:\n" << whole.output;
   // At another world size (an elastic restart on fewer nodes) it goes on alone from step 15.
   Result alone = run("env EMBER_NUM_THREADS=1 " + tiny() + " --resume --checkpoint-dir " +
-                     tmp.path + "/ck1");
+                     tmp.file("ck1"));
   ASSERT_EQ(alone.status, 0) << alone.output;
   EXPECT_NE(alone.output.find("resume: saved at world size 2, now 1\n"), std::string::npos)
       << alone.output;
@@ -203,10 +203,10 @@ TEST_F(Gpt, CudaFp16ResumeKeepsTheLossScale) {
   const std::string fp16 = " --device cuda --amp fp16";
   Result whole = run(tiny() + fp16);
   ASSERT_EQ(whole.status, 0) << whole.output;
-  const std::string dir = " --checkpoint-dir " + tmp.path + "/ck";
+  const std::string dir = " --checkpoint-dir " + tmp.file("ck");
   Result first = run(tiny() + fp16 + dir + " --stop-at-step 15");
   ASSERT_EQ(first.status, 0) << first.output;
-  const auto meta = ember::dist::ShardedCheckpoint(tmp.path + "/ck").metadata();
+  const auto meta = ember::dist::ShardedCheckpoint(tmp.file("ck")).metadata();
   ASSERT_TRUE(meta.count("grad_scaler.state")) << "no loss scale in the checkpoint";
   EXPECT_NE(meta.at("grad_scaler.state").find("\"scale\""), std::string::npos)
       << meta.at("grad_scaler.state");
@@ -268,7 +268,7 @@ TEST_F(Gpt, ShardedCheckpointsOfTensorAndPipelineLayoutsResumeAsIfUninterrupted)
     const std::string four = emberrun() + " --standalone --nproc-per-node 4 " + tiny() + layout;
     Result whole = run(four);
     ASSERT_EQ(whole.status, 0) << whole.output;
-    const std::string ck = tmp.path + "/ck" + std::to_string(layout.size());
+    const std::string ck = tmp.path() + "/ck" + std::to_string(layout.size());
     Result first = run(four + " --checkpoint-dir " + ck + " --stop-at-step 15");
     ASSERT_EQ(first.status, 0) << first.output;
     Result rest = run(four + " --checkpoint-dir " + ck + " --resume");
@@ -325,7 +325,7 @@ TEST_F(Gpt, PipelineCheckpointGoesOnInOneProcess) {
   resumes_as_if_uninterrupted(pp, " --layers 2", "resume: saved at --pp 2, now 1\n", &whole);
   if (HasFatalFailure()) return;
 
-  const std::string ck3 = tmp.path + "/ck3";
+  const std::string ck3 = tmp.file("ck3");
   Result tp = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() + pp +
                   " --tp 2 --checkpoint-dir " + ck3 + " --stop-at-step 15");
   ASSERT_EQ(tp.status, 0) << tp.output;
@@ -363,7 +363,7 @@ TEST_F(Gpt, ZeroOverlapTrainsAsDdp) {
 TEST_F(Gpt, ShardedCheckpointContinuesUnsharded) {
   Result ddp = run(two_ranks());
   ASSERT_EQ(ddp.status, 0) << ddp.output;
-  const std::string ck = tmp.path + "/ck", whole = tmp.path + "/whole";
+  const std::string ck = tmp.file("ck"), whole = tmp.file("whole");
   Result first = run(two_ranks() + " --shard fsdp --checkpoint-dir " + ck + " --stop-at-step 15");
   ASSERT_EQ(first.status, 0) << first.output;
   fs::copy(ck, whole, fs::copy_options::recursive);
@@ -385,7 +385,7 @@ TEST_F(Gpt, KilledRankResumesFromTheShardedCheckpoint) {
   const std::string fsdp = " --shard fsdp --eval-every 10";
   Result whole = run(two_ranks() + fsdp);
   ASSERT_EQ(whole.status, 0) << whole.output;
-  const std::string dir = tmp.path + "/ck";
+  const std::string dir = tmp.file("ck");
   Result r = run(emberrun() + " --standalone --nproc-per-node 2 --max-restarts 1 " + tiny() + fsdp +
                  " --checkpoint-dir " + dir + " --resume --fail-at-step 22");
   ASSERT_EQ(r.status, 0) << r.output;
@@ -403,7 +403,7 @@ TEST_F(Gpt, KilledRankResumesFromTheShardedCheckpoint) {
 TEST_F(Gpt, AsyncCheckpointsResumeAsIfUninterruptedAndFailuresAreReported) {
   Result whole = run(two_ranks());
   ASSERT_EQ(whole.status, 0) << whole.output;
-  const std::string ck = tmp.path + "/ck";
+  const std::string ck = tmp.file("ck");
   const std::string async = " --checkpoint-dir " + ck + " --checkpoint-every 5 --async-checkpoint";
   Result first = run(two_ranks() + async + " --stop-at-step 15");
   ASSERT_EQ(first.status, 0) << first.output;
@@ -414,7 +414,7 @@ TEST_F(Gpt, AsyncCheckpointsResumeAsIfUninterruptedAndFailuresAreReported) {
   EXPECT_EQ(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"))
       << "resumed:\n" << rest.output << "\nuninterrupted:\n" << whole.output;
 
-  const std::string blocked = tmp.path + "/not_a_dir";
+  const std::string blocked = tmp.file("not_a_dir");
   std::ofstream(blocked) << "a file where the checkpoint folder should be";
   Result failing = run(two_ranks() + " --checkpoint-dir " + blocked +
                        " --checkpoint-every 10 --async-checkpoint");
@@ -430,7 +430,7 @@ TEST_F(Gpt, AsyncCheckpointsResumeAsIfUninterruptedAndFailuresAreReported) {
 // layout; --init-from-hf starts a run from it, its shape from the config (over --layers): at a vanishing
 // learning rate the validation loss is the exported model's.
 TEST_F(Gpt, ExportsToAndStartsFromHuggingFaceLayout) {
-  const std::string hf = tmp.path + "/hf";
+  const std::string hf = tmp.file("hf");
   Result exported = run(two_ranks() + " --shard fsdp --export-hf " + hf);
   ASSERT_EQ(exported.status, 0) << exported.output;
   EXPECT_NE(exported.output.find("exported the model to " + hf), std::string::npos)
@@ -442,9 +442,9 @@ TEST_F(Gpt, ExportsToAndStartsFromHuggingFaceLayout) {
       << started.output;
   EXPECT_NEAR(value_of(started.output, "val_loss"), value_of(exported.output, "val_loss"), 1e-4)
       << "started from the export:\n" << started.output << "\nexported:\n" << exported.output;
-  Result missing = run(tiny() + " --init-from-hf " + tmp.path + "/nowhere");
+  Result missing = run(tiny() + " --init-from-hf " + tmp.file("nowhere"));
   EXPECT_EQ(missing.status, 2) << missing.output;
-  EXPECT_NE(missing.output.find("gpt: --init-from-hf: cannot read " + tmp.path +
+  EXPECT_NE(missing.output.find("gpt: --init-from-hf: cannot read " + tmp.path() +
                                 "/nowhere/config.json: No such file or directory"),
             std::string::npos)
       << missing.output;
@@ -455,7 +455,7 @@ TEST_F(Gpt, ExportsToAndStartsFromHuggingFaceLayout) {
 // an earlier version's checkpoint naming the file.
 TEST_F(Gpt, ResumePastTheEndTrainsNothingAndBadPositionsAreNamed) {
   const std::string alone = "env EMBER_NUM_THREADS=1 " + tiny() + " --eval-batches 2";
-  const std::string dir = " --checkpoint-dir " + tmp.path + "/ck";
+  const std::string dir = " --checkpoint-dir " + tmp.file("ck");
   Result first = run(alone + dir + " --stop-at-step 15");
   ASSERT_EQ(first.status, 0) << first.output;
   Result past = run(alone + dir + " --resume --stop-at-step 10");
@@ -464,7 +464,7 @@ TEST_F(Gpt, ResumePastTheEndTrainsNothingAndBadPositionsAreNamed) {
             std::string::npos) << past.output;
   EXPECT_EQ(past.output.find("tok/s  ETA"), std::string::npos) << "it trained:\n" << past.output;
 
-  const std::string index = tmp.path + "/ck/index.json";
+  const std::string index = tmp.file("ck/index.json");
   const nlohmann::json good = nlohmann::json::parse(std::ifstream(index));
   for (const char* bad : {"abc", "15x", "-7", "31"}) {
     nlohmann::json edited = good;
@@ -478,7 +478,7 @@ TEST_F(Gpt, ResumePastTheEndTrainsNothingAndBadPositionsAreNamed) {
   }
   // A folder holding an earlier version's checkpoint is refused by name, not resumed from
   // scratch (and later overwritten).
-  const std::string old = tmp.path + "/old";
+  const std::string old = tmp.file("old");
   fs::create_directories(old);
   std::ofstream(old + "/checkpoint.safetensors") << "an earlier version's checkpoint";
   Result r = run(alone + " --checkpoint-dir " + old + " --resume");
@@ -536,7 +536,7 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
     int status;
     std::string message;
   };
-  const std::string short_text = tmp.path + "/short.txt";
+  const std::string short_text = tmp.file("short.txt");
   { std::ofstream(short_text) << "Too short to train on.\n"; }
   const Case cases[] = {
       {"--amp fp16", 2, "gpt: --amp fp16 needs --device cuda (on the CPU use --amp bf16)"},
@@ -558,7 +558,7 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
        "gpt: --pp with --shard fsdp takes one stage per rank (--schedule gpipe or 1f1b) and no --tp"},
       {"--pp 2 --layers 2 --sample 5", 2, "gpt: --pp takes neither --save-weights, --export-hf nor --sample"},
       {"--pp 2 --layers 2", 1, "gpt: --pp 2 must divide the world size 1"},
-      {"--data " + tmp.path + "/missing.txt", 1, "no text file at '" + tmp.path + "/missing.txt'"},
+      {"--data " + tmp.file("missing.txt"), 1, "no text file at '" + tmp.path() + "/missing.txt'"},
       {"--data " + short_text, 1, "is too short: its training split holds 21 tokens"},
   };
   for (const Case& c : cases) {

@@ -33,7 +33,7 @@ class MinimalDdpGpu : public ::testing::Test {
   static std::string emberrun() { return std::string(EMBER_BINARY_DIR) + "/launcher/emberrun"; }
   // A command run in the temporary folder (the program writes model.safetensors there).
   test::CommandResult run_here(const std::string& cmd, int limit_s) {
-    return test::run_command("sh -c 'cd " + tmp.path + " && exec " + cmd + "'", limit_s);
+    return test::run_command("sh -c 'cd " + tmp.path() + " && exec " + cmd + "'", limit_s);
   }
   test::TempDir tmp{"ember_minimal_ddp_gpu_test"};
 };
@@ -67,7 +67,7 @@ TEST_F(MinimalDdpGpu, WithoutAGpuItStopsAtOnceSayingWhy) {
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_NE(r.status, 124) << "the job hung instead of failing:\n" << r.output;
   EXPECT_NE(r.output.find(why), std::string::npos) << r.output;
-  EXPECT_FALSE(std::filesystem::exists(tmp / "model.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("model.safetensors")));
 }
 
 // One rank on this machine's first GPU over NCCL: an epoch, then the weights.
@@ -77,7 +77,7 @@ TEST_F(MinimalDdpGpu, OneRankTrainsAnEpochOnTheGpu) {
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("using nccl"), std::string::npos)
       << "the default backend on a GPU should be nccl:\n" << r.output;
-  auto saved = nn::load_safetensors(tmp / "model.safetensors");
+  auto saved = nn::load_safetensors(tmp.file("model.safetensors"));
   EXPECT_EQ(saved.size(), 4u);
   EXPECT_EQ(saved.at("1.weight").shape(), (Shape{512, 784}));
 }

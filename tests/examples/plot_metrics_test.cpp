@@ -178,12 +178,12 @@ std::string three_epochs() {
 
 TEST(PlotMetrics, DrawsLossOnTheLeftAndAccuracyOnTheRight) {
   TempDir dir;
-  write_file(dir / "m.jsonl", three_epochs());
-  const Result r = run(quote(dir / "m.jsonl") + " " + quote(dir / "out.png") +
+  write_file(dir.file("m.jsonl"), three_epochs());
+  const Result r = run(quote(dir.file("m.jsonl")) + " " + quote(dir.file("out.png")) +
                        " --width 800 --height 360 --title 'run 1: cnn'");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("out.png"), std::string::npos) << r.output;
-  const Png png = decode_png(dir / "out.png");
+  const Png png = decode_png(dir.file("out.png"));
   ASSERT_EQ(png.error, "");
   EXPECT_EQ(png.width, 800u);
   EXPECT_EQ(png.height, 360u);
@@ -220,10 +220,10 @@ TEST(PlotMetrics, DrawsLossOnTheLeftAndAccuracyOnTheRight) {
 
 TEST(PlotMetrics, DefaultSizeAndNoEpochsYet) {
   TempDir dir;
-  write_file(dir / "m.jsonl", step(1, 2.3) + step(2, 2.1));  // a run still in its first epoch
-  const Result r = run(quote(dir / "m.jsonl") + " " + quote(dir / "out.png"));
+  write_file(dir.file("m.jsonl"), step(1, 2.3) + step(2, 2.1));  // a run still in its first epoch
+  const Result r = run(quote(dir.file("m.jsonl")) + " " + quote(dir.file("out.png")));
   ASSERT_EQ(r.status, 0) << r.output;
-  const Png png = decode_png(dir / "out.png");
+  const Png png = decode_png(dir.file("out.png"));
   ASSERT_EQ(png.error, "");
   EXPECT_EQ(png.width, 1000u);
   EXPECT_EQ(png.height, 420u);
@@ -242,11 +242,11 @@ TEST(PlotMetrics, ResumedRunKeepsTheLastLineOfEachStepAndEpoch) {
   for (long gs = 110; gs <= 300; gs += 10) m += step(gs, 1.0);  // resumed from step 100
   m += epoch(1, 200, 1.0, 0.9);
   m += epoch(2, 300, 1.0, 0.9);
-  write_file(dir / "m.jsonl", m);
-  const Result r = run(quote(dir / "m.jsonl") + " " + quote(dir / "out.png"));
+  write_file(dir.file("m.jsonl"), m);
+  const Result r = run(quote(dir.file("m.jsonl")) + " " + quote(dir.file("out.png")));
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("30 steps, 2 epochs"), std::string::npos) << r.output;
-  const Png png = decode_png(dir / "out.png");
+  const Png png = decode_png(dir.file("out.png"));
   ASSERT_EQ(png.error, "");
   // Below the legends (drawn above the plots in the same colours).
   const int plot_top = 48;
@@ -260,7 +260,7 @@ TEST(PlotMetrics, ResumedRunKeepsTheLastLineOfEachStepAndEpoch) {
 
 TEST(PlotMetrics, IgnoresOtherKindsAndKeysAndAnUnfinishedLastLine) {
   TempDir dir;
-  write_file(dir / "m.jsonl",
+  write_file(dir.file("m.jsonl"),
              "\n"
              R"({"kind":"note","text":"started"})"
              "\n"
@@ -268,72 +268,72 @@ TEST(PlotMetrics, IgnoresOtherKindsAndKeysAndAnUnfinishedLastLine) {
              "\n" +
                  step(5, 1.5) + "   \n" + step(10, 1.2) +
                  R"({"kind":"step","epoch":1,"step":15,"glo)");
-  const Result r = run(quote(dir / "m.jsonl") + " " + quote(dir / "out.png"));
+  const Result r = run(quote(dir.file("m.jsonl")) + " " + quote(dir.file("out.png")));
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("m.jsonl:7"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("unfinished last line"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("2 steps"), std::string::npos) << r.output;
-  EXPECT_EQ(decode_png(dir / "out.png").error, "");
+  EXPECT_EQ(decode_png(dir.file("out.png")).error, "");
 }
 
 TEST(PlotMetrics, BadLineIsReportedWithItsNumberAndLeavesTheOldPng) {
   TempDir dir;
-  write_file(dir / "out.png", "previous plot");
+  write_file(dir.file("out.png"), "previous plot");
   const std::string bad = R"({"kind":"step","global_step":30,"loss":})";
-  write_file(dir / "m.jsonl", step(10, 1.0) + step(20, 0.9) + bad + "\n" + step(40, 0.8));
-  const Result r = run(quote(dir / "m.jsonl") + " " + quote(dir / "out.png"));
+  write_file(dir.file("m.jsonl"), step(10, 1.0) + step(20, 0.9) + bad + "\n" + step(40, 0.8));
+  const Result r = run(quote(dir.file("m.jsonl")) + " " + quote(dir.file("out.png")));
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("m.jsonl:3: not valid JSON"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(bad), std::string::npos) << r.output;
-  EXPECT_EQ(read_file(dir / "out.png"), "previous plot");
+  EXPECT_EQ(read_file(dir.file("out.png")), "previous plot");
   EXPECT_EQ(dir.list(), (std::vector<std::string>{"m.jsonl", "out.png"})) << "no temporary left";
 }
 
 TEST(PlotMetrics, StepLineWithoutANumericLossOrStepIsAnError) {
   TempDir dir;
-  write_file(dir / "a.jsonl", step(10, 1.0) + R"({"kind":"step","global_step":20})"
+  write_file(dir.file("a.jsonl"), step(10, 1.0) + R"({"kind":"step","global_step":20})"
                                               "\n");
-  Result r = run(quote(dir / "a.jsonl") + " " + quote(dir / "out.png"));
+  Result r = run(quote(dir.file("a.jsonl")) + " " + quote(dir.file("out.png")));
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("a.jsonl:2:"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("\"loss\""), std::string::npos) << r.output;
 
-  write_file(dir / "b.jsonl", R"({"kind":"step","global_step":"ten","loss":1.0})"
+  write_file(dir.file("b.jsonl"), R"({"kind":"step","global_step":"ten","loss":1.0})"
                               "\n");
-  r = run(quote(dir / "b.jsonl") + " " + quote(dir / "out.png"));
+  r = run(quote(dir.file("b.jsonl")) + " " + quote(dir.file("out.png")));
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("b.jsonl:1:"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("global_step"), std::string::npos) << r.output;
 
-  write_file(dir / "c.jsonl", "[1, 2]\n");
-  r = run(quote(dir / "c.jsonl") + " " + quote(dir / "out.png"));
+  write_file(dir.file("c.jsonl"), "[1, 2]\n");
+  r = run(quote(dir.file("c.jsonl")) + " " + quote(dir.file("out.png")));
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("c.jsonl:1: expected a JSON object"), std::string::npos) << r.output;
-  EXPECT_FALSE(fs::exists(dir / "out.png"));
+  EXPECT_FALSE(fs::exists(dir.file("out.png")));
 }
 
 TEST(PlotMetrics, NoStepLinesIsAnError) {
   TempDir dir;
-  write_file(dir / "epochs.jsonl", epoch(1, 100, 0.5, 0.8));
-  write_file(dir / "empty.jsonl", "");
+  write_file(dir.file("epochs.jsonl"), epoch(1, 100, 0.5, 0.8));
+  write_file(dir.file("empty.jsonl"), "");
   for (const char* name : {"epochs.jsonl", "empty.jsonl"}) {
-    const Result r = run(quote(dir / name) + " " + quote(dir / "out.png"));
+    const Result r = run(quote(dir.file(name)) + " " + quote(dir.file("out.png")));
     EXPECT_EQ(r.status, 1) << name << ": " << r.output;
     EXPECT_NE(r.output.find("no step lines"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find(name), std::string::npos) << r.output;
   }
-  EXPECT_FALSE(fs::exists(dir / "out.png"));
+  EXPECT_FALSE(fs::exists(dir.file("out.png")));
 }
 
 TEST(PlotMetrics, MissingInputOrOutputDirectoryIsAnError) {
   TempDir dir;
-  Result r = run(quote(dir / "nope.jsonl") + " " + quote(dir / "out.png"));
+  Result r = run(quote(dir.file("nope.jsonl")) + " " + quote(dir.file("out.png")));
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("cannot open metrics file"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find(dir / "nope.jsonl"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(dir.file("nope.jsonl")), std::string::npos) << r.output;
 
-  write_file(dir / "m.jsonl", step(1, 1.0));
-  r = run(quote(dir / "m.jsonl") + " " + quote(dir / "no/such/dir/out.png"));
+  write_file(dir.file("m.jsonl"), step(1, 1.0));
+  r = run(quote(dir.file("m.jsonl")) + " " + quote(dir.file("no/such/dir/out.png")));
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("no/such/dir/out.png"), std::string::npos) << r.output;
   EXPECT_EQ(dir.list(), std::vector<std::string>{"m.jsonl"});
@@ -341,8 +341,8 @@ TEST(PlotMetrics, MissingInputOrOutputDirectoryIsAnError) {
 
 TEST(PlotMetrics, BadUsageExits2WithUsage) {
   TempDir dir;
-  write_file(dir / "m.jsonl", step(1, 1.0));
-  const std::string in = quote(dir / "m.jsonl"), out = quote(dir / "out.png");
+  write_file(dir.file("m.jsonl"), step(1, 1.0));
+  const std::string in = quote(dir.file("m.jsonl")), out = quote(dir.file("out.png"));
   for (const std::string& args :
        {std::string(), in, in + " " + out + " extra", in + " " + out + " --width abc",
         in + " " + out + " --width 10", in + " " + out + " --height=99999",
@@ -352,14 +352,14 @@ TEST(PlotMetrics, BadUsageExits2WithUsage) {
     EXPECT_EQ(r.status, 2) << "args: " << args << "\n" << r.output;
     EXPECT_NE(r.output.find("usage: plot_metrics"), std::string::npos) << r.output;
   }
-  EXPECT_FALSE(fs::exists(dir / "out.png"));
+  EXPECT_FALSE(fs::exists(dir.file("out.png")));
   const Result help = run("--help");
   EXPECT_EQ(help.status, 0) << help.output;
   EXPECT_NE(help.output.find("usage: plot_metrics"), std::string::npos);
   // --opt=value works as well as --opt value.
   const Result ok = run(in + " " + out + " --width=640 --height 240");
   ASSERT_EQ(ok.status, 0) << ok.output;
-  const Png png = decode_png(dir / "out.png");
+  const Png png = decode_png(dir.file("out.png"));
   ASSERT_EQ(png.error, "");
   EXPECT_EQ(png.width, 640u);
   EXPECT_EQ(png.height, 240u);

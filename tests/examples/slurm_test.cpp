@@ -223,7 +223,7 @@ class Slurm : public ::testing::Test {
       GTEST_SKIP() << "no Fashion-MNIST at " << kData << " (install dataset-fashion-mnist)";
     }
     ASSERT_TRUE(fs::exists(example())) << example();
-    cluster_ = std::make_unique<SlurmCluster>(tmp_.path);
+    cluster_ = std::make_unique<SlurmCluster>(tmp_.path());
     const std::string why = cluster_->start();
     ASSERT_EQ(why, "") << "could not start a one-node Slurm cluster: " << why;
   }
@@ -264,10 +264,10 @@ TEST_F(Slurm, TheDocumentedSbatchScriptRunsAsWritten) {
   // file goes to the temporary folder instead of the source tree.
   CommandResult r = run_command("sh -c 'cd " + std::string(EMBER_SOURCE_DIR) + " && " + kNoMaster + cluster_->conf_var() +
                                     " EMBER_NUM_THREADS=1 EMBER_BUILD=" +
-                                    EMBER_BINARY_DIR + " sbatch --wait --output=" + tmp_.path +
+                                    EMBER_BINARY_DIR + " sbatch --wait --output=" + tmp_.path() +
                                     "/job_%j.out " + script + kSmallRun + kData + "'",
                                 300);
-  const std::string job_output = read_job_output(tmp_.path, "job_");
+  const std::string job_output = read_job_output(tmp_.path(), "job_");
   ASSERT_EQ(r.status, 0) << r.output << job_output << cluster_->logs();
   EXPECT_NE(job_output.find("fashion_mnist: world size 2, backend gloo"), std::string::npos) << job_output;
   EXPECT_NE(job_output.find("test_accuracy="), std::string::npos) << job_output;
@@ -288,11 +288,11 @@ TEST_F(Slurm, TheGpuSrunScriptRunsAsWrittenWithTheDeviceOverridden) {
       "sh -c 'cd " + std::string(EMBER_SOURCE_DIR) + " && " + kNoMaster +
           "-u EMBER_NUM_THREADS -u OMP_NUM_THREADS " + cluster_->conf_var() + " EMBER_BUILD=" +
           EMBER_BINARY_DIR + " sbatch --wait --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 " +
-          "--gpus-per-node=0 --time=10 --output=" + tmp_.path + "/gpu_srun_%j.out " + script +
+          "--gpus-per-node=0 --time=10 --output=" + tmp_.path() + "/gpu_srun_%j.out " + script +
           " --device cpu --backend gloo --layers 1 --dim 32 --context 32 --steps 4 "
-          "--eval-batches 1 --log-every 2 --cache-dir " + tmp_.path + "/cache'",
+          "--eval-batches 1 --log-every 2 --cache-dir " + tmp_.path() + "/cache'",
       600);
-  const std::string job_output = read_job_output(tmp_.path, "gpu_srun_");
+  const std::string job_output = read_job_output(tmp_.path(), "gpu_srun_");
   ASSERT_EQ(r.status, 0) << r.output << job_output << cluster_->logs();
   EXPECT_NE(job_output.find("gpt: world size 2, backend gloo, device cpu"), std::string::npos)
       << job_output;
@@ -306,10 +306,10 @@ TEST_F(Slurm, ABatchScriptThatForgetsSrunFailsAtOnceNamingTheMistake) {
   // job (and the command's limit the test) should the check ever be lost.
   CommandResult r = run_command(kNoMaster + cluster_->conf_var() +
                                     " EMBER_NUM_THREADS=1 sbatch --wait --ntasks=2 --time=3 "
-                                    "--output=" + tmp_.path + "/trap_%j.out --wrap '" + example() +
-                                    kSmallRun + kData + "'",
+                                    "--output=" + tmp_.path() + "/trap_%j.out --wrap '" +
+                                    example() + kSmallRun + kData + "'",
                                 300);
-  const std::string job_output = read_job_output(tmp_.path, "trap_");
+  const std::string job_output = read_job_output(tmp_.path(), "trap_");
   EXPECT_NE(r.status, 0) << r.output << job_output;
   EXPECT_NE(job_output.find("fashion_mnist: error: [init_process_group] SLURM_NTASKS=2 but this "
                             "process is the batch script of Slurm job"),

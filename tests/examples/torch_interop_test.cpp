@@ -58,7 +58,7 @@ class TorchInterop : public ::testing::Test {
 };
 
 TEST_F(TorchInterop, EmberTrainedCnnGivesTheSameAccuracyInTorch) {
-  const std::string weights = tmp / "ember.safetensors", pt = tmp / "ember.pt";
+  const std::string weights = tmp.file("ember.safetensors"), pt = tmp.file("ember.pt");
   Result r = run("env EMBER_NUM_THREADS=1 " + example() +
                  " --model cnn --max-steps 200 --save-weights " + weights);
   ASSERT_EQ(r.status, 0) << r.output;
@@ -76,7 +76,7 @@ TEST_F(TorchInterop, EmberTrainedCnnGivesTheSameAccuracyInTorch) {
 }
 
 TEST_F(TorchInterop, TorchTrainedCnnGivesTheSameAccuracyInEmber) {
-  const std::string pt = tmp / "torch.pt", weights = tmp / "torch.safetensors";
+  const std::string pt = tmp.file("torch.pt"), weights = tmp.file("torch.safetensors");
   Result r = run(torch_side() + " train " + pt + " --model cnn --steps 100 --data " + kData);
   ASSERT_EQ(r.status, 0) << r.output;
   const double torch_acc = accuracy(r.output, "torch_test_accuracy");
@@ -94,43 +94,43 @@ TEST_F(TorchInterop, TorchTrainedCnnGivesTheSameAccuracyInEmber) {
 
 TEST_F(TorchInterop, ClearErrors) {
   // A missing file, a file that is not safetensors, a dtype torch has no type for.
-  Result r = run(converter() + " " + tmp / "missing.safetensors" + " " + tmp / "out.pt");
+  Result r = run(converter() + " " + tmp.file("missing.safetensors") + " " + tmp.file("out.pt"));
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("missing.safetensors: cannot read: No such file"), std::string::npos)
       << r.output;
-  std::ofstream(tmp / "text.safetensors") << "this is not a safetensors file";
-  r = run(converter() + " " + tmp / "text.safetensors" + " " + tmp / "out.pt");
+  std::ofstream(tmp.file("text.safetensors")) << "this is not a safetensors file";
+  r = run(converter() + " " + tmp.file("text.safetensors") + " " + tmp.file("out.pt"));
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("text.safetensors: not a safetensors file"), std::string::npos)
       << r.output;
   const std::string header = R"({"q":{"dtype":"U16","shape":[2],"data_offsets":[0,4]}})";
   const uint64_t n = header.size();
-  std::ofstream u16(tmp / "u16.safetensors", std::ios::binary);
+  std::ofstream u16(tmp.file("u16.safetensors"), std::ios::binary);
   u16.write(reinterpret_cast<const char*>(&n), 8);  // little-endian on every machine Ember runs on
   u16 << header << std::string(4, '\0');
   u16.close();
-  r = run(converter() + " " + tmp / "u16.safetensors" + " " + tmp / "out.pt");
+  r = run(converter() + " " + tmp.file("u16.safetensors") + " " + tmp.file("out.pt"));
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("tensor 'q': safetensors dtype U16 has no torch equivalent"),
             std::string::npos)
       << r.output;
-  EXPECT_FALSE(fs::exists(tmp / "out.pt"));
+  EXPECT_FALSE(fs::exists(tmp.file("out.pt")));
   // The reverse: not a torch file, and a tensor of a dtype Ember lacks.
-  r = run(converter() + " --from-torch " + tmp / "text.safetensors" + " " + tmp / "out.st");
+  r = run(converter() + " --from-torch " + tmp.file("text.safetensors") + " " + tmp.file("out.st"));
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("not a file torch.load reads"), std::string::npos) << r.output;
   r = run(kPython + " -c 'import torch; torch.save({\"w\": torch.zeros(2, dtype=torch.int8)}, \"" +
-          tmp / "i8.pt" + "\")'");
+          tmp.file("i8.pt") + "\")'");
   ASSERT_EQ(r.status, 0) << r.output;
-  r = run(converter() + " --from-torch " + tmp / "i8.pt" + " " + tmp / "out.st");
+  r = run(converter() + " --from-torch " + tmp.file("i8.pt") + " " + tmp.file("out.st"));
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("tensor 'w': dtype torch.int8 has no Ember equivalent"),
             std::string::npos)
       << r.output;
   // Ember refuses weights of another model by name and shape.
-  ember::nn::save_state_dict(tmp / "bad.safetensors",
+  ember::nn::save_state_dict(tmp.file("bad.safetensors"),
                              {{"0.weight", ember::zeros({2, 2})}});
-  r = run(example() + " --model cnn --epochs 0 --init-weights " + tmp / "bad.safetensors", 120);
+  r = run(example() + " --model cnn --epochs 0 --init-weights " + tmp.file("bad.safetensors"), 120);
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("0.weight"), std::string::npos) << r.output;
 }

@@ -51,7 +51,7 @@ int count(const std::string& s, const std::string& what) {
 
 TEST(TraceToSvg, DrawsAWellFormedPictureOfTheStepWindow) {
   ember::test::TempDir tmp("trace_to_svg_test");
-  const std::string in = tmp / "trace.json", out = tmp / "steps.svg";
+  const std::string in = tmp.file("trace.json"), out = tmp.file("steps.svg");
   std::ofstream(in) << small_trace();
   const auto r =
       ember::test::run_command(kTool + " " + in + " " + out + " --from 2 --to 2 --width 1000", 60);
@@ -82,7 +82,7 @@ TEST(TraceToSvg, DrawsAWellFormedPictureOfTheStepWindow) {
 
 TEST(TraceToSvg, WholeTraceWithoutAWindow) {
   ember::test::TempDir tmp("trace_to_svg_test");
-  const std::string in = tmp / "trace.json", out = tmp / "all.svg";
+  const std::string in = tmp.file("trace.json"), out = tmp.file("all.svg");
   std::ofstream(in) << small_trace();
   const auto r = ember::test::run_command(kTool + " " + in + " " + out, 60);
   ASSERT_EQ(r.status, 0) << r.output;
@@ -91,13 +91,13 @@ TEST(TraceToSvg, WholeTraceWithoutAWindow) {
 
 TEST(TraceToSvg, ErrorsSayWhatIsWrong) {
   ember::test::TempDir tmp("trace_to_svg_test");
-  const std::string in = tmp / "trace.json", other = tmp / "other.json";
+  const std::string in = tmp.file("trace.json"), other = tmp.file("other.json");
   std::ofstream(in) << small_trace();
   std::ofstream(other) << "{\"loss\": 1}\n";
-  auto r = ember::test::run_command(kTool + " " + in + " " + (tmp / "x.svg") + " --from 7", 60);
+  auto r = ember::test::run_command(kTool + " " + in + " " + tmp.file("x.svg") + " --from 7", 60);
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("no \"train step\" span of step 7"), std::string::npos) << r.output;
-  r = ember::test::run_command(kTool + " " + other + " " + (tmp / "x.svg"), 60);
+  r = ember::test::run_command(kTool + " " + other + " " + tmp.file("x.svg"), 60);
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("not a Chrome trace-event file"), std::string::npos) << r.output;
 }

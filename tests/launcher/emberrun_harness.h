@@ -22,9 +22,12 @@
 #include <thread>
 #include <vector>
 
+#include "tests/temp_dir.h"
+
 namespace emberrun_test {
 
 namespace fs = std::filesystem;
+using ember::test::TempDir;
 using Clock = std::chrono::steady_clock;
 inline constexpr auto kTimeout = std::chrono::seconds(60);
 
@@ -71,20 +74,6 @@ inline int available_cpus() {
   if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
   return std::max(1u, std::thread::hardware_concurrency());
 }
-
-// A unique temp folder, removed at the end even when the test fails.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string t = (fs::temp_directory_path() / "emberrun_test_XXXXXX").string();
-    EXPECT_NE(mkdtemp(t.data()), nullptr) << std::strerror(errno);
-    path = t;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
 
 // Waits (with a deadline, checking every few ms) until `path` exists.
 inline bool wait_for_file(const std::string& path, std::chrono::seconds limit = kTimeout) {

@@ -33,11 +33,11 @@ TEST_P(EnvTest, WorkersSeeTheirEnvironmentAndOutputIsPrefixed) {
   const int n = GetParam();
   TempDir d;
   Result r = run({"--nproc-per-node", std::to_string(n), "--master-port", "29613", worker(),
-                  "env", d.path, "a b", "--c"});
+                  "env", d.path(), "a b", "--c"});
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   const int threads = std::max(1, available_cpus() / n);
   for (int i = 0; i < n; ++i) {
-    std::string env = read_file(d.path + "/env_" + std::to_string(i) + ".txt");
+    std::string env = read_file(d.path() + "/env_" + std::to_string(i) + ".txt");
     std::string ri = std::to_string(i), ns = std::to_string(n);
     for (const std::string& kv :
          {"RANK=" + ri, "LOCAL_RANK=" + ri, "WORLD_SIZE=" + ns, "LOCAL_WORLD_SIZE=" + ns,
@@ -64,11 +64,11 @@ TEST_P(DistTest, InitProcessGroupRendezvousesThroughTheEnvironment) {
   if (!fs::exists(dist_worker)) GTEST_SKIP() << dist_worker << " not built (no ember_distributed)";
   const int n = GetParam();
   TempDir d;
-  Result r = run({"--standalone", "--nproc-per-node", std::to_string(n), dist_worker, d.path});
+  Result r = run({"--standalone", "--nproc-per-node", std::to_string(n), dist_worker, d.path()});
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   const std::string want = std::to_string(n * (n + 1) / 2) + " " + std::to_string(n);
   for (int i = 0; i < n; ++i)  // allreduce of rank + 1: n(n+1)/2
-    EXPECT_EQ(read_file(d.path + "/sum_" + std::to_string(i)), want) << "rank " << i;
+    EXPECT_EQ(read_file(d.path() + "/sum_" + std::to_string(i)), want) << "rank " << i;
 }
 INSTANTIATE_TEST_SUITE_P(Emberrun, DistTest, ::testing::Values(2, 4));
 
@@ -80,7 +80,7 @@ TEST(Emberrun, StoreQuotaOptionReachesTheJobsStore) {
   if (!fs::exists(dist_worker)) GTEST_SKIP() << dist_worker << " not built (no ember_distributed)";
   TempDir d;
   Result r = run({"--standalone", "--nproc-per-node", "2", "--store-max-stored-bytes", "65536",
-                  dist_worker, d.path},
+                  dist_worker, d.path()},
                  {"EMBER_TEST_SET_BYTES=100000"});
   EXPECT_NE(r.exit_code, 0) << describe(r);
   EXPECT_TRUE(contains(r.err, "the store is full: setting 'big' to 100000 bytes")) << describe(r);
@@ -88,7 +88,7 @@ TEST(Emberrun, StoreQuotaOptionReachesTheJobsStore) {
   EXPECT_FALSE(contains(r.out, "rank 0 stored")) << describe(r);
 
   TempDir d2;
-  r = run({"--standalone", "--nproc-per-node", "2", dist_worker, d2.path},
+  r = run({"--standalone", "--nproc-per-node", "2", dist_worker, d2.path()},
           {"EMBER_TEST_SET_BYTES=100000"});
   EXPECT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_TRUE(contains(r.out, "rank 0 stored 100000 bytes")) << describe(r);
@@ -101,7 +101,7 @@ TEST(Emberrun, ASharedMemoryNameAKilledRankLeftIsRemoved) {
   const std::string dist_worker = build_dir() + "/launcher/test_workers/dist_worker";
   if (!fs::exists(dist_worker)) GTEST_SKIP() << dist_worker << " not built (no ember_distributed)";
   TempDir d;
-  Result r = run({"--standalone", "--nproc-per-node", "2", dist_worker, d.path},
+  Result r = run({"--standalone", "--nproc-per-node", "2", dist_worker, d.path()},
                  {"EMBER_TEST_KILL_AFTER_SHM_CREATE=1", "EMBER_PG_TIMEOUT=20"});
   EXPECT_NE(r.exit_code, 0) << describe(r);
   const std::string marker = "rank 0 created ";
@@ -132,10 +132,10 @@ TEST(Emberrun, LoadsNoTensorLibrary) {
 
 TEST(Emberrun, UserThreadCountIsKept) {
   TempDir d;
-  Result r = run({"--nproc-per-node", "2", worker(), "env", d.path},
+  Result r = run({"--nproc-per-node", "2", worker(), "env", d.path()},
                  {"OMP_NUM_THREADS=3", "OMP_WAIT_POLICY=ACTIVE"});
   ASSERT_EQ(r.exit_code, 0) << describe(r);
-  std::string env = read_file(d.path + "/env_1.txt");
+  std::string env = read_file(d.file("env_1.txt"));
   EXPECT_TRUE(contains(env, "OMP_NUM_THREADS=3\n")) << env;
   EXPECT_TRUE(contains(env, "EMBER_NUM_THREADS=3\n")) << env;
   EXPECT_TRUE(contains(env, "OMP_WAIT_POLICY=ACTIVE\n")) << env;
@@ -143,10 +143,10 @@ TEST(Emberrun, UserThreadCountIsKept) {
 
 TEST(Emberrun, EnvironmentSettingsAndCommandLineWins) {
   TempDir d;
-  Result r = run({"--master-port", "4321", worker(), "env", d.path},
+  Result r = run({"--master-port", "4321", worker(), "env", d.path()},
                  {"EMBER_NPROC_PER_NODE=3", "EMBER_MASTER_PORT=1234", "EMBER_MASTER_ADDR=::1"});
   ASSERT_EQ(r.exit_code, 0) << describe(r);
-  std::string env = read_file(d.path + "/env_2.txt");
+  std::string env = read_file(d.file("env_2.txt"));
   EXPECT_TRUE(contains(env, "WORLD_SIZE=3\n")) << env;
   EXPECT_TRUE(contains(env, "MASTER_PORT=4321\n")) << env;
   EXPECT_TRUE(contains(env, "MASTER_ADDR=::1\n")) << env;
@@ -154,9 +154,9 @@ TEST(Emberrun, EnvironmentSettingsAndCommandLineWins) {
 
 TEST(Emberrun, StandalonePicksAPort) {
   TempDir d;
-  Result r = run({"--standalone", "--nproc-per-node", "2", worker(), "env", d.path});
+  Result r = run({"--standalone", "--nproc-per-node", "2", worker(), "env", d.path()});
   ASSERT_EQ(r.exit_code, 0) << describe(r);
-  std::string e0 = read_file(d.path + "/env_0.txt"), e1 = read_file(d.path + "/env_1.txt");
+  std::string e0 = read_file(d.file("env_0.txt")), e1 = read_file(d.file("env_1.txt"));
   auto port = [](const std::string& env) {
     auto p = env.find("MASTER_PORT=");
     return env.substr(p + 12, env.find('\n', p) - p - 12);
@@ -169,14 +169,14 @@ TEST(Emberrun, StandalonePicksAPort) {
 
 TEST(Emberrun, LogDirRedirectsAndFilter) {
   TempDir d, logs;
-  Result r = run({"--nproc-per-node", "2", "--log-dir", logs.path, "--rdzv-id", "job7",
-                  "--redirects", "1", "--local-ranks-filter", "1", worker(), "env", d.path});
+  Result r = run({"--nproc-per-node", "2", "--log-dir", logs.path(), "--rdzv-id", "job7",
+                  "--redirects", "1", "--local-ranks-filter", "1", worker(), "env", d.path()});
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_EQ(r.out, "") << "stdout was redirected to the log files\n" << describe(r);
   EXPECT_FALSE(contains(r.err, "[rank 0]")) << "rank 0 was filtered out\n" << describe(r);
   EXPECT_TRUE(contains(r.err, "[rank 1]: warning from rank 1\n")) << describe(r);
   for (int i = 0; i < 2; ++i) {
-    std::string dir = logs.path + "/job7/attempt_0/" + std::to_string(i);
+    std::string dir = logs.path() + "/job7/attempt_0/" + std::to_string(i);
     EXPECT_EQ(read_file(dir + "/stdout.log"), "hello from rank " + std::to_string(i) + "\n")
         << dir;
     EXPECT_EQ(read_file(dir + "/stderr.log"), "warning from rank " + std::to_string(i) + "\n")
@@ -186,7 +186,7 @@ TEST(Emberrun, LogDirRedirectsAndFilter) {
 
 TEST(Emberrun, FailedWorkerIsNamedWithItsExitCode) {
   TempDir d;
-  Result r = run({"--nproc-per-node", "3", worker(), "exit", d.path, "1", "3"});
+  Result r = run({"--nproc-per-node", "3", worker(), "exit", d.path(), "1", "3"});
   EXPECT_EQ(r.exit_code, 1) << describe(r);
   EXPECT_TRUE(contains(r.err, "FAILED")) << describe(r);
   EXPECT_TRUE(contains(r.err, "rank       : 1 (local_rank: 1)")) << describe(r);
@@ -198,16 +198,17 @@ TEST(Emberrun, FailedWorkerIsNamedWithItsExitCode) {
 
 TEST(Emberrun, ErrorFileIsTheRootCause) {
   TempDir d, logs;
-  Result r = run({"--nproc-per-node", "2", "--log-dir", logs.path, worker(), "error", d.path,
+  Result r = run({"--nproc-per-node", "2", "--log-dir", logs.path(), worker(), "error", d.path(),
                   "0"});
   EXPECT_EQ(r.exit_code, 1) << describe(r);
   EXPECT_TRUE(contains(r.err, "error      : ValueError: [train] loss is NaN at step 7"))
       << describe(r);
   EXPECT_TRUE(contains(r.err, "where      : test_worker.cpp:main")) << describe(r);
-  EXPECT_TRUE(contains(r.err, logs.path + "/none/attempt_0/0/error.json")) << describe(r);
+  EXPECT_TRUE(contains(r.err, logs.file("none/attempt_0/0/error.json"))) << describe(r);
   // The same log folder again, with a worker that writes no error file: the old one is not
   // shown as the root cause.
-  r = run({"--nproc-per-node", "2", "--log-dir", logs.path, worker(), "exit", d.path, "0", "4"});
+  r = run(
+      {"--nproc-per-node", "2", "--log-dir", logs.path(), worker(), "exit", d.path(), "0", "4"});
   EXPECT_EQ(r.exit_code, 1) << describe(r);
   EXPECT_TRUE(contains(r.err, "exitcode   : 4")) << describe(r);
   EXPECT_FALSE(contains(r.err, "loss is NaN")) << "stale error file shown\n" << describe(r);
@@ -215,8 +216,8 @@ TEST(Emberrun, ErrorFileIsTheRootCause) {
 
 TEST(Emberrun, KilledWorkerWithoutRestartsFailsTheGroup) {
   TempDir d;
-  Emberrun e({"--nproc-per-node", "2", "--grace-period", "5", worker(), "block", d.path});
-  auto pids = wait_for_pids(e, d.path, 2);
+  Emberrun e({"--nproc-per-node", "2", "--grace-period", "5", worker(), "block", d.path()});
+  auto pids = wait_for_pids(e, d.path(), 2);
   ASSERT_EQ(pids.size(), 2u);
   kill(pids[1], SIGKILL);
   Result r = e.wait();
@@ -228,29 +229,29 @@ TEST(Emberrun, KilledWorkerWithoutRestartsFailsTheGroup) {
 
 TEST(Emberrun, CheckpointedWorkerResumesAfterRestart) {
   TempDir d;
-  Result r = run({"--nproc-per-node", "2", "--max-restarts", "2", worker(), "ckpt", d.path,
+  Result r = run({"--nproc-per-node", "2", "--max-restarts", "2", worker(), "ckpt", d.path(),
                   "10", "4"});
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_TRUE(contains(r.err, "rank 1 was killed by SIGKILL; restarting the group (1/2)"))
       << describe(r);
-  EXPECT_EQ(read_file(d.path + "/done_1"), "steps=10 restarts=1 resumed_from=4");
-  EXPECT_TRUE(contains(read_file(d.path + "/done_0"), "steps=10 restarts=1"));
+  EXPECT_EQ(read_file(d.file("done_1")), "steps=10 restarts=1 resumed_from=4");
+  EXPECT_TRUE(contains(read_file(d.file("done_0")), "steps=10 restarts=1"));
 }
 
 TEST(Emberrun, CheckpointedWorkerWithoutRestartsFails) {
   TempDir d;
-  Result r = run({"--nproc-per-node", "2", worker(), "ckpt", d.path, "10", "4"});
+  Result r = run({"--nproc-per-node", "2", worker(), "ckpt", d.path(), "10", "4"});
   EXPECT_EQ(r.exit_code, 1) << describe(r);
   EXPECT_TRUE(contains(r.err, "SIGKILL")) << describe(r);
-  EXPECT_EQ(read_file(d.path + "/ckpt_1"), "4");
-  EXPECT_FALSE(fs::exists(d.path + "/done_1"));
+  EXPECT_EQ(read_file(d.file("ckpt_1")), "4");
+  EXPECT_FALSE(fs::exists(d.file("done_1")));
 }
 
 TEST(Emberrun, WorkersDieWithAKilledEmberrun) {
   // SIGKILL gives emberrun no chance to stop them: PR_SET_PDEATHSIG is the backstop.
   TempDir d;  // also its TMPDIR: the killed emberrun cannot remove its temp folder
-  Emberrun e({"--nproc-per-node", "2", worker(), "block", d.path}, {"TMPDIR=" + d.path});
-  auto pids = wait_for_pids(e, d.path, 2);
+  Emberrun e({"--nproc-per-node", "2", worker(), "block", d.path()}, {"TMPDIR=" + d.path()});
+  auto pids = wait_for_pids(e, d.path(), 2);
   ASSERT_EQ(pids.size(), 2u);
   kill(e.pid(), SIGKILL);
   Result r = e.wait();
@@ -268,10 +269,10 @@ TEST_P(SignalTest, SignalToEmberrunLeavesNoProcessBehind) {
   const auto [sig, ignore] = GetParam();
   TempDir d;
   std::vector<std::string> args{"--nproc-per-node", "3", "--grace-period", "0.3", worker(),
-                                "block", d.path};
+                                "block", d.path()};
   if (ignore) args.push_back("ignore");
   Emberrun e(args);
-  auto pids = wait_for_pids(e, d.path, 3);
+  auto pids = wait_for_pids(e, d.path(), 3);
   ASSERT_EQ(pids.size(), 3u);
   kill(e.pid(), sig);
   Result r = e.wait();
@@ -366,19 +367,19 @@ TEST(Emberrun, RdzvConfJoinTimeoutEndsTheWait) {
 // torchrun's PET_* variables set the options; EMBER_* ones and the command line beat them.
 TEST(Emberrun, TorchrunVariablesAndCommandLineWins) {
   TempDir d;
-  Result r = run({worker(), "env", d.path}, {"PET_NPROC_PER_NODE=2", "PET_MASTER_PORT=29615"});
+  Result r = run({worker(), "env", d.path()}, {"PET_NPROC_PER_NODE=2", "PET_MASTER_PORT=29615"});
   ASSERT_EQ(r.exit_code, 0) << describe(r);
-  std::string env = read_file(d.path + "/env_1.txt");
+  std::string env = read_file(d.file("env_1.txt"));
   EXPECT_TRUE(contains(env, "WORLD_SIZE=2\n")) << env;
   EXPECT_TRUE(contains(env, "MASTER_PORT=29615\n")) << env;
   TempDir d2;
-  r = run({"--nproc-per-node", "1", worker(), "env", d2.path},
+  r = run({"--nproc-per-node", "1", worker(), "env", d2.path()},
           {"PET_NPROC_PER_NODE=2", "PET_MASTER_PORT=29615", "EMBER_MASTER_PORT=29616"});
   ASSERT_EQ(r.exit_code, 0) << describe(r);
-  env = read_file(d2.path + "/env_0.txt");
+  env = read_file(d2.file("env_0.txt"));
   EXPECT_TRUE(contains(env, "WORLD_SIZE=1\n")) << env;
   EXPECT_TRUE(contains(env, "MASTER_PORT=29616\n")) << env;
-  EXPECT_FALSE(fs::exists(d2.path + "/env_1.txt"));
+  EXPECT_FALSE(fs::exists(d2.file("env_1.txt")));
 }
 
 // The GPUs are counted by the driver as the workers will see them, so hidden devices do not

@@ -38,13 +38,13 @@ TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcd) {
   if (!why.empty()) GTEST_SKIP() << why;
   ember::test::EtcdServer etcd;
   TempDir d;
-  const auto args = cat(etcd_job(etcd.endpoint()), {dist_worker(), d.path});
+  const auto args = cat(etcd_job(etcd.endpoint()), {dist_worker(), d.path()});
   Emberrun n0(args), n1(args);  // nobody hosts anything: ranks by arrival
   Result r0 = n0.wait(), r1 = n1.wait();
   ASSERT_EQ(r0.exit_code, 0) << describe(r0) << "\netcd's log:\n" << etcd.log_tail();
   ASSERT_EQ(r1.exit_code, 0) << describe(r1);
   for (int i = 0; i < 4; ++i)
-    EXPECT_EQ(read_file(d.path + "/sum_" + std::to_string(i)), "10 4") << "rank " << i;
+    EXPECT_EQ(read_file(d.path() + "/sum_" + std::to_string(i)), "10 4") << "rank " << i;
   EXPECT_TRUE(contains(r0.err, "rendezvous 127.0.0.1:")) << describe(r0);
   EXPECT_TRUE(contains(r0.err + r1.err, "node 0 (") && contains(r0.err + r1.err, "node 1 ("))
       << describe(r0) << describe(r1);
@@ -86,14 +86,15 @@ TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcdOverTls) {
     return cat(cat(etcd_job(etcd.endpoint()), {"--rdzv-conf", conf, "--join-timeout", "30"}),
                rest);
   };
-  const auto args = job("protocol=https,cacert=" + pki.crt("ca") + client, {dist_worker(), d.path});
+  const auto args =
+      job("protocol=https,cacert=" + pki.crt("ca") + client, {dist_worker(), d.path()});
   Emberrun n0(args), n1(args);
   Result r0 = n0.wait(), r1 = n1.wait();
   ASSERT_EQ(r0.exit_code, 0) << describe(r0) << describe(r1) << "\netcd's log:\n"
                              << etcd.log_tail();
   ASSERT_EQ(r1.exit_code, 0) << describe(r1);
   for (int i = 0; i < 4; ++i)
-    EXPECT_EQ(read_file(d.path + "/sum_" + std::to_string(i)), "10 4") << "rank " << i;
+    EXPECT_EQ(read_file(d.path() + "/sum_" + std::to_string(i)), "10 4") << "rank " << i;
   // TLS failures end the agent at once (not after --join-timeout), naming etcd and the cause.
   const std::string store = "cannot use the rendezvous store at " + etcd.endpoint() + ": ";
   const auto start = Clock::now();
@@ -136,21 +137,21 @@ TEST(EtcdRendezvous, TwoNodesRunOneJobThroughEtcdWithAuthentication) {
   ember::test::EtcdServer etcd;
   ember::test::enable_etcd_auth(etcd, "s3cret");
   TempDir d;
-  const std::string good = d.path + "/good", bad = d.path + "/bad";
+  const std::string good = d.file("good"), bad = d.file("bad");
   std::ofstream(good) << "s3cret\n";
   std::ofstream(bad) << "guess\n";
   auto job = [&](const std::string& conf, std::vector<std::string> rest) {
     return cat(cat(etcd_job(etcd.endpoint()), {"--rdzv-conf", conf, "--join-timeout", "30"}),
                rest);
   };
-  const auto args = job("user=root,password_file=" + good, {dist_worker(), d.path});
+  const auto args = job("user=root,password_file=" + good, {dist_worker(), d.path()});
   Emberrun n0(args), n1(args);
   Result r0 = n0.wait(), r1 = n1.wait();
   ASSERT_EQ(r0.exit_code, 0) << describe(r0) << describe(r1) << "\netcd's log:\n"
                              << etcd.log_tail();
   ASSERT_EQ(r1.exit_code, 0) << describe(r1);
   for (int i = 0; i < 4; ++i)
-    EXPECT_EQ(read_file(d.path + "/sum_" + std::to_string(i)), "10 4") << "rank " << i;
+    EXPECT_EQ(read_file(d.path() + "/sum_" + std::to_string(i)), "10 4") << "rank " << i;
   // Refused credentials end the agent at once, naming etcd and its answer.
   const std::string store = "cannot use the rendezvous store at " + etcd.endpoint() + ": ";
   Result wrong = run(job("user=root,password_file=" + bad, {worker(), "env", "/nonexistent"}));
@@ -225,7 +226,8 @@ TEST(EtcdRendezvous, LeaderKilledDuringTheJoinIsReplaced) {
   if (!why.empty()) GTEST_SKIP() << why;
   ember::test::EtcdServer etcd;
   TempDir d;
-  const auto job = cat(elastic_etcd_job(etcd.endpoint(), "takeover"), {step_worker(), d.path, "3"});
+  const auto job =
+      cat(elastic_etcd_job(etcd.endpoint(), "takeover"), {step_worker(), d.path(), "3"});
   auto first = std::make_unique<Emberrun>(job);
   ASSERT_TRUE(wait_for_etcd_key(etcd.endpoint(), "takeover", "r0/leader"))
       << describe(first->wait());
@@ -259,7 +261,7 @@ TEST(EtcdRendezvous, AgentKilledRightAfterItsArrivalDoesNotStallTheRound) {
   ember::test::EtcdServer etcd;
   TempDir d;
   const auto job = cat(elastic_etcd_job(etcd.endpoint(), "arrival"),
-                       {"--rdzv-timeout", "20", step_worker(), d.path, "3"});
+                       {"--rdzv-timeout", "20", step_worker(), d.path(), "3"});
   Result rx = run(job, {"EMBER_TEST_KILL_AFTER_ARRIVAL=1"});
   ASSERT_EQ(rx.exit_code, -1) << "expected the hook's SIGKILL: " << describe(rx);
   ASSERT_TRUE(wait_for_etcd_key(etcd.endpoint(), "arrival", "r0/restarts"));
@@ -287,11 +289,11 @@ TEST(EtcdRendezvous, LostEtcdStopsEveryNodeNamingTheEndpoint) {
   TempDir d;
   const auto job = cat({"--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint",
                         etcd.endpoint(), "--rdzv-id", "lost", "--grace-period", "5"},
-                       {worker(), "block", d.path});
+                       {worker(), "block", d.path()});
   Emberrun a(job), b(job);
   std::vector<pid_t> workers;
   for (int r : {0, 1}) {
-    const std::string f = d.path + "/pid_" + std::to_string(r);
+    const std::string f = d.path() + "/pid_" + std::to_string(r);
     ASSERT_TRUE(wait_for_file(f)) << "rank " << r << " never started";
     workers.push_back(std::atoi(read_file(f).c_str()));
     a.track(workers.back());
@@ -335,12 +337,12 @@ class EtcdNetns : public ::testing::Test {
   void start_etcd() {
     const std::string url = "http://" + net_->addr[3];
     const std::string cmd = "exec " + std::string(ember::test::kEtcdBinary) +
-                            " --name=ember-netns --data-dir=" + data_.path + "/data" +
+                            " --name=ember-netns --data-dir=" + data_.path() + "/data" +
                             " --listen-client-urls=" + url + ":2379 --advertise-client-urls=" +
                             url + ":2379 --listen-peer-urls=" + url +
                             ":2380 --initial-advertise-peer-urls=" + url +
                             ":2380 --initial-cluster=ember-netns=" + url +
-                            ":2380 --log-level=warn > " + data_.path + "/etcd.log 2>&1";
+                            ":2380 --log-level=warn > " + data_.path() + "/etcd.log 2>&1";
     etcd_ = std::make_unique<Emberrun>(std::vector<std::string>{"sh", "-c", cmd},
                                        std::vector<std::string>{}, net_->exec_prefix(3),
                                        /*raw=*/true);
@@ -359,7 +361,7 @@ class EtcdNetns : public ::testing::Test {
       });
     }
     ASSERT_TRUE(up) << "etcd did not start in " << net_->ns[3] << "; its log:\n"
-                    << read_file(data_.path + "/etcd.log");
+                    << read_file(data_.file("etcd.log"));
   }
 
   std::unique_ptr<NetnsNodes> net_;
@@ -449,9 +451,9 @@ void expect_finished_on_two(const AfterNode0& k, NetnsNodes& net, const std::str
 TEST_F(EtcdNetns, Node0KilledAndTheOthersFinishOnTwo) {
   // Every rank holds at step 3 (as between two collectives): the others find node 0 silent.
   TempDir d;
-  const AfterNode0 k = kill_node0(d.path, "3@2", "30");
+  const AfterNode0 k = kill_node0(d.path(), "3@2", "30");
   if (k.dead < 0) return;
-  expect_finished_on_two(k, *net_, d.path);
+  expect_finished_on_two(k, *net_, d.path());
   EXPECT_TRUE(contains(k.err, "node 0 (") &&
               contains(k.err, " pid " + std::to_string(k.agent) + ") lost: no heartbeat for "))
       << k.all;
@@ -464,9 +466,9 @@ TEST_F(EtcdNetns, Node0KilledMidCollectiveAndTheOthersFinishOnTwo) {
   // waiting for it: without that, round 1 would wait the whole last call (120 s, past the
   // harness's 60 s).
   TempDir d;
-  const AfterNode0 k = kill_node0(d.path, "3@2/0", "120");
+  const AfterNode0 k = kill_node0(d.path(), "3@2/0", "120");
   if (k.dead < 0) return;
-  expect_finished_on_two(k, *net_, d.path);
+  expect_finished_on_two(k, *net_, d.path());
   EXPECT_TRUE(contains(k.err, "rendezvous round 1 now expects 2 nodes: 1 of round 0 gone (etcd "
                               "lease expired)"))
       << k.all;

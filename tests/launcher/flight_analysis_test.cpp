@@ -48,7 +48,7 @@ json dump(int rank, const std::vector<int>& ranks, const json& entries) {
 }
 
 void write(const test::TempDir& dir, int rank, const std::string& text) {
-  std::ofstream(dir / ("flight_rank" + std::to_string(rank) + ".json")) << text;
+  std::ofstream(dir.file("flight_rank" + std::to_string(rank) + ".json")) << text;
 }
 void write(const test::TempDir& dir, int rank, const json& doc) { write(dir, rank, doc.dump()); }
 
@@ -75,10 +75,10 @@ TEST(FlightAnalysis, AgreeingRanksGiveNoFindingEvenWhenTheirRingsWrappedApart) {
   test::TempDir dir("flight_analysis");
   write(dir, 0, dump(0, {0, 1}, steps(5, 12)));  // its ring lost #0..#4
   write(dir, 1, dump(1, {0, 1}, steps(2, 12)));
-  const FlightReport r = analyze_flight_dumps(dir.path);
+  const FlightReport r = analyze_flight_dumps(dir.path());
   EXPECT_EQ(r.files.size(), 2u);
   EXPECT_TRUE(r.findings.empty()) << r.findings[0].message;
-  const ProgramRun run = analyze_program(dir.path);
+  const ProgramRun run = analyze_program(dir.path());
   EXPECT_EQ(run.rc, 0) << run.out;
   EXPECT_NE(run.out.find("no divergence"), std::string::npos) << run.out;
 }
@@ -90,7 +90,7 @@ TEST(FlightAnalysis, NamesTheRankThatNeverCalledWhatTheOthersWaitIn) {
   write(dir, 0, dump(0, {0, 1, 2}, waiting));
   write(dir, 1, dump(1, {0, 1, 2}, steps(0, 7)));
   write(dir, 2, dump(2, {0, 1, 2}, waiting));
-  const FlightReport r = analyze_flight_dumps(dir.path);
+  const FlightReport r = analyze_flight_dumps(dir.path());
   ASSERT_EQ(r.findings.size(), 1u);
   const FlightFinding& f = r.findings[0];
   EXPECT_EQ(f.kind, Kind::Missing);
@@ -101,7 +101,7 @@ TEST(FlightAnalysis, NamesTheRankThatNeverCalledWhatTheOthersWaitIn) {
                            "and 2 wait in it (enqueued)"),
             std::string::npos)
       << f.message;
-  const ProgramRun run = analyze_program(dir.path);
+  const ProgramRun run = analyze_program(dir.path());
   EXPECT_EQ(run.rc, 1) << run.out;
   EXPECT_NE(run.out.find(f.message), std::string::npos) << run.out;
 }
@@ -113,7 +113,7 @@ TEST(FlightAnalysis, NamesARankThatSkippedOneAndWentOn) {
   json behind = steps(0, 3);  // skipped #3 (the loss): its #3 is the next bucket, and so on
   for (uint64_t s = 3; s < 5; ++s) behind.push_back(entry(s, "allreduce", s % 2 == 0 ? 1 : 10));
   write(dir, 1, dump(1, {0, 1, 2}, behind));
-  const FlightReport r = analyze_flight_dumps(dir.path);
+  const FlightReport r = analyze_flight_dumps(dir.path());
   ASSERT_EQ(r.findings.size(), 1u);
   const FlightFinding& f = r.findings[0];
   EXPECT_EQ(f.kind, Kind::Skipped);
@@ -134,7 +134,7 @@ TEST(FlightAnalysis, NamesASizeMismatch) {
   write(dir, 0, dump(0, {0, 1, 2}, same));
   write(dir, 1, dump(1, {0, 1, 2}, other));
   write(dir, 2, dump(2, {0, 1, 2}, same));
-  const FlightReport r = analyze_flight_dumps(dir.path);
+  const FlightReport r = analyze_flight_dumps(dir.path());
   ASSERT_EQ(r.findings.size(), 1u);
   const FlightFinding& f = r.findings[0];
   EXPECT_EQ(f.kind, Kind::Mismatch);
@@ -158,7 +158,7 @@ TEST(FlightAnalysis, SaysARankLikelySkippedWhenItsCallIsOneTheOthersMadeBefore) 
   write(dir, 0, dump(0, {0, 1, 2}, failed));
   write(dir, 1, dump(1, {0, 1, 2}, ahead));
   write(dir, 2, dump(2, {0, 1, 2}, failed));
-  const FlightReport r = analyze_flight_dumps(dir.path);
+  const FlightReport r = analyze_flight_dumps(dir.path());
   ASSERT_EQ(r.findings.size(), 1u);
   EXPECT_EQ(r.findings[0].kind, Kind::Mismatch);
   EXPECT_EQ(r.findings[0].seq, 3u);
@@ -178,7 +178,7 @@ TEST(FlightAnalysis, NamesRanksStuckInACollectiveTheOthersCompleted) {
   done.push_back(entry(3, "broadcast", 4));
   write(dir, 0, dump(0, {0, 1}, done));
   write(dir, 1, dump(1, {0, 1}, stuck));
-  const FlightReport r = analyze_flight_dumps(dir.path);
+  const FlightReport r = analyze_flight_dumps(dir.path());
   ASSERT_EQ(r.findings.size(), 1u);
   EXPECT_EQ(r.findings[0].kind, Kind::Stuck);
   EXPECT_EQ(r.findings[0].seq, 3u);
@@ -195,7 +195,7 @@ TEST(FlightAnalysis, NamesAFailedCollectiveAndAMemberWithoutADump) {
   failed.push_back(e);
   write(dir, 0, dump(0, {0, 1, 2}, failed));
   write(dir, 1, dump(1, {0, 1, 2}, failed));
-  const FlightReport r = analyze_flight_dumps(dir.path);
+  const FlightReport r = analyze_flight_dumps(dir.path());
   ASSERT_EQ(r.findings.size(), 2u);
   EXPECT_EQ(r.findings[0].kind, Kind::Failed);
   EXPECT_NE(r.findings[0].message.find("connection reset by rank 2"), std::string::npos);
@@ -229,21 +229,21 @@ TEST(FlightAnalysis, RefusesBadDumpsByName) {
     write(dir, 0, dump(0, {0, 1}, steps(0, 2)));
     write(dir, 1, c.text);
     try {
-      analyze_flight_dumps(dir.path);
+      analyze_flight_dumps(dir.path());
       ADD_FAILURE() << "accepted";
     } catch (const FlightDumpError& e) {
       EXPECT_NE(std::string(e.what()).find(c.expect), std::string::npos) << e.what();
     }
-    const ProgramRun run = analyze_program(dir.path);
+    const ProgramRun run = analyze_program(dir.path());
     EXPECT_EQ(run.rc, 2) << run.out;
     EXPECT_NE(run.out.find(c.expect), std::string::npos) << run.out;
   }
   test::TempDir empty("flight_analysis");
-  EXPECT_THROW(analyze_flight_dumps(empty.path), FlightDumpError);
-  ProgramRun run = analyze_program(empty.path);
+  EXPECT_THROW(analyze_flight_dumps(empty.path()), FlightDumpError);
+  ProgramRun run = analyze_program(empty.path());
   EXPECT_EQ(run.rc, 2);
   EXPECT_NE(run.out.find("no flight_rank<R>.json dumps"), std::string::npos) << run.out;
-  run = analyze_program(empty / "missing");
+  run = analyze_program(empty.file("missing"));
   EXPECT_EQ(run.rc, 2);
   EXPECT_NE(run.out.find("missing: not a folder"), std::string::npos) << run.out;
 }
@@ -262,14 +262,14 @@ TEST(FlightAnalysis, EmberrunKeepsTheDumpsWithTheLogs) {
   const std::string cmd = "env -u EMBER_FLIGHT_RECORDER_DIR DIST_WORKER_BARRIER_ON_RANK=1 "
                           "EMBER_PG_TIMEOUT=30 '" + EMBER_BINARY_DIR +
                           "/launcher/emberrun' --standalone --nproc-per-node 2 --log-dir '" +
-                          dir.path + "/logs' '" + worker + "' '" + dir.path + "' > '" +
-                          dir.path + "/emberrun.out' 2>&1";
+                          dir.path() + "/logs' '" + worker + "' '" + dir.path() + "' > '" +
+                          dir.path() + "/emberrun.out' 2>&1";
   const int status = std::system(cmd.c_str());
-  std::ifstream log(dir / "emberrun.out");
+  std::ifstream log(dir.file("emberrun.out"));
   const std::string out((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
   ASSERT_TRUE(WIFEXITED(status)) << out;
   EXPECT_NE(WEXITSTATUS(status), 0) << "the job must fail:\n" << out;
-  const std::string flight = dir.path + "/logs/none/attempt_0/flight";
+  const std::string flight = dir.file("logs/none/attempt_0/flight");
   const bool dumped0 = std::filesystem::exists(flight + "/flight_rank0.json");
   const bool dumped1 = std::filesystem::exists(flight + "/flight_rank1.json");
   ASSERT_TRUE(dumped0 || dumped1) << out;

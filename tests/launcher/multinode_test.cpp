@@ -78,8 +78,8 @@ TEST(MultiNodeLoopback, TwoAgentsWithStaticNodeRanksRunOneJob) {
   TempDir d;
   const int port = free_port();
   const auto common = cat(loopback(port, 2), {"--nnodes", "2"});
-  Emberrun n1(cat(common, {"--node-rank", "1", dist_worker(), d.path}));  // before node 0
-  Emberrun n0(cat(common, {"--node-rank", "0", dist_worker(), d.path}));
+  Emberrun n1(cat(common, {"--node-rank", "1", dist_worker(), d.path()}));  // before node 0
+  Emberrun n0(cat(common, {"--node-rank", "0", dist_worker(), d.path()}));
   Result r0 = n0.wait(), r1 = n1.wait();
   ASSERT_EQ(r0.exit_code, 0) << describe(r0);
   ASSERT_EQ(r1.exit_code, 0) << describe(r1);
@@ -88,7 +88,7 @@ TEST(MultiNodeLoopback, TwoAgentsWithStaticNodeRanksRunOneJob) {
   expect_transport(r0.out + r1.out, 4, "shared memory");
   EXPECT_TRUE(contains(r1.out, "[rank 2]:") && contains(r1.out, "[rank 3]:")) << describe(r1);
   for (int i = 0; i < 4; ++i)
-    EXPECT_EQ(read_file(d.path + "/sum_" + std::to_string(i)), "10 4") << "rank " << i;
+    EXPECT_EQ(read_file(d.path() + "/sum_" + std::to_string(i)), "10 4") << "rank " << i;
   EXPECT_TRUE(contains(r0.err, "node 0 (")) << describe(r0);
   EXPECT_TRUE(contains(r1.err, "node 1 (")) << describe(r1);
 }
@@ -115,8 +115,8 @@ TEST(MultiNodeLoopback, RanksByArrivalWithMinMaxAndUnevenNproc) {
   const std::vector<std::string> common = {
       "--nnodes",  "1:2",    "--rdzv-endpoint",  "127.0.0.1:" + std::to_string(port),
       "--rdzv-id", "arrive", "--rdzv-last-call", "60"};
-  Emberrun a(cat(common, {"--nproc-per-node", "1", worker(), "env", d.path}));
-  Emberrun b(cat(common, {"--nproc-per-node", "3", worker(), "env", d.path}));
+  Emberrun a(cat(common, {"--nproc-per-node", "1", worker(), "env", d.path()}));
+  Emberrun b(cat(common, {"--nproc-per-node", "3", worker(), "env", d.path()}));
   Result ra = a.wait(), rb = b.wait();
   ASSERT_EQ(ra.exit_code, 0) << describe(ra);
   ASSERT_EQ(rb.exit_code, 0) << describe(rb);
@@ -127,7 +127,7 @@ TEST(MultiNodeLoopback, RanksByArrivalWithMinMaxAndUnevenNproc) {
   const int n0 = a_first ? 1 : 3;
   EXPECT_TRUE(contains(second.err, "node 1 (")) << describe(second);
   for (int rank = 0; rank < 4; ++rank) {
-    const std::string env = read_file(d.path + "/env_" + std::to_string(rank) + ".txt");
+    const std::string env = read_file(d.path() + "/env_" + std::to_string(rank) + ".txt");
     EXPECT_TRUE(contains(env, "WORLD_SIZE=4\n")) << "rank " << rank << "\n" << env;
     const int group = rank < n0 ? 0 : 1;
     EXPECT_TRUE(contains(env, "GROUP_RANK=" + std::to_string(group) + "\n")) << rank << env;
@@ -142,8 +142,8 @@ TEST(MultiNodeLoopback, FailureOnOneNodeRestartsEveryNode) {
   TempDir d;
   const int port = free_port();
   const auto common = cat(loopback(port), {"--nnodes", "2", "--max-restarts", "1"});
-  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "flaky", d.path, "1"}));
-  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "flaky", d.path, "1"}));
+  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "flaky", d.path(), "1"}));
+  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "flaky", d.path(), "1"}));
   Result r0 = n0.wait(), r1 = n1.wait();
   ASSERT_EQ(r0.exit_code, 0) << describe(r0);
   ASSERT_EQ(r1.exit_code, 0) << describe(r1);
@@ -152,10 +152,10 @@ TEST(MultiNodeLoopback, FailureOnOneNodeRestartsEveryNode) {
                        "(1/1)"))
       << describe(r1);
   EXPECT_TRUE(contains(r0.err, "node 1 failed (node 1 (")) << describe(r0);
-  EXPECT_EQ(read_file(d.path + "/done_0"), "restarts=1 world=2 group=0/2");
-  EXPECT_EQ(read_file(d.path + "/done_1"), "restarts=1 world=2 group=1/2");
+  EXPECT_EQ(read_file(d.file("done_0")), "restarts=1 world=2 group=0/2");
+  EXPECT_EQ(read_file(d.file("done_1")), "restarts=1 world=2 group=1/2");
   // Rank 0's first-attempt worker (which waited to be stopped) is gone.
-  pid_t p = std::atoi(read_file(d.path + "/ready_0").c_str());
+  pid_t p = std::atoi(read_file(d.file("ready_0")).c_str());
   ASSERT_GT(p, 0);
   EXPECT_FALSE(process_exists(p)) << "rank 0's stopped worker outlived its agent";
 }
@@ -164,8 +164,8 @@ TEST(MultiNodeLoopback, FailureWithoutRestartsStopsEveryNode) {
   TempDir d;
   const int port = free_port();
   const auto common = cat(loopback(port, 2), {"--nnodes", "2"});
-  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "exit", d.path, "3", "5"}));
-  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "exit", d.path, "3", "5"}));
+  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "exit", d.path(), "3", "5"}));
+  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "exit", d.path(), "3", "5"}));
   Result r0 = n0.wait(), r1 = n1.wait();
   EXPECT_EQ(r1.exit_code, 1) << describe(r1);
   EXPECT_TRUE(contains(r1.err, "FAILED")) << describe(r1);
@@ -177,7 +177,7 @@ TEST(MultiNodeLoopback, FailureWithoutRestartsStopsEveryNode) {
   EXPECT_TRUE(contains(r0.err, "the run failed on node 1 (node 1 (")) << describe(r0);
   EXPECT_TRUE(contains(r0.err, "rank 3 exited with code 5")) << describe(r0);
   for (int rank : {0, 1, 2}) {
-    const std::string f = d.path + "/ready_" + std::to_string(rank);
+    const std::string f = d.path() + "/ready_" + std::to_string(rank);
     if (!fs::exists(f)) continue;  // stopped before it started
     pid_t p = std::atoi(read_file(f).c_str());
     EXPECT_FALSE(p > 0 && process_exists(p)) << "rank " << rank << " outlived its agent";
@@ -222,14 +222,14 @@ TEST(MultiNodeLoopback, DuplicateNodeRankIsRefused) {
   TempDir d;
   const int port = free_port();
   const auto common = cat(loopback(port), {"--nnodes", "3", "--rdzv-id", "dup"});
-  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "env", d.path}));
-  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "env", d.path}));
+  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "env", d.path()}));
+  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "env", d.path()}));
   wait_for_key(port, "emberrun/dup/r0/node/1");
-  Result rd = run(cat(common, {"--node-rank", "1", worker(), "env", d.path}));
+  Result rd = run(cat(common, {"--node-rank", "1", worker(), "env", d.path()}));
   EXPECT_EQ(rd.exit_code, 1) << describe(rd);
   EXPECT_TRUE(contains(rd.err, "node rank 1 of round 0 is already taken by ")) << describe(rd);
   EXPECT_TRUE(contains(rd.err, "pid " + std::to_string(n1.pid()))) << describe(rd);
-  Result r2 = run(cat(common, {"--node-rank", "2", worker(), "env", d.path}));
+  Result r2 = run(cat(common, {"--node-rank", "2", worker(), "env", d.path()}));
   Result r0 = n0.wait(), r1 = n1.wait();
   for (const Result* r : {&r0, &r1, &r2}) EXPECT_EQ(r->exit_code, 0) << describe(*r);
 }
@@ -238,12 +238,13 @@ TEST(MultiNodeLoopback, LostStoreStopsTheOtherNodes) {
   TempDir d;
   const int port = free_port();
   const auto common = cat(loopback(port), {"--nnodes", "2"});
-  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "block", d.path}), {"TMPDIR=" + d.path});
-  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "block", d.path}));
-  auto pids0 = wait_for_pids(n0, d.path, 1);
+  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "block", d.path()}),
+              {"TMPDIR=" + d.path()});
+  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "block", d.path()}));
+  auto pids0 = wait_for_pids(n0, d.path(), 1);
   std::vector<pid_t> pids1;
   {
-    const std::string f = d.path + "/pid_1";
+    const std::string f = d.file("pid_1");
     ASSERT_TRUE(wait_for_file(f));
     pids1.push_back(std::atoi(read_file(f).c_str()));
     n1.track(pids1[0]);
@@ -266,11 +267,11 @@ TEST(MultiNodeLoopback, StoppedAgentIsLostAfterNode0Finished) {
   TempDir d;
   const int port = free_port();
   const auto common = cat(loopback(port), {"--nnodes", "2", "--heartbeat-timeout", "3"});
-  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "block", d.path}));
-  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "env", d.path}));
-  ASSERT_TRUE(wait_for_file(d.path + "/pid_1"));
-  n1.track(std::atoi(read_file(d.path + "/pid_1").c_str()));
-  ASSERT_TRUE(wait_for_file(d.path + "/env_0.txt"));
+  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "block", d.path()}));
+  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "env", d.path()}));
+  ASSERT_TRUE(wait_for_file(d.file("pid_1")));
+  n1.track(std::atoi(read_file(d.file("pid_1")).c_str()));
+  ASSERT_TRUE(wait_for_file(d.file("env_0.txt")));
   kill(n1.pid(), SIGSTOP);
   Result r0 = n0.wait();
   kill(n1.pid(), SIGCONT);
@@ -290,11 +291,11 @@ TEST(MultiNodeLoopback, ElasticJobGoesOnWithoutANodeThatCannotStartItsWorkers) {
   // closing it, and the two others restart without it (world size 2) and finish.
   TempDir d;
   const int port = free_port();
-  const std::string file = d.path + "/not_a_folder";
+  const std::string file = d.file("not_a_folder");
   std::ofstream(file) << "x";
   const auto common = cat(loopback(port), {"--nnodes", "2:3", "--rdzv-id", "leave",
                                            "--max-restarts", "1", "--rdzv-last-call", "30"});
-  const std::vector<std::string> job = {worker(), "elastic", d.path, "2", "0@2"};
+  const std::vector<std::string> job = {worker(), "elastic", d.path(), "2", "0@2"};
   Emberrun n0(cat(common, job));
   wait_for_key(port, "emberrun/leave/r0/node/0");
   Emberrun bad(cat(common, cat({"--log-dir", file}, job)));
@@ -307,7 +308,7 @@ TEST(MultiNodeLoopback, ElasticJobGoesOnWithoutANodeThatCannotStartItsWorkers) {
   EXPECT_TRUE(contains(r0.err, "; it leaves the job)")) << describe(r0);
   EXPECT_TRUE(contains(r0.err, "restarting the group on every node (1/1)")) << describe(r0);
   for (int r : {0, 1})
-    EXPECT_EQ(read_file(d.path + "/done_" + std::to_string(r)), "world=2 resumed_from=0");
+    EXPECT_EQ(read_file(d.path() + "/done_" + std::to_string(r)), "world=2 resumed_from=0");
 }
 
 TEST(MultiNodeLoopback, AgentKilledRightAfterItsArrivalDoesNotStallTheRound) {
@@ -326,7 +327,7 @@ TEST(MultiNodeLoopback, AgentKilledRightAfterItsArrivalDoesNotStallTheRound) {
                                         "--max-restarts", "1", "--heartbeat-timeout", "3",
                                         "--heartbeat-interval", "0.5", "--rdzv-last-call", "30",
                                         "--rdzv-timeout", std::to_string(rdzv_timeout_s),
-                                        step_worker(), d.path, "3"});
+                                        step_worker(), d.path(), "3"});
   const auto start = Clock::now();
   Emberrun n0(job);
   wait_for_key(port, "emberrun/arrival/r0/node/0");
@@ -354,11 +355,11 @@ TEST(MultiNodeLoopback, NodeArrivingAtAFullElasticRoundWaitsBoundedAndAlone) {
   TempDir d;
   const int port = free_port();
   const auto common = cat(loopback(port), {"--nnodes", "1:2", "--rdzv-id", "full"});
-  const std::vector<std::string> job = {worker(), "block", d.path};
+  const std::vector<std::string> job = {worker(), "block", d.path()};
   Emberrun n0(cat(common, job));
   wait_for_key(port, "emberrun/full/r0/node/0");
   Emberrun n1(cat(common, job));
-  auto workers = wait_for_pids(n0, d.path, 2);
+  auto workers = wait_for_pids(n0, d.path(), 2);
   ASSERT_EQ(workers.size(), 2u);
   n1.track(workers[1]);
   Emberrun late(cat(common, cat({"--rdzv-timeout", "1"}, job)));
@@ -395,11 +396,11 @@ TEST(MultiNodeLoopback, SignalOnOneNodeEndsTheRunOnEveryNode) {
   const int port = free_port();
   // Restarts remain, but an interrupted node closes the run: node 0 must not wait for it.
   const auto common = cat(loopback(port), {"--nnodes", "2", "--max-restarts", "3"});
-  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "block", d.path}));
-  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "block", d.path}));
-  auto p0 = wait_for_pids(n0, d.path, 1);
-  ASSERT_TRUE(wait_for_file(d.path + "/pid_1"));
-  pid_t p1 = std::atoi(read_file(d.path + "/pid_1").c_str());
+  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "block", d.path()}));
+  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "block", d.path()}));
+  auto p0 = wait_for_pids(n0, d.path(), 1);
+  ASSERT_TRUE(wait_for_file(d.file("pid_1")));
+  pid_t p1 = std::atoi(read_file(d.file("pid_1")).c_str());
   n1.track(p1);
   kill(n1.pid(), SIGTERM);
   Result r1 = n1.wait(), r0 = n0.wait();
@@ -433,9 +434,9 @@ TEST_F(MultiNodeNetns, GlooAllreduceAcrossTwoNamespaces) {
   const std::vector<std::string> common = {
       "--nnodes",      "2",           "--nproc-per-node", "2",
       "--master-addr", net_->addr[0], "--master-port",    "29400"};
-  Emberrun n1(cat(common, {"--node-rank", "1", dist_worker(), d.path}), env(1),
+  Emberrun n1(cat(common, {"--node-rank", "1", dist_worker(), d.path()}), env(1),
               net_->exec_prefix(1));
-  Emberrun n0(cat(common, {"--node-rank", "0", dist_worker(), d.path}), env(0),
+  Emberrun n0(cat(common, {"--node-rank", "0", dist_worker(), d.path()}), env(0),
               net_->exec_prefix(0));
   Result r0 = n0.wait(), r1 = n1.wait();
   ASSERT_EQ(r0.exit_code, 0) << describe(r0);
@@ -455,8 +456,8 @@ TEST_F(MultiNodeNetns, RanksByArrivalThroughTheEndpoint) {
   const std::vector<std::string> common = {
       "--nnodes",  "2",        "--nproc-per-node", "2", "--rdzv-endpoint", net_->addr[0] + ":29500",
       "--rdzv-id", "netns-job"};
-  Emberrun b(cat(common, {dist_worker(), d.path}), env(1), net_->exec_prefix(1));
-  Emberrun a(cat(common, {dist_worker(), d.path}), env(0), net_->exec_prefix(0));
+  Emberrun b(cat(common, {dist_worker(), d.path()}), env(1), net_->exec_prefix(1));
+  Emberrun a(cat(common, {dist_worker(), d.path()}), env(0), net_->exec_prefix(0));
   Result ra = a.wait(), rb = b.wait();
   ASSERT_EQ(ra.exit_code, 0) << describe(ra);
   ASSERT_EQ(rb.exit_code, 0) << describe(rb);
@@ -483,12 +484,14 @@ Partitioned run_and_cut_link(NetnsNodes& net, const std::vector<std::string>& ex
                                "29400", "--grace-period", "5"},
                               {"--heartbeat-timeout", "3", "--heartbeat-interval", "0.5"}),
                           extra);
-  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "block", d.path}), {}, net.exec_prefix(0));
-  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "block", d.path}), {}, net.exec_prefix(1));
+  Emberrun n0(cat(common, {"--node-rank", "0", worker(), "block", d.path()}), {},
+              net.exec_prefix(0));
+  Emberrun n1(cat(common, {"--node-rank", "1", worker(), "block", d.path()}), {},
+              net.exec_prefix(1));
   Partitioned p;
   p.r1_pid = n1.pid();
   for (int rank : {0, 1}) {
-    const std::string f = d.path + "/pid_" + std::to_string(rank);
+    const std::string f = d.path() + "/pid_" + std::to_string(rank);
     EXPECT_TRUE(wait_for_file(f)) << "rank " << rank << " never started";
     p.workers.push_back(std::atoi(read_file(f).c_str()));
     (rank ? n1 : n0).track(p.workers.back());
@@ -598,7 +601,7 @@ TEST_F(ElasticNetns, LostNodeLeavesAndTheJobFinishesOnTwo) {
   if (IsSkipped()) return;
   TempDir d;
   // 6 steps; at step 3 the workers hold until the world has 2 ranks.
-  auto a = start_three_and_kill_one({worker(), "elastic", d.path, "6", "3@2"}, d.path);
+  auto a = start_three_and_kill_one({worker(), "elastic", d.path(), "6", "3@2"}, d.path());
   Result r0 = a[0]->wait(), r1 = a[1]->wait();
   ASSERT_EQ(r0.exit_code, 0) << describe(r0) << describe(r1);
   ASSERT_EQ(r1.exit_code, 0) << describe(r1);
@@ -609,10 +612,10 @@ TEST_F(ElasticNetns, LostNodeLeavesAndTheJobFinishesOnTwo) {
                              " of 2: resuming from step 3 (restarts 1)\n";
     EXPECT_TRUE(contains(r0.out + r1.out, line)) << "missing: " << line << describe(r0)
                                                  << describe(r1);
-    EXPECT_EQ(read_file(d.path + "/done_" + std::to_string(r)), "world=2 resumed_from=3");
+    EXPECT_EQ(read_file(d.path() + "/done_" + std::to_string(r)), "world=2 resumed_from=3");
   }
-  EXPECT_FALSE(fs::exists(d.path + "/done_2"));
-  EXPECT_EQ(read_file(d.path + "/ckpt"), "6");
+  EXPECT_FALSE(fs::exists(d.file("done_2")));
+  EXPECT_EQ(read_file(d.file("ckpt")), "6");
   EXPECT_TRUE(contains(r0.err, " of 2: ranks 0..0 of 2, MASTER_ADDR=")) << describe(r0);
 }
 
@@ -622,9 +625,9 @@ TEST_F(ElasticNetns, LateNodeJoinsAtTheNextRestartAndTheJobGrows) {
   create(4);
   if (IsSkipped()) return;
   TempDir d;
-  const std::vector<std::string> job = {worker(), "elastic", d.path, "9", "3@2", "6@3"};
-  auto a = start_three_and_kill_one(job, d.path);
-  wait_held(d.path, 6, 2);
+  const std::vector<std::string> job = {worker(), "elastic", d.path(), "9", "3@2", "6@3"};
+  auto a = start_three_and_kill_one(job, d.path());
+  wait_held(d.path(), 6, 2);
   auto late = agent(3, job);
   Result r0 = a[0]->wait(), r1 = a[1]->wait(), r3 = late->wait();
   ASSERT_EQ(r0.exit_code, 0) << describe(r0) << describe(r1) << describe(r3);
@@ -647,9 +650,9 @@ TEST_F(ElasticNetns, LateNodeJoinsAtTheNextRestartAndTheJobGrows) {
                              " of 3: resuming from step 6 (restarts 1)\n";
     EXPECT_TRUE(contains(out, line)) << "missing: " << line << describe(r0) << describe(r1)
                                      << describe(r3);
-    EXPECT_EQ(read_file(d.path + "/done_" + std::to_string(r)), "world=3 resumed_from=6");
+    EXPECT_EQ(read_file(d.path() + "/done_" + std::to_string(r)), "world=3 resumed_from=6");
   }
-  EXPECT_EQ(read_file(d.path + "/ckpt"), "9");
+  EXPECT_EQ(read_file(d.file("ckpt")), "9");
   EXPECT_TRUE(contains(r3.err, " of 3: ranks ") && contains(r3.err, " of 3, MASTER_ADDR="))
       << describe(r3);
 }
@@ -662,7 +665,7 @@ TEST_F(MultiNodeNetns, MpirunAcrossTwoNamespaces) {
   TempDir d;
   // mpirun starts its remote daemons through an rsh agent ("AGENT HOST COMMAND..."); ours runs
   // the command in the namespace that owns HOST instead of over ssh.
-  const std::string agent = d.path + "/netns_rsh.sh";
+  const std::string agent = d.file("netns_rsh.sh");
   {
     std::ofstream out(agent);
     out << "#!/bin/sh\nhost=$1; shift\ncase \"$host\" in\n"
@@ -672,7 +675,7 @@ TEST_F(MultiNodeNetns, MpirunAcrossTwoNamespaces) {
         << "exec ip netns exec \"$ns\" /bin/sh -c \"$*\"\n";
   }
   fs::permissions(agent, fs::perms::owner_all);
-  const std::string hosts = d.path + "/hosts";
+  const std::string hosts = d.file("hosts");
   std::ofstream(hosts) << net_->addr[0] << " slots=2\n" << net_->addr[1] << " slots=2\n";
   std::vector<std::string> args = {"mpirun", "-np", "4", "--hostfile", hosts};
   if (geteuid() == 0) args.push_back("--allow-run-as-root");
@@ -684,7 +687,7 @@ TEST_F(MultiNodeNetns, MpirunAcrossTwoNamespaces) {
         std::string("--mca"), std::string("pml"), std::string("ob1")})
     args.push_back(a);
   args.push_back(dist_worker());
-  args.push_back(d.path);
+  args.push_back(d.path());
   args.push_back("mpi");
   Emberrun job(args, {}, net_->exec_prefix(0), /*raw=*/true);
   Result r = job.wait();
@@ -694,7 +697,7 @@ TEST_F(MultiNodeNetns, MpirunAcrossTwoNamespaces) {
   for (int rank = 0; rank < 4; ++rank) {
     const std::string line = "rank " + std::to_string(rank) + " of 4: allreduce(rank+1) = 10\n";
     EXPECT_TRUE(contains(r.out, line)) << "missing: " << line << describe(r);
-    EXPECT_EQ(read_file(d.path + "/sum_" + std::to_string(rank)), "10 4") << "rank " << rank;
+    EXPECT_EQ(read_file(d.path() + "/sum_" + std::to_string(rank)), "10 4") << "rank " << rank;
   }
 }
 

@@ -7,23 +7,15 @@
 #include <filesystem>
 
 #include <ember/nn/nn.h>
+#include "tests/temp_dir.h"
 #include "tests/tensor/test_util.h"
 
 namespace ember::nn {
 namespace {
 
 using test::expect_error;
+using test::TempDir;
 namespace fs = std::filesystem;
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    char tmpl[] = "/tmp/ember_ckpt_XXXXXX";
-    path = ::mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string file(const char* name) const { return (path / name).string(); }
-};
 
 std::shared_ptr<Sequential> make_model() {
   return std::make_shared<Sequential>(std::make_shared<Linear>(6, 8),

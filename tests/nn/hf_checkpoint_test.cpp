@@ -54,10 +54,10 @@ std::string error_of(const std::string& dir) {
 
 TEST(HFCheckpoint, OneFileRoundTripsWithItsConfig) {
   TempDir d;
-  save_hf_checkpoint(d.path, toy_tensors(), kConfig);
+  save_hf_checkpoint(d.path(), toy_tensors(), kConfig);
   EXPECT_EQ(d.list(), (std::vector<std::string>{"config.json", "model.safetensors"}));
-  EXPECT_EQ(load_safetensors(d / "model.safetensors").metadata().at("format"), "pt");
-  HFCheckpoint c = load_hf_checkpoint(d.path);
+  EXPECT_EQ(load_safetensors(d.file("model.safetensors")).metadata().at("format"), "pt");
+  HFCheckpoint c = load_hf_checkpoint(d.path());
   expect_same(c.tensors, toy_tensors());
   EXPECT_EQ(nlohmann::json::parse(c.config_json)["hidden_size"], 8);
   EXPECT_EQ(c.files, (std::vector<std::string>{"model.safetensors"}));
@@ -65,30 +65,30 @@ TEST(HFCheckpoint, OneFileRoundTripsWithItsConfig) {
 
 TEST(HFCheckpoint, ShardsPastTheSizeWithAnIndexAsTransformersWrites) {
   TempDir d;
-  save_hf_checkpoint(d.path, toy_tensors(), kConfig, {.max_shard_bytes = 6000});
+  save_hf_checkpoint(d.path(), toy_tensors(), kConfig, {.max_shard_bytes = 6000});
   // 4 KB | 2 KB + 4 KB would pass 6000 | 4 KB + 32 B
   EXPECT_EQ(d.list(), (std::vector<std::string>{"config.json", "model-00001-of-00003.safetensors",
                                                 "model-00002-of-00003.safetensors",
                                                 "model-00003-of-00003.safetensors",
                                                 "model.safetensors.index.json"}));
-  const auto index = read_json(d / "model.safetensors.index.json");
+  const auto index = read_json(d.file("model.safetensors.index.json"));
   EXPECT_EQ(index["metadata"]["total_size"], 4096 + 2048 + 4096 + 32);
   EXPECT_EQ(index["weight_map"]["a.bias"], "model-00002-of-00003.safetensors");
   EXPECT_EQ(index["weight_map"]["steps"], "model-00003-of-00003.safetensors");
-  HFCheckpoint c = load_hf_checkpoint(d.path);
+  HFCheckpoint c = load_hf_checkpoint(d.path());
   expect_same(c.tensors, toy_tensors());
   EXPECT_EQ(c.files.size(), 3u);
 
   // Exporting again as one file removes the shards and the index (one model per directory).
-  save_hf_checkpoint(d.path, toy_tensors(), kConfig);
+  save_hf_checkpoint(d.path(), toy_tensors(), kConfig);
   EXPECT_EQ(d.list(), (std::vector<std::string>{"config.json", "model.safetensors"}));
 }
 
 TEST(HFCheckpoint, BrokenDirectoriesAreNamed) {
   TempDir d;
-  save_hf_checkpoint(d.path, toy_tensors(), kConfig, {.max_shard_bytes = 6000});
-  const std::string shard2 = d / "model-00002-of-00003.safetensors";
-  const std::string index = d / "model.safetensors.index.json";
+  save_hf_checkpoint(d.path(), toy_tensors(), kConfig, {.max_shard_bytes = 6000});
+  const std::string shard2 = d.file("model-00002-of-00003.safetensors");
+  const std::string index = d.file("model.safetensors.index.json");
   auto rewrite_index = [&](const std::function<void(nlohmann::json&)>& edit) {
     auto j = read_json(index);
     edit(j);
@@ -97,52 +97,53 @@ TEST(HFCheckpoint, BrokenDirectoriesAreNamed) {
 
   // A tensor the index puts in a shard that lacks it.
   rewrite_index([](auto& j) { j["weight_map"]["a.bias"] = "model-00001-of-00003.safetensors"; });
-  EXPECT_NE(error_of(d.path).find("puts 'a.bias' in 'model-00001-of-00003.safetensors', which "
+  EXPECT_NE(error_of(d.path()).find("puts 'a.bias' in 'model-00001-of-00003.safetensors', which "
                                   "lacks it"),
             std::string::npos)
-      << error_of(d.path);
+      << error_of(d.path());
   // ... and the shard that has it, unlisted there.
   rewrite_index([](auto& j) { j["weight_map"]["a.bias"] = "model-00002-of-00003.safetensors"; });
-  EXPECT_EQ(error_of(d.path), "(no error)");
+  EXPECT_EQ(error_of(d.path()), "(no error)");
 
   // A foreign shard: a tensor the index does not list in it.
   save_state_dict(shard2, {{"a.bias", zeros({512})}, {"intruder", zeros({1})}});
-  EXPECT_NE(error_of(d.path).find("holds 'intruder', which"), std::string::npos)
-      << error_of(d.path);
+  EXPECT_NE(error_of(d.path()).find("holds 'intruder', which"), std::string::npos)
+      << error_of(d.path());
   // A shard of other sizes: the index's total no longer adds up.
   save_state_dict(shard2, {{"a.bias", zeros({100})}});
-  EXPECT_NE(error_of(d.path).find("total_size 10272 bytes, but its shards hold 8624"),
+  EXPECT_NE(error_of(d.path()).find("total_size 10272 bytes, but its shards hold 8624"),
             std::string::npos)
-      << error_of(d.path);
+      << error_of(d.path());
   // A missing shard.
   std::filesystem::remove(shard2);
-  EXPECT_NE(error_of(d.path).find("the shard 'model-00002-of-00003.safetensors'"),
+  EXPECT_NE(error_of(d.path()).find("the shard 'model-00002-of-00003.safetensors'"),
             std::string::npos);
-  EXPECT_NE(error_of(d.path).find("is missing"), std::string::npos);
+  EXPECT_NE(error_of(d.path()).find("is missing"), std::string::npos);
   // An index that points outside the directory.
   rewrite_index([](auto& j) { j["weight_map"]["a.bias"] = "../elsewhere.safetensors"; });
-  EXPECT_NE(error_of(d.path).find("which is not a file of the directory"), std::string::npos);
+  EXPECT_NE(error_of(d.path()).find("which is not a file of the directory"), std::string::npos);
   // A shard name longer than the file system allows (found by fuzzing: std::filesystem threw
   // its own exception through the loader).
   rewrite_index([](auto& j) { j["weight_map"]["a.bias"] = std::string(300, 'x') + ".safetensors"; });
-  EXPECT_NE(error_of(d.path).find("cannot look at 'xxx"), std::string::npos) << error_of(d.path);
-  EXPECT_NE(error_of(d.path).find("File name too long"), std::string::npos) << error_of(d.path);
+  EXPECT_NE(error_of(d.path()).find("cannot look at 'xxx"), std::string::npos)
+      << error_of(d.path());
+  EXPECT_NE(error_of(d.path()).find("File name too long"), std::string::npos) << error_of(d.path());
   // An index that is not JSON.
   std::ofstream(index) << "{\"weight_map\": ";
-  EXPECT_NE(error_of(d.path).find("text that is not JSON"), std::string::npos);
+  EXPECT_NE(error_of(d.path()).find("text that is not JSON"), std::string::npos);
 
   // No weights at all; weights only in PyTorch's pickle format; no config.
   TempDir e;
-  std::ofstream(e / "config.json") << kConfig;
-  EXPECT_NE(error_of(e.path).find("has neither model.safetensors nor"), std::string::npos);
-  std::ofstream(e / "pytorch_model.bin") << "pickle";
-  EXPECT_NE(error_of(e.path).find("has pytorch_model.bin only"), std::string::npos);
-  std::filesystem::remove(e / "config.json");
-  EXPECT_NE(error_of(e.path).find("no config.json"), std::string::npos);
+  std::ofstream(e.file("config.json")) << kConfig;
+  EXPECT_NE(error_of(e.path()).find("has neither model.safetensors nor"), std::string::npos);
+  std::ofstream(e.file("pytorch_model.bin")) << "pickle";
+  EXPECT_NE(error_of(e.path()).find("has pytorch_model.bin only"), std::string::npos);
+  std::filesystem::remove(e.file("config.json"));
+  EXPECT_NE(error_of(e.path()).find("no config.json"), std::string::npos);
 
   // A config that is not an object is refused before anything is written.
   TempDir f;
-  EXPECT_THROW(save_hf_checkpoint(f.path, toy_tensors(), "[1, 2]"), ValueError);
+  EXPECT_THROW(save_hf_checkpoint(f.path(), toy_tensors(), "[1, 2]"), ValueError);
   EXPECT_TRUE(f.list().empty());
 }
 

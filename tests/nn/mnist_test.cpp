@@ -12,12 +12,14 @@
 #include <vector>
 
 #include <ember/nn/data/data.h>
+#include "tests/temp_dir.h"
 #include "tests/tensor/test_util.h"
 
 namespace ember::nn::data {
 namespace {
 
 using ember::test::expect_error;
+using ember::test::TempDir;
 namespace fs = std::filesystem;
 
 // MNIST reads any IDX folder, so it names none by default; FashionMNIST defaults to this
@@ -153,26 +155,6 @@ TEST(MNIST, DataLoaderEpoch) {
 
 // ---- corrupt files --------------------------------------------------------------------------
 
-// A unique directory under /tmp, removed (with its files) when the test ends, pass or fail.
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/ember_mnist_test_XXXXXX";
-    const char* p = mkdtemp(tmpl);
-    EXPECT_NE(p, nullptr) << "mkdtemp failed";
-    path_ = p ? p : "";
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) fs::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
-
 void write_file(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
@@ -284,7 +266,7 @@ TEST(MNISTFiles, MissingFile) {
   write_file(dir.file("train-images-idx3-ubyte.gz"), gzip_stored(idx_images(2)));
   expect_error([&] { MNIST(dir.path()); },
                {"[MNIST]", "cannot open", dir.file("train-labels-idx1-ubyte.gz")});
-  expect_error([&] { MNIST(dir.path() + "/no/such/dir", false); },
+  expect_error([&] { MNIST(dir.file("no/such/dir"), false); },
                {"[MNIST]", "t10k-images-idx3-ubyte.gz"});
 }
 

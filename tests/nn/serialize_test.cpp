@@ -30,6 +30,7 @@
 #include <ember/nn/atomic_file.h>
 #include <ember/tensor/cuda.h>
 #include "cmake/build_paths.h"
+#include "tests/temp_dir.h"
 #include "tests/tensor/test_util.h"
 
 namespace ember::nn {
@@ -38,37 +39,11 @@ namespace {
 namespace fs = std::filesystem;
 using detail::AtomicWriteStep;
 using test::expect_error;
+using test::TempDir;
 using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 
 // ---- helpers
 // -------------------------------------------------------------------------------------
-
-/// A fresh directory under /tmp, removed with everything in it when the test ends.
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/ember_serialize_XXXXXX";
-    const char* p = ::mkdtemp(tmpl);
-    EXPECT_NE(p, nullptr) << "mkdtemp failed: " << std::strerror(errno);
-    path_ = p ? p : "";
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-  const std::string& path() const { return path_; }
-  /// Names of the directory's entries, sorted (temp files included).
-  std::vector<std::string> entries() const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::directory_iterator(path_)) out.push_back(e.path().filename());
-    std::sort(out.begin(), out.end());
-    return out;
-  }
-
- private:
-  std::string path_;
-};
 
 std::string read_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -223,7 +198,7 @@ TEST(AtomicFile, WritesAndReplacesLeavingNoTempFiles) {
   EXPECT_EQ(read_bytes(path), std::string("longer contents\0with a nul", 26));
   write_file_atomic(path, std::string_view(""));
   EXPECT_EQ(read_bytes(path), "");
-  EXPECT_EQ(dir.entries(), std::vector<std::string>{"a.bin"});
+  EXPECT_EQ(dir.list(), std::vector<std::string>{"a.bin"});
   // A 250-byte name: the temp file's longer name must still fit NAME_MAX (255).
   const std::string long_name(250, 'n');
   write_file_atomic(dir.file(long_name), std::string_view("x"));
@@ -263,7 +238,7 @@ TEST(AtomicFile, ProducerThrowingHalfwayKeepsTheOldFile) {
                                  }),
                std::runtime_error);
   EXPECT_EQ(read_bytes(path), "good old contents");
-  EXPECT_EQ(dir.entries(), std::vector<std::string>{"keep.bin"});
+  EXPECT_EQ(dir.list(), std::vector<std::string>{"keep.bin"});
 }
 
 TEST(AtomicFile, DiskFullHalfwayKeepsTheOldFile) {
@@ -276,7 +251,7 @@ TEST(AtomicFile, DiskFullHalfwayKeepsTheOldFile) {
                {"[write_file_atomic]", path, "write to temp file", "after 50000 bytes",
                 "No space left on device"});
   EXPECT_EQ(read_bytes(path), "good old contents");
-  EXPECT_EQ(dir.entries(), std::vector<std::string>{"keep.bin"});
+  EXPECT_EQ(dir.list(), std::vector<std::string>{"keep.bin"});
   // The fault fired once: the next write works.
   write_file_atomic(path, big);
   EXPECT_EQ(read_bytes(path), big);
@@ -303,7 +278,7 @@ TEST(AtomicFile, EveryFailingStepKeepsTheOldFileAndCleansUp) {
                  {path, c.says, std::system_category().message(c.err)});
     detail::inject_atomic_write_fault(AtomicWriteStep::kNone, 0);
     EXPECT_EQ(read_bytes(path), "v1");
-    EXPECT_EQ(dir.entries(), std::vector<std::string>{"ckpt.bin"});
+    EXPECT_EQ(dir.list(), std::vector<std::string>{"ckpt.bin"});
   }
 }
 
@@ -315,7 +290,7 @@ TEST(AtomicFile, DirectoryFsyncFailureIsReportedAfterTheReplace) {
   expect_error([&] { write_file_atomic(path, std::string_view("v2")); },
                {path, "fsync of its directory", dir.path(), "Input/output error"});
   EXPECT_EQ(read_bytes(path), "v2");  // the rename had happened: the new file is complete
-  EXPECT_EQ(dir.entries(), std::vector<std::string>{"ckpt.bin"});
+  EXPECT_EQ(dir.list(), std::vector<std::string>{"ckpt.bin"});
 }
 
 TEST(AtomicFile, BadPathsNameThePathAndTheReason) {
@@ -330,7 +305,7 @@ TEST(AtomicFile, BadPathsNameThePathAndTheReason) {
                            {"[write_file_atomic]", "empty"});
   expect_error<ValueError>([&] { write_file_atomic(dir.path() + "/", std::string_view("x")); },
                            {"[write_file_atomic]", "names a directory"});
-  EXPECT_EQ(dir.entries(), std::vector<std::string>{"sub"});
+  EXPECT_EQ(dir.list(), std::vector<std::string>{"sub"});
 }
 
 // A process killed mid-write (simulated with _exit in a forked child) leaves the old file
@@ -363,7 +338,7 @@ TEST(AtomicFile, CrashMidWriteLeavesTheOldFileIntact) {
   }
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
   EXPECT_EQ(read_bytes(path), "good old contents");
-  const auto names = dir.entries();
+  const auto names = dir.list();
   ASSERT_EQ(names.size(), 2u);
   EXPECT_EQ(names[0].rfind(".ckpt.bin.tmp-" + std::to_string(pid) + "-", 0), 0u)
       << "stray temp file is named " << names[0];
@@ -584,7 +559,7 @@ TEST(Safetensors, SaveRejectsBadInputNamingThePath) {
         save_safetensors(path, {{"x", x}}, {{"k", "\xc3"}});
       },
       {"[save_safetensors]", path, "metadata value", "not valid UTF-8"});
-  EXPECT_TRUE(dir.entries().empty()) << "a rejected save created a file";
+  EXPECT_TRUE(dir.list().empty()) << "a rejected save created a file";
   const std::string missing = dir.file("missing/dir/x.safetensors");
   expect_error(
       [&] {
@@ -606,7 +581,7 @@ TEST(Safetensors, FailedSaveKeepsThePreviousCheckpoint) {
       },
       {path, "No space left on device"});
   detail::inject_atomic_write_fault(AtomicWriteStep::kNone, 0);
-  EXPECT_EQ(dir.entries(), std::vector<std::string>{"ckpt.safetensors"});
+  EXPECT_EQ(dir.list(), std::vector<std::string>{"ckpt.safetensors"});
   const SafetensorsFile f = load_safetensors(path);
   EXPECT_EQ(f.metadata().at("step"), "1");
   ASSERT_EQ(f.size(), 1u);

@@ -128,9 +128,9 @@ TEST(SummaryWriter, FileNameAndVersionEvent) {
   TempDir tmp("summary_writer_test");
   std::string path;
   {
-    SummaryWriter w(tmp / "run", {.rank = 0});
+    SummaryWriter w(tmp.file("run"), {.rank = 0});
     ASSERT_TRUE(w.enabled());
-    EXPECT_EQ(w.log_dir(), tmp / "run");
+    EXPECT_EQ(w.log_dir(), tmp.file("run"));
     path = w.file_path();
   }
   const std::string name = fs::path(path).filename().string();
@@ -151,7 +151,7 @@ TEST(SummaryWriter, ScalarsHistogramsAndTextReadBack) {
   std::string path;
   const std::vector<double> hv = {1, 2, 2, 3, 3, 3, 4};
   {
-    SummaryWriter w(tmp.path, {.rank = 0});
+    SummaryWriter w(tmp.path(), {.rank = 0});
     path = w.file_path();
     for (int s = 0; s < 3; ++s) w.add_scalar("train/loss", 1.0 / (s + 1), s, 1000.0 + s);
     w.add_histogram("h4", std::span<const double>(hv), 7, /*bins=*/4, 2000.0);
@@ -209,7 +209,7 @@ TEST(SummaryWriter, HistogramWithTensorFlowBuckets) {
   const std::vector<double> values = {-3.0, -0.001, 0.0, 1e-6, 0.5, 0.5, 2.0, 1e5};
   std::string path;
   {
-    SummaryWriter w(tmp.path, {.rank = 0});
+    SummaryWriter w(tmp.path(), {.rank = 0});
     path = w.file_path();
     w.add_histogram("tf", std::span<const double>(values), 1);
   }
@@ -252,7 +252,7 @@ TEST(SummaryWriter, HistogramOfACudaTensor) {
   const Tensor cpu = from_vector(std::vector<float>{-1, 0.5f, 2, 2, 3, 7}, {2, 3});
   std::string path;
   {
-    SummaryWriter w(tmp.path, {.rank = 0});
+    SummaryWriter w(tmp.path(), {.rank = 0});
     path = w.file_path();
     w.add_histogram("cpu", cpu.t(), 1, 5);
     w.add_histogram("cuda", cpu.cuda().t(), 1, 5);
@@ -265,7 +265,7 @@ TEST(SummaryWriter, HistogramOfACudaTensor) {
 
 TEST(SummaryWriter, HistogramOfEqualValuesAndBadInput) {
   TempDir tmp("summary_writer_test");
-  SummaryWriter w(tmp.path, {.rank = 0});
+  SummaryWriter w(tmp.path(), {.rank = 0});
   const std::vector<double> same = {2.0, 2.0};
   EXPECT_NO_THROW(w.add_histogram("same", std::span<const double>(same), 0, 3));
   const std::vector<double> none;
@@ -283,7 +283,7 @@ TEST(SummaryWriter, HistogramOfEqualValuesAndBadInput) {
 TEST(SummaryWriter, CorruptedBytesAreDetectedByTheReader) {
   EMBER_REQUIRE_TFEVENTS_READER();
   TempDir tmp("summary_writer_test");
-  const std::string path = write_one_scalar(tmp.path, "x", 1.5, 3);
+  const std::string path = write_one_scalar(tmp.path(), "x", 1.5, 3);
   std::string bytes;
   {
     std::ifstream in(path, std::ios::binary);
@@ -317,7 +317,7 @@ TEST(SummaryWriter, OnlyRankZeroWritesByDefault) {
   NoRankEnv clean;
   {
     EnvGuard rank("RANK", "1");
-    SummaryWriter w(tmp / "r1");
+    SummaryWriter w(tmp.file("r1"));
     EXPECT_FALSE(w.enabled());
     EXPECT_EQ(w.file_path(), "");
     w.add_scalar("x", 1);  // ignored
@@ -325,17 +325,17 @@ TEST(SummaryWriter, OnlyRankZeroWritesByDefault) {
     w.flush();
     w.close();
   }
-  EXPECT_FALSE(fs::exists(tmp / "r1"));
+  EXPECT_FALSE(fs::exists(tmp.file("r1")));
   {
     EnvGuard rank("SLURM_PROCID", "2");
-    EXPECT_FALSE(SummaryWriter(tmp / "r2").enabled());
+    EXPECT_FALSE(SummaryWriter(tmp.file("r2")).enabled());
   }
   {
-    SummaryWriter w(tmp / "r0");  // no rank variable: rank 0
+    SummaryWriter w(tmp.file("r0"));  // no rank variable: rank 0
     EXPECT_TRUE(w.enabled());
   }
-  EXPECT_EQ(event_files(tmp / "r0").size(), 1u);
-  EXPECT_FALSE(SummaryWriter(tmp / "opt", {.rank = 3}).enabled());
+  EXPECT_EQ(event_files(tmp.file("r0")).size(), 1u);
+  EXPECT_FALSE(SummaryWriter(tmp.file("opt"), {.rank = 3}).enabled());
 }
 
 TEST(SummaryWriter, AllRanksWriteIntoFoldersOfTheirOwn) {
@@ -343,18 +343,18 @@ TEST(SummaryWriter, AllRanksWriteIntoFoldersOfTheirOwn) {
   NoRankEnv clean;
   EnvGuard rank("RANK", "1");
   {
-    SummaryWriter w(tmp.path, {.all_ranks = true});
+    SummaryWriter w(tmp.path(), {.all_ranks = true});
     ASSERT_TRUE(w.enabled());
-    EXPECT_EQ(w.log_dir(), tmp / "rank1");
+    EXPECT_EQ(w.log_dir(), tmp.file("rank1"));
     w.add_scalar("x", 2);
   }
   {
-    SummaryWriter w(tmp.path, {.all_ranks = true, .rank = 0});
-    EXPECT_EQ(w.log_dir(), tmp / "rank0");
+    SummaryWriter w(tmp.path(), {.all_ranks = true, .rank = 0});
+    EXPECT_EQ(w.log_dir(), tmp.file("rank0"));
   }
-  EXPECT_EQ(event_files(tmp / "rank1").size(), 1u);
-  EXPECT_EQ(event_files(tmp / "rank0").size(), 1u);
-  EXPECT_TRUE(event_files(tmp.path).empty());
+  EXPECT_EQ(event_files(tmp.file("rank1")).size(), 1u);
+  EXPECT_EQ(event_files(tmp.file("rank0")).size(), 1u);
+  EXPECT_TRUE(event_files(tmp.path()).empty());
 }
 
 TEST(SummaryWriter, RankFromEnvironment) {
@@ -379,12 +379,12 @@ TEST(SummaryWriter, AddScalarsMakesOneRunPerKey) {
   EMBER_REQUIRE_TFEVENTS_READER();
   TempDir tmp("summary_writer_test");
   {
-    SummaryWriter w(tmp.path, {.rank = 0});
+    SummaryWriter w(tmp.path(), {.rank = 0});
     w.add_scalars("loss/split", {{"train", 0.5}, {"test", 0.75}}, 4, 3000.0);
     w.add_scalars("loss/split", {{"train", 0.25}}, 5, 3001.0);
   }
   EXPECT_EQ(tmp.list().size(), 3u);  // the main file and two folders
-  const json all = read_tfevents({tmp.path});
+  const json all = read_tfevents({tmp.path()});
   std::map<std::string, json> by_folder;
   for (const auto& [rel, ev] : all.items()) by_folder[fs::path(rel).parent_path().string()] = ev;
   ASSERT_EQ(by_folder.size(), 3u) << all.dump();
@@ -407,17 +407,17 @@ TEST(SummaryWriter, AddScalarsMakesOneRunPerKey) {
 
 TEST(SummaryWriter, TwoWritersInOneFolderGetTwoFiles) {
   TempDir tmp("summary_writer_test");
-  SummaryWriter a(tmp.path, {.rank = 0}), b(tmp.path, {.rank = 0, .filename_suffix = ".x"});
+  SummaryWriter a(tmp.path(), {.rank = 0}), b(tmp.path(), {.rank = 0, .filename_suffix = ".x"});
   EXPECT_NE(a.file_path(), b.file_path());
   EXPECT_EQ(b.file_path().substr(b.file_path().size() - 2), ".x");
-  EXPECT_EQ(event_files(tmp.path).size(), 2u);
+  EXPECT_EQ(event_files(tmp.path()).size(), 2u);
 }
 
 // ---- buffering ----------------------------------------------------------------------------------
 
 TEST(SummaryWriter, EventsWaitForFlushUnlessFlushSecsIsZero) {
   TempDir tmp("summary_writer_test");
-  SummaryWriter buffered(tmp / "b", {.rank = 0});
+  SummaryWriter buffered(tmp.file("b"), {.rank = 0});
   const auto size0 = fs::file_size(buffered.file_path());
   EXPECT_GT(size0, 0u);  // the version event is written at once
   buffered.add_scalar("x", 1);
@@ -425,7 +425,7 @@ TEST(SummaryWriter, EventsWaitForFlushUnlessFlushSecsIsZero) {
   buffered.flush();
   EXPECT_GT(fs::file_size(buffered.file_path()), size0);
 
-  SummaryWriter eager(tmp / "e", {.flush_secs = 0, .rank = 0});
+  SummaryWriter eager(tmp.file("e"), {.flush_secs = 0, .rank = 0});
   const auto e0 = fs::file_size(eager.file_path());
   eager.add_scalar("x", 1);
   EXPECT_GT(fs::file_size(eager.file_path()), e0);
@@ -434,10 +434,10 @@ TEST(SummaryWriter, EventsWaitForFlushUnlessFlushSecsIsZero) {
 TEST(SummaryWriter, DestructorFlushesAndCloseIsFinal) {
   EMBER_REQUIRE_TFEVENTS_READER();
   TempDir tmp("summary_writer_test");
-  const std::string path = write_one_scalar(tmp.path, "kept", 3, 1);  // the destructor writes it
+  const std::string path = write_one_scalar(tmp.path(), "kept", 3, 1);  // the destructor writes it
   EXPECT_EQ(events_of(path).size(), 2u);
 
-  SummaryWriter w(tmp / "c", {.rank = 0});
+  SummaryWriter w(tmp.file("c"), {.rank = 0});
   w.close();
   w.close();
   w.flush();
@@ -449,13 +449,13 @@ TEST(SummaryWriter, DestructorFlushesAndCloseIsFinal) {
 
 TEST(SummaryWriter, UnwritableLogDirNamesThePath) {
   TempDir tmp("summary_writer_test");
-  std::ofstream(tmp / "file") << "not a folder";
-  const std::string bad = tmp / "file/run";
+  std::ofstream(tmp.file("file")) << "not a folder";
+  const std::string bad = tmp.file("file/run");
   const std::string msg = expect_throws_message([&] { SummaryWriter w(bad, {.rank = 0}); });
   EXPECT_NE(msg.find("cannot create the log folder '" + bad + "'"), std::string::npos) << msg;
   const std::string msg2 =
-      expect_throws_message([&] { SummaryWriter w(tmp / "file", {.rank = 0}); });
-  EXPECT_NE(msg2.find(tmp / "file"), std::string::npos) << msg2;
+      expect_throws_message([&] { SummaryWriter w(tmp.file("file"), {.rank = 0}); });
+  EXPECT_NE(msg2.find(tmp.file("file")), std::string::npos) << msg2;
   EXPECT_THROW(SummaryWriter("", {.rank = 0}), ValueError);
   // A rank that does not write does not look at the folder.
   EXPECT_NO_THROW(SummaryWriter(bad, {.rank = 1}));
@@ -466,7 +466,7 @@ TEST(SummaryWriter, UnwritableLogDirNamesThePath) {
 TEST(SummaryWriter, WriteErrorNamesTheFileAndKeepsTheEvents) {
   EMBER_REQUIRE_TFEVENTS_READER();
   TempDir tmp("summary_writer_test");
-  SummaryWriter w(tmp.path, {.rank = 0});
+  SummaryWriter w(tmp.path(), {.rank = 0});
   const std::string text(4000, 'z');
   w.add_text("big", text, 1);
   rlimit old{};

@@ -5,9 +5,6 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
-#include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <filesystem>
 #include <chrono>
 #include <fstream>
@@ -16,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/temp_dir.h"
 #include "tests/tensor/test_util.h"
 
 namespace ember::nn::data {
@@ -23,24 +21,14 @@ namespace {
 
 namespace fs = std::filesystem;
 using ember::test::expect_error;
+using ember::test::TempDir;
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string t = (fs::temp_directory_path() / "ember_token_stream_XXXXXX").string();
-    EXPECT_NE(mkdtemp(t.data()), nullptr) << std::strerror(errno);
-    path = t;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string write(const std::string& name, const std::string& bytes) const {
-    const std::string p = path + "/" + name;
-    std::ofstream(p, std::ios::binary) << bytes;
-    return p;
-  }
-};
+// Writes `bytes` to `name` in `dir` and returns the file's path.
+std::string write_file(const TempDir& dir, const std::string& name, const std::string& bytes) {
+  const std::string p = dir.file(name);
+  std::ofstream(p, std::ios::binary) << bytes;
+  return p;
+}
 
 // Bytes whose value says where they are (position mod 251, a prime), so a window's content
 // names its offset.
@@ -51,18 +39,18 @@ std::string counting_text(int64_t n) {
 }
 
 std::shared_ptr<const TokenFile> tokens_of(const TempDir& dir, int64_t n) {
-  const std::string src = dir.write("text.txt", counting_text(n));
-  return std::make_shared<const TokenFile>(prepare_token_file(src, dir.path + "/cache"));
+  const std::string src = write_file(dir, "text.txt", counting_text(n));
+  return std::make_shared<const TokenFile>(prepare_token_file(src, dir.file("cache")));
 }
 
 TEST(TokenStream, PrepareWritesTheBytesOnceAndMapsThem) {
   TempDir dir;
   const std::string text = "In the beginning was the byte.\n";
-  const std::string src = dir.write("prose.txt", text);
-  const std::string path = prepare_token_file(src, dir.path + "/cache/sub");
-  EXPECT_EQ(path, dir.path + "/cache/sub/prose.txt.tokens");
+  const std::string src = write_file(dir, "prose.txt", text);
+  const std::string path = prepare_token_file(src, dir.file("cache/sub"));
+  EXPECT_EQ(path, dir.file("cache/sub/prose.txt.tokens"));
   const auto built = fs::last_write_time(path);
-  EXPECT_EQ(prepare_token_file(src, dir.path + "/cache/sub"), path);
+  EXPECT_EQ(prepare_token_file(src, dir.file("cache/sub")), path);
   EXPECT_EQ(fs::last_write_time(path), built) << "an up-to-date token file is not rebuilt";
   const TokenFile f(path);
   ASSERT_EQ(f.size(), static_cast<int64_t>(text.size()));
@@ -70,7 +58,7 @@ TEST(TokenStream, PrepareWritesTheBytesOnceAndMapsThem) {
   // Nothing but the token file and what it was built from is left in the cache (no temp file
   // of the atomic writes).
   std::set<std::string> entries;
-  for (const auto& e : fs::directory_iterator(dir.path + "/cache/sub")) {
+  for (const auto& e : fs::directory_iterator(dir.file("cache/sub"))) {
     entries.insert(e.path().filename().string());
   }
   EXPECT_EQ(entries, (std::set<std::string>{"prose.txt.tokens", "prose.txt.tokens.source"}));
@@ -80,13 +68,13 @@ TEST(TokenStream, PrepareWritesTheBytesOnceAndMapsThem) {
 // trains on its own file's tokens, never the other's; an edited file is rebuilt too.
 TEST(TokenStream, AnotherFileOfTheSameNameIsNeverTakenFromTheCache) {
   TempDir dir;
-  fs::create_directories(dir.path + "/a");
-  fs::create_directories(dir.path + "/b");
-  const std::string a = dir.write("a/train.txt", "the tokens of a\n");
-  const std::string b = dir.write("b/train.txt", "b's, an older file\n");
+  fs::create_directories(dir.file("a"));
+  fs::create_directories(dir.file("b"));
+  const std::string a = write_file(dir, "a/train.txt", "the tokens of a\n");
+  const std::string b = write_file(dir, "b/train.txt", "b's, an older file\n");
   fs::last_write_time(b, fs::last_write_time(a) - std::chrono::hours(1));
   auto tokens_of = [&](const std::string& src) {
-    const TokenFile f(prepare_token_file(src, dir.path + "/cache"));
+    const TokenFile f(prepare_token_file(src, dir.file("cache")));
     return std::string(reinterpret_cast<const char*>(f.data()), static_cast<size_t>(f.size()));
   };
   EXPECT_EQ(tokens_of(a), "the tokens of a\n");
@@ -191,14 +179,15 @@ TEST(TokenStream, ValidationWindowsLieInTheSplitAndDifferPerRank) {
 
 TEST(TokenStream, Errors) {
   TempDir dir;
-  expect_error([&] { prepare_token_file(dir.path + "/missing.txt", dir.path); },
+  expect_error([&] { prepare_token_file(dir.file("missing.txt"), dir.path()); },
                {"[TokenStream]", "no text file", "missing.txt"});
-  expect_error([&] { TokenFile f(dir.path + "/missing.tokens"); },
+  expect_error([&] { TokenFile f(dir.file("missing.tokens")); },
                {"[TokenStream]", "cannot open", "missing.tokens"});
-  const std::string empty = dir.write("empty.txt", "");
-  expect_error([&] { prepare_token_file(empty, dir.path + "/cache"); }, {"empty.txt", "is empty"});
+  const std::string empty = write_file(dir, "empty.txt", "");
+  expect_error([&] { prepare_token_file(empty, dir.file("cache")); }, {"empty.txt", "is empty"});
   expect_error([&] { TokenFile f(empty); }, {"empty.txt", "empty"});
-  const std::string small = prepare_token_file(dir.write("small.txt", counting_text(100)), dir.path);
+  const std::string small =
+      prepare_token_file(write_file(dir, "small.txt", counting_text(100)), dir.path());
   auto tokens = std::make_shared<const TokenFile>(small);
   // 90 training tokens: a step of 2 ranks x 8 windows of 80 needs 96.
   expect_error([&] { TokenStream s(tokens, {.context = 80, .batch_size = 8, .world_size = 2}); },

@@ -56,7 +56,7 @@ TEST(TraceDeviceCuda, SpanOfStreamWorkIsOnTheTraceClock) {
   REQUIRE_CUDA_DEVICE();
   ember::test::TempDir dir("trace_device_test");
   const cuda::Stream s = cuda::Stream::create(0);
-  trace::start(dir.path, trace::Level::Steps, 0);
+  trace::start(dir.path(), trace::Level::Steps, 0);
   const int row = trace::unique_row();
   const int64_t before = trace::now_us();
   trace::DeviceSpan span(s);
@@ -90,7 +90,7 @@ TEST(TraceDeviceCuda, StopWaitsForSpansStillRunning) {
   REQUIRE_CUDA_DEVICE();
   ember::test::TempDir dir("trace_device_test");
   const cuda::Stream s = cuda::Stream::create(0);
-  trace::start(dir.path, trace::Level::Steps, 0);
+  trace::start(dir.path(), trace::Level::Steps, 0);
   trace::DeviceSpan span(s);
   cuda::spin(50'000'000, s);
   span.finish(s, trace::DeviceSpanInfo{"late", "cuda", "", trace::unique_row(), "late row", 0});

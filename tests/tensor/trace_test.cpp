@@ -15,25 +15,14 @@
 #include <vector>
 
 #include <ember/tensor/error.h>
+#include "tests/temp_dir.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
 namespace trace = ember::trace;
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string t = (fs::temp_directory_path() / "ember_trace_test_XXXXXX").string();
-    EXPECT_NE(mkdtemp(t.data()), nullptr);
-    path = t;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using ember::test::TempDir;
 
 json read_json(const std::string& path) {
   std::ifstream f(path);
@@ -49,7 +38,7 @@ std::vector<json> named(const json& doc, const std::string& name) {
 
 TEST(Trace, SpansNestAndTheFileIsChromeTraceJson) {
   TempDir dir;
-  trace::start(dir.path, trace::Level::Steps, 3);
+  trace::start(dir.path(), trace::Level::Steps, 3);
   ASSERT_TRUE(trace::enabled());
   {
     trace::Span outer("outer", "test", {{"k", 7}});
@@ -62,7 +51,7 @@ TEST(Trace, SpansNestAndTheFileIsChromeTraceJson) {
   }
   const std::string path = trace::stop();
   EXPECT_FALSE(trace::enabled());
-  ASSERT_EQ(path, dir.path + "/trace_rank3.json");
+  ASSERT_EQ(path, dir.file("trace_rank3.json"));
   const json doc = read_json(path);
   EXPECT_EQ(doc["otherData"]["rank"], 3);
   const auto outer = named(doc, "outer"), inner = named(doc, "inner \"quoted\"");
@@ -93,9 +82,9 @@ TEST(Trace, OffRecordsNothingAndWritesNoFile) {
   { trace::Span s("while off", "test"); }
   trace::instant("while off", "test");
   EXPECT_EQ(trace::stop(), "");
-  EXPECT_TRUE(fs::is_empty(dir.path));
+  EXPECT_TRUE(fs::is_empty(dir.path()));
   // Recorded neither before start nor after stop.
-  trace::start(dir.path, trace::Level::Steps, 0);
+  trace::start(dir.path(), trace::Level::Steps, 0);
   { trace::Span s("while on", "test"); }
   const std::string path = trace::stop();
   { trace::Span s("after stop", "test"); }
@@ -107,12 +96,12 @@ TEST(Trace, OffRecordsNothingAndWritesNoFile) {
 
 TEST(Trace, OpsLevelSpansOnlyAtTheOpsLevel) {
   TempDir dir;
-  trace::start(dir.path, trace::Level::Steps, 0);
+  trace::start(dir.path(), trace::Level::Steps, 0);
   EXPECT_FALSE(trace::enabled(trace::Level::Ops));
   { trace::Span s("node", "autograd", {}, trace::Level::Ops); }
   json doc = read_json(trace::stop());
   EXPECT_EQ(named(doc, "node").size(), 0u);
-  trace::start(dir.path, trace::Level::Ops, 0);
+  trace::start(dir.path(), trace::Level::Ops, 0);
   { trace::Span s("node", "autograd", {}, trace::Level::Ops); }
   doc = read_json(trace::stop());
   EXPECT_EQ(named(doc, "node").size(), 1u);
@@ -122,7 +111,7 @@ TEST(Trace, OpsLevelSpansOnlyAtTheOpsLevel) {
 
 TEST(Trace, ThreadsGetRowsOfTheirOwnAndNamedRows) {
   TempDir dir;
-  trace::start(dir.path, trace::Level::Steps, 1);
+  trace::start(dir.path(), trace::Level::Steps, 1);
   { trace::Span s("main thread", "test"); }
   std::thread t([] { trace::Span s("other thread", "test"); });
   t.join();
@@ -143,7 +132,7 @@ TEST(Trace, ThreadsGetRowsOfTheirOwnAndNamedRows) {
 // Rows of threads: the process's main thread is named without asking, others when they ask.
 TEST(Trace, ThreadNamesAreWritten) {
   TempDir dir;
-  trace::start(dir.path, trace::Level::Steps, 0);
+  trace::start(dir.path(), trace::Level::Steps, 0);
   { trace::Span s("on main", "test"); }
   std::thread t([] {
     trace::set_thread_name("test worker");
@@ -171,7 +160,7 @@ TEST(Trace, StopHooksRecordBeforeTheFileIsWritten) {
   TempDir dir;
   trace::add_stop_hook(hook);
   trace::add_stop_hook(hook);
-  trace::start(dir.path, trace::Level::Steps, 0);
+  trace::start(dir.path(), trace::Level::Steps, 0);
   const int runs = g_hook_runs;  // other tests' stop() runs it too, once registered
   const json doc = read_json(trace::stop());
   EXPECT_EQ(g_hook_runs, runs + 1);
@@ -183,7 +172,7 @@ TEST(Trace, StopHooksRecordBeforeTheFileIsWritten) {
 
 TEST(Trace, CollectiveSpansParseTheLabel) {
   TempDir dir;
-  trace::start(dir.path, trace::Level::Steps, 0);
+  trace::start(dir.path(), trace::Level::Steps, 0);
   const int64_t queued = trace::now_us();
   trace::collective("[gloo] allreduce #12 on rank 0 of 2", queued, queued + 5, 4096);
   const json doc = read_json(trace::stop());
@@ -198,7 +187,7 @@ TEST(Trace, CollectiveSpansParseTheLabel) {
 
 TEST(Trace, TimestampsAreShiftedToRankZerosClock) {
   TempDir dir;
-  trace::start(dir.path, trace::Level::Steps, 2);
+  trace::start(dir.path(), trace::Level::Steps, 2);
   trace::set_clock_offset(2, 1000, 7);
   trace::complete("shifted", "test", 5000, 10);
   const json doc = read_json(trace::stop());
@@ -211,24 +200,24 @@ TEST(Trace, TimestampsAreShiftedToRankZerosClock) {
 
 TEST(Trace, TheFileIsReplacedWholeOrNotAtAll) {
   TempDir dir;
-  const std::string target = dir.path + "/trace_rank0.json";
+  const std::string target = dir.file("trace_rank0.json");
   // A previous file is replaced by a complete new one.
   { std::ofstream(target) << "old"; }
-  trace::start(dir.path, trace::Level::Steps, 0);
+  trace::start(dir.path(), trace::Level::Steps, 0);
   { trace::Span s("new", "test"); }
   EXPECT_EQ(named(read_json(trace::stop()), "new").size(), 1u);
   // A target that cannot be replaced (a non-empty folder) fails the stop, naming the file, and
   // leaves no temporary file behind.
   fs::remove(target);
   fs::create_directories(target + "/keep");
-  trace::start(dir.path, trace::Level::Steps, 0);
+  trace::start(dir.path(), trace::Level::Steps, 0);
   try {
     trace::stop();
     ADD_FAILURE() << "stop() wrote over a folder";
   } catch (const ember::Error& e) {
     EXPECT_NE(std::string(e.what()).find("trace_rank0.json"), std::string::npos) << e.what();
   }
-  for (const auto& e : fs::directory_iterator(dir.path))
+  for (const auto& e : fs::directory_iterator(dir.path()))
     EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
   EXPECT_FALSE(trace::enabled());
 }
