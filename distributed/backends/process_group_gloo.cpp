@@ -231,7 +231,19 @@ ProcessGroupGloo::Impl::~Impl() {
   for (auto& t : senders_) {
     if (t.joinable()) t.join();
   }
-  if (context_) context_->closeConnections();
+  // A group that failed, or is destroyed with operations still queued, resets its connections
+  // so that peers blocked on it wake at once. A healthy one closes them gently when the context
+  // goes: a reset would discard what this rank's last collective left in its socket buffers,
+  // which a slower peer may still be reading (its last allreduce would then never complete).
+  bool healthy = dropped.empty();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    healthy = healthy && broken_.empty();
+  }
+  if (context_ && !healthy) {
+    waits_.mark_closing();
+    context_->closeConnections();
+  }
   waits_.release_retired();
 }
 
@@ -456,6 +468,7 @@ void ProcessGroupGloo::Impl::fail(Job& job, const E& err, bool mark_broken, bool
                                 dist::detail::short_label(job.work->describe()), ": ", err.what()),
                 position_wait_);
   }
+  waits_.mark_closing();
   context_->closeConnections();
   waits_.release_retired();  // Note [buffers of a failed operation]
   if (shm_) shm_->abort(detail::str_cat("rank ", rank_, ": ", err.what()));
@@ -513,6 +526,7 @@ void ProcessGroupGloo::Impl::abort(const std::string& reason) {
   if (dist::detail::publish_position(*store_, rank_, "aborted the group", position_wait_)) {
     write_abort(text, position_wait_);
   }
+  waits_.mark_closing();
   waits_.abort(text);
   context_->closeConnections();
   waits_.release_retired();
@@ -526,6 +540,7 @@ void ProcessGroupGloo::Impl::observe_abort(const std::string& text) {
     broken_ = text;
     aborted_by_ = text;
   }
+  waits_.mark_closing();
   waits_.abort(text);  // closing a pair does not wake this rank's own waits on it
   context_->closeConnections();
   waits_.release_retired();

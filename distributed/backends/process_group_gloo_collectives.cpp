@@ -655,9 +655,20 @@ WorkPtr ProcessGroupGloo::point_to_point(bool is_send, const Tensor& tensor, int
               throw DistTimeoutError(
                   "an earlier send to the same rank on the same tag did not finish");
             }
-            transfer->run(std::max(std::chrono::milliseconds(0),
-                                   std::chrono::duration_cast<std::chrono::milliseconds>(
-                                       deadline - std::chrono::steady_clock::now())));
+            try {
+              transfer->run(std::max(std::chrono::milliseconds(0),
+                                     std::chrono::duration_cast<std::chrono::milliseconds>(
+                                         deadline - std::chrono::steady_clock::now())));
+            } catch (...) {
+              // Note [buffers of a failed operation]: the transfer's buffers, and the tensor a
+              // recv writes into, stay alive until the closing group's connections are closed.
+              auto* w = dist::detail::current_waits();
+              if (w && w->closing()) {
+                w->retire(std::make_shared<std::pair<std::shared_ptr<dist::detail::P2pTransfer>,
+                                                     Tensor>>(transfer, t));
+              }
+              throw;
+            }
             return std::vector<Tensor>{t};
           },
           is_send ? Impl::Route::Send : Impl::Route::Recv),

@@ -90,6 +90,9 @@ inline std::string describe(const GlooOpDesc& d) {
 // broken and closes its connections; closing a pair takes the pair's lock and waits for the
 // loop to leave its handler, after which no completion can reach the buffer. So the buffers
 // of a failed operation are retired to the group and freed only after its connections close.
+// A send or recv that fails does not break the group, so its buffers are retired only when the
+// group is closing its connections (mark_closing, before it closes them): then the closing
+// thread may be signalling the failure into them while the operation's thread unwinds.
 
 /// The waits of one group's operations on peers that may not have joined them (the agreement's
 /// exchange, send/recv), which the group's abort watcher can end (Note [abort through the
@@ -98,18 +101,28 @@ class AbortableWaits {
  public:
   /// Keeps `buf`, whose operation failed, until release_retired (Note [buffers of a failed
   /// operation]).
-  void retire(std::unique_ptr<gloo::transport::UnboundBuffer> buf) {
+  void retire(std::shared_ptr<void> buf) {
     std::lock_guard<std::mutex> lock(mu_);
     retired_.push_back(std::move(buf));
   }
 
   /// Frees the retired buffers; call only after the group's connections are closed.
   void release_retired() {
-    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> retired;
+    std::vector<std::shared_ptr<void>> retired;
     {
       std::lock_guard<std::mutex> lock(mu_);
       retired.swap(retired_);
     }
+  }
+
+  /// Called before the group closes its connections (Note [buffers of a failed operation]).
+  void mark_closing() {
+    std::lock_guard<std::mutex> lock(mu_);
+    closing_ = true;
+  }
+  bool closing() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return closing_;
   }
 
   /// Ends every wait registered now or later: it throws DistBackendError(`why`).
@@ -147,7 +160,8 @@ class AbortableWaits {
   bool aborted_ = false;
   std::string why_;
   std::vector<std::pair<gloo::transport::UnboundBuffer*, bool>> waiting_;
-  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> retired_;
+  bool closing_ = false;
+  std::vector<std::shared_ptr<void>> retired_;
 };
 
 /// The group whose operation this thread runs (set by ProcessGroupGloo's execute), or null.
