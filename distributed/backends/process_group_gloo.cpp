@@ -241,8 +241,7 @@ ProcessGroupGloo::Impl::~Impl() {
     healthy = healthy && broken_.empty();
   }
   if (context_ && !healthy) {
-    waits_.mark_closing();
-    context_->closeConnections();
+      context_->closeConnections();
   }
   waits_.release_retired();
 }
@@ -468,7 +467,6 @@ void ProcessGroupGloo::Impl::fail(Job& job, const E& err, bool mark_broken, bool
                                 dist::detail::short_label(job.work->describe()), ": ", err.what()),
                 position_wait_);
   }
-  waits_.mark_closing();
   context_->closeConnections();
   waits_.release_retired();  // Note [buffers of a failed operation]
   if (shm_) shm_->abort(detail::str_cat("rank ", rank_, ": ", err.what()));
@@ -526,7 +524,6 @@ void ProcessGroupGloo::Impl::abort(const std::string& reason) {
   if (dist::detail::publish_position(*store_, rank_, "aborted the group", position_wait_)) {
     write_abort(text, position_wait_);
   }
-  waits_.mark_closing();
   waits_.abort(text);
   context_->closeConnections();
   waits_.release_retired();
@@ -540,7 +537,6 @@ void ProcessGroupGloo::Impl::observe_abort(const std::string& text) {
     broken_ = text;
     aborted_by_ = text;
   }
-  waits_.mark_closing();
   waits_.abort(text);  // closing a pair does not wake this rank's own waits on it
   context_->closeConnections();
   waits_.release_retired();

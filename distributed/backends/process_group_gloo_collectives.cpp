@@ -645,7 +645,7 @@ WorkPtr ProcessGroupGloo::point_to_point(bool is_send, const Tensor& tensor, int
           detail::str_cat(next_op_label(op), is_send ? " to rank " : " from rank ", peer, " tag ",
                           tag),
           timeout(),
-          [t, transfer, done, before](std::chrono::milliseconds left) {
+          [t, transfer, done, before, impl = impl_.get()](std::chrono::milliseconds left) {
             struct Finish {
               std::promise<void>& p;
               ~Finish() { p.set_value(); }
@@ -661,11 +661,11 @@ WorkPtr ProcessGroupGloo::point_to_point(bool is_send, const Tensor& tensor, int
                                          deadline - std::chrono::steady_clock::now())));
             } catch (...) {
               // Note [buffers of a failed operation]: the transfer's buffers, and the tensor a
-              // recv writes into, stay alive until the closing group's connections are closed.
-              auto* w = dist::detail::current_waits();
-              if (w && w->closing()) {
-                w->retire(std::make_shared<std::pair<std::shared_ptr<dist::detail::P2pTransfer>,
-                                                     Tensor>>(transfer, t));
+              // recv writes into, stay alive until the broken group's connections are closed.
+              if (impl->broken()) {
+                impl->waits().retire(
+                    std::make_shared<std::pair<std::shared_ptr<dist::detail::P2pTransfer>, Tensor>>(
+                        transfer, t));
               }
               throw;
             }

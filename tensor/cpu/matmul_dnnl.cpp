@@ -30,6 +30,12 @@ dnnl::engine& engine() {
   return e;
 }
 
+// OpenMP's thread count is per calling thread: an autograd worker or a rank-thread would
+// otherwise run with the runtime's default instead of Ember's setting.
+void use_embers_thread_count() {
+  if (!omp_in_parallel()) omp_set_num_threads(get_num_threads());
+}
+
 using Key = std::array<int64_t, 11>;
 
 struct Gemm {
@@ -92,9 +98,7 @@ const Gemm& cached_gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t k, int64
 void dnnl_gemm_bf16(bool ta, bool tb, int64_t n, int64_t m, int64_t k, double alpha,
                     const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb, double beta,
                     BFloat16* c, int64_t ldc) {
-  // Before the primitive is made: OpenMP's thread count is per calling thread (see
-  // dnnl_gemm_f32), and the primitive is made for the count it sees.
-  if (!omp_in_parallel()) omp_set_num_threads(get_num_threads());
+  use_embers_thread_count();  // before the primitive is made: it is made for the count it sees
   const Gemm& g = cached_gemm(ta, tb, n, m, k, lda, ldb, ldc, static_cast<float>(alpha),
                               static_cast<float>(beta));
   thread_local dnnl::stream stream(engine());
@@ -111,9 +115,7 @@ void dnnl_gemm_bf16(bool ta, bool tb, int64_t n, int64_t m, int64_t k, double al
 
 void dnnl_gemm_f32(bool ta, bool tb, int64_t n, int64_t m, int64_t k, double alpha, const float* a,
                    int64_t lda, const float* b, int64_t ldb, double beta, float* c, int64_t ldc) {
-  // OpenMP's thread count is per calling thread: an autograd worker would otherwise run with
-  // the runtime's default instead of Ember's setting.
-  if (!omp_in_parallel()) omp_set_num_threads(get_num_threads());
+  use_embers_thread_count();
   const dnnl_status_t st =
       dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', n, m, k, static_cast<float>(alpha), a, lda, b, ldb,
                  static_cast<float>(beta), c, ldc);

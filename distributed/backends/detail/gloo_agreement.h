@@ -91,8 +91,8 @@ inline std::string describe(const GlooOpDesc& d) {
 // loop to leave its handler, after which no completion can reach the buffer. So the buffers
 // of a failed operation are retired to the group and freed only after its connections close.
 // A send or recv that fails does not break the group, so its buffers are retired only when the
-// group is closing its connections (mark_closing, before it closes them): then the closing
-// thread may be signalling the failure into them while the operation's thread unwinds.
+// group is broken (which it is before it closes its connections): then the closing thread may
+// be signalling the failure into them while the operation's thread unwinds.
 
 /// The waits of one group's operations on peers that may not have joined them (the agreement's
 /// exchange, send/recv), which the group's abort watcher can end (Note [abort through the
@@ -113,16 +113,6 @@ class AbortableWaits {
       std::lock_guard<std::mutex> lock(mu_);
       retired.swap(retired_);
     }
-  }
-
-  /// Called before the group closes its connections (Note [buffers of a failed operation]).
-  void mark_closing() {
-    std::lock_guard<std::mutex> lock(mu_);
-    closing_ = true;
-  }
-  bool closing() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return closing_;
   }
 
   /// Ends every wait registered now or later: it throws DistBackendError(`why`).
@@ -160,7 +150,6 @@ class AbortableWaits {
   bool aborted_ = false;
   std::string why_;
   std::vector<std::pair<gloo::transport::UnboundBuffer*, bool>> waiting_;
-  bool closing_ = false;
   std::vector<std::shared_ptr<void>> retired_;
 };
 

@@ -64,6 +64,13 @@ class ProcessGroupGloo::Impl {
   const std::shared_ptr<gloo::Context>& context() const { return context_; }
   /// A Gloo error with each peer's address written as "rank r (address)".
   std::string name_peers(const std::string& msg) const;
+  /// Whether a failure or an abort broke the group (its connections are then being closed).
+  bool broken() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !broken_.empty();
+  }
+  /// The group's waits on peers, and its retired buffers (Note [buffers of a failed operation]).
+  dist::detail::AbortableWaits& waits() { return waits_; }
   /// The shared-memory allreduce, or null (world size 1, turned off, or a rank elsewhere).
   dist::detail::ShmAllreduce* shm() const { return shm_.get(); }
 
