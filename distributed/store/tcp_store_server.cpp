@@ -6,6 +6,7 @@
 #include <ember/distributed/store/detail/tcp_store_server_impl.h>
 
 #include <algorithm>
+#include <future>
 
 #include <ember/tensor/log.h>
 
@@ -148,6 +149,22 @@ void TCPStoreServer::Impl::sweep_idle() {
   idle_sweep_.async_wait([this](const boost::system::error_code& e) {
     if (!e && !stopping_) sweep_idle();
   });
+}
+
+TCPStoreServer::Stats TCPStoreServer::Impl::stats() {
+  // Holding stop_mu_: a stop cannot end the serving thread between the post and its handler.
+  std::lock_guard<std::mutex> guard(stop_mu_);
+  if (!thread_.joinable() || std::this_thread::get_id() == thread_.get_id()) return snapshot();
+  auto taken = std::make_shared<std::promise<Stats>>();  // outlives a wait that gave up
+  auto result = taken->get_future();
+  asio::post(io_, [this, taken] { taken->set_value(snapshot()); });
+  // Handlers never block, so this wait is short; the bound is for a serving thread gone wrong.
+  constexpr auto kBound = std::chrono::seconds(60);
+  if (result.wait_for(kBound) != std::future_status::ready) {
+    throw DistError(str_cat("[TCPStoreServer stats] port ", port_,
+                            ": the serving thread did not answer within ", kBound.count(), " s"));
+  }
+  return result.get();
 }
 
 void TCPStoreServer::Impl::stop() {

@@ -100,7 +100,13 @@ class TCPStoreServer::Impl {
     return workers_;
   }
   void wait_for_workers(int64_t n, Duration timeout);
-  Stats stats() const {
+  /// Taken on the serving thread between two handlers, so that a count is seen only with
+  /// everything the handler that moved it did: a connection counted closed has been closed
+  /// (its peer can see the end), a key counted stored is readable.
+  Stats stats();
+
+ private:
+  Stats snapshot() const {
     Stats s;
     s.accepted = accepted_.load();
     s.active = active_.load();
@@ -116,8 +122,6 @@ class TCPStoreServer::Impl {
     s.idle_closes = idle_closes_.load();
     return s;
   }
-
- private:
   friend class Session;
   // A get or wait parked until its keys are set or its timer fires.
   struct Waiter {
