@@ -436,6 +436,15 @@ Tensor& Tensor::copy_(const Tensor& src) {
   }
   const Tensor s = src.shape() == shape() ? src : src.expand(shape());
   if (numel() == 0) return *this;
+  // A tensor copied onto the very elements it views (a hook handing back its bucket as the
+  // result): nothing to move. torch skips this case too.
+  const bool same_elements = impl_->storage == s.impl_->storage &&
+                             storage_offset() == s.storage_offset() &&
+                             strides() == s.strides() && dtype() == s.dtype();
+  if (same_elements) {
+    bump_version();
+    return *this;
+  }
   if (is_cpu() && s.is_cpu()) {
     detail::copy_cpu(*this, s);
   } else {

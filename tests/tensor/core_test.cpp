@@ -233,6 +233,19 @@ TEST(Copy, ConvertsDtypesBroadcastsAndBumpsVersion) {
   EXPECT_NE(f.clone().storage(), f.storage());
 }
 
+// A copy onto the elements it reads (another handle on the same view) leaves them as they were
+// and still counts as a write; a view of the same storage at another offset is a real copy.
+TEST(Copy, OntoTheSameElementsKeepsThemAndBumpsVersion) {
+  Tensor a = arange(0, 6, 1, kFloat32);
+  Tensor v = a.view({2, 3});
+  const uint32_t v0 = a.version();
+  v.copy_(a.view({2, 3}));
+  EXPECT_GT(a.version(), v0);
+  EXPECT_EQ(a.to_vector<float>(), std::vector<float>({0, 1, 2, 3, 4, 5}));
+  a.narrow(0, 3, 3).copy_(a.narrow(0, 0, 3));
+  EXPECT_EQ(a.to_vector<float>(), std::vector<float>({0, 1, 2, 0, 1, 2}));
+}
+
 TEST(Copy, LargeCopyUsesAllThreadsAndIsExact) {
   Tensor a = arange(0, 1 << 20, 1, kFloat32).view({1024, 1024});
   Tensor b = a.t().contiguous();
