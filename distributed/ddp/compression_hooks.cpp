@@ -313,14 +313,73 @@ std::shared_ptr<Future> warm_up(CompressionState& state, GradBucket& bucket, con
       });
 }
 
-// With momentum: this rank's velocity u = momentum u + x over the bucket's n elements, and x = u
-// (what is compressed). Returns the velocity, or null without momentum.
-float* add_momentum(CompressionState& state, const std::string& key, float* x, int64_t n) {
+// What a compressing hook encodes, built in one pass over each of the bucket's pieces: x = the
+// bucket in canonical order (zeros past its n elements, up to `padded`); with momentum, this
+// rank's velocity u = momentum u + x and x = u (the first n elements); with error feedback,
+// x += the worker residual (all `padded`). The same float operations in the same order as
+// copying, then adding each term in a pass of its own, without the separate passes.
+struct CompressionInput {
+  Tensor x;
+  float* velocity = nullptr;   // null without momentum
+  Tensor* residual = nullptr;  // null without error feedback
+};
+
+CompressionInput compression_input(CompressionState& state, const GradBucket& bucket,
+                                   const char* hook, const std::string& key, int64_t padded) {
+  check_bucket(hook, bucket.buffer());
+  const int64_t n = bucket.buffer().numel();
   const float momentum = static_cast<float>(state.options().momentum);
-  if (momentum == 0) return nullptr;
-  float* u = state.velocity(key, n).data<float>();
-  for (int64_t i = 0; i < n; ++i) x[i] = u[i] = momentum * u[i] + x[i];
-  return u;
+  CompressionInput in;
+  if (momentum != 0) in.velocity = state.velocity(key, n).data<float>();
+  if (state.options().error_feedback) in.residual = &state.worker_residual(key, padded);
+  const float* r = in.residual ? in.residual->data<float>() : nullptr;
+  float* u = in.velocity;
+  const Canonical layout(bucket);
+  // A float32 bucket is read in place; another dtype is converted first and updated in place.
+  const Tensor& buffer = bucket.buffer();
+  const bool direct = buffer.dtype() == kFloat32 && buffer.is_contiguous();
+  in.x = direct ? empty({padded}, kFloat32) : canonical_copy(layout, buffer, padded);
+  float* x = in.x.data<float>();
+  const float* g0 = direct ? buffer.data<float>() : nullptr;
+  // x[o, o + len) from g (null: zeros), u and r at the same canonical offsets.
+  auto fill = [&](int64_t o, const float* g, int64_t len) {
+    float* xs = x + o;
+    float* us = u && o < n ? u + o : nullptr;  // the velocity covers the first n only
+    const float* rs = r ? r + o : nullptr;
+    if (us && rs) {
+      for (int64_t j = 0; j < len; ++j) {
+        us[j] = momentum * us[j] + g[j];
+        xs[j] = us[j] + rs[j];
+      }
+    } else if (us) {
+      for (int64_t j = 0; j < len; ++j) xs[j] = us[j] = momentum * us[j] + g[j];
+    } else if (rs) {
+      if (g) {
+        for (int64_t j = 0; j < len; ++j) xs[j] = g[j] + rs[j];
+      } else {
+        std::memcpy(xs, rs, static_cast<size_t>(len) * sizeof(float));  // 0 + r is r
+      }
+    } else if (g != xs) {
+      if (g) {
+        std::memcpy(xs, g, static_cast<size_t>(len) * sizeof(float));
+      } else {
+        std::fill_n(xs, len, 0.0f);
+      }
+    }
+  };
+  int64_t end = 0;
+  for (const Canonical::Piece& p : layout.pieces) {
+    fill(p.offset, direct ? g0 + p.bucket_offset : x + p.offset, p.numel);
+    end = std::max(end, p.offset + p.numel);
+  }
+  if (end < padded) {
+    if (direct) {
+      fill(end, nullptr, padded - end);
+    } else if (r) {
+      for (int64_t i = end; i < padded; ++i) x[i] += r[i];  // canonical_copy zeroed the tail
+    }
+  }
+  return in;
 }
 
 // The two-phase compressed all-reduce (file comment of compression_hooks.h).
@@ -331,18 +390,11 @@ std::shared_ptr<Future> two_phase(CompressionState& state, GradBucket& bucket, c
   const int world = group->size();
   const int64_t n = bucket.buffer().numel();
   const int64_t m = (n + world - 1) / world;  // chunk c of every rank goes to rank c
-  Tensor x = padded_input(c.hook, bucket, m * world);
   const bool feedback = state.options().error_feedback;
   const std::string key = bucket.key();
-  add_momentum(state, key, x.data<float>(), n);
-  float* residual = nullptr;
-  if (feedback) {
-    Tensor& r = state.worker_residual(key, m * world);
-    float* xp = x.data<float>();
-    const float* rp = r.data<float>();
-    for (int64_t i = 0; i < m * world; ++i) xp[i] += rp[i];
-    residual = r.data<float>();
-  }
+  const CompressionInput in = compression_input(state, bucket, c.hook, key, m * world);
+  const Tensor& x = in.x;
+  float* residual = in.residual ? in.residual->data<float>() : nullptr;
   const int64_t msg = c.bytes(m);
   std::vector<Tensor> inputs, outputs;
   trace::Span compress_span("compress", "comm hook", {{"bucket", bucket.index()}});
@@ -455,16 +507,12 @@ std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& 
   ProcessGroup& pg = bucket.process_group();
   const int world = pg.size();
   const int64_t n = bucket.buffer().numel();
-  Tensor x = padded_input("topk_compress_hook", bucket, n);
-  float* xp = x.data<float>();
   const std::string key = bucket.key();
-  float* velocity = add_momentum(state, key, xp, n);
-  Tensor* residual = nullptr;
-  if (state.options().error_feedback) {
-    residual = &state.worker_residual(key, n);
-    const float* rp = residual->data<float>();
-    for (int64_t i = 0; i < n; ++i) xp[i] += rp[i];
-  }
+  const CompressionInput in = compression_input(state, bucket, "topk_compress_hook", key, n);
+  const Tensor& x = in.x;
+  float* xp = x.data<float>();
+  float* velocity = in.velocity;
+  Tensor* residual = in.residual;
   const int64_t k = std::clamp<int64_t>(
       static_cast<int64_t>(std::ceil(state.options().topk_ratio * static_cast<double>(n))), 1,
       std::max<int64_t>(n, 1));

@@ -345,6 +345,67 @@ TEST(TwoPhaseHooks, TheResidualIsWhatWasNotSent) {
   }
 }
 
+// The hooks read a bucket in its parameters' index order, whatever order DDP packed them in and
+// whatever the bucket's dtype: a bucket of three parameters packed out of order (with a padded
+// last chunk, momentum and error feedback, two steps) gives, parameter by parameter, what one
+// float32 parameter holding the same values in index order gives, and the same residuals. A
+// float16 bucket gives the float32 run of its values, rounded back to float16.
+TEST(CompressingHooks, ReadABucketInIndexOrderWhateverItsLayoutAndDtype) {
+  constexpr int kWorld = 2;
+  const std::vector<int64_t> sizes = {300, 1, 400};  // packed order; n = 701, odd
+  const std::vector<size_t> indices = {2, 0, 1};     // canonical: sizes[1], sizes[2], sizes[0]
+  const int64_t n = 701;
+  // Bucket offset of each packed parameter, and the canonical (index-order) permutation.
+  auto canonical = [&](const std::vector<float>& packed) {
+    std::vector<float> out;
+    for (size_t want = 0; want < indices.size(); ++want) {
+      const size_t k = static_cast<size_t>(
+          std::find(indices.begin(), indices.end(), want) - indices.begin());
+      const int64_t at = std::accumulate(sizes.begin(), sizes.begin() + k, int64_t{0});
+      out.insert(out.end(), packed.begin() + at, packed.begin() + at + sizes[k]);
+    }
+    return out;
+  };
+  auto hooks = {int8_compress_hook, sign_compress_hook, topk_compress_hook};
+  for (auto hook : hooks) {
+    for (const Dtype dtype : {kFloat32, kFloat16}) {
+      SCOPED_TRACE(dtype_name(dtype));
+      std::vector<std::shared_ptr<CompressionState>> packed_states, plain_states;
+      for (int r = 0; r < kWorld; ++r) {
+        const CompressionOptions o{.topk_ratio = 0.1, .momentum = 0.5};
+        packed_states.push_back(std::make_shared<CompressionState>(o));
+        plain_states.push_back(std::make_shared<CompressionState>(o));
+      }
+      std::vector<std::vector<std::vector<float>>> packed_out(kWorld), plain_out(kWorld);
+      test::ThreadsSetup setup;
+      setup.n = kWorld;
+      test::run_threads_or_throw(setup, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+        CommHook packed_hook = bind_hook(packed_states[static_cast<size_t>(rank)], hook);
+        CommHook plain_hook = bind_hook(plain_states[static_cast<size_t>(rank)], hook);
+        for (int step = 0; step < 2; ++step) {
+          const Tensor values = bucket_input(rank + 3 * step, n).to(dtype);
+          std::vector<Tensor> params;
+          for (const int64_t size : sizes) params.push_back(zeros({size}, dtype));
+          Tensor packed = values.clone();
+          GradBucket a(0, 1, packed, params, indices, pg);
+          packed_out[static_cast<size_t>(rank)].push_back(
+              canonical(packed_hook(a)->value().at(0).to(kFloat32).to_vector<float>()));
+          Tensor plain = from_vector(canonical(values.to(kFloat32).to_vector<float>()));
+          GradBucket b(0, 1, plain, {zeros({n})}, {0}, pg);
+          plain_out[static_cast<size_t>(rank)].push_back(
+              plain_hook(b)->value().at(0).to(dtype).to(kFloat32).to_vector<float>());
+        }
+      });
+      for (int r = 0; r < kWorld; ++r) {
+        EXPECT_EQ(packed_out[r], plain_out[r]) << "rank " << r;
+        EXPECT_EQ(packed_states[r]->residual("0_1_2").to_vector<float>(),
+                  plain_states[r]->residual("0").to_vector<float>())
+            << "rank " << r;
+      }
+    }
+  }
+}
+
 // The trace shows where a two-phase hook spends its time: compressing, the server's step and
 // decompressing.
 TEST(TwoPhaseHooks, TheTraceShowsCompressAndDecompress) {
