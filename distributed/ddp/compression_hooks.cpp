@@ -416,13 +416,13 @@ std::shared_ptr<Future> two_phase(CompressionState& state, GradBucket& bucket, c
     Tensor avg = zeros({m}, kFloat32);
     float* a = avg.data<float>();
     for (int r = 0; r < world; ++r) c.decode_add(bytes_of(outputs[r]), m, a);
-    for (int64_t i = 0; i < m; ++i) a[i] /= static_cast<float>(world);
+    const auto w = static_cast<float>(world);
     float* server = nullptr;
-    if (feedback) {
-      Tensor& r = state.server_residual(key, m);
-      const float* rp = r.data<float>();
-      for (int64_t i = 0; i < m; ++i) a[i] += rp[i];
-      server = r.data<float>();
+    if (feedback) {  // the average plus the server's residual, in one pass
+      server = state.server_residual(key, m).data<float>();
+      for (int64_t i = 0; i < m; ++i) a[i] = a[i] / w + server[i];
+    } else {
+      for (int64_t i = 0; i < m; ++i) a[i] /= w;
     }
     Tensor mine = empty({msg}, kUInt8);
     c.encode(a, m, bytes_of(mine), server);
