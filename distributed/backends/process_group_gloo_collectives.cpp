@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -280,6 +281,94 @@ WorkPtr ProcessGroupGloo::broadcast(Tensor& tensor, const BroadcastOptions& opts
       {tensor});
 }
 
+namespace {
+// Note [receives first over TCP]: Gloo's alltoall and allgather post each send before the
+// matching receive. Over a link that is the bottleneck (a 1 Gbit/s link between two nodes) that
+// order moves half of what it could: two ranks exchanging 8 MiB each took 128 ms where the same
+// bytes, receives posted first, take 79 ms (docs/benchmarks.md). Ember's own loops post every
+// receive of a step before its sends; the messages, slots and results are Gloo's.
+
+// Keeps the tensors whose memory an operation's posted receives and sends point into past a
+// failure, with its buffers (Note [buffers of a failed operation]).
+struct KeepOnFailure {
+  Tensor a, b;
+  int unwinding = std::uncaught_exceptions();
+  ~KeepOnFailure() {
+    if (std::uncaught_exceptions() > unwinding) {
+      if (auto* w = dist::detail::current_waits()) {
+        w->retire(std::make_shared<std::pair<Tensor, Tensor>>(a, b));
+      }
+    }
+  }
+};
+
+// Every peer's chunk of `in` to that peer, and theirs into `out` at their rank's offset.
+void alltoall_receives_first(const std::shared_ptr<gloo::Context>& ctx, const Tensor& in,
+                             const Tensor& out, uint32_t tag, std::chrono::milliseconds left) {
+  const int n = ctx->size, me = ctx->rank;
+  const size_t chunk = static_cast<size_t>(in.nbytes()) / static_cast<size_t>(n);
+  auto* src = static_cast<char*>(in.data_ptr());
+  auto* dst = static_cast<char*>(out.data_ptr());
+  std::memcpy(dst + static_cast<size_t>(me) * chunk, src + static_cast<size_t>(me) * chunk, chunk);
+  const uint64_t slot = gloo::Slot::build(gloo::kAlltoallSlotPrefix, tag);
+  const KeepOnFailure keep{in, out};
+  dist::detail::PostedBuffer rx(ctx->createUnboundBuffer(dst, chunk * static_cast<size_t>(n)));
+  dist::detail::PostedBuffer tx(ctx->createUnboundBuffer(src, chunk * static_cast<size_t>(n)));
+  for (int i = 1; i < n; ++i) {
+    const int from = (me + n - i) % n;
+    rx->recv(from, slot, static_cast<size_t>(from) * chunk, chunk);
+  }
+  for (int i = 1; i < n; ++i) {
+    const int to = (me + i) % n;
+    tx->send(to, slot, static_cast<size_t>(to) * chunk, chunk);
+  }
+  for (int i = 1; i < n; ++i) dist::detail::wait_for(*rx, true, left);
+  for (int i = 1; i < n; ++i) dist::detail::wait_for(*tx, false, left);
+}
+
+// The ring allgather: in step s (of n - 1) a rank passes segment (rank - s) to its right and
+// receives segment (rank - s - 1) from its left, each segment in two halves so that one half's
+// transfer overlaps the other's. `out` holds n segments of `in`'s size.
+void allgather_receives_first(const std::shared_ptr<gloo::Context>& ctx, const Tensor& in,
+                              const Tensor& out, uint32_t tag, std::chrono::milliseconds left) {
+  const int n = ctx->size, me = ctx->rank;
+  const size_t seg = static_cast<size_t>(in.nbytes());
+  auto* dst = static_cast<char*>(out.data_ptr());
+  if (dst + static_cast<size_t>(me) * seg != in.data_ptr()) {
+    std::memcpy(dst + static_cast<size_t>(me) * seg, in.data_ptr(), seg);
+  }
+  const uint64_t slot = gloo::Slot::build(gloo::kAllgatherSlotPrefix, tag);
+  const KeepOnFailure keep{in, out};
+  dist::detail::PostedBuffer buf(ctx->createUnboundBuffer(dst, seg * static_cast<size_t>(n)));
+  const int right = (me + 1) % n, from = (me + n - 1) % n;
+  const size_t half[2] = {seg / 2, seg - seg / 2};
+  const size_t at[2] = {0, seg / 2};
+  const int per_step = half[0] > 0 ? 2 : 1;
+  int pending = 0;  // transfers posted and not yet waited for, of each kind
+  for (int s = 0; s < n - 1; ++s) {
+    const size_t send_seg = static_cast<size_t>((me - s + n) % n);
+    const size_t recv_seg = static_cast<size_t>((me - s - 1 + 2 * n) % n);
+    for (int h = 0; h < 2; ++h) {
+      if (half[h] == 0) continue;
+      // Half h of this step's segment arrived in the step before: wait for it (receives on one
+      // pair and slot complete in order), and for the send before it.
+      if (pending == per_step) {
+        dist::detail::wait_for(*buf, true, left);
+        dist::detail::wait_for(*buf, false, left);
+        --pending;
+      }
+      buf->recv(from, slot, recv_seg * seg + at[h], half[h]);
+      buf->send(right, slot, send_seg * seg + at[h], half[h]);
+      ++pending;
+    }
+  }
+  for (; pending > 0; --pending) {
+    dist::detail::wait_for(*buf, true, left);
+    dist::detail::wait_for(*buf, false, left);
+  }
+}
+}  // namespace
+
 WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& input,
                                                 const CollectiveOptions& opts) {
   if (output.defined() && input.defined() && output.is_cuda() && input.is_cuda()) {
@@ -317,11 +406,7 @@ WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& in
               return std::vector<Tensor>{out};
             }
             agree(ctx, tag, make_desc(OpType::Allgather, in.dtype(), in.numel()), left);
-            if (in.numel() > 0) {
-              gloo::AllgatherOptions o(ctx);
-              set_bytes(o, in, out, tag, left);
-              gloo::allgather(o);
-            }
+            if (in.numel() > 0) allgather_receives_first(ctx, in, out, tag, left);
             return std::vector<Tensor>{out};
           },
           impl_->route_for(static_cast<size_t>(out.nbytes()))),
@@ -534,9 +619,7 @@ WorkPtr ProcessGroupGloo::alltoall(std::vector<Tensor>& outputs, const std::vect
                       agree(ctx, tag, make_desc(OpType::Alltoall, in.dtype(), in.numel()), left);
                       if (in.numel() == 0) return outs;
                       Tensor out = empty_like(in);
-                      gloo::AlltoallOptions o(ctx);
-                      set_bytes(o, in, out, tag, left);
-                      gloo::alltoall(o);
+                      alltoall_receives_first(ctx, in, out, tag, left);
                       const int64_t k = in.numel() / static_cast<int64_t>(outs.size());
                       for (size_t r = 0; r < outs.size(); ++r) {
                         outs[r].copy_(

@@ -1432,7 +1432,8 @@ void require_same_bytes(const std::string& what, const std::vector<Tensor>& a,
   }
 }
 
-// Each collective gives over shared memory bitwise what it gives over TCP: empty, tiny, sizes
+// Each collective gives over shared memory bitwise what it gives over TCP: empty, tiny (one byte:
+// a ring allgather's segment that does not split in halves), sizes
 // that divide neither by the group size nor by the chunk, and blocks larger than a 1 MiB chunk
 // (and for broadcast, than all slots together) so that they move in several steps.
 TEST_P(GlooShm, EveryCollectiveMatchesTcpAcrossSizesAndChunks) {
@@ -1445,7 +1446,7 @@ TEST_P(GlooShm, EveryCollectiveMatchesTcpAcrossSizesAndChunks) {
     };
     const Case cases[] = {{kFloat32, 0},       {kFloat32, 1},      {kFloat32, 1001},
                           {kFloat32, 300007},  {kFloat16, 300007}, {kInt64, 1001},
-                          {kUInt8, 1100003}};
+                          {kUInt8, 1},         {kUInt8, 3},        {kUInt8, 1100003}};
     for (const NamedIssue& op : every_collective()) {
       for (const Case& c : cases) {
         const std::string what = name(op.name, c.d, rank, " of " + std::to_string(c.numel));
