@@ -81,6 +81,7 @@ struct Args {
   int threads = 0;  // 0: cores / ranks
   bool torch = false;
   bool bucket_view = false;
+  double bucket_cap_mb = 25;  // DDPOptions' default, torch's
   std::string comm_hook = "none";  // a dist::make_comm_hook spec
 };
 
@@ -106,6 +107,8 @@ Args parse(int argc, char** argv) {
   app.add_flag("--bucket-view", a.bucket_view,
                "DDPOptions::gradient_as_bucket_view (over gloo's shared memory the buckets are "
                "then reduced from the peers' mapped buckets)");
+  app.add_option("--bucket-cap-mb", a.bucket_cap_mb, "DDPOptions::bucket_cap_mb (default 25)")
+      ->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -181,6 +184,7 @@ class RankBench {
     local_ = make_model(model_name);
     dist::DDPOptions o;
     o.gradient_as_bucket_view = a.bucket_view;
+    o.bucket_cap_mb = a.bucket_cap_mb;
     ddp_ = std::make_shared<dist::DistributedDataParallel>(wrapped, pg_, o);
     if (a.comm_hook != "none") {
       hook_ = dist::make_comm_hook(a.comm_hook, pg_);
