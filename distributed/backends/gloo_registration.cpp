@@ -1,6 +1,7 @@
 // The gloo backend's registration: its factory reads gloo's environment settings and picks
 // the flat group or the hierarchical one (process_group_hierarchical.h) for ranks spanning
 // nodes. Built with Gloo only; no_gloo.cpp registers the backend's refusal otherwise.
+#include <climits>
 #include <cstdlib>
 
 #include <ember/distributed/backends/net.h>
@@ -46,6 +47,11 @@ std::shared_ptr<ProcessGroup> make_gloo(const BackendArgs& a) {
   if (auto t = detail::int_from_env("EMBER_GLOO_SHM", 0, 1, "1: allreduce through shared memory "
                                     "among ranks on one machine, 0: always over TCP")) {
     o.shared_memory = *t == 1;
+  }
+  if (auto b = detail::int_from_env("EMBER_GLOO_RECEIVES_FIRST_BYTES", 1, INT_MAX,
+                                    "the smallest TCP message of alltoall and allgather "
+                                    "posted receives first")) {
+    o.receives_first_bytes = static_cast<size_t>(*b);
   }
   if (!std::getenv("EMBER_GLOO_HOSTNAME") && !std::getenv("GLOO_SOCKET_IFNAME")) {
     if (net::is_loopback(a.master_addr)) {

@@ -113,7 +113,7 @@ void ignore_sigpipe() {
 
 ProcessGroupGloo::Impl::Impl(const ProcessGroupGloo& pg, std::shared_ptr<Store> store,
                              const GlooOptions& opts)
-    : rank_(pg.rank()), size_(pg.size()) {
+    : rank_(pg.rank()), size_(pg.size()), receives_first_bytes_(opts.receives_first_bytes) {
   if (size_ == 1) return;  // world size 1: no network, everything completes inline
   ignore_sigpipe();
   gloo::transport::tcp::attr attr;

@@ -77,6 +77,13 @@ class ProcessGroupGloo : public ProcessGroup {
     /// rank is elsewhere (another host or network namespace), everything goes through Gloo. EMBER_GLOO_SHM=0 turns it off for
     /// groups made by init_process_group.
     bool shared_memory = true;
+    /// Over TCP, alltoall and allgather_into_tensor post each step's receives before its sends
+    /// for messages of this many bytes and more (Note [receives first over TCP]): over a link
+    /// slower than the CPUs a large exchange then moves both ways at once instead of taking
+    /// turns; smaller messages keep Gloo's order, which is quicker on a fast link. Every rank of
+    /// a group should use the same value (mixed values still work). EMBER_GLOO_RECEIVES_FIRST_BYTES
+    /// sets it for groups made by init_process_group.
+    size_t receives_first_bytes = size_t{512} << 10;
   };
 
   /// Rendezvous with the other size-1 ranks through `store` (which should be private to this

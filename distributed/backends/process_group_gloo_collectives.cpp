@@ -282,11 +282,18 @@ WorkPtr ProcessGroupGloo::broadcast(Tensor& tensor, const BroadcastOptions& opts
 }
 
 namespace {
-// Note [receives first over TCP]: Gloo's alltoall and allgather post each send before the
-// matching receive. Over a link that is the bottleneck (a 1 Gbit/s link between two nodes) that
-// order moves half of what it could: two ranks exchanging 8 MiB each took 128 ms where the same
-// bytes, receives posted first, take 79 ms (docs/benchmarks.md). Ember's own loops post every
-// receive of a step before its sends; the messages, slots and results are Gloo's.
+// Note [receives first over TCP]: Gloo's TCP pairs move an unbound buffer only once the peer
+// has announced a matching receive, and announcements travel on the same socket as the data.
+// gloo::alltoall and gloo::allgather post each send before the matching receive: a rank that
+// arrives second finds its peer's receive announced, writes its whole message, and only then
+// announces its own receive, which reaches the peer behind that message. The two directions take
+// turns instead of overlapping, and over a link slower than the CPUs a large exchange takes up
+// to twice as long (docs/benchmarks.md). Ember's loops post every receive of a step before its
+// sends, so the announcement goes first; the messages, slots and results are Gloo's. Below
+// GlooOptions::receives_first_bytes a message keeps Gloo's order: there the late rank's
+// immediate write from its own thread beats waiting for the peer's event loop to send once the
+// announcement lands. Both orders send the same messages on the same slots, so ranks that chose
+// differently still match.
 
 // Keeps the tensors whose memory an operation's posted receives and sends point into past a
 // failure, with its buffers (Note [buffers of a failed operation]).
@@ -341,18 +348,16 @@ void allgather_receives_first(const std::shared_ptr<gloo::Context>& ctx, const T
   const KeepOnFailure keep{in, out};
   dist::detail::PostedBuffer buf(ctx->createUnboundBuffer(dst, seg * static_cast<size_t>(n)));
   const int right = (me + 1) % n, from = (me + n - 1) % n;
-  const size_t half[2] = {seg / 2, seg - seg / 2};
+  const size_t half[2] = {seg / 2, seg - seg / 2};  // as Gloo splits, an empty half included
   const size_t at[2] = {0, seg / 2};
-  const int per_step = half[0] > 0 ? 2 : 1;
   int pending = 0;  // transfers posted and not yet waited for, of each kind
   for (int s = 0; s < n - 1; ++s) {
     const size_t send_seg = static_cast<size_t>((me - s + n) % n);
     const size_t recv_seg = static_cast<size_t>((me - s - 1 + 2 * n) % n);
     for (int h = 0; h < 2; ++h) {
-      if (half[h] == 0) continue;
       // Half h of this step's segment arrived in the step before: wait for it (receives on one
       // pair and slot complete in order), and for the send before it.
-      if (pending == per_step) {
+      if (pending == 2) {
         dist::detail::wait_for(*buf, true, left);
         dist::detail::wait_for(*buf, false, left);
         --pending;
@@ -384,6 +389,7 @@ WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& in
               " elements of ", input.dtype(), ", got ", output.numel(), " of ", output.dtype());
   const uint32_t tag = static_cast<uint32_t>(seq_);
   auto ctx = impl_->context();
+  const size_t first = impl_->receives_first_bytes();
   const ShmTicket shm = take_ticket("allgather_into_tensor");
   const int n = size_;
   Tensor in = input, out = output;
@@ -406,7 +412,13 @@ WorkPtr ProcessGroupGloo::allgather_into_tensor(Tensor& output, const Tensor& in
               return std::vector<Tensor>{out};
             }
             agree(ctx, tag, make_desc(OpType::Allgather, in.dtype(), in.numel()), left);
-            if (in.numel() > 0) allgather_receives_first(ctx, in, out, tag, left);
+            if (in.numel() > 0 && static_cast<size_t>(in.nbytes()) >= first) {
+              allgather_receives_first(ctx, in, out, tag, left);
+            } else if (in.numel() > 0) {
+              gloo::AllgatherOptions o(ctx);
+              set_bytes(o, in, out, tag, left);
+              gloo::allgather(o);
+            }
             return std::vector<Tensor>{out};
           },
           impl_->route_for(static_cast<size_t>(out.nbytes()))),
@@ -608,6 +620,7 @@ WorkPtr ProcessGroupGloo::alltoall(std::vector<Tensor>& outputs, const std::vect
   Tensor in = cat(flat_in, 0);
   const uint32_t tag = static_cast<uint32_t>(seq_);
   auto ctx = impl_->context();
+  const size_t first = impl_->receives_first_bytes();
   std::vector<Tensor> outs = outputs;
   return record_flight(
       impl_->submit(next_op_label("alltoall"), timeout_of(opts.timeout),
@@ -619,7 +632,13 @@ WorkPtr ProcessGroupGloo::alltoall(std::vector<Tensor>& outputs, const std::vect
                       agree(ctx, tag, make_desc(OpType::Alltoall, in.dtype(), in.numel()), left);
                       if (in.numel() == 0) return outs;
                       Tensor out = empty_like(in);
-                      alltoall_receives_first(ctx, in, out, tag, left);
+                      if (static_cast<size_t>(in.nbytes()) / outs.size() >= first) {
+                        alltoall_receives_first(ctx, in, out, tag, left);
+                      } else {
+                        gloo::AlltoallOptions o(ctx);
+                        set_bytes(o, in, out, tag, left);
+                        gloo::alltoall(o);
+                      }
                       const int64_t k = in.numel() / static_cast<int64_t>(outs.size());
                       for (size_t r = 0; r < outs.size(); ++r) {
                         outs[r].copy_(

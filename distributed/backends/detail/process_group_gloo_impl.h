@@ -60,6 +60,8 @@ class ProcessGroupGloo::Impl {
                  std::function<std::vector<Tensor>(std::chrono::milliseconds)> run,
                  Route route = Route::Worker);
 
+  /// GlooOptions::receives_first_bytes.
+  size_t receives_first_bytes() const { return receives_first_bytes_; }
   /// The Gloo context, or null for world size 1.
   const std::shared_ptr<gloo::Context>& context() const { return context_; }
   /// A Gloo error with each peer's address written as "rank r (address)".
@@ -111,6 +113,7 @@ class ProcessGroupGloo::Impl {
 
   int rank_;
   int size_;
+  size_t receives_first_bytes_;
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;
   std::vector<std::vector<std::string>> peer_addresses_;  // Note [naming peers by rank]
