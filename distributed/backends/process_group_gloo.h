@@ -78,7 +78,8 @@ class ProcessGroupGloo : public ProcessGroup {
     /// groups made by init_process_group.
     bool shared_memory = true;
     /// Over TCP, alltoall and allgather_into_tensor post each step's receives before its sends
-    /// for messages of this many bytes and more (Note [receives first over TCP]): over a link
+    /// for pieces of this many bytes and more (alltoall: the chunk for one peer;
+    /// allgather_into_tensor: one rank's input) (Note [receives first over TCP]): over a link
     /// slower than the CPUs a large exchange then moves both ways at once instead of taking
     /// turns; smaller messages keep Gloo's order, which is quicker on a fast link. Every rank of
     /// a group should use the same value (mixed values still work). EMBER_GLOO_RECEIVES_FIRST_BYTES

@@ -290,10 +290,10 @@ namespace {
 // turns instead of overlapping, and over a link slower than the CPUs a large exchange takes up
 // to twice as long (docs/benchmarks.md). Ember's loops post every receive of a step before its
 // sends, so the announcement goes first; the messages, slots and results are Gloo's. Below
-// GlooOptions::receives_first_bytes a message keeps Gloo's order: there the late rank's
-// immediate write from its own thread beats waiting for the peer's event loop to send once the
-// announcement lands. Both orders send the same messages on the same slots, so ranks that chose
-// differently still match.
+// GlooOptions::receives_first_bytes (a peer's chunk, a rank's input) a collective keeps Gloo's
+// order: there the late rank's immediate write from its own thread beats waiting for the peer's
+// event loop to send once the announcement lands. Both orders send the same messages on the
+// same slots, so ranks that chose differently still match.
 
 // Keeps the tensors whose memory an operation's posted receives and sends point into past a
 // failure, with its buffers (Note [buffers of a failed operation]).
