@@ -150,6 +150,9 @@ class TCPStoreServer {
     int64_t quota_refusals = 0;   // writes refused by max_stored_bytes
     int64_t idle_closes = 0;      // connections closed after idle_timeout
   };
+  /// A snapshot taken on the serving thread between two of its handlers, so that counts agree
+  /// with what peers can see (a connection counted closed has been closed). Waits for that
+  /// thread, which never blocks; DistError if it has not answered within 60 s.
   Stats stats() const;
 
  private:
