@@ -295,20 +295,6 @@ namespace {
 // event loop to send once the announcement lands. Both orders send the same messages on the
 // same slots, so ranks that chose differently still match.
 
-// Keeps the tensors whose memory an operation's posted receives and sends point into past a
-// failure, with its buffers (Note [buffers of a failed operation]).
-struct KeepOnFailure {
-  Tensor a, b;
-  int unwinding = std::uncaught_exceptions();
-  ~KeepOnFailure() {
-    if (std::uncaught_exceptions() > unwinding) {
-      if (auto* w = dist::detail::current_waits()) {
-        w->retire(std::make_shared<std::pair<Tensor, Tensor>>(a, b));
-      }
-    }
-  }
-};
-
 // Every peer's chunk of `in` to that peer, and theirs into `out` at their rank's offset.
 void alltoall_receives_first(const std::shared_ptr<gloo::Context>& ctx, const Tensor& in,
                              const Tensor& out, uint32_t tag, std::chrono::milliseconds left) {
@@ -318,9 +304,10 @@ void alltoall_receives_first(const std::shared_ptr<gloo::Context>& ctx, const Te
   auto* dst = static_cast<char*>(out.data_ptr());
   std::memcpy(dst + static_cast<size_t>(me) * chunk, src + static_cast<size_t>(me) * chunk, chunk);
   const uint64_t slot = gloo::Slot::build(gloo::kAlltoallSlotPrefix, tag);
-  const KeepOnFailure keep{in, out};
-  dist::detail::PostedBuffer rx(ctx->createUnboundBuffer(dst, chunk * static_cast<size_t>(n)));
-  dist::detail::PostedBuffer tx(ctx->createUnboundBuffer(src, chunk * static_cast<size_t>(n)));
+  dist::detail::PostedBuffer rx(ctx->createUnboundBuffer(dst, chunk * static_cast<size_t>(n)),
+                                std::make_shared<Tensor>(out));
+  dist::detail::PostedBuffer tx(ctx->createUnboundBuffer(src, chunk * static_cast<size_t>(n)),
+                                std::make_shared<Tensor>(in));
   for (int i = 1; i < n; ++i) {
     const int from = (me + n - i) % n;
     rx->recv(from, slot, static_cast<size_t>(from) * chunk, chunk);
@@ -345,8 +332,8 @@ void allgather_receives_first(const std::shared_ptr<gloo::Context>& ctx, const T
     std::memcpy(dst + static_cast<size_t>(me) * seg, in.data_ptr(), seg);
   }
   const uint64_t slot = gloo::Slot::build(gloo::kAllgatherSlotPrefix, tag);
-  const KeepOnFailure keep{in, out};
-  dist::detail::PostedBuffer buf(ctx->createUnboundBuffer(dst, seg * static_cast<size_t>(n)));
+  dist::detail::PostedBuffer buf(ctx->createUnboundBuffer(dst, seg * static_cast<size_t>(n)),
+                                 std::make_shared<Tensor>(out));  // `in` is copied, not posted
   const int right = (me + 1) % n, from = (me + n - 1) % n;
   const size_t half[2] = {seg / 2, seg - seg / 2};  // as Gloo splits, an empty half included
   const size_t at[2] = {0, seg / 2};

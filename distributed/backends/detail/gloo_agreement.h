@@ -173,16 +173,21 @@ inline void wait_for(gloo::transport::UnboundBuffer& buf, bool recv,
 
 /// An operation's buffer with receives or sends posted: freed when it goes out of scope, except
 /// while an exception unwinds inside a group's operation, when it is retired to the group
-/// (Note [buffers of a failed operation]).
+/// (Note [buffers of a failed operation]), with `memory` (what owns the bytes it points into,
+/// when the operation does not: a tensor) if given.
 class PostedBuffer {
  public:
-  explicit PostedBuffer(std::unique_ptr<gloo::transport::UnboundBuffer> buf)
-      : buf_(std::move(buf)) {}
+  explicit PostedBuffer(std::unique_ptr<gloo::transport::UnboundBuffer> buf,
+                        std::shared_ptr<const void> memory = nullptr)
+      : buf_(std::move(buf)), memory_(std::move(memory)) {}
   PostedBuffer(const PostedBuffer&) = delete;
   PostedBuffer& operator=(const PostedBuffer&) = delete;
   ~PostedBuffer() {
     if (std::uncaught_exceptions() > unwinding_) {
-      if (AbortableWaits* w = current_waits()) w->retire(std::move(buf_));
+      if (AbortableWaits* w = current_waits()) {
+        w->retire(std::move(buf_));
+        if (memory_) w->retire(std::const_pointer_cast<void>(std::move(memory_)));
+      }
     }
   }
   gloo::transport::UnboundBuffer* operator->() const { return buf_.get(); }
@@ -190,6 +195,7 @@ class PostedBuffer {
 
  private:
   std::unique_ptr<gloo::transport::UnboundBuffer> buf_;
+  std::shared_ptr<const void> memory_;
   int unwinding_ = std::uncaught_exceptions();
 };
 
