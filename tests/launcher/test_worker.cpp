@@ -62,8 +62,13 @@ int elastic(const std::string& dir, int argc, char** argv) {
   const int rank = env_int("RANK"), world = env_int("WORLD_SIZE");
   const int steps = std::atoi(argv[3]);
   const std::string ckpt = dir + "/ckpt", r = std::to_string(rank), w = std::to_string(world);
-  // MASTER_PORT is fresh in every round: it names this attempt's files.
-  const std::string attempt = dir + "/read_" + std::to_string(env_int("MASTER_PORT")) + "_";
+  // This attempt's files: MASTER_PORT is fresh in every round, but the OS may hand a later
+  // round the port of an earlier one (seen in CI: rounds 0 and 2 of a job that shrank, then
+  // grew), so the world size and restart count name it too, and rank 0 removes the files once
+  // every rank has read the checkpoint.
+  const std::string attempt = dir + "/read_" + std::to_string(env_int("MASTER_PORT")) + "_" +
+                              std::to_string(world) + "_" +
+                              std::to_string(env_int("EMBER_RESTART_COUNT")) + "_";
   int step = 0;
   if (std::ifstream in(ckpt); in) in >> step;
   const int first = step;
@@ -76,6 +81,7 @@ int elastic(const std::string& dir, int argc, char** argv) {
     for (int i = 0; i < world; ++i)
       while (!exists(attempt + std::to_string(i))) usleep(5000);
     alarm(0);
+    for (int i = 0; i < world; ++i) std::remove((attempt + std::to_string(i)).c_str());
   }
   for (; step < steps; ++step) {
     for (int i = 4; i < argc; ++i) {
