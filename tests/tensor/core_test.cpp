@@ -2,8 +2,15 @@
 // printing, the caching allocator, and CUDA reporting on machines without a GPU.
 #include <gtest/gtest.h>
 
+#include <sys/mman.h>
+
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <fstream>
 #include <limits>
+#include <optional>
+#include <string>
 
 #include <ember/tensor/ops.h>
 
@@ -290,6 +297,52 @@ TEST(Allocator, ReusesLargeBlocksWithoutFreshPages) {
   EXPECT_EQ(after.num_reused, mid.num_reused + 1);
   cpu_empty_cache();
   EXPECT_EQ(cpu_allocator_stats().cached, 0);
+}
+
+// Whether the mapping that holds `addr` is advised onto huge pages (VmFlags "hg" in
+// /proc/self/smaps: MADV_HUGEPAGE, whatever the kernel then grants); nullopt if none holds it.
+std::optional<bool> advised_huge(uintptr_t addr) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2) {  // a mapping's first line
+      inside = addr >= lo && addr < hi;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line.find(" hg") != std::string::npos;
+    }
+  }
+  return std::nullopt;
+}
+
+// Blocks from 2 MiB are 2 MiB-aligned with their whole huge pages advised onto transparent huge
+// pages and their tail left on small pages (no block is rounded up to a huge page); smaller
+// blocks are not advised.
+TEST(Allocator, AdvisesTheWholeHugePagesOfBlocksFromTwoMiB) {
+  {
+    const int probe = ::madvise(nullptr, 0, MADV_HUGEPAGE);
+    if (probe != 0 && errno == EINVAL) GTEST_SKIP() << "this kernel has no transparent huge pages";
+  }
+  cpu_empty_cache();
+  constexpr int64_t kMiB = 1 << 20;
+  Tensor t = empty({3 * kMiB}, kUInt8);
+  const auto p = reinterpret_cast<uintptr_t>(t.data_ptr());
+  EXPECT_EQ(p % (2 * kMiB), 0u);
+  EXPECT_EQ(advised_huge(p), std::optional<bool>(true));
+  EXPECT_EQ(advised_huge(p + 2 * kMiB - 1), std::optional<bool>(true));
+  EXPECT_EQ(advised_huge(p + 2 * kMiB), std::optional<bool>(false));
+  EXPECT_EQ(advised_huge(p + 3 * kMiB - 1), std::optional<bool>(false));
+  Tensor small = empty({kMiB}, kUInt8);
+  EXPECT_EQ(advised_huge(reinterpret_cast<uintptr_t>(small.data_ptr())),
+            std::optional<bool>(false));
+  Tensor exact = empty({2 * kMiB}, kUInt8);
+  EXPECT_EQ(advised_huge(reinterpret_cast<uintptr_t>(exact.data_ptr())),
+            std::optional<bool>(true));
+  t = Tensor();
+  small = Tensor();
+  exact = Tensor();
+  cpu_empty_cache();
 }
 
 TEST(Cuda, ReportsWhyNoDeviceInsteadOfCrashing) {
