@@ -389,7 +389,9 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::create(Store& store, int rank, int s
   }
   std::unique_ptr<ShmAllreduce> shm(
       new ShmAllreduce(rank, size, channels, chunk, m.release(), l.total));
-  shm->agree_single_copy(store, single_copy, timeout);
+  shm->agree_single_copy(store, single_copy,
+                         single_copy_bytes == 0 && ShmAllreduce::single_copy_bytes_is_default(),
+                         timeout);
   return shm;
 }
 

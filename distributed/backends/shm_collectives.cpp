@@ -108,7 +108,7 @@ void ShmAllreduce::scatter(uint64_t ticket, const std::vector<const void*>& ins,
     throw std::invalid_argument(str_cat("shared-memory scatter: ", ins.size(), " inputs for ",
                                         size_, " ranks"));
   }
-  if (single_copy(count * elem)) {
+  if (single_copy(count * elem, true)) {
     return scatter_direct(ticket, ins, out, count, dtype, root, deadline);
   }
   run_steps(ticket, Desc{Kind::Scatter, dtype, count, ReduceOp::Sum, root}, div_up(count, per),
@@ -179,7 +179,7 @@ void ShmAllreduce::alltoall(uint64_t ticket, const std::vector<const void*>& ins
                             const std::vector<void*>& outs, size_t count, Dtype dtype,
                             Clock::time_point deadline) {
   const size_t elem = static_cast<size_t>(itemsize(dtype));
-  if (single_copy(count * elem)) return alltoall_direct(ticket, ins, outs, count, dtype, deadline);
+  if (single_copy(count * elem, true)) return alltoall_direct(ticket, ins, outs, count, dtype, deadline);
   const size_t per = block_piece(dtype);
   run_steps(ticket, Desc{Kind::Alltoall, dtype, count, ReduceOp::Sum, -1}, div_up(count, per),
             deadline, [&](Phase phase, size_t k, const Area& area) {

@@ -47,6 +47,7 @@
 #include <ember/distributed/backends/detail/shm_allreduce.h>
 #include <ember/distributed/errors.h>
 #include <ember/tensor/log.h>
+#include <sched.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -55,6 +56,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
 #include <stdexcept>
 
 namespace ember::dist::detail {
@@ -87,6 +89,24 @@ size_t parse_env(const char* name, size_t lo, size_t hi, const char* what) {
 const char* env_set(const char* name) {
   const char* v = std::getenv(name);
   return v && *v ? v : nullptr;
+}
+
+// This thread's affinity mask as one '0' or '1' per CPU (what the ranks exchange to learn how
+// many CPUs the group may run on); empty if the kernel does not say.
+std::string affinity_bits() {
+  const int size = std::max(static_cast<int>(::sysconf(_SC_NPROCESSORS_CONF)), CPU_SETSIZE);
+  cpu_set_t* set = CPU_ALLOC(size);
+  if (set == nullptr) return {};
+  const size_t bytes = CPU_ALLOC_SIZE(size);
+  std::string bits;
+  if (::sched_getaffinity(0, bytes, set) == 0) {
+    bits.assign(static_cast<size_t>(size), '0');
+    for (int c = 0; c < size; ++c) {
+      if (CPU_ISSET_S(c, bytes, set)) bits[static_cast<size_t>(c)] = '1';
+    }
+  }
+  CPU_FREE(set);
+  return bits;
 }
 
 std::vector<iovec> iovecs(const std::vector<ShmAllreduce::Entry>& es) {
@@ -135,7 +155,12 @@ size_t ShmAllreduce::single_copy_bytes_from_env() {
   return bytes > 0 ? bytes : kDefaultSingleCopyBytes;
 }
 
-void ShmAllreduce::agree_single_copy(Store& store, size_t wanted, Duration timeout) {
+bool ShmAllreduce::single_copy_bytes_is_default() {
+  return env_set("EMBER_GLOO_SHM_SINGLE_COPY_BYTES") == nullptr;
+}
+
+void ShmAllreduce::agree_single_copy(Store& store, size_t wanted, bool automatic,
+                                     Duration timeout) {
   store.set("ember_shm/probe/" + std::to_string(rank_),
             std::to_string(reinterpret_cast<uintptr_t>(&probe_word)));
   std::string why;
@@ -158,23 +183,42 @@ void ShmAllreduce::agree_single_copy(Store& store, size_t wanted, Duration timeo
   // Whether this rank can map every peer's shareable memory (Note [mapped reductions]); every
   // rank publishes its probe, which stays open for the group's life, so no peer can miss it.
   const bool maps = probe_mapping(store, timeout) && wanted != SIZE_MAX;
+  // "<bytes> map|nomap auto|fixed <affinity bits>", or "off".
   store.set("ember_shm/single/" + std::to_string(rank_),
             wanted == SIZE_MAX ? std::string("off")
-                               : std::to_string(wanted) + (maps ? " map" : " nomap"));
+                               : str_cat(wanted, maps ? " map " : " nomap ",
+                                         automatic ? "auto " : "fixed ", affinity_bits()));
   size_t agreed = 0;
-  bool all_map = true;
+  bool all_map = true, all_auto = true;
+  std::string cpus;  // the union of the ranks' affinity masks
   for (int r = 0; r < size_; ++r) {
     const std::string v = store.get_string("ember_shm/single/" + std::to_string(r), timeout);
-    agreed = v == "off" ? SIZE_MAX : std::max<size_t>(agreed, std::stoull(v));
-    all_map = all_map && v.size() > 4 && v.compare(v.size() - 4, 4, " map") == 0;
-    if (agreed == SIZE_MAX) break;
+    if (v == "off") {
+      agreed = SIZE_MAX;
+      break;
+    }
+    std::istringstream in(v);
+    size_t bytes = 0;
+    std::string map, mode, bits;
+    in >> bytes >> map >> mode >> bits;
+    agreed = std::max(agreed, bytes);
+    all_map = all_map && map == "map";
+    all_auto = all_auto && mode == "auto" && !bits.empty();
+    if (bits.size() > cpus.size()) cpus.resize(bits.size(), '0');
+    for (size_t c = 0; c < bits.size(); ++c) {
+      if (bits[c] == '1') cpus[c] = '1';
+    }
   }
   single_copy_bytes_ = agreed;
+  const auto usable = std::count(cpus.begin(), cpus.end(), '1');
+  heavy_single_copy_bytes_ = all_auto && agreed != SIZE_MAX && size_ > usable
+                                 ? std::min(agreed, kOversubscribedSingleCopyBytes)
+                                 : agreed;
   mapping_ = agreed != SIZE_MAX && all_map;
 }
 
-bool ShmAllreduce::single_copy(size_t bytes) {
-  if (bytes == 0 || bytes < single_copy_bytes_) return false;
+bool ShmAllreduce::single_copy(size_t bytes, bool heavy) {
+  if (bytes == 0 || bytes < (heavy ? heavy_single_copy_bytes_ : single_copy_bytes_)) return false;
   single_copies_.fetch_add(1);
   return true;
 }

@@ -6,6 +6,7 @@
 #include <ember/distributed/backends/detail/shm_allreduce.h>
 #include <gtest/gtest.h>
 #include <linux/capability.h>
+#include <sched.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -244,6 +245,99 @@ TEST(ShmSingleCopyMismatch, CountsAcrossTheThresholdFailOnEveryRank) {
             "rank " + std::to_string(rank) + ": " + msg);
   });
 }
+
+// Note [single copies when oversubscribed]: with every rank thread pinned to one CPU, a group
+// of 2 and of 4 ranks is oversubscribed on any machine, and alltoall and scatter take single
+// copies from 256 KiB blocks (bitwise the staged results) while allgather of the same blocks
+// and an alltoall of smaller ones stay staged. Ranks pinned to CPUs of their own are not
+// oversubscribed, nor is a group where a rank chose the threshold.
+class ShmSingleCopyOversubscribed : public ::testing::TestWithParam<int> {};
+
+void pin_to(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  require(::sched_setaffinity(0, sizeof(set), &set) == 0, "sched_setaffinity");
+}
+
+// The CPUs this thread may run on, lowest first.
+std::vector<int> allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  require(::sched_getaffinity(0, sizeof(set), &set) == 0, "sched_getaffinity");
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  }
+  return cpus;
+}
+
+TEST_P(ShmSingleCopyOversubscribed, AlltoallAndScatterTakeSingleCopiesFromSmallerBlocks) {
+  const int n = GetParam();
+  ::unsetenv("EMBER_GLOO_SHM_SINGLE_COPY_BYTES");
+  const int cpu = allowed_cpus().front();
+  const size_t big = ShmAllreduce::kOversubscribedSingleCopyBytes;  // bytes per block
+  run_threads(n, [&](int rank, Store& store) {
+    pin_to(cpu);
+    auto shm = make_shm(store, "over", rank, n, 0);
+    auto staged = make_shm(store, "staged", rank, n, kNever);
+    const std::string who = "rank " + std::to_string(rank) + ": ";
+    require(shm->heavy_single_copy_bytes() == big && shm->single_copy_bytes() > big,
+            who + "thresholds " + std::to_string(shm->heavy_single_copy_bytes()) + " and " +
+                std::to_string(shm->single_copy_bytes()));
+    const auto& all = ops();
+    const auto by_name = [&](const std::string& name) {
+      for (const NamedOp& op : all) {
+        if (name == op.name) return op.run;
+      }
+      throw std::logic_error(name);
+    };
+    struct Case {
+      const char* op;
+      size_t count;  // uint8 elements per block
+      bool single;
+    };
+    const Case cases[] = {{"alltoall", big, true},  {"scatter", big + 3, true},
+                          {"alltoall", big - 1, false}, {"allgather", big, false},
+                          {"broadcast", big, false}};
+    for (const Case& c : cases) {
+      const uint64_t before = shm->single_copies();
+      const auto a = by_name(c.op)(*shm, rank, n, c.count, kUInt8);
+      const auto b = by_name(c.op)(*staged, rank, n, c.count, kUInt8);
+      require(a == b, who + c.op + " of " + std::to_string(c.count) + " bytes differs from staged");
+      require((shm->single_copies() - before == 1) == c.single,
+              who + c.op + " of " + std::to_string(c.count) + " bytes per block " +
+                  (c.single ? "did not take" : "took") + " a single copy");
+    }
+  });
+}
+
+TEST(ShmSingleCopyNotOversubscribed, RanksWithCpusOfTheirOwnOrAChosenThresholdKeepTheDefault) {
+  const std::vector<int> cpus = allowed_cpus();
+  ::unsetenv("EMBER_GLOO_SHM_SINGLE_COPY_BYTES");
+  if (cpus.size() >= 2) {
+    run_threads(2, [&](int rank, Store& store) {
+      pin_to(cpus[static_cast<size_t>(rank)]);
+      auto shm = make_shm(store, "own", rank, 2, 0);
+      require(shm->heavy_single_copy_bytes() == shm->single_copy_bytes(),
+              "2 ranks on CPUs of their own: alltoall's threshold is " +
+                  std::to_string(shm->heavy_single_copy_bytes()));
+    });
+  }
+  // One rank that chose the threshold (as the variable does) keeps it for every collective.
+  const int cpu = cpus.front();
+  run_threads(2, [&](int rank, Store& store) {
+    pin_to(cpu);
+    auto shm = make_shm(store, "chosen", rank, 2, rank == 0 ? size_t{8} << 20 : 0);
+    require(shm->heavy_single_copy_bytes() == size_t{8} << 20 &&
+                shm->single_copy_bytes() == size_t{8} << 20,
+            "a chosen threshold: alltoall's is " +
+                std::to_string(shm->heavy_single_copy_bytes()));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ShmSingleCopyOversubscribed, ::testing::Values(2, 4),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
 
 // The switch: 0 turns single copies off, a byte count sets the threshold, nonsense is named.
 TEST(ShmSingleCopyEnv, SwitchAndThreshold) {

@@ -40,6 +40,8 @@ class ShmAllreduce {
   /// EMBER_GLOO_SHM_SINGLE_COPY_BYTES (the smallest block that takes them): SIZE_MAX when off.
   /// Throws ValueError for a value that is not one of those.
   static size_t single_copy_bytes_from_env();
+  /// True when EMBER_GLOO_SHM_SINGLE_COPY_BYTES is not set (the threshold is Ember's choice).
+  static bool single_copy_bytes_is_default();
   /// Collective: every rank of the group calls it once, right after the group has connected.
   /// Returns a channel set shared by all `size` ranks when they all run on this machine (same
   /// boot, network and PID namespaces, and the segment opens on every rank); otherwise null.
@@ -47,7 +49,8 @@ class ShmAllreduce {
   /// (the group's worker threads). Keys are written under "ember_shm/" in `store`, which must
   /// be private to the group. Throws DistTimeoutError if a rank does not take part in time.
   /// `single_copy_bytes`: what this rank asks for as single_copy_bytes() (SIZE_MAX: none);
-  /// 0 takes single_copy_bytes_from_env().
+  /// 0 takes single_copy_bytes_from_env(), and when neither variable is set lets an
+  /// oversubscribed group lower alltoall's and scatter's threshold (heavy_single_copy_bytes()).
   static std::unique_ptr<ShmAllreduce> create(Store& store, int rank, int size, int channels,
                                               Duration timeout, size_t single_copy_bytes = 0);
   ~ShmAllreduce();
@@ -128,6 +131,12 @@ class ShmAllreduce {
   /// segment (Note [single-copy collectives]); SIZE_MAX when the group cannot (cross-memory
   /// attach refused or turned off on some rank). The same on every rank.
   size_t single_copy_bytes() const { return single_copy_bytes_; }
+  /// The same for alltoall and scatter, the collectives whose staged path copies the most per
+  /// rank: kOversubscribedSingleCopyBytes when the group's ranks outnumber the CPUs they may
+  /// run on and no rank chose a threshold (Note [single copies when oversubscribed]), otherwise
+  /// single_copy_bytes(). The same on every rank.
+  size_t heavy_single_copy_bytes() const { return heavy_single_copy_bytes_; }
+  static constexpr size_t kOversubscribedSingleCopyBytes = size_t{256} << 10;
   /// How many collectives took the single-copy path on this rank so far.
   uint64_t single_copies() const { return single_copies_.load(); }
   /// How many reductions reduced straight from the peers' mapped buffers on this rank so far
@@ -196,10 +205,12 @@ class ShmAllreduce {
 
   // Note [single-copy collectives] (shm_single_copy.cpp).
   /// Collective, at the end of create(): every rank tries to read each peer's memory and says
-  /// whether it wants single copies and from what size; sets single_copy_bytes_ for all.
-  void agree_single_copy(Store& store, size_t wanted, Duration timeout);
-  /// True (and counted) when a collective of `bytes` per block takes the single-copy path.
-  bool single_copy(size_t bytes);
+  /// whether it wants single copies and from what size (`automatic`: the default, which the
+  /// group may lower for alltoall and scatter); sets the thresholds for all.
+  void agree_single_copy(Store& store, size_t wanted, bool automatic, Duration timeout);
+  /// True (and counted) when a collective of `bytes` per block takes the single-copy path;
+  /// `heavy` for alltoall and scatter.
+  bool single_copy(size_t bytes, bool heavy = false);
   /// Runs one step of `desc`: Publish writes `mine` into this rank's slot; after every rank has,
   /// `body` runs with the peers' entries (tables[r], r != rank); then waits until every rank is
   /// done with the others' buffers.
@@ -295,6 +306,7 @@ class ShmAllreduce {
   uint64_t tickets_ = 0;
   bool aborted_ = false;  // abort() was called here: waiting turns give up
   size_t single_copy_bytes_ = SIZE_MAX;
+  size_t heavy_single_copy_bytes_ = SIZE_MAX;
   std::atomic<uint64_t> single_copies_{0};
   std::atomic<uint64_t> mapped_reductions_{0};
   std::unique_ptr<PeerMaps, PeerMapsDeleter> maps_;
