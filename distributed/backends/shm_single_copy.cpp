@@ -44,6 +44,21 @@
 // Failures read as on the staged path: a peer that died makes process_vm_readv fail with ESRCH,
 // which names the rank and its pid; a rank waiting for a dead one names it from its pid as
 // before; any failure aborts the group's other ranks through the abort word.
+//
+// Note [single copies when oversubscribed]
+// Below 2 MiB blocks the staged path is as fast as single copies where every rank has a CPU of
+// its own. Where the ranks outnumber the CPUs they may run on (4 ranks on 2 cores, the usual
+// test and CI shape), each of a staged collective's steps ends in two waits that cost context
+// switches, and the collectives whose staged path copies the most per rank lose most: a rank of
+// an alltoall copies 2(n-1)+1 blocks staged (its n-1 outgoing ones in, the n-1 incoming ones
+// out, its own) against n single copies, and scatter's root copies n-1 blocks in before any rank
+// can copy one out. So on such a group, and only when no rank chose a threshold
+// (EMBER_GLOO_SHM_SINGLE_COPY_BYTES, or create()'s argument), alltoall and scatter take single
+// copies from kOversubscribedSingleCopyBytes per block. Allgather, gather and broadcast copy as
+// many bytes per rank either way and measured slower with single copies from 4 KiB pages, so
+// they keep the default threshold (docs/benchmarks.md has the study). "The CPUs they may run
+// on" is the union of the ranks' affinity masks, exchanged with the agreement: ranks pinned to
+// one CPU each are not oversubscribed, though each one's own mask holds a single CPU.
 #include <ember/distributed/backends/detail/shm_allreduce.h>
 #include <ember/distributed/errors.h>
 #include <ember/tensor/log.h>
@@ -66,9 +81,9 @@ namespace {
 // The smallest block that takes single copies unless EMBER_GLOO_SHM_SINGLE_COPY_BYTES says. The
 // kernel copies page by page after pinning the peer's pages: from 4 KiB pages far slower than
 // memcpy, from transparent huge pages about as fast, and Ember's allocator advises huge pages for
-// tensors from this size (tensor/allocator.cpp); below it the staged path, whose slots stay in
-// cache, is as fast.
-constexpr size_t kDefaultSingleCopyBytes = size_t{4} << 20;
+// tensors from this size (a huge page: tensor/allocator.cpp); below it the staged path, whose
+// slots stay in cache, is as fast where every rank has a CPU of its own.
+constexpr size_t kDefaultSingleCopyBytes = size_t{2} << 20;
 // What the ranks read from each other when the group is made, to learn whether they may.
 constexpr uint64_t kProbeValue = 0x454d4252434d4121ULL;  // "EMBRCMA!"
 volatile uint64_t probe_word = kProbeValue;
