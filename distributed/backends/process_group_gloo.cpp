@@ -353,6 +353,17 @@ std::shared_future<void> ProcessGroupGloo::Impl::previous_send(int peer, int tag
   return before;
 }
 
+// Note [p2p failures end the group]: a failed collective leaves the ranks out of step, so it
+// always breaks the group (fail()). A send or recv is called with mark_broken false because its
+// own failures (sizes that disagree, a send still waiting behind an earlier one on its tag)
+// leave every connection as it was. But when Gloo fails it, the group is over anyway: a wait
+// of Gloo's that times out closes every connection of the context ("Application timeout caused
+// pair closure", under each connection's lock, before the wait throws), and a connection the
+// peer closed, or a peer's abort, is the end of that peer. Such a send or recv breaks the group
+// like a collective: the next operation fails at once naming it (not with Gloo's "timed out"
+// after no wait at all), and, as the first failure, it tells the peers through the store, so a
+// late send on the other side names "rank 1 aborted the group at its recv #0: ... timed out"
+// instead of a closed connection.
 void ProcessGroupGloo::Impl::execute(Job& job, bool mark_broken) {
   const std::string& what = job.work->describe();
   const auto timeout = job.work->timeout();
@@ -418,22 +429,24 @@ void ProcessGroupGloo::Impl::execute(Job& job, bool mark_broken) {
     if (aborted.empty() && peer_gone && store_) {
       aborted = peer_abort(std::min(position_wait_, std::chrono::milliseconds(100)));
     }
+    // Note [p2p failures end the group]: what Gloo failed breaks the group, p2p or not.
+    const bool gloo_failed = timed_out || peer_gone || !aborted.empty();
     if (!aborted.empty()) {
       fail(job,
            DistBackendError(
                detail::str_cat(what, " (timeout ", timeout.count(), " ms) failed: ", aborted)),
-           mark_broken, /*from_abort=*/true);
+           mark_broken || gloo_failed, /*from_abort=*/true);
     } else if (timed_out) {
       fail(job,
            DistTimeoutError(
                detail::str_cat(what, " timed out after ", timeout.count(), " ms: ", msg)),
-           mark_broken);
+           mark_broken || gloo_failed);
     } else {
       fail(job,
            DistBackendError(detail::str_cat(
                what, " (timeout ", timeout.count(), " ms) failed: ",
                peer_gone ? dist::detail::closed_by(peers) : "", msg)),
-           mark_broken);
+           mark_broken || gloo_failed);
     }
     return;
   }
@@ -511,6 +524,22 @@ std::string ProcessGroupGloo::Impl::peer_abort(std::chrono::milliseconds bound) 
   } catch (const std::exception&) {
     return {};  // none within the bound, or no store
   }
+}
+
+std::string ProcessGroupGloo::Impl::p2p_post_failed(const std::string& what,
+                                                    const std::string& gloo_msg) {
+  std::string aborted;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted = aborted_by_;
+  }
+  if (aborted.empty() && store_) {
+    aborted = peer_abort(std::min(position_wait_, std::chrono::milliseconds(100)));
+  }
+  const std::string text =
+      detail::str_cat(what, " failed: ", aborted.empty() ? name_peers(gloo_msg) : aborted);
+  abort(text);  // Note [p2p failures end the group]
+  return text;
 }
 
 void ProcessGroupGloo::Impl::abort(const std::string& reason) {

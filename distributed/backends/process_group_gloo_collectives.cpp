@@ -720,9 +720,10 @@ WorkPtr ProcessGroupGloo::point_to_point(bool is_send, const Tensor& tensor, int
         impl_->context(), is_send, peer, static_cast<uint32_t>(tag), slot, t.data_ptr(), t.dtype(),
         t.numel(), static_cast<size_t>(t.nbytes()));
   } catch (const std::exception& e) {  // Gloo's: the connection is already broken
-    throw DistBackendError(detail::str_cat("[gloo] ", op, " #", seq_, " on rank ", rank_, " of ",
-                                           size_, is_send ? " to" : " from", " rank ", peer,
-                                           " tag ", tag, " failed: ", impl_->name_peers(e.what())));
+    throw DistBackendError(impl_->p2p_post_failed(
+        detail::str_cat("[gloo] ", op, " #", seq_, " on rank ", rank_, " of ", size_,
+                        is_send ? " to" : " from", " rank ", peer, " tag ", tag),
+        e.what()));
   }
   // Sends run on several threads: one to the same peer and tag waits for the one before
   // (Note [send and receive threads]).

@@ -942,8 +942,8 @@ TEST(GlooAbort, ThePeerOfARankThatTimesOutNamesTheAbortAndItsReason) {
       } catch (const DistError& e) {
         later = e.what();
       }
-      require(later.find("unusable after an earlier failure: rank 0 aborted the group") !=
-                  std::string::npos,
+      require(later.find("unusable after an earlier failure: ") != std::string::npos &&
+                  later.find("rank 0 aborted the group at its allreduce #1") != std::string::npos,
               me + ", later allreduce: " + later);
     }
   }, kLongGroupTimeout, /*shm=*/false);
@@ -1144,28 +1144,42 @@ TEST(GlooTcp, ExchangeOnOneTagWithADifferentSizeEachWay) {
   }, 10s, /*shm=*/false);
 }
 
-// A recv that times out before its send is called fails naming the recv; the late send then
-// fails too (at its own timeout, or as the peer gave up), and neither rank aborts.
-TEST(GlooTcp, ASendAfterItsRecvTimedOutFailsOnBothRanks) {
+// A recv that times out before its send is called fails naming the recv; Gloo closes the
+// group's connections on that timeout, so the group is broken (Note [p2p failures end the
+// group]): the late send fails naming rank 1's abort and its reason, and each rank's next
+// operation fails at once saying the group is unusable and why. Neither process aborts.
+TEST(GlooTcp, ASendAfterItsRecvTimedOutFailsOnBothRanksAndBreaksTheGroup) {
   EMBER_REQUIRE_GLOO();
   run_group(2, [](ProcessGroupGloo& pg, int rank, Store& store) {
     Tensor t = full({100}, 1.0, kFloat32);
-    std::string msg;
-    if (rank == 0) store.get("recv_failed", 30s);
-    try {
-      if (rank == 1) {
-        pg.recv(t, 0, 5)->wait();
-      } else {
-        pg.send(t, 1, 5)->wait();
+    const auto failure = [](const std::function<void()>& f) {
+      try {
+        f();
+      } catch (const DistError& e) {
+        return std::string(e.what());
       }
-    } catch (const DistError& e) {
-      msg = e.what();
+      return std::string("no error");
+    };
+    const auto expect = [rank](const std::string& msg, std::initializer_list<const char*> parts) {
+      for (const char* p : parts) {
+        require(msg.find(p) != std::string::npos,
+                "rank " + std::to_string(rank) + ": no '" + p + "' in: " + msg);
+      }
+    };
+    if (rank == 1) {
+      expect(failure([&] { pg.recv(t, 0, 5)->wait(); }),
+             {"[gloo] recv #0 on rank 1 of 2 from rank 0 tag 5", "timed out"});
+      store.set("recv_failed", std::string("1"));
+    } else {
+      store.get("recv_failed", 30s);
+      expect(failure([&] { pg.send(t, 1, 5)->wait(); }),
+             {"[gloo] send #0 on rank 0 of 2 to rank 1 tag 5",
+              "rank 1 aborted the group at its recv #0", "timed out"});
     }
-    if (rank == 1) store.set("recv_failed", std::string("1"));
-    const std::string op = rank == 1 ? "[gloo] recv #0 on rank 1 of 2 from rank 0 tag 5"
-                                     : "[gloo] send #0 on rank 0 of 2 to rank 1 tag 5";
-    require(msg.find(op) != std::string::npos, "rank " + std::to_string(rank) + ": " + msg);
-    if (rank == 1) store.get("send_failed", 30s);  // alive while the late send arrives
+    expect(failure([&] { pg.allreduce(t)->wait(); }),
+           {"allreduce", "the group is unusable after an earlier failure",
+            rank == 1 ? "recv #0 on rank 1 of 2 from rank 0 tag 5" : "send #0 on rank 0 of 2"});
+    if (rank == 1) store.get("send_failed", 30s);  // alive until the late send has failed
     if (rank == 0) store.set("send_failed", std::string("1"));
   }, 1s, /*shm=*/false);
 }
@@ -1710,3 +1724,4 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooShm, ::testing::Values(2, 3, 4),
 
 }  // namespace
 }  // namespace ember::dist
+

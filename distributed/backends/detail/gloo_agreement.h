@@ -90,9 +90,12 @@ inline std::string describe(const GlooOpDesc& d) {
 // broken and closes its connections; closing a pair takes the pair's lock and waits for the
 // loop to leave its handler, after which no completion can reach the buffer. So the buffers
 // of a failed operation are retired to the group and freed only after its connections close.
-// A send or recv that fails does not break the group, so its buffers are retired only when the
-// group is broken (which it is before it closes its connections): then the closing thread may
-// be signalling the failure into them while the operation's thread unwinds.
+// A send or recv whose failure is Ember's own (sizes that disagree) leaves the connections as
+// they were and frees its buffers; one that Gloo failed found its connections already closed
+// (Gloo closes them all before a timed-out wait throws) and frees them too, and only then breaks
+// the group (Note [p2p failures end the group]). Its buffers are retired only when the group was
+// broken before it failed: then the closing thread may be signalling the failure into them
+// while the operation's thread unwinds.
 
 /// The waits of one group's operations on peers that may not have joined them (the agreement's
 /// exchange, send/recv), which the group's abort watcher can end (Note [abort through the

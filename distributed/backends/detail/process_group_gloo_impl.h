@@ -81,6 +81,10 @@ class ProcessGroupGloo::Impl {
 
   /// ProcessGroupGloo::abort(): breaks the group for `reason` and tells the other ranks.
   void abort(const std::string& reason);
+  /// A send or recv (`what`) that Gloo would not post, its connection closed (`gloo_msg`):
+  /// breaks the group and returns the error, naming a peer's abort where one was recorded
+  /// (Note [p2p failures end the group]).
+  std::string p2p_post_failed(const std::string& what, const std::string& gloo_msg);
 
   /// The group is being destroyed after `issued` operations: writes where this rank stands
   /// (Note [where a rank stands] in gloo_agreement.h), unless a failure already did.
