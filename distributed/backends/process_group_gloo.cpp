@@ -443,9 +443,8 @@ void ProcessGroupGloo::Impl::execute(Job& job, bool mark_broken) {
            mark_broken || gloo_failed);
     } else {
       fail(job,
-           DistBackendError(detail::str_cat(
-               what, " (timeout ", timeout.count(), " ms) failed: ",
-               peer_gone ? dist::detail::closed_by(peers) : "", msg)),
+           DistBackendError(detail::str_cat(what, " (timeout ", timeout.count(), " ms) failed: ",
+                                            peer_gone ? dist::detail::closed_by(peers) : "", msg)),
            mark_broken || gloo_failed);
     }
     return;

@@ -179,7 +179,9 @@ void ShmAllreduce::alltoall(uint64_t ticket, const std::vector<const void*>& ins
                             const std::vector<void*>& outs, size_t count, Dtype dtype,
                             Clock::time_point deadline) {
   const size_t elem = static_cast<size_t>(itemsize(dtype));
-  if (single_copy(count * elem, true)) return alltoall_direct(ticket, ins, outs, count, dtype, deadline);
+  if (single_copy(count * elem, true)) {
+    return alltoall_direct(ticket, ins, outs, count, dtype, deadline);
+  }
   const size_t per = block_piece(dtype);
   run_steps(ticket, Desc{Kind::Alltoall, dtype, count, ReduceOp::Sum, -1}, div_up(count, per),
             deadline, [&](Phase phase, size_t k, const Area& area) {

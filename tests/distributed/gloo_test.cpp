@@ -1724,4 +1724,3 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooShm, ::testing::Values(2, 3, 4),
 
 }  // namespace
 }  // namespace ember::dist
-

@@ -297,8 +297,10 @@ TEST_P(ShmSingleCopyOversubscribed, AlltoallAndScatterTakeSingleCopiesFromSmalle
       size_t count;  // uint8 elements per block
       bool single;
     };
-    const Case cases[] = {{"alltoall", big, true},  {"scatter", big + 3, true},
-                          {"alltoall", big - 1, false}, {"allgather", big, false},
+    const Case cases[] = {{"alltoall", big, true},
+                          {"scatter", big + 3, true},
+                          {"alltoall", big - 1, false},
+                          {"allgather", big, false},
                           {"broadcast", big, false}};
     for (const Case& c : cases) {
       const uint64_t before = shm->single_copies();
@@ -331,8 +333,7 @@ TEST(ShmSingleCopyNotOversubscribed, RanksWithCpusOfTheirOwnOrAChosenThresholdKe
     auto shm = make_shm(store, "chosen", rank, 2, rank == 0 ? size_t{8} << 20 : 0);
     require(shm->heavy_single_copy_bytes() == size_t{8} << 20 &&
                 shm->single_copy_bytes() == size_t{8} << 20,
-            "a chosen threshold: alltoall's is " +
-                std::to_string(shm->heavy_single_copy_bytes()));
+            "a chosen threshold: alltoall's is " + std::to_string(shm->heavy_single_copy_bytes()));
   });
 }
 

@@ -1,7 +1,6 @@
 // Core tensor machinery: dtypes and promotion, half types, shapes, views, copies, creation,
 // printing, the caching allocator, and CUDA reporting on machines without a GPU.
 #include <gtest/gtest.h>
-
 #include <sys/mman.h>
 
 #include <cerrno>
@@ -337,8 +336,7 @@ TEST(Allocator, AdvisesTheWholeHugePagesOfBlocksFromTwoMiB) {
   EXPECT_EQ(advised_huge(reinterpret_cast<uintptr_t>(small.data_ptr())),
             std::optional<bool>(false));
   Tensor exact = empty({2 * kMiB}, kUInt8);
-  EXPECT_EQ(advised_huge(reinterpret_cast<uintptr_t>(exact.data_ptr())),
-            std::optional<bool>(true));
+  EXPECT_EQ(advised_huge(reinterpret_cast<uintptr_t>(exact.data_ptr())), std::optional<bool>(true));
   t = Tensor();
   small = Tensor();
   exact = Tensor();
