@@ -17,6 +17,22 @@ extern "C" void openblas_set_num_threads(int);
 
 namespace ember {
 
+std::string detail::affinity_mask() {
+  const int size = std::max(static_cast<int>(std::thread::hardware_concurrency()), CPU_SETSIZE);
+  cpu_set_t* set = CPU_ALLOC(size);
+  if (set == nullptr) return {};
+  const size_t bytes = CPU_ALLOC_SIZE(size);
+  std::string mask;
+  if (sched_getaffinity(0, bytes, set) == 0) {
+    mask.assign(static_cast<size_t>(size), '0');
+    for (int c = 0; c < size; ++c) {
+      if (CPU_ISSET_S(c, bytes, set)) mask[static_cast<size_t>(c)] = '1';
+    }
+  }
+  CPU_FREE(set);
+  return mask;
+}
+
 namespace {
 
 // The variables default_thread_count reads, snapshotted when the library loads.
@@ -31,16 +47,11 @@ std::map<std::string, std::string> thread_environment() {
   return env;
 }
 
-// The CPUs this process may run on; the mask is sized for the machine, since a fixed cpu_set_t
-// stops at 1024 CPUs and sched_getaffinity fails beyond.
+// The CPUs this process may run on (all `online` ones when the kernel does not say).
 int affinity_cpus(int online) {
-  const int size = std::max(online, CPU_SETSIZE);
-  cpu_set_t* set = CPU_ALLOC(size);
-  const size_t bytes = CPU_ALLOC_SIZE(size);
-  int n = online;
-  if (set != nullptr && sched_getaffinity(0, bytes, set) == 0) n = CPU_COUNT_S(bytes, set);
-  CPU_FREE(set);
-  return std::max(1, n);
+  const std::string mask = detail::affinity_mask();
+  const auto n = static_cast<int>(std::count(mask.begin(), mask.end(), '1'));
+  return std::max(1, mask.empty() ? online : n);
 }
 
 int threads_from_env() {

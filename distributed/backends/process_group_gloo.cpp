@@ -419,33 +419,24 @@ void ProcessGroupGloo::Impl::execute(Job& job, bool mark_broken) {
     const bool peer_gone = msg.find("losed") != std::string::npos ||
                            msg.find("reset") != std::string::npos ||
                            msg.find("Broken pipe") != std::string::npos;
-    // A peer that aborted the group wrote why before it closed its connections (Note [abort
-    // through the store]); this rank's watcher may have seen it first.
-    std::string aborted;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      aborted = aborted_by_;
-    }
-    if (aborted.empty() && peer_gone && store_) {
-      aborted = peer_abort(std::min(position_wait_, std::chrono::milliseconds(100)));
-    }
+    const std::string aborted = abort_behind(peer_gone);
     // Note [p2p failures end the group]: what Gloo failed breaks the group, p2p or not.
-    const bool gloo_failed = timed_out || peer_gone || !aborted.empty();
+    const bool breaks = mark_broken || timed_out || peer_gone || !aborted.empty();
     if (!aborted.empty()) {
       fail(job,
            DistBackendError(
                detail::str_cat(what, " (timeout ", timeout.count(), " ms) failed: ", aborted)),
-           mark_broken || gloo_failed, /*from_abort=*/true);
+           breaks, /*from_abort=*/true);
     } else if (timed_out) {
       fail(job,
            DistTimeoutError(
                detail::str_cat(what, " timed out after ", timeout.count(), " ms: ", msg)),
-           mark_broken || gloo_failed);
+           breaks);
     } else {
       fail(job,
            DistBackendError(detail::str_cat(what, " (timeout ", timeout.count(), " ms) failed: ",
                                             peer_gone ? dist::detail::closed_by(peers) : "", msg)),
-           mark_broken || gloo_failed);
+           breaks);
     }
     return;
   }
@@ -525,16 +516,20 @@ std::string ProcessGroupGloo::Impl::peer_abort(std::chrono::milliseconds bound) 
   }
 }
 
-std::string ProcessGroupGloo::Impl::p2p_post_failed(const std::string& what,
-                                                    const std::string& gloo_msg) {
-  std::string aborted;
+std::string ProcessGroupGloo::Impl::abort_behind(bool ask_store) {
+  // A peer that aborted the group wrote why before it closed its connections (Note [abort
+  // through the store]); this rank's watcher may have seen it first.
   {
     std::lock_guard<std::mutex> lock(mu_);
-    aborted = aborted_by_;
+    if (!aborted_by_.empty()) return aborted_by_;
   }
-  if (aborted.empty() && store_) {
-    aborted = peer_abort(std::min(position_wait_, std::chrono::milliseconds(100)));
-  }
+  if (!ask_store || !store_) return {};
+  return peer_abort(std::min(position_wait_, std::chrono::milliseconds(100)));
+}
+
+std::string ProcessGroupGloo::Impl::p2p_post_failed(const std::string& what,
+                                                    const std::string& gloo_msg) {
+  const std::string aborted = abort_behind(/*ask_store=*/true);
   const std::string text =
       detail::str_cat(what, " failed: ", aborted.empty() ? name_peers(gloo_msg) : aborted);
   abort(text);  // Note [p2p failures end the group]

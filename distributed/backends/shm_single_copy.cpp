@@ -61,8 +61,8 @@
 // one CPU each are not oversubscribed, though each one's own mask holds a single CPU.
 #include <ember/distributed/backends/detail/shm_allreduce.h>
 #include <ember/distributed/errors.h>
+#include <ember/tensor/detail/thread_count.h>
 #include <ember/tensor/log.h>
-#include <sched.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -104,24 +104,6 @@ size_t parse_env(const char* name, size_t lo, size_t hi, const char* what) {
 const char* env_set(const char* name) {
   const char* v = std::getenv(name);
   return v && *v ? v : nullptr;
-}
-
-// This thread's affinity mask as one '0' or '1' per CPU (what the ranks exchange to learn how
-// many CPUs the group may run on); empty if the kernel does not say.
-std::string affinity_bits() {
-  const int size = std::max(static_cast<int>(::sysconf(_SC_NPROCESSORS_CONF)), CPU_SETSIZE);
-  cpu_set_t* set = CPU_ALLOC(size);
-  if (set == nullptr) return {};
-  const size_t bytes = CPU_ALLOC_SIZE(size);
-  std::string bits;
-  if (::sched_getaffinity(0, bytes, set) == 0) {
-    bits.assign(static_cast<size_t>(size), '0');
-    for (int c = 0; c < size; ++c) {
-      if (CPU_ISSET_S(c, bytes, set)) bits[static_cast<size_t>(c)] = '1';
-    }
-  }
-  CPU_FREE(set);
-  return bits;
 }
 
 std::vector<iovec> iovecs(const std::vector<ShmAllreduce::Entry>& es) {
@@ -200,9 +182,10 @@ void ShmAllreduce::agree_single_copy(Store& store, size_t wanted, bool automatic
   const bool maps = probe_mapping(store, timeout) && wanted != SIZE_MAX;
   // "<bytes> map|nomap auto|fixed <affinity bits>", or "off".
   store.set("ember_shm/single/" + std::to_string(rank_),
-            wanted == SIZE_MAX ? std::string("off")
-                               : str_cat(wanted, maps ? " map " : " nomap ",
-                                         automatic ? "auto " : "fixed ", affinity_bits()));
+            wanted == SIZE_MAX
+                ? std::string("off")
+                : str_cat(wanted, maps ? " map " : " nomap ", automatic ? "auto " : "fixed ",
+                          ember::detail::affinity_mask()));
   size_t agreed = 0;
   bool all_map = true, all_auto = true;
   std::string cpus;  // the union of the ranks' affinity masks

@@ -1,6 +1,7 @@
 // How many CPU threads Ember's kernels start with, decided from the environment and the CPUs the
 // process may run on (tensor/threading.cpp applies it when the library loads). A pure function
-// of its inputs, so each launcher's case is testable without starting one.
+// of its inputs, so each launcher's case is testable without starting one; and the affinity
+// mask it is given the count of.
 #pragma once
 
 #include <map>
@@ -32,6 +33,11 @@ struct ThreadCount {
 /// Always at least 1.
 ThreadCount default_thread_count(const std::map<std::string, std::string>& env, int affinity_cpus,
                                  int online_cpus);
+
+/// The CPUs the calling thread may run on (sched_getaffinity) as one '0' or '1' per CPU, the
+/// mask sized for the machine (a fixed cpu_set_t stops at 1024 CPUs and sched_getaffinity fails
+/// beyond); empty when the kernel does not say.
+std::string affinity_mask();
 
 /// This node's task count from a Slurm tasks-per-node list such as "2(x3),1" (nodes 0-2 run 2
 /// tasks, node 3 runs 1) for node `node_id`; 0 when the list is malformed or too short.

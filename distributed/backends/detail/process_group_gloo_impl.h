@@ -114,6 +114,9 @@ class ProcessGroupGloo::Impl {
   void write_abort(const std::string& text, std::chrono::milliseconds bound);
   /// A peer's abort record, waiting up to `bound` for it; "" if none (or this rank's own).
   std::string peer_abort(std::chrono::milliseconds bound);
+  /// The abort record of a peer behind a failure: the one the watcher saw, else (`ask_store`:
+  /// the failure looks like a closed connection) the store's, waited for briefly; "" if none.
+  std::string abort_behind(bool ask_store);
 
   int rank_;
   int size_;
