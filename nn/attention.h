@@ -9,6 +9,8 @@
 
 namespace ember::nn::functional {
 
+using ember::cudnn_sdp_enabled;
+using ember::enable_cudnn_sdp;
 using ember::kAttentionMathBudgetBytes;
 using ember::scaled_dot_product_attention;
 using ember::scaled_dot_product_attention_math;

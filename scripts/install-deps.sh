@@ -35,7 +35,17 @@ missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
+# cuDNN's frontend headers (CUDA attention's SDPA graphs) come from PyPI, not Debian: only where
+# a CUDA toolkit is there to use them, and not for `make train`.
+cudnn_frontend() {
+  if [ "$profile" = all ] && [ -e /usr/local/cuda/include/cudnn.h ]; then
+    bash "$(dirname "$0")/install-cudnn-frontend.sh"
+  fi
+}
+if [ ${#missing[@]} -eq 0 ]; then
+  cudnn_frontend
+  exit 0
+fi
 echo "install-deps: installing ${missing[*]}"
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
@@ -43,3 +53,4 @@ export DEBIAN_FRONTEND=noninteractive
 $sudo apt-get update -qq
 $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 echo "install-deps: done"
+cudnn_frontend

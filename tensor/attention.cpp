@@ -121,23 +121,23 @@ Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, const 
 constexpr int64_t kCudaMaxHeadDim = 128;
 
 std::atomic<SdpBackend> g_backend{SdpBackend::kAuto};
+std::atomic<bool> g_cudnn{true};
 
 // The fused kernels take this call; otherwise the math path runs: the math backend chosen, empty
 // operands, a float mask that needs a gradient, dtypes or head sizes a backend has no kernel
-// for, and on CUDA under kAuto scores that fit kAttentionMathBudgetBytes (see SdpBackend).
-bool fused_applies(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask) {
+// for, and on CUDA under kAuto scores that fit kAttentionMathBudgetBytes unless cuDNN's fused
+// kernel takes the call (see SdpBackend).
+bool fused_applies(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                   const detail::AttentionParams& p) {
   const SdpBackend backend = g_backend.load(std::memory_order_relaxed);
   if (backend == SdpBackend::kMath) return false;
   if (q.numel() == 0 || k.numel() == 0 || v.numel() == 0) return false;
   if (mask.defined() && mask.requires_grad()) return false;
   if (!q.is_cuda()) return true;  // float64 and float32 natively, float16/bfloat16 via float32
-  const int64_t n = q.dim();
-  if (q.dtype() == kFloat64 || q.size(n - 1) > kCudaMaxHeadDim ||
-      v.size(n - 1) > kCudaMaxHeadDim) {
-    return false;
-  }
+  if (q.dtype() == kFloat64 || p.E > kCudaMaxHeadDim || p.Ev > kCudaMaxHeadDim) return false;
   if (backend == SdpBackend::kFused) return true;
-  const int64_t scores = q.numel() / q.size(n - 1) * k.size(n - 2);
+  if (detail::attention_cudnn_supported(q.dtype(), q.device(), p, mask.defined())) return true;
+  const int64_t scores = p.batch * p.L * p.S;
   return scores * static_cast<int64_t>(q.element_size()) > kAttentionMathBudgetBytes;
 }
 
@@ -177,6 +177,8 @@ Tensor mask_layout(const Tensor& attn_mask, const Tensor& q, Dtype dt, int64_t L
 
 void set_sdp_backend(SdpBackend b) { g_backend.store(b, std::memory_order_relaxed); }
 SdpBackend sdp_backend() { return g_backend.load(std::memory_order_relaxed); }
+void enable_cudnn_sdp(bool enabled) { g_cudnn.store(enabled, std::memory_order_relaxed); }
+bool cudnn_sdp_enabled() { return g_cudnn.load(std::memory_order_relaxed); }
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& attn_mask, double dropout_p, bool is_causal,
@@ -187,19 +189,19 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
                                         gen);
   }
   check_inputs(q, k, v, attn_mask, dropout_p, is_causal);
-  if (!fused_applies(q, k, v, attn_mask)) {
-    return scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, scale, gen);
-  }
   const int64_t n = q.dim();
   detail::AttentionParams p;
   p.L = q.size(n - 2);
   p.S = k.size(n - 2);
   p.E = q.size(n - 1);
   p.Ev = v.size(n - 1);
-  p.batch = q.numel() / (p.L * p.E);
+  p.batch = p.L * p.E > 0 ? q.numel() / (p.L * p.E) : 0;
   p.scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(p.E));
   p.causal = is_causal;
   p.dropout_p = dropout_p;
+  if (!fused_applies(q, k, v, attn_mask, p)) {
+    return scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, scale, gen);
+  }
   // The CPU kernels compute float16/bfloat16 in float32; the casts are recorded ops, so the
   // gradients come back in the inputs' dtype.
   const Dtype dt = !q.is_cuda() && q.dtype() != kFloat64 ? kFloat32 : q.dtype();

@@ -31,7 +31,8 @@ namespace ember {
 /// recomputes the scores tile by tile, and dropout masks are regenerated from one seed and
 /// offset drawn from `gen` per call (so they differ from the math path's draws). On the CPU
 /// float32 and float64 run natively and float16/bfloat16 compute in float32; on CUDA float16,
-/// bfloat16 and float32 with float32 accumulation and head dims up to 128. The math path runs
+/// bfloat16 and float32 with float32 accumulation and head dims up to 128, float16/bfloat16
+/// through cuDNN's flash attention where it applies (see SdpBackend). The math path runs
 /// instead for float64 on CUDA, larger CUDA head dims, empty operands and a floating attn_mask
 /// that requires grad. The fused op has no double backward: a backward with create_graph=true
 /// through it throws NotImplementedError (use the math path for that).
@@ -52,9 +53,12 @@ Tensor scaled_dot_product_attention_math(const Tensor& q, const Tensor& k, const
 
 /// Which implementation scaled_dot_product_attention uses (PyTorch's
 /// torch.nn.attention.sdpa_kernel). kAuto: on the CPU the fused kernel (faster than the math path
-/// at every size measured); on CUDA the math path (cuBLAS matmuls, several times faster than the
-/// SIMT fused kernel, which has no tensor-core tiles yet) unless its [..., L, S] scores would
-/// take more than kAttentionMathBudgetBytes, where the fused kernel's O(L) memory wins.
+/// at every size measured); on CUDA the fused op whenever cuDNN's flash attention takes the call
+/// (float16/bfloat16, no mask, no dropout, head dims a multiple of 8 up to 128, compute
+/// capability 8.0 or later: tensor cores; Note [Attention through cuDNN]), else the math path
+/// (cuBLAS matmuls, several times faster than Ember's SIMT fused kernel) unless its [..., L, S]
+/// scores would take more than kAttentionMathBudgetBytes, where the fused kernel's O(L) memory
+/// wins.
 /// kFused and kMath force one (kFused still falls back to math where no kernel applies, see
 /// above). A process-wide setting, as PyTorch's backend flags are.
 enum class SdpBackend { kAuto, kFused, kMath };
@@ -63,6 +67,12 @@ inline constexpr int64_t kAttentionMathBudgetBytes = int64_t{1} << 30;
 /// Sets / reads the process-wide backend (thread-safe).
 void set_sdp_backend(SdpBackend b);
 SdpBackend sdp_backend();
+
+/// Whether the fused op may hand CUDA calls to cuDNN's flash attention (PyTorch's
+/// torch.backends.cuda.enable_cudnn_sdp / cudnn_sdp_enabled). On by default; off, CUDA runs
+/// Ember's own fused kernel where kFused or kAuto chooses it. Process-wide and thread-safe.
+void enable_cudnn_sdp(bool enabled);
+bool cudnn_sdp_enabled();
 
 /// Sets the backend for a scope and restores the previous one (`with sdpa_kernel(...)`).
 class SdpBackendGuard {

@@ -1,7 +1,8 @@
 // CUDA fused attention (Note [Fused attention] in tensor/detail/attention_kernels.h) for
 // float32, float16 and bfloat16 operands, accumulating in float32. Plain SIMT code (no tensor
 // cores), written for clarity and a short compile: one template per dtype, head dims up to
-// kMaxHeadDim (the front end sends larger ones to the math path).
+// kMaxHeadDim (the front end sends larger ones to the math path). Where cuDNN's flash attention
+// applies (Note [Attention through cuDNN], attention_cudnn.cpp) the entry points hand it the call.
 //
 // Forward: a block of kFwdWarps warps owns kFwdRows query rows (kRowsPerWarp per warp) and walks
 // tiles of 32 keys staged in shared memory as float. Lane j scores key j of the tile for each
@@ -309,6 +310,7 @@ void attention_forward_cuda(const Tensor& out, const Tensor& lse, const Tensor& 
                             const Tensor& v, const Tensor& mask, const AttentionParams& p) {
   EMBER_INTERNAL_ASSERT(p.E <= kMaxHeadDim && p.Ev <= kMaxHeadDim,
                         "attention CUDA kernel: head dim above ", kMaxHeadDim);
+  if (!mask.defined() && attention_cudnn_forward(out, lse, q, k, v, p)) return;
   DeviceGuard guard(q.device().index);
   cudaStream_t s = stream_of(q.device());
   dispatch(q.dtype(), [&]<typename T>() { forward_typed<T>(out, lse, q, k, v, mask, p, s); });
@@ -318,6 +320,7 @@ void attention_backward_cuda(const Tensor& dq, const Tensor& dk, const Tensor& d
                              const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor& out, const Tensor& lse, const Tensor& mask,
                              const AttentionParams& p) {
+  if (!mask.defined() && attention_cudnn_backward(dq, dk, dv, dout, q, k, v, out, lse, p)) return;
   DeviceGuard guard(q.device().index);
   cudaStream_t s = stream_of(q.device());
   dispatch(q.dtype(), [&]<typename T>() {

@@ -15,6 +15,7 @@
 #include <ember/tensor/cuda/check.h>
 #include <ember/tensor/cudnn.h>
 #include <ember/tensor/cuda/handle_pool.h>
+#include <ember/tensor/cuda/cudnn_handle.h>
 #include <ember/tensor/detail/conv_kernels.h>
 
 namespace ember {
@@ -31,25 +32,30 @@ cudaStream_t stream_of(Device d);
 
 namespace {
 
-
-void check_cudnn(cudnnStatus_t st, const char* what) {
+void check_cudnn(cudnnStatus_t st, const char* what, const char* op) {
   if (st == CUDNN_STATUS_SUCCESS) return;
   if (st == CUDNN_STATUS_ALLOC_FAILED) {
-    throw OutOfMemoryError(str_cat("[conv2d] cuDNN could not allocate memory in ", what));
+    throw OutOfMemoryError(str_cat("[", op, "] cuDNN could not allocate memory in ", what));
   }
-  throw CudaError(str_cat("[conv2d] cuDNN error in ", what, ": ", cudnnGetErrorString(st)));
+  throw CudaError(str_cat("[", op, "] cuDNN error in ", what, ": ", cudnnGetErrorString(st)));
 }
 
+void check_cudnn(cudnnStatus_t st, const char* what) { check_cudnn(st, what, "conv2d"); }
+
+}  // namespace
+
 // Per-(device, thread) handles (Note [Per-thread library handles]).
-cudnnHandle_t cudnn_handle(Device device) {
+cudnnHandle_t cudnn_handle(Device device, const char* op) {
   cudnnHandle_t h = cuda::detail::pooled_handle<cudnnHandle_t>(device.index, +[] {
     cudnnHandle_t created = nullptr;
-    check_cudnn(cudnnCreate(&created), "cudnnCreate");
+    check_cudnn(cudnnCreate(&created), "cudnnCreate", "cudnn");
     return created;
   });
-  check_cudnn(cudnnSetStream(h, cuda_loops::stream_of(device)), "cudnnSetStream");
+  check_cudnn(cudnnSetStream(h, cuda_loops::stream_of(device)), "cudnnSetStream", op);
   return h;
 }
+
+namespace {
 
 cudnnDataType_t data_type(Dtype t) {
   switch (t) {
@@ -203,7 +209,7 @@ void conv2d_cuda(const Tensor& out, const Tensor& input, const Tensor& weight, c
                  const ConvGeom& g) {
   const Device dev = out.device();
   cuda::detail::DeviceGuard guard(dev.index);
-  cudnnHandle_t h = cudnn_handle(dev);
+  cudnnHandle_t h = cudnn_handle(dev, "conv2d");
   Descriptors d(g, out.dtype());
   const Algo a = choose(Pass::kForward, g, out.dtype(), dev, h, d);
   Tensor ws = workspace(a.workspace, dev);
@@ -219,7 +225,7 @@ void conv2d_backward_input_cuda(const Tensor& grad_input, const Tensor& grad_out
                                 const Tensor& weight, const ConvGeom& g) {
   const Device dev = grad_input.device();
   cuda::detail::DeviceGuard guard(dev.index);
-  cudnnHandle_t h = cudnn_handle(dev);
+  cudnnHandle_t h = cudnn_handle(dev, "conv2d");
   Descriptors d(g, grad_input.dtype());
   const Algo a = choose(Pass::kBackwardData, g, grad_input.dtype(), dev, h, d);
   Tensor ws = workspace(a.workspace, dev);
@@ -235,7 +241,7 @@ void conv2d_backward_weight_cuda(const Tensor& grad_weight, const Tensor& grad_o
                                  const Tensor& input, const ConvGeom& g) {
   const Device dev = grad_weight.device();
   cuda::detail::DeviceGuard guard(dev.index);
-  cudnnHandle_t h = cudnn_handle(dev);
+  cudnnHandle_t h = cudnn_handle(dev, "conv2d");
   Descriptors d(g, grad_weight.dtype());
   const Algo a = choose(Pass::kBackwardFilter, g, grad_weight.dtype(), dev, h, d);
   Tensor ws = workspace(a.workspace, dev);

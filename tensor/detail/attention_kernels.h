@@ -110,6 +110,22 @@ void attention_forward_cpu(const Tensor& out, const Tensor& lse, const Tensor& q
 void attention_forward_cuda(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                             const Tensor& v, const Tensor& mask, const AttentionParams& p);
 
+/// cuDNN's fused attention on tensor cores (Note [Attention through cuDNN],
+/// tensor/cuda/attention_cudnn.cpp), which the CUDA forward and backward try first. Whether it
+/// takes a call of this dtype on this device: float16 or bfloat16, no mask, no dropout, equal
+/// head dims that are a multiple of 8 up to 128, a GPU of compute capability 8.0 or later, and a
+/// graph cuDNN builds for these shapes (built once per shape and thread, then cached). False in
+/// a build without cuDNN's frontend and on the CPU.
+bool attention_cudnn_supported(Dtype dtype, Device device, const AttentionParams& p, bool has_mask);
+/// Run it; false (nothing written) where attention_cudnn_supported is false. Operands as for
+/// attention_forward_cuda; lse is cuDNN's Stats (the logsumexp of the scaled scores, natural
+/// log), so either kernel's backward reads the other's forward.
+bool attention_cudnn_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                             const Tensor& v, const AttentionParams& p);
+bool attention_cudnn_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                              const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, const AttentionParams& p);
+
 /// Backward: writes dq, dk, dv (same shapes as q, k, v) from dout and the forward's out, lse.
 void attention_backward_cpu(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                             const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,

@@ -13,6 +13,7 @@
 #include <ember/autograd/autograd.h>
 #include <ember/tensor/allocator.h>
 #include <ember/tensor/cuda.h>
+#include <ember/tensor/detail/attention_kernels.h>
 #include "tests/autograd/grad_util.h"
 #include "tests/nn/attention_reference.h"
 
@@ -439,6 +440,61 @@ TEST(AttentionCuda, DropoutMatchesCpu) {
   const Grads got =
       run(attn, {2, 2, 70, 16}, {2, 2, 70, 16}, {2, 2, 70, 16}, 4, kFloat32, Device("cuda"));
   expect_grads_close(got, want, 1e-4, "dropout");
+}
+
+// cuDNN's flash attention (Note [Attention through cuDNN]) against the CPU's float32 computation
+// of the same rounded inputs, at a transformer's head shapes (including a length that is no
+// multiple of a tile and L != S), and each direction against Ember's own CUDA kernel in the
+// other: cuDNN's Stats are the logsumexp Ember's backward reads.
+TEST(AttentionCuda, CudnnFlashAttentionMatchesCpuAndInteroperatesWithEmbersKernel) {
+  if (!cuda::is_available()) GTEST_SKIP() << cuda::unavailable_reason();
+  const Device gpu("cuda");
+  struct Shape4 {
+    std::vector<int64_t> q, kv;
+    bool causal;
+  };
+  const std::vector<Shape4> shapes = {{{2, 3, 128, 64}, {2, 3, 128, 64}, true},
+                                      {{2, 3, 128, 64}, {2, 3, 128, 64}, false},
+                                      {{1, 2, 200, 128}, {1, 2, 200, 128}, true},
+                                      {{2, 2, 64, 32}, {2, 2, 96, 32}, false}};
+  for (Dtype dt : {kBFloat16, kFloat16}) {
+    for (const Shape4& c : shapes) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " L " + std::to_string(c.q[2]) + " S " +
+                   std::to_string(c.kv[2]) + " E " + std::to_string(c.q[3]) +
+                   (c.causal ? " causal" : ""));
+      detail::AttentionParams p;
+      p.batch = c.q[0] * c.q[1], p.L = c.q[2], p.S = c.kv[2], p.E = p.Ev = c.q[3];
+      p.scale = 1.0 / std::sqrt(static_cast<double>(p.E));
+      p.causal = c.causal;
+      if (!detail::attention_cudnn_supported(dt, gpu, p, /*has_mask=*/false)) {
+        GTEST_SKIP() << "cuDNN's flash attention does not take this call here (a build without "
+                        "cuDNN's frontend, or a GPU before compute capability 8.0)";
+      }
+      Attn attn = [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+        return F::scaled_dot_product_attention(q, k, v, {}, 0.0, c.causal);
+      };
+      const Grads want = run(attn, c.q, c.kv, c.kv, 11, dt);
+      const Grads got = run(attn, c.q, c.kv, c.kv, 11, dt, gpu);  // kAuto: cuDNN both ways
+      EXPECT_EQ(got.y.dtype(), dt);
+      expect_grads_close(got, want, 2e-2, "cudnn");
+      // cuDNN's forward, Ember's backward; then Ember's forward, cuDNN's backward.
+      for (bool cudnn_forward : {true, false}) {
+        F::SdpBackendGuard fused(F::SdpBackend::kFused);
+        Attn switching = [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+          F::enable_cudnn_sdp(cudnn_forward);
+          Tensor y = F::scaled_dot_product_attention(q, k, v, {}, 0.0, c.causal);
+          F::enable_cudnn_sdp(!cudnn_forward);
+          return y;
+        };
+        const Grads mixed = run(switching, c.q, c.kv, c.kv, 11, dt, gpu);
+        F::enable_cudnn_sdp(true);
+        expect_grads_close(
+            mixed, want, 2e-2,
+            cudnn_forward ? "cudnn forward, ember backward" : "ember forward, cudnn backward");
+      }
+    }
+  }
+  EXPECT_TRUE(F::cudnn_sdp_enabled());
 }
 
 }  // namespace
