@@ -26,6 +26,14 @@ bool has_context(int device);
 /// Waits for all work on the device (default: the current one).
 void synchronize(int device = -1);
 
+/// Whether float32 matmuls on CUDA may use TF32 tensor cores (10-bit mantissa products, float32
+/// accumulation): PyTorch's torch.backends.cuda.matmul.allow_tf32, and as there off by default
+/// (float32 matmuls then give float32 results). Convolutions follow cuDNN's default, which
+/// allows TF32, as PyTorch's torch.backends.cudnn.allow_tf32 does. Process-wide, thread-safe;
+/// a no-op without CUDA.
+void set_matmul_allow_tf32(bool allow);
+bool matmul_allow_tf32();
+
 /// A CUDA stream handle. Copyable; the default-constructed value is the legacy default stream
 /// of device 0. Streams made by Stream::create live for the whole process (as PyTorch's pool).
 class Stream {

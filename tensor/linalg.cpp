@@ -2,11 +2,23 @@
 // batch dims and 1-d promotion, then one batched GEMM kernel per device (detail::gemm_*).
 #include <ember/tensor/linalg.h>
 
+#include <atomic>
+
 #include <ember/tensor/autocast.h>
+#include <ember/tensor/cuda.h>
 #include <ember/tensor/detail/linalg_kernels.h>
 #include <ember/tensor/detail/record.h>
 
 namespace ember {
+
+namespace {
+std::atomic<bool> g_allow_tf32{false};
+}  // namespace
+
+void cuda::set_matmul_allow_tf32(bool allow) {
+  g_allow_tf32.store(allow, std::memory_order_relaxed);
+}
+bool cuda::matmul_allow_tf32() { return g_allow_tf32.load(std::memory_order_relaxed); }
 
 namespace {
 

@@ -51,7 +51,9 @@ struct TypeInfo {
 };
 TypeInfo type_info(Dtype t) {
   switch (t) {
-    case kFloat32: return {CUDA_R_32F, CUBLAS_COMPUTE_32F, false};
+    case kFloat32:
+      return {CUDA_R_32F,
+              cuda::matmul_allow_tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, false};
     case kFloat64: return {CUDA_R_64F, CUBLAS_COMPUTE_64F, true};
     case kFloat16: return {CUDA_R_16F, CUBLAS_COMPUTE_32F, false};
     case kBFloat16: return {CUDA_R_16BF, CUBLAS_COMPUTE_32F, false};

@@ -62,9 +62,9 @@ struct Descs {
   }
 };
 
-// The heuristic's first algorithm per problem (shape, layouts, dtype, alignments, device), per
-// thread: the query costs more host time than the launch.
-using AlgoKey = std::array<int64_t, 13>;
+// The heuristic's first algorithm per problem (shape, layouts, dtype, alignments, device, TF32),
+// per thread: the query costs more host time than the launch.
+using AlgoKey = std::array<int64_t, 14>;
 struct AlgoEntry {
   bool found = false;
   cublasLtMatmulAlgo_t algo{};
@@ -101,12 +101,14 @@ bool gemm_bias_cuda(const Tensor& out, const Tensor& a, const Tensor& b, const T
   const cublasOperation_t tb = la.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
   const void* bias_ptr = bias.data_ptr();
-  if (api.lt_matmul_desc_create(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS ||
+  const bool tf32 = dt == kFloat32 && cuda::matmul_allow_tf32();
+  const cublasComputeType_t compute = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  if (api.lt_matmul_desc_create(&d.op, compute, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS ||
       api.lt_matmul_desc_set_attribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)) ||
       api.lt_matmul_desc_set_attribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) ||
       api.lt_matmul_desc_set_attribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)) ||
       api.lt_matmul_desc_set_attribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr,
-                                     sizeof(bias_ptr)) ||
+                                       sizeof(bias_ptr)) ||
       api.lt_matrix_layout_create(&d.a, type, lb.trans ? k : m, lb.trans ? m : k, lb.ld) ||
       api.lt_matrix_layout_create(&d.b, type, la.trans ? n : k, la.trans ? k : n, la.ld) ||
       api.lt_matrix_layout_create(&d.c, type, m, n, m)) {
@@ -114,8 +116,20 @@ bool gemm_bias_cuda(const Tensor& out, const Tensor& a, const Tensor& b, const T
   }
   const uint32_t al_a = alignment_of(b.data_ptr()), al_b = alignment_of(a.data_ptr()),
                  al_c = alignment_of(out.data_ptr()), al_bias = alignment_of(bias_ptr);
-  const AlgoKey key = {out.device().index, static_cast<int64_t>(dt), m, n, k, ta, tb,
-                       lb.ld, la.ld, al_a, al_b, al_c, al_bias};
+  const AlgoKey key = {out.device().index,
+                       static_cast<int64_t>(dt),
+                       m,
+                       n,
+                       k,
+                       ta,
+                       tb,
+                       lb.ld,
+                       la.ld,
+                       al_a,
+                       al_b,
+                       al_c,
+                       al_bias,
+                       tf32};
   thread_local std::map<AlgoKey, AlgoEntry> algos;
   auto it = algos.find(key);
   if (it == algos.end()) {

@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include <ember/tensor/cuda.h>
 #include <ember/tensor/ops.h>
 #include "test_util.h"
 
@@ -379,6 +380,30 @@ TEST(LinalgCuda, AddmmBiasEpilogueMatchesCpu) {
       }
     }
   }
+}
+
+// allow_tf32 as PyTorch's: off by default (float32 products exact), and when on, float32
+// matmuls (the plain GEMM and the bias epilogue) may round their operands to TF32's 10-bit
+// mantissa. 1 + 2^-12 is a float32 TF32 cannot hold: 64 such products sum to 64 + 2^-6 in
+// float32 and to 64 in TF32.
+TEST(LinalgCuda, AllowTf32IsOffByDefaultAndRoundsFloat32MatmulsWhenOn) {
+  EXPECT_FALSE(ember::cuda::matmul_allow_tf32());
+  if (!ember::cuda::is_available())
+    GTEST_SKIP() << "no CUDA device: " << ember::cuda::unavailable_reason();
+  const Tensor a = full({64, 64}, 1.0 + std::ldexp(1.0, -12)).cuda();
+  const Tensor b = ones({64, 64}).cuda(), bias = zeros({64}).cuda();
+  const double exact = 64.0 + std::ldexp(1.0, -6);
+  EXPECT_EQ(mm(a, b).cpu().to_vector<double>()[0], exact);
+  EXPECT_EQ(addmm(bias, a, b).cpu().to_vector<double>()[0], exact);
+  ember::cuda::set_matmul_allow_tf32(true);
+  const double tf32_mm = mm(a, b).cpu().to_vector<double>()[0];
+  const double tf32_addmm = addmm(bias, a, b).cpu().to_vector<double>()[0];
+  const double f64 = mm(a.to(kFloat64), b.to(kFloat64)).cpu().to_vector<double>()[0];
+  ember::cuda::set_matmul_allow_tf32(false);
+  EXPECT_EQ(tf32_mm, 64.0) << "TF32 tensor cores round 1 + 2^-12 to 1";
+  EXPECT_EQ(tf32_addmm, 64.0) << "the bias epilogue too";
+  EXPECT_EQ(f64, exact) << "float64 never uses TF32";
+  EXPECT_EQ(mm(a, b).cpu().to_vector<double>()[0], exact) << "off again";
 }
 
 TEST(LinalgCuda, MatchesCpu) {
