@@ -9,10 +9,19 @@
 //    library does not link libcuda: a machine without a driver still loads it, and fails only
 //    when an arena is made.
 //  - Unmapping does not wait for the work that reads the memory, and kernels are queued ahead
-//    of the CPU: release() first waits for an event recorded on the calling thread's current
-//    stream, where the parameters were used and where the gathers into the arena were waited
-//    for (Work::wait). That wait costs the CPU its lead over the GPU once per reshard; it is
-//    what makes giving the memory back safe.
+//    of the CPU, so release() does not unmap: it records an event on the calling thread's
+//    current stream (where the parameters were used and where the gathers into the arena were
+//    waited for, Work::wait) and leaves the arena mapped, pending, on its device's list. The
+//    memory goes back when that event has completed, checked without waiting whenever an arena
+//    of the device commits; a commit of a still-mapped arena takes the mapping back instead of
+//    mapping new memory (the gather that fills it is queued after the reads, as every backend
+//    orders a collective after the caller's current stream). So the step never waits on the
+//    host, except to bound what is pending: with more than kMaxPending arenas pending on a
+//    device (the CPU has run that many reshards ahead of the GPU), the oldest is waited for and
+//    unmapped, as PyTorch's FSDP limits the all-gathers in flight. On out of memory every
+//    pending arena is waited for and unmapped before the allocation is retried.
+//    flush_released_cuda_arenas() gives back everything pending (tests, and a caller that wants
+//    the driver's free memory to show it).
 //  - The memory is not the caching allocator's: cuda::memory_allocated() does not count it;
 //    fsdp_memory_stats() and cuda_arena_held_bytes() do. On out of memory, commit() empties the
 //    caching allocator's cache and tries once more, since freed tensors may hold the memory.
@@ -32,6 +41,8 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
+#include <deque>
+#include <memory>
 #include <mutex>
 
 #include <ember/tensor/cuda/check.h>
@@ -117,7 +128,15 @@ std::string describe(CUresult r) {
   return s != nullptr ? std::string(s) : "CUresult " + std::to_string(static_cast<int>(r));
 }
 
-class CudaArena final : public FsdpArena {
+class CudaArena;
+
+// Arenas released but maybe still mapped, per device, oldest first (Note [CUDA arenas]). An
+// entry may be stale (the arena was committed again, or is gone): unmap() skips those.
+constexpr size_t kMaxPending = 2;
+std::mutex g_pending_mu;
+std::array<std::deque<std::weak_ptr<CudaArena>>, kMaxDevices> g_pending;
+
+class CudaArena final : public FsdpArena, public std::enable_shared_from_this<CudaArena> {
  public:
   CudaArena(int device, size_t nbytes, std::string label)
       : d_(driver()), device_(device), nbytes_(nbytes), label_(std::move(label)) {
@@ -147,7 +166,12 @@ class CudaArena final : public FsdpArena {
 
   ~CudaArena() override {
     try {
-      release();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (committed_) done_.record(cuda::current_stream(device_));
+        committed_ = false;
+      }
+      unmap(/*wait=*/true);
       cuda::detail::DeviceGuard guard(device_);
       d_.address_free(base_, size_);
     } catch (const std::exception&) {
@@ -159,14 +183,34 @@ class CudaArena final : public FsdpArena {
   size_t nbytes() const override { return nbytes_; }
   size_t held_bytes() const override { return size_; }
   Device device() const override { return cuda_device(device_); }
-  bool committed() const override { return committed_; }
+  bool committed() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return committed_;
+  }
 
   void commit() override {
-    if (committed_) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (committed_) return;
+      if (mapped_) {  // released, not given back yet: take the mapping back
+        committed_ = true;
+        std::lock_guard<std::mutex> list_lock(g_pending_mu);  // order: mu_, then the list's
+        auto& pending = g_pending[static_cast<size_t>(device_)];
+        const std::weak_ptr<CudaArena> self = weak_from_this();
+        std::erase_if(pending, [&self](const std::weak_ptr<CudaArena>& w) {
+          return !w.owner_before(self) && !self.owner_before(w);
+        });
+        return;
+      }
+    }
+    // Only this arena's unit commits it; reclaim() on other threads leaves an unmapped arena
+    // alone, so the new memory is mapped without the lock and published under it.
+    reclaim(device_, /*wait_all=*/false);
     cuda::detail::DeviceGuard guard(device_);
     CUmemGenericAllocationHandle h = 0;
     CUresult r = d_.create(&h, size_, &prop_, 0);
     if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+      reclaim(device_, /*wait_all=*/true);
       cuda::empty_cache();  // blocks cached by the allocator may hold what the arena needs
       r = d_.create(&h, size_, &prop_, 0);
     }
@@ -185,24 +229,66 @@ class CudaArena final : public FsdpArena {
       d_.release(h);
       check(r, "cuMemSetAccess");
     }
+    g_held[static_cast<size_t>(device_)] += static_cast<int64_t>(size_);
+    std::lock_guard<std::mutex> lock(mu_);
     handle_ = h;
     committed_ = true;
-    g_held[static_cast<size_t>(device_)] += static_cast<int64_t>(size_);
+    mapped_ = true;
   }
 
   void release() override {
-    if (!committed_) return;
     {
-      // Note [CUDA arenas]: the queued reads and gathers must be done before the unmap.
-      cuda::Event done;
-      done.record(cuda::current_stream(device_));
-      done.synchronize();
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!committed_) return;
+      // Note [CUDA arenas]: the queued reads and gathers must be done before the unmap, which
+      // waits for this event (or finds it complete) later.
+      done_.record(cuda::current_stream(device_));
+      committed_ = false;
     }
+    std::shared_ptr<CudaArena> oldest;
+    {
+      std::lock_guard<std::mutex> lock(g_pending_mu);
+      auto& pending = g_pending[static_cast<size_t>(device_)];
+      pending.push_back(weak_from_this());
+      if (pending.size() > kMaxPending) {
+        oldest = pending.front().lock();
+        pending.pop_front();
+      }
+    }
+    if (oldest != nullptr) oldest->unmap(/*wait=*/true);
+  }
+
+  /// Gives back the memory of a released arena once its event says the GPU is done with it
+  /// (waiting for that with `wait`). True while it stays pending: released, mapped, busy.
+  bool unmap(bool wait) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!mapped_ || committed_) return false;
+    if (!wait && !done_.query()) return true;
+    done_.synchronize();
     cuda::detail::DeviceGuard guard(device_);
     check(d_.unmap(base_, size_), "cuMemUnmap");
-    committed_ = false;
+    mapped_ = false;
     g_held[static_cast<size_t>(device_)] -= static_cast<int64_t>(size_);
     check(d_.release(handle_), "cuMemRelease");
+    return false;
+  }
+
+  /// Gives back the memory of the device's released arenas whose GPU work is done (of all of
+  /// them, waiting, with `wait_all`).
+  static void reclaim(int device, bool wait_all) {
+    std::deque<std::weak_ptr<CudaArena>> todo;
+    {
+      std::lock_guard<std::mutex> lock(g_pending_mu);
+      todo.swap(g_pending[static_cast<size_t>(device)]);
+    }
+    std::deque<std::weak_ptr<CudaArena>> kept;
+    for (auto& w : todo) {
+      if (auto a = w.lock(); a != nullptr && a->unmap(wait_all)) kept.push_back(std::move(w));
+    }
+    if (kept.empty()) return;
+    std::lock_guard<std::mutex> lock(g_pending_mu);
+    auto& pending = g_pending[static_cast<size_t>(device)];
+    pending.insert(pending.begin(), kept.begin(), kept.end());
   }
 
  private:
@@ -221,8 +307,11 @@ class CudaArena final : public FsdpArena {
   std::string label_;
   CUmemAllocationProp prop_{};
   CUdeviceptr base_ = 0;
+  mutable std::mutex mu_;  // the state below: ranks as threads share the device's lists
   CUmemGenericAllocationHandle handle_ = 0;
-  bool committed_ = false;
+  bool committed_ = false;  // in use: gathered parameters live here
+  bool mapped_ = false;     // backed by memory: committed, or released and pending
+  cuda::Event done_;        // recorded at release: the GPU's last use before then
 };
 
 }  // namespace
@@ -233,6 +322,10 @@ std::shared_ptr<FsdpArena> make_cuda_arena(int device, size_t nbytes, const std:
   EMBER_CHECK(device >= 0 && device < cuda::device_count(), "[", label, "] cuda:", device,
               " is not a device of this machine (", cuda::device_count(), " found)");
   return std::make_shared<CudaArena>(device, nbytes, label);
+}
+
+void flush_released_cuda_arenas(int device) {
+  if (device >= 0 && device < kMaxDevices) CudaArena::reclaim(device, /*wait_all=*/true);
 }
 
 int64_t cuda_free_bytes(int device) {
@@ -251,6 +344,8 @@ std::shared_ptr<FsdpArena> make_cuda_arena(int device, size_t, const std::string
                    ": Ember was built without CUDA");
   return nullptr;
 }
+
+void flush_released_cuda_arenas(int) {}
 
 int64_t cuda_free_bytes(int) {
   EMBER_CHECK_TYPE(NotImplementedError, false, "[cuda_free_bytes] Ember was built without CUDA");

@@ -164,6 +164,7 @@ TEST_P(FsdpCuda, TrainsLikeDdp) {
     require_same_state(what, on_host(full_state_dict(*model)), want, c.bf16 ? 0.05 : 1e-4);
   };
   test::run_threads(ranks_on(dev, c.n, /*delayed=*/true), body);
+  detail::flush_released_cuda_arenas(0);  // released arenas give their memory back lazily
   EXPECT_EQ(detail::cuda_arena_held_bytes(0), 0) << "arena memory held after the last step";
   EXPECT_EQ(fsdp_memory_stats().unsharded_bytes, 0);
 }
@@ -264,6 +265,7 @@ void check_arenas_released(Device dev) {
         opt.step();
       }
     });
+    detail::flush_released_cuda_arenas(0);
     EXPECT_EQ(detail::cuda_arena_held_bytes(0), 0) << (reshard ? "reshard" : "keep");
     const FsdpMemoryStats m = fsdp_memory_stats();
     EXPECT_EQ(m.unsharded_bytes, 0);
@@ -281,7 +283,8 @@ TEST(FsdpCudaMemory, ReshardReleasesTheArenasOnTheDevice) {
 TEST(FsdpArenaMemory, ReshardReleasesTheArenasOnTheCpu) { check_arenas_released(kCPU); }
 
 // The arena itself: its address stays, committing takes device memory (the driver's free memory
-// drops by its size) and releasing gives it back; values written after a recommit read back.
+// drops by its size) and releasing gives it back once flushed; values written after a recommit
+// read back.
 TEST(FsdpCudaArena, KeepsItsAddressAndGivesTheMemoryBack) {
   EMBER_REQUIRE_CUDA();
   cuda::set_device(0);
@@ -302,10 +305,43 @@ TEST(FsdpCudaArena, KeepsItsAddressAndGivesTheMemoryBack) {
     EXPECT_EQ(t.sum().item<double>(), (round + 2.0) * (1 << 20));
     const int64_t before_release = detail::cuda_free_bytes(0);
     arena->release();
+    EXPECT_FALSE(arena->committed());
+    detail::flush_released_cuda_arenas(0);
     EXPECT_GE(detail::cuda_free_bytes(0) - before_release, held - kSlack) << "round " << round;
     EXPECT_EQ(detail::cuda_arena_held_bytes(0), 0);
-    EXPECT_FALSE(arena->committed());
   }
+}
+
+// Note [CUDA arenas]: release() does not wait for the GPU. A released arena stays mapped until
+// its work is done and a commit or flush looks; committed again before that, it takes its own
+// mapping back (its contents with it, no new memory); and no more than two released arenas
+// stay mapped per device: a third release gives the oldest one's memory back.
+TEST(FsdpCudaArena, ReleasesLazilyReusesItsMappingAndBoundsWhatIsPending) {
+  EMBER_REQUIRE_CUDA();
+  cuda::set_device(0);
+  constexpr size_t kBytes = size_t{64} << 20;
+  std::vector<std::shared_ptr<detail::FsdpArena>> arenas;
+  for (int i = 0; i < 3; ++i)
+    arenas.push_back(detail::make_cuda_arena(0, kBytes, "fully_shard(test)"));
+  const auto held = static_cast<int64_t>(arenas[0]->held_bytes());
+  // Work queued behind the release keeps the first arena busy: it cannot go back yet.
+  arenas[0]->commit();
+  Tensor t = from_blob(arenas[0]->data(), {1 << 20}, TensorOptions(kFloat32).device(kGpu));
+  t.fill_(7.0);
+  cuda::spin(int64_t{200} << 20);  // ~0.1 s of GPU time on the current stream
+  arenas[0]->release();
+  EXPECT_FALSE(arenas[0]->committed());
+  EXPECT_EQ(detail::cuda_arena_held_bytes(0), held) << "released, still mapped";
+  arenas[0]->commit();  // takes its mapping back: no new memory, same contents
+  EXPECT_EQ(detail::cuda_arena_held_bytes(0), held);
+  EXPECT_EQ(t.sum().item<double>(), 7.0 * (1 << 20));
+  for (auto& a : arenas) a->commit();
+  EXPECT_EQ(detail::cuda_arena_held_bytes(0), 3 * held);
+  for (auto& a : arenas) a->release();
+  EXPECT_EQ(detail::cuda_arena_held_bytes(0), 2 * held) << "the oldest of three went back";
+  detail::flush_released_cuda_arenas(0);
+  EXPECT_EQ(detail::cuda_arena_held_bytes(0), 0);
+  for (auto& a : arenas) EXPECT_FALSE(a->committed());
 }
 
 TEST(FsdpCudaArena, WithoutACudaDeviceSaysWhy) {

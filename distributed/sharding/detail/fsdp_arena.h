@@ -27,9 +27,10 @@ class FsdpArena {
   virtual bool committed() const = 0;
   /// Backs the range with memory (its contents are undefined). No-op when committed.
   virtual void commit() = 0;
-  /// Gives the memory back; the range stays reserved. No-op when not committed. On CUDA this
-  /// first waits for the work queued so far on the calling thread's current stream of the
-  /// device, which is where the parameters were read (the gathers were waited for there too).
+  /// Gives the memory back; the range stays reserved. No-op when not committed. On CUDA the
+  /// memory goes back once the work queued so far on the calling thread's current stream of the
+  /// device is done (where the parameters were read and the gathers were waited for): without a
+  /// host wait, at a later commit or flush (Note [CUDA arenas]).
   virtual void release() = 0;
 };
 
@@ -42,8 +43,12 @@ std::shared_ptr<FsdpArena> make_fsdp_arena(const Device& device, size_t nbytes,
 /// CUDA arenas (fsdp_cuda_arena.cpp); in a build without CUDA both throw NotImplementedError.
 std::shared_ptr<FsdpArena> make_cuda_arena(int device, size_t nbytes, const std::string& label);
 
-/// The physical memory all CUDA arenas of this process hold now on `device` (0 without CUDA).
+/// The physical memory all CUDA arenas of this process hold now on `device` (0 without CUDA):
+/// released arenas count until their memory has gone back.
 int64_t cuda_arena_held_bytes(int device);
+/// Waits for the GPU work of every released arena on `device` and gives their memory back
+/// (no-op without CUDA).
+void flush_released_cuda_arenas(int device);
 /// The device's free memory as the driver reports it (cudaMemGetInfo), for tests that check
 /// that a release really gives memory back. Throws NotImplementedError without CUDA.
 int64_t cuda_free_bytes(int device);
