@@ -11,6 +11,8 @@
 //   build/examples/gpt --layers 1 --dim 32 --context 32 --steps 30 --sample 200
 //   emberrun --nproc-per-node 4 build/examples/gpt --tp 2 --shard fsdp
 //   emberrun --nproc-per-node 2 build/examples/gpt --pp 2 --microbatches 8 --schedule 1f1b
+//   build/examples/gpt --device cuda --amp bf16 --layers 12 --heads 12 --dim 768
+//       --context 1024 --data synthetic --warmup-steps 10 --peak-tflops 989.4  (GPT-2 124M, MFU)
 //
 // benchmarks/vs_pytorch/gpt_torch.py is the same model, data and optimizer in PyTorch; see
 // docs/quickstart.md for the flags and what a run prints.
@@ -53,6 +55,7 @@
 #include <ember/nn/amp/autocast.h>
 #include <ember/nn/data/token_stream.h>
 #include <ember/nn/nn.h>
+#include <ember/tensor/cuda.h>
 #include <ember/tensor/allocator.h>
 #include <ember/tensor/creation.h>
 #include <ember/tensor/cuda.h>
@@ -147,7 +150,8 @@ class Trainer {
   const int64_t log_every_;
   const int64_t start_step_;
   int64_t step_;               // steps trained, this run's and before
-  double train_seconds_ = 0;   // this run's training steps only (no evaluation, no logging)
+  int64_t timed_steps_ = 0;    // this run's steps after --warmup-steps
+  double train_seconds_ = 0;   // their time only (no evaluation, no logging)
   dist::StepTimes run_times_;  // this run's totals over the logged windows (ms)
   int64_t run_steps_ = 0;
   double peak_rss_mb_ = 0, peak_allocated_mb_ = 0;  // the largest over the ranks
@@ -155,15 +159,31 @@ class Trainer {
   Metrics metrics_;
 };
 
+// --data synthetic's length: the run's training windows back to back (steps x batch x context
+// per data-parallel rank) and a tenth more for the validation split, rounded up to a whole MiB
+// of tokens so that runs of about one length share a file; at least 2^22 tokens, at most what
+// llm.c's header can count (a longer run then draws its windows again, epoch after epoch).
+int64_t synthetic_tokens(const Args& a, int64_t dp_world) {
+  constexpr int64_t kMiB = int64_t{1} << 20;
+  const int64_t train = a.steps * a.batch_size * a.context * dp_world + a.context + 1;
+  const int64_t n = train + train / 9 + a.context + 1;
+  const int64_t rounded = (n + kMiB - 1) / kMiB * kMiB;
+  return std::clamp<int64_t>(rounded, int64_t{1} << 22, (int64_t{1} << 31) - kMiB);
+}
+
 nn::data::TokenStream make_stream(const Args& a, const dist::ProcessGroup& pg) {
   const std::string cache = a.cache_dir.empty() ? default_cache_dir() : a.cache_dir;
-  auto tokens = std::make_shared<const nn::data::TokenFile>(
-      nn::data::prepare_token_file(a.data, cache));
+  const std::string path = a.data == kSyntheticData
+                               ? nn::data::prepare_synthetic_token_file(
+                                     cache, a.vocab, synthetic_tokens(a, pg.size()), a.seed)
+                               : nn::data::prepare_token_file(a.data, cache);
+  auto tokens = std::make_shared<const nn::data::TokenFile>(path);
   return nn::data::TokenStream(tokens, {.context = a.context,
                                         .batch_size = a.batch_size,
                                         .world_size = pg.size(),
                                         .rank = pg.rank(),
-                                        .seed = a.seed});
+                                        .seed = a.seed,
+                                        .vocab = a.vocab});
 }
 
 Trainer::Trainer(const Args& a)
@@ -211,20 +231,22 @@ std::string Trainer::layout_text() const {
 }
 
 void Trainer::print_banner() const {
+  // Synthetic tokens: the file's path, to give PyTorch's side (gpt_torch.py --tokens) the same.
+  const std::string data =
+      a_.data == kSyntheticData ? a_.data + " " + data_.tokens().path() : a_.data;
   std::printf(
       "gpt: world size %d, backend %s, device %s, %lld parameters (layers %lld, heads %lld, dim "
       "%lld, context %lld), batch %lld per rank, %lld steps, AdamW lr %g, amp %s%s, comm hook %s, "
-      "%d threads per rank%s; data %s: %lld training and %lld validation tokens\n",
+      "%d threads per rank%s; data %s: %lld training and %lld validation tokens, vocab %lld\n",
       run_.world, run_.pg->backend_name().c_str(), run_.device.str().c_str(),
       static_cast<long long>(count_parameters(*model_)), static_cast<long long>(a_.layers),
       static_cast<long long>(a_.heads), static_cast<long long>(a_.dim),
       static_cast<long long>(a_.context), static_cast<long long>(a_.batch_size),
       static_cast<long long>(a_.steps), a_.lr, a_.amp.c_str(),
       a_.checkpoint_activations ? ", checkpointed blocks" : "", a_.comm_hook.c_str(),
-      ember::get_num_threads(),
-      layout_text().c_str(),
-      a_.data.c_str(), static_cast<long long>(data_.train_tokens()),
-      static_cast<long long>(data_.validation_tokens()));
+      ember::get_num_threads(), layout_text().c_str(), data.c_str(),
+      static_cast<long long>(data_.train_tokens()),
+      static_cast<long long>(data_.validation_tokens()), static_cast<long long>(a_.vocab));
   std::fflush(stdout);
 }
 
@@ -238,11 +260,15 @@ double Trainer::train() {
   bool evaluated = false;
   LogWindow window;
   while (step_ < end) {
+    const bool timed = step_ - start_step_ >= a_.warmup_steps;
     const auto t0 = Clock::now();
     const double loss = train_step(step_);
     stop_self_if_asked("gpt", run_.rank, run_.world, step_, a_.fail_at_step, a_.hang_at_step);
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-    train_seconds_ += dt;
+    if (timed) {
+      train_seconds_ += dt;
+      ++timed_steps_;
+    }
     if (par_.ddp) window.comm_wait_ms += par_.ddp->stats().exposed_communication.last_ms;
     window.add(loss);
     // Every rank joins the straggler report's gather at the same steps.
@@ -294,7 +320,7 @@ double Trainer::train_step(int64_t step) {
   Tensor loss;
   {
     const nn::amp::autocast amp(run_.device, amp_dtype(a_.amp), a_.amp != "off");
-    Tensor logits = par_.ddp ? par_.ddp->forward(x) : (*model_)(x);  // [B, T, 256]
+    Tensor logits = par_.ddp ? par_.ddp->forward(x) : (*model_)(x);  // [B, T, vocab]
     loss = loss_of(logits, y);
   }
   scaler_.scale(loss).backward();
@@ -422,8 +448,8 @@ void Trainer::log_progress(LogWindow& window) {
   run_times_.comm_wait_ms += mine.comm_wait_ms * n;
   run_steps_ += window.steps;
   if (run_.leader) {
-    const double trained = static_cast<double>(step_ - start_step_);
-    const double tps = tokens_per_s(step_ - start_step_, a_, run_.world, train_seconds_);
+    const double trained = static_cast<double>(timed_steps_);
+    const double tps = tokens_per_s(timed_steps_, a_, run_.world, train_seconds_);
     const double eta = trained > 0 ? train_seconds_ / trained * static_cast<double>(a_.steps - step_) : 0;
     constexpr int kWidth = 20;
     const int filled = static_cast<int>(kWidth * step_ / std::max<int64_t>(1, a_.steps));
@@ -607,8 +633,18 @@ void Trainer::report(double val_loss) {
     std::printf("exported the model to %s (GPT-2, Hugging Face's layout)\n", a_.export_hf.c_str());
   }
   std::printf("val_loss=%.4f\n", val_loss);
-  std::printf("tokens_per_s=%.0f\n",
-              tokens_per_s(step_ - start_step_, a_, run_.world, train_seconds_));
+  const double tps = tokens_per_s(timed_steps_, a_, run_.world, train_seconds_);
+  std::printf("tokens_per_s=%.0f\n", tps);
+  // Model FLOPs utilization: the model's FLOPs per second over the peak of every rank that
+  // works on it (each data-parallel row's tp x pp ranks share its tokens' FLOPs).
+  const int64_t flops = flops_per_token(model_->config, a_.context);
+  std::printf("flops_per_token=%lld\n", static_cast<long long>(flops));
+  if (a_.peak_tflops > 0) {
+    std::printf("mfu=%.4f\n", tps * static_cast<double>(flops) /
+                                  (a_.peak_tflops * 1e12 * static_cast<double>(run_.world)));
+  } else {
+    std::printf("mfu=unknown\n");
+  }
   std::printf("peak_rss_mb=%.0f\npeak_allocated_mb=%.1f\n", peak_rss_mb_, peak_allocated_mb_);
   std::printf("peak_memory_bytes=%lld\n", static_cast<long long>(peak_memory_bytes_));
   if (par_.pipe) std::printf("pipeline_bubble=%.3f\n", pipeline_bubble_);
@@ -630,11 +666,17 @@ int main(int argc, char** argv) {
         std::ifstream in(config);
         if (!in) throw std::runtime_error("cannot read " + config + ": " + std::strerror(errno));
         const GPTConfig c = gpt_config_from_gpt2(std::string(std::istreambuf_iterator<char>(in), {}));
+        if (app.count("--vocab") > 0 && a.vocab != c.vocab) {
+          return "--vocab " + std::to_string(a.vocab) + " disagrees with --init-from-hf's " +
+                 "vocabulary of " + std::to_string(c.vocab);
+        }
         a.layers = c.layers, a.heads = c.heads, a.dim = c.dim, a.vocab = c.vocab;
         a.positions = c.context;
       } catch (const std::exception& e) {
         return std::string("--init-from-hf: ") + e.what();
       }
+    } else if (app.count("--vocab") == 0) {
+      a.vocab = default_vocab(a.data);
     }
     for (const std::string& why : {unavailable(a), bad_shape(a)}) {
       if (!why.empty()) return why;
@@ -642,5 +684,6 @@ int main(int argc, char** argv) {
     return "";
   });
   if (status) return *status;
+  ember::cuda::set_matmul_allow_tf32(a.allow_tf32);
   return train_and_report<Trainer>("gpt", a);
 }

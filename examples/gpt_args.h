@@ -19,6 +19,12 @@ namespace ember::examples::gpt {
 
 namespace pipelining = ember::dist::pipelining;
 
+/// --data's name for uniformly random tokens (nn::data::prepare_synthetic_token_file).
+inline constexpr const char* kSyntheticData = "synthetic";
+/// GPT-2's vocabulary of 50257 padded to a multiple of 128 (llm.c's padded_vocab_size): --vocab's
+/// default for llm.c's token files, which hold GPT-2 tokens.
+inline constexpr int64_t kGpt2PaddedVocab = 50304;
+
 struct Args {
   std::string data = nn::data::kKjvBible;
   std::string cache_dir;  // empty: $XDG_CACHE_HOME/ember, else ~/.cache/ember
@@ -26,7 +32,7 @@ struct Args {
   int64_t heads = 4;
   int64_t dim = 128;
   int64_t context = 128;
-  int64_t vocab = kByteVocab;  // the model's; --init-from-hf takes its config's
+  int64_t vocab = kByteVocab;  // the model's; --init-from-hf takes its config's, else default_vocab
   int64_t positions = 0;       // the model's longest sequence (0: --context)
   int64_t batch_size = 16;
   int64_t steps = 1000;
@@ -47,6 +53,9 @@ struct Args {
   int64_t pp = 1;              // pipeline stages' ranks; each rank runs its stages of the model
   int64_t microbatches = 4;    // --pp: micro-batches per step
   std::string schedule = "1f1b";  // --pp: gpipe, 1f1b, interleaved-1f1b or zero-bubble
+  int64_t warmup_steps = 0;       // this run's first steps, left out of tokens_per_s
+  double peak_tflops = 0;         // one rank's dense peak in the precision trained (0: unknown)
+  bool allow_tf32 = false;        // float32 matmuls on CUDA may use TF32 tensor cores
   int64_t eval_every = 100;  // 0: only at the end
   int64_t eval_batches = 8;
   int64_t log_every = 0;     // 0: twenty progress lines per run
@@ -67,6 +76,16 @@ struct Args {
   int64_t hang_at_step = -1;  // testing aid: SIGSTOP rank 1 at this step, first run only
   int64_t fail_at_step = -1;  // testing aid: SIGKILL rank 1 at this step, first run only
 };
+
+// Whether --data names tokens in llm.c's format (GPT-2 tokens), not bytes.
+inline bool llmc_data(const std::string& data) {
+  return data == kSyntheticData || nn::data::is_llmc_token_file(data);
+}
+
+// --vocab's default: GPT-2's padded vocabulary for llm.c's token files, else one per byte.
+inline int64_t default_vocab(const std::string& data) {
+  return llmc_data(data) ? kGpt2PaddedVocab : kByteVocab;
+}
 
 // float16 autocast is CUDA's (on the CPU PyTorch disables it and Ember's guard refuses it).
 inline std::string unavailable(const Args& a) {
@@ -94,6 +113,12 @@ inline std::string unavailable(const Args& a) {
     return "--pp takes neither --save-weights, --export-hf nor --sample yet: write a checkpoint "
            "(--checkpoint-dir) and continue or sample from it without --pp "
            "(docs/pipeline_parallel.md)";
+  }
+  if (a.sample > 0 && llmc_data(a.data)) {
+    // The prompt goes in as bytes and the sample comes out as bytes: there is no GPT-2
+    // tokenizer here.
+    return "--sample writes bytes, so it needs byte-level data (got --data " + a.data +
+           ", llm.c's tokens)";
   }
   if (a.zero_overlap && a.shard != "zero") {
     return "--zero-overlap needs --shard zero (got --shard " + a.shard + ")";
@@ -130,6 +155,10 @@ inline std::string bad_shape(const Args& a) {
              std::to_string(a.microbatches);
     }
   }
+  if (a.warmup_steps >= a.steps) {
+    return "--warmup-steps " + std::to_string(a.warmup_steps) + " must be below --steps " +
+           std::to_string(a.steps) + " (the steps left are the ones timed)";
+  }
   if (a.resume && a.checkpoint_dir.empty()) return "--resume needs --checkpoint-dir";
   if ((a.checkpoint_every > 0 || a.async_checkpoint) && a.checkpoint_dir.empty()) {
     return "--checkpoint-every and --async-checkpoint need --checkpoint-dir";
@@ -144,7 +173,11 @@ inline std::string bad_shape(const Args& a) {
 inline void add_options(CLI::App& app, Args& a) {
   // A flag given twice takes its last value (a script's defaults, then the user's overrides).
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  app.add_option("--data", a.data, "prose to train on: a text file, or bible-kjv-text's KJV")
+  app.add_option("--data", a.data,
+                 "what to train on: prose (a text file, or bible-kjv-text's KJV), a token file in "
+                 "llm.c's format (uint16 GPT-2 tokens, used as it is), or 'synthetic': uniformly "
+                 "random tokens from --seed, made once in --cache-dir (llm.c's format; the banner "
+                 "names the file), for speed runs")
       ->capture_default_str();
   app.add_option("--cache-dir", a.cache_dir,
                  "where the token file goes (default $XDG_CACHE_HOME/ember or ~/.cache/ember)");
@@ -152,6 +185,11 @@ inline void add_options(CLI::App& app, Args& a) {
   app.add_option("--heads", a.heads, "attention heads")->check(kPositive)->capture_default_str();
   app.add_option("--dim", a.dim, "model width")->check(kPositive)->capture_default_str();
   app.add_option("--context", a.context, "tokens per sequence")->check(kPositive)->capture_default_str();
+  app.add_option("--vocab", a.vocab,
+                 "the model's vocabulary; every token must be below it (default: 50304, GPT-2's "
+                 "padded to a multiple of 128, for llm.c's token files and synthetic; else 256, "
+                 "bytes; --init-from-hf: its config's)")
+      ->check(kPositive);
   app.add_option("--batch-size", a.batch_size, "sequences per rank per step")
       ->check(kPositive)->capture_default_str();
   app.add_option("--steps", a.steps, "optimizer steps")->check(kPositive)->capture_default_str();
@@ -203,6 +241,20 @@ inline void add_options(CLI::App& app, Args& a) {
   app.add_flag("--zero-overlap", a.zero_overlap,
                "with --shard zero: step each bucket's partition inside DDP's communication hook, "
                "overlapping the optimizer with backward (torch's overlap_with_ddp; needs --grad-clip 0)");
+  app.add_option("--warmup-steps", a.warmup_steps,
+                 "this run's first steps, left out of tokens_per_s and mfu (a GPU's first steps "
+                 "build kernels and plans)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  app.add_option("--peak-tflops", a.peak_tflops,
+                 "one rank's dense peak TFLOPS in the precision trained (--amp bf16/fp16, else "
+                 "float32), for the final mfu= line (e.g. H100/H200 SXM 989.4 bf16, 67 float32; "
+                 "A100 312, 19.5). Ember has no device-name API to look it up, so without it "
+                 "the run prints mfu=unknown")
+      ->check(kNonNegative);
+  app.add_flag("--allow-tf32", a.allow_tf32,
+               "let float32 matmuls on CUDA use TF32 tensor cores (PyTorch's "
+               "torch.backends.cuda.matmul.allow_tf32; off by default, as there)");
   app.add_option("--eval-every", a.eval_every, "steps between validations (0: only at the end)")
       ->check(kNonNegative)->capture_default_str();
   app.add_option("--eval-batches", a.eval_batches, "validation batches per rank")

@@ -35,6 +35,24 @@ struct GPTConfig {
   bool checkpoint_activations = false;
 };
 
+/// The parameters of GPT(c), each counted once (the LM head is the token embedding's weight),
+/// as a closed form of the shape: it holds for a model laid out on many ranks (tensor-parallel,
+/// sharded or pipelined), whose own parameters are only its parts. A block has 12 d^2 + 13 d:
+/// qkv 3d^2 + 3d, proj d^2 + d, fc 4d^2 + 4d, fc_proj 4d^2 + d and two LayerNorms of 2d.
+inline int64_t parameter_count(const GPTConfig& c) {
+  const int64_t d = c.dim;
+  return c.vocab * d + c.context * d + c.layers * (12 * d * d + 13 * d) + 2 * d;
+}
+
+/// Training FLOPs per token of a sequence of `sequence` tokens, as PaLM (appendix B) and llm.c
+/// count them: 6N for the forward and backward matmuls of N parameters, plus 12 L d T for the
+/// attention scores and their weighted sum (L layers, width d, sequence T), the causal mask's
+/// skipped half not subtracted. Recomputation (activation checkpointing) is not counted: MFU
+/// measures the model's FLOPs, not the hardware's.
+inline int64_t flops_per_token(const GPTConfig& c, int64_t sequence) {
+  return 6 * parameter_count(c) + 12 * c.layers * c.dim * sequence;
+}
+
 /// A pre-LayerNorm decoder block: x + attn(ln1(x)), then x + mlp(ln2(x)). The query, key and
 /// value projections are one Linear (fused qkv), as in GPT-2; attention is causal, through
 /// scaled_dot_product_attention; the MLP is 4x wide with tanh-GELU. Default (PyTorch) init: the

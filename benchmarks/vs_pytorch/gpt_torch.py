@@ -7,7 +7,11 @@ schedule and clipping, for benchmarks/vs_pytorch/run_gpt.py to run beside Ember'
   attention, 4x GELU(tanh) MLP), final LayerNorm, LM head tied to the token embedding; biases on;
   init N(0, 0.02), residual projections N(0, 0.02/sqrt(2*layers)), LayerNorms ones/zeros.
 - Data: the token file Ember writes (examples/gpt --cache-dir DIR leaves DIR/<name>.tokens, one
-  uint8 per byte), windows drawn exactly as nn/data/token_stream.h describes: the training
+  uint8 per byte), or a file in llm.c's format (a header of 256 int32: 20240520, 1, the token
+  count; then uint16 tokens), told apart by that magic as Ember does: GPT-2 shards, or the one
+  examples/gpt --data synthetic names in its banner. --vocab defaults as examples/gpt's: 50304
+  (GPT-2's 50257 padded to a multiple of 128) for llm.c's files, else 256. Windows are drawn
+  exactly as nn/data/token_stream.h describes: the training
   starts through torch.utils.data.DistributedSampler(seed, drop_last=True) with set_epoch, the
   validation windows spread evenly over the last 10%. Both frameworks see the same batches.
 - AdamW betas (0.9, 0.95), weight decay 0.1 on 2-D weights only, 50 warm-up steps then cosine to
@@ -25,8 +29,10 @@ schedule and clipping, for benchmarks/vs_pytorch/run_gpt.py to run beside Ember'
     /usr/bin/python3 gpt_torch.py --tokens ~/.cache/ember/bible.data.tokens --nproc 2 --steps 200
 
 Rank 0 prints val_loss=X, tokens_per_s=N (training tokens over all ranks per second of training
-steps, evaluation excluded) and peak_rss_mb=N (the largest ru_maxrss over the ranks) on their own
-lines, as examples/gpt does.
+steps, evaluation excluded), flops_per_token=N (6N + 12 L d T, N the parameters with the tied
+head once, as PaLM and llm.c count), mfu=X (tokens_per_s x flops_per_token over --peak-tflops,
+or the GPU's dense peak by its name, times the ranks; unknown when neither gives a peak) and
+peak_rss_mb=N (the largest ru_maxrss over the ranks) on their own lines, as examples/gpt does.
 """
 import argparse
 import math
@@ -45,8 +51,68 @@ from torch.utils.data import DistributedSampler
 
 import torch_launch
 
-VOCAB = 256
+BYTE_VOCAB = 256
+GPT2_PADDED_VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 128, as llm.c's
+LLMC_MAGIC, LLMC_VERSION, LLMC_HEADER_INTS = 20240520, 1, 256
 WARMUP = 50
+
+# Dense peak TFLOPS by (a part of) torch.cuda.get_device_name and precision (bf16/fp16 autocast
+# vs float32 without TF32, PyTorch's default for matmuls), as examples/gpt's docs state them.
+# SXM parts: the PCIe and NVL H100s have lower peaks and are left to --peak-tflops.
+PEAK_TFLOPS = [("H100", {"low": 989.4, "fp32": 67.0}), ("H200", {"low": 989.4, "fp32": 67.0}),
+               ("A100", {"low": 312.0, "fp32": 19.5})]
+
+
+def is_llmc(path):
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return len(head) == 4 and int.from_bytes(head, "little") == LLMC_MAGIC
+
+
+def read_tokens(path):
+    """The tokens of a byte file or an llm.c file, memory-mapped (TokenFile's checks)."""
+    if not is_llmc(path):
+        return np.memmap(path, dtype=np.uint8, mode="r")
+    size = os.path.getsize(path)
+    header_bytes = LLMC_HEADER_INTS * 4
+    what = f"gpt_torch.py: '{path}' begins with llm.c's magic ({LLMC_MAGIC}) but"
+    if size < header_bytes:
+        sys.exit(f"{what} is {size} bytes long: expected a header of {header_bytes} bytes")
+    header = np.fromfile(path, dtype="<i4", count=LLMC_HEADER_INTS)
+    if header[1] != LLMC_VERSION:
+        sys.exit(f"{what} its version is {header[1]}: expected {LLMC_VERSION} (uint16 tokens)")
+    n = int(header[2])
+    if size == header_bytes:
+        sys.exit(f"{what} holds no tokens: expected a header of {header_bytes} bytes and then the "
+                 f"tokens, got the header alone (its count is {n})")
+    if n <= 0 or size != header_bytes + 2 * n:
+        sys.exit(f"{what} its header's count of {n} tokens disagrees with its size: expected "
+                 f"{header_bytes + 2 * n} bytes, got {size}")
+    return np.memmap(path, dtype="<u2", mode="r", offset=header_bytes, shape=(n,))
+
+
+def peak_tflops(a):
+    """--peak-tflops, else the table's entry for this GPU and precision; None when unknown."""
+    if a.peak_tflops > 0:
+        return a.peak_tflops
+    if not a.device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(torch.device(a.device))
+    if "PCIe" in name or "NVL" in name:
+        return None
+    for part, peaks in PEAK_TFLOPS:
+        if part in name:
+            return peaks["fp32" if a.amp == "off" else "low"]
+    return None
+
+
+def print_flops(a, n_params, tokens_per_s, world):
+    """flops_per_token= and mfu= (examples/gpt's lines)."""
+    flops = 6 * n_params + 12 * a.layers * a.dim * a.context
+    print(f"flops_per_token={flops}")
+    peak = peak_tflops(a)
+    print(f"mfu={tokens_per_s * flops / (peak * 1e12 * world):.4f}" if peak else "mfu=unknown",
+          flush=True)
 
 
 class Block(nn.Module):
@@ -85,13 +151,13 @@ class GPT(nn.Module):
     def __init__(self, a):
         super().__init__()
         self.checkpoint = a.checkpoint_activations
-        self.wte = nn.Embedding(VOCAB, a.dim)
+        self.wte = nn.Embedding(a.vocab, a.dim)
         self.wpe = nn.Embedding(a.context, a.dim)
         self.drop = nn.Dropout(a.dropout)
         self.blocks = nn.ModuleList(Block(a.dim, a.heads, a.context, a.dropout, a.attention == "fused")
                                     for _ in range(a.layers))
         self.ln_f = nn.LayerNorm(a.dim)
-        self.head = nn.Linear(a.dim, VOCAB, bias=False)
+        self.head = nn.Linear(a.dim, a.vocab, bias=False)
         self.head.weight = self.wte.weight  # tied: one Parameter
         with torch.no_grad():
             for name, p in self.named_parameters():
@@ -135,7 +201,7 @@ class Windows:
             return self.n
 
     def __init__(self, path, context, batch, world, rank, seed, validation_fraction=0.1):
-        self.tok = np.memmap(path, dtype=np.uint8, mode="r")
+        self.tok = read_tokens(path)
         n = len(self.tok)
         self.n_val = int(n * validation_fraction)
         self.n_train = n - self.n_val
@@ -178,7 +244,7 @@ def evaluate(model, data, a, world):
         for i in range(a.eval_batches):
             x, y = data.batch_at(data.validation_offsets(i, a.eval_batches))
             x, y = x.to(a.device), y.to(a.device)
-            total += F.cross_entropy(model(x).float().view(-1, VOCAB), y.view(-1)).item()
+            total += F.cross_entropy(model(x).float().view(-1, a.vocab), y.view(-1)).item()
     model.train()
     t = torch.tensor([total], dtype=torch.float64, device=a.device)
     if world > 1:
@@ -229,7 +295,10 @@ def worker_pp(rank, world, a):
     parts = [Stage(gpt, range(s * per, (s + 1) * per), s == 0, s == S - 1) for s in mine]
     dev = torch.device(a.device)
     stages = [pl.PipelineStage(m, s, S, dev) for m, s in zip(parts, mine)]
-    loss_fn = lambda out, y: F.cross_entropy(out.float().view(-1, VOCAB), y.view(-1))  # noqa: E731
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out.float().view(-1, a.vocab), y.view(-1))
+
     sched = cls(stages if per_rank > 1 else stages[0], a.microbatches, loss_fn=loss_fn)
     params = list({id(p): p for m in parts for p in m.parameters()}.values())
     tied = gpt.wte.weight
@@ -276,13 +345,16 @@ def worker_pp(rank, world, a):
         dist.broadcast(loss, src=(S - 1) % world)
         train_s += time.perf_counter() - t0
     if rank == 0:
+        tps = a.steps * a.batch_size * a.context / train_s
         print(f"loss={loss.item():.4f}")
-        print(f"tokens_per_s={a.steps * a.batch_size * a.context / train_s:.0f}", flush=True)
+        print(f"tokens_per_s={tps:.0f}", flush=True)
+        print_flops(a, n_params, tps, world)
 
 
 def worker(rank, world, a):
     if a.pp > 1:
         return worker_pp(rank, world, a)
+    torch.backends.cuda.matmul.allow_tf32 = a.allow_tf32
     torch.manual_seed(a.seed)
     model = GPT(a).to(a.device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -330,7 +402,7 @@ def worker(rank, world, a):
         x, y = x.to(a.device), y.to(a.device)
         opt.zero_grad(set_to_none=True)
         with amp_context(a):
-            loss = F.cross_entropy(net(x).float().view(-1, VOCAB), y.view(-1))
+            loss = F.cross_entropy(net(x).float().view(-1, a.vocab), y.view(-1))
         scaler.scale(loss).backward()
         if a.grad_clip > 0:
             scaler.unscale_(opt)
@@ -358,8 +430,10 @@ def worker(rank, world, a):
     if world > 1:
         dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if lead:
+        tps = timed_steps * a.batch_size * a.context * world / train_s
         print(f"val_loss={val:.4f}")
-        print(f"tokens_per_s={timed_steps * a.batch_size * a.context * world / train_s:.0f}")
+        print(f"tokens_per_s={tps:.0f}")
+        print_flops(a, n_params, tps, world)
         print(f"peak_rss_mb={rss.item():.0f}", flush=True)
         if a.device.startswith("cuda"):
             print(f"peak_allocated_mb={torch.cuda.max_memory_allocated() / 2**20:.1f}", flush=True)
@@ -367,7 +441,14 @@ def worker(rank, world, a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", required=True, help="the token file examples/gpt wrote")
+    p.add_argument("--tokens", required=True,
+                   help="the token file examples/gpt wrote or named, or any in llm.c's format")
+    p.add_argument("--vocab", type=int, default=0,
+                   help="the model's vocabulary (default: 50304 for llm.c's token files, else 256)")
+    p.add_argument("--peak-tflops", type=float, default=0.0,
+                   help="one GPU's dense peak TFLOPS in the precision trained, for mfu= (default: "
+                        "by torch.cuda.get_device_name: H100/H200 SXM 989.4 bf16/fp16, 67 "
+                        "float32; A100 312, 19.5; else mfu=unknown)")
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -389,6 +470,8 @@ def main():
                         "FSDP2's fully_shard on every block and the root (PyTorch 2.6 or later; "
                         "torch 1.13's FSDP does not import under this Python)")
     p.add_argument("--compile", action="store_true", help="torch.compile the (wrapped) model")
+    p.add_argument("--allow-tf32", action="store_true",
+                   help="torch.backends.cuda.matmul.allow_tf32 = True (float32 matmuls on TF32)")
     p.add_argument("--warmup-steps", type=int, default=0,
                    help="first steps left out of tokens_per_s (compilation)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages' ranks (every rank)")
@@ -402,6 +485,12 @@ def main():
     a = p.parse_args()
     if not os.path.exists(a.tokens):
         sys.exit(f"gpt_torch.py: no token file at {a.tokens} (run examples/gpt once with --cache-dir)")
+    if a.vocab <= 0:
+        a.vocab = GPT2_PADDED_VOCAB if is_llmc(a.tokens) else BYTE_VOCAB
+    largest = int(read_tokens(a.tokens).max())
+    if largest >= a.vocab:
+        sys.exit(f"gpt_torch.py: '{a.tokens}' holds token {largest}, which a vocabulary of "
+                 f"{a.vocab} cannot embed: expected every token < {a.vocab} (--vocab)")
     if not 0 <= a.warmup_steps < a.steps:
         sys.exit(f"gpt_torch.py: --warmup-steps {a.warmup_steps} must be below --steps {a.steps}")
     if a.pp > 1 and a.pp != a.nproc:

@@ -7,11 +7,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <random>
 #include <sstream>
 #include <utility>
 
@@ -123,6 +126,8 @@ std::string read_key(const std::string& key_file) {
 std::string prepare_token_file(const std::string& source, const std::string& cache_dir) {
   std::error_code ec;
   EMBER_CHECK(fs::is_regular_file(source, ec), kOp, " no text file at '", source, "'");
+  // Already tokens: a copy would only double the disk a large shard takes.
+  if (is_llmc_token_file(source)) return source;
   fs::create_directories(cache_dir, ec);
   EMBER_CHECK(!ec, kOp, " cannot create the cache directory '", cache_dir, "': ", ec.message());
   const std::string out = (fs::path(cache_dir) / fs::path(source).filename()).string() + ".tokens";
@@ -136,6 +141,89 @@ std::string prepare_token_file(const std::string& source, const std::string& cac
   // Byte-level tokens: token t is the byte t, so the prose's bytes are the token file.
   write_file_atomic(out, read_prose(source));
   write_file_atomic(key_file, key);
+  return out;
+}
+
+bool is_llmc_token_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  unsigned char magic[4] = {};
+  in.read(reinterpret_cast<char*>(magic), sizeof magic);
+  const uint32_t m = magic[0] | (magic[1] << 8) | (magic[2] << 16) | (uint32_t{magic[3]} << 24);
+  return in.gcount() == 4 && m == static_cast<uint32_t>(kLlmcMagic);
+}
+
+namespace {
+
+void put_le32(unsigned char* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+
+uint32_t get_le32(const uint8_t* p) {
+  return p[0] | (p[1] << 8) | (p[2] << 16) | (uint32_t{p[3]} << 24);
+}
+
+
+}  // namespace
+
+void write_llmc_token_file(const std::string& path, int64_t count,
+                           const std::function<int64_t(int64_t i)>& token) {
+  EMBER_CHECK(count >= 1 && count <= std::numeric_limits<int32_t>::max(), kOp,
+              " an llm.c token file holds 1 to 2^31 - 1 tokens (its header's int32), got ", count,
+              " for '", path, "'");
+  write_file_atomic(path, [&](const ByteSink& sink) {
+    std::array<unsigned char, kLlmcHeaderBytes> header{};
+    put_le32(header.data(), static_cast<uint32_t>(kLlmcMagic));
+    put_le32(header.data() + 4, static_cast<uint32_t>(kLlmcVersion));
+    put_le32(header.data() + 8, static_cast<uint32_t>(count));
+    sink(header.data(), header.size());
+    std::vector<unsigned char> buf;
+    constexpr int64_t kChunk = 1 << 16;  // tokens per write
+    buf.reserve(2 * kChunk);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t t = token(i);
+      EMBER_CHECK(t >= 0 && t <= 65535, kOp, " token ", i, " for '", path, "' is ", t,
+                  ": expected a uint16 (0 to 65535)");
+      buf.push_back(static_cast<unsigned char>(t & 0xff));
+      buf.push_back(static_cast<unsigned char>(t >> 8));
+      if (static_cast<int64_t>(buf.size()) == 2 * kChunk) {
+        sink(buf.data(), buf.size());
+        buf.clear();
+      }
+    }
+    if (!buf.empty()) sink(buf.data(), buf.size());
+  });
+}
+
+void write_llmc_token_file(const std::string& path, const std::vector<uint16_t>& tokens) {
+  write_llmc_token_file(path, static_cast<int64_t>(tokens.size()),
+                        [&](int64_t i) { return int64_t{tokens[static_cast<size_t>(i)]}; });
+}
+
+std::string prepare_synthetic_token_file(const std::string& cache_dir, int64_t vocab, int64_t count,
+                                         uint64_t seed) {
+  EMBER_CHECK(vocab >= 1 && vocab <= 65536, kOp,
+              " synthetic tokens are uint16: expected a vocabulary of 1 to 65536, got ", vocab);
+  EMBER_CHECK(count >= 1, kOp, " expected at least 1 synthetic token, got ", count);
+  std::error_code ec;
+  fs::create_directories(cache_dir, ec);
+  EMBER_CHECK(!ec, kOp, " cannot create the cache directory '", cache_dir, "': ", ec.message());
+  const std::string out =
+      (fs::path(cache_dir) /
+       ::ember::detail::str_cat("synthetic-v", vocab, "-n", count, "-s", seed, ".bin"))
+          .string();
+  // Written atomically, so a file of the right size is a complete one.
+  std::error_code e1;
+  const auto bytes = static_cast<int64_t>(fs::file_size(out, e1));
+  if (!e1 && bytes == kLlmcHeaderBytes + 2 * count) return out;
+  // std::mt19937_64's sequence is fixed by the standard (its distributions are not), so a
+  // seed names the same tokens on every machine.
+  std::mt19937_64 gen(seed);
+  const auto v = static_cast<unsigned __int128>(vocab);
+  write_llmc_token_file(out, count, [&](int64_t) {
+    // Lemire's multiply-shift: a 64-bit draw scaled into [0, vocab); the bias (vocab / 2^64)
+    // is far below anything a run could notice.
+    return static_cast<int64_t>((static_cast<unsigned __int128>(gen()) * v) >> 64);
+  });
   return out;
 }
 
@@ -153,27 +241,68 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
   const int err = errno;
   ::close(fd);  // the mapping keeps the file alive
   EMBER_CHECK(p != MAP_FAILED, kOp, " cannot map '", path, "': ", std::strerror(err));
-  data_ = static_cast<const uint8_t*>(p);
-  size_ = st.st_size;
+  map_ = data_ = static_cast<const uint8_t*>(p);
+  map_bytes_ = size_ = st.st_size;
+  if (size_ < 4 || get_le32(map_) != static_cast<uint32_t>(kLlmcMagic)) return;  // byte tokens
+  // llm.c's format. On an error the destructor does not run: unmap first.
+  auto fail_unless = [&](bool ok, auto&&... why) {
+    if (ok) return;
+    ::munmap(const_cast<uint8_t*>(map_), static_cast<size_t>(map_bytes_));
+    map_ = data_ = nullptr;
+    EMBER_CHECK(false, kOp, " '", path, "' begins with llm.c's magic (", kLlmcMagic, ") but ",
+                why...);
+  };
+  fail_unless(map_bytes_ >= kLlmcHeaderBytes, "is ", map_bytes_,
+              " bytes long: expected a header of ", kLlmcHeaderBytes, " bytes");
+  const uint32_t version = get_le32(map_ + 4);
+  fail_unless(version == static_cast<uint32_t>(kLlmcVersion), "its version is ", version,
+              ": expected ", kLlmcVersion, " (uint16 tokens)");
+  const auto count = static_cast<int64_t>(static_cast<int32_t>(get_le32(map_ + 8)));
+  fail_unless(map_bytes_ != kLlmcHeaderBytes, "holds no tokens: expected a header of ",
+              kLlmcHeaderBytes, " bytes and then the tokens, got the header alone (its count is ",
+              count, ")");
+  fail_unless(count > 0 && map_bytes_ == kLlmcHeaderBytes + 2 * count, "its header's count of ",
+              count, " tokens disagrees with its size: expected ", kLlmcHeaderBytes, " + 2 x ",
+              count, " = ", kLlmcHeaderBytes + 2 * count, " bytes, got ", map_bytes_, " (",
+              (map_bytes_ - kLlmcHeaderBytes) / 2, " tokens after the header)");
+  data_ = map_ + kLlmcHeaderBytes;
+  size_ = count;
+  token_bytes_ = 2;
 }
 
 TokenFile::~TokenFile() {
-  if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), static_cast<size_t>(size_));
+  if (map_ != nullptr) ::munmap(const_cast<uint8_t*>(map_), static_cast<size_t>(map_bytes_));
 }
 
 TokenFile::TokenFile(TokenFile&& other) noexcept
     : path_(std::move(other.path_)),
+      map_(std::exchange(other.map_, nullptr)),
+      map_bytes_(std::exchange(other.map_bytes_, 0)),
       data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0)) {}
+      size_(std::exchange(other.size_, 0)),
+      token_bytes_(std::exchange(other.token_bytes_, 1)) {}
 
 TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
   if (this != &other) {
-    if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), static_cast<size_t>(size_));
+    if (map_ != nullptr) ::munmap(const_cast<uint8_t*>(map_), static_cast<size_t>(map_bytes_));
     path_ = std::move(other.path_);
+    map_ = std::exchange(other.map_, nullptr);
+    map_bytes_ = std::exchange(other.map_bytes_, 0);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
+    token_bytes_ = std::exchange(other.token_bytes_, 1);
   }
   return *this;
+}
+
+int64_t TokenFile::max_token() const {
+  int64_t m = 0;
+  if (token_bytes_ == 1) {
+    for (int64_t i = 0; i < size_; ++i) m = std::max<int64_t>(m, data_[i]);
+  } else {
+    for (int64_t i = 0; i < size_; ++i) m = std::max(m, token(i));
+  }
+  return m;
 }
 
 namespace {
@@ -206,11 +335,24 @@ int64_t train_split(const TokenFile& tokens, const TokenStreamOptions& o) {
   return n_train;
 }
 
+// Once per stream: an embedding lookup of a token past the vocabulary would read out of bounds.
+const TokenStreamOptions& vocab_checked(const std::shared_ptr<const TokenFile>& tokens,
+                                        const TokenStreamOptions& o) {
+  checked(tokens, o);
+  if (o.vocab > 0) {
+    const int64_t largest = tokens->max_token();
+    EMBER_CHECK(largest < o.vocab, kOp, " '", tokens->path(), "' holds token ", largest,
+                ", which a vocabulary of ", o.vocab, " cannot embed: expected every token < ",
+                o.vocab, " (the model's vocabulary), got a largest token of ", largest);
+  }
+  return o;
+}
+
 }  // namespace
 
 TokenStream::TokenStream(std::shared_ptr<const TokenFile> tokens, const TokenStreamOptions& options)
     : tokens_(std::move(tokens)),
-      options_(checked(tokens_, options)),
+      options_(vocab_checked(tokens_, options)),
       train_tokens_(train_split(*tokens_, options_)),
       sampler_(train_tokens_ - options_.context, options_.world_size, options_.rank,
                /*shuffle=*/true, options_.seed, /*drop_last=*/true),
@@ -253,15 +395,15 @@ Batch TokenStream::batch_at(const std::vector<int64_t>& offsets) const {
   Tensor x = empty({B, T}, kInt64), y = empty({B, T}, kInt64);
   int64_t* xs = x.data<int64_t>();
   int64_t* ys = y.data<int64_t>();
-  const uint8_t* tok = tokens_->data();
+  const TokenFile& tok = *tokens_;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t o = offsets[static_cast<size_t>(b)];
     EMBER_CHECK(o >= 0 && o + T + 1 <= tokens_->size(), kOp, " window at offset ", o, " of ",
                 T + 1, " tokens runs past the end of '", tokens_->path(), "' (", tokens_->size(),
                 " tokens)");
     for (int64_t t = 0; t < T; ++t) {
-      xs[b * T + t] = tok[o + t];
-      ys[b * T + t] = tok[o + t + 1];
+      xs[b * T + t] = tok.token(o + t);
+      ys[b * T + t] = tok.token(o + t + 1);
     }
   }
   return {x, y};

@@ -76,6 +76,24 @@ TEST(GptModel, ForwardGivesLogitsPerPositionAndTheHeadIsTied) {
   EXPECT_EQ(n, kTiny.vocab * d + kTiny.context * d + kTiny.layers * block + 2 * d);
 }
 
+// parameter_count is the model's own count (the tied head once) for any shape, and at GPT-2
+// 124M's shape with llm.c's padded vocabulary it is llm.c's 124,475,904; flops_per_token is
+// 6N + 12 L d T.
+TEST(GptModel, ParameterCountAndFlopsPerTokenAreTheClosedForms) {
+  for (const GPTConfig& c :
+       {kTiny, GPTConfig{.vocab = 300, .layers = 3, .heads = 4, .dim = 12, .context = 7}}) {
+    GPT model(c);
+    int64_t n = 0;
+    for (const ember::Tensor& p : model.parameters()) n += p.numel();
+    EXPECT_EQ(ember::examples::parameter_count(c), n) << c.vocab << " " << c.layers;
+    EXPECT_EQ(ember::examples::flops_per_token(c, 5), 6 * n + 12 * c.layers * c.dim * 5);
+  }
+  const GPTConfig gpt2{.vocab = 50304, .layers = 12, .heads = 12, .dim = 768, .context = 1024};
+  EXPECT_EQ(ember::examples::parameter_count(gpt2), 124475904);
+  EXPECT_EQ(ember::examples::flops_per_token(gpt2, 1024),
+            6 * int64_t{124475904} + 12 * 12 * 768 * 1024);
+}
+
 TEST(GptModel, DimNotAMultipleOfHeadsIsRefused) {
   GPTConfig c = kTiny;
   c.heads = 3;

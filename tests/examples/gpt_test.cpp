@@ -9,6 +9,7 @@
 #include <fstream>
 #include <regex>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -442,6 +443,12 @@ TEST_F(Gpt, ExportsToAndStartsFromHuggingFaceLayout) {
       << started.output;
   EXPECT_NEAR(value_of(started.output, "val_loss"), value_of(exported.output, "val_loss"), 1e-4)
       << "started from the export:\n" << started.output << "\nexported:\n" << exported.output;
+  Result other_vocab = run(tiny() + " --vocab 300 --init-from-hf " + hf);
+  EXPECT_EQ(other_vocab.status, 2) << other_vocab.output;
+  EXPECT_NE(other_vocab.output.find("gpt: --vocab 300 disagrees with --init-from-hf's vocabulary "
+                                    "of 256"),
+            std::string::npos)
+      << other_vocab.output;
   Result missing = run(tiny() + " --init-from-hf " + tmp.file("nowhere"));
   EXPECT_EQ(missing.status, 2) << missing.output;
   EXPECT_NE(missing.output.find("gpt: --init-from-hf: cannot read " + tmp.path() +
@@ -565,6 +572,82 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
     Result r = run(tiny() + " " + c.flags, 60);
     EXPECT_EQ(r.status, c.status) << c.flags << "\n" << r.output;
     EXPECT_NE(r.output.find(c.message), std::string::npos) << c.flags << "\n" << r.output;
+  }
+}
+
+// ---- llm.c's token files, synthetic tokens, MFU (no KJV needed) ----
+
+// The tiny model on `data` in a cache of its own, alone and on one thread.
+std::string tiny_on(const ember::test::TempDir& tmp, const std::string& data) {
+  return "env EMBER_NUM_THREADS=1 " + example() + " --data " + data +
+         " --layers 1 --dim 32 --context 32 --batch-size 4 --steps 4 --eval-batches 1" +
+         " --cache-dir " + tmp.path() + "/cache";
+}
+
+// --data synthetic makes an llm.c file of random tokens in the cache, names it in the banner and
+// takes GPT-2's padded vocabulary; the end prints flops_per_token = 6N + 12 L d T (N the
+// parameters the banner counts, the head tied) and mfu = tokens_per_s x flops_per_token / peak.
+TEST(GptData, SyntheticTokensPrintFlopsPerTokenAndMfu) {
+  if (!fs::exists(example())) GTEST_SKIP() << "no " << example();
+  ember::test::TempDir tmp{"gpt_synthetic_test"};
+  Result r = run(tiny_on(tmp, "synthetic") + " --warmup-steps 1 --peak-tflops 0.001", 120);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string file = tmp.path() + "/cache/synthetic-v50304-n4194304-s0.bin";
+  EXPECT_NE(r.output.find("; data synthetic " + file + ": "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(" validation tokens, vocab 50304\n"), std::string::npos) << r.output;
+  EXPECT_TRUE(ember::nn::data::is_llmc_token_file(file));
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex("device cpu, ([0-9]+) parameters")))
+      << r.output;
+  const double params = std::stod(m[1]);
+  const double L = 1, d = 32, T = 32;
+  const double flops = value_of(r.output, "flops_per_token");
+  EXPECT_EQ(flops, 6 * params + 12 * L * d * T) << r.output;
+  const double tps = value_of(r.output, "tokens_per_s");
+  ASSERT_GT(tps, 0) << r.output;
+  // tokens_per_s is printed rounded to a token, mfu to 4 decimals.
+  const double want = tps * flops / (0.001e12 * 1);
+  EXPECT_NEAR(value_of(r.output, "mfu"), want, 6e-5 + want * 0.5 / tps) << r.output;
+  // Without a peak (Ember cannot name a device) the MFU is unknown; the file is reused.
+  const auto made = fs::last_write_time(file);
+  Result again = run(tiny_on(tmp, "synthetic"), 120);
+  ASSERT_EQ(again.status, 0) << again.output;
+  EXPECT_NE(again.output.find("\nmfu=unknown\n"), std::string::npos) << again.output;
+  EXPECT_EQ(fs::last_write_time(file), made);
+}
+
+// An llm.c token file trains as it is (GPT-2's padded vocabulary by default); a token the
+// vocabulary cannot embed is refused by name; --sample, which writes bytes, needs byte data.
+TEST(GptData, LlmcTokenFilesAndTheVocabularyCheck) {
+  if (!fs::exists(example())) GTEST_SKIP() << "no " << example();
+  ember::test::TempDir tmp{"gpt_llmc_test"};
+  std::vector<uint16_t> tokens(4000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>(i * 7 % 300);
+  const std::string shard = tmp.file("shard.bin");
+  ember::nn::data::write_llmc_token_file(shard, tokens);
+  Result r = run(tiny_on(tmp, shard), 120);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(
+      r.output.find("; data " + shard + ": 3600 training and 400 validation tokens, vocab 50304\n"),
+      std::string::npos)
+      << r.output;
+  EXPECT_FALSE(fs::exists(tmp.file("cache/shard.bin.tokens"))) << "no copy in the cache";
+  EXPECT_GT(value_of(r.output, "val_loss"), 0) << r.output;
+  Result small = run(tiny_on(tmp, shard) + " --vocab 256", 60);
+  EXPECT_EQ(small.status, 1) << small.output;
+  EXPECT_NE(
+      small.output.find("'" + shard + "' holds token 299, which a vocabulary of 256 cannot embed"),
+      std::string::npos)
+      << small.output;
+  struct Case {
+    std::string flags, message;
+  };
+  for (const Case& c :
+       {Case{" --sample 5", "gpt: --sample writes bytes, so it needs byte-level data"},
+        Case{" --warmup-steps 4", "gpt: --warmup-steps 4 must be below --steps 4"}}) {
+    Result bad = run(tiny_on(tmp, shard) + c.flags, 60);
+    EXPECT_EQ(bad.status, 2) << c.flags << "\n" << bad.output;
+    EXPECT_NE(bad.output.find(c.message), std::string::npos) << c.flags << "\n" << bad.output;
   }
 }
 

@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
-#include <filesystem>
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <set>
@@ -200,6 +202,158 @@ TEST(TokenStream, Errors) {
                {"rank in [0, 2)", "got rank 2"});
   TokenStream s(tokens, {.context = 4, .batch_size = 2});
   expect_error([&] { s.validation_offsets(3, 3); }, {"validation batch in [0, 3), got 3"});
+}
+
+// ---- llm.c's token files ----
+
+// llm.c's header: magic, version, count, then zeros to 256 int32, little-endian.
+std::string llmc_header(int32_t magic, int32_t version, int32_t count) {
+  std::string h(kLlmcHeaderBytes, '\0');
+  const int32_t fields[3] = {magic, version, count};
+  for (int f = 0; f < 3; ++f) {
+    for (int b = 0; b < 4; ++b) {
+      h[static_cast<size_t>(4 * f + b)] =
+          static_cast<char>(static_cast<uint32_t>(fields[f]) >> (8 * b));
+    }
+  }
+  return h;
+}
+
+// Tokens above 255 (both bytes of each matter): token i is (i * 257 + 3) mod 65536.
+std::vector<uint16_t> wide_tokens(int64_t n) {
+  std::vector<uint16_t> t(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) t[static_cast<size_t>(i)] = static_cast<uint16_t>(i * 257 + 3);
+  return t;
+}
+
+TEST(TokenStream, LlmcFilesReadBackTheirUint16Tokens) {
+  TempDir dir;
+  const std::vector<uint16_t> want = wide_tokens(3000);
+  const std::string path = dir.file("shard.bin");
+  write_llmc_token_file(path, want);
+  EXPECT_EQ(fs::file_size(path), static_cast<uintmax_t>(kLlmcHeaderBytes + 2 * 3000));
+  {  // the header is llm.c's, byte for byte
+    std::ifstream in(path, std::ios::binary);
+    std::string head(kLlmcHeaderBytes, '\0');
+    in.read(head.data(), kLlmcHeaderBytes);
+    EXPECT_EQ(head, llmc_header(20240520, 1, 3000));
+  }
+  EXPECT_TRUE(is_llmc_token_file(path));
+  const TokenFile f(path);
+  EXPECT_EQ(f.size(), 3000);
+  EXPECT_EQ(f.token_bytes(), 2);
+  for (int64_t i = 0; i < f.size(); ++i) {
+    ASSERT_EQ(f.token(i), want[static_cast<size_t>(i)]) << "token " << i;
+  }
+  EXPECT_EQ(f.max_token(), *std::max_element(want.begin(), want.end()));
+  // The stream's windows hold the wide tokens, shifted by one.
+  TokenStream s(std::make_shared<const TokenFile>(path), {.context = 8, .batch_size = 3});
+  const std::vector<int64_t> off = s.train_offsets(1);
+  const Batch b = s.train_batch(1);
+  const std::vector<int64_t> x = b.data.to_vector<int64_t>(), y = b.target.to_vector<int64_t>();
+  for (int64_t i = 0; i < 3; ++i) {
+    for (int64_t t = 0; t < 8; ++t) {
+      EXPECT_EQ(x[i * 8 + t], want[off[i] + t]) << "window " << i << " token " << t;
+      EXPECT_EQ(y[i * 8 + t], want[off[i] + t + 1]) << "window " << i << " token " << t;
+    }
+  }
+  // Already tokens: prepare_token_file hands the file back as it is and writes no cache.
+  EXPECT_EQ(prepare_token_file(path, dir.file("cache")), path);
+  EXPECT_FALSE(fs::exists(dir.file("cache")));
+  // A byte file is one byte per token, as before.
+  const TokenFile bytes(prepare_token_file(write_file(dir, "t.txt", "abc\n"), dir.file("c2")));
+  EXPECT_FALSE(is_llmc_token_file(dir.file("t.txt")));
+  EXPECT_EQ(bytes.token_bytes(), 1);
+  EXPECT_EQ(bytes.size(), 4);
+  EXPECT_EQ(bytes.token(0), 'a');
+  EXPECT_EQ(bytes.max_token(), 'c');
+}
+
+TEST(TokenStream, LlmcHeaderErrorsNameTheFileAndBothValues) {
+  TempDir dir;
+  const std::string two_tokens = std::string("\x01\x02\x03\x04", 4);
+  const std::string version = write_file(dir, "v2.bin", llmc_header(20240520, 2, 2) + two_tokens);
+  expect_error([&] { TokenFile f(version); },
+               {"v2.bin", "llm.c's magic", "its version is 2: expected 1"});
+  const std::string count = write_file(dir, "count.bin", llmc_header(20240520, 1, 5) + two_tokens);
+  expect_error([&] { TokenFile f(count); },
+               {"count.bin", "count of 5 tokens disagrees with its size",
+                "expected 1024 + 2 x 5 = 1034 bytes", "got 1028", "(2 tokens after the header)"});
+  const std::string odd =
+      write_file(dir, "odd.bin", llmc_header(20240520, 1, 2) + two_tokens + "x");
+  expect_error([&] { TokenFile f(odd); },
+               {"odd.bin", "expected 1024 + 2 x 2 = 1028 bytes, got 1029"});
+  const std::string header_only = write_file(dir, "header.bin", llmc_header(20240520, 1, 0));
+  expect_error([&] { TokenFile f(header_only); },
+               {"header.bin", "holds no tokens", "got the header alone (its count is 0)"});
+  const std::string cut = write_file(dir, "cut.bin", llmc_header(20240520, 1, 2).substr(0, 100));
+  expect_error([&] { TokenFile f(cut); },
+               {"cut.bin", "is 100 bytes long: expected a header of 1024 bytes"});
+  // Writing: tokens must fit in uint16, and a failed write leaves no file behind.
+  expect_error(
+      [&] { write_llmc_token_file(dir.file("big.bin"), 3, [](int64_t i) { return i * 40000; }); },
+      {"big.bin", "token 2", "is 80000: expected a uint16"});
+  EXPECT_FALSE(fs::exists(dir.file("big.bin")));
+  expect_error([&] { write_llmc_token_file(dir.file("none.bin"), std::vector<uint16_t>{}); },
+               {"none.bin", "got 0"});
+}
+
+TEST(TokenStream, TokensAtOrAboveTheVocabularyAreRefusedOnce) {
+  TempDir dir;
+  const std::string path = dir.file("shard.bin");
+  std::vector<uint16_t> tokens(600, 7);
+  tokens[321] = 50303;
+  write_llmc_token_file(path, tokens);
+  auto f = std::make_shared<const TokenFile>(path);
+  const TokenStreamOptions o{.context = 8, .batch_size = 2};
+  TokenStreamOptions small = o, fits = o, unchecked = o;
+  small.vocab = 50303;
+  fits.vocab = 50304;
+  expect_error(
+      [&] { TokenStream s(f, small); },
+      {"shard.bin", "holds token 50303", "vocabulary of 50303", "expected every token < 50303"});
+  EXPECT_NO_THROW(TokenStream(f, fits));
+  EXPECT_NO_THROW(TokenStream(f, unchecked));  // vocab 0: not checked
+  // Bytes against a smaller vocabulary too.
+  auto bytes = tokens_of(dir, 1000);  // 0 to 250
+  TokenStreamOptions b = o;
+  b.vocab = 200;
+  expect_error([&] { TokenStream s(bytes, b); }, {"text.txt.tokens", "holds token 250"});
+  b.vocab = 251;
+  EXPECT_NO_THROW(TokenStream(bytes, b));
+}
+
+// Synthetic tokens: made once under a name that says what they are, the same for a seed, in
+// [0, vocab) and spread over all of it.
+TEST(TokenStream, SyntheticTokensAreMadeOnceAndCoverTheVocabulary) {
+  TempDir dir;
+  const std::string path = prepare_synthetic_token_file(dir.file("cache"), 1000, 50000, 3);
+  EXPECT_EQ(path, dir.file("cache/synthetic-v1000-n50000-s3.bin"));
+  const auto made = fs::last_write_time(path);
+  EXPECT_EQ(prepare_synthetic_token_file(dir.file("cache"), 1000, 50000, 3), path);
+  EXPECT_EQ(fs::last_write_time(path), made) << "an existing synthetic file is reused";
+  const TokenFile f(path);
+  ASSERT_EQ(f.size(), 50000);
+  std::vector<int64_t> counts(1000, 0);
+  double sum = 0;
+  for (int64_t i = 0; i < f.size(); ++i) {
+    const int64_t t = f.token(i);
+    ASSERT_TRUE(t >= 0 && t < 1000) << "token " << i << " is " << t;
+    ++counts[static_cast<size_t>(t)];
+    sum += static_cast<double>(t);
+  }
+  // 50 draws per value on average: every value turns up, and the mean is (1000 - 1) / 2 to
+  // within 5 standard errors (288.7 / sqrt(50000) = 1.29 each).
+  EXPECT_EQ(std::count(counts.begin(), counts.end(), 0), 0);
+  EXPECT_NEAR(sum / 50000, 499.5, 6.5);
+  // Another seed, another file and other tokens.
+  const TokenFile g(prepare_synthetic_token_file(dir.file("cache"), 1000, 50000, 4));
+  EXPECT_EQ(g.path(), dir.file("cache/synthetic-v1000-n50000-s4.bin"));
+  int64_t same = 0;
+  for (int64_t i = 0; i < 1000; ++i) same += f.token(i) == g.token(i);
+  EXPECT_LT(same, 20);
+  expect_error([&] { prepare_synthetic_token_file(dir.path(), 65537, 10, 0); },
+               {"vocabulary of 1 to 65536, got 65537"});
 }
 
 // The real data: the KJV as Debian's bible-kjv-text ships it, decoded by bible(1).
