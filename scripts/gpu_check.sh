@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpu_check.sh BUNDLE OUTDIR [tests|bench|train|attn|gpt|cpu]... — what only a GPU machine can show, run
+# gpu_check.sh BUNDLE OUTDIR [tests|bench|train|attn|gpt|gpt124m|cpu]... — what only a GPU machine can show, run
 # on the GPU machine from a bundle made here by scripts/gpu_bundle.sh (a CUDA build in build/):
 #   device call: bash scripts/gpu_check.sh .gpu/bundle.txz $OUT tests bench   (carry: .gpu)
 #   tests  every test case whose name says CUDA, cuda or NCCL (or matches $TEST_FILTER), each in
@@ -19,6 +19,15 @@
 #          and fused attention; the KJV as plain text from .gpu/kjv.txt (the GPU machine has no
 #          bible-kjv to decode /usr/lib/bible.data: copy examples/gpt's token file there, it is
 #          the text byte for byte)
+#   gpt124m  examples/gpt at GPT-2 124M's shape (12 layers, 768 wide, 12 heads, context 1024,
+#          vocabulary 50304, batch $GPT124M_BATCH, default 16) on synthetic tokens beside
+#          gpt_torch.py on the same token file: bf16 (Ember DDP and FSDP on one rank, PyTorch
+#          eager with SDPA) and float32 with TF32; each prints tokens_per_s= and mfu= (H200/H100
+#          SXM dense peaks: 989.4 TFLOPS bf16, 494.7 TF32)
+#   gpt124m_compile  PyTorch's torch.compile on the same tokens (bf16)
+#   gpt124m_val  $GPT124M_VAL_STEPS (default 200) steps on the carried KJV text (byte tokens, the
+#          same vocabulary) for both, for their validation losses. Summary of all three in
+#          OUTDIR/gpt124m.md
 #   cpu    the CPU benchmarks that need a quiet machine with cores to spare: bench_collectives
 #          (allreduce, 2 and 4 ranks, pipelined; 2 ranks, latency) and bench_ddp (CNN and MLP,
 #          1, 2 and 4 ranks), each beside the machine's PyTorch over gloo
@@ -111,6 +120,57 @@ run_gpt() {
   } | tee "$out/gpt.log"
 }
 
+# GPT-2 124M's shape and the runs of one comparison (gpt124m, gpt124m_compile, gpt124m_val).
+g124_shape=(--layers 12 --heads 12 --dim 768 --context 1024 --vocab 50304 --lr 6e-4 --seed 0
+            --batch-size "${GPT124M_BATCH:-16}")
+g124_cache=/tmp/ember_gpt_cache
+g124() {  # g124 LABEL TIMEOUT ember|torch ARGS...: one run, its output appended to gpt124m.log
+  local label=$1 t=$2 who=$3; shift 3
+  echo "== $label" | tee -a "$out/gpt124m.log"
+  if [ "$who" = ember ]; then
+    timeout "$t" "$b/run.sh" "$b/bin/build/examples/gpt" --device cuda --cache-dir "$g124_cache" \
+      "${g124_shape[@]}" "$@" 2>&1 | grep -v '\[#' | tee -a "$out/gpt124m.log"
+  else
+    timeout "$t" python3 "$root/benchmarks/vs_pytorch/gpt_torch.py" --device cuda \
+      --attention fused "${g124_shape[@]}" "$@" 2>&1 | tail -30 | tee -a "$out/gpt124m.log"
+  fi
+}
+g124_tokens() { ls "$g124_cache"/synthetic-*.bin 2>/dev/null | head -1; }
+g124_summary() {
+  grep -E '^== |tokens_per_s=|mfu=|val_loss=|validation loss|peak|Error|error' "$out/gpt124m.log" \
+    > "$out/gpt124m.md"
+}
+
+run_gpt124m() {  # speed on synthetic tokens: bf16 (DDP and FSDP, one rank), float32 with TF32
+  local speed=(--steps "${GPT124M_STEPS:-30}" --warmup-steps 10 --eval-every 0 --eval-batches 1)
+  local bf16=(--amp bf16 --peak-tflops 989.4) tf32=(--amp off --allow-tf32 --peak-tflops 494.7)
+  local t=${GPT124M_TIMEOUT:-120}
+  g124 "ember, bf16, synthetic" "$t" ember --data synthetic "${bf16[@]}" "${speed[@]}"
+  local tokens; tokens=$(g124_tokens)
+  g124 "torch eager (SDPA), bf16, synthetic" "$t" torch --tokens "$tokens" "${bf16[@]}" "${speed[@]}"
+  g124 "ember FSDP, bf16, synthetic" "$t" ember --data synthetic --shard fsdp "${bf16[@]}" "${speed[@]}"
+  g124 "ember, float32 + TF32, synthetic" "$t" ember --data synthetic "${tf32[@]}" "${speed[@]}"
+  g124 "torch eager, float32 + TF32, synthetic" "$t" torch --tokens "$tokens" "${tf32[@]}" "${speed[@]}"
+  g124_summary
+}
+
+run_gpt124m_compile() {  # torch.compile on the same synthetic tokens (bf16)
+  local speed=(--steps "${GPT124M_STEPS:-30}" --warmup-steps 10 --eval-every 0 --eval-batches 1)
+  g124 "torch.compile, bf16, synthetic" "${GPT124M_COMPILE_TIMEOUT:-240}" torch --compile \
+    --tokens "$(g124_tokens)" --amp bf16 --peak-tflops 989.4 "${speed[@]}"
+  g124_summary
+}
+
+run_gpt124m_val() {  # validation loss after $GPT124M_VAL_STEPS (200) steps on the KJV's bytes
+  local quality=(--steps "${GPT124M_VAL_STEPS:-200}" --warmup-steps 10 --eval-every 0
+                 --eval-batches 8 --amp bf16 --peak-tflops 989.4)
+  local t=${GPT124M_TIMEOUT:-150}
+  g124 "ember, bf16, KJV bytes" "$t" ember --data "$root/.gpu/kjv.txt" "${quality[@]}"
+  g124 "torch eager (SDPA), bf16, KJV bytes" "$t" torch --tokens "$g124_cache/kjv.txt.tokens" \
+    "${quality[@]}"
+  g124_summary
+}
+
 run_cpu() {
   local bb=$b/bin/build/benchmarks
   export EMBER_PYTHON=$(command -v python3) EMBER_SOURCE_DIR=$root
@@ -131,6 +191,9 @@ for step in "$@"; do
     train) run_train ;;
     attn) run_attn ;;
     gpt) run_gpt ;;
+    gpt124m) run_gpt124m ;;
+    gpt124m_compile) run_gpt124m_compile ;;
+    gpt124m_val) run_gpt124m_val ;;
     cpu) run_cpu ;;
     *) echo "unknown step $step" >&2 ;;
   esac
