@@ -639,9 +639,10 @@ void Trainer::report(double val_loss) {
   // works on it (each data-parallel row's tp x pp ranks share its tokens' FLOPs).
   const int64_t flops = flops_per_token(model_->config, a_.context);
   std::printf("flops_per_token=%lld\n", static_cast<long long>(flops));
-  if (a_.peak_tflops > 0) {
-    std::printf("mfu=%.4f\n", tps * static_cast<double>(flops) /
-                                  (a_.peak_tflops * 1e12 * static_cast<double>(run_.world)));
+  const double peak = a_.peak_tflops > 0 ? a_.peak_tflops : table_peak_tflops(a_, run_.device);
+  if (peak > 0) {
+    std::printf("mfu=%.4f\n",
+                tps * static_cast<double>(flops) / (peak * 1e12 * static_cast<double>(run_.world)));
   } else {
     std::printf("mfu=unknown\n");
   }

@@ -12,6 +12,7 @@
 
 #include <ember/distributed/pipelining/schedule.h>
 #include <ember/nn/data/token_stream.h>
+#include <ember/tensor/cuda.h>
 #include "examples/example_util.h"
 #include "examples/gpt_model.h"
 
@@ -85,6 +86,26 @@ inline bool llmc_data(const std::string& data) {
 // --vocab's default: GPT-2's padded vocabulary for llm.c's token files, else one per byte.
 inline int64_t default_vocab(const std::string& data) {
   return llmc_data(data) ? kGpt2PaddedVocab : kByteVocab;
+}
+
+// One GPU's dense peak TFLOPS in the precision the run trains in, looked up by the device's
+// name (SXM parts, as docs/quickstart.md's table); 0 (unknown) for a PCIe or NVL part, another
+// GPU, or the CPU.
+inline double table_peak_tflops(const Args& a, const Device& device) {
+  if (!device.is_cuda()) return 0;
+  const std::string name = cuda::get_device_name(device.index);
+  if (name.find("PCIe") != std::string::npos || name.find("NVL") != std::string::npos) return 0;
+  struct Peak {
+    const char* part;
+    double low, tf32, fp32;  // bf16/fp16, float32 on TF32, float32
+  };
+  for (const Peak& p : {Peak{"H100", 989.4, 494.7, 67}, Peak{"H200", 989.4, 494.7, 67},
+                        Peak{"A100", 312, 156, 19.5}}) {
+    if (name.find(p.part) != std::string::npos) {
+      return a.amp != "off" ? p.low : a.allow_tf32 ? p.tf32 : p.fp32;
+    }
+  }
+  return 0;
 }
 
 // float16 autocast is CUDA's (on the CPU PyTorch disables it and Ember's guard refuses it).
@@ -248,9 +269,9 @@ inline void add_options(CLI::App& app, Args& a) {
       ->capture_default_str();
   app.add_option("--peak-tflops", a.peak_tflops,
                  "one rank's dense peak TFLOPS in the precision trained (--amp bf16/fp16, else "
-                 "float32), for the final mfu= line (e.g. H100/H200 SXM 989.4 bf16, 67 float32; "
-                 "A100 312, 19.5). Ember has no device-name API to look it up, so without it "
-                 "the run prints mfu=unknown")
+                 "float32), for the final mfu= line (default: looked up by the GPU's name for "
+                 "H100/H200 SXM (989.4 bf16, 494.7 TF32, 67 float32) and A100 (312, 156, 19.5); "
+                 "elsewhere the run prints mfu=unknown)")
       ->check(kNonNegative);
   app.add_flag("--allow-tf32", a.allow_tf32,
                "let float32 matmuls on CUDA use TF32 tensor cores (PyTorch's "

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include <ember/tensor/device.h>
 
@@ -25,6 +26,9 @@ void set_device(int index);
 bool has_context(int device);
 /// Waits for all work on the device (default: the current one).
 void synchronize(int device = -1);
+/// The device's name as the driver gives it, e.g. "NVIDIA H200" (torch.cuda.get_device_name;
+/// default: the current device). Throws as synchronize() does without that device.
+std::string get_device_name(int device = -1);
 
 /// Whether float32 matmuls on CUDA may use TF32 tensor cores (10-bit mantissa products, float32
 /// accumulation): PyTorch's torch.backends.cuda.matmul.allow_tf32, and as there off by default

@@ -56,11 +56,12 @@ GPT2_PADDED_VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 128, as llm.c
 LLMC_MAGIC, LLMC_VERSION, LLMC_HEADER_INTS = 20240520, 1, 256
 WARMUP = 50
 
-# Dense peak TFLOPS by (a part of) torch.cuda.get_device_name and precision (bf16/fp16 autocast
-# vs float32 without TF32, PyTorch's default for matmuls), as examples/gpt's docs state them.
+# Dense peak TFLOPS by (a part of) torch.cuda.get_device_name and precision (bf16/fp16 autocast,
+# float32 on TF32 with --allow-tf32, plain float32), as examples/gpt's table.
 # SXM parts: the PCIe and NVL H100s have lower peaks and are left to --peak-tflops.
-PEAK_TFLOPS = [("H100", {"low": 989.4, "fp32": 67.0}), ("H200", {"low": 989.4, "fp32": 67.0}),
-               ("A100", {"low": 312.0, "fp32": 19.5})]
+PEAK_TFLOPS = [("H100", {"low": 989.4, "tf32": 494.7, "fp32": 67.0}),
+               ("H200", {"low": 989.4, "tf32": 494.7, "fp32": 67.0}),
+               ("A100", {"low": 312.0, "tf32": 156.0, "fp32": 19.5})]
 
 
 def is_llmc(path):
@@ -102,7 +103,7 @@ def peak_tflops(a):
         return None
     for part, peaks in PEAK_TFLOPS:
         if part in name:
-            return peaks["fp32" if a.amp == "off" else "low"]
+            return peaks["low" if a.amp != "off" else "tf32" if a.allow_tf32 else "fp32"]
     return None
 
 

@@ -96,11 +96,22 @@ std::shared_ptr<fe::graph::Graph> new_graph(Dtype dtype) {
   return g;
 }
 
+// A graph of the dtype and its three inputs.
+struct QkvGraph {
+  std::shared_ptr<fe::graph::Graph> g;
+  std::shared_ptr<fe::graph::Tensor_attributes> q, k, v;
+};
+QkvGraph qkv_graph(Dtype dtype, const AttentionParams& p) {
+  QkvGraph r;
+  r.g = new_graph(dtype);
+  r.q = operand(*r.g, "Q", kQ, p, p.L);
+  r.k = operand(*r.g, "K", kK, p, p.S);
+  r.v = operand(*r.g, "V", kV, p, p.S);
+  return r;
+}
+
 std::shared_ptr<fe::graph::Graph> forward_graph(Dtype dtype, const AttentionParams& p) {
-  auto g = new_graph(dtype);
-  auto q = operand(*g, "Q", kQ, p, p.L);
-  auto k = operand(*g, "K", kK, p, p.S);
-  auto v = operand(*g, "V", kV, p, p.S);
+  auto [g, q, k, v] = qkv_graph(dtype, p);
   auto options = fe::graph::SDPA_attributes()
                      .set_name("ember_sdpa")
                      .set_generate_stats(true)
@@ -114,10 +125,7 @@ std::shared_ptr<fe::graph::Graph> forward_graph(Dtype dtype, const AttentionPara
 }
 
 std::shared_ptr<fe::graph::Graph> backward_graph(Dtype dtype, const AttentionParams& p) {
-  auto g = new_graph(dtype);
-  auto q = operand(*g, "Q", kQ, p, p.L);
-  auto k = operand(*g, "K", kK, p, p.S);
-  auto v = operand(*g, "V", kV, p, p.S);
+  auto [g, q, k, v] = qkv_graph(dtype, p);
   auto o = operand(*g, "O", kO, p, p.L);
   auto dout = operand(*g, "dO", kDO, p, p.L);
   auto stats = g->tensor(fe::graph::Tensor_attributes().set_name("Stats"));

@@ -31,6 +31,7 @@ int current_device() { return 0; }
 void set_device(int) { no_cuda("set_device"); }
 bool has_context(int) { return false; }
 void synchronize(int) { no_cuda("synchronize"); }
+std::string get_device_name(int) { no_cuda("get_device_name"); }
 Stream Stream::create(int, int) { no_cuda("Stream::create"); }
 void Stream::synchronize() const { no_cuda("Stream::synchronize"); }
 bool Stream::query() const { no_cuda("Stream::query"); }

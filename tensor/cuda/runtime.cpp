@@ -85,6 +85,14 @@ void set_device(int index) {
   EMBER_CUDA_CHECK(cudaSetDevice(index));
 }
 
+std::string get_device_name(int device) {
+  device = resolve(device);
+  check_device("get_device_name", device);
+  cudaDeviceProp prop{};
+  EMBER_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  return prop.name;
+}
+
 void synchronize(int device) {
   device = resolve(device);
   check_device("synchronize", device);

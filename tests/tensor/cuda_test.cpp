@@ -2,6 +2,7 @@
 // Every test needs a GPU and skips with the reason where there is none.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -148,6 +149,23 @@ TEST(CudaCore, BadDeviceIndexIsAnError) {
   REQUIRE_CUDA();
   const int n = cuda::device_count();
   EXPECT_THROW(zeros({1}).to(cuda_device(n)), ValueError);
+}
+
+// torch.cuda.get_device_name: the driver's name of the device (what examples/gpt looks its peak
+// up by); without that device an error naming the call and the index.
+TEST(CudaCore, DeviceNameIsTheDriversAndABadIndexIsAnError) {
+  const int n = cuda::device_count();
+  try {
+    cuda::get_device_name(n);
+    ADD_FAILURE() << "expected an error for device " << n;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[get_device_name]"), std::string::npos) << e.what();
+  }
+  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+  const std::string name = cuda::get_device_name();
+  EXPECT_FALSE(name.empty());
+  EXPECT_EQ(cuda::get_device_name(0), name);
+  std::printf("device 0: %s\n", name.c_str());
 }
 
 // The caching allocator on a real device. Each test allocates on a stream of its own: blocks
