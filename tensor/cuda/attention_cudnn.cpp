@@ -162,7 +162,10 @@ const Plan& plan_for(Dtype dtype, Device device, const AttentionParams& p, bool 
                      ", S ", p.S, ", E ", p.E, " (", st.get_message(),
                      "): Ember's kernel runs instead");
     }
-  } catch (const fe::cudnnException& e) {
+  } catch (const ember::Error&) {
+    throw;  // Ember's own (a handle it could not make): not a shape cuDNN lacks
+  } catch (const std::exception& e) {
+    // The frontend's cudnnException, or a library it could not load.
     logging::debug("scaled_dot_product_attention: cuDNN's frontend failed (", e.what(),
                    "): Ember's kernel runs instead");
   }
