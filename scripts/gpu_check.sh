@@ -21,7 +21,7 @@
 #          the text byte for byte)
 #   gpt124m  examples/gpt at GPT-2 124M's shape (12 layers, 768 wide, 12 heads, context 1024,
 #          vocabulary 50304, batch $GPT124M_BATCH, default 16) on synthetic tokens beside
-#          gpt_torch.py on the same token file: bf16 (Ember DDP and FSDP on one rank, PyTorch
+#          gpt_torch.py on the same token file: bf16 (Ember DDP and FSDP over NCCL on one rank, PyTorch
 #          eager with SDPA) and float32 with TF32; each prints tokens_per_s= and mfu= (H200/H100
 #          SXM dense peaks: 989.4 TFLOPS bf16, 494.7 TF32)
 #   gpt124m_compile  PyTorch's torch.compile on the same tokens (bf16)
@@ -148,7 +148,9 @@ run_gpt124m() {  # speed on synthetic tokens: bf16 (DDP and FSDP, one rank), flo
   g124 "ember, bf16, synthetic" "$t" ember --data synthetic "${bf16[@]}" "${speed[@]}"
   local tokens; tokens=$(g124_tokens)
   g124 "torch eager (SDPA), bf16, synthetic" "$t" torch --tokens "$tokens" "${bf16[@]}" "${speed[@]}"
-  g124 "ember FSDP, bf16, synthetic" "$t" ember --data synthetic --shard fsdp "${bf16[@]}" "${speed[@]}"
+  # Over NCCL, as PyTorch's FSDP runs: over gloo every CUDA gather is staged through the host.
+  g124 "ember FSDP (NCCL), bf16, synthetic" "$t" ember --data synthetic --shard fsdp \
+    --backend nccl "${bf16[@]}" "${speed[@]}"
   g124 "ember, float32 + TF32, synthetic" "$t" ember --data synthetic "${tf32[@]}" "${speed[@]}"
   g124 "torch eager, float32 + TF32, synthetic" "$t" torch --tokens "$tokens" "${tf32[@]}" "${speed[@]}"
   g124_summary
