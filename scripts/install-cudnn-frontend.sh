@@ -3,7 +3,8 @@
 # CUDA attention builds its SDPA graphs with) under /opt/cudnn-frontend/VERSION/include. Debian has
 # no package for it; NVIDIA publishes the headers inside a PyPI wheel (nvidia-cudnn-frontend), so
 # this downloads that wheel (pinned, hash-checked) and keeps only its include/ folder.
-# Idempotent: prints nothing and touches nothing when that version is there. Needs root or sudo.
+# Idempotent: prints nothing and touches nothing when that version is there. Needs root or sudo,
+# and pip for Debian's python3 (python3-pip, which install-deps.sh installs first).
 #   scripts/install-cudnn-frontend.sh [PREFIX]   (default /opt/cudnn-frontend)
 set -euo pipefail
 version=1.32.0

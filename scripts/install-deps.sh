@@ -21,7 +21,7 @@ rest=(
   libgtest-dev libgmock-dev
   fonts-dejavu-core
   bible-kjv-text bible-kjv
-  python3-torch libtorch-dev
+  python3-torch libtorch-dev python3-pip
   python3-protobuf python3-crc32c
   iproute2 etcd-server openssl curl doxygen
   clang libclang-rt-dev libomp-dev
