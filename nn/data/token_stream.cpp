@@ -144,14 +144,6 @@ std::string prepare_token_file(const std::string& source, const std::string& cac
   return out;
 }
 
-bool is_llmc_token_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  unsigned char magic[4] = {};
-  in.read(reinterpret_cast<char*>(magic), sizeof magic);
-  const uint32_t m = magic[0] | (magic[1] << 8) | (magic[2] << 16) | (uint32_t{magic[3]} << 24);
-  return in.gcount() == 4 && m == static_cast<uint32_t>(kLlmcMagic);
-}
-
 namespace {
 
 void put_le32(unsigned char* p, uint32_t v) {
@@ -162,8 +154,14 @@ uint32_t get_le32(const uint8_t* p) {
   return p[0] | (p[1] << 8) | (p[2] << 16) | (uint32_t{p[3]} << 24);
 }
 
-
 }  // namespace
+
+bool is_llmc_token_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  uint8_t magic[4] = {};
+  in.read(reinterpret_cast<char*>(magic), sizeof magic);
+  return in.gcount() == 4 && get_le32(magic) == static_cast<uint32_t>(kLlmcMagic);
+}
 
 void write_llmc_token_file(const std::string& path, int64_t count,
                            const std::function<int64_t(int64_t i)>& token) {
@@ -297,11 +295,7 @@ TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
 
 int64_t TokenFile::max_token() const {
   int64_t m = 0;
-  if (token_bytes_ == 1) {
-    for (int64_t i = 0; i < size_; ++i) m = std::max<int64_t>(m, data_[i]);
-  } else {
-    for (int64_t i = 0; i < size_; ++i) m = std::max(m, token(i));
-  }
+  for (int64_t i = 0; i < size_; ++i) m = std::max(m, token(i));
   return m;
 }
 

@@ -20,7 +20,6 @@
 
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <memory>
 #include <tuple>
 #include <unordered_map>
@@ -172,25 +171,20 @@ const Plan& plan_for(Dtype dtype, Device device, const AttentionParams& p, bool 
   return plans.emplace(key, std::move(plan)).first->second;
 }
 
-int compute_capability_major(int device) {
-  static std::mutex mu;
-  static std::unordered_map<int, int> majors;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = majors.find(device);
-  if (it != majors.end()) return it->second;
-  int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-    cudaGetLastError();
-    major = 0;
-  }
-  return majors.emplace(device, major).first->second;
-}
-
-// What cuDNN's fused kernels take, before asking it to build a graph.
+// What cuDNN's fused kernels take, before asking it to build a graph. A GPU before compute
+// capability 8.0 is cuDNN's own refusal at build time (then cached like any shape it lacks).
 bool shape_applies(Dtype dtype, Device device, const AttentionParams& p, bool has_mask) {
   return cudnn_sdp_enabled() && (dtype == kBFloat16 || dtype == kFloat16) && device.is_cuda() &&
          !has_mask && p.dropout_p == 0.0 && p.E == p.Ev && p.E % 8 == 0 && p.E <= 128 &&
-         p.batch > 0 && p.L > 0 && p.S > 0 && compute_capability_major(device.index) >= 8;
+         p.batch > 0 && p.L > 0 && p.S > 0;
+}
+
+// This thread's plan for the call when cuDNN takes it, else null.
+const Plan* plan_if_applies(Dtype dtype, Device device, const AttentionParams& p, bool has_mask,
+                            bool backward) {
+  if (!shape_applies(dtype, device, p, has_mask)) return nullptr;
+  const Plan& plan = plan_for(dtype, device, p, backward);
+  return plan.graph != nullptr ? &plan : nullptr;
 }
 
 void execute(const Plan& plan, Device device, std::unordered_map<int64_t, void*>& pack) {
@@ -209,22 +203,21 @@ void execute(const Plan& plan, Device device, std::unordered_map<int64_t, void*>
 
 bool attention_cudnn_supported(Dtype dtype, Device device, const AttentionParams& p,
                                bool has_mask) {
-  return shape_applies(dtype, device, p, has_mask) &&
-         plan_for(dtype, device, p, /*backward=*/false).graph != nullptr;
+  return plan_if_applies(dtype, device, p, has_mask, /*backward=*/false) != nullptr;
 }
 
 bool attention_cudnn_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                              const Tensor& v, const AttentionParams& p) {
   const Device device = q.device();
-  if (!attention_cudnn_supported(q.dtype(), device, p, /*has_mask=*/false)) return false;
-  const Plan& plan = plan_for(q.dtype(), device, p, /*backward=*/false);
+  const Plan* plan = plan_if_applies(q.dtype(), device, p, /*has_mask=*/false, /*backward=*/false);
+  if (plan == nullptr) return false;
   cuda::detail::DeviceGuard guard(device.index);
   std::unordered_map<int64_t, void*> pack = {{kQ, q.data_ptr()},
                                              {kK, k.data_ptr()},
                                              {kV, v.data_ptr()},
                                              {kO, out.data_ptr()},
                                              {kStats, lse.data_ptr()}};
-  execute(plan, device, pack);
+  execute(*plan, device, pack);
   return true;
 }
 
@@ -232,15 +225,14 @@ bool attention_cudnn_backward(const Tensor& dq, const Tensor& dk, const Tensor& 
                               const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, const AttentionParams& p) {
   const Device device = q.device();
-  if (!shape_applies(q.dtype(), device, p, /*has_mask=*/false)) return false;
-  const Plan& plan = plan_for(q.dtype(), device, p, /*backward=*/true);
-  if (plan.graph == nullptr) return false;
+  const Plan* plan = plan_if_applies(q.dtype(), device, p, /*has_mask=*/false, /*backward=*/true);
+  if (plan == nullptr) return false;
   cuda::detail::DeviceGuard guard(device.index);
   std::unordered_map<int64_t, void*> pack = {
       {kQ, q.data_ptr()},   {kK, k.data_ptr()},     {kV, v.data_ptr()},
       {kO, out.data_ptr()}, {kDO, dout.data_ptr()}, {kStats, lse.data_ptr()},
       {kDQ, dq.data_ptr()}, {kDK, dk.data_ptr()},   {kDV, dv.data_ptr()}};
-  execute(plan, device, pack);
+  execute(*plan, device, pack);
   return true;
 }
 
