@@ -1,6 +1,6 @@
-// Backward rules of convolution and pooling (tensor/conv.h).
+// Backward rules of convolution and pooling (tensor/ops/conv.h).
 //
-// They use the dedicated backward kernels of tensor/conv.h, which record nothing: under
+// They use the dedicated backward kernels of tensor/ops/conv.h, which record nothing: under
 // create_graph, a rule whose result would need history (an input of the backward computation
 // requires grad) throws instead of returning a gradient that silently lacks it.
 #include <ember/autograd/detail/functions.h>

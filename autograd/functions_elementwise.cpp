@@ -1,6 +1,6 @@
-// Backward nodes of the element-wise ops (tensor/elementwise.h). The rules of the unary and binary
-// tables sit beside their forward functors in tensor/detail/unary_ops.h and binary_ops.h, and
-// their nodes are generated here from the tables; the rest (tensor-scalar forms, gelu, clamp,
+// Backward nodes of the element-wise ops (tensor/ops/elementwise.h). The rules of the unary and
+// binary tables sit beside their forward functors in tensor/detail/unary_ops.h and binary_ops.h,
+// and their nodes are generated here from the tables; the rest (tensor-scalar forms, gelu, clamp,
 // where, masked_fill) are written here.
 //
 // The formulas and subgradient choices follow PyTorch's tools/autograd/derivatives.yaml, and

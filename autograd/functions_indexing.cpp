@@ -1,8 +1,8 @@
-// Backward rules of the indexing and joining ops (tensor/indexing.h).
+// Backward rules of the indexing and joining ops (tensor/ops/indexing.h).
 //
 // Gathers (index_select, gather, embedding) scatter their gradient back with index_add_ /
 // scatter_add_ into fresh zeros; scatters (scatter_add, index_add_) gather it. The in-place
-// scatters record themselves (tensor/indexing.cpp), so under create_graph these rules are
+// scatters record themselves (tensor/ops/indexing.cpp), so under create_graph these rules are
 // differentiable again.
 #include <ember/autograd/detail/functions.h>
 #include <ember/tensor/ops.h>

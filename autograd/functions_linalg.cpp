@@ -1,4 +1,4 @@
-// Backward rules of the matrix products (tensor/linalg.h); convolution and pooling are in
+// Backward rules of the matrix products (tensor/ops/linalg.h); convolution and pooling are in
 // functions_conv.cpp.
 //
 // The rules are written with mm / matmul, so they are recorded under create_graph and can be

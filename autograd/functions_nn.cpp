@@ -1,6 +1,6 @@
-// Backward nodes of the ops behind nn's fused layers and losses: layer_norm (tensor/norm.h),
-// cross_entropy (tensor/loss.h) and the fused scaled_dot_product_attention
-// (tensor/attention.h). Their forwards pass what backward needs besides inputs and outputs
+// Backward nodes of the ops behind nn's fused layers and losses: layer_norm (tensor/ops/norm.h),
+// cross_entropy (tensor/ops/loss.h) and the fused scaled_dot_product_attention
+// (tensor/ops/attention.h). Their forwards pass what backward needs besides inputs and outputs
 // (statistics, probabilities, the kernels' parameters) in their typed attributes.
 #include <utility>
 #include <vector>
@@ -13,7 +13,7 @@
 namespace ember::autograd {
 namespace {
 
-// ---- layer_norm (Note [LayerNorm as one op] in tensor/norm.cpp) -------------------------------
+// ---- layer_norm (Note [LayerNorm as one op] in tensor/ops/norm.cpp) -----------------------------
 
 /// inputs {x, weight, bias}; weight and bias may be undefined.
 struct LayerNormBackward final : Node {
@@ -82,7 +82,7 @@ void record_layer_norm(const RecordArgs& r) {
   commit(n, r);
 }
 
-// ---- cross_entropy (Note [Fused cross_entropy] in tensor/loss.cpp) ----------------------------
+// ---- cross_entropy (Note [Fused cross_entropy] in tensor/ops/loss.cpp) --------------------------
 
 /// inputs {x [N, C]}.
 struct CrossEntropyBackward final : Node {

@@ -1,4 +1,4 @@
-// Backward rules of the reductions and softmax (tensor/reduce.h). Formulas follow PyTorch's
+// Backward rules of the reductions and softmax (tensor/ops/reduce.h). Formulas follow PyTorch's
 // tools/autograd/derivatives.yaml (and FunctionsManual.cpp), including its subgradient choices:
 // max/min/amax/amin over ties share the gradient evenly, max(dim)/min(dim) send it to the
 // selected index, norms give 0 where the norm is 0.

@@ -25,10 +25,10 @@
 #include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
 #include <ember/tensor/autocast.h>
-#include <ember/tensor/conv.h>
+#include <ember/tensor/ops/conv.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/ops.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/random.h>
 
 using namespace ember;
 

@@ -16,7 +16,7 @@
 
 #include <ember/distributed/detail/environment.h>
 #include <ember/distributed/detail/flight_ring.h>
-#include <ember/nn/atomic_file.h>
+#include <ember/nn/io/atomic_file.h>
 #include <ember/tensor/log.h>
 
 namespace ember::dist {

@@ -2,7 +2,7 @@
 #include <ember/distributed/p2p.h>
 
 #include <ember/distributed/init.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 
 namespace ember::dist {
 

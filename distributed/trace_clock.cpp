@@ -2,7 +2,7 @@
 
 #include <limits>
 
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/trace.h>
 
 namespace ember::dist {

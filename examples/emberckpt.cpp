@@ -29,8 +29,8 @@
 #include <ember/distributed/backends/process_group_threads.h>
 #include <ember/distributed/checkpoint/checkpoint.h>
 #include <ember/distributed/checkpoint/sharded_checkpoint.h>
-#include <ember/nn/hf_checkpoint.h>
-#include <ember/nn/serialize.h>
+#include <ember/nn/io/hf_checkpoint.h>
+#include <ember/nn/io/serialize.h>
 #include <ember/tensor/error.h>
 #include <ember/tensor/version.h>
 #include "examples/gpt_hf.h"

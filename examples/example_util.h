@@ -35,7 +35,7 @@
 #include <ember/distributed/init.h>
 #include <ember/distributed/store/hash_store.h>
 #include <ember/nn/nn.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/version.h>
 

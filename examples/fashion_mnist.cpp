@@ -37,11 +37,11 @@
 #include <ember/distributed/init.h>
 #include <ember/distributed/store/hash_store.h>
 #include <ember/nn/nn.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/cuda.h>
-#include <ember/tensor/elementwise.h>
+#include <ember/tensor/ops/elementwise.h>
 #include <ember/tensor/grad_mode.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/random.h>
 #include <ember/tensor/threading.h>
 #include <ember/tensor/trace.h>
 

@@ -57,12 +57,12 @@
 #include <ember/nn/nn.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/allocator.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/grad_mode.h>
-#include <ember/tensor/indexing.h>
-#include <ember/tensor/random.h>
-#include <ember/tensor/reduce.h>
+#include <ember/tensor/ops/indexing.h>
+#include <ember/tensor/ops/random.h>
+#include <ember/tensor/ops/reduce.h>
 #include <ember/tensor/threading.h>
 
 namespace nn = ember::nn;

@@ -24,8 +24,8 @@
 #include <utility>
 #include <vector>
 
-#include <ember/nn/hf_checkpoint.h>
-#include <ember/tensor/elementwise.h>
+#include <ember/nn/io/hf_checkpoint.h>
+#include <ember/tensor/ops/elementwise.h>
 #include <ember/tensor/error.h>
 
 #include "examples/gpt_model.h"

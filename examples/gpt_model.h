@@ -14,7 +14,7 @@
 #include <ember/nn/activation_checkpoint.h>
 #include <ember/nn/attention.h>
 #include <ember/nn/nn.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/error.h>
 
 namespace ember::examples {

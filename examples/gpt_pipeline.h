@@ -22,7 +22,7 @@
 #include <ember/distributed/tensor_parallel/clip_grad.h>
 #include <ember/distributed/tensor_parallel/parallelize.h>
 #include <ember/nn/clip_grad.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include "examples/gpt_model.h"
 
 namespace ember::examples {

@@ -9,7 +9,7 @@
 #include <ember/distributed/init.h>
 #include <ember/distributed/sampler.h>
 #include <ember/nn/nn.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/random.h>
 #include <ember/tensor/version.h>
 
 namespace nn = ember::nn;

@@ -37,7 +37,7 @@
 #include <string>
 #include <vector>
 
-#include <ember/nn/atomic_file.h>
+#include <ember/nn/io/atomic_file.h>
 #include <ember/tensor/error.h>
 #include <ember/tensor/version.h>
 

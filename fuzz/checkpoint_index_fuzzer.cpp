@@ -12,7 +12,7 @@
 
 #include "fuzz/fuzz_util.h"
 #include <ember/distributed/checkpoint/sharded_checkpoint.h>
-#include <ember/nn/hf_checkpoint.h>
+#include <ember/nn/io/hf_checkpoint.h>
 #include <ember/tensor/error.h>
 
 namespace {

@@ -18,7 +18,7 @@ def write(target, name, data):
         f.write(data)
 
 
-# ---- store_protocol: flags byte, then frames (distributed/store/detail/store_protocol.h) ----------
+# ---- store_protocol: flags byte, then frames (distributed/store/detail/store_protocol.h) ---------
 MAGIC, VERSION = 0x53424D45, 1
 T = dict(auth=10, set=11, get=12, add=13, compare_set=14, check=15, wait=16, delete=17,
          num_keys=18, join=19)
@@ -52,7 +52,7 @@ def store_corpus():
     write("store_protocol", "partial_frame", authed + big[: len(big) // 2])
 
 
-# ---- safetensors: the whole file (nn/serialize.h) --------------------------------------------
+# ---- safetensors: the whole file (nn/io/serialize.h) --------------------------------------------
 def safetensors(tensors, metadata=None):
     header, data = {}, b""
     for name, dtype, shape, raw in tensors:

@@ -8,7 +8,7 @@
 #include <cstdlib>
 
 #include "fuzz/fuzz_util.h"
-#include <ember/nn/serialize.h>
+#include <ember/nn/io/serialize.h>
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::string path = ember::fuzz::scratch_dir() + "/input.safetensors";

@@ -5,7 +5,7 @@
 
 #include <ember/autograd/engine.h>
 #include <ember/autograd/function.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/random.h>
 #include <ember/tensor/autocast.h>
 
 namespace ember::nn {

@@ -4,7 +4,7 @@
 //   // a stack of blocks: only each block's input is kept, its insides are recomputed
 //   for (auto& block : blocks) x = nn::checkpoint(block, x);
 //
-// Unrelated to nn/checkpoint.h (saving and resuming training state).
+// Unrelated to nn/io/checkpoint.h (saving and resuming training state).
 #pragma once
 
 #include <functional>

@@ -1,10 +1,10 @@
 // Attention for nn code: scaled_dot_product_attention (torch.nn.functional's, PyTorch 2
 // semantics), its math path and the choice of implementation (torch.nn.attention.sdpa_kernel)
-// are tensor-layer ops, documented in tensor/attention.h; nn::functional names the same
+// are tensor-layer ops, documented in tensor/ops/attention.h; nn::functional names the same
 // functions and types, as torch.nn.functional does.
 #pragma once
 
-#include <ember/tensor/attention.h>
+#include <ember/tensor/ops/attention.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::nn::functional {

@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include <ember/autograd/autograd.h>
-#include <ember/tensor/foreach.h>
+#include <ember/tensor/ops/foreach.h>
 
 namespace ember::nn {
 
@@ -20,7 +20,7 @@ std::vector<Tensor> grads_of(const std::vector<Tensor>& params, const char* op) 
 
 Tensor total_of(const std::vector<Tensor>& tensors, double norm_type, bool error_if_nonfinite,
                 const char* op) {
-  // One multi-tensor reduction on a GPU (tensor/foreach.h) where per-tensor norms and their
+  // One multi-tensor reduction on a GPU (tensor/ops/foreach.h) where per-tensor norms and their
   // stack would be about three launches per gradient.
   Tensor total = total_norm(tensors, norm_type);
   if (error_if_nonfinite) {

@@ -13,8 +13,8 @@
 #include <string>
 #include <string_view>
 
-#include <ember/tensor/loss.h>
-#include <ember/tensor/norm.h>
+#include <ember/tensor/ops/loss.h>
+#include <ember/tensor/ops/norm.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::nn::functional {
@@ -38,7 +38,7 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
                   double momentum = 0.1, double eps = 1e-5);
 
 /// Layer normalisation (torch.nn.functional.layer_norm): the tensor-layer op, documented in
-/// tensor/norm.h.
+/// tensor/ops/norm.h.
 using ember::layer_norm;
 
 /// Rows of weight [V, D] for int64/int32 indices of any shape -> [*indices.shape, D]. With
@@ -61,7 +61,7 @@ struct NLLLossOptions {
 /// int64 class indices target [N], [N, d1, ...] or []: loss_i = -weight[t_i] * input[i, t_i].
 /// Throws TypeError for a non-int64 target, ValueError for shape mismatches, IndexError for a
 /// class index outside [0, C) that is not ignore_index. "mean" over no counted target is NaN.
-/// The tensor-layer op ember::nll_loss (tensor/loss.h) with these options.
+/// The tensor-layer op ember::nll_loss (tensor/ops/loss.h) with these options.
 Tensor nll_loss(const Tensor& input, const Tensor& target, const NLLLossOptions& opts = {});
 
 struct CrossEntropyOptions {
@@ -77,7 +77,7 @@ struct CrossEntropyOptions {
 /// class-index targets. A floating target of input's shape is taken as class probabilities:
 /// loss_i = -sum_c weight[c] * target[i, c] * log_softmax(input)[i, c]; "mean" divides by
 /// the number of samples (ignore_index must then be negative, as in PyTorch). The tensor-layer
-/// op ember::cross_entropy (tensor/loss.h, with its fused 2-d form) with these options.
+/// op ember::cross_entropy (tensor/ops/loss.h, with its fused 2-d form) with these options.
 Tensor cross_entropy(const Tensor& input, const Tensor& target,
                      const CrossEntropyOptions& opts = {});
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include <ember/tensor/conv.h>
+#include <ember/tensor/ops/conv.h>
 
 namespace ember::nn {
 

@@ -3,7 +3,7 @@
 
 #include <ember/autograd/autograd.h>
 #include <ember/nn/activation_checkpoint.h>
-#include <ember/nn/checkpoint.h>
+#include <ember/nn/io/checkpoint.h>
 #include <ember/nn/clip_grad.h>
 #include <ember/nn/data/data.h>
 #include <ember/nn/attention.h>
@@ -16,5 +16,5 @@
 #include <ember/nn/optim/lr_scheduler.h>
 #include <ember/nn/optim/optimizer.h>
 #include <ember/nn/optim/sgd.h>
-#include <ember/nn/serialize.h>
-#include <ember/nn/summary_writer.h>
+#include <ember/nn/io/serialize.h>
+#include <ember/nn/io/summary_writer.h>

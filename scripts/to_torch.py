@@ -30,7 +30,7 @@ TORCH_DTYPE = {
     "I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
     "F32": torch.float32, "F64": torch.float64,
 }
-# The dtypes Ember's loader accepts (nn/serialize.h), by torch dtype.
+# The dtypes Ember's loader accepts (nn/io/serialize.h), by torch dtype.
 EMBER_DTYPE = {torch.bool: "BOOL", torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64",
                torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
                torch.float64: "F64"}

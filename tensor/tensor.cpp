@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/detail/copy.h>
 #include <ember/tensor/detail/record.h>

@@ -29,7 +29,7 @@
 #include <ember/distributed/checkpoint/checkpoint.h>
 #include <ember/distributed/init.h>
 #include <ember/nn/optim/adam.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
 
 using namespace ember;

@@ -56,9 +56,9 @@
 #include <ember/distributed/store/hash_store.h>
 #include <ember/distributed/store/tcp_store.h>
 #include <ember/nn/nn.h>
-#include <ember/tensor/creation.h>
-#include <ember/tensor/indexing.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/creation.h>
+#include <ember/tensor/ops/indexing.h>
+#include <ember/tensor/ops/random.h>
 #include <ember/tensor/threading.h>
 
 

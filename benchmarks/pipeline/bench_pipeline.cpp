@@ -24,9 +24,9 @@
 #include <ember/distributed/pipelining/pipeline.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/allocator.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/random.h>
 
 using namespace ember;
 namespace pp = ember::dist::pipelining;

@@ -37,8 +37,8 @@
 #include <ember/distributed/sharding/zero_hook.h>
 #include <ember/distributed/store/tcp_store.h>
 #include <ember/nn/nn.h>
-#include <ember/tensor/creation.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/creation.h>
+#include <ember/tensor/ops/random.h>
 #include <ember/tensor/threading.h>
 
 

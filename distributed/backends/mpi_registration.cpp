@@ -11,7 +11,7 @@
 #include <ember/distributed/init.h>
 #include <ember/distributed/store/hash_store.h>
 #include <ember/distributed/store/tcp_store.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 
 namespace ember::dist {
 

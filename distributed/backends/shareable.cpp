@@ -16,7 +16,7 @@
 
 #include <ember/distributed/backends/detail/shareable.h>
 #include <ember/distributed/errors.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 
 namespace ember::dist {
 namespace detail {

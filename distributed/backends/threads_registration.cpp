@@ -11,7 +11,7 @@
 #include <ember/distributed/backends/process_group_threads.h>
 #include <ember/distributed/init.h>
 #include <ember/distributed/store/hash_store.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/random.h>
 
 namespace ember::dist {
 

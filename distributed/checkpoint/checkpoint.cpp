@@ -6,7 +6,7 @@
 #include <set>
 
 #include <ember/distributed/init.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/error.h>
 #include <ember/tensor/log.h>
 

@@ -37,7 +37,7 @@
 #include <ember/nn/module.h>
 #include <ember/nn/optim/lr_scheduler.h>
 #include <ember/nn/optim/optimizer.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/random.h>
 
 namespace ember::dist::checkpoint {
 

@@ -7,7 +7,7 @@
 #include <ember/distributed/checkpoint/sharded_checkpoint.h>
 #include <ember/distributed/dtensor/dtensor.h>
 #include <ember/distributed/sharding/fsdp.h>
-#include <ember/nn/checkpoint.h>
+#include <ember/nn/io/checkpoint.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>
 

@@ -24,9 +24,9 @@
 
 #include <ember/distributed/checkpoint/detail/sharded_checkpoint.h>
 #include <ember/distributed/sharding/detail/byte_exchange.h>
-#include <ember/nn/atomic_file.h>
-#include <ember/nn/serialize.h>
-#include <ember/tensor/creation.h>
+#include <ember/nn/io/atomic_file.h>
+#include <ember/nn/io/serialize.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/log.h>
 
 namespace ember::dist {
@@ -340,7 +340,7 @@ Json index_json(const std::string& save_id, int world,
 // save's index is in place, so none is being written). Failures only warn: the new set is
 // complete already.
 void remove_stale_files(const std::string& dir, const std::string& keep_id) {
-  // Also the temp files an interrupted atomic write leaves (nn/atomic_file.h names them
+  // Also the temp files an interrupted atomic write leaves (nn/io/atomic_file.h names them
   // ".<target>.tmp-*").
   static const std::regex rank_file(R"(\.?([0-9a-f]{16})\.rank[0-9]+\.safetensors(\.tmp-.*)?)");
   static const std::regex index_temp(R"(\.index\.json\.tmp-.*)");

@@ -19,8 +19,8 @@
 #include <xxhash.h>
 
 #include <ember/distributed/checkpoint/detail/sharded_checkpoint.h>
-#include <ember/nn/serialize.h>
-#include <ember/tensor/creation.h>
+#include <ember/nn/io/serialize.h>
+#include <ember/tensor/ops/creation.h>
 
 namespace ember::dist {
 

@@ -5,7 +5,7 @@
 #include <sstream>
 
 #include <ember/distributed/detail/half_kernels.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
 
 namespace ember::dist {

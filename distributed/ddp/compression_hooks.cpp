@@ -7,7 +7,7 @@
 #include <numeric>
 
 #include <ember/distributed/ddp/detail/state_entries.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/trace.h>
 

@@ -9,7 +9,7 @@
 #include <ember/distributed/ddp/detail/reducer.h>
 #include <ember/distributed/debug/debug.h>
 #include <ember/distributed/init.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>
 

@@ -4,7 +4,7 @@
 #include <iterator>
 #include <sstream>
 
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 
 namespace ember::dist::detail {
 

@@ -7,9 +7,9 @@
 #include <ember/distributed/ddp/detail/state_entries.h>
 #include <ember/distributed/environment.h>
 #include <ember/distributed/init.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
-#include <ember/tensor/indexing.h>
+#include <ember/tensor/ops/indexing.h>
 #include <ember/tensor/log.h>
 
 namespace ember::dist {

@@ -18,12 +18,12 @@
 #include <cstring>
 
 #include <ember/distributed/ddp/detail/state_entries.h>
-#include <ember/tensor/creation.h>
-#include <ember/tensor/elementwise.h>
+#include <ember/tensor/ops/creation.h>
+#include <ember/tensor/ops/elementwise.h>
 #include <ember/tensor/grad_mode.h>
-#include <ember/tensor/linalg.h>
-#include <ember/tensor/random.h>
-#include <ember/tensor/reduce.h>
+#include <ember/tensor/ops/linalg.h>
+#include <ember/tensor/ops/random.h>
+#include <ember/tensor/ops/reduce.h>
 
 namespace ember::dist {
 

@@ -5,7 +5,7 @@
 #include <utility>
 
 #include <ember/autograd/engine.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/trace.h>
 

@@ -6,7 +6,7 @@
 #include <utility>
 
 #include <ember/distributed/ddp/detail/reducer.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/log.h>
 

@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <sstream>
 
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 
 namespace ember::dist {
 

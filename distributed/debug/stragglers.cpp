@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstdio>
 
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::dist {

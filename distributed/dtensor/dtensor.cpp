@@ -25,7 +25,7 @@
 
 #include <ember/autograd/function.h>
 #include <ember/distributed/dtensor/detail/dtensor_impl.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::dist {

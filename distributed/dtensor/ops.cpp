@@ -9,10 +9,10 @@
 #include <ember/autograd/function.h>
 #include <ember/distributed/dtensor/detail/dtensor_impl.h>
 #include <ember/nn/functional.h>
-#include <ember/tensor/creation.h>
-#include <ember/tensor/indexing.h>
+#include <ember/tensor/ops/creation.h>
+#include <ember/tensor/ops/indexing.h>
 #include <ember/tensor/ops.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/random.h>
 
 namespace ember::dist {
 

@@ -4,8 +4,8 @@
 
 #include <ember/autograd/function.h>
 #include <ember/distributed/functional/collectives.h>
-#include <ember/tensor/creation.h>
-#include <ember/tensor/indexing.h>
+#include <ember/tensor/ops/creation.h>
+#include <ember/tensor/ops/indexing.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::dist {

@@ -21,7 +21,7 @@
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/p2p.h>
 #include <ember/distributed/sharding/fsdp.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/trace.h>

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 
 namespace ember::dist::detail {
 

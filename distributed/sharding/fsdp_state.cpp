@@ -9,7 +9,7 @@
 #include <unordered_set>
 
 #include <ember/distributed/sharding/detail/fsdp_unit.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>
 

@@ -11,7 +11,7 @@
 #include <ember/distributed/init.h>
 #include <ember/distributed/sharding/detail/byte_exchange.h>
 #include <ember/distributed/sharding/detail/zero_overlap.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::dist {

@@ -5,9 +5,9 @@
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/errors.h>
 #include <ember/distributed/sharding/detail/zero_overlap.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
-#include <ember/tensor/indexing.h>
+#include <ember/tensor/ops/indexing.h>
 
 namespace ember::dist::detail {
 

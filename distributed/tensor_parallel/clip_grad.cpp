@@ -6,7 +6,7 @@
 
 #include <ember/distributed/dtensor/dtensor.h>
 #include <ember/distributed/sharding/fsdp.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>
 

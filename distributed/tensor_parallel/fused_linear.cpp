@@ -17,9 +17,9 @@
 #include <ember/autograd/function.h>
 #include <ember/nn/functional.h>
 #include <ember/tensor/autocast.h>
-#include <ember/tensor/creation.h>
-#include <ember/tensor/indexing.h>
-#include <ember/tensor/linalg.h>
+#include <ember/tensor/ops/creation.h>
+#include <ember/tensor/ops/indexing.h>
+#include <ember/tensor/ops/linalg.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::dist::detail {

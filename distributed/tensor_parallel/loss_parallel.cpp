@@ -1,8 +1,8 @@
 #include <ember/distributed/tensor_parallel/loss_parallel.h>
 
 #include <ember/distributed/functional/collectives.h>
-#include <ember/tensor/creation.h>
-#include <ember/tensor/indexing.h>
+#include <ember/tensor/ops/creation.h>
+#include <ember/tensor/ops/indexing.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::dist::loss_parallel {

@@ -1,12 +1,12 @@
 // GradScaler: PyTorch 1.13's algorithm (torch/cuda/amp/grad_scaler.py and the
-// _amp_update_scale_ kernel), with the unscale fused per gradient (tensor/amp.h).
+// _amp_update_scale_ kernel), with the unscale fused per gradient (tensor/ops/amp.h).
 #include <ember/nn/amp/grad_scaler.h>
 
 #include <cmath>
 
 #include <ember/nn/optim/optimizer.h>
-#include <ember/tensor/amp.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/amp.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/error.h>
 #include <ember/tensor/grad_mode.h>
 

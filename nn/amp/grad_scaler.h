@@ -14,7 +14,7 @@
 //
 // The loss is multiplied by the scale before backward so small float16 gradients do not flush
 // to zero; unscale_ divides the gradients by it again in one fused pass that also detects inf
-// and NaN (tensor/amp.h). Data parallel: see GradScalerOptions::found_inf_sync and
+// and NaN (tensor/ops/amp.h). Data parallel: see GradScalerOptions::found_inf_sync and
 // docs/mixed_precision.md.
 #pragma once
 

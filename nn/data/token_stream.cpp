@@ -18,8 +18,8 @@
 #include <sstream>
 #include <utility>
 
-#include <ember/nn/atomic_file.h>
-#include <ember/tensor/creation.h>
+#include <ember/nn/io/atomic_file.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/error.h>
 
 namespace ember::nn::data {

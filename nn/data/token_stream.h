@@ -55,7 +55,7 @@ inline constexpr int64_t kLlmcHeaderBytes = 256 * 4;
 /// shorter file). Reads 4 bytes; says nothing about the rest (TokenFile checks it).
 bool is_llmc_token_file(const std::string& path);
 
-/// Writes `count` tokens in llm.c's format to `path`, atomically (nn/atomic_file.h): the
+/// Writes `count` tokens in llm.c's format to `path`, atomically (nn/io/atomic_file.h): the
 /// header, then token(0), ..., token(count - 1), streamed (nothing of the size of the file is
 /// held in memory). Throws ValueError for count < 1, count > INT32_MAX (the header's field)
 /// or a token outside [0, 65535], ember::Error when the file cannot be written.
@@ -79,7 +79,7 @@ std::string prepare_synthetic_token_file(const std::string& cache_dir, int64_t v
 /// modification time, recorded in "<token file>.source": another folder's file of the same name
 /// or an edited one is rebuilt, never reused); returns its path, "<cache_dir>/<source file
 /// name>.tokens". The file holds one uint8 token per byte, nothing else. It is written
-/// atomically (nn/atomic_file.h), so ranks that build it at once each write the same bytes and
+/// atomically (nn/io/atomic_file.h), so ranks that build it at once each write the same bytes and
 /// no reader ever sees half a file. Throws ValueError as read_prose does, or ember::Error when
 /// the cache directory cannot be created or written. A source in llm.c's format is already a
 /// token file: its own path is returned and nothing is written to the cache.

@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include <ember/tensor/optim.h>
+#include <ember/tensor/ops/optim.h>
 
 namespace ember::nn::optim {
 
@@ -100,7 +100,7 @@ void Adam::step() {
       args.amsgrad = amsgrad;
       args.maximize = maximize;
       args.decoupled = decoupled_;
-      // One fused pass over p, g and the moments (tensor/optim.h); the same values as the
+      // One fused pass over p, g and the moments (tensor/ops/optim.h); the same values as the
       // op chain of PyTorch's single-tensor Adam.
       ember::detail::adam_update_(p, grad_in, *exp_avg, *exp_avg_sq,
                                   max_sq ? *max_sq : Tensor(), args);

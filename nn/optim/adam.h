@@ -38,7 +38,7 @@ struct AdamWOptions {
 ///   denom = sqrt(v) / sqrt(1 - beta2^t) + eps
 ///   p -= lr / (1 - beta1^t) * m / denom
 /// State per parameter: "step" (a float32 scalar on the CPU), "exp_avg", "exp_avg_sq" and,
-/// with amsgrad, "max_exp_avg_sq". A step is one fused pass per parameter (tensor/optim.h:
+/// with amsgrad, "max_exp_avg_sq". A step is one fused pass per parameter (tensor/ops/optim.h:
 /// reads the parameter, gradient and moments once, writes them once, allocates nothing) when
 /// they are contiguous and of one dtype, else a chain of in-place tensor ops.
 class Adam : public Optimizer {

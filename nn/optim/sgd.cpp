@@ -1,6 +1,6 @@
 #include <ember/nn/optim/sgd.h>
 
-#include <ember/tensor/optim.h>
+#include <ember/tensor/ops/optim.h>
 
 namespace ember::nn::optim {
 
@@ -67,7 +67,7 @@ void SGD::step() {
         }
         buf = *found;
       }
-      // One fused pass over p, g and the buffer (tensor/optim.h).
+      // One fused pass over p, g and the buffer (tensor/ops/optim.h).
       ember::detail::sgd_update_(p, grad, buf, args);
     }
   }

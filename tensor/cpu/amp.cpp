@@ -1,4 +1,4 @@
-// CPU kernel of the fused unscale (tensor/amp.h), with the math of tensor/detail/amp_kernels.h.
+// CPU kernel of the fused unscale (tensor/ops/amp.h), with the math of tensor/detail/amp_kernels.h.
 #include <ember/tensor/detail/amp_kernels.h>
 #include <ember/tensor/dtype.h>
 

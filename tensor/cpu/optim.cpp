@@ -1,4 +1,4 @@
-// CPU kernels of the fused optimizer updates (tensor/optim.h): one pass over the parameter and
+// CPU kernels of the fused optimizer updates (tensor/ops/optim.h): one pass over the parameter and
 // its state, with the math of tensor/detail/optim_kernels.h.
 #include <algorithm>
 #include <cmath>

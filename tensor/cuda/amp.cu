@@ -1,4 +1,4 @@
-// CUDA kernel of the fused unscale (tensor/amp.h): a grid-stride loop applying the functor of
+// CUDA kernel of the fused unscale (tensor/ops/amp.h): a grid-stride loop applying the functor of
 // tensor/detail/amp_kernels.h, so the GPU runs the math the CPU tests check. Threads that see a
 // non-finite value all store 1.0f into the flag; the race is benign (same value, as in torch).
 #include <ember/tensor/cuda/loops.cuh>

@@ -29,7 +29,7 @@ namespace {
 using cuda::detail::DeviceGuard;
 using cuda_loops::stream_of;
 
-constexpr int kMaxHeadDim = 128;  // must match kCudaMaxHeadDim in tensor/attention.cpp
+constexpr int kMaxHeadDim = 128;  // must match kCudaMaxHeadDim in tensor/ops/attention.cpp
 constexpr int kChunks = kMaxHeadDim / 32;
 constexpr int kKeys = 32;
 constexpr int kFwdWarps = 4, kRowsPerWarp = 4, kFwdRows = kFwdWarps * kRowsPerWarp;

@@ -24,7 +24,7 @@
 #include <tuple>
 #include <unordered_map>
 
-#include <ember/tensor/attention.h>
+#include <ember/tensor/ops/attention.h>
 #include <ember/tensor/cuda/check.h>
 #include <ember/tensor/cuda/cudnn_handle.h>
 #include <ember/tensor/detail/attention_kernels.h>

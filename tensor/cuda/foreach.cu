@@ -1,4 +1,4 @@
-// Multi-tensor CUDA kernels of tensor/foreach.h.
+// Multi-tensor CUDA kernels of tensor/ops/foreach.h.
 //
 // Note [Multi-tensor launches]
 // A launch's arguments carry a Batch: up to kMaxTensors tensors (data pointer, element count)

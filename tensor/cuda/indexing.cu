@@ -20,7 +20,7 @@
 #include <optional>
 #include <string>
 
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/cuda/loops.cuh>
 #include <ember/tensor/detail/indexing_kernels.h>

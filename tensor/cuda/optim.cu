@@ -1,4 +1,4 @@
-// CUDA kernels of the fused optimizer updates (tensor/optim.h): a grid-stride loop applying the
+// CUDA kernels of the fused optimizer updates (tensor/ops/optim.h): a grid-stride loop applying the
 // functors of tensor/detail/optim_kernels.h, so the GPU runs the math the CPU tests check.
 #include <ember/tensor/cuda/loops.cuh>
 #include <ember/tensor/detail/optim_kernels.h>

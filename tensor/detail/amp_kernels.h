@@ -1,6 +1,6 @@
 // The fused found-inf check and unscale behind GradScaler (nn/amp/grad_scaler.h): the
 // per-element math as a __host__ __device__ functor shared by the CPU loop (cpu/amp.cpp) and
-// the CUDA kernel (cuda/amp.cu), and the backend entry points tensor/amp.cpp calls.
+// the CUDA kernel (cuda/amp.cu), and the backend entry points tensor/ops/amp.cpp calls.
 #pragma once
 
 #include <math.h>

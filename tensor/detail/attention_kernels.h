@@ -1,5 +1,5 @@
 // Fused scaled-dot-product attention kernels (flash-attention style), one per backend:
-// tensor/cpu/attention.cpp and tensor/cuda/attention.cu. The front end (tensor/attention.cpp)
+// tensor/cpu/attention.cpp and tensor/cuda/attention.cu. The front end (tensor/ops/attention.cpp)
 // validates, lays the operands out for the kernel (below), turns a bool mask into an additive one
 // and draws the dropout seed, so kernels only assert; the autograd node is in
 // autograd/functions_nn.cpp.

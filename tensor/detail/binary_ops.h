@@ -8,7 +8,7 @@
 // tensor-tensor and tensor-scalar (elementwise_dispatch.h), the compute dtype (elementwise.cpp),
 // the front-end definitions of the Plain rows, and autograd's backward nodes ("<Op>Backward",
 // autograd/functions_elementwise.cpp), which save what the row says. Adding a binary op with its
-// gradient: a row and a functor here, a declaration in tensor/elementwise.h, a test
+// gradient: a row and a functor here, a declaration in tensor/ops/elementwise.h, a test
 // (docs/autograd.md, "Adding an op").
 //
 // Internal: included by the kernels (.cu too), so it pulls in declarations only.
@@ -19,7 +19,7 @@
 
 #include <ember/tensor/detail/functors.h>
 #include <ember/tensor/detail/unary_ops.h>
-#include <ember/tensor/elementwise.h>
+#include <ember/tensor/ops/elementwise.h>
 
 namespace ember::detail {
 

@@ -1,5 +1,6 @@
-// Backend kernels behind tensor/conv.h (internal). The front end (tensor/conv.cpp) validates,
-// computes output sizes, makes operands contiguous NCHW and allocates; these only compute.
+// Backend kernels behind tensor/ops/conv.h (internal). The front end (tensor/ops/conv.cpp)
+// validates, computes output sizes, makes operands contiguous NCHW and allocates; these only
+// compute.
 //
 // The pooling math is written once here as __host__ __device__ functions of one output (or,
 // for the backward passes, one input) element: cpu/pool.cpp and cuda/pool.cu both call them,

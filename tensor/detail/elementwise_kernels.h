@@ -1,4 +1,4 @@
-// Backend kernels behind tensor/elementwise.h (internal). The front end (elementwise.cpp) has
+// Backend kernels behind tensor/ops/elementwise.h (internal). The front end (elementwise.cpp) has
 // already validated everything: operands are on the kernel's device, `out` has the broadcast
 // shape of the inputs, the inputs have the compute dtype, and `out` has the compute dtype (or
 // bool for comparisons, logical ops and logical_not). Inputs may be any strided or broadcast

@@ -1,5 +1,5 @@
 // Backend kernels behind gather, index_select, embedding, scatter_add, index_add_ and one_hot
-// (internal). The front end (tensor/indexing.cpp) validates and then describes every op as one
+// (internal). The front end (tensor/ops/indexing.cpp) validates and then describes every op as one
 // of two loops over "restrided" views, as PyTorch's TensorIterator-based index kernels do:
 //
 //   gather:  out[p] = src_r[p + index_r[p] * src_dim_stride]

@@ -1,5 +1,5 @@
-// Backend kernels behind tensor/linalg.h (internal). The front end (tensor/linalg.cpp) validates,
-// broadcasts and allocates; these only multiply.
+// Backend kernels behind tensor/ops/linalg.h (internal). The front end (tensor/ops/linalg.cpp)
+// validates, broadcasts and allocates; these only multiply.
 #pragma once
 
 #include <ember/tensor/tensor.h>

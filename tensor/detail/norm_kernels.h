@@ -1,5 +1,5 @@
 // Fused layer-norm kernels over rows (internal): used by the front end layer_norm
-// (tensor/norm.cpp) and its backward node (autograd/functions_nn.cpp), on the CPU and on CUDA.
+// (tensor/ops/norm.cpp) and its backward node (autograd/functions_nn.cpp), on the CPU and on CUDA.
 //
 // x is viewed as [rows, n] (contiguous); weight and bias are [n] or undefined. Statistics are
 // accumulated in double, so float32 results match a float64 reference to float rounding.
@@ -31,7 +31,7 @@ void layer_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& m
                               const Tensor& dweight, const Tensor& dbias);
 
 /// xhat = (x - mean) * rstd over the last normalized_dims dims, and rstd (dims kept): what
-/// layer_norm's tensor-op paths compute, recorded when grad mode is on (tensor/norm.cpp).
+/// layer_norm's tensor-op paths compute, recorded when grad mode is on (tensor/ops/norm.cpp).
 struct LayerNormStats {
   Tensor xhat, rstd;
 };

@@ -1,6 +1,6 @@
-// Fused optimizer updates behind tensor/optim.h (internal): the per-element math of one Adam or
+// Fused optimizer updates behind tensor/ops/optim.h (internal): the per-element math of one Adam or
 // SGD step as __host__ __device__ functors shared by the CPU loop (cpu/optim.cpp) and the CUDA
-// kernel (cuda/optim.cu), and the backend entry points the front end (tensor/optim.cpp) calls.
+// kernel (cuda/optim.cu), and the backend entry points the front end (tensor/ops/optim.cpp) calls.
 //
 // Note [Fused optimizer arithmetic]
 // Each functor reproduces, element by element and in the same order, the tensor ops of
@@ -16,7 +16,7 @@
 #include <cstdint>
 
 #include <ember/tensor/half.h>
-#include <ember/tensor/optim.h>
+#include <ember/tensor/ops/optim.h>
 #include <ember/tensor/tensor.h>
 
 namespace ember::detail {

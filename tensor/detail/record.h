@@ -21,11 +21,11 @@
 #include <utility>
 #include <variant>
 
-#include <ember/tensor/conv.h>
+#include <ember/tensor/ops/conv.h>
 #include <ember/tensor/detail/attention_kernels.h>
 #include <ember/tensor/detail/elementwise_kernels.h>
 #include <ember/tensor/grad_mode.h>
-#include <ember/tensor/loss.h>
+#include <ember/tensor/ops/loss.h>
 #include <ember/tensor/tensor.h>
 
 namespace ember {
@@ -218,7 +218,7 @@ struct LayerNormAttrs {
   double eps = 1e-5;
   Tensor mean, rstd;
 };
-/// The fused 2-d cross_entropy (Note [Fused cross_entropy] in tensor/loss.cpp).
+/// The fused 2-d cross_entropy (Note [Fused cross_entropy] in tensor/ops/loss.cpp).
 struct CrossEntropyAttrs {
   Reduction reduction = Reduction::kMean;
   double label_smoothing = 0;

@@ -1,6 +1,6 @@
-// Kernels behind tensor/reduce.h (internal): the reduction geometry, the per-element math of
+// Kernels behind tensor/ops/reduce.h (internal): the reduction geometry, the per-element math of
 // every reduction as __host__ __device__ functors shared by the CPU and CUDA engines, and the
-// backend entry points the front end (tensor/reduce.cpp, tensor/softmax.cpp) dispatches to.
+// backend entry points the front end (tensor/ops/reduce.cpp, tensor/ops/softmax.cpp) dispatches to.
 //
 // Note [Reduction geometry]
 // A reduction maps an input of any strides onto a contiguous output laid out like the input

@@ -6,16 +6,16 @@
 // the kernel enum UnaryOp and its dtype dispatch (elementwise_dispatch.h), the front-end
 // definitions (elementwise.cpp) and autograd's backward nodes ("<Op>Backward",
 // autograd/functions_elementwise.cpp). Adding a unary op with its gradient: a row and a functor
-// here, a declaration in tensor/elementwise.h, a test (docs/autograd.md, "Adding an op").
+// here, a declaration in tensor/ops/elementwise.h, a test (docs/autograd.md, "Adding an op").
 //
 // Internal: included by the kernels (.cu too), so it pulls in declarations only.
 #pragma once
 
 #include <cstdint>
 
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/detail/functors.h>
-#include <ember/tensor/elementwise.h>
+#include <ember/tensor/ops/elementwise.h>
 #include <ember/tensor/grad_mode.h>
 
 namespace ember::detail {

@@ -1,4 +1,4 @@
-// Backward rules of convolution and pooling (tensor/conv.h, autograd/functions_conv.cpp):
+// Backward rules of convolution and pooling (tensor/ops/conv.h, autograd/functions_conv.cpp):
 // gradcheck in float64, the error for double backward (the backward kernels are not
 // differentiable), values against PyTorch, float32 gradients, and CUDA against CPU.
 #include <gtest/gtest.h>

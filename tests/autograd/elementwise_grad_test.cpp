@@ -1,5 +1,5 @@
 // Backward rules of the element-wise ops (autograd/functions_elementwise.cpp) and the recording
-// front ends in tensor/elementwise.cpp: gradcheck over plain, broadcast and non-contiguous
+// front ends in tensor/ops/elementwise.cpp: gradcheck over plain, broadcast and non-contiguous
 // inputs, second derivatives, PyTorch's values and subgradients, in-place ops, CUDA vs CPU.
 #include <gtest/gtest.h>
 

@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <ember/autograd/autograd.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/trace.h>
 

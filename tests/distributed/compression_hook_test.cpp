@@ -20,9 +20,9 @@
 #include <ember/nn/flatten.h>
 #include <ember/nn/optim/sgd.h>
 #include <ember/nn/pooling.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/random.h>
 #include <ember/tensor/trace.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/threads_test_util.h"

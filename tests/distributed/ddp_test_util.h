@@ -21,7 +21,7 @@
 #include <ember/nn/module.h>
 #include <ember/nn/pooling.h>
 #include <ember/tensor/ops.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/random.h>
 #include "tests/distributed/store_test_util.h"
 
 namespace ember::test {

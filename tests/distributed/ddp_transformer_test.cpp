@@ -16,7 +16,7 @@
 #include <ember/nn/linear.h>
 #include <ember/nn/optim/sgd.h>
 #include <ember/nn/transformer.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/random.h>
 #include "tests/distributed/ddp_test_util.h"
 
 namespace ember::dist {

@@ -11,7 +11,7 @@
 #include <ember/distributed/backends/process_group_threads.h>
 #include <ember/distributed/init.h>
 #include <ember/distributed/store/tcp_store.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/store_test_util.h"
 

@@ -12,9 +12,9 @@
 #include <ember/distributed/functional/collectives.h>
 #include <ember/distributed/init.h>
 #include <ember/nn/nn.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/random.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/dtensor_test_util.h"
 #include "tests/distributed/store_test_util.h"

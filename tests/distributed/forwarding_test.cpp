@@ -17,7 +17,7 @@
 #include <ember/distributed/debug/debug.h>
 #include <ember/distributed/debug/delaying_group.h>
 #include <ember/nn/nn.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/cuda.h>
 #include "tests/distributed/threads_test_util.h"
 

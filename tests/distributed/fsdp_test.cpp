@@ -15,14 +15,14 @@
 #include <ember/distributed/checkpoint/model_checkpoint.h>
 #include <ember/distributed/checkpoint/sharded_checkpoint.h>
 #include <ember/nn/activation_checkpoint.h>
-#include <ember/nn/checkpoint.h>
+#include <ember/nn/io/checkpoint.h>
 #include <ember/nn/clip_grad.h>
 #include <ember/nn/functional.h>
 #include <ember/nn/linear.h>
 #include <ember/nn/norm.h>
 #include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
-#include <ember/nn/serialize.h>
+#include <ember/nn/io/serialize.h>
 #include <ember/tensor/allocator.h>
 #include <ember/tensor/threading.h>
 #include "tests/distributed/ddp_test_util.h"

@@ -14,7 +14,7 @@
 #include <ember/nn/norm.h>
 #include <ember/nn/optim/adam.h>
 #include <ember/tensor/ops.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/random.h>
 #include "tests/distributed/ddp_test_util.h"
 
 namespace ember::test {

@@ -24,9 +24,9 @@
 #include <ember/distributed/tensor_parallel/loss_parallel.h>
 #include <ember/nn/amp/autocast.h>
 #include <ember/nn/nn.h>
-#include <ember/tensor/creation.h>
-#include <ember/tensor/indexing.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/creation.h>
+#include <ember/tensor/ops/indexing.h>
+#include <ember/tensor/ops/random.h>
 #include "examples/gpt_model.h"
 #include "examples/gpt_parallel.h"
 #include "tests/distributed/ddp_test_util.h"

@@ -14,7 +14,7 @@
 #include <ember/distributed/ddp/hook_registry.h>
 #include <ember/distributed/init.h>
 #include <ember/nn/linear.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include "tests/distributed/threads_test_util.h"
 
 namespace ember::dist {

@@ -14,7 +14,7 @@
 #include <ember/distributed/detail/unavailable_backend.h>
 #include <ember/distributed/store/hash_store.h>
 #include <ember/distributed/store/tcp_store.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/cuda.h>
 #include "tests/distributed/store_test_util.h"
 

@@ -12,11 +12,11 @@
 #include <ember/nn/functional.h>
 #include <ember/nn/linear.h>
 #include <ember/nn/optim/sgd.h>
-#include <ember/tensor/creation.h>
-#include <ember/tensor/elementwise.h>
+#include <ember/tensor/ops/creation.h>
+#include <ember/tensor/ops/elementwise.h>
 #include <ember/tensor/grad_mode.h>
-#include <ember/tensor/indexing.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/indexing.h>
+#include <ember/tensor/ops/random.h>
 #include <gtest/gtest.h>
 
 #include <chrono>

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include <ember/distributed/p2p.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops.h>
 #include "tests/distributed/store_test_util.h"
 

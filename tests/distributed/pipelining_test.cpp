@@ -19,7 +19,7 @@
 #include <ember/nn/functional.h>
 #include <ember/nn/linear.h>
 #include <ember/nn/optim/adam.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>
 #include "tests/distributed/ddp_test_util.h"

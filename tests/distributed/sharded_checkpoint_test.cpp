@@ -17,8 +17,8 @@
 
 #include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/checkpoint/sharded_checkpoint.h>
-#include <ember/nn/serialize.h>
-#include <ember/tensor/creation.h>
+#include <ember/nn/io/serialize.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/store_test_util.h"

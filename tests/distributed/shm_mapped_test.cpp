@@ -7,7 +7,7 @@
 #include <ember/distributed/backends/detail/shareable.h>
 #include <ember/distributed/backends/detail/shm_kernels.h>
 #include <ember/distributed/backends/shareable.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <gtest/gtest.h>
 #include <linux/capability.h>
 #include <sys/prctl.h>

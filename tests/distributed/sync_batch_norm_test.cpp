@@ -22,8 +22,8 @@
 #include <ember/nn/functional.h>
 #include <ember/nn/linear.h>
 #include <ember/nn/optim/sgd.h>
-#include <ember/tensor/creation.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/creation.h>
+#include <ember/tensor/ops/random.h>
 #include "tests/distributed/ddp_test_util.h"
 #include "tests/distributed/store_test_util.h"
 

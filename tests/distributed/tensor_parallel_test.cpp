@@ -15,9 +15,9 @@
 #include <ember/distributed/init.h>
 #include <ember/distributed/tensor_parallel/loss_parallel.h>
 #include <ember/nn/nn.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/random.h>
 #include "examples/gpt_model.h"
 #include "examples/gpt_parallel.h"
 #include "tests/distributed/ddp_test_util.h"

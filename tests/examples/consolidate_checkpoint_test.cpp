@@ -8,8 +8,8 @@
 
 #include <ember/distributed/backends/process_group_threads.h>
 #include <ember/distributed/checkpoint/sharded_checkpoint.h>
-#include <ember/nn/serialize.h>
-#include <ember/tensor/creation.h>
+#include <ember/nn/io/serialize.h>
+#include <ember/tensor/ops/creation.h>
 #include "cmake/build_paths.h"
 #include "tests/examples/example_test_util.h"
 

@@ -14,9 +14,9 @@
 #include <ember/distributed/init.h>
 #include <ember/nn/linear.h>
 #include <ember/nn/optim/adam.h>
-#include <ember/nn/serialize.h>
-#include <ember/tensor/creation.h>
-#include <ember/tensor/elementwise.h>
+#include <ember/nn/io/serialize.h>
+#include <ember/tensor/ops/creation.h>
+#include <ember/tensor/ops/elementwise.h>
 #include <ember/tensor/grad_mode.h>
 #include "cmake/build_paths.h"
 #include "examples/gpt_hf.h"

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include <ember/distributed/checkpoint/sharded_checkpoint.h>
-#include <ember/nn/serialize.h>
+#include <ember/nn/io/serialize.h>
 #include "cmake/build_paths.h"
 #include "tests/examples/example_test_util.h"
 

@@ -16,11 +16,11 @@
 #include <ember/tensor/grad_mode.h>
 #include <ember/nn/functional.h>
 #include <ember/nn/optim/adam.h>
-#include <ember/nn/serialize.h>
-#include <ember/tensor/creation.h>
-#include <ember/tensor/elementwise.h>
+#include <ember/nn/io/serialize.h>
+#include <ember/tensor/ops/creation.h>
+#include <ember/tensor/ops/elementwise.h>
 #include <ember/tensor/error.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/random.h>
 #include "cmake/build_paths.h"
 #include "examples/gpt_hf.h"
 #include "tests/examples/example_test_util.h"

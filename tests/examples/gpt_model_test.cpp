@@ -6,9 +6,9 @@
 #include <string>
 #include <vector>
 
-#include <ember/tensor/creation.h>
-#include <ember/tensor/elementwise.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/creation.h>
+#include <ember/tensor/ops/elementwise.h>
+#include <ember/tensor/ops/random.h>
 #include "examples/gpt_model.h"
 
 namespace {

@@ -15,7 +15,7 @@
 
 #include <ember/distributed/checkpoint/sharded_checkpoint.h>
 #include <ember/nn/data/token_stream.h>
-#include <ember/nn/serialize.h>
+#include <ember/nn/io/serialize.h>
 #include <ember/tensor/cuda.h>
 #include "cmake/build_paths.h"
 #include "tests/examples/example_test_util.h"

@@ -6,7 +6,7 @@
 #include <filesystem>
 #include <string>
 
-#include <ember/nn/serialize.h>
+#include <ember/nn/io/serialize.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/version.h>
 #include "cmake/build_paths.h"

@@ -12,8 +12,8 @@
 #include <regex>
 #include <string>
 
-#include <ember/nn/serialize.h>
-#include <ember/tensor/creation.h>
+#include <ember/nn/io/serialize.h>
+#include <ember/tensor/ops/creation.h>
 #include "cmake/build_paths.h"
 #include "tests/examples/example_test_util.h"
 

@@ -21,7 +21,7 @@
 #include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/backends/process_group_hierarchical.h>
 #include <ember/distributed/init.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 
 int main(int argc, char** argv) {
   if (argc < 2) return 2;

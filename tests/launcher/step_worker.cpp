@@ -23,7 +23,7 @@
 #include <string>
 
 #include <ember/distributed/init.h>
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 
 namespace {
 

@@ -16,7 +16,7 @@
 #include <ember/tensor/allocator.h>
 #include <ember/tensor/autocast.h>
 #include <ember/tensor/cuda.h>
-#include <ember/tensor/random.h>
+#include <ember/tensor/ops/random.h>
 #include "tests/autograd/grad_util.h"
 
 namespace ember::nn {

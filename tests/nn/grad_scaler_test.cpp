@@ -1,7 +1,7 @@
 // GradScaler (nn/amp/grad_scaler.h) against PyTorch 1.13's GradScaler. torch 1.13's scaler
 // runs on CUDA only, so the expectations are derived by hand from its documented algorithm
 // (torch/cuda/amp/grad_scaler.py and _amp_update_scale_): scale sequences, skipped steps, the
-// errors it raises, state_dict keys; plus the fused unscale kernel (tensor/amp.h) per dtype.
+// errors it raises, state_dict keys; plus the fused unscale kernel (tensor/ops/amp.h) per dtype.
 #include <ember/nn/amp/grad_scaler.h>
 
 #include <gtest/gtest.h>
@@ -11,7 +11,7 @@
 
 #include <ember/nn/amp/autocast.h>
 #include <ember/nn/optim/sgd.h>
-#include <ember/tensor/amp.h>
+#include <ember/tensor/ops/amp.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::nn::amp {

@@ -1,5 +1,5 @@
-// nn/hf_checkpoint.h: Hugging Face's directory layout, one file or sharded, and its refusals.
-#include <ember/nn/hf_checkpoint.h>
+// nn/io/hf_checkpoint.h: Hugging Face's directory layout, one file or sharded, and its refusals.
+#include <ember/nn/io/hf_checkpoint.h>
 
 #include <gtest/gtest.h>
 
@@ -7,8 +7,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include <ember/nn/serialize.h>
-#include <ember/tensor/creation.h>
+#include <ember/nn/io/serialize.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/error.h>
 #include <ember/tensor/ops.h>
 

@@ -15,8 +15,8 @@
 #include <ember/nn/clip_grad.h>
 #include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
-#include <ember/nn/serialize.h>
-#include <ember/tensor/foreach.h>
+#include <ember/nn/io/serialize.h>
+#include <ember/tensor/ops/foreach.h>
 #include "tests/tensor/test_util.h"
 
 namespace ember::nn::optim {

@@ -1,7 +1,7 @@
 // Checkpoints: atomic file replacement and the safetensors format (round trips, the exact
 // layout, rejection of malformed files, fuzzed inputs, and interop with an independent Python
 // reader/writer, tests/nn/safetensors_reader.py, run under Debian's /usr/bin/python3 + torch).
-#include <ember/nn/serialize.h>
+#include <ember/nn/io/serialize.h>
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -27,7 +27,7 @@
 #include <thread>
 #include <vector>
 
-#include <ember/nn/atomic_file.h>
+#include <ember/nn/io/atomic_file.h>
 #include <ember/tensor/cuda.h>
 #include "cmake/build_paths.h"
 #include "tests/temp_dir.h"

@@ -1,7 +1,7 @@
 // nn::SummaryWriter: what it writes is read back by an independent reader
 // (tests/nn/tfevents_reader.py: its own framing and CRC32C checks, Google's protobuf runtime with
 // descriptors built from TensorFlow's field numbers), plus ranks, folders and errors.
-#include <ember/nn/summary_writer.h>
+#include <ember/nn/io/summary_writer.h>
 
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/error.h>
 #include "tests/examples/example_test_util.h"

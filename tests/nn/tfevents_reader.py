@@ -7,7 +7,7 @@ bytes, the data, uint32 masked CRC32C of the data; mask(c) = ((c >> 15) | (c << 
 0xa282ead8), with the CRC32C of the `crc32c` package (Debian's python3-crc32c), and the Event
 messages are decoded by Google's protobuf runtime (python3-protobuf) through descriptors built
 below from TensorFlow's field numbers (event.proto, summary.proto, tensor.proto,
-tensor_shape.proto), not from nn/tensorboard.proto, so a wrong number on either side shows.
+tensor_shape.proto), not from nn/io/tensorboard.proto, so a wrong number on either side shows.
 
 Usage (with /usr/bin/python3): tfevents_reader.py PATH...
   PATH is an event file, or a folder searched recursively for events.out.tfevents.* files.

@@ -1,4 +1,4 @@
-// scaled_dot_product_attention's front end (tensor/attention.h): the fused kernel and the math
+// scaled_dot_product_attention's front end (tensor/ops/attention.h): the fused kernel and the math
 // path against the closed form, the backend choice, and the errors. The gradients, masks,
 // dropout and PyTorch's values are tested where nn tests its attention
 // (tests/nn/attention_test.cpp), which is this op.

@@ -1,4 +1,4 @@
-// Convolution and pooling (tensor/conv.h) against naive loops written here: direct convolution,
+// Convolution and pooling (tensor/ops/conv.h) against naive loops written here: direct convolution,
 // its transpose (backward input) and weight gradient, finite differences, max pooling with index
 // tracking, average pooling (ceil mode, padding, count_include_pad), adaptive average pooling,
 // error messages, CUDA vs CPU.

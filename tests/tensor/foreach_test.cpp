@@ -1,7 +1,7 @@
-// List operations (tensor/foreach.h): total_norm against the norm of the concatenated values,
+// List operations (tensor/ops/foreach.h): total_norm against the norm of the concatenated values,
 // foreach_mul_ against mul_ per tensor; on CUDA the multi-tensor kernels against the CPU, with
 // lists long enough to take several launches and a tensor whose chunks straddle two.
-#include <ember/tensor/foreach.h>
+#include <ember/tensor/ops/foreach.h>
 
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
-// Matrix products (tensor/linalg.h) against naive loops written here: mm, bmm, addmm, mm_out and
-// matmul's shape rules (1-d promotion, batch broadcasting, folding), strided and transposed
+// Matrix products (tensor/ops/linalg.h) against naive loops written here: mm, bmm, addmm, mm_out
+// and matmul's shape rules (1-d promotion, batch broadcasting, folding), strided and transposed
 // operands, 0-sized dims, 16-bit dtypes through float32, error messages, CUDA vs CPU.
 #include <gtest/gtest.h>
 

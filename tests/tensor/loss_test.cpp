@@ -1,4 +1,4 @@
-// nll_loss and cross_entropy's front ends (tensor/loss.h): values against closed forms, the
+// nll_loss and cross_entropy's front ends (tensor/ops/loss.h): values against closed forms, the
 // fused 2-d cross_entropy against the composite path, and their errors. Gradients and the
 // options are tested where nn tests its losses (tests/nn/loss_test.cpp), which are these ops.
 #include <gtest/gtest.h>

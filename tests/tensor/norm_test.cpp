@@ -1,4 +1,4 @@
-// layer_norm's front end (tensor/norm.h): values against the closed form on the fused kernels'
+// layer_norm's front end (tensor/ops/norm.h): values against the closed form on the fused kernels'
 // path and on the tensor-op path, and its errors. Gradients are checked where nn tests its
 // LayerNorm layer (tests/nn/layers_test.cpp), which is this op.
 #include <gtest/gtest.h>

@@ -1,7 +1,7 @@
-// Fused optimizer updates (tensor/optim.h): the fused kernels against the tensor-op fallback
+// Fused optimizer updates (tensor/ops/optim.h): the fused kernels against the tensor-op fallback
 // (taken for non-contiguous tensors), which is PyTorch 1.13's single-tensor op chain and is
 // checked against PyTorch's values in tests/nn/optim_test.cpp.
-#include <ember/tensor/optim.h>
+#include <ember/tensor/ops/optim.h>
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// Reductions (tensor/reduce.h): sum, mean, prod, max/min (with indices), amax/amin,
+// Reductions (tensor/ops/reduce.h): sum, mean, prod, max/min (with indices), amax/amin,
 // argmax/argmin, var/std, norm, logsumexp, softmax/log_softmax, any/all. Expected values are
 // closed forms, naive double-precision loops written here, or PyTorch 1.13 literals.
 #include <gtest/gtest.h>

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include <ember/tensor/creation.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/error.h>
 #include <ember/tensor/tensor.h>
 

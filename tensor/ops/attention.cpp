@@ -1,0 +1,276 @@
+// scaled_dot_product_attention's front end: validation, autocast, and the choice between the
+// fused kernels (cpu/attention.cpp, cuda/attention.cu), recorded as one op whose node is in
+// autograd/functions_nn.cpp, and the math path written with recorded tensor ops.
+#include <ember/tensor/ops/attention.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+#include <ember/tensor/autocast.h>
+#include <ember/tensor/ops/creation.h>
+#include <ember/tensor/detail/attention_kernels.h>
+#include <ember/tensor/detail/record.h>
+#include <ember/tensor/ops/elementwise.h>
+#include <ember/tensor/ops/linalg.h>
+#include <ember/tensor/ops/reduce.h>
+
+namespace ember {
+
+namespace {
+
+constexpr const char* kOp = "scaled_dot_product_attention";
+
+void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& attn_mask,
+                  double dropout_p, bool is_causal) {
+  detail::check_defined(kOp, q, "query");
+  detail::check_defined(kOp, k, "key");
+  detail::check_defined(kOp, v, "value");
+  EMBER_CHECK_TYPE(TypeError, q.is_floating_point(), "[", kOp,
+                   "] expected a floating-point query, got ", q.dtype());
+  EMBER_CHECK_TYPE(TypeError, k.dtype() == q.dtype() && v.dtype() == q.dtype(), "[", kOp,
+                   "] expected query, key and value of one dtype, got ", q.dtype(), ", ", k.dtype(),
+                   " and ", v.dtype());
+  EMBER_CHECK(k.device() == q.device() && v.device() == q.device(), "[", kOp,
+              "] expected query, key and value on one device, got ", q.device(), ", ", k.device(),
+              " and ", v.device());
+  EMBER_CHECK(q.dim() >= 2 && k.dim() == q.dim() && v.dim() == q.dim(), "[", kOp,
+              "] expected query, key and value of one rank >= 2, got shapes ", q.shape(), ", ",
+              k.shape(), " and ", v.shape());
+  const int64_t n = q.dim();
+  for (int64_t d = 0; d < n - 2; ++d) {
+    EMBER_CHECK(q.size(d) == k.size(d) && q.size(d) == v.size(d), "[", kOp,
+                "] expected equal leading dims, got query ", q.shape(), ", key ", k.shape(),
+                ", value ", v.shape());
+  }
+  EMBER_CHECK(k.size(n - 1) == q.size(n - 1), "[", kOp,
+              "] last dim of key must equal last dim of query, got query ", q.shape(), ", key ",
+              k.shape());
+  EMBER_CHECK(v.size(n - 2) == k.size(n - 2), "[", kOp,
+              "] value must have as many rows as key, got key ", k.shape(), ", value ", v.shape());
+  EMBER_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "[", kOp, "] expected dropout_p in [0, 1), got ",
+              dropout_p);
+  if (attn_mask.defined()) {
+    EMBER_CHECK(!is_causal, "[", kOp, "] attn_mask and is_causal may not both be given");
+    EMBER_CHECK_TYPE(TypeError, attn_mask.dtype() == kBool || attn_mask.dtype() == q.dtype(), "[",
+                     kOp, "] expected a bool attn_mask or one of the query's dtype ", q.dtype(),
+                     ", got ", attn_mask.dtype());
+    EMBER_CHECK(attn_mask.device() == q.device(), "[", kOp, "] expected attn_mask on ", q.device(),
+                ", got ", attn_mask.device());
+  }
+}
+
+/// Inverted dropout on the attention weights, drawn as nn::functional::dropout draws in training
+/// (so the math path's masks are the same as when it was written with that function).
+Tensor drop_weights(const Tensor& weights, double p, Generator* gen) {
+  if (weights.numel() == 0) return weights;
+  Tensor mask = empty(weights.shape(), weights.options());
+  bernoulli_(mask, 1.0 - p, gen);
+  mask.div_(1.0 - p);
+  return weights * mask;
+}
+
+}  // namespace
+
+Tensor scaled_dot_product_attention_math(const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const Tensor& attn_mask, double dropout_p, bool is_causal,
+                                         std::optional<double> scale, Generator* gen) {
+  check_inputs(q, k, v, attn_mask, dropout_p, is_causal);
+  const int64_t n = q.dim();
+  const int64_t L = q.size(n - 2), S = k.size(n - 2);
+  const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(n - 1)));
+  // scores: [..., L, S]
+  Tensor scores = matmul(q, k.transpose(-2, -1)) * s;
+  Tensor mask = attn_mask;
+  if (is_causal) {
+    TensorOptions idx = TensorOptions(kInt64).device(q.device());
+    mask = ge(arange(0, L, 1, idx).unsqueeze(1), arange(0, S, 1, idx).unsqueeze(0));
+  }
+  if (mask.defined()) {
+    scores =
+        mask.dtype() == kBool ? masked_fill(scores, logical_not(mask), -INFINITY) : scores + mask;
+  }
+  Tensor weights = softmax(scores, -1);
+  if (dropout_p > 0.0) weights = drop_weights(weights, dropout_p, gen);
+  return matmul(weights, v);
+}
+
+namespace {
+
+// The fused op on operands of one dtype laid out for the kernel (Note [Attention operand
+// layouts]): runs the forward kernel and records one node, which saves out and lse
+// (AttentionAttrs) and recomputes the scores tile by tile in backward.
+Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                       const detail::AttentionParams& p) {
+  Tensor out = detail::attention_empty_like(q, p.Ev, q.dtype());
+  Tensor lse = detail::make_empty({p.batch, p.L}, q.is_cuda() ? kFloat32 : q.dtype(), q.device());
+  if (q.is_cuda()) {
+    detail::attention_forward_cuda(out, lse, q, k, v, mask, p);
+  } else {
+    detail::attention_forward_cpu(out, lse, q, k, v, mask, p);
+  }
+  if (detail::should_record(q, k, v)) {
+    detail::record<OpId::ScaledDotProductAttention>({&q, &k, &v}, {&out},
+                                                    {.params = p, .mask = mask, .lse = lse});
+  }
+  return out;
+}
+
+// Largest head dims the CUDA kernel is built for (its per-thread register tiles).
+constexpr int64_t kCudaMaxHeadDim = 128;
+
+std::atomic<SdpBackend> g_backend{SdpBackend::kAuto};
+std::atomic<bool> g_cudnn{true};
+
+// The fused kernels take this call; otherwise the math path runs: the math backend chosen, empty
+// operands, a float mask that needs a gradient, dtypes or head sizes a backend has no kernel
+// for, and on CUDA under kAuto scores that fit kAttentionMathBudgetBytes unless cuDNN's fused
+// kernel takes the call (see SdpBackend).
+bool fused_applies(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                   const detail::AttentionParams& p) {
+  const SdpBackend backend = g_backend.load(std::memory_order_relaxed);
+  if (backend == SdpBackend::kMath) return false;
+  if (q.numel() == 0 || k.numel() == 0 || v.numel() == 0) return false;
+  if (mask.defined() && mask.requires_grad()) return false;
+  if (!q.is_cuda()) return true;  // float64 and float32 natively, float16/bfloat16 via float32
+  if (q.dtype() == kFloat64 || p.E > kCudaMaxHeadDim || p.Ev > kCudaMaxHeadDim) return false;
+  if (backend == SdpBackend::kFused) return true;
+  if (detail::attention_cudnn_supported(q.dtype(), q.device(), p, mask.defined())) return true;
+  const int64_t scores = p.batch * p.L * p.S;
+  return scores * static_cast<int64_t>(q.element_size()) > kAttentionMathBudgetBytes;
+}
+
+// The additive mask (dtype `dt`) broadcast to [..., L, S], and where its elements live.
+Tensor mask_layout(const Tensor& attn_mask, const Tensor& q, Dtype dt, int64_t L, int64_t S,
+                   detail::AttentionMaskLayout* layout) {
+  const int64_t n = q.dim();
+  std::vector<int64_t> full(q.shape().begin(), q.shape().end() - 2);
+  full.push_back(L);
+  full.push_back(S);
+  bool ok = attn_mask.dim() <= n;
+  for (int64_t d = 1; ok && d <= attn_mask.dim(); ++d) {
+    const int64_t m = attn_mask.size(attn_mask.dim() - d);
+    ok = m == 1 || m == full[n - d];
+  }
+  EMBER_CHECK(ok, "[", kOp, "] attn_mask of shape ", attn_mask.shape(),
+              " does not broadcast to the scores' shape ", Shape(full));
+  Tensor m = attn_mask.dtype() == kBool
+                 ? where(attn_mask, zeros({}, TensorOptions(dt).device(q.device())), -INFINITY)
+                 : attn_mask.to(dt);
+  m = m.expand(full);
+  if (n - 2 > detail::kAttentionMaxLead) {
+    m = m.contiguous().view({-1, L, S});
+  }
+  const int64_t lead = m.dim() - 2;
+  layout->nlead = static_cast<int>(lead);
+  for (int64_t d = 0; d < lead; ++d) {
+    layout->size[d] = m.size(d);
+    layout->stride[d] = m.strides()[d];
+  }
+  layout->row_stride = m.strides()[lead];
+  layout->col_stride = m.strides()[lead + 1];
+  return m;
+}
+
+}  // namespace
+
+void set_sdp_backend(SdpBackend b) { g_backend.store(b, std::memory_order_relaxed); }
+SdpBackend sdp_backend() { return g_backend.load(std::memory_order_relaxed); }
+void enable_cudnn_sdp(bool enabled) { g_cudnn.store(enabled, std::memory_order_relaxed); }
+bool cudnn_sdp_enabled() { return g_cudnn.load(std::memory_order_relaxed); }
+
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Tensor& attn_mask, double dropout_p, bool is_causal,
+                                    std::optional<double> scale, Generator* gen) {
+  // Under autocast attention runs in the low precision, as matmul does (PyTorch's policy).
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kLowPrecision, q, k, v, attn_mask)) {
+    return scaled_dot_product_attention(ac[0], ac[1], ac[2], ac[3], dropout_p, is_causal, scale,
+                                        gen);
+  }
+  check_inputs(q, k, v, attn_mask, dropout_p, is_causal);
+  const int64_t n = q.dim();
+  detail::AttentionParams p;
+  p.L = q.size(n - 2);
+  p.S = k.size(n - 2);
+  p.E = q.size(n - 1);
+  p.Ev = v.size(n - 1);
+  p.batch = p.L * p.E > 0 ? q.numel() / (p.L * p.E) : 0;
+  p.scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(p.E));
+  p.causal = is_causal;
+  p.dropout_p = dropout_p;
+  if (!fused_applies(q, k, v, attn_mask, p)) {
+    return scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, scale, gen);
+  }
+  // The CPU kernels compute float16/bfloat16 in float32; the casts are recorded ops, so the
+  // gradients come back in the inputs' dtype.
+  const Dtype dt = !q.is_cuda() && q.dtype() != kFloat64 ? kFloat32 : q.dtype();
+  Tensor mask;
+  if (attn_mask.defined()) {
+    mask = mask_layout(attn_mask, q, dt, p.L, p.S, &p.mask);
+    p.bool_mask = attn_mask.dtype() == kBool;
+  }
+  if (dropout_p > 0.0) {
+    const Generator::Draw d = (gen != nullptr ? *gen : default_generator())
+                                  .reserve(detail::attention_dropout_counters(p));
+    p.seed = d.seed;
+    p.offset = d.offset;
+  }
+  // CUDA: contiguous, [batch, rows, cols]. CPU: as they come where the kernel can read them.
+  auto operand = [&](const Tensor& t, int64_t rows) {
+    Tensor c = t.to(dt);
+    if (detail::attention_reads_as_is(c)) return c;
+    return c.contiguous().view({p.batch, rows, t.size(n - 1)});
+  };
+  Tensor out = fused_attention(operand(q, p.L), operand(k, p.S), operand(v, p.S), mask, p);
+  if (out.dim() != n) {  // CUDA's flat [batch, L, Ev]
+    std::vector<int64_t> shape(q.shape().begin(), q.shape().end() - 1);
+    shape.push_back(p.Ev);
+    out = out.view(shape);
+  }
+  return out.to(q.dtype());
+}
+
+namespace detail {
+
+bool attention_rows_ok(const Tensor& t) {
+  const int64_t n = t.dim();
+  return n >= 2 && n - 2 <= kAttentionMaxLead && t.stride(n - 1) == 1 &&
+         t.stride(n - 2) >= t.size(n - 1);
+}
+
+bool attention_reads_as_is(const Tensor& t) { return !t.is_cuda() && attention_rows_ok(t); }
+
+AttentionRows attention_rows(const Tensor& t) {
+  EMBER_INTERNAL_ASSERT(attention_rows_ok(t), "attention_rows: no row layout for shape ", t.shape(),
+                        ", strides ", t.strides());
+  const int64_t n = t.dim();
+  AttentionRows r;
+  r.lead.nlead = static_cast<int>(n - 2);
+  for (int64_t d = 0; d < n - 2; ++d) {
+    r.lead.size[d] = t.size(d);
+    r.lead.stride[d] = t.stride(d);
+  }
+  r.row_stride = t.stride(n - 2);
+  return r;
+}
+
+Tensor attention_empty_like(const Tensor& like, int64_t last, Dtype dtype) {
+  const int64_t n = like.dim();
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  for (int64_t d = 0; d < n; ++d) order[static_cast<size_t>(d)] = d;
+  // Outermost first; the last dim stays innermost, and ties (size-1 dims) keep their order.
+  std::stable_sort(order.begin(), order.end() - 1,
+                   [&](int64_t a, int64_t b) { return like.stride(a) > like.stride(b); });
+  std::vector<int64_t> sizes, inverse(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t d = order[static_cast<size_t>(i)];
+    sizes.push_back(d == n - 1 ? last : like.size(d));
+    inverse[static_cast<size_t>(d)] = i;
+  }
+  return make_empty(Shape(sizes), dtype, like.device()).permute(Shape(inverse));
+}
+
+}  // namespace detail
+
+}  // namespace ember
