@@ -17,7 +17,7 @@ FUZZ_SECONDS ?= 60
 ASAN_BUILD_DIR ?= build-asan
 TSAN_BUILD_DIR ?= build-tsan
 ASAN_LAYERS ?= tensor autograd nn distributed launcher
-ASAN_TESTS ?= $(foreach l,$(ASAN_LAYERS),$(patsubst tests/$(l)/%.cpp,$(l)_%,$(wildcard tests/$(l)/*_test.cpp)))
+ASAN_TESTS ?= $(foreach l,$(ASAN_LAYERS),$(foreach f,$(shell find tests/$(l) -name '*_test.cpp'),$(l)_$(basename $(notdir $(f)))))
 # ASAN_SKIP: libraries built without ASan, with exactly the plain build's compile commands (so
 # ccache serves them), e.g. "ember_log;ember_tensor" for a quick build of the layers above; ASan's
 # allocator still sees their allocations. CUDA stays on: the sanitizers instrument C and C++ only,

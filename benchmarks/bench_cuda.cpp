@@ -15,13 +15,13 @@
 #include "bench_util.h"
 #include "examples/gpt_model.h"
 #include "fashion_cnn.h"
-#include <ember/nn/activation.h>
+#include <ember/nn/layers/activation.h>
 #include <ember/nn/attention.h>
 #include <ember/nn/clip_grad.h>
-#include <ember/nn/embedding.h>
+#include <ember/nn/layers/embedding.h>
 #include <ember/nn/functional.h>
-#include <ember/nn/linear.h>
-#include <ember/nn/norm.h>
+#include <ember/nn/layers/linear.h>
+#include <ember/nn/layers/norm.h>
 #include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
 #include <ember/tensor/autocast.h>

@@ -5,12 +5,12 @@
 
 #include <memory>
 
-#include <ember/nn/activation.h>
-#include <ember/nn/container.h>
-#include <ember/nn/conv.h>
-#include <ember/nn/flatten.h>
-#include <ember/nn/linear.h>
-#include <ember/nn/pooling.h>
+#include <ember/nn/layers/activation.h>
+#include <ember/nn/layers/container.h>
+#include <ember/nn/layers/conv.h>
+#include <ember/nn/layers/flatten.h>
+#include <ember/nn/layers/linear.h>
+#include <ember/nn/layers/pooling.h>
 
 namespace bench {
 

@@ -4,14 +4,14 @@
 // nn/init.h.
 #pragma once
 
-#include <ember/nn/activation.h>
-#include <ember/nn/container.h>
-#include <ember/nn/conv.h>
-#include <ember/nn/dropout.h>
-#include <ember/nn/embedding.h>
-#include <ember/nn/flatten.h>
-#include <ember/nn/linear.h>
-#include <ember/nn/multihead_attention.h>
-#include <ember/nn/norm.h>
-#include <ember/nn/pooling.h>
-#include <ember/nn/transformer.h>
+#include <ember/nn/layers/activation.h>
+#include <ember/nn/layers/container.h>
+#include <ember/nn/layers/conv.h>
+#include <ember/nn/layers/dropout.h>
+#include <ember/nn/layers/embedding.h>
+#include <ember/nn/layers/flatten.h>
+#include <ember/nn/layers/linear.h>
+#include <ember/nn/layers/multihead_attention.h>
+#include <ember/nn/layers/norm.h>
+#include <ember/nn/layers/pooling.h>
+#include <ember/nn/layers/transformer.h>

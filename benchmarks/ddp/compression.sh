@@ -11,10 +11,12 @@
 # mlp512) trained --accuracy-steps steps with each hook from the same seed: the test loss and
 # accuracy after that budget. The summary prints each hook's speed-up over plain all-reduce,
 # its ratio to PyTorch's step rate, and its test loss relative to all-reduce's.
+# --bucket-cap-mb "25 8" runs every hook at each of DDP's bucket sizes in every round (rows
+# "hook@8MB"); the speed-ups are then over plain all-reduce's fastest bucket size.
 #
 #   sudo benchmarks/ddp/compression.sh [--rate 1gbit] [--model mlp512] [--steps 30] [--batch 64]
 #        [--rounds 3] [--accuracy-steps 300] [--hooks "none int8 sign topk:ratio=0.01 ..."]
-#        [--build build]
+#        [--bucket-cap-mb "25"] [--build build]
 #
 # Needs root (namespaces, tc), bench_ddp, fashion_mnist and emberrun built in --build; the
 # namespaces and every process in them are removed on exit.
@@ -28,6 +30,7 @@ rounds=3
 accuracy_steps=300
 hooks="none fp16 int8 sign topk:ratio=0.01 powersgd:rank=4,start=2 post_localsgd:start=0,period=4,local=2 post_localsgd:start=0,period=8,local=2"
 build=build
+caps=25
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --rate) rate="$2"; shift 2 ;;
@@ -38,7 +41,8 @@ while [[ $# -gt 0 ]]; do
     --accuracy-steps) accuracy_steps="$2"; shift 2 ;;
     --hooks) hooks="$2"; shift 2 ;;
     --build) build="$2"; shift 2 ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --bucket-cap-mb) caps="$2"; shift 2 ;;
+    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "compression.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -75,22 +79,35 @@ torch_has() {
   case "${1%%:*}" in none|allreduce|fp16|powersgd|post_localsgd) return 0 ;; *) return 1 ;; esac
 }
 
+# The rows: each hook, at each bucket size when more than one is given ("int8@8MB").
+rows=()
+for cap in $caps; do
+  for h in $hooks; do
+    if [[ $caps == *" "* ]]; then rows+=("$h@${cap}MB"); else rows+=("$h"); fi
+  done
+done
+hook_of() { echo "${1%@*}"; }
+cap_of() { if [[ $1 == *@*MB ]]; then local c=${1##*@}; echo "${c%MB}"; else echo "$caps"; fi; }
+
 declare -A ember_ms torch_ms bytes
 for ((r = 1; r <= rounds; r++)); do
-  for h in $hooks; do
+  for row in "${rows[@]}"; do
+    h="$(hook_of "$row")"
     out="$(netns_emberrun "" $((port++)) "$bench" --model "$model" --comm-hook "$h" \
-           --steps "$steps" --batch "$batch" --repeats 1 --threads 1)"
+           --steps "$steps" --batch "$batch" --repeats 1 --threads 1 \
+           --bucket-cap-mb "$(cap_of "$row")")"
     # The row after emberrun's "[rank 0]:" prefix: model ranks thr params | step ...
     ms="$(sed -n "s/^[^:]*: *$model \+4 .*| *\([0-9.]\+\) .*/\1/p" <<<"$out" | head -1)"
     [[ -n "$ms" ]] || { echo "compression.sh: no bench_ddp row for $h:"; echo "$out"; exit 1; } >&2
-    ember_ms[$h]+="$ms "
-    bytes[$h]="$(grep -o 'sent .*' <<<"$out" | head -1 || true)"
-    echo "round $r $h: Ember ${ms} ms/step ${bytes[$h]}"
+    ember_ms[$row]+="$ms "
+    bytes[$row]="$(grep -o 'sent .*' <<<"$out" | head -1 || true)"
+    echo "round $r $row: Ember ${ms} ms/step ${bytes[$row]}"
     grep "$model \+4 " <<<"$out" || true
-    if torch_has "$h"; then
+    # PyTorch once per hook (the first bucket size), at its default bucket size.
+    if torch_has "$h" && [[ $(cap_of "$row") == "${caps%% *}" ]]; then
       t="$( (run_torch "$h" $((port++)) || true) | sed -n 's/^RESULT \([0-9.]\+\).*/\1/p')"
-      [[ -z "$t" ]] || torch_ms[$h]+="$t "
-      echo "round $r $h: PyTorch ${t} ms/step"
+      [[ -z "$t" ]] || torch_ms[$row]+="$t "
+      echo "round $r $row: PyTorch ${t} ms/step"
     fi
   done
 done
@@ -108,22 +125,29 @@ if [[ $accuracy_steps -gt 0 ]]; then
   done
 fi
 
-base="$(median "${ember_ms[none]:-${ember_ms[allreduce]:-}}")"
+# Plain all-reduce's fastest bucket size is the base.
+base=""
+for row in "${rows[@]}"; do
+  case "$(hook_of "$row")" in none|allreduce) ;; *) continue ;; esac
+  m="$(median "${ember_ms[$row]}")"
+  if [[ -z $base ]] || awk -v a="$m" -v b="$base" 'BEGIN {exit !(a < b)}'; then base=$m; fi
+done
 echo "=== $rate link, 2 namespaces x 2 ranks, $model, medians of $rounds rounds ==="
 printf "%-42s %9s %9s %9s %9s %9s %10s\n" hook "ms/step" "vs none" "torch ms" "vs torch" \
   "test loss" "vs none"
-for h in $hooks; do
-  e="$(median "${ember_ms[$h]}")"
+for row in "${rows[@]}"; do
+  h="$(hook_of "$row")"
+  e="$(median "${ember_ms[$row]}")"
   t="-"; vt="-"
-  if [[ -n "${torch_ms[$h]:-}" ]]; then
-    t="$(median "${torch_ms[$h]}")"
+  if [[ -n "${torch_ms[$row]:-}" ]]; then
+    t="$(median "${torch_ms[$row]}")"
     vt="$(awk -v a="$t" -v b="$e" 'BEGIN {printf "%.2fx", a / b}')"
   fi
   l="${loss[$h]:--}"; vl="-"
   if [[ -n "${loss[none]:-}" && "$l" != "-" ]]; then
     vl="$(awk -v a="$l" -v b="${loss[none]}" 'BEGIN {printf "%+.1f%%", 100 * (a / b - 1)}')"
   fi
-  printf "%-42s %9.1f %8.2fx %9s %9s %9s %10s\n" "$h" "$e" \
+  printf "%-42s %9.1f %8.2fx %9s %9s %9s %10s\n" "$row" "$e" \
     "$(awk -v a="$base" -v b="$e" 'BEGIN {print a / b}')" "$t" "$vt" "$l" "$vl"
-  [[ -z "${bytes[$h]}" ]] || echo "    ${bytes[$h]}"
+  [[ -z "${bytes[$row]}" ]] || echo "    ${bytes[$row]}"
 done

@@ -6,7 +6,7 @@
 
 #include <ember/autograd/function.h>
 #include <ember/distributed/init.h>
-#include <ember/nn/container.h>
+#include <ember/nn/layers/container.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::dist {

@@ -24,7 +24,7 @@
 #include <string>
 
 #include <ember/distributed/process_group.h>
-#include <ember/nn/norm.h>
+#include <ember/nn/layers/norm.h>
 
 namespace ember::dist {
 

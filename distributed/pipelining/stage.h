@@ -14,7 +14,7 @@
 #include <vector>
 
 #include <ember/distributed/process_group.h>
-#include <ember/nn/container.h>
+#include <ember/nn/layers/container.h>
 
 namespace ember::dist::pipelining {
 

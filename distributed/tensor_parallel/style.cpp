@@ -4,10 +4,10 @@
 #include <ember/distributed/dtensor/detail/dtensor_impl.h>
 #include <ember/distributed/dtensor/distribute_module.h>
 #include <ember/distributed/dtensor/ops.h>
-#include <ember/nn/dropout.h>
-#include <ember/nn/embedding.h>
-#include <ember/nn/linear.h>
-#include <ember/nn/norm.h>
+#include <ember/nn/layers/dropout.h>
+#include <ember/nn/layers/embedding.h>
+#include <ember/nn/layers/linear.h>
+#include <ember/nn/layers/norm.h>
 
 namespace ember::dist {
 

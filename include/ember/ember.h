@@ -24,9 +24,9 @@
 #include <ember/distributed/sharding/zero_hook.h>
 #include <ember/nn/amp/autocast.h>
 #include <ember/nn/amp/grad_scaler.h>
-#include <ember/nn/multihead_attention.h>
+#include <ember/nn/layers/multihead_attention.h>
 #include <ember/nn/nn.h>
-#include <ember/nn/transformer.h>
+#include <ember/nn/layers/transformer.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/cudnn.h>
 #include <ember/tensor/ops.h>

@@ -23,12 +23,12 @@
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/flight_recorder.h>
 #include <ember/distributed/store/hash_store.h>
-#include <ember/nn/linear.h>
+#include <ember/nn/layers/linear.h>
 #include <ember/tensor/cuda.h>
 #include "cmake/build_paths.h"
-#include "tests/distributed/ddp_test_util.h"
-#include "tests/distributed/mpi_job.h"
-#include "tests/distributed/threads_test_util.h"
+#include "tests/distributed/ddp/ddp_test_util.h"
+#include "tests/distributed/backends/mpi_job.h"
+#include "tests/distributed/backends/threads_test_util.h"
 
 namespace ember::dist {
 namespace {

@@ -19,7 +19,7 @@
 #include <ember/nn/nn.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/cuda.h>
-#include "tests/distributed/threads_test_util.h"
+#include "tests/distributed/backends/threads_test_util.h"
 
 namespace ember::dist {
 namespace {

@@ -16,7 +16,7 @@
 #include <ember/distributed/store/tcp_store.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/cuda.h>
-#include "tests/distributed/store_test_util.h"
+#include "tests/distributed/store/store_test_util.h"
 
 namespace ember::dist {
 namespace {

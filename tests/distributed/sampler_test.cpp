@@ -11,7 +11,7 @@
 #include <ember/distributed/init.h>
 #include <ember/distributed/sampler.h>
 #include <ember/distributed/store/hash_store.h>
-#include "tests/distributed/store_test_util.h"
+#include "tests/distributed/store/store_test_util.h"
 #include "tests/tensor/test_util.h"
 
 namespace ember::dist {

@@ -12,7 +12,7 @@
 #include <ember/distributed/backends/process_group_threads.h>
 #include <ember/distributed/checkpoint/checkpoint.h>
 #include <ember/distributed/init.h>
-#include <ember/nn/linear.h>
+#include <ember/nn/layers/linear.h>
 #include <ember/nn/optim/adam.h>
 #include <ember/nn/io/serialize.h>
 #include <ember/tensor/ops/creation.h>

@@ -209,7 +209,7 @@ TEST_F(FashionMnist, ResumesWithSignCompressionStateWithIdenticalWeights) {
   })) << "rank 1's residuals are saved";
 }
 
-// A hook compiled as a plug-in (tests/distributed/plugins/hook_plugin.cpp) trains by name; an
+// A hook compiled as a plug-in (tests/distributed/ddp/plugins/hook_plugin.cpp) trains by name; an
 // unknown name is refused listing the registered ones.
 TEST_F(FashionMnist, TakesAHookFromAPlugin) {
   const std::string plugin = std::string(EMBER_TEST_PLUGIN_DIR) + "/libtest_hook_plugin_good.so";

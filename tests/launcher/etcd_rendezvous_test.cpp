@@ -1,6 +1,6 @@
 // emberrun --rdzv-backend etcd: the agents' rendezvous store is an etcd server (a private one per
-// test, tests/distributed/etcd_test_util.h, or one in a network namespace of its own) instead of
-// node 0's agent, and no agent leads for good (Note [Leaderless rounds] in
+// test, tests/distributed/store/etcd_test_util.h, or one in a network namespace of its own) instead
+// of node 0's agent, and no agent leads for good (Note [Leaderless rounds] in
 // launcher/rendezvous_etcd.cpp): node ranks go by arrival, and node 0 may be lost as any other.
 #include <gtest/gtest.h>
 
@@ -11,7 +11,7 @@
 #include <ember/distributed/store/etcd_store.h>
 #include "emberrun_harness.h"
 #include "netns.h"
-#include "tests/distributed/etcd_test_util.h"
+#include "tests/distributed/store/etcd_test_util.h"
 
 namespace {
 

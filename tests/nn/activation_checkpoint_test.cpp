@@ -9,10 +9,10 @@
 #include <memory>
 #include <vector>
 
-#include <ember/nn/container.h>
+#include <ember/nn/layers/container.h>
 #include <ember/nn/functional.h>
-#include <ember/nn/linear.h>
-#include <ember/nn/transformer.h>
+#include <ember/nn/layers/linear.h>
+#include <ember/nn/layers/transformer.h>
 #include <ember/tensor/allocator.h>
 #include <ember/tensor/autocast.h>
 #include <ember/tensor/cuda.h>

@@ -1,7 +1,7 @@
 // Module: registration order, naming, modes, conversion, zero_grad, state dicts, forward hooks.
 #include <gtest/gtest.h>
 
-#include <ember/nn/container.h>
+#include <ember/nn/layers/container.h>
 #include <ember/nn/module.h>
 #include "tests/tensor/test_util.h"
 

@@ -1,7 +1,7 @@
 // MultiheadAttention and TransformerEncoderLayer: values and gradients against PyTorch 1.13
 // (tests/nn/transformer_reference.h, from make_transformer_reference.py), torch's state_dict
 // names and initialisation, masks and their equivalences, gradcheck.
-#include <ember/nn/transformer.h>
+#include <ember/nn/layers/transformer.h>
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include <ember/nn/attention.h>
-#include <ember/nn/embedding.h>
+#include <ember/nn/layers/embedding.h>
 #include <ember/nn/functional.h>
 #include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
