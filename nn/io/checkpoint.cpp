@@ -19,18 +19,17 @@ bool starts_with(const std::string& s, const char* prefix) { return s.rfind(pref
 // Optimizer state keyed "<parameter name>.<key>" renamed "state.<i>.<key>", i being the
 // parameter's index in `opt` (across groups): the optimizer's parameters are found in `model`
 // by identity. Parameter names hold dots; keys do not.
-NamedTensors state_by_index(NamedTensors by_name, const Module& model, const optim::Optimizer& opt,
-                            const std::string& path) {
+NamedTensors state_by_index(NamedTensors by_name, const Module& model,
+                            const optim::Optimizer& opt, const std::string& path) {
   std::unordered_map<const TensorImpl*, std::string> names;
   for (const auto& [name, p] : model.named_parameters()) names.emplace(p.impl(), name);
   std::map<std::string, size_t> index;
   for (const auto& g : opt.param_groups()) {
     for (const Tensor& p : g.params) {
       auto it = names.find(p.impl());
-      EMBER_CHECK(it != names.end(), "[load_checkpoint] ", path,
-                  " keys the optimizer's state "
-                  "by parameter name, but the optimizer steps a tensor of shape ",
-                  p.shape(), " that is not a parameter of the model");
+      EMBER_CHECK(it != names.end(), "[load_checkpoint] ", path, " keys the optimizer's state "
+                  "by parameter name, but the optimizer steps a tensor of shape ", p.shape(),
+                  " that is not a parameter of the model");
       index.emplace(it->second, index.size());
     }
   }
@@ -48,10 +47,8 @@ NamedTensors state_by_index(NamedTensors by_name, const Module& model, const opt
 
 std::string merge_param_groups(const std::string& saved, const std::string& mine, const char* op) {
   nlohmann::json s = nlohmann::json::parse(saved), m = nlohmann::json::parse(mine);
-  EMBER_CHECK(s.is_array() && m.is_array() && s.size() == m.size(), "[", op,
-              "] the checkpoint's "
-              "optimizer has ",
-              s.size(), " parameter groups; this one has ", m.size());
+  EMBER_CHECK(s.is_array() && m.is_array() && s.size() == m.size(), "[", op, "] the checkpoint's "
+              "optimizer has ", s.size(), " parameter groups; this one has ", m.size());
   for (size_t g = 0; g < s.size(); ++g) s[g]["params"] = m[g]["params"];
   return s.dump();
 }
@@ -69,14 +66,10 @@ void save_checkpoint(const std::string& path, const Module& model,
     meta[k] = v;
   }
   for (const auto& [name, t] : tensors) {
-    EMBER_CHECK(!starts_with(name, kOptimPrefix),
-                "[save_checkpoint] the model has a tensor "
-                "named '",
-                name, "', which clashes with the optimizer's 'optim.' prefix");
-    EMBER_CHECK(!starts_with(name, kExtraPrefix),
-                "[save_checkpoint] the model has a tensor "
-                "named '",
-                name, "', which clashes with the 'extra.' prefix of extra tensors");
+    EMBER_CHECK(!starts_with(name, kOptimPrefix), "[save_checkpoint] the model has a tensor "
+                "named '", name, "', which clashes with the optimizer's 'optim.' prefix");
+    EMBER_CHECK(!starts_with(name, kExtraPrefix), "[save_checkpoint] the model has a tensor "
+                "named '", name, "', which clashes with the 'extra.' prefix of extra tensors");
   }
   for (const auto& [name, t] : extra) tensors.emplace_back(kExtraPrefix + name, t);
   if (optimizer != nullptr) {
@@ -110,8 +103,7 @@ std::map<std::string, std::string> load_checkpoint(const std::string& path, Modu
     }
   }
   if (optimizer != nullptr) {
-    EMBER_CHECK(!optim_meta.empty(), "[load_checkpoint] ", path,
-                " holds no optimizer state "
+    EMBER_CHECK(!optim_meta.empty(), "[load_checkpoint] ", path, " holds no optimizer state "
                 "(it was saved without an optimizer); load it with optimizer = nullptr");
   }
   // Parse the optimizer's state before touching the model. Each load_state_dict validates

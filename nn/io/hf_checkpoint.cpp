@@ -136,16 +136,15 @@ HFCheckpoint load_hf_checkpoint(const std::string& dir) {
   }
   if (!is_file(root / kIndex)) {
     if (is_file(root / "pytorch_model.bin", true)) {
-      fail(
-          "has pytorch_model.bin only; Ember reads safetensors (transformers' "
-          "save_pretrained(dir, safe_serialization=True) writes them)");
+      fail("has pytorch_model.bin only; Ember reads safetensors (transformers' "
+           "save_pretrained(dir, safe_serialization=True) writes them)");
     }
     fail("has neither ", kSingle, " nor ", kIndex);
   }
   const std::string index_path = (root / kIndex).string();
-  const Json index =
-      parse_object(read_text(root / kIndex), ::ember::detail::str_cat("'", index_path, "'"),
-                   "load_hf_checkpoint");
+  const Json index = parse_object(read_text(root / kIndex),
+                                  ::ember::detail::str_cat("'", index_path, "'"),
+                                  "load_hf_checkpoint");
   if (!index.contains("weight_map") || !index["weight_map"].is_object()) {
     fail(kIndex, " has no \"weight_map\" object");
   }

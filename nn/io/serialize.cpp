@@ -117,7 +117,8 @@ template <typename... Args>
 // errors.
 class InputFile {
  public:
-  explicit InputFile(const std::string& path, const char* op = "[load_safetensors]") : path_(path) {
+  explicit InputFile(const std::string& path, const char* op = "[load_safetensors]")
+      : path_(path) {
     // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever.
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd_ < 0) {

@@ -56,8 +56,8 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads,
     bias_k = register_parameter("bias_k", empty({1, 1, embed_dim}));
     bias_v = register_parameter("bias_v", empty({1, 1, embed_dim}));
   }
-  out_proj =
-      register_module("out_proj", std::make_shared<Linear>(embed_dim, embed_dim, options.bias));
+  out_proj = register_module("out_proj", std::make_shared<Linear>(embed_dim, embed_dim,
+                                                                  options.bias));
   reset_parameters();
 }
 
@@ -109,8 +109,8 @@ struct Masks {
   Tensor attn, key_padding;
 };
 
-Masks check_masks(const Tensor& attn_mask, const Tensor& key_padding_mask, bool batched, int64_t N,
-                  int64_t H, int64_t L, int64_t S) {
+Masks check_masks(const Tensor& attn_mask, const Tensor& key_padding_mask, bool batched,
+                  int64_t N, int64_t H, int64_t L, int64_t S) {
   Masks m;
   if (attn_mask.defined()) {
     check_mask_dtype(attn_mask, "attn_mask");
@@ -131,10 +131,11 @@ Masks check_masks(const Tensor& attn_mask, const Tensor& key_padding_mask, bool 
   if (key_padding_mask.defined()) {
     check_mask_dtype(key_padding_mask, "key_padding_mask");
     m.key_padding = batched ? key_padding_mask : key_padding_mask.unsqueeze(0);
-    EMBER_CHECK(
-        m.key_padding.dim() == 2 && m.key_padding.size(0) == N && m.key_padding.size(1) == S, "[",
-        kOp, "] expected key_padding_mask [N, S] = [", N, ", ", S, "]",
-        batched ? "" : " (or [S] for unbatched input)", ", got ", key_padding_mask.shape());
+    EMBER_CHECK(m.key_padding.dim() == 2 && m.key_padding.size(0) == N &&
+                    m.key_padding.size(1) == S,
+                "[", kOp, "] expected key_padding_mask [N, S] = [", N, ", ", S, "]",
+                batched ? "" : " (or [S] for unbatched input)", ", got ",
+                key_padding_mask.shape());
   }
   return m;
 }
@@ -158,9 +159,9 @@ Tensor split_heads(const Tensor& x, int64_t heads) {
 
 /// The keys and values with one zero row appended per head: [N, H, S + 1, hd].
 Tensor append_zero(const Tensor& x) {
-  return cat(
-      {x, zeros({x.size(0), x.size(1), 1, x.size(3)}, TensorOptions(x.dtype()).device(x.device()))},
-      2);
+  return cat({x, zeros({x.size(0), x.size(1), 1, x.size(3)},
+                       TensorOptions(x.dtype()).device(x.device()))},
+             2);
 }
 
 }  // namespace
@@ -217,14 +218,14 @@ AttentionOutput MultiheadAttention::forward(const Tensor& query_in, const Tensor
   // With no padding mask and no weights wanted, is_causal goes to scaled_dot_product_attention
   // as a flag (attn_mask, if any, is taken to be the causal mask: torch's hint); otherwise the
   // causal mask is built here when none was given.
-  const bool sdpa_causal =
-      is_causal && !masks.key_padding.defined() && !need_weights && !extra_keys;
+  const bool sdpa_causal = is_causal && !masks.key_padding.defined() && !need_weights &&
+                           !extra_keys;
   if (sdpa_causal) {
     masks.attn = Tensor();
   } else if (is_causal && !masks.attn.defined()) {
     TensorOptions idx = TensorOptions(kInt64).device(query.device());
-    masks.attn =
-        gt(arange(0, S, 1, idx).unsqueeze(0), arange(0, L, 1, idx).unsqueeze(1)).view({1, 1, L, S});
+    masks.attn = gt(arange(0, S, 1, idx).unsqueeze(0), arange(0, L, 1, idx).unsqueeze(1))
+                     .view({1, 1, L, S});
   }
 
   // Projections, then [N, H, T, head_dim] per head.

@@ -78,7 +78,7 @@ class MultiheadAttention : public Module {
   /// [3E, E], undefined when kdim or vdim differ from embed_dim (then the three below).
   Tensor in_proj_weight;
   Tensor q_proj_weight, k_proj_weight, v_proj_weight;
-  Tensor in_proj_bias;    ///< [3E], undefined without bias
+  Tensor in_proj_bias;  ///< [3E], undefined without bias
   Tensor bias_k, bias_v;  ///< [1, 1, E], undefined without add_bias_kv
   std::shared_ptr<Linear> out_proj;
 

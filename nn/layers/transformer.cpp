@@ -24,13 +24,13 @@ TransformerEncoderLayer::TransformerEncoderLayer(int64_t d_model, int64_t nhead,
   attn.dropout = options.dropout;
   attn.batch_first = options.batch_first;
   attn.bias = options.bias;
-  self_attn =
-      register_module("self_attn", std::make_shared<MultiheadAttention>(d_model, nhead, attn));
-  linear1 = register_module(
-      "linear1", std::make_shared<Linear>(d_model, options.dim_feedforward, options.bias));
+  self_attn = register_module("self_attn", std::make_shared<MultiheadAttention>(d_model, nhead,
+                                                                                 attn));
+  linear1 = register_module("linear1", std::make_shared<Linear>(d_model, options.dim_feedforward,
+                                                                options.bias));
   dropout = register_module("dropout", std::make_shared<Dropout>(options.dropout));
-  linear2 = register_module(
-      "linear2", std::make_shared<Linear>(options.dim_feedforward, d_model, options.bias));
+  linear2 = register_module("linear2", std::make_shared<Linear>(options.dim_feedforward, d_model,
+                                                                options.bias));
   const LayerNormOptions ln{.eps = options.layer_norm_eps};
   norm1 = register_module("norm1", std::make_shared<LayerNorm>(d_model, ln));
   norm2 = register_module("norm2", std::make_shared<LayerNorm>(d_model, ln));

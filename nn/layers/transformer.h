@@ -38,8 +38,8 @@ class TransformerEncoderLayer : public Module {
   /// src [S, N, d_model] ([N, S, d_model] with batch_first; [S, d_model] unbatched) -> same
   /// shape. src_mask and src_key_padding_mask as MultiheadAttention's attn_mask and
   /// key_padding_mask (bool: true = masked out); is_causal as MultiheadAttention's.
-  Tensor forward(const Tensor& src, const Tensor& src_mask, const Tensor& src_key_padding_mask = {},
-                 bool is_causal = false);
+  Tensor forward(const Tensor& src, const Tensor& src_mask,
+                 const Tensor& src_key_padding_mask = {}, bool is_causal = false);
   /// forward(src, {}, {}).
   Tensor forward(const Tensor& src) override;
 

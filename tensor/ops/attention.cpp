@@ -242,8 +242,8 @@ bool attention_rows_ok(const Tensor& t) {
 bool attention_reads_as_is(const Tensor& t) { return !t.is_cuda() && attention_rows_ok(t); }
 
 AttentionRows attention_rows(const Tensor& t) {
-  EMBER_INTERNAL_ASSERT(attention_rows_ok(t), "attention_rows: no row layout for shape ", t.shape(),
-                        ", strides ", t.strides());
+  EMBER_INTERNAL_ASSERT(attention_rows_ok(t), "attention_rows: no row layout for shape ",
+                        t.shape(), ", strides ", t.strides());
   const int64_t n = t.dim();
   AttentionRows r;
   r.lead.nlead = static_cast<int>(n - 2);

@@ -32,7 +32,7 @@ struct Pool2dParams {
   Pair kernel{2, 2};
   std::optional<Pair> stride;  ///< defaults to kernel
   Pair padding{0, 0};
-  Pair dilation{1, 1};  ///< max pooling only
+  Pair dilation{1, 1};         ///< max pooling only
   bool ceil_mode = false;
   bool count_include_pad = true;  ///< average pooling only
 };

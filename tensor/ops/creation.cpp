@@ -9,9 +9,7 @@ namespace ember {
 
 using detail::make_empty;
 
-Tensor empty(IntList shape, TensorOptions o) {
-  return make_empty(shape, o.dtype_, o.device_, o.pinned_);
-}
+Tensor empty(IntList shape, TensorOptions o) { return make_empty(shape, o.dtype_, o.device_, o.pinned_); }
 
 Tensor zeros(IntList shape, TensorOptions o) {
   Tensor t = empty(shape, o);
@@ -21,9 +19,7 @@ Tensor zeros(IntList shape, TensorOptions o) {
 
 Tensor ones(IntList shape, TensorOptions o) { return full(shape, 1, o); }
 
-Tensor full(IntList shape, const Scalar& value) {
-  return full(shape, value, value.default_dtype());
-}
+Tensor full(IntList shape, const Scalar& value) { return full(shape, value, value.default_dtype()); }
 
 Tensor full(IntList shape, const Scalar& value, TensorOptions o) {
   Tensor t = empty(shape, o);
@@ -88,10 +84,8 @@ Tensor arange(const Scalar& start, const Scalar& end, const Scalar& step, Tensor
   EMBER_CHECK(st != 0, "[arange] step must be nonzero");
   EMBER_CHECK(std::isfinite(s) && std::isfinite(e), "[arange] start and end must be finite, got ",
               start, " and ", end);
-  EMBER_CHECK((st > 0 && e >= s) || (st < 0 && e <= s),
-              "[arange] upper bound and larger bound "
-              "inconsistent with step sign: start=",
-              start, " end=", end, " step=", step);
+  EMBER_CHECK((st > 0 && e >= s) || (st < 0 && e <= s), "[arange] upper bound and larger bound "
+              "inconsistent with step sign: start=", start, " end=", end, " step=", step);
   int64_t n;
   if (!start.is_floating() && !end.is_floating() && !step.is_floating()) {
     const int64_t is = start.to_int(), ie = end.to_int(), ist = step.to_int();
@@ -188,15 +182,13 @@ Tensor from_blob(void* data, IntList shape, TensorOptions o, std::function<void(
 
 Tensor from_blob(void* data, IntList shape, IntList strides, TensorOptions o,
                  std::function<void(void*)> deleter) {
-  EMBER_CHECK(shape.size() == strides.size(), "[from_blob] shape ", shape, " and strides ", strides,
-              " must have the same length");
+  EMBER_CHECK(shape.size() == strides.size(), "[from_blob] shape ", shape, " and strides ",
+              strides, " must have the same length");
   int64_t extent = 1;
   bool empty = false;
   for (int64_t i = 0; i < shape.size(); ++i) {
-    EMBER_CHECK(shape[i] >= 0 && strides[i] >= 0,
-                "[from_blob] sizes and strides must be "
-                "non-negative, got shape ",
-                shape, " strides ", strides);
+    EMBER_CHECK(shape[i] >= 0 && strides[i] >= 0, "[from_blob] sizes and strides must be "
+                "non-negative, got shape ", shape, " strides ", strides);
     if (shape[i] == 0) empty = true;
     extent += (shape[i] - 1) * strides[i];
   }

@@ -85,8 +85,7 @@ void check_alpha(const char* name, Dtype compute, const Scalar& alpha) {
   if (alpha.is_floating()) {
     EMBER_CHECK_TYPE(TypeError, is_floating(compute), "[", name,
                      "] for integral input tensors, argument alpha must not be a floating point "
-                     "number; got alpha=",
-                     alpha, " with result dtype ", compute);
+                     "number; got alpha=", alpha, " with result dtype ", compute);
   } else {
     EMBER_CHECK_TYPE(TypeError, compute == kBool, "[", name,
                      "] boolean alpha is only supported for bool results; got alpha=", alpha,
@@ -98,8 +97,8 @@ void check_alpha(const char* name, Dtype compute, const Scalar& alpha) {
 
 [[noreturn]] void throw_devices(const char* name, const char* an, Device da, const char* bn,
                                 Device db) {
-  throw ValueError(detail::str_cat("[", name, "] expected all tensors on the same device, got ", an,
-                                   " on ", da, " and ", bn, " on ", db));
+  throw ValueError(detail::str_cat("[", name, "] expected all tensors on the same device, got ",
+                                   an, " on ", da, " and ", bn, " on ", db));
 }
 
 /// The device an op on a and b runs on. As in PyTorch, a 0-dim CPU tensor may join an op on a
@@ -140,8 +139,8 @@ void check_writable(const char* name, const Tensor& t) {
   for (int64_t d = 0; d < t.dim(); ++d) {
     EMBER_CHECK(t.strides()[d] != 0 || t.shape()[d] <= 1, "[", name,
                 "] cannot write into a tensor where several elements share one memory location "
-                "(shape ",
-                t.shape(), ", strides ", t.strides(), "); call clone() on it first");
+                "(shape ", t.shape(), ", strides ", t.strides(),
+                "); call clone() on it first");
   }
 }
 
@@ -163,8 +162,8 @@ void prepare_out(const char* name, Tensor& out, const Shape& shape, Dtype dt, De
   EMBER_CHECK(out.numel() == 0, "[", name, "] out has shape ", out.shape(),
               " but the result has shape ", shape, "; only an empty out is resized");
   TensorImpl* impl = out.impl();
-  impl->storage =
-      std::make_shared<Storage>(static_cast<size_t>(shape.numel() * itemsize(out.dtype())), dev);
+  impl->storage = std::make_shared<Storage>(
+      static_cast<size_t>(shape.numel() * itemsize(out.dtype())), dev);
   impl->sizes = shape;
   impl->strides = contiguous_strides(shape);
   impl->offset = 0;
@@ -211,8 +210,7 @@ inline void run_where(const Tensor& out, const Tensor& c, const Tensor& a, const
 
 /// PyTorch refuses out= variants on inputs that require grad; so does Ember.
 void check_out_not_recorded(const char* name, const Tensor& a, const Tensor& b) {
-  EMBER_CHECK(!detail::should_record(a, b), "[", name,
-              "] out= variants don't support automatic "
+  EMBER_CHECK(!detail::should_record(a, b), "[", name, "] out= variants don't support automatic "
               "differentiation, but one of the arguments requires grad; use the out-of-place op");
 }
 
@@ -253,8 +251,9 @@ Tensor& binary_(const char* name, BinaryOp op, Tensor& self, const Tensor& b,
   check_inplace_shape(name, self, b);
   check_writable(name, self);
   if (detail::should_record(self, b)) {
-    return detail::record_inplace(name, self,
-                                  [&](const Tensor& s) { return binary(name, op, s, b, alpha); });
+    return detail::record_inplace(name, self, [&](const Tensor& s) {
+      return binary(name, op, s, b, alpha);
+    });
   }
   Tensor hb;
   const Tensor& cb = prep(b, compute, dev, hb);
@@ -270,8 +269,8 @@ Tensor& binary_(const char* name, BinaryOp op, Tensor& self, const Tensor& b,
   return self;
 }
 
-Tensor& binary_out(const char* name, BinaryOp op, Tensor& out, const Tensor& a, const Tensor& b,
-                   const Scalar& alpha = 1) {
+Tensor& binary_out(const char* name, BinaryOp op, Tensor& out, const Tensor& a,
+                   const Tensor& b, const Scalar& alpha = 1) {
   check_defined(name, a, "self");
   check_defined(name, b, "other");
   const Dtype compute = compute_dtype(name, op, result_type(a, b));
@@ -317,8 +316,9 @@ Tensor& binary_scalar_(const char* name, BinaryOp op, Tensor& self, const Scalar
   check_cast(name, output_dtype(op, compute), self.dtype());
   check_writable(name, self);
   if (detail::should_record(self)) {
-    return detail::record_inplace(name, self,
-                                  [&](const Tensor& x) { return binary_scalar(name, op, x, s); });
+    return detail::record_inplace(name, self, [&](const Tensor& x) {
+      return binary_scalar(name, op, x, s);
+    });
   }
   if (self.dtype() == compute) {
     run_scalar(op, self, self, s, false);
@@ -367,15 +367,14 @@ Tensor unary_kernel(const char* name, UnaryOp op, const Tensor& t) {
 // The unary ops torch's autocast runs in float32: their range or precision suffers most in
 // half precision.
 bool autocast_to_float32(UnaryOp op) {
-  return op == UnaryOp::Exp || op == UnaryOp::Log || op == UnaryOp::Log1p || op == UnaryOp::Rsqrt ||
-         op == UnaryOp::Reciprocal;
+  return op == UnaryOp::Exp || op == UnaryOp::Log || op == UnaryOp::Log1p ||
+         op == UnaryOp::Rsqrt || op == UnaryOp::Reciprocal;
 }
 
 /// An op of the unary table (tensor/detail/unary_ops.h).
 Tensor unary(const char* name, UnaryOp op, const Tensor& t) {
   if (autocast_to_float32(op)) {
-    if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, t))
-      return unary(name, op, ac[0]);
+    if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, t)) return unary(name, op, ac[0]);
   }
   Tensor out = unary_kernel(name, op, t);
   if (detail::should_record(t)) detail::record(detail::opid_of(op), {&t}, {&out});
@@ -476,18 +475,26 @@ Tensor& relu_(Tensor& t) { return unary_("relu_", UnaryOp::Relu, t); }
 Tensor add(const Tensor& a, const Tensor& b, const Scalar& alpha) {
   return binary("add", BinaryOp::Add, a, b, alpha);
 }
-Tensor add(const Tensor& a, const Scalar& b) { return binary_scalar("add", BinaryOp::Add, a, b); }
+Tensor add(const Tensor& a, const Scalar& b) {
+  return binary_scalar("add", BinaryOp::Add, a, b);
+}
 Tensor sub(const Tensor& a, const Tensor& b, const Scalar& alpha) {
   return binary("sub", BinaryOp::Sub, a, b, alpha);
 }
-Tensor sub(const Tensor& a, const Scalar& b) { return binary_scalar("sub", BinaryOp::Sub, a, b); }
+Tensor sub(const Tensor& a, const Scalar& b) {
+  return binary_scalar("sub", BinaryOp::Sub, a, b);
+}
 Tensor rsub(const Tensor& a, const Scalar& b) {
   return binary_scalar("rsub", BinaryOp::Sub, a, b, /*reverse=*/true);
 }
 Tensor mul(const Tensor& a, const Tensor& b) { return binary("mul", BinaryOp::Mul, a, b); }
-Tensor mul(const Tensor& a, const Scalar& b) { return binary_scalar("mul", BinaryOp::Mul, a, b); }
+Tensor mul(const Tensor& a, const Scalar& b) {
+  return binary_scalar("mul", BinaryOp::Mul, a, b);
+}
 Tensor div(const Tensor& a, const Tensor& b) { return binary("div", BinaryOp::Div, a, b); }
-Tensor div(const Tensor& a, const Scalar& b) { return binary_scalar("div", BinaryOp::Div, a, b); }
+Tensor div(const Tensor& a, const Scalar& b) {
+  return binary_scalar("div", BinaryOp::Div, a, b);
+}
 Tensor rdiv(const Tensor& a, const Scalar& b) {
   return binary_scalar("rdiv", BinaryOp::Div, a, b, /*reverse=*/true);
 }
@@ -498,8 +505,7 @@ Tensor pow(const Tensor& a, const Tensor& b) {
 Tensor pow(const Tensor& a, const Scalar& b) {
   if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, a)) return pow(ac[0], b);
   check_defined("pow", a, "self");
-  const Dtype compute =
-      compute_dtype("pow", BinaryOp::Pow, promote_with_scalar(a.dtype(), b.kind()));
+  const Dtype compute = compute_dtype("pow", BinaryOp::Pow, promote_with_scalar(a.dtype(), b.kind()));
   check_int_pow_exponent("pow", compute, b);
   // Common exponents take the cheaper unary kernels (as PyTorch does).
   const double e = b.to_double();
@@ -568,7 +574,9 @@ Tensor& div_out(Tensor& out, const Tensor& a, const Tensor& b) {
 
 #define EMBER_COMPARE_(NAME, OP)                                                              \
   Tensor NAME(const Tensor& a, const Tensor& b) { return binary(#NAME, BinaryOp::OP, a, b); } \
-  Tensor NAME(const Tensor& a, const Scalar& b) { return binary_scalar(#NAME, BinaryOp::OP, a, b); }
+  Tensor NAME(const Tensor& a, const Scalar& b) {                                             \
+    return binary_scalar(#NAME, BinaryOp::OP, a, b);                                          \
+  }
 EMBER_COMPARE_(eq, Eq)
 EMBER_COMPARE_(ne, Ne)
 EMBER_COMPARE_(lt, Lt)
@@ -598,8 +606,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   const Dtype dt = result_type(a, b);
   Device dev = common_device("where", a, b);
   if (cond.device() != dev) {
-    if (!(cond.is_cpu() && cond.dim() == 0))
-      throw_devices("where", "condition", cond.device(), "self", dev);
+    if (!(cond.is_cpu() && cond.dim() == 0)) throw_devices("where", "condition", cond.device(), "self", dev);
   }
   const Shape shape = broadcast_shapes("where", cond.shape(), out_shape("where", a, b));
   Tensor hc, ha, hb;
@@ -653,8 +660,7 @@ Tensor masked_fill(const Tensor& t, const Tensor& mask, const Scalar& value) {
                    "[masked_fill] expected mask to be a bool tensor, got dtype ", mask.dtype());
   const Device dev = t.device();
   if (mask.device() != dev) {
-    if (!(mask.is_cpu() && mask.dim() == 0))
-      throw_devices("masked_fill", "self", dev, "mask", mask.device());
+    if (!(mask.is_cpu() && mask.dim() == 0)) throw_devices("masked_fill", "self", dev, "mask", mask.device());
   }
   check_inplace_shape("masked_fill", t, mask);
   Tensor hm;
@@ -680,8 +686,8 @@ bool equal(const Tensor& a, const Tensor& b) {
 bool allclose(const Tensor& a, const Tensor& b, double rtol, double atol) {
   check_defined("allclose", a, "self");
   check_defined("allclose", b, "other");
-  EMBER_CHECK(rtol >= 0 && atol >= 0,
-              "[allclose] rtol and atol must be non-negative, got rtol=", rtol, " atol=", atol);
+  EMBER_CHECK(rtol >= 0 && atol >= 0, "[allclose] rtol and atol must be non-negative, got rtol=",
+              rtol, " atol=", atol);
   if (a.device() != b.device()) {
     throw_devices("allclose", "self", a.device(), "other", b.device());
   }
@@ -692,7 +698,7 @@ bool allclose(const Tensor& a, const Tensor& b, double rtol, double atol) {
   const double* px = x.data<double>();
   const double* py = y.data<double>();
   for (int64_t i = 0, n = x.numel(); i < n; ++i) {
-    if (px[i] == py[i]) continue;                                      // also equal infinities
+    if (px[i] == py[i]) continue;  // also equal infinities
     if (!std::isfinite(px[i]) || !std::isfinite(py[i])) return false;  // NaN, unequal infinities
     if (!(std::fabs(px[i] - py[i]) <= atol + rtol * std::fabs(py[i]))) return false;
   }

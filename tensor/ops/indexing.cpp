@@ -29,8 +29,9 @@ void check_index(const char* op, const Tensor& self, const Tensor& index) {
 
 void check_src(const char* op, const Tensor& self, const Tensor& src) {
   check_defined(op, src, "src");
-  EMBER_CHECK(src.device() == self.device(), "[", op, "] expected src on the same device as self (",
-              self.device(), "), got src on ", src.device());
+  EMBER_CHECK(src.device() == self.device(), "[", op,
+              "] expected src on the same device as self (", self.device(), "), got src on ",
+              src.device());
   EMBER_CHECK_TYPE(TypeError, src.dtype() == self.dtype(), "[", op,
                    "] expected src of self's dtype (", self.dtype(), "), got ", src.dtype());
 }
@@ -93,7 +94,8 @@ ScatterArgs index_add_args(const char* op, const Tensor& self0, int64_t dim, con
   EMBER_CHECK(index.dim() <= 1, "[", op, "] expected a 1-d (or 0-d) index, got index of shape ",
               index.shape());
   EMBER_CHECK_TYPE(TypeError, is_floating(self0.dtype()) || !alpha.is_floating(), "[", op,
-                   "] alpha must be an integer for self of dtype ", self0.dtype(), ", got ", alpha);
+                   "] alpha must be an integer for self of dtype ", self0.dtype(), ", got ",
+                   alpha);
   const Tensor self = as_1d(self0);
   const Tensor src = as_1d(src0);
   const Tensor idx = as_1d(index);
@@ -109,18 +111,14 @@ ScatterArgs index_add_args(const char* op, const Tensor& self0, int64_t dim, con
   const Shape loop = src.shape();
   Shape istrides = Shape::filled(loop.size(), 0);
   istrides[dim] = idx.stride(0);
-  return ScatterArgs{restride(self, loop, dim),
-                     src,
-                     make_view(idx, loop, istrides, idx.storage_offset()),
-                     dim,
-                     self.stride(dim),
-                     alpha,
-                     IndexBound{op, dim, self.size(dim)}};
+  return ScatterArgs{restride(self, loop, dim), src,
+                     make_view(idx, loop, istrides, idx.storage_offset()), dim, self.stride(dim),
+                     alpha, IndexBound{op, dim, self.size(dim)}};
 }
 
 // Validates self[index[p]] += src[p] along dim (torch.scatter_add_) and describes it as a scatter.
-ScatterArgs scatter_add_args(const char* op, const Tensor& self0, int64_t dim, const Tensor& index0,
-                             const Tensor& src0) {
+ScatterArgs scatter_add_args(const char* op, const Tensor& self0, int64_t dim,
+                             const Tensor& index0, const Tensor& src0) {
   check_defined(op, self0, "self");
   check_index(op, self0, index0);
   check_src(op, self0, src0);
@@ -133,18 +131,14 @@ ScatterArgs scatter_add_args(const char* op, const Tensor& self0, int64_t dim, c
               self.shape(), ", index of shape ", index.shape(), " and src of shape ", src.shape());
   for (int64_t d = 0; d < self.dim(); ++d) {
     EMBER_CHECK(index.size(d) <= src.size(d) && (d == dim || index.size(d) <= self.size(d)), "[",
-                op, "] expected index (shape ", index.shape(), ") no larger than src (shape ",
-                src.shape(), ") in every dim and than self (shape ", self.shape(),
-                ") in every dim but ", dim, "; dim ", d, " differs");
+                op, "] expected index (shape ", index.shape(),
+                ") no larger than src (shape ", src.shape(), ") in every dim and than self (shape ",
+                self.shape(), ") in every dim but ", dim, "; dim ", d, " differs");
   }
   const Shape loop = index.shape();
   return ScatterArgs{restride(self, loop, dim),
-                     make_view(src, loop, src.strides(), src.storage_offset()),
-                     index,
-                     dim,
-                     self.stride(dim),
-                     Scalar(1),
-                     IndexBound{op, dim, self.size(dim)}};
+                     make_view(src, loop, src.strides(), src.storage_offset()), index, dim,
+                     self.stride(dim), Scalar(1), IndexBound{op, dim, self.size(dim)}};
 }
 
 // The recorded form of an in-place scatter (scatter_add_, index_add_), for record_inplace: `s`
@@ -164,10 +158,8 @@ Tensor scatter_into_copy(OpId op, const Tensor& s, const ScatterArgs& args, cons
 
 Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index) {
   if (t.defined() && index.defined() && t.dim() == 0) {
-    EMBER_CHECK(index.numel() == 1,
-                "[index_select] index into a 0-d tensor must have one "
-                "element, got index of shape ",
-                index.shape());
+    EMBER_CHECK(index.numel() == 1, "[index_select] index into a 0-d tensor must have one "
+                "element, got index of shape ", index.shape());
   }
   Tensor out = index_select_impl("index_select", t, dim, index);
   if (t.dim() == 0) out = out.view(IntList{});  // as PyTorch: a 0-d self gives a 0-d result
@@ -234,8 +226,8 @@ Tensor& index_add_(Tensor& self, int64_t dim, const Tensor& index, const Tensor&
   if (detail::should_record(self, src)) {
     return detail::record_inplace("index_add_", self, [&](const Tensor& s) {
       return scatter_into_copy(OpId::IndexAdd, s,
-                               index_add_args("index_add_", s, dim, index, src, alpha), index, src,
-                               dim, alpha);
+                               index_add_args("index_add_", s, dim, index, src, alpha), index,
+                               src, dim, alpha);
     });
   }
   run_scatter(args);
@@ -246,10 +238,8 @@ Tensor& index_add_(Tensor& self, int64_t dim, const Tensor& index, const Tensor&
 Tensor embedding(const Tensor& weight, const Tensor& indices) {
   check_defined("embedding", weight, "weight");
   check_defined("embedding", indices, "indices");
-  EMBER_CHECK(weight.dim() == 2,
-              "[embedding] expected weight of shape [num_embeddings, "
-              "embedding_dim], got shape ",
-              weight.shape());
+  EMBER_CHECK(weight.dim() == 2, "[embedding] expected weight of shape [num_embeddings, "
+              "embedding_dim], got shape ", weight.shape());
   Tensor out = index_select_impl("embedding", weight, 0, indices.reshape({-1}));
   Shape shape = indices.shape();
   shape.push_back(weight.size(1));
@@ -262,17 +252,14 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num
   constexpr const char* op = "embedding_backward";
   check_defined(op, grad, "grad");
   check_defined(op, indices, "indices");
-  EMBER_CHECK(num_weights >= 0, "[embedding_backward] expected num_weights >= 0, got ",
-              num_weights);
-  EMBER_CHECK(grad.dim() == indices.dim() + 1,
-              "[embedding_backward] expected grad of shape "
-              "[*indices.shape, embedding_dim] with indices of shape ",
-              indices.shape(), ", got grad of shape ", grad.shape());
+  EMBER_CHECK(num_weights >= 0, "[embedding_backward] expected num_weights >= 0, got ", num_weights);
+  EMBER_CHECK(grad.dim() == indices.dim() + 1, "[embedding_backward] expected grad of shape "
+              "[*indices.shape, embedding_dim] with indices of shape ", indices.shape(),
+              ", got grad of shape ", grad.shape());
   for (int64_t d = 0; d < indices.dim(); ++d) {
-    EMBER_CHECK(grad.size(d) == indices.size(d),
-                "[embedding_backward] expected grad of shape "
-                "[*indices.shape, embedding_dim] with indices of shape ",
-                indices.shape(), ", got grad of shape ", grad.shape());
+    EMBER_CHECK(grad.size(d) == indices.size(d), "[embedding_backward] expected grad of shape "
+                "[*indices.shape, embedding_dim] with indices of shape ", indices.shape(),
+                ", got grad of shape ", grad.shape());
   }
   const int64_t dim = grad.size(-1);
   Tensor out = zeros({num_weights, dim}, grad.options());
@@ -296,10 +283,8 @@ Tensor one_hot(const Tensor& t, int64_t num_classes) {
   EMBER_CHECK(num_classes >= -1, "[one_hot] expected num_classes >= 0 (or -1 to infer it), got ",
               num_classes);
   if (num_classes == -1) {
-    EMBER_CHECK(t.numel() > 0,
-                "[one_hot] cannot infer the number of classes from an empty "
-                "tensor (shape ",
-                t.shape(), "); pass num_classes");
+    EMBER_CHECK(t.numel() > 0, "[one_hot] cannot infer the number of classes from an empty "
+                "tensor (shape ", t.shape(), "); pass num_classes");
     const std::vector<int64_t> v = t.to_vector<int64_t>();
     const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
     EMBER_CHECK_TYPE(IndexError, *lo >= 0, "[one_hot] class values must be non-negative, got ",

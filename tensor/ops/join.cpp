@@ -56,8 +56,8 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
   int64_t ref = -1;  // the first tensor that takes part
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
-    EMBER_CHECK(t.device() == device, "[cat] expected all tensors on the same device, got ", device,
-                " for tensor 0 and ", t.device(), " for tensor ", i);
+    EMBER_CHECK(t.device() == device, "[cat] expected all tensors on the same device, got ",
+                device, " for tensor 0 and ", t.device(), " for tensor ", i);
     dtype = promote_types(dtype, t.dtype());  // skipped tensors still promote, as in PyTorch
     if (ref < 0 && !legacy_empty(t)) ref = static_cast<int64_t>(i);
   }
@@ -73,11 +73,9 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
     EMBER_CHECK(t.dim() == r.dim(), "[cat] expected tensors with the same number of dims: tensor ",
                 i, " has shape ", t.shape(), " but tensor ", ref, " has shape ", r.shape());
     for (int64_t d = 0; d < r.dim(); ++d) {
-      EMBER_CHECK(d == dim || t.size(d) == r.size(d),
-                  "[cat] sizes of tensors must match except "
-                  "in dim ",
-                  dim, ": tensor ", i, " has shape ", t.shape(), " but tensor ", ref, " has shape ",
-                  r.shape());
+      EMBER_CHECK(d == dim || t.size(d) == r.size(d), "[cat] sizes of tensors must match except "
+                  "in dim ", dim, ": tensor ", i, " has shape ", t.shape(), " but tensor ", ref,
+                  " has shape ", r.shape());
     }
     total += t.size(dim);
   }
@@ -103,10 +101,9 @@ Tensor stack(const std::vector<Tensor>& tensors, int64_t dim) {
   parts.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     check_defined("stack", tensors[i], position("tensors", i).c_str());
-    EMBER_CHECK(tensors[i].shape() == tensors[0].shape(),
-                "[stack] expected all tensors to have "
-                "the same shape, got ",
-                tensors[0].shape(), " at position 0 and ", tensors[i].shape(), " at position ", i);
+    EMBER_CHECK(tensors[i].shape() == tensors[0].shape(), "[stack] expected all tensors to have "
+                "the same shape, got ", tensors[0].shape(), " at position 0 and ",
+                tensors[i].shape(), " at position ", i);
   }
   dim = wrap_dim("stack", dim, tensors[0].dim() + 1);
   for (const Tensor& t : tensors) parts.push_back(t.unsqueeze(dim));

@@ -25,8 +25,9 @@ namespace {
 void check_pair(const char* op, const Tensor& a, const Tensor& b) {
   detail::check_defined(op, a, "a");
   detail::check_defined(op, b, "b");
-  EMBER_CHECK(a.device() == b.device(), "[", op, "] expected a and b on the same device, got a on ",
-              a.device(), " and b on ", b.device());
+  EMBER_CHECK(a.device() == b.device(), "[", op,
+              "] expected a and b on the same device, got a on ", a.device(), " and b on ",
+              b.device());
   EMBER_CHECK_TYPE(TypeError, a.dtype() == b.dtype(), "[", op,
                    "] expected a and b to have the same dtype, got ", a.dtype(), " and ",
                    b.dtype());
@@ -77,16 +78,14 @@ bool leading_dims_merge(const Tensor& t) {
 }  // namespace
 
 Tensor mm(const Tensor& a, const Tensor& b) {
-  if (auto ac = detail::autocast_inputs(AutocastPolicy::kLowPrecision, a, b))
-    return mm(ac[0], ac[1]);
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kLowPrecision, a, b)) return mm(ac[0], ac[1]);
   check_pair("mm", a, b);
   check_mm_shapes("mm", a, b);
   return gemm_recorded(detail::make_empty({a.size(0), b.size(1)}, a.dtype(), a.device()), a, b);
 }
 
 Tensor bmm(const Tensor& a, const Tensor& b) {
-  if (auto ac = detail::autocast_inputs(AutocastPolicy::kLowPrecision, a, b))
-    return bmm(ac[0], ac[1]);
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kLowPrecision, a, b)) return bmm(ac[0], ac[1]);
   check_pair("bmm", a, b);
   EMBER_CHECK(a.dim() == 3 && b.dim() == 3, "[bmm] expected 3-d tensors, got a of shape ",
               a.shape(), " and b of shape ", b.shape());
@@ -99,13 +98,12 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
 }
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
-  if (auto ac = detail::autocast_inputs(AutocastPolicy::kLowPrecision, a, b))
-    return matmul(ac[0], ac[1]);
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kLowPrecision, a, b)) return matmul(ac[0], ac[1]);
   check_pair("matmul", a, b);
   const int64_t da = a.dim(), db = b.dim();
   EMBER_CHECK(da >= 1 && db >= 1,
-              "[matmul] both arguments need to be at least 1-d, got a of shape ", a.shape(), " (",
-              da, "-d) and b of shape ", b.shape(), " (", db, "-d)");
+              "[matmul] both arguments need to be at least 1-d, got a of shape ", a.shape(),
+              " (", da, "-d) and b of shape ", b.shape(), " (", db, "-d)");
   // The contracted dim: a's last; b's only (1-d) or second-to-last.
   const int64_t k_a = a.size(-1);
   const int64_t k_b = db == 1 ? b.size(0) : b.size(-2);
@@ -153,8 +151,8 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
     batch = broadcast_shapes("matmul", batch_a, batch_b);
   } catch (const ValueError&) {
     throw ValueError(detail::str_cat("[matmul] the batch dims of a (shape ", a.shape(),
-                                     ") and b (shape ", b.shape(),
-                                     ") cannot be broadcast: ", batch_a, " vs ", batch_b));
+                                     ") and b (shape ", b.shape(), ") cannot be broadcast: ",
+                                     batch_a, " vs ", batch_b));
   }
   Shape sa(batch), sb(batch), so(batch);
   sa.push_back(n);

@@ -139,7 +139,7 @@ Tensor fused_cross_entropy(const Tensor& x, const Tensor& target, const Tensor& 
     a.class_weight = weight.defined() ? weight.to(x.dtype()) : Tensor();
     const Tensor& w = a.class_weight;
     a.target_index = masked_fill(target, ignored, 0).unsqueeze(1);  // [N, 1]
-    a.valid = logical_not(ignored).to(x.dtype());                   // [N]
+    a.valid = logical_not(ignored).to(x.dtype());                     // [N]
     a.row_weight =
         w.defined() ? index_select(w, 0, a.target_index.view({-1})) * a.valid : a.valid;  // [N]
     a.probs = softmax(x, 1);
@@ -149,7 +149,7 @@ Tensor fused_cross_entropy(const Tensor& x, const Tensor& target, const Tensor& 
     Tensor loss = masked_fill(-(logpt * a.row_weight), ignored, 0);  // [N]
     if (ls > 0) {
       a.weight_sum = w.defined() ? w.sum().item<double>() : static_cast<double>(classes);
-      const Tensor wx = w.defined() ? matmul(x, w) : x.sum({1});               // [N]
+      const Tensor wx = w.defined() ? matmul(x, w) : x.sum({1});           // [N]
       const Tensor smooth = masked_fill(lse * a.weight_sum - wx, ignored, 0);  // -sum_c w_c logp_c
       loss = loss * (1.0 - ls) + smooth * (ls / static_cast<double>(classes));
     }
@@ -236,8 +236,8 @@ Tensor cross_entropy(const Tensor& input, const Tensor& target, const Tensor& we
   Tensor smooth = weight.defined() ? -(logp * weight.to(input.dtype()).view(wshape)).sum({cdim})
                                    : -logp.sum({cdim});
   smooth = masked_fill(smooth, p.ignored, 0);
-  return nll * (1.0 - ls) +
-         reduce_weighted(smooth, p.weights, reduction) * (ls / static_cast<double>(classes));
+  return nll * (1.0 - ls) + reduce_weighted(smooth, p.weights, reduction) *
+                                (ls / static_cast<double>(classes));
 }
 
 }  // namespace ember

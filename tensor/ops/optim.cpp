@@ -14,8 +14,8 @@ namespace {
 
 void check_like(const char* op, const Tensor& param, const Tensor& t, const char* name) {
   check_defined(op, t, name);
-  EMBER_CHECK(t.shape() == param.shape(), "[", op, "] expected ", name,
-              " of the parameter's shape ", param.shape(), ", got ", t.shape());
+  EMBER_CHECK(t.shape() == param.shape(), "[", op, "] expected ", name, " of the parameter's shape ",
+              param.shape(), ", got ", t.shape());
   EMBER_CHECK(t.device() == param.device(), "[", op, "] ", name, " is on ", t.device(),
               " but the parameter is on ", param.device());
 }

@@ -32,7 +32,8 @@ struct SgdStepArgs {
 /// or devices, or a missing max_exp_avg_sq with amsgrad. Must run with grad mode off (it does
 /// not record), like any optimizer step. Bumps the version of every tensor it writes.
 void adam_update_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
-                  const Tensor& exp_avg_sq, const Tensor& max_exp_avg_sq, const AdamStepArgs& args);
+                  const Tensor& exp_avg_sq, const Tensor& max_exp_avg_sq,
+                  const AdamStepArgs& args);
 
 /// One SGD step: updates param and (with momentum) momentum_buffer in place, reading grad.
 /// With args.init_buffer the buffer (already allocated, any values) is set to the first d_p

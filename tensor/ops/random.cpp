@@ -105,18 +105,12 @@ Tensor make(IntList shape, const TensorOptions& o) {
 // Largest n such that 0..n-1 are all exact in t.
 int64_t max_exact_count(Dtype t) {
   switch (t) {
-    case kUInt8:
-      return 256;
-    case kInt32:
-      return int64_t{1} << 31;
-    case kFloat16:
-      return (1 << 11) + 1;
-    case kBFloat16:
-      return (1 << 8) + 1;
-    case kFloat32:
-      return (int64_t{1} << 24) + 1;
-    default:
-      return INT64_MAX;
+    case kUInt8: return 256;
+    case kInt32: return int64_t{1} << 31;
+    case kFloat16: return (1 << 11) + 1;
+    case kBFloat16: return (1 << 8) + 1;
+    case kFloat32: return (int64_t{1} << 24) + 1;
+    default: return INT64_MAX;
   }
 }
 
@@ -160,10 +154,10 @@ Tensor randint(int64_t low, int64_t high, IntList shape, TensorOptions opts, Gen
 
 Tensor randperm(int64_t n, TensorOptions opts, Generator* gen) {
   EMBER_CHECK(n >= 0, "[randperm] expected n >= 0, got ", n);
-  EMBER_CHECK_TYPE(TypeError, opts.dtype_ != kBool,
-                   "[randperm] expected a numeric dtype, got bool");
-  EMBER_CHECK(n <= max_exact_count(opts.dtype_), "[randperm] n=", n, " is too large for dtype ",
-              opts.dtype_, " (at most ", max_exact_count(opts.dtype_), ")");
+  EMBER_CHECK_TYPE(TypeError, opts.dtype_ != kBool, "[randperm] expected a numeric dtype, got bool");
+  EMBER_CHECK(n <= max_exact_count(opts.dtype_), "[randperm] n=", n,
+              " is too large for dtype ", opts.dtype_, " (at most ", max_exact_count(opts.dtype_),
+              ")");
   // Fisher-Yates on the CPU; swap step k (for position i = n-1-k) draws 64 bits from words
   // 2k and 2k+1 of the stream. On CUDA the permutation is made here and copied over.
   Tensor p = detail::make_empty({n}, kInt64, kCPU);

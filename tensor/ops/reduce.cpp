@@ -232,8 +232,7 @@ Tensor flat_arg(const char* op, const Tensor& t, std::optional<int64_t> dim, boo
 
 Tensor sum(const Tensor& t, IntList dims, bool keepdim, std::optional<Dtype> dtype) {
   if (!dtype) {  // an explicit dtype opts out of autocast, as in torch
-    if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, t))
-      return sum(ac[0], dims, keepdim);
+    if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, t)) return sum(ac[0], dims, keepdim);
   }
   detail::check_defined("sum", t, "input");
   if (dtype) {
@@ -247,8 +246,7 @@ Tensor sum(const Tensor& t, IntList dims, bool keepdim, std::optional<Dtype> dty
 }
 
 Tensor mean(const Tensor& t, IntList dims, bool keepdim) {
-  if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, t))
-    return mean(ac[0], dims, keepdim);
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, t)) return mean(ac[0], dims, keepdim);
   detail::check_defined("mean", t, "input");
   check_floating("mean", t);
   Tensor out = reduce("mean", ReduceKind::Mean, t, dims, keepdim, t.dtype());
@@ -257,8 +255,7 @@ Tensor mean(const Tensor& t, IntList dims, bool keepdim) {
 }
 
 Tensor prod(const Tensor& t, IntList dims, bool keepdim) {
-  if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, t))
-    return prod(ac[0], dims, keepdim);
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, t)) return prod(ac[0], dims, keepdim);
   detail::check_defined("prod", t, "input");
   Tensor out = reduce("prod", ReduceKind::Prod, t, dims, keepdim, sum_dtype(t.dtype()));
   if (detail::should_record(t)) record_reduce(OpId::Prod, t, out, dims, keepdim);
@@ -343,8 +340,7 @@ Tensor std(const Tensor& t, IntList dims, int64_t correction, bool keepdim) {
 }
 
 Tensor norm(const Tensor& t, double p, IntList dims, bool keepdim) {
-  if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, t))
-    return norm(ac[0], p, dims, keepdim);
+  if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, t)) return norm(ac[0], p, dims, keepdim);
   detail::check_defined("norm", t, "input");
   check_floating("norm", t);
   ReduceParams params;

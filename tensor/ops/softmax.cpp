@@ -65,8 +65,8 @@ Tensor softmax_backward(const Tensor& grad, const Tensor& output, int64_t dim, b
   EMBER_CHECK_TYPE(TypeError, grad.is_floating_point() && output.is_floating_point(), "[", op,
                    "] expected floating-point grad and output, got ", grad.dtype(), " and ",
                    output.dtype());
-  EMBER_CHECK(grad.shape() == output.shape(), "[", op, "] expected grad of the output's shape ",
-              output.shape(), ", got ", grad.shape());
+  EMBER_CHECK(grad.shape() == output.shape(), "[", op,
+              "] expected grad of the output's shape ", output.shape(), ", got ", grad.shape());
   EMBER_CHECK(grad.device() == output.device(), "[", op, "] expected grad on ", output.device(),
               " (the output's device), got ", grad.device());
   const int64_t d = wrap_dim(op, dim, output.dim());

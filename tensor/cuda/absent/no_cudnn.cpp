@@ -13,8 +13,7 @@ namespace detail {
 namespace {
 [[noreturn]] void no_cudnn(const char* op) {
   throw NotImplementedError(str_cat(
-      "[", op,
-      "] convolution on CUDA tensors needs cuDNN, and this build has none (configured "
+      "[", op, "] convolution on CUDA tensors needs cuDNN, and this build has none (configured "
       "with EMBER_WITH_CUDNN=OFF, or cudnn.h or libcudnn was not found). Install cuDNN (Debian 12: "
       "NVIDIA's libcudnn9-dev-cuda-13, which scripts/install-cuda.sh installs), configure again "
       "and rebuild; or run the convolution on the CPU"));

@@ -42,10 +42,10 @@ using test::require;
 
 using test::ar;
 using test::bc;
-using test::ga;
 using test::rd;
-using test::rs;
+using test::ga;
 using test::sc;
+using test::rs;
 std::shared_ptr<TCPStore> client(const std::string& port) {
   TCPStoreOptions o;
   o.timeout = std::chrono::seconds(60);
@@ -113,22 +113,17 @@ struct WorldCase {
 std::string case_name(const ::testing::TestParamInfo<WorldCase>& info) {
   const WorldCase& c = info.param;
   return "n" + std::to_string(c.n) + (c.composite ? "_composite" : "") +
-         (c.n == 1 ? ""
-          : c.shm  ? "_shm"
-                   : "_tcp");
+         (c.n == 1 ? "" : c.shm ? "_shm" : "_tcp");
 }
 void run_checks(const WorldCase& c, const Checks& checks) {
-  run_group(
-      c.n,
-      [&](ProcessGroupGloo& pg, int rank, Store&) {
-        if (c.composite) {
-          CompositeOnly composite(pg);
-          checks(composite, rank, c.n);
-        } else {
-          checks(pg, rank, c.n);
-        }
-      },
-      60s, c.shm);
+  run_group(c.n, [&](ProcessGroupGloo& pg, int rank, Store&) {
+    if (c.composite) {
+      CompositeOnly composite(pg);
+      checks(composite, rank, c.n);
+    } else {
+      checks(pg, rank, c.n);
+    }
+  }, 60s, c.shm);
 }
 
 void run_group(int n, const std::function<void(ProcessGroupGloo&, int, Store&)>& body,
@@ -159,10 +154,7 @@ struct GlooCase {
   bool shm;
 };
 void PrintTo(const GlooCase& c, std::ostream* os) {
-  *os << c.n << (c.n == 1 ? " rank" : " ranks, ")
-      << (c.n == 1 ? ""
-          : c.shm  ? "shared memory"
-                   : "tcp");
+  *os << c.n << (c.n == 1 ? " rank" : " ranks, ") << (c.n == 1 ? "" : c.shm ? "shared memory" : "tcp");
 }
 class GlooWorld : public ::testing::TestWithParam<GlooCase> {};
 
@@ -170,32 +162,29 @@ TEST_P(GlooWorld, AllreduceEveryDtypeOpAndSize) {
   EMBER_REQUIRE_GLOO();
   const int n = GetParam().n;
   const bool shm = GetParam().shm;
-  run_group(
-      n,
-      [n](ProcessGroupGloo& pg, int rank, Store&) {
-        require(pg.backend_name() == "gloo" && pg.rank() == rank && pg.size() == n, "identity");
-        for (Dtype d : kDtypes) {
-          for (ReduceOp op :
-               {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max}) {
-            // 70000 elements exceed the small-message path (Note [small allreduce]) for every
-            // dtype; 300001 span several shared-memory chunks for the wider dtypes.
-            for (int64_t len : {0, 5, 1003, 70000, 300001}) {
-              std::vector<double> in(len), want(len);
-              for (int64_t i = 0; i < len; ++i) {
-                in[i] = input(rank, i);
-                want[i] = expected(op, n, i, d);
-              }
-              Tensor t = make(in, d);
-              WorkPtr w = pg.allreduce(t, ar(op));
-              require(w->wait(), "wait");
-              require_values(name("allreduce", d, rank,
-                                  ember::detail::str_cat(" op ", to_string(op), " len ", len)),
-                             t, want);
-            }
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    require(pg.backend_name() == "gloo" && pg.rank() == rank && pg.size() == n, "identity");
+    for (Dtype d : kDtypes) {
+      for (ReduceOp op :
+           {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max}) {
+        // 70000 elements exceed the small-message path (Note [small allreduce]) for every dtype;
+        // 300001 span several shared-memory chunks for the wider dtypes.
+        for (int64_t len : {0, 5, 1003, 70000, 300001}) {
+          std::vector<double> in(len), want(len);
+          for (int64_t i = 0; i < len; ++i) {
+            in[i] = input(rank, i);
+            want[i] = expected(op, n, i, d);
           }
+          Tensor t = make(in, d);
+          WorkPtr w = pg.allreduce(t, ar(op));
+          require(w->wait(), "wait");
+          require_values(
+              name("allreduce", d, rank, ember::detail::str_cat(" op ", to_string(op), " len ", len)), t,
+              want);
         }
-      },
-      60s, shm);
+      }
+    }
+  }, 60s, shm);
 }
 
 // allreduce_coalesced: tensors of several shapes (an empty one among them) reduced as one
@@ -205,66 +194,60 @@ TEST_P(GlooWorld, AllreduceCoalescedEveryDtype) {
   EMBER_REQUIRE_GLOO();
   const int n = GetParam().n;
   const bool shm = GetParam().shm;
-  run_group(
-      n,
-      [n, shm](ProcessGroupGloo& pg, int rank, Store&) {
-        require(pg.coalesced_without_copies(kCPU) == (shm && n > 1), "coalesced_without_copies()");
-        CompositeOnly composite(pg);
-        for (ProcessGroup* g :
-             {static_cast<ProcessGroup*>(&pg), static_cast<ProcessGroup*>(&composite)}) {
-          for (Dtype d : {kFloat32, kBFloat16, kInt64}) {
-            for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max}) {
-              const std::vector<Shape> shapes = {{3, 4}, {0}, {7}, {300001}, {2, 5}};
-              std::vector<Tensor> ts;
-              std::vector<std::vector<double>> want;
-              int64_t at = 0;
-              for (const Shape& s : shapes) {
-                int64_t k = 1;
-                for (int64_t x : s) k *= x;
-                std::vector<double> in(k), w(k);
-                for (int64_t i = 0; i < k; ++i) {
-                  in[i] = input(rank, at + i);
-                  w[i] = expected(op, n, at + i, d);
-                }
-                at += k;
-                ts.push_back(k == 0 ? empty(s, d) : make(in, d).view(s));
-                want.push_back(w);
-              }
-              std::vector<void*> where;
-              for (const Tensor& t : ts) where.push_back(t.data_ptr());
-              g->allreduce_coalesced(ts, ar(op))->wait();
-              for (size_t j = 0; j < ts.size(); ++j) {
-                require(ts[j].data_ptr() == where[j], "tensor " + std::to_string(j) + " moved");
-                require_values(name("allreduce_coalesced", d, rank,
-                                    ember::detail::str_cat(" on ", g->backend_name(), " op ",
-                                                           to_string(op), " tensor ", j)),
-                               ts[j], want[j]);
-              }
+  run_group(n, [n, shm](ProcessGroupGloo& pg, int rank, Store&) {
+    require(pg.coalesced_without_copies(kCPU) == (shm && n > 1), "coalesced_without_copies()");
+    CompositeOnly composite(pg);
+    for (ProcessGroup* g : {static_cast<ProcessGroup*>(&pg), static_cast<ProcessGroup*>(&composite)}) {
+      for (Dtype d : {kFloat32, kBFloat16, kInt64}) {
+        for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max}) {
+          const std::vector<Shape> shapes = {{3, 4}, {0}, {7}, {300001}, {2, 5}};
+          std::vector<Tensor> ts;
+          std::vector<std::vector<double>> want;
+          int64_t at = 0;
+          for (const Shape& s : shapes) {
+            int64_t k = 1;
+            for (int64_t x : s) k *= x;
+            std::vector<double> in(k), w(k);
+            for (int64_t i = 0; i < k; ++i) {
+              in[i] = input(rank, at + i);
+              w[i] = expected(op, n, at + i, d);
             }
+            at += k;
+            ts.push_back(k == 0 ? empty(s, d) : make(in, d).view(s));
+            want.push_back(w);
+          }
+          std::vector<void*> where;
+          for (const Tensor& t : ts) where.push_back(t.data_ptr());
+          g->allreduce_coalesced(ts, ar(op))->wait();
+          for (size_t j = 0; j < ts.size(); ++j) {
+            require(ts[j].data_ptr() == where[j], "tensor " + std::to_string(j) + " moved");
+            require_values(name("allreduce_coalesced", d, rank,
+                                ember::detail::str_cat(" on ", g->backend_name(), " op ",
+                                                       to_string(op), " tensor ", j)),
+                           ts[j], want[j]);
           }
         }
-        // Errors name the op and what differs (before anything is issued: no rank waits).
-        auto error_of = [&](std::vector<Tensor> list) {
-          try {
-            pg.allreduce_coalesced(list);
-          } catch (const ValueError& e) {
-            return std::string(e.what());
-          }
-          return std::string("no error");
-        };
-        const std::string none = error_of({});
-        require(none.find("[gloo] allreduce_coalesced expects at least one tensor") !=
-                    std::string::npos,
-                "empty list: " + none);
-        const std::string mixed = error_of({zeros({2}, kFloat32), zeros({2}, kInt64)});
-        require(mixed.find("one dtype and device") != std::string::npos &&
-                    mixed.find("tensors[1] is int64") != std::string::npos,
-                "mixed dtypes: " + mixed);
-        const std::string undefined = error_of({zeros({2}, kFloat32), Tensor()});
-        require(undefined.find("allreduce_coalesced: tensors[1] is undefined") != std::string::npos,
-                "undefined tensor: " + undefined);
-      },
-      60s, shm);
+      }
+    }
+    // Errors name the op and what differs (before anything is issued: no rank waits).
+    auto error_of = [&](std::vector<Tensor> list) {
+      try {
+        pg.allreduce_coalesced(list);
+      } catch (const ValueError& e) {
+        return std::string(e.what());
+      }
+      return std::string("no error");
+    };
+    const std::string none = error_of({});
+    require(none.find("[gloo] allreduce_coalesced expects at least one tensor") !=
+                std::string::npos, "empty list: " + none);
+    const std::string mixed = error_of({zeros({2}, kFloat32), zeros({2}, kInt64)});
+    require(mixed.find("one dtype and device") != std::string::npos &&
+                mixed.find("tensors[1] is int64") != std::string::npos, "mixed dtypes: " + mixed);
+    const std::string undefined = error_of({zeros({2}, kFloat32), Tensor()});
+    require(undefined.find("allreduce_coalesced: tensors[1] is undefined") != std::string::npos,
+            "undefined tensor: " + undefined);
+  }, 60s, shm);
 }
 
 class GlooCollectives : public ::testing::TestWithParam<WorldCase> {};
@@ -394,9 +377,8 @@ TEST_P(GlooWorld, BatchIsendIrecvAndLearnedShapes) {
   EMBER_REQUIRE_GLOO();
   const int n = GetParam().n;
   if (n == 1) GTEST_SKIP() << "send/recv needs a peer";
-  run_group(
-      n, [n](ProcessGroupGloo& pg, int rank, Store&) { test::check_batch_p2p(pg, rank, n); }, 60s,
-      GetParam().shm);
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) { test::check_batch_p2p(pg, rank, n); },
+            60s, GetParam().shm);
 }
 
 // A receiver that takes a later send first (waiting for it before it calls the earlier one's
@@ -405,26 +387,23 @@ TEST_P(GlooWorld, BatchIsendIrecvAndLearnedShapes) {
 TEST(GlooTcp, SendsCompleteOutOfOrderButInOrderPerTag) {
   EMBER_REQUIRE_GLOO();
   for (bool shm : {false, true}) {
-    run_group(
-        2,
-        [](ProcessGroupGloo& pg, int rank, Store&) {
-          if (rank == 0) {
-            std::vector<WorkPtr> w = {pg.send(full({3}, 1.0), 1, 1), pg.send(full({4}, 2.0), 1, 2),
-                                      pg.send(full({2}, 3.0), 1, 5), pg.send(full({2}, 4.0), 1, 5)};
-            for (auto& x : w) x->wait();
-          } else {
-            Tensor b = zeros({4}), a = zeros({3}), c = zeros({2}), d = zeros({2});
-            pg.recv(b, 0, 2)->wait();
-            pg.recv(a, 0, 1)->wait();
-            pg.recv(c, 0, 5)->wait();
-            pg.recv(d, 0, 5)->wait();
-            require_values("tag 2 first", b, std::vector<double>(4, 2.0));
-            require_values("then tag 1", a, std::vector<double>(3, 1.0));
-            require_values("tag 5 in order", c, std::vector<double>(2, 3.0));
-            require_values("tag 5 in order, second", d, std::vector<double>(2, 4.0));
-          }
-        },
-        20s, shm);
+    run_group(2, [](ProcessGroupGloo& pg, int rank, Store&) {
+      if (rank == 0) {
+        std::vector<WorkPtr> w = {pg.send(full({3}, 1.0), 1, 1), pg.send(full({4}, 2.0), 1, 2),
+                                  pg.send(full({2}, 3.0), 1, 5), pg.send(full({2}, 4.0), 1, 5)};
+        for (auto& x : w) x->wait();
+      } else {
+        Tensor b = zeros({4}), a = zeros({3}), c = zeros({2}), d = zeros({2});
+        pg.recv(b, 0, 2)->wait();
+        pg.recv(a, 0, 1)->wait();
+        pg.recv(c, 0, 5)->wait();
+        pg.recv(d, 0, 5)->wait();
+        require_values("tag 2 first", b, std::vector<double>(4, 2.0));
+        require_values("then tag 1", a, std::vector<double>(3, 1.0));
+        require_values("tag 5 in order", c, std::vector<double>(2, 3.0));
+        require_values("tag 5 in order, second", d, std::vector<double>(2, 4.0));
+      }
+    }, 20s, shm);
   }
 }
 
@@ -433,79 +412,72 @@ TEST_P(GlooWorld, SendRecvRingEveryDtype) {
   const int n = GetParam().n;
   const bool shm = GetParam().shm;
   if (n == 1) GTEST_SKIP() << "send/recv needs a peer";
-  run_group(
-      n,
-      [n](ProcessGroupGloo& pg, int rank, Store&) {
-        const int next = (rank + 1) % n, prev = (rank + n - 1) % n;
-        for (Dtype d : kDtypes) {
-          std::vector<double> v(7), want(7);
-          for (int i = 0; i < 7; ++i) {
-            v[i] = rank * 10 + i;
-            want[i] = prev * 10 + i;
-          }
-          Tensor out = make(v, d);
-          Tensor in = empty({7}, d);
-          // Both posted before either is waited on: no rank orders them, so no deadlock.
-          WorkPtr s = pg.send(out, next, /*tag=*/3);
-          WorkPtr r = pg.recv(in, prev, /*tag=*/3);
-          r->wait();
-          s->wait();
-          require_values(name("recv", d, rank), in, want);
-        }
-        // Two messages on different tags, received in the opposite order.
-        if (n == 2) {
-          Tensor a = full({4}, rank + 1.0, kFloat32), b = full({4}, rank + 5.0, kFloat32);
-          Tensor ra = empty({4}, kFloat32), rb = empty({4}, kFloat32);
-          WorkPtr s1 = pg.send(a, next, 1), s2 = pg.send(b, next, 2);
-          WorkPtr r2 = pg.recv(rb, prev, 2), r1 = pg.recv(ra, prev, 1);
-          for (auto& w : {s1, s2, r2, r1}) w->wait();
-          require_values("tagged recv 1", ra, std::vector<double>(4, prev + 1.0));
-          require_values("tagged recv 2", rb, std::vector<double>(4, prev + 5.0));
-        }
-      },
-      60s, shm);
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    const int next = (rank + 1) % n, prev = (rank + n - 1) % n;
+    for (Dtype d : kDtypes) {
+      std::vector<double> v(7), want(7);
+      for (int i = 0; i < 7; ++i) {
+        v[i] = rank * 10 + i;
+        want[i] = prev * 10 + i;
+      }
+      Tensor out = make(v, d);
+      Tensor in = empty({7}, d);
+      // Both posted before either is waited on: no rank orders them, so no deadlock.
+      WorkPtr s = pg.send(out, next, /*tag=*/3);
+      WorkPtr r = pg.recv(in, prev, /*tag=*/3);
+      r->wait();
+      s->wait();
+      require_values(name("recv", d, rank), in, want);
+    }
+    // Two messages on different tags, received in the opposite order.
+    if (n == 2) {
+      Tensor a = full({4}, rank + 1.0, kFloat32), b = full({4}, rank + 5.0, kFloat32);
+      Tensor ra = empty({4}, kFloat32), rb = empty({4}, kFloat32);
+      WorkPtr s1 = pg.send(a, next, 1), s2 = pg.send(b, next, 2);
+      WorkPtr r2 = pg.recv(rb, prev, 2), r1 = pg.recv(ra, prev, 1);
+      for (auto& w : {s1, s2, r2, r1}) w->wait();
+      require_values("tagged recv 1", ra, std::vector<double>(4, prev + 1.0));
+      require_values("tagged recv 2", rb, std::vector<double>(4, prev + 5.0));
+    }
+  }, 60s, shm);
 }
 
 TEST_P(GlooWorld, AsyncWorkAndFutures) {
   EMBER_REQUIRE_GLOO();
   const int n = GetParam().n;
   const bool shm = GetParam().shm;
-  run_group(
-      n,
-      [n](ProcessGroupGloo& pg, int rank, Store&) {
-        const uint64_t seq0 = pg.sequence_number();
-        std::vector<Tensor> ts;
-        std::vector<WorkPtr> works;
-        for (int k = 0; k < 16; ++k) ts.push_back(full({1000}, rank + k, kFloat32));
-        for (int k = 0; k < 16; ++k) works.push_back(pg.allreduce(ts[k]));
-        require(pg.sequence_number() == seq0 + 16, "sequence numbers count collectives");
-        require(works[5]->describe() == ember::detail::str_cat("[gloo] allreduce #", seq0 + 5,
-                                                               " on rank ", rank, " of ", n),
-                "describe(): " + works[5]->describe());
-        // A then() chain on the last one: doubles the result.
-        auto doubled = works.back()->future()->then([](Future& f) {
-          return std::vector<Tensor>{f.value()[0].mul(full({1}, 2.0, kFloat32))};
-        });
-        for (int k = 15; k >= 0; --k) {
-          works[k]->wait();
-          require(works[k]->is_completed() && works[k]->is_success() && !works[k]->exception(),
-                  "completed");
-          require_values("async allreduce " + std::to_string(k), ts[k],
-                         std::vector<double>(1000, n * (n - 1) / 2.0 + n * k));
-          require(works[k]->result().size() == 1, "result holds the tensor");
-        }
-        doubled->wait(10s);
-        require_values("then()", doubled->value()[0],
-                       std::vector<double>(1000, 2 * (n * (n - 1) / 2.0 + n * 15)));
-        // Per-call timeout is accepted and used as the Work's timeout.
-        Tensor t = full({3}, 1.0, kFloat64);
-        WorkPtr w = pg.allreduce(t, AllreduceOptions{ReduceOp::Sum, 20s});
-        require(w->timeout() == 20s, "per-call timeout");
-        w->wait();
-        require_values("timed allreduce", t, std::vector<double>(3, n));
-        pg.barrier(CollectiveOptions{5s})->wait();
-      },
-      60s, shm);
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    const uint64_t seq0 = pg.sequence_number();
+    std::vector<Tensor> ts;
+    std::vector<WorkPtr> works;
+    for (int k = 0; k < 16; ++k) ts.push_back(full({1000}, rank + k, kFloat32));
+    for (int k = 0; k < 16; ++k) works.push_back(pg.allreduce(ts[k]));
+    require(pg.sequence_number() == seq0 + 16, "sequence numbers count collectives");
+    require(works[5]->describe() ==
+                ember::detail::str_cat("[gloo] allreduce #", seq0 + 5, " on rank ", rank, " of ", n),
+            "describe(): " + works[5]->describe());
+    // A then() chain on the last one: doubles the result.
+    auto doubled = works.back()->future()->then(
+        [](Future& f) { return std::vector<Tensor>{f.value()[0].mul(full({1}, 2.0, kFloat32))}; });
+    for (int k = 15; k >= 0; --k) {
+      works[k]->wait();
+      require(works[k]->is_completed() && works[k]->is_success() && !works[k]->exception(),
+              "completed");
+      require_values("async allreduce " + std::to_string(k), ts[k],
+                     std::vector<double>(1000, n * (n - 1) / 2.0 + n * k));
+      require(works[k]->result().size() == 1, "result holds the tensor");
+    }
+    doubled->wait(10s);
+    require_values("then()", doubled->value()[0],
+                   std::vector<double>(1000, 2 * (n * (n - 1) / 2.0 + n * 15)));
+    // Per-call timeout is accepted and used as the Work's timeout.
+    Tensor t = full({3}, 1.0, kFloat64);
+    WorkPtr w = pg.allreduce(t, AllreduceOptions{ReduceOp::Sum, 20s});
+    require(w->timeout() == 20s, "per-call timeout");
+    w->wait();
+    require_values("timed allreduce", t, std::vector<double>(3, n));
+    pg.barrier(CollectiveOptions{5s})->wait();
+  }, 60s, shm);
 }
 
 // Collectives of every path (direct exchange, Gloo's ring, broadcast, allgather) in flight at
@@ -515,32 +487,29 @@ TEST_P(GlooWorld, MixedCollectivesInFlight) {
   EMBER_REQUIRE_GLOO();
   const int n = GetParam().n;
   const bool shm = GetParam().shm;
-  run_group(
-      n,
-      [n](ProcessGroupGloo& pg, int rank, Store&) {
-        const std::vector<int64_t> sizes = {1000, 300000, 50, int64_t{1} << 20, 20000};
-        std::vector<Tensor> ts;
-        std::vector<WorkPtr> works;
-        for (size_t k = 0; k < sizes.size(); ++k) {
-          ts.push_back(full({sizes[k]}, rank + 1.0 + k, kFloat32));
-          works.push_back(pg.allreduce(ts.back()));
-        }
-        Tensor b = full({100000}, rank == n - 1 ? 7.0 : 0.0, kFloat32);
-        works.push_back(pg.broadcast(b, bc(n - 1)));
-        Tensor mine = full({3000}, double(rank), kFloat32);
-        Tensor all = empty({n * 3000}, kFloat32);
-        works.push_back(pg.allgather_into_tensor(all, mine));
-        for (auto it = works.rbegin(); it != works.rend(); ++it) (*it)->wait();
-        for (size_t k = 0; k < sizes.size(); ++k) {
-          require_values("allreduce of " + std::to_string(sizes[k]), ts[k],
-                         std::vector<double>(sizes[k], n * (n + 1) / 2.0 + n * double(k)));
-        }
-        require_values("broadcast", b, std::vector<double>(100000, 7.0));
-        std::vector<double> want;
-        for (int r = 0; r < n; ++r) want.insert(want.end(), 3000, double(r));
-        require_values("allgather_into_tensor", all, want);
-      },
-      60s, shm);
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    const std::vector<int64_t> sizes = {1000, 300000, 50, int64_t{1} << 20, 20000};
+    std::vector<Tensor> ts;
+    std::vector<WorkPtr> works;
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      ts.push_back(full({sizes[k]}, rank + 1.0 + k, kFloat32));
+      works.push_back(pg.allreduce(ts.back()));
+    }
+    Tensor b = full({100000}, rank == n - 1 ? 7.0 : 0.0, kFloat32);
+    works.push_back(pg.broadcast(b, bc(n - 1)));
+    Tensor mine = full({3000}, double(rank), kFloat32);
+    Tensor all = empty({n * 3000}, kFloat32);
+    works.push_back(pg.allgather_into_tensor(all, mine));
+    for (auto it = works.rbegin(); it != works.rend(); ++it) (*it)->wait();
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      require_values("allreduce of " + std::to_string(sizes[k]), ts[k],
+                     std::vector<double>(sizes[k], n * (n + 1) / 2.0 + n * double(k)));
+    }
+    require_values("broadcast", b, std::vector<double>(100000, 7.0));
+    std::vector<double> want;
+    for (int r = 0; r < n; ++r) want.insert(want.end(), 3000, double(r));
+    require_values("allgather_into_tensor", all, want);
+  }, 60s, shm);
 }
 
 // Note [barrier and two workers]: a barrier completes only after every collective issued before
@@ -549,25 +518,22 @@ TEST_P(GlooWorld, BarrierWaitsForEarlierCollectives) {
   EMBER_REQUIRE_GLOO();
   const int n = GetParam().n;
   const bool shm = GetParam().shm;
-  run_group(
-      n,
-      [n](ProcessGroupGloo& pg, int rank, Store&) {
-        std::vector<Tensor> ts;
-        std::vector<WorkPtr> works;
-        for (int k = 0; k < 4; ++k) {
-          ts.push_back(full({int64_t{1} << 21}, rank + 1.0, kFloat32));  // 8 MiB: Gloo's ring
-          works.push_back(pg.allreduce(ts.back()));
-        }
-        pg.barrier()->wait();
-        for (int k = 0; k < 4; ++k) {
-          require(works[k]->is_completed(),
-                  "allreduce " + std::to_string(k) + " still running after the barrier");
-          require(works[k]->is_success(), "allreduce " + std::to_string(k) + " failed");
-        }
-        require_values("allreduce before the barrier", ts[3],
-                       std::vector<double>(int64_t{1} << 21, n * (n + 1) / 2.0));
-      },
-      60s, shm);
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    std::vector<Tensor> ts;
+    std::vector<WorkPtr> works;
+    for (int k = 0; k < 4; ++k) {
+      ts.push_back(full({int64_t{1} << 21}, rank + 1.0, kFloat32));  // 8 MiB: Gloo's ring
+      works.push_back(pg.allreduce(ts.back()));
+    }
+    pg.barrier()->wait();
+    for (int k = 0; k < 4; ++k) {
+      require(works[k]->is_completed(),
+              "allreduce " + std::to_string(k) + " still running after the barrier");
+      require(works[k]->is_success(), "allreduce " + std::to_string(k) + " failed");
+    }
+    require_values("allreduce before the barrier", ts[3],
+                   std::vector<double>(int64_t{1} << 21, n * (n + 1) / 2.0));
+  }, 60s, shm);
 }
 
 TEST(GlooErrors, ThreadsMustBePositive) {
@@ -584,21 +550,19 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooWorld,
                                            GlooCase{3, false}, GlooCase{4, false}),
                          [](const auto& info) {
                            return "n" + std::to_string(info.param.n) +
-                                  (info.param.n == 1 ? ""
-                                   : info.param.shm  ? "_shm"
-                                                     : "_tcp");
+                                  (info.param.n == 1 ? "" : info.param.shm ? "_shm" : "_tcp");
                          });
 // Each collective through gloo's native implementation, and through ProcessGroup's composites
 // (what a backend without a native version gets).
-INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooCollectives,
-                         ::testing::Values(WorldCase{1, false}, WorldCase{2, false, true},
-                                           WorldCase{3, false, true}, WorldCase{4, false, true},
-                                           WorldCase{2, false, false}, WorldCase{3, false, false},
-                                           WorldCase{4, false, false}, WorldCase{1, true},
-                                           WorldCase{2, true, true}, WorldCase{3, true, true},
-                                           WorldCase{4, true, true}, WorldCase{2, true, false},
-                                           WorldCase{3, true, false}, WorldCase{4, true, false}),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(
+    WorldSizes, GlooCollectives,
+    ::testing::Values(WorldCase{1, false}, WorldCase{2, false, true}, WorldCase{3, false, true},
+                      WorldCase{4, false, true}, WorldCase{2, false, false},
+                      WorldCase{3, false, false}, WorldCase{4, false, false}, WorldCase{1, true},
+                      WorldCase{2, true, true}, WorldCase{3, true, true}, WorldCase{4, true, true},
+                      WorldCase{2, true, false}, WorldCase{3, true, false},
+                      WorldCase{4, true, false}),
+    case_name);
 
 // ---- argument errors (world size 1: no network) ------------------------------------------------
 
@@ -615,45 +579,41 @@ TEST_P(GlooWorld, CudaTensorsAreStagedThroughHostMemory) {
   if (!no_cuda.empty()) GTEST_SKIP() << "no CUDA device in a child process: " << no_cuda;
   const int n = GetParam().n;
   const bool shm = GetParam().shm;
-  run_group(
-      n,
-      [n](ProcessGroupGloo& pg, int rank, Store&) {
-        const Device gpu("cuda");
-        for (Dtype d : {kFloat32, kFloat64, kFloat16, kInt64}) {
-          std::vector<double> in(9), want(9);
-          for (int i = 0; i < 9; ++i) {
-            in[i] = input(rank, i);
-            want[i] = expected(ReduceOp::Sum, n, i, d);
-          }
-          Tensor t = make(in, d).to(gpu);
-          pg.allreduce(t)->wait();
-          require(t.is_cuda(), "allreduce result stays on the GPU");
-          require_values(name("cuda allreduce", d, rank), t.to(kCPU), want);
-          Tensor b = full({5}, rank + 1.0, d).to(gpu);
-          pg.broadcast(b, bc(n - 1))->wait();
-          require_values(name("cuda broadcast", d, rank), b.to(kCPU), std::vector<double>(5, n));
-          Tensor out = empty({n * 2}, d).to(gpu);
-          Tensor mine = full({2}, double(rank), d).to(gpu);
-          pg.allgather_into_tensor(out, mine)->wait();
-          std::vector<double> all;
-          for (int r = 0; r < n; ++r) all.insert(all.end(), {double(r), double(r)});
-          require_values(name("cuda allgather_into_tensor", d, rank), out.to(kCPU), all);
-        }
-        // DDP on CUDA parameters over gloo: every rank ends with the average gradient.
-        auto model = std::make_shared<nn::Linear>(3, 2);
-        model->to(gpu);
-        auto shared = std::shared_ptr<ProcessGroup>(&pg, [](ProcessGroup*) {});
-        dist::DistributedDataParallel ddp(model, shared);
-        Tensor x = full({4, 3}, rank + 1.0, kFloat32).to(gpu);
-        ddp.forward(x).sum().backward();
-        // d(sum(W x + b))/dW[j][k] = sum over the batch of x[k] = 4 (rank + 1); averaged: 2 (n +
-        // 1).
-        require_values(name("cuda ddp weight grad", kFloat32, rank), model->weight.grad().to(kCPU),
-                       std::vector<double>(6, 2.0 * (n + 1)));
-        require_values(name("cuda ddp bias grad", kFloat32, rank), model->bias.grad().to(kCPU),
-                       std::vector<double>(2, 4.0));
-      },
-      60s, shm);
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    const Device gpu("cuda");
+    for (Dtype d : {kFloat32, kFloat64, kFloat16, kInt64}) {
+      std::vector<double> in(9), want(9);
+      for (int i = 0; i < 9; ++i) {
+        in[i] = input(rank, i);
+        want[i] = expected(ReduceOp::Sum, n, i, d);
+      }
+      Tensor t = make(in, d).to(gpu);
+      pg.allreduce(t)->wait();
+      require(t.is_cuda(), "allreduce result stays on the GPU");
+      require_values(name("cuda allreduce", d, rank), t.to(kCPU), want);
+      Tensor b = full({5}, rank + 1.0, d).to(gpu);
+      pg.broadcast(b, bc(n - 1))->wait();
+      require_values(name("cuda broadcast", d, rank), b.to(kCPU), std::vector<double>(5, n));
+      Tensor out = empty({n * 2}, d).to(gpu);
+      Tensor mine = full({2}, double(rank), d).to(gpu);
+      pg.allgather_into_tensor(out, mine)->wait();
+      std::vector<double> all;
+      for (int r = 0; r < n; ++r) all.insert(all.end(), {double(r), double(r)});
+      require_values(name("cuda allgather_into_tensor", d, rank), out.to(kCPU), all);
+    }
+    // DDP on CUDA parameters over gloo: every rank ends with the average gradient.
+    auto model = std::make_shared<nn::Linear>(3, 2);
+    model->to(gpu);
+    auto shared = std::shared_ptr<ProcessGroup>(&pg, [](ProcessGroup*) {});
+    dist::DistributedDataParallel ddp(model, shared);
+    Tensor x = full({4, 3}, rank + 1.0, kFloat32).to(gpu);
+    ddp.forward(x).sum().backward();
+    // d(sum(W x + b))/dW[j][k] = sum over the batch of x[k] = 4 (rank + 1); averaged: 2 (n + 1).
+    require_values(name("cuda ddp weight grad", kFloat32, rank), model->weight.grad().to(kCPU),
+                   std::vector<double>(6, 2.0 * (n + 1)));
+    require_values(name("cuda ddp bias grad", kFloat32, rank), model->bias.grad().to(kCPU),
+                   std::vector<double>(2, 4.0));
+  }, 60s, shm);
 }
 
 TEST(GlooErrors, BadArgumentsNameTheOpAndValues) {
@@ -755,10 +715,10 @@ void victim_test(int n, bool kill_victim, bool shm) {
       bool named = false;
       for (int k = 0; k < n; ++k) {
         const bool may_close = k == victim || n > 2;
-        named |=
-            k != rank && may_close &&
-            msg.find("rank " + std::to_string(k) + " closed the connection") != std::string::npos &&
-            msg.find("rank " + std::to_string(k) + " (") != std::string::npos;
+        named |= k != rank && may_close &&
+                 msg.find("rank " + std::to_string(k) + " closed the connection") !=
+                     std::string::npos &&
+                 msg.find("rank " + std::to_string(k) + " (") != std::string::npos;
       }
       require(named, "message does not name the rank that closed the connection: " + msg);
     } else if (shm) {
@@ -808,15 +768,16 @@ TEST_P(GlooFailure, PeersFailNamingTheCollective) {
   EMBER_REQUIRE_GLOO();
   victim_test(GetParam().n, GetParam().kill, GetParam().shm);
 }
-INSTANTIATE_TEST_SUITE_P(Victims, GlooFailure,
-                         ::testing::Values(VictimCase{2, true, true}, VictimCase{4, true, true},
-                                           VictimCase{3, false, true}, VictimCase{2, true, false},
-                                           VictimCase{4, true, false}, VictimCase{3, false, false}),
-                         [](const auto& info) {
-                           const VictimCase& c = info.param;
-                           return std::string(c.kill ? "Killed" : "Stalled") + "RankOf" +
-                                  std::to_string(c.n) + (c.shm ? "_shm" : "_tcp");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Victims, GlooFailure,
+    ::testing::Values(VictimCase{2, true, true}, VictimCase{4, true, true},
+                      VictimCase{3, false, true}, VictimCase{2, true, false},
+                      VictimCase{4, true, false}, VictimCase{3, false, false}),
+    [](const auto& info) {
+      const VictimCase& c = info.param;
+      return std::string(c.kill ? "Killed" : "Stalled") + "RankOf" + std::to_string(c.n) +
+             (c.shm ? "_shm" : "_tcp");
+    });
 
 // ---- ranks that disagree over TCP (Note [ranks that disagree over TCP]) -------------------------
 
@@ -836,101 +797,90 @@ class GlooTcpDisagreement : public ::testing::TestWithParam<Disagreement> {};
 TEST_P(GlooTcpDisagreement, EveryRankFailsNamingTheCollectiveAndPeer) {
   EMBER_REQUIRE_GLOO();
   const Disagreement d = GetParam();
-  run_group(
-      2,
-      [d](ProcessGroupGloo& pg, int rank, Store&) {
-        Tensor same = full({3}, 1.0, kFloat32);
-        pg.allreduce(same)->wait();
-        Tensor t = full({d.numel[rank]}, 1.0, d.dtype[rank]);
-        std::string msg;
-        try {
-          pg.allreduce(t)->wait();
-        } catch (const DistError& e) {
-          msg = e.what();
-        }
-        const std::string me = std::to_string(rank), peer = std::to_string(1 - rank);
-        require(!msg.empty(), "rank " + me + ": the disagreeing allreduce did not fail");
-        const std::string label = "[gloo] allreduce #1 on rank " + me + " of 2";
-        require(msg.find(label) != std::string::npos, "message lacks '" + label + "': " + msg);
-        // What the peer passed, found by this rank or carried by the peer's abort record (Note
-        // [abort through the store]), which then names what this rank passed.
-        const std::string aborted = "rank " + peer + " aborted the group at its allreduce #1";
-        const int about = msg.find(aborted) != std::string::npos ? rank : 1 - rank;
-        require(
-            msg.find("ranks disagree: rank " + std::to_string(about) +
-                     " issued allreduce (sum) of " + std::to_string(d.numel[about]) +
-                     " elements of " + ember::detail::str_cat(d.dtype[about])) != std::string::npos,
+  run_group(2, [d](ProcessGroupGloo& pg, int rank, Store&) {
+    Tensor same = full({3}, 1.0, kFloat32);
+    pg.allreduce(same)->wait();
+    Tensor t = full({d.numel[rank]}, 1.0, d.dtype[rank]);
+    std::string msg;
+    try {
+      pg.allreduce(t)->wait();
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    const std::string me = std::to_string(rank), peer = std::to_string(1 - rank);
+    require(!msg.empty(), "rank " + me + ": the disagreeing allreduce did not fail");
+    const std::string label = "[gloo] allreduce #1 on rank " + me + " of 2";
+    require(msg.find(label) != std::string::npos, "message lacks '" + label + "': " + msg);
+    // What the peer passed, found by this rank or carried by the peer's abort record (Note
+    // [abort through the store]), which then names what this rank passed.
+    const std::string aborted = "rank " + peer + " aborted the group at its allreduce #1";
+    const int about = msg.find(aborted) != std::string::npos ? rank : 1 - rank;
+    require(msg.find("ranks disagree: rank " + std::to_string(about) + " issued allreduce (sum) of " +
+                     std::to_string(d.numel[about]) + " elements of " +
+                     ember::detail::str_cat(d.dtype[about])) != std::string::npos,
             "message lacks what the ranks passed: " + msg);
-      },
-      20s, /*shm=*/false);
+  }, 20s, /*shm=*/false);
 }
 INSTANTIATE_TEST_SUITE_P(
     Cases, GlooTcpDisagreement,
-    ::testing::Values(Disagreement{"SmallSizes", {1000, 1001}, {kFloat32, kFloat32}},
-                      Disagreement{"RingSizes", {300000, 300001}, {kFloat32, kFloat32}},
-                      Disagreement{"SmallAndRing", {1000, 300000}, {kFloat32, kFloat32}},
-                      Disagreement{"EmptyAndNot", {0, 1000}, {kFloat32, kFloat32}},
-                      Disagreement{"Fp16HookBesidePlain", {1000, 1000}, {kFloat16, kFloat32}},
-                      Disagreement{"SameBytesOtherDtype", {1000, 1000}, {kInt32, kFloat32}},
-                      Disagreement{"RingFp16BesidePlain", {300000, 300000}, {kFloat16, kFloat32}}),
+    ::testing::Values(
+        Disagreement{"SmallSizes", {1000, 1001}, {kFloat32, kFloat32}},
+        Disagreement{"RingSizes", {300000, 300001}, {kFloat32, kFloat32}},
+        Disagreement{"SmallAndRing", {1000, 300000}, {kFloat32, kFloat32}},
+        Disagreement{"EmptyAndNot", {0, 1000}, {kFloat32, kFloat32}},
+        Disagreement{"Fp16HookBesidePlain", {1000, 1000}, {kFloat16, kFloat32}},
+        Disagreement{"SameBytesOtherDtype", {1000, 1000}, {kInt32, kFloat32}},
+        Disagreement{"RingFp16BesidePlain", {300000, 300000}, {kFloat16, kFloat32}}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // The case that was seen aborting: DDP with the fp16 compression hook on rank 0 beside a plain
 // rank 1, over TCP. Backward fails on both ranks naming the dtypes instead.
 TEST(GlooTcp, Fp16HookRankBesidePlainRankFailsInsteadOfAborting) {
   EMBER_REQUIRE_GLOO();
-  run_group(
-      2,
-      [](ProcessGroupGloo& pg, int rank, Store&) {
-        auto model = std::make_shared<nn::Linear>(3, 2);
-        auto shared = std::shared_ptr<ProcessGroup>(&pg, [](ProcessGroup*) {});
-        dist::DistributedDataParallel ddp(model, shared);
-        if (rank == 0) ddp.register_comm_hook(dist::fp16_compress_hook);
-        std::string msg;
-        try {
-          Tensor x = full({4, 3}, rank + 1.0, kFloat32);
-          ddp.forward(x).sum().backward();
-        } catch (const std::exception& e) {
-          msg = e.what();
-        }
-        require(msg.find("[gloo] allreduce") != std::string::npos &&
-                    msg.find("ranks disagree") != std::string::npos &&
-                    msg.find("float16") != std::string::npos &&
-                    msg.find("float32") != std::string::npos,
-                "rank " + std::to_string(rank) + ": " + msg);
-      },
-      20s, /*shm=*/false);
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store&) {
+    auto model = std::make_shared<nn::Linear>(3, 2);
+    auto shared = std::shared_ptr<ProcessGroup>(&pg, [](ProcessGroup*) {});
+    dist::DistributedDataParallel ddp(model, shared);
+    if (rank == 0) ddp.register_comm_hook(dist::fp16_compress_hook);
+    std::string msg;
+    try {
+      Tensor x = full({4, 3}, rank + 1.0, kFloat32);
+      ddp.forward(x).sum().backward();
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+    require(msg.find("[gloo] allreduce") != std::string::npos &&
+                msg.find("ranks disagree") != std::string::npos &&
+                msg.find("float16") != std::string::npos &&
+                msg.find("float32") != std::string::npos,
+            "rank " + std::to_string(rank) + ": " + msg);
+  }, 20s, /*shm=*/false);
 }
 
 // The other collectives check too: a broadcast whose sizes differ fails on both ranks.
 TEST(GlooTcp, DisagreeingBroadcastFailsOnEveryRank) {
   EMBER_REQUIRE_GLOO();
-  run_group(
-      2,
-      [](ProcessGroupGloo& pg, int rank, Store&) {
-        Tensor t = full({100 + 50 * rank}, 1.0, kFloat32);
-        std::string msg;
-        try {
-          pg.broadcast(t)->wait();
-        } catch (const DistError& e) {
-          msg = e.what();
-        }
-        // Each rank finds the disagreement itself, or first hears of it from the peer's abort
-        // record (Note [abort through the store]), which carries the peer's finding.
-        const std::string peer = std::to_string(1 - rank);
-        require(
-            msg.find("[gloo] broadcast #0 on rank " + std::to_string(rank)) != std::string::npos &&
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store&) {
+    Tensor t = full({100 + 50 * rank}, 1.0, kFloat32);
+    std::string msg;
+    try {
+      pg.broadcast(t)->wait();
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    // Each rank finds the disagreement itself, or first hears of it from the peer's abort
+    // record (Note [abort through the store]), which carries the peer's finding.
+    const std::string peer = std::to_string(1 - rank);
+    require(msg.find("[gloo] broadcast #0 on rank " + std::to_string(rank)) != std::string::npos &&
                 (msg.find("ranks disagree: rank " + peer) != std::string::npos ||
                  (msg.find("rank " + peer + " aborted the group at its broadcast #0") !=
                       std::string::npos &&
                   msg.find("ranks disagree") != std::string::npos)),
             "rank " + std::to_string(rank) + ": " + msg);
-      },
-      20s, /*shm=*/false);
+  }, 20s, /*shm=*/false);
 }
 
-// ---- abort through the store (Note [abort through the store])
-// ------------------------------------
+// ---- abort through the store (Note [abort through the store]) -----------------------------------
 
 // A failure that leaves peers waiting: rank 0's allreduce gives up after its own 2 s timeout,
 // while rank 1 waits in a recv under the group's 10-minute timeout. Rank 0 stays alive (no exit
@@ -944,7 +894,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 // Rank 0's allreduce of `t` gives up after its own 2 s timeout while this rank (any other)
 // waits in a recv from `from`, bounded for the test only; the error this rank got ("" if none).
-std::string fail_on_rank_zero_while_receiving(ProcessGroupGloo& pg, int rank, Tensor& t, int from) {
+std::string fail_on_rank_zero_while_receiving(ProcessGroupGloo& pg, int rank, Tensor& t,
+                                              int from) {
   try {
     if (rank == 0) {
       AllreduceOptions o;
@@ -963,43 +914,39 @@ std::string fail_on_rank_zero_while_receiving(ProcessGroupGloo& pg, int rank, Te
 // collective and why, not "rank 0 closed the connection (did it exit or die?)".
 TEST(GlooAbort, ThePeerOfARankThatTimesOutNamesTheAbortAndItsReason) {
   EMBER_REQUIRE_GLOO();
-  run_group(
-      2,
-      [](ProcessGroupGloo& pg, int rank, Store& store) {
-        Tensor t = full({1000}, 1.0, kFloat32);
-        pg.allreduce(t)->wait();  // the group works
-        const auto t0 = std::chrono::steady_clock::now();
-        const std::string msg = fail_on_rank_zero_while_receiving(pg, rank, t, 0);
-        const double took = seconds_since(t0);
-        store.set("reported" + std::to_string(rank), Bytes{1});
-        store.wait({"reported0", "reported1"}, 120s);  // stay alive until both have failed
-        const std::string me = "rank " + std::to_string(rank);
-        require(took < kPromptly.count(),
-                me + " failed only after " + std::to_string(took) + " s: " + msg);
-        if (rank == 0) {
-          require(msg.find("[gloo] allreduce #1 on rank 0 of 2 timed out after 2000 ms") !=
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store& store) {
+    Tensor t = full({1000}, 1.0, kFloat32);
+    pg.allreduce(t)->wait();  // the group works
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string msg = fail_on_rank_zero_while_receiving(pg, rank, t, 0);
+    const double took = seconds_since(t0);
+    store.set("reported" + std::to_string(rank), Bytes{1});
+    store.wait({"reported0", "reported1"}, 120s);  // stay alive until both have failed
+    const std::string me = "rank " + std::to_string(rank);
+    require(took < kPromptly.count(), me + " failed only after " + std::to_string(took) +
+                                          " s: " + msg);
+    if (rank == 0) {
+      require(msg.find("[gloo] allreduce #1 on rank 0 of 2 timed out after 2000 ms") !=
+                  std::string::npos,
+              me + ": " + msg);
+    } else {
+      require(msg.find("[gloo] recv #1 on rank 1 of 2 from rank 0") != std::string::npos &&
+                  msg.find("failed: rank 0 aborted the group at its allreduce #1: [gloo] "
+                           "allreduce #1 on rank 0 of 2 timed out after 2000 ms") !=
                       std::string::npos,
-                  me + ": " + msg);
-        } else {
-          require(msg.find("[gloo] recv #1 on rank 1 of 2 from rank 0") != std::string::npos &&
-                      msg.find("failed: rank 0 aborted the group at its allreduce #1: [gloo] "
-                               "allreduce #1 on rank 0 of 2 timed out after 2000 ms") !=
-                          std::string::npos,
-                  me + ": " + msg);
-          // A later operation fails at once for the same reason.
-          std::string later;
-          try {
-            pg.allreduce(t)->wait();
-          } catch (const DistError& e) {
-            later = e.what();
-          }
-          require(
-              later.find("unusable after an earlier failure: ") != std::string::npos &&
+              me + ": " + msg);
+      // A later operation fails at once for the same reason.
+      std::string later;
+      try {
+        pg.allreduce(t)->wait();
+      } catch (const DistError& e) {
+        later = e.what();
+      }
+      require(later.find("unusable after an earlier failure: ") != std::string::npos &&
                   later.find("rank 0 aborted the group at its allreduce #1") != std::string::npos,
               me + ", later allreduce: " + later);
-        }
-      },
-      kLongGroupTimeout, /*shm=*/false);
+    }
+  }, kLongGroupTimeout, /*shm=*/false);
 }
 
 // The issue's case: two ranks over TCP issue mismatched collectives (rank 0 an allreduce, rank 1
@@ -1007,72 +954,65 @@ TEST(GlooAbort, ThePeerOfARankThatTimesOutNamesTheAbortAndItsReason) {
 // fail within seconds, each naming what the other issued.
 TEST(GlooAbort, MismatchedCollectivesFailBothRanksWithinSeconds) {
   EMBER_REQUIRE_GLOO();
-  run_group(
-      2,
-      [](ProcessGroupGloo& pg, int rank, Store& store) {
-        Tensor t = full({1000 + 500 * rank}, 1.0, kFloat32);
-        const auto t0 = std::chrono::steady_clock::now();
-        std::string msg;
-        try {
-          (rank == 0 ? pg.allreduce(t) : pg.broadcast(t))->wait(kPromptly + 30s);
-        } catch (const DistError& e) {
-          msg = e.what();
-        }
-        const double took = seconds_since(t0);
-        store.set("reported" + std::to_string(rank), Bytes{1});
-        store.wait({"reported0", "reported1"}, 120s);
-        const std::string me = "rank " + std::to_string(rank);
-        require(took < kPromptly.count(),
-                me + " failed only after " + std::to_string(took) + " s: " + msg);
-        const std::string theirs = rank == 0 ? "rank 1 issued broadcast of 1500 elements"
-                                             : "rank 0 issued allreduce (sum) of 1000 elements";
-        require(msg.find(theirs) != std::string::npos, me + ": " + msg);
-      },
-      kLongGroupTimeout, /*shm=*/false);
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store& store) {
+    Tensor t = full({1000 + 500 * rank}, 1.0, kFloat32);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string msg;
+    try {
+      (rank == 0 ? pg.allreduce(t) : pg.broadcast(t))->wait(kPromptly + 30s);
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    const double took = seconds_since(t0);
+    store.set("reported" + std::to_string(rank), Bytes{1});
+    store.wait({"reported0", "reported1"}, 120s);
+    const std::string me = "rank " + std::to_string(rank);
+    require(took < kPromptly.count(), me + " failed only after " + std::to_string(took) +
+                                          " s: " + msg);
+    const std::string theirs = rank == 0 ? "rank 1 issued broadcast of 1500 elements"
+                                         : "rank 0 issued allreduce (sum) of 1000 elements";
+    require(msg.find(theirs) != std::string::npos, me + ": " + msg);
+  }, kLongGroupTimeout, /*shm=*/false);
 }
 
 // ProcessGroupGloo::abort(): a rank that fails outside the group (here: its own error handler)
 // breaks it, and the peer waiting on it fails naming the rank and the reason.
 TEST(GlooAbort, AbortFailsThePeersNamingTheRankAndReason) {
   EMBER_REQUIRE_GLOO();
-  run_group(
-      2,
-      [](ProcessGroupGloo& pg, int rank, Store& store) {
-        Tensor t = full({1000}, 1.0, kFloat32);
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store& store) {
+    Tensor t = full({1000}, 1.0, kFloat32);
+    pg.allreduce(t)->wait();
+    if (rank == 0) {
+      pg.abort("the optimizer step ran out of memory");
+      pg.abort("a second reason");  // the first stands
+      std::string later;
+      try {
         pg.allreduce(t)->wait();
-        if (rank == 0) {
-          pg.abort("the optimizer step ran out of memory");
-          pg.abort("a second reason");  // the first stands
-          std::string later;
-          try {
-            pg.allreduce(t)->wait();
-          } catch (const DistError& e) {
-            later = e.what();
-          }
-          require(later.find("[gloo] allreduce #1 on rank 0 of 2") != std::string::npos &&
-                      later.find("unusable after an earlier failure: rank 0 aborted the group: the "
-                                 "optimizer step ran out of memory") != std::string::npos,
-                  "rank 0, later allreduce: " + later);
-          store.wait({"reported1"}, 120s);  // alive: no exit closes the sockets
-          return;
-        }
-        const auto t0 = std::chrono::steady_clock::now();
-        std::string msg;
-        try {
-          pg.recv(t, 0)->wait(kPromptly + 30s);
-        } catch (const DistError& e) {
-          msg = e.what();
-        }
-        const double took = seconds_since(t0);
-        store.set("reported1", Bytes{1});
-        require(took < kPromptly.count(),
-                "rank 1 failed only after " + std::to_string(took) + " s");
-        require(msg.find("[gloo] recv #1 on rank 1 of 2 from rank 0") != std::string::npos &&
-                    msg.find("failed: rank 0 aborted the group: the optimizer step ran out of "
-                             "memory") != std::string::npos,
-                "rank 1: " + msg);
-      },
-      kLongGroupTimeout, /*shm=*/false);
+      } catch (const DistError& e) {
+        later = e.what();
+      }
+      require(later.find("[gloo] allreduce #1 on rank 0 of 2") != std::string::npos &&
+                  later.find("unusable after an earlier failure: rank 0 aborted the group: the "
+                             "optimizer step ran out of memory") != std::string::npos,
+              "rank 0, later allreduce: " + later);
+      store.wait({"reported1"}, 120s);  // alive: no exit closes the sockets
+      return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string msg;
+    try {
+      pg.recv(t, 0)->wait(kPromptly + 30s);
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    const double took = seconds_since(t0);
+    store.set("reported1", Bytes{1});
+    require(took < kPromptly.count(), "rank 1 failed only after " + std::to_string(took) + " s");
+    require(msg.find("[gloo] recv #1 on rank 1 of 2 from rank 0") != std::string::npos &&
+                msg.find("failed: rank 0 aborted the group: the optimizer step ran out of "
+                         "memory") != std::string::npos,
+            "rank 1: " + msg);
+  }, kLongGroupTimeout, /*shm=*/false);
 }
 
 // A peer blocked on a third rank that is busy outside the group (a pipeline stage's recv from a
@@ -1081,31 +1021,27 @@ TEST(GlooAbort, AbortFailsThePeersNamingTheRankAndReason) {
 class GlooAbortBusyPeer : public ::testing::TestWithParam<bool> {};
 TEST_P(GlooAbortBusyPeer, APeerBlockedOnABusyRankFailsPromptly) {
   EMBER_REQUIRE_GLOO();
-  run_group(
-      3,
-      [](ProcessGroupGloo& pg, int rank, Store& store) {
-        Tensor t = full({1000}, 1.0, kFloat32);
-        pg.allreduce(t)->wait();
-        if (rank == 2) {  // busy elsewhere until rank 1 has failed
-          store.wait({"reported1"}, 120s);
-          return;
-        }
-        const auto t0 = std::chrono::steady_clock::now();
-        const std::string msg = fail_on_rank_zero_while_receiving(pg, rank, t, 2);
-        const double took = seconds_since(t0);
-        store.set("reported" + std::to_string(rank), Bytes{1});
-        const std::string me = "rank " + std::to_string(rank);
-        require(took < kPromptly.count(),
-                me + " failed only after " + std::to_string(took) + " s: " + msg);
-        if (rank == 1) {
-          require(
-              msg.find("[gloo] recv #1 on rank 1 of 3 from rank 2") != std::string::npos &&
+  run_group(3, [](ProcessGroupGloo& pg, int rank, Store& store) {
+    Tensor t = full({1000}, 1.0, kFloat32);
+    pg.allreduce(t)->wait();
+    if (rank == 2) {  // busy elsewhere until rank 1 has failed
+      store.wait({"reported1"}, 120s);
+      return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string msg = fail_on_rank_zero_while_receiving(pg, rank, t, 2);
+    const double took = seconds_since(t0);
+    store.set("reported" + std::to_string(rank), Bytes{1});
+    const std::string me = "rank " + std::to_string(rank);
+    require(took < kPromptly.count(), me + " failed only after " + std::to_string(took) +
+                                          " s: " + msg);
+    if (rank == 1) {
+      require(msg.find("[gloo] recv #1 on rank 1 of 3 from rank 2") != std::string::npos &&
                   msg.find("rank 0 aborted the group at its allreduce #1") != std::string::npos &&
                   msg.find("timed out after 2000 ms") != std::string::npos,
               me + ": " + msg);
-        }
-      },
-      kLongGroupTimeout, GetParam());
+    }
+  }, kLongGroupTimeout, GetParam());
 }
 INSTANTIATE_TEST_SUITE_P(Transports, GlooAbortBusyPeer, ::testing::Values(false, true),
                          [](const auto& info) { return std::string(info.param ? "shm" : "tcp"); });
@@ -1148,69 +1084,64 @@ class GlooSendRecvSizes : public ::testing::TestWithParam<std::pair<int64_t, int
 TEST_P(GlooSendRecvSizes, DisagreeingSizesFailOnBothRanks) {
   EMBER_REQUIRE_GLOO();
   const auto [sent, received] = GetParam();
-  run_group(
-      2,
-      [sent, received](ProcessGroupGloo& pg, int rank, Store&) {
-        auto transfer = [&](int64_t send_n, int64_t recv_n, double value) {
-          Tensor t = full({rank == 0 ? send_n : recv_n}, rank == 0 ? value : -1.0, kFloat32);
-          if (rank == 0) {
-            pg.send(t, 1, 3)->wait();
-          } else {
-            pg.recv(t, 0, 3)->wait();
-          }
-          return t;
-        };
-        transfer(4, 4, 1.0);
-        std::string msg;
-        try {
-          transfer(sent, received, 2.0);
-        } catch (const DistError& e) {
-          msg = e.what();
-        }
-        auto text = [](int64_t n) {
-          return std::to_string(n) + " elements of float32 (" + std::to_string(4 * n) + " bytes)";
-        };
-        const std::string want =
-            rank == 0
-                ? "[gloo] send #1 on rank 0 of 2 to rank 1 tag 3 (timeout 10000 ms) failed: "
-                  "sizes disagree: rank 1 receives " +
-                      text(received) + ", but this send has " + text(sent)
-                : "[gloo] recv #1 on rank 1 of 2 from rank 0 tag 3 (timeout 10000 ms) failed: "
-                  "sizes disagree: rank 0 sends " +
-                      text(sent) + ", but this recv takes " + text(received);
-        require(msg.find(want) != std::string::npos,
-                "rank " + std::to_string(rank) + ": expected '" + want + "', got '" + msg + "'");
-        const Tensor after = transfer(5, 5, 3.0);
-        if (rank == 1) require_values("the next recv", after, std::vector<double>(5, 3.0));
-      },
-      10s, /*shm=*/false);
+  run_group(2, [sent, received](ProcessGroupGloo& pg, int rank, Store&) {
+    auto transfer = [&](int64_t send_n, int64_t recv_n, double value) {
+      Tensor t = full({rank == 0 ? send_n : recv_n}, rank == 0 ? value : -1.0, kFloat32);
+      if (rank == 0) {
+        pg.send(t, 1, 3)->wait();
+      } else {
+        pg.recv(t, 0, 3)->wait();
+      }
+      return t;
+    };
+    transfer(4, 4, 1.0);
+    std::string msg;
+    try {
+      transfer(sent, received, 2.0);
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    auto text = [](int64_t n) {
+      return std::to_string(n) + " elements of float32 (" + std::to_string(4 * n) + " bytes)";
+    };
+    const std::string want =
+        rank == 0 ? "[gloo] send #1 on rank 0 of 2 to rank 1 tag 3 (timeout 10000 ms) failed: "
+                    "sizes disagree: rank 1 receives " + text(received) + ", but this send has " +
+                        text(sent)
+                  : "[gloo] recv #1 on rank 1 of 2 from rank 0 tag 3 (timeout 10000 ms) failed: "
+                    "sizes disagree: rank 0 sends " + text(sent) + ", but this recv takes " +
+                        text(received);
+    require(msg.find(want) != std::string::npos,
+            "rank " + std::to_string(rank) + ": expected '" + want + "', got '" + msg + "'");
+    const Tensor after = transfer(5, 5, 3.0);
+    if (rank == 1) require_values("the next recv", after, std::vector<double>(5, 3.0));
+  }, 10s, /*shm=*/false);
 }
-INSTANTIATE_TEST_SUITE_P(
-    Cases, GlooSendRecvSizes,
-    ::testing::Values(std::pair<int64_t, int64_t>{1000, 10}, std::pair<int64_t, int64_t>{10, 1000},
-                      std::pair<int64_t, int64_t>{0, 10}, std::pair<int64_t, int64_t>{10, 0}),
-    [](const auto& info) {
-      return "Send" + std::to_string(info.param.first) + "Recv" + std::to_string(info.param.second);
-    });
+INSTANTIATE_TEST_SUITE_P(Cases, GlooSendRecvSizes,
+                         ::testing::Values(std::pair<int64_t, int64_t>{1000, 10},
+                                           std::pair<int64_t, int64_t>{10, 1000},
+                                           std::pair<int64_t, int64_t>{0, 10},
+                                           std::pair<int64_t, int64_t>{10, 0}),
+                         [](const auto& info) {
+                           return "Send" + std::to_string(info.param.first) + "Recv" +
+                                  std::to_string(info.param.second);
+                         });
 
 // Two ranks exchanging on one tag, each direction its own size: a recv's size is compared with
 // the send it pairs with, not with the peer's send in the other direction, so nothing fails.
 TEST(GlooTcp, ExchangeOnOneTagWithADifferentSizeEachWay) {
   EMBER_REQUIRE_GLOO();
-  run_group(
-      2,
-      [](ProcessGroupGloo& pg, int rank, Store&) {
-        const int64_t mine = rank == 0 ? 10 : 20, theirs = rank == 0 ? 20 : 10;
-        for (int round = 0; round < 3; ++round) {
-          Tensor out = full({mine}, rank + round, kFloat32), in = full({theirs}, -1.0, kFloat32);
-          WorkPtr s = pg.send(out, 1 - rank, 7), r = pg.recv(in, 1 - rank, 7);
-          s->wait();
-          r->wait();
-          require_values("round " + std::to_string(round) + " on rank " + std::to_string(rank), in,
-                         std::vector<double>(theirs, 1 - rank + round));
-        }
-      },
-      10s, /*shm=*/false);
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store&) {
+    const int64_t mine = rank == 0 ? 10 : 20, theirs = rank == 0 ? 20 : 10;
+    for (int round = 0; round < 3; ++round) {
+      Tensor out = full({mine}, rank + round, kFloat32), in = full({theirs}, -1.0, kFloat32);
+      WorkPtr s = pg.send(out, 1 - rank, 7), r = pg.recv(in, 1 - rank, 7);
+      s->wait();
+      r->wait();
+      require_values("round " + std::to_string(round) + " on rank " + std::to_string(rank), in,
+                     std::vector<double>(theirs, 1 - rank + round));
+    }
+  }, 10s, /*shm=*/false);
 }
 
 // A recv that times out before its send is called fails naming the recv; Gloo closes the
@@ -1219,42 +1150,38 @@ TEST(GlooTcp, ExchangeOnOneTagWithADifferentSizeEachWay) {
 // operation fails at once saying the group is unusable and why. Neither process aborts.
 TEST(GlooTcp, ASendAfterItsRecvTimedOutFailsOnBothRanksAndBreaksTheGroup) {
   EMBER_REQUIRE_GLOO();
-  run_group(
-      2,
-      [](ProcessGroupGloo& pg, int rank, Store& store) {
-        Tensor t = full({100}, 1.0, kFloat32);
-        const auto failure = [](const std::function<void()>& f) {
-          try {
-            f();
-          } catch (const DistError& e) {
-            return std::string(e.what());
-          }
-          return std::string("no error");
-        };
-        const auto expect = [rank](const std::string& msg,
-                                   std::initializer_list<const char*> parts) {
-          for (const char* p : parts) {
-            require(msg.find(p) != std::string::npos,
-                    "rank " + std::to_string(rank) + ": no '" + p + "' in: " + msg);
-          }
-        };
-        if (rank == 1) {
-          expect(failure([&] { pg.recv(t, 0, 5)->wait(); }),
-                 {"[gloo] recv #0 on rank 1 of 2 from rank 0 tag 5", "timed out"});
-          store.set("recv_failed", std::string("1"));
-        } else {
-          store.get("recv_failed", 30s);
-          expect(failure([&] { pg.send(t, 1, 5)->wait(); }),
-                 {"[gloo] send #0 on rank 0 of 2 to rank 1 tag 5",
-                  "rank 1 aborted the group at its recv #0", "timed out"});
-        }
-        expect(failure([&] { pg.allreduce(t)->wait(); }),
-               {"allreduce", "the group is unusable after an earlier failure",
-                rank == 1 ? "recv #0 on rank 1 of 2 from rank 0 tag 5" : "send #0 on rank 0 of 2"});
-        if (rank == 1) store.get("send_failed", 30s);  // alive until the late send has failed
-        if (rank == 0) store.set("send_failed", std::string("1"));
-      },
-      1s, /*shm=*/false);
+  run_group(2, [](ProcessGroupGloo& pg, int rank, Store& store) {
+    Tensor t = full({100}, 1.0, kFloat32);
+    const auto failure = [](const std::function<void()>& f) {
+      try {
+        f();
+      } catch (const DistError& e) {
+        return std::string(e.what());
+      }
+      return std::string("no error");
+    };
+    const auto expect = [rank](const std::string& msg, std::initializer_list<const char*> parts) {
+      for (const char* p : parts) {
+        require(msg.find(p) != std::string::npos,
+                "rank " + std::to_string(rank) + ": no '" + p + "' in: " + msg);
+      }
+    };
+    if (rank == 1) {
+      expect(failure([&] { pg.recv(t, 0, 5)->wait(); }),
+             {"[gloo] recv #0 on rank 1 of 2 from rank 0 tag 5", "timed out"});
+      store.set("recv_failed", std::string("1"));
+    } else {
+      store.get("recv_failed", 30s);
+      expect(failure([&] { pg.send(t, 1, 5)->wait(); }),
+             {"[gloo] send #0 on rank 0 of 2 to rank 1 tag 5",
+              "rank 1 aborted the group at its recv #0", "timed out"});
+    }
+    expect(failure([&] { pg.allreduce(t)->wait(); }),
+           {"allreduce", "the group is unusable after an earlier failure",
+            rank == 1 ? "recv #0 on rank 1 of 2 from rank 0 tag 5" : "send #0 on rank 0 of 2"});
+    if (rank == 1) store.get("send_failed", 30s);  // alive until the late send has failed
+    if (rank == 0) store.set("send_failed", std::string("1"));
+  }, 1s, /*shm=*/false);
 }
 
 // ---- the shared-memory allreduce (Note [shared-memory allreduce]) ------------------------------
@@ -1323,7 +1250,7 @@ TEST(GlooShmNames, TheNextGroupSweepsANameWhoseCreatorIsGone) {
                                           "ember-" + tag + "-n" + ns + "-" + dead + "-a2"};
   const std::vector<std::string> kept = {"ember-n" + ns + "-" + live + "-a3",
                                          "ember-n1-" + dead + "-a4",  // another PID namespace
-                                         "ember-" + tag + "-" + dead + "-a5",   // no namespace
+                                         "ember-" + tag + "-" + dead + "-a5",  // no namespace
                                          "ember-n" + ns + "-" + dead + "-zz"};  // not a nonce
   struct Names {
     std::vector<std::string> all;
@@ -1360,29 +1287,26 @@ TEST(GlooShmNames, TheNextGroupSweepsANameWhoseCreatorIsGone) {
 TEST_P(GlooShm, DisagreeingCountsFailOnEveryRank) {
   EMBER_REQUIRE_GLOO();
   const int n = GetParam();
-  run_group(
-      n,
-      [n](ProcessGroupGloo& pg, int rank, Store&) {
-        Tensor t = full({1000 + rank}, 1.0, kFloat32);
-        std::string msg;
-        try {
-          pg.allreduce(t)->wait();
-        } catch (const DistError& e) {
-          msg = e.what();
-        }
-        require(msg.find("ranks disagree") != std::string::npos,
-                "rank " + std::to_string(rank) + ": no disagreement error: " + msg);
-        // This rank's finding names its own count; a peer's, carried by its abort record (Note
-        // [abort through the store]), names that peer's and the rank it disagreed with.
-        const bool heard = msg.find(" aborted the group at its allreduce #0") != std::string::npos;
-        require(heard || msg.find(std::to_string(1000 + rank) + " elements of float32") !=
-                             std::string::npos,
-                "message lacks this rank's count: " + msg);
-        require(msg.find(" elements of float32 but rank ") != std::string::npos,
-                "message lacks the two counts: " + msg);
-        (void)n;
-      },
-      10s);
+  run_group(n, [n](ProcessGroupGloo& pg, int rank, Store&) {
+    Tensor t = full({1000 + rank}, 1.0, kFloat32);
+    std::string msg;
+    try {
+      pg.allreduce(t)->wait();
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    require(msg.find("ranks disagree") != std::string::npos, "rank " + std::to_string(rank) +
+                                                                 ": no disagreement error: " + msg);
+    // This rank's finding names its own count; a peer's, carried by its abort record (Note
+    // [abort through the store]), names that peer's and the rank it disagreed with.
+    const bool heard = msg.find(" aborted the group at its allreduce #0") != std::string::npos;
+    require(heard || msg.find(std::to_string(1000 + rank) + " elements of float32") !=
+                         std::string::npos,
+            "message lacks this rank's count: " + msg);
+    require(msg.find(" elements of float32 but rank ") != std::string::npos,
+            "message lacks the two counts: " + msg);
+    (void)n;
+  }, 10s);
 }
 
 // ---- every collective over shared memory (Note [shared-memory collectives]) -------------------
@@ -1415,14 +1339,13 @@ void run_shm_and_tcp(int n,
 /// reduction order gives bitwise the same result.
 Tensor pattern(int64_t numel, int rank, int salt, Dtype d) {
   std::vector<double> v(static_cast<size_t>(numel));
-  for (int64_t i = 0; i < numel; ++i)
-    v[static_cast<size_t>(i)] = double((i * 7 + rank * 3 + salt) % 11);
+  for (int64_t i = 0; i < numel; ++i) v[static_cast<size_t>(i)] = double((i * 7 + rank * 3 + salt) % 11);
   return make(v, d);
 }
 
 /// One collective of `numel` elements per block on `pg`; returns the tensors it defined.
-using Issue =
-    std::function<std::vector<Tensor>(ProcessGroup& pg, int rank, int n, int64_t numel, Dtype d)>;
+using Issue = std::function<std::vector<Tensor>(ProcessGroup& pg, int rank, int n,
+                                                int64_t numel, Dtype d)>;
 struct NamedIssue {
   const char* name;
   Issue issue;
@@ -1441,27 +1364,23 @@ std::vector<Tensor> empties(int n, int64_t numel, Dtype d) {
 
 const std::vector<NamedIssue>& every_collective() {
   static const std::vector<NamedIssue> ops = {
-      {"broadcast",
-       [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+      {"broadcast", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
          Tensor t = pattern(m, rank, 0, d);
          pg.broadcast(t, bc(n - 1))->wait();
          return std::vector<Tensor>{t};
        }},
-      {"reduce avg",
-       [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+      {"reduce avg", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
          Tensor t = pattern(m, rank, 0, d);
          pg.reduce(t, rd(1 % n, ReduceOp::Avg))->wait();
          return rank == 1 % n ? std::vector<Tensor>{t} : std::vector<Tensor>{};
        }},
-      {"allgather_into_tensor",
-       [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+      {"allgather_into_tensor", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
          Tensor out = empty({n * m}, d);
          Tensor in = pattern(m, rank, 0, d);
          pg.allgather_into_tensor(out, in)->wait();
          return std::vector<Tensor>{out};
        }},
-      {"allgather_into_tensor in place",
-       [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+      {"allgather_into_tensor in place", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
          Tensor out = empty({n * m}, d);
          Tensor in = out.narrow(0, rank * m, m);  // as FSDP does
          in.copy_(pattern(m, rank, 0, d));
@@ -1477,15 +1396,13 @@ const std::vector<NamedIssue>& every_collective() {
          pg.allgather(outs, in)->wait();
          return outs;
        }},
-      {"reduce_scatter max",
-       [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+      {"reduce_scatter max", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
          std::vector<Tensor> ins = parts(n, rank, m, d);
          Tensor out = empty({m}, d);
          pg.reduce_scatter(out, ins, rs(ReduceOp::Max))->wait();
          return std::vector<Tensor>{out};
        }},
-      {"reduce_scatter_tensor sum",
-       [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+      {"reduce_scatter_tensor sum", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
          Tensor in = pattern(n * m, rank, 0, d);
          Tensor out = empty({m}, d);
          pg.reduce_scatter_tensor(out, in)->wait();
@@ -1498,21 +1415,18 @@ const std::vector<NamedIssue>& every_collective() {
          pg.reduce_scatter_tensor(out, in, rs(ReduceOp::Avg))->wait();
          return std::vector<Tensor>{out.clone()};
        }},
-      {"gather",
-       [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+      {"gather", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
          std::vector<Tensor> outs = rank == 0 ? empties(n, m, d) : std::vector<Tensor>{};
          pg.gather(outs, pattern(m, rank, 0, d), ga(0))->wait();
          return outs;
        }},
-      {"scatter",
-       [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+      {"scatter", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
          std::vector<Tensor> ins = rank == n - 1 ? parts(n, rank, m, d) : std::vector<Tensor>{};
          Tensor out = empty({m}, d);
          pg.scatter(out, ins, sc(n - 1))->wait();
          return std::vector<Tensor>{out};
        }},
-      {"alltoall",
-       [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
+      {"alltoall", [](ProcessGroup& pg, int rank, int n, int64_t m, Dtype d) {
          std::vector<Tensor> ins = parts(n, rank, m, d), outs = empties(n, m, d);
          pg.alltoall(outs, ins)->wait();
          return outs;
@@ -1543,8 +1457,9 @@ TEST_P(GlooShm, EveryCollectiveMatchesTcpAcrossSizesAndChunks) {
       Dtype d;
       int64_t numel;
     };
-    const Case cases[] = {{kFloat32, 0},      {kFloat32, 1},  {kFloat32, 1001}, {kFloat32, 300007},
-                          {kFloat16, 300007}, {kInt64, 1001}, {kUInt8, 1100003}};
+    const Case cases[] = {{kFloat32, 0},       {kFloat32, 1},      {kFloat32, 1001},
+                          {kFloat32, 300007},  {kFloat16, 300007}, {kInt64, 1001},
+                          {kUInt8, 1100003}};
     for (const NamedIssue& op : every_collective()) {
       for (const Case& c : cases) {
         const std::string what = name(op.name, c.d, rank, " of " + std::to_string(c.numel));
@@ -1578,8 +1493,8 @@ TEST_P(GlooShm, ReceivesFirstOverTcpGivesWhatGloosOrderGives) {
       Dtype d;
       int64_t numel;
     };
-    const Case cases[] = {{kUInt8, 0},      {kUInt8, 1},        {kUInt8, 3},
-                          {kFloat32, 1001}, {kFloat16, 300007}, {kUInt8, 1100003}};
+    const Case cases[] = {{kUInt8, 0}, {kUInt8, 1}, {kUInt8, 3}, {kFloat32, 1001},
+                          {kFloat16, 300007}, {kUInt8, 1100003}};
     for (const NamedIssue& op : every_collective()) {
       const std::string name_of = op.name;
       if (name_of.find("allgather_into_tensor") == std::string::npos && name_of != "alltoall") {
@@ -1637,8 +1552,7 @@ TEST_P(GlooShm, ShareableTensorsReduceInPlaceOfTheirPeers) {
     tcp.reduce_scatter(out2, ins2, rs(ReduceOp::Max))->wait();
     require_same_bytes(name("reduce_scatter", kFloat32, rank), {out}, {out2});
     ++issued;
-    Tensor flat = shareable(pattern(n * m, rank, 2, kFloat32)),
-           flat2 = pattern(n * m, rank, 2, kFloat32);
+    Tensor flat = shareable(pattern(n * m, rank, 2, kFloat32)), flat2 = pattern(n * m, rank, 2, kFloat32);
     Tensor mine = flat.narrow(0, rank * m, m), mine2 = flat2.narrow(0, rank * m, m);
     shm.reduce_scatter_tensor(mine, flat, rs(ReduceOp::Avg))->wait();
     tcp.reduce_scatter_tensor(mine2, flat2, rs(ReduceOp::Avg))->wait();
@@ -1663,7 +1577,7 @@ TEST_P(GlooShm, ShareableTensorsReduceInPlaceOfTheirPeers) {
 struct ShmMismatch {
   const char* name;
   std::function<WorkPtr(ProcessGroup&, int rank)> issue;
-  const char* label[2];   // each rank's collective
+  const char* label[2];  // each rank's collective
   const char* passed[2];  // what each rank passed, as the error says
 };
 void PrintTo(const ShmMismatch& m, std::ostream* os) { *os << m.name; }
@@ -1671,77 +1585,73 @@ class GlooShmMismatch : public ::testing::TestWithParam<ShmMismatch> {};
 TEST_P(GlooShmMismatch, EveryRankFailsNamingWhatEachPassed) {
   EMBER_REQUIRE_GLOO();
   const ShmMismatch m = GetParam();
-  run_group(
-      2,
-      [&m](ProcessGroupGloo& pg, int rank, Store&) {
-        std::string msg;
-        try {
-          m.issue(pg, rank)->wait();
-        } catch (const DistError& e) {
-          msg = e.what();
-        }
-        const std::string me = std::to_string(rank);
-        require(msg.find(std::string("[gloo] ") + m.label[rank] + " #0 on rank " + me) !=
-                        std::string::npos &&
-                    msg.find("ranks disagree") != std::string::npos,
-                "rank " + me + ": " + msg);
-        for (int r = 0; r < 2; ++r) {
-          require(msg.find(std::string("rank ") + std::to_string(r) + " passed " + m.passed[r]) !=
-                      std::string::npos,
-                  "rank " + me + ": message lacks what rank " + std::to_string(r) + " passed (" +
-                      m.passed[r] + "): " + msg);
-        }
-      },
-      20s);
+  run_group(2, [&m](ProcessGroupGloo& pg, int rank, Store&) {
+    std::string msg;
+    try {
+      m.issue(pg, rank)->wait();
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    const std::string me = std::to_string(rank);
+    require(msg.find(std::string("[gloo] ") + m.label[rank] + " #0 on rank " + me) !=
+                    std::string::npos &&
+                msg.find("ranks disagree") != std::string::npos,
+            "rank " + me + ": " + msg);
+    for (int r = 0; r < 2; ++r) {
+      require(msg.find(std::string("rank ") + std::to_string(r) + " passed " + m.passed[r]) !=
+                  std::string::npos,
+              "rank " + me + ": message lacks what rank " + std::to_string(r) + " passed (" +
+                  m.passed[r] + "): " + msg);
+    }
+  }, 20s);
 }
 INSTANTIATE_TEST_SUITE_P(
     Cases, GlooShmMismatch,
-    ::testing::Values(ShmMismatch{"Count",
-                                  [](ProcessGroup& pg, int rank) {
-                                    Tensor out = empty({100 + rank}, kFloat32);
-                                    Tensor in = zeros({2 * (100 + rank)}, kFloat32);
-                                    return pg.reduce_scatter_tensor(out, in);
-                                  },
-                                  {"reduce_scatter_tensor", "reduce_scatter_tensor"},
-                                  {"reduce_scatter (sum) of 100 elements of float32",
-                                   "reduce_scatter (sum) of 101 elements of float32"}},
-                      ShmMismatch{"Root",
-                                  [](ProcessGroup& pg, int rank) {
-                                    Tensor t = zeros({10}, kFloat32);
-                                    return pg.broadcast(t, bc(rank));
-                                  },
-                                  {"broadcast", "broadcast"},
-                                  {"broadcast of 10 elements of float32 with root 0",
-                                   "broadcast of 10 elements of float32 with root 1"}},
-                      ShmMismatch{"ReduceOp",
-                                  [](ProcessGroup& pg, int rank) {
-                                    Tensor t = zeros({10}, kFloat32);
-                                    return pg.reduce(
-                                        t, rd(0, rank == 0 ? ReduceOp::Sum : ReduceOp::Max));
-                                  },
-                                  {"reduce", "reduce"},
-                                  {"reduce (sum) of 10 elements of float32 with root 0",
-                                   "reduce (max) of 10 elements of float32 with root 0"}},
-                      ShmMismatch{"Kind",
-                                  [](ProcessGroup& pg, int rank) {
-                                    Tensor t = zeros({10}, kFloat32);
-                                    if (rank == 1) return pg.broadcast(t, bc(0));
-                                    Tensor out = empty({20}, kFloat32);
-                                    return pg.allgather_into_tensor(out, t);
-                                  },
-                                  {"allgather_into_tensor", "broadcast"},
-                                  {"allgather of 10 elements of float32",
-                                   "broadcast of 10 elements of float32 with root 0"}},
-                      ShmMismatch{"Dtype",
-                                  [](ProcessGroup& pg, int rank) {
-                                    const Dtype d = rank == 0 ? kFloat32 : kInt32;
-                                    std::vector<Tensor> ins = {zeros({3}, d), zeros({3}, d)};
-                                    std::vector<Tensor> outs = {empty({3}, d), empty({3}, d)};
-                                    return pg.alltoall(outs, ins);
-                                  },
-                                  {"alltoall", "alltoall"},
-                                  {"alltoall of 3 elements of float32",
-                                   "alltoall of 3 elements of int32"}}),
+    ::testing::Values(
+        ShmMismatch{"Count",
+                    [](ProcessGroup& pg, int rank) {
+                      Tensor out = empty({100 + rank}, kFloat32);
+                      Tensor in = zeros({2 * (100 + rank)}, kFloat32);
+                      return pg.reduce_scatter_tensor(out, in);
+                    },
+                    {"reduce_scatter_tensor", "reduce_scatter_tensor"},
+                    {"reduce_scatter (sum) of 100 elements of float32",
+                     "reduce_scatter (sum) of 101 elements of float32"}},
+        ShmMismatch{"Root",
+                    [](ProcessGroup& pg, int rank) {
+                      Tensor t = zeros({10}, kFloat32);
+                      return pg.broadcast(t, bc(rank));
+                    },
+                    {"broadcast", "broadcast"},
+                    {"broadcast of 10 elements of float32 with root 0",
+                     "broadcast of 10 elements of float32 with root 1"}},
+        ShmMismatch{"ReduceOp",
+                    [](ProcessGroup& pg, int rank) {
+                      Tensor t = zeros({10}, kFloat32);
+                      return pg.reduce(t, rd(0, rank == 0 ? ReduceOp::Sum : ReduceOp::Max));
+                    },
+                    {"reduce", "reduce"},
+                    {"reduce (sum) of 10 elements of float32 with root 0",
+                     "reduce (max) of 10 elements of float32 with root 0"}},
+        ShmMismatch{"Kind",
+                    [](ProcessGroup& pg, int rank) {
+                      Tensor t = zeros({10}, kFloat32);
+                      if (rank == 1) return pg.broadcast(t, bc(0));
+                      Tensor out = empty({20}, kFloat32);
+                      return pg.allgather_into_tensor(out, t);
+                    },
+                    {"allgather_into_tensor", "broadcast"},
+                    {"allgather of 10 elements of float32",
+                     "broadcast of 10 elements of float32 with root 0"}},
+        ShmMismatch{"Dtype",
+                    [](ProcessGroup& pg, int rank) {
+                      const Dtype d = rank == 0 ? kFloat32 : kInt32;
+                      std::vector<Tensor> ins = {zeros({3}, d), zeros({3}, d)};
+                      std::vector<Tensor> outs = {empty({3}, d), empty({3}, d)};
+                      return pg.alltoall(outs, ins);
+                    },
+                    {"alltoall", "alltoall"},
+                    {"alltoall of 3 elements of float32", "alltoall of 3 elements of int32"}}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // A rank killed while the others run a collective over shared memory is named by them (its pid
@@ -1773,9 +1683,8 @@ TEST_P(GlooShmVictim, KilledRankIsNamed) {
       }
     }
     require(!msg.empty(), "rank " + std::to_string(rank) + ": " + op.name + " did not fail");
-    require(
-        msg.find("rank 2 (pid ") != std::string::npos || msg.find("gave up") != std::string::npos,
-        "message names neither the dead rank nor a survivor that gave up: " + msg);
+    require(msg.find("rank 2 (pid ") != std::string::npos || msg.find("gave up") != std::string::npos,
+            "message names neither the dead rank nor a survivor that gave up: " + msg);
   });
   TCPStoreServer server(loopback_server());
   kids.go(std::to_string(server.port()));
@@ -1802,15 +1711,12 @@ TEST(GlooErrors, ReduceScatterTensorNamesBothShapes) {
   Tensor out = empty({4}, kFloat32), in = zeros({5}, kFloat32);
   test::expect_error([&] { pg->reduce_scatter_tensor(out, in); },
                      {"[gloo] reduce_scatter_tensor", "1 x 4 = 4 elements of float32", "got 5"});
-  run_group(
-      2,
-      [](ProcessGroupGloo& pg, int, Store&) {
-        Tensor out = empty({4}, kFloat32), in = zeros({8}, kInt32);
-        test::expect_error(
-            [&] { pg.reduce_scatter_tensor(out, in); },
-            {"[gloo] reduce_scatter_tensor", "2 x 4 = 8 elements of float32", "got 8", "int32"});
-      },
-      20s);
+  run_group(2, [](ProcessGroupGloo& pg, int, Store&) {
+    Tensor out = empty({4}, kFloat32), in = zeros({8}, kInt32);
+    test::expect_error([&] { pg.reduce_scatter_tensor(out, in); },
+                       {"[gloo] reduce_scatter_tensor", "2 x 4 = 8 elements of float32",
+                        "got 8", "int32"});
+  }, 20s);
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooShm, ::testing::Values(2, 3, 4),

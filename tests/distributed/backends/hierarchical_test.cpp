@@ -42,8 +42,7 @@ std::shared_ptr<TCPStore> client(const std::string& host, int port) {
 std::vector<std::string> keys_for(const std::vector<int>& per_node) {
   std::vector<std::string> keys;
   for (size_t n = 0; n < per_node.size(); ++n) {
-    for (int i = 0; i < per_node[n]; ++i)
-      keys.push_back(std::string("n").append(std::to_string(n)));
+    for (int i = 0; i < per_node[n]; ++i) keys.push_back(std::string("n").append(std::to_string(n)));
   }
   return keys;
 }
@@ -62,8 +61,8 @@ void require_same_everywhere(Store& store, const std::string& key, int rank, int
   store.set(key + "/" + std::to_string(rank), value);
   for (int r = 0; r < n; ++r) {
     const std::string other = store.get_string(key + "/" + std::to_string(r), 60s);
-    require(other == value, key + ": rank " + std::to_string(rank) + " has " + value + ", rank " +
-                                std::to_string(r) + " has " + other);
+    require(other == value, key + ": rank " + std::to_string(rank) + " has " + value +
+                                ", rank " + std::to_string(r) + " has " + other);
   }
 }
 
@@ -71,8 +70,8 @@ void require_same_everywhere(Store& store, const std::string& key, int rank, int
 /// pieces): the closed forms on every rank, and bitwise the same random-valued sums.
 void check_allreduce(ProcessGroup& pg, Store& store, int rank, int n) {
   for (Dtype d : {kFloat32, kInt64, kFloat16, kFloat64}) {
-    for (ReduceOp op :
-         {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::Product}) {
+    for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min,
+                        ReduceOp::Product}) {
       for (int64_t numel : {int64_t{1}, int64_t{7}, int64_t{4099}, int64_t{100003}}) {
         std::vector<double> in(static_cast<size_t>(numel));
         for (int64_t i = 0; i < numel; ++i) in[i] = test::input(rank, i);
@@ -82,9 +81,9 @@ void check_allreduce(ProcessGroup& pg, Store& store, int rank, int n) {
         for (int64_t i = 0; i < numel; ++i) {
           const double want = test::expected(op, n, i, d);
           if (got[i] != want) {
-            throw std::runtime_error(detail::str_cat("allreduce ", to_string(op), " of ", numel,
-                                                     " ", d, " on rank ", rank, ": index ", i,
-                                                     " got ", got[i], " want ", want));
+            throw std::runtime_error(detail::str_cat(
+                "allreduce ", to_string(op), " of ", numel, " ", d, " on rank ", rank,
+                ": index ", i, " got ", got[i], " want ", want));
           }
         }
       }
@@ -211,14 +210,13 @@ TEST(HierarchicalForced, NodeLayoutOrdersNodesByLowestRank) {
 
 TEST(HierarchicalForced, NodeKeyExchangeNamesTheMissingRank) {
   HashStore store;
-  std::string msg =
-      test::message_of([&] { exchange_node_keys(store, 0, 3, "a", true, nullptr, Duration(50)); });
+  std::string msg = test::message_of(
+      [&] { exchange_node_keys(store, 0, 3, "a", true, nullptr, Duration(50)); });
   EXPECT_NE(msg.find("on rank 0: rank 1 did not publish its node key within 50 ms"),
-            std::string::npos)
-      << msg;
+            std::string::npos) << msg;
   HashStore other;
-  msg =
-      test::message_of([&] { exchange_node_keys(other, 2, 3, "a", true, nullptr, Duration(50)); });
+  msg = test::message_of(
+      [&] { exchange_node_keys(other, 2, 3, "a", true, nullptr, Duration(50)); });
   EXPECT_NE(msg.find("on rank 2: rank 0 did not publish the ranks' node keys"), std::string::npos)
       << msg;
   // A lone rank (world of one) gets its own key back, and the switch.
@@ -277,14 +275,15 @@ TEST_P(HierarchicalInit, ChoosesFromNodesAndSwitch) {
   test::expect_children_ok(kids.join());
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, HierarchicalInit,
-                         ::testing::Values(InitCase{"TwoByTwo", {2, 2}, nullptr, true},
-                                           InitCase{"ThreePlusOne", {3, 1}, nullptr, true},
-                                           InitCase{"SwitchedOffOnOneRank", {2, 2}, "0", false},
-                                           InitCase{"SwitchedOn", {2, 2}, "1", true},
-                                           InitCase{"OneNode", {4}, nullptr, false},
-                                           InitCase{"OneRankPerNode", {1, 1, 1}, nullptr, false}),
-                         [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, HierarchicalInit,
+    ::testing::Values(InitCase{"TwoByTwo", {2, 2}, nullptr, true},
+                      InitCase{"ThreePlusOne", {3, 1}, nullptr, true},
+                      InitCase{"SwitchedOffOnOneRank", {2, 2}, "0", false},
+                      InitCase{"SwitchedOn", {2, 2}, "1", true},
+                      InitCase{"OneNode", {4}, nullptr, false},
+                      InitCase{"OneRankPerNode", {1, 1, 1}, nullptr, false}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 TEST(HierarchicalInit, BadSwitchIsNamed) {
   EMBER_REQUIRE_GLOO();
@@ -296,7 +295,8 @@ TEST(HierarchicalInit, BadSwitchIsNamed) {
   o.world_size = 2;
   const std::string msg = test::message_of([&] { init_process_group(o); });
   ::unsetenv("EMBER_GLOO_HIERARCHICAL");
-  EXPECT_NE(msg.find("EMBER_GLOO_HIERARCHICAL='yes' is not an integer"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("EMBER_GLOO_HIERARCHICAL='yes' is not an integer"), std::string::npos)
+      << msg;
 }
 
 // ---- failures -----------------------------------------------------------------------------------
@@ -362,11 +362,11 @@ void victim_test(const Placement& where, int victim) {
       names_a_peer |= msg.find("rank " + std::to_string(k) + " (") != std::string::npos;
     }
     require(names_a_peer, "message names no peer: " + msg);
-    require(
-        took < kTimeout / 2,
-        "took " +
-            std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()) +
-            " ms: " + msg);
+    require(took < kTimeout / 2,
+            "took " +
+                std::to_string(
+                    std::chrono::duration_cast<std::chrono::milliseconds>(took).count()) +
+                " ms: " + msg);
     std::string again;
     try {
       pg.allreduce(t)->wait();
@@ -445,8 +445,8 @@ class HierarchicalNetns : public ::testing::Test {
 
 void require_hierarchical(ProcessGroup& pg, int rank, bool want) {
   auto* h = dynamic_cast<ProcessGroupHierarchical*>(&pg);
-  require((h != nullptr) == want,
-          "rank " + std::to_string(rank) + ": got a " + (h ? "hierarchical" : "flat") + " group");
+  require((h != nullptr) == want, "rank " + std::to_string(rank) + ": got a " +
+                                      (h ? "hierarchical" : "flat") + " group");
   if (h) {
     require(h->layout().nodes() == 2, h->layout().describe());
     require(h->local_uses_shared_memory() == (h->layout().members(h->node()).size() > 1),

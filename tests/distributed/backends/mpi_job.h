@@ -23,9 +23,8 @@ namespace ember::test {
 
 inline bool under_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr; }
 
-#define SKIP_UNLESS_UNDER_MPIRUN()    \
-  if (!::ember::test::under_mpirun()) \
-  GTEST_SKIP() << "runs only under mpirun (the outer cases start it)"
+#define SKIP_UNLESS_UNDER_MPIRUN() \
+  if (!::ember::test::under_mpirun()) GTEST_SKIP() << "runs only under mpirun (the outer cases start it)"
 
 inline std::string find_mpirun() {
   if (const char* p = std::getenv("EMBER_MPIRUN")) return p;
@@ -49,7 +48,7 @@ struct JobResult {
 /// Runs `mpirun -np np <this binary> --gtest_filter=filter`, restricted to loopback and shared
 /// memory, with its own process group so a hang can be ended by killing the whole job.
 inline JobResult run_job(const std::string& mpirun, int np, const std::string& filter,
-                         std::chrono::seconds limit, const char* thread_level = nullptr) {
+                  std::chrono::seconds limit, const char* thread_level = nullptr) {
   char tmpl[] = "/tmp/ember_mpi_test_XXXXXX";
   const char* dir = mkdtemp(tmpl);
   EXPECT_NE(dir, nullptr) << "mkdtemp failed";

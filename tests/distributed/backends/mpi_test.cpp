@@ -60,10 +60,10 @@ TEST(MpiWorld, Np3ThreadSerialized) { run_world(3, "serialized"); }
 
 using test::ar;
 using test::bc;
-using test::ga;
 using test::rd;
-using test::rs;
+using test::ga;
 using test::sc;
+using test::rs;
 
 /// The world group of this process, shared by the MpiRanks cases.
 ProcessGroupMpi& world() {

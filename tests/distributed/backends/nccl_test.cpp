@@ -46,10 +46,10 @@ const ReduceOp kOps[] = {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, Reduce
 
 using test::ar;
 using test::bc;
-using test::ga;
 using test::rd;
-using test::rs;
+using test::ga;
 using test::sc;
+using test::rs;
 
 /// values on cuda:device as dtype d.
 Tensor make(const std::vector<double>& v, Dtype d, int device) {
@@ -169,8 +169,8 @@ TEST(NcclWorldOne, EveryCollectiveEveryDtype) {
         EXPECT_EQ(differs(out, x), "") << "reduce_scatter " << to_string(op) << ", " << where;
         Tensor out_t = make(seq(n, 0), d, 0);
         pg->reduce_scatter_tensor(out_t, make(x, d, 0), rs(op))->wait();
-        EXPECT_EQ(differs(out_t, x), "")
-            << "reduce_scatter_tensor " << to_string(op) << ", " << where;
+        EXPECT_EQ(differs(out_t, x), "") << "reduce_scatter_tensor " << to_string(op) << ", "
+                                         << where;
       }
       Tensor b = make(x, d, 0);
       pg->broadcast(b, bc(0))->wait();
@@ -272,7 +272,9 @@ TEST(NcclWorldOne, ThenCallbackIsOrderedAfterTheCollective) {
     // `later` has nothing queued: unless then() orders it after the collective, the callback's
     // product runs at once and reads zeros.
     cuda::StreamGuard guard(later);
-    doubled = w->future()->then([](Future& f) { return std::vector<Tensor>{f.value().at(0) * 2}; });
+    doubled = w->future()->then([](Future& f) {
+      return std::vector<Tensor>{f.value().at(0) * 2};
+    });
   }
   EXPECT_EQ(differs(doubled->value().at(0), std::vector<double>(n, 6.0)), "");
   EXPECT_EQ(differs(out, std::vector<double>(n, 3.0)), "");
@@ -708,8 +710,7 @@ void child_timeout(ProcessGroupNccl& pg, int rank, Store& store) {
   test::expect_error<DistTimeoutError>([&] { w->wait(); }, {timed_out});
   test::expect_error<DistBackendError>([&] { pg.allreduce(t); },
                                        {"[nccl] allreduce #2 on rank 0 of 2 failed: the group is "
-                                        "unusable after an earlier failure: ",
-                                        timed_out});
+                                        "unusable after an earlier failure: ", timed_out});
   test::expect_error<DistBackendError>([&] { pg.barrier(); },
                                        {"unusable after an earlier failure"});
   store.set("rank0_done", Bytes{1});

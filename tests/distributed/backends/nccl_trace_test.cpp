@@ -50,8 +50,8 @@ TEST(NcclTrace, CollectivesAreDeviceSpansOnTheStreamsRow) {
     }
   }
   EXPECT_GE(stream_row, 2000) << "the group's stream has a named row";
-  const std::map<std::string, int64_t> bytes = {
-      {"allreduce", 4000}, {"broadcast", 40}, {"barrier", 0}};
+  const std::map<std::string, int64_t> bytes = {{"allreduce", 4000}, {"broadcast", 40},
+                                                {"barrier", 0}};
   int64_t last_seq = -1;
   for (const auto& [op, n] : bytes) {
     ASSERT_TRUE(spans.count(op)) << "no '" << op << "' span";

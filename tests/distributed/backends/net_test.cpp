@@ -1,5 +1,4 @@
-// How the nccl and gloo set-ups find the interface that reaches rank 0
-// (distributed/backends/net.h).
+// How the nccl and gloo set-ups find the interface that reaches rank 0 (distributed/backends/net.h).
 #include <ember/distributed/backends/net.h>
 
 #include <fcntl.h>

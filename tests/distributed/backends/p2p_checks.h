@@ -20,9 +20,10 @@ inline void check_batch_p2p(dist::ProcessGroup& pg, int rank, int n) {
   const std::string who = "rank " + std::to_string(rank);
   Tensor to_next = full({5}, rank * 10.0 + 1), to_prev = full({3}, rank * 10.0 + 2);
   Tensor from_prev = zeros({5}), from_next = zeros({3});
-  std::vector<dist::P2POp> ops = {
-      dist::P2POp::isend(to_next, next, 1), dist::P2POp::isend(to_prev, prev, 2),
-      dist::P2POp::irecv(from_prev, prev, 1), dist::P2POp::irecv(from_next, next, 2)};
+  std::vector<dist::P2POp> ops = {dist::P2POp::isend(to_next, next, 1),
+                                  dist::P2POp::isend(to_prev, prev, 2),
+                                  dist::P2POp::irecv(from_prev, prev, 1),
+                                  dist::P2POp::irecv(from_next, next, 2)};
   if (rank % 2 == 0) std::swap(ops[0], ops[2]), std::swap(ops[1], ops[3]);
   const std::vector<dist::WorkPtr> works = pg.batch_isend_irecv(ops);
   require(works.size() == 4, who + ": one Work per op");

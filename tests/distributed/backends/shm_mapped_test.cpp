@@ -1,8 +1,8 @@
-// The mapped reductions (Note [mapped reductions] in distributed/backends/shm_mapped.cpp), driven
-// through ShmAllreduce itself: allreduce, reduce and reduce_scatter over buffers from
-// empty_shareable() on a group that allows single copies must give bitwise what the staged path
-// gives over ordinary buffers, take the mapped path exactly when every rank's buffers are shareable
-// and large enough, and fail by name when a peer's buffer cannot be mapped. Ranks are forked
+// The mapped reductions (Note [mapped reductions] in distributed/backends/shm_mapped.cpp), driven through
+// ShmAllreduce itself: allreduce, reduce and reduce_scatter over buffers from empty_shareable()
+// on a group that allows single copies must give bitwise what the staged path gives over
+// ordinary buffers, take the mapped path exactly when every rank's buffers are shareable and
+// large enough, and fail by name when a peer's buffer cannot be mapped. Ranks are forked
 // processes (each maps its peers' memfds) and threads of this process (buffers used in place).
 #include <ember/distributed/backends/detail/shareable.h>
 #include <ember/distributed/backends/detail/shm_kernels.h>
@@ -44,17 +44,14 @@ Bytes bytes_of(const Tensor& t) {
 
 // Rank r's values for element i (j: which of a rank's tensors): small integers, exact in every
 // dtype used, different on every rank so that the reduction order would show.
-double value(int rank, int j, int64_t i) {
-  return static_cast<double>((i * 7 + rank * 31 + j * 13) % 61) - 30;
-}
+double value(int rank, int j, int64_t i) { return static_cast<double>((i * 7 + rank * 31 + j * 13) % 61) - 30; }
 
 // A 1-d tensor of `count` elements, shareable or not, holding rank's values.
 Tensor input(int rank, int j, int64_t count, Dtype d, bool shareable) {
   Tensor t = shareable ? empty_shareable({count}, d) : empty({count}, d);
   EMBER_DISPATCH_NUMERIC(d, "test input", [&]<typename T>() {
     T* p = t.template data<T>();
-    for (int64_t i = 0; i < count; ++i)
-      p[i] = static_cast<T>(static_cast<float>(value(rank, j, i)));
+    for (int64_t i = 0; i < count; ++i) p[i] = static_cast<T>(static_cast<float>(value(rank, j, i)));
   });
   return t;
 }
@@ -112,8 +109,8 @@ std::vector<NamedOp> ops() {
            ptrs.push_back(blocks.back().data_ptr());
          }
          Tensor out = empty({count}, d);
-         shm.reduce_scatter(shm.next_ticket(), ptrs, out.data_ptr(), static_cast<size_t>(count), d,
-                            shm_reduction(d, ReduceOp::Avg), soon());
+         shm.reduce_scatter(shm.next_ticket(), ptrs, out.data_ptr(), static_cast<size_t>(count),
+                            d, shm_reduction(d, ReduceOp::Avg), soon());
          return std::vector<Bytes>{bytes_of(out)};
        },
        true},
@@ -125,7 +122,8 @@ std::vector<NamedOp> ops() {
            ptrs.push_back(static_cast<const char*>(all.data_ptr()) + j * count * itemsize(d));
          }
          shm.reduce_scatter(shm.next_ticket(), ptrs, const_cast<void*>(ptrs[rank]),
-                            static_cast<size_t>(count), d, shm_reduction(d, ReduceOp::Sum), soon());
+                            static_cast<size_t>(count), d, shm_reduction(d, ReduceOp::Sum),
+                            soon());
          return std::vector<Bytes>{bytes_of(all)};
        },
        true},
@@ -137,7 +135,10 @@ struct Size {
   int64_t count;
 };
 // Below kMappedMinBytes (staged either way), just above it, odd counts, float16's rounding.
-const Size kSizes[] = {{kFloat32, 1001}, {kInt64, 40009}, {kFloat16, 300007}, {kFloat32, 600011}};
+const Size kSizes[] = {{kFloat32, 1001},
+                       {kInt64, 40009},
+                       {kFloat16, 300007},
+                       {kFloat32, 600011}};
 
 bool large(const Size& s) {
   return static_cast<size_t>(s.count) * itemsize(s.d) >= ShmAllreduce::kMappedMinBytes;
@@ -233,9 +234,10 @@ TEST_P(ShmMapped, MappingsOfFreedRegionsAreDropped) {
     const auto peers = static_cast<size_t>(n - 1);
     const auto allreduce = ops()[0].run;
     const auto require_mapped = [&](size_t want, const char* when) {
-      require(shm->mapped_regions() == want, "rank " + std::to_string(rank) + " " + when + ": " +
-                                                 std::to_string(shm->mapped_regions()) +
-                                                 " regions mapped, want " + std::to_string(want));
+      require(shm->mapped_regions() == want,
+              "rank " + std::to_string(rank) + " " + when + ": " +
+                  std::to_string(shm->mapped_regions()) + " regions mapped, want " +
+                  std::to_string(want));
     };
     Tensor kept = input(rank, 0, 100003, kFloat32, true);
     for (int i = 0; i < 3; ++i) {
@@ -281,14 +283,12 @@ TEST_P(ShmMapped, SingleCopiesReadShareablePeersThroughTheirMappings) {
       direct->alltoall(direct->next_ticket(), in_ptrs, out_ptrs, count, kFloat32, soon());
       staged->alltoall(staged->next_ticket(), in_ptrs, out_ptrs2, count, kFloat32, soon());
       for (int j = 0; j < n; ++j) {
-        require(bytes_of(outs[j]) == bytes_of(outs2[j]),
-                "alltoall on rank " + std::to_string(rank));
+        require(bytes_of(outs[j]) == bytes_of(outs2[j]), "alltoall on rank " + std::to_string(rank));
       }
       direct->gather(direct->next_ticket(), in_ptrs[0], out_ptrs, count, kFloat32, -1, soon());
       staged->gather(staged->next_ticket(), in_ptrs[0], out_ptrs2, count, kFloat32, -1, soon());
       for (int j = 0; j < n; ++j) {
-        require(bytes_of(outs[j]) == bytes_of(outs2[j]),
-                "allgather on rank " + std::to_string(rank));
+        require(bytes_of(outs[j]) == bytes_of(outs2[j]), "allgather on rank " + std::to_string(rank));
       }
       // Shareable peers were read through their mappings (cross-memory attach maps nothing).
       require((direct->mapped_regions() > 0) == shareable,
@@ -348,9 +348,8 @@ TEST(ShmMappedRefused, AnUnmappablePeerLaterFailsEveryRankByName) {
     store.set("msg/" + std::to_string(rank), test::to_bytes(msg));
     bool named = false;
     for (int r = 0; r < n; ++r) {
-      named =
-          named || test::to_string(store.get("msg/" + std::to_string(r), std::chrono::seconds(60)))
-                           .find("cannot map rank 2's shareable buffer") != std::string::npos;
+      named = named || test::to_string(store.get("msg/" + std::to_string(r), std::chrono::seconds(60)))
+                               .find("cannot map rank 2's shareable buffer") != std::string::npos;
     }
     const std::string who = "rank " + std::to_string(rank) + ": ";
     require(named, who + "no rank named rank 2's buffer");

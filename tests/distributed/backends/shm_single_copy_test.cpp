@@ -1,6 +1,6 @@
 // The single-copy shared-memory collectives (Note [single-copy collectives] in
-// distributed/backends/shm_single_copy.cpp), driven through ShmAllreduce itself so that each test
-// chooses the path: every rank asks for single copies from 1 byte (always), or for none (the staged
+// distributed/backends/shm_single_copy.cpp), driven through ShmAllreduce itself so that each test chooses
+// the path: every rank asks for single copies from 1 byte (always), or for none (the staged
 // path), and the results must be bitwise the staged path's. Ranks are forked processes (cross-
 // memory attach between processes) and threads of this process (between threads).
 #include <ember/distributed/backends/detail/shm_allreduce.h>

@@ -73,11 +73,11 @@ inline void run_threads(int n, const std::function<void(int, Store&)>& body) {
 /// The shared-memory group of `n` ranks under `prefix` of `store` (2 channels), asking for
 /// single copies from `single_copy` bytes (SIZE_MAX: none).
 inline std::unique_ptr<ember::dist::detail::ShmAllreduce> make_shm(Store& store, const char* prefix,
-                                                                   int rank, int n,
-                                                                   size_t single_copy) {
+                                                             int rank, int n,
+                                                             size_t single_copy) {
   PrefixStore p(prefix, std::shared_ptr<Store>(&store, [](Store*) {}));
   auto shm = ember::dist::detail::ShmAllreduce::create(p, rank, n, 2, std::chrono::seconds(60),
-                                                       single_copy);
+                                                 single_copy);
   require(shm != nullptr, "rank " + std::to_string(rank) + ": no shared-memory group");
   return shm;
 }

@@ -20,7 +20,6 @@ namespace ember::dist {
 namespace {
 
 using namespace std::chrono_literals;
-using ember::detail::str_cat;
 using test::ar;
 using test::bc;
 using test::ga;
@@ -29,6 +28,7 @@ using test::require;
 using test::rs;
 using test::sc;
 using test::ThreadsSetup;
+using ember::detail::str_cat;
 
 const Dtype kDtypes[] = {kFloat32, kFloat64, kFloat16, kBFloat16, kInt32, kInt64, kUInt8};
 const ReduceOp kOps[] = {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, ReduceOp::Min,
@@ -72,13 +72,11 @@ void check_allreduce(ProcessGroup& pg, int rank, int n, Device dev) {
   for (Dtype d : kDtypes) {
     for (ReduceOp op : kOps) {
       for (int64_t len : {0, 5, 1003}) {
-        Tensor t = make(
-            len, [&](int64_t i) { return input(rank, i); }, d, dev);
+        Tensor t = make(len, [&](int64_t i) { return input(rank, i); }, d, dev);
         WorkPtr w = pg.allreduce(t, ar(op));
         require(w->wait(), "wait");
-        require_values(
-            str_cat("allreduce ", d, " ", to_string(op), " len ", len, " rank ", rank), t,
-            [&](int64_t i) { return expected(op, n, i, d); }, len);
+        require_values(str_cat("allreduce ", d, " ", to_string(op), " len ", len, " rank ", rank),
+                       t, [&](int64_t i) { return expected(op, n, i, d); }, len);
       }
     }
   }
@@ -88,15 +86,12 @@ void check_allreduce(ProcessGroup& pg, int rank, int n, Device dev) {
 void check_coalesced(ProcessGroup& pg, int rank, int n, Device dev) {
   for (Dtype d : {kFloat32, kInt64, kBFloat16}) {
     std::vector<Tensor> ts;
-    for (int64_t len : {3, 0, 7})
-      ts.push_back(make(
-          len, [&](int64_t i) { return input(rank, i); }, d, dev));
+    for (int64_t len : {3, 0, 7}) ts.push_back(make(len, [&](int64_t i) { return input(rank, i); }, d, dev));
     ts[2] = ts[2].view({7, 1});
     pg.allreduce_coalesced(ts, ar(ReduceOp::Sum))->wait();
     for (size_t k = 0; k < ts.size(); ++k) {
-      require_values(
-          str_cat("allreduce_coalesced ", d, " tensors[", k, "] rank ", rank), ts[k],
-          [&](int64_t i) { return expected(ReduceOp::Sum, n, i, d); }, ts[k].numel());
+      require_values(str_cat("allreduce_coalesced ", d, " tensors[", k, "] rank ", rank), ts[k],
+                     [&](int64_t i) { return expected(ReduceOp::Sum, n, i, d); }, ts[k].numel());
     }
   }
 }
@@ -134,9 +129,8 @@ void check_rooted(ProcessGroup& pg, int rank, int n, Device dev) {
     }
     Tensor flat = make(n * len, of(-1), d, dev);
     pg.allgather_into_tensor(flat, make(len, of(rank), d, dev))->wait();
-    require_values(
-        str_cat("allgather_into_tensor rank ", rank), flat,
-        [&](int64_t j) { return of(static_cast<int>(j / len))(j % len); }, n * len);
+    require_values(str_cat("allgather_into_tensor rank ", rank), flat,
+                   [&](int64_t j) { return of(static_cast<int>(j / len))(j % len); }, n * len);
     std::vector<Tensor> outs;
     for (int r = 0; r < n; ++r) outs.push_back(make(len, of(-1), d, dev));
     pg.allgather(outs, make(len, of(rank), d, dev))->wait();
@@ -151,50 +145,37 @@ void check_exchanges(ProcessGroup& pg, int rank, int n, Device dev) {
   const int64_t len = 4;
   // reduce_scatter: rank r's inputs[k][i] = r + k + i; rank k gets sum_r (r + k + i).
   std::vector<Tensor> ins;
-  for (int k = 0; k < n; ++k)
-    ins.push_back(make(
-        len, [&](int64_t i) { return rank + k + i; }, kFloat32, dev));
-  Tensor out = make(
-      len, [](int64_t) { return -1.0; }, kFloat32, dev);
+  for (int k = 0; k < n; ++k) ins.push_back(make(len, [&](int64_t i) { return rank + k + i; }, kFloat32, dev));
+  Tensor out = make(len, [](int64_t) { return -1.0; }, kFloat32, dev);
   pg.reduce_scatter(out, ins, rs(ReduceOp::Sum))->wait();
-  require_values(
-      str_cat("reduce_scatter rank ", rank), out,
-      [&](int64_t i) { return n * (n - 1) / 2.0 + n * (rank + static_cast<double>(i)); }, len);
+  require_values(str_cat("reduce_scatter rank ", rank), out,
+                 [&](int64_t i) { return n * (n - 1) / 2.0 + n * (rank + static_cast<double>(i)); }, len);
 
   // alltoall: rank s sends rank r (r + 1) elements 100 s + r.
   std::vector<Tensor> sends, recvs;
   for (int r = 0; r < n; ++r) {
-    sends.push_back(make(
-        r + 1, [&](int64_t) { return 100.0 * rank + r; }, kInt64, dev));
-    recvs.push_back(make(
-        rank + 1, [](int64_t) { return -1.0; }, kInt64, dev));
+    sends.push_back(make(r + 1, [&](int64_t) { return 100.0 * rank + r; }, kInt64, dev));
+    recvs.push_back(make(rank + 1, [](int64_t) { return -1.0; }, kInt64, dev));
   }
   pg.alltoall(recvs, sends)->wait();
   for (int s = 0; s < n; ++s) {
-    require_values(
-        str_cat("alltoall from ", s, " rank ", rank), recvs[s],
-        [&](int64_t) { return 100.0 * s + rank; }, rank + 1);
+    require_values(str_cat("alltoall from ", s, " rank ", rank), recvs[s],
+                   [&](int64_t) { return 100.0 * s + rank; }, rank + 1);
   }
   pg.barrier()->wait();
   if (n == 1) return;
   // A ring, twice with different tags in opposite orders: messages match by (src, dst, tag).
-  Tensor a = make(
-      len, [&](int64_t i) { return rank * 10.0 + i; }, kFloat64, dev);
-  Tensor b = make(
-      len, [&](int64_t i) { return rank * 20.0 + i; }, kFloat64, dev);
-  Tensor ra = make(
-             len, [](int64_t) { return -1.0; }, kFloat64, dev),
-         rb = ra.clone();
+  Tensor a = make(len, [&](int64_t i) { return rank * 10.0 + i; }, kFloat64, dev);
+  Tensor b = make(len, [&](int64_t i) { return rank * 20.0 + i; }, kFloat64, dev);
+  Tensor ra = make(len, [](int64_t) { return -1.0; }, kFloat64, dev), rb = ra.clone();
   const int next = (rank + 1) % n, prev = (rank + n - 1) % n;
   WorkPtr s1 = pg.send(a, next, 1);
   WorkPtr s2 = pg.send(b, next, 2);
   WorkPtr r2 = pg.recv(rb, prev, 2);
   WorkPtr r1 = pg.recv(ra, prev, 1);
   for (const WorkPtr& w : {s1, s2, r1, r2}) w->wait();
-  require_values(
-      str_cat("recv tag 1 rank ", rank), ra, [&](int64_t i) { return prev * 10.0 + i; }, len);
-  require_values(
-      str_cat("recv tag 2 rank ", rank), rb, [&](int64_t i) { return prev * 20.0 + i; }, len);
+  require_values(str_cat("recv tag 1 rank ", rank), ra, [&](int64_t i) { return prev * 10.0 + i; }, len);
+  require_values(str_cat("recv tag 2 rank ", rank), rb, [&](int64_t i) { return prev * 20.0 + i; }, len);
 }
 
 void check_all(ProcessGroup& pg, int rank, int n, Device dev) {
@@ -258,8 +239,7 @@ TEST(Threads, WorkCompletesWhenTheLastRankArrives) {
     Tensor t = full({3}, static_cast<double>(rank + 1));
     if (rank == 1) require(issued.wait_for(60s) == std::future_status::ready, "rank 0 issued");
     WorkPtr w = pg.allreduce(t);
-    auto doubled =
-        w->future()->then([](Future& f) { return std::vector<Tensor>{f.value()[0] * 2}; });
+    auto doubled = w->future()->then([](Future& f) { return std::vector<Tensor>{f.value()[0] * 2}; });
     if (rank == 0) {
       require(!w->is_completed(), "completed before rank 1 called allreduce");
       first_issued.set_value();
@@ -304,10 +284,8 @@ TEST(Threads, ARankThatNeverCallsTimesTheOthersOut) {
     WorkPtr w = pg.allreduce(t);
     EXPECT_THROW(w->wait(), DistTimeoutError);
     const std::string msg = message_of([&] { w->wait(); });
-    EXPECT_NE(
-        msg.find(str_cat("[threads] allreduce #0 on rank ", rank, " of 3 timed out after 200 ms")),
-        std::string::npos)
-        << msg;
+    EXPECT_NE(msg.find(str_cat("[threads] allreduce #0 on rank ", rank, " of 3 timed out after 200 ms")),
+              std::string::npos) << msg;
     EXPECT_NE(msg.find("rank(s) 2 did not call it"), std::string::npos) << "[" << msg << "]";
   });
 }
@@ -320,8 +298,7 @@ TEST(Threads, ARecvWithoutSendTimesOut) {
     Tensor t = zeros({2});
     const std::string msg = message_of([&] { pg.recv(t, 0, 7)->wait(); });
     EXPECT_NE(msg.find("[threads] recv from rank 0 (tag 7) on rank 1 of 2 timed out"),
-              std::string::npos)
-        << msg;
+              std::string::npos) << msg;
   });
 }
 
@@ -370,8 +347,7 @@ TEST(Threads, DestroyingTheWorldFailsPendingCollectives) {
   }
   const std::string msg = message_of([&] { w->wait(5s); });
   EXPECT_NE(msg.find("[threads] allreduce #0 on rank 0 of 2 failed: the world was destroyed"),
-            std::string::npos)
-      << msg;
+            std::string::npos) << msg;
   EXPECT_THROW(w->wait(5s), DistBackendError);
 }
 
@@ -381,16 +357,13 @@ TEST(Threads, MismatchesNameTheCollectiveAndBothRanks) {
     ProcessGroupThreads pg(world, rank);
     Tensor shape = zeros({rank == 0 ? 2 : 3});
     std::string msg = message_of([&] { pg.allreduce(shape)->wait(); });
-    EXPECT_NE(
-        msg.find(str_cat("[threads] allreduce #0 on rank ", rank,
-                         " of 2: rank 1 passed [float32 [3]] but rank 0 passed [float32 [2]]")),
-        std::string::npos)
-        << msg;
+    EXPECT_NE(msg.find(str_cat("[threads] allreduce #0 on rank ", rank,
+                               " of 2: rank 1 passed [float32 [3]] but rank 0 passed [float32 [2]]")),
+              std::string::npos) << msg;
     Tensor dtype = zeros({2}, rank == 0 ? kFloat32 : kInt64);
     msg = message_of([&] { pg.broadcast(dtype)->wait(); });
     EXPECT_NE(msg.find("rank 1 passed [int64 [2]] but rank 0 passed [float32 [2]]"),
-              std::string::npos)
-        << msg;
+              std::string::npos) << msg;
     Tensor t = zeros({2});
     msg = message_of([&] { (rank == 0 ? pg.allreduce(t) : pg.broadcast(t))->wait(); });
     EXPECT_NE(msg.find("rank 1 called broadcast but rank 0 called allreduce"), std::string::npos)
@@ -412,8 +385,8 @@ TEST(Threads, BatchIsendIrecvAndLearnedShapes) {
       test::check_batch_p2p(*pg, rank, n);
       const int next = (rank + 1) % n, prev = (rank + n - 1) % n;
       Tensor out = full({2}, rank * 1.0), in = zeros({2});
-      for (const WorkPtr& w :
-           batch_isend_irecv({P2POp::irecv(in, prev, 0, pg), P2POp::isend(out, next, 0, pg)})) {
+      for (const WorkPtr& w : batch_isend_irecv({P2POp::irecv(in, prev, 0, pg),
+                                                 P2POp::isend(out, next, 0, pg)})) {
         w->wait();
       }
       require(in.to_vector<float>()[0] == prev, "the free batch_isend_irecv");
@@ -424,11 +397,8 @@ TEST(Threads, BatchIsendIrecvAndLearnedShapes) {
   auto a = std::make_shared<ProcessGroupThreads>(ThreadWorld::create(2), 0);
   auto b = std::make_shared<ProcessGroupThreads>(ThreadWorld::create(2), 0);
   Tensor t = zeros({1});
-  test::expect_error(
-      [&] {
-        batch_isend_irecv({P2POp::isend(t, 1, 0, a), P2POp::irecv(t, 1, 0, b)});
-      },
-      {"[batch_isend_irecv] every P2POp must use the same group: op 1"});
+  test::expect_error([&] { batch_isend_irecv({P2POp::isend(t, 1, 0, a), P2POp::irecv(t, 1, 0, b)}); },
+                     {"[batch_isend_irecv] every P2POp must use the same group: op 1"});
 }
 
 TEST(Threads, BadArgumentsThrowAtTheCall) {

@@ -82,8 +82,7 @@ struct Trainer {
   nn::optim::AdamW opt{model->parameters(), {.lr = 1e-2}};
   nn::optim::StepLR sched{opt, 2, 0.5};
   State state() {
-    return {{"model", checkpoint::model(*model)},
-            {"optim", optimizer(opt, *model)},
+    return {{"model", checkpoint::model(*model)}, {"optim", optimizer(opt, *model)},
             {"schedule", lr_scheduler(sched)}};
   }
 };
@@ -110,15 +109,12 @@ void expect_params(const nn::Module& m, const std::vector<std::pair<std::string,
 // and trains 3 more on the whole batches: the parameters of an uninterrupted 6-step run.
 TEST(Checkpoint, DdpTwoRanksGoOnInOneProcess) {
   TempDir dir;
-  run_rank_threads(
-      2,
-      [&](int rank) {
-        Trainer r;
-        auto ddp = std::make_shared<DistributedDataParallel>(r.model, default_group());
-        for (int t = 0; t < 3; ++t) train_step(*ddp, r.opt, r.sched, t, rank, 2);
-        save(r.state(), dir.path(), *default_group(), {{"step", "3"}});
-      },
-      60s);
+  run_rank_threads(2, [&](int rank) {
+    Trainer r;
+    auto ddp = std::make_shared<DistributedDataParallel>(r.model, default_group());
+    for (int t = 0; t < 3; ++t) train_step(*ddp, r.opt, r.sched, t, rank, 2);
+    save(r.state(), dir.path(), *default_group(), {{"step", "3"}});
+  }, 60s);
   Trainer r;
   const auto meta = load(r.state(), dir.path());
   EXPECT_EQ(meta, (std::map<std::string, std::string>{{"step", "3"}}));
@@ -138,8 +134,7 @@ TEST(Checkpoint, FsdpFourToTwoToOne) {
       fully_shard(m);
       nn::optim::AdamW opt(fsdp_parameters(*m), {.lr = 1e-2});
       nn::optim::StepLR sched(opt, 2, 0.5);
-      State s = {
-          {"model", model(*m)}, {"optim", optimizer(opt, *m)}, {"schedule", lr_scheduler(sched)}};
+      State s = {{"model", model(*m)}, {"optim", optimizer(opt, *m)}, {"schedule", lr_scheduler(sched)}};
       if (!from.empty()) load(s, from);
       for (int t = steps_from; t < steps_to; ++t) train_step(*m, opt, sched, t, rank, world);
       save(s, to, *default_group());
@@ -165,19 +160,16 @@ TEST(Checkpoint, ZeroTwoToThree) {
       ZeroRedundancyOptimizer zero(
           m->parameters(),
           [](std::vector<nn::optim::ParamGroup> g) {
-            return std::make_unique<nn::optim::AdamW>(std::move(g),
-                                                      nn::optim::AdamWOptions{.lr = 1e-2});
+            return std::make_unique<nn::optim::AdamW>(std::move(g), nn::optim::AdamWOptions{.lr = 1e-2});
           },
           default_group());
       nn::optim::StepLR sched(zero.optimizer(), 2, 0.5);
-      State s = {{"model", model(*m)},
-                 {"optim", optimizer(zero.optimizer(), *m)},
+      State s = {{"model", model(*m)}, {"optim", optimizer(zero.optimizer(), *m)},
                  {"schedule", lr_scheduler(sched)}};
       if (loading) load(s, dir.path());
       for (int t = from; t < to; ++t) {
         zero.zero_grad();
-        nn::functional::mse_loss((*ddp)(rows(batch_x(t), rank, world)),
-                                 rows(batch_y(t), rank, world))
+        nn::functional::mse_loss((*ddp)(rows(batch_x(t), rank, world)), rows(batch_y(t), rank, world))
             .backward();
         zero.step();
         sched.step();
@@ -207,24 +199,19 @@ TEST(Checkpoint, RngAndDataPositionMakeTheSameRun) {
     nn::optim::AdamW opt(m->parameters(), {.lr = 1e-2});
     nn::optim::StepLR sched(opt, 2, 0.5);
     int next_step = 0;  // the "data loader"'s position
-    State s = {
-        {"model", model(*m)},
-        {"optim", optimizer(opt, *m)},
-        {"schedule", lr_scheduler(sched)},
-        {"rng", rng(&gen)},
-        {"data", stateful(
-                     [&] {
-                       return SavedState{{}, {{"next_step", std::to_string(next_step)}}, {}};
-                     },
-                     [&](const StateReader& r) { next_step = std::stoi(r.value("next_step")); })}};
+    State s = {{"model", model(*m)},
+               {"optim", optimizer(opt, *m)},
+               {"schedule", lr_scheduler(sched)},
+               {"rng", rng(&gen)},
+               {"data", stateful([&] { return SavedState{{}, {{"next_step", std::to_string(next_step)}}, {}}; },
+                                 [&](const StateReader& r) { next_step = std::stoi(r.value("next_step")); })}};
     if (resume) load(s, dir.path());
     std::vector<double> losses;
     while (next_step < 6) {
       losses.push_back(train_step(*m, opt, sched, next_step));
       ++next_step;
       if (stop_at_3 && next_step == 3) {
-        run_rank_threads(
-            1, [&](int) { save(s, dir.path(), *default_group()); }, 60s);
+        run_rank_threads(1, [&](int) { save(s, dir.path(), *default_group()); }, 60s);
         // What the process would do next, discarded: the checkpoint must not depend on it.
         gen.advance(1000);
         return std::make_pair(losses, m->named_parameters());
@@ -236,8 +223,7 @@ TEST(Checkpoint, RngAndDataPositionMakeTheSameRun) {
   run(true, false);
   const auto rest = run(false, true);
   ASSERT_EQ(rest.first.size(), 3u);
-  for (size_t i = 0; i < 3; ++i)
-    EXPECT_EQ(rest.first[i], whole.first[3 + i]) << "loss of step " << 3 + i;
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(rest.first[i], whole.first[3 + i]) << "loss of step " << 3 + i;
   for (size_t i = 0; i < whole.second.size(); ++i) {
     EXPECT_TRUE(equal(rest.second[i].second, whole.second[i].second)) << whole.second[i].first;
   }
@@ -248,20 +234,14 @@ TEST(Checkpoint, RngAndDataPositionMakeTheSameRun) {
 TEST(Checkpoint, LoadNamesWhatIsMissing) {
   TempDir dir, other;
   Trainer r;
-  run_rank_threads(
-      1, [&](int) { save(r.state(), dir.path(), *default_group()); }, 60s);
+  run_rank_threads(1, [&](int) { save(r.state(), dir.path(), *default_group()); }, 60s);
   State more = r.state();
   more["rng"] = rng();
   std::string e = test::message_of([&] { load(more, dir.path()); });
   EXPECT_NE(e.find("has no object 'rng' (it has model, optim, schedule)"), std::string::npos) << e;
   EXPECT_NO_THROW(load(more, dir.path(), {.strict = false}));
   e = test::message_of([&] {
-    run_rank_threads(
-        1,
-        [&](int) {
-          save(r.state(), other.path(), *default_group(), {{"model.x", "1"}});
-        },
-        60s);
+    run_rank_threads(1, [&](int) { save(r.state(), other.path(), *default_group(), {{"model.x", "1"}}); }, 60s);
   });
   EXPECT_NE(e.find("metadata key 'model.x' would mix with object 'model'"), std::string::npos) << e;
   e = test::message_of([&] { load({{"a.b", rng()}}, dir.path()); });
@@ -277,38 +257,33 @@ TEST(Checkpoint, LoadNamesWhatIsMissing) {
 TEST(AsyncSave, WritesWhatWasThereWhenSaveReturned) {
   TempDir at2, at4;
   std::vector<std::pair<std::string, Tensor>> params2, params4;
-  run_rank_threads(
-      2,
-      [&](int rank) {
-        Trainer r;
-        auto ddp = std::make_shared<DistributedDataParallel>(r.model, default_group());
-        AsyncSaver saver(default_group());
-        for (int t = 0; t < 4; ++t) {
-          train_step(*ddp, r.opt, r.sched, t, rank, 2);
-          if (t == 1 || t == 3) {
-            if (rank == 0) {
-              auto& keep = t == 1 ? params2 : params4;
-              for (const auto& [n, p] : r.model->named_parameters())
-                keep.push_back({n, p.detach().clone()});
-            }
-            // The second save copies the state in the background too: the caller waits for that
-            // before it changes the state.
-            saver.save(r.state(), t == 1 ? at2.path() : at4.path(),
-                       {{"step", std::to_string(t + 1)}},
-                       /*stage_in_background=*/t == 3);
-            EXPECT_GE(saver.last_times().blocked_s, 0);
-            if (t == 3) {  // training changes the parameters while the save is written
-              saver.wait_until_staged();
-              NoGradGuard no_grad;
-              for (Tensor p : r.model->parameters()) p.fill_(123.0);
-            }
-          }
+  run_rank_threads(2, [&](int rank) {
+    Trainer r;
+    auto ddp = std::make_shared<DistributedDataParallel>(r.model, default_group());
+    AsyncSaver saver(default_group());
+    for (int t = 0; t < 4; ++t) {
+      train_step(*ddp, r.opt, r.sched, t, rank, 2);
+      if (t == 1 || t == 3) {
+        if (rank == 0) {
+          auto& keep = t == 1 ? params2 : params4;
+          for (const auto& [n, p] : r.model->named_parameters()) keep.push_back({n, p.detach().clone()});
         }
-        saver.wait();
-        EXPECT_FALSE(saver.poll_error().has_value());
-        EXPECT_GT(saver.last_times().written_s, 0);
-      },
-      60s);
+        // The second save copies the state in the background too: the caller waits for that
+        // before it changes the state.
+        saver.save(r.state(), t == 1 ? at2.path() : at4.path(), {{"step", std::to_string(t + 1)}},
+                   /*stage_in_background=*/t == 3);
+        EXPECT_GE(saver.last_times().blocked_s, 0);
+        if (t == 3) {  // training changes the parameters while the save is written
+          saver.wait_until_staged();
+          NoGradGuard no_grad;
+          for (Tensor p : r.model->parameters()) p.fill_(123.0);
+        }
+      }
+    }
+    saver.wait();
+    EXPECT_FALSE(saver.poll_error().has_value());
+    EXPECT_GT(saver.last_times().written_s, 0);
+  }, 60s);
   for (const auto& [dir, want] : {std::pair{at2.path(), params2}, std::pair{at4.path(), params4}}) {
     Trainer r;
     const auto meta = load(r.state(), dir);
@@ -322,24 +297,21 @@ TEST(AsyncSave, AFailedWriteIsReportedAndTrainingGoesOn) {
   TempDir tmp;
   const std::string blocked = tmp.file("not_a_dir");
   std::ofstream(blocked) << "a file where the checkpoint directory should be";
-  run_rank_threads(
-      2,
-      [&](int rank) {
-        Trainer r;
-        AsyncSaver saver(default_group());
-        saver.save(r.state(), blocked);
-        train_step(*r.model, r.opt, r.sched, 0, rank, 2);  // training goes on meanwhile
-        EXPECT_THROW(saver.wait(), Error);
-        saver.save(r.state(), blocked);
-        while (saver.in_flight()) std::this_thread::yield();
-        const std::optional<std::string> e = saver.poll_error();
-        ASSERT_TRUE(e.has_value());
-        EXPECT_NE(e->find("[async_save] " + blocked), std::string::npos) << *e;
-        EXPECT_FALSE(saver.poll_error().has_value()) << "reported once";
-        saver.save(r.state(), tmp.file("good"));
-        saver.wait();
-      },
-      60s);
+  run_rank_threads(2, [&](int rank) {
+    Trainer r;
+    AsyncSaver saver(default_group());
+    saver.save(r.state(), blocked);
+    train_step(*r.model, r.opt, r.sched, 0, rank, 2);  // training goes on meanwhile
+    EXPECT_THROW(saver.wait(), Error);
+    saver.save(r.state(), blocked);
+    while (saver.in_flight()) std::this_thread::yield();
+    const std::optional<std::string> e = saver.poll_error();
+    ASSERT_TRUE(e.has_value());
+    EXPECT_NE(e->find("[async_save] " + blocked), std::string::npos) << *e;
+    EXPECT_FALSE(saver.poll_error().has_value()) << "reported once";
+    saver.save(r.state(), tmp.file("good"));
+    saver.wait();
+  }, 60s);
   Trainer r;
   EXPECT_NO_THROW(load(r.state(), tmp.file("good")));
 }
@@ -355,33 +327,30 @@ TEST(AsyncSave, ADiskFillingUpIsReportedAndThePreviousCheckpointStays) {
   if (child == 0) {
     int verdict = 10;
     try {
-      run_rank_threads(
-          2,
-          [&](int rank) {
-            Trainer r;
-            save(r.state(), dir.path(), *default_group(), {{"step", "first"}});
-            default_group()->barrier()->wait();
-            if (rank == 0) {
-              ::signal(SIGXFSZ, SIG_IGN);
-              const rlimit small{64, 64};
-              ::setrlimit(RLIMIT_FSIZE, &small);
-            }
-            default_group()->barrier()->wait();
-            AsyncSaver saver(default_group());
-            train_step(*r.model, r.opt, r.sched, 0, rank, 2);
-            saver.save(r.state(), dir.path(), {{"step", "second"}});
-            train_step(*r.model, r.opt, r.sched, 1, rank, 2);  // training goes on meanwhile
-            while (saver.in_flight()) std::this_thread::yield();
-            const std::optional<std::string> e = saver.poll_error();
-            if (rank == 0) {
-              verdict = !e                                                           ? 11
-                        : e->find("[async_save] " + dir.path()) == std::string::npos ? 12
-                        : e->find("File too large") == std::string::npos             ? 13
-                                                                                     : 0;
-              if (verdict != 0 && e) std::fprintf(stderr, "reported: %s\n", e->c_str());
-            }
-          },
-          60s);
+      run_rank_threads(2, [&](int rank) {
+        Trainer r;
+        save(r.state(), dir.path(), *default_group(), {{"step", "first"}});
+        default_group()->barrier()->wait();
+        if (rank == 0) {
+          ::signal(SIGXFSZ, SIG_IGN);
+          const rlimit small{64, 64};
+          ::setrlimit(RLIMIT_FSIZE, &small);
+        }
+        default_group()->barrier()->wait();
+        AsyncSaver saver(default_group());
+        train_step(*r.model, r.opt, r.sched, 0, rank, 2);
+        saver.save(r.state(), dir.path(), {{"step", "second"}});
+        train_step(*r.model, r.opt, r.sched, 1, rank, 2);  // training goes on meanwhile
+        while (saver.in_flight()) std::this_thread::yield();
+        const std::optional<std::string> e = saver.poll_error();
+        if (rank == 0) {
+          verdict = !e ? 11
+                   : e->find("[async_save] " + dir.path()) == std::string::npos ? 12
+                   : e->find("File too large") == std::string::npos ? 13
+                                                                     : 0;
+          if (verdict != 0 && e) std::fprintf(stderr, "reported: %s\n", e->c_str());
+        }
+      }, 60s);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "%s\n", e.what());
       verdict = 14;
@@ -405,18 +374,15 @@ TEST(AsyncSave, AKillMidWriteKeepsThePreviousCheckpoint) {
   ASSERT_GE(child, 0);
   if (child == 0) {
     try {
-      run_rank_threads(
-          1,
-          [&](int) {
-            Trainer r;
-            save(r.state(), dir.path(), *default_group(), {{"step", "first"}});
-            AsyncSaver saver(default_group());
-            train_step(*r.model, r.opt, r.sched, 0);
-            detail::set_sharded_save_hook([](int) { ::kill(::getpid(), SIGKILL); });
-            saver.save(r.state(), dir.path(), {{"step", "second"}});
-            saver.wait();
-          },
-          60s);
+      run_rank_threads(1, [&](int) {
+        Trainer r;
+        save(r.state(), dir.path(), *default_group(), {{"step", "first"}});
+        AsyncSaver saver(default_group());
+        train_step(*r.model, r.opt, r.sched, 0);
+        detail::set_sharded_save_hook([](int) { ::kill(::getpid(), SIGKILL); });
+        saver.save(r.state(), dir.path(), {{"step", "second"}});
+        saver.wait();
+      }, 60s);
     } catch (...) {
     }
     ::_exit(3);  // not reached when the kill works
@@ -430,14 +396,11 @@ TEST(AsyncSave, AKillMidWriteKeepsThePreviousCheckpoint) {
   expect_params(*r.model, uninterrupted(0), "the first checkpoint");
   // The killed save's rank file is left behind, and removed by the next save.
   int files = 0;
-  for (const auto& f : fs::directory_iterator(dir.path()))
-    files += f.path().extension() == ".safetensors";
+  for (const auto& f : fs::directory_iterator(dir.path())) files += f.path().extension() == ".safetensors";
   EXPECT_EQ(files, 2);
-  run_rank_threads(
-      1, [&](int) { save(r.state(), dir.path(), *default_group()); }, 60s);
+  run_rank_threads(1, [&](int) { save(r.state(), dir.path(), *default_group()); }, 60s);
   files = 0;
-  for (const auto& f : fs::directory_iterator(dir.path()))
-    files += f.path().extension() == ".safetensors";
+  for (const auto& f : fs::directory_iterator(dir.path())) files += f.path().extension() == ".safetensors";
   EXPECT_EQ(files, 1);
 }
 

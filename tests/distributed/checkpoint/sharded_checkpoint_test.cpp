@@ -120,8 +120,8 @@ void require_same(const std::string& what, const Tensor& got, const Tensor& want
   }
 }
 
-std::map<int, std::string> save_messages(const std::string& dir, int n,
-                                         const std::function<std::vector<ShardPiece>(int)>& pieces);
+std::map<int, std::string> save_messages(
+    const std::string& dir, int n, const std::function<std::vector<ShardPiece>(int)>& pieces);
 
 test::ThreadsSetup ranks(int n) {
   test::ThreadsSetup s;
@@ -234,12 +234,8 @@ TEST(ShardedCheckpoint, BoxesAndReplicatedPieces) {
     const Tensor fblock = fused.reshape({3, 4, 4}).narrow(1, 2 * tp, 2).contiguous().reshape({-1});
     std::vector<ShardPiece> mine = {
         {"cols", {6, 8}, 0, block, Box{{}, {0, 4 * tp}, {6, 4}}, true},
-        {"fused",
-         {12, 4},
-         12 * dp,
-         fblock.narrow(0, 12 * dp, 12),
-         Box{{3, 4, 4}, {0, 2 * tp, 0}, {3, 2, 4}},
-         true},
+        {"fused", {12, 4}, 12 * dp, fblock.narrow(0, 12 * dp, 12),
+         Box{{3, 4, 4}, {0, 2 * tp, 0}, {3, 2, 4}}, true},
         {"norm", {5}, 3 * dp, norm.narrow(0, 3 * dp, dp == 0 ? 3 : 2), {}, true},
         {"step", {}, 0, step.reshape({-1}), {}, true},
     };
@@ -275,7 +271,8 @@ TEST(ShardedCheckpoint, BoxesAndReplicatedPieces) {
     require_same("fused at tp 4", ck.read_box("fused", {{3, 4, 4}, {0, t, 0}, {3, 1, 4}}),
                  fv.narrow(1, t, 1));
   }
-  require_same("fused, part of a block", ck.read("fused", 5, 6, {{3, 4, 4}, {0, 1, 0}, {3, 2, 4}}),
+  require_same("fused, part of a block",
+               ck.read("fused", 5, 6, {{3, 4, 4}, {0, 1, 0}, {3, 2, 4}}),
                fv.narrow(1, 1, 2).contiguous().reshape({-1}).narrow(0, 5, 6));
   // Another view of the same elements: [3, 16]'s columns 4..12.
   require_same("fused viewed as [3, 16]", ck.read_box("fused", {{3, 16}, {0, 4}, {3, 8}}),
@@ -286,9 +283,8 @@ TEST(ShardedCheckpoint, BoxesAndReplicatedPieces) {
     EXPECT_NE(e.find("read_box('cols')"), std::string::npos) << e;
     EXPECT_THROW(ck.read_box("cols", bad), IndexError);
   }
-  EXPECT_NE(test::message_of([&] {
-              ck.read("cols", 10, 20, {{}, {0, 0}, {6, 4}});
-            }).find("outside the box's 24 elements"),
+  EXPECT_NE(test::message_of([&] { ck.read("cols", 10, 20, {{}, {0, 0}, {6, 4}}); })
+                .find("outside the box's 24 elements"),
             std::string::npos);
   // Consolidated, the tensors are whole as ever.
   ck.consolidate(dir.file("full.safetensors"));
@@ -585,7 +581,8 @@ TEST(ShardedCheckpoint, ReaderErrorsNameTheFileAndTensor) {
       // undefined behaviour, found by fuzz_checkpoint_index).
       {R"({"format": "ember.sharded_checkpoint", "version": 444444444444444444444444444444})",
        "'version' must be an integer in [-2147483648, 2147483647], got 4.444444444444444e+29"},
-      {R"({"format": "ember.sharded_checkpoint", "version": 1.5})", "'version' must be an integer"},
+      {R"({"format": "ember.sharded_checkpoint", "version": 1.5})",
+       "'version' must be an integer"},
       {head + R"([{"name": "t", "shape": [4, 1e30], "dtype": "float32", "pieces": []}]})",
        "'shape' must hold integers"},
       {head + R"([{"name": "t", "shape": [4], "dtype": "float32", "pieces": [{"rank": 3e9,
@@ -623,8 +620,7 @@ TEST(ShardedCheckpoint, AnIndexThatIsNotAnOrdinaryFileIsRefusedUnread) {
   }
   e = test::message_of([&] { ShardedCheckpoint c(dir.path()); });
   EXPECT_NE(e.find("more than the 1073741824 such a file may have: refused unread"),
-            std::string::npos)
-      << e;
+            std::string::npos) << e;
 }
 
 TEST(ShardedCheckpoint, CorruptedOrForeignPiecesAreNamed) {
@@ -637,8 +633,8 @@ TEST(ShardedCheckpoint, CorruptedOrForeignPiecesAreNamed) {
     EXPECT_NO_THROW(ckpt.verify());
     // w's piece on rank 2 (elements [10, 23)): flip one byte of its element 12.
     const ShardedCheckpoint::Entry& w = ckpt.entry("w");
-    const auto piece =
-        std::find_if(w.pieces.begin(), w.pieces.end(), [](const auto& p) { return p.rank == 2; });
+    const auto piece = std::find_if(w.pieces.begin(), w.pieces.end(),
+                                    [](const auto& p) { return p.rank == 2; });
     ASSERT_NE(piece, w.pieces.end());
     ASSERT_TRUE(piece->checksum.has_value());
     {
@@ -651,17 +647,15 @@ TEST(ShardedCheckpoint, CorruptedOrForeignPiecesAreNamed) {
       f.write(&c, 1);
     }
     const ShardedCheckpoint fresh(dir.path());  // the index still opens: only the bytes changed
-    for (const auto& read : std::vector<std::function<void()>>{[&] { fresh.read_full("w"); },
-                                                               [&] { fresh.read("w", 20, 1); },
-                                                               [&] { fresh.verify(); }}) {
+    for (const auto& read : std::vector<std::function<void()>>{
+             [&] { fresh.read_full("w"); }, [&] { fresh.read("w", 20, 1); }, [&] { fresh.verify(); }}) {
       const std::string e = test::message_of(read);
       EXPECT_NE(e.find("tensor 'w'"), std::string::npos) << e;
       EXPECT_NE(e.find(ckpt.rank_file(2)), std::string::npos) << e;
       EXPECT_NE(e.find("fails its checksum"), std::string::npos) << e;
     }
     const auto values = make_values(specs, 10);
-    require_same("w's other pieces", fresh.read("w", 0, 10),
-                 values.at("w").reshape({-1}).narrow(0, 0, 10));
+    require_same("w's other pieces", fresh.read("w", 0, 10), values.at("w").reshape({-1}).narrow(0, 0, 10));
     require_same("h on rank 2", fresh.read_full("h"), values.at("h"));
   }
   // Another save's rank file (same layout, other values) in rank 1's place.

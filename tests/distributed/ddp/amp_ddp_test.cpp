@@ -1,5 +1,5 @@
-// GradScaler under DistributedDataParallel (nn/amp/grad_scaler.h, distributed/ddp/amp.h), 2 ranks
-// on ProcessGroupThreads: with a comm hook that leaves gradients local, only the rank that saw an
+// GradScaler under DistributedDataParallel (nn/amp/grad_scaler.h, distributed/ddp/amp.h), 2 ranks on
+// ProcessGroupThreads: with a comm hook that leaves gradients local, only the rank that saw an
 // inf would skip its step unless found_inf_allreduce makes the decision global; the fp16 and
 // bf16 compression hooks compose with scaling (a scaled gradient beyond float16's range becomes
 // inf in the hook and every rank skips, never a silently clipped step). Expected values are

@@ -42,12 +42,12 @@ namespace {
   if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)"
 
 using namespace std::chrono_literals;
-using test::Batch;
-using test::loss_of;
 using test::require;
 using test::require_close;
 using test::require_same_on_all_ranks;
+using test::Batch;
 using test::slice;
+using test::loss_of;
 
 constexpr int64_t kBatch = 12;  // divisible by 1, 2 and 4 ranks
 constexpr int64_t kIn = 24;
@@ -109,9 +109,7 @@ class CountingGroup : public test::CompositeGroup {
 };
 
 void run_group(int n, const std::function<void(std::shared_ptr<CountingGroup>, int)>& body) {
-  test::run_gloo_ranks(n, [&](std::shared_ptr<ProcessGroupGloo> pg, int rank) {
-    body(std::make_shared<CountingGroup>(pg), rank);
-  });
+  test::run_gloo_ranks(n, [&](std::shared_ptr<ProcessGroupGloo> pg, int rank) { body(std::make_shared<CountingGroup>(pg), rank); });
 }
 
 // An MLP whose weights PowerSGD compresses at rank 1: [32, 24], [16, 32], [4, 16].
@@ -124,7 +122,7 @@ std::shared_ptr<nn::Sequential> make_model(uint64_t seed) {
 }
 // Elements of make_model's parameters, and what rank-1 PowerSGD sends for them: the biases
 // (32 + 16 + 4) plus (n + m) per weight.
-constexpr int64_t kModelNumel = 32 * 24 + 32 + 16 * 32 + 16 + 4 * 16 + 4;               // 1396
+constexpr int64_t kModelNumel = 32 * 24 + 32 + 16 * 32 + 16 + 4 * 16 + 4;           // 1396
 constexpr int64_t kCompressedNumel = (32 + 16 + 4) + (32 + 24) + (16 + 32) + (4 + 16);  // 176
 
 std::shared_ptr<nn::Sequential> clone_model(const nn::Module& m) {
@@ -140,6 +138,7 @@ Batch fixed_batch(uint64_t seed, int64_t in = kIn) {
 
 // A bucket cap in MiB from bytes.
 double mib(double bytes) { return bytes / (1024 * 1024); }
+
 
 void require_grads_close(const std::string& what, const nn::Module& got, const nn::Module& ref,
                          double tol) {
@@ -165,8 +164,8 @@ void require_same_ints(ProcessGroup& pg, const std::string& what, std::vector<in
   for (int r = 1; r < pg.size(); ++r)
     for (int64_t i = 0; i < k; ++i)
       require(v[r * k + i] == v[i], what + ": value " + std::to_string(i) + " differs: rank 0 " +
-                                        std::to_string(v[i]) + ", rank " + std::to_string(r) + " " +
-                                        std::to_string(v[r * k + i]));
+                                        std::to_string(v[i]) + ", rank " + std::to_string(r) +
+                                        " " + std::to_string(v[r * k + i]));
 }
 
 // Throws unless every rank's parameters hold identical bits.
@@ -263,8 +262,8 @@ TEST_P(Hooks, Fp16CompressSendsHalves) {
     loss_of(ddp, slice(fixed_batch(1), rank, n)).backward();
     const int64_t bytes = pg->bytes();
     const auto sent = pg->take(std::this_thread::get_id());
-    require(sum_of(sent) == kModelNumel,
-            "fp16 hook all-reduced " + std::to_string(sum_of(sent)) + " elements");
+    require(sum_of(sent) == kModelNumel, "fp16 hook all-reduced " +
+                                             std::to_string(sum_of(sent)) + " elements");
     require(bytes == 2 * kModelNumel, "fp16 hook all-reduced " + std::to_string(bytes) + " bytes");
     require(seen.size() == 1 && seen[0] == kFloat32, "the bucket itself stays float32");
   });
@@ -384,11 +383,12 @@ void powersgd_training(std::shared_ptr<CountingGroup> pg, int rank, int n, bool 
   DDPOptions o;
   o.bucket_cap_mb = mib(300);  // [4.*, 2.bias], [2.weight], [0.*]
   auto ddp = std::make_shared<DistributedDataParallel>(model, pg, o);
-  auto state = std::make_shared<PowerSGDState>(PowerSGDOptions{.matrix_approximation_rank = 1,
-                                                               .start_powerSGD_iter = 2,
-                                                               .min_compression_rate = 2,
-                                                               .use_error_feedback = error_feedback,
-                                                               .warm_start = warm_start});
+  auto state = std::make_shared<PowerSGDState>(
+      PowerSGDOptions{.matrix_approximation_rank = 1,
+                      .start_powerSGD_iter = 2,
+                      .min_compression_rate = 2,
+                      .use_error_feedback = error_feedback,
+                      .warm_start = warm_start});
   if (batched) {
     ddp->register_comm_hook(state, batched_powersgd_hook);
   } else {
@@ -419,8 +419,7 @@ void powersgd_training(std::shared_ptr<CountingGroup> pg, int rank, int n, bool 
   require(stats.numel_after == sent_compressed,
           "state reports " + std::to_string(stats.numel_after) + " elements sent, the group saw " +
               std::to_string(sent_compressed));
-  require(stats.numel_before == 4 * kModelNumel,
-          "numel_before " + std::to_string(stats.numel_before));
+  require(stats.numel_before == 4 * kModelNumel, "numel_before " + std::to_string(stats.numel_before));
   if (!batched) {
     require(stats.numel_after == 4 * kCompressedNumel,
             "numel_after " + std::to_string(stats.numel_after));
@@ -483,7 +482,8 @@ TEST_P(Hooks, PowerSGDDefaultBucketSizes) {
         std::make_shared<nn::Linear>(600, kOut));
     auto ddp = std::make_shared<DistributedDataParallel>(model, pg);
     const auto buckets = ddp->bucket_indices();
-    require(flatten(buckets) == std::vector<int64_t>{-5, 5, 4, 3, 2, -3, 1, 0}, "default buckets");
+    require(flatten(buckets) == std::vector<int64_t>{-5, 5, 4, 3, 2, -3, 1, 0},
+            "default buckets");
     auto state = std::make_shared<PowerSGDState>(
         PowerSGDOptions{.matrix_approximation_rank = 2, .start_powerSGD_iter = 1});
     ddp->register_comm_hook(fp16_compress_wrapper(bind_hook(state, powersgd_hook)));
@@ -514,9 +514,7 @@ TEST_P(Hooks, PowerSGDRankOneGradientIsExact) {
   run_group(n, [n](std::shared_ptr<CountingGroup> pg, int rank) {
     const int64_t rows = 6, cols = 5;
     Tensor u = arange(1.0, rows + 1.0).reshape({rows, 1});  // [6, 1]
-    auto v_of = [&](int r) {
-      return (arange(0.0, double(cols)) * (r + 1) - 2.0).reshape({1, cols});
-    };
+    auto v_of = [&](int r) { return (arange(0.0, double(cols)) * (r + 1) - 2.0).reshape({1, cols}); };
     Tensor mean_v = zeros({1, cols});
     for (int r = 0; r < n; ++r) mean_v = mean_v + v_of(r) / double(n);
     Tensor want = mm(u, mean_v);
@@ -564,9 +562,8 @@ TEST_P(Hooks, PowerSGDRankOneGradientIsExact) {
     Tensor buffer3 = cat({full_rank.reshape({-1}), bias}, 0).contiguous();
     GradBucket bucket3(0, 1, buffer3, {w, b}, {0, 1}, pg);
     auto fut3 = powersgd_hook(full_state, bucket3);
-    require_close("full-rank approximation",
-                  fut3->value()[0].narrow(0, 0, rows * cols).reshape({rows, cols}), want_full,
-                  1e-4);
+    require_close("full-rank approximation", fut3->value()[0].narrow(0, 0, rows * cols).reshape({rows, cols}),
+                  want_full, 1e-4);
     require(full_state.compression_stats().numel_after == rows + (rows + cols) * cols,
             "rank capped at min(n, m)");
   });
@@ -642,8 +639,8 @@ TEST_P(Hooks, PowerSGDStateSaveLoadContinuesIdentically) {
     const auto c = cold->named_parameters();
     for (size_t i = 0; i < a.size(); ++i)
       diff = std::max(diff, (c[i].second - a[i].second).abs().max().item<float>() * 1.0);
-    require(diff > 1e-4,
-            "a restart without the state should differ, max diff " + std::to_string(diff));
+    require(diff > 1e-4, "a restart without the state should differ, max diff " +
+                             std::to_string(diff));
   });
 }
 
@@ -799,9 +796,9 @@ TEST_P(Hooks, CollectiveFromACallbackIsRefused) {
                              std::to_string(n) +
                              ": collectives cannot be issued from a Future callback";
     auto check = [&](const std::string& where, const std::string& msg) {
-      require(
-          msg.find(want) != std::string::npos && msg.find("GradBucket::defer") != std::string::npos,
-          where + ": expected a refusal, got '" + msg + "'");
+      require(msg.find(want) != std::string::npos &&
+                  msg.find("GradBucket::defer") != std::string::npos,
+              where + ": expected a refusal, got '" + msg + "'");
     };
     auto allreduce_from_callback = [pg] {
       Tensor u = ones({3});
@@ -881,9 +878,9 @@ TEST_P(Hooks, BuffersAreBroadcastCoalesced) {
       (void)ddp.forward(fixed_batch(4).x);
     }
     const int64_t want = n > 1 ? 2 : 0;  // float32 and int64; none at world size 1
-    require(pg->broadcasts() == want,
-            "broadcasts before a training forward: " + std::to_string(pg->broadcasts()) +
-                ", want " + std::to_string(want));
+    require(pg->broadcasts() == want, "broadcasts before a training forward: " +
+                                          std::to_string(pg->broadcasts()) + ", want " +
+                                          std::to_string(want));
     if (n > 1) require_rank0s("after a training forward", 6);
   });
 }
@@ -907,7 +904,8 @@ TEST(DDPBuckets, FirstBucketCap) {
             "layout with a small first bucket");
     o.first_bucket_cap_mb = 1;  // larger than bucket_cap_mb: capped at it
     DistributedDataParallel ddp2(make_model(1), pg, o);
-    require(flatten(ddp2.bucket_indices()) == std::vector<int64_t>{-5, 5, 4, 3, 2, -3, 1, 0},
+    require(flatten(ddp2.bucket_indices()) ==
+                std::vector<int64_t>{-5, 5, 4, 3, 2, -3, 1, 0},
             "first bucket capped at bucket_cap_mb");
   });
 }

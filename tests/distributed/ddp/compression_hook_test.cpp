@@ -79,36 +79,23 @@ struct TorchValues {
 // _dequantize_* on CPU tensors, MinMaxObserver / PerChannelMinMaxObserver qparams, the average
 // of the dequantized buckets) over buckets of 1100 elements from bucket_input.
 constexpr TorchValues kTorch[] = {
-    {2,
-     false,
-     -273.41695234179497,
-     8588.228708281007,
+    {2, false, -273.41695234179497, 8588.228708281007,
      {0.16469231247901917f, 1.0979324579238892f, 0.521513044834137f, 1.5096417665481567f,
       1.317493200302124f, 1.5645115375518799f, -1.097926139831543f}},
-    {2,
-     true,
-     -273.56592670083046,
-     8587.40141563076,
+    {2, true, -273.56592670083046, 8587.40141563076,
      {0.16466647386550903f, 1.0970079898834229f, 0.5208526849746704f, 1.5086654424667358f,
       1.3163248300552368f, 1.5483348369598389f, -1.082228660583496f}},
-    {3,
-     false,
-     -554.5248561811943,
-     5578.19069767357,
+    {3, false, -554.5248561811943, 5578.19069767357,
      {0.07319602370262146f, 0.8600509166717529f, 0.20127995312213898f, 0.805134117603302f,
       0.29274722933769226f, 0.036539316177368164f, -0.988142728805542f}},
-    {3,
-     true,
-     -554.8235067970527,
-     5577.639989333492,
+    {3, true, -554.8235067970527, 5577.639989333492,
      {0.07328245043754578f, 0.8590719103813171f, 0.20125432312488556f, 0.8048129081726074f,
       0.2929272949695587f, 0.011222044937312603f, -0.9767360687255859f}},
 };
 
 TEST(QuantizationHooks, EqualTorchsArithmetic) {
   for (const TorchValues& t : kTorch) {
-    SCOPED_TRACE(std::to_string(t.world) + " ranks, " +
-                 (t.per_channel ? "per channel" : "per tensor"));
+    SCOPED_TRACE(std::to_string(t.world) + " ranks, " + (t.per_channel ? "per channel" : "per tensor"));
     const auto results = run_hook(t.world, reference_inputs(1100), [&](int) -> CommHook {
       return t.per_channel ? quantization_perchannel_hook : quantization_pertensor_hook;
     });
@@ -153,7 +140,7 @@ TEST(Codecs, Int8EncodesAsThePerElementDefinitionAtEveryLength) {
   for (const int64_t m : {1, 7, 15, 16, 17, 31, 33, 511, 512, 513, 1500}) {
     for (const int64_t extreme : {int64_t{0}, m / 2, m - 1}) {
       auto x = bucket_input(static_cast<int>(m + extreme), m).to_vector<float>();
-      x[static_cast<size_t>(extreme)] = -20.5f;                       // the channel's minimum
+      x[static_cast<size_t>(extreme)] = -20.5f;  // the channel's minimum
       if (m > 1) x[static_cast<size_t>((extreme + 1) % m)] = 15.25f;  // and its maximum
       std::vector<uint8_t> msg(static_cast<size_t>(codec::int8_bytes(m, 512)));
       codec::int8_encode(x.data(), m, 512, msg.data());
@@ -272,16 +259,15 @@ TEST(TwoPhaseHooks, EqualTheAlgorithmAndCountTheirBytes) {
       SCOPED_TRACE(std::string(c.name) + ", " + std::to_string(world) + " ranks");
       std::vector<std::shared_ptr<CompressionState>> states;
       for (int r = 0; r < world; ++r) {
-        states.push_back(
-            std::make_shared<CompressionState>(CompressionOptions{.error_feedback = false}));
+        states.push_back(std::make_shared<CompressionState>(
+            CompressionOptions{.error_feedback = false}));
       }
       const auto results = run_hook(world, reference_inputs(kN), [&](int rank) {
         return bind_hook(states[static_cast<size_t>(rank)], c.hook);
       });
       std::vector<std::vector<float>> x;
       for (int r = 0; r < world; ++r) x.push_back(bucket_input(r, kN).to_vector<float>());
-      const auto want =
-          simulate_two_phase(x, c.bytes((kN + world - 1) / world), c.encode, c.decode);
+      const auto want = simulate_two_phase(x, c.bytes((kN + world - 1) / world), c.encode, c.decode);
       for (const Tensor& got : results) EXPECT_EQ(got.to_vector<float>(), want);
       const int64_t m = (kN + world - 1) / world;
       const CompressionState::Stats s = states[0]->stats();
@@ -296,8 +282,9 @@ TEST(TwoPhaseHooks, EqualTheAlgorithmAndCountTheirBytes) {
 TEST(TwoPhaseHooks, Int8IsCloseToTheAverage) {
   constexpr int64_t kN = 5000;
   auto state = [] { return std::make_shared<CompressionState>(); };
-  const auto results = run_hook(4, reference_inputs(kN),
-                                [&](int) { return bind_hook(state(), int8_compress_hook); });
+  const auto results = run_hook(4, reference_inputs(kN), [&](int) {
+    return bind_hook(state(), int8_compress_hook);
+  });
   std::vector<float> mean(kN, 0.0f);
   for (int r = 0; r < 4; ++r) {
     const auto v = bucket_input(r, kN).to_vector<float>();
@@ -320,15 +307,13 @@ TEST(TwoPhaseHooks, TheResidualIsWhatWasNotSent) {
       SCOPED_TRACE(std::string(c.name) + ", momentum " + std::to_string(momentum));
       std::vector<std::shared_ptr<CompressionState>> states;
       for (int r = 0; r < kWorld; ++r) {
-        states.push_back(
-            std::make_shared<CompressionState>(CompressionOptions{.momentum = momentum}));
+        states.push_back(std::make_shared<CompressionState>(CompressionOptions{.momentum = momentum}));
       }
       auto inputs = [](int rank) {
         return std::vector<Tensor>{bucket_input(rank, kN), bucket_input(rank + 5, kN),
                                    bucket_input(rank + 9, kN)};
       };
-      run_hook(
-          kWorld, inputs, [&](int rank) { return bind_hook(states[rank], c.hook); }, 3);
+      run_hook(kWorld, inputs, [&](int rank) { return bind_hook(states[rank], c.hook); }, 3);
       const int64_t m = kN / kWorld;
       for (int r = 0; r < kWorld; ++r) {
         // Replay rank r's steps with the codec.
@@ -374,8 +359,8 @@ TEST(CompressingHooks, ReadABucketInIndexOrderWhateverItsLayoutAndDtype) {
   auto canonical = [&](const std::vector<float>& packed) {
     std::vector<float> out;
     for (size_t want = 0; want < indices.size(); ++want) {
-      const size_t k =
-          static_cast<size_t>(std::find(indices.begin(), indices.end(), want) - indices.begin());
+      const size_t k = static_cast<size_t>(
+          std::find(indices.begin(), indices.end(), want) - indices.begin());
       const int64_t at = std::accumulate(sizes.begin(), sizes.begin() + k, int64_t{0});
       out.insert(out.end(), packed.begin() + at, packed.begin() + at + sizes[k]);
     }
@@ -426,8 +411,9 @@ TEST(CompressingHooks, ReadABucketInIndexOrderWhateverItsLayoutAndDtype) {
 TEST(TwoPhaseHooks, TheTraceShowsCompressAndDecompress) {
   test::TempDir dir;
   trace::start(dir.path(), trace::Level::Steps, 0);
-  run_hook(2, reference_inputs(300),
-           [](int) { return bind_hook(std::make_shared<CompressionState>(), sign_compress_hook); });
+  run_hook(2, reference_inputs(300), [](int) {
+    return bind_hook(std::make_shared<CompressionState>(), sign_compress_hook);
+  });
   const std::string path = trace::stop();
   std::ifstream in(path);
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -444,9 +430,8 @@ TEST(TopkHook, SendsTheLargestEntriesAndKeepsTheRest) {
   for (int r = 0; r < 2; ++r) {
     states.push_back(std::make_shared<CompressionState>(CompressionOptions{.topk_ratio = 0.05}));
   }
-  const auto results = run_hook(2, reference_inputs(kN), [&](int rank) {
-    return bind_hook(states[rank], topk_compress_hook);
-  });
+  const auto results =
+      run_hook(2, reference_inputs(kN), [&](int rank) { return bind_hook(states[rank], topk_compress_hook); });
   std::vector<float> want(kN, 0.0f);
   for (int r = 0; r < 2; ++r) {
     const auto x = bucket_input(r, kN).to_vector<float>();
@@ -475,9 +460,8 @@ TEST(TopkHook, PicksTheLowestIndicesAmongTies) {
   v[77777] = 5.0f;
   v[500] = -3.0f;
   auto state = std::make_shared<CompressionState>(CompressionOptions{.topk_ratio = 1e-4});
-  run_hook(
-      1, [&](int) { return std::vector<Tensor>{from_vector(v)}; },
-      [&](int) { return bind_hook(state, topk_compress_hook); });
+  run_hook(1, [&](int) { return std::vector<Tensor>{from_vector(v)}; },
+           [&](int) { return bind_hook(state, topk_compress_hook); });
   const auto residual = state->residual("0").to_vector<float>();
   std::vector<int64_t> sent;
   for (int64_t i = 0; i < kN; ++i) {
@@ -502,12 +486,9 @@ TEST(TopkHook, MomentumByHandWithAndWithoutMasking) {
         states.push_back(std::make_shared<CompressionState>(CompressionOptions{
             .start_iter = start, .topk_ratio = 0.5, .momentum = 0.5, .momentum_masking = masking}));
       }
-      const auto results = run_hook(
-          2, steps,
-          [&](int rank) {
-            return bind_hook(states[static_cast<size_t>(rank)], topk_compress_hook);
-          },
-          /*steps=*/2);
+      const auto results = run_hook(2, steps, [&](int rank) {
+        return bind_hook(states[static_cast<size_t>(rank)], topk_compress_hook);
+      }, /*steps=*/2);
       // start 0: u1 = g1, sends entries 1 and 2, keeps r = [1, 0, 0, 0.5]. Masked: u1 = [1, 0, 0,
       // 0.5], u2 = 0.5 u1 + g2 = [1.5, 1, 1, 1.25], x = u2 + r = [2.5, 1, 1, 1.75]: sends entries 0
       // and 3. Unmasked: u2 = [1.5, -1, 2, 1.25], x = [2.5, -1, 2, 1.75]: sends entries 0 and 2.
@@ -515,8 +496,7 @@ TEST(TopkHook, MomentumByHandWithAndWithoutMasking) {
       std::vector<float> want{1.5f, 0, 2, 0}, velocity_want{0, -1, 0, 1.25f};
       if (start == 0) {
         want = masking ? std::vector<float>{2.5f, 0, 0, 1.75f} : std::vector<float>{2.5f, 0, 2, 0};
-        velocity_want =
-            masking ? std::vector<float>{0, 1, 1, 0} : std::vector<float>{1.5f, -1, 2, 1.25f};
+        velocity_want = masking ? std::vector<float>{0, 1, 1, 0} : std::vector<float>{1.5f, -1, 2, 1.25f};
       } else if (!masking) {
         velocity_want = {1.5f, -1, 2, 1.25f};
       }
@@ -557,16 +537,15 @@ TEST(CompressionState, WarmUpAllReducesThenCompresses) {
   for (int r = 0; r < 2; ++r) {
     states.push_back(std::make_shared<CompressionState>(CompressionOptions{.start_iter = 1}));
   }
-  const auto first = run_hook(2, reference_inputs(64),
-                              [&](int r) { return bind_hook(states[r], sign_compress_hook); });
-  const auto x0 = bucket_input(0, 64).to_vector<float>(),
-             x1 = bucket_input(1, 64).to_vector<float>();
+  const auto first = run_hook(2, reference_inputs(64), [&](int r) {
+    return bind_hook(states[r], sign_compress_hook);
+  });
+  const auto x0 = bucket_input(0, 64).to_vector<float>(), x1 = bucket_input(1, 64).to_vector<float>();
   const auto got = first[0].to_vector<float>();
   for (int i = 0; i < 64; ++i) EXPECT_FLOAT_EQ(got[i], (x0[i] + x1[i]) / 2);
   EXPECT_EQ(states[0]->iteration(), 1);
   EXPECT_EQ(states[0]->stats().buckets, 0);
-  run_hook(2, reference_inputs(64),
-           [&](int r) { return bind_hook(states[r], sign_compress_hook); });
+  run_hook(2, reference_inputs(64), [&](int r) { return bind_hook(states[r], sign_compress_hook); });
   EXPECT_EQ(states[0]->stats().buckets, 1);
 }
 
@@ -579,33 +558,22 @@ TEST(CompressionState, RefusesBadOptionsAndEntries) {
     }
     return std::string("no error");
   };
-  EXPECT_NE(message([] {
-              CompressionState s({.topk_ratio = 0});
-            }).find("topk_ratio must be in (0, 1], got 0"),
+  EXPECT_NE(message([] { CompressionState s({.topk_ratio = 0}); }).find("topk_ratio must be in (0, 1], got 0"),
             std::string::npos);
-  EXPECT_NE(message([] {
-              CompressionState s({.momentum = 1});
-            }).find("momentum must be in [0, 1), got 1"),
+  EXPECT_NE(message([] { CompressionState s({.momentum = 1}); }).find("momentum must be in [0, 1), got 1"),
             std::string::npos);
-  EXPECT_NE(message([] {
-              CompressionState s({.sign_block = 12});
-            }).find("sign_block must be a positive multiple of 8, got 12"),
+  EXPECT_NE(message([] { CompressionState s({.sign_block = 12}); })
+                .find("sign_block must be a positive multiple of 8, got 12"),
             std::string::npos);
-  EXPECT_NE(message([] {
-              CompressionState s({.momentum_masking = true});
-            }).find("momentum_masking masks the velocity and needs momentum > 0, got momentum 0"),
+  EXPECT_NE(message([] { CompressionState s({.momentum_masking = true}); })
+                .find("momentum_masking masks the velocity and needs momentum > 0, got momentum 0"),
             std::string::npos);
-  EXPECT_NE(message([] {
-              CompressionState s({.start_iter = -1});
-            }).find("start_iter must be >= 0, got -1"),
+  EXPECT_NE(message([] { CompressionState s({.start_iter = -1}); }).find("start_iter must be >= 0, got -1"),
             std::string::npos);
-  EXPECT_NE(
-      message([] { CompressionState s({.channel_size = 0}); }).find("channel_size must be >= 1"),
-      std::string::npos);
+  EXPECT_NE(message([] { CompressionState s({.channel_size = 0}); }).find("channel_size must be >= 1"),
+            std::string::npos);
   CompressionState s;
-  EXPECT_NE(message([&] {
-              s.load_state_dict({{"q.0", zeros({2})}});
-            }).find("unexpected entry 'q.0'"),
+  EXPECT_NE(message([&] { s.load_state_dict({{"q.0", zeros({2})}}); }).find("unexpected entry 'q.0'"),
             std::string::npos);
   EXPECT_NE(message([&] { s.load_state_dict({}); }).find("expected an 'iteration' entry"),
             std::string::npos);
@@ -622,9 +590,8 @@ TEST(CompressionState, RefusesBadOptionsAndEntries) {
   EXPECT_NE(e.find("[sign_compress_hook] expects a floating-point bucket, got int64"),
             std::string::npos)
       << e;
-  EXPECT_NE(message([] {
-              compress_across_nodes(allreduce_hook, nullptr, nullptr);
-            }).find("expected this rank's node group, got null"),
+  EXPECT_NE(message([] { compress_across_nodes(allreduce_hook, nullptr, nullptr); })
+                .find("expected this rank's node group, got null"),
             std::string::npos);
 }
 
@@ -639,8 +606,7 @@ TEST(CompressAcrossNodes, ReducesInsideNodesAndCompressesBetweenThem) {
   auto leaders_world = ThreadWorld::create(2);
   std::vector<std::shared_ptr<CompressionState>> states;
   for (int r = 0; r < 4; ++r) {
-    states.push_back(
-        std::make_shared<CompressionState>(CompressionOptions{.error_feedback = false}));
+    states.push_back(std::make_shared<CompressionState>(CompressionOptions{.error_feedback = false}));
   }
   auto hook_of = [&](int rank) {
     auto local = std::make_shared<ProcessGroupThreads>(nodes[rank / 2], rank % 2);
@@ -743,8 +709,7 @@ Configure with_state(CompressionOptions options,
 // group's timeout).
 Configure int8_across_two_nodes() {
   const ProcessGroup::Options fail_fast{.timeout = std::chrono::seconds(60)};
-  std::vector<std::shared_ptr<ThreadWorld>> nodes = {ThreadWorld::create(2),
-                                                     ThreadWorld::create(2)};
+  std::vector<std::shared_ptr<ThreadWorld>> nodes = {ThreadWorld::create(2), ThreadWorld::create(2)};
   auto leaders_world = ThreadWorld::create(2);
   return [=](DistributedDataParallel& d) {
     const int rank = d.comm_group()->rank();
@@ -754,9 +719,8 @@ Configure int8_across_two_nodes() {
       leaders = std::make_shared<ProcessGroupThreads>(leaders_world, rank / 2, fail_fast);
     }
     auto state = std::make_shared<CompressionState>(CompressionOptions{});
-    d.register_comm_hook(
-        compress_across_nodes(bind_hook(state, int8_compress_hook), local, leaders),
-        "int8 across nodes");
+    d.register_comm_hook(compress_across_nodes(bind_hook(state, int8_compress_hook), local, leaders),
+                         "int8 across nodes");
     return state;
   };
 }
@@ -792,8 +756,8 @@ TEST(CompressionHooksInDdp, TrainLikeAllReduce) {
   // Error feedback is what lets a strong compression train: top-k at 1% with it ends closer to
   // plain all-reduce than without (a check that the residual is used, not only kept).
   const auto feedback = train_cnn(0, kSteps, with_state({.topk_ratio = 0.01}, topk_compress_hook));
-  const auto none = train_cnn(
-      0, kSteps, with_state({.error_feedback = false, .topk_ratio = 0.01}, topk_compress_hook));
+  const auto none = train_cnn(0, kSteps, with_state({.error_feedback = false, .topk_ratio = 0.01},
+                                                    topk_compress_hook));
   EXPECT_GT(tail_mean(none), tail_mean(feedback) * 1.05);
 }
 
@@ -809,8 +773,8 @@ TEST(CompressionHooksInDdp, MomentumInTheHookTrainsLikeMomentumSgd) {
   };
   auto none = [](DistributedDataParallel&) { return nullptr; };
   const auto plain = train_cnn(0, kSteps, none, nullptr, nullptr, kMomentum);
-  const auto whole = train_cnn(
-      0, kSteps, with_state({.topk_ratio = 1, .momentum = kMomentum}, topk_compress_hook));
+  const auto whole = train_cnn(0, kSteps, with_state({.topk_ratio = 1, .momentum = kMomentum},
+                                                     topk_compress_hook));
   ASSERT_EQ(whole.size(), plain.size());
   for (size_t i = 0; i < plain.size(); ++i) {
     // The average of the ranks' velocities against the velocity of the average: rounding only.
@@ -818,8 +782,9 @@ TEST(CompressionHooksInDdp, MomentumInTheHookTrainsLikeMomentumSgd) {
   }
   const double in_hook = tail_mean(train_cnn(
       0, kSteps, with_state({.topk_ratio = 0.1, .momentum = kMomentum}, topk_compress_hook)));
-  const double in_optimizer = tail_mean(train_cnn(
-      0, kSteps, with_state({.topk_ratio = 0.1}, topk_compress_hook), nullptr, nullptr, kMomentum));
+  const double in_optimizer =
+      tail_mean(train_cnn(0, kSteps, with_state({.topk_ratio = 0.1}, topk_compress_hook), nullptr,
+                          nullptr, kMomentum));
   EXPECT_LT(in_hook, in_optimizer) << "momentum SGD with plain all-reduce: " << tail_mean(plain);
 }
 

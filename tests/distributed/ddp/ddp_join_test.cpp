@@ -37,12 +37,12 @@ namespace {
   if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)"
 
 using namespace std::chrono_literals;
-using test::Batch;
-using test::loss_of;
 using test::require;
 using test::require_close;
 using test::require_same_on_all_ranks;
+using test::Batch;
 using test::slice;
+using test::loss_of;
 
 constexpr int64_t kIn = 5;
 constexpr int64_t kOut = 3;
@@ -81,6 +81,7 @@ Batch batch_of(int rank, int t) {
 }
 
 Tensor mse(nn::Module& m, const Batch& b) { return nn::functional::mse_loss(m.forward(b.x), b.y); }
+
 
 // Throws unless every rank holds bitwise the same parameters and buffers.
 
@@ -562,8 +563,7 @@ TEST(DistributedDebug, CheckedGroupCatchesDifferentCollectives) {
 }
 
 // INFO: the bucket layout at construction and after the rebuild, then averaged timings every
-// EMBER_DDP_LOG_EVERY iterations, one stderr line each (through ember::log), holding "[ddp rank
-// R]".
+// EMBER_DDP_LOG_EVERY iterations, one stderr line each (through ember::log), holding "[ddp rank R]".
 TEST(DistributedDebug, InfoLogsLayoutAndTimings) {
   EMBER_REQUIRE_GLOO();
   test::TempDir dir;

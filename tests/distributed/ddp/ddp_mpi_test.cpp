@@ -51,9 +51,10 @@ Batch batch_for_step(int step, int n) { return test::cnn_batch(60 + step, kRowsP
 /// rank starting from different weights (DDP broadcasts rank 0's). `setup` may register a hook;
 /// with `micro` > 1 each slice is split into that many micro-batches, all but the last under
 /// no_sync(), each loss scaled by 1 / micro.
-std::shared_ptr<nn::Sequential> train_ddp(
-    const DDPOptions& o, const std::function<void(DistributedDataParallel&)>& setup = {},
-    int micro = 1) {
+std::shared_ptr<nn::Sequential> train_ddp(const DDPOptions& o,
+                                          const std::function<void(DistributedDataParallel&)>&
+                                              setup = {},
+                                          int micro = 1) {
   auto pg = world();
   const int rank = pg->rank(), n = pg->size();
   auto model = test::make_cnn(300 + rank);
@@ -123,11 +124,9 @@ TEST(DDPMpiRanks, AllreduceHookIsNoHookAndFp16IsClose) {
   DDPOptions o;
   o.bucket_cap_mb = o.first_bucket_cap_mb = 1e-6;
   auto plain = train_ddp(o);
-  auto hooked =
-      train_ddp(o, [](DistributedDataParallel& d) { d.register_comm_hook(allreduce_hook); });
+  auto hooked = train_ddp(o, [](DistributedDataParallel& d) { d.register_comm_hook(allreduce_hook); });
   require_params_close("allreduce hook", *hooked, *plain, 0);
-  auto fp16 =
-      train_ddp(o, [](DistributedDataParallel& d) { d.register_comm_hook(fp16_compress_hook); });
+  auto fp16 = train_ddp(o, [](DistributedDataParallel& d) { d.register_comm_hook(fp16_compress_hook); });
   require_params_close("fp16 hook", *fp16, *plain, 5e-3);
 }
 
@@ -137,8 +136,9 @@ TEST(DDPMpiRanks, PowerSGDWithSeveralBucketsKeepsRanksIdentical) {
   SKIP_UNLESS_UNDER_MPIRUN();
   DDPOptions o;
   o.bucket_cap_mb = o.first_bucket_cap_mb = 1e-6;
-  auto state = std::make_shared<PowerSGDState>(PowerSGDOptions{
-      .matrix_approximation_rank = 1, .start_powerSGD_iter = 2, .min_compression_rate = 1});
+  auto state = std::make_shared<PowerSGDState>(
+      PowerSGDOptions{.matrix_approximation_rank = 1, .start_powerSGD_iter = 2,
+                      .min_compression_rate = 1});
   auto model = train_ddp(o, [&](DistributedDataParallel& d) {
     d.register_comm_hook(state, powersgd_hook);
     require(d.bucket_indices().size() >= 3, "want several buckets");

@@ -72,9 +72,9 @@ TEST(DDPStats, CountsBucketsIterationsAndTimesCommunication) {
     s = ddp.stats();
     require(s.iterations == 3, "3 synchronised iterations, got " + std::to_string(s.iterations));
     require(s.parameters == 4, "4 parameters, got " + std::to_string(s.parameters));
-    require(
-        s.bucket_count == static_cast<int64_t>(ddp.bucket_indices().size()) && s.bucket_count > 1,
-        "bucket count " + std::to_string(s.bucket_count));
+    require(s.bucket_count == static_cast<int64_t>(ddp.bucket_indices().size()) &&
+                s.bucket_count > 1,
+            "bucket count " + std::to_string(s.bucket_count));
     require(std::accumulate(s.bucket_bytes.begin(), s.bucket_bytes.end(), int64_t{0}) ==
                 int64_t{4} * ((kIn + 1) * 16 + (16 + 1) * kOut),
             "the buckets hold every parameter's bytes");
@@ -102,8 +102,7 @@ TEST(DDPStats, NamesTheCommHookAndCountsUnusedParameters) {
   const std::vector<Hooked> cases = {
       {"fp16_compress", [](auto& d) { d.register_comm_hook(fp16_compress_hook); }},
       {"allreduce", [](auto& d) { d.register_comm_hook(allreduce_hook); }},
-      {"custom",
-       [](auto& d) { d.register_comm_hook([](GradBucket& b) { return allreduce_hook(b); }); }},
+      {"custom", [](auto& d) { d.register_comm_hook([](GradBucket& b) { return allreduce_hook(b); }); }},
       {"mine", [](auto& d) { d.register_comm_hook(allreduce_hook, "mine"); }},
   };
   for (const Hooked& c : cases) {

@@ -30,12 +30,12 @@ namespace {
   if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)"
 
 using namespace std::chrono_literals;
-using test::Batch;
-using test::loss_of;
 using test::require;
 using test::require_close;
 using test::require_same_on_all_ranks;
+using test::Batch;
 using test::slice;
+using test::loss_of;
 
 constexpr int64_t kBatch = 12;  // divisible by 1, 2 and 3 ranks
 constexpr int64_t kIn = 5;
@@ -81,6 +81,8 @@ Batch fixed_batch(uint64_t seed, int64_t rows = kBatch) {
   manual_seed(seed);
   return {randn({rows, kIn}), randn({rows, kOut})};
 }
+
+
 
 void require_grads_match(const std::string& what, const nn::Module& got, const nn::Module& ref) {
   const auto a = got.named_parameters();
@@ -472,9 +474,7 @@ INSTANTIATE_TEST_SUITE_P(Ranks, DDPWorld,
                                            DDPCase{2, false}, DDPCase{3, false}),
                          [](const auto& info) {
                            return "world" + std::to_string(info.param.n) +
-                                  (info.param.n == 1 ? ""
-                                   : info.param.shm  ? "_shm"
-                                                     : "_tcp");
+                                  (info.param.n == 1 ? "" : info.param.shm ? "_shm" : "_tcp");
                          });
 
 // A destroyed DDP removes its hooks: the module it wrapped then trains alone (each rank on its

@@ -72,8 +72,7 @@ inline void require_close(const std::string& what, const Tensor& got, const Tens
 inline void require_same_on_all_ranks(dist::ProcessGroup& pg, const nn::Module& m,
                                       bool buffers = false) {
   std::vector<Tensor> flat;
-  for (const Tensor& p : m.parameters())
-    flat.push_back(p.detach().cpu().reshape({-1}).to(kFloat32));
+  for (const Tensor& p : m.parameters()) flat.push_back(p.detach().cpu().reshape({-1}).to(kFloat32));
   if (buffers) {
     for (const Tensor& b : m.buffers()) flat.push_back(b.detach().cpu().reshape({-1}).to(kFloat32));
   }
@@ -85,8 +84,8 @@ inline void require_same_on_all_ranks(dist::ProcessGroup& pg, const nn::Module& 
   for (int r = 1; r < pg.size(); ++r) {
     for (int64_t i = 0; i < k; ++i) {
       require(v[r * k + i] == v[i], "element " + std::to_string(i) + " differs: rank 0 " +
-                                        std::to_string(v[i]) + ", rank " + std::to_string(r) + " " +
-                                        std::to_string(v[r * k + i]));
+                                        std::to_string(v[i]) + ", rank " + std::to_string(r) +
+                                        " " + std::to_string(v[r * k + i]));
     }
   }
 }
@@ -102,8 +101,7 @@ inline Batch slice(const Batch& b, int rank, int n) {
 inline Batch to_device(const Batch& b, Device d) { return {b.x.to(d), b.y.to(d)}; }
 
 /// A small CNN (conv, ReLU, max-pool, flatten, linear) with seeded initial weights, on the CPU:
-/// inputs [N, 1, 8, 8], outputs [N, 3]. With a bucket cap under 12 bytes each parameter gets its
-/// own bucket.
+/// inputs [N, 1, 8, 8], outputs [N, 3]. With a bucket cap under 12 bytes each parameter gets its own bucket.
 inline std::shared_ptr<nn::Sequential> make_cnn(uint64_t seed) {
   manual_seed(seed);
   return std::make_shared<nn::Sequential>(

@@ -94,7 +94,7 @@ void require_params(const std::string& what, const nn::Module& m, const nn::Name
 struct Training {
   std::string name;
   DDPOptions options;
-  bool in_place = false;                                    // ProcessGroupThreads' option
+  bool in_place = false;                                  // ProcessGroupThreads' option
   std::function<void(DistributedDataParallel&)> configure;  // e.g. register a hook
   double tol = 1e-4;
 };
@@ -163,9 +163,7 @@ TEST_P(DDPThreads, BucketsTrainLikeOneProcess) {
 }
 
 TEST_P(DDPThreads, EveryBuiltInHookTrainsLikeOneProcess) {
-  auto hook = [](CommHook h) {
-    return [h](DistributedDataParallel& d) { d.register_comm_hook(h); };
-  };
+  auto hook = [](CommHook h) { return [h](DistributedDataParallel& d) { d.register_comm_hook(h); }; };
   // A full-rank approximation (rank >= every matrix side) compressing every matrix is exact
   // up to rounding, so PowerSGD is checked against the reference too.
   PowerSGDOptions exact;
@@ -399,8 +397,9 @@ TEST_P(DDPThreads, ForwardWithAMaskAndATupleOutput) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, DDPThreads,
-                         ::testing::Values(DdpCase{2, false}, DdpCase{4, false}, DdpCase{8, false},
-                                           DdpCase{2, true}, DdpCase{4, true}, DdpCase{8, true}),
+                         ::testing::Values(DdpCase{2, false}, DdpCase{4, false},
+                                           DdpCase{8, false}, DdpCase{2, true}, DdpCase{4, true},
+                                           DdpCase{8, true}),
                          case_name);
 
 }  // namespace

@@ -82,8 +82,7 @@ void tied_weight_case(bool shm) {
         TiedLm local(7);  // the same weights, trained without DDP
         // A tiny bucket cap: each parameter its own bucket, so a second reduction of the tied
         // weight would be a separate, visible one.
-        DistributedDataParallel ddp(model, pg,
-                                    {.bucket_cap_mb = 1e-6, .first_bucket_cap_mb = 1e-6});
+        DistributedDataParallel ddp(model, pg, {.bucket_cap_mb = 1e-6, .first_bucket_cap_mb = 1e-6});
         require(ddp.stats().parameters == 3, "DDP synchronises 3 parameters (tied once), got " +
                                                  std::to_string(ddp.stats().parameters));
         nn::optim::SGD opt(ddp.parameters(), {.lr = 0.5});
@@ -99,8 +98,8 @@ void tied_weight_case(bool shm) {
           for (size_t i = 0; i < got.size(); ++i) {
             // the average of the ranks' local gradients, each the sum of both uses
             local.parameters()[i].grad().copy_(average(*pg, mine[i]));
-            require_close("step " + std::to_string(step) + " grad " + std::to_string(i), got[i],
-                          local.parameters()[i].grad(), 1e-5);
+            require_close("step " + std::to_string(step) + " grad " + std::to_string(i),
+                          got[i], local.parameters()[i].grad(), 1e-5);
           }
           opt.step();
           local_opt.step();
@@ -133,9 +132,9 @@ class Blocks : public nn::Module {
     for (int i = 0; i < 2; ++i) {
       layers_.push_back(register_module(
           std::to_string(i), std::make_shared<nn::TransformerEncoderLayer>(
-                                 8, 2,
-                                 nn::TransformerEncoderLayerOptions{
-                                     .dim_feedforward = 16, .dropout = 0.2, .batch_first = true})));
+                                 8, 2, nn::TransformerEncoderLayerOptions{.dim_feedforward = 16,
+                                                                          .dropout = 0.2,
+                                                                          .batch_first = true})));
     }
   }
   Tensor forward(const Tensor& x) override {
@@ -183,8 +182,7 @@ void checkpoint_case(bool shm) {
           opt_plain.step();
           opt_ckpt.step();
           NoGradGuard no_grad;
-          for (size_t i = 0; i < gl.size(); ++i)
-            local.parameters()[i].copy_(plain->parameters()[i]);
+          for (size_t i = 0; i < gl.size(); ++i) local.parameters()[i].copy_(plain->parameters()[i]);
         }
         require(ddp_ckpt.buckets_rebuilt(), "buckets rebuilt after the first iteration");
         require_same_on_all_ranks(*pg, *ckpt);

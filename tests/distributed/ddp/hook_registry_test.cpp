@@ -43,8 +43,8 @@ Tensor input(int rank, int64_t n) {
 }
 
 // One bucket through the hook that hook_of(rank, group) makes, on 2 rank threads; rank 0's result.
-std::vector<float> run_once(
-    const std::function<CommHook(int, std::shared_ptr<ProcessGroup>)>& hook_of, int64_t n = 200) {
+std::vector<float> run_once(const std::function<CommHook(int, std::shared_ptr<ProcessGroup>)>& hook_of,
+                            int64_t n = 200) {
   std::vector<float> out;
   test::ThreadsSetup setup;
   setup.n = 2;
@@ -62,8 +62,7 @@ TEST(HookRegistry, ListsTheBuiltIns) {
   for (const char* name : {"allreduce", "fp16", "bf16", "noop", "powersgd", "batched_powersgd",
                            "quantization_pertensor", "quantization_perchannel", "int8", "sign",
                            "topk", "post_localsgd"}) {
-    auto it =
-        std::find_if(hooks.begin(), hooks.end(), [&](const auto& h) { return h.name == name; });
+    auto it = std::find_if(hooks.begin(), hooks.end(), [&](const auto& h) { return h.name == name; });
     ASSERT_NE(it, hooks.end()) << name;
     EXPECT_EQ(it->origin, "built-in");
     EXPECT_FALSE(it->description.empty());
@@ -85,9 +84,9 @@ TEST(HookRegistry, AHookByNameEqualsTheHookItself) {
     return make_comm_hook("sign:block=64,momentum=0.5", pg).hook;
   });
   const auto sign_direct = run_once([](int, std::shared_ptr<ProcessGroup>) {
-    return bind_hook(
-        std::make_shared<CompressionState>(CompressionOptions{.sign_block = 64, .momentum = 0.5}),
-        sign_compress_hook);
+    return bind_hook(std::make_shared<CompressionState>(
+                         CompressionOptions{.sign_block = 64, .momentum = 0.5}),
+                     sign_compress_hook);
   });
   EXPECT_EQ(sign_by_name, sign_direct);
   // And the state and summary come with it.
@@ -121,8 +120,7 @@ TEST(HookRegistry, RefusesBadSpecsNamingWhatIsWrong) {
     EXPECT_MENTIONS(error_of([&] { make_comm_hook("topk:ration=0.1", pg); }),
                     "hook 'topk' takes no option 'ration'");
     EXPECT_MENTIONS(error_of([&] { make_comm_hook("topk:ratio=2", pg); }),
-                    "[comm hook 'topk:ratio=2' (built-in)] [CompressionState] topk_ratio must be "
-                    "in (0, 1], got 2");
+                    "[comm hook 'topk:ratio=2' (built-in)] [CompressionState] topk_ratio must be in (0, 1], got 2");
     EXPECT_MENTIONS(error_of([&] { make_comm_hook("sign:block=12", pg); }),
                     "sign_block must be a positive multiple of 8, got 12");
     EXPECT_MENTIONS(error_of([&] { make_comm_hook("int8:masking=1", pg); }),
@@ -135,35 +133,25 @@ TEST(HookRegistry, RefusesBadSpecsNamingWhatIsWrong) {
 }
 
 TEST(HookRegistry, AProgramRegistersItsOwnButNotATakenName) {
-  register_comm_hook(
-      "program_halved",
-      [](const CommHookArgs&) {
-        MadeCommHook m;
-        m.hook = [](GradBucket& b) {
-          Tensor t = b.buffer() * 0.5f;
-          return completed_future({t});
-        };
-        return m;
-      },
-      "halves the local gradient");
+  register_comm_hook("program_halved", [](const CommHookArgs&) {
+    MadeCommHook m;
+    m.hook = [](GradBucket& b) {
+      Tensor t = b.buffer() * 0.5f;
+      return completed_future({t});
+    };
+    return m;
+  }, "halves the local gradient");
   const auto hooks = registered_comm_hooks();
-  auto it = std::find_if(hooks.begin(), hooks.end(),
-                         [](const auto& h) { return h.name == "program_halved"; });
+  auto it = std::find_if(hooks.begin(), hooks.end(), [](const auto& h) { return h.name == "program_halved"; });
   ASSERT_NE(it, hooks.end());
   EXPECT_EQ(it->origin, "program");
   const auto got = run_once([](int, std::shared_ptr<ProcessGroup> pg) {
     return make_comm_hook("program_halved", pg).hook;
   });
   EXPECT_FLOAT_EQ(got[10], 0.05f);
-  EXPECT_MENTIONS(error_of([] {
-                    register_comm_hook(
-                        "sign", [](const CommHookArgs&) { return MadeCommHook{}; }, "");
-                  }),
+  EXPECT_MENTIONS(error_of([] { register_comm_hook("sign", [](const CommHookArgs&) { return MadeCommHook{}; }, ""); }),
                   "'sign' is already registered (built-in); program cannot register it again");
-  EXPECT_MENTIONS(error_of([] {
-                    register_comm_hook(
-                        "bad name", [](const CommHookArgs&) { return MadeCommHook{}; }, "");
-                  }),
+  EXPECT_MENTIONS(error_of([] { register_comm_hook("bad name", [](const CommHookArgs&) { return MadeCommHook{}; }, ""); }),
                   "a hook's name is letters, digits and '_', got 'bad name'");
 }
 
@@ -193,19 +181,16 @@ TEST(HookRegistry, CompressionAcrossNodesByName) {
   constexpr int64_t kN = 300;
   std::vector<std::vector<float>> by_name(4), by_hand(4);
   std::vector<std::string> summaries(4);
-  run_rank_threads(
-      4,
-      [&](int rank) {
-        MadeCommHook made = make_comm_hook("int8:node=2,error_feedback=0", default_group());
-        GradBucket bucket(0, 1, input(rank, kN), {zeros({kN})}, {0}, default_group());
-        by_name[rank] = made.hook(bucket)->value().at(0).to_vector<float>();
-        summaries[rank] = made.summary();
-        const std::string bad = error_of([] { make_comm_hook("int8:node=3", default_group()); });
-        if (bad.find("option node=3 must divide the group's 4 ranks") == std::string::npos) {
-          throw std::runtime_error("node=3 not refused by name: " + bad);
-        }
-      },
-      std::chrono::seconds(60));
+  run_rank_threads(4, [&](int rank) {
+    MadeCommHook made = make_comm_hook("int8:node=2,error_feedback=0", default_group());
+    GradBucket bucket(0, 1, input(rank, kN), {zeros({kN})}, {0}, default_group());
+    by_name[rank] = made.hook(bucket)->value().at(0).to_vector<float>();
+    summaries[rank] = made.summary();
+    const std::string bad = error_of([] { make_comm_hook("int8:node=3", default_group()); });
+    if (bad.find("option node=3 must divide the group's 4 ranks") == std::string::npos) {
+      throw std::runtime_error("node=3 not refused by name: " + bad);
+    }
+  }, std::chrono::seconds(60));
   std::vector<std::shared_ptr<ThreadWorld>> nodes{ThreadWorld::create(2), ThreadWorld::create(2)};
   auto leaders_world = ThreadWorld::create(2);
   auto node_world = ThreadWorld::create(4);
@@ -234,8 +219,7 @@ TEST(HookPlugin, LoadsRegistersAndRuns) {
   const std::string path = plugin("good");
   load_comm_hook_plugin(path);
   const auto hooks = registered_comm_hooks();
-  auto it = std::find_if(hooks.begin(), hooks.end(),
-                         [](const auto& h) { return h.name == "test_scaled"; });
+  auto it = std::find_if(hooks.begin(), hooks.end(), [](const auto& h) { return h.name == "test_scaled"; });
   ASSERT_NE(it, hooks.end());
   EXPECT_EQ(it->origin, path);
   const auto got = run_once([](int, std::shared_ptr<ProcessGroup> pg) {
@@ -268,16 +252,16 @@ TEST(HookPlugin, RefusesBrokenLibrariesNamingThem) {
   EXPECT_MENTIONS(error_of([&] { load_comm_hook_plugin(no_init); }),
                   no_init + ": has no symbol ember_comm_hook_plugin_init");
   const std::string taken = plugin("takes_a_built_in_name");
-  EXPECT_MENTIONS(
-      error_of([&] { load_comm_hook_plugin(taken); }),
-      "'allreduce' is already registered (built-in); " + taken + " cannot register it again");
+  EXPECT_MENTIONS(error_of([&] { load_comm_hook_plugin(taken); }),
+                  "'allreduce' is already registered (built-in); " + taken +
+                      " cannot register it again");
   const std::string throws = plugin("init_throws");
   EXPECT_MENTIONS(error_of([&] { load_comm_hook_plugin(throws); }),
                   throws + ": its init failed: cannot find its configuration");
   const auto hooks = registered_comm_hooks();
-  EXPECT_TRUE(std::none_of(hooks.begin(), hooks.end(), [](const auto& h) {
-    return h.name == "test_partial";
-  })) << "what a failed init registered is removed";
+  EXPECT_TRUE(std::none_of(hooks.begin(), hooks.end(),
+                           [](const auto& h) { return h.name == "test_partial"; }))
+      << "what a failed init registered is removed";
   EXPECT_MENTIONS(error_of([] { load_comm_hook_plugin("/nonexistent/libnothing.so"); }),
                   "/nonexistent/libnothing.so: cannot be loaded");
 }

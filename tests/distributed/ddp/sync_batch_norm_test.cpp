@@ -34,16 +34,17 @@ namespace {
   if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)"
 
 using namespace std::chrono_literals;
-using test::Batch;
-using test::loss_of;
 using test::require;
 using test::require_close;
 using test::require_same_on_all_ranks;
+using test::Batch;
 using test::slice;
+using test::loss_of;
 
 void run_group(int n, const std::function<void(std::shared_ptr<ProcessGroup>, int)>& body) {
   test::run_gloo_ranks(n, [&](std::shared_ptr<ProcessGroupGloo> pg, int rank) { body(pg, rank); });
 }
+
 
 // The single-process reference: BatchNorm with any input rank >= 2 (BatchNorm1d/2d only take
 // 2-3 and 4 dims; the arithmetic is the same).

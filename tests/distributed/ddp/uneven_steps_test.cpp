@@ -158,25 +158,21 @@ void check_rank1(const Case& c, const std::string& msg) {
         // The disagreement (over TCP "issued", over shared memory "passed") names rank 0's
         // barrier too: rank 0 may write its position later than this rank waits for it on a
         // loaded machine.
-        require_any(
-            msg,
-            {"rank 0 was at barrier #3 when it failed",
-             "rank 0 aborted the group at its barrier #3",
-             "ranks disagree: rank 0 issued barrier as its collective #3", "rank 0 passed barrier"},
-            who);
+        require_any(msg, {"rank 0 was at barrier #3 when it failed",
+                          "rank 0 aborted the group at its barrier #3",
+                          "ranks disagree: rank 0 issued barrier as its collective #3",
+                          "rank 0 passed barrier"}, who);
       }
       break;
     case Rank0::Allreduce:
       if (c.detail) {
         require_has(msg, "rank 0 called allreduce(float64 [3], sum) (its collective #3)", who);
       } else {
-        require_any(msg,
-                    {"rank 0 was at allreduce #3 when it failed",
-                     "rank 0 aborted the group at its allreduce #3",
-                     "ranks disagree: rank 0 issued allreduce (sum) of 3 elements of float64 "
-                     "as its collective #3",
-                     "rank 0 passed allreduce (sum) of 3 elements of float64"},
-                    who);
+        require_any(msg, {"rank 0 was at allreduce #3 when it failed",
+                          "rank 0 aborted the group at its allreduce #3",
+                          "ranks disagree: rank 0 issued allreduce (sum) of 3 elements of float64 "
+                          "as its collective #3",
+                          "rank 0 passed allreduce (sum) of 3 elements of float64"}, who);
       }
       break;
     case Rank0::EvalBarrier:

@@ -70,8 +70,7 @@ void every_pair(const std::shared_ptr<DeviceMesh>& mesh, IntList shape) {
       const Tensor local = r.local();
       bool partial = false;
       for (const Placement& q : to) partial = partial || q.is_partial();
-      if (!partial)
-        require_close(what + ": local part", local, expected_local(full, *mesh, to), 1e-6);
+      if (!partial) require_close(what + ": local part", local, expected_local(full, *mesh, to), 1e-6);
       Tensor whole = r.full_tensor();
       require_close(what + ": full_tensor", whole, full, 1e-5);
       (whole * c).sum().backward();
@@ -86,115 +85,90 @@ void every_pair(const std::shared_ptr<DeviceMesh>& mesh, IntList shape) {
 }
 
 TEST(DTensor, EveryRedistributePairOnFourRanksEvenAndUneven) {
-  run_rank_threads(
-      4,
-      [](int) {
-        auto mesh = init_device_mesh("cpu", {4});
-        every_pair(mesh, {8, 12});  // even
-        every_pair(mesh, {7, 6});   // uneven: chunks of 2, 2, 2, 1 and 2, 2, 2, 0
-        every_pair(mesh, {3, 2});   // shorter than the mesh: empty shards
-      },
-      kTimeout);
+  run_rank_threads(4, [](int) {
+    auto mesh = init_device_mesh("cpu", {4});
+    every_pair(mesh, {8, 12});  // even
+    every_pair(mesh, {7, 6});   // uneven: chunks of 2, 2, 2, 1 and 2, 2, 2, 0
+    every_pair(mesh, {3, 2});   // shorter than the mesh: empty shards
+  }, kTimeout);
 }
 
 TEST(DTensor, EveryRedistributePairOnATwoByTwoMesh) {
-  run_rank_threads(
-      4,
-      [](int) {
-        auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
-        every_pair(mesh, {4, 6});
-        every_pair(mesh, {5, 3});
-      },
-      kTimeout);
+  run_rank_threads(4, [](int) {
+    auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+    every_pair(mesh, {4, 6});
+    every_pair(mesh, {5, 3});
+  }, kTimeout);
 }
 
 TEST(DTensor, FromLocalDistributeAndRunCheck) {
-  run_rank_threads(
-      4,
-      [](int r) {
-        auto mesh = init_device_mesh("cpu", {4});
-        // Even shards by default: each rank's [2, 3] is a quarter of [8, 3].
-        DTensor d = DTensor::from_local(full({2, 3}, static_cast<double>(r)), mesh, {Shard(0)});
-        require(d.shape() == Shape({8, 3}) && d.size(-2) == 8, "inferred global shape");
-        const Tensor whole = d.full_tensor();
-        for (int s = 0; s < 4; ++s)
-          require_close("row block", whole.narrow(0, 2 * s, 2), full({2, 3}, s), 0);
-        // Uneven, given the global shape: [7] as 2, 2, 2, 1.
-        DTensor u =
-            DTensor::from_local(ones({r == 3 ? 1 : 2}), mesh, {Shard(-1)}, Shape({7}), true);
-        require(u.placements()[0] == Placement(Shard(0)), "Shard(-1) wrapped to Shard(0)");
-        // run_check broadcasts a Replicate from the first rank.
-        DTensor rep = DTensor::from_local(full({2}, static_cast<double>(r)), mesh, {Replicate()},
-                                          std::nullopt, true);
-        require_close("replicate synced", rep.local(), zeros({2}), 0);
-        // distribute_tensor takes the first rank's data.
-        DTensor dist = distribute_tensor(full({4}, static_cast<double>(r)), mesh, {Shard(0)});
-        require_close("rank 0's data", dist.local(), zeros({1}), 0);
-        require(
-            dist.str().rfind("DTensor(float32 [4], (Shard(0),) on DeviceMesh(cpu, (4,)", 0) == 0,
+  run_rank_threads(4, [](int r) {
+    auto mesh = init_device_mesh("cpu", {4});
+    // Even shards by default: each rank's [2, 3] is a quarter of [8, 3].
+    DTensor d = DTensor::from_local(full({2, 3}, static_cast<double>(r)), mesh, {Shard(0)});
+    require(d.shape() == Shape({8, 3}) && d.size(-2) == 8, "inferred global shape");
+    const Tensor whole = d.full_tensor();
+    for (int s = 0; s < 4; ++s) require_close("row block", whole.narrow(0, 2 * s, 2), full({2, 3}, s), 0);
+    // Uneven, given the global shape: [7] as 2, 2, 2, 1.
+    DTensor u = DTensor::from_local(ones({r == 3 ? 1 : 2}), mesh, {Shard(-1)}, Shape({7}), true);
+    require(u.placements()[0] == Placement(Shard(0)), "Shard(-1) wrapped to Shard(0)");
+    // run_check broadcasts a Replicate from the first rank.
+    DTensor rep = DTensor::from_local(full({2}, static_cast<double>(r)), mesh, {Replicate()},
+                                      std::nullopt, true);
+    require_close("replicate synced", rep.local(), zeros({2}), 0);
+    // distribute_tensor takes the first rank's data.
+    DTensor dist = distribute_tensor(full({4}, static_cast<double>(r)), mesh, {Shard(0)});
+    require_close("rank 0's data", dist.local(), zeros({1}), 0);
+    require(dist.str().rfind("DTensor(float32 [4], (Shard(0),) on DeviceMesh(cpu, (4,)", 0) == 0,
             "str(): " + dist.str());
-      },
-      kTimeout);
+  }, kTimeout);
 }
 
 TEST(DTensor, ErrorsNameThePlacementsAndShapes) {
-  run_rank_threads(
-      2,
-      [](int r) {
-        auto mesh = init_device_mesh("cpu", {2}, {"tp"});
-        expect_error(
-            [&] {
-              DTensor::from_local(ones({2}), mesh, {Shard(0), Replicate()});
-            },
-            {"[DTensor.from_local] expected one placement per mesh dimension (1), got 2"});
-        expect_error([&] { DTensor::from_local(ones({2}), mesh, {Shard(1)}); },
-                     {"Shard(1) is out of range for a tensor of 1 dims"});
-        expect_error(
-            [&] { DTensor::from_local(ones({3}), mesh, {Shard(0)}, Shape({4})); },
-            {"the local tensor has shape [3] but this rank's part of [4] placed (Shard(0),)",
-             "is [2]"});
-        // Ranks that disagree on the global shape: rank 0 ([4]) sees rank 1's [1] where it expects
-        // [2]; rank 1 ([3]) finds every shape fitting its view.
-        auto disagree = [&] {
-          DTensor::from_local(ones({r == 0 ? 2 : 1}), mesh, {Shard(0)}, Shape({4 - r}), true);
-        };
-        if (r == 0) {
-          expect_error(disagree, {"run_check: rank 1 of mesh dimension 0 has local size 1 in dim 0",
-                                  "has 2"});
-        } else {
-          disagree();
-        }
-        auto mesh2 = init_device_mesh("cpu", {1, 2}, {"dp", "tp"});
-        expect_error(
-            [&] {
-              DTensor::from_local(ones({2, 2}), mesh2, {Shard(0), Shard(0)});
-            },
-            {"shard tensor dimension 0 over two mesh dimensions, which is not supported"});
-        DTensor p = distribute_tensor(ones({2}), mesh, {Partial()});
-        expect_error([&] { p.redistribute({Partial(ReduceOp::Max)}); },
-                     {"[DTensor.redistribute] Partial(sum) -> Partial(max)"});
-      },
-      kTimeout);
+  run_rank_threads(2, [](int r) {
+    auto mesh = init_device_mesh("cpu", {2}, {"tp"});
+    expect_error([&] { DTensor::from_local(ones({2}), mesh, {Shard(0), Replicate()}); },
+                 {"[DTensor.from_local] expected one placement per mesh dimension (1), got 2"});
+    expect_error([&] { DTensor::from_local(ones({2}), mesh, {Shard(1)}); },
+                 {"Shard(1) is out of range for a tensor of 1 dims"});
+    expect_error([&] { DTensor::from_local(ones({3}), mesh, {Shard(0)}, Shape({4})); },
+                 {"the local tensor has shape [3] but this rank's part of [4] placed (Shard(0),)",
+                  "is [2]"});
+    // Ranks that disagree on the global shape: rank 0 ([4]) sees rank 1's [1] where it expects
+    // [2]; rank 1 ([3]) finds every shape fitting its view.
+    auto disagree = [&] {
+      DTensor::from_local(ones({r == 0 ? 2 : 1}), mesh, {Shard(0)}, Shape({4 - r}), true);
+    };
+    if (r == 0) {
+      expect_error(disagree, {"run_check: rank 1 of mesh dimension 0 has local size 1 in dim 0",
+                              "has 2"});
+    } else {
+      disagree();
+    }
+    auto mesh2 = init_device_mesh("cpu", {1, 2}, {"dp", "tp"});
+    expect_error([&] { DTensor::from_local(ones({2, 2}), mesh2, {Shard(0), Shard(0)}); },
+                 {"shard tensor dimension 0 over two mesh dimensions, which is not supported"});
+    DTensor p = distribute_tensor(ones({2}), mesh, {Partial()});
+    expect_error([&] { p.redistribute({Partial(ReduceOp::Max)}); },
+                 {"[DTensor.redistribute] Partial(sum) -> Partial(max)"});
+  }, kTimeout);
 }
 
 // The record of a tensor's placements keeps nothing alive: a recorded module output is freed
 // with its last handle, and its record is then never found for another tensor.
 TEST(DTensor, RecordsDoNotKeepTensorsAlive) {
-  run_rank_threads(
-      2,
-      [](int) {
-        auto mesh = init_device_mesh("cpu", {2});
-        std::weak_ptr<TensorImpl> seen;
-        {
-          Tensor t = ones({4});
-          register_dtensor(t, DTensor::from_local(t, mesh, {Shard(0)}));
-          require(as_dtensor(t).has_value(), "recorded");
-          seen = t.impl_ptr();
-        }
-        require(seen.expired(), "the record kept the tensor alive");
-        require(!as_dtensor(ones({4})).has_value(), "an unrecorded tensor");
-      },
-      kTimeout);
+  run_rank_threads(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    std::weak_ptr<TensorImpl> seen;
+    {
+      Tensor t = ones({4});
+      register_dtensor(t, DTensor::from_local(t, mesh, {Shard(0)}));
+      require(as_dtensor(t).has_value(), "recorded");
+      seen = t.impl_ptr();
+    }
+    require(seen.expired(), "the record kept the tensor alive");
+    require(!as_dtensor(ones({4})).has_value(), "an unrecorded tensor");
+  }, kTimeout);
 }
 
 struct Mlp : nn::Module {
@@ -219,70 +193,64 @@ TEST(DistributeModule, MegatronMlpFromAPartitionAndInputOutputFunctions) {
   const Tensor x = randn({5, 8});
   const Tensor y_ref = (*whole)(x);
   (y_ref * y_ref).sum().backward();
-  run_rank_threads(
-      4,
-      [&](int rank) {
-        auto mesh = init_device_mesh("cpu", {4}, {"tp"});
-        auto mlp = seeded_mlp(1);
-        distribute_module(
-            mlp, mesh,
-            [](const std::string& name, nn::Module& m, const std::shared_ptr<DeviceMesh>& mesh) {
-              if (name == "fc1") {
-                auto& l = dynamic_cast<nn::Linear&>(m);
-                distribute_parameter(l.weight, mesh, {Shard(0)});
-                distribute_parameter(l.bias, mesh, {Shard(0)});
-              } else if (name == "fc2") {
-                distribute_parameter(dynamic_cast<nn::Linear&>(m).weight, mesh, {Shard(1)});
-              }
-            },
-            [](nn::Module&, const Tensor& in, const std::shared_ptr<DeviceMesh>& mesh) {
-              return functional::copy_to_group(in, mesh->get_group());
-            },
-            [](nn::Module&, const Tensor& out, const std::shared_ptr<DeviceMesh>& mesh) {
-              return functional::reduce_from_group(out, mesh->get_group());
-            });
-        const Tensor y = (*mlp)(x);
-        require_close("output", y, y_ref, 1e-5);
-        (y * y).sum().backward();
-        const nn::NamedTensors want = whole->named_parameters();
-        const nn::NamedTensors got = mlp->named_parameters();
-        for (size_t i = 0; i < got.size(); ++i) {
-          const std::optional<DTensor> d = as_dtensor(got[i].second);
-          require(d.has_value(), got[i].first + " is recorded");
-          require_close(got[i].first + "'s gradient", got[i].second.grad(),
-                        expected_local(want[i].second.grad(), *mesh, d->placements()), 1e-5);
-        }
-        require(as_dtensor(mlp->fc1->weight)->placements()[0].is_shard(0), "fc1 by rows");
-        require(as_dtensor(mlp->fc2->weight)->placements()[0].is_shard(1), "fc2 by columns");
-        (void)rank;
-      },
-      kTimeout);
+  run_rank_threads(4, [&](int rank) {
+    auto mesh = init_device_mesh("cpu", {4}, {"tp"});
+    auto mlp = seeded_mlp(1);
+    distribute_module(
+        mlp, mesh,
+        [](const std::string& name, nn::Module& m, const std::shared_ptr<DeviceMesh>& mesh) {
+          if (name == "fc1") {
+            auto& l = dynamic_cast<nn::Linear&>(m);
+            distribute_parameter(l.weight, mesh, {Shard(0)});
+            distribute_parameter(l.bias, mesh, {Shard(0)});
+          } else if (name == "fc2") {
+            distribute_parameter(dynamic_cast<nn::Linear&>(m).weight, mesh, {Shard(1)});
+          }
+        },
+        [](nn::Module&, const Tensor& in, const std::shared_ptr<DeviceMesh>& mesh) {
+          return functional::copy_to_group(in, mesh->get_group());
+        },
+        [](nn::Module&, const Tensor& out, const std::shared_ptr<DeviceMesh>& mesh) {
+          return functional::reduce_from_group(out, mesh->get_group());
+        });
+    const Tensor y = (*mlp)(x);
+    require_close("output", y, y_ref, 1e-5);
+    (y * y).sum().backward();
+    const nn::NamedTensors want = whole->named_parameters();
+    const nn::NamedTensors got = mlp->named_parameters();
+    for (size_t i = 0; i < got.size(); ++i) {
+      const std::optional<DTensor> d = as_dtensor(got[i].second);
+      require(d.has_value(), got[i].first + " is recorded");
+      require_close(got[i].first + "'s gradient", got[i].second.grad(),
+                    expected_local(want[i].second.grad(), *mesh, d->placements()), 1e-5);
+    }
+    require(as_dtensor(mlp->fc1->weight)->placements()[0].is_shard(0), "fc1 by rows");
+    require(as_dtensor(mlp->fc2->weight)->placements()[0].is_shard(1), "fc2 by columns");
+    (void)rank;
+  }, kTimeout);
 }
 
 // Without a partition every parameter is replicated from each mesh dimension's first rank (the
 // ranks' own values differ here) and recorded as Replicate; a null module or mesh is refused.
 TEST(DistributeModule, DefaultReplicatesFromTheFirstRank) {
   const auto first = seeded_mlp(10);
-  run_rank_threads(
-      4,
-      [&](int rank) {
-        auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
-        auto mlp = seeded_mlp(10 + static_cast<uint64_t>(rank));
-        distribute_module(mlp, mesh);
-        const nn::NamedTensors want = first->named_parameters();
-        const nn::NamedTensors got = mlp->named_parameters();
-        for (size_t i = 0; i < got.size(); ++i) {
-          require_close(got[i].first, got[i].second, want[i].second, 0);
-          const std::optional<DTensor> d = as_dtensor(got[i].second);
-          require(d && d->placements()[0].is_replicate() && d->placements()[1].is_replicate(),
-                  got[i].first + " recorded as Replicate on both mesh dimensions");
-        }
-        expect_error([&] { distribute_module(nullptr, mesh); },
-                     {"[distribute_module] expected a module, got null"});
-        expect_error([&] { distribute_module(mlp, nullptr); },
-                     {"[distribute_module] expected a mesh, got null"});
-      },
-      kTimeout);
+  run_rank_threads(4, [&](int rank) {
+    auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+    auto mlp = seeded_mlp(10 + static_cast<uint64_t>(rank));
+    distribute_module(mlp, mesh);
+    const nn::NamedTensors want = first->named_parameters();
+    const nn::NamedTensors got = mlp->named_parameters();
+    for (size_t i = 0; i < got.size(); ++i) {
+      require_close(got[i].first, got[i].second, want[i].second, 0);
+      const std::optional<DTensor> d = as_dtensor(got[i].second);
+      require(d && d->placements()[0].is_replicate() && d->placements()[1].is_replicate(),
+              got[i].first + " recorded as Replicate on both mesh dimensions");
+    }
+    expect_error([&] { distribute_module(nullptr, mesh); },
+                 {"[distribute_module] expected a module, got null"});
+    expect_error([&] { distribute_module(mlp, nullptr); },
+                 {"[distribute_module] expected a mesh, got null"});
+  }, kTimeout);
 }
 
 }  // namespace

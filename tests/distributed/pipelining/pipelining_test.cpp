@@ -62,9 +62,7 @@ std::vector<Tensor> initial_values() {
 Tensor batch_x(int step) { return test::rand_t({kBatch, kWidth}, kFloat32, 1000 + step); }
 Tensor batch_y(int step) { return test::rand_t({kBatch, kWidth}, kFloat32, 2000 + step) * 0.5; }
 
-Tensor mse(const Tensor& out, const Tensor& target) {
-  return nn::functional::mse_loss(out, target);
-}
+Tensor mse(const Tensor& out, const Tensor& target) { return nn::functional::mse_loss(out, target); }
 
 struct Reference {
   std::vector<std::pair<std::string, Tensor>> params;  // after the steps
@@ -84,8 +82,7 @@ Reference train_reference(int steps) {
     opt.step();
     ref.losses.push_back(loss.item<double>());
   }
-  for (const auto& [name, p] : model->named_parameters())
-    ref.params.push_back({name, p.detach().clone()});
+  for (const auto& [name, p] : model->named_parameters()) ref.params.push_back({name, p.detach().clone()});
   NoGradGuard no_grad;
   ref.eval_output = model->forward(batch_x(steps));
   return ref;
@@ -108,21 +105,18 @@ void train_pipelined(const std::shared_ptr<ProcessGroup>& pg, ScheduleKind kind,
   }
   PipelineSchedule schedule(stages, m, kind, {.loss_fn = mse});
   nn::optim::AdamW opt(params, {.lr = 1e-2});
-  const bool first = stage_rank(kind, 0, S, p) == rank,
-             last = stage_rank(kind, S - 1, S, p) == rank;
+  const bool first = stage_rank(kind, 0, S, p) == rank, last = stage_rank(kind, S - 1, S, p) == rank;
   for (int t = 0; t < steps; ++t) {
     opt.zero_grad();
     std::vector<Tensor> losses;
-    const Tensor out =
-        schedule.step(first ? batch_x(t) : Tensor(), last ? batch_y(t) : Tensor(), &losses);
+    const Tensor out = schedule.step(first ? batch_x(t) : Tensor(), last ? batch_y(t) : Tensor(), &losses);
     opt.step();
     if (last) {
       require(out.defined() && out.shape() == Shape({kBatch, kWidth}), what + ": merged output");
       require(static_cast<int>(losses.size()) == m, what + ": a loss per micro-batch");
       double mean = 0;
       for (const Tensor& l : losses) mean += l.item<double>() / m;
-      require_close(what + ": loss at step " + std::to_string(t),
-                    from_vector(std::vector<double>{mean}),
+      require_close(what + ": loss at step " + std::to_string(t), from_vector(std::vector<double>{mean}),
                     from_vector(std::vector<double>{ref.losses[t]}), 1e-5);
     } else {
       require(!out.defined() && losses.empty(), what + ": no output off the last stage");
@@ -131,20 +125,16 @@ void train_pipelined(const std::shared_ptr<ProcessGroup>& pg, ScheduleKind kind,
   // Forward only: the trained model's output and loss of the next batch, no gradient touched.
   opt.zero_grad();
   std::vector<Tensor> eval_losses;
-  const Tensor out = schedule.eval(first ? batch_x(steps) : Tensor(),
-                                   last ? batch_y(steps) : Tensor(), &eval_losses);
+  const Tensor out = schedule.eval(first ? batch_x(steps) : Tensor(), last ? batch_y(steps) : Tensor(),
+                                   &eval_losses);
   for (const Tensor& p : params) require(!p.grad().defined(), what + ": eval left a gradient");
   if (last) {
     require_close(what + ": eval output", out, ref.eval_output, 1e-5);
     require(static_cast<int>(eval_losses.size()) == m, what + ": an eval loss per micro-batch");
-    require_close(
-        what + ": eval loss", eval_losses[0],
-        mse(ref.eval_output.narrow(0, 0, kBatch / m), batch_y(steps).narrow(0, 0, kBatch / m)),
-        1e-5);
-    const Tensor no_target =
-        schedule.eval(first ? batch_x(steps) : Tensor(), Tensor(), &eval_losses);
-    require(no_target.defined() && eval_losses.size() == static_cast<size_t>(m),
-            what + ": eval without a target");
+    require_close(what + ": eval loss", eval_losses[0],
+                  mse(ref.eval_output.narrow(0, 0, kBatch / m), batch_y(steps).narrow(0, 0, kBatch / m)), 1e-5);
+    const Tensor no_target = schedule.eval(first ? batch_x(steps) : Tensor(), Tensor(), &eval_losses);
+    require(no_target.defined() && eval_losses.size() == static_cast<size_t>(m), what + ": eval without a target");
   } else {
     require(!out.defined(), what + ": no eval output off the last stage");
     schedule.eval(first ? batch_x(steps) : Tensor());
@@ -180,23 +170,18 @@ class EverySchedule : public ::testing::TestWithParam<Case> {};
 TEST_P(EverySchedule, TrainsLikeTheUnsplitModel) {
   const auto [kind, p] = GetParam();
   const Reference ref = train_reference(20);
-  run_rank_threads(
-      p,
-      [&](int rank) {
-        train_pipelined(
-            default_group(), kind, default_stages_per_rank(kind), 8, 20, ref,
-            to_string(kind) + " p" + std::to_string(p) + " rank " + std::to_string(rank));
-      },
-      60s);
+  run_rank_threads(p, [&](int rank) {
+    train_pipelined(default_group(), kind, default_stages_per_rank(kind), 8, 20, ref,
+                    to_string(kind) + " p" + std::to_string(p) + " rank " + std::to_string(rank));
+  }, 60s);
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Threads, EverySchedule,
     ::testing::Values(Case{ScheduleKind::GPipe, 2}, Case{ScheduleKind::GPipe, 4},
                       Case{ScheduleKind::OneFOneB, 2}, Case{ScheduleKind::OneFOneB, 4},
-                      Case{ScheduleKind::Interleaved1F1B, 2},
-                      Case{ScheduleKind::Interleaved1F1B, 4}, Case{ScheduleKind::LoopedBFS, 2},
-                      Case{ScheduleKind::LoopedBFS, 4},
+                      Case{ScheduleKind::Interleaved1F1B, 2}, Case{ScheduleKind::Interleaved1F1B, 4},
+                      Case{ScheduleKind::LoopedBFS, 2}, Case{ScheduleKind::LoopedBFS, 4},
                       Case{ScheduleKind::InterleavedZeroBubble, 2},
                       Case{ScheduleKind::InterleavedZeroBubble, 4}, Case{ScheduleKind::ZBV, 2},
                       Case{ScheduleKind::ZBV, 4}),
@@ -207,14 +192,10 @@ TEST(PipelineGloo, OneFOneBAndZeroBubbleTrainLikeTheUnsplitModel) {
   const Reference ref = train_reference(6);
   for (ScheduleKind kind : {ScheduleKind::OneFOneB, ScheduleKind::InterleavedZeroBubble}) {
     for (bool shm : {true, false}) {
-      test::run_gloo_ranks(
-          2,
-          [&](std::shared_ptr<ProcessGroupGloo> pg, int rank) {
-            train_pipelined(
-                pg, kind, default_stages_per_rank(kind), 4, 6, ref,
-                to_string(kind) + (shm ? " shm" : " tcp") + " rank " + std::to_string(rank));
-          },
-          shm);
+      test::run_gloo_ranks(2, [&](std::shared_ptr<ProcessGroupGloo> pg, int rank) {
+        train_pipelined(pg, kind, default_stages_per_rank(kind), 4, 6, ref,
+                        to_string(kind) + (shm ? " shm" : " tcp") + " rank " + std::to_string(rank));
+      }, shm);
     }
   }
 }
@@ -237,9 +218,7 @@ ScheduleCheck check_of(ScheduleKind k, int p, int m) {
   return validate(add_communication(compute_actions(k, p, v, m), rank_of), p * v, m, rank_of);
 }
 
-double worst_idle(const ScheduleCheck& c) {
-  return *std::max_element(c.idle.begin(), c.idle.end());
-}
+double worst_idle(const ScheduleCheck& c) { return *std::max_element(c.idle.begin(), c.idle.end()); }
 
 // The simulated bubble (unit costs: forward 1, backward 2, or input and weight backward 1 each)
 // is the analytic one: (p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m + p - 1) for
@@ -251,13 +230,11 @@ TEST(Schedules, SimulatedBubbleIsTheAnalyticOne) {
       for (ScheduleKind k : {ScheduleKind::GPipe, ScheduleKind::OneFOneB}) {
         const ScheduleCheck c = check_of(k, p, m);
         ASSERT_TRUE(c.ok) << c.error;
-        for (double idle : c.idle)
-          EXPECT_NEAR(idle, one, 1e-9) << to_string(k) << " p" << p << " m" << m;
+        for (double idle : c.idle) EXPECT_NEAR(idle, one, 1e-9) << to_string(k) << " p" << p << " m" << m;
       }
       const ScheduleCheck il = check_of(ScheduleKind::Interleaved1F1B, p, m);
       ASSERT_TRUE(il.ok) << il.error;
-      EXPECT_NEAR(worst_idle(il), static_cast<double>(p - 1) / (2 * m + p - 1), 1e-9)
-          << "p" << p << " m" << m;
+      EXPECT_NEAR(worst_idle(il), static_cast<double>(p - 1) / (2 * m + p - 1), 1e-9) << "p" << p << " m" << m;
       for (ScheduleKind k : {ScheduleKind::InterleavedZeroBubble, ScheduleKind::ZBV}) {
         const ScheduleCheck zb = check_of(k, p, m);
         ASSERT_TRUE(zb.ok) << zb.error;
@@ -291,41 +268,31 @@ TEST(Schedules, ValidatorRejectsBrokenSchedules) {
         "rank 0 waits for 0RECV_B0 but rank 1 never sends it (1SEND_B0)");
   check("0RECV_B0,0F0,0SEND_F0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n", 1,
         "the schedule blocks: rank 0 waits at 0RECV_B0; rank 1 waits at 1RECV_F0");
-  check("0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1B0,1F0,1SEND_B0\n", 1,
-        "rank 1 runs 1B0 before its forward");
+  check("0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1B0,1F0,1SEND_B0\n", 1, "rank 1 runs 1B0 before its forward");
   check("1F0\n0F0\n", 1, "rank 0 runs 1F0 but stage 1 is on rank 1");
   check("0F0,0SEND_F0,0RECV_B0,0I0\n1RECV_F0,1F0,1B0,1SEND_B0\n", 1,
-        "stage 0 never completes backward for micro-batch 0 (no weight backward after its input "
-        "backward)");
-  check("0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n", 2,
-        "stage 0 never runs forward for micro-batch 1");
+        "stage 0 never completes backward for micro-batch 0 (no weight backward after its input backward)");
+  check("0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n", 2, "stage 0 never runs forward for micro-batch 1");
   EXPECT_THROW(from_csv("0F0,0X1\n"), ValueError);
-  test::expect_error([] { from_csv("0F0\n0F0,zz\n"); },
-                     {"from_csv: row 1 (rank 1), cell 1", "cannot read the action 'zz'"});
-  test::expect_error([] { compute_actions(ScheduleKind::OneFOneB, 2, 2, 4); },
-                     {"1f1b runs one stage per rank, got 2"});
+  test::expect_error([] { from_csv("0F0\n0F0,zz\n"); }, {"from_csv: row 1 (rank 1), cell 1", "cannot read the action 'zz'"});
+  test::expect_error([] { compute_actions(ScheduleKind::OneFOneB, 2, 2, 4); }, {"1f1b runs one stage per rank, got 2"});
   test::expect_error([] { compute_actions(ScheduleKind::Interleaved1F1B, 4, 2, 6); },
-                     {"interleaved-1f1b needs micro-batches in rounds of the ranks: 6 "
-                      "micro-batches over 4 ranks"});
+                     {"interleaved-1f1b needs micro-batches in rounds of the ranks: 6 micro-batches over 4 ranks"});
   test::expect_error([] { parse_schedule("2f2b"); }, {"unknown schedule '2f2b'"});
 }
 
 // Every schedule round-trips through CSV and prints PyTorch's table.
 TEST(Schedules, CsvRoundTripAndTable) {
-  for (ScheduleKind k :
-       {ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved1F1B,
-        ScheduleKind::LoopedBFS, ScheduleKind::InterleavedZeroBubble, ScheduleKind::ZBV}) {
+  for (ScheduleKind k : {ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved1F1B,
+                         ScheduleKind::LoopedBFS, ScheduleKind::InterleavedZeroBubble, ScheduleKind::ZBV}) {
     const int v = default_stages_per_rank(k);
     const RankActions a = add_communication(compute_actions(k, 4, v, 8), ranks_of(k, 4, v));
     EXPECT_EQ(from_csv(to_csv(a)), a) << to_string(k);
     EXPECT_EQ(parse_schedule(to_string(k)), k);
   }
-  const std::string table =
-      format_table(compute_actions(ScheduleKind::OneFOneB, 2, 1, 2), 2, 2, {0, 1});
-  EXPECT_EQ(table,
-            "Step\tRank 0\tRank 1\n0\t0F0\t\n1\t0F1\t1F0\n2\t\t1B0\n3\t\t1B0\n4\t0B0\t1F1\n"
-            "5\t0B0\t1B1\n6\t\t1B1\n7\t0B1\t\n8\t0B1\t\n")
-      << table;
+  const std::string table = format_table(compute_actions(ScheduleKind::OneFOneB, 2, 1, 2), 2, 2, {0, 1});
+  EXPECT_EQ(table, "Step\tRank 0\tRank 1\n0\t0F0\t\n1\t0F1\t1F0\n2\t\t1B0\n3\t\t1B0\n4\t0B0\t1F1\n"
+                   "5\t0B0\t1B1\n6\t\t1B1\n7\t0B1\t\n8\t0B1\t\n") << table;
 }
 
 // A schedule of one's own from CSV (GPipe order on one rank, 1F1B on the other: legal) trains
@@ -333,47 +300,37 @@ TEST(Schedules, CsvRoundTripAndTable) {
 TEST(PipelineThreads, RunsAUsersCsvScheduleAndRefusesABadBatch) {
   const Reference ref = train_reference(3);
   const std::string csv = "0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n";
-  run_rank_threads(
-      2,
-      [&](int rank) {
-        auto model = make_model(initial_values());
-        auto parts = split_sequential(*model, {6});
-        auto stage = std::make_shared<PipelineStage>(parts[rank], rank, 2);
-        PipelineSchedule schedule({stage}, 4, from_csv(csv), {.loss_fn = mse});
-        nn::optim::AdamW opt(parts[rank]->parameters(), {.lr = 1e-2});
-        for (int t = 0; t < 3; ++t) {
-          opt.zero_grad();
-          schedule.step(rank == 0 ? batch_x(t) : Tensor(), rank == 1 ? batch_y(t) : Tensor());
-          opt.step();
-        }
-        for (const auto& [name, p] : parts[rank]->named_parameters()) {
-          for (const auto& [rname, rp] : ref.params) {
-            if (rname == name) require_close("csv schedule: " + name, p, rp, 1e-5);
-          }
-        }
-        if (rank == 0) {
-          test::expect_error([&] { schedule.step(batch_x(0).narrow(0, 0, 10)); },
-                             {"[PipelineSchedule::step] a input of 10 along dim 0 does not divide "
-                              "into 4 micro-batches"});
-        }
-      },
-      60s);
-  run_rank_threads(
-      2,
-      [&](int rank) {
-        auto model = make_model(initial_values());
-        auto parts = split_sequential(*model, {6});
-        auto stage = std::make_shared<PipelineStage>(parts[rank], rank, 2);
-        test::expect_error(
-            [&] { PipelineSchedule({stage}, 4, from_csv("1F0\n0F0\n"), {.loss_fn = mse}); },
-            {rank == 0 ? "[PipelineSchedule] stage 0 was given to rank 0 but the schedule runs it "
-                         "on rank 1"
-                       : "[PipelineSchedule] stage 1 was given to rank 1 but the schedule runs it "
-                         "on rank 0"});
-        test::expect_error([&] { PipelineSchedule({stage}, 4, ScheduleKind::OneFOneB, {}); },
-                           {"expected a loss_fn"});
-      },
-      60s);
+  run_rank_threads(2, [&](int rank) {
+    auto model = make_model(initial_values());
+    auto parts = split_sequential(*model, {6});
+    auto stage = std::make_shared<PipelineStage>(parts[rank], rank, 2);
+    PipelineSchedule schedule({stage}, 4, from_csv(csv), {.loss_fn = mse});
+    nn::optim::AdamW opt(parts[rank]->parameters(), {.lr = 1e-2});
+    for (int t = 0; t < 3; ++t) {
+      opt.zero_grad();
+      schedule.step(rank == 0 ? batch_x(t) : Tensor(), rank == 1 ? batch_y(t) : Tensor());
+      opt.step();
+    }
+    for (const auto& [name, p] : parts[rank]->named_parameters()) {
+      for (const auto& [rname, rp] : ref.params) {
+        if (rname == name) require_close("csv schedule: " + name, p, rp, 1e-5);
+      }
+    }
+    if (rank == 0) {
+      test::expect_error([&] { schedule.step(batch_x(0).narrow(0, 0, 10)); },
+                         {"[PipelineSchedule::step] a input of 10 along dim 0 does not divide into 4 micro-batches"});
+    }
+  }, 60s);
+  run_rank_threads(2, [&](int rank) {
+    auto model = make_model(initial_values());
+    auto parts = split_sequential(*model, {6});
+    auto stage = std::make_shared<PipelineStage>(parts[rank], rank, 2);
+    test::expect_error([&] { PipelineSchedule({stage}, 4, from_csv("1F0\n0F0\n"), {.loss_fn = mse}); },
+                       {rank == 0 ? "[PipelineSchedule] stage 0 was given to rank 0 but the schedule runs it on rank 1"
+                                  : "[PipelineSchedule] stage 1 was given to rank 1 but the schedule runs it on rank 0"});
+    test::expect_error([&] { PipelineSchedule({stage}, 4, ScheduleKind::OneFOneB, {}); },
+                       {"expected a loss_fn"});
+  }, 60s);
 }
 
 // A stage whose output changes shape after the first step fails at the sender naming both
@@ -387,8 +344,7 @@ TEST(PipelineThreads, FailuresEndEveryRankNamingStageAndMicrobatch) {
     auto stage = std::make_shared<PipelineStage>(parts[rank], rank, 2, kCPU, default_group(),
                                                  PipelineStageOptions{.dynamic_shapes = dynamic});
     return std::make_shared<PipelineSchedule>(std::vector<std::shared_ptr<PipelineStage>>{stage}, m,
-                                              ScheduleKind::OneFOneB,
-                                              ScheduleOptions{.loss_fn = mse});
+                                              ScheduleKind::OneFOneB, ScheduleOptions{.loss_fn = mse});
   };
   auto message = [](const std::function<void()>& f) {
     try {
@@ -400,62 +356,39 @@ TEST(PipelineThreads, FailuresEndEveryRankNamingStageAndMicrobatch) {
   };
   // Shapes: the second step's batch is wider in rows, so each micro-batch's output is too.
   std::vector<std::string> msgs(2);
-  run_rank_threads(
-      2,
-      [&](int rank) {
-        auto schedule = build(rank, 4);
-        schedule->step(rank == 0 ? batch_x(0) : Tensor(), rank == 1 ? batch_y(0) : Tensor());
-        const Tensor x = cat({batch_x(1), batch_x(2)}, 0), y = cat({batch_y(1), batch_y(2)}, 0);
-        msgs[rank] =
-            message([&] { schedule->step(rank == 0 ? x : Tensor(), rank == 1 ? y : Tensor()); });
-      },
-      2s);
-  EXPECT_NE(
-      msgs[0].find(
-          "stage 0 (rank 0), micro-batch 0 sending its output to stage 1 (rank 1): the output is "
-          "[8, 8] float32 but stage 1 takes [4, 8] float32"),
-      std::string::npos)
-      << msgs[0];
-  EXPECT_NE(
-      msgs[1].find("stage 1 (rank 1), micro-batch 0 receiving its input from stage 0 (rank 0)"),
-      std::string::npos)
-      << msgs[1];
+  run_rank_threads(2, [&](int rank) {
+    auto schedule = build(rank, 4);
+    schedule->step(rank == 0 ? batch_x(0) : Tensor(), rank == 1 ? batch_y(0) : Tensor());
+    const Tensor x = cat({batch_x(1), batch_x(2)}, 0), y = cat({batch_y(1), batch_y(2)}, 0);
+    msgs[rank] = message([&] { schedule->step(rank == 0 ? x : Tensor(), rank == 1 ? y : Tensor()); });
+  }, 2s);
+  EXPECT_NE(msgs[0].find("stage 0 (rank 0), micro-batch 0 sending its output to stage 1 (rank 1): the output is "
+                         "[8, 8] float32 but stage 1 takes [4, 8] float32"), std::string::npos) << msgs[0];
+  EXPECT_NE(msgs[1].find("stage 1 (rank 1), micro-batch 0 receiving its input from stage 0 (rank 0)"),
+            std::string::npos) << msgs[1];
   // With dynamic_shapes the same step runs.
-  run_rank_threads(
-      2,
-      [&](int rank) {
-        auto schedule = build(rank, 4, true);
-        schedule->step(rank == 0 ? batch_x(0) : Tensor(), rank == 1 ? batch_y(0) : Tensor());
-        const Tensor x = cat({batch_x(1), batch_x(2)}, 0), y = cat({batch_y(1), batch_y(2)}, 0);
-        const Tensor out = schedule->step(rank == 0 ? x : Tensor(), rank == 1 ? y : Tensor());
-        if (rank == 1)
-          require(out.shape() == Shape({2 * kBatch, kWidth}), "dynamic shapes: merged output");
-      },
-      60s);
+  run_rank_threads(2, [&](int rank) {
+    auto schedule = build(rank, 4, true);
+    schedule->step(rank == 0 ? batch_x(0) : Tensor(), rank == 1 ? batch_y(0) : Tensor());
+    const Tensor x = cat({batch_x(1), batch_x(2)}, 0), y = cat({batch_y(1), batch_y(2)}, 0);
+    const Tensor out = schedule->step(rank == 0 ? x : Tensor(), rank == 1 ? y : Tensor());
+    if (rank == 1) require(out.shape() == Shape({2 * kBatch, kWidth}), "dynamic shapes: merged output");
+  }, 60s);
   // Rank 1 runs 2 micro-batches where rank 0 runs 4: both are told at construction.
-  run_rank_threads(
-      2, [&](int rank) { msgs[rank] = message([&] { build(rank, rank == 0 ? 4 : 2); }); }, 2s);
-  EXPECT_NE(
-      msgs[0].find("[PipelineSchedule] the ranks disagree: rank 1 runs 2 micro-batches over 2 "
-                   "stages, this rank (0) 4 over 2"),
-      std::string::npos)
-      << msgs[0];
-  EXPECT_NE(msgs[1].find("the ranks disagree: rank 0 runs 4 micro-batches"), std::string::npos)
-      << msgs[1];
+  run_rank_threads(2, [&](int rank) { msgs[rank] = message([&] { build(rank, rank == 0 ? 4 : 2); }); }, 2s);
+  EXPECT_NE(msgs[0].find("[PipelineSchedule] the ranks disagree: rank 1 runs 2 micro-batches over 2 "
+                         "stages, this rank (0) 4 over 2"), std::string::npos) << msgs[0];
+  EXPECT_NE(msgs[1].find("the ranks disagree: rank 0 runs 4 micro-batches"), std::string::npos) << msgs[1];
   // A rank that stops mid-step: the other's next transfer fails.
-  run_rank_threads(
-      2,
-      [&](int rank) {
-        auto schedule = build(rank, 4);
-        if (rank == 1) {
-          msgs[1] = "left";
-          return;
-        }
-        msgs[0] = message([&] { schedule->step(batch_x(0)); });
-      },
-      2s);
-  EXPECT_NE(msgs[0].find("[PipelineSchedule] stage 0 (rank 0), micro-batch 0"), std::string::npos)
-      << msgs[0];
+  run_rank_threads(2, [&](int rank) {
+    auto schedule = build(rank, 4);
+    if (rank == 1) {
+      msgs[1] = "left";
+      return;
+    }
+    msgs[0] = message([&] { schedule->step(batch_x(0)); });
+  }, 2s);
+  EXPECT_NE(msgs[0].find("[PipelineSchedule] stage 0 (rank 0), micro-batch 0"), std::string::npos) << msgs[0];
   EXPECT_NE(msgs[0].find("rank 1"), std::string::npos) << msgs[0];
 }
 
@@ -472,67 +405,62 @@ namespace {
 TEST(PipelineThreads, TimesDataParallelTrainsLikeTheUnsplitModel) {
   const Reference ref = train_reference(5);
   for (const std::string wrap : {"ddp", "ddp-zero-bubble", "fsdp"}) {
-    run_rank_threads(
-        4,
-        [&](int rank) {
-          auto mesh = init_device_mesh("cpu", {2, 2}, {"pp", "dp"});
-          auto pp = mesh->get_group("pp"), dp = mesh->get_group("dp");
-          const ScheduleKind kind = wrap == "ddp-zero-bubble" ? ScheduleKind::InterleavedZeroBubble
-                                                              : ScheduleKind::OneFOneB;
-          const int S = 2 * default_stages_per_rank(kind);
-          auto model = make_model(initial_values());
-          auto parts = split_sequential_evenly(*model, S);
-          std::vector<std::shared_ptr<PipelineStage>> stages;
-          std::vector<Tensor> params;
-          std::vector<int> mine;
-          int reductions = 0;  // DDP's bucket reductions on this rank
-          for (int s = 0; s < S; ++s) {
-            if (stage_rank(kind, s, S, 2) != pp->rank()) continue;
-            mine.push_back(s);
-            std::shared_ptr<nn::Module> m = parts[s];
-            if (wrap == "fsdp") {
-              fully_shard(parts[s], {.group = dp});
-              for (const Tensor& t : fsdp_parameters(*parts[s])) params.push_back(t);
-            } else {
-              auto ddp = std::make_shared<DistributedDataParallel>(parts[s], dp);
-              ddp->register_comm_hook([&reductions](GradBucket& b) {
-                ++reductions;
-                return allreduce_hook(b);
-              });
-              m = ddp;
-              for (const Tensor& t : parts[s]->parameters()) params.push_back(t);
-            }
-            stages.push_back(std::make_shared<PipelineStage>(m, s, S, kCPU, pp));
+    run_rank_threads(4, [&](int rank) {
+      auto mesh = init_device_mesh("cpu", {2, 2}, {"pp", "dp"});
+      auto pp = mesh->get_group("pp"), dp = mesh->get_group("dp");
+      const ScheduleKind kind = wrap == "ddp-zero-bubble" ? ScheduleKind::InterleavedZeroBubble
+                                                          : ScheduleKind::OneFOneB;
+      const int S = 2 * default_stages_per_rank(kind);
+      auto model = make_model(initial_values());
+      auto parts = split_sequential_evenly(*model, S);
+      std::vector<std::shared_ptr<PipelineStage>> stages;
+      std::vector<Tensor> params;
+      std::vector<int> mine;
+      int reductions = 0;  // DDP's bucket reductions on this rank
+      for (int s = 0; s < S; ++s) {
+        if (stage_rank(kind, s, S, 2) != pp->rank()) continue;
+        mine.push_back(s);
+        std::shared_ptr<nn::Module> m = parts[s];
+        if (wrap == "fsdp") {
+          fully_shard(parts[s], {.group = dp});
+          for (const Tensor& t : fsdp_parameters(*parts[s])) params.push_back(t);
+        } else {
+          auto ddp = std::make_shared<DistributedDataParallel>(parts[s], dp);
+          ddp->register_comm_hook([&reductions](GradBucket& b) {
+            ++reductions;
+            return allreduce_hook(b);
+          });
+          m = ddp;
+          for (const Tensor& t : parts[s]->parameters()) params.push_back(t);
+        }
+        stages.push_back(std::make_shared<PipelineStage>(m, s, S, kCPU, pp));
+      }
+      PipelineSchedule schedule(stages, 4, kind, {.loss_fn = mse});
+      nn::optim::AdamW opt(params, {.lr = 1e-2});
+      const bool first = pp->rank() == stage_rank(kind, 0, S, 2);
+      const bool last = pp->rank() == stage_rank(kind, S - 1, S, 2);
+      const int64_t half = kBatch / 2, at = dp->rank() * half;
+      for (int t = 0; t < 5; ++t) {
+        opt.zero_grad();
+        const int before = reductions;
+        schedule.step(first ? batch_x(t).narrow(0, at, half) : Tensor(),
+                      last ? batch_y(t).narrow(0, at, half) : Tensor());
+        opt.step();
+        // One bucket per stage (a few KB of gradients each), reduced once per step.
+        if (wrap != "fsdp") require(reductions - before == static_cast<int>(mine.size()),
+                                    wrap + ": " + std::to_string(reductions - before) +
+                                        " reductions in a step of " + std::to_string(mine.size()) + " stages");
+      }
+      for (int s : mine) {
+        const nn::NamedTensors got =
+            wrap == "fsdp" ? full_state_dict(*parts[s]) : parts[s]->named_parameters();
+        for (const auto& [name, p] : got) {
+          for (const auto& [rname, rp] : ref.params) {
+            if (rname == name) require_close(wrap + " rank " + std::to_string(rank) + ": " + name, p, rp, 1e-5);
           }
-          PipelineSchedule schedule(stages, 4, kind, {.loss_fn = mse});
-          nn::optim::AdamW opt(params, {.lr = 1e-2});
-          const bool first = pp->rank() == stage_rank(kind, 0, S, 2);
-          const bool last = pp->rank() == stage_rank(kind, S - 1, S, 2);
-          const int64_t half = kBatch / 2, at = dp->rank() * half;
-          for (int t = 0; t < 5; ++t) {
-            opt.zero_grad();
-            const int before = reductions;
-            schedule.step(first ? batch_x(t).narrow(0, at, half) : Tensor(),
-                          last ? batch_y(t).narrow(0, at, half) : Tensor());
-            opt.step();
-            // One bucket per stage (a few KB of gradients each), reduced once per step.
-            if (wrap != "fsdp")
-              require(reductions - before == static_cast<int>(mine.size()),
-                      wrap + ": " + std::to_string(reductions - before) +
-                          " reductions in a step of " + std::to_string(mine.size()) + " stages");
-          }
-          for (int s : mine) {
-            const nn::NamedTensors got =
-                wrap == "fsdp" ? full_state_dict(*parts[s]) : parts[s]->named_parameters();
-            for (const auto& [name, p] : got) {
-              for (const auto& [rname, rp] : ref.params) {
-                if (rname == name)
-                  require_close(wrap + " rank " + std::to_string(rank) + ": " + name, p, rp, 1e-5);
-              }
-            }
-          }
-        },
-        60s);
+        }
+      }
+    }, 60s);
   }
 }
 
@@ -568,8 +496,7 @@ void resume_in_one_process(const std::string& dir, int from, int steps, const st
   }
   const Reference ref = train_reference(steps);
   const auto got = model->named_parameters();
-  for (size_t i = 0; i < got.size(); ++i)
-    require_close(what + ": " + got[i].first, got[i].second, ref.params[i].second, 1e-5);
+  for (size_t i = 0; i < got.size(); ++i) require_close(what + ": " + got[i].first, got[i].second, ref.params[i].second, 1e-5);
 }
 
 // Checkpoints saved per stage (each rank its stage's parameters and AdamW state, under the
@@ -578,40 +505,34 @@ void resume_in_one_process(const std::string& dir, int from, int steps, const st
 // uninterrupted.
 TEST(PipelineCheckpoint, SavedPerStageGoesOnInOneProcess) {
   test::TempDir pp2, pp2dp2;
-  run_rank_threads(
-      2,
-      [&](int rank) {
-        auto model = make_model(initial_values());
-        auto parts = split_sequential_evenly(*model, 2);
-        auto stage = std::make_shared<PipelineStage>(parts[rank], rank, 2);
-        PipelineSchedule schedule({stage}, 4, ScheduleKind::OneFOneB, {.loss_fn = mse});
-        nn::optim::AdamW opt(parts[rank]->parameters(), {.lr = 1e-2});
-        for (int t = 0; t < 3; ++t) {
-          opt.zero_grad();
-          schedule.step(rank == 0 ? batch_x(t) : Tensor(), rank == 1 ? batch_y(t) : Tensor());
-          opt.step();
-        }
-        save_model_checkpoint(pp2.path(), *parts[rank], &opt, *default_group(), {{"step", "3"}});
-      },
-      60s);
+  run_rank_threads(2, [&](int rank) {
+    auto model = make_model(initial_values());
+    auto parts = split_sequential_evenly(*model, 2);
+    auto stage = std::make_shared<PipelineStage>(parts[rank], rank, 2);
+    PipelineSchedule schedule({stage}, 4, ScheduleKind::OneFOneB, {.loss_fn = mse});
+    nn::optim::AdamW opt(parts[rank]->parameters(), {.lr = 1e-2});
+    for (int t = 0; t < 3; ++t) {
+      opt.zero_grad();
+      schedule.step(rank == 0 ? batch_x(t) : Tensor(), rank == 1 ? batch_y(t) : Tensor());
+      opt.step();
+    }
+    save_model_checkpoint(pp2.path(), *parts[rank], &opt, *default_group(), {{"step", "3"}});
+  }, 60s);
   resume_in_one_process(pp2.path(), 3, 6, "pp 2 -> 1");
 
-  run_rank_threads(
-      4,
-      [&](int) {
-        auto mesh = init_device_mesh("cpu", {2, 2}, {"pp", "dp"});
-        auto pp = mesh->get_group("pp"), dp = mesh->get_group("dp");
-        auto model = make_model(initial_values());
-        auto parts = split_sequential_evenly(*model, 2);
-        auto part = parts[pp->rank()];
-        auto stage = std::make_shared<PipelineStage>(
-            std::make_shared<DistributedDataParallel>(part, dp), pp->rank(), 2, kCPU, pp);
-        PipelineSchedule schedule({stage}, 2, ScheduleKind::OneFOneB, {.loss_fn = mse});
-        nn::optim::AdamW opt(part->parameters(), {.lr = 1e-2});
-        train_two_stages_on_half_batches(schedule, opt, *pp, *dp, 4);
-        save_model_checkpoint(pp2dp2.path(), *part, &opt, *default_group(), {{"step", "4"}});
-      },
-      60s);
+  run_rank_threads(4, [&](int) {
+    auto mesh = init_device_mesh("cpu", {2, 2}, {"pp", "dp"});
+    auto pp = mesh->get_group("pp"), dp = mesh->get_group("dp");
+    auto model = make_model(initial_values());
+    auto parts = split_sequential_evenly(*model, 2);
+    auto part = parts[pp->rank()];
+    auto stage = std::make_shared<PipelineStage>(std::make_shared<DistributedDataParallel>(part, dp),
+                                                 pp->rank(), 2, kCPU, pp);
+    PipelineSchedule schedule({stage}, 2, ScheduleKind::OneFOneB, {.loss_fn = mse});
+    nn::optim::AdamW opt(part->parameters(), {.lr = 1e-2});
+    train_two_stages_on_half_batches(schedule, opt, *pp, *dp, 4);
+    save_model_checkpoint(pp2dp2.path(), *part, &opt, *default_group(), {{"step", "4"}});
+  }, 60s);
   resume_in_one_process(pp2dp2.path(), 4, 6, "pp 2 x dp 2 -> 1");
 }
 
@@ -628,27 +549,24 @@ namespace {
 // within 1e-5.
 TEST(PipelineThreads, ThreeDimensionalTrainsLikeTheUnsplitModel) {
   test::TempDir dir;
-  run_rank_threads(
-      8,
-      [&](int) {
-        auto mesh = init_device_mesh("cpu", {2, 2, 2}, {"pp", "dp", "tp"});
-        auto pp = mesh->get_group("pp"), dp = mesh->get_group("dp");
-        auto model = make_model(initial_values());
-        auto part = split_sequential_evenly(*model, 2)[pp->rank()];
-        ParallelizePlan plan;
-        for (int64_t i = part->begin(); i < part->end(); i += 4) {
-          plan.push_back({std::to_string(i), ColwiseParallel()});
-          plan.push_back({std::to_string(i + 2), RowwiseParallel()});
-        }
-        parallelize_module(part, (*mesh)["tp"], plan);
-        fully_shard(part, {.group = dp});
-        auto stage = std::make_shared<PipelineStage>(part, pp->rank(), 2, kCPU, pp);
-        PipelineSchedule schedule({stage}, 2, ScheduleKind::OneFOneB, {.loss_fn = mse});
-        nn::optim::AdamW opt(fsdp_parameters(*part), {.lr = 1e-2});
-        train_two_stages_on_half_batches(schedule, opt, *pp, *dp, 4);
-        save_model_checkpoint(dir.path(), *part, &opt, *default_group(), {{"step", "4"}});
-      },
-      60s);
+  run_rank_threads(8, [&](int) {
+    auto mesh = init_device_mesh("cpu", {2, 2, 2}, {"pp", "dp", "tp"});
+    auto pp = mesh->get_group("pp"), dp = mesh->get_group("dp");
+    auto model = make_model(initial_values());
+    auto part = split_sequential_evenly(*model, 2)[pp->rank()];
+    ParallelizePlan plan;
+    for (int64_t i = part->begin(); i < part->end(); i += 4) {
+      plan.push_back({std::to_string(i), ColwiseParallel()});
+      plan.push_back({std::to_string(i + 2), RowwiseParallel()});
+    }
+    parallelize_module(part, (*mesh)["tp"], plan);
+    fully_shard(part, {.group = dp});
+    auto stage = std::make_shared<PipelineStage>(part, pp->rank(), 2, kCPU, pp);
+    PipelineSchedule schedule({stage}, 2, ScheduleKind::OneFOneB, {.loss_fn = mse});
+    nn::optim::AdamW opt(fsdp_parameters(*part), {.lr = 1e-2});
+    train_two_stages_on_half_batches(schedule, opt, *pp, *dp, 4);
+    save_model_checkpoint(dir.path(), *part, &opt, *default_group(), {{"step", "4"}});
+  }, 60s);
   resume_in_one_process(dir.path(), 4, 4, "pp 2 x dp 2 x tp 2 -> 1");
 }
 

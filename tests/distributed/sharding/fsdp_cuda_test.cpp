@@ -1,10 +1,9 @@
 // fully_shard on CUDA parameters, on the one-GPU multi-rank harness: every rank is a thread of
 // this process on cuda:0 with its own stream (ProcessGroupThreads). Sharded training must end
 // where DDP + Adam on the same harness ends; the gathered parameters live in CUDA arenas whose
-// memory is really given back on reshard (Note [CUDA arenas] in
-// distributed/sharding/fsdp_cuda_arena.cpp). The CUDA cases skip without a GPU. The same checks run
-// on the CPU too (the _cpu cases and the FsdpArena suites), so the checks themselves are exercised
-// where there is no GPU.
+// memory is really given back on reshard (Note [CUDA arenas] in distributed/sharding/fsdp_cuda_arena.cpp).
+// The CUDA cases skip without a GPU. The same checks run on the CPU too (the _cpu cases and the
+// FsdpArena suites), so the checks themselves are exercised where there is no GPU.
 #include <gtest/gtest.h>
 
 #include <mutex>
@@ -111,8 +110,9 @@ void PrintTo(const CudaCase& c, std::ostream* os) {
 }
 std::string case_name(const ::testing::TestParamInfo<CudaCase>& info) {
   const CudaCase& c = info.param;
-  return std::string("n") + std::to_string(c.n) + (c.reshard_after_forward ? "_reshard" : "_keep") +
-         (c.bf16 ? "_bf16" : "") + (c.clip > 0 ? "_clip" : "") + (c.gpu ? "" : "_cpu");
+  return std::string("n") + std::to_string(c.n) +
+         (c.reshard_after_forward ? "_reshard" : "_keep") + (c.bf16 ? "_bf16" : "") +
+         (c.clip > 0 ? "_clip" : "") + (c.gpu ? "" : "_cpu");
 }
 
 FullyShardOptions options_of(const CudaCase& c, std::shared_ptr<ProcessGroup> pg) {
@@ -169,14 +169,16 @@ TEST_P(FsdpCuda, TrainsLikeDdp) {
   EXPECT_EQ(fsdp_memory_stats().unsharded_bytes, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Ranks, FsdpCuda,
-    ::testing::Values(CudaCase{2, true, false}, CudaCase{2, false, false}, CudaCase{4, true, false},
-                      CudaCase{4, false, false}, CudaCase{2, true, true}, CudaCase{4, true, true},
-                      CudaCase{2, true, false, true, 0.05}, CudaCase{2, true, false, false},
-                      CudaCase{2, false, false, false}, CudaCase{2, true, true, false},
-                      CudaCase{2, true, false, false, 0.05}),
-    case_name);
+INSTANTIATE_TEST_SUITE_P(Ranks, FsdpCuda,
+                         ::testing::Values(CudaCase{2, true, false}, CudaCase{2, false, false},
+                                           CudaCase{4, true, false}, CudaCase{4, false, false},
+                                           CudaCase{2, true, true}, CudaCase{4, true, true},
+                                           CudaCase{2, true, false, true, 0.05},
+                                           CudaCase{2, true, false, false},
+                                           CudaCase{2, false, false, false},
+                                           CudaCase{2, true, true, false},
+                                           CudaCase{2, true, false, false, 0.05}),
+                         case_name);
 
 // A sharded checkpoint of the shards on `dev` (model and Adam's state) after 10 steps, loaded
 // into freshly sharded models there, continues the same run: 10 more steps end where 20 DDP
@@ -245,8 +247,8 @@ void check_arenas_released(Device dev) {
         }
       });
       nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
-      const std::string what =
-          std::string(reshard ? "reshard" : "keep") + " rank " + std::to_string(rank) + ": ";
+      const std::string what = std::string(reshard ? "reshard" : "keep") + " rank " +
+                               std::to_string(rank) + ": ";
       for (const Batch& b : bs) {
         opt.zero_grad();
         Tensor loss = test::fsdp_loss(*model, mine(b, rank, n, dev));
@@ -362,8 +364,8 @@ TEST(FsdpCudaErrors, ParametersOnTwoDevicesAreRefused) {
     auto gpu = std::make_shared<nn::Linear>(4, 4);
     gpu->to(kGpu);
     auto model = std::make_shared<nn::Sequential>(gpu, std::make_shared<nn::Linear>(4, 4));
-    test::require_throws_with(
-        "two devices", [&] { fully_shard(model, {.group = pg}); }, "must be on one device");
+    test::require_throws_with("two devices", [&] { fully_shard(model, {.group = pg}); },
+                              "must be on one device");
     require(!is_fully_sharded(*model), "a refused module is marked sharded");
   });
 }

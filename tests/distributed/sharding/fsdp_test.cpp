@@ -109,7 +109,8 @@ void require_state(const std::string& what, const nn::NamedTensors& got, const n
 
 // n rank threads, each training its own model (all made before the threads start: the default
 // generator is shared).
-using RankBody = std::function<void(std::shared_ptr<FsdpNet>&, std::shared_ptr<ProcessGroup>, int)>;
+using RankBody =
+    std::function<void(std::shared_ptr<FsdpNet>&, std::shared_ptr<ProcessGroup>, int)>;
 void with_rank_models(int n, const RankBody& body, int blocks = 3) {
   std::vector<std::shared_ptr<FsdpNet>> models;
   for (int r = 0; r < n; ++r) models.push_back(test::make_fsdp_net(blocks));
@@ -123,12 +124,12 @@ void with_rank_models(int n, const RankBody& body, int blocks = 3) {
 void run_variant(const Variant& v, int n) {
   const auto bs = batches();
   auto ref = train_reference(v, bs);
-  with_rank_models(
-      n, [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg, int rank) {
-        const auto state = train_sharded(v, model, bs, pg);
-        require_state(v.name + " rank " + std::to_string(rank) + " of " + std::to_string(n), state,
-                      *ref, 2e-5);
-      });
+  with_rank_models(n, [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg,
+                          int rank) {
+    const auto state = train_sharded(v, model, bs, pg);
+    require_state(v.name + " rank " + std::to_string(rank) + " of " + std::to_string(n), state,
+                  *ref, 2e-5);
+  });
 }
 
 class Fsdp : public ::testing::TestWithParam<int> {};
@@ -168,29 +169,28 @@ TEST_P(Fsdp, MixedPrecisionComputesInBfloat16AndKeepsFloat32Shards) {
   const int n = GetParam();
   const auto bs = batches();
   auto ref = train_reference({}, bs);
-  with_rank_models(
-      n, [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg, int rank) {
-        Dtype seen = kFloat32;
-        model->blocks[0]->register_forward_hook(
-            [&](nn::Module& m, const std::vector<Tensor>&, std::vector<Tensor>&) {
-              seen = static_cast<test::FsdpBlock&>(m).fc1->weight.dtype();
-            });
-        Variant v{.name = "bf16"};
-        v.options.mp_policy = {.param_dtype = kBFloat16, .reduce_dtype = kFloat32};
-        // The loss is taken in float32 (the head's output is bfloat16).
-        shard(*model, model, v, pg);
-        nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
-        for (const Tensor& t : fsdp_parameters(*model))
-          require(t.dtype() == kFloat32, "shard dtype");
-        for (const Batch& b : bs) {
-          opt.zero_grad();
-          const Batch mine = test::slice(b, rank, n);
-          nn::functional::mse_loss((*model)(mine.x).to(kFloat32), mine.y).backward();
-          opt.step();
-        }
-        require(seen == kBFloat16, "the blocks did not compute in bfloat16");
-        require_state("bf16 rank " + std::to_string(rank), full_state_dict(*model), *ref, 0.05);
-      });
+  with_rank_models(n, [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg,
+                          int rank) {
+    Dtype seen = kFloat32;
+    model->blocks[0]->register_forward_hook(
+        [&](nn::Module& m, const std::vector<Tensor>&, std::vector<Tensor>&) {
+          seen = static_cast<test::FsdpBlock&>(m).fc1->weight.dtype();
+        });
+    Variant v{.name = "bf16"};
+    v.options.mp_policy = {.param_dtype = kBFloat16, .reduce_dtype = kFloat32};
+    // The loss is taken in float32 (the head's output is bfloat16).
+    shard(*model, model, v, pg);
+    nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
+    for (const Tensor& t : fsdp_parameters(*model)) require(t.dtype() == kFloat32, "shard dtype");
+    for (const Batch& b : bs) {
+      opt.zero_grad();
+      const Batch mine = test::slice(b, rank, n);
+      nn::functional::mse_loss((*model)(mine.x).to(kFloat32), mine.y).backward();
+      opt.step();
+    }
+    require(seen == kBFloat16, "the blocks did not compute in bfloat16");
+    require_state("bf16 rank " + std::to_string(rank), full_state_dict(*model), *ref, 0.05);
+  });
 }
 
 // 3 ranks: no flat group divides evenly, so every shard ends in padding.
@@ -242,8 +242,8 @@ TEST(FsdpMemory, ShardsAreOneNthAndFewModulesAreGatheredAtOnce) {
 // this thread too, so that no pool thread outlives the test (the gloo cases fork after it).
 TEST(FsdpMemory, ShardsTakeBlocksOfTheirOwnSizeAndTheUnshardedParametersAreGivenBack) {
   constexpr int n = 2, kLayers = 4;
-  constexpr int64_t kDim = 512;    // 1 MiB weights: host blocks from 128 KiB are cached
-  constexpr int64_t kPage = 4096;  // the host allocator rounds cached blocks up to pages
+  constexpr int64_t kDim = 512;     // 1 MiB weights: host blocks from 128 KiB are cached
+  constexpr int64_t kPage = 4096;   // the host allocator rounds cached blocks up to pages
   const int threads = get_num_threads();
   set_num_threads(1);
   auto pg = std::make_shared<ProcessGroupThreads>(ThreadWorld::create(n), 0);
@@ -315,15 +315,15 @@ TEST(FsdpMpiRanks, TrainsLikeOneProcess) {
 TEST(FsdpState, FullStateDictLoadsIntoPlainAndShardedModels) {
   const auto bs = batches();
   auto ref = train_reference({}, std::vector<Batch>(bs.begin(), bs.begin() + 10));
-  with_rank_models(
-      3, [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg, int rank) {
-        shard(*model, model, {}, pg);
-        load_full_state_dict(*model, ref->state_dict());
-        const auto back = full_state_dict(*model);
-        require_state("round trip rank " + std::to_string(rank), back, *ref, 0);
-        const Tensor got = (*model)(bs[0].x);
-        require_close("forward rank " + std::to_string(rank), got, (*ref)(bs[0].x).detach(), 1e-6);
-      });
+  with_rank_models(3, [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg,
+                          int rank) {
+    shard(*model, model, {}, pg);
+    load_full_state_dict(*model, ref->state_dict());
+    const auto back = full_state_dict(*model);
+    require_state("round trip rank " + std::to_string(rank), back, *ref, 0);
+    const Tensor got = (*model)(bs[0].x);
+    require_close("forward rank " + std::to_string(rank), got, (*ref)(bs[0].x).detach(), 1e-6);
+  });
   auto plain = test::make_fsdp_net();
   nn::NamedTensors state;
   for (const auto& [name, t] : ref->state_dict()) state.emplace_back(name, t.detach().clone());
@@ -339,26 +339,25 @@ TEST(FsdpCheckpoint, ReshardsFromFourRanksToTwoAndOne) {
   test::TempDir dir;
   const std::string path = dir.file("ckpt");
   auto run = [&](int n, int first, int last, bool load, bool save) {
-    with_rank_models(
-        n, [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg, int rank) {
-          shard(*model, model, {}, pg);
-          nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
-          if (load) {
-            const auto meta = load_model_checkpoint(path, *model, &opt);
-            require(meta.at("step") == std::to_string(first), "metadata step");
-          }
-          for (int i = first; i < last; ++i) {
-            opt.zero_grad();
-            test::fsdp_loss(*model, test::slice(bs[i], rank, n)).backward();
-            opt.step();
-          }
-          if (save)
-            save_model_checkpoint(path, *model, &opt, *pg, {{"step", std::to_string(last)}});
-          if (last == kSteps) {
-            require_state(std::to_string(n) + " ranks, rank " + std::to_string(rank),
-                          full_state_dict(*model), *ref, 2e-5);
-          }
-        });
+    with_rank_models(n, [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg,
+                            int rank) {
+      shard(*model, model, {}, pg);
+      nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
+      if (load) {
+        const auto meta = load_model_checkpoint(path, *model, &opt);
+        require(meta.at("step") == std::to_string(first), "metadata step");
+      }
+      for (int i = first; i < last; ++i) {
+        opt.zero_grad();
+        test::fsdp_loss(*model, test::slice(bs[i], rank, n)).backward();
+        opt.step();
+      }
+      if (save) save_model_checkpoint(path, *model, &opt, *pg, {{"step", std::to_string(last)}});
+      if (last == kSteps) {
+        require_state(std::to_string(n) + " ranks, rank " + std::to_string(rank),
+                      full_state_dict(*model), *ref, 2e-5);
+      }
+    });
   };
   run(4, 0, kSteps / 2, false, true);
   run(2, kSteps / 2, kSteps, true, false);
@@ -388,24 +387,20 @@ TEST(FsdpCheckpoint, MismatchesAreRefusedByName) {
     shard(*model, model, {}, pg);
     nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
     test::require_throws_with(
-        "reserved key",
-        [&] {
-          save_model_checkpoint(path, *model, &opt, *pg, {{"optim.x", "1"}});
-        },
+        "reserved key", [&] { save_model_checkpoint(path, *model, &opt, *pg, {{"optim.x", "1"}}); },
         "is reserved");
     save_model_checkpoint(path, *model, &opt, *pg, {});
     auto deeper = test::make_fsdp_net(4);  // one block more: blocks.3 is missing
     shard(*deeper, deeper, {}, pg);
-    test::require_throws_with(
-        "missing tensor", [&] { load_model_checkpoint(path, *deeper, nullptr); },
-        "has no tensor 'block3.");
+    test::require_throws_with("missing tensor",
+                              [&] { load_model_checkpoint(path, *deeper, nullptr); },
+                              "has no tensor 'block3.");
     nn::optim::SGD sgd(fsdp_parameters(*model), {.lr = 0.1});
-    test::require_throws_with(
-        "optimizer type", [&] { load_model_checkpoint(path, *model, &sgd); },
-        "holds Adam state; the optimizer is SGD");
-    test::require_throws_with(
-        "no checkpoint", [&] { load_model_checkpoint(dir.file("none"), *model, nullptr); },
-        "index.json");
+    test::require_throws_with("optimizer type", [&] { load_model_checkpoint(path, *model, &sgd); },
+                              "holds Adam state; the optimizer is SGD");
+    test::require_throws_with("no checkpoint",
+                              [&] { load_model_checkpoint(dir.file("none"), *model, nullptr); },
+                              "index.json");
   });
 }
 
@@ -416,21 +411,19 @@ TEST(FsdpErrors, RefusedWithClearMessages) {
     FullyShardOptions o{.group = pg};
     auto twice = test::make_fsdp_net(2);
     fully_shard(twice->blocks[0], o);
-    test::require_throws_with(
-        "twice", [&] { fully_shard(twice->blocks[0], o); }, "already sharded");
+    test::require_throws_with("twice", [&] { fully_shard(twice->blocks[0], o); },
+                              "already sharded");
     auto parent_first = test::make_fsdp_net(2);
     fully_shard(parent_first, o);
-    test::require_throws_with(
-        "parent first", [&] { fully_shard(parent_first->blocks[0], o); },
-        "shard submodules before their parents");
+    test::require_throws_with("parent first", [&] { fully_shard(parent_first->blocks[0], o); },
+                              "shard submodules before their parents");
     auto nothing = std::make_shared<nn::Sequential>(test::make_fsdp_net(1)->blocks[0]);
     fully_shard(nothing->children()[0], o);
-    test::require_throws_with(
-        "no parameters", [&] { fully_shard(nothing, o); }, "no parameters of its own");
-    test::require_throws_with(
-        "nothing sharded", [&] { fsdp_parameters(*test::make_fsdp_net(1)); }, "is sharded");
-    test::require_throws_with(
-        "null", [&] { fully_shard(nullptr, o); }, "got null");
+    test::require_throws_with("no parameters", [&] { fully_shard(nothing, o); },
+                              "no parameters of its own");
+    test::require_throws_with("nothing sharded", [&] { fsdp_parameters(*test::make_fsdp_net(1)); },
+                              "is sharded");
+    test::require_throws_with("null", [&] { fully_shard(nullptr, o); }, "got null");
   });
 }
 

@@ -212,7 +212,8 @@ TEST(ZeroCheckpoint, ConsolidatedStateReshardsToAnotherWorldSizeAndToAPlainOptim
       (void)opt.state_dict();
       require(false, "state_dict before consolidate_state_dict must throw");
     } catch (const ValueError& e) {
-      require(std::string(e.what()).find("consolidate_state_dict") != std::string::npos, e.what());
+      require(std::string(e.what()).find("consolidate_state_dict") != std::string::npos,
+              e.what());
     }
     opt.consolidate_state_dict(1);
     if (rank == 1) {
@@ -296,8 +297,7 @@ TEST(ZeroErrors, TooFewParametersForTheRanksAndBadStates) {
   });
 }
 
-// ---- overlap_with_ddp: updates from DDP's communication hook (distributed/sharding/zero_hook.h)
-// -------
+// ---- overlap_with_ddp: updates from DDP's communication hook (distributed/sharding/zero_hook.h) -------
 
 // Buckets of about 256 bytes: the model spreads over several, and DDP's rebuild after the first
 // iteration regroups them (the overlap must not care).
@@ -534,13 +534,11 @@ TEST(ZeroOverlapJoin, UnevenInputsEndLikeDdpWithAdam) {
     auto ddp_plain = std::make_shared<DistributedDataParallel>(plain[rank], pg, small_buckets());
     ddp_plain->register_comm_hook(allreduce_hook);
     Adam opt(ddp_plain->parameters(), adam_options());
-    train(
-        *ddp_plain, [&] { opt.zero_grad(); }, [&] { opt.step(); });
+    train(*ddp_plain, [&] { opt.zero_grad(); }, [&] { opt.step(); });
     auto ddp = std::make_shared<DistributedDataParallel>(overlap[rank], pg, small_buckets());
     ZeroRedundancyOptimizer zero(ddp->parameters(), adam_factory(), pg, overlapped());
     ddp->register_comm_hook(hook_with_zero_step(allreduce_hook, *ddp, zero));
-    train(
-        *ddp, [&] { zero.zero_grad(); }, [&] { zero.step(); });
+    train(*ddp, [&] { zero.zero_grad(); }, [&] { zero.step(); });
     require_params("join, rank " + std::to_string(rank), *overlap[rank], *plain[rank]);
   });
 }

@@ -211,10 +211,10 @@ TEST_F(EtcdStoreTest, RefusedRequestsNameEtcdsMessageAndCode) {
 
 // ---- TLS: etcd with a throwaway PKI (test::TestPki) --------------------------------------------
 
-#define SKIP_WITHOUT_ETCD_TLS()                                  \
-  do {                                                           \
-    const std::string why = test::etcd_tls_unavailable_reason(); \
-    if (!why.empty()) GTEST_SKIP() << why;                       \
+#define SKIP_WITHOUT_ETCD_TLS()                                     \
+  do {                                                              \
+    const std::string why = test::etcd_tls_unavailable_reason();    \
+    if (!why.empty()) GTEST_SKIP() << why;                          \
   } while (0)
 
 TEST(EtcdStoreTls, RoundTripOverHttpsAndAnUntrustedServerIsAClearError) {

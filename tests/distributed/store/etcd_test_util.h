@@ -80,16 +80,15 @@ class TestPki {
     return " -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " + key(name);
   }
   void make_ca(const std::string& name) const {
-    sh(std::string(kOpensslBinary) + " req -x509" + new_key(name) + " -out " + crt(name) +
-       " -days 1 -subj /CN=ember-" + name);
+    sh(std::string(kOpensslBinary) + " req -x509" + new_key(name) + " -out " + crt(name) + " -days 1 -subj /CN=ember-" +
+       name);
   }
   void make_signed(const std::string& name, const std::string& ext) const {
     const std::string csr = dir_.file(name + ".csr"), extfile = dir_.file(name + ".ext");
     std::ofstream(extfile) << ext << "\n";
-    sh(std::string(kOpensslBinary) + " req -new" + new_key(name) + " -out " + csr +
-       " -subj /CN=ember-" + name);
-    sh(std::string(kOpensslBinary) + " x509 -req -in " + csr + " -CA " + crt("ca") + " -CAkey " +
-       key("ca") + " -CAcreateserial -days 1 -extfile " + extfile + " -out " + crt(name));
+    sh(std::string(kOpensslBinary) + " req -new" + new_key(name) + " -out " + csr + " -subj /CN=ember-" + name);
+    sh(std::string(kOpensslBinary) + " x509 -req -in " + csr + " -CA " + crt("ca") + " -CAkey " + key("ca") +
+       " -CAcreateserial -days 1 -extfile " + extfile + " -out " + crt(name));
   }
 
   TempDir dir_;
@@ -97,7 +96,7 @@ class TestPki {
 
 /// How an EtcdServer speaks TLS to its clients: empty = plain HTTP.
 struct EtcdServerTls {
-  const TestPki* pki = nullptr;   // serves pki->crt("server"), trusts pki->crt("ca")
+  const TestPki* pki = nullptr;  // serves pki->crt("server"), trusts pki->crt("ca")
   bool client_cert_auth = false;  // etcd --client-cert-auth (and --trusted-ca-file ca.crt)
 };
 
@@ -254,17 +253,14 @@ inline void etcd_admin(const EtcdServer& etcd, const std::string& password,
 /// Turns on etcd's authentication (plain HTTP servers), with user root (role root) holding
 /// `password`, through the JSON gateway with curl.
 inline void enable_etcd_auth(const EtcdServer& etcd, const std::string& password) {
-  etcd_admin(etcd, password,
-             R"sh($C $E/v3/auth/user/add -d "{\"name\":\"root\",\"password\":\"$PW\"}"
+  etcd_admin(etcd, password, R"sh($C $E/v3/auth/user/add -d "{\"name\":\"root\",\"password\":\"$PW\"}"
 $C $E/v3/auth/user/grant -d '{"user":"root","role":"root"}'
 $C $E/v3/auth/enable -d '{}')sh");
 }
 
 /// Turns etcd's authentication off and on again (as root), which invalidates every token.
 inline void reenable_etcd_auth(const EtcdServer& etcd, const std::string& password) {
-  etcd_admin(
-      etcd, password,
-      R"sh(T=$($C $E/v3/auth/authenticate -d "{\"name\":\"root\",\"password\":\"$PW\"}" | sed 's/.*"token":"\([^"]*\)".*/\1/')
+  etcd_admin(etcd, password, R"sh(T=$($C $E/v3/auth/authenticate -d "{\"name\":\"root\",\"password\":\"$PW\"}" | sed 's/.*"token":"\([^"]*\)".*/\1/')
 $C -H "Authorization: $T" $E/v3/auth/disable -d '{}'
 $C $E/v3/auth/enable -d '{}')sh");
 }

@@ -83,8 +83,8 @@ TEST(StoreUnderLoad, AThousandClientsAndAHundredThousandKeysWithBoundedMemory) {
       const auto t0 = std::chrono::steady_clock::now();
       probe.set("probe", to_bytes(std::to_string(i)));
       const std::string got = to_string(probe.get("probe", 10s));
-      latency_us.push_back(
-          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      latency_us.push_back(std::chrono::duration<double, std::micro>(
+                               std::chrono::steady_clock::now() - t0).count());
       if (got != std::to_string(i)) throw std::runtime_error("probe read " + got);
     }
   });
@@ -131,12 +131,11 @@ TEST(StoreUnderLoad, AThousandClientsAndAHundredThousandKeysWithBoundedMemory) {
   EXPECT_LT(grown, kMaxGrowth) << "the server grew by " << grown << " bytes";
   std::sort(latency_us.begin(), latency_us.end());
   ASSERT_FALSE(latency_us.empty());
-  std::printf(
-      "server RSS %.1f MB idle, %.1f MB with %d clients and %d keys; probe set+get: %zu "
-      "calls, median %.0f us, p99 %.0f us, max %.0f us\n",
-      rss_idle / 1e6, rss_loaded / 1e6, kClients, kKeys, latency_us.size(),
-      latency_us[latency_us.size() / 2], latency_us[latency_us.size() * 99 / 100],
-      latency_us.back());
+  std::printf("server RSS %.1f MB idle, %.1f MB with %d clients and %d keys; probe set+get: %zu "
+              "calls, median %.0f us, p99 %.0f us, max %.0f us\n",
+              rss_idle / 1e6, rss_loaded / 1e6, kClients, kKeys, latency_us.size(),
+              latency_us[latency_us.size() / 2], latency_us[latency_us.size() * 99 / 100],
+              latency_us.back());
 }
 
 }  // namespace

@@ -48,11 +48,7 @@ constexpr int64_t kBatch = 4, kContext = 16;  // per data-parallel rank, unless 
 constexpr Duration kTimeout = 120s;
 
 GPTConfig config(bool checkpoint, int64_t dim = 32) {
-  return {.vocab = 256,
-          .layers = 2,
-          .heads = 4,
-          .dim = dim,
-          .context = kContext,
+  return {.vocab = 256, .layers = 2, .heads = 4, .dim = dim, .context = kContext,
           .checkpoint_activations = checkpoint};
 }
 
@@ -126,9 +122,7 @@ struct Layout {
 struct Tolerance {
   double params, loss;
 };
-Tolerance tolerance(const Layout& l) {
-  return l.bf16 ? Tolerance{1.5e-2, 2e-3} : Tolerance{1e-5, 1e-5};
-}
+Tolerance tolerance(const Layout& l) { return l.bf16 ? Tolerance{1.5e-2, 2e-3} : Tolerance{1e-5, 1e-5}; }
 
 // Which steps a run takes, and the checkpoint it starts from or ends with.
 struct Phase {
@@ -144,9 +138,8 @@ void train_rank(const Layout& l, const Reference& want, const Phase& phase = {})
   auto tp = (*mesh)["tp"];
   auto model = make_gpt(l.checkpoint, phase.dim);
   if (l.tp > 1) {
-    parallelize_module(
-        model, tp,
-        examples::gpt_tensor_parallel_plan(l.sequence_parallel, l.loss_parallel, l.overlap_chunks));
+    parallelize_module(model, tp, examples::gpt_tensor_parallel_plan(
+                                      l.sequence_parallel, l.loss_parallel, l.overlap_chunks));
   }
   std::shared_ptr<DistributedDataParallel> ddp;
   std::unique_ptr<nn::optim::AdamW> opt;
@@ -168,8 +161,8 @@ void train_rank(const Layout& l, const Reference& want, const Phase& phase = {})
         std::vector<nn::optim::ParamGroup>{
             nn::optim::ParamGroup(std::move(decay), {{"weight_decay", 0.1}}),
             nn::optim::ParamGroup(std::move(no_decay), {{"weight_decay", 0.0}})},
-        nn::optim::AdamWOptions{
-            .lr = 3e-3, .betas = {0.9, 0.95}, .eps = 1e-8, .weight_decay = 0.1});
+        nn::optim::AdamWOptions{.lr = 3e-3, .betas = {0.9, 0.95}, .eps = 1e-8,
+                                .weight_decay = 0.1});
   } else {
     if (l.dp > 1) ddp = std::make_shared<DistributedDataParallel>(model, mesh->get_group("dp"));
     opt = adamw(model->parameters());
@@ -236,8 +229,8 @@ void train_rank(const Layout& l, const Reference& want, const Phase& phase = {})
     Tensor ref = want.params[i].second;
     Tensor mine = got[i].second;
     if (d) {
-      ref =
-          distribute_tensor(ref.reshape(d->shape()), d->device_mesh(), d->placements(), -1).local();
+      ref = distribute_tensor(ref.reshape(d->shape()), d->device_mesh(), d->placements(), -1)
+                .local();
       mine = d->local();
     }
     if (got[i].first.ends_with("qkv.bias")) {
@@ -255,23 +248,24 @@ void train_rank(const Layout& l, const Reference& want, const Phase& phase = {})
 
 void run_threads_case(const Layout& l) {
   const Reference want = reference(l.global_rows(), l.checkpoint, l.bf16);
-  run_rank_threads(
-      l.dp * l.tp, [&](int) { train_rank(l, want); }, kTimeout);
+  run_rank_threads(l.dp * l.tp, [&](int) { train_rank(l, want); }, kTimeout);
 }
 
 TEST(GptTensorParallel, Tp2) { run_threads_case({.tp = 2}); }
 TEST(GptTensorParallel, Tp2SequenceAndLossParallel) {
   run_threads_case({.tp = 2, .sequence_parallel = true, .loss_parallel = true});
 }
-TEST(GptTensorParallel, Tp2LossParallelOnly) { run_threads_case({.tp = 2, .loss_parallel = true}); }
+TEST(GptTensorParallel, Tp2LossParallelOnly) {
+  run_threads_case({.tp = 2, .loss_parallel = true});
+}
 TEST(GptTensorParallel, Tp2SequenceParallelWithActivationCheckpointing) {
   run_threads_case({.tp = 2, .sequence_parallel = true, .loss_parallel = true, .checkpoint = true});
 }
 TEST(GptTensorParallel, Tp2SequenceParallelUnfusedAndOverlapped) {
-  run_threads_case(
-      {.tp = 2, .sequence_parallel = true, .loss_parallel = true, .overlap_chunks = 0});
-  run_threads_case(
-      {.tp = 2, .sequence_parallel = true, .loss_parallel = true, .overlap_chunks = 2});
+  run_threads_case({.tp = 2, .sequence_parallel = true, .loss_parallel = true,
+                    .overlap_chunks = 0});
+  run_threads_case({.tp = 2, .sequence_parallel = true, .loss_parallel = true,
+                    .overlap_chunks = 2});
 }
 TEST(GptTensorParallel, Tp4SequenceAndLossParallel) {
   run_threads_case({.tp = 4, .sequence_parallel = true, .loss_parallel = true});
@@ -286,16 +280,12 @@ TEST(GptTensorParallel, Bf16Tp2SequenceAndLossParallel) {
   run_threads_case({.tp = 2, .sequence_parallel = true, .loss_parallel = true, .bf16 = true});
 }
 TEST(GptTensorParallel, Bf16Tp2ByDp2WithFullyShardOverDp) {
-  run_threads_case({.dp = 2,
-                    .tp = 2,
-                    .sequence_parallel = true,
-                    .loss_parallel = true,
-                    .fsdp = true,
-                    .bf16 = true});
+  run_threads_case({.dp = 2, .tp = 2, .sequence_parallel = true, .loss_parallel = true,
+                    .fsdp = true, .bf16 = true});
 }
 TEST(GptTensorParallel, Tp2ByDp2WithFullyShardOverDp) {
-  run_threads_case(
-      {.dp = 2, .tp = 2, .sequence_parallel = true, .loss_parallel = true, .fsdp = true});
+  run_threads_case({.dp = 2, .tp = 2, .sequence_parallel = true, .loss_parallel = true,
+                    .fsdp = true});
 }
 
 // Checkpoints carry the layout: saved after 10 steps at tp 2 x dp 2 (fully_shard over dp on top
@@ -306,18 +296,14 @@ TEST(GptTensorParallel, Tp2ByDp2WithFullyShardOverDp) {
 TEST(GptTensorParallel, CheckpointsLoadAtEveryLayout) {
   constexpr int64_t kRows = 8;
   const Reference want = reference(kRows, false);
-  const Layout fsdp22{.dp = 2,
-                      .tp = 2,
-                      .sequence_parallel = true,
-                      .loss_parallel = true,
-                      .fsdp = true,
-                      .rows = kRows};
-  const Layout ddp22{
-      .dp = 2, .tp = 2, .sequence_parallel = true, .loss_parallel = true, .rows = kRows};
+  const Layout fsdp22{.dp = 2, .tp = 2, .sequence_parallel = true, .loss_parallel = true,
+                      .fsdp = true, .rows = kRows};
+  const Layout ddp22{.dp = 2, .tp = 2, .sequence_parallel = true, .loss_parallel = true,
+                     .rows = kRows};
   for (const Layout& saver : {fsdp22, ddp22}) {
     TempDir dir;
-    run_rank_threads(
-        4, [&](int) { train_rank(saver, want, {.last = 10, .save = dir.path()}); }, kTimeout);
+    run_rank_threads(4, [&](int) { train_rank(saver, want, {.last = 10, .save = dir.path()}); },
+                     kTimeout);
     std::vector<Layout> loaders = {
         {.dp = 4, .tp = 1, .fsdp = true, .rows = kRows},
         {.dp = 1, .tp = 1, .rows = kRows},
@@ -336,39 +322,31 @@ TEST(GptTensorParallel, CheckpointsLoadAtEveryLayout) {
 TEST(GptTensorParallel, CheckpointErrorsNameTheTensorAndTheFile) {
   TempDir dir;
   const Layout l{.dp = 1, .tp = 2, .loss_parallel = true};
-  run_rank_threads(
-      2, [&](int) { train_rank(l, {}, {.last = 1, .save = dir.path()}); }, kTimeout);
+  run_rank_threads(2, [&](int) { train_rank(l, {}, {.last = 1, .save = dir.path()}); }, kTimeout);
   // Another model's shape: named with the tensor and the directory, on every rank.
   std::mutex mu;
   std::vector<std::string> errors;
-  run_rank_threads(
-      2,
-      [&](int) {
-        const std::string e = test::message_of(
-            [&] { train_rank(l, {}, {.first = 1, .last = 1, .load = dir.path(), .dim = 64}); });
-        std::lock_guard<std::mutex> lock(mu);
-        errors.push_back(e);
-      },
-      kTimeout);
+  run_rank_threads(2, [&](int) {
+    const std::string e = test::message_of(
+        [&] { train_rank(l, {}, {.first = 1, .last = 1, .load = dir.path(), .dim = 64}); });
+    std::lock_guard<std::mutex> lock(mu);
+    errors.push_back(e);
+  }, kTimeout);
   for (const std::string& e : errors) {
     EXPECT_NE(e.find(dir.path() + ": 'wte.weight' has shape [256, 32], the model's is [256, 64]"),
-              std::string::npos)
-        << e;
+              std::string::npos) << e;
   }
   // A rank file gone: the index names it, and the tensor it holds.
   const ShardedCheckpoint ck(dir.path());
   const std::string file = ck.rank_file(1);
   fs::remove(file);
   errors.clear();
-  run_rank_threads(
-      2,
-      [&](int) {
-        const std::string e = test::message_of(
-            [&] { train_rank(l, {}, {.first = 1, .last = 1, .load = dir.path()}); });
-        std::lock_guard<std::mutex> lock(mu);
-        errors.push_back(e);
-      },
-      kTimeout);
+  run_rank_threads(2, [&](int) {
+    const std::string e = test::message_of(
+        [&] { train_rank(l, {}, {.first = 1, .last = 1, .load = dir.path()}); });
+    std::lock_guard<std::mutex> lock(mu);
+    errors.push_back(e);
+  }, kTimeout);
   for (const std::string& e : errors) {
     EXPECT_NE(e.find(file + " is missing"), std::string::npos) << e;
     EXPECT_NE(e.find("the index names it for tensor '"), std::string::npos) << e;
@@ -384,8 +362,7 @@ TEST(GptTensorParallelProcesses, Tp2ByDp2OverGlooSharedMemory) {
     const Reference want = reference(l.global_rows(), l.checkpoint, l.bf16);
     TCPStoreOptions so;
     so.timeout = 60s;
-    auto store =
-        std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
+    auto store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
     init_process_group(
         {.backend = "gloo", .store = store, .rank = rank, .world_size = 4, .timeout = 60s});
     train_rank(l, want);

@@ -41,7 +41,9 @@ class Mlp : public nn::Module {
       : ln(register_module("ln", std::make_shared<nn::LayerNorm>(dim))),
         fc(register_module("fc", std::make_shared<nn::Linear>(dim, 4 * dim))),
         proj(register_module("proj", std::make_shared<nn::Linear>(4 * dim, dim))) {}
-  Tensor forward(const Tensor& x) override { return x + (*proj)(gelu((*fc)((*ln)(x)), "tanh")); }
+  Tensor forward(const Tensor& x) override {
+    return x + (*proj)(gelu((*fc)((*ln)(x)), "tanh"));
+  }
   std::shared_ptr<nn::LayerNorm> ln;
   std::shared_ptr<nn::Linear> fc, proj;
 };
@@ -78,37 +80,34 @@ void require_params_match(const std::string& what, const nn::Module& tp, const n
 // Trains `steps` SGD steps of the MLP on the same batches with and without tensor parallelism
 // (`plan`, input laid out as `input_seq_sharded` says) and compares after each.
 void train_alike(int tp, const ParallelizePlan& plan, bool input_seq_sharded, int steps = 4) {
-  run_rank_threads(
-      tp,
-      [&](int r) {
-        auto mesh = init_device_mesh("cpu", {tp}, {"tp"});
-        auto ref = make_mlp(16);
-        auto model = make_mlp(16);
-        parallelize_module(model, mesh, plan);
-        nn::optim::SGD opt_ref(ref->parameters(), {.lr = 0.1});
-        nn::optim::SGD opt(model->parameters(), {.lr = 0.1});
-        for (int step = 0; step < steps; ++step) {
-          manual_seed(100 + step);
-          const Tensor x = randn({2, 8, 16}) * 0.5;
-          const Tensor y_ref = (*ref)(x);
-          // Under sequence parallelism each rank holds a quarter of the sequence, in and out.
-          const Tensor in = input_seq_sharded ? x.narrow(1, 8 / tp * r, 8 / tp) : x;
-          Tensor y = (*model)(in);
-          const Tensor want = input_seq_sharded ? y_ref.narrow(1, 8 / tp * r, 8 / tp) : y_ref;
-          require_close("step " + std::to_string(step) + " output", y, want, 1e-5);
-          ((y_ref * y_ref).sum() * 0.01).backward();
-          // Replicated: every rank's loss is the whole loss. Sequence parallel: each rank's is its
-          // part's, and the parts sum to the whole.
-          ((y * y).sum() * 0.01).backward();
-          require_params_match("step " + std::to_string(step), *model, *ref, /*grads=*/true);
-          opt_ref.step();
-          opt.step();
-          opt_ref.zero_grad();
-          opt.zero_grad();
-        }
-        require_params_match("after training", *model, *ref, /*grads=*/false);
-      },
-      kTimeout);
+  run_rank_threads(tp, [&](int r) {
+    auto mesh = init_device_mesh("cpu", {tp}, {"tp"});
+    auto ref = make_mlp(16);
+    auto model = make_mlp(16);
+    parallelize_module(model, mesh, plan);
+    nn::optim::SGD opt_ref(ref->parameters(), {.lr = 0.1});
+    nn::optim::SGD opt(model->parameters(), {.lr = 0.1});
+    for (int step = 0; step < steps; ++step) {
+      manual_seed(100 + step);
+      const Tensor x = randn({2, 8, 16}) * 0.5;
+      const Tensor y_ref = (*ref)(x);
+      // Under sequence parallelism each rank holds a quarter of the sequence, in and out.
+      const Tensor in = input_seq_sharded ? x.narrow(1, 8 / tp * r, 8 / tp) : x;
+      Tensor y = (*model)(in);
+      const Tensor want = input_seq_sharded ? y_ref.narrow(1, 8 / tp * r, 8 / tp) : y_ref;
+      require_close("step " + std::to_string(step) + " output", y, want, 1e-5);
+      ((y_ref * y_ref).sum() * 0.01).backward();
+      // Replicated: every rank's loss is the whole loss. Sequence parallel: each rank's is its
+      // part's, and the parts sum to the whole.
+      ((y * y).sum() * 0.01).backward();
+      require_params_match("step " + std::to_string(step), *model, *ref, /*grads=*/true);
+      opt_ref.step();
+      opt.step();
+      opt_ref.zero_grad();
+      opt.zero_grad();
+    }
+    require_params_match("after training", *model, *ref, /*grads=*/false);
+  }, kTimeout);
 }
 
 TEST(TensorParallel, ColumnThenRowMlpTrainsLikeOneProcess) {
@@ -130,88 +129,58 @@ TEST(TensorParallel, SequenceParallelMlpTrainsLikeOneProcess) {
 // loss_parallel's cross-entropy of vocabulary-sharded logits equals cross_entropy of the whole
 // logits, with an ignored target, and so do the logits' gradients (each rank its classes').
 TEST(TensorParallel, LossParallelEqualsCrossEntropy) {
-  run_rank_threads(
-      4,
-      [](int) {
-        auto mesh = init_device_mesh("cpu", {4});
-        manual_seed(3);
-        const Tensor logits = randn({2, 5, 11}) * 3.0;  // 11 classes: 3, 3, 3, 2
-        Tensor target = randint(0, 11, {2, 5});
-        target.narrow(1, 0, 1).fill_(Scalar(-100));
-        for (const char* reduction : {"mean", "sum", "none"}) {
-          Tensor whole = logits.clone().requires_grad_();
-          const Tensor want = nn::functional::cross_entropy(
-              whole.reshape({10, 11}), target.reshape({10}), {.reduction = reduction});
-          (want * want).sum().backward();
-          DTensor d = distribute_tensor(logits, mesh, {Shard(-1)});
-          Tensor local = d.local().detach().requires_grad_();
-          const Tensor got = loss_parallel::cross_entropy(
-              DTensor::from_local(local, mesh, {Shard(-1)}, logits.shape()), target, reduction);
-          require_close(std::string(reduction) + " loss", got.reshape({-1}), want.reshape({-1}),
-                        1e-5);
-          (got * got).sum().backward();
-          require_close(std::string(reduction) + " logits grad", local.grad(),
-                        test::shard_of(whole.grad(), *mesh, {Shard(-1)}), 1e-5);
-        }
-        expect_error(
-            [&] {
-              loss_parallel::cross_entropy(distribute_tensor(logits, mesh, {Shard(0)}), target);
-            },
-            {"[loss_parallel::cross_entropy] expected logits sharded on the class dim (Shard(2))"});
-        expect_error(
-            [&] {
-              loss_parallel::cross_entropy(distribute_tensor(logits, mesh, {Shard(-1)}),
-                                           target.reshape({10}));
-            },
-            {"expected integer class indices of shape [2, 5]"});
-      },
-      kTimeout);
+  run_rank_threads(4, [](int) {
+    auto mesh = init_device_mesh("cpu", {4});
+    manual_seed(3);
+    const Tensor logits = randn({2, 5, 11}) * 3.0;  // 11 classes: 3, 3, 3, 2
+    Tensor target = randint(0, 11, {2, 5});
+    target.narrow(1, 0, 1).fill_(Scalar(-100));
+    for (const char* reduction : {"mean", "sum", "none"}) {
+      Tensor whole = logits.clone().requires_grad_();
+      const Tensor want = nn::functional::cross_entropy(
+          whole.reshape({10, 11}), target.reshape({10}), {.reduction = reduction});
+      (want * want).sum().backward();
+      DTensor d = distribute_tensor(logits, mesh, {Shard(-1)});
+      Tensor local = d.local().detach().requires_grad_();
+      const Tensor got = loss_parallel::cross_entropy(
+          DTensor::from_local(local, mesh, {Shard(-1)}, logits.shape()), target, reduction);
+      require_close(std::string(reduction) + " loss", got.reshape({-1}), want.reshape({-1}), 1e-5);
+      (got * got).sum().backward();
+      require_close(std::string(reduction) + " logits grad", local.grad(),
+                    test::shard_of(whole.grad(), *mesh, {Shard(-1)}), 1e-5);
+    }
+    expect_error([&] {
+      loss_parallel::cross_entropy(distribute_tensor(logits, mesh, {Shard(0)}), target);
+    }, {"[loss_parallel::cross_entropy] expected logits sharded on the class dim (Shard(2))"});
+    expect_error([&] {
+      loss_parallel::cross_entropy(distribute_tensor(logits, mesh, {Shard(-1)}), target.reshape({10}));
+    }, {"expected integer class indices of shape [2, 5]"});
+  }, kTimeout);
 }
 
 TEST(TensorParallel, PlanErrorsNameThePathAndTheSizes) {
-  run_rank_threads(
-      2,
-      [](int) {
-        auto mesh = init_device_mesh("cpu", {2});
-        expect_error(
-            [&] {
-              parallelize_module(make_mlp(16), mesh, {{"fc2", ColwiseParallel()}});
-            },
-            {"[parallelize_module] the plan names 'fc2', which matches no submodule: no "
-             "'fc2' in the model (it has: ln, fc, proj)"});
-        auto odd = [] {
-          return std::make_shared<nn::Sequential>(std::make_shared<nn::Linear>(4, 7),
-                                                  std::make_shared<nn::Linear>(7, 4));
-        };
-        expect_error(
-            [&] {
-              parallelize_module(odd(), mesh, {{"1", RowwiseParallel()}});
-            },
-            {"RowwiseParallel at '1': in_features (7) is not divisible by the mesh's 2 ranks"});
-        expect_error(
-            [&] {
-              parallelize_module(odd(), mesh, {{"0", ColwiseParallel()}});
-            },
-            {"ColwiseParallel at '0': out_features / output_chunks (7) is not divisible"});
-        expect_error(
-            [&] {
-              parallelize_module(make_mlp(16), mesh,
-                                 {{"fc", ColwiseParallel({.output_chunks = 3})}});
-            },
-            {"ColwiseParallel at 'fc': out_features (64) is not divisible by output_chunks (3)"});
-        expect_error(
-            [&] {
-              parallelize_module(make_mlp(16), mesh, {{"ln", RowwiseParallel()}});
-            },
-            {"RowwiseParallel at 'ln' supports Linear and Embedding, got LayerNorm"});
-        auto mesh2 = init_device_mesh("cpu", {1, 2}, {"dp", "tp"});
-        expect_error(
-            [&] {
-              parallelize_module(make_mlp(16), mesh2, {{"fc", ColwiseParallel()}});
-            },
-            {"expected a 1-D mesh", "mesh[\"tp\"]"});
-      },
-      kTimeout);
+  run_rank_threads(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    expect_error([&] { parallelize_module(make_mlp(16), mesh, {{"fc2", ColwiseParallel()}}); },
+                 {"[parallelize_module] the plan names 'fc2', which matches no submodule: no "
+                  "'fc2' in the model (it has: ln, fc, proj)"});
+    auto odd = [] {
+      return std::make_shared<nn::Sequential>(std::make_shared<nn::Linear>(4, 7),
+                                              std::make_shared<nn::Linear>(7, 4));
+    };
+    expect_error([&] { parallelize_module(odd(), mesh, {{"1", RowwiseParallel()}}); },
+                 {"RowwiseParallel at '1': in_features (7) is not divisible by the mesh's 2 ranks"});
+    expect_error([&] { parallelize_module(odd(), mesh, {{"0", ColwiseParallel()}}); },
+                 {"ColwiseParallel at '0': out_features / output_chunks (7) is not divisible"});
+    expect_error([&] {
+      parallelize_module(make_mlp(16), mesh, {{"fc", ColwiseParallel({.output_chunks = 3})}});
+    }, {"ColwiseParallel at 'fc': out_features (64) is not divisible by output_chunks (3)"});
+    expect_error([&] { parallelize_module(make_mlp(16), mesh, {{"ln", RowwiseParallel()}}); },
+                 {"RowwiseParallel at 'ln' supports Linear and Embedding, got LayerNorm"});
+    auto mesh2 = init_device_mesh("cpu", {1, 2}, {"dp", "tp"});
+    expect_error([&] { parallelize_module(make_mlp(16), mesh2, {{"fc", ColwiseParallel()}}); },
+                 {"expected a 1-D mesh", "mesh[\"tp\"]"});
+  }, kTimeout);
 }
 
 // Records every collective issued through it: kind and bytes moved by this rank's input.
@@ -266,78 +235,70 @@ std::string summary(const std::vector<Recording::Call>& calls) {
 // and backward adds the LayerNorms' replicated parameters' all-reduces (4 of C values) and, as
 // Megatron does to keep only the shards, the two column-parallel inputs' all-gathers again.
 TEST(TensorParallel, ABlockMovesWhatMegatronsAnalysisSays) {
-  run_rank_threads(
-      2,
-      [](int r) {
-        const int64_t act = 2 * 8 * 16 * 4;  // bytes of one [2, 8, 16] float32 activation
-        for (bool sp : {false, true}) {
-          auto rec = std::make_shared<Recording>(default_group());
-          auto mesh = DeviceMesh::from_group({rec}, "cpu");
-          manual_seed(1);
-          auto block = std::make_shared<examples::Block>(16, 4, 0.0);
-          ParallelizePlan plan;
-          for (const PlanEntry& e : examples::gpt_tensor_parallel_plan(sp, false)) {
-            if (e.path.rfind("blocks.*.", 0) == 0) plan.push_back({e.path.substr(9), e.style});
-          }
-          parallelize_module(block, mesh, plan);
-          rec->calls.clear();  // the parameters' broadcasts
-          manual_seed(2);
-          const Tensor x = randn({2, 8, 16});
-          const Tensor in = sp ? x.narrow(1, 4 * r, 4) : x;
-          const Tensor y = (*block)(in.detach().requires_grad_());
-          const std::vector<Recording::Call> fwd = rec->calls;
-          rec->calls.clear();
-          y.sum().backward();
-          const std::vector<Recording::Call> bwd = rec->calls;
-          const std::string want_fwd = sp ? "allgather_into_tensor x2 (" + std::to_string(2 * act) +
-                                                " B), reduce_scatter_tensor x2 (" +
-                                                std::to_string(2 * act) + " B)"
-                                          : "allreduce x2 (" + std::to_string(2 * act) + " B)";
-          const std::string want_bwd = sp ? "allgather_into_tensor x4 (" + std::to_string(4 * act) +
-                                                " B), allreduce x4 (" + std::to_string(4 * 16 * 4) +
-                                                " B), reduce_scatter_tensor x2 (" +
-                                                std::to_string(2 * act) + " B)"
-                                          : "allreduce x2 (" + std::to_string(2 * act) + " B)";
-          require(summary(fwd) == want_fwd, std::string(sp ? "sp" : "plain") + " forward: " +
-                                                summary(fwd) + ", expected " + want_fwd);
-          require(summary(bwd) == want_bwd, std::string(sp ? "sp" : "plain") + " backward: " +
-                                                summary(bwd) + ", expected " + want_bwd);
-        }
-      },
-      kTimeout);
+  run_rank_threads(2, [](int r) {
+    const int64_t act = 2 * 8 * 16 * 4;  // bytes of one [2, 8, 16] float32 activation
+    for (bool sp : {false, true}) {
+      auto rec = std::make_shared<Recording>(default_group());
+      auto mesh = DeviceMesh::from_group({rec}, "cpu");
+      manual_seed(1);
+      auto block = std::make_shared<examples::Block>(16, 4, 0.0);
+      ParallelizePlan plan;
+      for (const PlanEntry& e : examples::gpt_tensor_parallel_plan(sp, false)) {
+        if (e.path.rfind("blocks.*.", 0) == 0) plan.push_back({e.path.substr(9), e.style});
+      }
+      parallelize_module(block, mesh, plan);
+      rec->calls.clear();  // the parameters' broadcasts
+      manual_seed(2);
+      const Tensor x = randn({2, 8, 16});
+      const Tensor in = sp ? x.narrow(1, 4 * r, 4) : x;
+      const Tensor y = (*block)(in.detach().requires_grad_());
+      const std::vector<Recording::Call> fwd = rec->calls;
+      rec->calls.clear();
+      y.sum().backward();
+      const std::vector<Recording::Call> bwd = rec->calls;
+      const std::string want_fwd =
+          sp ? "allgather_into_tensor x2 (" + std::to_string(2 * act) +
+                   " B), reduce_scatter_tensor x2 (" + std::to_string(2 * act) + " B)"
+             : "allreduce x2 (" + std::to_string(2 * act) + " B)";
+      const std::string want_bwd =
+          sp ? "allgather_into_tensor x4 (" + std::to_string(4 * act) + " B), allreduce x4 (" +
+                   std::to_string(4 * 16 * 4) + " B), reduce_scatter_tensor x2 (" +
+                   std::to_string(2 * act) + " B)"
+             : "allreduce x2 (" + std::to_string(2 * act) + " B)";
+      require(summary(fwd) == want_fwd, std::string(sp ? "sp" : "plain") + " forward: " +
+                                            summary(fwd) + ", expected " + want_fwd);
+      require(summary(bwd) == want_bwd, std::string(sp ? "sp" : "plain") + " backward: " +
+                                            summary(bwd) + ", expected " + want_bwd);
+    }
+  }, kTimeout);
 }
 
 // The same block through a DelayingGroup (every collective's result written late): a result
 // read before its wait would be stale; the outputs and gradients equal the undelayed run's.
 TEST(TensorParallel, NoCollectiveIsReadBeforeItsWait) {
-  run_rank_threads(
-      2,
-      [](int r) {
-        auto run = [&](std::shared_ptr<ProcessGroup> g) {
-          auto mesh = DeviceMesh::from_group({g}, "cpu");
-          manual_seed(1);
-          auto block = std::make_shared<examples::Block>(16, 4, 0.0);
-          ParallelizePlan plan;
-          for (const PlanEntry& e : examples::gpt_tensor_parallel_plan(true, false)) {
-            if (e.path.rfind("blocks.*.", 0) == 0) plan.push_back({e.path.substr(9), e.style});
-          }
-          parallelize_module(block, mesh, plan);
-          manual_seed(2);
-          const Tensor x = randn({2, 8, 16}).narrow(1, 4 * r, 4).detach().requires_grad_();
-          const Tensor y = (*block)(x);
-          y.sum().backward();
-          return std::vector<Tensor>{y.detach(), x.grad(),
-                                     block->named_parameters()[0].second.grad()};
-        };
-        const auto plain = run(default_group());
-        const auto delayed = run(std::make_shared<DelayingGroup>(
-            default_group(),
-            DelayOptions{.cpu_delay = std::chrono::milliseconds(3), .scale = 1.0}));
-        for (size_t i = 0; i < plain.size(); ++i) {
-          require_close("delayed result " + std::to_string(i), delayed[i], plain[i], 0);
-        }
-      },
-      kTimeout);
+  run_rank_threads(2, [](int r) {
+    auto run = [&](std::shared_ptr<ProcessGroup> g) {
+      auto mesh = DeviceMesh::from_group({g}, "cpu");
+      manual_seed(1);
+      auto block = std::make_shared<examples::Block>(16, 4, 0.0);
+      ParallelizePlan plan;
+      for (const PlanEntry& e : examples::gpt_tensor_parallel_plan(true, false)) {
+        if (e.path.rfind("blocks.*.", 0) == 0) plan.push_back({e.path.substr(9), e.style});
+      }
+      parallelize_module(block, mesh, plan);
+      manual_seed(2);
+      const Tensor x = randn({2, 8, 16}).narrow(1, 4 * r, 4).detach().requires_grad_();
+      const Tensor y = (*block)(x);
+      y.sum().backward();
+      return std::vector<Tensor>{y.detach(), x.grad(), block->named_parameters()[0].second.grad()};
+    };
+    const auto plain = run(default_group());
+    const auto delayed = run(std::make_shared<DelayingGroup>(
+        default_group(), DelayOptions{.cpu_delay = std::chrono::milliseconds(3), .scale = 1.0}));
+    for (size_t i = 0; i < plain.size(); ++i) {
+      require_close("delayed result " + std::to_string(i), delayed[i], plain[i], 0);
+    }
+  }, kTimeout);
 }
 
 }  // namespace
