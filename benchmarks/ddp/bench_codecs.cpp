@@ -53,10 +53,15 @@ int main(int argc, char** argv) {
        [&] { codec::int8_encode(x.data(), n, channel, q8.data(), residual.data()); });
   time("int8_decode_add", 2 * fbytes + n,
        [&] { codec::int8_decode_add(q8.data(), n, channel, y.data()); });
+  // Straight into a bucket (the two-phase hooks' last step), a range starting off a byte.
+  time("int8_decode_range", fbytes + n,
+       [&] { codec::int8_decode_range(q8.data(), n, channel, 3, n - 3, y.data()); });
   time("sign_encode_residual", 2 * fbytes + n / 8.0,
        [&] { codec::sign_encode(x.data(), n, channel, q1.data(), residual.data()); });
   time("sign_decode_add", 2 * fbytes + n / 8.0,
        [&] { codec::sign_decode_add(q1.data(), n, channel, y.data()); });
+  time("sign_decode_range", fbytes + n / 8.0,
+       [&] { codec::sign_decode_range(q1.data(), n, channel, 3, n - 3, y.data()); });
 
   namespace half = ember::dist::detail;
   using ember::detail::f16_bits_to_f32;

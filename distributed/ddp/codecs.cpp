@@ -94,6 +94,12 @@ EMBER_CODEC_CLONES void dequantize_add(const uint8_t* q, int64_t n, float scale,
   for (int64_t i = 0; i < n; ++i) acc[i] += scale * (static_cast<float>(q[i]) - zero);
 }
 
+// What dequantize_add adds to a zero, stored: 0 + v, so that -0 becomes +0 as there.
+EMBER_CODEC_CLONES void dequantize_set(const uint8_t* q, int64_t n, float scale, float zero,
+                                       float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = 0.0f + scale * (static_cast<float>(q[i]) - zero);
+}
+
 // The sum of |x[i]| in eight double lanes (the same order every run and on every CPU).
 EMBER_CODEC_CLONES double sum_abs(const float* x, int64_t m) {
   double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -139,6 +145,47 @@ EMBER_CODEC_CLONES void sign_add(const uint8_t* bits, int64_t m, float scale, fl
   for (int64_t i = 8 * full; i < m; ++i) acc[i] += (bits[i / 8] >> (i % 8)) & 1u ? scale : -scale;
 }
 
+// What sign_add adds to a zero, stored (sign_add's arithmetic, so that GCC vectorizes it as
+// that), for elements [first, first + m) of a bit string.
+EMBER_CODEC_CLONES void sign_set(const uint8_t* bits, int64_t first, int64_t m, float scale,
+                                 float* out) {
+  auto one = [&](int64_t i) {
+    const int64_t at = first + i;
+    out[i] = 0.0f +
+             scale * static_cast<float>(static_cast<int>((bits[at / 8] >> (at % 8)) & 1u) * 2 - 1);
+  };
+  int64_t i = 0;
+  for (; i < m && (first + i) % 8 != 0; ++i) one(i);  // up to a byte boundary
+  const uint8_t* bytes = bits + (first + i) / 8;
+  float* o = out + i;
+  const int64_t full = (m - i) / 8;
+  for (int64_t b = 0; b < full; ++b) {
+    const unsigned byte = bytes[b];
+    for (int j = 0; j < 8; ++j) {
+      o[8 * b + j] = 0.0f + scale * static_cast<float>(static_cast<int>((byte >> j) & 1u) * 2 - 1);
+    }
+  }
+  for (i += 8 * full; i < m; ++i) one(i);
+}
+
+// Calls part(block_begin, from, len) for each piece [from, from + len) of [first, first + count)
+// that lies in one block of `block` elements (block_begin: its block's first element).
+template <typename F>
+void for_blocks(int64_t first, int64_t count, int64_t block, F part) {
+  for (int64_t at = first; at < first + count;) {
+    const int64_t begin = at / block * block;
+    const int64_t len = std::min(first + count, begin + block) - at;
+    part(begin, at, len);
+    at += len;
+  }
+}
+
+void check_range(const char* codec, int64_t m, int64_t first, int64_t count) {
+  EMBER_CHECK(first >= 0 && count >= 0 && first + count <= m, "[", codec,
+              "] expects a range inside the message's ", m, " elements, got [", first, ", ",
+              first + count, ")");
+}
+
 }  // namespace
 
 int64_t int8_bytes(int64_t m, int64_t channel) { return channels(m, channel) * kParamBytes + m; }
@@ -178,6 +225,17 @@ void int8_decode_add(const uint8_t* in, int64_t m, int64_t channel, float* acc) 
   }
 }
 
+void int8_decode_range(const uint8_t* in, int64_t m, int64_t channel, int64_t first, int64_t count,
+                       float* out) {
+  check_range("int8_decode_range", m, first, count);
+  const uint8_t* q = in + channels(m, channel) * kParamBytes;
+  for_blocks(first, count, channel, [&](int64_t begin, int64_t at, int64_t len) {
+    float params[2];
+    std::memcpy(params, in + begin / channel * kParamBytes, sizeof params);
+    dequantize_set(q + at, len, params[0], params[1], out + (at - first));
+  });
+}
+
 int64_t sign_bytes(int64_t m, int64_t block) {
   return channels(m, block) * static_cast<int64_t>(sizeof(float)) + (m + 7) / 8;
 }
@@ -206,6 +264,17 @@ void sign_decode_add(const uint8_t* in, int64_t m, int64_t block, float* acc) {
     std::memcpy(&scale, in + b * static_cast<int64_t>(sizeof scale), sizeof scale);
     sign_add(bits + begin / 8, len, scale, acc + begin);
   }
+}
+
+void sign_decode_range(const uint8_t* in, int64_t m, int64_t block, int64_t first, int64_t count,
+                       float* out) {
+  check_range("sign_decode_range", m, first, count);
+  const uint8_t* bits = in + channels(m, block) * static_cast<int64_t>(sizeof(float));
+  for_blocks(first, count, block, [&](int64_t begin, int64_t at, int64_t len) {
+    float scale;
+    std::memcpy(&scale, in + begin / block * static_cast<int64_t>(sizeof scale), sizeof scale);
+    sign_set(bits, at, len, scale, out + (at - first));
+  });
 }
 
 }  // namespace ember::dist::codec

@@ -247,6 +247,8 @@ struct Codec {
   std::function<int64_t(int64_t m)> bytes;
   std::function<void(const float* x, int64_t m, uint8_t* out, float* residual)> encode;
   std::function<void(const uint8_t* in, int64_t m, float* acc)> decode_add;
+  std::function<void(const uint8_t* in, int64_t m, int64_t first, int64_t count, float* out)>
+      decode_range;
 };
 
 Codec int8_codec(const char* hook, int64_t channel) {
@@ -256,6 +258,9 @@ Codec int8_codec(const char* hook, int64_t channel) {
           },
           [channel](const uint8_t* in, int64_t m, float* acc) {
             codec::int8_decode_add(in, m, channel, acc);
+          },
+          [channel](const uint8_t* in, int64_t m, int64_t first, int64_t count, float* out) {
+            codec::int8_decode_range(in, m, channel, first, count, out);
           }};
 }
 
@@ -266,6 +271,9 @@ Codec sign_codec(int64_t block) {
           },
           [block](const uint8_t* in, int64_t m, float* acc) {
             codec::sign_decode_add(in, m, block, acc);
+          },
+          [block](const uint8_t* in, int64_t m, int64_t first, int64_t count, float* out) {
+            codec::sign_decode_range(in, m, block, first, count, out);
           }};
 }
 
@@ -382,6 +390,24 @@ CompressionInput compression_input(CompressionState& state, const GradBucket& bu
   return in;
 }
 
+// The ranks' messages `all` (chunk r of m canonical elements at r * msg) decoded straight into a
+// float32 bucket, piece by piece: the same values as decoding into a canonical tensor and
+// copying it into the bucket, without that tensor's zeroing and copy.
+std::vector<Tensor> decode_into_bucket(const Codec& c, const Canonical& layout, Tensor buffer,
+                                       const Tensor& all, int64_t m, int64_t msg) {
+  float* out = buffer.data<float>();
+  for (const Canonical::Piece& p : layout.pieces) {
+    for (int64_t at = p.offset; at < p.offset + p.numel;) {  // the piece's part in each chunk
+      const int64_t r = at / m, first = at - r * m;
+      const int64_t count = std::min(p.offset + p.numel - at, m - first);
+      c.decode_range(bytes_of(all) + r * msg, m, first, count,
+                     out + p.bucket_offset + (at - p.offset));
+      at += count;
+    }
+  }
+  return {buffer};
+}
+
 // The two-phase compressed all-reduce (file comment of compression_hooks.h).
 std::shared_ptr<Future> two_phase(CompressionState& state, GradBucket& bucket, const Codec& c) {
   if (state.warming_up(bucket)) return warm_up(state, bucket, c.hook);
@@ -413,9 +439,10 @@ std::shared_ptr<Future> two_phase(CompressionState& state, GradBucket& bucket, c
                                   layout = Canonical(bucket), buffer = bucket.buffer()](Future&) {
     NoGradGuard no_grad;
     trace::Span span("decompress, average, compress", "comm hook");
-    Tensor avg = zeros({m}, kFloat32);
+    Tensor avg = empty({m}, kFloat32);  // the first message decoded into it (0 + v), the rest added
     float* a = avg.data<float>();
-    for (int r = 0; r < world; ++r) c.decode_add(bytes_of(outputs[r]), m, a);
+    c.decode_range(bytes_of(outputs[0]), m, 0, m, a);
+    for (int r = 1; r < world; ++r) c.decode_add(bytes_of(outputs[r]), m, a);
     const auto w = static_cast<float>(world);
     float* server = nullptr;
     if (feedback) {  // the average plus the server's residual, in one pass
@@ -431,6 +458,9 @@ std::shared_ptr<Future> two_phase(CompressionState& state, GradBucket& bucket, c
     auto work = group->allgather_into_tensor(all, mine);
     return work->future()->then([c, all, mine, m, msg, world, layout, buffer](Future&) {
       trace::Span decompress_span("decompress", "comm hook");
+      if (buffer.dtype() == kFloat32 && buffer.is_contiguous()) {
+        return decode_into_bucket(c, layout, buffer, all, m, msg);
+      }
       Tensor result = zeros({m * world}, kFloat32);
       for (int r = 0; r < world; ++r) {
         c.decode_add(bytes_of(all) + r * msg, m, result.data<float>() + r * m);
@@ -567,10 +597,13 @@ CommHook compress_across_nodes(CommHook inner, std::shared_ptr<ProcessGroup> loc
   return [inner = std::move(inner), local = std::move(local),
           leaders = std::move(leaders)](GradBucket& bucket) -> std::shared_ptr<Future> {
     Tensor buffer = bucket.buffer();
-    AllreduceOptions o;
+    // Only the leader needs the node's average (the others take the broadcast): a reduce to it,
+    // not an all-reduce, which would also copy the average out on every other rank.
+    ReduceOptions o;
+    o.root = 0;
     o.op = ReduceOp::Avg;
-    bucket.record_bytes_sent(ring_allreduce_bytes(buffer.nbytes(), local->size()));
-    auto node_average = local->allreduce(buffer, o)->future();
+    bucket.record_bytes_sent(ring_allreduce_bytes(buffer.nbytes(), local->size()) / 2);
+    auto node_average = local->reduce(buffer, o)->future();
     // The leaders' hook, then the broadcast inside the node, each after the step before: on
     // DDP's thread (defer), as they issue collectives.
     auto between_nodes = bucket.defer(node_average, [inner, leaders, bucket](Future&) {

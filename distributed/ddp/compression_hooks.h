@@ -39,9 +39,9 @@
 // parameter set, stable across DDP's bucket rebuild) and are part of state_dict().
 //
 // compress_across_nodes(inner, local, leaders): the bucket is averaged exactly inside the node
-// (local group, shared memory where the node's ranks share a machine), the node leaders run
-// `inner` over the leaders' group, and each leader broadcasts the result inside its node. Only
-// compressed bytes cross the network.
+// onto its leader (a reduce over the local group, shared memory where the node's ranks share a
+// machine), the node leaders run `inner` over the leaders' group, and each leader broadcasts the
+// result inside its node. Only compressed bytes cross the network.
 //
 // Every collective is issued from DDP's threads in bucket order (second phases through
 // GradBucket::defer, Note [comm hook ordering] in comm_hooks.h).
@@ -169,8 +169,10 @@ namespace ember::dist::codec {
 
 // The encodings on the wire, exposed for tests and for users who build their own hooks. A
 // message for m elements holds a header (parameters) and a payload; decode_add adds the decoded
-// values to acc[0, m). encode with `residual` (m floats) also stores there x minus what the
-// message decodes to, exactly (error feedback).
+// values to acc[0, m); decode_range writes decoded elements [first, first + count) to
+// out[0, count), the bits decode_add adds to zeros (a hook decodes straight into a bucket's
+// pieces with it), and throws ValueError for a range past m. encode with `residual` (m floats)
+// also stores there x minus what the message decodes to, exactly (error feedback).
 
 /// uint8 affine quantization with one scale and zero point (two float32 each) per `channel`
 /// elements (the last channel may be shorter), torch's quint8 MinMaxObserver arithmetic.
@@ -178,6 +180,8 @@ int64_t int8_bytes(int64_t m, int64_t channel);
 void int8_encode(const float* x, int64_t m, int64_t channel, uint8_t* out,
                  float* residual = nullptr);
 void int8_decode_add(const uint8_t* in, int64_t m, int64_t channel, float* acc);
+void int8_decode_range(const uint8_t* in, int64_t m, int64_t channel, int64_t first, int64_t count,
+                       float* out);
 
 /// One float32 scale (the mean of |x|) per `block` elements (the last block may be shorter),
 /// then one bit per element (1: x >= 0). `block` is a positive multiple of 8, so that each
@@ -186,5 +190,7 @@ int64_t sign_bytes(int64_t m, int64_t block);
 void sign_encode(const float* x, int64_t m, int64_t block, uint8_t* out,
                  float* residual = nullptr);
 void sign_decode_add(const uint8_t* in, int64_t m, int64_t block, float* acc);
+void sign_decode_range(const uint8_t* in, int64_t m, int64_t block, int64_t first, int64_t count,
+                       float* out);
 
 }  // namespace ember::dist::codec

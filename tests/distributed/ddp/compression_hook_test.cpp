@@ -26,6 +26,7 @@
 #include <ember/tensor/trace.h>
 #include "tests/distributed/ddp/ddp_test_util.h"
 #include "tests/distributed/backends/threads_test_util.h"
+#include "tests/tensor/test_util.h"
 
 namespace ember::dist {
 namespace {
@@ -181,6 +182,36 @@ TEST(Codecs, TheFusedResidualIsXMinusTheDecodedMessage) {
   codec::sign_encode(x.data(), 1500, 512, bits.data(), residual.data());
   codec::sign_decode_add(bits.data(), 1500, 512, decoded.data());
   for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(residual[i], x[i] - decoded[i]) << i;
+}
+
+// decode_range gives the bits decode_add adds to zeros (+0 for a decoded zero included), for
+// ranges that start and end inside channels, on byte boundaries or not, and across channels.
+TEST(Codecs, DecodeRangeEqualsDecodingTheWholeMessage) {
+  constexpr int64_t kM = 1500, kBlock = 64;
+  auto x = bucket_input(5, kM).to_vector<float>();
+  for (int64_t i = 0; i < kBlock; ++i) x[i] = 0.0f;  // a channel of zeros: scale epsilon, -0s
+  std::vector<uint8_t> q(static_cast<size_t>(codec::int8_bytes(kM, kBlock)));
+  std::vector<uint8_t> b(static_cast<size_t>(codec::sign_bytes(kM, kBlock)));
+  codec::int8_encode(x.data(), kM, kBlock, q.data());
+  codec::sign_encode(x.data(), kM, kBlock, b.data());
+  std::vector<float> q_whole(kM, 0.0f), b_whole(kM, 0.0f);
+  codec::int8_decode_add(q.data(), kM, kBlock, q_whole.data());
+  codec::sign_decode_add(b.data(), kM, kBlock, b_whole.data());
+  for (const auto& [first, count] : std::vector<std::pair<int64_t, int64_t>>{
+           {0, kM}, {0, 1}, {3, 5}, {5, 130}, {63, 2}, {64, 64}, {100, 1400}, {1499, 1}, {7, 0}}) {
+    SCOPED_TRACE(testing::Message() << "[" << first << ", " << first + count << ")");
+    std::vector<float> got(static_cast<size_t>(count) + 1, 42.0f);  // the last must stay
+    codec::int8_decode_range(q.data(), kM, kBlock, first, count, got.data());
+    EXPECT_EQ(std::memcmp(got.data(), q_whole.data() + first, count * sizeof(float)), 0);
+    EXPECT_EQ(got.back(), 42.0f);
+    std::fill(got.begin(), got.end(), 42.0f);
+    codec::sign_decode_range(b.data(), kM, kBlock, first, count, got.data());
+    EXPECT_EQ(std::memcmp(got.data(), b_whole.data() + first, count * sizeof(float)), 0);
+    EXPECT_EQ(got.back(), 42.0f);
+  }
+  test::expect_error([&] { codec::int8_decode_range(q.data(), kM, kBlock, 1400, 101, nullptr); },
+                     {"[int8_decode_range] expects a range inside the message's 1500 elements, "
+                      "got [1400, 1501)"});
 }
 
 TEST(Codecs, SignKeepsTheMeanMagnitudeAndTheSigns) {
