@@ -17,14 +17,12 @@
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/cuda.h>
 #include "tests/distributed/store/store_test_util.h"
+#include "tests/distributed/require_gloo.h"
 
 namespace ember::dist {
 namespace {
 
 // Builds without gloo (EMBER_WITH_GLOO=OFF) skip what needs it.
-#define EMBER_REQUIRE_GLOO() \
-  if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)"
-
 using namespace std::chrono_literals;
 using test::expect_error;
 using test::require;

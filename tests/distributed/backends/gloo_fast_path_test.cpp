@@ -17,15 +17,13 @@
 #include <ember/distributed/store/tcp_store.h>
 #include <ember/tensor/ops.h>
 #include "tests/distributed/store/store_test_util.h"
+#include "tests/distributed/require_gloo.h"
 
 namespace ember::dist {
 namespace {
 
 using namespace std::chrono_literals;
 using test::require;
-
-#define EMBER_REQUIRE_GLOO() \
-  if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)"
 
 using Body = std::function<void(ProcessGroupGloo& pg, int rank, Store& store)>;
 

@@ -25,6 +25,7 @@
 #include <ember/distributed/store/tcp_store.h>
 #include "tests/distributed/backends/p2p_checks.h"
 #include "tests/distributed/store/store_test_util.h"
+#include "tests/distributed/require_gloo.h"
 #include <ember/distributed/ddp/comm_hooks.h>
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/nn/nn.h>
@@ -34,9 +35,6 @@ namespace ember::dist {
 namespace {
 
 // Builds without gloo (EMBER_WITH_GLOO=OFF) skip what needs it.
-#define EMBER_REQUIRE_GLOO() \
-  if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)"
-
 using namespace std::chrono_literals;
 using test::require;
 

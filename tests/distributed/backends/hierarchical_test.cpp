@@ -22,15 +22,13 @@
 #include "tests/distributed/backends/allreduce_closed_forms.h"
 #include "tests/distributed/store/store_test_util.h"
 #include "tests/launcher/netns.h"
+#include "tests/distributed/require_gloo.h"
 
 namespace ember::dist {
 namespace {
 
 using namespace std::chrono_literals;
 using test::require;
-
-#define EMBER_REQUIRE_GLOO() \
-  if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)"
 
 std::shared_ptr<TCPStore> client(const std::string& host, int port) {
   TCPStoreOptions o;

@@ -34,12 +34,10 @@
 #include "tests/distributed/ddp/ddp_test_util.h"
 #include "tests/distributed/backends/composite_group.h"
 #include "tests/distributed/store/store_test_util.h"
+#include "tests/distributed/require_gloo.h"
 
 namespace ember::dist {
 namespace {
-
-#define EMBER_REQUIRE_GLOO() \
-  if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)"
 
 using namespace std::chrono_literals;
 using test::require;

@@ -29,12 +29,10 @@
 #include <ember/tensor/ops/random.h>
 #include "tests/distributed/ddp/ddp_test_util.h"
 #include "tests/distributed/store/store_test_util.h"
+#include "tests/distributed/require_gloo.h"
 
 namespace ember::dist {
 namespace {
-
-#define EMBER_REQUIRE_GLOO() \
-  if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)"
 
 using namespace std::chrono_literals;
 using test::require;

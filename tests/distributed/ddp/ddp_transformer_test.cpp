@@ -18,12 +18,10 @@
 #include <ember/nn/layers/transformer.h>
 #include <ember/tensor/ops/random.h>
 #include "tests/distributed/ddp/ddp_test_util.h"
+#include "tests/distributed/require_gloo.h"
 
 namespace ember::dist {
 namespace {
-
-#define EMBER_REQUIRE_GLOO() \
-  if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)"
 
 using test::require;
 using test::require_close;

@@ -19,12 +19,10 @@
 #include <ember/distributed/store/prefix_store.h>
 #include <ember/distributed/store/tcp_store.h>
 #include "tests/distributed/store/store_test_util.h"
+#include "tests/distributed/require_gloo.h"
 
 namespace ember::dist {
 namespace {
-
-#define EMBER_REQUIRE_GLOO() \
-  if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)"
 
 using namespace std::chrono_literals;
 using test::require;
