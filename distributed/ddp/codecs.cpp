@@ -133,26 +133,29 @@ EMBER_CODEC_CLONES void sign_residual(const float* x, int64_t m, float scale, fl
   for (int64_t i = 0; i < m; ++i) residual[i] = x[i] - (x[i] >= 0 ? scale : -scale);
 }
 
+// Bit j of `byte` as +1 or -1, in arithmetic (not a select) so that the loops vectorize.
+inline float sign_of_bit(unsigned byte, int64_t j) {
+  return static_cast<float>(static_cast<int>((byte >> j) & 1u) * 2 - 1);
+}
+
 EMBER_CODEC_CLONES void sign_add(const uint8_t* bits, int64_t m, float scale, float* acc) {
   const int64_t full = m / 8;
   for (int64_t b = 0; b < full; ++b) {
     const unsigned byte = bits[b];
     float* a = acc + 8 * b;
     for (int j = 0; j < 8; ++j) {
-      a[j] += scale * static_cast<float>(static_cast<int>((byte >> j) & 1u) * 2 - 1);
+      a[j] += scale * sign_of_bit(byte, j);
     }
   }
   for (int64_t i = 8 * full; i < m; ++i) acc[i] += (bits[i / 8] >> (i % 8)) & 1u ? scale : -scale;
 }
 
-// What sign_add adds to a zero, stored (sign_add's arithmetic, so that GCC vectorizes it as
-// that), for elements [first, first + m) of a bit string.
+// What sign_add adds to a zero, stored, for elements [first, first + m) of a bit string.
 EMBER_CODEC_CLONES void sign_set(const uint8_t* bits, int64_t first, int64_t m, float scale,
                                  float* out) {
   auto one = [&](int64_t i) {
     const int64_t at = first + i;
-    out[i] = 0.0f +
-             scale * static_cast<float>(static_cast<int>((bits[at / 8] >> (at % 8)) & 1u) * 2 - 1);
+    out[i] = 0.0f + scale * sign_of_bit(bits[at / 8], at % 8);
   };
   int64_t i = 0;
   for (; i < m && (first + i) % 8 != 0; ++i) one(i);  // up to a byte boundary
@@ -161,9 +164,7 @@ EMBER_CODEC_CLONES void sign_set(const uint8_t* bits, int64_t first, int64_t m, 
   const int64_t full = (m - i) / 8;
   for (int64_t b = 0; b < full; ++b) {
     const unsigned byte = bytes[b];
-    for (int j = 0; j < 8; ++j) {
-      o[8 * b + j] = 0.0f + scale * static_cast<float>(static_cast<int>((byte >> j) & 1u) * 2 - 1);
-    }
+    for (int j = 0; j < 8; ++j) o[8 * b + j] = 0.0f + scale * sign_of_bit(byte, j);
   }
   for (i += 8 * full; i < m; ++i) one(i);
 }

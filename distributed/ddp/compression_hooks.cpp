@@ -390,12 +390,12 @@ CompressionInput compression_input(CompressionState& state, const GradBucket& bu
   return in;
 }
 
-// The ranks' messages `all` (chunk r of m canonical elements at r * msg) decoded straight into a
-// float32 bucket, piece by piece: the same values as decoding into a canonical tensor and
-// copying it into the bucket, without that tensor's zeroing and copy.
-std::vector<Tensor> decode_into_bucket(const Codec& c, const Canonical& layout, Tensor buffer,
-                                       const Tensor& all, int64_t m, int64_t msg) {
-  float* out = buffer.data<float>();
+// The ranks' messages `all` (chunk r of m canonical elements at r * msg) decoded straight into
+// `out` (contiguous float32, bucket order), piece by piece: the same values as decoding into a
+// canonical tensor and copying it into the bucket, without that tensor's zeroing and copy.
+void decode_into_bucket(const Codec& c, const Canonical& layout, Tensor& out_tensor,
+                        const Tensor& all, int64_t m, int64_t msg) {
+  float* out = out_tensor.data<float>();
   for (const Canonical::Piece& p : layout.pieces) {
     for (int64_t at = p.offset; at < p.offset + p.numel;) {  // the piece's part in each chunk
       const int64_t r = at / m, first = at - r * m;
@@ -405,7 +405,6 @@ std::vector<Tensor> decode_into_bucket(const Codec& c, const Canonical& layout, 
       at += count;
     }
   }
-  return {buffer};
 }
 
 // The two-phase compressed all-reduce (file comment of compression_hooks.h).
@@ -456,16 +455,16 @@ std::shared_ptr<Future> two_phase(CompressionState& state, GradBucket& bucket, c
     Tensor all = empty({world * msg}, kUInt8);
     span.finish();
     auto work = group->allgather_into_tensor(all, mine);
-    return work->future()->then([c, all, mine, m, msg, world, layout, buffer](Future&) {
+    return work->future()->then([c, all, mine, m, msg, layout, buffer](Future&) {
       trace::Span decompress_span("decompress", "comm hook");
-      if (buffer.dtype() == kFloat32 && buffer.is_contiguous()) {
-        return decode_into_bucket(c, layout, buffer, all, m, msg);
-      }
-      Tensor result = zeros({m * world}, kFloat32);
-      for (int r = 0; r < world; ++r) {
-        c.decode_add(bytes_of(all) + r * msg, m, result.data<float>() + r * m);
-      }
-      return into_bucket(layout, buffer, result);
+      NoGradGuard no_grad;
+      // Another dtype (or a strided bucket) is decoded into a float32 copy in bucket order first.
+      Tensor bucket_buffer = buffer;
+      const bool direct = buffer.dtype() == kFloat32 && buffer.is_contiguous();
+      Tensor out = direct ? bucket_buffer : empty({buffer.numel()}, kFloat32);
+      decode_into_bucket(c, layout, out, all, m, msg);
+      if (!direct) bucket_buffer.copy_(out);
+      return std::vector<Tensor>{bucket_buffer};
     });
   });
 }
