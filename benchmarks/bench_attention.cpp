@@ -176,8 +176,17 @@ int main(int argc, char** argv) {
   for (int64_t T : a.seqs) {
     const double f = median(fused[T]), m = a.math ? median(math[T]) : NAN;
     const double t = a.torch ? median(torch[T]) : NAN;
-    std::printf("%6lld %10.3f %10.3f %10.3f %13.2fx %13.2fx\n", static_cast<long long>(T), f * 1e3,
-                m * 1e3, t * 1e3, t / f, m / f);
+    // A column skipped (--no-math, --no-torch) prints as "-".
+    auto cell = [](double v, const char* format) {
+      if (std::isnan(v)) return std::string("-");
+      char buf[32];
+      std::snprintf(buf, sizeof buf, format, v);
+      return std::string(buf);
+    };
+    auto ms = [&](double v) { return cell(v * 1e3, "%.3f"); };
+    auto ratio = [&](double v) { return cell(v, "%.2fx"); };
+    std::printf("%6lld %10s %10s %10s %14s %14s\n", static_cast<long long>(T), ms(f).c_str(),
+                ms(m).c_str(), ms(t).c_str(), ratio(t / f).c_str(), ratio(m / f).c_str());
   }
   return 0;
 }

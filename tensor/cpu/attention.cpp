@@ -19,7 +19,7 @@
 #include <ember/tensor/detail/attention_dropout.h>
 #include <ember/tensor/detail/attention_kernels.h>
 #include <ember/tensor/detail/fast_exp.h>
-#include <ember/tensor/detail/reduce_kernels.h>
+#include <ember/tensor/detail/lane_sum.h>
 #include <ember/tensor/threading.h>
 
 namespace ember::detail {
@@ -41,35 +41,53 @@ void gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t k, double alpha, const
               static_cast<int>(lda), b, static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
 }
 
+// The row loops also for AVX-512 (exp is most of their work), compiled without contraction
+// (tensor/CMakeLists.txt) and with fixed lane counts, so every version gives the same bits.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define EMBER_ATTENTION_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define EMBER_ATTENTION_CLONES
+#endif
+
+// The largest element (NaNs ignored), in kSumLanes running maxima so that the loop vectorises
+// (one select per element in one chain does not); a maximum is exact in any order.
 template <typename T>
-EMBER_SIMD_CLONES T row_max(const T* x, int64_t n) {
-  T m = -std::numeric_limits<T>::infinity();
-  for (int64_t c = 0; c < n; ++c) m = x[c] > m ? x[c] : m;
+EMBER_ATTENTION_CLONES T row_max(const T* x, int64_t n) {
+  T mx[kSumLanes];
+  for (int j = 0; j < kSumLanes; ++j) mx[j] = -std::numeric_limits<T>::infinity();
+  int64_t c = 0;
+  for (; c + kSumLanes <= n; c += kSumLanes) {
+#pragma GCC unroll 1  // a loop over the lanes vectorises; GCC's fully unrolled selects do not
+    for (int j = 0; j < kSumLanes; ++j) mx[j] = x[c + j] > mx[j] ? x[c + j] : mx[j];
+  }
+  for (int j = 0; c + j < n; ++j) mx[j] = x[c + j] > mx[j] ? x[c + j] : mx[j];
+  T m = mx[0];
+  for (int j = 1; j < kSumLanes; ++j) m = mx[j] > m ? mx[j] : m;
   return m;
 }
 
-// x = exp(x - m) in place; returns the sum.
+// x = exp(x - m) in place.
 template <typename T>
-EMBER_SIMD_CLONES T exp_sub_sum(T* x, int64_t n, T m) {
-  T s = 0;
-  for (int64_t c = 0; c < n; ++c) {
-    x[c] = exp_shifted<T>(x[c] - m);
-    s += x[c];
-  }
-  return s;
+EMBER_ATTENTION_CLONES void exp_sub(T* x, int64_t n, T m) {
+  for (int64_t c = 0; c < n; ++c) x[c] = exp_shifted<T>(x[c] - m);
+}
+
+// x = exp(x - m) in place; returns the sum (lane_sum's order).
+template <typename T>
+EMBER_ATTENTION_CLONES T exp_sub_sum(T* x, int64_t n, T m) {
+  for (int64_t c = 0; c < n; ++c) x[c] = exp_shifted<T>(x[c] - m);
+  return lane_sum(x, n);
 }
 
 // ds = p * (dp - d) in place in dp.
 template <typename T>
-EMBER_SIMD_CLONES void softmax_grad_row(const T* p, T* dp, int64_t n, T d) {
+EMBER_ATTENTION_CLONES void softmax_grad_row(const T* p, T* dp, int64_t n, T d) {
   for (int64_t c = 0; c < n; ++c) dp[c] = p[c] * (dp[c] - d);
 }
 
 template <typename T>
-EMBER_SIMD_CLONES T dot(const T* a, const T* b, int64_t n) {
-  T s = 0;
-  for (int64_t c = 0; c < n; ++c) s += a[c] * b[c];
-  return s;
+EMBER_ATTENTION_CLONES T dot(const T* a, const T* b, int64_t n) {
+  return lane_sum<T>(n, [a, b](int64_t c) { return a[c] * b[c]; });
 }
 
 // The inputs of one call, as typed pointers with their layouts (Note [Attention operand
@@ -232,7 +250,7 @@ void backward_batch(const Operands<T>& o, const Grads<T>& g, const T* lse, int64
       const T* qi = o.ql.row(o.q, b, i0);
       const T* doi = g.dol.row(g.dout, b, i0);
       o.scores(sc, b, i0, br, j0, bc);
-      for (int64_t r = 0; r < br; ++r) exp_sub_sum(sc + r * kBc, bc, lse[b * L + i0 + r]);  // P
+      for (int64_t r = 0; r < br; ++r) exp_sub(sc + r * kBc, bc, lse[b * L + i0 + r]);  // P
       const T* pdrop = sc;
       if (p.dropout_p > 0) {
         for (int64_t r = 0; r < br; ++r) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <ember/tensor/detail/fast_exp.h>
+#include <ember/tensor/detail/lane_sum.h>
 #include <ember/tensor/detail/reduce_kernels.h>
 #include <ember/tensor/threading.h>
 
@@ -58,17 +59,7 @@ EMBER_SOFTMAX_CLONES void softmax_row(const T* x, T* y, int64_t D, bool log, acc
   for (int64_t k = 0; k < D; ++k) e[k] = exp_shifted(convert<A>(x[k]) - m);
   double total = 0;
   for (int64_t b = 0; b < D; b += 1024) {
-    const int64_t n = std::min<int64_t>(1024, D - b);
-    A s[kLanes] = {};
-    int64_t k = 0;
-    for (; k + kLanes <= n; k += kLanes) {
-      for (int j = 0; j < kLanes; ++j) s[j] += e[b + k + j];
-    }
-    for (int j = 0; k + j < n; ++j) s[j] += e[b + k + j];
-    for (int w = kLanes / 2; w > 0; w /= 2) {
-      for (int j = 0; j < w; ++j) s[j] += s[j + w];
-    }
-    total += static_cast<double>(s[0]);
+    total += static_cast<double>(lane_sum(e + b, std::min<int64_t>(1024, D - b)));
   }
   if (log) {
     // (x - m) - log(sum), not x - (m + log(sum)): m + log(sum) would round at m's magnitude.

@@ -2,7 +2,7 @@
 // process: 20 AdamW steps with gradient clipping, at tp 2 and tp 4, and tp 2 x dp 2 (DDP over
 // the mesh's dp dimension), with and without sequence and loss parallelism and activation
 // checkpointing, as rank threads and as processes over gloo's shared memory; every rank's
-// parameter shards within 1e-5 of the single process's. A checkpoint saved half-way at
+// parameter shards within 3e-5 of the single process's. A checkpoint saved half-way at
 // tp 2 x dp 2 goes on at tp 1 x dp 4, in one process and at tp 2 x dp 1 as if uninterrupted;
 // one of another model's shape, or with a rank file missing, is refused naming the tensor or
 // the file.
@@ -118,11 +118,16 @@ struct Layout {
 // How close a run must come to the single process: float32 runs differ by the order of sums
 // only; bfloat16 rounds each rank's partial products (a row-parallel layer's, before the
 // all-reduce) where the single process rounds the whole sum, ~2^-8 relative per rounding.
-// (Tolerance{4e-3, 2e-3} fails on the parameters: the bound is not loose by much.)
+// (Tolerance{4e-3, 2e-3} fails on the parameters: the bound is not loose by much.) In float32
+// the parameters' largest difference, relative to 1 + |p|, is 1e-6 to 1.1e-5 depending on the
+// case and on the kernels' orders of summation (Adam turns gradients that differ by rounding into
+// steps that differ more, as below); a mistake in a layout shows as 1e-3 or more.
 struct Tolerance {
   double params, loss;
 };
-Tolerance tolerance(const Layout& l) { return l.bf16 ? Tolerance{1.5e-2, 2e-3} : Tolerance{1e-5, 1e-5}; }
+Tolerance tolerance(const Layout& l) {
+  return l.bf16 ? Tolerance{1.5e-2, 2e-3} : Tolerance{3e-5, 1e-5};
+}
 
 // Which steps a run takes, and the checkpoint it starts from or ends with.
 struct Phase {
@@ -291,7 +296,7 @@ TEST(GptTensorParallel, Tp2ByDp2WithFullyShardOverDp) {
 // Checkpoints carry the layout: saved after 10 steps at tp 2 x dp 2 (fully_shard over dp on top
 // of tensor parallelism: each rank writes a flat range of its tensor-parallel block), the run
 // goes on to step 20 at tp 1 x dp 4 (fully_shard over 4), in one process, and at tp 2 x dp 1,
-// each within 1e-5 of the uninterrupted single process; also saved at tp 2 x dp 2 with DDP (a
+// each within 3e-5 of the uninterrupted single process; also saved at tp 2 x dp 2 with DDP (a
 // block on two ranks, written once) and loaded at tp 4.
 TEST(GptTensorParallel, CheckpointsLoadAtEveryLayout) {
   constexpr int64_t kRows = 8;
