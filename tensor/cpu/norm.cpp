@@ -1,9 +1,12 @@
-// Fused layer norm on the CPU (tensor/detail/norm_kernels.h): rows in parallel; forward reads x
-// twice (mean, then variance and output), backward reads dy and x twice per row.
+// Fused layer norm on the CPU (tensor/detail/norm_kernels.h): rows in parallel, each row's
+// passes (mean, variance, output; backward's parameter sums, two row sums, dx) while it sits in
+// the L1 cache.
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 #include <vector>
 
+#include <ember/tensor/detail/lane_sum.h>
 #include <ember/tensor/detail/norm_kernels.h>
 #include <ember/tensor/dtype.h>
 #include <ember/tensor/error.h>
@@ -13,7 +16,40 @@ namespace ember::detail {
 
 namespace {
 
+// The row loops for AVX-512 and AVX2 too, picked at load time. Their sums run in lane_sum's
+// fixed order and the file compiles without contraction (tensor/CMakeLists.txt), so every
+// version gives the same bits.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define EMBER_NORM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define EMBER_NORM_CLONES
+#endif
+
 int64_t row_grain(int64_t n) { return std::max<int64_t>(1, kGrainSize / std::max<int64_t>(n, 1)); }
+
+// One row: y = (x - mean) * rstd * w + b (w, b optional), the statistics in double.
+template <typename T>
+EMBER_NORM_CLONES void forward_row(const T* xr, const T* pw, const T* pb, double eps, int64_t n,
+                                   T* yr, T* mean, T* rstd) {
+  const double mu = lane_sum<double>(n, [xr](int64_t i) { return static_cast<double>(xr[i]); }) / n;
+  const double ss = lane_sum<double>(n, [xr, mu](int64_t i) {
+    const double d = xr[i] - mu;
+    return d * d;
+  });
+  const double rs = 1.0 / std::sqrt(ss / n + eps);
+  *mean = static_cast<T>(mu);
+  *rstd = static_cast<T>(rs);
+  const T m = static_cast<T>(mu), q = static_cast<T>(rs);
+  if (pw != nullptr && pb != nullptr) {
+    for (int64_t i = 0; i < n; ++i) yr[i] = (xr[i] - m) * q * pw[i] + pb[i];
+  } else if (pw != nullptr) {
+    for (int64_t i = 0; i < n; ++i) yr[i] = (xr[i] - m) * q * pw[i];
+  } else if (pb != nullptr) {
+    for (int64_t i = 0; i < n; ++i) yr[i] = (xr[i] - m) * q + pb[i];
+  } else {
+    for (int64_t i = 0; i < n; ++i) yr[i] = (xr[i] - m) * q;
+  }
+}
 
 template <typename T>
 void forward_typed(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
@@ -27,33 +63,30 @@ void forward_typed(const Tensor& x, const Tensor& weight, const Tensor& bias, do
   T* pr = rstd.data<T>();
   parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = px + r * n;
-      double s = 0;
-#pragma omp simd reduction(+ : s)
-      for (int64_t i = 0; i < n; ++i) s += xr[i];
-      const double mu = s / n;
-      double ss = 0;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < n; ++i) {
-        const double d = xr[i] - mu;
-        ss += d * d;
-      }
-      const double rs = 1.0 / std::sqrt(ss / n + eps);
-      pm[r] = static_cast<T>(mu);
-      pr[r] = static_cast<T>(rs);
-      const T m = static_cast<T>(mu), q = static_cast<T>(rs);
-      T* yr = py + r * n;
-      if (pw != nullptr && pb != nullptr) {
-        for (int64_t i = 0; i < n; ++i) yr[i] = (xr[i] - m) * q * pw[i] + pb[i];
-      } else if (pw != nullptr) {
-        for (int64_t i = 0; i < n; ++i) yr[i] = (xr[i] - m) * q * pw[i];
-      } else if (pb != nullptr) {
-        for (int64_t i = 0; i < n; ++i) yr[i] = (xr[i] - m) * q + pb[i];
-      } else {
-        for (int64_t i = 0; i < n; ++i) yr[i] = (xr[i] - m) * q;
-      }
+      forward_row(px + r * n, pw, pb, eps, n, py + r * n, pm + r, pr + r);
     }
   });
+}
+
+// One row's share of dweight and dbias (dw, db: double accumulators over the rows) and, unless
+// out is null, its dx.
+template <typename T>
+EMBER_NORM_CLONES void backward_row(const T* gr, const T* xr, const T* pw, T mu, T rs, int64_t n,
+                                    double* dw, double* db, T* out) {
+  if (dw != nullptr) {
+    for (int64_t i = 0; i < n; ++i) {
+      dw[i] += static_cast<double>(gr[i] * ((xr[i] - mu) * rs));
+      db[i] += gr[i];
+    }
+  }
+  if (out == nullptr) return;
+  auto dxhat = [gr, pw](int64_t i) { return pw != nullptr ? gr[i] * pw[i] : gr[i]; };
+  // The means of dxhat and of dxhat * xhat over the row.
+  const double a = lane_sum<double>(n, [&](int64_t i) { return static_cast<double>(dxhat(i)); });
+  const double b = lane_sum<double>(
+      n, [&](int64_t i) { return static_cast<double>(dxhat(i) * ((xr[i] - mu) * rs)); });
+  const T ma = static_cast<T>(a / n), mb = static_cast<T>(b / n);
+  for (int64_t i = 0; i < n; ++i) out[i] = (dxhat(i) - ma - (xr[i] - mu) * rs * mb) * rs;
 }
 
 template <typename T>
@@ -73,29 +106,8 @@ void backward_typed(const Tensor& dy, const Tensor& x, const Tensor& mean, const
   parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     std::vector<double> dw(want_params ? n : 0, 0.0), db(want_params ? n : 0, 0.0);
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = px + r * n;
-      const T* gr = pdy + r * n;
-      const T mu = pm[r], rs = pr[r];
-      if (want_params) {
-        for (int64_t i = 0; i < n; ++i) {
-          dw[i] += static_cast<double>(gr[i] * ((xr[i] - mu) * rs));
-          db[i] += gr[i];
-        }
-      }
-      if (pdx == nullptr) continue;
-      double a = 0, b = 0;  // sums of dxhat and dxhat * xhat over the row
-#pragma omp simd reduction(+ : a, b)
-      for (int64_t i = 0; i < n; ++i) {
-        const T dxh = pw != nullptr ? gr[i] * pw[i] : gr[i];
-        a += dxh;
-        b += dxh * ((xr[i] - mu) * rs);
-      }
-      const T ma = static_cast<T>(a / n), mb = static_cast<T>(b / n);
-      T* out = pdx + r * n;
-      for (int64_t i = 0; i < n; ++i) {
-        const T dxh = pw != nullptr ? gr[i] * pw[i] : gr[i];
-        out[i] = (dxh - ma - (xr[i] - mu) * rs * mb) * rs;
-      }
+      backward_row(pdy + r * n, px + r * n, pw, pm[r], pr[r], n, want_params ? dw.data() : nullptr,
+                   want_params ? db.data() : nullptr, pdx != nullptr ? pdx + r * n : nullptr);
     }
     if (want_params) {
       std::lock_guard<std::mutex> lock(merge);
