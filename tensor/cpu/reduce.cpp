@@ -209,12 +209,46 @@ void reduce_outer(const ReduceGeom& g, const T* in, O* out, const Red& r,
   });
 }
 
+// Whether g reduces, per output, several dense runs of at least kMinRun elements: reduced dims
+// on both sides of a kept one, as batch norm's statistics over N, H and W of [N, C, H, W].
+constexpr int64_t kMinRun = 64;
+bool runs_geometry(const ReduceGeom& g) {
+  return g.num_out > 1 && g.nred >= 2 && g.red_strides[g.nred - 1] == 1 &&
+         g.red_sizes[g.nred - 1] >= kMinRun;
+}
+
+// Every output reduces several dense runs (runs_geometry): each run as reduce_inner reduces
+// one, the runs' results combined as a tree. Reads the input where it lies, where the permuted
+// copy prepare_reduce would otherwise make costs a pass over the whole input.
+template <typename Red, typename T, typename O>
+void reduce_runs(const ReduceGeom& g, const T* in, O* out, const Red& r,
+                 const typename Red::acc* ctx) {
+  using A = typename Red::acc;
+  const int64_t run = g.red_sizes[g.nred - 1];
+  const int64_t runs = g.red_numel / run;
+  ReduceGeom starts = g;  // the reduced dims above the run: where each run starts
+  starts.nred -= 1;
+  const int64_t grain = std::max<int64_t>(1, kGrainSize / std::max<int64_t>(g.red_numel, 1));
+  parallel_for(0, g.num_out, grain, [&](int64_t b, int64_t e) {
+    std::unique_ptr<A[]> part(new A[runs]);  // not vector: vector<bool> packs bits
+    for (int64_t o = b; o < e; ++o) {
+      const T* base = in + g.keep_offset(o);
+      const A c = ctx ? ctx[o] : A{};
+      for (int64_t j = 0; j < runs; ++j)
+        part[j] = reduce_run(base + starts.red_offset(j), run, r, c);
+      out[o] = r.template project<O>(tree_combine(part.get(), runs, r), c);
+    }
+  });
+}
+
 template <typename Red, typename T, typename O>
 void run_reduce(const ReduceGeom& g, const T* in, O* out, const Red& r,
                 const typename Red::acc* ctx = nullptr) {
   if (g.num_out == 0) return;
   if (g.inner()) {
     reduce_inner(g, in, out, r, ctx);
+  } else if (!g.outer() && runs_geometry(g)) {
+    reduce_runs(g, in, out, r, ctx);
   } else {
     EMBER_INTERNAL_ASSERT(g.outer(), "reduction geometry is neither inner nor outer");
     reduce_outer(g, in, out, r, ctx);
@@ -282,7 +316,10 @@ void reduce_floating(ReduceKind kind, const Tensor& out, const ReduceGeom& g, co
 
 void reduce_cpu(ReduceKind kind, const Tensor& out, const Tensor& in, uint32_t mask,
                 const ReduceParams& params) {
-  const ReduceInput p = prepare_reduce(in, mask);
+  // Dense runs are reduced where they lie (reduce_runs); other geometries that are neither inner
+  // nor outer are copied first.
+  ReduceInput p{in, make_reduce_geom(in, mask)};
+  if (!p.g.inner() && !p.g.outer() && !runs_geometry(p.g)) p = prepare_reduce(in, mask);
   const ReduceGeom& g = p.g;
   EMBER_INTERNAL_ASSERT(out.is_contiguous() && out.numel() == g.num_out, "bad reduce output");
   const void* data = p.src.data_ptr();

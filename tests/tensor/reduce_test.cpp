@@ -720,6 +720,57 @@ TEST(Reduce, ThreadCountDoesNotChangeResults) {
   set_num_threads(saved);
 }
 
+// Reduced dims on both sides of a kept one, the innermost reduced run dense and at least 64 long
+// (batch norm's statistics of [N, C, H, W] over N, H and W): reduced where the runs lie, without
+// a permuted copy. Every kind against the double-precision loop, a NaN in one run, and the same
+// bits at 1 and 2 threads.
+TEST(Reduce, DenseRunsAroundAKeptDimMatchTheNaiveLoop) {
+  const std::vector<std::pair<std::string, Tensor>> cases = {
+      {"[3, 5, 130] over {0, 2}", grid_tensor({3, 5, 130}, kFloat32, 5)},
+      {"[4, 3, 8, 16] over {0, 2, 3}", grid_tensor({4, 3, 8, 16}, kFloat32, 6)},
+      {"sliced [6, 3, 70] over {0, 2}", grid_tensor({6, 4, 70}, kFloat32, 7).slice(1, 0, 4, 2)}};
+  for (const auto& [name, t] : cases) {
+    const uint32_t mask = t.dim() == 3 ? 0b101u : 0b1101u;
+    const std::vector<int64_t> dims =
+        t.dim() == 3 ? std::vector<int64_t>{0, 2} : std::vector<int64_t>{0, 2, 3};
+    auto add = [](double a, double x) { return a + x; };
+    expect_close(sum(t, dims), ref_reduce(t, mask, 0.0, add), 1e-5, 1e-5, name + " sum");
+    const std::vector<double> means =
+        ref_reduce(t, mask, 0.0, add, [](double a, int64_t n) { return a / n; });
+    expect_close(mean(t, dims), means, 1e-5, 1e-5, name + " mean");
+    // var: the sum of squares about each output's mean, n - 1 degrees of freedom.
+    std::vector<double> sq(means.size(), 0.0);
+    {
+      const Tensor c = t - mean(t, dims, /*keepdim=*/true);
+      sq = ref_reduce(
+          c, mask, 0.0, [](double a, double x) { return a + x * x; },
+          [](double a, int64_t n) { return a / (n - 1); });
+    }
+    expect_close(var(t, dims), sq, 1e-5, 1e-5, name + " var");
+    expect_close(amax(t, dims),
+                 ref_reduce(t, mask, -kInf, [](double a, double x) { return std::max(a, x); }), 0,
+                 0, name + " amax");
+    expect_close(logsumexp(t, dims),
+                 ref_reduce(
+                     t, mask, 0.0, [](double a, double x) { return a + std::exp(x); },
+                     [](double a, int64_t) { return std::log(a); }),
+                 1e-5, 1e-5, name + " logsumexp");
+    const int saved = get_num_threads();
+    set_num_threads(1);
+    const std::vector<float> one = sum(t, dims).to_vector<float>();
+    set_num_threads(2);
+    EXPECT_EQ(sum(t, dims).to_vector<float>(), one) << name;
+    set_num_threads(saved);
+  }
+  std::vector<float> v = grid_values(600);
+  v[(1 * 3 + 2) * 100 + 57] = NAN;  // [1, 2, 57]
+  const Tensor t = from_vector(v, {2, 3, 100});
+  const std::vector<double> got = amax(t, {0, 2}).to_vector<double>();
+  EXPECT_FALSE(std::isnan(got[0]));
+  EXPECT_TRUE(std::isnan(got[2])) << "a NaN in one run makes its output NaN";
+  EXPECT_TRUE(std::isnan(sum(t, {0, 2}).to_vector<double>()[2]));
+}
+
 // ---- CUDA vs CPU -----------------------------------------------------------------------------
 
 namespace {
