@@ -1,4 +1,5 @@
-// Backward nodes of the ops behind nn's fused layers and losses: layer_norm (tensor/ops/norm.h),
+// Backward nodes of the ops behind nn's fused layers and losses: layer_norm and batch_norm
+// (tensor/ops/norm.h),
 // cross_entropy (tensor/ops/loss.h) and the fused scaled_dot_product_attention
 // (tensor/ops/attention.h). Their forwards pass what backward needs besides inputs and outputs
 // (statistics, probabilities, the kernels' parameters) in their typed attributes.
@@ -79,6 +80,77 @@ void record_layer_norm(const RecordArgs& r) {
     n->mean = SavedTensor(a.mean, false);
     n->rstd = SavedTensor(a.rstd, false);
   }
+  commit(n, r);
+}
+
+// ---- batch_norm (Note [BatchNorm as one op] in tensor/ops/norm.cpp)
+// ------------------------------
+
+/// inputs {x [N, C, *], weight, bias}; weight and bias may be undefined.
+struct BatchNormBackward final : Node {
+  bool training = true;
+  double eps = 0;
+  SavedTensor x, weight, mean, invstd;
+  const char* name() const override { return "BatchNormBackward"; }
+  TensorList apply(TensorList&& grads) override {
+    const Tensor xs = x.unpack(*this);
+    const Tensor w = weight.defined() ? weight.unpack(*this) : Tensor();
+    const Tensor m = mean.unpack(*this), is = invstd.unpack(*this);
+    const int64_t channels = xs.size(1);
+    if (!GradMode::is_enabled()) {
+      const Tensor dy = grads[0].to(xs.dtype()).contiguous();
+      Tensor dx = needs_input_grad(0) ? empty(xs.shape(), xs.options()) : Tensor();
+      Tensor dweight =
+          w.defined() && needs_input_grad(1) ? empty({channels}, xs.options()) : Tensor();
+      Tensor dbias = needs_input_grad(2) ? empty({channels}, xs.options()) : Tensor();
+      auto runs = [&](const Tensor& t) {
+        return t.defined() ? t.view({xs.size(0), channels, -1}) : t;
+      };
+      detail::batch_norm_backward_cpu(runs(dy), runs(xs), w, m, is, training, runs(dx), dweight,
+                                      dbias);
+      return {dx, dweight, dbias};
+    }
+    // create_graph: the same in recorded tensor ops, with the batch statistics recomputed from x
+    // when training so that the second derivative sees their dependence on it.
+    std::vector<int64_t> dims{0};
+    for (int64_t d = 2; d < xs.dim(); ++d) dims.push_back(d);
+    Shape bshape = Shape::filled(xs.dim(), 1);
+    bshape[1] = channels;
+    Tensor mean_b = m.view(bshape), invstd_b = is.view(bshape);
+    if (training) {
+      mean_b = xs.mean(dims, /*keepdim=*/true);
+      invstd_b = rsqrt(var(xs, dims, /*correction=*/0, /*keepdim=*/true) + eps);
+    }
+    const Tensor& dy = grads[0];
+    const Tensor xhat = (xs - mean_b) * invstd_b;
+    Tensor dx, dweight, dbias;
+    if (needs_input_grad(0)) {
+      const Tensor dxhat = w.defined() ? dy * w.view(bshape) : dy;
+      dx = training ? (dxhat - dxhat.mean(dims, true) - xhat * (dxhat * xhat).mean(dims, true)) *
+                          invstd_b
+                    : dxhat * invstd_b;
+    }
+    if (w.defined() && needs_input_grad(1)) dweight = (dy * xhat).sum(dims);
+    if (needs_input_grad(2)) dbias = dy.sum(dims);
+    return {dx, dweight, dbias};
+  }
+  void release_variables() override {
+    x.release();
+    weight.release();
+    mean.release();
+    invstd.release();
+  }
+};
+
+void record_batch_norm(const RecordArgs& r) {
+  const BatchNormAttrs& a = r.attrs<OpId::BatchNorm>();
+  auto n = new_node<BatchNormBackward>(r);
+  n->training = a.training;
+  n->eps = a.eps;
+  n->x = SavedTensor(r.in(0), false);
+  if (r.in(1).defined()) n->weight = SavedTensor(r.in(1), false);
+  n->mean = SavedTensor(a.mean, false);
+  n->invstd = SavedTensor(a.invstd, false);
   commit(n, r);
 }
 
@@ -194,6 +266,7 @@ void record_attention(const RecordArgs& r) {
 
 void register_nn(FactoryTable& t) {
   slot(t, OpId::LayerNorm) = record_layer_norm;
+  slot(t, OpId::BatchNorm) = record_batch_norm;
   slot(t, OpId::CrossEntropy) = record_cross_entropy;
   slot(t, OpId::ScaledDotProductAttention) = record_attention;
 }

@@ -108,27 +108,39 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
   std::vector<int64_t> dims{0};
   for (int64_t d = 2; d < input.dim(); ++d) dims.push_back(d);
   const Shape bshape = channel_shape(input.dim(), channels);
-
-  Tensor mean, invstd;
+  const int64_t count = input.numel() / std::max<int64_t>(channels, 1);
   if (training) {
-    const int64_t count = input.numel() / std::max<int64_t>(channels, 1);
     EMBER_CHECK(
         count > 1,
         "[batch_norm] expected more than 1 value per channel when training, got input of shape ",
         input.shape());
-    mean = input.mean(dims);
-    const Tensor var = ember::var(input, dims, /*correction=*/0);
-    invstd = rsqrt(var + eps);
-    if (running_mean.defined()) {
-      NoGradGuard no_grad;
-      const double unbias = static_cast<double>(count) / static_cast<double>(count - 1);
-      Tensor rm = running_mean, rv = running_var;
-      rm.copy_(rm * (1.0 - momentum) + mean.detach() * momentum);
-      rv.copy_(rv * (1.0 - momentum) + var.detach() * (momentum * unbias));
-    }
   } else {
     EMBER_CHECK(running_mean.defined(),
                 "[batch_norm] running_mean and running_var must be defined when not training");
+  }
+  // running = (1 - momentum) * running + momentum * batch, the variance unbiased.
+  auto update_running = [&](const Tensor& mean, const Tensor& var) {
+    if (!training || !running_mean.defined()) return;
+    NoGradGuard no_grad;
+    const double unbias = static_cast<double>(count) / static_cast<double>(count - 1);
+    Tensor rm = running_mean, rv = running_var;
+    rm.copy_(rm * (1.0 - momentum) + mean.detach() * momentum);
+    rv.copy_(rv * (1.0 - momentum) + var.detach() * (momentum * unbias));
+  };
+  if (detail::batch_norm_fusable(input, weight, bias, running_mean, running_var, training)) {
+    const detail::BatchNormFused f =
+        detail::batch_norm_fused(input, weight, bias, running_mean, running_var, training, eps);
+    update_running(f.mean, f.var);
+    return f.y;
+  }
+
+  Tensor mean, invstd;
+  if (training) {
+    mean = input.mean(dims);
+    const Tensor var = ember::var(input, dims, /*correction=*/0);
+    invstd = rsqrt(var + eps);
+    update_running(mean, var);
+  } else {
     mean = running_mean.to(input.dtype());
     invstd = rsqrt(running_var.to(input.dtype()) + eps);
   }

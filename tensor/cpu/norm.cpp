@@ -127,6 +127,161 @@ void backward_typed(const Tensor& dy, const Tensor& x, const Tensor& mean, const
   }
 }
 
+// ---- batch norm: channels of [N, C, L] ----------------------------------------------------------
+
+template <typename T>
+EMBER_NORM_CLONES double run_sum(const T* x, int64_t n) {
+  return lane_sum<double>(n, [x](int64_t i) { return static_cast<double>(x[i]); });
+}
+
+// sum((x - mu)^2) over one run.
+template <typename T>
+EMBER_NORM_CLONES double run_sq_dev(const T* x, int64_t n, double mu) {
+  return lane_sum<double>(n, [x, mu](int64_t i) {
+    const double d = x[i] - mu;
+    return d * d;
+  });
+}
+
+// sum(g * (x - mu)) over one run.
+template <typename T>
+EMBER_NORM_CLONES double run_dot_dev(const T* g, const T* x, int64_t n, double mu) {
+  return lane_sum<double>(n, [g, x, mu](int64_t i) {
+    return static_cast<double>(g[i]) * (static_cast<double>(x[i]) - mu);
+  });
+}
+
+template <typename T>
+EMBER_NORM_CLONES void run_affine(const T* x, T* y, int64_t n, T scale, T shift) {
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * scale + shift;
+}
+
+// dx = (g - a - (x - mu) * b) * k over one run.
+template <typename T>
+EMBER_NORM_CLONES void run_bn_dx(const T* g, const T* x, T* dx, int64_t n, T a, T mu, T b, T k) {
+  for (int64_t i = 0; i < n; ++i) dx[i] = (g[i] - a - (x[i] - mu) * b) * k;
+}
+
+template <typename T>
+EMBER_NORM_CLONES void run_scale(const T* g, T* dx, int64_t n, T k) {
+  for (int64_t i = 0; i < n; ++i) dx[i] = g[i] * k;
+}
+
+// [N, C, L] of a contiguous x whose dim 1 is C.
+struct ChannelRuns {
+  int64_t N, C, L;
+  explicit ChannelRuns(const Tensor& x)
+      : N(x.size(0)), C(x.size(1)), L(x.numel() / std::max<int64_t>(x.size(0) * x.size(1), 1)) {}
+  int64_t offset(int64_t n, int64_t c) const { return (n * C + c) * L; }
+  // Grain of a loop over channels, each N runs of L.
+  int64_t channel_grain() const {
+    return std::max<int64_t>(1, kGrainSize / std::max<int64_t>(N * L, 1));
+  }
+  // Grain of a loop over the N * C runs.
+  int64_t run_grain() const { return row_grain(L); }
+};
+
+template <typename T>
+void bn_forward_typed(const Tensor& x, const Tensor& weight, const Tensor& bias, bool training,
+                      double eps, const Tensor& mean, const Tensor& var, const Tensor& invstd,
+                      const Tensor& y) {
+  const ChannelRuns r(x);
+  const T* px = x.data<T>();
+  T* pm = mean.data<T>();
+  T* pi = invstd.data<T>();
+  if (training) {
+    T* pv = var.data<T>();
+    const double count = static_cast<double>(r.N * r.L);
+    parallel_for(0, r.C, r.channel_grain(), [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        double s = 0;
+        for (int64_t n = 0; n < r.N; ++n) s += run_sum(px + r.offset(n, c), r.L);
+        const double mu = s / count;
+        double ss = 0;
+        for (int64_t n = 0; n < r.N; ++n) ss += run_sq_dev(px + r.offset(n, c), r.L, mu);
+        const double v = ss / count;
+        pm[c] = static_cast<T>(mu);
+        pv[c] = static_cast<T>(v);
+        pi[c] = static_cast<T>(1.0 / std::sqrt(v + eps));
+      }
+    });
+  }
+  // The form PyTorch's CPU kernel computes: y = x * scale + shift.
+  std::vector<T> scale(r.C), shift(r.C);
+  const T* pw = weight.defined() ? weight.data<T>() : nullptr;
+  const T* pb = bias.defined() ? bias.data<T>() : nullptr;
+  for (int64_t c = 0; c < r.C; ++c) {
+    scale[c] = pw != nullptr ? pi[c] * pw[c] : pi[c];
+    shift[c] = (pb != nullptr ? pb[c] : T(0)) - pm[c] * scale[c];
+  }
+  T* py = y.data<T>();
+  parallel_for(0, r.N * r.C, r.run_grain(), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t c = i % r.C;
+      run_affine(px + i * r.L, py + i * r.L, r.L, scale[c], shift[c]);
+    }
+  });
+}
+
+template <typename T>
+void bn_backward_typed(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                       const Tensor& invstd, bool training, const Tensor& dx, const Tensor& dweight,
+                       const Tensor& dbias) {
+  const ChannelRuns r(x);
+  const T* pg = dy.data<T>();
+  const T* px = x.data<T>();
+  const T* pw = weight.defined() ? weight.data<T>() : nullptr;
+  const T* pm = mean.data<T>();
+  const T* pi = invstd.data<T>();
+  // Per channel: sum(dy) and sum(dy * (x - mean)), needed by dweight, dbias and training's dx.
+  const bool sums = dweight.defined() || dbias.defined() || (dx.defined() && training);
+  std::vector<double> sum_g(sums ? r.C : 0), sum_gx(sums ? r.C : 0);
+  if (sums) {
+    parallel_for(0, r.C, r.channel_grain(), [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        double g = 0, gx = 0;
+        for (int64_t n = 0; n < r.N; ++n) {
+          g += run_sum(pg + r.offset(n, c), r.L);
+          gx += run_dot_dev(pg + r.offset(n, c), px + r.offset(n, c), r.L,
+                            static_cast<double>(pm[c]));
+        }
+        sum_g[c] = g;
+        sum_gx[c] = gx;
+      }
+    });
+  }
+  if (dbias.defined()) {
+    T* p = dbias.data<T>();
+    for (int64_t c = 0; c < r.C; ++c) p[c] = static_cast<T>(sum_g[c]);
+  }
+  if (dweight.defined()) {
+    T* p = dweight.data<T>();
+    for (int64_t c = 0; c < r.C; ++c) p[c] = static_cast<T>(sum_gx[c] * static_cast<double>(pi[c]));
+  }
+  if (!dx.defined()) return;
+  T* pdx = dx.data<T>();
+  const double count = static_cast<double>(r.N * r.L);
+  // dx = (dy - a - (x - mean) * b) * k: a = mean(dy), b = mean(dy * xhat) * invstd,
+  // k = weight * invstd; in evaluation a = b = 0.
+  std::vector<T> a(r.C), b(r.C), k(r.C);
+  for (int64_t c = 0; c < r.C; ++c) {
+    const double is = pi[c];
+    k[c] = static_cast<T>((pw != nullptr ? static_cast<double>(pw[c]) : 1.0) * is);
+    a[c] = training ? static_cast<T>(sum_g[c] / count) : T(0);
+    b[c] = training ? static_cast<T>(sum_gx[c] / count * is * is) : T(0);
+  }
+  parallel_for(0, r.N * r.C, r.run_grain(), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t c = i % r.C;
+      if (training) {
+        run_bn_dx(pg + i * r.L, px + i * r.L, pdx + i * r.L, r.L, a[c], pm[c], b[c], k[c]);
+      } else {
+        run_scale(pg + i * r.L, pdx + i * r.L, r.L, k[c]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void layer_norm_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
@@ -150,4 +305,25 @@ void layer_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& me
   }
 }
 
+void batch_norm_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                            bool training, double eps, const Tensor& mean, const Tensor& var,
+                            const Tensor& invstd, const Tensor& y) {
+  if (x.dtype() == kFloat64) {
+    bn_forward_typed<double>(x, weight, bias, training, eps, mean, var, invstd, y);
+  } else {
+    EMBER_INTERNAL_ASSERT(x.dtype() == kFloat32, "batch_norm_forward_cpu: dtype ", x.dtype());
+    bn_forward_typed<float>(x, weight, bias, training, eps, mean, var, invstd, y);
+  }
+}
+
+void batch_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                             const Tensor& mean, const Tensor& invstd, bool training,
+                             const Tensor& dx, const Tensor& dweight, const Tensor& dbias) {
+  if (x.dtype() == kFloat64) {
+    bn_backward_typed<double>(dy, x, weight, mean, invstd, training, dx, dweight, dbias);
+  } else {
+    EMBER_INTERNAL_ASSERT(x.dtype() == kFloat32, "batch_norm_backward_cpu: dtype ", x.dtype());
+    bn_backward_typed<float>(dy, x, weight, mean, invstd, training, dx, dweight, dbias);
+  }
+}
 }  // namespace ember::detail

@@ -30,6 +30,23 @@ void layer_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& m
                               const Tensor& rstd, const Tensor& weight, const Tensor& dx,
                               const Tensor& dweight, const Tensor& dbias);
 
+/// Batch norm over the channels of x viewed as [N, C, L] (contiguous), float32 or float64 CPU
+/// tensors of one dtype; weight and bias [C] or undefined. training: writes the batch's mean,
+/// biased variance and invstd = 1 / sqrt(var + eps) ([C]) first; otherwise reads mean and
+/// invstd (the running statistics'), and var is undefined. Then
+/// y = x * (invstd * weight) + (bias - mean * invstd * weight). Statistics in double.
+void batch_norm_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                            bool training, double eps, const Tensor& mean, const Tensor& var,
+                            const Tensor& invstd, const Tensor& y);
+
+/// With xhat = (x - mean) * invstd and M = N * L values per channel: dbias = sum(dy),
+/// dweight = sum(dy * xhat); training: dx = weight * invstd * (dy - mean(dy) - xhat *
+/// mean(dy * xhat)), otherwise dx = dy * weight * invstd. Outputs that are undefined are not
+/// computed.
+void batch_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                             const Tensor& mean, const Tensor& invstd, bool training,
+                             const Tensor& dx, const Tensor& dweight, const Tensor& dbias);
+
 /// xhat = (x - mean) * rstd over the last normalized_dims dims, and rstd (dims kept): what
 /// layer_norm's tensor-op paths compute, recorded when grad mode is on (tensor/ops/norm.cpp).
 struct LayerNormStats {

@@ -79,6 +79,7 @@ enum class OpId : uint16_t {
   AdaptiveAvgPool2d,  ///< inputs {x}
   // ---- fused ops behind nn's layers and losses (autograd/functions_nn.cpp): ----
   LayerNorm,     ///< inputs {x, weight, bias (both may be undefined)}; LayerNormAttrs
+  BatchNorm,     ///< inputs {x, weight, bias (both may be undefined)}; BatchNormAttrs
   CrossEntropy,  ///< inputs {x [N, C]}; CrossEntropyAttrs
   ScaledDotProductAttention,  ///< inputs {q, k, v}, the fused kernels' layout; AttentionAttrs
   // ---- indexing and joining: ----
@@ -218,6 +219,14 @@ struct LayerNormAttrs {
   double eps = 1e-5;
   Tensor mean, rstd;
 };
+/// batch_norm's normalisation over dim 1 (Note [BatchNorm as one op] in tensor/ops/norm.cpp).
+/// mean and invstd ([C], x's dtype): the batch's statistics when training, else the running
+/// ones (constants for backward).
+struct BatchNormAttrs {
+  bool training = true;
+  double eps = 1e-5;
+  Tensor mean, invstd;
+};
 /// The fused 2-d cross_entropy (Note [Fused cross_entropy] in tensor/ops/loss.cpp).
 struct CrossEntropyAttrs {
   Reduction reduction = Reduction::kMean;
@@ -248,14 +257,14 @@ struct AttentionAttrs {
   X(MaxPool2d, Pool2dParams) X(AvgPool2d, Pool2dParams) X(IndexSelect, DimAttrs)               \
   X(Gather, DimAttrs) X(ScatterAdd, DimAttrs) X(IndexAdd, IndexAddAttrs) X(Cat, DimAttrs)      \
   X(Permute, PermuteAttrs) X(Slice, SliceAttrs) X(Select, SelectAttrs) X(Split, DimAttrs)      \
-  X(LayerNorm, LayerNormAttrs) X(CrossEntropy, CrossEntropyAttrs)                               \
+  X(LayerNorm, LayerNormAttrs) X(BatchNorm, BatchNormAttrs) X(CrossEntropy, CrossEntropyAttrs) \
   X(ScaledDotProductAttention, AttentionAttrs)
 
 /// The attributes of one recorded op, whichever type it has.
 using OpAttrs = std::variant<NoAttrs, ScalarAttrs, GeluAttrs, ClampAttrs, ReduceAttrs, VarAttrs,
                              NormAttrs, DimAttrs, IndexAddAttrs, AddmmAttrs, PermuteAttrs,
                              SliceAttrs, SelectAttrs, Conv2dParams, Pool2dParams,
-                             LayerNormAttrs, CrossEntropyAttrs, AttentionAttrs>;
+                             LayerNormAttrs, BatchNormAttrs, CrossEntropyAttrs, AttentionAttrs>;
 
 template <OpId op>
 struct OpAttrsOfT {

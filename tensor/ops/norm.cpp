@@ -10,6 +10,16 @@
 // Under create_graph, backward always takes the tensor-op path, recomputing mean and rstd from
 // the saved x with recorded ops, so double backward stays exact (the forward's no-grad
 // statistics would silently cut that dependence).
+//
+// Note [BatchNorm as one op]: nn::functional::batch_norm written in tensor ops (mean, var, a
+// broadcast multiply and add) saves input-sized intermediates and makes a pass over memory per
+// op, forward and backward. On contiguous CPU float32/float64 inputs it is instead one recorded
+// op whose kernels (cpu/norm.cpp) read each (sample, channel) run in place: the statistics in one
+// pass each, y in one, and backward's two sums per channel and dx in one more. It saves x,
+// weight and the per-channel mean and invstd. Under create_graph, backward is built from
+// recorded tensor ops, recomputing the batch statistics from x when training (as layer_norm's,
+// Note [LayerNorm as one op]). Other inputs (CUDA, other dtypes, strided, short runs) keep the
+// tensor-op form in nn/functional.cpp.
 #include <ember/tensor/ops/norm.h>
 
 #include <string>
@@ -114,5 +124,54 @@ Tensor layer_norm(const Tensor& input, IntList normalized_shape, const Tensor& w
   }
   return y;
 }
+
+namespace detail {
+
+bool batch_norm_fusable(const Tensor& input, const Tensor& weight, const Tensor& bias,
+                        const Tensor& running_mean, const Tensor& running_var, bool training) {
+  auto ok = [&](const Tensor& t) {
+    return !t.defined() || (t.is_cpu() && t.is_contiguous() && t.dtype() == input.dtype());
+  };
+  if (!input.is_cpu() || !input.is_contiguous() || input.dim() < 2 || input.numel() == 0 ||
+      (input.dtype() != kFloat32 && input.dtype() != kFloat64) || !ok(weight) || !ok(bias)) {
+    return false;
+  }
+  const int64_t run = input.numel() / (input.size(0) * input.size(1));
+  // Shorter runs (BatchNorm1d over [N, C]) reduce faster as the tensor ops' column sums.
+  if (run < 16) return false;
+  return training || (running_mean.defined() && running_var.defined() && running_mean.is_cpu() &&
+                      running_var.is_cpu());
+}
+
+BatchNormFused batch_norm_fused(const Tensor& input, const Tensor& weight, const Tensor& bias,
+                                const Tensor& running_mean, const Tensor& running_var,
+                                bool training, double eps) {
+  const int64_t channels = input.size(1);
+  BatchNormFused out;
+  Tensor mean, invstd;
+  {
+    NoGradGuard no_grad;
+    out.y = make_empty(input.shape(), input.dtype(), input.device());
+    if (training) {
+      mean = make_empty({channels}, input.dtype(), input.device());
+      invstd = make_empty({channels}, input.dtype(), input.device());
+      out.var = make_empty({channels}, input.dtype(), input.device());
+      out.mean = mean;
+    } else {
+      mean = running_mean.to(input.dtype()).contiguous();
+      invstd = rsqrt(running_var.to(input.dtype()) + eps).contiguous();
+    }
+    const Tensor x = input.view({input.size(0), channels, -1});
+    batch_norm_forward_cpu(x, weight, bias, training, eps, mean, out.var, invstd,
+                           out.y.view(x.shape()));
+  }
+  if (should_record(input, weight, bias)) {
+    record<OpId::BatchNorm>({&input, &weight, &bias}, {&out.y},
+                            {.training = training, .eps = eps, .mean = mean, .invstd = invstd});
+  }
+  return out;
+}
+
+}  // namespace detail
 
 }  // namespace ember

@@ -19,4 +19,27 @@ namespace ember {
 Tensor layer_norm(const Tensor& input, IntList normalized_shape, const Tensor& weight = {},
                   const Tensor& bias = {}, double eps = 1e-5);
 
+namespace detail {
+
+/// Whether nn::functional::batch_norm's fused path applies (Note [BatchNorm as one op] in
+/// tensor/ops/norm.cpp): a contiguous float32 or float64 CPU input [N, C, *] with at least 16
+/// values per (sample, channel), weight and bias contiguous of its dtype or undefined, and
+/// (when not training) running statistics defined.
+bool batch_norm_fusable(const Tensor& input, const Tensor& weight, const Tensor& bias,
+                        const Tensor& running_mean, const Tensor& running_var, bool training);
+
+/// y = (x - mean) * invstd * weight + bias over the channels (dim 1) of input, recorded as one op
+/// (BatchNormBackward). training: mean and the biased var are the batch's, returned for the
+/// running statistics' update, and the gradient flows through them; otherwise they are
+/// running_mean and running_var (constants) and the returned mean and var are undefined.
+/// Arguments already checked by nn::functional::batch_norm; batch_norm_fusable must hold.
+struct BatchNormFused {
+  Tensor y, mean, var;
+};
+BatchNormFused batch_norm_fused(const Tensor& input, const Tensor& weight, const Tensor& bias,
+                                const Tensor& running_mean, const Tensor& running_var,
+                                bool training, double eps);
+
+}  // namespace detail
+
 }  // namespace ember
