@@ -105,9 +105,6 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
   EMBER_CHECK(running_mean.defined() == running_var.defined(),
               "[batch_norm] running_mean and running_var must both be defined or both undefined");
 
-  std::vector<int64_t> dims{0};
-  for (int64_t d = 2; d < input.dim(); ++d) dims.push_back(d);
-  const Shape bshape = channel_shape(input.dim(), channels);
   const int64_t count = input.numel() / std::max<int64_t>(channels, 1);
   if (training) {
     EMBER_CHECK(
@@ -134,6 +131,9 @@ Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor&
     return f.y;
   }
 
+  std::vector<int64_t> dims{0};
+  for (int64_t d = 2; d < input.dim(); ++d) dims.push_back(d);
+  const Shape bshape = channel_shape(input.dim(), channels);
   Tensor mean, invstd;
   if (training) {
     mean = input.mean(dims);

@@ -1,6 +1,7 @@
-// Fused layer norm on the CPU (tensor/detail/norm_kernels.h): rows in parallel, each row's
-// passes (mean, variance, output; backward's parameter sums, two row sums, dx) while it sits in
-// the L1 cache.
+// Fused layer norm and batch norm on the CPU (tensor/detail/norm_kernels.h). Layer norm: rows in
+// parallel, each row's passes (mean, variance, output; backward's parameter sums, two row sums,
+// dx) while it sits in the L1 cache. Batch norm: the per-channel sums over the N runs of a
+// channel in parallel over channels, then the element-wise pass over all runs.
 #include <algorithm>
 #include <cmath>
 #include <mutex>
