@@ -1,8 +1,8 @@
 // Backward nodes of the ops behind nn's fused layers and losses: layer_norm and batch_norm
-// (tensor/ops/norm.h),
-// cross_entropy (tensor/ops/loss.h) and the fused scaled_dot_product_attention
-// (tensor/ops/attention.h). Their forwards pass what backward needs besides inputs and outputs
-// (statistics, probabilities, the kernels' parameters) in their typed attributes.
+// (tensor/ops/norm.h), cross_entropy (tensor/ops/loss.h) and the fused
+// scaled_dot_product_attention (tensor/ops/attention.h). Their forwards pass what backward needs
+// besides inputs and outputs (statistics, probabilities, the kernels' parameters) in their typed
+// attributes.
 #include <utility>
 #include <vector>
 
@@ -83,8 +83,7 @@ void record_layer_norm(const RecordArgs& r) {
   commit(n, r);
 }
 
-// ---- batch_norm (Note [BatchNorm as one op] in tensor/ops/norm.cpp)
-// ------------------------------
+// ---- batch_norm (Note [BatchNorm as one op] in tensor/ops/norm.cpp) ----------------------------
 
 /// inputs {x [N, C, *], weight, bias}; weight and bias may be undefined.
 struct BatchNormBackward final : Node {

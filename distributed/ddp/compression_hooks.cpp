@@ -393,7 +393,7 @@ CompressionInput compression_input(CompressionState& state, const GradBucket& bu
 // The ranks' messages `all` (chunk r of m canonical elements at r * msg) decoded straight into
 // `out` (contiguous float32, bucket order), piece by piece: the same values as decoding into a
 // canonical tensor and copying it into the bucket, without that tensor's zeroing and copy.
-void decode_into_bucket(const Codec& c, const Canonical& layout, Tensor& out_tensor,
+void decode_into_bucket(const Codec& c, const Canonical& layout, const Tensor& out_tensor,
                         const Tensor& all, int64_t m, int64_t msg) {
   float* out = out_tensor.data<float>();
   for (const Canonical::Piece& p : layout.pieces) {

@@ -41,18 +41,10 @@ void gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t k, double alpha, const
               static_cast<int>(lda), b, static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
 }
 
-// The row loops also for AVX-512 (exp is most of their work), compiled without contraction
-// (tensor/CMakeLists.txt) and with fixed lane counts, so every version gives the same bits.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define EMBER_ATTENTION_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define EMBER_ATTENTION_CLONES
-#endif
-
 // The largest element (NaNs ignored), in kSumLanes running maxima so that the loop vectorises
 // (one select per element in one chain does not); a maximum is exact in any order.
 template <typename T>
-EMBER_ATTENTION_CLONES T row_max(const T* x, int64_t n) {
+EMBER_WIDE_CLONES T row_max(const T* x, int64_t n) {
   T mx[kSumLanes];
   for (int j = 0; j < kSumLanes; ++j) mx[j] = -std::numeric_limits<T>::infinity();
   int64_t c = 0;
@@ -68,25 +60,25 @@ EMBER_ATTENTION_CLONES T row_max(const T* x, int64_t n) {
 
 // x = exp(x - m) in place.
 template <typename T>
-EMBER_ATTENTION_CLONES void exp_sub(T* x, int64_t n, T m) {
+EMBER_WIDE_CLONES void exp_sub(T* x, int64_t n, T m) {
   for (int64_t c = 0; c < n; ++c) x[c] = exp_shifted<T>(x[c] - m);
 }
 
 // x = exp(x - m) in place; returns the sum (lane_sum's order).
 template <typename T>
-EMBER_ATTENTION_CLONES T exp_sub_sum(T* x, int64_t n, T m) {
+EMBER_WIDE_CLONES T exp_sub_sum(T* x, int64_t n, T m) {
   for (int64_t c = 0; c < n; ++c) x[c] = exp_shifted<T>(x[c] - m);
   return lane_sum(x, n);
 }
 
 // ds = p * (dp - d) in place in dp.
 template <typename T>
-EMBER_ATTENTION_CLONES void softmax_grad_row(const T* p, T* dp, int64_t n, T d) {
+EMBER_WIDE_CLONES void softmax_grad_row(const T* p, T* dp, int64_t n, T d) {
   for (int64_t c = 0; c < n; ++c) dp[c] = p[c] * (dp[c] - d);
 }
 
 template <typename T>
-EMBER_ATTENTION_CLONES T dot(const T* a, const T* b, int64_t n) {
+EMBER_WIDE_CLONES T dot(const T* a, const T* b, int64_t n) {
   return lane_sum<T>(n, [a, b](int64_t c) { return a[c] * b[c]; });
 }
 

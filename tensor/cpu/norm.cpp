@@ -17,20 +17,11 @@ namespace ember::detail {
 
 namespace {
 
-// The row loops for AVX-512 and AVX2 too, picked at load time. Their sums run in lane_sum's
-// fixed order and the file compiles without contraction (tensor/CMakeLists.txt), so every
-// version gives the same bits.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define EMBER_NORM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define EMBER_NORM_CLONES
-#endif
-
 int64_t row_grain(int64_t n) { return std::max<int64_t>(1, kGrainSize / std::max<int64_t>(n, 1)); }
 
 // One row: y = (x - mean) * rstd * w + b (w, b optional), the statistics in double.
 template <typename T>
-EMBER_NORM_CLONES void forward_row(const T* xr, const T* pw, const T* pb, double eps, int64_t n,
+EMBER_WIDE_CLONES void forward_row(const T* xr, const T* pw, const T* pb, double eps, int64_t n,
                                    T* yr, T* mean, T* rstd) {
   const double mu = lane_sum<double>(n, [xr](int64_t i) { return static_cast<double>(xr[i]); }) / n;
   const double ss = lane_sum<double>(n, [xr, mu](int64_t i) {
@@ -72,7 +63,7 @@ void forward_typed(const Tensor& x, const Tensor& weight, const Tensor& bias, do
 // One row's share of dweight and dbias (dw, db: double accumulators over the rows) and, unless
 // out is null, its dx.
 template <typename T>
-EMBER_NORM_CLONES void backward_row(const T* gr, const T* xr, const T* pw, T mu, T rs, int64_t n,
+EMBER_WIDE_CLONES void backward_row(const T* gr, const T* xr, const T* pw, T mu, T rs, int64_t n,
                                     double* dw, double* db, T* out) {
   if (dw != nullptr) {
     for (int64_t i = 0; i < n; ++i) {
@@ -131,13 +122,13 @@ void backward_typed(const Tensor& dy, const Tensor& x, const Tensor& mean, const
 // ---- batch norm: channels of [N, C, L] ----------------------------------------------------------
 
 template <typename T>
-EMBER_NORM_CLONES double run_sum(const T* x, int64_t n) {
+EMBER_WIDE_CLONES double run_sum(const T* x, int64_t n) {
   return lane_sum<double>(n, [x](int64_t i) { return static_cast<double>(x[i]); });
 }
 
 // sum((x - mu)^2) over one run.
 template <typename T>
-EMBER_NORM_CLONES double run_sq_dev(const T* x, int64_t n, double mu) {
+EMBER_WIDE_CLONES double run_sq_dev(const T* x, int64_t n, double mu) {
   return lane_sum<double>(n, [x, mu](int64_t i) {
     const double d = x[i] - mu;
     return d * d;
@@ -146,25 +137,25 @@ EMBER_NORM_CLONES double run_sq_dev(const T* x, int64_t n, double mu) {
 
 // sum(g * (x - mu)) over one run.
 template <typename T>
-EMBER_NORM_CLONES double run_dot_dev(const T* g, const T* x, int64_t n, double mu) {
+EMBER_WIDE_CLONES double run_dot_dev(const T* g, const T* x, int64_t n, double mu) {
   return lane_sum<double>(n, [g, x, mu](int64_t i) {
     return static_cast<double>(g[i]) * (static_cast<double>(x[i]) - mu);
   });
 }
 
 template <typename T>
-EMBER_NORM_CLONES void run_affine(const T* x, T* y, int64_t n, T scale, T shift) {
+EMBER_WIDE_CLONES void run_affine(const T* x, T* y, int64_t n, T scale, T shift) {
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] * scale + shift;
 }
 
 // dx = (g - a - (x - mu) * b) * k over one run.
 template <typename T>
-EMBER_NORM_CLONES void run_bn_dx(const T* g, const T* x, T* dx, int64_t n, T a, T mu, T b, T k) {
+EMBER_WIDE_CLONES void run_bn_dx(const T* g, const T* x, T* dx, int64_t n, T a, T mu, T b, T k) {
   for (int64_t i = 0; i < n; ++i) dx[i] = (g[i] - a - (x[i] - mu) * b) * k;
 }
 
 template <typename T>
-EMBER_NORM_CLONES void run_scale(const T* g, T* dx, int64_t n, T k) {
+EMBER_WIDE_CLONES void run_scale(const T* g, T* dx, int64_t n, T k) {
   for (int64_t i = 0; i < n; ++i) dx[i] = g[i] * k;
 }
 

@@ -234,8 +234,9 @@ void reduce_runs(const ReduceGeom& g, const T* in, O* out, const Red& r,
     for (int64_t o = b; o < e; ++o) {
       const T* base = in + g.keep_offset(o);
       const A c = ctx ? ctx[o] : A{};
-      for (int64_t j = 0; j < runs; ++j)
+      for (int64_t j = 0; j < runs; ++j) {
         part[j] = reduce_run(base + starts.red_offset(j), run, r, c);
+      }
       out[o] = r.template project<O>(tree_combine(part.get(), runs, r), c);
     }
   });
@@ -316,8 +317,8 @@ void reduce_floating(ReduceKind kind, const Tensor& out, const ReduceGeom& g, co
 
 void reduce_cpu(ReduceKind kind, const Tensor& out, const Tensor& in, uint32_t mask,
                 const ReduceParams& params) {
-  // Dense runs are reduced where they lie (reduce_runs); other geometries that are neither inner
-  // nor outer are copied first.
+  // Inner, outer and dense runs (reduce_runs) are read where they lie; other geometries are
+  // copied into (kept, reduced) order first.
   ReduceInput p{in, make_reduce_geom(in, mask)};
   if (!p.g.inner() && !p.g.outer() && !runs_geometry(p.g)) p = prepare_reduce(in, mask);
   const ReduceGeom& g = p.g;

@@ -16,15 +16,6 @@
 #include <ember/tensor/detail/reduce_kernels.h>
 #include <ember/tensor/threading.h>
 
-// The row and column loops also for AVX-512 (the exponentials are most of their work and gain
-// from the wider registers); compiled without contraction (tensor/CMakeLists.txt), so every
-// version gives the same bits.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define EMBER_SOFTMAX_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define EMBER_SOFTMAX_CLONES
-#endif
-
 namespace ember::detail {
 
 namespace {
@@ -34,7 +25,7 @@ constexpr int kLanes = 16;
 
 // One row of D elements (inner == 1). buf holds D accumulation-type values when T != A.
 template <typename T>
-EMBER_SOFTMAX_CLONES void softmax_row(const T* x, T* y, int64_t D, bool log, acc_t<T>* buf) {
+EMBER_WIDE_CLONES void softmax_row(const T* x, T* y, int64_t D, bool log, acc_t<T>* buf) {
   using A = acc_t<T>;
   A mx[kLanes];
   for (int j = 0; j < kLanes; ++j) mx[j] = lowest_v<A>();
@@ -73,8 +64,8 @@ EMBER_SOFTMAX_CLONES void softmax_row(const T* x, T* y, int64_t D, bool log, acc
 
 // Columns [0, kn) of a [D, inner] block (row stride `inner`), kn <= kColTile.
 template <typename T>
-EMBER_SOFTMAX_CLONES void softmax_cols(const T* x, T* y, int64_t D, int64_t inner, int64_t kn, bool log,
-                  acc_t<T>* mx, acc_t<T>* sum) {
+EMBER_WIDE_CLONES void softmax_cols(const T* x, T* y, int64_t D, int64_t inner, int64_t kn,
+                                    bool log, acc_t<T>* mx, acc_t<T>* sum) {
   using A = acc_t<T>;
   for (int64_t k = 0; k < kn; ++k) {
     mx[k] = lowest_v<A>();

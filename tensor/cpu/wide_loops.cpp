@@ -10,13 +10,8 @@
 #include <ember/tensor/cpu/elementwise_loops.h>
 #include <ember/tensor/cpu/wide_loops.h>
 #include <ember/tensor/detail/binary_ops.h>
+#include <ember/tensor/detail/lane_sum.h>
 #include <ember/tensor/detail/unary_ops.h>
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define EMBER_WIDE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define EMBER_WIDE_CLONES
-#endif
 
 namespace ember::detail::cpu_ew {
 

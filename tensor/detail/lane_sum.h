@@ -1,8 +1,18 @@
-// Sums of short runs of a vector loop's results in a fixed order, shared by the CPU softmax and
-// attention kernels.
+// The CPU's wide vector loops (softmax, attention, layer and batch norm, GELU and exp): the
+// clones they are compiled as, and sums of short runs in a fixed order.
 #pragma once
 
 #include <cstdint>
+
+// A loop compiled also for AVX-512 and AVX2 and picked at load time (GCC function
+// multi-versioning), so the library still runs on any x86-64. The files using it compile without
+// contraction (tensor/CMakeLists.txt) and sum in fixed lanes (lane_sum), so every version gives
+// the same bits; those whose work is compute-bound also use the full 512-bit registers there.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define EMBER_WIDE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define EMBER_WIDE_CLONES
+#endif
 
 namespace ember::detail {
 

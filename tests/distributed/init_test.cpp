@@ -22,7 +22,6 @@
 namespace ember::dist {
 namespace {
 
-// Builds without gloo (EMBER_WITH_GLOO=OFF) skip what needs it.
 using namespace std::chrono_literals;
 using test::expect_error;
 using test::require;
