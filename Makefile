@@ -24,13 +24,22 @@ ASAN_TESTS ?= $(foreach l,$(ASAN_LAYERS),$(foreach f,$(shell find tests/$(l) -na
 # and the .cu files keep the plain build's compile commands.
 ASAN_SKIP ?=
 ASAN_CI_BUILD_DIR ?= build-asan-ci
-# ASAN_RUN: `binaries` runs each test binary in turn; `ctest` runs the cases in parallel, those
-# under mpirun (names with "Mpi") in a pass of their own with full stacks on every malloc, which
-# the suppressions of Open MPI's leaks need (tests/sanitizers/lsan.supp) and which would slow
-# every other case. The downstream project is not built with ASan, so it cannot load these
-# libraries: left out.
+# ASAN_RUN: `binaries` runs each test binary in turn; `ctest` runs a process per case in
+# parallel; `shards` runs the cases of ASAN_SHARDED's layers in processes of up to 40 cases,
+# JOBS at a time (tests/sanitizers/run_shards.py), and the rest as `ctest` does. An ASan process's
+# start and leak check cost the same whatever it runs (most of it the dynamic loader applying
+# UBSan's check data's relocations in libember_tensor), so one process per case made that most
+# of the tensor, autograd and nn cases' time. The layers above stay one case per process: their
+# multi-process cases fork, which needs a process with no thread left by an earlier case (an
+# OpenMP pool, a group's worker). With `ctest` and `shards` the cases under mpirun (names with
+# "Mpi") run in a pass of their own with full stacks on every malloc, which the suppressions of
+# Open MPI's leaks need (tests/sanitizers/lsan.supp) and which would slow every other case. The
+# downstream project is not built with ASan, so it cannot load these libraries: left out.
 ASAN_RUN ?= binaries
-ASAN_EXTRA ?= $(if $(filter ctest,$(ASAN_RUN)),,:fast_unwind_on_malloc=0)
+ASAN_SHARDED ?= tensor autograd nn
+ASAN_SHARDED_TESTS = $(filter $(addsuffix _%,$(ASAN_SHARDED)),$(ASAN_TESTS))
+ASAN_EXTRA ?= $(if $(filter binaries,$(ASAN_RUN)),:fast_unwind_on_malloc=0,)
+ASAN_SLOW_UNWIND = ASAN_OPTIONS=$(ASAN_BASE):fast_unwind_on_malloc=0
 ASAN_CTEST = ctest -j $(JOBS) --output-on-failure --timeout 900
 # distributed_ddp_threads_test is left out: its ranks are threads that share tensors, whose
 # reference counts are then dropped in the layers built without TSan, where TSan cannot see
@@ -129,17 +138,26 @@ asan-build: deps
 	@cmake --build $(ASAN_BUILD_DIR) -j $(JOBS) --target $(ASAN_TESTS)
 
 asan: asan-build
-	@if [ "$(ASAN_RUN)" = ctest ]; then \
+	@if [ "$(ASAN_RUN)" = binaries ]; then $(call run_tests,$(ASAN_BUILD_DIR),$(ASAN_TESTS)); \
+	else \
+	  sharded=0; skip=""; \
+	  if [ "$(ASAN_RUN)" = shards ]; then \
+	    $(SANITIZER_ENV) /usr/bin/python3 tests/sanitizers/run_shards.py \
+	      --build $(ASAN_BUILD_DIR) --jobs $(JOBS) --apart '*Mpi*' \
+	      --apart-env $(ASAN_SLOW_UNWIND) $(ASAN_SHARDED_TESTS) || sharded=1; \
+	    skip="^($$(echo $(ASAN_SHARDED) | tr ' ' '|'))$$"; \
+	  fi; \
 	  cd $(ASAN_BUILD_DIR); \
-	  $(SANITIZER_ENV) $(ASAN_CTEST) -E '_NOT_BUILT$$|Mpi|^downstream[.]'; rest=$$?; \
-	  $(SANITIZER_ENV) ASAN_OPTIONS=$(ASAN_BASE):fast_unwind_on_malloc=0 \
-	    $(ASAN_CTEST) -R Mpi -E '_NOT_BUILT$$'; mpi=$$?; \
-	  [ $$rest -eq 0 ] && [ $$mpi -eq 0 ]; \
-	else $(call run_tests,$(ASAN_BUILD_DIR),$(ASAN_TESTS)); fi
+	  $(SANITIZER_ENV) $(ASAN_CTEST) $${skip:+-LE "$$skip"} -E '_NOT_BUILT$$|Mpi|^downstream[.]'; \
+	  rest=$$?; \
+	  $(SANITIZER_ENV) $(ASAN_SLOW_UNWIND) $(ASAN_CTEST) $${skip:+-LE "$$skip"} -R Mpi \
+	    -E '_NOT_BUILT$$'; mpi=$$?; \
+	  [ $$sharded -eq 0 ] && [ $$rest -eq 0 ] && [ $$mpi -eq 0 ]; \
+	fi
 
-# CI's ASan+UBSan step (.ci/run): `make asan`'s build, its tests run by ctest in parallel like
-# `make test` (cases whose binary is not built are left out).
-ASAN_CI = ASAN_BUILD_DIR=$(ASAN_CI_BUILD_DIR) ASAN_RUN=ctest
+# CI's ASan+UBSan step (.ci/run): `make asan`'s build; the tensor, autograd and nn cases in shards,
+# the rest by ctest, in parallel.
+ASAN_CI = ASAN_BUILD_DIR=$(ASAN_CI_BUILD_DIR) ASAN_RUN=shards
 asan-ci-build:
 	@$(MAKE) --no-print-directory asan-build $(ASAN_CI)
 asan-ci:
