@@ -1,6 +1,7 @@
 // nn building blocks, forward + backward (or one update), beside the same cases in
 // ref_libtorch.cpp and run_tensor_bench.py: cross_entropy, batch_norm (training), layer_norm,
-// a small CNN training step, and an Adam step over 1M parameters.
+// GELU's tanh form (a GPT MLP's hidden activations), a small CNN training step, and an Adam step
+// over 1M parameters.
 #include <cstdio>
 
 #include "bench_util.h"
@@ -42,6 +43,11 @@ int main(int argc, char** argv) {
     bench::run(o, "layer_norm_b64x128_d512_fwdbwd", [&] {
       fwd_bwd([&] { return F::layer_norm(x, {512}, w, b).sum(); }, {x, w, b});
     });
+  }
+  if (bench::selected(o, "gelu_tanh_b32x128_d2048_fwdbwd")) {
+    Tensor x = randn({32, 128, 2048}).requires_grad_();
+    bench::run(o, "gelu_tanh_b32x128_d2048_fwdbwd",
+               [&] { fwd_bwd([&] { return gelu(x, "tanh").sum(); }, {x}); });
   }
   if (bench::selected(o, "cnn_step_b64_28_fwdbwd")) {
     auto model = std::make_shared<nn::Sequential>(

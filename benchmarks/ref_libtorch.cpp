@@ -235,6 +235,13 @@ void nn_blocks(const bench::Options& o) {
         b.mutable_grad() = torch::Tensor();
       });
     }
+    if (bench::selected(o, "gelu_tanh_b32x128_d2048_fwdbwd")) {
+      auto x = torch::randn({32, 128, 2048}).requires_grad_(true);
+      bench::run(o, "gelu_tanh_b32x128_d2048_fwdbwd", [&] {
+        F::gelu(x, F::GELUFuncOptions().approximate("tanh")).sum().backward();
+        x.mutable_grad() = torch::Tensor();
+      });
+    }
     if (bench::selected(o, "cnn_step_b64_28_fwdbwd")) {
       torch::nn::Sequential model(
           torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 16, 3).padding(1)),

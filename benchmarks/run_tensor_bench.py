@@ -248,6 +248,15 @@ def torch_cases():
             x.grad = w.grad = b.grad = None
         return f
 
+    @case("gelu_tanh_b32x128_d2048_fwdbwd")
+    def _():
+        x = torch.randn(32, 128, 2048, requires_grad=True)
+
+        def f():
+            F.gelu(x, approximate="tanh").sum().backward()
+            x.grad = None
+        return f
+
     @case("cnn_step_b64_28_fwdbwd")
     def _():
         model = torch.nn.Sequential(torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.BatchNorm2d(16),

@@ -3,6 +3,7 @@
 // for undefined tensors, and operators against the free functions.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <functional>
@@ -191,6 +192,37 @@ TEST(Unary, GeluTanhWideLoopMatchesGenericLoop) {
     expect_same_bits(gelu_tanh_backward(g, x), gelu_tanh_backward(strided(g), strided(x)), xs,
                      "gelu_tanh_backward");
   }
+}
+
+TEST(Unary, GeluTanhFloatKeepsItsDigitsWhereTheTanhFormCancels) {
+  // float32 GELU (tanh form) and its gradient against float64 over [-12, 12], within 1e-6 of the
+  // value or of a floor (0.01; the gradient's 0.05, as its two terms cancel near its root at
+  // x = -0.75 in any form). The tanh form in float, 0.5 x (1 + tanh(inner)) and 1 - tanh^2,
+  // cancels for x below about -5 and misses this by up to 15x (forward) and 23x (gradient) even
+  // with a correctly rounded tanh; the sigmoid form the CPU uses does not cancel there. (float64's
+  // own tanh form is exact to 1e-15 here, far inside the bound.)
+  const int64_t n = 4801;
+  const Tensor x64 = linspace(-12.0, 12.0, n, {kFloat64});
+  const Tensor g64 = linspace(-2.0, 3.0, n, {kFloat64});
+  const Tensor x32 = x64.to(kFloat32), g32 = g64.to(kFloat32);
+  // The reference at the float32 inputs, so that only the computation differs.
+  const Tensor xr = x32.to(kFloat64), gr = g32.to(kFloat64);
+  const std::vector<float> xs = x32.to_vector<float>();
+  auto check = [&](const Tensor& got, const Tensor& want, double floor, const char* what) {
+    const std::vector<double> g = got.to(kFloat64).to_vector<double>();
+    const std::vector<double> w = want.to_vector<double>();
+    for (size_t i = 0; i < g.size(); ++i) {
+      EXPECT_LE(std::abs(g[i] - w[i]), 1e-6 * std::max(std::abs(w[i]), floor))
+          << what << " at x = " << xs[i] << ": " << g[i] << " vs " << w[i];
+    }
+  };
+  check(gelu(x32, "tanh"), gelu(xr, "tanh"), 0.01, "gelu");
+  check(gelu_tanh_backward(g32, x32), gelu_tanh_backward(gr, xr), 0.05, "gelu_tanh_backward");
+  // The limits: -0 far left, x far right, NaN kept.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  expect_values(gelu(tensor({-1e4f, 1e4f, nan}), "tanh"), {-0.0, 1e4, kNaN});
+  expect_values(gelu_tanh_backward(tensor({1.f, 1.f, 1.f}), tensor({-1e4f, 1e4f, nan})),
+                {0, 1, kNaN});
 }
 
 // ---- comparisons and logic --------------------------------------------------------------------
