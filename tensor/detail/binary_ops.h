@@ -294,7 +294,8 @@ struct ReluGrad {
   template <typename A> EMBER_HD A operator()(A g, A y) const { return y > A(0) ? g : A(0); }
 };
 /// GELU's tanh form's gradient g * d/dx[0.5 x (1 + tanh(inner))] at input x, in one pass, with
-/// PyTorch's GeluBackward formula (left + right derivative).
+/// PyTorch's GeluBackward formula (left + right derivative); float on the CPU in the forward's
+/// sigmoid form (below).
 struct GeluTanhGrad {
   // Inlined by force: GCC otherwise calls it per element from the binary loop, unvectorised.
   template <typename A> [[gnu::always_inline]] EMBER_HD A operator()(A g, A x) const {
