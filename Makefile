@@ -31,10 +31,11 @@ ASAN_CI_BUILD_DIR ?= build-asan-ci
 # UBSan's check data's relocations in libember_tensor), so one process per case made that most
 # of the tensor, autograd and nn cases' time. The layers above stay one case per process: their
 # multi-process cases fork, which needs a process with no thread left by an earlier case (an
-# OpenMP pool, a group's worker). With `ctest` and `shards` the cases under mpirun (names with
-# "Mpi") run in a pass of their own with full stacks on every malloc, which the suppressions of
-# Open MPI's leaks need (tests/sanitizers/lsan.supp) and which would slow every other case. The
-# downstream project is not built with ASan, so it cannot load these libraries: left out.
+# OpenMP pool, a group's worker). The cases under mpirun (names with "Mpi"; none in the sharded
+# layers) run in a ctest pass of their own with full stacks on every malloc, which the
+# suppressions of Open MPI's leaks need (tests/sanitizers/lsan.supp) and which would slow every
+# other case. The downstream project is not built with ASan, so it cannot load these libraries:
+# left out.
 ASAN_RUN ?= binaries
 ASAN_SHARDED ?= tensor autograd nn
 ASAN_SHARDED_TESTS = $(filter $(addsuffix _%,$(ASAN_SHARDED)),$(ASAN_TESTS))
@@ -143,8 +144,7 @@ asan: asan-build
 	  sharded=0; skip=""; \
 	  if [ "$(ASAN_RUN)" = shards ]; then \
 	    $(SANITIZER_ENV) /usr/bin/python3 tests/sanitizers/run_shards.py \
-	      --build $(ASAN_BUILD_DIR) --jobs $(JOBS) --apart '*Mpi*' \
-	      --apart-env $(ASAN_SLOW_UNWIND) $(ASAN_SHARDED_TESTS) || sharded=1; \
+	      --build $(ASAN_BUILD_DIR) --jobs $(JOBS) $(ASAN_SHARDED_TESTS) || sharded=1; \
 	    skip="^($$(echo $(ASAN_SHARDED) | tr ' ' '|'))$$"; \
 	  fi; \
 	  cd $(ASAN_BUILD_DIR); \

@@ -302,19 +302,20 @@ struct GeluTanhGrad {
     constexpr A kBeta = A(0.79788456080286535588);  // sqrt(2 / pi)
     constexpr A kKappa = A(0.044715);
     const A x_sq = x * x;
+    const A inner = kBeta * (x + kKappa * x_sq * x);
 #ifndef __CUDA_ARCH__
     // float on the CPU through the forward's form (fn::GeluTanh): with e = e^(-2 inner) and
     // s = 1 / (1 + e) = (1 + t) / 2, left = s and right = 2 x s (1 - s) d(inner)/dx, as
     // 1 - t^2 = 4 s (1 - s); and 1 - s = e s, which keeps its digits where s is near 1 (1 - t^2
     // and 1 - s lose them). Where e overflows s is 0 and 1 - s is 1 (not inf * 0).
     if constexpr (std::is_same_v<A, float>) {
-      const float e = m_exp(-2.0f * kBeta * (x + kKappa * x_sq * x));
+      const float e = m_exp(-2.0f * inner);
       const float s = 1.0f / (1.0f + e);
       const float one_minus_s = s == 0.0f ? 1.0f : e * s;
       return g * (s + 2.0f * x * s * one_minus_s * kBeta * (1.0f + 3.0f * kKappa * x_sq));
     }
 #endif
-    const A t = m_tanh(kBeta * (x + kKappa * x_sq * x));
+    const A t = m_tanh(inner);
     const A left = A(0.5) * (A(1) + t);
     const A right = A(0.5) * x * (A(1) - t * t) * kBeta * (A(1) + A(3) * kKappa * x_sq);
     return g * (left + right);

@@ -13,17 +13,13 @@ Shards are named by --gtest_filter lists, not by GTEST_TOTAL_SHARDS: a test that
 binary again for a child case (mpirun, a fork and exec) passes its own --gtest_filter, and an
 inherited shard index would make the child skip the case it was started for.
 
-Usage: run_shards.py --build BUILD [--filter GLOBS] [--apart GLOB --apart-env VAR=VALUE...]
-                     [--jobs N] [--cases K] [--timeout S] TEST...
+Usage: run_shards.py --build BUILD [--filter GLOBS] [--jobs N] [--cases K] [--timeout S] TEST...
 TEST: a binary's name under BUILD/tests. The environment, sanitizer options included, is passed
-on; cases whose full name matches --apart (fnmatch) get shards of their own, run with the
---apart-env settings added (CI: the cases under mpirun, whose leak suppressions need full
-stacks on every malloc, which would slow every other case).
+on.
 """
 
 import argparse
 import concurrent.futures
-import fnmatch
 import os
 import re
 import signal
@@ -72,12 +68,12 @@ def shard(cases, size, suite_sizes):
     return shards
 
 
-def run_shard(binary, gtest_filter, env, timeout):
+def run_shard(binary, gtest_filter, timeout):
     """(exit status or None on timeout, output, seconds)."""
     t0 = time.monotonic()
     proc = subprocess.Popen([binary, "--gtest_brief=1", f"--gtest_filter={gtest_filter}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True, env=env)
+                            errors="replace", start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
         rc = proc.returncode
@@ -95,8 +91,6 @@ def main():
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--cases", type=int, default=40, help="cases per shard at most")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per shard")
-    ap.add_argument("--apart", help="cases (fnmatch on Suite.Name) run in shards of their own")
-    ap.add_argument("--apart-env", action="append", default=[], metavar="VAR=VALUE")
     ap.add_argument("tests", nargs="+")
     args = ap.parse_args()
 
@@ -105,19 +99,15 @@ def main():
         if not os.access(binary, os.X_OK):
             print(f"run_shards: {binary} is not built", file=sys.stderr)
             return 1
-    apart_env = dict(os.environ, **dict(kv.split("=", 1) for kv in args.apart_env))
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         listed = list(pool.map(lambda b: list_cases(b, args.filter), binaries))
     work = []
     for binary, cases in zip(binaries, listed):
-        apart = [c for c in cases if args.apart and fnmatch.fnmatchcase(".".join(c), args.apart)]
-        rest = [c for c in cases if c not in set(apart)]
         # `Suite.*` would also select what --filter left out: then every case is named.
         sizes = {}
         for suite, _ in cases if args.filter == "*" else []:
             sizes[suite] = sizes.get(suite, 0) + 1
-        for group, env in ((rest, None), (apart, apart_env)):
-            work += [(len(cases), binary, f, n, env) for f, n in shard(group, args.cases, sizes)]
+        work += [(len(cases), binary, f, n) for f, n in shard(cases, args.cases, sizes)]
     work.sort(key=lambda w: -w[0])  # the largest binaries first: they hold the long shards
     total = sum(w[3] for w in work)
     print(f"run_shards: {total} cases of {len(args.tests)} binaries in {len(work)} shards, "
@@ -128,8 +118,8 @@ def main():
     t0 = time.monotonic()
 
     def one(item):
-        _, binary, gtest_filter, n, env = item
-        rc, out, secs = run_shard(binary, gtest_filter, env, args.timeout)
+        _, binary, gtest_filter, n = item
+        rc, out, secs = run_shard(binary, gtest_filter, args.timeout)
         m = re.search(r"\[  PASSED  \] (\d+) test", out)
         s = re.search(r"\[  SKIPPED \] (\d+) test", out)
         cmd = f"{binary} --gtest_filter='{gtest_filter}'"

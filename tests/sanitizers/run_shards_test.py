@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Checks tests/sanitizers/run_shards.py against stand-in GoogleTest binaries (shell scripts that
 answer --gtest_list_tests and --gtest_filter as a gtest binary does): every case runs once, in
-shards of at most --cases named by filter, the --apart cases with their own environment and the
-rest without it; a failing case and a hanging one (killed with the child it started) fail the
-run, each reported with the command that reruns it.
+shards of at most --cases named by filter, a --filter's exclusions kept; a failing case and a
+hanging one (killed with the child it started) fail the run, each reported with the command that
+reruns it.
 
 Usage: run_shards_test.py (exit 0: passed)
 """
@@ -17,7 +17,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # A stand-in test binary: CASES (Suite.Name ...) listed in gtest's format; a run appends each
-# case its filter selects, with $MODE, to $LOG, and fails on a case named Fail or hangs (with a
+# case its filter selects, with its process id, to $LOG, and fails on a case named Fail or hangs (with a
 # child of its own) on one named Hang.
 FAKE = r"""#!/bin/bash
 cases="@CASES@"
@@ -44,7 +44,7 @@ fi
 rc=0
 for c in $cases; do
   selected "$c" "${2#--gtest_filter=}" || continue
-  echo "$(basename "$0") $c ${MODE:-plain} $$" >> "$LOG"
+  echo "$(basename "$0") $c $$" >> "$LOG"
   case $c in
     *.Fail) echo "case $c failed"; rc=1 ;;
     *.Hang) sleep 600 & echo "$!" > "$LOG.child"; wait ;;
@@ -64,7 +64,6 @@ def make_fake(tests_dir, name, cases):
 
 def run(build, log, *args):
     env = dict(os.environ, LOG=log)
-    env.pop("MODE", None)
     cmd = [sys.executable, os.path.join(HERE, "run_shards.py"), "--build", build, *args]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
@@ -88,25 +87,19 @@ def main():
         make_fake(tests, "small_test", ["C.only"])
         log = os.path.join(tmp, "log")
 
-        # All pass: each case once, shards of at most 3 cases, the Mpi cases apart with MODE set.
-        r = run(tmp, log, "--jobs", "2", "--cases", "3", "--apart", "*Mpi*",
-                "--apart-env", "MODE=apart", "big_test", "small_test")
+        # All pass: each case once, shards of at most 3 cases.
+        r = run(tmp, log, "--jobs", "2", "--cases", "3", "big_test", "small_test")
         out = r.stdout + r.stderr
         expect(r.returncode == 0, f"a passing run exited {r.returncode}:\n{out}")
         lines = [ln.split() for ln in open(log).read().splitlines()]
-        ran = sorted(f"{b} {c}" for b, c, _, _ in lines)
+        ran = sorted(f"{b} {c}" for b, c, _ in lines)
         want = sorted([f"big_test {c}" for c in big] + ["small_test C.only"])
         expect(ran == want, f"cases run: {ran}, want each once: {want}")
-        modes = {c: m for _, c, m, _ in lines}
-        expect(all(modes[c] == ("apart" if "Mpi" in c else "plain") for c in modes),
-               f"--apart-env reached the wrong cases: {modes}")
         per_pid = {}
-        for _, c, _, pid in lines:
+        for _, c, pid in lines:
             per_pid.setdefault(pid, []).append(c)
         expect(all(len(v) <= 3 for v in per_pid.values()) and len(per_pid) >= 5,
                f"shards of at most 3 cases wanted: {per_pid}")
-        expect(all(len({"Mpi" in c for c in v}) == 1 for v in per_pid.values()),
-               f"an --apart case shared a process with the others: {per_pid}")
         expect(re.search(r"14 cases of 2 binaries in \d+ shards", out) is not None,
                f"no summary line:\n{out}")
 
