@@ -1,6 +1,7 @@
 #include <ember/tensor/ops/creation.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #include <ember/tensor/detail/copy.h>
@@ -193,6 +194,11 @@ Tensor from_blob(void* data, IntList shape, IntList strides, TensorOptions o,
     extent += (shape[i] - 1) * strides[i];
   }
   EMBER_CHECK(data != nullptr || empty, "[from_blob] data is null for a non-empty shape ", shape);
+  // The kernels may use aligned vector loads once they have stepped to a vector boundary, which
+  // only ever comes if every element sits at a multiple of its size.
+  EMBER_CHECK(reinterpret_cast<uintptr_t>(data) % static_cast<uintptr_t>(itemsize(o.dtype_)) == 0,
+              "[from_blob] data at ", data, " is not aligned for ", o.dtype_, ": expected an ",
+              "address that is a multiple of ", itemsize(o.dtype_), " bytes");
   const size_t nbytes = empty ? 0 : static_cast<size_t>(extent * itemsize(o.dtype_));
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = std::make_shared<Storage>(data, nbytes, o.device_, std::move(deleter));

@@ -153,6 +153,27 @@ TEST(Creation, FromBlobSharesMemoryAndRunsDeleter) {
   EXPECT_THROW(from_blob(nullptr, {2}, kFloat32), ValueError);
 }
 
+TEST(Creation, FromBlobRefusesAnAddressItsDtypeCannotSitAt) {
+  alignas(8) unsigned char buf[64] = {};
+  for (int i = 0; i < 16; ++i) buf[4 + i] = static_cast<unsigned char>(i);
+  // One byte past a float boundary: no float32 element can start there.
+  try {
+    from_blob(buf + 1, {4}, kFloat32);
+    ADD_FAILURE() << "a float32 tensor at an odd address was accepted";
+  } catch (const ValueError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("[from_blob]"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("float32"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("multiple of 4 bytes"), std::string::npos) << msg;
+  }
+  EXPECT_THROW(from_blob(buf + 4, {2}, kFloat64), ValueError);
+  EXPECT_THROW(from_blob(buf + 2, {2}, kInt32), ValueError);
+  // Where the element size divides the address, the memory is used as it is.
+  EXPECT_EQ(from_blob(buf + 4, {2}, kInt32).data_ptr(), static_cast<void*>(buf + 4));
+  EXPECT_EQ(from_blob(buf + 5, {2}, kUInt8).to_vector<uint8_t>(), std::vector<uint8_t>({1, 2}));
+  EXPECT_EQ(from_blob(buf + 6, {2}, kBFloat16).numel(), 2);
+}
+
 TEST(Views, ShareStorageAndMatchPyTorchStrides) {
   Tensor a = arange(24).view({2, 3, 4});
   EXPECT_EQ(a.strides(), Shape({12, 4, 1}));
