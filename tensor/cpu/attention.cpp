@@ -82,6 +82,18 @@ EMBER_WIDE_CLONES T dot(const T* a, const T* b, int64_t n) {
   return lane_sum<T>(n, [a, b](int64_t c) { return a[c] * b[c]; });
 }
 
+// dst[c, r] = src[r, c] for a tile of `rows` rows of `cols` (src rows ld apart), dst rows kBc
+// apart. oneDNN's sgemm runs a 64 x 64 x 32 tile product faster with its right operand laid out
+// this way (NN) than transposed in the call (NT), by more than the copy costs: so q k^T, and dO
+// v^T in the backward, take their key and value tiles as copies transposed once per tile.
+template <typename T>
+void transpose_tile(const T* src, int64_t ld, int64_t rows, int64_t cols, T* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = src + r * ld;
+    for (int64_t c = 0; c < cols; ++c) dst[c * kBc + r] = row[c];
+  }
+}
+
 // The inputs of one call, as typed pointers with their layouts (Note [Attention operand
 // layouts]).
 template <typename T>
@@ -109,11 +121,15 @@ struct Operands {
   // Last key (exclusive) that query rows [i0, i0 + br) may see.
   int64_t key_end(int64_t i0, int64_t br) const { return p.causal ? std::min(p.S, i0 + br) : p.S; }
 
+  // k_j^T: the key tile [bc, E] as kt[E, bc] (row stride kBc), for scores().
+  void keys_transposed(T* kt, int64_t b, int64_t j0, int64_t bc) const {
+    transpose_tile(kl.row(k, b, j0), kl.row_stride, bc, p.E, kt);
+  }
+
   // The score tile sc[br, bc] (row stride kBc) = scale * q_i k_j^T + mask, with -inf above the
-  // causal diagonal.
-  void scores(T* sc, int64_t b, int64_t i0, int64_t br, int64_t j0, int64_t bc) const {
-    gemm(false, true, br, bc, p.E, scale, ql.row(q, b, i0), ql.row_stride, kl.row(k, b, j0),
-         kl.row_stride, T(0), sc, kBc);
+  // causal diagonal; kt holds k_j^T (keys_transposed).
+  void scores(T* sc, const T* kt, int64_t b, int64_t i0, int64_t br, int64_t j0, int64_t bc) const {
+    gemm(false, false, br, bc, p.E, scale, ql.row(q, b, i0), ql.row_stride, kt, kBc, T(0), sc, kBc);
     if (mask != nullptr) {
       const T* mb = mask + p.mask.batch_offset(b);
       for (int64_t r = 0; r < br; ++r) {
@@ -153,7 +169,7 @@ struct Operands {
 // One query tile: online softmax over the key tiles, then out = acc / l, lse = m + log(l).
 template <typename T>
 void forward_tile(const Operands<T>& o, T* out, const AttentionRows& ol, T* lse, int64_t b,
-                  int64_t i0, T* sc, T* acc, T* m, T* l) {
+                  int64_t i0, T* sc, T* kt, T* acc, T* m, T* l) {
   const AttentionParams& p = o.p;
   const int64_t br = std::min(kBr, p.L - i0), Ev = p.Ev;
   const T ninf = -std::numeric_limits<T>::infinity();
@@ -163,7 +179,8 @@ void forward_tile(const Operands<T>& o, T* out, const AttentionRows& ol, T* lse,
   const int64_t j_end = o.key_end(i0, br);
   for (int64_t j0 = 0; j0 < j_end; j0 += kBc) {
     const int64_t bc = std::min(kBc, j_end - j0);
-    o.scores(sc, b, i0, br, j0, bc);
+    o.keys_transposed(kt, b, j0, bc);
+    o.scores(sc, kt, b, i0, br, j0, bc);
     for (int64_t r = 0; r < br; ++r) {
       T* row = sc + r * kBc;
       const T mnew = std::max(m[r], row_max(row, bc));
@@ -200,13 +217,14 @@ void forward_typed(const Tensor& out, const Tensor& lse, const Tensor& q, const 
   T* lse_p = lse.data<T>();
   const int64_t tiles = (p.L + kBr - 1) / kBr;
   parallel_for(0, p.batch * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> buf(kBr * kBc + kBr * p.Ev + 2 * kBr);
+    std::vector<T> buf(kBr * kBc + p.E * kBc + kBr * p.Ev + 2 * kBr);
     T* sc = buf.data();
-    T* acc = sc + kBr * kBc;
+    T* kt = sc + kBr * kBc;
+    T* acc = kt + p.E * kBc;
     T* m = acc + kBr * p.Ev;
     T* l = m + kBr;
     for (int64_t t = begin; t < end; ++t) {
-      forward_tile(o, out_p, ol, lse_p, t / tiles, (t % tiles) * kBr, sc, acc, m, l);
+      forward_tile(o, out_p, ol, lse_p, t / tiles, (t % tiles) * kBr, sc, kt, acc, m, l);
     }
   });
 }
@@ -226,7 +244,7 @@ struct Grads {
 // Gradients of one batch entry (Note [Fused attention]); dq, dk, dv start at zero.
 template <typename T>
 void backward_batch(const Operands<T>& o, const Grads<T>& g, const T* lse, int64_t b, T* sc, T* dp,
-                    T* pd, T* d) {
+                    T* pd, T* kt, T* vt, T* d) {
   const AttentionParams& p = o.p;
   const int64_t L = p.L, S = p.S, E = p.E, Ev = p.Ev;
   for (int64_t i = 0; i < L; ++i) d[i] = dot(g.dol.row(g.dout, b, i), g.ol.row(g.out, b, i), Ev);
@@ -236,12 +254,14 @@ void backward_batch(const Operands<T>& o, const Grads<T>& g, const T* lse, int64
     const T* vj = o.vl.row(o.v, b, j0);
     T* dkj = g.dkl.row(g.dk, b, j0);
     T* dvj = g.dvl.row(g.dv, b, j0);
+    o.keys_transposed(kt, b, j0, bc);
+    transpose_tile(vj, o.vl.row_stride, bc, Ev, vt);
     // Causal: query tiles ending before key j0 see none of this key tile.
     for (int64_t i0 = p.causal ? j0 / kBr * kBr : 0; i0 < L; i0 += kBr) {
       const int64_t br = std::min(kBr, L - i0);
       const T* qi = o.ql.row(o.q, b, i0);
       const T* doi = g.dol.row(g.dout, b, i0);
-      o.scores(sc, b, i0, br, j0, bc);
+      o.scores(sc, kt, b, i0, br, j0, bc);
       for (int64_t r = 0; r < br; ++r) exp_sub(sc + r * kBc, bc, lse[b * L + i0 + r]);  // P
       const T* pdrop = sc;
       if (p.dropout_p > 0) {
@@ -255,8 +275,7 @@ void backward_batch(const Operands<T>& o, const Grads<T>& g, const T* lse, int64
       gemm(true, false, bc, Ev, br, T(1), pdrop, kBc, doi, g.dol.row_stride, T(1), dvj,
            g.dvl.row_stride);
       // dP = dO V^T
-      gemm(false, true, br, bc, Ev, T(1), doi, g.dol.row_stride, vj, o.vl.row_stride, T(0), dp,
-           kBc);
+      gemm(false, false, br, bc, Ev, T(1), doi, g.dol.row_stride, vt, kBc, T(0), dp, kBc);
       for (int64_t r = 0; r < br; ++r) {
         T* dpr = dp + r * kBc;
         if (p.dropout_p > 0) o.dropout_row(dpr, b, i0 + r, j0, bc);
@@ -288,16 +307,18 @@ void backward_typed(const Tensor& dq, const Tensor& dk, const Tensor& dv, const 
     for (int64_t i = 0; i < n; ++i) std::fill_n(rows.row(base, b, i), cols, T(0));
   };
   parallel_for(0, p.batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> buf(3 * kBr * kBc + p.L);
+    std::vector<T> buf(3 * kBr * kBc + (p.E + p.Ev) * kBc + p.L);
     T* sc = buf.data();
     T* dp = sc + kBr * kBc;
     T* pd = dp + kBr * kBc;
-    T* d = pd + kBr * kBc;
+    T* kt = pd + kBr * kBc;
+    T* vt = kt + p.E * kBc;
+    T* d = vt + p.Ev * kBc;
     for (int64_t b = begin; b < end; ++b) {
       zero_rows(g.dq, g.dql, b, p.L, p.E);
       zero_rows(g.dk, g.dkl, b, p.S, p.E);
       zero_rows(g.dv, g.dvl, b, p.S, p.Ev);
-      backward_batch(o, g, lse_p, b, sc, dp, pd, d);
+      backward_batch(o, g, lse_p, b, sc, dp, pd, kt, vt, d);
     }
   });
 }
