@@ -49,8 +49,25 @@ EMBER_WIDE_CLONES void gelu_tanh_grad_run(T* o, const T* g, const T* x, int64_t 
   for (int64_t i = 0; i < n; ++i) o[i] = store(T(), f(float(g[i]), float(x[i])));
 }
 
+// The same with one gradient value for every element.
+template <typename T>
+EMBER_WIDE_CLONES void gelu_tanh_grad_uniform_run(T* o, float g, const T* x, int64_t n) {
+  const fn::GeluTanhGrad f;
+  for (int64_t i = 0; i < n; ++i) o[i] = store(T(), f(g, float(x[i])));
+}
+
 bool dense(const Tensor& t, Dtype dtype, int64_t n) {
   return t.dtype() == dtype && t.numel() == n && t.is_contiguous();
+}
+
+// One element seen n times: how the gradient of a sum or a mean reaches the op before it
+// (a value expanded to the input's shape, every stride zero).
+bool uniform(const Tensor& t, Dtype dtype, int64_t n) {
+  if (t.dtype() != dtype || t.numel() != n) return false;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.stride(d) != 0 && t.size(d) != 1) return false;
+  }
+  return true;
 }
 
 template <typename T>
@@ -76,6 +93,15 @@ void gelu_grad_dense(const Tensor& out, const Tensor& grad, const Tensor& in) {
           [=](int64_t b, int64_t e) { gelu_tanh_grad_run<T>(o + b, g + b, x + b, e - b); });
 }
 
+template <typename T>
+void gelu_grad_uniform(const Tensor& out, const Tensor& grad, const Tensor& in) {
+  T* o = ptr<T>(out);
+  const float g = float(*ptr<const T>(grad));
+  const T* x = ptr<const T>(in);
+  chunked(out.numel(),
+          [=](int64_t b, int64_t e) { gelu_tanh_grad_uniform_run<T>(o + b, g, x + b, e - b); });
+}
+
 }  // namespace
 
 bool unary_wide(UnaryOp op, const Tensor& out, const Tensor& in) {
@@ -97,10 +123,16 @@ bool binary_wide(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& 
   const int64_t n = out.numel();
   const Dtype dt = a.dtype();
   if (op != BinaryOp::GeluTanhGrad || n == 0 || (dt != kFloat32 && dt != kBFloat16) ||
-      !dense(out, dt, n) || !dense(a, dt, n) || !dense(b, dt, n)) {
+      !dense(out, dt, n) || !dense(b, dt, n)) {
     return false;
   }
-  dt == kFloat32 ? gelu_grad_dense<float>(out, a, b) : gelu_grad_dense<BFloat16>(out, a, b);
+  if (dense(a, dt, n)) {
+    dt == kFloat32 ? gelu_grad_dense<float>(out, a, b) : gelu_grad_dense<BFloat16>(out, a, b);
+  } else if (uniform(a, dt, n)) {
+    dt == kFloat32 ? gelu_grad_uniform<float>(out, a, b) : gelu_grad_uniform<BFloat16>(out, a, b);
+  } else {
+    return false;
+  }
   return true;
 }
 

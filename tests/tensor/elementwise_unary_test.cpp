@@ -191,6 +191,13 @@ TEST(Unary, GeluTanhWideLoopMatchesGenericLoop) {
     expect_same_bits(gelu(x, "tanh"), gelu(strided(x), "tanh"), xs, "gelu");
     expect_same_bits(gelu_tanh_backward(g, x), gelu_tanh_backward(strided(g), strided(x)), xs,
                      "gelu_tanh_backward");
+    // The gradient of a sum or a mean: one value expanded to x's shape (its own wide loop).
+    const Tensor g1 = tensor({-0.75f}).to(dt).expand({n});
+    ASSERT_EQ(g1.stride(0), 0);
+    expect_same_bits(gelu_tanh_backward(g1, x), gelu_tanh_backward(g1, strided(x)), xs,
+                     "gelu_tanh_backward, expanded gradient");
+    expect_same_bits(gelu_tanh_backward(g1, x), gelu_tanh_backward(g1.contiguous(), x), xs,
+                     "gelu_tanh_backward, expanded gradient against dense");
   }
 }
 
