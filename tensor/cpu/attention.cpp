@@ -121,13 +121,8 @@ struct Operands {
   // Last key (exclusive) that query rows [i0, i0 + br) may see.
   int64_t key_end(int64_t i0, int64_t br) const { return p.causal ? std::min(p.S, i0 + br) : p.S; }
 
-  // k_j^T: the key tile [bc, E] as kt[E, bc] (row stride kBc), for scores().
-  void keys_transposed(T* kt, int64_t b, int64_t j0, int64_t bc) const {
-    transpose_tile(kl.row(k, b, j0), kl.row_stride, bc, p.E, kt);
-  }
-
   // The score tile sc[br, bc] (row stride kBc) = scale * q_i k_j^T + mask, with -inf above the
-  // causal diagonal; kt holds k_j^T (keys_transposed).
+  // causal diagonal; kt holds k_j^T (transpose_tile, row stride kBc).
   void scores(T* sc, const T* kt, int64_t b, int64_t i0, int64_t br, int64_t j0, int64_t bc) const {
     gemm(false, false, br, bc, p.E, scale, ql.row(q, b, i0), ql.row_stride, kt, kBc, T(0), sc, kBc);
     if (mask != nullptr) {
@@ -179,7 +174,9 @@ void forward_tile(const Operands<T>& o, T* out, const AttentionRows& ol, T* lse,
   const int64_t j_end = o.key_end(i0, br);
   for (int64_t j0 = 0; j0 < j_end; j0 += kBc) {
     const int64_t bc = std::min(kBc, j_end - j0);
-    o.keys_transposed(kt, b, j0, bc);
+    // Each query tile transposes the key tiles it sees: the tasks are (batch, query tile), and
+    // keeping a whole head's k^T per thread would cost E x S floats where a tile costs E x kBc.
+    transpose_tile(o.kl.row(o.k, b, j0), o.kl.row_stride, bc, p.E, kt);
     o.scores(sc, kt, b, i0, br, j0, bc);
     for (int64_t r = 0; r < br; ++r) {
       T* row = sc + r * kBc;
@@ -254,7 +251,7 @@ void backward_batch(const Operands<T>& o, const Grads<T>& g, const T* lse, int64
     const T* vj = o.vl.row(o.v, b, j0);
     T* dkj = g.dkl.row(g.dk, b, j0);
     T* dvj = g.dvl.row(g.dv, b, j0);
-    o.keys_transposed(kt, b, j0, bc);
+    transpose_tile(kj, o.kl.row_stride, bc, E, kt);
     transpose_tile(vj, o.vl.row_stride, bc, Ev, vt);
     // Causal: query tiles ending before key j0 see none of this key tile.
     for (int64_t i0 = p.causal ? j0 / kBr * kBr : 0; i0 < L; i0 += kBr) {

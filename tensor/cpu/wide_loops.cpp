@@ -43,17 +43,16 @@ EMBER_WIDE_CLONES void exp_run(T* o, const T* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) o[i] = store(T(), f(float(x[i])));
 }
 
-template <typename T>
+// Uniform: g holds one value for every element (uniform(), below).
+template <typename T, bool Uniform>
 EMBER_WIDE_CLONES void gelu_tanh_grad_run(T* o, const T* g, const T* x, int64_t n) {
   const fn::GeluTanhGrad f;
-  for (int64_t i = 0; i < n; ++i) o[i] = store(T(), f(float(g[i]), float(x[i])));
-}
-
-// The same with one gradient value for every element.
-template <typename T>
-EMBER_WIDE_CLONES void gelu_tanh_grad_uniform_run(T* o, float g, const T* x, int64_t n) {
-  const fn::GeluTanhGrad f;
-  for (int64_t i = 0; i < n; ++i) o[i] = store(T(), f(g, float(x[i])));
+  if constexpr (Uniform) {
+    const float g0 = float(*g);
+    for (int64_t i = 0; i < n; ++i) o[i] = store(T(), f(g0, float(x[i])));
+  } else {
+    for (int64_t i = 0; i < n; ++i) o[i] = store(T(), f(float(g[i]), float(x[i])));
+  }
 }
 
 bool dense(const Tensor& t, Dtype dtype, int64_t n) {
@@ -84,22 +83,20 @@ void exp_dense(const Tensor& out, const Tensor& in) {
   chunked(out.numel(), [=](int64_t b, int64_t e) { exp_run<T>(o + b, x + b, e - b); });
 }
 
-template <typename T>
-void gelu_grad_dense(const Tensor& out, const Tensor& grad, const Tensor& in) {
+template <typename T, bool Uniform>
+void gelu_grad(const Tensor& out, const Tensor& grad, const Tensor& in) {
   T* o = ptr<T>(out);
   const T* g = ptr<const T>(grad);
   const T* x = ptr<const T>(in);
-  chunked(out.numel(),
-          [=](int64_t b, int64_t e) { gelu_tanh_grad_run<T>(o + b, g + b, x + b, e - b); });
+  chunked(out.numel(), [=](int64_t b, int64_t e) {
+    gelu_tanh_grad_run<T, Uniform>(o + b, Uniform ? g : g + b, x + b, e - b);
+  });
 }
 
-template <typename T>
-void gelu_grad_uniform(const Tensor& out, const Tensor& grad, const Tensor& in) {
-  T* o = ptr<T>(out);
-  const float g = float(*ptr<const T>(grad));
-  const T* x = ptr<const T>(in);
-  chunked(out.numel(),
-          [=](int64_t b, int64_t e) { gelu_tanh_grad_uniform_run<T>(o + b, g, x + b, e - b); });
+template <bool Uniform>
+void gelu_grad(Dtype dt, const Tensor& out, const Tensor& grad, const Tensor& in) {
+  dt == kFloat32 ? gelu_grad<float, Uniform>(out, grad, in)
+                 : gelu_grad<BFloat16, Uniform>(out, grad, in);
 }
 
 }  // namespace
@@ -127,9 +124,9 @@ bool binary_wide(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& 
     return false;
   }
   if (dense(a, dt, n)) {
-    dt == kFloat32 ? gelu_grad_dense<float>(out, a, b) : gelu_grad_dense<BFloat16>(out, a, b);
+    gelu_grad<false>(dt, out, a, b);
   } else if (uniform(a, dt, n)) {
-    dt == kFloat32 ? gelu_grad_uniform<float>(out, a, b) : gelu_grad_uniform<BFloat16>(out, a, b);
+    gelu_grad<true>(dt, out, a, b);
   } else {
     return false;
   }
