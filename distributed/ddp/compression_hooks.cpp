@@ -87,6 +87,23 @@ std::vector<Tensor> into_bucket(const Canonical& layout, Tensor buffer, const Te
   return {buffer};
 }
 
+// Writes `sum` (canonical order) divided by `world` into the bucket's buffer and returns it: a
+// contiguous float32 bucket in the same pass, another one through `sum`.
+std::vector<Tensor> average_into_bucket(const Canonical& layout, Tensor buffer, Tensor sum,
+                                        int world) {
+  const auto w = static_cast<float>(world);
+  float* s = sum.data<float>();
+  if (buffer.dtype() == kFloat32 && buffer.is_contiguous()) {
+    float* out = buffer.data<float>();
+    for (const Canonical::Piece& p : layout.pieces) {
+      for (int64_t k = 0; k < p.numel; ++k) out[p.bucket_offset + k] = s[p.offset + k] / w;
+    }
+    return {buffer};
+  }
+  for (int64_t i = 0; i < sum.numel(); ++i) s[i] /= w;
+  return into_bucket(layout, buffer, sum);
+}
+
 // What a ring all-reduce of `numel` float32 elements sends from one of `world` ranks.
 int64_t float32_allreduce_bytes(int64_t numel, int world) {
   return ring_allreduce_bytes(numel * 4, world);
@@ -112,6 +129,13 @@ CompressionState::CompressionState(CompressionOptions options) : options_(option
   EMBER_CHECK(!options_.momentum_masking || options_.momentum > 0, kOp,
               " momentum_masking masks the velocity and needs momentum > 0, got momentum ",
               options_.momentum);
+  const int exchange = static_cast<int>(options_.exchange);
+  EMBER_CHECK(exchange >= 0 && exchange <= 2, kOp,
+              " exchange must be kAuto (0), kTwoPhase (1) or kAllGather (2), got ", exchange);
+}
+
+bool exchanges_by_allgather(CompressedExchange how, int world) {
+  return how == CompressedExchange::kAllGather || (how == CompressedExchange::kAuto && world == 2);
 }
 
 CompressionState::Stats CompressionState::stats() const {
@@ -172,6 +196,7 @@ nn::NamedTensors CompressionState::state_dict() const {
   out.emplace_back("option.topk_ratio", float_entry(options_.topk_ratio));
   out.emplace_back("option.momentum", float_entry(options_.momentum));
   out.emplace_back("option.momentum_masking", int_entry(options_.momentum_masking ? 1 : 0));
+  out.emplace_back("option.exchange", int_entry(static_cast<int>(options_.exchange)));
   for (const auto& [k, t] : worker_) out.emplace_back("residual." + k, t.clone());
   for (const auto& [k, t] : server_) out.emplace_back("server_residual." + k, t.clone());
   for (const auto& [k, t] : velocity_) out.emplace_back("velocity." + k, t.clone());
@@ -210,6 +235,8 @@ void CompressionState::load_state_dict(const nn::NamedTensors& state) {
       o.momentum = detail::read_float(kOp, name, t);
     } else if (name == "option.momentum_masking") {
       o.momentum_masking = read_int(name, t) != 0;
+    } else if (name == "option.exchange") {
+      o.exchange = static_cast<CompressedExchange>(read_int(name, t));
     } else if (name.rfind(kResidual, 0) == 0 && t.defined()) {
       worker[name.substr(kResidual.size())] = t.to(kFloat32, /*copy=*/true).reshape({-1});
     } else if (name.rfind(kServer, 0) == 0 && t.defined()) {
@@ -294,9 +321,7 @@ std::shared_ptr<Future> allgather_quantized(GradBucket& bucket, const Codec& c) 
                                buffer = bucket.buffer()](Future&) {
     Tensor sum = zeros({n}, kFloat32);
     for (int r = 0; r < world; ++r) c.decode_add(bytes_of(all) + r * msg, n, sum.data<float>());
-    float* s = sum.data<float>();
-    for (int64_t i = 0; i < n; ++i) s[i] /= static_cast<float>(world);
-    return into_bucket(layout, buffer, sum);
+    return average_into_bucket(layout, buffer, sum, world);
   });
 }
 
@@ -407,8 +432,37 @@ void decode_into_bucket(const Codec& c, const Canonical& layout, const Tensor& o
   }
 }
 
-// The two-phase compressed all-reduce (file comment of compression_hooks.h).
-std::shared_ptr<Future> two_phase(CompressionState& state, GradBucket& bucket, const Codec& c) {
+// The all-gather exchange (file comment of compression_hooks.h): `mine` holds this rank's W
+// compressed chunks; every rank decodes all of them, chunk by chunk in rank order, and averages.
+std::shared_ptr<Future> allgather_chunks(CompressionState& state, GradBucket& bucket,
+                                         const Codec& c, const Tensor& mine, int64_t m,
+                                         int64_t msg) {
+  std::shared_ptr<ProcessGroup> group = bucket.process_group_ptr();
+  const int world = group->size();
+  const int64_t sent = (world - 1) * world * msg;
+  state.count(sent, float32_allreduce_bytes(bucket.buffer().numel(), world));
+  bucket.record_bytes_sent(sent);
+  Tensor all = empty({world * world * msg}, kUInt8);
+  auto work = group->allgather_into_tensor(all, mine);
+  return work->future()->then(
+      [c, all, m, msg, world, layout = Canonical(bucket), buffer = bucket.buffer()](Future&) {
+        trace::Span span("decompress", "comm hook");
+        NoGradGuard no_grad;
+        Tensor sum = empty({world * m}, kFloat32);
+        float* s = sum.data<float>();
+        const uint8_t* in = bytes_of(all);  // chunk r of rank q at (q W + r) msg
+        for (int r = 0; r < world; ++r) {
+          c.decode_range(in + r * msg, m, 0, m, s + r * m);
+          for (int q = 1; q < world; ++q) c.decode_add(in + (q * world + r) * msg, m, s + r * m);
+        }
+        return average_into_bucket(layout, buffer, sum, world);
+      });
+}
+
+// The compressed all-reduce of int8_compress_hook and sign_compress_hook, in two phases or one
+// all-gather (file comment of compression_hooks.h).
+std::shared_ptr<Future> compressed_allreduce(CompressionState& state, GradBucket& bucket,
+                                             const Codec& c) {
   if (state.warming_up(bucket)) return warm_up(state, bucket, c.hook);
   NoGradGuard no_grad;
   std::shared_ptr<ProcessGroup> group = bucket.process_group_ptr();
@@ -421,8 +475,17 @@ std::shared_ptr<Future> two_phase(CompressionState& state, GradBucket& bucket, c
   const Tensor& x = in.x;
   float* residual = in.residual ? in.residual->data<float>() : nullptr;
   const int64_t msg = c.bytes(m);
-  std::vector<Tensor> inputs, outputs;
   trace::Span compress_span("compress", "comm hook", {{"bucket", bucket.index()}});
+  if (exchanges_by_allgather(state.options().exchange, world)) {
+    Tensor mine = empty({world * msg}, kUInt8);
+    for (int r = 0; r < world; ++r) {
+      c.encode(x.data<float>() + r * m, m, bytes_of(mine) + r * msg,
+               residual ? residual + r * m : nullptr);
+    }
+    compress_span.finish();
+    return allgather_chunks(state, bucket, c, mine, m, msg);
+  }
+  std::vector<Tensor> inputs, outputs;
   for (int r = 0; r < world; ++r) {
     inputs.push_back(empty({msg}, kUInt8));
     outputs.push_back(empty({msg}, kUInt8));
@@ -523,11 +586,12 @@ std::shared_ptr<Future> quantization_perchannel_hook(GradBucket& bucket) {
 }
 
 std::shared_ptr<Future> int8_compress_hook(CompressionState& state, GradBucket& bucket) {
-  return two_phase(state, bucket, int8_codec("int8_compress_hook", state.options().channel_size));
+  return compressed_allreduce(state, bucket,
+                              int8_codec("int8_compress_hook", state.options().channel_size));
 }
 
 std::shared_ptr<Future> sign_compress_hook(CompressionState& state, GradBucket& bucket) {
-  return two_phase(state, bucket, sign_codec(state.options().sign_block));
+  return compressed_allreduce(state, bucket, sign_codec(state.options().sign_block));
 }
 
 std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& bucket) {

@@ -20,14 +20,23 @@
 //   fewer bytes than an all-reduce at 2 ranks, 2x at 4, and worse beyond (all-gather's cost
 //   grows with W); use int8_compress_hook there.
 //
-// - int8_compress_hook and sign_compress_hook: a compressed all-reduce in two phases (the scheme
-//   of DeepSpeed's 1-bit Adam): the bucket (plus this rank's residual) is cut into W chunks and
-//   each chunk compressed; an all-to-all hands chunk c of every rank to rank c, which decodes
-//   and averages them, adds its own residual for that chunk, compresses the average again and
-//   all-gathers it. Each rank sends 2 (W-1)/W of its bucket in compressed form, like a ring
-//   all-reduce sends it uncompressed: int8 (per-channel parameters, 512 elements a channel) is
-//   ~4x fewer bytes at any W, sign (one bit an element and one scale per 512 elements, their
-//   mean magnitude: the least-squares scale, EF-signSGD's) ~30x fewer.
+// - int8_compress_hook and sign_compress_hook: a compressed all-reduce. The bucket (plus this
+//   rank's residual) is cut into W chunks and each chunk compressed: int8 with per-channel
+//   parameters (512 elements a channel), sign with one bit an element and one scale per 512
+//   elements (their mean magnitude: the least-squares scale, EF-signSGD's). The messages are
+//   exchanged one of two ways (CompressionOptions::exchange):
+//   - two phases (the scheme of DeepSpeed's 1-bit Adam): an all-to-all hands chunk c of every
+//     rank to rank c, which decodes and averages them, adds its own residual for that chunk,
+//     compresses the average again and all-gathers it. Each rank sends 2 (W-1)/W of its bucket
+//     compressed, like a ring all-reduce sends it uncompressed: int8 ~4x fewer bytes than the
+//     all-reduce at any W, sign ~30x. The average is compressed twice.
+//   - one all-gather: every rank's compressed chunks go to every rank, which decodes and
+//     averages them. Each rank sends (W-1) times its compressed bucket, and the average is
+//     compressed once, the workers' error only. At 2 ranks (or 2 node leaders, under
+//     compress_across_nodes) that is the same bytes as two phases, in one round instead of
+//     two, and it is the default there; beyond, it sends W/2 times more than two phases.
+//   The second compression costs accuracy: sign trains measurably closer to plain all-reduce
+//   with the all-gather (docs/ddp.md has the numbers).
 //
 // - topk_compress_hook: the k = ceil(ratio * numel) largest-magnitude entries of bucket plus
 //   residual are sent as (int32 index, float32 value) pairs, all-gathered, summed into a zero
@@ -57,6 +66,16 @@
 
 namespace ember::dist {
 
+/// How int8_compress_hook and sign_compress_hook exchange their messages (see the file comment).
+enum class CompressedExchange : int {
+  /// kAllGather at 2 ranks, where it sends the same bytes as kTwoPhase; kTwoPhase beyond.
+  kAuto = 0,
+  /// All-to-all, a compressed average per chunk, all-gather: 2 (W-1)/W of the bucket per rank.
+  kTwoPhase = 1,
+  /// Every rank's compressed bucket to every rank, averaged there: (W-1) buckets per rank.
+  kAllGather = 2,
+};
+
 /// Hyperparameters of the compressing hooks with state.
 struct CompressionOptions {
   /// Add what a rank did not send last step to its next input (see the file comment).
@@ -82,7 +101,12 @@ struct CompressionOptions {
   /// topk_compress_hook with momentum: Deep Gradient Compression's momentum factor masking (Lin
   /// et al., ICLR 2018), which clears the velocity of every coordinate sent.
   bool momentum_masking = false;
+  /// int8_compress_hook and sign_compress_hook: two phases or one all-gather.
+  CompressedExchange exchange = CompressedExchange::kAuto;
 };
+
+/// Whether int8_compress_hook and sign_compress_hook all-gather over `world` ranks with `how`.
+bool exchanges_by_allgather(CompressedExchange how, int world);
 
 /// State of int8_compress_hook, sign_compress_hook and topk_compress_hook: the iteration count,
 /// the residuals of error feedback, and what was sent. One state per DDP (its buckets share it).
@@ -148,9 +172,9 @@ std::shared_ptr<Future> quantization_pertensor_hook(GradBucket& bucket);
 /// PyTorch's quantization_perchannel_hook: a scale and zero point per 512 elements.
 std::shared_ptr<Future> quantization_perchannel_hook(GradBucket& bucket);
 
-/// Two-phase int8 compressed all-reduce (per-channel parameters, options().channel_size).
+/// int8 compressed all-reduce (per-channel parameters, options().channel_size).
 std::shared_ptr<Future> int8_compress_hook(CompressionState& state, GradBucket& bucket);
-/// Two-phase 1-bit compressed all-reduce: signs and one scale per options().sign_block elements.
+/// 1-bit compressed all-reduce: signs and one scale per options().sign_block elements.
 std::shared_ptr<Future> sign_compress_hook(CompressionState& state, GradBucket& bucket);
 /// Top-k sparsification (options().topk_ratio), all-gathered indices and values.
 std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& bucket);

@@ -89,6 +89,14 @@ MadeCommHook compression(const CommHookArgs& a,
   o.start_iter = a.integer("start", o.start_iter);
   if (hook == int8_compress_hook) o.channel_size = a.integer("channel", o.channel_size);
   if (hook == sign_compress_hook) o.sign_block = a.integer("block", o.sign_block);
+  if (hook == int8_compress_hook || hook == sign_compress_hook) {
+    const std::string how = a.text("exchange", "auto");
+    EMBER_CHECK(how == "auto" || how == "two_phase" || how == "allgather", "[comm hook '", a.name,
+                "'] option exchange expects auto, two_phase or allgather, got '", how, "'");
+    o.exchange = how == "two_phase"   ? CompressedExchange::kTwoPhase
+                 : how == "allgather" ? CompressedExchange::kAllGather
+                                      : CompressedExchange::kAuto;
+  }
   o.momentum = a.number("momentum", o.momentum);
   if (hook == topk_compress_hook) {
     o.topk_ratio = a.number("ratio", o.topk_ratio);
@@ -165,13 +173,17 @@ std::map<std::string, Entry> built_ins() {
       "torch's int8 quantization, one scale per bucket (all-gather)");
   add("quantization_perchannel", [](const CommHookArgs&) { return stateless(quantization_perchannel_hook); },
       "torch's int8 quantization, a scale per 512 elements (all-gather)");
-  add("int8", [](const CommHookArgs& a) { return compression(a, int8_compress_hook); },
-      "two-phase int8 all-reduce (~4x fewer bytes); channel=512, start=0, error_feedback=1, "
+  add(
+      "int8", [](const CommHookArgs& a) { return compression(a, int8_compress_hook); },
+      "int8 compressed all-reduce (~4x fewer bytes); channel=512, start=0, error_feedback=1, "
       "node=0 (K: exact inside nodes of K ranks, compressed between them), momentum=0 (applied "
-      "before compression: then train with the optimizer's momentum 0)");
-  add("sign", [](const CommHookArgs& a) { return compression(a, sign_compress_hook); },
-      "two-phase 1-bit all-reduce (~32x fewer bytes); start=0, error_feedback=1, node=0, "
-      "momentum=0");
+      "before compression: then train with the optimizer's momentum 0), exchange=auto "
+      "(two_phase, or allgather: compressed once, (W-1) buckets sent; auto: allgather at 2 "
+      "ranks)");
+  add(
+      "sign", [](const CommHookArgs& a) { return compression(a, sign_compress_hook); },
+      "1-bit compressed all-reduce (~30x fewer bytes); block=512, start=0, error_feedback=1, "
+      "node=0, momentum=0, exchange=auto");
   add("topk", [](const CommHookArgs& a) { return compression(a, topk_compress_hook); },
       "top-k sparsification; ratio=0.01, start=0, error_feedback=1, node=0, momentum=0, "
       "masking=0 (DGC's momentum factor masking)");

@@ -134,7 +134,7 @@ TEST_F(Gpt, CompressingHooksTrainLikeAllReduce) {
     double tolerance;  // relative, on the validation loss after 30 steps
   };
   // Under AdamW the error-feedback schemes lag most (Adam's per-coordinate scaling turns delayed
-  // gradients into larger steps): sign +7%, top-k 10% +4% after 30 steps (docs/ddp.md).
+  // gradients into larger steps): sign and top-k 10% +4% after 30 steps (docs/ddp.md).
   for (const Case& c : {Case{"int8", 0.01}, Case{"sign:start=10", 0.10},
                         Case{"topk:ratio=0.1,start=10", 0.10},
                         Case{"post_localsgd:start=10,period=2", 0.01}}) {

@@ -241,29 +241,46 @@ TEST(Codecs, SignKeepsTheMeanMagnitudeAndTheSigns) {
 using EncodeFn = std::function<void(const float*, int64_t, uint8_t*)>;
 using DecodeFn = std::function<void(const uint8_t*, int64_t, float*)>;
 
-// The two-phase algorithm for `world` ranks, one step, no residuals, from the codecs.
-std::vector<float> simulate_two_phase(const std::vector<std::vector<float>>& x, int64_t bytes,
-                                      const EncodeFn& encode, const DecodeFn& decode) {
+// One step of `world` ranks, no residuals, from the codecs: every rank's chunk c (of m, the
+// last one padded with zeros) encoded, decoded and averaged; with `two_phase` the average is
+// encoded and decoded once more on its owner (the all-gather exchange stops before that).
+std::vector<float> simulate(const std::vector<std::vector<float>>& x, int64_t bytes,
+                            const EncodeFn& encode, const DecodeFn& decode, bool two_phase) {
   const int world = static_cast<int>(x.size());
   const int64_t n = static_cast<int64_t>(x[0].size());
   const int64_t m = (n + world - 1) / world;
   std::vector<float> result(static_cast<size_t>(m * world), 0.0f);
+  std::vector<uint8_t> msg(static_cast<size_t>(bytes));
   for (int c = 0; c < world; ++c) {
     std::vector<float> avg(static_cast<size_t>(m), 0.0f);
     for (int r = 0; r < world; ++r) {
       std::vector<float> chunk(static_cast<size_t>(m), 0.0f);
       for (int64_t i = 0; i < m && c * m + i < n; ++i) chunk[i] = x[r][c * m + i];
-      std::vector<uint8_t> msg(static_cast<size_t>(bytes));
       encode(chunk.data(), m, msg.data());
       decode(msg.data(), m, avg.data());
     }
     for (float& a : avg) a /= static_cast<float>(world);
-    std::vector<uint8_t> msg(static_cast<size_t>(bytes));
-    encode(avg.data(), m, msg.data());
-    decode(msg.data(), m, result.data() + c * m);
+    if (two_phase) {
+      encode(avg.data(), m, msg.data());
+      decode(msg.data(), m, result.data() + c * m);
+    } else {
+      std::copy(avg.begin(), avg.end(), result.begin() + c * m);
+    }
   }
   result.resize(static_cast<size_t>(n));
   return result;
+}
+
+const char* exchange_name(CompressedExchange how) {
+  switch (how) {
+    case CompressedExchange::kAuto:
+      return "auto";
+    case CompressedExchange::kTwoPhase:
+      return "two phases";
+    case CompressedExchange::kAllGather:
+      return "all-gather";
+  }
+  return "?";
 }
 
 struct TwoPhaseCase {
@@ -283,29 +300,39 @@ std::vector<TwoPhaseCase> two_phase_cases() {
            [](const uint8_t* i, int64_t m, float* a) { codec::sign_decode_add(i, m, 512, a); }}};
 }
 
+// Both exchanges, and kAuto's choice: the all-gather at 2 ranks, two phases beyond.
 TEST(TwoPhaseHooks, EqualTheAlgorithmAndCountTheirBytes) {
   constexpr int64_t kN = 1203;  // not a multiple of the world: the last chunk is padded
   for (const TwoPhaseCase& c : two_phase_cases()) {
-    for (int world : {2, 4}) {
-      SCOPED_TRACE(std::string(c.name) + ", " + std::to_string(world) + " ranks");
-      std::vector<std::shared_ptr<CompressionState>> states;
-      for (int r = 0; r < world; ++r) {
-        states.push_back(std::make_shared<CompressionState>(
-            CompressionOptions{.error_feedback = false}));
+    for (int world : {2, 3, 4}) {
+      for (const CompressedExchange how : {CompressedExchange::kAuto, CompressedExchange::kTwoPhase,
+                                           CompressedExchange::kAllGather}) {
+        SCOPED_TRACE(std::string(c.name) + ", " + std::to_string(world) + " ranks, " +
+                     exchange_name(how));
+        const bool gather = how == CompressedExchange::kAllGather ||
+                            (how == CompressedExchange::kAuto && world == 2);
+        EXPECT_EQ(exchanges_by_allgather(how, world), gather);
+        std::vector<std::shared_ptr<CompressionState>> states;
+        for (int r = 0; r < world; ++r) {
+          states.push_back(std::make_shared<CompressionState>(
+              CompressionOptions{.error_feedback = false, .exchange = how}));
+        }
+        const auto results = run_hook(world, reference_inputs(kN), [&](int rank) {
+          return bind_hook(states[static_cast<size_t>(rank)], c.hook);
+        });
+        std::vector<std::vector<float>> x;
+        for (int r = 0; r < world; ++r) x.push_back(bucket_input(r, kN).to_vector<float>());
+        const int64_t m = (kN + world - 1) / world;
+        const auto want = simulate(x, c.bytes(m), c.encode, c.decode, !gather);
+        for (const Tensor& got : results) EXPECT_EQ(got.to_vector<float>(), want);
+        const CompressionState::Stats s = states[0]->stats();
+        EXPECT_EQ(s.buckets, 1);
+        EXPECT_EQ(s.bytes_sent, (gather ? world : 2) * (world - 1) * c.bytes(m));
+        EXPECT_EQ(s.allreduce_bytes, 2 * (world - 1) * kN * 4 / world);
+        if (world == 2 || !gather) {
+          EXPECT_GE(s.ratio, std::string(c.name) == "sign" ? 25.0 : 3.5);
+        }
       }
-      const auto results = run_hook(world, reference_inputs(kN), [&](int rank) {
-        return bind_hook(states[static_cast<size_t>(rank)], c.hook);
-      });
-      std::vector<std::vector<float>> x;
-      for (int r = 0; r < world; ++r) x.push_back(bucket_input(r, kN).to_vector<float>());
-      const auto want = simulate_two_phase(x, c.bytes((kN + world - 1) / world), c.encode, c.decode);
-      for (const Tensor& got : results) EXPECT_EQ(got.to_vector<float>(), want);
-      const int64_t m = (kN + world - 1) / world;
-      const CompressionState::Stats s = states[0]->stats();
-      EXPECT_EQ(s.buckets, 1);
-      EXPECT_EQ(s.bytes_sent, 2 * (world - 1) * c.bytes(m));
-      EXPECT_EQ(s.allreduce_bytes, 2 * (world - 1) * kN * 4 / world);
-      EXPECT_GE(s.ratio, std::string(c.name) == "sign" ? 25.0 : 3.5);
     }
   }
 }
@@ -325,6 +352,15 @@ TEST(TwoPhaseHooks, Int8IsCloseToTheAverage) {
   // twice (both phases).
   const auto got = results[0].to_vector<float>();
   for (int64_t i = 0; i < kN; ++i) ASSERT_NEAR(got[i], mean[i], 15.5 / 255) << i;
+  // The all-gather quantizes once: each rank's input is off by at most half of its channel's
+  // step (every rank's values span at most 15.5), and so is their average.
+  const auto gathered = run_hook(4, reference_inputs(kN), [&](int) {
+    return bind_hook(std::make_shared<CompressionState>(
+                         CompressionOptions{.exchange = CompressedExchange::kAllGather}),
+                     int8_compress_hook);
+  });
+  const auto once = gathered[0].to_vector<float>();
+  for (int64_t i = 0; i < kN; ++i) ASSERT_NEAR(once[i], mean[i], 0.5 * 15.5 / 255 + 1e-5) << i;
 }
 
 // Error feedback: after each step a rank's residual is exactly its input (gradient, or with
@@ -334,11 +370,16 @@ TEST(TwoPhaseHooks, TheResidualIsWhatWasNotSent) {
   constexpr int kWorld = 2;
   constexpr int64_t kN = 700;
   for (const TwoPhaseCase& c : two_phase_cases()) {
-    for (const float momentum : {0.0f, 0.5f}) {
-      SCOPED_TRACE(std::string(c.name) + ", momentum " + std::to_string(momentum));
+    for (const auto& [momentum, how] : {std::pair{0.0f, CompressedExchange::kTwoPhase},
+                                        std::pair{0.5f, CompressedExchange::kTwoPhase},
+                                        std::pair{0.0f, CompressedExchange::kAllGather},
+                                        std::pair{0.5f, CompressedExchange::kAllGather}}) {
+      SCOPED_TRACE(std::string(c.name) + ", momentum " + std::to_string(momentum) + ", " +
+                   exchange_name(how));
       std::vector<std::shared_ptr<CompressionState>> states;
       for (int r = 0; r < kWorld; ++r) {
-        states.push_back(std::make_shared<CompressionState>(CompressionOptions{.momentum = momentum}));
+        states.push_back(std::make_shared<CompressionState>(
+            CompressionOptions{.momentum = momentum, .exchange = how}));
       }
       auto inputs = [](int rank) {
         return std::vector<Tensor>{bucket_input(rank, kN), bucket_input(rank + 5, kN),
@@ -437,19 +478,26 @@ TEST(CompressingHooks, ReadABucketInIndexOrderWhateverItsLayoutAndDtype) {
   }
 }
 
-// The trace shows where a two-phase hook spends its time: compressing, the server's step and
-// decompressing.
+// The trace shows where the hook spends its time: compressing, the server's step (two phases
+// only) and decompressing.
 TEST(TwoPhaseHooks, TheTraceShowsCompressAndDecompress) {
-  test::TempDir dir;
-  trace::start(dir.path(), trace::Level::Steps, 0);
-  run_hook(2, reference_inputs(300), [](int) {
-    return bind_hook(std::make_shared<CompressionState>(), sign_compress_hook);
-  });
-  const std::string path = trace::stop();
-  std::ifstream in(path);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  for (const char* name : {"\"compress\"", "\"decompress, average, compress\"", "\"decompress\""}) {
-    EXPECT_NE(text.find(name), std::string::npos) << name << " in " << path;
+  for (const CompressedExchange how :
+       {CompressedExchange::kTwoPhase, CompressedExchange::kAllGather}) {
+    SCOPED_TRACE(exchange_name(how));
+    test::TempDir dir;
+    trace::start(dir.path(), trace::Level::Steps, 0);
+    run_hook(2, reference_inputs(300), [how](int) {
+      return bind_hook(std::make_shared<CompressionState>(CompressionOptions{.exchange = how}),
+                       sign_compress_hook);
+    });
+    const std::string path = trace::stop();
+    std::ifstream in(path);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_NE(text.find("\"compress\""), std::string::npos) << path;
+    EXPECT_NE(text.find("\"decompress\""), std::string::npos) << path;
+    EXPECT_EQ(text.find("\"decompress, average, compress\"") != std::string::npos,
+              how == CompressedExchange::kTwoPhase)
+        << path;
   }
 }
 
@@ -603,9 +651,22 @@ TEST(CompressionState, RefusesBadOptionsAndEntries) {
             std::string::npos);
   EXPECT_NE(message([] { CompressionState s({.channel_size = 0}); }).find("channel_size must be >= 1"),
             std::string::npos);
+  EXPECT_NE(message([] {
+              CompressionState s({.exchange = static_cast<CompressedExchange>(7)});
+            }).find("exchange must be kAuto (0), kTwoPhase (1) or kAllGather (2), got 7"),
+            std::string::npos);
   CompressionState s;
   EXPECT_NE(message([&] { s.load_state_dict({{"q.0", zeros({2})}}); }).find("unexpected entry 'q.0'"),
             std::string::npos);
+  // A checkpoint's exchange is validated as the constructor's is, and restored.
+  nn::NamedTensors saved =
+      CompressionState({.exchange = CompressedExchange::kAllGather}).state_dict();
+  s.load_state_dict(saved);
+  EXPECT_EQ(s.options().exchange, CompressedExchange::kAllGather);
+  for (auto& [name, t] : saved) {
+    if (name == "option.exchange") t = from_vector(std::vector<int64_t>{3});
+  }
+  EXPECT_NE(message([&] { s.load_state_dict(saved); }).find("got 3"), std::string::npos);
   EXPECT_NE(message([&] { s.load_state_dict({}); }).find("expected an 'iteration' entry"),
             std::string::npos);
   // An integer bucket (a hook called outside DDP) is named.
@@ -653,8 +714,9 @@ TEST(CompressAcrossNodes, ReducesInsideNodesAndCompressesBetweenThem) {
     const auto b = bucket_input(2 * node + 1, kN).to_vector<float>();
     for (int64_t i = 0; i < kN; ++i) node_avg[node][i] = (a[i] + b[i]) / 2;
   }
+  // Two leaders: kAuto exchanges by all-gather.
   const TwoPhaseCase int8 = two_phase_cases()[0];
-  const auto want = simulate_two_phase(node_avg, int8.bytes(kN / 2), int8.encode, int8.decode);
+  const auto want = simulate(node_avg, int8.bytes(kN / 2), int8.encode, int8.decode, false);
   for (int r = 0; r < 4; ++r) EXPECT_EQ(results[r].to_vector<float>(), want) << "rank " << r;
   EXPECT_EQ(states[0]->stats().buckets, 1);
   EXPECT_EQ(states[1]->stats().buckets, 0);  // not a leader: its hook never ran

@@ -129,6 +129,20 @@ TEST(HookRegistry, RefusesBadSpecsNamingWhatIsWrong) {
                     "momentum_masking masks the velocity and needs momentum > 0, got momentum 0");
     EXPECT_MENTIONS(error_of([&] { make_comm_hook("sign:error_feedback=maybe", pg); }),
                     "option error_feedback expects 1/true/on or 0/false/off, got 'maybe'");
+    EXPECT_MENTIONS(
+        error_of([&] { make_comm_hook("sign:exchange=ring", pg); }),
+        "[comm hook 'sign'] option exchange expects auto, two_phase or allgather, got 'ring'");
+    EXPECT_MENTIONS(error_of([&] { make_comm_hook("topk:exchange=allgather", pg); }),
+                    "hook 'topk' takes no option 'exchange'");
+    // The exchange chosen by name is the state's (and its checkpoint's).
+    for (const auto& [spec, want] : {std::pair{"int8", 0}, std::pair{"int8:exchange=two_phase", 1},
+                                     std::pair{"sign:exchange=allgather", 2}}) {
+      const nn::NamedTensors state = make_comm_hook(spec, pg).state_dict();
+      auto it = std::find_if(state.begin(), state.end(),
+                             [](const auto& kv) { return kv.first == "option.exchange"; });
+      ASSERT_NE(it, state.end()) << spec;
+      EXPECT_EQ(it->second.template to_vector<int64_t>()[0], want) << spec;
+    }
   });
 }
 
