@@ -2,13 +2,17 @@
 // one bucket-sized float32 vector, one thread, beside memcpy of the same vector in the same run:
 // the codecs are memory-bound loops, so memcpy's time is the floor a pass over the data can
 // reach. Also the fp16 hook's and the float16 reductions' loops (distributed/detail/
-// half_kernels.h) beside the scalar Half conversions they replace ("_scalar"). Prints BENCH lines
-// (benchmarks/bench_util.h) and then each case's time over memcpy's.
+// half_kernels.h) beside the scalar Half conversions they replace ("_scalar"), and top-k's choice
+// (codec::topk_indices) beside the plain definition, a partial sort of every index. Prints BENCH
+// lines (benchmarks/bench_util.h) and then each case's time over memcpy's.
 //
 //   build/benchmarks/ddp/bench_codecs [--elements N] [--samples 5] [--min-time 0.2]
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -19,11 +23,10 @@
 #include "benchmarks/bench_util.h"
 
 namespace codec = ember::dist::codec;
-
 int main(int argc, char** argv) {
   bench::Options o;
   int64_t n = 4 << 20;  // a 16 MiB float32 bucket, past the last-level cache
-  CLI::App app{"bench_codecs: int8 and sign encode/decode beside memcpy"};
+  CLI::App app{"bench_codecs: int8 and sign encode/decode and top-k's choice beside memcpy"};
   app.add_option("--elements", n, "float32 elements per call")->check(CLI::Range(1, 1 << 28));
   app.add_option("--samples", o.samples, "timed batches per case; the median is reported")
       ->check(CLI::Range(1, 1 << 30));
@@ -62,6 +65,25 @@ int main(int argc, char** argv) {
        [&] { codec::sign_decode_add(q1.data(), n, channel, y.data()); });
   time("sign_decode_range", fbytes + n / 8.0,
        [&] { codec::sign_decode_range(q1.data(), n, channel, 3, n - 3, y.data()); });
+
+  // Top-k's choice at 1% and 10%, beside the plain definition (an nth_element over all n
+  // indices by magnitude, ties to the lower index, then a sort of the k chosen).
+  std::vector<int32_t> all_indices(static_cast<size_t>(n));
+  for (const double ratio : {0.01, 0.1}) {
+    const auto k = std::max<int64_t>(1, static_cast<int64_t>(ratio * static_cast<double>(n)));
+    const std::string pct = std::to_string(static_cast<int>(ratio * 100)) + "pct";
+    time("topk_indices_" + pct, fbytes, [&] { (void)codec::topk_indices(x.data(), n, k); });
+    time("topk_nth_element_sort_" + pct, fbytes, [&] {
+      std::iota(all_indices.begin(), all_indices.end(), 0);
+      auto larger = [&](int32_t a, int32_t b) {
+        const float fa = std::fabs(x[a]), fb = std::fabs(x[b]);
+        return fa > fb || (fa == fb && a < b);
+      };
+      std::nth_element(all_indices.begin(), all_indices.begin() + (k - 1), all_indices.end(),
+                       larger);
+      std::sort(all_indices.begin(), all_indices.begin() + k);
+    });
+  }
 
   namespace half = ember::dist::detail;
   using ember::detail::f16_bits_to_f32;

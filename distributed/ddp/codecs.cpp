@@ -13,7 +13,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <vector>
 
 // Not under ThreadSanitizer: the version picker (an ifunc resolver) runs while the library is
 // relocated, before TSan's runtime is set up, and TSan's instrumentation of it crashes there.
@@ -276,6 +278,100 @@ void sign_decode_range(const uint8_t* in, int64_t m, int64_t block, int64_t firs
     std::memcpy(&scale, in + begin / block * static_cast<int64_t>(sizeof scale), sizeof scale);
     sign_set(bits, at, len, scale, out + (at - first));
   });
+}
+
+namespace {
+
+// A NaN counts as the largest magnitude (it is sent, and poisons the average as an all-reduce
+// would), which keeps the order strict and weak.
+inline float magnitude(float v) {
+  return std::isnan(v) ? std::numeric_limits<float>::infinity() : std::fabs(v);
+}
+
+// Bit j of bits[b] set where magnitude(x[8 b + j]) >= threshold, for m a multiple of 8: as
+// sign_bits, a loop GCC vectorizes. !(|v| < t) is that comparison with a NaN counted as largest.
+EMBER_CODEC_CLONES void at_least_bits(const float* x, int64_t m, float threshold, uint8_t* bits) {
+  for (int64_t b = 0; b < m / 8; ++b) {
+    unsigned byte = 0;
+    for (int j = 0; j < 8; ++j)
+      byte |= static_cast<unsigned>(!(std::fabs(x[8 * b + j]) < threshold)) << j;
+    bits[b] = static_cast<uint8_t>(byte);
+  }
+}
+
+// Appends to `out` every i in [0, n) with magnitude(x[i]) >= threshold, increasing, and to
+// `mags` its magnitude: the comparisons vectorized into bit masks, then the set bits (a few
+// percent) walked word by word while the block is still in cache.
+void indices_at_least(const float* x, int64_t n, float threshold, std::vector<int32_t>& out,
+                      std::vector<float>& mags) {
+  constexpr int64_t kBlock = 4096;
+  uint64_t words[kBlock / 64];
+  for (int64_t begin = 0; begin < n; begin += kBlock) {
+    const int64_t len = std::min(n - begin, kBlock), full = len / 8 * 8;
+    auto* bytes = reinterpret_cast<uint8_t*>(words);
+    std::memset(words, 0, sizeof words);
+    at_least_bits(x + begin, full, threshold, bytes);
+    for (int64_t i = full; i < len; ++i) {
+      bytes[i / 8] |=
+          static_cast<uint8_t>((magnitude(x[begin + i]) >= threshold ? 1u : 0u) << (i % 8));
+    }
+    for (int64_t w = 0; w < (len + 63) / 64; ++w) {
+      uint64_t word;
+      std::memcpy(&word, bytes + 8 * w, sizeof word);  // bytes in order: little-endian bits
+      while (word != 0) {
+        const int64_t i = begin + 64 * w + __builtin_ctzll(word);
+        out.push_back(static_cast<int32_t>(i));
+        mags.push_back(magnitude(x[i]));
+        word &= word - 1;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<int32_t> topk_indices(const float* x, int64_t n, int64_t k) {
+  EMBER_CHECK(k >= 1 && k <= n, "[topk_indices] expected k in [1, n] = [1, ", n, "], got ", k);
+  EMBER_CHECK(n <= std::numeric_limits<int32_t>::max(), "[topk_indices] expected at most 2^31 - 1",
+              " elements (int32 indices), got ", n);
+  // A threshold from a sample leaves about 2k candidates: every entry at or above it, so the k
+  // largest among them are the k largest of all. One that leaves fewer than k is lowered until
+  // enough pass.
+  float threshold = 0;
+  if (2 * k < n) {
+    const int64_t stride = std::max<int64_t>(1, n / 16384);
+    std::vector<float> sample;
+    for (int64_t i = 0; i < n; i += stride) sample.push_back(magnitude(x[i]));
+    // The sample's magnitude at twice the wanted share.
+    const auto at = static_cast<int64_t>(static_cast<double>(sample.size()) * 2 * k / n);
+    if (at < static_cast<int64_t>(sample.size())) {
+      std::nth_element(sample.begin(), sample.begin() + at, sample.end(), std::greater<float>());
+      threshold = sample[static_cast<size_t>(at)];
+    }
+  }
+  std::vector<int32_t> candidates;
+  std::vector<float> mags;
+  for (;;) {
+    candidates.clear();
+    mags.clear();
+    indices_at_least(x, n, threshold, candidates, mags);
+    if (static_cast<int64_t>(candidates.size()) >= k || threshold == 0) break;
+    threshold = threshold > std::numeric_limits<float>::min() ? threshold / 4 : 0;
+  }
+  // The k-th largest magnitude among the candidates, t: every one above t is taken, and of
+  // those equal to t the lowest indices, in one pass in index order (the candidates are
+  // increasing), so the result needs no sort.
+  std::vector<float> order = mags;
+  std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), std::greater<float>());
+  const float t = order[static_cast<size_t>(k - 1)];
+  int64_t equal_wanted = k;
+  for (const float v : mags) equal_wanted -= v > t ? 1 : 0;
+  std::vector<int32_t> out;
+  out.reserve(static_cast<size_t>(k));
+  for (size_t j = 0; j < candidates.size(); ++j) {
+    if (mags[j] > t || (mags[j] == t && equal_wanted-- > 0)) out.push_back(candidates[j]);
+  }
+  return out;
 }
 
 }  // namespace ember::dist::codec

@@ -532,48 +532,6 @@ std::shared_ptr<Future> compressed_allreduce(CompressionState& state, GradBucket
   });
 }
 
-// The indices of the k largest |x[i]| (ties to the lower index, so every rank and run picks the
-// same ones), increasing. Exactly what an nth_element over all n would give, without sorting n
-// indices: a threshold from a sample leaves about 2k candidates (every entry at or above it, so
-// the k largest among them are the k largest of all), and only those are ordered. A threshold
-// that leaves fewer than k is lowered until enough pass.
-std::vector<int32_t> largest_magnitudes(const float* x, int64_t n, int64_t k) {
-  // A NaN counts as the largest magnitude (it is sent, and poisons the average as an all-reduce
-  // would), which keeps the order strict and weak.
-  auto magnitude = [x](int64_t i) {
-    return std::isnan(x[i]) ? std::numeric_limits<float>::infinity() : std::fabs(x[i]);
-  };
-  auto larger = [&magnitude](int32_t a, int32_t b) {
-    const float fa = magnitude(a), fb = magnitude(b);
-    return fa > fb || (fa == fb && a < b);
-  };
-  float threshold = 0;
-  if (2 * k < n) {
-    const int64_t stride = std::max<int64_t>(1, n / 16384);
-    std::vector<float> sample;
-    for (int64_t i = 0; i < n; i += stride) sample.push_back(magnitude(i));
-    // The sample's magnitude at twice the wanted share: about 2k entries pass.
-    const auto at = static_cast<int64_t>(static_cast<double>(sample.size()) * 2 * k / n);
-    if (at < static_cast<int64_t>(sample.size())) {
-      std::nth_element(sample.begin(), sample.begin() + at, sample.end(), std::greater<float>());
-      threshold = sample[static_cast<size_t>(at)];
-    }
-  }
-  std::vector<int32_t> candidates;
-  for (;;) {
-    candidates.clear();
-    for (int64_t i = 0; i < n; ++i) {
-      if (magnitude(i) >= threshold) candidates.push_back(static_cast<int32_t>(i));
-    }
-    if (static_cast<int64_t>(candidates.size()) >= k || threshold == 0) break;
-    threshold = threshold > std::numeric_limits<float>::min() ? threshold / 4 : 0;
-  }
-  std::nth_element(candidates.begin(), candidates.begin() + (k - 1), candidates.end(), larger);
-  candidates.resize(static_cast<size_t>(k));
-  std::sort(candidates.begin(), candidates.end());
-  return candidates;
-}
-
 }  // namespace
 
 std::shared_ptr<Future> quantization_pertensor_hook(GradBucket& bucket) {
@@ -609,18 +567,19 @@ std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& 
   const int64_t k = std::clamp<int64_t>(
       static_cast<int64_t>(std::ceil(state.options().topk_ratio * static_cast<double>(n))), 1,
       std::max<int64_t>(n, 1));
-  const std::vector<int32_t> order = largest_magnitudes(xp, n, k);
-  const int64_t msg = k * static_cast<int64_t>(sizeof(int32_t) + sizeof(float));
+  const std::vector<int32_t> order = n > 0 ? codec::topk_indices(xp, n, k) : std::vector<int32_t>{};
+  const auto sent_count = static_cast<int64_t>(order.size());
+  const int64_t msg = sent_count * static_cast<int64_t>(sizeof(int32_t) + sizeof(float));
   Tensor mine = empty({msg}, kUInt8);
   uint8_t* out = bytes_of(mine);
-  std::memcpy(out, order.data(), static_cast<size_t>(k) * sizeof(int32_t));
-  float* values = reinterpret_cast<float*>(out + k * sizeof(int32_t));
-  for (int64_t j = 0; j < k; ++j) values[j] = xp[order[static_cast<size_t>(j)]];
+  std::memcpy(out, order.data(), order.size() * sizeof(int32_t));
+  float* values = reinterpret_cast<float*>(out + sent_count * sizeof(int32_t));
+  for (int64_t j = 0; j < sent_count; ++j) values[j] = xp[order[static_cast<size_t>(j)]];
   if (residual != nullptr) {
-    // What was not sent: x everywhere but the sent entries, which were sent exactly.
-    residual->copy_(x);
-    float* rp = residual->data<float>();
-    for (int32_t i : order) rp[i] = 0;
+    // What was not sent: x everywhere but the sent entries, which were sent exactly. x is this
+    // call's own tensor, so it becomes the residual without a copy.
+    *residual = x;
+    for (int32_t i : order) xp[i] = 0;
   }
   if (velocity != nullptr && state.options().momentum_masking) {
     for (int32_t i : order) velocity[i] = 0;
@@ -629,22 +588,59 @@ std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& 
   bucket.record_bytes_sent((world - 1) * msg);
   Tensor all = empty({world * msg}, kUInt8);
   auto work = pg.allgather_into_tensor(all, mine);
-  return work->future()->then([all, k, n, msg, world, layout = Canonical(bucket),
+  return work->future()->then([all, k = sent_count, n, msg, world, layout = Canonical(bucket),
                                buffer = bucket.buffer()](Future&) {
-    Tensor sum = zeros({n}, kFloat32);
-    float* s = sum.data<float>();
-    for (int r = 0; r < world; ++r) {
-      const uint8_t* in = bytes_of(all) + r * msg;
+    trace::Span span("decompress", "comm hook");
+    NoGradGuard no_grad;
+    // Each rank's (index, value) pairs, its indices increasing.
+    auto index_of = [&](int r, int64_t j) {
       int32_t index;
+      std::memcpy(&index, bytes_of(all) + r * msg + j * sizeof(int32_t), sizeof index);
+      return index;
+    };
+    auto value_of = [&](int r, int64_t j) {
       float value;
-      for (int64_t j = 0; j < k; ++j) {
-        std::memcpy(&index, in + j * sizeof(int32_t), sizeof index);
-        std::memcpy(&value, in + k * sizeof(int32_t) + j * sizeof(float), sizeof value);
-        s[index] += value;
+      std::memcpy(&value, bytes_of(all) + r * msg + k * sizeof(int32_t) + j * sizeof(float),
+                  sizeof value);
+      return value;
+    };
+    const auto w = static_cast<float>(world);
+    if (buffer.dtype() != kFloat32 || !buffer.is_contiguous()) {
+      Tensor sum = zeros({n}, kFloat32);
+      float* s = sum.data<float>();
+      for (int r = 0; r < world; ++r) {
+        for (int64_t j = 0; j < k; ++j) s[index_of(r, j)] += value_of(r, j);
       }
+      return average_into_bucket(layout, buffer, sum, world);
     }
-    for (int64_t i = 0; i < n; ++i) s[i] /= static_cast<float>(world);
-    return into_bucket(layout, buffer, sum);
+    // Straight into the bucket: zeros, each rank's values added in rank order at their bucket
+    // offsets, then every entry sent divided once by W (the rest stay 0, as 0 / W). The bits of
+    // summing into a zero canonical vector, dividing it and copying it into the bucket.
+    Tensor bucket_buffer = buffer;
+    float* o = bucket_buffer.data<float>();
+    std::fill_n(o, n, 0.0f);
+    // fn(r, j, b) for rank r's entry j at bucket offset b; the indices increase, and so do the
+    // pieces' canonical offsets.
+    auto each_entry = [&](const auto& fn) {
+      for (int r = 0; r < world; ++r) {
+        size_t piece = 0;
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t i = index_of(r, j);
+          while (i >= layout.pieces[piece].offset + layout.pieces[piece].numel) ++piece;
+          const Canonical::Piece& p = layout.pieces[piece];
+          fn(r, j, p.bucket_offset + (i - p.offset));
+        }
+      }
+    };
+    each_entry([&](int r, int64_t j, int64_t b) { o[b] += value_of(r, j); });
+    std::vector<bool> divided(static_cast<size_t>(n), false);
+    each_entry([&](int, int64_t, int64_t b) {
+      if (!divided[static_cast<size_t>(b)]) {
+        divided[static_cast<size_t>(b)] = true;
+        o[b] /= w;
+      }
+    });
+    return std::vector<Tensor>{bucket_buffer};
   });
 }
 

@@ -60,6 +60,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ember/distributed/ddp/comm_hooks.h>
 #include <ember/nn/module.h>
@@ -216,5 +217,10 @@ void sign_encode(const float* x, int64_t m, int64_t block, uint8_t* out,
 void sign_decode_add(const uint8_t* in, int64_t m, int64_t block, float* acc);
 void sign_decode_range(const uint8_t* in, int64_t m, int64_t block, int64_t first, int64_t count,
                        float* out);
+
+/// topk_compress_hook's choice: the indices of the k largest |x[i]| of n, increasing. A NaN
+/// counts as the largest magnitude; ties go to the lower index, so every rank and every run
+/// picks the same. Throws ValueError for k outside [1, n].
+std::vector<int32_t> topk_indices(const float* x, int64_t n, int64_t k);
 
 }  // namespace ember::dist::codec

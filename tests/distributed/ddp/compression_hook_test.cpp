@@ -13,6 +13,7 @@
 #include <iterator>
 #include <limits>
 #include <numeric>
+#include <random>
 
 #include <ember/distributed/ddp/compression_hooks.h>
 #include <ember/distributed/ddp/ddp.h>
@@ -212,6 +213,56 @@ TEST(Codecs, DecodeRangeEqualsDecodingTheWholeMessage) {
   test::expect_error([&] { codec::int8_decode_range(q.data(), kM, kBlock, 1400, 101, nullptr); },
                      {"[int8_decode_range] expects a range inside the message's 1500 elements, "
                       "got [1400, 1501)"});
+}
+
+// topk_indices against its definition (every index ordered by magnitude, NaN largest, ties to
+// the lower index; the first k, increasing), on inputs that take each of its paths: a sampled
+// threshold, a threshold lowered because too few entries reach it (mostly zeros), k near n (no
+// sample), many ties, NaNs, and lengths that end inside a block of 8 and of 4096.
+TEST(Codecs, TopkIndicesAreTheKLargestMagnitudesInIndexOrder) {
+  auto definition = [](const std::vector<float>& x, int64_t k) {
+    auto magnitude = [&](int32_t i) {
+      return std::isnan(x[i]) ? std::numeric_limits<float>::infinity() : std::fabs(x[i]);
+    };
+    std::vector<int32_t> order(x.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return magnitude(a) > magnitude(b); });
+    order.resize(static_cast<size_t>(k));
+    std::sort(order.begin(), order.end());
+    return order;
+  };
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  struct Input {
+    const char* name;
+    int64_t n;
+    std::function<float(int64_t)> value;
+  };
+  const Input inputs[] = {
+      {"gaussian", 100003, [&](int64_t) { return normal(rng); }},
+      {"mostly zeros", 50001, [&](int64_t i) { return i % 997 == 0 ? normal(rng) : 0.0f; }},
+      {"few values, many ties", 20011, [&](int64_t i) { return static_cast<float>(i % 5) - 2.0f; }},
+      {"NaNs and infinities", 9000,
+       [&](int64_t i) {
+         if (i % 1013 == 0) return std::numeric_limits<float>::quiet_NaN();
+         if (i % 2027 == 0) return -std::numeric_limits<float>::infinity();
+         return normal(rng);
+       }},
+      {"short", 13, [&](int64_t) { return normal(rng); }},
+  };
+  for (const Input& in : inputs) {
+    std::vector<float> x(static_cast<size_t>(in.n));
+    for (int64_t i = 0; i < in.n; ++i) x[static_cast<size_t>(i)] = in.value(i);
+    for (const int64_t k :
+         {int64_t{1}, int64_t{3}, in.n / 100 + 1, in.n / 10 + 1, in.n / 2 + 1, in.n}) {
+      SCOPED_TRACE(std::string(in.name) + ", k " + std::to_string(k));
+      EXPECT_EQ(codec::topk_indices(x.data(), in.n, k), definition(x, k));
+    }
+  }
+  std::vector<float> x(10, 1.0f);
+  EXPECT_THROW(codec::topk_indices(x.data(), 10, 0), ValueError);
+  EXPECT_THROW(codec::topk_indices(x.data(), 10, 11), ValueError);
 }
 
 TEST(Codecs, SignKeepsTheMeanMagnitudeAndTheSigns) {
