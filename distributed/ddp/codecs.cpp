@@ -293,8 +293,9 @@ inline float magnitude(float v) {
 EMBER_CODEC_CLONES void at_least_bits(const float* x, int64_t m, float threshold, uint8_t* bits) {
   for (int64_t b = 0; b < m / 8; ++b) {
     unsigned byte = 0;
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < 8; ++j) {
       byte |= static_cast<unsigned>(!(std::fabs(x[8 * b + j]) < threshold)) << j;
+    }
     bits[b] = static_cast<uint8_t>(byte);
   }
 }
