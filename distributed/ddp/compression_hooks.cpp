@@ -609,7 +609,12 @@ std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& 
       Tensor sum = zeros({n}, kFloat32);
       float* s = sum.data<float>();
       for (int r = 0; r < world; ++r) {
-        for (int64_t j = 0; j < k; ++j) s[index_of(r, j)] += value_of(r, j);
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t i = index_of(r, j);
+          EMBER_CHECK(i >= 0 && i < n, "[topk_compress_hook] rank ", r, " sent index ", i,
+                      ": expected one below the bucket's ", n, " elements");
+          s[i] += value_of(r, j);
+        }
       }
       return average_into_bucket(layout, buffer, sum, world);
     }
@@ -626,6 +631,10 @@ std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& 
         size_t piece = 0;
         for (int64_t j = 0; j < k; ++j) {
           const int64_t i = index_of(r, j);
+          EMBER_CHECK(i >= 0 && i < n && (j == 0 || i > index_of(r, j - 1)),
+                      "[topk_compress_hook] rank ", r, " sent index ", i, " at position ", j,
+                      ": expected increasing indices below the bucket's ", n,
+                      " elements (do all ranks run the same model and hook options?)");
           while (i >= layout.pieces[piece].offset + layout.pieces[piece].numel) ++piece;
           const Canonical::Piece& p = layout.pieces[piece];
           fn(r, j, p.bucket_offset + (i - p.offset));

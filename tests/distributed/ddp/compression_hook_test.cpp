@@ -660,6 +660,34 @@ TEST(TopkHook, RatioOneIsTheAverage) {
   EXPECT_EQ(results[0].to_vector<float>(), mean);
 }
 
+// A rank whose bucket is not the others' (another model, other options) sends indices past the
+// receiver's bucket: an error naming the hook, the rank and the index, not a write out of bounds.
+TEST(TopkHook, AnIndexPastTheBucketIsAnErrorNamingTheRank) {
+  std::string error;
+  try {
+    // Rank 0: 100 elements at 10%; rank 1: 1000 elements at 1%, its largest at the end. Both
+    // send 10 pairs, so the all-gather matches and rank 0 receives indices up to 999.
+    run_hook(
+        2,
+        [](int rank) {
+          std::vector<float> v(rank == 0 ? 100 : 1000);
+          std::iota(v.begin(), v.end(), 1.0f);
+          return std::vector<Tensor>{from_vector(v)};
+        },
+        [](int rank) {
+          return bind_hook(std::make_shared<CompressionState>(
+                               CompressionOptions{.topk_ratio = rank == 0 ? 0.1 : 0.01}),
+                           topk_compress_hook);
+        });
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("[topk_compress_hook] rank 1 sent index 990 at position 0: expected "
+                       "increasing indices below the bucket's 100 elements"),
+            std::string::npos)
+      << error;
+}
+
 // ---- warm-up, options, errors ------------------------------------------------------------------
 
 TEST(CompressionState, WarmUpAllReducesThenCompresses) {
