@@ -9,6 +9,7 @@
 #include <ember/autograd/detail/functions.h>
 #include <ember/tensor/detail/attention_kernels.h>
 #include <ember/tensor/detail/norm_kernels.h>
+#include <ember/tensor/detail/reduce_kernels.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::autograd {
@@ -159,7 +160,7 @@ void record_batch_norm(const RecordArgs& r) {
 struct CrossEntropyBackward final : Node {
   Reduction reduction = Reduction::kMean;
   double label_smoothing = 0, weight_sum = 0;
-  SavedTensor x, probs, target_index, row_weight, valid, class_weight;
+  SavedTensor x, probs, lse, target_index, row_weight, valid, class_weight;
   const char* name() const override { return "CrossEntropyBackward"; }
   TensorList apply(TensorList&& grads) override {
     const Tensor xs = x.unpack(*this);
@@ -185,6 +186,17 @@ struct CrossEntropyBackward final : Node {
     }
     Tensor k = wt * (1.0 - ls);
     if (ls > 0) k = k + weight_sum * ls / classes;
+    if (!create_graph && lse.defined()) {  // the CPU row kernel, from the saved lse
+      const Dtype dt = xs.dtype();
+      const Tensor dx = detail::make_empty(xs.shape(), dt, xs.device());
+      const Tensor smooth =
+          ls > 0 ? (sv * (ls / static_cast<double>(classes))).to(dt).contiguous() : Tensor();
+      detail::cross_entropy_rows_backward_cpu(
+          dx, xs.contiguous(), lse.unpack(*this), safe.view({-1}).contiguous(),
+          (sv * k).to(dt).contiguous(), smooth, w.defined() ? w.contiguous() : Tensor(),
+          (sv * wt * (ls - 1.0)).to(dt).contiguous());
+      return {dx};
+    }
     const Tensor p = create_graph ? softmax(xs, 1) : probs.unpack(*this);
     Tensor dx = p * (sv * k).unsqueeze(1);  // [N, C]
     if (ls > 0) {
@@ -197,7 +209,7 @@ struct CrossEntropyBackward final : Node {
     return {dx};
   }
   void release_variables() override {
-    for (SavedTensor* s : {&x, &probs, &target_index, &row_weight, &valid, &class_weight}) {
+    for (SavedTensor* s : {&x, &probs, &lse, &target_index, &row_weight, &valid, &class_weight}) {
       s->release();
     }
   }
@@ -210,7 +222,8 @@ void record_cross_entropy(const RecordArgs& r) {
   n->label_smoothing = a.label_smoothing;
   n->weight_sum = a.weight_sum;
   n->x = SavedTensor(r.in(0), false);
-  n->probs = SavedTensor(a.probs, false);
+  if (a.probs.defined()) n->probs = SavedTensor(a.probs, false);
+  if (a.lse.defined()) n->lse = SavedTensor(a.lse, false);
   n->target_index = SavedTensor(a.target_index, false);
   n->row_weight = SavedTensor(a.row_weight, false);
   n->valid = SavedTensor(a.valid, false);

@@ -29,6 +29,13 @@ int main(int argc, char** argv) {
     bench::run(o, "cross_entropy_b256_c1000_fwdbwd",
                [&] { fwd_bwd([&] { return F::cross_entropy(x, y); }, {x}); });
   }
+  // The byte-level GPT's loss: [batch x context, vocabulary 256].
+  if (bench::selected(o, "cross_entropy_b16384_c256_fwdbwd")) {
+    Tensor x = randn({16384, 256}).requires_grad_();
+    Tensor y = randint(0, 256, {16384});
+    bench::run(o, "cross_entropy_b16384_c256_fwdbwd",
+               [&] { fwd_bwd([&] { return F::cross_entropy(x, y); }, {x}); });
+  }
   if (bench::selected(o, "batch_norm2d_b32_c64_28_fwdbwd")) {
     Tensor x = randn({32, 64, 28, 28}).requires_grad_();
     Tensor w = ones({64}).requires_grad_(), b = zeros({64}).requires_grad_();

@@ -212,6 +212,14 @@ void nn_blocks(const bench::Options& o) {
         x.mutable_grad() = torch::Tensor();
       });
     }
+    if (bench::selected(o, "cross_entropy_b16384_c256_fwdbwd")) {
+      auto x = torch::randn({16384, 256}).requires_grad_(true);
+      auto y = torch::randint(0, 256, {16384});
+      bench::run(o, "cross_entropy_b16384_c256_fwdbwd", [&] {
+        F::cross_entropy(x, y).backward();
+        x.mutable_grad() = torch::Tensor();
+      });
+    }
     if (bench::selected(o, "batch_norm2d_b32_c64_28_fwdbwd")) {
       auto x = torch::randn({32, 64, 28, 28}).requires_grad_(true);
       auto w = torch::ones({64}).requires_grad_(true), b = torch::zeros({64}).requires_grad_(true);

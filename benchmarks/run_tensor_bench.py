@@ -225,6 +225,16 @@ def torch_cases():
             x.grad = None
         return f
 
+    @case("cross_entropy_b16384_c256_fwdbwd")
+    def _():
+        x = torch.randn(16384, 256, requires_grad=True)
+        y = torch.randint(0, 256, (16384,))
+
+        def f():
+            F.cross_entropy(x, y).backward()
+            x.grad = None
+        return f
+
     @case("batch_norm2d_b32_c64_28_fwdbwd")
     def _():
         x = torch.randn(32, 64, 28, 28, requires_grad=True)

@@ -1,4 +1,5 @@
-// CPU softmax / log_softmax over any dim of a contiguous tensor, viewed as [outer, D, inner].
+// CPU softmax / log_softmax over any dim of a contiguous tensor, viewed as [outer, D, inner], and
+// the fused cross_entropy's row passes, which share their max and exp-and-sum.
 // inner == 1 (the last dim): each row is reduced with vector loops (max, exp-and-sum, scale).
 // inner > 1: tiles of `inner` columns are processed together, vectorised across the columns,
 // so no strided scalar loops are needed.
@@ -98,7 +99,106 @@ EMBER_WIDE_CLONES void softmax_cols(const T* x, T* y, int64_t D, int64_t inner, 
   }
 }
 
+// The row's max (NaN-aware, lanes), as softmax_row's first loop.
+template <typename T>
+EMBER_WIDE_CLONES acc_t<T> row_max(const T* x, int64_t D) {
+  using A = acc_t<T>;
+  A mx[kLanes];
+  for (int j = 0; j < kLanes; ++j) mx[j] = lowest_v<A>();
+  int64_t i = 0;
+  for (; i + kLanes <= D; i += kLanes) {
+#pragma GCC unroll 1
+    for (int j = 0; j < kLanes; ++j) mx[j] = max_nan(mx[j], convert<A>(x[i + j]));
+  }
+  for (int j = 0; i + j < D; ++j) mx[j] = max_nan(mx[j], convert<A>(x[i + j]));
+  A m = mx[0];
+  for (int j = 1; j < kLanes; ++j) m = max_nan(m, mx[j]);
+  return m;
+}
+
+// log sum exp of one row: the max, then exp(x - max) into `e` (D values) summed as softmax_row
+// sums them.
+template <typename T>
+EMBER_WIDE_CLONES acc_t<T> row_logsumexp(const T* x, int64_t D, acc_t<T>* e) {
+  using A = acc_t<T>;
+  const A m = row_max(x, D);
+  for (int64_t k = 0; k < D; ++k) e[k] = exp_shifted(convert<A>(x[k]) - m);
+  double total = 0;
+  for (int64_t b = 0; b < D; b += 1024) {
+    total += static_cast<double>(lane_sum(e + b, std::min<int64_t>(1024, D - b)));
+  }
+  return m + static_cast<A>(std::log(total));
+}
+
+// One row of the cross_entropy gradient (cross_entropy_rows_backward_cpu's formula) without the
+// target's term. exp(x - lse) has x - lse <= 0: lse = max + log(sum) with sum >= 1.
+template <typename T>
+EMBER_WIDE_CLONES void cross_entropy_grad_row(const T* x, T* dx, int64_t D, acc_t<T> lse,
+                                              acc_t<T> scale, acc_t<T> smooth, const T* w) {
+  using A = acc_t<T>;
+  if (w != nullptr) {
+    for (int64_t k = 0; k < D; ++k) {
+      dx[k] = convert<T>(scale * exp_shifted(convert<A>(x[k]) - lse) - smooth * convert<A>(w[k]));
+    }
+  } else {
+    for (int64_t k = 0; k < D; ++k) {
+      dx[k] = convert<T>(scale * exp_shifted(convert<A>(x[k]) - lse) - smooth);
+    }
+  }
+}
+
 }  // namespace
+
+void cross_entropy_rows_cpu(const Tensor& lse, const Tensor& picked, const Tensor& x,
+                            const Tensor& target) {
+  EMBER_INTERNAL_ASSERT(x.dim() == 2 && x.is_contiguous() && target.is_contiguous() &&
+                            lse.is_contiguous() && picked.is_contiguous(),
+                        "cross_entropy_rows_cpu needs dense [N, C], [N] tensors");
+  const int64_t N = x.size(0), C = x.size(1);
+  if (N == 0 || C == 0) return;
+  EMBER_DISPATCH_FLOATING(x.dtype(), "cross_entropy", [&]<typename T>() {
+    using A = acc_t<T>;
+    const T* xp = x.data<T>();
+    const int64_t* t = target.data<int64_t>();
+    A* lp = lse.data<A>();
+    T* pp = picked.data<T>();
+    parallel_for(0, N, std::max<int64_t>(1, kGrainSize / C), [&](int64_t b, int64_t e) {
+      std::vector<A> buf(static_cast<size_t>(C));
+      for (int64_t i = b; i < e; ++i) {
+        lp[i] = row_logsumexp(xp + i * C, C, buf.data());
+        pp[i] = xp[i * C + t[i]];
+      }
+    });
+  });
+}
+
+void cross_entropy_rows_backward_cpu(const Tensor& dx, const Tensor& x, const Tensor& lse,
+                                     const Tensor& target, const Tensor& scale,
+                                     const Tensor& smooth, const Tensor& weight, const Tensor& at) {
+  EMBER_INTERNAL_ASSERT(x.dim() == 2 && x.is_contiguous() && dx.is_contiguous(),
+                        "cross_entropy_rows_backward_cpu needs dense [N, C] tensors");
+  const int64_t N = x.size(0), C = x.size(1);
+  if (N == 0 || C == 0) return;
+  EMBER_DISPATCH_FLOATING(x.dtype(), "cross_entropy backward", [&]<typename T>() {
+    using A = acc_t<T>;
+    const T* xp = x.data<T>();
+    T* d = dx.data<T>();
+    const int64_t* t = target.data<int64_t>();
+    const A* l = lse.data<A>();
+    const T* s = scale.data<T>();
+    const T* sm = smooth.defined() ? smooth.data<T>() : nullptr;
+    const T* w = weight.defined() ? weight.data<T>() : nullptr;
+    const T* a = at.data<T>();
+    parallel_for(0, N, std::max<int64_t>(1, kGrainSize / C), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const A smooth_i = sm != nullptr ? convert<A>(sm[i]) : A(0);
+        cross_entropy_grad_row(xp + i * C, d + i * C, C, l[i], convert<A>(s[i]), smooth_i, w);
+        T& at_target = d[i * C + t[i]];
+        at_target = convert<T>(convert<A>(at_target) + convert<A>(a[i]));
+      }
+    });
+  });
+}
 
 void softmax_cpu(const Tensor& out, const Tensor& in, int64_t dim, bool log) {
   EMBER_INTERNAL_ASSERT(in.is_contiguous() && out.is_contiguous(), "softmax needs dense tensors");

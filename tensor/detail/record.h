@@ -232,7 +232,8 @@ struct CrossEntropyAttrs {
   Reduction reduction = Reduction::kMean;
   double label_smoothing = 0;
   double weight_sum = 0;  ///< sum of the class weights (C without weights); with smoothing only
-  Tensor probs;           ///< [N, C] softmax of the input
+  Tensor probs;           ///< [N, C] softmax of the input (CUDA), or undefined
+  Tensor lse;             ///< [N] log sum exp of each row, accumulation type (CPU), or undefined
   Tensor target_index;    ///< [N, 1] int64 class of each row, 0 where ignored
   Tensor row_weight;      ///< [N] the target class's weight, 0 where ignored
   Tensor valid;           ///< [N] 1, 0 where ignored

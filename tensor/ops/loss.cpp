@@ -7,6 +7,7 @@
 
 #include <ember/tensor/autocast.h>
 #include <ember/tensor/detail/record.h>
+#include <ember/tensor/detail/reduce_kernels.h>
 #include <ember/tensor/ops/elementwise.h>
 #include <ember/tensor/ops/indexing.h>
 #include <ember/tensor/ops/linalg.h>
@@ -121,8 +122,12 @@ Tensor reduce_weighted(const Tensor& loss, const Tensor& weights, Reduction r) {
 // reduction (0 where ignored) and K_i = (1 - ls) w[t_i] + ls / C * sum_c w_c, backward
 // (CrossEntropyBackward, autograd/functions_nn.cpp) is
 //   dx[i, c] = s_i * (K_i * p[i, c] - ls / C * w_c - (1 - ls) w[t_i] [c == t_i])
-// in one pass over [N, C] plus a scatter into the target column. Under create_graph, backward
-// recomputes p = softmax(x) from the saved input with recorded ops, so double backward is exact.
+// in one pass over [N, C] plus a scatter into the target column. On the CPU both directions are
+// row kernels (cross_entropy_rows_cpu, tensor/cpu/softmax.cpp): forward saves lse [N], not
+// p [N, C], and backward writes dx in one pass, recomputing p = exp(x - lse), so the op keeps no
+// logits-sized buffer of its own. On CUDA p is saved and backward runs as tensor ops. Under
+// create_graph, backward recomputes p = softmax(x) from the saved input with recorded ops, so
+// double backward is exact.
 
 // x: [N, C]; target: [N] int64 and weight [C] or undefined, already validated (the weight gets
 // no gradient); ignored: [N] bool.
@@ -142,10 +147,21 @@ Tensor fused_cross_entropy(const Tensor& x, const Tensor& target, const Tensor& 
     a.valid = logical_not(ignored).to(x.dtype());                     // [N]
     a.row_weight =
         w.defined() ? index_select(w, 0, a.target_index.view({-1})) * a.valid : a.valid;  // [N]
-    a.probs = softmax(x, 1);
-    const Tensor amax = argmax(x, 1, /*keepdim=*/true);
-    const Tensor lse = (gather(x, 1, amax) - log(gather(a.probs, 1, amax))).view({-1});  // [N]
-    const Tensor logpt = gather(x, 1, a.target_index).view({-1}) - lse;
+    Tensor lse, logpt;                                                                    // [N]
+    if (x.is_cpu()) {
+      const Tensor xc = x.contiguous();
+      a.lse =
+          detail::make_empty({x.size(0)}, x.dtype() == kFloat64 ? kFloat64 : kFloat32, x.device());
+      const Tensor picked = detail::make_empty({x.size(0)}, x.dtype(), x.device());
+      detail::cross_entropy_rows_cpu(a.lse, picked, xc, a.target_index.view({-1}).contiguous());
+      lse = a.lse.to(x.dtype());
+      logpt = picked - lse;
+    } else {
+      a.probs = softmax(x, 1);
+      const Tensor amax = argmax(x, 1, /*keepdim=*/true);
+      lse = (gather(x, 1, amax) - log(gather(a.probs, 1, amax))).view({-1});
+      logpt = gather(x, 1, a.target_index).view({-1}) - lse;
+    }
     Tensor loss = masked_fill(-(logpt * a.row_weight), ignored, 0);  // [N]
     if (ls > 0) {
       a.weight_sum = w.defined() ? w.sum().item<double>() : static_cast<double>(classes);

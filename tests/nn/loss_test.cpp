@@ -388,6 +388,50 @@ TEST(Loss, FusedCrossEntropyMatchesComposite) {
   }
 }
 
+// The CPU's row kernels (forward's lse, backward's one pass) against the composite [N, C, 1]
+// path, first order: every reduction, label smoothing, class weights, ignored rows, a
+// transposed (non-contiguous) input, rows wider than one vector block, and float32/bfloat16.
+TEST(Loss, FusedCrossEntropyRowKernelsMatchComposite) {
+  namespace F = functional;
+  for (const Dtype dt : {kFloat64, kFloat32, kBFloat16}) {
+    for (const int64_t classes : {int64_t{4}, int64_t{1100}}) {
+      for (const char* red : {"mean", "sum", "none"}) {
+        for (double ls : {0.0, 0.1}) {
+          for (bool weighted : {false, true}) {
+            for (bool transposed : {false, true}) {
+              const std::string what = std::string(dtype_name(dt)) +
+                                       " C=" + std::to_string(classes) + " " + red +
+                                       " ls=" + std::to_string(ls) + (weighted ? " weighted" : "") +
+                                       (transposed ? " transposed" : "");
+              const int64_t n = 6;
+              std::vector<int64_t> tv = {1, 0, -100, 3, 2, classes - 1};
+              const Tensor t = from_vector(tv);
+              const Tensor w =
+                  weighted ? (test::rand_t({classes}, kFloat32, 3) + 0.5).to(dt) : Tensor();
+              F::CrossEntropyOptions o{
+                  .weight = w, .ignore_index = -100, .reduction = red, .label_smoothing = ls};
+              auto run = [&](bool fused) {
+                Tensor base = test::rand_t({classes, n}, kFloat32, 11).mul_(4.0).to(dt);
+                Tensor x = (transposed ? base.t() : base.t().contiguous()).detach();
+                x.requires_grad_();
+                Tensor loss = fused ? F::cross_entropy(x, t, o)
+                                    : F::cross_entropy(x.unsqueeze(2), t.unsqueeze(1), o);
+                loss.sum().backward();
+                return std::vector<Tensor>{loss.detach().to(kFloat64).reshape({-1}),
+                                           x.grad().to(kFloat64)};
+              };
+              const auto a = run(true), b = run(false);
+              const double tol = dt == kBFloat16 ? 2e-2 : dt == kFloat32 ? 1e-5 : 1e-12;
+              test::expect_close(a[0], b[0].to_vector<double>(), tol, what + " loss");
+              test::expect_close(a[1], b[1].to_vector<double>(), tol, what + " grad");
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // On CUDA a target outside [0, C) is found by the gather's device-side check and reported
 // by the next index op once the device got there, naming the index and the class count; the
 // call itself does not wait for the device (Note [CUDA index checks]).
