@@ -24,9 +24,9 @@ namespace {
 constexpr int64_t kColTile = 256;
 constexpr int kLanes = 16;
 
-// One row of D elements (inner == 1). buf holds D accumulation-type values when T != A.
+// The row's max, NaN-aware, in kLanes lanes. Inlined into each wide clone that calls it.
 template <typename T>
-EMBER_WIDE_CLONES void softmax_row(const T* x, T* y, int64_t D, bool log, acc_t<T>* buf) {
+[[gnu::always_inline]] inline acc_t<T> row_max(const T* x, int64_t D) {
   using A = acc_t<T>;
   A mx[kLanes];
   for (int j = 0; j < kLanes; ++j) mx[j] = lowest_v<A>();
@@ -38,7 +38,15 @@ EMBER_WIDE_CLONES void softmax_row(const T* x, T* y, int64_t D, bool log, acc_t<
   for (int j = 0; i + j < D; ++j) mx[j] = max_nan(mx[j], convert<A>(x[i + j]));
   A m = mx[0];
   for (int j = 1; j < kLanes; ++j) m = max_nan(m, mx[j]);
+  return m;
+}
+
+// One row of D elements (inner == 1). buf holds D accumulation-type values when T != A.
+template <typename T>
+EMBER_WIDE_CLONES void softmax_row(const T* x, T* y, int64_t D, bool log, acc_t<T>* buf) {
+  using A = acc_t<T>;
   // All -inf: exp(x - m) would be nan; PyTorch gives nan too, so keep m as is.
+  const A m = row_max(x, D);
 
   A* e = nullptr;
   if constexpr (std::is_same_v<T, A>) {
@@ -97,23 +105,6 @@ EMBER_WIDE_CLONES void softmax_cols(const T* x, T* y, int64_t D, int64_t inner, 
       }
     }
   }
-}
-
-// The row's max (NaN-aware, lanes), as softmax_row's first loop.
-template <typename T>
-EMBER_WIDE_CLONES acc_t<T> row_max(const T* x, int64_t D) {
-  using A = acc_t<T>;
-  A mx[kLanes];
-  for (int j = 0; j < kLanes; ++j) mx[j] = lowest_v<A>();
-  int64_t i = 0;
-  for (; i + kLanes <= D; i += kLanes) {
-#pragma GCC unroll 1
-    for (int j = 0; j < kLanes; ++j) mx[j] = max_nan(mx[j], convert<A>(x[i + j]));
-  }
-  for (int j = 0; i + j < D; ++j) mx[j] = max_nan(mx[j], convert<A>(x[i + j]));
-  A m = mx[0];
-  for (int j = 1; j < kLanes; ++j) m = max_nan(m, mx[j]);
-  return m;
 }
 
 // log sum exp of one row: the max, then exp(x - max) into `e` (D values) summed as softmax_row
