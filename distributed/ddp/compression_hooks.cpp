@@ -476,23 +476,20 @@ std::shared_ptr<Future> compressed_allreduce(CompressionState& state, GradBucket
   float* residual = in.residual ? in.residual->data<float>() : nullptr;
   const int64_t msg = c.bytes(m);
   trace::Span compress_span("compress", "comm hook", {{"bucket", bucket.index()}});
+  Tensor mine = empty({world * msg}, kUInt8);  // chunk r's message at r * msg
+  for (int r = 0; r < world; ++r) {
+    c.encode(x.data<float>() + r * m, m, bytes_of(mine) + r * msg,
+             residual ? residual + r * m : nullptr);
+  }
+  compress_span.finish();
   if (exchanges_by_allgather(state.options().exchange, world)) {
-    Tensor mine = empty({world * msg}, kUInt8);
-    for (int r = 0; r < world; ++r) {
-      c.encode(x.data<float>() + r * m, m, bytes_of(mine) + r * msg,
-               residual ? residual + r * m : nullptr);
-    }
-    compress_span.finish();
     return allgather_chunks(state, bucket, c, mine, m, msg);
   }
   std::vector<Tensor> inputs, outputs;
   for (int r = 0; r < world; ++r) {
-    inputs.push_back(empty({msg}, kUInt8));
+    inputs.push_back(mine.narrow(0, r * msg, msg));
     outputs.push_back(empty({msg}, kUInt8));
-    c.encode(x.data<float>() + r * m, m, bytes_of(inputs.back()),
-             residual ? residual + r * m : nullptr);
   }
-  compress_span.finish();
   state.count(2 * (world - 1) * msg, float32_allreduce_bytes(n, world));
   bucket.record_bytes_sent(2 * (world - 1) * msg);
   auto exchanged = group->alltoall(outputs, inputs)->future();
@@ -604,17 +601,24 @@ std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& 
                   sizeof value);
       return value;
     };
+    // Every index is checked once, before any is used: a rank with another model or other
+    // options would otherwise write outside the bucket.
+    for (int r = 0; r < world; ++r) {
+      int64_t prev = -1;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t i = index_of(r, j);
+        EMBER_CHECK(i > prev && i < n, "[topk_compress_hook] rank ", r, " sent index ", i,
+                    " at position ", j, ": expected increasing indices below the bucket's ", n,
+                    " elements (do all ranks run the same model and hook options?)");
+        prev = i;
+      }
+    }
     const auto w = static_cast<float>(world);
     if (buffer.dtype() != kFloat32 || !buffer.is_contiguous()) {
       Tensor sum = zeros({n}, kFloat32);
       float* s = sum.data<float>();
       for (int r = 0; r < world; ++r) {
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t i = index_of(r, j);
-          EMBER_CHECK(i >= 0 && i < n, "[topk_compress_hook] rank ", r, " sent index ", i,
-                      ": expected one below the bucket's ", n, " elements");
-          s[i] += value_of(r, j);
-        }
+        for (int64_t j = 0; j < k; ++j) s[index_of(r, j)] += value_of(r, j);
       }
       return average_into_bucket(layout, buffer, sum, world);
     }
@@ -631,10 +635,6 @@ std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& 
         size_t piece = 0;
         for (int64_t j = 0; j < k; ++j) {
           const int64_t i = index_of(r, j);
-          EMBER_CHECK(i >= 0 && i < n && (j == 0 || i > index_of(r, j - 1)),
-                      "[topk_compress_hook] rank ", r, " sent index ", i, " at position ", j,
-                      ": expected increasing indices below the bucket's ", n,
-                      " elements (do all ranks run the same model and hook options?)");
           while (i >= layout.pieces[piece].offset + layout.pieces[piece].numel) ++piece;
           const Canonical::Piece& p = layout.pieces[piece];
           fn(r, j, p.bucket_offset + (i - p.offset));

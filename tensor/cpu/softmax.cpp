@@ -41,6 +41,19 @@ template <typename T>
   return m;
 }
 
+// e[k] = exp(x[k] - m) for the row's D elements (a plain loop vectorises best), and their sum:
+// float lanes within blocks of 1024, a double total across blocks.
+template <typename T>
+[[gnu::always_inline]] inline double exp_sum(const T* x, int64_t D, acc_t<T> m, acc_t<T>* e) {
+  using A = acc_t<T>;
+  for (int64_t k = 0; k < D; ++k) e[k] = exp_shifted(convert<A>(x[k]) - m);
+  double total = 0;
+  for (int64_t b = 0; b < D; b += 1024) {
+    total += static_cast<double>(lane_sum(e + b, std::min<int64_t>(1024, D - b)));
+  }
+  return total;
+}
+
 // One row of D elements (inner == 1). buf holds D accumulation-type values when T != A.
 template <typename T>
 EMBER_WIDE_CLONES void softmax_row(const T* x, T* y, int64_t D, bool log, acc_t<T>* buf) {
@@ -54,13 +67,7 @@ EMBER_WIDE_CLONES void softmax_row(const T* x, T* y, int64_t D, bool log, acc_t<
   } else {
     e = buf;
   }
-  // Exponentials first (a plain loop vectorises best), then their sum: float lanes within
-  // blocks, a double total across blocks.
-  for (int64_t k = 0; k < D; ++k) e[k] = exp_shifted(convert<A>(x[k]) - m);
-  double total = 0;
-  for (int64_t b = 0; b < D; b += 1024) {
-    total += static_cast<double>(lane_sum(e + b, std::min<int64_t>(1024, D - b)));
-  }
+  const double total = exp_sum(x, D, m, e);
   if (log) {
     // (x - m) - log(sum), not x - (m + log(sum)): m + log(sum) would round at m's magnitude.
     const A lse = static_cast<A>(std::log(total));
@@ -107,18 +114,12 @@ EMBER_WIDE_CLONES void softmax_cols(const T* x, T* y, int64_t D, int64_t inner, 
   }
 }
 
-// log sum exp of one row: the max, then exp(x - max) into `e` (D values) summed as softmax_row
-// sums them.
+// log sum exp of one row, from softmax_row's max and sum (`e`: D values of scratch).
 template <typename T>
 EMBER_WIDE_CLONES acc_t<T> row_logsumexp(const T* x, int64_t D, acc_t<T>* e) {
   using A = acc_t<T>;
   const A m = row_max(x, D);
-  for (int64_t k = 0; k < D; ++k) e[k] = exp_shifted(convert<A>(x[k]) - m);
-  double total = 0;
-  for (int64_t b = 0; b < D; b += 1024) {
-    total += static_cast<double>(lane_sum(e + b, std::min<int64_t>(1024, D - b)));
-  }
-  return m + static_cast<A>(std::log(total));
+  return m + static_cast<A>(std::log(exp_sum(x, D, m, e)));
 }
 
 // One row of the cross_entropy gradient (cross_entropy_rows_backward_cpu's formula) without the
