@@ -160,19 +160,22 @@ void record_batch_norm(const RecordArgs& r) {
 struct CrossEntropyBackward final : Node {
   Reduction reduction = Reduction::kMean;
   double label_smoothing = 0, weight_sum = 0;
-  SavedTensor x, probs, lse, target_index, row_weight, valid, class_weight;
+  // [N] and [C] tensors in the accumulation type (float32 for float16 and bfloat16 x).
+  SavedTensor x, lse, target_index, row_weight, valid, class_weight;
   const char* name() const override { return "CrossEntropyBackward"; }
   TensorList apply(TensorList&& grads) override {
     const Tensor xs = x.unpack(*this);
+    const Tensor l = lse.unpack(*this);              // [N]
     const Tensor safe = target_index.unpack(*this);  // [N, 1]
     const Tensor wt = row_weight.unpack(*this);      // [N]
     const Tensor v = valid.unpack(*this);            // [N]
     const Tensor w = class_weight.defined() ? class_weight.unpack(*this) : Tensor();  // [C]
+    const Dtype acc = l.dtype();
     const double ls = label_smoothing;
     const int64_t classes = xs.size(1);
     const bool create_graph = GradMode::is_enabled();
-    const Tensor& g = grads[0];  // [] for mean/sum, [N] for none
-    Tensor sv;                   // [N]: the reduction's scale per row, 0 where ignored
+    const Tensor g = grads[0].to(acc);  // [] for mean/sum, [N] for none
+    Tensor sv;                          // [N]: the reduction's scale per row, 0 where ignored
     switch (reduction) {
       case Reduction::kNone:
         sv = g * v;
@@ -186,30 +189,30 @@ struct CrossEntropyBackward final : Node {
     }
     Tensor k = wt * (1.0 - ls);
     if (ls > 0) k = k + weight_sum * ls / classes;
-    if (!create_graph && lse.defined()) {  // the CPU row kernel, from the saved lse
-      const Dtype dt = xs.dtype();
-      const Tensor dx = detail::make_empty(xs.shape(), dt, xs.device());
-      const Tensor smooth =
-          ls > 0 ? (sv * (ls / static_cast<double>(classes))).to(dt).contiguous() : Tensor();
-      detail::cross_entropy_rows_backward_cpu(
-          dx, xs.contiguous(), lse.unpack(*this), safe.view({-1}).contiguous(),
-          (sv * k).to(dt).contiguous(), smooth, w.defined() ? w.contiguous() : Tensor(),
-          (sv * wt * (ls - 1.0)).to(dt).contiguous());
+    const Tensor row_smooth = sv * (ls / static_cast<double>(classes));  // [N]
+    const Tensor at_target = sv * wt * (ls - 1.0);                       // [N]
+    if (!create_graph) {
+      const Tensor dx = detail::make_empty(xs.shape(), xs.dtype(), xs.device());
+      const Tensor xc = xs.contiguous(), t = safe.view({-1}).contiguous();
+      const Tensor scale = (sv * k).contiguous(), at = at_target.contiguous();
+      const Tensor smooth = ls > 0 ? row_smooth.contiguous() : Tensor();
+      if (xs.is_cuda()) {
+        detail::cross_entropy_rows_backward_cuda(dx, xc, l, t, scale, smooth, w, at);
+      } else {
+        detail::cross_entropy_rows_backward_cpu(dx, xc, l, t, scale, smooth, w, at);
+      }
       return {dx};
     }
-    const Tensor p = create_graph ? softmax(xs, 1) : probs.unpack(*this);
+    const Tensor p = softmax(xs.to(acc), 1);
     Tensor dx = p * (sv * k).unsqueeze(1);  // [N, C]
     if (ls > 0) {
-      const Tensor row = (sv * (ls / static_cast<double>(classes))).unsqueeze(1);  // [N, 1]
-      const Tensor smooth = w.defined() ? row * w.view({1, classes}) : row;
-      dx = create_graph ? dx - smooth : dx.sub_(smooth);
+      const Tensor row = row_smooth.unsqueeze(1);  // [N, 1]
+      dx = dx - (w.defined() ? row * w.view({1, classes}) : row);
     }
-    const Tensor at_target = (sv * wt * (ls - 1.0)).unsqueeze(1);  // [N, 1]
-    dx = create_graph ? scatter_add(dx, 1, safe, at_target) : scatter_add_(dx, 1, safe, at_target);
-    return {dx};
+    return {scatter_add(dx, 1, safe, at_target.unsqueeze(1)).to(xs.dtype())};
   }
   void release_variables() override {
-    for (SavedTensor* s : {&x, &probs, &lse, &target_index, &row_weight, &valid, &class_weight}) {
+    for (SavedTensor* s : {&x, &lse, &target_index, &row_weight, &valid, &class_weight}) {
       s->release();
     }
   }
@@ -222,8 +225,7 @@ void record_cross_entropy(const RecordArgs& r) {
   n->label_smoothing = a.label_smoothing;
   n->weight_sum = a.weight_sum;
   n->x = SavedTensor(r.in(0), false);
-  if (a.probs.defined()) n->probs = SavedTensor(a.probs, false);
-  if (a.lse.defined()) n->lse = SavedTensor(a.lse, false);
+  n->lse = SavedTensor(a.lse, false);
   n->target_index = SavedTensor(a.target_index, false);
   n->row_weight = SavedTensor(a.row_weight, false);
   n->valid = SavedTensor(a.valid, false);

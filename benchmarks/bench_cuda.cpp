@@ -235,6 +235,22 @@ void run_gpt_cases(const bench::Options& o) {
     run_fwd_bwd(o, "gpt_cross_entropy_fwdbwd_f32_16384x256", {logits},
                 [&] { return F::cross_entropy(logits, target); }, 3.0 * 4 * logits.numel());
   }
+  if (bench::selected(o, "gpt124m_cross_entropy_fwdbwd_bf16_amp_16384x50304")) {
+    // GPT-2 124M's loss at batch 16: bfloat16 logits under autocast (the fused row kernels read
+    // them as they are). Forward reads the logits, backward reads them and writes their gradient.
+    constexpr int64_t kRows = 16384, kClasses = 50304;
+    Tensor logits = randn({kRows, kClasses}, TensorOptions(kFloat32).device(gpu))
+                        .to(kBFloat16)
+                        .requires_grad_();
+    Tensor target = randint(0, kClasses, {kRows}).to(gpu);
+    run_fwd_bwd(
+        o, "gpt124m_cross_entropy_fwdbwd_bf16_amp_16384x50304", {logits},
+        [&] {
+          AutocastGuard amp(gpu, kBFloat16);
+          return F::cross_entropy(logits, target);
+        },
+        3.0 * 2 * logits.numel());
+  }
   if (bench::selected(o, "gpt_embedding_fwdbwd_f32_256x384_16384")) {
     auto emb = std::make_shared<nn::Embedding>(kVocab, kWidth);
     emb->to(gpu);

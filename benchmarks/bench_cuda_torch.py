@@ -154,6 +154,16 @@ def gpt_cases(args, dev):
     target = torch.randint(0, VOCAB, (TOKENS,), device=dev)
     fwd_bwd("gpt_cross_entropy_fwdbwd_f32_16384x256", [logits],
             lambda: F.cross_entropy(logits, target), 3.0 * 4 * logits.numel())
+    del logits
+    logits = leaf(16384, 50304, dtype=torch.bfloat16)
+    target = torch.randint(0, 50304, (16384,), device=dev)
+
+    def ce_amp():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return F.cross_entropy(logits, target)
+    fwd_bwd("gpt124m_cross_entropy_fwdbwd_bf16_amp_16384x50304", [logits], ce_amp,
+            3.0 * 2 * logits.numel())
+    del logits
     emb = nn.Embedding(VOCAB, WIDTH).to(dev)
     idx = torch.randint(0, VOCAB, (64, CONTEXT), device=dev)
     fwd_bwd("gpt_embedding_fwdbwd_f32_256x384_16384", list(emb.parameters()), lambda: emb(idx),

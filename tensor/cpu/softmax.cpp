@@ -126,11 +126,11 @@ EMBER_WIDE_CLONES acc_t<T> row_logsumexp(const T* x, int64_t D, acc_t<T>* e) {
 // target's term. exp(x - lse) has x - lse <= 0: lse = max + log(sum) with sum >= 1.
 template <typename T>
 EMBER_WIDE_CLONES void cross_entropy_grad_row(const T* x, T* dx, int64_t D, acc_t<T> lse,
-                                              acc_t<T> scale, acc_t<T> smooth, const T* w) {
+                                              acc_t<T> scale, acc_t<T> smooth, const acc_t<T>* w) {
   using A = acc_t<T>;
   if (w != nullptr) {
     for (int64_t k = 0; k < D; ++k) {
-      dx[k] = convert<T>(scale * exp_shifted(convert<A>(x[k]) - lse) - smooth * convert<A>(w[k]));
+      dx[k] = convert<T>(scale * exp_shifted(convert<A>(x[k]) - lse) - smooth * w[k]);
     }
   } else {
     for (int64_t k = 0; k < D; ++k) {
@@ -153,12 +153,12 @@ void cross_entropy_rows_cpu(const Tensor& lse, const Tensor& picked, const Tenso
     const T* xp = x.data<T>();
     const int64_t* t = target.data<int64_t>();
     A* lp = lse.data<A>();
-    T* pp = picked.data<T>();
+    A* pp = picked.data<A>();
     parallel_for(0, N, std::max<int64_t>(1, kGrainSize / C), [&](int64_t b, int64_t e) {
       std::vector<A> buf(static_cast<size_t>(C));
       for (int64_t i = b; i < e; ++i) {
         lp[i] = row_logsumexp(xp + i * C, C, buf.data());
-        pp[i] = xp[i * C + t[i]];
+        pp[i] = convert<A>(xp[i * C + t[i]]);
       }
     });
   });
@@ -177,16 +177,18 @@ void cross_entropy_rows_backward_cpu(const Tensor& dx, const Tensor& x, const Te
     T* d = dx.data<T>();
     const int64_t* t = target.data<int64_t>();
     const A* l = lse.data<A>();
-    const T* s = scale.data<T>();
-    const T* sm = smooth.defined() ? smooth.data<T>() : nullptr;
-    const T* w = weight.defined() ? weight.data<T>() : nullptr;
-    const T* a = at.data<T>();
+    const A* s = scale.data<A>();
+    const A* sm = smooth.defined() ? smooth.data<A>() : nullptr;
+    const A* w = weight.defined() ? weight.data<A>() : nullptr;
+    const A* a = at.data<A>();
     parallel_for(0, N, std::max<int64_t>(1, kGrainSize / C), [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
-        const A smooth_i = sm != nullptr ? convert<A>(sm[i]) : A(0);
-        cross_entropy_grad_row(xp + i * C, d + i * C, C, l[i], convert<A>(s[i]), smooth_i, w);
-        T& at_target = d[i * C + t[i]];
-        at_target = convert<T>(convert<A>(at_target) + convert<A>(a[i]));
+        const A smooth_i = sm != nullptr ? sm[i] : A(0);
+        cross_entropy_grad_row(xp + i * C, d + i * C, C, l[i], s[i], smooth_i, w);
+        // The target's entry again, with its term, rounded once (as the CUDA kernel does).
+        const int64_t ti = t[i];
+        d[i * C + ti] = convert<T>(s[i] * exp_shifted(convert<A>(xp[i * C + ti]) - l[i]) -
+                                   smooth_i * (w != nullptr ? w[ti] : A(1)) + a[i]);
       }
     });
   });

@@ -7,10 +7,11 @@
 // unspecified) and records the first one in a two-word slot {flag, value}, which is copied into
 // pinned host memory on the same stream. The flag is read once that copy has completed: at the
 // start of every later gather/scatter call on CUDA (polling, never waiting), which then raises
-// the same IndexError as the CPU, naming the op that had the bad index. So an error surfaces at
-// the next index op after the device has got there (e.g. after cuda::synchronize()), not at
-// the call itself. PyTorch instead makes a bad index a device-side assert, which leaves the
-// CUDA context unusable; here the context stays usable.
+// the same IndexError as the CPU, naming the op that had the bad index (the fused cross_entropy's
+// row kernels check their targets the same way: tensor/cuda/index_check.cuh). So an error surfaces
+// at the next index op after the device has got there (e.g. after cuda::synchronize()), not at the
+// call itself. PyTorch instead makes a bad index a device-side assert, which leaves the CUDA
+// context unusable; here the context stays usable.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -22,6 +23,7 @@
 
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/cuda.h>
+#include <ember/tensor/cuda/index_check.cuh>
 #include <ember/tensor/cuda/loops.cuh>
 #include <ember/tensor/detail/indexing_kernels.h>
 
@@ -32,16 +34,85 @@
 
 namespace ember::detail {
 
+namespace cuda_index {
+
+namespace {
+
+// A slot's copy on the host, read once `copied` has passed (Note [CUDA index checks]).
+struct PendingCheck {
+  std::string op;
+  int64_t dim;
+  int64_t size;
+  Tensor host;  // pinned int64 {flag, value}
+  std::shared_ptr<cuda::Event> copied;
+};
+
+// Never destroyed: at exit, checks still queued would free pinned memory and events after the
+// allocator and the CUDA runtime are gone.
+std::mutex& pending_mutex() {
+  static auto* mu = new std::mutex;
+  return *mu;
+}
+std::deque<PendingCheck>& pending_checks() {
+  static auto* checks = new std::deque<PendingCheck>;
+  return *checks;
+}
+
+}  // namespace
+
+// The first bad index found is thrown; the other completed slots are dropped (the first error
+// is the one to fix).
+void report_bad_indices() {
+  std::optional<PendingCheck> bad;
+  {
+    std::lock_guard<std::mutex> lock(pending_mutex());
+    auto& checks = pending_checks();
+    for (auto it = checks.begin(); it != checks.end();) {
+      if (!it->copied->query()) {
+        ++it;
+        continue;
+      }
+      if (!bad && it->host.data<int64_t>()[0] != 0) bad = std::move(*it);
+      it = checks.erase(it);
+    }
+  }
+  if (!bad) return;
+  try {
+    throw_index_out_of_bounds(IndexBound{bad->op.c_str(), bad->dim, bad->size},
+                              bad->host.data<int64_t>()[1]);
+  } catch (const IndexError& e) {
+    throw IndexError(str_cat(e.what(),
+                             " (checked on the device; reported at the next index op "
+                             "on CUDA, see Note [CUDA index checks])"));
+  }
+}
+
+BadIndexSlot::BadIndexSlot(Device d, cudaStream_t s) : stream_(s) {
+  buf_ = make_empty({2}, kInt64, d);
+  EMBER_CUDA_CHECK(cudaMemsetAsync(buf_.data_ptr(), 0, 2 * sizeof(int64_t), s));
+}
+
+void BadIndexSlot::queue_check(const IndexBound& b) const {
+  PendingCheck check{b.op, b.dim, b.size, empty({2}, TensorOptions(kInt64).pinned_memory()),
+                     std::make_shared<cuda::Event>()};
+  EMBER_CUDA_CHECK(cudaMemcpyAsync(check.host.data_ptr(), buf_.data_ptr(), 2 * sizeof(int64_t),
+                                   cudaMemcpyDeviceToHost, stream_));
+  check.copied->record(cuda::current_stream(buf_.device().index));
+  std::lock_guard<std::mutex> lock(pending_mutex());
+  pending_checks().push_back(std::move(check));
+}
+
+}  // namespace cuda_index
+
 namespace {
 
 using cuda::detail::DeviceGuard;
+using cuda_index::BadIndexSlot;
+using cuda_index::report_bad_index;
+using cuda_index::report_bad_indices;
 using cuda_loops::blocks_for;
 using cuda_loops::kThreads;
 using cuda_loops::stream_of;
-
-__device__ inline void report_bad_index(unsigned long long* slot, int64_t ix) {
-  if (atomicCAS(slot, 0ull, 1ull) == 0ull) slot[1] = static_cast<unsigned long long>(ix);
-}
 
 // Byte offsets of the three operands of linear element i.
 __device__ inline void offsets3(const Geometry& g, int64_t i, int64_t off[3]) {
@@ -104,75 +175,6 @@ __global__ void scatter_add_kernel(Geometry g, int64_t self_dim_stride, int64_t 
     atomic_add(reinterpret_cast<T*>(g.data[0] + off[0] + ix * self_dim_stride), convert<T>(v));
   }
 }
-
-// A slot's copy on the host, read once `copied` has passed (Note [CUDA index checks]).
-struct PendingCheck {
-  std::string op;
-  int64_t dim;
-  int64_t size;
-  Tensor host;  // pinned int64 {flag, value}
-  std::shared_ptr<cuda::Event> copied;
-};
-
-// Never destroyed: at exit, checks still queued would free pinned memory and events after the
-// allocator and the CUDA runtime are gone.
-std::mutex& pending_mutex() {
-  static auto* mu = new std::mutex;
-  return *mu;
-}
-std::deque<PendingCheck>& pending_checks() {
-  static auto* checks = new std::deque<PendingCheck>;
-  return *checks;
-}
-
-// Reads every slot whose copy has completed, without waiting for the others; throws the first
-// bad index found (the others' slots are dropped: the first error is the one to fix).
-void report_bad_indices() {
-  std::optional<PendingCheck> bad;
-  {
-    std::lock_guard<std::mutex> lock(pending_mutex());
-    auto& checks = pending_checks();
-    for (auto it = checks.begin(); it != checks.end();) {
-      if (!it->copied->query()) {
-        ++it;
-        continue;
-      }
-      if (!bad && it->host.data<int64_t>()[0] != 0) bad = std::move(*it);
-      it = checks.erase(it);
-    }
-  }
-  if (!bad) return;
-  try {
-    throw_index_out_of_bounds(IndexBound{bad->op.c_str(), bad->dim, bad->size},
-                              bad->host.data<int64_t>()[1]);
-  } catch (const IndexError& e) {
-    throw IndexError(str_cat(e.what(), " (checked on the device; reported at the next index op "
-                                       "on CUDA, see Note [CUDA index checks])"));
-  }
-}
-
-// The {flag, value} slot for one op; queue_check() copies it to the host for a later check.
-class BadIndexSlot {
- public:
-  BadIndexSlot(Device d, cudaStream_t s) : stream_(s) {
-    buf_ = make_empty({2}, kInt64, d);
-    EMBER_CUDA_CHECK(cudaMemsetAsync(buf_.data_ptr(), 0, 2 * sizeof(int64_t), s));
-  }
-  unsigned long long* ptr() const { return static_cast<unsigned long long*>(buf_.data_ptr()); }
-  void queue_check(const IndexBound& b) const {
-    PendingCheck check{b.op, b.dim, b.size, empty({2}, TensorOptions(kInt64).pinned_memory()),
-                       std::make_shared<cuda::Event>()};
-    EMBER_CUDA_CHECK(cudaMemcpyAsync(check.host.data_ptr(), buf_.data_ptr(), 2 * sizeof(int64_t),
-                                     cudaMemcpyDeviceToHost, stream_));
-    check.copied->record(cuda::current_stream(buf_.device().index));
-    std::lock_guard<std::mutex> lock(pending_mutex());
-    pending_checks().push_back(std::move(check));
-  }
-
- private:
-  Tensor buf_;
-  cudaStream_t stream_;
-};
 
 template <typename Fn>
 void dispatch_index(Dtype t, const char* op, Fn&& fn) {

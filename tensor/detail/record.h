@@ -232,12 +232,12 @@ struct CrossEntropyAttrs {
   Reduction reduction = Reduction::kMean;
   double label_smoothing = 0;
   double weight_sum = 0;  ///< sum of the class weights (C without weights); with smoothing only
-  Tensor probs;           ///< [N, C] softmax of the input (CUDA), or undefined
-  Tensor lse;             ///< [N] log sum exp of each row, accumulation type (CPU), or undefined
-  Tensor target_index;    ///< [N, 1] int64 class of each row, 0 where ignored
-  Tensor row_weight;      ///< [N] the target class's weight, 0 where ignored
-  Tensor valid;           ///< [N] 1, 0 where ignored
-  Tensor class_weight;    ///< [C] in the input's dtype, or undefined
+  // [N] and [C] tensors in the accumulation type (float32 for float16 and bfloat16 input).
+  Tensor lse;           ///< [N] log sum exp of each row
+  Tensor target_index;  ///< [N, 1] int64 class of each row, 0 where ignored
+  Tensor row_weight;    ///< [N] the target class's weight, 0 where ignored
+  Tensor valid;         ///< [N] 1, 0 where ignored
+  Tensor class_weight;  ///< [C], or undefined
 };
 /// The fused attention kernels' parameters, the additive mask they read (undefined without one)
 /// and the forward's per-row logsumexp lse [batch, L].

@@ -375,17 +375,25 @@ void softmax_cpu(const Tensor& out, const Tensor& in, int64_t dim, bool log);
 void softmax_cuda(const Tensor& out, const Tensor& in, int64_t dim, bool log);
 
 /// The fused 2-d cross_entropy's row passes (Note [Fused cross_entropy], tensor/ops/loss.cpp),
-/// for x [N, C] contiguous and target int64 [N] contiguous, every class in [0, C). Forward:
-/// lse[i] = log sum_c exp(x[i, c]) in the accumulation type (float32 for float16 and bfloat16
-/// x) and picked[i] = x[i, target[i]] in x's dtype ([N], contiguous). Backward, one pass
-/// writing dx (x's shape and dtype, contiguous), from that lse, [N] tensors in x's dtype
-/// (smooth undefined: 0) and weight [C] (undefined: 1):
+/// for x [N, C] contiguous and target int64 [N] contiguous. A is the accumulation type (float32
+/// for float16 and bfloat16 x, else x's dtype); every [N] and [C] tensor is contiguous in A.
+/// Forward: lse[i] = log sum_c exp(x[i, c]) and picked[i] = x[i, target[i]]. Backward, one pass
+/// writing dx (x's shape and dtype, contiguous), from that lse, with smooth [N] (undefined: 0)
+/// and weight [C] (undefined: 1), each element computed in A and rounded once:
 ///   dx[i, c] = scale[i] exp(x[i, c] - lse[i]) - smooth[i] weight[c] + (c == target[i]) at[i].
+/// Targets must lie in [0, C): the CPU's are checked before; the CUDA forward checks them on the
+/// device (Note [CUDA index checks], tensor/cuda/indexing.cu; a bad one's picked value is 0) and
+/// the backward never indexes by them.
 void cross_entropy_rows_cpu(const Tensor& lse, const Tensor& picked, const Tensor& x,
                             const Tensor& target);
 void cross_entropy_rows_backward_cpu(const Tensor& dx, const Tensor& x, const Tensor& lse,
                                      const Tensor& target, const Tensor& scale,
                                      const Tensor& smooth, const Tensor& weight, const Tensor& at);
+void cross_entropy_rows_cuda(const Tensor& lse, const Tensor& picked, const Tensor& x,
+                             const Tensor& target);
+void cross_entropy_rows_backward_cuda(const Tensor& dx, const Tensor& x, const Tensor& lse,
+                                      const Tensor& target, const Tensor& scale,
+                                      const Tensor& smooth, const Tensor& weight, const Tensor& at);
 
 /// The gradient of softmax (or log_softmax) over the last dim of y, its output, for the output
 /// gradient `grad` (same shape, dtype and CUDA device; any strides), as one fused CUDA kernel:

@@ -115,24 +115,30 @@ Tensor reduce_weighted(const Tensor& loss, const Tensor& weights, Reduction r) {
 }
 
 // Note [Fused cross_entropy]: for a 2-d input [N, C] and class-index targets, one op instead of
-// log_softmax + gather + masking: forward computes p = softmax(x) (the only exponentials) and
-// takes log p only where needed, through lse = max - log(p[argmax]) (p at the row's max is
-// 1 / sum, never underflows), so logp[t] = x[t] - lse and, for label smoothing,
-// sum_c w_c logp_c = sum_c w_c x_c - lse * sum_c w_c. With s_i the per-row scale of the
-// reduction (0 where ignored) and K_i = (1 - ls) w[t_i] + ls / C * sum_c w_c, backward
-// (CrossEntropyBackward, autograd/functions_nn.cpp) is
+// log_softmax + gather + masking, as two row kernels (cross_entropy_rows_cpu in
+// tensor/cpu/softmax.cpp, cross_entropy_rows_cuda in tensor/cuda/softmax.cu). Forward reads x
+// once for each row's lse = log sum_c exp(x_c) and its target's logit, so logp[t] = x[t] - lse
+// and, for label smoothing, sum_c w_c logp_c = sum_c w_c x_c - lse * sum_c w_c; it saves lse [N],
+// not the softmax [N, C]. With s_i the per-row scale of the reduction (0 where ignored) and K_i
+// = (1 - ls) w[t_i] + ls / C * sum_c w_c, backward (CrossEntropyBackward,
+// autograd/functions_nn.cpp) is
 //   dx[i, c] = s_i * (K_i * p[i, c] - ls / C * w_c - (1 - ls) w[t_i] [c == t_i])
-// in one pass over [N, C] plus a scatter into the target column. On the CPU both directions are
-// row kernels (cross_entropy_rows_cpu, tensor/cpu/softmax.cpp): forward saves lse [N], not
-// p [N, C], and backward writes dx in one pass, recomputing p = exp(x - lse), so the op keeps no
-// logits-sized buffer of its own. On CUDA p is saved and backward runs as tensor ops. Under
-// create_graph, backward recomputes p = softmax(x) from the saved input with recorded ops, so
-// double backward is exact.
+// written in one pass that recomputes p = exp(x - lse), so the op keeps no logits-sized buffer
+// of its own. Everything of size [N] or [C] is in the accumulation type (float32 for float16
+// and bfloat16 x), and each gradient element is rounded to x's dtype once. Under create_graph,
+// backward recomputes p = softmax(x) with recorded ops, so double backward is exact.
+//
+// Under autocast a float16 or bfloat16 input is not cast to float32 first (Note [cross_entropy
+// under autocast], below): the row kernels read it as it is and compute in float32, which is
+// what the cast would give (widening is exact), without the float32 copy of the logits; the
+// loss is float32, as torch's under autocast, and the gradient arrives in the input's dtype.
 
 // x: [N, C]; target: [N] int64 and weight [C] or undefined, already validated (the weight gets
-// no gradient); ignored: [N] bool.
+// no gradient); ignored: [N] bool. The loss is computed in the accumulation type and returned in
+// loss_dtype.
 Tensor fused_cross_entropy(const Tensor& x, const Tensor& target, const Tensor& weight,
-                           const Tensor& ignored, Reduction reduction, double ls) {
+                           const Tensor& ignored, Reduction reduction, double ls,
+                           Dtype loss_dtype) {
   CrossEntropyAttrs a;
   a.reduction = reduction;
   a.label_smoothing = ls;
@@ -140,39 +146,55 @@ Tensor fused_cross_entropy(const Tensor& x, const Tensor& target, const Tensor& 
   {
     // One recorded op: nothing computed here records.
     NoGradGuard no_grad;
-    const int64_t classes = x.size(1);
-    a.class_weight = weight.defined() ? weight.to(x.dtype()) : Tensor();
+    const int64_t rows = x.size(0), classes = x.size(1);
+    const Dtype acc = x.dtype() == kFloat64 ? kFloat64 : kFloat32;
+    a.class_weight = weight.defined() ? weight.to(acc).contiguous() : Tensor();
     const Tensor& w = a.class_weight;
     a.target_index = masked_fill(target, ignored, 0).unsqueeze(1);  // [N, 1]
-    a.valid = logical_not(ignored).to(x.dtype());                     // [N]
+    a.valid = logical_not(ignored).to(acc);                         // [N]
     a.row_weight =
         w.defined() ? index_select(w, 0, a.target_index.view({-1})) * a.valid : a.valid;  // [N]
-    Tensor lse, logpt;                                                                    // [N]
-    if (x.is_cpu()) {
-      const Tensor xc = x.contiguous();
-      a.lse =
-          detail::make_empty({x.size(0)}, x.dtype() == kFloat64 ? kFloat64 : kFloat32, x.device());
-      const Tensor picked = detail::make_empty({x.size(0)}, x.dtype(), x.device());
-      detail::cross_entropy_rows_cpu(a.lse, picked, xc, a.target_index.view({-1}).contiguous());
-      lse = a.lse.to(x.dtype());
-      logpt = picked - lse;
+    a.lse = detail::make_empty({rows}, acc, x.device());
+    const Tensor picked = detail::make_empty({rows}, acc, x.device());
+    const Tensor xc = x.contiguous(), t = a.target_index.view({-1}).contiguous();
+    if (x.is_cuda()) {
+      detail::cross_entropy_rows_cuda(a.lse, picked, xc, t);
     } else {
-      a.probs = softmax(x, 1);
-      const Tensor amax = argmax(x, 1, /*keepdim=*/true);
-      lse = (gather(x, 1, amax) - log(gather(a.probs, 1, amax))).view({-1});
-      logpt = gather(x, 1, a.target_index).view({-1}) - lse;
+      detail::cross_entropy_rows_cpu(a.lse, picked, xc, t);
     }
-    Tensor loss = masked_fill(-(logpt * a.row_weight), ignored, 0);  // [N]
+    Tensor loss = masked_fill(-((picked - a.lse) * a.row_weight), ignored, 0);  // [N]
     if (ls > 0) {
       a.weight_sum = w.defined() ? w.sum().item<double>() : static_cast<double>(classes);
-      const Tensor wx = w.defined() ? matmul(x, w) : x.sum({1});           // [N]
-      const Tensor smooth = masked_fill(lse * a.weight_sum - wx, ignored, 0);  // -sum_c w_c logp_c
+      const Tensor xa = x.to(acc);  // a copy only for float16 and bfloat16 x
+      const Tensor wx = w.defined() ? matmul(xa, w) : xa.sum({1});  // [N]
+      const Tensor smooth =
+          masked_fill(a.lse * a.weight_sum - wx, ignored, 0);  // -sum_c w_c logp_c
       loss = loss * (1.0 - ls) + smooth * (ls / static_cast<double>(classes));
     }
-    out = reduce_weighted(loss, a.row_weight, reduction);
+    out = reduce_weighted(loss, a.row_weight, reduction).to(loss_dtype);
   }
   if (detail::should_record(x)) detail::record<OpId::CrossEntropy>({&x}, {&out}, std::move(a));
   return out;
+}
+
+// Whether cross_entropy takes the fused path: a 2-d input, class indices, and no gradient
+// wanted for the class weights.
+bool fuses(const Tensor& input, const Tensor& target, const Tensor& weight) {
+  return input.defined() && input.dim() == 2 && target.defined() && !target.is_floating_point() &&
+         !(weight.defined() && weight.requires_grad() && GradMode::is_enabled());
+}
+
+void check_label_smoothing(double ls) {
+  EMBER_CHECK(ls >= 0.0 && ls <= 1.0,
+              "[cross_entropy] label_smoothing must be between 0.0 and 1.0, got ", ls);
+}
+
+Tensor checked_fused_cross_entropy(const Tensor& input, const Tensor& target, const Tensor& weight,
+                                   int64_t ignore_index, Reduction reduction, double ls,
+                                   Dtype loss_dtype) {
+  check_label_smoothing(ls);
+  const Tensor ignored = check_class_target("cross_entropy", input, target, weight, ignore_index);
+  return fused_cross_entropy(input, target, weight, ignored, reduction, ls, loss_dtype);
 }
 
 }  // namespace
@@ -200,25 +222,32 @@ Tensor nll_loss(const Tensor& input, const Tensor& target, const Tensor& weight,
 
 Tensor cross_entropy(const Tensor& input, const Tensor& target, const Tensor& weight,
                      int64_t ignore_index, Reduction reduction, double label_smoothing) {
+  // Note [cross_entropy under autocast]: autocast runs cross_entropy in float32, but the fused
+  // path reads float16 and bfloat16 logits itself (Note [Fused cross_entropy]); only the class
+  // weights are cast, and the loss is float32.
+  if (fuses(input, target, weight) && (input.dtype() == kBFloat16 || input.dtype() == kFloat16)) {
+    if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, target, weight)) {
+      return checked_fused_cross_entropy(input, ac[0], ac[1], ignore_index, reduction,
+                                         label_smoothing, kFloat32);
+    }
+  }
   if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, input, target, weight)) {
     return cross_entropy(ac[0], ac[1], ac[2], ignore_index, reduction, label_smoothing);
+  }
+  if (fuses(input, target, weight)) {
+    return checked_fused_cross_entropy(input, target, weight, ignore_index, reduction,
+                                       label_smoothing, input.dtype());
   }
   const char* op = "cross_entropy";
   check_floating(op, input, "input");
   detail::check_defined(op, target, "target");
   const double ls = label_smoothing;
-  EMBER_CHECK(ls >= 0.0 && ls <= 1.0,
-              "[cross_entropy] label_smoothing must be between 0.0 and 1.0, got ", ls);
+  check_label_smoothing(ls);
   EMBER_CHECK(
       input.dim() >= 1,
       "[cross_entropy] expected input of shape [N, C], [N, C, d1, ...] or [C], got a 0-d tensor");
   const int64_t cdim = class_dim_of(input);
   const int64_t classes = input.size(cdim);
-  if (input.dim() == 2 && !target.is_floating_point() &&
-      !(weight.defined() && weight.requires_grad() && GradMode::is_enabled())) {
-    const Tensor ignored = check_class_target(op, input, target, weight, ignore_index);
-    return fused_cross_entropy(input, target, weight, ignored, reduction, ls);
-  }
   const Tensor logp = log_softmax(input, cdim);
   const Shape wshape = class_shape(input, classes);
 

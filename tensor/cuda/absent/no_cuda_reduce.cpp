@@ -18,5 +18,12 @@ void softmax_cuda(const Tensor&, const Tensor&, int64_t, bool log) {
 Tensor softmax_backward_cuda(const Tensor&, const Tensor&, bool log) {
   no_cuda(log ? "log_softmax backward" : "softmax backward");
 }
+void cross_entropy_rows_cuda(const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  no_cuda("cross_entropy");
+}
+void cross_entropy_rows_backward_cuda(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                      const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  no_cuda("cross_entropy backward");
+}
 
 }  // namespace ember::detail
