@@ -22,12 +22,16 @@
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/distributed/ddp/powersgd.h>
 #include <ember/distributed/init.h>
+#include <ember/distributed/sharding/detail/fsdp_arena.h>
+#include <ember/distributed/sharding/fsdp.h>
 #include <ember/distributed/store/file_store.h>
 #include <ember/distributed/store/hash_store.h>
 #include <ember/distributed/store/prefix_store.h>
+#include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
 #include <ember/tensor/cuda.h>
 #include "tests/distributed/ddp/ddp_test_util.h"
+#include "tests/distributed/sharding/fsdp_test_model.h"
 #include "tests/distributed/store/store_test_util.h"
 
 namespace ember::dist {
@@ -506,6 +510,92 @@ TEST(NcclWorldOne, DdpTrainsAsWithoutDdp) {
       }
     }
   }
+}
+
+// FSDP over NCCL at world size 1, as scripts/gpu_check.sh's GPT-2 124M run uses it: every block
+// and the root sharded, resharding after forward, float32 and bf16 parameters; 10 steps of Adam
+// end where DDP over NCCL ends, and the arenas give their memory back.
+TEST(NcclWorldOne, FsdpTrainsAsDdp) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  const Device gpu = cuda_device(0);
+  const auto bs = test::fsdp_batches(10, 7);
+  auto ref = test::make_fsdp_net(3);
+  ref->to(gpu);
+  {
+    auto ddp = std::make_shared<DistributedDataParallel>(ref, world_of_one());
+    nn::optim::Adam opt(ddp->parameters(), test::fsdp_adam());
+    for (const test::Batch& b : bs) {
+      opt.zero_grad();
+      test::fsdp_loss(*ddp, test::to_device(b, gpu)).backward();
+      opt.step();
+    }
+  }
+  const nn::NamedTensors want = ref->state_dict();
+  for (bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16 parameters" : "float32");
+    auto model = test::make_fsdp_net(3);
+    model->to(gpu);
+    FullyShardOptions o{.group = world_of_one(), .reshard_after_forward = true};
+    if (bf16) o.mp_policy = {.param_dtype = kBFloat16, .reduce_dtype = kFloat32};
+    for (auto& blk : model->blocks) fully_shard(blk, o);
+    fully_shard(model, o);
+    nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
+    for (const test::Batch& b : bs) {
+      opt.zero_grad();
+      const test::Batch m = test::to_device(b, gpu);
+      nn::functional::mse_loss((*model)(m.x).to(kFloat32), m.y).backward();
+      opt.step();
+    }
+    const nn::NamedTensors got = full_state_dict(*model);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(got[i].first, want[i].first);
+      try {
+        test::require_close(got[i].first, got[i].second.cpu(), want[i].second.cpu(),
+                            bf16 ? 0.05 : 1e-4);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << e.what();
+      }
+    }
+    detail::flush_released_cuda_arenas(0);
+    EXPECT_EQ(detail::cuda_arena_held_bytes(0), 0) << "arena memory held after the last step";
+  }
+}
+
+// A sharded step whose reshards fit in what may be pending (Note [CUDA arenas]: one block and
+// the root) queued behind a spinning stream returns before the device gets to it: the gathers,
+// the reduce-scatter, the releases and Adam's update wait on the device, not on the host.
+TEST(NcclWorldOne, FsdpStepDoesNotWaitForTheDevice) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  const Device gpu = cuda_device(0);
+  auto model = test::make_fsdp_net(1);
+  model->to(gpu);
+  FullyShardOptions o{.group = world_of_one(), .reshard_after_forward = true};
+  fully_shard(model->blocks[0], o);
+  fully_shard(model, o);
+  nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
+  const auto bs = test::fsdp_batches(3, 7);
+  for (size_t i = 0; i < bs.size(); ++i) {
+    SCOPED_TRACE("step " + std::to_string(i));
+    const test::Batch m = test::to_device(bs[i], gpu);
+    cuda::synchronize(0);
+    std::shared_ptr<cuda::Event> spun;
+    if (i + 1 == bs.size()) {  // the earlier steps warm the allocator and the communicator
+      cuda::spin(kSpinCycles);
+      spun = std::make_shared<cuda::Event>();
+      spun->record();
+    }
+    opt.zero_grad();
+    test::fsdp_loss(*model, m).backward();
+    opt.step();
+    if (spun) {
+      EXPECT_FALSE(spun->query())
+          << "the step returned only after the device finished: something in it waited on "
+             "the host";
+    }
+  }
+  cuda::synchronize(0);
+  detail::flush_released_cuda_arenas(0);
 }
 
 TEST(NcclWorldOne, InitProcessGroupUsesTheBackend) {
