@@ -34,9 +34,11 @@ Tensor nll_loss(const Tensor& input, const Tensor& target, const Tensor& weight,
 /// [0, 1] turns the target into (1 - s) * target + s / C, combined with weight and ignore_index
 /// exactly as torch.nn.functional.cross_entropy. Under autocast runs in float32.
 /// A 2-d input with class indices and a weight that needs no gradient is one fused op (Note
-/// [Fused cross_entropy] in tensor/ops/loss.cpp): one softmax, no log-probabilities stored, and
-/// backward in one pass over [N, C]. Throws as nll_loss, naming "cross_entropy", and ValueError
-/// for label_smoothing outside [0, 1] or probabilities of another shape.
+/// [Fused cross_entropy] in tensor/ops/loss.cpp): one read of the input forward, a log-sum-exp
+/// per row kept (no softmax or log-probabilities), and backward in one pass over [N, C]; under
+/// autocast its float16/bfloat16 input is read as it is (computing in float32, the loss float32)
+/// instead of being cast. Throws as nll_loss, naming "cross_entropy", and ValueError for
+/// label_smoothing outside [0, 1] or probabilities of another shape.
 Tensor cross_entropy(const Tensor& input, const Tensor& target, const Tensor& weight,
                      int64_t ignore_index, Reduction reduction, double label_smoothing);
 
