@@ -389,55 +389,46 @@ TEST(Loss, FusedCrossEntropyMatchesComposite) {
   }
 }
 
-// The devices the row kernels run on here: the CPU, and CUDA where there is a GPU.
-std::vector<Device> row_kernel_devices() {
-  std::vector<Device> d{Device("cpu")};
-  if (cuda::is_available()) d.emplace_back("cuda");
-  return d;
-}
-
-// The row kernels (forward's lse, backward's one pass) on each device against the CPU's
-// composite [N, C, 1] path, first order: every reduction, label smoothing, class weights,
-// ignored rows, a transposed (non-contiguous) input, rows wider than one vector block, rows of
-// a multiple of 8 (CUDA's 16-byte loads) and not, and float64/float32/bfloat16.
-TEST(Loss, FusedCrossEntropyRowKernelsMatchComposite) {
+// The row kernels (forward's lse, backward's one pass) on `dev` against the CPU's composite
+// [N, C, 1] path, first order: every reduction, label smoothing, class weights, ignored rows, a
+// transposed (non-contiguous) input, rows wider than one vector block, rows of a multiple of 8
+// (CUDA's 16-byte loads) and not, and float64/float32/bfloat16.
+void expect_row_kernels_match_composite(const Device dev) {
   namespace F = functional;
-  for (const Device dev : row_kernel_devices()) {
-    for (const Dtype dt : {kFloat64, kFloat32, kBFloat16}) {
-      for (const int64_t classes : {int64_t{4}, int64_t{1100}, int64_t{9000}}) {
-        for (const char* red : {"mean", "sum", "none"}) {
-          for (double ls : {0.0, 0.1}) {
-            for (bool weighted : {false, true}) {
-              for (bool transposed : {false, true}) {
-                const std::string what =
-                    dev.str() + " " + std::string(dtype_name(dt)) +
-                    " C=" + std::to_string(classes) + " " + red + " ls=" + std::to_string(ls) +
-                    (weighted ? " weighted" : "") + (transposed ? " transposed" : "");
-                const int64_t n = 6;
-                std::vector<int64_t> tv = {1, 0, -100, 3, 2, classes - 1};
-                const Tensor t = from_vector(tv);
-                const Tensor w =
-                    weighted ? (test::rand_t({classes}, kFloat32, 3) + 0.5).to(dt) : Tensor();
-                auto run = [&](bool fused) {
-                  const Device on = fused ? dev : Device("cpu");
-                  F::CrossEntropyOptions o{.weight = w.defined() ? w.to(on) : Tensor(),
-                                           .ignore_index = -100,
-                                           .reduction = red,
-                                           .label_smoothing = ls};
-                  Tensor base = test::rand_t({classes, n}, kFloat32, 11).mul_(4.0).to(dt).to(on);
-                  Tensor x = (transposed ? base.t() : base.t().contiguous()).detach();
-                  x.requires_grad_();
-                  Tensor loss = fused ? F::cross_entropy(x, t.to(on), o)
-                                      : F::cross_entropy(x.unsqueeze(2), t.unsqueeze(1), o);
-                  loss.sum().backward();
-                  return std::vector<Tensor>{loss.detach().to(kFloat64).reshape({-1}).cpu(),
-                                             x.grad().to(kFloat64).cpu()};
-                };
-                const auto a = run(true), b = run(false);
-                const double tol = dt == kBFloat16 ? 2e-2 : dt == kFloat32 ? 1e-5 : 1e-12;
-                test::expect_close(a[0], b[0].to_vector<double>(), tol, what + " loss");
-                test::expect_close(a[1], b[1].to_vector<double>(), tol, what + " grad");
-              }
+  for (const Dtype dt : {kFloat64, kFloat32, kBFloat16}) {
+    for (const int64_t classes : {int64_t{4}, int64_t{1100}, int64_t{9000}}) {
+      for (const char* red : {"mean", "sum", "none"}) {
+        for (double ls : {0.0, 0.1}) {
+          for (bool weighted : {false, true}) {
+            for (bool transposed : {false, true}) {
+              const std::string what = dev.str() + " " + std::string(dtype_name(dt)) +
+                                       " C=" + std::to_string(classes) + " " + red +
+                                       " ls=" + std::to_string(ls) + (weighted ? " weighted" : "") +
+                                       (transposed ? " transposed" : "");
+              const int64_t n = 6;
+              std::vector<int64_t> tv = {1, 0, -100, 3, 2, classes - 1};
+              const Tensor t = from_vector(tv);
+              const Tensor w =
+                  weighted ? (test::rand_t({classes}, kFloat32, 3) + 0.5).to(dt) : Tensor();
+              auto run = [&](bool fused) {
+                const Device on = fused ? dev : Device("cpu");
+                F::CrossEntropyOptions o{.weight = w.defined() ? w.to(on) : Tensor(),
+                                         .ignore_index = -100,
+                                         .reduction = red,
+                                         .label_smoothing = ls};
+                Tensor base = test::rand_t({classes, n}, kFloat32, 11).mul_(4.0).to(dt).to(on);
+                Tensor x = (transposed ? base.t() : base.t().contiguous()).detach();
+                x.requires_grad_();
+                Tensor loss = fused ? F::cross_entropy(x, t.to(on), o)
+                                    : F::cross_entropy(x.unsqueeze(2), t.unsqueeze(1), o);
+                loss.sum().backward();
+                return std::vector<Tensor>{loss.detach().to(kFloat64).reshape({-1}).cpu(),
+                                           x.grad().to(kFloat64).cpu()};
+              };
+              const auto a = run(true), b = run(false);
+              const double tol = dt == kBFloat16 ? 2e-2 : dt == kFloat32 ? 1e-5 : 1e-12;
+              test::expect_close(a[0], b[0].to_vector<double>(), tol, what + " loss");
+              test::expect_close(a[1], b[1].to_vector<double>(), tol, what + " grad");
             }
           }
         }
@@ -446,53 +437,66 @@ TEST(Loss, FusedCrossEntropyRowKernelsMatchComposite) {
   }
 }
 
-// Under autocast a bfloat16 (or, on CUDA, float16) input goes to the row kernels as it is: no
-// cast node between it and the loss, a float32 loss as torch's, a gradient in the input's dtype,
-// and the values of the float32 path (the cast it saves is exact).
-TEST(Loss, CrossEntropyUnderAutocastReadsLowPrecisionLogitsAsTheyAre) {
-  namespace F = functional;
-  for (const Device dev : row_kernel_devices()) {
-    std::vector<Dtype> dtypes{kBFloat16};
-    if (dev.is_cuda()) dtypes.push_back(kFloat16);
-    for (const Dtype dt : dtypes) {
-      for (double ls : {0.0, 0.1}) {
-        for (bool weighted : {false, true}) {
-          const std::string what = dev.str() + " " + std::string(dtype_name(dt)) +
-                                   " ls=" + std::to_string(ls) + (weighted ? " weighted" : "");
-          const int64_t classes = 1104;
-          const Tensor t = from_vector(std::vector<int64_t>{7, 0, -100, 1103}).to(dev);
-          const Tensor w =
-              weighted ? (test::rand_t({classes}, kFloat32, 3) + 0.5).to(dev) : Tensor();
-          F::CrossEntropyOptions o{.weight = w, .ignore_index = -100, .label_smoothing = ls};
-          Tensor x = (test::rand_t({4, classes}, kFloat32, 5) * 4.0).to(dt).to(dev);
-          x.requires_grad_();
-          Tensor loss;
-          {
-            AutocastGuard amp(dev, dt);
-            loss = F::cross_entropy(x, t, o);
-          }
-          EXPECT_EQ(loss.dtype(), kFloat32) << what;
-          ASSERT_NE(loss.grad_fn(), nullptr) << what;
-          EXPECT_EQ(std::string(loss.grad_fn()->name()), "CrossEntropyBackward") << what;
-          EXPECT_EQ(std::string(loss.grad_fn()->next_edge(0).fn->name()), "AccumulateGrad")
-              << what << ": a node between the logits and the loss";
-          loss.backward();
-          EXPECT_EQ(x.grad().dtype(), dt) << what;
+TEST(Loss, FusedCrossEntropyRowKernelsMatchComposite) {
+  expect_row_kernels_match_composite(Device("cpu"));
+}
+TEST(LossCuda, FusedCrossEntropyRowKernelsMatchComposite) {
+  if (!cuda::is_available()) GTEST_SKIP() << cuda::unavailable_reason();
+  expect_row_kernels_match_composite(Device("cuda"));
+}
 
-          Tensor x32 = x.detach().to(kFloat32).requires_grad_();
-          const Tensor ref = F::cross_entropy(x32, t, o);
-          ref.backward();
-          test::expect_close(loss.cpu(), ref.to(kFloat64).cpu().to_vector<double>(), 1e-6,
-                             what + " loss");
-          // Rounded once from float32 values equal up to their last bits: at most one step of
-          // the low-precision type apart.
-          test::expect_close(x.grad().to(kFloat64).cpu(),
-                             x32.grad().to(kFloat64).cpu().to_vector<double>(),
-                             dt == kBFloat16 ? 8e-3 : 1e-3, what + " grad");
+// Under autocast on `dev` a bfloat16 (or, on CUDA, float16) input goes to the row kernels as it
+// is: no cast node between it and the loss, a float32 loss as torch's, a gradient in the input's
+// dtype, and the values of the float32 path (the cast it saves is exact).
+void expect_autocast_reads_low_precision_logits(const Device dev) {
+  namespace F = functional;
+  std::vector<Dtype> dtypes{kBFloat16};
+  if (dev.is_cuda()) dtypes.push_back(kFloat16);
+  for (const Dtype dt : dtypes) {
+    for (double ls : {0.0, 0.1}) {
+      for (bool weighted : {false, true}) {
+        const std::string what = dev.str() + " " + std::string(dtype_name(dt)) +
+                                 " ls=" + std::to_string(ls) + (weighted ? " weighted" : "");
+        const int64_t classes = 1104;
+        const Tensor t = from_vector(std::vector<int64_t>{7, 0, -100, 1103}).to(dev);
+        const Tensor w = weighted ? (test::rand_t({classes}, kFloat32, 3) + 0.5).to(dev) : Tensor();
+        F::CrossEntropyOptions o{.weight = w, .ignore_index = -100, .label_smoothing = ls};
+        Tensor x = (test::rand_t({4, classes}, kFloat32, 5) * 4.0).to(dt).to(dev);
+        x.requires_grad_();
+        Tensor loss;
+        {
+          AutocastGuard amp(dev, dt);
+          loss = F::cross_entropy(x, t, o);
         }
+        EXPECT_EQ(loss.dtype(), kFloat32) << what;
+        ASSERT_NE(loss.grad_fn(), nullptr) << what;
+        EXPECT_EQ(std::string(loss.grad_fn()->name()), "CrossEntropyBackward") << what;
+        EXPECT_EQ(std::string(loss.grad_fn()->next_edge(0).fn->name()), "AccumulateGrad")
+            << what << ": a node between the logits and the loss";
+        loss.backward();
+        EXPECT_EQ(x.grad().dtype(), dt) << what;
+
+        Tensor x32 = x.detach().to(kFloat32).requires_grad_();
+        const Tensor ref = F::cross_entropy(x32, t, o);
+        ref.backward();
+        test::expect_close(loss.cpu(), ref.to(kFloat64).cpu().to_vector<double>(), 1e-6,
+                           what + " loss");
+        // Rounded once from float32 values equal up to their last bits: at most one step of
+        // the low-precision type apart.
+        test::expect_close(x.grad().to(kFloat64).cpu(),
+                           x32.grad().to(kFloat64).cpu().to_vector<double>(),
+                           dt == kBFloat16 ? 8e-3 : 1e-3, what + " grad");
       }
     }
   }
+}
+
+TEST(Loss, CrossEntropyUnderAutocastReadsLowPrecisionLogitsAsTheyAre) {
+  expect_autocast_reads_low_precision_logits(Device("cpu"));
+}
+TEST(LossCuda, CrossEntropyUnderAutocastReadsLowPrecisionLogitsAsTheyAre) {
+  if (!cuda::is_available()) GTEST_SKIP() << cuda::unavailable_reason();
+  expect_autocast_reads_low_precision_logits(Device("cuda"));
 }
 
 // On CUDA a target outside [0, C) is found by the row kernel's device-side check and reported
