@@ -4,7 +4,7 @@
 // $EMBER_PYTHON, run as a subprocess), on GPT-like shapes.
 //   bench_attention [--batch 16] [--heads 4] [--dim 32] [--seq 128,512] [--causal 1]
 //                   [--rounds 5] [--reps 10] [--no-torch] [--no-math]
-//                   [--device cpu|cuda] [--dtype float32|bfloat16|float16]
+//                   [--device cpu|cuda] [--dtype float32|bfloat16|float16] [--allow-tf32]
 // The PyTorch column is its F.scaled_dot_product_attention where it has one (PyTorch 2: flash
 // attention on the CPU, flash or memory-efficient kernels on a GPU), else (1.13) the
 // written-out attention.
@@ -39,6 +39,7 @@ struct Args {
   int rounds = 5, reps = 10;
   bool torch = true;
   bool math = true;
+  bool allow_tf32 = false;  // CUDA float32: TF32 tensor cores for matmuls and fused attention
   std::string device = "cpu", dtype = "float32";
   Device dev() const { return Device(device); }
   Dtype dt() const {
@@ -93,8 +94,9 @@ double time_torch(const Args& a, int64_t T) {
   std::ostringstream cmd;
   cmd << bench::python_script(EMBER_SOURCE_DIR, "benchmarks/bench_attention_torch.py")
       << " --batch " << a.batch << " --heads " << a.heads << " --seq " << T << " --dim " << a.dim
-      << (a.causal ? " --causal" : "") << " --reps " << a.reps << " --threads "
-      << get_num_threads() << " --device " << a.device << " --dtype " << a.dtype;
+      << (a.causal ? " --causal" : "") << " --reps " << a.reps << " --threads " << get_num_threads()
+      << " --device " << a.device << " --dtype " << a.dtype
+      << (a.allow_tf32 ? " --allow-tf32" : "");
   FILE* p = ::popen(cmd.str().c_str(), "r");
   if (p == nullptr) return NAN;
   double sec = NAN;
@@ -113,7 +115,8 @@ bool check(const Args& a, int64_t T) {
   p.step(F::scaled_dot_product_attention_math);
   for (Tensor* t : {&p.q, &p.k, &p.v}) want.push_back(t->grad());
   // Low precision: both paths round their float32 results once to the input's type.
-  const double tol = a.dt() == kFloat32 ? 1e-3 : a.dt() == kFloat16 ? 2e-2 : 1e-1;
+  // TF32: 10-bit mantissas in the products, as float16's.
+  const double tol = a.dt() == kFloat32 && !a.allow_tf32 ? 1e-3 : a.dt() == kBFloat16 ? 1e-1 : 2e-2;
   for (size_t i = 0; i < got.size(); ++i) {
     const double err = (got[i] - want[i]).to(kFloat32).abs().max().item<double>();
     if (!(err < tol)) {
@@ -143,7 +146,11 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", a.dtype)->check(CLI::IsMember({"float32", "bfloat16", "float16"}));
   bool no_math = false;
   app.add_flag("--no-math", no_math, "skip Ember's math path");
+  app.add_flag("--allow-tf32", a.allow_tf32,
+               "CUDA float32 on TF32 tensor cores, both sides (allow_tf32; fused attention "
+               "included)");
   CLI11_PARSE(app, argc, argv);
+  cuda::set_matmul_allow_tf32(a.allow_tf32);
   a.torch = !no_torch;
   a.math = !no_math;
 
@@ -166,9 +173,10 @@ int main(int argc, char** argv) {
     }
   }
   std::printf(
-      "attention forward+backward, %s on %s, B=%lld H=%lld D=%lld, %s, %d threads, "
+      "attention forward+backward, %s%s on %s, B=%lld H=%lld D=%lld, %s, %d threads, "
       "median of %d rounds x %d steps (ms)\n",
-      a.dtype.c_str(), a.device.c_str(), static_cast<long long>(a.batch), static_cast<long long>(a.heads),
+      a.dtype.c_str(), a.allow_tf32 ? " (TF32 allowed)" : "", a.device.c_str(),
+      static_cast<long long>(a.batch), static_cast<long long>(a.heads),
       static_cast<long long>(a.dim), a.causal ? "causal" : "no mask", get_num_threads(), a.rounds,
       a.reps);
   std::printf("%6s %10s %10s %10s %14s %14s\n", "T", "fused", "math", "torch", "torch/fused",

@@ -34,7 +34,11 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--impl", default="auto", choices=["auto", "written", "fused"])
+    ap.add_argument("--allow-tf32", action="store_true",
+                    help="torch.backends.cuda.matmul.allow_tf32 = True")
     a = ap.parse_args()
+    if a.allow_tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
     fused = a.impl == "fused" or (a.impl == "auto" and
                                   hasattr(torch.nn.functional, "scaled_dot_product_attention"))
     dtype = getattr(torch, a.dtype)

@@ -13,7 +13,8 @@
 #          the IDX files from $FASHION_MNIST, else /usr/share/datasets/fashion-mnist, else
 #          .gpu/fashion-mnist (a GPU machine lacks Debian's package: carry a copy there)
 #   attn   bench_attention on the GPU (bfloat16 at GPT-2-small head shapes, float32 at the CPU
-#          table's shapes) beside the GPU PyTorch's F.scaled_dot_product_attention
+#          table's shapes, float32 with TF32 allowed at GPT-2's) beside the GPU PyTorch's
+#          F.scaled_dot_product_attention
 #   gpt    ($GPT_AMPS, default "bf16 fp16 off") examples/gpt on the GPU (a 6-layer, 384-wide model, 256-token context) in float32,
 #          bfloat16 and float16 (GradScaler) beside gpt_torch.py with the same model, written-out
 #          and fused attention; the KJV as plain text from .gpu/kjv.txt (the GPU machine has no
@@ -97,6 +98,9 @@ run_attn() {
     timeout 200 "$b/run.sh" "$ba" --device cuda --dtype bfloat16 --batch 8 --heads 12 --dim 64 \
       --seq 256,1024,2048 --rounds 3 --reps 10
     timeout 120 "$b/run.sh" "$ba" --device cuda --dtype float32 --seq 128,512 --rounds 3 --reps 10
+    # GPT-2 124M's float32 attention with TF32 allowed on both sides (Ember's TF32 kernel).
+    timeout 200 "$b/run.sh" "$ba" --device cuda --dtype float32 --allow-tf32 --batch 8 --heads 12 \
+      --dim 64 --seq 1024,2048 --rounds 3 --reps 10
   } 2>&1 | tee "$out/attn.log"
 }
 

@@ -16,7 +16,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
+#include <ember/tensor/cuda/attention_tf32.h>
 #include <ember/tensor/cuda/check.h>
 #include <ember/tensor/cuda/loops.cuh>
 #include <ember/tensor/detail/attention_dropout.h>
@@ -276,6 +278,14 @@ void backward_typed(const Tensor& dq, const Tensor& dk, const Tensor& dv, const 
   // dQ is summed over key blocks with atomics, in float32 whatever T is.
   Tensor dq32 = dq.dtype() == kFloat32 ? dq : make_empty(dq.shape(), kFloat32, q.device());
   EMBER_CUDA_CHECK(cudaMemsetAsync(dq32.data_ptr(), 0, dq32.numel() * sizeof(float), s));
+  if constexpr (std::is_same_v<T, float>) {
+    if (!mask.defined() && attention_tf32_supported(kFloat32, q.device(), p, false)) {
+      attention_tf32_backward(q.data<float>(), k.data<float>(), v.data<float>(), dout.data<float>(),
+                              lse.data<float>(), dvec.data<float>(), dq32.data<float>(),
+                              dk.data<float>(), dv.data<float>(), p, s);
+      return;  // dq32 is dq
+    }
+  }
   const int64_t tiles = (p.S + kKeys - 1) / kKeys;
   const size_t smem = sizeof(float) * (2 * kKeys * (p.E + 1) + 2 * kKeys * (p.Ev + 1) + p.E + p.Ev);
   allow_smem(attention_bwd_kernel<T>, smem);
@@ -313,6 +323,12 @@ void attention_forward_cuda(const Tensor& out, const Tensor& lse, const Tensor& 
   if (!mask.defined() && attention_cudnn_forward(out, lse, q, k, v, p)) return;
   DeviceGuard guard(q.device().index);
   cudaStream_t s = stream_of(q.device());
+  if (attention_tf32_supported(q.dtype(), q.device(), p, mask.defined())) {
+    attention_tf32_forward(q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>(),
+                           lse.data<float>(), p, s);
+    EMBER_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   dispatch(q.dtype(), [&]<typename T>() { forward_typed<T>(out, lse, q, k, v, mask, p, s); });
 }
 

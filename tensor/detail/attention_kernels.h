@@ -126,6 +126,13 @@ bool attention_cudnn_backward(const Tensor& dq, const Tensor& dk, const Tensor& 
                               const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, const AttentionParams& p);
 
+/// Ember's float32 attention on tensor cores (Note [TF32 attention], tensor/cuda/
+/// attention_tf32.cu), which the CUDA forward and backward take after cuDNN's. Whether it takes
+/// a call: float32 on a CUDA device of compute capability 8.0 or later while TF32 matmuls are
+/// allowed (cuda::set_matmul_allow_tf32), no mask, no dropout, equal head dims of 32 or 64, and
+/// the shared memory its kernels need. False in a build without CUDA and on the CPU.
+bool attention_tf32_supported(Dtype dtype, Device device, const AttentionParams& p, bool has_mask);
+
 /// Backward: writes dq, dk, dv (same shapes as q, k, v) from dout and the forward's out, lse.
 void attention_backward_cpu(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                             const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,

@@ -126,7 +126,7 @@ std::atomic<bool> g_cudnn{true};
 // The fused kernels take this call; otherwise the math path runs: the math backend chosen, empty
 // operands, a float mask that needs a gradient, dtypes or head sizes a backend has no kernel
 // for, and on CUDA under kAuto scores that fit kAttentionMathBudgetBytes unless cuDNN's fused
-// kernel takes the call (see SdpBackend).
+// kernel or the TF32 one (Note [TF32 attention]) takes the call (see SdpBackend).
 bool fused_applies(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                    const detail::AttentionParams& p) {
   const SdpBackend backend = g_backend.load(std::memory_order_relaxed);
@@ -137,6 +137,7 @@ bool fused_applies(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   if (q.dtype() == kFloat64 || p.E > kCudaMaxHeadDim || p.Ev > kCudaMaxHeadDim) return false;
   if (backend == SdpBackend::kFused) return true;
   if (detail::attention_cudnn_supported(q.dtype(), q.device(), p, mask.defined())) return true;
+  if (detail::attention_tf32_supported(q.dtype(), q.device(), p, mask.defined())) return true;
   const int64_t scores = p.batch * p.L * p.S;
   return scores * static_cast<int64_t>(q.element_size()) > kAttentionMathBudgetBytes;
 }

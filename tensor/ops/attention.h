@@ -55,7 +55,9 @@ Tensor scaled_dot_product_attention_math(const Tensor& q, const Tensor& k, const
 /// torch.nn.attention.sdpa_kernel). kAuto: on the CPU the fused kernel (faster than the math path
 /// at every size measured); on CUDA the fused op whenever cuDNN's flash attention takes the call
 /// (float16/bfloat16, no mask, no dropout, head dims a multiple of 8 up to 128, compute
-/// capability 8.0 or later: tensor cores; Note [Attention through cuDNN]), else the math path
+/// capability 8.0 or later: tensor cores; Note [Attention through cuDNN]) or, for float32 while
+/// cuda::set_matmul_allow_tf32 is on, Ember's TF32 tensor-core kernel (no mask, no dropout, head
+/// dims 32 or 64, compute capability 8.0 or later; Note [TF32 attention]), else the math path
 /// (cuBLAS matmuls, several times faster than Ember's SIMT fused kernel) unless its [..., L, S]
 /// scores would take more than kAttentionMathBudgetBytes, where the fused kernel's O(L) memory
 /// wins.

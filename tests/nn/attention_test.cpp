@@ -497,5 +497,50 @@ TEST(AttentionCuda, CudnnFlashAttentionMatchesCpuAndInteroperatesWithEmbersKerne
   EXPECT_TRUE(F::cudnn_sdp_enabled());
 }
 
+// Ember's TF32 tensor-core kernel (Note [TF32 attention]) takes float32 calls while TF32 matmuls
+// are allowed: against the CPU's float32 computation at TF32's precision, at a transformer's
+// head widths (32 and 64), lengths that are no multiple of its 64-row tiles, L != S either way,
+// causal or not; and, with TF32 off again, the same calls match the exact kernels to 1e-4.
+TEST(AttentionCuda, Tf32KernelMatchesCpuWhileTf32IsAllowed) {
+  if (!cuda::is_available()) GTEST_SKIP() << cuda::unavailable_reason();
+  const Device gpu("cuda");
+  struct Shape4 {
+    std::vector<int64_t> q, kv;
+    bool causal;
+  };
+  const std::vector<Shape4> shapes = {
+      {{2, 3, 128, 64}, {2, 3, 128, 64}, true}, {{2, 3, 128, 64}, {2, 3, 128, 64}, false},
+      {{1, 2, 200, 64}, {1, 2, 200, 64}, true}, {{2, 2, 70, 32}, {2, 2, 130, 32}, false},
+      {{2, 2, 130, 32}, {2, 2, 70, 32}, true},  {{1, 1, 1, 64}, {1, 1, 1, 64}, true}};
+  struct AllowTf32 {
+    bool before = cuda::matmul_allow_tf32();
+    AllowTf32() { cuda::set_matmul_allow_tf32(true); }
+    ~AllowTf32() { cuda::set_matmul_allow_tf32(before); }
+  };
+  for (const Shape4& c : shapes) {
+    SCOPED_TRACE("L " + std::to_string(c.q[2]) + " S " + std::to_string(c.kv[2]) + " E " +
+                 std::to_string(c.q[3]) + (c.causal ? " causal" : ""));
+    Attn attn = [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+      return F::scaled_dot_product_attention(q, k, v, {}, 0.0, c.causal);
+    };
+    const Grads want = run(attn, c.q, c.kv, c.kv, 13, kFloat32);
+    {
+      AllowTf32 tf32;
+      detail::AttentionParams p;
+      p.batch = c.q[0] * c.q[1], p.L = c.q[2], p.S = c.kv[2], p.E = p.Ev = c.q[3];
+      p.causal = c.causal;
+      if (!detail::attention_tf32_supported(kFloat32, gpu, p, /*has_mask=*/false)) {
+        GTEST_SKIP() << "the TF32 kernel does not take this call here (a GPU before compute "
+                        "capability 8.0, or without the shared memory it needs)";
+      }
+      const Grads got = run(attn, c.q, c.kv, c.kv, 13, kFloat32, gpu);  // kAuto: the TF32 kernel
+      EXPECT_EQ(got.y.dtype(), kFloat32);
+      expect_grads_close(got, want, 1e-2, "tf32");
+    }
+    F::SdpBackendGuard fused(F::SdpBackend::kFused);
+    expect_grads_close(run(attn, c.q, c.kv, c.kv, 13, kFloat32, gpu), want, 1e-4, "tf32 off");
+  }
+}
+
 }  // namespace
 }  // namespace ember::nn

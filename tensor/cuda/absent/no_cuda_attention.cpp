@@ -12,6 +12,7 @@ namespace {
 }
 }  // namespace
 
+bool attention_tf32_supported(Dtype, Device, const AttentionParams&, bool) { return false; }
 void attention_forward_cuda(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                             const Tensor&, const Tensor&, const AttentionParams&) {
   no_cuda();
