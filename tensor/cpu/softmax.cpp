@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include <ember/tensor/detail/fast_exp.h>
@@ -24,21 +25,37 @@ namespace {
 constexpr int64_t kColTile = 256;
 constexpr int kLanes = 16;
 
-// The row's max, NaN-aware, in kLanes lanes. Inlined into each wide clone that calls it.
+// The row's max in kLanes lanes, NaN-aware: the lanes take the plain max (b > a ? b : a, one
+// vmaxps in AVX-512) and a NaN is noted on the side, so no step waits on a select built from two
+// compares of the previous one; a row with a NaN has the max NaN. Inlined into each wide clone
+// that calls it.
 template <typename T>
 [[gnu::always_inline]] inline acc_t<T> row_max(const T* x, int64_t D) {
   using A = acc_t<T>;
   A mx[kLanes];
+  int32_t nan[kLanes] = {};
   for (int j = 0; j < kLanes; ++j) mx[j] = lowest_v<A>();
   int64_t i = 0;
   for (; i + kLanes <= D; i += kLanes) {
-#pragma GCC unroll 1  // keeps the NaN-aware select vectorisable (see reduce_leaf)
-    for (int j = 0; j < kLanes; ++j) mx[j] = max_nan(mx[j], convert<A>(x[i + j]));
+#pragma GCC unroll 1  // keeps the selects vectorisable (see reduce_leaf)
+    for (int j = 0; j < kLanes; ++j) {
+      const A v = convert<A>(x[i + j]);
+      mx[j] = v > mx[j] ? v : mx[j];
+      nan[j] |= v != v;
+    }
   }
-  for (int j = 0; i + j < D; ++j) mx[j] = max_nan(mx[j], convert<A>(x[i + j]));
+  for (int j = 0; i + j < D; ++j) {
+    const A v = convert<A>(x[i + j]);
+    mx[j] = v > mx[j] ? v : mx[j];
+    nan[j] |= v != v;
+  }
   A m = mx[0];
-  for (int j = 1; j < kLanes; ++j) m = max_nan(m, mx[j]);
-  return m;
+  int32_t any_nan = nan[0];
+  for (int j = 1; j < kLanes; ++j) {
+    m = mx[j] > m ? mx[j] : m;
+    any_nan |= nan[j];
+  }
+  return any_nan ? std::numeric_limits<A>::quiet_NaN() : m;
 }
 
 // e[k] = exp(x[k] - m) for the row's D elements (a plain loop vectorises best), and their sum:
@@ -46,10 +63,15 @@ template <typename T>
 template <typename T>
 [[gnu::always_inline]] inline double exp_sum(const T* x, int64_t D, acc_t<T> m, acc_t<T>* e) {
   using A = acc_t<T>;
-  for (int64_t k = 0; k < D; ++k) e[k] = exp_shifted(convert<A>(x[k]) - m);
   double total = 0;
   for (int64_t b = 0; b < D; b += 1024) {
-    total += static_cast<double>(lane_sum(e + b, std::min<int64_t>(1024, D - b)));
+    const T* xb = x + b;
+    A* eb = e + b;
+    total += static_cast<double>(lane_sum<A>(std::min<int64_t>(1024, D - b), [&](int64_t k) {
+      const A v = exp_shifted(convert<A>(xb[k]) - m);
+      eb[k] = v;
+      return v;
+    }));
   }
   return total;
 }

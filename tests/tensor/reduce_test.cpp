@@ -641,6 +641,19 @@ TEST(Softmax, StabilityEdgeCasesAndErrors) {
   EXPECT_TRUE(std::isnan(nn[0]) && std::isnan(nn[1]));  // as PyTorch
   auto wn = softmax(from_vector<float>({1.0f, std::nanf("")}), 0).to_vector<float>();
   EXPECT_TRUE(std::isnan(wn[0]) && std::isnan(wn[1]));
+  // A NaN anywhere in a long row (the vector lanes or the tail of the row's max) makes the whole
+  // row NaN; a row of -inf and finite values does not.
+  for (const int64_t at : {int64_t{0}, int64_t{37}, int64_t{95}, int64_t{99}}) {
+    std::vector<float> row(100, 1.0f);
+    row[static_cast<size_t>(at)] = std::nanf("");
+    for (const float v : softmax(from_vector<float>(row), 0).to_vector<float>()) {
+      ASSERT_TRUE(std::isnan(v)) << "NaN at " << at;
+    }
+    row[static_cast<size_t>(at)] = -INFINITY;
+    for (const float v : softmax(from_vector<float>(row), 0).to_vector<float>()) {
+      ASSERT_FALSE(std::isnan(v)) << "-inf at " << at;
+    }
+  }
   EXPECT_EQ(softmax(scalar_tensor(2.0f), 0).item<float>(), 1.0f);
   EXPECT_EQ(softmax(scalar_tensor(2.0f), 0).dim(), 0);
   EXPECT_EQ(log_softmax(scalar_tensor(2.0f), -1).item<float>(), 0.0f);
