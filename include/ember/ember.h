@@ -28,6 +28,7 @@
 #include <ember/nn/nn.h>
 #include <ember/nn/layers/transformer.h>
 #include <ember/tensor/cuda.h>
+#include <ember/tensor/cuda_graph.h>
 #include <ember/tensor/cudnn.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/version.h>

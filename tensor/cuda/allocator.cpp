@@ -13,6 +13,7 @@
 
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/device_pool.h>
 #include <ember/tensor/cuda/host_use.h>
 #include <ember/tensor/detail/caching_pool.h>
 
@@ -28,6 +29,9 @@ class CudaMemory final : public detail::PoolBackend {
 
   void* raw_alloc(size_t bytes) override {
     cuda::detail::DeviceGuard g(device_);
+    // A capture's private pool grows with cudaMalloc, which the capture would otherwise reject;
+    // the segment is not part of the graph and stays until the graph's pool is released.
+    cuda::detail::RelaxedCaptureMode relaxed;
     void* p = nullptr;
     const cudaError_t err = cudaMalloc(&p, bytes);
     if (err == cudaErrorMemoryAllocation) {
@@ -71,6 +75,12 @@ class CudaMemory final : public detail::PoolBackend {
     EMBER_CUDA_CHECK(cudaMemGetInfo(free, total));
   }
   std::string name() const override { return detail::str_cat("GPU ", device_); }
+  uint64_t capture_id(void* stream) override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    EMBER_CUDA_CHECK(cudaStreamGetCaptureInfo(static_cast<cudaStream_t>(stream), &status, &id));
+    return status == cudaStreamCaptureStatusActive ? id : 0;
+  }
 
  private:
   const int device_;
@@ -250,6 +260,10 @@ void reset_peak_memory_stats(int device) {
   }
 }
 }  // namespace cuda
+
+namespace cuda::detail {
+ember::detail::CachingPool& device_pool(int device) { return device_allocator(device).pool(); }
+}  // namespace cuda::detail
 
 namespace detail {
 void record_host_use(void* host_ptr, const cuda::Stream& s) {

@@ -70,7 +70,8 @@ struct Operands {
   __device__ float dropout_factor(int64_t b, int64_t i, int64_t j) const {
     if (p.dropout_p <= 0.0) return 1.f;
     const uint64_t e = static_cast<uint64_t>((b * p.L + i) * p.S + j);
-    const uint32_t w = philox_block(p.seed, p.offset + e / 4).v[e % 4];
+    const PhiloxArgs a{p.seed, p.offset, p.philox_replay};
+    const uint32_t w = philox_block(a.key(), a.first() + e / 4).v[e % 4];
     return attention_keep(w, static_cast<float>(p.dropout_p))
                ? static_cast<float>(1.0 / (1.0 - p.dropout_p))
                : 0.f;

@@ -23,6 +23,7 @@
 
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/cuda.h>
+#include <ember/tensor/cuda/device_pool.h>
 #include <ember/tensor/cuda/index_check.cuh>
 #include <ember/tensor/cuda/loops.cuh>
 #include <ember/tensor/detail/indexing_kernels.h>
@@ -63,6 +64,9 @@ std::deque<PendingCheck>& pending_checks() {
 // The first bad index found is thrown; the other completed slots are dropped (the first error
 // is the one to fix).
 void report_bad_indices() {
+  // Nothing a capture records has run yet, and it may query no events: checks queued before it
+  // are reported at the first index op after it.
+  if (cuda::detail::capturing()) return;
   std::optional<PendingCheck> bad;
   {
     std::lock_guard<std::mutex> lock(pending_mutex());
@@ -93,6 +97,19 @@ BadIndexSlot::BadIndexSlot(Device d, cudaStream_t s) : stream_(s) {
 }
 
 void BadIndexSlot::queue_check(const IndexBound& b) const {
+  // In a capture the slot is zeroed and written by each replay, and the copy to the host (which
+  // a capture cannot hold: its pinned buffer and event are host state) follows each launch, so
+  // a bad index in a replay is reported at the next index op after it, as eagerly.
+  const int device = buf_.device().index;
+  if (cuda::detail::capturing(device)) {
+    cuda::detail::after_each_replay(
+        device, [slot = *this, op = std::string(b.op), dim = b.dim, size = b.size](cudaStream_t s) {
+          BadIndexSlot now = slot;
+          now.stream_ = s;
+          now.queue_check(IndexBound{op.c_str(), dim, size});
+        });
+    return;
+  }
   PendingCheck check{b.op, b.dim, b.size, empty({2}, TensorOptions(kInt64).pinned_memory()),
                      std::make_shared<cuda::Event>()};
   EMBER_CUDA_CHECK(cudaMemcpyAsync(check.host.data_ptr(), buf_.data_ptr(), 2 * sizeof(int64_t),

@@ -8,8 +8,8 @@ namespace ember::detail {
 namespace {
 
 template <typename T, typename Op>
-__global__ void random_kernel(T* out, int64_t numel, int64_t blocks, uint64_t seed, uint64_t base,
-                              Op op) {
+__global__ void random_kernel(T* out, int64_t numel, int64_t blocks, PhiloxArgs args, Op op) {
+  const uint64_t seed = args.key(), base = args.first();
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < blocks;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const Philox4 w = philox_block(seed, base + j);
@@ -20,7 +20,7 @@ __global__ void random_kernel(T* out, int64_t numel, int64_t blocks, uint64_t se
 }
 
 template <typename T>
-void fill_typed(const Tensor& t, const RandomSpec& spec, uint64_t seed, uint64_t base) {
+void fill_typed(const Tensor& t, const RandomSpec& spec, const PhiloxArgs& args) {
   T* out = static_cast<T*>(t.data_ptr());
   const int64_t numel = t.numel();
   cudaStream_t s = cuda_loops::stream_of(t.device());
@@ -28,18 +28,28 @@ void fill_typed(const Tensor& t, const RandomSpec& spec, uint64_t seed, uint64_t
     using Op = std::remove_cvref_t<decltype(op)>;
     const int64_t blocks = (numel + Op::kPerBlock - 1) / Op::kPerBlock;
     random_kernel<T, Op><<<cuda_loops::blocks_for(blocks), cuda_loops::kThreads, 0, s>>>(
-        out, numel, blocks, seed, base, op);
+        out, numel, blocks, args, op);
   });
   EMBER_CUDA_CHECK(cudaGetLastError());
 }
 
+__global__ void write_philox_kernel(uint64_t* replay, uint64_t seed, uint64_t first) {
+  replay[0] = seed;
+  replay[1] = first;
+}
+
 }  // namespace
 
-void random_fill_cuda(const Tensor& out, const RandomSpec& spec, uint64_t seed, uint64_t base) {
+void random_fill_cuda(const Tensor& out, const RandomSpec& spec, const PhiloxArgs& args) {
   if (out.numel() == 0) return;
   EMBER_INTERNAL_ASSERT(out.is_contiguous());
   cuda::detail::DeviceGuard guard(out.device().index);
-  dispatch_random(out, spec, [&]<typename T>() { fill_typed<T>(out, spec, seed, base); });
+  dispatch_random(out, spec, [&]<typename T>() { fill_typed<T>(out, spec, args); });
+}
+
+void write_philox_replay(uint64_t* replay, uint64_t seed, uint64_t first, void* stream) {
+  write_philox_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(replay, seed, first);
+  EMBER_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace ember::detail

@@ -97,6 +97,9 @@ struct AttentionParams {
   bool bool_mask = false;
   double dropout_p = 0.0;
   uint64_t seed = 0, offset = 0;  ///< Philox stream of the dropout mask
+  /// In a CUDA graph: the graph's {seed, first counter} words, `offset` relative to them
+  /// (detail::PhiloxArgs).
+  const uint64_t* philox_replay = nullptr;
 };
 
 /// Counter values of the dropout stream a call reserves (one per four elements).

@@ -15,6 +15,18 @@
 // Blocks and segments belong to one stream: work queued on a stream runs in order, so a block
 // freed there can be reused there at once. A block also used on another stream (record_stream)
 // goes back to the pool only after an event recorded on that stream at free time completes.
+//
+// Note [Graph pools]
+// A captured CUDA graph replays its kernels at the addresses they had during the capture, the
+// temporaries' included, long after those tensors were freed. So what a capture allocates comes
+// from a private pool that only captures into it use: a block freed during the capture may be
+// reused later in the same capture (the graph runs in the order it was captured), but its memory
+// is not handed to anything else until the graphs that use the pool are gone. Graphs may share a
+// pool (graph_pool_handle) when they are replayed in the order they were captured, as PyTorch's
+// do. A capture also forbids what could synchronise or query captured work: while one is
+// underway the pool records and queries no events (a block used on other streams and freed then
+// waits for its events until the capture ends), never waits for the device, and returns no
+// segments; out of memory is then an error at once.
 #include <ember/tensor/detail/caching_pool.h>
 
 #include <cstdio>
@@ -30,6 +42,7 @@ struct CachingPool::Block {
   size_t size = 0;
   size_t requested = 0;
   void* stream = nullptr;
+  CachingPool::Private* owner = nullptr;  // the private pool of its segment, if any
   bool small = false;
   bool allocated = false;
   int event_count = 0;    // events still to complete before the block returns to its pool
@@ -104,7 +117,13 @@ CachingPool::~CachingPool() {
       }
     }
   }
-  for (FreeSet* pool : {&small_, &large_}) {
+  std::vector<FreeSet*> sets{&small_, &large_};
+  for (auto& [id, priv] : privates_) {
+    sets.push_back(&priv->small);
+    sets.push_back(&priv->large);
+  }
+  for (Block* b : deferred_) add_head(b);
+  for (FreeSet* pool : sets) {
     for (Block* b : *pool) {
       if (!b->prev && !b->next) {
         try {
@@ -127,11 +146,13 @@ void* CachingPool::allocate(size_t nbytes, void* stream) {
   std::lock_guard<std::mutex> lock(mu_);
   if (nbytes > kMaxRequest) throw_oom(nbytes);
   const size_t size = round_size(nbytes);
-  FreeSet& pool = size <= kSmallSize ? small_ : large_;
-  process_events();
+  Private* owner = route_of(stream);
+  FreeSet& pool =
+      size <= kSmallSize ? (owner ? owner->small : small_) : (owner ? owner->large : large_);
+  if (!capturing()) process_events();
   Block* b = find_free(pool, size, stream);
-  if (!b) b = new_segment(pool, size, stream);
-  if (!b) b = alloc_after_oom(pool, size, nbytes, stream);
+  if (!b) b = new_segment(pool, size, stream, owner);
+  if (!b) b = alloc_after_oom(pool, size, nbytes, stream, owner);
   b = split(pool, b, size);
   b->allocated = true;
   b->requested = nbytes;
@@ -156,13 +177,70 @@ void CachingPool::free(void* ptr) {
   b->requested = 0;
   if (b->stream_uses.empty()) {
     free_block(b);
-    return;
+  } else if (capturing()) {
+    ++b->event_count;  // not free until its events are recorded and complete
+    deferred_.push_back(b);
+  } else {
+    record_free_events(b);
   }
+}
+
+void CachingPool::record_free_events(Block* b) {
   for (void* s : b->stream_uses) {
     pending_[s].emplace_back(backend_->record_event(s), b);
     ++b->event_count;
   }
   b->stream_uses.clear();
+}
+
+CachingPool::Private* CachingPool::route_of(void* stream) {
+  if (!capturing()) return nullptr;
+  auto it = routes_.find(backend_->capture_id(stream));
+  return it == routes_.end() ? nullptr : it->second;
+}
+
+void CachingPool::begin_private(PoolId id, uint64_t capture) {
+  std::lock_guard<std::mutex> lock(mu_);
+  EMBER_CHECK(id != 0, "[CachingPool::begin_private] pool id 0 names no private pool");
+  EMBER_CHECK(capture != 0, "[CachingPool::begin_private] capture id 0 names no capture");
+  EMBER_CHECK(!routes_.count(capture), "[CachingPool::begin_private] capture ", capture,
+              " already allocates from a private pool of ", backend_->name());
+  std::unique_ptr<Private>& priv = privates_[id];
+  if (!priv) {
+    priv = std::make_unique<Private>();
+    priv->id = id;
+  }
+  ++priv->users;
+  routes_[capture] = priv.get();
+}
+
+void CachingPool::end_private(uint64_t capture) {
+  std::lock_guard<std::mutex> lock(mu_);
+  EMBER_CHECK(routes_.erase(capture) == 1, "[CachingPool::end_private] capture ", capture,
+              " does not allocate from a private pool of ", backend_->name());
+  if (capturing()) return;
+  for (Block* b : std::exchange(deferred_, {})) {
+    --b->event_count;
+    record_free_events(b);
+  }
+  release_unused_privates();  // pools given up during the capture
+}
+
+void CachingPool::release_private(PoolId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = privates_.find(id);
+  EMBER_CHECK(it != privates_.end() && it->second->users > 0, "[CachingPool::release_private] ",
+              backend_->name(), " has no private pool ", id, " in use");
+  if (--it->second->users > 0 || capturing()) return;
+  release_free_segments(it->second->small);
+  release_free_segments(it->second->large);
+  if (it->second->segments == 0) privates_.erase(it);
+}
+
+PoolId CachingPool::private_pool_of(void* ptr) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(ptr);
+  return it != live_.end() && it->second->owner ? it->second->owner->id : 0;
 }
 
 void CachingPool::record_stream(void* ptr, void* stream) {
@@ -177,6 +255,8 @@ void CachingPool::record_stream(void* ptr, void* stream) {
 
 void CachingPool::empty_cache() {
   std::lock_guard<std::mutex> lock(mu_);
+  EMBER_CHECK(!capturing(), "[empty_cache] not allowed while a CUDA graph capture is underway on ",
+              backend_->name());
   if (!pending_.empty()) backend_->synchronize();
   process_events();
   release_free_segments();
@@ -203,6 +283,11 @@ std::vector<int64_t> CachingPool::segment_layout(void* ptr) const {
   for (const auto& [q, b] : live_) look(b);
   for (const Block* b : small_) look(b);
   for (const Block* b : large_) look(b);
+  for (const auto& [id, priv] : privates_) {
+    for (const Block* b : priv->small) look(b);
+    for (const Block* b : priv->large) look(b);
+  }
+  for (const Block* b : deferred_) look(b);
   for (const auto& [stream, events] : pending_) {
     for (const auto& [event, b] : events) look(b);
   }
@@ -227,7 +312,8 @@ CachingPool::Block* CachingPool::find_free(FreeSet& pool, size_t size, void* str
   return b;
 }
 
-CachingPool::Block* CachingPool::new_segment(FreeSet& pool, size_t size, void* stream) {
+CachingPool::Block* CachingPool::new_segment(FreeSet& pool, size_t size, void* stream,
+                                             Private* owner) {
   const size_t bytes = segment_size(size);
   void* p = backend_->raw_alloc(bytes);
   if (!p) return nullptr;
@@ -235,7 +321,9 @@ CachingPool::Block* CachingPool::new_segment(FreeSet& pool, size_t size, void* s
   b->ptr = static_cast<char*>(p);
   b->size = bytes;
   b->stream = stream;
-  b->small = &pool == &small_;
+  b->owner = owner;
+  b->small = size <= kSmallSize;
+  if (owner) ++owner->segments;
   stats_.reserved += static_cast<int64_t>(bytes);
   ++stats_.num_segments;
   raise_peak(stats_.reserved, stats_.max_reserved);
@@ -246,13 +334,14 @@ CachingPool::Block* CachingPool::new_segment(FreeSet& pool, size_t size, void* s
 // events may have become free (and merged into a block that fits), and wholly free segments of
 // any stream or size can go back to the device so that one segment of the right size fits.
 CachingPool::Block* CachingPool::alloc_after_oom(FreeSet& pool, size_t size, size_t nbytes,
-                                                 void* stream) {
+                                                 void* stream, Private* owner) {
+  if (capturing()) throw_oom(nbytes);  // nothing may be waited for or given back now
   ++stats_.num_alloc_retries;
   backend_->synchronize();
   process_events();
   if (Block* b = find_free(pool, size, stream)) return b;
   release_free_segments();
-  if (Block* b = new_segment(pool, size, stream)) return b;
+  if (Block* b = new_segment(pool, size, stream, owner)) return b;
   throw_oom(nbytes);
 }
 
@@ -264,6 +353,7 @@ CachingPool::Block* CachingPool::split(FreeSet& pool, Block* b, size_t size) {
   r->ptr = b->ptr + size;
   r->size = rest;
   r->stream = b->stream;
+  r->owner = b->owner;
   r->small = b->small;
   r->prev = b;
   r->next = b->next;
@@ -292,6 +382,13 @@ void CachingPool::free_block(Block* b) {
     delete n;
   }
   pool.insert(b);
+  // A pool no graph uses any more gives its segments back as they become wholly free.
+  if (b->owner && b->owner->users == 0 && !b->prev && !b->next && !capturing()) {
+    pool.erase(b);
+    Private* owner = b->owner;
+    release_segment(b);
+    if (owner->segments == 0) privates_.erase(owner->id);
+  }
 }
 
 void CachingPool::process_events() {
@@ -310,6 +407,18 @@ void CachingPool::process_events() {
 void CachingPool::release_free_segments() {
   release_free_segments(small_);
   release_free_segments(large_);
+  release_unused_privates();
+}
+
+void CachingPool::release_unused_privates() {
+  for (auto it = privates_.begin(); it != privates_.end();) {
+    Private& priv = *it->second;
+    if (priv.users == 0) {
+      release_free_segments(priv.small);
+      release_free_segments(priv.large);
+    }
+    it = priv.users == 0 && priv.segments == 0 ? privates_.erase(it) : std::next(it);
+  }
 }
 
 void CachingPool::release_free_segments(FreeSet& pool) {
@@ -319,12 +428,18 @@ void CachingPool::release_free_segments(FreeSet& pool) {
       ++it;
       continue;
     }
-    backend_->raw_free(b->ptr);
-    stats_.reserved -= static_cast<int64_t>(b->size);
-    --stats_.num_segments;
     it = pool.erase(it);
-    delete b;
+    release_segment(b);
   }
+}
+
+// Gives the segment b (wholly free, out of its free set) back to the backend.
+void CachingPool::release_segment(Block* b) {
+  backend_->raw_free(b->ptr);
+  stats_.reserved -= static_cast<int64_t>(b->size);
+  --stats_.num_segments;
+  if (b->owner) --b->owner->segments;
+  delete b;
 }
 
 void CachingPool::throw_oom(size_t nbytes) {
@@ -342,6 +457,9 @@ void CachingPool::throw_oom(size_t nbytes) {
               allocated, ", reserved ", reserved, ", free ", free, ", total ", total, ".)"));
 }
 
-CachingPool::FreeSet& CachingPool::pool_of(const Block* b) { return b->small ? small_ : large_; }
+CachingPool::FreeSet& CachingPool::pool_of(const Block* b) {
+  if (b->owner) return b->small ? b->owner->small : b->owner->large;
+  return b->small ? small_ : large_;
+}
 
 }  // namespace ember::detail

@@ -38,6 +38,9 @@ class PoolBackend {
   virtual void mem_info(size_t* free, size_t* total) = 0;
   /// The device as the out-of-memory message names it ("GPU 0").
   virtual std::string name() const = 0;
+  /// The id of the graph capture that `stream` takes part in (cudaStreamGetCaptureInfo), 0 if
+  /// none. Asked only while the pool routes a capture to a private pool.
+  virtual uint64_t capture_id(void* stream) = 0;
 };
 
 /// Byte counts of a pool. `allocated` counts blocks handed out, in their rounded sizes (what
@@ -53,6 +56,9 @@ struct PoolStats {
   int64_t num_alloc_retries = 0;  ///< backend allocations that failed and were retried
   int64_t num_ooms = 0;           ///< allocations that threw OutOfMemoryError
 };
+
+/// Names a private pool of a CachingPool (Note [Graph pools]); 0 names none.
+using PoolId = uint64_t;
 
 /// A caching pool of device memory blocks in the manner of PyTorch's CUDACachingAllocator.
 /// Thread-safe: every public call takes the pool's lock.
@@ -87,8 +93,25 @@ class CachingPool {
   /// once the work queued on `stream` by then has finished. Throws ValueError for a pointer the
   /// pool did not hand out.
   void record_stream(void* ptr, void* stream);
-  /// Waits for the device, then returns every wholly free segment to the backend.
+  /// Waits for the device, then returns every wholly free segment to the backend (but those of
+  /// private pools still in use). Not during a capture: throws.
   void empty_cache();
+
+  /// Until end_private(capture), blocks allocated on any stream taking part in graph capture
+  /// `capture` (PoolBackend::capture_id) come from private pool `id` (made on first use) and
+  /// return to it when freed (Note [Graph pools]). While any capture is routed so, the pool
+  /// queries no events, waits for nothing and gives no memory back, which a capture forbids.
+  /// Each call adds a user of `id`. Throws ValueError if `capture` is routed already or `id` or
+  /// `capture` is 0.
+  void begin_private(PoolId id, uint64_t capture);
+  /// Ends the routing of `capture`. Throws ValueError if it was not routed.
+  void end_private(uint64_t capture);
+  /// Drops a user of private pool `id` (a graph reset). With none left, its wholly free segments
+  /// go back to the backend now and the rest once their last blocks are freed. Throws ValueError
+  /// for a pool without users.
+  void release_private(PoolId id);
+  /// The private pool that the block at ptr came from, 0 if none (for tests).
+  PoolId private_pool_of(void* ptr) const;
 
   PoolStats stats() const;
   /// Sets the peaks to the current values.
@@ -110,15 +133,26 @@ class CachingPool {
     bool operator()(const Block* a, const Block* b) const;
   };
   using FreeSet = std::set<Block*, BlockLess>;
+  struct Private {
+    PoolId id = 0;
+    FreeSet small, large;
+    int users = 0;
+    int64_t segments = 0;
+  };
 
   Block* find_free(FreeSet& pool, size_t size, void* stream);
-  Block* new_segment(FreeSet& pool, size_t size, void* stream);
-  Block* alloc_after_oom(FreeSet& pool, size_t size, size_t nbytes, void* stream);
+  Block* new_segment(FreeSet& pool, size_t size, void* stream, Private* owner);
+  Block* alloc_after_oom(FreeSet& pool, size_t size, size_t nbytes, void* stream, Private* owner);
+  Private* route_of(void* stream);
   Block* split(FreeSet& pool, Block* b, size_t size);
   void free_block(Block* b);
   void process_events();
   void release_free_segments();
   void release_free_segments(FreeSet& pool);
+  void release_unused_privates();
+  void release_segment(Block* b);
+  void record_free_events(Block* b);
+  bool capturing() const { return !routes_.empty(); }
   [[noreturn]] void throw_oom(size_t nbytes);
   FreeSet& pool_of(const Block* b);
 
@@ -129,6 +163,11 @@ class CachingPool {
   /// Events of freed blocks per stream, in record order (one stream's events complete in order,
   /// so the scan of a stream stops at the first that has not).
   std::map<void*, std::deque<std::pair<void*, Block*>>> pending_;
+  std::map<PoolId, std::unique_ptr<Private>> privates_;
+  std::map<uint64_t, Private*> routes_;  ///< captures whose blocks come from a private pool
+  /// Blocks used on other streams and freed during a capture: their events are recorded once no
+  /// capture is underway (an event recorded into a capture cannot be queried).
+  std::vector<Block*> deferred_;
   PoolStats stats_;
 };
 

@@ -58,6 +58,18 @@ EMBER_HD inline Philox4 philox_block(uint64_t seed, uint64_t block) {
   return philox4x32_10(c, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
 }
 
+/// Where an op's counter range starts (Note [Random streams]): the seed and the first counter
+/// value, or, for an op captured into a CUDA graph (Note [CUDA graphs]), the graph's device
+/// words `replay` = {seed, first counter of this replay}, which it writes before each launch,
+/// with `offset` the op's counter range within the graph.
+struct PhiloxArgs {
+  uint64_t seed = 0;
+  uint64_t offset = 0;
+  const uint64_t* replay = nullptr;
+  EMBER_HD uint64_t key() const { return replay ? replay[0] : seed; }
+  EMBER_HD uint64_t first() const { return replay ? replay[1] + offset : offset; }
+};
+
 /// Random word `w` of the stream starting at counter value `base` (a whole block is computed;
 /// loops that need all four words of a block should call philox_block once instead).
 EMBER_HD inline uint32_t philox_word(uint64_t seed, uint64_t base, uint64_t w) {

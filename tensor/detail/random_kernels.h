@@ -12,6 +12,10 @@
 #include <ember/tensor/detail/philox.h>
 #include <ember/tensor/tensor.h>
 
+namespace ember {
+class Generator;
+}
+
 namespace ember::detail {
 
 /// Uniform on [from, to) in T (floating). 16-bit floats draw only as many bits as they hold,
@@ -112,7 +116,17 @@ void dispatch_random(const Tensor& out, const RandomSpec& spec, Fill&& fill) {
 /// Fills the contiguous tensor `out` from the stream (seed, base); CPU and CUDA write the same
 /// values. Dtypes: uniform/normal floating; bernoulli all; randint numeric.
 void random_fill_cpu(const Tensor& out, const RandomSpec& spec, uint64_t seed, uint64_t base);
-void random_fill_cuda(const Tensor& out, const RandomSpec& spec, uint64_t seed, uint64_t base);
+void random_fill_cuda(const Tensor& out, const RandomSpec& spec, const PhiloxArgs& args);
+
+/// The counter range of `n` values for an op on `device`: reserved from `gen` now, or, while the
+/// calling thread captures a CUDA graph on that device, within the graph (its replays reserve
+/// from `gen`). CPU ops always reserve now.
+PhiloxArgs philox_draw(Generator& gen, uint64_t n, const Device& device);
+/// philox_draw's capture half (tensor/cuda/graph.cpp): true, with `out` set, when the calling
+/// thread captures a graph on CUDA device `device`.
+bool cuda_capture_draw(Generator& gen, uint64_t n, int device, PhiloxArgs* out);
+/// Writes {seed, first} to the two device words at `replay` on `stream` (a graph's replay).
+void write_philox_replay(uint64_t* replay, uint64_t seed, uint64_t first, void* stream);
 
 /// Calls fn.template operator()<Op>(op) with the functor for spec and element type T.
 template <typename T, typename Fn>

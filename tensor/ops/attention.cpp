@@ -11,6 +11,7 @@
 #include <ember/tensor/autocast.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/detail/attention_kernels.h>
+#include <ember/tensor/detail/random_kernels.h>
 #include <ember/tensor/detail/record.h>
 #include <ember/tensor/ops/elementwise.h>
 #include <ember/tensor/ops/linalg.h>
@@ -212,10 +213,12 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
     p.bool_mask = attn_mask.dtype() == kBool;
   }
   if (dropout_p > 0.0) {
-    const Generator::Draw d = (gen != nullptr ? *gen : default_generator())
-                                  .reserve(detail::attention_dropout_counters(p));
+    const detail::PhiloxArgs d =
+        detail::philox_draw(gen != nullptr ? *gen : default_generator(),
+                            detail::attention_dropout_counters(p), q.device());
     p.seed = d.seed;
     p.offset = d.offset;
+    p.philox_replay = d.replay;
   }
   // CUDA: contiguous, [batch, rows, cols]. CPU: as they come where the kernel can read them.
   auto operand = [&](const Tensor& t, int64_t rows) {

@@ -61,6 +61,15 @@ void set_thread_default_generator(Generator* gen) { t_default = gen; }
 void manual_seed(uint64_t seed) { default_generator().manual_seed(seed); }
 
 namespace detail {
+PhiloxArgs philox_draw(Generator& gen, uint64_t n, const Device& device) {
+  PhiloxArgs args;
+  if (device.is_cuda() && cuda_capture_draw(gen, n, device.index, &args)) return args;
+  const Generator::Draw d = gen.reserve(n);
+  args.seed = d.seed;
+  args.offset = d.offset;
+  return args;
+}
+
 int64_t random_per_block(const RandomSpec& spec, Dtype dtype) {
   switch (spec.kind) {
     case RandomSpec::kUniform:
@@ -88,12 +97,12 @@ void fill(const Tensor& t, const RandomSpec& spec, Generator* gen) {
   Generator& g = gen ? *gen : default_generator();
   const int64_t per = detail::random_per_block(spec, t.dtype());
   const uint64_t blocks = static_cast<uint64_t>((t.numel() + per - 1) / per);
-  const auto [seed, base] = g.reserve(blocks);
+  const detail::PhiloxArgs args = detail::philox_draw(g, blocks, t.device());
   Tensor dst = t.is_contiguous() ? t : detail::make_empty(t.shape(), t.dtype(), t.device());
   if (dst.is_cuda()) {
-    detail::random_fill_cuda(dst, spec, seed, base);
+    detail::random_fill_cuda(dst, spec, args);
   } else {
-    detail::random_fill_cpu(dst, spec, seed, base);
+    detail::random_fill_cpu(dst, spec, args.seed, args.offset);
   }
   if (!dst.is_same(t)) Tensor(t).copy_(dst);
 }

@@ -34,6 +34,9 @@ struct FakeState {
   std::map<void*, int64_t> queued, completed;
   std::map<void*, std::pair<void*, int64_t>> events;  // event -> (stream, ticket)
   int64_t next_event = 1, events_destroyed = 0;
+  // Set while a capture is underway: what a CUDA graph capture forbids then fails the test.
+  bool capturing = false;
+  std::map<void*, uint64_t> capture_of;  // streams taking part in a capture, by its id
 
   void finish(void* stream) { completed[stream] = queued[stream]; }
 };
@@ -54,6 +57,7 @@ class FakeDevice final : public detail::PoolBackend {
     return reinterpret_cast<void*>(addr);
   }
   void raw_free(void* ptr) override {
+    EXPECT_FALSE(s_->capturing) << "cudaFree during a capture";
     auto it = s_->segments.find(reinterpret_cast<uintptr_t>(ptr));
     ASSERT_NE(it, s_->segments.end()) << "raw_free of a pointer that is not a segment";
     s_->used -= it->second;
@@ -61,11 +65,13 @@ class FakeDevice final : public detail::PoolBackend {
     ++s_->frees;
   }
   void* record_event(void* stream) override {
+    EXPECT_FALSE(s_->capturing) << "an event recorded during a capture";
     void* e = reinterpret_cast<void*>(s_->next_event++);
     s_->events[e] = {stream, ++s_->queued[stream]};
     return e;
   }
   bool event_done(void* event) override {
+    EXPECT_FALSE(s_->capturing) << "an event queried during a capture";
     auto [stream, ticket] = s_->events.at(event);
     return s_->completed[stream] >= ticket;
   }
@@ -74,6 +80,7 @@ class FakeDevice final : public detail::PoolBackend {
     ++s_->events_destroyed;
   }
   void synchronize() override {
+    EXPECT_FALSE(s_->capturing) << "a device synchronisation during a capture";
     ++s_->syncs;
     for (auto& [stream, ticket] : s_->queued) s_->completed[stream] = ticket;
   }
@@ -82,6 +89,10 @@ class FakeDevice final : public detail::PoolBackend {
     *total = s_->budget;
   }
   std::string name() const override { return "GPU 7"; }
+  uint64_t capture_id(void* stream) override {
+    auto it = s_->capture_of.find(stream);
+    return it == s_->capture_of.end() ? 0 : it->second;
+  }
 
  private:
   std::shared_ptr<FakeState> s_;
@@ -99,6 +110,17 @@ class CachingPoolTest : public ::testing::Test {
   }
   void SetUp() override { make_pool(size_t{1} << 40); }
   void* alloc(size_t n, void* stream = kStreamA) { return pool_->allocate(n, stream); }
+  // A capture `id` of `streams` into private pool `pool`, as CUDAGraph::capture_begin makes one.
+  void begin_capture(detail::PoolId pool, uint64_t id, std::vector<void*> streams) {
+    for (void* s : streams) state_->capture_of[s] = id;
+    pool_->begin_private(pool, id);
+    state_->capturing = true;
+  }
+  void end_capture(uint64_t id) {
+    state_->capturing = false;
+    std::erase_if(state_->capture_of, [id](const auto& e) { return e.second == id; });
+    pool_->end_private(id);
+  }
   std::vector<int64_t> layout(void* p) const { return pool_->segment_layout(p); }
   static std::vector<int64_t> mib(std::vector<int64_t> v) {
     for (auto& x : v) x *= kMiB64;
@@ -374,6 +396,118 @@ TEST_F(CachingPoolTest, PeaksFollowTheCountsAndReset) {
   EXPECT_EQ(s.max_allocated, 512);
   EXPECT_EQ(s.max_reserved, 2 * kMiB64);
   pool_->free(b);
+}
+
+// Note [Graph pools]: what a capture allocates stays in its private pool, reused within the
+// capture, kept from everything else, and given back when the graph is.
+TEST_F(CachingPoolTest, PrivatePoolServesTheCapturingStreamAndKeepsItsMemoryUntilReleased) {
+  void* before = alloc(kMiB, kStreamA);
+  pool_->free(before);
+  begin_capture(1, 100, {kStreamA});
+  void* a = alloc(kMiB, kStreamA);
+  EXPECT_NE(a, before);  // the default pool's free block is not taken
+  EXPECT_EQ(pool_->private_pool_of(a), 1u);
+  void* other = alloc(kMiB, kStreamB);  // another stream allocates as usual meanwhile
+  EXPECT_EQ(pool_->private_pool_of(other), 0u);
+  pool_->free(a);
+  void* again = alloc(kMiB, kStreamA);  // reused within the capture: the graph runs in order
+  EXPECT_EQ(again, a);
+  void* big = alloc(30 * kMiB, kStreamA);
+  EXPECT_EQ(pool_->private_pool_of(big), 1u);
+  pool_->free(big);
+  end_capture(100);
+  const int64_t reserved = pool_->stats().reserved;
+  EXPECT_EQ(reserved, (2 + 2 + 2 + 30) * kMiB64);
+  // After the capture the stream allocates from the default pool; the graph's memory stays out.
+  void* after = alloc(30 * kMiB, kStreamA);
+  EXPECT_EQ(pool_->private_pool_of(after), 0u);
+  EXPECT_NE(after, big);
+  pool_->free(after);
+  pool_->empty_cache();  // the default pool's segments go; the graph's stay
+  EXPECT_EQ(pool_->stats().reserved, (2 + 2 + 30) * kMiB64);
+  EXPECT_EQ(pool_->segment_layout(big), mib({-30}));
+  // The graph is reset while `again` (its static output) lives: the free 30 MiB go back now,
+  // the small segment when its last block is freed.
+  pool_->release_private(1);
+  EXPECT_EQ(pool_->stats().reserved, (2 + 2) * kMiB64);
+  EXPECT_TRUE(pool_->segment_layout(big).empty());
+  pool_->free(again);
+  EXPECT_EQ(pool_->stats().reserved, 2 * kMiB64);
+  pool_->free(other);
+  pool_->empty_cache();
+  EXPECT_EQ(pool_->stats().reserved, 0);
+  EXPECT_TRUE(state_->segments.empty());
+  EXPECT_THROW(pool_->release_private(1), ValueError);  // gone
+}
+
+TEST_F(CachingPoolTest, CaptureQueriesNoEventsWaitsForNothingAndGivesNothingBack) {
+  make_pool(100 * kMiB);
+  void* shared = alloc(4 * kMiB, kStreamA);
+  pool_->record_stream(shared, kStreamB);
+  void* cached = alloc(30 * kMiB, kStreamA);
+  pool_->free(cached);
+  begin_capture(3, 200, {kStreamA});
+  void* a = alloc(20 * kMiB, kStreamA);
+  pool_->free(shared);  // used on B: waits for B, but its event cannot be recorded now
+  EXPECT_TRUE(state_->events.empty());
+  EXPECT_EQ(pool_->segment_layout(shared), mib({4, -16}));
+  // 20 + 30 + 20 + 40 > 100 (the cached 30 MiB would make room): no retry, which would
+  // synchronise and free, but the error at once.
+  EXPECT_THROW(alloc(40 * kMiB, kStreamA), OutOfMemoryError);
+  EXPECT_EQ(pool_->stats().num_alloc_retries, 0);
+  EXPECT_THROW(pool_->empty_cache(), ValueError);
+  end_capture(200);
+  EXPECT_EQ(state_->events.size(), 1u);  // recorded now, on B
+  state_->finish(kStreamB);
+  EXPECT_EQ(alloc(4 * kMiB, kStreamA), shared);
+  pool_->free(a);
+  EXPECT_EQ(pool_->private_pool_of(a), 0u);  // freed: no longer handed out
+  EXPECT_EQ(pool_->segment_layout(a), mib({-20}));
+  pool_->release_private(3);
+  EXPECT_TRUE(pool_->segment_layout(a).empty());
+}
+
+// A capture that forks onto a second stream (a collective's, a prefetch's) allocates there from
+// its pool as well.
+TEST_F(CachingPoolTest, EveryStreamOfTheCaptureAllocatesFromItsPool) {
+  begin_capture(4, 300, {kStreamA, kStreamB});
+  void* a = alloc(kMiB, kStreamA);
+  void* b = alloc(kMiB, kStreamB);
+  EXPECT_EQ(pool_->private_pool_of(a), 4u);
+  EXPECT_EQ(pool_->private_pool_of(b), 4u);
+  end_capture(300);
+  pool_->free(a);
+  pool_->free(b);
+  pool_->release_private(4);
+  EXPECT_EQ(pool_->stats().reserved, 0);
+}
+
+TEST_F(CachingPoolTest, PoolSharedByTwoGraphsOutlivesTheFirst) {
+  begin_capture(9, 1, {kStreamA});
+  void* first = alloc(kMiB, kStreamA);
+  pool_->free(first);
+  end_capture(1);
+  begin_capture(9, 2, {kStreamA});  // a second graph captured into the same pool
+  EXPECT_EQ(alloc(kMiB, kStreamA), first);
+  end_capture(2);
+  pool_->free(first);
+  pool_->release_private(9);
+  EXPECT_EQ(pool_->segment_layout(first), mib({-2}));  // the second graph still uses it
+  pool_->release_private(9);
+  EXPECT_TRUE(pool_->segment_layout(first).empty());
+  EXPECT_EQ(pool_->stats().reserved, 0);
+}
+
+TEST_F(CachingPoolTest, PrivatePoolMisuseIsAnError) {
+  EXPECT_THROW(pool_->begin_private(0, 5), ValueError);
+  EXPECT_THROW(pool_->begin_private(2, 0), ValueError);
+  pool_->begin_private(2, 5);
+  EXPECT_THROW(pool_->begin_private(4, 5), ValueError);
+  EXPECT_THROW(pool_->end_private(6), ValueError);
+  pool_->end_private(5);
+  EXPECT_THROW(pool_->end_private(5), ValueError);
+  EXPECT_THROW(pool_->release_private(5), ValueError);
+  pool_->release_private(2);
 }
 
 // Threads on their own streams never get overlapping blocks, and every byte comes back.

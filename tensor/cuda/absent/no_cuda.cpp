@@ -2,6 +2,7 @@
 // entry point exists and says why it cannot work.
 #include <ember/tensor/allocator.h>
 #include <ember/tensor/cuda.h>
+#include <ember/tensor/cuda_graph.h>
 #include <ember/tensor/detail/copy.h>
 #include <ember/tensor/error.h>
 
@@ -56,6 +57,20 @@ int64_t max_memory_reserved(int) { return 0; }
 void reset_peak_memory_stats(int) {}
 void spin(int64_t, const Stream&) { no_cuda("spin"); }
 void spin(int64_t) { no_cuda("spin"); }
+MempoolId graph_pool_handle() { return 1; }
+bool is_current_stream_capturing() { return false; }
+struct CUDAGraph::Impl {};
+CUDAGraph::CUDAGraph() : impl_(std::make_unique<Impl>()) {}
+CUDAGraph::~CUDAGraph() = default;
+void CUDAGraph::capture_begin(MempoolId, CaptureMode) { no_cuda("CUDAGraph::capture_begin"); }
+void CUDAGraph::capture_end() { no_cuda("CUDAGraph::capture_end"); }
+void CUDAGraph::replay() { no_cuda("CUDAGraph::replay"); }
+void CUDAGraph::reset() {}
+MempoolId CUDAGraph::pool() const { return 0; }
+bool CUDAGraph::ready() const { return false; }
+void graph(CUDAGraph&, const std::function<void()>&, const GraphOptions&) {
+  no_cuda("cuda::graph");
+}
 }  // namespace cuda
 
 }  // namespace ember
