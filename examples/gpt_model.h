@@ -156,9 +156,7 @@ class GPT : public nn::Module {
   // (fully_shard's) and layouts (tensor parallelism's) run.
   /// tokens [B, T] -> the first block's input [B, T, C]
   Tensor embed(const Tensor& tokens) {
-    const int64_t T = tokens.size(1);
-    Tensor pos = ember::arange(0, T, 1, {ember::kInt64}).to(tokens.device());
-    return (*drop_)((*wte_)(tokens) + (*wpe_)(pos));
+    return (*drop_)((*wte_)(tokens) + (*wpe_)(positions(tokens.size(1), tokens.device())));
   }
   /// One block, checkpointed when the config says so and `training`.
   Tensor run_block(const std::shared_ptr<Block>& block, const Tensor& x, bool training) const {
@@ -201,11 +199,21 @@ class GPT : public nn::Module {
     }
   }
 
+  // 0..T-1 on `device`, made once per length and device: a copy from the host in every step
+  // would cost an upload, and a CUDA graph could not capture it.
+  const Tensor& positions(int64_t T, Device device) {
+    if (!positions_.defined() || positions_.size(0) != T || positions_.device() != device) {
+      positions_ = ember::arange(0, T, 1, {ember::kInt64}).to(device);
+    }
+    return positions_;
+  }
+
   std::shared_ptr<nn::Embedding> wte_, wpe_;
   std::shared_ptr<nn::Dropout> drop_;
   std::shared_ptr<nn::Sequential> sequence_;
   std::shared_ptr<nn::LayerNorm> ln_f_;
   std::shared_ptr<TiedHead> lm_head_;
+  Tensor positions_;
 
  public:
   /// The decoder blocks in order: the modules of the state dict's blocks.<i>, for a caller that

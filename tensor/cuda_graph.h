@@ -63,6 +63,13 @@ class CUDAGraph {
   std::unique_ptr<Impl> impl_;
 };
 
+/// While the calling thread captures a graph: runs `fn` on the host before each launch of its
+/// replays (the replay's stream is current, so what fn queues runs before the graph), and
+/// returns true; false when no capture is underway. For device values that must follow host
+/// state at every replay, such as a capturable optimizer's learning rate under a scheduler. What
+/// fn refers to must outlive the graph.
+bool on_each_replay(std::function<void()> fn);
+
 struct GraphOptions {
   MempoolId pool = 0;
   /// The stream to capture on; null: a side stream of Ember's per device.

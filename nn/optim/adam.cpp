@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include <ember/tensor/cuda_graph.h>
 #include <ember/tensor/ops/optim.h>
 
 namespace ember::nn::optim {
@@ -14,11 +15,12 @@ GroupOptions adam_defaults(const AdamOptions& o) {
           {"eps", o.eps},
           {"weight_decay", o.weight_decay},
           {"amsgrad", o.amsgrad ? 1.0 : 0.0},
-          {"maximize", o.maximize ? 1.0 : 0.0}};
+          {"maximize", o.maximize ? 1.0 : 0.0},
+          {"capturable", o.capturable ? 1.0 : 0.0}};
 }
 
 AdamOptions from_adamw(const AdamWOptions& o) {
-  return {o.lr, o.betas, o.eps, o.weight_decay, o.amsgrad, o.maximize};
+  return {o.lr, o.betas, o.eps, o.weight_decay, o.amsgrad, o.maximize, o.capturable};
 }
 }  // namespace
 
@@ -26,7 +28,8 @@ Adam::Adam(std::vector<ParamGroup> groups, const AdamOptions& options)
     : Adam(std::move(groups), options, /*decoupled=*/false) {}
 
 Adam::Adam(std::vector<ParamGroup> groups, const AdamOptions& options, bool decoupled)
-    : Optimizer(adam_defaults(options), {"amsgrad", "maximize"}), decoupled_(decoupled) {
+    : Optimizer(adam_defaults(options), {"amsgrad", "maximize", "capturable"}),
+      decoupled_(decoupled) {
   check_options(defaults(), 0);
   add_param_groups(std::move(groups));
 }
@@ -50,13 +53,38 @@ void Adam::check_options(const GroupOptions& o, size_t gi) const {
               " (expected weight_decay >= 0)");
 }
 
+const double* Adam::device_lr(size_t group, const Device& device) {
+  DeviceLr* slot = nullptr;
+  for (auto& d : device_lr_) {
+    if (d->group == group && d->device == device) slot = d.get();
+  }
+  if (slot == nullptr) {
+    device_lr_.push_back(std::make_unique<DeviceLr>(
+        DeviceLr{group, device, zeros({}, TensorOptions(kFloat64).device(device))}));
+    slot = device_lr_.back().get();
+  }
+  auto write = [this, slot] {
+    const double lr = param_groups()[slot->group].options.at("lr");
+    if (slot->valid && slot->written == lr) return;
+    slot->value.fill_(lr);
+    slot->written = lr;
+    slot->valid = true;
+  };
+  // In a capture the fill would be replayed with today's value: the graph writes the value of
+  // the time before each replay instead.
+  if (!cuda::on_each_replay(write)) write();
+  return static_cast<const double*>(slot->value.data_ptr());
+}
+
 void Adam::step() {
   NoGradGuard no_grad;
-  for (ParamGroup& group : param_groups()) {
+  for (size_t gi = 0; gi < param_groups().size(); ++gi) {
+    ParamGroup& group = param_groups()[gi];
     const GroupOptions& o = group.options;
     const double lr = o.at("lr"), beta1 = o.at("beta1"), beta2 = o.at("beta2");
     const double eps = o.at("eps"), wd = o.at("weight_decay");
     const bool amsgrad = o.at("amsgrad") != 0, maximize = o.at("maximize") != 0;
+    const bool capturable = o.at("capturable") != 0;
     for (Tensor& p : group.params) {
       const Tensor grad_in = p.grad();
       if (!grad_in.defined()) continue;
@@ -84,19 +112,27 @@ void Adam::step() {
         }
       }
 
-      // The count is a float32 scalar, incremented in float32 and read back as a double
-      // (PyTorch: step_t += 1; step = step_t.item()).
-      float* count = step_t->data<float>();
-      *count += 1.0f;
-      const double step = *count;
-
       ember::detail::AdamStepArgs args;
+      if (capturable && p.is_cuda()) {
+        // The count stays on the device and the kernel reads it (and the learning rate) there.
+        if (step_t->device() != p.device()) *step_t = step_t->to(p.device());
+        step_t->add_(1.0);
+        args.step_dev = static_cast<const float*>(step_t->data_ptr());
+        args.lr_dev = device_lr(gi, p.device());
+      } else {
+        // The count is a float32 scalar, incremented in float32 and read back as a double
+        // (PyTorch: step_t += 1; step = step_t.item()).
+        if (!step_t->device().is_cpu()) *step_t = step_t->cpu();
+        float* count = step_t->data<float>();
+        *count += 1.0f;
+        args.step = *count;
+      }
+
       args.lr = lr;
       args.beta1 = beta1;
       args.beta2 = beta2;
       args.eps = eps;
       args.weight_decay = wd;
-      args.step = step;
       args.amsgrad = amsgrad;
       args.maximize = maximize;
       args.decoupled = decoupled_;

@@ -2,7 +2,9 @@
 // same order of operations, with the step count kept as a float32 tensor as PyTorch 1.13 does).
 #pragma once
 
+#include <memory>
 #include <utility>
+#include <vector>
 
 #include <ember/nn/optim/optimizer.h>
 
@@ -19,6 +21,11 @@ struct AdamOptions {
   double weight_decay = 0;
   bool amsgrad = false;
   bool maximize = false;
+  /// PyTorch's capturable: for CUDA parameters the step count lives on the device and the step
+  /// reads it and the learning rate there, so that the step can be captured in a CUDA graph and
+  /// replayed (Note [CUDA graphs]); a group's learning rate set on the host (a scheduler) is
+  /// written to the device before each replay. No effect on CPU parameters.
+  bool capturable = false;
 };
 
 /// AdamW's hyperparameters: AdamOptions with PyTorch's AdamW default weight_decay of 1e-2.
@@ -29,6 +36,7 @@ struct AdamWOptions {
   double weight_decay = 1e-2;
   bool amsgrad = false;
   bool maximize = false;
+  bool capturable = false;  ///< as AdamOptions::capturable
 };
 
 /// For each parameter p with gradient g, step t (counted per parameter from 1):
@@ -37,7 +45,8 @@ struct AdamWOptions {
 ///   vmax = max(vmax, v)                                      (amsgrad; v := vmax below)
 ///   denom = sqrt(v) / sqrt(1 - beta2^t) + eps
 ///   p -= lr / (1 - beta1^t) * m / denom
-/// State per parameter: "step" (a float32 scalar on the CPU), "exp_avg", "exp_avg_sq" and,
+/// State per parameter: "step" (a float32 scalar on the CPU; on the parameter's CUDA device when
+/// capturable), "exp_avg", "exp_avg_sq" and,
 /// with amsgrad, "max_exp_avg_sq". A step is one fused pass per parameter (tensor/ops/optim.h:
 /// reads the parameter, gradient and moments once, writes them once, allocates nothing) when
 /// they are contiguous and of one dtype, else a chain of in-place tensor ops.
@@ -58,7 +67,19 @@ class Adam : public Optimizer {
   void check_options(const GroupOptions& options, size_t group_index) const override;
 
  private:
+  // A capturable group's learning rate on its device: one float64 scalar per (group, device),
+  // rewritten when the host value changes, and before each replay of a graph that captured it.
+  struct DeviceLr {
+    size_t group;
+    Device device;
+    Tensor value;
+    double written = 0;
+    bool valid = false;
+  };
+  const double* device_lr(size_t group, const Device& device);
+
   bool decoupled_ = false;
+  std::vector<std::unique_ptr<DeviceLr>> device_lr_;
 };
 
 /// Adam with decoupled weight decay (Loshchilov & Hutter): before the Adam update,

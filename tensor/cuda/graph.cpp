@@ -55,6 +55,7 @@ struct CUDAGraph::Impl {
   cudaGraphExec_t exec = nullptr;
   std::vector<RngSlot> rng;
   std::vector<std::function<void(cudaStream_t)>> after_launch;
+  std::vector<std::function<void()>> before_launch;
 
   // Ends a capture that failed or was abandoned, discarding what it recorded.
   void abandon() noexcept;
@@ -120,6 +121,7 @@ void CUDAGraph::Impl::release() {
     rng.clear();
   }
   after_launch.clear();
+  before_launch.clear();
   if (holds_pool) {
     holds_pool = false;
     detail::device_pool(device).release_private(pool);
@@ -221,6 +223,7 @@ void CUDAGraph::replay() {
     const Generator::Draw d = r.gen->reserve(r.used);
     ::ember::detail::write_philox_replay(r.words, d.seed, d.offset, stream);
   }
+  for (const auto& fn : g.before_launch) fn();
   EMBER_CUDA_CHECK(cudaGraphLaunch(g.exec, detail::raw(stream)));
   for (const auto& fn : g.after_launch) fn(detail::raw(stream));
 }
@@ -233,6 +236,12 @@ void CUDAGraph::reset() {
 MempoolId CUDAGraph::pool() const { return impl_->pool; }
 
 bool CUDAGraph::ready() const { return impl_->exec != nullptr; }
+
+bool on_each_replay(std::function<void()> fn) {
+  if (t_capture == nullptr) return false;
+  t_capture->before_launch.push_back(std::move(fn));
+  return true;
+}
 
 void graph(CUDAGraph& g, const std::function<void()>& fn, const GraphOptions& opts) {
   const int device = current_device();

@@ -9,7 +9,9 @@ namespace ember::detail {
 namespace {
 
 template <typename T, typename A>
-__global__ void adam_kernel(AdamFunctor<A> f, T* p, const T* g, T* m, T* v, T* vmax, int64_t n) {
+__global__ void adam_kernel(AdamFunctor<A> f, AdamStepArgs s, T* p, const T* g, T* m, T* v, T* vmax,
+                            int64_t n) {
+  if (s.step_dev != nullptr) f = make_adam_functor<A>(s, *s.lr_dev, *s.step_dev);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     f(p[i], g[i], m[i], v[i], vmax ? vmax + i : nullptr);
@@ -36,7 +38,7 @@ void adam_update_cuda(const Tensor& param, const Tensor& grad, const Tensor& exp
     using A = acc_t<T>;
     T* vmax = args.amsgrad ? static_cast<T*>(max_exp_avg_sq.data_ptr()) : nullptr;
     adam_kernel<T, A><<<cuda_loops::blocks_for(n), cuda_loops::kThreads, 0, stream>>>(
-        make_adam_functor<A>(args), static_cast<T*>(param.data_ptr()),
+        make_adam_functor<A>(args), args, static_cast<T*>(param.data_ptr()),
         static_cast<const T*>(grad.data_ptr()), static_cast<T*>(exp_avg.data_ptr()),
         static_cast<T*>(exp_avg_sq.data_ptr()), vmax, n);
   });

@@ -105,15 +105,22 @@ struct SgdFunctor {
   }
 };
 
+/// The functor of step `step` at learning rate `lr`, the other hyperparameters from s (the CUDA
+/// kernel of a capturable step calls it with the values it reads on the device).
 template <typename A>
-AdamFunctor<A> make_adam_functor(const AdamStepArgs& s) {
-  const double bc1 = 1 - ::pow(s.beta1, s.step);
-  const double bc2 = 1 - ::pow(s.beta2, s.step);
+EMBER_HD AdamFunctor<A> make_adam_functor(const AdamStepArgs& s, double lr, double step) {
+  const double bc1 = 1 - ::pow(s.beta1, step);
+  const double bc2 = 1 - ::pow(s.beta2, step);
   return {A(s.beta1),         A(1 - s.beta1),          A(s.beta2),
-          A(1 - s.beta2),     A(1 - s.lr * s.weight_decay), A(s.weight_decay),
-          A(::sqrt(bc2)),     A(s.eps),                A(-(s.lr / bc1)),
+          A(1 - s.beta2),     A(1 - lr * s.weight_decay), A(s.weight_decay),
+          A(::sqrt(bc2)),     A(s.eps),                A(-(lr / bc1)),
           s.amsgrad,          s.maximize,              s.decoupled,
           s.weight_decay != 0};
+}
+
+template <typename A>
+AdamFunctor<A> make_adam_functor(const AdamStepArgs& s) {
+  return make_adam_functor<A>(s, s.lr, s.step);
 }
 
 template <typename A>

@@ -92,6 +92,12 @@ void adam_update_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg
   check_like(op, param, exp_avg_sq, "exp_avg_sq");
   if (args.amsgrad) check_like(op, param, max_exp_avg_sq, "max_exp_avg_sq");
   const Tensor vmax = args.amsgrad ? max_exp_avg_sq : Tensor();
+  const bool capturable = args.step_dev != nullptr;
+  EMBER_CHECK(!capturable || param.is_cuda(), "[", op,
+              "] a capturable step (step and lr on the device) needs a CUDA parameter, got one on ",
+              param.device());
+  EMBER_CHECK(!capturable || fusable(param, {&grad, &exp_avg, &exp_avg_sq, &vmax}), "[", op,
+              "] a capturable step needs contiguous tensors of the parameter's floating dtype");
   if (!fusable(param, {&grad, &exp_avg, &exp_avg_sq, &vmax})) {
     adam_fallback(param, grad, exp_avg, exp_avg_sq, vmax, args);
     return;

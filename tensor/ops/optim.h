@@ -15,6 +15,11 @@ struct AdamStepArgs {
   double step = 1;
   bool amsgrad = false, maximize = false;
   bool decoupled = false;  ///< AdamW: p *= 1 - lr * wd instead of g += wd * p
+  /// Capturable steps (CUDA only): the step count and the learning rate are read on the device
+  /// from these scalars (float32 step, float64 lr) instead of `step` and `lr`, so that a CUDA
+  /// graph replaying the update uses each replay's values (Note [CUDA graphs]).
+  const float* step_dev = nullptr;
+  const double* lr_dev = nullptr;
 };
 
 /// Host-side description of one SGD step.

@@ -16,6 +16,7 @@
 #include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
 #include <ember/nn/io/serialize.h>
+#include <ember/tensor/cuda_graph.h>
 #include <ember/tensor/ops/foreach.h>
 #include "tests/tensor/test_util.h"
 
@@ -247,8 +248,9 @@ TEST(Optim, AdamStateMatchesPyTorch) {
   EXPECT_EQ(names[11], "state.2.max_exp_avg_sq");
   EXPECT_TRUE(sd.state[5].second.is_same(st[1].second)) << "state_dict should not copy";
   EXPECT_EQ(sd.param_groups,
-            "[{\"amsgrad\":true,\"beta1\":0.9,\"beta2\":0.999,\"eps\":1e-08,\"lr\":0.01,"
-            "\"maximize\":true,\"weight_decay\":0.0,\"params\":[0,1,2]}]");
+            "[{\"amsgrad\":true,\"beta1\":0.9,\"beta2\":0.999,\"capturable\":false,"
+            "\"eps\":1e-08,\"lr\":0.01,\"maximize\":true,\"weight_decay\":0.0,"
+            "\"params\":[0,1,2]}]");
 }
 
 TEST(Optim, ZeroGrad) {
@@ -421,6 +423,64 @@ std::vector<Tensor> clone_params(const std::vector<Tensor>& ps) {
   std::vector<Tensor> out;
   for (const Tensor& p : ps) out.push_back(p.detach().clone().requires_grad_());
   return out;
+}
+
+// capturable only changes where a CUDA parameter's step count lives; on the CPU it is a no-op.
+TEST(Optim, CapturableIsANoOpOnCpuParameters) {
+  std::vector<Tensor> a = make_params(), b = clone_params(a);
+  AdamW with(a, {.lr = 0.01, .weight_decay = 0.1, .capturable = true});
+  AdamW without(b, {.lr = 0.01, .weight_decay = 0.1});
+  run_steps(with, a, 0, 5);
+  run_steps(without, b, 0, 5);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(equal(a[i], b[i])) << "parameter " << i;
+  for (const auto& [key, t] : with.state(a[0])) EXPECT_TRUE(t.device().is_cpu()) << key;
+}
+
+// A capturable AdamW step captured in a CUDA graph and replayed matches eager steps, with the
+// gradients refilled before each replay and the learning rate changed on the host between
+// replays (as a scheduler does): the graph writes it to the device before each launch.
+TEST(Optim, CudaCapturableAdamWReplaysInAGraphAsEagerSteps) {
+  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device (or built with EMBER_WITH_CUDA=OFF)";
+  const Device dev("cuda");
+  std::vector<Tensor> eager, graphed, grads;
+  for (const Tensor& p : make_params()) {
+    eager.push_back(p.detach().to(dev).requires_grad_());
+    graphed.push_back(p.detach().to(dev).requires_grad_());
+    grads.push_back(zeros_like(eager.back()));
+    graphed.back().set_grad(grads.back());  // the graph's static input
+  }
+  AdamW eager_opt(eager, {.lr = 0.01, .weight_decay = 0.1});
+  AdamW graph_opt(graphed, {.lr = 0.01, .weight_decay = 0.1, .capturable = true});
+  auto fill_grads = [&](int s) {
+    for (size_t i = 0; i < eager.size(); ++i) {
+      Tensor g = rand_t(eager[i].shape(), kFloat32, 100 + 10 * s + i).to(dev);
+      eager[i].set_grad(g);
+      grads[i].copy_(g);
+    }
+  };
+  for (int s = 0; s < 2; ++s) {  // warm-up: the state exists before the capture
+    fill_grads(s);
+    eager_opt.step();
+    graph_opt.step();
+  }
+  cuda::CUDAGraph graph;
+  cuda::graph(graph, [&] { graph_opt.step(); });
+  for (int s = 2; s < 7; ++s) {
+    const double lr = 0.01 * (1.0 - 0.1 * s);
+    eager_opt.param_groups()[0].options["lr"] = lr;
+    graph_opt.param_groups()[0].options["lr"] = lr;
+    fill_grads(s);
+    eager_opt.step();
+    graph.replay();
+  }
+  for (size_t i = 0; i < eager.size(); ++i) {
+    expect_close(graphed[i].cpu(), eager[i].cpu().to_vector<double>(), 1e-6,
+                 "graph-replayed parameter " + std::to_string(i));
+  }
+  for (const auto& [key, t] : graph_opt.state(graphed[0])) {
+    EXPECT_TRUE(t.is_cuda()) << key;
+    if (key == "step") EXPECT_EQ(t.item<float>(), 7.0f);
+  }
 }
 
 TEST(Optim, StateDictRoundTripContinuesIdentically) {

@@ -59,6 +59,7 @@ void spin(int64_t, const Stream&) { no_cuda("spin"); }
 void spin(int64_t) { no_cuda("spin"); }
 MempoolId graph_pool_handle() { return 1; }
 bool is_current_stream_capturing() { return false; }
+bool on_each_replay(std::function<void()>) { return false; }
 struct CUDAGraph::Impl {};
 CUDAGraph::CUDAGraph() : impl_(std::make_unique<Impl>()) {}
 CUDAGraph::~CUDAGraph() = default;
