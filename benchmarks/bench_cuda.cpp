@@ -27,6 +27,7 @@
 #include <ember/tensor/autocast.h>
 #include <ember/tensor/ops/conv.h>
 #include <ember/tensor/cuda.h>
+#include <ember/tensor/cuda_graph.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/ops/random.h>
 
@@ -270,6 +271,48 @@ void run_gpt_cases(const bench::Options& o) {
     bench::run(o, "gpt_clip_grad_norm_f32_10.8M",
                [&] { bench::do_not_optimize(nn::clip_grad_norm_(params, 1.0)); }, 0,
                3.0 * 4 * 10844160, sync);
+  }
+  // The whole training step of examples/gpt at its GPU size (bf16 autocast, the loss,
+  // clipping, AdamW), run eagerly and replayed as a CUDA graph (Note [CUDA graphs]); the second
+  // line's ratio is the measure. At batch 8 launches weigh more than at 64.
+  for (int64_t batch : {8, 64}) {
+    const std::string name = "gpt_train_step_bf16_b" + std::to_string(batch) + "_t256";
+    if (!bench::selected(o, name)) continue;
+    double eager_s = 0;
+    for (const bool graphed : {false, true}) {
+      manual_seed(0);
+      examples::GPT model(kGpuGpt);
+      model.to(gpu);
+      nn::optim::AdamW opt(
+          model.parameters(),
+          {.lr = 1e-3, .betas = {0.9, 0.95}, .weight_decay = 0.1, .capturable = graphed});
+      Tensor x = randint(0, kVocab, {batch, kContext}).to(gpu);
+      Tensor y = randint(0, kVocab, {batch, kContext}).to(gpu);
+      Tensor loss;
+      auto step = [&] {
+        opt.zero_grad();
+        {
+          AutocastGuard autocast(gpu, kBFloat16);
+          loss = F::cross_entropy(model(x).view({-1, kVocab}), y.view({-1}));
+        }
+        loss.backward();
+        nn::clip_grad_norm_(model.parameters(), 1.0);
+        opt.step();
+      };
+      const double flops = static_cast<double>(batch * kContext) *
+                           static_cast<double>(examples::flops_per_token(kGpuGpt, kContext));
+      if (!graphed) {
+        eager_s = bench::run(o, name, step, flops, 0, sync);
+        continue;
+      }
+      for (int i = 0; i < 3; ++i) step();  // warm-up: state, plans and caches before the capture
+      cuda::CUDAGraph graph;
+      cuda::graph(graph, step);
+      const double graph_s = bench::run(
+          o, name + "_cuda_graph", [&] { graph.replay(); }, flops, 0, sync);
+      std::printf("# %s: CUDA graph %.3f ms, eager %.3f ms, %.2fx eager's tokens/s\n", name.c_str(),
+                  graph_s * 1e3, eager_s * 1e3, eager_s / graph_s);
+    }
   }
   if (bench::selected(o, "gpt_block_fwdbwd_bf16_b64_t256")) {
     manual_seed(0);

@@ -189,6 +189,51 @@ def gpt_cases(args, dev):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return block(x)
     fwd_bwd("gpt_block_fwdbwd_bf16_b64_t256", list(block.parameters()) + [x], block_forward, 0)
+    del block, x
+    gpt_train_steps(args, dev)
+
+
+def gpt_train_steps(args, dev):
+    """bench_cuda's gpt_train_step cases: the whole step eagerly, and replayed as a CUDA graph
+    (torch.cuda.graph, capturable AdamW, the step warmed up on a side stream as PyTorch's
+    documentation does)."""
+    from gpt_torch import GPT  # noqa: E402
+    import types
+    cfg = types.SimpleNamespace(vocab=VOCAB, dim=WIDTH, heads=HEADS, layers=LAYERS,
+                                context=CONTEXT, dropout=0.0, attention="fused",
+                                checkpoint_activations=False)
+    for batch in (8, 64):
+        name = f"gpt_train_step_bf16_b{batch}_t256"
+        if args.filter and args.filter not in name:
+            continue
+        for graphed in (False, True):
+            torch.manual_seed(0)
+            model = GPT(cfg).to(dev)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95),
+                                    weight_decay=0.1, capturable=graphed)
+            x = torch.randint(0, VOCAB, (batch, CONTEXT), device=dev)
+            y = torch.randint(0, VOCAB, (batch, CONTEXT), device=dev)
+
+            def step():
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1))
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+            if not graphed:
+                timed(args, name, step)
+                continue
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            timed(args, name + "_cuda_graph", graph.replay)
 
 
 if __name__ == "__main__":

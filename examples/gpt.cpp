@@ -58,7 +58,7 @@
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/allocator.h>
 #include <ember/tensor/ops/creation.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/cuda_graph.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops/indexing.h>
 #include <ember/tensor/ops/random.h>
@@ -106,6 +106,7 @@ class Trainer {
 
  private:
   double train_step(int64_t step);
+  float graph_step(const nn::data::Batch& b);
   double pipeline_step(const nn::data::Batch& b);
   double evaluate();
   void log_progress(LogWindow& window);
@@ -157,6 +158,10 @@ class Trainer {
   double peak_rss_mb_ = 0, peak_allocated_mb_ = 0;  // the largest over the ranks
   int64_t peak_memory_bytes_ = 0;                     // this rank's allocator high-water mark
   Metrics metrics_;
+  // --cuda-graph: the captured step, its static batch and loss, and the eager steps before it.
+  ember::cuda::CUDAGraph graph_;
+  Tensor graph_x_, graph_y_, graph_loss_;
+  int64_t graph_warmup_ = 0;
 };
 
 // --data synthetic's length: the run's training windows back to back (steps x batch x context
@@ -312,6 +317,13 @@ double Trainer::train_step(int64_t step) {
     check_loss_is_finite(static_cast<float>(value), "step", step_, run_.rank, a_.continue_on_nan);
     return value;
   }
+  if (a_.cuda_graph) {
+    const float value = graph_step(b);
+    schedule_.step();  // a capturable AdamW writes the new rate before the next replay
+    ++step_;
+    check_loss_is_finite(value, "step", step_, run_.rank, a_.continue_on_nan);
+    return value;
+  }
   Tensor x = b.data.to(run_.device), y = b.target.to(run_.device);
   // A checkpoint being staged in the background reads the live state: a hook's error feedback
   // and --zero-overlap's parameters change during backward, everything else at the step.
@@ -349,6 +361,41 @@ double Trainer::train_step(int64_t step) {
   const float value = loss.item<float>();
   check_loss_is_finite(value, "step", step_, run_.rank, a_.continue_on_nan);
   return value;
+}
+
+// --cuda-graph: the step's work on static batch tensors (Note [CUDA graphs]), eagerly for the
+// first steps (the optimizer's state, cuDNN's plans and the caches must exist before a capture),
+// then captured once and replayed; returns the loss.
+float Trainer::graph_step(const nn::data::Batch& b) {
+  if (!graph_x_.defined()) {
+    graph_x_ = b.data.to(run_.device);
+    graph_y_ = b.target.to(run_.device);
+  } else {
+    graph_x_.copy_(b.data);
+    graph_y_.copy_(b.target);
+  }
+  if (checkpoint_) checkpoint_->wait_until_staged();  // it reads the state the step writes
+  auto body = [this] {
+    zero_grad();
+    {
+      const nn::amp::autocast amp(run_.device, amp_dtype(a_.amp), a_.amp != "off");
+      graph_loss_ = loss_of((*model_)(graph_x_), graph_y_);
+    }
+    graph_loss_.backward();
+    if (a_.grad_clip > 0) nn::clip_grad_norm_(model_->parameters(), a_.grad_clip);
+    par_.adamw->step();
+  };
+  constexpr int64_t kEagerSteps = 3;
+  if (graph_.ready()) {
+    graph_.replay();
+  } else if (graph_warmup_ < kEagerSteps) {
+    body();
+    ++graph_warmup_;
+  } else {
+    ember::cuda::graph(graph_, body);
+    graph_.replay();
+  }
+  return graph_loss_.item<float>();
 }
 
 // --pp: one step of the schedule over this rank's stages (DDP's reductions within it, once per

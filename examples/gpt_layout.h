@@ -69,7 +69,11 @@ inline std::vector<nn::optim::ParamGroup> sharded_decay_groups(const nn::Module&
 }
 
 inline nn::optim::AdamWOptions adamw_options(const Args& a) {
-  return {.lr = a.lr, .betas = {0.9, 0.95}, .eps = 1e-8, .weight_decay = 0.1};
+  return {.lr = a.lr,
+          .betas = {0.9, 0.95},
+          .eps = 1e-8,
+          .weight_decay = 0.1,
+          .capturable = a.cuda_graph};
 }
 
 // --tp: the ranks as a (dp, tp) mesh. Each row of tp ranks holds one model, laid out by
@@ -218,6 +222,15 @@ inline Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
     for (const auto& block : model->blocks) dist::fully_shard(block, {.group = pg});
     dist::fully_shard(model, {.group = pg});
     p.adamw = std::make_unique<nn::optim::AdamW>(sharded_decay_groups(*model), adamw_options(a));
+    return p;
+  }
+  if (a.cuda_graph) {
+    // One rank: there is nothing to reduce, and a capture would not hold DDP's collectives over
+    // gloo (they stage through the host).
+    EMBER_CHECK(pg->size() == 1, "--cuda-graph runs one rank yet, got ", pg->size(),
+                " (docs/nn.md, CUDA graphs)");
+    p.adamw =
+        std::make_unique<nn::optim::AdamW>(decay_groups(model->parameters()), adamw_options(a));
     return p;
   }
   p.ddp = std::make_shared<dist::DistributedDataParallel>(model, pg);

@@ -217,6 +217,21 @@ TEST_F(Gpt, CudaFp16ResumeKeepsTheLossScale) {
       << "resumed:\n" << rest.output << "\nuninterrupted:\n" << whole.output;
 }
 
+// --cuda-graph: the step captured once (after three eager ones) and replayed trains as the
+// eager steps do, dropout and the learning-rate schedule included (Note [CUDA graphs]).
+TEST_F(Gpt, CudaGraphTrainsAsTheEagerStepsDo) {
+  if (!ember::cuda::is_available()) GTEST_SKIP() << ember::cuda::unavailable_reason();
+  const std::string gpu = " --device cuda --amp bf16 --dropout 0.1";
+  Result eager = run(tiny() + gpu);
+  ASSERT_EQ(eager.status, 0) << eager.output;
+  Result graphed = run(tiny() + gpu + " --cuda-graph");
+  ASSERT_EQ(graphed.status, 0) << graphed.output;
+  EXPECT_NEAR(value_of(graphed.output, "val_loss"), value_of(eager.output, "val_loss"), 1e-3)
+      << "graph:\n"
+      << graphed.output << "\neager:\n"
+      << eager.output;
+}
+
 // --shard zero and --shard fsdp train the same model as plain DDP: the same validation loss to
 // the printed digits (ZeRO steps the same AdamW on each rank's partition; FSDP averages the same
 // gradients through reduce-scatters), and each prints its allocator's peak.
@@ -547,10 +562,13 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
   { std::ofstream(short_text) << "Too short to train on.\n"; }
   const Case cases[] = {
       {"--amp fp16", 2, "gpt: --amp fp16 needs --device cuda (on the CPU use --amp bf16)"},
+      {"--cuda-graph", 2,
+       "gpt: --cuda-graph captures a plain step on a GPU yet: it needs --device cuda"},
       {"--dim 30", 2, "gpt: --dim 30 must be a multiple of --heads 4"},
       {"--layers 0", 2, "--layers: expected a number > 0, got 0"},
       {"--resume", 2, "gpt: --resume needs --checkpoint-dir"},
-      {"--async-checkpoint", 2, "gpt: --checkpoint-every and --async-checkpoint need --checkpoint-dir"},
+      {"--async-checkpoint", 2,
+       "gpt: --checkpoint-every and --async-checkpoint need --checkpoint-dir"},
       {"--checkpoint-every 5", 2, "gpt: --checkpoint-every and --async-checkpoint need"},
       {"--tp 3", 2, "gpt: --tp 3 must divide --heads 4 and the vocabulary (256)"},
       {"--tp 2 --sample 10", 2, "--tp takes neither --save-weights, --export-hf nor --sample yet"},
@@ -562,8 +580,10 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
       {"--pp 2 --layers 2 --microbatches 3", 2,
        "gpt: --batch-size 16 does not divide into --microbatches 3"},
       {"--pp 2 --layers 2 --shard fsdp --schedule interleaved-1f1b", 2,
-       "gpt: --pp with --shard fsdp takes one stage per rank (--schedule gpipe or 1f1b) and no --tp"},
-      {"--pp 2 --layers 2 --sample 5", 2, "gpt: --pp takes neither --save-weights, --export-hf nor --sample"},
+       "gpt: --pp with --shard fsdp takes one stage per rank (--schedule gpipe or 1f1b) and no "
+       "--tp"},
+      {"--pp 2 --layers 2 --sample 5", 2,
+       "gpt: --pp takes neither --save-weights, --export-hf nor --sample"},
       {"--pp 2 --layers 2", 1, "gpt: --pp 2 must divide the world size 1"},
       {"--data " + tmp.file("missing.txt"), 1, "no text file at '" + tmp.path() + "/missing.txt'"},
       {"--data " + short_text, 1, "is too short: its training split holds 21 tokens"},
