@@ -150,7 +150,7 @@ inline std::string unavailable(const Args& a) {
        a.amp == "fp16" || a.comm_hook != "none" || a.checkpoint_activations)) {
     return "--cuda-graph captures a plain step on a GPU yet: it needs --device cuda and takes no "
            "--tp, --pp, --shard, --amp fp16 (GradScaler's skipped steps), --comm-hook or "
-           "--checkpoint-activations (docs/nn.md, CUDA graphs)";
+           "--checkpoint-activations (docs/tensor.md, CUDA graphs)";
   }
   if (a.zero_overlap && a.grad_clip > 0) {
     // The update happens inside backward, before any norm over all gradients exists.

@@ -228,7 +228,7 @@ inline Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
     // One rank: there is nothing to reduce, and a capture would not hold DDP's collectives over
     // gloo (they stage through the host).
     EMBER_CHECK(pg->size() == 1, "--cuda-graph runs one rank yet, got ", pg->size(),
-                " (docs/nn.md, CUDA graphs)");
+                " (docs/tensor.md, CUDA graphs)");
     p.adamw =
         std::make_unique<nn::optim::AdamW>(decay_groups(model->parameters()), adamw_options(a));
     return p;
