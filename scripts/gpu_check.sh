@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpu_check.sh BUNDLE OUTDIR [tests|bench|train|attn|gpt|gpt124m|cpu]... — what only a GPU machine can show, run
+# gpu_check.sh BUNDLE OUTDIR [tests|bench|train|attn|gpt|gpt_graph|gpt124m|cpu]... — what only a GPU machine can show, run
 # on the GPU machine from a bundle made here by scripts/gpu_bundle.sh (a CUDA build in build/):
 #   device call: bash scripts/gpu_check.sh .gpu/bundle.txz $OUT tests bench   (carry: .gpu)
 #   tests  every test case whose name says CUDA, cuda or NCCL (or matches $TEST_FILTER), each in
@@ -20,6 +20,8 @@
 #          and fused attention; the KJV as plain text from .gpu/kjv.txt (the GPU machine has no
 #          bible-kjv to decode /usr/lib/bible.data: copy examples/gpt's token file there, it is
 #          the text byte for byte)
+#   gpt_graph  the same 10.8M GPT in bf16 ($GPT_BATCH, default 64; $GPT_STEPS, default 100),
+#          eager and with --cuda-graph, tokens_per_s of each (OUTDIR/gpt_graph.log)
 #   gpt124m  examples/gpt at GPT-2 124M's shape (12 layers, 768 wide, 12 heads, context 1024,
 #          vocabulary 50304, batch $GPT124M_BATCH, default 16) on synthetic tokens beside
 #          gpt_torch.py on the same token file: bf16 (Ember DDP and FSDP over NCCL on one rank, PyTorch
@@ -124,6 +126,20 @@ run_gpt() {
   } | tee "$out/gpt.log"
 }
 
+# The 10.8M GPT in bf16, eager and with --cuda-graph (Note [CUDA graphs]), in one call.
+run_gpt_graph() {
+  local data=$root/.gpu/kjv.txt cache=/tmp/ember_gpt_cache
+  local model=(--layers 6 --heads 6 --dim 384 --context 256 --batch-size "${GPT_BATCH:-64}"
+               --steps "${GPT_STEPS:-100}" --eval-every 0 --eval-batches 8 --seed 0 --amp bf16)
+  {
+    for graph in "" --cuda-graph; do
+      echo "== ember, 1 rank, cuda, amp bf16 ${graph:-eager}"
+      timeout "${GPT_TIMEOUT:-240}" "$b/run.sh" "$b/bin/build/examples/gpt" --device cuda --data "$data" \
+        --cache-dir "$cache" "${model[@]}" $graph 2>&1 | grep -v '\[#'
+    done
+  } | tee "$out/gpt_graph.log"
+}
+
 # GPT-2 124M's shape and the runs of one comparison (gpt124m, gpt124m_compile, gpt124m_val).
 g124_shape=(--layers 12 --heads 12 --dim 768 --context 1024 --vocab 50304 --lr 6e-4 --seed 0
             --batch-size "${GPT124M_BATCH:-16}")
@@ -197,6 +213,7 @@ for step in "$@"; do
     train) run_train ;;
     attn) run_attn ;;
     gpt) run_gpt ;;
+    gpt_graph) run_gpt_graph ;;
     gpt124m) run_gpt124m ;;
     gpt124m_compile) run_gpt124m_compile ;;
     gpt124m_val) run_gpt124m_val ;;
