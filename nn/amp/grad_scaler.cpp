@@ -43,7 +43,18 @@ Tensor GradScaler::scale(const Tensor& loss) {
   EMBER_CHECK(loss.is_floating_point(), "[GradScaler.scale] expected a floating-point loss, got ",
               loss.dtype());
   const bool low = loss.dtype() == kFloat16 || loss.dtype() == kBFloat16;
-  return (low ? loss.to(kFloat32) : loss) * static_cast<double>(scale_);
+  const Tensor l = low ? loss.to(kFloat32) : loss;
+  if (!options_.capturable) return l * static_cast<double>(scale_);
+  if (!scale_dev_.defined()) {
+    scale_dev_ =
+        full({}, static_cast<double>(scale_), TensorOptions(kFloat32).device(loss.device()));
+    growth_tracker_dev_ =
+        full({}, static_cast<double>(growth_tracker_), TensorOptions(kInt32).device(loss.device()));
+  }
+  EMBER_CHECK(loss.device() == scale_dev_.device(),
+              "[GradScaler.scale] a capturable scaler keeps its scale on ", scale_dev_.device(),
+              ", got a loss on ", loss.device());
+  return l * scale_dev_;
 }
 
 GradScaler::PerOptimizer& GradScaler::state_of(const optim::Optimizer& optimizer) {
@@ -61,9 +72,11 @@ void GradScaler::unscale_(optim::Optimizer& optimizer) {
   if (st.stage == Stage::kStepped) {
     throw Error("[GradScaler.unscale_] unscale_() is being called after step()");
   }
+  NoGradGuard no_grad;
   // torch: self._scale.double().reciprocal().float()
   const double inv_scale = static_cast<float>(1.0 / static_cast<double>(scale_));
-  NoGradGuard no_grad;
+  Tensor inv_scale_dev;
+  if (on_device()) inv_scale_dev = reciprocal(scale_dev_.to(kFloat64)).to(kFloat32);
   std::vector<Tensor> found_infs;  // one per device holding gradients, in first-seen order
   for (const optim::ParamGroup& group : optimizer.param_groups()) {
     for (const Tensor& p : group.params) {
@@ -77,8 +90,23 @@ void GradScaler::unscale_(optim::Optimizer& optimizer) {
         if (f.device() == g.device()) found = &f;
       }
       if (found == nullptr) found = &found_infs.emplace_back(zeros({1}, g.device()));
-      detail::amp_unscale_(g, *found, inv_scale);
+      if (inv_scale_dev.defined()) {
+        EMBER_CHECK(g.device() == scale_dev_.device(),
+                    "[GradScaler.unscale_] a capturable scaler keeps its scale on ",
+                    scale_dev_.device(), ", got a gradient on ", g.device());
+        detail::amp_unscale_(g, *found, inv_scale_dev);
+      } else {
+        detail::amp_unscale_(g, *found, inv_scale);
+      }
     }
+  }
+  st.stage = Stage::kUnscaled;
+  if (inv_scale_dev.defined()) {
+    // One device, so one flag; none when no parameter had a gradient.
+    if (found_infs.empty()) found_infs.push_back(zeros({1}, scale_dev_.device()));
+    if (options_.found_inf_sync) options_.found_inf_sync(found_infs[0]);
+    st.found_inf_dev = found_infs[0];
+    return;
   }
   bool any = false;
   for (Tensor& f : found_infs) {
@@ -86,7 +114,6 @@ void GradScaler::unscale_(optim::Optimizer& optimizer) {
     any = any || f.item<float>() != 0.0f;
   }
   st.found_inf = any;
-  st.stage = Stage::kUnscaled;
 }
 
 bool GradScaler::step(optim::Optimizer& optimizer) {
@@ -98,7 +125,19 @@ bool GradScaler::step(optim::Optimizer& optimizer) {
   if (st.stage == Stage::kStepped) {
     throw Error("[GradScaler.step] step() has already been called since the last update()");
   }
+  if (options_.capturable) {
+    EMBER_CHECK(optimizer.supports_found_inf(),
+                "[GradScaler.step] a capturable scaler skips steps on the device, which ",
+                optimizer.name(),
+                " does not support: use Adam or AdamW (capturable=true for "
+                "CUDA parameters) or GradScalerOptions::capturable=false");
+  }
   if (st.stage == Stage::kReady) unscale_(optimizer);
+  if (st.found_inf_dev.defined()) {
+    optimizer.step_unless(st.found_inf_dev);
+    st.stage = Stage::kStepped;
+    return true;
+  }
   const bool run = !st.found_inf;
   if (run) optimizer.step();
   st.stage = Stage::kStepped;
@@ -114,6 +153,18 @@ void GradScaler::update() {
     found = found || st.found_inf;
   }
   if (!recorded) throw Error("[GradScaler.update] No inf checks were recorded prior to update()");
+  if (on_device()) {
+    NoGradGuard no_grad;
+    Tensor combined;
+    for (const auto& [opt, st] : per_optimizer_) {
+      if (!st.found_inf_dev.defined()) continue;
+      combined = combined.defined() ? combined + st.found_inf_dev : st.found_inf_dev;
+    }
+    detail::amp_update_scale_(scale_dev_, growth_tracker_dev_, combined, options_.growth_factor,
+                              options_.backoff_factor, options_.growth_interval);
+    reset_per_optimizer();
+    return;
+  }
   // torch's _amp_update_scale_: the products are taken in double and stored in float32.
   if (found) {
     scale_ = static_cast<float>(scale_ * options_.backoff_factor);
@@ -131,12 +182,23 @@ void GradScaler::update() {
 void GradScaler::update(double new_scale) {
   if (!options_.enabled) return;
   scale_ = static_cast<float>(new_scale);
+  if (on_device()) {
+    NoGradGuard no_grad;
+    scale_dev_.fill_(static_cast<double>(scale_));
+  }
   reset_per_optimizer();
 }
 
 void GradScaler::reset_per_optimizer() { per_optimizer_.clear(); }
 
-double GradScaler::get_scale() const { return options_.enabled ? scale_ : 1.0; }
+double GradScaler::get_scale() const {
+  if (!options_.enabled) return 1.0;
+  return on_device() ? scale_dev_.item<float>() : scale_;
+}
+
+int64_t GradScaler::growth_tracker() const {
+  return on_device() ? growth_tracker_dev_.item<int32_t>() : growth_tracker_;
+}
 
 void GradScaler::set_growth_factor(double v) {
   check_growth_factor(v);
@@ -153,11 +215,11 @@ void GradScaler::set_growth_interval(int64_t v) {
 
 std::map<std::string, double> GradScaler::state_dict() const {
   if (!options_.enabled) return {};
-  return {{"scale", scale_},
+  return {{"scale", get_scale()},
           {"growth_factor", options_.growth_factor},
           {"backoff_factor", options_.backoff_factor},
           {"growth_interval", static_cast<double>(options_.growth_interval)},
-          {"_growth_tracker", static_cast<double>(growth_tracker_)}};
+          {"_growth_tracker", static_cast<double>(growth_tracker())}};
 }
 
 void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
@@ -182,6 +244,11 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
   options_.backoff_factor = backoff;
   options_.growth_interval = static_cast<int64_t>(interval);
   growth_tracker_ = static_cast<int64_t>(tracker);
+  if (on_device()) {
+    NoGradGuard no_grad;
+    scale_dev_.fill_(static_cast<double>(scale_));
+    growth_tracker_dev_.fill_(static_cast<double>(growth_tracker_));
+  }
 }
 
 }  // namespace ember::nn::amp

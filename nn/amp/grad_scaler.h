@@ -49,6 +49,13 @@ struct GradScalerOptions {
   /// ranks' gradients may differ (a comm hook that is not an exact average, or no DDP at all),
   /// so every rank skips the same steps.
   FoundInfSync found_inf_sync = nullptr;
+  /// Keep the scale, the growth tracker and the inf flags on the loss's device and never read
+  /// them on the host during a step, so a CUDA graph can hold scale, unscale_, step and update
+  /// (Note [CUDA graphs]; PyTorch 2's GradScaler does the same with optimizers that accept
+  /// found_inf). step() then hands the flag to Optimizer::step_unless, which must
+  /// supports_found_inf() (Adam/AdamW, capturable for CUDA parameters) and returns true: whether
+  /// the update applied is decided on the device. Every gradient must be on that device.
+  bool capturable = false;
 };
 
 /// The dynamic loss scaler. Not thread-safe; one per training loop. Throws ValueError for
@@ -72,8 +79,9 @@ class GradScaler {
   void unscale_(optim::Optimizer& optimizer);
 
   /// Unscales (unless unscale_ already ran) and runs optimizer.step() unless a gradient held an
-  /// inf or NaN. Returns whether the step ran. Throws Error (torch: RuntimeError) when called twice
-  /// before update().
+  /// inf or NaN. Returns whether the step ran (capturable: true, the optimizer skips it on the
+  /// device). Throws Error (torch: RuntimeError) when called twice before update(), and, when
+  /// capturable, for an optimizer that does not support_found_inf().
   bool step(optim::Optimizer& optimizer);
 
   /// Updates the scale from this iteration's inf checks (backoff after any inf, growth after
@@ -83,7 +91,8 @@ class GradScaler {
   /// Sets the scale directly (torch's update(new_scale)); resets per-optimizer state.
   void update(double new_scale);
 
-  /// The current scale (init_scale before the first scale()); 1 when disabled.
+  /// The current scale (init_scale before the first scale()); 1 when disabled. Capturable: read
+  /// from the device (a synchronisation; not during a capture).
   double get_scale() const;
   double get_growth_factor() const { return options_.growth_factor; }
   double get_backoff_factor() const { return options_.backoff_factor; }
@@ -93,7 +102,11 @@ class GradScaler {
   void set_growth_interval(int64_t v);
   bool is_enabled() const { return options_.enabled; }
   /// Clean iterations since the last growth or backoff.
-  int64_t growth_tracker() const { return growth_tracker_; }
+  int64_t growth_tracker() const;
+  /// Capturable, after the first scale(): the device scalars (float32 scale, int32 tracker).
+  /// Undefined otherwise.
+  const Tensor& scale_tensor() const { return scale_dev_; }
+  const Tensor& growth_tracker_tensor() const { return growth_tracker_dev_; }
 
   /// torch's state_dict: {"scale", "growth_factor", "backoff_factor", "growth_interval",
   /// "_growth_tracker"}; empty when disabled.
@@ -107,13 +120,19 @@ class GradScaler {
   struct PerOptimizer {
     Stage stage = Stage::kReady;
     bool found_inf = false;  // over every device, after found_inf_sync
+    Tensor found_inf_dev;    // capturable: the flag on the scale's device instead
   };
+  bool on_device() const { return options_.capturable && scale_dev_.defined(); }
   PerOptimizer& state_of(const optim::Optimizer& optimizer);
   void reset_per_optimizer();
 
   GradScalerOptions options_;
   float scale_;  // float32, as torch's _scale tensor, so growth and backoff round the same
   int64_t growth_tracker_ = 0;
+  // Capturable: created by the first scale() on the loss's device from scale_ and
+  // growth_tracker_, and the state from then on.
+  Tensor scale_dev_;
+  Tensor growth_tracker_dev_;
   std::unordered_map<const optim::Optimizer*, PerOptimizer> per_optimizer_;
 };
 

@@ -1,6 +1,7 @@
 #include <ember/nn/optim/adam.h>
 
 #include <cmath>
+#include <optional>
 
 #include <ember/tensor/cuda_graph.h>
 #include <ember/tensor/ops/optim.h>
@@ -76,8 +77,24 @@ const double* Adam::device_lr(size_t group, const Device& device) {
   return static_cast<const double*>(slot->value.data_ptr());
 }
 
-void Adam::step() {
+void Adam::step() { step_impl(nullptr); }
+
+void Adam::step_unless(const Tensor& found_inf) {
+  EMBER_CHECK(found_inf.defined() && found_inf.dtype() == kFloat32 && found_inf.numel() == 1, "[",
+              name(),
+              ".step_unless] expected found_inf to be a float32 tensor of one "
+              "element, got ",
+              found_inf.defined() ? found_inf.dtype() : kFloat32, " of shape ",
+              found_inf.defined() ? found_inf.shape() : Shape{});
+  step_impl(&found_inf);
+}
+
+void Adam::step_impl(const Tensor* found_inf) {
   NoGradGuard no_grad;
+  // With a flag: read once on the host for the parameters updated there, and made a 0/1 step
+  // increment once for the capturable CUDA ones.
+  std::optional<bool> skip_on_host;
+  Tensor keep;
   for (size_t gi = 0; gi < param_groups().size(); ++gi) {
     ParamGroup& group = param_groups()[gi];
     const GroupOptions& o = group.options;
@@ -88,6 +105,10 @@ void Adam::step() {
     for (Tensor& p : group.params) {
       const Tensor grad_in = p.grad();
       if (!grad_in.defined()) continue;
+      if (found_inf != nullptr && !(capturable && p.is_cuda())) {
+        if (!skip_on_host) skip_on_host = found_inf->item<float>() != 0.0f;
+        if (*skip_on_host) continue;
+      }
       NamedTensors& state = mutable_state(p);
       if (state.empty()) {
         state.emplace_back("step", zeros({}, kFloat32));
@@ -116,7 +137,17 @@ void Adam::step() {
       if (capturable && p.is_cuda()) {
         // The count stays on the device and the kernel reads it (and the learning rate) there.
         if (step_t->device() != p.device()) *step_t = step_t->to(p.device());
-        step_t->add_(1.0);
+        if (found_inf != nullptr) {
+          EMBER_CHECK(found_inf->device() == p.device(), "[", name(),
+                      ".step_unless] found_inf is "
+                      "on ",
+                      found_inf->device(), " but a parameter is on ", p.device());
+          if (!keep.defined()) keep = eq(*found_inf, 0.0).to(kFloat32).reshape({});
+          step_t->add_(keep);
+          args.found_inf_dev = static_cast<const float*>(found_inf->data_ptr());
+        } else {
+          step_t->add_(1.0);
+        }
         args.step_dev = static_cast<const float*>(step_t->data_ptr());
         args.lr_dev = device_lr(gi, p.device());
       } else {

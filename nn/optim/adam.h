@@ -61,6 +61,10 @@ class Adam : public Optimizer {
   std::string name() const override { return decoupled_ ? "AdamW" : "Adam"; }
   using Optimizer::step;
   void step() override;
+  /// A capturable group's CUDA parameters skip on the device (the kernel reads the flag, and the
+  /// step count advances by 0 or 1 there); the others read the flag once on the host.
+  void step_unless(const Tensor& found_inf) override;
+  bool supports_found_inf() const override { return true; }
 
  protected:
   Adam(std::vector<ParamGroup> groups, const AdamOptions& options, bool decoupled);
@@ -77,6 +81,7 @@ class Adam : public Optimizer {
     bool valid = false;
   };
   const double* device_lr(size_t group, const Device& device);
+  void step_impl(const Tensor* found_inf);
 
   bool decoupled_ = false;
   std::vector<std::unique_ptr<DeviceLr>> device_lr_;

@@ -137,6 +137,12 @@ Tensor Optimizer::step(const std::function<Tensor()>& closure) {
   return loss;
 }
 
+void Optimizer::step_unless(const Tensor& found_inf) {
+  EMBER_CHECK(found_inf.defined() && found_inf.numel() == 1, "[", name(),
+              ".step_unless] expected found_inf to hold one element");
+  if (found_inf.item<float>() == 0.0f) step();
+}
+
 void Optimizer::zero_grad(bool set_to_none) {
   NoGradGuard no_grad;
   for (ParamGroup& g : groups_) {

@@ -80,6 +80,12 @@ class Optimizer {
   /// Runs closure() with grad mode on (it should zero the grads, compute the loss and call
   /// backward), then step(); returns the closure's loss.
   Tensor step(const std::function<Tensor()>& closure);
+  /// step() unless `found_inf` (a float32 tensor of one element, GradScaler's) is non-zero. The
+  /// base reads the flag on the host; an optimizer that supports_found_inf() decides on the
+  /// device where its update runs there, so nothing waits and a CUDA graph can hold the step
+  /// (the capturable GradScaler needs this).
+  virtual void step_unless(const Tensor& found_inf);
+  virtual bool supports_found_inf() const { return false; }
 
   /// Clears every parameter's gradient (set_to_none) or zeroes it in place (detaching it from
   /// any graph it was built in, as PyTorch does).

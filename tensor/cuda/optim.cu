@@ -11,6 +11,7 @@ namespace {
 template <typename T, typename A>
 __global__ void adam_kernel(AdamFunctor<A> f, AdamStepArgs s, T* p, const T* g, T* m, T* v, T* vmax,
                             int64_t n) {
+  if (s.found_inf_dev != nullptr && *s.found_inf_dev != 0.0f) return;
   if (s.step_dev != nullptr) f = make_adam_functor<A>(s, *s.lr_dev, *s.step_dev);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {

@@ -25,9 +25,35 @@ struct UnscaleFunctor {
   }
 };
 
+/// torch's _amp_update_scale_ on one scale: back off after an inf, grow after `interval` clean
+/// steps in a row (the products taken in double and stored in float32, a growth to inf refused).
+EMBER_HD inline void amp_update_scale(float* scale, int32_t* growth_tracker, float found_inf,
+                                      double growth_factor, double backoff_factor,
+                                      int64_t interval) {
+  if (found_inf != 0.0f) {
+    *scale = static_cast<float>(static_cast<double>(*scale) * backoff_factor);
+    *growth_tracker = 0;
+    return;
+  }
+  const int64_t clean = static_cast<int64_t>(*growth_tracker) + 1;
+  if (clean == interval) {
+    const float grown = static_cast<float>(static_cast<double>(*scale) * growth_factor);
+    if (isfinite(grown)) *scale = grown;
+    *growth_tracker = 0;
+  } else {
+    *growth_tracker = static_cast<int32_t>(clean);
+  }
+}
+
 // Backend entry points: grad is contiguous and floating; found_inf is a float32 tensor of one
 // element on grad's device, set to 1 when grad holds an inf or NaN and left alone otherwise.
+// On CUDA, a non-null inv_scale_dev is read on the device instead of inv_scale.
 void amp_unscale_cpu(const Tensor& grad, const Tensor& found_inf, double inv_scale);
-void amp_unscale_cuda(const Tensor& grad, const Tensor& found_inf, double inv_scale);
+void amp_unscale_cuda(const Tensor& grad, const Tensor& found_inf, double inv_scale,
+                      const float* inv_scale_dev = nullptr);
+/// amp_update_scale on CUDA scalars (scale float32, growth_tracker int32, found_inf float32).
+void amp_update_scale_cuda(const Tensor& scale, const Tensor& growth_tracker,
+                           const Tensor& found_inf, double growth_factor, double backoff_factor,
+                           int64_t interval);
 
 }  // namespace ember::detail

@@ -13,4 +13,15 @@ namespace ember::detail {
 /// non-floating grad, or a found_inf of another dtype, size or device. Bumps grad's version.
 void amp_unscale_(const Tensor& grad, const Tensor& found_inf, double inv_scale);
 
+/// amp_unscale_ with the factor read from `inv_scale`, a float32 scalar on grad's device, when
+/// the op runs rather than when it is queued (the capturable GradScaler's, Note [CUDA graphs]).
+void amp_unscale_(const Tensor& grad, const Tensor& found_inf, const Tensor& inv_scale);
+
+/// torch's _amp_update_scale_, in place on the scalars' device without a synchronisation:
+/// `scale` (float32) backs off by backoff_factor if `found_inf` (float32, one element) is
+/// non-zero, else grows by growth_factor once `growth_tracker` (int32) counts growth_interval
+/// clean steps; the tracker is reset or counted as torch's is. All three on one device.
+void amp_update_scale_(const Tensor& scale, const Tensor& growth_tracker, const Tensor& found_inf,
+                       double growth_factor, double backoff_factor, int64_t growth_interval);
+
 }  // namespace ember::detail

@@ -96,6 +96,8 @@ void adam_update_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg
   EMBER_CHECK(!capturable || param.is_cuda(), "[", op,
               "] a capturable step (step and lr on the device) needs a CUDA parameter, got one on ",
               param.device());
+  EMBER_CHECK(args.found_inf_dev == nullptr || capturable, "[", op,
+              "] a found_inf flag on the device needs a capturable step (step_dev and lr_dev)");
   EMBER_CHECK(!capturable || fusable(param, {&grad, &exp_avg, &exp_avg_sq, &vmax}), "[", op,
               "] a capturable step needs contiguous tensors of the parameter's floating dtype");
   if (!fusable(param, {&grad, &exp_avg, &exp_avg_sq, &vmax})) {

@@ -20,6 +20,8 @@ struct AdamStepArgs {
   /// graph replaying the update uses each replay's values (Note [CUDA graphs]).
   const float* step_dev = nullptr;
   const double* lr_dev = nullptr;
+  /// With step_dev: the update does nothing when this float32 flag is non-zero (GradScaler).
+  const float* found_inf_dev = nullptr;
 };
 
 /// Host-side description of one SGD step.

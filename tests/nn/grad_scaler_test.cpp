@@ -10,7 +10,9 @@
 #include <limits>
 
 #include <ember/nn/amp/autocast.h>
+#include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
+#include <ember/tensor/cuda_graph.h>
 #include <ember/tensor/ops/amp.h>
 #include <ember/tensor/ops.h>
 
@@ -246,6 +248,152 @@ TEST(AmpUnscale, CudaMatchesCpu) {
     detail::amp_unscale_(clean, f0, 0.5);
     EXPECT_EQ(f0.item<float>(), 0.0f) << dt;
     EXPECT_EQ(clean.sum().item<float>(), 500.0f) << dt;
+  }
+}
+
+// A user's loop on one parameter: loss = sum(w * x) scaled, backward, step, update. An inf in x
+// makes the gradient inf, so the step is skipped and the scale backs off.
+void scaled_step(const Tensor& w, optim::Optimizer& opt, GradScaler& scaler, const Tensor& x) {
+  opt.zero_grad();
+  scaler.scale((w * x).sum()).backward();
+  scaler.step(opt);
+  scaler.update();
+}
+
+Tensor step_input(int s, const Device& device) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const bool bad = s == 2 || s == 3 || s == 7;
+  return tensor({0.5f + 0.1f * s, bad ? inf : -1.0f, 2.0f - 0.2f * s}).to(device);
+}
+
+TEST(GradScaler, CapturableKeepsItsStateOnTheDeviceAndSkipsAsTheHostScaler) {
+  GradScalerOptions host_options{.init_scale = 1024.0, .growth_interval = 2};
+  GradScalerOptions dev_options = host_options;
+  dev_options.capturable = true;
+  Tensor w_host = tensor({1.0f, 2.0f, 3.0f}).requires_grad_();
+  Tensor w_dev = tensor({1.0f, 2.0f, 3.0f}).requires_grad_();
+  optim::AdamW opt_host({w_host}, {.lr = 0.1});
+  optim::AdamW opt_dev({w_dev}, {.lr = 0.1, .capturable = true});
+  GradScaler host(host_options), dev(dev_options);
+  EXPECT_FALSE(dev.scale_tensor().defined());
+  EXPECT_EQ(dev.get_scale(), 1024.0);  // from the options until the first scale()
+  for (int s = 0; s < 9; ++s) {
+    SCOPED_TRACE("step " + std::to_string(s));
+    scaled_step(w_host, opt_host, host, step_input(s, kCPU));
+    scaled_step(w_dev, opt_dev, dev, step_input(s, kCPU));
+    EXPECT_EQ(dev.get_scale(), host.get_scale());
+    EXPECT_EQ(dev.growth_tracker(), host.growth_tracker());
+    EXPECT_EQ(w_dev.to_vector<float>(), w_host.to_vector<float>());
+  }
+  // Three skipped steps of nine: AdamW counted six, in both.
+  EXPECT_EQ(opt_dev.state(w_dev).front().second.item<float>(), 6.0f);
+  EXPECT_EQ(opt_host.state(w_host).front().second.item<float>(), 6.0f);
+  ASSERT_TRUE(dev.scale_tensor().defined());
+  EXPECT_EQ(dev.scale_tensor().dtype(), kFloat32);
+  EXPECT_EQ(dev.growth_tracker_tensor().dtype(), kInt32);
+  EXPECT_EQ(dev.state_dict(), host.state_dict());
+
+  // update(new_scale) and load_state_dict write the device state.
+  dev.update(8.0);
+  EXPECT_EQ(dev.scale_tensor().item<float>(), 8.0f);
+  auto sd = host.state_dict();
+  sd["scale"] = 32.0;
+  sd["_growth_tracker"] = 1.0;
+  dev.load_state_dict(sd);
+  EXPECT_EQ(dev.scale_tensor().item<float>(), 32.0f);
+  EXPECT_EQ(dev.growth_tracker_tensor().item<int32_t>(), 1);
+  // A state loaded before the first scale() seeds the device state.
+  GradScaler fresh(dev_options);
+  fresh.load_state_dict(sd);
+  const Tensor scaled = fresh.scale(tensor({1.0f}));
+  EXPECT_EQ(scaled.item<float>(), 32.0f);
+  EXPECT_EQ(fresh.growth_tracker(), 1);
+}
+
+TEST(GradScaler, CapturableStepReturnsTrueAndLeavesTheSkipToTheOptimizer) {
+  Tensor w = tensor({1.0f, 2.0f}).requires_grad_();
+  optim::Adam opt({w}, {.lr = 0.1, .capturable = true});
+  GradScaler scaler({.capturable = true});
+  const float inf = std::numeric_limits<float>::infinity();
+  opt.zero_grad();
+  scaler.scale((w * tensor({1.0f, inf})).sum()).backward();
+  EXPECT_TRUE(scaler.step(opt));  // queued; the update itself did nothing
+  scaler.update();
+  EXPECT_EQ(w.to_vector<float>(), (std::vector<float>{1.0f, 2.0f}));
+  EXPECT_EQ(scaler.get_scale(), 32768.0);
+}
+
+TEST(GradScaler, CapturableRefusesAnOptimizerThatCannotSkipOnTheDevice) {
+  Fixture f;
+  GradScaler scaler({.capturable = true});
+  f.opt.zero_grad();
+  scaler.scale((f.w * tensor({1.0f, 1.0f})).sum()).backward();
+  expect_throw_with([&] { scaler.step(f.opt); }, "SGD does not support");
+  // The float16-gradient and order errors are those of the host scaler.
+  scaler.unscale_(f.opt);
+  expect_throw_with([&] { scaler.unscale_(f.opt); }, "already been called");
+}
+
+TEST(AmpUpdateScale, FollowsTorchsRuleAndChecksItsArguments) {
+  Tensor scale = full({}, 4.0, kFloat32), tracker = zeros({}, kInt32), found = zeros({1});
+  detail::amp_update_scale_(scale, tracker, found, 2.0, 0.5, 2);
+  EXPECT_EQ(scale.item<float>(), 4.0f);
+  EXPECT_EQ(tracker.item<int32_t>(), 1);
+  detail::amp_update_scale_(scale, tracker, found, 2.0, 0.5, 2);
+  EXPECT_EQ(scale.item<float>(), 8.0f);
+  EXPECT_EQ(tracker.item<int32_t>(), 0);
+  found.fill_(1.0);
+  detail::amp_update_scale_(scale, tracker, found, 2.0, 0.5, 2);
+  EXPECT_EQ(scale.item<float>(), 4.0f);
+  // A growth to inf is refused.
+  Tensor big = full({}, 3e38, kFloat32), t1 = full({}, 1.0, kInt32);
+  detail::amp_update_scale_(big, t1, zeros({1}), 2.0, 0.5, 2);
+  EXPECT_EQ(big.item<float>(), 3e38f);
+  EXPECT_EQ(t1.item<int32_t>(), 0);
+  expect_throw_with([&] { detail::amp_update_scale_(scale, zeros({}), found, 2.0, 0.5, 2); },
+                    "growth_tracker to be a int32");
+  expect_throw_with([&] { detail::amp_update_scale_(scale, tracker, zeros({2}), 2.0, 0.5, 2); },
+                    "found_inf");
+}
+
+TEST(AmpUnscale, TakesTheFactorFromATensor) {
+  Tensor g = tensor({2.0f, -4.0f}), found = zeros({1});
+  detail::amp_unscale_(g, found, full({}, 0.5, kFloat32));
+  EXPECT_EQ(g.to_vector<float>(), (std::vector<float>{1.0f, -2.0f}));
+  EXPECT_EQ(found.item<float>(), 0.0f);
+  expect_throw_with([&] { detail::amp_unscale_(g, found, full({}, 0.5, kFloat64)); },
+                    "inv_scale to be a float32");
+}
+
+TEST(GradScalerCuda, CapturedStepSkipsAndBacksOffAsEagerSteps) {
+  if (!cuda::is_available()) GTEST_SKIP() << cuda::unavailable_reason();
+  const Device dev = cuda_device();
+  GradScalerOptions options{.init_scale = 1024.0, .growth_interval = 2};
+  GradScaler eager(options);
+  options.capturable = true;
+  GradScaler graphed(options);
+  Tensor w_eager = tensor({1.0f, 2.0f, 3.0f}).to(dev).requires_grad_();
+  Tensor w_graph = tensor({1.0f, 2.0f, 3.0f}).to(dev).requires_grad_();
+  optim::AdamW opt_eager({w_eager}, {.lr = 0.1});
+  optim::AdamW opt_graph({w_graph}, {.lr = 0.1, .capturable = true});
+  Tensor x = step_input(0, dev);  // the graph's static input
+  for (int s = 0; s < 2; ++s) {   // warm-up: the optimizer's and the scaler's state exist
+    x.copy_(step_input(s, dev));
+    scaled_step(w_eager, opt_eager, eager, x);
+    scaled_step(w_graph, opt_graph, graphed, x);
+  }
+  cuda::CUDAGraph graph;
+  cuda::graph(graph, [&] { scaled_step(w_graph, opt_graph, graphed, x); });
+  for (int s = 2; s < 9; ++s) {
+    SCOPED_TRACE("step " + std::to_string(s));
+    x.copy_(step_input(s, dev));
+    scaled_step(w_eager, opt_eager, eager, x);
+    graph.replay();
+    EXPECT_EQ(graphed.get_scale(), eager.get_scale());
+    EXPECT_EQ(graphed.growth_tracker(), eager.growth_tracker());
+    const std::vector<float> a = w_graph.cpu().to_vector<float>(),
+                             b = w_eager.cpu().to_vector<float>();
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-6) << i;
   }
 }
 
