@@ -231,6 +231,10 @@ class ProcessGroup {
   /// parameter map, the debug mode's checks) put their tensors: the CPU, or the group's GPU for
   /// a backend that takes CUDA tensors only (torch's _get_pg_default_device).
   virtual Device default_device() const { return kCPU; }
+  /// Whether a collective may be issued while this thread captures a CUDA graph (Note [NCCL in a
+  /// CUDA graph]): NCCL's only. The others meet on the host or stage through it, which a capture
+  /// cannot hold, so their collectives are refused there (next_op_label).
+  virtual bool supports_graph_capture() const { return false; }
   /// The next collective's sequence number (counts collectives issued by this rank).
   uint64_t sequence_number() const { return seq_; }
   const std::vector<int>& global_ranks() const { return global_ranks_; }

@@ -8,6 +8,7 @@
 #include <ember/distributed/detail/flight_ring.h>
 #include <ember/distributed/flight_recorder.h>
 #include <ember/tensor/cuda.h>
+#include <ember/tensor/cuda_graph.h>
 #include <ember/tensor/log.h>
 
 namespace ember::dist {
@@ -229,6 +230,11 @@ std::string ProcessGroup::next_op_label(const char* collective) {
               "a moment that differs between ranks, so the ranks could issue collectives in "
               "different orders. Issue it from the thread that issues the group's collectives; in "
               "a communication hook, chain it with GradBucket::defer");
+  EMBER_CHECK(supports_graph_capture() || !cuda::thread_is_capturing(), "[", backend_name(), "] ",
+              collective, " on rank ", rank_, " of ", size_,
+              ": cannot be captured in a CUDA graph: ", backend_name(),
+              "'s collectives meet or stage on the host, which a replay would skip. Capture "
+              "collectives with the nccl backend, or issue this one outside the capture");
   if (flight_) flight_entry_ = flight_->enqueue(*this, collective, seq_);
   return detail::str_cat("[", backend_name(), "] ", collective, " #", seq_++, " on rank ", rank_,
                          " of ", size_);

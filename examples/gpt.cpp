@@ -208,7 +208,8 @@ Trainer::Trainer(const Args& a)
       scaler_({.enabled = a.amp == "fp16",
                .found_inf_sync = a.comm_hook == "none" || a.comm_hook == "allreduce"
                                      ? nullptr
-                                     : dist::found_inf_allreduce(run_.pg)}),
+                                     : dist::found_inf_allreduce(run_.pg),
+               .capturable = a.cuda_graph}),
       checkpoint_(a.checkpoint_dir.empty()
                       ? nullptr
                       : std::make_unique<RunCheckpoint>(a.checkpoint_dir, run_.pg,
@@ -379,11 +380,16 @@ float Trainer::graph_step(const nn::data::Batch& b) {
     zero_grad();
     {
       const nn::amp::autocast amp(run_.device, amp_dtype(a_.amp), a_.amp != "off");
-      graph_loss_ = loss_of((*model_)(graph_x_), graph_y_);
+      graph_loss_ = loss_of(par_.ddp ? par_.ddp->forward(graph_x_) : (*model_)(graph_x_), graph_y_);
     }
-    graph_loss_.backward();
-    if (a_.grad_clip > 0) nn::clip_grad_norm_(model_->parameters(), a_.grad_clip);
-    par_.adamw->step();
+    // --amp fp16: the scaler is capturable, so the skip and the scale's update stay on the GPU.
+    scaler_.scale(graph_loss_).backward();
+    if (a_.grad_clip > 0) {
+      scaler_.unscale_(*par_.adamw);
+      nn::clip_grad_norm_(model_->parameters(), a_.grad_clip);
+    }
+    scaler_.step(*par_.adamw);
+    scaler_.update();
   };
   constexpr int64_t kEagerSteps = 3;
   if (graph_.ready()) {

@@ -145,12 +145,11 @@ inline std::string unavailable(const Args& a) {
   if (a.zero_overlap && a.shard != "zero") {
     return "--zero-overlap needs --shard zero (got --shard " + a.shard + ")";
   }
-  if (a.cuda_graph &&
-      (a.device.rfind("cuda", 0) != 0 || a.tp > 1 || a.pp > 1 || a.shard != "none" ||
-       a.amp == "fp16" || a.comm_hook != "none" || a.checkpoint_activations)) {
+  if (a.cuda_graph && (a.device.rfind("cuda", 0) != 0 || a.tp > 1 || a.pp > 1 ||
+                       a.shard != "none" || a.comm_hook != "none" || a.checkpoint_activations)) {
     return "--cuda-graph captures a plain step on a GPU yet: it needs --device cuda and takes no "
-           "--tp, --pp, --shard, --amp fp16 (GradScaler's skipped steps), --comm-hook or "
-           "--checkpoint-activations (docs/tensor.md, CUDA graphs)";
+           "--tp, --pp, --shard, --comm-hook or --checkpoint-activations (docs/tensor.md, CUDA "
+           "graphs)";
   }
   if (a.zero_overlap && a.grad_clip > 0) {
     // The update happens inside backward, before any norm over all gradients exists.
@@ -235,7 +234,7 @@ inline void add_options(CLI::App& app, Args& a) {
                "recompute each block's activations in backward");
   app.add_flag("--cuda-graph", a.cuda_graph,
                "capture the training step as a CUDA graph after 3 eager steps and replay it "
-               "(one rank, --device cuda)");
+               "(--device cuda; across ranks --backend nccl)");
   app.add_option("--backend", a.backend, "gloo, mpi or nccl")
       ->check(CLI::IsMember({"gloo", "mpi", "nccl"}))->capture_default_str();
   app.add_option("--device", a.device, "cpu, cuda (the local rank's GPU) or cuda:N")

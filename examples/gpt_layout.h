@@ -224,15 +224,16 @@ inline Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
     p.adamw = std::make_unique<nn::optim::AdamW>(sharded_decay_groups(*model), adamw_options(a));
     return p;
   }
-  if (a.cuda_graph) {
-    // One rank: there is nothing to reduce, and a capture would not hold DDP's collectives over
-    // gloo (they stage through the host).
-    EMBER_CHECK(pg->size() == 1, "--cuda-graph runs one rank yet, got ", pg->size(),
-                " (docs/tensor.md, CUDA graphs)");
+  if (a.cuda_graph && pg->size() == 1) {  // nothing to reduce
     p.adamw =
         std::make_unique<nn::optim::AdamW>(decay_groups(model->parameters()), adamw_options(a));
     return p;
   }
+  // Across ranks the capture holds DDP's NCCL collectives (Note [NCCL in a CUDA graph]); gloo's
+  // and MPI's stage through the host, which a capture cannot hold.
+  EMBER_CHECK(!a.cuda_graph || pg->backend_name() == "nccl", "--cuda-graph across ", pg->size(),
+              " ranks needs --backend nccl, got ", pg->backend_name(),
+              " (docs/tensor.md, CUDA graphs)");
   p.ddp = std::make_shared<dist::DistributedDataParallel>(model, pg);
   if (a.shard == "zero") {
     p.zero = make_zero(a, p.ddp->parameters(), pg, a.zero_overlap);

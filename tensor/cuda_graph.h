@@ -21,6 +21,9 @@ MempoolId graph_pool_handle();
 /// Whether the calling thread's current stream (on the current device) is being captured
 /// (torch.cuda.is_current_stream_capturing); false without CUDA.
 bool is_current_stream_capturing();
+/// Whether the calling thread is capturing a CUDAGraph (on any device): a thread-local read that
+/// touches no CUDA state, cheap enough for every collective to ask.
+bool thread_is_capturing();
 
 /// Which CUDA calls may run while a capture is underway (cudaStreamCaptureMode): kGlobal forbids
 /// unsafe calls (cudaMalloc, synchronisations) on every thread, kThreadLocal on the capturing
@@ -69,6 +72,10 @@ class CUDAGraph {
 /// state at every replay, such as a capturable optimizer's learning rate under a scheduler. What
 /// fn refers to must outlive the graph.
 bool on_each_replay(std::function<void()> fn);
+/// As on_each_replay, but after each launch, given the stream the replay was launched on: for
+/// host work that must follow the replay, such as recording an event a watchdog polls (the NCCL
+/// group watches the collectives of a replayed graph this way).
+bool after_each_replay(std::function<void(const Stream&)> fn);
 
 struct GraphOptions {
   MempoolId pool = 0;

@@ -19,6 +19,7 @@
 #include <ember/distributed/environment.h>
 #include <ember/distributed/flight_recorder.h>
 #include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda_graph.h>
 #include <ember/tensor/log.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/trace_device.h>
@@ -436,6 +437,49 @@ class ProcessGroupNccl::Impl {
   int device() const { return device_; }
   const cuda::Stream& stream() const { return stream_; }
 
+  // Note [NCCL in a CUDA graph]: a collective captured in a CUDA graph runs at each replay, not
+  // when it was issued, so the watchdog has nothing to poll at capture time. Instead the capture
+  // gains two host hooks: before each launch, the group's failure (or its destruction) is
+  // thrown rather than replaying collectives on an aborted communicator; after each launch, an
+  // event recorded on the replay's stream joins the pending operations with the collective's
+  // timeout, so a peer that never replays its graph aborts the communicator as an eager
+  // collective would. The hooks keep the collective's tensors alive for the graph's life.
+  void watch_replays(const std::string& what, Duration timeout, std::vector<Tensor> keep) {
+    std::weak_ptr<Impl*> alive = alive_;
+    const bool held = cuda::on_each_replay([alive, failure = failure_, what] {
+      if (std::exception_ptr e = failure->error_for(what)) std::rethrow_exception(e);
+      if (alive.expired()) {
+        throw DistError(detail::str_cat(what, " was captured in this CUDA graph, but its ",
+                                        "process group has been destroyed: reset the graph "
+                                        "first"));
+      }
+    });
+    EMBER_CHECK(held, what,
+                " is being captured in a CUDA graph that Ember did not begin: "
+                "capture with cuda::CUDAGraph or cuda::graph, which replay it under the "
+                "group's watchdog");
+    auto buffers = std::make_shared<const std::vector<Tensor>>(std::move(keep));
+    cuda::after_each_replay([alive, what, timeout, buffers](const cuda::Stream& s) {
+      if (std::shared_ptr<Impl*> self = alive.lock()) {
+        (*self)->watch_replay(what, timeout, s, *buffers);
+      }
+    });
+  }
+
+  void watch_replay(const std::string& what, Duration timeout, const cuda::Stream& replayed,
+                    const std::vector<Tensor>& keep) {
+    auto end = std::make_shared<cuda::Event>();
+    end->record(replayed);
+    auto p = std::make_shared<Pending>(
+        Pending{what + " (replayed in a CUDA graph)", timeout, end, Clock::now() + timeout, keep});
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
+      pending_.push_back(std::move(p));
+    }
+    cv_.notify_all();
+  }
+
   /// Runs enqueue on the group's stream after the caller's current stream's queued work; the
   /// Work's Future completes with `outputs` once it is queued (Note [NCCL stream-ordered
   /// work]). `blocking`: wait() also blocks the CPU until the device is done (barrier). Throws
@@ -450,6 +494,13 @@ class ProcessGroupNccl::Impl {
     auto end = std::make_shared<cuda::Event>();
     auto work = std::make_shared<NcclWork>(what, timeout, end, device_, failure_, blocking);
     cuda::detail::DeviceGuard guard(device_);
+    // Note [NCCL in a CUDA graph]
+    const bool captured = cuda::is_current_stream_capturing();
+    if (captured && blocking) {
+      throw ValueError(detail::str_cat(
+          what, " cannot be captured in a CUDA graph: its wait() blocks the host until the ",
+          "device is done; issue it outside the capture"));
+    }
     const int64_t launched_us = tracing::stamp();
     {
       cuda::Event start;
@@ -457,7 +508,9 @@ class ProcessGroupNccl::Impl {
       start.block(stream_);
     }
     // After the wait for the caller's stream: the span is the collective's own device time.
-    trace::DeviceSpan device_span(stream_);
+    // None in a capture: a span's events are read back later, which a capture forbids.
+    std::optional<trace::DeviceSpan> device_span;
+    if (!captured) device_span.emplace(stream_);
     {
       std::unique_lock<std::mutex> cl(comm_mu_);
       if (comm_ == nullptr) {  // aborted since the check above
@@ -483,12 +536,19 @@ class ProcessGroupNccl::Impl {
       }
     }
     // Its end event before `end`: once the watchdog sees `end` pass, the span can be resolved.
-    if (device_span.active()) trace_span(device_span, what, outputs, launched_us);
+    if (device_span && device_span->active()) {
+      trace_span(*device_span, what, outputs, launched_us);
+    }
     end->record(stream_);
     // Before the Work is returned: once the caller has it, it may drop the tensors at once.
     for (const Tensor& t : outputs) mark_used(t, stream_);
     for (const Tensor& t : keep) mark_used(t, stream_);
     keep.insert(keep.end(), outputs.begin(), outputs.end());
+    if (captured) {
+      watch_replays(what, timeout, std::move(keep));
+      work->queued(std::move(outputs));
+      return work;
+    }
     auto p = std::make_shared<Pending>(
         Pending{what, timeout, end, Clock::now() + timeout, std::move(keep)});
     {
@@ -667,6 +727,9 @@ class ProcessGroupNccl::Impl {
   // The first failure; set once the communicator is aborted. Shared with the Works.
   const std::shared_ptr<GroupFailure> failure_ = std::make_shared<GroupFailure>();
   std::thread watchdog_;
+  // What a captured collective's replay hooks hold (Note [NCCL in a CUDA graph]): expires with
+  // the group.
+  const std::shared_ptr<Impl*> alive_ = std::make_shared<Impl*>(this);
   // The timeline row of this group's stream (device spans, tensor/trace_device.h).
   const int trace_row_ = trace::unique_row();
   std::string trace_row_name_;

@@ -103,6 +103,8 @@ class ProcessGroupNccl : public ProcessGroup {
   std::shared_ptr<ProcessGroupNccl> split(const std::vector<int>& ranks, NcclOptions options);
 
   std::string backend_name() const override { return "nccl"; }
+  /// Note [NCCL in a CUDA graph] (process_group_nccl.cpp).
+  bool supports_graph_capture() const override { return true; }
   Device default_device() const override { return cuda_device(device()); }
   /// This rank's CUDA device.
   int device() const;

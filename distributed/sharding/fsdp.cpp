@@ -36,6 +36,7 @@
 #include <ember/distributed/init.h>
 #include <ember/distributed/sharding/detail/fsdp_unit.h>
 #include <ember/tensor/allocator.h>
+#include <ember/tensor/cuda_graph.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>
@@ -319,6 +320,11 @@ void FsdpUnit::pre_backward() {
 
 void FsdpUnit::pre_forward(std::vector<Tensor>& inputs) {
   FsdpContext& c = *ctx;
+  // The arenas are released when the host sees an event pass, which a capture cannot hold.
+  EMBER_CHECK(!cuda::thread_is_capturing(), "[", kOp,
+              "] forward cannot be captured in a CUDA graph yet: FSDP frees its gathered "
+              "parameters once the host sees the GPU is done with them. Capture DDP over nccl, "
+              "or run FSDP eagerly");
   if (autograd::in_backward()) {  // recomputation under activation checkpointing
     unshard(/*wait=*/true);
   } else {

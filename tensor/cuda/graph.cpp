@@ -137,6 +137,8 @@ bool is_current_stream_capturing() {
   return status == cudaStreamCaptureStatusActive;
 }
 
+bool thread_is_capturing() { return t_capture != nullptr; }
+
 CUDAGraph::CUDAGraph() : impl_(std::make_unique<Impl>()) {}
 
 CUDAGraph::~CUDAGraph() {
@@ -194,6 +196,16 @@ void CUDAGraph::capture_end() {
   g.capturing = false;
   const cudaError_t err = cudaStreamEndCapture(g.stream, &g.graph);
   detail::device_pool(g.device).end_private(g.capture_id);
+  if (err == cudaErrorStreamCaptureUnjoined) {
+    (void)cudaGetLastError();
+    g.graph = nullptr;
+    g.release();
+    throw CudaError(::ember::detail::str_cat(
+        "[CUDAGraph::capture_end] the capture on cuda:", g.device,
+        " failed: work it forked to another stream was not joined back before it ended (wait() "
+        "on every collective's Work, or make the capturing stream wait for the other stream's "
+        "event, inside the capture)"));
+  }
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     g.graph = nullptr;
@@ -240,6 +252,13 @@ bool CUDAGraph::ready() const { return impl_->exec != nullptr; }
 bool on_each_replay(std::function<void()> fn) {
   if (t_capture == nullptr) return false;
   t_capture->before_launch.push_back(std::move(fn));
+  return true;
+}
+
+bool after_each_replay(std::function<void(const Stream&)> fn) {
+  if (t_capture == nullptr) return false;
+  t_capture->after_launch.push_back(
+      [fn = std::move(fn), device = t_capture->device](cudaStream_t s) { fn(Stream(s, device)); });
   return true;
 }
 

@@ -59,7 +59,9 @@ void spin(int64_t, const Stream&) { no_cuda("spin"); }
 void spin(int64_t) { no_cuda("spin"); }
 MempoolId graph_pool_handle() { return 1; }
 bool is_current_stream_capturing() { return false; }
+bool thread_is_capturing() { return false; }
 bool on_each_replay(std::function<void()>) { return false; }
+bool after_each_replay(std::function<void(const Stream&)>) { return false; }
 struct CUDAGraph::Impl {};
 CUDAGraph::CUDAGraph() : impl_(std::make_unique<Impl>()) {}
 CUDAGraph::~CUDAGraph() = default;

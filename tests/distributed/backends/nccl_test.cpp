@@ -30,6 +30,7 @@
 #include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
 #include <ember/tensor/cuda.h>
+#include <ember/tensor/cuda_graph.h>
 #include "tests/distributed/ddp/ddp_test_util.h"
 #include "tests/distributed/sharding/fsdp_test_model.h"
 #include "tests/distributed/store/store_test_util.h"
@@ -508,6 +509,127 @@ TEST(NcclWorldOne, DdpTrainsAsWithoutDdp) {
       } catch (const std::exception& e) {
         ADD_FAILURE() << e.what();
       }
+    }
+  }
+}
+
+// ---- CUDA graphs (Note [NCCL in a CUDA graph]) -----------------------------------------------
+
+// A collective captured in a graph runs at every replay, on what its tensors hold then, and its
+// Future's callback (queued at capture) runs with it.
+TEST(NcclWorldOne, CapturedCollectivesRunAtEachReplay) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  auto pg = world_of_one();
+  Tensor in = make(seq(6, 1), kFloat32, 0);
+  Tensor gathered = make(seq(6, 50), kFloat32, 0);
+  Tensor doubled;
+  cuda::CUDAGraph graph;
+  cuda::graph(graph, [&] {
+    WorkPtr w = pg->allgather_into_tensor(gathered, in);
+    auto next =
+        w->future()->then([](Future& f) { return std::vector<Tensor>{f.value().at(0) * 2}; });
+    doubled = next->value().at(0);  // joins the group's stream back into the capture
+  });
+  for (int r = 0; r < 3; ++r) {
+    SCOPED_TRACE("replay " + std::to_string(r));
+    in.copy_(make(seq(6, 10 * r), kFloat32, 0));
+    graph.replay();
+    cuda::synchronize(0);
+    EXPECT_EQ(differs(gathered, seq(6, 10 * r)), "");
+    std::vector<double> twice = seq(6, 10 * r);
+    for (double& v : twice) v *= 2;
+    EXPECT_EQ(differs(doubled, twice), "");
+  }
+  // Eager collectives still work beside the graph.
+  Tensor t = make(seq(4, 1), kFloat32, 0);
+  pg->allreduce(t)->wait();
+  EXPECT_EQ(differs(t, seq(4, 1)), "");
+}
+
+// What cannot be captured is refused clearly, and the stream works on after the failed capture:
+// barrier() (its wait blocks the host), a collective whose Work is never waited on inside the
+// capture (the group's stream is not joined back), and replaying a graph whose group is gone.
+TEST(NcclWorldOne, WhatCannotBeCapturedIsRefusedClearly) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  auto pg = world_of_one();
+  cuda::CUDAGraph graph;
+  test::expect_error<ValueError>([&] { cuda::graph(graph, [&] { pg->barrier(); }); },
+                                 {"barrier", "cannot be captured in a CUDA graph"});
+  EXPECT_FALSE(graph.ready());
+  Tensor t = make(seq(4, 1), kFloat32, 0);
+  test::expect_error<CudaError>([&] { cuda::graph(graph, [&] { pg->allreduce(t); }); },
+                                {"was not joined back", "wait()"});
+  pg->allreduce(t)->wait();  // the group and the stream work on
+  EXPECT_EQ(differs(t, seq(4, 1)), "");
+
+  auto doomed = world_of_one();
+  cuda::CUDAGraph orphan;
+  cuda::graph(orphan, [&] { doomed->allreduce(t)->wait(); });
+  orphan.replay();
+  cuda::synchronize(0);
+  doomed.reset();
+  test::expect_error<DistError>([&] { orphan.replay(); },
+                                {"allreduce", "process group has been destroyed"});
+}
+
+// DDP over NCCL with a communication hook (so the bucket's collective runs at world size 1) and a
+// capturable AdamW: the whole step captured once and replayed trains as the same step run
+// eagerly. The hook halves the reduced gradient in a Future callback, so a replay that skipped
+// the hook's chain would drift from the eager run.
+TEST(NcclWorldOne, DdpStepCapturedInACudaGraphTrainsAsEagerSteps) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  const Device gpu = cuda_device(0);
+  struct Run {
+    std::shared_ptr<nn::Module> model;
+    std::shared_ptr<DistributedDataParallel> ddp;
+    std::shared_ptr<nn::optim::AdamW> opt;
+    void step(const test::Batch& b) {
+      opt->zero_grad();
+      test::loss_of(*ddp, b).backward();
+      opt->step();
+    }
+  };
+  auto make = [&](bool capturable) {
+    auto model = test::make_cnn(5);
+    model->to(gpu);
+    DDPOptions o;
+    o.bucket_cap_mb = o.first_bucket_cap_mb = 1e-6;  // several buckets, several collectives
+    auto ddp = std::make_shared<DistributedDataParallel>(model, world_of_one(), o);
+    ddp->register_comm_hook([](GradBucket& b) {
+      return allreduce_hook(b)->then([](Future& f) {
+        Tensor g = f.value().at(0);
+        g.mul_(0.5);
+        return std::vector<Tensor>{g};
+      });
+    });
+    auto opt = std::make_shared<nn::optim::AdamW>(
+        ddp->parameters(), nn::optim::AdamWOptions{.lr = 0.01, .capturable = capturable});
+    return Run{model, ddp, opt};
+  };
+  Run run = make(true), ref = make(false);
+  test::Batch in = test::to_device(test::cnn_batch(70, 6), gpu);  // the graph's static batch
+  cuda::CUDAGraph graph;
+  for (int s = 0; s < 7; ++s) {
+    SCOPED_TRACE("step " + std::to_string(s));
+    const test::Batch b = test::to_device(test::cnn_batch(70 + s, 6), gpu);
+    in.x.copy_(b.x);
+    in.y.copy_(b.y);
+    ref.step(b);
+    if (s < 3) {  // eager: DDP rebuilds its buckets, the optimizer makes its state
+      run.step(in);
+    } else {
+      if (!graph.ready()) cuda::graph(graph, [&] { run.step(in); });
+      graph.replay();
+    }
+  }
+  cuda::synchronize(0);
+  const auto a = run.model->named_parameters();
+  const auto r = ref.model->named_parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    try {
+      test::require_close(a[i].first, a[i].second, r[i].second, 1e-5);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << e.what();
     }
   }
 }

@@ -11,6 +11,7 @@
 
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops.h>
+#include <ember/tensor/cuda_graph.h>
 #include "tests/distributed/backends/allreduce_closed_forms.h"
 #include "tests/distributed/backends/collective_options.h"
 #include "tests/distributed/backends/p2p_checks.h"
@@ -464,6 +465,32 @@ TEST(DelayingGroup, ScalesEveryOutputButNotSendsOrIntegers) {
       pg->recv(got, 0)->wait();
       require(got.to_vector<float>()[0] == 10.0f, "received and scaled");
     }
+  });
+}
+
+// Rank threads meet on the host, which a CUDA graph's replay would skip: a collective issued
+// while the thread captures is refused, naming the backend and the way out (nccl), the capture is
+// reset, and the group works on (Note [NCCL in a CUDA graph]).
+TEST(ThreadsCuda, CollectiveInACaptureIsRefusedNamingTheBackend) {
+  EMBER_REQUIRE_CUDA();
+  ThreadsSetup s;
+  s.n = 1;
+  test::run_threads(s, [&](std::shared_ptr<ProcessGroup> pg, int) {
+    Tensor t = ones({4}, cuda_device(0));
+    cuda::CUDAGraph graph;
+    std::string error;
+    try {
+      cuda::graph(graph, [&] { pg->allreduce(t); });
+    } catch (const ValueError& e) {
+      error = e.what();
+    }
+    require(error.find("[threads] allreduce on rank 0 of 1: cannot be captured in a CUDA graph") !=
+                    std::string::npos &&
+                error.find("nccl backend") != std::string::npos,
+            "the capture refused, got: " + error);
+    require(!graph.ready(), "the failed capture was reset");
+    pg->allreduce(t)->wait();
+    require(t.cpu().to_vector<float>()[0] == 1.0f, "the group works after the failed capture");
   });
 }
 

@@ -17,6 +17,7 @@
 #include <ember/nn/functional.h>
 #include <ember/nn/layers/linear.h>
 #include <ember/nn/optim/adam.h>
+#include <ember/tensor/cuda_graph.h>
 #include "tests/distributed/ddp/ddp_test_util.h"
 #include "tests/distributed/sharding/fsdp_test_model.h"
 #include "tests/distributed/store/store_test_util.h"
@@ -367,6 +368,24 @@ TEST(FsdpCudaErrors, ParametersOnTwoDevicesAreRefused) {
     test::require_throws_with("two devices", [&] { fully_shard(model, {.group = pg}); },
                               "must be on one device");
     require(!is_fully_sharded(*model), "a refused module is marked sharded");
+  });
+}
+
+// FSDP frees its gathered parameters when the host sees an event pass, which a CUDA graph
+// cannot hold: a forward in a capture is refused saying so, and the capture is reset.
+TEST(FsdpCudaErrors, ForwardInACudaGraphIsRefused) {
+  EMBER_REQUIRE_CUDA();
+  test::run_threads(ranks_on(kGpu, 1), [&](std::shared_ptr<ProcessGroup> pg, int) {
+    auto model = std::make_shared<nn::Linear>(4, 4);
+    model->to(kGpu);
+    fully_shard(model, {.group = pg});
+    const Tensor x = ones({2, 4}, kGpu);
+    cuda::CUDAGraph graph;
+    test::require_throws_with(
+        "capture", [&] { cuda::graph(graph, [&] { (void)(*model)(x); }); },
+        "[fully_shard] forward cannot be captured in a CUDA graph");
+    require(!graph.ready(), "the failed capture was reset");
+    require((*model)(x).shape() == Shape{2, 4}, "FSDP runs eagerly after the failed capture");
   });
 }
 
