@@ -15,21 +15,24 @@ void check_scalar(const char* op, const Tensor& t, const char* name, Dtype dtype
               "[", op, "] expected ", name, " to be a ", dtype, " tensor of one element on ",
               device, ", got ", t.dtype(), " of shape ", t.shape(), " on ", t.device());
 }
-}  // namespace
 
-void amp_unscale_(const Tensor& grad, const Tensor& found_inf, const Tensor& inv_scale) {
+// Both amp_unscale_ overloads: inv_scale_dev (CUDA only), when set, is read in place of
+// inv_scale when the kernel runs.
+void unscale(const Tensor& grad, const Tensor& found_inf, double inv_scale,
+             const float* inv_scale_dev) {
   check_defined("amp_unscale_", grad, "grad");
-  check_scalar("amp_unscale_", inv_scale, "inv_scale", kFloat32, grad.device());
-  if (!grad.is_cuda()) {
-    amp_unscale_(grad, found_inf, static_cast<double>(inv_scale.data<float>()[0]));
-    return;
-  }
-  check_scalar("amp_unscale_", found_inf, "found_inf", kFloat32, grad.device());
+  check_defined("amp_unscale_", found_inf, "found_inf");
   EMBER_CHECK(grad.is_floating_point(), "[amp_unscale_] expected a floating-point grad, got ",
               grad.dtype());
+  check_scalar("amp_unscale_", found_inf, "found_inf", kFloat32, grad.device());
   if (grad.numel() == 0) return;
+  // Gradients are dense in practice; any other layout goes through a contiguous copy.
   Tensor g = grad.is_contiguous() ? grad : grad.contiguous();
-  amp_unscale_cuda(g, found_inf, 1.0, static_cast<const float*>(inv_scale.data_ptr()));
+  if (g.is_cuda()) {
+    amp_unscale_cuda(g, found_inf, inv_scale, inv_scale_dev);
+  } else {
+    amp_unscale_cpu(g, found_inf, inv_scale);
+  }
   if (!g.is_same(grad)) {
     NoGradGuard no_grad;
     Tensor(grad).copy_(g);
@@ -37,6 +40,19 @@ void amp_unscale_(const Tensor& grad, const Tensor& found_inf, const Tensor& inv
     grad.bump_version();
   }
   found_inf.bump_version();
+}
+
+}  // namespace
+
+void amp_unscale_(const Tensor& grad, const Tensor& found_inf, const Tensor& inv_scale) {
+  check_defined("amp_unscale_", grad, "grad");
+  check_scalar("amp_unscale_", inv_scale, "inv_scale", kFloat32, grad.device());
+  // On the CPU the factor can be read now; on CUDA the kernel reads it when it runs.
+  if (!grad.is_cuda()) {
+    amp_unscale_(grad, found_inf, static_cast<double>(inv_scale.data<float>()[0]));
+  } else {
+    unscale(grad, found_inf, 1.0, static_cast<const float*>(inv_scale.data_ptr()));
+  }
 }
 
 void amp_update_scale_(const Tensor& scale, const Tensor& growth_tracker, const Tensor& found_inf,
@@ -59,30 +75,7 @@ void amp_update_scale_(const Tensor& scale, const Tensor& growth_tracker, const 
 }
 
 void amp_unscale_(const Tensor& grad, const Tensor& found_inf, double inv_scale) {
-  check_defined("amp_unscale_", grad, "grad");
-  check_defined("amp_unscale_", found_inf, "found_inf");
-  EMBER_CHECK(grad.is_floating_point(), "[amp_unscale_] expected a floating-point grad, got ",
-              grad.dtype());
-  EMBER_CHECK(found_inf.dtype() == kFloat32 && found_inf.numel() == 1 &&
-                  found_inf.device() == grad.device() && found_inf.is_contiguous(),
-              "[amp_unscale_] expected found_inf to be a float32 tensor of one element on ",
-              grad.device(), ", got ", found_inf.dtype(), " of shape ", found_inf.shape(), " on ",
-              found_inf.device());
-  if (grad.numel() == 0) return;
-  // Gradients are dense in practice; any other layout goes through a contiguous copy.
-  Tensor g = grad.is_contiguous() ? grad : grad.contiguous();
-  if (g.is_cuda()) {
-    amp_unscale_cuda(g, found_inf, inv_scale);
-  } else {
-    amp_unscale_cpu(g, found_inf, inv_scale);
-  }
-  if (!g.is_same(grad)) {
-    NoGradGuard no_grad;
-    Tensor(grad).copy_(g);
-  } else {
-    grad.bump_version();
-  }
-  found_inf.bump_version();
+  unscale(grad, found_inf, inv_scale, nullptr);
 }
 
 }  // namespace ember::detail
