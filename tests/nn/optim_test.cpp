@@ -479,7 +479,9 @@ TEST(Optim, CudaCapturableAdamWReplaysInAGraphAsEagerSteps) {
   }
   for (const auto& [key, t] : graph_opt.state(graphed[0])) {
     EXPECT_TRUE(t.is_cuda()) << key;
-    if (key == "step") EXPECT_EQ(t.item<float>(), 7.0f);
+    if (key == "step") {
+      EXPECT_EQ(t.item<float>(), 7.0f);
+    }
   }
 }
 
