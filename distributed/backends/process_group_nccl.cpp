@@ -609,6 +609,10 @@ class ProcessGroupNccl::Impl {
       cuda::set_device(device_);
     } catch (...) {
     }
+    // Event queries are among the calls a global-mode capture forbids on every thread but a
+    // relaxed one: the polls here must not invalidate a graph another thread is capturing.
+    cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
+    (void)cudaThreadExchangeStreamCaptureMode(&relaxed);
     for (;;) {
       std::vector<std::shared_ptr<Pending>> snapshot;
       {
