@@ -80,12 +80,7 @@ const double* Adam::device_lr(size_t group, const Device& device) {
 void Adam::step() { step_impl(nullptr); }
 
 void Adam::step_unless(const Tensor& found_inf) {
-  EMBER_CHECK(found_inf.defined() && found_inf.dtype() == kFloat32 && found_inf.numel() == 1, "[",
-              name(),
-              ".step_unless] expected found_inf to be a float32 tensor of one "
-              "element, got ",
-              found_inf.defined() ? found_inf.dtype() : kFloat32, " of shape ",
-              found_inf.defined() ? found_inf.shape() : Shape{});
+  check_found_inf(found_inf);
   step_impl(&found_inf);
 }
 

@@ -138,9 +138,17 @@ Tensor Optimizer::step(const std::function<Tensor()>& closure) {
 }
 
 void Optimizer::step_unless(const Tensor& found_inf) {
-  EMBER_CHECK(found_inf.defined() && found_inf.numel() == 1, "[", name(),
-              ".step_unless] expected found_inf to hold one element");
+  check_found_inf(found_inf);
   if (found_inf.item<float>() == 0.0f) step();
+}
+
+void Optimizer::check_found_inf(const Tensor& found_inf) const {
+  EMBER_CHECK(found_inf.defined(), "[", name(),
+              ".step_unless] expected found_inf to be a float32 tensor of one element, got an "
+              "undefined tensor");
+  EMBER_CHECK(found_inf.dtype() == kFloat32 && found_inf.numel() == 1, "[", name(),
+              ".step_unless] expected found_inf to be a float32 tensor of one element, got ",
+              found_inf.dtype(), " of shape ", found_inf.shape());
 }
 
 void Optimizer::zero_grad(bool set_to_none) {

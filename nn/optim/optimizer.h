@@ -121,6 +121,9 @@ class Optimizer {
   void load_state_dict(const OptimizerState& state, bool copy = true);
 
  protected:
+  /// Throws ValueError naming this optimizer unless `found_inf` is a float32 tensor of one
+  /// element (step_unless's argument).
+  void check_found_inf(const Tensor& found_inf) const;
   /// defaults: every option the optimizer knows (a missing "lr" means each group must give
   /// one). flags: the option keys that are booleans (written as JSON booleans). The subclass's
   /// constructor then calls add_param_groups (virtual checks do not reach it from here).

@@ -425,6 +425,41 @@ std::vector<Tensor> clone_params(const std::vector<Tensor>& ps) {
   return out;
 }
 
+// step_unless(found_inf): a step when the flag is 0, nothing at all when it is not (no state
+// made, the parameters untouched), for the base (SGD reads the flag on the host) and Adam (which
+// may decide on the device); a flag of another dtype or size is refused naming the optimizer.
+TEST(Optim, StepUnlessSkipsOnAFlagAndChecksIt) {
+  const std::vector<std::pair<const char*, Factory>> makers = {
+      {"SGD", [](const std::vector<Tensor>& p) -> std::unique_ptr<Optimizer> {
+         return std::make_unique<SGD>(p, SGDOptions{.lr = 0.1, .momentum = 0.9});
+       }},
+      {"AdamW", [](const std::vector<Tensor>& p) -> std::unique_ptr<Optimizer> {
+         return std::make_unique<AdamW>(p, AdamWOptions{.lr = 0.01, .capturable = true});
+       }},
+  };
+  for (const auto& [name, make] : makers) {
+    SCOPED_TRACE(name);
+    std::vector<Tensor> a = make_params(), b = clone_params(a);
+    auto with = make(a), plain = make(b);
+    EXPECT_EQ(with->supports_found_inf(), std::string(name) == "AdamW");
+    set_grads(a, 0);
+    with->step_unless(ones({1}));
+    EXPECT_TRUE(with->state(a[0]).empty()) << "a skipped first step made state";
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(equal(a[i], b[i])) << "skipped, " << i;
+    for (int s = 0; s < 3; ++s) {
+      set_grads(a, s);
+      set_grads(b, s);
+      with->step_unless(zeros({1}));
+      plain->step();
+    }
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(equal(a[i], b[i])) << "stepped, " << i;
+    expect_error([&] { with->step_unless(zeros({2})); },
+                 {std::string(name) + ".step_unless", "float32 tensor of one element", "[2]"});
+    expect_error([&] { with->step_unless(zeros({1}, kFloat64)); },
+                 {std::string(name) + ".step_unless", "got float64"});
+  }
+}
+
 // capturable only changes where a CUDA parameter's step count lives; on the CPU it is a no-op.
 TEST(Optim, CapturableIsANoOpOnCpuParameters) {
   std::vector<Tensor> a = make_params(), b = clone_params(a);
