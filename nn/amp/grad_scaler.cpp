@@ -146,12 +146,8 @@ bool GradScaler::step(optim::Optimizer& optimizer) {
 
 void GradScaler::update() {
   if (!options_.enabled) return;
-  bool recorded = false, found = false;
-  for (const auto& [opt, st] : per_optimizer_) {
-    if (st.stage == Stage::kReady) continue;
-    recorded = true;
-    found = found || st.found_inf;
-  }
+  bool recorded = false;
+  for (const auto& [opt, st] : per_optimizer_) recorded = recorded || st.stage != Stage::kReady;
   if (!recorded) throw Error("[GradScaler.update] No inf checks were recorded prior to update()");
   if (on_device()) {
     NoGradGuard no_grad;
@@ -162,19 +158,11 @@ void GradScaler::update() {
     }
     detail::amp_update_scale_(scale_dev_, growth_tracker_dev_, combined, options_.growth_factor,
                               options_.backoff_factor, options_.growth_interval);
-    reset_per_optimizer();
-    return;
-  }
-  // torch's _amp_update_scale_: the products are taken in double and stored in float32.
-  if (found) {
-    scale_ = static_cast<float>(scale_ * options_.backoff_factor);
-    growth_tracker_ = 0;
-  } else if (growth_tracker_ + 1 == options_.growth_interval) {
-    const float grown = static_cast<float>(scale_ * options_.growth_factor);
-    if (std::isfinite(grown)) scale_ = grown;
-    growth_tracker_ = 0;
   } else {
-    ++growth_tracker_;
+    bool found = false;
+    for (const auto& [opt, st] : per_optimizer_) found = found || st.found_inf;
+    detail::amp_update_scale(scale_, growth_tracker_, found, options_.growth_factor,
+                             options_.backoff_factor, options_.growth_interval);
   }
   reset_per_optimizer();
 }

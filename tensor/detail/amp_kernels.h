@@ -27,7 +27,9 @@ struct UnscaleFunctor {
 
 /// torch's _amp_update_scale_ on one scale: back off after an inf, grow after `interval` clean
 /// steps in a row (the products taken in double and stored in float32, a growth to inf refused).
-EMBER_HD inline void amp_update_scale(float* scale, int32_t* growth_tracker, float found_inf,
+/// Tracker: int32_t on a device (torch's tensor), int64_t for the host scaler.
+template <typename Tracker>
+EMBER_HD inline void amp_update_scale(float* scale, Tracker* growth_tracker, float found_inf,
                                       double growth_factor, double backoff_factor,
                                       int64_t interval) {
   if (found_inf != 0.0f) {
@@ -41,7 +43,7 @@ EMBER_HD inline void amp_update_scale(float* scale, int32_t* growth_tracker, flo
     if (isfinite(grown)) *scale = grown;
     *growth_tracker = 0;
   } else {
-    *growth_tracker = static_cast<int32_t>(clean);
+    *growth_tracker = static_cast<Tracker>(clean);
   }
 }
 

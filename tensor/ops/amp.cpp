@@ -74,6 +74,12 @@ void amp_update_scale_(const Tensor& scale, const Tensor& growth_tracker, const 
   growth_tracker.bump_version();
 }
 
+void amp_update_scale(float& scale, int64_t& growth_tracker, bool found_inf, double growth_factor,
+                      double backoff_factor, int64_t growth_interval) {
+  amp_update_scale(&scale, &growth_tracker, found_inf ? 1.0f : 0.0f, growth_factor, backoff_factor,
+                   growth_interval);
+}
+
 void amp_unscale_(const Tensor& grad, const Tensor& found_inf, double inv_scale) {
   unscale(grad, found_inf, inv_scale, nullptr);
 }

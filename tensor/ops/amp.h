@@ -23,5 +23,8 @@ void amp_unscale_(const Tensor& grad, const Tensor& found_inf, const Tensor& inv
 /// clean steps; the tracker is reset or counted as torch's is. All three on one device.
 void amp_update_scale_(const Tensor& scale, const Tensor& growth_tracker, const Tensor& found_inf,
                        double growth_factor, double backoff_factor, int64_t growth_interval);
+/// The same rule on host values (the GradScaler that keeps its scale on the host).
+void amp_update_scale(float& scale, int64_t& growth_tracker, bool found_inf, double growth_factor,
+                      double backoff_factor, int64_t growth_interval);
 
 }  // namespace ember::detail
