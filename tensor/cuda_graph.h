@@ -1,6 +1,6 @@
 // CUDA graphs: capture the work a piece of code queues on the GPU once, then replay it with one
 // launch (torch.cuda.CUDAGraph and torch.cuda.graph). Note [CUDA graphs] in
-// tensor/cuda/graph.cpp says what a capture records and what it may not contain.
+// tensor/cuda/runtime/graph.cpp says what a capture records and what it may not contain.
 #pragma once
 
 #include <cstdint>

@@ -18,7 +18,7 @@
 #include <ember/distributed/debug/debug.h>
 #include <ember/distributed/environment.h>
 #include <ember/distributed/flight_recorder.h>
-#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cuda_graph.h>
 #include <ember/tensor/log.h>
 #include <ember/tensor/ops.h>

@@ -45,7 +45,7 @@
 #include <memory>
 #include <mutex>
 
-#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/runtime/check.h>
 #endif
 
 namespace ember::dist::detail {

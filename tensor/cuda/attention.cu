@@ -19,7 +19,7 @@
 #include <type_traits>
 
 #include <ember/tensor/cuda/attention_tf32.h>
-#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cuda/loops.cuh>
 #include <ember/tensor/detail/attention_dropout.h>
 #include <ember/tensor/detail/attention_kernels.h>

@@ -25,8 +25,8 @@
 #include <unordered_map>
 
 #include <ember/tensor/ops/attention.h>
-#include <ember/tensor/cuda/check.h>
-#include <ember/tensor/cuda/cudnn_handle.h>
+#include <ember/tensor/cuda/runtime/check.h>
+#include <ember/tensor/cuda/runtime/cudnn_handle.h>
 #include <ember/tensor/detail/attention_kernels.h>
 #include <ember/tensor/log.h>
 

@@ -29,7 +29,7 @@
 
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/cuda/attention_tf32.h>
-#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cuda/warp_rows.cuh>
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800

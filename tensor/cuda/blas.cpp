@@ -9,9 +9,9 @@
 #include <vector>
 
 #include <ember/tensor/cuda.h>
-#include <ember/tensor/cuda/check.h>
-#include <ember/tensor/cuda/cublas_loader.h>
-#include <ember/tensor/cuda/handle_pool.h>
+#include <ember/tensor/cuda/runtime/check.h>
+#include <ember/tensor/cuda/runtime/cublas_loader.h>
+#include <ember/tensor/cuda/runtime/handle_pool.h>
 #include <ember/tensor/detail/linalg_kernels.h>
 
 namespace ember::detail {

@@ -12,10 +12,10 @@
 #include <vector>
 
 #include <ember/tensor/cuda.h>
-#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cudnn.h>
-#include <ember/tensor/cuda/handle_pool.h>
-#include <ember/tensor/cuda/cudnn_handle.h>
+#include <ember/tensor/cuda/runtime/handle_pool.h>
+#include <ember/tensor/cuda/runtime/cudnn_handle.h>
 #include <ember/tensor/detail/conv_kernels.h>
 
 namespace ember {

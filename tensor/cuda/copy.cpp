@@ -3,9 +3,9 @@
 #include <cuda_runtime_api.h>
 
 #include <ember/tensor/cuda.h>
-#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cuda/copy_kernels.h>
-#include <ember/tensor/cuda/host_use.h>
+#include <ember/tensor/cuda/runtime/host_use.h>
 #include <ember/tensor/detail/copy.h>
 
 namespace ember::detail {

@@ -23,7 +23,7 @@
 
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/cuda.h>
-#include <ember/tensor/cuda/device_pool.h>
+#include <ember/tensor/cuda/runtime/device_pool.h>
 #include <ember/tensor/cuda/index_check.cuh>
 #include <ember/tensor/cuda/loops.cuh>
 #include <ember/tensor/detail/indexing_kernels.h>

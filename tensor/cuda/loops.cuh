@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <utility>
 
-#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cuda/fast_div.h>
 #include <ember/tensor/detail/iter.h>
 

@@ -12,7 +12,7 @@
 #include <algorithm>
 #include <initializer_list>
 
-#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cuda/loops.cuh>
 #include <ember/tensor/cuda/warp_rows.cuh>
 #include <ember/tensor/detail/norm_kernels.h>

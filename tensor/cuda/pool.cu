@@ -3,7 +3,7 @@
 // conv2d. Instantiated for the four floating dtypes only.
 #include <cuda_runtime.h>
 
-#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cuda/loops.cuh>
 #include <ember/tensor/detail/conv_kernels.h>
 

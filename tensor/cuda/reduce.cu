@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <vector>
 
-#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cuda/loops.cuh>
 #include <ember/tensor/cuda/reduce_block.cuh>
 #include <ember/tensor/detail/reduce_kernels.h>

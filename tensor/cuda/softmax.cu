@@ -13,7 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cuda/index_check.cuh>
 #include <ember/tensor/cuda/loops.cuh>
 #include <ember/tensor/cuda/warp_rows.cuh>

@@ -1,6 +1,6 @@
 // The block bookkeeping of the CUDA caching allocator (Note [CUDA caching pool]), written
 // against an interface for raw memory and stream events so that it runs and is tested without a
-// GPU. tensor/cuda/allocator.cpp plugs in cudaMalloc, cudaFree and CUDA events; the CPU tests
+// GPU. tensor/cuda/runtime/allocator.cpp plugs in cudaMalloc, cudaFree and CUDA events; the CPU tests
 // plug in a fake device with a memory budget.
 #pragma once
 

@@ -122,7 +122,7 @@ void random_fill_cuda(const Tensor& out, const RandomSpec& spec, const PhiloxArg
 /// calling thread captures a CUDA graph on that device, within the graph (its replays reserve
 /// from `gen`). CPU ops always reserve now.
 PhiloxArgs philox_draw(Generator& gen, uint64_t n, const Device& device);
-/// philox_draw's capture half (tensor/cuda/graph.cpp): true, with `out` set, when the calling
+/// philox_draw's capture half (tensor/cuda/runtime/graph.cpp): true, with `out` set, when the calling
 /// thread captures a graph on CUDA device `device`.
 bool cuda_capture_draw(Generator& gen, uint64_t n, int device, PhiloxArgs* out);
 /// Writes {seed, first} to the two device words at `replay` on `stream` (a graph's replay).

@@ -1,4 +1,4 @@
-// A rank creates CUDA contexts only on the devices it uses (tensor/cuda/check.h's DeviceGuard).
+// A rank creates CUDA contexts only on the devices it uses (tensor/cuda/runtime/check.h's DeviceGuard).
 // Its own binary: the checks need a process in which no other test touched a device.
 #include <gtest/gtest.h>
 

@@ -15,7 +15,7 @@ using namespace ember;
 #ifdef EMBER_WITH_CUDA
 namespace ember::detail {
 struct CublasFunctions;
-const CublasFunctions& cublas();  // tensor/cuda/cublas_loader.h
+const CublasFunctions& cublas();  // tensor/cuda/runtime/cublas_loader.h
 }  // namespace ember::detail
 #endif
 

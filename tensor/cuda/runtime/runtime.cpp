@@ -1,3 +1,6 @@
+// Devices, streams and events (tensor/cuda.h) over the CUDA runtime API: the probe that finds
+// the devices once (and why there are none), the per-thread current device and stream, and
+// stream-ordered events.
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
@@ -5,7 +8,7 @@
 #include <string>
 
 #include <ember/tensor/cuda.h>
-#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/runtime/check.h>
 
 namespace ember::cuda {
 

@@ -1,5 +1,5 @@
-// What graph capture (tensor/cuda/graph.cpp) shares with the rest of tensor/cuda/: the caching
-// allocator's pool, and the hooks for work a capture cannot hold.
+// What graph capture (graph.cpp) shares with the rest of tensor/cuda/: the caching allocator's
+// pool, and the hooks for work a capture cannot hold.
 #pragma once
 
 #include <cuda_runtime_api.h>

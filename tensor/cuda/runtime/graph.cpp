@@ -29,8 +29,8 @@
 #include <mutex>
 #include <vector>
 
-#include <ember/tensor/cuda/check.h>
-#include <ember/tensor/cuda/device_pool.h>
+#include <ember/tensor/cuda/runtime/check.h>
+#include <ember/tensor/cuda/runtime/device_pool.h>
 #include <ember/tensor/detail/random_kernels.h>
 #include <ember/tensor/ops/random.h>
 

@@ -1,3 +1,5 @@
+// The pinned host allocator's record of asynchronous copies (tensor/cuda/runtime/allocator.cpp);
+// internal to tensor/cuda/.
 #pragma once
 
 #include <ember/tensor/cuda.h>

@@ -12,9 +12,9 @@
 #include <vector>
 
 #include <ember/tensor/cuda.h>
-#include <ember/tensor/cuda/check.h>
-#include <ember/tensor/cuda/device_pool.h>
-#include <ember/tensor/cuda/host_use.h>
+#include <ember/tensor/cuda/runtime/check.h>
+#include <ember/tensor/cuda/runtime/device_pool.h>
+#include <ember/tensor/cuda/runtime/host_use.h>
 #include <ember/tensor/detail/caching_pool.h>
 
 namespace ember {

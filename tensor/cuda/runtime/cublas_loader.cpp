@@ -1,4 +1,4 @@
-#include <ember/tensor/cuda/cublas_loader.h>
+#include <ember/tensor/cuda/runtime/cublas_loader.h>
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>

@@ -1,6 +1,6 @@
 // cuda::spin: a kernel that only burns time, for tests of stream ordering.
 #include <ember/tensor/cuda.h>
-#include <ember/tensor/cuda/check.h>
+#include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/error.h>
 
 namespace ember::cuda {
