@@ -1,7 +1,8 @@
-// ProcessGroupNccl over NCCL. Built only with CUDA and NCCL (distributed/CMakeLists.txt);
-// no_nccl.cpp stands in otherwise. This file also registers the "nccl" backend with
-// init_process_group (a static initializer at the end).
-#include <ember/distributed/backends/process_group_nccl.h>
+// ProcessGroupNccl over NCCL: the communicator's life (creation, split, destruction), the launch
+// path every operation takes, CUDA-graph replays and the watchdog. The collectives are in
+// process_group_nccl_collectives.cpp, the backend's registration in nccl_registration.cpp. Built
+// only with CUDA and NCCL (distributed/CMakeLists.txt); no_nccl.cpp stands in otherwise.
+#include <ember/distributed/backends/detail/process_group_nccl_impl.h>
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -47,60 +48,6 @@ constexpr Duration kDestroyLimit = 60s;
 // Key of rank 0's ncclUniqueId in the group's (private) store.
 constexpr const char* kUniqueIdKey = "nccl_unique_id";
 
-bool supported(Dtype d) {
-  switch (d) {
-    case Dtype::Float32:
-    case Dtype::Float64:
-    case Dtype::Float16:
-    case Dtype::BFloat16:
-    case Dtype::Int32:
-    case Dtype::Int64:
-    case Dtype::UInt8:
-      return true;
-    default:
-      return false;
-  }
-}
-
-ncclDataType_t nccl_dtype(Dtype d) {
-  switch (d) {
-    case Dtype::Float32:
-      return ncclFloat32;
-    case Dtype::Float64:
-      return ncclFloat64;
-    case Dtype::Float16:
-      return ncclFloat16;
-    case Dtype::BFloat16:
-      return ncclBfloat16;
-    case Dtype::Int32:
-      return ncclInt32;
-    case Dtype::Int64:
-      return ncclInt64;
-    case Dtype::UInt8:
-      return ncclUint8;
-    default:
-      break;
-  }
-  EMBER_INTERNAL_ASSERT(false, "[nccl] unsupported dtype ", d, " passed validation");
-  return ncclFloat32;
-}
-
-ncclRedOp_t nccl_op(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum:
-      return ncclSum;
-    case ReduceOp::Avg:
-      return ncclAvg;  // integers: truncating division (NCCL's SumPostDiv)
-    case ReduceOp::Product:
-      return ncclProd;
-    case ReduceOp::Min:
-      return ncclMin;
-    case ReduceOp::Max:
-      return ncclMax;
-  }
-  return ncclSum;
-}
-
 /// NCCL's name for r, plus the communicator's last error message when there is one.
 std::string nccl_error(ncclResult_t r, ncclComm_t comm) {
   std::string s = ncclGetErrorString(r);
@@ -127,17 +74,6 @@ ncclResult_t settle(ncclComm_t comm, ncclResult_t r, Clock::time_point deadline)
     r = q != ncclSuccess ? q : state;
   }
   return r;
-}
-
-void check_tensor(const char* op, const Tensor& t, int device, const char* what = "tensor") {
-  EMBER_CHECK(t.defined(), "[nccl] ", op, ": ", what, " is undefined");
-  EMBER_CHECK(t.device() == cuda_device(device), "[nccl] ", op, " expects CUDA tensors on ",
-              cuda_device(device), " (the group's device), got ", what, " on ", t.device());
-  EMBER_CHECK(t.is_contiguous(), "[nccl] ", op, " expects contiguous tensors, got a ",
-              "non-contiguous ", what, " (shape ", t.shape(), ")");
-  EMBER_CHECK_TYPE(TypeError, supported(t.dtype()), "[nccl] ", op,
-                   " supports float32, float64, float16, bfloat16, int32, int64 and uint8, got ",
-                   what, " of dtype ", t.dtype());
 }
 
 /// Tells the caching allocator that t's memory is in use on s (see cuda::record_stream).
@@ -173,10 +109,14 @@ Duration init_timeout_of(const ProcessGroupNccl::NcclOptions& o) {
       .value_or(std::min<Duration>(o.timeout, std::chrono::minutes(5)));
 }
 
+}  // namespace
+
+namespace detail {
+
 /// The group's first failure (a timeout, an NCCL error, destruction with work queued), shared
 /// with its Works, which outlive the group: once recorded, every later collective and every
 /// Work's wait() throws it (Note [NCCL stream-ordered work]).
-class GroupFailure {
+class NcclFailure {
  public:
   /// Keeps the first failure only. `culprit`: the label of the collective that failed, whose
   /// Work reports `error` itself; every other Work reports the reason.
@@ -207,12 +147,18 @@ class GroupFailure {
   std::exception_ptr error_;
 };
 
+}  // namespace detail
+
+namespace {
+
+using detail::NcclFailure;
+
 // Note [NCCL stream-ordered work]: as c10d's CUDA futures, a collective's Future is completed
 // as soon as the collective is queued, with its end event as the ready event: wait(), value()
 // and then() order the caller's current stream after the collective instead of blocking the
 // CPU, so DDP's backward, its buffer broadcast, SyncBatchNorm and PowerSGD never wait on the
 // host for communication. The watchdog only polls end events for timeouts and asynchronous
-// NCCL errors, aborts the communicator then, and records the failure (GroupFailure); errors
+// NCCL errors, aborts the communicator then, and records the failure (NcclFailure); errors
 // reach the user at the next collective or Work::wait(), which throw it. Work::is_completed()
 // is device completion (the end event has passed, c10d's isCompleted) or failure. Only
 // barrier() and a wait() given an explicit timeout block the CPU (until device completion).
@@ -221,7 +167,7 @@ class GroupFailure {
 class NcclWork : public Work {
  public:
   NcclWork(std::string what, Duration timeout, std::shared_ptr<cuda::Event> end, int device,
-           std::shared_ptr<const GroupFailure> failure, bool blocking)
+           std::shared_ptr<const NcclFailure> failure, bool blocking)
       : Work(std::move(what), timeout),
         end_(std::move(end)),
         device_(device),
@@ -289,12 +235,16 @@ class NcclWork : public Work {
 
   std::shared_ptr<cuda::Event> end_;
   int device_;
-  std::shared_ptr<const GroupFailure> failure_;
+  std::shared_ptr<const NcclFailure> failure_;
   bool blocking_;
 };
 
+}  // namespace
+
+namespace detail {
+
 /// What the watchdog tracks of a queued operation until its end event passes.
-struct Pending {
+struct NcclPending {
   std::string what;
   Duration timeout;
   std::shared_ptr<cuda::Event> end;
@@ -302,442 +252,413 @@ struct Pending {
   std::vector<Tensor> keep;  // alive until the operation ends (outputs, inputs, packed buffers)
 };
 
-}  // namespace
+}  // namespace detail
 
 // ---- Impl ---------------------------------------------------------------------------------------
 
-class ProcessGroupNccl::Impl {
- public:
-  using Enqueue = std::function<ncclResult_t(ncclComm_t, cudaStream_t)>;
-
-  Impl(int rank, int size, std::shared_ptr<Store> store, const NcclOptions& o)
-      : rank_(rank), size_(size), timeout_(o.timeout) {
-    EMBER_CHECK(store != nullptr, "[nccl] rank ", rank,
-                ": needs a store to exchange the "
-                "ncclUniqueId, got null");
-    const int count = cuda::device_count();
-    if (count == 0) {
-      throw NotImplementedError(detail::str_cat("[nccl] rank ", rank, " of ", size,
-                                                ": no CUDA device: ", cuda::unavailable_reason()));
-    }
-    device_ = choose_device(o, rank, count);
-    // As torch.cuda.set_device in a training script: the tensors this rank makes without naming
-    // a device land on the group's GPU, and no context is created on any other.
-    cuda::set_device(device_);
-    stream_ = cuda::Stream::create(device_);
-    const Duration init_timeout = init_timeout_of(o);
-    if (debug_level() != DebugLevel::Off) {
-      int version = 0;
-      ncclGetVersion(&version);
-      logging::info("[nccl] rank ", rank, " of ", size, ": NCCL ", version / 10000, ".",
-                version / 100 % 100, ".", version % 100, " on ", cuda_device(device_).str(), ", ",
-                net::nccl_network_summary());
-    }
-
-    ncclUniqueId id;
-    if (rank == 0) {
-      check_init(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId");
-      const auto* b = reinterpret_cast<const uint8_t*>(&id);
-      store->set(kUniqueIdKey, Bytes(b, b + sizeof(id)));
-    } else {
-      Bytes b;
-      try {
-        b = store->get(kUniqueIdKey, init_timeout);
-      } catch (const DistTimeoutError& e) {
-        throw DistTimeoutError(detail::str_cat("[nccl] rank ", rank, " of ", size,
-                                               ": rank 0 did not publish its ncclUniqueId within ",
-                                               init_timeout.count(), " ms: ", e.what()));
-      }
-      if (b.size() != sizeof(id)) {
-        throw DistBackendError(detail::str_cat(
-            "[nccl] rank ", rank, " of ", size, ": the store's '", kUniqueIdKey, "' holds ",
-            b.size(), " bytes, expected an ncclUniqueId of ", sizeof(id)));
-      }
-      std::memcpy(&id, b.data(), sizeof(id));
-    }
-
-    // Non-blocking, so that creation (which waits for every rank) is bounded by the timeout.
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    ncclComm_t comm = nullptr;
-    ncclResult_t r = ncclCommInitRankConfig(&comm, size, id, rank, &config);
-    comm = settled_or_throw(comm, r, init_timeout, "creating the communicator");
-    start(comm);
+ProcessGroupNccl::Impl::Impl(int rank, int size, std::shared_ptr<Store> store, const NcclOptions& o)
+    : rank_(rank),
+      size_(size),
+      timeout_(o.timeout),
+      failure_(std::make_shared<detail::NcclFailure>()),
+      trace_row_(trace::unique_row()) {
+  EMBER_CHECK(store != nullptr, "[nccl] rank ", rank,
+              ": needs a store to exchange the "
+              "ncclUniqueId, got null");
+  const int count = cuda::device_count();
+  if (count == 0) {
+    throw NotImplementedError(detail::str_cat("[nccl] rank ", rank, " of ", size,
+                                              ": no CUDA device: ", cuda::unavailable_reason()));
+  }
+  device_ = choose_device(o, rank, count);
+  // As torch.cuda.set_device in a training script: the tensors this rank makes without naming
+  // a device land on the group's GPU, and no context is created on any other.
+  cuda::set_device(device_);
+  stream_ = cuda::Stream::create(device_);
+  const Duration init_timeout = init_timeout_of(o);
+  if (debug_level() != DebugLevel::Off) {
+    int version = 0;
+    ncclGetVersion(&version);
+    logging::info("[nccl] rank ", rank, " of ", size, ": NCCL ", version / 10000, ".",
+                  version / 100 % 100, ".", version % 100, " on ", cuda_device(device_).str(), ", ",
+                  net::nccl_network_summary());
   }
 
-  // Rank `rank` of `size` of a group split from `parent` (ncclCommSplit with `color`, ordered by
-  // `key`), on parent's device with a stream of its own. Collective over parent.
-  Impl(int rank, int size, Impl& parent, int color, int key, const NcclOptions& o)
-      : rank_(rank), size_(size), timeout_(o.timeout) {
-    device_ = parent.device_;
-    cuda::set_device(device_);
-    stream_ = cuda::Stream::create(device_);
-    ncclComm_t comm = parent.split(color, key, init_timeout_of(o));
-    start(comm);
+  ncclUniqueId id;
+  if (rank == 0) {
+    check_init(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId");
+    const auto* b = reinterpret_cast<const uint8_t*>(&id);
+    store->set(kUniqueIdKey, Bytes(b, b + sizeof(id)));
+  } else {
+    Bytes b;
+    try {
+      b = store->get(kUniqueIdKey, init_timeout);
+    } catch (const DistTimeoutError& e) {
+      throw DistTimeoutError(detail::str_cat("[nccl] rank ", rank, " of ", size,
+                                             ": rank 0 did not publish its ncclUniqueId within ",
+                                             init_timeout.count(), " ms: ", e.what()));
+    }
+    if (b.size() != sizeof(id)) {
+      throw DistBackendError(detail::str_cat("[nccl] rank ", rank, " of ", size, ": the store's '",
+                                             kUniqueIdKey, "' holds ", b.size(),
+                                             " bytes, expected an ncclUniqueId of ", sizeof(id)));
+    }
+    std::memcpy(&id, b.data(), sizeof(id));
   }
 
-  // The parent side of a split: this rank's part of ncclCommSplit, with NCCL_SPLIT_NOCOLOR for a
-  // rank outside the new group (which gets null).
-  ncclComm_t split(int color, int key, Duration init_timeout) {
+  // Non-blocking, so that creation (which waits for every rank) is bounded by the timeout.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  ncclResult_t r = ncclCommInitRankConfig(&comm, size, id, rank, &config);
+  comm = settled_or_throw(comm, r, init_timeout, "creating the communicator");
+  start(comm);
+}
+
+ProcessGroupNccl::Impl::Impl(int rank, int size, Impl& parent, int color, int key,
+                             const NcclOptions& o)
+    : rank_(rank),
+      size_(size),
+      timeout_(o.timeout),
+      failure_(std::make_shared<detail::NcclFailure>()),
+      trace_row_(trace::unique_row()) {
+  device_ = parent.device_;
+  cuda::set_device(device_);
+  stream_ = cuda::Stream::create(device_);
+  ncclComm_t comm = parent.split(color, key, init_timeout_of(o));
+  start(comm);
+}
+
+ncclComm_t ProcessGroupNccl::Impl::split(int color, int key, Duration init_timeout) {
+  std::lock_guard<std::mutex> cl(comm_mu_);
+  EMBER_CHECK(comm_ != nullptr, "[nccl] rank ", rank_, " of ", size_,
+              ": cannot split a communicator that was aborted");
+  cuda::detail::DeviceGuard guard(device_);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  const ncclResult_t r = ncclCommSplit(comm_, color, key, &comm, &config);
+  if (comm == nullptr) {  // not a member: the split still had to settle on the parent
+    settled_or_throw(comm_, r, init_timeout, "splitting the communicator");
+    return nullptr;
+  }
+  return settled_or_throw(comm, r, init_timeout, "splitting the communicator");
+}
+
+ProcessGroupNccl::Impl::~Impl() {
+  // The watchdog runs no user code and holds no reference to the group (Future callbacks run
+  // on the threads that issue collectives), so this never runs on it.
+  const auto limit = Clock::now() + std::min<Duration>(timeout_, kDestroyLimit);
+  std::deque<std::shared_ptr<Pending>> left;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_until(lock, limit, [&] { return pending_.empty(); });
+    stop_ = true;
+    left.swap(pending_);
+  }
+  cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  if (!left.empty()) {
+    failure_->record(detail::str_cat("[nccl] rank ", rank_, " of ", size_,
+                                     ": the process group was destroyed while ", left.front()->what,
+                                     " was still running (the communicator was aborted)"),
+                     "", nullptr);
+  }
+  {
     std::lock_guard<std::mutex> cl(comm_mu_);
-    EMBER_CHECK(comm_ != nullptr, "[nccl] rank ", rank_, " of ", size_,
-                ": cannot split a communicator that was aborted");
-    cuda::detail::DeviceGuard guard(device_);
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    ncclComm_t comm = nullptr;
-    const ncclResult_t r = ncclCommSplit(comm_, color, key, &comm, &config);
-    if (comm == nullptr) {  // not a member: the split still had to settle on the parent
-      settled_or_throw(comm_, r, init_timeout, "splitting the communicator");
-      return nullptr;
+    if (comm_ != nullptr) {
+      std::optional<cuda::detail::DeviceGuard> guard;
+      try {
+        guard.emplace(device_);
+      } catch (...) {  // the device is gone: still release NCCL's resources
+      }
+      if (left.empty() && settle(comm_, ncclCommFinalize(comm_), limit) == ncclSuccess) {
+        ncclCommDestroy(comm_);
+      } else {
+        ncclCommAbort(comm_);  // work still running, or a peer no longer answers
+      }
+      comm_ = nullptr;
     }
-    return settled_or_throw(comm, r, init_timeout, "splitting the communicator");
   }
+  // Dropped only now: the operations still queued were aborted with the communicator.
+  left.clear();
+}
 
-  ~Impl() {
-    // The watchdog runs no user code and holds no reference to the group (Future callbacks run
-    // on the threads that issue collectives), so this never runs on it.
-    const auto limit = Clock::now() + std::min<Duration>(timeout_, kDestroyLimit);
-    std::deque<std::shared_ptr<Pending>> left;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait_until(lock, limit, [&] { return pending_.empty(); });
-      stop_ = true;
-      left.swap(pending_);
+// Note [NCCL in a CUDA graph]: a collective captured in a CUDA graph runs at each replay, not
+// when it was issued, so the watchdog has nothing to poll at capture time. Instead the capture
+// gains two host hooks: before each launch, the group's failure (or its destruction) is
+// thrown rather than replaying collectives on an aborted communicator; after each launch, an
+// event recorded on the replay's stream joins the pending operations with the collective's
+// timeout, so a peer that never replays its graph aborts the communicator as an eager
+// collective would. The hooks keep the collective's tensors alive for the graph's life.
+void ProcessGroupNccl::Impl::watch_replays(const std::string& what, Duration timeout,
+                                           std::vector<Tensor> keep) {
+  std::weak_ptr<Impl*> alive = alive_;
+  const bool held = cuda::on_each_replay([alive, failure = failure_, what] {
+    if (std::exception_ptr e = failure->error_for(what)) std::rethrow_exception(e);
+    if (alive.expired()) {
+      throw DistError(detail::str_cat(what, " was captured in this CUDA graph, but its ",
+                                      "process group has been destroyed: reset the graph "
+                                      "first"));
     }
-    cv_.notify_all();
-    if (watchdog_.joinable()) watchdog_.join();
-    if (!left.empty()) {
-      failure_->record(
-          detail::str_cat("[nccl] rank ", rank_, " of ", size_,
-                          ": the process group was destroyed while ", left.front()->what,
-                          " was still running (the communicator was aborted)"),
-          "", nullptr);
+  });
+  EMBER_CHECK(held, what,
+              " is being captured in a CUDA graph that Ember did not begin: "
+              "capture with cuda::CUDAGraph or cuda::graph, which replay it under the "
+              "group's watchdog");
+  auto buffers = std::make_shared<const std::vector<Tensor>>(std::move(keep));
+  cuda::after_each_replay([alive, what, timeout, buffers](const cuda::Stream& s) {
+    if (std::shared_ptr<Impl*> self = alive.lock()) {
+      (*self)->watch_replay(what, timeout, s, *buffers);
     }
-    {
-      std::lock_guard<std::mutex> cl(comm_mu_);
-      if (comm_ != nullptr) {
-        std::optional<cuda::detail::DeviceGuard> guard;
-        try {
-          guard.emplace(device_);
-        } catch (...) {  // the device is gone: still release NCCL's resources
-        }
-        if (left.empty() && settle(comm_, ncclCommFinalize(comm_), limit) == ncclSuccess) {
-          ncclCommDestroy(comm_);
-        } else {
-          ncclCommAbort(comm_);  // work still running, or a peer no longer answers
-        }
-        comm_ = nullptr;
-      }
-    }
-    // Dropped only now: the operations still queued were aborted with the communicator.
-    left.clear();
+  });
+}
+
+void ProcessGroupNccl::Impl::watch_replay(const std::string& what, Duration timeout,
+                                          const cuda::Stream& replayed,
+                                          const std::vector<Tensor>& keep) {
+  auto end = std::make_shared<cuda::Event>();
+  end->record(replayed);
+  auto p = std::make_shared<Pending>(
+      Pending{what + " (replayed in a CUDA graph)", timeout, end, Clock::now() + timeout, keep});
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return;
+    pending_.push_back(std::move(p));
   }
+  cv_.notify_all();
+}
 
-  int device() const { return device_; }
-  const cuda::Stream& stream() const { return stream_; }
-
-  // Note [NCCL in a CUDA graph]: a collective captured in a CUDA graph runs at each replay, not
-  // when it was issued, so the watchdog has nothing to poll at capture time. Instead the capture
-  // gains two host hooks: before each launch, the group's failure (or its destruction) is
-  // thrown rather than replaying collectives on an aborted communicator; after each launch, an
-  // event recorded on the replay's stream joins the pending operations with the collective's
-  // timeout, so a peer that never replays its graph aborts the communicator as an eager
-  // collective would. The hooks keep the collective's tensors alive for the graph's life.
-  void watch_replays(const std::string& what, Duration timeout, std::vector<Tensor> keep) {
-    std::weak_ptr<Impl*> alive = alive_;
-    const bool held = cuda::on_each_replay([alive, failure = failure_, what] {
-      if (std::exception_ptr e = failure->error_for(what)) std::rethrow_exception(e);
-      if (alive.expired()) {
-        throw DistError(detail::str_cat(what, " was captured in this CUDA graph, but its ",
-                                        "process group has been destroyed: reset the graph "
-                                        "first"));
-      }
-    });
-    EMBER_CHECK(held, what,
-                " is being captured in a CUDA graph that Ember did not begin: "
-                "capture with cuda::CUDAGraph or cuda::graph, which replay it under the "
-                "group's watchdog");
-    auto buffers = std::make_shared<const std::vector<Tensor>>(std::move(keep));
-    cuda::after_each_replay([alive, what, timeout, buffers](const cuda::Stream& s) {
-      if (std::shared_ptr<Impl*> self = alive.lock()) {
-        (*self)->watch_replay(what, timeout, s, *buffers);
-      }
-    });
+WorkPtr ProcessGroupNccl::Impl::launch(const std::string& what, Duration timeout,
+                                       std::vector<Tensor> outputs, std::vector<Tensor> keep,
+                                       const Enqueue& enqueue, bool blocking) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    EMBER_CHECK(!stop_, what, ": the process group is being destroyed");
   }
-
-  void watch_replay(const std::string& what, Duration timeout, const cuda::Stream& replayed,
-                    const std::vector<Tensor>& keep) {
-    auto end = std::make_shared<cuda::Event>();
-    end->record(replayed);
-    auto p = std::make_shared<Pending>(
-        Pending{what + " (replayed in a CUDA graph)", timeout, end, Clock::now() + timeout, keep});
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stop_) return;
-      pending_.push_back(std::move(p));
-    }
-    cv_.notify_all();
+  if (std::exception_ptr e = failure_->error_for(what)) std::rethrow_exception(e);
+  auto end = std::make_shared<cuda::Event>();
+  auto work = std::make_shared<NcclWork>(what, timeout, end, device_, failure_, blocking);
+  cuda::detail::DeviceGuard guard(device_);
+  // Note [NCCL in a CUDA graph]
+  const bool captured = cuda::is_current_stream_capturing();
+  if (captured && blocking) {
+    throw ValueError(detail::str_cat(
+        what, " cannot be captured in a CUDA graph: its wait() blocks the host until the ",
+        "device is done; issue it outside the capture"));
   }
-
-  /// Runs enqueue on the group's stream after the caller's current stream's queued work; the
-  /// Work's Future completes with `outputs` once it is queued (Note [NCCL stream-ordered
-  /// work]). `blocking`: wait() also blocks the CPU until the device is done (barrier). Throws
-  /// the group's failure if it failed earlier, or this operation's if NCCL refuses it.
-  WorkPtr launch(const std::string& what, Duration timeout, std::vector<Tensor> outputs,
-                 std::vector<Tensor> keep, const Enqueue& enqueue, bool blocking = false) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      EMBER_CHECK(!stop_, what, ": the process group is being destroyed");
+  const int64_t launched_us = tracing::stamp();
+  {
+    cuda::Event start;
+    start.record(cuda::current_stream(device_));
+    start.block(stream_);
+  }
+  // After the wait for the caller's stream: the span is the collective's own device time.
+  // None in a capture: a span's events are read back later, which a capture forbids.
+  std::optional<trace::DeviceSpan> device_span;
+  if (!captured) device_span.emplace(stream_);
+  {
+    std::unique_lock<std::mutex> cl(comm_mu_);
+    if (comm_ == nullptr) {  // aborted since the check above
+      cl.unlock();
+      std::rethrow_exception(failure_->error_for(what));
     }
-    if (std::exception_ptr e = failure_->error_for(what)) std::rethrow_exception(e);
-    auto end = std::make_shared<cuda::Event>();
-    auto work = std::make_shared<NcclWork>(what, timeout, end, device_, failure_, blocking);
-    cuda::detail::DeviceGuard guard(device_);
-    // Note [NCCL in a CUDA graph]
-    const bool captured = cuda::is_current_stream_capturing();
-    if (captured && blocking) {
-      throw ValueError(detail::str_cat(
-          what, " cannot be captured in a CUDA graph: its wait() blocks the host until the ",
-          "device is done; issue it outside the capture"));
+    const ncclResult_t r =
+        settle(comm_, enqueue(comm_, cuda::detail::raw(stream_.handle())), Clock::now() + timeout);
+    if (r != ncclSuccess) {
+      const std::string reason =
+          r == ncclInProgress
+              ? detail::str_cat(what, " timed out after ", timeout.count(),
+                                " ms while NCCL set it up; the communicator was aborted")
+              : detail::str_cat(what, " (timeout ", timeout.count(),
+                                " ms) failed: ", nccl_error(r, comm_),
+                                "; the communicator was aborted");
+      cl.unlock();
+      std::exception_ptr e = r == ncclInProgress
+                                 ? std::make_exception_ptr(DistTimeoutError(reason))
+                                 : std::make_exception_ptr(DistBackendError(reason));
+      abort_all(reason, what, e);
+      std::rethrow_exception(e);
     }
-    const int64_t launched_us = tracing::stamp();
-    {
-      cuda::Event start;
-      start.record(cuda::current_stream(device_));
-      start.block(stream_);
-    }
-    // After the wait for the caller's stream: the span is the collective's own device time.
-    // None in a capture: a span's events are read back later, which a capture forbids.
-    std::optional<trace::DeviceSpan> device_span;
-    if (!captured) device_span.emplace(stream_);
-    {
-      std::unique_lock<std::mutex> cl(comm_mu_);
-      if (comm_ == nullptr) {  // aborted since the check above
-        cl.unlock();
-        std::rethrow_exception(failure_->error_for(what));
-      }
-      const ncclResult_t r = settle(comm_, enqueue(comm_, cuda::detail::raw(stream_.handle())),
-                                    Clock::now() + timeout);
-      if (r != ncclSuccess) {
-        const std::string reason =
-            r == ncclInProgress
-                ? detail::str_cat(what, " timed out after ", timeout.count(),
-                                  " ms while NCCL set it up; the communicator was aborted")
-                : detail::str_cat(what, " (timeout ", timeout.count(),
-                                  " ms) failed: ", nccl_error(r, comm_),
-                                  "; the communicator was aborted");
-        cl.unlock();
-        std::exception_ptr e = r == ncclInProgress
-                                   ? std::make_exception_ptr(DistTimeoutError(reason))
-                                   : std::make_exception_ptr(DistBackendError(reason));
-        abort_all(reason, what, e);
-        std::rethrow_exception(e);
-      }
-    }
-    // Its end event before `end`: once the watchdog sees `end` pass, the span can be resolved.
-    if (device_span && device_span->active()) {
-      trace_span(*device_span, what, outputs, launched_us);
-    }
-    end->record(stream_);
-    // Before the Work is returned: once the caller has it, it may drop the tensors at once.
-    for (const Tensor& t : outputs) mark_used(t, stream_);
-    for (const Tensor& t : keep) mark_used(t, stream_);
-    keep.insert(keep.end(), outputs.begin(), outputs.end());
-    if (captured) {
-      watch_replays(what, timeout, std::move(keep));
-      work->queued(std::move(outputs));
-      return work;
-    }
-    auto p = std::make_shared<Pending>(
-        Pending{what, timeout, end, Clock::now() + timeout, std::move(keep)});
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      pending_.push_back(std::move(p));
-    }
-    cv_.notify_all();
+  }
+  // Its end event before `end`: once the watchdog sees `end` pass, the span can be resolved.
+  if (device_span && device_span->active()) {
+    trace_span(*device_span, what, outputs, launched_us);
+  }
+  end->record(stream_);
+  // Before the Work is returned: once the caller has it, it may drop the tensors at once.
+  for (const Tensor& t : outputs) mark_used(t, stream_);
+  for (const Tensor& t : keep) mark_used(t, stream_);
+  keep.insert(keep.end(), outputs.begin(), outputs.end());
+  if (captured) {
+    watch_replays(what, timeout, std::move(keep));
     work->queued(std::move(outputs));
     return work;
   }
-
- private:
-  // The collective's span on the timeline, as gloo's and MPI's but measured on the group's
-  // stream (its own row): from the device starting it until it finished, queued_us the time
-  // from its launch on the host until the device started it.
-  void trace_span(trace::DeviceSpan& span, const std::string& what,
-                  const std::vector<Tensor>& outputs, int64_t launched_us) {
-    trace::CollectiveFields f = trace::collective_fields(what, tracing::result_bytes(outputs));
-    span.finish(stream_, trace::DeviceSpanInfo{std::move(f.name), "collective", std::move(f.args),
-                                               trace_row_, trace_row_name_, launched_us});
+  auto p = std::make_shared<Pending>(
+      Pending{what, timeout, end, Clock::now() + timeout, std::move(keep)});
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.push_back(std::move(p));
   }
+  cv_.notify_all();
+  work->queued(std::move(outputs));
+  return work;
+}
 
-  void check_init(ncclResult_t r, ncclComm_t comm, const char* call) const {
-    if (r != ncclSuccess) {
-      throw DistBackendError(detail::str_cat("[nccl] rank ", rank_, " of ", size_, ": ", call,
-                                             " failed: ", nccl_error(r, comm)));
+// The collective's span on the timeline, as gloo's and MPI's but measured on the group's
+// stream (its own row): from the device starting it until it finished, queued_us the time
+// from its launch on the host until the device started it.
+void ProcessGroupNccl::Impl::trace_span(trace::DeviceSpan& span, const std::string& what,
+                                        const std::vector<Tensor>& outputs, int64_t launched_us) {
+  trace::CollectiveFields f = trace::collective_fields(what, tracing::result_bytes(outputs));
+  span.finish(stream_, trace::DeviceSpanInfo{std::move(f.name), "collective", std::move(f.args),
+                                             trace_row_, trace_row_name_, launched_us});
+}
+
+void ProcessGroupNccl::Impl::check_init(ncclResult_t r, ncclComm_t comm, const char* call) const {
+  if (r != ncclSuccess) {
+    throw DistBackendError(detail::str_cat("[nccl] rank ", rank_, " of ", size_, ": ", call,
+                                           " failed: ", nccl_error(r, comm)));
+  }
+}
+
+// Aborts the communicator (wakes kernels stuck waiting for peers), records the failure, which
+// every later call and Work::wait() throws (the operation labelled `culprit` reports `error`),
+// and forgets the pending operations: the abort stopped them.
+void ProcessGroupNccl::Impl::abort_all(const std::string& reason, const std::string& culprit,
+                                       std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> cl(comm_mu_);
+    if (comm_ != nullptr) {
+      ncclCommAbort(comm_);
+      comm_ = nullptr;
     }
   }
+  failure_->record(reason, culprit, std::move(error));
+  std::deque<std::shared_ptr<Pending>> failed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failed.swap(pending_);
+  }
+  cv_.notify_all();
+  // The watchdog's timeouts reach no wait(): dump the recent collectives here as well.
+  dist::detail::flight_recorder_on_failure(reason);
+}
 
-  // Aborts the communicator (wakes kernels stuck waiting for peers), records the failure, which
-  // every later call and Work::wait() throws (the operation labelled `culprit` reports `error`),
-  // and forgets the pending operations: the abort stopped them.
-  void abort_all(const std::string& reason, const std::string& culprit = "",
-                 std::exception_ptr error = nullptr) {
+// The watchdog: forgets operations whose end event has passed, and aborts on a timeout or an
+// asynchronous NCCL error. It runs no user code (Note [NCCL stream-ordered work]). CUDA and
+// NCCL are queried without holding mu_.
+void ProcessGroupNccl::Impl::watch() {
+  try {
+    cuda::set_device(device_);
+  } catch (...) {
+  }
+  // Event queries are among the calls a global-mode capture forbids on every thread but a
+  // relaxed one: the polls here must not invalidate a graph another thread is capturing.
+  cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
+  (void)cudaThreadExchangeStreamCaptureMode(&relaxed);
+  for (;;) {
+    std::vector<std::shared_ptr<Pending>> snapshot;
     {
-      std::lock_guard<std::mutex> cl(comm_mu_);
-      if (comm_ != nullptr) {
-        ncclCommAbort(comm_);
-        comm_ = nullptr;
+      std::unique_lock<std::mutex> lock(mu_);
+      if (pending_.empty()) cv_.wait(lock, [&] { return stop_ || !pending_.empty(); });
+      if (stop_) return;
+      cv_.wait_for(lock, kPollInterval, [&] { return stop_; });
+      if (stop_) return;
+      snapshot.assign(pending_.begin(), pending_.end());
+    }
+    if (snapshot.empty()) continue;
+    if (check_async_error()) continue;
+    std::vector<std::shared_ptr<Pending>> done;
+    const auto now = Clock::now();
+    for (auto& p : snapshot) {
+      bool finished = false;
+      try {
+        finished = p->end->query();
+      } catch (const std::exception& e) {
+        const std::string reason = detail::str_cat(p->what, " failed on the device: ", e.what(),
+                                                   "; the communicator was aborted");
+        abort_all(reason, p->what, std::make_exception_ptr(DistBackendError(reason)));
+        done.clear();
+        break;
+      }
+      if (finished) {
+        done.push_back(p);
+      } else if (now >= p->deadline) {
+        const std::string reason = detail::str_cat(p->what, " timed out after ", p->timeout.count(),
+                                                   " ms; the communicator was aborted");
+        abort_all(reason, p->what, std::make_exception_ptr(DistTimeoutError(reason)));
+        done.clear();
+        break;
       }
     }
-    failure_->record(reason, culprit, std::move(error));
-    std::deque<std::shared_ptr<Pending>> failed;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      failed.swap(pending_);
-    }
-    cv_.notify_all();
-    // The watchdog's timeouts reach no wait(): dump the recent collectives here as well.
-    dist::detail::flight_recorder_on_failure(reason);
+    retire(done);
+    // Off the collectives' path: the spans of what just finished reach the timeline.
+    if (trace::enabled()) trace::resolve_device_spans();
   }
+}
 
-  // The watchdog: forgets operations whose end event has passed, and aborts on a timeout or an
-  // asynchronous NCCL error. It runs no user code (Note [NCCL stream-ordered work]). CUDA and
-  // NCCL are queried without holding mu_.
-  void watch() {
-    try {
-      cuda::set_device(device_);
-    } catch (...) {
-    }
-    // Event queries are among the calls a global-mode capture forbids on every thread but a
-    // relaxed one: the polls here must not invalidate a graph another thread is capturing.
-    cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
-    (void)cudaThreadExchangeStreamCaptureMode(&relaxed);
-    for (;;) {
-      std::vector<std::shared_ptr<Pending>> snapshot;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        if (pending_.empty()) cv_.wait(lock, [&] { return stop_ || !pending_.empty(); });
-        if (stop_) return;
-        cv_.wait_for(lock, kPollInterval, [&] { return stop_; });
-        if (stop_) return;
-        snapshot.assign(pending_.begin(), pending_.end());
-      }
-      if (snapshot.empty()) continue;
-      if (check_async_error()) continue;
-      std::vector<std::shared_ptr<Pending>> done;
-      const auto now = Clock::now();
-      for (auto& p : snapshot) {
-        bool finished = false;
-        try {
-          finished = p->end->query();
-        } catch (const std::exception& e) {
-          const std::string reason = detail::str_cat(p->what, " failed on the device: ", e.what(),
-                                                     "; the communicator was aborted");
-          abort_all(reason, p->what, std::make_exception_ptr(DistBackendError(reason)));
-          done.clear();
-          break;
-        }
-        if (finished) {
-          done.push_back(p);
-        } else if (now >= p->deadline) {
-          const std::string reason = detail::str_cat(p->what, " timed out after ",
-                                                     p->timeout.count(),
-                                                     " ms; the communicator was aborted");
-          abort_all(reason, p->what, std::make_exception_ptr(DistTimeoutError(reason)));
-          done.clear();
-          break;
-        }
-      }
-      retire(done);
-      // Off the collectives' path: the spans of what just finished reach the timeline.
-      if (trace::enabled()) trace::resolve_device_spans();
+// An asynchronous error (a peer failed, a network error) dooms every pending operation: aborts
+// and returns true.
+bool ProcessGroupNccl::Impl::check_async_error() {
+  std::unique_lock<std::mutex> cl(comm_mu_, std::try_to_lock);
+  if (!cl.owns_lock() || comm_ == nullptr) return false;
+  ncclResult_t state = ncclSuccess;
+  const ncclResult_t q = ncclCommGetAsyncError(comm_, &state);
+  const ncclResult_t async = q != ncclSuccess ? q : state;
+  if (async == ncclSuccess || async == ncclInProgress) return false;
+  const std::string reason =
+      detail::str_cat("[nccl] rank ", rank_, " of ", size_,
+                      ": NCCL reported an asynchronous error: ", nccl_error(async, comm_));
+  cl.unlock();
+  abort_all(reason);
+  return true;
+}
+
+// Forgets operations that have finished on the device (their tensors may be freed now).
+void ProcessGroupNccl::Impl::retire(const std::vector<std::shared_ptr<Pending>>& done) {
+  if (done.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& p : done) {
+      auto it = std::find(pending_.begin(), pending_.end(), p);
+      if (it != pending_.end()) pending_.erase(it);
     }
   }
+  cv_.notify_all();
+}
 
-  // An asynchronous error (a peer failed, a network error) dooms every pending operation: aborts
-  // and returns true.
-  bool check_async_error() {
-    std::unique_lock<std::mutex> cl(comm_mu_, std::try_to_lock);
-    if (!cl.owns_lock() || comm_ == nullptr) return false;
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t q = ncclCommGetAsyncError(comm_, &state);
-    const ncclResult_t async = q != ncclSuccess ? q : state;
-    if (async == ncclSuccess || async == ncclInProgress) return false;
-    const std::string reason =
-        detail::str_cat("[nccl] rank ", rank_, " of ", size_,
-                        ": NCCL reported an asynchronous error: ", nccl_error(async, comm_));
-    cl.unlock();
-    abort_all(reason);
-    return true;
+// Waits for a non-blocking NCCL call on `comm` (creation, split) to settle; throws
+// DistTimeoutError or DistBackendError naming `doing`, after aborting the communicator.
+ncclComm_t ProcessGroupNccl::Impl::settled_or_throw(ncclComm_t comm, ncclResult_t r,
+                                                    Duration init_timeout, const char* doing) {
+  if (comm != nullptr) r = settle(comm, r, Clock::now() + init_timeout);
+  if (r == ncclInProgress) {
+    ncclCommAbort(comm);
+    throw DistTimeoutError(detail::str_cat(
+        "[nccl] rank ", rank_, " of ", size_, ": ", doing, " on ", cuda_device(device_),
+        " did not complete within ", init_timeout.count(),
+        " ms (EMBER_NCCL_INIT_TIMEOUT)\n  Did every rank create the group, and can they reach "
+        "each other? ",
+        net::nccl_network_summary()));
   }
-
-  // Forgets operations that have finished on the device (their tensors may be freed now).
-  void retire(const std::vector<std::shared_ptr<Pending>>& done) {
-    if (done.empty()) return;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (const auto& p : done) {
-        auto it = std::find(pending_.begin(), pending_.end(), p);
-        if (it != pending_.end()) pending_.erase(it);
-      }
-    }
-    cv_.notify_all();
+  if (r != ncclSuccess) {
+    const std::string msg = nccl_error(r, comm);
+    if (comm != nullptr) ncclCommAbort(comm);
+    throw DistBackendError(detail::str_cat("[nccl] rank ", rank_, " of ", size_, ": ", doing,
+                                           " on ", cuda_device(device_), " failed: ", msg, "; ",
+                                           net::nccl_network_summary()));
   }
+  return comm;
+}
 
-  // Waits for a non-blocking NCCL call on `comm` (creation, split) to settle; throws
-  // DistTimeoutError or DistBackendError naming `doing`, after aborting the communicator.
-  ncclComm_t settled_or_throw(ncclComm_t comm, ncclResult_t r, Duration init_timeout,
-                              const char* doing) {
-    if (comm != nullptr) r = settle(comm, r, Clock::now() + init_timeout);
-    if (r == ncclInProgress) {
-      ncclCommAbort(comm);
-      throw DistTimeoutError(detail::str_cat(
-          "[nccl] rank ", rank_, " of ", size_, ": ", doing, " on ", cuda_device(device_),
-          " did not complete within ", init_timeout.count(),
-          " ms (EMBER_NCCL_INIT_TIMEOUT)\n  Did every rank create the group, and can they reach "
-          "each other? ", net::nccl_network_summary()));
-    }
-    if (r != ncclSuccess) {
-      const std::string msg = nccl_error(r, comm);
-      if (comm != nullptr) ncclCommAbort(comm);
-      throw DistBackendError(detail::str_cat("[nccl] rank ", rank_, " of ", size_, ": ", doing,
-                                             " on ", cuda_device(device_), " failed: ", msg,
-                                             "; ", net::nccl_network_summary()));
-    }
-    return comm;
-  }
-
-  void start(ncclComm_t comm) {
-    comm_ = comm;
-    trace_row_name_ = detail::str_cat("nccl stream, ", cuda_device(device_).str(), " (rank ",
-                                      rank_, " of ", size_, ")");
-    watchdog_ = std::thread([this] { watch(); });
-  }
-
-  const int rank_;
-  const int size_;
-  const Duration timeout_;
-  int device_ = 0;
-  cuda::Stream stream_;
-
-  std::mutex comm_mu_;  // guards comm_ (NCCL calls on it, abort, destroy)
-  ncclComm_t comm_ = nullptr;
-
-  std::mutex mu_;  // guards pending_, stop_
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<Pending>> pending_;
-  bool stop_ = false;
-  // The first failure; set once the communicator is aborted. Shared with the Works.
-  const std::shared_ptr<GroupFailure> failure_ = std::make_shared<GroupFailure>();
-  std::thread watchdog_;
-  // What a captured collective's replay hooks hold (Note [NCCL in a CUDA graph]): expires with
-  // the group.
-  const std::shared_ptr<Impl*> alive_ = std::make_shared<Impl*>(this);
-  // The timeline row of this group's stream (device spans, tensor/trace_device.h).
-  const int trace_row_ = trace::unique_row();
-  std::string trace_row_name_;
-};
+void ProcessGroupNccl::Impl::start(ncclComm_t comm) {
+  comm_ = comm;
+  trace_row_name_ = detail::str_cat("nccl stream, ", cuda_device(device_).str(), " (rank ", rank_,
+                                    " of ", size_, ")");
+  watchdog_ = std::thread([this] { watch(); });
+}
 
 // ---- ProcessGroupNccl -------------------------------------------------------------------------
 
@@ -774,250 +695,5 @@ ProcessGroupNccl::~ProcessGroupNccl() = default;
 
 int ProcessGroupNccl::device() const { return impl_->device(); }
 cuda::Stream ProcessGroupNccl::stream() const { return impl_->stream(); }
-
-WorkPtr ProcessGroupNccl::allreduce(Tensor& tensor, const AllreduceOptions& opts) {
-  check_tensor("allreduce", tensor, device());
-  void* p = tensor.data_ptr();
-  const size_t n = static_cast<size_t>(tensor.numel());
-  const ncclDataType_t dt = nccl_dtype(tensor.dtype());
-  const ncclRedOp_t op = nccl_op(opts.op);
-  return record_flight(
-      impl_->launch(next_op_label("allreduce"), timeout_of(opts.timeout), {tensor}, {},
-                    [=](ncclComm_t c, cudaStream_t s) {
-                      return n == 0 ? ncclSuccess : ncclAllReduce(p, p, n, dt, op, c, s);
-                    }),
-      {tensor});
-}
-
-WorkPtr ProcessGroupNccl::broadcast(Tensor& tensor, const BroadcastOptions& opts) {
-  check_tensor("broadcast", tensor, device());
-  check_root("broadcast", opts.root);
-  void* p = tensor.data_ptr();
-  const size_t n = static_cast<size_t>(tensor.numel());
-  const ncclDataType_t dt = nccl_dtype(tensor.dtype());
-  const int root = opts.root;
-  return record_flight(
-      impl_->launch(next_op_label("broadcast"), timeout_of(opts.timeout), {tensor}, {},
-                    [=](ncclComm_t c, cudaStream_t s) {
-                      return n == 0 ? ncclSuccess : ncclBroadcast(p, p, n, dt, root, c, s);
-                    }),
-      {tensor});
-}
-
-WorkPtr ProcessGroupNccl::reduce(Tensor& tensor, const ReduceOptions& opts) {
-  check_tensor("reduce", tensor, device());
-  check_root("reduce", opts.root);
-  void* p = tensor.data_ptr();
-  const size_t n = static_cast<size_t>(tensor.numel());
-  const ncclDataType_t dt = nccl_dtype(tensor.dtype());
-  const ncclRedOp_t op = nccl_op(opts.op);
-  const int root = opts.root;
-  return record_flight(
-      impl_->launch(next_op_label("reduce"), timeout_of(opts.timeout), {tensor}, {},
-                    [=](ncclComm_t c, cudaStream_t s) {
-                      return n == 0 ? ncclSuccess : ncclReduce(p, p, n, dt, op, root, c, s);
-                    }),
-      {tensor});
-}
-
-WorkPtr ProcessGroupNccl::allgather_into_tensor(Tensor& output, const Tensor& input,
-                                                const CollectiveOptions& opts) {
-  check_tensor("allgather_into_tensor", input, device(), "input");
-  check_tensor("allgather_into_tensor", output, device(), "output");
-  EMBER_CHECK(output.dtype() == input.dtype() && output.numel() == size_ * input.numel(),
-              "[nccl] allgather_into_tensor expects an output of ", size_, " x ", input.numel(),
-              " = ", size_ * input.numel(), " elements of dtype ", input.dtype(), ", got ",
-              output.numel(), " elements (shape ", output.shape(), ") of dtype ", output.dtype());
-  const void* in = input.data_ptr();
-  void* out = output.data_ptr();
-  const size_t n = static_cast<size_t>(input.numel());
-  const ncclDataType_t dt = nccl_dtype(input.dtype());
-  return record_flight(impl_->launch(next_op_label("allgather_into_tensor"),
-                                     timeout_of(opts.timeout), {output}, {input},
-                                     [=](ncclComm_t c, cudaStream_t s) {
-                                       return n == 0 ? ncclSuccess
-                                                     : ncclAllGather(in, out, n, dt, c, s);
-                                     }),
-                       {output, input});
-}
-
-WorkPtr ProcessGroupNccl::reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs,
-                                         const ReduceScatterOptions& opts) {
-  check_tensor("reduce_scatter", output, device(), "output");
-  EMBER_CHECK(static_cast<int>(inputs.size()) == size_, "[nccl] reduce_scatter expected ", size_,
-              " input tensors (one per rank), got ", inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    EMBER_CHECK(inputs[i].defined() && inputs[i].shape() == output.shape() &&
-                    inputs[i].dtype() == output.dtype() && inputs[i].device() == output.device(),
-                "[nccl] reduce_scatter: inputs[", i, "] must match the output (shape ",
-                output.shape(), ", ", output.dtype(), ", ", output.device(), ")");
-  }
-  // NCCL's reduce-scatter takes one buffer of size() consecutive chunks. The packing copies run
-  // on the caller's stream, which the collective waits for.
-  std::vector<Tensor> flat;
-  flat.reserve(inputs.size());
-  for (const Tensor& t : inputs) flat.push_back(t.reshape({-1}));
-  const Tensor packed = cat(flat, 0);
-  const void* in = packed.data_ptr();
-  void* out = output.data_ptr();
-  const size_t n = static_cast<size_t>(output.numel());
-  const ncclDataType_t dt = nccl_dtype(output.dtype());
-  const ncclRedOp_t op = nccl_op(opts.op);
-  return record_flight(
-      impl_->launch(next_op_label("reduce_scatter"), timeout_of(opts.timeout), {output}, {packed},
-                    [=](ncclComm_t c, cudaStream_t s) {
-                      return n == 0 ? ncclSuccess : ncclReduceScatter(in, out, n, dt, op, c, s);
-                    }),
-      {output, packed});
-}
-
-WorkPtr ProcessGroupNccl::reduce_scatter_tensor(Tensor& output, const Tensor& input,
-                                                const ReduceScatterOptions& opts) {
-  check_tensor("reduce_scatter_tensor", output, device(), "output");
-  check_tensor("reduce_scatter_tensor", input, device(), "input");
-  check_reduce_scatter_tensor(output, input);
-  const void* in = input.data_ptr();
-  void* out = output.data_ptr();
-  const size_t n = static_cast<size_t>(output.numel());
-  const ncclDataType_t dt = nccl_dtype(output.dtype());
-  const ncclRedOp_t op = nccl_op(opts.op);
-  return record_flight(impl_->launch(next_op_label("reduce_scatter_tensor"),
-                                     timeout_of(opts.timeout), {output}, {input},
-                                     [=](ncclComm_t c, cudaStream_t s) {
-                                       return n == 0 ? ncclSuccess
-                                                     : ncclReduceScatter(in, out, n, dt, op, c, s);
-                                     }),
-                       {output, input});
-}
-
-WorkPtr ProcessGroupNccl::alltoall(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
-                                   const CollectiveOptions& opts) {
-  EMBER_CHECK(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
-              "[nccl] alltoall expected ", size_, " input and ", size_,
-              " output tensors (one per rank), got ", inputs.size(), " and ", outputs.size());
-  struct Part {
-    void* ptr;
-    size_t count;
-  };
-  std::vector<Part> sends, recvs;
-  for (int r = 0; r < size_; ++r) {
-    check_tensor("alltoall", inputs[r], device(), "input");
-    check_tensor("alltoall", outputs[r], device(), "output");
-    EMBER_CHECK(inputs[r].dtype() == inputs[0].dtype() && outputs[r].dtype() == inputs[0].dtype(),
-                "[nccl] alltoall expects one dtype (", inputs[0].dtype(), "), got inputs[", r,
-                "] of ", inputs[r].dtype(), " and outputs[", r, "] of ", outputs[r].dtype());
-    sends.push_back({inputs[r].data_ptr(), static_cast<size_t>(inputs[r].numel())});
-    recvs.push_back({outputs[r].data_ptr(), static_cast<size_t>(outputs[r].numel())});
-  }
-  const ncclDataType_t dt = nccl_dtype(inputs[0].dtype());
-  // Zero-sized parts are skipped on both sides (rank a's send to b has b's receive's size).
-  return record_flight(
-      impl_->launch(next_op_label("alltoall"), timeout_of(opts.timeout), outputs, inputs,
-                    [=](ncclComm_t c, cudaStream_t s) {
-                      ncclResult_t r = ncclGroupStart();
-                      if (r != ncclSuccess) return r;
-                      ncclResult_t first = ncclSuccess;
-                      auto note = [&](ncclResult_t x) {
-                        if (first == ncclSuccess && x != ncclSuccess && x != ncclInProgress) {
-                          first = x;
-                        }
-                      };
-                      for (int peer = 0; peer < static_cast<int>(sends.size()); ++peer) {
-                        if (sends[peer].count > 0) {
-                          note(ncclSend(sends[peer].ptr, sends[peer].count, dt, peer, c, s));
-                        }
-                        if (recvs[peer].count > 0) {
-                          note(ncclRecv(recvs[peer].ptr, recvs[peer].count, dt, peer, c, s));
-                        }
-                      }
-                      const ncclResult_t e = ncclGroupEnd();
-                      return first != ncclSuccess ? first : e;
-                    }),
-      inputs);
-}
-
-WorkPtr ProcessGroupNccl::barrier(const CollectiveOptions& opts) {
-  Tensor one = zeros({1}, TensorOptions(kFloat32).device(cuda_device(device())));
-  void* p = one.data_ptr();
-  return record_flight(impl_->launch(
-                           next_op_label("barrier"), timeout_of(opts.timeout), {}, {one},
-                           [=](ncclComm_t c, cudaStream_t s) {
-                             return ncclAllReduce(p, p, 1, ncclFloat32, ncclSum, c, s);
-                           },
-                           /*blocking=*/true),
-                       {one});
-}
-
-WorkPtr ProcessGroupNccl::send(const Tensor& tensor, int dst, int /*tag*/) {
-  check_tensor("send", tensor, device());
-  EMBER_CHECK(dst >= 0 && dst < size_ && dst != rank_, "[nccl] send: dst ", dst,
-              " must be another rank of this group of size ", size_, " (this is rank ", rank_, ")");
-  const void* p = tensor.data_ptr();
-  const size_t n = static_cast<size_t>(tensor.numel());
-  const ncclDataType_t dt = nccl_dtype(tensor.dtype());
-  return record_flight(impl_->launch(next_op_label("send"), timeout_of({}), {tensor}, {},
-                                     [=](ncclComm_t c, cudaStream_t s) {
-                                       return n == 0 ? ncclSuccess : ncclSend(p, n, dt, dst, c, s);
-                                     }),
-                       {tensor});
-}
-
-WorkPtr ProcessGroupNccl::recv(Tensor& tensor, int src, int /*tag*/) {
-  check_tensor("recv", tensor, device());
-  EMBER_CHECK(src >= 0 && src < size_ && src != rank_, "[nccl] recv: src ", src,
-              " must be another rank of this group of size ", size_, " (this is rank ", rank_, ")");
-  void* p = tensor.data_ptr();
-  const size_t n = static_cast<size_t>(tensor.numel());
-  const ncclDataType_t dt = nccl_dtype(tensor.dtype());
-  return record_flight(impl_->launch(next_op_label("recv"), timeout_of({}), {tensor}, {},
-                                     [=](ncclComm_t c, cudaStream_t s) {
-                                       return n == 0 ? ncclSuccess : ncclRecv(p, n, dt, src, c, s);
-                                     }),
-                       {tensor});
-}
-
-std::vector<WorkPtr> ProcessGroupNccl::batch_isend_irecv(const std::vector<P2POp>& ops) {
-  EMBER_CHECK(!ops.empty(), "[nccl] batch_isend_irecv: expected at least one P2POp, got none");
-  struct Part {
-    bool send;
-    void* ptr;
-    size_t count;
-    ncclDataType_t dt;
-    int peer;
-  };
-  std::vector<Part> parts;
-  std::vector<Tensor> outputs, keep;
-  for (const P2POp& op : ops) {
-    const bool send = op.op == P2POp::Kind::Send;
-    check_tensor(send ? "send" : "recv", op.tensor, device());
-    EMBER_CHECK(op.peer >= 0 && op.peer < size_ && op.peer != rank_, "[nccl] batch_isend_irecv: ",
-                send ? "send to " : "recv from ", op.peer,
-                " must name another rank of this group of size ", size_, " (this is rank ", rank_,
-                ")");
-    parts.push_back({send, op.tensor.data_ptr(), static_cast<size_t>(op.tensor.numel()),
-                     nccl_dtype(op.tensor.dtype()), op.peer});
-    (send ? keep : outputs).push_back(op.tensor);
-  }
-  WorkPtr w = record_flight(
-      impl_->launch(next_op_label("batch_isend_irecv"), timeout_of({}), outputs, keep,
-                    [=](ncclComm_t c, cudaStream_t s) {
-                      ncclResult_t r = ncclGroupStart();
-                      if (r != ncclSuccess) return r;
-                      ncclResult_t first = ncclSuccess;
-                      for (const Part& p : parts) {
-                        if (p.count == 0) continue;
-                        const ncclResult_t x = p.send
-                                                   ? ncclSend(p.ptr, p.count, p.dt, p.peer, c, s)
-                                                   : ncclRecv(p.ptr, p.count, p.dt, p.peer, c, s);
-                        if (first == ncclSuccess && x != ncclSuccess && x != ncclInProgress) {
-                          first = x;
-                        }
-                      }
-                      const ncclResult_t e = ncclGroupEnd();
-                      return first != ncclSuccess ? first : e;
-                    }),
-      keep);
-  return std::vector<WorkPtr>(ops.size(), w);
-}
 
 }  // namespace ember::dist
