@@ -163,21 +163,36 @@ using detail::NcclFailure;
 // is device completion (the end event has passed, c10d's isCompleted) or failure. Only
 // barrier() and a wait() given an explicit timeout block the CPU (until device completion).
 
-/// The Work of one NCCL operation (Note [NCCL stream-ordered work]).
+/// The Work of one NCCL operation (Note [NCCL stream-ordered work]). A collective captured in a
+/// CUDA graph runs at each replay, not now: its end event is a node of the capture, which only
+/// the capturing streams may wait on and nothing may query, so its Work answers from the group's
+/// failure alone (Note [NCCL in a CUDA graph]).
 class NcclWork : public Work {
  public:
   NcclWork(std::string what, Duration timeout, std::shared_ptr<cuda::Event> end, int device,
-           std::shared_ptr<const NcclFailure> failure, bool blocking)
+           std::shared_ptr<const NcclFailure> failure, bool blocking, bool captured)
       : Work(std::move(what), timeout),
         end_(std::move(end)),
         device_(device),
         failure_(std::move(failure)),
-        blocking_(blocking) {}
+        blocking_(blocking),
+        captured_(captured) {}
 
   /// Called once the operation and its end event are queued: completes the Future.
   void queued(std::vector<Tensor> outputs) { future_->set_value(std::move(outputs), {end_}); }
 
   bool wait(std::optional<Duration> timeout = {}) override {
+    if (captured_) {
+      EMBER_CHECK(!timeout, what_, " was captured in a CUDA graph: wait(timeout) would block the ",
+                  "host on a collective that runs only when the graph is replayed; call wait() ",
+                  "without a timeout");
+      throw_if_failed();
+      cuda::detail::DeviceGuard guard(device_);
+      // Inside the capture, the join of the group's stream back into the caller's; after it,
+      // replays order the collective themselves.
+      if (cuda::is_current_stream_capturing()) end_->block(cuda::current_stream(device_));
+      return true;
+    }
     if (timeout) {
       block_host(*timeout, *timeout);
     } else if (blocking_) {
@@ -189,7 +204,7 @@ class NcclWork : public Work {
   }
 
   bool is_completed() const override {
-    if (failure_->failed()) return true;
+    if (captured_ || failure_->failed()) return true;  // captured: queued in its graph
     try {
       return end_->query();
     } catch (const std::exception&) {
@@ -199,6 +214,7 @@ class NcclWork : public Work {
 
   std::exception_ptr exception() const override {
     if (std::exception_ptr e = failure_->error_for(what_)) return e;
+    if (captured_) return nullptr;
     try {
       (void)end_->query();
     } catch (const std::exception& e) {
@@ -237,6 +253,7 @@ class NcclWork : public Work {
   int device_;
   std::shared_ptr<const NcclFailure> failure_;
   bool blocking_;
+  bool captured_;
 };
 
 }  // namespace
@@ -437,11 +454,11 @@ WorkPtr ProcessGroupNccl::Impl::launch(const std::string& what, Duration timeout
     EMBER_CHECK(!stop_, what, ": the process group is being destroyed");
   }
   if (std::exception_ptr e = failure_->error_for(what)) std::rethrow_exception(e);
-  auto end = std::make_shared<cuda::Event>();
-  auto work = std::make_shared<NcclWork>(what, timeout, end, device_, failure_, blocking);
   cuda::detail::DeviceGuard guard(device_);
   // Note [NCCL in a CUDA graph]
   const bool captured = cuda::is_current_stream_capturing();
+  auto end = std::make_shared<cuda::Event>();
+  auto work = std::make_shared<NcclWork>(what, timeout, end, device_, failure_, blocking, captured);
   if (captured && blocking) {
     throw ValueError(detail::str_cat(
         what, " cannot be captured in a CUDA graph: its wait() blocks the host until the ",

@@ -546,6 +546,37 @@ TEST(NcclWorldOne, CapturedCollectivesRunAtEachReplay) {
   EXPECT_EQ(differs(t, seq(4, 1)), "");
 }
 
+// A captured collective's Work, used as eager code uses it: wait() inside the capture joins the
+// group's stream back (the capture ends cleanly) and a timed wait is refused; after the capture
+// the Work reports no failure and its wait() is a no-op, while each replay runs the collective.
+TEST(NcclWorldOne, CapturedWorkWaitsInsideTheCaptureAndAnswersAfterIt) {
+  EMBER_REQUIRE_NCCL_DEVICE();
+  auto pg = world_of_one();
+  Tensor t = make(seq(5, 1), kFloat32, 0);
+  Tensor out;
+  WorkPtr kept;
+  cuda::CUDAGraph graph;
+  cuda::graph(graph, [&] {
+    kept = pg->allreduce(t);
+    test::expect_error<ValueError>([&] { kept->wait(std::chrono::seconds(1)); },
+                                   {"allreduce", "captured in a CUDA graph", "without a timeout"});
+    EXPECT_TRUE(kept->wait());
+    out = t * 3;
+  });
+  EXPECT_TRUE(kept->is_completed());
+  EXPECT_EQ(kept->exception(), nullptr);
+  EXPECT_TRUE(kept->wait());
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("replay " + std::to_string(r));
+    t.copy_(make(seq(5, 10 * r), kFloat32, 0));
+    graph.replay();
+    cuda::synchronize(0);
+    std::vector<double> thrice = seq(5, 10 * r);
+    for (double& v : thrice) v *= 3;
+    EXPECT_EQ(differs(out, thrice), "");
+  }
+}
+
 // What cannot be captured is refused clearly, and the stream works on after the failed capture:
 // barrier() (its wait blocks the host), a collective whose Work is never waited on inside the
 // capture (the group's stream is not joined back), and replaying a graph whose group is gone.
