@@ -27,6 +27,7 @@
 #include <array>
 #include <atomic>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include <ember/tensor/cuda/runtime/check.h>
@@ -79,19 +80,48 @@ cudaStreamCaptureMode raw_mode(CaptureMode m) {
   return cudaStreamCaptureModeThreadLocal;
 }
 
-// Ember's capture stream per device (torch.cuda.graph's side stream), made on first use.
-Stream side_stream(int device) {
-  static std::mutex mu;
-  static std::array<Stream, 64> streams;
-  static std::array<bool, 64> made{};
-  EMBER_CHECK(device >= 0 && device < 64, "[cuda::graph] bad device ", device);
-  std::lock_guard<std::mutex> lock(mu);
-  if (!made[device]) {
-    streams[device] = Stream::create(device);
-    made[device] = true;
+// Ember's capture streams (torch.cuda.graph's side stream): one per capture in progress, so rank
+// threads sharing a GPU can capture at once without queuing work into each other's graphs (a
+// thread-local capture records whatever reaches its stream, from any thread). A stream goes back
+// to its device's free list when the capture ends; there are as many as captures ever ran at once.
+class SideStream {
+ public:
+  explicit SideStream(int device) : device_(device) {
+    EMBER_CHECK(device >= 0 && device < kMaxDevices, "[cuda::graph] bad device ", device);
+    {
+      std::lock_guard<std::mutex> lock(mu());
+      std::vector<Stream>& idle = free_list(device);
+      if (!idle.empty()) {
+        stream_ = idle.back();
+        idle.pop_back();
+        return;
+      }
+    }
+    stream_ = Stream::create(device);
   }
-  return streams[device];
-}
+  ~SideStream() {
+    std::lock_guard<std::mutex> lock(mu());
+    free_list(device_).push_back(stream_);
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+
+  const Stream& stream() const { return stream_; }
+
+ private:
+  static constexpr int kMaxDevices = 64;
+  static std::mutex& mu() {
+    static std::mutex m;
+    return m;
+  }
+  static std::vector<Stream>& free_list(int device) {
+    static std::array<std::vector<Stream>, kMaxDevices> lists;
+    return lists[device];
+  }
+
+  int device_;
+  Stream stream_;
+};
 
 }  // namespace
 
@@ -231,11 +261,13 @@ void CUDAGraph::replay() {
   EMBER_CHECK(g.exec, "[CUDAGraph::replay] nothing to replay: capture the graph first");
   detail::DeviceGuard guard(g.device);
   void* stream = current_stream(g.device).handle();
+  // First: a hook that refuses the replay (its process group failed) must leave the generators
+  // where eager steps would find them.
+  for (const auto& fn : g.before_launch) fn();
   for (Impl::RngSlot& r : g.rng) {
     const Generator::Draw d = r.gen->reserve(r.used);
     ::ember::detail::write_philox_replay(r.words, d.seed, d.offset, stream);
   }
-  for (const auto& fn : g.before_launch) fn();
   EMBER_CUDA_CHECK(cudaGraphLaunch(g.exec, detail::raw(stream)));
   for (const auto& fn : g.after_launch) fn(detail::raw(stream));
 }
@@ -264,7 +296,9 @@ bool after_each_replay(std::function<void(const Stream&)> fn) {
 
 void graph(CUDAGraph& g, const std::function<void()>& fn, const GraphOptions& opts) {
   const int device = current_device();
-  const Stream s = opts.stream != nullptr ? *opts.stream : side_stream(device);
+  std::optional<SideStream> side;
+  if (opts.stream == nullptr) side.emplace(device);
+  const Stream s = opts.stream != nullptr ? *opts.stream : side->stream();
   synchronize(device);
   StreamGuard current(s);
   g.capture_begin(opts.pool, opts.mode);
