@@ -89,6 +89,7 @@ void Adam::step_impl(const Tensor* found_inf) {
   // With a flag: read once on the host for the parameters updated there, and made a 0/1 step
   // increment once for the capturable CUDA ones.
   std::optional<bool> skip_on_host;
+  std::optional<bool> capturing;  // asked at the first CUDA parameter of a non-capturable group
   Tensor keep;
   for (size_t gi = 0; gi < param_groups().size(); ++gi) {
     ParamGroup& group = param_groups()[gi];
@@ -100,6 +101,13 @@ void Adam::step_impl(const Tensor* found_inf) {
     for (Tensor& p : group.params) {
       const Tensor grad_in = p.grad();
       if (!grad_in.defined()) continue;
+      if (!capturable && p.is_cuda()) {
+        if (!capturing) capturing = cuda::is_current_stream_capturing();
+        EMBER_CHECK(!*capturing, "[", name(), ".step] a CUDA graph is capturing this step, but ",
+                    "parameter group ", gi, " is not capturable: its step count lives on the ",
+                    "host, so every replay would repeat the captured step's bias corrections; ",
+                    "construct the optimizer with capturable=true");
+      }
       if (found_inf != nullptr && !(capturable && p.is_cuda())) {
         if (!skip_on_host) skip_on_host = found_inf->item<float>() != 0.0f;
         if (*skip_on_host) continue;

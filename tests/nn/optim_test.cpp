@@ -520,6 +520,28 @@ TEST(Optim, CudaCapturableAdamWReplaysInAGraphAsEagerSteps) {
   }
 }
 
+// As PyTorch: a non-capturable Adam on CUDA refuses a capture (its step count is a host value
+// the graph would freeze) instead of failing on a host read inside it; the same optimizer steps
+// on afterwards.
+TEST(Optim, CudaNonCapturableAdamInACaptureIsRefused) {
+  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device (or built with EMBER_WITH_CUDA=OFF)";
+  const Device dev("cuda");
+  std::vector<Tensor> params;
+  for (const Tensor& p : make_params()) {
+    params.push_back(p.detach().to(dev).requires_grad_());
+    params.back().set_grad(ones_like(params.back()));
+  }
+  AdamW opt(params, {.lr = 0.01});
+  opt.step();  // the state exists before the capture
+  cuda::CUDAGraph graph;
+  expect_error<ValueError>(
+      [&] { cuda::graph(graph, [&] { opt.step(); }); },
+      {"AdamW.step", "parameter group 0 is not capturable", "capturable=true"});
+  EXPECT_FALSE(graph.ready());
+  opt.step();
+  EXPECT_EQ(opt.state(params[0])[0].second.item<float>(), 2.0f);
+}
+
 TEST(Optim, StateDictRoundTripContinuesIdentically) {
   const std::vector<std::pair<const char*, Factory>> makers = {
       {"SGD nesterov", [](const std::vector<Tensor>& p) -> std::unique_ptr<Optimizer> {
