@@ -199,13 +199,17 @@ class GPT : public nn::Module {
     }
   }
 
-  // 0..T-1 on `device`, made once per length and device: a copy from the host in every step
-  // would cost an upload, and a CUDA graph could not capture it.
-  const Tensor& positions(int64_t T, Device device) {
-    if (!positions_.defined() || positions_.size(0) != T || positions_.device() != device) {
-      positions_ = ember::arange(0, T, 1, {ember::kInt64}).to(device);
+  // 0..T-1 on `device`: a prefix of 0..context-1, made once per device. A copy from the host in
+  // every step would cost an upload, and a CUDA graph could not capture it; one tensor for every
+  // length keeps the memory a captured step reads alive when a later forward (sampling) uses
+  // another length.
+  Tensor positions(int64_t T, Device device) {
+    if (!positions_.defined() || positions_.device() != device) {
+      positions_ = ember::arange(0, config.context, 1, {ember::kInt64}).to(device);
     }
-    return positions_;
+    EMBER_CHECK(T <= config.context, "[GPT] a sequence of ", T, " tokens is longer than the ",
+                "model's context of ", config.context);
+    return positions_.narrow(0, 0, T);
   }
 
   std::shared_ptr<nn::Embedding> wte_, wpe_;

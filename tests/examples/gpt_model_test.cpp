@@ -100,6 +100,30 @@ TEST(GptModel, ParameterCountAndFlopsPerTokenAreTheClosedForms) {
             6 * int64_t{124475904} + 12 * 12 * 768 * 1024);
 }
 
+// Every length reads the prefix of one positions tensor: a shorter forward after a longer one
+// gives what a fresh model gives, and a sequence past the context is refused naming both.
+TEST(GptModel, AnyLengthUpToTheContextAndNoLonger) {
+  ember::manual_seed(3);
+  GPT model(kTiny);
+  ember::manual_seed(3);
+  GPT fresh(kTiny);
+  model.eval();
+  fresh.eval();
+  const ember::Tensor four = ember::from_vector(std::vector<int64_t>{1, 2, 3, 4}, {1, 4});
+  const ember::Tensor two = ember::from_vector(std::vector<int64_t>{5, 6}, {1, 2});
+  (void)model.forward(four);
+  EXPECT_EQ(model.forward(two).to_vector<float>(), fresh.forward(two).to_vector<float>());
+  const ember::Tensor five = ember::from_vector(std::vector<int64_t>{1, 2, 3, 4, 5}, {1, 5});
+  try {
+    (void)model.forward(five);
+    ADD_FAILURE() << "a sequence of 5 tokens at context 4 was accepted";
+  } catch (const ember::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("5 tokens is longer than the model's context of 4"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(GptModel, DimNotAMultipleOfHeadsIsRefused) {
   GPTConfig c = kTiny;
   c.heads = 3;
