@@ -13,7 +13,11 @@
 // - A graph is built per shape, dtype, causality, scale and device, once per thread (the
 //   frontend's graphs and cuDNN handles are used by one thread at a time; ranks as threads each
 //   get their own), and kept with its workspace size; a shape cuDNN cannot build for is kept as
-//   unsupported so the check is not repeated.
+//   unsupported so the check is not repeated. A build inside a CUDA-graph capture runs in relaxed
+//   capture mode (its allocations must not invalidate the capture), and a failure there is not
+//   kept: it may be the capture's, not the shape's. A thread keeps at most kMaxPlans graphs: each
+//   build costs tens to hundreds of milliseconds, so a loop over ever new lengths (sampling one
+//   token at a time) runs Ember's kernel past that many instead of building one per length.
 // - Causal is top-left aligned, as in PyTorch and Ember: query i sees keys j <= i.
 #include <cudnn_frontend.h>
 #include <cuda_runtime_api.h>
@@ -27,6 +31,8 @@
 #include <ember/tensor/ops/attention.h>
 #include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cuda/runtime/cudnn_handle.h>
+#include <ember/tensor/cuda/runtime/device_pool.h>
+#include <ember/tensor/cuda_graph.h>
 #include <ember/tensor/detail/attention_kernels.h>
 #include <ember/tensor/log.h>
 
@@ -38,6 +44,9 @@ namespace fe = cudnn_frontend;
 
 // The variant pack's tensor ids.
 enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
+
+// Graphs one thread keeps (Note [Attention through cuDNN]).
+constexpr size_t kMaxPlans = 64;
 
 using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, bool, uint64_t, bool>;
 
@@ -146,9 +155,17 @@ const Plan& plan_for(Dtype dtype, Device device, const AttentionParams& p, bool 
   const Key key = key_of(dtype, device, p, backward);
   auto it = plans.find(key);
   if (it != plans.end()) return it->second;
+  static const Plan kNone;
+  if (plans.size() >= kMaxPlans) {
+    logging::debug("scaled_dot_product_attention: this thread keeps ", kMaxPlans, " cuDNN graphs ",
+                   "already; Ember's kernel runs for batch ", p.batch, ", L ", p.L, ", S ", p.S);
+    return kNone;
+  }
+  const bool capturing = cuda::is_current_stream_capturing();
   Plan plan;
   try {
     cuda::detail::DeviceGuard guard(device.index);
+    cuda::detail::RelaxedCaptureMode relaxed;
     cudnnHandle_t handle = cudnn_handle(device, "scaled_dot_product_attention");
     auto g = backward ? backward_graph(dtype, p) : forward_graph(dtype, p);
     fe::error_t st = g->build(handle, {fe::HeurMode_t::A});
@@ -168,6 +185,7 @@ const Plan& plan_for(Dtype dtype, Device device, const AttentionParams& p, bool 
     logging::debug("scaled_dot_product_attention: cuDNN's frontend failed (", e.what(),
                    "): Ember's kernel runs instead");
   }
+  if (plan.graph == nullptr && capturing) return kNone;
   return plans.emplace(key, std::move(plan)).first->second;
 }
 
@@ -204,6 +222,10 @@ void execute(const Plan& plan, Device device, std::unordered_map<int64_t, void*>
 bool attention_cudnn_supported(Dtype dtype, Device device, const AttentionParams& p,
                                bool has_mask) {
   return plan_if_applies(dtype, device, p, has_mask, /*backward=*/false) != nullptr;
+}
+
+bool attention_cudnn_backward_supported(Dtype dtype, Device device, const AttentionParams& p) {
+  return plan_if_applies(dtype, device, p, /*has_mask=*/false, /*backward=*/true) != nullptr;
 }
 
 bool attention_cudnn_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,

@@ -120,6 +120,9 @@ void attention_forward_cuda(const Tensor& out, const Tensor& lse, const Tensor& 
 /// graph cuDNN builds for these shapes (built once per shape and thread, then cached). False in
 /// a build without cuDNN's frontend and on the CPU.
 bool attention_cudnn_supported(Dtype dtype, Device device, const AttentionParams& p, bool has_mask);
+/// Whether cuDNN's backward takes the call (attention_cudnn_backward runs it rather than
+/// returning false): the same conditions, and a backward graph cuDNN builds for these shapes.
+bool attention_cudnn_backward_supported(Dtype dtype, Device device, const AttentionParams& p);
 /// Run it; false (nothing written) where attention_cudnn_supported is false. Operands as for
 /// attention_forward_cuda; lse is cuDNN's Stats (the logsumexp of the scaled scores, natural
 /// log), so either kernel's backward reads the other's forward.

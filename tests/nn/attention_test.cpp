@@ -470,6 +470,9 @@ TEST(AttentionCuda, CudnnFlashAttentionMatchesCpuAndInteroperatesWithEmbersKerne
         GTEST_SKIP() << "cuDNN's flash attention does not take this call here (a build without "
                         "cuDNN's frontend, or a GPU before compute capability 8.0)";
       }
+      // Else the backward legs below could pass on Ember's kernel alone.
+      ASSERT_TRUE(detail::attention_cudnn_backward_supported(dt, gpu, p))
+          << "cuDNN built the forward graph but not the backward one";
       Attn attn = [&](const Tensor& q, const Tensor& k, const Tensor& v) {
         return F::scaled_dot_product_attention(q, k, v, {}, 0.0, c.causal);
       };
@@ -480,6 +483,9 @@ TEST(AttentionCuda, CudnnFlashAttentionMatchesCpuAndInteroperatesWithEmbersKerne
       // cuDNN's forward, Ember's backward; then Ember's forward, cuDNN's backward.
       for (bool cudnn_forward : {true, false}) {
         F::SdpBackendGuard fused(F::SdpBackend::kFused);
+        struct CudnnBackOn {  // even when an assertion below ends the test early
+          ~CudnnBackOn() { F::enable_cudnn_sdp(true); }
+        } back_on;
         Attn switching = [&](const Tensor& q, const Tensor& k, const Tensor& v) {
           F::enable_cudnn_sdp(cudnn_forward);
           Tensor y = F::scaled_dot_product_attention(q, k, v, {}, 0.0, c.causal);

@@ -7,6 +7,7 @@
 namespace ember::detail {
 
 bool attention_cudnn_supported(Dtype, Device, const AttentionParams&, bool) { return false; }
+bool attention_cudnn_backward_supported(Dtype, Device, const AttentionParams&) { return false; }
 bool attention_cudnn_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                              const Tensor&, const AttentionParams&) {
   return false;
