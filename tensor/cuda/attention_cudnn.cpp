@@ -17,7 +17,8 @@
 //   capture mode (its allocations must not invalidate the capture), and a failure there is not
 //   kept: it may be the capture's, not the shape's. A thread keeps at most kMaxPlans graphs: each
 //   build costs tens to hundreds of milliseconds, so a loop over ever new lengths (sampling one
-//   token at a time) runs Ember's kernel past that many instead of building one per length.
+//   token at a time) falls back past that many, as for a shape cuDNN lacks, instead of building
+//   one per length.
 // - Causal is top-left aligned, as in PyTorch and Ember: query i sees keys j <= i.
 #include <cudnn_frontend.h>
 #include <cuda_runtime_api.h>
@@ -158,7 +159,7 @@ const Plan& plan_for(Dtype dtype, Device device, const AttentionParams& p, bool 
   static const Plan kNone;
   if (plans.size() >= kMaxPlans) {
     logging::debug("scaled_dot_product_attention: this thread keeps ", kMaxPlans, " cuDNN graphs ",
-                   "already; Ember's kernel runs for batch ", p.batch, ", L ", p.L, ", S ", p.S);
+                   "already; falling back for batch ", p.batch, ", L ", p.L, ", S ", p.S);
     return kNone;
   }
   const bool capturing = cuda::is_current_stream_capturing();
