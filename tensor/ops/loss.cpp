@@ -152,8 +152,6 @@ Tensor fused_cross_entropy(const Tensor& x, const Tensor& target, const Tensor& 
     const Tensor& w = a.class_weight;
     a.target_index = masked_fill(target, ignored, 0).unsqueeze(1);  // [N, 1]
     a.valid = logical_not(ignored).to(acc);                         // [N]
-    a.row_weight =
-        w.defined() ? index_select(w, 0, a.target_index.view({-1})) * a.valid : a.valid;  // [N]
     a.lse = detail::make_empty({rows}, acc, x.device());
     const Tensor picked = detail::make_empty({rows}, acc, x.device());
     const Tensor xc = x.contiguous(), t = a.target_index.view({-1}).contiguous();
@@ -162,6 +160,10 @@ Tensor fused_cross_entropy(const Tensor& x, const Tensor& target, const Tensor& 
     } else {
       detail::cross_entropy_rows_cpu(a.lse, picked, xc, t);
     }
+    // After the row kernel: on CUDA a bad target is then reported by cross_entropy's own device
+    // check, queued first, rather than by this index_select's.
+    a.row_weight =
+        w.defined() ? index_select(w, 0, a.target_index.view({-1})) * a.valid : a.valid;  // [N]
     Tensor loss = masked_fill(-((picked - a.lse) * a.row_weight), ignored, 0);  // [N]
     if (ls > 0) {
       a.weight_sum = w.defined() ? w.sum().item<double>() : static_cast<double>(classes);

@@ -517,6 +517,15 @@ TEST(LossCuda, BadTargetIsReportedByTheNextIndexOp) {
         F::cross_entropy(x, tensor({1, 3, 0}).to(dev));
       },
       {"[cross_entropy]", "index 4 is out of bounds", "size 4", "checked on the device"});
+  // With class weights too: the row kernel's check is queued before the weights' gather.
+  const Tensor w = tensor({1.0, 2.0, 0.5, 1.0}).to(kFloat32).to(dev);
+  F::cross_entropy(x, tensor({1, 4, 0}).to(dev), {.weight = w});
+  cuda::synchronize();
+  expect_error<IndexError>(
+      [&] {
+        F::cross_entropy(x, tensor({1, 3, 0}).to(dev), {.weight = w});
+      },
+      {"[cross_entropy]", "index 4 is out of bounds", "size 4", "checked on the device"});
   // Ignored positions are not bad indices.
   EXPECT_NO_THROW({
     F::cross_entropy(x, tensor({1, -100, 0}).to(dev));
