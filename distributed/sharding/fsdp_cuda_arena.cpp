@@ -16,10 +16,11 @@
 //    of the device commits; a commit of a still-mapped arena takes the mapping back instead of
 //    mapping new memory (the gather that fills it is queued after the reads, as every backend
 //    orders a collective after the caller's current stream). So the step never waits on the
-//    host, except to bound what is pending: with more than kMaxPending arenas pending on a
-//    device (the CPU has run that many reshards ahead of the GPU), the oldest is waited for and
-//    unmapped, as PyTorch's FSDP limits the all-gathers in flight. On out of memory every
-//    pending arena is waited for and unmapped before the allocation is retried.
+//    host, except to bound what is pending: with more than kMaxPending arenas pending from one
+//    thread on a device (its CPU side has run that many reshards ahead of its stream), the
+//    oldest of them is waited for and unmapped, as PyTorch's FSDP limits each rank's all-gathers
+//    in flight. Per releasing thread, so ranks as threads sharing a GPU each get the bound. On out
+//    of memory every pending arena is waited for and unmapped before the allocation is retried.
 //    flush_released_cuda_arenas() gives back everything pending (tests, and a caller that wants
 //    the driver's free memory to show it).
 //  - The memory is not the caching allocator's: cuda::memory_allocated() does not count it;
@@ -41,9 +42,11 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 #include <ember/tensor/cuda/runtime/check.h>
 #endif
@@ -130,11 +133,16 @@ std::string describe(CUresult r) {
 
 class CudaArena;
 
-// Arenas released but maybe still mapped, per device, oldest first (Note [CUDA arenas]). An
-// entry may be stale (the arena was committed again, or is gone): unmap() skips those.
-constexpr size_t kMaxPending = 2;
+// Arenas released but maybe still mapped, per device, oldest first, with the thread that
+// released each (Note [CUDA arenas]). An entry may be stale (the arena was committed again, or
+// is gone): unmap() skips those.
+struct PendingArena {
+  std::weak_ptr<CudaArena> arena;
+  std::thread::id by;
+};
+constexpr size_t kMaxPending = 2;  // per releasing thread
 std::mutex g_pending_mu;
-std::array<std::deque<std::weak_ptr<CudaArena>>, kMaxDevices> g_pending;
+std::array<std::deque<PendingArena>, kMaxDevices> g_pending;
 
 class CudaArena final : public FsdpArena, public std::enable_shared_from_this<CudaArena> {
  public:
@@ -197,8 +205,8 @@ class CudaArena final : public FsdpArena, public std::enable_shared_from_this<Cu
         std::lock_guard<std::mutex> list_lock(g_pending_mu);  // order: mu_, then the list's
         auto& pending = g_pending[static_cast<size_t>(device_)];
         const std::weak_ptr<CudaArena> self = weak_from_this();
-        std::erase_if(pending, [&self](const std::weak_ptr<CudaArena>& w) {
-          return !w.owner_before(self) && !self.owner_before(w);
+        std::erase_if(pending, [&self](const PendingArena& e) {
+          return !e.arena.owner_before(self) && !self.owner_before(e.arena);
         });
         return;
       }
@@ -249,10 +257,13 @@ class CudaArena final : public FsdpArena, public std::enable_shared_from_this<Cu
     {
       std::lock_guard<std::mutex> lock(g_pending_mu);
       auto& pending = g_pending[static_cast<size_t>(device_)];
-      pending.push_back(weak_from_this());
-      if (pending.size() > kMaxPending) {
-        oldest = pending.front().lock();
-        pending.pop_front();
+      const std::thread::id me = std::this_thread::get_id();
+      pending.push_back({weak_from_this(), me});
+      const auto mine = [me](const PendingArena& e) { return e.by == me; };
+      if (static_cast<size_t>(std::count_if(pending.begin(), pending.end(), mine)) > kMaxPending) {
+        const auto first = std::find_if(pending.begin(), pending.end(), mine);
+        oldest = first->arena.lock();
+        pending.erase(first);
       }
     }
     if (oldest != nullptr) oldest->unmap(/*wait=*/true);
@@ -276,14 +287,14 @@ class CudaArena final : public FsdpArena, public std::enable_shared_from_this<Cu
   /// Gives back the memory of the device's released arenas whose GPU work is done (of all of
   /// them, waiting, with `wait_all`).
   static void reclaim(int device, bool wait_all) {
-    std::deque<std::weak_ptr<CudaArena>> todo;
+    std::deque<PendingArena> todo;
     {
       std::lock_guard<std::mutex> lock(g_pending_mu);
       todo.swap(g_pending[static_cast<size_t>(device)]);
     }
-    std::deque<std::weak_ptr<CudaArena>> kept;
-    for (auto& w : todo) {
-      if (auto a = w.lock(); a != nullptr && a->unmap(wait_all)) kept.push_back(std::move(w));
+    std::deque<PendingArena> kept;
+    for (auto& e : todo) {
+      if (auto a = e.arena.lock(); a != nullptr && a->unmap(wait_all)) kept.push_back(std::move(e));
     }
     if (kept.empty()) return;
     std::lock_guard<std::mutex> lock(g_pending_mu);
