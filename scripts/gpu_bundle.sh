@@ -3,8 +3,11 @@
 # gpu_check's filter selects, the benchmarks, the examples and emberrun from build/, with the
 # libraries they need) into OUT
 # (default .gpu/bundle.txz; list .gpu/ in .git/info/exclude and name it in the device call's
-# carry). Stripped and xz-compressed: about 22 MB, where the plain bundle.sh tarball of all of
-# build/ is over 45 MB. Open MPI's plugins are left out (no MPI runs there).
+# carry). Stripped and xz-compressed: about 34 MB, where the plain bundle.sh tarball of all of
+# build/ is over 45 MB. Open MPI's plugins are left out (no MPI runs there). Also writes
+# .gpu/kjv.txt, the KJV as plain text, which gpu_check's GPT steps and tests read there (the GPU
+# machine has no bible-kjv to decode /usr/lib/bible.data): examples/gpt's token cache of it is
+# that text, so one tiny step writes it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GPU_TEST_FILTER='*Cuda*:*CUDA*:*Nccl*:*_cuda*'  # the same as gpu_check.sh's
@@ -29,3 +32,10 @@ rm -rf "$t/x/openmpi"
 strip --strip-unneeded "$t"/x/bin/build/*/* "$t"/x/lib/*.so* 2>/dev/null || true
 tar cJf "$out" -C "$t/x" .
 echo "$out: $(du -h "$out" | cut -f1)"
+kjv=$(dirname "$out")/kjv.txt
+if [ ! -s "$kjv" ]; then
+  build/examples/gpt --cache-dir "$t/kjv" --layers 1 --dim 32 --heads 4 --context 32 --steps 1 \
+    --eval-every 0 --eval-batches 1 >/dev/null
+  cp "$t/kjv/bible.data.tokens" "$kjv"
+fi
+echo "$kjv: $(du -h "$kjv" | cut -f1) (carry $(dirname "$out") in the device call)"

@@ -70,7 +70,7 @@ run_tests() {
 }
 
 run_bench() {
-  python3 "$root/benchmarks/run_cuda_bench.py" --bench "$b/run.sh bin/build/benchmarks/bench_cuda" \
+  timeout "${BENCH_STEP_TIMEOUT:-420}" python3 "$root/benchmarks/run_cuda_bench.py" --bench "$b/run.sh bin/build/benchmarks/bench_cuda" \
     --rounds "${BENCH_ROUNDS:-3}" --filter "${BENCH_FILTER:-}" \
     --markdown "$out/bench_cuda.md" 2>&1 | tee "$out/bench.log"
 }

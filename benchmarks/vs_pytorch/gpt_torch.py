@@ -384,7 +384,9 @@ def worker(rank, world, a):
                                       betas=(0.9, 0.95), eps=1e-8)
     else:
         opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
-    scaler = torch.cuda.amp.GradScaler(enabled=a.amp == "fp16")
+    scaler = (torch.amp.GradScaler("cuda", enabled=a.amp == "fp16")
+              if hasattr(torch.amp, "GradScaler")  # torch.cuda.amp's is deprecated since 2.4
+              else torch.cuda.amp.GradScaler(enabled=a.amp == "fp16"))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, a.steps))
     data = Windows(a.tokens, a.context, a.batch_size, world, rank, a.seed)
     data.train_offsets(0)  # the epoch's order before the clock starts, as Ember does
