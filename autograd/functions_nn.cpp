@@ -188,7 +188,10 @@ struct CrossEntropyBackward final : Node {
         break;
     }
     Tensor k = wt * (1.0 - ls);
-    if (ls > 0) k = k + weight_sum * ls / classes;
+    if (ls > 0) {  // sum_c w_c: C without weights, else on the device (no host read)
+      k = w.defined() ? k + w.sum() * (ls / static_cast<double>(classes))
+                      : k + weight_sum * ls / static_cast<double>(classes);
+    }
     const Tensor row_smooth = sv * (ls / static_cast<double>(classes));  // [N]
     const Tensor at_target = sv * wt * (ls - 1.0);                       // [N]
     if (!create_graph) {

@@ -231,7 +231,8 @@ struct BatchNormAttrs {
 struct CrossEntropyAttrs {
   Reduction reduction = Reduction::kMean;
   double label_smoothing = 0;
-  double weight_sum = 0;  ///< sum of the class weights (C without weights); with smoothing only
+  double weight_sum = 0;  ///< C, with smoothing and without class weights (whose sum the backward
+                          ///< takes on the device)
   // [N] and [C] tensors in the accumulation type (float32 for float16 and bfloat16 input).
   Tensor lse;           ///< [N] log sum exp of each row
   Tensor target_index;  ///< [N, 1] int64 class of each row, 0 where ignored

@@ -166,11 +166,18 @@ Tensor fused_cross_entropy(const Tensor& x, const Tensor& target, const Tensor& 
         w.defined() ? index_select(w, 0, a.target_index.view({-1})) * a.valid : a.valid;  // [N]
     Tensor loss = masked_fill(-((picked - a.lse) * a.row_weight), ignored, 0);  // [N]
     if (ls > 0) {
-      a.weight_sum = w.defined() ? w.sum().item<double>() : static_cast<double>(classes);
       const Tensor xa = x.to(acc);  // a copy only for float16 and bfloat16 x
-      const Tensor wx = w.defined() ? matmul(xa, w) : xa.sum({1});  // [N]
-      const Tensor smooth =
-          masked_fill(a.lse * a.weight_sum - wx, ignored, 0);  // -sum_c w_c logp_c
+      // -sum_c w_c logp_c. With class weights their sum stays a device scalar (the backward
+      // takes it again): a host read here would make every step wait for the GPU, and could not
+      // be captured in a CUDA graph.
+      Tensor smooth;
+      if (w.defined()) {
+        smooth = a.lse * w.sum() - matmul(xa, w);
+      } else {
+        a.weight_sum = static_cast<double>(classes);
+        smooth = a.lse * a.weight_sum - xa.sum({1});
+      }
+      smooth = masked_fill(smooth, ignored, 0);
       loss = loss * (1.0 - ls) + smooth * (ls / static_cast<double>(classes));
     }
     out = reduce_weighted(loss, a.row_weight, reduction).to(loss_dtype);

@@ -13,6 +13,7 @@
 
 #include <ember/tensor/autocast.h>
 #include <ember/tensor/cuda.h>
+#include <ember/tensor/cuda_graph.h>
 #include "tests/autograd/grad_util.h"
 #include "tests/nn/nn_reference.h"
 
@@ -497,6 +498,36 @@ TEST(Loss, CrossEntropyUnderAutocastReadsLowPrecisionLogitsAsTheyAre) {
 TEST(LossCuda, CrossEntropyUnderAutocastReadsLowPrecisionLogitsAsTheyAre) {
   if (!cuda::is_available()) GTEST_SKIP() << cuda::unavailable_reason();
   expect_autocast_reads_low_precision_logits(Device("cuda"));
+}
+
+// With class weights and label smoothing nothing of cross_entropy's forward or backward reads the
+// device on the host (the weights' sum stays there), so the pair captures in a CUDA graph and each
+// replay gives the eager loss and gradient of its inputs.
+TEST(LossCuda, WeightedSmoothedCrossEntropyCapturesInACudaGraph) {
+  if (!cuda::is_available()) GTEST_SKIP() << cuda::unavailable_reason();
+  namespace F = functional;
+  const Device dev("cuda");
+  const Tensor t = from_vector(std::vector<int64_t>{3, 0, -100, 9}).to(dev);
+  const Tensor w = (rand_t({10}, kFloat32, 2) + 0.5).to(dev);
+  const F::CrossEntropyOptions o{.weight = w, .label_smoothing = 0.1};
+  Tensor x = rand_t({4, 10}, kFloat32, 3).to(dev);
+  auto loss_and_grad = [&](const Tensor& in) {
+    Tensor v = in.detach().requires_grad_();
+    Tensor l = F::cross_entropy(v, t, o);
+    return std::make_pair(l, autograd::grad({l}, {v})[0]);
+  };
+  (void)loss_and_grad(x);  // warm-up, outside the capture
+  std::pair<Tensor, Tensor> captured;
+  cuda::CUDAGraph graph;
+  cuda::graph(graph, [&] { captured = loss_and_grad(x); });
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("replay " + std::to_string(r));
+    x.copy_(rand_t({4, 10}, kFloat32, 10 + r).to(dev));
+    graph.replay();
+    const auto [loss, grad] = loss_and_grad(x);
+    expect_close(captured.first.cpu(), loss.to(kFloat64).cpu().to_vector<double>(), 1e-6, "loss");
+    expect_close(captured.second.cpu(), grad.to(kFloat64).cpu().to_vector<double>(), 1e-6, "grad");
+  }
 }
 
 // On CUDA a target outside [0, C) is found by the row kernel's device-side check and reported
