@@ -23,7 +23,9 @@
 #include <cudnn_frontend.h>
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -206,6 +208,16 @@ const Plan* plan_if_applies(Dtype dtype, Device device, const AttentionParams& p
   return plan.graph != nullptr ? &plan : nullptr;
 }
 
+// cuDNN's kernels load 16 bytes at a time and refuse other operands at execute (the frontend's
+// INVALID_VARIANT_PACK); views offset by whole rows of a multiple of 8 elements always pass, so
+// a miss falls back rather than failing.
+bool aligned(std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts) {
+    if (reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0) return false;
+  }
+  return true;
+}
+
 void execute(const Plan& plan, Device device, std::unordered_map<int64_t, void*>& pack) {
   Tensor workspace = make_empty({std::max<int64_t>(plan.workspace, 1)}, kUInt8, device);
   cudnnHandle_t handle = cudnn_handle(device, "scaled_dot_product_attention");
@@ -233,7 +245,7 @@ bool attention_cudnn_forward(const Tensor& out, const Tensor& lse, const Tensor&
                              const Tensor& v, const AttentionParams& p) {
   const Device device = q.device();
   const Plan* plan = plan_if_applies(q.dtype(), device, p, /*has_mask=*/false, /*backward=*/false);
-  if (plan == nullptr) return false;
+  if (plan == nullptr || !aligned({&out, &lse, &q, &k, &v})) return false;
   cuda::detail::DeviceGuard guard(device.index);
   std::unordered_map<int64_t, void*> pack = {{kQ, q.data_ptr()},
                                              {kK, k.data_ptr()},
@@ -249,7 +261,7 @@ bool attention_cudnn_backward(const Tensor& dq, const Tensor& dk, const Tensor& 
                               const Tensor& out, const Tensor& lse, const AttentionParams& p) {
   const Device device = q.device();
   const Plan* plan = plan_if_applies(q.dtype(), device, p, /*has_mask=*/false, /*backward=*/true);
-  if (plan == nullptr) return false;
+  if (plan == nullptr || !aligned({&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse})) return false;
   cuda::detail::DeviceGuard guard(device.index);
   std::unordered_map<int64_t, void*> pack = {
       {kQ, q.data_ptr()},   {kK, k.data_ptr()},     {kV, v.data_ptr()},
