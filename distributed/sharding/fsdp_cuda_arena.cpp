@@ -174,11 +174,15 @@ class CudaArena final : public FsdpArena, public std::enable_shared_from_this<Cu
 
   ~CudaArena() override {
     try {
+      bool was_committed = false;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        if (committed_) done_.record(cuda::current_stream(device_));
+        was_committed = committed_;
         committed_ = false;
       }
+      // Still holding gathered parameters: the streams that read them are unknown here (another
+      // rank thread may destroy the module), so the whole device is waited for once.
+      if (was_committed) cuda::synchronize(device_);
       unmap(/*wait=*/true);
       cuda::detail::DeviceGuard guard(device_);
       d_.address_free(base_, size_);
