@@ -80,10 +80,11 @@ cudaStreamCaptureMode raw_mode(CaptureMode m) {
   return cudaStreamCaptureModeThreadLocal;
 }
 
-// Ember's capture streams (torch.cuda.graph's side stream): one per capture in progress, so rank
-// threads sharing a GPU can capture at once without queuing work into each other's graphs (a
-// thread-local capture records whatever reaches its stream, from any thread). A stream goes back
-// to its device's free list when the capture ends; there are as many as captures ever ran at once.
+// Ember's capture streams (torch.cuda.graph's side stream): one per capture in progress, so no
+// thread's work lands in another thread's graph through a shared stream (a thread-local capture
+// records whatever reaches its stream, from any thread). A stream goes back to its device's free
+// list when the capture ends; there are as many as captures ever ran at once. (Captures on one
+// GPU from several threads at once are still not supported: docs/tensor.md.)
 class SideStream {
  public:
   explicit SideStream(int device) : device_(device) {
