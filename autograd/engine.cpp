@@ -41,7 +41,7 @@
 #include <ember/autograd/detail/functions.h>
 #include <ember/tensor/detail/record.h>
 #include <ember/tensor/ops.h>
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/trace.h>
 
 namespace ember::autograd {
 

@@ -17,7 +17,7 @@
 #include <ember/distributed/detail/environment.h>
 #include <ember/distributed/detail/flight_ring.h>
 #include <ember/nn/io/atomic_file.h>
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 
 namespace ember::dist {
 

@@ -9,8 +9,8 @@
 #include <ember/distributed/store/prefix_store.h>
 #include <ember/distributed/trace_clock.h>
 #include <ember/tensor/cuda.h>
-#include <ember/tensor/log.h>
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/log.h>
+#include <ember/tensor/observe/trace.h>
 
 namespace ember::dist {
 

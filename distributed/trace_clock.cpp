@@ -3,7 +3,7 @@
 #include <limits>
 
 #include <ember/tensor/ops/creation.h>
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/trace.h>
 
 namespace ember::dist {
 

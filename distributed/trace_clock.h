@@ -1,5 +1,5 @@
-// Aligns this rank's timeline (tensor/trace.h) with rank 0's clock, so that emberrun can merge
-// the ranks' trace files onto one time axis. init_process_group calls it when tracing is on;
+// Aligns this rank's timeline (tensor/observe/trace.h) with rank 0's clock, so that emberrun can
+// merge the ranks' trace files onto one time axis. init_process_group calls it when tracing is on;
 // call it on every rank of `pg` after trace::start if tracing starts later.
 #pragma once
 

@@ -9,7 +9,7 @@
 #include <ember/distributed/flight_recorder.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/cuda_graph.h>
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 
 namespace ember::dist {
 

@@ -43,7 +43,7 @@
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops/random.h>
 #include <ember/tensor/threading.h>
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/trace.h>
 
 namespace nn = ember::nn;
 namespace dist = ember::dist;

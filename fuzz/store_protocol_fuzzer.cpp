@@ -25,7 +25,7 @@
 
 #include <ember/distributed/store/detail/store_protocol.h>
 #include <ember/distributed/store/tcp_store.h>
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 
 namespace {
 

@@ -8,7 +8,7 @@
 #include <ember/launcher/agent.h>
 #include <ember/launcher/config.h>
 #include <ember/launcher/trace_merge.h>
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/trace.h>
 
 namespace {
 

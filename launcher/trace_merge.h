@@ -1,6 +1,6 @@
 // emberrun's end-of-job step under EMBER_TRACE=DIR: merges the ranks' timelines
-// (DIR/trace_rank<R>.json, written by tensor/trace.h at each rank's exit, timestamps already on
-// rank 0's clock) into DIR/trace.json, one process row per rank.
+// (DIR/trace_rank<R>.json, written by tensor/observe/trace.h at each rank's exit, timestamps
+// already on rank 0's clock) into DIR/trace.json, one process row per rank.
 #pragma once
 
 #include <filesystem>

@@ -26,9 +26,9 @@ LAYER_DEPS = {
     "nn": {"tensor", "autograd"},
     "distributed": {"tensor", "autograd", "nn"},
     # The launcher links ember_store and ember_log only: the stores, the distributed errors they
-    # throw, the logger and the trace recorder (ember_log), and the header-only tensor/error.h.
-    "launcher": {"distributed/store", "distributed/errors.h", "tensor/error.h", "tensor/log.h",
-                 "tensor/trace.h"},
+    # throw, tensor/observe/ (ember_log: the logger and the trace recorder), and the header-only
+    # tensor/error.h.
+    "launcher": {"distributed/store", "distributed/errors.h", "tensor/error.h", "tensor/observe"},
 }
 # distributed/'s rooms, bottom up; each may include the rooms listed (and itself).
 # "top" is the layer's front door: distributed/*.h|cpp outside any room.

@@ -8,7 +8,7 @@
 #include <thread>
 #include <vector>
 
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 
 namespace ember::trace {
 

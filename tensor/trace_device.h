@@ -1,4 +1,4 @@
-// Device-side spans on the timeline (tensor/trace.h): work on a CUDA stream measured by two
+// Device-side spans on the timeline (tensor/observe/trace.h): work on a CUDA stream measured by two
 // timing events, recorded once the device has passed them, so that the span is the time the
 // device ran it rather than the time the host took to queue it (a collective on the NCCL
 // stream, a DDP bucket's reduction).
@@ -24,7 +24,7 @@
 #include <string>
 
 #include <ember/tensor/cuda.h>
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/trace.h>
 
 namespace ember::trace {
 

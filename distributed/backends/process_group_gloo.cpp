@@ -23,7 +23,7 @@
 #include <ember/distributed/backends/detail/shm_allreduce.h>
 #include <ember/distributed/debug/collective_trace.h>
 #include <ember/distributed/debug/debug.h>
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 
 namespace ember::dist {
 

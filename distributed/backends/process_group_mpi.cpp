@@ -32,7 +32,7 @@
 #include <thread>
 
 #include <ember/distributed/debug/collective_trace.h>
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::dist {

@@ -21,7 +21,7 @@
 #include <ember/distributed/flight_recorder.h>
 #include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cuda_graph.h>
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/trace_device.h>
 

@@ -45,7 +45,7 @@
 #include <ember/distributed/backends/detail/shm_allreduce.h>
 #include <ember/distributed/backends/shareable.h>
 #include <ember/distributed/errors.h>
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 #include <ember/tensor/tensor.h>
 
 #include <fcntl.h>

@@ -62,7 +62,7 @@
 #include <ember/distributed/backends/detail/shm_allreduce.h>
 #include <ember/distributed/errors.h>
 #include <ember/tensor/detail/thread_count.h>
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 #include <sys/uio.h>
 #include <unistd.h>
 

@@ -8,7 +8,7 @@
 #include <ember/distributed/init.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/error.h>
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 
 namespace ember::dist::checkpoint {
 

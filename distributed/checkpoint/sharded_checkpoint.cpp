@@ -27,7 +27,7 @@
 #include <ember/nn/io/atomic_file.h>
 #include <ember/nn/io/serialize.h>
 #include <ember/tensor/ops/creation.h>
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 
 namespace ember::dist {
 namespace {

@@ -9,7 +9,7 @@
 #include <ember/distributed/ddp/detail/state_entries.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/trace.h>
 
 namespace ember::dist {
 

@@ -10,7 +10,7 @@
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops/indexing.h>
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 
 namespace ember::dist {
 

@@ -7,7 +7,7 @@
 #include <ember/autograd/engine.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/trace.h>
 
 namespace ember::dist::detail {
 

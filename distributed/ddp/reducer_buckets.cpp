@@ -8,7 +8,7 @@
 #include <ember/distributed/ddp/detail/reducer.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 
 namespace ember::dist::detail {
 

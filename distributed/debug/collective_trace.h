@@ -1,5 +1,5 @@
-// A collective's span on the timeline (tensor/trace.h), shared by the process groups that run
-// their collectives on a host thread (gloo, MPI): the stamp taken when it is queued and when it
+// A collective's span on the timeline (tensor/observe/trace.h), shared by the process groups that
+// run their collectives on a host thread (gloo, MPI): the stamp taken when it is queued and when it
 // starts, and the span recorded when it has finished. Off, each costs one predictable branch.
 #pragma once
 
@@ -8,7 +8,7 @@
 #include <vector>
 
 #include <ember/tensor/tensor.h>
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/trace.h>
 
 namespace ember::dist::tracing {
 

@@ -24,7 +24,7 @@
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/trace.h>
 
 namespace ember::dist::pipelining {
 

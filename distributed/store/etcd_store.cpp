@@ -17,7 +17,7 @@
 
 #include <ember/distributed/store/detail/etcd_store_http.h>
 #include <ember/distributed/store/detail/store_util.h>
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 
 namespace ember::dist {
 

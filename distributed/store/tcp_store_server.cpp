@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <future>
 
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 
 namespace ember::dist {
 

@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/trace.h>
 
 namespace ember::nn::data {
 

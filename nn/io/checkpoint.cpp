@@ -6,7 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <ember/nn/io/serialize.h>
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/trace.h>
 
 namespace ember::nn {
 

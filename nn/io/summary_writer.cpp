@@ -19,7 +19,7 @@
 
 #include "nn/tensorboard.pb.h"
 #include <ember/tensor/error.h>
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 
 namespace ember {
 

@@ -37,7 +37,7 @@
 #include <ember/tensor/cuda/runtime/device_pool.h>
 #include <ember/tensor/cuda_graph.h>
 #include <ember/tensor/detail/attention_kernels.h>
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 
 namespace ember::detail {
 

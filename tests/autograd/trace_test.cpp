@@ -1,5 +1,5 @@
-// The backward engine on the timeline (tensor/trace.h): one "backward" span per pass, and at
-// EMBER_TRACE_LEVEL=ops one span per node inside it.
+// The backward engine on the timeline (tensor/observe/trace.h): one "backward" span per pass, and
+// at EMBER_TRACE_LEVEL=ops one span per node inside it.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -10,7 +10,7 @@
 #include <ember/autograd/autograd.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops.h>
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/trace.h>
 
 namespace {
 

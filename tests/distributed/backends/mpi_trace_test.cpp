@@ -1,5 +1,5 @@
-// MPI collectives on the timeline (tensor/trace.h): a real two-rank job under mpirun records,
-// on each rank, one span per collective named by its op (category "collective") with the
+// MPI collectives on the timeline (tensor/observe/trace.h): a real two-rank job under mpirun
+// records, on each rank, one span per collective named by its op (category "collective") with the
 // group's sequence number, the bytes of its result, the time it was queued and backend "mpi",
 // as gloo's are; send and receive span until MPI reports them complete. The group's own
 // housekeeping (releasing its communicator) is not on the timeline.
@@ -18,7 +18,7 @@
 
 #include <ember/distributed/backends/process_group_mpi.h>
 #include <ember/tensor/ops.h>
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/trace.h>
 #include "tests/distributed/backends/mpi_job.h"
 #include "tests/examples/example_test_util.h"
 

@@ -14,7 +14,7 @@
 #include <ember/distributed/store/hash_store.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/ops.h>
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/trace.h>
 
 namespace ember::dist {
 namespace {

@@ -24,7 +24,7 @@
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops/random.h>
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/trace.h>
 #include "tests/distributed/ddp/ddp_test_util.h"
 #include "tests/distributed/backends/threads_test_util.h"
 #include "tests/tensor/test_util.h"

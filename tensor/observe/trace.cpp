@@ -1,4 +1,4 @@
-#include <ember/tensor/trace.h>
+#include <ember/tensor/observe/trace.h>
 
 #include <unistd.h>
 

@@ -1,6 +1,6 @@
 // ember::log: the threshold (EMBER_LOG_LEVEL, set_level), the rank prefix, and that lines reach
 // stderr whole. stderr is redirected to a file around each check.
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 
 #include <gtest/gtest.h>
 #include <stdlib.h>

@@ -1,4 +1,4 @@
-#include <ember/tensor/log.h>
+#include <ember/tensor/observe/log.h>
 
 #include <spdlog/logger.h>
 #include <spdlog/sinks/stdout_color_sinks.h>

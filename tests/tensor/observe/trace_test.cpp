@@ -1,6 +1,6 @@
-// The timeline recorder (tensor/trace.h): spans nest and the file is valid Chrome trace-event
-// JSON; off records nothing and writes no file; the file appears whole or not at all.
-#include <ember/tensor/trace.h>
+// The timeline recorder (tensor/observe/trace.h): spans nest and the file is valid Chrome
+// trace-event JSON; off records nothing and writes no file; the file appears whole or not at all.
+#include <ember/tensor/observe/trace.h>
 
 #include <dlfcn.h>
 #include <gtest/gtest.h>
