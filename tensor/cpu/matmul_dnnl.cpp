@@ -2,12 +2,16 @@
 // GEMM, and going through float32 copies costs more than the product itself for the shapes of a
 // small transformer; oneDNN reads the bfloat16 operands directly, accumulates in float32 with
 // the CPU's bf16 dot-product instructions where it has them (avx512_bf16, AMX) and an
-// emulation otherwise, and rounds once into the bfloat16 result.
+// emulation otherwise, and rounds once into the bfloat16 result. Debian's oneDNN (2.6) has no
+// bfloat16 matmul below AVX-512 (an AVX2-only CPU: AMD's Zen 2, Intel's before Skylake-SP):
+// there the product goes through float32 copies and oneDNN's sgemm, accumulating and rounding
+// as the primitive does, so results agree to bfloat16's rounding.
 #include <ember/tensor/cpu/matmul_dnnl.h>
 
 #include <omp.h>
 
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -41,6 +45,7 @@ using Key = std::array<int64_t, 11>;
 struct Gemm {
   dnnl::matmul prim;
   memory::desc a, b, c, scratch;
+  bool supported = true;  // false: this oneDNN has no bfloat16 matmul on this CPU
 };
 
 // A row-major [rows, cols] matrix, or the transpose of one stored with leading dim ld.
@@ -70,8 +75,48 @@ std::shared_ptr<Gemm> make_gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t 
     g->scratch = pd.scratchpad_desc();
     return g;
   } catch (const dnnl::error& e) {
+    // dnnl_unimplemented: no implementation for this CPU's ISA; anything else is a real error.
+    if (e.status == dnnl_unimplemented) {
+      auto g = std::make_shared<Gemm>();
+      g->supported = false;
+      return g;
+    }
     throw Error(str_cat("[matmul] oneDNN could not create a bfloat16 matmul primitive for [", n,
                         ", ", k, "] @ [", k, ", ", m, "]: ", e.what()));
+  }
+}
+
+// c = alpha * op(a) @ op(b) + beta * c through float32 copies (row-major [n, k], [k, m], [n, m])
+// and oneDNN's sgemm, rounded once into c: for a CPU whose oneDNN has no bfloat16 matmul.
+void gemm_bf16_through_f32(bool ta, bool tb, int64_t n, int64_t m, int64_t k, float alpha,
+                           const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb,
+                           float beta, BFloat16* c, int64_t ldc) {
+  const Tensor buf = make_empty({n * k + k * m + n * m}, kFloat32, kCPU);
+  float* af = static_cast<float*>(buf.data_ptr());
+  float* bf = af + n * k;
+  float* cf = bf + k * m;
+#pragma omp parallel for schedule(static) if (n * k > 65536)
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t p = 0; p < k; ++p)
+      af[i * k + p] = static_cast<float>(ta ? a[p * lda + i] : a[i * lda + p]);
+  }
+#pragma omp parallel for schedule(static) if (k * m > 65536)
+  for (int64_t p = 0; p < k; ++p) {
+    for (int64_t j = 0; j < m; ++j)
+      bf[p * m + j] = static_cast<float>(tb ? b[j * ldb + p] : b[p * ldb + j]);
+  }
+  if (beta != 0.0f) {
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < m; ++j) cf[i * m + j] = static_cast<float>(c[i * ldc + j]);
+    }
+  }
+  const dnnl_status_t st = dnnl_sgemm('N', 'N', n, m, k, alpha, af, k, bf, m, beta, cf, m);
+  EMBER_CHECK(st == dnnl_success, "[matmul] oneDNN's sgemm failed with status ",
+              static_cast<int>(st), " for a bfloat16 product of [", n, ", ", k, "] @ [", k, ", ", m,
+              "] through float32");
+#pragma omp parallel for schedule(static) if (n * m > 65536)
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < m; ++j) c[i * ldc + j] = BFloat16(cf[i * m + j]);
   }
 }
 
@@ -93,7 +138,11 @@ const Gemm& cached_gemm(bool ta, bool tb, int64_t n, int64_t m, int64_t k, int64
   return *slot;
 }
 
+std::atomic<bool> g_force_through_f32{false};
+
 }  // namespace
+
+void force_bf16_gemm_through_f32(bool on) { g_force_through_f32 = on; }
 
 void dnnl_gemm_bf16(bool ta, bool tb, int64_t n, int64_t m, int64_t k, double alpha,
                     const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb, double beta,
@@ -101,6 +150,11 @@ void dnnl_gemm_bf16(bool ta, bool tb, int64_t n, int64_t m, int64_t k, double al
   use_embers_thread_count();  // before the primitive is made: it is made for the count it sees
   const Gemm& g = cached_gemm(ta, tb, n, m, k, lda, ldb, ldc, static_cast<float>(alpha),
                               static_cast<float>(beta));
+  if (!g.supported || g_force_through_f32) {
+    gemm_bf16_through_f32(ta, tb, n, m, k, static_cast<float>(alpha), a, lda, b, ldb,
+                          static_cast<float>(beta), c, ldc);
+    return;
+  }
   thread_local dnnl::stream stream(engine());
   dnnl::engine& eng = engine();
   // Scratch bytes from Ember's caching allocator, so one cached primitive may run on several

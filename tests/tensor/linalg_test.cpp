@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include <ember/tensor/cpu/matmul_dnnl.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/ops.h>
 #include "test_util.h"
@@ -240,6 +241,36 @@ TEST(Addmm, BroadcastsBiasAndScales) {
     Tensor nan_bias = full({m}, std::numeric_limits<double>::quiet_NaN(), dt);
     expect_close(addmm(nan_bias, a, b, 0, 1), prod, tol_for(dt, k), "beta = 0");
   }
+}
+
+// A CPU without AVX-512 has no bfloat16 matmul in Debian's oneDNN: its products go through
+// float32 copies and sgemm. Forced here, so every machine checks that path: shapes, transposed
+// and sliced operands, and addmm's scales, against naive loops.
+TEST(Mm, Bf16ThroughFloat32MatchesNaiveLoops) {
+  detail::force_bf16_gemm_through_f32(true);
+  struct Reset {
+    ~Reset() { detail::force_bf16_gemm_through_f32(false); }
+  } reset;
+  const int64_t shapes[][3] = {{1, 1, 1}, {3, 5, 4}, {17, 33, 9}, {70, 65, 66}, {300, 260, 270}};
+  for (auto& s : shapes) {
+    const int64_t n = s[0], k = s[1], m = s[2];
+    Tensor a = rand_t({n, k}, kBFloat16, n * 7 + k), b = rand_t({k, m}, kBFloat16, m * 13 + k);
+    auto want = naive_bmm(a.to_vector<double>(), b.to_vector<double>(), 1, n, k, m);
+    const std::string what = "bf16 through f32 " + std::to_string(n) + "x" + std::to_string(k);
+    expect_close(mm(a, b), want, tol_for(kBFloat16, k), what);
+    expect_close(mm(a.t().contiguous().t(), b.t().contiguous().t()), want, tol_for(kBFloat16, k),
+                 what + ", both transposed");
+    Tensor bias = rand_t({n, m}, kBFloat16, 9);
+    auto bv = bias.to_vector<double>();
+    std::vector<double> scaled(n * m);
+    for (int64_t i = 0; i < n * m; ++i) scaled[i] = 0.5 * bv[i] + 2.0 * want[i];
+    expect_close(addmm(bias, a, b, 0.5, 2.0), scaled, tol_for(kBFloat16, k), what + ", addmm");
+  }
+  Tensor wide = rand_t({13, 16}, kBFloat16, 3), b = rand_t({11, 9}, kBFloat16, 4);
+  Tensor a_slice = wide.narrow(1, 2, 11);
+  expect_close(mm(a_slice, b),
+               naive_bmm(a_slice.to_vector<double>(), b.to_vector<double>(), 1, 13, 11, 9),
+               tol_for(kBFloat16, 11), "bf16 through f32, column slice");
 }
 
 // float32 and bfloat16 products run on cached oneDNN primitives, one per shape and thread count,
