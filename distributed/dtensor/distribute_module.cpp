@@ -6,6 +6,13 @@ void distribute_parameter(const Tensor& param, const std::shared_ptr<DeviceMesh>
                           const Placements& placements, int src_data_rank) {
   EMBER_CHECK(param.defined(), "[distribute_parameter] expected a parameter, got an undefined "
               "tensor");
+  // A second layout would treat this rank's part as the whole (two plan entries matching one
+  // module): refused rather than silently sharding a shard.
+  const std::optional<DTensor> already = as_dtensor(param);
+  EMBER_CHECK(!already, "[distribute_parameter] the parameter is already distributed as ",
+              already ? already->str() : "",
+              "; a parameter is distributed once (does more than "
+              "one plan entry, or more than one parallelize_module call, reach its module?)");
   const DTensor d = distribute_tensor(param, mesh, placements, src_data_rank);
   const Shape global = param.shape();
   nn::set_data(param, d.local());

@@ -26,7 +26,8 @@ namespace ember::dist {
 /// Lays the module parameter `param` out as `placements` in place (distribute_tensor of its
 /// value; the module keeps its handle, now holding this rank's part, as PyTorch's
 /// `param.data = ...`) and records it (as_dtensor finds it: clip_grad_norm_ and
-/// save_model_checkpoint read the record). src_data_rank as distribute_tensor's.
+/// save_model_checkpoint read the record). src_data_rank as distribute_tensor's. Throws
+/// ValueError for a parameter already distributed.
 void distribute_parameter(const Tensor& param, const std::shared_ptr<DeviceMesh>& mesh,
                           const Placements& placements, int src_data_rank = 0);
 

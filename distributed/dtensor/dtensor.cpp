@@ -115,11 +115,12 @@ DTensor DTensor::from_local(Tensor local, std::shared_ptr<DeviceMesh> mesh, Plac
   }
   EMBER_CHECK(global.size() == local.dim(), "[DTensor.from_local] shape ", global, " has ",
               global.size(), " dims but the local tensor has ", local.dim());
+  // With run_check the ranks compare shapes first, so that a wrong one throws on every rank.
+  if (run_check) local = detail::check_and_sync(local, *mesh, placements, global);
   const Shape want = local_shape(global, *mesh, placements);
   EMBER_CHECK(local.shape() == want, "[DTensor.from_local] the local tensor has shape ",
-              local.shape(), " but this rank's part of ", global, " placed ",
-              to_string(placements), " at ", mesh->str(), " is ", want);
-  if (run_check) local = detail::check_and_sync(local, *mesh, placements, global);
+              local.shape(), " but this rank's part of ", global, " placed ", to_string(placements),
+              " at ", mesh->str(), " is ", want);
   return make(std::move(local), std::move(mesh), std::move(placements), global);
 }
 
@@ -181,8 +182,11 @@ DTensor distribute_tensor(const Tensor& full, std::shared_ptr<DeviceMesh> mesh,
                          shard_length(full.size(d), mesh->size(i), mesh->get_local_rank(i)));
   }
   for (int i = 0; i < mesh->ndim(); ++i) {
-    // A Partial keeps the value on the mesh dimension's first rank: the parts sum to it.
-    if (p[i].is_partial() && mesh->get_local_rank(i) != 0) local = zeros_like(local);
+    if (!p[i].is_partial()) continue;
+    detail::check_partition("distribute_tensor", p[i].op(), i);
+    // Partial(sum) keeps the value on the mesh dimension's first rank, so the parts sum to it
+    // exactly; avg, max and min keep it on every rank.
+    if (p[i].op() == ReduceOp::Sum && mesh->get_local_rank(i) != 0) local = zeros_like(local);
   }
   local = local.contiguous().clone();
   if (full.requires_grad()) local.requires_grad_();

@@ -51,9 +51,10 @@ class DTensor {
   /// The same tensor with other placements (PyTorch's redistribute), per mesh dimension:
   /// Shard -> Replicate all-gathers, Replicate -> Shard takes this rank's chunk, Partial ->
   /// Replicate all-reduces, Partial -> Shard reduce-scatters, Shard(a) -> Shard(b) all-to-alls,
-  /// Replicate -> Partial keeps the value on the first rank (zeros elsewhere). Differentiable.
-  /// Throws ValueError for a placement count that is not the mesh's, or Partial -> Partial of
-  /// another reduction.
+  /// Replicate -> Partial(sum) keeps the value on the first rank (zeros elsewhere), Replicate ->
+  /// Partial(avg, max or min) on every rank. Differentiable. Throws ValueError for a placement
+  /// count that is not the mesh's, Partial -> Partial of another reduction, or Replicate ->
+  /// Partial(product).
   DTensor redistribute(const Placements& to) const;
 
   bool defined() const { return local_.defined(); }
@@ -95,7 +96,8 @@ class DTensor {
 /// Splits `full` (the same on every rank of the mesh, or taken from `src_data_rank`'s) into this
 /// rank's part as `placements` say (PyTorch's distribute_tensor). With src_data_rank >= 0 each
 /// mesh dimension's first rank broadcasts its data first, so the result is the source's; -1 uses
-/// each rank's own `full`. The local tensor is a new leaf that requires grad as `full` does.
+/// each rank's own `full`. A Partial is split as redistribute splits a Replicate (product is
+/// refused). The local tensor is a new leaf that requires grad as `full` does.
 DTensor distribute_tensor(const Tensor& full, std::shared_ptr<DeviceMesh> mesh,
                           const Placements& placements, int src_data_rank = 0);
 

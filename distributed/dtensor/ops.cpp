@@ -45,9 +45,9 @@ const DeviceMesh& mesh_of(const char* op, std::initializer_list<const DTensor*> 
       first = d;
       continue;
     }
-    EMBER_CHECK(d->device_mesh() == first->device_mesh(), "[dist::", op,
-                "] the arguments are on different meshes: ", first->device_mesh()->str(),
-                " and ", d->device_mesh()->str());
+    EMBER_CHECK(*d->device_mesh() == *first->device_mesh(), "[dist::", op,
+                "] the arguments are on different meshes: ", first->device_mesh()->str(), " and ",
+                d->device_mesh()->str());
   }
   EMBER_CHECK(first != nullptr, "[dist::", op, "] expected DTensors, got undefined ones");
   return *first->device_mesh();
@@ -82,6 +82,12 @@ struct FirstRankOnlyFn : autograd::Function<FirstRankOnlyFn> {
   }
 };
 
+// A linear op commutes with the reduction of Partial(sum) and Partial(avg) parts, not with max,
+// min or product: a + b of two Partial(max)s is not the max of the parts' sums.
+bool linear_partial(const Placement& p) {
+  return p.op() == ReduceOp::Sum || p.op() == ReduceOp::Avg;
+}
+
 enum class Binary { Add, Sub, Mul, Div };
 const char* name_of(Binary op) {
   switch (op) {
@@ -113,7 +119,7 @@ DTensor binary(Binary op, const DTensor& a, const DTensor& b) {
       out.push_back(qa);
     } else if (qb.is_shard() && qa.is_replicate()) {
       out.push_back(qb);
-    } else if (qa.is_partial() && qb.is_partial() && qa == qb &&
+    } else if (qa.is_partial() && qb.is_partial() && qa == qb && linear_partial(qa) &&
                (op == Binary::Add || op == Binary::Sub)) {
       out.push_back(qa);
     } else if (qa.is_partial() && qa.op() == ReduceOp::Sum && qb.is_replicate() &&
@@ -186,9 +192,12 @@ DTensor map(const DTensor& x, const std::function<Tensor(const Tensor&)>& fn, co
             bool linear) {
   const DeviceMesh& mesh = mesh_of(name, {&x});
   for (int i = 0; i < mesh.ndim(); ++i) {
-    if (x.placements()[i].is_partial() && !linear) {
-      no_rule(name, i, {{"x", &x}}, "A Partial cannot go through an op that is not linear: "
-              "redistribute it to Replicate or Shard first");
+    const Placement& p = x.placements()[i];
+    if (p.is_partial() && !(linear && linear_partial(p))) {
+      no_rule(name, i, {{"x", &x}},
+              "A Partial cannot go through an op that is not linear, and "
+              "only a Partial(sum) or Partial(avg) goes through a linear one: redistribute it to "
+              "Replicate or Shard first");
     }
   }
   return DTensor::make(fn(detail::local_for(x, x.placements())), x.device_mesh(), x.placements(),
@@ -249,19 +258,29 @@ DTensor matmul(const DTensor& a, const DTensor& b) {
               "[dist::matmul] expected [..., m, k] and [..., k, n] of the same rank, got ",
               a.shape(), " and ", b.shape());
   const int64_t n = a.dim(), row = n - 2, col = n - 1;
+  Shape batch_a = a.shape(), batch_b = b.shape();
+  batch_a.resize(row);
+  batch_b.resize(row);
+  Shape shape = broadcast_shapes("dist::matmul", batch_a, batch_b);
+  shape.push_back(a.size(row));
+  shape.push_back(b.size(col));
+  // A sharded batch dim must be the output's whole dim, not one that a broadcasts.
+  auto whole = [&](const Placement& p, const DTensor& x) {
+    return p.dim() >= row || x.size(p.dim()) == shape[p.dim()];
+  };
   Placements out;
   for (int i = 0; i < mesh.ndim(); ++i) {
     const Placement& pa = a.placements()[i];
     const Placement& pb = b.placements()[i];
     if (pa.is_replicate() && pb.is_replicate()) {
       out.push_back(Replicate());
-    } else if (pa.is_shard() && pa.dim() != col && pb.is_replicate()) {
+    } else if (pa.is_shard() && pa.dim() != col && pb.is_replicate() && whole(pa, a)) {
       out.push_back(pa);  // rows or a batch dim of a
     } else if (pa.is_replicate() && pb.is_shard(col)) {
       out.push_back(Shard(col));
     } else if (pa.is_shard(col) && pb.is_shard(row)) {
       out.push_back(Partial());
-    } else if (pa.is_shard() && pa == pb && pa.dim() < row) {
+    } else if (pa.is_shard() && pa == pb && pa.dim() < row && whole(pa, a) && whole(pb, b)) {
       out.push_back(pa);  // a batch dim sharded alike
     } else if (pa.is_partial() && pa.op() == ReduceOp::Sum && pb.is_replicate()) {
       out.push_back(pa);
@@ -271,10 +290,17 @@ DTensor matmul(const DTensor& a, const DTensor& b) {
       no_rule("matmul", i, {{"a", &a}, {"b", &b}});
     }
   }
-  Shape shape = a.shape();
-  shape[col] = b.size(col);
-  return DTensor::make(ember::matmul(detail::local_for(a, out), detail::local_for(b, out)), a.device_mesh(), out,
-                       shape);
+  // b replicated where a's batch dim is sharded: this rank's batches of b, unless b broadcasts
+  // that dim.
+  Tensor lb = detail::local_for(b, out);
+  for (int i = 0; i < mesh.ndim(); ++i) {
+    if (!out[i].is_shard() || out[i].dim() >= row || !b.placements()[i].is_replicate()) continue;
+    const int64_t d = out[i].dim();
+    if (b.size(d) == 1) continue;
+    const int64_t m = mesh.size(i), k = mesh.get_local_rank(i);
+    lb = lb.narrow(d, shard_offset(shape[d], m, k), shard_length(shape[d], m, k));
+  }
+  return DTensor::make(ember::matmul(detail::local_for(a, out), lb), a.device_mesh(), out, shape);
 }
 
 DTensor embedding(const DTensor& ids, const DTensor& w) {

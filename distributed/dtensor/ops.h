@@ -11,10 +11,11 @@
 //   linear(x, w, b)       R,R,R -> R; R,S(0),S(0) -> S(-1); S(-1),S(1),R -> P (b added once);
 //                          S(k),R,R -> S(k) for a batch dim k; P,R,- -> P
 //   matmul(a, b)          R,R -> R; S(row),R -> S(row); R,S(col) -> S(col); S(k of a),S(k of b)
-//                          -> P; a batch dim sharded alike in both -> that dim
-//   add/sub(a, b)         alike -> alike (P+P -> P); S(d) with R -> S(d); R,R -> R
+//                          -> P; a batch dim sharded alike in both, or in a with b replicated
+//                          (b's batches narrowed locally) -> that dim
+//   add/sub(a, b)         alike -> alike (P+P -> P for sum and avg); S(d) with R -> S(d); R,R -> R
 //   mul/div(a, b)         as add, but P only with an R other operand (mul) or divisor (div)
-//   map(x, fn)            placement kept (P only for a linear fn)
+//   map(x, fn)            placement kept (P(sum), P(avg) only for a linear fn)
 //   embedding(ids, w)     R,S(0) -> P (vocabulary parallel); R,S(1) -> S(-1); ids',R -> ids'
 //   layer_norm(x, ...)    S(k) outside the normalized dims -> S(k); R -> R
 //   dropout(x, p)         kept; a sharded x draws the whole tensor's mask and keeps its part, so
@@ -40,8 +41,8 @@ DTensor sub(const DTensor& a, const DTensor& b);
 DTensor mul(const DTensor& a, const DTensor& b);
 DTensor div(const DTensor& a, const DTensor& b);
 /// `fn` (an element-wise op: one output element from the input element at the same position)
-/// on the local tensor, placements kept; `linear`: fn(a + b) = fn(a) + fn(b), so a Partial may
-/// pass. `name` goes into errors.
+/// on the local tensor, placements kept; `linear`: fn(a + b) = fn(a) + fn(b), so a Partial(sum)
+/// or Partial(avg) may pass (max, min and product never do). `name` goes into errors.
 DTensor map(const DTensor& x, const std::function<Tensor(const Tensor&)>& fn, const char* name,
             bool linear = false);
 /// Rows of weight for int64 indices (nn::functional::embedding).

@@ -30,15 +30,14 @@ Tensor pad_to(const Tensor& t, int64_t d, int64_t length) {
   return cat({t, zeros(s, t.options())}, d);
 }
 
-std::shared_ptr<ProcessGroup> unowned(ProcessGroup& g) {
-  return std::shared_ptr<ProcessGroup>(&g, [](ProcessGroup*) {});
-}
-
 // All-gathers the shards of a dimension of `size`, unpadding the uneven ones (pieces are
 // padded to ceil(size / n), so the padding is all at the end). Backward: reduce-scatter.
-Tensor gather_shards(const Tensor& t, int64_t d, int64_t size, ProcessGroup& g) {
-  const int64_t chunk = (size + g.size() - 1) / g.size();
-  return functional::all_gather(pad_to(t, d, chunk), d, unowned(g)).narrow(d, 0, size);
+// `g` is owned: the backward that the autograd graph keeps may run after every mesh that named
+// the group is gone.
+Tensor gather_shards(const Tensor& t, int64_t d, int64_t size,
+                     const std::shared_ptr<ProcessGroup>& g) {
+  const int64_t chunk = (size + g->size() - 1) / g->size();
+  return functional::all_gather(pad_to(t, d, chunk), d, g).narrow(d, 0, size);
 }
 
 // Replicate (whole gradient) -> this rank's shard. Backward all-gathers the shards' gradients,
@@ -52,7 +51,7 @@ struct ScatterFn : autograd::Function<ScatterFn> {
   }
   static TensorList backward(Context* ctx, TensorList grads) {
     const DimState& s = ctx->state<DimState>();
-    return {gather_shards(grads[0], s.dim, s.size, *s.group)};
+    return {gather_shards(grads[0], s.dim, s.size, s.group)};
   }
 };
 
@@ -90,6 +89,12 @@ bool even(int64_t size, int64_t n) { return size % n == 0; }
 
 namespace detail {
 
+void check_partition(const char* op, ReduceOp reduce, int mesh_dim) {
+  EMBER_CHECK(reduce != ReduceOp::Product, "[", op, "] Replicate -> Partial(", to_string(reduce),
+              ") on mesh dimension ", mesh_dim, " is not supported (as in ",
+              "PyTorch): a replicated value splits into parts for sum, avg, max and min only");
+}
+
 Tensor keep_first_grad(const Tensor& t, const DeviceMesh& mesh, int dim) {
   return KeepFirstGradFn::apply(t, mesh.get_local_rank(dim) == 0);
 }
@@ -109,30 +114,76 @@ Tensor local_for(const DTensor& a, const Placements& out) {
   return t;
 }
 
+// A broadcast that autograd sees as the identity: from_local's run_check only repairs data that
+// should already agree, so a Replicate's gradient stays the whole one on every rank (PyTorch's
+// run_check broadcasts outside autograd).
+struct SyncReplicaFn : autograd::Function<SyncReplicaFn> {
+  static Tensor forward(Context*, const Tensor& t, std::shared_ptr<ProcessGroup> g) {
+    Tensor out = t.contiguous().clone();
+    g->broadcast(out)->wait();
+    return out;
+  }
+  static TensorList backward(Context*, TensorList grads) { return {grads[0]}; }
+};
+
 Tensor check_and_sync(const Tensor& local, const DeviceMesh& mesh, const Placements& placements,
                       const Shape& global) {
+  constexpr const char* kWhere = "[DTensor.from_local] run_check:";
+  // The exchange rides on the mesh's device (NCCL takes no host tensors). Every rank gathers
+  // every peer's dims and claimed global shape and applies the same checks to all of them, so a
+  // disagreement throws on every rank alike and none is left waiting in the next collective.
+  const TensorOptions ints = TensorOptions(kInt64).device(mesh.device());
+  auto gathered = [&](ProcessGroup& g, const std::vector<int64_t>& mine) {
+    const int64_t k = static_cast<int64_t>(mine.size());
+    Tensor in = zeros({k}, TensorOptions(kInt64));
+    std::copy(mine.begin(), mine.end(), in.data<int64_t>());
+    in = in.to(mesh.device());
+    Tensor all = zeros({g.size() * k}, ints);
+    g.allgather_into_tensor(all, in)->wait();
+    return all.to(kCPU).contiguous();
+  };
+  const int64_t nd = local.dim();
   Tensor out = local;
   for (int i = 0; i < mesh.ndim(); ++i) {
-    ProcessGroup& g = *mesh.get_group(i);
-    const int64_t nd = local.dim();
-    Tensor mine = zeros({nd}, TensorOptions(kInt64));
-    for (int64_t d = 0; d < nd; ++d) mine.data<int64_t>()[d] = local.size(d);
-    Tensor all = zeros({g.size() * nd}, TensorOptions(kInt64));
-    g.allgather_into_tensor(all, mine)->wait();
+    const auto gp = mesh.get_group(i);
+    ProcessGroup& g = *gp;
+    // First the ranks (dims), which sizes the second exchange.
+    const Tensor ranks = gathered(g, {nd, static_cast<int64_t>(global.size())});
+    // Every rank compares every rank with the first, so all name the same one.
+    const int64_t* first = ranks.data<int64_t>();
     for (int j = 0; j < g.size(); ++j) {
-      Shape want = local.shape();
-      if (placements[i].is_shard()) {
-        const int64_t d = placements[i].dim();
-        want[d] = shard_length(global[d], g.size(), j);
-      }
+      const int64_t* r = ranks.data<int64_t>() + 2 * j;
+      EMBER_CHECK(r[0] == first[0] && r[1] == first[1] && r[0] == r[1], kWhere,
+                  " on mesh dimension ", i, " rank ", j, " has a local tensor of ", r[0],
+                  " dims and a shape of ", r[1], " dims where rank 0 has ", first[0], " and ",
+                  first[1]);
+    }
+    std::vector<int64_t> mine(local.shape().begin(), local.shape().end());
+    mine.insert(mine.end(), global.begin(), global.end());
+    const Tensor all = gathered(g, mine);
+    const int64_t* first_global = all.data<int64_t>() + nd;
+    Shape agreed = global;
+    for (int64_t d = 0; d < nd; ++d) agreed[d] = first_global[d];
+    for (int j = 0; j < g.size(); ++j) {
+      const int64_t* sizes = all.data<int64_t>() + j * 2 * nd;
+      Shape claimed = global;
+      for (int64_t d = 0; d < nd; ++d) claimed[d] = sizes[nd + d];
+      EMBER_CHECK(claimed == agreed, kWhere, " on mesh dimension ", i, " rank ", j,
+                  " gives the global shape ", claimed, " but rank 0 gives ", agreed);
+    }
+    // A peer along this mesh dimension shares this rank's coordinates on the others.
+    const Shape here = local_shape(agreed, mesh, placements);
+    for (int j = 0; j < g.size(); ++j) {
+      const int64_t* sizes = all.data<int64_t>() + j * 2 * nd;
       for (int64_t d = 0; d < nd; ++d) {
-        const int64_t got = all.data<int64_t>()[j * nd + d];
-        EMBER_CHECK(got == want[d], "[DTensor.from_local] run_check: rank ", j, " of mesh ",
-                    "dimension ", i, " has local size ", got, " in dim ", d, " but its part of ",
-                    global, " placed ", to_string(placements), " has ", want[d]);
+        const int64_t want =
+            placements[i].is_shard(d) ? shard_length(agreed[d], g.size(), j) : here[d];
+        EMBER_CHECK(sizes[d] == want, kWhere, " rank ", j, " of mesh dimension ", i,
+                    " has local size ", sizes[d], " in dim ", d, " but its part of ", agreed,
+                    " placed ", to_string(placements), " has ", want);
       }
     }
-    if (placements[i].is_replicate()) out = functional::broadcast(out, 0, mesh.get_group(i));
+    if (placements[i].is_replicate()) out = SyncReplicaFn::apply(out, gp);
   }
   return out;
 }
@@ -162,11 +213,11 @@ DTensor DTensor::redistribute(const Placements& target) const {
   // all-gather), so that no step shards a tensor dimension another mesh dimension still shards.
   for (int i = 0; i < mesh.ndim(); ++i) {
     if (!cur[i].is_shard() || cur[i] == to[i]) continue;
-    ProcessGroup& g = *mesh.get_group(i);
+    const auto g = mesh.get_group(i);
     const int64_t a = cur[i].dim();
-    if (to[i].is_shard() && !sharded_elsewhere(i, to[i].dim()) &&
-        even(shape_[a], g.size()) && even(shape_[to[i].dim()], g.size())) {
-      t = functional::all_to_all(t, to[i].dim(), a, unowned(g));
+    if (to[i].is_shard() && !sharded_elsewhere(i, to[i].dim()) && even(shape_[a], g->size()) &&
+        even(shape_[to[i].dim()], g->size())) {
+      t = functional::all_to_all(t, to[i].dim(), a, g);
       cur[i] = to[i];
     } else {
       t = gather_shards(t, a, shape_[a], g);
@@ -209,7 +260,15 @@ DTensor DTensor::redistribute(const Placements& target) const {
                      : ScatterFn::apply(t, s);
       partial[i] = false;
     } else {  // Replicate -> Partial
-      t = ToPartialFn::apply(t, mesh.get_local_rank(i) == 0, static_cast<bool>(partial[i]));
+      const ReduceOp op = to[i].op();
+      detail::check_partition("DTensor.redistribute", op, i);
+      if (op == ReduceOp::Sum) {
+        t = ToPartialFn::apply(t, mesh.get_local_rank(i) == 0, static_cast<bool>(partial[i]));
+      } else if (!partial[i]) {
+        // Every rank keeps the value, which avg, max and min reduce back to. Each rank's part
+        // gets its own gradient, so the whole-gradient Replicate sums them (f).
+        t = detail::copy_to_mesh_dim(t, mesh, i);
+      }
       partial[i] = false;
     }
     cur[i] = to[i];

@@ -300,6 +300,12 @@ std::shared_ptr<DeviceMesh> DeviceMesh::from_group(
                                       nullptr, std::vector<int>{});
 }
 
+bool DeviceMesh::operator==(const DeviceMesh& o) const {
+  return this == &o || (device_ == o.device_ && layout_.shape == o.layout_.shape &&
+                        layout_.names == o.layout_.names && layout_.ranks == o.layout_.ranks &&
+                        groups_ == o.groups_);
+}
+
 std::string DeviceMesh::str() const {
   std::ostringstream os;
   os << "DeviceMesh(" << device_type() << ", " << shape_str(layout_.shape, layout_.names);

@@ -93,6 +93,12 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   /// "DeviceMesh(cpu, (dp=2, tp=4), rank 5 at (1, 1))".
   std::string str() const;
 
+  /// The same mesh: the same device, layout (shape, names, ranks) and process groups, so a
+  /// sub-mesh taken twice (mesh["tp"], a new object each time) equals itself, as PyTorch compares
+  /// meshes by value. Meshes over other groups with the same ranks differ: their collectives do.
+  bool operator==(const DeviceMesh& o) const;
+  bool operator!=(const DeviceMesh& o) const { return !(*this == o); }
+
  private:
   std::shared_ptr<DeviceMesh> sub_mesh(const std::vector<int>& dims) const;
   const DeviceMesh& root() const { return root_ ? *root_ : *this; }

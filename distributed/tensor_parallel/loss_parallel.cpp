@@ -1,5 +1,7 @@
 #include <ember/distributed/tensor_parallel/loss_parallel.h>
 
+#include <limits>
+
 #include <ember/distributed/functional/collectives.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops/indexing.h>
@@ -33,21 +35,26 @@ Tensor cross_entropy(const DTensor& logits, const Tensor& target, const std::str
   const int64_t lo = shard_offset(vocab, n, k), len = shard_length(vocab, n, k);
   const auto group = mesh.get_group();
 
-  const Tensor z = logits.to_local().reshape({-1, len});  // [N, len]: this rank's classes
-  const Tensor t = target.reshape({-1}).to(z.device());    // [N]
+  const int64_t rows_n = target.numel();
+  // [N, len]: this rank's classes; len is 0 on a trailing rank of an uneven vocabulary
+  // (torch.chunk's shards), which still takes part in every collective below.
+  const Tensor z = logits.to_local().reshape({rows_n, len});
+  const Tensor t = target.reshape({-1}).to(z.device());  // [N]
   const Tensor valid = ne(t, Scalar(ignore_index));
   const Tensor safe_t = where(valid, t, zeros_like(t));
   EMBER_CHECK(all(logical_and(ge(safe_t, Scalar(0)), lt(safe_t, Scalar(vocab)))).item<bool>(),
               kOp, " targets must be in [0, ", vocab, ") or ", ignore_index);
   // The row maximum over every rank's classes (no gradient: the loss does not depend on it).
-  Tensor m = amax(z.detach(), {1});
+  Tensor m = len > 0 ? amax(z.detach(), {1})
+                     : full({rows_n}, -std::numeric_limits<double>::infinity(), z.options());
   if (sharded) group->allreduce(m, {.op = ReduceOp::Max, .timeout = {}})->wait();
   Tensor sum_exp = exp(z - m.unsqueeze(1)).sum({1});
   // The target's logit lives on one rank; the others contribute zero.
   const Tensor mine = logical_and(logical_and(ge(safe_t, Scalar(lo)), lt(safe_t, Scalar(lo + len))),
                                   valid);
   const Tensor col = where(mine, safe_t - lo, zeros_like(safe_t));
-  Tensor picked = gather(z, 1, col.unsqueeze(1)).squeeze(1) * mine.to(z.dtype());
+  Tensor picked = len > 0 ? gather(z, 1, col.unsqueeze(1)).squeeze(1) * mine.to(z.dtype())
+                          : zeros({rows_n}, z.options());
   if (sharded) {
     sum_exp = functional::reduce_from_group(sum_exp, group);
     picked = functional::reduce_from_group(picked, group);

@@ -18,7 +18,7 @@ constexpr const char* kOp = "[parallelize_module]";
 // The input `x` as a DTensor: the one a style left it as (use_local_output = false), else laid
 // out as `layout` says, with even shards.
 DTensor input_of(const Tensor& x, const Placement& layout, const std::shared_ptr<DeviceMesh>& mesh) {
-  if (auto d = as_dtensor(x); d && d->device_mesh() == mesh) return *d;
+  if (auto d = as_dtensor(x); d && *d->device_mesh() == *mesh) return *d;
   return DTensor::from_local(x, mesh, {layout});
 }
 
@@ -34,6 +34,8 @@ Tensor output_of(const DTensor& d, bool use_local) {
 void distribute_param(const Tensor& p, const std::shared_ptr<DeviceMesh>& mesh,
                       const Placement& placement, int src, int64_t chunks = 1) {
   if (!p.defined()) return;
+  EMBER_CHECK(chunks == 1 || !as_dtensor(p), kOp, " the parameter is already distributed as ",
+              as_dtensor(p) ? as_dtensor(p)->str() : "", "; a module is parallelized once");
   if (chunks == 1) {
     distribute_parameter(p, mesh, {placement}, src);
     return;
@@ -101,7 +103,10 @@ void ColwiseParallel::apply(nn::Module& module, const std::shared_ptr<DeviceMesh
     const DTensor din = input_of(x, in, mesh);
     const Placement& p = din.placements()[0];
     Tensor y;
-    if (overlap > 0 && p.is_shard() && p.dim() > 0 && p.dim() < din.dim() - 1) {
+    // The fused all-gather takes even shards; uneven ones (an odd sequence length) go the
+    // padded way through redistribute.
+    if (overlap > 0 && p.is_shard() && p.dim() > 0 && p.dim() < din.dim() - 1 &&
+        din.size(p.dim()) % n == 0) {
       auto& l = static_cast<nn::Linear&>(m);
       y = detail::all_gather_linear(din.local(), l.weight, l.bias, mesh->get_group(), p.dim(),
                                     overlap);

@@ -24,9 +24,14 @@ Tensor local_for(const DTensor& a, const Placements& out);
 /// Replicate (not partial_grad) entering a sharded computation.
 Tensor copy_to_mesh_dim(const Tensor& t, const DeviceMesh& mesh, int dim);
 
-/// from_local's run_check: every rank's local shape checked against its shard of `global` along
-/// each mesh dimension (ValueError naming the rank and both shapes), and Replicate data
-/// broadcast from each mesh dimension's first rank (returned; differentiable as a copy).
+/// Throws ValueError naming `op` for a Replicate -> Partial(`reduce`) that has no split of a
+/// replicated value (product, as in PyTorch).
+void check_partition(const char* op, ReduceOp reduce, int mesh_dim);
+
+/// from_local's run_check: every rank's dims, local shape and global shape exchanged along each
+/// mesh dimension and checked alike on every rank (ValueError naming the rank and both shapes,
+/// thrown on all of them), and Replicate data broadcast from each mesh dimension's first rank
+/// (returned; the identity to autograd, so a Replicate's gradient stays whole on every rank).
 Tensor check_and_sync(const Tensor& local, const DeviceMesh& mesh, const Placements& placements,
                       const Shape& global);
 

@@ -106,6 +106,17 @@ TEST(DTensorOps, MatmulRules) {
     check("columns", mesh, {{a, {R}}, {b, {S(2)}}}, {S(2)}, dmm, mm);
     check("inner", mesh, {{a, {S(2)}}, {b, {S(1)}}}, {P}, dmm, mm);
     check("batch", mesh, {{a, {S(0)}}, {b, {S(0)}}}, {S(0)}, dmm, mm);
+    // A batch dim of a sharded, b replicated: each rank narrows b to its batches, unless b
+    // broadcasts them. Even, uneven (3 batches on 4 ranks: one rank has none), broadcast.
+    check("batch of a, b replicated", mesh, {{a, {S(0)}}, {b, {R}}}, {S(0)}, dmm, mm);
+    const Tensor a3 = rnd({3, 6, 8}, 3), b3 = rnd({3, 8, 5}, 4), b1 = rnd({1, 8, 5}, 5);
+    check("batch of a, b replicated, uneven", mesh, {{a3, {S(0)}}, {b3, {R}}}, {S(0)}, dmm, mm);
+    check("batch of a, b broadcast", mesh, {{a3, {S(0)}}, {b1, {R}}}, {S(0)}, dmm, mm);
+    // A batch dim that a broadcasts cannot be a's shard of the output.
+    const Tensor a1 = rnd({1, 6, 8}, 6);
+    expect_error(
+        [&] { matmul(distribute_tensor(a1, mesh, {S(0)}), distribute_tensor(b, mesh, {R})); },
+        {"[dist::matmul] no sharding rule for a (Shard(0),), b (Replicate(),)"});
   }, kTimeout);
 }
 
@@ -179,6 +190,22 @@ TEST(DTensorOps, LayerNormDropoutSoftmaxSumAndViews) {
   }, kTimeout);
 }
 
+// Meshes compare by value: a sub-mesh taken twice is two objects but one mesh, so DTensors on
+// each meet in an op.
+TEST(DTensorOps, ASubMeshTakenTwiceIsTheSameMesh) {
+  run_rank_threads(
+      2,
+      [](int) {
+        auto mesh = init_device_mesh("cpu", {1, 2}, {"dp", "tp"});
+        DTensor x = distribute_tensor(ones({5}), (*mesh)["tp"], {S(0)});
+        DTensor y = distribute_tensor(full({5}, 2.0), (*mesh)["tp"], {S(0)});
+        require_close("x + y", add(x, y).full_tensor(), full({5}, 3.0), 0);
+        DTensor z = distribute_tensor(ones({5}), (*mesh)["dp"], {R});
+        expect_error([&] { add(x, z); }, {"[dist::add] the arguments are on different meshes"});
+      },
+      kTimeout);
+}
+
 TEST(DTensorOps, OpsWithoutARuleNameTheOpAndThePlacements) {
   run_rank_threads(2, [](int) {
     auto mesh = init_device_mesh("cpu", {2});
@@ -194,6 +221,19 @@ TEST(DTensorOps, OpsWithoutARuleNameTheOpAndThePlacements) {
                  {"[dist::add] no sharding rule for a (Partial(sum),), b (Replicate(),)"});
     expect_error([&] { map(p, [](const Tensor& t) { return t * t; }, "square"); },
                  {"[dist::square] no sharding rule", "not linear"});
+    // Only sum and avg partials commute with add and linear maps: the max of the parts' sums
+    // is not the sum of their maxima.
+    DTensor pmax = distribute_tensor(ones({4, 6}), mesh, {Partial(ReduceOp::Max)});
+    expect_error([&] { add(pmax, pmax); },
+                 {"[dist::add] no sharding rule for a (Partial(max),), b (Partial(max),)"});
+    expect_error(
+        [&] {
+          map(
+              pmax, [](const Tensor& t) { return -t; }, "neg", true);
+        },
+        {"[dist::neg] no sharding rule", "only a Partial(sum) or Partial(avg)"});
+    DTensor pavg = distribute_tensor(ones({4, 6}), mesh, {Partial(ReduceOp::Avg)});
+    require_close("avg + avg", add(pavg, pavg).full_tensor(), full({4, 6}, 2.0), 0);
     // Columns sharded: flattening [4, 6] interleaves the ranks' parts.
     DTensor cols = distribute_tensor(ones({4, 6}), mesh, {S(1)});
     expect_error([&] { reshape(cols, {24}); },

@@ -9,6 +9,7 @@
 
 #include <ember/autograd/autograd.h>
 #include <ember/distributed/backends/process_group_threads.h>
+#include <ember/distributed/forwarding_process_group.h>
 #include <ember/distributed/functional/collectives.h>
 #include <ember/distributed/init.h>
 #include <ember/nn/nn.h>
@@ -116,6 +117,10 @@ TEST(DTensor, FromLocalDistributeAndRunCheck) {
     DTensor rep = DTensor::from_local(full({2}, static_cast<double>(r)), mesh, {Replicate()},
                                       std::nullopt, true);
     require_close("replicate synced", rep.local(), zeros({2}), 0);
+    // The sync is not a gradient path: a Replicate's gradient stays whole on every rank.
+    Tensor leaf = ones({3}).requires_grad_();
+    DTensor::from_local(leaf, mesh, {Replicate()}, std::nullopt, true).to_local().sum().backward();
+    require_close("run_check: the Replicate's gradient", leaf.grad(), ones({3}), 0);
     // distribute_tensor takes the first rank's data.
     DTensor dist = distribute_tensor(full({4}, static_cast<double>(r)), mesh, {Shard(0)});
     require_close("rank 0's data", dist.local(), zeros({1}), 0);
@@ -134,17 +139,27 @@ TEST(DTensor, ErrorsNameThePlacementsAndShapes) {
     expect_error([&] { DTensor::from_local(ones({3}), mesh, {Shard(0)}, Shape({4})); },
                  {"the local tensor has shape [3] but this rank's part of [4] placed (Shard(0),)",
                   "is [2]"});
-    // Ranks that disagree on the global shape: rank 0 ([4]) sees rank 1's [1] where it expects
-    // [2]; rank 1 ([3]) finds every shape fitting its view.
-    auto disagree = [&] {
-      DTensor::from_local(ones({r == 0 ? 2 : 1}), mesh, {Shard(0)}, Shape({4 - r}), true);
-    };
-    if (r == 0) {
-      expect_error(disagree, {"run_check: rank 1 of mesh dimension 0 has local size 1 in dim 0",
-                              "has 2"});
-    } else {
-      disagree();
-    }
+    // Ranks that disagree on the global shape ([4] and [3]; each local shape fits its own
+    // view): every rank throws, none is left waiting in its next collective.
+    expect_error(
+        [&] {
+          DTensor::from_local(ones({r == 0 ? 2 : 1}), mesh, {Shard(0)}, Shape({4 - r}), true);
+        },
+        {"[DTensor.from_local] run_check: on mesh dimension 0 rank 1 gives the global shape [3] "
+         "but rank 0 gives [4]"});
+    // Agreeing on the shape, rank 1's local part is wrong: both ranks throw, naming rank 1,
+    // though rank 0's own part is right.
+    expect_error(
+        [&] { DTensor::from_local(ones({r == 0 ? 2 : 1}), mesh, {Shard(0)}, Shape({4}), true); },
+        {"run_check: rank 1 of mesh dimension 0 has local size 1 in dim 0 but its part of [4] ",
+         "has 2"});
+    // Local tensors of different dims.
+    expect_error(
+        [&] {
+          DTensor::from_local(r == 0 ? ones({2}) : ones({2, 1}), mesh, {Replicate()}, std::nullopt,
+                              true);
+        },
+        {"run_check: on mesh dimension 0 rank 1 has a local tensor of 2 dims"});
     auto mesh2 = init_device_mesh("cpu", {1, 2}, {"dp", "tp"});
     expect_error([&] { DTensor::from_local(ones({2, 2}), mesh2, {Shard(0), Shard(0)}); },
                  {"shard tensor dimension 0 over two mesh dimensions, which is not supported"});
@@ -152,6 +167,63 @@ TEST(DTensor, ErrorsNameThePlacementsAndShapes) {
     expect_error([&] { p.redistribute({Partial(ReduceOp::Max)}); },
                  {"[DTensor.redistribute] Partial(sum) -> Partial(max)"});
   }, kTimeout);
+}
+
+// Replicate -> Partial of each reduction the parts can hold (PyTorch's _partition_value): the
+// parts reduce back to the value, from distribute_tensor and from redistribute, and for sum and
+// avg the Replicate's gradient is the whole one. Product has no split and is refused.
+TEST(DTensor, ReplicateToPartialOfEachReduction) {
+  run_rank_threads(
+      4,
+      [](int) {
+        auto mesh = init_device_mesh("cpu", {4});
+        manual_seed(3);
+        const Tensor x = randn({5, 3}), c = randn({5, 3});  // the same on every rank
+        for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min}) {
+          const std::string what = std::string("Partial(") + to_string(op) + ")";
+          require_close(what + " from distribute_tensor",
+                        distribute_tensor(x, mesh, {Partial(op)}).full_tensor(), x, 1e-6);
+          Tensor leaf = x.clone().requires_grad_();
+          const DTensor p =
+              DTensor::from_local(leaf, mesh, {Replicate()}).redistribute({Partial(op)});
+          require(p.placements()[0] == Placement(Partial(op)), what + ": placements");
+          const Tensor whole = p.full_tensor();
+          require_close(what + " from redistribute", whole, x, 1e-6);
+          if (op == ReduceOp::Sum || op == ReduceOp::Avg) {
+            (whole * c).sum().backward();
+            require_close(what + ": the Replicate's gradient", leaf.grad(), c, 1e-5);
+          }
+        }
+        expect_error(
+            [&] { distribute_tensor(x, mesh, {Partial(ReduceOp::Product)}); },
+            {"[distribute_tensor] Replicate -> Partial(product) on mesh dimension 0 is not "
+             "supported"});
+        expect_error(
+            [&] {
+              distribute_tensor(x, mesh, {Replicate()}).redistribute({Partial(ReduceOp::Product)});
+            },
+            {"[DTensor.redistribute] Replicate -> Partial(product)"});
+      },
+      kTimeout);
+}
+
+// A redistribute's backward owns its process group: a graph that outlives the mesh and the
+// group it was built over (from_group with a wrapper) still runs backward.
+TEST(DTensor, BackwardOutlivesTheMeshAndItsGroup) {
+  run_rank_threads(
+      2,
+      [](int r) {
+        Tensor leaf = full({2}, static_cast<double>(r + 1)).requires_grad_();
+        Tensor loss;
+        {
+          auto g = std::make_shared<ForwardingProcessGroup>(default_group());
+          auto mesh = DeviceMesh::from_group({g}, "cpu");
+          loss = (DTensor::from_local(leaf, mesh, {Shard(0)}).full_tensor() * 3.0).sum();
+        }
+        loss.backward();
+        require_close("gradient after the group is gone", leaf.grad(), full({2}, 3.0), 0);
+      },
+      kTimeout);
 }
 
 // The record of a tensor's placements keeps nothing alive: a recorded module output is freed

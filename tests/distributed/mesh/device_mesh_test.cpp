@@ -128,6 +128,13 @@ TEST(DeviceMesh, FromGroupWrapsExistingGroups) {
                                        DeviceMesh::Layout{{2, 2}, {"a", "b"}, {0, 1, 2, 3}});
     require(mesh->get_coordinate() == made->get_coordinate(), "same coordinates");
     require(mesh->get_group("b") == made->get_group("tp"), "same groups, none made");
+    // Equality is by value: device, layout and groups; other names make another mesh.
+    require(*(*made)["tp"] == *(*made)["tp"] && *(*made)["tp"] != *(*made)["dp"] &&
+                *made == *made->slice({"dp", "tp"}) && *mesh != *made,
+            "meshes compare by value");
+    require(*DeviceMesh::from_group(made->get_all_groups(), "cpu",
+                                    DeviceMesh::Layout{{2, 2}, {"a", "b"}, {0, 1, 2, 3}}) == *mesh,
+            "the same groups and layout twice");
     auto one = DeviceMesh::from_group({default_group()}, "cpu");
     require(one->size() == 4 && one->get_local_rank() == r, "1-D from the world");
     // Groups that contradict the layout (tp's group as dimension 0): ranks 1 and 2 sit where

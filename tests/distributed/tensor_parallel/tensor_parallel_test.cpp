@@ -126,6 +126,36 @@ TEST(TensorParallel, SequenceParallelMlpTrainsLikeOneProcess) {
   }
 }
 
+// A sequence that does not divide by the ranks (7 over 2: shards of 4 and 3) entering a
+// column-parallel Linear, as after a row-parallel layer with Shard(1) output at an odd length:
+// the same output and input gradient as one process (the fused all-gather takes even shards
+// only; this goes the padded way).
+TEST(TensorParallel, ColwiseTakesAnUnevenSequenceShard) {
+  run_rank_threads(
+      2,
+      [](int) {
+        auto mesh = init_device_mesh("cpu", {2});
+        manual_seed(4);
+        auto ref = std::make_shared<nn::Linear>(16, 8);
+        manual_seed(4);
+        auto lin = std::make_shared<nn::Linear>(16, 8);
+        parallelize_module(
+            lin, mesh, ColwiseParallel({.input_layouts = Shard(1), .output_layouts = Replicate()}));
+        manual_seed(5);
+        const Tensor x = randn({2, 7, 16}), c = randn({2, 7, 8});
+        Tensor whole = x.clone().requires_grad_();
+        ((*ref)(whole)*c).sum().backward();
+        Tensor local = distribute_tensor(x, mesh, {Shard(1)}).local().detach().requires_grad_();
+        register_dtensor(local, DTensor::from_local(local, mesh, {Shard(1)}, x.shape()));
+        const Tensor y = (*lin)(local);
+        require_close("output", y, (*ref)(x), 1e-5);
+        (y * c).sum().backward();
+        require_close("input gradient", local.grad(),
+                      test::shard_of(whole.grad(), *mesh, {Shard(1)}), 1e-5);
+      },
+      kTimeout);
+}
+
 // loss_parallel's cross-entropy of vocabulary-sharded logits equals cross_entropy of the whole
 // logits, with an ignored target, and so do the logits' gradients (each rank its classes').
 TEST(TensorParallel, LossParallelEqualsCrossEntropy) {
@@ -147,6 +177,23 @@ TEST(TensorParallel, LossParallelEqualsCrossEntropy) {
       require_close(std::string(reduction) + " loss", got.reshape({-1}), want.reshape({-1}), 1e-5);
       (got * got).sum().backward();
       require_close(std::string(reduction) + " logits grad", local.grad(),
+                    test::shard_of(whole.grad(), *mesh, {Shard(-1)}), 1e-5);
+    }
+    // 6 classes on 4 ranks are chunks of 2, 2, 2, 0, and 3 are 1, 1, 1, 0: a rank without
+    // classes still takes part in every collective.
+    for (int64_t v : {6, 3}) {
+      const Tensor lg = randn({4, v});
+      const Tensor tg = randint(0, v, {4});
+      Tensor whole = lg.clone().requires_grad_();
+      const Tensor want = nn::functional::cross_entropy(whole, tg);
+      want.backward();
+      Tensor local = distribute_tensor(lg, mesh, {Shard(-1)}).local().detach().requires_grad_();
+      const Tensor got = loss_parallel::cross_entropy(
+          DTensor::from_local(local, mesh, {Shard(-1)}, lg.shape()), tg);
+      const std::string what = std::to_string(v) + " classes";
+      require_close(what + ": loss", got, want, 1e-5);
+      got.backward();
+      require_close(what + ": logits grad", local.grad(),
                     test::shard_of(whole.grad(), *mesh, {Shard(-1)}), 1e-5);
     }
     expect_error([&] {
@@ -177,6 +224,14 @@ TEST(TensorParallel, PlanErrorsNameThePathAndTheSizes) {
     }, {"ColwiseParallel at 'fc': out_features (64) is not divisible by output_chunks (3)"});
     expect_error([&] { parallelize_module(make_mlp(16), mesh, {{"ln", RowwiseParallel()}}); },
                  {"RowwiseParallel at 'ln' supports Linear and Embedding, got LayerNorm"});
+    // Two entries reaching one module would shard its shards.
+    expect_error(
+        [&] {
+          parallelize_module(make_mlp(16), mesh,
+                             {{"fc", ColwiseParallel()}, {"fc", ColwiseParallel()}});
+        },
+        {"[distribute_parameter] the parameter is already distributed as DTensor(float32 [64, "
+         "16]"});
     auto mesh2 = init_device_mesh("cpu", {1, 2}, {"dp", "tp"});
     expect_error([&] { parallelize_module(make_mlp(16), mesh2, {{"fc", ColwiseParallel()}}); },
                  {"expected a 1-D mesh", "mesh[\"tp\"]"});
