@@ -290,14 +290,23 @@ void AsyncSaver::save(const State& state, const std::string& dir,
       return buf;
     });
   };
-  if (!stage_in_background) stage();
+  // A rank whose staging throws still commits, sending the error: every rank's save then fails
+  // alike, where a rank that skipped the commit would leave the others waiting for its file.
+  auto stage_or_fail = [prepared, stage] {
+    try {
+      stage();
+    } catch (const std::exception& e) {
+      detail::fail_sharded_save(*prepared, str_cat("staging failed: ", e.what()));
+    }
+  };
+  if (!stage_in_background) stage_or_fail();
   {
     std::lock_guard<std::mutex> lock(mu_);
     busy_ = true;
     staged_ = !stage_in_background;
     times_ = {seconds_since(t0), 0};
   }
-  worker_ = std::thread([this, prepared, dir, stage, stage_in_background] {
+  worker_ = std::thread([this, prepared, dir, stage_or_fail, stage_in_background] {
     const auto w0 = std::chrono::steady_clock::now();
     std::string error;
     try {
@@ -312,7 +321,7 @@ void AsyncSaver::save(const State& state, const std::string& dir,
             s->staged_cv_.notify_all();
           }
         } staged{this};
-        stage();
+        stage_or_fail();
       }
       detail::commit_sharded_save(*prepared, *commit_pg_);
     } catch (const std::exception& e) {

@@ -160,7 +160,8 @@ class AsyncSaver {
   AsyncSaver& operator=(const AsyncSaver&) = delete;
 
   /// Collective over the group, as save(). Throws save()'s agreement errors (bad pieces, bad
-  /// keys) right away; a failure while writing comes from poll_error() or wait().
+  /// keys) right away; a failure while staging or writing comes from poll_error() or wait(),
+  /// on every rank (a rank whose staging fails still takes part, sending its error).
   /// `stage_in_background`: return right after the ranks agree and copy the state on the
   /// background thread too; the caller must then call wait_until_staged() before anything
   /// changes the state (the next optimizer step: forward and backward may run meanwhile), as

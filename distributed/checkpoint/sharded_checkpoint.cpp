@@ -174,7 +174,7 @@ SavePlan plan_save(const std::vector<std::string>& all) {
       errors += detail::str_cat("; rank ", r, ": ", ranks.back()["error"].get<std::string>());
     }
   }
-  EMBER_CHECK(errors.empty(), kSaveOp, " bad pieces", errors);
+  EMBER_CHECK(errors.empty(), kSaveOp, " the save cannot start", errors);
   SavePlan plan;
   plan.writes.resize(all.size());
   std::map<std::string, size_t> at;
@@ -345,30 +345,48 @@ void remove_stale_files(const std::string& dir, const std::string& keep_id) {
   static const std::regex rank_file(R"(\.?([0-9a-f]{16})\.rank[0-9]+\.safetensors(\.tmp-.*)?)");
   static const std::regex index_temp(R"(\.index\.json\.tmp-.*)");
   std::error_code ec;
-  for (const auto& f : fs::directory_iterator(dir, ec)) {
+  // increment(ec), not a range-for: a directory read failing halfway must only warn.
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     std::smatch m;
-    const std::string name = f.path().filename().string();
+    const std::string name = it->path().filename().string();
     if ((std::regex_match(name, m, rank_file) && m[1] != keep_id) ||
         std::regex_match(name, index_temp)) {
       std::error_code rm;
-      fs::remove(f.path(), rm);
+      fs::remove(it->path(), rm);
       if (rm)
-        logging::warn(kSaveOp, " could not remove stale ", f.path().string(), ": ", rm.message());
+        logging::warn(kSaveOp, " could not remove stale ", it->path().string(), ": ", rm.message());
     }
+  }
+  if (ec) logging::warn(kSaveOp, " could not list ", dir, " for stale files: ", ec.message());
+}
+
+// Whether `dir`'s index names save `id`: after a failed index write, whether the rename had
+// already put the new index in place (only making it durable failed).
+bool index_names(const std::string& dir, const std::string& id) {
+  try {
+    std::ifstream in(fs::path(dir) / kIndexName);
+    return in && Json::parse(in).value("save_id", std::string()) == id;
+  } catch (const std::exception&) {
+    return false;
   }
 }
 
 // Throws (on every rank alike) if any rank's outcome holds an error.
 void check_outcomes(const std::vector<std::string>& outcomes, const std::string& step) {
   std::string errors;
+  bool indexed = false;
   for (size_t r = 0; r < outcomes.size(); ++r) {
     const Json o = Json::parse(outcomes[r]);
     if (o.contains("error"))
       errors += detail::str_cat("; rank ", r, ": ", o["error"].get<std::string>());
+    indexed = indexed || o.value("indexed", false);
   }
   if (!errors.empty()) {
-    throw Error(detail::str_cat(kSaveOp, " ", step, " failed", errors,
-                                " (the previous checkpoint, if any, is still the current one)"));
+    throw Error(detail::str_cat(
+        kSaveOp, " ", step, " failed", errors,
+        indexed ? " (the new checkpoint is in place, but may not survive a power cut; no file "
+                  "was removed)"
+                : " (the previous checkpoint, if any, is still the current one)"));
   }
 }
 
@@ -378,6 +396,27 @@ void check_outcomes(const std::vector<std::string>& outcomes, const std::string&
 
 namespace ember::dist::detail {
 
+namespace {
+
+// The saves in flight in this process, by directory and rank (ranks may be threads of one
+// process): a second save to the same directory before the first has committed would delete the
+// first's files as stale, and the last index would then name deleted files.
+struct InFlight {
+  std::mutex mu;
+  std::set<std::pair<std::string, int>> saves;
+};
+InFlight& in_flight() {
+  static InFlight* f = new InFlight();  // never destroyed: a save may end after statics
+  return *f;
+}
+std::string dir_key(const std::string& dir) {
+  std::error_code ec;
+  const fs::path p = fs::weakly_canonical(fs::absolute(dir, ec), ec);
+  return (ec ? fs::path(dir) : p).lexically_normal().string();
+}
+
+}  // namespace
+
 struct PreparedSave {
   std::string dir;
   std::vector<ShardPiece> pieces;
@@ -386,6 +425,10 @@ struct PreparedSave {
   std::map<std::string, std::string> metadata;
   Json rank_metadata;  // every rank's, or null when none has any
   int rank = 0, world = 0;
+  std::string failed;  // fail_sharded_save's reason: commit sends it instead of writing
+  // This rank's entry in in_flight(), removed when the save is done with (committed, failed, or
+  // dropped before commit).
+  std::shared_ptr<void> registration;
 };
 
 std::shared_ptr<PreparedSave> prepare_sharded_save(
@@ -398,6 +441,24 @@ std::shared_ptr<PreparedSave> prepare_sharded_save(
   // The save id travels with rank 0's descriptors, each rank's own strings with its own: one
   // exchange for all.
   Json mine = Json::parse(describe_pieces(pieces));
+  {
+    InFlight& f = in_flight();
+    const std::pair<std::string, int> key{dir_key(dir), save->rank};
+    std::lock_guard<std::mutex> lock(f.mu);
+    if (f.saves.insert(key).second) {
+      save->registration = std::shared_ptr<void>(nullptr, [key](void*) {
+        InFlight& g = in_flight();
+        std::lock_guard<std::mutex> l(g.mu);
+        g.saves.erase(key);
+      });
+    } else {
+      // Sent, not thrown, so that every rank refuses alike.
+      mine = Json::parse(error_json(
+          detail::str_cat("a save to ", dir,
+                          " is still in flight on this rank (an async save not yet waited "
+                          "for?): wait for it to finish, or save to another directory")));
+    }
+  }
   if (save->rank == 0) mine["save_id"] = new_save_id();
   if (!rank_metadata.empty()) mine["rank_metadata"] = rank_metadata;
   const std::vector<std::string> all = exchange_bytes(pg, mine.dump());
@@ -433,9 +494,16 @@ void commit_sharded_save(PreparedSave& save, ProcessGroup& pg) {
   const std::string& dir = save.dir;
   std::error_code ec;
   fs::create_directories(dir, ec);  // every rank, in case `dir` is not shared; errors show below
+  // However the commit ends, this rank's save is no longer in flight.
+  struct Done {
+    PreparedSave& s;
+    ~Done() { s.registration.reset(); }
+  } done{save};
   const std::string path = (fs::path(dir) / rank_file_name(save.save_id, me)).string();
   const std::vector<std::string> written = exchange_bytes(
-      pg, write_rank_file(path, save.pieces, save.plan.writes[static_cast<size_t>(me)], me));
+      pg, save.failed.empty()
+              ? write_rank_file(path, save.pieces, save.plan.writes[static_cast<size_t>(me)], me)
+              : error_json(save.failed));
   try {
     check_outcomes(written, "writing the rank files");
   } catch (...) {
@@ -466,16 +534,26 @@ void commit_sharded_save(PreparedSave& save, ProcessGroup& pg) {
       nn::write_file_atomic((fs::path(dir) / kIndexName).string(), index.dump(1));
       remove_stale_files(dir, save.save_id);
     } catch (const std::exception& e) {
-      outcome = error_json(e.what());
+      Json o = Json::parse(error_json(e.what()));
+      // The rename may have put the new index in place before a later step failed (the
+      // directory's fsync): then the new files are the checkpoint and must stay, and so must
+      // the old ones, until a save is known durable.
+      if (index_names(dir, save.save_id)) o["indexed"] = true;
+      outcome = o.dump(-1, ' ', false, Json::error_handler_t::replace);
     }
   }
   const std::vector<std::string> indexed = exchange_bytes(pg, outcome);
   try {
     check_outcomes(indexed, "writing the index");
   } catch (...) {
-    fs::remove(path, ec);  // the index was not written, so it never names this file
+    // Only a file the index never names is removed.
+    if (!Json::parse(indexed[0]).value("indexed", false)) fs::remove(path, ec);
     throw;
   }
+}
+
+void fail_sharded_save(PreparedSave& save, std::string why) {
+  if (save.failed.empty()) save.failed = std::move(why);
 }
 
 }  // namespace ember::dist::detail

@@ -65,11 +65,16 @@ struct ShardPiece {
 /// several as `replicated` pieces.
 ///
 /// The pieces of one name, across ranks, must agree on shape and dtype, must not overlap (but
-/// for identical replicated ones) and must together cover the tensor (pieces with no elements only take part in the agreement).
-/// Every rank checks every rank's descriptors (exchanged by all-gather, before any file is
-/// written), so a violation throws the same ValueError on every rank, naming the tensor, the
-/// gap or overlap and the ranks. A rank whose file cannot be written makes every rank throw
-/// (ember::Error naming that rank and the reason), and the index is not written.
+/// for identical replicated ones) and must together cover the tensor (pieces with no elements only
+/// take part in the agreement). Every rank checks every rank's descriptors (exchanged by
+/// all-gather, before any file is written), so a violation throws the same ValueError on every
+/// rank, naming the tensor, the gap or overlap and the ranks. A rank whose file cannot be written
+/// makes every rank throw (ember::Error naming that rank and the reason), and the index is not
+/// written. A save to a directory that a save of this process still writes (an async save not yet
+/// waited for) is refused the same way before anything is written: its end would delete the other's
+/// files. If writing the index fails after its rename (the directory's fsync), every rank throws,
+/// but no file is removed: the new set is the checkpoint, and the old files stay until a save is
+/// known durable.
 ///
 /// Steps: agree on a save id (rank 0's, broadcast); each rank writes its file atomically; an
 /// all-gather of every rank's outcome (the barrier after which all files are durable); rank 0
@@ -195,6 +200,10 @@ std::shared_ptr<PreparedSave> prepare_sharded_save(const std::string& dir,
                                                    const std::map<std::string, std::string>& metadata,
                                                    const std::map<std::string, std::string>& rank_metadata);
 void commit_sharded_save(PreparedSave& save, ProcessGroup& commit_pg);
+/// Marks this rank's part of a prepared save as failed (its staging threw): commit then sends
+/// `why` instead of writing, so every rank's commit throws it (none waits for a file that will
+/// not come) and the previous checkpoint stays the current one.
+void fail_sharded_save(PreparedSave& save, std::string why);
 /// Between the two: replaces the data of each piece this rank will write by copy(i, data) (i:
 /// the piece's index in `pieces`), and drops the others' (they are only described), so that
 /// commit needs nothing the caller may change.

@@ -46,9 +46,22 @@ NamedTensors state_by_index(NamedTensors by_name, const Module& model,
 }  // namespace
 
 std::string merge_param_groups(const std::string& saved, const std::string& mine, const char* op) {
-  nlohmann::json s = nlohmann::json::parse(saved), m = nlohmann::json::parse(mine);
-  EMBER_CHECK(s.is_array() && m.is_array() && s.size() == m.size(), "[", op, "] the checkpoint's "
-              "optimizer has ", s.size(), " parameter groups; this one has ", m.size());
+  // The saved value comes from a file: anything malformed is named, not passed on as a JSON
+  // library's exception.
+  const nlohmann::json s0 = nlohmann::json::parse(saved, nullptr, false);
+  EMBER_CHECK(s0.is_array(), "[", op,
+              "] the checkpoint's optimizer param_groups is not a JSON "
+              "array of objects: '",
+              saved.substr(0, 200), "'");
+  for (const auto& g : s0) {
+    EMBER_CHECK(g.is_object(), "[", op, "] the checkpoint's optimizer param_groups holds ",
+                g.dump(), " where a parameter group (a JSON object) was expected");
+  }
+  nlohmann::json s = s0, m = nlohmann::json::parse(mine);
+  EMBER_CHECK(m.is_array() && s.size() == m.size(), "[", op,
+              "] the checkpoint's "
+              "optimizer has ",
+              s.size(), " parameter groups; this one has ", m.size());
   for (size_t g = 0; g < s.size(); ++g) s[g]["params"] = m[g]["params"];
   return s.dump();
 }

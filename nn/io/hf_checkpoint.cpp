@@ -3,6 +3,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <optional>
+#include <random>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
@@ -22,6 +24,18 @@ using Json = nlohmann::ordered_json;  // config.json keeps its keys' order
 constexpr const char* kConfig = "config.json";
 constexpr const char* kSingle = "model.safetensors";
 constexpr const char* kIndex = "model.safetensors.index.json";
+// An id per export, in every weight file's metadata and in the index's: a shard rewritten in
+// place by an export that did not finish, or a single file left beside a newer index, then
+// names another export than the index does, and the load refuses the mix instead of returning
+// two models' tensors as one. Files without it (transformers' own) are read as before.
+constexpr const char* kExportKey = "ember_export";
+
+std::string new_export_id() {
+  std::random_device rd;
+  std::ostringstream os;
+  os << std::hex << ((static_cast<uint64_t>(rd()) << 32) | rd());
+  return os.str();
+}
 
 // Shard i (from 1) of n, as transformers names them.
 std::string shard_name(size_t i, size_t n) {
@@ -65,9 +79,14 @@ void save_hf_checkpoint(const std::string& dir,
   // Consecutive tensors into shards of at most max_shard_bytes (one alone may exceed it).
   std::vector<std::vector<size_t>> shards(1);
   int64_t in_shard = 0, total = 0;
+  std::set<std::string> names;
   for (size_t i = 0; i < tensors.size(); ++i) {
     EMBER_CHECK(tensors[i].second.defined(), "[save_hf_checkpoint] tensor '", tensors[i].first,
                 "' is undefined");
+    // Checked here, not per file: two of a name in different shards would each be written, and
+    // the index could name only one of them.
+    EMBER_CHECK(names.insert(tensors[i].first).second, "[save_hf_checkpoint] tensor '",
+                tensors[i].first, "' is given twice");
     const int64_t b = nbytes(tensors[i].second);
     if (!shards.back().empty() && in_shard + b > options.max_shard_bytes) {
       shards.emplace_back();
@@ -79,8 +98,9 @@ void save_hf_checkpoint(const std::string& dir,
   }
 
   std::set<std::string> written;
+  const std::map<std::string, std::string> stamp = {{kExportKey, new_export_id()}};
   if (shards.size() == 1) {
-    save_state_dict((fs::path(dir) / kSingle).string(), tensors);
+    save_state_dict((fs::path(dir) / kSingle).string(), tensors, stamp);
     written.insert(kSingle);
   } else {
     Json weight_map = Json::object();
@@ -91,10 +111,11 @@ void save_hf_checkpoint(const std::string& dir,
         part.push_back(tensors[i]);
         weight_map[tensors[i].first] = file;
       }
-      save_state_dict((fs::path(dir) / file).string(), part);
+      save_state_dict((fs::path(dir) / file).string(), part, stamp);
       written.insert(file);
     }
-    const Json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    const Json index = {{"metadata", {{"total_size", total}, {kExportKey, stamp.at(kExportKey)}}},
+                        {"weight_map", weight_map}};
     write_file_atomic((fs::path(dir) / kIndex).string(), index.dump(2) + "\n");
     written.insert(kIndex);
   }
@@ -128,8 +149,27 @@ HFCheckpoint load_hf_checkpoint(const std::string& dir) {
   parse_object(out.config_json, ::ember::detail::str_cat("'", (root / kConfig).string(), "'"),
                "load_hf_checkpoint");
 
+  // The index's export id, when it has one (Ember wrote it).
+  auto index_export = [&]() -> std::optional<std::string> {
+    if (!is_file(root / kIndex)) return std::nullopt;
+    const Json j = Json::parse(read_text(root / kIndex), nullptr, false);
+    if (!j.is_object() || !j.contains("metadata") || !j["metadata"].is_object())
+      return std::nullopt;
+    const Json& m = j["metadata"];
+    if (!m.contains(kExportKey) || !m[kExportKey].is_string()) return std::nullopt;
+    return m[kExportKey].get<std::string>();
+  };
+  auto export_of = [](const SafetensorsFile& f) -> std::optional<std::string> {
+    auto it = f.metadata().find(kExportKey);
+    return it == f.metadata().end() ? std::nullopt : std::optional<std::string>(it->second);
+  };
   if (is_file(root / kSingle)) {
     SafetensorsFile f = load_safetensors((root / kSingle).string());
+    const std::optional<std::string> mine = export_of(f), indexed = index_export();
+    if (mine && indexed && *mine != *indexed) {
+      fail("holds both ", kSingle, " and ", kIndex, " from different exports (", *mine, " and ",
+           *indexed, "): an export that did not finish; export again");
+    }
     out.tensors = f.tensors();
     out.files = {kSingle};
     return out;
@@ -160,6 +200,7 @@ HFCheckpoint load_hf_checkpoint(const std::string& dir) {
     listed[f].insert(name);
   }
   std::sort(out.files.begin(), out.files.end());
+  const std::optional<std::string> indexed = index_export();
   int64_t total = 0;
   for (const std::string& f : out.files) {
     const fs::path path = root / f;
@@ -168,6 +209,13 @@ HFCheckpoint load_hf_checkpoint(const std::string& dir) {
            listed[f].size() - 1, " more) is missing");
     }
     SafetensorsFile shard = load_safetensors(path.string());
+    const std::optional<std::string> mine = export_of(shard);
+    if (indexed && mine != indexed) {
+      fail("the shard '", f, "' is from ", mine ? "export " + *mine : "no Ember export", " but ",
+           kIndex, " from export ", *indexed,
+           ": an export that did not finish; export "
+           "again");
+    }
     for (const auto& [name, t] : shard.tensors()) {
       if (!listed[f].count(name)) {
         fail("the shard '", f, "' holds '", name, "', which ", kIndex,

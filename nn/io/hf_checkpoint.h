@@ -26,9 +26,11 @@ struct HFSaveOptions {
 /// atomically, the weights before the index and config.json; weight files of an earlier export
 /// into `dir` that this one does not write (model.safetensors, shards, the index) are removed
 /// afterwards, so the directory holds one model. Each safetensors file carries
-/// {"format": "pt"}, the marker Hugging Face loaders look for.
-/// Throws ValueError for a config that is not a JSON object and save_safetensors' errors;
-/// ember::Error (naming the file) if a file cannot be written.
+/// {"format": "pt"}, the marker Hugging Face loaders look for, and the export's id
+/// ("ember_export", also in the index's metadata), by which load_hf_checkpoint tells an export
+/// that did not finish (shards of two exports, a stale single file beside a newer index).
+/// Throws ValueError for a config that is not a JSON object, a name given twice, and
+/// save_safetensors' errors; ember::Error (naming the file) if a file cannot be written.
 void save_hf_checkpoint(const std::string& dir,
                         const std::vector<std::pair<std::string, Tensor>>& tensors,
                         const std::string& config_json, const HFSaveOptions& options = {});
@@ -50,8 +52,9 @@ struct HFCheckpoint {
 /// not a JSON object; neither weight file (a directory of pytorch_model.bin only is named as
 /// such); an index that is not JSON of that shape or names a file outside the directory; a shard
 /// the index lists that is missing or lacks a tensor the index puts in it; a tensor in a shard
-/// that the index does not list there; a total_size that is not the tensors' bytes; and
-/// load_safetensors' errors for a malformed file.
+/// that the index does not list there; a total_size that is not the tensors' bytes; weight files
+/// of different Ember exports (an export that did not finish); and load_safetensors' errors for
+/// a malformed file.
 HFCheckpoint load_hf_checkpoint(const std::string& dir);
 
 }  // namespace ember::nn

@@ -170,6 +170,17 @@ TEST(Checkpoint, Errors) {
   save_checkpoint(dir.file("sgd.safetensors"), *m, &sgd);
   optim::Adam adam(m->parameters(), {.lr = 0.1});
   expect_error([&] { load_checkpoint(dir.file("sgd.safetensors"), *m, &adam); }, {"SGD", "Adam"});
+  // Saved parameter groups that are not groups (an edited or damaged file) are named, not
+  // passed on as the JSON library's exception.
+  for (const char* bad : {"[1]", "{\"lr\": 1}", "[\"not json\""}) {
+    const SafetensorsFile f = load_safetensors(dir.file("sgd.safetensors"));
+    auto meta = f.metadata();
+    ASSERT_TRUE(meta.count("optim.param_groups"));
+    meta["optim.param_groups"] = bad;
+    save_safetensors(dir.file("bad.safetensors"), f.tensors(), meta);
+    expect_error([&] { load_checkpoint(dir.file("bad.safetensors"), *m, &sgd); },
+                 {"[SGD::load_state_dict] param_groups"});
+  }
 }
 
 }  // namespace

@@ -84,6 +84,49 @@ TEST(HFCheckpoint, ShardsPastTheSizeWithAnIndexAsTransformersWrites) {
   EXPECT_EQ(d.list(), (std::vector<std::string>{"config.json", "model.safetensors"}));
 }
 
+// A name given twice is refused before anything is written, also when the two would land in
+// different shards (the index could name only one).
+TEST(HFCheckpoint, ANameGivenTwiceIsRefused) {
+  TempDir d;
+  try {
+    save_hf_checkpoint(d.path(), {{"x", full({1024}, 1.0)}, {"x", full({1024}, 2.0)}}, kConfig,
+                       {.max_shard_bytes = 5000});
+    ADD_FAILURE() << "no error";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("[save_hf_checkpoint] tensor 'x' is given twice"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(d.list().empty());
+}
+
+// What an export that did not finish leaves (its first shard rewritten in place, the rest and
+// the index the earlier export's; or a single file beside a newer sharded index) is refused,
+// naming the export ids, rather than loaded as one model.
+TEST(HFCheckpoint, AnExportThatDidNotFinishIsRefusedNotMixed) {
+  TempDir a, b, single;
+  const Named ones = {{"x", full({1000}, 1.0f)}, {"y", full({1000}, 1.0f)}};
+  const Named twos = {{"x", full({1000}, 2.0f)}, {"y", full({1000}, 2.0f)}};
+  save_hf_checkpoint(a.path(), ones, kConfig, {.max_shard_bytes = 5000});
+  save_hf_checkpoint(b.path(), twos, kConfig, {.max_shard_bytes = 5000});
+  const std::string first = "model-00001-of-00002.safetensors";
+  std::filesystem::copy_file(b.file(first), a.file(first),
+                             std::filesystem::copy_options::overwrite_existing);
+  std::string e = error_of(a.path());
+  EXPECT_NE(e.find("the shard '" + first + "' is from export "), std::string::npos) << e;
+  EXPECT_NE(e.find("an export that did not finish"), std::string::npos) << e;
+
+  save_hf_checkpoint(single.path(), ones, kConfig);
+  std::filesystem::copy_file(single.file("model.safetensors"), b.file("model.safetensors"));
+  e = error_of(b.path());
+  EXPECT_NE(e.find("holds both model.safetensors and model.safetensors.index.json from different "
+                   "exports"),
+            std::string::npos)
+      << e;
+  // A whole export loads as before.
+  expect_same(load_hf_checkpoint(single.path()).tensors, ones);
+}
+
 TEST(HFCheckpoint, BrokenDirectoriesAreNamed) {
   TempDir d;
   save_hf_checkpoint(d.path(), toy_tensors(), kConfig, {.max_shard_bytes = 6000});
@@ -94,6 +137,9 @@ TEST(HFCheckpoint, BrokenDirectoriesAreNamed) {
     edit(j);
     std::ofstream(index) << j.dump();
   };
+  // The index as transformers writes it, without Ember's export id: what follows checks the
+  // files themselves (AnExportThatDidNotFinishIsRefusedNotMixed checks the ids).
+  rewrite_index([](auto& j) { j["metadata"].erase("ember_export"); });
 
   // A tensor the index puts in a shard that lacks it.
   rewrite_index([](auto& j) { j["weight_map"]["a.bias"] = "model-00001-of-00003.safetensors"; });

@@ -246,6 +246,25 @@ TEST(Checkpoint, LoadNamesWhatIsMissing) {
   EXPECT_NE(e.find("metadata key 'model.x' would mix with object 'model'"), std::string::npos) << e;
   e = test::message_of([&] { load({{"a.b", rng()}}, dir.path()); });
   EXPECT_NE(e.find("object key 'a.b'"), std::string::npos) << e;
+  // Saved optimizer groups that are not groups (an edited index) are named, not passed on as
+  // the JSON library's exception.
+  const std::string index = (fs::path(dir.path()) / "index.json").string();
+  std::string text;
+  {
+    std::ifstream in(index);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  const std::string key = "\"optim.param_groups\": ";
+  const size_t at = text.find(key);
+  ASSERT_NE(at, std::string::npos) << text.substr(0, 400);
+  const size_t from = at + key.size(), to = text.find("\n", from);
+  const std::string bad =
+      text.substr(0, from) + "\"[1]\"" + (text[to - 1] == ',' ? "," : "") + text.substr(to);
+  std::ofstream(index) << bad;
+  e = test::message_of([&] { load(Trainer().state(), dir.path()); });
+  EXPECT_NE(e.find("the checkpoint's optimizer param_groups holds 1 where a parameter group"),
+            std::string::npos)
+      << e;
 }
 
 // ---- async ----

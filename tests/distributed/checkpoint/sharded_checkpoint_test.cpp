@@ -17,6 +17,7 @@
 
 #include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/checkpoint/sharded_checkpoint.h>
+#include <ember/nn/io/atomic_file.h>
 #include <ember/nn/io/serialize.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops.h>
@@ -433,6 +434,100 @@ TEST(ShardedCheckpoint, AFailureMidSaveKeepsThePreviousSet) {
   // The next save succeeds and is the current one.
   save_on_threads(dir.path(), specs, after, 4);
   check_read_back(dir.path(), specs, after, 1);
+}
+
+// Rank 0's index replaced the old one, but the directory's fsync then failed: every rank
+// throws, naming it, and no file is removed, so the directory still holds a whole checkpoint
+// (the new one, which the index names) and the old files, until a save is known durable.
+TEST(ShardedCheckpoint, AnIndexInPlaceWhoseDirectorySyncFailedKeepsEveryFile) {
+  TempDir dir;
+  const auto specs = four_rank_specs();
+  save_on_threads(dir.path(), specs, make_values(specs, 6), 4);
+  const std::set<std::string> old_files = files_in(dir.path());
+  // The hook runs on rank 0's thread after its rank file is durable, so the next atomic write
+  // there is the index's.
+  detail::set_sharded_save_hook([](int rank) {
+    if (rank == 0)
+      ember::detail::inject_atomic_write_fault(ember::detail::AtomicWriteStep::kFsyncDir, EIO);
+  });
+  const auto after = make_values(specs, 7);
+  auto errors =
+      save_messages(dir.path(), 4, [&](int rank) { return pieces_of(rank, specs, after); });
+  detail::set_sharded_save_hook(nullptr);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_NE(errors[r].find("writing the index failed; rank 0:"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("fsync of its directory"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("the new checkpoint is in place"), std::string::npos) << errors[r];
+  }
+  const ShardedCheckpoint ckpt(dir.path());  // the new index, and its files are all there
+  check_read_back(dir.path(), specs, after, 2);
+  const std::set<std::string> now = files_in(dir.path());
+  for (const std::string& f : old_files) EXPECT_TRUE(now.count(f)) << f << " was removed";
+  // The next save succeeds and clears the old files.
+  save_on_threads(dir.path(), specs, make_values(specs, 8), 4);
+  EXPECT_EQ(files_in(dir.path()).size(), 5u);
+}
+
+// A save to a directory that a save of this process is still writing is refused on every rank
+// before anything is written: its end would delete the other's files as stale.
+TEST(ShardedCheckpoint, ASaveToADirectoryWithOneInFlightIsRefused) {
+  TempDir dir;
+  const auto specs = two_rank_specs();
+  const auto values = make_values(specs, 3);
+  std::mutex mu;
+  std::map<int, std::string> errors;
+  test::run_threads(ranks(2), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    // Rank 1 holds a prepared save (as an async save does until it has committed) while both
+    // start another.
+    std::shared_ptr<detail::PreparedSave> held =
+        detail::prepare_sharded_save(dir.path(), pieces_of(rank, specs, values), *pg, {}, {});
+    if (rank == 0) held.reset();  // rank 0's first save is over
+    const std::string e =
+        test::message_of([&] { save_sharded(dir.path(), pieces_of(rank, specs, values), *pg); });
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      errors[rank] = e;
+    }
+    held.reset();  // dropped uncommitted: nothing is in flight any more
+    save_sharded(dir.path(), pieces_of(rank, specs, values), *pg);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("the save cannot start; rank 1: a save to"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("is still in flight on this rank"), std::string::npos) << errors[r];
+  }
+  check_read_back(dir.path(), specs, values, 2);
+}
+
+// A rank whose part of a prepared save failed before commit (an async save's staging threw)
+// still commits, sending the reason: every rank's commit throws it at once, none waits for the
+// missing file, and the previous checkpoint stays current.
+TEST(ShardedCheckpoint, ARankThatFailedBeforeCommitFailsEveryRank) {
+  TempDir dir;
+  const auto specs = two_rank_specs();
+  const auto before = make_values(specs, 1);
+  save_on_threads(dir.path(), specs, before, 2);
+  const std::set<std::string> files = files_in(dir.path());
+  const auto after = make_values(specs, 2);
+  std::mutex mu;
+  std::map<int, std::string> errors;
+  test::run_threads(ranks(2), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto save =
+        detail::prepare_sharded_save(dir.path(), pieces_of(rank, specs, after), *pg, {}, {});
+    if (rank == 1) detail::fail_sharded_save(*save, "staging failed: out of host memory");
+    const std::string e = test::message_of([&] { detail::commit_sharded_save(*save, *pg); });
+    std::lock_guard<std::mutex> lock(mu);
+    errors[rank] = e;
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("writing the rank files failed; rank 1: staging failed: out of host "
+                             "memory"),
+              std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+  EXPECT_EQ(files_in(dir.path()), files);
+  check_read_back(dir.path(), specs, before, 1);
 }
 
 TEST(ShardedCheckpoint, PiecesThatDoNotTileFailOnEveryRank) {
