@@ -56,6 +56,9 @@ struct PipelineSchedule::Impl {
   int num_stages = 0;
   std::map<int, std::vector<Slot>> slots;
   std::map<int, Meta> sent, received;  // by sending stage: activations' shape (Note above)
+  // By sending stage: whether its output goes with a header each time, as either side of the
+  // boundary asks (dynamic_shapes), agreed at construction so both sides do the same.
+  std::vector<bool> dynamic_out;
   std::vector<WorkPtr> pending;        // sends issued this step
   std::vector<Tensor> in_flight;       // what they send
 };
@@ -113,6 +116,17 @@ void PipelineSchedule::init(std::vector<std::shared_ptr<PipelineStage>> stages,
   impl_ = std::make_unique<Impl>();
   impl_->group = stages[0]->group();
   impl_->num_stages = stages[0]->num_stages();
+  // Note [running a schedule] pairs transfers by tag. NCCL's send and recv ignore the tag and
+  // run in issue order on one stream: a schedule whose sends from one rank to another come in
+  // another order than the receiver's receives would pair the wrong tensors (zero-bubble's do),
+  // and two ranks that each send before they receive (1F1B's steady state) deadlock once a
+  // message outgrows NCCL's buffers. Refused until the executor orders and groups its
+  // transfers for it (docs/pipeline_parallel.md, "Not yet").
+  EMBER_CHECK(impl_->group->backend_name() != "nccl",
+              "[PipelineSchedule] the stages' group is "
+              "NCCL's, whose send and recv ignore tags and run in issue order, and this executor "
+              "pairs transfers by tag: it could pair the wrong tensors or deadlock. Give the "
+              "stages a gloo, MPI or threads group (pipelines over NCCL are not supported yet)");
   const int rank = impl_->group->rank();
   EMBER_CHECK(static_cast<int>(actions.size()) == impl_->group->size(), "[PipelineSchedule] the "
               "schedule has ", actions.size(), " ranks but the stages' group has ",
@@ -163,23 +177,39 @@ void PipelineSchedule::init(std::vector<std::shared_ptr<PipelineStage>> stages,
 void PipelineSchedule::agree() {
   ProcessGroup& g = *impl_->group;
   const int64_t hash = static_cast<int64_t>(std::hash<std::string>{}(to_csv(actions_)) >> 1);
+  // With the schedule, each rank's stages' dynamic_shapes (a bit per stage it runs): the
+  // stage count is checked before the bits are read, and at most 62 stages carry them.
+  const int S = impl_->num_stages;
+  int64_t dynamic = 0;
+  for (const auto& [s, st] : impl_->stages) {
+    EMBER_CHECK(!st->options().dynamic_shapes || s < 62,
+                "[PipelineSchedule] dynamic_shapes is "
+                "supported on the first 62 stages, got it on stage ",
+                s);
+    if (st->options().dynamic_shapes) dynamic |= int64_t{1} << s;
+  }
   const Tensor mine =
-      from_vector(std::vector<int64_t>{m_, impl_->num_stages, hash}).to(g.default_device());
-  Tensor all = zeros({g.size(), 3}, TensorOptions(kInt64).device(g.default_device()));
+      from_vector(std::vector<int64_t>{m_, S, hash, dynamic}).to(g.default_device());
+  Tensor all = zeros({g.size(), 4}, TensorOptions(kInt64).device(g.default_device()));
   g.allgather_into_tensor(all, mine)->wait();
   const std::vector<int64_t> v = all.to(kCPU).to_vector<int64_t>();
+  int64_t dynamic_all = 0;
   for (int r = 0; r < g.size(); ++r) {
-    if (v[3 * r] != m_ || v[3 * r + 1] != impl_->num_stages) {
+    if (v[4 * r] != m_ || v[4 * r + 1] != impl_->num_stages) {
       throw ValueError(str_cat("[PipelineSchedule] the ranks disagree: rank ", r, " runs ",
-                               v[3 * r], " micro-batches over ", v[3 * r + 1],
+                               v[4 * r], " micro-batches over ", v[4 * r + 1],
                                " stages, this rank (", g.rank(), ") ", m_, " over ",
                                impl_->num_stages));
     }
-    if (v[3 * r + 2] != hash) {
+    if (v[4 * r + 2] != hash) {
       throw ValueError(str_cat("[PipelineSchedule] the ranks disagree: rank ", r,
                                " has another schedule than this rank (", g.rank(), ")"));
     }
+    dynamic_all |= v[4 * r + 3];
   }
+  auto dynamic_at = [&](int s) { return s < 62 && ((dynamic_all >> s) & 1) != 0; };
+  impl_->dynamic_out.assign(S, false);
+  for (int s = 0; s + 1 < S; ++s) impl_->dynamic_out[s] = dynamic_at(s) || dynamic_at(s + 1);
 }
 
 std::string PipelineSchedule::table() const {
@@ -253,21 +283,31 @@ Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& inpu
   auto tag = [&](int sender, int dir, int mb) { return (sender * 2 + dir) * m_ + mb; };
   auto where = [&](int s, int mb) { return str_cat("stage ", s, " (rank ", rank, "), micro-batch ", mb); };
 
-  // The roots and gradients of a micro-batch's backward at stage s.
+  // The roots and gradients of a micro-batch's backward at stage s: none when its output needs
+  // no gradient (a first stage whose parameters are all frozen), whose backward is then
+  // skipped, as PyTorch's stage_backward skips outputs that do not require grad.
   auto roots = [&](int s, Impl::Slot& slot, std::vector<Tensor>& outs, std::vector<Tensor>& grads) {
+    outs.clear();
+    grads.clear();
     if (s == S - 1) {
-      outs = {slot.loss * scale};
-      grads = {};
+      if (slot.loss.requires_grad()) outs = {slot.loss * scale};
     } else {
       EMBER_CHECK(slot.out_grad.defined(), "[PipelineSchedule] ", where(s, 0), ": no gradient for the output");
-      outs = {slot.output};
-      grads = {slot.out_grad};
+      if (slot.output.requires_grad()) {
+        outs = {slot.output};
+        grads = {slot.out_grad};
+      }
     }
   };
+  // What the micro-batch's backward at stage s leaves: the input's gradient, to send or hand
+  // on; the rest of its tensors go now rather than at the end of the step.
   auto after_backward = [&](int s, int mb, Tensor in_grad) {
     Impl::Slot& slot = im.slots[s][mb];
     slot.in_grad = std::move(in_grad);
     slot.output = Tensor();
+    slot.input = Tensor();
+    slot.out_grad = Tensor();
+    slot.loss = Tensor();
     if (s > 0 && im.stages.count(s - 1)) im.slots[s - 1][mb].out_grad = slot.in_grad;
   };
 
@@ -318,22 +358,27 @@ Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& inpu
       case ActionKind::Backward: {
         std::vector<Tensor> outs, grads;
         roots(s, slot, outs, grads);
-        autograd::backward(outs, grads);
+        if (!outs.empty()) autograd::backward(outs, grads);
         after_backward(s, mb, s > 0 ? slot.input.grad() : Tensor());
         break;
       }
       case ActionKind::BackwardInput: {
         std::vector<Tensor> outs, grads;
         roots(s, slot, outs, grads);
-        std::vector<Tensor> ins;
+        std::vector<Tensor> ins, weights;
         if (slot.input.defined() && slot.input.requires_grad()) ins.push_back(slot.input);
-        const std::vector<Tensor> dx = autograd::backward_input(
-            outs, grads, ins, stage.submodule().parameters(), slot.weight_grad);
+        for (const Tensor& w : stage.submodule().parameters()) {
+          if (w.requires_grad()) weights.push_back(w);  // frozen ones get no weight backward
+        }
+        std::vector<Tensor> dx;
+        if (!outs.empty()) {
+          dx = autograd::backward_input(outs, grads, ins, weights, slot.weight_grad);
+        }
         after_backward(s, mb, dx.empty() ? Tensor() : dx[0]);
         break;
       }
       case ActionKind::BackwardWeight:
-        slot.weight_grad.run();
+        if (slot.weight_grad.pending()) slot.weight_grad.run();  // none for a skipped backward
         break;
       case ActionKind::SendF:
       case ActionKind::SendB: {
@@ -348,7 +393,7 @@ Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& inpu
                                          f ? "output" : "input's gradient", " to stage ",
                                          peer_stage, " (rank ", peer, ")");
         with_context(what, [&] {
-          if (f && (stage.options().dynamic_shapes || !im.sent.count(s))) {
+          if (f && (im.dynamic_out[s] || !im.sent.count(s))) {
             im.sent[s] = {t.shape(), t.dtype()};
             im.pending.push_back(send_with_shape(*im.group, t, peer, tag(s, 0, mb)));
           } else {
@@ -371,7 +416,7 @@ Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& inpu
                                          " receiving its input from stage ", s - 1, " (rank ", peer, ")");
         Tensor x;
         with_context(what, [&] {
-          if (stage.options().dynamic_shapes || !im.received.count(s - 1)) {
+          if (im.dynamic_out[s - 1] || !im.received.count(s - 1)) {
             x = recv_with_shape(*im.group, peer, tag(s - 1, 0, mb), stage.device());
             im.received[s - 1] = {x.shape(), x.dtype()};
           } else {

@@ -105,16 +105,22 @@ std::vector<std::vector<Action>> looped_bfs(int p, int v, int m) {
 // oldest pending weight backward, which fills what would be a bubble.
 std::vector<std::vector<Action>> zero_bubble(ScheduleKind kind, int p, int v, int m) {
   const int S = p * v;
+  // The bound counts micro-batches that entered the rank (forwards of its first stage) and
+  // whose input backward there is still to come; the forwards of its later stages are never
+  // held back. Counting those too would let first-stage forwards fill the bound while the later
+  // stage's forward that the oldest micro-batch's backward needs waits for a slot: the schedule
+  // then stalls once there are enough micro-batches (4 ranks from 9). A micro-batch in flight
+  // holds up to v stages' activations, so the interleaved bound is Megatron's warm-up forwards,
+  // (v - 1) p + 2 (p - r - 1) + 1, in micro-batches, plus one: no rank then holds more stage
+  // activations than interleaved 1F1B does (docs/pipelining.md). In the V a micro-batch comes
+  // back through the rank's second stage before its first stage's backward, and the bound is
+  // p: two half-size stages each, the activations 1F1B keeps on its first rank.
   std::vector<int> limit(p);
   for (int r = 0; r < p; ++r) {
-    limit[r] = kind == ScheduleKind::ZBV ? p : (v - 1) * p + 2 * (p - r - 1) + 1;
+    const int forwards = (v - 1) * p + 2 * (p - r - 1) + 1;
+    limit[r] = kind == ScheduleKind::ZBV ? p : (forwards + v - 1) / v + 1;
   }
-  // The bound counts forwards whose input backward is still to come on the rank; in the V a
-  // micro-batch comes back through the rank's second stage before its first stage's backward,
-  // so there it counts micro-batches that entered (forwards of the rank's first stage), at most
-  // p: two half-size stages each, the activations 1F1B keeps on its first rank. The second
-  // stage's forwards are never held back.
-  auto counted = [&](int s) { return kind != ScheduleKind::ZBV || s < p; };
+  auto counted = [&](int s) { return s < p; };
   constexpr int kNever = 1 << 30;
   std::vector<std::vector<int>> f_done(S, std::vector<int>(m, kNever)), i_done = f_done;
   std::vector<int> f_next(S, 0), i_next(S, 0), busy(p, 0), in_flight(p, 0);

@@ -49,7 +49,9 @@ struct PipelineStageOptions {
   /// arrives; without it the first micro-batch's shape is learned from the sender.
   std::optional<Shape> input_shape;
   /// Every activation carries its shape (send_with_shape), for stages whose output shapes vary
-  /// between steps; otherwise shapes after the first step must match the first step's.
+  /// between steps; otherwise shapes after the first step must match the first step's. Set on
+  /// either side of a boundary (the stage whose output varies, or the one that takes it), it
+  /// holds for both: the schedule's ranks agree on it when it is made.
   bool dynamic_shapes = false;
 };
 

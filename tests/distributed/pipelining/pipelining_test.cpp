@@ -5,12 +5,15 @@
 
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include <ember/autograd/autograd.h>
 #include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/backends/process_group_threads.h>
 #include <ember/distributed/checkpoint/model_checkpoint.h>
 #include <ember/distributed/ddp/comm_hooks.h>
 #include <ember/distributed/ddp/ddp.h>
+#include <ember/distributed/forwarding_process_group.h>
 #include <ember/distributed/init.h>
 #include <ember/distributed/mesh/device_mesh.h>
 #include <ember/distributed/sharding/fsdp.h>
@@ -70,9 +73,18 @@ struct Reference {
   Tensor eval_output;  // after the steps, of the batch of the step after them
 };
 
-/// The unsplit model trained `steps` AdamW steps on the whole batches.
-Reference train_reference(int steps) {
+/// `model`'s parameters named in `frozen` no longer require grad.
+void freeze(nn::Module& model, const std::set<std::string>& frozen) {
+  for (auto& [name, p] : model.named_parameters()) {
+    if (frozen.count(name)) Tensor(p).requires_grad_(false);
+  }
+}
+
+/// The unsplit model trained `steps` AdamW steps on the whole batches (`frozen`: parameters
+/// that stay as they are).
+Reference train_reference(int steps, const std::set<std::string>& frozen = {}) {
   auto model = make_model(initial_values());
+  freeze(*model, frozen);
   nn::optim::AdamW opt(model->parameters(), {.lr = 1e-2});
   Reference ref;
   for (int t = 0; t < steps; ++t) {
@@ -92,9 +104,11 @@ Reference train_reference(int steps) {
 /// with `kind` over `pg`, then checked against `ref` (losses on the last stage's rank, every
 /// parameter of its stages).
 void train_pipelined(const std::shared_ptr<ProcessGroup>& pg, ScheduleKind kind, int v, int m,
-                     int steps, const Reference& ref, const std::string& what) {
+                     int steps, const Reference& ref, const std::string& what,
+                     const std::set<std::string>& frozen = {}) {
   const int p = pg->size(), rank = pg->rank(), S = p * v;
   auto model = make_model(initial_values());
+  freeze(*model, frozen);
   auto parts = split_sequential_evenly(*model, S);
   std::vector<std::shared_ptr<PipelineStage>> stages;
   std::vector<Tensor> params;
@@ -187,6 +201,32 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{ScheduleKind::ZBV, 4}),
     case_name);
 
+// Frozen parameters (requires_grad false): one weight of the first stage, and the whole first
+// stage, whose output then needs no gradient and whose backward is skipped. The split backward
+// of zero-bubble and ZBV leaves frozen weights out of its weight half.
+TEST(PipelineThreads, FrozenParametersTrainLikeTheUnsplitModel) {
+  // Two ranks, two stages each for the split schedules: stage 0 is blocks 0 and 1.
+  const std::set<std::string> one = {"0.weight"};
+  const std::set<std::string> stage0 = {"0.weight", "0.bias", "2.weight", "2.bias"};
+  for (const auto& frozen : {one, stage0}) {
+    const Reference ref = train_reference(4, frozen);
+    for (ScheduleKind kind :
+         {ScheduleKind::OneFOneB, ScheduleKind::InterleavedZeroBubble, ScheduleKind::ZBV}) {
+      const int v = default_stages_per_rank(kind);
+      // 1F1B runs one stage per rank: its stage 0 is blocks 0 to 3, frozen only in part.
+      run_rank_threads(
+          2,
+          [&](int rank) {
+            train_pipelined(default_group(), kind, v, 4, 4, ref,
+                            to_string(kind) + " frozen " + std::to_string(frozen.size()) +
+                                " rank " + std::to_string(rank),
+                            frozen);
+          },
+          60s);
+    }
+  }
+}
+
 // The same as processes over gloo (shared memory and TCP), 1F1B and zero-bubble.
 TEST(PipelineGloo, OneFOneBAndZeroBubbleTrainLikeTheUnsplitModel) {
   const Reference ref = train_reference(6);
@@ -239,6 +279,44 @@ TEST(Schedules, SimulatedBubbleIsTheAnalyticOne) {
         const ScheduleCheck zb = check_of(k, p, m);
         ASSERT_TRUE(zb.ok) << zb.error;
         EXPECT_LE(worst_idle(zb), one / 2) << to_string(k) << " p" << p << " m" << m;
+      }
+    }
+  }
+}
+
+// Every schedule, for 1 to 8 ranks and 1 to 24 micro-batches (odd counts, one micro-batch,
+// fewer micro-batches than ranks), is generated and valid (interleaved 1F1B where the
+// micro-batches come in rounds of the ranks); the zero-bubble ones hold no more activations on
+// any rank than interleaved 1F1B.
+TEST(Schedules, EveryScheduleIsValidForManyRanksAndMicroBatches) {
+  for (ScheduleKind k :
+       {ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved1F1B,
+        ScheduleKind::LoopedBFS, ScheduleKind::InterleavedZeroBubble, ScheduleKind::ZBV}) {
+    const int v = default_stages_per_rank(k);
+    for (int p = 1; p <= 8; ++p) {
+      for (int m = 1; m <= 24; ++m) {
+        if (k == ScheduleKind::Interleaved1F1B && m % p != 0) continue;
+        const std::string what = to_string(k) + " p" + std::to_string(p) + " m" + std::to_string(m);
+        RankActions compute;
+        ASSERT_NO_THROW(compute = compute_actions(k, p, v, m)) << what;
+        const ScheduleCheck c =
+            validate(add_communication(compute, ranks_of(k, p, v)), p * v, m, ranks_of(k, p, v));
+        ASSERT_TRUE(c.ok) << what << ": " << c.error;
+        if (k != ScheduleKind::InterleavedZeroBubble || m % p != 0) continue;
+        auto peak = [](const RankActions& a) {
+          int most = 0;
+          for (const auto& rank : a) {
+            int held = 0;
+            for (const Action& x : rank) {
+              if (x.kind == ActionKind::Forward) ++held;
+              if (x.kind == ActionKind::Backward || x.kind == ActionKind::BackwardInput) --held;
+              most = std::max(most, held);
+            }
+          }
+          return most;
+        };
+        EXPECT_LE(peak(compute), peak(compute_actions(ScheduleKind::Interleaved1F1B, p, v, m)))
+            << what;
       }
     }
   }
@@ -312,9 +390,13 @@ TEST(PipelineThreads, RunsAUsersCsvScheduleAndRefusesABadBatch) {
       opt.step();
     }
     for (const auto& [name, p] : parts[rank]->named_parameters()) {
+      bool found = false;
       for (const auto& [rname, rp] : ref.params) {
-        if (rname == name) require_close("csv schedule: " + name, p, rp, 1e-5);
+        if (rname != name) continue;
+        require_close("csv schedule: " + name, p, rp, 1e-5);
+        found = true;
       }
+      require(found, "csv schedule: parameter " + name + " is not the unsplit model's");
     }
     if (rank == 0) {
       test::expect_error([&] { schedule.step(batch_x(0).narrow(0, 0, 10)); },
@@ -333,16 +415,42 @@ TEST(PipelineThreads, RunsAUsersCsvScheduleAndRefusesABadBatch) {
   }, 60s);
 }
 
+// The threads group under NCCL's name: what a pipeline over NCCL is told.
+class NamedNccl final : public ForwardingProcessGroup {
+ public:
+  using ForwardingProcessGroup::ForwardingProcessGroup;
+  std::string backend_name() const override { return "nccl"; }
+};
+
+// NCCL pairs sends and receives by order, not tag: refused at construction, saying why.
+TEST(PipelineThreads, AnNcclGroupIsRefusedSayingWhy) {
+  run_rank_threads(
+      2,
+      [&](int rank) {
+        auto model = make_model(initial_values());
+        auto parts = split_sequential(*model, {6});
+        auto nccl = std::make_shared<NamedNccl>(default_group());
+        auto stage = std::make_shared<PipelineStage>(parts[rank], rank, 2, kCPU, nccl);
+        test::expect_error(
+            [&] { PipelineSchedule({stage}, 4, ScheduleKind::OneFOneB, {.loss_fn = mse}); },
+            {"[PipelineSchedule] the stages' group is NCCL's", "ignore tags",
+             "gloo, MPI or threads group"});
+      },
+      60s);
+}
+
 // A stage whose output changes shape after the first step fails at the sender naming both
 // shapes; the receiver, left waiting, fails within its timeout naming stage, micro-batch and
 // peer. A rank that runs fewer micro-batches, and a rank that stops mid-step, end every rank
 // within the timeout too.
 TEST(PipelineThreads, FailuresEndEveryRankNamingStageAndMicrobatch) {
-  auto build = [](int rank, int m, bool dynamic = false) {
+  auto build = [](int rank, int m, bool dynamic = false, int dynamic_rank = -1) {
     auto model = make_model(initial_values());
     auto parts = split_sequential(*model, {6});
-    auto stage = std::make_shared<PipelineStage>(parts[rank], rank, 2, kCPU, default_group(),
-                                                 PipelineStageOptions{.dynamic_shapes = dynamic});
+    auto stage = std::make_shared<PipelineStage>(
+        parts[rank], rank, 2, kCPU, default_group(),
+        PipelineStageOptions{.dynamic_shapes =
+                                 dynamic && (dynamic_rank < 0 || rank == dynamic_rank)});
     return std::make_shared<PipelineSchedule>(std::vector<std::shared_ptr<PipelineStage>>{stage}, m,
                                               ScheduleKind::OneFOneB, ScheduleOptions{.loss_fn = mse});
   };
@@ -366,14 +474,25 @@ TEST(PipelineThreads, FailuresEndEveryRankNamingStageAndMicrobatch) {
                          "[8, 8] float32 but stage 1 takes [4, 8] float32"), std::string::npos) << msgs[0];
   EXPECT_NE(msgs[1].find("stage 1 (rank 1), micro-batch 0 receiving its input from stage 0 (rank 0)"),
             std::string::npos) << msgs[1];
-  // With dynamic_shapes the same step runs.
-  run_rank_threads(2, [&](int rank) {
-    auto schedule = build(rank, 4, true);
-    schedule->step(rank == 0 ? batch_x(0) : Tensor(), rank == 1 ? batch_y(0) : Tensor());
-    const Tensor x = cat({batch_x(1), batch_x(2)}, 0), y = cat({batch_y(1), batch_y(2)}, 0);
-    const Tensor out = schedule->step(rank == 0 ? x : Tensor(), rank == 1 ? y : Tensor());
-    if (rank == 1) require(out.shape() == Shape({2 * kBatch, kWidth}), "dynamic shapes: merged output");
-  }, 60s);
+  // With dynamic_shapes the same step runs, set on both stages or on either one alone (the
+  // sender whose output varies, or the receiver): the ranks agree on it at construction.
+  for (int dynamic_rank : {-1, 0, 1}) {
+    run_rank_threads(
+        2,
+        [&](int rank) {
+          auto schedule = build(rank, 4, true, dynamic_rank);
+          for (int repeat = 0; repeat < 2; ++repeat) {
+            schedule->step(rank == 0 ? batch_x(0) : Tensor(), rank == 1 ? batch_y(0) : Tensor());
+          }
+          const Tensor x = cat({batch_x(1), batch_x(2)}, 0), y = cat({batch_y(1), batch_y(2)}, 0);
+          const Tensor out = schedule->step(rank == 0 ? x : Tensor(), rank == 1 ? y : Tensor());
+          if (rank == 1) {
+            require(out.shape() == Shape({2 * kBatch, kWidth}),
+                    "dynamic shapes on rank " + std::to_string(dynamic_rank) + ": merged output");
+          }
+        },
+        60s);
+  }
   // Rank 1 runs 2 micro-batches where rank 0 runs 4: both are told at construction.
   run_rank_threads(2, [&](int rank) { msgs[rank] = message([&] { build(rank, rank == 0 ? 4 : 2); }); }, 2s);
   EXPECT_NE(msgs[0].find("[PipelineSchedule] the ranks disagree: rank 1 runs 2 micro-batches over 2 "
@@ -454,10 +573,15 @@ TEST(PipelineThreads, TimesDataParallelTrainsLikeTheUnsplitModel) {
       for (int s : mine) {
         const nn::NamedTensors got =
             wrap == "fsdp" ? full_state_dict(*parts[s]) : parts[s]->named_parameters();
+        require(!got.empty(), wrap + ": stage " + std::to_string(s) + " has no parameters");
         for (const auto& [name, p] : got) {
+          bool found = false;
           for (const auto& [rname, rp] : ref.params) {
-            if (rname == name) require_close(wrap + " rank " + std::to_string(rank) + ": " + name, p, rp, 1e-5);
+            if (rname != name) continue;
+            require_close(wrap + " rank " + std::to_string(rank) + ": " + name, p, rp, 1e-5);
+            found = true;
           }
+          require(found, wrap + ": parameter " + name + " is not the unsplit model's");
         }
       }
     }, 60s);
