@@ -72,6 +72,10 @@ struct GraphTask {
     return n->task_id_.load(std::memory_order_relaxed) == id || shared.count(n) != 0;
   }
   Node::TaskState& state(Node* n) {
+    if (!shared.empty()) {
+      auto it = shared.find(n);
+      if (it != shared.end()) return it->second;
+    }
     return n->task_id_.load(std::memory_order_relaxed) == id ? n->state_ : shared.at(n);
   }
 };
@@ -107,6 +111,10 @@ class Engine {
 };
 
 bool Engine::claim(GraphTask& task, Node* n) {
+  // Claimed already through the shared map (another pass owned the node then): that pass may
+  // have ended since and freed the node, but this pass's state for it stays in the map, where
+  // state() looks first; claiming the node's own slot now would give it a second, fresh state.
+  if (!task.shared.empty() && task.shared.count(n) != 0) return false;
   uint64_t owner = 0;
   Node::TaskState* st = &n->state_;
   if (!n->task_id_.compare_exchange_strong(owner, task.id, std::memory_order_acq_rel)) {
@@ -225,7 +233,10 @@ void Engine::run(GraphTask& task, Node* n,
   Node::TaskState& st = task.state(n);
   TensorList grads = std::move(st.buffer);
   st.buffer.clear();
-  if (!st.resumed) n->call_pre_hooks(grads);
+  // Hooks run for nodes the pass executes or captures at, as PyTorch's: not for one it only
+  // passes through (the split backward's input half reaches the weights' accumulators, whose
+  // hooks the weight half runs).
+  if (!st.resumed && (st.exec || st.capture)) n->call_pre_hooks(grads);
   if (task.split && st.exec) task.split->cut_.push_back(n->shared_from_this());
   if (st.capture) {
     for (const GraphTask::Capture& c : task.captures) {

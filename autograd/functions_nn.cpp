@@ -242,7 +242,7 @@ void record_cross_entropy(const RecordArgs& r) {
 /// (Note [Attention operand layouts]); the gradients are dense in their input's dim order.
 struct ScaledDotProductAttentionBackward final : Node {
   detail::AttentionParams params;
-  Tensor mask;  ///< the additive mask the kernels read (no gradient), or undefined
+  SavedTensor mask;  ///< the additive mask the kernels read (no gradient), or undefined
   SavedTensor q, k, v, out, lse;
   const char* name() const override { return "ScaledDotProductAttentionBackward"; }
   TensorList apply(TensorList&& g) override {
@@ -257,12 +257,12 @@ struct ScaledDotProductAttentionBackward final : Node {
     };
     Tensor dq = grad_like(qs), dk = grad_like(ks), dv = grad_like(vs);
     (qs.is_cuda() ? detail::attention_backward_cuda : detail::attention_backward_cpu)(
-        dq, dk, dv, dout, qs, ks, vs, out.unpack(*this), lse.unpack(*this), mask, params);
+        dq, dk, dv, dout, qs, ks, vs, out.unpack(*this), lse.unpack(*this),
+        mask.defined() ? mask.unpack(*this) : Tensor(), params);
     return {dq, dk, dv};
   }
   void release_variables() override {
-    for (SavedTensor* s : {&q, &k, &v, &out, &lse}) s->release();
-    mask = Tensor();
+    for (SavedTensor* s : {&q, &k, &v, &out, &lse, &mask}) s->release();
   }
 };
 
@@ -270,7 +270,9 @@ void record_attention(const RecordArgs& r) {
   const AttentionAttrs& a = r.attrs<OpId::ScaledDotProductAttention>();
   auto n = new_node<ScaledDotProductAttentionBackward>(r);
   n->params = a.params;
-  n->mask = a.mask;
+  // Saved with its version, as PyTorch saves attn_mask: a mask changed in place before the
+  // backward is an error, not a silently different gradient.
+  n->mask = SavedTensor(a.mask, false);
   n->q = SavedTensor(r.in(0), false);
   n->k = SavedTensor(r.in(1), false);
   n->v = SavedTensor(r.in(2), false);

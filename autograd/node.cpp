@@ -104,8 +104,13 @@ Node::~Node() {
   t_draining = false;
 }
 
+unsigned new_hook_handle() {
+  static std::atomic<unsigned> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
 unsigned Node::add_pre_hook(uint32_t input_nr, GradHook hook) {
-  const unsigned h = next_hook_handle_++;
+  const unsigned h = new_hook_handle();
   pre_hooks_.push_back({h, input_nr, std::move(hook)});
   return h;
 }
@@ -126,8 +131,32 @@ void Node::set_retain_grad_hook(uint32_t input_nr, std::function<void(const Tens
   retain_hooks_.emplace_back(input_nr, std::move(hook));
 }
 
+void Node::clear_retain_grad_hook(uint32_t input_nr) {
+  std::erase_if(retain_hooks_, [&](const auto& e) { return e.first == input_nr; });
+}
+
+void attach_retain_grad(const Tensor& t) {
+  AutogradMeta& m = *meta_of(t);
+  std::weak_ptr<AutogradMetaBase> weak = t.impl()->autograd;
+  m.grad_fn->set_retain_grad_hook(m.output_nr, [weak](const Tensor& g) {
+    auto base = weak.lock();
+    if (!base) return;
+    auto* mm = static_cast<AutogradMeta*>(base.get());
+    if (!mm->retains_grad) return;
+    if (!mm->grad.defined()) {
+      mm->grad = GradMode::is_enabled() ? g.clone() : g.detach().clone();  // as AccumulateGrad
+    } else if (GradMode::is_enabled()) {
+      mm->grad = mm->grad + g;
+    } else {
+      mm->grad.add_(g);
+    }
+  });
+}
+
 void Node::call_pre_hooks(TensorList& grads) {
-  for (const PreHook& h : pre_hooks_) {
+  // A snapshot: a hook may register or remove hooks (itself included) while the list runs.
+  const std::vector<PreHook> hooks = pre_hooks_;
+  for (const PreHook& h : hooks) {
     if (h.input_nr >= grads.size() || !grads[h.input_nr].defined()) continue;
     Tensor r = h.fn(grads[h.input_nr]);
     if (r.defined()) grads[h.input_nr] = std::move(r);
@@ -149,7 +178,8 @@ void AccumulateGrad::call_pre_hooks(TensorList& grads) {
   Node::call_pre_hooks(grads);
   AutogradMeta* m = meta_of(Tensor(leaf_));
   if (m == nullptr || !grads[0].defined()) return;
-  for (const auto& [handle, fn] : m->hooks) {
+  const auto hooks = m->hooks;  // a snapshot, as above
+  for (const auto& [handle, fn] : hooks) {
     Tensor r = fn(grads[0]);
     if (r.defined()) grads[0] = std::move(r);
   }
@@ -163,7 +193,10 @@ TensorList AccumulateGrad::apply(TensorList&& grads) {
   AutogradMeta& m = ensure_meta(leaf);
   if (!m.grad.defined()) {
     if (GradMode::is_enabled()) {
-      m.grad = g;  // create_graph: keep the gradient's own history
+      // create_graph: a copy that keeps the gradient's history. g itself may be another
+      // tensor's gradient too (an add hands one tensor to both inputs) or the caller's, and a
+      // later backward accumulates into .grad in place (PyTorch's AccumulateGrad clones too).
+      m.grad = g.clone();
     } else if (g.is_contiguous() && g.impl_ptr().use_count() == 1 &&
                g.storage().use_count() == 1 && !g.requires_grad()) {
       m.grad = std::move(g);  // nobody else sees this buffer: take it without a copy
@@ -232,11 +265,22 @@ void set_history(const std::shared_ptr<Node>& node, Tensor* const* outputs, size
     gm[i] = {out.shape(), out.dtype(), out.device()};
     if (!out.is_floating_point()) continue;
     AutogradMeta& m = ensure_meta(out);
+    // An in-place op gives the tensor a new grad_fn: a retained gradient is then the new
+    // value's, so the retain_grad hook moves to the new node (PyTorch's too).
+    const std::shared_ptr<Node> retained_on = m.retains_grad ? m.grad_fn : nullptr;
+    const uint32_t retained_nr = m.output_nr;
     m.grad_fn = node;
     m.output_nr = static_cast<uint32_t>(i);
     m.leaf_requires_grad = false;
     m.grad_accumulator.reset();
     m.refresh();
+    // The history now describes the data as it is (an in-place op on a view that nobody else
+    // holds, Note [In-place ops on views] in record.cpp).
+    if (m.is_view) m.view_version = out.version();
+    if (retained_on && retained_on != node) {
+      retained_on->clear_retain_grad_hook(retained_nr);
+      attach_retain_grad(out);
+    }
   }
 }
 

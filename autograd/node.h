@@ -110,11 +110,13 @@ class Node : public std::enable_shared_from_this<Node> {
   uint64_t sequence_nr() const { return sequence_nr_; }
 
   /// Hooks on the gradient of this node's input `input_nr` (= the tensor that is output
-  /// input_nr of the forward op). Called before apply().
+  /// input_nr of the forward op). Called before apply(). Handles are unique in the process
+  /// (new_hook_handle), so a handle never names another tensor's hook.
   unsigned add_pre_hook(uint32_t input_nr, GradHook hook);
   void remove_pre_hook(unsigned handle);
   /// The retain_grad hook runs after all other hooks, on the final gradient.
   void set_retain_grad_hook(uint32_t input_nr, std::function<void(const Tensor&)> hook);
+  void clear_retain_grad_hook(uint32_t input_nr);
   /// Runs the hooks on `grads` (replacing entries where a hook returns a tensor).
   virtual void call_pre_hooks(TensorList& grads);
 
@@ -137,7 +139,6 @@ class Node : public std::enable_shared_from_this<Node> {
   };
   std::vector<PreHook> pre_hooks_;
   std::vector<std::pair<uint32_t, std::function<void(const Tensor&)>>> retain_hooks_;
-  unsigned next_hook_handle_ = 0;
 
   // State of the backward pass running over this node (Note [How a backward pass runs] in
   // engine.cpp). task_id_ names the pass that owns state_ (0: none); a second pass reaching
@@ -167,14 +168,23 @@ struct AutogradMeta : AutogradMetaBase {
   bool is_view = false;            ///< output of a recorded view op
   uint32_t view_version = 0;       ///< storage version when the view was made
   std::vector<std::pair<unsigned, GradHook>> hooks;  ///< leaf tensor hooks
+  /// A non-leaf's hooks: the node each was registered on, which an in-place op may since have
+  /// replaced as grad_fn (remove_hook removes it from there).
+  std::vector<std::pair<unsigned, std::weak_ptr<Node>>> node_hooks;
   /// Shared so that a pass runs a snapshot of the list without copying the functions (a hook
   /// may remove hooks while it runs).
   std::vector<std::pair<unsigned, std::shared_ptr<const std::function<void(const Tensor&)>>>>
       post_accumulate_hooks;
-  unsigned next_hook_handle = 0;
 
   void refresh() { requires_grad = leaf_requires_grad || grad_fn != nullptr; }
 };
+
+/// A hook handle no other hook in the process has.
+unsigned new_hook_handle();
+
+/// Installs `t`'s retain_grad hook on its grad_fn (retain_grad(); set_history moves it to the
+/// node of an in-place op, as PyTorch does).
+void attach_retain_grad(const Tensor& t);
 
 /// The tensor's AutogradMeta, or null.
 inline AutogradMeta* meta_of(const Tensor& t) {

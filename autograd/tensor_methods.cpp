@@ -83,20 +83,7 @@ void Tensor::retain_grad() const {
   EMBER_CHECK(m != nullptr && m->requires_grad, "[retain_grad] can't retain_grad on a tensor "
               "that does not require grad");
   if (!m->grad_fn || m->retains_grad) return;  // leaves keep their grad anyway
-  std::weak_ptr<AutogradMetaBase> weak = impl()->autograd;
-  m->grad_fn->set_retain_grad_hook(m->output_nr, [weak](const Tensor& g) {
-    auto base = weak.lock();
-    if (!base) return;
-    auto* mm = static_cast<AutogradMeta*>(base.get());
-    if (!mm->retains_grad) return;
-    if (!mm->grad.defined()) {
-      mm->grad = GradMode::is_enabled() ? g : g.detach().clone();
-    } else if (GradMode::is_enabled()) {
-      mm->grad = mm->grad + g;
-    } else {
-      mm->grad.add_(g);
-    }
-  });
+  autograd::attach_retain_grad(*this);
   m->retains_grad = true;
 }
 
@@ -110,8 +97,12 @@ unsigned Tensor::register_hook(std::function<Tensor(const Tensor&)> hook) const 
   AutogradMeta* m = meta_of(*this);
   EMBER_CHECK(m != nullptr && m->requires_grad, "[register_hook] cannot register a hook on a "
               "tensor that doesn't require gradient");
-  if (m->grad_fn) return m->grad_fn->add_pre_hook(m->output_nr, std::move(hook));
-  const unsigned h = m->next_hook_handle++;
+  if (m->grad_fn) {
+    const unsigned h = m->grad_fn->add_pre_hook(m->output_nr, std::move(hook));
+    m->node_hooks.emplace_back(h, m->grad_fn);
+    return h;
+  }
+  const unsigned h = autograd::new_hook_handle();
   m->hooks.emplace_back(h, std::move(hook));
   return h;
 }
@@ -119,11 +110,14 @@ unsigned Tensor::register_hook(std::function<Tensor(const Tensor&)> hook) const 
 void Tensor::remove_hook(unsigned handle) const {
   AutogradMeta* m = meta_of(*this);
   if (m == nullptr) return;
-  if (m->grad_fn) {
-    m->grad_fn->remove_pre_hook(handle);
+  // A non-leaf's hook is removed from the node it was registered on, which an in-place op may
+  // since have replaced as grad_fn. Handles are unique in the process.
+  for (auto it = m->node_hooks.begin(); it != m->node_hooks.end(); ++it) {
+    if (it->first != handle) continue;
+    if (auto node = it->second.lock()) node->remove_pre_hook(handle);
+    m->node_hooks.erase(it);
     return;
   }
-  // A leaf's gradient hooks and post-accumulate-grad hooks draw their handles from one counter.
   std::erase_if(m->hooks, [&](const auto& p) { return p.first == handle; });
   std::erase_if(m->post_accumulate_hooks, [&](const auto& p) { return p.first == handle; });
 }
@@ -134,7 +128,7 @@ unsigned Tensor::register_post_accumulate_grad_hook(std::function<void(const Ten
   EMBER_CHECK(m != nullptr && m->leaf_requires_grad && !m->grad_fn,
               "[register_post_accumulate_grad_hook] post-accumulate-grad hooks can only be "
               "registered on leaf tensors that require grad");
-  const unsigned h = m->next_hook_handle++;
+  const unsigned h = autograd::new_hook_handle();
   m->post_accumulate_hooks.emplace_back(
       h, std::make_shared<const std::function<void(const Tensor&)>>(std::move(hook)));
   return h;

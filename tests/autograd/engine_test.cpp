@@ -1,6 +1,7 @@
 // The backward engine, leaves, grad modes, hooks, callbacks, custom functions and gradcheck.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <thread>
 
 #include "tests/autograd/grad_util.h"
@@ -765,6 +766,177 @@ TEST(SplitBackward, GradOfTheInputSkipsWeightGradients) {
   autograd::grad({net(x).sum()}, {x});
   EXPECT_EQ(split::Scale::x_grads, 1);
   EXPECT_EQ(split::Scale::w_grads, 0);
+}
+
+// Found by a review of the engine (each failed before its fix).
+
+// Two threads' passes share a parameter: this pass reaches w's accumulator through thousands of
+// edges while the other thread's passes over w start and end. A node first met while the other
+// pass owned it keeps its state in this pass's own map even after that pass ends (it used to get
+// a second, fresh state, run on its first gradient and crash or drop the rest).
+TEST(Engine, ConcurrentPassesShareAParameterUsedManyTimes) {
+  Tensor w = ones({1}, kFloat64);
+  w.requires_grad_();
+  std::atomic<bool> stop{false};
+  std::thread other([&] {
+    while (!stop) autograd::grad({(w * 2.0).sum()}, {w});
+  });
+  struct Join {
+    std::atomic<bool>& stop;
+    std::thread& t;
+    ~Join() {
+      stop = true;
+      t.join();
+    }
+  } join{stop, other};
+  for (int it = 0; it < 60; ++it) {
+    Tensor acc = zeros({1}, kFloat64);
+    for (int i = 0; i < 2000; ++i) acc = acc + w;
+    ASSERT_EQ(autograd::grad({acc.sum()}, {w})[0].item<double>(), 2000.0) << "iteration " << it;
+  }
+}
+
+// With create_graph, .grad is a copy: the incoming gradient may be another tensor's too (an add
+// hands one tensor to both inputs) or the caller's, and a later backward accumulates in place.
+TEST(Engine, CreateGraphGradientsAreCopiesThatLaterPassesAccumulateInto) {
+  Tensor a = leaf({3}, 1), b = leaf({3}, 2);
+  Tensor g = ones({3});
+  (a + b).backward(g, false, /*create_graph=*/true);
+  (a * 2.0).sum().backward();
+  expect_close(a.grad(), {3, 3, 3}, 0, "a.grad");
+  expect_close(b.grad(), {1, 1, 1}, 0, "b.grad");
+  expect_close(g, {1, 1, 1}, 0, "the caller's gradient");
+  // A sum's gradient is an expanded scalar: .grad takes it as a copy it can add into.
+  Tensor c = leaf({3}, 3);
+  (c * 1.0).sum().backward({}, false, true);
+  (c * 1.0).sum().backward();
+  expect_close(c.grad(), {2, 2, 2}, 0, "c.grad");
+  // The same for a retained gradient.
+  Tensor y = a * 1.0;
+  y.retain_grad();
+  (y + y * 0.0).backward(g, false, true);
+  (y * 3.0).sum().backward();
+  expect_close(y.grad(), {4, 4, 4}, 0, "y.grad");
+  expect_close(g, {1, 1, 1}, 0, "the caller's gradient after retain_grad");
+}
+
+// The fused attention saves its mask with the mask's version: changed in place before the
+// backward, it is an error (PyTorch's too), not a silently different gradient.
+TEST(Engine, AttentionMaskChangedInPlaceBeforeBackwardIsAnError) {
+  manual_seed(0);
+  Tensor q = randn({1, 4, 8}, kFloat64), k = randn({1, 4, 8}, kFloat64),
+         v = randn({1, 4, 8}, kFloat64);
+  for (Tensor* t : {&q, &k, &v}) t->requires_grad_();
+  Tensor mask = zeros({4, 4}, kFloat64);
+  Tensor out = scaled_dot_product_attention(q, k, v, mask);
+  ASSERT_STREQ(out.grad_fn()->name(), "ScaledDotProductAttentionBackward");
+  {
+    NoGradGuard no_grad;
+    mask.fill_(-1e9);
+  }
+  expect_error([&] { out.sum().backward(); },
+               {"modified by an in-place operation", "ScaledDotProductAttentionBackward"});
+}
+
+// retain_grad() then an in-place op: the retained gradient is the new value's (PyTorch moves
+// the hook to the in-place op's node).
+TEST(Engine, RetainGradFollowsAnInPlaceOp) {
+  Tensor x = leaf({2}, 1);
+  Tensor y = x * 3.0;
+  y.retain_grad();
+  y.mul_(2.0);
+  (y * 5.0).sum().backward();
+  expect_close(y.grad(), {5, 5}, 0, "y.grad");
+}
+
+// A hook that removes itself while the hooks run: the rest still run, none is called through
+// a removed entry.
+TEST(Engine, AHookThatRemovesItselfLetsTheOthersRun) {
+  for (bool on_leaf : {false, true}) {
+    Tensor x = leaf({2}, 1);
+    Tensor y = on_leaf ? x : x * 1.0;
+    int first = 0, second = 0;
+    unsigned h = 0;
+    h = y.register_hook([&](const Tensor&) {
+      ++first;
+      y.remove_hook(h);
+      return Tensor();
+    });
+    y.register_hook([&](const Tensor& g) {
+      ++second;
+      return g * 10.0;
+    });
+    (y * 3.0).sum().backward();
+    EXPECT_EQ(first, 1) << on_leaf;
+    EXPECT_EQ(second, 1) << on_leaf;
+    expect_close(x.grad(), {30, 30}, 0, on_leaf ? "leaf" : "non-leaf");
+  }
+}
+
+// A handle removes its own hook, also after an in-place op gave the tensor a new node with
+// hooks of its own.
+TEST(Engine, RemoveHookAfterAnInPlaceOpRemovesThatHook) {
+  Tensor x = leaf({2}, 1);
+  Tensor y = x * 1.0;
+  int a = 0, b = 0;
+  const unsigned ha = y.register_hook([&](const Tensor&) {
+    ++a;
+    return Tensor();
+  });
+  y.mul_(2.0);
+  const unsigned hb = y.register_hook([&](const Tensor&) {
+    ++b;
+    return Tensor();
+  });
+  EXPECT_NE(ha, hb);
+  y.remove_hook(ha);
+  y.sum().backward();
+  EXPECT_EQ(a, 0);
+  EXPECT_EQ(b, 1);
+}
+
+// A backward that returns every gradient whatever needs_input_grad says (allowed): in the split
+// backward's input half the weight's gradient reaches its accumulator, which that half does not
+// run, so its hooks run once, in the weight half.
+struct ScaleAll : autograd::Function<ScaleAll> {
+  static Tensor forward(autograd::Context* ctx, const Tensor& x, const Tensor& w) {
+    ctx->save_for_backward({x, w});
+    return x * w;
+  }
+  static autograd::TensorList backward(autograd::Context* ctx, autograd::TensorList g) {
+    const auto s = ctx->saved();
+    return {g[0] * s[1], g[0] * s[0]};
+  }
+};
+
+TEST(SplitBackward, AWeightsHooksRunOnceWhenABackwardIgnoresNeedsInputGrad) {
+  Tensor w = ones({3}, kFloat64);
+  w.requires_grad_();
+  Tensor x0 = ones({3}, kFloat64);
+  x0.requires_grad_();
+  Tensor x = x0 * 1.0;
+  int calls = 0;
+  w.register_hook([&](const Tensor&) {
+    ++calls;
+    return Tensor();
+  });
+  autograd::WeightGrad rest;
+  autograd::backward_input({ScaleAll::apply(x, w).sum()}, {}, {x}, {w}, rest);
+  EXPECT_EQ(calls, 0);
+  rest.run();
+  EXPECT_EQ(calls, 1);
+  expect_close(w.grad(), {1, 1, 1}, 0, "w.grad");
+}
+
+// An in-place op on a view of a temporary (allowed: no base to lose its gradient) leaves a view
+// whose history describes its data.
+TEST(Engine, AViewOfATemporaryChangedInPlaceIsUsable) {
+  Tensor x = ones({4}, kFloat64);
+  x.requires_grad_();
+  Tensor v = (x * 2.0).view({2, 2});
+  v.mul_(3.0);
+  (v * v).sum().backward();
+  expect_close(x.grad(), {72, 72, 72, 72}, 0, "x.grad");
 }
 
 }  // namespace
