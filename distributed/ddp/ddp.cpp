@@ -201,8 +201,11 @@ DistributedDataParallel::~DistributedDataParallel() {
 template <typename Run>
 auto DistributedDataParallel::run_forward(Run&& run) {
   dist::detail::Reducer& r = *reducer_;
-  r.prepare_for_forward();
   const bool grad = GradMode::is_enabled();
+  // A forward without autograd (an evaluation between a training forward and its backward)
+  // leaves the reducer as it is, so that pending backward stays synchronised (PyTorch touches
+  // the reducer only when grad is enabled too).
+  if (grad) r.prepare_for_forward();
   dist::detail::IterationPlan plan;
   plan.sync = r.sync_enabled() && grad;
   plan.rebuild = r.rebuild_due() && grad;
@@ -212,9 +215,9 @@ auto DistributedDataParallel::run_forward(Run&& run) {
   if (join_) source = join_->enter_iteration(*comm_, plan, r);
   if (plan.rebuild) r.rebuild();
   if (plan.buffers) broadcast_tensors(*comm_, module_->buffers(), source);
-  r.forward_started();
+  if (grad) r.forward_started();
   auto out = run();
-  r.prepare_for_backward(plan.sync);
+  if (grad) r.prepare_for_backward(plan.sync);
   return out;
 }
 

@@ -163,6 +163,7 @@ void Reducer::mark_ready(size_t i) {
   Param& p = params_[i];
   switch (state_) {
     case IterationState::Idle:
+      p.used_unsynced = true;
       return;
     case IterationState::Finalized:
       EMBER_CHECK(!sync_enabled_, kOp, " rank ", group_->rank(), ": parameter '", p.name,
@@ -384,6 +385,19 @@ void Reducer::record_bytes() {
 std::vector<char> Reducer::mark_unused_parameters() {
   std::vector<char> locally_used(params_.size(), 1);
   std::vector<std::string> unused;
+  // A parameter that got its gradient under no_sync only has one to contribute: its grad(),
+  // taken now as mark_ready takes one.
+  bool took = false;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    const bool accumulated = p.used_unsynced && !p.ready && p.tensor.grad().defined();
+    p.used_unsynced = false;
+    if (!accumulated || (static_graph_ && !static_graph_->used[i])) continue;
+    take_gradient(p);
+    p.ready = true;
+    --buckets_[p.bucket].pending;
+    took = true;
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     if (params_[i].ready) continue;
     locally_used[i] = 0;
@@ -410,6 +424,8 @@ std::vector<char> Reducer::mark_unused_parameters() {
       }
       mark_unused(i);
     }
+  }
+  if (took || !unused.empty()) {
     try {
       launch_ready();
     } catch (...) {

@@ -141,6 +141,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     unsigned hook = 0;   // the post-accumulate-grad hook's handle
     bool ready = false;
     bool in_grad = false;  // this iteration's gradient was left in grad(), not copied
+    // Got a gradient in an unsynchronised backward (no_sync) since the last synchronised one:
+    // its grad() holds that, and the next synchronised backward averages it even if the
+    // parameter gets nothing more there (PyTorch's local_used_map, set under no_sync too).
+    bool used_unsynced = false;
   };
   struct Bucket {
     Tensor flat;

@@ -393,6 +393,72 @@ TEST_P(DDPWorld, FindUnusedParametersAveragesUsedOnesOnly) {
   });
 }
 
+// Two branches, one used per forward.
+struct TwoBranch : nn::Module {
+  TwoBranch() {
+    a = register_module("a", std::make_shared<nn::Linear>(kIn, kOut));
+    b = register_module("b", std::make_shared<nn::Linear>(kIn, kOut));
+  }
+  Tensor forward(const Tensor& x) override { return use_a ? a->forward(x) : b->forward(x); }
+  std::shared_ptr<nn::Linear> a, b;
+  bool use_a = true;
+};
+
+// A parameter used under no_sync and not in the synchronised step that follows: its
+// accumulated gradient is averaged with the rest (it was zeroed as "unused", so each rank kept
+// its own and the replicas diverged).
+TEST_P(DDPWorld, NoSyncGradientsOfAParameterUnusedInTheSyncedStepAreAveraged) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam().n;
+  run_group(GetParam(), [n](std::shared_ptr<ProcessGroup> pg, int rank) {
+    manual_seed(5);
+    auto model = std::make_shared<TwoBranch>();
+    DDPOptions o;
+    o.find_unused_parameters = true;
+    DistributedDataParallel ddp(model, pg, o);
+    auto ref_a = std::make_shared<nn::Linear>(kIn, kOut);
+    auto ref_b = std::make_shared<nn::Linear>(kIn, kOut);
+    ref_a->load_state_dict(model->a->state_dict());
+    ref_b->load_state_dict(model->b->state_dict());
+    const Batch b1 = fixed_batch(21), b2 = fixed_batch(22);
+    {
+      auto guard = ddp.no_sync();
+      model->use_a = true;
+      loss_of(ddp, slice(b1, rank, n)).backward();
+    }
+    model->use_a = false;
+    loss_of(ddp, slice(b2, rank, n)).backward();
+    loss_of(*ref_a, b1).backward();
+    loss_of(*ref_b, b2).backward();
+    require_close("a.weight grad", model->a->tensor("weight").grad(),
+                  ref_a->tensor("weight").grad());
+    require_close("a.bias grad", model->a->tensor("bias").grad(), ref_a->tensor("bias").grad());
+    require_close("b.weight grad", model->b->tensor("weight").grad(),
+                  ref_b->tensor("weight").grad());
+  });
+}
+
+// A forward without autograd between a training forward and its backward (an evaluation, a
+// pseudo-label) leaves that backward synchronised (it used to turn the sync off).
+TEST_P(DDPWorld, ANoGradForwardBeforeTheBackwardKeepsItSynchronised) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam().n;
+  run_group(GetParam(), [n](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto model = make_model(600 + rank);
+    DistributedDataParallel ddp(model, pg);
+    auto ref = clone_model(*model);
+    const Batch b = fixed_batch(23), mine = slice(b, rank, n);
+    Tensor out = ddp.forward(mine.x);
+    {
+      NoGradGuard no_grad;
+      ddp.forward(mine.x);
+    }
+    nn::functional::mse_loss(out, mine.y).backward();
+    loss_of(*ref, b).backward();
+    require_grads_match("after a no-grad forward", *model, *ref);
+  });
+}
+
 // Counts the collectives DDP issues and forwards them to gloo.
 class Counting final : public ForwardingProcessGroup {
  public:
