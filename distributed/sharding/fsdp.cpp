@@ -275,21 +275,28 @@ void average_replicated(FsdpContext& ctx) {
 // for the reduce-scatters, averages the replicated gradients and releases every gathered module.
 void finish_backward(FsdpContext& ctx) {
   ctx.callback_queued = false;
+  // Every unit, not only this step's forward order: a module called twice in one forward
+  // restarts the order at its second call (pre_forward), and a unit left out here kept
+  // in_backward set and was never reduced again.
+  std::erase_if(ctx.units, [](const std::weak_ptr<FsdpUnit>& w) { return w.expired(); });
+  std::vector<std::shared_ptr<FsdpUnit>> all;
   for (auto it = ctx.order.rbegin(); it != ctx.order.rend(); ++it) {
-    auto u = it->lock();
-    if (u && u->in_backward && !u->reduced && u->trainable > 0) u->reduce_grads();
+    if (auto u = it->lock()) all.push_back(u);
+  }
+  for (const auto& w : ctx.units) {
+    auto u = w.lock();
+    if (u && std::find(all.begin(), all.end(), u) == all.end()) all.push_back(u);
+  }
+  for (const auto& u : all) {
+    if (u->in_backward && !u->reduced && u->trainable > 0) u->reduce_grads();
   }
   while (!ctx.reduces.empty()) finish_reduce(ctx);
   if (ctx.sync) average_replicated(ctx);
-  // A module prefetched by the last step's order but not run in this one is released too, so
-  // no gather is left in flight while the optimizer writes the shards.
-  for (const auto* list : {&ctx.order, &ctx.last_order}) {
-    for (const auto& w : *list) {
-      auto u = w.lock();
-      if (!u) continue;
-      u->reshard(/*trainable_only=*/false);
-      u->in_backward = false;
-    }
+  // Every unit is released, one prefetched but not run in this step too, so no gather is left
+  // in flight while the optimizer writes the shards.
+  for (const auto& u : all) {
+    u->reshard(/*trainable_only=*/false);
+    u->in_backward = false;
   }
 }
 
@@ -381,12 +388,27 @@ namespace {
 // submodule holds. A parameter held by any other unit is refused.
 nn::NamedTensors params_to_shard(nn::Module& module, const std::string& label) {
   std::unordered_set<const TensorImpl*> inner;
+  std::unordered_set<const nn::Module*> in_units;  // sharded submodules and what they hold
   for (const auto& m : module.modules()) {
     if (m.get() == &module) continue;
     if (auto u = unit_of(*m)) {
       for (const FlatGroup& g : u->groups) {
         for (const Tensor& p : g.params) inner.insert(p.impl());
       }
+      for (const auto& sub : m->modules()) in_units.insert(sub.get());
+    }
+  }
+  // A parameter a sharded submodule holds but another module of this one also uses as its own
+  // (a tied weight: an LM head sharing the embedding's) would be read after that submodule's
+  // forward released it; refused here, where the names are known, rather than failing there.
+  for (const auto& [path, m] : module.named_modules()) {
+    if (in_units.count(m.get()) != 0) continue;
+    for (const auto& [name, p] : m->named_parameters(/*recurse=*/false)) {
+      EMBER_CHECK(inner.count(p.impl()) == 0, "[", kOp, "] ", label, ": parameter '",
+                  path.empty() ? name : path + "." + name,
+                  "' is the same tensor as a parameter "
+                  "of a sharded submodule (a weight tied across modules), which frees it after "
+                  "its own forward: shard the module that holds both uses, or untie the weight");
     }
   }
   nn::NamedTensors out;
@@ -483,6 +505,7 @@ std::shared_ptr<nn::Module> fully_shard(std::shared_ptr<nn::Module> module,
   unit->options = options;
   unit->group = pg;
   unit->ctx = context_for(pg);
+  unit->ctx->units.push_back(unit);
   const auto& mp = options.mp_policy;
   for (auto& [name, p] : params) {
     const bool rg = p.requires_grad();

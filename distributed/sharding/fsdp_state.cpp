@@ -67,6 +67,16 @@ std::vector<Tensor> replicated_params(const nn::Module& root) {
 
 }  // namespace
 
+namespace {
+// Records `p`, a parameter outside every unit, as one whose gradient each backward averages
+// over the ranks (finish_backward), once.
+void register_replicated(detail::FsdpContext& ctx, const Tensor& p) {
+  const bool known = std::any_of(ctx.replicated.begin(), ctx.replicated.end(),
+                                 [&](const Tensor& r) { return r.is_same(p); });
+  if (!known) ctx.replicated.push_back(p);
+}
+}  // namespace
+
 std::vector<Tensor> fsdp_parameters(const nn::Module& root) {
   auto units = require_units(root, "fsdp_parameters");
   const Places places = places_under(root);
@@ -81,9 +91,7 @@ std::vector<Tensor> fsdp_parameters(const nn::Module& root) {
     }
     if (!p.requires_grad()) continue;
     out.push_back(p);
-    const bool known = std::any_of(ctx.replicated.begin(), ctx.replicated.end(),
-                                   [&](const Tensor& r) { return r.is_same(p); });
-    if (!known) ctx.replicated.push_back(p);
+    register_replicated(ctx, p);
   }
   return out;
 }
@@ -137,10 +145,17 @@ Tensor clip_grad_norm_(const nn::Module& root, double max_norm, double norm_type
 
 std::vector<LocalShard> local_shards(const nn::Module& root) {
   const Places places = places_under(root);
+  // The parameters outside every unit are averaged as fsdp_parameters() arranges: a user who
+  // builds the optimizer from these pieces and the root's own parameters (weight-decay groups)
+  // never calls it.
+  const auto units = detail::units_under(root);
   std::vector<LocalShard> out;
   for (const auto& [name, t] : root.named_parameters()) {
     auto it = places.find(key_of(t));
-    if (it == places.end()) continue;
+    if (it == places.end()) {
+      if (!units.empty() && t.requires_grad()) register_replicated(*units.front()->ctx, t);
+      continue;
+    }
     const FlatGroup& g = *it->second.group;
     const size_t i = it->second.index;
     const Tensor& piece = g.pieces[i];

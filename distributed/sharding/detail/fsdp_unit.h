@@ -83,6 +83,7 @@ struct FsdpContext {
   std::shared_ptr<ProcessGroup> group;
   std::vector<std::weak_ptr<FsdpUnit>> order;       // forward order of the current step
   std::vector<std::weak_ptr<FsdpUnit>> last_order;  // and of the previous one (prefetching)
+  std::vector<std::weak_ptr<FsdpUnit>> units;       // every unit of the group, for finish_backward
   int depth = 0;                      // sharded forwards running (nesting)
   bool callback_queued = false;
   bool sync = true;

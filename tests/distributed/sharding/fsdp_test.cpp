@@ -427,6 +427,84 @@ TEST(FsdpErrors, RefusedWithClearMessages) {
   });
 }
 
+// A weight tied between a sharded submodule and a module that uses it directly (an LM head
+// sharing the embedding's) is refused when the parent is sharded, naming it: the submodule frees
+// it after its own forward, and the head then read released memory.
+TEST(FsdpErrors, AWeightTiedOutsideItsShardedModuleIsRefused) {
+  test::ThreadsSetup s;
+  s.n = 2;
+  test::run_threads(s, [&](std::shared_ptr<ProcessGroup> pg, int) {
+    FullyShardOptions o{.group = pg};
+    auto root = std::make_shared<nn::Sequential>(std::make_shared<nn::Linear>(4, 4),
+                                                 std::make_shared<nn::Linear>(4, 4));
+    auto first = std::dynamic_pointer_cast<nn::Linear>(root->children()[0]);
+    auto second = std::dynamic_pointer_cast<nn::Linear>(root->children()[1]);
+    second->set_parameter("weight", first->weight);
+    fully_shard(root->children()[0], o);
+    test::require_throws_with(
+        "tied", [&] { fully_shard(root, o); },
+        "parameter '1.weight' is the same tensor as a parameter of a sharded "
+        "submodule");
+  });
+}
+
+// A sharded module called twice in one forward (b(b(a(x)))): every module keeps training,
+// as in one process (the second call restarted the forward order, and the modules before it
+// were left out of the end of backward: never reduced again from the third step).
+class TwiceNet : public nn::Module {
+ public:
+  TwiceNet() {
+    a = register_module("a", std::make_shared<nn::Linear>(test::kFsdpIn, test::kWidth));
+    b = register_module("b", std::make_shared<nn::Linear>(test::kWidth, test::kWidth));
+    head = register_module("head", std::make_shared<nn::Linear>(test::kWidth, test::kFsdpOut));
+  }
+  Tensor forward(const Tensor& x) override {
+    return (*head)(tanh((*b)(tanh((*b)(tanh((*a)(x)))))));
+  }
+  std::shared_ptr<nn::Linear> a, b, head;
+};
+
+TEST(Fsdp2, AModuleCalledTwiceInOneForwardTrainsLikeOneProcess) {
+  const auto bs = test::fsdp_batches(5, 9);
+  manual_seed(3);
+  auto ref = std::make_shared<TwiceNet>();
+  nn::NamedTensors init;  // copies: state_dict() holds the live tensors
+  for (const auto& [name, t] : ref->state_dict()) init.emplace_back(name, t.detach().clone());
+  nn::optim::SGD opt_ref(ref->parameters(), {.lr = 0.1});
+  for (const Batch& b : bs) {
+    opt_ref.zero_grad();
+    test::fsdp_loss(*ref, b).backward();
+    opt_ref.step();
+  }
+  std::vector<std::shared_ptr<TwiceNet>> models;
+  for (int r = 0; r < 2; ++r) {
+    models.push_back(std::make_shared<TwiceNet>());
+    models.back()->load_state_dict(init);
+  }
+  test::ThreadsSetup s;
+  s.n = 2;
+  test::run_threads(s, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto& m = models[rank];
+    FullyShardOptions o{.group = pg};
+    fully_shard(m->a, o);
+    fully_shard(m->b, o);
+    // The optimizer from the pieces and the root's own parameters (weight-decay groups do
+    // this), not fsdp_parameters(): the head's gradients are still averaged.
+    std::vector<Tensor> params;
+    for (const auto& shard : local_shards(*m)) {
+      if (shard.data.defined()) params.push_back(shard.data);
+    }
+    for (const Tensor& p : m->head->parameters()) params.push_back(p);
+    nn::optim::SGD opt(params, {.lr = 0.1});
+    for (const Batch& b : bs) {
+      opt.zero_grad();
+      test::fsdp_loss(*m, test::slice(b, rank, 2)).backward();
+      opt.step();
+    }
+    require_state("rank " + std::to_string(rank), full_state_dict(*m), *ref, 2e-5);
+  });
+}
+
 // module->forward(x) skips the hooks, so a resharded module's parameters are released memory:
 // the process dies saying so instead of computing with zeros.
 TEST(FsdpErrorsDeathTest, ForwardWithoutHooksOnReleasedParametersSaysWhy) {
