@@ -287,7 +287,7 @@ int MultiNodeRun::leave(int round, int rc) {
 int run_single_node(const LaunchConfig& c, WorkerGroup& group) {
   for (int attempt = 0;; ++attempt) {
     int port = c.master_port;
-    if (attempt > 0 && c.standalone) port = pick_free_port();  // fresh rendezvous
+    if (attempt > 0 && c.pick_master_port) port = pick_free_port();  // fresh rendezvous
     const GroupSpec spec{c.node_rank,   1,    c.node_rank * c.nproc_per_node, c.world_size(),
                          c.master_addr, port, attempt};
     if (std::string err = group.spawn(attempt, spec); !err.empty()) {

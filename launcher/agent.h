@@ -23,10 +23,10 @@ class LocalAgent {
   explicit LocalAgent(LaunchConfig config);
   /// Runs the group to completion; returns the process exit status emberrun should use: 0
   /// when every worker exited 0; 1 when the group failed with no restarts left (the summary
-  /// was printed on stderr by the node where it failed), or the rendezvous failed; 128 + signal when emberrun was interrupted by SIGINT/SIGTERM/
-  /// SIGHUP (the signal was forwarded, then escalated to SIGKILL after the grace period).
-  /// Installs signal handlers for SIGINT, SIGTERM, SIGHUP and SIGCHLD for its duration.
-  /// Call once.
+  /// was printed on stderr by the node where it failed), or the rendezvous failed; 128 + signal
+  /// when emberrun was interrupted by SIGINT/SIGTERM/SIGHUP/SIGQUIT (the signal was forwarded,
+  /// then escalated to SIGKILL after the grace period). Installs signal handlers for SIGINT,
+  /// SIGTERM, SIGHUP, SIGQUIT and SIGCHLD for its duration. Call once.
   int run();
 
  private:

@@ -425,9 +425,18 @@ void resolve_addresses_and_output(const RawOptions& raw, LaunchConfig& c) {
                      c.rdzv_backend + "'");
   }
   if (backend->check_options != nullptr) backend->check_options(c);
+  // One node with an --rdzv-endpoint: torchrun's agent then gives the workers a free
+  // MASTER_PORT of its own, so that jobs stacked on one host (each with its own endpoint) never
+  // share the default 29500, clash or join each other's rendezvous. The endpoint is checked as
+  // on several nodes.
+  const bool single_with_endpoint = !c.multi_node() && !c.rdzv_endpoint.empty();
+  if (single_with_endpoint) {
+    (void)split_host_port("--rdzv-endpoint", c.rdzv_endpoint, backend->default_port);
+  }
   if (raw.master_port) {
     c.master_port = parse_int("--master-port", std::to_string(*raw.master_port), 1, 65535);
-  } else if (c.standalone) {
+  } else if (c.standalone || single_with_endpoint) {
+    c.pick_master_port = true;
     c.master_port = pick_free_port();
   }
   if (c.master_addr.empty()) throw UsageError("--master-addr: must not be empty");

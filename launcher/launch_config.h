@@ -26,6 +26,9 @@ struct LaunchConfig {
   std::string master_addr = "127.0.0.1";  // --master-addr
   int master_port = 29500;          // --master-port; --standalone picks a free one
   bool standalone = false;          // --standalone
+  // Each attempt's MASTER_PORT is a free port the agent picks: --standalone, or one node given
+  // a c10d --rdzv-endpoint (torchrun's way to stack jobs on one host without port clashes).
+  bool pick_master_port = false;
   std::string rdzv_endpoint;        // --rdzv-endpoint host[:port] (multi-node), as given
   // Multi-node: the rendezvous store's host and port, resolved by parse_args: --rdzv-endpoint
   // (the backend's default port when it names none), else --master-addr:--master-port.

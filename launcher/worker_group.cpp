@@ -28,7 +28,10 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kTailLines = 20;       // lines of a failed worker's output in the summary
 constexpr size_t kMaxLine = 64 * 1024;  // a longer line without '\n' is cut
 constexpr auto kDrainLimit = std::chrono::seconds(2);  // output left after the group ended
-constexpr int kCaughtSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD};
+// SIGQUIT too, as torchrun's: its default action would end emberrun at once (a core dump),
+// leaving the workers to the death signal with no grace period.
+constexpr int kCaughtSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD};
+constexpr int kNumCaught = sizeof(kCaughtSignals) / sizeof(kCaughtSignals[0]);
 
 // Self-pipe for signals: the handler only writes the signal number; the loops read it.
 int g_signal_pipe[2] = {-1, -1};
@@ -134,7 +137,8 @@ std::vector<char*> pointers(std::vector<std::string>& strs) {
   if (getppid() != parent) _exit(127);
   struct sigaction dfl {};
   dfl.sa_handler = SIG_DFL;
-  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE}) sigaction(sig, &dfl, nullptr);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD, SIGPIPE})
+    sigaction(sig, &dfl, nullptr);
   sigset_t none;
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, nullptr);
@@ -161,16 +165,16 @@ SignalCapture::SignalCapture() {
   sa.sa_handler = on_signal;
   sa.sa_flags = SA_RESTART;
   sigemptyset(&sa.sa_mask);
-  for (int i = 0; i < 4; ++i) sigaction(kCaughtSignals[i], &sa, &old_[i]);
+  for (int i = 0; i < kNumCaught; ++i) sigaction(kCaughtSignals[i], &sa, &old_[i]);
   struct sigaction ign {};
   ign.sa_handler = SIG_IGN;
-  sigaction(SIGPIPE, &ign, &old_[4]);
+  sigaction(SIGPIPE, &ign, &old_[kNumCaught]);
 }
 
 SignalCapture::~SignalCapture() {
   if (!error_.empty()) return;
-  for (int i = 0; i < 4; ++i) sigaction(kCaughtSignals[i], &old_[i], nullptr);
-  sigaction(SIGPIPE, &old_[4], nullptr);
+  for (int i = 0; i < kNumCaught; ++i) sigaction(kCaughtSignals[i], &old_[i], nullptr);
+  sigaction(SIGPIPE, &old_[kNumCaught], nullptr);
   close(g_signal_pipe[0]);
   close(g_signal_pipe[1]);
   g_signal_pipe[0] = g_signal_pipe[1] = -1;
@@ -360,14 +364,24 @@ void WorkerGroup::pump(int timeout_ms, bool* got_signal) {
 void WorkerGroup::reap(bool blocking) {
   for (auto& w : workers_) {
     if (w.reaped) continue;
-    int status = 0;
-    pid_t r;
-    do r = waitpid(w.pid, &status, blocking ? 0 : WNOHANG);
+    // Seen exited but not yet reaped (WNOWAIT): its zombie still holds the pid, so the process
+    // group of that number is still the worker's, and its leftover children go now. Once
+    // reaped, the number may be reused by an unrelated group leader, which a later kill of
+    // the group would reach.
+    siginfo_t info{};
+    int r;
+    do
+      r = waitid(P_PID, static_cast<id_t>(w.pid), &info,
+                 WEXITED | WNOWAIT | (blocking ? 0 : WNOHANG));
     while (r < 0 && errno == EINTR);
-    if (r == w.pid) {
-      w.reaped = true;
-      w.status = status;
-    }
+    if (r != 0 || info.si_pid != w.pid) continue;
+    kill(-w.pid, SIGKILL);
+    int status = 0;
+    pid_t done;
+    do done = waitpid(w.pid, &status, 0);
+    while (done < 0 && errno == EINTR);
+    w.reaped = true;
+    w.status = status;
   }
 }
 
@@ -453,16 +467,16 @@ void WorkerGroup::finish() {
 }
 
 void WorkerGroup::kill_all_groups() {
-  // Leftover children of workers (their process groups) go too: no orphans.
+  // Leftover children of workers (their process groups) go too: no orphans. A reaped worker's
+  // group went when it was reaped (reap()); its number may be another's by now.
   for (auto& w : workers_) {
-    if (w.pid > 0) kill(-w.pid, SIGKILL);
-    if (!w.reaped && w.pid > 0) {
-      int st;
-      while (waitpid(w.pid, &st, 0) < 0 && errno == EINTR) {
-      }
-      w.reaped = true;
-      w.status = st;
+    if (w.reaped || w.pid <= 0) continue;
+    kill(-w.pid, SIGKILL);
+    int st;
+    while (waitpid(w.pid, &st, 0) < 0 && errno == EINTR) {
     }
+    w.reaped = true;
+    w.status = st;
   }
 }
 

@@ -28,7 +28,7 @@ struct GroupSpec {
   int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT: restarts after failures so far
 };
 
-/// Routes SIGINT, SIGTERM, SIGHUP and SIGCHLD to a self-pipe that WorkerGroup and
+/// Routes SIGINT, SIGTERM, SIGHUP, SIGQUIT and SIGCHLD to a self-pipe that WorkerGroup and
 /// take_pending_signal read, and ignores SIGPIPE, for its lifetime; restores the previous
 /// handlers on destruction. One at a time per process.
 class SignalCapture {
@@ -42,7 +42,7 @@ class SignalCapture {
 
  private:
   std::string error_;
-  struct sigaction old_[5] = {};  // SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE
+  struct sigaction old_[6] = {};  // SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD, SIGPIPE
 };
 
 /// A signal (other than SIGCHLD) waiting in the self-pipe, without blocking: how the

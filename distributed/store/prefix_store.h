@@ -21,6 +21,10 @@ class PrefixStore : public Store {
   using Store::get;
   using Store::set;
   using Store::wait;
+  /// The underlying store's, both ways (c10d's PrefixStore): one timeout for every call that
+  /// reaches the store through this prefix.
+  Duration timeout() const override { return store_->timeout(); }
+  void set_timeout(Duration t) override { store_->set_timeout(t); }
   void set(const std::string& key, const Bytes& value) override;
   void set_within(const std::string& key, const Bytes& value, Duration timeout) override;
   Bytes get(const std::string& key, Duration timeout) override;

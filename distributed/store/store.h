@@ -45,7 +45,7 @@ class Store {
   }
   /// The value of key, waiting up to the timeout for it to be set.
   virtual Bytes get(const std::string& key, Duration timeout) = 0;
-  Bytes get(const std::string& key) { return get(key, timeout_); }
+  Bytes get(const std::string& key) { return get(key, timeout()); }
   /// Atomically adds delta to the integer stored at key (0 if missing) and returns the result.
   /// The value is stored as its decimal text, as torch does.
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
@@ -57,20 +57,22 @@ class Store {
   virtual bool check(const std::vector<std::string>& keys) = 0;
   /// Waits until every key is set, or throws DistTimeoutError naming the missing keys.
   virtual void wait(const std::vector<std::string>& keys, Duration timeout) = 0;
-  void wait(const std::vector<std::string>& keys) { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys) { wait(keys, timeout()); }
   /// Removes key; returns whether it existed.
   virtual bool delete_key(const std::string& key) = 0;
   /// Number of keys set.
   virtual int64_t num_keys() = 0;
 
-  Duration timeout() const { return timeout_; }
-  void set_timeout(Duration t) { timeout_ = t; }
+  /// The default timeout of the calls that take none. Virtual: a wrapper (PrefixStore) shares
+  /// its store's.
+  virtual Duration timeout() const { return timeout_; }
+  virtual void set_timeout(Duration t) { timeout_ = t; }
 
   // String conveniences.
   void set(const std::string& key, const std::string& value) {
     set(key, Bytes(value.begin(), value.end()));
   }
-  std::string get_string(const std::string& key) { return get_string(key, timeout_); }
+  std::string get_string(const std::string& key) { return get_string(key, timeout()); }
   std::string get_string(const std::string& key, Duration timeout) {
     const Bytes b = get(key, timeout);
     return std::string(b.begin(), b.end());

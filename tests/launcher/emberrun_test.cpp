@@ -167,6 +167,23 @@ TEST(Emberrun, StandalonePicksAPort) {
   EXPECT_LT(p, 65536);
 }
 
+// One node with a c10d --rdzv-endpoint (torchrun's way to stack jobs on one host): the
+// workers get a port the agent picked (the OS's ephemeral range, so never the default 29500
+// that every such job used to get), not the default.
+TEST(Emberrun, OneNodeWithAnRdzvEndpointPicksAPort) {
+  TempDir d;
+  Result r = run({"--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29617",
+                  "--nproc-per-node", "2", worker(), "env", d.path()});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const std::string e0 = read_file(d.file("env_0.txt"));
+  const auto at = e0.find("MASTER_PORT=");
+  ASSERT_NE(at, std::string::npos) << e0;
+  EXPECT_NE(e0.substr(at, e0.find('\n', at) - at), "MASTER_PORT=29500") << e0;
+  Result bad = run({"--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:x", "--nproc-per-node",
+                    "1", worker(), "env", d.path()});
+  EXPECT_EQ(bad.exit_code, 2) << describe(bad);
+}
+
 TEST(Emberrun, LogDirRedirectsAndFilter) {
   TempDir d, logs;
   Result r = run({"--nproc-per-node", "2", "--log-dir", logs.path(), "--rdzv-id", "job7",
@@ -285,7 +302,7 @@ TEST_P(SignalTest, SignalToEmberrunLeavesNoProcessBehind) {
 }
 INSTANTIATE_TEST_SUITE_P(Emberrun, SignalTest,
                          ::testing::Values(SignalCase{SIGTERM, false}, SignalCase{SIGINT, false},
-                                           SignalCase{SIGHUP, false},
+                                           SignalCase{SIGHUP, false}, SignalCase{SIGQUIT, false},
                                            SignalCase{SIGTERM, true}));
 
 TEST(Emberrun, BadOptionsAreUsageErrors) {

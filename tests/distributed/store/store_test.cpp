@@ -338,6 +338,13 @@ TEST(PrefixStore, TakesTheUnderlyingTimeoutAndRejectsNull) {
   PrefixStore p("p", base);
   EXPECT_EQ(p.timeout(), 1234ms);
   expect_error<ValueError>([] { PrefixStore("p", nullptr); }, {"PrefixStore", "'p'", "null"});
+  // One timeout, shared both ways (c10d's): a change to either is the other's, and a call
+  // without a timeout through the prefix waits the store's current one.
+  base->set_timeout(50ms);
+  EXPECT_EQ(p.timeout(), 50ms);
+  expect_error<DistTimeoutError>([&] { p.get("missing"); }, {"get", "50 ms"});
+  p.set_timeout(70ms);
+  EXPECT_EQ(base->timeout(), 70ms);
 }
 
 // ---- HashStore ----
