@@ -1,5 +1,6 @@
 #include <ember/nn/activation_checkpoint.h>
 
+#include <functional>
 #include <memory>
 #include <unordered_set>
 
@@ -14,21 +15,39 @@ namespace {
 
 constexpr const char* kOp = "checkpoint";
 
-/// The global generator's position. Restoring seed and offset replays the same draws.
+/// A generator position: the same seed and offset give the same draws.
 struct RngState {
   uint64_t seed = 0;
   uint64_t offset = 0;
 };
 
 RngState rng_state() {
-  const Generator& g = default_generator();
-  return {g.seed(), g.offset()};
+  const Generator::Draw d = default_generator().reserve(0);  // seed and offset read together
+  return {d.seed, d.offset};
 }
 
-void set_rng_state(const RngState& s) {
-  Generator& g = default_generator();
-  g.manual_seed(s.seed);
-  g.set_offset(s.offset);
+// Note [Checkpoint generators]: the segment's random ops draw from a private generator that
+// starts where the calling thread's default one stands, in the forward and again in the
+// recomputation, so both see the same numbers (and, on one thread, the numbers an unchecked run
+// would draw); the forward then moves the default generator past what the segment drew. The
+// shared generator is never rewound: rewinding it (as torch's fork_rng does) let another thread
+// that drew in between (a data loader's worker) shift the forward's numbers away from the
+// recomputation's, a silently different dropout mask in backward, and handed the other
+// thread's numbers out twice.
+
+/// Runs `f` with the calling thread's default generator a private one at `at`; returns how many
+/// counter values it drew.
+uint64_t run_with_generator_at(const RngState& at, const std::function<void()>& f) {
+  Generator local(at.seed);
+  local.set_offset(at.offset);
+  Generator* previous = &default_generator();
+  set_thread_default_generator(&local);
+  struct Restore {
+    Generator* previous;
+    ~Restore() { set_thread_default_generator(previous); }
+  } restore{previous};
+  f();
+  return local.offset() - at.offset;
 }
 
 /// What forward leaves for backward besides the saved inputs.
@@ -47,24 +66,23 @@ struct Segment {
   size_t num_outputs = 0;
 };
 
-/// fn again, with grad mode on, from the generator state of the forward call; the generator
-/// state the backward pass had is put back afterwards (torch's fork_rng).
+/// fn again, with grad mode on, from the generator position of the forward call (Note
+/// [Checkpoint generators]).
 std::vector<Tensor> recompute(const Segment& seg, const std::vector<Tensor>& inputs) {
-  const RngState before = rng_state();
-  if (seg.preserve_rng_state) set_rng_state(seg.rng);
   std::vector<Tensor> out;
-  try {
+  auto run = [&] {
     GradModeGuard grad(true);
     std::vector<std::unique_ptr<AutocastGuard>> amp;
     for (const Segment::Autocast& a : seg.autocast) {
       amp.push_back(std::make_unique<AutocastGuard>(a.device, a.dtype, a.enabled));
     }
     out = seg.fn(inputs);
-  } catch (...) {
-    if (seg.preserve_rng_state) set_rng_state(before);
-    throw;
+  };
+  if (seg.preserve_rng_state) {
+    run_with_generator_at(seg.rng, run);
+  } else {
+    run();
   }
-  if (seg.preserve_rng_state) set_rng_state(before);
   return out;
 }
 
@@ -196,7 +214,12 @@ std::vector<Tensor> checkpoint(const CheckpointFunction& fn, const std::vector<T
   std::vector<Tensor> outputs;
   {
     NoGradGuard no_grad;
-    outputs = fn(inputs);
+    if (preserve_rng_state) {
+      const uint64_t drawn = run_with_generator_at(seg->rng, [&] { outputs = fn(inputs); });
+      default_generator().advance(drawn);  // as if the segment had drawn from it
+    } else {
+      outputs = fn(inputs);
+    }
   }
   seg->num_outputs = outputs.size();
   node->ctx.save_for_backward(inputs);

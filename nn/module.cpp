@@ -305,7 +305,11 @@ void Module::zero_grad(bool set_to_none) {
       p.set_grad({});
     } else {
       NoGradGuard no_grad;
-      Tensor(g).zero_();
+      Tensor z(g);
+      // A gradient built with create_graph carries history: cut it, as Optimizer::zero_grad
+      // and PyTorch's Module.zero_grad do, or the next double backward reaches the last graph.
+      if (z.requires_grad()) z.detach_();
+      z.zero_();
     }
   }
 }

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <thread>
+#include <atomic>
 #include <memory>
 #include <vector>
 
@@ -170,6 +172,41 @@ TEST(ActivationCheckpoint, BackwardLeavesTheGeneratorWhereItWas) {
   // the recomputed mask is the forward's: grad is 2 / (1 - p) exactly where y kept x
   const auto g = x.grad().to_vector<double>(), yv = y.detach().to_vector<double>();
   for (size_t i = 0; i < g.size(); ++i) EXPECT_EQ(g[i], yv[i] == 0.0 ? 0.0 : 4.0) << i;
+}
+
+// Another thread drawing from the shared generator meanwhile (a data loader's worker with a
+// random augmentation): the recomputation still draws the forward's mask (Note [Checkpoint
+// generators]); rewinding the shared generator used to shift the forward's numbers away from
+// the recomputation's in about a fifth of the steps.
+TEST(ActivationCheckpoint, AnotherThreadDrawingMeanwhileLeavesTheMasksAlike) {
+  manual_seed(4);
+  std::atomic<bool> stop{false};
+  std::thread other([&] {
+    while (!stop) rand({64});
+  });
+  struct Join {
+    std::atomic<bool>& stop;
+    std::thread& t;
+    ~Join() {
+      stop = true;
+      t.join();
+    }
+  } join{stop, other};
+  int bad = 0;
+  for (int i = 0; i < 60; ++i) {
+    Tensor x = ones({4096}, kFloat64).requires_grad_();
+    Tensor y = checkpoint(
+        [](const Tensor& a) {
+          Tensor h = a;
+          for (int k = 0; k < 20; ++k) h = h * 1.0 + 0.0;
+          return functional::dropout(h, 0.5, true);
+        },
+        x);
+    y.sum().backward();
+    // dropout keeps x * 2 where the mask keeps it: the gradient is the output itself.
+    if ((x.grad() - y.detach()).abs().max().item<double>() != 0) ++bad;
+  }
+  EXPECT_EQ(bad, 0);
 }
 
 TEST(ActivationCheckpoint, PeakMemoryDropsOnATransformerStack) {

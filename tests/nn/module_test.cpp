@@ -1,7 +1,9 @@
 // Module: registration order, naming, modes, conversion, zero_grad, state dicts, forward hooks.
 #include <gtest/gtest.h>
 
+#include <ember/autograd/autograd.h>
 #include <ember/nn/layers/container.h>
+#include <ember/nn/layers/linear.h>
 #include <ember/nn/module.h>
 #include "tests/tensor/test_util.h"
 
@@ -87,6 +89,28 @@ TEST(Module, ForwardBackwardZeroGrad) {
   for (const Tensor& p : net->parameters()) EXPECT_EQ(p.grad().sum().item<float>(), 0.0f);
   net->zero_grad();
   for (const Tensor& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
+}
+
+// zero_grad(set_to_none=false) cuts a create_graph gradient's history (PyTorch's detach_()):
+// the next double backward must not reach the last step's graph.
+TEST(Module, ZeroGradWithoutNoneCutsTheGradientsHistory) {
+  auto lin = std::make_shared<Linear>(2, 1, /*bias=*/false);
+  {
+    NoGradGuard no_grad;
+    Tensor(lin->weight).fill_(1.0);
+  }
+  Tensor penalty_grad;
+  for (int it = 0; it < 2; ++it) {
+    lin->zero_grad(/*set_to_none=*/false);
+    lin->forward(full({1, 2}, it + 1.0)).pow(2).sum().backward({}, true, true);
+    EXPECT_TRUE(lin->weight.grad().requires_grad());
+    penalty_grad = autograd::grad({lin->weight.grad().pow(2).sum()}, {lin->weight})[0];
+  }
+  // Second step, w = (1, 1), x = (2, 2): grad = 2 (w . x) x = (16, 16) and
+  // d sum(grad^2) / dw_j = 4 sum_i grad_i x_i x_j = 512 (640 with the first step's graph).
+  EXPECT_DOUBLE_EQ(penalty_grad.to_vector<double>()[0], 512.0);
+  lin->zero_grad(false);
+  EXPECT_FALSE(lin->weight.grad().requires_grad());
 }
 
 TEST(Module, ToDtypeKeepsHandles) {
