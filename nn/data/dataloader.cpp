@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <ember/tensor/observe/trace.h>
+#include <ember/tensor/ops/random.h>
 
 namespace ember::nn::data {
 
@@ -71,6 +72,13 @@ struct DataLoader::Pass : std::enable_shared_from_this<DataLoader::Pass> {
 
   std::shared_ptr<const Dataset> dataset;
   std::vector<std::vector<int64_t>> batches;
+  // Note [DataLoader random numbers]: batch k is made with the thread's default generator one
+  // seeded from (base_seed, k), on whichever thread makes it, so a random transform draws the
+  // same numbers whatever num_workers is and however the workers are scheduled; base_seed is
+  // drawn from the iterating thread's generator when the pass starts (PyTorch seeds each
+  // worker base_seed + worker_id; a seed per batch also removes the dependence on which worker
+  // claims which batch).
+  uint64_t base_seed = 0;
   int64_t capacity = 0;
   bool threaded = false;  // batches come from worker threads
   std::chrono::milliseconds timeout{0};
@@ -124,7 +132,7 @@ struct DataLoader::Pass : std::enable_shared_from_this<DataLoader::Pass> {
       Slot s;
       s.worker = worker;
       try {
-        s.batch = dataset->get_batch(batches[k]);
+        s.batch = make(k);
       } catch (...) {
         s.error = std::current_exception();
       }
@@ -136,6 +144,21 @@ struct DataLoader::Pass : std::enable_shared_from_this<DataLoader::Pass> {
       }
       ready_cv.notify_all();
     }
+  }
+
+  // Batch k under its own generator (Note [DataLoader random numbers]).
+  Batch make(int64_t k) const {
+    uint64_t z = base_seed + 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(k + 1);  // splitmix64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    Generator gen(z ^ (z >> 31));
+    Generator* previous = &default_generator();
+    set_thread_default_generator(&gen);
+    struct Restore {
+      Generator* previous;
+      ~Restore() { set_thread_default_generator(previous); }
+    } restore{previous};
+    return dataset->get_batch(batches[k]);
   }
 
   std::string describe(int64_t k) const {
@@ -154,7 +177,7 @@ struct DataLoader::Pass : std::enable_shared_from_this<DataLoader::Pass> {
     Slot s;
     if (!threaded) {  // num_workers == 0: make the batch here
       try {
-        s.batch = dataset->get_batch(batches[k]);
+        s.batch = make(k);
       } catch (...) {
         s.error = std::current_exception();
       }
@@ -297,6 +320,10 @@ DataLoader::Iterator DataLoader::begin() {
   }
   auto pass = std::make_shared<Pass>();
   pass->dataset = dataset_;
+  {
+    const Generator::Draw d = default_generator().reserve(1);  // the iterating thread's
+    pass->base_seed = d.seed ^ (d.offset * 0xD1B54A32D192ED03ULL);
+  }
   pass->timeout = options_.timeout;
   pass->capacity = options_.num_workers * options_.prefetch_factor;
   const int64_t bs = options_.batch_size;

@@ -10,6 +10,10 @@
 //
 // Order: batch k of a pass holds sampler positions [k * batch_size, (k + 1) * batch_size), and
 // batches are yielded in k order whatever num_workers is, so results do not depend on it.
+// Random numbers: batch k is made with the thread's default generator one seeded from the pass
+// and k (the pass's seed drawn from the iterating thread's generator when it starts), so a
+// random transform in get/get_batch draws the same numbers with 0 workers or 8 and under any
+// scheduling, and again after the same manual_seed.
 //
 // Workers: with num_workers > 0, each pass starts that many threads; they call
 // Dataset::get_batch for the next unclaimed batch, at most num_workers * prefetch_factor batches
