@@ -149,6 +149,7 @@ class TCPStoreServer {
     int64_t stored_bytes = 0;     // keys and values stored now
     int64_t quota_refusals = 0;   // writes refused by max_stored_bytes
     int64_t idle_closes = 0;      // connections closed after idle_timeout
+    int64_t queued_bytes = 0;     // replies not yet written to their sockets, all connections
   };
   /// A snapshot taken on the serving thread between two of its handlers, so that counts agree
   /// with what peers can see (a connection counted closed has been closed). Waits for that

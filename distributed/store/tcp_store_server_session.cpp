@@ -42,6 +42,7 @@ void TCPStoreServer::Impl::Session::start() {
 
 void TCPStoreServer::Impl::Session::send(wire::Bytes frame) {
   if (closed_) return;
+  srv_.queued_ += static_cast<int64_t>(frame.size());
   out_.push_back(std::move(frame));
   if (out_.size() == 1) do_write();
 }
@@ -53,6 +54,7 @@ void TCPStoreServer::Impl::Session::close() {
   // Bookkeeping first, so that stats() is current by the time the peer sees the close.
   if (waiter_) srv_.cancel_waiter(std::exchange(waiter_, 0));
   srv_.buffered_ -= static_cast<int64_t>(std::exchange(accounted_, 0));
+  for (const wire::Bytes& f : out_) srv_.queued_ -= static_cast<int64_t>(f.size());
   --srv_.active_;
   srv_.sessions_.erase(self);
   handshake_timer_.cancel();
@@ -227,6 +229,14 @@ void TCPStoreServer::Impl::Session::on_payload() {
     payload_ = wire::Bytes();
     account();
   }
+  // Clients send one request and read its reply before the next. One that sends on without
+  // reading (gets of a large value, pipelined) would otherwise make the server queue a copy of
+  // the reply per request: the next request is read only once the replies are written, so TCP
+  // holds the client back and a connection queues one reply at most.
+  if (!out_.empty()) {
+    read_deferred_ = true;
+    return;
+  }
   read_more();
 }
 
@@ -255,11 +265,14 @@ void TCPStoreServer::Impl::Session::do_write() {
                       if (self->closed_) return;
                       if (ec) return self->close();
                       self->last_active_ = Clock::now();
+                      self->srv_.queued_ -= static_cast<int64_t>(self->out_.front().size());
                       self->out_.pop_front();
                       if (!self->out_.empty()) {
                         self->do_write();
                       } else if (self->close_after_write_) {
                         self->close();
+                      } else if (std::exchange(self->read_deferred_, false)) {
+                        self->read_more();
                       }
                     });
 }

@@ -120,6 +120,7 @@ class TCPStoreServer::Impl {
     s.stored_bytes = stored_.load();
     s.quota_refusals = quota_refusals_.load();
     s.idle_closes = idle_closes_.load();
+    s.queued_bytes = queued_.load();
     return s;
   }
   friend class Session;
@@ -184,6 +185,7 @@ class TCPStoreServer::Impl {
       protocol_errors_{0}, frame_timeouts_{0}, buffer_refusals_{0};
   // Receive-buffer bytes held by all sessions; changed only on the io thread.
   std::atomic<int64_t> buffered_{0};
+  std::atomic<int64_t> queued_{0};  // reply bytes not yet written (Session::send)
   // Bytes of the stored keys and values; changed only on the io thread.
   std::atomic<int64_t> stored_{0};
   std::atomic<int64_t> quota_refusals_{0};
@@ -275,6 +277,9 @@ class TCPStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
   Clock::time_point frame_started_;
   Clock::time_point last_active_;  // the last byte received or reply written
   std::deque<wire::Bytes> out_;
+  // A request arrived while a reply was still being written: the next is read only once the
+  // replies are out (Session::on_payload).
+  bool read_deferred_ = false;
 };
 
 }  // namespace ember::dist

@@ -513,6 +513,26 @@ TEST(TCPStore, GarbageDropsOnlyThatConnection) {
   expect_serving(server.port(), "after_garbage");
 }
 
+// A client that sends gets of a large value without reading the replies: the server reads its
+// next request only once the last reply is written, so one reply at most is queued for it
+// (each get used to queue another copy of the value: emberrun's store grew by 400 MB for 100
+// gets of 4 MiB), and the others are served meanwhile.
+TEST(TCPStore, AClientThatSendsWithoutReadingQueuesOneReplyAtMost) {
+  TCPStoreServer server(local());
+  TCPStore c("127.0.0.1", server.port(), client_options());
+  constexpr int64_t kValue = 8 << 20;
+  c.set("big", std::string(kValue, 'x'));
+  Raw raw(server.port());
+  raw.authenticate();
+  const Bytes get = wire::FrameWriter(wire::Type::kGet).blob(std::string("big")).u64(1000).finish();
+  for (int i = 0; i < 32; ++i) raw.send(get);  // and never read
+  int64_t most = 0;
+  for (int i = 0; i < 200; ++i) most = std::max(most, server.stats().queued_bytes);
+  EXPECT_GT(most, 0) << "the first reply is queued: the client reads nothing";
+  EXPECT_LE(most, kValue + 64) << "more than one reply queued for one connection";
+  expect_serving(server.port(), "beside_a_client_that_does_not_read");
+}
+
 TEST(TCPStore, OversizedLengthsAreRefusedWithoutAllocating) {
   TCPStoreServer server(local());
   {
