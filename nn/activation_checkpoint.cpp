@@ -6,6 +6,7 @@
 
 #include <ember/autograd/engine.h>
 #include <ember/autograd/function.h>
+#include <ember/nn/detail/thread_generator.h>
 #include <ember/tensor/ops/random.h>
 #include <ember/tensor/autocast.h>
 
@@ -40,13 +41,10 @@ RngState rng_state() {
 uint64_t run_with_generator_at(const RngState& at, const std::function<void()>& f) {
   Generator local(at.seed);
   local.set_offset(at.offset);
-  Generator* previous = &default_generator();
-  set_thread_default_generator(&local);
-  struct Restore {
-    Generator* previous;
-    ~Restore() { set_thread_default_generator(previous); }
-  } restore{previous};
-  f();
+  {
+    detail::ThreadGeneratorScope scope(local);
+    f();
+  }
   return local.offset() - at.offset;
 }
 

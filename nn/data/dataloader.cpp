@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <ember/tensor/observe/trace.h>
+#include <ember/nn/detail/thread_generator.h>
 #include <ember/tensor/ops/random.h>
 
 namespace ember::nn::data {
@@ -152,12 +153,7 @@ struct DataLoader::Pass : std::enable_shared_from_this<DataLoader::Pass> {
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
     Generator gen(z ^ (z >> 31));
-    Generator* previous = &default_generator();
-    set_thread_default_generator(&gen);
-    struct Restore {
-      Generator* previous;
-      ~Restore() { set_thread_default_generator(previous); }
-    } restore{previous};
+    detail::ThreadGeneratorScope scope(gen);
     return dataset->get_batch(batches[k]);
   }
 

@@ -149,10 +149,8 @@ HFCheckpoint load_hf_checkpoint(const std::string& dir) {
   parse_object(out.config_json, ::ember::detail::str_cat("'", (root / kConfig).string(), "'"),
                "load_hf_checkpoint");
 
-  // The index's export id, when it has one (Ember wrote it).
-  auto index_export = [&]() -> std::optional<std::string> {
-    if (!is_file(root / kIndex)) return std::nullopt;
-    const Json j = Json::parse(read_text(root / kIndex), nullptr, false);
+  // An index's export id, when it has one (Ember wrote it).
+  auto export_in = [](const Json& j) -> std::optional<std::string> {
     if (!j.is_object() || !j.contains("metadata") || !j["metadata"].is_object())
       return std::nullopt;
     const Json& m = j["metadata"];
@@ -165,7 +163,10 @@ HFCheckpoint load_hf_checkpoint(const std::string& dir) {
   };
   if (is_file(root / kSingle)) {
     SafetensorsFile f = load_safetensors((root / kSingle).string());
-    const std::optional<std::string> mine = export_of(f), indexed = index_export();
+    const std::optional<std::string> mine = export_of(f);
+    const std::optional<std::string> indexed =
+        is_file(root / kIndex) ? export_in(Json::parse(read_text(root / kIndex), nullptr, false))
+                               : std::nullopt;
     if (mine && indexed && *mine != *indexed) {
       fail("holds both ", kSingle, " and ", kIndex, " from different exports (", *mine, " and ",
            *indexed, "): an export that did not finish; export again");
@@ -200,7 +201,7 @@ HFCheckpoint load_hf_checkpoint(const std::string& dir) {
     listed[f].insert(name);
   }
   std::sort(out.files.begin(), out.files.end());
-  const std::optional<std::string> indexed = index_export();
+  const std::optional<std::string> indexed = export_in(index);  // the index parsed above
   int64_t total = 0;
   for (const std::string& f : out.files) {
     const fs::path path = root / f;
