@@ -85,7 +85,7 @@ FlightRing::FlightRing(size_t capacity) : capacity_(capacity) {
   EMBER_INTERNAL_ASSERT(capacity > 0, "a flight recorder ring needs room for one entry");
 }
 
-uint64_t FlightRing::enqueue(const ProcessGroup& pg, const char* op, uint64_t seq) {
+uint64_t FlightRing::enqueue(const ProcessGroup& pg, const char* op, uint64_t seq, bool p2p) {
   const int64_t now = wall_us();
   bool first = false;
   uint64_t id = 0;
@@ -97,6 +97,7 @@ uint64_t FlightRing::enqueue(const ProcessGroup& pg, const char* op, uint64_t se
     e = FlightEntry{};
     e.id = id;
     e.seq = seq;
+    e.p2p = p2p;
     e.op = op;
     e.enqueued_us = now;
     first = !registered_;
@@ -305,6 +306,7 @@ std::vector<std::string> dump_rings(const std::vector<std::shared_ptr<FlightRing
                 {"state", detail::to_string(e.state)},
                 {"enqueued_us", e.enqueued_us},
                 {"completed_us", e.completed_us}};
+      if (e.p2p) j["p2p"] = true;
       if (!e.error.empty()) j["error"] = e.error;
       entries.push_back(std::move(j));
     }

@@ -237,6 +237,9 @@ class ProcessGroup {
   virtual bool supports_graph_capture() const { return false; }
   /// The next collective's sequence number (counts collectives issued by this rank).
   uint64_t sequence_number() const { return seq_; }
+  /// The next send's or receive's number (counts those issued by this rank, apart from the
+  /// collectives: next_p2p_label).
+  uint64_t p2p_sequence_number() const { return p2p_seq_; }
   const std::vector<int>& global_ranks() const { return global_ranks_; }
   void set_global_ranks(std::vector<int> ranks) { global_ranks_ = std::move(ranks); }
 
@@ -311,6 +314,12 @@ class ProcessGroup {
   /// the collective and the rank; no sequence number taken) when called from inside a Future
   /// callback: every collective passes here, so this refuses them for every backend.
   std::string next_op_label(const char* collective);
+  /// The label of a send or receive being issued, "[gloo] send #3 on rank 0 of 2", with the
+  /// same checks and flight recording as next_op_label. Sends and receives are numbered apart
+  /// from the collectives (#3: this rank's fourth send or receive in the group): ranks issue
+  /// different numbers of them (a pipeline's middle stage twice its ends'), and a collective's
+  /// number must be the same on every rank, since backends match collectives by it.
+  std::string next_p2p_label(const char* op);
   /// Throws ValueError ("[gloo] reduce: root 5 is not a rank of this group of size 4") unless
   /// 0 <= root < size().
   void check_root(const char* op, int root) const;
@@ -327,10 +336,12 @@ class ProcessGroup {
   int rank_;
   int size_;
   Options options_;
-  uint64_t seq_ = 0;
+  uint64_t seq_ = 0;      // collectives issued (next_op_label)
+  uint64_t p2p_seq_ = 0;  // sends and receives issued (next_p2p_label)
   std::vector<int> global_ranks_;
 
  private:
+  void check_issue(const char* op, uint64_t seq, bool p2p);
   std::shared_ptr<detail::FlightRing> flight_;  // null: the flight recorder is off
   uint64_t flight_entry_ = 0;                   // the entry next_op_label made last
 };

@@ -223,20 +223,33 @@ WorkPtr ProcessGroup::record_flight(WorkPtr work, const std::vector<Tensor>& ten
   return work;
 }
 
-std::string ProcessGroup::next_op_label(const char* collective) {
-  EMBER_CHECK(tl_callback_depth == 0, "[", backend_name(), "] ", collective, " on rank ", rank_,
-              " of ", size_, ": collectives cannot be issued from a Future callback (then() or "
-              "add_done_callback())\n  A callback runs on whichever thread completes the future, at "
-              "a moment that differs between ranks, so the ranks could issue collectives in "
-              "different orders. Issue it from the thread that issues the group's collectives; in "
-              "a communication hook, chain it with GradBucket::defer");
+// Every operation of a group passes here: it refuses what a Future callback or a CUDA graph
+// capture issues, and records the operation in the flight recorder.
+void ProcessGroup::check_issue(const char* op, uint64_t seq, bool p2p) {
+  EMBER_CHECK(
+      tl_callback_depth == 0, "[", backend_name(), "] ", op, " on rank ", rank_, " of ", size_,
+      ": collectives cannot be issued from a Future callback (then() or "
+      "add_done_callback())\n  A callback runs on whichever thread completes the future, at "
+      "a moment that differs between ranks, so the ranks could issue collectives in "
+      "different orders. Issue it from the thread that issues the group's collectives; in "
+      "a communication hook, chain it with GradBucket::defer");
   EMBER_CHECK(supports_graph_capture() || !cuda::thread_is_capturing(), "[", backend_name(), "] ",
-              collective, " on rank ", rank_, " of ", size_,
+              op, " on rank ", rank_, " of ", size_,
               ": cannot be captured in a CUDA graph: ", backend_name(),
               "'s collectives meet or stage on the host, which a replay would skip. Capture "
               "collectives with the nccl backend, or issue this one outside the capture");
-  if (flight_) flight_entry_ = flight_->enqueue(*this, collective, seq_);
+  if (flight_) flight_entry_ = flight_->enqueue(*this, op, seq, p2p);
+}
+
+std::string ProcessGroup::next_op_label(const char* collective) {
+  check_issue(collective, seq_, /*p2p=*/false);
   return detail::str_cat("[", backend_name(), "] ", collective, " #", seq_++, " on rank ", rank_,
+                         " of ", size_);
+}
+
+std::string ProcessGroup::next_p2p_label(const char* op) {
+  check_issue(op, p2p_seq_, /*p2p=*/true);
+  return detail::str_cat("[", backend_name(), "] ", op, " #", p2p_seq_++, " on rank ", rank_,
                          " of ", size_);
 }
 

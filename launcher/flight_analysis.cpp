@@ -102,6 +102,12 @@ RankDump read_dump(const fs::path& path, int rank_in_name) {
     }
     for (const json& e : field(file, g, "entries", json::value_t::array, where)) {
       if (!e.is_object()) bad(file, where + ": an entry is not an object");
+      // Sends and receives are numbered apart from the collectives, and ranks issue different
+      // numbers of them: they are not compared across ranks.
+      if (e.contains("p2p")) {
+        if (!e["p2p"].is_boolean()) bad(file, where + ": an entry's p2p is not true or false");
+        if (e["p2p"].get<bool>()) continue;
+      }
       Entry en;
       en.seq = field(file, e, "seq", json::value_t::number_unsigned, where + "'s entry")
                    .get<uint64_t>();

@@ -649,7 +649,7 @@ ProcessGroupGloo::ProcessGroupGloo(std::shared_ptr<Store> store, int rank, int s
 }
 
 ProcessGroupGloo::~ProcessGroupGloo() {
-  if (impl_) impl_->leave(seq_);
+  if (impl_) impl_->leave(seq_ + p2p_seq_);
 }
 
 void ProcessGroupGloo::abort(const std::string& reason) { impl_->abort(reason); }

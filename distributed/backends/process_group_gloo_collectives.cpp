@@ -721,7 +721,7 @@ WorkPtr ProcessGroupGloo::point_to_point(bool is_send, const Tensor& tensor, int
         t.numel(), static_cast<size_t>(t.nbytes()));
   } catch (const std::exception& e) {  // Gloo's: the connection is already broken
     throw DistBackendError(impl_->p2p_post_failed(
-        detail::str_cat("[gloo] ", op, " #", seq_, " on rank ", rank_, " of ", size_,
+        detail::str_cat("[gloo] ", op, " #", p2p_seq_, " on rank ", rank_, " of ", size_,
                         is_send ? " to" : " from", " rank ", peer, " tag ", tag),
         e.what()));
   }
@@ -732,7 +732,7 @@ WorkPtr ProcessGroupGloo::point_to_point(bool is_send, const Tensor& tensor, int
   if (is_send) before = impl_->previous_send(peer, tag, done->get_future().share());
   return record_flight(
       impl_->submit(
-          detail::str_cat(next_op_label(op), is_send ? " to rank " : " from rank ", peer, " tag ",
+          detail::str_cat(next_p2p_label(op), is_send ? " to rank " : " from rank ", peer, " tag ",
                           tag),
           timeout(),
           [t, transfer, done, before, impl = impl_.get()](std::chrono::milliseconds left) {

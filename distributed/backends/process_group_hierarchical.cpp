@@ -615,12 +615,12 @@ WorkPtr ProcessGroupHierarchical::barrier(const CollectiveOptions& opts) {
 }
 
 WorkPtr ProcessGroupHierarchical::send(const Tensor& tensor, int dst, int tag) {
-  next_op_label("send");
+  next_p2p_label("send");
   return record_flight(impl_->flat().send(tensor, dst, tag), {tensor});
 }
 
 WorkPtr ProcessGroupHierarchical::recv(Tensor& tensor, int src, int tag) {
-  next_op_label("recv");
+  next_p2p_label("recv");
   return record_flight(impl_->flat().recv(tensor, src, tag), {tensor});
 }
 

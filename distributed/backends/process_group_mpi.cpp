@@ -820,7 +820,7 @@ WorkPtr ProcessGroupMpi::point_to_point(bool is_send, const Tensor& tensor, int 
   check_tensor(op, tensor, "tensor");
   check_peer(op, peer, rank_, size_, tag);
   return record_flight(
-      impl_->enqueue(next_op_label(op), options_.timeout,
+      impl_->enqueue(next_p2p_label(op), options_.timeout,
                      [=](Impl& im, const WorkPtr& w) -> std::optional<std::vector<Tensor>> {
                        const Tensor buf = contig(tensor);
                        MPI_Request request = MPI_REQUEST_NULL;

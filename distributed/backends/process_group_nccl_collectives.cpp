@@ -258,7 +258,7 @@ WorkPtr ProcessGroupNccl::send(const Tensor& tensor, int dst, int /*tag*/) {
   const void* p = tensor.data_ptr();
   const size_t n = static_cast<size_t>(tensor.numel());
   const ncclDataType_t dt = nccl_dtype(tensor.dtype());
-  return record_flight(impl_->launch(next_op_label("send"), timeout_of({}), {tensor}, {},
+  return record_flight(impl_->launch(next_p2p_label("send"), timeout_of({}), {tensor}, {},
                                      [=](ncclComm_t c, cudaStream_t s) {
                                        return n == 0 ? ncclSuccess : ncclSend(p, n, dt, dst, c, s);
                                      }),
@@ -272,7 +272,7 @@ WorkPtr ProcessGroupNccl::recv(Tensor& tensor, int src, int /*tag*/) {
   void* p = tensor.data_ptr();
   const size_t n = static_cast<size_t>(tensor.numel());
   const ncclDataType_t dt = nccl_dtype(tensor.dtype());
-  return record_flight(impl_->launch(next_op_label("recv"), timeout_of({}), {tensor}, {},
+  return record_flight(impl_->launch(next_p2p_label("recv"), timeout_of({}), {tensor}, {},
                                      [=](ncclComm_t c, cudaStream_t s) {
                                        return n == 0 ? ncclSuccess : ncclRecv(p, n, dt, src, c, s);
                                      }),
@@ -302,7 +302,7 @@ std::vector<WorkPtr> ProcessGroupNccl::batch_isend_irecv(const std::vector<P2POp
     (send ? keep : outputs).push_back(op.tensor);
   }
   WorkPtr w = record_flight(
-      impl_->launch(next_op_label("batch_isend_irecv"), timeout_of({}), outputs, keep,
+      impl_->launch(next_p2p_label("batch_isend_irecv"), timeout_of({}), outputs, keep,
                     [=](ncclComm_t c, cudaStream_t s) {
                       ncclResult_t r = ncclGroupStart();
                       if (r != ncclSuccess) return r;

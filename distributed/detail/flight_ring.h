@@ -17,7 +17,8 @@ const char* to_string(FlightState s);
 
 struct FlightEntry {
   uint64_t id = 0;  // 0: an empty slot; else the ring's count of records when it was made
-  uint64_t seq = 0;
+  uint64_t seq = 0;  // the collective's number, or a send's or receive's (p2p)
+  bool p2p = false;  // a send or receive: numbered apart from the collectives
   std::string op;
   std::vector<std::vector<int64_t>> sizes;
   std::vector<std::string> dtypes;
@@ -43,9 +44,10 @@ class FlightRing : public std::enable_shared_from_this<FlightRing> {
  public:
   explicit FlightRing(size_t capacity);
 
-  /// Records that `pg` issued collective `op` with sequence number `seq`; returns the entry's
+  /// Records that `pg` issued collective `op` with sequence number `seq` (or a send or receive,
+  /// `p2p`, with its own numbering); returns the entry's
   /// id. The first record registers the ring for dumps, with pg's identity.
-  uint64_t enqueue(const ProcessGroup& pg, const char* op, uint64_t seq);
+  uint64_t enqueue(const ProcessGroup& pg, const char* op, uint64_t seq, bool p2p = false);
   /// Adds the tensors' sizes and dtypes to entry `id` and follows `work` to its completion.
   /// Does nothing if the entry has been overwritten meanwhile.
   void attach(uint64_t id, const WorkPtr& work, const std::vector<Tensor>& tensors);

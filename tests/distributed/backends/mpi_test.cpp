@@ -240,7 +240,7 @@ TEST(MpiRanks, Allgather) {
     expect_values(out, want, 0, detail::str_cat("allgather_into_tensor ", dtype_name(d)));
 
     std::vector<Tensor> outs;
-    for (int r = 0; r < n; ++r) outs.push_back(full({3}, -1.0, d));
+    for (int r = 0; r < n; ++r) outs.push_back(full({3}, 7.0, d));
     WorkPtr w = g.allgather(outs, in);
     w->wait(60s);
     ASSERT_EQ(w->result().size(), static_cast<size_t>(n));
@@ -275,7 +275,7 @@ TEST(MpiRanks, GatherAndScatter) {
     if (g.rank() == root) {
       for (int r = 0; r < n; ++r) ins.push_back(make({5.0 * r, 5.0 * r + 1}, d));
     }
-    Tensor out = full({2}, -1.0, d);
+    Tensor out = full({2}, 7.0, d);
     g.scatter(out, ins, sc(root))->wait(60s);
     expect_values(out, {5.0 * g.rank(), 5.0 * g.rank() + 1}, 0,
                   detail::str_cat("scatter ", dtype_name(d)));
@@ -373,7 +373,7 @@ TEST(MpiRanks, RecvTimesOutThenCompletes) {
   // Rank 1 sends only after the barrier, which rank 0 enters after its wait timed out.
   if (g.rank() == 0) {
     Tensor t = zeros({3}, kInt64);
-    const uint64_t seq = g.sequence_number();
+    const uint64_t seq = g.p2p_sequence_number();
     WorkPtr r = g.recv(t, 1, 7);
     expect_error<DistTimeoutError>([&] { r->wait(50ms); },
                                    {detail::str_cat("[mpi] recv #", seq, " on rank 0 of ", g.size(),
