@@ -325,8 +325,9 @@ int run_single_node(const LaunchConfig& c, WorkerGroup& group) {
   }
 }
 
-// Where the per-attempt folders go (error files, and log files when asked for): --log-dir,
-// else a temporary folder removed at the end unless log files were asked for without a folder.
+// Where the per-attempt folders go (error files, and log files when asked for): a folder
+// `<run-id>_XXXXXX` (WorkerGroup makes it) under --log-dir, else under a temporary folder that
+// is removed at the end unless log files were asked for.
 class RunFolder {
  public:
   explicit RunFolder(const LaunchConfig& c) : keep_logs_(!c.log_dir.empty()) {
@@ -338,12 +339,9 @@ class RunFolder {
         return;
       }
       base = tmp_dir_ = tmpl;
-      if (wants_log_files(c)) {
-        keep_logs_ = true;
-        log_line("--redirects/--tee without --log-dir: log files under " + tmp_dir_);
-      }
+      keep_logs_ = wants_log_files(c);
     }
-    run_dir_ = base + "/" + c.rdzv_id;
+    run_prefix_ = base + "/" + c.rdzv_id + "_";
   }
   ~RunFolder() {
     if (!tmp_dir_.empty() && !keep_logs_) {
@@ -355,7 +353,8 @@ class RunFolder {
   RunFolder& operator=(const RunFolder&) = delete;
 
   const std::string& error() const { return error_; }
-  const std::string& run_dir() const { return run_dir_; }
+  /// The run folder's name without its last six characters (WorkerGroup).
+  const std::string& run_prefix() const { return run_prefix_; }
   bool keep_logs() const { return keep_logs_; }
 
  private:
@@ -368,7 +367,7 @@ class RunFolder {
 
   bool keep_logs_;
   std::string tmp_dir_;  // "" with --log-dir
-  std::string run_dir_;
+  std::string run_prefix_;
   std::string error_;
 };
 
@@ -392,7 +391,7 @@ int LocalAgent::run() {
     log_line(signals.error());
     return 1;
   }
-  WorkerGroup group(config_, program_path, folder.run_dir(), folder.keep_logs());
+  WorkerGroup group(config_, program_path, folder.run_prefix(), folder.keep_logs());
   return config_.multi_node() ? MultiNodeRun(config_, group).run()
                               : run_single_node(config_, group);
 }

@@ -192,11 +192,11 @@ int take_pending_signal() {
 
 // ---- WorkerGroup --------------------------------------------------------------------------
 
-WorkerGroup::WorkerGroup(const LaunchConfig& c, std::string program_path, std::string run_dir,
+WorkerGroup::WorkerGroup(const LaunchConfig& c, std::string program_path, std::string run_prefix,
                          bool keep_logs)
     : c_(c),
       program_path_(std::move(program_path)),
-      run_dir_(std::move(run_dir)),
+      run_prefix_(std::move(run_prefix)),
       keep_logs_(keep_logs) {}
 
 WorkerGroup::~WorkerGroup() {
@@ -210,6 +210,18 @@ std::string WorkerGroup::spawn(int attempt, const GroupSpec& spec) {
   sweep_shared_memory();  // what the previous attempt's workers left
   workers_.clear();
   failures_.clear();
+  if (run_dir_.empty()) {
+    // torchrun's layout: a run's own folder under --log-dir, so two runs with one run id never
+    // write into each other's files.
+    std::error_code ec;
+    fs::create_directories(fs::path(run_prefix_).parent_path(), ec);
+    std::string tmpl = run_prefix_ + "XXXXXX";
+    if (ec || !mkdtemp(tmpl.data())) {
+      return "could not create " + tmpl + ": " + (ec ? ec.message() : std::strerror(errno));
+    }
+    run_dir_ = tmpl;
+    if (keep_logs_) log_line("log files under " + run_dir_);
+  }
   const std::string attempt_dir = run_dir_ + "/attempt_" + std::to_string(attempt);
   auto base = base_environment(c_.nproc_per_node);
   // Where the logs are kept, so are the flight recorder's dumps of a failed collective

@@ -52,8 +52,11 @@ int take_pending_signal();
 class WorkerGroup {
  public:
   /// `program_path` is the resolved PROGRAM; per-attempt folders (error files, logs when
-  /// `keep_logs`) go under `run_dir`. `c` must outlive the group.
-  WorkerGroup(const LaunchConfig& c, std::string program_path, std::string run_dir, bool keep_logs);
+  /// `keep_logs`) go under a new folder `run_prefix` + six characters (mkdtemp), made at the
+  /// first spawn, so an agent that cannot make it has joined its job and leaves it like any
+  /// other that cannot start its workers. `c` must outlive the group.
+  WorkerGroup(const LaunchConfig& c, std::string program_path, std::string run_prefix,
+              bool keep_logs);
   ~WorkerGroup();
   WorkerGroup(const WorkerGroup&) = delete;
   WorkerGroup& operator=(const WorkerGroup&) = delete;
@@ -107,7 +110,8 @@ class WorkerGroup {
 
   const LaunchConfig& c_;
   std::string program_path_;
-  std::string run_dir_;
+  std::string run_prefix_;
+  std::string run_dir_;  // "" until the first spawn makes it
   bool keep_logs_;
   std::vector<Worker> workers_;
   std::vector<WorkerFailure> failures_;

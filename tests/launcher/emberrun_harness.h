@@ -221,6 +221,16 @@ inline bool contains(const std::string& s, const std::string& sub) {
   return s.find(sub) != std::string::npos;
 }
 
+// The run's log folder, from emberrun's "log files under D/<run-id>_XXXXXX" line on stderr; ""
+// if there is none.
+inline std::string log_folder(const std::string& err) {
+  const std::string key = "emberrun: log files under ";
+  const size_t at = err.find(key);
+  if (at == std::string::npos) return "";
+  const size_t from = at + key.size();
+  return err.substr(from, err.find('\n', from) - from);
+}
+
 // Reads worker pids from DIR/pid_<rank> files as the workers start; registers them with `e`.
 inline std::vector<pid_t> wait_for_pids(Emberrun& e, const std::string& dir, int n) {
   std::vector<pid_t> pids;

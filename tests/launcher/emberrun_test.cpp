@@ -184,21 +184,51 @@ TEST(Emberrun, OneNodeWithAnRdzvEndpointPicksAPort) {
   EXPECT_EQ(bad.exit_code, 2) << describe(bad);
 }
 
+// The log files go to a new folder <run-id>_XXXXXX under --log-dir, named on stderr (torchrun's
+// layout): a second run with the same folder and run id leaves the first's files alone.
 TEST(Emberrun, LogDirRedirectsAndFilter) {
   TempDir d, logs;
-  Result r = run({"--nproc-per-node", "2", "--log-dir", logs.path(), "--rdzv-id", "job7",
-                  "--redirects", "1", "--local-ranks-filter", "1", worker(), "env", d.path()});
+  const std::vector<std::string> args = {"--nproc-per-node",
+                                         "2",
+                                         "--log-dir",
+                                         logs.path(),
+                                         "--rdzv-id",
+                                         "job7",
+                                         "--redirects",
+                                         "1",
+                                         "--local-ranks-filter",
+                                         "1",
+                                         worker(),
+                                         "env",
+                                         d.path()};
+  Result r = run(args);
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_EQ(r.out, "") << "stdout was redirected to the log files\n" << describe(r);
   EXPECT_FALSE(contains(r.err, "[rank 0]")) << "rank 0 was filtered out\n" << describe(r);
   EXPECT_TRUE(contains(r.err, "[rank 1]: warning from rank 1\n")) << describe(r);
-  for (int i = 0; i < 2; ++i) {
-    std::string dir = logs.path() + "/job7/attempt_0/" + std::to_string(i);
-    EXPECT_EQ(read_file(dir + "/stdout.log"), "hello from rank " + std::to_string(i) + "\n")
-        << dir;
-    EXPECT_EQ(read_file(dir + "/stderr.log"), "warning from rank " + std::to_string(i) + "\n")
-        << dir;
-  }
+  const std::string folder = log_folder(r.err);
+  ASSERT_EQ(folder.rfind(logs.path() + "/job7_", 0), 0u) << describe(r);
+  EXPECT_EQ(folder.size(), logs.path().size() + std::string("/job7_XXXXXX").size()) << folder;
+  auto check = [](const std::string& folder) {
+    for (int i = 0; i < 2; ++i) {
+      const std::string dir = folder + "/attempt_0/" + std::to_string(i);
+      EXPECT_EQ(read_file(dir + "/stdout.log"), "hello from rank " + std::to_string(i) + "\n")
+          << dir;
+      EXPECT_EQ(read_file(dir + "/stderr.log"), "warning from rank " + std::to_string(i) + "\n")
+          << dir;
+    }
+  };
+  check(folder);
+  // The first run's files stay as they were: truncate the second's, and the first's still read
+  // the same.
+  Result again = run(args);
+  ASSERT_EQ(again.exit_code, 0) << describe(again);
+  const std::string second = log_folder(again.err);
+  EXPECT_EQ(second.rfind(logs.path() + "/job7_", 0), 0u) << describe(again);
+  EXPECT_NE(second, folder);
+  check(second);
+  std::ofstream(second + "/attempt_0/0/stdout.log", std::ios::trunc).flush();
+  check(folder);
 }
 
 TEST(Emberrun, FailedWorkerIsNamedWithItsExitCode) {
@@ -221,7 +251,9 @@ TEST(Emberrun, ErrorFileIsTheRootCause) {
   EXPECT_TRUE(contains(r.err, "error      : ValueError: [train] loss is NaN at step 7"))
       << describe(r);
   EXPECT_TRUE(contains(r.err, "where      : test_worker.cpp:main")) << describe(r);
-  EXPECT_TRUE(contains(r.err, logs.file("none/attempt_0/0/error.json"))) << describe(r);
+  const std::string folder = log_folder(r.err);
+  EXPECT_EQ(folder.rfind(logs.path() + "/none_", 0), 0u) << describe(r);
+  EXPECT_TRUE(contains(r.err, folder + "/attempt_0/0/error.json")) << describe(r);
   // The same log folder again, with a worker that writes no error file: the old one is not
   // shown as the root cause.
   r = run(

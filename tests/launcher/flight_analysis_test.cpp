@@ -83,6 +83,34 @@ TEST(FlightAnalysis, AgreeingRanksGiveNoFindingEvenWhenTheirRingsWrappedApart) {
   EXPECT_NE(run.out.find("no divergence"), std::string::npos) << run.out;
 }
 
+// Sends and receives (marked p2p, numbered apart from the collectives) are not compared across
+// ranks: rank 0 sent twice and rank 1 received once, both between the same collectives.
+TEST(FlightAnalysis, SendsAndReceivesAreNotComparedAcrossRanks) {
+  test::TempDir dir("flight_analysis");
+  auto p2p = [](uint64_t seq, const std::string& op) {
+    json e = entry(seq, op, 4);
+    e["p2p"] = true;
+    return e;
+  };
+  json sender = steps(0, 4), receiver = steps(0, 4);
+  sender.push_back(p2p(0, "send"));
+  sender.push_back(p2p(1, "send"));
+  receiver.push_back(p2p(0, "recv"));
+  for (json* e : {&sender, &receiver}) {
+    for (const json& x : steps(4, 6)) e->push_back(x);
+  }
+  write(dir, 0, dump(0, {0, 1}, sender));
+  write(dir, 1, dump(1, {0, 1}, receiver));
+  const FlightReport r = analyze_flight_dumps(dir.path());
+  EXPECT_TRUE(r.findings.empty()) << r.findings[0].message;
+  // A p2p that is not true or false is a broken file.
+  json bad = steps(0, 2);
+  bad.push_back(entry(2, "allreduce", 1));
+  bad.back()["p2p"] = "yes";
+  write(dir, 1, dump(1, {0, 1}, bad));
+  EXPECT_THROW(analyze_flight_dumps(dir.path()), FlightDumpError);
+}
+
 TEST(FlightAnalysis, NamesTheRankThatNeverCalledWhatTheOthersWaitIn) {
   test::TempDir dir("flight_analysis");
   json waiting = steps(0, 7);
@@ -248,11 +276,11 @@ TEST(FlightAnalysis, RefusesBadDumpsByName) {
   EXPECT_NE(run.out.find("missing: not a folder"), std::string::npos) << run.out;
 }
 
-// emberrun --log-dir D gives its workers EMBER_FLIGHT_RECORDER_DIR=D/<run id>/attempt_<k>/flight:
-// a job whose rank 1 issues a barrier where rank 0 all-reduces fails, the ranks dump there, and
-// the program names rank 1's barrier against rank 0's all-reduce. A rank dumps only if its own
-// failure comes before emberrun, seeing the other's, stops it (SIGTERM); a lone dump then names
-// the other rank's position from its own rank's error.
+// emberrun --log-dir D gives its workers EMBER_FLIGHT_RECORDER_DIR=D/<run
+// id>_XXXXXX/attempt_<k>/flight: a job whose rank 1 issues a barrier where rank 0 all-reduces
+// fails, the ranks dump there, and the program names rank 1's barrier against rank 0's all-reduce.
+// A rank dumps only if its own failure comes before emberrun, seeing the other's, stops it
+// (SIGTERM); a lone dump then names the other rank's position from its own rank's error.
 TEST(FlightAnalysis, EmberrunKeepsTheDumpsWithTheLogs) {
   const std::string worker = EMBER_BINARY_DIR + "/launcher/test_workers/dist_worker";
   if (!std::filesystem::exists(worker)) {
@@ -269,7 +297,14 @@ TEST(FlightAnalysis, EmberrunKeepsTheDumpsWithTheLogs) {
   const std::string out((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
   ASSERT_TRUE(WIFEXITED(status)) << out;
   EXPECT_NE(WEXITSTATUS(status), 0) << "the job must fail:\n" << out;
-  const std::string flight = dir.file("logs/none/attempt_0/flight");
+  // The one run folder, logs/none_XXXXXX (docs/launcher.md, Output).
+  std::string run_folder;
+  for (const auto& e : std::filesystem::directory_iterator(dir.file("logs"))) {
+    ASSERT_TRUE(run_folder.empty()) << "two run folders under logs/:\n" << out;
+    run_folder = e.path().string();
+  }
+  ASSERT_EQ(std::filesystem::path(run_folder).filename().string().rfind("none_", 0), 0u) << out;
+  const std::string flight = run_folder + "/attempt_0/flight";
   const bool dumped0 = std::filesystem::exists(flight + "/flight_rank0.json");
   const bool dumped1 = std::filesystem::exists(flight + "/flight_rank1.json");
   ASSERT_TRUE(dumped0 || dumped1) << out;
