@@ -4,7 +4,10 @@
 // Each rank walks its own list. A forward keeps its output (and the graph behind it) until the
 // micro-batch's backward; a received activation becomes a leaf that requires grad, so the
 // backward's gradient for it is what goes back to the previous stage. A send is issued and not
-// waited for until the step ends (the receiver may be busy); a receive is waited for right
+// waited for (the receiver may be busy): the sends that have completed are let go between
+// actions, with what they sent, and the rest are waited for when the step ends, so a stage
+// holds the input gradients of the micro-batches still on their way back, not of all of them
+// (1F1B's last stage would otherwise keep one per micro-batch). A receive is waited for right
 // away, since the next action needs it. Transfers are tagged by (sending stage, direction,
 // micro-batch), so no two in flight share a tag. Shapes: the first transfer between two
 // stages carries a header (send_with_shape) and both sides remember it; later ones must match
@@ -59,8 +62,11 @@ struct PipelineSchedule::Impl {
   // By sending stage: whether its output goes with a header each time, as either side of the
   // boundary asks (dynamic_shapes), agreed at construction so both sides do the same.
   std::vector<bool> dynamic_out;
-  std::vector<WorkPtr> pending;        // sends issued this step
-  std::vector<Tensor> in_flight;       // what they send
+  struct Send {
+    WorkPtr work;
+    Tensor tensor;  ///< what it sends, kept until it completes
+  };
+  std::vector<Send> pending;  // sends issued this step and not yet let go
 };
 
 PipelineSchedule::PipelineSchedule(std::vector<std::shared_ptr<PipelineStage>> stages,
@@ -278,10 +284,23 @@ Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& inpu
   im.slots.clear();
   for (const auto& [s, st] : im.stages) im.slots[s].resize(m_);
   im.pending.clear();
-  im.in_flight.clear();
   const double scale = options_.scale_grads ? 1.0 / m_ : 1.0;
   auto tag = [&](int sender, int dir, int mb) { return (sender * 2 + dir) * m_ + mb; };
   auto where = [&](int s, int mb) { return str_cat("stage ", s, " (rank ", rank, "), micro-batch ", mb); };
+  // Lets go of the sends that have completed (a failed one throws here, naming the rank).
+  auto sweep = [&](bool all) {
+    size_t kept = 0;
+    for (size_t i = 0; i < im.pending.size(); ++i) {
+      if (all || im.pending[i].work->is_completed()) {
+        with_context(str_cat("[PipelineSchedule] rank ", rank, " waiting for its sends"),
+                     [&] { im.pending[i].work->wait(); });
+      } else {
+        if (kept != i) im.pending[kept] = std::move(im.pending[i]);
+        ++kept;
+      }
+    }
+    im.pending.resize(kept);
+  };
 
   // The roots and gradients of a micro-batch's backward at stage s: none when its output needs
   // no gradient (a first stage whose parameters are all frozen), whose backward is then
@@ -308,10 +327,11 @@ Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& inpu
     slot.input = Tensor();
     slot.out_grad = Tensor();
     slot.loss = Tensor();
-    if (s > 0 && im.stages.count(s - 1)) im.slots[s - 1][mb].out_grad = slot.in_grad;
+    if (s > 0 && im.stages.count(s - 1)) im.slots[s - 1][mb].out_grad = std::move(slot.in_grad);
   };
 
   for (size_t index = 0; index < mine.size(); ++index) {
+    sweep(/*all=*/false);
     const Action& a = mine[index];
     const int s = a.stage, mb = a.microbatch;
     Impl::Slot& slot = im.slots[s][mb];
@@ -392,10 +412,11 @@ Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& inpu
         const std::string what = str_cat("[PipelineSchedule] ", where(s, mb), " sending its ",
                                          f ? "output" : "input's gradient", " to stage ",
                                          peer_stage, " (rank ", peer, ")");
+        WorkPtr work;
         with_context(what, [&] {
           if (f && (im.dynamic_out[s] || !im.sent.count(s))) {
             im.sent[s] = {t.shape(), t.dtype()};
-            im.pending.push_back(send_with_shape(*im.group, t, peer, tag(s, 0, mb)));
+            work = send_with_shape(*im.group, t, peer, tag(s, 0, mb));
           } else {
             if (f && (im.sent[s].shape != t.shape() || im.sent[s].dtype != t.dtype())) {
               throw PipeliningShapeError(str_cat(what, ": the output is ", text(t.shape(), t.dtype()),
@@ -403,10 +424,11 @@ Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& inpu
                                                  text(im.sent[s].shape, im.sent[s].dtype),
                                                  " (the first step's; dynamic_shapes lets it vary)"));
             }
-            im.pending.push_back(im.group->send(t, peer, tag(s, f ? 0 : 1, mb)));
+            work = im.group->send(t, peer, tag(s, f ? 0 : 1, mb));
           }
         });
-        im.in_flight.push_back(t);
+        im.pending.push_back({std::move(work), std::move(t)});
+        if (!f) slot.in_grad = Tensor();  // the send holds it now
         break;
       }
       case ActionKind::RecvF: {
@@ -448,10 +470,7 @@ Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& inpu
     }
     if (compute) stats_.compute_s += seconds_since(c0);
   }
-  for (size_t i = 0; i < im.pending.size(); ++i) {
-    with_context("[PipelineSchedule] rank " + std::to_string(rank) + " waiting for its sends",
-                 [&] { im.pending[i]->wait(); });
-  }
+  sweep(/*all=*/true);
   Tensor merged;
   if (im.stages.count(S - 1)) {
     std::vector<Tensor> outs;
@@ -460,7 +479,6 @@ Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& inpu
   }
   im.slots.clear();
   im.pending.clear();
-  im.in_flight.clear();
   stats_.wall_s = seconds_since(t0);
   return merged;
 }

@@ -62,19 +62,34 @@ std::vector<std::vector<Action>> one_f_one_b(int p, int m) {
   return out;
 }
 
-// Megatron-LM's interleaved schedule: micro-batches in rounds of p, each round through every
-// local stage in turn (forward: first stage first; backward: last first), depth first.
+// Megatron-LM's interleaved schedule: micro-batches in rounds, each round through every local
+// stage in turn (forward: first stage first; backward: last first), depth first. Megatron's
+// rounds are of p micro-batches, so m must be a multiple of p; PyTorch's flexible version makes
+// max(1, m / p) rounds of m / rounds each, so m must be a multiple of the rounds. Here the
+// rounds' sizes may differ by one (the larger first), so any m runs: with m a multiple of p
+// this is Megatron's order exactly. The warm-up is Megatron's with the largest round's size for
+// p: (v - 1) rounds of forwards for the last rank, two more per rank before it.
 std::vector<std::vector<Action>> interleaved(int p, int v, int m) {
-  std::vector<std::vector<Action>> out(p);
+  const int rounds = std::max(1, m / p);
+  const int base = m / rounds, larger = m % rounds;  // `larger` rounds take base + 1
+  // The forward order of one rank's local (chunk, micro-batch) pairs, round by round.
+  std::vector<std::pair<int, int>> order;
+  for (int k = 0, first = 0; k < rounds; ++k) {
+    const int size = base + (k < larger ? 1 : 0);
+    for (int c = 0; c < v; ++c) {
+      for (int i = 0; i < size; ++i) order.emplace_back(c, first + i);
+    }
+    first += size;
+  }
   const int total = m * v;
+  std::vector<std::vector<Action>> out(p);
   for (int r = 0; r < p; ++r) {
     auto at = [&](int i, bool forward) {
-      int chunk = (i % (p * v)) / p;
-      if (!forward) chunk = v - 1 - chunk;
-      const int mb = (i / (p * v)) * p + i % p;
-      return Action{r + chunk * p, forward ? ActionKind::Forward : ActionKind::Backward, mb};
+      const auto [c, mb] = order[i];
+      return Action{r + (forward ? c : v - 1 - c) * p,
+                    forward ? ActionKind::Forward : ActionKind::Backward, mb};
     };
-    const int warmup = std::min((p - r - 1) * 2 + (v - 1) * p, total);
+    const int warmup = std::min((p - r - 1) * 2 + (v - 1) * (base + (larger > 0 ? 1 : 0)), total);
     for (int i = 0; i < warmup; ++i) out[r].push_back(at(i, true));
     for (int j = 0; j + warmup < total; ++j) {
       out[r].push_back(at(warmup + j, true));
@@ -248,8 +263,6 @@ RankActions compute_actions(ScheduleKind kind, int ranks, int stages_per_rank, i
       return kind == ScheduleKind::GPipe ? gpipe(ranks, microbatches)
                                          : one_f_one_b(ranks, microbatches);
     case ScheduleKind::Interleaved1F1B:
-      EMBER_CHECK(microbatches % ranks == 0, "[pipelining] ", name, " needs micro-batches in rounds "
-                  "of the ranks: ", microbatches, " micro-batches over ", ranks, " ranks");
       return interleaved(ranks, stages_per_rank, microbatches);
     case ScheduleKind::LoopedBFS:
       return looped_bfs(ranks, stages_per_rank, microbatches);
