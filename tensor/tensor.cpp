@@ -5,6 +5,7 @@
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/cuda.h>
 #include <ember/tensor/detail/copy.h>
+#include <ember/tensor/detail/overlap.h>
 #include <ember/tensor/detail/record.h>
 
 namespace ember {
@@ -53,14 +54,21 @@ namespace detail {
 Tensor make_empty(IntList shape, Dtype dtype, Device device, bool pinned) {
   auto impl = std::make_shared<TensorImpl>();
   impl->sizes = Shape(shape);
+  int64_t numel = 1, nbytes_signed = 0;
   for (int64_t s : shape) {
     EMBER_CHECK(s >= 0, "[empty] sizes must be non-negative, got shape ", shape);
+    EMBER_CHECK(!__builtin_mul_overflow(numel, s, &numel), "[empty] the element count of shape ",
+                shape, " overflows int64");
   }
+  EMBER_CHECK(!__builtin_mul_overflow(numel, itemsize(dtype), &nbytes_signed),
+              "[empty] the size "
+              "in bytes of shape ",
+              shape, " (", dtype, ") overflows int64");
   impl->strides = contiguous_strides(shape);
   impl->dtype = dtype;
-  impl->numel = impl->sizes.numel();
+  impl->numel = numel;
   impl->contiguous = true;
-  const size_t nbytes = static_cast<size_t>(impl->numel * itemsize(dtype));
+  const size_t nbytes = static_cast<size_t>(nbytes_signed);
   if (pinned) {
     EMBER_CHECK(device.is_cpu(), "[empty] pinned memory is host memory; got device ", device);
     impl->storage = std::make_shared<Storage>(nbytes, pinned_allocator());
@@ -134,7 +142,8 @@ Shape infer_shape(const char* op, IntList shape, int64_t numel, IntList from) {
       infer = i;
     } else {
       EMBER_CHECK(out[i] >= 0, "[", op, "] invalid size ", out[i], " in shape ", shape);
-      known *= out[i];
+      EMBER_CHECK(!__builtin_mul_overflow(known, out[i], &known), "[", op,
+                  "] the element count of shape ", shape, " overflows int64");
     }
   }
   if (infer >= 0) {
@@ -205,9 +214,9 @@ Tensor Tensor::reshape(IntList shape) const {
 
 Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
   check_defined("flatten", *this, "self");
-  if (dim() == 0) return reshape({1});
   const int64_t s = wrap_dim("flatten", start_dim, dim());
   const int64_t e = wrap_dim("flatten", end_dim, dim());
+  if (dim() == 0) return reshape({1});
   EMBER_CHECK(s <= e, "[flatten] start_dim (", start_dim, ") must not come after end_dim (",
               end_dim, ")");
   Shape sizes;
@@ -254,9 +263,9 @@ Tensor Tensor::movedim(int64_t source, int64_t destination) const {
 
 Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
   check_defined("transpose", *this, "self");
-  if (dim() == 0) return *this;
-  d0 = wrap_dim("transpose", d0, dim());
+  d0 = wrap_dim("transpose", d0, dim());  // a 0-dim tensor's are -1 and 0
   d1 = wrap_dim("transpose", d1, dim());
+  if (dim() == 0) return *this;
   Shape sizes = impl_->sizes, strides = impl_->strides;
   std::swap(sizes[d0], sizes[d1]);
   std::swap(strides[d0], strides[d1]);
@@ -281,8 +290,10 @@ Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
   d = wrap_dim("narrow", d, dim());
   const int64_t n = size(d);
   if (start < 0) start += n;
-  EMBER_CHECK_TYPE(IndexError, start >= 0 && length >= 0 && start + length <= n, "[narrow] start (",
-                   start, ") + length (", length, ") exceeds dimension size (", n, ") of dim ", d);
+  // length <= n - start, not start + length <= n: that sum can overflow.
+  EMBER_CHECK_TYPE(IndexError, start >= 0 && length >= 0 && start <= n && length <= n - start,
+                   "[narrow] start (", start, ") + length (", length, ") exceeds dimension size (",
+                   n, ") of dim ", d);
   Shape sizes = impl_->sizes;
   sizes[d] = length;
   return recorded<OpId::Slice>(
@@ -346,6 +357,8 @@ Tensor Tensor::expand(IntList shape) const {
     }
     const int64_t have = size(td);
     if (want == -1) want = have;
+    EMBER_CHECK(want >= 0, "[expand] the expanded size ", want, " at dimension ", i,
+                " must be non-negative (or -1 to keep the size). Target sizes: ", shape);
     EMBER_CHECK(have == want || have == 1, "[expand] the expanded size of the tensor (", want,
                 ") must match the existing size (", have, ") at non-singleton dimension ", i,
                 ".  Target sizes: ", shape, ".  Tensor sizes: ", this->shape());
@@ -369,8 +382,8 @@ Tensor Tensor::squeeze() const {
 
 Tensor Tensor::squeeze(int64_t d) const {
   check_defined("squeeze", *this, "self");
+  d = wrap_dim("squeeze", d, dim());  // a 0-dim tensor's are -1 and 0
   if (dim() == 0) return *this;
-  d = wrap_dim("squeeze", d, dim());
   if (size(d) != 1) return *this;
   Shape sizes = impl_->sizes, strides = impl_->strides;
   sizes.erase(d);
@@ -424,6 +437,8 @@ Tensor& Tensor::copy_(const Tensor& src) {
     EMBER_CHECK(src.dim() <= dim(), "[copy_] src of shape ", src.shape(),
                 " cannot be broadcast to self of shape ", shape());
   }
+  detail::check_writable("copy_", *this);
+  detail::check_no_partial_overlap("copy_", *this, src);
   if (detail::should_record(*this, src)) {
     detail::check_inplace(*this, "copy_");
     {

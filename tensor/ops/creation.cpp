@@ -48,8 +48,52 @@ Tensor full_like(const Tensor& t, const Scalar& v) {
 Tensor scalar_tensor(const Scalar& v, TensorOptions o) { return full({}, v, o); }
 Tensor scalar_tensor(const Scalar& v) { return full({}, v); }
 
+namespace {
+
+// PyTorch refuses a value its dtype cannot hold (300 into uint8, 1e20 into int32, 1e6 into
+// float16) instead of wrapping it; a floating value into an integer dtype is truncated, as a
+// cast would, when the result fits. Infinities and NaN are held by the floating dtypes.
+void check_fits(const char* op, const Scalar& v, Dtype dt) {
+  double lo = 0, hi = 0;
+  switch (dt) {
+    case kBool:
+    case kFloat64:
+      return;
+    case kUInt8:
+      lo = 0, hi = 255;
+      break;
+    case kInt32:
+      lo = INT32_MIN, hi = INT32_MAX;
+      break;
+    case kInt64:
+      // Every integral Scalar fits; a floating one must be below 2^63 (the double above
+      // INT64_MAX).
+      if (!v.is_floating()) return;
+      lo = -9223372036854775808.0, hi = std::nextafter(9223372036854775808.0, 0.0);
+      break;
+    case kFloat16:
+      lo = -65504, hi = 65504;
+      break;
+    case kBFloat16:
+      lo = -3.3895313892515355e38, hi = 3.3895313892515355e38;
+      break;
+    case kFloat32:
+      lo = -3.4028234663852886e38, hi = 3.4028234663852886e38;
+      break;
+  }
+  const double d = v.to_double();
+  const bool floating_dtype = dt == kFloat16 || dt == kBFloat16 || dt == kFloat32;
+  if (floating_dtype && !std::isfinite(d)) return;
+  const double t = floating_dtype ? d : std::trunc(d);
+  EMBER_CHECK(t >= lo && t <= hi, "[", op, "] value ", v, " cannot be converted to ", dt,
+              " without overflow (it holds [", lo, ", ", hi, "])");
+}
+
+}  // namespace
+
 Tensor& Tensor::fill_(const Scalar& v) {
   detail::check_defined("fill_", *this, "self");
+  check_fits("fill_", v, dtype());
   if (numel() == 0) return *this;
   if (is_cpu()) {
     detail::fill_cpu(*this, v);

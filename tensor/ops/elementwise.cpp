@@ -13,12 +13,15 @@
 #include <ember/tensor/autocast.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/detail/elementwise_kernels.h>
+#include <ember/tensor/detail/overlap.h>
 #include <ember/tensor/detail/record.h>
 
 namespace ember {
 
 using detail::BinaryOp;
 using detail::check_defined;
+using detail::check_no_partial_overlap;
+using detail::check_writable;
 using detail::Domain;
 using detail::make_empty;
 using detail::UnaryOp;
@@ -132,18 +135,6 @@ void check_inplace_shape(const char* name, const Tensor& self, const Tensor& oth
               " doesn't match the broadcast shape ", s);
 }
 
-/// Writing into a tensor where several elements share one memory location (an expanded view)
-/// would race and give order-dependent results.
-void check_writable(const char* name, const Tensor& t) {
-  if (t.is_contiguous()) return;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    EMBER_CHECK(t.strides()[d] != 0 || t.shape()[d] <= 1, "[", name,
-                "] cannot write into a tensor where several elements share one memory location "
-                "(shape ", t.shape(), ", strides ", t.strides(),
-                "); call clone() on it first");
-  }
-}
-
 /// Makes `out` ready to take a result of `shape` and dtype `dt` on `dev`: allocates it when
 /// undefined, resizes it (in place, so every handle sees it) when it is empty, and otherwise
 /// checks its device, shape and dtype.
@@ -250,6 +241,7 @@ Tensor& binary_(const char* name, BinaryOp op, Tensor& self, const Tensor& b,
   check_cast(name, output_dtype(op, compute), self.dtype());
   check_inplace_shape(name, self, b);
   check_writable(name, self);
+  check_no_partial_overlap(name, self, b);
   if (detail::should_record(self, b)) {
     return detail::record_inplace(name, self, [&](const Tensor& s) {
       return binary(name, op, s, b, alpha);
@@ -280,6 +272,8 @@ Tensor& binary_out(const char* name, BinaryOp op, Tensor& out, const Tensor& a,
   const Dtype rdt = output_dtype(op, compute);
   check_out_not_recorded(name, a, b);
   prepare_out(name, out, shape, rdt, dev);
+  check_no_partial_overlap(name, out, a);
+  check_no_partial_overlap(name, out, b);
   Tensor ha, hb;
   const Tensor& ca = prep(a, compute, dev, ha);
   const Tensor& cb = prep(b, compute, dev, hb);

@@ -6,6 +6,7 @@
 
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/detail/indexing_kernels.h>
+#include <ember/tensor/detail/overlap.h>
 #include <ember/tensor/detail/record.h>
 
 namespace ember {
@@ -208,6 +209,7 @@ Tensor scatter_add(const Tensor& self, int64_t dim, const Tensor& index, const T
 
 Tensor& scatter_add_(Tensor& self, int64_t dim, const Tensor& index, const Tensor& src) {
   const ScatterArgs args = scatter_add_args("scatter_add_", self, dim, index, src);
+  detail::check_writable("scatter_add_", self);
   if (detail::should_record(self, src)) {
     return detail::record_inplace("scatter_add_", self, [&](const Tensor& s) {
       return scatter_into_copy(OpId::ScatterAdd, s,
@@ -223,6 +225,7 @@ Tensor& scatter_add_(Tensor& self, int64_t dim, const Tensor& index, const Tenso
 Tensor& index_add_(Tensor& self, int64_t dim, const Tensor& index, const Tensor& src,
                    const Scalar& alpha) {
   const ScatterArgs args = index_add_args("index_add_", self, dim, index, src, alpha);
+  detail::check_writable("index_add_", self);
   if (detail::should_record(self, src)) {
     return detail::record_inplace("index_add_", self, [&](const Tensor& s) {
       return scatter_into_copy(OpId::IndexAdd, s,

@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <limits>
@@ -12,6 +13,7 @@
 #include <string>
 
 #include <ember/tensor/ops.h>
+#include "tests/tensor/test_util.h"
 
 using namespace ember;
 
@@ -236,6 +238,102 @@ TEST(Views, ExpandSqueezeUnsqueezeAsStrided) {
   EXPECT_EQ(zeros({2, 3, 4, 5}).flatten(1, 2).shape(), Shape({2, 12, 5}));
   EXPECT_THROW(zeros({2, 3}).permute({0, 0}), ValueError);
   EXPECT_THROW(zeros({2, 3}).permute({0}), ValueError);
+}
+
+// Sizes and dims that used to pass unchecked: a narrow whose end overflows int64 (it made a
+// view far past the storage), negative expanded sizes, out-of-range dims of a 0-dim tensor
+// (PyTorch takes -1 and 0 there), and element counts that overflow int64 (they wrapped to 0
+// elements on a 0-byte storage under a huge shape).
+TEST(Views, BadSizesAndDimsAreRefused) {
+  const int64_t big = int64_t{1} << 32;
+  test::expect_error<IndexError>([] { arange(10).narrow(0, 1, INT64_MAX); },
+                                 {"[narrow]", "exceeds dimension size (10)"});
+  test::expect_error<IndexError>([] { arange(10).narrow(0, 11, 0); }, {"[narrow]"});
+  EXPECT_EQ(arange(10).narrow(0, 10, 0).numel(), 0);
+  test::expect_error<ValueError>(
+      [] { ones({1}).expand({-2}); },
+      {"[expand] the expanded size -2 at dimension 0 must be non-negative"});
+  test::expect_error<ValueError>([] { ones({1, 1}).expand({-2, -3}); }, {"[expand]", "-2"});
+  const Tensor s = scalar_tensor(1.0);
+  test::expect_error<IndexError>([&] { s.transpose(3, 7); },
+                                 {"[transpose] dimension out of range"});
+  test::expect_error<IndexError>([&] { s.squeeze(5); }, {"[squeeze] dimension out of range"});
+  test::expect_error<IndexError>([&] { s.flatten(4, 9); }, {"[flatten] dimension out of range"});
+  EXPECT_EQ(s.transpose(0, -1).dim(), 0);
+  EXPECT_EQ(s.squeeze(-1).dim(), 0);
+  EXPECT_EQ(s.flatten(0, -1).shape(), Shape({1}));
+  test::expect_error<ValueError>([&] { zeros({big, big}); }, {"[empty]", "overflows int64"});
+  test::expect_error<ValueError>(
+      [&] {
+        zeros({big, big / 8}, kFloat64);
+      },
+      {"[empty]", "in bytes", "overflows int64"});
+  test::expect_error<ValueError>(
+      [&] {
+        zeros({0}).view({big, big});
+      },
+      {"[view]", "overflows int64"});
+}
+
+// Writes whose result would depend on the order the loop visits the elements are refused, as
+// in PyTorch: an output sharing some, but not all, of its memory with an input (a + a^T into a
+// gave [[0, 3], [5, 6]]), and an expanded output, several of whose elements are one location
+// (copy_ kept the last value; scatter_add_ raced between threads). The same elements, and
+// disjoint views of one storage, stay fine.
+TEST(Copy, OverlapsThatWouldDependOnTheLoopOrderAreRefused) {
+  Tensor a = arange(0, 4, 1, kFloat32).view({2, 2});
+  test::expect_error<ValueError>([&] { a.add_(a.t()); }, {"[add_]", "share memory", "clone()"});
+  test::expect_error<ValueError>([&] { a.add_(a[0]); }, {"[add_]", "share memory"});
+  Tensor x = ones({16});
+  test::expect_error<ValueError>([&] { x.narrow(0, 1, 15).copy_(x.narrow(0, 0, 15)); },
+                                 {"[copy_]", "share memory"});
+  Tensor out = x.narrow(0, 0, 8);
+  test::expect_error<ValueError>([&] { add_out(out, x.narrow(0, 4, 8), x.narrow(0, 8, 8)); },
+                                 {"[add_out]", "share memory"});
+  EXPECT_EQ(x.to_vector<float>(), std::vector<float>(16, 1.0f)) << "a refused write wrote";
+  a.add_(a.t().clone());
+  EXPECT_EQ(a.to_vector<float>(), std::vector<float>({0, 3, 3, 6}));
+  a.mul_(a);  // the same elements
+  EXPECT_EQ(a.to_vector<float>(), std::vector<float>({0, 9, 9, 36}));
+  x.narrow(0, 0, 8).add_(x.narrow(0, 8, 8));  // disjoint halves of one storage
+  EXPECT_EQ(x.to_vector<float>()[0], 2.0f);
+  Tensor ex = zeros({1}).expand({3});
+  test::expect_error<ValueError>(
+      [&] {
+        ex.copy_(tensor({1.f, 2.f, 3.f}));
+      },
+      {"[copy_] cannot write into a tensor where several elements share"});
+  test::expect_error<ValueError>(
+      [&] {
+        index_add_(ex, 0, tensor({0, 1, 2}), ones({3}));
+      },
+      {"[index_add_] cannot write"});
+  Tensor rows = zeros({1, 4}).expand({64, 4});
+  test::expect_error<ValueError>(
+      [&] {
+        scatter_add_(rows, 1, zeros({64, 4}, kInt64), ones({64, 4}));
+      },
+      {"[scatter_add_] cannot write"});
+}
+
+// A value the dtype cannot hold is refused (PyTorch's "cannot be converted ... without
+// overflow") instead of wrapping: 300 into uint8 gave 44. Floating values into integer dtypes
+// are truncated when they fit; infinities and NaN fill floating tensors.
+TEST(Creation, ValuesTheDtypeCannotHoldAreRefused) {
+  test::expect_error<ValueError>(
+      [] { full({1}, 300, kUInt8); },
+      {"[fill_] value 300 cannot be converted to uint8 without overflow"});
+  test::expect_error<ValueError>([] { full({1}, -1, kUInt8); }, {"uint8"});
+  test::expect_error<ValueError>([] { full({2}, 1e20, kInt32); }, {"int32"});
+  test::expect_error<ValueError>([] { full({2}, 1e20, kInt64); }, {"int64"});
+  test::expect_error<ValueError>([] { full({1}, 1e6, kFloat16); }, {"float16"});
+  test::expect_error<ValueError>([] { zeros({2}).fill_(1e300); }, {"float32"});
+  EXPECT_EQ(full({1}, 255, kUInt8).item<int64_t>(), 255);
+  EXPECT_EQ(full({1}, -2.5, kInt32).item<int64_t>(), -2);
+  EXPECT_EQ(full({1}, INT64_MIN, kInt64).item<int64_t>(), INT64_MIN);
+  EXPECT_TRUE(std::isinf(full({1}, -INFINITY, kFloat16).item<float>()));
+  EXPECT_TRUE(std::isnan(full({1}, NAN, kBFloat16).item<float>()));
+  EXPECT_EQ(full({1}, 65504, kFloat16).item<float>(), 65504.0f);
 }
 
 TEST(Copy, ConvertsDtypesBroadcastsAndBumpsVersion) {
