@@ -349,6 +349,9 @@ std::vector<int32_t> topk_indices(const float* x, int64_t n, int64_t k) {
       std::nth_element(sample.begin(), sample.begin() + at, sample.end(), std::greater<float>());
       threshold = sample[static_cast<size_t>(at)];
     }
+    // Infinities (or NaNs) filled the sample down to that rank: lowering an infinite threshold
+    // would not end, so every entry is a candidate instead.
+    if (std::isinf(threshold)) threshold = 0;
   }
   std::vector<int32_t> candidates;
   std::vector<float> mags;

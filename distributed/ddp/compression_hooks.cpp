@@ -333,17 +333,19 @@ std::shared_ptr<Future> warm_up(CompressionState& state, GradBucket& bucket, con
   const std::string key = bucket.key();
   const int64_t n = bucket.buffer().numel();
   check_bucket(hook, bucket.buffer());
-  return allreduce_hook(bucket)->then(
-      [&state, key, n, momentum, layout = Canonical(bucket)](Future& f) {
-        NoGradGuard no_grad;
-        Tensor buffer = f.value().at(0);
-        Tensor avg = canonical_copy(layout, buffer, n);
-        Tensor& u = state.velocity(key, n);
-        float* up = u.data<float>();
-        const float* a = avg.data<float>();
-        for (int64_t i = 0; i < n; ++i) up[i] = momentum * up[i] + a[i];
-        return into_bucket(layout, buffer, u);
-      });
+  // Looked up (made, the first time) here on DDP's thread: the callback runs on whichever thread
+  // completes the all-reduce, and two buckets' callbacks must not insert into the state's map at
+  // once.
+  Tensor u = state.velocity(key, n);
+  return allreduce_hook(bucket)->then([u, n, momentum, layout = Canonical(bucket)](Future& f) {
+    NoGradGuard no_grad;
+    Tensor buffer = f.value().at(0);
+    Tensor avg = canonical_copy(layout, buffer, n);
+    float* up = u.data<float>();
+    const float* a = avg.data<float>();
+    for (int64_t i = 0; i < n; ++i) up[i] = momentum * up[i] + a[i];
+    return into_bucket(layout, buffer, u);
+  });
 }
 
 // What a compressing hook encodes, built in one pass over each of the bucket's pieces: x = the

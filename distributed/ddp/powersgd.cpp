@@ -56,13 +56,16 @@ Tensor matmul2d(const Tensor& a, const Tensor& b) {
 }
 
 // Gram-Schmidt on the columns of m ([n, r]), in place. A zero column stays zero (torch's
-// epsilon = 0 would produce NaNs there).
+// epsilon = 0 would produce NaNs there). The norm and the division are in float32: in half
+// precision (under fp16_compress_wrapper) the squares of entries below about 1e-4 underflow to
+// zero and a norm above 256 overflows, and either zeroed the column.
 void orthogonalize(Tensor m, double eps) {
   const int64_t r = m.size(1);
   for (int64_t i = 0; i < r; ++i) {
-    Tensor col = m.narrow(1, i, 1);                            // [n, 1]
-    Tensor norm = sqrt(sum(col * col, {0}, /*keepdim=*/true));  // [1, 1]
-    col.mul_(where(gt(norm, 0.0), reciprocal(norm + eps), 0.0));
+    Tensor col = m.narrow(1, i, 1);  // [n, 1]
+    const Tensor c = col.to(kFloat32);
+    const Tensor norm = sqrt(sum(c * c, {0}, /*keepdim=*/true));  // [1, 1]
+    col.copy_(c * where(gt(norm, 0.0), reciprocal(norm + eps), 0.0));
     if (i + 1 < r) {
       Tensor rest = m.narrow(1, i + 1, r - i - 1);  // [n, r - i - 1]
       rest.sub_(sum(col * rest, {0}, /*keepdim=*/true) * col);

@@ -567,6 +567,33 @@ TEST_P(Hooks, PowerSGDRankOneGradientIsExact) {
   });
 }
 
+// Under fp16_compress_wrapper PowerSGD runs in half precision, where squaring P's small entries
+// (about 1e-4 here) underflows to zero: the column norms must not be taken from those squares,
+// or every column is zeroed and the whole gradient goes into the error (PyTorch's norm
+// accumulates in float32). The same rank-1 gradient as above, scaled by 1e-5.
+TEST_P(Hooks, PowerSGDInHalfPrecisionKeepsSmallGradients) {
+  EMBER_REQUIRE_GLOO();
+  const int n = GetParam();
+  run_group(n, [n](std::shared_ptr<CountingGroup> pg, int rank) {
+    const int64_t rows = 6, cols = 5;
+    const double scale = 1e-5;
+    Tensor u = arange(1.0, rows + 1.0).reshape({rows, 1});
+    auto v_of = [&](int r) {
+      return (arange(0.0, double(cols)) * (r + 1) - 2.0).reshape({1, cols});
+    };
+    Tensor mean_v = zeros({1, cols});
+    for (int r = 0; r < n; ++r) mean_v = mean_v + v_of(r) / double(n);
+    Tensor w = zeros({rows, cols}).requires_grad_();
+    Tensor buffer = (mm(u, v_of(rank)) * scale).reshape({-1}).contiguous();
+    auto state = std::make_shared<PowerSGDState>(PowerSGDOptions{.start_powerSGD_iter = 0});
+    GradBucket bucket(0, 1, buffer, {w}, {0}, pg);
+    auto fut = fp16_compress_wrapper(bind_hook(state, powersgd_hook))(bucket);
+    fut->wait();
+    const Tensor out = fut->value()[0].to(kFloat32).reshape({rows, cols}) / scale;
+    require_close("rank-1 average in half precision", out, mm(u, mean_v), 2e-2);
+  });
+}
+
 // The state survives a restart: train K steps, save model + PowerSGD state (safetensors, one
 // file per rank),
 // train J more; a fresh process-local model/DDP/state loaded from the file and trained the same

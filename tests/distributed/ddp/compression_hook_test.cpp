@@ -250,6 +250,13 @@ TEST(Codecs, TopkIndicesAreTheKLargestMagnitudesInIndexOrder) {
          return normal(rng);
        }},
       {"short", 13, [&](int64_t) { return normal(rng); }},
+      // A [512, 128] weight whose column 0 overflowed: every sampled entry (stride 4) of that
+      // column is infinite, so the sample's threshold is infinite while fewer than k entries
+      // reach it; lowering an infinite threshold never ended (DDP's backward hung).
+      {"a column of infinities", 65536,
+       [&](int64_t i) {
+         return i % 128 == 0 ? std::numeric_limits<float>::infinity() : normal(rng);
+       }},
   };
   for (const Input& in : inputs) {
     std::vector<float> x(static_cast<size_t>(in.n));
