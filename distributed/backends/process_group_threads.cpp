@@ -104,17 +104,21 @@ std::string mismatch(const std::vector<Call>& calls, const std::function<int(siz
       return str_cat("rank ", r, " passed op ", to_string(b.op), " but rank ", r0, " op ",
                      to_string(a.op));
     }
-    if (a.kind == OpType::Alltoall) {
+    if (a.kind != OpType::Alltoall && !same_meta(signature(b), signature(a))) {
+      return str_cat("rank ", r, " passed ", describe(signature(b)), " but rank ", r0, " passed ",
+                     describe(signature(a)));
+    }
+  }
+  // Each rank's outputs[s] takes rank s's inputs[rank]: every pair, rank 0's outputs too.
+  if (a.kind == OpType::Alltoall) {
+    for (size_t i = 0; i < calls.size(); ++i) {
       for (size_t s = 0; s < calls.size(); ++s) {
         if (!same_meta(calls[i].out[s], calls[s].in[i])) {
-          return str_cat("rank ", r, "'s outputs[", s, "] is ", describe({calls[i].out[s]}),
-                         " but rank ", who(s), "'s inputs[", r, "] is ",
+          return str_cat("rank ", who(i), "'s outputs[", s, "] is ", describe({calls[i].out[s]}),
+                         " but rank ", who(s), "'s inputs[", who(i), "] is ",
                          describe({calls[s].in[i]}));
         }
       }
-    } else if (!same_meta(signature(b), signature(a))) {
-      return str_cat("rank ", r, " passed ", describe(signature(b)), " but rank ", r0,
-                     " passed ", describe(signature(a)));
     }
   }
   std::optional<Device> device;

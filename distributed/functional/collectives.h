@@ -44,8 +44,10 @@ Tensor reduce_scatter(const Tensor& t, int64_t dim, ReduceOp op = ReduceOp::Sum,
 Tensor all_to_all(const Tensor& t, int64_t split_dim, int64_t concat_dim,
                   std::shared_ptr<ProcessGroup> group = nullptr);
 
-/// Every rank gets rank `src`'s `t`. Backward: the gradients summed onto `src` (the others'
-/// inputs get zero gradient).
+/// Every rank gets rank `src`'s `t`. `src` is a rank of `group` (its rank there, as in every
+/// ProcessGroup call; PyTorch's torch.distributed.nn.functional.broadcast takes the global rank:
+/// map one with get_group_rank). Backward: the gradients summed onto `src` (the others' inputs
+/// get zero gradient).
 Tensor broadcast(const Tensor& t, int src, std::shared_ptr<ProcessGroup> group = nullptr);
 
 /// Megatron's f: forward returns `t` as is (a replicated input entering a sharded computation);

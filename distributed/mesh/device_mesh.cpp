@@ -174,17 +174,20 @@ DeviceMesh::DeviceMesh(Device device, Layout layout,
 int64_t DeviceMesh::size() const { return product(layout_.shape); }
 
 int64_t DeviceMesh::size(int dim) const {
-  if (dim < 0) return size();
-  EMBER_CHECK(dim < ndim(), kOp, " dimension ", dim, " is out of range for ", str());
+  if (dim == -1) return size();
+  EMBER_CHECK(dim >= 0 && dim < ndim(), kOp, " dimension ", dim, " is out of range for ", str(),
+              " (-1: the whole mesh)");
   return layout_.shape[dim];
 }
 
 int DeviceMesh::dim_index(const std::string& name) const {
-  for (int d = 0; d < ndim(); ++d) {
+  for (int d = 0; d < ndim() && !name.empty(); ++d) {  // an unnamed dimension's name is ""
     if (layout_.names[d] == name) return d;
   }
   std::string known;
-  for (const std::string& n : layout_.names) known += (known.empty() ? "'" : ", '") + n + "'";
+  for (const std::string& n : layout_.names) {
+    if (!n.empty()) known += (known.empty() ? "'" : ", '") + n + "'";
+  }
   throw ValueError(detail::str_cat(kOp, " '", name, "' is not a dimension of ", str(),
                                    " (its dimensions: ", known.empty() ? "unnamed" : known, ")"));
 }

@@ -371,6 +371,14 @@ TEST(Threads, MismatchesNameTheCollectiveAndBothRanks) {
         << msg;
     msg = message_of([&] { pg.broadcast(t, bc(rank))->wait(); });
     EXPECT_NE(msg.find("rank 1 passed root 1 but rank 0 root 0"), std::string::npos) << msg;
+    // alltoall: rank 0's outputs are checked too (a [1] into a [4] was broadcast into it).
+    std::vector<Tensor> in = {full({1}, 10.0 * rank), full({1}, 10.0 * rank + 1)};
+    std::vector<Tensor> out = {zeros({1}), zeros({rank == 0 ? 4 : 1})};
+    msg = message_of([&] { pg.alltoall(out, in)->wait(); });
+    EXPECT_NE(msg.find("rank 0's outputs[1] is [float32 [4]] but rank 1's inputs[0] is "
+                       "[float32 [1]]"),
+              std::string::npos)
+        << msg;
     // The group is still usable afterwards.
     Tensor ok = full({2}, 1.0);
     pg.allreduce(ok)->wait();

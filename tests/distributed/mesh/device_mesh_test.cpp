@@ -112,6 +112,12 @@ TEST(DeviceMesh, ErrorsNameWhatIsWrong) {
                  {"'pp' is not a dimension of DeviceMesh(cpu, (dp=2, tp=2)", "'dp', 'tp'"});
     expect_error([&] { (*mesh)["sp"]; }, {"'sp' is not a dimension"});
     expect_error([&] { mesh->get_group(); }, {"needs a 1-D mesh"});
+    expect_error([&] { mesh->size(-2); }, {"dimension -2 is out of range", "(-1: the whole mesh)"});
+    EXPECT_EQ(mesh->size(-1), 4);
+    // An unnamed mesh has no dimension "" (it took the first).
+    auto unnamed = init_device_mesh("cpu", {2, 2});
+    expect_error([&] { (*unnamed)[""]; }, {"'' is not a dimension", "unnamed"});
+    expect_error([&] { unnamed->get_group(""); }, {"'' is not a dimension"});
     // from_group with a layout that leaves this rank out.
     DeviceMesh::Layout l{{2}, {"x"}, {r == 0 ? 1 : 0, r == 0 ? 2 : 1}};
     if (r != 1) {
