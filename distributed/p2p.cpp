@@ -57,8 +57,16 @@ Tensor recv_with_shape(ProcessGroup& group, int src, int tag, const Device& devi
   const std::vector<int64_t> h = header.to(kCPU).to_vector<int64_t>();
   EMBER_CHECK(h[1] >= 0 && h[1] <= kMaxP2pDims, "[recv_with_shape] rank ", src, " sent a header of ",
               h[1], " dimensions on tag ", tag, ": not a send_with_shape");
+  // The dtype and sizes too: a plain send on the tag would otherwise pick a dtype past the
+  // table's end (read out of bounds) or a negative size.
+  EMBER_CHECK(h[0] >= 0 && h[0] < kNumDtypes, "[recv_with_shape] rank ", src,
+              " sent a header with dtype code ", h[0], " on tag ", tag, ": not a send_with_shape");
   Shape shape;
-  for (int64_t d = 0; d < h[1]; ++d) shape.push_back(h[2 + d]);
+  for (int64_t d = 0; d < h[1]; ++d) {
+    EMBER_CHECK(h[2 + d] >= 0, "[recv_with_shape] rank ", src, " sent a header with size ",
+                h[2 + d], " at dim ", d, " on tag ", tag, ": not a send_with_shape");
+    shape.push_back(h[2 + d]);
+  }
   Tensor out = empty(shape, TensorOptions(static_cast<Dtype>(h[0])).device(device));
   group.recv(out, src, tag)->wait();
   return out;

@@ -28,7 +28,8 @@ struct Entry {
 struct GroupDump {
   std::string backend;
   std::vector<int> global_ranks;
-  std::map<uint64_t, Entry> entries;  // by sequence number
+  std::map<uint64_t, Entry> entries;  // by sequence number: the collectives
+  int p2p = 0;                        // sends and receives in the ring beside them
 };
 
 struct RankDump {
@@ -106,7 +107,10 @@ RankDump read_dump(const fs::path& path, int rank_in_name) {
       // numbers of them: they are not compared across ranks.
       if (e.contains("p2p")) {
         if (!e["p2p"].is_boolean()) bad(file, where + ": an entry's p2p is not true or false");
-        if (e["p2p"].get<bool>()) continue;
+        if (e["p2p"].get<bool>()) {
+          ++gd.p2p;
+          continue;
+        }
       }
       Entry en;
       en.seq = field(file, e, "seq", json::value_t::number_unsigned, where + "'s entry")
@@ -171,9 +175,11 @@ std::optional<FlightFinding> first_divergence(const std::string& name,
     for (const auto& [rank, g] : members) {
       if (const Entry* e = entry(rank, s)) {
         by_sig[e->signature].push_back(rank);
-      } else {
+      } else if (g == nullptr || !g->entries.empty() || g->p2p == 0) {
         absent.push_back(rank);
       }
+      // else: a ring of sends and receives only, which pushed its collectives out (a pipeline
+      // stage's): where this rank stands is unknown, not absent.
     }
     if (by_sig.empty()) continue;
     // The signature most ranks called (the lowest rank's on a tie) is taken as the intended one.

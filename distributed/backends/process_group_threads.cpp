@@ -794,11 +794,12 @@ WorkPtr ProcessGroupThreads::point_to_point(bool send, const Tensor& tensor, int
   EMBER_CHECK(peer >= 0 && peer < size_ && peer != rank_, "[threads] ", op, " on rank ", rank_,
               " of ", size_, ": ", send ? "destination " : "source ", peer,
               " must be another rank of the group");
-  // Not a collective: no sequence number (the other ranks' numbers must stay in step).
-  Call c = make_call(send ? OpType::Send : OpType::Recv, op,
-                     str_cat("[threads] ", op, send ? " to" : " from", " rank ", peer, " (tag ",
-                             tag, ") on rank ", rank_, " of ", size_),
-                     options_.timeout);
+  // Not a collective: numbered apart from them (the other ranks' collective numbers must stay
+  // in step), and recorded in the flight recorder as a send or receive.
+  Call c = make_call(
+      send ? OpType::Send : OpType::Recv, op,
+      str_cat(next_p2p_label(op), send ? " to" : " from", " rank ", peer, " (tag ", tag, ")"),
+      options_.timeout);
   (send ? c.in : c.out) = {tensor};
   c.value = {tensor};
   c.peer = peer;

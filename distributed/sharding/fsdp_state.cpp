@@ -140,7 +140,8 @@ Tensor clip_grad_norm_(const nn::Module& root, double max_norm, double norm_type
     for (Tensor& g : grads) g.mul_(coef);
     for (Tensor& g : replicated) g.mul_(coef);
   }
-  return full({}, total, TensorOptions(kFloat32));
+  // A total past float32's range is inf there, as PyTorch's float32 norm is.
+  return full({}, static_cast<double>(static_cast<float>(total)), TensorOptions(kFloat32));
 }
 
 std::vector<LocalShard> local_shards(const nn::Module& root) {

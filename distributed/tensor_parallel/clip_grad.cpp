@@ -49,7 +49,8 @@ Tensor finish(double acc, const std::vector<ProcessGroup*>& groups, Device devic
   if (coef < 1) {
     for (Tensor& g : grads) g.mul_(coef);
   }
-  return full({}, t, TensorOptions(kFloat32));
+  // A total past float32's range is inf there, as PyTorch's float32 norm is.
+  return full({}, static_cast<double>(static_cast<float>(t)), TensorOptions(kFloat32));
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include <ember/tensor/error.h>
@@ -39,6 +40,16 @@ bool dense(const Tensor& t) {
   return true;
 }
 
+// The (size, stride) pairs of t's dims longer than 1: two tensors at one address with the same
+// pairs lay out the same elements in the same order, whatever their size-1 dims.
+std::vector<std::pair<int64_t, int64_t>> squeezed(const Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) != 1) out.emplace_back(t.size(d), t.stride(d));
+  }
+  return out;
+}
+
 }  // namespace
 
 void check_no_partial_overlap(const char* op, const Tensor& out, const Tensor& in) {
@@ -46,9 +57,8 @@ void check_no_partial_overlap(const char* op, const Tensor& out, const Tensor& i
   if (out.numel() == 0 || in.numel() == 0 || !dense(out) || !dense(in)) return;
   const auto* a = static_cast<const char*>(out.data_ptr());
   const auto* b = static_cast<const char*>(in.data_ptr());
-  if (a == b && out.shape() == in.shape() && out.strides() == in.strides() &&
-      out.dtype() == in.dtype()) {
-    return;  // the same elements
+  if (a == b && out.dtype() == in.dtype() && squeezed(out) == squeezed(in)) {
+    return;  // the same elements in the same order (x.unsqueeze(0).add_(x) too)
   }
   const bool disjoint = a + out.nbytes() <= b || b + in.nbytes() <= a;
   EMBER_CHECK(disjoint, "[", op, "] some elements of the input (shape ", in.shape(), ", strides ",

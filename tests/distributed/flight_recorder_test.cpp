@@ -139,6 +139,40 @@ TEST(FlightRecorder, KeepsTheLastCollectivesOfEachGroupWithSizesDtypesAndStates)
   EXPECT_EQ(a.rc, 0) << a.out;
 }
 
+// A send or receive is an entry of its own, marked p2p and numbered apart from the
+// collectives (the threads group used to add its sizes and state to the collective before it).
+TEST(FlightRecorder, SendsAndReceivesAreEntriesOfTheirOwn) {
+  test::TempDir dir;
+  std::barrier sync(2);
+  test::run_threads(threads(2, 60s), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    Tensor a = ones({1}, kFloat32), b = ones({2}, kFloat32), m = zeros({5}, kInt64);
+    pg->allreduce(a)->wait();
+    (rank == 0 ? pg->send(m, 1, 3) : pg->recv(m, 0, 3))->wait();
+    pg->allreduce(b)->wait();
+    sync.arrive_and_wait();
+    if (rank == 0) dump_flight_recorder(dir.path());
+    sync.arrive_and_wait();
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    const json doc = read_json(dir.file("flight_rank" + std::to_string(rank) + ".json"));
+    const json& e = doc["groups"][0]["entries"];
+    ASSERT_EQ(e.size(), 3u) << e.dump();
+    EXPECT_EQ(e[0]["seq"], 0);
+    EXPECT_EQ(e[0]["sizes"], json({{1}}));
+    EXPECT_EQ(e[0]["state"], "completed");
+    EXPECT_FALSE(e[0].contains("p2p"));
+    EXPECT_EQ(e[1]["p2p"], true);
+    EXPECT_EQ(e[1]["seq"], 0);
+    EXPECT_EQ(e[1]["op"], rank == 0 ? "send" : "recv");
+    EXPECT_EQ(e[1]["sizes"], json({{5}}));
+    EXPECT_EQ(e[1]["dtypes"], json({"int64"}));
+    EXPECT_EQ(e[2]["seq"], 1);
+    EXPECT_EQ(e[2]["sizes"], json({{2}}));
+  }
+  EXPECT_EQ(analyze(dir.path()).rc, 0);
+}
+
 TEST(FlightRecorder, SettingsAndTheirErrors) {
   {
     ScopedEnv size("EMBER_FLIGHT_RECORDER_SIZE", "0");

@@ -255,7 +255,7 @@ TEST(Emberrun, ErrorFileIsTheRootCause) {
   EXPECT_EQ(folder.rfind(logs.path() + "/none_", 0), 0u) << describe(r);
   EXPECT_TRUE(contains(r.err, folder + "/attempt_0/0/error.json")) << describe(r);
   // The same log folder again, with a worker that writes no error file: the old one is not
-  // shown as the root cause.
+  // shown as the root cause (the second run writes in a folder of its own).
   r = run(
       {"--nproc-per-node", "2", "--log-dir", logs.path(), worker(), "exit", d.path(), "0", "4"});
   EXPECT_EQ(r.exit_code, 1) << describe(r);

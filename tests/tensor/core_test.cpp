@@ -295,6 +295,10 @@ TEST(Copy, OverlapsThatWouldDependOnTheLoopOrderAreRefused) {
   EXPECT_EQ(a.to_vector<float>(), std::vector<float>({0, 3, 3, 6}));
   a.mul_(a);  // the same elements
   EXPECT_EQ(a.to_vector<float>(), std::vector<float>({0, 9, 9, 36}));
+  Tensor row = arange(0, 4, 1, kFloat32);
+  row.unsqueeze(0).add_(row);  // the same elements under another shape
+  row.view({1, 4}).copy_(row);
+  EXPECT_EQ(row.to_vector<float>(), std::vector<float>({0, 2, 4, 6}));
   x.narrow(0, 0, 8).add_(x.narrow(0, 8, 8));  // disjoint halves of one storage
   EXPECT_EQ(x.to_vector<float>()[0], 2.0f);
   Tensor ex = zeros({1}).expand({3});

@@ -298,8 +298,9 @@ TEST(Threads, ARecvWithoutSendTimesOut) {
     if (rank == 0) return;
     Tensor t = zeros({2});
     const std::string msg = message_of([&] { pg.recv(t, 0, 7)->wait(); });
-    EXPECT_NE(msg.find("[threads] recv from rank 0 (tag 7) on rank 1 of 2 timed out"),
-              std::string::npos) << msg;
+    EXPECT_NE(msg.find("[threads] recv #0 on rank 1 of 2 from rank 0 (tag 7) timed out"),
+              std::string::npos)
+        << msg;
   });
 }
 
@@ -383,6 +384,30 @@ TEST(Threads, MismatchesNameTheCollectiveAndBothRanks) {
     Tensor ok = full({2}, 1.0);
     pg.allreduce(ok)->wait();
     EXPECT_EQ(ok.to_vector<float>()[0], 2.0f);
+  });
+}
+
+// recv_with_shape refuses a header that no send_with_shape wrote, naming the sender and tag: a
+// dtype code past the table (it indexed the dtype table out of bounds) or a negative size.
+TEST(Threads, RecvWithShapeRefusesAHeaderItDidNotWrite) {
+  test::run_threads({.n = 2}, [](std::shared_ptr<ProcessGroup> pg, int rank) {
+    std::vector<int64_t> dtype_code(2 + kMaxP2pDims, 0), negative(2 + kMaxP2pDims, 0);
+    dtype_code[0] = 200;
+    dtype_code[1] = 1;
+    dtype_code[2] = 3;
+    negative[0] = static_cast<int64_t>(kFloat32);
+    negative[1] = 1;
+    negative[2] = -5;
+    if (rank == 0) {
+      pg->send(from_vector(dtype_code), 1, 4)->wait();
+      pg->send(from_vector(negative), 1, 5)->wait();
+    } else {
+      test::expect_error([&] { recv_with_shape(*pg, 0, 4); },
+                         {"[recv_with_shape] rank 0 sent a header with dtype code 200 on tag 4",
+                          "not a send_with_shape"});
+      test::expect_error([&] { recv_with_shape(*pg, 0, 5); },
+                         {"[recv_with_shape] rank 0 sent a header with size -5 at dim 0 on tag 5"});
+    }
   });
 }
 
