@@ -34,8 +34,9 @@ struct InitOptions {
   std::string backend;
   /// "env://" (the default when empty and no store is given), "tcp://host:port",
   /// "file:///path", or a URL that an init method added with register_init_method takes.
-  /// tcp:// and file:// take rank and world_size from the fields below, from
-  /// "?rank=R&world_size=N" in the URL, or from the environment, in that order.
+  /// Each takes rank and world_size from the fields below, from "?rank=R&world_size=N" in the
+  /// URL, or from the environment, in that order (env://'s address still comes from
+  /// MASTER_ADDR and MASTER_PORT).
   std::string init_method;
   /// A ready store instead of init_method (then rank and world_size must be given).
   std::shared_ptr<Store> store;

@@ -23,23 +23,29 @@ struct Url {
   std::map<std::string, std::string> query;
 };
 
+// The fields of a URL's query, "rank=1&world_size=2" (what follows '?'; none without one).
+std::map<std::string, std::string> parse_query(const std::string& url) {
+  std::map<std::string, std::string> out;
+  const size_t q = url.find('?');
+  if (q == std::string::npos) return out;
+  const std::string qs = url.substr(q + 1);
+  size_t start = 0;
+  while (start <= qs.size()) {
+    size_t amp = qs.find('&', start);
+    if (amp == std::string::npos) amp = qs.size();
+    const std::string kv = qs.substr(start, amp - start);
+    const size_t eq = kv.find('=');
+    if (eq != std::string::npos) out[kv.substr(0, eq)] = kv.substr(eq + 1);
+    start = amp + 1;
+  }
+  return out;
+}
+
 Url parse_url(const std::string& url, const std::string& scheme) {
   Url u;
   std::string rest = url.substr(scheme.size());
-  const size_t q = rest.find('?');
-  if (q != std::string::npos) {
-    std::string qs = rest.substr(q + 1);
-    rest = rest.substr(0, q);
-    size_t start = 0;
-    while (start <= qs.size()) {
-      size_t amp = qs.find('&', start);
-      if (amp == std::string::npos) amp = qs.size();
-      const std::string kv = qs.substr(start, amp - start);
-      const size_t eq = kv.find('=');
-      if (eq != std::string::npos) u.query[kv.substr(0, eq)] = kv.substr(eq + 1);
-      start = amp + 1;
-    }
-  }
+  u.query = parse_query(rest);
+  rest = rest.substr(0, rest.find('?'));
   if (scheme == "file://") {
     u.path = rest;
     return u;
@@ -95,8 +101,18 @@ std::shared_ptr<Store> rendezvous_tcp_store(const std::string& host, int port, i
 
 bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
 
-Rendezvous env_rendezvous(const std::string&, const InitOptions& o, Duration timeout) {
-  const EnvRendezvous r = parse_env_rendezvous(environment(), o.rank, o.world_size);
+// As torch's: rank and world size from the options, then the URL's query
+// ("env://?rank=0&world_size=1"), then RANK and WORLD_SIZE; the address from MASTER_ADDR and
+// MASTER_PORT.
+Rendezvous env_rendezvous(const std::string& url, const InitOptions& o, Duration timeout) {
+  const auto query = parse_query(url);
+  auto pick = [&](int given, const char* name) {
+    if (given >= 0) return given;
+    const auto it = query.find(name);
+    return it == query.end() ? -1 : parse_int(name, it->second, 0, 1 << 30, "in " + url);
+  };
+  const EnvRendezvous r =
+      parse_env_rendezvous(environment(), pick(o.rank, "rank"), pick(o.world_size, "world_size"));
   return {rendezvous_tcp_store(r.master_addr, r.master_port, r.rank, r.world_size, timeout),
           r.rank, r.world_size, r.master_addr, nullptr};
 }

@@ -454,6 +454,37 @@ TEST(InitProcessGroup, EnvOpenMpiVariables) {
       std::to_string(test::unused_port()));
 }
 
+// env:// takes the rank and world size from the URL's query before the environment, as torch
+// does ("env://?rank=0&world_size=2", the address still from MASTER_ADDR and MASTER_PORT); a
+// query value that is not a number is named.
+TEST(InitProcessGroup, EnvUrlQuery) {
+  EMBER_REQUIRE_GLOO();
+  run(
+      2,
+      [](int rank, const std::string& port) {
+        for (const char* v : {"RANK", "WORLD_SIZE"}) ::unsetenv(v);
+        ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+        ::setenv("MASTER_PORT", port.c_str(), 1);
+        InitOptions o;
+        o.backend = "gloo";
+        o.timeout = 60s;
+        o.init_method = "env://?rank=x&world_size=2";
+        std::string msg;
+        try {
+          init_process_group(o);
+        } catch (const ValueError& e) {
+          msg = e.what();
+        }
+        require(msg.find("rank") != std::string::npos &&
+                    msg.find("in env://?rank=x&world_size=2") != std::string::npos,
+                "a query rank that is not a number: got '" + msg + "'");
+        o.init_method = "env://?rank=" + std::to_string(rank) + "&world_size=2";
+        init_process_group(o);
+        exercise_world(2, rank);
+      },
+      std::to_string(test::unused_port()));
+}
+
 TEST(InitProcessGroup, TcpUrl) {
   EMBER_REQUIRE_GLOO();
   run(
