@@ -19,6 +19,7 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <vector>
 
 #include <ember/autograd/autograd.h>
 #include <ember/distributed/ddp/ddp.h>
@@ -289,17 +290,12 @@ Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& inpu
   auto where = [&](int s, int mb) { return str_cat("stage ", s, " (rank ", rank, "), micro-batch ", mb); };
   // Lets go of the sends that have completed (a failed one throws here, naming the rank).
   auto sweep = [&](bool all) {
-    size_t kept = 0;
-    for (size_t i = 0; i < im.pending.size(); ++i) {
-      if (all || im.pending[i].work->is_completed()) {
-        with_context(str_cat("[PipelineSchedule] rank ", rank, " waiting for its sends"),
-                     [&] { im.pending[i].work->wait(); });
-      } else {
-        if (kept != i) im.pending[kept] = std::move(im.pending[i]);
-        ++kept;
-      }
-    }
-    im.pending.resize(kept);
+    std::erase_if(im.pending, [&](const Impl::Send& send) {
+      if (!all && !send.work->is_completed()) return false;
+      with_context(str_cat("[PipelineSchedule] rank ", rank, " waiting for its sends"),
+                   [&] { send.work->wait(); });
+      return true;
+    });
   };
 
   // The roots and gradients of a micro-batch's backward at stage s: none when its output needs

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include <ember/tensor/detail/copy.h>
 
@@ -55,36 +56,38 @@ namespace {
 // cast would, when the result fits. Infinities and NaN are held by the floating dtypes.
 void check_fits(const char* op, const Scalar& v, Dtype dt) {
   double lo = 0, hi = 0;
+  bool floating = false;
   switch (dt) {
     case kBool:
     case kFloat64:
       return;
     case kUInt8:
-      lo = 0, hi = 255;
+      lo = std::numeric_limits<uint8_t>::min(), hi = std::numeric_limits<uint8_t>::max();
       break;
     case kInt32:
-      lo = INT32_MIN, hi = INT32_MAX;
+      lo = std::numeric_limits<int32_t>::min(), hi = std::numeric_limits<int32_t>::max();
       break;
     case kInt64:
-      // Every integral Scalar fits; a floating one must be below 2^63 (the double above
-      // INT64_MAX).
+      // Every integral Scalar fits; a floating one must be below 2^63 (the double below it is
+      // the largest that fits).
       if (!v.is_floating()) return;
-      lo = -9223372036854775808.0, hi = std::nextafter(9223372036854775808.0, 0.0);
+      lo = static_cast<double>(std::numeric_limits<int64_t>::min());
+      hi = std::nextafter(-lo, 0.0);
       break;
     case kFloat16:
-      lo = -65504, hi = 65504;
+      floating = true, hi = 65504.0;  // the largest finite half
       break;
     case kBFloat16:
-      lo = -3.3895313892515355e38, hi = 3.3895313892515355e38;
+      floating = true, hi = 3.3895313892515355e38;  // the largest finite bfloat16
       break;
     case kFloat32:
-      lo = -3.4028234663852886e38, hi = 3.4028234663852886e38;
+      floating = true, hi = std::numeric_limits<float>::max();
       break;
   }
+  if (floating) lo = -hi;
   const double d = v.to_double();
-  const bool floating_dtype = dt == kFloat16 || dt == kBFloat16 || dt == kFloat32;
-  if (floating_dtype && !std::isfinite(d)) return;
-  const double t = floating_dtype ? d : std::trunc(d);
+  if (floating && !std::isfinite(d)) return;
+  const double t = floating ? d : std::trunc(d);
   EMBER_CHECK(t >= lo && t <= hi, "[", op, "] value ", v, " cannot be converted to ", dt,
               " without overflow (it holds [", lo, ", ", hi, "])");
 }
