@@ -24,7 +24,7 @@
 #include "bench_util.h"
 #include "cmake/build_paths.h"
 #include <ember/nn/attention.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/threading.h>
 
 using namespace ember;

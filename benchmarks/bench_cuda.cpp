@@ -26,8 +26,8 @@
 #include <ember/nn/optim/sgd.h>
 #include <ember/tensor/autocast.h>
 #include <ember/tensor/ops/conv.h>
-#include <ember/tensor/cuda.h>
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/ops/random.h>
 

@@ -7,7 +7,7 @@
 #include <optional>
 
 #include <ember/distributed/detail/environment.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 
 extern char** environ;
 

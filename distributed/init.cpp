@@ -8,7 +8,7 @@
 #include <ember/distributed/detail/environment.h>
 #include <ember/distributed/store/prefix_store.h>
 #include <ember/distributed/trace_clock.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/observe/log.h>
 #include <ember/tensor/observe/trace.h>
 

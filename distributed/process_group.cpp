@@ -3,7 +3,7 @@
 // where they have them; these keep the semantics and the error reporting of the parts.
 #include <ember/distributed/process_group.h>
 
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/ops.h>
 
 namespace ember::dist {

@@ -7,8 +7,8 @@
 
 #include <ember/distributed/detail/flight_ring.h>
 #include <ember/distributed/flight_recorder.h>
-#include <ember/tensor/cuda.h>
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 #include <ember/tensor/observe/log.h>
 
 namespace ember::dist {

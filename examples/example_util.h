@@ -36,7 +36,7 @@
 #include <ember/distributed/store/hash_store.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/ops/creation.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/version.h>
 
 namespace ember::examples {

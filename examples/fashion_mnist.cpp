@@ -38,7 +38,7 @@
 #include <ember/distributed/store/hash_store.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/ops/creation.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/ops/elementwise.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops/random.h>

@@ -55,10 +55,10 @@
 #include <ember/nn/amp/autocast.h>
 #include <ember/nn/data/token_stream.h>
 #include <ember/nn/nn.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/allocator.h>
 #include <ember/tensor/ops/creation.h>
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops/indexing.h>
 #include <ember/tensor/ops/random.h>

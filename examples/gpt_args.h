@@ -12,7 +12,7 @@
 
 #include <ember/distributed/pipelining/schedule.h>
 #include <ember/nn/data/token_stream.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include "examples/example_util.h"
 #include "examples/gpt_model.h"
 

@@ -8,7 +8,6 @@
 #include <unordered_map>
 
 #include <ember/tensor/error.h>
-#include <ember/tensor/host_memory.h>
 
 namespace ember {
 

@@ -52,6 +52,11 @@ Allocator* cuda_allocator(int index);
 Allocator* allocator_for(Device d);
 
 AllocatorStats cpu_allocator_stats();
+/// Adds `delta` bytes to cpu_allocator_stats().allocated (raising its peak as an allocation
+/// would), for host memory a component maps and unmaps itself outside cpu_allocator(), such as
+/// FSDP's fixed-address parameter arenas (distributed/sharding/fsdp.h): so that peak_allocated
+/// stays the peak of everything tensors use.
+void cpu_allocator_account(int64_t delta);
 /// Returns every cached host block to the system.
 void cpu_empty_cache();
 

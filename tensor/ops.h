@@ -4,7 +4,7 @@
 #include <ember/tensor/ops/attention.h>
 #include <ember/tensor/ops/conv.h>
 #include <ember/tensor/ops/creation.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/ops/elementwise.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops/indexing.h>

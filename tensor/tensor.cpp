@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include <ember/tensor/ops/creation.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/detail/copy.h>
 #include <ember/tensor/detail/overlap.h>
 #include <ember/tensor/detail/record.h>

@@ -20,10 +20,10 @@
 #include <ember/distributed/environment.h>
 #include <ember/distributed/flight_recorder.h>
 #include <ember/tensor/cuda/runtime/check.h>
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 #include <ember/tensor/observe/log.h>
 #include <ember/tensor/ops.h>
-#include <ember/tensor/trace_device.h>
+#include <ember/tensor/gpu/trace_device.h>
 
 namespace ember::dist {
 

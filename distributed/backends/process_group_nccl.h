@@ -51,7 +51,7 @@
 
 #include <ember/distributed/process_group.h>
 #include <ember/distributed/store/store.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 
 namespace ember::dist {
 

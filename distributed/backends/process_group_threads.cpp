@@ -18,7 +18,7 @@
 #include <thread>
 #include <tuple>
 
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>
 

@@ -14,7 +14,7 @@
 #include <optional>
 #include <thread>
 
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>
 

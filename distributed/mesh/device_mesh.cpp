@@ -6,7 +6,7 @@
 #include <sstream>
 
 #include <ember/distributed/init.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 
 namespace ember::dist {
 

@@ -36,7 +36,7 @@
 #include <ember/distributed/init.h>
 #include <ember/distributed/sharding/detail/fsdp_unit.h>
 #include <ember/tensor/allocator.h>
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>

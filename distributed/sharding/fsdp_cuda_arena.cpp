@@ -34,7 +34,7 @@
 #include <array>
 #include <atomic>
 
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/error.h>
 
 #if EMBER_WITH_CUDA

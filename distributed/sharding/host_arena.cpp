@@ -9,8 +9,8 @@
 #include <cstring>
 #include <mutex>
 
+#include <ember/tensor/allocator.h>
 #include <ember/tensor/error.h>
-#include <ember/tensor/host_memory.h>
 
 namespace ember::dist::detail {
 namespace {

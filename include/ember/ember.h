@@ -27,8 +27,8 @@
 #include <ember/nn/layers/multihead_attention.h>
 #include <ember/nn/nn.h>
 #include <ember/nn/layers/transformer.h>
-#include <ember/tensor/cuda.h>
-#include <ember/tensor/cuda_graph.h>
-#include <ember/tensor/cudnn.h>
+#include <ember/tensor/gpu/cuda.h>
+#include <ember/tensor/gpu/cuda_graph.h>
+#include <ember/tensor/gpu/cudnn.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/version.h>

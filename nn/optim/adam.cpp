@@ -3,7 +3,7 @@
 #include <cmath>
 #include <optional>
 
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 #include <ember/tensor/ops/optim.h>
 
 namespace ember::nn::optim {

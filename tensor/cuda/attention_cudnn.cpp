@@ -35,7 +35,7 @@
 #include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cuda/runtime/cudnn_handle.h>
 #include <ember/tensor/cuda/runtime/device_pool.h>
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 #include <ember/tensor/detail/attention_kernels.h>
 #include <ember/tensor/observe/log.h>
 

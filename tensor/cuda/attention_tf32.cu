@@ -27,7 +27,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/cuda/attention_tf32.h>
 #include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cuda/warp_rows.cuh>

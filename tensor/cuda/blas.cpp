@@ -8,7 +8,7 @@
 #include <mutex>
 #include <vector>
 
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cuda/runtime/cublas_loader.h>
 #include <ember/tensor/cuda/runtime/handle_pool.h>

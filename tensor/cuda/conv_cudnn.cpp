@@ -11,9 +11,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/cuda/runtime/check.h>
-#include <ember/tensor/cudnn.h>
+#include <ember/tensor/gpu/cudnn.h>
 #include <ember/tensor/cuda/runtime/handle_pool.h>
 #include <ember/tensor/cuda/runtime/cudnn_handle.h>
 #include <ember/tensor/detail/conv_kernels.h>

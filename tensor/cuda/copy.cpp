@@ -2,7 +2,7 @@
 // and across devices.
 #include <cuda_runtime_api.h>
 
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cuda/copy_kernels.h>
 #include <ember/tensor/cuda/runtime/host_use.h>

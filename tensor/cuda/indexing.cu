@@ -22,7 +22,7 @@
 #include <string>
 
 #include <ember/tensor/ops/creation.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/cuda/runtime/device_pool.h>
 #include <ember/tensor/cuda/index_check.cuh>
 #include <ember/tensor/cuda/loops.cuh>

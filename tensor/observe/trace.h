@@ -83,7 +83,7 @@ void collective(std::string_view label, int64_t queued_us, int64_t started_us, i
 
 /// Registers `flush`, which stop() runs before it writes the file (while recording is still
 /// on): for recorders whose spans are only known later (CUDA events resolved once the device
-/// has passed them, tensor/trace_device.h). Registered once per function; kept for the process.
+/// has passed them, tensor/gpu/trace_device.h). Registered once per function; kept for the process.
 void add_stop_hook(void (*flush)());
 /// Names this thread's row in the file ("gloo worker"); the process's main thread is named
 /// "main thread" without asking. Only remembered until the thread first records (off, a

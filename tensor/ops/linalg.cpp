@@ -5,7 +5,7 @@
 #include <atomic>
 
 #include <ember/tensor/autocast.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/detail/linalg_kernels.h>
 #include <ember/tensor/detail/record.h>
 

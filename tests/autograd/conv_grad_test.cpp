@@ -6,7 +6,7 @@
 #include <optional>
 #include <string>
 
-#include <ember/tensor/cudnn.h>
+#include <ember/tensor/gpu/cudnn.h>
 #include "tests/autograd/grad_util.h"
 
 namespace ember {

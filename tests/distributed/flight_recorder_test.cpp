@@ -24,7 +24,7 @@
 #include <ember/distributed/flight_recorder.h>
 #include <ember/distributed/store/hash_store.h>
 #include <ember/nn/layers/linear.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include "cmake/build_paths.h"
 #include "tests/distributed/ddp/ddp_test_util.h"
 #include "tests/distributed/backends/mpi_job.h"

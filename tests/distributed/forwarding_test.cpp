@@ -18,7 +18,7 @@
 #include <ember/distributed/debug/delaying_group.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/ops/creation.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include "tests/distributed/backends/threads_test_util.h"
 
 namespace ember::dist {

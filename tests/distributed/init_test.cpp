@@ -15,7 +15,7 @@
 #include <ember/distributed/store/hash_store.h>
 #include <ember/distributed/store/tcp_store.h>
 #include <ember/tensor/ops/creation.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include "tests/distributed/store/store_test_util.h"
 #include "tests/distributed/require_gloo.h"
 

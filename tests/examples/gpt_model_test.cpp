@@ -10,8 +10,8 @@
 #include <ember/nn/clip_grad.h>
 #include <ember/nn/functional.h>
 #include <ember/nn/optim/adam.h>
-#include <ember/tensor/cuda.h>
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops/elementwise.h>
 #include <ember/tensor/ops/random.h>

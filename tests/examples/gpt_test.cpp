@@ -16,7 +16,7 @@
 #include <ember/distributed/checkpoint/sharded_checkpoint.h>
 #include <ember/nn/data/token_stream.h>
 #include <ember/nn/io/serialize.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include "cmake/build_paths.h"
 #include "tests/examples/example_test_util.h"
 

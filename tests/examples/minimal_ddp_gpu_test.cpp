@@ -7,7 +7,7 @@
 #include <string>
 
 #include <ember/nn/io/serialize.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/version.h>
 #include "cmake/build_paths.h"
 #include "tests/examples/example_test_util.h"

@@ -17,7 +17,7 @@
 #include <ember/nn/layers/transformer.h>
 #include <ember/tensor/allocator.h>
 #include <ember/tensor/autocast.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/ops/random.h>
 #include "tests/autograd/grad_util.h"
 

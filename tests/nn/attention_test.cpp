@@ -12,7 +12,7 @@
 
 #include <ember/autograd/autograd.h>
 #include <ember/tensor/allocator.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/detail/attention_kernels.h>
 #include "tests/autograd/grad_util.h"
 #include "tests/nn/attention_reference.h"

@@ -12,7 +12,7 @@
 #include <ember/nn/amp/autocast.h>
 #include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 #include <ember/tensor/ops/amp.h>
 #include <ember/tensor/ops.h>
 

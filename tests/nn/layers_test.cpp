@@ -13,7 +13,7 @@
 #include <vector>
 
 #include <ember/nn/functional.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include "tests/autograd/grad_util.h"
 #include "tests/nn/nn_reference.h"
 

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include <ember/tensor/autocast.h>
-#include <ember/tensor/cuda.h>
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 #include "tests/autograd/grad_util.h"
 #include "tests/nn/nn_reference.h"
 

@@ -16,7 +16,7 @@
 #include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
 #include <ember/nn/io/serialize.h>
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 #include <ember/tensor/ops/foreach.h>
 #include "tests/tensor/test_util.h"
 

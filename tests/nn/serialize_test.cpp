@@ -28,7 +28,7 @@
 #include <vector>
 
 #include <ember/nn/io/atomic_file.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include "cmake/build_paths.h"
 #include "tests/temp_dir.h"
 #include "tests/tensor/test_util.h"

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include <ember/tensor/ops/creation.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/error.h>
 #include "tests/examples/example_test_util.h"
 #include "tests/nn/tfevents_test_util.h"

@@ -18,7 +18,7 @@
 #include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
 #include <ember/nn/io/serialize.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include "tests/autograd/grad_util.h"
 #include "tests/nn/transformer_reference.h"
 

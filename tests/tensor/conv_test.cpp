@@ -11,8 +11,8 @@
 #include <string_view>
 #include <vector>
 
-#include <ember/tensor/cuda.h>
-#include <ember/tensor/cudnn.h>
+#include <ember/tensor/gpu/cuda.h>
+#include <ember/tensor/gpu/cudnn.h>
 #include <ember/tensor/detail/conv_kernels.h>
 #include <ember/tensor/ops.h>
 #include "test_util.h"

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/ops.h>
 #include "tests/tensor/test_util.h"
 

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include <ember/tensor/cpu/matmul_dnnl.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/ops.h>
 #include "test_util.h"
 

@@ -103,7 +103,7 @@ class ProcessGroupNccl::Impl {
   // What a captured collective's replay hooks hold (Note [NCCL in a CUDA graph]): expires with
   // the group.
   const std::shared_ptr<Impl*> alive_ = std::make_shared<Impl*>(this);
-  // The timeline row of this group's stream (device spans, tensor/trace_device.h).
+  // The timeline row of this group's stream (device spans, tensor/gpu/trace_device.h).
   const int trace_row_;
   std::string trace_row_name_;
 };

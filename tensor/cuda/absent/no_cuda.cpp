@@ -1,8 +1,8 @@
 // Linked instead of tensor/cuda/*.cpp|cu when Ember is built with EMBER_WITH_CUDA=OFF: every
 // entry point exists and says why it cannot work.
 #include <ember/tensor/allocator.h>
-#include <ember/tensor/cuda.h>
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 #include <ember/tensor/detail/copy.h>
 #include <ember/tensor/error.h>
 

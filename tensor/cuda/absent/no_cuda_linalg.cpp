@@ -1,7 +1,7 @@
 // Linked instead of tensor/cuda/{blas,conv_cudnn}.cpp and pool.cu when Ember is built with
 // EMBER_WITH_CUDA=OFF: the CUDA side of matrix products, convolution and pooling.
 #include <ember/tensor/cuda/absent/no_cuda.h>
-#include <ember/tensor/cudnn.h>
+#include <ember/tensor/gpu/cudnn.h>
 #include <ember/tensor/detail/conv_kernels.h>
 #include <ember/tensor/detail/linalg_kernels.h>
 #include <ember/tensor/error.h>

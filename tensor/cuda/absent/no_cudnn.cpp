@@ -1,7 +1,7 @@
 // Linked instead of tensor/cuda/conv_cudnn.cpp in a CUDA build without cuDNN (EMBER_WITH_CUDNN=OFF,
 // or cudnn.h or libcudnn not found): convolution on CUDA tensors says what the build lacks and how
 // to get it. Pooling and every other CUDA op do not need cuDNN.
-#include <ember/tensor/cudnn.h>
+#include <ember/tensor/gpu/cudnn.h>
 #include <ember/tensor/detail/conv_kernels.h>
 #include <ember/tensor/error.h>
 

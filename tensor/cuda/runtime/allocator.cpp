@@ -11,7 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/cuda/runtime/device_pool.h>
 #include <ember/tensor/cuda/runtime/host_use.h>

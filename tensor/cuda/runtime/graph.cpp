@@ -20,7 +20,7 @@
 //    from the static output after replay()).
 // Ember's capture mode is thread-local by default (PyTorch's is global): rank threads share a GPU,
 // and another thread's cudaMalloc must not invalidate this thread's capture.
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 
 #include <cuda_runtime_api.h>
 

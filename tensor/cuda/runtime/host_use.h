@@ -2,7 +2,7 @@
 // internal to tensor/cuda/.
 #pragma once
 
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 
 namespace ember::detail {
 /// Tells the pinned allocator that an asynchronous copy on s reads or writes host_ptr, so the

@@ -1,4 +1,4 @@
-// Devices, streams and events (tensor/cuda.h) over the CUDA runtime API: the probe that finds
+// Devices, streams and events (tensor/gpu/cuda.h) over the CUDA runtime API: the probe that finds
 // the devices once (and why there are none), the per-thread current device and stream, and
 // stream-ordered events.
 #include <cuda.h>
@@ -7,7 +7,7 @@
 #include <mutex>
 #include <string>
 
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/cuda/runtime/check.h>
 
 namespace ember::cuda {

@@ -1,5 +1,5 @@
 // cuda::spin: a kernel that only burns time, for tests of stream ordering.
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/cuda/runtime/check.h>
 #include <ember/tensor/error.h>
 

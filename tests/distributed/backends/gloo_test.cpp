@@ -29,7 +29,7 @@
 #include <ember/distributed/ddp/comm_hooks.h>
 #include <ember/distributed/ddp/ddp.h>
 #include <ember/nn/nn.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 
 namespace ember::dist {
 namespace {

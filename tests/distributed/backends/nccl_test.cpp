@@ -29,8 +29,8 @@
 #include <ember/distributed/store/prefix_store.h>
 #include <ember/nn/optim/adam.h>
 #include <ember/nn/optim/sgd.h>
-#include <ember/tensor/cuda.h>
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 #include "tests/distributed/ddp/ddp_test_util.h"
 #include "tests/distributed/sharding/fsdp_test_model.h"
 #include "tests/distributed/store/store_test_util.h"

@@ -1,4 +1,4 @@
-// NCCL collectives on the timeline: measured on the group's stream (tensor/trace_device.h), on
+// NCCL collectives on the timeline: measured on the group's stream (tensor/gpu/trace_device.h), on
 // a row of their own, with the same name, category and args as gloo's and MPI's (seq, bytes,
 // queued_us, backend "nccl"). Skips, saying why, without NCCL or a CUDA device.
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@
 
 #include <ember/distributed/backends/process_group_nccl.h>
 #include <ember/distributed/store/hash_store.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/observe/trace.h>
 

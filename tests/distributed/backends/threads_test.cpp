@@ -11,7 +11,7 @@
 
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops.h>
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 #include "tests/distributed/backends/allreduce_closed_forms.h"
 #include "tests/distributed/backends/collective_options.h"
 #include "tests/distributed/backends/p2p_checks.h"

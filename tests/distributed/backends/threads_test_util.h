@@ -13,7 +13,7 @@
 
 #include <ember/distributed/backends/process_group_threads.h>
 #include <ember/distributed/debug/delaying_group.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include "tests/distributed/store/store_test_util.h"
 
 namespace ember::test {

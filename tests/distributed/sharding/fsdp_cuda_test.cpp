@@ -17,7 +17,7 @@
 #include <ember/nn/functional.h>
 #include <ember/nn/layers/linear.h>
 #include <ember/nn/optim/adam.h>
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 #include "tests/distributed/ddp/ddp_test_util.h"
 #include "tests/distributed/sharding/fsdp_test_model.h"
 #include "tests/distributed/store/store_test_util.h"

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include <ember/distributed/store/store.h>
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include "tests/temp_dir.h"
 #include "tests/tensor/test_util.h"
 

@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include <ember/tensor/cuda.h>
-#include <ember/tensor/cuda_graph.h>
+#include <ember/tensor/gpu/cuda.h>
+#include <ember/tensor/gpu/cuda_graph.h>
 #include <ember/tensor/ops.h>
 
 using namespace ember;

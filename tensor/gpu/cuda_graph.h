@@ -7,7 +7,7 @@
 #include <functional>
 #include <memory>
 
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 
 namespace ember::cuda {
 

@@ -1,9 +1,9 @@
-// Device-side spans (tensor/trace_device.h): off, a DeviceSpan touches no CUDA API (runs
+// Device-side spans (tensor/gpu/trace_device.h): off, a DeviceSpan touches no CUDA API (runs
 // anywhere); on a GPU, a span of work on a stream lands on its row, on the trace clock, inside
 // the host's window around it, with queued_us, also when trace::stop() comes before the device
 // finished. The GPU cases (TraceDeviceCuda, which scripts/gpu_check.sh runs) skip, saying why,
 // without a device.
-#include <ember/tensor/trace_device.h>
+#include <ember/tensor/gpu/trace_device.h>
 
 #include <gtest/gtest.h>
 

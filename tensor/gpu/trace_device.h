@@ -23,7 +23,7 @@
 #include <memory>
 #include <string>
 
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/observe/trace.h>
 
 namespace ember::trace {

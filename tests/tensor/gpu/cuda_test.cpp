@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/ops.h>
 
 using namespace ember;

@@ -2,7 +2,7 @@
 // Its own binary: the checks need a process in which no other test touched a device.
 #include <gtest/gtest.h>
 
-#include <ember/tensor/cuda.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/ops.h>
 
 namespace ember {

@@ -1,4 +1,4 @@
-#include <ember/tensor/trace_device.h>
+#include <ember/tensor/gpu/trace_device.h>
 
 #include <algorithm>
 #include <cmath>
