@@ -100,8 +100,11 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
   std::atomic<bool> failed{false};
 #pragma omp parallel num_threads(nt)
   {
+    // The team OpenMP gave, which may be smaller than asked (OMP_THREAD_LIMIT, OMP_DYNAMIC):
+    // chunks counted from `nt` would leave the range past the team's last chunk undone.
+    const int team = omp_get_num_threads();
     const int tid = omp_get_thread_num();
-    const int64_t chunk = (n + nt - 1) / nt;
+    const int64_t chunk = (n + team - 1) / team;
     const int64_t b = begin + tid * chunk;
     const int64_t e = std::min(end, b + chunk);
     if (b < e) {

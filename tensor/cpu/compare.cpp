@@ -31,11 +31,13 @@ void compare_cpu(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& 
 
 void compare_scalar_cpu(BinaryOp op, const Tensor& out, const Tensor& a, const Scalar& s,
                         bool reverse) {
-  // s < a is a > s: mirror the op instead of instantiating reversed loops.
+  // s < a is a > s: mirror the op instead of instantiating reversed loops. The scalar is
+  // compared at the tensor's dtype, as PyTorch does: bfloat16's 0.1 == 0.1 (the scalar rounded
+  // to bfloat16 too), where the unrounded float32 0.1 would differ.
   if (reverse) op = mirrored(op);
   compare_dispatch(op, a.dtype(), [&](auto f, Dtype dt) {
     EMBER_DISPATCH_ALL(dt, "compare", [&]<typename T>() {
-      scalar_loop<bool, T, false>(out, a, s.to<acc_t<T>>(), f);
+      scalar_loop<bool, T, false>(out, a, static_cast<acc_t<T>>(s.to<T>()), f);
     });
   });
 }

@@ -4,6 +4,7 @@
 // channel in parallel over channels, then the element-wise pass over all runs.
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <mutex>
 #include <vector>
 
@@ -93,7 +94,9 @@ void backward_typed(const Tensor& dy, const Tensor& x, const Tensor& mean, const
   const T* pw = weight.defined() ? weight.data<T>() : nullptr;
   T* pdx = dx.defined() ? dx.data<T>() : nullptr;
   const bool want_params = dweight.defined() || dbias.defined();
-  std::vector<double> dw_total(want_params ? n : 0, 0.0), db_total(want_params ? n : 0, 0.0);
+  // Each chunk's partial sums, merged in row order after the loop: merged as the threads
+  // finished, the double sums (so dweight's last bit) changed from run to run.
+  std::map<int64_t, std::pair<std::vector<double>, std::vector<double>>> parts;
   std::mutex merge;
   parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     std::vector<double> dw(want_params ? n : 0, 0.0), db(want_params ? n : 0, 0.0);
@@ -103,12 +106,16 @@ void backward_typed(const Tensor& dy, const Tensor& x, const Tensor& mean, const
     }
     if (want_params) {
       std::lock_guard<std::mutex> lock(merge);
-      for (int64_t i = 0; i < n; ++i) {
-        dw_total[i] += dw[i];
-        db_total[i] += db[i];
-      }
+      parts.emplace(begin, std::make_pair(std::move(dw), std::move(db)));
     }
   });
+  std::vector<double> dw_total(want_params ? n : 0, 0.0), db_total(want_params ? n : 0, 0.0);
+  for (const auto& [begin, part] : parts) {
+    for (int64_t i = 0; i < n; ++i) {
+      dw_total[i] += part.first[i];
+      db_total[i] += part.second[i];
+    }
+  }
   if (dweight.defined()) {
     T* p = dweight.data<T>();
     for (int64_t i = 0; i < n; ++i) p[i] = static_cast<T>(dw_total[i]);

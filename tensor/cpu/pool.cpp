@@ -112,7 +112,14 @@ void max_pool2d_backward_cpu(const Tensor& grad_input, const Tensor& grad_output
           std::fill(plane, plane + in_plane, T(0));
           const T* gp = go + p * out_plane;
           const int64_t* ip = idx + p * out_plane;
-          for (int64_t o = 0; o < out_plane; ++o) plane[ip[o]] += gp[o];
+          for (int64_t o = 0; o < out_plane; ++o) {
+            // The indices may be a caller's, not max_pool2d's: a bad one must not write
+            // outside the plane.
+            EMBER_CHECK_TYPE(IndexError, ip[o] >= 0 && ip[o] < in_plane,
+                             "[max_pool2d_backward] index ", ip[o], " at output ", o, " of plane ",
+                             p, " is outside the input plane of ", in_plane, " elements");
+            plane[ip[o]] += gp[o];
+          }
         }
       });
     } else {

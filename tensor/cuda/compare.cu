@@ -30,7 +30,7 @@ void compare(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
 void compare_scalar(BinaryOp op, const Tensor& out, const Tensor& a, const Scalar& s) {
   compare_dispatch(op, [&](auto f) {
     EMBER_DISPATCH_ALL(a.dtype(), "compare", [&]<typename T>() {
-      scalar<bool, T, false>(out, a, s.to<acc_t<T>>(), f);
+      scalar<bool, T, false>(out, a, static_cast<acc_t<T>>(s.to<T>()), f);
     });
   });
 }

@@ -3,6 +3,7 @@
 #include <ember/tensor/ops/reduce.h>
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 
 #include <ember/tensor/autocast.h>
@@ -343,6 +344,13 @@ Tensor norm(const Tensor& t, double p, IntList dims, bool keepdim) {
   if (auto ac = detail::autocast_inputs(AutocastPolicy::kFloat32, t)) return norm(ac[0], p, dims, keepdim);
   detail::check_defined("norm", t, "input");
   check_floating("norm", t);
+  if (p == -std::numeric_limits<double>::infinity()) {  // min |x| has no identity (as amin)
+    const uint32_t mask = dims_mask("norm", t, dims);
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      EMBER_CHECK(!(mask >> d & 1u) || t.size(d) != 0, "[norm] cannot compute the -inf norm over ",
+                  "dim ", d, " of size 0 (shape ", t.shape(), "): it has no identity");
+    }
+  }
   ReduceParams params;
   params.p = p;
   Tensor out = reduce("norm", ReduceKind::Norm, t, dims, keepdim, t.dtype(), params);

@@ -543,6 +543,11 @@ TEST(Pool2d, ZeroSizedBatchAndErrors) {
       {"[max_pool2d_backward]", "[1, 1, 2, 2]", "[1, 1, 3, 3]"});
   expect_error([&] { max_pool2d_backward(y, x, idx.to(kInt32), p); },
                         {"[max_pool2d_backward]", "int64", "int32"});
+  // Indices a caller made: one outside the input plane is refused, not written through.
+  for (int64_t bad : {int64_t{16}, int64_t{1000000}, int64_t{-1}}) {
+    expect_error<IndexError>([&] { max_pool2d_backward(y, x, full_like(idx, bad), p); },
+                             {"[max_pool2d_backward]", std::to_string(bad), "16 elements"});
+  }
   expect_error(
       [&] {
         adaptive_avg_pool2d(x, {0, 2});

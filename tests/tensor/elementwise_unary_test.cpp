@@ -268,6 +268,22 @@ TEST(Compare, AllOpsTensorAndScalarEveryDtype) {
   expect_values(logical_and(tensor({kNaN, 0.0}), tensor({true, true})), {1, 0});
 }
 
+// A scalar is compared at the tensor's dtype, as PyTorch does (torch 1.13 on the CPU:
+// torch.full((1,), 0.1, dtype=torch.bfloat16) == 0.1 is True): bfloat16's 0.1 is 0.10009765625,
+// which the unrounded float32 0.1 is not.
+TEST(Compare, AScalarIsRoundedToTheTensorsDtype) {
+  for (Dtype dt : {kBFloat16, kFloat16}) {
+    SCOPED_TRACE(::testing::Message() << "dtype " << dt);
+    const Tensor x = full({1}, 0.1, dt);
+    expect_values(eq(x, 0.1), {1});
+    expect_values(ne(x, 0.1), {0});
+    expect_values(lt(x, 0.1), {0});
+    expect_values(gt(x, 0.1), {0});
+  }
+  expect_values(eq(full({1}, 0.1, kFloat32), 0.1), {1});   // float32's 0.1 as well
+  expect_values(eq(full({1}, 0.1, kFloat64), 0.1f), {0});  // the float 0.1f is not double's 0.1
+}
+
 // ---- where, clamp, masked_fill ----------------------------------------------------------------
 
 TEST(Where, BroadcastsAllThreeAndPromotes) {

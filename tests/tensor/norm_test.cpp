@@ -6,7 +6,9 @@
 #include <cmath>
 #include <vector>
 
+#include <ember/tensor/detail/norm_kernels.h>
 #include <ember/tensor/ops.h>
+#include <ember/tensor/threading.h>
 #include "test_util.h"
 
 namespace ember {
@@ -49,6 +51,38 @@ TEST(LayerNorm, MatchesTheClosedFormOnBothPaths) {
   expect_close(layer_norm(x, {3}, {}, {}, 0.1), plain, 1e-13, "no affine");
   expect_close(layer_norm(x.to(kFloat16), {3}, {}, {}, 0.1), plain, 1e-2, "float16");
   EXPECT_EQ(layer_norm(x.to(kFloat16), {3}).dtype(), kFloat16);
+}
+
+// The weight's and bias's gradients sum over rows in chunks of threads: merged in the order the
+// threads finished, their last bits changed from run to run (float64, whose sums are the
+// outputs; float32's are rounded from them). Now bitwise the same every time.
+TEST(LayerNorm, ParameterGradientsAreTheSameEveryRun) {
+  const int64_t rows = 4096, n = 64;  // 8 chunks of the 512-row grain
+  const Tensor x = test::rand_t({rows, n}, kFloat64, 4) * 3.0;
+  const Tensor w = test::rand_t({n}, kFloat64, 5), b = test::rand_t({n}, kFloat64, 6);
+  const Tensor dy = test::rand_t({rows, n}, kFloat64, 7);
+  Tensor y = empty({rows, n}, kFloat64), mean = empty({rows}, kFloat64),
+         rstd = empty({rows}, kFloat64);
+  detail::layer_norm_forward_cpu(x, w, b, 1e-5, y, mean, rstd);
+  // Eight threads, so eight partial sums (two would add the same either way round).
+  const int saved = get_num_threads();
+  set_num_threads(8);
+  struct Restore {
+    int n;
+    ~Restore() { set_num_threads(n); }
+  } restore{saved};
+  std::vector<double> first_w, first_b;
+  for (int run = 0; run < 20; ++run) {
+    Tensor dw = empty({n}, kFloat64), db = empty({n}, kFloat64);
+    detail::layer_norm_backward_cpu(dy, x, mean, rstd, w, Tensor(), dw, db);
+    if (run == 0) {
+      first_w = dw.to_vector<double>();
+      first_b = db.to_vector<double>();
+      continue;
+    }
+    ASSERT_EQ(dw.to_vector<double>(), first_w) << "run " << run;
+    ASSERT_EQ(db.to_vector<double>(), first_b) << "run " << run;
+  }
 }
 
 TEST(LayerNorm, ErrorsNameTheOpWhatWasExpectedAndWhatWasGot) {

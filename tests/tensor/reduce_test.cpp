@@ -517,6 +517,11 @@ TEST(Norm, DtypesLayoutsAndErrors) {
   }
   EXPECT_EQ(norm(empty({0})).item<float>(), 0.0f);
   EXPECT_EQ(norm(empty({2, 0}), kInf, {1}).to_vector<float>(), std::vector<float>(2, 0.0f));
+  // min |x| of nothing has no identity (torch.linalg.vector_norm raises): it was +inf.
+  expect_error<ValueError>([] { norm(empty({0}), -kInf); }, {"[norm]", "-inf", "dim 0"});
+  expect_error<ValueError>([] { norm(empty({2, 0}), -kInf, {1}); }, {"[norm]", "dim 1"});
+  EXPECT_EQ(norm(empty({0, 2}), -kInf, {1}).numel(), 0);  // over a non-empty dim: nothing
+  EXPECT_EQ(norm(tensor({-3.f, 2.f}), -kInf).item<float>(), 2.0f);
   expect_error<TypeError>([] { norm(arange(3)); }, {"[norm]", "int64"});
 }
 
