@@ -57,6 +57,19 @@ Tensor GradScaler::scale(const Tensor& loss) {
   return l * scale_dev_;
 }
 
+namespace {
+
+// Where the optimizer's parameters are (the first one's device), for a flag of a rank whose
+// parameters have no gradient; the CPU if it has no parameters.
+Device parameters_device(const optim::Optimizer& optimizer) {
+  for (const optim::ParamGroup& group : optimizer.param_groups()) {
+    if (!group.params.empty()) return group.params.front().device();
+  }
+  return kCPU;
+}
+
+}  // namespace
+
 GradScaler::PerOptimizer& GradScaler::state_of(const optim::Optimizer& optimizer) {
   return per_optimizer_[&optimizer];
 }
@@ -77,7 +90,9 @@ void GradScaler::unscale_(optim::Optimizer& optimizer) {
   const double inv_scale = static_cast<float>(1.0 / static_cast<double>(scale_));
   Tensor inv_scale_dev;
   if (on_device()) inv_scale_dev = reciprocal(scale_dev_.to(kFloat64)).to(kFloat32);
-  std::vector<Tensor> found_infs;  // one per device holding gradients, in first-seen order
+  // Every gradient is checked before any is divided, so a refusal leaves them all as they were
+  // (a retry would otherwise divide the first ones twice).
+  std::vector<Tensor> grads;
   for (const optim::ParamGroup& group : optimizer.param_groups()) {
     for (const Tensor& p : group.params) {
       const Tensor g = p.grad();
@@ -85,25 +100,34 @@ void GradScaler::unscale_(optim::Optimizer& optimizer) {
       EMBER_CHECK(g.dtype() != kFloat16,
                   "[GradScaler.unscale_] Attempting to unscale FP16 gradients: keep the "
                   "parameters in float32 and let autocast make the float16 copies");
-      Tensor* found = nullptr;
-      for (Tensor& f : found_infs) {
-        if (f.device() == g.device()) found = &f;
-      }
-      if (found == nullptr) found = &found_infs.emplace_back(zeros({1}, g.device()));
-      if (inv_scale_dev.defined()) {
-        EMBER_CHECK(g.device() == scale_dev_.device(),
-                    "[GradScaler.unscale_] a capturable scaler keeps its scale on ",
-                    scale_dev_.device(), ", got a gradient on ", g.device());
-        detail::amp_unscale_(g, *found, inv_scale_dev);
-      } else {
-        detail::amp_unscale_(g, *found, inv_scale);
-      }
+      EMBER_CHECK(!inv_scale_dev.defined() || g.device() == scale_dev_.device(),
+                  "[GradScaler.unscale_] a capturable scaler keeps its scale on ",
+                  scale_dev_.device(), ", got a gradient on ", g.device());
+      grads.push_back(g);
+    }
+  }
+  std::vector<Tensor> found_infs;  // one per device holding gradients, in first-seen order
+  for (const Tensor& g : grads) {
+    Tensor* found = nullptr;
+    for (Tensor& f : found_infs) {
+      if (f.device() == g.device()) found = &f;
+    }
+    if (found == nullptr) found = &found_infs.emplace_back(zeros({1}, g.device()));
+    if (inv_scale_dev.defined()) {
+      detail::amp_unscale_(g, *found, inv_scale_dev);
+    } else {
+      detail::amp_unscale_(g, *found, inv_scale);
     }
   }
   st.stage = Stage::kUnscaled;
+  st.recorded = !found_infs.empty();
+  // found_inf_sync is collective: a rank without gradients still takes part, with a clear flag
+  // on its parameters' device (its peers would otherwise wait for it).
+  if (found_infs.empty() && (inv_scale_dev.defined() || options_.found_inf_sync)) {
+    found_infs.push_back(
+        zeros({1}, inv_scale_dev.defined() ? scale_dev_.device() : parameters_device(optimizer)));
+  }
   if (inv_scale_dev.defined()) {
-    // One device, so one flag; none when no parameter had a gradient.
-    if (found_infs.empty()) found_infs.push_back(zeros({1}, scale_dev_.device()));
     if (options_.found_inf_sync) options_.found_inf_sync(found_infs[0]);
     st.found_inf_dev = found_infs[0];
     return;
@@ -133,6 +157,13 @@ bool GradScaler::step(optim::Optimizer& optimizer) {
                 "CUDA parameters) or GradScalerOptions::capturable=false");
   }
   if (st.stage == Stage::kReady) unscale_(optimizer);
+  // As torch ("No inf checks were recorded for this optimizer"): most likely no backward ran.
+  // Under found_inf_sync a rank without gradients has taken part in the sync, and steps nothing.
+  if (!st.recorded && !options_.found_inf_sync) {
+    throw Error(
+        "[GradScaler.step] No inf checks were recorded for this optimizer: none of its "
+        "parameters has a gradient (did backward run on the scaled loss?)");
+  }
   if (st.found_inf_dev.defined()) {
     optimizer.step_unless(st.found_inf_dev);
     st.stage = Stage::kStepped;

@@ -71,7 +71,8 @@ class GradScaler {
   Tensor scale(const Tensor& loss);
 
   /// Divides every gradient of `optimizer`'s parameters by the scale, in place, and records
-  /// whether any was inf or NaN (then synchronised by found_inf_sync if set). At most once per
+  /// whether any was inf or NaN (then synchronised by found_inf_sync if set: on every rank,
+  /// one with no gradients included). Checks every gradient before dividing any. At most once per
   /// optimizer between update()s: a second call throws Error (torch: RuntimeError) ("unscale_() has
   /// already been called on this optimizer since the last update()"), as does a call after step().
   /// Throws ValueError for a float16 gradient (torch: "Attempting to unscale FP16 gradients";
@@ -80,8 +81,11 @@ class GradScaler {
 
   /// Unscales (unless unscale_ already ran) and runs optimizer.step() unless a gradient held an
   /// inf or NaN. Returns whether the step ran (capturable: true, the optimizer skips it on the
-  /// device). Throws Error (torch: RuntimeError) when called twice before update(), and, when
-  /// capturable, for an optimizer that does not support_found_inf().
+  /// device). Throws Error (torch: RuntimeError) when called twice before update(), when none
+  /// of the optimizer's parameters has a gradient (torch: "No inf checks were recorded"; under
+  /// found_inf_sync such a rank takes part in the sync with a clear flag and steps nothing,
+  /// since its peers wait for it), and, when capturable, for an optimizer that does not
+  /// support_found_inf().
   bool step(optim::Optimizer& optimizer);
 
   /// Updates the scale from this iteration's inf checks (backoff after any inf, growth after
@@ -119,6 +123,7 @@ class GradScaler {
   enum class Stage { kReady, kUnscaled, kStepped };
   struct PerOptimizer {
     Stage stage = Stage::kReady;
+    bool recorded = false;   // some parameter had a gradient to check
     bool found_inf = false;  // over every device, after found_inf_sync
     Tensor found_inf_dev;    // capturable: the flag on the scale's device instead
   };

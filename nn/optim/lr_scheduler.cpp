@@ -379,17 +379,30 @@ void SequentialLR::load_state_dict(const std::string& state) {
   EMBER_CHECK(subs.is_array() && subs.size() == schedulers_.size(), op, "expected ",
               schedulers_.size(), " scheduler states, got ",
               subs.is_array() ? std::to_string(subs.size()) : subs.type_name());
-  // Validate every part before changing any (each load checks before it writes).
   for (size_t i = 0; i < schedulers_.size(); ++i) {
     const Json& sub = subs[i];
     EMBER_CHECK(sub.is_object() && sub.contains("scheduler") &&
                     sub["scheduler"] == schedulers_[i]->name(),
                 op, "scheduler state ", i, " is not from a ", schedulers_[i]->name());
   }
+  // All or nothing: each load checks before it writes, but a later part may still refuse after
+  // an earlier one was taken, so every part goes back to what it was.
+  const std::string before = state_dict();
   Json self = j;
   self.erase("schedulers");
-  LRScheduler::load_state_dict(self.dump());
-  for (size_t i = 0; i < schedulers_.size(); ++i) schedulers_[i]->load_state_dict(subs[i].dump());
+  try {
+    LRScheduler::load_state_dict(self.dump());
+    for (size_t i = 0; i < schedulers_.size(); ++i) schedulers_[i]->load_state_dict(subs[i].dump());
+  } catch (...) {
+    const Json old = Json::parse(before);
+    Json old_self = old;
+    old_self.erase("schedulers");
+    LRScheduler::load_state_dict(old_self.dump());
+    for (size_t i = 0; i < schedulers_.size(); ++i) {
+      schedulers_[i]->load_state_dict(old["schedulers"][i].dump());
+    }
+    throw;
+  }
 }
 
 // ---- OneCycleLR -------------------------------------------------------------------------------

@@ -93,8 +93,9 @@ class Optimizer {
 
   /// Adds a group (e.g. layers unfrozen later). Missing options take the defaults. Throws
   /// ValueError for an unknown option key, a bad value (negative lr, ...), a parameter that is
-  /// undefined, not floating point, not a leaf, does not require grad, is repeated, or is
-  /// already in another group; the message names the group and parameter index.
+  /// undefined, not a leaf, is repeated, or is already in another group, and TypeError for one
+  /// that is not floating point; the message names the group and parameter index. A parameter
+  /// that does not require grad is taken (as torch takes it): it has no gradient to step.
   void add_param_group(ParamGroup group);
 
   std::vector<ParamGroup>& param_groups() { return groups_; }

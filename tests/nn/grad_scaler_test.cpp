@@ -140,6 +140,41 @@ TEST(GradScaler, TorchsErrors) {
   expect_throw_with([&] { GradScaler().unscale_(opt16); }, "Attempting to unscale FP16 gradients");
 }
 
+// A refused unscale_ divides nothing: the float16 gradient came after a float32 one, which was
+// divided before the refusal, and the retry through step() divided it again.
+TEST(GradScaler, ARefusedUnscaleLeavesEveryGradientAsItWas) {
+  Tensor a = tensor({1.0f, 1.0f}).requires_grad_();
+  Tensor b = tensor({1.0f}).to(kFloat16).requires_grad_();
+  optim::SGD opt({a, b}, {.lr = 1.0});
+  GradScaler s;  // scale 65536
+  a.set_grad(tensor({65536.0f, 65536.0f}));
+  b.set_grad(tensor({1.0f}).to(kFloat16));
+  expect_throw_with([&] { s.unscale_(opt); }, "Attempting to unscale FP16 gradients");
+  EXPECT_EQ(a.grad().to_vector<float>(), (std::vector<float>{65536, 65536}));
+  b.set_grad(Tensor());
+  EXPECT_TRUE(s.step(opt));
+  EXPECT_EQ(a.grad().to_vector<float>(), (std::vector<float>{1, 1}));  // divided once
+  EXPECT_EQ(a.to_vector<float>(), (std::vector<float>{0, 0}));
+}
+
+// No gradient at all: step() says so, as torch's assertion does, instead of counting a clean
+// iteration (which grew the scale). Under found_inf_sync the rank still takes part in the sync,
+// which its peers wait for, with a clear flag on its parameters' device.
+TEST(GradScaler, NoGradientsIsAnErrorExceptUnderASync) {
+  Fixture f;
+  GradScaler s({.growth_interval = 1});
+  expect_throw_with([&] { s.step(f.opt); }, "No inf checks were recorded for this optimizer");
+  int calls = 0;
+  GradScaler synced({.growth_interval = 1, .found_inf_sync = [&](Tensor& found) {
+                       ++calls;
+                       EXPECT_EQ(found.device(), f.w.device());
+                       EXPECT_EQ(found.item<float>(), 0.0f);
+                     }});
+  EXPECT_TRUE(synced.step(f.opt));
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(f.w.to_vector<float>(), (std::vector<float>{1, 2}));  // nothing stepped
+}
+
 TEST(GradScaler, StateDictRoundTrip) {
   GradScaler a({.init_scale = 8.0, .growth_interval = 3});
   Fixture f;

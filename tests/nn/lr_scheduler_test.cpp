@@ -5,6 +5,7 @@
 #include <cmath>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -364,6 +365,22 @@ TEST(LRScheduler, StateDictResume) {
   auto seq = warmup_cosine(*seq_opt);
   expect_error([&] { seq->load_state_dict(state); }, {"[SequentialLR::load_state_dict]",
                                                       "'schedulers'"});
+}
+
+// A SequentialLR state whose second part is refused changes nothing: the parent and the first
+// part were taken before the second refused.
+TEST(LRScheduler, SequentialLoadIsAllOrNothing) {
+  auto opt = opt_sgd();
+  auto seq = warmup_cosine(*opt);
+  for (int i = 0; i < 2; ++i) seq->step();
+  nlohmann::json saved = nlohmann::json::parse(seq->state_dict());
+  for (int i = 0; i < 5; ++i) seq->step();
+  const std::string before = seq->state_dict();
+  saved["schedulers"][1]["base_lrs"] = {1.0, 2.0, 3.0};  // the optimizer has 2 groups
+  expect_error([&] { seq->load_state_dict(saved.dump()); },
+               {"[CosineAnnealingLR::load_state_dict]", "'base_lrs'"});
+  EXPECT_EQ(seq->state_dict(), before);
+  EXPECT_EQ(seq->last_epoch(), 7);
 }
 
 TEST(LRScheduler, ResumeWithLastEpoch) {
