@@ -148,7 +148,9 @@ WorkPtr ProcessGroupGloo::allreduce(Tensor& tensor, const AllreduceOptions& opts
   std::string label = next_op_label("allreduce");
   const int n = size_;
   auto ctx = impl_->context();
-  dist::detail::ShmAllreduce* shm = ctx && tensor.numel() > 0 ? impl_->shm() : nullptr;
+  // Empty tensors too: a rank whose tensor is empty meets its peers in shared memory, where the
+  // agreement check names the counts, instead of leaving them to wait out the timeout.
+  dist::detail::ShmAllreduce* shm = ctx ? impl_->shm() : nullptr;
   const uint64_t ticket = shm ? shm->next_ticket() : 0;  // in issue order, as on every rank
   Tensor t = tensor;
   const ReduceOp op = opts.op;
@@ -187,14 +189,14 @@ WorkPtr ProcessGroupGloo::allreduce_coalesced(std::vector<Tensor>& tensors,
     total += t.numel();
   }
   std::string label = next_op_label("allreduce_coalesced");  // before the ticket, as allreduce
-  const uint64_t ticket = total > 0 ? shm->next_ticket() : 0;  // in issue order
+  const uint64_t ticket = shm->next_ticket();  // in issue order; empty too, as allreduce
   std::vector<Tensor> ts = tensors;
   const ReduceOp op = opts.op;
   const size_t bytes = static_cast<size_t>(total) * static_cast<size_t>(tensors[0].element_size());
   return record_flight(impl_->submit(
                            label, timeout_of(opts.timeout),
                            [=](std::chrono::milliseconds left) {
-                             if (total > 0) shm_allreduce(*shm, ticket, ts, op, left);
+                             shm_allreduce(*shm, ticket, ts, op, left);
                              return ts;
                            },
                            impl_->route_for(bytes)),

@@ -26,22 +26,19 @@ constexpr const char* kOp = "[ZeroRedundancyOptimizer]";
 // Note [ZeRO partition]: as torch's ZeroRedundancyOptimizer, group by group, the parameters in
 // decreasing size (stable, so every rank gets the same order) each go to the rank holding the
 // fewest bytes so far (the lowest such rank on a tie). Deterministic from the shapes alone, so
-// every rank computes the same partition without communicating.
-std::vector<int> partition(const std::vector<std::vector<size_t>>& groups,
-                           const std::vector<Tensor>& params, int world) {
-  std::vector<int> owner(params.size(), 0);
-  std::vector<int64_t> load(static_cast<size_t>(world), 0);
-  for (const auto& g : groups) {
-    std::vector<size_t> order = g;
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t a, size_t b) { return params[a].nbytes() > params[b].nbytes(); });
-    for (size_t i : order) {
-      const auto r = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
-      owner[i] = static_cast<int>(r);
-      load[r] += params[i].nbytes();
-    }
+// every rank computes the same partition without communicating. A group added later continues
+// from the loads the earlier groups left, so the earlier parameters keep their ranks.
+void partition(const std::vector<size_t>& group, const std::vector<Tensor>& params,
+               std::vector<int64_t>& load, std::vector<int>& owner) {
+  std::vector<size_t> order = group;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return params[a].nbytes() > params[b].nbytes(); });
+  owner.resize(params.size(), 0);
+  for (size_t i : order) {
+    const auto r = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    owner[i] = static_cast<int>(r);
+    load[r] += params[i].nbytes();
   }
-  return owner;
 }
 
 // "state.<index>.<key>" -> (index, key).
@@ -152,24 +149,16 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<ParamGroup> groups,
                                                  OptimizerFactory factory,
                                                  std::shared_ptr<ProcessGroup> group,
                                                  ZeroOptions options)
-    : group_(group ? std::move(group) : default_group()), options_(options) {
+    : group_(group ? std::move(group) : default_group()),
+      options_(options),
+      load_(static_cast<size_t>(group_->size()), 0),
+      gather_chunk_bytes_(kGatherChunkBytes) {
   EMBER_CHECK(factory != nullptr, kOp, " expected an optimizer factory, got null");
   const int world = group_->size(), me = group_->rank();
-  std::vector<std::vector<size_t>> members(groups.size());
-  std::set<const TensorImpl*> seen;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    for (const Tensor& p : groups[g].params) {
-      EMBER_CHECK(p.defined() && p.requires_grad(), kOp, " parameter ", params_.size(),
-                  " (group ", g, ") must be defined and require grad");
-      EMBER_CHECK(seen.insert(p.impl()).second, kOp, " parameter ", params_.size(), " (group ",
-                  g, ") appears twice");
-      members[g].push_back(params_.size());
-      params_.push_back(p);
-      group_of_.push_back(g);
-    }
-  }
+  std::vector<std::vector<size_t>> members;
+  for (size_t g = 0; g < groups.size(); ++g) members.push_back(take_params(groups[g], g));
   EMBER_CHECK(!params_.empty(), kOp, " got no parameters");
-  owner_ = partition(members, params_, world);
+  for (const auto& m : members) partition(m, params_, load_, owner_);
   std::vector<int64_t> held(static_cast<size_t>(world), 0);
   for (int o : owner_) ++held[static_cast<size_t>(o)];
   for (int r = 0; r < world; ++r) {
@@ -191,8 +180,37 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<ParamGroup> groups,
   }
   local_opt_ = factory(std::move(local_groups));
   EMBER_CHECK(local_opt_ != nullptr, kOp, " the optimizer factory returned null");
+  if (options_.overlap_with_ddp) {
+    // The hook sends each bucket's updates itself: no gather buffers.
+    overlap_ = std::make_shared<dist::detail::ZeroOverlap>(*this);
+  } else {
+    build_flats();
+  }
+}
 
-  // Flat buffers per (dtype, device), in the order the parameters first show them.
+std::vector<size_t> ZeroRedundancyOptimizer::take_params(const ParamGroup& group, size_t g) {
+  std::set<const TensorImpl*> seen;
+  for (const Tensor& p : params_) seen.insert(p.impl());
+  std::vector<size_t> members;
+  for (const Tensor& p : group.params) {
+    // What the wrapped optimizer checks too, but of every parameter here: it sees only this
+    // rank's, and a rank must not throw where its peers go on.
+    EMBER_CHECK(p.defined() && p.requires_grad() && p.is_leaf() && p.is_floating_point(), kOp,
+                " parameter ", params_.size(), " (group ", g,
+                ") must be a floating-point leaf tensor that requires grad");
+    EMBER_CHECK(seen.insert(p.impl()).second, kOp, " parameter ", params_.size(), " (group ", g,
+                ") appears twice");
+    members.push_back(params_.size());
+    params_.push_back(p);
+    group_of_.push_back(g);
+  }
+  return members;
+}
+
+// Flat buffers per (dtype, device), in the order the parameters first show them.
+void ZeroRedundancyOptimizer::build_flats() {
+  const int world = group_->size();
+  flats_.clear();
   std::map<std::pair<int, std::string>, size_t> flat_of;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto key = std::make_pair(static_cast<int>(params_[i].dtype()), params_[i].device().str());
@@ -210,17 +228,50 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<ParamGroup> groups,
       f.longest = std::max(f.longest, n);
     }
   }
-  if (options_.overlap_with_ddp) {
-    // The hook sends each bucket's updates itself: no gather buffers.
-    overlap_ = std::make_shared<dist::detail::ZeroOverlap>(*this);
-  } else {
-    set_gather_chunk_bytes(kGatherChunkBytes);
+  set_gather_chunk_bytes(gather_chunk_bytes_);
+}
+
+void ZeroRedundancyOptimizer::add_param_group(ParamGroup group) {
+  EMBER_CHECK(!overlap_, kOp,
+              " add_param_group: not with overlap_with_ddp (the communication "
+              "hook's buckets hold the parameters the optimizer was built with)");
+  EMBER_CHECK(!group.params.empty(), kOp, " add_param_group: the group has no parameters");
+  const size_t g = local_opt_->param_groups().size(), first = params_.size();
+  std::vector<size_t> members;
+  try {
+    members = take_params(group, g);
+  } catch (...) {
+    params_.resize(first);
+    group_of_.resize(first);
+    throw;
   }
+  ParamGroup local({}, group.options);
+  std::vector<int64_t> load = load_;
+  std::vector<int> owner = owner_;
+  partition(members, params_, load, owner);
+  for (size_t i : members) {
+    if (owner[i] == group_->rank()) local.params.push_back(params_[i]);
+  }
+  try {
+    local_opt_->add_param_group(std::move(local));  // checks the options before anything moves
+  } catch (...) {
+    params_.resize(first);
+    group_of_.resize(first);
+    throw;
+  }
+  load_ = std::move(load);
+  owner_ = std::move(owner);
+  for (size_t i : members) {
+    if (owner_[i] == group_->rank()) local_.push_back(i);
+  }
+  build_flats();
+  consolidated_.reset();
 }
 
 void ZeroRedundancyOptimizer::set_gather_chunk_bytes(int64_t bytes) {
   EMBER_CHECK(bytes > 0, kOp, " set_gather_chunk_bytes: expected a positive size, got ", bytes);
   const int world = group_->size();
+  gather_chunk_bytes_ = bytes;
   for (Flat& f : flats_) {
     size_t any = 0;
     for (const auto& share : f.by_rank) {

@@ -73,6 +73,13 @@ class ZeroRedundancyOptimizer {
   /// With overlap_with_ddp: not collective, updates nothing (the hook did); throws ValueError
   /// if no synchronised backward pass ran the hook since the last step().
   void step();
+  /// Adds a group (layers unfrozen during training, as torch's add_param_group): its parameters
+  /// are partitioned over the ranks after those already held, so no earlier parameter moves and
+  /// no state is communicated; the wrapped optimizer gets this rank's part as a new group (empty
+  /// on a rank given none of it). Every rank must call it with the same group (shapes, order),
+  /// between steps. Throws ValueError for a parameter that does not require grad or is already
+  /// held, an empty group, or with overlap_with_ddp (the hook's buckets are fixed).
+  void add_param_group(nn::optim::ParamGroup group);
   /// Clears (set_to_none) or zeroes the gradients of every parameter, not only this rank's.
   void zero_grad(bool set_to_none = true);
 
@@ -103,6 +110,10 @@ class ZeroRedundancyOptimizer {
 
  private:
   struct Flat;  // one dtype and device's parameters, packed per rank for the all-gather
+  // Checks and appends a group's parameters (params_, group_of_); returns their indices.
+  std::vector<size_t> take_params(const nn::optim::ParamGroup& group, size_t g);
+  // flats_ from params_ and owner_, with gather windows of gather_chunk_bytes_.
+  void build_flats();
   friend class detail::ZeroOverlap;  // detail/zero_overlap.h: steps and sends bucket by bucket
 
   std::shared_ptr<ProcessGroup> group_;
@@ -113,6 +124,8 @@ class ZeroRedundancyOptimizer {
   std::vector<size_t> group_of_;    // the group of each parameter
   std::unique_ptr<nn::optim::Optimizer> local_opt_;
   std::vector<Flat> flats_;
+  std::vector<int64_t> load_;  // bytes each rank holds, where the next group's partition starts
+  int64_t gather_chunk_bytes_;
   std::optional<nn::optim::OptimizerState> consolidated_;
   int64_t steps_ = 0;
   int64_t consolidated_at_ = -1;  // steps_ when consolidated

@@ -1659,6 +1659,23 @@ INSTANTIATE_TEST_SUITE_P(
                     {"reduce_scatter_tensor", "reduce_scatter_tensor"},
                     {"reduce_scatter (sum) of 100 elements of float32",
                      "reduce_scatter (sum) of 101 elements of float32"}},
+        // An empty tensor took TCP while its peer waited in shared memory: the timeout.
+        ShmMismatch{"EmptyBesideNonEmpty",
+                    [](ProcessGroup& pg, int rank) {
+                      Tensor t = zeros({10 * rank}, kFloat32);
+                      return pg.allreduce(t);
+                    },
+                    {"allreduce", "allreduce"},
+                    {"allreduce (sum) of 0 elements of float32",
+                     "allreduce (sum) of 10 elements of float32"}},
+        ShmMismatch{"EmptyCoalescedBesideNonEmpty",
+                    [](ProcessGroup& pg, int rank) {
+                      std::vector<Tensor> ts = {zeros({0}, kFloat32), zeros({3 * rank}, kFloat32)};
+                      return pg.allreduce_coalesced(ts);
+                    },
+                    {"allreduce_coalesced", "allreduce_coalesced"},
+                    {"allreduce (sum) of 0 elements of float32",
+                     "allreduce (sum) of 3 elements of float32"}},
         ShmMismatch{"Root",
                     [](ProcessGroup& pg, int rank) {
                       Tensor t = zeros({10}, kFloat32);

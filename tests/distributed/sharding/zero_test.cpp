@@ -7,6 +7,7 @@
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 
 #include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/backends/process_group_mpi.h>
@@ -265,6 +266,72 @@ TEST(ZeroCheckpoint, ConsolidatedStateReshardsToAnotherWorldSizeAndToAPlainOptim
       opt.step();
     }
     require_params("2 ranks resumed, rank " + std::to_string(rank), *models2[rank], *ref.model);
+  });
+}
+
+// add_param_group mid-training (a layer unfrozen): the new group is partitioned after the others
+// and trains as a plain Adam's added group does. Every rank computes the whole batch's gradient
+// (no DDP: its buckets are fixed at construction).
+TEST_P(Zero, AddParamGroupTrainsLikeAPlainOptimizersAddedGroup) {
+  const int n = GetParam();
+  const std::vector<Batch> batches = make_batches(kSteps, 9);
+  auto split = [](nn::Module& m) {
+    std::vector<Tensor> all = m.parameters();
+    return std::make_pair(std::vector<Tensor>(all.begin(), all.begin() + 4),
+                          std::vector<Tensor>(all.begin() + 4, all.end()));
+  };
+  const nn::optim::GroupOptions head_options = {{"lr", 5e-3}};
+  auto ref_model = make_model();
+  auto [ref_body, ref_head] = split(*ref_model);
+  Adam ref_opt(ref_body, adam_options());
+  for (int i = 0; i < kSteps; ++i) {
+    if (i == kSteps / 2) ref_opt.add_param_group(ParamGroup(ref_head, head_options));
+    ref_opt.zero_grad();
+    loss_of(*ref_model, batches[i]).backward();
+    ref_opt.step();
+  }
+  std::vector<std::shared_ptr<nn::Sequential>> models;
+  for (int r = 0; r < n; ++r) models.push_back(make_model());
+  test::run_threads(ranks(n), [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto [body, head] = split(*models[rank]);
+    ZeroRedundancyOptimizer opt(std::vector<ParamGroup>{ParamGroup(body)}, adam_factory(), pg);
+    std::vector<int> owners;
+    for (size_t i = 0; i < body.size(); ++i) owners.push_back(opt.rank_of(i));
+    for (int i = 0; i < kSteps; ++i) {
+      if (i == kSteps / 2) {
+        opt.add_param_group(ParamGroup(head, head_options));
+        for (size_t k = 0; k < body.size(); ++k) {
+          require(opt.rank_of(k) == owners[k], "an earlier parameter moved to another rank");
+        }
+        require(opt.optimizer().param_groups().size() == 2 &&
+                    opt.optimizer().param_groups()[1].lr() == 5e-3,
+                "the wrapped optimizer's new group");
+      }
+      opt.zero_grad();
+      loss_of(*models[rank], batches[i]).backward();
+      opt.step();
+    }
+    require_params("rank " + std::to_string(rank), *models[rank], *ref_model);
+    // Its state consolidates as the plain optimizer's, two groups and all.
+    opt.consolidate_state_dict(0);
+    if (rank == 0) {
+      const OptimizerState got = opt.state_dict(), want = ref_opt.state_dict();
+      require(nlohmann::json::parse(got.param_groups) == nlohmann::json::parse(want.param_groups),
+              "param_groups: " + got.param_groups + " vs " + want.param_groups);
+      require(got.state.size() == want.state.size(), "state entries");
+    }
+    // Refused, on every rank alike: a parameter held already, an empty group.
+    for (auto& [what, group] : std::vector<std::pair<std::string, ParamGroup>>{
+             {"appears twice", ParamGroup(head)},
+             {"no parameters", ParamGroup(std::vector<Tensor>{})}}) {
+      try {
+        opt.add_param_group(group);
+        require(false, "add_param_group must refuse: " + what);
+      } catch (const ValueError& e) {
+        require(std::string(e.what()).find(what) != std::string::npos, e.what());
+      }
+    }
+    require(opt.optimizer().param_groups().size() == 2, "a refused group was added");
   });
 }
 
