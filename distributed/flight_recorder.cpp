@@ -17,6 +17,7 @@
 #include <ember/distributed/detail/environment.h>
 #include <ember/distributed/detail/flight_ring.h>
 #include <ember/nn/io/atomic_file.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/observe/log.h>
 
 namespace ember::dist {
@@ -39,6 +40,9 @@ struct Registry {
   std::vector<std::weak_ptr<FlightRing>> rings;
   std::atomic<uint64_t> changes{0};
   uint64_t dumped_at = ~uint64_t{0};  // `changes` at the last failure dump
+  // The next ordinal of each (group's global ranks, this rank's global rank): never reused, so
+  // a group made after another over the same ranks has ended gets a name of its own.
+  std::map<std::pair<std::vector<int>, int>, int> next_ordinal;
   bool hinted = false;                // the "set EMBER_FLIGHT_RECORDER_DIR" hint was logged
 };
 
@@ -107,19 +111,16 @@ uint64_t FlightRing::enqueue(const ProcessGroup& pg, const char* op, uint64_t se
   r.changes.fetch_add(1, std::memory_order_relaxed);
   if (first) {
     // The ordinal tells apart this rank's groups over the same ranks (the default group and a
-    // new_group of every rank); ranks make their groups, and use them first, in one order.
+    // new_group of every rank); ranks make their groups, and use them first, in one order. It
+    // counts every such group this rank used, the ended ones too: counting the live ones only
+    // gave a group the name of a live one made after an earlier one ended.
     FlightGroupInfo info{pg.backend_name(), pg.rank(), pg.size(), pg.global_ranks(), 0};
     const int me = info.global_ranks[info.rank];
     std::lock_guard<std::mutex> lock(r.mu);
     r.rings.erase(
         std::remove_if(r.rings.begin(), r.rings.end(), [](const auto& w) { return w.expired(); }),
         r.rings.end());
-    for (const auto& w : r.rings) {
-      const auto other = w.lock();
-      if (!other) continue;
-      const FlightGroupInfo o = other->info();
-      if (o.global_ranks == info.global_ranks && o.global_ranks[o.rank] == me) ++info.ordinal;
-    }
+    info.ordinal = r.next_ordinal[{info.global_ranks, me}]++;
     {
       std::lock_guard<std::mutex> ring_lock(mu_);
       info_ = std::move(info);
@@ -173,6 +174,17 @@ std::pair<FlightState, std::string> outcome(const Future& f) {
 }
 }  // namespace
 
+namespace {
+// Whether the device has passed every event (false if it cannot say).
+bool passed(const std::vector<std::shared_ptr<cuda::Event>>& events) {
+  try {
+    return std::all_of(events.begin(), events.end(), [](const auto& ev) { return ev->query(); });
+  } catch (const std::exception&) {
+    return false;  // failed on the device: the Work says how
+  }
+}
+}  // namespace
+
 void FlightRing::complete(uint64_t id, const Future& f) {
   auto [state, why] = outcome(f);
   const int64_t now = wall_us();
@@ -182,6 +194,7 @@ void FlightRing::complete(uint64_t id, const Future& f) {
     if (e == nullptr) return;
     e->state = state;
     if (state != FlightState::Started) e->completed_us = now;
+    if (state == FlightState::Started) e->device_done = f.ready_events();
     e->error = std::move(why);
     e->pending.reset();
   }
@@ -211,6 +224,12 @@ std::vector<FlightEntry> FlightRing::snapshot() const {
     }
     e.pending.reset();
     if (e.state != FlightState::Started && e.state != FlightState::Enqueued) continue;
+    // The device's word first: a group that failed since reports every held Work as failed,
+    // the collectives the device finished before the failure included.
+    if (e.state == FlightState::Started && !e.device_done.empty() && passed(e.device_done)) {
+      e.state = FlightState::Completed;
+      continue;
+    }
     const WorkPtr w = e.work.lock();
     if (w && w->is_completed()) {
       e.state = w->exception() ? FlightState::Failed : FlightState::Completed;

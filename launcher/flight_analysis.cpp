@@ -150,9 +150,11 @@ std::string ranks_word(const std::vector<int>& ranks) {
   return (ranks.size() == 1 ? "rank " : "ranks ") + list(ranks);
 }
 
-// The first divergence among the members' entries of one group, or nothing.
+// The first divergence among the members' entries of one group, or nothing. `undumped`: the
+// group's ranks that left no dump (not in `members`).
 std::optional<FlightFinding> first_divergence(const std::string& name,
-                                              const std::map<int, const GroupDump*>& members) {
+                                              const std::map<int, const GroupDump*>& members,
+                                              const std::vector<int>& undumped) {
   // Ranks whose dump lacks the group never issued on it: no entries.
   uint64_t start = 0, end = 0;
   bool any = false;
@@ -258,8 +260,19 @@ std::optional<FlightFinding> first_divergence(const std::string& name,
       FlightFinding f{FlightFinding::Kind::Stuck, name, s, intended.op, stuck, ""};
       f.message = ranks_word(stuck) + (stuck.size() == 1 ? " is" : " are") + " stuck in " +
                   intended.op + " #" + std::to_string(s) + ", " + intended.signature +
-                  " (issued, not completed when dumped)" +
-                  (done.empty() ? ", on every rank" : "; " + ranks_word(done) + " completed it");
+                  " (issued, not completed when dumped)";
+      if (!done.empty()) {
+        f.message += "; " + ranks_word(done) + " completed it";
+      } else if (undumped.empty()) {
+        f.message += ", on every rank";
+      } else {
+        // The rank a collective waits for is usually busy elsewhere (computing, or stuck
+        // before it) and killed without failing itself: it writes no dump.
+        f.message += "; " + ranks_word(undumped) + " left no dump, so where " +
+                     (undumped.size() == 1 ? "it stands" : "they stand") +
+                     " is unknown: likely the one" + (undumped.size() == 1 ? "" : "s") +
+                     " that never reached it";
+      }
       return f;
     }
   }
@@ -307,16 +320,18 @@ FlightReport analyze_flight_dumps(const std::string& dir) {
   std::set<int> no_dump;
   for (const auto& [name, ranks] : groups) {
     std::map<int, const GroupDump*> members;
+    std::vector<int> undumped;
     for (int r : ranks) {
       auto d = dumps.find(r);
       if (d == dumps.end()) {
         no_dump.insert(r);
+        undumped.push_back(r);
         continue;
       }
       auto g = d->second.groups.find(name);
       members[r] = g == d->second.groups.end() ? nullptr : &g->second;
     }
-    if (auto f = first_divergence(name, members)) {
+    if (auto f = first_divergence(name, members, undumped)) {
       f->message = "group " + name + ": " + f->message;
       report.findings.push_back(std::move(*f));
     }

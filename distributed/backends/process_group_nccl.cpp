@@ -545,6 +545,10 @@ void ProcessGroupNccl::Impl::check_init(ncclResult_t r, ncclComm_t comm, const c
 // and forgets the pending operations: the abort stopped them.
 void ProcessGroupNccl::Impl::abort_all(const std::string& reason, const std::string& culprit,
                                        std::exception_ptr error) {
+  // The watchdog's timeouts reach no wait(): dump the recent collectives here as well, before
+  // the abort, while each one's end event still says whether the device finished it (an
+  // aborted collective's kernel returns, and its event may then pass as if it had).
+  dist::detail::flight_recorder_on_failure(reason);
   {
     std::lock_guard<std::mutex> cl(comm_mu_);
     if (comm_ != nullptr) {
@@ -559,8 +563,6 @@ void ProcessGroupNccl::Impl::abort_all(const std::string& reason, const std::str
     failed.swap(pending_);
   }
   cv_.notify_all();
-  // The watchdog's timeouts reach no wait(): dump the recent collectives here as well.
-  dist::detail::flight_recorder_on_failure(reason);
 }
 
 // The watchdog: forgets operations whose end event has passed, and aborts on a timeout or an

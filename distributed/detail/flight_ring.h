@@ -27,6 +27,9 @@ struct FlightEntry {
   int64_t completed_us = 0;  // 0: not seen completing
   std::string error;
   std::weak_ptr<Work> work;  // asked at dump time whether a started collective has finished
+  // A started collective's device events (NCCL's end event), kept from its future: asked at
+  // dump time too, so that one whose Work was dropped (DDP's) still shows when it finished.
+  std::vector<std::shared_ptr<cuda::Event>> device_done;
   // Until complete() runs: its output tensors stay alive only while the collective is pending.
   std::shared_ptr<Future> pending;
 };

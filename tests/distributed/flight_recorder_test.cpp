@@ -14,10 +14,12 @@
 #include <fstream>
 #include <latch>
 #include <optional>
+#include <set>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/backends/process_group_mpi.h>
 #include <ember/distributed/backends/process_group_nccl.h>
 #include <ember/distributed/ddp/ddp.h>
@@ -141,6 +143,31 @@ TEST(FlightRecorder, KeepsTheLastCollectivesOfEachGroupWithSizesDtypesAndStates)
 
 // A send or receive is an entry of its own, marked p2p and numbered apart from the
 // collectives (the threads group used to add its sizes and state to the collective before it).
+// A group made after another over the same ranks has ended gets a name of its own: the names
+// counted the live groups only, so two live groups could share one (and the analysis kept one
+// of them).
+TEST(FlightRecorder, GroupsOverTheSameRanksKeepNamesOfTheirOwn) {
+  if (!ProcessGroupGloo::is_available()) GTEST_SKIP() << "built without gloo";
+  test::TempDir dir;
+  auto make = [] { return std::make_shared<ProcessGroupGloo>(nullptr, 0, 1); };
+  auto use = [](ProcessGroup& g) {
+    Tensor t = ones({1});
+    g.allreduce(t)->wait();
+  };
+  auto a = make();
+  use(*a);
+  auto b = make();
+  use(*b);
+  a.reset();
+  auto c = make();
+  use(*c);
+  dump_flight_recorder(dir.path());
+  const json doc = read_json(dir.file("flight_rank0.json"));
+  std::set<std::string> names;
+  for (const json& g : doc["groups"]) names.insert(g["name"].get<std::string>());
+  EXPECT_EQ(names, (std::set<std::string>{"ranks [0] #1", "ranks [0] #2"})) << doc.dump();
+}
+
 TEST(FlightRecorder, SendsAndReceivesAreEntriesOfTheirOwn) {
   test::TempDir dir;
   std::barrier sync(2);
@@ -397,6 +424,14 @@ TEST(FlightRecorderNccl, EntriesCompleteOnceTheDeviceHasFinished) {
   EXPECT_EQ(e[1]["sizes"], json({{2, 3}}));
   EXPECT_EQ(e[1]["dtypes"], json({"float16"}));
   EXPECT_EQ(e[1]["state"], "completed") << "its Work has finished on the device";
+  // The last collective's Work dropped, nothing after it: its end event says it finished.
+  Tensor c = ones({3}, TensorOptions(kFloat32).device(cuda_device(0)));
+  (void)pg->allreduce(c);
+  cuda::synchronize(0);  // the whole device: the group's stream too
+  ASSERT_EQ(dump_flight_recorder(dir.path()).size(), 1u);
+  const json last = read_json(dir.file("flight_rank0.json"))["groups"][0]["entries"];
+  ASSERT_EQ(last.size(), 3u);
+  EXPECT_EQ(last[2]["state"], "completed") << "its end event has passed";
 }
 
 // MPI ranks are processes under mpirun: each records its collectives (sizes, dtypes, completed

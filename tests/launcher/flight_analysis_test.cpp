@@ -222,6 +222,29 @@ TEST(FlightAnalysis, NamesRanksStuckInACollectiveTheOthersCompleted) {
       << r.findings[0].message;
 }
 
+// The ranks that dumped all wait in a collective and one rank left no dump: it is not "every
+// rank" that is stuck, and the one without a dump is the likely culprit.
+TEST(FlightAnalysis, StuckRanksBesideARankWithoutADumpNameThatRank) {
+  test::TempDir dir("flight_analysis");
+  json waiting = steps(0, 5);
+  waiting.push_back(entry(5, "allreduce", 1, "started"));
+  write(dir, 0, dump(0, {0, 1, 2}, waiting));
+  write(dir, 2, dump(2, {0, 1, 2}, waiting));
+  const FlightReport r = analyze_flight_dumps(dir.path());
+  ASSERT_EQ(r.findings.size(), 2u);
+  EXPECT_EQ(r.findings[0].kind, Kind::Stuck);
+  EXPECT_EQ(r.findings[0].message.find("every rank"), std::string::npos) << r.findings[0].message;
+  EXPECT_NE(r.findings[0].message.find("rank 1 left no dump"), std::string::npos)
+      << r.findings[0].message;
+  EXPECT_EQ(r.findings[1].kind, Kind::NoDump);
+  // With every rank's dump, "on every rank" it is.
+  write(dir, 1, dump(1, {0, 1, 2}, waiting));
+  const FlightReport all = analyze_flight_dumps(dir.path());
+  ASSERT_EQ(all.findings.size(), 1u);
+  EXPECT_NE(all.findings[0].message.find("on every rank"), std::string::npos)
+      << all.findings[0].message;
+}
+
 TEST(FlightAnalysis, NamesAFailedCollectiveAndAMemberWithoutADump) {
   test::TempDir dir("flight_analysis");
   json failed = steps(0, 2);
