@@ -173,8 +173,9 @@ Model read_source(const std::string& src, const std::string& object) {
     const ember::nn::HFCheckpoint hf = ember::nn::load_hf_checkpoint(src);
     m.hf_config = hf.config_json;
     const auto j = nlohmann::json::parse(hf.config_json);
-    m.tensors = j.value("model_type", "") == "gpt2" ? ember::examples::from_gpt2_tensors(hf.tensors)
-                                                    : hf.tensors;
+    const bool gpt2 = j.contains("model_type") && j["model_type"].is_string() &&
+                      j["model_type"].get<std::string>() == "gpt2";
+    m.tensors = gpt2 ? ember::examples::from_gpt2_tensors(hf.tensors) : hf.tensors;
     m.metadata[kHfConfigKey] = hf.config_json;
   } else {
     const ShardedCheckpoint ck(src);
@@ -209,7 +210,16 @@ std::string gpt2_config_of(const Model& m, int64_t heads) {
   if (heads <= 0 && m.metadata.count(kHfConfigKey)) {
     heads = ember::examples::gpt_config_from_gpt2(m.metadata.at(kHfConfigKey)).heads;
   }
-  if (heads <= 0 && m.metadata.count("heads")) heads = std::stoll(m.metadata.at("heads"));
+  if (heads <= 0 && m.metadata.count("heads")) {
+    const std::string& v = m.metadata.at("heads");
+    try {
+      heads = std::stoll(v);
+    } catch (const std::exception&) {
+      EMBER_CHECK(false,
+                  "[emberckpt convert] the checkpoint's \"heads\" metadata is not a number: '", v,
+                  "'");
+    }
+  }
   EMBER_CHECK(heads > 0, "[emberckpt convert] the number of attention heads is not in the "
               "checkpoint: give --heads");
   c.heads = heads;
@@ -328,8 +338,25 @@ int main(int argc, char** argv) {
     if (*ins) inspect(ck);
     if (*ver) {
       ck.verify();
-      std::printf("emberckpt: %s: every piece of %zu tensors matches its checksum\n", dir.c_str(),
-                  ck.names().size());
+      // A checkpoint written before checksums (index version 2) has pieces with none: say so
+      // rather than report them checked.
+      size_t pieces = 0, unchecked = 0;
+      for (const std::string& name : ck.names()) {
+        for (const auto& piece : ck.entry(name).pieces) {
+          ++pieces;
+          if (!piece.checksum) ++unchecked;
+        }
+      }
+      if (unchecked == 0) {
+        std::printf("emberckpt: %s: every piece of %zu tensors matches its checksum\n", dir.c_str(),
+                    ck.names().size());
+      } else {
+        std::printf(
+            "emberckpt: %s: %zu of %zu pieces carry no checksum (a checkpoint written "
+            "before checksums): only their files' sizes were checked; the other %zu "
+            "match their checksums\n",
+            dir.c_str(), unchecked, pieces, pieces - unchecked);
+      }
     }
     if (*con) {
       consolidate(ck, out, object);

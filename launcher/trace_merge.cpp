@@ -1,5 +1,7 @@
 #include <ember/launcher/trace_merge.h>
 
+#include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -52,8 +54,14 @@ std::map<int, fs::file_time_type> list_rank_traces(const std::string& dir) {
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
     if (name.rfind("trace_rank", 0) != 0 || entry.path().extension() != ".json") continue;
+    // Only the names the recorder writes: "trace_rank07.json" would be read as rank 7's, whose
+    // file is another, and a number past int's range threw out of emberrun.
     const std::string digits = name.substr(10, name.size() - 10 - 5);
-    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (digits.empty() || digits.size() > 9 ||
+        digits.find_first_not_of("0123456789") != std::string::npos ||
+        (digits.size() > 1 && digits[0] == '0')) {
+      continue;
+    }
     out[std::stoi(digits)] = entry.last_write_time(ec);
   }
   return out;
@@ -68,7 +76,15 @@ int merge_rank_traces(const std::string& dir, const std::map<int, fs::file_time_
   }
   if (ranks.empty()) return 0;
   const fs::path path = fs::path(dir) / "trace.json";
-  const fs::path tmp = path.string() + ".tmp." + std::to_string(::getpid());
+  // A temp name of its own (mkstemp: O_EXCL), not one from the pid: the folder may be shared by
+  // the nodes, where each node's emberrun merges at its end and pids repeat across hosts.
+  std::string name = path.string() + ".tmp.XXXXXX";
+  const int fd = ::mkstemp(name.data());
+  if (fd < 0) throw std::runtime_error("cannot create a temp file beside " + path.string());
+  (void)::fchmod(fd, 0644);  // mkstemp's 0600 would keep the merged file from the others
+  ::close(fd);
+  const fs::path tmp = name;
+  std::error_code ec;
   {
     std::ofstream f(tmp, std::ios::trunc);
     f << "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"ranks\":[";
@@ -77,9 +93,11 @@ int merge_rank_traces(const std::string& dir, const std::map<int, fs::file_time_
     for (size_t i = 0; i < events.size(); ++i) f << (i ? ",\n" : "") << events[i];
     f << "\n]}\n";
     f.flush();
-    if (!f) throw std::runtime_error("cannot write " + tmp.string());
+    if (!f) {
+      fs::remove(tmp, ec);
+      throw std::runtime_error("cannot write " + tmp.string());
+    }
   }
-  std::error_code ec;
   fs::rename(tmp, path, ec);
   if (ec) {
     fs::remove(tmp, ec);

@@ -94,7 +94,9 @@ std::string local_node_key() {
   const std::string boot = first_line("/proc/sys/kernel/random/boot_id");
   char net[256] = {};
   const ssize_t n = ::readlink("/proc/self/ns/net", net, sizeof(net) - 1);
-  if (boot.empty() && n <= 0) return {};
+  // Without the boot id, the network namespace alone does not tell machines apart: the host's
+  // namespace has the same inode on every Linux machine. Unknown then (a node of its own).
+  if (boot.empty()) return {};
   return boot + "|" + (n > 0 ? std::string(net, static_cast<size_t>(n)) : std::string());
 }
 

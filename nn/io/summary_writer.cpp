@@ -308,7 +308,8 @@ SummaryWriter::SummaryWriter(std::string log_dir, Options options) {
   impl_ = std::move(impl);
 }
 
-SummaryWriter::~SummaryWriter() {
+// Closes what the writer holds, logging rather than throwing (from a destructor or a move).
+void SummaryWriter::close_quietly() noexcept {
   if (impl_ == nullptr) return;
   try {
     close();
@@ -317,8 +318,18 @@ SummaryWriter::~SummaryWriter() {
   }
 }
 
+SummaryWriter::~SummaryWriter() { close_quietly(); }
+
 SummaryWriter::SummaryWriter(SummaryWriter&&) noexcept = default;
-SummaryWriter& SummaryWriter::operator=(SummaryWriter&&) noexcept = default;
+
+// The writer replaced is closed first: its buffered events are written, not dropped.
+SummaryWriter& SummaryWriter::operator=(SummaryWriter&& other) noexcept {
+  if (this != &other) {
+    close_quietly();
+    impl_ = std::move(other.impl_);
+  }
+  return *this;
+}
 
 std::string SummaryWriter::log_dir() const { return impl_ ? impl_->dir : ""; }
 std::string SummaryWriter::file_path() const { return impl_ ? impl_->main->path() : ""; }

@@ -112,6 +112,7 @@ class SummaryWriter {
 
  private:
   struct Impl;
+  void close_quietly() noexcept;
   std::unique_ptr<Impl> impl_;  // null on a rank that does not write
 };
 

@@ -36,12 +36,21 @@ State& state() {
   return *s;
 }
 
+// A value it cannot read is said once and the level stays info: throwing would make every log
+// call throw, from destructors and noexcept failure paths too.
 void read_env_once() {
   State& s = state();
+  std::string bad;
   std::call_once(s.env_once, [&] {
     const char* v = std::getenv("EMBER_LOG_LEVEL");
-    if (v != nullptr && *v != '\0') s.level.store(static_cast<int>(parse_level(v)));
+    if (v == nullptr || *v == '\0') return;
+    try {
+      s.level.store(static_cast<int>(parse_level(v)));
+    } catch (const ValueError& e) {
+      bad = e.what();
+    }
   });
+  if (!bad.empty()) s.logger.log(spdlog::level::warn, bad + "; logging at info");
 }
 
 }  // namespace

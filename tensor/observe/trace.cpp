@@ -3,7 +3,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -388,9 +390,18 @@ void instant(std::string_view name, const char* cat, Args args) {
   push(Event{'i', std::string(name), cat, now_us(), 0, std::move(a)});
 }
 
+// The shortest text that reads back as the same double (to_string's %f wrote 1e-7 as 0.000000);
+// JSON has no NaN or infinity, so those are null (a gap in the track) rather than a file no
+// reader can parse.
 void counter(std::string_view name, double value) {
   if (!enabled()) return;
-  std::string a = "\"value\":" + std::to_string(value);
+  std::string a = "\"value\":";
+  if (std::isfinite(value)) {
+    char buf[32];
+    a.append(buf, std::to_chars(buf, buf + sizeof buf, value).ptr);
+  } else {
+    a += "null";
+  }
   push(Event{'C', std::string(name), "counter", now_us(), 0, std::move(a)});
 }
 

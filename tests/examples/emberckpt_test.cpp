@@ -7,6 +7,7 @@
 
 #include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include <ember/distributed/backends/process_group_threads.h>
@@ -82,6 +83,25 @@ TEST(Emberckpt, InspectVerifyConsolidate) {
   EXPECT_EQ(bad.status, 1) << bad.output;
   EXPECT_NE(bad.output.find("tensor 'model.weight'"), std::string::npos) << bad.output;
   EXPECT_NE(bad.output.find("fails its checksum"), std::string::npos) << bad.output;
+
+  // An index from before checksums (version 2): verify says it checked only the sizes, not that
+  // every piece matched a checksum it does not have.
+  {
+    const std::string index = ckpt + "/index.json";
+    std::ifstream in(index);
+    nlohmann::json j = nlohmann::json::parse(in);
+    in.close();
+    j["version"] = 2;
+    for (auto& t : j["tensors"]) {
+      for (auto& p : t["pieces"]) p.erase("xxh3");
+    }
+    std::ofstream(index) << j.dump();
+  }
+  const auto unchecked = run("verify '" + ckpt + "'");
+  EXPECT_EQ(unchecked.status, 0) << unchecked.output;
+  EXPECT_NE(unchecked.output.find("2 of 2 pieces carry no checksum"), std::string::npos)
+      << unchecked.output;
+  EXPECT_EQ(unchecked.output.find("matches its checksum"), std::string::npos) << unchecked.output;
 
   EXPECT_EQ(run("inspect '" + dir.file("nowhere") + "'").status, 1);
   EXPECT_EQ(run("frobnicate x").status, 2);

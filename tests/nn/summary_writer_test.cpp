@@ -445,6 +445,23 @@ TEST(SummaryWriter, DestructorFlushesAndCloseIsFinal) {
   EXPECT_THROW(w.add_text("x", "y"), ValueError);
 }
 
+// A writer replaced by move-assignment writes its buffered events first (they were dropped).
+TEST(SummaryWriter, AWriterReplacedByAssignmentKeepsItsEvents) {
+  TempDir tmp("summary_writer_test");
+  SummaryWriter w(tmp.file("a"), {.rank = 0});
+  const std::string first = w.file_path();
+  const auto size0 = fs::file_size(first);
+  w.add_scalar("x", 1, 0);
+  EXPECT_EQ(fs::file_size(first), size0);  // buffered
+  w = SummaryWriter(tmp.file("b"), {.rank = 0});
+  EXPECT_GT(fs::file_size(first), size0);
+  EXPECT_NE(w.file_path(), first);
+  w.add_scalar("y", 2, 0);
+  SummaryWriter& same = w;
+  w = std::move(same);  // itself: nothing closes
+  w.add_scalar("z", 3, 1);
+}
+
 // ---- errors -------------------------------------------------------------------------------------
 
 TEST(SummaryWriter, UnwritableLogDirNamesThePath) {

@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/mount.h>
+#include <sys/wait.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -223,6 +225,29 @@ TEST(HierarchicalForced, NodeKeyExchangeNamesTheMissingRank) {
   const NodeLayout l = exchange_node_keys(solo, 0, 1, "", true, &all, Duration(50));
   EXPECT_EQ(l.nodes(), 1);
   EXPECT_TRUE(all);
+}
+
+// Without the boot id the node key is unknown (a node of its own): the network namespace alone
+// made machines whose /proc hides it one node (the host's namespace has one inode everywhere).
+// A child with /dev/null mounted over boot_id in a mount namespace of its own.
+TEST(HierarchicalForced, NoBootIdGivesNoNodeKey) {
+  ASSERT_FALSE(local_node_key().empty());
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const char* boot = "/proc/sys/kernel/random/boot_id";
+    if (::unshare(CLONE_NEWNS) != 0 ||
+        ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        ::mount("/dev/null", boot, nullptr, MS_BIND, nullptr) != 0) {
+      ::_exit(77);  // not allowed here
+    }
+    ::_exit(local_node_key().empty() ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "cannot make a mount namespace here";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "a key without the boot id";
 }
 
 // init_process_group's gloo backend picks the group from the node keys and the switch.

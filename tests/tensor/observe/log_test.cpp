@@ -92,18 +92,38 @@ TEST(LogChild, LogsAWarningAndAnError) {
   logging::error("child error");
 }
 
-// EMBER_LOG_LEVEL is read at the first use: a fresh process with it set shows only errors.
-TEST(Log, EnvironmentSetsTheThresholdOfAFreshProcess) {
-  const std::string cmd =
-      "EMBER_LOG_LEVEL=error EMBER_LOG_TEST_CHILD=1 /proc/" + std::to_string(getpid()) +
-      "/exe --gtest_filter=LogChild.* 2>&1";
+// LogChild's output in a fresh process with EMBER_LOG_LEVEL=`level`; fails unless it exits 0.
+std::string run_child(const std::string& level) {
+  const std::string cmd = "EMBER_LOG_LEVEL=" + level + " EMBER_LOG_TEST_CHILD=1 /proc/" +
+                          std::to_string(getpid()) + "/exe --gtest_filter=LogChild.* 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
+  EXPECT_NE(p, nullptr);
+  if (p == nullptr) return "";
   std::string out;
   char buf[4096];
   for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
   EXPECT_EQ(pclose(p), 0) << out;
+  return out;
+}
+
+// EMBER_LOG_LEVEL is read at the first use: a fresh process with it set shows only errors.
+TEST(Log, EnvironmentSetsTheThresholdOfAFreshProcess) {
+  const std::string out = run_child("error");
   EXPECT_EQ(out.find("child warn"), std::string::npos) << out;
+  EXPECT_NE(out.find("[error] child error"), std::string::npos) << out;
+}
+
+// A value it cannot read is reported once, and logging goes on at info: every log call threw
+// before, so a failure path that logs (a timed-out collective's) terminated the process.
+TEST(Log, AnUnknownLevelIsReportedOnceAndInfoIsKept) {
+  const std::string out = run_child("verbose");
+  const std::string said =
+      "[EMBER_LOG_LEVEL] expected trace, debug, info, warn, error or off, "
+      "got 'verbose'; logging at info";
+  const size_t at = out.find(said);
+  EXPECT_NE(at, std::string::npos) << out;
+  EXPECT_EQ(out.find(said, at + 1), std::string::npos) << "reported twice: " << out;
+  EXPECT_NE(out.find("[warning] child warn"), std::string::npos) << out;
   EXPECT_NE(out.find("[error] child error"), std::string::npos) << out;
 }
 

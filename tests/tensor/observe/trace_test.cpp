@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -74,6 +75,22 @@ TEST(Trace, SpansNestAndTheFileIsChromeTraceJson) {
   const auto process = named(doc, "process_name");
   ASSERT_EQ(process.size(), 1u);
   EXPECT_EQ(process[0]["args"]["name"], "rank 3");
+}
+
+// Counter values keep their precision, and NaN or infinity leave the file valid JSON (the whole
+// file failed to parse, and 1e-7 was written 0.000000).
+TEST(Trace, CountersAreExactAndNonFiniteOnesAreNull) {
+  TempDir dir;
+  trace::start(dir.path(), trace::Level::Steps, 0);
+  trace::counter("lr", 1e-7);
+  trace::counter("big", 123456789.125);
+  trace::counter("loss", std::nan(""));
+  trace::counter("scale", -INFINITY);
+  const json doc = read_json(trace::stop());
+  EXPECT_EQ(named(doc, "lr").at(0)["args"]["value"].get<double>(), 1e-7);
+  EXPECT_EQ(named(doc, "big").at(0)["args"]["value"].get<double>(), 123456789.125);
+  EXPECT_TRUE(named(doc, "loss").at(0)["args"]["value"].is_null());
+  EXPECT_TRUE(named(doc, "scale").at(0)["args"]["value"].is_null());
 }
 
 TEST(Trace, OffRecordsNothingAndWritesNoFile) {
