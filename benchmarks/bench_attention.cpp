@@ -8,15 +8,19 @@
 // The PyTorch column is its F.scaled_dot_product_attention where it has one (PyTorch 2: flash
 // attention on the CPU, flash or memory-efficient kernels on a GPU), else (1.13) the
 // written-out attention.
-// Each round runs the three one after another for each sequence length, so load on a shared
+// Each round runs the three one after another for a sequence length, so load on a shared
 // machine hits all of them alike; every number printed is the median over rounds of the median
-// over `reps` timed steps. The fused result is first checked against the math path.
+// over `reps` timed steps (rounds whose PyTorch run failed left out; "-" when none is left).
+// Each length's line is printed (and flushed) as soon as it is measured, so a run killed part
+// way keeps the lengths it finished. The fused result is first checked against the math path
+// at each length; a mismatch prints a WARNING line, the timing goes on, and the exit status
+// is 1.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <map>
+#include <exception>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -51,7 +55,11 @@ void sync(const Args& a) {
   if (a.dev().is_cuda()) cuda::synchronize();
 }
 
+// The median of the values that are not NaN (a failed PyTorch run gives NaN, and std::sort
+// with NaN has no order); NaN when none is left.
 double median(std::vector<double> v) {
+  std::erase_if(v, [](double x) { return std::isnan(x); });
+  if (v.empty()) return NAN;
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
@@ -106,8 +114,9 @@ double time_torch(const Args& a, int64_t T) {
   return sec;
 }
 
-// The fused output and gradients must match the math path before anything is timed.
-bool check(const Args& a, int64_t T) {
+// The fused gradients against the math path's: "" when they match, else what differs (printed
+// as a WARNING; the length is timed all the same).
+std::string check(const Args& a, int64_t T) try {
   Problem p(a, T);
   std::vector<Tensor> got, want;
   p.step(F::scaled_dot_product_attention);
@@ -120,12 +129,15 @@ bool check(const Args& a, int64_t T) {
   for (size_t i = 0; i < got.size(); ++i) {
     const double err = (got[i] - want[i]).to(kFloat32).abs().max().item<double>();
     if (!(err < tol)) {
-      std::fprintf(stderr, "fused and math gradients differ by %g at T=%lld\n", err,
-                   static_cast<long long>(T));
-      return false;
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "fused and math gradients differ by %g (tolerance %g)", err,
+                    tol);
+      return buf;
     }
   }
-  return true;
+  return "";
+} catch (const std::exception& e) {
+  return std::string("the check threw: ") + e.what();
 }
 
 }  // namespace
@@ -154,24 +166,6 @@ int main(int argc, char** argv) {
   a.torch = !no_torch;
   a.math = !no_math;
 
-  for (int64_t T : a.seqs) {
-    F::SdpBackendGuard kernel(F::SdpBackend::kFused);
-    if (!check(a, T)) return 1;
-  }
-  std::map<int64_t, std::vector<double>> fused, math, torch;
-  for (int r = 0; r < a.rounds; ++r) {
-    for (int64_t T : a.seqs) {
-      Problem p(a, T);
-      {
-        F::SdpBackendGuard kernel(F::SdpBackend::kFused);  // on CUDA kAuto would take math
-        fused[T].push_back(time_steps(a, p, a.reps, F::scaled_dot_product_attention));
-      }
-      if (a.math) {
-        math[T].push_back(time_steps(a, p, a.reps, F::scaled_dot_product_attention_math));
-      }
-      if (a.torch) torch[T].push_back(time_torch(a, T));
-    }
-  }
   std::printf(
       "attention forward+backward, %s%s on %s, B=%lld H=%lld D=%lld, %s, %d threads, "
       "median of %d rounds x %d steps (ms)\n",
@@ -181,20 +175,43 @@ int main(int argc, char** argv) {
       a.reps);
   std::printf("%6s %10s %10s %10s %14s %14s\n", "T", "fused", "math", "torch", "torch/fused",
               "math/fused");
+  std::fflush(stdout);
+  // A column skipped (--no-math, --no-torch) or without a result prints as "-".
+  auto cell = [](double v, const char* format) {
+    if (std::isnan(v)) return std::string("-");
+    char buf[32];
+    std::snprintf(buf, sizeof buf, format, v);
+    return std::string(buf);
+  };
+  auto ms = [&](double v) { return cell(v * 1e3, "%.3f"); };
+  auto ratio = [&](double v) { return cell(v, "%.2fx"); };
+  bool mismatched = false;  // the exit status says so, after every length is timed
   for (int64_t T : a.seqs) {
-    const double f = median(fused[T]), m = a.math ? median(math[T]) : NAN;
-    const double t = a.torch ? median(torch[T]) : NAN;
-    // A column skipped (--no-math, --no-torch) prints as "-".
-    auto cell = [](double v, const char* format) {
-      if (std::isnan(v)) return std::string("-");
-      char buf[32];
-      std::snprintf(buf, sizeof buf, format, v);
-      return std::string(buf);
-    };
-    auto ms = [&](double v) { return cell(v * 1e3, "%.3f"); };
-    auto ratio = [&](double v) { return cell(v, "%.2fx"); };
+    std::string mismatch;
+    {
+      F::SdpBackendGuard kernel(F::SdpBackend::kFused);
+      mismatch = check(a, T);
+    }
+    if (!mismatch.empty()) {
+      mismatched = true;
+      std::printf("WARNING: T=%lld: %s; timed all the same\n", static_cast<long long>(T),
+                  mismatch.c_str());
+      std::fflush(stdout);
+    }
+    std::vector<double> fused, math, torch;
+    for (int r = 0; r < a.rounds; ++r) {
+      Problem p(a, T);
+      {
+        F::SdpBackendGuard kernel(F::SdpBackend::kFused);  // on CUDA kAuto would take math
+        fused.push_back(time_steps(a, p, a.reps, F::scaled_dot_product_attention));
+      }
+      if (a.math) math.push_back(time_steps(a, p, a.reps, F::scaled_dot_product_attention_math));
+      if (a.torch) torch.push_back(time_torch(a, T));
+    }
+    const double f = median(fused), m = median(math), t = median(torch);
     std::printf("%6lld %10s %10s %10s %14s %14s\n", static_cast<long long>(T), ms(f).c_str(),
                 ms(m).c_str(), ms(t).c_str(), ratio(t / f).c_str(), ratio(m / f).c_str());
+    std::fflush(stdout);
   }
-  return 0;
+  return mismatched ? 1 : 0;
 }

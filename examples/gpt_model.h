@@ -44,11 +44,13 @@ inline int64_t parameter_count(const GPTConfig& c) {
   return c.vocab * d + c.context * d + c.layers * (12 * d * d + 13 * d) + 2 * d;
 }
 
-/// Training FLOPs per token of a sequence of `sequence` tokens, as PaLM (appendix B) and llm.c
-/// count them: 6N for the forward and backward matmuls of N parameters, plus 12 L d T for the
-/// attention scores and their weighted sum (L layers, width d, sequence T), the causal mask's
-/// skipped half not subtracted. Recomputation (activation checkpointing) is not counted: MFU
-/// measures the model's FLOPs, not the hardware's.
+/// Training FLOPs per token of a sequence of `sequence` tokens, as PaLM (appendix B) and nanoGPT
+/// (6N + 12 L H Q T, H Q = d) count them: 6N for the forward and backward matmuls of N
+/// parameters, plus 12 L d T for the attention scores and their weighted sum (L layers, width d,
+/// sequence T), the causal mask's skipped half not subtracted. llm.c's gpt2_estimate_mfu counts
+/// 6N + 6 L d T, so its MFU for the same speed is lower (docs/quickstart.md converts).
+/// Recomputation (activation checkpointing) is not counted: MFU measures the model's FLOPs, not the
+/// hardware's.
 inline int64_t flops_per_token(const GPTConfig& c, int64_t sequence) {
   return 6 * parameter_count(c) + 12 * c.layers * c.dim * sequence;
 }

@@ -30,8 +30,10 @@ schedule and clipping, for benchmarks/vs_pytorch/run_gpt.py to run beside Ember'
 
 Rank 0 prints val_loss=X, tokens_per_s=N (training tokens over all ranks per second of training
 steps, evaluation excluded), flops_per_token=N (6N + 12 L d T, N the parameters with the tied
-head once, as PaLM and llm.c count), mfu=X (tokens_per_s x flops_per_token over --peak-tflops,
-or the GPU's dense peak by its name, times the ranks; unknown when neither gives a peak) and
+head once, as PaLM (appendix B) and nanoGPT count; llm.c's gpt2_estimate_mfu counts
+6N + 6 L d T, 6.6% fewer at GPT-2 124M's shape: docs/quickstart.md converts), mfu=X
+(tokens_per_s x flops_per_token over --peak-tflops, or the GPU's dense peak by its name, times
+the ranks; unknown when neither gives a peak) and
 peak_rss_mb=N (the largest ru_maxrss over the ranks) on their own lines, as examples/gpt does.
 """
 import argparse
@@ -108,7 +110,8 @@ def peak_tflops(a):
 
 
 def print_flops(a, n_params, tokens_per_s, world):
-    """flops_per_token= and mfu= (examples/gpt's lines)."""
+    """flops_per_token= and mfu= (examples/gpt's lines): 6N + 12 L d T, PaLM's and nanoGPT's
+    count (llm.c's is 6N + 6 L d T)."""
     flops = 6 * n_params + 12 * a.layers * a.dim * a.context
     print(f"flops_per_token={flops}")
     peak = peak_tflops(a)
@@ -207,6 +210,16 @@ class Windows:
         self.n_val = int(n * validation_fraction)
         self.n_train = n - self.n_val
         self.T, self.B, self.world, self.rank = context, batch, world, rank
+        # TokenStream's two length checks (nn/data/token_stream.cpp's train_split): one step needs
+        # B windows on every rank, each of T + 1 tokens; a validation window T + 1 tokens.
+        need = context + batch * world
+        if self.n_train < need:
+            sys.exit(f"gpt_torch.py: '{path}' is too short: its training split holds "
+                     f"{self.n_train} tokens, one step of {batch} windows of {context} tokens on "
+                     f"each of {world} ranks needs at least {need}")
+        if self.n_val != 0 and self.n_val < context + 1:
+            sys.exit(f"gpt_torch.py: '{path}' is too short: its validation split holds "
+                     f"{self.n_val} tokens, one window of context {context} needs {context + 1}")
         self.sampler = DistributedSampler(self._Len(self.n_train - context), num_replicas=world,
                                           rank=rank, shuffle=True, seed=seed, drop_last=True)
         self.steps_per_epoch = len(self.sampler) // batch
