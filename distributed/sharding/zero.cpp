@@ -236,24 +236,21 @@ void ZeroRedundancyOptimizer::add_param_group(ParamGroup group) {
               " add_param_group: not with overlap_with_ddp (the communication "
               "hook's buckets hold the parameters the optimizer was built with)");
   EMBER_CHECK(!group.params.empty(), kOp, " add_param_group: the group has no parameters");
-  const size_t g = local_opt_->param_groups().size(), first = params_.size();
-  std::vector<size_t> members;
-  try {
-    members = take_params(group, g);
-  } catch (...) {
-    params_.resize(first);
-    group_of_.resize(first);
-    throw;
-  }
-  ParamGroup local({}, group.options);
+  const int me = group_->rank();
+  const size_t first = params_.size();
   std::vector<int64_t> load = load_;
   std::vector<int> owner = owner_;
-  partition(members, params_, load, owner);
-  for (size_t i : members) {
-    if (owner[i] == group_->rank()) local.params.push_back(params_[i]);
-  }
-  try {
-    local_opt_->add_param_group(std::move(local));  // checks the options before anything moves
+  std::vector<size_t> mine;
+  try {  // nothing changes unless every check passes, the wrapped optimizer's included
+    const std::vector<size_t> members = take_params(group, local_opt_->param_groups().size());
+    partition(members, params_, load, owner);
+    ParamGroup local({}, group.options);
+    for (size_t i : members) {
+      if (owner[i] != me) continue;
+      local.params.push_back(params_[i]);
+      mine.push_back(i);
+    }
+    local_opt_->add_param_group(std::move(local));
   } catch (...) {
     params_.resize(first);
     group_of_.resize(first);
@@ -261,9 +258,7 @@ void ZeroRedundancyOptimizer::add_param_group(ParamGroup group) {
   }
   load_ = std::move(load);
   owner_ = std::move(owner);
-  for (size_t i : members) {
-    if (owner_[i] == group_->rank()) local_.push_back(i);
-  }
+  local_.insert(local_.end(), mine.begin(), mine.end());
   build_flats();
   consolidated_.reset();
 }
