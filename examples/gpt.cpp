@@ -1,5 +1,6 @@
 // A GPT-2-style byte-level language model trained data-parallel (DistributedDataParallel, or
-// with --shard zero|fsdp sharded: ZeroRedundancyOptimizer or fully_shard), and with --tp N
+// with --shard zero|fsdp|hsdp sharded: ZeroRedundancyOptimizer or fully_shard, over every rank
+// or, hsdp, within each node and replicated across nodes), and with --tp N
 // tensor parallel over N ranks at a time (docs/tensor_parallel.md), with --pp N pipeline parallel
 // over N stages of whole blocks (docs/pipeline_parallel.md), on
 // prose a Debian package ships (the King James Bible of bible-kjv-text by default). Each rank
@@ -10,6 +11,7 @@
 //   mpirun -np 2 build/examples/gpt --backend mpi
 //   build/examples/gpt --layers 1 --dim 32 --context 32 --steps 30 --sample 200
 //   emberrun --nproc-per-node 4 build/examples/gpt --tp 2 --shard fsdp
+//   emberrun --nnodes 2 --nproc-per-node 4 ... build/examples/gpt --shard hsdp
 //   emberrun --nproc-per-node 2 build/examples/gpt --pp 2 --microbatches 8 --schedule 1f1b
 //   build/examples/gpt --device cuda --amp bf16 --layers 12 --heads 12 --dim 768
 //       --context 1024 --data synthetic --warmup-steps 10 --peak-tflops 989.4  (GPT-2 124M, MFU)
@@ -663,7 +665,8 @@ void Trainer::report(double val_loss) {
   // Sharded, the whole model exists on no rank: gather it (collective) into a plain model for
   // sampling and saving.
   std::shared_ptr<GPT> whole = model_;
-  if (a_.shard == "fsdp" && (a_.sample > 0 || !a_.save_weights.empty() || !a_.export_hf.empty())) {
+  if ((a_.shard == "fsdp" || a_.shard == "hsdp") &&
+      (a_.sample > 0 || !a_.save_weights.empty() || !a_.export_hf.empty())) {
     const nn::NamedTensors state = dist::full_state_dict(*model_);
     if (!run_.leader) return;
     whole = seeded_model(a_, run_.device);

@@ -48,7 +48,8 @@ struct Args {
   std::string device = "cpu";
   std::string comm_hook = "none";
   std::vector<std::string> comm_hook_plugins;
-  std::string shard = "none";  // none (DDP), zero (DDP + ZeroRedundancyOptimizer), fsdp
+  std::string shard = "none";  // none (DDP), zero (DDP + ZeroRedundancyOptimizer), fsdp, hsdp
+  int64_t hsdp_shard = 0;      // --shard hsdp: ranks per shard group (0: the node's)
   int64_t tp = 1;              // tensor-parallel ranks; the others are data parallel
   int64_t tp_overlap = 1;      // --tp's collectives fused with their matmuls in this many pieces
   bool zero_overlap = false;   // --shard zero: step inside DDP's hook (overlap_with_ddp)
@@ -141,6 +142,13 @@ inline std::string unavailable(const Args& a) {
     // tokenizer here.
     return "--sample writes bytes, so it needs byte-level data (got --data " + a.data +
            ", llm.c's tokens)";
+  }
+  if (a.shard == "hsdp" && (a.tp > 1 || a.pp > 1)) {
+    return "--shard hsdp takes neither --tp nor --pp yet (got --tp " + std::to_string(a.tp) +
+           ", --pp " + std::to_string(a.pp) + "); --shard fsdp does";
+  }
+  if (a.hsdp_shard != 0 && a.shard != "hsdp") {
+    return "--hsdp-shard needs --shard hsdp (got --shard " + a.shard + ")";
   }
   if (a.zero_overlap && a.shard != "zero") {
     return "--zero-overlap needs --shard zero (got --shard " + a.shard + ")";
@@ -247,8 +255,15 @@ inline void add_options(CLI::App& app, Args& a) {
   app.add_option("--comm-hook-plugin", a.comm_hook_plugins,
                  "a shared library that registers comm hooks (repeatable)");
   app.add_option("--shard", a.shard,
-                 "none (DDP), zero (DDP + ZeroRedundancyOptimizer) or fsdp (fully_shard)")
-      ->check(CLI::IsMember({"none", "zero", "fsdp"}))->capture_default_str();
+                 "none (DDP), zero (DDP + ZeroRedundancyOptimizer), fsdp (fully_shard) or hsdp "
+                 "(fully_shard within each node, replicated across nodes)")
+      ->check(CLI::IsMember({"none", "zero", "fsdp", "hsdp"}))
+      ->capture_default_str();
+  app.add_option("--hsdp-shard", a.hsdp_shard,
+                 "with --shard hsdp: ranks per shard group, which must divide the world size "
+                 "(0: the ranks of a node, LOCAL_WORLD_SIZE)")
+      ->check(kNonNegative)
+      ->capture_default_str();
   app.add_option("--tp", a.tp,
                  "tensor-parallel ranks per model, with sequence and loss parallelism; the other "
                  "ranks are data parallel (docs/tensor_parallel.md)")

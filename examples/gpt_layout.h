@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include <ember/distributed/environment.h>
 #include <ember/distributed/mesh/device_mesh.h>
 #include <ember/distributed/pipelining/pipeline.h>
 #include <ember/distributed/sharding/fsdp.h>
@@ -121,7 +122,8 @@ struct MeshLayout {
 
 // --shard: where the model's state lives. none: DDP, every rank holds everything; zero: DDP and
 // a ZeroRedundancyOptimizer (each rank holds 1/N of AdamW's moments); fsdp: every block and the
-// root fully_shard-ed (parameters, gradients and moments 1/N per rank).
+// root fully_shard-ed (parameters, gradients and moments 1/N per rank); hsdp: the same within
+// each node (1/ranks per node), replicated across nodes.
 // --pp: this rank's stages, DDP around each over the dp ranks (when there are several), and
 // the schedule that runs them.
 struct Pipeline {
@@ -201,6 +203,23 @@ inline std::unique_ptr<Pipeline> make_pipeline(const Args& a, const std::shared_
   return pipe;
 }
 
+// --shard hsdp: the world laid out as (replicate, shard), sharded over --hsdp-shard ranks (the
+// node's by default, so that gathers and reduce-scatters stay inside a node) and replicated
+// across the groups of them (only each shard's gradient all-reduce crosses nodes).
+inline std::shared_ptr<dist::DeviceMesh> hsdp_mesh(const Args& a, const dist::ProcessGroup& world,
+                                                   ember::Device device) {
+  const int64_t n =
+      a.hsdp_shard > 0 ? a.hsdp_shard : dist::local_world_size().value_or(world.size());
+  if (world.size() % n != 0) {
+    throw ember::ValueError("gpt: --shard hsdp shards over " + std::to_string(n) +
+                            " ranks (--hsdp-shard, else the node's), which must divide the world "
+                            "size " +
+                            std::to_string(world.size()));
+  }
+  return dist::init_device_mesh(device.is_cpu() ? "cpu" : "cuda", {world.size() / n, n},
+                                {"replicate", "shard"});
+}
+
 inline Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
                        const MeshLayout& layout, ember::Device device) {
   Parallel p;
@@ -218,9 +237,11 @@ inline Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
     }
     return p;
   }
-  if (a.shard == "fsdp") {
-    for (const auto& block : model->blocks) dist::fully_shard(block, {.group = pg});
-    dist::fully_shard(model, {.group = pg});
+  if (a.shard == "fsdp" || a.shard == "hsdp") {
+    dist::FullyShardOptions o{.group = pg};
+    if (a.shard == "hsdp") o = {.mesh = hsdp_mesh(a, *pg, device)};
+    for (const auto& block : model->blocks) dist::fully_shard(block, o);
+    dist::fully_shard(model, o);
     p.adamw = std::make_unique<nn::optim::AdamW>(sharded_decay_groups(*model), adamw_options(a));
     return p;
   }

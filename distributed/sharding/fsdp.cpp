@@ -34,6 +34,7 @@
 
 #include <ember/autograd/engine.h>
 #include <ember/distributed/init.h>
+#include <ember/distributed/mesh/device_mesh.h>
 #include <ember/distributed/sharding/detail/fsdp_unit.h>
 #include <ember/tensor/allocator.h>
 #include <ember/tensor/gpu/cuda_graph.h>
@@ -165,10 +166,8 @@ FsdpUnit::~FsdpUnit() {
 
 namespace {
 
-void finish_reduce(FsdpContext& ctx) {
-  PendingReduce r = std::move(ctx.reduces.front());
-  ctx.reduces.pop_front();
-  r.work->wait();
+// Adds a finished reduction's output to its group's pieces' gradients.
+void add_to_pieces(const PendingReduce& r) {
   NoGradGuard no_grad;
   const FlatGroup& g = *r.group;
   const Tensor add = r.out.dtype() == g.dtype ? r.out : r.out.to(g.dtype);
@@ -182,6 +181,31 @@ void finish_reduce(FsdpContext& ctx) {
     } else {
       piece.set_grad(part);  // a view of this reduce's output: no copy
     }
+  }
+}
+
+// Waits for the oldest reduce-scatter. Under HSDP its output (this rank's shard of the gradient,
+// averaged over the shard group) then goes on to be averaged across the replicas: that
+// all-reduce is left in flight, holding only the shard, and the module's full gradient is let go.
+void finish_reduce(FsdpContext& ctx) {
+  PendingReduce r = std::move(ctx.reduces.front());
+  ctx.reduces.pop_front();
+  r.work->wait();
+  if (!ctx.replicate) {
+    add_to_pieces(r);
+    return;
+  }
+  r.input = Tensor();
+  r.work = ctx.replicate->allreduce(r.out, {.op = ReduceOp::Avg});
+  ctx.replica_reduces.push_back(std::move(r));
+}
+
+void finish_replica_reduces(FsdpContext& ctx) {
+  while (!ctx.replica_reduces.empty()) {
+    PendingReduce r = std::move(ctx.replica_reduces.front());
+    ctx.replica_reduces.pop_front();
+    r.work->wait();
+    add_to_pieces(r);
   }
 }
 
@@ -268,6 +292,8 @@ void average_replicated(FsdpContext& ctx) {
     grads.push_back(g);
   }
   ctx.group->allreduce_coalesced(grads, {.op = ReduceOp::Avg})->wait();
+  // Both groups' sizes are the same on every rank, so the mean of the means is the mean.
+  if (ctx.replicate) ctx.replicate->allreduce_coalesced(grads, {.op = ReduceOp::Avg})->wait();
 }
 
 // Runs once after every backward that reached a sharded module (queued by the first pre-backward
@@ -291,6 +317,7 @@ void finish_backward(FsdpContext& ctx) {
     if (u->in_backward && !u->reduced && u->trainable > 0) u->reduce_grads();
   }
   while (!ctx.reduces.empty()) finish_reduce(ctx);
+  finish_replica_reduces(ctx);
   if (ctx.sync) average_replicated(ctx);
   // Every unit is released, one prefetched but not run in this step too, so no gather is left
   // in flight while the optimizer writes the shards.
@@ -482,6 +509,74 @@ void build_group(FlatGroup& g, int rank, int n, const std::string& label) {
   }
 }
 
+// The shard group and HSDP's replicate group (null: none) the options name.
+std::pair<std::shared_ptr<ProcessGroup>, std::shared_ptr<ProcessGroup>> groups_of(
+    const FullyShardOptions& o, const std::string& label) {
+  std::shared_ptr<ProcessGroup> shard, replicate;
+  if (o.mesh) {
+    EMBER_CHECK(!o.group && !o.replicate_group, "[", kOp, "] ", label,
+                ": pass either a mesh or "
+                "groups (group, replicate_group), not both");
+    const int nd = o.mesh->ndim();
+    EMBER_CHECK(nd == 1 || nd == 2, "[", kOp, "] ", label,
+                ": expected a 1-D mesh (FSDP) or a "
+                "2-D mesh (HSDP: dimension 0 replicates, dimension 1 shards), got ",
+                o.mesh->str());
+    shard = o.mesh->get_group(nd - 1);
+    if (nd == 2) replicate = o.mesh->get_group(0);
+  } else {
+    shard = o.group ? o.group : default_group();
+    replicate = o.replicate_group;
+  }
+  EMBER_CHECK(shard != nullptr, "[", kOp, "] ", label,
+              ": no process group (pass options.group "
+              "or call init_process_group first)");
+  EMBER_CHECK(replicate != shard, "[", kOp, "] ", label,
+              ": the replicate group is the shard "
+              "group; HSDP replicates over the ranks that hold the same shard (one per copy of "
+              "the shard group)");
+  if (replicate && replicate->size() == 1) replicate = nullptr;  // nothing to average
+  return {shard, replicate};
+}
+
+// The first unit of a context fixes its replicate group; the others must name the same. Under
+// HSDP every member of the replicate group must hold this rank's shard: the same place in a
+// shard group of the same size. Checked once, collectively over the replicate group, so a mesh
+// given in the wrong order (shard, replicate) is refused on every rank instead of averaging
+// different shards.
+void join_context(FsdpContext& ctx, const std::shared_ptr<ProcessGroup>& replicate, Device device,
+                  const std::string& label) {
+  if (ctx.configured) {
+    EMBER_CHECK(
+        ctx.replicate == replicate, "[", kOp, "] ", label,
+        ": modules sharded over one "
+        "group must all replicate over the same group (or none): this one ",
+        replicate ? "replicates over a group of " + std::to_string(replicate->size()) + " ranks"
+                  : std::string("does not replicate"),
+        ", an earlier one ",
+        ctx.replicate ? "over a group of " + std::to_string(ctx.replicate->size()) + " ranks"
+                      : std::string("does not"));
+    return;
+  }
+  ctx.configured = true;
+  ctx.replicate = replicate;
+  if (!replicate) return;
+  const int64_t me[2] = {ctx.group->rank(), ctx.group->size()};
+  Tensor mine = from_blob(const_cast<int64_t*>(me), {2}, TensorOptions(kInt64)).clone().to(device);
+  Tensor all = empty({2 * replicate->size()}, TensorOptions(kInt64).device(device));
+  replicate->allgather_into_tensor(all, mine)->wait();
+  all = all.cpu();
+  const int64_t* a = all.data<int64_t>();
+  for (int r = 0; r < replicate->size(); ++r) {
+    EMBER_CHECK(a[2 * r] == me[0] && a[2 * r + 1] == me[1], "[", kOp, "] ", label, ": rank ", r,
+                " of the replicate group is rank ", a[2 * r], " of ", a[2 * r + 1],
+                " in its shard group, but rank ", replicate->rank(), " is rank ", me[0], " of ",
+                me[1],
+                "; the ranks of a replicate group must hold the same shard (a 2-D mesh is "
+                "(replicate, shard): dimension 0 replicates)");
+  }
+}
+
 }  // namespace
 
 }  // namespace detail
@@ -492,9 +587,7 @@ std::shared_ptr<nn::Module> fully_shard(std::shared_ptr<nn::Module> module,
   EMBER_CHECK(module != nullptr, "[", kOp, "] expected a module, got null");
   const std::string label = std::string(kOp) + "(" + module->name() + ")";
   EMBER_CHECK(unit_of(*module) == nullptr, "[", kOp, "] ", label, " is already sharded");
-  auto pg = options.group ? options.group : default_group();
-  EMBER_CHECK(pg != nullptr, "[", kOp, "] ", label, ": no process group (pass options.group or "
-              "call init_process_group first)");
+  const auto [pg, replicate] = groups_of(options, label);
   nn::NamedTensors params = params_to_shard(*module, label);
   EMBER_CHECK(!params.empty(), "[", kOp, "] ", label, " has no parameters of its own to shard "
               "(all are in sharded submodules); leave it unsharded");
@@ -505,6 +598,7 @@ std::shared_ptr<nn::Module> fully_shard(std::shared_ptr<nn::Module> module,
   unit->options = options;
   unit->group = pg;
   unit->ctx = context_for(pg);
+  join_context(*unit->ctx, replicate, params.front().second.device(), label);
   unit->ctx->units.push_back(unit);
   const auto& mp = options.mp_policy;
   for (auto& [name, p] : params) {

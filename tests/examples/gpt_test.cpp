@@ -238,7 +238,8 @@ TEST_F(Gpt, CudaGraphTrainsAsTheEagerStepsDo) {
 
 // --shard zero and --shard fsdp train the same model as plain DDP: the same validation loss to
 // the printed digits (ZeRO steps the same AdamW on each rank's partition; FSDP averages the same
-// gradients through reduce-scatters), and each prints its allocator's peak.
+// gradients through reduce-scatters), and each prints its allocator's peak; --shard hsdp at 4
+// ranks (reduce-scatters within pairs, all-reduces across them) ends with DDP's at 4.
 TEST_F(Gpt, ShardedTrainingEqualsDdp) {
   Result ddp = run(two_ranks());
   ASSERT_EQ(ddp.status, 0) << ddp.output;
@@ -249,6 +250,16 @@ TEST_F(Gpt, ShardedTrainingEqualsDdp) {
         << shard << ":\n" << r.output << "\nddp:\n" << ddp.output;
     EXPECT_GT(value_of(r.output, "peak_memory_bytes"), 0) << r.output;
   }
+  // HSDP at 4 ranks, sharded over pairs and replicated across them: DDP's loss at 4 ranks.
+  Result ddp4 = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny());
+  ASSERT_EQ(ddp4.status, 0) << ddp4.output;
+  Result hsdp = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() +
+                    " --shard hsdp --hsdp-shard 2");
+  ASSERT_EQ(hsdp.status, 0) << hsdp.output;
+  EXPECT_NEAR(value_of(hsdp.output, "val_loss"), value_of(ddp4.output, "val_loss"), 2e-4)
+      << "hsdp 2 x 2:\n"
+      << hsdp.output << "\nddp at 4 ranks:\n"
+      << ddp4.output;
   Result bad = run(tiny() + " --shard fsdp --comm-hook fp16");
   EXPECT_EQ(bad.status, 2) << bad.output;
   EXPECT_NE(bad.output.find("--shard fsdp takes neither --comm-hook nor --amp fp16"),
@@ -586,6 +597,11 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
       {"--pp 2 --layers 2 --shard fsdp --schedule interleaved-1f1b", 2,
        "gpt: --pp with --shard fsdp takes one stage per rank (--schedule gpipe or 1f1b) and no "
        "--tp"},
+      {"--shard hsdp --tp 2", 2, "--shard hsdp takes neither --tp nor --pp yet"},
+      {"--hsdp-shard 2", 2, "--hsdp-shard needs --shard hsdp (got --shard none)"},
+      {"--shard hsdp --hsdp-shard 3", 1,
+       "gpt: --shard hsdp shards over 3 ranks (--hsdp-shard, else the node's), which must "
+       "divide the world size 1"},
       {"--pp 2 --layers 2 --sample 5", 2,
        "gpt: --pp takes neither --save-weights, --export-hf nor --sample"},
       {"--pp 2 --layers 2", 1, "gpt: --pp 2 must divide the world size 1"},

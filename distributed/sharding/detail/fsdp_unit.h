@@ -70,7 +70,8 @@ struct FsdpUnit : std::enable_shared_from_this<FsdpUnit> {
   void prepare_grads();
 };
 
-/// A reduce-scatter in flight: `out` is added to the gradients of `group`'s pieces.
+/// A reduce-scatter in flight (or, under HSDP, the all-reduce of its result across the
+/// replicas): `out` is added to the gradients of `group`'s pieces.
 struct PendingReduce {
   WorkPtr work;
   Tensor input, out;
@@ -81,6 +82,10 @@ struct PendingReduce {
 /// for finishing a backward), reduce-scatters in flight, replicated parameters.
 struct FsdpContext {
   std::shared_ptr<ProcessGroup> group;
+  /// HSDP's group of the ranks holding the same shards (null: plain FSDP); every unit of the
+  /// context has the same one.
+  std::shared_ptr<ProcessGroup> replicate;
+  bool configured = false;                          // the first unit has set `replicate`
   std::vector<std::weak_ptr<FsdpUnit>> order;       // forward order of the current step
   std::vector<std::weak_ptr<FsdpUnit>> last_order;  // and of the previous one (prefetching)
   std::vector<std::weak_ptr<FsdpUnit>> units;       // every unit of the group, for finish_backward
@@ -88,6 +93,7 @@ struct FsdpContext {
   bool callback_queued = false;
   bool sync = true;
   std::deque<PendingReduce> reduces;
+  std::deque<PendingReduce> replica_reduces;  // HSDP: shards' all-reduces in flight
   std::vector<Tensor> replicated;     // parameters outside every unit (averaged gradients)
 };
 

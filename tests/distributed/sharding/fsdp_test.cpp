@@ -14,6 +14,8 @@
 #include <ember/distributed/sharding/fsdp.h>
 #include <ember/distributed/checkpoint/model_checkpoint.h>
 #include <ember/distributed/checkpoint/sharded_checkpoint.h>
+#include <ember/distributed/init.h>
+#include <ember/distributed/mesh/device_mesh.h>
 #include <ember/nn/activation_checkpoint.h>
 #include <ember/nn/io/checkpoint.h>
 #include <ember/nn/clip_grad.h>
@@ -70,7 +72,7 @@ std::shared_ptr<FsdpNet> train_reference(const Variant& v, const std::vector<Bat
 void shard(FsdpNet& model, const std::shared_ptr<FsdpNet>& self, const Variant& v,
            std::shared_ptr<ProcessGroup> pg) {
   FullyShardOptions o = v.options;
-  o.group = std::move(pg);
+  if (!o.mesh && !o.group) o.group = std::move(pg);
   for (auto& b : model.blocks) fully_shard(b, o);
   if (v.shard_root) fully_shard(self, o);
 }
@@ -446,6 +448,203 @@ TEST(FsdpErrors, AWeightTiedOutsideItsShardedModuleIsRefused) {
         "parameter '1.weight' is the same tensor as a parameter of a sharded "
         "submodule");
   });
+}
+
+// ---- HSDP: sharded within a group of ranks, replicated across the groups ---------------------
+
+// What run_hsdp gives every rank: the variant, the mesh's shape (replicate, shard), and whether
+// fully_shard takes the mesh or its two groups.
+struct HsdpRun {
+  Variant v;
+  std::vector<int64_t> shape{2, 2};
+  bool groups = false;
+};
+
+// The pieces a rank holds: (parameter, begin, end).
+using Pieces = std::vector<std::tuple<std::string, int64_t, int64_t>>;
+
+Pieces pieces_of(const nn::Module& model) {
+  Pieces out;
+  for (const LocalShard& s : local_shards(model)) out.emplace_back(s.name, s.begin, s.end);
+  return out;
+}
+
+// This rank's HSDP training of `run` (the world is the default group): each rank trains on its
+// slice of every batch, as under FSDP; returns the full state dict at the end and the pieces it
+// held.
+std::pair<nn::NamedTensors, Pieces> train_hsdp(const HsdpRun& run,
+                                               const std::shared_ptr<FsdpNet>& model,
+                                               const std::vector<Batch>& bs) {
+  auto mesh = init_device_mesh("cpu", run.shape, {"replicate", "shard"});
+  Variant v = run.v;
+  if (run.groups) {
+    v.options.group = mesh->get_group("shard");
+    v.options.replicate_group = mesh->get_group("replicate");
+  } else {
+    v.options.mesh = mesh;
+  }
+  auto state = train_sharded(v, model, bs, default_group());
+  return {std::move(state), pieces_of(*model)};
+}
+
+// Rank threads of one world laid out as run.shape: every rank ends where one process on the whole
+// batches ends, the ranks of a replicate group hold the same pieces, and those of a shard group
+// hold disjoint ones that together make every parameter whole.
+void run_hsdp(const HsdpRun& run) {
+  const auto bs = batches();
+  auto ref = train_reference(run.v, bs);
+  const int64_t replicas = run.shape[0], shards = run.shape[1];
+  const int n = static_cast<int>(replicas * shards);
+  std::vector<std::shared_ptr<FsdpNet>> models;
+  for (int r = 0; r < n; ++r) models.push_back(test::make_fsdp_net());
+  std::vector<Pieces> held(static_cast<size_t>(n));
+  const std::string what = run.v.name + " on a " + std::to_string(replicas) + " x " +
+                           std::to_string(shards) + (run.groups ? " layout of groups" : " mesh");
+  try {
+    run_rank_threads(n, [&](int rank) {
+      auto [state, pieces] = train_hsdp(run, models[static_cast<size_t>(rank)], bs);
+      require_state(what + ", rank " + std::to_string(rank), state, *ref, 2e-5);
+      held[static_cast<size_t>(rank)] = std::move(pieces);
+    });
+  } catch (const RankThreadError& e) {
+    FAIL() << what << ": " << e.what();
+  }
+  for (int64_t r = 1; r < replicas; ++r) {  // rank (r, s) holds what rank (0, s) holds
+    for (int64_t k = 0; k < shards; ++k) {
+      EXPECT_EQ(held[static_cast<size_t>(r * shards + k)], held[static_cast<size_t>(k)])
+          << what << ": replica " << r << " of shard " << k;
+    }
+  }
+  std::map<std::string, int64_t> covered;  // elements of each parameter, over one replica
+  for (int64_t k = 0; k < shards; ++k) {
+    for (const auto& [name, b, e] : held[static_cast<size_t>(k)]) covered[name] += e - b;
+  }
+  const nn::NamedTensors params = ref->named_parameters();
+  const std::map<std::string, Tensor> by_name(params.begin(), params.end());
+  EXPECT_FALSE(covered.empty()) << what;
+  for (const auto& [name, count] : covered) {  // a root left unsharded holds no pieces
+    EXPECT_EQ(count, by_name.at(name).numel()) << what << ": " << name;
+  }
+}
+
+TEST(Hsdp, TrainsLikeOneProcess) { run_hsdp({.v = {.name = "default"}}); }
+
+TEST(Hsdp, TheGroupsInsteadOfTheMesh) { run_hsdp({.v = {.name = "groups"}, .groups = true}); }
+
+TEST(Hsdp, OneShardPerReplicaAndOneReplica) {
+  run_hsdp({.v = {.name = "no sharding"}, .shape = {2, 1}});
+  run_hsdp({.v = {.name = "no replication"}, .shape = {1, 2}});
+}
+
+TEST(Hsdp, RootNotShardedIsAveragedOverEveryRank) {
+  run_hsdp({.v = {.name = "root replicated", .shard_root = false}});
+}
+
+TEST(Hsdp, GradientAccumulationWithoutSync) { run_hsdp({.v = {.name = "no_sync", .micro = 2}}); }
+
+TEST(Hsdp, ClipGradNormCountsEachShardOnce) { run_hsdp({.v = {.name = "clipped", .clip = 0.05}}); }
+
+// Six ranks as 2 x 3: no flat group divides evenly into three, so every shard ends in padding.
+TEST(Hsdp, ThreeShardsPerReplica) { run_hsdp({.v = {.name = "padded"}, .shape = {2, 3}}); }
+
+// A checkpoint of 10 HSDP steps on a 2 x 2 mesh (each piece written once, though two ranks hold
+// it) loaded by 2 FSDP ranks continues the same run.
+TEST(Hsdp, ACheckpointLoadsIntoPlainFsdp) {
+  const auto bs = batches();
+  auto ref = train_reference({}, bs);
+  test::TempDir dir;
+  const std::string path = dir.file("ckpt");
+  std::vector<std::shared_ptr<FsdpNet>> models;
+  for (int r = 0; r < 4; ++r) models.push_back(test::make_fsdp_net());
+  try {
+    run_rank_threads(4, [&](int rank) {
+      auto mesh = init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
+      auto& model = models[static_cast<size_t>(rank)];
+      shard(*model, model, {.options = {.mesh = mesh}}, nullptr);
+      nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
+      for (int i = 0; i < kSteps / 2; ++i) {
+        opt.zero_grad();
+        test::fsdp_loss(*model, test::slice(bs[static_cast<size_t>(i)], rank, 4)).backward();
+        opt.step();
+      }
+      save_model_checkpoint(path, *model, &opt, *default_group(), {{"step", "10"}});
+    });
+  } catch (const RankThreadError& e) {
+    FAIL() << "saving: " << e.what();
+  }
+  with_rank_models(
+      2, [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg, int rank) {
+        shard(*model, model, {}, pg);
+        nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
+        require(load_model_checkpoint(path, *model, &opt).at("step") == "10", "metadata step");
+        for (int i = kSteps / 2; i < kSteps; ++i) {
+          opt.zero_grad();
+          test::fsdp_loss(*model, test::slice(bs[static_cast<size_t>(i)], rank, 2)).backward();
+          opt.step();
+        }
+        require_state("rank " + std::to_string(rank), full_state_dict(*model), *ref, 2e-5);
+      });
+}
+
+// A replicate group whose ranks hold different shards (here the whole world, over shard groups of
+// two) is refused on every rank, as are a mesh beside groups, a 3-D mesh, the shard group given
+// as its own replicate group, and modules of one shard group replicating differently.
+TEST(HsdpErrors, RefusedWithClearMessages) {
+  try {
+    run_rank_threads(4, [&](int) {
+      auto mesh = init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
+      auto cube = init_device_mesh("cpu", {1, 2, 2});
+      const auto shard_group = mesh->get_group("shard");
+      auto net = [] { return test::make_fsdp_net(2); };
+      test::require_throws_with(
+          "mesh and group", [&] { fully_shard(net(), {.group = shard_group, .mesh = mesh}); },
+          "pass either a mesh or groups");
+      test::require_throws_with(
+          "3-D", [&] { fully_shard(net(), {.mesh = cube}); },
+          "expected a 1-D mesh (FSDP) or a 2-D mesh");
+      test::require_throws_with(
+          "itself",
+          [&] { fully_shard(net(), {.group = shard_group, .replicate_group = shard_group}); },
+          "the replicate group is the shard group");
+      test::require_throws_with(
+          "world",
+          [&] { fully_shard(net(), {.group = shard_group, .replicate_group = default_group()}); },
+          "the ranks of a replicate group must hold the same shard");
+      auto model = net();
+      fully_shard(model->blocks[0], {.mesh = mesh});
+      test::require_throws_with(
+          "mixed", [&] { fully_shard(model->blocks[1], {.group = shard_group}); },
+          "must all replicate over the same group (or none)");
+    });
+  } catch (const RankThreadError& e) {
+    FAIL() << e.what();
+  }
+}
+
+// The same 2 x 2 mesh as four processes over gloo's shared memory.
+TEST(HsdpProcesses, TwoByTwoOverGlooSharedMemory) {
+  if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)";
+  using namespace std::chrono_literals;
+  test::Children kids(4, [&](int rank, const std::string& port) {
+    // Each child trains the reference itself: the parent must not start threads before it forks.
+    const HsdpRun run{.v = {.name = "gloo"}};
+    const auto bs = batches();
+    auto ref = train_reference(run.v, bs);
+    TCPStoreOptions so;
+    so.timeout = 60s;
+    auto store =
+        std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
+    init_process_group(
+        {.backend = "gloo", .store = store, .rank = rank, .world_size = 4, .timeout = 60s});
+    const auto state = train_hsdp(run, test::make_fsdp_net(), bs).first;
+    require_state("gloo rank " + std::to_string(rank), state, *ref, 2e-5);
+    destroy_process_group();
+  });
+  TCPStoreServerOptions o;
+  o.host = "127.0.0.1";
+  TCPStoreServer server(o);
+  kids.go(std::to_string(server.port()));
+  test::expect_children_ok(kids.join());
 }
 
 // A sharded module called twice in one forward (b(b(a(x)))): every module keeps training,
