@@ -67,7 +67,8 @@ for f in "$emberrun" "$gpt"; do
     exit 2
   fi
 done
-if ! "$gpt" --help | grep -q hsdp; then
+# Not `| grep -q`: grep quitting at the first match would fail the pipe (SIGPIPE, pipefail).
+if [[ "$("$gpt" --help)" != *hsdp* ]]; then
   echo "two_nodes_hsdp.sh: $gpt has no --shard hsdp (rebuild it: cmake --build $build --target gpt)" >&2
   exit 2
 fi

@@ -12,6 +12,7 @@
 #include <ember/distributed/sharding/detail/fsdp_unit.h>
 #include <ember/distributed/sharding/fsdp.h>
 #include <ember/distributed/checkpoint/model_checkpoint.h>
+#include <ember/distributed/mesh/device_mesh.h>
 #include <ember/nn/clip_grad.h>
 #include <ember/nn/layers/container.h>
 #include <ember/nn/functional.h>
@@ -180,6 +181,44 @@ INSTANTIATE_TEST_SUITE_P(Ranks, FsdpCuda,
                                            CudaCase{2, true, true, false},
                                            CudaCase{2, true, false, false, 0.05}),
                          case_name);
+
+// HSDP on the harness: 4 rank threads as a 2 x 2 mesh (replicate, shard), each with its own
+// stream on `dev`, end where DDP + Adam at 4 ranks ends: a module's gradient is reduce-scattered
+// over the shard group and its shard all-reduced across the replicas, stream-ordered after it.
+void hsdp_trains_like_ddp(Device dev) {
+  const auto bs = test::fsdp_batches(kSteps, 7);
+  const nn::NamedTensors want = train_ddp(dev, 4, bs);
+  auto models = rank_models(4);
+  try {
+    run_rank_threads(4, [&](int rank) {
+      std::optional<cuda::StreamGuard> own_stream;
+      if (dev.is_cuda()) {
+        cuda::set_device(dev.index);
+        own_stream.emplace(cuda::Stream::create(dev.index));
+      }
+      auto mesh = init_device_mesh(dev.is_cuda() ? "cuda" : "cpu", {2, 2}, {"replicate", "shard"});
+      auto model = models[static_cast<size_t>(rank)];
+      shard_on(dev, model, {.mesh = mesh});
+      nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
+      for (const Batch& b : bs) {
+        opt.zero_grad();
+        test::fsdp_loss(*model, mine(b, rank, 4, dev)).backward();
+        opt.step();
+      }
+      require_same_state("hsdp 2 x 2 on " + dev.str() + ", rank " + std::to_string(rank),
+                         on_host(full_state_dict(*model)), want, 1e-4);
+      if (dev.is_cuda()) cuda::current_stream(dev.index).synchronize();
+    });
+  } catch (const RankThreadError& e) {
+    FAIL() << e.what();
+  }
+}
+
+TEST(FsdpCudaHsdp, TrainsLikeDdp) {
+  EMBER_REQUIRE_CUDA();
+  hsdp_trains_like_ddp(kGpu);
+}
+TEST(FsdpArenaHsdp, TrainsLikeDdpOnTheCpu) { hsdp_trains_like_ddp(kCPU); }
 
 // A sharded checkpoint of the shards on `dev` (model and Adam's state) after 10 steps, loaded
 // into freshly sharded models there, continues the same run: 10 more steps end where 20 DDP
