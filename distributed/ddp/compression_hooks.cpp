@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
 
 #include <ember/distributed/ddp/detail/state_entries.h>
 #include <ember/tensor/ops/creation.h>
@@ -664,8 +665,12 @@ CommHook compress_across_nodes(CommHook inner, std::shared_ptr<ProcessGroup> loc
   EMBER_CHECK(leader == (leaders != nullptr), kWrap, " rank ", local->rank(),
               " of its node group ", leader ? "leads its node and needs" : "is not a leader and takes no",
               " the leaders' group, got ", leaders ? "one" : "null");
-  return [inner = std::move(inner), local = std::move(local),
-          leaders = std::move(leaders)](GradBucket& bucket) -> std::shared_ptr<Future> {
+  // Nodes of unequal size: the leaders' hook averages node means, so each leader first weighs
+  // its node's mean by (its ranks) * (leaders) / (all ranks), which makes that average the mean
+  // over every rank. All ranks are counted once, by the leaders, on the first bucket.
+  auto weight = std::make_shared<std::optional<double>>();
+  return [inner = std::move(inner), local = std::move(local), leaders = std::move(leaders),
+          weight](GradBucket& bucket) -> std::shared_ptr<Future> {
     Tensor buffer = bucket.buffer();
     // Only the leader needs the node's average (the others take the broadcast): a reduce to it,
     // not an all-reduce, which would also copy the average out on every other rank.
@@ -676,11 +681,21 @@ CommHook compress_across_nodes(CommHook inner, std::shared_ptr<ProcessGroup> loc
     auto node_average = local->reduce(buffer, o)->future();
     // The leaders' hook, then the broadcast inside the node, each after the step before: on
     // DDP's thread (defer), as they issue collectives.
-    auto between_nodes = bucket.defer(node_average, [inner, leaders, bucket](Future&) {
-      if (!leaders) return completed_future({bucket.buffer()});
-      GradBucket over_leaders = bucket.with_group(leaders);
-      return inner(over_leaders);
-    });
+    auto between_nodes =
+        bucket.defer(node_average, [inner, local, leaders, weight, bucket](Future&) {
+          if (!leaders) return completed_future({bucket.buffer()});
+          NoGradGuard no_grad;
+          if (!weight->has_value()) {
+            Tensor ranks = full({1}, static_cast<double>(local->size()),
+                                TensorOptions(kFloat64).device(bucket.buffer().device()));
+            leaders->allreduce(ranks)->wait();
+            *weight =
+                static_cast<double>(local->size()) * leaders->size() / ranks.cpu().item<double>();
+          }
+          if (**weight != 1.0) Tensor(bucket.buffer()).mul_(**weight);
+          GradBucket over_leaders = bucket.with_group(leaders);
+          return inner(over_leaders);
+        });
     return bucket.defer(between_nodes, [local, buffer, bucket](Future& f) mutable {
       Tensor result = buffer;
       if (local->rank() == 0) {

@@ -182,7 +182,9 @@ std::shared_ptr<Future> topk_compress_hook(CompressionState& state, GradBucket& 
 
 /// Reduces exactly inside the node and runs `inner` between nodes only (see the file comment).
 /// `local`: this rank's node group (its rank 0 the leader); `leaders`: the group of node leaders
-/// (null on ranks that are not their node's leader). The result is averaged over every rank.
+/// (null on ranks that are not their node's leader). The result is averaged over every rank,
+/// also when nodes have different numbers of ranks (each leader weighs its node's mean by its
+/// share of the ranks, counted among the leaders at the first bucket: one scalar all-reduce).
 /// Throws ValueError if `local` or `inner` is null, or `leaders` is given on a non-leader or
 /// missing on a leader.
 CommHook compress_across_nodes(CommHook inner, std::shared_ptr<ProcessGroup> local,

@@ -808,6 +808,26 @@ TEST(CompressAcrossNodes, ReducesInsideNodesAndCompressesBetweenThem) {
   EXPECT_EQ(states[1]->stats().buckets, 0);  // not a leader: its hook never ran
 }
 
+// Nodes of unequal size, {0, 1} and {2}, with an exact inner hook: every rank gets the mean over
+// the three ranks, not the mean of the two node means.
+TEST(CompressAcrossNodes, NodesOfUnequalSizeAverageOverEveryRank) {
+  constexpr int64_t kN = 96;
+  auto pair = ThreadWorld::create(2), single = ThreadWorld::create(1);
+  auto leaders_world = ThreadWorld::create(2);
+  auto hook_of = [&](int rank) {
+    auto local = rank < 2 ? std::make_shared<ProcessGroupThreads>(pair, rank)
+                          : std::make_shared<ProcessGroupThreads>(single, 0);
+    std::shared_ptr<ProcessGroup> leaders;
+    if (rank != 1) leaders = std::make_shared<ProcessGroupThreads>(leaders_world, rank / 2);
+    return compress_across_nodes(allreduce_hook, local, leaders);
+  };
+  const auto results = run_hook(3, reference_inputs(kN), hook_of, /*steps=*/1);
+  const Tensor want = (bucket_input(0, kN) + bucket_input(1, kN) + bucket_input(2, kN)) / 3.0;
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(allclose(results[static_cast<size_t>(r)], want, 1e-6, 1e-6)) << "rank " << r;
+  }
+}
+
 // ---- DDP ---------------------------------------------------------------------------------------
 
 // What a rank holds between two runs of train_cnn.
