@@ -69,7 +69,7 @@ for f in "$emberrun" "$gpt"; do
 done
 # Not `| grep -q`: grep quitting at the first match would fail the pipe (SIGPIPE, pipefail).
 if [[ "$("$gpt" --help)" != *hsdp* ]]; then
-  echo "two_nodes_hsdp.sh: $gpt has no --shard hsdp (rebuild it: cmake --build $build --target gpt)" >&2
+  echo "two_nodes_hsdp.sh: $gpt has no --shard hsdp (cmake --build $build --target gpt)" >&2
   exit 2
 fi
 if [[ ! -r "$data" ]]; then
@@ -79,7 +79,10 @@ fi
 for t in ip tc timeout; do
   command -v "$t" > /dev/null || { echo "two_nodes_hsdp.sh: needs $t on PATH" >&2; exit 2; }
 done
-[[ $(id -u) -eq 0 ]] || { echo "two_nodes_hsdp.sh: needs root (network namespaces, tc)" >&2; exit 2; }
+if [[ $(id -u) -ne 0 ]]; then
+  echo "two_nodes_hsdp.sh: needs root (network namespaces, tc)" >&2
+  exit 2
+fi
 if (( steps <= warmup_steps )); then
   echo "two_nodes_hsdp.sh: --steps ($steps) must exceed --warmup-steps ($warmup_steps)" >&2
   exit 2
@@ -98,7 +101,8 @@ threads=$(( $(nproc) / 4 ))
 (( threads >= 1 )) || threads=1
 
 # --warmup-steps leaves the first steps' one-time costs (buffers allocated, first use of each
-# collective) out of tokens/s; evaluation is cut to one batch at the end, as benchmarks/sharding/run_sharding.py.
+# collective) out of tokens/s; evaluation is cut to one batch at the end, as in
+# benchmarks/sharding/run_sharding.py.
 gpt_args=(--data "$data" --layers "$layers" --heads "$heads" --dim "$dim" --context "$context"
           --batch-size "$batch_size" --steps "$steps" --warmup-steps "$warmup_steps"
           --eval-every 0 --eval-batches 1 --seed 0)
@@ -130,13 +134,18 @@ run_gpt() {
   echo "$tps"
 }
 
-median() { tr ' ' '\n' <<<"$1" | grep . | sort -g | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }
+median() {
+  tr ' ' '\n' <<<"$1" | grep . | sort -g |
+    awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'
+}
 
-echo "# GPT (layers $layers, heads $heads, dim $dim, context $context, batch $batch_size per rank)," \
+echo "# GPT (layers $layers, heads $heads, dim $dim, context $context," \
+     "batch $batch_size per rank)," \
      "$steps steps ($warmup_steps untimed), 2 namespaces x 2 ranks, $threads thread(s) per rank," \
      "$(nproc) cores, $rounds rounds per rate, load before: $(cut -d' ' -f1 /proc/loadavg)"
-port=29811  # one per run (counted here: run_gpt runs in a subshell), as the last run's store
-            # port may still be in TIME_WAIT
+# A store port per run, as the last run's may still be in TIME_WAIT; counted here because
+# run_gpt runs in a command substitution's subshell.
+port=29811
 declare -A tps_runs
 for rate in $rates; do
   netns_shape "$rate"
@@ -155,6 +164,7 @@ printf "%-10s %12s %12s %10s\n" rate "fsdp tok/s" "hsdp tok/s" "hsdp/fsdp"
 for rate in $rates; do
   f="$(median "${tps_runs[$rate/fsdp]}")"
   h="$(median "${tps_runs[$rate/hsdp]}")"
-  printf "%-10s %12.0f %12.0f %9.2fx\n" "$rate" "$f" "$h" "$(awk -v a="$h" -v b="$f" 'BEGIN {print a / b}')"
+  printf "%-10s %12.0f %12.0f %9.2fx\n" "$rate" "$f" "$h" \
+    "$(awk -v a="$h" -v b="$f" 'BEGIN {print a / b}')"
 done
 echo "# load after: $(cut -d' ' -f1 /proc/loadavg)"

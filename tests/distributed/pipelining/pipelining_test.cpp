@@ -235,7 +235,7 @@ TEST(PipelineThreads, FrozenParametersTrainLikeTheUnsplitModel) {
 // checks those orders by simulation, and the executor runs whatever order is valid.
 TEST(PipelineThreads, Interleaved1F1BTakesAnyNumberOfMicroBatches) {
   const Reference ref = train_reference(3);
-  for (const auto [p, m] : {std::pair{4, 2}, std::pair{4, 1}}) {
+  for (const auto& [p, m] : {std::pair{4, 2}, std::pair{4, 1}}) {
     run_rank_threads(
         p,
         [&](int rank) {
