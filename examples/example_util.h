@@ -117,6 +117,7 @@ class CheckpointMeta {
  public:
   CheckpointMeta(std::string path, std::map<std::string, std::string> meta)
       : path_(std::move(path)), meta_(std::move(meta)) {}
+  bool has(const char* key) const { return meta_.count(key) != 0; }
   const std::string& get(const char* key) const {
     auto it = meta_.find(key);
     if (it == meta_.end()) {

@@ -25,11 +25,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iterator>
 #include <limits>
 #include <map>
@@ -247,7 +245,7 @@ void Trainer::print_banner() const {
       "%lld, context %lld), batch %lld per rank, %lld steps, AdamW lr %g, amp %s%s, comm hook %s, "
       "%d threads per rank%s; data %s: %lld training and %lld validation tokens, vocab %lld\n",
       run_.world, run_.pg->backend_name().c_str(), run_.device.str().c_str(),
-      static_cast<long long>(count_parameters(*model_)), static_cast<long long>(a_.layers),
+      static_cast<long long>(parameter_count(model_->config)), static_cast<long long>(a_.layers),
       static_cast<long long>(a_.heads), static_cast<long long>(a_.dim),
       static_cast<long long>(a_.context), static_cast<long long>(a_.batch_size),
       static_cast<long long>(a_.steps), a_.lr, a_.amp.c_str(),
@@ -509,21 +507,26 @@ void Trainer::log_progress(LogWindow& window) {
     constexpr int kWidth = 20;
     const int filled = static_cast<int>(kWidth * step_ / std::max<int64_t>(1, a_.steps));
     const double loss = window.loss_sum / std::max(1.0, n);
-    std::printf("%sstep %lld/%lld [%s%s] %3d%%  loss %.4f  lr %.2e  %.0f tok/s  ETA %s%s",
-                run_.tty ? "\r" : "", static_cast<long long>(step_),
-                static_cast<long long>(a_.steps),
+    // No speed while every step so far is a warm-up step (--warmup-steps): "-", not 0.
+    char speed[64] = "- tok/s  ETA -";
+    if (trained > 0) {
+      std::snprintf(speed, sizeof speed, "%.0f tok/s  ETA %s", tps, format_duration(eta).c_str());
+    }
+    std::printf("%sstep %lld/%lld [%s%s] %3d%%  loss %.4f  lr %.2e  %s%s", run_.tty ? "\r" : "",
+                static_cast<long long>(step_), static_cast<long long>(a_.steps),
                 std::string(filled, '#').c_str(), std::string(kWidth - filled, '-').c_str(),
-                static_cast<int>(100 * step_ / std::max<int64_t>(1, a_.steps)), loss, lr(), tps,
-                format_duration(eta).c_str(), run_.tty ? "\x1b[K" : "\n");
+                static_cast<int>(100 * step_ / std::max<int64_t>(1, a_.steps)), loss, lr(), speed,
+                run_.tty ? "\x1b[K" : "\n");
     if (run_.world > 1 && !run_.tty) std::printf("  %s\n", dist::straggler_report(ranks).c_str());
     std::fflush(stdout);
-    metrics_.write({{"kind", "step"},
-                    {"global_step", step_},
-                    {"loss", loss},
-                    {"lr", lr()},
-                    {"tokens_per_s", tps},
-                    {"slowest_rank", dist::slowest_rank(ranks)},
-                    {"comm_wait_ms", mine.comm_wait_ms}});
+    nlohmann::json step = {{"kind", "step"},
+                           {"global_step", step_},
+                           {"loss", loss},
+                           {"lr", lr()},
+                           {"slowest_rank", dist::slowest_rank(ranks)},
+                           {"comm_wait_ms", mine.comm_wait_ms}};
+    if (trained > 0) step["tokens_per_s"] = tps;
+    metrics_.write(step);
   }
   window.reset(now);
 }
@@ -552,9 +555,17 @@ void Trainer::measure_peak_memory() {
 // the shape emberckpt convert needs for Hugging Face's layout.
 std::map<std::string, std::string> run_settings(const Args& a, int world) {
   auto s = [](auto v) { return std::to_string(v); };
-  return {{"world_size", s(world)},   {"batch_size", s(a.batch_size)}, {"context", s(a.context)},
-          {"layers", s(a.layers)},    {"heads", s(a.heads)},           {"dim", s(a.dim)},
-          {"steps", s(a.steps)},      {"seed", s(a.seed)},             {"comm_hook", a.comm_hook}};
+  // The data by its path made absolute (a file resumed from another folder is the same file);
+  // synthetic tokens by name (they are a function of the seed and the vocabulary).
+  std::error_code ec;
+  const std::string data =
+      a.data == kSyntheticData ? a.data : std::filesystem::weakly_canonical(a.data, ec).string();
+  return {{"world_size", s(world)},   {"batch_size", s(a.batch_size)},
+          {"context", s(a.context)},  {"layers", s(a.layers)},
+          {"heads", s(a.heads)},      {"dim", s(a.dim)},
+          {"steps", s(a.steps)},      {"seed", s(a.seed)},
+          {"comm_hook", a.comm_hook}, {"data", ec ? a.data : data},
+          {"vocab", s(a.vocab)}};
 }
 
 // Everything the run goes on from: the model (or with --pp this rank's stages) in its layout,
@@ -604,7 +615,9 @@ int64_t Trainer::maybe_resume() {
   // The settings are checked before anything is loaded.
   const CheckpointMeta meta(dir, dist::ShardedCheckpoint(dir).metadata());
   for (const auto& [key, value] : run_settings(a_, run_.world)) {
-    if (key != "world_size") meta.must_match(key.c_str(), value);
+    // Checkpoints written before the data and the vocabulary were recorded go on unchecked.
+    const bool recorded = meta.has(key.c_str()) || (key != "data" && key != "vocab");
+    if (key != "world_size" && recorded) meta.must_match(key.c_str(), value);
   }
   const int64_t step = meta.get_int("global_step", 0, a_.steps);
   checkpoint_->load(checkpoint_state(), run_.rank, /*optional=*/"hook");
@@ -690,13 +703,20 @@ void Trainer::report(double val_loss) {
   }
   std::printf("val_loss=%.4f\n", val_loss);
   const double tps = tokens_per_s(timed_steps_, a_, run_.world, train_seconds_);
-  std::printf("tokens_per_s=%.0f\n", tps);
+  if (timed_steps_ == 0) {
+    // Every step this run trained was a warm-up step (a resumed run near its end, or
+    // --stop-at-step before --warmup-steps): nothing was timed, so no speed is claimed.
+    std::printf("tokens_per_s=unknown (no step past --warmup-steps %lld in this run)\n",
+                static_cast<long long>(a_.warmup_steps));
+  } else {
+    std::printf("tokens_per_s=%.0f\n", tps);
+  }
   // Model FLOPs utilization: the model's FLOPs per second over the peak of every rank that
   // works on it (each data-parallel row's tp x pp ranks share its tokens' FLOPs).
   const int64_t flops = flops_per_token(model_->config, a_.context);
   std::printf("flops_per_token=%lld\n", static_cast<long long>(flops));
   const double peak = a_.peak_tflops > 0 ? a_.peak_tflops : table_peak_tflops(a_, run_.device);
-  if (peak > 0) {
+  if (peak > 0 && timed_steps_ > 0) {
     std::printf("mfu=%.4f\n",
                 tps * static_cast<double>(flops) / (peak * 1e12 * static_cast<double>(run_.world)));
   } else {
@@ -719,10 +739,9 @@ int main(int argc, char** argv) {
   const auto status = parse_command_line(app, argc, argv, [&]() -> std::string {
     if (!a.init_from_hf.empty()) {
       try {  // the model's shape is the Hugging Face config's
-        const std::string config = a.init_from_hf + "/config.json";
-        std::ifstream in(config);
-        if (!in) throw std::runtime_error("cannot read " + config + ": " + std::strerror(errno));
-        const GPTConfig c = gpt_config_from_gpt2(std::string(std::istreambuf_iterator<char>(in), {}));
+        // Not a plain stream: a FIFO or /dev/zero in its place must not block or fill memory.
+        const GPTConfig c = gpt_config_from_gpt2(
+            nn::read_small_file(a.init_from_hf + "/config.json", 256 << 20, "[config.json]"));
         if (app.count("--vocab") > 0 && a.vocab != c.vocab) {
           return "--vocab " + std::to_string(a.vocab) + " disagrees with --init-from-hf's " +
                  "vocabulary of " + std::to_string(c.vocab);

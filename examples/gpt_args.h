@@ -168,6 +168,11 @@ inline std::string unavailable(const Args& a) {
 
 // The model's shape must make sense before any process group is formed.
 inline std::string bad_shape(const Args& a) {
+  if (a.data == kSyntheticData && a.vocab > 65536) {
+    return "--vocab " + std::to_string(a.vocab) +
+           " is past what --data synthetic draws: its "
+           "tokens are uint16, so at most 65536 (llm.c's format)";
+  }
   if (a.dim % a.heads != 0) {
     return "--dim " + std::to_string(a.dim) + " must be a multiple of --heads " +
            std::to_string(a.heads);
@@ -333,7 +338,9 @@ inline void add_options(CLI::App& app, Args& a) {
   app.add_flag("--continue-on-nan", a.continue_on_nan,
                "keep training when the loss is NaN or infinite (default: stop with an error)");
   app.add_option("--stop-at-step", a.stop_at_step,
-                 "testing aid: stop after this step, as an interrupted run would")->group("");
+                 "testing aid: stop after this step, as an interrupted run would")
+      ->check(kNonNegative)
+      ->group("");
   add_fault_options(app, a.fail_at_step, a.hang_at_step);
 }
 

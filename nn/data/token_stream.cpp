@@ -138,7 +138,10 @@ std::string prepare_token_file(const std::string& source, const std::string& cac
   const std::string key_file = out + ".source";
   std::error_code e1;
   if (fs::file_size(out, e1) > 0 && !e1 && read_key(key_file) == key) return out;
-  // Byte-level tokens: token t is the byte t, so the prose's bytes are the token file.
+  // Byte-level tokens: token t is the byte t, so the prose's bytes are the token file. The old
+  // key goes first: were the process to die between the two writes, the tokens of this source
+  // must not be found beside the key of another.
+  fs::remove(key_file, ec);
   write_file_atomic(out, read_prose(source));
   write_file_atomic(key_file, key);
   return out;
@@ -157,6 +160,9 @@ uint32_t get_le32(const uint8_t* p) {
 }  // namespace
 
 bool is_llmc_token_file(const std::string& path) {
+  // Only a regular file is read: opening a FIFO would block until a writer came.
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return false;
   std::ifstream in(path, std::ios::binary);
   uint8_t magic[4] = {};
   in.read(reinterpret_cast<char*>(magic), sizeof magic);
@@ -226,9 +232,15 @@ std::string prepare_synthetic_token_file(const std::string& cache_dir, int64_t v
 }
 
 TokenFile::TokenFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO in the file's place is refused below instead of blocking the open.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   EMBER_CHECK(fd >= 0, kOp, " cannot open the token file '", path, "': ", std::strerror(errno));
   struct stat st {};
+  if (::fstat(fd, &st) == 0 && !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    EMBER_CHECK(false, kOp, " the token file '", path,
+                "' is not a regular file (a directory, FIFO or device)");
+  }
   if (::fstat(fd, &st) != 0 || st.st_size <= 0) {
     const int err = errno;
     ::close(fd);

@@ -65,7 +65,7 @@ void write_llmc_token_file(const std::string& path, int64_t count,
 void write_llmc_token_file(const std::string& path, const std::vector<uint16_t>& tokens);
 
 /// An llm.c-format file of `count` tokens drawn uniformly from [0, vocab) by a generator
-/// seeded with `seed` (splitmix64, the same tokens on every machine), in `cache_dir` (created
+/// seeded with `seed` (std::mt19937_64, the same tokens on every machine), in `cache_dir` (created
 /// if need be) as "synthetic-v<vocab>-n<count>-s<seed>.bin"; returns its path. Made once,
 /// atomically (ranks that make it at once each write the same bytes), and reused when a file
 /// of that name and size is there. For speed runs: the tokens carry nothing to learn.

@@ -21,6 +21,7 @@ struct Fault {
   detail::AtomicWriteStep step = detail::AtomicWriteStep::kNone;
   int err = 0;
   size_t after_bytes = 0;
+  int skip = 0;  // writes that pass `step` unharmed before the fault fires
 };
 // Thread-local so a test's injected fault cannot hit a write made by another thread.
 thread_local Fault t_fault;
@@ -28,6 +29,10 @@ thread_local Fault t_fault;
 // True (with errno set) if the injected fault is for `step`; the fault is then consumed.
 bool fault_fires(detail::AtomicWriteStep step) {
   if (t_fault.step != step) return false;
+  if (t_fault.skip > 0) {
+    --t_fault.skip;
+    return false;
+  }
   errno = t_fault.err;
   t_fault = Fault{};
   return true;
@@ -77,7 +82,7 @@ class TempFile {
       // Linux writes at most ~2 GiB per call; larger requests just come back short.
       size_t chunk = std::min<size_t>(n, size_t{1} << 30);
       ssize_t w;
-      const bool faulty = t_fault.step == detail::AtomicWriteStep::kWrite;
+      const bool faulty = t_fault.step == detail::AtomicWriteStep::kWrite && t_fault.skip == 0;
       if (faulty && written_ == t_fault.after_bytes) {
         w = -1;
         fault_fires(detail::AtomicWriteStep::kWrite);
@@ -161,7 +166,7 @@ void write_file_atomic(const std::string& path, std::string_view bytes) {
 }  // namespace ember::nn
 
 namespace ember::detail {
-void inject_atomic_write_fault(AtomicWriteStep step, int err, size_t after_bytes) {
-  nn::t_fault = nn::Fault{step, err, after_bytes};
+void inject_atomic_write_fault(AtomicWriteStep step, int err, size_t after_bytes, int skip) {
+  nn::t_fault = nn::Fault{step, err, after_bytes, skip};
 }
 }  // namespace ember::detail

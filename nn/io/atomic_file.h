@@ -41,6 +41,7 @@ enum class AtomicWriteStep { kNone, kCreate, kWrite, kFsync, kRename, kFsyncDir 
 /// Test hook: makes the next write_file_atomic on the calling thread fail at `step` as if the
 /// system call had set errno to `err`. For kWrite, the first `after_bytes` bytes are written
 /// normally and the write that would go past them fails (a disk filling up halfway).
-/// The fault fires once and is then cleared; kNone clears it without firing.
-void inject_atomic_write_fault(AtomicWriteStep step, int err, size_t after_bytes = 0);
+/// The fault fires once and is then cleared; kNone clears it without firing. `skip`: the first
+/// `skip` writes pass `step` unharmed (to fail the second of two writes, skip 1; not for kWrite).
+void inject_atomic_write_fault(AtomicWriteStep step, int err, size_t after_bytes = 0, int skip = 0);
 }  // namespace ember::detail

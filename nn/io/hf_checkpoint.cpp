@@ -189,7 +189,7 @@ HFCheckpoint load_hf_checkpoint(const std::string& dir) {
   if (!index.contains("weight_map") || !index["weight_map"].is_object()) {
     fail(kIndex, " has no \"weight_map\" object");
   }
-  // file -> the tensors the index puts in it, files in the order of their first tensor.
+  // file -> the tensors the index puts in it; the files in name order (sorted below).
   std::map<std::string, std::set<std::string>> listed;
   for (const auto& [name, file] : index["weight_map"].items()) {
     if (!file.is_string()) fail(kIndex, ": the file of '", name, "' is not a string");

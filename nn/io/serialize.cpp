@@ -38,6 +38,7 @@ constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 // A valid header nests three levels deep (root -> entry -> shape); anything much deeper is
 // refused while parsing, so a hostile "[[[[..." costs neither stack nor memory.
 constexpr int kMaxJsonDepth = 8;
+constexpr size_t kMaxArrayElements = 64;
 // Error messages quote names and JSON values up to this many bytes.
 constexpr size_t kMaxQuote = 200;
 
@@ -183,12 +184,23 @@ Json parse_header(const std::string& path, const std::string& text) {
   // Duplicate keys are invalid in safetensors but silently merged by JSON parsers, so they are
   // caught while parsing: one key set per open object.
   std::vector<std::unordered_set<std::string>> keys;
+  // The elements of each open array: a header's arrays are shapes and offset pairs, and a long
+  // one would cost 16 bytes of tree per 2 bytes of text ("0,") before any field is checked.
+  std::vector<size_t> elements;
   auto callback = [&](int depth, nlohmann::detail::parse_event_t ev, Json& parsed) {
     using Ev = nlohmann::detail::parse_event_t;
     if ((ev == Ev::object_start || ev == Ev::array_start) && depth >= kMaxJsonDepth) {
       bad_file(path, "header JSON nests deeper than ", kMaxJsonDepth,
                " levels; a safetensors header nests 3");
     }
+    const bool element = ev == Ev::value || ev == Ev::object_start || ev == Ev::array_start;
+    if (element && !elements.empty() && ++elements.back() > kMaxArrayElements) {
+      bad_file(path, "header JSON has an array of more than ", kMaxArrayElements,
+               " elements; a safetensors header's arrays are shapes (at most ", kMaxDims,
+               " dims here) and offset pairs");
+    }
+    if (ev == Ev::array_start) elements.push_back(0);
+    if (ev == Ev::array_end && !elements.empty()) elements.pop_back();
     if (ev == Ev::object_start) keys.emplace_back();
     if (ev == Ev::object_end && !keys.empty()) keys.pop_back();
     if (ev == Ev::key && !keys.empty()) {
@@ -200,6 +212,11 @@ Json parse_header(const std::string& path, const std::string& text) {
     }
     return true;
   };
+  // nlohmann's parser ends its input at a NUL byte, so text after one would go unread.
+  if (const size_t nul = text.find('\0'); nul != std::string::npos) {
+    bad_file(path, "header holds a NUL byte at ", nul, " of its ", text.size(),
+             " bytes (JSON text has none)");
+  }
   try {
     return Json::parse(text, callback, /*allow_exceptions=*/true, /*ignore_comments=*/false);
   } catch (const Json::exception& e) {

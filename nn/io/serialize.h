@@ -78,7 +78,9 @@ void save_state_dict(const std::string& path,
 /// Reads a safetensors file into CPU tensors. Any file is safe to pass: the header size, the
 /// JSON, every entry's fields, dtype, shape and offsets, and the exact tiling of the data are
 /// checked before anything is allocated, and a malformed file throws ValueError naming the
-/// path and what is wrong (never crashes, never allocates more than the file's size). Bytes
+/// path and what is wrong (never crashes; the data is read into tensors only after every check,
+/// and the parsed header takes a small multiple of the header's bytes: its arrays are refused
+/// past 64 elements while parsing, a NUL byte in it at once). Bytes
 /// of BOOL tensors other than 0 and 1 read as true. Throws ember::Error if the file cannot be
 /// opened or read, or is not a regular file.
 SafetensorsFile load_safetensors(const std::string& path);

@@ -109,11 +109,19 @@ class EventFile {
       throw Error(detail::str_cat("[SummaryWriter] cannot create the event file '", path_,
                                   "': ", system_error(errno)));
     }
-    pb::Event e;
-    e.set_wall_time(now_seconds());
-    e.set_file_version(kFileVersion);
-    append(e);
-    flush();  // the file is a valid, if empty, event file from the start
+    try {
+      pb::Event e;
+      e.set_wall_time(now_seconds());
+      e.set_file_version(kFileVersion);
+      append(e);
+      flush();  // the file is a valid, if empty, event file from the start
+    } catch (...) {
+      // The destructor does not run for a constructor that throws: close the descriptor here,
+      // and remove the file, which this writer made (O_EXCL) and which holds no valid record.
+      ::close(fd_);
+      ::unlink(path_.c_str());
+      throw;
+    }
   }
   ~EventFile() {
     if (fd_ >= 0) ::close(fd_);
@@ -281,12 +289,14 @@ struct SummaryWriter::Impl {
     EMBER_CHECK(!closed, "[SummaryWriter.", op, "] the writer of '", dir, "' is closed");
   }
   EventFile& sub_file(const std::string& folder) {
-    auto& f = by_key[folder];
-    if (f == nullptr) {
-      f = std::make_unique<EventFile>((fs::path(dir) / folder).string(), options.filename_suffix,
-                                      options.flush_secs);
+    auto it = by_key.find(folder);
+    if (it == by_key.end()) {
+      // Made before it is entered: a file that cannot be made leaves no empty entry behind.
+      auto f = std::make_unique<EventFile>((fs::path(dir) / folder).string(),
+                                           options.filename_suffix, options.flush_secs);
+      it = by_key.emplace(folder, std::move(f)).first;
     }
-    return *f;
+    return *it->second;
   }
   template <typename Fn>
   void for_each_file(Fn fn) {

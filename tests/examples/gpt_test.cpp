@@ -2,6 +2,7 @@
 // 32) trained for 30 steps on the King James Bible (Debian's bible-kjv-text) under emberrun with
 // two ranks and alone, resumed from a checkpoint, and refusing bad flags.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -280,6 +281,26 @@ TEST_F(Gpt, TensorParallelTwoRanksTrainsAsOneProcess) {
   EXPECT_NEAR(value_of(r.output, "val_loss"), value_of(one.output, "val_loss"), 2e-4)
       << "tp 2:\n" << r.output << "\none process:\n" << one.output;
   EXPECT_GT(value_of(r.output, "tokens_per_s"), 0) << r.output;
+  // The banner counts the model's parameters, not rank 0's part of them.
+  const std::regex count("world size [0-9]+, .* ([0-9]+) parameters");
+  std::smatch a, b;
+  ASSERT_TRUE(std::regex_search(one.output, a, count)) << one.output;
+  ASSERT_TRUE(std::regex_search(r.output, b, count)) << r.output;
+  EXPECT_EQ(a[1], b[1]) << r.output;
+}
+
+// A run whose every step is a warm-up step (--stop-at-step before --warmup-steps ends; a run
+// resumed near its end) times nothing: it says so instead of printing a speed of 0.
+TEST_F(Gpt, WarmupCoveringTheWholeRunReportsNoThroughput) {
+  Result r = run("env EMBER_NUM_THREADS=1 " + tiny() +
+                 " --steps 20 --warmup-steps 10 --stop-at-step 5 --log-every 1 --eval-batches 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("tokens_per_s=unknown (no step past --warmup-steps 10 in this run)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("mfu=unknown"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("- tok/s  ETA -"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find(" 0 tok/s"), std::string::npos) << r.output;
 }
 
 // A --tp 2 run stopped at step 15 goes on from its sharded checkpoint (each rank wrote its
@@ -481,8 +502,8 @@ TEST_F(Gpt, ExportsToAndStartsFromHuggingFaceLayout) {
       << other_vocab.output;
   Result missing = run(tiny() + " --init-from-hf " + tmp.file("nowhere"));
   EXPECT_EQ(missing.status, 2) << missing.output;
-  EXPECT_NE(missing.output.find("gpt: --init-from-hf: cannot read " + tmp.path() +
-                                "/nowhere/config.json: No such file or directory"),
+  EXPECT_NE(missing.output.find("gpt: --init-from-hf: [config.json] cannot read '" + tmp.path() +
+                                "/nowhere/config.json': open failed: No such file or directory"),
             std::string::npos)
       << missing.output;
 }
@@ -500,6 +521,13 @@ TEST_F(Gpt, ResumePastTheEndTrainsNothingAndBadPositionsAreNamed) {
   EXPECT_NE(past.output.find("at step 15, at or past the end (10): nothing to train"),
             std::string::npos) << past.output;
   EXPECT_EQ(past.output.find("tok/s  ETA"), std::string::npos) << "it trained:\n" << past.output;
+  // Other data than the checkpoint's is refused naming both: the windows are positions in it.
+  Result other = run(alone + dir + " --resume --data synthetic --vocab 256");
+  EXPECT_EQ(other.status, 1) << other.output;
+  EXPECT_NE(other.output.find("saved with data "), std::string::npos) << other.output;
+  EXPECT_NE(other.output.find(", but this run has synthetic; resume with the same settings"),
+            std::string::npos)
+      << other.output;
 
   const std::string index = tmp.file("ck/index.json");
   const nlohmann::json good = nlohmann::json::parse(std::ifstream(index));
@@ -575,7 +603,15 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
   };
   const std::string short_text = tmp.file("short.txt");
   { std::ofstream(short_text) << "Too short to train on.\n"; }
+  // A FIFO where a config is expected: refused without blocking.
+  const std::string fifo_hf = tmp.file("hf_fifo");
+  fs::create_directories(fifo_hf);
+  ASSERT_EQ(::mkfifo((fifo_hf + "/config.json").c_str(), 0600), 0);
   const Case cases[] = {
+      {"--init-from-hf " + fifo_hf, 2, "config.json': not a regular file"},
+      {"--data synthetic --vocab 70000", 2,
+       "gpt: --vocab 70000 is past what --data synthetic draws: its tokens are uint16"},
+      {"--stop-at-step -3", 2, "expected a number >= 0, got -3"},
       {"--amp fp16", 2, "gpt: --amp fp16 needs --device cuda (on the CPU use --amp bf16)"},
       {"--cuda-graph", 2,
        "gpt: --cuda-graph captures a plain step on a GPU yet: it needs --device cuda"},

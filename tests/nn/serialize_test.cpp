@@ -590,6 +590,12 @@ TEST(Safetensors, FailedSaveKeepsThePreviousCheckpoint) {
 
 // ---- safetensors: load errors -------------------------------------------------------------------
 
+std::string repeat(const std::string& s, int n) {
+  std::string out;
+  for (int i = 0; i < n; ++i) out += s;
+  return out;
+}
+
 TEST(Safetensors, LoadRejectsMalformedHeadersNamingTheProblem) {
   TempDir dir;
   const std::string path = dir.file("bad.safetensors");
@@ -673,6 +679,15 @@ TEST(Safetensors, LoadRejectsMalformedHeadersNamingTheProblem) {
       {R"({"__metadata__":{"k":[[[[[[[[[[[[1]]]]]]]]]]]]}})", "", {"nests deeper than 8"}},
       {"{\"\xff\":1}", "", {"not valid JSON", "\\xff"}},
       {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", "", {"<= 0"}},
+      // Text after a NUL byte would go unread (the JSON parser stops there).
+      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})" + std::string(1, '\0') +
+           R"( not json {"a":)",
+       d8,
+       {"header holds a NUL byte at 54 of its 70 bytes"}},
+      // A long array is refused while parsing, before its tree costs 8 times its text.
+      {R"({"a":{"dtype":"F32","shape":[0)" + repeat(",0", 99) + R"(],"data_offsets":[0,0]}})",
+       "",
+       {"an array of more than 64 elements", "at most 16 dims"}},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE("header: " + c.header);

@@ -504,5 +504,46 @@ TEST(SummaryWriter, WriteErrorNamesTheFileAndKeepsTheEvents) {
   EXPECT_EQ(ev[1]["values"][0]["tensor"]["string_val"][0], text);
 }
 
+// add_scalars into a folder that cannot be made (a file of its name is in the way) throws naming
+// it, and the writer goes on: flush, the other runs and close still work (a failed folder left
+// an empty entry that every flush then dereferenced).
+TEST(SummaryWriter, AddScalarsFolderThatCannotBeMadeLeavesTheWriterUsable) {
+  EMBER_REQUIRE_TFEVENTS_READER();
+  TempDir tmp("summary_writer_test");
+  SummaryWriter w(tmp.path(), {.flush_secs = 0, .rank = 0});
+  { std::ofstream(tmp.path() + "/loss_train") << "in the way"; }
+  const std::string msg = expect_throws_message([&] { w.add_scalars("loss", {{"train", 1}}, 0); });
+  EXPECT_NE(msg.find("loss_train"), std::string::npos) << msg;
+  w.add_scalars("acc", {{"val", 0.5}}, 0);
+  w.flush();
+  w.close();
+  EXPECT_EQ(events_of(w.file_path()).size(), 1u);
+}
+
+// An event file whose first record cannot be written closes its descriptor and removes the file
+// it made: a writer that failed to start leaves no descriptor and no empty file behind.
+TEST(SummaryWriter, AWriterThatCannotWriteItsFirstRecordLeavesNothingBehind) {
+  TempDir tmp("summary_writer_test");
+  const auto open_fds = [] {
+    return std::distance(fs::directory_iterator("/proc/self/fd"), fs::directory_iterator{});
+  };
+  const auto before = open_fds();
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  rlimit none = old;
+  none.rlim_cur = 0;
+  auto* old_handler = ::signal(SIGXFSZ, SIG_IGN);
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &none), 0);
+  std::string msg;
+  for (int i = 0; i < 3; ++i) {
+    msg = expect_throws_message([&] { SummaryWriter w(tmp.path(), {.rank = 0}); });
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  ::signal(SIGXFSZ, old_handler);
+  EXPECT_NE(msg.find(std::strerror(EFBIG)), std::string::npos) << msg;
+  EXPECT_EQ(open_fds(), before);
+  EXPECT_TRUE(fs::is_empty(tmp.path()));
+}
+
 }  // namespace
 }  // namespace ember::nn

@@ -1,11 +1,14 @@
 // The byte-level token stream: the token file (built atomically, memory-mapped), the split, and
 // the windows each rank draws per step (seed + epoch, disjoint across ranks).
 #include <ember/nn/data/token_stream.h>
+#include <ember/nn/io/atomic_file.h>
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -84,6 +87,27 @@ TEST(TokenStream, AnotherFileOfTheSameNameIsNeverTakenFromTheCache) {
   EXPECT_EQ(tokens_of(a), "the tokens of a\n");
   std::ofstream(a, std::ios::app) << "and more\n";
   EXPECT_EQ(tokens_of(a), "the tokens of a\nand more\n");
+}
+
+// A cache entry rebuilt for another source whose key could not be written (the process dying
+// between the two writes, here the key's write failing) is not taken for the old source's: the
+// old key is gone before the new tokens land.
+TEST(TokenStream, TokensWithoutTheirKeyAreRebuiltNotReused) {
+  TempDir dir;
+  fs::create_directories(dir.file("a"));
+  fs::create_directories(dir.file("b"));
+  const std::string a = write_file(dir, "a/train.txt", "the tokens of a\n");
+  const std::string b = write_file(dir, "b/train.txt", "the tokens of b\n");
+  auto tokens_of = [&](const std::string& src) {
+    const TokenFile f(prepare_token_file(src, dir.file("cache")));
+    return std::string(reinterpret_cast<const char*>(f.data()), static_cast<size_t>(f.size()));
+  };
+  EXPECT_EQ(tokens_of(a), "the tokens of a\n");
+  ember::detail::inject_atomic_write_fault(ember::detail::AtomicWriteStep::kCreate, ENOSPC, 0,
+                                           /*skip=*/1);
+  EXPECT_THROW(tokens_of(b), Error);  // b's tokens written, its key not
+  EXPECT_EQ(tokens_of(a), "the tokens of a\n");
+  EXPECT_EQ(tokens_of(b), "the tokens of b\n");
 }
 
 TEST(TokenStream, WindowsAreShiftedByOneToken) {
@@ -185,6 +209,12 @@ TEST(TokenStream, Errors) {
                {"[TokenStream]", "no text file", "missing.txt"});
   expect_error([&] { TokenFile f(dir.file("missing.tokens")); },
                {"[TokenStream]", "cannot open", "missing.tokens"});
+  // A FIFO or a directory where the tokens should be: refused at once, naming it.
+  const std::string fifo = dir.file("fifo.tokens");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_FALSE(is_llmc_token_file(fifo));
+  expect_error([&] { TokenFile f(fifo); }, {"fifo.tokens", "is not a regular file"});
+  expect_error([&] { TokenFile f(dir.path()); }, {"is not a regular file"});
   const std::string empty = write_file(dir, "empty.txt", "");
   expect_error([&] { prepare_token_file(empty, dir.file("cache")); }, {"empty.txt", "is empty"});
   expect_error([&] { TokenFile f(empty); }, {"empty.txt", "empty"});
