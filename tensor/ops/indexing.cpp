@@ -265,17 +265,23 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& indices, int64_t num
                 ", got grad of shape ", grad.shape());
   }
   const int64_t dim = grad.size(-1);
-  Tensor out = zeros({num_weights, dim}, grad.options());
+  // A frequent token's row sums thousands of gradients (GPT-2's "the"): in bfloat16 or float16
+  // each add would round to 8 or 11 bits, and 1024 ones would sum to 256. So they are summed in
+  // float32 and rounded once, as PyTorch's embedding backward accumulates in its op math type.
+  const bool half = grad.dtype() == kBFloat16 || grad.dtype() == kFloat16;
+  Tensor src = grad.reshape({indices.numel(), dim});
+  if (half) src = src.to(kFloat32);
+  Tensor out = zeros({num_weights, dim}, src.options());
   const Tensor idx = indices.reshape({-1});
-  const Tensor src = grad.reshape({indices.numel(), dim});
   const ScatterArgs args = index_add_args(op, out, 0, idx, src, 1);
   // Differentiable (it is embedding's backward rule, so double backward goes through it): out
   // is fresh, so the scatter is recorded as an index_add into it.
   if (detail::should_record(grad)) {
-    return scatter_into_copy(OpId::IndexAdd, out, args, idx, src, 0, 1);
+    out = scatter_into_copy(OpId::IndexAdd, out, args, idx, src, 0, 1);
+  } else {
+    run_scatter(args);
   }
-  run_scatter(args);
-  return out;
+  return half ? out.to(grad.dtype()) : out;
 }
 
 Tensor one_hot(const Tensor& t, int64_t num_classes) {

@@ -374,6 +374,24 @@ TEST(Embedding, ForwardAndBackward) {
   expect_same(embedding_backward(gt, ids.t().contiguous().t(), 5), gw, "strided backward");
 }
 
+// A row hit many times sums its gradients in float32 and rounds once: 1024 bfloat16 ones (and
+// 4096 float16 ones) into one row are 1024 (4096), not the 256 (2048) where adding 1 to a
+// 16-bit running sum stops changing it. On CUDA too where there is a GPU.
+TEST(Embedding, ReducedPrecisionGradientsSumInFloat32) {
+  std::vector<Device> devices = {kCPU};
+  if (cuda::is_available()) devices.push_back(cuda_device(0));
+  for (const Device dev : devices) {
+    for (const auto& [dtype, n] : {std::pair{kBFloat16, 1024}, std::pair{kFloat16, 4096}}) {
+      const Tensor grad = ones({n, 2}, TensorOptions(dtype).device(dev));
+      const Tensor gw = embedding_backward(grad, zeros({n}, TensorOptions(kInt64).device(dev)), 3);
+      EXPECT_EQ(gw.dtype(), dtype);
+      EXPECT_EQ(gw.cpu().to(kFloat64).to_vector<double>(),
+                (std::vector<double>{double(n), double(n), 0, 0, 0, 0}))
+          << dtype << " on " << dev.str();
+    }
+  }
+}
+
 TEST(Embedding, Errors) {
   const Tensor weight = zeros({5, 3});
   expect_error<IndexError>([&] { embedding(weight, tensor({5})); },
