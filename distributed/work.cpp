@@ -88,7 +88,16 @@ Events record_current_streams(const Events& after) {
 
 void Future::wait(std::optional<Duration> timeout) {
   wait_host(timeout);
-  block_current_streams(ready_events());
+  const Events ready = ready_events();
+  if (ready.empty()) return;
+  block_current_streams(ready);
+  // The value was made on other streams (a collective's, a callback's); from here the waiting
+  // thread's streams use it, so its memory is not reused until they are done with it, as
+  // PyTorch's Future.wait records the value's storages on the current streams.
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const Tensor& t : value_) {
+    if (t.defined() && t.is_cuda()) cuda::record_stream(t, cuda::current_stream(t.device().index));
+  }
 }
 
 void Future::wait_host(std::optional<Duration> timeout) {

@@ -76,16 +76,6 @@ ncclResult_t settle(ncclComm_t comm, ncclResult_t r, Clock::time_point deadline)
   return r;
 }
 
-/// Tells the caching allocator that t's memory is in use on s (see cuda::record_stream).
-void mark_used(const Tensor& t, const cuda::Stream& s) {
-  if (!t.defined() || t.numel() == 0 || t.storage()->data() == nullptr) return;
-  try {
-    cuda::record_stream(t.storage()->data(), s);
-  } catch (const ValueError&) {
-    // Memory from from_blob: not the allocator's; its owner keeps it alive (documented there).
-  }
-}
-
 int choose_device(const ProcessGroupNccl::NcclOptions& o, int rank, int count) {
   if (o.device >= 0) {
     EMBER_CHECK(o.device < count, "[nccl] rank ", rank, ": device ", o.device,
@@ -504,8 +494,8 @@ WorkPtr ProcessGroupNccl::Impl::launch(const std::string& what, Duration timeout
   }
   end->record(stream_);
   // Before the Work is returned: once the caller has it, it may drop the tensors at once.
-  for (const Tensor& t : outputs) mark_used(t, stream_);
-  for (const Tensor& t : keep) mark_used(t, stream_);
+  for (const Tensor& t : outputs) cuda::record_stream(t, stream_);
+  for (const Tensor& t : keep) cuda::record_stream(t, stream_);
   keep.insert(keep.end(), outputs.begin(), outputs.end());
   if (captured) {
     watch_replays(what, timeout, std::move(keep));

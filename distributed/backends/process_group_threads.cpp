@@ -229,16 +229,6 @@ void run_op(std::vector<Call>& c) {
   }
 }
 
-/// Tells the caching allocator that t's memory is in use on s (see cuda::record_stream).
-void mark_used(const Tensor& t, const cuda::Stream& s) {
-  if (t.numel() == 0 || t.storage()->data() == nullptr) return;
-  try {
-    cuda::record_stream(t.storage()->data(), s);
-  } catch (const ValueError&) {
-    // Memory from from_blob: not the allocator's; its owner keeps it alive.
-  }
-}
-
 std::optional<Device> device_of(const std::vector<Call>& calls) {
   for (const Call& c : calls) {
     if (!c.in.empty()) return c.in[0].device();
@@ -456,7 +446,7 @@ class ThreadWorldState {
         ready.back()->record(*s);
         for (Call& c : calls) {
           for (const auto* list : {&c.in, &c.out}) {
-            for (const Tensor& t : *list) mark_used(t, *s);
+            for (const Tensor& t : *list) cuda::record_stream(t, *s);
           }
         }
       }

@@ -38,16 +38,6 @@ std::optional<int> cuda_index(const std::vector<Tensor>& ts) {
   return std::nullopt;
 }
 
-/// Keeps the caching allocator from reusing t's memory before what is queued on `s` is done.
-void mark_used(const Tensor& t, const cuda::Stream& s) {
-  if (!t.defined() || t.numel() == 0 || t.storage()->data() == nullptr) return;
-  try {
-    cuda::record_stream(t.storage()->data(), s);
-  } catch (const ValueError&) {
-    // Not the allocator's memory.
-  }
-}
-
 }  // namespace
 
 /// The delay thread (CPU write-backs, in order, each at its due time) and the write-back
@@ -194,8 +184,8 @@ WorkPtr DelayingGroup::after(const WorkPtr& inner, std::vector<Tensor> outputs,
       cuda::spin(o.cycles, s);
       write_back();
       for (size_t i = 0; i < outputs.size(); ++i) {
-        mark_used(staged[i], s);
-        mark_used(outputs[i], s);
+        cuda::record_stream(staged[i], s);
+        cuda::record_stream(outputs[i], s);
       }
       auto ready = std::make_shared<cuda::Event>();
       ready->record(s);

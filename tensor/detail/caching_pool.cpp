@@ -186,8 +186,27 @@ void CachingPool::free(void* ptr) {
 }
 
 void CachingPool::record_free_events(Block* b) {
-  for (void* s : b->stream_uses) {
-    pending_[s].emplace_back(backend_->record_event(s), b);
+  // free() runs from tensor destructors, which must not throw. When an event cannot be recorded
+  // (a sticky CUDA error: the context is lost) nothing can say when the other streams are done
+  // with the block, so it is never handed out again: held by an event that never completes,
+  // and its segment stays reserved. The error itself surfaces at the next CUDA call.
+  std::vector<std::pair<void*, void*>> recorded;  // (stream, event)
+  try {
+    for (void* s : b->stream_uses) recorded.emplace_back(s, backend_->record_event(s));
+  } catch (...) {
+    for (auto& [s, e] : recorded) {
+      try {
+        backend_->destroy_event(e);
+      } catch (...) {  // lost with the context
+      }
+    }
+    b->stream_uses.clear();
+    b->event_count = 1;
+    ++stats_.lost_blocks;
+    return;
+  }
+  for (auto& [s, e] : recorded) {
+    pending_[s].emplace_back(e, b);
     ++b->event_count;
   }
   b->stream_uses.clear();

@@ -55,6 +55,7 @@ struct PoolStats {
   int64_t num_segments = 0;       ///< segments held now
   int64_t num_alloc_retries = 0;  ///< backend allocations that failed and were retried
   int64_t num_ooms = 0;           ///< allocations that threw OutOfMemoryError
+  int64_t lost_blocks = 0;        ///< freed blocks never reused: their events could not be recorded
 };
 
 /// Names a private pool of a CachingPool (Note [Graph pools]); 0 names none.

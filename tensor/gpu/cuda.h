@@ -9,6 +9,10 @@
 
 #include <ember/tensor/device.h>
 
+namespace ember {
+class Tensor;
+}  // namespace ember
+
 namespace ember::cuda {
 
 /// Number of usable CUDA devices (0 when no driver, no device or a CPU-only build).
@@ -102,6 +106,10 @@ class Event {
 /// Marks that `ptr` (from the CUDA caching allocator) is in use on stream s, so the allocator
 /// waits for s before reusing it after it is freed (torch's record_stream).
 void record_stream(void* ptr, const Stream& s);
+/// The same for the memory of tensor `t` (torch's Tensor.record_stream): nothing for a tensor
+/// without elements, on the CPU, or over memory the allocator did not hand out (from_blob's,
+/// whose owner keeps it alive).
+void record_stream(const Tensor& t, const Stream& s);
 /// Releases the cached segments with no block in use back to CUDA (a segment holding a live
 /// block stays), after waiting for the device if blocks freed after record_stream still wait on
 /// their events. Touches only devices this process has allocated on.

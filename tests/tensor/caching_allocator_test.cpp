@@ -36,6 +36,8 @@ struct FakeState {
   int64_t next_event = 1, events_destroyed = 0;
   // Set while a capture is underway: what a CUDA graph capture forbids then fails the test.
   bool capturing = false;
+  // Set to make record_event throw, as the runtime does once a kernel has lost the context.
+  bool dead = false;
   std::map<void*, uint64_t> capture_of;  // streams taking part in a capture, by its id
 
   void finish(void* stream) { completed[stream] = queued[stream]; }
@@ -66,6 +68,7 @@ class FakeDevice final : public detail::PoolBackend {
   }
   void* record_event(void* stream) override {
     EXPECT_FALSE(s_->capturing) << "an event recorded during a capture";
+    if (s_->dead) throw CudaError("CUDA error: an illegal memory access was encountered (sticky)");
     void* e = reinterpret_cast<void*>(s_->next_event++);
     s_->events[e] = {stream, ++s_->queued[stream]};
     return e;
@@ -254,6 +257,28 @@ TEST_F(CachingPoolTest, WorkQueuedOnTheOtherStreamAfterTheFreeIsNotWaitedFor) {
   state_->finish(kStreamB);
   ++state_->queued[kStreamB];  // later work on B has nothing to do with a
   EXPECT_EQ(alloc(kMiB, kStreamA), a);
+}
+
+// A block used on other streams, freed after the context was lost (its events cannot be
+// recorded): free does not throw (it runs in tensor destructors) and the block is never handed
+// out again, since nothing can say when those streams are done with it.
+TEST_F(CachingPoolTest, ABlockWhoseEventsCannotBeRecordedIsFreedWithoutThrowingAndNeverReused) {
+  void* a = alloc(4 * kMiB, kStreamA);
+  pool_->record_stream(a, kStreamB);
+  state_->dead = true;
+  EXPECT_NO_THROW(pool_->free(a));
+  state_->dead = false;
+  EXPECT_EQ(pool_->stats().lost_blocks, 1);
+  EXPECT_EQ(pool_->stats().allocated, 0);
+  state_->finish(kStreamB);
+  std::vector<void*> later;
+  for (int i = 0; i < 4; ++i) {
+    later.push_back(alloc(4 * kMiB, kStreamA));
+    EXPECT_NE(later.back(), a) << "allocation " << i;
+  }
+  for (void* p : later) pool_->free(p);
+  pool_->empty_cache();
+  EXPECT_EQ(pool_->stats().reserved, 20 * kMiB64);  // a's segment, held by a
 }
 
 TEST_F(CachingPoolTest, RecordStreamOfAForeignPointerIsAnError) {

@@ -5,6 +5,7 @@
 #include <ember/tensor/gpu/cuda_graph.h>
 #include <ember/tensor/detail/copy.h>
 #include <ember/tensor/error.h>
+#include "tensor/cuda/runtime/host_use.h"
 
 namespace ember {
 
@@ -21,6 +22,7 @@ Allocator* pinned_allocator() { no_cuda("pin_memory"); }
 namespace detail {
 void copy_cuda(const Tensor&, const Tensor&, bool) { no_cuda("copy_"); }
 void fill_cuda(const Tensor&, const Scalar&) { no_cuda("fill_"); }
+int64_t pinned_events_held() { return 0; }  // no pinned memory without CUDA
 }  // namespace detail
 
 namespace cuda {

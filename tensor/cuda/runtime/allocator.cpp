@@ -182,22 +182,39 @@ class PinnedAllocator final : public Allocator {
   }
   Device device() const override { return kCPU; }
   bool is_pinned() const override { return true; }
+  int64_t events_held() {
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t n = 0;
+    for (const auto& [p, uses] : events_) n += static_cast<int64_t>(uses.size());
+    for (const auto& [p, uses] : waiting_) n += static_cast<int64_t>(uses.size());
+    return n;
+  }
 
   void record_use(void* p, cudaStream_t s, int device) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!sizes_.count(p)) return;  // not ours (e.g. an interior pointer of a view): ignore
     cuda::detail::DeviceGuard g(device);
+    // One event per stream, recorded again at each use: a stream runs in order, so its last use
+    // is done only after every earlier one. (An event per copy piled up for as long as a pinned
+    // buffer lived: one per step for a buffer copied every step.)
+    Uses& uses = events_[p];
+    for (auto& [stream, e] : uses) {
+      if (stream == s) {
+        EMBER_CUDA_CHECK(cudaEventRecord(e, s));
+        return;
+      }
+    }
     cudaEvent_t e;
     EMBER_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    uses.emplace_back(s, e);
     EMBER_CUDA_CHECK(cudaEventRecord(e, s));
-    events_[p].push_back(e);
   }
 
  private:
   void reap() {
     for (size_t i = 0; i < waiting_.size();) {
       bool done = true;
-      for (cudaEvent_t e : waiting_[i].second) {
+      for (const auto& [stream, e] : waiting_[i].second) {
         if (cudaEventQuery(e) == cudaErrorNotReady) {
           (void)cudaGetLastError();
           done = false;
@@ -208,7 +225,7 @@ class PinnedAllocator final : public Allocator {
         ++i;
         continue;
       }
-      for (cudaEvent_t e : waiting_[i].second) cudaEventDestroy(e);
+      for (const auto& [stream, e] : waiting_[i].second) cudaEventDestroy(e);
       free_.emplace(sizes_[waiting_[i].first], waiting_[i].first);
       waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
     }
@@ -216,8 +233,9 @@ class PinnedAllocator final : public Allocator {
   std::mutex mu_;
   std::multimap<size_t, void*> free_;
   std::unordered_map<void*, size_t> sizes_;
-  std::unordered_map<void*, std::vector<cudaEvent_t>> events_;
-  std::vector<std::pair<void*, std::vector<cudaEvent_t>>> waiting_;
+  using Uses = std::vector<std::pair<cudaStream_t, cudaEvent_t>>;  // a block's last use per stream
+  std::unordered_map<void*, Uses> events_;
+  std::vector<std::pair<void*, Uses>> waiting_;
 };
 
 PinnedAllocator& pinned() {
@@ -269,6 +287,7 @@ namespace detail {
 void record_host_use(void* host_ptr, const cuda::Stream& s) {
   pinned().record_use(host_ptr, static_cast<cudaStream_t>(s.handle()), s.device());
 }
+int64_t pinned_events_held() { return pinned().events_held(); }
 }  // namespace detail
 
 }  // namespace ember

@@ -5,19 +5,41 @@
 
 #include <ember/tensor/error.h>
 
-#define EMBER_CUDA_CHECK(expr)                                                            \
-  do {                                                                                    \
-    cudaError_t ember_err_ = (expr);                                                      \
-    if (ember_err_ != cudaSuccess) {                                                      \
-      (void)cudaGetLastError();                                                           \
-      if (ember_err_ == cudaErrorMemoryAllocation) {                                      \
-        throw ::ember::OutOfMemoryError(::ember::detail::str_cat(                         \
-            "CUDA out of memory in ", #expr, ": ", cudaGetErrorString(ember_err_)));      \
-      }                                                                                   \
-      throw ::ember::CudaError(::ember::detail::str_cat("CUDA error in ", #expr, " at ", \
-                                                        __FILE__, ":", __LINE__, ": ",    \
-                                                        cudaGetErrorString(ember_err_))); \
-    }                                                                                     \
+namespace ember::cuda::detail {
+/// For the errors a kernel leaves behind (illegal address, device assert, launch failure...),
+/// which CUDA reports at whatever call comes next: the call named may not be the culprit.
+inline const char* async_error_hint(cudaError_t e) {
+  switch (e) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorAssert:
+    case cudaErrorLaunchFailure:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorHardwareStackError:
+    case cudaErrorLaunchTimeout:
+      return " (CUDA reports a kernel's error at a later call, so an earlier kernel may have "
+             "caused it; run with CUDA_LAUNCH_BLOCKING=1 to have it reported at its launch)";
+    default:
+      return "";
+  }
+}
+}  // namespace ember::cuda::detail
+
+#define EMBER_CUDA_CHECK(expr)                                                                   \
+  do {                                                                                           \
+    cudaError_t ember_err_ = (expr);                                                             \
+    if (ember_err_ != cudaSuccess) {                                                             \
+      (void)cudaGetLastError();                                                                  \
+      if (ember_err_ == cudaErrorMemoryAllocation) {                                             \
+        throw ::ember::OutOfMemoryError(::ember::detail::str_cat(                                \
+            "CUDA out of memory in ", #expr, ": ", cudaGetErrorString(ember_err_)));             \
+      }                                                                                          \
+      throw ::ember::CudaError(::ember::detail::str_cat(                                         \
+          "CUDA error in ", #expr, " at ", __FILE__, ":", __LINE__, ": ",                        \
+          cudaGetErrorString(ember_err_), ::ember::cuda::detail::async_error_hint(ember_err_))); \
+    }                                                                                            \
   } while (0)
 
 namespace ember::cuda {

@@ -11,6 +11,7 @@
 
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/gpu/cuda_graph.h>
 #include "tests/distributed/backends/allreduce_closed_forms.h"
 #include "tests/distributed/backends/collective_options.h"
@@ -525,6 +526,37 @@ TEST(ThreadsCuda, CollectiveInACaptureIsRefusedNamingTheBackend) {
     pg->allreduce(t)->wait();
     require(t.cpu().to_vector<float>()[0] == 1.0f, "the group works after the failed capture");
   });
+}
+
+// A future's CUDA value made on one stream (a collective's, a callback's) and waited for on
+// another: wait() records the value on the waiting stream, so once the consumer drops it, its
+// memory is not handed out on the producing stream while the consumer's stream, still busy,
+// may read it (PyTorch's Future.wait records the storages the same way).
+TEST(FutureCuda, AValueWaitedForIsNotReusedWhileTheWaitingStreamRuns) {
+  EMBER_REQUIRE_CUDA();
+  cuda::set_device(0);
+  const cuda::Stream producer = cuda::Stream::create(0), consumer = cuda::Stream::create(0);
+  auto f = std::make_shared<Future>();
+  void* first = nullptr;
+  {
+    cuda::StreamGuard on(producer);
+    Tensor v = ones({1 << 20}, cuda_device(0));
+    first = v.storage()->data();
+    auto ready = std::make_shared<cuda::Event>();
+    ready->record(producer);
+    f->set_value({v}, {ready});
+  }
+  {
+    cuda::StreamGuard on(consumer);
+    cuda::spin(200'000'000);  // the consumer's stream stays busy past the checks below
+    f->wait();
+    f.reset();  // the last reference to the value: its block is freed
+  }
+  cuda::StreamGuard on(producer);
+  Tensor next = empty({1 << 20}, cuda_device(0));
+  EXPECT_NE(next.storage()->data(), first)
+      << "the block was handed out again while the waiting stream may still read it";
+  consumer.synchronize();
 }
 
 }  // namespace

@@ -27,6 +27,7 @@
 #include <ember/nn/optim/adam.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops/elementwise.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/grad_mode.h>
 #include <ember/tensor/ops.h>
 #include "tests/distributed/ddp/ddp_test_util.h"
@@ -307,6 +308,39 @@ TEST(AsyncSave, WritesWhatWasThereWhenSaveReturned) {
     Trainer r;
     const auto meta = load(r.state(), dir);
     expect_params(*r.model, want, dir);
+  }
+}
+
+// A parameter on the GPU written on a stream of the caller's own (made current, as the rank
+// threads of the one-GPU harness do) just before a save staged in the background: the staged
+// copy waits for that write (the worker's stream is not ordered with the caller's), so the
+// checkpoint holds 2, not the 1 the parameter held while the GPU was still spinning.
+TEST(AsyncSaveCuda, BackgroundStagingWaitsForTheCallersStream) {
+  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+  TempDir dir;
+  run_rank_threads(1, [&](int) {
+    cuda::set_device(0);
+    cuda::StreamGuard own(cuda::Stream::create(0));
+    auto model = std::make_shared<nn::Linear>(64, 64);
+    model->to(cuda_device(0));
+    {
+      NoGradGuard no_grad;
+      for (Tensor p : model->parameters()) p.fill_(1.0);
+      cuda::current_stream().synchronize();
+      cuda::spin(200'000'000);  // the fill below waits behind this on the caller's stream
+      for (Tensor p : model->parameters()) p.fill_(2.0);
+    }
+    AsyncSaver saver(default_group());
+    saver.save({{"model", checkpoint::model(*model)}}, dir.path(), {},
+               /*stage_in_background=*/true);
+    saver.wait();
+    EXPECT_FALSE(saver.poll_error().has_value());
+  });
+  auto loaded = std::make_shared<nn::Linear>(64, 64);
+  load({{"model", checkpoint::model(*loaded)}}, dir.path());
+  for (const Tensor& p : loaded->parameters()) {
+    EXPECT_EQ(p.min().item<double>(), 2.0);
+    EXPECT_EQ(p.max().item<double>(), 2.0);
   }
 }
 

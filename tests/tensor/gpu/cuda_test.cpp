@@ -9,6 +9,7 @@
 
 #include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/ops.h>
+#include "tensor/cuda/runtime/host_use.h"
 
 using namespace ember;
 
@@ -102,6 +103,23 @@ TEST(CudaCore, PinnedNonBlockingCopyCompletesAfterSync) {
   Tensor back = empty({1 << 20}, TensorOptions().pinned_memory());
   back.copy_(d);
   EXPECT_EQ(back[12345].item<float>(), 12345.0f);
+}
+
+// A pinned buffer copied to the GPU without blocking, step after step, holds one event per
+// stream it is used on, not one per copy; once freed and its copies done, none.
+TEST(CudaCore, APinnedBufferCopiedManyTimesHoldsOneEventPerStream) {
+  REQUIRE_CUDA();
+  const int64_t before = detail::pinned_events_held();
+  {
+    Tensor h = arange(0, 4096, 1, kFloat32).pin_memory();
+    for (int step = 0; step < 1000; ++step) {
+      Tensor d = h.to(Device("cuda"), /*non_blocking=*/true);
+    }
+    EXPECT_EQ(detail::pinned_events_held(), before + 1);
+  }
+  cuda::current_stream().synchronize();
+  Tensor other = empty({16}, TensorOptions().pinned_memory());  // gives back what is done
+  EXPECT_EQ(detail::pinned_events_held(), before);
 }
 
 TEST(CudaCore, StreamsOrderWorkAndEventsTime) {
