@@ -376,20 +376,25 @@ TEST(Embedding, ForwardAndBackward) {
 
 // A row hit many times sums its gradients in float32 and rounds once: 1024 bfloat16 ones (and
 // 4096 float16 ones) into one row are 1024 (4096), not the 256 (2048) where adding 1 to a
-// 16-bit running sum stops changing it. On CUDA too where there is a GPU.
-TEST(Embedding, ReducedPrecisionGradientsSumInFloat32) {
-  std::vector<Device> devices = {kCPU};
-  if (cuda::is_available()) devices.push_back(cuda_device(0));
-  for (const Device dev : devices) {
-    for (const auto& [dtype, n] : {std::pair{kBFloat16, 1024}, std::pair{kFloat16, 4096}}) {
-      const Tensor grad = ones({n, 2}, TensorOptions(dtype).device(dev));
-      const Tensor gw = embedding_backward(grad, zeros({n}, TensorOptions(kInt64).device(dev)), 3);
-      EXPECT_EQ(gw.dtype(), dtype);
-      EXPECT_EQ(gw.cpu().to(kFloat64).to_vector<double>(),
-                (std::vector<double>{double(n), double(n), 0, 0, 0, 0}))
-          << dtype << " on " << dev.str();
-    }
+// 16-bit running sum stops changing it.
+void expect_reduced_precision_sums_in_float32(Device dev) {
+  for (const auto& [dtype, n] : {std::pair{kBFloat16, 1024}, std::pair{kFloat16, 4096}}) {
+    const Tensor grad = ones({n, 2}, TensorOptions(dtype).device(dev));
+    const Tensor gw = embedding_backward(grad, zeros({n}, TensorOptions(kInt64).device(dev)), 3);
+    EXPECT_EQ(gw.dtype(), dtype);
+    EXPECT_EQ(gw.cpu().to(kFloat64).to_vector<double>(),
+              (std::vector<double>{double(n), double(n), 0, 0, 0, 0}))
+        << dtype << " on " << dev.str();
   }
+}
+
+TEST(Embedding, ReducedPrecisionGradientsSumInFloat32) {
+  expect_reduced_precision_sums_in_float32(kCPU);
+}
+
+TEST(EmbeddingCuda, ReducedPrecisionGradientsSumInFloat32) {
+  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+  expect_reduced_precision_sums_in_float32(cuda_device(0));
 }
 
 TEST(Embedding, Errors) {
