@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <ember/distributed/backends/process_group_gloo.h>
+#include <ember/distributed/init.h>
 #include <ember/distributed/store/prefix_store.h>
 #include <ember/distributed/store/tcp_store.h>
 #include <ember/nn/layers/activation.h>
@@ -44,6 +45,29 @@ inline void run_gloo_ranks(
         std::make_shared<dist::PrefixStore>("pg", store), rank, n, go);
     require(pg->uses_shared_memory() == (shm && n > 1), "uses_shared_memory()");
     body(pg, rank);
+  });
+  dist::TCPStoreServerOptions o;
+  o.host = "127.0.0.1";
+  dist::TCPStoreServer server(o);
+  kids.go(std::to_string(server.port()));
+  expect_children_ok(kids.join());
+}
+
+/// Runs body(rank) in n forked ranks, each with the default process group over gloo
+/// (init_process_group through a TCPStoreServer on an OS-picked port of 127.0.0.1), destroyed
+/// after body; every rank's failure is reported here. What body needs that starts threads must
+/// be made in it (the parent must not start threads before it forks).
+inline void run_gloo_world(int n, const std::function<void(int rank)>& body) {
+  using namespace std::chrono_literals;
+  Children kids(n, [&](int rank, const std::string& port) {
+    dist::TCPStoreOptions so;
+    so.timeout = 60s;
+    auto store =
+        std::make_shared<dist::TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
+    dist::init_process_group(
+        {.backend = "gloo", .store = store, .rank = rank, .world_size = n, .timeout = 60s});
+    body(rank);
+    dist::destroy_process_group();
   });
   dist::TCPStoreServerOptions o;
   o.host = "127.0.0.1";

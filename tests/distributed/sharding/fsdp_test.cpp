@@ -624,27 +624,13 @@ TEST(HsdpErrors, RefusedWithClearMessages) {
 // The same 2 x 2 mesh as four processes over gloo's shared memory.
 TEST(HsdpProcesses, TwoByTwoOverGlooSharedMemory) {
   if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)";
-  using namespace std::chrono_literals;
-  test::Children kids(4, [&](int rank, const std::string& port) {
-    // Each child trains the reference itself: the parent must not start threads before it forks.
+  test::run_gloo_world(4, [](int rank) {
     const HsdpRun run{.v = {.name = "gloo"}};
     const auto bs = batches();
     auto ref = train_reference(run.v, bs);
-    TCPStoreOptions so;
-    so.timeout = 60s;
-    auto store =
-        std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
-    init_process_group(
-        {.backend = "gloo", .store = store, .rank = rank, .world_size = 4, .timeout = 60s});
     const auto state = train_hsdp(run, test::make_fsdp_net(), bs).first;
     require_state("gloo rank " + std::to_string(rank), state, *ref, 2e-5);
-    destroy_process_group();
   });
-  TCPStoreServerOptions o;
-  o.host = "127.0.0.1";
-  TCPStoreServer server(o);
-  kids.go(std::to_string(server.port()));
-  test::expect_children_ok(kids.join());
 }
 
 // A sharded module called twice in one forward (b(b(a(x)))): every module keeps training,

@@ -362,22 +362,10 @@ TEST(GptTensorParallel, CheckpointErrorsNameTheTensorAndTheFile) {
 TEST(GptTensorParallelProcesses, Tp2ByDp2OverGlooSharedMemory) {
   if (!gloo_available()) GTEST_SKIP() << "built without gloo (EMBER_WITH_GLOO=OFF)";
   const Layout l{.dp = 2, .tp = 2, .sequence_parallel = true, .loss_parallel = true};
-  test::Children kids(4, [&](int rank, const std::string& port) {
+  test::run_gloo_world(4, [&](int) {
     // Each child trains the reference itself: the parent must not start threads before it forks.
-    const Reference want = reference(l.global_rows(), l.checkpoint, l.bf16);
-    TCPStoreOptions so;
-    so.timeout = 60s;
-    auto store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
-    init_process_group(
-        {.backend = "gloo", .store = store, .rank = rank, .world_size = 4, .timeout = 60s});
-    train_rank(l, want);
-    destroy_process_group();
+    train_rank(l, reference(l.global_rows(), l.checkpoint, l.bf16));
   });
-  TCPStoreServerOptions o;
-  o.host = "127.0.0.1";
-  TCPStoreServer server(o);
-  kids.go(std::to_string(server.port()));
-  test::expect_children_ok(kids.join());
 }
 
 }  // namespace
