@@ -206,10 +206,20 @@ inline std::unique_ptr<Pipeline> make_pipeline(const Args& a, const std::shared_
 // --shard hsdp: the world laid out as (replicate, shard), sharded over --hsdp-shard ranks (the
 // node's by default, so that gathers and reduce-scatters stay inside a node) and replicated
 // across the groups of them (only each shard's gradient all-reduce crosses nodes).
-inline std::shared_ptr<dist::DeviceMesh> hsdp_mesh(const Args& a, const dist::ProcessGroup& world,
+inline std::shared_ptr<dist::DeviceMesh> hsdp_mesh(const Args& a, dist::ProcessGroup& world,
                                                    ember::Device device) {
   const int64_t n =
       a.hsdp_shard > 0 ? a.hsdp_shard : dist::local_world_size().value_or(world.size());
+  // Every rank must lay out the same mesh: nodes reporting other numbers of local ranks would
+  // make groups that do not match (one small all-reduce of [n, -n] with max gives both bounds).
+  Tensor bounds = from_vector(std::vector<int64_t>{n, -n}, {2}, device);
+  world.allreduce(bounds, {.op = dist::ReduceOp::Max})->wait();
+  const std::vector<int64_t> b = bounds.cpu().to_vector<int64_t>();
+  if (b[0] != -b[1]) {
+    throw ember::ValueError("gpt: --shard hsdp needs the same shard size on every rank, got " +
+                            std::to_string(-b[1]) + " to " + std::to_string(b[0]) +
+                            " (the nodes' LOCAL_WORLD_SIZE differ: pass --hsdp-shard)");
+  }
   if (world.size() % n != 0) {
     throw ember::ValueError("gpt: --shard hsdp shards over " + std::to_string(n) +
                             " ranks (--hsdp-shard, else the node's), which must divide the world "

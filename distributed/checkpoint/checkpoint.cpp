@@ -278,9 +278,21 @@ void AsyncSaver::save(const State& state, const std::string& dir,
   }
   std::shared_ptr<detail::PreparedSave> prepared =
       detail::prepare_sharded_save(dir, std::move(g.pieces), *pg_, g.metadata, g.rank_metadata);
+  // Staged on the worker, a GPU's pieces are copied on the worker's stream, which is not ordered
+  // with the caller's (streams made by Stream::create do not wait for the default stream): an
+  // event recorded here on the caller's stream of each such device, which the worker's stream
+  // waits for, orders the copies after the work the caller queued (the step that wrote them).
+  std::vector<std::shared_ptr<cuda::Event>> caller_done;
+  if (stage_in_background) {
+    for (int d : gpus) {
+      caller_done.push_back(std::make_shared<cuda::Event>());
+      caller_done.back()->record(cuda::current_stream(d));
+    }
+  }
   // Copies training cannot change, in host memory, of the pieces this rank writes only; the
   // buffers are kept for the next save (a fresh 1 GB costs more in page faults than in copying).
-  auto stage = [this, prepared] {
+  auto stage = [this, prepared, caller_done] {
+    for (const auto& e : caller_done) e->block(cuda::current_stream(e->device()));
     detail::stage_sharded_save(*prepared, [this](size_t i, const Tensor& data) {
       if (staging_.size() <= i) staging_.resize(i + 1);
       Tensor& buf = staging_[i];
@@ -305,24 +317,13 @@ void AsyncSaver::save(const State& state, const std::string& dir,
     }
   };
   if (!stage_in_background) stage_or_fail();
-  // Staged on the worker, a GPU's pieces are copied on the worker's stream, which is not ordered
-  // with the caller's (streams made by Stream::create do not wait for the default stream): an
-  // event recorded here on the caller's stream of each such device, which the worker's stream
-  // waits for, orders the copies after the work the caller queued (the step that wrote them).
-  std::vector<std::shared_ptr<cuda::Event>> caller_done;
-  if (stage_in_background) {
-    for (int d : gpus) {
-      caller_done.push_back(std::make_shared<cuda::Event>());
-      caller_done.back()->record(cuda::current_stream(d));
-    }
-  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     busy_ = true;
     staged_ = !stage_in_background;
     times_ = {seconds_since(t0), 0};
   }
-  worker_ = std::thread([this, prepared, dir, stage_or_fail, stage_in_background, caller_done] {
+  worker_ = std::thread([this, prepared, dir, stage_or_fail, stage_in_background] {
     const auto w0 = std::chrono::steady_clock::now();
     std::string error;
     try {
@@ -337,7 +338,6 @@ void AsyncSaver::save(const State& state, const std::string& dir,
             s->staged_cv_.notify_all();
           }
         } staged{this};
-        for (const auto& e : caller_done) e->block(cuda::current_stream(e->device()));
         stage_or_fail();
       }
       detail::commit_sharded_save(*prepared, *commit_pg_);

@@ -529,21 +529,23 @@ std::pair<std::shared_ptr<ProcessGroup>, std::shared_ptr<ProcessGroup>> groups_o
     replicate = o.replicate_group;
   }
   EMBER_CHECK(shard != nullptr, "[", kOp, "] ", label,
-              ": no process group (pass options.group "
-              "or call init_process_group first)");
+              ": no process group (pass options.group or call init_process_group first)");
+  // Nothing to average over one rank (a 1 x N mesh, or 1 x 1, whose two dimensions are both
+  // the one-rank world's group).
+  if (replicate && replicate->size() == 1) replicate = nullptr;
   EMBER_CHECK(replicate != shard, "[", kOp, "] ", label,
-              ": the replicate group is the shard "
-              "group; HSDP replicates over the ranks that hold the same shard (one per copy of "
-              "the shard group)");
-  if (replicate && replicate->size() == 1) replicate = nullptr;  // nothing to average
+              ": the replicate group is the shard group; HSDP replicates over the ranks that "
+              "hold the same shard (one per copy of the shard group)");
   return {shard, replicate};
 }
 
 // The first unit of a context fixes its replicate group; the others must name the same. Under
 // HSDP every member of the replicate group must hold this rank's shard: the same place in a
-// shard group of the same size. Checked once, collectively over the replicate group, so a mesh
-// given in the wrong order (shard, replicate) is refused on every rank instead of averaging
-// different shards.
+// shard group of the same size. Checked once, collectively over the replicate group, so a
+// replicate group across shard ranks (the whole world beside shard groups of 2, say) is refused
+// on each of its ranks instead of averaging different shards. (A 2-D mesh passes whichever
+// dimension its caller meant to shard: both layouts hold one shard per replicate group, as
+// PyTorch, which takes the dimensions by position, also accepts.)
 void join_context(FsdpContext& ctx, const std::shared_ptr<ProcessGroup>& replicate, Device device,
                   const std::string& label) {
   if (ctx.configured) {

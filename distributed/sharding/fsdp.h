@@ -47,12 +47,17 @@
 namespace ember::dist {
 
 /// Shards `module` (see above) and returns it. Shard submodules before the modules that contain
-/// them. Throws ValueError for a null module, a module sharded twice, a parameter already
-/// sharded by another module (an enclosing module sharded first, or a weight tied across
-/// modules), or no parameters left to shard; NotImplementedError for parameters on a device other
-/// than the CPU or CUDA, or on two devices. On CUDA, move the module to its device first; the
-/// gathered parameters then live in device memory mapped on gather and unmapped on reshard
-/// (docs/sharding.md, "FSDP on CUDA").
+/// them. Over options.group (default: the default group), or options.mesh: a 1-D mesh's group, or
+/// for a 2-D mesh HSDP, sharded over dimension 1 and replicated over dimension 0 (equally
+/// options.replicate_group beside options.group): each gradient shard is then averaged across the
+/// copies too. The first module sharded over a group with a replicate group is collective over
+/// the replicate group (a check that its ranks hold the same shard; docs/sharding.md, "HSDP").
+/// Throws ValueError for a null module, a module sharded twice, a parameter already sharded by
+/// another module (an enclosing module sharded first, or a weight tied across modules), or no
+/// parameters left to shard; NotImplementedError for parameters on a device other than the CPU or
+/// CUDA, or on two devices. On CUDA, move the module to its device first; the gathered parameters
+/// then live in device memory mapped on gather and unmapped on reshard (docs/sharding.md, "FSDP on
+/// CUDA").
 std::shared_ptr<nn::Module> fully_shard(std::shared_ptr<nn::Module> module,
                                         FullyShardOptions options = {});
 

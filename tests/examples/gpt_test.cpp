@@ -251,6 +251,23 @@ TEST_F(Gpt, ShardedTrainingEqualsDdp) {
         << shard << ":\n" << r.output << "\nddp:\n" << ddp.output;
     EXPECT_GT(value_of(r.output, "peak_memory_bytes"), 0) << r.output;
   }
+  // HSDP in one process (a 1 x 1 mesh) trains as the plain model does.
+  Result alone = run("env EMBER_NUM_THREADS=1 " + tiny());
+  Result hsdp1 = run("env EMBER_NUM_THREADS=1 " + tiny() + " --shard hsdp");
+  ASSERT_EQ(hsdp1.status, 0) << hsdp1.output;
+  EXPECT_NEAR(value_of(hsdp1.output, "val_loss"), value_of(alone.output, "val_loss"), 2e-4)
+      << hsdp1.output;
+  // Ranks that disagree on the node's size (LOCAL_WORLD_SIZE 1 on rank 0, 2 on rank 1) would
+  // lay out different meshes: refused on every rank, naming both sizes.
+  Result uneven = run(emberrun() +
+                      " --standalone --nproc-per-node 2 /bin/sh -c "
+                      "'LOCAL_WORLD_SIZE=$((RANK + 1)) exec " +
+                      tiny() + " --shard hsdp'");
+  EXPECT_NE(uneven.status, 0) << uneven.output;
+  EXPECT_NE(uneven.output.find("gpt: --shard hsdp needs the same shard size on every rank, got 1 "
+                               "to 2"),
+            std::string::npos)
+      << uneven.output;
   // HSDP at 4 ranks, sharded over pairs and replicated across them: DDP's loss at 4 ranks.
   Result ddp4 = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny());
   ASSERT_EQ(ddp4.status, 0) << ddp4.output;

@@ -5,7 +5,7 @@
 #include <ember/tensor/gpu/cuda_graph.h>
 #include <ember/tensor/detail/copy.h>
 #include <ember/tensor/error.h>
-#include "tensor/cuda/runtime/host_use.h"
+#include <ember/tensor/cuda/runtime/host_use.h>
 
 namespace ember {
 

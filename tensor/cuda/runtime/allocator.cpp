@@ -197,16 +197,17 @@ class PinnedAllocator final : public Allocator {
     // One event per stream, recorded again at each use: a stream runs in order, so its last use
     // is done only after every earlier one. (An event per copy piled up for as long as a pinned
     // buffer lived: one per step for a buffer copied every step.)
+    // Keyed by device too: every device's legacy default stream is the null handle.
     Uses& uses = events_[p];
-    for (auto& [stream, e] : uses) {
-      if (stream == s) {
-        EMBER_CUDA_CHECK(cudaEventRecord(e, s));
+    for (auto& use : uses) {
+      if (use.device == device && use.stream == s) {
+        EMBER_CUDA_CHECK(cudaEventRecord(use.event, s));
         return;
       }
     }
     cudaEvent_t e;
     EMBER_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    uses.emplace_back(s, e);
+    uses.push_back({device, s, e});
     EMBER_CUDA_CHECK(cudaEventRecord(e, s));
   }
 
@@ -214,8 +215,8 @@ class PinnedAllocator final : public Allocator {
   void reap() {
     for (size_t i = 0; i < waiting_.size();) {
       bool done = true;
-      for (const auto& [stream, e] : waiting_[i].second) {
-        if (cudaEventQuery(e) == cudaErrorNotReady) {
+      for (const Use& use : waiting_[i].second) {
+        if (cudaEventQuery(use.event) == cudaErrorNotReady) {
           (void)cudaGetLastError();
           done = false;
           break;
@@ -225,7 +226,7 @@ class PinnedAllocator final : public Allocator {
         ++i;
         continue;
       }
-      for (const auto& [stream, e] : waiting_[i].second) cudaEventDestroy(e);
+      for (const Use& use : waiting_[i].second) cudaEventDestroy(use.event);
       free_.emplace(sizes_[waiting_[i].first], waiting_[i].first);
       waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
     }
@@ -233,7 +234,12 @@ class PinnedAllocator final : public Allocator {
   std::mutex mu_;
   std::multimap<size_t, void*> free_;
   std::unordered_map<void*, size_t> sizes_;
-  using Uses = std::vector<std::pair<cudaStream_t, cudaEvent_t>>;  // a block's last use per stream
+  struct Use {  // a block's last use on one stream
+    int device;
+    cudaStream_t stream;
+    cudaEvent_t event;
+  };
+  using Uses = std::vector<Use>;
   std::unordered_map<void*, Uses> events_;
   std::vector<std::pair<void*, Uses>> waiting_;
 };

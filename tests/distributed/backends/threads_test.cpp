@@ -548,7 +548,7 @@ TEST(FutureCuda, AValueWaitedForIsNotReusedWhileTheWaitingStreamRuns) {
   }
   {
     cuda::StreamGuard on(consumer);
-    cuda::spin(200'000'000);  // the consumer's stream stays busy past the checks below
+    cuda::spin(int64_t{1} << 31);  // the consumer's stream stays busy past the checks below
     f->wait();
     f.reset();  // the last reference to the value: its block is freed
   }

@@ -323,14 +323,14 @@ TEST(AsyncSaveCuda, BackgroundStagingWaitsForTheCallersStream) {
     cuda::StreamGuard own(cuda::Stream::create(0));
     auto model = std::make_shared<nn::Linear>(64, 64);
     model->to(cuda_device(0));
+    AsyncSaver saver(default_group());
     {
       NoGradGuard no_grad;
       for (Tensor p : model->parameters()) p.fill_(1.0);
       cuda::current_stream().synchronize();
-      cuda::spin(200'000'000);  // the fill below waits behind this on the caller's stream
+      cuda::spin(int64_t{1} << 31);  // the fill below waits behind this on the caller's stream
       for (Tensor p : model->parameters()) p.fill_(2.0);
     }
-    AsyncSaver saver(default_group());
     saver.save({{"model", checkpoint::model(*model)}}, dir.path(), {},
                /*stage_in_background=*/true);
     saver.wait();

@@ -534,6 +534,7 @@ TEST(Hsdp, TheGroupsInsteadOfTheMesh) { run_hsdp({.v = {.name = "groups"}, .grou
 TEST(Hsdp, OneShardPerReplicaAndOneReplica) {
   run_hsdp({.v = {.name = "no sharding"}, .shape = {2, 1}});
   run_hsdp({.v = {.name = "no replication"}, .shape = {1, 2}});
+  run_hsdp({.v = {.name = "one rank"}, .shape = {1, 1}});  // both dimensions the world's group
 }
 
 TEST(Hsdp, RootNotShardedIsAveragedOverEveryRank) {
