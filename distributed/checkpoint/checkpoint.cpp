@@ -272,23 +272,23 @@ void AsyncSaver::save(const State& state, const std::string& dir,
   }
   join();
   Gathered g = gather(state, metadata, "async_save");
-  std::set<int> gpus;  // the devices of this rank's pieces on a GPU
-  for (const ShardPiece& piece : g.pieces) {
-    if (piece.data.defined() && piece.data.is_cuda()) gpus.insert(piece.data.device().index);
-  }
-  std::shared_ptr<detail::PreparedSave> prepared =
-      detail::prepare_sharded_save(dir, std::move(g.pieces), *pg_, g.metadata, g.rank_metadata);
   // Staged on the worker, a GPU's pieces are copied on the worker's stream, which is not ordered
   // with the caller's (streams made by Stream::create do not wait for the default stream): an
   // event recorded here on the caller's stream of each such device, which the worker's stream
   // waits for, orders the copies after the work the caller queued (the step that wrote them).
   std::vector<std::shared_ptr<cuda::Event>> caller_done;
   if (stage_in_background) {
+    std::set<int> gpus;  // the devices of this rank's pieces on a GPU
+    for (const ShardPiece& piece : g.pieces) {
+      if (piece.data.defined() && piece.data.is_cuda()) gpus.insert(piece.data.device().index);
+    }
     for (int d : gpus) {
       caller_done.push_back(std::make_shared<cuda::Event>());
       caller_done.back()->record(cuda::current_stream(d));
     }
   }
+  std::shared_ptr<detail::PreparedSave> prepared =
+      detail::prepare_sharded_save(dir, std::move(g.pieces), *pg_, g.metadata, g.rank_metadata);
   // Copies training cannot change, in host memory, of the pieces this rank writes only; the
   // buffers are kept for the next save (a fresh 1 GB costs more in page faults than in copying).
   auto stage = [this, prepared, caller_done] {

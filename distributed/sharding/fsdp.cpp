@@ -564,7 +564,7 @@ void join_context(FsdpContext& ctx, const std::shared_ptr<ProcessGroup>& replica
   ctx.replicate = replicate;
   if (!replicate) return;
   const int64_t me[2] = {ctx.group->rank(), ctx.group->size()};
-  Tensor mine = from_blob(const_cast<int64_t*>(me), {2}, TensorOptions(kInt64)).clone().to(device);
+  Tensor mine = from_vector(std::vector<int64_t>{me[0], me[1]}, {2}, device);
   Tensor all = empty({2 * replicate->size()}, TensorOptions(kInt64).device(device));
   replicate->allgather_into_tensor(all, mine)->wait();
   all = all.cpu();

@@ -236,12 +236,13 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   EMBER_CHECK(fd >= 0, kOp, " cannot open the token file '", path, "': ", std::strerror(errno));
   struct stat st {};
-  if (::fstat(fd, &st) == 0 && !S_ISREG(st.st_mode)) {
+  const bool stated = ::fstat(fd, &st) == 0;
+  if (stated && !S_ISREG(st.st_mode)) {
     ::close(fd);
     EMBER_CHECK(false, kOp, " the token file '", path,
                 "' is not a regular file (a directory, FIFO or device)");
   }
-  if (::fstat(fd, &st) != 0 || st.st_size <= 0) {
+  if (!stated || st.st_size <= 0) {
     const int err = errno;
     ::close(fd);
     EMBER_CHECK(false, kOp, " the token file '", path, "' is empty or unreadable",

@@ -27,24 +27,16 @@
 
 namespace ember::test {
 
-/// Runs body(pg, rank) in n forked ranks joined into a gloo group through a TCPStoreServer on
-/// an OS-picked port of 127.0.0.1; every rank's failure is reported here.
-/// `shm`: GlooOptions::shared_memory (then DDP's buckets all-reduce gradients in place).
-inline void run_gloo_ranks(
-    int n, const std::function<void(std::shared_ptr<dist::ProcessGroupGloo>, int)>& body,
-    bool shm = true) {
+/// Runs body(rank, store) in n forked ranks, each a client of one TCPStoreServer on an
+/// OS-picked port of 127.0.0.1; every rank's failure is reported here.
+inline void run_store_children(
+    int n, const std::function<void(int, std::shared_ptr<dist::TCPStore>)>& body) {
   using namespace std::chrono_literals;
   Children kids(n, [&](int rank, const std::string& port) {
     dist::TCPStoreOptions so;
     so.timeout = 60s;
-    auto store =
-        std::make_shared<dist::TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
-    dist::ProcessGroupGloo::GlooOptions go{60s, "127.0.0.1"};
-    go.shared_memory = shm;
-    auto pg = std::make_shared<dist::ProcessGroupGloo>(
-        std::make_shared<dist::PrefixStore>("pg", store), rank, n, go);
-    require(pg->uses_shared_memory() == (shm && n > 1), "uses_shared_memory()");
-    body(pg, rank);
+    body(rank,
+         std::make_shared<dist::TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so));
   });
   dist::TCPStoreServerOptions o;
   o.host = "127.0.0.1";
@@ -53,27 +45,34 @@ inline void run_gloo_ranks(
   expect_children_ok(kids.join());
 }
 
+/// Runs body(pg, rank) in n forked ranks joined into a gloo group (run_store_children).
+/// `shm`: GlooOptions::shared_memory (then DDP's buckets all-reduce gradients in place).
+inline void run_gloo_ranks(
+    int n, const std::function<void(std::shared_ptr<dist::ProcessGroupGloo>, int)>& body,
+    bool shm = true) {
+  using namespace std::chrono_literals;
+  run_store_children(n, [&](int rank, std::shared_ptr<dist::TCPStore> store) {
+    dist::ProcessGroupGloo::GlooOptions go{60s, "127.0.0.1"};
+    go.shared_memory = shm;
+    auto pg = std::make_shared<dist::ProcessGroupGloo>(
+        std::make_shared<dist::PrefixStore>("pg", store), rank, n, go);
+    require(pg->uses_shared_memory() == (shm && n > 1), "uses_shared_memory()");
+    body(pg, rank);
+  });
+}
+
 /// Runs body(rank) in n forked ranks, each with the default process group over gloo
-/// (init_process_group through a TCPStoreServer on an OS-picked port of 127.0.0.1), destroyed
-/// after body; every rank's failure is reported here. What body needs that starts threads must
-/// be made in it (the parent must not start threads before it forks).
+/// (init_process_group through run_store_children's store), destroyed after body. What body
+/// needs that starts threads must be made in it (the parent must not start threads before it
+/// forks).
 inline void run_gloo_world(int n, const std::function<void(int rank)>& body) {
   using namespace std::chrono_literals;
-  Children kids(n, [&](int rank, const std::string& port) {
-    dist::TCPStoreOptions so;
-    so.timeout = 60s;
-    auto store =
-        std::make_shared<dist::TCPStore>("127.0.0.1", static_cast<uint16_t>(std::stoi(port)), so);
+  run_store_children(n, [&](int rank, std::shared_ptr<dist::TCPStore> store) {
     dist::init_process_group(
         {.backend = "gloo", .store = store, .rank = rank, .world_size = n, .timeout = 60s});
     body(rank);
     dist::destroy_process_group();
   });
-  dist::TCPStoreServerOptions o;
-  o.host = "127.0.0.1";
-  dist::TCPStoreServer server(o);
-  kids.go(std::to_string(server.port()));
-  expect_children_ok(kids.join());
 }
 
 /// Throws naming the tensor, the index and both values unless |got - want| <= tol*(1+|want|)
