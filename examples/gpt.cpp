@@ -12,6 +12,7 @@
 //   build/examples/gpt --layers 1 --dim 32 --context 32 --steps 30 --sample 200
 //   emberrun --nproc-per-node 4 build/examples/gpt --tp 2 --shard fsdp
 //   emberrun --nnodes 2 --nproc-per-node 4 ... build/examples/gpt --shard hsdp
+//   emberrun --nnodes 2 --nproc-per-node 8 ... build/examples/gpt --shard hsdp --tp 2
 //   emberrun --nproc-per-node 2 build/examples/gpt --pp 2 --microbatches 8 --schedule 1f1b
 //   build/examples/gpt --device cuda --amp bf16 --layers 12 --heads 12 --dim 768
 //       --context 1024 --data synthetic --warmup-steps 10 --peak-tflops 989.4  (GPT-2 124M, MFU)
@@ -194,7 +195,7 @@ nn::data::TokenStream make_stream(const Args& a, const dist::ProcessGroup& pg) {
 Trainer::Trainer(const Args& a)
     : a_(a),
       run_("gpt", a.backend, a.timeout_s, a.device),
-      layout_(run_, a.tp, a.pp),
+      layout_(run_, a),
       model_(a.pp > 1 ? seeded_model(a, run_.device)  // the stages are laid out one by one
                       : tensor_parallel(seeded_model(a, run_.device), layout_, a.tp_overlap)),
       data_(make_stream(a, *layout_.dp)),
@@ -233,6 +234,7 @@ std::string Trainer::layout_text() const {
   if (layout_.tp_mesh) {
     return "; tensor parallel over " + layout_.mesh->str() + " (sequence and loss parallel)";
   }
+  if (layout_.hsdp_mesh) return "; sharded over " + layout_.mesh->str();
   return "";
 }
 
@@ -343,8 +345,8 @@ double Trainer::train_step(int64_t step) {
       dist::clip_grad_norm_(par_.ddp->parameters(), a_.grad_clip, *layout_.tp_mesh);
     } else if (par_.ddp) {
       nn::clip_grad_norm_(par_.ddp->parameters(), a_.grad_clip);
-    } else if (layout_.mesh) {
-      dist::clip_grad_norm_(*model_, a_.grad_clip, *layout_.mesh);  // over dp and tp
+    } else if (layout_.tp_mesh) {
+      dist::clip_grad_norm_(*model_, a_.grad_clip, *layout_.shard_tp_mesh());  // over dp and tp
     } else {
       dist::clip_grad_norm_(*model_, a_.grad_clip);  // the norm over every rank's shards
     }
@@ -417,8 +419,12 @@ double Trainer::pipeline_step(const nn::data::Batch& b) {
   pipeline_wall_s_ += pipe.schedule->last_step().wall_s;
   dist::ProcessGroup& pp = *layout_.pp_group;
   if (pipe.sharded) {
-    sum_tied_embedding_grad_sharded(*pipe.part, *run_.pg, model_->config, run_.device);
-    if (a_.grad_clip > 0) clip_sharded_pipeline_grad_norm_(*pipe.part, a_.grad_clip, *run_.pg);
+    // Under HSDP the replicas hold the same pieces: the first one's stand for them all.
+    const bool counted = !layout_.hsdp_mesh || layout_.hsdp_mesh->get_local_rank("replicate") == 0;
+    sum_tied_embedding_grad_sharded(*pipe.part, *run_.pg, model_->config, run_.device, counted);
+    if (a_.grad_clip > 0) {
+      clip_sharded_pipeline_grad_norm_(*pipe.part, a_.grad_clip, *run_.pg, counted);
+    }
   } else {
     sum_tied_embedding_grad(*pipe.part, pp, model_->config, run_.device, a_.tp);
     if (a_.grad_clip > 0) {

@@ -124,9 +124,12 @@ inline std::string unavailable(const Args& a) {
            "(--checkpoint-dir) and continue or sample from it without --tp "
            "(docs/tensor_parallel.md)";
   }
-  if (a.pp > 1 && a.shard == "fsdp" && (a.tp > 1 || (a.schedule != "gpipe" && a.schedule != "1f1b"))) {
-    return "--pp with --shard fsdp takes one stage per rank (--schedule gpipe or 1f1b) and no "
-           "--tp yet (got --schedule " + a.schedule + ", --tp " + std::to_string(a.tp) + ")";
+  if (a.pp > 1 && (a.shard == "fsdp" || a.shard == "hsdp") &&
+      (a.tp > 1 || (a.schedule != "gpipe" && a.schedule != "1f1b"))) {
+    return "--pp with --shard " + a.shard +
+           " takes one stage per rank (--schedule gpipe or 1f1b) "
+           "and no --tp yet (got --schedule " +
+           a.schedule + ", --tp " + std::to_string(a.tp) + ")";
   }
   if (a.pp > 1 && (a.amp != "off" || a.comm_hook != "none")) {
     return "--pp runs in float32 with DDP's plain all-reduce only yet (got --amp " + a.amp +
@@ -142,10 +145,6 @@ inline std::string unavailable(const Args& a) {
     // tokenizer here.
     return "--sample writes bytes, so it needs byte-level data (got --data " + a.data +
            ", llm.c's tokens)";
-  }
-  if (a.shard == "hsdp" && (a.tp > 1 || a.pp > 1)) {
-    return "--shard hsdp takes neither --tp nor --pp yet (got --tp " + std::to_string(a.tp) +
-           ", --pp " + std::to_string(a.pp) + "); --shard fsdp does";
   }
   if (a.hsdp_shard != 0 && a.shard != "hsdp") {
     return "--hsdp-shard needs --shard hsdp (got --shard " + a.shard + ")";
@@ -265,8 +264,8 @@ inline void add_options(CLI::App& app, Args& a) {
       ->check(CLI::IsMember({"none", "zero", "fsdp", "hsdp"}))
       ->capture_default_str();
   app.add_option("--hsdp-shard", a.hsdp_shard,
-                 "with --shard hsdp: ranks per shard group, which must divide the world size "
-                 "(0: the ranks of a node, LOCAL_WORLD_SIZE)")
+                 "with --shard hsdp: ranks per shard group, which must divide the data-parallel "
+                 "ranks (0: a node's, LOCAL_WORLD_SIZE over --tp)")
       ->check(kNonNegative)
       ->capture_default_str();
   app.add_option("--tp", a.tp,

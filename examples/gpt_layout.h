@@ -84,9 +84,13 @@ inline nn::optim::AdamWOptions adamw_options(const Args& a) {
 // one model's stages (the pipeline ranks outermost, so that with ranks numbered node by node a
 // pipeline crosses the nodes, and tensor parallelism, the most talkative, innermost); DDP works
 // across the columns, over the dp group.
+// --shard hsdp: the dp dimension split in two, (replicate, shard), the shard ranks inside a node
+// (next to tp's): (replicate, shard), (replicate, shard, tp), (pp, replicate, shard) and so on.
 struct MeshLayout {
-  MeshLayout(const RunContext& run, int64_t tp, int64_t pp) {
-    if (tp <= 1 && pp <= 1) {
+  MeshLayout(const RunContext& run, const Args& a) {
+    const int64_t tp = a.tp, pp = a.pp;
+    const bool hsdp = a.shard == "hsdp";
+    if (tp <= 1 && pp <= 1 && !hsdp) {
       dp = run.pg;
       return;
     }
@@ -96,28 +100,85 @@ struct MeshLayout {
                                 " must divide the world size " + std::to_string(run.world));
       }
     }
-    const std::string device = run.device.is_cpu() ? "cpu" : "cuda";
     if (pp > 1 && run.world % (pp * tp) != 0) {
       throw ember::ValueError("gpt: --pp " + std::to_string(pp) + " x --tp " + std::to_string(tp) +
                               " must divide the world size " + std::to_string(run.world));
     }
-    if (pp > 1 && tp > 1) {
-      mesh = dist::init_device_mesh(device, {pp, run.world / (pp * tp), tp}, {"pp", "dp", "tp"});
-      pp_group = mesh->get_group("pp");
-      tp_mesh = (*mesh)["tp"];
-    } else if (pp > 1) {
-      mesh = dist::init_device_mesh(device, {pp, run.world / pp}, {"pp", "dp"});
-      pp_group = mesh->get_group("pp");
+    const int64_t n_dp = run.world / (pp * tp);
+    std::vector<int64_t> shape;
+    std::vector<std::string> names;
+    auto dim = [&](int64_t size, const char* name) {
+      shape.push_back(size);
+      names.emplace_back(name);
+    };
+    if (pp > 1) dim(pp, "pp");
+    if (hsdp) {
+      const int64_t n = hsdp_shard_size(a, *run.pg, run.device, n_dp);
+      dim(n_dp / n, "replicate");
+      dim(n, "shard");
     } else {
-      mesh = dist::init_device_mesh(device, {run.world / tp, tp}, {"dp", "tp"});
-      tp_mesh = (*mesh)["tp"];
+      dim(n_dp, "dp");
     }
-    dp = mesh->get_group("dp");
+    if (tp > 1) dim(tp, "tp");
+    mesh = dist::init_device_mesh(run.device.is_cpu() ? "cpu" : "cuda", shape, names);
+    if (pp > 1) pp_group = mesh->get_group("pp");
+    if (tp > 1) tp_mesh = (*mesh)["tp"];
+    if (!hsdp) {
+      dp = mesh->get_group("dp");
+      return;
+    }
+    hsdp_mesh = mesh->slice({"replicate", "shard"});
+    // The data-parallel ranks, for the data and DDP's fallbacks: every rank when there is no
+    // other dimension, else one group per (pp, tp) position (collective).
+    dp = tp <= 1 && pp <= 1 ? run.pg : hsdp_mesh->flatten("dp")->get_group();
   }
-  std::shared_ptr<dist::DeviceMesh> mesh;             // null without --tp or --pp
+
+  /// fully_shard's options over the data-parallel ranks: the dp group, or under --shard hsdp
+  /// the (replicate, shard) mesh.
+  dist::FullyShardOptions shard_options() const {
+    if (hsdp_mesh) return {.mesh = hsdp_mesh};
+    return {.group = dp};
+  }
+  /// The (dp, tp) mesh clip_grad_norm_ sums a fully_shard-ed, tensor-parallel model's norm over;
+  /// under hsdp the shard ranks stand for dp (the replicas hold the same pieces).
+  std::shared_ptr<dist::DeviceMesh> shard_tp_mesh() const {
+    return mesh->slice({hsdp_mesh ? "shard" : "dp", "tp"});
+  }
+
+  std::shared_ptr<dist::DeviceMesh> mesh;             // null without --tp, --pp or hsdp
   std::shared_ptr<dist::DeviceMesh> tp_mesh;          // null without --tp
+  std::shared_ptr<dist::DeviceMesh> hsdp_mesh;        // (replicate, shard): --shard hsdp only
   std::shared_ptr<dist::ProcessGroup> dp;             // the data-parallel ranks
   std::shared_ptr<dist::ProcessGroup> pp_group;       // null without --pp
+
+ private:
+  // --shard hsdp: the shard group's size, --hsdp-shard or the node's data-parallel ranks (its
+  // ranks over --tp, at most the n_dp there are), so that gathers and reduce-scatters stay inside
+  // a node and only each shard's gradient all-reduce crosses nodes. Collective over the world.
+  static int64_t hsdp_shard_size(const Args& a, dist::ProcessGroup& world, ember::Device device,
+                                 int64_t n_dp) {
+    const int64_t n =
+        a.hsdp_shard > 0
+            ? a.hsdp_shard
+            : std::clamp<int64_t>(dist::local_world_size().value_or(world.size()) / a.tp, 1, n_dp);
+    // Every rank must lay out the same mesh: nodes reporting other numbers of local ranks would
+    // make groups that do not match (one small all-reduce of [n, -n] with max gives both bounds).
+    Tensor bounds = from_vector(std::vector<int64_t>{n, -n}, {2}, device);
+    world.allreduce(bounds, {.op = dist::ReduceOp::Max})->wait();
+    const std::vector<int64_t> b = bounds.cpu().to_vector<int64_t>();
+    if (b[0] != -b[1]) {
+      throw ember::ValueError("gpt: --shard hsdp needs the same shard size on every rank, got " +
+                              std::to_string(-b[1]) + " to " + std::to_string(b[0]) +
+                              " (the nodes' LOCAL_WORLD_SIZE differ: pass --hsdp-shard)");
+    }
+    if (n_dp % n != 0) {
+      throw ember::ValueError("gpt: --shard hsdp shards over " + std::to_string(n) +
+                              " ranks (--hsdp-shard, else the node's), which must divide the " +
+                              std::to_string(n_dp) + " data-parallel ranks (the world size " +
+                              std::to_string(world.size()) + " over --tp and --pp)");
+    }
+    return n;
+  }
 };
 
 // --shard: where the model's state lives. none: DDP, every rank holds everything; zero: DDP and
@@ -131,7 +192,7 @@ struct Pipeline {
   std::vector<std::shared_ptr<dist::DistributedDataParallel>> ddp;
   std::unique_ptr<pipelining::PipelineSchedule> schedule;
   bool first = false, last = false;  // this rank runs stage 0, the last stage
-  bool sharded = false;              // --shard fsdp: the stages are fully_shard-ed over dp
+  bool sharded = false;              // --shard fsdp|hsdp: the stages are fully_shard-ed
   int last_rank = 0;                 // the pipeline rank with the last stage
 };
 
@@ -182,9 +243,9 @@ inline std::unique_ptr<Pipeline> make_pipeline(const Args& a, const std::shared_
                                                      /*loss_parallel=*/false, a.tp_overlap)));
     }
     std::shared_ptr<nn::Module> m = part;
-    if (a.shard == "fsdp") {  // each block, then the stage (its embeddings or head)
-      for (const auto& block : part->blocks()) dist::fully_shard(block, {.group = layout.dp});
-      dist::fully_shard(part, {.group = layout.dp});
+    if (a.shard == "fsdp" || a.shard == "hsdp") {  // each block, then the stage
+      for (const auto& block : part->blocks()) dist::fully_shard(block, layout.shard_options());
+      dist::fully_shard(part, layout.shard_options());
       pipe->sharded = true;
     } else if (layout.dp->size() > 1) {
       pipe->ddp.push_back(std::make_shared<dist::DistributedDataParallel>(m, layout.dp));
@@ -203,33 +264,6 @@ inline std::unique_ptr<Pipeline> make_pipeline(const Args& a, const std::shared_
   return pipe;
 }
 
-// --shard hsdp: the world laid out as (replicate, shard), sharded over --hsdp-shard ranks (the
-// node's by default, so that gathers and reduce-scatters stay inside a node) and replicated
-// across the groups of them (only each shard's gradient all-reduce crosses nodes).
-inline std::shared_ptr<dist::DeviceMesh> hsdp_mesh(const Args& a, dist::ProcessGroup& world,
-                                                   ember::Device device) {
-  const int64_t n =
-      a.hsdp_shard > 0 ? a.hsdp_shard : dist::local_world_size().value_or(world.size());
-  // Every rank must lay out the same mesh: nodes reporting other numbers of local ranks would
-  // make groups that do not match (one small all-reduce of [n, -n] with max gives both bounds).
-  Tensor bounds = from_vector(std::vector<int64_t>{n, -n}, {2}, device);
-  world.allreduce(bounds, {.op = dist::ReduceOp::Max})->wait();
-  const std::vector<int64_t> b = bounds.cpu().to_vector<int64_t>();
-  if (b[0] != -b[1]) {
-    throw ember::ValueError("gpt: --shard hsdp needs the same shard size on every rank, got " +
-                            std::to_string(-b[1]) + " to " + std::to_string(b[0]) +
-                            " (the nodes' LOCAL_WORLD_SIZE differ: pass --hsdp-shard)");
-  }
-  if (world.size() % n != 0) {
-    throw ember::ValueError("gpt: --shard hsdp shards over " + std::to_string(n) +
-                            " ranks (--hsdp-shard, else the node's), which must divide the world "
-                            "size " +
-                            std::to_string(world.size()));
-  }
-  return dist::init_device_mesh(device.is_cpu() ? "cpu" : "cuda", {world.size() / n, n},
-                                {"replicate", "shard"});
-}
-
 inline Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
                        const MeshLayout& layout, ember::Device device) {
   Parallel p;
@@ -238,7 +272,7 @@ inline Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
     p.pipe = make_pipeline(a, model, layout, device);
     if (a.shard == "zero") {  // AdamW's state of this rank's stages split over the dp ranks
       p.zero = make_zero(a, p.pipe->part->parameters(), pg, /*overlap=*/false);
-    } else if (a.shard == "fsdp") {
+    } else if (a.shard == "fsdp" || a.shard == "hsdp") {
       p.adamw = std::make_unique<nn::optim::AdamW>(sharded_decay_groups(*p.pipe->part),
                                                    adamw_options(a));
     } else {
@@ -248,8 +282,7 @@ inline Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
     return p;
   }
   if (a.shard == "fsdp" || a.shard == "hsdp") {
-    dist::FullyShardOptions o{.group = pg};
-    if (a.shard == "hsdp") o = {.mesh = hsdp_mesh(a, *pg, device)};
+    const dist::FullyShardOptions o = layout.shard_options();
     for (const auto& block : model->blocks) dist::fully_shard(block, o);
     dist::fully_shard(model, o);
     p.adamw = std::make_unique<nn::optim::AdamW>(sharded_decay_groups(*model), adamw_options(a));

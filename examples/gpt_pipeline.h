@@ -201,15 +201,16 @@ inline Tensor clip_pipeline_grad_norm_(const GPTPart& part, double max_norm, dis
 /// parameters beside it). The pieces' gradients (already averaged over dp) are placed in a
 /// whole-size buffer and summed over every rank of `world`: the first and the last stage's
 /// pieces each tile it once, so the sum is the two copies' gradients added, and each rank takes
-/// its piece of it back.
+/// its piece of it back. Under HSDP every replica holds the same pieces: only the ranks with
+/// `counted` (the first replica's) place theirs, so each piece is added once.
 inline void sum_tied_embedding_grad_sharded(const GPTPart& part, dist::ProcessGroup& world,
-                                            const GPTConfig& c, Device device) {
+                                            const GPTConfig& c, Device device, bool counted) {
   Tensor whole = zeros({c.vocab * c.dim}, TensorOptions(kFloat32).device(device));
   std::optional<dist::LocalShard> mine;
   for (auto& s : dist::local_shards(part)) {
     if (s.name == "wte.weight" && s.data.defined()) mine = s;
   }
-  if (mine && mine->data.grad().defined()) {
+  if (counted && mine && mine->data.grad().defined()) {
     whole.narrow(0, mine->begin, mine->end - mine->begin).copy_(mine->data.grad());
   }
   world.allreduce(whole)->wait();
@@ -223,14 +224,14 @@ inline void sum_tied_embedding_grad_sharded(const GPTPart& part, dist::ProcessGr
 }
 
 /// clip over fully_shard-ed stages: every rank's pieces' squares (the last stage's piece of the
-/// tied embedding left out) summed over `world`.
+/// tied embedding left out) summed over `world`; under HSDP the first replica's only (`counted`).
 inline Tensor clip_sharded_pipeline_grad_norm_(const GPTPart& part, double max_norm,
-                                               dist::ProcessGroup& world) {
+                                               dist::ProcessGroup& world, bool counted) {
   std::vector<Tensor> params, grads;
   for (const auto& s : dist::local_shards(part)) {
     if (!s.data.defined()) continue;
     params.push_back(s.data);
-    if (!s.data.grad().defined()) continue;
+    if (!counted || !s.data.grad().defined()) continue;
     if (s.name == "wte.weight" && !part.has_embedding()) continue;
     grads.push_back(s.data.grad());
   }

@@ -240,7 +240,8 @@ TEST_F(Gpt, CudaGraphTrainsAsTheEagerStepsDo) {
 // --shard zero and --shard fsdp train the same model as plain DDP: the same validation loss to
 // the printed digits (ZeRO steps the same AdamW on each rank's partition; FSDP averages the same
 // gradients through reduce-scatters), and each prints its allocator's peak; --shard hsdp at 4
-// ranks (reduce-scatters within pairs, all-reduces across them) ends with DDP's at 4.
+// ranks (reduce-scatters within pairs, all-reduces across them) ends with DDP's at 4, and so
+// does hsdp over tensor-parallel pairs at 8.
 TEST_F(Gpt, ShardedTrainingEqualsDdp) {
   Result ddp = run(two_ranks());
   ASSERT_EQ(ddp.status, 0) << ddp.output;
@@ -274,9 +275,27 @@ TEST_F(Gpt, ShardedTrainingEqualsDdp) {
   Result hsdp = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() +
                     " --shard hsdp --hsdp-shard 2");
   ASSERT_EQ(hsdp.status, 0) << hsdp.output;
+  EXPECT_NE(hsdp.output.find("; sharded over DeviceMesh(cpu, (replicate=2, shard=2), rank 0 at "
+                             "(0, 0));"),
+            std::string::npos)
+      << hsdp.output;
   EXPECT_NEAR(value_of(hsdp.output, "val_loss"), value_of(ddp4.output, "val_loss"), 2e-4)
       << "hsdp 2 x 2:\n"
       << hsdp.output << "\nddp at 4 ranks:\n"
+      << ddp4.output;
+  // 8 ranks as (replicate 2, shard 2, tp 2): each fully_shard-ed piece of a tensor-parallel
+  // model reduce-scattered over its shard pair, all-reduced across the replicas; the model
+  // trains as DDP's at 4 ranks (one model per tp pair).
+  Result hsdp_tp = run(emberrun() + " --standalone --nproc-per-node 8 " + tiny() +
+                       " --shard hsdp --hsdp-shard 2 --tp 2");
+  ASSERT_EQ(hsdp_tp.status, 0) << hsdp_tp.output;
+  EXPECT_NE(hsdp_tp.output.find("tensor parallel over DeviceMesh(cpu, (replicate=2, shard=2, "
+                                "tp=2), rank 0 at (0, 0, 0))"),
+            std::string::npos)
+      << hsdp_tp.output;
+  EXPECT_NEAR(value_of(hsdp_tp.output, "val_loss"), value_of(ddp4.output, "val_loss"), 2e-4)
+      << "hsdp 2 x 2 x tp 2:\n"
+      << hsdp_tp.output << "\nddp at 4 ranks:\n"
       << ddp4.output;
   Result bad = run(tiny() + " --shard fsdp --comm-hook fp16");
   EXPECT_EQ(bad.status, 2) << bad.output;
@@ -329,11 +348,14 @@ TEST_F(Gpt, TensorParallelCheckpointGoesOnAtAnotherLayout) {
 
 // tp 2 x dp 2 and pp 2 x dp 2 with AdamW's state split over the dp ranks (--shard zero), and
 // pp 2 x dp 2 with fully_shard-ed stages (the last stage's copy of the tied embedding saved by
-// the first stage's ranks, read back by both): stopped at step 15 and resumed, each ends where
-// its uninterrupted run ends; the optimizer's parts follow their parameters' parts and stages.
+// the first stage's ranks, read back by both), and both under HSDP over two replicas: stopped at
+// step 15 and resumed, each ends where its uninterrupted run ends; the optimizer's parts follow
+// their parameters' parts and stages.
 TEST_F(Gpt, ShardedCheckpointsOfTensorAndPipelineLayoutsResumeAsIfUninterrupted) {
-  for (const std::string layout : {" --tp 2 --shard zero", " --pp 2 --layers 2 --shard zero",
-                                   " --pp 2 --layers 2 --shard fsdp"}) {
+  for (const std::string layout :
+       {" --tp 2 --shard zero", " --pp 2 --layers 2 --shard zero",
+        " --pp 2 --layers 2 --shard fsdp", " --tp 2 --shard hsdp --hsdp-shard 1",
+        " --pp 2 --layers 2 --shard hsdp --hsdp-shard 1"}) {
     const std::string four = emberrun() + " --standalone --nproc-per-node 4 " + tiny() + layout;
     Result whole = run(four);
     ASSERT_EQ(whole.status, 0) << whole.output;
@@ -351,9 +373,9 @@ TEST_F(Gpt, ShardedCheckpointsOfTensorAndPipelineLayoutsResumeAsIfUninterrupted)
 // --pp 2 over 2 ranks: four blocks in stages (the tied embedding on both ends) train on the
 // batch one process would, under 1F1B (two stages) and zero-bubble (four, two per rank, backward
 // split into input and weight halves), ending with its validation loss; 4 ranks as pp 2 x dp 2
-// with fully_shard-ed stages, and 8 as pp 2 x dp 2 x tp 2 (3-D: DDP over tensor- and
-// sequence-parallel stages, AdamW's state split over the dp ranks by --shard zero) end with
-// DDP's at 2 ranks. Each prints the measured bubble.
+// with fully_shard-ed stages (plain, and HSDP over two replicas), and 8 as pp 2 x dp 2 x tp 2
+// (3-D: DDP over tensor- and sequence-parallel stages, AdamW's state split over the dp ranks by
+// --shard zero) end with DDP's at 2 ranks. Each prints the measured bubble.
 TEST_F(Gpt, PipelineParallelTrainsAsOneProcess) {
   const std::string layers = " --layers 4";
   Result one = run("env EMBER_NUM_THREADS=1 " + tiny() + layers);
@@ -377,6 +399,16 @@ TEST_F(Gpt, PipelineParallelTrainsAsOneProcess) {
   ASSERT_EQ(fsdp.status, 0) << fsdp.output;
   EXPECT_NEAR(value_of(fsdp.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
       << "pp 2 x fsdp 2:\n" << fsdp.output << "\nddp at 2 ranks:\n" << ddp.output;
+  // The same stages under HSDP over (replicate 2, shard 1): the replicas hold the same pieces of
+  // the tied embedding, which count once in its two copies' sum.
+  Result hsdp = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() + layers +
+                    " --pp 2 --shard hsdp --hsdp-shard 1");
+  ASSERT_EQ(hsdp.status, 0) << hsdp.output;
+  EXPECT_NE(hsdp.output.find("(pp=2, replicate=2, shard=1)"), std::string::npos) << hsdp.output;
+  EXPECT_NEAR(value_of(hsdp.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
+      << "pp 2 x hsdp 2 x 1:\n"
+      << hsdp.output << "\nddp at 2 ranks:\n"
+      << ddp.output;
   Result r = run(emberrun() + " --standalone --nproc-per-node 8 " + tiny() + layers +
                  " --pp 2 --tp 2 --shard zero --microbatches 2");
   ASSERT_EQ(r.status, 0) << r.output;
@@ -650,11 +682,13 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
       {"--pp 2 --layers 2 --shard fsdp --schedule interleaved-1f1b", 2,
        "gpt: --pp with --shard fsdp takes one stage per rank (--schedule gpipe or 1f1b) and no "
        "--tp"},
-      {"--shard hsdp --tp 2", 2, "--shard hsdp takes neither --tp nor --pp yet"},
+      {"--pp 2 --layers 2 --shard hsdp --tp 2", 2,
+       "gpt: --pp with --shard hsdp takes one stage per rank (--schedule gpipe or 1f1b) and no "
+       "--tp yet (got --schedule 1f1b, --tp 2)"},
       {"--hsdp-shard 2", 2, "--hsdp-shard needs --shard hsdp (got --shard none)"},
       {"--shard hsdp --hsdp-shard 3", 1,
        "gpt: --shard hsdp shards over 3 ranks (--hsdp-shard, else the node's), which must "
-       "divide the world size 1"},
+       "divide the 1 data-parallel ranks (the world size 1 over --tp and --pp)"},
       {"--pp 2 --layers 2 --sample 5", 2,
        "gpt: --pp takes neither --save-weights, --export-hf nor --sample"},
       {"--pp 2 --layers 2", 1, "gpt: --pp 2 must divide the world size 1"},
