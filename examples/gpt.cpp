@@ -159,6 +159,9 @@ class Trainer {
   double peak_rss_mb_ = 0, peak_allocated_mb_ = 0;  // the largest over the ranks
   int64_t peak_memory_bytes_ = 0;                     // this rank's allocator high-water mark
   Metrics metrics_;
+  // The last step's gradient norm before clipping (--grad-clip), read when a line is logged
+  // (reading it each step would wait for the GPU); undefined without clipping.
+  Tensor grad_norm_;
   // --cuda-graph: the captured step, its static batch and loss, and the eager steps before it.
   ember::cuda::CUDAGraph graph_;
   Tensor graph_x_, graph_y_, graph_loss_;
@@ -342,13 +345,13 @@ double Trainer::train_step(int64_t step) {
   if (a_.grad_clip > 0) {
     scaler_.unscale_(par_.optimizer());
     if (par_.ddp && layout_.tp_mesh) {
-      dist::clip_grad_norm_(par_.ddp->parameters(), a_.grad_clip, *layout_.tp_mesh);
+      grad_norm_ = dist::clip_grad_norm_(par_.ddp->parameters(), a_.grad_clip, *layout_.tp_mesh);
     } else if (par_.ddp) {
-      nn::clip_grad_norm_(par_.ddp->parameters(), a_.grad_clip);
-    } else if (layout_.tp_mesh) {
-      dist::clip_grad_norm_(*model_, a_.grad_clip, *layout_.shard_tp_mesh());  // over dp and tp
-    } else {
-      dist::clip_grad_norm_(*model_, a_.grad_clip);  // the norm over every rank's shards
+      grad_norm_ = nn::clip_grad_norm_(par_.ddp->parameters(), a_.grad_clip);
+    } else if (layout_.tp_mesh) {  // over dp and tp
+      grad_norm_ = dist::clip_grad_norm_(*model_, a_.grad_clip, *layout_.shard_tp_mesh());
+    } else {  // the norm over every rank's shards
+      grad_norm_ = dist::clip_grad_norm_(*model_, a_.grad_clip);
     }
   }
   if (checkpoint_) checkpoint_->wait_until_staged();
@@ -388,7 +391,7 @@ float Trainer::graph_step(const nn::data::Batch& b) {
     scaler_.scale(graph_loss_).backward();
     if (a_.grad_clip > 0) {
       scaler_.unscale_(*par_.adamw);
-      nn::clip_grad_norm_(model_->parameters(), a_.grad_clip);
+      grad_norm_ = nn::clip_grad_norm_(model_->parameters(), a_.grad_clip);
     }
     scaler_.step(*par_.adamw);
     scaler_.update();
@@ -421,14 +424,17 @@ double Trainer::pipeline_step(const nn::data::Batch& b) {
   if (pipe.sharded) {
     // Under HSDP the replicas hold the same pieces: the first one's stand for them all.
     const bool counted = !layout_.hsdp_mesh || layout_.hsdp_mesh->get_local_rank("replicate") == 0;
-    sum_tied_embedding_grad_sharded(*pipe.part, *run_.pg, model_->config, run_.device, counted);
+    sum_tied_embedding_grad_sharded(*pipe.part, *layout_.same_tp, model_->config, run_.device,
+                                    counted, a_.tp);
     if (a_.grad_clip > 0) {
-      clip_sharded_pipeline_grad_norm_(*pipe.part, a_.grad_clip, *run_.pg, counted);
+      grad_norm_ = clip_sharded_pipeline_grad_norm_(
+          *pipe.part, a_.grad_clip, *run_.pg, counted,
+          layout_.tp_mesh ? layout_.tp_mesh->get_group().get() : nullptr);
     }
   } else {
     sum_tied_embedding_grad(*pipe.part, pp, model_->config, run_.device, a_.tp);
     if (a_.grad_clip > 0) {
-      clip_pipeline_grad_norm_(*pipe.part, a_.grad_clip, pp, layout_.tp_mesh.get());
+      grad_norm_ = clip_pipeline_grad_norm_(*pipe.part, a_.grad_clip, pp, layout_.tp_mesh.get());
     }
   }
   if (checkpoint_) checkpoint_->wait_until_staged();
@@ -518,11 +524,15 @@ void Trainer::log_progress(LogWindow& window) {
     if (trained > 0) {
       std::snprintf(speed, sizeof speed, "%.0f tok/s  ETA %s", tps, format_duration(eta).c_str());
     }
-    std::printf("%sstep %lld/%lld [%s%s] %3d%%  loss %.4f  lr %.2e  %s%s", run_.tty ? "\r" : "",
+    // The gradient's norm as llm.c prints it: the window's last step's, before clipping.
+    const double norm = grad_norm_.defined() ? grad_norm_.item<double>() : -1;
+    char norm_text[32] = "";
+    if (norm >= 0) std::snprintf(norm_text, sizeof norm_text, "  norm %.4f", norm);
+    std::printf("%sstep %lld/%lld [%s%s] %3d%%  loss %.4f%s  lr %.2e  %s%s", run_.tty ? "\r" : "",
                 static_cast<long long>(step_), static_cast<long long>(a_.steps),
                 std::string(filled, '#').c_str(), std::string(kWidth - filled, '-').c_str(),
-                static_cast<int>(100 * step_ / std::max<int64_t>(1, a_.steps)), loss, lr(), speed,
-                run_.tty ? "\x1b[K" : "\n");
+                static_cast<int>(100 * step_ / std::max<int64_t>(1, a_.steps)), loss, norm_text,
+                lr(), speed, run_.tty ? "\x1b[K" : "\n");
     if (run_.world > 1 && !run_.tty) std::printf("  %s\n", dist::straggler_report(ranks).c_str());
     std::fflush(stdout);
     nlohmann::json step = {{"kind", "step"},
@@ -532,6 +542,7 @@ void Trainer::log_progress(LogWindow& window) {
                            {"slowest_rank", dist::slowest_rank(ranks)},
                            {"comm_wait_ms", mine.comm_wait_ms}};
     if (trained > 0) step["tokens_per_s"] = tps;
+    if (norm >= 0) step["grad_norm"] = norm;
     metrics_.write(step);
   }
   window.reset(now);

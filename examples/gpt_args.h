@@ -124,12 +124,10 @@ inline std::string unavailable(const Args& a) {
            "(--checkpoint-dir) and continue or sample from it without --tp "
            "(docs/tensor_parallel.md)";
   }
-  if (a.pp > 1 && (a.shard == "fsdp" || a.shard == "hsdp") &&
-      (a.tp > 1 || (a.schedule != "gpipe" && a.schedule != "1f1b"))) {
-    return "--pp with --shard " + a.shard +
-           " takes one stage per rank (--schedule gpipe or 1f1b) "
-           "and no --tp yet (got --schedule " +
-           a.schedule + ", --tp " + std::to_string(a.tp) + ")";
+  if (a.pp > 1 && (a.shard == "fsdp" || a.shard == "hsdp") && a.schedule != "gpipe" &&
+      a.schedule != "1f1b") {
+    return "--pp with --shard " + a.shard + " takes one stage per rank yet (--schedule gpipe or " +
+           "1f1b, got " + a.schedule + ")";
   }
   if (a.pp > 1 && (a.amp != "off" || a.comm_hook != "none")) {
     return "--pp runs in float32 with DDP's plain all-reduce only yet (got --amp " + a.amp +

@@ -90,6 +90,7 @@ struct MeshLayout {
   MeshLayout(const RunContext& run, const Args& a) {
     const int64_t tp = a.tp, pp = a.pp;
     const bool hsdp = a.shard == "hsdp";
+    same_tp = run.pg;
     if (tp <= 1 && pp <= 1 && !hsdp) {
       dp = run.pg;
       return;
@@ -123,14 +124,20 @@ struct MeshLayout {
     mesh = dist::init_device_mesh(run.device.is_cpu() ? "cpu" : "cuda", shape, names);
     if (pp > 1) pp_group = mesh->get_group("pp");
     if (tp > 1) tp_mesh = (*mesh)["tp"];
-    if (!hsdp) {
+    if (hsdp) {
+      hsdp_mesh = mesh->slice({"replicate", "shard"});
+      // The data-parallel ranks, for the data: every rank when there is no other dimension,
+      // else one group per (pp, tp) position (collective).
+      dp = tp <= 1 && pp <= 1 ? run.pg : hsdp_mesh->flatten("dp")->get_group();
+    } else {
       dp = mesh->get_group("dp");
-      return;
     }
-    hsdp_mesh = mesh->slice({"replicate", "shard"});
-    // The data-parallel ranks, for the data and DDP's fallbacks: every rank when there is no
-    // other dimension, else one group per (pp, tp) position (collective).
-    dp = tp <= 1 && pp <= 1 ? run.pg : hsdp_mesh->flatten("dp")->get_group();
+    if (tp > 1 && pp > 1 && (hsdp || a.shard == "fsdp")) {
+      // The ranks at this rank's tp position, which hold the same rows of the tied embedding in
+      // every stage (collective).
+      names.pop_back();
+      same_tp = mesh->slice(names)->flatten("same_tp")->get_group();
+    }
   }
 
   /// fully_shard's options over the data-parallel ranks: the dp group, or under --shard hsdp
@@ -150,6 +157,8 @@ struct MeshLayout {
   std::shared_ptr<dist::DeviceMesh> hsdp_mesh;        // (replicate, shard): --shard hsdp only
   std::shared_ptr<dist::ProcessGroup> dp;             // the data-parallel ranks
   std::shared_ptr<dist::ProcessGroup> pp_group;       // null without --pp
+  // --pp with --shard fsdp|hsdp: the ranks at this rank's tp position (every rank without --tp).
+  std::shared_ptr<dist::ProcessGroup> same_tp;
 
  private:
   // --shard hsdp: the shard group's size, --hsdp-shard or the node's data-parallel ranks (its

@@ -11,12 +11,15 @@
 // Header-only beside gpt_model.h; needs ember_distributed.
 #pragma once
 
+#include <cmath>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include <ember/distributed/dtensor/dtensor.h>
 #include <ember/distributed/process_group.h>
 #include <ember/distributed/sharding/fsdp.h>
 #include <ember/distributed/tensor_parallel/clip_grad.h>
@@ -202,10 +205,13 @@ inline Tensor clip_pipeline_grad_norm_(const GPTPart& part, double max_norm, dis
 /// whole-size buffer and summed over every rank of `world`: the first and the last stage's
 /// pieces each tile it once, so the sum is the two copies' gradients added, and each rank takes
 /// its piece of it back. Under HSDP every replica holds the same pieces: only the ranks with
-/// `counted` (the first replica's) place theirs, so each piece is added once.
+/// `counted` (the first replica's) place theirs, so each piece is added once. Under tensor
+/// parallelism over `tp` ranks each holds vocab / tp rows, the same rows at the same tp rank of
+/// every stage: `world` is then the ranks at this rank's tp position.
 inline void sum_tied_embedding_grad_sharded(const GPTPart& part, dist::ProcessGroup& world,
-                                            const GPTConfig& c, Device device, bool counted) {
-  Tensor whole = zeros({c.vocab * c.dim}, TensorOptions(kFloat32).device(device));
+                                            const GPTConfig& c, Device device, bool counted,
+                                            int64_t tp = 1) {
+  Tensor whole = zeros({c.vocab / tp * c.dim}, TensorOptions(kFloat32).device(device));
   std::optional<dist::LocalShard> mine;
   for (auto& s : dist::local_shards(part)) {
     if (s.name == "wte.weight" && s.data.defined()) mine = s;
@@ -225,17 +231,26 @@ inline void sum_tied_embedding_grad_sharded(const GPTPart& part, dist::ProcessGr
 
 /// clip over fully_shard-ed stages: every rank's pieces' squares (the last stage's piece of the
 /// tied embedding left out) summed over `world`; under HSDP the first replica's only (`counted`).
+/// With `tp` (the stages laid out over it before fully_shard) a piece of a parameter replicated
+/// over the tp ranks is on each of them, so it counts 1 / tp on each.
 inline Tensor clip_sharded_pipeline_grad_norm_(const GPTPart& part, double max_norm,
-                                               dist::ProcessGroup& world, bool counted) {
-  std::vector<Tensor> params, grads;
+                                               dist::ProcessGroup& world, bool counted,
+                                               const dist::ProcessGroup* tp = nullptr) {
+  std::map<std::string, Tensor> by_name;
+  for (const auto& [name, p] : part.named_parameters()) by_name[name] = p;
+  std::vector<Tensor> params;
+  double sq = 0;
   for (const auto& s : dist::local_shards(part)) {
     if (!s.data.defined()) continue;
     params.push_back(s.data);
     if (!counted || !s.data.grad().defined()) continue;
     if (s.name == "wte.weight" && !part.has_embedding()) continue;
-    grads.push_back(s.data.grad());
+    const std::optional<dist::DTensor> d = dist::as_dtensor(by_name.at(s.name));
+    const bool sharded_over_tp = d && d->placements()[0].is_shard();
+    const double n = nn::get_total_norm({s.data.grad()}).item<double>();
+    sq += n * n / (tp != nullptr && !sharded_over_tp ? static_cast<double>(tp->size()) : 1.0);
   }
-  return detail::clip_by_summed_norm(params, grads.empty() ? Tensor() : nn::get_total_norm(grads),
+  return detail::clip_by_summed_norm(params, full({}, std::sqrt(sq), TensorOptions(kFloat32)),
                                      max_norm, world);
 }
 

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <regex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -50,6 +51,17 @@ double value_of(const std::string& out, const std::string& key) {
   const std::regex re("(^|\\n|: )" + key + "=([0-9.]+)\\n");
   if (!std::regex_search(out, m, re)) return -1;
   return std::stod(m[2]);
+}
+
+// The gradient norms the progress lines print ("loss 5.5243  norm 1.7677"), in order.
+std::vector<double> logged_norms(const std::string& out) {
+  std::vector<double> norms;
+  const std::regex re("  loss [0-9.]+  norm ([0-9.]+)  ");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator();
+       ++it) {
+    norms.push_back(std::stod((*it)[1]));
+  }
+  return norms;
 }
 
 class Gpt : public ::testing::Test {
@@ -346,23 +358,29 @@ TEST_F(Gpt, TensorParallelCheckpointGoesOnAtAnotherLayout) {
   resumes_as_if_uninterrupted(" --tp 2", "", "resume: saved at --tp 2, now 1\n");
 }
 
-// tp 2 x dp 2 and pp 2 x dp 2 with AdamW's state split over the dp ranks (--shard zero), and
+// tp 2 x dp 2 and pp 2 x dp 2 with AdamW's state split over the dp ranks (--shard zero),
 // pp 2 x dp 2 with fully_shard-ed stages (the last stage's copy of the tied embedding saved by
-// the first stage's ranks, read back by both), and both under HSDP over two replicas: stopped at
-// step 15 and resumed, each ends where its uninterrupted run ends; the optimizer's parts follow
-// their parameters' parts and stages.
+// the first stage's ranks, read back by both), tp 2 under HSDP over two replicas, and at 8 ranks
+// all four dimensions (pp 2 x (replicate 2, shard 1) x tp 2): stopped at step 15 and resumed,
+// each ends where its uninterrupted run ends; the optimizer's parts follow their parameters'
+// parts and stages.
 TEST_F(Gpt, ShardedCheckpointsOfTensorAndPipelineLayoutsResumeAsIfUninterrupted) {
-  for (const std::string layout :
-       {" --tp 2 --shard zero", " --pp 2 --layers 2 --shard zero",
-        " --pp 2 --layers 2 --shard fsdp", " --tp 2 --shard hsdp --hsdp-shard 1",
-        " --pp 2 --layers 2 --shard hsdp --hsdp-shard 1"}) {
-    const std::string four = emberrun() + " --standalone --nproc-per-node 4 " + tiny() + layout;
-    Result whole = run(four);
+  const std::vector<std::pair<int, std::string>> layouts = {
+      {4, " --tp 2 --shard zero"},
+      {4, " --pp 2 --layers 2 --shard zero"},
+      {4, " --pp 2 --layers 2 --shard fsdp"},
+      {4, " --tp 2 --shard hsdp --hsdp-shard 1"},
+      {8, " --pp 2 --tp 2 --layers 2 --shard hsdp --hsdp-shard 1 --microbatches 2"}};
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    const auto& [ranks, layout] = layouts[i];
+    const std::string job = emberrun() + " --standalone --nproc-per-node " + std::to_string(ranks) +
+                            " " + tiny() + layout;
+    Result whole = run(job);
     ASSERT_EQ(whole.status, 0) << whole.output;
-    const std::string ck = tmp.path() + "/ck" + std::to_string(layout.size());
-    Result first = run(four + " --checkpoint-dir " + ck + " --stop-at-step 15");
+    const std::string ck = tmp.path() + "/ck" + std::to_string(i);
+    Result first = run(job + " --checkpoint-dir " + ck + " --stop-at-step 15");
     ASSERT_EQ(first.status, 0) << first.output;
-    Result rest = run(four + " --checkpoint-dir " + ck + " --resume");
+    Result rest = run(job + " --checkpoint-dir " + ck + " --resume");
     ASSERT_EQ(rest.status, 0) << rest.output;
     EXPECT_NE(rest.output.find(ck + " at step 15\n"), std::string::npos) << rest.output;
     EXPECT_EQ(value_of(rest.output, "val_loss"), value_of(whole.output, "val_loss"))
@@ -373,9 +391,9 @@ TEST_F(Gpt, ShardedCheckpointsOfTensorAndPipelineLayoutsResumeAsIfUninterrupted)
 // --pp 2 over 2 ranks: four blocks in stages (the tied embedding on both ends) train on the
 // batch one process would, under 1F1B (two stages) and zero-bubble (four, two per rank, backward
 // split into input and weight halves), ending with its validation loss; 4 ranks as pp 2 x dp 2
-// with fully_shard-ed stages (plain, and HSDP over two replicas), and 8 as pp 2 x dp 2 x tp 2
-// (3-D: DDP over tensor- and sequence-parallel stages, AdamW's state split over the dp ranks by
-// --shard zero) end with DDP's at 2 ranks. Each prints the measured bubble.
+// with fully_shard-ed stages, 8 as pp 2 x (replicate 2, shard 1) x tp 2 under HSDP and 8 as
+// pp 2 x dp 2 x tp 2 (3-D: DDP over tensor- and sequence-parallel stages, AdamW's state split
+// over the dp ranks by --shard zero) end with DDP's at 2 ranks. Each prints the measured bubble.
 TEST_F(Gpt, PipelineParallelTrainsAsOneProcess) {
   const std::string layers = " --layers 4";
   Result one = run("env EMBER_NUM_THREADS=1 " + tiny() + layers);
@@ -399,16 +417,29 @@ TEST_F(Gpt, PipelineParallelTrainsAsOneProcess) {
   ASSERT_EQ(fsdp.status, 0) << fsdp.output;
   EXPECT_NEAR(value_of(fsdp.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
       << "pp 2 x fsdp 2:\n" << fsdp.output << "\nddp at 2 ranks:\n" << ddp.output;
-  // The same stages under HSDP over (replicate 2, shard 1): the replicas hold the same pieces of
-  // the tied embedding, which count once in its two copies' sum.
-  Result hsdp = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() + layers +
-                    " --pp 2 --shard hsdp --hsdp-shard 1");
+  // Four dimensions: stages laid out over tp pairs, fully_shard-ed under HSDP over (replicate 2,
+  // shard 1). The replicas hold the same pieces of the tied embedding, which count once in its
+  // two copies' sum (over the ranks at one tp position: each holds half the vocabulary), and
+  // once in the norm, as do the tp-replicated parameters' pieces: the printed gradient norms are
+  // DDP's.
+  Result hsdp = run(emberrun() + " --standalone --nproc-per-node 8 " + tiny() + layers +
+                    " --pp 2 --tp 2 --shard hsdp --hsdp-shard 1 --microbatches 2");
   ASSERT_EQ(hsdp.status, 0) << hsdp.output;
-  EXPECT_NE(hsdp.output.find("(pp=2, replicate=2, shard=1)"), std::string::npos) << hsdp.output;
+  EXPECT_NE(hsdp.output.find("(pp=2, replicate=2, shard=1, tp=2)"), std::string::npos)
+      << hsdp.output;
   EXPECT_NEAR(value_of(hsdp.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
-      << "pp 2 x hsdp 2 x 1:\n"
+      << "pp 2 x hsdp 2 x 1 x tp 2:\n"
       << hsdp.output << "\nddp at 2 ranks:\n"
       << ddp.output;
+  const std::vector<double> ddp_norms = logged_norms(ddp.output);
+  ASSERT_EQ(ddp_norms.size(), 3u) << ddp.output;
+  for (const Result* r : {&fsdp, &hsdp}) {
+    const std::vector<double> norms = logged_norms(r->output);
+    ASSERT_EQ(norms.size(), ddp_norms.size()) << r->output;
+    for (size_t i = 0; i < norms.size(); ++i) {
+      EXPECT_NEAR(norms[i], ddp_norms[i], 2e-4) << r->output << "\nddp:\n" << ddp.output;
+    }
+  }
   Result r = run(emberrun() + " --standalone --nproc-per-node 8 " + tiny() + layers +
                  " --pp 2 --tp 2 --shard zero --microbatches 2");
   ASSERT_EQ(r.status, 0) << r.output;
@@ -680,11 +711,11 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
       {"--pp 2 --layers 2 --microbatches 3", 2,
        "gpt: --batch-size 16 does not divide into --microbatches 3"},
       {"--pp 2 --layers 2 --shard fsdp --schedule interleaved-1f1b", 2,
-       "gpt: --pp with --shard fsdp takes one stage per rank (--schedule gpipe or 1f1b) and no "
-       "--tp"},
-      {"--pp 2 --layers 2 --shard hsdp --tp 2", 2,
-       "gpt: --pp with --shard hsdp takes one stage per rank (--schedule gpipe or 1f1b) and no "
-       "--tp yet (got --schedule 1f1b, --tp 2)"},
+       "gpt: --pp with --shard fsdp takes one stage per rank yet (--schedule gpipe or 1f1b, got "
+       "interleaved-1f1b)"},
+      {"--pp 2 --layers 2 --shard hsdp --schedule zero-bubble", 2,
+       "gpt: --pp with --shard hsdp takes one stage per rank yet (--schedule gpipe or 1f1b, got "
+       "zero-bubble)"},
       {"--hsdp-shard 2", 2, "--hsdp-shard needs --shard hsdp (got --shard none)"},
       {"--shard hsdp --hsdp-shard 3", 1,
        "gpt: --shard hsdp shards over 3 ranks (--hsdp-shard, else the node's), which must "
