@@ -391,9 +391,10 @@ TEST_F(Gpt, ShardedCheckpointsOfTensorAndPipelineLayoutsResumeAsIfUninterrupted)
 // --pp 2 over 2 ranks: four blocks in stages (the tied embedding on both ends) train on the
 // batch one process would, under 1F1B (two stages) and zero-bubble (four, two per rank, backward
 // split into input and weight halves), ending with its validation loss; 4 ranks as pp 2 x dp 2
-// with fully_shard-ed stages, 8 as pp 2 x (replicate 2, shard 1) x tp 2 under HSDP and 8 as
-// pp 2 x dp 2 x tp 2 (3-D: DDP over tensor- and sequence-parallel stages, AdamW's state split
-// over the dp ranks by --shard zero) end with DDP's at 2 ranks. Each prints the measured bubble.
+// with fully_shard-ed stages, and 8 as pp 2 x dp 2 x tp 2 fully_shard-ed, as pp 2 x (replicate
+// 2, shard 1) x tp 2 under HSDP and as pp 2 x dp 2 x tp 2 with DDP over tensor- and
+// sequence-parallel stages (AdamW's state split over the dp ranks by --shard zero), end with
+// DDP's at 2 ranks; the sharded ones print its gradient norms. Each prints the measured bubble.
 TEST_F(Gpt, PipelineParallelTrainsAsOneProcess) {
   const std::string layers = " --layers 4";
   Result one = run("env EMBER_NUM_THREADS=1 " + tiny() + layers);
@@ -431,9 +432,17 @@ TEST_F(Gpt, PipelineParallelTrainsAsOneProcess) {
       << "pp 2 x hsdp 2 x 1 x tp 2:\n"
       << hsdp.output << "\nddp at 2 ranks:\n"
       << ddp.output;
+  // pp 2 x dp 2 x tp 2 fully_shard-ed: pieces of tp shards at offsets of their own.
+  Result fsdp_tp = run(emberrun() + " --standalone --nproc-per-node 8 " + tiny() + layers +
+                       " --pp 2 --tp 2 --shard fsdp --microbatches 2");
+  ASSERT_EQ(fsdp_tp.status, 0) << fsdp_tp.output;
+  EXPECT_NEAR(value_of(fsdp_tp.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
+      << "pp 2 x fsdp 2 x tp 2:\n"
+      << fsdp_tp.output << "\nddp at 2 ranks:\n"
+      << ddp.output;
   const std::vector<double> ddp_norms = logged_norms(ddp.output);
   ASSERT_EQ(ddp_norms.size(), 3u) << ddp.output;
-  for (const Result* r : {&fsdp, &hsdp}) {
+  for (const Result* r : {&fsdp, &hsdp, &fsdp_tp}) {
     const std::vector<double> norms = logged_norms(r->output);
     ASSERT_EQ(norms.size(), ddp_norms.size()) << r->output;
     for (size_t i = 0; i < norms.size(); ++i) {
