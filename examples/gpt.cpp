@@ -111,6 +111,7 @@ class Trainer {
   double pipeline_step(const nn::data::Batch& b);
   double evaluate();
   void log_progress(LogWindow& window);
+  double comm_wait_ms();
   void after_eval(double val_loss);
   ckpt::State checkpoint_state();
   void save_checkpoint();
@@ -162,6 +163,7 @@ class Trainer {
   // The last step's gradient norm before clipping (--grad-clip), read when a line is logged
   // (reading it each step would wait for the GPU); undefined without clipping.
   Tensor grad_norm_;
+  double fsdp_wait_ms_ = 0;  // fsdp_comm_stats' reading after the last step
   // --cuda-graph: the captured step, its static batch and loss, and the eager steps before it.
   ember::cuda::CUDAGraph graph_;
   Tensor graph_x_, graph_y_, graph_loss_;
@@ -280,7 +282,7 @@ double Trainer::train() {
       train_seconds_ += dt;
       ++timed_steps_;
     }
-    if (par_.ddp) window.comm_wait_ms += par_.ddp->stats().exposed_communication.last_ms;
+    window.comm_wait_ms += comm_wait_ms();
     window.add(loss);
     // Every rank joins the straggler report's gather at the same steps.
     if (step_ % log_every_ == 0 || step_ == end) log_progress(window);
@@ -501,6 +503,24 @@ double tokens_per_s(int64_t steps, const Args& a, int world, double seconds) {
   const double tokens =
       static_cast<double>(steps * a.batch_size * a.context * world / (a.tp * a.pp));
   return seconds > 0 ? tokens / seconds : 0;
+}
+
+// The last step's communication wait: DDP's exposed communication (with --pp each stage's
+// DDP's), or the host's waits on fully_shard's collectives; a pipeline's sends and receives are
+// not counted.
+double Trainer::comm_wait_ms() {
+  if (par_.ddp) return par_.ddp->stats().exposed_communication.last_ms;
+  if (par_.pipe && !par_.pipe->ddp.empty()) {
+    double ms = 0;
+    for (const auto& d : par_.pipe->ddp) ms += d->stats().exposed_communication.last_ms;
+    return ms;
+  }
+  if (a_.shard != "fsdp" && a_.shard != "hsdp") return 0;
+  const nn::Module& root = par_.pipe ? static_cast<const nn::Module&>(*par_.pipe->part) : *model_;
+  const double total = dist::fsdp_comm_stats(root).wait_ms;
+  const double step = total - fsdp_wait_ms_;
+  fsdp_wait_ms_ = total;
+  return step;
 }
 
 // Collective (the straggler report's gather); rank 0 prints the progress line.

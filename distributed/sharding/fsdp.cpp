@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -135,8 +136,16 @@ void FsdpUnit::unshard(bool wait) {
   if (wait) wait_unshard();
 }
 
+void timed_wait(FsdpContext& ctx, const WorkPtr& work) {
+  const auto t0 = std::chrono::steady_clock::now();
+  work->wait();
+  ctx.wait_ns +=
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+          .count();
+}
+
 void FsdpUnit::wait_unshard() {
-  for (auto& p : pending) p.first->wait();
+  for (auto& p : pending) timed_wait(*ctx, p.first);
   pending.clear();
 }
 
@@ -190,7 +199,7 @@ void add_to_pieces(const PendingReduce& r) {
 void finish_reduce(FsdpContext& ctx) {
   PendingReduce r = std::move(ctx.reduces.front());
   ctx.reduces.pop_front();
-  r.work->wait();
+  timed_wait(ctx, r.work);
   if (!ctx.replicate) {
     add_to_pieces(r);
     return;
@@ -204,7 +213,7 @@ void finish_replica_reduces(FsdpContext& ctx) {
   while (!ctx.replica_reduces.empty()) {
     PendingReduce r = std::move(ctx.replica_reduces.front());
     ctx.replica_reduces.pop_front();
-    r.work->wait();
+    timed_wait(ctx, r.work);
     add_to_pieces(r);
   }
 }
@@ -291,9 +300,11 @@ void average_replicated(FsdpContext& ctx) {
     }
     grads.push_back(g);
   }
-  ctx.group->allreduce_coalesced(grads, {.op = ReduceOp::Avg})->wait();
+  timed_wait(ctx, ctx.group->allreduce_coalesced(grads, {.op = ReduceOp::Avg}));
   // Both groups' sizes are the same on every rank, so the mean of the means is the mean.
-  if (ctx.replicate) ctx.replicate->allreduce_coalesced(grads, {.op = ReduceOp::Avg})->wait();
+  if (ctx.replicate) {
+    timed_wait(ctx, ctx.replicate->allreduce_coalesced(grads, {.op = ReduceOp::Avg}));
+  }
 }
 
 // Runs once after every backward that reached a sharded module (queued by the first pre-backward
@@ -664,6 +675,15 @@ FsdpMemoryStats fsdp_memory_stats() {
   using namespace detail;
   return {g_sharded_bytes.load(), g_unsharded_bytes.load(), g_peak_unsharded.load(),
           g_full_bytes.load()};
+}
+
+FsdpCommStats fsdp_comm_stats(const nn::Module& root) {
+  std::unordered_set<const detail::FsdpContext*> seen;
+  int64_t ns = 0;
+  for (const auto& u : detail::units_under(root)) {
+    if (seen.insert(u->ctx.get()).second) ns += u->ctx->wait_ns.load();
+  }
+  return {.wait_ms = static_cast<double>(ns) / 1e6};
 }
 
 void reset_fsdp_peak_memory_stats() {

@@ -258,8 +258,21 @@ TEST_F(Gpt, ShardedTrainingEqualsDdp) {
   Result ddp = run(two_ranks());
   ASSERT_EQ(ddp.status, 0) << ddp.output;
   for (const std::string shard : {"zero", "fsdp"}) {
-    Result r = run(two_ranks() + " --shard " + shard);
+    const std::string metrics = tmp.path() + "/metrics_" + shard + ".jsonl";
+    Result r = run(two_ranks() + " --shard " + shard + " --metrics " + metrics);
     ASSERT_EQ(r.status, 0) << r.output;
+    // Each logged step records the gradient norm and the communication wait: under FSDP the
+    // host's waits on fully_shard's collectives (a rank of two always waits for some).
+    std::ifstream in(metrics);
+    int steps = 0;
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (j.value("kind", "") != "step") continue;
+      ++steps;
+      EXPECT_GT(j.value("grad_norm", 0.0), 0) << line;
+      if (shard == "fsdp") EXPECT_GT(j.value("comm_wait_ms", 0.0), 0) << line;
+    }
+    EXPECT_EQ(steps, 3) << metrics;
     EXPECT_NEAR(value_of(r.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
         << shard << ":\n" << r.output << "\nddp:\n" << ddp.output;
     EXPECT_GT(value_of(r.output, "peak_memory_bytes"), 0) << r.output;

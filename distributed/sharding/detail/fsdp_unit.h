@@ -2,6 +2,7 @@
 // the shards for parameters, clipping and state dicts).
 #pragma once
 
+#include <atomic>
 #include <deque>
 #include <memory>
 #include <string>
@@ -95,7 +96,13 @@ struct FsdpContext {
   std::deque<PendingReduce> reduces;
   std::deque<PendingReduce> replica_reduces;  // HSDP: shards' all-reduces in flight
   std::vector<Tensor> replicated;     // parameters outside every unit (averaged gradients)
+  /// Host time blocked in waits on the context's collectives (fsdp_comm_stats), in ns; read by
+  /// the training thread while backward's hooks may add to it.
+  std::atomic<int64_t> wait_ns{0};
 };
+
+/// Waits for `work`, adding the time the host was blocked to ctx.wait_ns.
+void timed_wait(FsdpContext& ctx, const WorkPtr& work);
 
 /// The unit of a module, or null.
 std::shared_ptr<FsdpUnit> unit_of(const nn::Module& module);

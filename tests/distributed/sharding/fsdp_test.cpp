@@ -6,14 +6,18 @@
 // threads).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include <ember/distributed/backends/process_group_gloo.h>
 #include <ember/distributed/backends/process_group_mpi.h>
 #include <ember/distributed/sharding/fsdp.h>
 #include <ember/distributed/checkpoint/model_checkpoint.h>
 #include <ember/distributed/checkpoint/sharded_checkpoint.h>
+#include <ember/distributed/forwarding_process_group.h>
 #include <ember/distributed/init.h>
 #include <ember/distributed/mesh/device_mesh.h>
 #include <ember/nn/activation_checkpoint.h>
@@ -235,6 +239,76 @@ TEST(FsdpMemory, ShardsAreOneNthAndFewModulesAreGatheredAtOnce) {
   EXPECT_GT(m.peak_unsharded_bytes, 0);
   EXPECT_LT(m.peak_unsharded_bytes, n * model_bytes * 6 / 10)
       << "peak " << m.peak_unsharded_bytes << " of " << n * model_bytes;
+}
+
+// A group whose every wait first sleeps kDelay: a slow link's wait, bounded below.
+class SlowWaits : public ForwardingProcessGroup {
+ public:
+  static constexpr std::chrono::milliseconds kDelay{5};
+  using ForwardingProcessGroup::ForwardingProcessGroup;
+  WorkPtr allgather_into_tensor(Tensor& out, const Tensor& in,
+                                const CollectiveOptions& o) override {
+    return slow(inner()->allgather_into_tensor(out, in, o));
+  }
+  WorkPtr reduce_scatter_tensor(Tensor& out, const Tensor& in,
+                                const ReduceScatterOptions& o) override {
+    return slow(inner()->reduce_scatter_tensor(out, in, o));
+  }
+  WorkPtr allreduce(Tensor& t, const AllreduceOptions& o) override {
+    return slow(inner()->allreduce(t, o));
+  }
+  WorkPtr allreduce_coalesced(std::vector<Tensor>& ts, const AllreduceOptions& o) override {
+    return slow(inner()->allreduce_coalesced(ts, o));
+  }
+  std::atomic<int> waits{0};
+
+ private:
+  class SlowWork : public Work {
+   public:
+    SlowWork(WorkPtr inner, std::atomic<int>& waits)
+        : Work(inner->describe(), inner->timeout()), inner_(std::move(inner)), waits_(waits) {
+      future_ = inner_->future();
+    }
+    bool wait(std::optional<Duration> timeout) override {
+      ++waits_;
+      std::this_thread::sleep_for(kDelay);
+      return inner_->wait(timeout);
+    }
+
+   private:
+    WorkPtr inner_;
+    std::atomic<int>& waits_;
+  };
+  WorkPtr slow(WorkPtr w) { return std::make_shared<SlowWork>(std::move(w), waits); }
+};
+
+// fsdp_comm_stats counts the host's time blocked in FSDP's waits (the straggler report's
+// "waiting on communication"): over a group whose waits each take at least 5 ms, a step's
+// reading grows by at least 5 ms per wait the step made, on every rank; a model with nothing
+// sharded reads 0.
+TEST(FsdpCommStats, CountsTheHostsWaitsOnItsCollectives) {
+  const auto bs = batches();
+  constexpr int n = 2;
+  auto body = [&](std::shared_ptr<FsdpNet>& model, std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto slow = std::make_shared<SlowWaits>(pg);
+    EXPECT_EQ(fsdp_comm_stats(*model).wait_ms, 0);
+    shard(*model, model, {}, slow);
+    nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
+    double before = fsdp_comm_stats(*model).wait_ms;
+    for (int i = 0; i < 2; ++i) {
+      const int waits_before = slow->waits.load();
+      opt.zero_grad();
+      test::fsdp_loss(*model, test::slice(bs[i], rank, n)).backward();
+      opt.step();
+      const int waits = slow->waits.load() - waits_before;
+      const double after = fsdp_comm_stats(*model).wait_ms;
+      EXPECT_GT(waits, 0) << "rank " << rank;
+      EXPECT_GE(after - before, waits * static_cast<double>(SlowWaits::kDelay.count()))
+          << "rank " << rank << " step " << i << ": " << waits << " waits";
+      before = after;
+    }
+  };
+  with_rank_models(n, body);
 }
 
 // Note [FSDP and the host cache]: a shard takes a block of its own size, not a cached block that
