@@ -182,7 +182,9 @@ void add_to_pieces(const PendingReduce& r) {
   const Tensor add = r.out.dtype() == g.dtype ? r.out : r.out.to(g.dtype);
   for (size_t i = 0; i < g.pieces.size(); ++i) {
     const Tensor& piece = g.pieces[i];
-    if (!piece.defined()) continue;
+    // A parameter no rank used (every rank runs the same modules) keeps no gradient, so the
+    // optimizer skips it instead of decaying it or moving it with its momentum.
+    if (!piece.defined() || !r.used[i]) continue;
     const Tensor part = add.narrow(0, g.piece_at[i], piece.numel());
     Tensor grad = piece.grad();
     if (grad.defined()) {
@@ -251,7 +253,8 @@ void FsdpUnit::reduce_grads() {
     Tensor input = flat.dtype() == g.reduce_dtype ? flat : flat.to(g.reduce_dtype);
     Tensor out = empty({g.shard_size}, TensorOptions(g.reduce_dtype).device(g.device));
     WorkPtr work = group->reduce_scatter_tensor(out, input, {.op = ReduceOp::Avg});
-    c.reduces.push_back({std::move(work), std::move(input), std::move(out), &g});
+    c.reduces.push_back({std::move(work), std::move(input), std::move(out), &g, g.used});
+    std::fill(g.used.begin(), g.used.end(), 0);
   }
   // Frozen groups may still be read by nodes that compute input gradients; they are released
   // when the whole backward is done.
@@ -281,7 +284,8 @@ void FsdpUnit::prepare_grads() {
   }
 }
 
-void FsdpUnit::on_grad_ready() {
+void FsdpUnit::on_grad_ready(size_t group, size_t i) {
+  groups[group].used[i] = 1;
   if (!in_backward || reduced) return;  // a backward that did not come through the outputs
   if (++ready == trainable) reduce_grads();
 }
@@ -653,11 +657,13 @@ std::shared_ptr<nn::Module> fully_shard(std::shared_ptr<nn::Module> module,
     }
   }
   std::weak_ptr<FsdpUnit> weak = unit;
-  for (FlatGroup& g : unit->groups) {
+  for (size_t gi = 0; gi < unit->groups.size(); ++gi) {
+    FlatGroup& g = unit->groups[gi];
     if (!g.requires_grad) continue;
-    for (const Tensor& p : g.params) {
-      p.register_post_accumulate_grad_hook([weak](const Tensor&) {
-        if (auto u = weak.lock()) u->on_grad_ready();
+    g.used.assign(g.params.size(), 0);
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      g.params[i].register_post_accumulate_grad_hook([weak, gi, i](const Tensor&) {
+        if (auto u = weak.lock()) u->on_grad_ready(gi, i);
       });
     }
   }

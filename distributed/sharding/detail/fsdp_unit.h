@@ -39,6 +39,9 @@ struct FlatGroup {
   Tensor full;                      // the arena as a tensor for collectives (its own storage)
   bool gathered = false;            // the arena holds the parameters (or a gather is pending)
   Tensor grad_flat;                 // [N * S] compute_dtype: the parameters' gradients' storage
+  /// Per parameter: a gradient arrived since the last reduce-scatter (grad_flat holds zeros for
+  /// the others, which stay without a gradient, as PyTorch's FSDP2 leaves them).
+  std::vector<char> used;
 };
 
 struct FsdpUnit : std::enable_shared_from_this<FsdpUnit> {
@@ -65,7 +68,8 @@ struct FsdpUnit : std::enable_shared_from_this<FsdpUnit> {
   void pre_forward(std::vector<Tensor>& inputs);
   void post_forward(std::vector<Tensor>& outputs);
   void pre_backward();
-  void on_grad_ready();
+  /// Parameter `i` of groups[group] got its gradient.
+  void on_grad_ready(size_t group, size_t i);
   /// Hands the parameters' gradients to reduce-scatters (or keeps them, without sync).
   void reduce_grads();
   void prepare_grads();
@@ -77,6 +81,7 @@ struct PendingReduce {
   WorkPtr work;
   Tensor input, out;
   FlatGroup* group = nullptr;  // stays valid: units outlive their backward
+  std::vector<char> used;      // the group's `used` when it was sent: which pieces get the result
 };
 
 /// The sharded modules of one process group on this rank: forward order (for prefetching and

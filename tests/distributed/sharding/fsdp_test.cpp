@@ -241,6 +241,70 @@ TEST(FsdpMemory, ShardsAreOneNthAndFewModulesAreGatheredAtOnce) {
       << "peak " << m.peak_unsharded_bytes << " of " << n * model_bytes;
 }
 
+// A block holding a Linear its forward never calls, in a net of two of them.
+class SpareBlock : public test::FsdpBlock {
+ public:
+  SpareBlock() {
+    spare = register_module("spare", std::make_shared<nn::Linear>(test::kWidth, test::kWidth));
+  }
+  std::shared_ptr<nn::Linear> spare;
+};
+class SpareNet : public nn::Module {
+ public:
+  SpareNet() {
+    manual_seed(5);
+    inp = register_module("inp", std::make_shared<nn::Linear>(test::kFsdpIn, test::kWidth));
+    b0 = register_module("b0", std::make_shared<SpareBlock>());
+    b1 = register_module("b1", std::make_shared<SpareBlock>());
+    head = register_module("head", std::make_shared<nn::Linear>(test::kWidth, test::kFsdpOut));
+  }
+  Tensor forward(const Tensor& x) override { return (*head)((*b1)((*b0)((*inp)(x)))); }
+  std::shared_ptr<nn::Linear> inp, head;
+  std::shared_ptr<SpareBlock> b0, b1;
+};
+
+// A parameter no rank uses keeps no gradient, as in one process and in PyTorch's FSDP2 (which
+// reduce-scatters only the parameters that have one), so Adam skips it: with weight decay a zero
+// gradient would have moved it. The used ones train as one process does.
+TEST(FsdpUnused, AParameterNoRankUsesGetsNoGradientAndStaysAsItWas) {
+  const auto bs = batches();
+  constexpr int n = 2, kUnusedSteps = 5;
+  auto ref = std::make_shared<SpareNet>();
+  const Tensor spare_at_start = ref->b0->spare->weight.detach().clone();
+  {
+    nn::optim::Adam opt(ref->parameters(), test::fsdp_adam());
+    for (int i = 0; i < kUnusedSteps; ++i) {
+      opt.zero_grad();
+      test::fsdp_loss(*ref, bs[i]).backward();
+      opt.step();
+    }
+  }
+  ASSERT_TRUE(equal(ref->b0->spare->weight.detach(), spare_at_start));
+  std::vector<std::shared_ptr<SpareNet>> models;
+  for (int r = 0; r < n; ++r) models.push_back(std::make_shared<SpareNet>());
+  test::ThreadsSetup setup;
+  setup.n = n;
+  test::run_threads(setup, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto& model = models[rank];
+    for (const auto& b : {model->b0, model->b1}) fully_shard(b, {.group = pg});
+    fully_shard(model, {.group = pg});
+    nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
+    for (int i = 0; i < kUnusedSteps; ++i) {
+      opt.zero_grad();
+      test::fsdp_loss(*model, test::slice(bs[i], rank, n)).backward();
+      for (const LocalShard& s : local_shards(*model)) {
+        if (!s.data.defined()) continue;
+        const bool spare = s.name.find(".spare.") != std::string::npos;
+        require(s.data.grad().defined() != spare,
+                "rank " + std::to_string(rank) + ": " + s.name + "'s piece " +
+                    (spare ? "has a gradient" : "has no gradient"));
+      }
+      opt.step();
+    }
+    require_state("rank " + std::to_string(rank), full_state_dict(*model), *ref, 2e-5);
+  });
+}
+
 // A group whose every wait first sleeps kDelay: a slow link's wait, bounded below.
 class SlowWaits : public ForwardingProcessGroup {
  public:
