@@ -2,10 +2,12 @@
 // fused kernels (cpu/attention.cpp, cuda/attention.cu), recorded as one op whose node is in
 // autograd/functions_nn.cpp, and the math path written with recorded tensor ops.
 #include <ember/tensor/ops/attention.h>
+#include <ember/tensor/ops/attention_parts.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #include <ember/tensor/autocast.h>
@@ -24,7 +26,8 @@ namespace {
 constexpr const char* kOp = "scaled_dot_product_attention";
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& attn_mask,
-                  double dropout_p, bool is_causal) {
+                  double dropout_p, bool is_causal, const char* op = kOp) {
+  const char* const kOp = op;  // the calling op's name in the messages
   detail::check_defined(kOp, q, "query");
   detail::check_defined(kOp, k, "key");
   detail::check_defined(kOp, v, "value");
@@ -233,6 +236,102 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
     out = out.view(shape);
   }
   return out.to(q.dtype());
+}
+
+namespace {
+
+// The parts' shared set-up: validation, the kernel's parameters, its compute dtype (the CPU
+// kernels compute float16/bfloat16 in float32) and its lse dtype.
+struct Parts {
+  detail::AttentionParams p;
+  Dtype dt = kFloat32, lse_dt = kFloat32;
+  std::vector<int64_t> lead;  // q's leading dims
+  // t as the kernel reads it, in dt: on the CPU as it is where its rows can be read so (a block
+  // of keys narrowed out of a longer sequence needs no copy), else contiguous [batch, rows, cols].
+  Tensor flat(const Tensor& t, int64_t rows) const {
+    Tensor c = t.to(dt);
+    if (detail::attention_reads_as_is(c)) return c;
+    return c.contiguous().view({p.batch, rows, t.size(t.dim() - 1)});
+  }
+  // A result of the kernel's layout (flat [batch, ...] or t's own dims) in t's shape.
+  static Tensor shaped(const Tensor& r, const Shape& shape) {
+    return r.shape() == shape ? r : r.view(shape);
+  }
+  std::vector<int64_t> shape(int64_t rows, int64_t cols) const {
+    std::vector<int64_t> s = lead;
+    s.push_back(rows);
+    if (cols >= 0) s.push_back(cols);
+    return s;
+  }
+};
+
+Parts parts_of(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal,
+               std::optional<double> scale) {
+  check_inputs(q, k, v, Tensor(), 0.0, is_causal, op);
+  const int64_t n = q.dim();
+  Parts s;
+  s.lead.assign(q.shape().begin(), q.shape().end() - 2);
+  s.p.L = q.size(n - 2);
+  s.p.S = k.size(n - 2);
+  s.p.E = q.size(n - 1);
+  s.p.Ev = v.size(n - 1);
+  s.p.batch = s.p.L * s.p.E > 0 ? q.numel() / (s.p.L * s.p.E) : 0;
+  s.p.scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(s.p.E));
+  s.p.causal = is_causal;
+  EMBER_CHECK_TYPE(NotImplementedError, q.numel() > 0 && k.numel() > 0 && v.numel() > 0, "[", op,
+                   "] expected non-empty operands, got query ", q.shape(), ", key ", k.shape(),
+                   ", value ", v.shape());
+  if (q.is_cuda()) {
+    EMBER_CHECK_TYPE(NotImplementedError,
+                     q.dtype() != kFloat64 && s.p.E <= kCudaMaxHeadDim && s.p.Ev <= kCudaMaxHeadDim,
+                     "[", op, "] has no CUDA kernel for ", q.dtype(), " or head dims past ",
+                     kCudaMaxHeadDim, ", got query ", q.shape(), ", value ", v.shape());
+  }
+  s.dt = q.is_cuda() || q.dtype() == kFloat64 ? q.dtype() : kFloat32;
+  s.lse_dt = q.is_cuda() ? kFloat32 : s.dt;
+  return s;
+}
+
+}  // namespace
+
+AttentionForward scaled_dot_product_attention_forward(const Tensor& q, const Tensor& k,
+                                                      const Tensor& v, bool is_causal,
+                                                      std::optional<double> scale) {
+  const Parts s = parts_of("scaled_dot_product_attention_forward", q, k, v, is_causal, scale);
+  const detail::AttentionParams& p = s.p;
+  const Tensor q3 = s.flat(q, p.L);
+  Tensor out = detail::attention_empty_like(q3, p.Ev, s.dt);
+  Tensor lse = detail::make_empty({p.batch, p.L}, s.lse_dt, q.device());
+  (q.is_cuda() ? detail::attention_forward_cuda : detail::attention_forward_cpu)(
+      out, lse, q3, s.flat(k, p.S), s.flat(v, p.S), Tensor(), p);
+  return {Parts::shaped(out, Shape(s.shape(p.L, p.Ev))), lse.view(s.shape(p.L, -1))};
+}
+
+AttentionGrads scaled_dot_product_attention_backward(const Tensor& dout, const Tensor& q,
+                                                     const Tensor& k, const Tensor& v,
+                                                     const Tensor& out, const Tensor& lse,
+                                                     bool is_causal, std::optional<double> scale) {
+  constexpr const char* op = "scaled_dot_product_attention_backward";
+  const Parts s = parts_of(op, q, k, v, is_causal, scale);
+  const detail::AttentionParams& p = s.p;
+  const Shape out_shape(s.shape(p.L, p.Ev)), lse_shape(s.shape(p.L, -1));
+  for (const auto& [t, name, want] :
+       {std::tuple{&dout, "dout", &out_shape}, std::tuple{&out, "out", &out_shape},
+        std::tuple{&lse, "lse", &lse_shape}}) {
+    detail::check_defined(op, *t, name);
+    EMBER_CHECK(t->shape() == *want && t->device() == q.device(), "[", op, "] expected ", name,
+                " of shape ", *want, " on ", q.device(), ", got ", t->shape(), " on ", t->device());
+  }
+  const Tensor q3 = s.flat(q, p.L), k3 = s.flat(k, p.S), v3 = s.flat(v, p.S);
+  auto grad_like = [&](const Tensor& t) {
+    return detail::attention_empty_like(t, t.size(t.dim() - 1), s.dt);
+  };
+  Tensor dq = grad_like(q3), dk = grad_like(k3), dv = grad_like(v3);
+  (q.is_cuda() ? detail::attention_backward_cuda : detail::attention_backward_cpu)(
+      dq, dk, dv, s.flat(dout, p.L), q3, k3, v3, s.flat(out, p.L),
+      lse.to(s.lse_dt).contiguous().view({p.batch, p.L}), Tensor(), p);
+  return {Parts::shaped(dq, q.shape()).to(q.dtype()), Parts::shaped(dk, k.shape()).to(k.dtype()),
+          Parts::shaped(dv, v.shape()).to(v.dtype())};
 }
 
 namespace detail {
