@@ -112,6 +112,7 @@ class Trainer {
   double evaluate();
   void log_progress(LogWindow& window);
   double comm_wait_ms();
+  Tensor local(const Tensor& t) const;
   void after_eval(double val_loss);
   ckpt::State checkpoint_state();
   void save_checkpoint();
@@ -202,7 +203,9 @@ Trainer::Trainer(const Args& a)
       run_("gpt", a.backend, a.timeout_s, a.device),
       layout_(run_, a),
       model_(a.pp > 1 ? seeded_model(a, run_.device)  // the stages are laid out one by one
-                      : tensor_parallel(seeded_model(a, run_.device), layout_, a.tp_overlap)),
+                      : context_parallel(
+                            tensor_parallel(seeded_model(a, run_.device), layout_, a.tp_overlap),
+                            layout_, a, run_.device)),
       data_(make_stream(a, *layout_.dp)),
       par_(make_parallel(a, model_, layout_, run_.device)),
       hook_(par_.ddp ? register_comm_hook(*par_.ddp, a.comm_hook, a.comm_hook_plugins,
@@ -240,6 +243,7 @@ std::string Trainer::layout_text() const {
     return "; tensor parallel over " + layout_.mesh->str() + " (sequence and loss parallel)";
   }
   if (layout_.hsdp_mesh) return "; sharded over " + layout_.mesh->str();
+  if (layout_.cp) return "; context parallel over " + layout_.mesh->str() + " (load-balanced)";
   return "";
 }
 
@@ -332,7 +336,7 @@ double Trainer::train_step(int64_t step) {
     check_loss_is_finite(value, "step", step_, run_.rank, a_.continue_on_nan);
     return value;
   }
-  Tensor x = b.data.to(run_.device), y = b.target.to(run_.device);
+  Tensor x = local(b.data).to(run_.device), y = local(b.target).to(run_.device);
   // A checkpoint being staged in the background reads the live state: a hook's error feedback
   // and --zero-overlap's parameters change during backward, everything else at the step.
   if (checkpoint_ && (hook_.state_dict || a_.zero_overlap)) checkpoint_->wait_until_staged();
@@ -477,8 +481,8 @@ double Trainer::evaluate() {
       continue;
     }
     const nn::amp::autocast amp(run_.device, amp_dtype(a_.amp), a_.amp != "off");
-    Tensor logits = (*model_)(b.data.to(run_.device));
-    sum += loss_of(logits, b.target.to(run_.device)).item<float>();
+    Tensor logits = (*model_)(local(b.data).to(run_.device));
+    sum += loss_of(logits, local(b.target).to(run_.device)).item<float>();
   }
   model_->train();
   Tensor total = ember::from_vector(std::vector<double>{sum});
@@ -498,11 +502,18 @@ void Trainer::after_eval(double val_loss) {
   if (checkpoint_ && a_.checkpoint_every == 0) save_checkpoint();
 }
 
-// Tokens trained per second: each data-parallel row (a model's tp or pp ranks) trains its batch.
+// Tokens trained per second: each data-parallel row (a model's tp, pp or cp ranks) trains its
+// batch.
 double tokens_per_s(int64_t steps, const Args& a, int world, double seconds) {
   const double tokens =
-      static_cast<double>(steps * a.batch_size * a.context * world / (a.tp * a.pp));
+      static_cast<double>(steps * a.batch_size * a.context * world / (a.tp * a.pp * a.cp));
   return seconds > 0 ? tokens / seconds : 0;
+}
+
+// --cp: this rank's part of each sequence of a batch ([B, T] -> [B, T / cp]); else the batch.
+Tensor Trainer::local(const Tensor& t) const {
+  if (!layout_.cp) return t;
+  return dist::context_parallel_shard(t, 1, layout_.cp->rank(), layout_.cp->size());
 }
 
 // The last step's communication wait: DDP's exposed communication (with --pp each stage's
@@ -528,6 +539,11 @@ void Trainer::log_progress(LogWindow& window) {
   const auto now = Clock::now();
   const dist::StepTimes mine = window.times(now);
   const std::vector<dist::StepTimes> ranks = dist::gather_step_times(*run_.pg, mine);
+  if (layout_.cp) {  // each rank's loss is of its part of the sequences: the model's is the mean
+    Tensor sum = ember::from_vector(std::vector<double>{window.loss_sum});
+    layout_.cp->allreduce(sum, {.op = dist::ReduceOp::Avg})->wait();
+    window.loss_sum = sum.to_vector<double>()[0];
+  }
   const double n = static_cast<double>(window.steps);
   run_times_.step_ms += mine.step_ms * n;
   run_times_.comm_wait_ms += mine.comm_wait_ms * n;

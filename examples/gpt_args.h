@@ -54,6 +54,7 @@ struct Args {
   int64_t tp_overlap = 1;      // --tp's collectives fused with their matmuls in this many pieces
   bool zero_overlap = false;   // --shard zero: step inside DDP's hook (overlap_with_ddp)
   int64_t pp = 1;              // pipeline stages' ranks; each rank runs its stages of the model
+  int64_t cp = 1;              // context-parallel ranks: each holds a part of every sequence
   int64_t microbatches = 4;    // --pp: micro-batches per step
   std::string schedule = "1f1b";  // --pp: gpipe, 1f1b, interleaved-1f1b or zero-bubble
   int64_t warmup_steps = 0;       // this run's first steps, left out of tokens_per_s
@@ -118,6 +119,17 @@ inline std::string unavailable(const Args& a) {
   if (a.shard != "none" && (a.comm_hook != "none" || a.amp == "fp16")) {
     return "--shard " + a.shard + " takes neither --comm-hook nor --amp fp16 (got --comm-hook " +
            a.comm_hook + ", --amp " + a.amp + ")";
+  }
+  if (a.cp > 1 && (a.tp > 1 || a.pp > 1 || a.shard != "none" || a.cuda_graph || a.dropout > 0 ||
+                   !a.save_weights.empty() || a.sample > 0 || !a.export_hf.empty())) {
+    return "--cp takes DDP over whole models only yet: no --tp, --pp, --shard, --cuda-graph, "
+           "--dropout (attention dropout), --sample, --save-weights or --export-hf "
+           "(docs/tensor_parallel.md, context parallelism)";
+  }
+  if (a.cp > 1 && a.context % (2 * a.cp) != 0) {
+    return "--cp " + std::to_string(a.cp) + " needs a --context that divides into " +
+           std::to_string(2 * a.cp) + " chunks (two per rank, load-balanced), got " +
+           std::to_string(a.context);
   }
   if (a.tp > 1 && (!a.save_weights.empty() || a.sample > 0 || !a.export_hf.empty())) {
     return "--tp takes neither --save-weights, --export-hf nor --sample yet: write a checkpoint "
@@ -270,6 +282,12 @@ inline void add_options(CLI::App& app, Args& a) {
                  "tensor-parallel ranks per model, with sequence and loss parallelism; the other "
                  "ranks are data parallel (docs/tensor_parallel.md)")
       ->check(kPositive)->capture_default_str();
+  app.add_option("--cp", a.cp,
+                 "context-parallel ranks per model: each holds a part of every sequence, "
+                 "attention gathers the keys and values; the other ranks are data parallel "
+                 "(docs/tensor_parallel.md)")
+      ->check(kPositive)
+      ->capture_default_str();
   app.add_option("--tp-overlap", a.tp_overlap,
                  "with --tp: the sequence-parallel collectives fused with their matmuls in this "
                  "many pieces of the batch, each overlapping the next piece's matmul (1: fused, "

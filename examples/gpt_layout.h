@@ -15,6 +15,7 @@
 #include <ember/distributed/sharding/fsdp.h>
 #include <ember/distributed/sharding/zero.h>
 #include <ember/distributed/sharding/zero_hook.h>
+#include <ember/distributed/tensor_parallel/context_parallel.h>
 #include <ember/nn/functional.h>
 #include <ember/nn/optim/lr_scheduler.h>
 #include "examples/gpt_args.h"
@@ -91,8 +92,20 @@ struct MeshLayout {
     const int64_t tp = a.tp, pp = a.pp;
     const bool hsdp = a.shard == "hsdp";
     same_tp = run.pg;
-    if (tp <= 1 && pp <= 1 && !hsdp) {
-      dp = run.pg;
+    if (tp <= 1 && pp <= 1 && !hsdp && a.cp <= 1) {
+      dp = grads = run.pg;
+      return;
+    }
+    if (a.cp > 1) {  // alone (gpt_args.h refuses the other layouts with it)
+      if (run.world % a.cp != 0) {
+        throw ember::ValueError("gpt: --cp " + std::to_string(a.cp) +
+                                " must divide the world size " + std::to_string(run.world));
+      }
+      mesh = dist::init_device_mesh(run.device.is_cpu() ? "cpu" : "cuda", {run.world / a.cp, a.cp},
+                                    {"dp", "cp"});
+      dp = mesh->get_group("dp");
+      cp = mesh->get_group("cp");
+      grads = run.pg;  // every rank's gradient is of its own tokens: DDP averages them all
       return;
     }
     for (auto [n, flag] : {std::pair{tp, "--tp"}, std::pair{pp, "--pp"}}) {
@@ -132,6 +145,7 @@ struct MeshLayout {
     } else {
       dp = mesh->get_group("dp");
     }
+    grads = dp;
     if (tp > 1 && pp > 1 && (hsdp || a.shard == "fsdp")) {
       // The ranks at this rank's tp position, which hold the same rows of the tied embedding in
       // every stage (collective).
@@ -155,7 +169,9 @@ struct MeshLayout {
   std::shared_ptr<dist::DeviceMesh> mesh;             // null without --tp, --pp or hsdp
   std::shared_ptr<dist::DeviceMesh> tp_mesh;          // null without --tp
   std::shared_ptr<dist::DeviceMesh> hsdp_mesh;        // (replicate, shard): --shard hsdp only
-  std::shared_ptr<dist::ProcessGroup> dp;             // the data-parallel ranks
+  std::shared_ptr<dist::ProcessGroup> dp;             // the data-parallel ranks (the data's)
+  std::shared_ptr<dist::ProcessGroup> grads;          // the ranks DDP and ZeRO average over
+  std::shared_ptr<dist::ProcessGroup> cp;             // --cp: a sequence's ranks (else null)
   std::shared_ptr<dist::ProcessGroup> pp_group;       // null without --pp
   // --pp with --shard fsdp|hsdp: the ranks at this rank's tp position (every rank without --tp).
   std::shared_ptr<dist::ProcessGroup> same_tp;
@@ -307,9 +323,9 @@ inline Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
   EMBER_CHECK(!a.cuda_graph || pg->backend_name() == "nccl", "--cuda-graph across ", pg->size(),
               " ranks needs --backend nccl, got ", pg->backend_name(),
               " (docs/tensor.md, CUDA graphs)");
-  p.ddp = std::make_shared<dist::DistributedDataParallel>(model, pg);
+  p.ddp = std::make_shared<dist::DistributedDataParallel>(model, layout.grads);
   if (a.shard == "zero") {
-    p.zero = make_zero(a, p.ddp->parameters(), pg, a.zero_overlap);
+    p.zero = make_zero(a, p.ddp->parameters(), layout.grads, a.zero_overlap);
     // Each bucket's partition is stepped as soon as the bucket is reduced, during backward.
     if (a.zero_overlap) {
       p.ddp->register_comm_hook(dist::hook_with_zero_step(dist::allreduce_hook, *p.ddp, *p.zero));
@@ -330,6 +346,23 @@ inline std::shared_ptr<GPT> tensor_parallel(std::shared_ptr<GPT> model, const Me
                              gpt_tensor_parallel_plan(/*sequence_parallel=*/true,
                                                       /*loss_parallel=*/true, overlap_chunks));
   }
+  return model;
+}
+
+// --cp: every block attends through context_parallel_attention over the sequence's ranks, and the
+// embedding places this rank's tokens at their chunks' positions (load-balanced, as Trainer::local
+// splits the batch).
+inline std::shared_ptr<GPT> context_parallel(std::shared_ptr<GPT> model, const MeshLayout& layout,
+                                             const Args& a, ember::Device device) {
+  if (!layout.cp) return model;
+  std::shared_ptr<dist::ProcessGroup> cp = layout.cp;
+  model->set_context_parallel(
+      [cp](const Tensor& q, const Tensor& k, const Tensor& v) {
+        return dist::context_parallel_attention(q, k, v, cp);
+      },
+      dist::context_parallel_shard(ember::arange(0, a.context, 1, {ember::kInt64}), 0, cp->rank(),
+                                   cp->size())
+          .to(device));
   return model;
 }
 

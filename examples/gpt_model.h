@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -77,6 +78,11 @@ class Block : public nn::Module {
   }
   std::string name() const override { return "Block"; }
 
+  /// Causal attention of q, k, v [B, heads, T, D]; unset: scaled_dot_product_attention. Context
+  /// parallelism sets its own (dist::context_parallel_attention over the ranks' parts).
+  using Attention = std::function<Tensor(const Tensor&, const Tensor&, const Tensor&)>;
+  void set_attention(Attention attention) { attention_ = std::move(attention); }
+
   /// x [B, T, C] -> [B, T, C]. Children are called through operator(), so that their hooks and
   /// the layouts of tensor parallelism (dist::parallelize_module) run: under tensor parallelism
   /// qkv holds this rank's heads (its width is 3 x heads / tp x head dim, the width the split
@@ -89,9 +95,10 @@ class Block : public nn::Module {
     const std::vector<Tensor> qkv = ember::split(qkv_out, width, 2);
     // [B, T, width] -> [B, heads here, T, D]
     auto heads = [&](const Tensor& t) { return t.reshape({B, T, width / D, D}).transpose(1, 2); };
-    Tensor y = nn::functional::scaled_dot_product_attention(
-        heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), {}, is_training() ? dropout_p_ : 0.0,
-        /*is_causal=*/true);
+    Tensor y = attention_ ? attention_(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]))
+                          : nn::functional::scaled_dot_product_attention(
+                                heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), {},
+                                is_training() ? dropout_p_ : 0.0, /*is_causal=*/true);
     y = y.transpose(1, 2).reshape({B, T, width});
     Tensor h = x + (*drop_)((*proj_)(y));
     return h + (*drop_)((*fc_proj_)((*gelu_)((*fc_)((*ln2_)(h)))));
@@ -110,6 +117,7 @@ class Block : public nn::Module {
   std::shared_ptr<nn::GELU> gelu_;
   std::shared_ptr<nn::Linear> fc_proj_;
   std::shared_ptr<nn::Dropout> drop_;
+  Attention attention_;
 };
 
 /// The LM head tied to the token embedding: logits = x wte.weight^T with wte's own weight, so the
@@ -158,7 +166,17 @@ class GPT : public nn::Module {
   // (fully_shard's) and layouts (tensor parallelism's) run.
   /// tokens [B, T] -> the first block's input [B, T, C]
   Tensor embed(const Tensor& tokens) {
-    return (*drop_)((*wte_)(tokens) + (*wpe_)(positions(tokens.size(1), tokens.device())));
+    const Tensor pos =
+        local_positions_.defined() ? local_positions_ : positions(tokens.size(1), tokens.device());
+    EMBER_CHECK(pos.size(0) == tokens.size(1), "[GPT] ", tokens.size(1),
+                " tokens, but this rank's part of the sequence holds ", pos.size(0));
+    return (*drop_)((*wte_)(tokens) + (*wpe_)(pos));
+  }
+  /// Context parallelism: the tokens are this rank's part of each sequence, at `positions` (its
+  /// chunks of 0..context-1), and every block attends through `attention`.
+  void set_context_parallel(const Block::Attention& attention, Tensor positions) {
+    for (const auto& block : blocks) block->set_attention(attention);
+    local_positions_ = std::move(positions);
   }
   /// One block, checkpointed when the config says so and `training`.
   Tensor run_block(const std::shared_ptr<Block>& block, const Tensor& x, bool training) const {
@@ -220,6 +238,7 @@ class GPT : public nn::Module {
   std::shared_ptr<nn::LayerNorm> ln_f_;
   std::shared_ptr<TiedHead> lm_head_;
   Tensor positions_;
+  Tensor local_positions_;  // set_context_parallel's
 
  public:
   /// The decoder blocks in order: the modules of the state dict's blocks.<i>, for a caller that

@@ -364,6 +364,36 @@ TEST_F(Gpt, WarmupCoveringTheWholeRunReportsNoThroughput) {
   EXPECT_EQ(r.output.find(" 0 tok/s"), std::string::npos) << r.output;
 }
 
+// --cp 2 over 2 ranks: each holds half of every sequence (load-balanced chunks), attention
+// gathers the keys and values; the model trains as one process on the same batches (the same
+// loss, gradient norms and validation loss to the printed digits), and 4 ranks as dp 2 x cp 2 as
+// DDP at 2 ranks.
+TEST_F(Gpt, ContextParallelTrainsAsOneProcess) {
+  Result one = run("env EMBER_NUM_THREADS=1 " + tiny());
+  ASSERT_EQ(one.status, 0) << one.output;
+  Result r = run(two_ranks() + " --cp 2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("; context parallel over DeviceMesh(cpu, (dp=1, cp=2), rank 0 at (0, 0)) "
+                          "(load-balanced)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NEAR(value_of(r.output, "val_loss"), value_of(one.output, "val_loss"), 2e-4)
+      << "cp 2:\n"
+      << r.output << "\none process:\n"
+      << one.output;
+  const std::vector<double> want = logged_norms(one.output), got = logged_norms(r.output);
+  ASSERT_EQ(got.size(), want.size()) << r.output;
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 2e-4) << r.output;
+  Result ddp = run(two_ranks());
+  ASSERT_EQ(ddp.status, 0) << ddp.output;
+  Result four = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() + " --cp 2");
+  ASSERT_EQ(four.status, 0) << four.output;
+  EXPECT_NEAR(value_of(four.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
+      << "dp 2 x cp 2:\n"
+      << four.output << "\nddp at 2 ranks:\n"
+      << ddp.output;
+}
+
 // A --tp 2 run stopped at step 15 goes on from its sharded checkpoint (each rank wrote its
 // tensor-parallel parts, placements in the index) at --tp 2, ending where the uninterrupted run
 // ends, and in one process (another layout, another world size), ending where it does to rounding.
@@ -726,6 +756,10 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
       {"--tp 3", 2, "gpt: --tp 3 must divide --heads 4 and the vocabulary (256)"},
       {"--tp 2 --sample 10", 2, "--tp takes neither --save-weights, --export-hf nor --sample yet"},
       {"--tp 2", 1, "gpt: --tp 2 must divide the world size 1"},
+      {"--cp 2 --tp 2", 2, "--cp takes DDP over whole models only yet"},
+      {"--cp 3", 2,
+       "--cp 3 needs a --context that divides into 6 chunks (two per rank, load-balanced), got 32"},
+      {"--cp 2", 1, "gpt: --cp 2 must divide the world size 1"},
       {"--pp 2", 2, "gpt: --layers 1 do not divide into 2 pipeline stages of whole blocks"},
       {"--pp 2 --layers 2 --schedule interleaved-1f1b", 2,
        "gpt: --layers 2 do not divide into 4 pipeline stages of whole blocks (--pp 2, 2 stages "
