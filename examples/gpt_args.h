@@ -120,11 +120,11 @@ inline std::string unavailable(const Args& a) {
     return "--shard " + a.shard + " takes neither --comm-hook nor --amp fp16 (got --comm-hook " +
            a.comm_hook + ", --amp " + a.amp + ")";
   }
-  if (a.cp > 1 && (a.tp > 1 || a.pp > 1 || a.shard != "none" || a.cuda_graph || a.dropout > 0 ||
+  if (a.cp > 1 && (a.tp > 1 || a.pp > 1 || a.shard == "hsdp" || a.cuda_graph || a.dropout > 0 ||
                    !a.save_weights.empty() || a.sample > 0 || !a.export_hf.empty())) {
-    return "--cp takes DDP over whole models only yet: no --tp, --pp, --shard, --cuda-graph, "
-           "--dropout (attention dropout), --sample, --save-weights or --export-hf "
-           "(docs/tensor_parallel.md, context parallelism)";
+    return "--cp takes whole models in DDP, ZeRO or FSDP only yet: no --tp, --pp, --shard hsdp, "
+           "--cuda-graph, --dropout (attention dropout), --sample, --save-weights or "
+           "--export-hf (docs/tensor_parallel.md, context parallelism)";
   }
   if (a.cp > 1 && a.context % (2 * a.cp) != 0) {
     return "--cp " + std::to_string(a.cp) + " needs a --context that divides into " +

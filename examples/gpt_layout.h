@@ -154,11 +154,11 @@ struct MeshLayout {
     }
   }
 
-  /// fully_shard's options over the data-parallel ranks: the dp group, or under --shard hsdp
-  /// the (replicate, shard) mesh.
+  /// fully_shard's options over the data-parallel ranks: the dp group (with --cp every rank),
+  /// or under --shard hsdp the (replicate, shard) mesh.
   dist::FullyShardOptions shard_options() const {
     if (hsdp_mesh) return {.mesh = hsdp_mesh};
-    return {.group = dp};
+    return {.group = grads};  // --cp: every rank (each holds the whole model's other tokens)
   }
   /// The (dp, tp) mesh clip_grad_norm_ sums a fully_shard-ed, tensor-parallel model's norm over;
   /// under hsdp the shard ranks stand for dp (the replicas hold the same pieces).

@@ -366,8 +366,8 @@ TEST_F(Gpt, WarmupCoveringTheWholeRunReportsNoThroughput) {
 
 // --cp 2 over 2 ranks: each holds half of every sequence (load-balanced chunks), attention
 // gathers the keys and values; the model trains as one process on the same batches (the same
-// loss, gradient norms and validation loss to the printed digits), and 4 ranks as dp 2 x cp 2 as
-// DDP at 2 ranks.
+// loss, gradient norms and validation loss to the printed digits), also with ZeRO and FSDP over
+// both ranks, and 4 ranks as dp 2 x cp 2 as DDP at 2 ranks.
 TEST_F(Gpt, ContextParallelTrainsAsOneProcess) {
   Result one = run("env EMBER_NUM_THREADS=1 " + tiny());
   ASSERT_EQ(one.status, 0) << one.output;
@@ -384,6 +384,15 @@ TEST_F(Gpt, ContextParallelTrainsAsOneProcess) {
   const std::vector<double> want = logged_norms(one.output), got = logged_norms(r.output);
   ASSERT_EQ(got.size(), want.size()) << r.output;
   for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 2e-4) << r.output;
+  // The model's state split over the two ranks too: ZeRO's moments, FSDP's shards.
+  for (const std::string shard : {"zero", "fsdp"}) {
+    Result sharded = run(two_ranks() + " --cp 2 --shard " + shard);
+    ASSERT_EQ(sharded.status, 0) << sharded.output;
+    EXPECT_NEAR(value_of(sharded.output, "val_loss"), value_of(one.output, "val_loss"), 2e-4)
+        << "cp 2, " << shard << ":\n"
+        << sharded.output << "\none process:\n"
+        << one.output;
+  }
   Result ddp = run(two_ranks());
   ASSERT_EQ(ddp.status, 0) << ddp.output;
   Result four = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() + " --cp 2");
@@ -756,7 +765,7 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
       {"--tp 3", 2, "gpt: --tp 3 must divide --heads 4 and the vocabulary (256)"},
       {"--tp 2 --sample 10", 2, "--tp takes neither --save-weights, --export-hf nor --sample yet"},
       {"--tp 2", 1, "gpt: --tp 2 must divide the world size 1"},
-      {"--cp 2 --tp 2", 2, "--cp takes DDP over whole models only yet"},
+      {"--cp 2 --shard hsdp", 2, "--cp takes whole models in DDP, ZeRO or FSDP only yet"},
       {"--cp 3", 2,
        "--cp 3 needs a --context that divides into 6 chunks (two per rank, load-balanced), got 32"},
       {"--cp 2", 1, "gpt: --cp 2 must divide the world size 1"},
