@@ -240,7 +240,9 @@ std::string Trainer::layout_text() const {
            (layout_.tp_mesh ? "; tensor and sequence parallel stages)" : ")");
   }
   if (layout_.tp_mesh) {
-    return "; tensor parallel over " + layout_.mesh->str() + " (sequence and loss parallel)";
+    return std::string("; tensor") + (layout_.cp ? " and context" : "") + " parallel over " +
+           layout_.mesh->str() + " (sequence and loss parallel" +
+           (layout_.cp ? "; load-balanced)" : ")");
   }
   if (layout_.hsdp_mesh) return "; sharded over " + layout_.mesh->str();
   if (layout_.cp) return "; context parallel over " + layout_.mesh->str() + " (load-balanced)";

@@ -120,9 +120,10 @@ inline std::string unavailable(const Args& a) {
     return "--shard " + a.shard + " takes neither --comm-hook nor --amp fp16 (got --comm-hook " +
            a.comm_hook + ", --amp " + a.amp + ")";
   }
-  if (a.cp > 1 && (a.tp > 1 || a.pp > 1 || a.shard == "hsdp" || a.cuda_graph || a.dropout > 0 ||
-                   !a.save_weights.empty() || a.sample > 0 || !a.export_hf.empty())) {
-    return "--cp takes whole models in DDP, ZeRO or FSDP only yet: no --tp, --pp, --shard hsdp, "
+  if (a.cp > 1 &&
+      (a.pp > 1 || a.shard == "hsdp" || (a.tp > 1 && a.shard == "fsdp") || a.cuda_graph ||
+       a.dropout > 0 || !a.save_weights.empty() || a.sample > 0 || !a.export_hf.empty())) {
+    return "--cp takes DDP, ZeRO or FSDP (FSDP without --tp) only yet: no --pp, --shard hsdp, "
            "--cuda-graph, --dropout (attention dropout), --sample, --save-weights or "
            "--export-hf (docs/tensor_parallel.md, context parallelism)";
   }

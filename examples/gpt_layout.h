@@ -96,16 +96,26 @@ struct MeshLayout {
       dp = grads = run.pg;
       return;
     }
-    if (a.cp > 1) {  // alone (gpt_args.h refuses the other layouts with it)
-      if (run.world % a.cp != 0) {
+    if (a.cp > 1) {  // (dp, cp) or (dp, cp, tp); gpt_args.h refuses the other layouts with it
+      if (run.world % (a.cp * tp) != 0) {
         throw ember::ValueError("gpt: --cp " + std::to_string(a.cp) +
+                                (tp > 1 ? " x --tp " + std::to_string(tp) : std::string()) +
                                 " must divide the world size " + std::to_string(run.world));
       }
-      mesh = dist::init_device_mesh(run.device.is_cpu() ? "cpu" : "cuda", {run.world / a.cp, a.cp},
-                                    {"dp", "cp"});
+      const std::string device = run.device.is_cpu() ? "cpu" : "cuda";
+      if (tp > 1) {
+        mesh =
+            dist::init_device_mesh(device, {run.world / (a.cp * tp), a.cp, tp}, {"dp", "cp", "tp"});
+        tp_mesh = (*mesh)["tp"];
+        // The ranks at this rank's tp position: their gradients are of their own tokens
+        // (collective).
+        grads = mesh->slice({"dp", "cp"})->flatten("dp_cp")->get_group();
+      } else {
+        mesh = dist::init_device_mesh(device, {run.world / a.cp, a.cp}, {"dp", "cp"});
+        grads = run.pg;  // every rank's gradient is of its own tokens: DDP averages them all
+      }
       dp = mesh->get_group("dp");
       cp = mesh->get_group("cp");
-      grads = run.pg;  // every rank's gradient is of its own tokens: DDP averages them all
       return;
     }
     for (auto [n, flag] : {std::pair{tp, "--tp"}, std::pair{pp, "--pp"}}) {

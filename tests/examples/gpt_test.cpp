@@ -367,7 +367,7 @@ TEST_F(Gpt, WarmupCoveringTheWholeRunReportsNoThroughput) {
 // --cp 2 over 2 ranks: each holds half of every sequence (load-balanced chunks), attention
 // gathers the keys and values; the model trains as one process on the same batches (the same
 // loss, gradient norms and validation loss to the printed digits), also with ZeRO and FSDP over
-// both ranks, and 4 ranks as dp 2 x cp 2 as DDP at 2 ranks.
+// both ranks and at 4 ranks as cp 2 x tp 2; 4 ranks as dp 2 x cp 2 train as DDP at 2 ranks.
 TEST_F(Gpt, ContextParallelTrainsAsOneProcess) {
   Result one = run("env EMBER_NUM_THREADS=1 " + tiny());
   ASSERT_EQ(one.status, 0) << one.output;
@@ -384,6 +384,19 @@ TEST_F(Gpt, ContextParallelTrainsAsOneProcess) {
   const std::vector<double> want = logged_norms(one.output), got = logged_norms(r.output);
   ASSERT_EQ(got.size(), want.size()) << r.output;
   for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 2e-4) << r.output;
+  // cp 2 x tp 2: each of 4 ranks holds half the heads of half of every sequence.
+  Result tp = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() + " --cp 2 --tp 2");
+  ASSERT_EQ(tp.status, 0) << tp.output;
+  EXPECT_NE(tp.output.find("; tensor and context parallel over DeviceMesh(cpu, (dp=1, cp=2, tp=2)"),
+            std::string::npos)
+      << tp.output;
+  EXPECT_NEAR(value_of(tp.output, "val_loss"), value_of(one.output, "val_loss"), 2e-4)
+      << "cp 2 x tp 2:\n"
+      << tp.output << "\none process:\n"
+      << one.output;
+  const std::vector<double> tp_norms = logged_norms(tp.output);
+  ASSERT_EQ(tp_norms.size(), want.size()) << tp.output;
+  for (size_t i = 0; i < tp_norms.size(); ++i) EXPECT_NEAR(tp_norms[i], want[i], 2e-4) << tp.output;
   // The model's state split over the two ranks too: ZeRO's moments, FSDP's shards.
   for (const std::string shard : {"zero", "fsdp"}) {
     Result sharded = run(two_ranks() + " --cp 2 --shard " + shard);
@@ -765,7 +778,7 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
       {"--tp 3", 2, "gpt: --tp 3 must divide --heads 4 and the vocabulary (256)"},
       {"--tp 2 --sample 10", 2, "--tp takes neither --save-weights, --export-hf nor --sample yet"},
       {"--tp 2", 1, "gpt: --tp 2 must divide the world size 1"},
-      {"--cp 2 --shard hsdp", 2, "--cp takes whole models in DDP, ZeRO or FSDP only yet"},
+      {"--cp 2 --shard hsdp", 2, "--cp takes DDP, ZeRO or FSDP (FSDP without --tp) only yet"},
       {"--cp 3", 2,
        "--cp 3 needs a --context that divides into 6 chunks (two per rank, load-balanced), got 32"},
       {"--cp 2", 1, "gpt: --cp 2 must divide the world size 1"},
