@@ -174,9 +174,10 @@ Tensor context_parallel_attention(const Tensor& q, const Tensor& k, const Tensor
               q.size(-2),
               " positions does not hold the two equal chunks of a load-balanced "
               "part (context_parallel_shard with load_balance)");
-  const int64_t d = q.dim() - 2;
-  const Tensor kg = context_parallel_unshard(k, d, group, o.load_balance);
-  const Tensor vg = context_parallel_unshard(v, d, group, o.load_balance);
+  // Keys and values side by side in one all-gather (one reduce-scatter of their gradients).
+  const int64_t d = q.dim() - 2, e = k.size(-1);
+  const Tensor kv = context_parallel_unshard(cat({k, v}, -1), d, group, o.load_balance);
+  const Tensor kg = kv.narrow(-1, 0, e), vg = kv.narrow(-1, e, v.size(-1));
   return ChunkAttention::apply(q, kg, vg, chunks_of(group->rank(), group->size(), o.load_balance),
                                q.size(-2) / per, o.is_causal, o.scale);
 }
