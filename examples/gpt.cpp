@@ -293,7 +293,10 @@ double Trainer::train() {
     // Every rank joins the straggler report's gather at the same steps.
     if (step_ % log_every_ == 0 || step_ == end) log_progress(window);
     evaluated = a_.eval_every > 0 && step_ % a_.eval_every == 0;
-    if (evaluated) after_eval(val_loss = evaluate());
+    if (evaluated) {
+      after_eval(val_loss = evaluate());
+      comm_wait_ms();  // evaluation's FSDP gathers are not the next step's wait
+    }
     if (checkpoint_) {
       checkpoint_->report_failures();
       if (a_.checkpoint_every > 0 && (step_ % a_.checkpoint_every == 0 || step_ == end)) {
@@ -487,8 +490,10 @@ double Trainer::evaluate() {
     sum += loss_of(logits, local(b.target).to(run_.device)).item<float>();
   }
   model_->train();
-  Tensor total = ember::from_vector(std::vector<double>{sum});
+  // On the group's device: NCCL takes device tensors only.
+  Tensor total = ember::from_vector(std::vector<double>{sum}).to(run_.pg->default_device());
   run_.pg->allreduce(total)->wait();
+  total = total.cpu();
   // Every rank of a tensor-parallel row scores the row's batches; of a pipeline, only the last
   // stage's (its tp ranks).
   const int64_t scorers = par_.pipe ? layout_.dp->size() * a_.tp : run_.world;
@@ -542,9 +547,10 @@ void Trainer::log_progress(LogWindow& window) {
   const dist::StepTimes mine = window.times(now);
   const std::vector<dist::StepTimes> ranks = dist::gather_step_times(*run_.pg, mine);
   if (layout_.cp) {  // each rank's loss is of its part of the sequences: the model's is the mean
-    Tensor sum = ember::from_vector(std::vector<double>{window.loss_sum});
+    Tensor sum =
+        ember::from_vector(std::vector<double>{window.loss_sum}).to(layout_.cp->default_device());
     layout_.cp->allreduce(sum, {.op = dist::ReduceOp::Avg})->wait();
-    window.loss_sum = sum.to_vector<double>()[0];
+    window.loss_sum = sum.cpu().to_vector<double>()[0];
   }
   const double n = static_cast<double>(window.steps);
   run_times_.step_ms += mine.step_ms * n;

@@ -182,10 +182,14 @@ void add_to_pieces(const PendingReduce& r) {
   const Tensor add = r.out.dtype() == g.dtype ? r.out : r.out.to(g.dtype);
   for (size_t i = 0; i < g.pieces.size(); ++i) {
     const Tensor& piece = g.pieces[i];
-    // A parameter no rank used (every rank runs the same modules) keeps no gradient, so the
-    // optimizer skips it instead of decaying it or moving it with its momentum.
-    if (!piece.defined() || !r.used[i]) continue;
+    if (!piece.defined()) continue;
     const Tensor part = add.narrow(0, g.piece_at[i], piece.numel());
+    // A parameter no rank used keeps no gradient, so the optimizer skips it instead of decaying
+    // it or moving it with its momentum. The ranks' flags are not exchanged: a parameter this
+    // rank did not use is taken as used elsewhere unless its reduced piece is exactly zero (every
+    // rank sent zeros), so ranks that disagree (input-dependent use) still give every piece of
+    // it the average. Only for parameters unused here: one read of a flag per such piece.
+    if (!r.used[i] && !any(ne(part, 0)).item<bool>()) continue;
     Tensor grad = piece.grad();
     if (grad.defined()) {
       grad.add_(part);

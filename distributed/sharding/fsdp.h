@@ -120,9 +120,11 @@ void reset_fsdp_peak_memory_stats();
 /// The communication a sharded model's steps did not hide, as DDPStats' exposed_communication
 /// counts DDP's: the time this process's host was blocked waiting for the collectives of root's
 /// sharded modules (an all-gather not done when its module runs, the reduce-scatters, HSDP's
-/// all-reduces, the replicated parameters' average), since fully_shard. Diff two readings for a
-/// step. A rank that waits long is waiting for slower ones (dist::straggler_report). With NCCL a
-/// wait only orders the GPU's streams, so on CUDA this counts the host's waits only, near 0.
+/// all-reduces, the replicated parameters' average), since fully_shard, forward passes outside
+/// training (evaluation) included. Counted per process group: models sharded over the same group
+/// count together. Diff two readings for a step. A rank that waits long is waiting for slower ones
+/// (dist::straggler_report). With NCCL a wait only orders the GPU's streams, so on CUDA this counts
+/// the host's waits only, near 0.
 struct FsdpCommStats {
   double wait_ms = 0;
 };

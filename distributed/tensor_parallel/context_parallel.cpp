@@ -98,7 +98,10 @@ struct ChunkAttention : autograd::Function<ChunkAttention> {
     const Tensor &q = s[0], &k = s[1], &v = s[2], &out = s[3], &lse = s[4];
     const State& st = ctx->state<State>();
     const int64_t total = k.size(-2), tc = st.tc;
-    Tensor dk = zeros_like(k), dv = zeros_like(v);
+    // Summed over the blocks in float32 (float64 for float64), rounded once.
+    const Dtype acc = q.dtype() == kFloat64 ? kFloat64 : kFloat32;
+    Tensor dk = zeros(k.shape(), TensorOptions(acc).device(k.device()));
+    Tensor dv = zeros(v.shape(), TensorOptions(acc).device(v.device()));
     std::vector<Tensor> dqs;
     for (size_t i = 0; i < st.chunks.size(); ++i) {
       const int64_t at = static_cast<int64_t>(i) * tc;
@@ -109,13 +112,14 @@ struct ChunkAttention : autograd::Function<ChunkAttention> {
         const AttentionGrads gr = scaled_dot_product_attention_backward(
             dout, qc, k.narrow(-2, b.begin, b.length), v.narrow(-2, b.begin, b.length), oc, lc,
             b.causal, st.scale);
-        dq = dq.defined() ? dq + gr.dq : gr.dq;
-        dk.narrow(-2, b.begin, b.length).add_(gr.dk);
-        dv.narrow(-2, b.begin, b.length).add_(gr.dv);
+        const Tensor g_q = gr.dq.to(acc);
+        dq = dq.defined() ? dq + g_q : g_q;
+        dk.narrow(-2, b.begin, b.length).add_(gr.dk.to(acc));
+        dv.narrow(-2, b.begin, b.length).add_(gr.dv.to(acc));
       }
       dqs.push_back(dq);
     }
-    return {cat(dqs, -2), dk, dv};
+    return {cat(dqs, -2).to(q.dtype()), dk.to(k.dtype()), dv.to(v.dtype())};
   }
 };
 
@@ -171,9 +175,10 @@ Tensor context_parallel_attention(const Tensor& q, const Tensor& k, const Tensor
               q.shape(), ", ", k.shape(), " and ", v.shape());
   const int64_t per = o.load_balance ? 2 : 1;
   EMBER_CHECK(q.size(-2) % per == 0 && q.size(-2) > 0, "[", kOp, "] this rank's part of ",
-              q.size(-2),
-              " positions does not hold the two equal chunks of a load-balanced "
-              "part (context_parallel_shard with load_balance)");
+              q.size(-2), " positions ",
+              o.load_balance ? "does not hold the two equal chunks of a load-balanced part "
+                               "(context_parallel_shard with load_balance)"
+                             : "is empty");
   // Keys and values side by side in one all-gather (one reduce-scatter of their gradients).
   const int64_t d = q.dim() - 2, e = k.size(-1);
   const Tensor kv = context_parallel_unshard(cat({k, v}, -1), d, group, o.load_balance);

@@ -382,6 +382,7 @@ TEST_F(Gpt, ContextParallelTrainsAsOneProcess) {
       << r.output << "\none process:\n"
       << one.output;
   const std::vector<double> want = logged_norms(one.output), got = logged_norms(r.output);
+  ASSERT_EQ(want.size(), 3u) << one.output;
   ASSERT_EQ(got.size(), want.size()) << r.output;
   for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 2e-4) << r.output;
   // cp 2 x tp 2: each of 4 ranks holds half the heads of half of every sequence.

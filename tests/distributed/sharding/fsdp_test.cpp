@@ -305,6 +305,63 @@ TEST(FsdpUnused, AParameterNoRankUsesGetsNoGradientAndStaysAsItWas) {
   });
 }
 
+// A Linear in the root that rank 0's forward uses and rank 1's does not (input-dependent use, as
+// in a routed model): its every piece gets the average of the two ranks' gradients, as in one
+// process on the sum of both ranks' losses, though rank 1 saw no gradient for it.
+class SometimesNet : public nn::Module {
+ public:
+  SometimesNet() {
+    manual_seed(6);
+    inp = register_module("inp", std::make_shared<nn::Linear>(test::kFsdpIn, test::kWidth));
+    b0 = register_module("b0", std::make_shared<test::FsdpBlock>());
+    extra = register_module("extra", std::make_shared<nn::Linear>(test::kWidth, test::kWidth));
+    head = register_module("head", std::make_shared<nn::Linear>(test::kWidth, test::kFsdpOut));
+  }
+  Tensor forward(const Tensor& x) override {
+    Tensor h = (*b0)((*inp)(x));
+    if (use_extra) h = h + (*extra)(h);
+    return (*head)(h);
+  }
+  std::shared_ptr<nn::Linear> inp, extra, head;
+  std::shared_ptr<test::FsdpBlock> b0;
+  bool use_extra = true;
+};
+
+TEST(FsdpUnused, AParameterOnlySomeRanksUseGetsTheAverageOnEveryRank) {
+  const auto bs = batches();
+  constexpr int n = 2, kSteps = 4;
+  auto ref = std::make_shared<SometimesNet>();
+  {
+    nn::optim::Adam opt(ref->parameters(), test::fsdp_adam());
+    for (int i = 0; i < kSteps; ++i) {
+      opt.zero_grad();
+      ref->use_extra = true;
+      const Tensor l0 = test::fsdp_loss(*ref, test::slice(bs[i], 0, n));
+      ref->use_extra = false;
+      const Tensor l1 = test::fsdp_loss(*ref, test::slice(bs[i], 1, n));
+      ((l0 + l1) * 0.5).backward();
+      opt.step();
+    }
+  }
+  std::vector<std::shared_ptr<SometimesNet>> models;
+  for (int r = 0; r < n; ++r) models.push_back(std::make_shared<SometimesNet>());
+  test::ThreadsSetup setup;
+  setup.n = n;
+  test::run_threads(setup, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    auto& model = models[rank];
+    model->use_extra = rank == 0;
+    fully_shard(model->b0, {.group = pg});
+    fully_shard(model, {.group = pg});
+    nn::optim::Adam opt(fsdp_parameters(*model), test::fsdp_adam());
+    for (int i = 0; i < kSteps; ++i) {
+      opt.zero_grad();
+      test::fsdp_loss(*model, test::slice(bs[i], rank, n)).backward();
+      opt.step();
+    }
+    require_state("rank " + std::to_string(rank), full_state_dict(*model), *ref, 2e-5);
+  });
+}
+
 // A group whose every wait first sleeps kDelay: a slow link's wait, bounded below.
 class SlowWaits : public ForwardingProcessGroup {
  public:
