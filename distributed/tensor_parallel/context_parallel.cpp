@@ -179,10 +179,12 @@ Tensor context_parallel_attention(const Tensor& q, const Tensor& k, const Tensor
               o.load_balance ? "does not hold the two equal chunks of a load-balanced part "
                                "(context_parallel_shard with load_balance)"
                              : "is empty");
-  // Keys and values side by side in one all-gather (one reduce-scatter of their gradients).
-  const int64_t d = q.dim() - 2, e = k.size(-1);
-  const Tensor kv = context_parallel_unshard(cat({k, v}, -1), d, group, o.load_balance);
-  const Tensor kg = kv.narrow(-1, 0, e), vg = kv.narrow(-1, e, v.size(-1));
+  // Keys and values in an all-gather each: gathered side by side in one, each block of them
+  // would be read at twice its row stride, which cost the CPU kernels more than the second
+  // collective saves (docs/benchmarks.md, "Context parallelism").
+  const int64_t d = q.dim() - 2;
+  const Tensor kg = context_parallel_unshard(k, d, group, o.load_balance);
+  const Tensor vg = context_parallel_unshard(v, d, group, o.load_balance);
   return ChunkAttention::apply(q, kg, vg, chunks_of(group->rank(), group->size(), o.load_balance),
                                q.size(-2) / per, o.is_causal, o.scale);
 }

@@ -8,11 +8,11 @@
 //   ...                                                  // q, k, v: [B, H, T / cp, D]
 //   Tensor y = dist::context_parallel_attention(q, k, v, cp);   // causal by default
 //
-// Keys and values are all-gathered together (PyTorch's default rotate method, "allgather"), each
-// rank attends its queries over them through the fused kernels (cuDNN's flash attention on CUDA),
-// and backward reduce-scatters the keys' and values' gradients back to their ranks. Causal
-// attention is load-balanced as PyTorch's is: the sequence is cut into 2 x cp chunks and rank r
-// holds chunks r and 2 cp - 1 - r, so every rank attends over the same number of keys.
+// Keys and values are all-gathered (PyTorch's default rotate method, "allgather"), each rank
+// attends its queries over them through the fused kernels (cuDNN's flash attention on CUDA), and
+// backward reduce-scatters the keys' and values' gradients back to their ranks. Causal attention
+// is load-balanced as PyTorch's is: the sequence is cut into 2 x cp chunks and rank r holds chunks
+// r and 2 cp - 1 - r, so every rank attends over the same number of keys.
 #pragma once
 
 #include <memory>
