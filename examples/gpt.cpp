@@ -240,12 +240,13 @@ std::string Trainer::layout_text() const {
            (layout_.tp_mesh ? "; tensor and sequence parallel stages)" : ")");
   }
   if (layout_.tp_mesh) {
-    return std::string("; tensor") + (layout_.cp ? " and context" : "") + " parallel over " +
+    return std::string("; tensor") + (layout_.cp_group ? " and context" : "") + " parallel over " +
            layout_.mesh->str() + " (sequence and loss parallel" +
-           (layout_.cp ? "; load-balanced)" : ")");
+           (layout_.cp_group ? "; load-balanced)" : ")");
   }
   if (layout_.hsdp_mesh) return "; sharded over " + layout_.mesh->str();
-  if (layout_.cp) return "; context parallel over " + layout_.mesh->str() + " (load-balanced)";
+  if (layout_.cp_group)
+    return "; context parallel over " + layout_.mesh->str() + " (load-balanced)";
   return "";
 }
 
@@ -434,7 +435,7 @@ double Trainer::pipeline_step(const nn::data::Batch& b) {
   dist::ProcessGroup& pp = *layout_.pp_group;
   if (pipe.sharded) {
     // Under HSDP the replicas hold the same pieces: the first one's stand for them all.
-    const bool counted = !layout_.hsdp_mesh || layout_.hsdp_mesh->get_local_rank("replicate") == 0;
+    const bool counted = layout_.first_replica;
     sum_tied_embedding_grad_sharded(*pipe.part, *layout_.same_tp, model_->config, run_.device,
                                     counted, a_.tp);
     if (a_.grad_clip > 0) {
@@ -519,8 +520,8 @@ double tokens_per_s(int64_t steps, const Args& a, int world, double seconds) {
 
 // --cp: this rank's part of each sequence of a batch ([B, T] -> [B, T / cp]); else the batch.
 Tensor Trainer::local(const Tensor& t) const {
-  if (!layout_.cp) return t;
-  return dist::context_parallel_shard(t, 1, layout_.cp->rank(), layout_.cp->size());
+  if (!layout_.cp_group) return t;
+  return dist::context_parallel_shard(t, 1, layout_.cp_group->rank(), layout_.cp_group->size());
 }
 
 // The last step's communication wait: DDP's exposed communication (with --pp each stage's
@@ -546,10 +547,11 @@ void Trainer::log_progress(LogWindow& window) {
   const auto now = Clock::now();
   const dist::StepTimes mine = window.times(now);
   const std::vector<dist::StepTimes> ranks = dist::gather_step_times(*run_.pg, mine);
-  if (layout_.cp) {  // each rank's loss is of its part of the sequences: the model's is the mean
-    Tensor sum =
-        ember::from_vector(std::vector<double>{window.loss_sum}).to(layout_.cp->default_device());
-    layout_.cp->allreduce(sum, {.op = dist::ReduceOp::Avg})->wait();
+  if (layout_
+          .cp_group) {  // each rank's loss is of its part of the sequences: the model's is the mean
+    Tensor sum = ember::from_vector(std::vector<double>{window.loss_sum})
+                     .to(layout_.cp_group->default_device());
+    layout_.cp_group->allreduce(sum, {.op = dist::ReduceOp::Avg})->wait();
     window.loss_sum = sum.cpu().to_vector<double>()[0];
   }
   const double n = static_cast<double>(window.steps);

@@ -89,46 +89,29 @@ inline nn::optim::AdamWOptions adamw_options(const Args& a) {
 // (next to tp's): (replicate, shard), (replicate, shard, tp), (pp, replicate, shard) and so on.
 struct MeshLayout {
   MeshLayout(const RunContext& run, const Args& a) {
-    const int64_t tp = a.tp, pp = a.pp;
+    const int64_t tp = a.tp, pp = a.pp, cp = a.cp;
     const bool hsdp = a.shard == "hsdp";
     same_tp = run.pg;
-    if (tp <= 1 && pp <= 1 && !hsdp && a.cp <= 1) {
+    if (tp <= 1 && pp <= 1 && cp <= 1 && !hsdp) {
       dp = grads = run.pg;
       return;
     }
-    if (a.cp > 1) {  // (dp, cp) or (dp, cp, tp); gpt_args.h refuses the other layouts with it
-      if (run.world % (a.cp * tp) != 0) {
-        throw ember::ValueError("gpt: --cp " + std::to_string(a.cp) +
-                                (tp > 1 ? " x --tp " + std::to_string(tp) : std::string()) +
-                                " must divide the world size " + std::to_string(run.world));
-      }
-      const std::string device = run.device.is_cpu() ? "cpu" : "cuda";
-      if (tp > 1) {
-        mesh =
-            dist::init_device_mesh(device, {run.world / (a.cp * tp), a.cp, tp}, {"dp", "cp", "tp"});
-        tp_mesh = (*mesh)["tp"];
-        // The ranks at this rank's tp position: their gradients are of their own tokens
-        // (collective).
-        grads = mesh->slice({"dp", "cp"})->flatten("dp_cp")->get_group();
-      } else {
-        mesh = dist::init_device_mesh(device, {run.world / a.cp, a.cp}, {"dp", "cp"});
-        grads = run.pg;  // every rank's gradient is of its own tokens: DDP averages them all
-      }
-      dp = mesh->get_group("dp");
-      cp = mesh->get_group("cp");
-      return;
-    }
-    for (auto [n, flag] : {std::pair{tp, "--tp"}, std::pair{pp, "--pp"}}) {
+    std::vector<std::string> flags;  // the flags that split the world, for the messages
+    for (auto [n, flag] : {std::pair{pp, "--pp"}, std::pair{cp, "--cp"}, std::pair{tp, "--tp"}}) {
+      if (n <= 1) continue;
+      flags.push_back(std::string(flag) + " " + std::to_string(n));
       if (run.world % n != 0) {
-        throw ember::ValueError("gpt: " + std::string(flag) + " " + std::to_string(n) +
-                                " must divide the world size " + std::to_string(run.world));
+        throw ember::ValueError("gpt: " + flags.back() + " must divide the world size " +
+                                std::to_string(run.world));
       }
     }
-    if (pp > 1 && run.world % (pp * tp) != 0) {
-      throw ember::ValueError("gpt: --pp " + std::to_string(pp) + " x --tp " + std::to_string(tp) +
-                              " must divide the world size " + std::to_string(run.world));
+    if (run.world % (pp * cp * tp) != 0) {
+      std::string all;
+      for (const std::string& f : flags) all += (all.empty() ? "" : " x ") + f;
+      throw ember::ValueError("gpt: " + all + " must divide the world size " +
+                              std::to_string(run.world));
     }
-    const int64_t n_dp = run.world / (pp * tp);
+    const int64_t n_dp = run.world / (pp * cp * tp);
     std::vector<int64_t> shape;
     std::vector<std::string> names;
     auto dim = [&](int64_t size, const char* name) {
@@ -143,6 +126,7 @@ struct MeshLayout {
     } else {
       dim(n_dp, "dp");
     }
+    if (cp > 1) dim(cp, "cp");
     if (tp > 1) dim(tp, "tp");
     mesh = dist::init_device_mesh(run.device.is_cpu() ? "cpu" : "cuda", shape, names);
     if (pp > 1) pp_group = mesh->get_group("pp");
@@ -152,10 +136,17 @@ struct MeshLayout {
       // The data-parallel ranks, for the data: every rank when there is no other dimension,
       // else one group per (pp, tp) position (collective).
       dp = tp <= 1 && pp <= 1 ? run.pg : hsdp_mesh->flatten("dp")->get_group();
+      first_replica = hsdp_mesh->get_local_rank("replicate") == 0;
     } else {
       dp = mesh->get_group("dp");
     }
     grads = dp;
+    if (cp > 1) {
+      cp_group = mesh->get_group("cp");
+      // Every rank's gradient is of its own tokens: DDP averages over the (dp, cp) ranks at this
+      // rank's tp position (collective), every rank without --tp.
+      grads = tp > 1 ? mesh->slice({"dp", "cp"})->flatten("dp_cp")->get_group() : run.pg;
+    }
     if (tp > 1 && pp > 1 && (hsdp || a.shard == "fsdp")) {
       // The ranks at this rank's tp position, which hold the same rows of the tied embedding in
       // every stage (collective).
@@ -181,10 +172,13 @@ struct MeshLayout {
   std::shared_ptr<dist::DeviceMesh> hsdp_mesh;        // (replicate, shard): --shard hsdp only
   std::shared_ptr<dist::ProcessGroup> dp;             // the data-parallel ranks (the data's)
   std::shared_ptr<dist::ProcessGroup> grads;          // the ranks DDP and ZeRO average over
-  std::shared_ptr<dist::ProcessGroup> cp;             // --cp: a sequence's ranks (else null)
+  std::shared_ptr<dist::ProcessGroup> cp_group;       // --cp: a sequence's ranks (else null)
   std::shared_ptr<dist::ProcessGroup> pp_group;       // null without --pp
   // --pp with --shard fsdp|hsdp: the ranks at this rank's tp position (every rank without --tp).
   std::shared_ptr<dist::ProcessGroup> same_tp;
+  // Under HSDP, whether this rank is in the first copy of the shards (the one whose pieces stand
+  // for all copies where the copies are summed); true otherwise.
+  bool first_replica = true;
 
  private:
   // --shard hsdp: the shard group's size, --hsdp-shard or the node's data-parallel ranks (its
@@ -364,8 +358,8 @@ inline std::shared_ptr<GPT> tensor_parallel(std::shared_ptr<GPT> model, const Me
 // splits the batch).
 inline std::shared_ptr<GPT> context_parallel(std::shared_ptr<GPT> model, const MeshLayout& layout,
                                              const Args& a, ember::Device device) {
-  if (!layout.cp) return model;
-  std::shared_ptr<dist::ProcessGroup> cp = layout.cp;
+  if (!layout.cp_group) return model;
+  std::shared_ptr<dist::ProcessGroup> cp = layout.cp_group;
   model->set_context_parallel(
       [cp](const Tensor& q, const Tensor& k, const Tensor& v) {
         return dist::context_parallel_attention(q, k, v, cp);

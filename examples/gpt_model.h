@@ -95,10 +95,10 @@ class Block : public nn::Module {
     const std::vector<Tensor> qkv = ember::split(qkv_out, width, 2);
     // [B, T, width] -> [B, heads here, T, D]
     auto heads = [&](const Tensor& t) { return t.reshape({B, T, width / D, D}).transpose(1, 2); };
-    Tensor y = attention_ ? attention_(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]))
+    const Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
+    Tensor y = attention_ ? attention_(q, k, v)
                           : nn::functional::scaled_dot_product_attention(
-                                heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), {},
-                                is_training() ? dropout_p_ : 0.0, /*is_causal=*/true);
+                                q, k, v, {}, is_training() ? dropout_p_ : 0.0, /*is_causal=*/true);
     y = y.transpose(1, 2).reshape({B, T, width});
     Tensor h = x + (*drop_)((*proj_)(y));
     return h + (*drop_)((*fc_proj_)((*gelu_)((*fc_)((*ln2_)(h)))));
@@ -166,11 +166,12 @@ class GPT : public nn::Module {
   // (fully_shard's) and layouts (tensor parallelism's) run.
   /// tokens [B, T] -> the first block's input [B, T, C]
   Tensor embed(const Tensor& tokens) {
-    const Tensor pos =
-        local_positions_.defined() ? local_positions_ : positions(tokens.size(1), tokens.device());
-    EMBER_CHECK(pos.size(0) == tokens.size(1), "[GPT] ", tokens.size(1),
-                " tokens, but this rank's part of the sequence holds ", pos.size(0));
-    return (*drop_)((*wte_)(tokens) + (*wpe_)(pos));
+    if (!local_positions_.defined()) {
+      return (*drop_)((*wte_)(tokens) + (*wpe_)(positions(tokens.size(1), tokens.device())));
+    }
+    EMBER_CHECK(local_positions_.size(0) == tokens.size(1), "[GPT] ", tokens.size(1),
+                " tokens, but this rank's part of the sequence holds ", local_positions_.size(0));
+    return (*drop_)((*wte_)(tokens) + (*wpe_)(local_positions_));
   }
   /// Context parallelism: the tokens are this rank's part of each sequence, at `positions` (its
   /// chunks of 0..context-1), and every block attends through `attention`.

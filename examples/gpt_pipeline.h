@@ -238,18 +238,21 @@ inline Tensor clip_sharded_pipeline_grad_norm_(const GPTPart& part, double max_n
                                                const dist::ProcessGroup* tp = nullptr) {
   std::map<std::string, Tensor> by_name;
   for (const auto& [name, p] : part.named_parameters()) by_name[name] = p;
-  std::vector<Tensor> params;
-  double sq = 0;
+  std::vector<Tensor> params, once, on_every_tp_rank;  // the gradients, by how often they count
   for (const auto& s : dist::local_shards(part)) {
     if (!s.data.defined()) continue;
     params.push_back(s.data);
     if (!counted || !s.data.grad().defined()) continue;
     if (s.name == "wte.weight" && !part.has_embedding()) continue;
     const std::optional<dist::DTensor> d = dist::as_dtensor(by_name.at(s.name));
-    const bool sharded_over_tp = d && d->placements()[0].is_shard();
-    const double n = nn::get_total_norm({s.data.grad()}).item<double>();
-    sq += n * n / (tp != nullptr && !sharded_over_tp ? static_cast<double>(tp->size()) : 1.0);
+    const bool copied = tp != nullptr && !(d && d->placements()[0].is_shard());
+    (copied ? on_every_tp_rank : once).push_back(s.data.grad());
   }
+  auto square = [](const std::vector<Tensor>& gs) {
+    return gs.empty() ? 0.0 : std::pow(nn::get_total_norm(gs).item<double>(), 2);
+  };
+  double sq = square(once);
+  if (tp != nullptr) sq += square(on_every_tp_rank) / static_cast<double>(tp->size());
   return detail::clip_by_summed_norm(params, full({}, std::sqrt(sq), TensorOptions(kFloat32)),
                                      max_norm, world);
 }

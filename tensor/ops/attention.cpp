@@ -124,6 +124,42 @@ Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, const 
 // Largest head dims the CUDA kernel is built for (its per-thread register tiles).
 constexpr int64_t kCudaMaxHeadDim = 128;
 
+// One call of the fused kernels: their parameters, the dtype they compute in (the CPU kernels
+// compute float16/bfloat16 in float32) and the operands laid out for them.
+struct FusedCall {
+  detail::AttentionParams p;
+  Dtype dt = kFloat32;
+  // t in dt as the kernel reads it: on CUDA contiguous [batch, rows, cols]; on the CPU as it
+  // comes where its rows can be read so (a block of keys narrowed out of a longer sequence needs
+  // no copy), else the same contiguous layout.
+  Tensor operand(const Tensor& t, int64_t rows) const {
+    Tensor c = t.to(dt);
+    if (detail::attention_reads_as_is(c)) return c;
+    return c.contiguous().view({p.batch, rows, t.size(t.dim() - 1)});
+  }
+  // A result in the kernel's layout (flat [batch, ...] on CUDA, else its operand's dims) as
+  // `shape`.
+  static Tensor shaped(const Tensor& r, const Shape& shape) {
+    return r.shape() == shape ? r : r.view(shape);
+  }
+};
+
+// The parameters of q [..., L, E] over k [..., S, E], v [..., S, Ev] (validated by the caller).
+FusedCall fused_call(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal,
+                     std::optional<double> scale) {
+  const int64_t n = q.dim();
+  FusedCall c;
+  c.p.L = q.size(n - 2);
+  c.p.S = k.size(n - 2);
+  c.p.E = q.size(n - 1);
+  c.p.Ev = v.size(n - 1);
+  c.p.batch = c.p.L * c.p.E > 0 ? q.numel() / (c.p.L * c.p.E) : 0;
+  c.p.scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(c.p.E));
+  c.p.causal = is_causal;
+  c.dt = !q.is_cuda() && q.dtype() != kFloat64 ? kFloat32 : q.dtype();
+  return c;
+}
+
 std::atomic<SdpBackend> g_backend{SdpBackend::kAuto};
 std::atomic<bool> g_cudnn{true};
 
@@ -194,25 +230,16 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
                                         gen);
   }
   check_inputs(q, k, v, attn_mask, dropout_p, is_causal);
-  const int64_t n = q.dim();
-  detail::AttentionParams p;
-  p.L = q.size(n - 2);
-  p.S = k.size(n - 2);
-  p.E = q.size(n - 1);
-  p.Ev = v.size(n - 1);
-  p.batch = p.L * p.E > 0 ? q.numel() / (p.L * p.E) : 0;
-  p.scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(p.E));
-  p.causal = is_causal;
+  FusedCall c = fused_call(q, k, v, is_causal, scale);
+  detail::AttentionParams& p = c.p;
   p.dropout_p = dropout_p;
   if (!fused_applies(q, k, v, attn_mask, p)) {
     return scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, scale, gen);
   }
-  // The CPU kernels compute float16/bfloat16 in float32; the casts are recorded ops, so the
-  // gradients come back in the inputs' dtype.
-  const Dtype dt = !q.is_cuda() && q.dtype() != kFloat64 ? kFloat32 : q.dtype();
+  // The casts to c.dt are recorded ops, so the gradients come back in the inputs' dtype.
   Tensor mask;
   if (attn_mask.defined()) {
-    mask = mask_layout(attn_mask, q, dt, p.L, p.S, &p.mask);
+    mask = mask_layout(attn_mask, q, c.dt, p.L, p.S, &p.mask);
     p.bool_mask = attn_mask.dtype() == kBool;
   }
   if (dropout_p > 0.0) {
@@ -223,40 +250,19 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
     p.offset = d.offset;
     p.philox_replay = d.replay;
   }
-  // CUDA: contiguous, [batch, rows, cols]. CPU: as they come where the kernel can read them.
-  auto operand = [&](const Tensor& t, int64_t rows) {
-    Tensor c = t.to(dt);
-    if (detail::attention_reads_as_is(c)) return c;
-    return c.contiguous().view({p.batch, rows, t.size(n - 1)});
-  };
-  Tensor out = fused_attention(operand(q, p.L), operand(k, p.S), operand(v, p.S), mask, p);
-  if (out.dim() != n) {  // CUDA's flat [batch, L, Ev]
-    std::vector<int64_t> shape(q.shape().begin(), q.shape().end() - 1);
-    shape.push_back(p.Ev);
-    out = out.view(shape);
-  }
-  return out.to(q.dtype());
+  const Tensor out =
+      fused_attention(c.operand(q, p.L), c.operand(k, p.S), c.operand(v, p.S), mask, p);
+  std::vector<int64_t> shape(q.shape().begin(), q.shape().end() - 1);
+  shape.push_back(p.Ev);
+  return FusedCall::shaped(out, Shape(shape)).to(q.dtype());
 }
 
 namespace {
 
-// The parts' shared set-up: validation, the kernel's parameters, its compute dtype (the CPU
-// kernels compute float16/bfloat16 in float32) and its lse dtype.
-struct Parts {
-  detail::AttentionParams p;
-  Dtype dt = kFloat32, lse_dt = kFloat32;
+// The parts' shared set-up: validation, the kernels' call and their lse dtype.
+struct Parts : FusedCall {
+  Dtype lse_dt = kFloat32;
   std::vector<int64_t> lead;  // q's leading dims
-  // t as the kernel reads it, in dt: on the CPU as it is where its rows can be read so (a block
-  // of keys narrowed out of a longer sequence needs no copy), else contiguous [batch, rows, cols].
-  Tensor flat(const Tensor& t, int64_t rows) const {
-    Tensor c = t.to(dt);
-    if (detail::attention_reads_as_is(c)) return c;
-    return c.contiguous().view({p.batch, rows, t.size(t.dim() - 1)});
-  }
-  // A result of the kernel's layout (flat [batch, ...] or t's own dims) in t's shape.
-  static Tensor shaped(const Tensor& r, const Shape& shape) {
-    return r.shape() == shape ? r : r.view(shape);
-  }
   std::vector<int64_t> shape(int64_t rows, int64_t cols) const {
     std::vector<int64_t> s = lead;
     s.push_back(rows);
@@ -268,16 +274,9 @@ struct Parts {
 Parts parts_of(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal,
                std::optional<double> scale) {
   check_inputs(q, k, v, Tensor(), 0.0, is_causal, op);
-  const int64_t n = q.dim();
   Parts s;
+  static_cast<FusedCall&>(s) = fused_call(q, k, v, is_causal, scale);
   s.lead.assign(q.shape().begin(), q.shape().end() - 2);
-  s.p.L = q.size(n - 2);
-  s.p.S = k.size(n - 2);
-  s.p.E = q.size(n - 1);
-  s.p.Ev = v.size(n - 1);
-  s.p.batch = s.p.L * s.p.E > 0 ? q.numel() / (s.p.L * s.p.E) : 0;
-  s.p.scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(s.p.E));
-  s.p.causal = is_causal;
   EMBER_CHECK_TYPE(NotImplementedError, q.numel() > 0 && k.numel() > 0 && v.numel() > 0, "[", op,
                    "] expected non-empty operands, got query ", q.shape(), ", key ", k.shape(),
                    ", value ", v.shape());
@@ -287,7 +286,6 @@ Parts parts_of(const char* op, const Tensor& q, const Tensor& k, const Tensor& v
                      "[", op, "] has no CUDA kernel for ", q.dtype(), " or head dims past ",
                      kCudaMaxHeadDim, ", got query ", q.shape(), ", value ", v.shape());
   }
-  s.dt = q.is_cuda() || q.dtype() == kFloat64 ? q.dtype() : kFloat32;
   s.lse_dt = q.is_cuda() ? kFloat32 : s.dt;
   return s;
 }
@@ -299,12 +297,12 @@ AttentionForward scaled_dot_product_attention_forward(const Tensor& q, const Ten
                                                       std::optional<double> scale) {
   const Parts s = parts_of("scaled_dot_product_attention_forward", q, k, v, is_causal, scale);
   const detail::AttentionParams& p = s.p;
-  const Tensor q3 = s.flat(q, p.L);
+  const Tensor q3 = s.operand(q, p.L);
   Tensor out = detail::attention_empty_like(q3, p.Ev, s.dt);
   Tensor lse = detail::make_empty({p.batch, p.L}, s.lse_dt, q.device());
   (q.is_cuda() ? detail::attention_forward_cuda : detail::attention_forward_cpu)(
-      out, lse, q3, s.flat(k, p.S), s.flat(v, p.S), Tensor(), p);
-  return {Parts::shaped(out, Shape(s.shape(p.L, p.Ev))), lse.view(s.shape(p.L, -1))};
+      out, lse, q3, s.operand(k, p.S), s.operand(v, p.S), Tensor(), p);
+  return {FusedCall::shaped(out, Shape(s.shape(p.L, p.Ev))), lse.view(s.shape(p.L, -1))};
 }
 
 AttentionGrads scaled_dot_product_attention_backward(const Tensor& dout, const Tensor& q,
@@ -322,16 +320,17 @@ AttentionGrads scaled_dot_product_attention_backward(const Tensor& dout, const T
     EMBER_CHECK(t->shape() == *want && t->device() == q.device(), "[", op, "] expected ", name,
                 " of shape ", *want, " on ", q.device(), ", got ", t->shape(), " on ", t->device());
   }
-  const Tensor q3 = s.flat(q, p.L), k3 = s.flat(k, p.S), v3 = s.flat(v, p.S);
+  const Tensor q3 = s.operand(q, p.L), k3 = s.operand(k, p.S), v3 = s.operand(v, p.S);
   auto grad_like = [&](const Tensor& t) {
     return detail::attention_empty_like(t, t.size(t.dim() - 1), s.dt);
   };
   Tensor dq = grad_like(q3), dk = grad_like(k3), dv = grad_like(v3);
   (q.is_cuda() ? detail::attention_backward_cuda : detail::attention_backward_cpu)(
-      dq, dk, dv, s.flat(dout, p.L), q3, k3, v3, s.flat(out, p.L),
+      dq, dk, dv, s.operand(dout, p.L), q3, k3, v3, s.operand(out, p.L),
       lse.to(s.lse_dt).contiguous().view({p.batch, p.L}), Tensor(), p);
-  return {Parts::shaped(dq, q.shape()).to(q.dtype()), Parts::shaped(dk, k.shape()).to(k.dtype()),
-          Parts::shaped(dv, v.shape()).to(v.dtype())};
+  return {FusedCall::shaped(dq, q.shape()).to(q.dtype()),
+          FusedCall::shaped(dk, k.shape()).to(k.dtype()),
+          FusedCall::shaped(dv, v.shape()).to(v.dtype())};
 }
 
 namespace detail {
