@@ -233,6 +233,7 @@ Trainer::Trainer(const Args& a)
 }
 
 std::string Trainer::layout_text() const {
+  const std::string cp_rotation = a_.cp_rotate == "ring" ? ", ring attention" : "";
   if (par_.pipe) {
     return "; pipeline parallel over " + layout_.mesh->str() + " (" + a_.schedule + ", " +
            std::to_string(par_.pipe->schedule->rank_of_stage().size()) + " stages, " +
@@ -242,11 +243,11 @@ std::string Trainer::layout_text() const {
   if (layout_.tp_mesh) {
     return std::string("; tensor") + (layout_.cp_group ? " and context" : "") + " parallel over " +
            layout_.mesh->str() + " (sequence and loss parallel" +
-           (layout_.cp_group ? "; load-balanced)" : ")");
+           (layout_.cp_group ? "; load-balanced" + cp_rotation + ")" : ")");
   }
   if (layout_.hsdp_mesh) return "; sharded over " + layout_.mesh->str();
   if (layout_.cp_group)
-    return "; context parallel over " + layout_.mesh->str() + " (load-balanced)";
+    return "; context parallel over " + layout_.mesh->str() + " (load-balanced" + cp_rotation + ")";
   return "";
 }
 

@@ -55,6 +55,7 @@ struct Args {
   bool zero_overlap = false;   // --shard zero: step inside DDP's hook (overlap_with_ddp)
   int64_t pp = 1;              // pipeline stages' ranks; each rank runs its stages of the model
   int64_t cp = 1;              // context-parallel ranks: each holds a part of every sequence
+  std::string cp_rotate = "allgather";  // --cp: keys and values all-gathered, or round a ring
   int64_t microbatches = 4;    // --pp: micro-batches per step
   std::string schedule = "1f1b";  // --pp: gpipe, 1f1b, interleaved-1f1b or zero-bubble
   int64_t warmup_steps = 0;       // this run's first steps, left out of tokens_per_s
@@ -288,6 +289,12 @@ inline void add_options(CLI::App& app, Args& a) {
                  "attention gathers the keys and values; the other ranks are data parallel "
                  "(docs/tensor_parallel.md)")
       ->check(kPositive)
+      ->capture_default_str();
+  app.add_option("--cp-rotate", a.cp_rotate,
+                 "with --cp: how keys and values reach every rank's queries: allgather (the "
+                 "fewest messages) or ring (ring attention: each rank holds two ranks' keys and "
+                 "values at most, for sequences whose whole keys and values do not fit)")
+      ->check(CLI::IsMember({"allgather", "ring"}))
       ->capture_default_str();
   app.add_option("--tp-overlap", a.tp_overlap,
                  "with --tp: the sequence-parallel collectives fused with their matmuls in this "

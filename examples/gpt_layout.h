@@ -360,9 +360,12 @@ inline std::shared_ptr<GPT> context_parallel(std::shared_ptr<GPT> model, const M
                                              const Args& a, ember::Device device) {
   if (!layout.cp_group) return model;
   std::shared_ptr<dist::ProcessGroup> cp = layout.cp_group;
+  const dist::ContextParallelOptions options{
+      .rotate = a.cp_rotate == "ring" ? dist::ContextParallelRotate::Ring
+                                      : dist::ContextParallelRotate::AllGather};
   model->set_context_parallel(
-      [cp](const Tensor& q, const Tensor& k, const Tensor& v) {
-        return dist::context_parallel_attention(q, k, v, cp);
+      [cp, options](const Tensor& q, const Tensor& k, const Tensor& v) {
+        return dist::context_parallel_attention(q, k, v, cp, options);
       },
       dist::context_parallel_shard(ember::arange(0, a.context, 1, {ember::kInt64}), 0, cp->rank(),
                                    cp->size())

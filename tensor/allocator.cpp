@@ -117,6 +117,11 @@ class CpuCachingAllocator final : public Allocator {
     }
   }
 
+  void reset_peak() {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.peak_allocated = stats_.allocated;
+  }
+
   void empty_cache() {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [size, p] : free_) std::free(p);
@@ -151,6 +156,7 @@ CpuCachingAllocator& cpu_caching() {
 Allocator* cpu_allocator() { return &cpu_caching(); }
 AllocatorStats cpu_allocator_stats() { return cpu_caching().stats(); }
 void cpu_empty_cache() { cpu_caching().empty_cache(); }
+void cpu_reset_peak_stats() { cpu_caching().reset_peak(); }
 void cpu_allocator_account(int64_t delta) { cpu_caching().account(delta); }
 
 Allocator* allocator_for(Device d) { return d.is_cpu() ? cpu_allocator() : cuda_allocator(d.index); }

@@ -59,5 +59,8 @@ AllocatorStats cpu_allocator_stats();
 void cpu_allocator_account(int64_t delta);
 /// Returns every cached host block to the system.
 void cpu_empty_cache();
+/// Sets cpu_allocator_stats().peak_allocated to what is allocated now, so that a later read is
+/// the peak of what ran in between (cuda::reset_peak_memory_stats for the host).
+void cpu_reset_peak_stats();
 
 }  // namespace ember

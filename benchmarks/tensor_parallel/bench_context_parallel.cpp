@@ -2,10 +2,12 @@
 // causal attention forward and backward over a sequence of --seq positions (B x H = --heads,
 // head dim --dim, float32), the whole sequence in one process on --ranks kernel threads, beside
 // dist::context_parallel_attention over --ranks rank threads (ProcessGroupThreads, one kernel
-// thread each: the same cores), with the load-balanced split and with contiguous parts. Prints
-// each one's median step time over --rounds interleaved rounds and the ratio of the whole's time
-// to each (with contiguous parts the last rank attends over every key and the first over its
-// own: the step waits for the last).
+// thread each: the same cores), with the load-balanced split and with contiguous parts, keys and
+// values all-gathered, and load-balanced with ring attention (ContextParallelRotate::Ring).
+// Prints each one's median step time over --rounds interleaved rounds and the ratio of the
+// whole's time to each (with contiguous parts the last rank attends over every key and the first
+// over its own: the step waits for the last), and the host allocator's peak during the step
+// above what the inputs hold, per rank (the ranks' sum over their number).
 //
 //   bench_context_parallel [--seq 4096] [--heads 8] [--dim 64] [--ranks 2] [--rounds 5]
 #include <CLI/CLI.hpp>
@@ -18,6 +20,7 @@
 #include <ember/autograd/autograd.h>
 #include <ember/distributed/backends/process_group_threads.h>
 #include <ember/distributed/tensor_parallel/context_parallel.h>
+#include <ember/tensor/allocator.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops/random.h>
@@ -51,9 +54,16 @@ double whole_step(const Inputs& in, int threads) {
   return since_ms(t0);
 }
 
+struct Step {
+  double ms = 0;
+  int64_t peak_bytes = 0;  // per rank, above the inputs
+};
+
 // context_parallel_attention over `n` rank threads, one kernel thread each: the step's wall time
-// on rank 0 between two barriers (the groups' set-up and the threads' start left out), ms.
-double cp_step(const Inputs& in, int n, bool balanced) {
+// on rank 0 between two barriers (the groups' set-up and the threads' start left out), and the
+// allocator's peak over the step.
+Step cp_step(const Inputs& in, int n, bool balanced,
+             dist::ContextParallelRotate rotate = dist::ContextParallelRotate::AllGather) {
   set_num_threads(1);
   auto world = dist::ThreadWorld::create(n);
   std::vector<Inputs> parts(n);
@@ -63,7 +73,9 @@ double cp_step(const Inputs& in, int n, bool balanced) {
       *to = dist::context_parallel_shard(*from, 2, r, n, balanced).contiguous();
     }
   }
-  double ms = 0;
+  Step step;
+  const int64_t base = cpu_allocator_stats().allocated;
+  cpu_reset_peak_stats();
   std::vector<std::thread> ranks;
   for (int r = 0; r < n; ++r) {
     ranks.emplace_back([&, r] {
@@ -72,14 +84,28 @@ double cp_step(const Inputs& in, int n, bool balanced) {
              v = parts[r].v.requires_grad_();
       pg->barrier()->wait();
       const auto t0 = Clock::now();
-      Tensor out = dist::context_parallel_attention(q, k, v, pg, {.load_balance = balanced});
+      Tensor out = dist::context_parallel_attention(q, k, v, pg,
+                                                    {.load_balance = balanced, .rotate = rotate});
       (out * parts[r].w).sum().backward();
       pg->barrier()->wait();
-      if (r == 0) ms = since_ms(t0);
+      if (r == 0) step.ms = since_ms(t0);
     });
   }
   for (auto& t : ranks) t.join();
-  return ms;
+  step.peak_bytes = (cpu_allocator_stats().peak_allocated - base) / n;
+  return step;
+}
+
+double median_ms(const std::vector<Step>& steps) {
+  std::vector<double> ms;
+  for (const Step& s : steps) ms.push_back(s.ms);
+  return median(ms);
+}
+
+double median_mb(const std::vector<Step>& steps) {
+  std::vector<double> mb;
+  for (const Step& s : steps) mb.push_back(static_cast<double>(s.peak_bytes) / (1 << 20));
+  return median(mb);
 }
 
 }  // namespace
@@ -105,11 +131,13 @@ int main(int argc, char** argv) {
                   randn({1, heads, seq, dim}), randn({1, heads, seq, dim})};
   whole_step(in, ranks);  // warm-up: allocator, pools
   cp_step(in, ranks, true);
-  std::vector<double> whole, bal, con;
+  std::vector<double> whole;
+  std::vector<Step> bal, con, ring;
   for (int i = 0; i < rounds; ++i) {
     whole.push_back(whole_step(in, ranks));
     bal.push_back(cp_step(in, ranks, true));
     con.push_back(cp_step(in, ranks, false));
+    ring.push_back(cp_step(in, ranks, true, dist::ContextParallelRotate::Ring));
   }
   std::printf(
       "causal attention forward+backward, B*H=%lld, T=%lld, D=%lld, float32, %d ranks "
@@ -119,9 +147,11 @@ int main(int argc, char** argv) {
       ranks, ranks, rounds);
   const double w = median(whole);
   std::printf("whole: %.1f ms\n", w);
-  std::printf("context parallel, load-balanced: %.1f ms (%.2fx the whole's speed)\n", median(bal),
-              w / median(bal));
-  std::printf("context parallel, contiguous parts: %.1f ms (%.2fx the whole's speed)\n",
-              median(con), w / median(con));
+  for (auto [name, steps] :
+       {std::pair{"all-gather, load-balanced", &bal},
+        std::pair{"all-gather, contiguous parts", &con}, std::pair{"ring, load-balanced", &ring}}) {
+    std::printf("context parallel, %s: %.1f ms (%.2fx the whole's speed), peak %.1f MB per rank\n",
+                name, median_ms(*steps), w / median_ms(*steps), median_mb(*steps));
+  }
   return 0;
 }

@@ -47,6 +47,28 @@ std::vector<KeyBlock> blocks_of(int64_t c, int64_t tc, int64_t total, bool causa
   return out;
 }
 
+// One chunk of queries' attention over the key blocks it has seen so far, in float32 (float64
+// for float64 operands): each block's fused output weighted by its logsumexp's share.
+struct Running {
+  Tensor out, lse;
+
+  void add(const AttentionForward& f, Dtype acc) {
+    const Tensor o = f.out.to(acc), l = f.lse.to(acc);
+    if (!out.defined()) {
+      out = o;
+      lse = l;
+      return;
+    }
+    // Every row sees at least its own key first, so both logsumexps are finite.
+    const Tensor m = maximum(lse, l);
+    const Tensor merged = m + log(exp(lse - m) + exp(l - m));
+    out = out * exp(lse - merged).unsqueeze(-1) + o * exp(l - merged).unsqueeze(-1);
+    lse = merged;
+  }
+};
+
+Dtype accumulation_dtype(const Tensor& q) { return q.dtype() == kFloat64 ? kFloat64 : kFloat32; }
+
 // Attention of the local query chunks over the whole sequence's keys and values (in sequence
 // order), with no communication: each chunk's blocks through the fused forward, combined by
 // their logsumexps; backward runs each block's fused backward with the combined output and
@@ -63,29 +85,19 @@ struct ChunkAttention : autograd::Function<ChunkAttention> {
                         const std::vector<int64_t>& chunks, int64_t tc, bool causal,
                         std::optional<double> scale) {
     // Combined in float32 (float64 operands in float64): the blocks' outputs may be float16.
-    const Dtype acc = q.dtype() == kFloat64 ? kFloat64 : kFloat32;
+    const Dtype acc = accumulation_dtype(q);
     const int64_t total = k.size(-2);
     std::vector<Tensor> outs, lses;
     for (size_t i = 0; i < chunks.size(); ++i) {
       const Tensor qc = q.narrow(-2, static_cast<int64_t>(i) * tc, tc);
-      Tensor out, lse;
-      for (const KeyBlock& b : blocks_of(chunks[i], tc, total, causal)) {
-        const AttentionForward f = scaled_dot_product_attention_forward(
-            qc, k.narrow(-2, b.begin, b.length), v.narrow(-2, b.begin, b.length), b.causal, scale);
-        const Tensor o = f.out.to(acc), l = f.lse.to(acc);
-        if (!out.defined()) {
-          out = o;
-          lse = l;
-          continue;
-        }
-        // Every row sees at least its own key, so both logsumexps are finite.
-        const Tensor m = maximum(lse, l);
-        const Tensor merged = m + log(exp(lse - m) + exp(l - m));
-        out = out * exp(lse - merged).unsqueeze(-1) + o * exp(l - merged).unsqueeze(-1);
-        lse = merged;
-      }
-      outs.push_back(out);
-      lses.push_back(lse);
+      Running r;
+      for (const KeyBlock& b : blocks_of(chunks[i], tc, total, causal))
+        r.add(
+            scaled_dot_product_attention_forward(qc, k.narrow(-2, b.begin, b.length),
+                                                 v.narrow(-2, b.begin, b.length), b.causal, scale),
+            acc);
+      outs.push_back(r.out);
+      lses.push_back(r.lse);
     }
     const Tensor out = cat(outs, -2), lse = cat(lses, -1);
     ctx->save_for_backward({q, k, v, out, lse});
@@ -99,7 +111,7 @@ struct ChunkAttention : autograd::Function<ChunkAttention> {
     const State& st = ctx->state<State>();
     const int64_t total = k.size(-2), tc = st.tc;
     // Summed over the blocks in float32 (float64 for float64), rounded once.
-    const Dtype acc = q.dtype() == kFloat64 ? kFloat64 : kFloat32;
+    const Dtype acc = accumulation_dtype(q);
     Tensor dk = zeros(k.shape(), TensorOptions(acc).device(k.device()));
     Tensor dv = zeros(v.shape(), TensorOptions(acc).device(v.device()));
     std::vector<Tensor> dqs;
@@ -120,6 +132,178 @@ struct ChunkAttention : autograd::Function<ChunkAttention> {
       dqs.push_back(dq);
     }
     return {cat(dqs, -2).to(q.dtype()), dk.to(k.dtype()), dv.to(v.dtype())};
+  }
+};
+
+// A part of the local queries that one set of rules covers: a chunk (causal), or all of them.
+struct QueryPiece {
+  int64_t chunk, at, length;
+};
+
+std::vector<QueryPiece> query_pieces(const std::vector<int64_t>& chunks, int64_t tc, bool causal) {
+  if (!causal) return {{0, 0, tc * static_cast<int64_t>(chunks.size())}};
+  std::vector<QueryPiece> out;
+  for (size_t i = 0; i < chunks.size(); ++i)
+    out.push_back({chunks[i], static_cast<int64_t>(i) * tc, tc});
+  return out;
+}
+
+// The keys of a rotated block (holding the global chunks `kchunks`, in its local order) a piece
+// of queries sees: an earlier chunk whole, its own chunk causally, a later one not at all;
+// neighbouring whole chunks in one call.
+std::vector<KeyBlock> visible(const QueryPiece& p, const std::vector<int64_t>& kchunks, int64_t tc,
+                              bool causal) {
+  const int64_t n = static_cast<int64_t>(kchunks.size());
+  if (!causal) return {{0, n * tc, false}};
+  std::vector<KeyBlock> out;
+  for (int64_t i = 0; i < n; ++i) {
+    if (kchunks[i] > p.chunk) continue;
+    const bool diagonal = kchunks[i] == p.chunk;
+    if (!diagonal && !out.empty() && !out.back().causal &&
+        out.back().begin + out.back().length == i * tc) {
+      out.back().length += tc;
+      continue;
+    }
+    out.push_back({i * tc, tc, diagonal});
+  }
+  return out;
+}
+
+// Ring attention (Liu et al.; PyTorch's "alltoall" rotate method): the key and value blocks go
+// round the ring, each rank attending its queries over the block it holds while the next one
+// arrives; backward sends them round again, each block's key and value gradients travelling
+// with it and arriving home complete after the last hop. No rank ever holds more than two
+// ranks' blocks (and saves only its own), against the whole sequence's keys and values for the
+// all-gather.
+struct RingAttention : autograd::Function<RingAttention> {
+  struct State {
+    std::shared_ptr<ProcessGroup> group;
+    bool balanced = true, causal = true;
+    std::optional<double> scale;
+  };
+
+  // The sends of this rank's block on (to rank + 1) and the receives of the next one (from
+  // rank - 1), tags apart from the gradients'.
+  static std::vector<WorkPtr> rotate(ProcessGroup& g, const std::vector<Tensor>& send,
+                                     std::vector<Tensor>& recv, int first_tag) {
+    const int next = (g.rank() + 1) % g.size(), prev = (g.rank() + g.size() - 1) % g.size();
+    std::vector<P2POp> ops;
+    for (size_t i = 0; i < send.size(); ++i) {
+      recv.push_back(empty_like(send[i]));
+      ops.push_back(P2POp::isend(send[i], next, first_tag + static_cast<int>(i)));
+      ops.push_back(P2POp::irecv(recv[i], prev, first_tag + static_cast<int>(i)));
+    }
+    return g.batch_isend_irecv(ops);
+  }
+
+  static void wait_all(std::vector<WorkPtr>& works) {
+    for (auto& w : works) w->wait();
+    works.clear();
+  }
+
+  static Tensor forward(autograd::Context* ctx, const Tensor& q, const Tensor& k_in,
+                        const Tensor& v_in, std::shared_ptr<ProcessGroup> group, bool balanced,
+                        bool causal, std::optional<double> scale) {
+    // Sent as they are: a head split leaves them strided, which gloo and MPI do not send.
+    const Tensor k = k_in.contiguous(), v = v_in.contiguous();
+    const int n = group->size(), rank = group->rank();
+    const int64_t per = balanced ? 2 : 1, tc = q.size(-2) / per;
+    const Dtype acc = accumulation_dtype(q);
+    const std::vector<QueryPiece> pieces = query_pieces(chunks_of(rank, n, balanced), tc, causal);
+    std::vector<Running> running(pieces.size());
+    std::vector<Tensor> block = {k, v};
+    for (int step = 0; step < n; ++step) {
+      std::vector<Tensor> next;
+      std::vector<WorkPtr> works;
+      if (step + 1 < n) works = rotate(*group, block, next, 0);
+      const std::vector<int64_t> kchunks = chunks_of((rank - step + n) % n, n, balanced);
+      for (size_t i = 0; i < pieces.size(); ++i) {
+        const Tensor qp = q.narrow(-2, pieces[i].at, pieces[i].length);
+        for (const KeyBlock& b : visible(pieces[i], kchunks, tc, causal))
+          running[i].add(scaled_dot_product_attention_forward(
+                             qp, block[0].narrow(-2, b.begin, b.length),
+                             block[1].narrow(-2, b.begin, b.length), b.causal, scale),
+                         acc);
+      }
+      wait_all(works);
+      block = std::move(next);
+    }
+    std::vector<Tensor> outs, lses;
+    for (const Running& r : running) {
+      outs.push_back(r.out);
+      lses.push_back(r.lse);
+    }
+    const Tensor out = outs.size() == 1 ? outs[0] : cat(outs, -2);
+    const Tensor lse = lses.size() == 1 ? lses[0] : cat(lses, -1);
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->state<State>() = {std::move(group), balanced, causal, scale};
+    return out.to(q.dtype());
+  }
+
+  static autograd::TensorList backward(autograd::Context* ctx, autograd::TensorList g) {
+    const autograd::TensorList s = ctx->saved();
+    const Tensor &q = s[0], &k = s[1], &v = s[2], &out = s[3], &lse = s[4];
+    const State& st = ctx->state<State>();
+    ProcessGroup& group = *st.group;
+    const int n = group.size(), rank = group.rank();
+    const int64_t per = st.balanced ? 2 : 1, tc = q.size(-2) / per;
+    const Dtype acc = accumulation_dtype(q);
+    const std::vector<QueryPiece> pieces =
+        query_pieces(chunks_of(rank, n, st.balanced), tc, st.causal);
+    std::vector<Tensor> dq(pieces.size());
+    std::vector<Tensor> block = {k, v};
+    // The gradients of the block in hand, summed over the ranks it has visited; they move on
+    // after this rank's share is added, so their sends and the next block's receives overlap
+    // the next block's computation.
+    std::vector<Tensor> incoming;
+    std::vector<WorkPtr> grad_works, grad_sends;
+    std::vector<Tensor> grad_sent;
+    for (int step = 0; step < n; ++step) {
+      std::vector<Tensor> next;
+      std::vector<WorkPtr> works;
+      if (step + 1 < n) works = rotate(group, block, next, 0);
+      // The previous block's gradients left during its computation's successor: freed before
+      // this block's are made.
+      wait_all(grad_sends);
+      grad_sent.clear();
+      const std::vector<int64_t> kchunks = chunks_of((rank - step + n) % n, n, st.balanced);
+      Tensor dk = zeros(k.shape(), TensorOptions(acc).device(k.device()));
+      Tensor dv = zeros(v.shape(), TensorOptions(acc).device(v.device()));
+      for (size_t i = 0; i < pieces.size(); ++i) {
+        const QueryPiece& p = pieces[i];
+        const Tensor qp = q.narrow(-2, p.at, p.length), dout = g[0].narrow(-2, p.at, p.length);
+        const Tensor op = out.narrow(-2, p.at, p.length), lp = lse.narrow(-1, p.at, p.length);
+        for (const KeyBlock& b : visible(p, kchunks, tc, st.causal)) {
+          const AttentionGrads gr = scaled_dot_product_attention_backward(
+              dout, qp, block[0].narrow(-2, b.begin, b.length),
+              block[1].narrow(-2, b.begin, b.length), op, lp, b.causal, st.scale);
+          const Tensor g_q = gr.dq.to(acc);
+          dq[i] = dq[i].defined() ? dq[i] + g_q : g_q;
+          dk.narrow(-2, b.begin, b.length).add_(gr.dk.to(acc));
+          dv.narrow(-2, b.begin, b.length).add_(gr.dv.to(acc));
+        }
+      }
+      if (step > 0) {
+        wait_all(grad_works);
+        dk.add_(incoming[0]);
+        dv.add_(incoming[1]);
+      }
+      std::vector<Tensor> arrived;
+      std::vector<WorkPtr> both = rotate(group, {dk, dv}, arrived, 2);
+      // Sends and receives alternate in `both`: the receives are waited for at the next step
+      // (or after the loop), the sends before this step's tensors are released.
+      grad_sends = {both[0], both[2]};
+      grad_works = {both[1], both[3]};
+      grad_sent = {dk, dv};
+      incoming = std::move(arrived);
+      wait_all(works);
+      block = std::move(next);
+    }
+    // After n hops each block's gradients are back with their owner, complete.
+    wait_all(grad_works);
+    wait_all(grad_sends);
+    const Tensor dq_all = dq.size() == 1 ? dq[0] : cat(dq, -2);
+    return {dq_all.to(q.dtype()), incoming[0].to(k.dtype()), incoming[1].to(v.dtype())};
   }
 };
 
@@ -179,13 +363,16 @@ Tensor context_parallel_attention(const Tensor& q, const Tensor& k, const Tensor
               o.load_balance ? "does not hold the two equal chunks of a load-balanced part "
                                "(context_parallel_shard with load_balance)"
                              : "is empty");
+  const int size = group->size();
+  if (o.rotate == ContextParallelRotate::Ring && size > 1)
+    return RingAttention::apply(q, k, v, group, o.load_balance, o.is_causal, o.scale);
   // Keys and values in an all-gather each: gathered side by side in one, each block of them
   // would be read at twice its row stride, which cost the CPU kernels more than the second
   // collective saves (docs/benchmarks.md, "Context parallelism").
   const int64_t d = q.dim() - 2;
   const Tensor kg = context_parallel_unshard(k, d, group, o.load_balance);
   const Tensor vg = context_parallel_unshard(v, d, group, o.load_balance);
-  return ChunkAttention::apply(q, kg, vg, chunks_of(group->rank(), group->size(), o.load_balance),
+  return ChunkAttention::apply(q, kg, vg, chunks_of(group->rank(), size, o.load_balance),
                                q.size(-2) / per, o.is_causal, o.scale);
 }
 

@@ -8,9 +8,14 @@
 //   ...                                                  // q, k, v: [B, H, T / cp, D]
 //   Tensor y = dist::context_parallel_attention(q, k, v, cp);   // causal by default
 //
-// Keys and values are all-gathered (PyTorch's default rotate method, "allgather"), each rank
-// attends its queries over them through the fused kernels (cuDNN's flash attention on CUDA), and
-// backward reduce-scatters the keys' and values' gradients back to their ranks. Causal attention
+// By default keys and values are all-gathered (PyTorch's default rotate method, "allgather"),
+// each rank attends its queries over them through the fused kernels (cuDNN's flash attention on
+// CUDA), and backward reduce-scatters the keys' and values' gradients back to their ranks. With
+// options.rotate = Ring (ring attention; PyTorch's "alltoall"), the ranks' key and value blocks
+// go round the ring instead, one hop per block, each rank attending over the block it holds
+// while the next one arrives: no rank holds more than two blocks, so the memory for keys and
+// values stays that of the local part however long the sequence (docs/tensor_parallel.md
+// compares the two). Causal attention
 // is load-balanced as PyTorch's is: the sequence is cut into 2 x cp chunks and rank r holds chunks
 // r and 2 cp - 1 - r, so every rank attends over the same number of keys.
 #pragma once
@@ -22,20 +27,34 @@
 
 namespace ember::dist {
 
+/// How context_parallel_attention brings every rank's keys and values to the queries.
+enum class ContextParallelRotate {
+  /// One all-gather of the keys and one of the values forward (a reduce-scatter of each's
+  /// gradient backward): the fewest messages; every rank holds the whole sequence's keys and
+  /// values, and keeps them for backward.
+  AllGather,
+  /// Ring attention: size - 1 hops forward (the blocks) and size - 1 + size backward (the
+  /// blocks again, and their gradients home), each overlapping a block's attention; every rank
+  /// holds and keeps only its own part.
+  Ring,
+};
+
 struct ContextParallelOptions {
   bool is_causal = true;        ///< query i sees keys j <= i (the global positions)
   std::optional<double> scale;  ///< default 1 / sqrt(head dim)
   /// The sequence split as context_parallel_shard splits it with the same flag: 2 x cp chunks,
   /// rank r holding r and 2 cp - 1 - r (true), or cp chunks, rank r holding chunk r (false).
   bool load_balance = true;
+  ContextParallelRotate rotate = ContextParallelRotate::AllGather;
 };
 
 /// Attention of this rank's queries over the whole sequence's keys and values, each rank holding
 /// its part of all three along dim -2 (q, k [..., T / cp, E], v [..., T / cp, Ev], the same
 /// shapes on every rank, as context_parallel_shard splits them). Returns this rank's part of
 /// scaled_dot_product_attention(q_full, k_full, v_full, {}, 0, is_causal, scale): [..., T / cp,
-/// Ev]. Differentiable in q, k and v. Collective over `group` (an all-gather of k and v forward,
-/// a reduce-scatter of their gradients in backward). No mask or dropout. Throws ValueError for a
+/// Ev]. Differentiable in q, k and v. Collective over `group` (options.rotate: an all-gather of k
+/// and v forward and a reduce-scatter of their gradients in backward, or sends and receives round
+/// the ring of the group's ranks). No mask or dropout. Throws ValueError for a
 /// local length the chunks do not divide, and as scaled_dot_product_attention_forward does.
 Tensor context_parallel_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                   std::shared_ptr<ProcessGroup> group,

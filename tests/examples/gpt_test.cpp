@@ -270,7 +270,9 @@ TEST_F(Gpt, ShardedTrainingEqualsDdp) {
       if (j.value("kind", "") != "step") continue;
       ++steps;
       EXPECT_GT(j.value("grad_norm", 0.0), 0) << line;
-      if (shard == "fsdp") EXPECT_GT(j.value("comm_wait_ms", 0.0), 0) << line;
+      if (shard == "fsdp") {
+        EXPECT_GT(j.value("comm_wait_ms", 0.0), 0) << line;
+      }
     }
     EXPECT_EQ(steps, 3) << metrics;
     EXPECT_NEAR(value_of(r.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
@@ -368,6 +370,7 @@ TEST_F(Gpt, WarmupCoveringTheWholeRunReportsNoThroughput) {
 // gathers the keys and values; the model trains as one process on the same batches (the same
 // loss, gradient norms and validation loss to the printed digits), also with ZeRO and FSDP over
 // both ranks and at 4 ranks as cp 2 x tp 2; 4 ranks as dp 2 x cp 2 train as DDP at 2 ranks.
+// The cp 2 x tp 2 and ZeRO runs send keys and values round a ring (--cp-rotate ring) instead.
 TEST_F(Gpt, ContextParallelTrainsAsOneProcess) {
   Result one = run("env EMBER_NUM_THREADS=1 " + tiny());
   ASSERT_EQ(one.status, 0) << one.output;
@@ -386,9 +389,13 @@ TEST_F(Gpt, ContextParallelTrainsAsOneProcess) {
   ASSERT_EQ(got.size(), want.size()) << r.output;
   for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 2e-4) << r.output;
   // cp 2 x tp 2: each of 4 ranks holds half the heads of half of every sequence.
-  Result tp = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() + " --cp 2 --tp 2");
+  Result tp = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() +
+                  " --cp 2 --tp 2 --cp-rotate ring");
   ASSERT_EQ(tp.status, 0) << tp.output;
   EXPECT_NE(tp.output.find("; tensor and context parallel over DeviceMesh(cpu, (dp=1, cp=2, tp=2)"),
+            std::string::npos)
+      << tp.output;
+  EXPECT_NE(tp.output.find("(sequence and loss parallel; load-balanced, ring attention)"),
             std::string::npos)
       << tp.output;
   EXPECT_NEAR(value_of(tp.output, "val_loss"), value_of(one.output, "val_loss"), 2e-4)
@@ -400,7 +407,8 @@ TEST_F(Gpt, ContextParallelTrainsAsOneProcess) {
   for (size_t i = 0; i < tp_norms.size(); ++i) EXPECT_NEAR(tp_norms[i], want[i], 2e-4) << tp.output;
   // The model's state split over the two ranks too: ZeRO's moments, FSDP's shards.
   for (const std::string shard : {"zero", "fsdp"}) {
-    Result sharded = run(two_ranks() + " --cp 2 --shard " + shard);
+    Result sharded = run(two_ranks() + " --cp 2 --shard " + shard +
+                         (shard == "zero" ? " --cp-rotate ring" : ""));
     ASSERT_EQ(sharded.status, 0) << sharded.output;
     EXPECT_NEAR(value_of(sharded.output, "val_loss"), value_of(one.output, "val_loss"), 2e-4)
         << "cp 2, " << shard << ":\n"

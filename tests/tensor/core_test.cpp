@@ -421,6 +421,19 @@ TEST(Allocator, ReusesLargeBlocksWithoutFreshPages) {
   EXPECT_EQ(cpu_allocator_stats().cached, 0);
 }
 
+TEST(Allocator, PeakIsTheHighestSinceTheLastReset) {
+  Tensor kept = empty({1 << 16});
+  { Tensor big = empty({1 << 20}); }
+  const auto high = cpu_allocator_stats();
+  EXPECT_GE(high.peak_allocated, high.allocated + (4 << 20));
+  cpu_reset_peak_stats();
+  EXPECT_EQ(cpu_allocator_stats().peak_allocated, cpu_allocator_stats().allocated);
+  { Tensor small = empty({1 << 16}); }
+  const auto after = cpu_allocator_stats();
+  EXPECT_GE(after.peak_allocated, after.allocated + (4 << 16));
+  EXPECT_LT(after.peak_allocated, after.allocated + (4 << 20));
+}
+
 // Whether the mapping that holds `addr` is advised onto huge pages (VmFlags "hg" in
 // /proc/self/smaps: MADV_HUGEPAGE, whatever the kernel then grants); nullopt if none holds it.
 std::optional<bool> advised_huge(uintptr_t addr) {

@@ -1,7 +1,8 @@
 // Context parallelism as a user runs it: the sequence of q, k and v split over rank threads (or
 // gloo processes) by context_parallel_shard, context_parallel_attention on each rank's part, and
 // the parts' outputs and gradients equal to the ones of scaled_dot_product_attention over the
-// whole sequence in one process, causal or not, load-balanced or not, at 1, 2 and 4 ranks.
+// whole sequence in one process, causal or not, load-balanced or not, keys and values all-gathered
+// or sent round the ring, at 1 to 4 ranks.
 #include <ember/distributed/tensor_parallel/context_parallel.h>
 
 #include <gtest/gtest.h>
@@ -30,7 +31,7 @@ struct Whole {
   Tensor q, k, v, w, out, dq, dk, dv;
 };
 
-Whole whole(bool causal, Dtype dt = kFloat32, int64_t t = 32, int64_t ev = 8) {
+Whole whole(bool causal, Dtype dt = kFloat32, int64_t t = 48, int64_t ev = 8) {
   manual_seed(3);
   Whole s;
   s.q = randn({2, 3, t, 8}).to(dt);
@@ -51,22 +52,23 @@ Whole whole(bool causal, Dtype dt = kFloat32, int64_t t = 32, int64_t ev = 8) {
 // On every rank of `n` threads (on `device`): its parts of q, k, v train through
 // context_parallel_attention; its output and gradients are its parts of the whole's, and the
 // output's parts put back together are the whole output.
-void run_case(int n, bool causal, bool balanced, Device device = kCPU, Dtype dt = kFloat32,
-              double tol = 2e-5, int64_t ev = 8) {
-  const Whole s = whole(causal, dt, 32, ev);
+void run_case(int n, bool causal, bool balanced, ContextParallelRotate rotate, Device device = kCPU,
+              Dtype dt = kFloat32, double tol = 2e-5, int64_t ev = 8) {
+  const Whole s = whole(causal, dt, 48, ev);
   test::ThreadsSetup setup;
   setup.n = n;
   setup.device = device;
   const std::string what = std::to_string(n) + " ranks, " + (causal ? "causal" : "not causal") +
-                           (balanced ? ", load-balanced" : "");
+                           (balanced ? ", load-balanced" : "") +
+                           (rotate == ContextParallelRotate::Ring ? ", ring" : ", all-gather");
   test::run_threads(setup, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
     auto part = [&](const Tensor& t) {
       return context_parallel_shard(t, 2, rank, n, balanced).to(device);
     };
     Tensor q = part(s.q).requires_grad_(), k = part(s.k).requires_grad_(),
            v = part(s.v).requires_grad_();
-    const Tensor out =
-        context_parallel_attention(q, k, v, pg, {.is_causal = causal, .load_balance = balanced});
+    const Tensor out = context_parallel_attention(
+        q, k, v, pg, {.is_causal = causal, .load_balance = balanced, .rotate = rotate});
     const std::string at = what + ", rank " + std::to_string(rank);
     require(out.device() == device && out.dtype() == dt, at + ": output's device and dtype");
     require_close(at + " out", out.cpu(), part(s.out).cpu(), tol);
@@ -79,51 +81,73 @@ void run_case(int n, bool causal, bool balanced, Device device = kCPU, Dtype dt 
   });
 }
 
-// Two gloo processes over shared memory, as under emberrun. First in the file, so that a run of
-// the whole binary forks before any case started a kernel's or BLAS's threads; each child
-// computes the whole after the fork.
+// Two gloo processes over shared memory, as under emberrun, with keys and values strided as a
+// model's head split leaves them. First in the file, so that a run of the whole binary forks
+// before any case started a kernel's or BLAS's threads; each child computes the whole after the
+// fork.
 TEST(ContextParallelGloo, TwoProcesses) {
   test::run_gloo_ranks(2, [&](std::shared_ptr<ProcessGroupGloo> pg, int rank) {
     const Whole s = whole(true);
     auto part = [&](const Tensor& t) { return context_parallel_shard(t, 2, rank, 2); };
-    Tensor q = part(s.q).requires_grad_(), k = part(s.k).requires_grad_(),
-           v = part(s.v).requires_grad_();
-    const Tensor out = context_parallel_attention(q, k, v, pg);
-    require_close("out", out, part(s.out), 2e-5);
-    (out * part(s.w)).sum().backward();
-    require_close("dk", k.grad(), part(s.dk), 2e-5);
+    for (ContextParallelRotate rotate :
+         {ContextParallelRotate::AllGather, ContextParallelRotate::Ring}) {
+      const std::string what = rotate == ContextParallelRotate::Ring ? "ring " : "all-gather ";
+      // [B, T, H, D] leaves, attended as [B, H, T, D] views.
+      auto heads_last = [&](const Tensor& t) {
+        return part(t).transpose(1, 2).contiguous().requires_grad_();
+      };
+      Tensor q = heads_last(s.q), k = heads_last(s.k), v = heads_last(s.v);
+      ASSERT_FALSE(k.transpose(1, 2).is_contiguous());
+      const Tensor out = context_parallel_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                    v.transpose(1, 2), pg, {.rotate = rotate});
+      require_close(what + "out", out, part(s.out), 2e-5);
+      (out * part(s.w)).sum().backward();
+      require_close(what + "dq", q.grad().transpose(1, 2), part(s.dq), 2e-5);
+      require_close(what + "dk", k.grad().transpose(1, 2), part(s.dk), 2e-5);
+      require_close(what + "dv", v.grad().transpose(1, 2), part(s.dv), 2e-5);
+    }
   });
 }
 
-class ContextParallel : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {};
+class ContextParallel
+    : public ::testing::TestWithParam<std::tuple<int, bool, bool, ContextParallelRotate>> {};
 
 TEST_P(ContextParallel, PartsEqualTheWholeSequencesAttention) {
-  const auto [n, causal, balanced] = GetParam();
-  run_case(n, causal, balanced);
+  const auto [n, causal, balanced, rotate] = GetParam();
+  run_case(n, causal, balanced, rotate);
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, ContextParallel,
-                         ::testing::Combine(::testing::Values(1, 2, 4), ::testing::Bool(),
-                                            ::testing::Bool()),
-                         [](const auto& info) {
-                           return "n" + std::to_string(std::get<0>(info.param)) +
-                                  (std::get<1>(info.param) ? "_causal" : "_full") +
-                                  (std::get<2>(info.param) ? "_balanced" : "_contiguous");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Ranks, ContextParallel,
+    ::testing::Combine(::testing::Values(1, 2, 3, 4), ::testing::Bool(), ::testing::Bool(),
+                       ::testing::Values(ContextParallelRotate::AllGather,
+                                         ContextParallelRotate::Ring)),
+    [](const auto& info) {
+      return "n" + std::to_string(std::get<0>(info.param)) +
+             (std::get<1>(info.param) ? "_causal" : "_full") +
+             (std::get<2>(info.param) ? "_balanced" : "_contiguous") +
+             (std::get<3>(info.param) == ContextParallelRotate::Ring ? "_ring" : "_allgather");
+    });
 
 // Values of another head dim than the keys', and bfloat16 (the CPU kernels compute in float32;
 // the blocks are combined in float32).
 TEST(ContextParallelShapes, ValueHeadDimOfItsOwn) {
-  run_case(2, true, true, kCPU, kFloat32, 2e-5, 4);
+  for (auto rotate : {ContextParallelRotate::AllGather, ContextParallelRotate::Ring})
+    run_case(2, true, true, rotate, kCPU, kFloat32, 2e-5, 4);
 }
-TEST(ContextParallelShapes, Bfloat16) { run_case(2, true, true, kCPU, kBFloat16, 2e-2); }
+TEST(ContextParallelShapes, Bfloat16) {
+  for (auto rotate : {ContextParallelRotate::AllGather, ContextParallelRotate::Ring})
+    run_case(3, true, true, rotate, kCPU, kBFloat16, 2e-2);
+}
 
 // On one GPU, each rank thread on its own stream: float32 through Ember's kernels, bfloat16
 // through cuDNN's flash attention where it takes the call.
 TEST(ContextParallelCuda, FourRankThreadsOnOneGpu) {
   if (!cuda::is_available()) GTEST_SKIP() << "needs a CUDA device";
-  run_case(4, true, true, cuda_device(0), kFloat32, 1e-4);
-  run_case(2, true, true, cuda_device(0), kBFloat16, 3e-2);
+  for (auto rotate : {ContextParallelRotate::AllGather, ContextParallelRotate::Ring}) {
+    run_case(4, true, true, rotate, cuda_device(0), kFloat32, 1e-4);
+    run_case(2, true, true, rotate, cuda_device(0), kBFloat16, 3e-2);
+  }
 }
 
 template <typename F>
@@ -160,6 +184,33 @@ TEST(ContextParallelErrors, RefusedWithClearMessages) {
     expect_error([&] { context_parallel_attention(even, even, even, nullptr); },
                  "[context_parallel_attention] expected a process group, got null");
   });
+}
+
+// A rank that never joins the ring: the others' sends and receives time out within the group's
+// timeout, naming the operation, the rank and its peer, instead of waiting forever.
+TEST(ContextParallelErrors, ARankMissingFromTheRingFailsTheOthersWithinTheTimeout) {
+  test::ThreadsSetup setup;
+  setup.n = 3;
+  setup.timeout = std::chrono::milliseconds(500);
+  std::vector<std::string> errors(3);
+  test::run_threads(setup, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    if (rank == 2) return;
+    const Tensor t = randn({1, 2, 4, 4});
+    try {
+      context_parallel_attention(t, t, t, pg, {.rotate = ContextParallelRotate::Ring});
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+    }
+  });
+  EXPECT_NE(errors[0].find("recv #1 on rank 0 of 3 from rank 2 (tag 0) timed out after 500 ms"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1].find("on rank 1 of 3 to rank 2 (tag 0) timed out after 500 ms"),
+            std::string::npos)
+      << errors[1];
+  for (int r : {0, 1})
+    EXPECT_NE(errors[r].find("rank(s) 2 did not call the matching send/recv"), std::string::npos)
+        << errors[r];
 }
 
 // The parts as plain ops: the forward's lse is the logsumexp of the scaled scores; two key
