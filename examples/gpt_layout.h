@@ -87,6 +87,9 @@ inline nn::optim::AdamWOptions adamw_options(const Args& a) {
 // across the columns, over the dp group.
 // --shard hsdp: the dp dimension split in two, (replicate, shard), the shard ranks inside a node
 // (next to tp's): (replicate, shard), (replicate, shard, tp), (pp, replicate, shard) and so on.
+// --cp: a cp dimension inside dp (or shard), outside tp; FSDP shards over dp and cp together (each
+// cp rank holds the whole model's work for its tokens), on a second mesh in which the two are one
+// dimension: (dp x cp, tp), (replicate, shard x cp[, tp]).
 struct MeshLayout {
   MeshLayout(const RunContext& run, const Args& a) {
     const int64_t tp = a.tp, pp = a.pp, cp = a.cp;
@@ -135,7 +138,7 @@ struct MeshLayout {
       hsdp_mesh = mesh->slice({"replicate", "shard"});
       // The data-parallel ranks, for the data: every rank when there is no other dimension,
       // else one group per (pp, tp) position (collective).
-      dp = tp <= 1 && pp <= 1 ? run.pg : hsdp_mesh->flatten("dp")->get_group();
+      dp = tp <= 1 && pp <= 1 && cp <= 1 ? run.pg : hsdp_mesh->flatten("dp")->get_group();
       first_replica = hsdp_mesh->get_local_rank("replicate") == 0;
     } else {
       dp = mesh->get_group("dp");
@@ -145,7 +148,28 @@ struct MeshLayout {
       cp_group = mesh->get_group("cp");
       // Every rank's gradient is of its own tokens: DDP averages over the (dp, cp) ranks at this
       // rank's tp position (collective), every rank without --tp.
-      grads = tp > 1 ? mesh->slice({"dp", "cp"})->flatten("dp_cp")->get_group() : run.pg;
+      if (hsdp || (tp > 1 && a.shard == "fsdp")) {
+        // The same ranks in the same order with cp merged into the dimension before it (cp
+        // follows it in the row-major layout), so that fully_shard and the 2-D norm see one
+        // data-parallel dimension (collective).
+        std::vector<int64_t> merged_shape;
+        std::vector<std::string> merged_names;
+        for (size_t i = 0; i < names.size(); ++i) {
+          if (names[i] == "cp") {
+            merged_shape.back() *= cp;
+            continue;
+          }
+          merged_shape.push_back(shape[i]);
+          merged_names.push_back(names[i]);
+        }
+        shard_mesh = dist::init_device_mesh(run.device.is_cpu() ? "cpu" : "cuda", merged_shape,
+                                            merged_names);
+        if (hsdp) hsdp_mesh = shard_mesh->slice({"replicate", "shard"});
+      }
+      // (Under hsdp fully_shard takes hsdp_mesh, and nothing averages over grads.)
+      grads = tp <= 1 || hsdp ? run.pg
+              : shard_mesh    ? shard_mesh->get_group("dp")
+                              : mesh->slice({"dp", "cp"})->flatten("dp_cp")->get_group();
     }
     if (tp > 1 && pp > 1 && (hsdp || a.shard == "fsdp")) {
       // The ranks at this rank's tp position, which hold the same rows of the tied embedding in
@@ -164,12 +188,14 @@ struct MeshLayout {
   /// The (dp, tp) mesh clip_grad_norm_ sums a fully_shard-ed, tensor-parallel model's norm over;
   /// under hsdp the shard ranks stand for dp (the replicas hold the same pieces).
   std::shared_ptr<dist::DeviceMesh> shard_tp_mesh() const {
-    return mesh->slice({hsdp_mesh ? "shard" : "dp", "tp"});
+    return (shard_mesh ? shard_mesh : mesh)->slice({hsdp_mesh ? "shard" : "dp", "tp"});
   }
 
   std::shared_ptr<dist::DeviceMesh> mesh;             // null without --tp, --pp or hsdp
   std::shared_ptr<dist::DeviceMesh> tp_mesh;          // null without --tp
   std::shared_ptr<dist::DeviceMesh> hsdp_mesh;        // (replicate, shard): --shard hsdp only
+  // --cp with --shard hsdp, or fsdp with --tp: `mesh` with cp merged into dp (or shard).
+  std::shared_ptr<dist::DeviceMesh> shard_mesh;
   std::shared_ptr<dist::ProcessGroup> dp;             // the data-parallel ranks (the data's)
   std::shared_ptr<dist::ProcessGroup> grads;          // the ranks DDP and ZeRO average over
   std::shared_ptr<dist::ProcessGroup> cp_group;       // --cp: a sequence's ranks (else null)

@@ -20,7 +20,11 @@ constexpr const char* kOp = "[dist::clip_grad_norm_]";
 // not laid out at all).
 bool replicated_over(const Tensor& p, const ProcessGroup& tp) {
   const std::optional<DTensor> d = as_dtensor(p);
-  const bool on_mesh = d && d->device_mesh()->ndim() == 1 && d->device_mesh()->get_group().get() == &tp;
+  if (!d || d->device_mesh()->ndim() != 1) return true;
+  // The same ranks, not only the same group: a layout may build a second mesh over them (one
+  // that merges other dimensions, say), whose groups are other objects.
+  const ProcessGroup& g = *d->device_mesh()->get_group();
+  const bool on_mesh = &g == &tp || g.global_ranks() == tp.global_ranks();
   return !on_mesh || !d->placements()[0].is_shard();
 }
 

@@ -371,6 +371,8 @@ TEST_F(Gpt, WarmupCoveringTheWholeRunReportsNoThroughput) {
 // loss, gradient norms and validation loss to the printed digits), also with ZeRO and FSDP over
 // both ranks and at 4 ranks as cp 2 x tp 2; 4 ranks as dp 2 x cp 2 train as DDP at 2 ranks.
 // The cp 2 x tp 2 and ZeRO runs send keys and values round a ring (--cp-rotate ring) instead.
+// FSDP over dp and cp under tp (cp 2 x tp 2) ends as one process; HSDP over (replicate 2,
+// shard 1 x cp 2) as DDP at 2 ranks.
 TEST_F(Gpt, ContextParallelTrainsAsOneProcess) {
   Result one = run("env EMBER_NUM_THREADS=1 " + tiny());
   ASSERT_EQ(one.status, 0) << one.output;
@@ -405,6 +407,18 @@ TEST_F(Gpt, ContextParallelTrainsAsOneProcess) {
   const std::vector<double> tp_norms = logged_norms(tp.output);
   ASSERT_EQ(tp_norms.size(), want.size()) << tp.output;
   for (size_t i = 0; i < tp_norms.size(); ++i) EXPECT_NEAR(tp_norms[i], want[i], 2e-4) << tp.output;
+  // FSDP over the (dp, cp) ranks at each tp position: the 2-D norm sums the shards of a mesh
+  // that merges dp and cp.
+  Result fsdp_tp = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() +
+                       " --cp 2 --tp 2 --shard fsdp");
+  ASSERT_EQ(fsdp_tp.status, 0) << fsdp_tp.output;
+  const std::vector<double> fsdp_tp_norms = logged_norms(fsdp_tp.output);
+  ASSERT_EQ(fsdp_tp_norms.size(), want.size()) << fsdp_tp.output;
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_NEAR(fsdp_tp_norms[i], want[i], 2e-4) << "cp 2 x tp 2, fsdp:\n" << fsdp_tp.output;
+  }
+  EXPECT_NEAR(value_of(fsdp_tp.output, "val_loss"), value_of(one.output, "val_loss"), 2e-4)
+      << fsdp_tp.output;
   // The model's state split over the two ranks too: ZeRO's moments, FSDP's shards.
   for (const std::string shard : {"zero", "fsdp"}) {
     Result sharded = run(two_ranks() + " --cp 2 --shard " + shard +
@@ -423,6 +437,20 @@ TEST_F(Gpt, ContextParallelTrainsAsOneProcess) {
       << "dp 2 x cp 2:\n"
       << four.output << "\nddp at 2 ranks:\n"
       << ddp.output;
+  Result hsdp = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() +
+                    " --cp 2 --shard hsdp --hsdp-shard 1");
+  ASSERT_EQ(hsdp.status, 0) << hsdp.output;
+  EXPECT_NE(hsdp.output.find("sharded over DeviceMesh(cpu, (replicate=2, shard=1, cp=2)"),
+            std::string::npos)
+      << hsdp.output;
+  const std::vector<double> ddp_norms = logged_norms(ddp.output),
+                            hsdp_norms = logged_norms(hsdp.output);
+  ASSERT_EQ(hsdp_norms.size(), ddp_norms.size()) << hsdp.output;
+  for (size_t i = 0; i < ddp_norms.size(); ++i) {
+    EXPECT_NEAR(hsdp_norms[i], ddp_norms[i], 2e-4) << "replicate 2 x cp 2:\n" << hsdp.output;
+  }
+  EXPECT_NEAR(value_of(hsdp.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
+      << hsdp.output;
 }
 
 // A --tp 2 run stopped at step 15 goes on from its sharded checkpoint (each rank wrote its
@@ -786,7 +814,7 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
       {"--tp 3", 2, "gpt: --tp 3 must divide --heads 4 and the vocabulary (256)"},
       {"--tp 2 --sample 10", 2, "--tp takes neither --save-weights, --export-hf nor --sample yet"},
       {"--tp 2", 1, "gpt: --tp 2 must divide the world size 1"},
-      {"--cp 2 --shard hsdp", 2, "--cp takes DDP, ZeRO or FSDP (FSDP without --tp) only yet"},
+      {"--cp 2 --pp 2 --layers 2", 2, "--cp takes no --pp, --cuda-graph, --dropout"},
       {"--cp 3", 2,
        "--cp 3 needs a --context that divides into 6 chunks (two per rank, load-balanced), got 32"},
       {"--cp 2", 1, "gpt: --cp 2 must divide the world size 1"},

@@ -13,6 +13,7 @@
 #include <ember/distributed/debug/delaying_group.h>
 #include <ember/distributed/forwarding_process_group.h>
 #include <ember/distributed/init.h>
+#include <ember/distributed/tensor_parallel/clip_grad.h>
 #include <ember/distributed/tensor_parallel/loss_parallel.h>
 #include <ember/nn/nn.h>
 #include <ember/tensor/ops/creation.h>
@@ -158,6 +159,37 @@ TEST(TensorParallel, ColwiseTakesAnUnevenSequenceShard) {
 
 // loss_parallel's cross-entropy of vocabulary-sharded logits equals cross_entropy of the whole
 // logits, with an ignored target, and so do the logits' gradients (each rank its classes').
+// clip_grad_norm_ of a tensor-parallel model finds the whole model's norm, also over another
+// mesh of the same ranks (a second init_device_mesh, as a layout that merges two dimensions
+// builds), whose groups are other objects than the parameters' mesh's.
+TEST(TensorParallel, ClipGradNormIsTheWholeModelsOverAnyMeshOfTheSameRanks) {
+  run_rank_threads(
+      4,
+      [](int) {
+        // 2-D, so that each tp group is a group of its own (a 1-D mesh's is the world's).
+        auto mesh = (*init_device_mesh("cpu", {2, 2}, {"dp", "tp"}))["tp"];
+        auto other = (*init_device_mesh("cpu", {2, 2}, {"dp", "tp"}))["tp"];
+        require(mesh->get_group() != other->get_group(), "two meshes' tp groups are two groups");
+        auto ref = make_mlp(16);
+        auto model = make_mlp(16);
+        parallelize_module(model, mesh, {{"fc", ColwiseParallel()}, {"proj", RowwiseParallel()}});
+        manual_seed(7);
+        const Tensor x = randn({2, 8, 16});
+        const Tensor y_ref = (*ref)(x), y = (*model)(x);
+        ((y_ref * y_ref).sum() * 0.01).backward();
+        ((y * y).sum() * 0.01).backward();
+        const double want = nn::clip_grad_norm_(ref->parameters(), 1e9).item<double>();
+        for (const auto& [what, m] : {std::pair{"the parameters' mesh", mesh},
+                                      std::pair{"another mesh of the same ranks", other}}) {
+          const double got = clip_grad_norm_(model->parameters(), 1e9, *m).item<double>();
+          require(std::fabs(got - want) <= 1e-5 * want,
+                  std::string("norm over ") + what + ": " + std::to_string(got) +
+                      ", one process's " + std::to_string(want));
+        }
+      },
+      kTimeout);
+}
+
 TEST(TensorParallel, LossParallelEqualsCrossEntropy) {
   run_rank_threads(4, [](int) {
     auto mesh = init_device_mesh("cpu", {4});
