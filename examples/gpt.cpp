@@ -202,7 +202,8 @@ Trainer::Trainer(const Args& a)
     : a_(a),
       run_("gpt", a.backend, a.timeout_s, a.device),
       layout_(run_, a),
-      model_(a.pp > 1 ? seeded_model(a, run_.device)  // the stages are laid out one by one
+      model_(a.pp > 1 ? context_parallel(seeded_model(a, run_.device), layout_, a,
+                                         run_.device)  // the stages are laid out one by one
                       : context_parallel(
                             tensor_parallel(seeded_model(a, run_.device), layout_, a.tp_overlap),
                             layout_, a, run_.device)),
@@ -238,7 +239,8 @@ std::string Trainer::layout_text() const {
     return "; pipeline parallel over " + layout_.mesh->str() + " (" + a_.schedule + ", " +
            std::to_string(par_.pipe->schedule->rank_of_stage().size()) + " stages, " +
            std::to_string(a_.microbatches) + " micro-batches" +
-           (layout_.tp_mesh ? "; tensor and sequence parallel stages)" : ")");
+           (layout_.tp_mesh ? "; tensor and sequence parallel stages" : "") +
+           (layout_.cp_group ? "; context parallel, load-balanced" + cp_rotation : "") + ")";
   }
   if (layout_.tp_mesh) {
     return std::string("; tensor") + (layout_.cp_group ? " and context" : "") + " parallel over " +
@@ -429,8 +431,8 @@ double Trainer::pipeline_step(const nn::data::Batch& b) {
   Pipeline& pipe = *par_.pipe;
   zero_grad();
   std::vector<Tensor> losses;
-  pipe.schedule->step(pipe.first ? b.data.to(run_.device) : Tensor(),
-                      pipe.last ? b.target.to(run_.device) : Tensor(), &losses);
+  pipe.schedule->step(pipe.first ? local(b.data).to(run_.device) : Tensor(),
+                      pipe.last ? local(b.target).to(run_.device) : Tensor(), &losses);
   pipeline_compute_s_ += pipe.schedule->last_step().compute_s;
   pipeline_wall_s_ += pipe.schedule->last_step().wall_s;
   dist::ProcessGroup& pp = *layout_.pp_group;
@@ -482,8 +484,8 @@ double Trainer::evaluate() {
     if (par_.pipe) {
       const Pipeline& pipe = *par_.pipe;
       std::vector<Tensor> losses;
-      pipe.schedule->eval(pipe.first ? b.data.to(run_.device) : Tensor(),
-                          pipe.last ? b.target.to(run_.device) : Tensor(), &losses);
+      pipe.schedule->eval(pipe.first ? local(b.data).to(run_.device) : Tensor(),
+                          pipe.last ? local(b.target).to(run_.device) : Tensor(), &losses);
       for (const Tensor& l : losses) sum += l.item<double>() / static_cast<double>(losses.size());
       continue;
     }
@@ -497,8 +499,8 @@ double Trainer::evaluate() {
   run_.pg->allreduce(total)->wait();
   total = total.cpu();
   // Every rank of a tensor-parallel row scores the row's batches; of a pipeline, only the last
-  // stage's (its tp ranks).
-  const int64_t scorers = par_.pipe ? layout_.dp->size() * a_.tp : run_.world;
+  // stage's (its tp and cp ranks; a cp rank its part of the sequences).
+  const int64_t scorers = par_.pipe ? layout_.dp->size() * a_.tp * a_.cp : run_.world;
   return total.to_vector<double>()[0] / static_cast<double>(a_.eval_batches * scorers);
 }
 

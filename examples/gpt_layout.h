@@ -167,9 +167,9 @@ struct MeshLayout {
         if (hsdp) hsdp_mesh = shard_mesh->slice({"replicate", "shard"});
       }
       // (Under hsdp fully_shard takes hsdp_mesh, and nothing averages over grads.)
-      grads = tp <= 1 || hsdp ? run.pg
-              : shard_mesh    ? shard_mesh->get_group("dp")
-                              : mesh->slice({"dp", "cp"})->flatten("dp_cp")->get_group();
+      grads = hsdp || (tp <= 1 && pp <= 1) ? run.pg
+              : shard_mesh                 ? shard_mesh->get_group("dp")
+                           : mesh->slice({"dp", "cp"})->flatten("dp_cp")->get_group();
     }
     if (tp > 1 && pp > 1 && (hsdp || a.shard == "fsdp")) {
       // The ranks at this rank's tp position, which hold the same rows of the tied embedding in
@@ -273,10 +273,9 @@ inline std::unique_ptr<dist::ZeroRedundancyOptimizer> make_zero(
       pg, dist::ZeroOptions{.overlap_with_ddp = overlap});
 }
 
-
 // --pp: this rank's stages of `model` (every rank built the whole, seeded model; each keeps its
-// stages' modules), each laid out over the tp ranks with --tp and in DDP over `dp` when it has
-// several ranks, run by --schedule.
+// stages' modules), each laid out over the tp ranks with --tp and in DDP over `grads` (the dp
+// ranks, with --cp the dp and cp ranks) when it has several ranks, run by --schedule.
 inline std::unique_ptr<Pipeline> make_pipeline(const Args& a, const std::shared_ptr<GPT>& model,
                                         const MeshLayout& layout, ember::Device device) {
   auto pipe = std::make_unique<Pipeline>();
@@ -302,8 +301,8 @@ inline std::unique_ptr<Pipeline> make_pipeline(const Args& a, const std::shared_
       for (const auto& block : part->blocks()) dist::fully_shard(block, layout.shard_options());
       dist::fully_shard(part, layout.shard_options());
       pipe->sharded = true;
-    } else if (layout.dp->size() > 1) {
-      pipe->ddp.push_back(std::make_shared<dist::DistributedDataParallel>(m, layout.dp));
+    } else if (layout.grads->size() > 1) {
+      pipe->ddp.push_back(std::make_shared<dist::DistributedDataParallel>(m, layout.grads));
       m = pipe->ddp.back();
     }
     stages.push_back(std::make_shared<pipelining::PipelineStage>(m, s, S, device, layout.pp_group));
@@ -322,7 +321,7 @@ inline std::unique_ptr<Pipeline> make_pipeline(const Args& a, const std::shared_
 inline Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
                        const MeshLayout& layout, ember::Device device) {
   Parallel p;
-  const std::shared_ptr<dist::ProcessGroup>& pg = layout.dp;
+  const std::shared_ptr<dist::ProcessGroup>& pg = layout.grads;
   if (a.pp > 1) {
     p.pipe = make_pipeline(a, model, layout, device);
     if (a.shard == "zero") {  // AdamW's state of this rank's stages split over the dp ranks

@@ -519,6 +519,23 @@ TEST_F(Gpt, PipelineParallelTrainsAsOneProcess) {
   ASSERT_EQ(fsdp.status, 0) << fsdp.output;
   EXPECT_NEAR(value_of(fsdp.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
       << "pp 2 x fsdp 2:\n" << fsdp.output << "\nddp at 2 ranks:\n" << ddp.output;
+  // pp 2 x cp 2: each stage's two ranks hold halves of every sequence (the micro-batches cut
+  // along the batch, the ranks' parts along the sequence), fully_shard-ed over the cp pair: one
+  // process's validation loss and gradient norms.
+  Result cp = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() + layers +
+                  " --pp 2 --cp 2 --shard fsdp");
+  ASSERT_EQ(cp.status, 0) << cp.output;
+  EXPECT_NE(cp.output.find("(pp=2, dp=1, cp=2)"), std::string::npos) << cp.output;
+  EXPECT_NEAR(value_of(cp.output, "val_loss"), value_of(one.output, "val_loss"), 2e-4)
+      << "pp 2 x cp 2:\n"
+      << cp.output << "\none process:\n"
+      << one.output;
+  const std::vector<double> one_norms = logged_norms(one.output),
+                            cp_norms = logged_norms(cp.output);
+  ASSERT_EQ(cp_norms.size(), one_norms.size()) << cp.output;
+  for (size_t i = 0; i < cp_norms.size(); ++i) {
+    EXPECT_NEAR(cp_norms[i], one_norms[i], 2e-4) << "pp 2 x cp 2:\n" << cp.output;
+  }
   // Four dimensions: stages laid out over tp pairs, fully_shard-ed under HSDP over (replicate 2,
   // shard 1). The replicas hold the same pieces of the tied embedding, which count once in its
   // two copies' sum (over the ranks at one tp position: each holds half the vocabulary), and
@@ -814,7 +831,7 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
       {"--tp 3", 2, "gpt: --tp 3 must divide --heads 4 and the vocabulary (256)"},
       {"--tp 2 --sample 10", 2, "--tp takes neither --save-weights, --export-hf nor --sample yet"},
       {"--tp 2", 1, "gpt: --tp 2 must divide the world size 1"},
-      {"--cp 2 --pp 2 --layers 2", 2, "--cp takes no --pp, --cuda-graph, --dropout"},
+      {"--cp 2 --dropout 0.1", 2, "--cp takes no --cuda-graph, --dropout"},
       {"--cp 3", 2,
        "--cp 3 needs a --context that divides into 6 chunks (two per rank, load-balanced), got 32"},
       {"--cp 2", 1, "gpt: --cp 2 must divide the world size 1"},
