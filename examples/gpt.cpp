@@ -247,7 +247,10 @@ std::string Trainer::layout_text() const {
            layout_.mesh->str() + " (sequence and loss parallel" +
            (layout_.cp_group ? "; load-balanced" + cp_rotation + ")" : ")");
   }
-  if (layout_.hsdp_mesh) return "; sharded over " + layout_.mesh->str();
+  if (layout_.hsdp_mesh) {
+    return "; sharded over " + layout_.mesh->str() +
+           (layout_.cp_group ? " (context parallel, load-balanced" + cp_rotation + ")" : "");
+  }
   if (layout_.cp_group)
     return "; context parallel over " + layout_.mesh->str() + " (load-balanced" + cp_rotation + ")";
   return "";

@@ -166,10 +166,10 @@ struct MeshLayout {
                                             merged_names);
         if (hsdp) hsdp_mesh = shard_mesh->slice({"replicate", "shard"});
       }
-      // (Under hsdp fully_shard takes hsdp_mesh, and nothing averages over grads.)
-      grads = hsdp || (tp <= 1 && pp <= 1) ? run.pg
-              : shard_mesh                 ? shard_mesh->get_group("dp")
-                           : mesh->slice({"dp", "cp"})->flatten("dp_cp")->get_group();
+      grads = hsdp                 ? hsdp_mesh->flatten("dp_cp")->get_group()  // fully_shard's
+              : tp <= 1 && pp <= 1 ? run.pg
+              : shard_mesh         ? shard_mesh->get_group("dp")
+                                   : mesh->slice({"dp", "cp"})->flatten("dp_cp")->get_group();
     }
     if (tp > 1 && pp > 1 && (hsdp || a.shard == "fsdp")) {
       // The ranks at this rank's tp position, which hold the same rows of the tied embedding in
@@ -208,14 +208,16 @@ struct MeshLayout {
 
  private:
   // --shard hsdp: the shard group's size, --hsdp-shard or the node's data-parallel ranks (its
-  // ranks over --tp, at most the n_dp there are), so that gathers and reduce-scatters stay inside
-  // a node and only each shard's gradient all-reduce crosses nodes. Collective over the world.
+  // ranks over --tp and --cp, at most the n_dp there are), so that gathers and reduce-scatters
+  // (over shard x cp ranks with --cp) stay inside a node and only each shard's gradient
+  // all-reduce crosses nodes. Collective over the world.
   static int64_t hsdp_shard_size(const Args& a, dist::ProcessGroup& world, ember::Device device,
                                  int64_t n_dp) {
     const int64_t n =
         a.hsdp_shard > 0
             ? a.hsdp_shard
-            : std::clamp<int64_t>(dist::local_world_size().value_or(world.size()) / a.tp, 1, n_dp);
+            : std::clamp<int64_t>(dist::local_world_size().value_or(world.size()) / (a.tp * a.cp),
+                                  1, n_dp);
     // Every rank must lay out the same mesh: nodes reporting other numbers of local ranks would
     // make groups that do not match (one small all-reduce of [n, -n] with max gives both bounds).
     Tensor bounds = from_vector(std::vector<int64_t>{n, -n}, {2}, device);
@@ -230,7 +232,7 @@ struct MeshLayout {
       throw ember::ValueError("gpt: --shard hsdp shards over " + std::to_string(n) +
                               " ranks (--hsdp-shard, else the node's), which must divide the " +
                               std::to_string(n_dp) + " data-parallel ranks (the world size " +
-                              std::to_string(world.size()) + " over --tp and --pp)");
+                              std::to_string(world.size()) + " over --tp, --pp and --cp)");
     }
     return n;
   }

@@ -2,7 +2,9 @@
 
 #include <cmath>
 #include <map>
+#include <numeric>
 #include <set>
+#include <vector>
 
 #include <ember/distributed/dtensor/dtensor.h>
 #include <ember/distributed/sharding/fsdp.h>
@@ -16,6 +18,14 @@ namespace {
 
 constexpr const char* kOp = "[dist::clip_grad_norm_]";
 
+// A group's ranks in the world (a group made with none listed is the world's ranks in order).
+std::vector<int> world_ranks(const ProcessGroup& g) {
+  if (!g.global_ranks().empty()) return g.global_ranks();
+  std::vector<int> all(static_cast<size_t>(g.size()));
+  std::iota(all.begin(), all.end(), 0);
+  return all;
+}
+
 // Whether `p` is replicated over the tensor-parallel group `tp` (laid out there as Replicate, or
 // not laid out at all).
 bool replicated_over(const Tensor& p, const ProcessGroup& tp) {
@@ -24,7 +34,7 @@ bool replicated_over(const Tensor& p, const ProcessGroup& tp) {
   // The same ranks, not only the same group: a layout may build a second mesh over them (one
   // that merges other dimensions, say), whose groups are other objects.
   const ProcessGroup& g = *d->device_mesh()->get_group();
-  const bool on_mesh = &g == &tp || g.global_ranks() == tp.global_ranks();
+  const bool on_mesh = &g == &tp || world_ranks(g) == world_ranks(tp);
   return !on_mesh || !d->placements()[0].is_shard();
 }
 

@@ -262,10 +262,6 @@ struct RingAttention : autograd::Function<RingAttention> {
       std::vector<Tensor> next;
       std::vector<WorkPtr> works;
       if (step + 1 < n) works = rotate(group, block, next, 0);
-      // The previous block's gradients left during its computation's successor: freed before
-      // this block's are made.
-      wait_all(grad_sends);
-      grad_sent.clear();
       const std::vector<int64_t> kchunks = chunks_of((rank - step + n) % n, n, st.balanced);
       Tensor dk = zeros(k.shape(), TensorOptions(acc).device(k.device()));
       Tensor dv = zeros(v.shape(), TensorOptions(acc).device(v.device()));
@@ -287,7 +283,11 @@ struct RingAttention : autograd::Function<RingAttention> {
         wait_all(grad_works);
         dk.add_(incoming[0]);
         dv.add_(incoming[1]);
+        incoming.clear();  // before the next ones' buffers are made
       }
+      // The previous block's gradients left during this block's computation.
+      wait_all(grad_sends);
+      grad_sent.clear();
       std::vector<Tensor> arrived;
       std::vector<WorkPtr> both = rotate(group, {dk, dv}, arrived, 2);
       // Sends and receives alternate in `both`: the receives are waited for at the next step

@@ -520,10 +520,10 @@ TEST_F(Gpt, PipelineParallelTrainsAsOneProcess) {
   EXPECT_NEAR(value_of(fsdp.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
       << "pp 2 x fsdp 2:\n" << fsdp.output << "\nddp at 2 ranks:\n" << ddp.output;
   // pp 2 x cp 2: each stage's two ranks hold halves of every sequence (the micro-batches cut
-  // along the batch, the ranks' parts along the sequence), fully_shard-ed over the cp pair: one
-  // process's validation loss and gradient norms.
+  // along the batch, the ranks' parts along the sequence; keys and values round the ring),
+  // fully_shard-ed over the cp pair: one process's validation loss and gradient norms.
   Result cp = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() + layers +
-                  " --pp 2 --cp 2 --shard fsdp");
+                  " --pp 2 --cp 2 --shard fsdp --cp-rotate ring");
   ASSERT_EQ(cp.status, 0) << cp.output;
   EXPECT_NE(cp.output.find("(pp=2, dp=1, cp=2)"), std::string::npos) << cp.output;
   EXPECT_NEAR(value_of(cp.output, "val_loss"), value_of(one.output, "val_loss"), 2e-4)

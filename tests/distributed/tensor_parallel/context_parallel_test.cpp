@@ -136,8 +136,9 @@ TEST(ContextParallelShapes, ValueHeadDimOfItsOwn) {
     run_case(2, true, true, rotate, kCPU, kFloat32, 2e-5, 4);
 }
 TEST(ContextParallelShapes, Bfloat16) {
-  for (auto rotate : {ContextParallelRotate::AllGather, ContextParallelRotate::Ring})
-    run_case(3, true, true, rotate, kCPU, kBFloat16, 2e-2);
+  for (auto rotate : {ContextParallelRotate::AllGather, ContextParallelRotate::Ring}) {
+    for (int n : {2, 3}) run_case(n, true, true, rotate, kCPU, kBFloat16, 2e-2);
+  }
 }
 
 // On one GPU, each rank thread on its own stream: float32 through Ember's kernels, bfloat16

@@ -157,8 +157,6 @@ TEST(TensorParallel, ColwiseTakesAnUnevenSequenceShard) {
       kTimeout);
 }
 
-// loss_parallel's cross-entropy of vocabulary-sharded logits equals cross_entropy of the whole
-// logits, with an ignored target, and so do the logits' gradients (each rank its classes').
 // clip_grad_norm_ of a tensor-parallel model finds the whole model's norm, also over another
 // mesh of the same ranks (a second init_device_mesh, as a layout that merges two dimensions
 // builds), whose groups are other objects than the parameters' mesh's.
@@ -190,6 +188,8 @@ TEST(TensorParallel, ClipGradNormIsTheWholeModelsOverAnyMeshOfTheSameRanks) {
       kTimeout);
 }
 
+// loss_parallel's cross-entropy of vocabulary-sharded logits equals cross_entropy of the whole
+// logits, with an ignored target, and so do the logits' gradients (each rank its classes').
 TEST(TensorParallel, LossParallelEqualsCrossEntropy) {
   run_rank_threads(4, [](int) {
     auto mesh = init_device_mesh("cpu", {4});
