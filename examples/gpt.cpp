@@ -753,6 +753,13 @@ void Trainer::report(double val_loss) {
     if (!run_.leader) return;
     whole = seeded_model(a_, run_.device);
     whole->load_state_dict(state);
+  } else if (layout_.cp_group &&
+             (a_.sample > 0 || !a_.save_weights.empty() || !a_.export_hf.empty())) {
+    // Context parallel, every rank holds the whole model, attending over its part of the
+    // sequence: a plain copy samples over the whole.
+    if (!run_.leader) return;
+    whole = seeded_model(a_, run_.device);
+    whole->load_state_dict(model_->state_dict());
   }
   if (!run_.leader) return;
   if (hook_.summary) std::printf("%s\n", hook_.summary().c_str());

@@ -121,10 +121,9 @@ inline std::string unavailable(const Args& a) {
     return "--shard " + a.shard + " takes neither --comm-hook nor --amp fp16 (got --comm-hook " +
            a.comm_hook + ", --amp " + a.amp + ")";
   }
-  if (a.cp > 1 && (a.cuda_graph || a.dropout > 0 || !a.save_weights.empty() || a.sample > 0 ||
-                   !a.export_hf.empty())) {
-    return "--cp takes no --cuda-graph, --dropout (attention dropout), --sample, "
-           "--save-weights or --export-hf yet (docs/tensor_parallel.md, context parallelism)";
+  if (a.cp > 1 && (a.cuda_graph || a.dropout > 0)) {
+    return "--cp takes neither --cuda-graph nor --dropout (attention dropout) yet "
+           "(docs/tensor_parallel.md, context parallelism)";
   }
   if (a.cp > 1 && a.context % (2 * a.cp) != 0) {
     return "--cp " + std::to_string(a.cp) + " needs a --context that divides into " +

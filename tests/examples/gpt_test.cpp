@@ -376,12 +376,18 @@ TEST_F(Gpt, WarmupCoveringTheWholeRunReportsNoThroughput) {
 TEST_F(Gpt, ContextParallelTrainsAsOneProcess) {
   Result one = run("env EMBER_NUM_THREADS=1 " + tiny());
   ASSERT_EQ(one.status, 0) << one.output;
-  Result r = run(two_ranks() + " --cp 2");
+  // Sampled and saved from a plain copy of the model (its blocks attend over their part of
+  // the sequence only in training).
+  const std::string weights = tmp.file("cp.safetensors");
+  Result r = run(two_ranks() + " --cp 2 --sample 12 --save-weights " + weights);
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("; context parallel over DeviceMesh(cpu, (dp=1, cp=2), rank 0 at (0, 0)) "
                           "(load-balanced)"),
             std::string::npos)
       << r.output;
+  EXPECT_NE(r.output.find("[rank 0]: sample:\n[rank 0]: In the beginning"), std::string::npos)
+      << r.output;
+  EXPECT_GT(fs::file_size(weights), 80000u) << r.output;  // 21984 float32 parameters
   EXPECT_NEAR(value_of(r.output, "val_loss"), value_of(one.output, "val_loss"), 2e-4)
       << "cp 2:\n"
       << r.output << "\none process:\n"
@@ -831,7 +837,7 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
       {"--tp 3", 2, "gpt: --tp 3 must divide --heads 4 and the vocabulary (256)"},
       {"--tp 2 --sample 10", 2, "--tp takes neither --save-weights, --export-hf nor --sample yet"},
       {"--tp 2", 1, "gpt: --tp 2 must divide the world size 1"},
-      {"--cp 2 --dropout 0.1", 2, "--cp takes no --cuda-graph, --dropout"},
+      {"--cp 2 --dropout 0.1", 2, "--cp takes neither --cuda-graph nor --dropout"},
       {"--cp 3", 2,
        "--cp 3 needs a --context that divides into 6 chunks (two per rank, load-balanced), got 32"},
       {"--cp 2", 1, "gpt: --cp 2 must divide the world size 1"},
@@ -850,7 +856,7 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
       {"--hsdp-shard 2", 2, "--hsdp-shard needs --shard hsdp (got --shard none)"},
       {"--shard hsdp --hsdp-shard 3", 1,
        "gpt: --shard hsdp shards over 3 ranks (--hsdp-shard, else the node's), which must "
-       "divide the 1 data-parallel ranks (the world size 1 over --tp and --pp)"},
+       "divide the 1 data-parallel ranks (the world size 1 over --tp, --pp and --cp)"},
       {"--pp 2 --layers 2 --sample 5", 2,
        "gpt: --pp takes neither --save-weights, --export-hf nor --sample"},
       {"--pp 2 --layers 2", 1, "gpt: --pp 2 must divide the world size 1"},
