@@ -1,5 +1,6 @@
 #include <ember/distributed/tensor_parallel/context_parallel.h>
 
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -37,16 +38,6 @@ struct KeyBlock {
   bool causal;
 };
 
-// Query chunk c (of `tc` positions) sees every key before it whole and its own chunk causally,
-// or, without causality, every key.
-std::vector<KeyBlock> blocks_of(int64_t c, int64_t tc, int64_t total, bool causal) {
-  if (!causal) return {{0, total, false}};
-  std::vector<KeyBlock> out;
-  if (c > 0) out.push_back({0, c * tc, false});
-  out.push_back({c * tc, tc, true});
-  return out;
-}
-
 // One chunk of queries' attention over the key blocks it has seen so far, in float32 (float64
 // for float64 operands): each block's fused output weighted by its logsumexp's share.
 struct Running {
@@ -69,72 +60,6 @@ struct Running {
 
 Dtype accumulation_dtype(const Tensor& q) { return q.dtype() == kFloat64 ? kFloat64 : kFloat32; }
 
-// Attention of the local query chunks over the whole sequence's keys and values (in sequence
-// order), with no communication: each chunk's blocks through the fused forward, combined by
-// their logsumexps; backward runs each block's fused backward with the combined output and
-// logsumexp, which gives its exact share (Note [Fused attention]).
-struct ChunkAttention : autograd::Function<ChunkAttention> {
-  struct State {
-    std::vector<int64_t> chunks;
-    int64_t tc = 0;
-    bool causal = true;
-    std::optional<double> scale;
-  };
-
-  static Tensor forward(autograd::Context* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const std::vector<int64_t>& chunks, int64_t tc, bool causal,
-                        std::optional<double> scale) {
-    // Combined in float32 (float64 operands in float64): the blocks' outputs may be float16.
-    const Dtype acc = accumulation_dtype(q);
-    const int64_t total = k.size(-2);
-    std::vector<Tensor> outs, lses;
-    for (size_t i = 0; i < chunks.size(); ++i) {
-      const Tensor qc = q.narrow(-2, static_cast<int64_t>(i) * tc, tc);
-      Running r;
-      for (const KeyBlock& b : blocks_of(chunks[i], tc, total, causal))
-        r.add(
-            scaled_dot_product_attention_forward(qc, k.narrow(-2, b.begin, b.length),
-                                                 v.narrow(-2, b.begin, b.length), b.causal, scale),
-            acc);
-      outs.push_back(r.out);
-      lses.push_back(r.lse);
-    }
-    const Tensor out = cat(outs, -2), lse = cat(lses, -1);
-    ctx->save_for_backward({q, k, v, out, lse});
-    ctx->state<State>() = {chunks, tc, causal, scale};
-    return out.to(q.dtype());
-  }
-
-  static autograd::TensorList backward(autograd::Context* ctx, autograd::TensorList g) {
-    const autograd::TensorList s = ctx->saved();
-    const Tensor &q = s[0], &k = s[1], &v = s[2], &out = s[3], &lse = s[4];
-    const State& st = ctx->state<State>();
-    const int64_t total = k.size(-2), tc = st.tc;
-    // Summed over the blocks in float32 (float64 for float64), rounded once.
-    const Dtype acc = accumulation_dtype(q);
-    Tensor dk = zeros(k.shape(), TensorOptions(acc).device(k.device()));
-    Tensor dv = zeros(v.shape(), TensorOptions(acc).device(v.device()));
-    std::vector<Tensor> dqs;
-    for (size_t i = 0; i < st.chunks.size(); ++i) {
-      const int64_t at = static_cast<int64_t>(i) * tc;
-      const Tensor qc = q.narrow(-2, at, tc), dout = g[0].narrow(-2, at, tc);
-      const Tensor oc = out.narrow(-2, at, tc), lc = lse.narrow(-1, at, tc);
-      Tensor dq;
-      for (const KeyBlock& b : blocks_of(st.chunks[i], tc, total, st.causal)) {
-        const AttentionGrads gr = scaled_dot_product_attention_backward(
-            dout, qc, k.narrow(-2, b.begin, b.length), v.narrow(-2, b.begin, b.length), oc, lc,
-            b.causal, st.scale);
-        const Tensor g_q = gr.dq.to(acc);
-        dq = dq.defined() ? dq + g_q : g_q;
-        dk.narrow(-2, b.begin, b.length).add_(gr.dk.to(acc));
-        dv.narrow(-2, b.begin, b.length).add_(gr.dv.to(acc));
-      }
-      dqs.push_back(dq);
-    }
-    return {cat(dqs, -2).to(q.dtype()), dk.to(k.dtype()), dv.to(v.dtype())};
-  }
-};
-
 // A part of the local queries that one set of rules covers: a chunk (causal), or all of them.
 struct QueryPiece {
   int64_t chunk, at, length;
@@ -148,9 +73,9 @@ std::vector<QueryPiece> query_pieces(const std::vector<int64_t>& chunks, int64_t
   return out;
 }
 
-// The keys of a rotated block (holding the global chunks `kchunks`, in its local order) a piece
-// of queries sees: an earlier chunk whole, its own chunk causally, a later one not at all;
-// neighbouring whole chunks in one call.
+// The keys of a block (holding the global chunks `kchunks`, in its local order: the whole
+// sequence, or a rotated rank's part) a piece of queries sees: an earlier chunk whole, its own
+// chunk causally, a later one not at all; neighbouring whole chunks in one call.
 std::vector<KeyBlock> visible(const QueryPiece& p, const std::vector<int64_t>& kchunks, int64_t tc,
                               bool causal) {
   const int64_t n = static_cast<int64_t>(kchunks.size());
@@ -168,6 +93,115 @@ std::vector<KeyBlock> visible(const QueryPiece& p, const std::vector<int64_t>& k
   }
   return out;
 }
+
+// What the local queries attend over in one block of keys and values (their global chunks
+// `kchunks`), through the fused kernels, for forward and backward alike.
+struct BlockAttention {
+  const Tensor& q;
+  const std::vector<QueryPiece>& pieces;
+  int64_t tc;
+  bool causal;
+  std::optional<double> scale;
+  Dtype acc;
+
+  // Adds the block's visible keys to each piece's running attention.
+  void forward(const Tensor& k, const Tensor& v, const std::vector<int64_t>& kchunks,
+               std::vector<Running>& running) const {
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const Tensor qp = q.narrow(-2, pieces[i].at, pieces[i].length);
+      for (const KeyBlock& b : visible(pieces[i], kchunks, tc, causal))
+        running[i].add(
+            scaled_dot_product_attention_forward(qp, k.narrow(-2, b.begin, b.length),
+                                                 v.narrow(-2, b.begin, b.length), b.causal, scale),
+            acc);
+    }
+  }
+
+  // The block's exact share of the gradients, given the combined output and logsumexp (Note
+  // [Fused attention]): added to each piece's dq and to the block's dk and dv (in `acc`).
+  void backward(const Tensor& dout, const Tensor& out, const Tensor& lse, const Tensor& k,
+                const Tensor& v, const std::vector<int64_t>& kchunks, std::vector<Tensor>& dq,
+                Tensor& dk, Tensor& dv) const {
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const QueryPiece& p = pieces[i];
+      const Tensor qp = q.narrow(-2, p.at, p.length), dp = dout.narrow(-2, p.at, p.length);
+      const Tensor op = out.narrow(-2, p.at, p.length), lp = lse.narrow(-1, p.at, p.length);
+      for (const KeyBlock& b : visible(p, kchunks, tc, causal)) {
+        const AttentionGrads gr = scaled_dot_product_attention_backward(
+            dp, qp, k.narrow(-2, b.begin, b.length), v.narrow(-2, b.begin, b.length), op, lp,
+            b.causal, scale);
+        const Tensor g_q = gr.dq.to(acc);
+        dq[i] = dq[i].defined() ? dq[i] + g_q : g_q;
+        dk.narrow(-2, b.begin, b.length).add_(gr.dk.to(acc));
+        dv.narrow(-2, b.begin, b.length).add_(gr.dv.to(acc));
+      }
+    }
+  }
+};
+
+// The pieces' combined output [..., L, Ev] and logsumexp [..., L], in local order.
+std::pair<Tensor, Tensor> combined(const std::vector<Running>& running) {
+  std::vector<Tensor> outs, lses;
+  for (const Running& r : running) {
+    outs.push_back(r.out);
+    lses.push_back(r.lse);
+  }
+  if (outs.size() == 1) return {outs[0], lses[0]};
+  return {cat(outs, -2), cat(lses, -1)};
+}
+
+Tensor cat_pieces(const std::vector<Tensor>& parts) {
+  return parts.size() == 1 ? parts[0] : cat(parts, -2);
+}
+
+// Attention of the local query chunks over the whole sequence's keys and values (in sequence
+// order), with no communication: each chunk's blocks through the fused forward, combined by
+// their logsumexps; backward runs each block's fused backward with the combined output and
+// logsumexp.
+struct ChunkAttention : autograd::Function<ChunkAttention> {
+  struct State {
+    std::vector<int64_t> chunks;
+    int64_t tc = 0;
+    bool causal = true;
+    std::optional<double> scale;
+  };
+
+  // The global chunks of the whole sequence, in order.
+  static std::vector<int64_t> all_chunks(const Tensor& k, int64_t tc) {
+    std::vector<int64_t> c(static_cast<size_t>(k.size(-2) / tc));
+    std::iota(c.begin(), c.end(), int64_t{0});
+    return c;
+  }
+
+  static Tensor forward(autograd::Context* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const std::vector<int64_t>& chunks, int64_t tc, bool causal,
+                        std::optional<double> scale) {
+    // Combined in float32 (float64 operands in float64): the blocks' outputs may be float16.
+    const std::vector<QueryPiece> pieces = query_pieces(chunks, tc, causal);
+    std::vector<Running> running(pieces.size());
+    BlockAttention{q, pieces, tc, causal, scale, accumulation_dtype(q)}.forward(
+        k, v, all_chunks(k, tc), running);
+    const auto [out, lse] = combined(running);
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->state<State>() = {chunks, tc, causal, scale};
+    return out.to(q.dtype());
+  }
+
+  static autograd::TensorList backward(autograd::Context* ctx, autograd::TensorList g) {
+    const autograd::TensorList s = ctx->saved();
+    const Tensor &q = s[0], &k = s[1], &v = s[2], &out = s[3], &lse = s[4];
+    const State& st = ctx->state<State>();
+    // Summed over the blocks in float32 (float64 for float64), rounded once.
+    const Dtype acc = accumulation_dtype(q);
+    const std::vector<QueryPiece> pieces = query_pieces(st.chunks, st.tc, st.causal);
+    Tensor dk = zeros(k.shape(), TensorOptions(acc).device(k.device()));
+    Tensor dv = zeros(v.shape(), TensorOptions(acc).device(v.device()));
+    std::vector<Tensor> dq(pieces.size());
+    BlockAttention{q, pieces, st.tc, st.causal, st.scale, acc}.backward(
+        g[0], out, lse, k, v, all_chunks(k, st.tc), dq, dk, dv);
+    return {cat_pieces(dq).to(q.dtype()), dk.to(k.dtype()), dv.to(v.dtype())};
+  }
+};
 
 // Ring attention (Liu et al.; PyTorch's "alltoall" rotate method): the key and value blocks go
 // round the ring, each rank attending its queries over the block it holds while the next one
@@ -208,33 +242,19 @@ struct RingAttention : autograd::Function<RingAttention> {
     const Tensor k = k_in.contiguous(), v = v_in.contiguous();
     const int n = group->size(), rank = group->rank();
     const int64_t per = balanced ? 2 : 1, tc = q.size(-2) / per;
-    const Dtype acc = accumulation_dtype(q);
     const std::vector<QueryPiece> pieces = query_pieces(chunks_of(rank, n, balanced), tc, causal);
+    const BlockAttention attend{q, pieces, tc, causal, scale, accumulation_dtype(q)};
     std::vector<Running> running(pieces.size());
     std::vector<Tensor> block = {k, v};
     for (int step = 0; step < n; ++step) {
       std::vector<Tensor> next;
       std::vector<WorkPtr> works;
       if (step + 1 < n) works = rotate(*group, block, next, 0);
-      const std::vector<int64_t> kchunks = chunks_of((rank - step + n) % n, n, balanced);
-      for (size_t i = 0; i < pieces.size(); ++i) {
-        const Tensor qp = q.narrow(-2, pieces[i].at, pieces[i].length);
-        for (const KeyBlock& b : visible(pieces[i], kchunks, tc, causal))
-          running[i].add(scaled_dot_product_attention_forward(
-                             qp, block[0].narrow(-2, b.begin, b.length),
-                             block[1].narrow(-2, b.begin, b.length), b.causal, scale),
-                         acc);
-      }
+      attend.forward(block[0], block[1], chunks_of((rank - step + n) % n, n, balanced), running);
       wait_all(works);
       block = std::move(next);
     }
-    std::vector<Tensor> outs, lses;
-    for (const Running& r : running) {
-      outs.push_back(r.out);
-      lses.push_back(r.lse);
-    }
-    const Tensor out = outs.size() == 1 ? outs[0] : cat(outs, -2);
-    const Tensor lse = lses.size() == 1 ? lses[0] : cat(lses, -1);
+    const auto [out, lse] = combined(running);
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->state<State>() = {std::move(group), balanced, causal, scale};
     return out.to(q.dtype());
@@ -250,6 +270,7 @@ struct RingAttention : autograd::Function<RingAttention> {
     const Dtype acc = accumulation_dtype(q);
     const std::vector<QueryPiece> pieces =
         query_pieces(chunks_of(rank, n, st.balanced), tc, st.causal);
+    const BlockAttention attend{q, pieces, tc, st.causal, st.scale, acc};
     std::vector<Tensor> dq(pieces.size());
     std::vector<Tensor> block = {k, v};
     // The gradients of the block in hand, summed over the ranks it has visited; they move on
@@ -262,23 +283,10 @@ struct RingAttention : autograd::Function<RingAttention> {
       std::vector<Tensor> next;
       std::vector<WorkPtr> works;
       if (step + 1 < n) works = rotate(group, block, next, 0);
-      const std::vector<int64_t> kchunks = chunks_of((rank - step + n) % n, n, st.balanced);
       Tensor dk = zeros(k.shape(), TensorOptions(acc).device(k.device()));
       Tensor dv = zeros(v.shape(), TensorOptions(acc).device(v.device()));
-      for (size_t i = 0; i < pieces.size(); ++i) {
-        const QueryPiece& p = pieces[i];
-        const Tensor qp = q.narrow(-2, p.at, p.length), dout = g[0].narrow(-2, p.at, p.length);
-        const Tensor op = out.narrow(-2, p.at, p.length), lp = lse.narrow(-1, p.at, p.length);
-        for (const KeyBlock& b : visible(p, kchunks, tc, st.causal)) {
-          const AttentionGrads gr = scaled_dot_product_attention_backward(
-              dout, qp, block[0].narrow(-2, b.begin, b.length),
-              block[1].narrow(-2, b.begin, b.length), op, lp, b.causal, st.scale);
-          const Tensor g_q = gr.dq.to(acc);
-          dq[i] = dq[i].defined() ? dq[i] + g_q : g_q;
-          dk.narrow(-2, b.begin, b.length).add_(gr.dk.to(acc));
-          dv.narrow(-2, b.begin, b.length).add_(gr.dv.to(acc));
-        }
-      }
+      attend.backward(g[0], out, lse, block[0], block[1],
+                      chunks_of((rank - step + n) % n, n, st.balanced), dq, dk, dv);
       if (step > 0) {
         wait_all(grad_works);
         dk.add_(incoming[0]);
@@ -302,8 +310,7 @@ struct RingAttention : autograd::Function<RingAttention> {
     // After n hops each block's gradients are back with their owner, complete.
     wait_all(grad_works);
     wait_all(grad_sends);
-    const Tensor dq_all = dq.size() == 1 ? dq[0] : cat(dq, -2);
-    return {dq_all.to(q.dtype()), incoming[0].to(k.dtype()), incoming[1].to(v.dtype())};
+    return {cat_pieces(dq).to(q.dtype()), incoming[0].to(k.dtype()), incoming[1].to(v.dtype())};
   }
 };
 
