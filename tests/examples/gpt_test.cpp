@@ -64,6 +64,18 @@ std::vector<double> logged_norms(const std::string& out) {
   return norms;
 }
 
+// `got` trained as `want` did: the same validation loss and printed gradient norms (2e-4).
+void expect_same_training(const Result& got, const Result& want, const std::string& what) {
+  EXPECT_NEAR(value_of(got.output, "val_loss"), value_of(want.output, "val_loss"), 2e-4)
+      << what << ":\n"
+      << got.output << "\nreference:\n"
+      << want.output;
+  const std::vector<double> a = logged_norms(got.output), b = logged_norms(want.output);
+  ASSERT_EQ(a.size(), b.size()) << what << ":\n" << got.output;
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_NEAR(a[i], b[i], 2e-4) << what << ":\n" << got.output;
+}
+
 class Gpt : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -406,25 +418,13 @@ TEST_F(Gpt, ContextParallelTrainsAsOneProcess) {
   EXPECT_NE(tp.output.find("(sequence and loss parallel; load-balanced, ring attention)"),
             std::string::npos)
       << tp.output;
-  EXPECT_NEAR(value_of(tp.output, "val_loss"), value_of(one.output, "val_loss"), 2e-4)
-      << "cp 2 x tp 2:\n"
-      << tp.output << "\none process:\n"
-      << one.output;
-  const std::vector<double> tp_norms = logged_norms(tp.output);
-  ASSERT_EQ(tp_norms.size(), want.size()) << tp.output;
-  for (size_t i = 0; i < tp_norms.size(); ++i) EXPECT_NEAR(tp_norms[i], want[i], 2e-4) << tp.output;
+  expect_same_training(tp, one, "cp 2 x tp 2");
   // FSDP over the (dp, cp) ranks at each tp position: the 2-D norm sums the shards of a mesh
   // that merges dp and cp.
   Result fsdp_tp = run(emberrun() + " --standalone --nproc-per-node 4 " + tiny() +
                        " --cp 2 --tp 2 --shard fsdp");
   ASSERT_EQ(fsdp_tp.status, 0) << fsdp_tp.output;
-  const std::vector<double> fsdp_tp_norms = logged_norms(fsdp_tp.output);
-  ASSERT_EQ(fsdp_tp_norms.size(), want.size()) << fsdp_tp.output;
-  for (size_t i = 0; i < want.size(); ++i) {
-    EXPECT_NEAR(fsdp_tp_norms[i], want[i], 2e-4) << "cp 2 x tp 2, fsdp:\n" << fsdp_tp.output;
-  }
-  EXPECT_NEAR(value_of(fsdp_tp.output, "val_loss"), value_of(one.output, "val_loss"), 2e-4)
-      << fsdp_tp.output;
+  expect_same_training(fsdp_tp, one, "cp 2 x tp 2, fsdp");
   // The model's state split over the two ranks too: ZeRO's moments, FSDP's shards.
   for (const std::string shard : {"zero", "fsdp"}) {
     Result sharded = run(two_ranks() + " --cp 2 --shard " + shard +
@@ -449,14 +449,7 @@ TEST_F(Gpt, ContextParallelTrainsAsOneProcess) {
   EXPECT_NE(hsdp.output.find("sharded over DeviceMesh(cpu, (replicate=2, shard=1, cp=2)"),
             std::string::npos)
       << hsdp.output;
-  const std::vector<double> ddp_norms = logged_norms(ddp.output),
-                            hsdp_norms = logged_norms(hsdp.output);
-  ASSERT_EQ(hsdp_norms.size(), ddp_norms.size()) << hsdp.output;
-  for (size_t i = 0; i < ddp_norms.size(); ++i) {
-    EXPECT_NEAR(hsdp_norms[i], ddp_norms[i], 2e-4) << "replicate 2 x cp 2:\n" << hsdp.output;
-  }
-  EXPECT_NEAR(value_of(hsdp.output, "val_loss"), value_of(ddp.output, "val_loss"), 2e-4)
-      << hsdp.output;
+  expect_same_training(hsdp, ddp, "replicate 2 x cp 2");
 }
 
 // A --tp 2 run stopped at step 15 goes on from its sharded checkpoint (each rank wrote its
@@ -532,16 +525,7 @@ TEST_F(Gpt, PipelineParallelTrainsAsOneProcess) {
                   " --pp 2 --cp 2 --shard fsdp --cp-rotate ring");
   ASSERT_EQ(cp.status, 0) << cp.output;
   EXPECT_NE(cp.output.find("(pp=2, dp=1, cp=2)"), std::string::npos) << cp.output;
-  EXPECT_NEAR(value_of(cp.output, "val_loss"), value_of(one.output, "val_loss"), 2e-4)
-      << "pp 2 x cp 2:\n"
-      << cp.output << "\none process:\n"
-      << one.output;
-  const std::vector<double> one_norms = logged_norms(one.output),
-                            cp_norms = logged_norms(cp.output);
-  ASSERT_EQ(cp_norms.size(), one_norms.size()) << cp.output;
-  for (size_t i = 0; i < cp_norms.size(); ++i) {
-    EXPECT_NEAR(cp_norms[i], one_norms[i], 2e-4) << "pp 2 x cp 2:\n" << cp.output;
-  }
+  expect_same_training(cp, one, "pp 2 x cp 2");
   // Four dimensions: stages laid out over tp pairs, fully_shard-ed under HSDP over (replicate 2,
   // shard 1). The replicas hold the same pieces of the tied embedding, which count once in its
   // two copies' sum (over the ranks at one tp position: each holds half the vocabulary), and
