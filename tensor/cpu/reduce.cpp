@@ -495,4 +495,28 @@ void arg_reduce_cpu(const Tensor& values, const Tensor& indices, const Tensor& i
   });
 }
 
+// ---- topk ------------------------------------------------------------------------------------
+
+// A partial sort of each row's positions by topk_before: n log k comparisons a row.
+void topk_cpu(const Tensor& indices, const Tensor& in, int64_t k, bool largest) {
+  const int64_t rows = in.size(0), n = in.size(1);
+  EMBER_DISPATCH_ALL(in.dtype(), "topk", [&]<typename T>() {
+    using A = acc_t<T>;
+    const T* x = in.data<T>();
+    int64_t* out = indices.data<int64_t>();
+    const int64_t grain = std::max<int64_t>(1, kGrainSize / std::max<int64_t>(n, 1));
+    parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+      std::vector<int64_t> order(static_cast<size_t>(n));
+      for (int64_t r = b; r < e; ++r) {
+        const T* row = x + r * n;
+        for (int64_t i = 0; i < n; ++i) order[static_cast<size_t>(i)] = i;
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t i, int64_t j) {
+          return topk_before(convert<A>(row[i]), i, convert<A>(row[j]), j, largest);
+        });
+        std::copy(order.begin(), order.begin() + k, out + r * k);
+      }
+    });
+  });
+}
+
 }  // namespace ember::detail

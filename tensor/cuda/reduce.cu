@@ -485,4 +485,78 @@ void arg_reduce_cuda(const Tensor& values, const Tensor& indices, const Tensor& 
   });
 }
 
+// ---- topk ------------------------------------------------------------------------------------
+
+namespace {
+
+// v of lane 0, on every lane.
+template <typename A>
+__device__ A shfl_first(A v) {
+  if constexpr (sizeof(A) < 4) {
+    return static_cast<A>(__shfl_sync(0xffffffffu, static_cast<int>(v), 0));
+  } else if constexpr (std::is_same_v<A, int64_t>) {
+    return static_cast<int64_t>(__shfl_sync(0xffffffffu, static_cast<long long>(v), 0));
+  } else {
+    return __shfl_sync(0xffffffffu, v, 0);
+  }
+}
+
+// A warp per row, k passes: in each, the lanes stride over the row for the first element (in
+// topk_before's order) after the one the previous pass chose, and shuffles pick the warp's.
+// k n reads a row, no scratch memory; k is small where topk is used per row (a router's
+// experts, sampling's candidates).
+template <typename T>
+__global__ void topk_kernel(const T* in, int64_t* out, int64_t rows, int64_t n, int64_t k,
+                            bool largest) {
+  using A = acc_t<T>;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; r < rows;
+       r += warps) {
+    const T* x = in + r * n;
+    A pv{};
+    int64_t pi = -1;
+    for (int64_t s = 0; s < k; ++s) {
+      A bv{};
+      int64_t bi = -1;
+      for (int64_t i = lane; i < n; i += 32) {
+        const A v = convert<A>(x[i]);
+        if (pi >= 0 && !topk_before(pv, pi, v, i, largest)) continue;
+        if (bi < 0 || topk_before(v, i, bv, bi, largest)) {
+          bv = v;
+          bi = i;
+        }
+      }
+      for (int off = 16; off > 0; off /= 2) {
+        const A ov = shfl_down(bv, off);
+        const int64_t oi = shfl_down(bi, off);
+        if (oi >= 0 && (bi < 0 || topk_before(ov, oi, bv, bi, largest))) {
+          bv = ov;
+          bi = oi;
+        }
+      }
+      bv = shfl_first(bv);
+      bi = shfl_first(bi);
+      if (lane == 0) out[r * k + s] = bi;
+      pv = bv;
+      pi = bi;
+    }
+  }
+}
+
+}  // namespace
+
+void topk_cuda(const Tensor& indices, const Tensor& in, int64_t k, bool largest) {
+  DeviceGuard guard(in.device().index);
+  cudaStream_t s = stream_of(in.device());
+  const int64_t rows = in.size(0), n = in.size(1);
+  constexpr int kWarpsPerBlock = kMaxBlock / 32;
+  const int64_t blocks = std::min<int64_t>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxGrid);
+  EMBER_DISPATCH_ALL(in.dtype(), "topk", [&]<typename T>() {
+    topk_kernel<T><<<static_cast<unsigned>(blocks), kMaxBlock, 0, s>>>(
+        in.data<T>(), indices.data<int64_t>(), rows, n, k, largest);
+    EMBER_CUDA_CHECK(cudaGetLastError());
+  });
+}
+
 }  // namespace ember::detail

@@ -369,6 +369,22 @@ void arg_reduce_cpu(const Tensor& values, const Tensor& indices, const Tensor& i
 void arg_reduce_cuda(const Tensor& values, const Tensor& indices, const Tensor& in, int64_t dim,
                      bool is_max);
 
+/// Whether element (v, i) of a row comes before (w, j) in topk's order: the larger first when
+/// `largest` (else the smaller), NaN counting as larger than every number (torch.topk), and of
+/// equal values the lower index first, so that the order is total and the result deterministic.
+template <typename A>
+EMBER_HD inline bool topk_before(A v, int64_t i, A w, int64_t j, bool largest) {
+  const bool vn = is_nan_v(v), wn = is_nan_v(w);
+  if (vn != wn) return largest ? vn : wn;
+  if (!vn && v != w) return largest ? v > w : v < w;
+  return i < j;
+}
+
+/// indices [rows, k] (int64, contiguous) receives, for each row of `in` ([rows, n], contiguous,
+/// 0 < k <= n), the positions of its k first elements in topk_before's order, in that order.
+void topk_cpu(const Tensor& indices, const Tensor& in, int64_t k, bool largest);
+void topk_cuda(const Tensor& indices, const Tensor& in, int64_t k, bool largest);
+
 /// out = softmax (or log_softmax) of in along dim; in and out contiguous, same shape and
 /// floating dtype.
 void softmax_cpu(const Tensor& out, const Tensor& in, int64_t dim, bool log);

@@ -9,6 +9,7 @@
 #include <ember/tensor/autocast.h>
 #include <ember/tensor/detail/record.h>
 #include <ember/tensor/detail/reduce_kernels.h>
+#include <ember/tensor/ops/indexing.h>
 
 namespace ember {
 
@@ -313,6 +314,41 @@ Tensor argmax(const Tensor& t, std::optional<int64_t> dim, bool keepdim) {
 }
 Tensor argmin(const Tensor& t, std::optional<int64_t> dim, bool keepdim) {
   return flat_arg("argmin", t, dim, keepdim, false);
+}
+
+std::pair<Tensor, Tensor> topk(const Tensor& t, int64_t k, int64_t dim, bool largest, bool) {
+  detail::check_defined("topk", t, "input");
+  EMBER_CHECK_TYPE(TypeError, t.dtype() != kBool, "[topk] expected a numeric tensor, got bool");
+  const int64_t d = wrap_dim("topk", dim, t.dim());
+  const int64_t n = t.dim() == 0 ? 1 : t.size(d);
+  EMBER_CHECK_TYPE(IndexError, k >= 0 && k <= n, "[topk] expected 0 <= k <= ", n,
+                   " (the size of dim ", d, " of shape ", t.shape(), "), got k = ", k);
+  Tensor idx;
+  {
+    // Only the positions come from the kernel; the values are gathered below, which is what
+    // autograd records (its backward scatters the gradient back to the positions).
+    NoGradGuard no_grad;
+    const Tensor rows = t.dim() == 0 ? t.view({1, 1}) : t.movedim(d, -1).contiguous();
+    const int64_t nrows = n == 0 ? 0 : rows.numel() / n;
+    Tensor flat = detail::make_empty(Shape{nrows, k}, kInt64, t.device());
+    if (nrows > 0 && k > 0) {
+      const Tensor in = rows.reshape({nrows, n});
+      if (t.is_cuda()) {
+        detail::topk_cuda(flat, in, k, largest);
+      } else {
+        detail::topk_cpu(flat, in, k, largest);
+      }
+    }
+    if (t.dim() == 0) {
+      idx = flat.view(Shape{});
+    } else {
+      Shape s = rows.shape();
+      s[s.size() - 1] = k;
+      idx = flat.view(s).movedim(-1, d).contiguous();
+    }
+  }
+  return {t.dim() == 0 ? gather(t.view({1}), 0, idx.view({1})).view(Shape{}) : gather(t, d, idx),
+          idx};
 }
 
 namespace {

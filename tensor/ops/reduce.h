@@ -27,6 +27,14 @@ Tensor amin(const Tensor& t, IntList dims = {}, bool keepdim = false);
 /// Index of the extreme over dim, or over the flattened tensor when dim is absent.
 Tensor argmax(const Tensor& t, std::optional<int64_t> dim = {}, bool keepdim = false);
 Tensor argmin(const Tensor& t, std::optional<int64_t> dim = {}, bool keepdim = false);
+/// The k largest (smallest unless `largest`) elements along dim and their positions (int64),
+/// both of t's shape with dim's size k (torch.topk). Always in order, best first, whatever
+/// `sorted` says (torch leaves the order unspecified then); NaN counts as larger than every
+/// number, and of equal values the lower position comes first. Differentiable in t (the values
+/// are gathered at the positions). Throws IndexError unless 0 <= k <= t.size(dim), TypeError
+/// for a bool tensor.
+std::pair<Tensor, Tensor> topk(const Tensor& t, int64_t k, int64_t dim = -1, bool largest = true,
+                               bool sorted = true);
 /// Variance with Bessel's correction by default (correction = 1), as torch.var.
 Tensor var(const Tensor& t, IntList dims = {}, int64_t correction = 1, bool keepdim = false);
 Tensor std(const Tensor& t, IntList dims = {}, int64_t correction = 1, bool keepdim = false);

@@ -230,6 +230,18 @@ TEST(MaxMinGrad, TiesShareTheGradientEvenly) {
                {0, 1, 0}, 0, "max() with NaN");
 }
 
+TEST(TopKGrad, ValuesCarryTheGradientBackToTheirPositions) {
+  check(
+      "topk(2, dim 1)", [](const Tensor& x) { return topk(x, 2, 1).first; }, leaf({3, 4}, 43));
+  check(
+      "topk(2, dim 0, smallest)", [](const Tensor& x) { return topk(x, 2, 0, false).first; },
+      noncontig_leaf({3, 4}, 44));
+  // [3, 2]: of the tied 2s the lower position is taken, and only it gets a gradient.
+  expect_close(
+      weighted_grad([](const Tensor& x) { return topk(x, 2).first; }, {0.5, 2, -1, 3, 2}, {5}),
+      {0, 2, 0, 1, 0}, 0, "topk ties");
+}
+
 TEST(MaxMinGrad, DimFormSendsTheGradientToTheSelectedIndex) {
   // Ties: max(dim) picks the first maximum, which gets all of the gradient.
   expect_close(weighted_grad([](const Tensor& x) { return max(x, 1).first; },

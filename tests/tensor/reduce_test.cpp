@@ -1,5 +1,5 @@
 // Reductions (tensor/ops/reduce.h): sum, mean, prod, max/min (with indices), amax/amin,
-// argmax/argmin, var/std, norm, logsumexp, softmax/log_softmax, any/all. Expected values are
+// argmax/argmin, topk, var/std, norm, logsumexp, softmax/log_softmax, any/all. Expected values are
 // closed forms, naive double-precision loops written here, or PyTorch 1.13 literals.
 #include <gtest/gtest.h>
 
@@ -402,6 +402,93 @@ TEST(MaxMin, ZeroDimAndEmptyErrors) {
   EXPECT_EQ(ev.shape(), Shape({0}));
   EXPECT_EQ(ei.shape(), Shape({0}));
   EXPECT_EQ(amax(empty({0, 3}), {1}).shape(), Shape({0}));
+}
+
+// ---- topk ------------------------------------------------------------------------------------
+
+namespace {
+
+// The positions of topk along `dim` by a stable sort of each row (larger first when `largest`;
+// NaN larger than every number; ties in position order), in t's shape with dim's size k.
+std::vector<int64_t> ref_topk(const Tensor& t, int64_t k, int64_t dim, bool largest) {
+  const Tensor rows = t.movedim(dim, -1).contiguous();
+  const int64_t n = t.size(dim), nrows = rows.numel() / std::max<int64_t>(n, 1);
+  const std::vector<double> v = rows.to_vector<double>();
+  std::vector<int64_t> out;
+  for (int64_t r = 0; r < nrows; ++r) {
+    std::vector<int64_t> order(n);
+    for (int64_t i = 0; i < n; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t i, int64_t j) {
+      const double a = v[r * n + i], b = v[r * n + j];
+      if (std::isnan(a) != std::isnan(b)) return largest ? std::isnan(a) : std::isnan(b);
+      return largest ? a > b : a < b;
+    });
+    out.insert(out.end(), order.begin(), order.begin() + k);
+  }
+  Shape s = rows.shape();
+  s[s.size() - 1] = k;
+  return from_vector(out, s).movedim(-1, dim).contiguous().to_vector<int64_t>();
+}
+
+}  // namespace
+
+TEST(TopK, MatchesAStableSortAlongEveryDimOfEveryLayout) {
+  for (Dtype dtype : {kFloat32, kFloat64, kBFloat16, kInt64, kUInt8}) {
+    // Values on a 1/64 grid (integers: on 1/8 of it): many ties, which go in position order.
+    for (const auto& [name, t] :
+         layouts(dtype, is_floating(dtype) ? 1.0f : 8.0f, dtype == kUInt8 ? 32.0f : 0.0f)) {
+      for (int64_t dim : {0, 1, 2, -1}) {
+        const int64_t n = t.size(dim);
+        for (int64_t k : {int64_t{0}, int64_t{1}, int64_t{3}, n}) {
+          for (bool largest : {true, false}) {
+            const std::string w = name + " " + std::string(dtype_name(dtype)) + " dim " +
+                                  std::to_string(dim) + " k " + std::to_string(k) +
+                                  (largest ? " largest" : " smallest");
+            auto [values, indices] = topk(t, k, dim, largest);
+            Shape s = t.shape();
+            s[dim < 0 ? dim + 3 : dim] = k;
+            ASSERT_EQ(indices.shape(), s) << w;
+            ASSERT_EQ(values.shape(), s) << w;
+            EXPECT_EQ(indices.dtype(), kInt64) << w;
+            EXPECT_EQ(values.dtype(), dtype) << w;
+            EXPECT_EQ(indices.to_vector<int64_t>(), ref_topk(t, k, dim, largest)) << w;
+            EXPECT_EQ(values.to_vector<double>(), gather(t, dim, indices).to_vector<double>()) << w;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(TopK, NanCountsAsLargestAndRowsLongerThanAThreadsShare) {
+  const Tensor t = from_vector<double>({1, kNaN, 3, kNaN, -kInf, 3}, {6});
+  EXPECT_EQ(topk(t, 3).second.to_vector<int64_t>(), (std::vector<int64_t>{1, 3, 2}));
+  EXPECT_EQ(topk(t, 4, 0, false).second.to_vector<int64_t>(), (std::vector<int64_t>{4, 0, 2, 5}));
+  // Long rows, few of them (sampling's shape), and many short rows (a router's).
+  for (const Shape& shape : {Shape{2, 50304}, Shape{4099, 8}}) {
+    const Tensor x = grid_tensor(IntList(shape.data(), shape.size()), kFloat32, 7);
+    for (int64_t k : {int64_t{1}, int64_t{2}, int64_t{8}}) {
+      EXPECT_EQ(topk(x, k).second.to_vector<int64_t>(), ref_topk(x, k, 1, true))
+          << shape << " k " << k;
+    }
+  }
+}
+
+TEST(TopK, ZeroDimAndEmptyRows) {
+  auto [v0, i0] = topk(from_vector<float>({2.5f}, {1}).view(Shape{}), 1);
+  EXPECT_EQ(v0.dim(), 0);
+  EXPECT_EQ(v0.item<float>(), 2.5f);
+  EXPECT_EQ(i0.item<int64_t>(), 0);
+  EXPECT_EQ(topk(empty({0, 5}), 2).first.shape(), Shape({0, 2}));
+}
+
+TEST(TopK, BadArgumentsAreClearErrors) {
+  const Tensor t = zeros({3, 4});
+  expect_error<IndexError>([&] { topk(t, 5); }, {"[topk]", "0 <= k <= 4", "got k = 5"});
+  expect_error<IndexError>([&] { topk(t, -1, 0); }, {"[topk]", "0 <= k <= 3"});
+  expect_error<IndexError>([&] { topk(t, 1, 2); }, {"topk"});
+  expect_error<TypeError>([&] { topk(t.to(kBool), 1); }, {"[topk]", "bool"});
+  expect_error<ValueError>([&] { topk(Tensor(), 1); }, {"topk"});
 }
 
 // ---- var / std -------------------------------------------------------------------------------
@@ -874,6 +961,34 @@ TEST(ReduceCuda, ColumnsOfEveryWidth) {
       }
     }
   }
+}
+
+TEST(ReduceCuda, TopKMatchesCpu) {
+  if (!ember::cuda::is_available())
+    GTEST_SKIP() << "no CUDA device: " << ember::cuda::unavailable_reason();
+  for (Dtype dtype : {kFloat32, kFloat64, kFloat16, kBFloat16, kInt64, kInt32, kUInt8}) {
+    for (const auto& [name, t] :
+         layouts(dtype, is_floating(dtype) ? 1.0f : 8.0f, dtype == kUInt8 ? 32.0f : 0.0f)) {
+      const Tensor g = t.cuda();
+      for (int64_t dim : {0, 1, 2}) {
+        for (int64_t k : {int64_t{1}, int64_t{3}, t.size(dim)}) {
+          for (bool largest : {true, false}) {
+            const std::string w = name + " " + std::string(dtype_name(dtype)) + " dim " +
+                                  std::to_string(dim) + " k " + std::to_string(k);
+            auto [cv, ci] = topk(t, k, dim, largest);
+            auto [gv, gi] = topk(g, k, dim, largest);
+            expect_same(cv, gv, 0, "topk values " + w);
+            expect_same(ci, gi, 0, "topk indices " + w);
+          }
+        }
+      }
+    }
+  }
+  const Tensor nan = from_vector<double>({1, kNaN, 3, kNaN, -kInf, 3}, {6});
+  expect_same(topk(nan, 4).second, topk(nan.cuda(), 4).second, 0, "topk NaN");
+  expect_same(topk(nan, 4, 0, false).second, topk(nan.cuda(), 4, 0, false).second, 0, "topk NaN");
+  const Tensor wide = grid_tensor({3, 50304}, kBFloat16, 7);
+  expect_same(topk(wide, 50).second, topk(wide.cuda(), 50).second, 0, "topk wide");
 }
 
 TEST(ReduceCuda, LargeAndEdgeCases) {

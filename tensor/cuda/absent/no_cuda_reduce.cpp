@@ -12,6 +12,7 @@ void reduce_cuda(ReduceKind, const Tensor&, const Tensor&, uint32_t, const Reduc
 void arg_reduce_cuda(const Tensor&, const Tensor&, const Tensor&, int64_t, bool is_max) {
   no_cuda(is_max ? "argmax" : "argmin");
 }
+void topk_cuda(const Tensor&, const Tensor&, int64_t, bool) { no_cuda("topk"); }
 void softmax_cuda(const Tensor&, const Tensor&, int64_t, bool log) {
   no_cuda(log ? "log_softmax" : "softmax");
 }
