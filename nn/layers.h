@@ -1,7 +1,7 @@
 // Every layer in one include: linear, convolution, normalisation, activations, dropout,
-// embedding, pooling, flatten, multi-head attention, the transformer encoder layer and the
-// containers. Losses are in nn/loss.h, functional forms in nn/functional.h, initialisers in
-// nn/init.h.
+// embedding, pooling, flatten, multi-head attention, the transformer encoder layer, mixture of
+// experts and the containers. Losses are in nn/loss.h, functional forms in nn/functional.h,
+// initialisers in nn/init.h.
 #pragma once
 
 #include <ember/nn/layers/activation.h>
@@ -11,6 +11,7 @@
 #include <ember/nn/layers/embedding.h>
 #include <ember/nn/layers/flatten.h>
 #include <ember/nn/layers/linear.h>
+#include <ember/nn/layers/moe.h>
 #include <ember/nn/layers/multihead_attention.h>
 #include <ember/nn/layers/norm.h>
 #include <ember/nn/layers/pooling.h>

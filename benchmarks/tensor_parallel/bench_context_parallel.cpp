@@ -25,20 +25,14 @@
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops/random.h>
 #include <ember/tensor/threading.h>
+#include "benchmarks/tensor_parallel/timing.h"
 
 using namespace ember;
-using Clock = std::chrono::steady_clock;
+using bench::Clock;
+using bench::median;
+using bench::since_ms;
 
 namespace {
-
-double since_ms(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 struct Inputs {
   Tensor q, k, v, w;

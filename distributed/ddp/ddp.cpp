@@ -105,6 +105,23 @@ std::vector<ParamSig> decode(const int64_t* v, int64_t len) {
 
 // Every rank must hold the same parameters: gathers each rank's signature and throws the same
 // ValueError on every rank, naming the first parameter that differs and a rank that differs.
+// The module's parameters less the ignored ones (each of which must be one of them).
+nn::NamedTensors synchronised_parameters(nn::Module& module,
+                                         const std::vector<std::string>& ignored) {
+  nn::NamedTensors named = module.named_parameters();
+  for (const std::string& name : ignored) {
+    EMBER_CHECK(
+        std::any_of(named.begin(), named.end(), [&](const auto& p) { return p.first == name; }),
+        kOp, " ignored_parameters names '", name,
+        "', which is not a parameter of the "
+        "module");
+  }
+  std::erase_if(named, [&](const auto& p) {
+    return std::find(ignored.begin(), ignored.end(), p.first) != ignored.end();
+  });
+  return named;
+}
+
 void check_same_parameters(ProcessGroup& pg, const nn::NamedTensors& named) {
   std::vector<int64_t> sig{static_cast<int64_t>(named.size())};
   for (const auto& [name, t] : named) {
@@ -175,9 +192,11 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
   comm_ = level == DebugLevel::Detail ? std::make_shared<CheckedProcessGroup>(group_) : group_;
   register_module("module", module_);
 
-  const nn::NamedTensors named = module_->named_parameters();
+  const nn::NamedTensors named = synchronised_parameters(*module_, options_.ignored_parameters);
   check_same_parameters(*comm_, named);
-  broadcast_tensors(*comm_, module_->parameters());
+  std::vector<Tensor> tensors;
+  for (const auto& [name, t] : named) tensors.push_back(t);
+  broadcast_tensors(*comm_, tensors);
   broadcast_tensors(*comm_, module_->buffers());
 
   std::vector<dist::detail::ReducerParam> params;
@@ -310,7 +329,11 @@ void DistributedDataParallel::join(const std::function<void()>& body, JoinOption
   // data: nothing to sync.
   const int source = join_->authoritative_rank();
   if (source >= 0) {
-    broadcast_tensors(*comm_, module_->parameters(), source);
+    std::vector<Tensor> params;
+    for (const auto& [name, t] : synchronised_parameters(*module_, options_.ignored_parameters)) {
+      params.push_back(t);
+    }
+    broadcast_tensors(*comm_, params, source);
     broadcast_tensors(*comm_, module_->buffers(), source);
   }
 }

@@ -30,6 +30,11 @@ struct DDPOptions {
   /// with gradients differs throws ValueError naming them. Buckets are rebuilt (unlike with
   /// find_unused_parameters alone).
   bool static_graph = false;
+  /// Parameters (named as module->named_parameters() names them) that DDP leaves alone: not
+  /// checked, broadcast or reduced (torch's _set_params_and_buffers_to_ignore_for_model), e.g.
+  /// the experts each rank holds under expert parallelism (expert_parallel.h). A name that is no
+  /// parameter of the module is a ValueError.
+  std::vector<std::string> ignored_parameters;
 };
 
 /// Options of DistributedDataParallel::join (torch's DistributedDataParallel.join arguments).

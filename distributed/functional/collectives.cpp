@@ -131,6 +131,56 @@ struct AllToAllFn : autograd::Function<AllToAllFn> {
   }
 };
 
+// Rows [offset, offset + size) of dim 0 for each rank, from a list of sizes.
+std::vector<int64_t> offsets_of(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> off(sizes.size() + 1, 0);
+  std::partial_sum(sizes.begin(), sizes.end(), off.begin() + 1);
+  return off;
+}
+
+// The exchange behind all_to_all_single: a send and a receive per peer with rows to move, all
+// issued before any is waited for (batch_isend_irecv), and this rank's own rows copied.
+Tensor exchange_rows(const Tensor& t, const std::vector<int64_t>& out_sizes,
+                     const std::vector<int64_t>& in_sizes, ProcessGroup& g) {
+  const Tensor in = t.contiguous();
+  std::vector<int64_t> shape = in.shape().vec();
+  const std::vector<int64_t> in_off = offsets_of(in_sizes), out_off = offsets_of(out_sizes);
+  shape[0] = out_off.back();
+  Tensor out = empty(shape, in.options());
+  std::vector<P2POp> ops;
+  for (int r = 0; r < g.size(); ++r) {
+    if (r == g.rank()) continue;
+    if (in_sizes[r] > 0) ops.push_back(P2POp::isend(in.narrow(0, in_off[r], in_sizes[r]), r));
+    if (out_sizes[r] > 0) ops.push_back(P2POp::irecv(out.narrow(0, out_off[r], out_sizes[r]), r));
+  }
+  std::vector<WorkPtr> works;
+  if (!ops.empty()) works = g.batch_isend_irecv(ops);
+  const int me = g.rank();
+  if (in_sizes[me] > 0) {
+    out.narrow(0, out_off[me], out_sizes[me]).copy_(in.narrow(0, in_off[me], in_sizes[me]));
+  }
+  for (const WorkPtr& w : works) w->wait();
+  return out;
+}
+
+struct SplitState {
+  std::shared_ptr<ProcessGroup> group;
+  std::vector<int64_t> out_sizes, in_sizes;
+};
+
+struct AllToAllSingleFn : autograd::Function<AllToAllSingleFn> {
+  static Tensor forward(Context* ctx, const Tensor& t, std::vector<int64_t> out_sizes,
+                        std::vector<int64_t> in_sizes, std::shared_ptr<ProcessGroup> g) {
+    Tensor out = exchange_rows(t, out_sizes, in_sizes, *g);
+    ctx->state<SplitState>() = {std::move(g), std::move(out_sizes), std::move(in_sizes)};
+    return out;
+  }
+  static TensorList backward(Context* ctx, TensorList grads) {
+    const SplitState& s = ctx->state<SplitState>();
+    return {all_to_all_single(grads[0], s.in_sizes, s.out_sizes, s.group)};
+  }
+};
+
 struct BroadcastFn : autograd::Function<BroadcastFn> {
   static Tensor forward(Context* ctx, const Tensor& t, int src, std::shared_ptr<ProcessGroup> g) {
     ctx->state<GroupState>().group = g;
@@ -184,6 +234,40 @@ Tensor all_to_all(const Tensor& t, int64_t split_dim, int64_t concat_dim,
                   std::shared_ptr<ProcessGroup> group) {
   return AllToAllFn::apply(t, wrap_dim("all_to_all", split_dim, t),
                            wrap_dim("all_to_all", concat_dim, t), or_default(std::move(group)));
+}
+
+Tensor all_to_all_single(const Tensor& t, std::vector<int64_t> output_split_sizes,
+                         std::vector<int64_t> input_split_sizes,
+                         std::shared_ptr<ProcessGroup> group) {
+  group = or_default(std::move(group));
+  const int64_t n = group->size();
+  EMBER_CHECK(t.dim() >= 1, "[all_to_all_single] expected a tensor of at least one dim, got ",
+              "shape ", t.shape());
+  auto check_sizes = [&](std::vector<int64_t>& sizes, const char* which, int64_t rows) {
+    if (sizes.empty()) {
+      EMBER_CHECK(rows % n == 0, "[all_to_all_single] without ", which, " dim 0 of size ", rows,
+                  " must divide into the group's ", n, " ranks");
+      sizes.assign(static_cast<size_t>(n), rows / n);
+      return;
+    }
+    EMBER_CHECK(static_cast<int64_t>(sizes.size()) == n, "[all_to_all_single] expected ", n, " ",
+                which, " (one per rank of the group), got ", sizes.size());
+    for (int64_t v : sizes) {
+      EMBER_CHECK(v >= 0, "[all_to_all_single] expected non-negative ", which, ", got ", v);
+    }
+  };
+  check_sizes(input_split_sizes, "input_split_sizes", t.size(0));
+  const int64_t sent =
+      std::accumulate(input_split_sizes.begin(), input_split_sizes.end(), int64_t{0});
+  EMBER_CHECK(sent == t.size(0), "[all_to_all_single] input_split_sizes add up to ", sent,
+              " rows, but the input has ", t.size(0), " (shape ", t.shape(), ")");
+  check_sizes(output_split_sizes, "output_split_sizes", t.size(0));
+  const int me = group->rank();
+  EMBER_CHECK(output_split_sizes[me] == input_split_sizes[me], "[all_to_all_single] rank ", me,
+              " sends itself ", input_split_sizes[me], " rows but expects to receive ",
+              output_split_sizes[me]);
+  return AllToAllSingleFn::apply(t, std::move(output_split_sizes), std::move(input_split_sizes),
+                                 std::move(group));
 }
 
 Tensor broadcast(const Tensor& t, int src, std::shared_ptr<ProcessGroup> group) {

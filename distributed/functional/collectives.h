@@ -16,6 +16,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include <ember/distributed/process_group.h>
 
@@ -43,6 +44,18 @@ Tensor reduce_scatter(const Tensor& t, int64_t dim, ReduceOp op = ReduceOp::Sum,
 /// (split along concat_dim, concatenate along split_dim).
 Tensor all_to_all(const Tensor& t, int64_t split_dim, int64_t concat_dim,
                   std::shared_ptr<ProcessGroup> group = nullptr);
+
+/// Rows of `t` (along dim 0) exchanged with uneven counts (torch.distributed.nn.functional.
+/// all_to_all_single with split sizes): the first input_split_sizes[0] rows go to rank 0, the
+/// next input_split_sizes[1] to rank 1, and so on; the result holds output_split_sizes[r] rows
+/// from each rank r, in rank order. Empty sizes mean equal splits of dim 0. Every rank's
+/// output_split_sizes[r] must be rank r's input_split_sizes for it (a mismatch is reported by
+/// the receive, naming both sizes). Pairs with nothing to move exchange no message. Backward:
+/// the gradient sent back the same way reversed. Used to dispatch tokens to experts
+/// (expert_parallel.h). Throws ValueError naming the sizes when they do not fit `t` or the group.
+Tensor all_to_all_single(const Tensor& t, std::vector<int64_t> output_split_sizes,
+                         std::vector<int64_t> input_split_sizes,
+                         std::shared_ptr<ProcessGroup> group = nullptr);
 
 /// Every rank gets rank `src`'s `t`. `src` is a rank of `group` (its rank there, as in every
 /// ProcessGroup call; PyTorch's torch.distributed.nn.functional.broadcast takes the global rank:

@@ -1,7 +1,8 @@
-// dist::functional: each differentiable collective's forward against closed forms and its
-// backward against the adjoint collective's closed form, at 4 rank threads; Megatron's
-// column- then row-parallel MLP written with copy_to_group / reduce_from_group equals the same
-// MLP on one rank, outputs and gradients; the errors.
+// dist::functional: each differentiable collective's forward (all_to_all_single with uneven
+// splits among them) against closed forms and its backward against the adjoint collective's
+// closed form, at 4 rank threads; Megatron's column- then row-parallel MLP written with
+// copy_to_group / reduce_from_group equals the same MLP on one rank, outputs and gradients; the
+// errors.
 #include <ember/distributed/functional/collectives.h>
 
 #include <gtest/gtest.h>
@@ -91,6 +92,34 @@ TEST(Functional, AllToAllAndTheReverseInBackward) {
     require_close("all_to_all grad", x.grad(),
                   (arange(1, 5, 1, TensorOptions(kFloat32))).reshape({4, 1}) * ones({1, 2}), 0);
   }, kTimeout);
+}
+
+TEST(Functional, AllToAllSingleWithUnevenSplitsAndTheReverseInBackward) {
+  run_rank_threads(
+      kRanks,
+      [](int r) {
+        // Rank r sends (r + d) % 3 rows to rank d (none to some), row i of them 100 r + 10 d + i.
+        auto count = [](int from, int to) { return static_cast<int64_t>((from + to) % 3); };
+        std::vector<int64_t> in_sizes, out_sizes;
+        std::vector<float> rows, want, want_grad;
+        for (int d = 0; d < kRanks; ++d) {
+          in_sizes.push_back(count(r, d));
+          out_sizes.push_back(count(d, r));
+          for (int64_t i = 0; i < count(r, d); ++i) {
+            rows.push_back(static_cast<float>(100 * r + 10 * d + i));
+            want_grad.push_back(static_cast<float>(d + 1));  // rank d's loss weight
+          }
+          for (int64_t i = 0; i < count(d, r); ++i)
+            want.push_back(static_cast<float>(100 * d + 10 * r + i));
+        }
+        const int64_t n = static_cast<int64_t>(rows.size()), m = static_cast<int64_t>(want.size());
+        Tensor x = leaf(f32(rows, {n, 1}) * ones({1, 3}));
+        Tensor y = F::all_to_all_single(x, out_sizes, in_sizes);
+        require_close("all_to_all_single", y, f32(want, {m, 1}) * ones({1, 3}), 0);
+        weighted_loss(y, r).backward();
+        require_close("all_to_all_single grad", x.grad(), f32(want_grad, {n, 1}) * ones({1, 3}), 0);
+      },
+      kTimeout);
 }
 
 TEST(Functional, BroadcastAndItsReduceToTheSource) {
