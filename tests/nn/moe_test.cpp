@@ -9,6 +9,8 @@
 #include <vector>
 
 #include <ember/autograd/autograd.h>
+#include <ember/tensor/autocast.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops/random.h>
@@ -125,6 +127,49 @@ TEST(MoE, KeptExpertsAndUnusedOnesAndEmptyInput) {
   const Tensor h = silu(matmul(rows.narrow(0, 2, 3), moe.w1.select(0, 2))) *
                    matmul(rows.narrow(0, 2, 3), moe.w3.select(0, 2));
   expect_close(out.narrow(0, 2, 3), matmul(h, moe.w2.select(0, 2)), 1e-6, "expert 4's rows");
+}
+
+// Under bfloat16 autocast the experts run in bfloat16 and the router's softmax in float32.
+TEST(MoE, UnderAutocastTheExpertsRunIn16Bits) {
+  manual_seed(4);
+  MoE moe({.dim = 8, .hidden = 16, .experts = 4, .top_k = 2});
+  const Tensor x = randn({12, 8});
+  const Tensor want = moe.forward(x).detach();
+  AutocastGuard bf16(kCPU, kBFloat16);
+  Tensor leaf = x.detach().requires_grad_();
+  const Tensor y = moe.forward(leaf);
+  EXPECT_EQ(y.dtype(), kBFloat16);
+  expect_close(y.to(kFloat32), want, 5e-2, "bf16 y");
+  y.to(kFloat32).sum().backward();
+  EXPECT_EQ(moe.w1.grad().dtype(), kFloat32);
+  EXPECT_EQ(leaf.grad().dtype(), kFloat32);
+}
+
+// On a GPU (routing through topk's CUDA kernel, one copy of the chosen experts to the host),
+// bfloat16 autocast included, against the same layer on the CPU.
+TEST(MoECuda, MatchesTheCpuForwardAndBackward) {
+  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+  manual_seed(3);
+  MoE cpu({.dim = 8, .hidden = 16, .experts = 6, .top_k = 2});
+  manual_seed(3);
+  MoE gpu({.dim = 8, .hidden = 16, .experts = 6, .top_k = 2});
+  gpu.to(cuda_device(0));
+  const Tensor x = randn({5, 9, 8}), w = randn({5, 9, 8});
+  const Grads want = grads_of([&](const Tensor& in) { return cpu.forward(in); }, x, cpu, w);
+  const Grads got = grads_of([&](const Tensor& in) { return gpu.forward(in.to(cuda_device(0))); },
+                             x, gpu, w.to(cuda_device(0)));
+  expect_close(got.y.cpu(), want.y, 1e-4, "cuda y");
+  expect_close(got.x.cpu(), want.x, 1e-4, "cuda dx");
+  expect_close(got.router.cpu(), want.router, 1e-4, "cuda drouter");
+  expect_close(got.w1.cpu(), want.w1, 1e-4, "cuda dw1");
+  expect_close(got.w2.cpu(), want.w2, 1e-4, "cuda dw2");
+  EXPECT_EQ(gpu.tokens_per_expert(), cpu.tokens_per_expert());
+  {
+    AutocastGuard bf16(cuda_device(0), kBFloat16);
+    const Tensor y = gpu.forward(x.to(cuda_device(0)));
+    EXPECT_EQ(y.dtype(), kBFloat16);
+    expect_close(y.to(kFloat32).cpu(), want.y, 5e-2, "cuda bf16 y");
+  }
 }
 
 TEST(MoE, BadArgumentsAreClearErrors) {

@@ -23,6 +23,7 @@
 #include <ember/nn/clip_grad.h>
 #include <ember/nn/layers.h>
 #include <ember/nn/optim/sgd.h>
+#include <ember/tensor/gpu/cuda.h>
 #include <ember/tensor/ops.h>
 #include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops/random.h>
@@ -84,26 +85,28 @@ Experts make_setup(int n, const std::vector<int64_t>& tokens, const nn::MoEOptio
 // One rank's part: its outputs, its tokens' gradients, the router's gradient averaged over ranks
 // (what DDP would do) and its experts' gradients against the one process's.
 void check_rank(const Experts& s, const std::shared_ptr<ProcessGroup>& pg, int rank,
-                const std::string& what) {
+                const std::string& what, Device device = kCPU, double tol = 1e-5) {
   const std::shared_ptr<nn::MoE>& moe = s.layers[rank];
+  moe->to(device);
   parallelize_experts(moe, pg);
   const int64_t local = s.options.experts / s.n;
   require(moe->local_experts() == local && moe->first_expert() == rank * local,
           what + ": the experts kept");
-  Tensor x = s.x[rank].detach().requires_grad_();
+  Tensor x = s.x[rank].to(device).detach().requires_grad_();
   const Tensor y = moe->forward(x);
-  require_close(what + " y", y, s.y[rank], 1e-5);
-  (y * s.w[rank]).sum().backward();
-  require_close(what + " dx", x.grad() / static_cast<double>(s.n), s.dx[rank], 1e-5);
+  require(y.device() == device, what + ": the output's device");
+  require_close(what + " y", y.cpu(), s.y[rank], tol);
+  (y * s.w[rank].to(device)).sum().backward();
+  require_close(what + " dx", x.grad().cpu() / static_cast<double>(s.n), s.dx[rank], tol);
   const Tensor drouter = functional::all_reduce(moe->router->weight.grad(), ReduceOp::Sum, pg) /
                          static_cast<double>(s.n);
-  require_close(what + " drouter", drouter, s.drouter, 1e-5);
-  require_close(what + " dw1", or_zeros(moe->w1.grad(), moe->w1),
-                s.dw1.narrow(0, rank * local, local), 1e-5);
-  require_close(what + " dw3", or_zeros(moe->w3.grad(), moe->w3),
-                s.dw3.narrow(0, rank * local, local), 1e-5);
-  require_close(what + " dw2", or_zeros(moe->w2.grad(), moe->w2),
-                s.dw2.narrow(0, rank * local, local), 1e-5);
+  require_close(what + " drouter", drouter.cpu(), s.drouter, tol);
+  require_close(what + " dw1", or_zeros(moe->w1.grad(), moe->w1).cpu(),
+                s.dw1.narrow(0, rank * local, local), tol);
+  require_close(what + " dw3", or_zeros(moe->w3.grad(), moe->w3).cpu(),
+                s.dw3.narrow(0, rank * local, local), tol);
+  require_close(what + " dw2", or_zeros(moe->w2.grad(), moe->w2).cpu(),
+                s.dw2.narrow(0, rank * local, local), tol);
 }
 
 // Two gloo processes over shared memory, as under emberrun. First in the file, so that a run of
@@ -140,6 +143,19 @@ TEST(ExpertParallel, EachRanksPartIsOneProcessOverEveryRanksTokens) {
                      ", rank " + std::to_string(rank));
     });
   }
+}
+
+// Rank threads sharing one GPU, a stream each: the routing (topk's CUDA kernel), the exchanges
+// between streams and the experts' matmuls on the device give one process's CPU answer.
+TEST(ExpertParallelCuda, RankThreadsOnOneGpu) {
+  EMBER_REQUIRE_CUDA();
+  const Experts s = make_setup(4, {6, 0, 3, 11}, {.dim = 6, .hidden = 8, .experts = 8});
+  test::ThreadsSetup setup;
+  setup.n = 4;
+  setup.device = cuda_device(0);
+  test::run_threads(setup, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    check_rank(s, pg, rank, "cuda, 4 ranks, rank " + std::to_string(rank), setup.device, 1e-4);
+  });
 }
 
 // A model with an MoE in the middle, trained for three SGD steps with the balance loss: ranks
