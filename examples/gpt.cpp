@@ -14,6 +14,7 @@
 //   emberrun --nnodes 2 --nproc-per-node 4 ... build/examples/gpt --shard hsdp
 //   emberrun --nnodes 2 --nproc-per-node 8 ... build/examples/gpt --shard hsdp --tp 2
 //   emberrun --nproc-per-node 2 build/examples/gpt --pp 2 --microbatches 8 --schedule 1f1b
+//   emberrun --nproc-per-node 2 build/examples/gpt --experts 8 --top-k 2 --ep  (mixture of experts)
 //   build/examples/gpt --device cuda --amp bf16 --layers 12 --heads 12 --dim 768
 //       --context 1024 --data synthetic --warmup-steps 10 --peak-tflops 989.4  (GPT-2 124M, MFU)
 //
@@ -253,6 +254,11 @@ std::string Trainer::layout_text() const {
   }
   if (layout_.cp_group)
     return "; context parallel over " + layout_.mesh->str() + " (load-balanced" + cp_rotation + ")";
+  if (a_.experts > 0) {
+    return "; " + std::to_string(a_.experts) + " experts per block, top " +
+           std::to_string(a_.top_k) +
+           (par_.ep_mesh ? ", expert parallel over " + std::to_string(run_.world) + " ranks" : "");
+  }
   return "";
 }
 
@@ -359,10 +365,16 @@ double Trainer::train_step(int64_t step) {
     Tensor logits = par_.ddp ? par_.ddp->forward(x) : (*model_)(x);  // [B, T, vocab]
     loss = loss_of(logits, y);
   }
-  scaler_.scale(loss).backward();
+  // --experts: the experts' balance loss joins the training loss (the printed loss is the
+  // model's alone).
+  const Tensor trained =
+      a_.experts > 0 && a_.aux_loss > 0 ? loss + a_.aux_loss * model_->aux_loss() : loss;
+  scaler_.scale(trained).backward();
   if (a_.grad_clip > 0) {
     scaler_.unscale_(par_.optimizer());
-    if (par_.ddp && layout_.tp_mesh) {
+    if (par_.ep_mesh) {  // each expert's shards counted once over the ranks
+      grad_norm_ = dist::clip_grad_norm_(par_.ddp->parameters(), a_.grad_clip, *par_.ep_mesh);
+    } else if (par_.ddp && layout_.tp_mesh) {
       grad_norm_ = dist::clip_grad_norm_(par_.ddp->parameters(), a_.grad_clip, *layout_.tp_mesh);
     } else if (par_.ddp) {
       grad_norm_ = nn::clip_grad_norm_(par_.ddp->parameters(), a_.grad_clip);

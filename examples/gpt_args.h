@@ -56,6 +56,10 @@ struct Args {
   int64_t pp = 1;              // pipeline stages' ranks; each rank runs its stages of the model
   int64_t cp = 1;              // context-parallel ranks: each holds a part of every sequence
   std::string cp_rotate = "allgather";  // --cp: keys and values all-gathered, or round a ring
+  int64_t experts = 0;                  // > 0: each block's MLP a mixture of this many experts
+  int64_t top_k = 2;                    // --experts: experts per token
+  bool ep = false;                      // --experts: shard the experts over every rank
+  double aux_loss = 0.01;               // --experts: the balance loss's weight in the training loss
   int64_t microbatches = 4;    // --pp: micro-batches per step
   std::string schedule = "1f1b";  // --pp: gpipe, 1f1b, interleaved-1f1b or zero-bubble
   int64_t warmup_steps = 0;       // this run's first steps, left out of tokens_per_s
@@ -155,6 +159,16 @@ inline std::string unavailable(const Args& a) {
     return "--sample writes bytes, so it needs byte-level data (got --data " + a.data +
            ", llm.c's tokens)";
   }
+  if (a.experts > 0 && (a.tp > 1 || a.pp > 1 || a.cp > 1 || a.cuda_graph ||
+                        !a.init_from_hf.empty() || !a.export_hf.empty())) {
+    return "--experts takes none of --tp, --pp, --cp, --cuda-graph, --init-from-hf and "
+           "--export-hf yet (docs/tensor_parallel.md, expert parallelism)";
+  }
+  if (a.ep && (a.experts == 0 || a.shard != "none" || a.sample > 0 || !a.save_weights.empty())) {
+    return "--ep shards --experts over the ranks under DDP: it needs --experts and takes neither "
+           "--shard, --sample nor --save-weights yet (write a checkpoint and sample from it "
+           "without --ep)";
+  }
   if (a.hsdp_shard != 0 && a.shard != "hsdp") {
     return "--hsdp-shard needs --shard hsdp (got --shard " + a.shard + ")";
   }
@@ -180,6 +194,10 @@ inline std::string bad_shape(const Args& a) {
     return "--vocab " + std::to_string(a.vocab) +
            " is past what --data synthetic draws: its "
            "tokens are uint16, so at most 65536 (llm.c's format)";
+  }
+  if (a.experts > 0 && a.top_k > a.experts) {
+    return "--top-k " + std::to_string(a.top_k) + " is more than the " + std::to_string(a.experts) +
+           " --experts";
   }
   if (a.dim % a.heads != 0) {
     return "--dim " + std::to_string(a.dim) + " must be a multiple of --heads " +
@@ -303,6 +321,21 @@ inline void add_options(CLI::App& app, Args& a) {
                  "per rank by --schedule; the other ranks are data parallel "
                  "(docs/pipeline_parallel.md)")
       ->check(kPositive)->capture_default_str();
+  app.add_option("--experts", a.experts,
+                 "> 0: each block's MLP is a mixture of this many SwiGLU experts (hidden 4 x "
+                 "--dim), each token routed to --top-k of them (0: the dense MLP)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  app.add_option("--top-k", a.top_k, "with --experts: experts per token")
+      ->check(kPositive)
+      ->capture_default_str();
+  app.add_flag("--ep", a.ep,
+               "with --experts: expert parallelism, each rank holding experts / ranks of every "
+               "block's experts, tokens sent to their experts' ranks (docs/tensor_parallel.md)");
+  app.add_option("--aux-loss", a.aux_loss,
+                 "with --experts: the weight of the experts' balance loss in the training loss")
+      ->check(kNonNegative)
+      ->capture_default_str();
   app.add_option("--microbatches", a.microbatches, "with --pp: micro-batches per step")
       ->check(kPositive)->capture_default_str();
   app.add_option("--schedule", a.schedule, "with --pp: the pipeline schedule")

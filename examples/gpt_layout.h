@@ -16,6 +16,7 @@
 #include <ember/distributed/sharding/zero.h>
 #include <ember/distributed/sharding/zero_hook.h>
 #include <ember/distributed/tensor_parallel/context_parallel.h>
+#include <ember/distributed/tensor_parallel/expert_parallel.h>
 #include <ember/nn/functional.h>
 #include <ember/nn/optim/lr_scheduler.h>
 #include "examples/gpt_args.h"
@@ -258,6 +259,7 @@ struct Parallel {
   std::unique_ptr<dist::ZeroRedundancyOptimizer> zero;  // zero
   std::unique_ptr<nn::optim::AdamW> adamw;              // none, fsdp
   std::unique_ptr<Pipeline> pipe;                       // --pp
+  std::shared_ptr<dist::DeviceMesh> ep_mesh;            // --ep: the ranks the experts span
   /// The optimizer LR schedules and the grad scaler drive (zero: this rank's local one).
   nn::optim::Optimizer& optimizer() { return zero ? zero->optimizer() : *adamw; }
 };
@@ -354,7 +356,15 @@ inline Parallel make_parallel(const Args& a, const std::shared_ptr<GPT>& model,
   EMBER_CHECK(!a.cuda_graph || pg->backend_name() == "nccl", "--cuda-graph across ", pg->size(),
               " ranks needs --backend nccl, got ", pg->backend_name(),
               " (docs/tensor.md, CUDA graphs)");
-  p.ddp = std::make_shared<dist::DistributedDataParallel>(model, layout.grads);
+  dist::DDPOptions ddp_options;
+  if (a.ep) {  // every block's experts split over the ranks; DDP averages the rest
+    EMBER_CHECK(a.experts % pg->size() == 0, "--ep: the ", pg->size(),
+                " ranks must divide --experts ", a.experts);
+    for (const auto& block : model->blocks) dist::parallelize_experts(block->moe(), pg);
+    ddp_options.ignored_parameters = dist::expert_parameter_names(*model);
+    p.ep_mesh = dist::DeviceMesh::from_group({pg}, device.is_cuda() ? "cuda" : "cpu");
+  }
+  p.ddp = std::make_shared<dist::DistributedDataParallel>(model, layout.grads, ddp_options);
   if (a.shard == "zero") {
     p.zero = make_zero(a, p.ddp->parameters(), layout.grads, a.zero_overlap);
     // Each bucket's partition is stepped as soon as the bucket is reduced, during backward.
@@ -408,7 +418,9 @@ inline std::shared_ptr<GPT> seeded_model(const Args& a, ember::Device device) {
                                                .dim = a.dim,
                                                .context = a.positions > 0 ? a.positions : a.context,
                                                .dropout = a.dropout,
-                                               .checkpoint_activations = a.checkpoint_activations});
+                                               .checkpoint_activations = a.checkpoint_activations,
+                                               .experts = a.experts,
+                                               .top_k = a.top_k});
   if (!a.init_from_hf.empty()) {  // every rank reads the same weights
     model->load_state_dict(from_gpt2_tensors(nn::load_hf_checkpoint(a.init_from_hf).tensors));
   }

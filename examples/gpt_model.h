@@ -1,8 +1,9 @@
 // The GPT-2-style byte-level language model of examples/gpt, built from a GPTConfig, so that
 // every program that trains or measures it (examples/gpt.cpp, benchmarks/bench_cuda.cpp's gpt_*
 // cases, a sharded-training test or benchmark) runs the same modules under the same state-dict
-// names: wte, wpe, blocks.<i>.{ln1,qkv,proj,ln2,fc,fc_proj}, ln_f. Header-only: it needs ember_nn
-// alone, and examples/ and benchmarks/ both include from the source root.
+// names: wte, wpe, blocks.<i>.{ln1,qkv,proj,ln2,fc,fc_proj}, ln_f (with experts, blocks.<i>.moe.
+// {router,w1,w3,w2} instead of fc and fc_proj). Header-only: it needs ember_nn alone, and
+// examples/ and benchmarks/ both include from the source root.
 #pragma once
 
 #include <cmath>
@@ -34,15 +35,27 @@ struct GPTConfig {
   double dropout = 0;
   /// In training, keep only each block's input and recompute the rest in backward.
   bool checkpoint_activations = false;
+  /// > 0: each block's MLP is a mixture of this many SwiGLU experts of hidden width 4 dim
+  /// (nn::MoE), each token routed to top_k of them.
+  int64_t experts = 0;
+  int64_t top_k = 2;
 };
+
+/// An expert's hidden width: the dense MLP's.
+inline int64_t expert_hidden(const GPTConfig& c) { return 4 * c.dim; }
 
 /// The parameters of GPT(c), each counted once (the LM head is the token embedding's weight),
 /// as a closed form of the shape: it holds for a model laid out on many ranks (tensor-parallel,
 /// sharded or pipelined), whose own parameters are only its parts. A block has 12 d^2 + 13 d:
-/// qkv 3d^2 + 3d, proj d^2 + d, fc 4d^2 + 4d, fc_proj 4d^2 + d and two LayerNorms of 2d.
-inline int64_t parameter_count(const GPTConfig& c) {
+/// qkv 3d^2 + 3d, proj d^2 + d, fc 4d^2 + 4d, fc_proj 4d^2 + d and two LayerNorms of 2d. With
+/// experts, fc and fc_proj give way to a router (d E) and E experts of 3 d h (h = 4d); `active`
+/// counts the top_k experts a token runs (what its FLOPs are of) instead of all E.
+inline int64_t parameter_count(const GPTConfig& c, bool active = false) {
   const int64_t d = c.dim;
-  return c.vocab * d + c.context * d + c.layers * (12 * d * d + 13 * d) + 2 * d;
+  const int64_t dense_mlp = 8 * d * d + 5 * d;
+  const int64_t used = active ? c.top_k : c.experts;
+  const int64_t mlp = c.experts > 0 ? d * c.experts + used * 3 * d * expert_hidden(c) : dense_mlp;
+  return c.vocab * d + c.context * d + c.layers * (4 * d * d + 8 * d + mlp) + 2 * d;
 }
 
 /// Training FLOPs per token of a sequence of `sequence` tokens, as PaLM (appendix B) and nanoGPT
@@ -53,7 +66,7 @@ inline int64_t parameter_count(const GPTConfig& c) {
 /// Recomputation (activation checkpointing) is not counted: MFU measures the model's FLOPs, not the
 /// hardware's.
 inline int64_t flops_per_token(const GPTConfig& c, int64_t sequence) {
-  return 6 * parameter_count(c) + 12 * c.layers * c.dim * sequence;
+  return 6 * parameter_count(c, /*active=*/true) + 12 * c.layers * c.dim * sequence;
 }
 
 /// A pre-LayerNorm decoder block: x + attn(ln1(x)), then x + mlp(ln2(x)). The query, key and
@@ -62,16 +75,26 @@ inline int64_t flops_per_token(const GPTConfig& c, int64_t sequence) {
 /// GPT scales its own.
 class Block : public nn::Module {
  public:
-  Block(int64_t dim, int64_t heads, double dropout)
+  /// experts > 0: the MLP is an nn::MoE of that many experts (hidden 4 dim), top_k per token.
+  Block(int64_t dim, int64_t heads, double dropout, int64_t experts = 0, int64_t top_k = 2)
       : heads_(heads),
         dropout_p_(dropout),
         ln1_(register_module("ln1", std::make_shared<nn::LayerNorm>(dim))),
         qkv_(register_module("qkv", std::make_shared<nn::Linear>(dim, 3 * dim))),
         proj_(register_module("proj", std::make_shared<nn::Linear>(dim, dim))),
         ln2_(register_module("ln2", std::make_shared<nn::LayerNorm>(dim))),
-        fc_(register_module("fc", std::make_shared<nn::Linear>(dim, 4 * dim))),
+        fc_(experts > 0 ? nullptr
+                        : register_module("fc", std::make_shared<nn::Linear>(dim, 4 * dim))),
         gelu_(register_module("gelu", std::make_shared<nn::GELU>("tanh"))),
-        fc_proj_(register_module("fc_proj", std::make_shared<nn::Linear>(4 * dim, dim))),
+        fc_proj_(experts > 0
+                     ? nullptr
+                     : register_module("fc_proj", std::make_shared<nn::Linear>(4 * dim, dim))),
+        moe_(experts > 0
+                 ? register_module(
+                       "moe",
+                       std::make_shared<nn::MoE>(nn::MoEOptions{
+                           .dim = dim, .hidden = 4 * dim, .experts = experts, .top_k = top_k}))
+                 : nullptr),
         drop_(register_module("drop", std::make_shared<nn::Dropout>(dropout))) {
     EMBER_CHECK(heads > 0 && dim % heads == 0, "[gpt Block] dim (", dim,
                 ") must be a multiple of heads (", heads, ")");
@@ -101,11 +124,16 @@ class Block : public nn::Module {
                                 q, k, v, {}, is_training() ? dropout_p_ : 0.0, /*is_causal=*/true);
     y = y.transpose(1, 2).reshape({B, T, width});
     Tensor h = x + (*drop_)((*proj_)(y));
+    if (moe_) return h + (*drop_)((*moe_)((*ln2_)(h)));
     return h + (*drop_)((*fc_proj_)((*gelu_)((*fc_)((*ln2_)(h)))));
   }
 
   /// The projections that write into the residual stream (GPT-2 scales their init).
-  std::vector<Tensor> residual_projections() const { return {proj_->weight, fc_proj_->weight}; }
+  std::vector<Tensor> residual_projections() const {
+    return {proj_->weight, moe_ ? moe_->w2 : fc_proj_->weight};
+  }
+  /// The mixture of experts in place of the MLP, or null.
+  const std::shared_ptr<nn::MoE>& moe() const { return moe_; }
 
  private:
   int64_t heads_;
@@ -116,6 +144,7 @@ class Block : public nn::Module {
   std::shared_ptr<nn::Linear> fc_;
   std::shared_ptr<nn::GELU> gelu_;
   std::shared_ptr<nn::Linear> fc_proj_;
+  std::shared_ptr<nn::MoE> moe_;
   std::shared_ptr<nn::Dropout> drop_;
   Attention attention_;
 };
@@ -185,6 +214,16 @@ class GPT : public nn::Module {
   }
   /// The last block's output -> logits [B, T, vocab]
   Tensor head(const Tensor& x) { return (*lm_head_)((*ln_f_)(x)); }
+  /// With experts: the mean over blocks of their balance losses in the last forward (each 1
+  /// when the loads are even); undefined without.
+  Tensor aux_loss() const {
+    Tensor sum;
+    for (const auto& block : blocks) {
+      if (!block->moe()) return {};
+      sum = sum.defined() ? sum + block->moe()->aux_loss() : block->moe()->aux_loss();
+    }
+    return sum.defined() ? sum / static_cast<double>(blocks.size()) : sum;
+  }
   int64_t context() const { return config.context; }
 
   const GPTConfig config;
@@ -195,7 +234,7 @@ class GPT : public nn::Module {
                                                          nn::Sequential& sequence) {
     std::vector<std::shared_ptr<Block>> made;
     for (int64_t i = 0; i < c.layers; ++i) {
-      made.push_back(std::make_shared<Block>(c.dim, c.heads, c.dropout));
+      made.push_back(std::make_shared<Block>(c.dim, c.heads, c.dropout, c.experts, c.top_k));
       sequence.push_back(made.back());
     }
     return made;

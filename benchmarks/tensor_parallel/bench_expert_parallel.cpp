@@ -51,7 +51,7 @@ double step(nn::MoE& moe, const Tensor& x, const Tensor& w) {
 // `n` rank threads, one kernel thread each, each stepping its own layer over its tokens; the
 // step's wall time on rank 0 between two barriers.
 double ranks_step(std::vector<std::shared_ptr<nn::MoE>>& layers, const std::vector<Tensor>& x,
-                  const std::vector<Tensor>& w, std::shared_ptr<dist::ThreadWorld> world,
+                  const std::vector<Tensor>& w,
                   const std::vector<std::shared_ptr<dist::ProcessGroup>>& groups) {
   const int n = static_cast<int>(layers.size());
   set_num_threads(1);
@@ -123,8 +123,8 @@ int main(int argc, char** argv) {
   for (int i = 0; i <= rounds; ++i) {  // round 0 warms up
     set_num_threads(ranks);
     const double a = step(*whole, all_x, all_w);
-    const double b = ranks_step(replicated, x, w, world, groups);
-    const double c = ranks_step(sharded, x, w, world, groups);
+    const double b = ranks_step(replicated, x, w, groups);
+    const double c = ranks_step(sharded, x, w, groups);
     if (i == 0) continue;
     one_ms.push_back(a);
     rep_ms.push_back(b);

@@ -103,25 +103,26 @@ std::vector<ParamSig> decode(const int64_t* v, int64_t len) {
   return out;
 }
 
-// Every rank must hold the same parameters: gathers each rank's signature and throws the same
-// ValueError on every rank, naming the first parameter that differs and a rank that differs.
-// The module's parameters less the ignored ones (each of which must be one of them).
-nn::NamedTensors synchronised_parameters(nn::Module& module,
-                                         const std::vector<std::string>& ignored) {
-  nn::NamedTensors named = module.named_parameters();
+// The positions in `named` (a module's named_parameters()) of the parameters DDP synchronises:
+// all but the ignored ones, each of which must be one of them.
+std::vector<size_t> synchronised_positions(const nn::NamedTensors& named,
+                                           const std::vector<std::string>& ignored) {
   for (const std::string& name : ignored) {
     EMBER_CHECK(
         std::any_of(named.begin(), named.end(), [&](const auto& p) { return p.first == name; }),
-        kOp, " ignored_parameters names '", name,
-        "', which is not a parameter of the "
-        "module");
+        kOp, " ignored_parameters names '", name, "', which is not a parameter of the module");
   }
-  std::erase_if(named, [&](const auto& p) {
-    return std::find(ignored.begin(), ignored.end(), p.first) != ignored.end();
-  });
-  return named;
+  std::vector<size_t> kept;
+  for (size_t i = 0; i < named.size(); ++i) {
+    if (std::find(ignored.begin(), ignored.end(), named[i].first) == ignored.end()) {
+      kept.push_back(i);
+    }
+  }
+  return kept;
 }
 
+// Every rank must hold the same parameters: gathers each rank's signature and throws the same
+// ValueError on every rank, naming the first parameter that differs and a rank that differs.
 void check_same_parameters(ProcessGroup& pg, const nn::NamedTensors& named) {
   std::vector<int64_t> sig{static_cast<int64_t>(named.size())};
   for (const auto& [name, t] : named) {
@@ -192,16 +193,22 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
   comm_ = level == DebugLevel::Detail ? std::make_shared<CheckedProcessGroup>(group_) : group_;
   register_module("module", module_);
 
-  const nn::NamedTensors named = synchronised_parameters(*module_, options_.ignored_parameters);
-  check_same_parameters(*comm_, named);
+  // Positions stay the module's (ReducerParam::index, bucket_indices()) when some are ignored.
+  const nn::NamedTensors all = module_->named_parameters();
+  const std::vector<size_t> kept = synchronised_positions(all, options_.ignored_parameters);
+  nn::NamedTensors named;
   std::vector<Tensor> tensors;
-  for (const auto& [name, t] : named) tensors.push_back(t);
+  for (size_t i : kept) {
+    named.push_back(all[i]);
+    tensors.push_back(all[i].second);
+  }
+  check_same_parameters(*comm_, named);
   broadcast_tensors(*comm_, tensors);
   broadcast_tensors(*comm_, module_->buffers());
 
   std::vector<dist::detail::ReducerParam> params;
-  for (size_t i = 0; i < named.size(); ++i) {
-    if (named[i].second.requires_grad()) params.push_back({named[i].first, named[i].second, i});
+  for (size_t i : kept) {
+    if (all[i].second.requires_grad()) params.push_back({all[i].first, all[i].second, i});
   }
   const bool info = level != DebugLevel::Off;
   reducer_ = std::make_shared<dist::detail::Reducer>(comm_, options_, std::move(params), info,
@@ -329,9 +336,10 @@ void DistributedDataParallel::join(const std::function<void()>& body, JoinOption
   // data: nothing to sync.
   const int source = join_->authoritative_rank();
   if (source >= 0) {
+    const nn::NamedTensors all = module_->named_parameters();
     std::vector<Tensor> params;
-    for (const auto& [name, t] : synchronised_parameters(*module_, options_.ignored_parameters)) {
-      params.push_back(t);
+    for (size_t i : synchronised_positions(all, options_.ignored_parameters)) {
+      params.push_back(all[i].second);
     }
     broadcast_tensors(*comm_, params, source);
     broadcast_tensors(*comm_, module_->buffers(), source);

@@ -49,8 +49,10 @@ Tensor all_to_all(const Tensor& t, int64_t split_dim, int64_t concat_dim,
 /// all_to_all_single with split sizes): the first input_split_sizes[0] rows go to rank 0, the
 /// next input_split_sizes[1] to rank 1, and so on; the result holds output_split_sizes[r] rows
 /// from each rank r, in rank order. Empty sizes mean equal splits of dim 0. Every rank's
-/// output_split_sizes[r] must be rank r's input_split_sizes for it (a mismatch is reported by
-/// the receive, naming both sizes). Pairs with nothing to move exchange no message. Backward:
+/// output_split_sizes[r] must be rank r's input_split_sizes for it: a mismatch between two
+/// non-zero sizes fails the receive (gloo and threads name both sizes), but one side expecting
+/// rows the other does not send waits until the group's timeout. Pairs with nothing to move
+/// exchange no message. Backward:
 /// the gradient sent back the same way reversed. Used to dispatch tokens to experts
 /// (expert_parallel.h). Throws ValueError naming the sizes when they do not fit `t` or the group.
 Tensor all_to_all_single(const Tensor& t, std::vector<int64_t> output_split_sizes,

@@ -97,6 +97,9 @@ void parallelize_experts(const std::shared_ptr<nn::MoE>& moe, std::shared_ptr<Pr
               E);
   EMBER_CHECK(E % n == 0, "[parallelize_experts] the group's ", n, " ranks do not divide the ", E,
               " experts");
+  const double divide = options.gradient_divide_factor.value_or(static_cast<double>(n));
+  EMBER_CHECK(divide > 0, "[parallelize_experts] expected gradient_divide_factor > 0, got ",
+              divide);
   const int64_t L = E / n;
   moe->keep_experts(group->rank() * L, L);
   moe->set_dispatch(std::make_shared<ExpertParallelDispatch>(group));
@@ -111,9 +114,6 @@ void parallelize_experts(const std::shared_ptr<nn::MoE>& moe, std::shared_ptr<Pr
       register_dtensor(w, DTensor::from_local(w, mesh, {Shard(0)}, whole));
     }
   }
-  const double divide = options.gradient_divide_factor.value_or(static_cast<double>(n));
-  EMBER_CHECK(divide > 0, "[parallelize_experts] expected gradient_divide_factor > 0, got ",
-              divide);
   if (divide != 1.0) {
     for (const Tensor& w : {moe->w1, moe->w3, moe->w2}) {
       w.register_hook([divide](const Tensor& g) { return g / divide; });
@@ -124,7 +124,9 @@ void parallelize_experts(const std::shared_ptr<nn::MoE>& moe, std::shared_ptr<Pr
 std::vector<std::string> expert_parameter_names(nn::Module& root) {
   std::vector<std::string> names;
   for (const auto& [name, m] : root.named_modules()) {
-    if (dynamic_cast<nn::MoE*>(m.get()) == nullptr) continue;
+    const auto* moe = dynamic_cast<const nn::MoE*>(m.get());
+    // A layer holding all its experts is replicated: data parallelism keeps it in step.
+    if (moe == nullptr || moe->local_experts() == moe->options.experts) continue;
     for (const char* w : {"w1", "w3", "w2"}) names.push_back(name.empty() ? w : name + "." + w);
   }
   return names;

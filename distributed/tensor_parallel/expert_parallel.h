@@ -43,14 +43,17 @@ struct ExpertParallelOptions {
 /// seed, or broadcast it first) and then call the layer's forward the same number of times,
 /// since each forward and backward is collective over `group`. The router and everything
 /// outside the experts stay replicated. The kept weights are registered as DTensors sharded
-/// along dim 0 over a 1-D mesh of `group` (register_dtensor). Throws ValueError when the group's
-/// size does not divide the experts, or the layer is already sharded.
+/// along dim 0 over a 1-D mesh of `group` (register_dtensor). They are new tensors: build the
+/// optimizer afterwards (Module::to() keeps them). Not with DDP's join() (a joined rank runs no
+/// forward, so the others wait in the experts' exchange until the timeout) nor with a
+/// ZeroRedundancyOptimizer over the experts (it would broadcast one rank's experts to all). Throws
+/// ValueError when the group's size does not divide the experts, or the layer is already sharded.
 void parallelize_experts(const std::shared_ptr<nn::MoE>& moe, std::shared_ptr<ProcessGroup> group,
                          const ExpertParallelOptions& options = {});
 
 /// The names (as root.named_parameters() gives them) of the expert weights of every MoE layer
-/// under `root`: what data parallelism over the same ranks must leave alone
-/// (DDPOptions::ignored_parameters).
+/// under `root` that parallelize_experts sharded: what data parallelism over the same ranks must
+/// leave alone (DDPOptions::ignored_parameters).
 std::vector<std::string> expert_parameter_names(nn::Module& root);
 
 }  // namespace ember::dist

@@ -9,6 +9,7 @@
 #include <ember/tensor/autocast.h>
 #include <ember/tensor/detail/record.h>
 #include <ember/tensor/detail/reduce_kernels.h>
+#include <ember/tensor/ops/creation.h>
 #include <ember/tensor/ops/indexing.h>
 
 namespace ember {
@@ -323,12 +324,16 @@ std::pair<Tensor, Tensor> topk(const Tensor& t, int64_t k, int64_t dim, bool lar
   const int64_t n = t.dim() == 0 ? 1 : t.size(d);
   EMBER_CHECK_TYPE(IndexError, k >= 0 && k <= n, "[topk] expected 0 <= k <= ", n,
                    " (the size of dim ", d, " of shape ", t.shape(), "), got k = ", k);
+  if (t.dim() == 0) {  // k 0 or 1: torch gives the element and position 0, both 0-dim
+    const Tensor zero = from_vector(std::vector<int64_t>{0}, {1}).to(t.device());
+    return {gather(t.view({1}), 0, zero).view(Shape{}), zero.view(Shape{})};
+  }
   Tensor idx;
   {
     // Only the positions come from the kernel; the values are gathered below, which is what
     // autograd records (its backward scatters the gradient back to the positions).
     NoGradGuard no_grad;
-    const Tensor rows = t.dim() == 0 ? t.view({1, 1}) : t.movedim(d, -1).contiguous();
+    const Tensor rows = t.movedim(d, -1).contiguous();
     const int64_t nrows = n == 0 ? 0 : rows.numel() / n;
     Tensor flat = detail::make_empty(Shape{nrows, k}, kInt64, t.device());
     if (nrows > 0 && k > 0) {
@@ -339,16 +344,11 @@ std::pair<Tensor, Tensor> topk(const Tensor& t, int64_t k, int64_t dim, bool lar
         detail::topk_cpu(flat, in, k, largest);
       }
     }
-    if (t.dim() == 0) {
-      idx = flat.view(Shape{});
-    } else {
-      Shape s = rows.shape();
-      s[s.size() - 1] = k;
-      idx = flat.view(s).movedim(-1, d).contiguous();
-    }
+    Shape s = rows.shape();
+    s[s.size() - 1] = k;
+    idx = flat.view(s).movedim(-1, d).contiguous();
   }
-  return {t.dim() == 0 ? gather(t.view({1}), 0, idx.view({1})).view(Shape{}) : gather(t, d, idx),
-          idx};
+  return {gather(t, d, idx), idx};
 }
 
 namespace {

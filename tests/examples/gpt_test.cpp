@@ -792,6 +792,41 @@ TEST_F(Gpt, Bf16AutocastWithCheckpointedBlocks) {
   EXPECT_LT(val, kUniformLoss) << r.output;
 }
 
+// --experts: every block's MLP a mixture of 4 experts, top 2. Replicated under DDP at 2 ranks and
+// expert-parallel (--ep, each rank holding 2 of each block's experts, DDP over the rest) train
+// alike: the same validation loss and gradient norms, the norm counting each expert once. The
+// expert-parallel run resumes from its checkpoint as if uninterrupted, and one process (holding
+// every expert) loads the checkpoint and trains on from it.
+TEST_F(Gpt, MixtureOfExpertsTrainsAlikeReplicatedOrExpertParallelAndResumes) {
+  const std::string moe = " --experts 4 --top-k 2 --grad-clip 1";
+  Result ddp = run(two_ranks() + moe);
+  ASSERT_EQ(ddp.status, 0) << ddp.output;
+  EXPECT_NE(ddp.output.find("; 4 experts per block, top 2; data"), std::string::npos) << ddp.output;
+  Result ep = run(two_ranks() + moe + " --ep");
+  ASSERT_EQ(ep.status, 0) << ep.output;
+  EXPECT_NE(ep.output.find("4 experts per block, top 2, expert parallel over 2 ranks"),
+            std::string::npos)
+      << ep.output;
+  expect_same_training(ep, ddp, "--ep at 2 ranks against replicated experts");
+  EXPECT_LT(value_of(ep.output, "val_loss"), 5.0) << ep.output;  // below ln(256): it learned
+
+  const std::string ck = tmp.file("ck_ep");
+  Result first = run(two_ranks() + moe + " --ep --checkpoint-dir " + ck + " --stop-at-step 15");
+  ASSERT_EQ(first.status, 0) << first.output;
+  fs::copy(ck, tmp.file("ck_ep1"), fs::copy_options::recursive);
+  Result rest = run(two_ranks() + moe + " --ep --resume --checkpoint-dir " + ck);
+  ASSERT_EQ(rest.status, 0) << rest.output;
+  EXPECT_NE(rest.output.find(ck + " at step 15\n"), std::string::npos) << rest.output;
+  EXPECT_EQ(value_of(rest.output, "val_loss"), value_of(ep.output, "val_loss"))
+      << "resumed:\n"
+      << rest.output << "\nuninterrupted:\n"
+      << ep.output;
+  Result alone = run("env EMBER_NUM_THREADS=1 " + tiny() + moe + " --resume --checkpoint-dir " +
+                     tmp.file("ck_ep1"));
+  ASSERT_EQ(alone.status, 0) << alone.output;
+  EXPECT_NE(alone.output.find("ck_ep1 at step 15\n"), std::string::npos) << alone.output;
+}
+
 TEST_F(Gpt, BadFlagsAreRefusedClearly) {
   struct Case {
     std::string flags;
@@ -838,6 +873,10 @@ TEST_F(Gpt, BadFlagsAreRefusedClearly) {
        "gpt: --pp with --shard hsdp takes one stage per rank yet (--schedule gpipe or 1f1b, got "
        "zero-bubble)"},
       {"--hsdp-shard 2", 2, "--hsdp-shard needs --shard hsdp (got --shard none)"},
+      {"--ep", 2, "gpt: --ep shards --experts over the ranks under DDP: it needs --experts"},
+      {"--experts 4 --ep --shard zero", 2, "takes neither --shard, --sample nor --save-weights"},
+      {"--experts 4 --tp 2", 2, "gpt: --experts takes none of --tp, --pp, --cp, --cuda-graph"},
+      {"--experts 2 --top-k 3", 2, "gpt: --top-k 3 is more than the 2 --experts"},
       {"--shard hsdp --hsdp-shard 3", 1,
        "gpt: --shard hsdp shards over 3 ranks (--hsdp-shard, else the node's), which must "
        "divide the 1 data-parallel ranks (the world size 1 over --tp, --pp and --cp)"},

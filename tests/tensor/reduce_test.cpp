@@ -479,6 +479,9 @@ TEST(TopK, ZeroDimAndEmptyRows) {
   EXPECT_EQ(v0.dim(), 0);
   EXPECT_EQ(v0.item<float>(), 2.5f);
   EXPECT_EQ(i0.item<int64_t>(), 0);
+  auto [v00, i00] = topk(from_vector<float>({2.5f}, {1}).view(Shape{}), 0);  // torch's shapes
+  EXPECT_EQ(v00.dim(), 0);
+  EXPECT_EQ(i00.dim(), 0);
   EXPECT_EQ(topk(empty({0, 5}), 2).first.shape(), Shape({0, 2}));
 }
 

@@ -224,6 +224,18 @@ TEST(ExpertParallel, TrainsUnderDdpAsOneProcessOverTheWholeBatchAndCheckpoints) 
       opt.step();
     }
     save_model_checkpoint(dir.path(), *model, &opt, *pg);
+    // DDP's buckets hold every position of the module's parameters but the experts'.
+    std::vector<size_t> bucketed;
+    for (const auto& b : ddp->bucket_indices()) bucketed.insert(bucketed.end(), b.begin(), b.end());
+    std::sort(bucketed.begin(), bucketed.end());
+    const nn::NamedTensors named = model->named_parameters();
+    std::vector<size_t> want_bucketed;
+    for (size_t p = 0; p < named.size(); ++p) {
+      if (std::find(experts.begin(), experts.end(), named[p].first) == experts.end()) {
+        want_bucketed.push_back(p);
+      }
+    }
+    require(bucketed == want_bucketed, "DDP's buckets hold the module's non-expert positions");
     const nn::NamedTensors got = model->named_parameters(), want = whole->named_parameters();
     require(got.size() == want.size(), "parameter count");
     for (size_t p = 0; p < got.size(); ++p) {
@@ -291,6 +303,12 @@ TEST(ExpertParallelErrors, RefusedWithClearMessages) {
     parallelize_experts(moe, pg);
     expect_error([&] { parallelize_experts(moe, pg); },
                  "[parallelize_experts] the layer already holds only experts");
+    // A bad option leaves the layer as it was.
+    auto whole = std::make_shared<nn::MoE>(nn::MoEOptions{.dim = 4, .hidden = 4, .experts = 4});
+    expect_error([&] { parallelize_experts(whole, pg, {.gradient_divide_factor = 0.0}); },
+                 "[parallelize_experts] expected gradient_divide_factor > 0, got 0");
+    require(whole->local_experts() == 4, "the layer still holds every expert");
+    require(expert_parameter_names(*whole).empty(), "a replicated layer's experts are not named");
     expect_error(
         [&] {
           functional::all_to_all_single(randn({3, 2}), {1, 2}, {2, 2}, pg);
