@@ -91,10 +91,8 @@ void parallelize_experts(const std::shared_ptr<nn::MoE>& moe, std::shared_ptr<Pr
   EMBER_CHECK(group != nullptr, "[parallelize_experts] expected a process group, got null");
   const int64_t E = moe->options.experts, n = group->size();
   EMBER_CHECK(moe->local_experts() == E,
-              "[parallelize_experts] the layer already holds only "
-              "experts ",
-              moe->first_expert(), " to ", moe->first_expert() + moe->local_experts() - 1, " of ",
-              E);
+              "[parallelize_experts] the layer already holds only experts ", moe->first_expert(),
+              " to ", moe->first_expert() + moe->local_experts() - 1, " of ", E);
   EMBER_CHECK(E % n == 0, "[parallelize_experts] the group's ", n, " ranks do not divide the ", E,
               " experts");
   const double divide = options.gradient_divide_factor.value_or(static_cast<double>(n));

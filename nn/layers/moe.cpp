@@ -75,9 +75,8 @@ void MoE::set_dispatch(std::shared_ptr<ExpertDispatch> dispatch) {
 
 Tensor MoE::run_local_experts(const Tensor& rows, const std::vector<int64_t>& counts) {
   EMBER_CHECK(static_cast<int64_t>(counts.size()) == local_experts_,
-              "[MoE] expected a count for "
-              "each of the ",
-              local_experts_, " experts held, got ", counts.size());
+              "[MoE] expected a count for each of the ", local_experts_, " experts held, got ",
+              counts.size());
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
   EMBER_CHECK(rows.dim() == 2 && rows.size(0) == total && rows.size(1) == options.dim,
               "[MoE] expected [", total, ", ", options.dim, "] rows for the experts, got ",
