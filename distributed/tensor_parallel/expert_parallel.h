@@ -5,10 +5,10 @@
 // a second all_to_all_single brings the outputs back, where they are weighted and summed as in
 // one process. Backward runs the two exchanges reversed.
 //
-//   // every rank builds the same model (same seed), then:
-//   for (auto& moe : model->moe_layers) dist::parallelize_experts(moe, ep_group);
-//   // data parallel over the rest: DDP leaves the experts' weights to their own ranks
-//   dist::DistributedDataParallel ddp(model, world, {.ignored_parameters =
+//   // every rank builds the same model (same seed; here examples/gpt's with experts), then:
+//   for (auto& block : model->blocks) dist::parallelize_experts(block->moe(), group);
+//   // data parallel over the rest, on the same ranks: DDP leaves the experts to their ranks
+//   dist::DistributedDataParallel ddp(model, group, {.ignored_parameters =
 //                                                        dist::expert_parameter_names(*model)});
 //
 // A step is then the step of one process over every rank's batch with the losses averaged: the
