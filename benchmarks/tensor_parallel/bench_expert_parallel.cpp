@@ -111,13 +111,8 @@ int main(int argc, char** argv) {
     replicated.push_back(layer(o));
     sharded.push_back(layer(o));
   }
-  {
-    std::vector<std::thread> setup;
-    for (int r = 0; r < ranks; ++r) {
-      setup.emplace_back([&, r] { dist::parallelize_experts(sharded[r], groups[r]); });
-    }
-    for (auto& t : setup) t.join();
-  }
+  // Not collective: each rank's layer is sharded from this thread.
+  for (int r = 0; r < ranks; ++r) dist::parallelize_experts(sharded[r], groups[r]);
 
   std::vector<double> one_ms, rep_ms, ep_ms;
   for (int i = 0; i <= rounds; ++i) {  // round 0 warms up

@@ -52,9 +52,9 @@ Tensor all_to_all(const Tensor& t, int64_t split_dim, int64_t concat_dim,
 /// output_split_sizes[r] must be rank r's input_split_sizes for it: a mismatch between two
 /// non-zero sizes fails the receive (gloo and threads name both sizes), but one side expecting
 /// rows the other does not send waits until the group's timeout. Pairs with nothing to move
-/// exchange no message. Backward:
-/// the gradient sent back the same way reversed. Used to dispatch tokens to experts
-/// (expert_parallel.h). Throws ValueError naming the sizes when they do not fit `t` or the group.
+/// exchange no message. Backward: the gradient sent back the same way reversed. Used to dispatch
+/// tokens to experts (expert_parallel.h). Throws ValueError naming the sizes when they do not
+/// fit `t` or the group.
 Tensor all_to_all_single(const Tensor& t, std::vector<int64_t> output_split_sizes,
                          std::vector<int64_t> input_split_sizes,
                          std::shared_ptr<ProcessGroup> group = nullptr);

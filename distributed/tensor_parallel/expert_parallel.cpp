@@ -47,17 +47,16 @@ class ExpertParallelDispatch final : public nn::ExpertDispatch {
     }
     const Tensor received = functional::all_to_all_single(rows, recv, send, group_);
 
-    // by_expert[i]: the received row placed i-th when grouped by expert.
-    std::vector<int64_t> source_start(static_cast<size_t>(n) + 1, 0);
-    std::partial_sum(recv.begin(), recv.end(), source_start.begin() + 1);
+    // The received rows are blocks in got's order (source-major, then expert); by_expert[i] is
+    // the received row placed i-th when grouped by expert.
+    std::vector<int64_t> block_start(got.size() + 1, 0);
+    std::partial_sum(got.begin(), got.end(), block_start.begin() + 1);
     std::vector<int64_t> by_expert;
-    by_expert.reserve(static_cast<size_t>(source_start.back()));
+    by_expert.reserve(static_cast<size_t>(block_start.back()));
     for (int64_t e = 0; e < L; ++e) {
       for (int s = 0; s < n; ++s) {
-        int64_t at = source_start[static_cast<size_t>(s)];
-        for (int64_t f = 0; f < e; ++f) at += got[static_cast<size_t>(s * L + f)];
-        for (int64_t i = 0; i < got[static_cast<size_t>(s * L + e)]; ++i)
-          by_expert.push_back(at + i);
+        const auto b = static_cast<size_t>(s * L + e);
+        for (int64_t i = 0; i < got[b]; ++i) by_expert.push_back(block_start[b] + i);
       }
     }
     bool identity = true;
