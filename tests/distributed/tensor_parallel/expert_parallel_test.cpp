@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <string>
@@ -278,6 +279,31 @@ TEST(ExpertParallel, TrainsUnderDdpAsOneProcessOverTheWholeBatchAndCheckpoints) 
                     0);
     }
   });
+}
+
+// A rank that never runs its layer: the others' exchange fails within the group's timeout,
+// naming the receive, the rank and the one that did not call, instead of waiting forever.
+TEST(ExpertParallelErrors, ARankMissingFromTheExchangeFailsTheOthersWithinTheTimeout) {
+  const nn::MoEOptions options{.dim = 4, .hidden = 4, .experts = 3, .top_k = 3};
+  std::vector<std::shared_ptr<nn::MoE>> layers;
+  for (int r = 0; r < 3; ++r) layers.push_back(std::make_shared<nn::MoE>(options));
+  test::ThreadsSetup setup;
+  setup.n = 3;
+  setup.timeout = std::chrono::milliseconds(500);
+  std::vector<std::string> errors(3);
+  test::run_threads(setup, [&](std::shared_ptr<ProcessGroup> pg, int rank) {
+    parallelize_experts(layers[rank], pg);
+    if (rank == 2) return;
+    try {
+      (void)layers[rank]->forward(randn({4, 4}));  // top 3 of 3: every rank gets rows
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+    }
+  });
+  for (int r : {0, 1}) {
+    EXPECT_NE(errors[r].find("timed out after 500 ms"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("rank(s) 2 did not call"), std::string::npos) << errors[r];
+  }
 }
 
 TEST(ExpertParallelErrors, RefusedWithClearMessages) {
