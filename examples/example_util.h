@@ -287,8 +287,12 @@ inline void add_fault_options(CLI::App& app, int64_t& fail_at_step, int64_t& han
 
 // The testing aids --fail-at-step and --hang-at-step (-1: off): at that step of the first run
 // (not a restart), rank 1 (rank 0 alone) kills itself, or stops (SIGSTOP) as a hung rank would.
+// `settle` runs first (the run's background checkpoint write, waited for): the tests that kill a
+// rank check what a resume from the last checkpoint gives, and a kill racing that write would
+// make which checkpoint is last a matter of timing.
 inline void stop_self_if_asked(const char* program, int rank, int world, int64_t step,
-                               int64_t fail_at, int64_t hang_at) {
+                               int64_t fail_at, int64_t hang_at,
+                               const std::function<void()>& settle = {}) {
   const char* restarts = std::getenv("EMBER_RESTART_COUNT");
   const bool first_run = restarts == nullptr || std::string(restarts) == "0";
   if (rank != std::min(1, world - 1) || !first_run) return;
@@ -296,6 +300,7 @@ inline void stop_self_if_asked(const char* program, int rank, int world, int64_t
        {std::tuple{fail_at, "--fail-at-step", "kills", SIGKILL},
         std::tuple{hang_at, "--hang-at-step", "stops", SIGSTOP}}) {
     if (at != step) continue;
+    if (settle) settle();
     std::fprintf(stderr, "%s: %s %lld: rank %d %s itself\n", program, option,
                  static_cast<long long>(step), rank, what);
     std::fflush(stderr);

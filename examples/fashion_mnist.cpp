@@ -509,7 +509,9 @@ double Trainer::train_step(const nn::data::Batch& batch) {
 
 void Trainer::fail_if_asked() const {
   stop_self_if_asked("fashion_mnist", run_.rank, run_.world, global_step_, a_.fail_at_step,
-                     a_.hang_at_step);
+                     a_.hang_at_step, [this] {
+                       if (checkpoint_) checkpoint_->finish();
+                     });
 }
 
 // Collective (the straggler report's gather); rank 0 prints the progress line and the report

@@ -295,7 +295,10 @@ double Trainer::train() {
     const bool timed = step_ - start_step_ >= a_.warmup_steps;
     const auto t0 = Clock::now();
     const double loss = train_step(step_);
-    stop_self_if_asked("gpt", run_.rank, run_.world, step_, a_.fail_at_step, a_.hang_at_step);
+    stop_self_if_asked("gpt", run_.rank, run_.world, step_, a_.fail_at_step, a_.hang_at_step,
+                       [this] {
+                         if (checkpoint_) checkpoint_->finish();
+                       });
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     if (timed) {
       train_seconds_ += dt;
