@@ -40,6 +40,7 @@ class ForwardingProcessGroup : public ProcessGroup {
   std::string backend_name() const override { return inner_->backend_name(); }
   Device default_device() const override { return inner_->default_device(); }
   bool supports_graph_capture() const override { return inner_->supports_graph_capture(); }
+  bool abort(const std::string& reason) override { return inner_->abort(reason); }
   bool coalesced_without_copies(const Device& device) const override {
     return inner_->coalesced_without_copies(device);
   }

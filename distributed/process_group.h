@@ -235,6 +235,18 @@ class ProcessGroup {
   /// CUDA graph]): NCCL's only. The others meet on the host or stage through it, which a capture
   /// cannot hold, so their collectives are refused there (next_op_label).
   virtual bool supports_graph_capture() const { return false; }
+  /// Breaks the group for `reason` (torch's ProcessGroup.abort, with a reason), for a rank that
+  /// fails outside a collective while its peers wait on it in one (a pipeline stage whose
+  /// forward throws): this rank's running and later operations fail, and so do the other
+  /// ranks', within moments rather than at their timeout, with "rank R aborted the group:
+  /// <reason>". The first failure or abort stands; the group cannot be used again. Returns
+  /// whether the backend can (gloo, threads, and the wrappers of those); MPI, NCCL and the
+  /// hierarchical gloo group cannot reach their peers so, which then fail at their timeout.
+  /// Thread-safe.
+  virtual bool abort(const std::string& reason) {
+    (void)reason;
+    return false;
+  }
   /// The next collective's sequence number (counts collectives issued by this rank).
   uint64_t sequence_number() const { return seq_; }
   /// The next send's or receive's number (counts those issued by this rank, apart from the

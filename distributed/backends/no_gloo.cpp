@@ -21,7 +21,7 @@ ProcessGroupGloo::ProcessGroupGloo(std::shared_ptr<Store>, int rank, int size, G
 }
 ProcessGroupGloo::~ProcessGroupGloo() = default;
 bool ProcessGroupGloo::uses_shared_memory() const { return false; }
-void ProcessGroupGloo::abort(const std::string&) { unavailable(); }
+bool ProcessGroupGloo::abort(const std::string&) { unavailable(); }
 
 WorkPtr ProcessGroupGloo::allreduce(Tensor&, const AllreduceOptions&) { unavailable(); }
 WorkPtr ProcessGroupGloo::allreduce_coalesced(std::vector<Tensor>&, const AllreduceOptions&) {

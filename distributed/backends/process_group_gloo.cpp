@@ -652,7 +652,10 @@ ProcessGroupGloo::~ProcessGroupGloo() {
   if (impl_) impl_->leave(seq_ + p2p_seq_);
 }
 
-void ProcessGroupGloo::abort(const std::string& reason) { impl_->abort(reason); }
+bool ProcessGroupGloo::abort(const std::string& reason) {
+  impl_->abort(reason);
+  return true;
+}
 
 bool ProcessGroupGloo::uses_shared_memory() const { return impl_->shm() != nullptr; }
 

@@ -109,7 +109,7 @@ class ProcessGroupGloo : public ProcessGroup {
   /// rank that fails outside the group (a wrapper whose other group failed, a user's error
   /// handler) and must not leave its peers waiting. Does not wait for running operations; the
   /// first failure or abort stands. Thread-safe; no-op at world size 1.
-  void abort(const std::string& reason);
+  bool abort(const std::string& reason) override;
 
   std::string backend_name() const override { return "gloo"; }
 

@@ -625,6 +625,11 @@ ProcessGroupThreads::ProcessGroupThreads(std::shared_ptr<ThreadWorld> world, int
   index_ = world_->state().register_group(rank);
 }
 
+bool ProcessGroupThreads::abort(const std::string& reason) {
+  world_->abort(str_cat("rank ", rank(), " aborted the group: ", reason));
+  return true;
+}
+
 WorkPtr ProcessGroupThreads::issue(Call c) {
   auto work = std::make_shared<ThreadsWork>(c.label, c.timeout);
   // Before arrive(): the last rank to arrive runs the collective, which may complete it.

@@ -138,6 +138,9 @@ class ProcessGroupThreads : public ProcessGroup {
 
   std::string backend_name() const override { return "threads"; }
   const std::shared_ptr<ThreadWorld>& world() const { return world_; }
+  /// Aborts the world (and the sub-groups' worlds it adopted) with "rank R aborted the group:
+  /// <reason>".
+  bool abort(const std::string& reason) override;
 
   /// Tensors: defined, on the CPU or one CUDA device (the same for every rank), any dtype the
   /// tensor ops support (float16 and bfloat16 reduce in float32). Avg on integers truncates.

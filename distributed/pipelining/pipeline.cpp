@@ -18,6 +18,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <vector>
 
@@ -68,6 +69,7 @@ struct PipelineSchedule::Impl {
     Tensor tensor;  ///< what it sends, kept until it completes
   };
   std::vector<Send> pending;  // sends issued this step and not yet let go
+  std::optional<Action> current;  // the action running, for the abort's reason
 };
 
 PipelineSchedule::PipelineSchedule(std::vector<std::shared_ptr<PipelineStage>> stages,
@@ -239,6 +241,28 @@ std::vector<Tensor> split(const char* what, const Tensor& batch, int64_t dim, in
   return out;
 }
 
+const char* describe(ActionKind k) {
+  switch (k) {
+    case ActionKind::Forward:
+      return "forward";
+    case ActionKind::Backward:
+      return "backward";
+    case ActionKind::BackwardInput:
+      return "input's backward";
+    case ActionKind::BackwardWeight:
+      return "weights' backward";
+    case ActionKind::SendF:
+      return "sending its output";
+    case ActionKind::RecvF:
+      return "receiving its input";
+    case ActionKind::SendB:
+      return "sending its input's gradient";
+    case ActionKind::RecvB:
+      return "receiving its output's gradient";
+  }
+  return "?";
+}
+
 template <typename F>
 void with_context(const std::string& what, F&& f) {
   try {
@@ -270,8 +294,39 @@ Tensor PipelineSchedule::eval(const Tensor& input, const Tensor& target, std::ve
   return run(forwards, input, target, losses, /*training=*/false);
 }
 
+// Note [a failed step aborts the group]: a rank whose step throws leaves its peers in receives
+// from it (or from ranks that wait on it in turn) until the group's timeout, ten minutes by
+// default, as in PyTorch, which says only that a receive timed out. The ranks of a step are out of
+// step once one has failed, so the group is no use to them any more: aborting it ends every
+// rank's step at once, with this rank's error as the reason. Where the backend cannot abort
+// (ProcessGroup::abort returns false) the peers still fail at their timeout. An abort by a peer
+// that reaches this rank as an error is re-aborted harmlessly: the first reason stands.
 Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& input,
                              const Tensor& target, std::vector<Tensor>* losses, bool training) {
+  auto reason = [this](const std::string& what) {
+    // The transfers' errors and the schedule's checks name their place already.
+    if (what.rfind("[PipelineSchedule", 0) == 0) return what;
+    const int rank = impl_->group->rank();
+    if (!impl_->current) return str_cat("[PipelineSchedule] rank ", rank, ": ", what);
+    const Action& a = *impl_->current;
+    return str_cat("[PipelineSchedule] stage ", a.stage, " (rank ", rank, "), micro-batch ",
+                   a.microbatch, ", ", describe(a.kind), ": ", what);
+  };
+  impl_->current.reset();
+  try {
+    return run_actions(mine, input, target, losses, training);
+  } catch (const std::exception& e) {
+    impl_->group->abort(reason(e.what()));
+    throw;
+  } catch (...) {
+    impl_->group->abort(reason("an exception that is not a std::exception"));
+    throw;
+  }
+}
+
+Tensor PipelineSchedule::run_actions(const std::vector<Action>& mine, const Tensor& input,
+                                     const Tensor& target, std::vector<Tensor>* losses,
+                                     bool training) {
   Impl& im = *impl_;
   const auto t0 = Clock::now();
   stats_ = {};
@@ -329,6 +384,7 @@ Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& inpu
   for (size_t index = 0; index < mine.size(); ++index) {
     sweep(/*all=*/false);
     const Action& a = mine[index];
+    im.current = a;
     const int s = a.stage, mb = a.microbatch;
     Impl::Slot& slot = im.slots[s][mb];
     PipelineStage& stage = *im.stages.at(s);
@@ -466,6 +522,7 @@ Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& inpu
     }
     if (compute) stats_.compute_s += seconds_since(c0);
   }
+  im.current.reset();
   sweep(/*all=*/true);
   Tensor merged;
   if (im.stages.count(S - 1)) {

@@ -65,7 +65,10 @@ class PipelineSchedule {
   /// Returns the outputs merged along split_dim on the last stage's rank (undefined
   /// elsewhere) and appends each micro-batch's loss to `losses` there. Throws ValueError for a
   /// batch the micro-batches do not divide; a failed transfer throws the backend's error,
-  /// naming stage, micro-batch and peer.
+  /// naming stage, micro-batch and peer. A step that throws on one rank (its stage's forward,
+  /// its loss, a bad batch) aborts the group (ProcessGroup::abort), so that the other ranks,
+  /// waiting on it, fail within moments naming this rank and its error instead of at their
+  /// timeout; the group cannot be used again.
   Tensor step(const Tensor& input = {}, const Tensor& target = {},
               std::vector<Tensor>* losses = nullptr);
 
@@ -90,8 +93,11 @@ class PipelineSchedule {
   void init(std::vector<std::shared_ptr<PipelineStage>> stages, RankActions actions,
             std::vector<int> rank_of_stage);
   void agree();
+  // run_actions(), aborting the group if it throws (Note [a failed step aborts the group]).
   Tensor run(const std::vector<Action>& mine, const Tensor& input, const Tensor& target,
              std::vector<Tensor>* losses, bool training);
+  Tensor run_actions(const std::vector<Action>& mine, const Tensor& input, const Tensor& target,
+                     std::vector<Tensor>* losses, bool training);
   int m_;
   ScheduleOptions options_;
   RankActions actions_;

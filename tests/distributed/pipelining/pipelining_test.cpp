@@ -1,11 +1,13 @@
 // Pipeline parallelism: every schedule at 2 and 4 ranks (threads, and processes over gloo)
 // trains like the unsplit model; schedules as data (validation, the table, CSV); the failure
-// modes (shapes, batches, a rank that stops).
+// modes (shapes, batches, a rank that stops, a stage that throws).
 #include <ember/distributed/pipelining/pipeline.h>
 
 #include <gtest/gtest.h>
 
+#include <condition_variable>
 #include <cstdio>
+#include <mutex>
 #include <set>
 
 #include <ember/autograd/autograd.h>
@@ -565,6 +567,98 @@ TEST(PipelineThreads, FailuresEndEveryRankNamingStageAndMicrobatch) {
   }, 2s);
   EXPECT_NE(msgs[0].find("[PipelineSchedule] stage 0 (rank 0), micro-batch 0"), std::string::npos) << msgs[0];
   EXPECT_NE(msgs[0].find("rank 1"), std::string::npos) << msgs[0];
+}
+
+// A stage module whose forward throws at its `fail_at`-th call (a user's error, an allocation
+// that fails), as the middle stage of a pipeline.
+struct FailingStage : nn::Module {
+  FailingStage(std::shared_ptr<nn::Module> m, int fail_at)
+      : inner(register_module("inner", std::move(m))), fail_at(fail_at) {}
+  Tensor forward(const Tensor& x) override {
+    if (++calls == fail_at) throw std::runtime_error("out of memory: tried to allocate 64 GiB");
+    return (*inner)(x);
+  }
+  std::shared_ptr<nn::Module> inner;
+  int fail_at, calls = 0;
+};
+
+// Three stages, 1F1B over 4 micro-batches; the middle stage's forward throws at micro-batch 1
+// of the second step while rank 0 waits for a gradient from it and rank 2 for its input. The
+// failing rank gets its own error and stays alive (a process that exits closes its sockets, which
+// would wake its peers anyway) until the others have failed: they fail at once, under a
+// 60-second group timeout, naming the rank, its stage, micro-batch and the error, because the
+// failed step aborted the group (without it they wait out the 60 s and fail with a timeout).
+// `reported(rank)` tells the failing rank that `rank` has failed; `wait_for_reports()` waits
+// for both.
+void middle_stage_fails(const std::shared_ptr<ProcessGroup>& pg, int rank,
+                        const std::function<void(int)>& reported,
+                        const std::function<void()>& wait_for_reports) {
+  auto model = make_model(initial_values());
+  auto parts = split_sequential(*model, {6, 12});
+  std::shared_ptr<nn::Module> mine = parts[rank];
+  if (rank == 1) mine = std::make_shared<FailingStage>(mine, /*fail_at=*/4 + 2);
+  auto stage = std::make_shared<PipelineStage>(mine, rank, 3, kCPU, pg);
+  PipelineSchedule schedule({stage}, 4, ScheduleKind::OneFOneB, {.loss_fn = mse});
+  auto step = [&](int t) {
+    schedule.step(rank == 0 ? batch_x(t) : Tensor(), rank == 2 ? batch_y(t) : Tensor());
+  };
+  step(0);
+  std::string msg;
+  try {
+    step(1);
+  } catch (const std::exception& e) {
+    msg = e.what();
+  }
+  if (rank == 1) {
+    require(msg == "out of memory: tried to allocate 64 GiB", "rank 1 got: " + msg);
+    wait_for_reports();
+    return;
+  }
+  reported(rank);
+  const std::string want =
+      "rank 1 aborted the group: [PipelineSchedule] stage 1 (rank 1), micro-batch 1, "
+      "forward: out of memory: tried to allocate 64 GiB";
+  require(msg.find(want) != std::string::npos, "rank " + std::to_string(rank) + ": " + msg);
+  // Where this rank was: in a transfer (rank 0 in a receive, or, on a loaded machine, still
+  // checking on an earlier send).
+  require(msg.rfind("[PipelineSchedule] ", 0) == 0,
+          "rank " + std::to_string(rank) + " names no place: " + msg);
+}
+
+TEST(PipelineGloo, AStageThatThrowsEndsEveryRanksStepNamingItsError) {
+  test::run_store_children(3, [](int rank, std::shared_ptr<TCPStore> store) {
+    auto pg =
+        std::make_shared<ProcessGroupGloo>(std::make_shared<PrefixStore>("pg", store), rank, 3,
+                                           ProcessGroupGloo::GlooOptions{60s, "127.0.0.1"});
+    middle_stage_fails(
+        pg, rank, [&](int r) { store->set("reported" + std::to_string(r), Bytes{1}); },
+        [&] {
+          store->wait({"reported0", "reported2"}, 120s);
+        });
+  });
+}
+
+TEST(PipelineThreads, AStageThatThrowsEndsEveryRanksStepNamingItsError) {
+  std::mutex mu;
+  std::condition_variable cv;
+  int reports = 0;
+  run_rank_threads(
+      3,
+      [&](int rank) {
+        middle_stage_fails(
+            default_group(), rank,
+            [&](int) {
+              std::lock_guard<std::mutex> lock(mu);
+              ++reports;
+              cv.notify_all();
+            },
+            [&] {
+              std::unique_lock<std::mutex> lock(mu);
+              require(cv.wait_for(lock, 120s, [&] { return reports == 2; }),
+                      "the others did not fail");
+            });
+      },
+      60s);
 }
 
 }  // namespace
