@@ -240,9 +240,9 @@ class ProcessGroup {
   /// forward throws): this rank's running and later operations fail, and so do the other
   /// ranks', within moments rather than at their timeout, with "rank R aborted the group:
   /// <reason>". The first failure or abort stands; the group cannot be used again. Returns
-  /// whether the backend can (gloo, threads, and the wrappers of those); MPI, NCCL and the
-  /// hierarchical gloo group cannot reach their peers so, which then fail at their timeout.
-  /// Thread-safe.
+  /// whether the backend can (gloo, hierarchical gloo, threads, and the wrappers of those); MPI
+  /// and NCCL cannot reach their peers so, which then fail at their timeout. This group only: the
+  /// rank's other groups go on. Thread-safe.
   virtual bool abort(const std::string& reason) {
     (void)reason;
     return false;

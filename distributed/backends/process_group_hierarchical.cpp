@@ -213,6 +213,10 @@ class ProcessGroupHierarchical::Impl {
   int node() const { return node_; }
   bool local_shm() const { return local_shm_; }
   ProcessGroupGloo& flat() { return *flat_; }
+  // The inner groups, for abort(): set at construction, so safe to read from any thread.
+  std::vector<ProcessGroupGloo*> groups() const {
+    return {flat_.get(), local_.get(), leaders_.get()};
+  }
   /// Whether a collective on `t` goes through the flat group (HierarchicalOptions).
   bool small(const Tensor& t) const {
     return static_cast<size_t>(t.nbytes()) <= flat_below_bytes_;
@@ -499,6 +503,16 @@ ProcessGroupHierarchical::~ProcessGroupHierarchical() = default;
 
 const NodeLayout& ProcessGroupHierarchical::layout() const { return impl_->layout(); }
 int ProcessGroupHierarchical::node() const { return impl_->node(); }
+
+bool ProcessGroupHierarchical::abort(const std::string& reason) {
+  // Sends and receives go through the flat group, whose ranks are this group's, so its abort
+  // record names the rank as the peers know it; the node and leaders' groups fail with it, and
+  // the group's thread records the first failure when their collectives fail.
+  for (ProcessGroupGloo* g : impl_->groups()) {
+    if (g != nullptr) g->abort(reason);
+  }
+  return true;
+}
 bool ProcessGroupHierarchical::local_uses_shared_memory() const { return impl_->local_shm(); }
 
 namespace {

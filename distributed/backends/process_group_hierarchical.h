@@ -121,6 +121,8 @@ class ProcessGroupHierarchical : public ProcessGroup {
   ~ProcessGroupHierarchical() override;
 
   std::string backend_name() const override { return "gloo"; }
+  /// Aborts the inner groups (flat, node and leaders'): the peers fail naming this rank.
+  bool abort(const std::string& reason) override;
 
   const NodeLayout& layout() const;
   /// This rank's node.

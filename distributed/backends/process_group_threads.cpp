@@ -518,6 +518,8 @@ void ThreadWorld::abort(const std::string& reason) {
   }
 }
 
+void ThreadWorld::abort_alone(const std::string& reason) { state_->abort(reason); }
+
 void ThreadWorld::adopt(const std::shared_ptr<ThreadWorld>& child) {
   EMBER_CHECK(child != nullptr && child.get() != this, "[threads] adopt needs another world");
   std::string aborted;
@@ -626,7 +628,7 @@ ProcessGroupThreads::ProcessGroupThreads(std::shared_ptr<ThreadWorld> world, int
 }
 
 bool ProcessGroupThreads::abort(const std::string& reason) {
-  world_->abort(str_cat("rank ", rank(), " aborted the group: ", reason));
+  world_->abort_alone(str_cat("rank ", rank(), " aborted the group: ", reason));
   return true;
 }
 

@@ -76,6 +76,8 @@ class ThreadWorld {
   /// Fails every pending collective and every later one with DistBackendError naming `reason`
   /// (a rank died: its peers should not wait for their timeouts). Idempotent.
   void abort(const std::string& reason);
+  /// As abort(), but this world only: the adopted sub-group worlds go on (ProcessGroup::abort).
+  void abort_alone(const std::string& reason);
 
   /// Makes `child` (a sub-group's world) fail with this one: abort() aborts it too, at once if
   /// this world is aborted already.
@@ -138,8 +140,9 @@ class ProcessGroupThreads : public ProcessGroup {
 
   std::string backend_name() const override { return "threads"; }
   const std::shared_ptr<ThreadWorld>& world() const { return world_; }
-  /// Aborts the world (and the sub-groups' worlds it adopted) with "rank R aborted the group:
-  /// <reason>".
+  /// Fails this group's pending and later collectives with "rank R aborted the group: <reason>"
+  /// (ThreadWorld::abort_alone): not the sub-groups made from it, as a gloo group's abort
+  /// leaves the rank's other groups alone.
   bool abort(const std::string& reason) override;
 
   /// Tensors: defined, on the CPU or one CUDA device (the same for every rank), any dtype the

@@ -313,13 +313,20 @@ Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& inpu
                    a.microbatch, ", ", describe(a.kind), ": ", what);
   };
   impl_->current.reset();
+  // The step's error is what the caller gets, whatever the abort does.
+  auto abort = [this](const std::string& why) {
+    try {
+      impl_->group->abort(why);
+    } catch (...) {
+    }
+  };
   try {
     return run_actions(mine, input, target, losses, training);
   } catch (const std::exception& e) {
-    impl_->group->abort(reason(e.what()));
+    abort(reason(e.what()));
     throw;
   } catch (...) {
-    impl_->group->abort(reason("an exception that is not a std::exception"));
+    abort(reason("an exception that is not a std::exception"));
     throw;
   }
 }

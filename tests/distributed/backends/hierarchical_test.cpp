@@ -420,6 +420,48 @@ TEST(HierarchicalForcedFailure, KilledLeaderFailsTheOthers) {
   victim_test(loopback_placement(), 2);
 }
 
+// ProcessGroup::abort on the hierarchical group (a pipeline step that threw): the ranks waiting
+// on the aborting rank, in a receive from it or a small allreduce (both over the flat group),
+// fail naming it and the reason, under a 60-second timeout they would otherwise wait out; the
+// aborting rank stays alive (no exit closes its sockets) until they have.
+TEST(HierarchicalForcedFailure, AbortFailsThePeersNamingTheRankAndReason) {
+  EMBER_REQUIRE_GLOO();
+  const Placement where = loopback_placement();
+  const int n = 4;
+  test::Children kids(n, [&](int rank, const std::string& message) {
+    auto store = where.connect(rank, message);
+    ProcessGroupHierarchical::HierarchicalOptions o;
+    o.gloo.timeout = 60000ms;
+    o.gloo.hostname = where.hostname(rank);
+    ProcessGroupHierarchical pg(std::make_shared<PrefixStore>("pg", store), rank, n,
+                                NodeLayout(keys_for({2, 2})), o);
+    Tensor t = full({1000}, 1.0, kFloat32);
+    pg.allreduce(t)->wait();
+    if (rank == 3) {
+      require(pg.abort("the stage ran out of memory"), "abort() returned false");
+      store->wait({"reported0", "reported1", "reported2"}, 120s);
+      return;
+    }
+    std::string msg;
+    try {
+      if (rank == 2) {
+        pg.recv(t, 3)->wait();
+      } else {
+        pg.allreduce(t)->wait();
+      }
+    } catch (const DistError& e) {
+      msg = e.what();
+    }
+    store->set("reported" + std::to_string(rank), Bytes{1});
+    require(msg.find("rank 3 aborted the group: the stage ran out of memory") != std::string::npos,
+            "rank " + std::to_string(rank) + ": " + msg);
+  });
+  std::string message;
+  std::shared_ptr<void> held = where.start(&message);
+  kids.go(message);
+  test::expect_children_ok(kids.join(120000));
+}
+
 // ---- two network namespaces ---------------------------------------------------------------------
 
 class HierarchicalNetns : public ::testing::Test {

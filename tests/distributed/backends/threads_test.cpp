@@ -3,6 +3,7 @@
 // one CUDA device with its own stream; the same through DelayingGroup; async completion,
 // timeouts, aborts and mismatches; and DelayingGroup catching a missing wait.
 #include <ember/distributed/backends/process_group_threads.h>
+#include <ember/distributed/init.h>
 
 #include <gtest/gtest.h>
 
@@ -321,6 +322,37 @@ TEST(Threads, ARankThatThrowsAbortsTheOthers) {
     EXPECT_EQ(e.rank(), 1);
     EXPECT_NE(std::string(e.what()).find("[threads] rank 1 of 4 failed: boom"), std::string::npos)
         << e.what();
+  }
+}
+
+// ProcessGroup::abort on a threads group (a pipeline step that threw): the peer waiting in it
+// fails at once, under a 30-minute timeout, naming the rank and the first reason, and so do
+// later calls; a group made from it goes on, as a rank's other gloo groups do.
+TEST(Threads, AbortBreaksThatGroupOnlyAndWakesThePeer) {
+  std::vector<std::string> msgs(2);
+  std::vector<float> sums(2);
+  run_rank_threads(
+      2,
+      [&](int rank) {
+        std::shared_ptr<ProcessGroup> whole = default_group();
+        std::shared_ptr<ProcessGroup> sub = new_group({0, 1});
+        Tensor t = full({2}, 1.0);
+        if (rank == 0) {
+          require(whole->abort("the stage ran out of memory"), "abort() returned false");
+          whole->abort("a second reason");  // the first stands
+          msgs[0] = message_of([&] { whole->allreduce(t)->wait(); });
+        } else {
+          msgs[1] = message_of([&] { whole->recv(t, 0)->wait(); });
+        }
+        sub->allreduce(t)->wait();
+        sums[rank] = t.to_vector<float>()[0];
+      },
+      30min);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(msgs[r].find("rank 0 aborted the group: the stage ran out of memory"),
+              std::string::npos)
+        << "rank " << r << ": " << msgs[r];
+    EXPECT_EQ(sums[r], 2.0f) << "rank " << r;
   }
 }
 
