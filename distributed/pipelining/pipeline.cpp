@@ -298,9 +298,12 @@ Tensor PipelineSchedule::eval(const Tensor& input, const Tensor& target, std::ve
 // from it (or from ranks that wait on it in turn) until the group's timeout, ten minutes by
 // default, as in PyTorch, which says only that a receive timed out. The ranks of a step are out of
 // step once one has failed, so the group is no use to them any more: aborting it ends every
-// rank's step at once, with this rank's error as the reason. Where the backend cannot abort
-// (ProcessGroup::abort returns false) the peers still fail at their timeout. An abort by a peer
-// that reaches this rank as an error is re-aborted harmlessly: the first reason stands.
+// rank's step at once, with this rank's error as the reason. So are the data-parallel groups of
+// this rank's stages (DDP or fully_shard over them): this step's gradients will not come from
+// this rank, and its replicas would wait in their reductions; their failure then aborts their
+// own pipelines. Where the backend cannot abort (ProcessGroup::abort returns false) the peers
+// still fail at their timeout. An abort by a peer that reaches this rank as an error is
+// re-aborted harmlessly: the first reason stands.
 Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& input,
                              const Tensor& target, std::vector<Tensor>* losses, bool training) {
   auto reason = [this](const std::string& what) {
@@ -313,11 +316,20 @@ Tensor PipelineSchedule::run(const std::vector<Action>& mine, const Tensor& inpu
                    a.microbatch, ", ", describe(a.kind), ": ", what);
   };
   impl_->current.reset();
-  // The step's error is what the caller gets, whatever the abort does.
+  // The stages' group, and the data-parallel groups of this rank's stages (DDP's, fully_shard's):
+  // their peers wait for this rank's gradients. The step's error is what the caller gets,
+  // whatever an abort does.
   auto abort = [this](const std::string& why) {
-    try {
-      impl_->group->abort(why);
-    } catch (...) {
+    std::vector<std::shared_ptr<ProcessGroup>> groups{impl_->group};
+    for (const auto& [s, ddp] : impl_->ddp) groups.push_back(ddp->process_group());
+    for (int s : impl_->sharded) {
+      for (auto& g : fsdp_process_groups(impl_->stages.at(s)->submodule())) groups.push_back(g);
+    }
+    for (const auto& g : groups) {
+      try {
+        if (g != nullptr) g->abort(why);
+      } catch (...) {
+      }
     }
   };
   try {

@@ -696,6 +696,18 @@ FsdpCommStats fsdp_comm_stats(const nn::Module& root) {
   return {.wait_ms = static_cast<double>(ns) / 1e6};
 }
 
+std::vector<std::shared_ptr<ProcessGroup>> fsdp_process_groups(const nn::Module& root) {
+  std::vector<std::shared_ptr<ProcessGroup>> groups;
+  for (const auto& u : detail::units_under(root)) {
+    for (const auto& g : {u->group, u->ctx->replicate}) {
+      if (g != nullptr && std::find(groups.begin(), groups.end(), g) == groups.end()) {
+        groups.push_back(g);
+      }
+    }
+  }
+  return groups;
+}
+
 void reset_fsdp_peak_memory_stats() {
   detail::g_peak_unsharded.store(detail::g_unsharded_bytes.load());
 }

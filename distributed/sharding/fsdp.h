@@ -130,4 +130,9 @@ struct FsdpCommStats {
 };
 FsdpCommStats fsdp_comm_stats(const nn::Module& root);
 
+/// The process groups the fully_shard-ed modules under `root` reduce over (each shard group, and
+/// HSDP's replicate groups), each once: what a rank that fails mid-step aborts, so that its
+/// data-parallel peers do not wait for its gradients until the timeout (a pipeline's stages).
+std::vector<std::shared_ptr<ProcessGroup>> fsdp_process_groups(const nn::Module& root);
+
 }  // namespace ember::dist

@@ -661,6 +661,60 @@ TEST(PipelineThreads, AStageThatThrowsEndsEveryRanksStepNamingItsError) {
       60s);
 }
 
+// pp 2 x dp 2 as rank threads, each stage's module in DDP or fully_shard-ed over its dp group:
+// rank 2 (the last stage of the first pipeline) throws in its forward at the second step and
+// stays alive. Its pipeline peer (rank 0) fails through the stages' group. Its data-parallel
+// peer (rank 3, the last stage of the other pipeline) would wait for rank 2's gradients (or,
+// sharded, its parameters' all-gather) until the 60 s timeout, but fails through the aborted
+// data-parallel group, and its own failure ends rank 1. Every rank's error carries rank 2's.
+TEST(PipelineThreads, AStageThatThrowsAlsoEndsItsDataParallelPeers) {
+  for (const std::string wrap : {"ddp", "fsdp"}) {
+    std::vector<std::string> msgs(4);
+    std::mutex mu;
+    std::condition_variable cv;
+    int reports = 0;
+    run_rank_threads(
+        4,
+        [&](int rank) {
+          auto mesh = init_device_mesh("cpu", {2, 2}, {"pp", "dp"});
+          auto pp = mesh->get_group("pp"), dp = mesh->get_group("dp");
+          auto model = make_model(initial_values());
+          auto parts = split_sequential(*model, {8});
+          std::shared_ptr<nn::Module> m = parts[pp->rank()];
+          if (wrap == "fsdp") fully_shard(m, {.group = dp});
+          if (rank == 2) m = std::make_shared<FailingStage>(m, /*fail_at=*/4 + 2);
+          if (wrap == "ddp") m = std::make_shared<DistributedDataParallel>(m, dp);
+          auto stage = std::make_shared<PipelineStage>(m, pp->rank(), 2, kCPU, pp);
+          PipelineSchedule schedule({stage}, 4, ScheduleKind::OneFOneB, {.loss_fn = mse});
+          const int64_t half = kBatch / 2, at = dp->rank() * half;
+          auto step = [&](int t) {
+            schedule.step(pp->rank() == 0 ? batch_x(t).narrow(0, at, half) : Tensor(),
+                          pp->rank() == 1 ? batch_y(t).narrow(0, at, half) : Tensor());
+          };
+          step(0);
+          try {
+            step(1);
+          } catch (const std::exception& e) {
+            msgs[rank] = e.what();
+          }
+          std::unique_lock<std::mutex> lock(mu);
+          if (rank == 2) {
+            require(cv.wait_for(lock, 120s, [&] { return reports == 3; }),
+                    wrap + ": the others did not fail");
+          } else {
+            ++reports;
+            cv.notify_all();
+          }
+        },
+        60s);
+    EXPECT_EQ(msgs[2], "out of memory: tried to allocate 64 GiB") << wrap;
+    for (int r : {0, 1, 3}) {
+      EXPECT_NE(msgs[r].find("out of memory: tried to allocate 64 GiB"), std::string::npos)
+          << wrap << " rank " << r << ": " << msgs[r];
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ember::dist::pipelining
 
