@@ -241,6 +241,7 @@ std::vector<Tensor> split(const char* what, const Tensor& batch, int64_t dim, in
   return out;
 }
 
+// An action in words, for errors: "forward", "receiving its input".
 const char* describe(ActionKind k) {
   switch (k) {
     case ActionKind::Forward:
@@ -480,9 +481,8 @@ Tensor PipelineSchedule::run_actions(const std::vector<Action>& mine, const Tens
         Tensor t = (f ? slot.output : slot.in_grad);
         EMBER_CHECK(t.defined(), "[PipelineSchedule] ", where(s, mb), ": nothing to send to stage ", peer_stage);
         t = t.detach().contiguous();
-        const std::string what = str_cat("[PipelineSchedule] ", where(s, mb), " sending its ",
-                                         f ? "output" : "input's gradient", " to stage ",
-                                         peer_stage, " (rank ", peer, ")");
+        const std::string what = str_cat("[PipelineSchedule] ", where(s, mb), " ", describe(a.kind),
+                                         " to stage ", peer_stage, " (rank ", peer, ")");
         WorkPtr work;
         with_context(what, [&] {
           if (f && (im.dynamic_out[s] || !im.sent.count(s))) {
@@ -505,8 +505,8 @@ Tensor PipelineSchedule::run_actions(const std::vector<Action>& mine, const Tens
       case ActionKind::RecvF: {
         compute = false;
         const int peer = rank_of_stage_[s - 1];
-        const std::string what = str_cat("[PipelineSchedule] ", where(s, mb),
-                                         " receiving its input from stage ", s - 1, " (rank ", peer, ")");
+        const std::string what = str_cat("[PipelineSchedule] ", where(s, mb), " ", describe(a.kind),
+                                         " from stage ", s - 1, " (rank ", peer, ")");
         Tensor x;
         with_context(what, [&] {
           if (im.dynamic_out[s - 1] || !im.received.count(s - 1)) {
@@ -532,8 +532,8 @@ Tensor PipelineSchedule::run_actions(const std::vector<Action>& mine, const Tens
         EMBER_CHECK(slot.output.defined(), "[PipelineSchedule] ", where(s, mb),
                     ": a gradient arrives before the forward");
         Tensor g = empty(slot.output.shape(), slot.output.options());
-        with_context(str_cat("[PipelineSchedule] ", where(s, mb), " receiving its output's gradient from stage ",
-                             s + 1, " (rank ", peer, ")"),
+        with_context(str_cat("[PipelineSchedule] ", where(s, mb), " ", describe(a.kind),
+                             " from stage ", s + 1, " (rank ", peer, ")"),
                      [&] { im.group->recv(g, peer, tag(s + 1, 1, mb))->wait(); });
         slot.out_grad = g;
         break;
